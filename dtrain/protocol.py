@@ -1,0 +1,142 @@
+"""Plain data types exchanged between sites and with the rendezvous.
+
+They are transport-neutral: the in-process transport passes them as Python
+objects, the gRPC transport maps them to ``dtrain/v1`` protobuf messages field for
+field. Units are in field names (``_s`` seconds, ``_bytes`` bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Member", "RoundPlan", "Contribution", "MeanChunk", "BucketMean", "BucketState"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """One site admitted to a round.
+
+    Attributes:
+        site_id: unique, stable name of the site (e.g. ``"site-0"``).
+        address: ``host:port`` where its Peer service listens (for the in-process
+            transport, any unique string).
+    """
+
+    site_id: str
+    address: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundPlan:
+    """What the rendezvous answers when a quorum for round ``round`` forms.
+
+    Attributes:
+        round: the round number r (0-based; equals the number of rounds the
+            global parameters have already had applied).
+        members: the quorum, sorted by ``site_id``; ownership of buckets follows
+            from it by rendezvous hashing (``dtrain.buckets.assign_owners``).
+        reduce_timeout_s: seconds after receiving the plan by which owners
+            finalize their buckets' means over whatever arrived.
+        broadcast_timeout_s: seconds after receiving the plan by which every site
+            stops waiting for means; a bucket whose mean did not arrive is stale.
+    """
+
+    round: int
+    members: tuple[Member, ...]
+    reduce_timeout_s: float
+    broadcast_timeout_s: float
+
+    @property
+    def site_ids(self) -> tuple[str, ...]:
+        return tuple(m.site_id for m in self.members)
+
+    def address_of(self, site_id: str) -> str:
+        for m in self.members:
+            if m.site_id == site_id:
+                return m.address
+        raise KeyError(site_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contribution:
+    """One chunk of one site's encoded pseudo-gradient for one bucket.
+
+    A chunk covers elements ``[offset, offset + numel)`` of bucket ``bucket``
+    and is encoded on its own, so a lost chunk only affects that slice.
+
+    Attributes:
+        round: round number r the contribution belongs to.
+        bucket: bucket index.
+        chunk: chunk index within the bucket.
+        offset: first element of the chunk within the bucket (elements, not bytes).
+        numel: number of fp32 elements the payload decodes to.
+        codec: codec name (``dtrain.codecs``), e.g. ``"int8+zstd"``.
+        sender: site_id of the contributing site.
+        payload: the codec's self-describing bytes.
+        token: optional per-round token (unused by the in-process transport).
+    """
+
+    round: int
+    bucket: int
+    chunk: int
+    offset: int
+    numel: int
+    codec: str
+    sender: str
+    payload: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeanChunk:
+    """The owner's finalized mean for one chunk, encoded with the broadcast codec.
+
+    ``senders`` lists the site_ids whose contributions the mean includes (sorted);
+    a site not listed keeps its contribution in its error-feedback residual.
+    """
+
+    chunk: int
+    offset: int
+    numel: int
+    codec: str
+    payload: bytes
+    senders: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketMean:
+    """Everything a site needs to apply round ``round`` to bucket ``bucket``.
+
+    Attributes:
+        checksum_before: hex digest of the owner's θ_b before applying the mean;
+            a site whose own θ_b differs is stale and repairs the bucket.
+        checksum_after: hex digest of θ_b after the owner applied the decoded mean
+            with its outer optimizer; every site must reach the same value.
+    """
+
+    round: int
+    bucket: int
+    owner: str
+    chunks: tuple[MeanChunk, ...]
+    checksum_before: str
+    checksum_after: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketState:
+    """Whole state of one bucket, for repair and for joining sites.
+
+    Attributes:
+        bucket: bucket index.
+        rounds_applied: number of rounds applied to this θ_b (= next round number).
+        theta: θ_b as little-endian fp32 bytes (4 * numel bytes).
+        optimizer_state: the bucket's outer-optimizer ``state_dict`` serialized
+            with ``torch.save`` (tensors only, loaded with ``weights_only=True``).
+        checksum: hex digest of ``theta``.
+    """
+
+    bucket: int
+    rounds_applied: int
+    theta: bytes
+    optimizer_state: bytes
+    checksum: str
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,83 @@
+"""The Transport interface that the round engine is written against.
+
+A transport moves the messages of ``dtrain.protocol`` between sites. Server side,
+it hands every incoming request to a :class:`PeerHandler` (the site's round
+engine); client side, it offers ``push`` / ``pull_mean`` / ``pull_state``.
+
+Contract every transport honours (``tests/unit/test_transport_contract.py`` runs
+the same suite against each one):
+
+* Every client call takes ``timeout_s`` and never blocks longer than that
+  (plus a small scheduling slack); past it, it raises :class:`PeerTimeout`.
+* An unreachable peer raises :class:`PeerUnavailable` (the only error a caller
+  may retry).
+* A handler that raises :class:`Rejected` makes the client call raise
+  :class:`Rejected` with the same ``code`` and ``reason``.
+* ``push`` delivers contributions in order; the handler sees each one at most
+  once per call; the first rejection ends the call (earlier chunks of the same
+  call stay accepted).
+* ``stop(grace_s)`` finishes in-flight calls for up to ``grace_s`` seconds and
+  then refuses new ones.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol, Sequence
+
+from dtrain.protocol import BucketMean, BucketState, Contribution
+
+__all__ = ["PeerHandler", "Transport"]
+
+
+class PeerHandler(Protocol):
+    """What a site serves to its peers (implemented by ``dtrain.rounds.RoundEngine``)."""
+
+    def handle_contribution(self, contribution: Contribution) -> None:
+        """Validate and accept one chunk; raise ``Rejected(code, reason)`` to refuse."""
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+        """Return the finalized mean, waiting up to ``timeout_s`` for finalization.
+
+        Raises ``Rejected(NOT_FOUND | FAILED_PRECONDITION, reason)`` when this site has
+        no mean for that round/bucket, ``PeerTimeout`` when it is not final in time.
+        """
+
+    def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        """Return the bucket's current θ_b and outer-optimizer state."""
+
+
+class Transport(abc.ABC):
+    """Moves round messages between sites. One instance per site."""
+
+    @abc.abstractmethod
+    def start(self, handler: PeerHandler) -> str:
+        """Start serving ``handler``; return the address peers should use."""
+
+    @abc.abstractmethod
+    def push(self, address: str, contributions: Sequence[Contribution], *, timeout_s: float) -> int:
+        """Send contributions (usually every chunk this site owes one owner).
+
+        Returns the number of contributions the peer accepted (all of them on
+        success). Raises ``Rejected`` (first refusal), ``PeerUnavailable``, ``PeerTimeout``.
+        """
+
+    @abc.abstractmethod
+    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+        """Fetch a bucket's finalized mean for ``round`` (the peer waits for it to be final)."""
+
+    @abc.abstractmethod
+    def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
+        """Fetch a bucket's whole state (θ_b, outer-optimizer state) for repair or joining."""
+
+    @abc.abstractmethod
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving; in-flight calls get ``grace_s`` seconds to finish."""
+
+    def bytes_sent(self) -> int:  # pragma: no cover - overridden where counted
+        """Total payload bytes this transport sent (for round metrics)."""
+        return 0
+
+    def bytes_received(self) -> int:  # pragma: no cover
+        """Total payload bytes this transport received."""
+        return 0
