@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Member", "RoundPlan", "Contribution", "MeanChunk", "BucketMean", "BucketState"]
+__all__ = [
+    "Member",
+    "RoundPlan",
+    "Contribution",
+    "MeanChunk",
+    "BucketMean",
+    "BucketState",
+    "JoinInfo",
+    "HeartbeatInfo",
+    "ReadyDecision",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +83,6 @@ class Contribution:
         codec: codec name (``dtrain.codecs``), e.g. ``"int8+zstd"``.
         sender: site_id of the contributing site.
         payload: the codec's self-describing bytes.
-        token: optional per-round token (unused by the in-process transport).
     """
 
     round: int
@@ -140,3 +149,57 @@ class BucketState:
     optimizer_state: bytes
     checksum: str
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinInfo:
+    """Rendezvous answer to ``join``.
+
+    Attributes:
+        next_round: the round the group will run next (= rounds completed so far).
+        members: live sites other than the caller (donors for a state pull).
+        heartbeat_interval_s: how often the site must heartbeat.
+        needs_state: True when rounds already ran (``next_round > 0``) and other
+            live members exist: the caller must pull θ and outer-optimizer state
+            before it trains, instead of starting from its own initial weights.
+    """
+
+    next_round: int
+    members: tuple[Member, ...]
+    heartbeat_interval_s: float
+    needs_state: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatInfo:
+    """Rendezvous answer to ``heartbeat``.
+
+    ``resync_required`` is True when the rendezvous declared this site dead (or
+    cut it from a round it then took part in); the site must pull state again.
+    ``known`` is False when the rendezvous does not know the site (it restarted):
+    the site re-joins.
+    """
+
+    known: bool
+    resync_required: bool
+    next_round: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadyDecision:
+    """Rendezvous answer to ``ready(site, round)``.
+
+    ``status`` is one of:
+      * ``"plan"``: ``plan`` holds the admitted quorum for ``round``;
+      * ``"wait"``: no decision yet; ask again (the gRPC servicer long-polls);
+      * ``"missed"``: the site was not admitted (cut as a straggler, declared
+        dead, or asked for a round that already ran); it must resynchronise and
+        then ask for ``next_round``.
+    ``reason`` always says why, in words, and is logged by both sides.
+    """
+
+    status: str
+    reason: str
+    next_round: int
+    plan: RoundPlan | None = None
