@@ -1,0 +1,179 @@
+"""In-process transport for unit tests and fast simulations.
+
+Sites are threads of one process; a shared :class:`InprocNetwork` maps addresses
+to handlers and injects seeded faults: per-contribution loss (the chunk silently
+never arrives, as with a lost datagram), whole-reply loss on pulls, delay, and
+failed (dead) or partitioned sites. It honours the contract of
+``dtrain.transports.base`` so the round engine runs unchanged over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from dtrain.errors import PeerTimeout, PeerUnavailable
+from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.transports.base import PeerHandler, Transport
+
+__all__ = ["InprocFaults", "InprocNetwork", "InprocTransport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InprocFaults:
+    """Seeded fault injection of an :class:`InprocNetwork`.
+
+    Attributes:
+        push_loss: probability in [0, 1) that one contribution chunk is dropped
+            silently (the sender is not told, as with packet loss).
+        pull_loss: probability in [0, 1) that a pulled mean never arrives (the
+            caller sees ``PeerTimeout`` at once rather than at its deadline, to
+            keep simulations fast).
+        delay_s: one-way delay added to each call, seconds (>= 0).
+        seed: RNG seed for the drops.
+    """
+
+    push_loss: float = 0.0
+    pull_loss: float = 0.0
+    delay_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("push_loss", "pull_loss"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+        if self.delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {self.delay_s!r}")
+
+
+class InprocNetwork:
+    """Registry of in-process sites plus the faults applied between them."""
+
+    def __init__(self, faults: InprocFaults | None = None) -> None:
+        self.faults = faults or InprocFaults()
+        self._rng = random.Random(self.faults.seed)
+        self._lock = threading.Lock()
+        self._handlers: dict[str, PeerHandler] = {}
+        self._down: set[str] = set()
+        self._next_port = 1
+
+    def set_faults(self, faults: InprocFaults) -> None:
+        with self._lock:
+            self.faults = faults
+            self._rng = random.Random(faults.seed)
+
+    def register(self, handler: PeerHandler) -> str:
+        with self._lock:
+            address = f"inproc:{self._next_port}"
+            self._next_port += 1
+            self._handlers[address] = handler
+            return address
+
+    def unregister(self, address: str) -> None:
+        with self._lock:
+            self._handlers.pop(address, None)
+
+    def set_down(self, address: str, down: bool = True) -> None:
+        """Make a site unreachable (``down=True``) as if it died or was partitioned."""
+        with self._lock:
+            (self._down.add if down else self._down.discard)(address)
+
+    def _draw(self, p: float) -> bool:
+        if p <= 0.0:
+            return False
+        with self._lock:
+            return self._rng.random() < p
+
+    def _handler(self, address: str) -> PeerHandler:
+        with self._lock:
+            if address in self._down or address not in self._handlers:
+                raise PeerUnavailable(f"{address} is not reachable")
+            return self._handlers[address]
+
+
+class InprocTransport(Transport):
+    """One site's view of an :class:`InprocNetwork`."""
+
+    def __init__(self, network: InprocNetwork) -> None:
+        self.network = network
+        self.address: str | None = None
+        self._sent = 0
+        self._received = 0
+        self._count_lock = threading.Lock()
+        self._stopped = False
+
+    def start(self, handler: PeerHandler) -> str:
+        self.address = self.network.register(handler)
+        return self.address
+
+    def _delay(self, timeout_s: float) -> None:
+        d = self.network.faults.delay_s
+        if d > 0:
+            time.sleep(min(d, timeout_s))
+            if d > timeout_s:
+                raise PeerTimeout(f"one-way delay {d} s exceeds the deadline {timeout_s} s")
+
+    def _check_self(self) -> None:
+        if self._stopped:
+            raise PeerUnavailable("transport stopped")
+        if self.address is not None and self.address in self.network._down:
+            raise PeerUnavailable(f"this site ({self.address}) is down")
+
+    def push(self, address: str, contributions: Sequence[Contribution], *, timeout_s: float) -> int:
+        self._check_self()
+        handler = self.network._handler(address)
+        self._delay(timeout_s)
+        accepted = 0
+        for c in contributions:
+            with self._count_lock:
+                self._sent += len(c.payload)
+            if self.network._draw(self.network.faults.push_loss):
+                log.debug("inproc: dropped chunk r%d b%d c%d from %s", c.round, c.bucket, c.chunk, c.sender)
+                accepted += 1  # the sender cannot tell a lost chunk from a delivered one
+                continue
+            handler.handle_contribution(c)
+            accepted += 1
+        return accepted
+
+    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+        self._check_self()
+        handler = self.network._handler(address)
+        t0 = time.monotonic()
+        self._delay(timeout_s)
+        mean = handler.handle_pull_mean(round, bucket, requester, max(0.0, timeout_s - (time.monotonic() - t0)))
+        if self.network._draw(self.network.faults.pull_loss):
+            raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address} lost (inproc pull_loss)")
+        with self._count_lock:
+            self._received += sum(len(ch.payload) for ch in mean.chunks)
+        return mean
+
+    def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
+        self._check_self()
+        handler = self.network._handler(address)
+        self._delay(timeout_s)
+        state = handler.handle_pull_state(bucket, requester)
+        with self._count_lock:
+            self._received += len(state.theta) + len(state.optimizer_state)
+        return state
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopped = True
+        if self.address is not None:
+            self.network.unregister(self.address)
+
+    def bytes_sent(self) -> int:
+        with self._count_lock:
+            return self._sent
+
+    def bytes_received(self) -> int:
+        with self._count_lock:
+            return self._received
+
+
