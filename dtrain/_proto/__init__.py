@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules (scripts/gen_proto.py); do not edit."""
