@@ -1,0 +1,319 @@
+"""Membership and quorum: pure decisions plus a thread-safe core.
+
+The rendezvous knows who is alive (heartbeats), who is ready for round r, and
+forms each round's quorum. Decisions are pure functions of the state and
+``now`` that return the decision and a reason string, which is logged on both
+sides. The gRPC service (``dtrain.rendezvous_grpc``) and the in-process client
+(:class:`InprocRendezvousClient`) both wrap :class:`RendezvousCore`.
+
+Quorum rule (DESIGN.md step 2): once the first site is ready for round r, the
+round admits every live site ready within ``quorum_timeout_s`` after it, or all
+live sites as soon as they are all ready, with at least ``min_sites``. Round 0
+additionally waits until ``initial_sites`` sites have joined, so sites that
+start together form one group, never two. State is soft: a restarted
+rendezvous rebuilds membership from re-joins and adopts the highest round a
+site asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+
+__all__ = ["RendezvousConfig", "SiteRecord", "decide_quorum", "RendezvousCore", "InprocRendezvousClient"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousConfig:
+    """Membership and round timing.
+
+    Attributes:
+        min_sites: fewest sites a round may have (>= 1).
+        initial_sites: round 0 starts only once this many sites joined
+            (None: ``min_sites``).
+        quorum_timeout_s: after the first site is ready, how long the others
+            have to become ready before they are cut as stragglers.
+        heartbeat_interval_s: how often sites heartbeat.
+        heartbeat_timeout_s: a site silent this long is dead (> interval).
+        reduce_timeout_s: plan deadline for owners to finalize (from plan receipt).
+        broadcast_timeout_s: plan deadline for pulling means (> reduce_timeout_s).
+    """
+
+    min_sites: int = 1
+    initial_sites: int | None = None
+    quorum_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    reduce_timeout_s: float = 10.0
+    broadcast_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_sites, int) or self.min_sites < 1:
+            raise ValueError(f"min_sites must be an int >= 1, got {self.min_sites!r}")
+        if self.initial_sites is not None and (not isinstance(self.initial_sites, int) or self.initial_sites < self.min_sites):
+            raise ValueError(f"initial_sites must be an int >= min_sites ({self.min_sites}) or None, got {self.initial_sites!r}")
+        for name in ("quorum_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "reduce_timeout_s", "broadcast_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be > heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        if not self.broadcast_timeout_s > self.reduce_timeout_s:
+            raise ValueError(
+                f"broadcast_timeout_s ({self.broadcast_timeout_s}) must be > reduce_timeout_s ({self.reduce_timeout_s})"
+            )
+
+    @property
+    def startup_sites(self) -> int:
+        return self.initial_sites if self.initial_sites is not None else self.min_sites
+
+
+@dataclass(kw_only=True)
+class SiteRecord:
+    """What the rendezvous knows of one site."""
+
+    site_id: str
+    address: str
+    joined_at: float
+    last_heartbeat: float
+    needs_resync: bool = False
+    resync_reason: str = ""
+    rounds_joined: int = 0
+    inner_step: int = 0
+    last_loss: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def alive(self, now: float, timeout_s: float) -> bool:
+        return now - self.last_heartbeat <= timeout_s
+
+
+def decide_quorum(
+    *,
+    round: int,
+    live: set[str],
+    ready: dict[str, float],
+    joined_ever: int,
+    now: float,
+    config: RendezvousConfig,
+) -> tuple[list[str] | None, str]:
+    """Decide whether round ``round`` starts now and with whom.
+
+    Args:
+        round: the round being formed.
+        live: site_ids alive and in good standing.
+        ready: site_id -> time it became ready for ``round`` (monotonic seconds).
+        joined_ever: how many sites are registered (for the round-0 start rule).
+        now: the current monotonic time, seconds.
+    Returns:
+        ``(members, reason)``: the sorted admitted site_ids, or None to wait.
+    """
+    ready_live = {s: t for s, t in ready.items() if s in live}
+    if not ready_live:
+        return None, "no live site is ready"
+    if round == 0 and joined_ever < config.startup_sites:
+        return None, f"round 0 waits for {config.startup_sites} sites to join ({joined_ever} so far)"
+    first = min(ready_live.values())
+    waited = now - first
+    if set(ready_live) >= live:
+        if len(ready_live) >= config.min_sites:
+            return sorted(ready_live), f"all {len(ready_live)} live sites are ready"
+        return None, f"only {len(ready_live)} live site(s), min_sites is {config.min_sites}"
+    if waited >= config.quorum_timeout_s:
+        if len(ready_live) >= config.min_sites:
+            cut = sorted(live - set(ready_live))
+            return sorted(ready_live), f"quorum timeout {config.quorum_timeout_s}s: admitting {len(ready_live)}, cutting {cut}"
+        return None, f"only {len(ready_live)} of {len(live)} live sites ready after {waited:.1f}s, min_sites is {config.min_sites}"
+    return None, f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {config.quorum_timeout_s - waited:.1f}s more"
+
+
+class RendezvousCore:
+    """Thread-safe rendezvous state. ``now`` is ``time.monotonic()`` seconds."""
+
+    def __init__(self, config: RendezvousConfig | None = None) -> None:
+        self.config = config or RendezvousConfig()
+        self.sites: dict[str, SiteRecord] = {}
+        self.next_round = 0
+        self.plans: dict[int, RoundPlan] = {}
+        self._ready: dict[str, float] = {}
+        self._cv = threading.Condition()
+        self._last_reason = ""
+
+    def _changed(self) -> None:
+        self._cv.notify_all()
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        with self._cv:
+            self._cv.wait(timeout_s)
+
+    def _live(self, now: float) -> set[str]:
+        return {
+            s for s, r in self.sites.items() if r.alive(now, self.config.heartbeat_timeout_s) and not r.needs_resync
+        }
+
+    def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
+        with self._cv:
+            rec = self.sites.get(site_id)
+            if rec is not None:
+                log.info("rendezvous: %s re-joined from %s", site_id, address)
+            self.sites[site_id] = SiteRecord(
+                site_id=site_id, address=address, joined_at=now, last_heartbeat=now,
+                rounds_joined=rec.rounds_joined if rec else 0,
+            )
+            self._ready.pop(site_id, None)
+            others = tuple(
+                Member(site_id=s, address=r.address)
+                for s, r in sorted(self.sites.items())
+                if s != site_id and s in self._live(now)
+            )
+            self._changed()
+            log.info("rendezvous: %s joined (%s); next round %d; %d other live sites", site_id, address, self.next_round, len(others))
+            return JoinInfo(
+                next_round=self.next_round,
+                members=others,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                needs_state=self.next_round > 0 and bool(others),
+            )
+
+    def heartbeat(self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo:
+        with self._cv:
+            rec = self.sites.get(site_id)
+            if rec is None:
+                return HeartbeatInfo(known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again")
+            if not rec.alive(now, self.config.heartbeat_timeout_s) and not rec.needs_resync:
+                rec.needs_resync = True
+                rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {self.config.heartbeat_timeout_s}s): declared dead"
+                log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
+                self._ready.pop(site_id, None)
+            rec.last_heartbeat = now
+            rec.inner_step = inner_step
+            if last_loss is not None:
+                rec.last_loss = last_loss
+            self._changed()
+            return HeartbeatInfo(known=True, resync_required=rec.needs_resync, next_round=self.next_round, reason=rec.resync_reason)
+
+    def leave(self, site_id: str, *, now: float) -> None:
+        with self._cv:
+            self.sites.pop(site_id, None)
+            self._ready.pop(site_id, None)
+            self._changed()
+            log.info("rendezvous: %s left", site_id)
+
+    def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
+        with self._cv:
+            rec = self.sites.get(site_id)
+            if rec is None:
+                return ReadyDecision(status="wait", reason="unknown site: join first", next_round=self.next_round)
+            rec.last_heartbeat = max(rec.last_heartbeat, now) if rec.alive(now, self.config.heartbeat_timeout_s) else rec.last_heartbeat
+            if rec.needs_resync:
+                return ReadyDecision(status="missed", reason=rec.resync_reason or "resync required", next_round=self.next_round)
+            plan = self.plans.get(round)
+            if plan is not None:
+                if site_id in plan.site_ids:
+                    return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
+                return ReadyDecision(
+                    status="missed", reason=f"round {round} started without {site_id} (straggler)", next_round=self.next_round
+                )
+            if round < self.next_round:
+                return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=self.next_round)
+            if round > self.next_round:
+                log.warning("rendezvous: %s asks for round %d, ahead of %d: adopting it (rendezvous restarted?)", site_id, round, self.next_round)
+                self.next_round = round
+                self._ready.clear()
+            self._ready.setdefault(site_id, now)
+            return self._decide(now)
+
+    def poll(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
+        """Re-evaluate a pending ``ready`` (long-poll loop); same answers as ``ready``."""
+        return self.ready(site_id, round, now=now)
+
+    def _decide(self, now: float) -> ReadyDecision:
+        members, reason = decide_quorum(
+            round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config
+        )
+        if members is None:
+            if reason != self._last_reason:
+                log.info("rendezvous: round %d: %s", self.next_round, reason)
+                self._last_reason = reason
+            return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
+        plan = RoundPlan(
+            round=self.next_round,
+            members=tuple(Member(site_id=s, address=self.sites[s].address) for s in members),
+            reduce_timeout_s=self.config.reduce_timeout_s,
+            broadcast_timeout_s=self.config.broadcast_timeout_s,
+        )
+        self.plans[plan.round] = plan
+        self.plans.pop(plan.round - 8, None)
+        for s in members:
+            self.sites[s].rounds_joined += 1
+        self.next_round += 1
+        self._ready.clear()
+        self._last_reason = ""
+        log.info("rendezvous: round %d formed with %s: %s", plan.round, list(members), reason)
+        self._changed()
+        return ReadyDecision(status="plan", reason=reason, next_round=self.next_round, plan=plan)
+
+    def snapshot(self, now: float) -> dict:
+        """Read-only view for status pages and tests."""
+        with self._cv:
+            return {
+                "next_round": self.next_round,
+                "sites": {
+                    s: {
+                        "address": r.address,
+                        "alive": r.alive(now, self.config.heartbeat_timeout_s),
+                        "needs_resync": r.needs_resync,
+                        "heartbeat_age_s": now - r.last_heartbeat,
+                        "rounds_joined": r.rounds_joined,
+                        "inner_step": r.inner_step,
+                        "last_loss": r.last_loss,
+                    }
+                    for s, r in self.sites.items()
+                },
+            }
+
+
+class InprocRendezvousClient:
+    """Client of a :class:`RendezvousCore` in the same process (tests, simulations).
+
+    Same methods as ``dtrain.rendezvous_grpc.GrpcRendezvousClient``.
+    """
+
+    def __init__(self, core: RendezvousCore) -> None:
+        self.core = core
+        self.down = False  # tests flip this to emulate an unreachable rendezvous
+
+    def _check(self) -> None:
+        if self.down:
+            from dtrain.errors import RendezvousError
+
+            raise RendezvousError("rendezvous unreachable (inproc down)")
+
+    def join(self, site_id: str, address: str) -> JoinInfo:
+        self._check()
+        return self.core.join(site_id, address, now=time.monotonic())
+
+    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo:
+        self._check()
+        return self.core.heartbeat(site_id, now=time.monotonic(), inner_step=inner_step, last_loss=last_loss)
+
+    def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
+        self._check()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            d = self.core.ready(site_id, round, now=time.monotonic())
+            left = deadline - time.monotonic()
+            if d.status != "wait" or left <= 0:
+                return d
+            self.core.wait_for_change(min(left, 0.05))
+
+    def leave(self, site_id: str) -> None:
+        self._check()
+        self.core.leave(site_id, now=time.monotonic())
