@@ -1,0 +1,229 @@
+"""A site's membership in a training group: join, heartbeats, rounds, resync.
+
+:class:`Group` ties a :class:`~dtrain.rounds.RoundEngine` to a rendezvous client
+(in-process or gRPC). ``sync(tensors)`` asks for the next round's plan, computes
+the pseudo-gradient only once admitted, runs the round and reports what
+happened. It never raises for peer faults; it raises ``QuorumTimeout`` when no
+quorum of ``min_sites`` forms within ``quorum_wait_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
+from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+from dtrain.rounds import RoundEngine, RoundResult
+from dtrain.state import pull_full_state
+
+__all__ = ["RendezvousClient", "GroupConfig", "SyncOutcome", "Group"]
+
+log = logging.getLogger(__name__)
+
+
+class RendezvousClient(Protocol):
+    def join(self, site_id: str, address: str) -> JoinInfo: ...
+    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo: ...
+    def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
+    def leave(self, site_id: str) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    """Client-side membership behaviour.
+
+    Attributes:
+        quorum_wait_s: longest a site waits for a round to form before
+            ``QuorumTimeout`` (the rendezvous's reason is in the message).
+        ready_poll_s: length of one long poll of ``ready``.
+        rendezvous_retry_s: how long ``sync`` retries an unreachable rendezvous
+            before giving up for now and letting the site train on locally.
+        backoff_max_s: cap of the exponential backoff between retries.
+        state_pull_timeout_s: time budget of a full state pull (join/resync).
+    """
+
+    quorum_wait_s: float = 300.0
+    ready_poll_s: float = 2.0
+    rendezvous_retry_s: float = 2.0
+    backoff_max_s: float = 5.0
+    state_pull_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+
+
+@dataclass(kw_only=True)
+class SyncOutcome:
+    """What ``Group.sync`` did.
+
+    ``status``: ``"applied"`` (a round ran; reset the model to θ),
+    ``"resynced"`` (cut or declared dead: Δ discarded, θ pulled from members;
+    reset the model to θ) or ``"deferred"`` (rendezvous unreachable: keep
+    training locally and try again later; the model is NOT reset).
+    """
+
+    status: str
+    reason: str
+    result: RoundResult | None = None
+
+
+class Group:
+    """One site's group membership.
+
+    Args:
+        engine: the site's round engine (already started, so it has an address).
+        rendezvous: a rendezvous client.
+        config: see :class:`GroupConfig`.
+    """
+
+    def __init__(self, engine: RoundEngine, rendezvous: RendezvousClient, config: GroupConfig | None = None) -> None:
+        self.engine = engine
+        self.rendezvous = rendezvous
+        self.config = config or GroupConfig()
+        self.site_id = engine.site_id
+        self.inner_step = 0
+        self.last_loss: float | None = None
+        self._resync_needed = threading.Event()
+        self._rejoin_needed = threading.Event()
+        self._stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._hb_interval_s = 1.0
+        self.joined = False
+
+    # ------------------------------------------------------------------ membership
+    def _call_with_backoff(self, fn, budget_s: float):
+        deadline = time.monotonic() + budget_s
+        delay = 0.1
+        while True:
+            try:
+                return fn()
+            except RendezvousError as e:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("rendezvous unreachable (%s); retrying in %.1fs", e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self.config.backoff_max_s)
+
+    def join(self, timeout_s: float = 60.0) -> JoinInfo:
+        """Register with the rendezvous and, when rounds already ran, pull θ and
+        outer-optimizer state from the members (a joining or restarted site).
+
+        Raises:
+            RendezvousError: unreachable for ``timeout_s``.
+            StateTransferError: no member could provide a consistent state.
+        """
+        addr = self.engine.address
+        assert addr is not None, "start the engine before joining"
+        info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, addr), timeout_s)
+        self._hb_interval_s = info.heartbeat_interval_s
+        if info.needs_state and self.engine.state.rounds_applied < info.next_round:
+            log.info("%s joins at round %d: pulling state from %s", self.site_id, info.next_round, [m.site_id for m in info.members])
+            pull_full_state(
+                self.engine.state, self.engine.transport, list(info.members), requester=self.site_id,
+                timeout_s=self.config.state_pull_timeout_s, min_round=info.next_round,
+            )
+        self.joined = True
+        self._rejoin_needed.clear()
+        self._resync_needed.clear()
+        if self._hb_thread is None:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.site_id}", daemon=True)
+            self._hb_thread.start()
+        return info
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._hb_interval_s):
+            try:
+                hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss)
+            except RendezvousError as e:
+                log.debug("heartbeat failed: %s", e)
+                continue
+            if not hb.known:
+                self._rejoin_needed.set()
+                try:  # a restarted rendezvous: register again, keep our state
+                    self.rendezvous.join(self.site_id, self.engine.address or "")
+                    self._rejoin_needed.clear()
+                    log.info("%s re-registered with a restarted rendezvous", self.site_id)
+                except RendezvousError:
+                    pass
+            elif hb.resync_required:
+                if not self._resync_needed.is_set():
+                    log.warning("%s must resynchronise: %s", self.site_id, hb.reason)
+                self._resync_needed.set()
+
+    def resync(self) -> None:
+        """Discard local progress and pull θ and outer-optimizer state from members."""
+        st = self.engine.state
+        st.residuals = [None] * len(st)
+        info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
+        if info.members:
+            pull_full_state(
+                st, self.engine.transport, list(info.members), requester=self.site_id,
+                timeout_s=self.config.state_pull_timeout_s, min_round=info.next_round,
+            )
+        else:
+            st.rounds_applied = max(st.rounds_applied, info.next_round)
+        self._resync_needed.clear()
+
+    def leave(self) -> None:
+        self._stop.set()
+        try:
+            self.rendezvous.leave(self.site_id)
+        except RendezvousError as e:
+            log.warning("leave failed: %s", e)
+
+    # ------------------------------------------------------------------ rounds
+    def sync(self, tensors: Sequence[torch.Tensor]) -> SyncOutcome:
+        """Take part in the next round with the model's current ``tensors``.
+
+        Returns a :class:`SyncOutcome`; see its ``status`` for what the caller
+        must do with the model.
+        Raises:
+            QuorumTimeout: no round formed within ``quorum_wait_s``.
+        """
+        st = self.engine.state
+        if self._resync_needed.is_set():
+            try:
+                self.resync()
+            except (RendezvousError, StateTransferError) as e:
+                return SyncOutcome(status="deferred", reason=f"resync failed: {e}")
+            return SyncOutcome(status="resynced", reason="declared dead by the rendezvous; state pulled")
+        waited_since = time.monotonic()
+        unreachable_since: float | None = None
+        last_reason = ""
+        while True:
+            r = st.rounds_applied
+            try:
+                d = self.rendezvous.ready(self.site_id, r, self.config.ready_poll_s)
+                unreachable_since = None
+            except RendezvousError as e:
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.config.rendezvous_retry_s:
+                    return SyncOutcome(status="deferred", reason=f"rendezvous unreachable: {e}")
+                time.sleep(min(0.5, self.config.rendezvous_retry_s))
+                continue
+            if d.status == "plan" and d.plan is not None:
+                ok = self.engine.add_pseudo_gradient(list(tensors))
+                res = self.engine.run_round(d.plan, contribute=ok)
+                return SyncOutcome(status="applied", reason=d.reason, result=res)
+            if d.status == "missed":
+                log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, d.reason)
+                try:
+                    self.resync()
+                except (RendezvousError, StateTransferError) as e:
+                    return SyncOutcome(status="deferred", reason=f"missed round {r} ({d.reason}); resync failed: {e}")
+                return SyncOutcome(status="resynced", reason=d.reason)
+            if d.reason != last_reason:
+                log.info("%s waiting for round %d: %s", self.site_id, r, d.reason)
+                last_reason = d.reason
+            if time.monotonic() - waited_since > self.config.quorum_wait_s:
+                raise QuorumTimeout(f"no quorum for round {r} within {self.config.quorum_wait_s}s: {d.reason}")

@@ -1,0 +1,629 @@
+"""One round (outer step) as a state machine, written against ``Transport``.
+
+Phases (DESIGN.md, "One round"): reduce (each site streams Δ_b + residual_b,
+encoded per chunk, to owner(b)); finalize (the owner averages per chunk over
+what arrived and validated, unbiased; arXiv 2507.07114); broadcast (sites pull
+the encoded means); apply (every site, the owner included, runs the outer
+optimizer on the same decoded bytes); verify and repair (checksums against the
+owner's; stale buckets are pulled whole).
+
+:class:`RoundEngine` is one site's engine. It is also the site's
+``PeerHandler``: it validates incoming contributions for the rounds it runs and
+serves means and bucket state. ``run_round`` blocks; ``start_round`` runs it in
+a background thread so a caller can overlap it with computation (the way
+Streaming DiLoCo, arXiv 2501.18512, overlaps communication with τ inner steps).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+from dtrain.buckets import assign_owners
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.errors import CodecError, PeerTimeout, Rejected, RejectCode, StateTransferError, TransportError
+from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.state import GlobalState
+from dtrain.transports.base import Transport
+
+__all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    """Per-site round behaviour (the deadlines come with each ``RoundPlan``).
+
+    Attributes:
+        codec: codec of the pseudo-gradient contributions (reduce phase).
+        broadcast_codec: codec of the owners' means; None = same as ``codec``.
+        aggregation: robust-aggregation options of the owner.
+        error_feedback: keep what the codec or a lost exchange failed to deliver
+            and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
+            Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
+        repair: pull stale buckets whole from the owner; False keeps stale
+            values as the packet-loss paper does (arXiv 2507.07114 §4.2).
+        plan_wait_s: how long a request for a round this site has not opened yet
+            waits for the plan to arrive (peers receive plans a few ms apart).
+        repair_timeout_s: time budget for late mean pulls and state repair after
+            the broadcast deadline, seconds.
+        max_consecutive_rejections: a sender whose contributions were rejected in
+            this many consecutive rounds is refused from then on (PERMISSION_DENIED).
+        num_pull_threads: concurrent mean pulls.
+    """
+
+    codec: CodecConfig = field(default_factory=lambda: CodecConfig(name="fp32"))
+    broadcast_codec: CodecConfig | None = None
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    error_feedback: bool = True
+    repair: bool = True
+    plan_wait_s: float = 5.0
+    repair_timeout_s: float = 5.0
+    max_consecutive_rejections: int = 3
+    num_pull_threads: int = 8
+
+    def __post_init__(self) -> None:
+        get_codec(self.codec)  # raises ValueError naming the codec
+        if self.broadcast_codec is not None:
+            get_codec(self.broadcast_codec)
+        if get_codec(self.codec).needs_error_feedback and not self.error_feedback:
+            raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
+        for name in ("plan_wait_s", "repair_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_consecutive_rejections < 1:
+            raise ValueError(f"max_consecutive_rejections must be >= 1, got {self.max_consecutive_rejections!r}")
+        if self.num_pull_threads < 1:
+            raise ValueError(f"num_pull_threads must be >= 1, got {self.num_pull_threads!r}")
+
+
+@dataclass(kw_only=True)
+class RoundResult:
+    """What one round did at one site (also the source of its metrics line)."""
+
+    round: int
+    members: tuple[str, ...]
+    owned_buckets: int = 0
+    applied_buckets: int = 0
+    stale_buckets: int = 0
+    repaired_buckets: int = 0
+    skipped_buckets: int = 0
+    contributed: bool = True
+    reduce_arrived_fraction: float = 0.0  # of expected contribution chunks at my buckets
+    broadcast_arrived_fraction: float = 0.0  # of buckets whose mean this site got
+    included_fraction: float = 0.0  # of my chunks that a finalized mean included
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    network_s: float = 0.0
+    wait_s: float = 0.0
+    total_s: float = 0.0
+    rejected: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+class _OpenRound:
+    """Owner-side bookkeeping of one round."""
+
+    def __init__(self, plan: RoundPlan, owners: list[str], site_id: str, engine: "RoundEngine", t0: float) -> None:
+        self.plan = plan
+        self.owners = owners
+        self.members = set(plan.site_ids)
+        self.finalize_at = t0 + plan.reduce_timeout_s
+        self.broadcast_until = t0 + plan.broadcast_timeout_s
+        layout = engine.state.layout
+        cfg = engine.config.aggregation
+        self.mine = [b for b, o in enumerate(owners) if o == site_id]
+        self.acc: dict[tuple[int, int], ChunkAccumulator] = {
+            (b, c): ChunkAccumulator(n, cfg) for b in self.mine for c, (_, n) in enumerate(layout.buckets[b].chunks)
+        }
+        self.expected = len(self.acc) * len(self.members)
+        self.arrived = 0
+        self.rejected: dict[str, int] = {}
+        self.rejected_senders: set[str] = set()
+        self.all_arrived = threading.Event()
+        self.finalized = threading.Event()
+        self.lock = threading.Lock()
+        if self.expected == 0:
+            self.all_arrived.set()
+
+
+class RoundEngine:
+    """One site's round engine and peer handler.
+
+    Args:
+        site_id: this site's id (as in the plans).
+        state: θ, outer optimizers and residuals.
+        transport: how to reach peers; ``start()`` is called by :meth:`start`.
+        config: see :class:`RoundConfig`.
+    """
+
+    def __init__(self, site_id: str, state: GlobalState, transport: Transport, config: RoundConfig | None = None) -> None:
+        self.site_id = site_id
+        self.state = state
+        self.transport = transport
+        self.config = config or RoundConfig()
+        self.codec = get_codec(self.config.codec)
+        self.bcodec = get_codec(self.config.broadcast_codec or self.config.codec)
+        self.address: str | None = None
+        self._cv = threading.Condition()
+        self._open: dict[int, _OpenRound] = {}
+        self._means: dict[tuple[int, int], BucketMean] = {}
+        self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
+        self._reject_streak: dict[str, int] = {}
+        self._banned: set[str] = set()
+        self._gen = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big"))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        self.address = self.transport.start(self)
+        return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.transport.stop(grace_s)
+
+    @property
+    def banned(self) -> frozenset[str]:
+        return frozenset(self._banned)
+
+    # ------------------------------------------------------------------ PeerHandler
+    def _round_for(self, rnd: int, timeout_s: float) -> _OpenRound:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                o = self._open.get(rnd)
+                if o is not None:
+                    return o
+                if rnd < self.state.rounds_applied:
+                    raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {rnd} is over here (next round is {self.state.rounds_applied})")
+                left = deadline - time.monotonic()
+                if left <= 0 or rnd > self.state.rounds_applied + 1:
+                    raise Rejected(
+                        RejectCode.FAILED_PRECONDITION,
+                        f"round {rnd} is not open here (next round is {self.state.rounds_applied})",
+                    )
+                self._cv.wait(left)
+
+    def handle_contribution(self, c: Contribution) -> None:
+        o = self._round_for(c.round, self.config.plan_wait_s)
+        try:
+            self._accept(o, c)
+        except Rejected as e:
+            with o.lock:
+                o.rejected[e.reason] = o.rejected.get(e.reason, 0) + 1
+                o.rejected_senders.add(c.sender)
+            log.warning("round %d: rejected chunk b%d c%d from %s: %s %s", c.round, c.bucket, c.chunk, c.sender, e.code, e.reason)
+            raise
+
+    def _accept(self, o: _OpenRound, c: Contribution) -> None:
+        if c.sender in self._banned:
+            raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions")
+        if c.sender not in o.members:
+            raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is not a member of round {c.round}")
+        if o.finalized.is_set():
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {c.round} bucket means are already finalized (late contribution)")
+        layout = self.state.layout
+        if not 0 <= c.bucket < len(layout):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {c.bucket} out of range [0, {len(layout)})")
+        if o.owners[c.bucket] != self.site_id:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"bucket {c.bucket} is owned by {o.owners[c.bucket]}, not {self.site_id}")
+        chunks = layout.buckets[c.bucket].chunks
+        if not 0 <= c.chunk < len(chunks):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} out of range [0, {len(chunks)}) of bucket {c.bucket}")
+        off, n = chunks[c.chunk]
+        if (c.offset, c.numel) != (off, n):
+            raise Rejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"chunk {c.chunk} of bucket {c.bucket} covers offset {off} numel {n}, got offset {c.offset} numel {c.numel}",
+            )
+        if c.codec != self.codec.name:
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"codec {c.codec!r} but this round uses {self.codec.name!r}")
+        try:
+            values = self.codec.decode(c.payload, numel=n)
+        except CodecError as e:
+            code = RejectCode.RESOURCE_EXHAUSTED if "zstd" in str(e) or "bound" in str(e) else RejectCode.INVALID_ARGUMENT
+            raise Rejected(code, f"undecodable payload: {e}") from e
+        digest = hashlib.blake2b(c.payload, digest_size=16).digest()
+        with o.lock:
+            if o.finalized.is_set():
+                raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {c.round} bucket means are already finalized (late contribution)")
+            if o.acc[(c.bucket, c.chunk)].add(c.sender, values, digest):
+                o.arrived += 1
+                if o.arrived >= o.expected:
+                    o.all_arrived.set()
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            m = self._means.get((round, bucket))
+        if m is not None:
+            return m
+        o = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
+        if not 0 <= bucket < len(o.owners):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(o.owners)})")
+        if o.owners[bucket] != self.site_id:
+            with self._cv:  # a peer asking us for a mean we may have cached
+                m = self._means.get((round, bucket))
+            if m is None:
+                raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
+            return m
+        if not o.finalized.wait(max(0.0, deadline - time.monotonic())):
+            raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
+        with self._cv:
+            m = self._means.get((round, bucket))
+        if m is None:
+            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
+        return m
+
+    def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        if not 0 <= bucket < len(self.state):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
+        return self.state.bucket_state(bucket)
+
+    # ------------------------------------------------------------------ owner: finalize
+    def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
+        now = time.monotonic()
+        o.all_arrived.wait(max(0.0, o.finalize_at - now))
+        with o.lock:
+            o.finalized.set()
+        r = o.plan.round
+        t_enc = 0.0
+        for b in o.mine:
+            bucket = self.state.layout.buckets[b]
+            means: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
+            complete = True
+            for c, (off, n) in enumerate(bucket.chunks):
+                mean, senders, dropped = o.acc[(b, c)].finalize()
+                for s, why in dropped.items():
+                    o.rejected[why] = o.rejected.get(why, 0) + 1
+                    o.rejected_senders.add(s)
+                    log.warning("round %d: dropped contribution of %s to b%d c%d: %s", r, s, b, c, why)
+                if mean is None:
+                    complete = False
+                    break
+                means.append((c, mean, senders))
+            before = self.state.checksum(b)
+            if not complete:
+                # Some chunk got nothing at all: nobody applies this bucket and nobody's
+                # contribution counts as included, so it stays in every residual.
+                bm = BucketMean(round=r, bucket=b, owner=self.site_id, chunks=(), checksum_before=before, checksum_after=before)
+                log.warning("round %d: bucket %d has a chunk with no contributions; not applied", r, b)
+            else:
+                t = time.perf_counter()
+                full = torch.empty(bucket.numel, dtype=torch.float32)
+                chunks = []
+                bres = self._bres.get(b) if self.config.error_feedback and not self.bcodec.lossless else None
+                for c, mean, senders in means:
+                    off, n = bucket.chunks[c]
+                    if bres is not None:
+                        mean = mean + bres[off : off + n]
+                    payload = self.bcodec.encode(mean, generator=self._gen)
+                    dec = self.bcodec.decode(payload, numel=n)
+                    if self.config.error_feedback and not self.bcodec.lossless:
+                        if bres is None:
+                            bres = self._bres.setdefault(b, torch.zeros(bucket.numel))
+                        bres[off : off + n] = mean - dec
+                    full[off : off + n] = dec
+                    chunks.append(MeanChunk(chunk=c, offset=off, numel=n, codec=self.bcodec.name, payload=payload, senders=senders))
+                t_enc += time.perf_counter() - t
+                after = self.state.apply_mean(b, full)
+                bm = BucketMean(round=r, bucket=b, owner=self.site_id, chunks=tuple(chunks), checksum_before=before, checksum_after=after)
+            with self._cv:
+                self._means[(r, b)] = bm
+                self.state.bucket_round[b] = r + 1
+            o.acc = {k: v for k, v in o.acc.items() if k[0] != b}  # free memory
+        res.encode_s += t_enc
+        res.reduce_arrived_fraction = (o.arrived / o.expected) if o.expected else 1.0
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ site: one round
+    def start_round(self, plan: RoundPlan, contribute: bool = True) -> "cf.Future[RoundResult]":
+        """Run :meth:`run_round` in a background thread; returns its future."""
+        ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"round-{plan.round}")
+        fut = ex.submit(self.run_round, plan, contribute)
+        ex.shutdown(wait=False)
+        return fut
+
+    def run_round(self, plan: RoundPlan, contribute: bool = True) -> RoundResult:
+        """Run round ``plan.round``; the residuals must already hold Δ + residual.
+
+        Before calling, the caller adds this round's pseudo-gradient Δ_b into
+        ``state.residuals[b]`` (see :meth:`add_pseudo_gradient`). On return, θ
+        holds the new global parameters for every bucket whose mean arrived (or
+        was repaired); buckets whose owner died keep θ_b (alike on every
+        survivor) and this site's contribution stays in its residual.
+
+        Never raises for peer failures: they are recorded in the result. Returns
+        after the broadcast deadline + ``repair_timeout_s`` at the latest.
+
+        Args:
+            plan: the round plan from the rendezvous (this site must be a member).
+            contribute: False to take part without sending (e.g. non-finite Δ).
+        """
+        t0 = time.monotonic()
+        r = plan.round
+        if self.site_id not in plan.site_ids:
+            raise ValueError(f"{self.site_id} is not a member of round {r}: {plan.site_ids}")
+        layout = self.state.layout
+        owners = assign_owners(len(layout), plan.site_ids)
+        o = _OpenRound(plan, owners, self.site_id, self, t0)
+        res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(o.mine), contributed=contribute)
+        sent0, recv0 = self.transport.bytes_sent(), self.transport.bytes_received()
+        with self._cv:
+            self._open[r] = o
+            self._cv.notify_all()
+        finalizer = threading.Thread(target=self._finalize, args=(o, res), name=f"finalize-{r}", daemon=True)
+        finalizer.start()
+
+        # ---- reduce: encode per chunk and stream to owners
+        payloads: dict[tuple[int, int], bytes] = {}
+        enc_lock = threading.Lock()
+        if contribute:
+            by_owner: dict[str, list[int]] = {}
+            for b, ow in enumerate(owners):
+                by_owner.setdefault(ow, []).append(b)
+
+            def chunks_for(bs: list[int]) -> Iterator[Contribution]:
+                for b in bs:
+                    v = self.state.residuals[b]
+                    if v is None:
+                        continue
+                    for c, (off, n) in enumerate(layout.buckets[b].chunks):
+                        t = time.perf_counter()
+                        payload = self.codec.encode(v[off : off + n], generator=self._gen)
+                        with enc_lock:
+                            res.encode_s += time.perf_counter() - t
+                            if not self.codec.lossless:
+                                payloads[(b, c)] = payload
+                        yield Contribution(round=r, bucket=b, chunk=c, offset=off, numel=n, codec=self.codec.name, sender=self.site_id, payload=payload)
+
+            def push(ow: str, bs: list[int]) -> None:
+                if ow == self.site_id:
+                    for cn in chunks_for(bs):
+                        try:
+                            self._accept(o, cn)
+                        except Rejected as e:
+                            res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
+                    return
+                t = time.perf_counter()
+                try:
+                    self.transport.push(plan.address_of(ow), chunks_for(bs), timeout_s=max(0.01, o.finalize_at - time.monotonic()))
+                except TransportError as e:
+                    res.errors.append(f"push to {ow}: {e}")
+                    log.warning("round %d: push to %s failed: %s", r, ow, e)
+                with enc_lock:
+                    res.network_s += time.perf_counter() - t
+
+            with cf.ThreadPoolExecutor(max_workers=max(1, min(8, len(by_owner)))) as ex:
+                list(ex.map(lambda kv: push(*kv), by_owner.items()))
+
+        # ---- broadcast: pull the means of the buckets others own
+        got: dict[int, BucketMean] = {}
+
+        def pull(b: int) -> tuple[int, BucketMean | None, str]:
+            addr = plan.address_of(owners[b])
+            try:
+                left = o.broadcast_until - time.monotonic()
+                if left <= 0:
+                    return b, None, "broadcast deadline passed"
+                return b, self.transport.pull_mean(addr, r, b, requester=self.site_id, timeout_s=left), ""
+            except TransportError as e:
+                return b, None, str(e)
+
+        remote = [b for b in range(len(layout)) if owners[b] != self.site_id]
+        t = time.perf_counter()
+        missing: dict[int, str] = {}
+        with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:
+            for b, m, err in ex.map(pull, remote):
+                if m is not None:
+                    got[b] = m
+                else:
+                    missing[b] = err
+        res.network_s += time.perf_counter() - t
+        finalizer.join(timeout=max(0.0, o.broadcast_until - time.monotonic()) + 1.0)
+
+        # late pulls from other members that may hold the mean (owner slow or gone)
+        if missing:
+            late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
+            for b in list(missing):
+                for peer in plan.members:
+                    if peer.site_id in (self.site_id, owners[b]) or time.monotonic() > late_until:
+                        continue
+                    try:
+                        m = self.transport.pull_mean(peer.address, r, b, requester=self.site_id, timeout_s=max(0.05, late_until - time.monotonic()))
+                    except TransportError:
+                        continue
+                    got[b] = m
+                    missing.pop(b)
+                    break
+        for b, why in missing.items():
+            log.warning("round %d: no mean for bucket %d from %s: %s", r, b, owners[b], why)
+
+        # ---- apply, verify, repair
+        stale: list[int] = []
+        for b in remote:
+            m = got.get(b)
+            if m is None:
+                with self._cv:
+                    self.state.bucket_round[b] = r + 1
+                continue
+            with self._cv:
+                self._means[(r, b)] = m
+            if not m.chunks:
+                res.skipped_buckets += 1
+                with self._cv:
+                    self.state.bucket_round[b] = r + 1
+                continue
+            if self.state.checksum(b) != m.checksum_before:
+                log.warning("round %d: bucket %d differs from owner %s before applying: stale", r, b, owners[b])
+                stale.append(b)
+                continue
+            t = time.perf_counter()
+            try:
+                full = self._decode_mean(b, m)
+            except (CodecError, ValueError) as e:
+                log.warning("round %d: bad mean for bucket %d from %s: %s", r, b, owners[b], e)
+                res.errors.append(f"bad mean b{b}: {e}")
+                stale.append(b)
+                continue
+            res.decode_s += time.perf_counter() - t
+            after = self.state.apply_mean(b, full)
+            with self._cv:
+                self.state.bucket_round[b] = r + 1
+            if after != m.checksum_after:
+                log.warning("round %d: bucket %d checksum after apply differs from owner %s: stale", r, b, owners[b])
+                stale.append(b)
+            else:
+                res.applied_buckets += 1
+        res.applied_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and self._means[(r, b)].chunks)
+        res.skipped_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and not self._means[(r, b)].chunks)
+        res.stale_buckets = len(stale)
+        if stale and self.config.repair:
+            res.repaired_buckets = self._repair(plan, owners, stale, got)
+
+        # ---- residuals: what a finalized mean included is consumed, the rest stays
+        mine_total = mine_in = 0
+        for b in range(len(layout)):
+            v = self.state.residuals[b]
+            if v is None:
+                continue
+            if not contribute or not self.config.error_feedback:
+                self.state.residuals[b] = None if not self.config.error_feedback else v
+                continue
+            m = self._means.get((r, b)) if owners[b] == self.site_id else got.get(b)
+            if m is None:
+                mine_total += len(layout.buckets[b].chunks)
+                continue
+            included = {ch.chunk for ch in m.chunks if self.site_id in ch.senders}
+            for c, (off, n) in enumerate(layout.buckets[b].chunks):
+                mine_total += 1
+                if c not in included:
+                    continue
+                mine_in += 1
+                if self.codec.lossless:
+                    v[off : off + n] = 0.0
+                else:
+                    v[off : off + n] -= self.codec.decode(payloads[(b, c)], numel=n)
+        res.included_fraction = mine_in / mine_total if mine_total else 1.0
+        res.broadcast_arrived_fraction = (len(got) + len(o.mine)) / len(layout) if len(layout) else 1.0
+
+        # ---- bookkeeping
+        self._note_rejections(o)
+        res.rejected = dict(o.rejected)
+        with self._cv:
+            self.state.rounds_applied = r + 1
+            self._open.pop(r, None)
+            for key in [k for k in self._means if k[0] < r - 1]:
+                del self._means[key]
+            self._cv.notify_all()
+        res.bytes_sent = self.transport.bytes_sent() - sent0
+        res.bytes_received = self.transport.bytes_received() - recv0
+        res.total_s = time.monotonic() - t0
+        res.wait_s = max(0.0, res.total_s - res.encode_s - res.decode_s - res.network_s)
+        return res
+
+    def _decode_mean(self, b: int, m: BucketMean) -> torch.Tensor:
+        bucket = self.state.layout.buckets[b]
+        if len(m.chunks) != len(bucket.chunks):
+            raise ValueError(f"mean has {len(m.chunks)} chunks, bucket {b} has {len(bucket.chunks)}")
+        full = torch.empty(bucket.numel, dtype=torch.float32)
+        for ch, (off, n) in zip(m.chunks, bucket.chunks):
+            if (ch.offset, ch.numel) != (off, n):
+                raise ValueError(f"mean chunk {ch.chunk} covers {ch.offset}+{ch.numel}, expected {off}+{n}")
+            if ch.codec != self.bcodec.name:
+                raise ValueError(f"mean codec {ch.codec!r}, expected {self.bcodec.name!r}")
+            full[off : off + n] = self.bcodec.decode(ch.payload, numel=n)
+        return full
+
+    def _repair(self, plan: RoundPlan, owners: list[str], stale: list[int], got: dict[int, BucketMean]) -> int:
+        """Pull stale buckets whole from their owner (or a member with the owner's checksum)."""
+        deadline = time.monotonic() + self.config.repair_timeout_s
+        repaired = 0
+        for b in stale:
+            want = got[b].checksum_after if b in got else None
+            sources = [owners[b]] + [m.site_id for m in plan.members if m.site_id not in (owners[b], self.site_id)]
+            for src in sources:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    st = self.transport.pull_state(plan.address_of(src), b, requester=self.site_id, timeout_s=left)
+                    theta, opt = self.state.decode_bucket_state(st)
+                except (TransportError, StateTransferError) as e:
+                    log.warning("repair of bucket %d from %s failed: %s", b, src, e)
+                    continue
+                if want is not None and st.checksum != want:
+                    continue
+                resid = self.state.residuals[b]
+                self.state.load_bucket(b, theta, opt, st.rounds_applied)
+                self.state.residuals[b] = resid
+                repaired += 1
+                log.info("repaired bucket %d from %s", b, src)
+                break
+        return repaired
+
+    def _note_rejections(self, o: _OpenRound) -> None:
+        for s in o.members:
+            if s == self.site_id:
+                continue
+            if s in o.rejected_senders:
+                self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
+                if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
+                    self._banned.add(s)
+                    log.error("excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s])
+            else:
+                self._reject_streak[s] = 0
+
+    # ------------------------------------------------------------------ helpers for callers
+    def add_pseudo_gradient(self, tensors: list[torch.Tensor]) -> bool:
+        """Set residual_b ← residual_b + (θ_b − local_b) for every bucket.
+
+        Args:
+            tensors: the model's current (local) tensors, as the layout expects.
+        Returns:
+            False, with every residual cleared, when any value is non-finite
+            (the site then contributes nothing this round; DESIGN.md).
+        """
+        layout = self.state.layout
+        tmp: torch.Tensor | None = None
+        ok = True
+        for b in range(len(layout)):
+            n = layout.buckets[b].numel
+            if tmp is None or tmp.numel() < n:
+                tmp = torch.empty(n, dtype=torch.float32)
+            local = layout.gather(b, tensors, out=tmp[:n])
+            ref = self.state.theta[b].detach()
+            low = [s for s in layout.buckets[b].segments if tensors[s.tensor_index].dtype != torch.float32]
+            if low:
+                # a bf16/fp16 model was reset to θ rounded to its dtype: measure Δ from there,
+                # so rounding alone is not mistaken for progress.
+                ref = ref.clone()
+                for sg in low:
+                    sl = slice(sg.bucket_offset, sg.bucket_offset + sg.numel)
+                    ref[sl] = ref[sl].to(tensors[sg.tensor_index].dtype).float()
+            delta = ref - local
+            r = self.state.residuals[b]
+            if r is None or not self.config.error_feedback:
+                self.state.residuals[b] = delta
+            else:
+                r.add_(delta)
+            if not bool(torch.isfinite(self.state.residuals[b]).all()):
+                ok = False
+        if not ok:
+            log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")
+            self.state.residuals = [None] * len(layout)
+        return ok

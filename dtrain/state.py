@@ -1,0 +1,259 @@
+"""Global parameters θ per bucket, their outer optimizers and residuals, and
+state transfer (repair of stale buckets, joining sites).
+
+Every site keeps θ as one fp32 tensor per bucket, one outer optimizer per
+bucket (so its state is per bucket and can be repaired or transferred bucket by
+bucket), and one error-feedback residual per bucket (DESIGN.md, "One round").
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from dtrain.buckets import BucketLayout, checksum
+from dtrain.errors import StateTransferError, TransportError
+from dtrain.protocol import BucketState, Member
+from dtrain.transports.base import Transport
+
+__all__ = ["OuterOptimizerFactory", "default_outer_optimizer", "GlobalState", "pull_full_state"]
+
+log = logging.getLogger(__name__)
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov
+    (Douillard et al., arXiv 2311.08105, §3 / Table 5, "outer optimizer")."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _buffer_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    # θ ← θ − 1·mean(Δ) = mean of the sites' local buffers: plain averaging.
+    return torch.optim.SGD(params, lr=1.0, momentum=0.0)
+
+
+def _serialize(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _deserialize(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class GlobalState:
+    """θ, outer optimizers and residuals of one site, bucket by bucket.
+
+    Args:
+        layout: the bucket layout of the synchronised tensors.
+        tensors: the model tensors θ starts from (copied to fp32).
+        outer_optimizer: factory building the outer optimizer over ``[θ_b]``
+            for each parameter bucket (buffer buckets always use plain averaging).
+
+    Thread-safety: each bucket has its own lock (``lock(b)``); the round engine
+    applies a bucket's mean under it while peers may read it for repair.
+    """
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        tensors: Sequence[torch.Tensor],
+        outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+    ) -> None:
+        self.layout = layout
+        self.theta: list[torch.Tensor] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.residuals: list[torch.Tensor | None] = [None] * len(layout)
+        # bucket_round[b]: number of rounds whose outcome θ_b reflects.
+        self.bucket_round: list[int] = [0] * len(layout)
+        self.rounds_applied = 0
+        self._locks = [threading.RLock() for _ in range(len(layout))]
+        for b in layout.buckets:
+            t = layout.gather(b.index, tensors).requires_grad_(True)
+            self.theta.append(t)
+            factory = outer_optimizer if b.kind == "param" else _buffer_outer_optimizer
+            opt = factory([t])
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ValueError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(opt).__name__}")
+            self.optimizers.append(opt)
+
+    def __len__(self) -> int:
+        return len(self.theta)
+
+    def lock(self, b: int) -> threading.RLock:
+        return self._locks[b]
+
+    def checksum(self, b: int) -> str:
+        with self._locks[b]:
+            return checksum(self.theta[b])
+
+    def checksums(self) -> list[str]:
+        return [self.checksum(b) for b in range(len(self))]
+
+    def apply_mean(self, b: int, mean: torch.Tensor) -> str:
+        """Run the outer optimizer on bucket ``b`` with ``mean`` as the gradient.
+
+        Args:
+            mean: fp32 ``[numel_b]``, the decoded mean pseudo-gradient.
+        Returns:
+            checksum of θ_b after the step.
+        """
+        with self._locks[b]:
+            t = self.theta[b]
+            t.grad = mean
+            self.optimizers[b].step()
+            t.grad = None
+            return checksum(t)
+
+    def bucket_state(self, b: int) -> BucketState:
+        """Snapshot of bucket ``b`` (θ_b bytes and outer-optimizer state)."""
+        with self._locks[b]:
+            theta = self.theta[b].detach().clone()
+            opt = _serialize(self.optimizers[b].state_dict())
+            rnd = self.bucket_round[b]
+        return BucketState(
+            bucket=b,
+            rounds_applied=rnd,
+            theta=theta.numpy().tobytes(),
+            optimizer_state=opt,
+            checksum=checksum(theta),
+        )
+
+    def decode_bucket_state(self, st: BucketState) -> tuple[torch.Tensor, dict]:
+        """Validate and decode a peer's bucket state without applying it.
+
+        Raises:
+            StateTransferError: wrong bucket, length, checksum or optimizer state.
+        """
+        if not 0 <= st.bucket < len(self):
+            raise StateTransferError(f"bucket {st.bucket} out of range [0, {len(self)})")
+        numel = self.layout.buckets[st.bucket].numel
+        if len(st.theta) != 4 * numel:
+            raise StateTransferError(f"bucket {st.bucket}: theta has {len(st.theta)} bytes, expected {4 * numel}")
+        theta = torch.frombuffer(bytearray(st.theta), dtype=torch.float32)
+        if checksum(theta) != st.checksum:
+            raise StateTransferError(f"bucket {st.bucket}: theta checksum mismatch (corrupt transfer)")
+        try:
+            opt = _deserialize(st.optimizer_state)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad transfer
+            raise StateTransferError(f"bucket {st.bucket}: unreadable optimizer state: {e}") from e
+        if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt:
+            raise StateTransferError(f"bucket {st.bucket}: optimizer state is not an optimizer state_dict")
+        return theta, opt
+
+    def load_bucket(self, b: int, theta: torch.Tensor, opt_state: dict, rounds_applied: int) -> None:
+        """Install a decoded bucket (see :meth:`decode_bucket_state`)."""
+        with self._locks[b]:
+            with torch.no_grad():
+                self.theta[b].copy_(theta)
+            self.optimizers[b].load_state_dict(opt_state)
+            self.bucket_round[b] = rounds_applied
+            self.residuals[b] = None
+
+    def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Reset the model's tensors to θ (DESIGN.md "One round", step 7)."""
+        for b in range(len(self)):
+            with self._locks[b]:
+                self.layout.scatter(b, self.theta[b].detach(), tensors)
+
+    def state_dict(self) -> dict:
+        """θ, outer-optimizer states, residuals and the round number (tensors only)."""
+        return {
+            "fingerprint": self.layout.fingerprint(),
+            "rounds_applied": self.rounds_applied,
+            "bucket_round": list(self.bucket_round),
+            "theta": [t.detach().clone() for t in self.theta],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "residuals": [None if r is None else r.clone() for r in self.residuals],
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load :meth:`state_dict` output; refuses a different layout (ValueError)."""
+        if sd.get("fingerprint") != self.layout.fingerprint():
+            raise ValueError(
+                f"state_dict fingerprint {sd.get('fingerprint')!r} does not match this model's bucket layout "
+                f"{self.layout.fingerprint()!r} (different model or bucket_bytes/chunk_bytes)"
+            )
+        for b in range(len(self)):
+            if sd["theta"][b].numel() != self.theta[b].numel():
+                raise ValueError(f"state_dict theta[{b}] has {sd['theta'][b].numel()} elements, expected {self.theta[b].numel()}")
+        for b in range(len(self)):
+            with self._locks[b]:
+                with torch.no_grad():
+                    self.theta[b].copy_(sd["theta"][b])
+                self.optimizers[b].load_state_dict(sd["optimizers"][b])
+                r = sd["residuals"][b]
+                self.residuals[b] = None if r is None else r.clone()
+                self.bucket_round[b] = int(sd["bucket_round"][b])
+        self.rounds_applied = int(sd["rounds_applied"])
+
+
+def pull_full_state(
+    state: GlobalState,
+    transport: Transport,
+    donors: Sequence[Member],
+    *,
+    requester: str,
+    timeout_s: float,
+    min_round: int = 0,
+) -> int:
+    """Pull every bucket's θ_b and outer-optimizer state from ``donors``.
+
+    Buckets are fetched one by one; if a donor fails mid-transfer the next donor
+    is asked for the remaining buckets. All buckets must carry the same
+    ``rounds_applied`` tag (>= ``min_round``); otherwise the whole transfer
+    is retried (a donor was mid-round). Nothing is applied until every bucket has
+    arrived and validated: on failure, ``state`` is untouched.
+
+    Args:
+        donors: members to pull from, tried in order.
+        timeout_s: overall time budget, seconds.
+        min_round: the lowest acceptable round tag.
+    Returns:
+        the round tag of the installed state (= the next round to run).
+    Raises:
+        StateTransferError: no consistent state could be assembled in time.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last_err = "no donors"
+    while time.monotonic() < deadline:
+        got: dict[int, tuple[torch.Tensor, dict, int]] = {}
+        di = 0
+        while len(got) < len(state) and di < len(donors) and time.monotonic() < deadline:
+            donor = donors[di]
+            try:
+                for b in range(len(state)):
+                    if b in got:
+                        continue
+                    remaining = max(0.05, deadline - time.monotonic())
+                    st = transport.pull_state(donor.address, b, requester=requester, timeout_s=min(remaining, 30.0))
+                    theta, opt = state.decode_bucket_state(st)
+                    got[b] = (theta, opt, st.rounds_applied)
+            except (TransportError, StateTransferError) as e:
+                last_err = f"donor {donor.site_id} failed: {e}"
+                log.warning("state pull: %s; trying the next donor", last_err)
+                di += 1
+        if len(got) == len(state):
+            tags = {g[2] for g in got.values()}
+            if len(tags) == 1 and next(iter(tags)) >= min_round:
+                tag = next(iter(tags))
+                for b, (theta, opt, rnd) in got.items():
+                    state.load_bucket(b, theta, opt, rnd)
+                state.rounds_applied = tag
+                log.info("state pull: installed %d buckets at round %d", len(got), tag)
+                return tag
+            last_err = f"inconsistent round tags {sorted(tags)} (donor mid-round) or below {min_round}"
+            log.info("state pull: %s; retrying", last_err)
+        time.sleep(0.2)
+    raise StateTransferError(f"could not pull a consistent state in {timeout_s} s: {last_err}")
+
+
