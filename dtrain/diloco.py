@@ -104,6 +104,7 @@ class DiLoCo:
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
         transport: Transport | None = None,
         rendezvous: RendezvousClient | None = None,
+        _defer_join: bool = False,
     ) -> None:
         self.config = config or DiLoCoConfig()
         self.model = model
@@ -125,10 +126,15 @@ class DiLoCo:
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self._closed = False
+        if not _defer_join:
+            self.join()
+        self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
+
+    def join(self) -> None:
+        """Join the group (done by the constructor); pulls θ when rounds already ran."""
         info = self.group.join()
         if info.needs_state:
             self.state.copy_to(self._tensors_and_kinds()[0])
-        self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
 
     def _tensors_and_kinds(self) -> tuple[list[torch.Tensor], list[str]]:
         tensors = [p.data for p in self.model.parameters()]

@@ -135,7 +135,8 @@ class _OpenRound:
         self.rejected: dict[str, int] = {}
         self.rejected_senders: set[str] = set()
         self.all_arrived = threading.Event()
-        self.finalized = threading.Event()
+        self.finalized = threading.Event()  # no more contributions accepted
+        self.published = threading.Event()  # every owned bucket's mean is available
         self.lock = threading.Lock()
         if self.expected == 0:
             self.all_arrived.set()
@@ -260,7 +261,7 @@ class RoundEngine:
             if m is None:
                 raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
             return m
-        if not o.finalized.wait(max(0.0, deadline - time.monotonic())):
+        if not o.published.wait(max(0.0, deadline - time.monotonic())):
             raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
         with self._cv:
             m = self._means.get((round, bucket))
@@ -327,6 +328,7 @@ class RoundEngine:
             o.acc = {k: v for k, v in o.acc.items() if k[0] != b}  # free memory
         res.encode_s += t_enc
         res.reduce_arrived_fraction = (o.arrived / o.expected) if o.expected else 1.0
+        o.published.set()
         with self._cv:
             self._cv.notify_all()
 

@@ -1,0 +1,3 @@
+from dtrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""``dtrain worker | rendezvous | launch | report``.
+
+Flags mirror the fields of each component's frozen config dataclass
+(``--sync-every`` is ``WorkerConfig.sync_every``); ``--config FILE.toml`` supplies
+the same fields as TOML keys (``sync_every = 20``) and flags override it. A bad
+flag or config file prints one line naming the field and the allowed values and
+exits with code 2. Argument parsing uses the standard library's argparse and
+tomllib (tomli on Python 3.10); progress uses tqdm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import typing
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_QUORUM = 3
+
+
+class UsageError(Exception):
+    """A bad flag or config value; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (naming the flag) and exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _toml_load(path: str) -> dict:
+    try:
+        import tomllib  # type: ignore[import-not-found]
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config: file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"config: {path} is not valid TOML: {e}") from None
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional) of a dataclass field annotation."""
+    optional = False
+    args = typing.get_args(tp)
+    if args:
+        non_none = [a for a in args if a is not type(None)]
+        optional = len(non_none) < len(args)
+        tp = non_none[0]
+    return tp, optional
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = (), group_title: str | None = None) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    target = parser.add_argument_group(group_title) if group_title else parser
+    names = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        tp, optional = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f"(default: {default!r})"
+        if tp is bool:
+            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+        else:
+            target.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str, default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_)
+        names.append(f.name)
+    return names
+
+
+def _check_toml_types(cls: type, values: dict, path: str) -> dict:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for k, v in values.items():
+        key = k.replace("-", "_")
+        if key not in known:
+            raise UsageError(f"config: {path}: unknown field {k!r} (allowed: {', '.join(sorted(known))})")
+        tp, optional = _base_type(hints[key])
+        ok = (v is None and optional) or (tp is float and isinstance(v, (int, float)) and not isinstance(v, bool)) or (
+            tp is int and isinstance(v, int) and not isinstance(v, bool)) or (tp is bool and isinstance(v, bool)) or (
+            tp is str and isinstance(v, str))
+        if not ok:
+            raise UsageError(f"config: {path}: field {key!r} must be {tp.__name__}, got {v!r}")
+        out[key] = float(v) if tp is float else v
+    return out
+
+
+def _build(cls: type, ns: argparse.Namespace, names: list[str], extra: dict | None = None):
+    values: dict = {}
+    if getattr(ns, "config", None):
+        values.update(_check_toml_types(cls, _toml_load(ns.config), ns.config))
+    values.update({n: getattr(ns, n) for n in names if hasattr(ns, n)})
+    values.update(extra or {})
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# ------------------------------------------------------------------ worker
+def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
+    from dtrain.errors import CheckpointError, QuorumTimeout
+    from dtrain.worker import WorkerConfig, install_signal_handlers, run_worker
+
+    cfg = _build(WorkerConfig, ns, names)
+    _setup_logging(ns.log_level)
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    try:
+        summary = run_worker(cfg, stop_event=stop)
+    except CheckpointError as e:
+        print(f"dtrain worker: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except QuorumTimeout as e:
+        log.error("giving up: %s", e)
+        print(f"dtrain worker: error: {e}", file=sys.stderr)
+        return EXIT_QUORUM
+    print(json.dumps(summary))
+    return 0
+
+
+# ------------------------------------------------------------------ rendezvous
+def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
+    import signal
+
+    from dtrain.rendezvous import RendezvousConfig, RendezvousCore
+    from dtrain.rendezvous_grpc import serve_rendezvous
+    from dtrain.transports.grpc_common import GrpcTransportConfig
+
+    cfg = _build(RendezvousConfig, ns, names)
+    host, _, port = ns.bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"bind must be host:port, got {ns.bind!r}")
+    token = Path(ns.token_file).read_text().strip() if ns.token_file else None
+    _setup_logging(ns.log_level)
+    server = serve_rendezvous(RendezvousCore(cfg), GrpcTransportConfig(bind_host=host, bind_port=int(port), token=token, num_server_threads=64))
+    if ns.address_file:
+        tmp = Path(ns.address_file + ".tmp")
+        tmp.write_text(server.address)
+        tmp.replace(ns.address_file)
+    log.info("rendezvous serving on %s with %s", server.address, cfg)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.stop(1.0)
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
+    from dtrain.rendezvous import RendezvousConfig
+    from dtrain.worker import WorkerConfig
+
+    p = _Parser(prog="dtrain", description="Decentralized DiLoCo training over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    names: dict[str, list[str]] = {}
+
+    w = sub.add_parser("worker", help="run one site")
+    w.add_argument("--config", help="TOML file with WorkerConfig fields; flags override it")
+    w.add_argument("--log-level", default="INFO")
+    names["worker"] = _add_fields(w, WorkerConfig)
+
+    r = sub.add_parser("rendezvous", help="run the membership service")
+    r.add_argument("--config", help="TOML file with RendezvousConfig fields; flags override it")
+    r.add_argument("--bind", default="127.0.0.1:29400", help="host:port to listen on (port 0: any)")
+    r.add_argument("--address-file", help="write the bound host:port here once listening")
+    r.add_argument("--token-file", help="file holding the shared token")
+    r.add_argument("--log-level", default="INFO")
+    names["rendezvous"] = _add_fields(r, RendezvousConfig)
+
+    la = sub.add_parser("launch", help="start a rendezvous and N workers on this machine")
+    la.add_argument("--sites", type=int, default=3, help="number of sites (workers)")
+    la.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
+    la.add_argument("--netem", default=None, help="run each site in its own network namespace with this link profile")
+    la.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    la.add_argument("--config", help="TOML file with WorkerConfig fields for every site")
+    la.add_argument("--log-level", default="INFO")
+    per_site = ("site_id", "site_index", "num_sites", "listen", "advertise", "rendezvous", "out_dir", "checkpoint_dir")
+    names["launch_worker"] = _add_fields(la, WorkerConfig, exclude=per_site, group_title="worker settings (every site)")
+    names["launch_rendezvous"] = _add_fields(la, RendezvousConfig, group_title="rendezvous settings")
+
+    rp = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    rp.add_argument("run_dir")
+    return p, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, names = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "worker":
+            return _cmd_worker(ns, names["worker"])
+        if ns.command == "rendezvous":
+            return _cmd_rendezvous(ns, names["rendezvous"])
+        if ns.command == "launch":
+            from dtrain.launch import run_launch
+
+            return run_launch(ns, names["launch_worker"], names["launch_rendezvous"])
+        if ns.command == "report":
+            from dtrain.report import make_report
+
+            try:
+                paths = make_report(ns.run_dir)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            for pth in paths:
+                print(pth)
+            return 0
+    except UsageError as e:
+        print(f"dtrain {ns.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE

@@ -1,0 +1,257 @@
+"""``dtrain launch``: a rendezvous and N workers as subprocesses of this machine.
+
+Shows live progress (tqdm), streams each site's log to ``RUN_DIR/<site>/worker.log``,
+and ends with a summary table. Ctrl-C (SIGINT) or SIGTERM stops every child
+cleanly (SIGTERM, then SIGKILL after a grace period); a child that crashes is
+reported with the last lines of its log while the others go on.
+With ``--netem PROFILE`` every site (and the rendezvous) runs in its own network
+namespace behind emulated links (``netem/``; root only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+__all__ = ["run_launch"]
+
+log = logging.getLogger(__name__)
+
+
+def _flag(name: str, value) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + name.replace("_", "-")]
+    return [flag, str(value)]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError:
+        return "(no log)"
+
+
+class _SiteView:
+    def __init__(self, site: str, path: Path) -> None:
+        self.site = site
+        self.path = path
+        self.pos = 0
+        self.last: dict = {}
+        self.bytes_sent = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except OSError:
+            return
+        if not chunk:
+            return
+        lines = chunk.split("\n")
+        complete, rest = lines[:-1], lines[-1]
+        self.pos += len(chunk) - len(rest)
+        for ln in complete:
+            try:
+                d = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if d.get("event") == "round":
+                self.last = d
+                self.bytes_sent += int(d.get("bytes_sent", 0))
+            elif d.get("event") == "start" and not self.last:
+                self.last = d
+
+
+def _format_table(rows: list[dict]) -> str:
+    cols = [
+        ("site", "site", "{}"),
+        ("final val loss", "final_val_loss", "{:.4f}"),
+        ("θ checksum", "checksum", "{}"),
+        ("rounds joined", "rounds_joined", "{}"),
+        ("bytes sent", "bytes_sent", "{:,}"),
+        ("bytes received", "bytes_received", "{:,}"),
+        ("compression", "compression_ratio", "{:.1f}x"),
+        ("sync share", "sync_share", "{:.1%}"),
+    ]
+    cells = [[h for h, _, _ in cols]]
+    for r in rows:
+        row = []
+        for _, k, fmt in cols:
+            v = r.get(k)
+            row.append("-" if v is None else (fmt.format(v) if not isinstance(v, str) or fmt == "{}" else v))
+        cells.append(row)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    out = []
+    for i, row in enumerate(cells):
+        out.append("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
+    from tqdm import tqdm
+
+    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load
+    from dtrain.rendezvous import RendezvousConfig
+    from dtrain.worker import WorkerConfig
+
+    n = ns.sites
+    if not isinstance(n, int) or not 1 <= n <= 64:
+        raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
+    run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Validate every setting up front (same rules as the worker and rendezvous).
+    toml_vals = _check_toml_types(WorkerConfig, _toml_load(ns.config), ns.config) if ns.config else {}
+    wvals = {**toml_vals, **{k: getattr(ns, k) for k in worker_names if hasattr(ns, k)}}
+    try:
+        WorkerConfig(**wvals, site_id="site-0", num_sites=n, site_index=0, out_dir=str(run_dir / "site-0"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rvals = {k: getattr(ns, k) for k in rendezvous_names if hasattr(ns, k)}
+    rvals.setdefault("initial_sites", n)
+    rcfg = _build(RendezvousConfig, type("NS", (), rvals)(), list(rvals))
+    rounds = wvals.get("rounds", WorkerConfig.rounds)
+
+    topo = None
+    if ns.netem:
+        from dtrain.netem_bridge import open_topology  # noqa: PLC0415 - optional, root only
+
+        topo = open_topology(n + 1, ns.netem)
+
+    def wrap(i: int, argv: list[str]) -> list[str]:
+        return topo.exec_argv(i, argv) if topo is not None else argv
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    py = [sys.executable, "-m", "dtrain"]
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Path] = {}
+    addr_file = run_dir / "rendezvous.addr"
+    addr_file.unlink(missing_ok=True)
+    rv_host = topo.address(n) if topo is not None else "127.0.0.1"
+    rv_argv = py + ["rendezvous", "--bind", f"{rv_host}:0", "--address-file", str(addr_file), "--log-level", ns.log_level]
+    for k, v in rvals.items():
+        if v is not None:
+            rv_argv += _flag(k, v)
+    (run_dir / "launch.json").write_text(json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": ns.netem}, indent=2))
+    logs["rendezvous"] = run_dir / "rendezvous.log"
+    stopping = {"flag": False}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stopping["flag"] = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    exit_code = 0
+    try:
+        procs["rendezvous"] = subprocess.Popen(wrap(n, rv_argv), stdout=open(logs["rendezvous"], "w"), stderr=subprocess.STDOUT,
+                                               env=env, start_new_session=True)
+        t0 = time.monotonic()
+        while not addr_file.exists():
+            if procs["rendezvous"].poll() is not None or time.monotonic() - t0 > 30:
+                print(f"rendezvous failed to start:\n{_tail(logs['rendezvous'])}", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        rv_addr = addr_file.read_text().strip()
+        views: dict[str, _SiteView] = {}
+        for i in range(n):
+            site = f"site-{i}"
+            sdir = run_dir / site
+            sdir.mkdir(parents=True, exist_ok=True)
+            host = topo.address(i) if topo is not None else "127.0.0.1"
+            argv = py + ["worker", "--site-id", site, "--site-index", str(i), "--num-sites", str(n), "--listen", f"{host}:0",
+                         "--rendezvous", rv_addr, "--out-dir", str(sdir), "--log-level", ns.log_level]
+            if ns.config:
+                argv += ["--config", ns.config]
+            for k in worker_names:
+                if hasattr(ns, k):
+                    argv += _flag(k, getattr(ns, k))
+            logs[site] = sdir / "worker.log"
+            procs[site] = subprocess.Popen(wrap(i, argv), stdout=open(logs[site], "w"), stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
+            views[site] = _SiteView(site, sdir / "metrics.jsonl")
+        print(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}", flush=True)
+        bar = tqdm(total=rounds, desc="rounds", unit="round", disable=ns.no_progress, dynamic_ncols=True)
+        crashed: dict[str, int] = {}
+        while True:
+            for v in views.values():
+                v.poll()
+            done_rounds = [v.last.get("round", -1) + 1 for v in views.values() if v.site not in crashed and v.last.get("event") == "round"]
+            if done_rounds:
+                bar.n = min(rounds, min(done_rounds))
+                lasts = [v.last for v in views.values() if v.last.get("event") == "round"]
+                vl = [x["val_loss"] for x in lasts if x.get("val_loss") is not None]
+                bar.set_postfix_str(
+                    f"val_loss {min(vl):.3f}-{max(vl):.3f} | sent {sum(v.bytes_sent for v in views.values()) / 1e6:.1f} MB"
+                    f" | sync {max(x.get('sync_s', 0) for x in lasts):.2f}s | members {max(len(x.get('members', [])) for x in lasts)}",
+                    refresh=False,
+                )
+                bar.refresh()
+            for site, p in procs.items():
+                if site == "rendezvous" or site in crashed:
+                    continue
+                rc = p.poll()
+                if rc is not None and rc != 0:
+                    crashed[site] = rc
+                    tqdm.write(f"!! {site} exited with code {rc}; last log lines:\n{_tail(logs[site])}")
+            workers_done = all(p.poll() is not None for s, p in procs.items() if s != "rendezvous")
+            if workers_done or stopping["flag"]:
+                break
+            time.sleep(0.5)
+        bar.close()
+        if stopping["flag"]:
+            print("dtrain launch: interrupted; stopping every site", file=sys.stderr)
+            exit_code = 130
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for p in procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if topo is not None:
+            topo.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    rows = []
+    for i in range(n):
+        f = run_dir / f"site-{i}" / "summary.json"
+        if f.exists():
+            rows.append(json.loads(f.read_text()))
+        else:
+            rows.append({"site": f"site-{i}"})
+    print()
+    print(_format_table(rows))
+    sums = {r["checksum"] for r in rows if "checksum" in r}
+    finished = [r for r in rows if "checksum" in r]
+    if finished:
+        first = [r["first_val_loss"] for r in finished]
+        last = [r["final_val_loss"] for r in finished]
+        print(f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)")
+    agree = len(sums) == 1 and len(finished) == n
+    print(f"θ checksums {'agree' if agree else 'DIFFER or missing'} across sites; run dir: {run_dir}")
+    bad = {s: p.returncode for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
+    if bad and exit_code == 0:
+        for s, rc in bad.items():
+            print(f"{s} exited with code {rc}; last log lines:\n{_tail(logs[s])}", file=sys.stderr)
+        exit_code = 1
+    if exit_code == 0 and not agree:
+        exit_code = 1
+    return exit_code
