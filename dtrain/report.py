@@ -1,0 +1,471 @@
+"""`dtrain report RUN_DIR`: plots and a markdown summary of a finished (or partial) run.
+
+Reads every ``RUN_DIR/<site>/metrics.jsonl`` (format: ``docs/METRICS.md``) and the optional
+``RUN_DIR/<site>/summary.json``, and writes into ``RUN_DIR``:
+
+- ``val_loss_rounds.png``: validation loss per site over rounds (the ``start`` line at round -1);
+- ``val_loss_wall.png``: validation loss per site over wall time;
+- ``sync_time.png``: sync time per round split into encode / network / decode / wait
+  (stacked bars, mean over the sites that ran the round);
+- ``bytes.png``: payload bytes sent and received per round, summed over sites;
+- ``report.md``: a short summary (per-site table, checksum agreement, faults, rejections).
+
+Which lines count: a ``deferred`` line (the rendezvous was unreachable, θ unchanged) is counted
+only in ``num_deferred``; of several non-deferred lines for the same (site, round) — a run
+resumed from a checkpoint re-appends to the same file — the last one wins. After a resume
+the file holds a second ``start`` line whose ``wall_s`` restarts at 0; wall times after it are
+shifted by the last wall time seen before it, so the wall-time axis stays monotone.
+
+Plotting uses matplotlib's Agg canvas directly (``matplotlib.figure.Figure`` +
+``FigureCanvasAgg``): no display is needed and the process-wide pyplot backend is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["make_report", "summarize_run", "load_site_metrics", "SiteMetrics", "REPORT_FILES"]
+
+log = logging.getLogger(__name__)
+
+#: Files :func:`make_report` writes into the run directory, in this order.
+REPORT_FILES = ("val_loss_rounds.png", "val_loss_wall.png", "sync_time.png", "bytes.png", "report.md")
+
+_SYNC_PARTS = ("encode_s", "network_s", "decode_s", "wait_s")
+_SYNC_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+
+
+@dataclass
+class SiteMetrics:
+    """The parsed metrics of one site.
+
+    Attributes:
+        site: site_id (from the lines' ``site`` field, else the directory name).
+        path: the metrics.jsonl file.
+        start: the first ``start`` line, or None if the file has none.
+        rounds: round number -> the line that counts for it (last non-deferred line).
+        order: the counted lines in file order, each with ``wall_s`` made monotone across resumes.
+        num_deferred: number of ``deferred`` lines.
+        num_resumes: number of ``start`` lines after the first.
+        summary: the parsed summary.json, or None when absent/unreadable.
+    """
+
+    site: str
+    path: Path
+    start: dict | None = None
+    rounds: dict[int, dict] = field(default_factory=dict)
+    order: list[dict] = field(default_factory=list)
+    num_deferred: int = 0
+    num_resumes: int = 0
+    summary: dict | None = None
+
+
+def _num(value: Any) -> float:
+    """A float from a metrics value; NaN for missing or non-numeric values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value)
+
+
+def _valid_line(obj: Any) -> str | None:
+    """None if ``obj`` is a usable metrics line, else why not."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    if obj.get("event") not in ("start", "round"):
+        return f"'event' must be 'start' or 'round', got {obj.get('event')!r}"
+    r = obj.get("round")
+    if isinstance(r, bool) or not isinstance(r, int):
+        return f"'round' must be an integer, got {r!r}"
+    return None
+
+
+def load_site_metrics(path: str | Path) -> SiteMetrics:
+    """Parse one site's ``metrics.jsonl`` (and the ``summary.json`` beside it, if any).
+
+    Malformed lines (not JSON, not an object, unknown ``event``, non-integer ``round``) are
+    skipped with a warning naming the file and the 1-based line number; blank lines are ignored.
+
+    Args:
+        path: a ``metrics.jsonl`` file.
+
+    Returns:
+        The :class:`SiteMetrics`; ``rounds`` is empty if no valid round line was found.
+    """
+    path = Path(path)
+    site = SiteMetrics(site=path.parent.name, path=path)
+    named = False
+    wall_offset = 0.0
+    last_wall = 0.0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                log.warning("%s:%d: skipping malformed metrics line (%s)", path, lineno, e)
+                continue
+            why = _valid_line(obj)
+            if why is not None:
+                log.warning("%s:%d: skipping malformed metrics line (%s)", path, lineno, why)
+                continue
+            if not named and isinstance(obj.get("site"), str) and obj["site"]:
+                site.site, named = obj["site"], True
+            wall = _num(obj.get("wall_s"))
+            if obj["event"] == "start":
+                if site.start is None:
+                    site.start = dict(obj, wall_s=0.0)
+                else:
+                    site.num_resumes += 1
+                    wall_offset = last_wall
+                continue
+            if obj.get("status") == "deferred":
+                site.num_deferred += 1
+                continue
+            line = dict(obj)
+            if not math.isnan(wall):
+                line["wall_s"] = wall + wall_offset
+                last_wall = line["wall_s"]
+            site.rounds[obj["round"]] = line
+            site.order.append(line)
+    summary_path = path.parent / "summary.json"
+    if summary_path.is_file():
+        try:
+            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
+            site.summary = loaded if isinstance(loaded, dict) else None
+            if site.summary is None:
+                log.warning("%s: expected a JSON object, ignoring it", summary_path)
+        except (OSError, ValueError) as e:
+            log.warning("%s: unreadable summary (%s), ignoring it", summary_path, e)
+    return site
+
+
+def _load_run(run_dir: Path) -> list[SiteMetrics]:
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
+    files = sorted(run_dir.glob("*/metrics.jsonl"))
+    sites = [load_site_metrics(p) for p in files]
+    sites = [s for s in sites if s.start is not None or s.rounds]
+    if not sites:
+        raise ValueError(
+            f"no metrics in run directory {str(run_dir)!r}: expected <site>/metrics.jsonl files with at least "
+            f"one valid line (found {len(files)} metrics file(s))"
+        )
+    seen: dict[str, Path] = {}
+    for s in sites:
+        if s.site in seen:
+            log.warning("site %r appears in both %s and %s; keeping both, labelled by directory", s.site,
+                        seen[s.site], s.path)
+            s.site = f"{s.site} ({s.path.parent.name})"
+        seen[s.site] = s.path
+    return sorted(sites, key=lambda s: s.site)
+
+
+def _site_summary(s: SiteMetrics) -> dict:
+    lines = [s.rounds[r] for r in sorted(s.rounds)]
+    last = s.order[-1] if s.order else None
+    syncs = [_num(ln.get("sync_s")) for ln in lines]
+    syncs = [x for x in syncs if not math.isnan(x)]
+    rejected: dict[str, int] = {}
+    for ln in lines:
+        rej = ln.get("rejected")
+        if isinstance(rej, dict):
+            for reason, n in rej.items():
+                if isinstance(n, int) and not isinstance(n, bool):
+                    rejected[str(reason)] = rejected.get(str(reason), 0) + n
+    summ = s.summary or {}
+    return {
+        "site": s.site,
+        "first_val_loss": _num(s.start.get("val_loss")) if s.start else math.nan,
+        "final_val_loss": _num(last.get("val_loss")) if last else math.nan,
+        "final_round": last["round"] if last else None,
+        "rounds_applied": sum(1 for ln in lines if ln.get("status") == "applied"),
+        "rounds_resynced": sum(1 for ln in lines if ln.get("status") == "resynced"),
+        "rounds_deferred": s.num_deferred,
+        "resumes": s.num_resumes,
+        "bytes_sent": int(sum(_num(ln.get("bytes_sent")) for ln in lines if not math.isnan(_num(ln.get("bytes_sent"))))),
+        "bytes_received": int(
+            sum(_num(ln.get("bytes_received")) for ln in lines if not math.isnan(_num(ln.get("bytes_received"))))
+        ),
+        "mean_sync_s": sum(syncs) / len(syncs) if syncs else math.nan,
+        "wall_s": _num(last.get("wall_s")) if last else 0.0,
+        "sync_share": _num(summ.get("sync_share")) if s.summary is not None else None,
+        "compression_ratio": summ.get("compression_ratio"),
+        "checksum": last.get("checksum") if last else (s.start or {}).get("checksum"),
+        "rejected": rejected,
+        "num_errors": sum(len(ln["errors"]) for ln in lines if isinstance(ln.get("errors"), list)),
+        "finished": s.summary is not None and not summ.get("interrupted", False),
+    }
+
+
+def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
+    per_site = {s.site: _site_summary(s) for s in sites}
+    num_sites = len(sites)
+    all_rounds = sorted({r for s in sites for r in s.rounds})
+    faults = []
+    for r in all_rounds:
+        members: set[str] = set()
+        statuses = {}
+        for s in sites:
+            ln = s.rounds.get(r)
+            if ln is None:
+                continue
+            statuses[s.site] = ln.get("status")
+            if isinstance(ln.get("members"), list):
+                members.update(str(m) for m in ln["members"])
+        if len(members) < num_sites:
+            faults.append({
+                "round": r,
+                "members": sorted(members),
+                "missing": sorted(set(per_site) - members),
+                "statuses": statuses,
+            })
+    rejected: dict[str, int] = {}
+    for v in per_site.values():
+        for reason, n in v["rejected"].items():
+            rejected[reason] = rejected.get(reason, 0) + n
+    checksums = [v["checksum"] for v in per_site.values()]
+    return {
+        "run_dir": str(run_dir),
+        "num_sites": num_sites,
+        "num_rounds": len(all_rounds),
+        "rounds": all_rounds,
+        "sites": per_site,
+        "checksums_agree": bool(checksums) and all(c is not None for c in checksums) and len(set(checksums)) == 1,
+        "faults": faults,
+        "rejected": rejected,
+        "num_rejected": sum(rejected.values()),
+    }
+
+
+def summarize_run(run_dir: str | Path) -> dict:
+    """Summarize a run directory (no files are written).
+
+    Args:
+        run_dir: the directory holding ``<site>/metrics.jsonl`` files.
+
+    Returns:
+        A JSON-serializable dict: ``run_dir``, ``num_sites``, ``num_rounds`` (distinct round
+        numbers any site ran), ``rounds``, ``sites`` (site_id -> ``first_val_loss``,
+        ``final_val_loss`` (nats/token; NaN if unknown), ``final_round``, ``rounds_applied``,
+        ``rounds_resynced``, ``rounds_deferred``, ``resumes``, ``bytes_sent``, ``bytes_received``
+        (bytes), ``mean_sync_s`` (s), ``wall_s`` (s), ``sync_share`` (0..1, from summary.json; None
+        without one), ``compression_ratio``, ``checksum`` (final θ checksum), ``rejected``
+        (reason -> count), ``num_errors``, ``finished`` (summary.json present and not
+        interrupted)), ``checksums_agree`` (every site has a final checksum and all are equal),
+        ``faults`` (rounds whose quorum held fewer than all sites: ``round``, ``members``,
+        ``missing``, ``statuses``), ``rejected`` and ``num_rejected`` (over all sites).
+
+    Raises:
+        ValueError: ``run_dir`` is not a directory or holds no valid metrics line at all.
+    """
+    run_dir = Path(run_dir)
+    return _summarize(_load_run(run_dir), run_dir)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _new_figure(title: str, xlabel: str, ylabel: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)
+    log.info("wrote %s", path)
+    return path
+
+
+def _plot_val_loss(sites: list[SiteMetrics], path: Path, *, over: str) -> Path:
+    """Validation loss per site over ``over='round'`` (start line at -1) or ``over='wall'`` (wall_s)."""
+    by_round = over == "round"
+    fig, ax = _new_figure(
+        f"Validation loss per site over {'rounds' if by_round else 'wall time'}",
+        "round (-1 = start, before any round)" if by_round else "wall time since site start (s)",
+        "validation loss (nats/token)",
+    )
+    for s in sites:
+        points = [(-1 if by_round else 0.0, s.start)] if s.start is not None else []
+        if by_round:
+            points += [(r, s.rounds[r]) for r in sorted(s.rounds)]
+        else:  # every counted line in file order: a resumed round shows both attempts
+            points += [(_num(ln.get("wall_s")), ln) for ln in s.order]
+        ax.plot([x for x, _ in points], [_num(ln.get("val_loss")) for _, ln in points], marker="o", markersize=4,
+                label=s.site)
+    if by_round:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(title="site")
+    return _save(fig, path)
+
+
+def _per_round(sites: list[SiteMetrics], rounds: list[int], key: str, how: str) -> list[float]:
+    """Per round: the mean (``how='mean'``) or sum over sites of ``key``; missing values are skipped."""
+    out = []
+    for r in rounds:
+        vals = [_num(s.rounds[r].get(key)) for s in sites if r in s.rounds]
+        vals = [v for v in vals if not math.isnan(v)]
+        if not vals:
+            out.append(0.0)
+        else:
+            out.append(sum(vals) / len(vals) if how == "mean" else sum(vals))
+    return out
+
+
+def _plot_sync_time(sites: list[SiteMetrics], rounds: list[int], path: Path) -> Path:
+    fig, ax = _new_figure("Sync time per round, split by phase (mean over sites)", "round", "time (s)")
+    bottom = [0.0] * len(rounds)
+    for part, color in zip(_SYNC_PARTS, _SYNC_COLORS):
+        vals = _per_round(sites, rounds, part, "mean")
+        ax.bar(rounds, vals, bottom=bottom, color=color, label=part[:-2], width=0.8)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(0, max(bottom + [1e-9]) * 1.25)  # headroom for the legend
+    ax.legend(title="phase", loc="upper left", ncols=4)
+    return _save(fig, path)
+
+
+def _byte_unit(max_bytes: float) -> tuple[float, str]:
+    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if max_bytes >= scale:
+            return scale, name
+    return 1.0, "bytes"
+
+
+def _plot_bytes(sites: list[SiteMetrics], rounds: list[int], path: Path) -> Path:
+    sent = _per_round(sites, rounds, "bytes_sent", "sum")
+    received = _per_round(sites, rounds, "bytes_received", "sum")
+    scale, unit = _byte_unit(max(sent + received + [0.0]))
+    fig, ax = _new_figure("Payload bytes per round (summed over sites)", "round", f"payload per round ({unit})")
+    width = 0.4
+    ax.bar([r - width / 2 for r in rounds], [v / scale for v in sent], width=width, label="sent", color="#4c72b0")
+    ax.bar([r + width / 2 for r in rounds], [v / scale for v in received], width=width, label="received",
+           color="#dd8452")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(0, max([v / scale for v in sent + received] + [1e-9]) * 1.2)  # headroom for the legend
+    ax.legend(loc="upper right", ncols=2)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return format(x, spec)
+
+
+def _markdown(summary: dict, images: list[str]) -> str:
+    sites = summary["sites"]
+    out = [
+        f"# dtrain run report: `{summary['run_dir']}`",
+        "",
+        f"- sites: **{summary['num_sites']}**",
+        f"- rounds: **{summary['num_rounds']}**"
+        + (f" (rounds {summary['rounds'][0]}..{summary['rounds'][-1]})" if summary["rounds"] else ""),
+        "- final θ checksums: "
+        + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)"),
+        "",
+        "## Per site",
+        "",
+        "| site | first val loss | final val loss | final round | rounds applied | bytes sent | bytes received "
+        "| mean sync (s) | sync share of wall time | final θ checksum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, v in sites.items():
+        share = "–" if v["sync_share"] is None else _fmt(100 * v["sync_share"], ".1f") + " %"
+        out.append(
+            f"| {name} | {_fmt(v['first_val_loss'])} | {_fmt(v['final_val_loss'])} | {_fmt(v['final_round'], 'd')} "
+            f"| {v['rounds_applied']} | {v['bytes_sent']:,} | {v['bytes_received']:,} | {_fmt(v['mean_sync_s'], '.3f')} "
+            f"| {share} | `{v['checksum'] if v['checksum'] is not None else '–'}` |"
+        )
+    notes = []
+    for name, v in sites.items():
+        bits = []
+        if v["rounds_resynced"]:
+            bits.append(f"{v['rounds_resynced']} round(s) resynced")
+        if v["rounds_deferred"]:
+            bits.append(f"{v['rounds_deferred']} round attempt(s) deferred")
+        if v["resumes"]:
+            bits.append(f"resumed {v['resumes']} time(s)")
+        if v["num_errors"]:
+            bits.append(f"{v['num_errors']} peer error(s)")
+        if not v["finished"]:
+            bits.append("no summary.json or interrupted (site did not finish cleanly)")
+        if bits:
+            notes.append(f"- {name}: " + "; ".join(bits))
+    if notes:
+        out += ["", *notes]
+    out += ["", "## Faults", ""]
+    if summary["faults"]:
+        out.append(f"{len(summary['faults'])} round(s) ran with fewer than {summary['num_sites']} sites:")
+        out.append("")
+        for f in summary["faults"]:
+            out.append(f"- round {f['round']}: members {', '.join(f['members']) or '(none)'}; "
+                       f"missing {', '.join(f['missing'])}")
+    else:
+        out.append(f"Every round's quorum held all {summary['num_sites']} sites.")
+    out += ["", "## Rejected contributions", ""]
+    if summary["num_rejected"]:
+        out.append(f"{summary['num_rejected']} contribution(s) rejected by owners:")
+        out.append("")
+        for reason, n in sorted(summary["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):
+            out.append(f"- {reason}: {n}")
+    else:
+        out.append("None (0).")
+    out += ["", "## Plots", ""]
+    for img in images:
+        out.append(f"![{img}]({img})")
+    out.append("")
+    return "\n".join(out)
+
+
+def make_report(run_dir: str | Path) -> list[Path]:
+    """Write the plots and ``report.md`` of a run into ``run_dir``.
+
+    Args:
+        run_dir: the run directory (``RUN_DIR`` of ``dtrain launch --out RUN_DIR``).
+
+    Returns:
+        The written paths, in :data:`REPORT_FILES` order (4 PNGs, then ``report.md``).
+        Existing files of these names are replaced (each written to a temporary name, then renamed).
+
+    Raises:
+        ValueError: ``run_dir`` is not a directory or holds no valid metrics line at all.
+    """
+    run_dir = Path(run_dir)
+    sites = _load_run(run_dir)
+    summary = _summarize(sites, run_dir)
+    rounds = summary["rounds"]
+    written = [
+        _plot_val_loss(sites, run_dir / REPORT_FILES[0], over="round"),
+        _plot_val_loss(sites, run_dir / REPORT_FILES[1], over="wall"),
+        _plot_sync_time(sites, rounds, run_dir / REPORT_FILES[2]),
+        _plot_bytes(sites, rounds, run_dir / REPORT_FILES[3]),
+    ]
+    md_path = run_dir / REPORT_FILES[4]
+    tmp = md_path.with_name(md_path.name + ".tmp")
+    tmp.write_text(_markdown(summary, [p.name for p in written]), encoding="utf-8")
+    tmp.replace(md_path)
+    log.info("wrote %s", md_path)
+    written.append(md_path)
+    return written
