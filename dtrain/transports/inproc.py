@@ -14,13 +14,13 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dtrain.errors import PeerTimeout, PeerUnavailable
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.transports.base import PeerHandler, Transport
 
-__all__ = ["InprocFaults", "InprocNetwork", "InprocTransport"]
+__all__ = ["InprocFaults", "FaultRule", "InprocNetwork", "InprocTransport"]
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,61 @@ class InprocFaults:
             raise ValueError(f"delay_s must be >= 0, got {self.delay_s!r}")
 
 
+_RULE_KINDS = ("push", "pull_mean", "pull_state")
+_RULE_ACTIONS = ("drop", "kill_dst")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultRule:
+    """A targeted fault: calls matching every field that is not None get ``action``.
+
+    Attributes:
+        kind: ``"push"`` (one contribution chunk), ``"pull_mean"`` or ``"pull_state"``.
+        sender: site_id of the contribution's sender or of the pull's requester.
+        dst: address of the destination site.
+        round: round number (never matches a ``pull_state``, which has none).
+        bucket: bucket index.
+        action: ``"drop"``: a pushed chunk is lost silently, a pulled mean or
+            state is lost (``PeerTimeout`` at once); ``"kill_dst"``: the
+            destination goes down before it handles the call (as if it died at
+            that moment; ``PeerUnavailable``), and down listeners are told.
+        times: how many calls the rule applies to (None: all of them).
+    """
+
+    kind: str
+    sender: str | None = None
+    dst: str | None = None
+    round: int | None = None
+    bucket: int | None = None
+    action: str = "drop"
+    times: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _RULE_KINDS:
+            raise ValueError(f"kind must be one of {_RULE_KINDS}, got {self.kind!r}")
+        if self.action not in _RULE_ACTIONS:
+            raise ValueError(f"action must be one of {_RULE_ACTIONS}, got {self.action!r}")
+        if self.times is not None and self.times < 1:
+            raise ValueError(f"times must be >= 1 or None, got {self.times!r}")
+
+    def matches(self, kind: str, sender: str, dst: str, round: int | None, bucket: int | None) -> bool:
+        return (
+            self.kind == kind
+            and self.sender in (None, sender)
+            and self.dst in (None, dst)
+            and (self.round is None or self.round == round)
+            and self.bucket in (None, bucket)
+        )
+
+
 class InprocNetwork:
-    """Registry of in-process sites plus the faults applied between them."""
+    """Registry of in-process sites plus the faults applied between them.
+
+    Faults: random ones from :class:`InprocFaults` (seeded; which call draws
+    which number depends on thread scheduling), targeted ones from
+    :class:`FaultRule` (:meth:`add_rule`), and sites marked down
+    (:meth:`set_down`).
+    """
 
     def __init__(self, faults: InprocFaults | None = None) -> None:
         self.faults = faults or InprocFaults()
@@ -63,6 +116,43 @@ class InprocNetwork:
         self._handlers: dict[str, PeerHandler] = {}
         self._down: set[str] = set()
         self._next_port = 1
+        self._rules: list[list] = []  # [rule, remaining or None]
+        self._down_listeners: list[Callable[[str], None]] = []
+
+    def add_rule(self, rule: FaultRule) -> None:
+        """Apply ``rule`` to the calls from now on (rules are checked in order)."""
+        with self._lock:
+            self._rules.append([rule, rule.times])
+
+    def clear_rules(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def add_down_listener(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(address)`` whenever a site is set down (by :meth:`set_down` or a rule)."""
+        with self._lock:
+            self._down_listeners.append(fn)
+
+    def is_down(self, address: str) -> bool:
+        with self._lock:
+            return address in self._down
+
+    def _rule_action(self, kind: str, sender: str, dst: str, round: int | None, bucket: int | None) -> str | None:
+        with self._lock:
+            for entry in self._rules:
+                rule, left = entry
+                if left == 0 or not rule.matches(kind, sender, dst, round, bucket):
+                    continue
+                if left is not None:
+                    entry[1] = left - 1
+                action = rule.action
+                break
+            else:
+                return None
+        log.debug("inproc: rule %s on %s %s->%s r%s b%s", action, kind, sender, dst, round, bucket)
+        if action == "kill_dst":
+            self.set_down(dst)
+        return action
 
     def set_faults(self, faults: InprocFaults) -> None:
         with self._lock:
@@ -83,7 +173,11 @@ class InprocNetwork:
     def set_down(self, address: str, down: bool = True) -> None:
         """Make a site unreachable (``down=True``) as if it died or was partitioned."""
         with self._lock:
+            was = address in self._down
             (self._down.add if down else self._down.discard)(address)
+            listeners = list(self._down_listeners) if down and not was else []
+        for fn in listeners:
+            fn(address)
 
     def _draw(self, p: float) -> bool:
         if p <= 0.0:
@@ -134,7 +228,10 @@ class InprocTransport(Transport):
         for c in contributions:
             with self._count_lock:
                 self._sent += len(c.payload)
-            if self.network._draw(self.network.faults.push_loss):
+            action = self.network._rule_action("push", c.sender, address, c.round, c.bucket)
+            if action == "kill_dst":
+                raise PeerUnavailable(f"{address} went down (inproc rule)")
+            if action == "drop" or self.network._draw(self.network.faults.push_loss):
                 log.debug("inproc: dropped chunk r%d b%d c%d from %s", c.round, c.bucket, c.chunk, c.sender)
                 accepted += 1  # the sender cannot tell a lost chunk from a delivered one
                 continue
@@ -145,10 +242,13 @@ class InprocTransport(Transport):
     def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
         self._check_self()
         handler = self.network._handler(address)
+        action = self.network._rule_action("pull_mean", requester, address, round, bucket)
+        if action == "kill_dst":
+            raise PeerUnavailable(f"{address} went down (inproc rule)")
         t0 = time.monotonic()
         self._delay(timeout_s)
         mean = handler.handle_pull_mean(round, bucket, requester, max(0.0, timeout_s - (time.monotonic() - t0)))
-        if self.network._draw(self.network.faults.pull_loss):
+        if action == "drop" or self.network._draw(self.network.faults.pull_loss):
             raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address} lost (inproc pull_loss)")
         with self._count_lock:
             self._received += sum(len(ch.payload) for ch in mean.chunks)
@@ -157,8 +257,13 @@ class InprocTransport(Transport):
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         self._check_self()
         handler = self.network._handler(address)
+        action = self.network._rule_action("pull_state", requester, address, None, bucket)
+        if action == "kill_dst":
+            raise PeerUnavailable(f"{address} went down (inproc rule)")
         self._delay(timeout_s)
         state = handler.handle_pull_state(bucket, requester)
+        if action == "drop":
+            raise PeerTimeout(f"state of bucket {bucket} from {address} lost (inproc rule)")
         with self._count_lock:
             self._received += len(state.theta) + len(state.optimizer_state)
         return state
