@@ -1,0 +1,341 @@
+"""An in-process cluster of DiLoCo sites, for tests and fast simulations.
+
+:class:`InprocCluster` builds N sites in one process: one
+:class:`~dtrain.transports.inproc.InprocNetwork` (with seeded
+:class:`~dtrain.transports.inproc.InprocFaults`), one
+:class:`~dtrain.rendezvous.RendezvousCore`, and per site a model from a factory
+(deep copies of one instance, so every site starts from identical weights), an
+inner optimizer and a :class:`~dtrain.diloco.DiLoCo` wrapper. Each site runs its
+own training loop in a thread; round outcomes are collected through
+``DiLoCo.on_round``.
+
+Example::
+
+    cluster = InprocCluster(lambda: torch.nn.Linear(4, 1),
+                            lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            ClusterConfig(num_sites=3, sync_every=5))
+    def step(site, k):
+        x, y = data(site.index, k)
+        loss = ((site.model(x) - y) ** 2).mean()
+        loss.backward(); site.optimizer.step(); site.optimizer.zero_grad()
+    with cluster:
+        cluster.run_steps(step, num_steps=20, timeout_s=30)
+        assert len(set(cluster.checksums())) == 1
+
+Faults: :meth:`InprocCluster.kill` (a site dies now), :meth:`kill_during_round`
+(an owner dies after the reduce, before serving any mean),
+:meth:`drop_broadcast` (a site misses means), :meth:`drop_contributions`, plus
+the random ``push_loss`` / ``pull_loss`` / ``delay_s`` of ``ClusterConfig.faults``
+(change them mid-run with ``cluster.network.set_faults``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from dtrain.buckets import BucketConfig, assign_owners
+from dtrain.diloco import DiLoCo, DiLoCoConfig
+from dtrain.group import GroupConfig, SyncOutcome
+from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+from dtrain.rounds import RoundConfig, RoundEngine, RoundResult
+from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
+from dtrain.transports.inproc import FaultRule, InprocFaults, InprocNetwork, InprocTransport
+
+__all__ = ["ClusterConfig", "Site", "InprocCluster", "fast_rendezvous_config", "fast_group_config"]
+
+log = logging.getLogger(__name__)
+
+
+def fast_rendezvous_config(num_sites: int, **overrides: object) -> RendezvousConfig:
+    """Rendezvous timing for in-process runs: round 0 waits for all ``num_sites``.
+
+    Rounds form as soon as every live site is ready, so the long
+    ``quorum_timeout_s`` costs nothing unless a site is slow or dead; a dead
+    site stops counting after ``heartbeat_timeout_s``. ``reduce_timeout_s`` is
+    only waited for when a contribution is lost (the owner cannot tell).
+    """
+    kw: dict = dict(
+        min_sites=1,
+        initial_sites=num_sites,
+        quorum_timeout_s=5.0,
+        heartbeat_interval_s=0.05,
+        heartbeat_timeout_s=1.5,
+        reduce_timeout_s=1.0,
+        broadcast_timeout_s=2.0,
+    )
+    kw.update(overrides)
+    return RendezvousConfig(**kw)
+
+
+def fast_group_config(**overrides: object) -> GroupConfig:
+    """Group (rendezvous-client) timing for in-process runs."""
+    kw: dict = dict(quorum_wait_s=30.0, ready_poll_s=0.2, rendezvous_retry_s=0.5, backoff_max_s=0.2, state_pull_timeout_s=10.0)
+    kw.update(overrides)
+    return GroupConfig(**kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Shape of an in-process cluster.
+
+    Attributes:
+        num_sites: number of sites N (>= 1); site ids are ``f"{site_prefix}{i}"``.
+        sync_every: H, inner steps per round.
+        buckets: bucket and chunk sizes.
+        rounds: codec, aggregation, error feedback, repair of every site.
+        rendezvous: rendezvous timing; None: :func:`fast_rendezvous_config`.
+        group: rendezvous-client timing; None: :func:`fast_group_config`.
+        faults: random faults of the network (seeded).
+        buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
+        seed: ``torch.manual_seed`` before the model factory runs once.
+        site_prefix: prefix of the site ids.
+    """
+
+    num_sites: int = 2
+    sync_every: int = 4
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    rendezvous: RendezvousConfig | None = None
+    group: GroupConfig | None = None
+    faults: InprocFaults = field(default_factory=InprocFaults)
+    buffers: str = "average"
+    seed: int = 0
+    site_prefix: str = "site-"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_sites, int) or self.num_sites < 1:
+            raise ValueError(f"num_sites must be an int >= 1, got {self.num_sites!r}")
+
+
+class Site:
+    """One site of an :class:`InprocCluster`.
+
+    Attributes:
+        index: position in the cluster (0-based).
+        site_id: its id in plans and logs.
+        model: its model (trained in place by the training callable).
+        optimizer: its inner optimizer (``step()`` is hooked by DiLoCo).
+        diloco: its :class:`~dtrain.diloco.DiLoCo` wrapper.
+        rendezvous: its rendezvous client (``down=True`` cuts it off).
+        outcomes: every :class:`~dtrain.group.SyncOutcome`, in order.
+        error: the exception its training callable raised, if any.
+        killed: set once the site was killed.
+    """
+
+    def __init__(self, index: int, site_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 diloco: DiLoCo, rendezvous: InprocRendezvousClient) -> None:
+        self.index = index
+        self.site_id = site_id
+        self.model = model
+        self.optimizer = optimizer
+        self.diloco = diloco
+        self.rendezvous = rendezvous
+        self.outcomes: list[SyncOutcome] = []
+        self.error: BaseException | None = None
+        self.killed = threading.Event()
+        self.thread: threading.Thread | None = None
+        diloco.on_round.append(self.outcomes.append)
+
+    @property
+    def engine(self) -> RoundEngine:
+        return self.diloco.engine
+
+    @property
+    def state(self) -> GlobalState:
+        return self.diloco.state
+
+    @property
+    def address(self) -> str:
+        assert self.engine.address is not None
+        return self.engine.address
+
+    @property
+    def results(self) -> list[RoundResult]:
+        """The :class:`~dtrain.rounds.RoundResult` of every round this site ran."""
+        return [o.result for o in self.outcomes if o.result is not None]
+
+    def checksums(self) -> tuple[str, ...]:
+        """Checksum of θ_b per bucket."""
+        return tuple(self.state.checksums())
+
+    def theta(self) -> torch.Tensor:
+        """θ as one fp32 vector (buckets concatenated in order; a copy)."""
+        return torch.cat([t.detach() for t in self.state.theta]).clone()
+
+    def __repr__(self) -> str:
+        return f"Site({self.site_id!r}, round={self.diloco.round}, killed={self.killed.is_set()})"
+
+
+class InprocCluster:
+    """N DiLoCo sites over one in-process network and one rendezvous.
+
+    Args:
+        model_factory: builds the model; called once after
+            ``torch.manual_seed(config.seed)``, then deep-copied per site.
+        optimizer_factory: builds a site's inner optimizer from its model.
+        config: see :class:`ClusterConfig`.
+        outer_optimizer: factory of the outer optimizer per bucket (default
+            DiLoCo's SGD lr 0.7, momentum 0.9, Nesterov).
+
+    Use as a context manager (or call :meth:`close`) so that every site
+    leaves the group and stops serving.
+    """
+
+    def __init__(
+        self,
+        model_factory: Callable[[], torch.nn.Module],
+        optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        config: ClusterConfig | None = None,
+        *,
+        outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+    ) -> None:
+        self.config = cfg = config or ClusterConfig()
+        self.network = InprocNetwork(cfg.faults)
+        self.core = RendezvousCore(cfg.rendezvous or fast_rendezvous_config(cfg.num_sites))
+        group = cfg.group or fast_group_config()
+        torch.manual_seed(cfg.seed)
+        proto = model_factory()
+        self.sites: list[Site] = []
+        self._by_address: dict[str, Site] = {}
+        self.network.add_down_listener(self._on_down)
+        try:
+            for i in range(cfg.num_sites):
+                site_id = f"{cfg.site_prefix}{i}"
+                model = copy.deepcopy(proto)
+                opt = optimizer_factory(model)
+                client = InprocRendezvousClient(self.core)
+                dcfg = DiLoCoConfig(site_id=site_id, sync_every=cfg.sync_every, buckets=cfg.buckets,
+                                    rounds=cfg.rounds, group=group, buffers=cfg.buffers)
+                d = DiLoCo(model, opt, config=dcfg, outer_optimizer=outer_optimizer,
+                           transport=InprocTransport(self.network), rendezvous=client)
+                site = Site(i, site_id, model, opt, d, client)
+                self.sites.append(site)
+                self._by_address[site.address] = site
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __getitem__(self, i: int) -> Site:
+        return self.sites[i]
+
+    @property
+    def live_sites(self) -> list[Site]:
+        return [s for s in self.sites if not s.killed.is_set()]
+
+    def owners(self, site_ids: Sequence[str] | None = None) -> list[str]:
+        """Owner site_id of each bucket for a round with ``site_ids`` (default: all sites)."""
+        ids = list(site_ids) if site_ids is not None else [s.site_id for s in self.sites]
+        return assign_owners(len(self.sites[0].state), ids)
+
+    def checksums(self, sites: Sequence[Site] | None = None) -> list[tuple[str, ...]]:
+        """Per site (default: the live ones), the θ_b checksum of every bucket."""
+        return [s.checksums() for s in (self.live_sites if sites is None else sites)]
+
+    # ------------------------------------------------------------------ running
+    def run(self, fn: Callable[[Site], None], *, timeout_s: float = 60.0, sites: Sequence[Site] | None = None) -> None:
+        """Run ``fn(site)`` (a site's whole training loop) in one thread per site.
+
+        Args:
+            fn: the training loop; it calls ``site.optimizer.step()`` (hooked:
+                rounds run inside it) and should return soon after
+                ``site.killed`` is set.
+            timeout_s: the threads are joined with this overall limit.
+            sites: which sites to run (default: the live ones).
+        Raises:
+            TimeoutError: a thread was still running at the limit (it is a
+                daemon thread and is left behind; the message names the sites).
+            RuntimeError: the callable of a site that was not killed raised
+                (chained from the first such exception).
+        """
+        chosen = list(self.live_sites if sites is None else sites)
+
+        def body(site: Site) -> None:
+            try:
+                fn(site)
+            except BaseException as e:  # noqa: BLE001 - reported by run()
+                site.error = e
+                if not site.killed.is_set():
+                    log.exception("%s: training callable raised", site.site_id)
+
+        for s in chosen:
+            s.error = None
+            s.thread = threading.Thread(target=body, args=(s,), name=f"sim-{s.site_id}", daemon=True)
+            s.thread.start()
+        deadline = time.monotonic() + timeout_s
+        for s in chosen:
+            assert s.thread is not None
+            s.thread.join(max(0.0, deadline - time.monotonic()))
+        hung = [s.site_id for s in chosen if s.thread is not None and s.thread.is_alive()]
+        if hung:
+            raise TimeoutError(f"sites {hung} still running after {timeout_s} s")
+        for s in chosen:
+            if s.error is not None and not s.killed.is_set():
+                raise RuntimeError(f"{s.site_id} failed: {s.error!r}") from s.error
+
+    def run_steps(self, step_fn: Callable[[Site, int], None], num_steps: int, *, timeout_s: float = 60.0,
+                  sites: Sequence[Site] | None = None) -> None:
+        """Call ``step_fn(site, k)`` for ``k in range(num_steps)`` on every site,
+        stopping a site early once it is killed. See :meth:`run`."""
+
+        def loop(site: Site) -> None:
+            for k in range(num_steps):
+                if site.killed.is_set():
+                    return
+                step_fn(site, k)
+
+        self.run(loop, timeout_s=timeout_s, sites=sites)
+
+    # ------------------------------------------------------------------ faults
+    def _on_down(self, address: str) -> None:
+        site = self._by_address.get(address)
+        if site is None or site.killed.is_set():
+            return
+        log.warning("sim: %s killed", site.site_id)
+        site.rendezvous.down = True  # its heartbeats stop reaching the rendezvous
+        site.killed.set()
+
+    def kill(self, i: int) -> None:
+        """Site ``i`` dies now: unreachable, no more heartbeats; its thread stops
+        at its next step (a round in progress there runs out on its own)."""
+        self.network.set_down(self.sites[i].address)
+
+    def kill_during_round(self, i: int, round: int) -> None:
+        """Site ``i`` dies in round ``round`` at the moment the first peer asks it
+        for a mean: after it received contributions, before anyone got its means."""
+        self.network.add_rule(FaultRule(kind="pull_mean", dst=self.sites[i].address, round=round, action="kill_dst", times=1))
+
+    def drop_broadcast(self, i: int, *, round: int | None = None, bucket: int | None = None, times: int | None = None) -> None:
+        """Site ``i`` misses the means it pulls (from anyone, late pulls included)
+        for ``round``/``bucket`` (None: any)."""
+        self.network.add_rule(FaultRule(kind="pull_mean", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times))
+
+    def drop_contributions(self, i: int, *, round: int | None = None, bucket: int | None = None,
+                           times: int | None = None) -> None:
+        """Chunks that site ``i`` pushes for ``round``/``bucket`` are lost silently."""
+        self.network.add_rule(FaultRule(kind="push", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times))
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Every site leaves the group and stops serving (idempotent)."""
+        for s in self.sites:
+            try:
+                s.diloco.close()
+            except Exception as e:  # noqa: BLE001 - best effort at shutdown
+                log.warning("closing %s: %s", s.site_id, e)
+
+    def __enter__(self) -> "InprocCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,146 @@
+"""Quorum decisions (pure, with ``now``) and the rendezvous core's membership rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.rendezvous import RendezvousConfig, RendezvousCore, decide_quorum
+
+pytestmark = pytest.mark.timeout(30)
+
+CFG = RendezvousConfig(min_sites=2, initial_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=1.0,
+                       heartbeat_timeout_s=3.0, reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
+
+
+def _decide(*, round: int = 1, live: set[str], ready: dict[str, float], joined: int = 3, now: float = 100.0,
+            config: RendezvousConfig = CFG):
+    return decide_quorum(round=round, live=live, ready=ready, joined_ever=joined, now=now, config=config)
+
+
+def test_all_live_sites_ready_starts_at_once() -> None:
+    members, reason = _decide(live={"a", "b", "c"}, ready={"c": 99.9, "a": 99.0, "b": 100.0})
+    assert members == ["a", "b", "c"]
+    assert "all 3 live sites are ready" in reason
+
+
+def test_waits_for_stragglers_until_the_quorum_timeout() -> None:
+    members, reason = _decide(live={"a", "b", "c"}, ready={"a": 98.0, "b": 99.0}, now=100.0)
+    assert members is None
+    assert "2 of 3" in reason and "3.0s more" in reason
+
+
+def test_quorum_timeout_cuts_a_straggler_and_names_it() -> None:
+    members, reason = _decide(live={"a", "b", "c"}, ready={"a": 94.0, "b": 99.0}, now=100.0)
+    assert members == ["a", "b"]
+    assert "quorum timeout" in reason and "'c'" in reason
+
+
+def test_min_sites_not_met_says_why() -> None:
+    members, reason = _decide(live={"a", "b", "c"}, ready={"a": 90.0}, now=100.0)
+    assert members is None
+    assert "min_sites is 2" in reason and "1 of 3" in reason
+    members, reason = _decide(live={"a"}, ready={"a": 90.0}, now=100.0)
+    assert members is None
+    assert "only 1 live site(s), min_sites is 2" == reason
+
+
+def test_dead_or_unknown_ready_sites_do_not_count() -> None:
+    members, reason = _decide(live={"a", "b"}, ready={"a": 99.0, "b": 99.5, "ghost": 90.0})
+    assert members == ["a", "b"]
+    members, reason = _decide(live={"a"}, ready={"ghost": 90.0})
+    assert members is None and reason == "no live site is ready"
+
+
+def test_round_zero_waits_for_initial_sites() -> None:
+    members, reason = _decide(round=0, live={"a", "b"}, ready={"a": 0.0, "b": 0.0}, joined=2, now=1000.0)
+    assert members is None
+    assert "round 0 waits for 3 sites to join (2 so far)" == reason
+    members, _ = _decide(round=0, live={"a", "b", "c"}, ready={"a": 0.0, "b": 0.0, "c": 1.0}, joined=3, now=1.0)
+    assert members == ["a", "b", "c"]
+    # later rounds do not wait for initial_sites
+    members, _ = _decide(round=1, live={"a", "b"}, ready={"a": 0.0, "b": 0.0}, joined=2, now=1.0)
+    assert members == ["a", "b"]
+
+
+def _core(**kw) -> RendezvousCore:
+    base = dict(min_sites=1, initial_sites=2, quorum_timeout_s=5.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0,
+                reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
+    base.update(kw)
+    return RendezvousCore(RendezvousConfig(**base))
+
+
+def test_core_forms_a_round_with_a_plan() -> None:
+    core = _core()
+    j = core.join("a", "addr-a", now=0.0)
+    assert j.next_round == 0 and j.members == () and not j.needs_state
+    assert core.ready("a", 0, now=0.1).status == "wait"  # round 0 waits for initial_sites=2
+    core.join("b", "addr-b", now=0.2)
+    d = core.ready("b", 0, now=0.3)
+    assert d.status == "plan" and d.plan is not None
+    assert d.plan.round == 0 and d.plan.site_ids == ("a", "b")
+    assert d.plan.address_of("b") == "addr-b"
+    assert (d.plan.reduce_timeout_s, d.plan.broadcast_timeout_s) == (10.0, 20.0)
+    again = core.ready("a", 0, now=0.4)  # a's long poll sees the same plan
+    assert again.status == "plan" and again.plan == d.plan
+    assert core.next_round == 1
+    j = core.join("c", "addr-c", now=0.5)
+    assert j.next_round == 1 and j.needs_state and {m.site_id for m in j.members} == {"a", "b"}
+
+
+def test_silent_site_is_told_to_resync_on_its_next_heartbeat() -> None:
+    core = _core()
+    core.join("a", "addr-a", now=0.0)
+    core.join("b", "addr-b", now=0.0)
+    hb = core.heartbeat("a", now=2.5)  # within heartbeat_timeout_s=3
+    assert hb.known and not hb.resync_required
+    hb = core.heartbeat("b", now=3.5)  # silent for 3.5 s > 3 s
+    assert hb.known and hb.resync_required
+    assert "no heartbeat for 3.5s" in hb.reason and "declared dead" in hb.reason
+    # b is not live until it re-joins: round 0 cannot count it, and ready says missed
+    d = core.ready("b", 0, now=3.6)
+    assert d.status == "missed" and "declared dead" in d.reason
+    # after re-joining (the resync path) it is in good standing again
+    core.join("b", "addr-b", now=3.7)
+    assert not core.heartbeat("b", now=3.8).resync_required
+
+
+def test_unknown_site_heartbeat_asks_to_join() -> None:
+    core = _core()
+    hb = core.heartbeat("x", now=1.0)
+    assert not hb.known and "join" in hb.reason
+
+
+def test_restarted_core_adopts_the_round_a_site_asks_for() -> None:
+    core = _core(initial_sites=1)  # a fresh (restarted) core knows nothing
+    core.join("a", "addr-a", now=0.0)
+    core.join("b", "addr-b", now=0.0)
+    assert core.next_round == 0
+    d = core.ready("a", 7, now=0.1)
+    assert core.next_round == 7
+    assert d.status == "wait"
+    d = core.ready("b", 7, now=0.2)
+    assert d.status == "plan" and d.plan.round == 7 and d.plan.site_ids == ("a", "b")
+    assert core.next_round == 8
+
+
+def test_ready_for_a_round_that_already_ran_says_missed() -> None:
+    core = _core(initial_sites=1)
+    core.join("a", "addr-a", now=0.0)
+    for r in range(10):
+        assert core.ready("a", r, now=float(r)).status == "plan"
+    # the plan of round 0 is no longer kept (only the last 8): "already ran"
+    d = core.ready("a", 0, now=11.0)
+    assert d.status == "missed" and d.reason == "round 0 already ran" and d.next_round == 10
+    # a site that was not in a round that ran is told it started without it
+    core.join("b", "addr-b", now=11.0)
+    d = core.ready("b", 9, now=11.1)
+    assert d.status == "missed" and "started without b" in d.reason
+
+
+def test_leave_removes_the_site() -> None:
+    core = _core(initial_sites=1)
+    core.join("a", "addr-a", now=0.0)
+    core.join("b", "addr-b", now=0.0)
+    core.leave("b", now=0.1)
+    d = core.ready("a", 0, now=0.2)
+    assert d.status == "plan" and d.plan.site_ids == ("a",)
