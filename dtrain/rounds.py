@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -166,6 +166,9 @@ class RoundEngine:
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
+        # Test-only fault injection: called as fault_hook(phase, round) at
+        # "before_push", "mid_push" (after the first chunk to a remote owner) and "before_pull".
+        self.fault_hook: "Callable[[str, int], None] | None" = None
         self._gen = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big"))
 
     # ------------------------------------------------------------------ lifecycle
@@ -372,6 +375,8 @@ class RoundEngine:
         finalizer.start()
 
         # ---- reduce: encode per chunk and stream to owners
+        if self.fault_hook is not None:
+            self.fault_hook("before_push", r)
         payloads: dict[tuple[int, int], bytes] = {}
         enc_lock = threading.Lock()
         if contribute:
@@ -379,7 +384,8 @@ class RoundEngine:
             for b, ow in enumerate(owners):
                 by_owner.setdefault(ow, []).append(b)
 
-            def chunks_for(bs: list[int]) -> Iterator[Contribution]:
+            def chunks_for(bs: list[int], remote: bool = False) -> Iterator[Contribution]:
+                first = True
                 for b in bs:
                     v = self.state.residuals[b]
                     if v is None:
@@ -392,6 +398,9 @@ class RoundEngine:
                             if not self.codec.lossless:
                                 payloads[(b, c)] = payload
                         yield Contribution(round=r, bucket=b, chunk=c, offset=off, numel=n, codec=self.codec.name, sender=self.site_id, payload=payload)
+                        if remote and first and self.fault_hook is not None:
+                            self.fault_hook("mid_push", r)
+                        first = False
 
             def push(ow: str, bs: list[int]) -> None:
                 if ow == self.site_id:
@@ -403,7 +412,7 @@ class RoundEngine:
                     return
                 t = time.perf_counter()
                 try:
-                    self.transport.push(plan.address_of(ow), chunks_for(bs), timeout_s=max(0.01, o.finalize_at - time.monotonic()))
+                    self.transport.push(plan.address_of(ow), chunks_for(bs, remote=True), timeout_s=max(0.01, o.finalize_at - time.monotonic()))
                 except TransportError as e:
                     res.errors.append(f"push to {ow}: {e}")
                     log.warning("round %d: push to %s failed: %s", r, ow, e)
@@ -427,6 +436,8 @@ class RoundEngine:
                 return b, None, str(e)
 
         remote = [b for b in range(len(layout)) if owners[b] != self.site_id]
+        if self.fault_hook is not None:
+            self.fault_hook("before_pull", r)
         t = time.perf_counter()
         missing: dict[int, str] = {}
         with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:

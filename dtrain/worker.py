@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -159,6 +160,40 @@ def theta_checksum(diloco: DiLoCo) -> str:
     return h.hexdigest()
 
 
+def fault_hook_from_env(site_id: str):
+    """Test-only fault injection from ``DTRAIN_TEST_FAULT``.
+
+    Format: ``SITE:PHASE:ROUND:ACTION`` (several separated by ``;``), e.g.
+    ``site-2:mid_push:2:kill``. PHASE is ``before_push``, ``mid_push`` or
+    ``before_pull``; ACTION is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP
+    itself) or ``sleep=SECONDS``. Returns None when unset. Bad specs raise ValueError.
+    """
+    spec = os.environ.get("DTRAIN_TEST_FAULT", "").strip()
+    if not spec:
+        return None
+    rules = []
+    for part in spec.split(";"):
+        try:
+            site, phase, rnd, action = part.split(":")
+            rules.append((site, phase, int(rnd), action))
+        except ValueError:
+            raise ValueError(f"DTRAIN_TEST_FAULT must be SITE:PHASE:ROUND:ACTION[;...], got {part!r}") from None
+
+    def hook(phase: str, rnd: int) -> None:
+        for site, ph, r, action in rules:
+            if site == site_id and ph == phase and r == rnd:
+                log.warning("test fault injection: %s at %s of round %d", action, phase, rnd)
+                logging.shutdown()
+                if action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif action == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                elif action.startswith("sleep="):
+                    time.sleep(float(action.split("=", 1)[1]))
+
+    return hook
+
+
 def _transport_and_rendezvous(cfg: WorkerConfig):
     from dtrain.rendezvous_grpc import GrpcRendezvousClient
     from dtrain.transports.grpc import GrpcTransport
@@ -221,6 +256,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             log.info("resuming from %s (round %d)", ckpt, data["round"])
         diloco = DiLoCo(task.model, task.optimizer, config=cfg.diloco_config(), outer_optimizer=outer,
                         transport=transport, rendezvous=rendezvous, _defer_join=ckpt is not None)
+        diloco.engine.fault_hook = fault_hook_from_env(cfg.site_id)
         if ckpt is not None:
             diloco.load_state_dict(data["diloco"])
             diloco.state.copy_to(diloco._tensors_and_kinds()[0])
