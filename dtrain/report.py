@@ -295,6 +295,18 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _site_style(i: int) -> dict:
+    """Line style of the i-th site: consistent sites share θ and so the same losses; varying hollow
+    marker shapes/sizes and dash patterns keep overlapping lines distinguishable."""
+    return {
+        "marker": "osD^v<>p"[i % 8],
+        "markersize": 9 - 2 * (i % 3),
+        "markerfacecolor": "none",
+        "linestyle": ("-", "--", ":", "-.")[i % 4],
+        "linewidth": 1.5,
+    }
+
+
 def _plot_val_loss(sites: list[SiteMetrics], path: Path, *, over: str) -> Path:
     """Validation loss per site over ``over='round'`` (start line at -1) or ``over='wall'`` (wall_s)."""
     by_round = over == "round"
@@ -303,14 +315,14 @@ def _plot_val_loss(sites: list[SiteMetrics], path: Path, *, over: str) -> Path:
         "round (-1 = start, before any round)" if by_round else "wall time since site start (s)",
         "validation loss (nats/token)",
     )
-    for s in sites:
+    for i, s in enumerate(sites):
         points = [(-1 if by_round else 0.0, s.start)] if s.start is not None else []
         if by_round:
             points += [(r, s.rounds[r]) for r in sorted(s.rounds)]
         else:  # every counted line in file order: a resumed round shows both attempts
             points += [(_num(ln.get("wall_s")), ln) for ln in s.order]
-        ax.plot([x for x, _ in points], [_num(ln.get("val_loss")) for _, ln in points], marker="o", markersize=4,
-                label=s.site)
+        ax.plot([x for x, _ in points], [_num(ln.get("val_loss")) for _, ln in points], label=s.site,
+                **_site_style(i))
     if by_round:
         ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(title="site")
