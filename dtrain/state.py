@@ -8,6 +8,7 @@ bucket), and one error-feedback residual per bucket (DESIGN.md, "One round").
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import threading
@@ -164,13 +165,18 @@ class GlobalState:
                 self.layout.scatter(b, self.theta[b].detach(), tensors)
 
     def state_dict(self) -> dict:
-        """θ, outer-optimizer states, residuals and the round number (tensors only)."""
+        """θ, outer-optimizer states, residuals and the round number (tensors only).
+
+        A snapshot: nothing in it is shared with the live state (a torch
+        optimizer's own ``state_dict()`` returns its momentum tensors by
+        reference, and they are updated in place by later rounds).
+        """
         return {
             "fingerprint": self.layout.fingerprint(),
             "rounds_applied": self.rounds_applied,
             "bucket_round": list(self.bucket_round),
             "theta": [t.detach().clone() for t in self.theta],
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
             "residuals": [None if r is None else r.clone() for r in self.residuals],
         }
 
@@ -188,7 +194,9 @@ class GlobalState:
             with self._locks[b]:
                 with torch.no_grad():
                     self.theta[b].copy_(sd["theta"][b])
-                self.optimizers[b].load_state_dict(sd["optimizers"][b])
+                # deep copy: Optimizer.load_state_dict keeps the given tensors, and
+                # later steps would write into the caller's dict
+                self.optimizers[b].load_state_dict(copy.deepcopy(sd["optimizers"][b]))
                 r = sd["residuals"][b]
                 self.residuals[b] = None if r is None else r.clone()
                 self.bucket_round[b] = int(sd["bucket_round"][b])
