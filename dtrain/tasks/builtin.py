@@ -1,0 +1,157 @@
+"""The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``).
+
+Presets (``TaskSpec.size``), measured with ``python -m dtrain.tasks.bench`` at
+``torch.set_num_threads(1)`` on the 2-vCPU development machine (fp32, eager, AdamW;
+median of 60 steps after 5 warm-up steps; this VM's timings vary by ~+-20% run to run):
+
+========  =====================  =======  ===========  =======  ===========  =========
+size      layers/width/heads     params   B x T        lr       step (1 thr)  tokens/s
+========  =====================  =======  ===========  =======  ===========  =========
+tiny      2 / 64 / 4             0.12 M   8 x 32       3e-3     ~14 ms       ~18 k
+small     2 / 128 / 4            0.44 M   8 x 64       2e-3     ~30-36 ms    ~15 k
+base      4 / 256 / 4            3.26 M   16 x 128     1e-3     ~500-680 ms  ~3-4 k
+========  =====================  =======  ===========  =======  ===========  =========
+
+Inner optimizer: AdamW (DiLoCo, Douillard et al., arXiv 2311.08105: inner AdamW,
+weight decay 0.1), betas (0.9, 0.95) as in nanoGPT; weight decay applies to matrices
+and embeddings only, not to biases and LayerNorm gains. No learning-rate schedule
+(the worker calls ``optimizer.step()`` only); the small learning rates here need no
+warm-up at these sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtrain.tasks.data import BatchStream, load_corpus, shard_tokens, val_batches
+from dtrain.tasks.gpt import GPT, GPTConfig
+from dtrain.tasks.spec import Task, TaskSpec
+
+__all__ = ["build_task", "lm_loss", "make_optimizer", "make_evaluate"]
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_DECAY = 0.1  # DiLoCo inner AdamW (arXiv 2311.08105)
+BETAS = (0.9, 0.95)
+
+
+def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats/token) of ``model`` on ``batch = (x, y)``, both [B, T] int64."""
+    x, y = batch
+    device = next(model.parameters()).device
+    logits = model(x.to(device))  # [B, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay 0.1 on tensors with >= 2 dims, none on biases / LayerNorm."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": WEIGHT_DECAY},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def make_evaluate(batches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """An ``evaluate(model) -> float``: mean :func:`lm_loss` over the fixed ``batches``.
+
+    Runs in eval mode under ``torch.no_grad()`` and puts the model back into the mode
+    it was in (also when the forward raises).
+    """
+
+    def evaluate(model: torch.nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                total = sum(float(lm_loss(model, b)) for b in batches)
+        finally:
+            model.train(was_training)
+        return total / len(batches)
+
+    return evaluate
+
+
+def build_task(spec: TaskSpec) -> Task:
+    """Build the built-in GPT task for one site.
+
+    Every site that calls this with the same ``seed``, ``size`` and ``context_len``
+    gets a model with bit-identical initial weights; the training shard and data
+    order depend on ``site_index`` (see ``dtrain.tasks.data``); the validation batches
+    are the same for every site.
+
+    Raises:
+        ValueError: naming ``data``, ``non_iid`` or ``context_len`` when the corpus
+            cannot be loaded, cannot be sharded as asked, or is too short.
+    """
+    t0 = time.perf_counter()
+    preset = spec.preset
+    context_len = spec.resolved_context_len
+    batch_size = spec.resolved_batch_size
+
+    corpus = load_corpus(spec.data)
+    tokens, names = shard_tokens(
+        corpus, site_index=spec.site_index, num_sites=spec.num_sites, non_iid=spec.non_iid
+    )
+    shard_id = (
+        f"{corpus.fingerprint}/site{spec.site_index}of{spec.num_sites}/"
+        f"{'non_iid' if spec.non_iid else 'iid'}"
+    )
+    batches = BatchStream(
+        tokens,
+        batch_size=batch_size,
+        context_len=context_len,
+        seed=spec.seed + spec.site_index,
+        shard_id=shard_id,
+    )
+    evaluate = make_evaluate(
+        val_batches(
+            corpus.val,
+            batch_size=batch_size,
+            context_len=context_len,
+            num_batches=preset.num_val_batches,
+        )
+    )
+
+    cfg = GPTConfig(
+        vocab_size=256,
+        context_len=context_len,
+        num_layers=preset.num_layers,
+        num_heads=preset.num_heads,
+        embed_dim=preset.embed_dim,
+    )
+    model = GPT(cfg, seed=spec.seed)
+    optimizer = make_optimizer(model, spec.resolved_lr)
+
+    info: dict[str, Any] = {
+        "task": "builtin-gpt",
+        "size": spec.size,
+        "num_params": model.num_params(),
+        "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint,
+        "train_bytes": corpus.train_bytes,
+        "val_bytes": len(corpus.val),
+        "shard_bytes": int(tokens.numel()),
+        "shard_files": len(names),
+        "batch_size": batch_size,
+        "context_len": context_len,
+        "lr": spec.resolved_lr,
+        "build_s": round(time.perf_counter() - t0, 3),
+    }
+    logger.info("built task: %s", info)
+    return Task(
+        model=model,
+        optimizer=optimizer,
+        batches=batches,
+        loss=lm_loss,
+        evaluate=evaluate,
+        tokens_per_batch=batch_size * context_len,
+        info=info,
+    )

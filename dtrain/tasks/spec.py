@@ -1,0 +1,174 @@
+"""The task interface: what a site trains (:class:`TaskSpec` in, :class:`Task` out)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Preset", "PRESETS", "TaskSpec", "Task", "BatchStreamLike"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """Model and batch sizes of one built-in size (see ``dtrain.tasks.builtin``)."""
+
+    num_layers: int
+    num_heads: int
+    embed_dim: int
+    context_len: int
+    batch_size: int
+    lr: float
+    num_val_batches: int
+
+
+# Step times at torch.set_num_threads(1) on the 2-vCPU dev machine: see builtin.py.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(num_layers=2, num_heads=4, embed_dim=64, context_len=32, batch_size=8, lr=2e-3, num_val_batches=4),
+    "small": Preset(num_layers=2, num_heads=4, embed_dim=128, context_len=64, batch_size=8, lr=1e-3, num_val_batches=8),
+    "base": Preset(num_layers=4, num_heads=4, embed_dim=256, context_len=128, batch_size=16, lr=1e-3, num_val_batches=8),
+}
+
+MAX_CONTEXT_LEN = 4096
+MAX_BATCH_SIZE = 65536
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+        raise ValueError(f"{name}: must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """What the built-in (or a user's) task should build for one site.
+
+    Attributes:
+        site_index: 0..num_sites-1; chooses the data shard and the data order.
+        num_sites: number of sites sharing the corpus (>= 1).
+        seed: model init uses ONLY this seed, so every site starts from bit-identical
+            weights; the data order uses ``seed + site_index``.
+        data: ``"stdlib"`` | ``"shakespeare"`` | a path to a text file or a directory
+            of text files (see ``dtrain.tasks.data``).
+        non_iid: False: every site samples from all training files (at different
+            random positions); True: each site gets a disjoint set of training files.
+        size: ``"tiny"`` (tests), ``"small"`` (``dtrain launch`` default), ``"base"``.
+        lr: inner AdamW learning rate; None takes the preset's. Weight decay is 0.1
+            as in DiLoCo (Douillard et al., arXiv 2311.08105, inner optimizer).
+        batch_size: windows per batch; None takes the preset's.
+        context_len: tokens (bytes) per window; None takes the preset's.
+
+    Raises:
+        ValueError: naming the field and its allowed values, at construction.
+    """
+
+    site_index: int
+    num_sites: int
+    seed: int = 0
+    data: str = "stdlib"
+    non_iid: bool = False
+    size: str = "small"
+    lr: float | None = None
+    batch_size: int | None = None
+    context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("num_sites", self.num_sites, 1)
+        _check_int("site_index", self.site_index, 0, self.num_sites - 1)
+        _check_int("seed", self.seed, 0, 2**62)
+        if not isinstance(self.non_iid, bool):
+            raise ValueError(f"non_iid: must be True or False, got {self.non_iid!r}")
+        if self.size not in PRESETS:
+            raise ValueError(f"size: must be one of {', '.join(PRESETS)}, got {self.size!r}")
+        if self.lr is not None and (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, (int, float))
+            or not math.isfinite(self.lr)
+            or not 0 < self.lr <= 1
+        ):
+            raise ValueError(f"lr: must be a number in (0, 1] or None, got {self.lr!r}")
+        if self.batch_size is not None:
+            _check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
+        if self.context_len is not None:
+            _check_int("context_len", self.context_len, 1, MAX_CONTEXT_LEN)
+        if not isinstance(self.data, str) or not self.data:
+            raise ValueError(
+                f"data: must be 'stdlib', 'shakespeare' or a path to a text file or directory, got {self.data!r}"
+            )
+        if self.data not in ("stdlib", "shakespeare") and not Path(self.data).expanduser().exists():
+            raise ValueError(
+                f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, "
+                f"got {self.data!r} (no such path)"
+            )
+
+    @property
+    def preset(self) -> Preset:
+        return PRESETS[self.size]
+
+    @property
+    def resolved_lr(self) -> float:
+        return float(self.lr) if self.lr is not None else self.preset.lr
+
+    @property
+    def resolved_batch_size(self) -> int:
+        return self.batch_size if self.batch_size is not None else self.preset.batch_size
+
+    @property
+    def resolved_context_len(self) -> int:
+        return self.context_len if self.context_len is not None else self.preset.context_len
+
+
+@runtime_checkable
+class BatchStreamLike(Protocol):
+    """What ``Task.batches`` must offer: ``next()`` plus a saveable data position.
+
+    ``state_dict()`` returns something ``torch.save`` can store; ``load_state_dict``
+    restores it so that the next ``next()`` yields the batch the saved stream would
+    have yielded, and raises ``ValueError`` (changing nothing) on a foreign state.
+    """
+
+    def __iter__(self) -> "BatchStreamLike": ...
+
+    def __next__(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class Task:
+    """Everything a site needs to train; returned by a task function ``f(TaskSpec) -> Task``.
+
+    The worker runs, per inner step::
+
+        x = next(task.batches)
+        loss = task.loss(task.model, x)
+        loss.backward()
+        task.optimizer.step()
+        task.optimizer.zero_grad(set_to_none=True)
+
+    Attributes:
+        model: the module being trained; every site must build it with identical
+            initial weights (DiLoCo starts all replicas from the same θ).
+        optimizer: the inner optimizer over ``model.parameters()``.
+        batches: iterator of batches with ``state_dict()`` / ``load_state_dict()``
+            (the data position saved in checkpoints).
+        loss: ``loss(model, batch)`` -> scalar tensor (train mode, graph attached).
+        evaluate: ``evaluate(model)`` -> mean validation loss (nats/token) over a
+            fixed, deterministic set of held-out batches; runs in eval mode under
+            ``torch.no_grad()`` and restores the model's previous mode.
+        tokens_per_batch: tokens one batch trains on (for throughput metrics).
+        info: free-form facts for logs (parameter count, corpus fingerprint, ...).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: BatchStreamLike
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], float]
+    tokens_per_batch: int
+    info: dict[str, Any] = field(default_factory=dict)
