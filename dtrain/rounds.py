@@ -134,12 +134,18 @@ class _OpenRound:
         self.arrived = 0
         self.rejected: dict[str, int] = {}
         self.rejected_senders: set[str] = set()
-        self.all_arrived = threading.Event()
-        self.finalized = threading.Event()  # no more contributions accepted
+        # Per owned bucket: contributions still expected, closed (no more accepted),
+        # done (mean published). A bucket is finalized as soon as every member's
+        # every chunk arrived, or at the reduce deadline.
+        self.bucket_missing = {b: len(layout.buckets[b].chunks) * len(self.members) for b in self.mine}
+        self.complete: list[int] = [b for b, m in self.bucket_missing.items() if m == 0]
+        self.closed: set[int] = set()
+        self.done = {b: threading.Event() for b in self.mine}
+        self.final_digests: dict[tuple[int, int], dict[str, bytes]] = {}
+        self.finalized = threading.Event()  # every owned bucket is closed
         self.published = threading.Event()  # every owned bucket's mean is available
         self.lock = threading.Lock()
-        if self.expected == 0:
-            self.all_arrived.set()
+        self.cv = threading.Condition(self.lock)
 
 
 class RoundEngine:
@@ -217,8 +223,6 @@ class RoundEngine:
             raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions")
         if c.sender not in o.members:
             raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is not a member of round {c.round}")
-        if o.finalized.is_set():
-            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {c.round} bucket means are already finalized (late contribution)")
         layout = self.state.layout
         if not 0 <= c.bucket < len(layout):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {c.bucket} out of range [0, {len(layout)})")
@@ -241,13 +245,20 @@ class RoundEngine:
             code = RejectCode.RESOURCE_EXHAUSTED if "zstd" in str(e) or "bound" in str(e) else RejectCode.INVALID_ARGUMENT
             raise Rejected(code, f"undecodable payload: {e}") from e
         digest = hashlib.blake2b(c.payload, digest_size=16).digest()
-        with o.lock:
-            if o.finalized.is_set():
-                raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {c.round} bucket means are already finalized (late contribution)")
+        with o.cv:
+            if c.bucket in o.closed:
+                if o.final_digests.get((c.bucket, c.chunk), {}).get(c.sender) == digest:
+                    return  # an identical retry of a chunk the mean already counts
+                raise Rejected(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"round {c.round} bucket {c.bucket} is already finalized (late or stale contribution)",
+                )
             if o.acc[(c.bucket, c.chunk)].add(c.sender, values, digest):
                 o.arrived += 1
-                if o.arrived >= o.expected:
-                    o.all_arrived.set()
+                o.bucket_missing[c.bucket] -= 1
+                if o.bucket_missing[c.bucket] == 0:
+                    o.complete.append(c.bucket)
+                    o.cv.notify_all()
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
@@ -264,7 +275,7 @@ class RoundEngine:
             if m is None:
                 raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
             return m
-        if not o.published.wait(max(0.0, deadline - time.monotonic())):
+        if not o.done[bucket].wait(max(0.0, deadline - time.monotonic())):
             raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
         with self._cv:
             m = self._means.get((round, bucket))
@@ -279,13 +290,37 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ owner: finalize
     def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
-        now = time.monotonic()
-        o.all_arrived.wait(max(0.0, o.finalize_at - now))
-        with o.lock:
-            o.finalized.set()
+        """Owner side: publish each owned bucket's mean as soon as it is complete,
+        and every remaining one at the reduce deadline."""
+        r = o.plan.round
+        res.encode_s += 0.0
+        while True:
+            with o.cv:
+                while not o.complete and time.monotonic() < o.finalize_at and len(o.closed) < len(o.mine):
+                    o.cv.wait(max(0.0, o.finalize_at - time.monotonic()))
+                if time.monotonic() >= o.finalize_at:
+                    batch = [b for b in o.mine if b not in o.closed]
+                else:
+                    batch = [b for b in o.complete if b not in o.closed]
+                o.complete.clear()
+                for b in batch:
+                    o.closed.add(b)
+                    for c in range(len(self.state.layout.buckets[b].chunks)):
+                        o.final_digests[(b, c)] = dict(o.acc[(b, c)]._digests)
+                if len(o.closed) == len(o.mine):
+                    o.finalized.set()
+            self._finalize_buckets(o, res, batch)
+            if o.finalized.is_set():
+                break
+        res.reduce_arrived_fraction = (o.arrived / o.expected) if o.expected else 1.0
+        o.published.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _finalize_buckets(self, o: _OpenRound, res: RoundResult, buckets: list[int]) -> None:
         r = o.plan.round
         t_enc = 0.0
-        for b in o.mine:
+        for b in buckets:
             bucket = self.state.layout.buckets[b]
             means: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
             complete = True
@@ -328,12 +363,11 @@ class RoundEngine:
             with self._cv:
                 self._means[(r, b)] = bm
                 self.state.bucket_round[b] = r + 1
-            o.acc = {k: v for k, v in o.acc.items() if k[0] != b}  # free memory
+            with o.cv:
+                for c in range(len(bucket.chunks)):
+                    o.acc.pop((b, c), None)  # free memory
+            o.done[b].set()
         res.encode_s += t_enc
-        res.reduce_arrived_fraction = (o.arrived / o.expected) if o.expected else 1.0
-        o.published.set()
-        with self._cv:
-            self._cv.notify_all()
 
     # ------------------------------------------------------------------ site: one round
     def start_round(self, plan: RoundPlan, contribute: bool = True) -> "cf.Future[RoundResult]":
