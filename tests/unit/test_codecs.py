@@ -6,10 +6,13 @@ import math
 import struct
 import tracemalloc
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec, peek_header
 from dtrain.errors import CodecError
@@ -292,3 +295,163 @@ def test_max_encoded_bytes_is_an_upper_bound() -> None:
         assert len(c.encode(x)) <= c.max_encoded_bytes(5000)
     assert get_codec("fp32").max_encoded_bytes(10) == HEADER_BYTES + 40
     assert math.isclose(get_codec("int8").max_encoded_bytes(256 * 100) / (256 * 100 * 4), (256 + 4) / 1024, rel_tol=1e-2)
+
+
+# -------------------------------------------------------- stochastic rounding
+@pytest.mark.parametrize("base, qmax", [("int8", 127), ("int4", 7)])
+def test_stochastic_rounding_is_unbiased_and_nearest_is_not(base: str, qmax: int) -> None:
+    """x sits at 0.3 of a quantization step in every block (the first element of each
+    block fixes the scale). Round-to-nearest maps it to 0 every time: bias -0.3 step.
+    Stochastic rounding: one encode of the block pattern repeated R times gives R
+    independent draws per element; each draw's error e has |e| < step and variance
+    <= step^2 / 4, so the mean over R draws has std <= step / (2 sqrt(R)); we allow 6
+    std per element (n elements: P(any fails) < n * 2e-9) and 6 std / sqrt(n) overall."""
+    bs, reps = 64, 4000
+    step = 1.0 / qmax
+    g = torch.Generator().manual_seed(7)
+    block = torch.full((bs,), 0.3 * step) * torch.where(torch.rand(bs, generator=g) < 0.5, -1.0, 1.0)
+    block[0] = 1.0  # scale = 1 / qmax exactly (up to fp32 rounding)
+    pattern = torch.cat([block, block * 0.5])  # two blocks with different scales
+    x = pattern.repeat(reps)
+    n = pattern.numel()
+    steps = torch.cat([torch.full((bs,), step), torch.full((bs,), 0.5 * step)])
+
+    sr = get_codec(CodecConfig(name=base, block_size=bs, stochastic_rounding=True))
+    y = sr.decode(sr.encode(x, generator=torch.Generator().manual_seed(123)), numel=x.numel())
+    mean_err = (y.double() - x.double()).view(reps, n).mean(0)
+    per_elem_tol = 6 * steps.double() / (2 * math.sqrt(reps))
+    assert (mean_err.abs() <= per_elem_tol).all(), float((mean_err.abs() / per_elem_tol).max())
+    assert abs(float(mean_err[1:bs].mean())) <= 6 * step / (2 * math.sqrt(reps * (bs - 1)))
+    assert (y - x).abs().max() <= sr.max_error(x)
+
+    rtn = get_codec(CodecConfig(name=base, block_size=bs))
+    y_rtn = rtn.decode(rtn.encode(x), numel=x.numel())
+    bias = (y_rtn.double() - x.double()).view(reps, n).mean(0)
+    # every non-scale element is biased by 0.3 step towards zero, 5x beyond the SR bound
+    assert torch.allclose(bias[1:bs].abs(), torch.full((bs - 1,), 0.3 * step, dtype=torch.float64), rtol=1e-3)
+    assert (bias[1:bs].abs() > 5 * per_elem_tol[1:bs]).all()
+
+
+def test_stochastic_rounding_is_reproducible_with_a_generator() -> None:
+    codec = get_codec(CodecConfig(name="int8+zstd", stochastic_rounding=True))
+    x = torch.randn(10_000)
+    a = codec.encode(x, generator=torch.Generator().manual_seed(5))
+    b = codec.encode(x, generator=torch.Generator().manual_seed(5))
+    c = codec.encode(x, generator=torch.Generator().manual_seed(6))
+    assert a == b
+    assert a != c
+    # deterministic rounding ignores the generator
+    plain = get_codec("int8")
+    assert plain.encode(x, generator=torch.Generator().manual_seed(1)) == plain.encode(x)
+
+
+# ---------------------------------------------------------- property tests
+@given(
+    values=st.lists(
+        st.floats(allow_nan=False, allow_infinity=False, width=32),
+        min_size=0,
+        max_size=300,
+    ),
+    exponent=st.integers(min_value=-30, max_value=30),
+    base=st.sampled_from(["int8", "int4"]),
+    block_size=st.sampled_from([8, 10, 64, 256]),
+    stochastic=st.booleans(),
+    zstd=st.booleans(),
+)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_blockwise_error_bound_property(
+    values: list[float], exponent: int, base: str, block_size: int, stochastic: bool, zstd: bool
+) -> None:
+    x = torch.tensor(values, dtype=torch.float32) * (10.0**exponent)
+    x = torch.nan_to_num(x, posinf=3e38, neginf=-3e38)  # scaling may overflow fp32
+    name = base + ("+zstd" if zstd else "")
+    codec = get_codec(CodecConfig(name=name, block_size=block_size, stochastic_rounding=stochastic))
+    y = codec.decode(codec.encode(x, generator=torch.Generator().manual_seed(0)), numel=x.numel())
+    assert y.dtype == torch.float32 and y.shape == (x.numel(),)
+    assert torch.isfinite(y).all()
+    err = (y.double() - x.double()).abs()
+    assert (err <= codec.max_error(x)).all()
+    # the per-block bound too: half a step (a full step with stochastic rounding)
+    qmax = 127 if base == "int8" else 7
+    for s in range(0, x.numel(), block_size):
+        blk = x[s : s + block_size].double()
+        step = float(blk.abs().max()) / qmax
+        tol = step * (1.0 if stochastic else 0.5) * (1 + 2**-12) + 2.0**-126
+        assert float(err[s : s + block_size].max()) <= tol
+
+
+# ------------------------------------------------------------------- topk
+@pytest.mark.parametrize("n, fraction", [(300_000, 0.01), (1 << 20, 0.001), (5000, 0.05), (100, 1.0)])
+def test_topk_keeps_exactly_the_largest(n: int, fraction: float) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g)
+    codec = get_codec(CodecConfig(name="topk+zstd", topk_fraction=fraction))
+    y = codec.decode(codec.encode(x), numel=n)
+    k = math.ceil(fraction * n)
+    kept = y.nonzero().squeeze(1)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(kept, ref)
+    assert ((y[kept] - x[kept]).abs() <= x[kept].abs() * 2.0**-11 + 1e-30).all()
+    assert (y.double() - x.double()).abs().max() <= codec.max_error(x)
+
+
+def test_topk_with_ties_keeps_exactly_k() -> None:
+    x = torch.ones(1 << 19)
+    x[::3] = -2.0
+    codec = get_codec(CodecConfig(name="topk", topk_fraction=0.01))
+    y = codec.decode(codec.encode(x), numel=x.numel())
+    k = math.ceil(0.01 * x.numel())
+    assert int((y != 0).sum()) == k
+    assert (y[y != 0] == -2.0).all()
+
+
+def test_topk_error_feedback_delivers_everything() -> None:
+    """With a residual, every element is eventually sent: after R rounds of the same Δ,
+    sum(decoded) + residual == R * Δ (up to fp rounding), and the residual stays bounded."""
+    codec = get_codec(CodecConfig(name="topk", topk_fraction=0.05))
+    delta = torch.randn(2000, generator=torch.Generator().manual_seed(3))
+    residual = torch.zeros_like(delta)
+    sent = torch.zeros_like(delta, dtype=torch.float64)
+    rounds = 60
+    for _ in range(rounds):
+        target = delta + residual
+        out = codec.decode(codec.encode(target), numel=delta.numel())
+        residual = target - out
+        sent += out.double()
+    assert torch.allclose(sent + residual.double(), rounds * delta.double(), atol=1e-3)
+    assert float(residual.abs().max()) < 25 * float(delta.abs().max())
+    assert codec.needs_error_feedback
+
+
+# ------------------------------------------------------------ misc contract
+def test_decode_accepts_bytearray_and_memoryview() -> None:
+    codec = get_codec("int4+zstd")
+    x = torch.randn(999)
+    payload = codec.encode(x)
+    ref = codec.decode(payload, numel=999)
+    assert torch.equal(codec.decode(bytearray(payload), numel=999), ref)
+    assert torch.equal(codec.decode(memoryview(payload), numel=999), ref)
+
+
+def test_codec_is_thread_safe() -> None:
+    codec = get_codec("int8+zstd")
+    inputs = [torch.randn(50_000, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    serial = [codec.encode(x) for x in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(codec.encode, inputs))
+        decoded = list(pool.map(lambda p: codec.decode(p, numel=50_000), parallel))
+    assert parallel == serial
+    for x, y in zip(inputs, decoded):
+        assert (y - x).abs().max() <= codec.max_error(x)
+
+
+def test_compression_ratios_are_as_documented() -> None:
+    x = torch.randn(256 * 64)
+    n = x.numel()
+    assert len(get_codec("fp32").encode(x)) == HEADER_BYTES + 4 * n
+    assert len(get_codec("bf16").encode(x)) == HEADER_BYTES + 2 * n
+    assert len(get_codec("fp16").encode(x)) == HEADER_BYTES + 4 + 2 * n
+    assert len(get_codec("int8").encode(x)) == HEADER_BYTES + 4 * 64 + n
+    assert len(get_codec("int4").encode(x)) == HEADER_BYTES + 4 * 64 + n // 2
+    k = math.ceil(0.01 * n)
+    assert len(get_codec("topk").encode(x)) == HEADER_BYTES + 4 + 6 * k

@@ -1,0 +1,446 @@
+"""Payload header, the Codec base class (encode/decode driver, zstd stage) and helpers.
+
+See the package docstring (``dtrain.codecs``) for the payload layout.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from dtrain.codecs.config import CodecConfig, _bad_int
+from dtrain.errors import CodecError
+
+__all__ = ["HEADER_BYTES", "Codec", "PayloadHeader", "peek_header"]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("dtrain.codecs assumes a little-endian host")
+
+CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "topk": 6}
+_CODEC_BY_ID = {v: k for k, v in CODEC_IDS.items()}
+_DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_DTYPE_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
+
+_MAGIC = b"DTRC"
+_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBIQQI")
+HEADER_BYTES: int = _HEADER.size  # 32
+
+# Work is done in chunks of this many elements (1 MiB of fp32) so that temporaries
+# stay in cache and each element is read from memory once, while the per-chunk Python
+# overhead stays small (64 Ki was measurably slower, 1 Mi no faster). A multiple of
+# every valid block size up to 2**18; larger block sizes use one block per chunk.
+CHUNK_ELEMS = 1 << 18
+TINY = 2.0**-126  # absolute floor added to lossy error bounds (fp32 subnormal range)
+SLACK = 1.0 + 2.0**-12  # relative slack for fp32 arithmetic inside the bounds
+FP16_EXP_RANGE = (-170, 120)  # exponents an encoder can produce (max|x| in fp32 range)
+_ZSTD_MAX_WINDOW = 1 << 27  # bound on the zstd decoder's window memory (128 MiB)
+
+
+def zstd_bound(raw: int) -> int:
+    """ZSTD_COMPRESSBOUND(raw) from zstd.h plus frame-header margin: the largest frame
+    zstd makes for ``raw`` input bytes."""
+    extra = ((128 << 10) - raw) >> 11 if raw < (128 << 10) else 0
+    return raw + (raw >> 8) + extra + 32
+
+
+@dataclass(frozen=True)
+class PayloadHeader:
+    """A payload's fixed header as parsed by :func:`peek_header`.
+
+    Only magic, version and the id fields are validated; nothing is compared with
+    what a decoder expects.
+    """
+
+    codec: str
+    zstd: bool
+    dtype: torch.dtype
+    param: int
+    numel: int
+    body_bytes: int
+    crc32: int
+
+
+def peek_header(payload: bytes | bytearray | memoryview) -> PayloadHeader:
+    """Parse a payload's header, e.g. to log or route it before decoding.
+
+    Raises:
+        CodecError: too short, bad magic, unknown version, codec, zstd flag or dtype id.
+    """
+    if len(payload) < HEADER_BYTES:
+        raise CodecError(
+            f"truncated payload: need {HEADER_BYTES} bytes for the header, have {len(payload)}"
+        )
+    magic, version, codec_id, zflag, dtype_id, param, numel, body_len, crc = _HEADER.unpack_from(
+        payload, 0
+    )
+    if magic != _MAGIC:
+        raise CodecError(f"bad magic: payload starts with {magic!r}, expected {_MAGIC!r}")
+    if version != _VERSION:
+        raise CodecError(
+            f"unsupported format version: payload says {version}, expected {_VERSION}"
+        )
+    if codec_id not in _CODEC_BY_ID:
+        raise CodecError(f"unknown codec id {codec_id} in payload header")
+    if zflag not in (0, 1):
+        raise CodecError(f"bad zstd flag {zflag} in payload header (expected 0 or 1)")
+    if dtype_id not in _DTYPE_BY_ID:
+        raise CodecError(f"unknown original dtype id {dtype_id} in payload header")
+    return PayloadHeader(
+        codec=_CODEC_BY_ID[codec_id],
+        zstd=bool(zflag),
+        dtype=_DTYPE_BY_ID[dtype_id],
+        param=param,
+        numel=numel,
+        body_bytes=body_len,
+        crc32=crc,
+    )
+
+
+class Codec:
+    """Encodes float tensors to self-describing bytes and back.
+
+    Build one with :func:`dtrain.codecs.get_codec`. Instances are immutable and safe to
+    use from several threads at once (zstd contexts are per thread).
+
+    Attributes:
+        name: full name including ``"+zstd"``.
+        config: the :class:`CodecConfig` it was built from.
+        lossless: True only for fp32 (with or without zstd).
+        needs_error_feedback: True for topk: what it drops must be carried in a
+            residual into the next round.
+    """
+
+    lossless: bool = False
+    needs_error_feedback: bool = False
+    base: str = ""
+    _param_name = "codec parameter"
+
+    def __init__(self, config: CodecConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._zstd = config.zstd
+        self._codec_id = CODEC_IDS[self.base]
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+    # ----------------------------------------------------------------- public API
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> bytes:
+        """Encode ``x`` to a self-describing payload.
+
+        Args:
+            x: CPU tensor of dtype float32, bfloat16 or float16, any shape (flattened in
+                row-major order). Not modified.
+            generator: CPU generator for stochastic rounding (int8/int4 with
+                ``stochastic_rounding=True``); ignored by other codecs. ``None`` uses
+                torch's default generator (not reproducible across processes).
+
+        Returns:
+            Header + body bytes (layout in the ``dtrain.codecs`` docstring).
+
+        Raises:
+            CodecError: ``x`` is not a CPU float32/bfloat16/float16 tensor, or holds NaN
+                or ±inf (the message says how many and the first index).
+        """
+        x32, dtype_id = _prepare(x)
+        numel = x32.numel()
+        raw = self._body_bytes(numel)
+        body = torch.empty(raw, dtype=torch.uint8).numpy()
+        if raw:
+            self._encode_into(x32, body, generator)
+        stored = self._compressor().compress(body) if self._zstd else body
+        header = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            self._codec_id,
+            int(self._zstd),
+            dtype_id,
+            self._param(numel),
+            numel,
+            len(stored),
+            zlib.crc32(stored),
+        )
+        return b"".join((header, stored))
+
+    def decode(self, payload: bytes | bytearray | memoryview, *, numel: int) -> torch.Tensor:
+        """Decode a payload made by :meth:`encode` of a codec with the same config.
+
+        Args:
+            payload: the payload bytes.
+            numel: the number of elements the caller expects.
+
+        Returns:
+            A new 1-D float32 tensor with exactly ``numel`` elements.
+
+        Raises:
+            CodecError: truncated; corrupted (crc32, impossible codes, non-finite
+                values); mislabeled (codec, zstd flag, block size or k); wrong element
+                count; a body larger than ``config.max_decoded_bytes``; or a zstd frame
+                whose declared content size is not the exact expected body size
+                (refused before anything is decompressed).
+        """
+        if _bad_int(numel) or numel < 0:
+            raise CodecError(f"numel must be a non-negative int, got {numel!r}")
+        mv = memoryview(payload).cast("B")
+        h = peek_header(mv)
+        if h.codec != self.base:
+            raise CodecError(f"codec mismatch: payload says {h.codec}, expected {self.base}")
+        if h.zstd != self._zstd:
+            raise CodecError(
+                f"zstd flag mismatch: payload says zstd={int(h.zstd)}, "
+                f"expected zstd={int(self._zstd)} for codec {self.name}"
+            )
+        if h.numel != numel:
+            raise CodecError(f"element count mismatch: header {h.numel}, expected {numel}")
+        expected_param = self._param(numel)
+        if h.param != expected_param:
+            raise CodecError(
+                f"{self._param_name} mismatch: header {h.param}, expected {expected_param}"
+            )
+        raw = self._body_bytes(numel)
+        bound = self.config.max_decoded_bytes
+        if raw > bound:
+            raise CodecError(
+                f"decoded body of {raw} bytes for {numel} elements exceeds bound "
+                f"max_decoded_bytes={bound}"
+            )
+        if self._zstd and h.body_bytes > zstd_bound(raw):
+            raise CodecError(
+                f"body length mismatch: header says {h.body_bytes} bytes, expected at most "
+                f"{zstd_bound(raw)}"
+            )
+        if not self._zstd and h.body_bytes != raw:
+            raise CodecError(
+                f"body length mismatch: header says {h.body_bytes} bytes, expected {raw}"
+            )
+        total = HEADER_BYTES + h.body_bytes
+        if len(mv) < total:
+            raise CodecError(f"truncated payload: need {total} bytes, have {len(mv)}")
+        if len(mv) > total:
+            raise CodecError(f"trailing bytes: payload has {len(mv)} bytes, header says {total}")
+        stored = mv[HEADER_BYTES:]
+        crc = zlib.crc32(stored)
+        if crc != h.crc32:
+            raise CodecError(
+                f"checksum mismatch (corrupted body): header crc32 {h.crc32:#010x}, "
+                f"computed {crc:#010x}"
+            )
+        body = self._decompress(stored, raw) if self._zstd else stored
+        if raw == 0:
+            return torch.zeros(numel, dtype=torch.float32)
+        return self._decode_body(body, numel)
+
+    def max_error(self, x: torch.Tensor) -> float:
+        """The stated bound on ``|decode(encode(x))[i] - x[i]|``, valid for every ``i``.
+
+        Args:
+            x: a tensor :meth:`encode` accepts.
+
+        Returns:
+            0.0 for fp32. Otherwise the codec's bound (see the ``dtrain.codecs``
+            docstring) with a relative slack of 2^-12 for fp32 arithmetic and an
+            absolute floor of 2^-126.
+        """
+        x32, _ = _prepare(x)
+        if x32.numel() == 0:
+            return 0.0
+        return self._max_error(x32, absmax_checked(x32))
+
+    def max_encoded_bytes(self, numel: int) -> int:
+        """An upper bound on ``len(encode(x))`` for any ``x`` with ``numel`` elements."""
+        raw = self._body_bytes(numel)
+        return HEADER_BYTES + (zstd_bound(raw) if self._zstd else raw)
+
+    # --------------------------------------------------------- per-codec pieces
+    def _param(self, numel: int) -> int:
+        """The header's codec parameter (block size, k; 0 when the codec has none)."""
+        return 0
+
+    def _body_bytes(self, numel: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _encode_into(
+        self, x: torch.Tensor, out: np.ndarray, generator: torch.Generator | None
+    ) -> None:  # pragma: no cover - abstract
+        """Write the body for the flat float32 ``x`` into ``out`` (uint8, exact size)."""
+        raise NotImplementedError
+
+    def _decode_body(self, body, numel: int) -> torch.Tensor:  # pragma: no cover - abstract
+        """Decode the (uncompressed, crc-checked, exact-size) body."""
+        raise NotImplementedError
+
+    def _max_error(self, x: torch.Tensor, absmax: float) -> float:  # pragma: no cover
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- zstd stage
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "cctx", None)
+        if c is None:
+            c = zstandard.ZstdCompressor(
+                level=self.config.zstd_level, write_content_size=True, write_checksum=False
+            )
+            self._local.cctx = c
+        return c
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "dctx", None)
+        if d is None:
+            d = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+            self._local.dctx = d
+        return d
+
+    def _decompress(self, stored: memoryview, expected: int) -> bytes:
+        """Decompress one zstd frame whose content size must be exactly ``expected``.
+
+        The frame header's declared content size is checked *before* decompressing (the
+        zstandard library allocates whatever a frame declares), frames that do not
+        declare it are refused, and the output is capped at ``expected`` bytes.
+        """
+        try:
+            declared = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"corrupted zstd frame header: {e}") from None
+        if declared == -1:
+            raise CodecError(
+                f"zstd frame does not declare its content size (expected {expected} bytes)"
+            )
+        if declared > expected:
+            raise CodecError(f"zstd frame claims {declared} bytes, bound is {expected}")
+        if declared != expected:
+            raise CodecError(f"zstd frame claims {declared} bytes, expected {expected}")
+        if expected == 0:
+            return b""
+        try:
+            out = self._decompressor().decompress(
+                stored, max_output_size=expected, allow_extra_data=False
+            )
+        except zstandard.ZstdError as e:
+            raise CodecError(f"corrupted zstd frame: {e}") from None
+        if len(out) != expected:  # zstd enforces the declared size; belt and braces
+            raise CodecError(f"zstd frame decompressed to {len(out)} bytes, expected {expected}")
+        return out
+
+
+# ------------------------------------------------------------------- helpers
+def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Validate ``x`` and return a contiguous flat float32 view (a copy only if needed)."""
+    if not isinstance(x, torch.Tensor):
+        raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise CodecError(f"expected a CPU tensor, got device {x.device}")
+    dtype_id = _DTYPE_IDS.get(x.dtype)
+    if dtype_id is None:
+        raise CodecError(f"unsupported dtype {x.dtype}: expected float32, bfloat16 or float16")
+    x32 = x.detach().reshape(-1)
+    if x32.dtype != torch.float32:
+        x32 = x32.float()
+    return x32.contiguous(), dtype_id
+
+
+def non_finite_error(x: torch.Tensor) -> CodecError:
+    """The CodecError for an input holding NaN/inf (counts them; slow path only)."""
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())
+    first = int(bad.nonzero()[0, 0]) if count else -1
+    n_nan = int(torch.isnan(x).sum())
+    return CodecError(
+        f"non-finite input: {count} of {x.numel()} elements are NaN or inf "
+        f"({n_nan} NaN; first at index {first}); drop non-finite Δ before encoding"
+    )
+
+
+def absmax_checked(x: torch.Tensor) -> float:
+    """max|x| as a Python float (one read pass); CodecError if x holds NaN/inf."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise non_finite_error(x)
+    return max(-lo, hi)
+
+
+def finite_or_raise(chunk: torch.Tensor) -> None:
+    """Raise if a *decoded* chunk holds NaN/inf (a corrupted or malicious payload)."""
+    if chunk.numel():
+        lo, hi = (float(v) for v in torch.aminmax(chunk))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise CodecError("corrupted payload: decoded values contain NaN or inf")
+
+
+def chunks(n: int, step: int = CHUNK_ELEMS) -> Iterator[tuple[int, int]]:
+    """(start, end) pairs covering range(n) in steps of ``step``."""
+    for s in range(0, n, step):
+        yield s, min(n, s + step)
+
+
+def np_view(buf, dtype, count: int, offset: int = 0) -> np.ndarray:
+    """A numpy array over ``count`` items of ``buf`` at byte ``offset`` (read-only ok)."""
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def t_view(buf: np.ndarray, dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """A torch tensor aliasing part of a *writable* uint8 numpy buffer."""
+    itemsize = np.dtype(dtype).itemsize
+    return torch.from_numpy(buf[offset : offset + count * itemsize].view(dtype))
+
+
+def pow2_exponent(absmax: float) -> int:
+    """e such that absmax * 2^-e lies in [2^14, 2^15) (0 for absmax == 0)."""
+    if absmax == 0.0:
+        return 0
+    _, exp = math.frexp(absmax)  # absmax = m * 2^exp, m in [0.5, 1)
+    return exp - 15
+
+
+def check_exponent(e: int) -> None:
+    lo, hi = FP16_EXP_RANGE
+    if not lo <= e <= hi:
+        raise CodecError(f"corrupted payload: scale exponent {e} outside [{lo}, {hi}]")
+
+
+def mul_pow2_(t: torch.Tensor, p: int) -> torch.Tensor:
+    """t *= 2^p in place, exactly (in steps whose factor is a normal float32)."""
+    while p:
+        step = max(-126, min(127, p))
+        t.mul_(2.0**step)
+        p -= step
+    return t
+
+
+def to_scaled_fp16(x: torch.Tensor, e: int, dst: torch.Tensor) -> None:
+    """dst (float16) <- x * 2^-e, chunk by chunk.
+
+    When 2^(e+15) would overflow float32 (max|x| within half an fp16 step of 2^128),
+    the scaled values are clamped to the largest float16 below 2^15 so that decoding
+    cannot produce inf (the error stays <= 2^-11 max|x|).
+    """
+    scratch = torch.empty(min(CHUNK_ELEMS, x.numel()))
+    for s, t in chunks(x.numel()):
+        buf = scratch[: t - s]
+        buf.copy_(x[s:t])
+        mul_pow2_(buf, -e)
+        if e + 15 > 127:
+            buf.clamp_(-32752.0, 32752.0)
+        dst[s:t].copy_(buf)
+
+
+def from_scaled_fp16(src: np.ndarray, e: int) -> torch.Tensor:
+    """A new float32 tensor of src (float16 numpy) * 2^e; CodecError on NaN/inf."""
+    check_exponent(e)
+    out = torch.empty(src.size, dtype=torch.float32)
+    out_np = out.numpy()
+    for s, t in chunks(src.size):
+        out_np[s:t] = src[s:t]
+        finite_or_raise(mul_pow2_(out[s:t], e))
+    return out

@@ -1,0 +1,98 @@
+"""CodecConfig: which codec to use and its parameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["CODEC_NAMES", "ZSTD_SUFFIX", "MAX_BLOCK_SIZE", "CodecConfig"]
+
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "topk")
+ZSTD_SUFFIX = "+zstd"
+MAX_BLOCK_SIZE = 1 << 24
+
+
+def _bad_int(v: object) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """Which codec to use and its parameters.
+
+    Attributes:
+        name: one of :data:`CODEC_NAMES`, optionally with the ``"+zstd"`` suffix
+            (``"int8+zstd"``).
+        zstd_level: zstd compression level, 1..22 (1-3 for the hot path).
+        block_size: elements per absmax scale block for int8/int4; even, in
+            8..2**24. Smaller blocks: tighter error, more scale overhead
+            (4 / block_size bytes per element).
+        topk_fraction: fraction of elements kept by topk, in (0, 1]; k =
+            ceil(topk_fraction * numel), at least 1.
+        stochastic_rounding: int8/int4 only. Round up with probability equal to the
+            fractional part, so that E[decode(encode(x))] = x (unbiased; error < one
+            quantization step instead of half a step). Pass a seeded
+            ``torch.Generator`` to ``Codec.encode`` to make it reproducible.
+        max_decoded_bytes: hard bound, in bytes, on any decoded (decompressed) body;
+            decode refuses a larger one before allocating it.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and the
+            allowed values.
+    """
+
+    name: str = "fp32"
+    zstd_level: int = 3
+    block_size: int = 256
+    topk_fraction: float = 0.01
+    stochastic_rounding: bool = False
+    max_decoded_bytes: int = 1 << 31
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.base_name not in CODEC_NAMES:
+            raise ValueError(
+                f"codec name {self.name!r} is not valid: allowed codec names are "
+                f"{', '.join(CODEC_NAMES)}, each optionally with the suffix {ZSTD_SUFFIX!r}"
+            )
+        if _bad_int(self.zstd_level) or not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be an int in 1..22, got {self.zstd_level!r}")
+        if (
+            _bad_int(self.block_size)
+            or not 8 <= self.block_size <= MAX_BLOCK_SIZE
+            or self.block_size % 2
+        ):
+            raise ValueError(
+                f"block_size must be an even int in 8..{MAX_BLOCK_SIZE}, got {self.block_size!r}"
+            )
+        f = self.topk_fraction
+        if (
+            isinstance(f, bool)
+            or not isinstance(f, (int, float))
+            or not math.isfinite(f)
+            or not 0.0 < f <= 1.0
+        ):
+            raise ValueError(f"topk_fraction must be a number in (0, 1], got {f!r}")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(
+                f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}"
+            )
+        if self.stochastic_rounding and self.base_name not in ("int8", "int4"):
+            raise ValueError(
+                f"stochastic_rounding applies to int8/int4 only, not codec {self.base_name!r}"
+            )
+        if _bad_int(self.max_decoded_bytes) or self.max_decoded_bytes < 1:
+            raise ValueError(
+                f"max_decoded_bytes must be a positive int, got {self.max_decoded_bytes!r}"
+            )
+
+    @property
+    def base_name(self) -> str:
+        """The codec name without the ``"+zstd"`` suffix."""
+        if isinstance(self.name, str) and self.name.endswith(ZSTD_SUFFIX):
+            return self.name[: -len(ZSTD_SUFFIX)]
+        return self.name
+
+    @property
+    def zstd(self) -> bool:
+        """Whether the zstd stage is on."""
+        return self.name.endswith(ZSTD_SUFFIX)

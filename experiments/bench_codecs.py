@@ -1,0 +1,281 @@
+"""Benchmark the codecs on a realistic pseudo-gradient (prints markdown tables).
+
+A small byte-level transformer language model is trained on this repository's own text
+with AdamW (DiLoCo's inner optimizer: lr 4e-4, weight decay 0.1, arXiv 2311.08105):
+a few warm-up steps, then a snapshot θ, then ``--inner-steps`` more steps; the
+pseudo-gradient is Δ = θ_snapshot − θ_after. Δ is tiled to ``--numel`` elements and
+cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB of fp32, the
+DESIGN.md bucket size), which is how the round engine calls the codecs. The model is
+larger than one bucket, so no bucket holds a repeat that zstd could exploit.
+
+Per codec, with and without the zstd stage: compression ratio (fp32 bytes / payload
+bytes), encode and decode throughput in MB/s of fp32 input on one core
+(``torch.set_num_threads(1)``; CPU time of this thread, which is robust to other
+processes on a shared machine; wall-clock figures go to the JSON), and relative L2
+error ||x̂ − x|| / ||x||. Figures are medians over ``--repeats`` runs. A second table
+times the zstd stage alone on each codec's body, to show whether zstd is the
+bottleneck.
+
+Usage::
+
+    .venv/bin/python experiments/bench_codecs.py            # 16 Mi elements
+    .venv/bin/python experiments/bench_codecs.py --quick    # small, ~20 s
+    .venv/bin/python experiments/bench_codecs.py --out results/codecs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zstandard
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec  # noqa: E402
+
+
+# ------------------------------------------------------------- pseudo-gradient
+class TinyLM(nn.Module):
+    """Byte-level causal transformer (pre-LN encoder layers with a causal mask)."""
+
+    def __init__(self, dim: int, layers: int, context: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        layer = nn.TransformerEncoderLayer(
+            dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def _corpus() -> torch.Tensor:
+    files = sorted(ROOT.glob("dtrain/**/*.py")) + sorted(ROOT.glob("docs/*.md"))
+    text = b"".join(p.read_bytes() for p in files if p.is_file())
+    if len(text) < 10_000:  # pragma: no cover - a bare checkout still has this file
+        text = Path(__file__).read_bytes() * 8
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def pseudo_gradient(
+    *, dim: int, layers: int, warmup_steps: int, inner_steps: int, seed: int = 0
+) -> torch.Tensor:
+    """Δ = θ_snapshot − θ_after ``inner_steps`` AdamW steps, flattened (float32)."""
+    torch.manual_seed(seed)
+    context, batch = 64, 16
+    data = _corpus()
+    model = TinyLM(dim, layers, context)
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+
+    def step() -> float:
+        starts = torch.randint(len(data) - context - 1, (batch,), generator=g)
+        x = torch.stack([data[s : s + context] for s in starts])
+        y = torch.stack([data[s + 1 : s + context + 1] for s in starts])
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    for _ in range(warmup_steps):
+        step()
+    snapshot = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    losses = [step() for _ in range(inner_steps)]
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    print(
+        f"# model: {snapshot.numel():,} parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        f"over {inner_steps} inner steps",
+        flush=True,
+    )
+    return snapshot - after
+
+
+def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:
+    reps = math.ceil(numel / delta.numel())
+    return delta.repeat(reps)[:numel].contiguous()
+
+
+# ------------------------------------------------------------------ measuring
+def _buckets(x: torch.Tensor, bucket_elems: int) -> list[torch.Tensor]:
+    if bucket_elems <= 0:
+        return [x]
+    return list(torch.split(x, bucket_elems))
+
+
+def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int) -> dict:
+    codec = get_codec(CodecConfig(name=name, zstd_level=level))
+    total = sum(b.numel() for b in buckets)
+    mb = total * 4 / 1e6
+    enc_cpu, enc_wall, dec_cpu, dec_wall = [], [], [], []
+    payloads: list[bytes] = []
+    decoded: list[torch.Tensor] = []
+    for _ in range(repeats):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        payloads = [codec.encode(b) for b in buckets]
+        enc_cpu.append(time.thread_time() - c0)
+        enc_wall.append(time.perf_counter() - w0)
+        c0, w0 = time.thread_time(), time.perf_counter()
+        decoded = [codec.decode(p, numel=b.numel()) for p, b in zip(payloads, buckets)]
+        dec_cpu.append(time.thread_time() - c0)
+        dec_wall.append(time.perf_counter() - w0)
+    x = torch.cat(buckets).double()
+    y = torch.cat(decoded).double()
+    nbytes = sum(len(p) for p in payloads)
+    return {
+        "codec": name,
+        "zstd_level": level if name.endswith("+zstd") else None,
+        "ratio": total * 4 / nbytes,
+        "bytes": nbytes,
+        "encode_mb_s": mb / statistics.median(enc_cpu),
+        "decode_mb_s": mb / statistics.median(dec_cpu),
+        "encode_mb_s_wall": mb / statistics.median(enc_wall),
+        "decode_mb_s_wall": mb / statistics.median(dec_wall),
+        "rel_l2": float((y - x).norm() / x.norm()),
+    }
+
+
+def bench_zstd_stage(base: str, buckets: list[torch.Tensor], repeats: int, level: int) -> dict:
+    """Time zstd alone on the bodies the base codec produces."""
+    codec = get_codec(base)
+    bodies = [codec.encode(b)[HEADER_BYTES:] for b in buckets]
+    mb = sum(b.numel() for b in buckets) * 4 / 1e6
+    cctx = zstandard.ZstdCompressor(level=level)
+    dctx = zstandard.ZstdDecompressor()
+    comp, decomp = [], []
+    frames: list[bytes] = []
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        frames = [cctx.compress(b) for b in bodies]
+        comp.append(time.thread_time() - c0)
+        c0 = time.thread_time()
+        for f, b in zip(frames, bodies):
+            dctx.decompress(f, max_output_size=len(b))
+        decomp.append(time.thread_time() - c0)
+    body_mb = sum(len(b) for b in bodies) / 1e6
+    return {
+        "body": base,
+        "zstd_level": level,
+        "zstd_ratio": sum(len(b) for b in bodies) / sum(len(f) for f in frames),
+        "compress_body_mb_s": body_mb / statistics.median(comp),
+        "compress_fp32_mb_s": mb / statistics.median(comp),
+        "decompress_fp32_mb_s": mb / statistics.median(decomp),
+    }
+
+
+def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    head = "| " + " | ".join(c[1] for c in cols) + " |"
+    sep = "|" + "|".join("---:" if c[2] else ":---" for c in cols) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in cols:
+            v = r[key]
+            cells.append("-" if v is None else (format(v, fmt) if fmt else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="elements of Δ")
+    ap.add_argument("--bucket-elems", type=int, default=1 << 20, help="0: one bucket")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--zstd-level", type=int, default=3)
+    ap.add_argument("--zstd-levels", default="1,3,9", help="levels for the zstd-stage table")
+    ap.add_argument("--inner-steps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="small model, 1 Mi elements, 2 repeats")
+    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.quick:
+        numel = min(args.numel, 1 << 20) if args.numel == 16 * 1024 * 1024 else args.numel
+        args.numel, args.repeats, args.inner_steps = numel, 2, 10
+        delta = pseudo_gradient(dim=128, layers=2, warmup_steps=3, inner_steps=args.inner_steps)
+    else:
+        delta = pseudo_gradient(dim=256, layers=3, warmup_steps=10, inner_steps=args.inner_steps)
+    x = tile(delta, args.numel)
+    if args.bucket_elems > delta.numel() or (args.bucket_elems <= 0 and args.numel > delta.numel()):
+        # A bucket longer than Δ would hold a repeat of itself, which zstd would find
+        # and report as compression that real pseudo-gradients do not have.
+        args.bucket_elems = 1 << (delta.numel().bit_length() - 1)
+        print(f"# bucket size cut to {args.bucket_elems:,} elements (< model size)", flush=True)
+    buckets = _buckets(x, args.bucket_elems)
+    print(
+        f"# Δ: {args.numel:,} elements ({args.numel * 4 / 2**20:.0f} MiB fp32) in "
+        f"{len(buckets)} bucket(s); rms {float(x.pow(2).mean().sqrt()):.3e}, "
+        f"max|Δ| {float(x.abs().max()):.3e}; torch {torch.__version__}, zstandard "
+        f"{zstandard.__version__}, {platform.processor() or platform.machine()}; "
+        f"one thread; medians of {args.repeats}",
+        flush=True,
+    )
+    rows = []
+    for base in CODEC_NAMES:
+        for name in (base, base + "+zstd"):
+            rows.append(bench_codec(name, buckets, args.repeats, args.zstd_level))
+            print(f"#   {name}: done", file=sys.stderr, flush=True)
+    print()
+    print(
+        _table(
+            rows,
+            [
+                ("codec", "codec", ""),
+                ("ratio", "ratio", ".2f"),
+                ("encode_mb_s", "encode MB/s", ".0f"),
+                ("decode_mb_s", "decode MB/s", ".0f"),
+                ("rel_l2", "rel. L2 error", ".2e"),
+            ],
+        )
+    )
+    levels = [int(v) for v in args.zstd_levels.split(",") if v]
+    zrows = [
+        bench_zstd_stage(base, buckets, args.repeats, lvl)
+        for base in ("fp32", "bf16", "int8", "int4", "topk")
+        for lvl in levels
+    ]
+    print()
+    print("zstd stage alone (on each codec's body; MB/s of the fp32 input it stands for):")
+    print()
+    print(
+        _table(
+            zrows,
+            [
+                ("body", "body", ""),
+                ("zstd_level", "level", "d"),
+                ("zstd_ratio", "zstd ratio", ".3f"),
+                ("compress_body_mb_s", "compress MB/s (body)", ".0f"),
+                ("compress_fp32_mb_s", "compress MB/s (fp32)", ".0f"),
+                ("decompress_fp32_mb_s", "decompress MB/s (fp32)", ".0f"),
+            ],
+        )
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "codecs": rows,
+                        "zstd_stage": zrows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
