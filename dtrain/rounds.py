@@ -21,7 +21,7 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -29,7 +29,7 @@ import torch
 from dtrain.aggregation import AggregationConfig, ChunkAccumulator
 from dtrain.buckets import assign_owners
 from dtrain.codecs import CodecConfig, get_codec
-from dtrain.errors import CodecError, PeerTimeout, Rejected, RejectCode, StateTransferError, TransportError
+from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, Rejected, RejectCode, StateTransferError, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
@@ -37,6 +37,10 @@ from dtrain.transports.base import Transport
 __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
 
 log = logging.getLogger(__name__)
+
+# Rejections that say the sender sent something wrong (and count towards excluding
+# it); late, stale-round or not-a-member rejections are about timing or membership.
+_SENDER_FAULTS = (RejectCode.INVALID_ARGUMENT, RejectCode.RESOURCE_EXHAUSTED, RejectCode.ALREADY_EXISTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +54,9 @@ class RoundConfig:
         error_feedback: keep what the codec or a lost exchange failed to deliver
             and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
             Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
+        broadcast_error_feedback: the owner also keeps what the lossy broadcast
+            codec lost from each mean and adds it to the next mean of that bucket
+            (costs 4 bytes per owned parameter; off by default).
         repair: pull stale buckets whole from the owner; False keeps stale
             values as the packet-loss paper does (arXiv 2507.07114 §4.2).
         plan_wait_s: how long a request for a round this site has not opened yet
@@ -65,6 +72,7 @@ class RoundConfig:
     broadcast_codec: CodecConfig | None = None
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     error_feedback: bool = True
+    broadcast_error_feedback: bool = False
     repair: bool = True
     plan_wait_s: float = 5.0
     repair_timeout_s: float = 5.0
@@ -214,7 +222,8 @@ class RoundEngine:
         except Rejected as e:
             with o.lock:
                 o.rejected[e.reason] = o.rejected.get(e.reason, 0) + 1
-                o.rejected_senders.add(c.sender)
+                if e.code in _SENDER_FAULTS:
+                    o.rejected_senders.add(c.sender)
             log.warning("round %d: rejected chunk b%d c%d from %s: %s %s", c.round, c.bucket, c.chunk, c.sender, e.code, e.reason)
             raise
 
@@ -286,7 +295,14 @@ class RoundEngine:
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
-        return self.state.bucket_state(bucket)
+        st = self.state.bucket_state(bucket)
+        with self._cv:
+            m = self._means.get((st.rounds_applied - 1, bucket))
+        if m is None:
+            return st
+        # A site that missed this mean learns from a repair which of its chunks
+        # the mean included (those are consumed, never sent again; DESIGN.md).
+        return replace(st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]})
 
     # ------------------------------------------------------------------ owner: finalize
     def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
@@ -344,14 +360,15 @@ class RoundEngine:
                 t = time.perf_counter()
                 full = torch.empty(bucket.numel, dtype=torch.float32)
                 chunks = []
-                bres = self._bres.get(b) if self.config.error_feedback and not self.bcodec.lossless else None
+                use_bres = self.config.broadcast_error_feedback and not self.bcodec.lossless
+                bres = self._bres.get(b) if use_bres else None
                 for c, mean, senders in means:
                     off, n = bucket.chunks[c]
                     if bres is not None:
                         mean = mean + bres[off : off + n]
                     payload = self.bcodec.encode(mean, generator=self._gen)
                     dec = self.bcodec.decode(payload, numel=n)
-                    if self.config.error_feedback and not self.bcodec.lossless:
+                    if use_bres:
                         if bres is None:
                             bres = self._bres.setdefault(b, torch.zeros(bucket.numel))
                         bres[off : off + n] = mean - dec
@@ -404,6 +421,10 @@ class RoundEngine:
         sent0, recv0 = self.transport.bytes_sent(), self.transport.bytes_received()
         with self._cv:
             self._open[r] = o
+            # Means of earlier rounds were kept only for peers' late pulls; every
+            # member of this round has finished those rounds, so drop them.
+            for key in [k for k in self._means if k[0] < r]:
+                del self._means[key]
             self._cv.notify_all()
         finalizer = threading.Thread(target=self._finalize, args=(o, res), name=f"finalize-{r}", daemon=True)
         finalizer.start()
@@ -459,6 +480,8 @@ class RoundEngine:
         # ---- broadcast: pull the means of the buckets others own
         got: dict[int, BucketMean] = {}
 
+        owner_down: set[int] = set()  # buckets whose owner could not be reached at all
+
         def pull(b: int) -> tuple[int, BucketMean | None, str]:
             addr = plan.address_of(owners[b])
             try:
@@ -466,6 +489,9 @@ class RoundEngine:
                 if left <= 0:
                     return b, None, "broadcast deadline passed"
                 return b, self.transport.pull_mean(addr, r, b, requester=self.site_id, timeout_s=left), ""
+            except PeerUnavailable as e:
+                owner_down.add(b)
+                return b, None, str(e)
             except TransportError as e:
                 return b, None, str(e)
 
@@ -483,30 +509,47 @@ class RoundEngine:
         res.network_s += time.perf_counter() - t
         finalizer.join(timeout=max(0.0, o.broadcast_until - time.monotonic()) + 1.0)
 
-        # late pulls from other members that may hold the mean (owner slow or gone)
+        # late pulls: the owner once more (a lost reply), then members that may
+        # hold the mean (owner slow or gone)
         if missing:
             late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
             for b in list(missing):
-                for peer in plan.members:
-                    if peer.site_id in (self.site_id, owners[b]) or time.monotonic() > late_until:
+                sources = [owners[b]] + [p.site_id for p in plan.members if p.site_id not in (self.site_id, owners[b])]
+                for sid in sources:
+                    if time.monotonic() > late_until:
+                        break
+                    if sid == owners[b] and b in owner_down:
                         continue
                     try:
-                        m = self.transport.pull_mean(peer.address, r, b, requester=self.site_id, timeout_s=max(0.05, late_until - time.monotonic()))
+                        m = self.transport.pull_mean(plan.address_of(sid), r, b, requester=self.site_id, timeout_s=max(0.05, late_until - time.monotonic()))
+                    except PeerUnavailable:
+                        if sid == owners[b]:
+                            owner_down.add(b)
+                        continue
                     except TransportError:
                         continue
                     got[b] = m
                     missing.pop(b)
+                    owner_down.discard(b)
                     break
         for b, why in missing.items():
             log.warning("round %d: no mean for bucket %d from %s: %s", r, b, owners[b], why)
 
         # ---- apply, verify, repair
         stale: list[int] = []
+        missed: list[int] = []  # stale because its mean never arrived
         for b in remote:
             m = got.get(b)
             if m is None:
                 with self._cv:
                     self.state.bucket_round[b] = r + 1
+                if b in owner_down:
+                    # Its owner is gone: nobody got this mean, every survivor keeps θ_b alike.
+                    res.skipped_buckets += 1
+                else:
+                    # The owner may have applied a mean we missed: stale, repaired from it.
+                    stale.append(b)
+                    missed.append(b)
                 continue
             with self._cv:
                 self._means[(r, b)] = m
@@ -518,19 +561,25 @@ class RoundEngine:
             if self.state.checksum(b) != m.checksum_before:
                 log.warning("round %d: bucket %d differs from owner %s before applying: stale", r, b, owners[b])
                 stale.append(b)
-                continue
+                if self.config.repair:
+                    continue  # pulled whole below
+                # Keep-stale (arXiv 2507.07114 §4.2): apply the mean to our own θ_b, so
+                # the drift stays what was missed instead of growing every round.
             t = time.perf_counter()
             try:
                 full = self._decode_mean(b, m)
             except (CodecError, ValueError) as e:
                 log.warning("round %d: bad mean for bucket %d from %s: %s", r, b, owners[b], e)
                 res.errors.append(f"bad mean b{b}: {e}")
-                stale.append(b)
+                if b not in stale:
+                    stale.append(b)
                 continue
             res.decode_s += time.perf_counter() - t
             after = self.state.apply_mean(b, full)
             with self._cv:
                 self.state.bucket_round[b] = r + 1
+            if b in stale:
+                continue
             if after != m.checksum_after:
                 log.warning("round %d: bucket %d checksum after apply differs from owner %s: stale", r, b, owners[b])
                 stale.append(b)
@@ -539,32 +588,52 @@ class RoundEngine:
         res.applied_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and self._means[(r, b)].chunks)
         res.skipped_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and not self._means[(r, b)].chunks)
         res.stale_buckets = len(stale)
+        repaired_senders: dict[int, list[list[str]]] = {}
         if stale and self.config.repair:
-            res.repaired_buckets = self._repair(plan, owners, stale, got)
+            res.repaired_buckets = self._repair(plan, owners, stale, got, missed, repaired_senders)
 
-        # ---- residuals: what a finalized mean included is consumed, the rest stays
+        # ---- residuals (error feedback). A chunk that a finalized mean included is
+        # consumed (less the codec's error). A chunk that was not included (lost, late,
+        # rejected) keeps u − A, where A is the mean that was applied to that chunk: the
+        # owner divided by the senders that arrived, so A already stood in for this
+        # contribution once; keeping all of u would count it twice (a systematic
+        # overshoot of ~p·(N−1)/N under chunk loss p). Summed over sites this makes
+        # N·A = Σ_i u_i − Σ_i residual_i, so over rounds the applied means add up to
+        # the true mean of every Δ, less what is still in the residuals. Where no mean
+        # was applied (owner gone, empty chunk) u stays whole. A site that missed the
+        # mean and was repaired learns from the owner which chunks were included, but
+        # not A: a non-included chunk of such a bucket keeps u whole.
         mine_total = mine_in = 0
         for b in range(len(layout)):
             v = self.state.residuals[b]
             if v is None:
                 continue
-            if not contribute or not self.config.error_feedback:
-                self.state.residuals[b] = None if not self.config.error_feedback else v
-                continue
+            chunks = layout.buckets[b].chunks
             m = self._means.get((r, b)) if owners[b] == self.site_id else got.get(b)
-            if m is None:
-                mine_total += len(layout.buckets[b].chunks)
+            applied: BucketMean | None = None
+            if m is not None:
+                senders = [ch.senders for ch in m.chunks]
+                applied = m if len(m.chunks) == len(chunks) else None
+            else:
+                senders = repaired_senders.get(b, [])
+            included = [c < len(senders) and self.site_id in senders[c] for c in range(len(chunks))]
+            if contribute:
+                mine_total += len(chunks)
+                mine_in += sum(included)
+            if not self.config.error_feedback:
+                self.state.residuals[b] = None
                 continue
-            included = {ch.chunk for ch in m.chunks if self.site_id in ch.senders}
-            for c, (off, n) in enumerate(layout.buckets[b].chunks):
-                mine_total += 1
-                if c not in included:
-                    continue
-                mine_in += 1
-                if self.codec.lossless:
-                    v[off : off + n] = 0.0
-                else:
-                    v[off : off + n] -= self.codec.decode(payloads[(b, c)], numel=n)
+            for c, (off, n) in enumerate(chunks):
+                if included[c]:
+                    if self.codec.lossless:
+                        v[off : off + n] = 0.0
+                    else:
+                        v[off : off + n] -= self.codec.decode(payloads[(b, c)], numel=n)
+                elif applied is not None:
+                    try:
+                        v[off : off + n] -= self.bcodec.decode(applied.chunks[c].payload, numel=n)
+                    except CodecError as e:  # a bad mean was not applied here either
+                        log.warning("round %d: mean of b%d c%d undecodable, residual kept whole: %s", r, b, c, e)
         res.included_fraction = mine_in / mine_total if mine_total else 1.0
         res.broadcast_arrived_fraction = (len(got) + len(o.mine)) / len(layout) if len(layout) else 1.0
 
@@ -574,8 +643,6 @@ class RoundEngine:
         with self._cv:
             self.state.rounds_applied = r + 1
             self._open.pop(r, None)
-            for key in [k for k in self._means if k[0] < r - 1]:
-                del self._means[key]
             self._cv.notify_all()
         res.bytes_sent = self.transport.bytes_sent() - sent0
         res.bytes_received = self.transport.bytes_received() - recv0
@@ -596,13 +663,30 @@ class RoundEngine:
             full[off : off + n] = self.bcodec.decode(ch.payload, numel=n)
         return full
 
-    def _repair(self, plan: RoundPlan, owners: list[str], stale: list[int], got: dict[int, BucketMean]) -> int:
-        """Pull stale buckets whole from their owner (or a member with the owner's checksum)."""
+    def _repair(
+        self,
+        plan: RoundPlan,
+        owners: list[str],
+        stale: list[int],
+        got: dict[int, BucketMean],
+        missed: list[int],
+        senders_out: dict[int, list[list[str]]],
+    ) -> int:
+        """Pull stale buckets whole from their owner (or a member with the owner's checksum).
+
+        A bucket whose mean this site never got (``missed``) is pulled from its owner
+        only, and only a state that reflects this round's mean is taken; its
+        ``mean_senders`` go to ``senders_out[b]`` (which chunks the mean included).
+        """
         deadline = time.monotonic() + self.config.repair_timeout_s
         repaired = 0
+        r = plan.round
         for b in stale:
             want = got[b].checksum_after if b in got else None
-            sources = [owners[b]] + [m.site_id for m in plan.members if m.site_id not in (owners[b], self.site_id)]
+            if b in missed:
+                sources = [owners[b]]
+            else:
+                sources = [owners[b]] + [m.site_id for m in plan.members if m.site_id not in (owners[b], self.site_id)]
             for src in sources:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -615,6 +699,18 @@ class RoundEngine:
                     continue
                 if want is not None and st.checksum != want:
                     continue
+                if b in missed:
+                    ms = st.extra.get("mean_senders")
+                    nchunks = len(self.state.layout.buckets[b].chunks)
+                    if (
+                        st.extra.get("mean_round") != r
+                        or not isinstance(ms, list)
+                        or len(ms) not in (0, nchunks)
+                        or not all(isinstance(x, list) for x in ms)
+                    ):
+                        log.warning("repair of bucket %d from %s: its state does not reflect round %d's mean", b, src, r)
+                        continue
+                    senders_out[b] = ms
                 resid = self.state.residuals[b]
                 self.state.load_bucket(b, theta, opt, st.rounds_applied)
                 self.state.residuals[b] = resid

@@ -1,0 +1,140 @@
+"""Extra resident memory a site needs for DiLoCo beyond plain training.
+
+Prints a table (not a test). For a model of ~25M parameters it measures the
+process's peak RSS (sampled every 2 ms from /proc/self/statm) for
+
+  1. plain training: model + AdamW, a few inner steps;
+  2. the same plus DiLoCo (θ fp32 copy, outer SGD-Nesterov momentum, error-feedback
+     residuals, encode buffers) through a few rounds with the given codec,
+
+and reports the difference per parameter, against the target of 3.5 x 4 bytes per
+parameter (issue 2). It also reports the largest single temporary the round engine
+allocates (one bucket). One site runs alone, so it owns (and aggregates) every
+bucket: the owner-side accumulators are the worst case here.
+
+    python experiments/bench_memory.py [--params-m 25] [--codec int8+zstd] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import threading
+import time
+
+import torch
+
+from dtrain import DiLoCo, DiLoCoConfig
+from dtrain.codecs import CodecConfig
+from dtrain.rounds import RoundConfig
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRss:
+    """Samples RSS in a thread; ``peak`` is the max seen since ``reset``."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval_s)
+
+    def reset(self) -> None:
+        self.peak = rss_bytes()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def make_model(params_m: float) -> torch.nn.Module:
+    width = 1024
+    n_layers = max(1, round(params_m * 1e6 / (width * width + width)))
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n_layers)])
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        x = torch.randn(8, 1024)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def trim() -> int:
+    """RSS after handing freed heap pages back to the OS (glibc malloc_trim)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return rss_bytes()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
+    ap.add_argument("--codec", default="int8+zstd")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sync-every", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    sampler = PeakRss()
+
+    model = make_model(args.params_m)
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_steps(model, opt, args.sync_every * args.rounds)
+    gc.collect()
+    sampler.reset()
+    train_steps(model, opt, args.sync_every * args.rounds)
+    plain_peak = sampler.peak
+    plain_trimmed = trim()
+    sampler.reset()
+
+    cfg = DiLoCoConfig(sync_every=args.sync_every, rounds=RoundConfig(codec=CodecConfig(name=args.codec)))
+    diloco = DiLoCo(model, opt, config=cfg)
+    train_steps(model, opt, args.sync_every * args.rounds)  # rounds run inside (hooked optimizer)
+    gc.collect()
+    steady = rss_bytes()
+    trimmed = trim()
+    diloco_peak = sampler.peak
+    sampler.stop()
+    bucket_bytes = max(b.numel for b in diloco.layout.buckets) * 4
+    diloco.close()
+
+    extra_peak = (diloco_peak - plain_peak) / n
+    extra_steady = (steady - plain_peak) / n
+    extra_trimmed = (trimmed - plain_trimmed) / n
+    print(f"model: {n / 1e6:.1f}M parameters, codec {args.codec}, {args.rounds} rounds, H={args.sync_every}, one site")
+    print()
+    print("| measure | bytes/param | target |")
+    print("|---|---|---|")
+    print(f"| plain training peak RSS | {plain_peak / n:.2f} | |")
+    print(f"| extra for DiLoCo, peak during rounds | {extra_peak:.2f} | <= {3.5 * 4:.1f} |")
+    print(f"| extra for DiLoCo, after rounds (steady) | {extra_steady:.2f} | |")
+    print(f"| extra for DiLoCo, steady, both after malloc_trim | {extra_trimmed:.2f} | |")
+    print(f"| one bucket (largest engine temporary) | {bucket_bytes / n:.3f} ({bucket_bytes / 2**20:.1f} MiB) | |")
+    print()
+    print("expected steady extra: θ 4 + outer momentum 4 + residual 4 = 12 bytes/param")
+
+
+if __name__ == "__main__":
+    main()
