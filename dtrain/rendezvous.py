@@ -103,6 +103,7 @@ def decide_quorum(
     joined_ever: int,
     now: float,
     config: RendezvousConfig,
+    startup_complete_at: float | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -112,6 +113,10 @@ def decide_quorum(
         ready: site_id -> time it became ready for ``round`` (monotonic seconds).
         joined_ever: how many sites are registered (for the round-0 start rule).
         now: the current monotonic time, seconds.
+        startup_complete_at: when the ``initial_sites``-th site joined (monotonic
+            seconds). Round 0's quorum timeout counts from it if that is later than
+            the first ready, so a site that took longer to start up is not cut
+            from the very first round of a group it started together with.
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
@@ -121,6 +126,8 @@ def decide_quorum(
     if round == 0 and joined_ever < config.startup_sites:
         return None, f"round 0 waits for {config.startup_sites} sites to join ({joined_ever} so far)"
     first = min(ready_live.values())
+    if round == 0 and startup_complete_at is not None:
+        first = max(first, startup_complete_at)
     waited = now - first
     if set(ready_live) >= live:
         if len(ready_live) >= config.min_sites:
@@ -145,6 +152,7 @@ class RendezvousCore:
         self._ready: dict[str, float] = {}
         self._cv = threading.Condition()
         self._last_reason = ""
+        self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
 
     def _changed(self) -> None:
         self._cv.notify_all()
@@ -168,6 +176,8 @@ class RendezvousCore:
                 rounds_joined=rec.rounds_joined if rec else 0,
             )
             self._ready.pop(site_id, None)
+            if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
+                self._startup_complete_at = now
             others = tuple(
                 Member(site_id=s, address=r.address)
                 for s, r in sorted(self.sites.items())
@@ -236,7 +246,8 @@ class RendezvousCore:
 
     def _decide(self, now: float) -> ReadyDecision:
         members, reason = decide_quorum(
-            round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config
+            round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config,
+            startup_complete_at=self._startup_complete_at,
         )
         if members is None:
             if reason != self._last_reason:
