@@ -250,7 +250,8 @@ class Codec:
         Returns:
             0.0 for fp32. Otherwise the codec's bound (see the ``dtrain.codecs``
             docstring) with a relative slack of 2^-12 for fp32 arithmetic and an
-            absolute floor of 2^-126.
+            absolute floor of 2^-126. Costs a pass over ``x`` (topk: a selection);
+            meant for tests and monitoring, not the hot path.
         """
         x32, _ = _prepare(x)
         if x32.numel() == 0:
