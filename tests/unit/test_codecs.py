@@ -87,13 +87,21 @@ def test_flags_and_names() -> None:
     assert get_codec(CodecConfig(name="int8+zstd", zstd_level=1)).name == "int8+zstd"
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ALL_NAMES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_refused(name: str, bad: float) -> None:
     x = torch.randn(600)
     x[417] = bad
-    with pytest.raises(CodecError, match="non-finite"):
+    with pytest.raises(CodecError, match="non-finite input: 1 of 600 elements .* first at index 417"):
         get_codec(name).encode(x)
+    with pytest.raises(CodecError, match="non-finite"):
+        get_codec(name).encode(x.to(torch.bfloat16))
+
+
+def test_bad_numel_argument() -> None:
+    payload = get_codec("int8").encode(torch.randn(10))
+    with pytest.raises(CodecError, match="numel"):
+        get_codec("int8").decode(payload, numel=-1)
 
 
 def test_bad_input_types() -> None:
