@@ -22,24 +22,24 @@ Wire rules (DESIGN.md, "Transport rules (gRPC)"):
   any other handler exception is logged and becomes INTERNAL.
 * Authentication (shared token, TLS/mTLS) and keepalive come from
   :class:`~dtrain.transports.grpc_common.GrpcTransportConfig`.
+* The bulk messages are peer.proto's, encoded and decoded by
+  :mod:`dtrain.transports.grpc_wire` so that payloads skip the protobuf runtime's
+  copies; any other implementation of peer.proto interoperates.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
-from dtrain._proto.dtrain.v1 import peer_pb2_grpc as pb_grpc
 from dtrain.errors import PeerUnavailable, RejectCode, Rejected, TransportError
-from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk
+from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.transports.base import PeerHandler, Transport
 from dtrain.transports.grpc_common import (
-    MESSAGE_OVERHEAD_BYTES,
     ChannelPool,
     GrpcTransportConfig,
     TlsConfig,
@@ -50,232 +50,26 @@ from dtrain.transports.grpc_common import (
     start_server,
     to_transport_error,
 )
+from dtrain.transports.grpc_wire import (
+    WireError,
+    contribution_wire_bytes,
+    decode_contribution,
+    encode_contribution,
+    mean_from_wire,
+    mean_to_wire,
+    state_from_wire,
+    state_to_wire,
+)
 
-__all__ = [
-    "GrpcTransport",
-    "GrpcTransportConfig",
-    "TlsConfig",
-    "NUM_ACCEPTED_METADATA_KEY",
-    "contribution_to_proto",
-    "contribution_from_proto",
-    "mean_to_parts",
-    "mean_from_parts",
-    "state_to_parts",
-    "state_from_parts",
-]
+__all__ = ["GrpcTransport", "GrpcTransportConfig", "TlsConfig", "NUM_ACCEPTED_METADATA_KEY", "PEER_SERVICE"]
 
 log = logging.getLogger(__name__)
 
 NUM_ACCEPTED_METADATA_KEY = "dtrain-num-accepted"
+PEER_SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "dtrain.v1.Peer"
 # Seconds the owner answers before the caller's deadline, so that a handler's
 # own PeerTimeout (with its reason) reaches the caller instead of a bare deadline.
 _HANDLER_MARGIN_S = 0.2
-
-
-# --------------------------------------------------------------------------- conversions
-
-
-_CONTRIBUTION_FIELDS = ("round", "bucket", "chunk", "offset", "numel", "codec", "sender", "payload")
-
-
-def contribution_to_proto(c: Contribution) -> pb.ContributionChunk:
-    """The wire message of ``c`` (same field names)."""
-    return pb.ContributionChunk(**{f: getattr(c, f) for f in _CONTRIBUTION_FIELDS})
-
-
-def contribution_from_proto(m: pb.ContributionChunk) -> Contribution:
-    """The Contribution a wire message carries."""
-    return Contribution(**{f: getattr(m, f) for f in _CONTRIBUTION_FIELDS})
-
-
-def _contribution_wire_bytes(c: Contribution) -> int:
-    """Upper bound of the serialized size of ``c`` (6 varints <= 10 bytes, 3 tags+lengths)."""
-    return len(c.payload) + len(c.codec.encode()) + len(c.sender.encode()) + 6 * 11 + 3 * 11
-
-
-def _slices(data: bytes, part_bytes: int) -> Iterator[bytes]:
-    view = memoryview(data)
-    for off in range(0, len(data), part_bytes):
-        yield bytes(view[off : off + part_bytes])
-
-
-def mean_to_parts(mean: BucketMean, part_bytes: int) -> Iterator[pb.MeanPart]:
-    """Split ``mean`` into MeanParts of at most ``part_bytes`` payload each.
-
-    The first part carries the header; the part that begins each chunk carries
-    that chunk's header (with its total ``payload_bytes``).
-    """
-    header = pb.MeanHeader(
-        round=mean.round,
-        bucket=mean.bucket,
-        owner=mean.owner,
-        checksum_before=mean.checksum_before,
-        checksum_after=mean.checksum_after,
-        num_chunks=len(mean.chunks),
-    )
-    pending_header: pb.MeanHeader | None = header
-    for ch in mean.chunks:
-        chunk_header = pb.MeanChunkHeader(
-            chunk=ch.chunk,
-            offset=ch.offset,
-            numel=ch.numel,
-            codec=ch.codec,
-            senders=list(ch.senders),
-            payload_bytes=len(ch.payload),
-        )
-        pieces: Iterable[bytes] = _slices(ch.payload, part_bytes) if ch.payload else (b"",)
-        for i, piece in enumerate(pieces):
-            part = pb.MeanPart(data=piece)
-            if i == 0:
-                part.chunk.CopyFrom(chunk_header)
-            if pending_header is not None:
-                part.header.CopyFrom(pending_header)
-                pending_header = None
-            yield part
-    if pending_header is not None:  # a mean without chunks
-        yield pb.MeanPart(header=pending_header)
-
-
-def _malformed(what: str, why: str) -> Rejected:
-    return Rejected(RejectCode.INVALID_ARGUMENT, f"malformed {what} stream: {why}")
-
-
-def _header_after(part, header, what: str):
-    """The stream's header once ``part`` is read: the one ``part`` carries (a
-    copy), or the one seen before; a missing or repeated header is malformed."""
-    if part.HasField("header"):
-        if header is not None:
-            raise _malformed(what, "a second header")
-        header = type(part.header)()
-        header.CopyFrom(part.header)
-    elif header is None:
-        raise _malformed(what, "the first part has no header")
-    return header
-
-
-def mean_from_parts(parts: Iterable[pb.MeanPart], on_data: Callable[[int], None] = lambda n: None) -> BucketMean:
-    """Reassemble a BucketMean from its parts; raises ``Rejected(INVALID_ARGUMENT)``
-    when the stream is malformed (missing header, a chunk longer or shorter than
-    announced, a wrong number of chunks). ``on_data(n)`` is called per part with
-    its payload length."""
-    header: pb.MeanHeader | None = None
-    chunks: list[MeanChunk] = []
-    cur: pb.MeanChunkHeader | None = None
-    pieces: list[bytes] = []
-    got = 0
-
-    def finish() -> None:
-        if cur is None:
-            return
-        if got != cur.payload_bytes:
-            raise _malformed("mean", f"chunk {cur.chunk} has {got} bytes, announced {cur.payload_bytes}")
-        chunks.append(
-            MeanChunk(
-                chunk=cur.chunk,
-                offset=cur.offset,
-                numel=cur.numel,
-                codec=cur.codec,
-                payload=b"".join(pieces),
-                senders=tuple(cur.senders),
-            )
-        )
-
-    for part in parts:
-        header = _header_after(part, header, "mean")
-        if part.HasField("chunk"):
-            finish()
-            cur = pb.MeanChunkHeader()
-            cur.CopyFrom(part.chunk)
-            pieces, got = [], 0
-        if part.data:
-            if cur is None:
-                raise _malformed("mean", "data before any chunk header")
-            got += len(part.data)
-            if got > cur.payload_bytes:
-                raise _malformed("mean", f"chunk {cur.chunk} longer than announced {cur.payload_bytes} bytes")
-            pieces.append(part.data)
-            on_data(len(part.data))
-    if header is None:
-        raise _malformed("mean", "empty stream")
-    finish()
-    if len(chunks) != header.num_chunks:
-        raise _malformed("mean", f"{len(chunks)} chunks, announced {header.num_chunks}")
-    return BucketMean(
-        round=header.round,
-        bucket=header.bucket,
-        owner=header.owner,
-        chunks=tuple(chunks),
-        checksum_before=header.checksum_before,
-        checksum_after=header.checksum_after,
-    )
-
-
-def state_to_parts(state: BucketState, part_bytes: int) -> Iterator[pb.StatePart]:
-    """Split ``state`` into StateParts: the header, then theta, then the optimizer
-    state, each in slices of at most ``part_bytes``. ``state.extra`` travels as JSON
-    (``TypeError`` when it is not JSON-serialisable)."""
-    header = pb.StateHeader(
-        bucket=state.bucket,
-        rounds_applied=state.rounds_applied,
-        checksum=state.checksum,
-        theta_bytes=len(state.theta),
-        optimizer_state_bytes=len(state.optimizer_state),
-        extra_json=json.dumps(state.extra, sort_keys=True) if state.extra else "",
-    )
-    pending_header: pb.StateHeader | None = header
-    for name, data in (("theta", state.theta), ("optimizer_state", state.optimizer_state)):
-        for piece in _slices(data, part_bytes):
-            part = pb.StatePart(**{name: piece})
-            if pending_header is not None:
-                part.header.CopyFrom(pending_header)
-                pending_header = None
-            yield part
-    if pending_header is not None:  # empty theta and optimizer state
-        yield pb.StatePart(header=pending_header)
-
-
-def state_from_parts(parts: Iterable[pb.StatePart], on_data: Callable[[int], None] = lambda n: None) -> BucketState:
-    """Reassemble a BucketState; raises ``Rejected(INVALID_ARGUMENT)`` when the
-    stream is malformed (no header, lengths other than announced, bad extra JSON)."""
-    header: pb.StateHeader | None = None
-    pieces: dict[str, list[bytes]] = {"theta": [], "optimizer_state": []}
-    got = {"theta": 0, "optimizer_state": 0}
-    for part in parts:
-        header = _header_after(part, header, "state")
-        which = part.WhichOneof("data")
-        if which is None:
-            continue
-        data = getattr(part, which)
-        if which == "theta" and got["optimizer_state"]:
-            raise _malformed("state", "theta after optimizer_state")
-        got[which] += len(data)
-        limit = header.theta_bytes if which == "theta" else header.optimizer_state_bytes
-        if got[which] > limit:
-            raise _malformed("state", f"{which} longer than announced {limit} bytes")
-        pieces[which].append(data)
-        on_data(len(data))
-    if header is None:
-        raise _malformed("state", "empty stream")
-    if got["theta"] != header.theta_bytes or got["optimizer_state"] != header.optimizer_state_bytes:
-        raise _malformed(
-            "state",
-            f"got theta {got['theta']} / optimizer_state {got['optimizer_state']} bytes, announced "
-            f"{header.theta_bytes} / {header.optimizer_state_bytes}",
-        )
-    try:
-        extra = json.loads(header.extra_json) if header.extra_json else {}
-    except ValueError as e:
-        raise _malformed("state", f"extra_json is not JSON: {e}") from e
-    if not isinstance(extra, dict):
-        raise _malformed("state", "extra_json is not a JSON object")
-    return BucketState(
-        bucket=header.bucket,
-        rounds_applied=header.rounds_applied,
-        theta=b"".join(pieces["theta"]),
-        optimizer_state=b"".join(pieces["optimizer_state"]),
-        checksum=header.checksum,
-        extra=extra,
-    )
 
 
 # --------------------------------------------------------------------------- server
@@ -292,20 +86,43 @@ def _run_handler(what: str, fn: Callable[[], object]) -> tuple[object, Transport
         return None, TransportError("INTERNAL", f"handler error in {what}: {type(e).__name__}: {e}")
 
 
-class _PeerServicer(pb_grpc.PeerServicer):
+class _PeerServicer:
+    """Serves the Peer service. Push requests arrive as raw bytes and pull answers
+    leave as raw bytes (``grpc_wire``), so payloads are copied as little as possible."""
+
     def __init__(self, transport: "GrpcTransport", handler: PeerHandler) -> None:
         self._t = transport
         self._handler = handler
 
-    def Push(self, request_iterator, context):
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            PEER_SERVICE,
+            {
+                "Push": grpc.stream_unary_rpc_method_handler(
+                    self.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString
+                ),
+                "PullMean": grpc.unary_stream_rpc_method_handler(
+                    self.PullMean, request_deserializer=pb.PullMeanRequest.FromString, response_serializer=None
+                ),
+                "PullState": grpc.unary_stream_rpc_method_handler(
+                    self.PullState, request_deserializer=pb.PullStateRequest.FromString, response_serializer=None
+                ),
+            },
+        )
+
+    def Push(self, request_iterator: Iterator[bytes], context) -> pb.PushReply:
         accepted = 0
         received = 0
-        for msg in request_iterator:
-            c = contribution_from_proto(msg)
-            self._t._count(received=len(c.payload))
-            _, err = _run_handler("Push", lambda: self._handler.handle_contribution(c))
+        for raw in request_iterator:
+            try:
+                c = decode_contribution(raw)
+            except WireError as e:
+                err: TransportError | None = Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
+            else:
+                self._t._count(received=len(c.payload))
+                _, err = _run_handler("Push", lambda: self._handler.handle_contribution(c))
             if err is not None:
-                log.info("refused chunk r%d b%d c%d from %s: %s", c.round, c.bucket, c.chunk, c.sender, err)
+                log.info("refused chunk %d of a push from %s: %s", accepted, context.peer(), err)
                 context.set_trailing_metadata(((NUM_ACCEPTED_METADATA_KEY, str(accepted)),))
                 abort_with(context, err.code, err.reason)
             accepted += 1
@@ -327,25 +144,37 @@ class _PeerServicer(pb_grpc.PeerServicer):
         )
         if err is not None:
             abort_with(context, err.code, err.reason)
-        for part in mean_to_parts(mean, self._t.config.part_bytes):
-            self._t._count(sent=len(part.data))
-            yield part
+        yield from mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
 
     def PullState(self, request, context):
         state, err = _run_handler("PullState", lambda: self._handler.handle_pull_state(request.bucket, request.requester))
         if err is not None:
             abort_with(context, err.code, err.reason)
         try:
-            for part in state_to_parts(state, self._t.config.part_bytes):
-                which = part.WhichOneof("data")
-                self._t._count(sent=len(getattr(part, which)) if which else 0)
-                yield part
+            yield from state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
         except TypeError as e:
             log.error("PullState bucket %d: BucketState.extra is not JSON-serialisable: %s", request.bucket, e)
             abort_with(context, "INTERNAL", f"BucketState.extra is not JSON-serialisable: {e}")
 
 
 # --------------------------------------------------------------------------- transport
+
+
+class _PeerStub:
+    """Client side of the Peer service; bulk messages travel as raw bytes (``grpc_wire``)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.Push = channel.stream_unary(
+            f"/{PEER_SERVICE}/Push", request_serializer=None, response_deserializer=pb.PushReply.FromString
+        )
+        self.PullMean = channel.unary_stream(
+            f"/{PEER_SERVICE}/PullMean", request_serializer=pb.PullMeanRequest.SerializeToString, response_deserializer=None
+        )
+        self.PullState = channel.unary_stream(
+            f"/{PEER_SERVICE}/PullState",
+            request_serializer=pb.PullStateRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
 
 class GrpcTransport(Transport):
@@ -362,7 +191,7 @@ class GrpcTransport(Transport):
         self.config = config or GrpcTransportConfig()
         self.address: str | None = None
         self._server: grpc.Server | None = None
-        self._pool: ChannelPool[pb_grpc.PeerStub] = ChannelPool(self.config, pb_grpc.PeerStub)
+        self._pool: ChannelPool[_PeerStub] = ChannelPool(self.config, _PeerStub)
         self._metadata = call_metadata(self.config)
         self._count_lock = threading.Lock()
         self._sent = 0
@@ -396,7 +225,7 @@ class GrpcTransport(Transport):
             raise RuntimeError("GrpcTransport.start: already started (or stopped); use a new instance")
         servicer = _PeerServicer(self, handler)
         self._server, port = start_server(
-            self.config, lambda s: pb_grpc.add_PeerServicer_to_server(servicer, s), name="peer"
+            self.config, lambda s: s.add_generic_rpc_handlers((servicer.generic_handler(),)), name="peer"
         )
         self.address = f"{self.config.advertised_host()}:{port}"
         log.info("peer service listening on %s (tls=%s)", self.address, self.config.tls is not None)
@@ -417,7 +246,7 @@ class GrpcTransport(Transport):
         if self._stopped:
             raise PeerUnavailable("transport stopped")
 
-    def _call(self, address: str, what: str, timeout_s: float, fn: Callable[[pb_grpc.PeerStub, float], object]):
+    def _call(self, address: str, what: str, timeout_s: float, fn: Callable[[_PeerStub, float], object]):
         self._check_running()
         try:
             return call_with_retry(
@@ -447,20 +276,20 @@ class GrpcTransport(Transport):
         contributions = list(contributions)
         limit = self.config.max_message_bytes
         for c in contributions:
-            if _contribution_wire_bytes(c) > limit:
+            if contribution_wire_bytes(c) > limit:
                 raise Rejected(
                     RejectCode.RESOURCE_EXHAUSTED,
                     f"contribution r{c.round} b{c.bucket} c{c.chunk} is {len(c.payload)} payload bytes; "
                     f"max_message_bytes is {limit} (split buckets into smaller chunks)",
                 )
 
-        def requests() -> Iterator[pb.ContributionChunk]:
+        def requests() -> Iterator[bytes]:
             for c in contributions:
-                msg = contribution_to_proto(c)
+                msg = encode_contribution(c)
                 self._count(sent=len(c.payload))
                 yield msg
 
-        def attempt(stub: pb_grpc.PeerStub, remaining: float) -> int:
+        def attempt(stub: _PeerStub, remaining: float) -> int:
             return stub.Push(requests(), timeout=remaining, metadata=self._metadata).num_accepted
 
         return self._call(address, "push to", timeout_s, attempt)
@@ -476,9 +305,9 @@ class GrpcTransport(Transport):
         check_timeout(timeout_s)
         request = pb.PullMeanRequest(round=round, bucket=bucket, requester=requester, timeout_ms=int(timeout_s * 1000))
 
-        def attempt(stub: pb_grpc.PeerStub, remaining: float) -> BucketMean:
+        def attempt(stub: _PeerStub, remaining: float) -> BucketMean:
             stream = stub.PullMean(request, timeout=remaining, metadata=self._metadata)
-            return mean_from_parts(stream, lambda n: self._count(received=n))
+            return mean_from_wire(stream, lambda n: self._count(received=n))
 
         return self._call(address, "pull_mean from", timeout_s, attempt)
 
@@ -492,9 +321,9 @@ class GrpcTransport(Transport):
         check_timeout(timeout_s)
         request = pb.PullStateRequest(bucket=bucket, requester=requester)
 
-        def attempt(stub: pb_grpc.PeerStub, remaining: float) -> BucketState:
+        def attempt(stub: _PeerStub, remaining: float) -> BucketState:
             stream = stub.PullState(request, timeout=remaining, metadata=self._metadata)
-            return state_from_parts(stream, lambda n: self._count(received=n))
+            return state_from_wire(stream, lambda n: self._count(received=n))
 
         return self._call(address, "pull_state from", timeout_s, attempt)
 

@@ -177,6 +177,9 @@ class GrpcTransportConfig:
             checked by a server interceptor (``hmac.compare_digest``) before any
             request message is read. ``None`` disables the check. Not in repr.
         tls: TLS / mutual TLS files; ``None`` for plaintext.
+        extra_options: raw gRPC channel/server arguments ``(name, int | str)``
+            appended after the ones above (a later one wins), for tuning, e.g.
+            ``(("grpc.experimental.tcp_read_chunk_size", 4194304),)``.
     """
 
     bind_host: str = "127.0.0.1"
@@ -197,6 +200,7 @@ class GrpcTransportConfig:
     retry_backoff_multiplier: float = 2.0
     token: str | None = field(default=None, repr=False)
     tls: TlsConfig | None = None
+    extra_options: tuple[tuple[str, int | str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.bind_host, str):
@@ -220,6 +224,9 @@ class GrpcTransportConfig:
             raise ValueError(f"retry_backoff_multiplier must be in [1, 10], got {self.retry_backoff_multiplier!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token or not self.token.isascii()):
             raise ValueError("token must be a non-empty ASCII str or None")
+        for opt in self.extra_options:
+            if not (isinstance(opt, tuple) and len(opt) == 2 and isinstance(opt[0], str) and isinstance(opt[1], (int, str))):
+                raise ValueError(f"extra_options must be (name: str, value: int | str) pairs, got {opt!r}")
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise ValueError(f"tls must be a TlsConfig or None, got {type(self.tls).__name__}")
 
@@ -256,7 +263,7 @@ def channel_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
     ]
     if cfg.tls is not None and cfg.tls.server_name_override:
         opts.append(("grpc.ssl_target_name_override", cfg.tls.server_name_override))
-    return opts
+    return opts + list(cfg.extra_options)
 
 
 def server_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
@@ -266,7 +273,7 @@ def server_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
         ("grpc.http2.min_time_between_pings_ms", cfg.server_min_ping_interval_ms),
         # Two servers on one port would split the traffic silently.
         ("grpc.so_reuseport", 0),
-    ]
+    ] + list(cfg.extra_options)
 
 
 def call_metadata(cfg: GrpcTransportConfig) -> tuple[tuple[str, str], ...]:

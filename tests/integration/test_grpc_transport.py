@@ -452,3 +452,74 @@ def test_unreachable_rendezvous_raises_rendezvous_error_quickly() -> None:
         client.ready("site-a", 0, timeout_s=5)
     assert time.monotonic() - t0 < 4.0
     client.close()
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+def test_wire_encoding_is_plain_peer_proto() -> None:
+    """grpc_wire's bytes are peer.proto messages, both ways."""
+    from dtrain.transports import grpc_wire as w
+
+    c = Contribution(round=3, bucket=7, chunk=2, offset=512, numel=256, codec="int8+zstd", sender="site-α", payload=b"\xff" * 300)
+    m = pb.ContributionChunk.FromString(w.encode_contribution(c))
+    assert (m.round, m.bucket, m.chunk, m.offset, m.numel, m.codec, m.sender, m.payload) == (
+        3, 7, 2, 512, 256, "int8+zstd", "site-α", b"\xff" * 300
+    )  # fmt: skip
+    assert w.decode_contribution(m.SerializeToString()) == c
+    assert w.decode_contribution(w.encode_contribution(Contribution(**{**c.__dict__, "payload": b""}))).payload == b""
+
+    mean = BucketMean(
+        round=3,
+        bucket=7,
+        owner="site-b",
+        chunks=(
+            MeanChunk(chunk=0, offset=0, numel=10, codec="fp32", payload=bytes(range(40)), senders=("a", "b")),
+            MeanChunk(chunk=1, offset=10, numel=0, codec="fp32", payload=b"", senders=()),
+            MeanChunk(chunk=2, offset=10, numel=3, codec="fp16", payload=b"\1\2\3\4\5\6", senders=("b",)),
+        ),
+        checksum_before="c1",
+        checksum_after="c2",
+    )
+    wire = list(w.mean_to_wire(mean, part_bytes=16))
+    parts = [pb.MeanPart.FromString(x) for x in wire]
+    assert len(parts) == 3 + 1 + 1 and parts[0].header.num_chunks == 3 and all(len(p.data) <= 16 for p in parts)
+    assert w.mean_from_wire(wire) == mean
+    assert w.mean_from_wire(p.SerializeToString() for p in parts) == mean  # what protobuf itself writes
+
+    state = BucketState(bucket=7, rounds_applied=4, theta=bytes(100), optimizer_state=b"\2" * 33, checksum="s", extra={"x": 1})
+    swire = list(w.state_to_wire(state, part_bytes=32))
+    assert w.state_from_wire(pb.StatePart.FromString(x).SerializeToString() for x in swire) == state
+    assert [pb.StatePart.FromString(x).WhichOneof("data") for x in swire] == ["theta"] * 4 + ["optimizer_state"] * 2
+
+
+def test_malformed_streams_and_messages_are_rejected_as_invalid_argument(transports) -> None:
+    from dtrain.transports import grpc_wire as w
+
+    mean = BucketMean(
+        round=1, bucket=0, owner="o", chunks=(MeanChunk(chunk=0, offset=0, numel=2, codec="fp32", payload=bytes(8), senders=("a",)),),
+        checksum_before="", checksum_after="",
+    )  # fmt: skip
+    good = list(w.mean_to_wire(mean, part_bytes=4))
+    bad_streams = {
+        "empty stream": [],
+        "the first part has no header": good[1:],
+        "a second header": good + good[:1],
+        "longer than announced": good + [pb.MeanPart(data=b"x").SerializeToString()],
+        "has 4 bytes, announced 8": good[:1],
+        "claims 4 bytes, 1 left": [good[0][:-3]],
+    }
+    for why, stream in bad_streams.items():
+        with pytest.raises(Rejected, match=why) as info:
+            w.mean_from_wire(stream)
+        assert info.value.code == RejectCode.INVALID_ARGUMENT
+
+    # Garbage on Push from a client of the generated stub: refused, handler never called.
+    handler = Handler()
+    _, address = transports(handler=handler)
+    with grpc.insecure_channel(address) as channel:
+        push = channel.stream_unary("/dtrain.v1.Peer/Push", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as rpc:
+            push(iter([b"\x42\xff\xff\xff\x0f"]), timeout=5)  # a payload field claiming 32 MiB, 0 present
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert handler.calls == []

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Throughput of the gRPC transport on loopback against a raw-socket baseline.
+
+For each payload size (default 1, 16 and 128 MiB) it measures, in the same run:
+
+* push: one ``GrpcTransport.push`` of the payload as ``--chunk-bytes`` contributions
+  to a peer whose handler discards them, vs. a raw TCP ``sendall`` of the same
+  bytes to a peer that ``recv_into``s them and acknowledges with one byte;
+* pull: one ``GrpcTransport.pull_mean`` of a mean of that size (chunks of
+  ``--chunk-bytes``, streamed in parts of ``--part-bytes``), vs. a raw TCP
+  receive of the same bytes into a preallocated buffer.
+
+The serving side runs in a separate process (as a peer would), so client and
+server do not share a GIL. gRPC and raw calls alternate, so a change in machine
+load hits both alike. Each figure comes from ``--reps`` timed calls after one
+warm-up call: MiB/s of the median and of the best call, the gRPC/raw ratio of
+both (target >= 0.70), and the CPU time both processes spent per MiB (user+sys,
+all threads), which does not depend on other load on the machine.
+``--json PATH`` also writes the rows.
+
+    .venv/bin/python experiments/bench_transport.py [--sizes-mib 1 16 128] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MiB = 1 << 20
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _serve_control(conn) -> None:
+    """Answer CPU-time queries on ``conn`` until told to stop."""
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            return
+        conn.send(_cpu_s())
+
+
+# --------------------------------------------------------------------------- serving processes
+
+
+def _grpc_server(conn, part_bytes: int, chunk_bytes: int, options: tuple) -> None:
+    from dtrain.protocol import BucketMean, MeanChunk
+    from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
+
+    blob = os.urandom(max(conn.recv()) * MiB)
+    means: dict[int, BucketMean] = {}
+
+    class Sink:
+        def handle_contribution(self, c) -> None:
+            pass
+
+        def handle_pull_mean(self, round, bucket, requester, timeout_s):  # bucket = size in MiB
+            if bucket not in means:
+                n = bucket * MiB
+                chunks = tuple(
+                    MeanChunk(chunk=i, offset=off // 4, numel=min(chunk_bytes, n - off) // 4, codec="fp32",
+                              payload=blob[off : off + chunk_bytes], senders=("a", "b"))
+                    for i, off in enumerate(range(0, n, chunk_bytes))
+                )  # fmt: skip
+                means[bucket] = BucketMean(round=round, bucket=bucket, owner="srv", chunks=chunks, checksum_before="",
+                                           checksum_after="")  # fmt: skip
+            return means[bucket]
+
+        def handle_pull_state(self, bucket, requester):
+            raise NotImplementedError
+
+    t = GrpcTransport(GrpcTransportConfig(part_bytes=part_bytes, extra_options=options))
+    conn.send(t.start(Sink()))
+    _serve_control(conn)
+    t.stop(0)
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _raw_server(conn) -> None:
+    blob = os.urandom(max(conn.recv()) * MiB)
+    sink = bytearray(len(blob))
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
+    threading.Thread(target=_serve_control, args=(conn,)).start()  # answers until "stop"
+    s, _ = lsock.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header = bytearray(9)
+    while True:
+        try:
+            _recv_exact(s, memoryview(header))
+        except ConnectionError:
+            break
+        op, n = struct.unpack("!cQ", header)
+        if op == b"P":  # client pushes n bytes; ack with one byte
+            _recv_exact(s, memoryview(sink)[:n])
+            s.sendall(b"k")
+        else:  # client pulls n bytes
+            s.sendall(memoryview(blob)[:n])
+    s.close()
+    lsock.close()
+
+
+def _start(target, sizes_mib, *args):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    parent.send(sizes_mib)
+    if not parent.poll(120):
+        raise RuntimeError(f"{target.__name__} did not start")
+    return proc, parent, parent.recv()
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+class _Series:
+    """Wall and CPU seconds of repeated calls of one function against one server."""
+
+    def __init__(self, fn, server_conn) -> None:
+        self.fn, self.conn = fn, server_conn
+        self.wall: list[float] = []
+        self.cpu_client = self.cpu_server = 0.0
+
+    def run_once(self) -> None:
+        self.conn.send("cpu")
+        s0, c0 = self.conn.recv(), time.process_time()
+        t0 = time.perf_counter()
+        self.fn()
+        self.wall.append(time.perf_counter() - t0)
+        c1 = time.process_time()
+        self.conn.send("cpu")
+        self.cpu_client += c1 - c0
+        self.cpu_server += self.conn.recv() - s0
+
+
+def _measure(size_mib: int, series: dict[str, _Series], reps: int) -> dict:
+    for s in series.values():
+        s.fn()  # warm-up: connection, first-use allocations
+    for _ in range(reps):  # alternate so that a change in machine load hits both alike
+        for s in series.values():
+            s.run_once()
+    row: dict = {"size_mib": size_mib, "reps": reps}
+    for name, s in series.items():
+        row[f"{name}_median_mib_s"] = size_mib / statistics.median(s.wall)
+        row[f"{name}_best_mib_s"] = size_mib / min(s.wall)
+        row[f"{name}_cpu_ms_per_mib"] = 1000 * (s.cpu_client + s.cpu_server) / (size_mib * reps)
+    row["ratio_median"] = row["grpc_median_mib_s"] / row["raw_median_mib_s"]
+    row["ratio_best"] = row["grpc_best_mib_s"] / row["raw_best_mib_s"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 128])
+    ap.add_argument("--reps", type=int, default=7, help="timed calls per figure (at least 20 for sizes < 16 MiB)")
+    ap.add_argument("--chunk-bytes", type=int, default=1 * MiB, help="contribution / mean chunk size")
+    ap.add_argument("--part-bytes", type=int, default=1 * MiB, help="streamed part size of a pulled mean")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                    help="extra gRPC channel/server argument (repeatable), e.g. grpc.http2.write_buffer_size=4194304")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+
+    from dtrain.protocol import Contribution
+    from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
+
+    options = tuple((k, int(v)) for k, v in (o.split("=", 1) for o in args.option))
+    gproc, gconn, gaddr = _start(_grpc_server, args.sizes_mib, args.part_bytes, args.chunk_bytes, options)
+    rproc, rconn, raddr = _start(_raw_server, args.sizes_mib)
+    client = GrpcTransport(GrpcTransportConfig(part_bytes=args.part_bytes, extra_options=options))
+    host, port = raddr.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    blob = os.urandom(max(args.sizes_mib) * MiB)
+    sink = bytearray(len(blob))
+    ack = bytearray(1)
+    load_before = os.getloadavg()[0]
+
+    rows = []
+    try:
+        for size in args.sizes_mib:
+            n = size * MiB
+            view = memoryview(blob)
+            cs = [
+                Contribution(round=1, bucket=0, chunk=i, offset=off // 4, numel=min(args.chunk_bytes, n - off) // 4,
+                             codec="fp32", sender="bench", payload=bytes(view[off : off + args.chunk_bytes]))
+                for i, off in enumerate(range(0, n, args.chunk_bytes))
+            ]  # fmt: skip
+
+            def grpc_push() -> None:
+                assert client.push(gaddr, cs, timeout_s=300) == len(cs)
+
+            def grpc_pull() -> None:
+                mean = client.pull_mean(gaddr, 1, size, requester="bench", timeout_s=300)
+                assert sum(len(c.payload) for c in mean.chunks) == n
+
+            def raw_push() -> None:
+                raw.sendall(struct.pack("!cQ", b"P", n))
+                raw.sendall(view[:n])
+                _recv_exact(raw, memoryview(ack))
+
+            def raw_pull() -> None:
+                raw.sendall(struct.pack("!cQ", b"G", n))
+                _recv_exact(raw, memoryview(sink)[:n])
+
+            reps = args.reps if size >= 16 else max(args.reps, 20)
+            for direction, g, r in (("push", grpc_push, raw_push), ("pull", grpc_pull, raw_pull)):
+                row = _measure(size, {"grpc": _Series(g, gconn), "raw": _Series(r, rconn)}, reps)
+                rows.append({"direction": direction, **row})
+    finally:
+        client.stop(0)
+        for conn in (gconn, rconn):
+            conn.send("stop")
+        raw.close()
+        for proc in (gproc, rproc):
+            proc.join(10)
+
+    print(f"gRPC transport vs raw TCP, 127.0.0.1; chunk {args.chunk_bytes} B, part {args.part_bytes} B; "
+          f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"{'size':>8} {'dir':>4} | {'MiB/s median':>17} {'ratio':>5} | {'MiB/s best':>15} {'ratio':>5} | "
+          f"{'CPU ms/MiB':>13}")  # fmt: skip
+    print(f"{'':>8} {'':>4} | {'gRPC':>8} {'raw':>8} {'':>5} | {'gRPC':>7} {'raw':>7} {'':>5} | {'gRPC':>6} {'raw':>6}")
+    for r in rows:
+        print(f"{r['size_mib']:>4} MiB {r['direction']:>4} | {r['grpc_median_mib_s']:>8.0f} {r['raw_median_mib_s']:>8.0f} "
+              f"{r['ratio_median']:>5.2f} | {r['grpc_best_mib_s']:>7.0f} {r['raw_best_mib_s']:>7.0f} {r['ratio_best']:>5.2f} | "
+              f"{r['grpc_cpu_ms_per_mib']:>6.2f} {r['raw_cpu_ms_per_mib']:>6.2f}")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
