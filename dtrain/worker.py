@@ -32,7 +32,7 @@ from dtrain.group import GroupConfig, SyncOutcome
 from dtrain.rounds import RoundConfig
 from dtrain.tasks import TaskSpec, load_task
 
-__all__ = ["WorkerConfig", "run_worker", "theta_checksum"]
+__all__ = ["WorkerConfig", "run_worker", "theta_checksum", "outer_state_checksum"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class WorkerConfig:
             continue from the latest checkpoint.
         eval_every: rounds between evaluations; threads: torch threads.
         max_norm: owner's per-contribution L2 bound (None = off).
+        linger_s: seconds to keep serving after the last round (peers may still pull).
+        inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
+            a slower site in fault tests and experiments.
     """
 
     site_id: str = "site-0"
@@ -81,8 +84,8 @@ class WorkerConfig:
     context_len: int | None = None
     rounds: int = 10
     sync_every: int = 20
-    codec: str = "int8+zstd"
-    zstd_level: int = 3
+    codec: str = "int8"  # zstd adds only ~5% on int8 pseudo-gradients (experiments/bench_codecs.py)
+    zstd_level: int = 1
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
@@ -101,6 +104,7 @@ class WorkerConfig:
     threads: int = 1
     max_norm: float | None = None
     linger_s: float = 3.0
+    inner_step_sleep_s: float = 0.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
@@ -117,6 +121,7 @@ class WorkerConfig:
         need(0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)")
         need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
         need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
+        need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
         for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
             v = getattr(self, name)
             host, _, port = str(v).rpartition(":")
@@ -157,6 +162,21 @@ def theta_checksum(diloco: DiLoCo) -> str:
     h = hashlib.blake2b(digest_size=8)
     for c in diloco.state.checksums():
         h.update(c.encode())
+    return h.hexdigest()
+
+
+def outer_state_checksum(diloco: DiLoCo) -> str:
+    """One hex digest over every bucket's outer-optimizer state (e.g. the SGD
+    momentum buffers); equal on sites whose outer optimizers agree."""
+    h = hashlib.blake2b(digest_size=8)
+    for b, opt in enumerate(diloco.state.optimizers):
+        with diloco.state.lock(b):
+            st = opt.state_dict()["state"]
+            for idx in sorted(st):
+                for key in sorted(st[idx]):
+                    v = st[idx][key]
+                    h.update(f"{b}/{idx}/{key}=".encode())
+                    h.update(v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()
 
 
@@ -295,6 +315,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             losses.append(float(loss.detach()))
             diloco.inner_steps += 1
             diloco.group.inner_step = diloco.inner_steps
+            if cfg.inner_step_sleep_s:
+                stop.wait(cfg.inner_step_sleep_s)
             if stop.is_set():
                 break
         if stop.is_set():
@@ -326,6 +348,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             "wall_s": time.monotonic() - t_start,
             "time": time.time(),
             "checksum": theta_checksum(diloco),
+            "outer_checksum": outer_state_checksum(diloco),
         }
         if res is not None:
             m = res.metrics()
