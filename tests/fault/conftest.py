@@ -1,0 +1,482 @@
+"""Harness for multi-process fault tests: a rendezvous and N ``dtrain worker``
+subprocesses on 127.0.0.1 (port 0), short timeouts, and helpers to wait for
+metrics lines and to kill / stop / continue / restart sites.
+
+Every wait is bounded; every child runs in its own session and is SIGKILLed by
+the fixture's finalizer (and by an ``atexit`` hook, should pytest itself die).
+
+Start-up cost: a fresh ``python -m dtrain worker`` spends ~5 s of CPU importing
+torch (and torch._dynamo, which the first optimizer pulls in) before it does
+anything, and a test starts 4-6 of them on a 2-core machine. So by default the
+sites are forked from a *zygote*: a process started once per test session (this
+file run as a script) that has imported torch and dtrain but nothing else (no
+thread, no gRPC), and forks a fresh child per site that runs
+``dtrain.cli.main([...])`` with its own argv, environment, log file and session.
+Each site is still its own OS process (SIGKILL / SIGSTOP / exit codes work as for
+a ``subprocess``). ``DTRAIN_FAULT_NO_ZYGOTE=1`` starts plain subprocesses instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import threading
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from dtrain.launch import _tail  # last lines of a log file
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Round timing used by the fault tests (seconds). Short, so a fault costs ~1-2 s,
+# but the heartbeat timeout leaves a loaded 2-core machine some slack.
+RENDEZVOUS_DEFAULTS = {
+    "quorum_timeout_s": 1.0,
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 2.0,
+    "reduce_timeout_s": 1.5,
+    "broadcast_timeout_s": 3.0,
+}
+WORKER_DEFAULTS = {
+    "size": "tiny",
+    "sync_every": 4,
+    "codec": "fp32",
+    "bucket_bytes": 65536,  # tiny has ~0.47 MB of fp32 parameters: 8 buckets, several owners
+    "chunk_bytes": 16384,
+    "linger_s": 1.0,
+    "quorum_wait_s": 30.0,
+}
+
+_LIVE: set["subprocess.Popen"] = set()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=10)
+    except (subprocess.TimeoutExpired, RuntimeError):
+        pass
+
+
+@atexit.register
+def _kill_leftovers() -> None:  # pragma: no cover - only when a finalizer did not run
+    for p in list(_LIVE):
+        _kill_group(p)
+
+
+
+# --------------------------------------------------------------------------- zygote
+def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
+    """Read JSON requests ``{"id", "argv", "env", "cwd", "log"}`` on stdin, fork a
+    child per request and report ``{"id", "pid"}`` and ``{"pid", "rc"}`` on stdout."""
+    import ctypes
+
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (imported by every torch.optim.Optimizer)
+
+    import dtrain.cli  # noqa: F401
+    import dtrain.tasks.builtin  # noqa: F401
+    import dtrain.worker  # noqa: F401
+
+    assert "grpc" not in sys.modules, "the zygote must not load gRPC before forking"
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    children: set[int] = set()
+    buf = b""
+    stdin_open = True
+
+    def reap() -> None:
+        for pid in list(children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                children.discard(pid)
+                continue
+            if done:
+                children.discard(pid)
+                out.write(json.dumps({"pid": pid, "rc": os.waitstatus_to_exitcode(status)}) + "\n")
+
+    while stdin_open or children:
+        if not stdin_open:
+            time.sleep(0.02)
+        elif select.select([0], [], [], 0.02)[0]:
+            data = os.read(0, 65536)
+            if not data:
+                stdin_open = False
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    rc = 70
+                    try:
+                        os.setsid()
+                        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the zygote
+                        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                        os.dup2(fd, 1)
+                        os.dup2(fd, 2)
+                        null = os.open(os.devnull, os.O_RDONLY)
+                        os.dup2(null, 0)
+                        os.chdir(req["cwd"])
+                        os.environ.clear()
+                        os.environ.update(req["env"])
+                        sys.argv = ["dtrain", *req["argv"]]
+                        from dtrain.cli import main
+
+                        rc = main(req["argv"])
+                    except SystemExit as e:
+                        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                    except BaseException:
+                        import traceback
+
+                        traceback.print_exc()
+                    finally:
+                        try:
+                            sys.stdout.flush()
+                            sys.stderr.flush()
+                        finally:
+                            os._exit(rc)
+                children.add(pid)
+                out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
+        reap()
+    out.flush()
+
+
+class _ZygoteChild:
+    """A child of the zygote, with the parts of ``subprocess.Popen`` the harness uses."""
+
+    def __init__(self, zygote: "Zygote", pid: int) -> None:
+        self._z = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._z.exit_codes.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._z.cv:
+            while self.poll() is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+                if not self._z.alive():
+                    raise RuntimeError(f"the zygote died; pid {self.pid} is lost")
+                self._z.cv.wait(0.1 if left is None else min(left, 0.1))
+        return self.returncode  # type: ignore[return-value]
+
+
+class Zygote:
+    """The forking server (see the module docstring)."""
+
+    def __init__(self, env: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=str(REPO),
+                                     start_new_session=True)
+        _LIVE.add(self.proc)
+        self.cv = threading.Condition()
+        self.exit_codes: dict[int, int] = {}
+        self._pids: dict[int, int] = {}
+        self._next = 0
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.cv:
+                if "id" in msg:
+                    self._pids[msg["id"]] = msg["pid"]
+                else:
+                    self.exit_codes[msg["pid"]] = msg["rc"]
+                self.cv.notify_all()
+        with self.cv:
+            self.cv.notify_all()
+
+    def spawn(self, argv: list[str], env: dict, log: Path) -> _ZygoteChild:
+        with self.cv:
+            self._next += 1
+            rid = self._next
+        req = {"id": rid, "argv": argv, "env": env, "cwd": str(REPO), "log": str(log)}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + 120  # the first request waits for the zygote's imports
+        with self.cv:
+            while rid not in self._pids:
+                if not self.alive() or time.monotonic() > deadline:
+                    raise RuntimeError("the zygote did not start a child (died or hung)")
+                self.cv.wait(0.1)
+            return _ZygoteChild(self, self._pids.pop(rid))
+
+    def close(self) -> None:
+        _kill_group(self.proc)
+        _LIVE.discard(self.proc)
+
+
+def _child_env() -> dict:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DTRAIN_TEST_FAULT", None)
+    return env
+
+
+def _flags(opts: dict) -> list[str]:
+    out: list[str] = []
+    for k, v in opts.items():
+        if v is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def tiny_num_buckets(bucket_bytes: int) -> int:
+    """Number of buckets of the ``tiny`` built-in model at ``bucket_bytes`` (as a worker lays them out)."""
+    from dtrain.buckets import BucketConfig, BucketLayout
+    from dtrain.tasks.gpt import GPT, GPTConfig
+    from dtrain.tasks.spec import PRESETS
+
+    pr = PRESETS["tiny"]
+    model = GPT(GPTConfig(vocab_size=256, context_len=pr.context_len, num_layers=pr.num_layers,
+                          num_heads=pr.num_heads, embed_dim=pr.embed_dim))
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    kinds = ["param"] * len(list(model.parameters())) + ["buffer"] * (len(tensors) - len(list(model.parameters())))
+    return len(BucketLayout([t.numel() for t in tensors], kinds, BucketConfig(bucket_bytes=bucket_bytes, chunk_bytes=16384)))
+
+
+def wait_until(pred: Callable[[], object], timeout_s: float, what: str, diag: Callable[[], str] = lambda: "") -> object:
+    """Poll ``pred`` every 50 ms until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{diag()}")
+        time.sleep(0.05)
+
+
+class Cluster:
+    """One rendezvous and its worker subprocesses, all under ``root``."""
+
+    def __init__(self, root: Path, corpus: Path, *, rendezvous: dict | None = None, worker: dict | None = None,
+                 zygote: "Zygote | None" = None) -> None:
+        self.root = root
+        self.zygote = zygote
+        self.corpus = corpus
+        self.rv_opts = {**RENDEZVOUS_DEFAULTS, **(rendezvous or {})}
+        self.worker_opts = {**WORKER_DEFAULTS, "data": str(corpus), **(worker or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.rv_address: str | None = None
+        self._rv_starts = 0
+        self.env = _child_env()
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**self.env, **(env or {})}
+        if self.zygote is not None:
+            p = self.zygote.spawn(argv, full_env, log)
+        else:
+            with open(log, "a") as f:
+                p = subprocess.Popen([sys.executable, "-m", "dtrain", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                     env=full_env, cwd=str(REPO), start_new_session=True)
+        self.procs[name] = p
+        self.logs[name] = log
+        _LIVE.add(p)
+        return p
+
+    def start_rendezvous(self, bind: str = "127.0.0.1:0", **opts) -> str:
+        """Start (or restart, e.g. on the old ``bind``) the rendezvous; returns its address."""
+        self._rv_starts += 1
+        addr_file = self.root / f"rendezvous-{self._rv_starts}.addr"
+        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr_file),
+                *_flags({**self.rv_opts, **opts})]
+        p = self._spawn("rendezvous", argv, self.root / f"rendezvous-{self._rv_starts}.log")
+        wait_until(lambda: addr_file.exists() or p.poll() is not None, 60, "the rendezvous address file",
+                   lambda: _tail(self.logs["rendezvous"]))
+        assert p.poll() is None, f"rendezvous exited with {p.returncode}:\n{_tail(self.logs['rendezvous'])}"
+        self.rv_address = addr_file.read_text().strip()
+        return self.rv_address
+
+    def start_site(self, index: int, *, num_sites: int, fault: str | None = None, listen: str = "127.0.0.1:0",
+                   out_name: str | None = None, **opts) -> str:
+        """Start ``site-<index>``; ``fault`` sets ``DTRAIN_TEST_FAULT``. Returns the site id."""
+        assert self.rv_address, "start the rendezvous first"
+        site = f"site-{index}"
+        out = self.root / (out_name or site)
+        argv = ["worker", "--site-id", site, "--site-index", str(index),
+                "--num-sites", str(num_sites), "--listen", listen, "--rendezvous", self.rv_address,
+                "--out-dir", str(out), *_flags({**self.worker_opts, **opts})]
+        self._spawn(site, argv, out / "worker.log", env={"DTRAIN_TEST_FAULT": fault} if fault else None)
+        return site
+
+    def start(self, num_sites: int, *, faults: str | None = None, site_opts: dict[int, dict] | None = None,
+              **rv_opts) -> list[str]:
+        """Start the rendezvous (round 0 waits for ``num_sites``) and ``num_sites`` workers."""
+        rv_opts.setdefault("initial_sites", num_sites)
+        self.start_rendezvous(**rv_opts)
+        return [self.start_site(i, num_sites=num_sites, fault=faults, **(site_opts or {}).get(i, {}))
+                for i in range(num_sites)]
+
+    def signal(self, name: str, sig: int) -> None:
+        p = self.procs[name]
+        assert p.poll() is None, f"{name} already exited with {p.returncode}"
+        os.killpg(p.pid, sig)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name`` and reap it."""
+        self.signal(name, signal.SIGKILL)
+        self.procs[name].wait(timeout=10)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        p = self.procs[name]
+        try:
+            return p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not exit within {timeout_s:.0f}s\n{self.diag()}")
+
+    def wait_all_exit(self, names: list[str], timeout_s: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        return {n: self.wait_exit(n, max(0.1, deadline - time.monotonic())) for n in names}
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            _kill_group(p)
+            _LIVE.discard(p)
+
+    # ------------------------------------------------------------------ outputs
+    def out_dir(self, site: str) -> Path:
+        return self.root / site
+
+    def lines(self, site: str, out_name: str | None = None) -> list[dict]:
+        """Complete JSON lines of ``site``'s metrics.jsonl (the start line included)."""
+        path = self.root / (out_name or site) / "metrics.jsonl"
+        try:
+            text = path.read_text()
+        except OSError:
+            return []
+        out = []
+        for ln in text.split("\n")[:-1]:  # the last piece may be a line being written
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def rounds(self, site: str, out_name: str | None = None, status: str | None = None) -> list[dict]:
+        return [d for d in self.lines(site, out_name) if d.get("event") == "round" and (status is None or d["status"] == status)]
+
+    def by_round(self, site: str, status: str = "applied") -> dict[int, dict]:
+        return {d["round"]: d for d in self.rounds(site, status=status)}
+
+    def wait_round(self, site: str, rnd: int, timeout_s: float, status: str | None = "applied") -> dict:
+        """Wait until ``site`` has written a round line with round >= ``rnd`` (and ``status``)."""
+
+        def done():
+            for d in self.rounds(site, status=status):
+                if d["round"] >= rnd:
+                    return d
+            return None
+
+        return wait_until(done, timeout_s, f"{site} to finish round {rnd} ({status})", self.diag)
+
+    def summary(self, site: str) -> dict:
+        return json.loads((self.root / site / "summary.json").read_text())
+
+    def log_text(self, name: str) -> str:
+        try:
+            return self.logs[name].read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def address(self, site: str, timeout_s: float = 60) -> str:
+        """The host:port ``site``'s Peer service bound (from its log)."""
+
+        def find():
+            for ln in self.log_text(site).splitlines():
+                if "peer service listening on " in ln:
+                    return ln.split("peer service listening on ", 1)[1].split()[0]
+            return None
+
+        return wait_until(find, timeout_s, f"{site}'s peer address", self.diag)
+
+    def diag(self) -> str:
+        parts = []
+        for name, p in self.procs.items():
+            parts.append(f"--- {name} (rc={p.poll()}) {self.logs[name]}\n{_tail(self.logs[name])}")
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A ~200 KB text corpus (standard-library sources), so a worker builds its task in
+    milliseconds rather than reading the whole standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = ["argparse.py", "dataclasses.py", "inspect.py", "typing.py", "pathlib.py", "subprocess.py"]
+    data = b"".join((root / n).read_bytes() for n in names if (root / n).is_file())[: 200 * 1024]
+    assert len(data) > 100 * 1024, "standard-library sources not found"
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="session")
+def zygote():
+    """The session's forking server, or None with ``DTRAIN_FAULT_NO_ZYGOTE=1``."""
+    if os.environ.get("DTRAIN_FAULT_NO_ZYGOTE") == "1":
+        yield None
+        return
+    z = Zygote(_child_env())
+    yield z
+    z.close()
+
+
+@pytest.fixture
+def make_cluster(tmp_path, corpus, zygote):
+    """Factory of :class:`Cluster` objects; every child is killed at teardown."""
+    made: list[Cluster] = []
+
+    def make(name: str = "run", **kw) -> Cluster:
+        c = Cluster(tmp_path / name, corpus, zygote=zygote, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    _zygote_main()
