@@ -181,7 +181,8 @@ class RoundEngine:
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
         # Test-only fault injection: called as fault_hook(phase, round) at
-        # "before_push", "mid_push" (after the first chunk to a remote owner) and "before_pull".
+        # "before_push", "mid_push" (after the first chunk to a remote owner) and "before_pull";
+        # and as fault_hook("serve_state", bucket) before serving a peer's state pull of a bucket.
         self.fault_hook: "Callable[[str, int], None] | None" = None
         self._gen = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big"))
 
@@ -295,6 +296,8 @@ class RoundEngine:
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
+        if self.fault_hook is not None:
+            self.fault_hook("serve_state", bucket)
         st = self.state.bucket_state(bucket)
         with self._cv:
             m = self._means.get((st.rounds_applied - 1, bucket))
