@@ -187,7 +187,8 @@ def fault_hook_from_env(site_id: str):
     ``site-2:mid_push:2:kill``. PHASE is ``before_push``, ``mid_push`` or
     ``before_pull`` (ROUND is the round), or ``serve_state`` (ROUND is the bucket
     index whose state a peer pulls from this site, e.g. a joining site); ACTION
-    is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself) or ``sleep=SECONDS``. Returns None when unset. Bad specs raise ValueError.
+    is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself) or ``sleep=SECONDS``.
+    Returns None when unset. Bad specs raise ValueError.
     """
     spec = os.environ.get("DTRAIN_TEST_FAULT", "").strip()
     if not spec:
