@@ -31,6 +31,7 @@ from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, Roun
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
+    ServerHandle,
     TlsConfig,
     abort_with,
     call_metadata,
@@ -197,7 +198,7 @@ class RendezvousServer:
         address: ``host:port`` sites dial.
     """
 
-    def __init__(self, server: grpc.Server, address: str) -> None:
+    def __init__(self, server: ServerHandle, address: str) -> None:
         self._server = server
         self.address = address
         self._lock = threading.Lock()
@@ -209,7 +210,7 @@ class RendezvousServer:
             if self._stopped:
                 return
             self._stopped = True
-        self._server.stop(grace_s).wait()
+        self._server.stop(grace_s)
 
     def __enter__(self) -> "RendezvousServer":
         return self
@@ -240,10 +241,10 @@ def serve_rendezvous(
         raise ValueError(f"tick_s must be in (0, 5], got {tick_s!r}")
     cfg = config or GrpcTransportConfig(num_server_threads=DEFAULT_NUM_SERVER_THREADS)
     servicer = _RendezvousServicer(core, tick_s)
-    server, port = start_server(
+    server = start_server(
         cfg, lambda s: pb_grpc.add_RendezvousServicer_to_server(servicer, s), name="rendezvous"
     )
-    address = f"{cfg.advertised_host()}:{port}"
+    address = f"{cfg.advertised_host()}:{server.port}"
     log.info("rendezvous listening on %s (tls=%s)", address, cfg.tls is not None)
     return RendezvousServer(server, address)
 

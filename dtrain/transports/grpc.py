@@ -42,6 +42,7 @@ from dtrain.transports.base import PeerHandler, Transport
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
+    ServerHandle,
     TlsConfig,
     abort_with,
     call_metadata,
@@ -190,7 +191,7 @@ class GrpcTransport(Transport):
     def __init__(self, config: GrpcTransportConfig | None = None) -> None:
         self.config = config or GrpcTransportConfig()
         self.address: str | None = None
-        self._server: grpc.Server | None = None
+        self._server: ServerHandle | None = None
         self._pool: ChannelPool[_PeerStub] = ChannelPool(self.config, _PeerStub)
         self._metadata = call_metadata(self.config)
         self._count_lock = threading.Lock()
@@ -224,10 +225,10 @@ class GrpcTransport(Transport):
         if self._server is not None or self._stopped:
             raise RuntimeError("GrpcTransport.start: already started (or stopped); use a new instance")
         servicer = _PeerServicer(self, handler)
-        self._server, port = start_server(
+        self._server = start_server(
             self.config, lambda s: s.add_generic_rpc_handlers((servicer.generic_handler(),)), name="peer"
         )
-        self.address = f"{self.config.advertised_host()}:{port}"
+        self.address = f"{self.config.advertised_host()}:{self._server.port}"
         log.info("peer service listening on %s (tls=%s)", self.address, self.config.tls is not None)
         return self.address
 
@@ -238,7 +239,7 @@ class GrpcTransport(Transport):
         """
         self._stopped = True
         if self._server is not None:
-            self._server.stop(grace_s).wait()
+            self._server.stop(grace_s)
         self._pool.close()
 
     # -- client

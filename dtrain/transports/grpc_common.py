@@ -37,6 +37,7 @@ __all__ = [
     "server_options",
     "call_metadata",
     "TokenInterceptor",
+    "ServerHandle",
     "start_server",
     "check_timeout",
     "call_with_retry",
@@ -328,12 +329,32 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def start_server(
-    cfg: GrpcTransportConfig, register: Callable[[grpc.Server], None], *, name: str
-) -> tuple[grpc.Server, int]:
-    """Build, bind and start a server; return it and the bound port.
+class ServerHandle:
+    """A started gRPC server with its worker pool (from :func:`start_server`).
 
-    ``register`` adds the servicers. Raises ``OSError`` when the port cannot be bound.
+    Attributes:
+        server: the ``grpc.Server``.
+        port: the bound TCP port.
+    """
+
+    def __init__(self, server: grpc.Server, executor: ThreadPoolExecutor, port: int) -> None:
+        self.server = server
+        self.port = port
+        self._executor = executor
+
+    def stop(self, grace_s: float) -> None:
+        """Refuse new calls, give in-flight ones ``grace_s`` seconds, cancel the
+        rest and wait for that; then release idle worker threads (a handler still
+        blocked past the grace period keeps its thread until it returns)."""
+        self.server.stop(grace_s).wait()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def start_server(cfg: GrpcTransportConfig, register: Callable[[grpc.Server], None], *, name: str) -> ServerHandle:
+    """Build, bind and start a server with ``cfg``'s options, token interceptor
+    and TLS; ``register`` adds the servicers.
+
+    Raises ``OSError`` when the port cannot be bound.
     """
     interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
     executor = ThreadPoolExecutor(max_workers=cfg.num_server_threads, thread_name_prefix=f"dtrain-{name}")
@@ -346,13 +367,14 @@ def start_server(
         else:
             port = server.add_insecure_port(target)
     except RuntimeError as e:  # grpcio raises RuntimeError when it cannot bind
-        executor.shutdown(wait=False)
-        raise OSError(f"cannot bind {name} server to {target}: {e}") from e
+        port, error = 0, e
+    else:
+        error = None
     if not port:
         executor.shutdown(wait=False)
-        raise OSError(f"cannot bind {name} server to {target}")
+        raise OSError(f"cannot bind {name} server to {target}" + (f": {error}" if error else ""))
     server.start()
-    return server, port
+    return ServerHandle(server, executor, port)
 
 
 def check_timeout(timeout_s: float) -> float:

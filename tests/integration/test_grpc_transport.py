@@ -382,6 +382,30 @@ def test_several_channels_per_peer_are_used_round_robin(transports) -> None:
     assert handler.num_chunks == 4
 
 
+@pytest.mark.timeout(30)
+def test_pulls_waiting_for_finalization_do_not_starve_pushes(transports) -> None:
+    handler = Handler()
+    handler.mean = BucketMean(round=1, bucket=0, owner="b", chunks=(), checksum_before="", checksum_after="")
+    handler.block_s = 1.5  # every pull waits in the handler, holding a server thread
+    _, address = transports(GrpcTransportConfig(num_server_threads=16), handler)
+    client = transports()
+    results: list[object] = []
+    pullers = [
+        threading.Thread(target=lambda: results.append(client.pull_mean(address, 1, 0, requester="a", timeout_s=10)))
+        for _ in range(8)
+    ]
+    for t in pullers:
+        t.start()
+    while sum(c[0] == "mean" for c in handler.calls) < 8:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert client.push(address, _chunks(b"\x08" * 4096, 1024), timeout_s=5) == 4
+    assert time.monotonic() - t0 < 1.0  # served while all 8 pulls still wait
+    for t in pullers:
+        t.join(10)
+    assert results == [handler.mean] * 8
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="part_bytes"):
         GrpcTransportConfig(max_message_bytes=128 * 1024, part_bytes=128 * 1024)
