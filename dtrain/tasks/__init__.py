@@ -3,19 +3,44 @@
 A task function takes a :class:`TaskSpec` (which site this is, how many sites, seed,
 data, size) and returns a :class:`Task` (model, inner optimizer, batch stream, loss
 and evaluation functions). :func:`build_task` is the built-in one, a small byte-level
-GPT on real text; users bring their own with ``--task module:function``::
+GPT on real text; users bring their own with ``--task module:function``. A complete
+example (``tests/unit/test_tasks.py`` runs this very text)::
 
-    # mytask.py
+    # mytask.py: linear regression on synthetic data
+    import torch
     from dtrain.tasks import Task, TaskSpec
 
+    class Stream:  # batches with a saveable position (generator state + step)
+        def __init__(self, seed):
+            self.gen, self.step = torch.Generator().manual_seed(seed), 0
+        def __iter__(self):
+            return self
+        def __next__(self):
+            self.step += 1
+            x = torch.randn(32, 8, generator=self.gen)
+            return x, x.sum(dim=1, keepdim=True)
+        def state_dict(self):
+            return {"rng": self.gen.get_state(), "step": self.step}
+        def load_state_dict(self, state):
+            self.gen.set_state(state["rng"])
+            self.step = state["step"]
+
     def make(spec: TaskSpec) -> Task:
-        model = MyNet()                      # same init on every site: seed from spec.seed only
-        torch.manual_seed(spec.seed); ...
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        batches = MyStream(shard=spec.site_index, of=spec.num_sites, seed=spec.seed + spec.site_index)
-        return Task(model=model, optimizer=opt, batches=batches,
-                    loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                    evaluate=my_eval, tokens_per_batch=...)
+        torch.manual_seed(spec.seed)  # identical initial weights on every site
+        model = torch.nn.Linear(8, 1)
+        val = next(Stream(seed=10_000))  # a fixed held-out batch
+        def loss(m, batch):
+            return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+        def evaluate(m):
+            was_training = m.training
+            m.eval()
+            with torch.no_grad():
+                value = float(loss(m, val))
+            m.train(was_training)
+            return value
+        return Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-2),
+                    batches=Stream(spec.seed + spec.site_index), loss=loss,
+                    evaluate=evaluate, tokens_per_batch=32)
 
     # dtrain worker --task mytask:make ...
 

@@ -4,6 +4,7 @@ Usage (prints a table; no asserts — speed targets are measured, not tested)::
 
     python -m dtrain.tasks.bench                      # step times of tiny, small, base
     python -m dtrain.tasks.bench --sizes small --curve 1000 --every 100
+    python -m dtrain.tasks.bench --sizes small --sites 3 --seconds 60   # 3 concurrent sites, no sync
 
 Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, because
 that is how ``dtrain launch`` runs its workers on a small machine.
@@ -12,6 +13,7 @@ that is how ``dtrain launch`` runs its workers on a small machine.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import time
 
@@ -22,13 +24,33 @@ from dtrain.tasks import PRESETS, TaskSpec, build_task
 __all__ = ["main"]
 
 
-def _step(task) -> float:
-    t0 = time.perf_counter()
+def _step(task) -> tuple[float, float]:
+    """One inner step; returns (wall s, process CPU s). With 1 thread and a busy
+    machine, CPU seconds are the better estimate of the step time on an idle core."""
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = task.loss(task.model, next(task.batches))
     loss.backward()
     task.optimizer.step()
     task.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _timed_site(args: tuple[str, str, int, int, float, float, int]) -> list[tuple[float, int, float]]:
+    """Train one site (no synchronisation) for ``seconds``; ``(wall s, step, val loss)`` every ``every_s``."""
+    size, data, site, num_sites, seconds, every_s, threads = args
+    torch.set_num_threads(threads)
+    task = build_task(TaskSpec(site_index=site, num_sites=num_sites, size=size, data=data))
+    curve = [(0.0, 0, task.evaluate(task.model))]
+    t0 = time.perf_counter()
+    step, next_eval = 0, every_s
+    while (now := time.perf_counter() - t0) < seconds:
+        _step(task)
+        step += 1
+        if now >= next_eval:
+            curve.append((now, step, task.evaluate(task.model)))
+            next_eval += every_s
+    curve.append((time.perf_counter() - t0, step, task.evaluate(task.model)))
+    return curve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,8 +61,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=60, help="timed steps (after 5 warm-up steps)")
     ap.add_argument("--curve", type=int, default=0, help="train this many steps and print val loss")
     ap.add_argument("--every", type=int, default=100, help="evaluate every this many steps (--curve)")
+    ap.add_argument("--sites", type=int, default=0, help="run this many sites concurrently (no sync)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="training seconds per site (--sites)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+
+    if args.sites:
+        size = args.sizes.split(",")[0]
+        jobs = [(size, args.data, i, args.sites, args.seconds, 10.0, args.threads) for i in range(args.sites)]
+        with mp.get_context("spawn").Pool(args.sites) as pool:
+            curves = pool.map(_timed_site, jobs)
+        for i, curve in enumerate(curves):
+            points = "  ".join(f"{t:.0f}s/{step}:{val:.3f}" for t, step, val in curve)
+            print(f"site {i} ({size}, wall s/step:val loss): {points}", flush=True)
+        return
 
     for size in args.sizes.split(","):
         task = build_task(TaskSpec(site_index=0, num_sites=1, size=size, data=args.data))
@@ -55,14 +89,17 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for _ in range(5):
             _step(task)
-        times = [_step(task) for _ in range(args.steps)]
+        pairs = [_step(task) for _ in range(args.steps)]
+        times = [w for w, _ in pairs]
         med = statistics.median(times)
+        cpu_med = statistics.median(c for _, c in pairs)
         t0 = time.perf_counter()
         task.evaluate(task.model)
         eval_s = time.perf_counter() - t0
         print(
             f"{size:6s} params {task.info['num_params'] / 1e6:.3f} M  B x T {task.info['batch_size']} x "
-            f"{task.info['context_len']}  step median {med * 1e3:.1f} ms (mean {statistics.mean(times) * 1e3:.1f})  "
+            f"{task.info['context_len']}  step median {med * 1e3:.1f} ms (mean {statistics.mean(times) * 1e3:.1f}, "
+            f"CPU {cpu_med * 1e3:.1f})  "
             f"{task.tokens_per_batch / med:,.0f} tok/s  evaluate {eval_s * 1e3:.0f} ms  threads {args.threads}",
             flush=True,
         )

@@ -304,3 +304,29 @@ def test_load_task_errors_name_task(ref, match):
     with pytest.raises(ValueError, match=r"^task: ") as info:
         load_task(ref)
     assert match in str(info.value)
+
+
+def test_documented_user_task_example_runs(tmp_path, monkeypatch):
+    import dtrain.tasks
+
+    doc = dtrain.tasks.__doc__
+    start = doc.index("    # mytask.py")
+    end = doc.index("    # dtrain worker --task")
+    source = "\n".join(line[4:] for line in doc[start:end].splitlines())
+    (tmp_path / "dtrain_doc_mytask.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        make = load_task("dtrain_doc_mytask:make")
+        a = make(TaskSpec(site_index=0, num_sites=2, seed=1))
+        b = make(TaskSpec(site_index=1, num_sites=2, seed=1))
+        assert torch.equal(a.model.weight, b.model.weight)
+        assert not torch.equal(next(a.batches)[0], next(b.batches)[0])
+        before = a.evaluate(a.model)
+        _train(a, 200)
+        assert a.evaluate(a.model) < 0.1 * before
+        state = a.batches.state_dict()
+        want = next(a.batches)[0]
+        b.batches.load_state_dict(state)
+        assert torch.equal(next(b.batches)[0], want)
+    finally:
+        sys.modules.pop("dtrain_doc_mytask", None)
