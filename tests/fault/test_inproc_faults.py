@@ -1,0 +1,330 @@
+"""Faults on the in-process transport: chunk loss (unbiased mean, error feedback
+delivers what was lost), an owner dying mid-round, missed broadcasts (repair and
+keep-stale), a killed site."""
+
+from __future__ import annotations
+
+import math
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig
+from dtrain.codecs import CodecConfig
+from dtrain.rounds import RoundConfig
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config
+from dtrain.transports.inproc import InprocFaults
+
+P = 1024  # parameters of the toy model
+BUCKETS = BucketConfig(bucket_bytes=1024, chunk_bytes=256)  # 4 buckets of 256 elements, 4 chunks of 64 each
+FP32 = CodecConfig(name="fp32")
+
+
+class Vec(torch.nn.Module):
+    """One flat parameter; the tests set its gradient to a chosen contribution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(P))
+
+
+def inner_sgd_lr1(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=1.0)  # local = θ − g: the test chooses Δ = g
+
+
+def outer_sgd_lr1(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0, momentum=0.0)  # θ ← θ − mean: θ's change is the applied mean
+
+
+def contribute(site: Site, g: torch.Tensor) -> torch.Tensor:
+    """One inner step with gradient ``g`` (H=1, so the round runs inside it).
+    Returns Δ exactly as the engine computes it: θ − fl(θ − g)."""
+    w = site.model.w
+    delta = w.detach() - (w.detach() - g)
+    w.grad = g.clone()
+    site.optimizer.step()
+    w.grad = None
+    return delta
+
+
+def lossy_rendezvous(num_sites: int):
+    # A lost chunk cannot be told from a late one, so in every lossy round the owner
+    # waits reduce_timeout_s: short, but long enough that on a loaded 2-core machine
+    # the pushes are not late (late chunks would only count as more loss).
+    return fast_rendezvous_config(num_sites, reduce_timeout_s=0.4, broadcast_timeout_s=1.5)
+
+
+def expected_inv_k_minus_inv_n(n: int, p: float) -> float:
+    """E[1/k − 1/N] where k = 1 + Binomial(N − 1, 1 − p): the owner's own
+    contribution always arrives, each other one is lost with probability p."""
+    total = 0.0
+    for j in range(n):
+        prob = math.comb(n - 1, j) * (1 - p) ** j * p ** (n - 1 - j)
+        total += prob * (1.0 / (1 + j) - 1.0 / n)
+    return total
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loss", [0.1, 0.3])
+def test_chunk_loss_mean_is_unbiased(loss: float) -> None:
+    """Partial mean per chunk (error feedback off: the paper's estimator).
+
+    Site i contributes v = μ + σ·ε (ε ~ N(0, 1) iid per site, round and element).
+    The owner divides by the k contributions that arrived; given the set that
+    arrived, z = mean_S − mean_all has E[z] = 0 and Var[z] = σ²(1/k − 1/N).
+    Over n elements·rounds the average of z has standard deviation
+    σ·sqrt(E[1/k − 1/N] / n); we allow 5 of those. Dividing by N instead of k
+    would be off by μ·(N − E[k])/N = 0.067 (10%) or 0.2 (30%), far outside.
+    """
+    N, R, mu, sigma = 3, 8, 1.0, 1.0
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, faults=InprocFaults(push_loss=loss, seed=7),
+                        rounds=RoundConfig(codec=FP32, error_feedback=False), rendezvous=lossy_rendezvous(N))
+    deltas: dict[tuple[int, int], torch.Tensor] = {}
+    observed: dict[tuple[int, int], torch.Tensor] = {}
+
+    def step(site: Site, r: int) -> None:
+        g = torch.Generator().manual_seed(1000 * r + site.index)
+        before = site.theta()
+        deltas[(site.index, r)] = contribute(site, mu + sigma * torch.randn(P, generator=g))
+        observed[(site.index, r)] = before - site.theta()
+
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        c.run_steps(step, R, timeout_s=50)
+        assert all(s.diloco.round == R for s in c.sites)
+        assert len(set(c.checksums())) == 1  # every site received every bucket: identical θ
+        included = [res.included_fraction for s in c.sites for res in s.results]
+    # losses happened at about the configured rate (a site's own chunks are never lost;
+    # a late chunk would count as lost too, hence the looser upper side)
+    lost = 1 - sum(included) / len(included)
+    assert loss * (N - 1) / N - 0.04 < lost < loss * (N - 1) / N + 0.1, lost
+    z = []
+    for r in range(R):
+        full = sum(deltas[(i, r)] for i in range(N)) / N
+        for i in range(N):
+            assert torch.equal(observed[(i, r)], observed[(0, r)])  # all sites applied the same mean
+        z.append(observed[(0, r)] - full)
+    z = torch.cat(z).double()
+    n = z.numel()
+    # late chunks (a loaded machine) add loss; bound with the loss actually measured
+    p_eff = max(loss, lost * N / (N - 1))
+    bound = 5 * sigma * math.sqrt(expected_inv_k_minus_inv_n(N, p_eff) / n)
+    assert abs(float(z.mean())) < bound, (float(z.mean()), bound)
+    assert bound < 0.3 * mu * loss * (N - 1) / N  # dividing by N instead of k would fail this test
+    assert float(z.abs().max()) > 0.1  # some chunks' means were over fewer senders
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loss,codec", [(0.1, "fp32"), (0.3, "fp32"), (0.3, "int8")])
+def test_error_feedback_delivers_what_was_lost(loss: float, codec: str) -> None:
+    """With error feedback the lost contributions arrive later and nothing counts twice.
+
+    Outer SGD lr=1, momentum 0: θ's total change is the sum of the applied means.
+    After R lossy rounds, F rounds without loss and with Δ = 0 flush the residuals.
+    Exactly (to fp32 rounding): θ_0 − θ_end + Σ_i residual_i / N equals the true sum
+    Σ_r mean_i Δ_{i,r}, and what is left in the residuals is ~0 (fp32: 0; int8:
+    the quantisation error of the last, small residual). The broadcast is fp32
+    so that only the reduce codec is lossy.
+    """
+    N, R, F = 3, 6, 2
+    rounds = RoundConfig(codec=CodecConfig(name=codec, block_size=8), broadcast_codec=FP32)
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, faults=InprocFaults(push_loss=loss, seed=11),
+                        rounds=rounds, rendezvous=lossy_rendezvous(N))
+    deltas: dict[tuple[int, int], torch.Tensor] = {}
+
+    def step(site: Site, r: int) -> None:
+        if r == R:  # everyone has finished the lossy rounds before the flush starts
+            site.engine.transport.network.set_faults(InprocFaults())
+        g = torch.Generator().manual_seed(77 * r + site.index)
+        v = torch.randn(P, generator=g) + 0.5 if r < R else torch.zeros(P)
+        deltas[(site.index, r)] = contribute(site, v)
+
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        theta0 = c.sites[0].theta()
+        c.run_steps(step, R + F, timeout_s=50)
+        assert len(set(c.checksums())) == 1
+        lossy = [res.included_fraction for s in c.sites for res in s.results[:R]]
+        assert min(lossy) < 1.0  # chunks were lost
+        assert all(res.included_fraction == 1.0 for s in c.sites for res in s.results[-1:])
+        applied = theta0 - c.sites[0].theta()
+        leftover = sum(torch.cat([t for t in s.state.residuals]) for s in c.sites)
+    true_sum = sum(deltas[(i, r)] for i in range(N) for r in range(R + F)) / N
+    assert float(true_sum.abs().max()) > 1.0
+    err = (applied + leftover / N - true_sum).abs().max().item()
+    assert err < 1e-5, err
+    assert leftover.abs().max().item() < (1e-7 if codec == "fp32" else 0.05)
+
+
+@pytest.mark.timeout(60)
+def test_owner_failing_mid_round_keeps_its_buckets_alike() -> None:
+    """The owner dies after the reduce, before serving its means: survivors keep
+    those θ_b unchanged and equal, their contributions stay in their residuals,
+    and the next round (without the dead site) applies them."""
+    N = 3
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        victim = next(i for i, s in enumerate(c.sites) if owners.count(s.site_id) >= 1)
+        vid = c.sites[victim].site_id
+        dead_buckets = [b for b, o in enumerate(owners) if o == vid]
+        live_buckets = [b for b, o in enumerate(owners) if o != vid]
+        assert dead_buckets and live_buckets
+        c.kill_during_round(victim, round=1)
+        snap: dict[int, list[torch.Tensor]] = {}
+        deltas: dict[tuple[int, int], torch.Tensor] = {}
+
+        def step(site: Site, r: int) -> None:
+            if r == 1:
+                snap[site.index] = [t.detach().clone() for t in site.state.theta]
+            g = torch.Generator().manual_seed(31 * r + site.index)
+            deltas[(site.index, r)] = contribute(site, torch.randn(P, generator=g))
+            if r == 1 and not site.killed.is_set():
+                # after round 1, before round 2: what survived of round 1
+                res = site.results[-1]
+                assert res.round == 1 and res.members == tuple(s.site_id for s in c.sites)
+                assert res.skipped_buckets == len(dead_buckets) and res.stale_buckets == 0
+                for b in dead_buckets:
+                    assert torch.equal(site.state.theta[b].detach(), snap[site.index][b])  # unchanged
+                    lay = site.state.layout.buckets[b]
+                    want = torch.cat([deltas[(site.index, 1)][sg.tensor_offset : sg.tensor_offset + sg.numel] for sg in lay.segments])
+                    assert torch.equal(site.state.residuals[b], want)  # contribution kept whole
+                for b in live_buckets:
+                    assert not torch.equal(site.state.theta[b].detach(), snap[site.index][b])  # applied
+
+        c.run_steps(step, 3, timeout_s=50)
+        survivors = [s for s in c.sites if s.site_id != vid]
+        assert c.sites[victim].killed.is_set()
+        assert [s.site_id for s in c.live_sites] == [s.site_id for s in survivors]
+        assert all(s.diloco.round == 3 for s in survivors)
+        assert len(set(c.checksums(survivors))) == 1
+        r2 = [s.results[-1] for s in survivors]
+        assert all(res.members == tuple(s.site_id for s in survivors) for res in r2)  # round 2 without the dead site
+        # Round 2 delivered round 1's kept contributions for the dead owner's buckets:
+        # θ's change there = round 0 (all three) + round 2 (survivors, carrying round 1).
+        # (For the other buckets round 1 may or may not include the victim's chunks,
+        # depending on whether it pushed before it died, so they are only compared.)
+        r0 = sum(deltas[(i, 0)] for i in range(N)) / N
+        r12 = sum(deltas[(s.index, 1)] + deltas[(s.index, 2)] for s in survivors) / len(survivors)
+        mask = torch.zeros(P, dtype=torch.bool)
+        for b in dead_buckets:
+            for sg in survivors[0].state.layout.buckets[b].segments:
+                mask[sg.tensor_offset : sg.tensor_offset + sg.numel] = True
+        moved = -survivors[0].theta()  # θ started at 0
+        assert (moved[mask] - (r0 + r12)[mask]).abs().max().item() < 1e-5
+
+
+def _owner_and_victim(c: InprocCluster) -> tuple[int, int, int]:
+    """(bucket 0, index of its owner, index of another site)."""
+    owner = next(s.index for s in c.sites if s.site_id == c.owners()[0])
+    return 0, owner, (owner + 1) % len(c.sites)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_sites", [2, 3])
+def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int) -> None:
+    """A site that misses one bucket's mean (every pull of it dropped) marks it
+    stale, pulls it whole from the owner and ends with the owner's checksum; its
+    included contribution is not sent again."""
+    cfg = ClusterConfig(num_sites=num_sites, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    deltas: dict[tuple[int, int], torch.Tensor] = {}
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        b, owner, victim = _owner_and_victim(c)
+        c.drop_broadcast(victim, round=1, bucket=b)  # from the owner and from any peer
+
+        def step(site: Site, r: int) -> None:
+            g = torch.Generator().manual_seed(5 * r + site.index)
+            deltas[(site.index, r)] = contribute(site, torch.randn(P, generator=g))
+            if r == 1:
+                res = site.results[-1]
+                if site.index == victim:
+                    assert res.stale_buckets == 1 and res.repaired_buckets == 1, res
+                else:
+                    assert res.stale_buckets == 0
+                # a finalized mean included the victim's chunks: its residual for b is consumed
+                assert site.state.residuals[b] is None or float(site.state.residuals[b].abs().max()) == 0.0
+
+        c.run_steps(step, 3, timeout_s=50)
+        assert len(set(c.checksums())) == 1
+        assert c.sites[victim].checksums()[b] == c.sites[owner].checksums()[b]
+        assert all(res.stale_buckets == 0 for s in c.sites for res in s.results[2:])
+        # nothing counted twice: θ moved by exactly the mean of every Δ
+        want = sum(deltas[(i, r)] for i in range(num_sites) for r in range(3)) / num_sites
+        assert (-c.sites[victim].theta() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_pull_loss_everyone_ends_equal() -> None:
+    """Random loss of half the mean replies: late pulls and repair from the owner
+    leave every site with the same θ."""
+    N = 3
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32),
+                        faults=InprocFaults(pull_loss=0.5, seed=3))
+    with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
+        def step(site: Site, r: int) -> None:
+            g = torch.Generator().manual_seed(9 * r + site.index)
+            contribute(site, torch.randn(P, generator=g))
+
+        c.run_steps(step, 8, timeout_s=50)
+        assert len(set(c.checksums())) == 1
+        stale = sum(res.stale_buckets for s in c.sites for res in s.results)
+        repaired = sum(res.repaired_buckets for s in c.sites for res in s.results)
+        assert stale > 0 and repaired == stale
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_keep_stale_without_repair_drift_stays_bounded(momentum: float) -> None:
+    """RoundConfig(repair=False): a site that missed a broadcast keeps its old θ_b
+    (stale, as in arXiv 2507.07114 §4.2) but keeps applying later means, so its
+    distance to the owner stays bounded: constant with momentum 0, and with
+    Nesterov momentum μ it settles (the missed step's momentum decays as μ^k)."""
+    N, R = 2, 10
+    outer = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=momentum, nesterov=momentum > 0)  # noqa: E731
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32, repair=False))
+    drift: list[float] = []
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer) as c:
+        b, owner, victim = _owner_and_victim(c)
+        c.drop_broadcast(victim, round=1, bucket=b)
+        step_size: list[float] = []
+
+        def step(site: Site, r: int) -> None:
+            g = torch.Generator().manual_seed(3 * r + site.index)
+            before = site.state.theta[b].detach().clone()
+            contribute(site, torch.randn(P, generator=g) * 0.1)
+            if site.index == owner:
+                step_size.append(float((site.state.theta[b].detach() - before).norm()))
+
+        for r in range(R):  # one round at a time, so the drift is measured after each
+            c.run_steps(lambda site, _k: step(site, r), 1, timeout_s=20)
+            drift.append(float((c.sites[owner].state.theta[b].detach() - c.sites[victim].state.theta[b].detach()).norm()))
+        stale = [res.stale_buckets for res in c.sites[victim].results]
+        others = [i for i in range(len(c.sites[0].state)) if i != b]
+        assert all(c.sites[owner].checksums()[i] == c.sites[victim].checksums()[i] for i in others)
+    assert drift[0] == 0.0 and drift[1] > 0.0  # the miss made it stale ...
+    assert stale[0] == 0 and all(s == 1 for s in stale[1:])  # ... and it stays stale (no repair)
+    assert max(drift) < 3 * max(step_size) / (1 - momentum)  # bounded by a few missed steps
+    if momentum == 0.0:
+        assert all(abs(d - drift[1]) < 1e-5 for d in drift[1:])  # exactly the one missed step
+    else:
+        assert abs(drift[-1] - drift[-2]) < 0.2 * drift[-1]  # settling, not growing
+
+
+@pytest.mark.timeout(60)
+def test_killed_site_is_dropped_and_the_rest_continue() -> None:
+    """A site killed between rounds: once its heartbeats stop the others form the
+    next rounds without it, and end equal."""
+    N = 3
+    cfg = ClusterConfig(num_sites=N, sync_every=2, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
+        def step(site: Site, k: int) -> None:
+            if k == 4 and site.index == 2:
+                c.kill(2)
+                return
+            g = torch.Generator().manual_seed(k + 100 * site.index)
+            contribute(site, torch.randn(P, generator=g) * 0.1)
+
+        c.run_steps(step, 8, timeout_s=50)
+        live = c.live_sites
+        assert [s.index for s in live] == [0, 1]
+        assert all(s.diloco.round == 4 for s in live)
+        assert len(set(c.checksums())) == 1
+        assert live[0].results[-1].members == ("site-0", "site-1")
+        assert c.sites[2].diloco.round == 2
