@@ -209,6 +209,10 @@ class Agent:
             except Exception:
                 logger.exception("deleting %s failed", ns)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+        try:
+            self.state_dir.parent.rmdir()  # only when no other topology is left
+        except OSError:
+            pass
 
     def close(self) -> None:
         for q in self.queues:

@@ -35,8 +35,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "dtnetem-"
-"""Every namespace of the harness is called ``dtnetem-<topology>-<role>``."""
+PREFIX = os.environ.get("DTRAIN_NETEM_PREFIX", "dtnetem-")
+"""Every namespace of the harness is called ``<PREFIX><topology>-<role>``; the default
+``dtnetem-`` can be changed with DTRAIN_NETEM_PREFIX (tests isolate themselves that
+way), but it must start with ``dtnetem`` so cleanup never touches foreign names."""
+if not re.fullmatch(r"dtnetem[a-z0-9-]*", PREFIX):
+    raise ValueError(f"DTRAIN_NETEM_PREFIX must match dtnetem[a-z0-9-]*, got {PREFIX!r}")
 STATE_ROOT = Path(os.environ.get("DTRAIN_NETEM_STATE", "/run/dtrain-netem"))
 NETNS_DIR = Path("/run/netns")
 _NAME_RE = re.compile(r"^[a-z0-9]{1,20}$")

@@ -136,16 +136,20 @@ def probe(*, refresh: bool = False) -> Capabilities:
     return caps
 
 
-def choose_backends(caps: Capabilities, *, kernel_netem: bool | None = None) -> dict[str, str | None]:
+def choose_backends(caps: Capabilities, *, kernel_netem: bool | None = None,
+                    filter_backend: str | None = None) -> dict[str, str | None]:
     """Pick a backend per property from ``caps`` (None: that property cannot be emulated).
 
     Args:
         caps: Probe result.
         kernel_netem: False forces the fallbacks even where the kernel has netem; None
             (default) uses netem when present. True requires it.
+        filter_backend: "nftables" or "iptables" for loss (without kernel netem),
+            partitions and flapping; None (default) prefers nftables.
 
     Raises:
-        NetemUnavailable: ``kernel_netem=True`` without kernel netem, or no rate backend.
+        NetemUnavailable: ``kernel_netem=True`` without kernel netem, a forced
+            filter backend that does not work, or no rate backend.
     """
     use_netem = caps.kernel_netem if kernel_netem is None else kernel_netem
     if use_netem and not caps.kernel_netem:
@@ -158,7 +162,13 @@ def choose_backends(caps: Capabilities, *, kernel_netem: bool | None = None) -> 
         delay = "nfqueue-userspace"
     else:
         delay = None
-    filt = "nftables" if caps.nftables else ("iptables" if caps.iptables_statistic else None)
+    works = {"nftables": caps.nftables, "iptables": caps.iptables_statistic}
+    if filter_backend is not None:
+        if not works.get(filter_backend):
+            raise NetemUnavailable(f"filter_backend={filter_backend!r} does not work here")
+        filt = filter_backend
+    else:
+        filt = next((k for k, ok in works.items() if ok), None)
     return {
         "delay": delay,
         "jitter": delay,

@@ -67,6 +67,8 @@ class TopologyConfig:
             use the fallbacks (tbf, nftables, userspace delayer), True = require netem.
         persistent: True = outlive this process (the CLI's ``up``): no signal handlers,
             no atexit teardown, and the helper process does not watch this process.
+        filter_backend: "nftables" or "iptables" for loss/partitions; None = nftables
+            where it works (iptables is the fallback).
     """
 
     num_sites: int
@@ -74,6 +76,7 @@ class TopologyConfig:
     name: str
     kernel_netem: bool | None = None
     persistent: bool = False
+    filter_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or not 1 <= self.num_sites <= MAX_SITES:
@@ -83,6 +86,9 @@ class TopologyConfig:
         check_name(self.name)
         if self.kernel_netem not in (None, True, False):
             raise ValueError(f"kernel_netem must be None, True or False, got {self.kernel_netem!r}")
+        if self.filter_backend not in (None, "nftables", "iptables"):
+            raise ValueError("filter_backend must be None, 'nftables' or 'iptables', "
+                             f"got {self.filter_backend!r}")
 
 
 # ---------------------------------------------------------------- signal / exit safety net
@@ -162,8 +168,7 @@ class Topology:
         profile: A preset name (``lan``, ``continental``, ``transatlantic``, ``lossy``,
             ``flaky``) applied to every site.
         name: Topology name, [a-z0-9]{1,20}; default a unique one for this process.
-        kernel_netem: see :class:`TopologyConfig`.
-        persistent: see :class:`TopologyConfig`.
+        kernel_netem, persistent, filter_backend: see :class:`TopologyConfig`.
 
     Raises:
         NetemUnavailable: not root, no ``ip netns``, or the profile needs a property no
@@ -174,11 +179,13 @@ class Topology:
     """
 
     def __init__(self, num_sites: int, profile: str = "lan", *, name: str | None = None,
-                 kernel_netem: bool | None = None, persistent: bool = False) -> None:
+                 kernel_netem: bool | None = None, persistent: bool = False,
+                 filter_backend: str | None = None) -> None:
         if name is None:
             name = f"t{os.getpid()}x{next(_counter)}"
         self.config = TopologyConfig(num_sites=num_sites, profile=profile, name=name,
-                                     kernel_netem=kernel_netem, persistent=persistent)
+                                     kernel_netem=kernel_netem, persistent=persistent,
+                                     filter_backend=filter_backend)
         self._init_names()
         self._lock = threading.RLock()
         self._closed = False
@@ -194,7 +201,8 @@ class Topology:
                 f"`python -m netem down --name {name}` (or `python -m netem cleanup`)"
             )
         self._caps = probe()
-        self._backends = choose_backends(self._caps, kernel_netem=kernel_netem)
+        self._backends = choose_backends(self._caps, kernel_netem=kernel_netem,
+                                         filter_backend=filter_backend)
         if self._owned:
             _register(self)
         try:
@@ -363,6 +371,8 @@ class Topology:
             except Exception as e:
                 errors.append(e)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            STATE_ROOT.rmdir()  # only when no other topology is left
         _unregister(self)
         if errors:
             for e in errors[1:]:

@@ -1,0 +1,96 @@
+"""Emulated links measured against every profile: RTT, one-way loss, TCP goodput."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from netem import PROFILES, Topology, probe
+from netem.measure import binomial_interval, ping, tcp_goodput_mbit, udp_loss
+
+pytestmark = pytest.mark.netem
+
+GOODPUT_CAP_MBIT = 40.0  # modest cap so the goodput check is quick on 2 cores
+NUM_LOSS_PROBES = 2000
+
+
+def _rtt_ok(measured_ms: float, one_way_ms: float) -> bool:
+    """Within 10% (+2 ms) of twice the one-way delay (the issue's criterion)."""
+    expected = 2 * one_way_ms
+    return abs(measured_ms - expected) <= 0.1 * expected + 2.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_profile_rtt_loss_goodput(profile):
+    link = PROFILES[profile].link
+    with Topology(2, profile) as topo:
+        if link.flap_period_s:  # outages are tested in test_partition.py; measure the link
+            topo.set_link(None, flap_period_s=0.0, flap_down_s=0.0)
+        if link.needs_delay:
+            assert topo.backends()["delay"] in ("nfqueue-userspace", "netem")
+        rtt = ping(topo, 0, 1, count=30, interval_s=0.01)
+        sent, received = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=0.0005,
+                                  drain_s=0.3 + 2 * link.delay_ms / 1000)
+        lost = sent - received
+        lo, hi = binomial_interval(sent, link.loss_pct / 100, 0.99)
+        goodput = None
+        if link.rate_mbit is not None and link.loss_pct <= 1.0:
+            topo.set_link(None, rate_mbit=GOODPUT_CAP_MBIT)
+            goodput = tcp_goodput_mbit(topo, 0, 1, duration_s=3.5, warmup_s=1.0)
+        stats = topo.stats()
+    report = (f"{profile}: rtt avg {rtt.avg_ms:.2f} ms (want 2x{link.delay_ms}), "
+              f"loss {lost}/{sent} (99% interval [{lo}, {hi}]), goodput {goodput} Mbit/s "
+              f"(cap {GOODPUT_CAP_MBIT}); agent {stats}")
+    print(report)
+    assert _rtt_ok(rtt.avg_ms, link.delay_ms), report
+    assert lo <= lost <= hi, report
+    if goodput is not None:
+        assert abs(goodput - GOODPUT_CAP_MBIT) <= 0.15 * GOODPUT_CAP_MBIT, report
+
+
+@pytest.mark.timeout(30)
+def test_delay_changes_while_traffic_flows():
+    with Topology(2, "lan") as topo:
+        argv = topo.exec_argv(0, ["ping", "-n", "-c", "120", "-i", "0.01", topo.address(1)])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        topo.set_link(None, delay_ms=20.0)
+        out, _ = proc.communicate(timeout=20)
+        assert topo.link(0).delay_ms == 20.0
+    rtts = [float(x) for x in re.findall(r"time=([\d.]+)", out)]
+    assert len(rtts) >= 110, out[-500:]
+    assert max(rtts[:20]) < 2.0, rtts[:20]  # before the change: plain veth RTT
+    assert all(_rtt_ok(r, 20.0) for r in rtts[-40:]), rtts[-40:]
+
+
+@pytest.mark.timeout(30)
+def test_round_trip_is_the_sum_of_both_sites_delays():
+    with Topology(3, "lan") as topo:
+        topo.set_link(0, delay_ms=10.0)
+        topo.set_link(1, delay_ms=30.0)
+        assert topo.link(2).delay_ms == 0.0
+        r01 = ping(topo, 0, 1, count=10)
+        r12 = ping(topo, 1, 2, count=10)
+        r02 = ping(topo, 0, 2, count=10)
+    assert abs(r01.avg_ms - 40.0) <= 0.1 * 40 + 2, r01
+    assert abs(r12.avg_ms - 30.0) <= 0.1 * 30 + 2, r12
+    assert abs(r02.avg_ms - 10.0) <= 0.1 * 10 + 2, r02
+
+
+@pytest.mark.timeout(40)
+def test_iptables_fallback_for_loss_and_rate():
+    if not probe().iptables_statistic:
+        pytest.skip("iptables statistic match does not work here")
+    with Topology(2, "lan", filter_backend="iptables") as topo:
+        assert topo.backends()["loss"] == "iptables"
+        topo.set_link(1, loss_pct=10.0)
+        sent, received = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, drain_s=0.3)
+        topo.set_link(None, loss_pct=0.0, rate_mbit=20.0)
+        goodput = tcp_goodput_mbit(topo, 0, 1, duration_s=3.0, warmup_s=1.0)
+    lo, hi = binomial_interval(sent, 0.10)
+    assert lo <= sent - received <= hi, (sent, received)
+    assert abs(goodput - 20.0) <= 0.15 * 20.0, goodput
