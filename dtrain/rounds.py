@@ -495,6 +495,12 @@ class RoundEngine:
             except PeerUnavailable as e:
                 owner_down.add(b)
                 return b, None, str(e)
+            except PeerTimeout as e:
+                # No answer by the broadcast deadline (owner stopped, hung or far behind):
+                # treated like a dead owner for this round, so that no late pull or repair
+                # waits on it again and the round ends at its deadline.
+                owner_down.add(b)
+                return b, None, str(e)
             except TransportError as e:
                 return b, None, str(e)
 
