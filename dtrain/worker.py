@@ -188,7 +188,7 @@ def fault_hook_from_env(site_id: str):
     ``before_pull`` (ROUND is the round), or ``serve_state`` (ROUND is the bucket
     index whose state a peer pulls from this site, e.g. a joining site); ACTION
     is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself) or ``sleep=SECONDS``.
-    Returns None when unset. Bad specs raise ValueError.
+    Each rule fires once. Returns None when unset. Bad specs raise ValueError.
     """
     spec = os.environ.get("DTRAIN_TEST_FAULT", "").strip()
     if not spec:
@@ -201,9 +201,16 @@ def fault_hook_from_env(site_id: str):
         except ValueError:
             raise ValueError(f"DTRAIN_TEST_FAULT must be SITE:PHASE:ROUND:ACTION[;...], got {part!r}") from None
 
+    fired: set[int] = set()
+    lock = threading.Lock()
+
     def hook(phase: str, rnd: int) -> None:
-        for site, ph, r, action in rules:
+        for i, (site, ph, r, action) in enumerate(rules):
             if site == site_id and ph == phase and r == rnd:
+                with lock:  # each rule fires once (several push threads reach mid_push)
+                    if i in fired:
+                        continue
+                    fired.add(i)
                 log.warning("test fault injection: %s at %s of round %d", action, phase, rnd)
                 logging.shutdown()
                 if action == "kill":
