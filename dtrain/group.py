@@ -127,10 +127,7 @@ class Group:
         self._hb_interval_s = info.heartbeat_interval_s
         if info.needs_state and self.engine.state.rounds_applied < info.next_round:
             log.info("%s joins at round %d: pulling state from %s", self.site_id, info.next_round, [m.site_id for m in info.members])
-            pull_full_state(
-                self.engine.state, self.engine.transport, list(info.members), requester=self.site_id,
-                timeout_s=self.config.state_pull_timeout_s, min_round=info.next_round,
-            )
+            info = self._pull_state(info)
         self.joined = True
         self._rejoin_needed.clear()
         self._resync_needed.clear()
@@ -159,18 +156,41 @@ class Group:
                     log.warning("%s must resynchronise: %s", self.site_id, hb.reason)
                 self._resync_needed.set()
 
+    def _pull_state(self, info: JoinInfo) -> JoinInfo:
+        """Pull θ and outer-optimizer state from ``info.members`` within
+        ``state_pull_timeout_s``. When every donor failed (they died or left), the
+        rendezvous is asked again for the current members; with none left, the site
+        only adopts the group's round number. Returns the last JoinInfo.
+
+        Raises:
+            StateTransferError: no consistent state within ``state_pull_timeout_s``.
+            RendezvousError: the rendezvous unreachable when asked again.
+        """
+        st = self.engine.state
+        deadline = time.monotonic() + self.config.state_pull_timeout_s
+        while True:
+            if not info.members:
+                st.rounds_applied = max(st.rounds_applied, info.next_round)
+                return info
+            try:
+                pull_full_state(
+                    st, self.engine.transport, list(info.members), requester=self.site_id,
+                    timeout_s=max(0.1, deadline - time.monotonic()), min_round=info.next_round,
+                )
+                return info
+            except StateTransferError as e:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise
+                log.warning("%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e)
+            time.sleep(0.2)
+            info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
+
     def resync(self) -> None:
         """Discard local progress and pull θ and outer-optimizer state from members."""
         st = self.engine.state
         st.residuals = [None] * len(st)
         info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
-        if info.members:
-            pull_full_state(
-                st, self.engine.transport, list(info.members), requester=self.site_id,
-                timeout_s=self.config.state_pull_timeout_s, min_round=info.next_round,
-            )
-        else:
-            st.rounds_applied = max(st.rounds_applied, info.next_round)
+        self._pull_state(info)
         self._resync_needed.clear()
 
     def leave(self) -> None:

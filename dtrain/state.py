@@ -215,7 +215,8 @@ def pull_full_state(
     """Pull every bucket's θ_b and outer-optimizer state from ``donors``.
 
     Buckets are fetched one by one; if a donor fails mid-transfer the next donor
-    is asked for the remaining buckets. All buckets must carry the same
+    is asked for the remaining buckets; when every donor failed, it raises at once
+    (the caller refreshes the member list). All buckets must carry the same
     ``rounds_applied`` tag (>= ``min_round``); otherwise the whole transfer
     is retried (a donor was mid-round). Nothing is applied until every bucket has
     arrived and validated: on failure, ``state`` is untouched.
@@ -227,7 +228,8 @@ def pull_full_state(
     Returns:
         the round tag of the installed state (= the next round to run).
     Raises:
-        StateTransferError: no consistent state could be assembled in time.
+        StateTransferError: every donor failed, or no consistent state could be
+            assembled in time.
     """
     import time
 
@@ -250,6 +252,10 @@ def pull_full_state(
                 last_err = f"donor {donor.site_id} failed: {e}"
                 log.warning("state pull: %s; trying the next donor", last_err)
                 di += 1
+        if len(got) < len(state) and di >= len(donors):
+            # Every donor failed: they may have died or left. The caller asks the
+            # rendezvous for the current members rather than retrying these.
+            raise StateTransferError(f"every donor failed ({len(donors)} tried): {last_err}")
         if len(got) == len(state):
             tags = {g[2] for g in got.values()}
             if len(tags) == 1 and next(iter(tags)) >= min_round:
