@@ -115,3 +115,145 @@ def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
         assert d["owned_buckets"] == owners3.count(s)
         assert d["applied_buckets"] == nb and d["broadcast_arrived_fraction"] == 1.0
     _agree(c, survivors, 6)
+
+
+# --------------------------------------------------------------------------- SIGSTOP
+def _proc_state(pid: int) -> str:
+    """The one-letter state of ``pid`` from /proc (``T`` = stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(90)
+def test_sigstop_during_upload_then_sigcont_resyncs_and_rejoins(make_cluster):
+    """site-2 stops itself (SIGSTOP) after its first chunk of round 2: it neither
+    dies nor answers. The others finish round 2 by the deadline and go on without
+    it; after SIGCONT it is told it missed rounds, resynchronises and rejoins with
+    the others' θ."""
+    c = make_cluster(worker={"rounds": 9})
+    sites = c.start(3, faults="site-2:mid_push:2:stop")
+    others = ["site-0", "site-1"]
+    for s in others:
+        c.wait_round(s, 3, 60)
+    assert _proc_state(c.procs["site-2"].pid) == "T", "site-2 is not stopped"
+    assert max(d["round"] for d in c.rounds("site-2")) == 1, "site-2 finished round 2 while stopped"
+    c.signal("site-2", signal.SIGCONT)
+    codes = c.wait_all_exit(sites, 60)
+    assert codes == {s: 0 for s in sites}, c.diag()
+
+    lines = _agree(c, others, 2)
+    for s, d in lines.items():
+        assert d["members"] == sites
+        assert d["total_s"] <= ROUND_LIMIT_S, f"{s} took {d['total_s']:.2f}s in round 2"
+    assert all("site-2" not in d["members"] for d in _agree(c, others, 3).values())
+    after = c.rounds("site-2")[1:]  # everything after its round-1 line
+    resynced = [i for i, d in enumerate(after) if d["status"] == "resynced"]
+    assert resynced, f"site-2 never resynchronised: {[(d['round'], d['status']) for d in after]}"
+    told = after[resynced[0]]["reason"]
+    assert "declared dead" in told or "missed" in told or "straggler" in told, told
+    rejoined = [d for d in after[resynced[0] + 1 :] if d["status"] == "applied"]
+    assert rejoined, "site-2 did not take part in a round after resynchronising"
+    for d in rejoined:
+        assert "site-2" in d["members"]
+        _agree(c, sites, d["round"])
+
+
+# --------------------------------------------------------------------------- stragglers
+@pytest.mark.timeout(90)
+def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
+    """site-2's inner phase is ~3x slower than the others': every round forms
+    without it at the quorum timeout, it is told it missed the round and
+    resynchronises (its Δ is discarded, never sent). site-3 is admitted to round 1
+    but pushes only after the reduce deadline: its late chunks are refused
+    (FAILED_PRECONDITION) and no mean of that round includes them (they stay in
+    its error-feedback residual, DESIGN.md "Residuals")."""
+    fast, slow = 0.1, 0.45  # seconds of sleep per inner step, on top of ~0.07 s of compute
+    site_opts = {i: {"inner_step_sleep_s": fast} for i in (0, 1, 3)}
+    site_opts[2] = {"inner_step_sleep_s": slow}
+    c = make_cluster(worker={"rounds": 4})
+    sites = c.start(4, faults=f"site-3:before_push:1:sleep={REDUCE_S + 0.4}", site_opts=site_opts)
+    codes = c.wait_all_exit(sites, 70)
+    assert codes == {s: 0 for s in sites}, c.diag()
+    admitted = ["site-0", "site-1", "site-3"]
+
+    fast_inner = sorted(d["inner_s"] for s in admitted for d in c.rounds(s))
+    slow_lines = c.rounds("site-2")
+    assert slow_lines and all(d["inner_s"] >= 2.5 * fast_inner[len(fast_inner) // 2] for d in slow_lines)
+    for r in range(4):
+        lines = _agree(c, admitted, r)
+        assert all(d["members"] == admitted for d in lines.values()), f"round {r}: {lines}"
+        assert any("cutting ['site-2']" in d["reason"] for d in lines.values()), [d["reason"] for d in lines.values()]
+        for d in lines.values():
+            assert not any("not a member" in why for why in d["rejected"]), d["rejected"]
+    # the straggler: told it missed each round, resynchronised to the others' θ
+    for d in slow_lines:
+        assert d["status"] == "resynced" and "straggler" in d["reason"], d
+        assert d["checksum"] == c.by_round("site-0")[d["round"]]["checksum"], d
+    # the late push of round 1: refused as stale, the round averaged without it. The
+    # sender stops pushing to others at the reduce deadline (DEADLINE_EXCEEDED), and
+    # its chunks for the buckets it owns itself are refused as finalized.
+    late = c.by_round("site-3")[1]
+    assert any("FAILED_PRECONDITION" in e and "finalized" in e for e in late["errors"]), late["errors"]
+    assert late["included_fraction"] == 0.0, late
+    owners = [c.by_round(s)[1] for s in admitted if c.by_round(s)[1]["owned_buckets"]]
+    assert owners and all(d["reduce_arrived_fraction"] < 1.0 for d in owners), owners
+
+
+# --------------------------------------------------------------------------- restart
+@pytest.mark.timeout(90)
+def test_killed_site_restarted_on_same_address_rejoins_with_equal_state(make_cluster):
+    """SIGKILL site-1 between rounds and start it again on the same address: it
+    pulls θ and the outer-optimizer state, is back in the plan within 2 rounds and
+    then has the others' θ and outer-optimizer state."""
+    c = make_cluster(worker={"rounds": 8, "inner_step_sleep_s": 0.1})
+    sites = c.start(3)
+    addr = c.address("site-1")
+    last = c.wait_round("site-1", 1, 60)["round"]
+    c.kill("site-1")
+    restarted = c.start_site(1, num_sites=3, listen=addr, out_name="site-1-restarted")
+    c.logs["site-1-restarted"] = c.logs.pop(restarted)
+    c.procs["site-1-restarted"] = c.procs.pop(restarted)
+    codes = c.wait_all_exit(["site-0", "site-2", "site-1-restarted"], 70)
+    assert set(codes.values()) == {0}, c.diag()
+
+    assert f"peer service listening on {addr}" in c.log_text("site-1-restarted")
+    start = c.lines("site-1", out_name="site-1-restarted")[0]
+    assert start["event"] == "start" and start["round"] > last, start
+    back = [d for d in c.rounds("site-1", out_name="site-1-restarted") if d["status"] == "applied"]
+    assert back, "the restarted site never took part in a round"
+    assert back[0]["round"] <= last + 1 + 2, f"back only in round {back[0]['round']} (killed after round {last})"
+    for d in back:
+        ref = c.by_round("site-0")[d["round"]]
+        assert "site-1" in ref["members"]
+        assert (d["checksum"], d["outer_checksum"]) == (ref["checksum"], ref["outer_checksum"]), (d["round"], d, ref)
+
+
+# --------------------------------------------------------------------------- joining
+@pytest.mark.timeout(90)
+def test_late_joiner_completes_state_pull_from_another_donor(make_cluster):
+    """A fourth site joins at round 5. Its first donor (site-0) dies (SIGKILL) while
+    serving bucket 4 of 8, i.e. with about half the state transferred: the joiner
+    pulls the rest from another member, installs nothing partial, and then has the
+    others' θ."""
+    nb = tiny_num_buckets(65536)
+    c = make_cluster(worker={"rounds": 10, "inner_step_sleep_s": 0.05})
+    sites = c.start(3, faults=f"site-0:serve_state:{nb // 2}:kill")
+    c.wait_round("site-1", 4, 60)
+    c.start_site(3, num_sites=4)
+    codes = c.wait_all_exit(["site-1", "site-2", "site-3"], 70)
+    assert set(codes.values()) == {0}, c.diag()
+    assert c.wait_exit("site-0", 5) == -signal.SIGKILL
+
+    log = c.log_text("site-3")
+    assert "joins at round" in log
+    assert "donor site-0 failed" in log, log[-3000:]
+    assert "state pull: installed" in log
+    start = c.lines("site-3")[0]
+    assert start["round"] >= 5
+    joined = c.rounds("site-3", status="applied")
+    assert joined, "the joiner never took part in a round"
+    for d in joined:
+        assert "site-3" in d["members"] and "site-0" not in d["members"]
+        ref = c.by_round("site-1")[d["round"]]
+        assert (d["checksum"], d["outer_checksum"]) == (ref["checksum"], ref["outer_checksum"])
+    del sites
