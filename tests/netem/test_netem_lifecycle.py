@@ -137,3 +137,22 @@ def test_cleanup_removes_only_its_own_prefix():
         assert foreign in list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "delete", foreign], check=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("required", [False, True])
+def test_without_root_the_tests_skip_or_fail_with_the_reason(required):
+    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}/tests/netem{os.pathsep}{REPO_ROOT}")
+    env.pop("DTRAIN_NETEM_REQUIRED", None)
+    if required:
+        env["DTRAIN_NETEM_REQUIRED"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "fake_nonroot_plugin",
+         "-p", "no:cacheprovider", "tests/netem/test_netem_partition.py"],
+        capture_output=True, text=True, env=env, cwd=str(REPO_ROOT), timeout=50)
+    out = proc.stdout
+    assert "netem harness unavailable: not root (euid 1000)" in out, out[-3000:]
+    if required:
+        assert proc.returncode == 1 and "3 errors" in out, out[-3000:]  # fails at setup
+    else:
+        assert proc.returncode == 0 and "3 skipped" in out, out[-3000:]
