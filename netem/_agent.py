@@ -113,6 +113,7 @@ class Agent:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(self.sock_path))
         self.listener.listen(16)
+        self.conns: dict[socket.socket, tuple[float, bytearray]] = {}
 
     # ------------------------------------------------------------------ control
     def _handle(self, req: dict) -> dict:
@@ -135,22 +136,43 @@ class Agent:
                               for q in self.queues]}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def _serve_one(self) -> None:
+    def _accept(self) -> None:
         conn, _ = self.listener.accept()
+        conn.setblocking(False)
+        self.conns[conn] = (time.monotonic() + 5.0, bytearray())
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Read from a control connection without blocking the packet loop; answer a full line."""
+        _, buf = self.conns[conn]
+        try:
+            chunk = conn.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        buf += chunk
+        if chunk and not buf.endswith(b"\n"):
+            return
+        del self.conns[conn]
         with conn:
-            conn.settimeout(5.0)
-            buf = b""
-            while not buf.endswith(b"\n"):
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
+            if not chunk and not buf.endswith(b"\n"):
+                return  # the client went away mid-request
             try:
                 resp = self._handle(json.loads(buf))
             except Exception as e:  # report to the caller, keep serving
                 logger.exception("request failed")
                 resp = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            conn.sendall(json.dumps(resp).encode() + b"\n")
+            try:
+                conn.settimeout(1.0)
+                conn.sendall(json.dumps(resp).encode() + b"\n")
+            except OSError as e:
+                logger.warning("could not answer a control request: %s", e)
+
+    def _expire_conns(self, now: float) -> None:
+        for conn, (deadline, _) in list(self.conns.items()):
+            if now > deadline:
+                del self.conns[conn]
+                conn.close()
 
     # ------------------------------------------------------------------ flapping
     def _update_flap(self, wall: float, *, force: bool = False) -> None:
@@ -172,9 +194,9 @@ class Agent:
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
         by_fd = {q.fd: q for q in self.queues}
-        rlist = [self.listener, *by_fd]
+        fixed = [self.listener, *by_fd]
         if self.watch_fd is not None:
-            rlist.append(self.watch_fd)
+            fixed.append(self.watch_fd)
         while True:
             now = time.monotonic()
             timeout = 1.0
@@ -183,10 +205,12 @@ class Agent:
                     timeout = min(timeout, q.held[0][0] - now)
             if self.next_flap is not None:
                 timeout = min(timeout, self.next_flap - time.time())
-            ready, _, _ = select.select(rlist, [], [], max(timeout, 0.0))
+            ready, _, _ = select.select(fixed + list(self.conns), [], [], max(timeout, 0.0))
             for r in ready:
                 if r is self.listener:
-                    self._serve_one()
+                    self._accept()
+                elif r in self.conns:
+                    self._serve(r)
                 elif r == self.watch_fd:
                     self.teardown_topology()
                     return
@@ -198,6 +222,8 @@ class Agent:
                     q.release(now)
             if self.next_flap is not None and time.time() >= self.next_flap:
                 self._update_flap(time.time())
+            if self.conns:
+                self._expire_conns(now)
 
     def teardown_topology(self) -> None:
         """The owner died without closing: remove everything of this topology."""
@@ -218,6 +244,9 @@ class Agent:
         for q in self.queues:
             q.close()
         self.queues = []
+        for conn in self.conns:
+            conn.close()
+        self.conns.clear()
         self.listener.close()
         self.sock_path.unlink(missing_ok=True)
 
