@@ -148,7 +148,7 @@ PROFILES: dict[str, Profile] = {
             name="lossy",
             link=LinkParams(delay_ms=10.0, loss_pct=10.0, rate_mbit=100.0),
             description="a bad path: 10 ms one-way, 10% random loss, 100 Mbit/s",
-            measured_here="RTT 20.5 ms, loss 9.6%; one TCP flow (bbr) ~86 Mbit/s; "
+            measured_here="RTT 20.5 ms, loss 10%; one TCP flow (bbr) 50-85 Mbit/s; "
             "cubic/reno collapse to a few Mbit/s at such loss",
         ),
         Profile(
