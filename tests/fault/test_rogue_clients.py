@@ -1,0 +1,261 @@
+"""Rogue clients against a real site: a ``RoundEngine`` served by ``GrpcTransport``
+(shared token) in this process, with a round open. Each bad request must be
+refused with its status code, and nothing of it may reach the round's means.
+
+The transport-level checks (contract suite, token, TLS, message limits) live in
+tests/unit/test_transport_contract.py and tests/integration/test_grpc_transport.py;
+these tests are about what the *site* accepts into a round.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.errors import Rejected, RejectCode, TransportError
+from dtrain.protocol import Contribution, Member, RoundPlan
+from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.state import GlobalState
+from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
+
+TOKEN = "rogue-clients-test-token"
+CODEC = "fp32+zstd"  # zstd on, so a decompression bomb reaches the decoder
+NUMEL = 4096  # one fp32 tensor: 4 buckets of 1024 elements, 4 chunks of 256 each
+LAYOUT_CFG = BucketConfig(bucket_bytes=4096, chunk_bytes=1024)
+SERVER_MAX_MESSAGE_BYTES = 256 * 1024
+DEAD_ADDRESS = "127.0.0.1:1"  # a member nobody can reach (the rogue does not serve)
+_HEADER = struct.Struct("<4sBBBBIQQI")  # payload header, dtrain.codecs docstring
+
+
+def _layout() -> BucketLayout:
+    return BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
+
+
+def _theta0() -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+
+
+def _site(site_id: str, **round_kw) -> RoundEngine:
+    cfg = GrpcTransportConfig(token=TOKEN, max_message_bytes=SERVER_MAX_MESSAGE_BYTES, part_bytes=128 * 1024)
+    rcfg = RoundConfig(codec=CodecConfig(name=CODEC), plan_wait_s=1.0, repair_timeout_s=0.5, **round_kw)
+    engine = RoundEngine(site_id, GlobalState(_layout(), [_theta0()]), GrpcTransport(cfg), rcfg)
+    engine.start()
+    return engine
+
+
+def _client(token: str | None = TOKEN, **kw) -> GrpcTransport:
+    """A client-only transport (it never serves)."""
+    return GrpcTransport(GrpcTransportConfig(token=token, num_attempts=1, **kw))
+
+
+def _stored_payload(stored: bytes, numel: int) -> bytes:
+    """An fp32+zstd payload around an already zstd-compressed (or forged) body."""
+    return _HEADER.pack(b"DTRC", 1, 1, 1, 1, 0, numel, len(stored), zlib.crc32(stored)) + stored
+
+
+def _forged_values(values: np.ndarray) -> bytes:
+    """A well-formed fp32+zstd payload of any float32 values (the encoder refuses NaN/Inf)."""
+    body = zstandard.ZstdCompressor(write_content_size=True).compress(values.astype(np.float32).tobytes())
+    return _stored_payload(body, values.size)
+
+
+def _zstd_bomb(numel: int) -> bytes:
+    """A zstd frame whose header claims 10 GiB of content (one 16-byte raw block follows)."""
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + (10 << 30).to_bytes(8, "little")
+    frame += ((16 << 3) | 1).to_bytes(3, "little") + bytes(16)
+    return _stored_payload(frame, numel)
+
+
+class Rogue:
+    """Sends hand-made contributions to one site's Peer service."""
+
+    def __init__(self, address: str, layout: BucketLayout, transport: GrpcTransport | None = None) -> None:
+        self.address = address
+        self.layout = layout
+        self.t = transport or _client()
+        self.codec = get_codec(CODEC)
+
+    def chunk(self, rnd: int, b: int, c: int, values: torch.Tensor | None = None, **override) -> Contribution:
+        off, n = self.layout.buckets[b].chunks[c]
+        payload = self.codec.encode(values if values is not None else torch.zeros(n))
+        fields = dict(round=rnd, bucket=b, chunk=c, offset=off, numel=n, codec=CODEC, sender="rogue", payload=payload)
+        fields.update(override)
+        return Contribution(**fields)
+
+    def push(self, c: Contribution, transport: GrpcTransport | None = None) -> int:
+        return (transport or self.t).push(self.address, [c], timeout_s=5.0)
+
+    def refused(self, c: Contribution, code: str, transport: GrpcTransport | None = None) -> str:
+        with pytest.raises(TransportError) as ei:
+            self.push(c, transport)
+        assert ei.value.code == code, f"expected {code}, got {ei.value}"
+        return ei.value.reason
+
+
+def _plan(rnd: int, members: dict[str, str], reduce_s: float, broadcast_s: float) -> RoundPlan:
+    return RoundPlan(
+        round=rnd,
+        members=tuple(Member(site_id=s, address=a) for s, a in sorted(members.items())),
+        reduce_timeout_s=reduce_s,
+        broadcast_timeout_s=broadcast_s,
+    )
+
+
+def _wait_open(engine: RoundEngine, rnd: int) -> None:
+    deadline = time.monotonic() + 5
+    while rnd not in engine._open:  # the round thread has registered the plan
+        assert time.monotonic() < deadline, f"round {rnd} did not open"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
+    victim = _site("victim")
+    layout = victim.state.layout
+    rogue = Rogue(victim.address, layout)
+    members = {"victim": victim.address, "rogue": DEAD_ADDRESS}
+    owners = assign_owners(len(layout), list(members))
+    b = owners.index("victim")  # a bucket the victim owns: the rogue's target
+    other = owners.index("rogue")
+    n = layout.buckets[b].chunks[0][1]
+    theta_before = [t.detach().clone() for t in victim.state.theta]
+    try:
+        # The victim contributes Δ = 0, so every chunk's mean is (0 + rogue's accepted value) / 2.
+        victim.add_pseudo_gradient([_theta0()])
+        fut = victim.start_round(_plan(0, members, reduce_s=20.0, broadcast_s=25.0))
+        _wait_open(victim, 0)
+
+        # ---- authentication (refused before any payload is read)
+        assert "dtrain-token" in rogue.refused(rogue.chunk(0, b, 0), RejectCode.UNAUTHENTICATED, _client(token=None))
+        assert "wrong token" in rogue.refused(rogue.chunk(0, b, 0), RejectCode.UNAUTHENTICATED, _client(token="guess"))
+        # ---- membership, round and ownership
+        assert "not a member" in rogue.refused(rogue.chunk(0, b, 0, sender="mallory"), RejectCode.PERMISSION_DENIED)
+        assert "not open here" in rogue.refused(rogue.chunk(7, b, 0), RejectCode.FAILED_PRECONDITION)
+        assert "owned by rogue" in rogue.refused(rogue.chunk(0, other, 0), RejectCode.FAILED_PRECONDITION)
+        # ---- shape: offsets outside the bucket, wrong element count, bad bucket / chunk index
+        bucket_numel = layout.buckets[b].numel
+        assert "covers offset" in rogue.refused(rogue.chunk(0, b, 0, offset=bucket_numel + 10), RejectCode.INVALID_ARGUMENT)
+        assert "covers offset" in rogue.refused(rogue.chunk(0, b, 0, offset=2**63), RejectCode.INVALID_ARGUMENT)
+        assert "out of range" in rogue.refused(rogue.chunk(0, b, 0, chunk=99), RejectCode.INVALID_ARGUMENT)
+        assert "out of range" in rogue.refused(rogue.chunk(0, b, 0, bucket=99), RejectCode.INVALID_ARGUMENT)
+        longer = rogue.chunk(0, b, 0, values=torch.zeros(n + 1), numel=n + 1)
+        assert "numel" in rogue.refused(longer, RejectCode.INVALID_ARGUMENT)
+        shorter = rogue.chunk(0, b, 0, values=torch.zeros(n - 1))  # header says n-1, the chunk n
+        rogue.refused(shorter, RejectCode.INVALID_ARGUMENT)
+        assert "codec" in rogue.refused(rogue.chunk(0, b, 0, codec="int8"), RejectCode.INVALID_ARGUMENT)
+        # ---- values: NaN, Inf, a zstd frame claiming 10 GB, garbage
+        for bad in (np.nan, np.inf, -np.inf):
+            vals = np.zeros(n, np.float32)
+            vals[3] = bad
+            reason = rogue.refused(rogue.chunk(0, b, 0, payload=_forged_values(vals)), RejectCode.INVALID_ARGUMENT)
+            assert "NaN or inf" in reason
+        assert "claims 10737418240 bytes" in rogue.refused(rogue.chunk(0, b, 0, payload=_zstd_bomb(n)), RejectCode.RESOURCE_EXHAUSTED)
+        assert "undecodable" in rogue.refused(rogue.chunk(0, b, 0, payload=b"\x00" * 64), RejectCode.INVALID_ARGUMENT)
+        # ---- an oversized message (a client that does not limit itself)
+        big = _client(max_message_bytes=4 << 20)
+        huge = rogue.chunk(0, b, 0, payload=bytes(SERVER_MAX_MESSAGE_BYTES + 1024))
+        rogue.refused(huge, RejectCode.RESOURCE_EXHAUSTED, big)
+
+        # ---- duplicates: an identical retry is idempotent, a different payload is not
+        x = torch.linspace(-1.0, 1.0, n)
+        assert rogue.push(rogue.chunk(0, b, 0, values=x)) == 1
+        assert rogue.push(rogue.chunk(0, b, 0, values=x)) == 1  # accepted, counted once
+        assert "already accepted" in rogue.refused(rogue.chunk(0, b, 0, values=-x), RejectCode.ALREADY_EXISTS)
+        # complete every bucket the victim owns (zeros), so the means are published now
+        for bb in (i for i, o in enumerate(owners) if o == "victim"):
+            for c in range(len(layout.buckets[bb].chunks)):
+                if (bb, c) != (b, 0):
+                    assert rogue.push(rogue.chunk(0, bb, c)) == 1
+        mean = rogue.t.pull_mean(victim.address, 0, b, requester="rogue", timeout_s=5.0)
+        res = fut.result(timeout=40)
+        assert [ch.senders for ch in mean.chunks] == [("rogue", "victim")] * len(mean.chunks)
+        dec = get_codec(CODEC)
+        got = torch.cat([dec.decode(ch.payload, numel=ch.numel) for ch in mean.chunks])
+        want = torch.zeros(bucket_numel)
+        want[:n] = x / 2  # (victim's 0 + rogue's x, once) / 2 contributions
+        assert torch.equal(got, want), "a refused or duplicated chunk reached the mean"
+        # nothing else moved: buckets other than b kept θ (no mean: their owner is
+        # unreachable; or a mean of zeros); in b only chunk 0 moved
+        assert res.round == 0 and res.applied_buckets == owners.count("victim")
+        for bb in range(len(layout)):
+            if bb != b:
+                assert torch.equal(victim.state.theta[bb].detach(), theta_before[bb]), f"bucket {bb} moved"
+        moved = (victim.state.theta[b].detach() != theta_before[b]).nonzero().flatten()
+        assert moved.numel() > 0 and int(moved.max()) < n
+        # every refusal by the site is counted with its reason; the token checks, the
+        # oversized message (gRPC) and the unopened round 7 never reach round 0's books
+        rejected = res.rejected
+        assert sum(rejected.values()) == 15, rejected
+        assert any("already accepted" in k for k in rejected) and any("not a member" in k for k in rejected)
+
+        # ---- a replay of last round's chunk, while the next round is open
+        victim.add_pseudo_gradient([_theta0()])
+        fut = victim.start_round(_plan(1, members, reduce_s=1.0, broadcast_s=2.0))
+        _wait_open(victim, 1)
+        assert "round 0 is over here" in rogue.refused(rogue.chunk(0, b, 0, values=x), RejectCode.FAILED_PRECONDITION)
+        res1 = fut.result(timeout=20)
+        assert res1.round == 1
+        mean1 = rogue.t.pull_mean(victim.address, 1, b, requester="rogue", timeout_s=5.0)
+        assert all(ch.senders == ("victim",) for ch in mean1.chunks), "the replayed chunk reached round 1's mean"
+    finally:
+        victim.stop(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_on():
+    """A member whose contribution is refused (NaN) in max_consecutive_rejections
+    rounds in a row is excluded (PERMISSION_DENIED) by the owner; the two honest
+    sites keep running rounds and agree on θ."""
+    max_rej = 2
+    victim = _site("victim", max_consecutive_rejections=max_rej)
+    honest = _site("honest", max_consecutive_rejections=max_rej)
+    layout = victim.state.layout
+    rogue = Rogue(victim.address, layout)
+    members = {"victim": victim.address, "honest": honest.address, "rogue": DEAD_ADDRESS}
+    owners = assign_owners(len(layout), list(members))
+    target = owners.index("victim")
+    n = layout.buckets[target].chunks[0][1]
+    nan = np.zeros(n, np.float32)
+    nan[0] = np.nan
+    gen = torch.Generator().manual_seed(1)
+    codes = []
+    try:
+        for rnd in range(max_rej + 2):
+            futs = {}
+            for eng in (victim, honest):
+                local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
+                assert eng.add_pseudo_gradient([local])
+                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=0.6, broadcast_s=1.2))
+            _wait_open(victim, rnd)
+            with pytest.raises(Rejected) as ei:
+                rogue.push(rogue.chunk(rnd, target, 0, payload=_forged_values(nan)))
+            codes.append(ei.value.code)
+            results = {s: f.result(timeout=20) for s, f in futs.items()}
+            sums = {eng.site_id: eng.state.checksums() for eng in (victim, honest)}
+            assert sums["victim"] == sums["honest"], f"round {rnd}: honest sites disagree"
+            for s, res in results.items():
+                # the buckets whose owner is honest got a mean; the rogue's got none
+                assert res.applied_buckets == sum(1 for o in owners if o != "rogue"), (s, res)
+        assert codes == [RejectCode.INVALID_ARGUMENT] * max_rej + [RejectCode.PERMISSION_DENIED] * 2, codes
+        assert victim.banned == frozenset({"rogue"})
+        assert honest.banned == frozenset()  # it never got anything from the rogue
+        assert victim.state.rounds_applied == honest.state.rounds_applied == max_rej + 2
+    finally:
+        victim.stop(0.1)
+        honest.stop(0.1)
+
+
+def test_rogue_helpers_build_the_payloads_they_claim():
+    """The forged payloads are well-formed apart from what each test means to break."""
+    codec = get_codec(CODEC)
+    vals = np.arange(8, dtype=np.float32)
+    assert torch.equal(codec.decode(_forged_values(vals), numel=8), torch.from_numpy(vals))
+    assert zstandard.frame_content_size(_zstd_bomb(8)[_HEADER.size :]) == 10 << 30
