@@ -41,15 +41,38 @@ def save_checkpoint(directory: str | Path, round: int, payload: dict, *, keep: i
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"ckpt-{round:06d}.pt"
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
-    torch.save({"format": FORMAT, "round": round, **payload}, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        torch.save({"format": FORMAT, "round": round, **payload}, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a partial file behind, under any name
+        raise
+    _fsync_dir(d)  # make the rename itself durable
     olds = sorted(p for p in d.iterdir() if _NAME.match(p.name))[:-keep] if keep > 0 else []
     for p in olds:
         p.unlink(missing_ok=True)
     log.info("checkpoint saved: %s", path)
     return path
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -72,7 +95,7 @@ def load_checkpoint(path: str | Path, *, site_id: str, fingerprint: str) -> dict
     try:
         data = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means corrupt
-        raise CheckpointError(f"checkpoint {p} is corrupt or unreadable: {e}") from e
+        raise CheckpointError(f"checkpoint {p} is corrupt or unreadable ({_first_line(e)})") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {p} is not a {FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
     if data.get("site_id") != site_id:
