@@ -185,6 +185,10 @@ class RoundEngine:
         # and as fault_hook("serve_state", bucket) before serving a peer's state pull of a bucket.
         self.fault_hook: "Callable[[str, int], None] | None" = None
         self._gen = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big"))
+        # Transport counters when the previous round's result was taken. A round's
+        # bytes are everything since then: an owner serves a late peer's mean pull (and
+        # receives early pushes) outside its own run_round, and those bytes are real.
+        self._bytes_mark: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -421,7 +425,7 @@ class RoundEngine:
         owners = assign_owners(len(layout), plan.site_ids)
         o = _OpenRound(plan, owners, self.site_id, self, t0)
         res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(o.mine), contributed=contribute)
-        sent0, recv0 = self.transport.bytes_sent(), self.transport.bytes_received()
+        sent0, recv0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
             self._open[r] = o
             # Means of earlier rounds were kept only for peers' late pulls; every
@@ -653,8 +657,9 @@ class RoundEngine:
             self.state.rounds_applied = r + 1
             self._open.pop(r, None)
             self._cv.notify_all()
-        res.bytes_sent = self.transport.bytes_sent() - sent0
-        res.bytes_received = self.transport.bytes_received() - recv0
+        sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()
+        res.bytes_sent, res.bytes_received = sent1 - sent0, recv1 - recv0
+        self._bytes_mark = (sent1, recv1)
         res.total_s = time.monotonic() - t0
         res.wait_s = max(0.0, res.total_s - res.encode_s - res.decode_s - res.network_s)
         return res
