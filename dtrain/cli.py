@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import typing
@@ -30,6 +31,33 @@ EXIT_QUORUM = 3
 
 class UsageError(Exception):
     """A bad flag or config value; printed as one line, exit code 2."""
+
+
+def one_line(message: object) -> str:
+    """``message`` as a single line (a multi-line exception text joined with ' | ')."""
+    return " | ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())
+
+
+def parse_host_port(name: str, value: str) -> tuple[str, int]:
+    """Split ``host:port`` (port 0..65535).
+
+    Raises:
+        UsageError: naming ``name`` when ``value`` is not ``host:port``.
+    """
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{name} must be host:port with port in [0, 65535], got {value!r}")
+    return host, int(port)
+
+
+def check_task(ref: str) -> None:
+    """Import ``--task module:function`` now, so a bad reference is a usage error."""
+    from dtrain.tasks import load_task
+
+    try:
+        load_task(ref)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,17 +153,18 @@ def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
     from dtrain.worker import WorkerConfig, install_signal_handlers, run_worker
 
     cfg = _build(WorkerConfig, ns, names)
+    check_task(cfg.task)
     _setup_logging(ns.log_level)
     stop = threading.Event()
     install_signal_handlers(stop)
     try:
         summary = run_worker(cfg, stop_event=stop)
     except CheckpointError as e:
-        print(f"dtrain worker: error: {e}", file=sys.stderr)
+        print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except QuorumTimeout as e:
         log.error("giving up: %s", e)
-        print(f"dtrain worker: error: {e}", file=sys.stderr)
+        print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
     print(json.dumps(summary))
     return 0
@@ -150,12 +179,15 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
     from dtrain.transports.grpc_common import GrpcTransportConfig
 
     cfg = _build(RendezvousConfig, ns, names)
-    host, _, port = ns.bind.rpartition(":")
-    if not host or not port.isdigit():
-        raise UsageError(f"bind must be host:port, got {ns.bind!r}")
+    host, port = parse_host_port("bind", ns.bind)
+    if ns.token_file and not Path(ns.token_file).is_file():
+        raise UsageError(f"token_file must be an existing file, got {ns.token_file!r}")
     token = Path(ns.token_file).read_text().strip() if ns.token_file else None
     _setup_logging(ns.log_level)
-    server = serve_rendezvous(RendezvousCore(cfg), GrpcTransportConfig(bind_host=host, bind_port=int(port), token=token, num_server_threads=64))
+    try:
+        server = serve_rendezvous(RendezvousCore(cfg), GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64))
+    except OSError as e:
+        raise UsageError(f"bind: cannot listen on {ns.bind!r}: {e}") from None
     if ns.address_file:
         tmp = Path(ns.address_file + ".tmp")
         tmp.write_text(server.address)
@@ -170,9 +202,18 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ parser
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
+def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
+    """The argument parser. The WorkerConfig flags (whose import loads torch, seconds on
+    a busy machine) are added only for ``command`` ``worker`` or ``launch``, so
+    ``dtrain rendezvous`` and ``dtrain report`` start fast."""
+    from dtrain.launch import PER_SITE_FIELDS
     from dtrain.rendezvous import RendezvousConfig
-    from dtrain.worker import WorkerConfig
+
+    if command in ("worker", "launch"):
+        from dtrain.worker import WorkerConfig
+
+    def add_worker_fields(parser: argparse.ArgumentParser, **kw) -> list[str]:
+        return _add_fields(parser, WorkerConfig, **kw) if command in ("worker", "launch") else []
 
     p = _Parser(prog="dtrain", description="Decentralized DiLoCo training over gRPC.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -181,7 +222,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
     w = sub.add_parser("worker", help="run one site")
     w.add_argument("--config", help="TOML file with WorkerConfig fields; flags override it")
     w.add_argument("--log-level", default="INFO")
-    names["worker"] = _add_fields(w, WorkerConfig)
+    names["worker"] = add_worker_fields(w)
 
     r = sub.add_parser("rendezvous", help="run the membership service")
     r.add_argument("--config", help="TOML file with RendezvousConfig fields; flags override it")
@@ -198,8 +239,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
     la.add_argument("--no-progress", action="store_true", help="no live progress bar")
     la.add_argument("--config", help="TOML file with WorkerConfig fields for every site")
     la.add_argument("--log-level", default="INFO")
-    per_site = ("site_id", "site_index", "num_sites", "listen", "advertise", "rendezvous", "out_dir", "checkpoint_dir")
-    names["launch_worker"] = _add_fields(la, WorkerConfig, exclude=per_site, group_title="worker settings (every site)")
+    names["launch_worker"] = add_worker_fields(la, exclude=PER_SITE_FIELDS, group_title="worker settings (every site)")
     names["launch_rendezvous"] = _add_fields(la, RendezvousConfig, group_title="rendezvous settings")
 
     rp = sub.add_parser("report", help="plots and a markdown summary of a run directory")
@@ -208,8 +248,25 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, names = _parser()
-    ns = parser.parse_args(argv)
+    """Run ``dtrain ARGV``; returns the exit code.
+
+    Called as a script (``argv`` None), ``worker`` and ``launch`` end with
+    ``os._exit`` once their output is flushed: a normal interpreter exit spends
+    1-5 s of CPU tearing down torch, time every run and every test pays per process.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    parser, names = _parser(next((a for a in args if not a.startswith("-")), None))
+    ns = parser.parse_args(args)
+    rc = _dispatch(ns, names)
+    if argv is None and ns.command in ("worker", "launch"):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _dispatch(ns: argparse.Namespace, names: dict[str, list[str]]) -> int:
     try:
         if ns.command == "worker":
             return _cmd_worker(ns, names["worker"])
@@ -230,6 +287,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(pth)
             return 0
     except UsageError as e:
-        print(f"dtrain {ns.command}: error: {e}", file=sys.stderr)
+        print(f"dtrain {ns.command}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_USAGE

@@ -20,9 +20,14 @@ import time
 from collections import deque
 from pathlib import Path
 
-__all__ = ["run_launch"]
+__all__ = ["PER_SITE_FIELDS", "run_launch"]
 
 log = logging.getLogger(__name__)
+
+#: WorkerConfig fields launch sets for each site itself (not allowed in --config).
+PER_SITE_FIELDS = ("site_id", "site_index", "num_sites", "listen", "advertise", "rendezvous", "out_dir", "checkpoint_dir")
+#: seconds a child gets to exit after SIGTERM before it is killed.
+STOP_GRACE_S = 15.0
 
 
 def _flag(name: str, value) -> list[str]:
@@ -99,10 +104,40 @@ def _format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _spawn(argv: list[str], log_path: Path, mode: str, env: dict) -> subprocess.Popen:
+    """Start ``argv`` in its own session (a terminal's Ctrl-C reaches only launch) with
+    stdout and stderr going to ``log_path``."""
+    with open(log_path, mode) as log_file:
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the child's process group (it was started in its own session)."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every running child, wait up to ``grace_s``, then SIGKILL the rest."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not exit within %.0fs of SIGTERM; killing it", p.pid, grace_s)
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     from tqdm import tqdm
 
-    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load
+    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load, check_task
     from dtrain.rendezvous import RendezvousConfig
     from dtrain.worker import WorkerConfig
 
@@ -110,18 +145,30 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     if not isinstance(n, int) or not 1 <= n <= 64:
         raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
     run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Validate every setting up front (same rules as the worker and rendezvous).
+    # Validate every setting up front (same rules as the worker and rendezvous),
+    # before anything is created or started.
     toml_vals = _check_toml_types(WorkerConfig, _toml_load(ns.config), ns.config) if ns.config else {}
+    for key in toml_vals:
+        if key in PER_SITE_FIELDS:
+            raise UsageError(f"config: {ns.config}: field {key!r} is set per site by launch; allowed here: every "
+                             f"WorkerConfig field except {', '.join(PER_SITE_FIELDS)}")
     wvals = {**toml_vals, **{k: getattr(ns, k) for k in worker_names if hasattr(ns, k)}}
     try:
-        WorkerConfig(**wvals, site_id="site-0", num_sites=n, site_index=0, out_dir=str(run_dir / "site-0"))
+        probe = WorkerConfig(**{**wvals, "site_id": "site-0", "num_sites": n, "site_index": 0, "out_dir": str(run_dir / "site-0")})
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_task(probe.task)
     rvals = {k: getattr(ns, k) for k in rendezvous_names if hasattr(ns, k)}
     rvals.setdefault("initial_sites", n)
-    rcfg = _build(RendezvousConfig, type("NS", (), rvals)(), list(rvals))
-    rounds = wvals.get("rounds", WorkerConfig.rounds)
+    _build(RendezvousConfig, type("NS", (), rvals)(), list(rvals))
+    rounds = probe.rounds
+    if not probe.resume:
+        old_runs = sorted(str(m.parent.name) for m in run_dir.glob("*/metrics.jsonl"))
+        if old_runs:
+            raise UsageError(f"out: {str(run_dir)!r} already holds a run ({', '.join(old_runs)} have metrics); "
+                             "pass --resume to continue it or choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_mode = "a" if probe.resume else "w"  # a resumed run keeps the earlier logs
 
     topo = None
     if ns.netem:
@@ -145,18 +192,24 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             rv_argv += _flag(k, v)
     (run_dir / "launch.json").write_text(json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": ns.netem}, indent=2))
     logs["rendezvous"] = run_dir / "rendezvous.log"
-    stopping = {"flag": False}
+    stopping = {"flag": False, "count": 0}
 
     def on_signal(signum, frame):  # noqa: ARG001
         stopping["flag"] = True
+        stopping["count"] += 1
+        if stopping["count"] > 1:  # a second Ctrl-C: kill every child now
+            for p in procs.values():
+                _signal_group(p, signal.SIGKILL)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     exit_code = 0
     try:
-        procs["rendezvous"] = subprocess.Popen(wrap(n, rv_argv), stdout=open(logs["rendezvous"], "w"), stderr=subprocess.STDOUT,
-                                               env=env, start_new_session=True)
+        procs["rendezvous"] = _spawn(wrap(n, rv_argv), logs["rendezvous"], log_mode, env)
         t0 = time.monotonic()
         while not addr_file.exists():
+            if stopping["flag"]:
+                print("dtrain launch: interrupted before the rendezvous started", file=sys.stderr)
+                return 130
             if procs["rendezvous"].poll() is not None or time.monotonic() - t0 > 30:
                 print(f"rendezvous failed to start:\n{_tail(logs['rendezvous'])}", file=sys.stderr)
                 return 1
@@ -164,9 +217,12 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         rv_addr = addr_file.read_text().strip()
         views: dict[str, _SiteView] = {}
         for i in range(n):
+            if stopping["flag"]:
+                break
             site = f"site-{i}"
             sdir = run_dir / site
             sdir.mkdir(parents=True, exist_ok=True)
+            (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
             host = topo.address(i) if topo is not None else "127.0.0.1"
             argv = py + ["worker", "--site-id", site, "--site-index", str(i), "--num-sites", str(n), "--listen", f"{host}:0",
                          "--rendezvous", rv_addr, "--out-dir", str(sdir), "--log-level", ns.log_level]
@@ -176,8 +232,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
                 if hasattr(ns, k):
                     argv += _flag(k, getattr(ns, k))
             logs[site] = sdir / "worker.log"
-            procs[site] = subprocess.Popen(wrap(i, argv), stdout=open(logs[site], "w"), stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
+            procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
         print(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}", flush=True)
         bar = tqdm(total=rounds, desc="rounds", unit="round", disable=ns.no_progress, dynamic_ncols=True)
@@ -212,19 +267,11 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             print("dtrain launch: interrupted; stopping every site", file=sys.stderr)
             exit_code = 130
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 15
-        for p in procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        # Workers first (they leave the group through the rendezvous), then the rendezvous.
+        workers = [p for s, p in procs.items() if s != "rendezvous"]
+        _stop_all(workers)
+        if "rendezvous" in procs:
+            _stop_all([procs["rendezvous"]])
         if topo is not None:
             topo.close()
         for s, h in old.items():
