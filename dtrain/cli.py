@@ -166,6 +166,11 @@ def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
+    except OSError as e:
+        if "cannot bind" not in str(e):  # grpc_common.start_server: --listen is taken or not local
+            raise
+        print(f"dtrain worker: error: listen: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
     print(json.dumps(summary))
     return 0
 
