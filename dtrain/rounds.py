@@ -502,8 +502,11 @@ class RoundEngine:
             except PeerTimeout as e:
                 # No answer by the broadcast deadline (owner stopped, hung or far behind):
                 # treated like a dead owner for this round, so that no late pull or repair
-                # waits on it again and the round ends at its deadline.
-                owner_down.add(b)
+                # waits on it again and the round ends at its deadline. A timeout well
+                # before the deadline is a lost reply (the in-process transport's
+                # pull_loss): the owner is alive, so the bucket is retried and repaired.
+                if o.broadcast_until - time.monotonic() <= max(0.05, 0.05 * plan.broadcast_timeout_s):
+                    owner_down.add(b)
                 return b, None, str(e)
             except TransportError as e:
                 return b, None, str(e)
