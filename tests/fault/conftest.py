@@ -94,7 +94,8 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
 
     assert "grpc" not in sys.modules, "the zygote must not load gRPC before forking"
     libc = ctypes.CDLL(None, use_errno=True)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out_fd = os.dup(1)
+    out = os.fdopen(out_fd, "w", buffering=1)
     children: set[int] = set()
     buf = b""
     stdin_open = True
@@ -115,8 +116,13 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
             time.sleep(0.02)
         elif select.select([0], [], [], 0.02)[0]:
             data = os.read(0, 65536)
-            if not data:
+            if not data:  # the test process is gone (or closed us): take every child down
                 stdin_open = False
+                for pid in children:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
@@ -125,6 +131,7 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
                 if pid == 0:
                     rc = 70
                     try:
+                        os.close(out_fd)  # only the zygote reports to the test process
                         os.setsid()
                         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the zygote
                         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 
 import pytest
@@ -18,7 +19,10 @@ from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets, wait_until
 
 from dtrain.buckets import assign_owners
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, prctl, POSIX signals)"),
+]
 
 REDUCE_S = RENDEZVOUS_DEFAULTS["reduce_timeout_s"]
 BROADCAST_S = RENDEZVOUS_DEFAULTS["broadcast_timeout_s"]
@@ -167,7 +171,7 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
     but pushes only after the reduce deadline: its late chunks are refused
     (FAILED_PRECONDITION) and no mean of that round includes them (they stay in
     its error-feedback residual, DESIGN.md "Residuals")."""
-    fast, slow = 0.1, 0.45  # seconds of sleep per inner step, on top of ~0.07 s of compute
+    fast, slow = 0.1, 0.5  # seconds of sleep per inner step, on top of ~0.07 s of compute: ~3x
     site_opts = {i: {"inner_step_sleep_s": fast} for i in (0, 1, 3)}
     site_opts[2] = {"inner_step_sleep_s": slow}
     c = make_cluster(worker={"rounds": 4})
@@ -178,7 +182,8 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
 
     fast_inner = sorted(d["inner_s"] for s in admitted for d in c.rounds(s))
     slow_lines = c.rounds("site-2")
-    assert slow_lines and all(d["inner_s"] >= 2.5 * fast_inner[len(fast_inner) // 2] for d in slow_lines)
+    # ~3x slower (>= 2x even when a loaded machine stretches the compute part)
+    assert slow_lines and all(d["inner_s"] >= 2.0 * fast_inner[len(fast_inner) // 2] for d in slow_lines)
     for r in range(4):
         lines = _agree(c, admitted, r)
         assert all(d["members"] == admitted for d in lines.values()), f"round {r}: {lines}"
@@ -236,7 +241,7 @@ def test_late_joiner_completes_state_pull_from_another_donor(make_cluster):
     pulls the rest from another member, installs nothing partial, and then has the
     others' θ."""
     nb = tiny_num_buckets(65536)
-    c = make_cluster(worker={"rounds": 10, "inner_step_sleep_s": 0.05})
+    c = make_cluster(worker={"rounds": 11, "inner_step_sleep_s": 0.05})
     sites = c.start(3, faults=f"site-0:serve_state:{nb // 2}:kill")
     c.wait_round("site-1", 3, 60)  # the joiner's start-up takes about a round
     c.start_site(3, num_sites=4)
@@ -249,7 +254,7 @@ def test_late_joiner_completes_state_pull_from_another_donor(make_cluster):
     assert "donor site-0 failed" in log, log[-3000:]
     assert "state pull: installed" in log
     start = c.lines("site-3")[0]
-    assert 4 <= start["round"] <= 7, start  # joined mid-run, with rounds left to take part in
+    assert 4 <= start["round"] <= 8, start  # joined mid-run (~round 5), with rounds left to take part in
     joined = c.rounds("site-3", status="applied")
     assert joined, "the joiner never took part in a round"
     for d in joined:
@@ -317,5 +322,7 @@ def test_rendezvous_restart_on_same_port_rounds_resume(make_cluster):
     for s in sites:
         assert "re-registered with a restarted rendezvous" in c.log_text(s)
         assert c.summary(s)["rounds"] == rounds
+        after = [d["round"] for d in c.rounds(s, status="applied") if d["round"] >= 3]
+        assert len(after) >= 3, f"{s} applied only rounds {after} after the restart"
     last = _agree(c, sites, rounds - 1)
     assert all(d["members"] == sites for d in last.values())
