@@ -295,6 +295,7 @@ def test_last_site_alone_steps_with_min_sites_1_and_gives_up_with_min_sites_2(ma
     assert "waiting for round 3: " in log and "min_sites is 2" in log, log[-3000:]
     assert "giving up: no quorum for round 3 within 4.0s" in log, log[-3000:]
     assert "only 1 live site(s), min_sites is 2" in log.split("giving up:", 1)[1]
+    assert "dtrain worker: error: no quorum for round 3" in log  # the one-line error on stderr
     assert max(d["round"] for d in stuck.rounds("site-0")) == 2
 
 
