@@ -9,11 +9,13 @@ quorum of ``min_sites`` forms within ``quorum_wait_s``.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -21,6 +23,7 @@ from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
 from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.state import pull_full_state
+from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
 
 __all__ = ["RendezvousClient", "GroupConfig", "SyncOutcome", "Group"]
 
@@ -29,7 +32,8 @@ log = logging.getLogger(__name__)
 
 class RendezvousClient(Protocol):
     def join(self, site_id: str, address: str) -> JoinInfo: ...
-    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo: ...
+    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None,
+                  round_reports: Sequence[str] = ()) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
 
@@ -97,6 +101,10 @@ class Group:
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_interval_s = 1.0
+        self._hb_kick = threading.Event()  # send a heartbeat now (a round report is waiting)
+        self._reports: deque[tuple[int, str]] = deque(maxlen=MAX_REPORTS_PER_HEARTBEAT)  # (seq, JSON), unsent
+        self._reports_lock = threading.Lock()
+        self._report_seq = 0
         self.joined = False
 
     # ------------------------------------------------------------------ membership
@@ -136,13 +144,35 @@ class Group:
             self._hb_thread.start()
         return info
 
+    def report_round(self, report: Mapping[str, Any]) -> None:
+        """Queue one round's report for the rendezvous's status page
+        (``dtrain.status.round_report``); the heartbeat thread sends it at once and
+        again on later heartbeats until the rendezvous took it. Never blocks on
+        the network; when more than ``MAX_REPORTS_PER_HEARTBEAT`` are unsent the
+        oldest are dropped."""
+        with self._reports_lock:
+            self._report_seq += 1
+            self._reports.append((self._report_seq, json.dumps({**report, "seq": self._report_seq})))
+        self._hb_kick.set()
+
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._hb_interval_s):
+        while not self._stop.is_set():
+            self._hb_kick.wait(self._hb_interval_s)
+            self._hb_kick.clear()
+            if self._stop.is_set():
+                break
+            with self._reports_lock:
+                pending = list(self._reports)
+            kw = {"round_reports": [raw for _, raw in pending]} if pending else {}
             try:
-                hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss)
+                hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
             except RendezvousError as e:
                 log.debug("heartbeat failed: %s", e)
                 continue
+            if hb.known and pending:
+                with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
+                    while self._reports and self._reports[0][0] <= pending[-1][0]:
+                        self._reports.popleft()
             if not hb.known:
                 self._rejoin_needed.set()
                 try:  # a restarted rendezvous: register again, keep our state
@@ -195,6 +225,7 @@ class Group:
 
     def leave(self) -> None:
         self._stop.set()
+        self._hb_kick.set()
         try:
             self.rendezvous.leave(self.site_id)
         except RendezvousError as e:

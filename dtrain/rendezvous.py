@@ -21,8 +21,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+from dtrain.status import StatusLog
 
 __all__ = ["RendezvousConfig", "SiteRecord", "decide_quorum", "RendezvousCore", "InprocRendezvousClient"]
 
@@ -89,6 +91,8 @@ class SiteRecord:
     rounds_joined: int = 0
     inner_step: int = 0
     last_loss: float | None = None
+    joined_round: int = 0  # next_round when it (re)joined
+    last_member_round: int | None = None  # newest round whose quorum admitted it
     extra: dict = field(default_factory=dict)
 
     def alive(self, now: float, timeout_s: float) -> bool:
@@ -142,7 +146,13 @@ def decide_quorum(
 
 
 class RendezvousCore:
-    """Thread-safe rendezvous state. ``now`` is ``time.monotonic()`` seconds."""
+    """Thread-safe rendezvous state. ``now`` is ``time.monotonic()`` seconds.
+
+    Besides membership it keeps, for the status page, the sites' per-round
+    reports (``heartbeat(round_reports=...)``) and the round plans in a
+    :class:`~dtrain.status.StatusLog`, and the sites that left; ``snapshot()``
+    copies all of it under the lock for ``dtrain.status.build_status``.
+    """
 
     def __init__(self, config: RendezvousConfig | None = None) -> None:
         self.config = config or RendezvousConfig()
@@ -153,6 +163,8 @@ class RendezvousCore:
         self._cv = threading.Condition()
         self._last_reason = ""
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
+        self.status_log = StatusLog()
+        self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status page only
 
     def _changed(self) -> None:
         self._cv.notify_all()
@@ -171,10 +183,14 @@ class RendezvousCore:
             rec = self.sites.get(site_id)
             if rec is not None:
                 log.info("rendezvous: %s re-joined from %s", site_id, address)
+            left = self._left.pop(site_id, (None, 0.0))[0]
+            prev = rec or left
             self.sites[site_id] = SiteRecord(
                 site_id=site_id, address=address, joined_at=now, last_heartbeat=now,
-                rounds_joined=rec.rounds_joined if rec else 0,
+                rounds_joined=prev.rounds_joined if prev else 0, joined_round=self.next_round,
+                last_member_round=prev.last_member_round if prev else None,
             )
+            self.status_log.site_joined(site_id)
             self._ready.pop(site_id, None)
             if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
                 self._startup_complete_at = now
@@ -192,7 +208,17 @@ class RendezvousCore:
                 needs_state=self.next_round > 0 and bool(others),
             )
 
-    def heartbeat(self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo:
+    def heartbeat(
+        self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+    ) -> HeartbeatInfo:
+        """Record liveness and progress of ``site_id``.
+
+        ``round_reports`` are the site's per-round JSON reports for the status
+        page (``dtrain.status.parse_report``); bad ones are dropped and logged,
+        never failing the heartbeat. An unknown site's reports are ignored (it
+        must join again and resend them).
+        """
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is None:
@@ -206,12 +232,18 @@ class RendezvousCore:
             rec.inner_step = inner_step
             if last_loss is not None:
                 rec.last_loss = last_loss
+            if round_reports:
+                self.status_log.add_reports(site_id, list(round_reports))
             self._changed()
             return HeartbeatInfo(known=True, resync_required=rec.needs_resync, next_round=self.next_round, reason=rec.resync_reason)
 
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:
-            self.sites.pop(site_id, None)
+            rec = self.sites.pop(site_id, None)
+            if rec is not None:
+                self._left[site_id] = (rec, now)
+                while len(self._left) > 256:  # bounded: oldest departures forgotten first
+                    del self._left[min(self._left, key=lambda s: self._left[s][1])]
             self._ready.pop(site_id, None)
             self._changed()
             log.info("rendezvous: %s left", site_id)
@@ -264,6 +296,8 @@ class RendezvousCore:
         self.plans.pop(plan.round - 8, None)
         for s in members:
             self.sites[s].rounds_joined += 1
+            self.sites[s].last_member_round = plan.round
+        self.status_log.add_plan(plan.round, list(members), now)
         self.next_round += 1
         self._ready.clear()
         self._last_reason = ""
@@ -272,22 +306,50 @@ class RendezvousCore:
         return ReadyDecision(status="plan", reason=reason, next_round=self.next_round, plan=plan)
 
     def snapshot(self, now: float) -> dict:
-        """Read-only view for status pages and tests."""
+        """Read-only copy of the state for status pages and tests; holds the lock
+        only while copying (no formatting, no I/O).
+
+        Returns ``now``, ``next_round``, ``config`` (timing, seconds),
+        ``first_ready_at`` (when the first site became ready for ``next_round``,
+        or None), ``sites`` (site_id -> address, alive, needs_resync,
+        resync_reason, heartbeat_age_s, last_heartbeat, rounds_joined,
+        inner_step, last_loss, joined_round, last_member_round, ready_since,
+        left; sites that left have ``left`` True) and ``status`` (the
+        :class:`~dtrain.status.StatusLog` snapshot). Times are monotonic seconds.
+        """
         with self._cv:
+            c = self.config
+
+            def entry(r: SiteRecord, left: bool) -> dict:
+                return {
+                    "address": r.address,
+                    "alive": not left and r.alive(now, c.heartbeat_timeout_s),
+                    "needs_resync": r.needs_resync,
+                    "resync_reason": r.resync_reason,
+                    "heartbeat_age_s": now - r.last_heartbeat,
+                    "last_heartbeat": r.last_heartbeat,
+                    "rounds_joined": r.rounds_joined,
+                    "inner_step": r.inner_step,
+                    "last_loss": r.last_loss,
+                    "joined_round": r.joined_round,
+                    "last_member_round": r.last_member_round,
+                    "ready_since": None if left else self._ready.get(r.site_id),
+                    "left": left,
+                }
+
+            sites = {s: entry(r, True) for s, (r, _) in self._left.items()}
+            sites.update({s: entry(r, False) for s, r in self.sites.items()})
             return {
+                "now": now,
                 "next_round": self.next_round,
-                "sites": {
-                    s: {
-                        "address": r.address,
-                        "alive": r.alive(now, self.config.heartbeat_timeout_s),
-                        "needs_resync": r.needs_resync,
-                        "heartbeat_age_s": now - r.last_heartbeat,
-                        "rounds_joined": r.rounds_joined,
-                        "inner_step": r.inner_step,
-                        "last_loss": r.last_loss,
-                    }
-                    for s, r in self.sites.items()
+                "config": {
+                    "heartbeat_interval_s": c.heartbeat_interval_s, "heartbeat_timeout_s": c.heartbeat_timeout_s,
+                    "quorum_timeout_s": c.quorum_timeout_s, "reduce_timeout_s": c.reduce_timeout_s,
+                    "broadcast_timeout_s": c.broadcast_timeout_s, "min_sites": c.min_sites,
                 },
+                "first_ready_at": min(self._ready.values()) if self._ready else None,
+                "sites": sites,
+                "status": self.status_log.snapshot(),
             }
 
 
@@ -311,9 +373,13 @@ class InprocRendezvousClient:
         self._check()
         return self.core.join(site_id, address, now=time.monotonic())
 
-    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo:
+    def heartbeat(
+        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+    ) -> HeartbeatInfo:
         self._check()
-        return self.core.heartbeat(site_id, now=time.monotonic(), inner_step=inner_step, last_loss=last_loss)
+        return self.core.heartbeat(
+            site_id, now=time.monotonic(), inner_step=inner_step, last_loss=last_loss, round_reports=round_reports
+        )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
         self._check()

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Protocol, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import grpc
 
@@ -67,7 +67,8 @@ class RendezvousCoreLike(Protocol):
     def join(self, site_id: str, address: str, *, now: float) -> JoinInfo: ...
 
     def heartbeat(
-        self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None
+        self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -163,7 +164,8 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
             context,
             "heartbeat",
             lambda: self._core.heartbeat(
-                request.site_id, now=time.monotonic(), inner_step=request.inner_step, last_loss=last_loss
+                request.site_id, now=time.monotonic(), inner_step=request.inner_step, last_loss=last_loss,
+                round_reports=list(request.round_reports),
             ),
         )
         return pb.HeartbeatReply(
@@ -319,9 +321,12 @@ class GrpcRendezvousClient:
             needs_state=reply.needs_state,
         )
 
-    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None) -> HeartbeatInfo:
-        """Report liveness (and progress); the answer says whether to resync or re-join."""
-        request = pb.HeartbeatRequest(site_id=site_id, inner_step=inner_step)
+    def heartbeat(
+        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+    ) -> HeartbeatInfo:
+        """Report liveness (and progress, and per-round JSON reports for the status
+        page: ``dtrain.status``); the answer says whether to resync or re-join."""
+        request = pb.HeartbeatRequest(site_id=site_id, inner_step=inner_step, round_reports=list(round_reports))
         if last_loss is not None:
             request.last_loss = last_loss
         reply = self._call(

@@ -30,6 +30,7 @@ from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.errors import CheckpointError
 from dtrain.group import GroupConfig, SyncOutcome
 from dtrain.rounds import RoundConfig
+from dtrain.status import round_report
 from dtrain.tasks import TaskSpec, load_task
 
 __all__ = ["WorkerConfig", "run_worker", "theta_checksum", "outer_state_checksum"]
@@ -369,6 +370,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             totals["rounds_joined"] += 1
         with open(metrics_path, "a") as mf:
             mf.write(json.dumps(line) + "\n")
+        diloco.group.report_round(round_report(line))  # for the rendezvous status page (heartbeat thread)
         log.info(
             "%s: round %d %s members=%s val_loss=%.4f sync=%.2fs sent=%dB", cfg.site_id, line["round"], outcome.status,
             line["members"], val, sync_s, res.bytes_sent if res else 0,

@@ -67,7 +67,8 @@ class RendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness and progress; tells a site it must resynchronise or re-join.
+        """Liveness and progress (and the site's last round reports, for the status
+        page); tells a site it must resynchronise or re-join.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
