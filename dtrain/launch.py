@@ -104,6 +104,16 @@ def _format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _rc_text(rc: int) -> str:
+    """An exit code, naming the signal for a negative one (``-9 (SIGKILL)``)."""
+    if rc < 0:
+        try:
+            return f"{rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            pass
+    return str(rc)
+
+
 def _spawn(argv: list[str], log_path: Path, mode: str, env: dict) -> subprocess.Popen:
     """Start ``argv`` in its own session (a terminal's Ctrl-C reaches only launch) with
     stdout and stderr going to ``log_path``."""
@@ -132,6 +142,35 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> N
             log.warning("pid %d did not exit within %.0fs of SIGTERM; killing it", p.pid, grace_s)
             _signal_group(p, signal.SIGKILL)
             p.wait()
+
+
+def _open_topology(num_sites: int, profile: str):
+    """Build ``num_sites`` emulated sites with the repository's ``netem`` package.
+
+    ``netem/`` is repository tooling, not part of the wheel: it is imported from the
+    current directory or from the checkout this package lives in. Needs root.
+    Raises UsageError naming ``netem`` when it cannot be used here.
+    """
+    from dtrain.cli import UsageError
+
+    try:
+        import netem  # noqa: PLC0415
+    except ImportError:
+        root = Path(__file__).resolve().parent.parent
+        if (root / "netem" / "__init__.py").exists():
+            sys.path.insert(0, str(root))
+        try:
+            import netem  # noqa: PLC0415
+        except ImportError as e:
+            raise UsageError(f"netem: the repository's netem/ package is not importable ({e}); run from a dtrain checkout") from None
+    if profile not in netem.PROFILES:
+        raise UsageError(f"netem: unknown profile {profile!r}; allowed: {', '.join(sorted(netem.PROFILES))}")
+    missing = netem.missing_requirements()
+    if missing:
+        raise UsageError(f"netem: cannot emulate links here: missing {', '.join(missing)}")
+    topo = netem.Topology(num_sites=num_sites, profile=profile, name="launch")
+    log.info("netem: %d sites, profile %s, backends %s", num_sites, profile, topo.backends())
+    return topo
 
 
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
@@ -172,9 +211,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
 
     topo = None
     if ns.netem:
-        from dtrain.netem_bridge import open_topology  # noqa: PLC0415 - optional, root only
-
-        topo = open_topology(n + 1, ns.netem)
+        topo = _open_topology(n + 1, ns.netem)
 
     def wrap(i: int, argv: list[str]) -> list[str]:
         return topo.exec_argv(i, argv) if topo is not None else argv
@@ -235,7 +272,8 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
         print(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}", flush=True)
-        bar = tqdm(total=rounds, desc="rounds", unit="round", disable=ns.no_progress, dynamic_ncols=True)
+        # disable=None: no bar when stderr is not a terminal (a log file or CI would get one line per refresh)
+        bar = tqdm(total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True)
         crashed: dict[str, int] = {}
         while True:
             for v in views.values():
@@ -257,7 +295,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
                 rc = p.poll()
                 if rc is not None and rc != 0:
                     crashed[site] = rc
-                    tqdm.write(f"!! {site} exited with code {rc}; last log lines:\n{_tail(logs[site])}")
+                    tqdm.write(f"!! {site} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[site])}")
             workers_done = all(p.poll() is not None for s, p in procs.items() if s != "rendezvous")
             if workers_done or stopping["flag"]:
                 break
@@ -293,11 +331,18 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         last = [r["final_val_loss"] for r in finished]
         print(f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)")
     agree = len(sums) == 1 and len(finished) == n
-    print(f"θ checksums {'agree' if agree else 'DIFFER or missing'} across sites; run dir: {run_dir}")
+    unfinished = [r["site"] for r in rows if "checksum" not in r]
+    if agree:
+        verdict = "θ checksums agree across sites"
+    elif len(sums) == 1:
+        verdict = f"θ checksums agree across the {len(finished)} finished sites; {', '.join(unfinished)} did not finish"
+    else:
+        verdict = f"θ checksums DIFFER across sites ({len(sums)} distinct)" + (f"; {', '.join(unfinished)} did not finish" if unfinished else "")
+    print(f"{verdict}; run dir: {run_dir}")
     bad = {s: p.returncode for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
     if bad and exit_code == 0:
         for s, rc in bad.items():
-            print(f"{s} exited with code {rc}; last log lines:\n{_tail(logs[s])}", file=sys.stderr)
+            print(f"{s} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[s])}", file=sys.stderr)
         exit_code = 1
     if exit_code == 0 and not agree:
         exit_code = 1
