@@ -190,9 +190,13 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
         assert any("cutting ['site-2']" in d["reason"] for d in lines.values()), [d["reason"] for d in lines.values()]
         for d in lines.values():
             assert not any("not a member" in why for why in d["rejected"]), d["rejected"]
-    # the straggler: told it missed each round, resynchronised to the others' θ
-    for d in slow_lines:
-        assert d["status"] == "resynced" and "straggler" in d["reason"], d
+    # the straggler: told it missed each round, resynchronised to the others' θ (but
+    # for the last round: by then the others may have finished and left, so there is
+    # nobody to pull from and it only adopts the round number)
+    assert all(d["status"] == "resynced" and "straggler" in d["reason"] for d in slow_lines), slow_lines
+    synced = [d for d in slow_lines if d["round"] < 3]
+    assert len(synced) >= 2, slow_lines
+    for d in synced:
         assert d["checksum"] == c.by_round("site-0")[d["round"]]["checksum"], d
     # the late push of round 1: refused as stale, the round averaged without it. The
     # sender stops pushing to others at the reduce deadline (DEADLINE_EXCEEDED), and
