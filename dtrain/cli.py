@@ -185,14 +185,34 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
 
     cfg = _build(RendezvousConfig, ns, names)
     host, port = parse_host_port("bind", ns.bind)
+    http_bind = None if ns.http_bind in (None, "off") else ns.http_bind
+    if http_bind is not None:
+        parse_host_port("http_bind", http_bind)
+    if not 0.5 <= ns.http_refresh_s <= 600:
+        raise UsageError(f"http_refresh_s must be in [0.5, 600] seconds, got {ns.http_refresh_s!r}")
     if ns.token_file and not Path(ns.token_file).is_file():
         raise UsageError(f"token_file must be an existing file, got {ns.token_file!r}")
     token = Path(ns.token_file).read_text().strip() if ns.token_file else None
     _setup_logging(ns.log_level)
+    core = RendezvousCore(cfg)
     try:
-        server = serve_rendezvous(RendezvousCore(cfg), GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64))
+        server = serve_rendezvous(core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64))
     except OSError as e:
         raise UsageError(f"bind: cannot listen on {ns.bind!r}: {e}") from None
+    status = None
+    if http_bind is not None:  # the read-only status page (dtrain/status_http.py), on its own thread
+        from dtrain.status_http import serve_status
+
+        try:
+            status = serve_status(core, http_bind, refresh_s=ns.http_refresh_s)
+        except OSError as e:
+            server.stop(0)
+            raise UsageError(f"http_bind: cannot listen on {http_bind!r}: {e}") from None
+        print(f"dtrain rendezvous: status page {status.url}", flush=True)
+        if ns.http_address_file:  # written before --address-file, so it exists once that one does
+            tmp = Path(ns.http_address_file + ".tmp")
+            tmp.write_text(status.url)
+            tmp.replace(ns.http_address_file)
     if ns.address_file:
         tmp = Path(ns.address_file + ".tmp")
         tmp.write_text(server.address)
@@ -202,6 +222,8 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
+    if status is not None:
+        status.stop()
     server.stop(1.0)
     return 0
 
@@ -234,6 +256,11 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
     r.add_argument("--bind", default="127.0.0.1:29400", help="host:port to listen on (port 0: any)")
     r.add_argument("--address-file", help="write the bound host:port here once listening")
     r.add_argument("--token-file", help="file holding the shared token")
+    r.add_argument("--http-bind", default=None, metavar="HOST:PORT",
+                   help="serve the read-only status page (/, /api/status, /metrics) here (port 0: any free port; "
+                        "no authentication: keep it on 127.0.0.1 or a private address); default: off")
+    r.add_argument("--http-address-file", help="write the status page's URL here once listening")
+    r.add_argument("--http-refresh-s", type=float, default=2.0, help="status page refresh interval, seconds (default: 2)")
     r.add_argument("--log-level", default="INFO")
     names["rendezvous"] = _add_fields(r, RendezvousConfig)
 
@@ -242,6 +269,10 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
     la.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     la.add_argument("--netem", default=None, help="run each site in its own network namespace with this link profile")
     la.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    la.add_argument("--http-bind", default=None, metavar="HOST:PORT",
+                    help="the rendezvous's status page address, or 'off' (default: 127.0.0.1 on a free port; "
+                         "off with --netem); the URL is printed at start")
+    la.add_argument("--http-port", type=int, default=None, help="status page on 127.0.0.1:PORT (shorthand for --http-bind)")
     la.add_argument("--config", help="TOML file with WorkerConfig fields for every site")
     la.add_argument("--log-level", default="INFO")
     names["launch_worker"] = add_worker_fields(la, exclude=PER_SITE_FIELDS, group_title="worker settings (every site)")

@@ -6,6 +6,9 @@ cleanly (SIGTERM, then SIGKILL after a grace period); a child that crashes is
 reported with the last lines of its log while the others go on.
 With ``--netem PROFILE`` every site (and the rendezvous) runs in its own network
 namespace behind emulated links (``netem/``; root only).
+The rendezvous serves its read-only status page (``dtrain.status_http``) on
+``--http-bind``/``--http-port`` (default 127.0.0.1, a free port) and launch prints
+the URL; ``RUN_DIR/pids.json`` names every child's PID (site id -> pid).
 """
 
 from __future__ import annotations
@@ -173,10 +176,32 @@ def _open_topology(num_sites: int, profile: str):
     return topo
 
 
+def _status_page_bind(ns, parse_host_port, usage_error) -> str | None:
+    """The rendezvous's ``--http-bind`` from ``--http-bind``/``--http-port``, or None (off).
+
+    Default: ``127.0.0.1:0`` (a free port; launch prints the URL), but off with
+    ``--netem``, where 127.0.0.1 inside the rendezvous's namespace is not
+    reachable from this machine's browser; ``--http-bind off`` turns it off.
+    """
+    bind, port = getattr(ns, "http_bind", None), getattr(ns, "http_port", None)
+    if bind is not None and port is not None:
+        raise usage_error(f"http_port and http_bind: give one of them, got {port!r} and {bind!r}")
+    if port is not None:
+        if not 0 <= port <= 65535:
+            raise usage_error(f"http_port must be in [0, 65535], got {port!r}")
+        return f"127.0.0.1:{port}"
+    if bind is None:
+        return None if ns.netem else "127.0.0.1:0"
+    if bind == "off":
+        return None
+    parse_host_port("http_bind", bind)
+    return bind
+
+
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     from tqdm import tqdm
 
-    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load, check_task
+    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load, check_task, parse_host_port
     from dtrain.rendezvous import RendezvousConfig
     from dtrain.worker import WorkerConfig
 
@@ -200,6 +225,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     rvals = {k: getattr(ns, k) for k in rendezvous_names if hasattr(ns, k)}
     rvals.setdefault("initial_sites", n)
     _build(RendezvousConfig, type("NS", (), rvals)(), list(rvals))
+    http_bind = _status_page_bind(ns, parse_host_port, UsageError)
     rounds = probe.rounds
     if not probe.resume:
         old_runs = sorted(str(m.parent.name) for m in run_dir.glob("*/metrics.jsonl"))
@@ -224,6 +250,10 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     addr_file.unlink(missing_ok=True)
     rv_host = topo.address(n) if topo is not None else "127.0.0.1"
     rv_argv = py + ["rendezvous", "--bind", f"{rv_host}:0", "--address-file", str(addr_file), "--log-level", ns.log_level]
+    http_file = run_dir / "status.url"
+    http_file.unlink(missing_ok=True)
+    if http_bind is not None:  # the rendezvous writes http_file before addr_file
+        rv_argv += ["--http-bind", http_bind, "--http-address-file", str(http_file)]
     for k, v in rvals.items():
         if v is not None:
             rv_argv += _flag(k, v)
@@ -252,6 +282,8 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
                 return 1
             time.sleep(0.05)
         rv_addr = addr_file.read_text().strip()
+        if http_bind is not None:
+            print(f"dtrain launch: status page {http_file.read_text().strip()}", flush=True)
         views: dict[str, _SiteView] = {}
         for i in range(n):
             if stopping["flag"]:
@@ -271,6 +303,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             logs[site] = sdir / "worker.log"
             procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
+        (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
         print(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}", flush=True)
         # disable=None: no bar when stderr is not a terminal (a log file or CI would get one line per refresh)
         bar = tqdm(total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True)
