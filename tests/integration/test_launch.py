@@ -256,6 +256,8 @@ def test_ctrl_c_stops_every_child_and_exits_130(run_dir: Path) -> None:
         _wait_for(lambda: _round_lines_at_least(run_dir, 1), 90, "every site finished a round", p)
         children = _pids_using(run_dir, exclude=(p.pid,))
         assert len(children) == 4, f"expected a rendezvous and 3 workers, found pids {children}"
+        recorded = json.loads((run_dir / "pids.json").read_text())  # launch's own record: site id -> pid
+        assert set(recorded) == {"rendezvous", *SITES} and sorted(recorded.values()) == sorted(children), (recorded, children)
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
