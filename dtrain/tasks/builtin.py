@@ -1,16 +1,27 @@
 """The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``).
 
-Presets (``TaskSpec.size``), measured with ``python -m dtrain.tasks.bench`` at
-``torch.set_num_threads(1)`` on the 2-vCPU development machine (fp32, eager, AdamW;
-median of 60 steps after 5 warm-up steps; this VM's timings vary by ~+-20% run to run):
+Presets (``TaskSpec.size``). Step = one inner step (forward, backward, AdamW) at
+``torch.set_num_threads(1)``, fp32, eager, on the 2-vCPU development machine, median
+over 40-60 steps after 5 warm-up steps (``python -m dtrain.tasks.bench``). "idle" was
+measured with the machine otherwise idle; "busy" with load average ~14 from other jobs:
 
-========  =====================  =======  ===========  =======  ===========  =========
-size      layers/width/heads     params   B x T        lr       step (1 thr)  tokens/s
-========  =====================  =======  ===========  =======  ===========  =========
-tiny      2 / 64 / 4             0.12 M   8 x 32       3e-3     ~14 ms       ~18 k
-small     2 / 128 / 4            0.44 M   8 x 64       2e-3     ~30-36 ms    ~15 k
-base      4 / 256 / 4            3.26 M   16 x 128     1e-3     ~500-680 ms  ~3-4 k
-========  =====================  =======  ===========  =======  ===========  =========
+========  ==================  =======  ========  ======  ==========  ==========
+size      layers/width/heads  params   B x T     lr      step idle   step busy
+========  ==================  =======  ========  ======  ==========  ==========
+tiny      2 / 64 / 4          0.12 M   8 x 32    2e-3    14 ms       21-27 ms
+small     2 / 128 / 4         0.44 M   8 x 64    1e-3    29-37 ms    52-123 ms
+base      4 / 256 / 4         3.26 M   16 x 128  5e-4    ~680 ms     ~1070 ms
+========  ==================  =======  ========  ======  ==========  ==========
+
+Validation loss (nats/byte, stdlib corpus, one site, 1 thread), step: loss:
+tiny 0: 5.42, 100: 2.77, 150: 2.64, 300: 2.51; small 0: 5.44, 200: 2.42, 400: 2.25,
+600: 2.13, 1000: 1.95; base 0: 5.37, 50: 2.90, 100: 2.59, 200: 2.30. The learning
+rates were picked from short sweeps: tiny 1e-3 / 2e-3 / 3e-3 / 6e-3 gave 2.83 / 2.77
+/ 2.78 / 3.01 at step 100 and 2.50 / 2.51 / 2.54 / 2.66 at step 300; small 5e-4 /
+1e-3 / 2e-3 / 4e-3 gave 2.02 / 1.95 / 2.24 / 2.33 at step 1000; base 5e-4 / 1e-3
+gave 2.30 / 2.50 at step 200.
+Three concurrent "small" sites (no sync) on the busy 2-core machine went from 5.44 to
+2.46-2.58 in 60 s of training.
 
 Inner optimizer: AdamW (DiLoCo, Douillard et al., arXiv 2311.08105: inner AdamW,
 weight decay 0.1), betas (0.9, 0.95) as in nanoGPT; weight decay applies to matrices

@@ -13,6 +13,11 @@ come from one ``torch.Generator`` seeded with ``seed``, so two processes that bu
 model with the same config and seed get bit-identical weights, and the global torch
 RNG is left untouched.
 
+Sizes used by the built-in task, at ``torch.set_num_threads(1)`` on the 2-vCPU dev
+machine (idle; table and loss curves in ``dtrain/tasks/builtin.py``): tiny 2L/64d
+0.12 M params ~14 ms/step (8 x 32 tokens); small 2L/128d 0.44 M ~29-37 ms/step
+(8 x 64); base 4L/256d 3.26 M ~680 ms/step (16 x 128).
+
 Shape legend used in comments: B batch, T time (tokens), C embed_dim, H num_heads,
 D = C // H head size, V vocab_size.
 """

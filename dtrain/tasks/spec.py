@@ -25,11 +25,11 @@ class Preset:
     num_val_batches: int
 
 
-# Step times at torch.set_num_threads(1) on the 2-vCPU dev machine: see builtin.py.
+# Step times, loss curves and how the learning rates were chosen: builtin.py's docstring.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(num_layers=2, num_heads=4, embed_dim=64, context_len=32, batch_size=8, lr=2e-3, num_val_batches=4),
     "small": Preset(num_layers=2, num_heads=4, embed_dim=128, context_len=64, batch_size=8, lr=1e-3, num_val_batches=8),
-    "base": Preset(num_layers=4, num_heads=4, embed_dim=256, context_len=128, batch_size=16, lr=1e-3, num_val_batches=8),
+    "base": Preset(num_layers=4, num_heads=4, embed_dim=256, context_len=128, batch_size=16, lr=5e-4, num_val_batches=8),
 }
 
 MAX_CONTEXT_LEN = 4096
