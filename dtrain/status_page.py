@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 __all__ = ["render_page", "render_fragment", "svg_line_chart", "SCRIPT_TEMPLATE", "csp_header"]
 
 # tab10: distinguishable, and the colour-blind-safe-ish default of matplotlib (the report's plots use it too)
+DASHES = ("", "7 4", "2 3", "10 3 2 3")
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 STYLE = """
@@ -156,11 +157,13 @@ def svg_line_chart(
     for i, (name, s) in enumerate(sorted((n, s) for n, s in series.items() if s)):
         color = escape(colors.get(name, PALETTE[i % len(PALETTE)]))
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
-        out.append(f'<polyline data-series="{escape(name)}" fill="none" stroke="{color}" stroke-width="2" points="{path}"/>')
+        dash = DASHES[i % len(DASHES)]  # consistent sites have equal losses: dashes keep overlapping lines visible
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<polyline data-series="{escape(name)}" fill="none" stroke="{color}" stroke-width="2"{dash_attr} points="{path}"/>')
         if len(s) <= 60:
             out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"/>' for x, y in s)
         ly = top + 8 + 16 * i
-        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="3"/>'
+        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="3"{dash_attr}/>'
                    f'<text x="{left + pw + 30}" y="{ly + 4}">{escape(name)}</text>')
     out.append("</svg>")
     return "".join(out)
