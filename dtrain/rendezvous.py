@@ -160,6 +160,7 @@ class RendezvousCore:
         self.next_round = 0
         self.plans: dict[int, RoundPlan] = {}
         self._ready: dict[str, float] = {}
+        self._adopted_at: float | None = None
         self._cv = threading.Condition()
         self._last_reason = ""
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
@@ -267,6 +268,8 @@ class RendezvousCore:
                 return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=self.next_round)
             if round > self.next_round:
                 log.warning("rendezvous: %s asks for round %d, ahead of %d: adopting it (rendezvous restarted?)", site_id, round, self.next_round)
+                if self.next_round == 0 and not self.plans:
+                    self._adopted_at = now  # a fresh (restarted) core: give every site time to re-join
                 self.next_round = round
                 self._ready.clear()
             self._ready.setdefault(site_id, now)
@@ -277,6 +280,16 @@ class RendezvousCore:
         return self.ready(site_id, round, now=now)
 
     def _decide(self, now: float) -> ReadyDecision:
+        adopted_at = self._adopted_at
+        if adopted_at is not None and now - adopted_at < self.config.heartbeat_timeout_s:
+            reason = (
+                f"rendezvous restarted: waiting {self.config.heartbeat_timeout_s - (now - adopted_at):.1f}s more "
+                f"for every live site to re-register before round {self.next_round}"
+            )
+            if reason.split(":")[0] != self._last_reason.split(":")[0]:
+                log.info("rendezvous: %s", reason)
+                self._last_reason = reason
+            return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
         members, reason = decide_quorum(
             round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config,
             startup_complete_at=self._startup_complete_at,

@@ -118,9 +118,27 @@ def test_restarted_core_adopts_the_round_a_site_asks_for() -> None:
     d = core.ready("a", 7, now=0.1)
     assert core.next_round == 7
     assert d.status == "wait"
+    # every known site is ready, but a restarted core first waits heartbeat_timeout_s
+    # so that sites it has not heard from yet can re-register
     d = core.ready("b", 7, now=0.2)
-    assert d.status == "plan" and d.plan.round == 7 and d.plan.site_ids == ("a", "b")
+    assert d.status == "wait" and "restarted" in d.reason
+    core.join("c", "addr-c", now=1.0)  # a third survivor re-registers during the grace
+    assert core.ready("c", 7, now=1.1).status == "wait"
+    for s in ("a", "b", "c"):
+        core.heartbeat(s, now=2.0)
+    d = core.ready("a", 7, now=3.2)
+    assert d.status == "plan" and d.plan.round == 7 and d.plan.site_ids == ("a", "b", "c")
     assert core.next_round == 8
+
+
+def test_round_zero_quorum_timeout_counts_from_the_last_initial_join() -> None:
+    core = _core(initial_sites=3, quorum_timeout_s=1.0)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+        assert core.ready(s, 0, now=0.1).status == "wait"
+    core.join("c", "addr-c", now=2.0)  # a slow starter
+    assert core.ready("a", 0, now=2.1).status == "wait"  # was: formed without c
+    assert core.ready("c", 0, now=2.5).plan.site_ids == ("a", "b", "c")
 
 
 def test_ready_for_a_round_that_already_ran_says_missed() -> None:
