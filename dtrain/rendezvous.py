@@ -108,6 +108,7 @@ def decide_quorum(
     now: float,
     config: RendezvousConfig,
     startup_complete_at: float | None = None,
+    first_round: bool | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -121,16 +122,23 @@ def decide_quorum(
             seconds). Round 0's quorum timeout counts from it if that is later than
             the first ready, so a site that took longer to start up is not cut
             from the very first round of a group it started together with.
+        first_round: whether this is the first round this rendezvous forms
+            (default: ``round == 0``). The start-up rules (wait for
+            ``initial_sites`` joins) apply to it, so a run resumed from
+            checkpoints at round k starts together too.
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
     ready_live = {s: t for s, t in ready.items() if s in live}
     if not ready_live:
         return None, "no live site is ready"
-    if round == 0 and joined_ever < config.startup_sites:
-        return None, f"round 0 waits for {config.startup_sites} sites to join ({joined_ever} so far)"
+    if first_round is None:
+        first_round = round == 0
+    if first_round and joined_ever < config.startup_sites:
+        label = f"round {round}" if round == 0 else f"round {round} (the first after a restart)"
+        return None, f"{label} waits for {config.startup_sites} sites to join ({joined_ever} so far)"
     first = min(ready_live.values())
-    if round == 0 and startup_complete_at is not None:
+    if first_round and startup_complete_at is not None:
         first = max(first, startup_complete_at)
     waited = now - first
     if set(ready_live) >= live:
@@ -143,6 +151,9 @@ def decide_quorum(
             return sorted(ready_live), f"quorum timeout {config.quorum_timeout_s}s: admitting {len(ready_live)}, cutting {cut}"
         return None, f"only {len(ready_live)} of {len(live)} live sites ready after {waited:.1f}s, min_sites is {config.min_sites}"
     return None, f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {config.quorum_timeout_s - waited:.1f}s more"
+
+
+STARTUP_WAIT_S = 60.0  # how long a restarted rendezvous waits for initial_sites joins
 
 
 class RendezvousCore:
@@ -293,6 +304,10 @@ class RendezvousCore:
         members, reason = decide_quorum(
             round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config,
             startup_complete_at=self._startup_complete_at,
+            # The start-up rules apply to the first round formed here; after adopting a
+            # round (restart, resume) they give up after STARTUP_WAIT_S in case a site died.
+            first_round=not self.plans
+            and (self._adopted_at is None or now - self._adopted_at < STARTUP_WAIT_S),
         )
         if members is None:
             if reason != self._last_reason:

@@ -162,3 +162,18 @@ def test_leave_removes_the_site() -> None:
     core.leave("b", now=0.1)
     d = core.ready("a", 0, now=0.2)
     assert d.status == "plan" and d.plan.site_ids == ("a",)
+
+
+def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
+    """A run resumed from checkpoints at round 5: the fresh rendezvous applies the
+    start-up rule to the first round it forms, not only to round 0."""
+    core = _core(initial_sites=3, quorum_timeout_s=1.0, heartbeat_timeout_s=3.0)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+        assert core.ready(s, 5, now=0.1).status == "wait"
+    core.heartbeat("a", now=4.0)
+    core.heartbeat("b", now=4.0)
+    d = core.ready("a", 5, now=4.1)  # past the restart grace, but only 2 of 3 joined
+    assert d.status == "wait" and "waits for 3 sites to join" in d.reason
+    core.join("c", "addr-c", now=4.5)
+    assert core.ready("c", 5, now=4.6).plan.site_ids == ("a", "b", "c")
