@@ -171,8 +171,9 @@ def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
     for s in ("a", "b"):
         core.join(s, f"addr-{s}", now=0.0)
         assert core.ready(s, 5, now=0.1).status == "wait"
-    core.heartbeat("a", now=4.0)
-    core.heartbeat("b", now=4.0)
+    for t in (2.0, 4.0):
+        core.heartbeat("a", now=t)
+        core.heartbeat("b", now=t)
     d = core.ready("a", 5, now=4.1)  # past the restart grace, but only 2 of 3 joined
     assert d.status == "wait" and "waits for 3 sites to join" in d.reason
     core.join("c", "addr-c", now=4.5)
