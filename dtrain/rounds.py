@@ -193,6 +193,8 @@ class RoundEngine:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
         self.address = self.transport.start(self)
+        # Round 0's bytes include what arrived before it started (a faster peer's push).
+        self._bytes_mark = (self.transport.bytes_sent(), self.transport.bytes_received())
         return self.address
 
     def stop(self, grace_s: float = 1.0) -> None:
