@@ -1,0 +1,578 @@
+"""Shared helpers of the experiment scripts (loss_sweep, codec_sweep, diloco_sanity).
+
+One run = N DiLoCo sites training the built-in byte-level GPT (``dtrain.tasks``) as
+threads of one process over a seeded in-process network (:class:`dtrain.sim.InprocCluster`).
+:func:`run_inproc` returns one CSV row (configuration, seed, final validation loss,
+rounds, wall time, bytes, sync seconds, stale buckets, rejected contributions, replica
+drift) plus one record per round. :func:`run_many` runs several in worker processes
+(each run's sites are GIL-bound threads, so separate processes are what uses more cores).
+:func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
+rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
+
+Measurements here are figures to print and plot, never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import csv
+import logging
+import math
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dtrain.buckets import BucketConfig  # noqa: E402
+from dtrain.codecs import CodecConfig  # noqa: E402
+from dtrain.rounds import RoundConfig  # noqa: E402
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config  # noqa: E402
+from dtrain.tasks import TaskSpec, build_task  # noqa: E402
+from dtrain.tasks.builtin import make_evaluate, make_optimizer  # noqa: E402
+from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
+from dtrain.transports.inproc import InprocFaults  # noqa: E402
+
+__all__ = [
+    "ROOT",
+    "OUT_DIR",
+    "RESULTS_MD",
+    "RunSpec",
+    "RunResult",
+    "run_inproc",
+    "run_many",
+    "write_csv",
+    "read_csv",
+    "read_rows",
+    "save_meta",
+    "load_meta",
+    "summarize",
+    "mean_std",
+    "fmt_pm",
+    "md_table",
+    "update_results",
+    "command_line",
+    "provenance",
+    "quiet_logging",
+    "paired_deltas",
+    "base_parser",
+    "run_or_load",
+    "publish",
+    "mode_of",
+    "out_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+OUT_DIR = ROOT / "experiments" / "out"
+RESULTS_MD = ROOT / "experiments" / "RESULTS.md"
+KiB = 1024
+
+
+def quiet_logging(verbose: bool = False) -> None:
+    """Library warnings (one per lost chunk) would drown the progress lines."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dtrain").setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+# ---------------------------------------------------------------------------- one run
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One in-process multi-site training run.
+
+    Attributes:
+        experiment: name of the experiment (goes into the CSV row).
+        config: label of the setting (rows with the same label are seeds of one setting).
+        seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
+        num_sites: N sites (threads).
+        size, data, batch_size, context_len, lr: see ``dtrain.tasks.TaskSpec``.
+        sync_every: H inner steps per round; rounds: rounds to train.
+        codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
+            topk_fraction: see ``CodecConfig``.
+        error_feedback, broadcast_error_feedback, repair: see ``RoundConfig``.
+        push_loss, pull_loss: probability that a contribution chunk (reduce) / a
+            pulled mean (broadcast) is lost (``InprocFaults``).
+        bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
+            finer grain, closer to packets).
+        reduce_timeout_s, broadcast_timeout_s: round deadlines of the rendezvous; the
+            owner waits ``reduce_timeout_s`` whenever a chunk is lost.
+        outer_lr, outer_momentum: outer SGD-Nesterov (DiLoCo arXiv 2311.08105: 0.7, 0.9).
+        num_val_batches: size of the fixed validation set (batches of ``batch_size``).
+        eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
+        track_drift: record the max pairwise L2 distance of θ between sites per round.
+        timeout_s: limit of the whole run (the threads are abandoned after it).
+        extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
+    """
+
+    experiment: str
+    config: str
+    seed: int = 0
+    num_sites: int = 4
+    size: str = "tiny"
+    data: str = "stdlib"
+    batch_size: int | None = None
+    context_len: int | None = None
+    lr: float | None = None
+    sync_every: int = 10
+    rounds: int = 20
+    codec: str = "fp32"
+    zstd_level: int = 1
+    topk_fraction: float = 0.01
+    error_feedback: bool = True
+    broadcast_error_feedback: bool = False
+    repair: bool = True
+    push_loss: float = 0.0
+    pull_loss: float = 0.0
+    bucket_bytes: int = 32 * KiB
+    chunk_bytes: int = 4 * KiB
+    reduce_timeout_s: float = 1.0
+    broadcast_timeout_s: float = 2.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    num_val_batches: int = 16
+    eval_every: int = 1
+    track_drift: bool = True
+    timeout_s: float = 3600.0
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, allowed: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.num_sites, int) and self.num_sites >= 1, "num_sites", "an int >= 1")
+        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an int >= 1")
+        need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
+        need(isinstance(self.num_val_batches, int) and self.num_val_batches >= 1, "num_val_batches", "an int >= 1")
+        need(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every", "an int >= 0")
+        need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
+        need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
+        need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        # Build the component configs once so a bad value fails here, naming its field.
+        self.task_spec(0)
+        self.cluster_config()
+
+    def task_spec(self, site_index: int) -> TaskSpec:
+        return TaskSpec(site_index=site_index, num_sites=self.num_sites, seed=self.seed, data=self.data,
+                        size=self.size, lr=self.lr, batch_size=self.batch_size, context_len=self.context_len)
+
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig(
+            num_sites=self.num_sites,
+            sync_every=self.sync_every,
+            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
+            rounds=RoundConfig(
+                codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
+                error_feedback=self.error_feedback,
+                broadcast_error_feedback=self.broadcast_error_feedback,
+                repair=self.repair,
+            ),
+            rendezvous=fast_rendezvous_config(self.num_sites, reduce_timeout_s=self.reduce_timeout_s,
+                                              broadcast_timeout_s=self.broadcast_timeout_s),
+            faults=InprocFaults(push_loss=self.push_loss, pull_loss=self.pull_loss, seed=self.seed),
+            seed=self.seed,
+        )
+
+
+@dataclass
+class RunResult:
+    """``row``: one CSV row; ``rounds``: one dict per round (see :func:`run_inproc`)."""
+
+    row: dict[str, Any]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _max_pairwise_l2(thetas: Sequence[torch.Tensor]) -> float:
+    best = 0.0
+    for i in range(len(thetas)):
+        for j in range(i + 1, len(thetas)):
+            best = max(best, float(torch.linalg.vector_norm(thetas[i] - thetas[j])))
+    return best
+
+
+class _Recorder:
+    """Per-round facts gathered from every site's ``on_round`` callback (site threads)."""
+
+    def __init__(self, spec: RunSpec, evaluate) -> None:
+        self.spec = spec
+        self.evaluate = evaluate
+        self.lock = threading.Lock()
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # round -> site -> θ
+        self.drift: dict[int, float] = {}
+        self.val: dict[int, float] = {}
+        self.callback_s = [0.0] * spec.num_sites
+
+    def hook(self, site: Site):
+        def on_round(outcome) -> None:
+            t0 = time.perf_counter()
+            res = outcome.result
+            rnd = res.round if res is not None else site.diloco.round - 1
+            every = self.spec.eval_every
+            if site.index == 0 and every and (rnd + 1) % every == 0 and rnd + 1 < self.spec.rounds:
+                self.val[rnd] = self.evaluate(site.model)  # the model was just reset to θ
+            if self.spec.track_drift:
+                theta = site.theta()
+                with self.lock:
+                    got = self.pending.setdefault(rnd, {})
+                    got[site.index] = theta
+                    if len(got) == self.spec.num_sites:
+                        self.drift[rnd] = _max_pairwise_l2(list(self.pending.pop(rnd).values()))
+            self.callback_s[site.index] += time.perf_counter() - t0
+
+        return on_round
+
+
+def run_inproc(spec: RunSpec) -> RunResult:
+    """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
+
+    Row fields (sums are over sites and rounds unless said otherwise): the spec's
+    fields, ``num_params``, ``first_val_loss`` (θ at the start), ``final_val_loss``
+    (mean over sites of each site's θ after the last round), ``val_loss_site_spread``
+    (max − min over sites), ``rounds_done`` (rounds site 0 applied), ``resyncs`` /
+    ``deferred`` (round attempts that did not run normally), ``wall_s``, ``inner_s``
+    and ``sync_s`` (mean per site; sync = time inside ``DiLoCo.sync`` including the
+    wait for the quorum), ``round_s`` (mean engine time of one round), ``bytes_sent``
+    (reduce pushes), ``bytes_received`` (means and repairs pulled), ``bytes_total``
+    (sent + received: every byte that crossed the network once),
+    ``bytes_per_round_site`` (bytes_total / rounds / sites), ``encode_s``,
+    ``decode_s``, ``stale_buckets``, ``repaired_buckets``, ``skipped_buckets``,
+    ``rejected`` (contributions owners rejected), ``reduce_arrived`` /
+    ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
+    (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (every site's θ
+    checksum equal at the end).
+
+    Raises:
+        TimeoutError / RuntimeError: from ``InprocCluster.run`` (a site hung or failed).
+    """
+    torch.set_num_threads(1)
+    t_build = time.perf_counter()
+    tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
+    ts = spec.task_spec(0)
+    evaluate = make_evaluate(val_batches(load_corpus(spec.data).val, batch_size=ts.resolved_batch_size,
+                                         context_len=ts.resolved_context_len, num_batches=spec.num_val_batches))
+    lr = ts.resolved_lr
+
+    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0)
+
+    cluster = InprocCluster(lambda: tasks[0].model, lambda m: make_optimizer(m, lr), spec.cluster_config(),
+                            outer_optimizer=outer)
+    rec = _Recorder(spec, evaluate)
+    inner_s = [0.0] * spec.num_sites
+    sync_s = [0.0] * spec.num_sites
+    H = spec.sync_every
+    with cluster:
+        for s in cluster.sites:
+            s.diloco.on_round.append(rec.hook(s))
+        first_val = evaluate(cluster.sites[0].model)
+        build_s = time.perf_counter() - t_build
+
+        def step(site: Site, k: int) -> None:
+            task = tasks[site.index]
+            t0 = time.perf_counter()
+            loss = task.loss(site.model, next(task.batches))
+            loss.backward()
+            t1 = time.perf_counter()
+            cb0 = rec.callback_s[site.index]
+            site.optimizer.step()  # hooked: every H-th step runs a round
+            site.optimizer.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            if (k + 1) % H == 0:
+                inner_s[site.index] += t1 - t0
+                sync_s[site.index] += (t2 - t1) - (rec.callback_s[site.index] - cb0)
+            else:
+                inner_s[site.index] += t2 - t0
+
+        t_run = time.perf_counter()
+        cluster.run_steps(step, H * spec.rounds, timeout_s=spec.timeout_s)
+        wall = time.perf_counter() - t_run
+        finals = [evaluate(s.model) for s in cluster.sites]
+        thetas = [s.theta() for s in cluster.sites]
+        consistent = len(set(cluster.checksums())) == 1
+        sites = cluster.sites
+        num_params = sum(p.numel() for p in sites[0].model.parameters())
+
+    results = [s.results for s in sites]
+    n = spec.num_sites
+    rounds: list[dict[str, Any]] = []
+    for r in range(max((len(x) for x in results), default=0)):
+        rr = [x[r] for x in results if r < len(x)]
+        rounds.append({
+            "experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": rr[0].round,
+            "val_loss": rec.val.get(rr[0].round, finals[0] if r == len(results[0]) - 1 else float("nan")),
+            "drift": rec.drift.get(rr[0].round, float("nan")),
+            "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
+            "round_s": statistics.fmean(x.total_s for x in rr),
+            "stale_buckets": sum(x.stale_buckets for x in rr),
+            "repaired_buckets": sum(x.repaired_buckets for x in rr),
+            "rejected": sum(sum(x.rejected.values()) for x in rr),
+            "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
+            "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
+        })
+    flat = [x for per_site in results for x in per_site]
+    statuses = [o.status for s in sites for o in s.outcomes]
+    drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
+    rounds_done = sites[0].diloco.round
+    bytes_sent = sum(x.bytes_sent for x in flat)
+    bytes_received = sum(x.bytes_received for x in flat)
+    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
+    row.update(dict(spec.extra))
+    row.update({
+        "num_params": num_params,
+        "inner_steps": H * spec.rounds,
+        "tokens_per_site": H * spec.rounds * tasks[0].tokens_per_batch,
+        "first_val_loss": first_val,
+        "final_val_loss": statistics.fmean(finals),
+        "val_loss_site_spread": max(finals) - min(finals),
+        "rounds_done": rounds_done,
+        "resyncs": statuses.count("resynced"),
+        "deferred": statuses.count("deferred"),
+        "build_s": build_s,
+        "wall_s": wall,
+        "inner_s": statistics.fmean(inner_s),
+        "sync_s": statistics.fmean(sync_s),
+        "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
+        "bytes_sent": bytes_sent,
+        "bytes_received": bytes_received,
+        "bytes_total": bytes_sent + bytes_received,
+        "bytes_per_round_site": (bytes_sent + bytes_received) / max(1, rounds_done) / n,
+        "encode_s": sum(x.encode_s for x in flat),
+        "decode_s": sum(x.decode_s for x in flat),
+        "stale_buckets": sum(x.stale_buckets for x in flat),
+        "repaired_buckets": sum(x.repaired_buckets for x in flat),
+        "skipped_buckets": sum(x.skipped_buckets for x in flat),
+        "rejected": sum(sum(x.rejected.values()) for x in flat),
+        "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in flat) if flat else 0.0,
+        "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in flat) if flat else 0.0,
+        "max_drift": max(drifts) if drifts else float("nan"),
+        "final_drift": _max_pairwise_l2(thetas),
+        "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
+        "consistent": consistent,
+    })
+    return RunResult(row=row, rounds=rounds)
+
+
+def _init_worker(verbose: bool) -> None:
+    torch.set_num_threads(1)
+    quiet_logging(verbose)
+
+
+def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
+    """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
+    (``jobs == 1``: in this process). Prints one progress line per finished run.
+    Returns the results in the order of ``specs``."""
+    t0 = time.perf_counter()
+    out: list[RunResult | None] = [None] * len(specs)
+
+    def report(i: int, res: RunResult) -> None:
+        out[i] = res
+        done = sum(r is not None for r in out)
+        r = res.row
+        print(f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: "
+              f"val {r['final_val_loss']:.4f}  rounds {r['rounds_done']}  wall {r['wall_s']:.1f}s  "
+              f"stale {r['stale_buckets']}  rejected {r['rejected']}", flush=True)
+
+    if jobs <= 1:
+        for i, s in enumerate(specs):
+            report(i, fn(s))
+    else:
+        ctx = mp.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                                    initargs=(verbose,)) as ex:
+            futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
+            for f in cf.as_completed(futs):
+                report(futs[f], f.result())
+    return [r for r in out if r is not None]
+
+
+# ---------------------------------------------------------------------------- tables
+def write_csv(path: Path, rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Write ``rows`` (dicts; columns = union of keys in first-seen order). Returns the columns."""
+    rows = list(rows)
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return cols
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _typed(v: str) -> Any:
+    if v in ("True", "False"):
+        return v == "True"
+    if v == "None" or v == "":
+        return None
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a CSV written by :func:`write_csv`, with numbers, booleans and None restored."""
+    return [{k: _typed(v) for k, v in r.items()} for r in read_csv(path)]
+
+
+def save_meta(prefix: Path, meta: dict[str, Any]) -> None:
+    """What produced the CSVs at ``prefix`` (command, minutes, provenance): for ``--replot``."""
+    import json
+
+    prefix.with_name(prefix.name + "_meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_meta(prefix: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads(prefix.with_name(prefix.name + "_meta.json").read_text())
+
+
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value); NaNs dropped."""
+    xs = [float(x) for x in xs if not math.isnan(float(x))]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt_pm(xs: Sequence[float], fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+    """``"mean ± std"`` of ``xs`` times ``scale``."""
+    m, s = mean_std(xs)
+    return f"{fmt.format(m * scale)} ± {fmt.format(s * scale)}"
+
+
+def summarize(rows: Sequence[dict[str, Any]], key: str = "config") -> dict[str, list[dict[str, Any]]]:
+    """Group rows by ``row[key]`` keeping first-seen order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    return groups
+
+
+def paired_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], metric: str = "final_val_loss") -> list[float]:
+    """``row[metric] − base_row[metric]`` for the base row with the same seed."""
+    by_seed = {b["seed"]: float(b[metric]) for b in base}
+    return [float(r[metric]) - by_seed[r["seed"]] for r in rows if r["seed"] in by_seed]
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+    """The command that reproduces this run, from the repository root (``--replot`` dropped)."""
+    return shlex.join([".venv/bin/python", f"experiments/{script}", *[a for a in argv if a != "--replot"]])
+
+
+def provenance() -> str:
+    """Date, commit, machine and torch version, for the RESULTS.md section header."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return (f"{time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every experiment script shares: mode, seeds, jobs, output paths."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few minutes on a 2-core machine")
+    mode.add_argument("--smoke", action="store_true", help="seconds; what the CI test runs")
+    ap.add_argument("--sites", type=int, help="number of sites (default per mode)")
+    ap.add_argument("--size", choices=["tiny", "small", "base"], help="built-in model size")
+    ap.add_argument("--seeds", type=int, help="number of seeds, 0..n-1")
+    ap.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
+    ap.add_argument("--out", type=Path, default=OUT_DIR, help="directory for the CSV and PNG files")
+    ap.add_argument("--results", default=str(RESULTS_MD), help="RESULTS.md to update, or 'none'")
+    ap.add_argument("--verbose", action="store_true", help="log the library's INFO lines")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: redo the plots and the RESULTS.md section from this mode's CSV files")
+    return ap
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def out_prefix(args: argparse.Namespace, name: str) -> Path:
+    """``OUT/name`` for --quick (the committed files), ``OUT/name_MODE`` otherwise."""
+    mode = mode_of(args)
+    return args.out / (name if mode == "quick" else f"{name}_{mode}")
+
+
+def run_or_load(args: argparse.Namespace, argv: Sequence[str], script: str, prefix: Path,
+                runner) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """``runner()`` -> list of :class:`RunResult`; write ``prefix.csv``, ``prefix_rounds.csv`` and
+    ``prefix_meta.json``. With ``--replot``, read them back instead of running anything.
+    Returns (rows, per-round rows, meta with ``command``, ``minutes``, ``provenance``)."""
+    rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
+    if args.replot:
+        rounds = read_rows(rounds_path) if rounds_path.exists() else []
+        return read_rows(prefix.with_suffix(".csv")), rounds, load_meta(prefix)
+    t0 = time.perf_counter()
+    results = runner()
+    rows = [r.row for r in results]
+    rounds = [x for r in results for x in r.rounds]
+    write_csv(prefix.with_suffix(".csv"), rows)
+    write_csv(rounds_path, rounds)
+    meta = {"command": command_line(script, argv), "minutes": round((time.perf_counter() - t0) / 60, 2),
+            "provenance": provenance()}
+    save_meta(prefix, meta)
+    return rows, rounds, meta
+
+
+def publish(args: argparse.Namespace, key: str, title: str, body: str) -> None:
+    """Print the section and put it into ``--results`` (unless 'none')."""
+    print(body)
+    if str(args.results).lower() != "none":
+        update_results(Path(args.results), key, title, body)
+
+
+def update_results(path: Path, key: str, title: str, body: str) -> None:
+    """Put ``body`` under ``## title`` in the RESULTS.md at ``path``.
+
+    The section is delimited by ``<!-- begin KEY -->`` / ``<!-- end KEY -->``: a rerun
+    of the same experiment and mode replaces its own section in place; every other
+    section (other experiments, other people's) is left as it is; a new key is
+    appended at the end.
+    """
+    begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
+    section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
+    text = path.read_text() if path.exists() else "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + section.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
