@@ -1,0 +1,252 @@
+"""One torchft 0.2.0 replica group (one site) training dtrain's built-in task with DiLoCo.
+
+Started by ``experiments/vs_torchft.py`` as its own OS process, one per site, next to a
+``torchft_lighthouse``. It trains exactly what a ``dtrain worker`` trains:
+
+* the task from ``dtrain.tasks.build_task(TaskSpec(site_index, num_sites, seed, data, size))``:
+  same model and bit-identical initial weights (seeded), same data shard and order, same
+  validation batches, same inner AdamW (the task's own optimizer object);
+* DiLoCo (Douillard et al., arXiv 2311.08105) through ``torchft.local_sgd.DiLoCo`` with one
+  fragment, ``sync_every`` = H, outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``;
+* ``torch.set_num_threads(threads)`` (1 by default, as the dtrain worker).
+
+torchft configuration, as its documentation recommends for DiLoCo:
+``Manager(use_async_quorum=False)`` (DiLoCo refuses async quorum), ``init_sync=False``
+(replicas are initialised identically from the seed), ``min_replica_size=1``, a replica
+group of one process (``rank=0, world_size=1``) with its own ``TCPStore``,
+``ProcessGroupGloo(timeout=pg_timeout_s)`` and the default HTTP checkpoint transport for
+live recovery. The lighthouse flags are the harness's (``--min_replicas 1
+--quorum_tick_ms 100 --join_timeout_ms 10000`` as in torchft's DiLoCo example README).
+The Manager's state dict holds the model and the inner optimizer; torchft's DiLoCo adds
+its own (the global parameters and the outer optimizer) to it.
+
+Output (``--out-dir``), the same shape as a dtrain worker's (docs/METRICS.md):
+``metrics.jsonl`` with a ``start`` line and one ``round`` line per sync attempt
+(``round`` = 0-based attempt, ``step`` = torchft's committed outer steps, ``committed``,
+``members``, ``val_loss``, ``train_loss``, ``inner_s``, ``sync_s``, ``wall_s``, ``time``,
+``checksum``, ``bytes_sent`` = the ring all-reduce estimate for this site), and
+``summary.json`` with ``ru_maxrss_kb`` (peak resident memory of this process).
+
+Test-only fault: ``--kill-at-round K`` SIGKILLs this process in sync attempt K after the
+quorum formed and before its first all-reduce (the point where dtrain's
+``DTRAIN_TEST_FAULT=site-i:before_push:K:kill`` fires).
+
+Start barrier: with ``--barrier-dir DIR`` the site writes ``DIR/ready-<index>`` once its
+Manager is up (heartbeating to the lighthouse) and waits for ``DIR/go`` before training,
+so the first quorum has every site (dtrain's rendezvous does the same with
+``initial_sites``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+__all__ = ["main", "ring_allreduce_bytes"]
+
+log = logging.getLogger("torchft_site")
+
+
+def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4) -> int:
+    """Payload bytes ONE participant sends in a ring all-reduce of ``numel`` elements.
+
+    Gloo's default CPU all-reduce is a ring (reduce-scatter then all-gather): each of
+    ``n`` participants sends ``2 (n - 1) / n`` of the tensor. 0 when alone.
+    """
+    n = num_participants
+    if n <= 1:
+        return 0
+    return int(round(2 * (n - 1) / n * numel * elem_bytes))
+
+
+def _checksum(model) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--site-index", type=int, required=True)
+    p.add_argument("--num-sites", type=int, required=True)
+    p.add_argument("--lighthouse", required=True, help="http://host:port of torchft_lighthouse")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--size", default="small")
+    p.add_argument("--data", default="stdlib")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=10, help="outer steps to commit")
+    p.add_argument("--sync-every", type=int, default=20, help="H inner steps per round")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--host", default="127.0.0.1", help="address this site advertises and binds its store on")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="Manager timeout (collectives, should_commit, recovery)")
+    p.add_argument("--quorum-timeout-s", type=float, default=300.0, help="Manager quorum timeout (DiLoCo: >> one round)")
+    p.add_argument("--connect-timeout-s", type=float, default=30.0)
+    p.add_argument("--pg-timeout-s", type=float, default=5.0, help="ProcessGroupGloo timeout")
+    p.add_argument("--kill-at-round", type=int, default=-1, help="test fault: SIGKILL in this sync attempt (-1: never)")
+    p.add_argument("--barrier-dir", default=None)
+    p.add_argument("--barrier-timeout-s", type=float, default=120.0)
+    p.add_argument("--max-attempts", type=int, default=0, help="bound on sync attempts (0: 4 * rounds + 10)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    t_start = time.monotonic()
+    import torch
+    from torch.distributed import TCPStore
+
+    from dtrain.tasks import TaskSpec, build_task
+
+    try:
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+    except ImportError as e:  # the harness checks first; this is for direct use
+        print(f"torchft_site: torchft is not importable ({e}); see experiments/vs_torchft.py --help", file=sys.stderr)
+        return 2
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    site = f"site-{a.site_index}"
+    task = build_task(TaskSpec(site_index=a.site_index, num_sites=a.num_sites, seed=a.seed, data=a.data, size=a.size))
+    model, inner = task.model, task.optimizer
+    outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
+                            nesterov=a.outer_momentum > 0)
+    numel = sum(p.numel() for p in model.parameters())
+
+    store = TCPStore(a.host, 0, is_master=True, wait_for_workers=False)
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner_optim"])
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout_s))
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        use_async_quorum=False,
+        replica_id=site,
+        store_addr=a.host,
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=a.lighthouse,
+        hostname=a.host,
+        timeout=timedelta(seconds=a.timeout_s),
+        quorum_timeout=timedelta(seconds=a.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=a.connect_timeout_s),
+        init_sync=False,
+    )
+
+    state = {"attempt": 0, "allreduce_calls": 0}
+    real_allreduce = manager.allreduce
+
+    def allreduce(tensor, *args, **kwargs):
+        state["allreduce_calls"] += 1
+        if state["attempt"] == a.kill_at_round:
+            manager.wait_quorum()  # admitted to the round, nothing sent yet
+            log.warning("test fault: SIGKILL in sync attempt %d before the all-reduce", a.kill_at_round)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_allreduce(tensor, *args, **kwargs)
+
+    manager.allreduce = allreduce  # DiLoCo looks it up on the instance
+
+    if a.barrier_dir:
+        bdir = Path(a.barrier_dir)
+        (bdir / f"ready-{a.site_index}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + a.barrier_timeout_s
+        while not (bdir / "go").exists():
+            if time.monotonic() > deadline:
+                print("torchft_site: start barrier timed out", file=sys.stderr)
+                return 3
+            time.sleep(0.02)
+
+    metrics = open(out / "metrics.jsonl", "a", buffering=1)
+    val = task.evaluate(model)
+    first_val = val
+    metrics.write(json.dumps({"site": site, "event": "start", "round": manager.current_step(), "val_loss": val,
+                              "wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(),
+                              "pid": os.getpid()}) + "\n")
+    totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0, "attempts": 0}
+    max_attempts = a.max_attempts or 4 * a.rounds + 10
+    train_loss = float("nan")
+    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
+                pin_memory=False):
+        while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
+            t_inner = time.monotonic()
+            losses = []
+            sync_s = 0.0
+            step_before = manager.current_step()
+            calls_before = state["allreduce_calls"]
+            for k in range(a.sync_every):
+                loss = task.loss(model, next(task.batches))
+                loss.backward()
+                losses.append(float(loss.detach()))
+                if k == a.sync_every - 1:
+                    t_sync = time.monotonic()
+                    inner.step()  # the DiLoCo post-step hook runs quorum, all-reduce, outer step
+                    sync_s = time.monotonic() - t_sync
+                else:
+                    inner.step()
+                inner.zero_grad(set_to_none=True)
+            inner_s = time.monotonic() - t_inner - sync_s
+            train_loss = sum(losses) / len(losses)
+            committed = manager.current_step() > step_before
+            members = manager.num_participants()
+            val = task.evaluate(model)
+            sent = ring_allreduce_bytes(numel, members) if state["allreduce_calls"] > calls_before else 0
+            totals["bytes_sent"] += sent
+            totals["sync_s"] += sync_s
+            totals["inner_s"] += inner_s
+            totals["committed"] += int(committed)
+            totals["attempts"] += 1
+            metrics.write(json.dumps({
+                "site": site, "event": "round", "round": state["attempt"], "step": manager.current_step(),
+                "status": "applied" if committed else "discarded", "committed": committed,
+                "members": members, "quorum_id": manager._quorum_id, "val_loss": val, "train_loss": train_loss,
+                "inner_s": inner_s, "sync_s": sync_s, "wall_s": time.monotonic() - t_start, "time": time.time(),
+                "checksum": _checksum(model), "bytes_sent": sent, "bytes_received": sent,
+                "errored": repr(manager.errored().original_exception) if manager.errored() else None,
+            }) + "\n")
+            state["attempt"] += 1
+    wall = time.monotonic() - t_start
+    summary = {
+        "site": site, "system": "torchft", "rounds": manager.current_step(), "first_val_loss": first_val,
+        "final_val_loss": val, "final_train_loss": train_loss, "checksum": _checksum(model), "wall_s": wall,
+        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0, "fp32_bytes_per_round": 4 * numel,
+        "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **totals,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    metrics.close()
+    manager.shutdown(wait=False)
+    store = None
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: torchft's Rust runtime and gloo threads can keep a normal interpreter exit waiting.
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
