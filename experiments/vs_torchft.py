@@ -56,6 +56,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,6 +230,11 @@ def _prewarmed_main(argv: list[str]) -> None:
     rc = run(args)
     sys.stdout.flush()
     sys.stderr.flush()
+    try:  # this process's own peak RSS (VmHWM: since exec, nothing inherited from the harness)
+        hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+        Path(str(ready) + ".rss").write_text(str(hwm))
+    except (OSError, StopIteration, ValueError):
+        pass
     os._exit(rc if isinstance(rc, int) else 0)
 
 
@@ -264,6 +270,7 @@ class RunRecord:
     error: str | None = None
     procs: dict = field(default_factory=dict)  # name -> {"rc", "maxrss_kb", "role"}
     netem_backends: dict | None = None
+    command: str = ""
 
 
 def _rounds_of(site_dir: Path) -> list[dict]:
@@ -291,13 +298,14 @@ class _Net:
         return _rules.SITE_IF
 
 
-def run_one(spec: RunSpec, run_dir: Path) -> RunRecord:
+def run_one(spec: RunSpec, run_dir: Path, command: str = "") -> RunRecord:
     """Run one system through one scenario; every child is gone when this returns."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    rec = RunRecord(spec=spec, dir=run_dir)
+    rec = RunRecord(spec=spec, dir=run_dir, command=command)
     children: dict[str, Child] = {}
     topo = None
     n = spec.sites
+    gate = run_dir / "gate"
     try:
         if spec.netem:
             from netem import Topology  # noqa: PLC0415
@@ -306,7 +314,6 @@ def run_one(spec: RunSpec, run_dir: Path) -> RunRecord:
             rec.netem_backends = topo.backends()
         net = _Net(topo)
         py = sys.executable
-        gate = run_dir / "gate"
         gate.mkdir(exist_ok=True)
 
         # --- coordinator
@@ -423,8 +430,10 @@ def run_one(spec: RunSpec, run_dir: Path) -> RunRecord:
                 c.stop(grace_s=3.0)
         for nm, c in children.items():
             c.stop(grace_s=3.0)
-            rec.procs[nm] = {"rc": c.rc, "maxrss_kb": c.maxrss_kb, "cpu_s": c.cpu_s,
-                             "role": "site" if nm.startswith("site-") else "coordinator"}
+            own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM; wait4's ru_maxrss otherwise
+            rss = int(own.read_text()) if own.exists() else c.maxrss_kb
+            rec.procs[nm] = {"rc": c.rc, "maxrss_kb": rss, "maxrss_source": "VmHWM" if own.exists() else "wait4",
+                             "cpu_s": c.cpu_s, "role": "site" if nm.startswith("site-") else "coordinator"}
         if topo is not None:
             topo.close()
         try:
@@ -432,6 +441,10 @@ def run_one(spec: RunSpec, run_dir: Path) -> RunRecord:
         except (TypeError, ValueError, OSError) as e:  # the record is also returned; do not lose the run
             print(f"vs_torchft: could not write {run_dir / 'record.json'}: {e}", file=sys.stderr)
     return rec
+
+
+def _run_dir_name(spec: RunSpec) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"{spec.system}_{spec.scenario}_r{spec.repeat}")
 
 
 def load_record(path: Path) -> RunRecord:
@@ -450,13 +463,15 @@ def _record_json(rec: RunRecord) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def torchft_problem() -> str | None:
-    """None when torchft 0.2.x imports here, else a one-line reason."""
-    try:
-        import torchft  # noqa: F401
-        from torchft import Manager, ProcessGroupGloo  # noqa: F401
-        from torchft.local_sgd import DiLoCo  # noqa: F401
-    except Exception as e:  # ImportError, or opentelemetry missing inside torchft
-        return f"torchft is not importable ({type(e).__name__}: {e})"
+    """None when torchft 0.2.x imports in this interpreter, else a one-line reason.
+
+    Checked in a subprocess: importing torchft (and so torch) here would make this
+    process large, and every child forked from it would inherit that as its peak RSS."""
+    code = "from torchft import Manager, ProcessGroupGloo; from torchft.local_sgd import DiLoCo"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"torchft is not importable ({last})"
     lh = Path(sys.executable).parent / "torchft_lighthouse"
     if not lh.exists():
         return f"torchft_lighthouse not found next to {sys.executable}"
@@ -476,6 +491,16 @@ def netem_problem() -> str | None:
     except Exception as e:
         return f"netem probe failed ({type(e).__name__}: {e})"
     return f"netem requirements missing: {', '.join(missing)}" if missing else None
+
+
+def _append_results(report: str, mode_name: str, no_append: bool) -> int:
+    """Append ``report`` to experiments/RESULTS.md (never in --smoke, nor with --no-append)."""
+    if mode_name != "smoke" and not no_append:
+        res_md = HERE / "RESULTS.md"
+        with open(res_md, "a") as f:
+            f.write(("\n" if res_md.exists() and res_md.stat().st_size else "") + report)
+        print(f"appended to {res_md}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,11 +535,14 @@ def main(argv: list[str] | None = None) -> int:
                                               ("sync_every", a.sync_every)) if v is not None})
     out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
     cmd = "python experiments/vs_torchft.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if a.analyse_only:
+    if a.analyse_only:  # keep the command and notes of the run that made the records
         records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
         records.sort(key=lambda r: r.t_go)
-        print(write_outputs(analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=[]), records, out))
-        return 0
+        prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+        report = write_outputs(analyse(records, mode=prev.get("mode", asdict(mode)), mode_name=prev.get("mode_name", mode_name),
+                                       command=prev.get("command", cmd), notes=prev.get("notes", [])), records, out)
+        print(report)
+        return _append_results(report, mode_name, a.no_append)
     problem = torchft_problem()
     if problem:
         print(f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
@@ -554,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[RunRecord] = []
     for spec in plan:
         t0 = time.monotonic()
-        rec = run_one(spec, out / "runs" / f"{spec.system}_{spec.scenario}_r{spec.repeat}")
+        rec = run_one(spec, out / "runs" / _run_dir_name(spec), cmd)
         records.append(rec)
         status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
         print(f"  {spec.system:7s} {spec.scenario:22s} #{spec.repeat} {time.monotonic() - t0:6.1f}s  {status}", flush=True)
@@ -567,17 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spec = RunSpec(system="dtrain", scenario="profile", rounds=mode.rounds, pyspy=str(spy), **base)
             t0 = time.monotonic()
-            rec = run_one(spec, out / "runs" / "dtrain_profile_r0")
+            rec = run_one(spec, out / "runs" / _run_dir_name(spec), cmd)
             records.append(rec)
             print(f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True)
             results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
     report = write_outputs(results, records, out)
     print(report)
-    if mode_name != "smoke" and not a.no_append:
-        res_md = HERE / "RESULTS.md"
-        with open(res_md, "a") as f:
-            f.write(("\n" if res_md.exists() and res_md.stat().st_size else "") + report)
-        print(f"appended to {res_md}")
+    _append_results(report, mode_name, a.no_append)
     bad = [r for r in records if r.error and r.spec.scenario == "healthy"]
     return 1 if bad else 0
 

@@ -118,7 +118,7 @@ def run_stats(recs: list) -> dict:
     cpu = [v["cpu_s"] for st, _ in per_run for s, v in st.items() if v.get("cpu_s") and s != KILLED]
     st = {
         "system": spec.system, "scenario": spec.scenario, "sites": spec.sites, "rounds": spec.rounds,
-        "repeats": len(recs), "error": "; ".join(r.error for r in recs if r.error) or None,
+        "codec": spec.codec if spec.system == "dtrain" else "fp32 (all-reduce)", "repeats": len(recs), "error": "; ".join(r.error for r in recs if r.error) or None,
         "timed_out": any(r.timed_out for r in recs), "netem_backends": rec.netem_backends,
         "round_wall_s": _stats(pool["walls"]), "overhead_s": _stats(pool["overheads"]), "sync_s": _stats(pool["syncs"]),
         "inner_s": _stats(pool["inners"]),
@@ -209,6 +209,7 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
         if r.spec.scenario == "profile" and spy.exists():
             profile = pyspy_summary(spy)
             profile["file"] = str(spy)
+            profile["command"] = getattr(r, "command", "")
     records = [r for r in records if r.spec.scenario != "profile"]
     groups: dict[str, list] = {}
     for r in records:
@@ -233,8 +234,14 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
                 "bytes <= 1/4": c["bytes_per_round"] is not None and c["bytes_per_round"] <= 0.25,
             }
         comps[scen] = c
+    commands = []
+    for r in sorted(records, key=lambda r: r.t_go):
+        if getattr(r, "command", "") and r.command not in commands:
+            commands.append(r.command)
+    if profile is not None and profile.get("command") and profile["command"] not in commands:
+        commands.append(profile["command"])
     return {
-        "mode_name": mode_name, "mode": mode, "command": command, "notes": notes,
+        "mode_name": mode_name, "mode": mode, "command": command, "commands": commands or [command], "notes": notes,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
         "runs": runs, "comparisons": comps, "profile": profile,
@@ -274,6 +281,12 @@ UNEQUAL = [
     "Start-up: every site process is pre-warmed (imports done) and starts on a go-file; torchft sites also wait "
     "until every Manager heartbeats (a barrier dtrain gets from its rendezvous's initial_sites). Round 0 is "
     "excluded from the per-round times.",
+    "Communication pattern: at dtrain's default bucket size (4 MiB) the small model's 1.75 MB of fp32 parameters "
+    "are one bucket, so one site owns it (receives the others' int8 pseudo-gradients, serves the int8 mean); torchft "
+    "issues one gloo ring all-reduce per parameter tensor (28 tensors, not bucketized by default). Both are each "
+    "system's defaults.",
+    "Coordinators: torchft's lighthouse logic is Rust, but its `torchft_lighthouse` entry point is Python and "
+    "imports torch, hence its RSS; dtrain's rendezvous does not import torch.",
     "Shared machine: 2 vCPUs shared with other work; the runs of the two systems are sequential, so background "
     "load can differ between them (the load average at the end is recorded in results.json).",
 ]
@@ -283,7 +296,8 @@ def report_md(res: dict) -> str:
     m = res["mode"]
     runs, comps = res["runs"], res["comparisons"]
     lines = [f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}` ({res['date']})", "",
-             f"Command: `{res['command']}`", "",
+             "Command" + ("s" if len(res.get("commands", [])) > 1 else "") + ": "
+             + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])), "",
              f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
              f"{m['rounds']} rounds (fault: {m['fault_rounds']}), 1 torch thread per site, loopback unless netem; "
              f"machine {res['machine']['cpus']} CPUs, load average at the end {res['machine']['loadavg_at_end'][0]:.1f}.", ""]
@@ -337,6 +351,13 @@ def report_md(res: dict) -> str:
         if "targets" in c:
             lines.append("")
             lines.append("Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + ".")
+            if not c["targets"]["bytes <= 1/4"]:
+                ok = [k.split("=", 1)[1] for k, x in runs.items() if k.startswith("dtrain/healthy codec=")
+                      and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25]
+                lines.append(f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
+                             f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
+                             f"({_f(c['bytes_per_round'])}); " + (f"{', '.join(ok)} meet(s) it (rows above)." if ok else
+                                                                  "no extra codec was run."))
         for r in (d, t):
             if r["error"]:
                 lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
@@ -434,29 +455,45 @@ def plot(records, path: Path) -> None:
     for r in records:
         if r.spec.scenario not in scens and " codec=" not in r.spec.scenario and r.spec.scenario != "profile":
             scens.append(r.spec.scenario)
-    fig, axes = plt.subplots(1, len(scens), figsize=(6.0 * len(scens), 4.4), squeeze=False)
+    ncol = min(3, len(scens))
+    nrow = (len(scens) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
     colors = {"dtrain": "tab:blue", "torchft": "tab:orange"}
     styles = ["-", "--", ":", "-."]
-    for ax, scen in zip(axes[0], scens):
-        for r in [r for r in records if r.spec.scenario == scen and r.spec.repeat == 0]:
+    for ax, scen in zip(axes.flat, scens):
+        later, start_loss = [], None  # y range: everything after each site's first round (the start is off the top)
+        marks = []
+        for r in [r for r in records if r.spec.scenario == scen]:
             for k, s in enumerate(_site_dirs(Path(r.dir))):
+                if r.spec.repeat and s != "site-0":  # repeats: one line each (replicas agree), drawn faintly
+                    continue
                 pts = [(d["time"] - r.t_go, d["val_loss"]) for d in _lines(Path(r.dir), s)
                        if d.get("event") in ("start", "round") and d.get("val_loss") is not None]
                 if not pts:
                     continue
+                start_loss = start_loss or pts[0][1]
+                later += [y for _, y in pts[2:]]
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, styles[k % len(styles)], color=colors[r.spec.system], marker="o" if r.spec.system == "dtrain" else "s",
-                        markersize=3.5, markerfacecolor="none", linewidth=1.3, label=f"{r.spec.system} {s}")
-            for t, lab in ((r.t_kill, "kill"), (r.t_restart, "restart")):
-                if t:
-                    ax.axvline(t - r.t_go, color=colors[r.spec.system], linestyle=":", alpha=0.6)
-                    ax.text(t - r.t_go, ax.get_ylim()[1], f" {r.spec.system} {lab}", rotation=90, va="top", fontsize=7,
-                            color=colors[r.spec.system])
-        ax.set_title(scen)
+                        markersize=3.5, markerfacecolor="none", linewidth=1.3 if not r.spec.repeat else 0.9,
+                        alpha=1.0 if not r.spec.repeat else 0.45,
+                        label=f"{r.spec.system} {s}" + (f" (repeat {r.spec.repeat})" if r.spec.repeat else ""))
+            marks += [(t - r.t_go, f"{r.spec.system} {lab}", colors[r.spec.system])  # noqa: B023
+                      for t, lab in ((r.t_kill, "kill"), (r.t_restart, "restart")) if t]
+        if later:
+            lo, hi = min(later), max(later)
+            ax.set_ylim(lo - 0.05 * (hi - lo) - 0.01, hi + 0.25 * (hi - lo) + 0.01)
+        for n, (x, lab, col) in enumerate(marks):
+            ax.axvline(x, color=col, linestyle=":", alpha=0.7)
+            ax.text(x, ax.get_ylim()[1] - (0.03 + 0.2 * (n % 4)) * (ax.get_ylim()[1] - ax.get_ylim()[0]), f" {lab}",
+                    rotation=90, va="top", fontsize=7, color=col)
+        ax.set_title(f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9)
         ax.set_xlabel("wall time since the sites were started (s)")
         ax.set_ylabel("validation loss (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(scens):]:
+        ax.set_visible(False)
     fig.suptitle("dtrain vs torchft 0.2.0 DiLoCo\nvalidation loss over wall time (same task, H, optimizers)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
