@@ -72,6 +72,8 @@ __all__ = [
     "base_parser",
     "run_or_load",
     "publish",
+    "subplots",
+    "save_fig",
     "mode_of",
     "out_prefix",
 ]
@@ -555,6 +557,26 @@ def publish(args: argparse.Namespace, key: str, title: str, body: str) -> None:
     print(body)
     if str(args.results).lower() != "none":
         update_results(Path(args.results), key, title, body)
+
+
+def subplots(*args: Any, **kwargs: Any):
+    """``matplotlib.pyplot.subplots`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_fig(fig, path: Path) -> Path:
+    """Lay out, write ``path`` (PNG, 90 dpi: small files for the repository) and free ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def update_results(path: Path, key: str, title: str, body: str) -> None:

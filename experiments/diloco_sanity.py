@@ -14,6 +14,8 @@ inner steps and tokens:
 * DiLoCo: N sites as threads over the in-process transport, fp32 codec, outer SGD
   (lr 0.7, momentum 0.9, Nesterov), H inner steps per round. Bytes: measured payload
   bytes (contributions pushed + means pulled, chunk headers included).
+* Reference: one site alone with the same steps and batch size (no communication; a
+  quarter of the tokens), to show what merging the sites buys at all.
 
 Usage (from the repository root)::
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -61,10 +64,13 @@ from experiments.common import (  # noqa: E402
     quiet_logging,
     run_many,
     run_or_load,
+    save_fig,
+    subplots,
     summarize,
 )
 
 DDP = "DDP (all-reduce every step)"
+ALONE = "1 site alone (no sync)"
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(num_sites=2, size="tiny", batch_size=4, context_len=16, total_steps=4, hs=[1, 2], seeds=[0],
@@ -76,8 +82,16 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def h_label(h: int) -> str:
-    return f"DiLoCo H={h}"
+def h_label(h: int, m: dict[str, Any]) -> str:
+    outer = "" if outer_tag(m) == "" else f" (outer lr {m['outer_lr']:g}, momentum {m['outer_momentum']:g})"
+    return f"DiLoCo H={h}{outer}"
+
+
+def outer_tag(m: dict[str, Any]) -> str:
+    """"" for DiLoCo's outer SGD (lr 0.7, momentum 0.9), else a file/section suffix naming the setting."""
+    if (m["outer_lr"], m["outer_momentum"]) == (0.7, 0.9):
+        return ""
+    return f"outer-lr{m['outer_lr']:g}-m{m['outer_momentum']:g}"
 
 
 def make_specs(m: dict[str, Any]) -> tuple[list[RunSpec], list[RunSpec]]:
@@ -90,8 +104,15 @@ def make_specs(m: dict[str, Any]) -> tuple[list[RunSpec], list[RunSpec]]:
             raise SystemExit(f"total steps {m['total_steps']} is not a multiple of H={h}")
         rounds = m["total_steps"] // h
         for seed in m["seeds"]:
-            diloco.append(RunSpec(config=h_label(h), seed=seed, sync_every=h, rounds=rounds,
+            diloco.append(RunSpec(config=h_label(h, m), seed=seed, sync_every=h, rounds=rounds,
+                                  outer_lr=m["outer_lr"], outer_momentum=m["outer_momentum"],
                                   eval_every=max(1, rounds // 20), extra=(("method", "diloco"), ("H", h)), **common))
+    for seed in m["seeds"]:
+        # Reference: what one site reaches on its own with the same steps and batch size (outer SGD lr 1,
+        # no momentum, one round at the end: θ becomes the local model, i.e. plain training).
+        diloco.append(RunSpec(**{**common, "num_sites": 1}, config=ALONE, seed=seed, sync_every=m["total_steps"],
+                              rounds=1, outer_lr=1.0, outer_momentum=0.0, eval_every=0,
+                              extra=(("method", "alone"), ("H", m["total_steps"]))))
     for seed in m["seeds"]:
         ddp.append(RunSpec(config=DDP, seed=seed, sync_every=1, rounds=m["total_steps"], eval_every=0,
                            extra=(("method", "ddp"), ("H", 1)), **common))
@@ -175,53 +196,57 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
     base = groups[DDP]
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base)
     ddp_loss = mean_std([r["final_val_loss"] for r in base])
+    alone = mean_std([r["final_val_loss"] for r in groups.get(ALONE, [])])
     table, verdicts = [], []
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
         bytes_site = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
-        ratio = ddp_bytes / bytes_site
+        ratio = ddp_bytes / bytes_site if bytes_site else float("inf")
         h = int(g[0]["H"])
         table.append([cfg, len(g), g[0]["rounds_done"], g[0]["inner_steps"], fmt_pm([r["final_val_loss"] for r in g]),
                       "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"), f"{bytes_site / 1e6:.2f}",
-                      "1" if cfg == DDP else f"{ratio:.1f}x (H = {h})",
+                      "1" if cfg == DDP else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
                       fmt_pm([r["wall_s"] for r in g], "{:.0f}"), fmt_pm([r["sync_s"] for r in g], "{:.1f}")])
-        if cfg != DDP:
+        if cfg not in (DDP, ALONE):
             dm, ds = mean_std(d)
             loss_ok = dm <= max(ds, ddp_loss[1])  # equal (within the spread over seeds) or better
             bytes_ok = 0.8 * h <= ratio <= 1.25 * h
             verdicts.append(
                 f"- H={h}: Δ loss vs DDP {dm:+.4f} ± {ds:.4f} → loss {'equal or better' if loss_ok else '**worse**'}; "
                 f"{ratio:.1f}x fewer bytes (H = {h}) → {'≈ H' if bytes_ok else '**not ≈ H**'}. Claim "
-                f"{'**met**' if loss_ok and bytes_ok else '**NOT met**'}.")
+                f"{'**met**' if loss_ok and bytes_ok else '**NOT met**'}."
+                + (f" Against one site alone ({alone[0]:.4f}): {statistics.fmean(r['final_val_loss'] for r in g) - alone[0]:+.4f}."
+                   if math.isfinite(alone[0]) else ""))
     md = md_table(["method", "runs", "rounds", "inner steps/site", "final val loss", "Δ loss vs DDP (paired)",
                    "MB sent per site", "fewer bytes than DDP", "wall s", "sync/comm s"], table)
     return md, verdicts
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
     groups = summarize(rows)
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = subplots(figsize=(6.4, 4.4))
     for i, (cfg, g) in enumerate(groups.items()):
+        if cfg == ALONE:  # no bytes: a level, not a point on the log axis
+            ax.axhline(mean_std([r["final_val_loss"] for r in g])[0], color="tab:red", lw=0.8, ls=":", label=cfg)
+            continue
         x = [r["bytes_total"] / r["num_sites"] / 1e6 for r in g]
         y = [r["final_val_loss"] for r in g]
         mx, my = statistics.fmean(x), mean_std(y)
-        color = "black" if cfg == DDP else plt.cm.viridis(i / max(1, len(groups) - 1))
+        color = "black" if cfg == DDP else colormaps["viridis"](i / max(1, len(groups) - 1))
         ax.scatter(x, y, s=12, color=color, alpha=0.4)
         ax.errorbar([mx], [my[0]], yerr=[my[1]], marker="s" if cfg == DDP else "o", color=color, capsize=3, label=cfg)
+        ax.annotate("DDP" if cfg == DDP else f"H={g[0]['H']}", (mx, my[0]), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8)
+        if cfg == DDP:
+            ax.axhline(my[0], color="black", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per site (log)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title("DiLoCo vs data-parallel: same steps and tokens", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = prefix.with_suffix(".png")
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
+    p = save_fig(fig, prefix.with_suffix(".png"))
     return p
 
 
@@ -230,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--total-steps", type=int, help="inner steps per site (a multiple of every H)")
     ap.add_argument("--hs", help="comma-separated H values")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate (DiLoCo: 0.7)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9,
+                    help="outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD; lr 1 + momentum 0 = model averaging)")
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode = mode_of(args)
@@ -243,8 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         m["seeds"] = list(range(args.seeds))
     if args.hs:
         m["hs"] = [int(x) for x in args.hs.split(",")]
+    m["outer_lr"], m["outer_momentum"] = args.outer_lr, args.outer_momentum
+    tag = outer_tag(m)
     diloco_specs, ddp_specs = make_specs(m)
-    prefix = out_prefix(args, "diloco_sanity")
+    prefix = out_prefix(args, "diloco_sanity" + (f"_{tag}" if tag else ""))
 
     def runner():
         print(f"diloco_sanity ({mode}): {len(diloco_specs)} DiLoCo runs ({m['jobs']} at a time), "
@@ -261,7 +291,7 @@ Setup: {m['num_sites']} sites, built-in GPT `{m['size']}` ({rows[0]['num_params'
 {m['total_steps']} inner steps per site for every method (same per-site batches and tokens: {rows[0]['tokens_per_site']:,}
 per site), inner AdamW at the preset's lr. DDP: {m['num_sites']} processes, gradients all-reduced (gloo, 127.0.0.1)
 every step; bytes by the ring formula 2·(N−1)/N·4·P per rank per step. DiLoCo: in-process sites, fp32 codec, outer
-SGD lr 0.7 momentum 0.9 Nesterov; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
+SGD lr {m['outer_lr']:g} momentum {m['outer_momentum']:g}{' Nesterov' if m['outer_momentum'] else ''}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
 {m['seeds']}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). CSV:
 `{prefix.with_suffix('.csv').name}`; plot: `{png.name}`.
 
@@ -269,7 +299,9 @@ SGD lr 0.7 momentum 0.9 Nesterov; bytes measured (payload + 32-byte chunk header
 
 {chr(10).join(verdicts)}
 """
-    publish(args, f"diloco_sanity-{mode}", f"DiLoCo sanity table ({mode})", body)
+    publish(args, f"diloco_sanity-{mode}" + (f"-{tag}" if tag else ""),
+            f"DiLoCo sanity table ({mode}" + (f", outer lr {m['outer_lr']:g}, momentum {m['outer_momentum']:g})" if tag else ")"),
+            body)
     return 0
 
 

@@ -1,0 +1,343 @@
+"""Site failures with real processes: kill, restart, kill an owner mid-round, kill two.
+
+4 sites train the built-in byte-level GPT (stdlib source), each a ``dtrain worker``
+process talking gRPC on 127.0.0.1 to the others and to one ``dtrain rendezvous``
+process. Scenarios (issue 6 part 2):
+
+* ``no fault``: the reference.
+* ``kill 1, restart``: SIGKILL site-3 once it finished round k; restart it (``--resume``
+  from its last checkpoint) once site-0 finished round k + m. It pulls θ and the outer
+  optimizer state from the members and joins the next round.
+* ``owner killed mid-round``: site-1 SIGKILLs itself in round k right after its first
+  contribution chunk went out (``DTRAIN_TEST_FAULT=site-1:mid_push:k:kill``), while it
+  owns a quarter of the buckets; not restarted.
+* ``kill 2 at once``: SIGKILL site-2 and site-3 after round k; not restarted.
+
+Reported per run: site-0's validation loss per round and at the end, its change against
+the no-fault run with the same seed, rounds lost (rounds a survivor did not apply,
+target: none), and the time beyond the round's deadline any survivor spent in a round
+(engine time after the plan minus the broadcast deadline, target: under 1 s), with the
+extra quorum wait after a death shown apart (the rendezvous waits ``quorum_timeout_s``
+for a site whose heartbeats have not yet timed out).
+
+Usage (from the repository root)::
+
+    .venv/bin/python experiments/site_failures.py --quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python experiments/site_failures.py           # full: small model, more rounds
+
+Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
+table into ``experiments/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import (  # noqa: E402
+    ROOT,
+    RunResult,
+    base_parser,
+    fmt_pm,
+    mean_std,
+    md_table,
+    mode_of,
+    out_prefix,
+    paired_deltas,
+    publish,
+    run_many,
+    run_or_load,
+    save_fig,
+    subplots,
+    summarize,
+)
+
+NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
+SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
+RENDEZVOUS = {"quorum_timeout_s": 1.0, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 2.0,
+              "reduce_timeout_s": 1.5, "broadcast_timeout_s": 3.0, "min_sites": 2}
+
+MODES: dict[str, dict[str, Any]] = {
+    # The restarted worker needs ~10-20 s on a loaded 2-core machine to import torch and start: with 16
+    # rounds of ~2.5 s it is back for the last ~third of the run.
+    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=16, kill_round=3, down_rounds=2, seeds=[0, 1, 2]),
+    "full": dict(num_sites=4, size="small", sync_every=50, rounds=30, kill_round=8, down_rounds=5,
+                 seeds=[0, 1, 2, 3, 4]),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureSpec:
+    scenario: str
+    seed: int
+    num_sites: int
+    size: str
+    sync_every: int
+    rounds: int
+    kill_round: int
+    down_rounds: int
+    timeout_s: float = 900.0
+
+    @property
+    def config(self) -> str:
+        return self.scenario
+
+
+def _flags(opts: dict[str, Any]) -> list[str]:
+    return [x for k, v in opts.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+class _Run:
+    """The rendezvous and worker processes of one run, under ``root``. Every wait is bounded."""
+
+    def __init__(self, spec: FailureSpec, root: Path) -> None:
+        self.spec, self.root = spec, root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.env.pop("DTRAIN_TEST_FAULT", None)
+        self.deadline = time.monotonic() + spec.timeout_s
+        self.rv = ""
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = self.root / f"{name}.log"
+        with open(log, "a") as f:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "dtrain", *argv], stdout=f,
+                                                stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                                cwd=str(ROOT), start_new_session=True)
+
+    def wait(self, pred, what: str) -> None:
+        while not pred():
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"{self.spec.scenario} seed {self.spec.seed}: timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def start(self) -> None:
+        addr = self.root / "rendezvous.addr"
+        self.spawn("rendezvous", ["rendezvous", "--bind", "127.0.0.1:0", "--address-file", str(addr),
+                                  "--initial-sites", str(self.spec.num_sites), *_flags(RENDEZVOUS)])
+        self.wait(lambda: addr.exists() and addr.read_text().strip(), "the rendezvous address")
+        self.rv = addr.read_text().strip()
+        for i in range(self.spec.num_sites):
+            fault = f"site-1:mid_push:{self.spec.kill_round}:kill" if self.spec.scenario == OWNER and i == 1 else None
+            self.start_site(i, fault=fault)
+
+    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> None:
+        s = self.spec
+        argv = ["worker", "--site-id", f"site-{i}", "--site-index", str(i), "--num-sites", str(s.num_sites),
+                "--rendezvous", self.rv, "--size", s.size, "--seed", str(s.seed), "--rounds", str(s.rounds),
+                "--sync-every", str(s.sync_every), "--codec", "fp32", "--bucket-bytes", "65536",
+                "--chunk-bytes", "16384", "--checkpoint-every", "1", "--linger-s", "2", "--quorum-wait-s", "120",
+                "--out-dir", str(self.root / f"site-{i}")]
+        if resume:
+            argv.append("--resume")
+        self.spawn(f"site-{i}", argv, {"DTRAIN_TEST_FAULT": fault} if fault else None)
+
+    def lines(self, i: int) -> list[dict[str, Any]]:
+        try:
+            text = (self.root / f"site-{i}" / "metrics.jsonl").read_text()
+        except OSError:
+            return []
+        out = []
+        for ln in text.split("\n")[:-1]:
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def done_round(self, i: int, r: int) -> bool:
+        return any(d.get("event") == "round" and d["round"] >= r for d in self.lines(i))
+
+    def kill(self, i: int) -> None:
+        p = self.procs[f"site-{i}"]
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+
+
+def run_failure(spec: FailureSpec) -> RunResult:
+    """One run of ``spec.scenario``; see the module docstring."""
+    s = spec
+    survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[s.scenario]
+    with tempfile.TemporaryDirectory(prefix="dtrain-failures-") as d:
+        run = _Run(spec, Path(d))
+        t0 = time.monotonic()
+        try:
+            run.start()
+            if s.scenario == RESTART:
+                run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+                run.kill(3)
+                run.wait(lambda: run.done_round(0, s.kill_round + s.down_rounds), "site-0 to go on")
+                run.start_site(3, resume=True)
+            elif s.scenario == TWO:
+                run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+                run.kill(2)
+                run.kill(3)
+            alive = [f"site-{i}" for i in range(s.num_sites) if s.scenario != OWNER or i != 1]
+            if s.scenario == TWO:
+                alive = ["site-0", "site-1"]
+            run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
+        finally:
+            run.close()
+        wall = time.monotonic() - t0
+        per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(s.num_sites)}
+        start = [x for x in run.lines(0) if x.get("event") == "start"]
+        codes = {n: p.returncode for n, p in run.procs.items() if n != "rendezvous"}
+
+    lost, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
+    for i in survivors:
+        rounds = per_site[i]
+        applied = {x["round"] for x in rounds if x["status"] == "applied"}
+        lost += len(set(range(s.rounds)) - applied)
+        for x in rounds:
+            longest = max(longest, x.get("total_s", 0.0))
+            over = max(over, x.get("total_s", 0.0) - RENDEZVOUS["broadcast_timeout_s"])
+            quorum_extra = max(quorum_extra, x["sync_s"] - x.get("total_s", x["sync_s"]))
+            stale += x.get("stale_buckets", 0)
+            skipped += x.get("skipped_buckets", 0)
+            rejected += sum(x.get("rejected", {}).values())
+    for i in range(s.num_sites):
+        bytes_total += sum(x.get("bytes_sent", 0) for x in per_site[i])
+    site0 = per_site[0]
+    final = site0[-1]["val_loss"] if site0 else float("nan")
+    row: dict[str, Any] = {
+        "experiment": "site_failures", "config": s.scenario, "seed": s.seed, "num_sites": s.num_sites, "size": s.size,
+        "sync_every": s.sync_every, "rounds": s.rounds, "kill_round": s.kill_round, "down_rounds": s.down_rounds,
+        "codec": "fp32", "first_val_loss": start[0]["val_loss"] if start else float("nan"), "final_val_loss": final,
+        "rounds_done": max((x["round"] + 1 for x in site0), default=0), "rounds_lost": lost,
+        "max_round_s": longest, "max_beyond_deadline_s": max(0.0, over), "max_quorum_wait_s": quorum_extra, "wall_s": wall,
+        "sync_s": sum(x["sync_s"] for x in site0), "bytes_total": bytes_total,
+        "bytes_per_round_site": bytes_total / max(1, s.rounds) / s.num_sites, "stale_buckets": stale,
+        "skipped_buckets": skipped, "rejected": rejected,
+        "restarted_first_round": min((x["round"] for x in per_site[3] if x["round"] > s.kill_round
+                                      and x["status"] == "applied"), default=-1) if s.scenario == RESTART else -1,
+        "restarted_rounds": sum(1 for x in per_site[3] if x["round"] > s.kill_round and x["status"] == "applied")
+        if s.scenario == RESTART else 0,
+        "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
+        "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
+    }
+    rounds_out = [{"experiment": "site_failures", "config": s.scenario, "seed": s.seed, "round": x["round"],
+                   "status": x["status"], "val_loss": x["val_loss"], "members": len(x.get("members", [])),
+                   "sync_s": x["sync_s"], "total_s": x.get("total_s", float("nan"))} for x in site0]
+    return RunResult(row=row, rounds=rounds_out)
+
+
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    groups = summarize(rows)
+    base = groups[NO_FAULT]
+    table, verdicts = [], []
+    for cfg, g in groups.items():
+        d = paired_deltas(g, base)
+        table.append([cfg, len(g), fmt_pm([r["final_val_loss"] for r in g]), "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
+                      sum(r["rounds_lost"] for r in g), f"{max(r['max_round_s'] for r in g):.2f}",
+                      f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
+                      f"{max(r['max_quorum_wait_s'] for r in g):.2f}", fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+                      sum(r["stale_buckets"] for r in g), sum(r["skipped_buckets"] for r in g),
+                      sum(r["rejected"] for r in g),
+                      "yes" if all(r["survivors_consistent"] for r in g) else "NO"])
+        if cfg != NO_FAULT:
+            lost = sum(r["rounds_lost"] for r in g)
+            over = max(r["max_beyond_deadline_s"] for r in g)
+            verdicts.append(f"- {cfg}: rounds lost {lost} (target none: **{'met' if lost == 0 else 'NOT met'}**); "
+                            f"longest time beyond a round's deadline {over:.2f} s (target < 1 s: "
+                            f"**{'met' if over < 1 else 'NOT met'}**); final val loss change "
+                            f"{mean_std(d)[0]:+.4f} nats."
+                            + (f" The restarted site took part again from round "
+                               f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
+                               f"others finished)." if cfg == RESTART else ""))
+    md = md_table(["scenario", "runs", "final val loss (site-0)", "Δ vs no fault (paired)", "rounds lost (survivors)",
+                   f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})", "max s beyond deadline", "max quorum wait s", "wall s", "stale buckets", "skipped buckets", "rejected",
+                   "survivors' θ equal"], table)
+    return md, verdicts
+
+
+def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
+    fig, ax = subplots(figsize=(6.4, 4.2))
+    for cfg in SCENARIOS:
+        by: dict[int, list[float]] = {}
+        for r in rounds:
+            if r["config"] == cfg and r["status"] == "applied" and not math.isnan(r["val_loss"]):
+                by.setdefault(r["round"], []).append(r["val_loss"])
+        if by:
+            xs = sorted(by)
+            ax.plot([x + 1 for x in xs], [statistics.fmean(by[x]) for x in xs], marker="o", ms=3, label=cfg,
+                    ls="-" if cfg == NO_FAULT else "--")
+    ax.axvline(m["kill_round"] + 1, color="0.6", lw=0.8, ls=":")
+    ax.set_xlabel("round (site-0)")
+    ax.set_ylabel("validation loss, mean over seeds")
+    ax.set_title(f"Site failures: {m['num_sites']} sites, faults at round {m['kill_round']}", fontsize=10)
+    ax.legend(fontsize=8)
+    p = save_fig(fig, prefix.with_suffix(".png"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = base_parser(__doc__)
+    ap.add_argument("--rounds", type=int)
+    args = ap.parse_args(argv)
+    mode = mode_of(args)
+    if mode == "smoke":
+        raise SystemExit("site_failures has no --smoke mode: it starts 5 processes per run (see the module docstring)")
+    m = dict(MODES[mode])
+    if args.size:
+        m["size"] = args.size
+    if args.rounds:
+        m["rounds"] = args.rounds
+    if args.seeds is not None:
+        m["seeds"] = list(range(args.seeds))
+    specs = [FailureSpec(scenario=sc, seed=seed, num_sites=m["num_sites"], size=m["size"], sync_every=m["sync_every"],
+                         rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"])
+             for sc in SCENARIOS for seed in m["seeds"]]
+    prefix = out_prefix(args, "site_failures")
+
+    def runner():
+        print(f"site_failures ({mode}): {len(specs)} runs, one at a time", flush=True)
+        return run_many(specs, jobs=1, fn=run_failure)
+
+    rows, rounds, meta = run_or_load(args, argv, "site_failures.py", prefix, runner)
+    png = plot(rounds, prefix, m)
+    md, verdicts = analyse(rows)
+    body = f"""Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).
+
+Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
+`{m['size']}`, H = {m['sync_every']}, {m['rounds']} rounds, fp32, checkpoints every round; rendezvous timing
+{', '.join(f'{k} {v}' for k, v in RENDEZVOUS.items())}. Faults after / in round {m['kill_round']}; the restarted site
+is down for {m['down_rounds']} rounds of site-0. Mean ± std over seeds {m['seeds']}; Δ paired by seed. "Beyond
+deadline": a survivor's round engine time (from its plan to the end of apply and repair) minus the broadcast
+deadline. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
+after a death for up to quorum_timeout_s = {RENDEZVOUS['quorum_timeout_s']} s, until the rendezvous stops waiting for
+a site whose heartbeats have not yet timed out). "Skipped buckets": buckets whose owner died in the round (every
+survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix('.csv').name}`; plot: `{png.name}`.
+
+{md}
+
+{chr(10).join(verdicts)}
+"""
+    publish(args, f"site_failures-{mode}", f"Site failures ({mode})", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
