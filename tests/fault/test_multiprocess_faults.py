@@ -262,9 +262,12 @@ def test_late_joiner_completes_state_pull_from_another_donor(make_cluster):
     joined = c.rounds("site-3", status="applied")
     assert joined, "the joiner never took part in a round"
     for d in joined:
-        assert "site-3" in d["members"] and "site-0" not in d["members"]
+        # (the dead donor may still be in the plan of the round right after its death, until
+        # its heartbeat times out; that round then finalizes without it)
+        assert "site-3" in d["members"]
         ref = c.by_round("site-1")[d["round"]]
         assert (d["checksum"], d["outer_checksum"]) == (ref["checksum"], ref["outer_checksum"])
+    assert "site-0" not in joined[-1]["members"]
     del sites
 
 

@@ -189,6 +189,7 @@ def _stop_launch(proc: subprocess.Popen, run_dir: Path) -> None:
                     reason="needs headless Chromium: apt-get install -y chromium chromium-driver (and pip install selenium)")
 def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> None:
     pytest.importorskip("selenium", reason="needs pip install selenium (the 'test' extra)")
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     t_start = time.monotonic()
@@ -255,8 +256,16 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
 
             r2 = _wait_for(round_without_site_2, 30, "a reported round of site-0 and site-1 only")
             # (generous: on a loaded 2-core machine the page's refresh fetch can lag several periods)
-            _wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, f'#rounds tr[data-round="{r2}"]'), REFRESH_S + 25,
-                      f"round {r2} in the rounds table")
+            # Two tiny sites form several rounds a second and the table holds the newest 20, so r2 itself
+            # may scroll out before a refresh: wait for the table to reach r2 or later.
+            def table_reached_r2():
+                try:
+                    rows = driver.find_elements(By.CSS_SELECTOR, "#rounds tr[data-round]")
+                    return max((int(r.get_attribute("data-round")) for r in rows), default=-1) >= r2
+                except StaleElementReferenceException:  # the refresh replaced the table meanwhile
+                    return False
+
+            _wait_for(table_reached_r2, REFRESH_S + 25, f"round {r2} or later in the rounds table")
             ARTIFACTS.mkdir(exist_ok=True)
             shot = ARTIFACTS / "status_page.png"
             assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
