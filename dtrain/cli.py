@@ -149,7 +149,7 @@ def _setup_logging(level: str = "INFO") -> None:
 
 # ------------------------------------------------------------------ worker
 def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
-    from dtrain.errors import CheckpointError, QuorumTimeout
+    from dtrain.errors import CheckpointError, QuorumTimeout, RendezvousError
     from dtrain.worker import WorkerConfig, install_signal_handlers, run_worker
 
     cfg = _build(WorkerConfig, ns, names)
@@ -165,6 +165,10 @@ def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
     except QuorumTimeout as e:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_QUORUM
+    except RendezvousError as e:  # unreachable while joining, for the whole join budget
+        log.error("giving up: %s", e)
+        print(f"dtrain worker: error: rendezvous {cfg.rendezvous} unreachable: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
     except OSError as e:
         if "cannot bind" not in str(e):  # grpc_common.start_server: --listen is taken or not local

@@ -112,6 +112,8 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     encode_s: float = 0.0
+    encoded_bytes: int = 0  # this site's encoded contribution payloads (all owners, itself included)
+    encoded_fp32_bytes: int = 0  # the fp32 size of what it encoded (compression = this / encoded_bytes)
     decode_s: float = 0.0
     network_s: float = 0.0
     wait_s: float = 0.0
@@ -459,6 +461,8 @@ class RoundEngine:
                         payload = self.codec.encode(v[off : off + n], generator=self._gen)
                         with enc_lock:
                             res.encode_s += time.perf_counter() - t
+                            res.encoded_bytes += len(payload)
+                            res.encoded_fp32_bytes += 4 * n
                             if not self.codec.lossless:
                                 payloads[(b, c)] = payload
                         yield Contribution(round=r, bucket=b, chunk=c, offset=off, numel=n, codec=self.codec.name, sender=self.site_id, payload=payload)

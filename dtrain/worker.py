@@ -309,7 +309,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     with open(metrics_path, "a") as mf:
         mf.write(json.dumps({"site": cfg.site_id, "event": "start", "round": diloco.round, "val_loss": val,
                              "wall_s": 0.0, "params": diloco.layout.total_numel, "time": time.time()}) + "\n")
-    totals = {"bytes_sent": 0, "bytes_received": 0, "sync_s": 0.0, "inner_s": 0.0, "rounds_joined": 0}
+    totals = {"bytes_sent": 0, "bytes_received": 0, "sync_s": 0.0, "inner_s": 0.0, "rounds_joined": 0,
+              "encoded_bytes": 0, "encoded_fp32_bytes": 0}
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -367,6 +368,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             line.update(m)
             totals["bytes_sent"] += res.bytes_sent
             totals["bytes_received"] += res.bytes_received
+            totals["encoded_bytes"] += res.encoded_bytes
+            totals["encoded_fp32_bytes"] += res.encoded_fp32_bytes
             totals["rounds_joined"] += 1
         with open(metrics_path, "a") as mf:
             mf.write(json.dumps(line) + "\n")
@@ -399,8 +402,10 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         "interrupted": stop.is_set(),
         **totals,
     }
+    # The codec's ratio over every contribution this site encoded (fp32 bytes / encoded bytes);
+    # bytes_sent also counts means an owner serves, so it is not a compression measure.
     summary["compression_ratio"] = (
-        fp32_bytes * totals["rounds_joined"] / totals["bytes_sent"] if totals["bytes_sent"] else None
+        totals["encoded_fp32_bytes"] / totals["encoded_bytes"] if totals.get("encoded_bytes") else None
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("%s: done: %s", cfg.site_id, summary)

