@@ -11,14 +11,17 @@ number of sites, every site its own OS process with ``torch.set_num_threads(1)``
   (Manager + ProcessGroupGloo + ``torchft.local_sgd.DiLoCo``, see that file for the
   configuration and why).
 
-Scenarios, each run once per system, one system after the other:
+Scenarios (one system after the other unless said otherwise):
 
 1. ``healthy``: wall time per round (median/min/max over every site, round 0 = warm-up
    excluded), final validation loss per site, bytes on the wire per round (dtrain: the
    payload bytes its transport counted, summed over sites; torchft: the ring all-reduce
-   of fp32 parameters, ``2 (n-1)/n x params x 4`` per site), peak RSS per worker process
-   (``ru_maxrss`` from ``wait4``), and dtrain / torchft ratios against the targets
-   (wall <= 1, loss within 1 %, bytes <= 1/4).
+   of fp32 parameters, ``2 (n-1)/n x params x 4`` per site), peak RSS per site process
+   (its own VmHWM), and dtrain / torchft ratios against the targets (wall <= 1, loss
+   within 1 %, bytes <= 1/4). Repeated in AB BA order; optional extra dtrain runs with
+   other codecs (``--extra-codecs``) for the bytes table.
+   ``concurrent``: the same healthy run of both systems started at the same time, so both
+   see the same background load on a shared machine (they also share its CPUs).
 2. ``fault``: site-1 is SIGKILLed in round 3 after it was admitted and before it sent
    anything (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:3:kill``; torchft: the same
    point, see ``torchft_site.py --kill-at-round``), and a fresh process for site-1 starts
@@ -33,7 +36,8 @@ Every site process is started "pre-warmed": it imports torch (and dtrain/torchft
 then waits for a go-file before it runs the site's main function, so start-up skew and
 interpreter start-up are out of the measurements and a restarted site comes back in
 seconds on a loaded machine. Everything this script starts runs in its own session and
-is killed on exit, on error and on Ctrl-C.
+is killed on exit, on error and on Ctrl-C. With ``--profile`` (or automatically when the
+wall-time target is missed) one more healthy dtrain run samples site-0 with py-spy.
 
 Outputs under ``--out`` (default ``experiments/out/vs_torchft_<mode>``): ``rounds.csv``
 (every round line of every site), ``summary.csv``, ``results.json``, ``report.md``,
@@ -41,8 +45,9 @@ Outputs under ``--out`` (default ``experiments/out/vs_torchft_<mode>``): ``round
 full mode append ``report.md`` to ``experiments/RESULTS.md`` (``--no-append`` to skip).
 
     python experiments/vs_torchft.py --smoke      # CI: 2 sites, tiny, healthy only (< 60 s)
-    python experiments/vs_torchft.py --quick      # 2 sites, small, healthy + fault + netem
-    python experiments/vs_torchft.py              # 3 sites, small, more rounds, 2 netem profiles
+    python experiments/vs_torchft.py --quick      # 2 sites, small: healthy x2, concurrent, fault, 1 netem profile
+    python experiments/vs_torchft.py              # 3 sites, small, more rounds, 2 netem profiles, int8+zstd/int4
+    python experiments/vs_torchft.py --out DIR --analyse-only   # recompute the outputs from DIR/runs
 
 torchft is NOT a dependency of dtrain and this script installs nothing. Install it into
 the same environment after torch (it then pulls no torch)::
@@ -271,6 +276,7 @@ class RunRecord:
     procs: dict = field(default_factory=dict)  # name -> {"rc", "maxrss_kb", "role"}
     netem_backends: dict | None = None
     command: str = ""
+    loadavg_end: float | None = None  # 1-minute load average when the run ended
 
 
 def _rounds_of(site_dir: Path) -> list[dict]:
@@ -417,6 +423,7 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "") -> RunRecord:
                 break
             time.sleep(0.1)
         rec.t_end = time.time()
+        rec.loadavg_end = os.getloadavg()[0]
         if spec.pyspy:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
             _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
@@ -498,7 +505,8 @@ def _append_results(report: str, mode_name: str, no_append: bool) -> int:
     if mode_name != "smoke" and not no_append:
         res_md = HERE / "RESULTS.md"
         with open(res_md, "a") as f:
-            f.write(("\n" if res_md.exists() and res_md.stat().st_size else "") + report)
+            f.write(("\n" if res_md.exists() and res_md.stat().st_size else "") + report
+                    + f"\n<!-- end vs_torchft-{mode_name} -->\n")
         print(f"appended to {res_md}")
     return 0
 
@@ -521,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                    help="sample dtrain's site-0 with py-spy in one more healthy run: always, never, or auto = when "
                         "the wall-time target was missed, except in --smoke (default)")
-    p.add_argument("--scenarios", default=None, help="comma list of healthy,fault,netem (default: the mode's)")
+    p.add_argument("--scenarios", default=None,
+                   help="comma list of healthy,concurrent,fault,netem (default: the mode's; concurrent = the healthy run "
+                        "of both systems at the same time, so both see the same background load)")
     p.add_argument("--netem-profiles", default=None, help="comma list of netem profiles (default: the mode's)")
     p.add_argument("--repeats", type=int, default=None, help="healthy runs per system (AB BA order; default: the mode's)")
     p.add_argument("--out", default=None)
@@ -549,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
               f"    {INSTALL_HINT}", file=sys.stderr)
         return 2
     scenarios = (a.scenarios.split(",") if a.scenarios else
-                 ["healthy"] + (["fault"] if mode.fault_rounds else []) + (["netem"] if mode.netem else []))
+                 ["healthy"] + (["concurrent"] if mode_name != "smoke" else []) + (["fault"] if mode.fault_rounds else [])
+                 + (["netem"] if mode.netem else []))
     profiles = a.netem_profiles.split(",") if a.netem_profiles else list(mode.netem)
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -564,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         codecs = a.extra_codecs.split(",") if a.extra_codecs is not None else list(mode.extra_codecs)
         plan += [RunSpec(system="dtrain", scenario=f"healthy codec={c}", rounds=mode.rounds, **{**base, "codec": c})
                  for c in codecs if c and c != a.codec]
+    if "concurrent" in scenarios:  # both systems at the same time: they see the same background load
+        plan += [RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, **base) for sy in ("dtrain", "torchft")]
     if "fault" in scenarios and mode.fault_rounds:
         if mode.sites < 2:
             notes.append("fault scenario skipped: it needs >= 2 sites")
@@ -580,12 +593,26 @@ def main(argv: list[str] | None = None) -> int:
                                  netem=prof, **base) for s in ("dtrain", "torchft")]
     print(f"vs_torchft ({mode_name}): {len(plan)} runs -> {out}", flush=True)
     records: list[RunRecord] = []
-    for spec in plan:
+    batches: list[list[RunSpec]] = []
+    for spec in plan:  # "concurrent" pairs run at the same time; everything else one after the other
+        if spec.scenario == "concurrent" and batches and batches[-1][0].scenario == "concurrent" and len(batches[-1]) < 2:
+            batches[-1].append(spec)
+        else:
+            batches.append([spec])
+    for batch in batches:
         t0 = time.monotonic()
-        rec = run_one(spec, out / "runs" / _run_dir_name(spec), cmd)
-        records.append(rec)
-        status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
-        print(f"  {spec.system:7s} {spec.scenario:22s} #{spec.repeat} {time.monotonic() - t0:6.1f}s  {status}", flush=True)
+        if len(batch) == 1:
+            recs = [run_one(batch[0], out / "runs" / _run_dir_name(batch[0]), cmd)]
+        else:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+            with ThreadPoolExecutor(len(batch)) as ex:
+                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / _run_dir_name(sp), cmd), batch))
+        for rec in recs:
+            records.append(rec)
+            status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
+            print(f"  {rec.spec.system:7s} {rec.spec.scenario:22s} #{rec.spec.repeat} {time.monotonic() - t0:6.1f}s  {status}",
+                  flush=True)
     results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
     missed = results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
     if a.profile == "always" or (a.profile == "auto" and missed and "healthy" in scenarios and mode_name != "smoke"):

@@ -5,13 +5,17 @@ Definitions used in every table:
 * round wall time: the time between two consecutive round lines of one site (inner phase
   + sync + evaluation + the round's bookkeeping), pooled over the sites; the first round
   of every site process (start-up, first quorum) is the warm-up and is excluded.
-* bytes per round: payload bytes all sites sent in one round, summed over the sites; the
-  median over the rounds (of the sent and of the received counts, the larger).
-  dtrain: its transport's counters (pushed chunks + served means; no gRPC/HTTP2 framing).
+* bytes per round: payload bytes all sites received over the whole run (every byte sent is
+  received once; resync state pulls and discarded attempts included), divided by the rounds.
+  dtrain: its transport's counters (pushed chunks, pulled means, pulled state; no gRPC/HTTP2
+  framing).
   torchft: ``2 (n-1)/n x params x 4`` per participant and committed-or-not sync (gloo's
   ring all-reduce of the fp32 pseudo-gradients; headers not counted).
-* peak memory: ``ru_maxrss`` of each site process from ``wait4`` (the whole process:
-  torch, the task, the system's runtime).
+* peak memory: each site process's own VmHWM, written as it exits (the whole process: torch,
+  the task, the system's runtime); ``ru_maxrss`` from ``wait4`` for processes that cannot
+  report (killed sites, the rendezvous and the lighthouse).
+* per-round overhead: round wall time minus that round's inner phase, i.e. what each system
+  adds to the identical computation (sync, evaluation, bookkeeping).
 """
 
 from __future__ import annotations
@@ -105,12 +109,12 @@ def run_stats(recs: list) -> dict:
     per_run = [_site_stats(r) for r in recs]
     sites = per_run[0][0]
     pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1] if isinstance(per_run[0][1][k], list)}
-    # Each payload byte is counted once by its sender and once by its receiver, in the
-    # round line each of them writes next; a byte moved between two rounds of one side
-    # lands in that side's next round (and after a site's last line, in none). The median
-    # over rounds of the all-site total is immune to that shift; take the larger count.
-    wire = [max(statistics.median(p["sent_by_round"].values()), statistics.median(p["recv_by_round"].values()))
-            for _, p in per_run if p["sent_by_round"]]
+    # Every payload byte is counted by its receiver in the receiver's next round line:
+    # pulls happen inside the puller's round, pushes reach an owner during its round or
+    # before it (counted since the previous line), state pulls of a resync land in the
+    # next line. The sender's count misses what an owner serves after its last line.
+    # So: everything all sites received over the run, divided by the rounds.
+    wire = [sum(p["recv_by_round"].values()) / spec.rounds for _, p in per_run if p["recv_by_round"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
     coords = [v["maxrss_kb"] / 1024 for r in recs for v in r.procs.values() if v.get("role") == "coordinator" and v.get("maxrss_kb")]
@@ -129,6 +133,7 @@ def run_stats(recs: list) -> dict:
         "final_val_loss_repeats": [statistics.mean([v["final_val_loss"] for v in st.values() if v["finished"]] or [float("nan")])
                                    for st, _ in per_run],
         "checksums_agree": len({v["final_checksum"] for v in finished.values()}) == 1 and len(finished) > 0,
+        "not_applied": {s: v["rounds_logged"] - v["rounds_applied"] for s, v in sites.items() if v["rounds_logged"] > v["rounds_applied"]},
         "bytes_per_round_total": statistics.mean(wire) if wire else None,
         "peak_rss_mb_max": max(rss) if rss else None,
         "peak_rss_mb_mean": statistics.mean(rss) if rss else None,
@@ -227,7 +232,7 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
             "bytes_per_round": _ratio(d["bytes_per_round_total"], t["bytes_per_round_total"]),
             "peak_rss_max": _ratio(d["peak_rss_mb_max"], t["peak_rss_mb_max"]),
         }
-        if scen == "healthy":
+        if scen in ("healthy", "concurrent"):
             c["targets"] = {
                 "round wall time dtrain <= torchft": c["round_wall_median"] is not None and c["round_wall_median"] <= 1.0,
                 "final loss within 1%": c["final_val_loss_mean"] is not None and abs(c["final_val_loss_mean"] - 1) <= 0.01,
@@ -243,7 +248,8 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
     return {
         "mode_name": mode_name, "mode": mode, "command": command, "commands": commands or [command], "notes": notes,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(),
+                    "loadavg_1min_at_run_ends": [getattr(r, "loadavg_end", None) for r in records]},
         "runs": runs, "comparisons": comps, "profile": profile,
     }
 
@@ -260,10 +266,10 @@ def _table(rows: list[list[str]]) -> str:
 
 
 UNEQUAL = [
-    "Wire format: dtrain sends its default int8 codec (per-chunk scales) of the pseudo-gradient to each bucket's "
-    "owner and pulls int8 means; torchft all-reduces fp32 (its `should_quantize` path needs triton/CUDA, not "
-    "available on CPU). This is the point of the bytes target, but it also means the two runs do not compute the "
-    "same numbers, so final losses differ by more than run-to-run noise would.",
+    "Wire format: dtrain sends its default int8 codec (1 byte per value plus an fp32 scale per block) of the "
+    "pseudo-gradient to each bucket's owner and pulls int8 means; torchft all-reduces fp32 (its `should_quantize` "
+    "path needs triton/CUDA, not available on CPU). That is the point of the bytes target, but it also means the "
+    "two systems do not apply bit-identical updates, so their losses differ slightly even when nothing fails.",
     "Bytes: dtrain's are measured payload bytes (no gRPC/HTTP2/TCP framing); torchft's are computed from the "
     "tensor sizes (ring factor 2(n-1)/n, no gloo headers). Control traffic (rendezvous/lighthouse, heartbeats, "
     "quorum, should_commit) is excluded on both sides.",
@@ -287,9 +293,17 @@ UNEQUAL = [
     "system's defaults.",
     "Coordinators: torchft's lighthouse logic is Rust, but its `torchft_lighthouse` entry point is Python and "
     "imports torch, hence its RSS; dtrain's rendezvous does not import torch.",
-    "Shared machine: 2 vCPUs shared with other work; the runs of the two systems are sequential, so background "
-    "load can differ between them (the load average at the end is recorded in results.json).",
+    "Shared machine: 2 vCPUs shared with other work. The healthy runs are sequential (AB BA), so background load "
+    "can differ between the systems; the concurrent run gives "
+    "both the same load but makes them share the CPUs.",
 ]
+
+
+def _load_text(loads: list) -> str:
+    xs = [x for x in loads if x is not None]
+    if not xs:
+        return "load average not recorded"
+    return f"1-minute load average at the end of the runs {min(xs):.1f}-{max(xs):.1f}"
 
 
 def report_md(res: dict) -> str:
@@ -300,8 +314,8 @@ def report_md(res: dict) -> str:
              + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])), "",
              f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
              f"{m['rounds']} rounds (fault: {m['fault_rounds']}), 1 torch thread per site, loopback unless netem; "
-             f"machine {res['machine']['cpus']} CPUs, load average at the end {res['machine']['loadavg_at_end'][0]:.1f}.", ""]
-    for scen in [s for s in ("healthy",) if s in comps] + sorted(s for s in comps if s.startswith("netem")):
+             f"machine: {res['machine']['cpus']} CPUs, " + _load_text(res['machine'].get('loadavg_1min_at_run_ends') or []) + ".", ""]
+    for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(s for s in comps if s.startswith("netem")):
         d, t, c = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"], comps[scen]
         rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
         rows.append(["round wall time median [min, max] (s)",
@@ -330,6 +344,9 @@ def report_md(res: dict) -> str:
         rows.append(["coordinator peak RSS (MB) (rendezvous / lighthouse)", _f(d["coordinator_rss_mb"], "{:.0f}"),
                      _f(t["coordinator_rss_mb"], "{:.0f}"), ""])
         rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
+        rows.append(["round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
+                     ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
+                     ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none", ""])
         rows.append(["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}"),
                      _f(_ratio(d["wall_total_s"], t["wall_total_s"]))])
         if scen == "healthy":
@@ -343,7 +360,9 @@ def report_md(res: dict) -> str:
                                  f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
                                  f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}"])
         sp = d["sync_split_median_s"]
-        lines += [f"### {scen}", "", _table(rows), "",
+        title = {"healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
+                 "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)"}
+        lines += [f"### {title.get(scen, scen)}", "", _table(rows), "",
                   f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
                   f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}."]
         if d.get("netem_backends"):
@@ -351,13 +370,22 @@ def report_md(res: dict) -> str:
         if "targets" in c:
             lines.append("")
             lines.append("Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + ".")
+            if not c["targets"]["round wall time dtrain <= torchft"]:
+                share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
+                lines.append(
+                    f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) "
+                    f"is {_f(share, '{:.0%}')} of torchft's round; dtrain's inner phase took "
+                    f"{_f(_ratio(d['inner_s']['median'], t['inner_s']['median']))}x torchft's while each dtrain site used "
+                    f"{_f(_ratio(d['cpu_s_per_site_mean'], t['cpu_s_per_site_mean']))}x the CPU seconds. The part of a "
+                    f"round each system adds (round wall - inner phase) is {_f(c['overhead_median'])}x torchft's. See the "
+                    f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's.")
             if not c["targets"]["bytes <= 1/4"]:
                 ok = [k.split("=", 1)[1] for k, x in runs.items() if k.startswith("dtrain/healthy codec=")
                       and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25]
                 lines.append(f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
                              f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
-                             f"({_f(c['bytes_per_round'])}); " + (f"{', '.join(ok)} meet(s) it (rows above)." if ok else
-                                                                  "no extra codec was run."))
+                             f"({_f(c['bytes_per_round'])}); " + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else
+                                                                  "no other codec was run."))
         for r in (d, t):
             if r["error"]:
                 lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
@@ -406,12 +434,14 @@ def report_md(res: dict) -> str:
     lines += ["### What could not be made equal", ""] + [f"- {u}" for u in UNEQUAL] + [""]
     if res["notes"]:
         lines += ["### Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
-    lines += ["Outputs: `rounds.csv`, `summary.csv`, `results.json`, `loss_vs_wall.png` in the run's `--out` directory.", ""]
+    lines += [f"Outputs: `rounds.csv`, `summary.csv`, `results.json`, `loss_vs_wall.png` in `{res.get('out_dir', '--out')}`.", ""]
     return "\n".join(lines)
 
 
 def write_outputs(res: dict, records, out: Path) -> str:
     out = Path(out)
+    repo = Path(__file__).resolve().parents[1]
+    res["out_dir"] = str(out.resolve().relative_to(repo)) if out.resolve().is_relative_to(repo) else str(out)
     (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -451,10 +481,9 @@ def plot(records, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    scens = []
-    for r in records:
-        if r.spec.scenario not in scens and " codec=" not in r.spec.scenario and r.spec.scenario != "profile":
-            scens.append(r.spec.scenario)
+    order = {"healthy": 0, "concurrent": 1, "fault": 2}
+    scens = sorted({r.spec.scenario for r in records if " codec=" not in r.spec.scenario and r.spec.scenario != "profile"},
+                   key=lambda sc: (order.get(sc, 3), sc))
     ncol = min(3, len(scens))
     nrow = (len(scens) + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
