@@ -66,6 +66,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -304,8 +305,11 @@ class _Net:
         return _rules.SITE_IF
 
 
-def run_one(spec: RunSpec, run_dir: Path, command: str = "") -> RunRecord:
-    """Run one system through one scenario; every child is gone when this returns."""
+def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None) -> RunRecord:
+    """Run one system through one scenario; every child is gone when this returns.
+
+    ``start_together``: a ``threading.Barrier`` shared with runs started at the same time
+    (scenario ``concurrent``); the sites get their go once every run has its sites ready."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = RunRecord(spec=spec, dir=run_dir, command=command)
     children: dict[str, Child] = {}
@@ -391,6 +395,8 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "") -> RunRecord:
             children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", _child_env(env))
         _wait(lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")), 600,
               "every site to import torch", [c for nm, c in children.items() if nm.startswith("site-")])
+        if start_together is not None:
+            start_together.wait(timeout=600)
         rec.t_go = time.time()
         for name in names:
             (gate / f"go-{name}").write_text("")
@@ -576,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         plan += [RunSpec(system="dtrain", scenario=f"healthy codec={c}", rounds=mode.rounds, **{**base, "codec": c})
                  for c in codecs if c and c != a.codec]
     if "concurrent" in scenarios:  # both systems at the same time: they see the same background load
-        plan += [RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, **base) for sy in ("dtrain", "torchft")]
+        for rep in range(max(1, a.repeats or mode.repeats)):
+            plan += [RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, repeat=rep, **base)
+                     for sy in ("dtrain", "torchft")]
     if "fault" in scenarios and mode.fault_rounds:
         if mode.sites < 2:
             notes.append("fault scenario skipped: it needs >= 2 sites")
@@ -595,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[RunRecord] = []
     batches: list[list[RunSpec]] = []
     for spec in plan:  # "concurrent" pairs run at the same time; everything else one after the other
-        if spec.scenario == "concurrent" and batches and batches[-1][0].scenario == "concurrent" and len(batches[-1]) < 2:
+        if (spec.scenario == "concurrent" and batches and batches[-1][0].scenario == "concurrent"
+                and batches[-1][0].repeat == spec.repeat and len(batches[-1]) < 2):
             batches[-1].append(spec)
         else:
             batches.append([spec])
@@ -606,8 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
+            together = threading.Barrier(len(batch))
             with ThreadPoolExecutor(len(batch)) as ex:
-                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / _run_dir_name(sp), cmd), batch))
+                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / _run_dir_name(sp), cmd, together), batch))
         for rec in recs:
             records.append(rec)
             status = "ok" if not rec.error else f"PROBLEM: {rec.error}"

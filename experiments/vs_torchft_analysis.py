@@ -303,7 +303,8 @@ def _load_text(loads: list) -> str:
     xs = [x for x in loads if x is not None]
     if not xs:
         return "load average not recorded"
-    return f"1-minute load average at the end of the runs {min(xs):.1f}-{max(xs):.1f}"
+    some = f" (recorded for {len(xs)} of {len(loads)} runs)" if len(xs) < len(loads) else ""
+    return f"1-minute load average at the end of the runs {min(xs):.1f}-{max(xs):.1f}{some}"
 
 
 def report_md(res: dict) -> str:
