@@ -590,6 +590,11 @@ def update_results(path: Path, key: str, title: str, body: str) -> None:
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
     text = path.read_text() if path.exists() else "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
+    if end in text and (begin not in text or text.index(end) < text.index(begin)):
+        # An end marker without its begin (another writer cut it off): drop that orphan, from its title on.
+        i = text.index(end)
+        start = text.rfind(f"## {title}", 0, i)
+        text = text[: start if start >= 0 else i].rstrip("\n") + "\n\n" + text[i + len(end):].lstrip("\n")
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)

@@ -298,6 +298,14 @@ SGD lr {m['outer_lr']:g} momentum {m['outer_momentum']:g}{' Nesterov' if m['oute
 {md}
 
 {chr(10).join(verdicts)}
+
+Context: DiLoCo's claim comes from long runs (H = 500 and tens of thousands of inner steps per worker in the
+paper). Here every site takes {m['total_steps']} steps from scratch, so DiLoCo gets at most
+{m['total_steps'] // min(m['hs'])} outer steps; what this table can show is whether the byte count scales as 1/H
+(it does, by construction of the rounds) and whether merging the sites helps at all (against one site alone).
+Running it again with `--outer-lr 1 --outer-momentum 0` (plain model averaging) separates the merging from the
+outer optimizer: with few rounds, Nesterov momentum 0.9 at lr 0.7 re-applies a large part of earlier rounds'
+updates.
 """
     publish(args, f"diloco_sanity-{mode}" + (f"-{tag}" if tag else ""),
             f"DiLoCo sanity table ({mode}" + (f", outer lr {m['outer_lr']:g}, momentum {m['outer_momentum']:g})" if tag else ")"),

@@ -70,11 +70,13 @@ RENDEZVOUS = {"quorum_timeout_s": 1.0, "heartbeat_interval_s": 0.25, "heartbeat_
               "reduce_timeout_s": 1.5, "broadcast_timeout_s": 3.0, "min_sites": 2}
 
 MODES: dict[str, dict[str, Any]] = {
-    # The restarted worker needs ~10-20 s on a loaded 2-core machine to import torch and start: with 16
-    # rounds of ~2.5 s it is back for the last ~third of the run.
-    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=16, kill_round=3, down_rounds=2, seeds=[0, 1, 2]),
-    "full": dict(num_sites=4, size="small", sync_every=50, rounds=30, kill_round=8, down_rounds=5,
-                 seeds=[0, 1, 2, 3, 4]),
+    # A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
+    # milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
+    # site is back for a good part of the run instead of after its end.
+    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=24, kill_round=3, down_rounds=2, seeds=[0, 1, 2],
+                  inner_step_sleep_s=0.1),
+    "full": dict(num_sites=4, size="small", sync_every=50, rounds=40, kill_round=8, down_rounds=5,
+                 seeds=[0, 1, 2, 3, 4], inner_step_sleep_s=0.02),
 }
 
 
@@ -88,6 +90,7 @@ class FailureSpec:
     rounds: int
     kill_round: int
     down_rounds: int
+    inner_step_sleep_s: float = 0.0
     timeout_s: float = 900.0
 
     @property
@@ -139,6 +142,7 @@ class _Run:
                 "--rendezvous", self.rv, "--size", s.size, "--seed", str(s.seed), "--rounds", str(s.rounds),
                 "--sync-every", str(s.sync_every), "--codec", "fp32", "--bucket-bytes", "65536",
                 "--chunk-bytes", "16384", "--checkpoint-every", "1", "--linger-s", "2", "--quorum-wait-s", "120",
+                "--inner-step-sleep-s", str(s.inner_step_sleep_s),
                 "--out-dir", str(self.root / f"site-{i}")]
         if resume:
             argv.append("--resume")
@@ -205,11 +209,18 @@ def run_failure(spec: FailureSpec) -> RunResult:
         start = [x for x in run.lines(0) if x.get("event") == "start"]
         codes = {n: p.returncode for n, p in run.procs.items() if n != "rendezvous"}
 
-    lost, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
+    lost, early, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
+    detail = []
     for i in survivors:
         rounds = per_site[i]
         applied = {x["round"] for x in rounds if x["status"] == "applied"}
-        lost += len(set(range(s.rounds)) - applied)
+        status = {x["round"]: x["status"] for x in rounds}
+        missed = sorted(set(range(s.rounds)) - applied)
+        # Rounds before the fault that a survivor missed are start-up effects (a site still importing
+        # torch when round 0 forms), not what the fault cost: counted apart.
+        lost += sum(1 for r in missed if r >= s.kill_round)
+        early += sum(1 for r in missed if r < s.kill_round)
+        detail += [f"site-{i}:r{r}:{status.get(r, 'missing')}" for r in missed]
         for x in rounds:
             longest = max(longest, x.get("total_s", 0.0))
             over = max(over, x.get("total_s", 0.0) - RENDEZVOUS["broadcast_timeout_s"])
@@ -226,7 +237,8 @@ def run_failure(spec: FailureSpec) -> RunResult:
         "sync_every": s.sync_every, "rounds": s.rounds, "kill_round": s.kill_round, "down_rounds": s.down_rounds,
         "codec": "fp32", "first_val_loss": start[0]["val_loss"] if start else float("nan"), "final_val_loss": final,
         "rounds_done": max((x["round"] + 1 for x in site0), default=0), "rounds_lost": lost,
-        "max_round_s": longest, "max_beyond_deadline_s": max(0.0, over), "max_quorum_wait_s": quorum_extra, "wall_s": wall,
+        "rounds_missed_before_fault": early, "missed_detail": " ".join(detail),
+        "inner_step_sleep_s": s.inner_step_sleep_s, "max_round_s": longest, "max_beyond_deadline_s": max(0.0, over), "max_quorum_wait_s": quorum_extra, "wall_s": wall,
         "sync_s": sum(x["sync_s"] for x in site0), "bytes_total": bytes_total,
         "bytes_per_round_site": bytes_total / max(1, s.rounds) / s.num_sites, "stale_buckets": stale,
         "skipped_buckets": skipped, "rejected": rejected,
@@ -250,7 +262,8 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
         table.append([cfg, len(g), fmt_pm([r["final_val_loss"] for r in g]), "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
-                      sum(r["rounds_lost"] for r in g), f"{max(r['max_round_s'] for r in g):.2f}",
+                      sum(r["rounds_lost"] for r in g), sum(r["rounds_missed_before_fault"] for r in g),
+                      f"{max(r['max_round_s'] for r in g):.2f}",
                       f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
                       f"{max(r['max_quorum_wait_s'] for r in g):.2f}", fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
                       sum(r["stale_buckets"] for r in g), sum(r["skipped_buckets"] for r in g),
@@ -266,7 +279,8 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                             + (f" The restarted site took part again from round "
                                f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
                                f"others finished)." if cfg == RESTART else ""))
-    md = md_table(["scenario", "runs", "final val loss (site-0)", "Δ vs no fault (paired)", "rounds lost (survivors)",
+    md = md_table(["scenario", "runs", "final val loss (site-0)", "Δ vs no fault (paired)",
+                   "rounds lost from the fault on (survivors)", "rounds missed before it",
                    f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})", "max s beyond deadline", "max quorum wait s", "wall s", "stale buckets", "skipped buckets", "rejected",
                    "survivors' θ equal"], table)
     return md, verdicts
@@ -308,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds is not None:
         m["seeds"] = list(range(args.seeds))
     specs = [FailureSpec(scenario=sc, seed=seed, num_sites=m["num_sites"], size=m["size"], sync_every=m["sync_every"],
-                         rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"])
+                         rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"],
+                         inner_step_sleep_s=m["inner_step_sleep_s"])
              for sc in SCENARIOS for seed in m["seeds"]]
     prefix = out_prefix(args, "site_failures")
 
@@ -322,11 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     body = f"""Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).
 
 Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
-`{m['size']}`, H = {m['sync_every']}, {m['rounds']} rounds, fp32, checkpoints every round; rendezvous timing
+`{m['size']}`, H = {m['sync_every']}, {m['rounds']} rounds, fp32, checkpoints every round, each inner step
+followed by a {m['inner_step_sleep_s']:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
+start-up, ~10 s, to span a few rounds, not the rest of the run); rendezvous timing
 {', '.join(f'{k} {v}' for k, v in RENDEZVOUS.items())}. Faults after / in round {m['kill_round']}; the restarted site
 is down for {m['down_rounds']} rounds of site-0. Mean ± std over seeds {m['seeds']}; Δ paired by seed. "Beyond
 deadline": a survivor's round engine time (from its plan to the end of apply and repair) minus the broadcast
-deadline. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
+deadline. "Rounds lost": rounds from the fault's round on that a survivor did not apply; rounds a site missed
+before the fault (start-up: still importing torch when round 0 formed) are counted apart. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
 after a death for up to quorum_timeout_s = {RENDEZVOUS['quorum_timeout_s']} s, until the rendezvous stops waiting for
 a site whose heartbeats have not yet timed out). "Skipped buckets": buckets whose owner died in the round (every
 survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix('.csv').name}`; plot: `{png.name}`.

@@ -107,6 +107,11 @@ def test_update_results_replaces_own_section_only(tmp_path: Path) -> None:
     assert "keep me" in text and "other" in text and "second" in text and "first" not in text
     assert text.count("## X (quick)") == 1
     assert text.index("## Someone else's section") < text.index("## X (quick)") < text.index("## Y (quick)")
+    # a section whose begin marker another writer cut off is replaced, not duplicated
+    p.write_text(text.replace("<!-- begin x-quick -->\n", ""))
+    update_results(p, "x-quick", "X (quick)", "third")
+    text = p.read_text()
+    assert text.count("## X (quick)") == 1 and "third" in text and "second" not in text and "other" in text
 
 
 @pytest.mark.timeout(30)
@@ -114,14 +119,15 @@ def test_site_failures_report_from_rows(tmp_path: Path) -> None:
     """site_failures.py starts 5 processes per run (no seconds-long mode): its table, verdicts
     and plot are checked on hand-made rows instead."""
     sf = importlib.import_module("experiments.site_failures")
-    base = dict(experiment="site_failures", seed=0, final_val_loss=2.9, rounds_lost=0, max_round_s=1.0,
+    base = dict(experiment="site_failures", seed=0, final_val_loss=2.9, rounds_lost=0, rounds_missed_before_fault=0,
+                max_round_s=1.0,
                 max_beyond_deadline_s=0.0,
                 max_quorum_wait_s=0.4, wall_s=20.0, stale_buckets=0, skipped_buckets=0, rejected=0,
                 survivors_consistent=True, restarted_first_round=-1)
     rows = [dict(base, config=sf.NO_FAULT), dict(base, config=sf.RESTART, final_val_loss=2.95, restarted_first_round=7),
             dict(base, config=sf.OWNER, skipped_buckets=2), dict(base, config=sf.TWO, rounds_lost=1, max_beyond_deadline_s=1.5)]
     md, verdicts = sf.analyse(rows)
-    assert "| kill 1, restart | 1 | 2.9500 ± 0.0000 | +0.0500 ± +0.0000 | 0 | 1.00 | 0.00 |" in md
+    assert "| kill 1, restart | 1 | 2.9500 ± 0.0000 | +0.0500 ± +0.0000 | 0 | 0 | 1.00 | 0.00 |" in md
     assert any("kill 1, restart: rounds lost 0 (target none: **met**)" in v and "from round 7" in v for v in verdicts)
     assert any("kill 2 at once: rounds lost 1 (target none: **NOT met**)" in v and "< 1 s: **NOT met**" in v
                for v in verdicts)
