@@ -227,9 +227,12 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
 
     groups = summarize(rows)
     fig, ax = subplots(figsize=(6.4, 4.4))
+    levels: list[float] = []
     for i, (cfg, g) in enumerate(groups.items()):
         if cfg == ALONE:  # no bytes: a level, not a point on the log axis
-            ax.axhline(mean_std([r["final_val_loss"] for r in g])[0], color="tab:red", lw=0.8, ls=":", label=cfg)
+            level = mean_std([r["final_val_loss"] for r in g])[0]
+            ax.axhline(level, color="tab:red", lw=0.8, ls=":", label=cfg)
+            levels.append(level)
             continue
         x = [r["bytes_total"] / r["num_sites"] / 1e6 for r in g]
         y = [r["final_val_loss"] for r in g]
@@ -241,6 +244,10 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
                     fontsize=8)
         if cfg == DDP:
             ax.axhline(my[0], color="black", lw=0.8, ls="--")
+    if levels:  # axhline does not widen the y range
+        lo, hi = ax.get_ylim()
+        pad = 0.05 * (hi - lo)
+        ax.set_ylim(min(lo, min(levels) - pad), max(hi, max(levels) + pad))
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per site (log)")
     ax.set_ylabel("final validation loss (nats/token)")
