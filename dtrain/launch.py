@@ -40,6 +40,17 @@ def _flag(name: str, value) -> list[str]:
     return [flag, str(value)]
 
 
+def _out(text: str) -> None:
+    """The launcher's console output (this module is the ``dtrain launch`` command)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _tail(path: Path, n: int = 15) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -275,15 +286,15 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         t0 = time.monotonic()
         while not addr_file.exists():
             if stopping["flag"]:
-                print("dtrain launch: interrupted before the rendezvous started", file=sys.stderr)
+                _err("dtrain launch: interrupted before the rendezvous started")
                 return 130
             if procs["rendezvous"].poll() is not None or time.monotonic() - t0 > 30:
-                print(f"rendezvous failed to start:\n{_tail(logs['rendezvous'])}", file=sys.stderr)
+                _err(f"rendezvous failed to start:\n{_tail(logs['rendezvous'])}")
                 return 1
             time.sleep(0.05)
         rv_addr = addr_file.read_text().strip()
         if http_bind is not None:
-            print(f"dtrain launch: status page {http_file.read_text().strip()}", flush=True)
+            _out(f"dtrain launch: status page {http_file.read_text().strip()}")
         views: dict[str, _SiteView] = {}
         for i in range(n):
             if stopping["flag"]:
@@ -304,7 +315,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
         (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
-        print(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}", flush=True)
+        _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}")
         # disable=None: no bar when stderr is not a terminal (a log file or CI would get one line per refresh)
         bar = tqdm(total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True)
         crashed: dict[str, int] = {}
@@ -335,7 +346,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             time.sleep(0.5)
         bar.close()
         if stopping["flag"]:
-            print("dtrain launch: interrupted; stopping every site", file=sys.stderr)
+            _err("dtrain launch: interrupted; stopping every site")
             exit_code = 130
     finally:
         # Workers first (they leave the group through the rendezvous), then the rendezvous.
@@ -355,14 +366,13 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             rows.append(json.loads(f.read_text()))
         else:
             rows.append({"site": f"site-{i}"})
-    print()
-    print(_format_table(rows))
+    _out("\n" + _format_table(rows))
     sums = {r["checksum"] for r in rows if "checksum" in r}
     finished = [r for r in rows if "checksum" in r]
     if finished:
         first = [r["first_val_loss"] for r in finished]
         last = [r["final_val_loss"] for r in finished]
-        print(f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)")
+        _out(f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)")
     agree = len(sums) == 1 and len(finished) == n
     unfinished = [r["site"] for r in rows if "checksum" not in r]
     if agree:
@@ -371,11 +381,11 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         verdict = f"θ checksums agree across the {len(finished)} finished sites; {', '.join(unfinished)} did not finish"
     else:
         verdict = f"θ checksums DIFFER across sites ({len(sums)} distinct)" + (f"; {', '.join(unfinished)} did not finish" if unfinished else "")
-    print(f"{verdict}; run dir: {run_dir}")
+    _out(f"{verdict}; run dir: {run_dir}")
     bad = {s: p.returncode for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
     if bad and exit_code == 0:
         for s, rc in bad.items():
-            print(f"{s} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[s])}", file=sys.stderr)
+            _err(f"{s} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[s])}")
         exit_code = 1
     if exit_code == 0 and not agree:
         exit_code = 1

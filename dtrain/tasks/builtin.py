@@ -2,7 +2,7 @@
 
 Presets (``TaskSpec.size``). Step = one inner step (forward, backward, AdamW) at
 ``torch.set_num_threads(1)``, fp32, eager, on the 2-vCPU development machine, median
-over 40-60 steps after 5 warm-up steps (``python -m dtrain.tasks.bench``). "idle" was
+over 40-60 steps after 5 warm-up steps (``python experiments/bench_tasks.py``). "idle" was
 measured with the machine otherwise idle; "busy" with load average ~14 from other jobs:
 
 ========  ==================  =======  ========  ======  ==========  ==========
