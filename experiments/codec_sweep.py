@@ -44,7 +44,7 @@ from experiments.common import (  # noqa: E402
     fmt_pm,
     mean_std,
     md_table,
-    mode_of,
+    mode_settings,
     out_prefix,
     paired_deltas,
     publish,
@@ -232,15 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--zstd-level", type=int, default=1, help="zstd level of the +zstd codecs (default 1)")
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
-    mode = mode_of(args)
-    m = dict(MODES[mode])
-    for k in ("rounds", "sync_every", "size", "jobs"):
-        if getattr(args, k) is not None:
-            m[k] = getattr(args, k)
-    if args.sites is not None:
-        m["num_sites"] = args.sites
-    if args.seeds is not None:
-        m["seeds"] = list(range(args.seeds))
+    mode, m = mode_settings(args, MODES, ("rounds", "sync_every", "size", "jobs"))
     if args.codecs:
         m["codecs"] = args.codecs.split(",")
         if "fp32" not in m["codecs"]:

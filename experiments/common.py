@@ -75,6 +75,7 @@ __all__ = [
     "subplots",
     "save_fig",
     "mode_of",
+    "mode_settings",
     "out_prefix",
 ]
 
@@ -523,6 +524,23 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
 
 def mode_of(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def mode_settings(args: argparse.Namespace, modes: dict[str, dict[str, Any]],
+                  overrides: Sequence[str] = ("size",)) -> tuple[str, dict[str, Any]]:
+    """(mode, a copy of ``modes[mode]``) with the flags the user gave applied: ``--sites``
+    (``num_sites``), ``--seeds N`` (seeds 0..N-1) and each attribute named in ``overrides``
+    that is not None."""
+    mode = mode_of(args)
+    m = dict(modes[mode])
+    for k in overrides:
+        if getattr(args, k, None) is not None:
+            m[k] = getattr(args, k)
+    if getattr(args, "sites", None) is not None:
+        m["num_sites"] = args.sites
+    if args.seeds is not None:
+        m["seeds"] = list(range(args.seeds))
+    return mode, m
 
 
 def out_prefix(args: argparse.Namespace, name: str) -> Path:

@@ -57,7 +57,7 @@ from experiments.common import (  # noqa: E402
     fmt_pm,
     mean_std,
     md_table,
-    mode_of,
+    mode_settings,
     out_prefix,
     paired_deltas,
     publish,
@@ -267,15 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD; lr 1 + momentum 0 = model averaging)")
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
-    mode = mode_of(args)
-    m = dict(MODES[mode])
-    for k in ("size", "jobs", "total_steps"):
-        if getattr(args, k) is not None:
-            m[k] = getattr(args, k)
-    if args.sites is not None:
-        m["num_sites"] = args.sites
-    if args.seeds is not None:
-        m["seeds"] = list(range(args.seeds))
+    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps"))
     if args.hs:
         m["hs"] = [int(x) for x in args.hs.split(",")]
     m["outer_lr"], m["outer_momentum"] = args.outer_lr, args.outer_momentum

@@ -16,8 +16,8 @@ It also runs the same loss with repair off (the paper's keep-stale behaviour:
 distance ‖θ_i − θ_j‖ between sites after each round, with repair on and off. Drift
 should level off rather than grow with rounds.
 
-Not done here: the same point over the gRPC transport through netem loss (needs the
-netem harness; see issue 6 part 1).
+The 10% point over the gRPC transport with real packet loss (netem) is
+``experiments/netem_loss.py``.
 
 Usage (from the repository root)::
 
@@ -48,7 +48,7 @@ from experiments.common import (  # noqa: E402
     fmt_pm,
     mean_std,
     md_table,
-    mode_of,
+    mode_settings,
     out_prefix,
     paired_deltas,
     publish,
@@ -248,13 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     quiet_logging(args.verbose)
-    mode = mode_of(args)
-    m = dict(MODES[mode])
-    for k in ("sites", "rounds", "sync_every", "size", "jobs"):
-        if getattr(args, k) is not None:
-            m["num_sites" if k == "sites" else k] = getattr(args, k)
-    if args.seeds is not None:
-        m["seeds"] = list(range(args.seeds))
+    mode, m = mode_settings(args, MODES, ("rounds", "sync_every", "size", "jobs"))
     if args.rates:
         m["rates"] = [float(x) for x in args.rates.split(",")]
         if 0.0 not in m["rates"]:
@@ -320,7 +314,8 @@ momentum would have made of it) until a repair pulls θ_b whole, and every furth
 on, a missed mean is repaired within the round (θ equal on every site after every round).
 
 {chr(10).join(lines)}
-- Not done: the same point over the gRPC transport through netem loss (waits for the netem harness).
+- The 10% point over real gRPC with 10% packet loss through netem: see "Packet loss over gRPC through netem"
+  (`experiments/netem_loss.py`).
 """
     publish(args, f"loss_sweep-{mode}", f"Chunk-loss sweep ({mode})", body)
     return 0
