@@ -24,6 +24,7 @@ Usage (from the repository root)::
 
     .venv/bin/python experiments/site_failures.py --quick   # 4 sites, tiny, 3 seeds
     .venv/bin/python experiments/site_failures.py           # full: small model, more rounds
+    .venv/bin/python experiments/site_failures.py --smoke --out /tmp/x --results none   # CI: 2 runs
 
 Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -31,12 +32,8 @@ table into ``experiments/RESULTS.md``.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,13 +44,12 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402
-    ROOT,
     RunResult,
     base_parser,
     fmt_pm,
     mean_std,
     md_table,
-    mode_of,
+    mode_settings,
     out_prefix,
     paired_deltas,
     publish,
@@ -63,6 +59,7 @@ from experiments.common import (  # noqa: E402
     subplots,
     summarize,
 )
+from experiments.procs import ProcRun  # noqa: E402
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -73,6 +70,9 @@ MODES: dict[str, dict[str, Any]] = {
     # A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
     # milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
     # site is back for a good part of the run instead of after its end.
+    # CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
+    "smoke": dict(num_sites=4, size="tiny", sync_every=2, rounds=4, kill_round=1, down_rounds=1, seeds=[0],
+                  inner_step_sleep_s=0.05, scenarios=[NO_FAULT, OWNER]),
     "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=24, kill_round=3, down_rounds=2, seeds=[0, 1, 2],
                   inner_step_sleep_s=0.1),
     "full": dict(num_sites=4, size="small", sync_every=50, rounds=40, kill_round=8, down_rounds=5,
@@ -98,86 +98,27 @@ class FailureSpec:
         return self.scenario
 
 
-def _flags(opts: dict[str, Any]) -> list[str]:
-    return [x for k, v in opts.items() for x in ("--" + k.replace("_", "-"), str(v))]
+WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
-class _Run:
-    """The rendezvous and worker processes of one run, under ``root``. Every wait is bounded."""
+class _Run(ProcRun):
+    """The rendezvous and worker processes of one run (see :class:`experiments.procs.ProcRun`)."""
 
     def __init__(self, spec: FailureSpec, root: Path) -> None:
-        self.spec, self.root = spec, root
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.env.pop("DTRAIN_TEST_FAULT", None)
-        self.deadline = time.monotonic() + spec.timeout_s
-        self.rv = ""
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = self.root / f"{name}.log"
-        with open(log, "a") as f:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "dtrain", *argv], stdout=f,
-                                                stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                                                cwd=str(ROOT), start_new_session=True)
-
-    def wait(self, pred, what: str) -> None:
-        while not pred():
-            if time.monotonic() > self.deadline:
-                raise TimeoutError(f"{self.spec.scenario} seed {self.spec.seed}: timed out waiting for {what}")
-            time.sleep(0.1)
+        super().__init__(root, spec.num_sites, timeout_s=spec.timeout_s)
+        self.spec = spec
 
     def start(self) -> None:
-        addr = self.root / "rendezvous.addr"
-        self.spawn("rendezvous", ["rendezvous", "--bind", "127.0.0.1:0", "--address-file", str(addr),
-                                  "--initial-sites", str(self.spec.num_sites), *_flags(RENDEZVOUS)])
-        self.wait(lambda: addr.exists() and addr.read_text().strip(), "the rendezvous address")
-        self.rv = addr.read_text().strip()
+        self.start_rendezvous({"initial_sites": self.spec.num_sites, **RENDEZVOUS})
         for i in range(self.spec.num_sites):
             fault = f"site-1:mid_push:{self.spec.kill_round}:kill" if self.spec.scenario == OWNER and i == 1 else None
             self.start_site(i, fault=fault)
 
-    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> None:
+    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> None:  # type: ignore[override]
         s = self.spec
-        argv = ["worker", "--site-id", f"site-{i}", "--site-index", str(i), "--num-sites", str(s.num_sites),
-                "--rendezvous", self.rv, "--size", s.size, "--seed", str(s.seed), "--rounds", str(s.rounds),
-                "--sync-every", str(s.sync_every), "--codec", "fp32", "--bucket-bytes", "65536",
-                "--chunk-bytes", "16384", "--checkpoint-every", "1", "--linger-s", "2", "--quorum-wait-s", "120",
-                "--inner-step-sleep-s", str(s.inner_step_sleep_s),
-                "--out-dir", str(self.root / f"site-{i}")]
-        if resume:
-            argv.append("--resume")
-        self.spawn(f"site-{i}", argv, {"DTRAIN_TEST_FAULT": fault} if fault else None)
-
-    def lines(self, i: int) -> list[dict[str, Any]]:
-        try:
-            text = (self.root / f"site-{i}" / "metrics.jsonl").read_text()
-        except OSError:
-            return []
-        out = []
-        for ln in text.split("\n")[:-1]:
-            try:
-                out.append(json.loads(ln))
-            except json.JSONDecodeError:
-                continue
-        return out
-
-    def done_round(self, i: int, r: int) -> bool:
-        return any(d.get("event") == "round" and d["round"] >= r for d in self.lines(i))
-
-    def kill(self, i: int) -> None:
-        p = self.procs[f"site-{i}"]
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=10)
+        opts = dict(size=s.size, seed=s.seed, rounds=s.rounds, sync_every=s.sync_every, **WORKER,
+                    inner_step_sleep_s=s.inner_step_sleep_s)
+        super().start_site(i, opts, env={"DTRAIN_TEST_FAULT": fault} if fault else None, resume=resume)
 
 
 def run_failure(spec: FailureSpec) -> RunResult:
@@ -311,20 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--rounds", type=int)
     args = ap.parse_args(argv)
-    mode = mode_of(args)
-    if mode == "smoke":
-        raise SystemExit("site_failures has no --smoke mode: it starts 5 processes per run (see the module docstring)")
-    m = dict(MODES[mode])
-    if args.size:
-        m["size"] = args.size
-    if args.rounds:
-        m["rounds"] = args.rounds
-    if args.seeds is not None:
-        m["seeds"] = list(range(args.seeds))
+    mode, m = mode_settings(args, MODES, ("size", "rounds"))
     specs = [FailureSpec(scenario=sc, seed=seed, num_sites=m["num_sites"], size=m["size"], sync_every=m["sync_every"],
                          rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"],
                          inner_step_sleep_s=m["inner_step_sleep_s"])
-             for sc in SCENARIOS for seed in m["seeds"]]
+             for sc in m.get("scenarios", SCENARIOS) for seed in m["seeds"]]
     prefix = out_prefix(args, "site_failures")
 
     def runner():

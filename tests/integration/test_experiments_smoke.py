@@ -116,8 +116,8 @@ def test_update_results_replaces_own_section_only(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_site_failures_report_from_rows(tmp_path: Path) -> None:
-    """site_failures.py starts 5 processes per run (no seconds-long mode): its table, verdicts
-    and plot are checked on hand-made rows instead."""
+    """The table, verdicts and plot of site_failures.py for every scenario (the smoke run
+    below covers two), on hand-made rows."""
     sf = importlib.import_module("experiments.site_failures")
     base = dict(experiment="site_failures", seed=0, final_val_loss=2.9, rounds_lost=0, rounds_missed_before_fault=0,
                 max_round_s=1.0,
@@ -135,3 +135,20 @@ def test_site_failures_report_from_rows(tmp_path: Path) -> None:
               for c in sf.SCENARIOS for r in range(4)]
     png = sf.plot(rounds, tmp_path / "sf", sf.MODES["quick"])
     assert png.stat().st_size > 5000
+
+
+@pytest.mark.timeout(240)
+def test_site_failures_smoke(tmp_path: Path) -> None:
+    """Real processes: 4 workers + a rendezvous, no fault and an owner that SIGKILLs itself
+    mid-push in round 1 (``DTRAIN_TEST_FAULT``); 4 short rounds."""
+    rows, _, md = _run("site_failures", tmp_path)
+    assert [r["config"] for r in rows] == ["no fault", "owner killed mid-round"]
+    _check_rows(rows, "site_failures")
+    clean, owner = rows
+    assert clean["rounds_done"] == 4 and clean["rounds_lost"] == 0 and clean["skipped_buckets"] == 0
+    assert clean["survivors_consistent"] is True and clean["first_val_loss"] > clean["final_val_loss"]
+    # site-1 died while owning buckets: the survivors skip those buckets in that round, lose no round and agree
+    assert owner["rounds_lost"] == 0 and owner["skipped_buckets"] > 0 and owner["survivors_consistent"] is True
+    assert "site-1=-9" in owner["exit_codes"] and "site-0=0" in owner["exit_codes"]
+    assert (tmp_path / "site_failures_smoke.png").stat().st_size > 5000
+    assert "## Site failures (smoke)" in md and "owner killed mid-round: rounds lost 0 (target none: **met**)" in md

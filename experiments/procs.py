@@ -1,0 +1,167 @@
+"""Real ``dtrain rendezvous`` + ``dtrain worker`` processes for the experiments.
+
+:class:`ProcRun` starts one rendezvous and N workers as separate processes talking
+gRPC, on 127.0.0.1 or, given a :class:`netem.Topology` with N + 1 sites, each inside
+its own emulated site (the rendezvous in the last one, as ``dtrain launch --netem``
+does). It reads the workers' ``metrics.jsonl`` files while they run, waits with a
+bound on every wait, kills sites, and kills everything left on :meth:`close`.
+
+Used by ``site_failures.py`` (127.0.0.1), ``wan_sweep.py`` and ``netem_loss.py``
+(through netem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from experiments.common import ROOT
+
+__all__ = ["ProcRun", "flags", "netem_topology"]
+
+
+def flags(opts: dict[str, Any]) -> list[str]:
+    """``{"reduce_timeout_s": 2}`` -> ``["--reduce-timeout-s", "2"]`` (None values are left out)."""
+    return [x for k, v in opts.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def netem_topology(num_sites: int, name: str, script: str):
+    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; use it as a context manager).
+
+    ``netem/`` is repository tooling, imported from this checkout. Raises SystemExit naming
+    ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
+    be emulated here.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import netem  # noqa: PLC0415
+
+    missing = netem.missing_requirements()
+    if missing:
+        raise SystemExit(f"{script}: netem cannot emulate links here: missing {', '.join(missing)}")
+    return netem.Topology(num_sites=num_sites, profile="lan", name=name)
+
+
+class ProcRun:
+    """The processes of one multi-site run, with logs and site directories under ``root``.
+
+    Args:
+        root: directory for ``rendezvous.log``, ``site-<i>.log`` and ``site-<i>/``.
+        num_sites: number of workers.
+        timeout_s: bound on the whole run: :meth:`wait` raises TimeoutError past it.
+        topo: a netem Topology with at least ``num_sites + 1`` sites, or None for 127.0.0.1.
+    """
+
+    def __init__(self, root: Path, num_sites: int, *, timeout_s: float, topo=None) -> None:
+        self.root, self.num_sites, self.topo = root, num_sites, topo
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.env.pop("DTRAIN_TEST_FAULT", None)
+        self.deadline = time.monotonic() + timeout_s
+        self.rv = ""
+
+    def host(self, i: int) -> str:
+        """Site ``i``'s address (``i == num_sites``: the rendezvous)."""
+        return self.topo.address(i) if self.topo is not None else "127.0.0.1"
+
+    def spawn(self, name: str, index: int, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """Start ``python -m dtrain ARGV`` as ``name``, inside site ``index`` under netem."""
+        cmd = [sys.executable, "-m", "dtrain", *argv]
+        if self.topo is not None:
+            cmd = self.topo.exec_argv(index, cmd)
+        with open(self.root / f"{name}.log", "a") as f:
+            self.procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                                cwd=str(ROOT), start_new_session=True)
+
+    def wait(self, pred: Callable[[], bool], what: str, poll_s: float = 0.05) -> None:
+        """Poll ``pred`` until true; TimeoutError naming ``what`` past the run's bound."""
+        while not pred():
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"timed out waiting for {what} (logs in {self.root})")
+            time.sleep(poll_s)
+
+    def start_rendezvous(self, opts: dict[str, Any]) -> str:
+        """Start the rendezvous with RendezvousConfig fields ``opts``; returns its host:port."""
+        addr = self.root / "rendezvous.addr"
+        self.spawn("rendezvous", self.num_sites, ["rendezvous", "--bind", f"{self.host(self.num_sites)}:0",
+                                                  "--address-file", str(addr), *flags(opts)])
+
+        def ready() -> bool:
+            if self.procs["rendezvous"].poll() is not None:
+                raise RuntimeError(f"the rendezvous exited: {self.tail('rendezvous')}")
+            return addr.exists() and bool(addr.read_text().strip())
+
+        self.wait(ready, "the rendezvous address")
+        self.rv = addr.read_text().strip()
+        return self.rv
+
+    def start_site(self, i: int, opts: dict[str, Any], *, env: dict[str, str] | None = None,
+                   resume: bool = False) -> None:
+        """Start worker ``site-<i>`` with WorkerConfig fields ``opts`` (site id, index, listen
+        address, rendezvous and out dir are filled in)."""
+        argv = ["worker", "--site-id", f"site-{i}", "--site-index", str(i), "--num-sites", str(self.num_sites),
+                "--listen", f"{self.host(i)}:0", "--rendezvous", self.rv, "--out-dir", str(self.root / f"site-{i}"),
+                *flags(opts)]
+        if resume:
+            argv.append("--resume")
+        self.spawn(f"site-{i}", i, argv, env)
+
+    def tail(self, name: str, n: int = 20) -> str:
+        try:
+            return "\n".join((self.root / f"{name}.log").read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def lines(self, i: int) -> list[dict[str, Any]]:
+        """Site ``i``'s metrics lines so far (a half-written last line is skipped)."""
+        try:
+            text = (self.root / f"site-{i}" / "metrics.jsonl").read_text()
+        except OSError:
+            return []
+        out = []
+        for ln in text.split("\n")[:-1]:
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def rounds(self, i: int) -> list[dict[str, Any]]:
+        return [x for x in self.lines(i) if x.get("event") == "round"]
+
+    def done_round(self, i: int, r: int) -> bool:
+        """Site ``i`` wrote its metrics line for round ``r`` or a later one."""
+        return any(x["round"] >= r for x in self.rounds(i))
+
+    def exited(self, names: list[str]) -> bool:
+        return all(self.procs[n].poll() is not None for n in names)
+
+    def check_alive(self, names: list[str]) -> None:
+        """RuntimeError with its log tail if one of ``names`` exited with a non-zero code."""
+        for n in names:
+            rc = self.procs[n].poll()
+            if rc not in (None, 0):
+                raise RuntimeError(f"{n} exited with code {rc}:\n{self.tail(n)}")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL site ``i``'s process group."""
+        p = self.procs[f"site-{i}"]
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def close(self) -> None:
+        """SIGKILL every process still running."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
