@@ -1,0 +1,73 @@
+"""The netem experiment scripts in their smallest mode (``--smoke``), so they do not rot.
+
+``wan_sweep.py`` and ``netem_loss.py`` start real worker and rendezvous processes in
+emulated sites. What is checked: one CSV row per setting and seed with the documented
+columns and values that follow from the setting (bytes, the physical limit, a delay that
+shows in the exchange time), the plot, and the RESULTS.md section with its command.
+The measurements themselves are not tested here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments.common import read_rows
+
+pytestmark = pytest.mark.netem
+
+RUN_COLUMNS = {"experiment", "config", "seed", "num_sites", "sync_every", "codec", "final_val_loss", "first_val_loss",
+               "rounds_done", "wall_s", "bytes_total", "bytes_per_round_site", "sync_s", "stale_buckets", "rejected"}
+
+
+def _main(script: str, tmp_path: Path) -> str:
+    mod = importlib.import_module(f"experiments.{script}")
+    results = tmp_path / "RESULTS.md"
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--results", str(results)]) == 0
+    return results.read_text()
+
+
+@pytest.mark.timeout(180)
+def test_wan_sweep_smoke(tmp_path: Path) -> None:
+    md = _main("wan_sweep", tmp_path)
+    rows = read_rows(tmp_path / "wan_sweep_smoke.csv")
+    # smoke: 2 sites, 50 Mbit/s, one-way delay 0 and 25 ms, no loss; 1 warm-up + 1 measured round each
+    assert [(r["rate_mbit"], r["delay_ms"], r["loss_pct"]) for r in rows] == [(50.0, 0.0, 0.0), (50.0, 25.0, 0.0)]
+    for r in rows:
+        assert RUN_COLUMNS <= set(r), RUN_COLUMNS - set(r)
+        assert r["experiment"] == "wan_sweep" and r["rounds_measured"] == 1 and r["rounds_done"] == 4
+        assert r["final_val_loss"] < r["first_val_loss"]
+        # tiny GPT, int8: one byte per parameter (0.12 M) plus headers and scales
+        assert 100_000 < r["encoded_bytes_per_site"] < 160_000
+        expect = 2 * r["encoded_bytes_per_site"] * 8 / 50e6 + 4 * r["delay_ms"] / 1000
+        assert r["limit_s"] == pytest.approx(expect, rel=1e-4)  # the CSV keeps 6 digits
+        assert r["ratio"] == pytest.approx(r["engine_s"] / r["limit_s"], rel=1e-4)
+        assert 0 < r["compute_util"] < 1 and r["stale_buckets"] == 0 and r["rejected"] == 0
+    # 25 ms one way: a round's exchange needs at least one round trip (50 ms) between two sites
+    assert rows[1]["engine_s"] >= 0.05
+    rounds = read_rows(tmp_path / "wan_sweep_smoke_rounds.csv")
+    assert len(rounds) == 8 and sum(1 for x in rounds if x["measured"] is True) == 4
+    assert (tmp_path / "wan_sweep_smoke.png").stat().st_size > 5000
+    assert "## WAN sweep through netem (smoke)" in md
+    assert "`.venv/bin/python experiments/wan_sweep.py --smoke" in md
+    assert "| 50 | 25 | 0 | 1 |" in md
+
+
+@pytest.mark.timeout(180)
+def test_netem_loss_smoke(tmp_path: Path) -> None:
+    md = _main("netem_loss", tmp_path)
+    rows = read_rows(tmp_path / "netem_loss_smoke.csv")
+    assert [(r["config"], r["loss_pct"]) for r in rows] == [("loss 0%", 0.0), ("loss 10%", 10.0)]
+    for r in rows:
+        assert RUN_COLUMNS <= set(r), RUN_COLUMNS - set(r)
+        assert r["rounds_done"] == 2 and r["consistent"] is True
+        assert math.isfinite(r["final_val_loss"]) and r["final_val_loss"] < r["first_val_loss"]
+        # fp32 over 2 sites: each site pushes about half of its 0.12 M x 4 bytes and serves the other half
+        assert r["bytes_per_round_site"] > 200_000
+    assert rows[0]["reduce_arrived"] == 1.0 and rows[0]["stale_buckets"] == 0
+    assert (tmp_path / "netem_loss_smoke.png").stat().st_size > 5000
+    assert "## Packet loss over gRPC through netem (smoke)" in md
+    assert "`.venv/bin/python experiments/netem_loss.py --smoke" in md
