@@ -173,6 +173,8 @@ class Group:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
                     while self._reports and self._reports[0][0] <= pending[-1][0]:
                         self._reports.popleft()
+            if hb.known and hb.dead:
+                self.engine.members_lost(hb.dead)
             if not hb.known:
                 self._rejoin_needed.set()
                 try:  # a restarted rendezvous: register again, keep our state

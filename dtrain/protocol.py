@@ -177,13 +177,16 @@ class HeartbeatInfo:
     ``resync_required`` is True when the rendezvous declared this site dead (or
     cut it from a round it then took part in); the site must pull state again.
     ``known`` is False when the rendezvous does not know the site (it restarted):
-    the site re-joins.
+    the site re-joins. ``dead`` lists the sites the rendezvous holds dead now
+    (silent for longer than its heartbeat timeout, or left): the site's round
+    engine stops waiting for their contributions (``RoundEngine.members_lost``).
     """
 
     known: bool
     resync_required: bool
     next_round: int
     reason: str
+    dead: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

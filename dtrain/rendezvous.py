@@ -247,7 +247,10 @@ class RendezvousCore:
             if round_reports:
                 self.status_log.add_reports(site_id, list(round_reports))
             self._changed()
-            return HeartbeatInfo(known=True, resync_required=rec.needs_resync, next_round=self.next_round, reason=rec.resync_reason)
+            dead = tuple(sorted({s for s, r in self.sites.items() if not r.alive(now, self.config.heartbeat_timeout_s)}
+                                | set(self._left)))
+            return HeartbeatInfo(known=True, resync_required=rec.needs_resync, next_round=self.next_round,
+                                 reason=rec.resync_reason, dead=dead)
 
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:

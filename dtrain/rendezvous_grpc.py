@@ -169,7 +169,8 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
             ),
         )
         return pb.HeartbeatReply(
-            known=info.known, resync_required=info.resync_required, next_round=info.next_round, reason=info.reason
+            known=info.known, resync_required=info.resync_required, next_round=info.next_round, reason=info.reason,
+            dead=list(info.dead),
         )
 
     def Ready(self, request, context):
@@ -333,7 +334,8 @@ class GrpcRendezvousClient:
             "heartbeat", self.rpc_timeout_s, lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata)
         )
         return HeartbeatInfo(
-            known=reply.known, resync_required=reply.resync_required, next_round=reply.next_round, reason=reply.reason
+            known=reply.known, resync_required=reply.resync_required, next_round=reply.next_round, reason=reply.reason,
+            dead=tuple(reply.dead),
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

@@ -21,16 +21,17 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from dataclasses import replace
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+from dtrain.aggregation import ChunkAccumulator
 from dtrain.buckets import assign_owners
-from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs import get_codec
 from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, Rejected, RejectCode, StateTransferError, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.round_types import RoundConfig, RoundResult
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
@@ -43,88 +44,6 @@ log = logging.getLogger(__name__)
 _SENDER_FAULTS = (RejectCode.INVALID_ARGUMENT, RejectCode.RESOURCE_EXHAUSTED, RejectCode.ALREADY_EXISTS)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RoundConfig:
-    """Per-site round behaviour (the deadlines come with each ``RoundPlan``).
-
-    Attributes:
-        codec: codec of the pseudo-gradient contributions (reduce phase).
-        broadcast_codec: codec of the owners' means; None = same as ``codec``.
-        aggregation: robust-aggregation options of the owner.
-        error_feedback: keep what the codec or a lost exchange failed to deliver
-            and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
-            Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
-        broadcast_error_feedback: the owner also keeps what the lossy broadcast
-            codec lost from each mean and adds it to the next mean of that bucket
-            (costs 4 bytes per owned parameter; off by default).
-        repair: pull stale buckets whole from the owner; False keeps stale
-            values as the packet-loss paper does (arXiv 2507.07114 §4.2).
-        plan_wait_s: how long a request for a round this site has not opened yet
-            waits for the plan to arrive (peers receive plans a few ms apart).
-        repair_timeout_s: time budget for late mean pulls and state repair after
-            the broadcast deadline, seconds.
-        max_consecutive_rejections: a sender whose contributions were rejected in
-            this many consecutive rounds is refused from then on (PERMISSION_DENIED).
-        num_pull_threads: concurrent mean pulls.
-    """
-
-    codec: CodecConfig = field(default_factory=lambda: CodecConfig(name="fp32"))
-    broadcast_codec: CodecConfig | None = None
-    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    error_feedback: bool = True
-    broadcast_error_feedback: bool = False
-    repair: bool = True
-    plan_wait_s: float = 5.0
-    repair_timeout_s: float = 5.0
-    max_consecutive_rejections: int = 3
-    num_pull_threads: int = 8
-
-    def __post_init__(self) -> None:
-        get_codec(self.codec)  # raises ValueError naming the codec
-        if self.broadcast_codec is not None:
-            get_codec(self.broadcast_codec)
-        if get_codec(self.codec).needs_error_feedback and not self.error_feedback:
-            raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
-        for name in ("plan_wait_s", "repair_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.max_consecutive_rejections < 1:
-            raise ValueError(f"max_consecutive_rejections must be >= 1, got {self.max_consecutive_rejections!r}")
-        if self.num_pull_threads < 1:
-            raise ValueError(f"num_pull_threads must be >= 1, got {self.num_pull_threads!r}")
-
-
-@dataclass(kw_only=True)
-class RoundResult:
-    """What one round did at one site (also the source of its metrics line)."""
-
-    round: int
-    members: tuple[str, ...]
-    owned_buckets: int = 0
-    applied_buckets: int = 0
-    stale_buckets: int = 0
-    repaired_buckets: int = 0
-    skipped_buckets: int = 0
-    contributed: bool = True
-    reduce_arrived_fraction: float = 0.0  # of expected contribution chunks at my buckets
-    broadcast_arrived_fraction: float = 0.0  # of buckets whose mean this site got
-    included_fraction: float = 0.0  # of my chunks that a finalized mean included
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    encode_s: float = 0.0
-    encoded_bytes: int = 0  # this site's encoded contribution payloads (all owners, itself included)
-    encoded_fp32_bytes: int = 0  # the fp32 size of what it encoded (compression = this / encoded_bytes)
-    decode_s: float = 0.0
-    network_s: float = 0.0
-    wait_s: float = 0.0
-    total_s: float = 0.0
-    rejected: dict[str, int] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-
-    def metrics(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
-
-
 class _OpenRound:
     """Owner-side bookkeeping of one round."""
 
@@ -132,6 +51,7 @@ class _OpenRound:
         self.plan = plan
         self.owners = owners
         self.members = set(plan.site_ids)
+        self.lost: set[str] = set()  # members the rendezvous declared dead during the round
         self.finalize_at = t0 + plan.reduce_timeout_s
         self.broadcast_until = t0 + plan.broadcast_timeout_s
         layout = engine.state.layout
@@ -273,10 +193,47 @@ class RoundEngine:
                 )
             if o.acc[(c.bucket, c.chunk)].add(c.sender, values, digest):
                 o.arrived += 1
+                if c.sender in o.lost:
+                    return  # no longer awaited (members_lost): counted in the mean, not in what is missing
                 o.bucket_missing[c.bucket] -= 1
                 if o.bucket_missing[c.bucket] == 0:
                     o.complete.append(c.bucket)
                     o.cv.notify_all()
+
+    def members_lost(self, site_ids: Iterable[str]) -> None:
+        """Stop waiting for contributions from ``site_ids`` in every round open here.
+
+        Called with the sites the rendezvous holds dead (no heartbeat within its
+        timeout, or left; ``HeartbeatInfo.dead``). For each owned bucket not yet
+        finalized, the chunks those members have not sent no longer count as
+        missing: a bucket that now lacks nothing else is finalized at once, with
+        the contributions that did arrive (as at the reduce deadline), instead of
+        waiting out the reduce deadline. Contributions a lost member still sends
+        before its bucket is finalized are counted as usual; later ones are
+        refused as late and stay in the sender's residual. Sites that are not
+        members of a round, and this site itself, are ignored.
+        """
+        lost = set(site_ids) - {self.site_id}
+        if not lost:
+            return
+        with self._cv:
+            rounds = list(self._open.values())
+        for o in rounds:
+            with o.cv:
+                new = (lost & o.members) - o.lost
+                if not new:
+                    continue
+                o.lost |= new
+                for b in o.mine:
+                    if b in o.closed:
+                        continue
+                    for c in range(len(self.state.layout.buckets[b].chunks)):
+                        o.bucket_missing[b] -= sum(1 for s in new if s not in o.acc[(b, c)].senders)
+                    if o.bucket_missing[b] == 0 and b not in o.complete:
+                        o.complete.append(b)
+                o.cv.notify_all()
+            log.warning("round %d: %s declared dead by the rendezvous: not waiting for their contributions",
+                        o.plan.round, ", ".join(sorted(new)))
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
@@ -319,8 +276,6 @@ class RoundEngine:
     def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
         """Owner side: publish each owned bucket's mean as soon as it is complete,
         and every remaining one at the reduce deadline."""
-        r = o.plan.round
-        res.encode_s += 0.0
         while True:
             with o.cv:
                 while not o.complete and time.monotonic() < o.finalize_at and len(o.closed) < len(o.mine):
@@ -662,6 +617,7 @@ class RoundEngine:
         # ---- bookkeeping
         self._note_rejections(o)
         res.rejected = dict(o.rejected)
+        res.lost_members = sorted(o.lost)
         with self._cv:
             self.state.rounds_applied = r + 1
             self._open.pop(r, None)

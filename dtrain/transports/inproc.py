@@ -54,7 +54,7 @@ class InprocFaults:
 
 
 _RULE_KINDS = ("push", "pull_mean", "pull_state")
-_RULE_ACTIONS = ("drop", "kill_dst")
+_RULE_ACTIONS = ("drop", "kill_dst", "kill_src")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,9 @@ class FaultRule:
         action: ``"drop"``: a pushed chunk is lost silently, a pulled mean or
             state is lost (``PeerTimeout`` at once); ``"kill_dst"``: the
             destination goes down before it handles the call (as if it died at
-            that moment; ``PeerUnavailable``), and down listeners are told.
+            that moment; ``PeerUnavailable``), and down listeners are told;
+            ``"kill_src"`` (``push`` only): the sending site goes down at that
+            chunk (it dies mid-push; the chunk is not delivered).
         times: how many calls the rule applies to (None: all of them).
     """
 
@@ -87,6 +89,8 @@ class FaultRule:
             raise ValueError(f"kind must be one of {_RULE_KINDS}, got {self.kind!r}")
         if self.action not in _RULE_ACTIONS:
             raise ValueError(f"action must be one of {_RULE_ACTIONS}, got {self.action!r}")
+        if self.action == "kill_src" and self.kind != "push":
+            raise ValueError(f"action 'kill_src' applies to kind 'push' only, got kind {self.kind!r}")
         if self.times is not None and self.times < 1:
             raise ValueError(f"times must be >= 1 or None, got {self.times!r}")
 
@@ -231,6 +235,10 @@ class InprocTransport(Transport):
             action = self.network._rule_action("push", c.sender, address, c.round, c.bucket)
             if action == "kill_dst":
                 raise PeerUnavailable(f"{address} went down (inproc rule)")
+            if action == "kill_src":
+                if self.address is not None:
+                    self.network.set_down(self.address)
+                raise PeerUnavailable(f"this site ({self.address}) went down (inproc rule)")
             if action == "drop" or self.network._draw(self.network.faults.push_loss):
                 log.debug("inproc: dropped chunk r%d b%d c%d from %s", c.round, c.bucket, c.chunk, c.sender)
                 accepted += 1  # the sender cannot tell a lost chunk from a delivered one

@@ -12,7 +12,7 @@ from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config
-from dtrain.transports.inproc import InprocFaults
+from dtrain.transports.inproc import FaultRule, InprocFaults
 
 P = 1024  # parameters of the toy model
 BUCKETS = BucketConfig(bucket_bytes=1024, chunk_bytes=256)  # 4 buckets of 256 elements, 4 chunks of 64 each
@@ -328,3 +328,40 @@ def test_killed_site_is_dropped_and_the_rest_continue() -> None:
         assert len(set(c.checksums())) == 1
         assert live[0].results[-1].members == ("site-0", "site-1")
         assert c.sites[2].diloco.round == 2
+
+
+@pytest.mark.timeout(60)
+def test_owners_stop_waiting_for_a_member_the_rendezvous_declares_dead() -> None:
+    """A member dies at its first push of round 1 (none of its chunks to that owner arrive).
+    The owners would wait for its chunks until the reduce deadline; once the
+    rendezvous holds it dead (no heartbeat for 0.5 s) their heartbeats say so and they
+    finalize with what arrived: the round ends long before the deadline (6 s), every survivor
+    applies it, and the survivors end equal."""
+    N = 3
+    rdv = fast_rendezvous_config(N, heartbeat_timeout_s=0.5, reduce_timeout_s=6.0, broadcast_timeout_s=12.0)
+    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32), rendezvous=rdv)
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        victim = min(range(N), key=lambda i: owners.count(c.sites[i].site_id))  # owns the fewest buckets
+        vid = c.sites[victim].site_id
+        lost_buckets = owners.count(vid)  # its means are never served: skipped alike by every survivor
+        c.network.add_rule(FaultRule(kind="push", sender=vid, round=1, action="kill_src", times=1))
+
+        def step(site: Site, r: int) -> None:
+            g = torch.Generator().manual_seed(17 * r + site.index)
+            contribute(site, torch.randn(P, generator=g))
+
+        c.run_steps(step, 3, timeout_s=50)
+        survivors = [s for s in c.sites if s.site_id != vid]
+        assert c.sites[victim].killed.is_set()
+        for s in survivors:
+            r1 = next(res for res in s.results if res.round == 1)
+            assert r1.members == tuple(x.site_id for x in c.sites)  # the victim was a member of round 1
+            assert r1.applied_buckets == len(owners) - lost_buckets and r1.skipped_buckets == lost_buckets
+            assert r1.stale_buckets == 0
+            if any(o == s.site_id for o in owners):
+                assert r1.lost_members == [vid]  # told by its heartbeat, as an owner waiting for it
+            # heartbeat timeout 0.5 s + a heartbeat or two (~0.55 s measured), far from the 6 s reduce deadline
+            assert r1.total_s < 3.0, r1.total_s
+        assert all(s.diloco.round == 3 for s in survivors)
+        assert len(set(c.checksums(survivors))) == 1

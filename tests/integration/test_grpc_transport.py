@@ -444,8 +444,9 @@ def test_rendezvous_long_poll_quorum_timeout_and_restart() -> None:
         late = client.ready("site-b", 0, timeout_s=1)
         assert late.status == "missed" and late.next_round == 1
         hb = client.heartbeat("site-a", inner_step=7, last_loss=2.5)
-        assert hb.known and not hb.resync_required and hb.next_round == 1
+        assert hb.known and not hb.resync_required and hb.next_round == 1 and hb.dead == ()
         client.leave("site-b")
+        assert client.heartbeat("site-a").dead == ("site-b",)  # the reply carries who is gone
         # No decision within the wait (the core keeps answering "wait" to a site it
         # does not know): "wait" comes back at the timeout, not before.
         t0 = time.monotonic()

@@ -104,6 +104,22 @@ def test_silent_site_is_told_to_resync_on_its_next_heartbeat() -> None:
     assert not core.heartbeat("b", now=3.8).resync_required
 
 
+def test_heartbeat_lists_the_sites_held_dead_or_gone() -> None:
+    """``HeartbeatInfo.dead``: sites silent for longer than heartbeat_timeout_s (3 s here)
+    and sites that left; a silent site that heartbeats again leaves the list."""
+    core = _core()
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    assert core.heartbeat("a", now=2.0).dead == ()
+    core.leave("c", now=2.5)
+    assert core.heartbeat("a", now=2.9).dead == ("c",)
+    assert core.heartbeat("a", now=3.5).dead == ("b", "c")  # b silent since 0.0
+    core.heartbeat("b", now=3.6)  # back (and told to resync): alive again
+    assert core.heartbeat("a", now=3.7).dead == ("c",)
+    core.join("c", "addr-c", now=3.8)  # a site that left and joins again is no longer gone
+    assert core.heartbeat("a", now=3.9).dead == ()
+
+
 def test_unknown_site_heartbeat_asks_to_join() -> None:
     core = _core()
     hb = core.heartbeat("x", now=1.0)
