@@ -507,13 +507,17 @@ def netem_problem() -> str | None:
 
 
 def _append_results(report: str, mode_name: str, no_append: bool) -> int:
-    """Append ``report`` to experiments/RESULTS.md (never in --smoke, nor with --no-append)."""
+    """Put ``report`` (a ``## title`` line, then the body) into experiments/RESULTS.md as the
+    ``vs_torchft-MODE`` section, replacing an earlier one of the same mode (never in --smoke,
+    nor with --no-append)."""
     if mode_name != "smoke" and not no_append:
-        res_md = HERE / "RESULTS.md"
-        with open(res_md, "a") as f:
-            f.write(("\n" if res_md.exists() and res_md.stat().st_size else "") + report
-                    + f"\n<!-- end vs_torchft-{mode_name} -->\n")
-        print(f"appended to {res_md}")
+        if str(HERE.parent) not in sys.path:
+            sys.path.insert(0, str(HERE.parent))
+        from experiments.common import update_results  # noqa: PLC0415
+
+        title, _, body = report.partition("\n")
+        update_results(HERE / "RESULTS.md", f"vs_torchft-{mode_name}", title.removeprefix("## ").strip(), body)
+        print(f"updated {HERE / 'RESULTS.md'}")
     return 0
 
 

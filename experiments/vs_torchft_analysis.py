@@ -310,7 +310,7 @@ def _load_text(loads: list) -> str:
 def report_md(res: dict) -> str:
     m = res["mode"]
     runs, comps = res["runs"], res["comparisons"]
-    lines = [f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}` ({res['date']})", "",
+    lines = [f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}`", "", f"Run {res['date']}.", "",
              "Command" + ("s" if len(res.get("commands", [])) > 1 else "") + ": "
              + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])), "",
              f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
