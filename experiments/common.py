@@ -463,9 +463,9 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def fmt_pm(xs: Sequence[float], fmt: str = "{:.4f}", scale: float = 1.0) -> str:
-    """``"mean ± std"`` of ``xs`` times ``scale``."""
+    """``"mean ± std"`` of ``xs`` times ``scale`` (a sign in ``fmt`` applies to the mean only)."""
     m, s = mean_std(xs)
-    return f"{fmt.format(m * scale)} ± {fmt.format(s * scale)}"
+    return f"{fmt.format(m * scale)} ± {fmt.format(s * scale).lstrip('+')}"
 
 
 def summarize(rows: Sequence[dict[str, Any]], key: str = "config") -> dict[str, list[dict[str, Any]]]:
@@ -506,15 +506,18 @@ def provenance() -> str:
 
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every experiment script shares: mode, seeds, jobs, output paths."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Without --quick or --smoke the full mode runs (for a bigger machine).")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="a few minutes on a 2-core machine")
-    mode.add_argument("--smoke", action="store_true", help="seconds; what the CI test runs")
+    mode.add_argument("--quick", action="store_true",
+                      help="minutes on a 2-core machine (4-12 min; each RESULTS.md section says how long it took)")
+    mode.add_argument("--smoke", action="store_true", help="seconds; what the CI test runs; measures nothing")
     ap.add_argument("--sites", type=int, help="number of sites (default per mode)")
     ap.add_argument("--size", choices=["tiny", "small", "base"], help="built-in model size")
     ap.add_argument("--seeds", type=int, help="number of seeds, 0..n-1")
     ap.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
-    ap.add_argument("--out", type=Path, default=OUT_DIR, help="directory for the CSV and PNG files")
+    ap.add_argument("--out", type=Path, default=OUT_DIR,
+                    help="directory for the CSV and PNG files (default: experiments/out, the committed --quick results)")
     ap.add_argument("--results", default=str(RESULTS_MD), help="RESULTS.md to update, or 'none'")
     ap.add_argument("--verbose", action="store_true", help="log the library's INFO lines")
     ap.add_argument("--replot", action="store_true",
@@ -533,6 +536,10 @@ def mode_settings(args: argparse.Namespace, modes: dict[str, dict[str, Any]],
     that is not None."""
     mode = mode_of(args)
     m = dict(modes[mode])
+    for k in ("seeds", "sites", "jobs"):
+        v = getattr(args, k, None)
+        if v is not None and v < 1:
+            raise SystemExit(f"--{k} must be >= 1, got {v}")
     for k in overrides:
         if getattr(args, k, None) is not None:
             m[k] = getattr(args, k)

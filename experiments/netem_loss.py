@@ -217,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on one run, seconds")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
+    if m["num_sites"] < 2:
+        raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
+    if args.timeout_s <= 0:
+        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
     configs = [(label(x), x) for x in m["losses"]]
     if m["repeat"]:
         configs.insert(1, (REPEAT, 0.0))
@@ -224,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def runner() -> list[RunResult]:
         out = []
-        with netem_topology(m["num_sites"] + 1, "netemloss", "netem_loss") as topo:
+        with netem_topology(m["num_sites"] + 1, "nloss", "netem_loss") as topo:
             for seed in m["seeds"]:
                 for cfg, loss in configs:
                     res = run_one(topo, m, cfg, loss, seed, args.timeout_s)
@@ -244,14 +248,15 @@ Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous`, eac
 real gRPC; every link {LINK['delay_ms']:g} ms one-way, {LINK['rate_mbit']:g} Mbit/s, and the loss shown
 (random, of packets arriving at a site; nftables). Built-in GPT `{m['size']}`, H = {m['sync_every']},
 {m['rounds']} rounds, `{WORKER['codec']}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
-{RENDEZVOUS['reduce_timeout_s']:g} s, broadcast deadline {RENDEZVOUS['broadcast_timeout_s']:g} s — the in-process
-chunk-loss sweep's setup. Δ is paired by seed against the 0% run; mean ± std over seeds {m['seeds']}. "Reduce
+{RENDEZVOUS['reduce_timeout_s']:g} s, broadcast deadline {RENDEZVOUS['broadcast_timeout_s']:g} s (in --quick: the
+in-process chunk-loss sweep's quick setup). Δ is paired by seed against the 0% run; mean ± std over seeds {m['seeds']}. "Reduce
 arrived": the fraction of contribution chunks an owner had by its deadline. CSV: `{prefix.with_suffix('.csv').name}`;
 plot: `{png.name}`.
 
 {md}
 
 {chr(10).join(notes)}
+{"- Smoke mode: a check that the script runs end to end; 2 rounds measure nothing." if mode == "smoke" else ""}
 """
     publish(args, f"netem_loss-{mode}", f"Packet loss over gRPC through netem ({mode})", body)
     return 0

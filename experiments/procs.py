@@ -32,7 +32,8 @@ def flags(opts: dict[str, Any]) -> list[str]:
 
 
 def netem_topology(num_sites: int, name: str, script: str):
-    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; use it as a context manager).
+    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; use it as a context manager),
+    named ``name`` + this process's id, so that runs on one machine do not collide.
 
     ``netem/`` is repository tooling, imported from this checkout. Raises SystemExit naming
     ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
@@ -45,7 +46,7 @@ def netem_topology(num_sites: int, name: str, script: str):
     missing = netem.missing_requirements()
     if missing:
         raise SystemExit(f"{script}: netem cannot emulate links here: missing {', '.join(missing)}")
-    return netem.Topology(num_sites=num_sites, profile="lan", name=name)
+    return netem.Topology(num_sites=num_sites, profile="lan", name=f"{name}{os.getpid()}"[:20])
 
 
 class ProcRun:
@@ -83,7 +84,8 @@ class ProcRun:
         """Poll ``pred`` until true; TimeoutError naming ``what`` past the run's bound."""
         while not pred():
             if time.monotonic() > self.deadline:
-                raise TimeoutError(f"timed out waiting for {what} (logs in {self.root})")
+                tails = "\n".join(f"--- {n}.log:\n{self.tail(n, 5)}" for n in self.procs)
+                raise TimeoutError(f"timed out waiting for {what}; last log lines:\n{tails}")
             time.sleep(poll_s)
 
     def start_rendezvous(self, opts: dict[str, Any]) -> str:

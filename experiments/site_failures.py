@@ -250,13 +250,19 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
-    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--rounds", type=int, help="rounds per run (default per mode; must leave two rounds after the "
+                                               "fault round)")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES, ("size", "rounds"))
+    if m["rounds"] < m["kill_round"] + 2:
+        raise SystemExit(f"--rounds must be >= {m['kill_round'] + 2} in this mode (faults strike in round "
+                         f"{m['kill_round']}), got {m['rounds']}")
+    scenarios = m.get("scenarios", SCENARIOS)
+    restart = (f" the restarted site is down for {m['down_rounds']} rounds of site-0." if RESTART in scenarios else "")
     specs = [FailureSpec(scenario=sc, seed=seed, num_sites=m["num_sites"], size=m["size"], sync_every=m["sync_every"],
                          rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"],
                          inner_step_sleep_s=m["inner_step_sleep_s"])
-             for sc in m.get("scenarios", SCENARIOS) for seed in m["seeds"]]
+             for sc in scenarios for seed in m["seeds"]]
     prefix = out_prefix(args, "site_failures")
 
     def runner():
@@ -272,8 +278,8 @@ Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous` on 1
 `{m['size']}`, H = {m['sync_every']}, {m['rounds']} rounds, fp32, checkpoints every round, each inner step
 followed by a {m['inner_step_sleep_s']:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
 start-up, ~10 s, to span a few rounds, not the rest of the run); rendezvous timing
-{', '.join(f'{k} {v}' for k, v in RENDEZVOUS.items())}. Faults after / in round {m['kill_round']}; the restarted site
-is down for {m['down_rounds']} rounds of site-0. Mean ± std over seeds {m['seeds']}; Δ paired by seed. "Beyond
+{', '.join(f'{k} {v}' for k, v in RENDEZVOUS.items())}. Faults after / in round {m['kill_round']};{restart}
+Mean ± std over seeds {m['seeds']}; Δ paired by seed. "Beyond
 deadline": a survivor's round engine time (from its plan to the end of apply and repair) minus the broadcast
 deadline. "Rounds lost": rounds from the fault's round on that a survivor did not apply; rounds a site missed
 before the fault (start-up: still importing torch when round 0 formed) are counted apart. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
@@ -284,6 +290,7 @@ survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.w
 {md}
 
 {chr(10).join(verdicts)}
+{"- Smoke mode: a check that the script runs end to end; it measures nothing." if mode == "smoke" else ""}
 """
     publish(args, f"site_failures-{mode}", f"Site failures ({mode})", body)
     return 0

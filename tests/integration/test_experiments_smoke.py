@@ -127,7 +127,7 @@ def test_site_failures_report_from_rows(tmp_path: Path) -> None:
     rows = [dict(base, config=sf.NO_FAULT), dict(base, config=sf.RESTART, final_val_loss=2.95, restarted_first_round=7),
             dict(base, config=sf.OWNER, skipped_buckets=2), dict(base, config=sf.TWO, rounds_lost=1, max_beyond_deadline_s=1.5)]
     md, verdicts = sf.analyse(rows)
-    assert "| kill 1, restart | 1 | 2.9500 ± 0.0000 | +0.0500 ± +0.0000 | 0 | 0 | 1.00 | 0.00 |" in md
+    assert "| kill 1, restart | 1 | 2.9500 ± 0.0000 | +0.0500 ± 0.0000 | 0 | 0 | 1.00 | 0.00 |" in md
     assert any("kill 1, restart: rounds lost 0 (target none: **met**)" in v and "from round 7" in v for v in verdicts)
     assert any("kill 2 at once: rounds lost 1 (target none: **NOT met**)" in v and "< 1 s: **NOT met**" in v
                for v in verdicts)
@@ -152,3 +152,15 @@ def test_site_failures_smoke(tmp_path: Path) -> None:
     assert "site-1=-9" in owner["exit_codes"] and "site-0=0" in owner["exit_codes"]
     assert (tmp_path / "site_failures_smoke.png").stat().st_size > 5000
     assert "## Site failures (smoke)" in md and "owner killed mid-round: rounds lost 0 (target none: **met**)" in md
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep",
+                                    "netem_loss"])
+def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> None:
+    """--seeds 0 / --sites 0 / --jobs 0 stop with one line naming the flag, before anything runs."""
+    mod = importlib.import_module(f"experiments.{script}")
+    for flag in ("--seeds", "--sites", "--jobs"):
+        with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
+            mod.main(["--smoke", flag, "0", "--out", str(tmp_path), "--results", "none"])
+    assert not any(tmp_path.iterdir())  # nothing was written
