@@ -21,10 +21,12 @@ Per setting and seed:
   worker's ``total_s``), max over sites (the round's critical path), mean over the
   measured rounds; ``sync_s``: the same for the whole ``sync()`` call, which also
   holds the wait for the other sites to be ready.
-* ``limit_s``: the physical limit 2 x B / rate + 2 x RTT, B = encoded bytes of one
-  site's pseudo-gradient (its codec payloads, all buckets): every site uploads
-  (N-1)/N x B of contributions and (N-1)/N x B of the means it owns, and downloads
-  as much; RTT = 2 x delay. ``ratio`` = engine_s / limit_s.
+* ``limit_s``: the physical limit as issue 6 defines it, 2 x B / rate + 2 x RTT, B =
+  encoded bytes of one site's pseudo-gradient (its codec payloads, all buckets), RTT =
+  2 x delay; ``ratio`` = engine_s / limit_s. With ownership spread evenly a site
+  uploads (N-1)/N x B of contributions and (N-1)/N x B of the means it owns, and
+  downloads as much, so the table also gives the ratio to that stricter limit,
+  2 x (N-1)/N x B / rate + 2 x RTT (its rate term is (N-1)/N of the first: 3/4 for N = 4).
 * ``compute_util``: inner-phase time over inner + sync time, mean over sites.
 
 Usage (from the repository root, as root: netem needs network namespaces)::
@@ -43,6 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +63,7 @@ from experiments.common import (  # noqa: E402
     mode_settings,
     out_prefix,
     publish,
+    read_rows,
     run_or_load,
     save_fig,
     subplots,
@@ -73,7 +77,9 @@ KiB = 1024
 # 512/256 KiB and 0.07 s with the 4 MiB default (one bucket: one owner carries everything).
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(num_sites=2, size="tiny", sync_every=5, rates=[50.0], delays=[0.0, 25.0], losses=[0.0],
-                  warmup_rounds=1, measured_rounds=1, seeds=[0], bucket_bytes=64 * KiB, chunk_bytes=16 * KiB),
+                  warmup_rounds=1, measured_rounds=1, seeds=[0], bucket_bytes=64 * KiB, chunk_bytes=16 * KiB,
+                  # tiny's 5 steps take ~0.06 s: too short for the link change to land between two exchanges
+                  inner_step_sleep_s=0.1),
     # small: 0.44 M params, int8 -> ~0.45 MB per site and round: 0.7 s of 2 x B / rate at 10 Mbit/s, 0.04 s at 200.
     "quick": dict(num_sites=4, size="small", sync_every=10, rates=[10.0, 50.0, 200.0], delays=[0.0, 25.0, 75.0],
                   losses=[0.0, 1.0, 5.0], warmup_rounds=1, measured_rounds=1, seeds=[0, 1, 2], floor=True,
@@ -90,6 +96,13 @@ RENDEZVOUS = {"quorum_timeout_s": 60.0, "heartbeat_interval_s": 1.0, "heartbeat_
 
 def setting_label(rate: float | None, delay: float, loss: float) -> str:
     return f"{'no cap' if rate is None else f'{rate:g} Mbit/s'}, {delay:g} ms, {loss:g}%"
+
+
+def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, num_sites: int) -> float:
+    """2 x (N-1)/N x B / rate + 2 x RTT: what each site really has to send (and receive) when every site
+    owns 1/N of the buckets (seconds)."""
+    frac = (num_sites - 1) / num_sites
+    return (0.0 if rate_mbit is None else 2 * frac * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
 
 
 def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float) -> float:
@@ -122,7 +135,7 @@ def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, flo
             run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(size=m["size"], seed=seed, rounds=total, sync_every=m["sync_every"], codec=CODEC,
                         bucket_bytes=m["bucket_bytes"], chunk_bytes=m["chunk_bytes"], eval_every=total,
-                        quorum_wait_s=600, linger_s=2)
+                        quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
             for i in range(n):
                 run.start_site(i, opts)
             names = [f"site-{i}" for i in range(n)]
@@ -216,11 +229,14 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                       fmt_pm([r["engine_s"] for r in g], "{:.2f}"), fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
                       f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
                       "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
+                      "—" if not rs else fmt_pm([r["engine_s"] / strict_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"],
+                                                                               r["delay_ms"], r["num_sites"]) for r in g],
+                                                 "{:.2f}"),
                       fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
                       sum(r["stale_buckets"] for r in g), sum(r["rejected"] for r in g)])
     md = md_table(["rate Mbit/s", "one-way delay ms", "loss %", "rounds measured", "B: encoded MB/site/round",
                    "exchange s (plan→applied, max over sites)", "sync s (incl. quorum wait)", "physical limit s",
-                   "ratio to limit", "compute utilization", "stale buckets", "rejected"], table)
+                   "ratio to limit", "ratio to strict limit", "compute utilization", "stale buckets", "rejected"], table)
     good = sorted((r, c) for r, c in ratios if not math.isnan(r))
     notes = []
     if good:
@@ -239,16 +255,47 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                      f"± {fs:.2f} s. That is the round's own cost on this machine (encode, gRPC, decode, sum, apply, "
                      "with every site's process sharing the cores); wherever the physical limit is below it (high rate, "
                      "no delay) the ratio mostly measures this floor, not the network.")
-    util = [r["compute_util"] for r in rows if r["rate_mbit"] is not None and not math.isnan(r["compute_util"])]
+    # per setting, mean over seeds (as in the table)
+    capped = [g for g in groups.values() if g[0]["rate_mbit"] is not None]
+    util = [mean_std([r["compute_util"] for r in g])[0] for g in capped]
+    util = [u for u in util if not math.isnan(u)]
     inner = [r["inner_s"] for r in rows if r.get("inner_s") is not None and not math.isnan(r["inner_s"])]
     if util and inner:
-        u10 = [10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + r["sync_s"])
-               for r in rows if r["rate_mbit"] is not None and not math.isnan(r["sync_s"])]
-        notes.append(f"- Compute utilization ranges over {min(util):.2f}–{max(util):.2f} (median "
+        u10 = [10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + mean_std([r["sync_s"] for r in g])[0])
+               for g in capped]
+        u10 = [u for u in u10 if not math.isnan(u)]
+        notes.append(f"- Compute utilization (per setting, mean over seeds) ranges over {min(util):.2f}–{max(util):.2f} (median "
                      f"{statistics.median(util):.2f}) with an inner phase of {statistics.fmean(inner):.2f} s "
                      f"(H = {rows[0]['sync_every']}). Utilization scales with H: with the same sync times and an inner "
                      f"phase 10x longer (H = {10 * rows[0]['sync_every']}) it would be {min(u10):.2f}–{max(u10):.2f}.")
+    short = [cfg for cfg, g in groups.items() if any(r["rounds_measured"] < 1 for r in g)]
+    if short:
+        notes.append(f"- Not measured in some run: {', '.join(short)} (the exchange had begun before the link changed, "
+                     "or a site did not apply the round; see the per-round CSV's `measured` column).")
+    notes.append("- Physical limit as the issue defines it: 2 x B / rate + 2 RTT. Each site really sends "
+                 "2 x (N-1)/N x B (its contributions to the other owners, and its own buckets' means to the other "
+                 "sites) when ownership is balanced, hence the stricter column; uneven ownership (HRW over few "
+                 "buckets) lies in between.")
     return md, notes
+
+
+def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
+    """Lines comparing ``rows`` with the same mode's default run (kernel sysctls), setting by setting."""
+    if not default_csv.exists():
+        return [f"- No default run to compare with ({default_csv.name} not found)."]
+    base: dict[str, list[float]] = {}
+    for r in read_rows(default_csv):
+        base.setdefault(r["config"], []).append(r["engine_s"])
+    mine: dict[str, list[float]] = {}
+    for r in rows:
+        mine.setdefault(r["config"], []).append(r["engine_s"])
+    table = [[cfg, f"{statistics.fmean(base[cfg]):.2f}", f"{statistics.fmean(v):.2f}",
+              f"{statistics.fmean(v) / statistics.fmean(base[cfg]):.2f}"] for cfg, v in mine.items() if cfg in base]
+    if not table:
+        return []
+    ratios = [float(t[3]) for t in table]
+    return [f"- Against the default run (`{default_csv.name}`, a separate run: other load), exchange s per setting "
+            f"(median ratio {statistics.median(ratios):.2f}):", "", md_table(["setting", "default", "this run", "ratio"], table)]
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
@@ -286,16 +333,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one seed's run, seconds")
+    ap.add_argument("--rates", help="comma-separated rates in Mbit/s (default per mode)")
+    ap.add_argument("--delays", help="comma-separated one-way delays in ms (default per mode)")
+    ap.add_argument("--losses", help="comma-separated loss percentages (default per mode)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the setting without emulation")
+    ap.add_argument("--tcp-slow-start-after-idle", type=int, choices=[0, 1],
+                    help="set the sysctl net.ipv4.tcp_slow_start_after_idle in every site's namespace (the kernel "
+                         "default is 1: a connection idle for one RTO restarts from the initial window); results go "
+                         "to files and a RESULTS.md section of their own")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
-    prefix = out_prefix(args, "wan_sweep")
+    if m["num_sites"] < 2:
+        raise SystemExit(f"--sites must be >= 2 (an exchange needs two sites), got {m['num_sites']}")
+    if args.timeout_s <= 0:
+        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
+    for k in ("rates", "delays", "losses"):
+        if getattr(args, k):
+            try:
+                m[k] = [float(x) for x in getattr(args, k).split(",")]
+            except ValueError:
+                raise SystemExit(f"--{k} must be comma-separated numbers, got {getattr(args, k)!r}") from None
+    if args.no_floor:
+        m["floor"] = False
+    ssai = args.tcp_slow_start_after_idle
+    tag = "" if ssai is None else f"_ssai{ssai}"
+    prefix = out_prefix(args, "wan_sweep" + tag)
     settings = grid(m)
 
     def runner() -> list[RunResult]:
         print(f"wan_sweep ({mode}): {len(settings)} settings x {len(m['seeds'])} seeds, "
               f"{m['warmup_rounds'] + m['measured_rounds']} rounds each", flush=True)
         out: list[RunResult] = []
-        with netem_topology(m["num_sites"] + 1, "wansweep", "wan_sweep") as topo:
+        with netem_topology(m["num_sites"] + 1, "wan", "wan_sweep") as topo:
+            if ssai is not None:
+                for i in range(m["num_sites"] + 1):
+                    subprocess.run(topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={ssai}"]),
+                                   check=True, timeout=10)
             for seed in m["seeds"]:
                 t = time.monotonic()
                 res = run_seed(topo, m, seed, settings, args.timeout_s)
@@ -307,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, _, meta = run_or_load(args, argv, "wan_sweep.py", prefix, runner)
     png = plot(rows, prefix, m)
     md, notes = analyse(rows)
+    if ssai is not None:
+        notes += compare_default(rows, out_prefix(args, "wan_sweep").with_suffix(".csv"))
     body = f"""Command: `{meta['command']}` (as root; {meta['minutes']:.1f} min; {meta['provenance']}).
 
 Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace
@@ -319,13 +394,16 @@ loss apply to packets arriving at a site, so RTT = 2 x delay and a packet crossi
 One run per seed ({m['seeds']}) walks the grid; each setting holds {m['warmup_rounds']} warm-up +
 {m['measured_rounds']} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
 pseudo-gradient. Compute utilization = inner-phase time / (inner + sync) per site. Mean ± std over seeds.
+{"" if ssai is None else f"net.ipv4.tcp_slow_start_after_idle = {ssai} in every site's namespace (kernel default 1). "}
 CSV: `{prefix.with_suffix('.csv').name}`, per round and site: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
 
 {md}
 
 {chr(10).join(notes)}
+{"- Smoke mode: a check that the script runs end to end; it measures nothing." if mode == "smoke" else ""}
 """
-    publish(args, f"wan_sweep-{mode}", f"WAN sweep through netem ({mode})", body)
+    title = f"WAN sweep through netem ({mode}{'' if ssai is None else f', tcp_slow_start_after_idle={ssai}'})"
+    publish(args, f"wan_sweep{tag}-{mode}", title, body)
     return 0
 
 
