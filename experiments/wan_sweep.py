@@ -98,16 +98,17 @@ def setting_label(rate: float | None, delay: float, loss: float) -> str:
     return f"{'no cap' if rate is None else f'{rate:g} Mbit/s'}, {delay:g} ms, {loss:g}%"
 
 
+def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, share: float = 1.0) -> float:
+    """2 x share x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds); no rate cap: the RTT part only.
+
+    ``share`` = 1 is issue 6's limit; (N-1)/N is what each site really sends (and receives) when every site
+    owns 1/N of the buckets (:func:`strict_limit_s`)."""
+    return (0.0 if rate_mbit is None else 2 * share * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
+
+
 def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, num_sites: int) -> float:
-    """2 x (N-1)/N x B / rate + 2 x RTT: what each site really has to send (and receive) when every site
-    owns 1/N of the buckets (seconds)."""
-    frac = (num_sites - 1) / num_sites
-    return (0.0 if rate_mbit is None else 2 * frac * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
-
-
-def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float) -> float:
-    """2 x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds); no rate cap: the RTT part only."""
-    return (0.0 if rate_mbit is None else 2 * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
+    """2 x (N-1)/N x B / rate + 2 x RTT (seconds)."""
+    return physical_limit_s(encoded_bytes, rate_mbit, delay_ms, (num_sites - 1) / num_sites)
 
 
 def grid(m: dict[str, Any]) -> list[tuple[float | None, float, float]]:
