@@ -306,7 +306,7 @@ class RoundEngine:
             bucket = self.state.layout.buckets[b]
             means: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
             complete = True
-            for c, (off, n) in enumerate(bucket.chunks):
+            for c in range(len(bucket.chunks)):
                 mean, senders, dropped = o.acc[(b, c)].finalize()
                 for s, why in dropped.items():
                     o.rejected[why] = o.rejected.get(why, 0) + 1

@@ -9,13 +9,12 @@ site receives the plan.
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 import time
 
 import pytest
-from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets, wait_until
+from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets
 
 from dtrain.buckets import assign_owners
 
@@ -215,7 +214,7 @@ def test_killed_site_restarted_on_same_address_rejoins_with_equal_state(make_clu
     pulls θ and the outer-optimizer state, is back in the plan within 2 rounds and
     then has the others' θ and outer-optimizer state."""
     c = make_cluster(worker={"rounds": 8, "inner_step_sleep_s": 0.1})
-    sites = c.start(3)
+    c.start(3)
     addr = c.address("site-1")
     last = c.wait_round("site-1", 1, 60)["round"]
     c.kill("site-1")
