@@ -1,3 +1,3 @@
-from dtrain.cli import main
+from dtrain.app.cli import main
 
 raise SystemExit(main())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtrain.errors import Rejected, RejectCode
+from dtrain.errors import RejectCode, Rejected
 
 __all__ = ["AggregationConfig", "ChunkAccumulator", "partial_mean"]
 
@@ -75,9 +75,11 @@ def partial_mean(
     items = sorted(contributions.items())
     if config.norm_bound_ratio is not None and len(items) >= 3:
         norms = {s: float(torch.linalg.vector_norm(v)) for s, v in items}
-        med = sorted(norms.values())[len(norms) // 2] if len(norms) % 2 else sum(
-            sorted(norms.values())[len(norms) // 2 - 1 : len(norms) // 2 + 1]
-        ) / 2
+        med = (
+            sorted(norms.values())[len(norms) // 2]
+            if len(norms) % 2
+            else sum(sorted(norms.values())[len(norms) // 2 - 1 : len(norms) // 2 + 1]) / 2
+        )
         bound = config.norm_bound_ratio * med
         kept = []
         for s, v in items:
@@ -129,7 +131,9 @@ class ChunkAccumulator:
         if sender in self._digests:
             if self._digests[sender] == digest:
                 return False
-            raise Rejected(RejectCode.ALREADY_EXISTS, f"a different contribution from {sender} for this chunk was already accepted")
+            raise Rejected(
+                RejectCode.ALREADY_EXISTS, f"a different contribution from {sender} for this chunk was already accepted"
+            )
         if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != self.numel:
             raise Rejected(
                 RejectCode.INVALID_ARGUMENT,
@@ -141,7 +145,8 @@ class ChunkAccumulator:
             norm = float(torch.linalg.vector_norm(values))
             if norm > self.config.max_norm:
                 raise Rejected(
-                    RejectCode.INVALID_ARGUMENT, f"contribution norm {norm:.4g} exceeds max_norm {self.config.max_norm:.4g}"
+                    RejectCode.INVALID_ARGUMENT,
+                    f"contribution norm {norm:.4g} exceeds max_norm {self.config.max_norm:.4g}",
                 )
         if self.config.robust:
             self._kept[sender] = values

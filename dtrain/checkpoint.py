@@ -97,7 +97,9 @@ def load_checkpoint(path: str | Path, *, site_id: str, fingerprint: str) -> dict
     except Exception as e:  # noqa: BLE001 - any failure to read means corrupt
         raise CheckpointError(f"checkpoint {p} is corrupt or unreadable ({_first_line(e)})") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {p} is not a {FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})")
+        raise CheckpointError(
+            f"checkpoint {p} is not a {FORMAT} file (format={data.get('format') if isinstance(data, dict) else None!r})"
+        )
     if data.get("site_id") != site_id:
         raise CheckpointError(f"checkpoint {p} belongs to site {data.get('site_id')!r}, not {site_id!r}")
     if data.get("fingerprint") != fingerprint:

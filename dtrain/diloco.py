@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from dtrain.buckets import BucketConfig, BucketLayout
-from dtrain.group import Group, GroupConfig, RendezvousClient, SyncOutcome
+from dtrain.membership import Group, GroupConfig, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
@@ -115,7 +115,9 @@ class DiLoCo:
                 raise ValueError(f"DiLoCo synchronises floating-point tensors only, got {t.dtype}")
         self.layout = BucketLayout([t.numel() for t in tensors], kinds, self.config.buckets)
         self.state = GlobalState(self.layout, tensors, outer_optimizer)
-        self.engine = RoundEngine(self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds)
+        self.engine = RoundEngine(
+            self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds
+        )
         self.engine.start()
         self.group = Group(
             self.engine,
@@ -180,7 +182,11 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """θ, outer-optimizer state, residuals, round number and inner-step count."""
-        return {"global": self.state.state_dict(), "inner_steps": self.inner_steps, "sync_every": self.config.sync_every}
+        return {
+            "global": self.state.state_dict(),
+            "inner_steps": self.inner_steps,
+            "sync_every": self.config.sync_every,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict`; raises ``ValueError`` for another model/layout.

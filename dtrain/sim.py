@@ -42,7 +42,7 @@ import torch
 
 from dtrain.buckets import BucketConfig, assign_owners
 from dtrain.diloco import DiLoCo, DiLoCoConfig
-from dtrain.group import GroupConfig, SyncOutcome
+from dtrain.membership import GroupConfig, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundConfig, RoundEngine, RoundResult
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
@@ -76,7 +76,9 @@ def fast_rendezvous_config(num_sites: int, **overrides: object) -> RendezvousCon
 
 def fast_group_config(**overrides: object) -> GroupConfig:
     """Group (rendezvous-client) timing for in-process runs."""
-    kw: dict = dict(quorum_wait_s=30.0, ready_poll_s=0.2, rendezvous_retry_s=0.5, backoff_max_s=0.2, state_pull_timeout_s=10.0)
+    kw: dict = dict(
+        quorum_wait_s=30.0, ready_poll_s=0.2, rendezvous_retry_s=0.5, backoff_max_s=0.2, state_pull_timeout_s=10.0
+    )
     kw.update(overrides)
     return GroupConfig(**kw)
 
@@ -124,13 +126,20 @@ class Site:
         optimizer: its inner optimizer (``step()`` is hooked by DiLoCo).
         diloco: its :class:`~dtrain.diloco.DiLoCo` wrapper.
         rendezvous: its rendezvous client (``down=True`` cuts it off).
-        outcomes: every :class:`~dtrain.group.SyncOutcome`, in order.
+        outcomes: every :class:`~dtrain.membership.SyncOutcome`, in order.
         error: the exception its training callable raised, if any.
         killed: set once the site was killed.
     """
 
-    def __init__(self, index: int, site_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 diloco: DiLoCo, rendezvous: InprocRendezvousClient) -> None:
+    def __init__(
+        self,
+        index: int,
+        site_id: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        diloco: DiLoCo,
+        rendezvous: InprocRendezvousClient,
+    ) -> None:
         self.index = index
         self.site_id = site_id
         self.model = model
@@ -211,10 +220,22 @@ class InprocCluster:
                 model = copy.deepcopy(proto)
                 opt = optimizer_factory(model)
                 client = InprocRendezvousClient(self.core)
-                dcfg = DiLoCoConfig(site_id=site_id, sync_every=cfg.sync_every, buckets=cfg.buckets,
-                                    rounds=cfg.rounds, group=group, buffers=cfg.buffers)
-                d = DiLoCo(model, opt, config=dcfg, outer_optimizer=outer_optimizer,
-                           transport=InprocTransport(self.network), rendezvous=client)
+                dcfg = DiLoCoConfig(
+                    site_id=site_id,
+                    sync_every=cfg.sync_every,
+                    buckets=cfg.buckets,
+                    rounds=cfg.rounds,
+                    group=group,
+                    buffers=cfg.buffers,
+                )
+                d = DiLoCo(
+                    model,
+                    opt,
+                    config=dcfg,
+                    outer_optimizer=outer_optimizer,
+                    transport=InprocTransport(self.network),
+                    rendezvous=client,
+                )
                 site = Site(i, site_id, model, opt, d, client)
                 self.sites.append(site)
                 self._by_address[site.address] = site
@@ -283,8 +304,14 @@ class InprocCluster:
             if s.error is not None and not s.killed.is_set():
                 raise RuntimeError(f"{s.site_id} failed: {s.error!r}") from s.error
 
-    def run_steps(self, step_fn: Callable[[Site, int], None], num_steps: int, *, timeout_s: float = 60.0,
-                  sites: Sequence[Site] | None = None) -> None:
+    def run_steps(
+        self,
+        step_fn: Callable[[Site, int], None],
+        num_steps: int,
+        *,
+        timeout_s: float = 60.0,
+        sites: Sequence[Site] | None = None,
+    ) -> None:
         """Call ``step_fn(site, k)`` for ``k in range(num_steps)`` on every site,
         stopping a site early once it is killed. See :meth:`run`."""
 
@@ -313,17 +340,26 @@ class InprocCluster:
     def kill_during_round(self, i: int, round: int) -> None:
         """Site ``i`` dies in round ``round`` at the moment the first peer asks it
         for a mean: after it received contributions, before anyone got its means."""
-        self.network.add_rule(FaultRule(kind="pull_mean", dst=self.sites[i].address, round=round, action="kill_dst", times=1))
+        self.network.add_rule(
+            FaultRule(kind="pull_mean", dst=self.sites[i].address, round=round, action="kill_dst", times=1)
+        )
 
-    def drop_broadcast(self, i: int, *, round: int | None = None, bucket: int | None = None, times: int | None = None) -> None:
+    def drop_broadcast(
+        self, i: int, *, round: int | None = None, bucket: int | None = None, times: int | None = None
+    ) -> None:
         """Site ``i`` misses the means it pulls (from anyone, late pulls included)
         for ``round``/``bucket`` (None: any)."""
-        self.network.add_rule(FaultRule(kind="pull_mean", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times))
+        self.network.add_rule(
+            FaultRule(kind="pull_mean", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times)
+        )
 
-    def drop_contributions(self, i: int, *, round: int | None = None, bucket: int | None = None,
-                           times: int | None = None) -> None:
+    def drop_contributions(
+        self, i: int, *, round: int | None = None, bucket: int | None = None, times: int | None = None
+    ) -> None:
         """Chunks that site ``i`` pushes for ``round``/``bucket`` are lost silently."""
-        self.network.add_rule(FaultRule(kind="push", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times))
+        self.network.add_rule(
+            FaultRule(kind="push", sender=self.sites[i].site_id, round=round, bucket=bucket, times=times)
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

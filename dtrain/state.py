@@ -189,7 +189,9 @@ class GlobalState:
             )
         for b in range(len(self)):
             if sd["theta"][b].numel() != self.theta[b].numel():
-                raise ValueError(f"state_dict theta[{b}] has {sd['theta'][b].numel()} elements, expected {self.theta[b].numel()}")
+                raise ValueError(
+                    f"state_dict theta[{b}] has {sd['theta'][b].numel()} elements, expected {self.theta[b].numel()}"
+                )
         for b in range(len(self)):
             with self._locks[b]:
                 with torch.no_grad():
@@ -269,5 +271,3 @@ def pull_full_state(
             log.info("state pull: %s; retrying", last_err)
         time.sleep(0.2)
     raise StateTransferError(f"could not pull a consistent state in {timeout_s} s: {last_err}")
-
-

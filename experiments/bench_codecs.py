@@ -76,9 +76,7 @@ def _corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
-def pseudo_gradient(
-    *, dim: int, layers: int, warmup_steps: int, inner_steps: int, seed: int = 0
-) -> torch.Tensor:
+def pseudo_gradient(*, dim: int, layers: int, warmup_steps: int, inner_steps: int, seed: int = 0) -> torch.Tensor:
     """Δ = θ_snapshot − θ_after ``inner_steps`` AdamW steps, flattened (float32)."""
     torch.manual_seed(seed)
     context, batch = 64, 16
@@ -271,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
-            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "codecs": rows,
-                        "zstd_stage": zrows}, indent=2)
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "codecs": rows, "zstd_stage": zrows}, indent=2
+            )
         )
     return 0
 

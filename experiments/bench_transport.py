@@ -171,7 +171,11 @@ def _measure(series: dict[str, _Series], reps: int) -> dict[str, dict[str, float
         for s in series.values():
             s.run_once()
     return {
-        name: {"median_s": statistics.median(s.wall), "best_s": min(s.wall), "cpu_s": (s.cpu_client + s.cpu_server) / reps}
+        name: {
+            "median_s": statistics.median(s.wall),
+            "best_s": min(s.wall),
+            "cpu_s": (s.cpu_client + s.cpu_server) / reps,
+        }
         for name, s in series.items()
     }
 
@@ -260,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             push = _measure({"grpc": _Series(grpc_push, gconn), "raw": _Series(raw_push, rconn)}, reps)
             rows.append(_row(size, "push", "raw", push["grpc"], push["raw"], reps))
             pull = _measure(
-                {"grpc": _Series(grpc_pull, gconn), "raw": _Series(raw_pull, rconn), "fresh": _Series(raw_pull_fresh, rconn)},
+                {
+                    "grpc": _Series(grpc_pull, gconn),
+                    "raw": _Series(raw_pull, rconn),
+                    "fresh": _Series(raw_pull_fresh, rconn),
+                },
                 reps,
             )
             rows.append(_row(size, "pull", "raw", pull["grpc"], pull["raw"], reps))
@@ -277,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'size':>8} {'dir':>4} {'baseline':>9} | {'MiB/s median':>17} {'ratio':>5} | {'MiB/s best':>15} "
           f"{'ratio':>5} | {'CPU ms/MiB':>13}")  # fmt: skip
-    print(f"{'':>8} {'':>4} {'':>9} | {'gRPC':>8} {'raw':>8} {'':>5} | {'gRPC':>7} {'raw':>7} {'':>5} | {'gRPC':>6} {'raw':>6}")
+    print(
+        f"{'':>8} {'':>4} {'':>9} | {'gRPC':>8} {'raw':>8} {'':>5} | {'gRPC':>7} {'raw':>7} {'':>5} | {'gRPC':>6} {'raw':>6}"
+    )
     for r in rows:
         print(f"{r['size_mib']:>4} MiB {r['direction']:>4} {r['baseline']:>9} | {r['grpc_median_mib_s']:>8.0f} "
               f"{r['raw_median_mib_s']:>8.0f} {r['ratio_median']:>5.2f} | {r['grpc_best_mib_s']:>7.0f} "

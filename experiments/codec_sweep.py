@@ -38,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dtrain.codecs import CodecConfig, get_codec  # noqa: E402
+from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from experiments.common import (  # noqa: E402
     RunSpec,
     base_parser,
     fmt_pm,
-    mean_std,
     md_table,
+    mean_std,
     mode_settings,
     out_prefix,
     paired_deltas,
@@ -55,21 +56,47 @@ from experiments.common import (  # noqa: E402
     subplots,
     summarize,
 )
-from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 
 BUCKET_BYTES = 64 * 1024
 CHUNK_BYTES = 16 * 1024
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, size="tiny", batch_size=4, context_len=16, sync_every=2, rounds=2, seeds=[0],
-                  codecs=["fp32", "int8+zstd"], jobs=1, num_val_batches=2, bench_repeats=1),
-    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=12, seeds=[0, 1, 2],
-                  codecs=[c + z for c in BASE_CODECS for z in ("", "+zstd")], jobs=2, num_val_batches=16,
-                  bench_repeats=5),
-    "full": dict(num_sites=4, size="small", sync_every=50, rounds=30, seeds=[0, 1, 2, 3, 4],
-                 codecs=[c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")],
-                 jobs=max(1, (os.cpu_count() or 2) // 4), num_val_batches=32, bench_repeats=10),
+    "smoke": dict(
+        num_sites=2,
+        size="tiny",
+        batch_size=4,
+        context_len=16,
+        sync_every=2,
+        rounds=2,
+        seeds=[0],
+        codecs=["fp32", "int8+zstd"],
+        jobs=1,
+        num_val_batches=2,
+        bench_repeats=1,
+    ),
+    "quick": dict(
+        num_sites=4,
+        size="tiny",
+        sync_every=10,
+        rounds=12,
+        seeds=[0, 1, 2],
+        codecs=[c + z for c in BASE_CODECS for z in ("", "+zstd")],
+        jobs=2,
+        num_val_batches=16,
+        bench_repeats=5,
+    ),
+    "full": dict(
+        num_sites=4,
+        size="small",
+        sync_every=50,
+        rounds=30,
+        seeds=[0, 1, 2, 3, 4],
+        codecs=[c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")],
+        jobs=max(1, (os.cpu_count() or 2) // 4),
+        num_val_batches=32,
+        bench_repeats=10,
+    ),
 }
 
 
@@ -77,22 +104,43 @@ def make_specs(m: dict[str, Any]) -> list[RunSpec]:
     specs = []
     for codec in m["codecs"]:
         for seed in m["seeds"]:
-            specs.append(RunSpec(
-                experiment="codec_sweep", config=codec, seed=seed, num_sites=m["num_sites"], size=m["size"],
-                batch_size=m.get("batch_size"), context_len=m.get("context_len"), sync_every=m["sync_every"],
-                rounds=m["rounds"], codec=codec, zstd_level=m.get("zstd_level", 1),
-                broadcast_error_feedback=codec.startswith("topk"), bucket_bytes=BUCKET_BYTES,
-                chunk_bytes=CHUNK_BYTES, num_val_batches=m["num_val_batches"], track_drift=False,
-                extra=(("zstd", codec.endswith("+zstd")), ("base_codec", codec.split("+")[0])),
-            ))
+            specs.append(
+                RunSpec(
+                    experiment="codec_sweep",
+                    config=codec,
+                    seed=seed,
+                    num_sites=m["num_sites"],
+                    size=m["size"],
+                    batch_size=m.get("batch_size"),
+                    context_len=m.get("context_len"),
+                    sync_every=m["sync_every"],
+                    rounds=m["rounds"],
+                    codec=codec,
+                    zstd_level=m.get("zstd_level", 1),
+                    broadcast_error_feedback=codec.startswith("topk"),
+                    bucket_bytes=BUCKET_BYTES,
+                    chunk_bytes=CHUNK_BYTES,
+                    num_val_batches=m["num_val_batches"],
+                    track_drift=False,
+                    extra=(("zstd", codec.endswith("+zstd")), ("base_codec", codec.split("+")[0])),
+                )
+            )
     return specs
 
 
 def real_pseudo_gradient(m: dict[str, Any]) -> torch.Tensor:
     """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat)."""
     torch.set_num_threads(1)
-    task = build_task(TaskSpec(site_index=0, num_sites=m["num_sites"], seed=0, size=m["size"],
-                               batch_size=m.get("batch_size"), context_len=m.get("context_len")))
+    task = build_task(
+        TaskSpec(
+            site_index=0,
+            num_sites=m["num_sites"],
+            seed=0,
+            size=m["size"],
+            batch_size=m.get("batch_size"),
+            context_len=m.get("context_len"),
+        )
+    )
 
     def steps(n: int) -> None:
         for _ in range(n):
@@ -124,8 +172,12 @@ def bench(delta: torch.Tensor, codecs: Sequence[str], repeats: int, zstd_level: 
             decoded = [codec.decode(p, numel=c.numel()) for p, c in zip(payloads, chunks)]
             dec.append(time.thread_time() - t)
         err = float(torch.linalg.vector_norm(torch.cat(decoded) - delta) / torch.linalg.vector_norm(delta))
-        out[name] = {"encode_s": statistics.median(enc), "decode_s": statistics.median(dec),
-                     "bytes": sum(len(p) for p in payloads), "rel_err": err}
+        out[name] = {
+            "encode_s": statistics.median(enc),
+            "decode_s": statistics.median(dec),
+            "bytes": sum(len(p) for p in payloads),
+            "rel_err": err,
+        }
     return out
 
 
@@ -139,9 +191,11 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     if "fp32+zstd" in groups:
         nm, ns = mean_std([math.exp(x) - 1 for x in paired_deltas(groups["fp32+zstd"], base)])
         noise = abs(nm) + ns
-        out.append(f"- **Noise floor**: `fp32+zstd` does the same arithmetic as `fp32` (zstd is lossless), so its "
-                   f"perplexity change {nm * 100:+.2f}% ± {ns * 100:.2f}% is run-to-run noise (owners sum contributions "
-                   "in arrival order; the short runs amplify fp32 rounding differences).")
+        out.append(
+            f"- **Noise floor**: `fp32+zstd` does the same arithmetic as `fp32` (zstd is lossless), so its "
+            f"perplexity change {nm * 100:+.2f}% ± {ns * 100:.2f}% is run-to-run noise (owners sum contributions "
+            "in arrival order; the short runs amplify fp32 rounding differences)."
+        )
     ok, bad = [], []
     for codec, g in groups.items():
         if codec == "fp32":
@@ -155,14 +209,18 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"- Worse than that: {', '.join(bad)}.")
     if "topk" in groups:
         err = groups["topk"][0]["bench_rel_err"]
-        out.append(f"- `topk` keeps 1% of each chunk: one round delivers {100 * (1 - err ** 2):.0f}% of a pseudo-gradient's "
-                   f"energy (relative L2 error {err:.2f}); error feedback sends the rest in later rounds, which in "
-                   "runs this short (and with outer Nesterov momentum on the sparse means) costs a lot of loss.")
+        out.append(
+            f"- `topk` keeps 1% of each chunk: one round delivers {100 * (1 - err**2):.0f}% of a pseudo-gradient's "
+            f"energy (relative L2 error {err:.2f}); error feedback sends the rest in later rounds, which in "
+            "runs this short (and with outer Nesterov momentum on the sparse means) costs a lot of loss."
+        )
     zs = []
     for codec in groups:
         if codec.endswith("+zstd") and codec[: -len("+zstd")] in groups:
             plain = statistics.fmean(r["bytes_per_round_site"] for r in groups[codec[: -len("+zstd")]])
-            zs.append(f"{codec[: -len('+zstd')]} {plain / statistics.fmean(r['bytes_per_round_site'] for r in groups[codec]):.2f}x")
+            zs.append(
+                f"{codec[: -len('+zstd')]} {plain / statistics.fmean(r['bytes_per_round_site'] for r in groups[codec]):.2f}x"
+            )
     if zs:
         out.append(f"- What the zstd stage (level 1) adds on top of each codec: {', '.join(zs)}.")
     return out
@@ -178,21 +236,44 @@ def analyse(rows: list[dict[str, Any]]) -> str:
         ppl = [math.exp(x) - 1 for x in d]
         bpr = statistics.fmean(r["bytes_per_round_site"] for r in g)
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) / r["num_sites"] for r in g]  # noqa: E731
-        bb = {k[len("bench_"):]: v for k, v in g[0].items() if k.startswith("bench_")}
-        table.append([
-            f"`{codec}`", len(g), f"{bpr / 1e3:.1f}", f"{fp32_round / bpr:.1f}x",
-            fmt_pm([r["final_val_loss"] for r in g]), fmt_pm(d, "{:+.4f}"), fmt_pm(ppl, "{:+.2f}", 100),
-            fmt_pm(per_round("encode_s"), "{:.1f}", 1e3), fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
-            f"{bb.get('encode_s', float('nan')) * 1e3:.1f}", f"{bb.get('decode_s', float('nan')) * 1e3:.1f}",
-            f"{bb.get('rel_err', float('nan')):.2e}",
-            fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-            sum(r["rejected"] for r in g),
-        ])
-    return md_table([
-        "codec", "runs", "kB/round/site", "vs fp32", "final val loss", "Δ loss vs fp32 (paired)", "Δ perplexity %",
-        "encode ms/round/site (rounds)", "decode ms/round/site (rounds)", "encode ms (bench, whole Δ)",
-        "decode ms (bench, whole Δ)", "rel. L2 error (bench)", "sync s/round", "rejected",
-    ], table)
+        bb = {k[len("bench_") :]: v for k, v in g[0].items() if k.startswith("bench_")}
+        table.append(
+            [
+                f"`{codec}`",
+                len(g),
+                f"{bpr / 1e3:.1f}",
+                f"{fp32_round / bpr:.1f}x",
+                fmt_pm([r["final_val_loss"] for r in g]),
+                fmt_pm(d, "{:+.4f}"),
+                fmt_pm(ppl, "{:+.2f}", 100),
+                fmt_pm(per_round("encode_s"), "{:.1f}", 1e3),
+                fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
+                f"{bb.get('encode_s', float('nan')) * 1e3:.1f}",
+                f"{bb.get('decode_s', float('nan')) * 1e3:.1f}",
+                f"{bb.get('rel_err', float('nan')):.2e}",
+                fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                sum(r["rejected"] for r in g),
+            ]
+        )
+    return md_table(
+        [
+            "codec",
+            "runs",
+            "kB/round/site",
+            "vs fp32",
+            "final val loss",
+            "Δ loss vs fp32 (paired)",
+            "Δ perplexity %",
+            "encode ms/round/site (rounds)",
+            "decode ms/round/site (rounds)",
+            "encode ms (bench, whole Δ)",
+            "decode ms (bench, whole Δ)",
+            "rel. L2 error (bench)",
+            "sync s/round",
+            "rejected",
+        ],
+        table,
+    )
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
@@ -252,17 +333,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, _, meta = run_or_load(args, argv, "codec_sweep.py", prefix, runner)
     png = plot(rows, prefix)
     md = analyse(rows)
-    body = f"""Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).
+    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: {m['num_sites']} sites as threads over the in-process transport (no faults), built-in GPT `{m['size']}`
-({rows[0]['num_params']:,} parameters) on the stdlib source, H = {m['sync_every']}, {m['rounds']} rounds,
-64 KiB buckets of 16 KiB chunks (each chunk encoded on its own, 32-byte header), zstd level {m['zstd_level']},
+Setup: {m["num_sites"]} sites as threads over the in-process transport (no faults), built-in GPT `{m["size"]}`
+({rows[0]["num_params"]:,} parameters) on the stdlib source, H = {m["sync_every"]}, {m["rounds"]} rounds,
+64 KiB buckets of 16 KiB chunks (each chunk encoded on its own, 32-byte header), zstd level {m["zstd_level"]},
 topk keeps 1% per chunk with error feedback on both sides. Means are sent back with the same codec. Δ against fp32
-with the same seed (same data and init). Mean ± std over seeds {m['seeds']}. "Bench" columns: CPU time of one
+with the same seed (same data and init). Mean ± std over seeds {m["seeds"]}. "Bench" columns: CPU time of one
 thread to encode / decode one real pseudo-gradient of the whole model (H inner steps) chunk by chunk, median of
-{m['bench_repeats']}. Encode/decode "rounds" columns: what the round engine recorded (contribution and mean
+{m["bench_repeats"]}. Encode/decode "rounds" columns: what the round engine recorded (contribution and mean
 encoding; mean decoding; owners' decoding of contributions is not timed by the engine). CSV:
-`{prefix.with_suffix('.csv').name}`; plot: `{png.name}`.
+`{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {md}
 

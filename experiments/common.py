@@ -170,8 +170,16 @@ class RunSpec:
         self.cluster_config()
 
     def task_spec(self, site_index: int) -> TaskSpec:
-        return TaskSpec(site_index=site_index, num_sites=self.num_sites, seed=self.seed, data=self.data,
-                        size=self.size, lr=self.lr, batch_size=self.batch_size, context_len=self.context_len)
+        return TaskSpec(
+            site_index=site_index,
+            num_sites=self.num_sites,
+            seed=self.seed,
+            data=self.data,
+            size=self.size,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            context_len=self.context_len,
+        )
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -184,8 +192,9 @@ class RunSpec:
                 broadcast_error_feedback=self.broadcast_error_feedback,
                 repair=self.repair,
             ),
-            rendezvous=fast_rendezvous_config(self.num_sites, reduce_timeout_s=self.reduce_timeout_s,
-                                              broadcast_timeout_s=self.broadcast_timeout_s),
+            rendezvous=fast_rendezvous_config(
+                self.num_sites, reduce_timeout_s=self.reduce_timeout_s, broadcast_timeout_s=self.broadcast_timeout_s
+            ),
             faults=InprocFaults(push_loss=self.push_loss, pull_loss=self.pull_loss, seed=self.seed),
             seed=self.seed,
         )
@@ -265,15 +274,22 @@ def run_inproc(spec: RunSpec) -> RunResult:
     t_build = time.perf_counter()
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
     ts = spec.task_spec(0)
-    evaluate = make_evaluate(val_batches(load_corpus(spec.data).val, batch_size=ts.resolved_batch_size,
-                                         context_len=ts.resolved_context_len, num_batches=spec.num_val_batches))
+    evaluate = make_evaluate(
+        val_batches(
+            load_corpus(spec.data).val,
+            batch_size=ts.resolved_batch_size,
+            context_len=ts.resolved_context_len,
+            num_batches=spec.num_val_batches,
+        )
+    )
     lr = ts.resolved_lr
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0)
 
-    cluster = InprocCluster(lambda: tasks[0].model, lambda m: make_optimizer(m, lr), spec.cluster_config(),
-                            outer_optimizer=outer)
+    cluster = InprocCluster(
+        lambda: tasks[0].model, lambda m: make_optimizer(m, lr), spec.cluster_config(), outer_optimizer=outer
+    )
     rec = _Recorder(spec, evaluate)
     inner_s = [0.0] * spec.num_sites
     sync_s = [0.0] * spec.num_sites
@@ -314,18 +330,23 @@ def run_inproc(spec: RunSpec) -> RunResult:
     rounds: list[dict[str, Any]] = []
     for r in range(max((len(x) for x in results), default=0)):
         rr = [x[r] for x in results if r < len(x)]
-        rounds.append({
-            "experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": rr[0].round,
-            "val_loss": rec.val.get(rr[0].round, finals[0] if r == len(results[0]) - 1 else float("nan")),
-            "drift": rec.drift.get(rr[0].round, float("nan")),
-            "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
-            "round_s": statistics.fmean(x.total_s for x in rr),
-            "stale_buckets": sum(x.stale_buckets for x in rr),
-            "repaired_buckets": sum(x.repaired_buckets for x in rr),
-            "rejected": sum(sum(x.rejected.values()) for x in rr),
-            "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
-            "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
-        })
+        rounds.append(
+            {
+                "experiment": spec.experiment,
+                "config": spec.config,
+                "seed": spec.seed,
+                "round": rr[0].round,
+                "val_loss": rec.val.get(rr[0].round, finals[0] if r == len(results[0]) - 1 else float("nan")),
+                "drift": rec.drift.get(rr[0].round, float("nan")),
+                "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
+                "round_s": statistics.fmean(x.total_s for x in rr),
+                "stale_buckets": sum(x.stale_buckets for x in rr),
+                "repaired_buckets": sum(x.repaired_buckets for x in rr),
+                "rejected": sum(sum(x.rejected.values()) for x in rr),
+                "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
+                "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
+            }
+        )
     flat = [x for per_site in results for x in per_site]
     statuses = [o.status for s in sites for o in s.outcomes]
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
@@ -334,38 +355,40 @@ def run_inproc(spec: RunSpec) -> RunResult:
     bytes_received = sum(x.bytes_received for x in flat)
     row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
     row.update(dict(spec.extra))
-    row.update({
-        "num_params": num_params,
-        "inner_steps": H * spec.rounds,
-        "tokens_per_site": H * spec.rounds * tasks[0].tokens_per_batch,
-        "first_val_loss": first_val,
-        "final_val_loss": statistics.fmean(finals),
-        "val_loss_site_spread": max(finals) - min(finals),
-        "rounds_done": rounds_done,
-        "resyncs": statuses.count("resynced"),
-        "deferred": statuses.count("deferred"),
-        "build_s": build_s,
-        "wall_s": wall,
-        "inner_s": statistics.fmean(inner_s),
-        "sync_s": statistics.fmean(sync_s),
-        "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
-        "bytes_sent": bytes_sent,
-        "bytes_received": bytes_received,
-        "bytes_total": bytes_sent + bytes_received,
-        "bytes_per_round_site": (bytes_sent + bytes_received) / max(1, rounds_done) / n,
-        "encode_s": sum(x.encode_s for x in flat),
-        "decode_s": sum(x.decode_s for x in flat),
-        "stale_buckets": sum(x.stale_buckets for x in flat),
-        "repaired_buckets": sum(x.repaired_buckets for x in flat),
-        "skipped_buckets": sum(x.skipped_buckets for x in flat),
-        "rejected": sum(sum(x.rejected.values()) for x in flat),
-        "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in flat) if flat else 0.0,
-        "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in flat) if flat else 0.0,
-        "max_drift": max(drifts) if drifts else float("nan"),
-        "final_drift": _max_pairwise_l2(thetas),
-        "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
-        "consistent": consistent,
-    })
+    row.update(
+        {
+            "num_params": num_params,
+            "inner_steps": H * spec.rounds,
+            "tokens_per_site": H * spec.rounds * tasks[0].tokens_per_batch,
+            "first_val_loss": first_val,
+            "final_val_loss": statistics.fmean(finals),
+            "val_loss_site_spread": max(finals) - min(finals),
+            "rounds_done": rounds_done,
+            "resyncs": statuses.count("resynced"),
+            "deferred": statuses.count("deferred"),
+            "build_s": build_s,
+            "wall_s": wall,
+            "inner_s": statistics.fmean(inner_s),
+            "sync_s": statistics.fmean(sync_s),
+            "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
+            "bytes_sent": bytes_sent,
+            "bytes_received": bytes_received,
+            "bytes_total": bytes_sent + bytes_received,
+            "bytes_per_round_site": (bytes_sent + bytes_received) / max(1, rounds_done) / n,
+            "encode_s": sum(x.encode_s for x in flat),
+            "decode_s": sum(x.decode_s for x in flat),
+            "stale_buckets": sum(x.stale_buckets for x in flat),
+            "repaired_buckets": sum(x.repaired_buckets for x in flat),
+            "skipped_buckets": sum(x.skipped_buckets for x in flat),
+            "rejected": sum(sum(x.rejected.values()) for x in flat),
+            "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in flat) if flat else 0.0,
+            "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in flat) if flat else 0.0,
+            "max_drift": max(drifts) if drifts else float("nan"),
+            "final_drift": _max_pairwise_l2(thetas),
+            "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
+            "consistent": consistent,
+        }
+    )
     return RunResult(row=row, rounds=rounds)
 
 
@@ -385,17 +408,21 @@ def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, 
         out[i] = res
         done = sum(r is not None for r in out)
         r = res.row
-        print(f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: "
-              f"val {r['final_val_loss']:.4f}  rounds {r['rounds_done']}  wall {r['wall_s']:.1f}s  "
-              f"stale {r['stale_buckets']}  rejected {r['rejected']}", flush=True)
+        print(
+            f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: "
+            f"val {r['final_val_loss']:.4f}  rounds {r['rounds_done']}  wall {r['wall_s']:.1f}s  "
+            f"stale {r['stale_buckets']}  rejected {r['rejected']}",
+            flush=True,
+        )
 
     if jobs <= 1:
         for i, s in enumerate(specs):
             report(i, fn(s))
     else:
         ctx = mp.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(verbose,)) as ex:
+        with cf.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose,)
+        ) as ex:
             futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
             for f in cf.as_completed(futs):
                 report(futs[f], f.result())
@@ -476,7 +503,9 @@ def summarize(rows: Sequence[dict[str, Any]], key: str = "config") -> dict[str, 
     return groups
 
 
-def paired_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], metric: str = "final_val_loss") -> list[float]:
+def paired_deltas(
+    rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], metric: str = "final_val_loss"
+) -> list[float]:
     """``row[metric] − base_row[metric]`` for the base row with the same seed."""
     by_seed = {b["seed"]: float(b[metric]) for b in base}
     return [float(r[metric]) - by_seed[r["seed"]] for r in rows if r["seed"] in by_seed]
@@ -496,32 +525,51 @@ def command_line(script: str, argv: Sequence[str]) -> str:
 def provenance() -> str:
     """Date, commit, machine and torch version, for the RESULTS.md section header."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
-    return (f"{time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
+    return (
+        f"{time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
 
 
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every experiment script shares: mode, seeds, jobs, output paths."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Without --quick or --smoke the full mode runs (for a bigger machine).")
+    ap = argparse.ArgumentParser(
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Without --quick or --smoke the full mode runs (for a bigger machine).",
+    )
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true",
-                      help="minutes on a 2-core machine (4-12 min; each RESULTS.md section says how long it took)")
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="minutes on a 2-core machine (4-12 min; each RESULTS.md section says how long it took)",
+    )
     mode.add_argument("--smoke", action="store_true", help="seconds; what the CI test runs; measures nothing")
     ap.add_argument("--sites", type=int, help="number of sites (default per mode)")
     ap.add_argument("--size", choices=["tiny", "small", "base"], help="built-in model size")
     ap.add_argument("--seeds", type=int, help="number of seeds, 0..n-1")
     ap.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
-    ap.add_argument("--out", type=Path, default=OUT_DIR,
-                    help="directory for the CSV and PNG files (default: experiments/out, the committed --quick results)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=OUT_DIR,
+        help="directory for the CSV and PNG files (default: experiments/out, the committed --quick results)",
+    )
     ap.add_argument("--results", default=str(RESULTS_MD), help="RESULTS.md to update, or 'none'")
     ap.add_argument("--verbose", action="store_true", help="log the library's INFO lines")
-    ap.add_argument("--replot", action="store_true",
-                    help="run nothing: redo the plots and the RESULTS.md section from this mode's CSV files")
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="run nothing: redo the plots and the RESULTS.md section from this mode's CSV files",
+    )
     return ap
 
 
@@ -529,8 +577,9 @@ def mode_of(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke else "quick" if args.quick else "full"
 
 
-def mode_settings(args: argparse.Namespace, modes: dict[str, dict[str, Any]],
-                  overrides: Sequence[str] = ("size",)) -> tuple[str, dict[str, Any]]:
+def mode_settings(
+    args: argparse.Namespace, modes: dict[str, dict[str, Any]], overrides: Sequence[str] = ("size",)
+) -> tuple[str, dict[str, Any]]:
     """(mode, a copy of ``modes[mode]``) with the flags the user gave applied: ``--sites``
     (``num_sites``), ``--seeds N`` (seeds 0..N-1) and each attribute named in ``overrides``
     that is not None."""
@@ -556,8 +605,9 @@ def out_prefix(args: argparse.Namespace, name: str) -> Path:
     return args.out / (name if mode == "quick" else f"{name}_{mode}")
 
 
-def run_or_load(args: argparse.Namespace, argv: Sequence[str], script: str, prefix: Path,
-                runner) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def run_or_load(
+    args: argparse.Namespace, argv: Sequence[str], script: str, prefix: Path, runner
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """``runner()`` -> list of :class:`RunResult`; write ``prefix.csv``, ``prefix_rounds.csv`` and
     ``prefix_meta.json``. With ``--replot``, read them back instead of running anything.
     Returns (rows, per-round rows, meta with ``command``, ``minutes``, ``provenance``)."""
@@ -571,8 +621,11 @@ def run_or_load(args: argparse.Namespace, argv: Sequence[str], script: str, pref
     rounds = [x for r in results for x in r.rounds]
     write_csv(prefix.with_suffix(".csv"), rows)
     write_csv(rounds_path, rounds)
-    meta = {"command": command_line(script, argv), "minutes": round((time.perf_counter() - t0) / 60, 2),
-            "provenance": provenance()}
+    meta = {
+        "command": command_line(script, argv),
+        "minutes": round((time.perf_counter() - t0) / 60, 2),
+        "provenance": provenance(),
+    }
     save_meta(prefix, meta)
     return rows, rounds, meta
 
@@ -614,12 +667,16 @@ def update_results(path: Path, key: str, title: str, body: str) -> None:
     """
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
+    )
     if end in text and (begin not in text or text.index(end) < text.index(begin)):
         # An end marker without its begin (another writer cut it off): drop that orphan, from its title on.
         i = text.index(end)
         start = text.rfind(f"## {title}", 0, i)
-        text = text[: start if start >= 0 else i].rstrip("\n") + "\n\n" + text[i + len(end):].lstrip("\n")
+        text = text[: start if start >= 0 else i].rstrip("\n") + "\n\n" + text[i + len(end) :].lstrip("\n")
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)

@@ -46,8 +46,8 @@ from experiments.common import (  # noqa: E402
     RunSpec,
     base_parser,
     fmt_pm,
-    mean_std,
     md_table,
+    mean_std,
     mode_settings,
     out_prefix,
     paired_deltas,
@@ -68,16 +68,47 @@ TARGET_PPL_AT_10 = 0.5  # % (issue 6)
 LEVEL_OFF_RATIO = 1.25
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, size="tiny", batch_size=4, context_len=16, sync_every=2, rounds=2, seeds=[0],
-                  rates=[0.0, 0.3], drift_rates=[0.3], jobs=1, num_val_batches=2, reduce_timeout_s=1.0,
-                  repeat_baseline=False),
-    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=16, seeds=[0, 1, 2],
-                  rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3], drift_rates=[0.1, 0.3], jobs=2, num_val_batches=16,
-                  reduce_timeout_s=1.0, repeat_baseline=True),
-    "full": dict(num_sites=4, size="small", sync_every=50, rounds=40, seeds=[0, 1, 2, 3, 4],
-                 rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3], drift_rates=[0.05, 0.1, 0.3],
-                 jobs=max(1, (os.cpu_count() or 2) // 4), num_val_batches=32, reduce_timeout_s=1.0,
-                 repeat_baseline=True),
+    "smoke": dict(
+        num_sites=2,
+        size="tiny",
+        batch_size=4,
+        context_len=16,
+        sync_every=2,
+        rounds=2,
+        seeds=[0],
+        rates=[0.0, 0.3],
+        drift_rates=[0.3],
+        jobs=1,
+        num_val_batches=2,
+        reduce_timeout_s=1.0,
+        repeat_baseline=False,
+    ),
+    "quick": dict(
+        num_sites=4,
+        size="tiny",
+        sync_every=10,
+        rounds=16,
+        seeds=[0, 1, 2],
+        rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3],
+        drift_rates=[0.1, 0.3],
+        jobs=2,
+        num_val_batches=16,
+        reduce_timeout_s=1.0,
+        repeat_baseline=True,
+    ),
+    "full": dict(
+        num_sites=4,
+        size="small",
+        sync_every=50,
+        rounds=40,
+        seeds=[0, 1, 2, 3, 4],
+        rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3],
+        drift_rates=[0.05, 0.1, 0.3],
+        jobs=max(1, (os.cpu_count() or 2) // 4),
+        num_val_batches=32,
+        reduce_timeout_s=1.0,
+        repeat_baseline=True,
+    ),
 }
 
 
@@ -89,10 +120,21 @@ def label(rate: float, repair: bool) -> str:
 
 
 def make_specs(m: dict[str, Any]) -> list[RunSpec]:
-    common = dict(experiment="loss_sweep", num_sites=m["num_sites"], size=m["size"], batch_size=m.get("batch_size"),
-                  context_len=m.get("context_len"), sync_every=m["sync_every"], rounds=m["rounds"], codec=m["codec"],
-                  bucket_bytes=64 * 1024, chunk_bytes=16 * 1024, reduce_timeout_s=m["reduce_timeout_s"],
-                  broadcast_timeout_s=2 * m["reduce_timeout_s"], num_val_batches=m["num_val_batches"])
+    common = dict(
+        experiment="loss_sweep",
+        num_sites=m["num_sites"],
+        size=m["size"],
+        batch_size=m.get("batch_size"),
+        context_len=m.get("context_len"),
+        sync_every=m["sync_every"],
+        rounds=m["rounds"],
+        codec=m["codec"],
+        bucket_bytes=64 * 1024,
+        chunk_bytes=16 * 1024,
+        reduce_timeout_s=m["reduce_timeout_s"],
+        broadcast_timeout_s=2 * m["reduce_timeout_s"],
+        num_val_batches=m["num_val_batches"],
+    )
     specs = []
     settings = [(label(rate, True), rate, True) for rate in m["rates"]]
     if m["repeat_baseline"]:
@@ -103,8 +145,17 @@ def make_specs(m: dict[str, Any]) -> list[RunSpec]:
     settings += [(label(rate, False), rate, False) for rate in m["drift_rates"]]
     for config, rate, repair in settings:
         for seed in m["seeds"]:
-            specs.append(RunSpec(config=config, seed=seed, push_loss=rate, pull_loss=rate, repair=repair,
-                                 extra=(("loss_rate", rate),), **common))
+            specs.append(
+                RunSpec(
+                    config=config,
+                    seed=seed,
+                    push_loss=rate,
+                    pull_loss=rate,
+                    repair=repair,
+                    extra=(("loss_rate", rate),),
+                    **common,
+                )
+            )
     return specs
 
 
@@ -119,14 +170,20 @@ def drift_growth(rounds: Sequence[dict[str, Any]]) -> float:
     return b / a if a > 0 else (1.0 if b == 0 else float("inf"))
 
 
-def per_round_mean(rounds: list[dict[str, Any]], config: str, metric: str) -> tuple[list[int], list[float], list[float], list[float]]:
+def per_round_mean(
+    rounds: list[dict[str, Any]], config: str, metric: str
+) -> tuple[list[int], list[float], list[float], list[float]]:
     by_round: dict[int, list[float]] = {}
     for r in rounds:
         if r["config"] == config and not math.isnan(r[metric]):
             by_round.setdefault(r["round"], []).append(r[metric])
     xs = sorted(by_round)
-    return (xs, [statistics.fmean(by_round[x]) for x in xs], [min(by_round[x]) for x in xs],
-            [max(by_round[x]) for x in xs])
+    return (
+        xs,
+        [statistics.fmean(by_round[x]) for x in xs],
+        [min(by_round[x]) for x in xs],
+        [max(by_round[x]) for x in xs],
+    )
 
 
 def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -142,19 +199,44 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         ppl = [math.exp(x) - 1 for x in d]
         nr = [r["rounds_done"] for r in g]
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) for r in g]  # noqa: E731
-        table.append([
-            f"{rate * 100:g}" + (" (repeat)" if cfg == REPEAT else ""), len(g), fmt_pm([r["final_val_loss"] for r in g]), fmt_pm(d, "{:+.4f}"),
-            fmt_pm(ppl, "{:+.2f}", 100), fmt_pm(per_round("stale_buckets"), "{:.1f}"),
-            fmt_pm(per_round("repaired_buckets"), "{:.1f}"), fmt_pm(per_round("rejected"), "{:.1f}"),
-            f"{mean_std([r['reduce_arrived'] for r in g])[0]:.3f}", f"{mean_std([r['broadcast_arrived'] for r in g])[0]:.3f}",
-            fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-            f"{mean_std([r['bytes_per_round_site'] for r in g])[0] / 1e6:.3f}",
-            f"{min(nr)}", "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
-        ])
+        table.append(
+            [
+                f"{rate * 100:g}" + (" (repeat)" if cfg == REPEAT else ""),
+                len(g),
+                fmt_pm([r["final_val_loss"] for r in g]),
+                fmt_pm(d, "{:+.4f}"),
+                fmt_pm(ppl, "{:+.2f}", 100),
+                fmt_pm(per_round("stale_buckets"), "{:.1f}"),
+                fmt_pm(per_round("repaired_buckets"), "{:.1f}"),
+                fmt_pm(per_round("rejected"), "{:.1f}"),
+                f"{mean_std([r['reduce_arrived'] for r in g])[0]:.3f}",
+                f"{mean_std([r['broadcast_arrived'] for r in g])[0]:.3f}",
+                fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                f"{mean_std([r['bytes_per_round_site'] for r in g])[0] / 1e6:.3f}",
+                f"{min(nr)}",
+                "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
+            ]
+        )
         facts[cfg] = (mean_std(ppl), mean_std(d))
-    md = md_table(["loss %", "runs", "final val loss", "Δ loss vs 0% (paired)", "Δ perplexity %",
-                   "stale buckets/round", "repaired/round", "rejected/round", "reduce arrived", "broadcast arrived",
-                   "sync s/round (per site)", "MB/round/site", "rounds", "θ equal on all sites"], table)
+    md = md_table(
+        [
+            "loss %",
+            "runs",
+            "final val loss",
+            "Δ loss vs 0% (paired)",
+            "Δ perplexity %",
+            "stale buckets/round",
+            "repaired/round",
+            "rejected/round",
+            "reduce arrived",
+            "broadcast arrived",
+            "sync s/round (per site)",
+            "MB/round/site",
+            "rounds",
+            "θ equal on all sites",
+        ],
+        table,
+    )
 
     # drift
     dtable = []
@@ -176,17 +258,39 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
             levels = maxd == 0 or gm <= LEVEL_OFF_RATIO
             verdicts[cfg] = (levels, gm, maxd)
             rel = statistics.fmean(r["final_drift"] / r["theta_norm"] for r in g)
-            dtable.append([f"{rate * 100:g}", "on" if repair else "off", len(g), f"{half:.3f}",
-                           fmt_pm([r["final_drift"] for r in g], "{:.3f}"), f"{rel * 100:.2f}%",
-                           f"{maxd:.3f}", "—" if maxd == 0 else f"{gm:.2f}",
-                           fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.1f}"),
-                           fmt_pm([r["val_loss_site_spread"] for r in g], "{:.4f}"),
-                           "yes (zero)" if maxd == 0 else ("yes" if levels else "NO, grows")])
+            dtable.append(
+                [
+                    f"{rate * 100:g}",
+                    "on" if repair else "off",
+                    len(g),
+                    f"{half:.3f}",
+                    fmt_pm([r["final_drift"] for r in g], "{:.3f}"),
+                    f"{rel * 100:.2f}%",
+                    f"{maxd:.3f}",
+                    "—" if maxd == 0 else f"{gm:.2f}",
+                    fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.1f}"),
+                    fmt_pm([r["val_loss_site_spread"] for r in g], "{:.4f}"),
+                    "yes (zero)" if maxd == 0 else ("yes" if levels else "NO, grows"),
+                ]
+            )
             if maxd > 0 and not math.isfinite(gm):
                 dtable[-1][7] = "∞ (zero in 2nd ¼)"
-    dmd = md_table(["loss %", "repair", "runs", f"drift at round {m['rounds'] // 2} (mean)", "final drift",
-                    "final drift / ‖θ‖", "max drift", "growth (last ¼ / 2nd ¼)", "stale buckets/round",
-                    "val-loss spread over sites", "levels off"], dtable)
+    dmd = md_table(
+        [
+            "loss %",
+            "repair",
+            "runs",
+            f"drift at round {m['rounds'] // 2} (mean)",
+            "final drift",
+            "final drift / ‖θ‖",
+            "max drift",
+            "growth (last ¼ / 2nd ¼)",
+            "stale buckets/round",
+            "val-loss spread over sites",
+            "levels off",
+        ],
+        dtable,
+    )
     facts["drift"] = verdicts
     return md + "\n\n" + dmd, facts
 
@@ -207,8 +311,15 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
         ax.scatter([0] * len(ppl), ppl, marker="x", color="0.3", zorder=4, label="0% repeated (noise floor)")
     ax.axhline(0, color="0.6", lw=0.8)
     ax.axhline(TARGET_PPL_AT_10, color="tab:green", ls="--", lw=1, label=f"our target at 10%: ≤ {TARGET_PPL_AT_10}%")
-    ax.plot([10], [PAPER_PPL_AT_10], marker="*", ms=12, color="tab:red", ls="none",
-            label=f"paper (arXiv 2507.07114): ≤ {PAPER_PPL_AT_10}% at 10%")
+    ax.plot(
+        [10],
+        [PAPER_PPL_AT_10],
+        marker="*",
+        ms=12,
+        color="tab:red",
+        ls="none",
+        label=f"paper (arXiv 2507.07114): ≤ {PAPER_PPL_AT_10}% at 10%",
+    )
     ax.set_xlabel("chunk loss rate, reduce and broadcast (%)")
     ax.set_ylabel("perplexity change vs 0% loss (%)")
     ax.set_title(f"Chunk-loss sweep: {m['num_sites']} sites, {m['size']}, H={m['sync_every']}, {m['rounds']} rounds")
@@ -224,8 +335,15 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
             if not x:
                 continue
             x = [v + 1 for v in x]
-            ax.plot(x, mu, ls=ls, color=colors[i % len(colors)], marker="o" if repair else "s", ms=3,
-                    label=f"{rate * 100:g}% loss, repair {'on' if repair else 'off'}")
+            ax.plot(
+                x,
+                mu,
+                ls=ls,
+                color=colors[i % len(colors)],
+                marker="o" if repair else "s",
+                ms=3,
+                label=f"{rate * 100:g}% loss, repair {'on' if repair else 'off'}",
+            )
             ax.fill_between(x, lo, hi, color=colors[i % len(colors)], alpha=0.15)
     ax.set_xlabel("round")
     ax.set_ylabel("max pairwise ‖θ_i − θ_j‖₂")
@@ -275,35 +393,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"perplexity (the owners sum contributions in arrival order, so fp32 rounding varies a little). With loss, "
             f"the paired Δ spreads by about ±{statistics.fmean(lossy) * 100:.1f}% (std) at every rate: which chunks are "
             f"lost perturbs a short, high-learning-rate run whose end point is sensitive to any perturbation. The "
-            f"standard error of a mean over {n_seeds} seeds is std/√{n_seeds}.")
+            f"standard error of a mean over {n_seeds} seeds is std/√{n_seeds}."
+        )
     if label(0.1, True) in facts:
         (ppl_m, ppl_s), (d_m, _) = facts[label(0.1, True)]
         se = ppl_s / math.sqrt(n_seeds)
         met = ppl_m * 100 <= TARGET_PPL_AT_10
-        lines.append(f"- **10% loss**: perplexity change {ppl_m * 100:+.2f}% (std {ppl_s * 100:.2f}%, standard error "
-                     f"{se * 100:.2f}%; Δ loss {d_m:+.4f} nats; paired over {n_seeds} seeds). Paper: ≤ {PAPER_PPL_AT_10}%. "
-                     f"Our target ≤ {TARGET_PPL_AT_10}%: **{'met' if met else 'NOT met'}** by the mean; mean + 1 SE = "
-                     f"{(ppl_m + se) * 100:+.2f}%" + (" (also within the target)." if (ppl_m + se) * 100 <= TARGET_PPL_AT_10
-                                                   else " (not resolved at this number of seeds)."))
+        lines.append(
+            f"- **10% loss**: perplexity change {ppl_m * 100:+.2f}% (std {ppl_s * 100:.2f}%, standard error "
+            f"{se * 100:.2f}%; Δ loss {d_m:+.4f} nats; paired over {n_seeds} seeds). Paper: ≤ {PAPER_PPL_AT_10}%. "
+            f"Our target ≤ {TARGET_PPL_AT_10}%: **{'met' if met else 'NOT met'}** by the mean; mean + 1 SE = "
+            f"{(ppl_m + se) * 100:+.2f}%"
+            + (
+                " (also within the target)."
+                if (ppl_m + se) * 100 <= TARGET_PPL_AT_10
+                else " (not resolved at this number of seeds)."
+            )
+        )
     for cfg, (levels, growth, maxd) in facts["drift"].items():
-        what = "zero at every round" if maxd == 0 else (
-            f"growth ratio {growth:.2f}" if math.isfinite(growth) else "zero in the second quarter, not after")
-        lines.append(f"- Drift, {cfg}{'' if 'off' in cfg else ' (repair on)'}: max {maxd:.3f}, {what}: "
-                     f"**{'levels off' if levels else 'does NOT level off'}**.")
-    body = f"""Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).
+        what = (
+            "zero at every round"
+            if maxd == 0
+            else (f"growth ratio {growth:.2f}" if math.isfinite(growth) else "zero in the second quarter, not after")
+        )
+        lines.append(
+            f"- Drift, {cfg}{'' if 'off' in cfg else ' (repair on)'}: max {maxd:.3f}, {what}: "
+            f"**{'levels off' if levels else 'does NOT level off'}**."
+        )
+    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: {m['num_sites']} sites as threads over the in-process transport, built-in GPT `{m['size']}` on the stdlib
-source, H = {m['sync_every']}, {m['rounds']} rounds, codec `{m['codec']}` with error feedback, 64 KiB buckets of
-16 KiB chunks, reduce deadline {m['reduce_timeout_s']} s. Each contribution chunk and each pulled mean is lost with
-probability p (seeded). Δ is against the 0% run with the same seed (same data and init). Validation: {m['num_val_batches']}
-fixed batches. Mean ± std over seeds {m['seeds']}. "sync s/round": a site's time in the round call, including
+Setup: {m["num_sites"]} sites as threads over the in-process transport, built-in GPT `{m["size"]}` on the stdlib
+source, H = {m["sync_every"]}, {m["rounds"]} rounds, codec `{m["codec"]}` with error feedback, 64 KiB buckets of
+16 KiB chunks, reduce deadline {m["reduce_timeout_s"]} s. Each contribution chunk and each pulled mean is lost with
+probability p (seeded). Δ is against the 0% run with the same seed (same data and init). Validation: {m["num_val_batches"]}
+fixed batches. Mean ± std over seeds {m["seeds"]}. "sync s/round": a site's time in the round call, including
 the wait for the other sites to be ready (site 0 evaluates θ after every round, the others wait for it) and the
-reduce deadline whenever a chunk was lost (the owner cannot tell lost from late). CSV: `{prefix.with_suffix('.csv').name}`, per round:
-`{prefix.name}_rounds.csv`; plots: {', '.join(f'`{p.name}`' for p in pngs)}.
+reduce deadline whenever a chunk was lost (the owner cannot tell lost from late). CSV: `{prefix.with_suffix(".csv").name}`, per round:
+`{prefix.name}_rounds.csv`; plots: {", ".join(f"`{p.name}`" for p in pngs)}.
 
 {md}
 
-Drift = max over site pairs of ‖θ_i − θ_j‖₂ after each round (‖θ‖ ≈ {statistics.fmean(r['theta_norm'] for r in rows):.1f}).
+Drift = max over site pairs of ‖θ_i − θ_j‖₂ after each round (‖θ‖ ≈ {statistics.fmean(r["theta_norm"] for r in rows):.1f}).
 "Levels off": mean drift over the last quarter of the rounds ≤ {LEVEL_OFF_RATIO} × the mean over the second quarter
 (a random walk gives ≈ 1.53, linear growth ≈ 2.33).
 

@@ -43,8 +43,8 @@ from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,
     fmt_pm,
-    mean_std,
     md_table,
+    mean_std,
     mode_settings,
     out_prefix,
     paired_deltas,
@@ -62,12 +62,18 @@ BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(num_sites=2, size="tiny", sync_every=2, rounds=2, seeds=[0], losses=[0.0, 10.0], repeat=False),
     "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=16, seeds=[0, 1, 2], losses=[0.0, 10.0], repeat=True),
-    "full": dict(num_sites=4, size="small", sync_every=50, rounds=40, seeds=[0, 1, 2, 3, 4], losses=[0.0, 10.0],
-                 repeat=True),
+    "full": dict(
+        num_sites=4, size="small", sync_every=50, rounds=40, seeds=[0, 1, 2, 3, 4], losses=[0.0, 10.0], repeat=True
+    ),
 }
 LINK = dict(delay_ms=10.0, rate_mbit=100.0)  # the ``lossy`` profile's delay and rate
-RENDEZVOUS = {"quorum_timeout_s": 5.0, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0,
-              "reduce_timeout_s": 1.0, "broadcast_timeout_s": 2.0}
+RENDEZVOUS = {
+    "quorum_timeout_s": 5.0,
+    "heartbeat_interval_s": 0.5,
+    "heartbeat_timeout_s": 5.0,
+    "reduce_timeout_s": 1.0,
+    "broadcast_timeout_s": 2.0,
+}
 WORKER = dict(codec="fp32", bucket_bytes=64 * KiB, chunk_bytes=16 * KiB, quorum_wait_s=120, linger_s=2)
 
 
@@ -86,8 +92,14 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         names = [f"site-{i}" for i in range(n)]
         try:
             run.start_rendezvous({"initial_sites": n, "min_sites": 2, **RENDEZVOUS})
-            opts = dict(size=m["size"], seed=seed, rounds=m["rounds"], sync_every=m["sync_every"],
-                        eval_every=m["rounds"], **WORKER)
+            opts = dict(
+                size=m["size"],
+                seed=seed,
+                rounds=m["rounds"],
+                sync_every=m["sync_every"],
+                eval_every=m["rounds"],
+                **WORKER,
+            )
             for i in range(n):
                 run.start_site(i, opts)
 
@@ -110,27 +122,51 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
             reasons[key] = reasons.get(key, 0) + count
     mean = lambda k: statistics.fmean(x.get(k, float("nan")) for x in allr) if allr else float("nan")  # noqa: E731
     row = {
-        "experiment": "netem_loss", "config": config, "seed": seed, "num_sites": n, "size": m["size"],
-        "sync_every": m["sync_every"], "rounds": m["rounds"], "codec": WORKER["codec"], "loss_pct": loss_pct,
-        "delay_ms": LINK["delay_ms"], "rate_mbit": LINK["rate_mbit"],
+        "experiment": "netem_loss",
+        "config": config,
+        "seed": seed,
+        "num_sites": n,
+        "size": m["size"],
+        "sync_every": m["sync_every"],
+        "rounds": m["rounds"],
+        "codec": WORKER["codec"],
+        "loss_pct": loss_pct,
+        "delay_ms": LINK["delay_ms"],
+        "rate_mbit": LINK["rate_mbit"],
         "first_val_loss": start[0]["val_loss"] if start else float("nan"),
         "final_val_loss": site0[-1]["val_loss"] if site0 else float("nan"),
-        "rounds_done": len(site0), "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
-        "wall_s": wall, "bytes_total": sum(x.get("bytes_sent", 0) for x in allr),
+        "rounds_done": len(site0),
+        "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
+        "wall_s": wall,
+        "bytes_total": sum(x.get("bytes_sent", 0) for x in allr),
         "bytes_per_round_site": sum(x.get("bytes_sent", 0) for x in allr) / max(1, len(allr)),
-        "sync_s": mean("sync_s"), "exchange_s": mean("total_s"),
+        "sync_s": mean("sync_s"),
+        "exchange_s": mean("total_s"),
         "stale_buckets": sum(x.get("stale_buckets", 0) for x in allr),
         "repaired_buckets": sum(x.get("repaired_buckets", 0) for x in allr),
         "rejected": sum(sum(x.get("rejected", {}).values()) for x in allr),
         "rejected_reasons": "; ".join(f"{k} x{v}" for k, v in sorted(reasons.items())),
-        "reduce_arrived": mean("reduce_arrived_fraction"), "broadcast_arrived": mean("broadcast_arrived_fraction"),
+        "reduce_arrived": mean("reduce_arrived_fraction"),
+        "broadcast_arrived": mean("broadcast_arrived_fraction"),
         "included": mean("included_fraction"),
         "consistent": len({per_site[i][-1]["checksum"] for i in range(n) if per_site[i]}) == 1,
     }
-    rounds = [{"experiment": "netem_loss", "config": config, "seed": seed, "round": x["round"], "site": x["site"],
-               "status": x["status"], "sync_s": x["sync_s"], "total_s": x.get("total_s", float("nan")),
-               "reduce_arrived": x.get("reduce_arrived_fraction", float("nan")),
-               "stale_buckets": x.get("stale_buckets", 0), "val_loss": x["val_loss"]} for x in allr]
+    rounds = [
+        {
+            "experiment": "netem_loss",
+            "config": config,
+            "seed": seed,
+            "round": x["round"],
+            "site": x["site"],
+            "status": x["status"],
+            "sync_s": x["sync_s"],
+            "total_s": x.get("total_s", float("nan")),
+            "reduce_arrived": x.get("reduce_arrived_fraction", float("nan")),
+            "stale_buckets": x.get("stale_buckets", 0),
+            "val_loss": x["val_loss"],
+        }
+        for x in allr
+    ]
     return RunResult(row=row, rounds=rounds)
 
 
@@ -142,18 +178,43 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table = []
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
-        table.append([cfg, len(g), fmt_pm([r["final_val_loss"] for r in g]), fmt_pm(d, "{:+.4f}"),
-                      fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
-                      f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
-                      f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
-                      fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-                      sum(r["rejected"] for r in g), fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
-                      fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
-                      f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
-                      min(r["rounds_done"] for r in g), "yes" if all(r["consistent"] for r in g) else "NO"])
-    md = md_table(["setting", "runs", "final val loss (site-0)", "Δ loss vs 0% (paired)", "Δ perplexity %",
-                   "reduce arrived", "broadcast arrived", "stale buckets/round (all sites)", "rejected", "exchange s/round",
-                   "sync s/round", "MB sent/round/site", "rounds", "θ equal on all sites"], table)
+        table.append(
+            [
+                cfg,
+                len(g),
+                fmt_pm([r["final_val_loss"] for r in g]),
+                fmt_pm(d, "{:+.4f}"),
+                fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
+                f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
+                f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
+                fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                sum(r["rejected"] for r in g),
+                fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
+                fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
+                f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
+                min(r["rounds_done"] for r in g),
+                "yes" if all(r["consistent"] for r in g) else "NO",
+            ]
+        )
+    md = md_table(
+        [
+            "setting",
+            "runs",
+            "final val loss (site-0)",
+            "Δ loss vs 0% (paired)",
+            "Δ perplexity %",
+            "reduce arrived",
+            "broadcast arrived",
+            "stale buckets/round (all sites)",
+            "rejected",
+            "exchange s/round",
+            "sync s/round",
+            "MB sent/round/site",
+            "rounds",
+            "θ equal on all sites",
+        ],
+        table,
+    )
     notes = []
     ten = groups.get(label(10.0), [])
     if ten and base:
@@ -164,16 +225,23 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             noise = f"; the 0% repeat (noise floor) gives {nm * 100:+.2f}% ± {ns * 100:.2f}%"
         se = sd / math.sqrt(len(ten))
         verdict = "met" if ppl * 100 <= TARGET_PPL_AT_10 else "NOT met"
-        sure = ("also within it" if (ppl + se) * 100 <= TARGET_PPL_AT_10 else
-                f"not within it: {len(ten)} seeds cannot resolve a 0.5% difference here")
-        notes.append(f"- 10% packet loss over gRPC: perplexity change {ppl * 100:+.2f}% ± {sd * 100:.2f}% (std; standard "
-                     f"error {se * 100:.2f}%) against 0% (target <= {TARGET_PPL_AT_10}%: **{verdict}** by the mean; "
-                     f"mean + 1 SE = {(ppl + se) * 100:+.2f}%, {sure}; the paper reports <= {PAPER_PPL_AT_10}%){noise}.")
+        sure = (
+            "also within it"
+            if (ppl + se) * 100 <= TARGET_PPL_AT_10
+            else f"not within it: {len(ten)} seeds cannot resolve a 0.5% difference here"
+        )
+        notes.append(
+            f"- 10% packet loss over gRPC: perplexity change {ppl * 100:+.2f}% ± {sd * 100:.2f}% (std; standard "
+            f"error {se * 100:.2f}%) against 0% (target <= {TARGET_PPL_AT_10}%: **{verdict}** by the mean; "
+            f"mean + 1 SE = {(ppl + se) * 100:+.2f}%, {sure}; the paper reports <= {PAPER_PPL_AT_10}%){noise}."
+        )
         s0 = statistics.fmean(r["exchange_s"] for r in base)
         s10 = statistics.fmean(r["exchange_s"] for r in ten)
-        notes.append(f"- What the loss costs instead: the exchange takes {s10:.2f} s per round against {s0:.2f} s "
-                     f"({s10 / s0:.1f}x; TCP retransmissions), and {1 - statistics.fmean(r['reduce_arrived'] for r in ten):.1%} "
-                     "of the contribution chunks missed the 1 s reduce deadline (kept by error feedback).")
+        notes.append(
+            f"- What the loss costs instead: the exchange takes {s10:.2f} s per round against {s0:.2f} s "
+            f"({s10 / s0:.1f}x; TCP retransmissions), and {1 - statistics.fmean(r['reduce_arrived'] for r in ten):.1%} "
+            "of the contribution chunks missed the 1 s reduce deadline (kept by error feedback)."
+        )
         why: dict[str, int] = {}
         for r in ten:
             for item in str(r.get("rejected_reasons") or "").split("; "):
@@ -181,8 +249,10 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                     reason, _, count = item.rpartition(" x")
                     why[reason] = why.get(reason, 0) + int(count)
         if why:
-            notes.append(f"- Rejected at 10% over {len(ten)} runs (logged by the owners, never applied; the sender keeps "
-                         f"them in its residual): {'; '.join(f'{k}: {v}' for k, v in sorted(why.items()))}.")
+            notes.append(
+                f"- Rejected at 10% over {len(ten)} runs (logged by the owners, never applied; the sender keeps "
+                f"them in its residual): {'; '.join(f'{k}: {v}' for k, v in sorted(why.items()))}."
+            )
     return md, notes
 
 
@@ -233,24 +303,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for cfg, loss in configs:
                     res = run_one(topo, m, cfg, loss, seed, args.timeout_s)
                     r = res.row
-                    print(f"{cfg:<18s} seed {seed}: val {r['final_val_loss']:.4f} rounds {r['rounds_done']} "
-                          f"exchange {r['exchange_s']:.2f}s reduce arrived {r['reduce_arrived']:.3f} "
-                          f"stale {r['stale_buckets']} wall {r['wall_s']:.0f}s", flush=True)
+                    print(
+                        f"{cfg:<18s} seed {seed}: val {r['final_val_loss']:.4f} rounds {r['rounds_done']} "
+                        f"exchange {r['exchange_s']:.2f}s reduce arrived {r['reduce_arrived']:.3f} "
+                        f"stale {r['stale_buckets']} wall {r['wall_s']:.0f}s",
+                        flush=True,
+                    )
                     out.append(res)
         return out
 
     rows, rounds, meta = run_or_load(args, argv, "netem_loss.py", prefix, runner)
     png = plot(rows, rounds, prefix)
     md, notes = analyse(rows)
-    body = f"""Command: `{meta['command']}` (as root; {meta['minutes']:.1f} min; {meta['provenance']}).
+    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace,
-real gRPC; every link {LINK['delay_ms']:g} ms one-way, {LINK['rate_mbit']:g} Mbit/s, and the loss shown
-(random, of packets arriving at a site; nftables). Built-in GPT `{m['size']}`, H = {m['sync_every']},
-{m['rounds']} rounds, `{WORKER['codec']}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
-{RENDEZVOUS['reduce_timeout_s']:g} s, broadcast deadline {RENDEZVOUS['broadcast_timeout_s']:g} s (in --quick: the
-in-process chunk-loss sweep's quick setup). Δ is paired by seed against the 0% run; mean ± std over seeds {m['seeds']}. "Reduce
-arrived": the fraction of contribution chunks an owner had by its deadline. CSV: `{prefix.with_suffix('.csv').name}`;
+Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace,
+real gRPC; every link {LINK["delay_ms"]:g} ms one-way, {LINK["rate_mbit"]:g} Mbit/s, and the loss shown
+(random, of packets arriving at a site; nftables). Built-in GPT `{m["size"]}`, H = {m["sync_every"]},
+{m["rounds"]} rounds, `{WORKER["codec"]}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
+{RENDEZVOUS["reduce_timeout_s"]:g} s, broadcast deadline {RENDEZVOUS["broadcast_timeout_s"]:g} s (in --quick: the
+in-process chunk-loss sweep's quick setup). Δ is paired by seed against the 0% run; mean ± std over seeds {m["seeds"]}. "Reduce
+arrived": the fraction of contribution chunks an owner had by its deadline. CSV: `{prefix.with_suffix(".csv").name}`;
 plot: `{png.name}`.
 
 {md}

@@ -77,8 +77,14 @@ class ProcRun:
         if self.topo is not None:
             cmd = self.topo.exec_argv(index, cmd)
         with open(self.root / f"{name}.log", "a") as f:
-            self.procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                                                cwd=str(ROOT), start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                cwd=str(ROOT),
+                start_new_session=True,
+            )
 
     def wait(self, pred: Callable[[], bool], what: str, poll_s: float = 0.05) -> None:
         """Poll ``pred`` until true; TimeoutError naming ``what`` past the run's bound."""
@@ -91,8 +97,11 @@ class ProcRun:
     def start_rendezvous(self, opts: dict[str, Any]) -> str:
         """Start the rendezvous with RendezvousConfig fields ``opts``; returns its host:port."""
         addr = self.root / "rendezvous.addr"
-        self.spawn("rendezvous", self.num_sites, ["rendezvous", "--bind", f"{self.host(self.num_sites)}:0",
-                                                  "--address-file", str(addr), *flags(opts)])
+        self.spawn(
+            "rendezvous",
+            self.num_sites,
+            ["rendezvous", "--bind", f"{self.host(self.num_sites)}:0", "--address-file", str(addr), *flags(opts)],
+        )
 
         def ready() -> bool:
             if self.procs["rendezvous"].poll() is not None:
@@ -103,13 +112,27 @@ class ProcRun:
         self.rv = addr.read_text().strip()
         return self.rv
 
-    def start_site(self, i: int, opts: dict[str, Any], *, env: dict[str, str] | None = None,
-                   resume: bool = False) -> None:
+    def start_site(
+        self, i: int, opts: dict[str, Any], *, env: dict[str, str] | None = None, resume: bool = False
+    ) -> None:
         """Start worker ``site-<i>`` with WorkerConfig fields ``opts`` (site id, index, listen
         address, rendezvous and out dir are filled in)."""
-        argv = ["worker", "--site-id", f"site-{i}", "--site-index", str(i), "--num-sites", str(self.num_sites),
-                "--listen", f"{self.host(i)}:0", "--rendezvous", self.rv, "--out-dir", str(self.root / f"site-{i}"),
-                *flags(opts)]
+        argv = [
+            "worker",
+            "--site-id",
+            f"site-{i}",
+            "--site-index",
+            str(i),
+            "--num-sites",
+            str(self.num_sites),
+            "--listen",
+            f"{self.host(i)}:0",
+            "--rendezvous",
+            self.rv,
+            "--out-dir",
+            str(self.root / f"site-{i}"),
+            *flags(opts),
+        ]
         if resume:
             argv.append("--resume")
         self.spawn(f"site-{i}", i, argv, env)

@@ -47,8 +47,8 @@ from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,
     fmt_pm,
-    mean_std,
     md_table,
+    mean_std,
     mode_settings,
     out_prefix,
     paired_deltas,
@@ -63,20 +63,51 @@ from experiments.procs import ProcRun  # noqa: E402
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
-RENDEZVOUS = {"quorum_timeout_s": 1.0, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 2.0,
-              "reduce_timeout_s": 1.5, "broadcast_timeout_s": 3.0, "min_sites": 2}
+RENDEZVOUS = {
+    "quorum_timeout_s": 1.0,
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 2.0,
+    "reduce_timeout_s": 1.5,
+    "broadcast_timeout_s": 3.0,
+    "min_sites": 2,
+}
 
 MODES: dict[str, dict[str, Any]] = {
     # A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
     # milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
     # site is back for a good part of the run instead of after its end.
     # CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
-    "smoke": dict(num_sites=4, size="tiny", sync_every=2, rounds=4, kill_round=1, down_rounds=1, seeds=[0],
-                  inner_step_sleep_s=0.05, scenarios=[NO_FAULT, OWNER]),
-    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=24, kill_round=3, down_rounds=2, seeds=[0, 1, 2],
-                  inner_step_sleep_s=0.1),
-    "full": dict(num_sites=4, size="small", sync_every=50, rounds=40, kill_round=8, down_rounds=5,
-                 seeds=[0, 1, 2, 3, 4], inner_step_sleep_s=0.02),
+    "smoke": dict(
+        num_sites=4,
+        size="tiny",
+        sync_every=2,
+        rounds=4,
+        kill_round=1,
+        down_rounds=1,
+        seeds=[0],
+        inner_step_sleep_s=0.05,
+        scenarios=[NO_FAULT, OWNER],
+    ),
+    "quick": dict(
+        num_sites=4,
+        size="tiny",
+        sync_every=10,
+        rounds=24,
+        kill_round=3,
+        down_rounds=2,
+        seeds=[0, 1, 2],
+        inner_step_sleep_s=0.1,
+    ),
+    "full": dict(
+        num_sites=4,
+        size="small",
+        sync_every=50,
+        rounds=40,
+        kill_round=8,
+        down_rounds=5,
+        seeds=[0, 1, 2, 3, 4],
+        inner_step_sleep_s=0.02,
+    ),
 }
 
 
@@ -116,8 +147,14 @@ class _Run(ProcRun):
 
     def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> None:  # type: ignore[override]
         s = self.spec
-        opts = dict(size=s.size, seed=s.seed, rounds=s.rounds, sync_every=s.sync_every, **WORKER,
-                    inner_step_sleep_s=s.inner_step_sleep_s)
+        opts = dict(
+            size=s.size,
+            seed=s.seed,
+            rounds=s.rounds,
+            sync_every=s.sync_every,
+            **WORKER,
+            inner_step_sleep_s=s.inner_step_sleep_s,
+        )
         super().start_site(i, opts, env={"DTRAIN_TEST_FAULT": fault} if fault else None, resume=resume)
 
 
@@ -174,25 +211,58 @@ def run_failure(spec: FailureSpec) -> RunResult:
     site0 = per_site[0]
     final = site0[-1]["val_loss"] if site0 else float("nan")
     row: dict[str, Any] = {
-        "experiment": "site_failures", "config": s.scenario, "seed": s.seed, "num_sites": s.num_sites, "size": s.size,
-        "sync_every": s.sync_every, "rounds": s.rounds, "kill_round": s.kill_round, "down_rounds": s.down_rounds,
-        "codec": "fp32", "first_val_loss": start[0]["val_loss"] if start else float("nan"), "final_val_loss": final,
-        "rounds_done": max((x["round"] + 1 for x in site0), default=0), "rounds_lost": lost,
-        "rounds_missed_before_fault": early, "missed_detail": " ".join(detail),
-        "inner_step_sleep_s": s.inner_step_sleep_s, "max_round_s": longest, "max_beyond_deadline_s": max(0.0, over), "max_quorum_wait_s": quorum_extra, "wall_s": wall,
-        "sync_s": sum(x["sync_s"] for x in site0), "bytes_total": bytes_total,
-        "bytes_per_round_site": bytes_total / max(1, s.rounds) / s.num_sites, "stale_buckets": stale,
-        "skipped_buckets": skipped, "rejected": rejected,
-        "restarted_first_round": min((x["round"] for x in per_site[3] if x["round"] > s.kill_round
-                                      and x["status"] == "applied"), default=-1) if s.scenario == RESTART else -1,
+        "experiment": "site_failures",
+        "config": s.scenario,
+        "seed": s.seed,
+        "num_sites": s.num_sites,
+        "size": s.size,
+        "sync_every": s.sync_every,
+        "rounds": s.rounds,
+        "kill_round": s.kill_round,
+        "down_rounds": s.down_rounds,
+        "codec": "fp32",
+        "first_val_loss": start[0]["val_loss"] if start else float("nan"),
+        "final_val_loss": final,
+        "rounds_done": max((x["round"] + 1 for x in site0), default=0),
+        "rounds_lost": lost,
+        "rounds_missed_before_fault": early,
+        "missed_detail": " ".join(detail),
+        "inner_step_sleep_s": s.inner_step_sleep_s,
+        "max_round_s": longest,
+        "max_beyond_deadline_s": max(0.0, over),
+        "max_quorum_wait_s": quorum_extra,
+        "wall_s": wall,
+        "sync_s": sum(x["sync_s"] for x in site0),
+        "bytes_total": bytes_total,
+        "bytes_per_round_site": bytes_total / max(1, s.rounds) / s.num_sites,
+        "stale_buckets": stale,
+        "skipped_buckets": skipped,
+        "rejected": rejected,
+        "restarted_first_round": min(
+            (x["round"] for x in per_site[3] if x["round"] > s.kill_round and x["status"] == "applied"), default=-1
+        )
+        if s.scenario == RESTART
+        else -1,
         "restarted_rounds": sum(1 for x in per_site[3] if x["round"] > s.kill_round and x["status"] == "applied")
-        if s.scenario == RESTART else 0,
+        if s.scenario == RESTART
+        else 0,
         "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
     }
-    rounds_out = [{"experiment": "site_failures", "config": s.scenario, "seed": s.seed, "round": x["round"],
-                   "status": x["status"], "val_loss": x["val_loss"], "members": len(x.get("members", [])),
-                   "sync_s": x["sync_s"], "total_s": x.get("total_s", float("nan"))} for x in site0]
+    rounds_out = [
+        {
+            "experiment": "site_failures",
+            "config": s.scenario,
+            "seed": s.seed,
+            "round": x["round"],
+            "status": x["status"],
+            "val_loss": x["val_loss"],
+            "members": len(x.get("members", [])),
+            "sync_s": x["sync_s"],
+            "total_s": x.get("total_s", float("nan")),
+        }
+        for x in site0
+    ]
     return RunResult(row=row, rounds=rounds_out)
 
 
@@ -202,28 +272,59 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table, verdicts = [], []
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
-        table.append([cfg, len(g), fmt_pm([r["final_val_loss"] for r in g]), "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
-                      sum(r["rounds_lost"] for r in g), sum(r["rounds_missed_before_fault"] for r in g),
-                      f"{max(r['max_round_s'] for r in g):.2f}",
-                      f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
-                      f"{max(r['max_quorum_wait_s'] for r in g):.2f}", fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
-                      sum(r["stale_buckets"] for r in g), sum(r["skipped_buckets"] for r in g),
-                      sum(r["rejected"] for r in g),
-                      "yes" if all(r["survivors_consistent"] for r in g) else "NO"])
+        table.append(
+            [
+                cfg,
+                len(g),
+                fmt_pm([r["final_val_loss"] for r in g]),
+                "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
+                sum(r["rounds_lost"] for r in g),
+                sum(r["rounds_missed_before_fault"] for r in g),
+                f"{max(r['max_round_s'] for r in g):.2f}",
+                f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
+                f"{max(r['max_quorum_wait_s'] for r in g):.2f}",
+                fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+                sum(r["stale_buckets"] for r in g),
+                sum(r["skipped_buckets"] for r in g),
+                sum(r["rejected"] for r in g),
+                "yes" if all(r["survivors_consistent"] for r in g) else "NO",
+            ]
+        )
         if cfg != NO_FAULT:
             lost = sum(r["rounds_lost"] for r in g)
             over = max(r["max_beyond_deadline_s"] for r in g)
-            verdicts.append(f"- {cfg}: rounds lost {lost} (target none: **{'met' if lost == 0 else 'NOT met'}**); "
-                            f"longest time beyond a round's deadline {over:.2f} s (target < 1 s: "
-                            f"**{'met' if over < 1 else 'NOT met'}**); final val loss change "
-                            f"{mean_std(d)[0]:+.4f} nats."
-                            + (f" The restarted site took part again from round "
-                               f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
-                               f"others finished)." if cfg == RESTART else ""))
-    md = md_table(["scenario", "runs", "final val loss (site-0)", "Δ vs no fault (paired)",
-                   "rounds lost from the fault on (survivors)", "rounds missed before it",
-                   f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})", "max s beyond deadline", "max quorum wait s", "wall s", "stale buckets", "skipped buckets", "rejected",
-                   "survivors' θ equal"], table)
+            verdicts.append(
+                f"- {cfg}: rounds lost {lost} (target none: **{'met' if lost == 0 else 'NOT met'}**); "
+                f"longest time beyond a round's deadline {over:.2f} s (target < 1 s: "
+                f"**{'met' if over < 1 else 'NOT met'}**); final val loss change "
+                f"{mean_std(d)[0]:+.4f} nats."
+                + (
+                    f" The restarted site took part again from round "
+                    f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
+                    f"others finished)."
+                    if cfg == RESTART
+                    else ""
+                )
+            )
+    md = md_table(
+        [
+            "scenario",
+            "runs",
+            "final val loss (site-0)",
+            "Δ vs no fault (paired)",
+            "rounds lost from the fault on (survivors)",
+            "rounds missed before it",
+            f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})",
+            "max s beyond deadline",
+            "max quorum wait s",
+            "wall s",
+            "stale buckets",
+            "skipped buckets",
+            "rejected",
+            "survivors' θ equal",
+        ],
+        table,
+    )
     return md, verdicts
 
 
@@ -236,8 +337,14 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
                 by.setdefault(r["round"], []).append(r["val_loss"])
         if by:
             xs = sorted(by)
-            ax.plot([x + 1 for x in xs], [statistics.fmean(by[x]) for x in xs], marker="o", ms=3, label=cfg,
-                    ls="-" if cfg == NO_FAULT else "--")
+            ax.plot(
+                [x + 1 for x in xs],
+                [statistics.fmean(by[x]) for x in xs],
+                marker="o",
+                ms=3,
+                label=cfg,
+                ls="-" if cfg == NO_FAULT else "--",
+            )
     ax.axvline(m["kill_round"] + 1, color="0.6", lw=0.8, ls=":")
     ax.set_xlabel("round (site-0)")
     ax.set_ylabel("validation loss, mean over seeds")
@@ -250,19 +357,33 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
-    ap.add_argument("--rounds", type=int, help="rounds per run (default per mode; must leave two rounds after the "
-                                               "fault round)")
+    ap.add_argument(
+        "--rounds", type=int, help="rounds per run (default per mode; must leave two rounds after the fault round)"
+    )
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES, ("size", "rounds"))
     if m["rounds"] < m["kill_round"] + 2:
-        raise SystemExit(f"--rounds must be >= {m['kill_round'] + 2} in this mode (faults strike in round "
-                         f"{m['kill_round']}), got {m['rounds']}")
+        raise SystemExit(
+            f"--rounds must be >= {m['kill_round'] + 2} in this mode (faults strike in round "
+            f"{m['kill_round']}), got {m['rounds']}"
+        )
     scenarios = m.get("scenarios", SCENARIOS)
-    restart = (f" the restarted site is down for {m['down_rounds']} rounds of site-0." if RESTART in scenarios else "")
-    specs = [FailureSpec(scenario=sc, seed=seed, num_sites=m["num_sites"], size=m["size"], sync_every=m["sync_every"],
-                         rounds=m["rounds"], kill_round=m["kill_round"], down_rounds=m["down_rounds"],
-                         inner_step_sleep_s=m["inner_step_sleep_s"])
-             for sc in scenarios for seed in m["seeds"]]
+    restart = f" the restarted site is down for {m['down_rounds']} rounds of site-0." if RESTART in scenarios else ""
+    specs = [
+        FailureSpec(
+            scenario=sc,
+            seed=seed,
+            num_sites=m["num_sites"],
+            size=m["size"],
+            sync_every=m["sync_every"],
+            rounds=m["rounds"],
+            kill_round=m["kill_round"],
+            down_rounds=m["down_rounds"],
+            inner_step_sleep_s=m["inner_step_sleep_s"],
+        )
+        for sc in scenarios
+        for seed in m["seeds"]
+    ]
     prefix = out_prefix(args, "site_failures")
 
     def runner():
@@ -272,20 +393,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, rounds, meta = run_or_load(args, argv, "site_failures.py", prefix, runner)
     png = plot(rounds, prefix, m)
     md, verdicts = analyse(rows)
-    body = f"""Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).
+    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
-`{m['size']}`, H = {m['sync_every']}, {m['rounds']} rounds, fp32, checkpoints every round, each inner step
-followed by a {m['inner_step_sleep_s']:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
+Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
+`{m["size"]}`, H = {m["sync_every"]}, {m["rounds"]} rounds, fp32, checkpoints every round, each inner step
+followed by a {m["inner_step_sleep_s"]:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
 start-up, ~10 s, to span a few rounds, not the rest of the run); rendezvous timing
-{', '.join(f'{k} {v}' for k, v in RENDEZVOUS.items())}. Faults after / in round {m['kill_round']};{restart}
-Mean ± std over seeds {m['seeds']}; Δ paired by seed. "Beyond
+{", ".join(f"{k} {v}" for k, v in RENDEZVOUS.items())}. Faults after / in round {m["kill_round"]};{restart}
+Mean ± std over seeds {m["seeds"]}; Δ paired by seed. "Beyond
 deadline": a survivor's round engine time (from its plan to the end of apply and repair) minus the broadcast
 deadline. "Rounds lost": rounds from the fault's round on that a survivor did not apply; rounds a site missed
 before the fault (start-up: still importing torch when round 0 formed) are counted apart. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
-after a death for up to quorum_timeout_s = {RENDEZVOUS['quorum_timeout_s']} s, until the rendezvous stops waiting for
+after a death for up to quorum_timeout_s = {RENDEZVOUS["quorum_timeout_s"]} s, until the rendezvous stops waiting for
 a site whose heartbeats have not yet timed out). "Skipped buckets": buckets whose owner died in the round (every
-survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix('.csv').name}`; plot: `{png.name}`.
+survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {md}
 

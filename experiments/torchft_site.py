@@ -90,8 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--host", default="127.0.0.1", help="address this site advertises and binds its store on")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="Manager timeout (collectives, should_commit, recovery)")
-    p.add_argument("--quorum-timeout-s", type=float, default=300.0, help="Manager quorum timeout (DiLoCo: >> one round)")
+    p.add_argument(
+        "--timeout-s", type=float, default=30.0, help="Manager timeout (collectives, should_commit, recovery)"
+    )
+    p.add_argument(
+        "--quorum-timeout-s", type=float, default=300.0, help="Manager quorum timeout (DiLoCo: >> one round)"
+    )
     p.add_argument("--connect-timeout-s", type=float, default=30.0)
     p.add_argument("--pg-timeout-s", type=float, default=5.0, help="ProcessGroupGloo timeout")
     p.add_argument("--kill-at-round", type=int, default=-1, help="test fault: SIGKILL in this sync attempt (-1: never)")
@@ -104,8 +108,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, a.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     t_start = time.monotonic()
     import torch
     from torch.distributed import TCPStore
@@ -125,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     site = f"site-{a.site_index}"
     task = build_task(TaskSpec(site_index=a.site_index, num_sites=a.num_sites, seed=a.seed, data=a.data, size=a.size))
     model, inner = task.model, task.optimizer
-    outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
-                            nesterov=a.outer_momentum > 0)
+    outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
     numel = sum(p.numel() for p in model.parameters())
 
     store = TCPStore(a.host, 0, is_master=True, wait_for_workers=False)
@@ -185,14 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     metrics = open(out / "metrics.jsonl", "a", buffering=1)
     val = task.evaluate(model)
     first_val = val
-    metrics.write(json.dumps({"site": site, "event": "start", "round": manager.current_step(), "val_loss": val,
-                              "wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(),
-                              "pid": os.getpid()}) + "\n")
+    metrics.write(
+        json.dumps(
+            {
+                "site": site,
+                "event": "start",
+                "round": manager.current_step(),
+                "val_loss": val,
+                "wall_s": time.monotonic() - t_start,
+                "params": numel,
+                "time": time.time(),
+                "pid": os.getpid(),
+            }
+        )
+        + "\n"
+    )
     totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0, "attempts": 0}
     max_attempts = a.max_attempts or 4 * a.rounds + 10
     train_loss = float("nan")
-    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
-                pin_memory=False):
+    with DiLoCo(
+        manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"), pin_memory=False
+    ):
         while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
             t_inner = time.monotonic()
             losses = []
@@ -221,21 +240,46 @@ def main(argv: list[str] | None = None) -> int:
             totals["inner_s"] += inner_s
             totals["committed"] += int(committed)
             totals["attempts"] += 1
-            metrics.write(json.dumps({
-                "site": site, "event": "round", "round": state["attempt"], "step": manager.current_step(),
-                "status": "applied" if committed else "discarded", "committed": committed,
-                "members": members, "quorum_id": manager._quorum_id, "val_loss": val, "train_loss": train_loss,
-                "inner_s": inner_s, "sync_s": sync_s, "wall_s": time.monotonic() - t_start, "time": time.time(),
-                "checksum": _checksum(model), "bytes_sent": sent, "bytes_received": sent,
-                "errored": repr(manager.errored().original_exception) if manager.errored() else None,
-            }) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "site": site,
+                        "event": "round",
+                        "round": state["attempt"],
+                        "step": manager.current_step(),
+                        "status": "applied" if committed else "discarded",
+                        "committed": committed,
+                        "members": members,
+                        "quorum_id": manager._quorum_id,
+                        "val_loss": val,
+                        "train_loss": train_loss,
+                        "inner_s": inner_s,
+                        "sync_s": sync_s,
+                        "wall_s": time.monotonic() - t_start,
+                        "time": time.time(),
+                        "checksum": _checksum(model),
+                        "bytes_sent": sent,
+                        "bytes_received": sent,
+                        "errored": repr(manager.errored().original_exception) if manager.errored() else None,
+                    }
+                )
+                + "\n"
+            )
             state["attempt"] += 1
     wall = time.monotonic() - t_start
     summary = {
-        "site": site, "system": "torchft", "rounds": manager.current_step(), "first_val_loss": first_val,
-        "final_val_loss": val, "final_train_loss": train_loss, "checksum": _checksum(model), "wall_s": wall,
-        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0, "fp32_bytes_per_round": 4 * numel,
-        "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **totals,
+        "site": site,
+        "system": "torchft",
+        "rounds": manager.current_step(),
+        "first_val_loss": first_val,
+        "final_val_loss": val,
+        "final_train_loss": train_loss,
+        "checksum": _checksum(model),
+        "wall_s": wall,
+        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
+        "fp32_bytes_per_round": 4 * numel,
+        "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        **totals,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     metrics.close()

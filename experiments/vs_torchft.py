@@ -75,8 +75,10 @@ from vs_torchft_analysis import _lines, analyse, write_outputs  # this script's 
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-INSTALL_HINT = ("pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
-                "opentelemetry-exporter-otlp-proto-http   (after torch, into the same environment)")
+INSTALL_HINT = (
+    "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
+    "opentelemetry-exporter-otlp-proto-http   (after torch, into the same environment)"
+)
 KILLED_SITE = 1
 # torchft settings (torchft docs / examples/diloco/README.md: lighthouse --min_replicas 1
 # --quorum_tick_ms 100 --join_timeout_ms 10000; Manager(use_async_quorum=False); gloo 5 s).
@@ -101,13 +103,32 @@ class Mode:
 
 
 MODES = {
-    "smoke": Mode(sites=2, size="tiny", rounds=4, sync_every=5, fault_rounds=0, netem=(), netem_rounds=0,
-                  run_timeout_s=120.0),
-    "quick": Mode(sites=2, size="small", rounds=8, sync_every=20, fault_rounds=10, netem=("transatlantic",),
-                  netem_rounds=5, repeats=2, extra_codecs=("int8+zstd",)),
-    "full": Mode(sites=3, size="small", rounds=16, sync_every=50, fault_rounds=14,
-                 netem=("transatlantic", "lossy"), netem_rounds=8, run_timeout_s=1800.0, repeats=2,
-                 extra_codecs=("int8+zstd", "int4")),
+    "smoke": Mode(
+        sites=2, size="tiny", rounds=4, sync_every=5, fault_rounds=0, netem=(), netem_rounds=0, run_timeout_s=120.0
+    ),
+    "quick": Mode(
+        sites=2,
+        size="small",
+        rounds=8,
+        sync_every=20,
+        fault_rounds=10,
+        netem=("transatlantic",),
+        netem_rounds=5,
+        repeats=2,
+        extra_codecs=("int8+zstd",),
+    ),
+    "full": Mode(
+        sites=3,
+        size="small",
+        rounds=16,
+        sync_every=50,
+        fault_rounds=14,
+        netem=("transatlantic", "lossy"),
+        netem_rounds=8,
+        run_timeout_s=1800.0,
+        repeats=2,
+        extra_codecs=("int8+zstd", "int4"),
+    ),
 }
 
 
@@ -122,8 +143,15 @@ class Child:
         self.name = name
         self.log = log
         with open(log, "ab") as f:
-            self.p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                      cwd=str(REPO), start_new_session=True)
+            self.p = subprocess.Popen(
+                argv,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=str(REPO),
+                start_new_session=True,
+            )
         self.started = time.time()
         self.rc: int | None = None
         self.maxrss_kb: int | None = None
@@ -179,8 +207,13 @@ def _on_signal(signum, frame):  # noqa: ARG001
 
 
 def _child_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("DTRAIN_TEST_FAULT", None)
     env.update(extra or {})
     return env
@@ -216,7 +249,7 @@ def _prewarmed_main(argv: list[str]) -> None:
     import dtrain.tasks.builtin  # noqa: F401
 
     if kind == "dtrain":
-        from dtrain.cli import main as run
+        from dtrain.app.cli import main as run
     else:
         sys.path.insert(0, str(HERE))
         from torchft_site import main as run
@@ -229,9 +262,25 @@ def _prewarmed_main(argv: list[str]) -> None:
     sys.argv = [kind, *args]
     spy_out = os.environ.get("VS_TORCHFT_PYSPY_OUT")
     if spy_out:  # sample this process (every thread, idle excluded) until it exits
-        subprocess.Popen([os.environ["VS_TORCHFT_PYSPY"], "record", "--pid", str(os.getpid()), "--format", "raw",
-                          "--rate", "100", "--threads", "--nonblocking", "-o", spy_out],
-                         stdout=subprocess.DEVNULL, stderr=open(spy_out + ".log", "w"), start_new_session=True)
+        subprocess.Popen(
+            [
+                os.environ["VS_TORCHFT_PYSPY"],
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--format",
+                "raw",
+                "--rate",
+                "100",
+                "--threads",
+                "--nonblocking",
+                "-o",
+                spy_out,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(spy_out + ".log", "w"),
+            start_new_session=True,
+        )
         time.sleep(1.0)  # let it attach before the first inner step
     rc = run(args)
     sys.stdout.flush()
@@ -329,11 +378,25 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         # --- coordinator
         if spec.system == "dtrain":
             addr_file = run_dir / "rendezvous.addr"
-            argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file),
-                    "--initial-sites", str(n)]
+            argv = [
+                py,
+                "-m",
+                "dtrain",
+                "rendezvous",
+                "--bind",
+                f"{net.host(n)}:0",
+                "--address-file",
+                str(addr_file),
+                "--initial-sites",
+                str(n),
+            ]
             children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", _child_env())
-            coord = _wait(lambda: addr_file.exists() and addr_file.read_text().strip(), 120, "the rendezvous address",
-                          [children["rendezvous"]])
+            coord = _wait(
+                lambda: addr_file.exists() and addr_file.read_text().strip(),
+                120,
+                "the rendezvous address",
+                [children["rendezvous"]],
+            )
         else:
             port = _free_port() if topo is None else 29510
             lh = str(Path(py).parent / "torchft_lighthouse")
@@ -360,10 +423,35 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
             out = run_dir / out_name
             env = {"GLOO_SOCKET_IFNAME": net.ifname}
             if spec.system == "dtrain":
-                args = ["worker", "--site-id", f"site-{i}", "--site-index", str(i), "--num-sites", str(n),
-                        "--listen", f"{net.host(i)}:0", "--rendezvous", coord, "--out-dir", str(out),
-                        "--size", spec.size, "--data", spec.data, "--rounds", str(spec.rounds),
-                        "--sync-every", str(spec.sync_every), "--codec", spec.codec, "--threads", "1", "--seed", "0"]
+                args = [
+                    "worker",
+                    "--site-id",
+                    f"site-{i}",
+                    "--site-index",
+                    str(i),
+                    "--num-sites",
+                    str(n),
+                    "--listen",
+                    f"{net.host(i)}:0",
+                    "--rendezvous",
+                    coord,
+                    "--out-dir",
+                    str(out),
+                    "--size",
+                    spec.size,
+                    "--data",
+                    spec.data,
+                    "--rounds",
+                    str(spec.rounds),
+                    "--sync-every",
+                    str(spec.sync_every),
+                    "--codec",
+                    spec.codec,
+                    "--threads",
+                    "1",
+                    "--seed",
+                    "0",
+                ]
                 if spec.bucket_bytes:
                     args += ["--bucket-bytes", str(spec.bucket_bytes)]
                 if fault:
@@ -372,16 +460,45 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
                     env["VS_TORCHFT_PYSPY"] = spec.pyspy
                     env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
             else:
-                args = ["--site-index", str(i), "--num-sites", str(n), "--lighthouse", coord, "--out-dir", str(out),
-                        "--size", spec.size, "--data", spec.data, "--rounds", str(spec.rounds),
-                        "--sync-every", str(spec.sync_every), "--threads", "1", "--seed", "0", "--host", net.host(i),
-                        *TORCHFT_SITE_FLAGS]
+                args = [
+                    "--site-index",
+                    str(i),
+                    "--num-sites",
+                    str(n),
+                    "--lighthouse",
+                    coord,
+                    "--out-dir",
+                    str(out),
+                    "--size",
+                    spec.size,
+                    "--data",
+                    spec.data,
+                    "--rounds",
+                    str(spec.rounds),
+                    "--sync-every",
+                    str(spec.sync_every),
+                    "--threads",
+                    "1",
+                    "--seed",
+                    "0",
+                    "--host",
+                    net.host(i),
+                    *TORCHFT_SITE_FLAGS,
+                ]
                 if fault:
                     args += ["--kill-at-round", str(spec.kill_round)]
                 if barrier:
                     args += ["--barrier-dir", str(gate)]
-            argv = [py, str(Path(__file__).resolve()), "_child", spec.system, str(gate / f"warm-{out_name}"),
-                    str(gate / f"go-{out_name}"), "--", *args]
+            argv = [
+                py,
+                str(Path(__file__).resolve()),
+                "_child",
+                spec.system,
+                str(gate / f"warm-{out_name}"),
+                str(gate / f"go-{out_name}"),
+                "--",
+                *args,
+            ]
             return net.wrap(i, argv), env
 
         names = [f"site-{i}" for i in range(n)]
@@ -393,16 +510,24 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         if spec.kill_round >= 0:  # pre-warm the replacement now; it starts when told
             argv, env = site_argv(KILLED_SITE, restart_name, fault=False, barrier=False)
             children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", _child_env(env))
-        _wait(lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")), 600,
-              "every site to import torch", [c for nm, c in children.items() if nm.startswith("site-")])
+        _wait(
+            lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
+            600,
+            "every site to import torch",
+            [c for nm, c in children.items() if nm.startswith("site-")],
+        )
         if start_together is not None:
             start_together.wait(timeout=600)
         rec.t_go = time.time()
         for name in names:
             (gate / f"go-{name}").write_text("")
         if spec.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
-            _wait(lambda: all((gate / f"ready-{i}").exists() for i in range(n)), 300, "every torchft Manager",
-                  [children[nm] for nm in names])
+            _wait(
+                lambda: all((gate / f"ready-{i}").exists() for i in range(n)),
+                300,
+                "every torchft Manager",
+                [children[nm] for nm in names],
+            )
             (gate / "go").write_text("")
 
         # --- supervise
@@ -413,14 +538,21 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
                 killed = children[f"site-{KILLED_SITE}"]
                 if rec.t_kill is None and killed.poll() is not None:
                     rec.t_kill = time.time()
-                if rec.t_restart is None and any(d["round"] >= spec.kill_round + spec.restart_after - 1
-                                                 for d in _rounds_of(survivor)):
+                if rec.t_restart is None and any(
+                    d["round"] >= spec.kill_round + spec.restart_after - 1 for d in _rounds_of(survivor)
+                ):
                     if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
                         killed.kill()
-                        rec.error = (rec.error or "") + f"site-{KILLED_SITE} was not dead at the restart point; killed. "
+                        rec.error = (
+                            rec.error or ""
+                        ) + f"site-{KILLED_SITE} was not dead at the restart point; killed. "
                     rec.t_restart = time.time()
                     (gate / f"go-{restart_name}").write_text("")
-            workers = [c for nm, c in children.items() if nm.startswith("site-") and not (nm == restart_name and rec.t_restart is None)]
+            workers = [
+                c
+                for nm, c in children.items()
+                if nm.startswith("site-") and not (nm == restart_name and rec.t_restart is None)
+            ]
             if all(c.poll() is not None for c in workers):
                 break
             if time.monotonic() > deadline:
@@ -445,8 +577,13 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
             c.stop(grace_s=3.0)
             own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM; wait4's ru_maxrss otherwise
             rss = int(own.read_text()) if own.exists() else c.maxrss_kb
-            rec.procs[nm] = {"rc": c.rc, "maxrss_kb": rss, "maxrss_source": "VmHWM" if own.exists() else "wait4",
-                             "cpu_s": c.cpu_s, "role": "site" if nm.startswith("site-") else "coordinator"}
+            rec.procs[nm] = {
+                "rc": c.rc,
+                "maxrss_kb": rss,
+                "maxrss_source": "VmHWM" if own.exists() else "wait4",
+                "cpu_s": c.cpu_s,
+                "role": "site" if nm.startswith("site-") else "coordinator",
+            }
         if topo is not None:
             topo.close()
         try:
@@ -522,8 +659,9 @@ def _append_results(report: str, mode_name: str, no_append: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true", help="CI mode: 2 sites, tiny, healthy only")
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 sites, small")
@@ -534,81 +672,149 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="stdlib")
     p.add_argument("--codec", default="int8", help="dtrain's codec (torchft all-reduces fp32)")
     p.add_argument("--bucket-bytes", type=int, default=None, help="dtrain bucket size (default: dtrain's)")
-    p.add_argument("--extra-codecs", default=None,
-                   help="comma list: one more healthy dtrain run per codec, for the bytes table (default: the mode's)")
-    p.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
-                   help="sample dtrain's site-0 with py-spy in one more healthy run: always, never, or auto = when "
-                        "the wall-time target was missed, except in --smoke (default)")
-    p.add_argument("--scenarios", default=None,
-                   help="comma list of healthy,concurrent,fault,netem (default: the mode's; concurrent = the healthy run "
-                        "of both systems at the same time, so both see the same background load)")
+    p.add_argument(
+        "--extra-codecs",
+        default=None,
+        help="comma list: one more healthy dtrain run per codec, for the bytes table (default: the mode's)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="sample dtrain's site-0 with py-spy in one more healthy run: always, never, or auto = when "
+        "the wall-time target was missed, except in --smoke (default)",
+    )
+    p.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma list of healthy,concurrent,fault,netem (default: the mode's; concurrent = the healthy run "
+        "of both systems at the same time, so both see the same background load)",
+    )
     p.add_argument("--netem-profiles", default=None, help="comma list of netem profiles (default: the mode's)")
-    p.add_argument("--repeats", type=int, default=None, help="healthy runs per system (AB BA order; default: the mode's)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="healthy runs per system (AB BA order; default: the mode's)"
+    )
     p.add_argument("--out", default=None)
-    p.add_argument("--analyse-only", action="store_true",
-                   help="run nothing: recompute the outputs from the record.json files under OUT/runs")
+    p.add_argument(
+        "--analyse-only",
+        action="store_true",
+        help="run nothing: recompute the outputs from the record.json files under OUT/runs",
+    )
     p.add_argument("--no-append", action="store_true", help="do not append the report to experiments/RESULTS.md")
     a = p.parse_args(argv)
     mode_name = "smoke" if a.smoke else "quick" if a.quick else "full"
     mode = MODES[mode_name]
-    mode = replace(mode, **{k: v for k, v in (("sites", a.sites), ("size", a.size), ("rounds", a.rounds),
-                                              ("sync_every", a.sync_every)) if v is not None})
+    mode = replace(
+        mode,
+        **{
+            k: v
+            for k, v in (("sites", a.sites), ("size", a.size), ("rounds", a.rounds), ("sync_every", a.sync_every))
+            if v is not None
+        },
+    )
     out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
     cmd = "python experiments/vs_torchft.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if a.analyse_only:  # keep the command and notes of the run that made the records
         records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
         records.sort(key=lambda r: r.t_go)
         prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-        report = write_outputs(analyse(records, mode=prev.get("mode", asdict(mode)), mode_name=prev.get("mode_name", mode_name),
-                                       command=prev.get("command", cmd), notes=prev.get("notes", [])), records, out)
+        report = write_outputs(
+            analyse(
+                records,
+                mode=prev.get("mode", asdict(mode)),
+                mode_name=prev.get("mode_name", mode_name),
+                command=prev.get("command", cmd),
+                notes=prev.get("notes", []),
+            ),
+            records,
+            out,
+        )
         print(report)
         return _append_results(report, mode_name, a.no_append)
     problem = torchft_problem()
     if problem:
-        print(f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
-              f"    {INSTALL_HINT}", file=sys.stderr)
+        print(
+            f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
+            f"    {INSTALL_HINT}",
+            file=sys.stderr,
+        )
         return 2
-    scenarios = (a.scenarios.split(",") if a.scenarios else
-                 ["healthy"] + (["concurrent"] if mode_name != "smoke" else []) + (["fault"] if mode.fault_rounds else [])
-                 + (["netem"] if mode.netem else []))
+    scenarios = (
+        a.scenarios.split(",")
+        if a.scenarios
+        else ["healthy"]
+        + (["concurrent"] if mode_name != "smoke" else [])
+        + (["fault"] if mode.fault_rounds else [])
+        + (["netem"] if mode.netem else [])
+    )
     profiles = a.netem_profiles.split(",") if a.netem_profiles else list(mode.netem)
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_signal)
     notes: list[str] = []
-    base = dict(sites=mode.sites, size=mode.size, data=a.data, sync_every=mode.sync_every, codec=a.codec,
-                bucket_bytes=a.bucket_bytes, timeout_s=mode.run_timeout_s)
+    base = dict(
+        sites=mode.sites,
+        size=mode.size,
+        data=a.data,
+        sync_every=mode.sync_every,
+        codec=a.codec,
+        bucket_bytes=a.bucket_bytes,
+        timeout_s=mode.run_timeout_s,
+    )
     plan: list[RunSpec] = []
     if "healthy" in scenarios:
         for rep in range(max(1, a.repeats or mode.repeats)):
             order = ("dtrain", "torchft") if rep % 2 == 0 else ("torchft", "dtrain")
             plan += [RunSpec(system=sy, scenario="healthy", rounds=mode.rounds, repeat=rep, **base) for sy in order]
         codecs = a.extra_codecs.split(",") if a.extra_codecs is not None else list(mode.extra_codecs)
-        plan += [RunSpec(system="dtrain", scenario=f"healthy codec={c}", rounds=mode.rounds, **{**base, "codec": c})
-                 for c in codecs if c and c != a.codec]
+        plan += [
+            RunSpec(system="dtrain", scenario=f"healthy codec={c}", rounds=mode.rounds, **{**base, "codec": c})
+            for c in codecs
+            if c and c != a.codec
+        ]
     if "concurrent" in scenarios:  # both systems at the same time: they see the same background load
         for rep in range(max(1, a.repeats or mode.repeats)):
-            plan += [RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, repeat=rep, **base)
-                     for sy in ("dtrain", "torchft")]
+            plan += [
+                RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, repeat=rep, **base)
+                for sy in ("dtrain", "torchft")
+            ]
     if "fault" in scenarios and mode.fault_rounds:
         if mode.sites < 2:
             notes.append("fault scenario skipped: it needs >= 2 sites")
         else:
-            plan += [RunSpec(system=s, scenario="fault", rounds=mode.fault_rounds, kill_round=mode.kill_round,
-                             restart_after=mode.restart_after, **base) for s in ("dtrain", "torchft")]
+            plan += [
+                RunSpec(
+                    system=s,
+                    scenario="fault",
+                    rounds=mode.fault_rounds,
+                    kill_round=mode.kill_round,
+                    restart_after=mode.restart_after,
+                    **base,
+                )
+                for s in ("dtrain", "torchft")
+            ]
     if "netem" in scenarios and profiles:
         why = netem_problem()
         if why:
             notes.append(f"netem scenarios ({', '.join(profiles)}) skipped: {why}")
         else:
             for prof in profiles:
-                plan += [RunSpec(system=s, scenario=f"netem-{prof}", rounds=mode.netem_rounds or mode.rounds,
-                                 netem=prof, **base) for s in ("dtrain", "torchft")]
+                plan += [
+                    RunSpec(
+                        system=s, scenario=f"netem-{prof}", rounds=mode.netem_rounds or mode.rounds, netem=prof, **base
+                    )
+                    for s in ("dtrain", "torchft")
+                ]
     print(f"vs_torchft ({mode_name}): {len(plan)} runs -> {out}", flush=True)
     records: list[RunRecord] = []
     batches: list[list[RunSpec]] = []
     for spec in plan:  # "concurrent" pairs run at the same time; everything else one after the other
-        if (spec.scenario == "concurrent" and batches and batches[-1][0].scenario == "concurrent"
-                and batches[-1][0].repeat == spec.repeat and len(batches[-1]) < 2):
+        if (
+            spec.scenario == "concurrent"
+            and batches
+            and batches[-1][0].scenario == "concurrent"
+            and batches[-1][0].repeat == spec.repeat
+            and len(batches[-1]) < 2
+        ):
             batches[-1].append(spec)
         else:
             batches.append([spec])
@@ -625,10 +831,14 @@ def main(argv: list[str] | None = None) -> int:
         for rec in recs:
             records.append(rec)
             status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
-            print(f"  {rec.spec.system:7s} {rec.spec.scenario:22s} #{rec.spec.repeat} {time.monotonic() - t0:6.1f}s  {status}",
-                  flush=True)
+            print(
+                f"  {rec.spec.system:7s} {rec.spec.scenario:22s} #{rec.spec.repeat} {time.monotonic() - t0:6.1f}s  {status}",
+                flush=True,
+            )
     results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
-    missed = results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
+    missed = (
+        results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
+    )
     if a.profile == "always" or (a.profile == "auto" and missed and "healthy" in scenarios and mode_name != "smoke"):
         spy = Path(sys.executable).parent / "py-spy"
         if not spy.exists():
@@ -638,7 +848,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             rec = run_one(spec, out / "runs" / _run_dir_name(spec), cmd)
             records.append(rec)
-            print(f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True)
+            print(
+                f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True
+            )
             results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
     report = write_outputs(results, records, out)
     print(report)

@@ -82,7 +82,9 @@ def _site_stats(rec) -> tuple[dict, dict]:
             pool[k] += [d[k] for d in rounds[1:] if k in d]
         for d in rounds:
             pool["sent_by_round"][d["round"]] = pool["sent_by_round"].get(d["round"], 0) + int(d.get("bytes_sent", 0))
-            pool["recv_by_round"][d["round"]] = pool["recv_by_round"].get(d["round"], 0) + int(d.get("bytes_received", 0))
+            pool["recv_by_round"][d["round"]] = pool["recv_by_round"].get(d["round"], 0) + int(
+                d.get("bytes_received", 0)
+            )
         proc = rec.procs.get(s, {})
         summ_path = run_dir / s / "summary.json"
         sites[s] = {
@@ -95,8 +97,9 @@ def _site_stats(rec) -> tuple[dict, dict]:
             "rc": proc.get("rc"),
             "peak_rss_mb": proc["maxrss_kb"] / 1024 if proc.get("maxrss_kb") else None,
             "cpu_s": proc.get("cpu_s"),
-            "inner_steps": (rounds[-1].get("inner_steps") if spec.system == "dtrain" and rounds
-                            else len(rounds) * spec.sync_every),
+            "inner_steps": (
+                rounds[-1].get("inner_steps") if spec.system == "dtrain" and rounds else len(rounds) * spec.sync_every
+            ),
         }
     return sites, pool
 
@@ -117,29 +120,52 @@ def run_stats(recs: list) -> dict:
     wire = [sum(p["recv_by_round"].values()) / spec.rounds for _, p in per_run if p["recv_by_round"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
-    coords = [v["maxrss_kb"] / 1024 for r in recs for v in r.procs.values() if v.get("role") == "coordinator" and v.get("maxrss_kb")]
+    coords = [
+        v["maxrss_kb"] / 1024
+        for r in recs
+        for v in r.procs.values()
+        if v.get("role") == "coordinator" and v.get("maxrss_kb")
+    ]
     rss = [v["peak_rss_mb"] for st, _ in per_run for s, v in st.items() if v["peak_rss_mb"] and s != KILLED]
     cpu = [v["cpu_s"] for st, _ in per_run for s, v in st.items() if v.get("cpu_s") and s != KILLED]
     st = {
-        "system": spec.system, "scenario": spec.scenario, "sites": spec.sites, "rounds": spec.rounds,
-        "codec": spec.codec if spec.system == "dtrain" else "fp32 (all-reduce)", "repeats": len(recs), "error": "; ".join(r.error for r in recs if r.error) or None,
-        "timed_out": any(r.timed_out for r in recs), "netem_backends": rec.netem_backends,
-        "round_wall_s": _stats(pool["walls"]), "overhead_s": _stats(pool["overheads"]), "sync_s": _stats(pool["syncs"]),
+        "system": spec.system,
+        "scenario": spec.scenario,
+        "sites": spec.sites,
+        "rounds": spec.rounds,
+        "codec": spec.codec if spec.system == "dtrain" else "fp32 (all-reduce)",
+        "repeats": len(recs),
+        "error": "; ".join(r.error for r in recs if r.error) or None,
+        "timed_out": any(r.timed_out for r in recs),
+        "netem_backends": rec.netem_backends,
+        "round_wall_s": _stats(pool["walls"]),
+        "overhead_s": _stats(pool["overheads"]),
+        "sync_s": _stats(pool["syncs"]),
         "inner_s": _stats(pool["inners"]),
-        "sync_split_median_s": {k: (statistics.median(pool[k]) if pool[k] else None)
-                                for k in ("encode_s", "decode_s", "network_s", "wait_s")},
+        "sync_split_median_s": {
+            k: (statistics.median(pool[k]) if pool[k] else None)
+            for k in ("encode_s", "decode_s", "network_s", "wait_s")
+        },
         "final_val_loss_mean": statistics.mean(finals) if finals else None,
         "final_val_loss": {s: v["final_val_loss"] for s, v in finished.items()},
-        "final_val_loss_repeats": [statistics.mean([v["final_val_loss"] for v in st.values() if v["finished"]] or [float("nan")])
-                                   for st, _ in per_run],
+        "final_val_loss_repeats": [
+            statistics.mean([v["final_val_loss"] for v in st.values() if v["finished"]] or [float("nan")])
+            for st, _ in per_run
+        ],
         "checksums_agree": len({v["final_checksum"] for v in finished.values()}) == 1 and len(finished) > 0,
-        "not_applied": {s: v["rounds_logged"] - v["rounds_applied"] for s, v in sites.items() if v["rounds_logged"] > v["rounds_applied"]},
+        "not_applied": {
+            s: v["rounds_logged"] - v["rounds_applied"]
+            for s, v in sites.items()
+            if v["rounds_logged"] > v["rounds_applied"]
+        },
         "bytes_per_round_total": statistics.mean(wire) if wire else None,
         "peak_rss_mb_max": max(rss) if rss else None,
         "peak_rss_mb_mean": statistics.mean(rss) if rss else None,
         "cpu_s_per_site_mean": statistics.mean(cpu) if cpu else None,
         "coordinator_rss_mb": max(coords) if coords else None,
-        "wall_total_s": statistics.median([x for x in (_last_round_s(r) for r in recs) if x is not None] or [float("nan")]),
+        "wall_total_s": statistics.median(
+            [x for x in (_last_round_s(r) for r in recs) if x is not None] or [float("nan")]
+        ),
         "sites_detail": sites,
     }
     if spec.kill_round >= 0:
@@ -165,28 +191,42 @@ def fault_stats(rec, sites: dict) -> dict:
     out_surv = {}
     for s, rounds in per.items():
         discarded = [d["round"] for d in rounds if not _applied(spec.system, d)]
-        partial = ([d["round"] for d in rounds if _applied(spec.system, d) and int(d.get("applied_buckets", 0)) < full_buckets]
-                   if spec.system == "dtrain" else [])
+        partial = (
+            [d["round"] for d in rounds if _applied(spec.system, d) and int(d.get("applied_buckets", 0)) < full_buckets]
+            if spec.system == "dtrain"
+            else []
+        )
         # Time the fault cost this survivor: whole discarded attempts (inner work + sync),
         # plus every sync beyond this run's typical one (median over its rounds).
         typical = statistics.median([d["sync_s"] for d in rounds]) if rounds else 0.0
         lost = sum(d["inner_s"] + d["sync_s"] for d in rounds if not _applied(spec.system, d))
         lost += sum(max(0.0, d["sync_s"] - typical) for d in rounds if _applied(spec.system, d))
-        out_surv[s] = {"attempts": len(rounds), "discarded_rounds": discarded, "partial_rounds": partial,
-                       "inner_steps": sites[s]["inner_steps"], "time_lost_s": round(lost, 2)}
+        out_surv[s] = {
+            "attempts": len(rounds),
+            "discarded_rounds": discarded,
+            "partial_rounds": partial,
+            "inner_steps": sites[s]["inner_steps"],
+            "time_lost_s": round(lost, 2),
+        }
     restart = [d for d in _lines(run_dir, RESTART) if d.get("event") == "round"]
     restart_start = next((d for d in _lines(run_dir, RESTART) if d.get("event") == "start"), None)
     killed_rounds = [d for d in _lines(run_dir, KILLED) if d.get("event") == "round"]
-    took_part = (sum(_applied(spec.system, d) for d in killed_rounds) + sum(_applied(spec.system, d) for d in restart))
+    took_part = sum(_applied(spec.system, d) for d in killed_rounds) + sum(_applied(spec.system, d) for d in restart)
     return {
         "kill_round": spec.kill_round,
         "restart_when_survivor_finished_round": spec.kill_round + spec.restart_after - 1,
         "survivors": out_surv,
-        "longest_stall_s": stall[0], "longest_stall_at": f"{stall[1]} round {stall[2]}",
+        "longest_stall_s": stall[0],
+        "longest_stall_at": f"{stall[1]} round {stall[2]}",
         "killed_site_rounds_before_kill": len(killed_rounds),
         # torchft's "round" is the site's own attempt counter; its outer step is "step" (after the attempt)
-        "restart_first_round": (None if not restart else restart[0]["round"] if spec.system == "dtrain"
-                                else restart[0]["step"] - int(bool(restart[0].get("committed")))),
+        "restart_first_round": (
+            None
+            if not restart
+            else restart[0]["round"]
+            if spec.system == "dtrain"
+            else restart[0]["step"] - int(bool(restart[0].get("committed")))
+        ),
         "restart_first_status": restart[0].get("status") if restart else None,
         "restart_start_line_s": (restart_start["time"] - rec.t_restart) if restart_start and rec.t_restart else None,
         "rejoin_s": (restart[0]["time"] - rec.t_restart) if restart and rec.t_restart else None,
@@ -234,8 +274,10 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
         }
         if scen in ("healthy", "concurrent"):
             c["targets"] = {
-                "round wall time dtrain <= torchft": c["round_wall_median"] is not None and c["round_wall_median"] <= 1.0,
-                "final loss within 1%": c["final_val_loss_mean"] is not None and abs(c["final_val_loss_mean"] - 1) <= 0.01,
+                "round wall time dtrain <= torchft": c["round_wall_median"] is not None
+                and c["round_wall_median"] <= 1.0,
+                "final loss within 1%": c["final_val_loss_mean"] is not None
+                and abs(c["final_val_loss_mean"] - 1) <= 0.01,
                 "bytes <= 1/4": c["bytes_per_round"] is not None and c["bytes_per_round"] <= 0.25,
             }
         comps[scen] = c
@@ -246,11 +288,19 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
     if profile is not None and profile.get("command") and profile["command"] not in commands:
         commands.append(profile["command"])
     return {
-        "mode_name": mode_name, "mode": mode, "command": command, "commands": commands or [command], "notes": notes,
+        "mode_name": mode_name,
+        "mode": mode,
+        "command": command,
+        "commands": commands or [command],
+        "notes": notes,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(),
-                    "loadavg_1min_at_run_ends": [getattr(r, "loadavg_end", None) for r in records]},
-        "runs": runs, "comparisons": comps, "profile": profile,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_1min_at_run_ends": [getattr(r, "loadavg_end", None) for r in records],
+        },
+        "runs": runs,
+        "comparisons": comps,
+        "profile": profile,
     }
 
 
@@ -310,67 +360,161 @@ def _load_text(loads: list) -> str:
 def report_md(res: dict) -> str:
     m = res["mode"]
     runs, comps = res["runs"], res["comparisons"]
-    lines = [f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}`", "", f"Run {res['date']}.", "",
-             "Command" + ("s" if len(res.get("commands", [])) > 1 else "") + ": "
-             + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])), "",
-             f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
-             f"{m['rounds']} rounds (fault: {m['fault_rounds']}), 1 torch thread per site, loopback unless netem; "
-             f"machine: {res['machine']['cpus']} CPUs, " + _load_text(res['machine'].get('loadavg_1min_at_run_ends') or []) + ".", ""]
-    for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(s for s in comps if s.startswith("netem")):
+    lines = [
+        f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}`",
+        "",
+        f"Run {res['date']}.",
+        "",
+        "Command"
+        + ("s" if len(res.get("commands", [])) > 1 else "")
+        + ": "
+        + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])),
+        "",
+        f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
+        f"{m['rounds']} rounds (fault: {m['fault_rounds']}), 1 torch thread per site, loopback unless netem; "
+        f"machine: {res['machine']['cpus']} CPUs, "
+        + _load_text(res["machine"].get("loadavg_1min_at_run_ends") or [])
+        + ".",
+        "",
+    ]
+    for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(
+        s for s in comps if s.startswith("netem")
+    ):
         d, t, c = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"], comps[scen]
         rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
-        rows.append(["round wall time median [min, max] (s)",
-                     f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
-                     f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
-                     _f(c["round_wall_median"])])
-        rows.append(["per-round overhead = round wall - inner phase, median (s)", _f(d["overhead_s"]["median"]),
-                     _f(t["overhead_s"]["median"]), _f(c["overhead_median"])])
-        rows.append(["sync time median / max (s)", f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
-                     f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
-                     _f(_ratio(d['sync_s']['median'], t['sync_s']['median']))])
-        rows.append(["inner phase median (s)", _f(d["inner_s"]["median"]), _f(t["inner_s"]["median"]),
-                     _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"]))])
-        rows.append(["final val loss, mean of sites", _f(d["final_val_loss_mean"], "{:.4f}"),
-                     _f(t["final_val_loss_mean"], "{:.4f}"), _f(c["final_val_loss_mean"], "{:.4f}")])
+        rows.append(
+            [
+                "round wall time median [min, max] (s)",
+                f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
+                f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
+                _f(c["round_wall_median"]),
+            ]
+        )
+        rows.append(
+            [
+                "per-round overhead = round wall - inner phase, median (s)",
+                _f(d["overhead_s"]["median"]),
+                _f(t["overhead_s"]["median"]),
+                _f(c["overhead_median"]),
+            ]
+        )
+        rows.append(
+            [
+                "sync time median / max (s)",
+                f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
+                f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
+                _f(_ratio(d["sync_s"]["median"], t["sync_s"]["median"])),
+            ]
+        )
+        rows.append(
+            [
+                "inner phase median (s)",
+                _f(d["inner_s"]["median"]),
+                _f(t["inner_s"]["median"]),
+                _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"])),
+            ]
+        )
+        rows.append(
+            [
+                "final val loss, mean of sites",
+                _f(d["final_val_loss_mean"], "{:.4f}"),
+                _f(t["final_val_loss_mean"], "{:.4f}"),
+                _f(c["final_val_loss_mean"], "{:.4f}"),
+            ]
+        )
         for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-            rows.append([f"final val loss {s}", _f(d["final_val_loss"].get(s), "{:.4f}"),
-                         _f(t["final_val_loss"].get(s), "{:.4f}"), ""])
-        rows.append(["bytes on the wire per round, all sites", _f(d["bytes_per_round_total"], "{:,.0f}"),
-                     _f(t["bytes_per_round_total"], "{:,.0f}"), _f(c["bytes_per_round"])])
-        rows.append(["peak RSS per site process, max / mean (MB)",
-                     f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
-                     f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}", _f(c["peak_rss_max"])])
-        rows.append(["CPU seconds per site process (whole life, mean)", _f(d["cpu_s_per_site_mean"], "{:.1f}"),
-                     _f(t["cpu_s_per_site_mean"], "{:.1f}"), _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"]))])
-        rows.append(["coordinator peak RSS (MB) (rendezvous / lighthouse)", _f(d["coordinator_rss_mb"], "{:.0f}"),
-                     _f(t["coordinator_rss_mb"], "{:.0f}"), ""])
+            rows.append(
+                [
+                    f"final val loss {s}",
+                    _f(d["final_val_loss"].get(s), "{:.4f}"),
+                    _f(t["final_val_loss"].get(s), "{:.4f}"),
+                    "",
+                ]
+            )
+        rows.append(
+            [
+                "bytes on the wire per round, all sites",
+                _f(d["bytes_per_round_total"], "{:,.0f}"),
+                _f(t["bytes_per_round_total"], "{:,.0f}"),
+                _f(c["bytes_per_round"]),
+            ]
+        )
+        rows.append(
+            [
+                "peak RSS per site process, max / mean (MB)",
+                f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
+                f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}",
+                _f(c["peak_rss_max"]),
+            ]
+        )
+        rows.append(
+            [
+                "CPU seconds per site process (whole life, mean)",
+                _f(d["cpu_s_per_site_mean"], "{:.1f}"),
+                _f(t["cpu_s_per_site_mean"], "{:.1f}"),
+                _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"])),
+            ]
+        )
+        rows.append(
+            [
+                "coordinator peak RSS (MB) (rendezvous / lighthouse)",
+                _f(d["coordinator_rss_mb"], "{:.0f}"),
+                _f(t["coordinator_rss_mb"], "{:.0f}"),
+                "",
+            ]
+        )
         rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
-        rows.append(["round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
-                     ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
-                     ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none", ""])
-        rows.append(["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}"),
-                     _f(_ratio(d["wall_total_s"], t["wall_total_s"]))])
+        rows.append(
+            [
+                "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
+                ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
+                ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none",
+                "",
+            ]
+        )
+        rows.append(
+            [
+                "time from go to the last round (s)",
+                _f(d["wall_total_s"], "{:.1f}"),
+                _f(t["wall_total_s"], "{:.1f}"),
+                _f(_ratio(d["wall_total_s"], t["wall_total_s"])),
+            ]
+        )
         if scen == "healthy":
             for key, x in sorted(runs.items()):
                 if key.startswith("dtrain/healthy codec="):
                     codec = key.split("=", 1)[1]
-                    rows.append([f"with codec {codec}: bytes per round / round wall median (s) / final val loss",
-                                 f"{_f(x['bytes_per_round_total'], '{:,.0f}')} / {_f(x['round_wall_s']['median'])} / "
-                                 f"{_f(x['final_val_loss_mean'], '{:.4f}')}", "",
-                                 f"{_f(_ratio(x['bytes_per_round_total'], t['bytes_per_round_total']))} / "
-                                 f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
-                                 f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}"])
+                    rows.append(
+                        [
+                            f"with codec {codec}: bytes per round / round wall median (s) / final val loss",
+                            f"{_f(x['bytes_per_round_total'], '{:,.0f}')} / {_f(x['round_wall_s']['median'])} / "
+                            f"{_f(x['final_val_loss_mean'], '{:.4f}')}",
+                            "",
+                            f"{_f(_ratio(x['bytes_per_round_total'], t['bytes_per_round_total']))} / "
+                            f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
+                            f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}",
+                        ]
+                    )
         sp = d["sync_split_median_s"]
-        title = {"healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
-                 "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)"}
-        lines += [f"### {title.get(scen, scen)}", "", _table(rows), "",
-                  f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
-                  f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}."]
+        title = {
+            "healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
+            "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)",
+        }
+        lines += [
+            f"### {title.get(scen, scen)}",
+            "",
+            _table(rows),
+            "",
+            f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
+            f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}.",
+        ]
         if d.get("netem_backends"):
             lines.append(f"netem backends: {d['netem_backends']}")
         if "targets" in c:
             lines.append("")
-            lines.append("Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + ".")
+            lines.append(
+                "Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + "."
+            )
             if not c["targets"]["round wall time dtrain <= torchft"]:
                 share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
                 lines.append(
@@ -379,14 +523,21 @@ def report_md(res: dict) -> str:
                     f"{_f(_ratio(d['inner_s']['median'], t['inner_s']['median']))}x torchft's while each dtrain site used "
                     f"{_f(_ratio(d['cpu_s_per_site_mean'], t['cpu_s_per_site_mean']))}x the CPU seconds. The part of a "
                     f"round each system adds (round wall - inner phase) is {_f(c['overhead_median'])}x torchft's. See the "
-                    f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's.")
+                    f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's."
+                )
             if not c["targets"]["bytes <= 1/4"]:
-                ok = [k.split("=", 1)[1] for k, x in runs.items() if k.startswith("dtrain/healthy codec=")
-                      and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25]
-                lines.append(f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
-                             f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
-                             f"({_f(c['bytes_per_round'])}); " + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else
-                                                                  "no other codec was run."))
+                ok = [
+                    k.split("=", 1)[1]
+                    for k, x in runs.items()
+                    if k.startswith("dtrain/healthy codec=")
+                    and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25
+                ]
+                lines.append(
+                    f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
+                    f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
+                    f"({_f(c['bytes_per_round'])}); "
+                    + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else "no other codec was run.")
+                )
         for r in (d, t):
             if r["error"]:
                 lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
@@ -394,33 +545,69 @@ def report_md(res: dict) -> str:
     if "fault" in comps:
         d, t = runs["dtrain/fault"], runs["torchft/fault"]
         df, tf = d["fault"], t["fault"]
-        rows = [["fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4", "dtrain", "torchft"]]
+        rows = [
+            [
+                "fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4",
+                "dtrain",
+                "torchft",
+            ]
+        ]
 
         def surv(f, key, fmt=lambda v: str(v)):
             return "; ".join(f"{s}: {fmt(v[key])}" for s, v in f["survivors"].items())
 
         rows += [
-            ["rounds discarded at survivors (inner work thrown away)", surv(df, "discarded_rounds"), surv(tf, "discarded_rounds")],
+            [
+                "rounds discarded at survivors (inner work thrown away)",
+                surv(df, "discarded_rounds"),
+                surv(tf, "discarded_rounds"),
+            ],
             ["rounds applied without some buckets at survivors", surv(df, "partial_rounds"), "n/a (all-or-nothing)"],
             ["sync attempts at survivors", surv(df, "attempts"), surv(tf, "attempts")],
             ["inner steps at survivors", surv(df, "inner_steps"), surv(tf, "inner_steps")],
-            ["time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
-             surv(df, "time_lost_s"), surv(tf, "time_lost_s")],
-            ["longest stall a survivor saw (s)", f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
-             f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})"],
-            ["restarted site: go -> start line / first round (s)",
-             f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
-             f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}"],
-            ["restarted site's first round (status)", f"{df['restart_first_round']} ({df['restart_first_status']})",
-             f"{tf['restart_first_round']} ({tf['restart_first_status']})"],
-            ["rounds site-1 took part in / missed", f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
-             f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}"],
-            ["final val loss, mean of finished sites", _f(d["final_val_loss_mean"], "{:.4f}"), _f(t["final_val_loss_mean"], "{:.4f}")],
+            [
+                "time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
+                surv(df, "time_lost_s"),
+                surv(tf, "time_lost_s"),
+            ],
+            [
+                "longest stall a survivor saw (s)",
+                f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
+                f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})",
+            ],
+            [
+                "restarted site: go -> start line / first round (s)",
+                f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
+                f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}",
+            ],
+            [
+                "restarted site's first round (status)",
+                f"{df['restart_first_round']} ({df['restart_first_status']})",
+                f"{tf['restart_first_round']} ({tf['restart_first_status']})",
+            ],
+            [
+                "rounds site-1 took part in / missed",
+                f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
+                f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}",
+            ],
+            [
+                "final val loss, mean of finished sites",
+                _f(d["final_val_loss_mean"], "{:.4f}"),
+                _f(t["final_val_loss_mean"], "{:.4f}"),
+            ],
         ]
         for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-            rows.append([f"final val loss {s}", _f(d["final_val_loss"].get(s), "{:.4f}"), _f(t["final_val_loss"].get(s), "{:.4f}")])
+            rows.append(
+                [
+                    f"final val loss {s}",
+                    _f(d["final_val_loss"].get(s), "{:.4f}"),
+                    _f(t["final_val_loss"].get(s), "{:.4f}"),
+                ]
+            )
         rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"])])
-        rows.append(["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")])
+        rows.append(
+            ["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")]
+        )
         lines += ["### fault", "", _table(rows), ""]
         for r in (d, t):
             if r["error"]:
@@ -430,12 +617,23 @@ def report_md(res: dict) -> str:
         rows = [["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"]]
         rows += [[k, f"{v:.1%}"] for k, v in prof["categories"].items()]
         leaves = [["top frames (self time)", "share"]] + [[f"`{k[:110]}`", f"{v:.1%}"] for k, v in prof["top_leaves"]]
-        lines += ["### Profile of dtrain (healthy run, site-0)", "", f"{prof['samples']} samples at 100 Hz; raw file "
-                  f"`{Path(prof['file']).name}`.", "", _table(rows), "", _table(leaves), ""]
+        lines += [
+            "### Profile of dtrain (healthy run, site-0)",
+            "",
+            f"{prof['samples']} samples at 100 Hz; raw file `{Path(prof['file']).name}`.",
+            "",
+            _table(rows),
+            "",
+            _table(leaves),
+            "",
+        ]
     lines += ["### What could not be made equal", ""] + [f"- {u}" for u in UNEQUAL] + [""]
     if res["notes"]:
         lines += ["### Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
-    lines += [f"Outputs: `rounds.csv`, `summary.csv`, `results.json`, `loss_vs_wall.png` in `{res.get('out_dir', '--out')}`.", ""]
+    lines += [
+        f"Outputs: `rounds.csv`, `summary.csv`, `results.json`, `loss_vs_wall.png` in `{res.get('out_dir', '--out')}`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -446,30 +644,92 @@ def write_outputs(res: dict, records, out: Path) -> str:
     (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "scenario", "repeat", "site", "round", "status", "members", "val_loss", "train_loss", "inner_s",
-                    "sync_s", "t_since_go_s", "bytes_sent"])
+        w.writerow(
+            [
+                "system",
+                "scenario",
+                "repeat",
+                "site",
+                "round",
+                "status",
+                "members",
+                "val_loss",
+                "train_loss",
+                "inner_s",
+                "sync_s",
+                "t_since_go_s",
+                "bytes_sent",
+            ]
+        )
         for r in records:
             for s in _site_dirs(Path(r.dir)):
                 for d in _lines(Path(r.dir), s):
                     if d.get("event") != "round":
                         continue
                     mem = d.get("members")
-                    w.writerow([r.spec.system, r.spec.scenario, r.spec.repeat, s, d["round"], d.get("status"),
-                                len(mem) if isinstance(mem, list) else mem, d["val_loss"], d.get("train_loss"),
-                                round(d["inner_s"], 4), round(d["sync_s"], 4), round(d["time"] - r.t_go, 3),
-                                d.get("bytes_sent", 0)])
+                    w.writerow(
+                        [
+                            r.spec.system,
+                            r.spec.scenario,
+                            r.spec.repeat,
+                            s,
+                            d["round"],
+                            d.get("status"),
+                            len(mem) if isinstance(mem, list) else mem,
+                            d["val_loss"],
+                            d.get("train_loss"),
+                            round(d["inner_s"], 4),
+                            round(d["sync_s"], 4),
+                            round(d["time"] - r.t_go, 3),
+                            d.get("bytes_sent", 0),
+                        ]
+                    )
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
-        cols = ["system", "scenario", "sites", "rounds", "round_wall_median_s", "round_wall_min_s", "round_wall_max_s",
-                "sync_median_s", "sync_max_s", "final_val_loss_mean", "final_val_loss_per_site", "bytes_per_round_total",
-                "peak_rss_mb_max", "coordinator_rss_mb", "checksums_agree", "wall_total_s", "longest_stall_s", "error"]
+        cols = [
+            "system",
+            "scenario",
+            "sites",
+            "rounds",
+            "round_wall_median_s",
+            "round_wall_min_s",
+            "round_wall_max_s",
+            "sync_median_s",
+            "sync_max_s",
+            "final_val_loss_mean",
+            "final_val_loss_per_site",
+            "bytes_per_round_total",
+            "peak_rss_mb_max",
+            "coordinator_rss_mb",
+            "checksums_agree",
+            "wall_total_s",
+            "longest_stall_s",
+            "error",
+        ]
         w.writerow(cols)
-        for key, st in res["runs"].items():
-            w.writerow([st["system"], st["scenario"], st["sites"], st["rounds"], st["round_wall_s"]["median"],
-                        st["round_wall_s"]["min"], st["round_wall_s"]["max"], st["sync_s"]["median"], st["sync_s"]["max"],
-                        st["final_val_loss_mean"], ";".join(f"{k}={v:.4f}" for k, v in st["final_val_loss"].items()),
-                        st["bytes_per_round_total"], st["peak_rss_mb_max"], st["coordinator_rss_mb"], st["checksums_agree"],
-                        st["wall_total_s"], st.get("fault", {}).get("longest_stall_s"), st["error"] or ""])
+        for _key, st in res["runs"].items():
+            w.writerow(
+                [
+                    st["system"],
+                    st["scenario"],
+                    st["sites"],
+                    st["rounds"],
+                    st["round_wall_s"]["median"],
+                    st["round_wall_s"]["min"],
+                    st["round_wall_s"]["max"],
+                    st["sync_s"]["median"],
+                    st["sync_s"]["max"],
+                    st["final_val_loss_mean"],
+                    ";".join(f"{k}={v:.4f}" for k, v in st["final_val_loss"].items()),
+                    st["bytes_per_round_total"],
+                    st["peak_rss_mb_max"],
+                    st["coordinator_rss_mb"],
+                    st["checksums_agree"],
+                    st["wall_total_s"],
+                    st.get("fault", {}).get("longest_stall_s"),
+                    st["error"] or "",
+                ]
+            )
     plot(records, out / "loss_vs_wall.png")
     report = report_md(res)
     (out / "report.md").write_text(report)
@@ -483,8 +743,10 @@ def plot(records, path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     order = {"healthy": 0, "concurrent": 1, "fault": 2}
-    scens = sorted({r.spec.scenario for r in records if " codec=" not in r.spec.scenario and r.spec.scenario != "profile"},
-                   key=lambda sc: (order.get(sc, 3), sc))
+    scens = sorted(
+        {r.spec.scenario for r in records if " codec=" not in r.spec.scenario and r.spec.scenario != "profile"},
+        key=lambda sc: (order.get(sc, 3), sc),
+    )
     ncol = min(3, len(scens))
     nrow = (len(scens) + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
@@ -497,34 +759,59 @@ def plot(records, path: Path) -> None:
             for k, s in enumerate(_site_dirs(Path(r.dir))):
                 if r.spec.repeat and s != "site-0":  # repeats: one line each (replicas agree), drawn faintly
                     continue
-                pts = [(d["time"] - r.t_go, d["val_loss"]) for d in _lines(Path(r.dir), s)
-                       if d.get("event") in ("start", "round") and d.get("val_loss") is not None]
+                pts = [
+                    (d["time"] - r.t_go, d["val_loss"])
+                    for d in _lines(Path(r.dir), s)
+                    if d.get("event") in ("start", "round") and d.get("val_loss") is not None
+                ]
                 if not pts:
                     continue
                 start_loss = start_loss or pts[0][1]
                 later += [y for _, y in pts[2:]]
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, styles[k % len(styles)], color=colors[r.spec.system], marker="o" if r.spec.system == "dtrain" else "s",
-                        markersize=3.5, markerfacecolor="none", linewidth=1.3 if not r.spec.repeat else 0.9,
-                        alpha=1.0 if not r.spec.repeat else 0.45,
-                        label=f"{r.spec.system} {s}" + (f" (repeat {r.spec.repeat})" if r.spec.repeat else ""))
-            marks += [(t - r.t_go, f"{r.spec.system} {lab}", colors[r.spec.system])  # noqa: B023
-                      for t, lab in ((r.t_kill, "kill"), (r.t_restart, "restart")) if t]
+                ax.plot(
+                    xs,
+                    ys,
+                    styles[k % len(styles)],
+                    color=colors[r.spec.system],
+                    marker="o" if r.spec.system == "dtrain" else "s",
+                    markersize=3.5,
+                    markerfacecolor="none",
+                    linewidth=1.3 if not r.spec.repeat else 0.9,
+                    alpha=1.0 if not r.spec.repeat else 0.45,
+                    label=f"{r.spec.system} {s}" + (f" (repeat {r.spec.repeat})" if r.spec.repeat else ""),
+                )
+            marks += [
+                (t - r.t_go, f"{r.spec.system} {lab}", colors[r.spec.system])  # noqa: B023
+                for t, lab in ((r.t_kill, "kill"), (r.t_restart, "restart"))
+                if t
+            ]
         if later:
             lo, hi = min(later), max(later)
             ax.set_ylim(lo - 0.05 * (hi - lo) - 0.01, hi + 0.25 * (hi - lo) + 0.01)
         for n, (x, lab, col) in enumerate(marks):
             ax.axvline(x, color=col, linestyle=":", alpha=0.7)
-            ax.text(x, ax.get_ylim()[1] - (0.03 + 0.2 * (n % 4)) * (ax.get_ylim()[1] - ax.get_ylim()[0]), f" {lab}",
-                    rotation=90, va="top", fontsize=7, color=col)
-        ax.set_title(f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9)
+            ax.text(
+                x,
+                ax.get_ylim()[1] - (0.03 + 0.2 * (n % 4)) * (ax.get_ylim()[1] - ax.get_ylim()[0]),
+                f" {lab}",
+                rotation=90,
+                va="top",
+                fontsize=7,
+                color=col,
+            )
+        ax.set_title(
+            f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9
+        )
         ax.set_xlabel("wall time since the sites were started (s)")
         ax.set_ylabel("validation loss (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(scens):]:
+    for ax in list(axes.flat)[len(scens) :]:
         ax.set_visible(False)
-    fig.suptitle("dtrain vs torchft 0.2.0 DiLoCo\nvalidation loss over wall time (same task, H, optimizers)", fontsize=10)
+    fig.suptitle(
+        "dtrain vs torchft 0.2.0 DiLoCo\nvalidation loss over wall time (same task, H, optimizers)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -533,8 +820,10 @@ def plot(records, path: Path) -> None:
 _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whose substring is in the stack wins)
     ("checksums of θ and outer state (every round)", ("theta_checksum", "outer_state_checksum")),
     ("validation loss (every round)", ("evaluate (",)),
-    ("sync: round engine (encode, reduce, finalize, pull, apply)", ("run_round", "dtrain/rounds.py", "dtrain/codecs",
-                                                                    "dtrain/aggregation.py", "dtrain/state.py")),
+    (
+        "sync: round engine (encode, reduce, finalize, pull, apply)",
+        ("run_round", "dtrain/rounds.py", "dtrain/codecs", "dtrain/aggregation.py", "dtrain/state.py"),
+    ),
     ("sync: waiting for the quorum (rendezvous client)", ("rendezvous_grpc.py", "group.py")),
     ("gRPC transport threads", ("grpc",)),
     ("inner steps (forward, backward, AdamW)", ("_train (",)),
@@ -559,5 +848,8 @@ def pyspy_summary(path: Path, top: int = 12) -> dict:
         cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in joined for k in keys)), "other")
         cats[cat] += int(n)
         leaves[frames[-1]] += int(n)
-    return {"samples": total, "categories": {k: v / total for k, v in cats.most_common()} if total else {},
-            "top_leaves": [(k, v / total) for k, v in leaves.most_common(top)] if total else []}
+    return {
+        "samples": total,
+        "categories": {k: v / total for k, v in cats.most_common()} if total else {},
+        "top_leaves": [(k, v / total) for k, v in leaves.most_common(top)] if total else [],
+    }

@@ -58,8 +58,8 @@ from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,
     fmt_pm,
-    mean_std,
     md_table,
+    mean_std,
     mode_settings,
     out_prefix,
     publish,
@@ -76,22 +76,60 @@ KiB = 1024
 # per exchange with 64 KiB buckets of 16 KiB chunks (108 chunks), 0.15 s with 256/64 KiB (28), 0.09 s with
 # 512/256 KiB and 0.07 s with the 4 MiB default (one bucket: one owner carries everything).
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, size="tiny", sync_every=5, rates=[50.0], delays=[0.0, 25.0], losses=[0.0],
-                  warmup_rounds=1, measured_rounds=1, seeds=[0], bucket_bytes=64 * KiB, chunk_bytes=16 * KiB,
-                  # tiny's 5 steps take ~0.06 s: too short for the link change to land between two exchanges
-                  inner_step_sleep_s=0.1),
+    "smoke": dict(
+        num_sites=2,
+        size="tiny",
+        sync_every=5,
+        rates=[50.0],
+        delays=[0.0, 25.0],
+        losses=[0.0],
+        warmup_rounds=1,
+        measured_rounds=1,
+        seeds=[0],
+        bucket_bytes=64 * KiB,
+        chunk_bytes=16 * KiB,
+        # tiny's 5 steps take ~0.06 s: too short for the link change to land between two exchanges
+        inner_step_sleep_s=0.1,
+    ),
     # small: 0.44 M params, int8 -> ~0.45 MB per site and round: 0.7 s of 2 x B / rate at 10 Mbit/s, 0.04 s at 200.
-    "quick": dict(num_sites=4, size="small", sync_every=10, rates=[10.0, 50.0, 200.0], delays=[0.0, 25.0, 75.0],
-                  losses=[0.0, 1.0, 5.0], warmup_rounds=1, measured_rounds=1, seeds=[0, 1, 2], floor=True,
-                  bucket_bytes=256 * KiB, chunk_bytes=64 * KiB),
+    "quick": dict(
+        num_sites=4,
+        size="small",
+        sync_every=10,
+        rates=[10.0, 50.0, 200.0],
+        delays=[0.0, 25.0, 75.0],
+        losses=[0.0, 1.0, 5.0],
+        warmup_rounds=1,
+        measured_rounds=1,
+        seeds=[0, 1, 2],
+        floor=True,
+        bucket_bytes=256 * KiB,
+        chunk_bytes=64 * KiB,
+    ),
     # base: 3.26 M params, int8 -> ~3.3 MB per site and round.
-    "full": dict(num_sites=4, size="base", sync_every=20, rates=[10.0, 50.0, 200.0], delays=[0.0, 25.0, 75.0],
-                 losses=[0.0, 1.0, 5.0], warmup_rounds=1, measured_rounds=3, seeds=[0, 1, 2], floor=True,
-                 bucket_bytes=1024 * KiB, chunk_bytes=256 * KiB),
+    "full": dict(
+        num_sites=4,
+        size="base",
+        sync_every=20,
+        rates=[10.0, 50.0, 200.0],
+        delays=[0.0, 25.0, 75.0],
+        losses=[0.0, 1.0, 5.0],
+        warmup_rounds=1,
+        measured_rounds=3,
+        seeds=[0, 1, 2],
+        floor=True,
+        bucket_bytes=1024 * KiB,
+        chunk_bytes=256 * KiB,
+    ),
 }
 CODEC = "int8"  # the worker's default
-RENDEZVOUS = {"quorum_timeout_s": 60.0, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 20.0,
-              "reduce_timeout_s": 30.0, "broadcast_timeout_s": 60.0}
+RENDEZVOUS = {
+    "quorum_timeout_s": 60.0,
+    "heartbeat_interval_s": 1.0,
+    "heartbeat_timeout_s": 20.0,
+    "reduce_timeout_s": 30.0,
+    "broadcast_timeout_s": 60.0,
+}
 
 
 def setting_label(rate: float | None, delay: float, loss: float) -> str:
@@ -114,11 +152,14 @@ def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: floa
 def grid(m: dict[str, Any]) -> list[tuple[float | None, float, float]]:
     """The settings in the order one run walks them; with ``floor``, first a setting with no emulation at all
     (the exchange's own cost on this machine: CPU, gRPC, the hub's routing)."""
-    return ([(None, 0.0, 0.0)] if m.get("floor") else []) + list(itertools.product(m["rates"], m["delays"], m["losses"]))
+    return ([(None, 0.0, 0.0)] if m.get("floor") else []) + list(
+        itertools.product(m["rates"], m["delays"], m["losses"])
+    )
 
 
-def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, float, float]],
-             timeout_s: float) -> list[RunResult]:
+def run_seed(
+    topo, m: dict[str, Any], seed: int, settings: list[tuple[float, float, float]], timeout_s: float
+) -> list[RunResult]:
     """One training run through every setting; one RunResult per setting."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
@@ -134,9 +175,19 @@ def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, flo
             topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
             changed_at.append(time.time())
             run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(size=m["size"], seed=seed, rounds=total, sync_every=m["sync_every"], codec=CODEC,
-                        bucket_bytes=m["bucket_bytes"], chunk_bytes=m["chunk_bytes"], eval_every=total,
-                        quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+            opts = dict(
+                size=m["size"],
+                seed=seed,
+                rounds=total,
+                sync_every=m["sync_every"],
+                codec=CODEC,
+                bucket_bytes=m["bucket_bytes"],
+                chunk_bytes=m["chunk_bytes"],
+                eval_every=total,
+                quorum_wait_s=600,
+                linger_s=2,
+                inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
+            )
             for i in range(n):
                 run.start_site(i, opts)
             names = [f"site-{i}" for i in range(n)]
@@ -167,7 +218,19 @@ def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, flo
     final_val = per_site[0][-1]["val_loss"] if per_site[0] else float("nan")
     results = []
     for k, (rate, delay, loss) in enumerate(settings):
-        rounds_out, engine, sync, enc, sent, util, inner, stale, rej, arrived, valid = [], [], [], [], [], [], [], 0, 0, [], 0
+        rounds_out, engine, sync, enc, sent, util, inner, stale, rej, arrived, valid = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            0,
+            0,
+            [],
+            0,
+        )
         for r in range(k * per, (k + 1) * per):
             lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
             measured = r - k * per >= m["warmup_rounds"]
@@ -175,12 +238,25 @@ def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, flo
             began_after = all(x["time"] - x["sync_s"] >= changed_at[k] for x in lines)
             ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
             for x in lines:
-                rounds_out.append({"experiment": "wan_sweep", "config": setting_label(rate, delay, loss), "seed": seed,
-                                   "round": r, "site": x["site"], "measured": ok, "status": x["status"],
-                                   "total_s": x.get("total_s", float("nan")), "sync_s": x["sync_s"],
-                                   "inner_s": x["inner_s"], "network_s": x.get("network_s", float("nan")),
-                                   "wait_s": x.get("wait_s", float("nan")), "encoded_bytes": x.get("encoded_bytes", 0),
-                                   "bytes_sent": x.get("bytes_sent", 0), "stale_buckets": x.get("stale_buckets", 0)})
+                rounds_out.append(
+                    {
+                        "experiment": "wan_sweep",
+                        "config": setting_label(rate, delay, loss),
+                        "seed": seed,
+                        "round": r,
+                        "site": x["site"],
+                        "measured": ok,
+                        "status": x["status"],
+                        "total_s": x.get("total_s", float("nan")),
+                        "sync_s": x["sync_s"],
+                        "inner_s": x["inner_s"],
+                        "network_s": x.get("network_s", float("nan")),
+                        "wait_s": x.get("wait_s", float("nan")),
+                        "encoded_bytes": x.get("encoded_bytes", 0),
+                        "bytes_sent": x.get("bytes_sent", 0),
+                        "stale_buckets": x.get("stale_buckets", 0),
+                    }
+                )
             if not ok:
                 continue
             valid += 1
@@ -197,19 +273,34 @@ def run_seed(topo, m: dict[str, Any], seed: int, settings: list[tuple[float, flo
         limit = physical_limit_s(b, rate, delay)
         e = statistics.fmean(engine) if engine else float("nan")
         row = {
-            "experiment": "wan_sweep", "config": setting_label(rate, delay, loss), "seed": seed, "num_sites": n,
-            "size": m["size"], "sync_every": m["sync_every"], "codec": CODEC, "rate_mbit": rate, "delay_ms": delay,
-            "loss_pct": loss, "rounds_measured": valid, "encoded_bytes_per_site": b,
+            "experiment": "wan_sweep",
+            "config": setting_label(rate, delay, loss),
+            "seed": seed,
+            "num_sites": n,
+            "size": m["size"],
+            "sync_every": m["sync_every"],
+            "codec": CODEC,
+            "rate_mbit": rate,
+            "delay_ms": delay,
+            "loss_pct": loss,
+            "rounds_measured": valid,
+            "encoded_bytes_per_site": b,
             "bytes_per_round_site": statistics.fmean(sent) if sent else float("nan"),
-            "engine_s": e, "sync_s": statistics.fmean(sync) if sync else float("nan"), "limit_s": limit,
+            "engine_s": e,
+            "sync_s": statistics.fmean(sync) if sync else float("nan"),
+            "limit_s": limit,
             "ratio": e / limit if limit > 0 else float("nan"),
             "compute_util": statistics.fmean(util) if util else float("nan"),
             "inner_s": statistics.fmean(inner) if inner else float("nan"),
-            "stale_buckets": stale, "rejected": rej,
+            "stale_buckets": stale,
+            "rejected": rej,
             "reduce_arrived": statistics.fmean(arrived) if arrived else float("nan"),
             # of the whole run (every setting of this seed), so the columns every experiment CSV has are here
-            "first_val_loss": first_val, "final_val_loss": final_val, "rounds_done": len(per_site[0]),
-            "wall_s": wall, "bytes_total": sum(x.get("bytes_sent", 0) for i in range(n) for x in per_site[i]),
+            "first_val_loss": first_val,
+            "final_val_loss": final_val,
+            "rounds_done": len(per_site[0]),
+            "wall_s": wall,
+            "bytes_total": sum(x.get("bytes_sent", 0) for i in range(n) for x in per_site[i]),
         }
         results.append(RunResult(row=row, rounds=rounds_out))
     return results
@@ -224,59 +315,104 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         g0 = g[0]
         rs = [r["ratio"] for r in g if not math.isnan(r["ratio"])]
         ratios += [(statistics.fmean(rs) if rs else float("nan"), cfg)]
-        table.append(["no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}", f"{g0['delay_ms']:g}", f"{g0['loss_pct']:g}",
-                      sum(r["rounds_measured"] for r in g),
-                      f"{statistics.fmean(r['encoded_bytes_per_site'] for r in g) / 1e6:.3f}",
-                      fmt_pm([r["engine_s"] for r in g], "{:.2f}"), fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
-                      f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
-                      "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
-                      "—" if not rs else fmt_pm([r["engine_s"] / strict_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"],
-                                                                               r["delay_ms"], r["num_sites"]) for r in g],
-                                                 "{:.2f}"),
-                      fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
-                      sum(r["stale_buckets"] for r in g), sum(r["rejected"] for r in g)])
-    md = md_table(["rate Mbit/s", "one-way delay ms", "loss %", "rounds measured", "B: encoded MB/site/round",
-                   "exchange s (plan→applied, max over sites)", "sync s (incl. quorum wait)", "physical limit s",
-                   "ratio to limit", "ratio to strict limit", "compute utilization", "stale buckets", "rejected"], table)
+        table.append(
+            [
+                "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
+                f"{g0['delay_ms']:g}",
+                f"{g0['loss_pct']:g}",
+                sum(r["rounds_measured"] for r in g),
+                f"{statistics.fmean(r['encoded_bytes_per_site'] for r in g) / 1e6:.3f}",
+                fmt_pm([r["engine_s"] for r in g], "{:.2f}"),
+                fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
+                f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
+                "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
+                "—"
+                if not rs
+                else fmt_pm(
+                    [
+                        r["engine_s"]
+                        / strict_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"], r["delay_ms"], r["num_sites"])
+                        for r in g
+                    ],
+                    "{:.2f}",
+                ),
+                fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
+                sum(r["stale_buckets"] for r in g),
+                sum(r["rejected"] for r in g),
+            ]
+        )
+    md = md_table(
+        [
+            "rate Mbit/s",
+            "one-way delay ms",
+            "loss %",
+            "rounds measured",
+            "B: encoded MB/site/round",
+            "exchange s (plan→applied, max over sites)",
+            "sync s (incl. quorum wait)",
+            "physical limit s",
+            "ratio to limit",
+            "ratio to strict limit",
+            "compute utilization",
+            "stale buckets",
+            "rejected",
+        ],
+        table,
+    )
     good = sorted((r, c) for r, c in ratios if not math.isnan(r))
     notes = []
     if good:
         med = statistics.median(r for r, _ in good)
-        notes.append(f"- Ratio to the physical limit: median {med:.2f} over {len(good)} settings; best {good[0][0]:.2f} "
-                     f"({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]}).")
+        notes.append(
+            f"- Ratio to the physical limit: median {med:.2f} over {len(good)} settings; best {good[0][0]:.2f} "
+            f"({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]})."
+        )
         by_loss: dict[float, list[float]] = {}
-        for cfg, g in groups.items():
+        for g in groups.values():
             by_loss.setdefault(g[0]["loss_pct"], []).extend(r["ratio"] for r in g if not math.isnan(r["ratio"]))
-        notes.append("- Median ratio by loss: " + ", ".join(f"{k:g}%: {statistics.median(v):.2f}"
-                                                           for k, v in sorted(by_loss.items()) if v) + ".")
+        notes.append(
+            "- Median ratio by loss: "
+            + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
+            + "."
+        )
     floor = [r for r in rows if r["rate_mbit"] is None]
     if floor:
         fm, fs = mean_std([r["engine_s"] for r in floor])
-        notes.append(f"- No emulation at all (the same processes, no cap, no delay, no loss): the exchange takes {fm:.2f} "
-                     f"± {fs:.2f} s. That is the round's own cost on this machine (encode, gRPC, decode, sum, apply, "
-                     "with every site's process sharing the cores); wherever the physical limit is below it (high rate, "
-                     "no delay) the ratio mostly measures this floor, not the network.")
+        notes.append(
+            f"- No emulation at all (the same processes, no cap, no delay, no loss): the exchange takes {fm:.2f} "
+            f"± {fs:.2f} s. That is the round's own cost on this machine (encode, gRPC, decode, sum, apply, "
+            "with every site's process sharing the cores); wherever the physical limit is below it (high rate, "
+            "no delay) the ratio mostly measures this floor, not the network."
+        )
     # per setting, mean over seeds (as in the table)
     capped = [g for g in groups.values() if g[0]["rate_mbit"] is not None]
     util = [mean_std([r["compute_util"] for r in g])[0] for g in capped]
     util = [u for u in util if not math.isnan(u)]
     inner = [r["inner_s"] for r in rows if r.get("inner_s") is not None and not math.isnan(r["inner_s"])]
     if util and inner:
-        u10 = [10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + mean_std([r["sync_s"] for r in g])[0])
-               for g in capped]
+        u10 = [
+            10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + mean_std([r["sync_s"] for r in g])[0])
+            for g in capped
+        ]
         u10 = [u for u in u10 if not math.isnan(u)]
-        notes.append(f"- Compute utilization (per setting, mean over seeds) ranges over {min(util):.2f}–{max(util):.2f} (median "
-                     f"{statistics.median(util):.2f}) with an inner phase of {statistics.fmean(inner):.2f} s "
-                     f"(H = {rows[0]['sync_every']}). Utilization scales with H: with the same sync times and an inner "
-                     f"phase 10x longer (H = {10 * rows[0]['sync_every']}) it would be {min(u10):.2f}–{max(u10):.2f}.")
+        notes.append(
+            f"- Compute utilization (per setting, mean over seeds) ranges over {min(util):.2f}–{max(util):.2f} (median "
+            f"{statistics.median(util):.2f}) with an inner phase of {statistics.fmean(inner):.2f} s "
+            f"(H = {rows[0]['sync_every']}). Utilization scales with H: with the same sync times and an inner "
+            f"phase 10x longer (H = {10 * rows[0]['sync_every']}) it would be {min(u10):.2f}–{max(u10):.2f}."
+        )
     short = [cfg for cfg, g in groups.items() if any(r["rounds_measured"] < 1 for r in g)]
     if short:
-        notes.append(f"- Not measured in some run: {', '.join(short)} (the exchange had begun before the link changed, "
-                     "or a site did not apply the round; see the per-round CSV's `measured` column).")
-    notes.append("- Physical limit as the issue defines it: 2 x B / rate + 2 RTT. Each site really sends "
-                 "2 x (N-1)/N x B (its contributions to the other owners, and its own buckets' means to the other "
-                 "sites) when ownership is balanced, hence the stricter column; uneven ownership (HRW over few "
-                 "buckets) lies in between.")
+        notes.append(
+            f"- Not measured in some run: {', '.join(short)} (the exchange had begun before the link changed, "
+            "or a site did not apply the round; see the per-round CSV's `measured` column)."
+        )
+    notes.append(
+        "- Physical limit as the issue defines it: 2 x B / rate + 2 RTT. Each site really sends "
+        "2 x (N-1)/N x B (its contributions to the other owners, and its own buckets' means to the other "
+        "sites) when ownership is balanced, hence the stricter column; uneven ownership (HRW over few "
+        "buckets) lies in between."
+    )
     return md, notes
 
 
@@ -290,13 +426,25 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     mine: dict[str, list[float]] = {}
     for r in rows:
         mine.setdefault(r["config"], []).append(r["engine_s"])
-    table = [[cfg, f"{statistics.fmean(base[cfg]):.2f}", f"{statistics.fmean(v):.2f}",
-              f"{statistics.fmean(v) / statistics.fmean(base[cfg]):.2f}"] for cfg, v in mine.items() if cfg in base]
+    table = [
+        [
+            cfg,
+            f"{statistics.fmean(base[cfg]):.2f}",
+            f"{statistics.fmean(v):.2f}",
+            f"{statistics.fmean(v) / statistics.fmean(base[cfg]):.2f}",
+        ]
+        for cfg, v in mine.items()
+        if cfg in base
+    ]
     if not table:
         return []
     ratios = [float(t[3]) for t in table]
-    return [f"- Against the default run (`{default_csv.name}`, a separate run: other load), exchange s per setting "
-            f"(median ratio {statistics.median(ratios):.2f}):", "", md_table(["setting", "default", "this run", "ratio"], table)]
+    return [
+        f"- Against the default run (`{default_csv.name}`, a separate run: other load), exchange s per setting "
+        f"(median ratio {statistics.median(ratios):.2f}):",
+        "",
+        md_table(["setting", "default", "this run", "ratio"], table),
+    ]
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
@@ -311,7 +459,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
                 e.append(mean_std([r["engine_s"] for r in g])[0])
                 lim.append(mean_std([r["limit_s"] for r in g])[0])
                 rat.append(mean_std([r["ratio"] for r in g])[0])
-            line, = axes[0][j].plot(pts, e, marker="o", label=f"{delay:g} ms")
+            (line,) = axes[0][j].plot(pts, e, marker="o", label=f"{delay:g} ms")
             axes[0][j].plot(pts, lim, ls=":", color=line.get_color())
             axes[1][j].plot(pts, rat, marker="o", label=f"{delay:g} ms")
         for ax in (axes[0][j], axes[1][j]):
@@ -338,10 +486,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--delays", help="comma-separated one-way delays in ms (default per mode)")
     ap.add_argument("--losses", help="comma-separated loss percentages (default per mode)")
     ap.add_argument("--no-floor", action="store_true", help="skip the setting without emulation")
-    ap.add_argument("--tcp-slow-start-after-idle", type=int, choices=[0, 1],
-                    help="set the sysctl net.ipv4.tcp_slow_start_after_idle in every site's namespace (the kernel "
-                         "default is 1: a connection idle for one RTO restarts from the initial window); results go "
-                         "to files and a RESULTS.md section of their own")
+    ap.add_argument(
+        "--tcp-slow-start-after-idle",
+        type=int,
+        choices=[0, 1],
+        help="set the sysctl net.ipv4.tcp_slow_start_after_idle in every site's namespace (the kernel "
+        "default is 1: a connection idle for one RTO restarts from the initial window); results go "
+        "to files and a RESULTS.md section of their own",
+    )
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
     if m["num_sites"] < 2:
@@ -362,20 +514,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = grid(m)
 
     def runner() -> list[RunResult]:
-        print(f"wan_sweep ({mode}): {len(settings)} settings x {len(m['seeds'])} seeds, "
-              f"{m['warmup_rounds'] + m['measured_rounds']} rounds each", flush=True)
+        print(
+            f"wan_sweep ({mode}): {len(settings)} settings x {len(m['seeds'])} seeds, "
+            f"{m['warmup_rounds'] + m['measured_rounds']} rounds each",
+            flush=True,
+        )
         out: list[RunResult] = []
         with netem_topology(m["num_sites"] + 1, "wan", "wan_sweep") as topo:
             if ssai is not None:
                 for i in range(m["num_sites"] + 1):
-                    subprocess.run(topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={ssai}"]),
-                                   check=True, timeout=10)
+                    subprocess.run(
+                        topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={ssai}"]),
+                        check=True,
+                        timeout=10,
+                    )
             for seed in m["seeds"]:
                 t = time.monotonic()
                 res = run_seed(topo, m, seed, settings, args.timeout_s)
                 out += res
-                print(f"seed {seed}: {time.monotonic() - t:.0f} s; " + "; ".join(
-                    f"{r.row['config']}: {r.row['engine_s']:.2f}/{r.row['limit_s']:.2f} s" for r in res), flush=True)
+                print(
+                    f"seed {seed}: {time.monotonic() - t:.0f} s; "
+                    + "; ".join(f"{r.row['config']}: {r.row['engine_s']:.2f}/{r.row['limit_s']:.2f} s" for r in res),
+                    flush=True,
+                )
         return out
 
     rows, _, meta = run_or_load(args, argv, "wan_sweep.py", prefix, runner)
@@ -383,20 +544,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     md, notes = analyse(rows)
     if ssai is not None:
         notes += compare_default(rows, out_prefix(args, "wan_sweep").with_suffix(".csv"))
-    body = f"""Command: `{meta['command']}` (as root; {meta['minutes']:.1f} min; {meta['provenance']}).
+    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: {m['num_sites']} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace
+Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace
 (`netem.Topology`, routing hub; tbf for the rate, nftables for loss, the NFQUEUE delayer for delay), real gRPC.
-Built-in GPT `{m['size']}`, H = {m['sync_every']} inner steps (real compute, {m['num_sites']} processes sharing
-the machine's cores), codec `{CODEC}`, {m['bucket_bytes'] // KiB} KiB buckets of {m['chunk_bytes'] // KiB} KiB
-chunks; deadlines reduce {RENDEZVOUS['reduce_timeout_s']:g} s / broadcast {RENDEZVOUS['broadcast_timeout_s']:g} s
+Built-in GPT `{m["size"]}`, H = {m["sync_every"]} inner steps (real compute, {m["num_sites"]} processes sharing
+the machine's cores), codec `{CODEC}`, {m["bucket_bytes"] // KiB} KiB buckets of {m["chunk_bytes"] // KiB} KiB
+chunks; deadlines reduce {RENDEZVOUS["reduce_timeout_s"]:g} s / broadcast {RENDEZVOUS["broadcast_timeout_s"]:g} s
 (generous: the exchange is timed, not cut). Every site's link (and the rendezvous's) gets the setting; delay and
 loss apply to packets arriving at a site, so RTT = 2 x delay and a packet crossing two sites sees the loss once.
-One run per seed ({m['seeds']}) walks the grid; each setting holds {m['warmup_rounds']} warm-up +
-{m['measured_rounds']} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
+One run per seed ({m["seeds"]}) walks the grid; each setting holds {m["warmup_rounds"]} warm-up +
+{m["measured_rounds"]} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
 pseudo-gradient. Compute utilization = inner-phase time / (inner + sync) per site. Mean ± std over seeds.
 {"" if ssai is None else f"net.ipv4.tcp_slow_start_after_idle = {ssai} in every site's namespace (kernel default 1). "}
-CSV: `{prefix.with_suffix('.csv').name}`, per round and site: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
+CSV: `{prefix.with_suffix(".csv").name}`, per round and site: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
 
 {md}
 

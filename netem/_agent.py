@@ -58,8 +58,7 @@ class _SiteQueue:
         self.num_late = 0  # released more than 1 ms after their due time
         self.max_late_s = 0.0
         self.nfq = NetfilterQueue()
-        self.nfq.bind(site, self._on_packet, max_len=MAX_QUEUE_LEN, mode=COPY_META,
-                      sock_len=SOCK_RCVBUF)
+        self.nfq.bind(site, self._on_packet, max_len=MAX_QUEUE_LEN, mode=COPY_META, sock_len=SOCK_RCVBUF)
         self.fd = self.nfq.get_fd()
         os.set_blocking(self.fd, False)
 
@@ -129,11 +128,21 @@ class Agent:
             self._update_flap(time.time(), force=True)
             return {"ok": True}
         if op == "stats":
-            return {"ok": True, "pid": os.getpid(), "flap_down": self.flap_down,
-                    "sites": [{"delayed": q.num_delayed, "held": len(q.held),
-                               "max_held": q.max_held, "late_1ms": q.num_late,
-                               "max_late_ms": round(q.max_late_s * 1000, 3)}
-                              for q in self.queues]}
+            return {
+                "ok": True,
+                "pid": os.getpid(),
+                "flap_down": self.flap_down,
+                "sites": [
+                    {
+                        "delayed": q.num_delayed,
+                        "held": len(q.held),
+                        "max_held": q.max_held,
+                        "late_1ms": q.num_late,
+                        "max_late_ms": round(q.max_late_s * 1000, 3),
+                    }
+                    for q in self.queues
+                ],
+            }
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _accept(self) -> None:
@@ -184,11 +193,12 @@ class Agent:
         pairs = _rules.isolate_pairs(down, self.num_sites)
         hub = self.topo["hub_namespace"]
         if self.topo["backends"]["partition"] == "nftables":
-            run(ns_cmd(hub, ["nft", "-f", "-"]),
-                input=_rules.nft_chain("flap", _rules.part_matches(pairs)))
+            run(ns_cmd(hub, ["nft", "-f", "-"]), input=_rules.nft_chain("flap", _rules.part_matches(pairs)))
         else:
-            run(ns_cmd(hub, ["iptables-restore", "--noflush"]),
-                input=_rules.ipt_chain("DTN-FLAP", _rules.ipt_part_rules(pairs)))
+            run(
+                ns_cmd(hub, ["iptables-restore", "--noflush"]),
+                input=_rules.ipt_chain("DTN-FLAP", _rules.ipt_part_rules(pairs)),
+            )
         logger.info("flap: sites down now: %s", down)
 
     # ------------------------------------------------------------------ main loop
@@ -257,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watch-pid", type=int, default=None)
     ap.add_argument("--rt-priority", type=int, default=20, help="SCHED_FIFO priority; 0 = off")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s agent[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s agent[%(process)d] %(levelname)s %(message)s"
+    )
 
     def _stop(signum, frame):
         raise SystemExit(0)

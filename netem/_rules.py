@@ -65,6 +65,7 @@ def _pair_ports(pairs: Iterable[tuple[int, int]]) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------- nftables (hub forward hook)
 
+
 def nft_hub_base() -> str:
     """The hub table: a forward base chain (before iptables' filter) jumping to part/flap/loss."""
     return (
@@ -109,6 +110,7 @@ def loss_matches(links: Sequence[LinkParams]) -> list[str]:
 
 # ---------------------------------------------------------------- iptables (hub FORWARD)
 
+
 def ipt_hub_base(*, filters: bool) -> str:
     """iptables-restore input creating the hub chains; ``filters``: loss/partitions too."""
     decl = "".join(f":{c} - [0:0]\n" for c in IPT_CHAINS)
@@ -138,14 +140,11 @@ def ipt_loss_rules(links: Sequence[LinkParams]) -> list[str]:
 
 def ipt_delay_rules(links: Sequence[LinkParams]) -> list[str]:
     """NFQUEUE hand-off to the userspace delayer: queue ``i`` holds packets to site ``i``."""
-    return [
-        f"-o {hub_port(i)} -j NFQUEUE --queue-num {i} --queue-bypass"
-        for i, p in enumerate(links)
-        if p.needs_delay
-    ]
+    return [f"-o {hub_port(i)} -j NFQUEUE --queue-num {i} --queue-bypass" for i, p in enumerate(links) if p.needs_delay]
 
 
 # ---------------------------------------------------------------- tc
+
 
 def tbf_argv(dev: str, rate_mbit: float | None) -> list[str]:
     """``tc`` argv installing a tbf rate cap on ``dev`` (or deleting the root qdisc).
@@ -158,8 +157,21 @@ def tbf_argv(dev: str, rate_mbit: float | None) -> list[str]:
     rate_bps = rate_mbit * 1e6 / 8
     burst = max(16 * 1514, int(rate_bps * 0.002))
     limit = max(64 * 1024, int(rate_bps * 0.05)) + burst
-    return ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
-            "burst", str(burst), "limit", str(limit)]
+    return [
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate_mbit:g}mbit",
+        "burst",
+        str(burst),
+        "limit",
+        str(limit),
+    ]
 
 
 def netem_argv(dev: str, link: LinkParams) -> list[str]:
@@ -180,6 +192,7 @@ def netem_argv(dev: str, link: LinkParams) -> list[str]:
 
 # ---------------------------------------------------------------- periodic partitions
 
+
 def _flap_phase(link: LinkParams, site: int, num_sites: int, epoch: float, now: float) -> float:
     """Position of ``now`` within ``site``'s flap period, in s (0 = outage starts)."""
     offset = site * link.flap_period_s / num_sites
@@ -189,10 +202,7 @@ def _flap_phase(link: LinkParams, site: int, num_sites: int, epoch: float, now: 
 def flap_down_sites(links: Sequence[LinkParams], epoch: float, now: float) -> list[int]:
     """Sites inside a periodic outage at wall-clock time ``now`` (schedule starts at ``epoch``)."""
     n = len(links)
-    return [
-        i for i, p in enumerate(links)
-        if p.flap_period_s > 0 and _flap_phase(p, i, n, epoch, now) < p.flap_down_s
-    ]
+    return [i for i, p in enumerate(links) if p.flap_period_s > 0 and _flap_phase(p, i, n, epoch, now) < p.flap_down_s]
 
 
 def flap_next_change(links: Sequence[LinkParams], epoch: float, now: float) -> float | None:

@@ -64,8 +64,9 @@ def check_name(name: str) -> str:
     return name
 
 
-def run(argv: list[str], *, input: str | None = None, check: bool = True,
-        timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+def run(
+    argv: list[str], *, input: str | None = None, check: bool = True, timeout_s: float = 30.0
+) -> subprocess.CompletedProcess:
     """Run ``argv`` and capture its output.
 
     Raises:
@@ -118,7 +119,7 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     except OSError:
         return None
     # The command name (field 2) may contain spaces and ')': split after the last ')'.
-    return data[data.rindex(b")") + 2:].split()
+    return data[data.rindex(b")") + 2 :].split()
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -135,8 +136,9 @@ def pid_alive(pid: int, start_time: int | None = None) -> bool:
     return start_time is None or int(fields[19]) == start_time
 
 
-def terminate(pid: int, *, start_time: int | None = None, grace_s: float = 2.0,
-              popen: subprocess.Popen | None = None) -> None:
+def terminate(
+    pid: int, *, start_time: int | None = None, grace_s: float = 2.0, popen: subprocess.Popen | None = None
+) -> None:
     """SIGTERM ``pid``, then SIGKILL after ``grace_s``; reap it if it is our child."""
     if pid_alive(pid, start_time):
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):

@@ -44,8 +44,9 @@ def _on_off(text: str) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m netem", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m netem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="log what is run")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -56,8 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     up = named(sub.add_parser("up", help="build a topology and leave it running"))
     up.add_argument("--sites", type=int, required=True, help="number of sites")
     up.add_argument("--profile", default="lan", choices=sorted(PROFILES))
-    up.add_argument("--no-kernel-netem", action="store_true",
-                    help="use the fallbacks even where the kernel has netem")
+    up.add_argument("--no-kernel-netem", action="store_true", help="use the fallbacks even where the kernel has netem")
     named(sub.add_parser("down", help="remove a topology"))
     st = sub.add_parser("status", help="show one topology (--name) or list all")
     st.add_argument("--name", default=None)
@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", choices=sorted(PROFILES), help="start from this preset's link")
     for field in ("delay_ms", "jitter_ms", "loss_pct", "flap_period_s", "flap_down_s"):
         s.add_argument("--" + field.replace("_", "-"), type=float, dest=field)
-    s.add_argument("--rate-mbit", type=_rate, dest="rate_mbit", default=argparse.SUPPRESS,
-                   help="Mbit/s, or 'none' for no cap")
+    s.add_argument(
+        "--rate-mbit", type=_rate, dest="rate_mbit", default=argparse.SUPPRESS, help="Mbit/s, or 'none' for no cap"
+    )
     s.add_argument("--partition", type=_on_off, help="on: cut the site off; off: restore")
     ex = named(sub.add_parser("exec", help="run a command inside a site: exec SITE -- CMD"))
     ex.add_argument("site", type=int)
@@ -96,8 +97,11 @@ def _print_topology(st: dict) -> None:
 def _cmd_set(args: argparse.Namespace) -> None:
     topo = Topology.attach(args.name)
     site = None if args.site == "all" else int(args.site)
-    changes = {f: getattr(args, f) for f in ("delay_ms", "jitter_ms", "loss_pct", "flap_period_s",
-                                            "flap_down_s") if getattr(args, f) is not None}
+    changes = {
+        f: getattr(args, f)
+        for f in ("delay_ms", "jitter_ms", "loss_pct", "flap_period_s", "flap_down_s")
+        if getattr(args, f) is not None
+    }
     if hasattr(args, "rate_mbit"):
         changes["rate_mbit"] = args.rate_mbit
     if args.profile or changes:
@@ -113,22 +117,27 @@ def main(argv: list[str] | None = None) -> int:
     command: list[str] = []
     if "--" in argv:  # `exec SITE [--name N] -- CMD ...`: everything after -- is the command
         i = argv.index("--")
-        argv, command = argv[:i], argv[i + 1:]
+        argv, command = argv[:i], argv[i + 1 :]
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         if args.cmd == "up":
-            topo = Topology(args.sites, args.profile, name=args.name, persistent=True,
-                            kernel_netem=False if args.no_kernel_netem else None)
+            topo = Topology(
+                args.sites,
+                args.profile,
+                name=args.name,
+                persistent=True,
+                kernel_netem=False if args.no_kernel_netem else None,
+            )
             _print_topology(topo.status())
         elif args.cmd == "down":
             check_name(args.name)
             try:
                 Topology.attach(args.name).close()
             except ValueError:  # no state: remove namespaces of that exact name, if any
-                leftovers = [ns for ns in list_namespaces()
-                             if ns.startswith(f"{PREFIX}{args.name}-")]
+                leftovers = [ns for ns in list_namespaces() if ns.startswith(f"{PREFIX}{args.name}-")]
                 if not leftovers:
                     raise
                 for ns in leftovers:

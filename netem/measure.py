@@ -33,26 +33,27 @@ class PingResult:
     max_ms: float
 
 
-def ping(topo: Topology, src: int, dst: int, *, count: int = 20, interval_s: float = 0.01,
-         timeout_s: float = 30.0) -> PingResult:
+def ping(
+    topo: Topology, src: int, dst: int, *, count: int = 20, interval_s: float = 0.01, timeout_s: float = 30.0
+) -> PingResult:
     """``ping`` from site ``src`` to site ``dst`` (ICMP echo through the emulated links).
 
     Raises:
         RuntimeError: ping produced no statistics (e.g. every probe was lost).
     """
-    argv = ["ping", "-n", "-q", "-c", str(count), "-i", f"{interval_s:g}", "-W", "2",
-            topo.address(dst)]
-    out = subprocess.run(topo.exec_argv(src, argv), capture_output=True, text=True,
-                         timeout=timeout_s).stdout
+    argv = ["ping", "-n", "-q", "-c", str(count), "-i", f"{interval_s:g}", "-W", "2", topo.address(dst)]
+    out = subprocess.run(topo.exec_argv(src, argv), capture_output=True, text=True, timeout=timeout_s).stdout
     counts, rtt = _LOSS_RE.search(out), _RTT_RE.search(out)
     if counts is None or rtt is None:
         raise RuntimeError(f"ping {src}->{dst} gave no RTT statistics: {out!r}")
-    return PingResult(sent=int(counts[1]), received=int(counts[2]), min_ms=float(rtt[1]),
-                      avg_ms=float(rtt[2]), max_ms=float(rtt[3]))
+    return PingResult(
+        sent=int(counts[1]), received=int(counts[2]), min_ms=float(rtt[1]), avg_ms=float(rtt[2]), max_ms=float(rtt[3])
+    )
 
 
-def udp_loss(topo: Topology, src: int, dst: int, *, count: int = 2000, interval_s: float = 0.0005,
-             drain_s: float = 1.0) -> tuple[int, int]:
+def udp_loss(
+    topo: Topology, src: int, dst: int, *, count: int = 2000, interval_s: float = 0.0005, drain_s: float = 1.0
+) -> tuple[int, int]:
     """Send ``count`` numbered UDP datagrams from ``src`` to ``dst``; count those that arrive.
 
     One-way, so the loss measured is ``dst``'s ``loss_pct``. Sending is paced at
@@ -94,8 +95,15 @@ def udp_loss(topo: Topology, src: int, dst: int, *, count: int = 2000, interval_
     return count, len(seen)
 
 
-def tcp_goodput_mbit(topo: Topology, src: int, dst: int, *, duration_s: float = 4.0,
-                     warmup_s: float = 1.5, congestion: str | None = "bbr") -> float:
+def tcp_goodput_mbit(
+    topo: Topology,
+    src: int,
+    dst: int,
+    *,
+    duration_s: float = 4.0,
+    warmup_s: float = 1.5,
+    congestion: str | None = "bbr",
+) -> float:
     """Bulk TCP from ``src`` to ``dst`` for ``duration_s``; goodput in Mbit/s after ``warmup_s``.
 
     Goodput is payload bytes received between ``warmup_s`` and ``duration_s`` (receiver
@@ -164,8 +172,10 @@ def binomial_interval(n: int, p: float, confidence: float = 0.99) -> tuple[int, 
     if p in (0.0, 1.0):
         k = int(round(n * p))
         return k, k
-    logpmf = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-              + k * math.log(p) + (n - k) * math.log1p(-p) for k in range(n + 1)]
+    logpmf = [
+        math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+        for k in range(n + 1)
+    ]
     pmf = [math.exp(v) for v in logpmf]
     lo, acc = 0, 0.0
     while acc + pmf[lo] <= tail:

@@ -111,21 +111,42 @@ def probe(*, refresh: bool = False) -> Capabilities:
         except CommandError as e:
             raise NetemUnavailable(f"veth setup fails in a namespace: {e}") from e
         caps = Capabilities(
-            kernel_netem=_ok(x(["tc", "qdisc", "add", "dev", "pa", "root", "netem", "delay", "1ms"]),
-                             what="tc netem", notes=notes),
+            kernel_netem=_ok(
+                x(["tc", "qdisc", "add", "dev", "pa", "root", "netem", "delay", "1ms"]), what="tc netem", notes=notes
+            ),
             tbf=_ok(x(_rules.tbf_argv("pb", 10.0)), what="tc tbf", notes=notes),
             nftables=shutil.which("nft") is not None
-            and _ok(x(["nft", "-f", "-"]), input=_rules.nft_hub_base()
-                    + _rules.nft_chain("loss", ['oifname "pb" numgen random mod 1000000 < 5']),
-                    what="nft inet table with numgen", notes=notes),
-            iptables_nfqueue=_ok(x(["iptables", "-A", "FORWARD", "-o", "pb", "-j", "NFQUEUE",
-                                    "--queue-num", "0", "--queue-bypass"]),
-                                 what="iptables NFQUEUE", notes=notes),
-            iptables_statistic=_ok(x(["iptables", "-A", "FORWARD", "-m", "statistic", "--mode",
-                                      "random", "--probability", "0.5", "-j", "DROP"]),
-                                   what="iptables statistic", notes=notes),
-            ethtool=_ok(x(["ethtool", "-K", "pa", "tso", "off", "gso", "off"]), what="ethtool",
-                        notes=notes),
+            and _ok(
+                x(["nft", "-f", "-"]),
+                input=_rules.nft_hub_base() + _rules.nft_chain("loss", ['oifname "pb" numgen random mod 1000000 < 5']),
+                what="nft inet table with numgen",
+                notes=notes,
+            ),
+            iptables_nfqueue=_ok(
+                x(["iptables", "-A", "FORWARD", "-o", "pb", "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"]),
+                what="iptables NFQUEUE",
+                notes=notes,
+            ),
+            iptables_statistic=_ok(
+                x(
+                    [
+                        "iptables",
+                        "-A",
+                        "FORWARD",
+                        "-m",
+                        "statistic",
+                        "--mode",
+                        "random",
+                        "--probability",
+                        "0.5",
+                        "-j",
+                        "DROP",
+                    ]
+                ),
+                what="iptables statistic",
+                notes=notes,
+            ),
+            ethtool=_ok(x(["ethtool", "-K", "pa", "tso", "off", "gso", "off"]), what="ethtool", notes=notes),
             netfilterqueue=importlib.util.find_spec("netfilterqueue") is not None,
             notes=tuple(notes),
         )
@@ -136,8 +157,9 @@ def probe(*, refresh: bool = False) -> Capabilities:
     return caps
 
 
-def choose_backends(caps: Capabilities, *, kernel_netem: bool | None = None,
-                    filter_backend: str | None = None) -> dict[str, str | None]:
+def choose_backends(
+    caps: Capabilities, *, kernel_netem: bool | None = None, filter_backend: str | None = None
+) -> dict[str, str | None]:
     """Pick a backend per property from ``caps`` (None: that property cannot be emulated).
 
     Args:

@@ -64,9 +64,7 @@ class LinkParams:
         _check_range("delay_ms", self.delay_ms, 0.0, 10_000.0)
         _check_range("jitter_ms", self.jitter_ms, 0.0, 10_000.0)
         if self.jitter_ms > self.delay_ms:
-            raise ValueError(
-                f"jitter_ms must be <= delay_ms ({self.delay_ms}), got {self.jitter_ms!r}"
-            )
+            raise ValueError(f"jitter_ms must be <= delay_ms ({self.delay_ms}), got {self.jitter_ms!r}")
         _check_range("loss_pct", self.loss_pct, 0.0, 100.0)
         if self.rate_mbit is not None:
             _check_range("rate_mbit", self.rate_mbit, 0.01, 100_000.0)
@@ -78,9 +76,7 @@ class LinkParams:
                 f"got flap_down_s={self.flap_down_s!r}, flap_period_s={self.flap_period_s!r}"
             )
         if self.flap_period_s == 0 and self.flap_down_s != 0:
-            raise ValueError(
-                f"flap_down_s must be 0 when flap_period_s is 0, got {self.flap_down_s!r}"
-            )
+            raise ValueError(f"flap_down_s must be 0 when flap_period_s is 0, got {self.flap_down_s!r}")
 
     @property
     def needs_delay(self) -> bool:

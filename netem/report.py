@@ -36,12 +36,19 @@ def measure_profile(name: str, *, duration_s: float = 4.0) -> dict:
         backends = topo.backends()
     lo, hi = binomial_interval(sent, link.loss_pct / 100)
     return {
-        "profile": name, "up_s": round(up_s, 2),
-        "delay_ms": link.delay_ms, "rtt_avg_ms": rtt.avg_ms, "rtt_min_ms": rtt.min_ms,
-        "rtt_max_ms": rtt.max_ms, "loss_pct_set": link.loss_pct,
-        "loss_pct_measured": round(100 * (sent - received) / sent, 3), "loss_99_interval": [lo, hi],
-        "rate_mbit": link.rate_mbit, "goodput_own_cap_mbit": round(own, 1),
-        "goodput_at_40_mbit": round(capped, 1), "backends": backends,
+        "profile": name,
+        "up_s": round(up_s, 2),
+        "delay_ms": link.delay_ms,
+        "rtt_avg_ms": rtt.avg_ms,
+        "rtt_min_ms": rtt.min_ms,
+        "rtt_max_ms": rtt.max_ms,
+        "loss_pct_set": link.loss_pct,
+        "loss_pct_measured": round(100 * (sent - received) / sent, 3),
+        "loss_99_interval": [lo, hi],
+        "rate_mbit": link.rate_mbit,
+        "goodput_own_cap_mbit": round(own, 1),
+        "goodput_at_40_mbit": round(capped, 1),
+        "backends": backends,
         "agent": stats.get("sites"),
     }
 
@@ -55,15 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print("| profile | set: one-way delay / loss / cap | ping RTT avg (min-max) | one-way loss "
-          "(2,000 probes) | TCP goodput at own cap | at 40 Mbit/s cap |")
+    print(
+        "| profile | set: one-way delay / loss / cap | ping RTT avg (min-max) | one-way loss "
+        "(2,000 probes) | TCP goodput at own cap | at 40 Mbit/s cap |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         cap = "none" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
-        print(f"| {r['profile']} | {r['delay_ms']:g} ms / {r['loss_pct_set']:g}% / {cap} "
-              f"| {r['rtt_avg_ms']:.2f} ms ({r['rtt_min_ms']:.2f}-{r['rtt_max_ms']:.2f}) "
-              f"| {r['loss_pct_measured']:g}% | {r['goodput_own_cap_mbit']:g} Mbit/s "
-              f"| {r['goodput_at_40_mbit']:g} Mbit/s |")
+        print(
+            f"| {r['profile']} | {r['delay_ms']:g} ms / {r['loss_pct_set']:g}% / {cap} "
+            f"| {r['rtt_avg_ms']:.2f} ms ({r['rtt_min_ms']:.2f}-{r['rtt_max_ms']:.2f}) "
+            f"| {r['loss_pct_measured']:g}% | {r['goodput_own_cap_mbit']:g} Mbit/s "
+            f"| {r['goodput_at_40_mbit']:g} Mbit/s |"
+        )
     return 0
 
 

@@ -39,8 +39,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _rules
-from ._sys import (PREFIX, STATE_ROOT, CommandError, check_name, delete_namespace, in_namespace,
-                   list_namespaces, ns_cmd, pid_alive, proc_start_time, run, terminate)
+from ._sys import (
+    PREFIX,
+    STATE_ROOT,
+    CommandError,
+    check_name,
+    delete_namespace,
+    in_namespace,
+    list_namespaces,
+    ns_cmd,
+    pid_alive,
+    proc_start_time,
+    run,
+    terminate,
+)
 from .probe import NetemUnavailable, choose_backends, probe
 from .profiles import PROFILES, LinkParams, Profile, get_profile
 
@@ -87,8 +99,7 @@ class TopologyConfig:
         if self.kernel_netem not in (None, True, False):
             raise ValueError(f"kernel_netem must be None, True or False, got {self.kernel_netem!r}")
         if self.filter_backend not in (None, "nftables", "iptables"):
-            raise ValueError("filter_backend must be None, 'nftables' or 'iptables', "
-                             f"got {self.filter_backend!r}")
+            raise ValueError(f"filter_backend must be None, 'nftables' or 'iptables', got {self.filter_backend!r}")
 
 
 # ---------------------------------------------------------------- signal / exit safety net
@@ -178,14 +189,26 @@ class Topology:
             is removed first).
     """
 
-    def __init__(self, num_sites: int, profile: str = "lan", *, name: str | None = None,
-                 kernel_netem: bool | None = None, persistent: bool = False,
-                 filter_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        num_sites: int,
+        profile: str = "lan",
+        *,
+        name: str | None = None,
+        kernel_netem: bool | None = None,
+        persistent: bool = False,
+        filter_backend: str | None = None,
+    ) -> None:
         if name is None:
             name = f"t{os.getpid()}x{next(_counter)}"
-        self.config = TopologyConfig(num_sites=num_sites, profile=profile, name=name,
-                                     kernel_netem=kernel_netem, persistent=persistent,
-                                     filter_backend=filter_backend)
+        self.config = TopologyConfig(
+            num_sites=num_sites,
+            profile=profile,
+            name=name,
+            kernel_netem=kernel_netem,
+            persistent=persistent,
+            filter_backend=filter_backend,
+        )
         self._init_names()
         self._lock = threading.RLock()
         self._closed = False
@@ -201,8 +224,7 @@ class Topology:
                 f"`python -m netem down --name {name}` (or `python -m netem cleanup`)"
             )
         self._caps = probe()
-        self._backends = choose_backends(self._caps, kernel_netem=kernel_netem,
-                                         filter_backend=filter_backend)
+        self._backends = choose_backends(self._caps, kernel_netem=kernel_netem, filter_backend=filter_backend)
         if self._owned:
             _register(self)
         try:
@@ -250,8 +272,9 @@ class Topology:
         """Start ``argv`` inside site ``site``; kwargs go to :class:`subprocess.Popen`."""
         return subprocess.Popen(self.exec_argv(site, argv), **kwargs)
 
-    def socket(self, site: int, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
-               proto: int = 0) -> socket.socket:
+    def socket(
+        self, site: int, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM, proto: int = 0
+    ) -> socket.socket:
         """A socket created inside site ``site``'s namespace (usable from this process)."""
         with in_namespace(self.namespace(site)):
             return socket.socket(family, type, proto)
@@ -270,8 +293,7 @@ class Topology:
         """Wall-clock start of the periodic-partition schedule (reset by set_link on change)."""
         return self._flap_epoch
 
-    def set_link(self, site: int | None, params: LinkParams | str | None = None,
-                 **changes) -> None:
+    def set_link(self, site: int | None, params: LinkParams | str | None = None, **changes) -> None:
         """Change site ``site``'s link (or every site's when ``site`` is None), live.
 
         Args:
@@ -453,10 +475,17 @@ class Topology:
     # ------------------------------------------------------------------ building
     def _build(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=False)
-        (self.state_dir / "topology.json").write_text(json.dumps({
-            "name": self.name, "hub_namespace": self.hub_namespace,
-            "site_namespaces": self.site_namespaces, "addresses": self._addresses,
-            "backends": self._backends}))
+        (self.state_dir / "topology.json").write_text(
+            json.dumps(
+                {
+                    "name": self.name,
+                    "hub_namespace": self.hub_namespace,
+                    "site_namespaces": self.site_namespaces,
+                    "addresses": self._addresses,
+                    "backends": self._backends,
+                }
+            )
+        )
         hub = self.hub_namespace
         gw = HUB_ADDRESS
         run(["ip", "netns", "add", hub])
@@ -466,8 +495,7 @@ class Topology:
         for i, ns in enumerate(self.site_namespaces):
             port, addr = _rules.hub_port(i), self._addresses[i]
             run(["ip", "netns", "add", ns])
-            run(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name",
-                 _rules.SITE_IF, "netns", ns])
+            run(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", _rules.SITE_IF, "netns", ns])
             if self._caps.ethtool:  # per-packet loss/delay instead of 64 KB GSO lumps
                 run(ns_cmd(hub, ["ethtool", "-K", port, *off]))
                 run(ns_cmd(ns, ["ethtool", "-K", _rules.SITE_IF, *off]))
@@ -478,21 +506,20 @@ class Topology:
             run(["ip", "-n", ns, "link", "set", _rules.SITE_IF, "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
             run(["ip", "-n", ns, "route", "add", f"{gw}/32", "dev", _rules.SITE_IF])
-            run(["ip", "-n", ns, "route", "add", str(SUBNET), "via", gw, "dev", _rules.SITE_IF,
-                 "src", addr])
+            run(["ip", "-n", ns, "route", "add", str(SUBNET), "via", gw, "dev", _rules.SITE_IF, "src", addr])
         if self._uses_iptables():
-            run(ns_cmd(hub, ["iptables-restore", "--noflush"]),
-                input=_rules.ipt_hub_base(filters=self._backends["partition"] == "iptables"))
+            run(
+                ns_cmd(hub, ["iptables-restore", "--noflush"]),
+                input=_rules.ipt_hub_base(filters=self._backends["partition"] == "iptables"),
+            )
         if self._backends["partition"] == "nftables":
             run(ns_cmd(hub, ["nft", "-f", "-"]), input=_rules.nft_hub_base())
         self._agent = None
         self._write_state()
-        logger.info("netem topology %s up: %d sites, backends %s", self.name, self.num_sites,
-                    self._backends)
+        logger.info("netem topology %s up: %d sites, backends %s", self.name, self.num_sites, self._backends)
 
     def _uses_iptables(self) -> bool:
-        return (self._backends["delay"] == "nfqueue-userspace"
-                or self._backends["partition"] == "iptables")
+        return self._backends["delay"] == "nfqueue-userspace" or self._backends["partition"] == "iptables"
 
     def _set_all(self, link: LinkParams) -> None:
         with self._mutation():
@@ -502,8 +529,7 @@ class Topology:
     def _require(self, prop: str) -> None:
         if self._backends.get(prop) is None:
             notes = "; ".join(self._caps.notes) if self._caps else ""
-            raise NetemUnavailable(
-                f"no backend can emulate {prop} here (backends {self._backends}); {notes}")
+            raise NetemUnavailable(f"no backend can emulate {prop} here (backends {self._backends}); {notes}")
 
     def _apply(self, new: list[LinkParams]) -> None:
         """Make the kernel and the agent match ``new`` (called with the mutation lock)."""
@@ -519,20 +545,19 @@ class Topology:
         changed = [i for i in range(self.num_sites) if new[i] != old[i]]
         if not changed:
             return
-        flap_changed = any((new[i].flap_period_s, new[i].flap_down_s)
-                           != (old[i].flap_period_s, old[i].flap_down_s) for i in changed)
+        flap_changed = any(
+            (new[i].flap_period_s, new[i].flap_down_s) != (old[i].flap_period_s, old[i].flap_down_s) for i in changed
+        )
         if flap_changed:
             self._flap_epoch = time.time()
         userspace = b["delay"] == "nfqueue-userspace"
-        needs_agent = any(p.flap_period_s > 0 for p in new) or (
-            userspace and any(p.needs_delay for p in new))
+        needs_agent = any(p.flap_period_s > 0 for p in new) or (userspace and any(p.needs_delay for p in new))
         self._links = new
         # 1. the agent learns delays before packets are queued to it
         if needs_agent:
             self._ensure_agent()
         if self._agent_alive():
-            self._agent_request({"op": "config", "links": [p.to_dict() for p in new],
-                                 "flap_epoch": self._flap_epoch})
+            self._agent_request({"op": "config", "links": [p.to_dict() for p in new], "flap_epoch": self._flap_epoch})
         hub = self.hub_namespace
         for i in changed:
             o, n = old[i], new[i]
@@ -548,30 +573,38 @@ class Topology:
             return any(getattr(new[i], attr) != getattr(old[i], attr) for i in changed)
 
         if userspace and any(new[i].needs_delay != old[i].needs_delay for i in changed):
-            run(ns_cmd(hub, ["iptables-restore", "--noflush"]),
-                input=_rules.ipt_chain("DTN-DELAY", _rules.ipt_delay_rules(new)))
+            run(
+                ns_cmd(hub, ["iptables-restore", "--noflush"]),
+                input=_rules.ipt_chain("DTN-DELAY", _rules.ipt_delay_rules(new)),
+            )
         if b["loss"] == "nftables" and differs("loss_pct"):
-            run(ns_cmd(hub, ["nft", "-f", "-"]),
-                input=_rules.nft_chain("loss", _rules.loss_matches(new)))
+            run(ns_cmd(hub, ["nft", "-f", "-"]), input=_rules.nft_chain("loss", _rules.loss_matches(new)))
         elif b["loss"] == "iptables" and differs("loss_pct"):
-            run(ns_cmd(hub, ["iptables-restore", "--noflush"]),
-                input=_rules.ipt_chain("DTN-LOSS", _rules.ipt_loss_rules(new)))
+            run(
+                ns_cmd(hub, ["iptables-restore", "--noflush"]),
+                input=_rules.ipt_chain("DTN-LOSS", _rules.ipt_loss_rules(new)),
+            )
 
     def _tc(self, ns: str, argv: list[str]) -> None:
         proc = run(ns_cmd(ns, argv), check=False)
         if proc.returncode != 0:
-            if argv[2] == "del" and ("No such file" in proc.stderr or "handle of zero" in proc.stderr
-                                     or "Invalid handle" in proc.stderr):
+            if argv[2] == "del" and (
+                "No such file" in proc.stderr or "handle of zero" in proc.stderr or "Invalid handle" in proc.stderr
+            ):
                 return  # there was no qdisc to delete
             raise CommandError(ns_cmd(ns, argv), proc.returncode, proc.stderr)
 
     def _apply_partitions(self, pairs: set[tuple[int, int]]) -> None:
         if self._backends["partition"] == "nftables":
-            run(ns_cmd(self.hub_namespace, ["nft", "-f", "-"]),
-                input=_rules.nft_chain("part", _rules.part_matches(pairs)))
+            run(
+                ns_cmd(self.hub_namespace, ["nft", "-f", "-"]),
+                input=_rules.nft_chain("part", _rules.part_matches(pairs)),
+            )
         else:
-            run(ns_cmd(self.hub_namespace, ["iptables-restore", "--noflush"]),
-                input=_rules.ipt_chain("DTN-PART", _rules.ipt_part_rules(pairs)))
+            run(
+                ns_cmd(self.hub_namespace, ["iptables-restore", "--noflush"]),
+                input=_rules.ipt_chain("DTN-PART", _rules.ipt_part_rules(pairs)),
+            )
         self._pairs = pairs
 
     # ------------------------------------------------------------------ the agent
@@ -583,16 +616,21 @@ class Topology:
         if self._agent_alive():
             return
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         argv = [sys.executable, "-m", "netem._agent", "--state-dir", str(self.state_dir)]
         if self._owned:
             argv += ["--watch-pid", str(os.getpid())]
         log = open(self.state_dir / "agent.log", "ab")
         try:
-            popen = subprocess.Popen(ns_cmd(self.hub_namespace, argv), stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=log, env=env, start_new_session=True,
-                                     cwd="/")
+            popen = subprocess.Popen(
+                ns_cmd(self.hub_namespace, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+                cwd="/",
+            )
         finally:
             log.close()
         self._agent_popen = popen
@@ -642,8 +680,7 @@ def list_topologies() -> list[str]:
     """Names of the topologies with a state directory under /run/dtrain-netem."""
     if not STATE_ROOT.exists():
         return []
-    return sorted(p.name for p in STATE_ROOT.iterdir() if (p / "topology.json").exists()
-                  or (p / "state.json").exists())
+    return sorted(p.name for p in STATE_ROOT.iterdir() if (p / "topology.json").exists() or (p / "state.json").exists())
 
 
 def cleanup_all() -> list[str]:

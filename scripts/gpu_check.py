@@ -46,8 +46,12 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
     def model_factory():
         return tasks[0].model.to(device=device, dtype=dtype)
 
-    cfg = ClusterConfig(num_sites=3, sync_every=h, buckets=BucketConfig(bucket_bytes=256 << 10, chunk_bytes=64 << 10),
-                        rounds=RoundConfig(codec=CodecConfig(name="int8")))
+    cfg = ClusterConfig(
+        num_sites=3,
+        sync_every=h,
+        buckets=BucketConfig(bucket_bytes=256 << 10, chunk_bytes=64 << 10),
+        rounds=RoundConfig(codec=CodecConfig(name="int8")),
+    )
     ok = True
     with InprocCluster(model_factory, lambda m: make_optimizer(m, lr), cfg) as c:
         first = tasks[0].evaluate(c.sites[0].model)
@@ -72,17 +76,23 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
                 same &= bool(torch.equal(on_device, s.state.theta[b].detach().to(dtype).float()))
         rounds_done = [s.diloco.round for s in c.sites]
         dev = str(next(c.sites[0].model.parameters()).device)
-    print(f"[{dtype}] params on {dev}: val loss {first:.4f} -> {statistics.fmean(finals):.4f} (sites "
-          f"{', '.join(f'{v:.4f}' for v in finals)}), rounds {rounds_done}, {wall:.1f} s, "
-          f"θ checksums agree: {len(set(sums)) == 1}, device params == θ: {same}")
+    print(
+        f"[{dtype}] params on {dev}: val loss {first:.4f} -> {statistics.fmean(finals):.4f} (sites "
+        f"{', '.join(f'{v:.4f}' for v in finals)}), rounds {rounds_done}, {wall:.1f} s, "
+        f"θ checksums agree: {len(set(sums)) == 1}, device params == θ: {same}"
+    )
     if not (statistics.fmean(finals) < first - 1.0):
-        print(f"FAIL [{dtype}]: validation loss did not fall by 1 nat"); ok = False
+        print(f"FAIL [{dtype}]: validation loss did not fall by 1 nat")
+        ok = False
     if len(set(sums)) != 1:
-        print(f"FAIL [{dtype}]: θ checksums differ: {sums}"); ok = False
+        print(f"FAIL [{dtype}]: θ checksums differ: {sums}")
+        ok = False
     if not same:
-        print(f"FAIL [{dtype}]: a site's device parameters differ from θ"); ok = False
+        print(f"FAIL [{dtype}]: a site's device parameters differ from θ")
+        ok = False
     if rounds_done != [rounds] * 3:
-        print(f"FAIL [{dtype}]: rounds {rounds_done}, expected {rounds}"); ok = False
+        print(f"FAIL [{dtype}]: rounds {rounds_done}, expected {rounds}")
+        ok = False
     return ok
 
 
@@ -117,9 +127,11 @@ def time_big_round(device: str, width: int, depth: int) -> None:
         c.run_steps(step, 4, timeout_s=900)
         res = site.results
     med = statistics.median(times[1:])
-    print(f"[{n / 1e6:.0f} M params on {device}] optimizer.step() incl. one round, median of 3: {med:.2f} s "
-          f"({med / n * 1e9:.1f} ns/param); engine {statistics.median(r.total_s for r in res[1:]):.2f} s, "
-          f"encode {statistics.median(r.encode_s for r in res[1:]):.2f} s")
+    print(
+        f"[{n / 1e6:.0f} M params on {device}] optimizer.step() incl. one round, median of 3: {med:.2f} s "
+        f"({med / n * 1e9:.1f} ns/param); engine {statistics.median(r.total_s for r in res[1:]):.2f} s, "
+        f"encode {statistics.median(r.encode_s for r in res[1:]):.2f} s"
+    )
 
 
 def main() -> int:
@@ -129,8 +141,10 @@ def main() -> int:
     ap.add_argument("--big-depth", type=int, default=6)
     a = ap.parse_args()
     torch.set_num_threads(min(8, torch.get_num_threads()))
-    print(f"torch {torch.__version__}, device {a.device}"
-          + (f" ({torch.cuda.get_device_name(0)})" if a.device.startswith("cuda") else ""))
+    print(
+        f"torch {torch.__version__}, device {a.device}"
+        + (f" ({torch.cuda.get_device_name(0)})" if a.device.startswith("cuda") else "")
+    )
     ok = check_training(a.device, torch.float32)
     ok &= check_training(a.device, torch.bfloat16)
     time_big_round(a.device, a.big_width, a.big_depth)

@@ -77,18 +77,12 @@ def peek_header(payload: bytes | bytearray | memoryview) -> PayloadHeader:
         CodecError: too short, bad magic, unknown version, codec, zstd flag or dtype id.
     """
     if len(payload) < HEADER_BYTES:
-        raise CodecError(
-            f"truncated payload: need {HEADER_BYTES} bytes for the header, have {len(payload)}"
-        )
-    magic, version, codec_id, zflag, dtype_id, param, numel, body_len, crc = _HEADER.unpack_from(
-        payload, 0
-    )
+        raise CodecError(f"truncated payload: need {HEADER_BYTES} bytes for the header, have {len(payload)}")
+    magic, version, codec_id, zflag, dtype_id, param, numel, body_len, crc = _HEADER.unpack_from(payload, 0)
     if magic != _MAGIC:
         raise CodecError(f"bad magic: payload starts with {magic!r}, expected {_MAGIC!r}")
     if version != _VERSION:
-        raise CodecError(
-            f"unsupported format version: payload says {version}, expected {_VERSION}"
-        )
+        raise CodecError(f"unsupported format version: payload says {version}, expected {_VERSION}")
     if codec_id not in _CODEC_BY_ID:
         raise CodecError(f"unknown codec id {codec_id} in payload header")
     if zflag not in (0, 1):
@@ -205,25 +199,19 @@ class Codec:
             raise CodecError(f"element count mismatch: header {h.numel}, expected {numel}")
         expected_param = self._param(numel)
         if h.param != expected_param:
-            raise CodecError(
-                f"{self._param_name} mismatch: header {h.param}, expected {expected_param}"
-            )
+            raise CodecError(f"{self._param_name} mismatch: header {h.param}, expected {expected_param}")
         raw = self._body_bytes(numel)
         bound = self.config.max_decoded_bytes
         if raw > bound:
             raise CodecError(
-                f"decoded body of {raw} bytes for {numel} elements exceeds bound "
-                f"max_decoded_bytes={bound}"
+                f"decoded body of {raw} bytes for {numel} elements exceeds bound max_decoded_bytes={bound}"
             )
         if self._zstd and h.body_bytes > zstd_bound(raw):
             raise CodecError(
-                f"body length mismatch: header says {h.body_bytes} bytes, expected at most "
-                f"{zstd_bound(raw)}"
+                f"body length mismatch: header says {h.body_bytes} bytes, expected at most {zstd_bound(raw)}"
             )
         if not self._zstd and h.body_bytes != raw:
-            raise CodecError(
-                f"body length mismatch: header says {h.body_bytes} bytes, expected {raw}"
-            )
+            raise CodecError(f"body length mismatch: header says {h.body_bytes} bytes, expected {raw}")
         total = HEADER_BYTES + h.body_bytes
         if len(mv) < total:
             raise CodecError(f"truncated payload: need {total} bytes, have {len(mv)}")
@@ -232,10 +220,7 @@ class Codec:
         stored = mv[HEADER_BYTES:]
         crc = zlib.crc32(stored)
         if crc != h.crc32:
-            raise CodecError(
-                f"checksum mismatch (corrupted body): header crc32 {h.crc32:#010x}, "
-                f"computed {crc:#010x}"
-            )
+            raise CodecError(f"checksum mismatch (corrupted body): header crc32 {h.crc32:#010x}, computed {crc:#010x}")
         body = self._decompress(stored, raw) if self._zstd else stored
         if raw == 0:
             return torch.zeros(numel, dtype=torch.float32)
@@ -288,9 +273,7 @@ class Codec:
     def _compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "cctx", None)
         if c is None:
-            c = zstandard.ZstdCompressor(
-                level=self.config.zstd_level, write_content_size=True, write_checksum=False
-            )
+            c = zstandard.ZstdCompressor(level=self.config.zstd_level, write_content_size=True, write_checksum=False)
             self._local.cctx = c
         return c
 
@@ -313,9 +296,7 @@ class Codec:
         except zstandard.ZstdError as e:
             raise CodecError(f"corrupted zstd frame header: {e}") from None
         if declared == -1:
-            raise CodecError(
-                f"zstd frame does not declare its content size (expected {expected} bytes)"
-            )
+            raise CodecError(f"zstd frame does not declare its content size (expected {expected} bytes)")
         if declared > expected:
             raise CodecError(f"zstd frame claims {declared} bytes, bound is {expected}")
         if declared != expected:
@@ -323,9 +304,7 @@ class Codec:
         if expected == 0:
             return b""
         try:
-            out = self._decompressor().decompress(
-                stored, max_output_size=expected, allow_extra_data=False
-            )
+            out = self._decompressor().decompress(stored, max_output_size=expected, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise CodecError(f"corrupted zstd frame: {e}") from None
         if len(out) != expected:  # zstd enforces the declared size; belt and braces

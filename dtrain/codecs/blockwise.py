@@ -158,9 +158,7 @@ class Int8Codec(_Blockwise):
 
 # Decoded (low, high) code pair for every packed byte; nibble 0 (code -8) is never
 # produced, maps to NaN and is reported as corruption.
-_INT4_TABLE = np.stack([(np.arange(256) & 15) - 8, (np.arange(256) >> 4) - 8], axis=1).astype(
-    np.float32
-)
+_INT4_TABLE = np.stack([(np.arange(256) & 15) - 8, (np.arange(256) >> 4) - 8], axis=1).astype(np.float32)
 _INT4_TABLE[(np.arange(256) & 15) == 0, 0] = np.nan
 _INT4_TABLE[(np.arange(256) >> 4) == 0, 1] = np.nan
 
@@ -201,9 +199,7 @@ class Int4Codec(_Blockwise):
         npairs = numel // 2
         pairs = out.numpy()[: 2 * npairs].reshape(npairs, 2)
         for s, t in chunks(numel, self._step):
-            np.take(
-                _INT4_TABLE, packed[s // 2 : t // 2], axis=0, out=pairs[s // 2 : t // 2], mode="clip"
-            )
+            np.take(_INT4_TABLE, packed[s // 2 : t // 2], axis=0, out=pairs[s // 2 : t // 2], mode="clip")
             if t == numel and numel % 2:
                 last = int(packed[-1])
                 if last >> 4 != 8:

@@ -56,34 +56,17 @@ class CodecConfig:
             )
         if _bad_int(self.zstd_level) or not 1 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be an int in 1..22, got {self.zstd_level!r}")
-        if (
-            _bad_int(self.block_size)
-            or not 8 <= self.block_size <= MAX_BLOCK_SIZE
-            or self.block_size % 2
-        ):
-            raise ValueError(
-                f"block_size must be an even int in 8..{MAX_BLOCK_SIZE}, got {self.block_size!r}"
-            )
+        if _bad_int(self.block_size) or not 8 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size % 2:
+            raise ValueError(f"block_size must be an even int in 8..{MAX_BLOCK_SIZE}, got {self.block_size!r}")
         f = self.topk_fraction
-        if (
-            isinstance(f, bool)
-            or not isinstance(f, (int, float))
-            or not math.isfinite(f)
-            or not 0.0 < f <= 1.0
-        ):
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 < f <= 1.0:
             raise ValueError(f"topk_fraction must be a number in (0, 1], got {f!r}")
         if not isinstance(self.stochastic_rounding, bool):
-            raise ValueError(
-                f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}"
-            )
+            raise ValueError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.stochastic_rounding and self.base_name not in ("int8", "int4"):
-            raise ValueError(
-                f"stochastic_rounding applies to int8/int4 only, not codec {self.base_name!r}"
-            )
+            raise ValueError(f"stochastic_rounding applies to int8/int4 only, not codec {self.base_name!r}")
         if _bad_int(self.max_decoded_bytes) or self.max_decoded_bytes < 1:
-            raise ValueError(
-                f"max_decoded_bytes must be a positive int, got {self.max_decoded_bytes!r}"
-            )
+            raise ValueError(f"max_decoded_bytes must be a positive int, got {self.max_decoded_bytes!r}")
 
     @property
     def base_name(self) -> str:

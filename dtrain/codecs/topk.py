@@ -82,9 +82,7 @@ class TopKCodec(Codec):
             raise CodecError("corrupted payload: topk indices are not strictly increasing")
         idx = torch.cumsum(gaps, 0)
         if int(idx[-1]) >= numel:
-            raise CodecError(
-                f"corrupted payload: topk index {int(idx[-1])} out of range for {numel} elements"
-            )
+            raise CodecError(f"corrupted payload: topk index {int(idx[-1])} out of range for {numel} elements")
         out = torch.zeros(numel, dtype=torch.float32)
         out[idx] = vals
         return out

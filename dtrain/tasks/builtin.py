@@ -108,13 +108,8 @@ def build_task(spec: TaskSpec) -> Task:
     batch_size = spec.resolved_batch_size
 
     corpus = load_corpus(spec.data)
-    tokens, names = shard_tokens(
-        corpus, site_index=spec.site_index, num_sites=spec.num_sites, non_iid=spec.non_iid
-    )
-    shard_id = (
-        f"{corpus.fingerprint}/site{spec.site_index}of{spec.num_sites}/"
-        f"{'non_iid' if spec.non_iid else 'iid'}"
-    )
+    tokens, names = shard_tokens(corpus, site_index=spec.site_index, num_sites=spec.num_sites, non_iid=spec.non_iid)
+    shard_id = f"{corpus.fingerprint}/site{spec.site_index}of{spec.num_sites}/{'non_iid' if spec.non_iid else 'iid'}"
     batches = BatchStream(
         tokens,
         batch_size=batch_size,

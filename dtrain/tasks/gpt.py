@@ -61,9 +61,7 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if self.embed_dim % self.num_heads != 0:
-            raise ValueError(
-                f"num_heads: must divide embed_dim={self.embed_dim}, got {self.num_heads}"
-            )
+            raise ValueError(f"num_heads: must divide embed_dim={self.embed_dim}, got {self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout!r}")
 

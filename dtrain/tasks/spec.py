@@ -29,7 +29,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(num_layers=2, num_heads=4, embed_dim=64, context_len=32, batch_size=8, lr=2e-3, num_val_batches=4),
     "small": Preset(num_layers=2, num_heads=4, embed_dim=128, context_len=64, batch_size=8, lr=1e-3, num_val_batches=8),
-    "base": Preset(num_layers=4, num_heads=4, embed_dim=256, context_len=128, batch_size=16, lr=5e-4, num_val_batches=8),
+    "base": Preset(
+        num_layers=4, num_heads=4, embed_dim=256, context_len=128, batch_size=16, lr=5e-4, num_val_batches=8
+    ),
 }
 
 MAX_CONTEXT_LEN = 4096

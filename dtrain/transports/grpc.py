@@ -148,7 +148,9 @@ class _PeerServicer:
         yield from mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
 
     def PullState(self, request, context):
-        state, err = _run_handler("PullState", lambda: self._handler.handle_pull_state(request.bucket, request.requester))
+        state, err = _run_handler(
+            "PullState", lambda: self._handler.handle_pull_state(request.bucket, request.requester)
+        )
         if err is not None:
             abort_with(context, err.code, err.reason)
         try:
@@ -169,7 +171,9 @@ class _PeerStub:
             f"/{PEER_SERVICE}/Push", request_serializer=None, response_deserializer=pb.PushReply.FromString
         )
         self.PullMean = channel.unary_stream(
-            f"/{PEER_SERVICE}/PullMean", request_serializer=pb.PullMeanRequest.SerializeToString, response_deserializer=None
+            f"/{PEER_SERVICE}/PullMean",
+            request_serializer=pb.PullMeanRequest.SerializeToString,
+            response_deserializer=None,
         )
         self.PullState = channel.unary_stream(
             f"/{PEER_SERVICE}/PullState",
@@ -345,4 +349,3 @@ def _num_accepted(err: BaseException | None) -> int | None:
             except ValueError:
                 return None
     return None
-

@@ -226,7 +226,9 @@ class GrpcTransportConfig:
         if self.token is not None and (not isinstance(self.token, str) or not self.token or not self.token.isascii()):
             raise ValueError("token must be a non-empty ASCII str or None")
         for opt in self.extra_options:
-            if not (isinstance(opt, tuple) and len(opt) == 2 and isinstance(opt[0], str) and isinstance(opt[1], (int, str))):
+            if not (
+                isinstance(opt, tuple) and len(opt) == 2 and isinstance(opt[0], str) and isinstance(opt[1], (int, str))
+            ):
                 raise ValueError(f"extra_options must be (name: str, value: int | str) pairs, got {opt!r}")
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise ValueError(f"tls must be a TlsConfig or None, got {type(self.tls).__name__}")
@@ -269,12 +271,16 @@ def channel_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
 
 def server_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
     """Options for a server built from ``cfg`` (see GrpcTransportConfig for keepalive)."""
-    return _common_options(cfg) + [
-        ("grpc.http2.min_ping_interval_without_data_ms", cfg.server_min_ping_interval_ms),
-        ("grpc.http2.min_time_between_pings_ms", cfg.server_min_ping_interval_ms),
-        # Two servers on one port would split the traffic silently.
-        ("grpc.so_reuseport", 0),
-    ] + list(cfg.extra_options)
+    return (
+        _common_options(cfg)
+        + [
+            ("grpc.http2.min_ping_interval_without_data_ms", cfg.server_min_ping_interval_ms),
+            ("grpc.http2.min_time_between_pings_ms", cfg.server_min_ping_interval_ms),
+            # Two servers on one port would split the traffic silently.
+            ("grpc.so_reuseport", 0),
+        ]
+        + list(cfg.extra_options)
+    )
 
 
 def call_metadata(cfg: GrpcTransportConfig) -> tuple[tuple[str, str], ...]:

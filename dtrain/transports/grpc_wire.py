@@ -181,7 +181,9 @@ def _malformed(what: str, why: str) -> Rejected:
     return Rejected(RejectCode.INVALID_ARGUMENT, f"malformed {what} stream: {why}")
 
 
-def mean_to_wire(mean: BucketMean, part_bytes: int, on_piece: Callable[[int], None] = lambda n: None) -> Iterator[bytes]:
+def mean_to_wire(
+    mean: BucketMean, part_bytes: int, on_piece: Callable[[int], None] = lambda n: None
+) -> Iterator[bytes]:
     """Encode ``mean`` as ``MeanPart`` messages of at most ``part_bytes`` payload each.
 
     The first part carries the header; the part that begins each chunk carries
@@ -293,7 +295,9 @@ def mean_from_wire(messages: Iterable[bytes], on_data: Callable[[int], None] = l
     )
 
 
-def state_to_wire(state: BucketState, part_bytes: int, on_piece: Callable[[int], None] = lambda n: None) -> Iterator[bytes]:
+def state_to_wire(
+    state: BucketState, part_bytes: int, on_piece: Callable[[int], None] = lambda n: None
+) -> Iterator[bytes]:
     """Encode ``state`` as ``StatePart`` messages: the header, then theta, then the
     optimizer state, in slices of at most ``part_bytes``. ``state.extra`` travels
     as JSON (``TypeError`` when it is not JSON-serialisable). ``on_piece(n)`` gets

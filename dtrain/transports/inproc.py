@@ -288,5 +288,3 @@ class InprocTransport(Transport):
     def bytes_received(self) -> int:
         with self._count_lock:
             return self._received
-
-

@@ -11,7 +11,7 @@ anything, and a test starts 4-6 of them on a 2-core machine. So by default the
 sites are forked from a *zygote*: a process started once per test session (this
 file run as a script) that has imported torch and dtrain but nothing else (no
 thread, no gRPC), and forks a fresh child per site that runs
-``dtrain.cli.main([...])`` with its own argv, environment, log file and session.
+``dtrain.app.cli.main([...])`` with its own argv, environment, log file and session.
 Each site is still its own OS process (SIGKILL / SIGSTOP / exit codes work as for
 a ``subprocess``). ``DTRAIN_FAULT_NO_ZYGOTE=1`` starts plain subprocesses instead.
 """
@@ -22,18 +22,18 @@ import atexit
 import json
 import os
 import select
-import threading
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from dtrain.launch import _tail  # last lines of a log file
+from dtrain.app.launch import _tail  # last lines of a log file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,6 @@ def _kill_leftovers() -> None:  # pragma: no cover - only when a finalizer did n
         _kill_group(p)
 
 
-
 # --------------------------------------------------------------------------- zygote
 def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
     """Read JSON requests ``{"id", "argv", "env", "cwd", "log"}`` on stdin, fork a
@@ -88,9 +87,9 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported by every torch.optim.Optimizer)
 
-    import dtrain.cli  # noqa: F401
+    import dtrain.app.cli  # noqa: F401
+    import dtrain.app.worker  # noqa: F401
     import dtrain.tasks.builtin  # noqa: F401
-    import dtrain.worker  # noqa: F401
 
     assert "grpc" not in sys.modules, "the zygote must not load gRPC before forking"
     libc = ctypes.CDLL(None, use_errno=True)
@@ -143,7 +142,7 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
                         os.environ.clear()
                         os.environ.update(req["env"])
                         sys.argv = ["dtrain", *req["argv"]]
-                        from dtrain.cli import main
+                        from dtrain.app.cli import main
 
                         rc = main(req["argv"])
                     except SystemExit as e:
@@ -194,9 +193,14 @@ class Zygote:
     """The forking server (see the module docstring)."""
 
     def __init__(self, env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=str(REPO),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=str(REPO),
+            start_new_session=True,
+        )
         _LIVE.add(self.proc)
         self.cv = threading.Condition()
         self.exit_codes: dict[int, int] = {}
@@ -274,11 +278,20 @@ def tiny_num_buckets(bucket_bytes: int) -> int:
     from dtrain.tasks.spec import PRESETS
 
     pr = PRESETS["tiny"]
-    model = GPT(GPTConfig(vocab_size=256, context_len=pr.context_len, num_layers=pr.num_layers,
-                          num_heads=pr.num_heads, embed_dim=pr.embed_dim))
+    model = GPT(
+        GPTConfig(
+            vocab_size=256,
+            context_len=pr.context_len,
+            num_layers=pr.num_layers,
+            num_heads=pr.num_heads,
+            embed_dim=pr.embed_dim,
+        )
+    )
     tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
     kinds = ["param"] * len(list(model.parameters())) + ["buffer"] * (len(tensors) - len(list(model.parameters())))
-    return len(BucketLayout([t.numel() for t in tensors], kinds, BucketConfig(bucket_bytes=bucket_bytes, chunk_bytes=16384)))
+    return len(
+        BucketLayout([t.numel() for t in tensors], kinds, BucketConfig(bucket_bytes=bucket_bytes, chunk_bytes=16384))
+    )
 
 
 def wait_until(pred: Callable[[], object], timeout_s: float, what: str, diag: Callable[[], str] = lambda: "") -> object:
@@ -296,8 +309,15 @@ def wait_until(pred: Callable[[], object], timeout_s: float, what: str, diag: Ca
 class Cluster:
     """One rendezvous and its worker subprocesses, all under ``root``."""
 
-    def __init__(self, root: Path, corpus: Path, *, rendezvous: dict | None = None, worker: dict | None = None,
-                 zygote: "Zygote | None" = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        corpus: Path,
+        *,
+        rendezvous: dict | None = None,
+        worker: dict | None = None,
+        zygote: "Zygote | None" = None,
+    ) -> None:
         self.root = root
         self.zygote = zygote
         self.corpus = corpus
@@ -317,8 +337,14 @@ class Cluster:
             p = self.zygote.spawn(argv, full_env, log)
         else:
             with open(log, "a") as f:
-                p = subprocess.Popen([sys.executable, "-m", "dtrain", *argv], stdout=f, stderr=subprocess.STDOUT,
-                                     env=full_env, cwd=str(REPO), start_new_session=True)
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "dtrain", *argv],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    cwd=str(REPO),
+                    start_new_session=True,
+                )
         self.procs[name] = p
         self.logs[name] = log
         _LIVE.add(p)
@@ -328,34 +354,61 @@ class Cluster:
         """Start (or restart, e.g. on the old ``bind``) the rendezvous; returns its address."""
         self._rv_starts += 1
         addr_file = self.root / f"rendezvous-{self._rv_starts}.addr"
-        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr_file),
-                *_flags({**self.rv_opts, **opts})]
+        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr_file), *_flags({**self.rv_opts, **opts})]
         p = self._spawn("rendezvous", argv, self.root / f"rendezvous-{self._rv_starts}.log")
-        wait_until(lambda: addr_file.exists() or p.poll() is not None, 60, "the rendezvous address file",
-                   lambda: _tail(self.logs["rendezvous"]))
+        wait_until(
+            lambda: addr_file.exists() or p.poll() is not None,
+            60,
+            "the rendezvous address file",
+            lambda: _tail(self.logs["rendezvous"]),
+        )
         assert p.poll() is None, f"rendezvous exited with {p.returncode}:\n{_tail(self.logs['rendezvous'])}"
         self.rv_address = addr_file.read_text().strip()
         return self.rv_address
 
-    def start_site(self, index: int, *, num_sites: int, fault: str | None = None, listen: str = "127.0.0.1:0",
-                   out_name: str | None = None, **opts) -> str:
+    def start_site(
+        self,
+        index: int,
+        *,
+        num_sites: int,
+        fault: str | None = None,
+        listen: str = "127.0.0.1:0",
+        out_name: str | None = None,
+        **opts,
+    ) -> str:
         """Start ``site-<index>``; ``fault`` sets ``DTRAIN_TEST_FAULT``. Returns the site id."""
         assert self.rv_address, "start the rendezvous first"
         site = f"site-{index}"
         out = self.root / (out_name or site)
-        argv = ["worker", "--site-id", site, "--site-index", str(index),
-                "--num-sites", str(num_sites), "--listen", listen, "--rendezvous", self.rv_address,
-                "--out-dir", str(out), *_flags({**self.worker_opts, **opts})]
+        argv = [
+            "worker",
+            "--site-id",
+            site,
+            "--site-index",
+            str(index),
+            "--num-sites",
+            str(num_sites),
+            "--listen",
+            listen,
+            "--rendezvous",
+            self.rv_address,
+            "--out-dir",
+            str(out),
+            *_flags({**self.worker_opts, **opts}),
+        ]
         self._spawn(site, argv, out / "worker.log", env={"DTRAIN_TEST_FAULT": fault} if fault else None)
         return site
 
-    def start(self, num_sites: int, *, faults: str | None = None, site_opts: dict[int, dict] | None = None,
-              **rv_opts) -> list[str]:
+    def start(
+        self, num_sites: int, *, faults: str | None = None, site_opts: dict[int, dict] | None = None, **rv_opts
+    ) -> list[str]:
         """Start the rendezvous (round 0 waits for ``num_sites``) and ``num_sites`` workers."""
         rv_opts.setdefault("initial_sites", num_sites)
         self.start_rendezvous(**rv_opts)
-        return [self.start_site(i, num_sites=num_sites, fault=faults, **(site_opts or {}).get(i, {}))
-                for i in range(num_sites)]
+        return [
+            self.start_site(i, num_sites=num_sites, fault=faults, **(site_opts or {}).get(i, {}))
+            for i in range(num_sites)
+        ]
 
     def signal(self, name: str, sig: int) -> None:
         p = self.procs[name]
@@ -403,7 +456,11 @@ class Cluster:
         return out
 
     def rounds(self, site: str, out_name: str | None = None, status: str | None = None) -> list[dict]:
-        return [d for d in self.lines(site, out_name) if d.get("event") == "round" and (status is None or d["status"] == status)]
+        return [
+            d
+            for d in self.lines(site, out_name)
+            if d.get("event") == "round" and (status is None or d["status"] == status)
+        ]
 
     def by_round(self, site: str, status: str = "applied") -> dict[int, dict]:
         return {d["round"]: d for d in self.rounds(site, status=status)}

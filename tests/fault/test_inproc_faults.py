@@ -5,6 +5,7 @@ keep-stale), a killed site."""
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 
@@ -76,8 +77,14 @@ def test_chunk_loss_mean_is_unbiased(loss: float) -> None:
     would be off by μ·(N − E[k])/N = 0.067 (10%) or 0.2 (30%), far outside.
     """
     N, R, mu, sigma = 3, 8, 1.0, 1.0
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, faults=InprocFaults(push_loss=loss, seed=7),
-                        rounds=RoundConfig(codec=FP32, error_feedback=False), rendezvous=lossy_rendezvous(N))
+    cfg = ClusterConfig(
+        num_sites=N,
+        sync_every=1,
+        buckets=BUCKETS,
+        faults=InprocFaults(push_loss=loss, seed=7),
+        rounds=RoundConfig(codec=FP32, error_feedback=False),
+        rendezvous=lossy_rendezvous(N),
+    )
     deltas: dict[tuple[int, int], torch.Tensor] = {}
     observed: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -126,8 +133,14 @@ def test_error_feedback_delivers_what_was_lost(loss: float, codec: str) -> None:
     """
     N, R, F = 3, 6, 2
     rounds = RoundConfig(codec=CodecConfig(name=codec, block_size=8), broadcast_codec=FP32)
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, faults=InprocFaults(push_loss=loss, seed=11),
-                        rounds=rounds, rendezvous=lossy_rendezvous(N))
+    cfg = ClusterConfig(
+        num_sites=N,
+        sync_every=1,
+        buckets=BUCKETS,
+        faults=InprocFaults(push_loss=loss, seed=11),
+        rounds=rounds,
+        rendezvous=lossy_rendezvous(N),
+    )
     deltas: dict[tuple[int, int], torch.Tensor] = {}
 
     def step(site: Site, r: int) -> None:
@@ -184,7 +197,9 @@ def test_owner_failing_mid_round_keeps_its_buckets_alike() -> None:
                 for b in dead_buckets:
                     assert torch.equal(site.state.theta[b].detach(), snap[site.index][b])  # unchanged
                     lay = site.state.layout.buckets[b]
-                    want = torch.cat([deltas[(site.index, 1)][sg.tensor_offset : sg.tensor_offset + sg.numel] for sg in lay.segments])
+                    want = torch.cat(
+                        [deltas[(site.index, 1)][sg.tensor_offset : sg.tensor_offset + sg.numel] for sg in lay.segments]
+                    )
                     assert torch.equal(site.state.residuals[b], want)  # contribution kept whole
                 for b in live_buckets:
                     assert not torch.equal(site.state.theta[b].detach(), snap[site.index][b])  # applied
@@ -255,9 +270,15 @@ def test_pull_loss_everyone_ends_equal() -> None:
     """Random loss of half the mean replies: late pulls and repair from the owner
     leave every site with the same θ."""
     N = 3
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32),
-                        faults=InprocFaults(pull_loss=0.5, seed=3))
+    cfg = ClusterConfig(
+        num_sites=N,
+        sync_every=1,
+        buckets=BUCKETS,
+        rounds=RoundConfig(codec=FP32),
+        faults=InprocFaults(pull_loss=0.5, seed=3),
+    )
     with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
+
         def step(site: Site, r: int) -> None:
             g = torch.Generator().manual_seed(9 * r + site.index)
             contribute(site, torch.randn(P, generator=g))
@@ -294,7 +315,9 @@ def test_keep_stale_without_repair_drift_stays_bounded(momentum: float) -> None:
 
         for r in range(R):  # one round at a time, so the drift is measured after each
             c.run_steps(lambda site, _k: step(site, r), 1, timeout_s=20)
-            drift.append(float((c.sites[owner].state.theta[b].detach() - c.sites[victim].state.theta[b].detach()).norm()))
+            drift.append(
+                float((c.sites[owner].state.theta[b].detach() - c.sites[victim].state.theta[b].detach()).norm())
+            )
         stale = [res.stale_buckets for res in c.sites[victim].results]
         others = [i for i in range(len(c.sites[0].state)) if i != b]
         assert all(c.sites[owner].checksums()[i] == c.sites[victim].checksums()[i] for i in others)
@@ -314,6 +337,7 @@ def test_killed_site_is_dropped_and_the_rest_continue() -> None:
     N = 3
     cfg = ClusterConfig(num_sites=N, sync_every=2, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
     with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
+
         def step(site: Site, k: int) -> None:
             if k == 4 and site.index == 2:
                 c.kill(2)

@@ -31,7 +31,9 @@ ROUND_LIMIT_S = BROADCAST_S + 1.0  # "within the deadline + 1 s"
 def _agree(cluster, sites, rnd):
     """The applied lines of round ``rnd`` at ``sites``; asserts they carry one θ checksum."""
     lines = {s: cluster.by_round(s).get(rnd) for s in sites}
-    assert all(lines.values()), f"round {rnd} not applied at every one of {sites}: {sorted(k for k, v in lines.items() if v)}"
+    assert all(lines.values()), (
+        f"round {rnd} not applied at every one of {sites}: {sorted(k for k, v in lines.items() if v)}"
+    )
     sums = {s: d["checksum"] for s, d in lines.items()}
     assert len(set(sums.values())) == 1, f"θ checksums differ in round {rnd}: {sums}"
     return lines

@@ -20,7 +20,7 @@ import zstandard
 
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import CodecConfig, get_codec
-from dtrain.errors import Rejected, RejectCode, TransportError
+from dtrain.errors import RejectCode, Rejected, TransportError
 from dtrain.protocol import Contribution, Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
@@ -142,7 +142,9 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         assert "owned by rogue" in rogue.refused(rogue.chunk(0, other, 0), RejectCode.FAILED_PRECONDITION)
         # ---- shape: offsets outside the bucket, wrong element count, bad bucket / chunk index
         bucket_numel = layout.buckets[b].numel
-        assert "covers offset" in rogue.refused(rogue.chunk(0, b, 0, offset=bucket_numel + 10), RejectCode.INVALID_ARGUMENT)
+        assert "covers offset" in rogue.refused(
+            rogue.chunk(0, b, 0, offset=bucket_numel + 10), RejectCode.INVALID_ARGUMENT
+        )
         assert "covers offset" in rogue.refused(rogue.chunk(0, b, 0, offset=2**63), RejectCode.INVALID_ARGUMENT)
         assert "out of range" in rogue.refused(rogue.chunk(0, b, 0, chunk=99), RejectCode.INVALID_ARGUMENT)
         assert "out of range" in rogue.refused(rogue.chunk(0, b, 0, bucket=99), RejectCode.INVALID_ARGUMENT)
@@ -157,7 +159,9 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
             vals[3] = bad
             reason = rogue.refused(rogue.chunk(0, b, 0, payload=_forged_values(vals)), RejectCode.INVALID_ARGUMENT)
             assert "NaN or inf" in reason
-        assert "claims 10737418240 bytes" in rogue.refused(rogue.chunk(0, b, 0, payload=_zstd_bomb(n)), RejectCode.RESOURCE_EXHAUSTED)
+        assert "claims 10737418240 bytes" in rogue.refused(
+            rogue.chunk(0, b, 0, payload=_zstd_bomb(n)), RejectCode.RESOURCE_EXHAUSTED
+        )
         assert "undecodable" in rogue.refused(rogue.chunk(0, b, 0, payload=b"\x00" * 64), RejectCode.INVALID_ARGUMENT)
         # ---- an oversized message (a client that does not limit itself)
         big = _client(max_message_bytes=4 << 20)

@@ -20,8 +20,21 @@ from experiments.common import read_rows, update_results
 # The columns every per-run CSV has (issue 6: configuration, seed, final validation
 # loss, rounds, wall time, bytes, sync seconds, stale buckets, rejected contributions).
 RUN_COLUMNS = {
-    "experiment", "config", "seed", "num_sites", "sync_every", "codec", "final_val_loss", "first_val_loss",
-    "rounds_done", "wall_s", "bytes_total", "bytes_per_round_site", "sync_s", "stale_buckets", "rejected",
+    "experiment",
+    "config",
+    "seed",
+    "num_sites",
+    "sync_every",
+    "codec",
+    "final_val_loss",
+    "first_val_loss",
+    "rounds_done",
+    "wall_s",
+    "bytes_total",
+    "bytes_per_round_site",
+    "sync_s",
+    "stale_buckets",
+    "rejected",
 }
 
 
@@ -119,20 +132,39 @@ def test_site_failures_report_from_rows(tmp_path: Path) -> None:
     """The table, verdicts and plot of site_failures.py for every scenario (the smoke run
     below covers two), on hand-made rows."""
     sf = importlib.import_module("experiments.site_failures")
-    base = dict(experiment="site_failures", seed=0, final_val_loss=2.9, rounds_lost=0, rounds_missed_before_fault=0,
-                max_round_s=1.0,
-                max_beyond_deadline_s=0.0,
-                max_quorum_wait_s=0.4, wall_s=20.0, stale_buckets=0, skipped_buckets=0, rejected=0,
-                survivors_consistent=True, restarted_first_round=-1)
-    rows = [dict(base, config=sf.NO_FAULT), dict(base, config=sf.RESTART, final_val_loss=2.95, restarted_first_round=7),
-            dict(base, config=sf.OWNER, skipped_buckets=2), dict(base, config=sf.TWO, rounds_lost=1, max_beyond_deadline_s=1.5)]
+    base = dict(
+        experiment="site_failures",
+        seed=0,
+        final_val_loss=2.9,
+        rounds_lost=0,
+        rounds_missed_before_fault=0,
+        max_round_s=1.0,
+        max_beyond_deadline_s=0.0,
+        max_quorum_wait_s=0.4,
+        wall_s=20.0,
+        stale_buckets=0,
+        skipped_buckets=0,
+        rejected=0,
+        survivors_consistent=True,
+        restarted_first_round=-1,
+    )
+    rows = [
+        dict(base, config=sf.NO_FAULT),
+        dict(base, config=sf.RESTART, final_val_loss=2.95, restarted_first_round=7),
+        dict(base, config=sf.OWNER, skipped_buckets=2),
+        dict(base, config=sf.TWO, rounds_lost=1, max_beyond_deadline_s=1.5),
+    ]
     md, verdicts = sf.analyse(rows)
     assert "| kill 1, restart | 1 | 2.9500 ± 0.0000 | +0.0500 ± 0.0000 | 0 | 0 | 1.00 | 0.00 |" in md
     assert any("kill 1, restart: rounds lost 0 (target none: **met**)" in v and "from round 7" in v for v in verdicts)
-    assert any("kill 2 at once: rounds lost 1 (target none: **NOT met**)" in v and "< 1 s: **NOT met**" in v
-               for v in verdicts)
-    rounds = [dict(config=c, seed=0, round=r, status="applied", val_loss=3.0 - 0.01 * r)
-              for c in sf.SCENARIOS for r in range(4)]
+    assert any(
+        "kill 2 at once: rounds lost 1 (target none: **NOT met**)" in v and "< 1 s: **NOT met**" in v for v in verdicts
+    )
+    rounds = [
+        dict(config=c, seed=0, round=r, status="applied", val_loss=3.0 - 0.01 * r)
+        for c in sf.SCENARIOS
+        for r in range(4)
+    ]
     png = sf.plot(rounds, tmp_path / "sf", sf.MODES["quick"])
     assert png.stat().st_size > 5000
 
@@ -155,8 +187,9 @@ def test_site_failures_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep",
-                                    "netem_loss"])
+@pytest.mark.parametrize(
+    "script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep", "netem_loss"]
+)
 def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> None:
     """--seeds 0 / --sites 0 / --jobs 0 stop with one line naming the flag, before anything runs."""
     mod = importlib.import_module(f"experiments.{script}")

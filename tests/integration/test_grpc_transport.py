@@ -23,7 +23,7 @@ from dtrain._proto.dtrain.v1 import peer_pb2 as pb
 from dtrain._proto.dtrain.v1 import peer_pb2_grpc as pb_grpc
 from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected, RendezvousError
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk
-from dtrain.rendezvous_grpc import GrpcRendezvousClient, serve_rendezvous
+from dtrain.rendezvous.grpc import GrpcRendezvousClient, serve_rendezvous
 from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig, TlsConfig
 
 MiB = 1 << 20
@@ -136,14 +136,21 @@ def test_state_and_mean_larger_than_the_message_cap_arrive_in_parts(transports) 
     client = transports(cfg)
     theta = os.urandom(1 * MiB + 3)
     handler.state = BucketState(
-        bucket=4, rounds_applied=12, theta=theta, optimizer_state=os.urandom(300_000), checksum="c0ffee", extra={"a": [1, 2]}
+        bucket=4,
+        rounds_applied=12,
+        theta=theta,
+        optimizer_state=os.urandom(300_000),
+        checksum="c0ffee",
+        extra={"a": [1, 2]},
     )
     handler.mean = BucketMean(
         round=12,
         bucket=4,
         owner="site-b",
         chunks=(
-            MeanChunk(chunk=0, offset=0, numel=131072, codec="fp32", payload=os.urandom(512 * 1024), senders=("a", "b")),
+            MeanChunk(
+                chunk=0, offset=0, numel=131072, codec="fp32", payload=os.urandom(512 * 1024), senders=("a", "b")
+            ),
             MeanChunk(chunk=1, offset=131072, numel=5, codec="fp32", payload=os.urandom(20), senders=("b",)),
         ),
         checksum_before="x",
@@ -161,7 +168,9 @@ def test_oversized_message_is_refused_with_resource_exhausted(transports) -> Non
     cfg = GrpcTransportConfig(max_message_bytes=128 * 1024, part_bytes=32 * 1024, token=TOKEN)
     handler = Handler()
     _, address = transports(cfg, handler)
-    big = Contribution(round=1, bucket=0, chunk=0, offset=0, numel=50_000, codec="fp32", sender="a", payload=b"\0" * 200_000)
+    big = Contribution(
+        round=1, bucket=0, chunk=0, offset=0, numel=50_000, codec="fp32", sender="a", payload=b"\0" * 200_000
+    )
 
     # Through the transport: refused before sending.
     with pytest.raises(Rejected) as info:
@@ -172,7 +181,9 @@ def test_oversized_message_is_refused_with_resource_exhausted(transports) -> Non
     opts = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
     with grpc.insecure_channel(address, options=opts) as channel:
         stub = pb_grpc.PeerStub(channel)
-        msg = pb.ContributionChunk(round=1, bucket=0, chunk=0, numel=50_000, codec="fp32", sender="a", payload=big.payload)
+        msg = pb.ContributionChunk(
+            round=1, bucket=0, chunk=0, numel=50_000, codec="fp32", sender="a", payload=big.payload
+        )
         with pytest.raises(grpc.RpcError) as rpc:
             stub.Push(iter([msg]), timeout=5, metadata=(("dtrain-token", TOKEN),))
     assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -263,7 +274,9 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(transports, pki) -> N
     # The rendezvous shares the helpers: the same mTLS config serves it.
     from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 
-    with serve_rendezvous(RendezvousCore(RendezvousConfig()), GrpcTransportConfig(tls=TlsConfig(**site), token=TOKEN)) as rdv:
+    with serve_rendezvous(
+        RendezvousCore(RendezvousConfig()), GrpcTransportConfig(tls=TlsConfig(**site), token=TOKEN)
+    ) as rdv:
         with GrpcRendezvousClient(rdv.address, tls=TlsConfig(**site), token=TOKEN) as rc:
             assert rc.join("site-a", address).next_round == 0
         with GrpcRendezvousClient(rdv.address, config=no_cert) as rc, pytest.raises(RendezvousError):
@@ -486,7 +499,9 @@ def test_wire_encoding_is_plain_peer_proto() -> None:
     """grpc_wire's bytes are peer.proto messages, both ways."""
     from dtrain.transports import grpc_wire as w
 
-    c = Contribution(round=3, bucket=7, chunk=2, offset=512, numel=256, codec="int8+zstd", sender="site-α", payload=b"\xff" * 300)
+    c = Contribution(
+        round=3, bucket=7, chunk=2, offset=512, numel=256, codec="int8+zstd", sender="site-α", payload=b"\xff" * 300
+    )
     m = pb.ContributionChunk.FromString(w.encode_contribution(c))
     assert (m.round, m.bucket, m.chunk, m.offset, m.numel, m.codec, m.sender, m.payload) == (
         3, 7, 2, 512, 256, "int8+zstd", "site-α", b"\xff" * 300
@@ -512,7 +527,9 @@ def test_wire_encoding_is_plain_peer_proto() -> None:
     assert w.mean_from_wire(wire) == mean
     assert w.mean_from_wire(p.SerializeToString() for p in parts) == mean  # what protobuf itself writes
 
-    state = BucketState(bucket=7, rounds_applied=4, theta=bytes(100), optimizer_state=b"\2" * 33, checksum="s", extra={"x": 1})
+    state = BucketState(
+        bucket=7, rounds_applied=4, theta=bytes(100), optimizer_state=b"\2" * 33, checksum="s", extra={"x": 1}
+    )
     swire = list(w.state_to_wire(state, part_bytes=32))
     assert w.state_from_wire(pb.StatePart.FromString(x).SerializeToString() for x in swire) == state
     assert [pb.StatePart.FromString(x).WhichOneof("data") for x in swire] == ["theta"] * 4 + ["optimizer_state"] * 2

@@ -85,7 +85,9 @@ def rounding_tolerance(num_rounds: int, ref: torch.Tensor) -> float:
 def test_fp32_lr1_sites_match_plain_training(num_sites: int) -> None:
     """1 site, and N sites with identical data and seeds, equal plain inner training."""
     H, R = 5, 6
-    cfg = ClusterConfig(num_sites=num_sites, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="fp32")))
+    cfg = ClusterConfig(
+        num_sites=num_sites, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="fp32"))
+    )
     ref = plain_training(H * R)
     tol = rounding_tolerance(R, ref)
     assert tol < 1e-5  # the tolerance is fp32 rounding, not a loose bound
@@ -201,7 +203,10 @@ def test_batchnorm_buffers_average_or_local(buffers: str) -> None:
         x = torch.randn(32, 4, generator=g) + (3.0 if site.index == 0 else -3.0)  # different statistics per site
         out = site.model(x)
         if k == H - 1:  # the forward of the last inner step updated the running stats; the round follows
-            before_round[site.index] = {"mean": site.model.bn.running_mean.clone(), "var": site.model.bn.running_var.clone()}
+            before_round[site.index] = {
+                "mean": site.model.bn.running_mean.clone(),
+                "var": site.model.bn.running_var.clone(),
+            }
         out.pow(2).mean().backward()
         site.optimizer.step()
         site.optimizer.zero_grad()
@@ -227,12 +232,14 @@ def test_batchnorm_buffers_average_or_local(buffers: str) -> None:
 
 def _snapshot(d: DiLoCo) -> dict:
     st = d.state
-    return copy.deepcopy({
-        "theta": [t.detach() for t in st.theta],
-        "momentum": [o.state_dict()["state"].get(0, {}).get("momentum_buffer") for o in st.optimizers],
-        "residuals": list(st.residuals),
-        "round": st.rounds_applied,
-    })
+    return copy.deepcopy(
+        {
+            "theta": [t.detach() for t in st.theta],
+            "momentum": [o.state_dict()["state"].get(0, {}).get("momentum_buffer") for o in st.optimizers],
+            "residuals": list(st.residuals),
+            "round": st.rounds_applied,
+        }
+    )
 
 
 def _assert_state_equals(d: DiLoCo, snap: dict) -> None:
@@ -250,7 +257,9 @@ def _assert_state_equals(d: DiLoCo, snap: dict) -> None:
 def test_state_dict_round_trip() -> None:
     """θ, outer momentum, residuals (int8 leaves quantisation error in them) and the round."""
     H = 3
-    cfg = ClusterConfig(num_sites=2, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="int8", block_size=8)))
+    cfg = ClusterConfig(
+        num_sites=2, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="int8", block_size=8))
+    )
     with InprocCluster(mlp, inner_sgd, cfg) as c:
         c.run_steps(lambda s, k: train_step(s.model, s.optimizer, k, shift=s.index), 3 * H, timeout_s=30)
         d = c.sites[0].diloco
@@ -269,7 +278,9 @@ def test_state_dict_round_trip() -> None:
         # into a fresh single-site wrapper around the same architecture
         torch.manual_seed(99)
         m2 = mlp()
-        d2 = DiLoCo(m2, inner_sgd(m2), config=DiLoCoConfig(site_id="fresh", sync_every=H, buckets=SMALL, rounds=cfg.rounds))
+        d2 = DiLoCo(
+            m2, inner_sgd(m2), config=DiLoCoConfig(site_id="fresh", sync_every=H, buckets=SMALL, rounds=cfg.rounds)
+        )
         try:
             d2.load_state_dict(torch.load(_to_bytes(sd), weights_only=True))  # survives a save/load
             _assert_state_equals(d2, snap)
@@ -278,7 +289,11 @@ def test_state_dict_round_trip() -> None:
 
         # into a different model
         other = torch.nn.Linear(6, 2)
-        d3 = DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.1), config=DiLoCoConfig(site_id="other", sync_every=H, buckets=SMALL))
+        d3 = DiLoCo(
+            other,
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            config=DiLoCoConfig(site_id="other", sync_every=H, buckets=SMALL),
+        )
         try:
             with pytest.raises(ValueError, match="does not match this model"):
                 d3.load_state_dict(sd)

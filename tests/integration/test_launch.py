@@ -36,14 +36,54 @@ BASE_ARGS = ["--sites", "3", "--size", "tiny", "--sync-every", "10", "--linger-s
 # docs/METRICS.md
 START_FIELDS = {"event", "site", "round", "val_loss", "wall_s", "params", "time"}
 ROUND_FIELDS = {
-    "event", "site", "round", "status", "reason", "members", "val_loss", "train_loss", "inner_steps", "inner_s", "sync_s",
-    "wall_s", "time", "checksum", "owned_buckets", "applied_buckets", "stale_buckets", "repaired_buckets",
-    "skipped_buckets", "contributed", "reduce_arrived_fraction", "broadcast_arrived_fraction", "included_fraction",
-    "bytes_sent", "bytes_received", "encode_s", "decode_s", "network_s", "wait_s", "total_s", "rejected", "errors",
+    "event",
+    "site",
+    "round",
+    "status",
+    "reason",
+    "members",
+    "val_loss",
+    "train_loss",
+    "inner_steps",
+    "inner_s",
+    "sync_s",
+    "wall_s",
+    "time",
+    "checksum",
+    "owned_buckets",
+    "applied_buckets",
+    "stale_buckets",
+    "repaired_buckets",
+    "skipped_buckets",
+    "contributed",
+    "reduce_arrived_fraction",
+    "broadcast_arrived_fraction",
+    "included_fraction",
+    "bytes_sent",
+    "bytes_received",
+    "encode_s",
+    "decode_s",
+    "network_s",
+    "wait_s",
+    "total_s",
+    "rejected",
+    "errors",
 }
 SUMMARY_FIELDS = {
-    "site", "rounds", "first_val_loss", "final_val_loss", "final_train_loss", "checksum", "wall_s", "sync_share",
-    "bytes_sent", "bytes_received", "rounds_joined", "fp32_bytes_per_round", "compression_ratio", "interrupted",
+    "site",
+    "rounds",
+    "first_val_loss",
+    "final_val_loss",
+    "final_train_loss",
+    "checksum",
+    "wall_s",
+    "sync_share",
+    "bytes_sent",
+    "bytes_received",
+    "rounds_joined",
+    "fp32_bytes_per_round",
+    "compression_ratio",
+    "interrupted",
 }
 REPORT_PNGS = ["val_loss_rounds.png", "val_loss_wall.png", "sync_time.png", "bytes.png"]
 
@@ -87,7 +127,11 @@ def _kill_leftovers(run_dir: Path) -> None:
 def _start(args: list[str], run_dir: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain", "launch", *args, "--out", str(run_dir)],
-        cwd=REPO, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -162,7 +206,8 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert summ["site"] == s and summ["rounds"] == rounds and summ["rounds_joined"] == rounds
         assert summ["interrupted"] is False
         assert summ["first_val_loss"] - summ["final_val_loss"] > MIN_VAL_LOSS_DROP, (
-            f"{s}: validation loss {summ['first_val_loss']:.3f} -> {summ['final_val_loss']:.3f} fell by less than {MIN_VAL_LOSS_DROP}")
+            f"{s}: validation loss {summ['first_val_loss']:.3f} -> {summ['final_val_loss']:.3f} fell by less than {MIN_VAL_LOSS_DROP}"
+        )
         assert summ["bytes_sent"] > 0 and summ["bytes_received"] > 0
         assert 0.0 < summ["sync_share"] < 1.0
         assert summ["compression_ratio"] > 1.0  # int8 codec: fewer bytes than fp32
@@ -194,8 +239,14 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert len({d["checksum"] for d in per_site.values()}) == 1, f"round {r}: {per_site}"
 
     # dtrain report draws the plots.
-    p = subprocess.run([sys.executable, "-m", "dtrain", "report", str(run_dir)], cwd=REPO, env=_env(),
-                       capture_output=True, text=True, timeout=90)
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     for name in REPORT_PNGS:
         png = run_dir / name
@@ -231,7 +282,7 @@ def test_resume_after_every_site_was_killed_continues_from_the_saved_round(run_d
     for s in SITES:
         lines = _lines(run_dir, s)
         assert lines[: len(before[s])] == before[s], f"{s}: the first run's metrics were changed"
-        new = lines[len(before[s]):]
+        new = lines[len(before[s]) :]
         start, rest = new[0], new[1:]
         assert start["event"] == "start" and start["round"] == killed_in, start
         # The restored model evaluates exactly as it did when it was saved.
@@ -257,7 +308,10 @@ def test_ctrl_c_stops_every_child_and_exits_130(run_dir: Path) -> None:
         children = _pids_using(run_dir, exclude=(p.pid,))
         assert len(children) == 4, f"expected a rendezvous and 3 workers, found pids {children}"
         recorded = json.loads((run_dir / "pids.json").read_text())  # launch's own record: site id -> pid
-        assert set(recorded) == {"rendezvous", *SITES} and sorted(recorded.values()) == sorted(children), (recorded, children)
+        assert set(recorded) == {"rendezvous", *SITES} and sorted(recorded.values()) == sorted(children), (
+            recorded,
+            children,
+        )
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
@@ -283,8 +337,12 @@ def test_crashed_child_is_reported_with_its_log_and_the_others_finish(run_dir: P
     rounds = 4
     # Shorter deadlines than the defaults, so the dead site costs seconds, not tens of seconds.
     deadlines = ["--heartbeat-timeout-s", "3", "--reduce-timeout-s", "3", "--broadcast-timeout-s", "6"]
-    rc, out, err = _launch([*BASE_ARGS, "--rounds", str(rounds), "--no-progress", *deadlines], run_dir, timeout_s=120,
-                           DTRAIN_TEST_FAULT="site-1:before_push:1:kill")
+    rc, out, err = _launch(
+        [*BASE_ARGS, "--rounds", str(rounds), "--no-progress", *deadlines],
+        run_dir,
+        timeout_s=120,
+        DTRAIN_TEST_FAULT="site-1:before_push:1:kill",
+    )
     both = out + err
     assert rc == 1, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert f"site-1 exited with code {-signal.SIGKILL} (SIGKILL)" in both, both

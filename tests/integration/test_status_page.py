@@ -69,7 +69,11 @@ def _strict_json(text: str):
 def _metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, frozenset(s.labels.items())): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def _wait_for(cond, timeout_s: float, what: str, poll_s: float = 0.1):
@@ -131,7 +135,9 @@ def _check_api_and_metrics_agree_with_jsonl(api: dict, metrics: dict, run_dir: P
         assert metrics[("dtrain_site_round_sync_seconds", lab)] == pytest.approx(last["sync_s"], rel=1e-12)
         assert metrics[("dtrain_site_val_loss", lab)] == pytest.approx(last["val_loss"], rel=1e-12)
         assert metrics[("dtrain_site_sent_bytes_total", lab)] == sum(ln.get("bytes_sent", 0) for ln in lines[site][:km])
-        assert metrics[("dtrain_site_received_bytes_total", lab)] == sum(ln.get("bytes_received", 0) for ln in lines[site][:km])
+        assert metrics[("dtrain_site_received_bytes_total", lab)] == sum(
+            ln.get("bytes_received", 0) for ln in lines[site][:km]
+        )
     assert metrics[("dtrain_rendezvous_next_round", frozenset())] >= api["next_round"]
     return checked
 
@@ -142,9 +148,18 @@ def _chrome(user_data_dir: str):
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                "--window-size=1400,1500", f"--user-data-dir={user_data_dir}"):
+    for arg in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1500",
+        f"--user-data-dir={user_data_dir}",
+    ):
         opts.add_argument(arg)
     return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
 
@@ -158,7 +173,10 @@ def _page_view(driver) -> dict:
         try:
             counter = driver.find_element(By.ID, "round-counter").text
             rows = driver.find_elements(By.CSS_SELECTOR, "#sites tr[data-site]")
-            return {"round": int(counter), "states": {r.get_attribute("data-site"): r.get_attribute("data-state") for r in rows}}
+            return {
+                "round": int(counter),
+                "states": {r.get_attribute("data-site"): r.get_attribute("data-state") for r in rows},
+            }
         except (NoSuchElementException, StaleElementReferenceException, ValueError):
             time.sleep(0.05)
     return {"round": -1, "states": {}}
@@ -185,8 +203,10 @@ def _stop_launch(proc: subprocess.Popen, run_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                    reason="needs headless Chromium: apt-get install -y chromium chromium-driver (and pip install selenium)")
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs headless Chromium: apt-get install -y chromium chromium-driver (and pip install selenium)",
+)
 def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> None:
     pytest.importorskip("selenium", reason="needs pip install selenium (the 'test' extra)")
     from selenium.common.exceptions import StaleElementReferenceException
@@ -196,11 +216,39 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
     run_dir = tmp_path / "run"
     token_file = tmp_path / "token.txt"
     token_file.write_text(TOKEN + "\n")
-    argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--size", "tiny", "--rounds", "200",
-            "--sync-every", "5", "--linger-s", "0.5", "--no-progress", "--out", str(run_dir), "--http-port", "0",
-            "--token-file", str(token_file),
-            "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-            "--quorum-timeout-s", "2", "--reduce-timeout-s", "3", "--broadcast-timeout-s", "6"]
+    argv = [
+        sys.executable,
+        "-m",
+        "dtrain",
+        "launch",
+        "--sites",
+        "3",
+        "--size",
+        "tiny",
+        "--rounds",
+        "200",
+        "--sync-every",
+        "5",
+        "--linger-s",
+        "0.5",
+        "--no-progress",
+        "--out",
+        str(run_dir),
+        "--http-port",
+        "0",
+        "--token-file",
+        str(token_file),
+        "--heartbeat-interval-s",
+        str(HEARTBEAT_INTERVAL_S),
+        "--heartbeat-timeout-s",
+        str(HEARTBEAT_TIMEOUT_S),
+        "--quorum-timeout-s",
+        "2",
+        "--reduce-timeout-s",
+        "3",
+        "--broadcast-timeout-s",
+        "6",
+    ]
     stderr = open(tmp_path / "launch.stderr", "w")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(), cwd=REPO)
     out_lines: list[str] = []
@@ -210,9 +258,14 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
     try:
         with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
             driver = _chrome(profile)  # starts while the workers import torch
-            url_line = _wait_for(lambda: next((ln for ln in out_lines if "status page http" in ln), None) or (
-                proc.poll() is not None and pytest.fail(f"launch exited {proc.returncode}: {out_lines}")), 60,
-                "launch to print the status page URL")
+            url_line = _wait_for(
+                lambda: (
+                    next((ln for ln in out_lines if "status page http" in ln), None)
+                    or (proc.poll() is not None and pytest.fail(f"launch exited {proc.returncode}: {out_lines}"))
+                ),
+                60,
+                "launch to print the status page URL",
+            )
             url = url_line.split("status page ", 1)[1].strip()
             assert url.startswith("http://127.0.0.1:")
             driver.get(url)
@@ -222,7 +275,9 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
             _wait_for(lambda: set(_page_view(driver)["states"]) == set(SITES), 60, "three site rows")
             # 2. the round counter advances between two looks (the page refreshes itself)
             first = _wait_for(lambda: (v := _page_view(driver)["round"]) >= 2 and v, 60, "round 2 to form")
-            second = _wait_for(lambda: (v := _page_view(driver)["round"]) > first and v, 30, f"the counter to pass {first}")
+            second = _wait_for(
+                lambda: (v := _page_view(driver)["round"]) > first and v, 30, f"the counter to pass {first}"
+            )
             assert second > first
             assert len(driver.find_elements(By.CSS_SELECTOR, "svg#chart-val-loss polyline")) == 3
             assert len(driver.find_elements(By.CSS_SELECTOR, "svg#chart-sync polyline")) == 3
@@ -251,10 +306,17 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
             # the next round forms without it, and the page shows that round
             def round_without_site_2():
                 api = _strict_json(_get(url + "api/status")[2])
-                return next((r["round"] for r in api["rounds"] if r["members"] == ["site-0", "site-1"] and r["num_reported"] == 2),
-                            None)
+                return next(
+                    (
+                        r["round"]
+                        for r in api["rounds"]
+                        if r["members"] == ["site-0", "site-1"] and r["num_reported"] == 2
+                    ),
+                    None,
+                )
 
             r2 = _wait_for(round_without_site_2, 30, "a reported round of site-0 and site-1 only")
+
             # (generous: on a loaded 2-core machine the page's refresh fetch can lag several periods)
             # Two tiny sites form several rounds a second and the table holds the newest 20, so r2 itself
             # may scroll out before a refresh: wait for the table to reach r2 or later.
@@ -296,21 +358,32 @@ def test_status_page_in_chromium_during_a_three_site_launch(tmp_path: Path) -> N
 # --------------------------------------------------------------------------- without a browser
 def _core_with_hostile_site():
     from dtrain.rendezvous import RendezvousConfig, RendezvousCore
+    from dtrain.status import StatusLog
 
-    core = RendezvousCore(RendezvousConfig(initial_sites=1))
+    core = RendezvousCore(RendezvousConfig(initial_sites=1), reports=StatusLog())
     evil = '<img src=x onerror="alert(1)">'
     now = time.monotonic()
     core.join(evil, "127.0.0.1:1", now=now)
     core.ready(evil, 0, now=now)
-    rep = {"site": evil, "round": 0, "status": "applied", "members": [evil], "val_loss": 3.0, "sync_s": 0.25,
-           "bytes_sent": 10, "rejected": {"<script>alert(2)</script>": 1}, "seq": 1, "token": TOKEN}
+    rep = {
+        "site": evil,
+        "round": 0,
+        "status": "applied",
+        "members": [evil],
+        "val_loss": 3.0,
+        "sync_s": 0.25,
+        "bytes_sent": 10,
+        "rejected": {"<script>alert(2)</script>": 1},
+        "seq": 1,
+        "token": TOKEN,
+    }
     core.heartbeat(evil, now=now, round_reports=[json.dumps(rep)])
     return core, evil
 
 
 @pytest.mark.timeout(60)
 def test_status_http_routes_escape_site_text_and_send_a_strict_csp() -> None:
-    from dtrain.status_http import serve_status
+    from dtrain.status.http import serve_status
 
     core, evil = _core_with_hostile_site()
     with serve_status(core, "127.0.0.1:0", refresh_s=1.0) as srv:
@@ -347,16 +420,35 @@ def test_status_http_routes_escape_site_text_and_send_a_strict_csp() -> None:
 
 @pytest.mark.timeout(90)
 def test_dtrain_rendezvous_http_bind_shows_reports_sent_over_grpc_and_no_token(tmp_path: Path) -> None:
-    from dtrain.rendezvous_grpc import GrpcRendezvousClient
+    from dtrain.rendezvous.grpc import GrpcRendezvousClient
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     addr_file, url_file = tmp_path / "addr", tmp_path / "url"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dtrain", "rendezvous", "--bind", "127.0.0.1:0", "--address-file", str(addr_file),
-         "--http-bind", "127.0.0.1:0", "--http-address-file", str(url_file), "--token-file", str(token_file),
-         "--initial-sites", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "rendezvous",
+            "--bind",
+            "127.0.0.1:0",
+            "--address-file",
+            str(addr_file),
+            "--http-bind",
+            "127.0.0.1:0",
+            "--http-address-file",
+            str(url_file),
+            "--token-file",
+            str(token_file),
+            "--initial-sites",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=REPO,
     )
     try:
         _wait_for(lambda: addr_file.exists() or proc.poll() is not None, 30, "the rendezvous to listen")
@@ -366,12 +458,29 @@ def test_dtrain_rendezvous_http_bind_shows_reports_sent_over_grpc_and_no_token(t
         with GrpcRendezvousClient(addr_file.read_text().strip(), token=TOKEN) as client:
             client.join("a", "127.0.0.1:1")
             assert client.ready("a", 0, timeout_s=2.0).status == "plan"
-            reports = [json.dumps({"site": "a", "round": 0, "status": "applied", "members": ["a"], "sync_s": 0.5,
-                                   "val_loss": 2.5, "seq": 1}), "not json"]
+            reports = [
+                json.dumps(
+                    {
+                        "site": "a",
+                        "round": 0,
+                        "status": "applied",
+                        "members": ["a"],
+                        "sync_s": 0.5,
+                        "val_loss": 2.5,
+                        "seq": 1,
+                    }
+                ),
+                "not json",
+            ]
             assert client.heartbeat("a", inner_step=7, last_loss=3.0, round_reports=reports).known
         api = _strict_json(_get(url + "api/status")[2])
         (site,) = api["sites"]
-        assert site["site_id"] == "a" and site["inner_step"] == 7 and site["val_loss"] == 2.5 and site["rounds_joined"] == 1
+        assert (
+            site["site_id"] == "a"
+            and site["inner_step"] == 7
+            and site["val_loss"] == 2.5
+            and site["rounds_joined"] == 1
+        )
         assert api["rounds"][0]["sync_s_max"] == 0.5 and api["num_reports_dropped"] == 1
         for path in ("", "fragment", "api/status", "metrics"):
             assert TOKEN not in _get(url + path)[2]
@@ -384,7 +493,7 @@ def test_dtrain_rendezvous_http_bind_shows_reports_sent_over_grpc_and_no_token(t
 
 @pytest.mark.timeout(60)
 def test_launch_status_page_flags(tmp_path: Path) -> None:
-    from dtrain.cli import main
+    from dtrain.app.cli import main
 
     assert main(["launch", "--http-port", "1", "--http-bind", "127.0.0.1:2", "--out", str(tmp_path / "r")]) == 2
     assert main(["launch", "--http-bind", "nohost", "--out", str(tmp_path / "r")]) == 2

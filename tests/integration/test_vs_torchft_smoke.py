@@ -32,8 +32,10 @@ def _torchft_missing() -> str | None:
     if r.returncode == 0:
         return None
     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-    return (f"torchft is not importable here ({last}); to run this test: pip install torchft==0.2.0 "
-            "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http")
+    return (
+        f"torchft is not importable here ({last}); to run this test: pip install torchft==0.2.0 "
+        "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -42,8 +44,13 @@ def test_vs_torchft_smoke(tmp_path):
     if why:
         pytest.skip(why)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], cwd=str(REPO),
-                       capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     res = json.loads((out / "results.json").read_text())
     d, t = res["runs"]["dtrain/healthy"], res["runs"]["torchft/healthy"]
@@ -57,7 +64,12 @@ def test_vs_torchft_smoke(tmp_path):
             assert v["peak_rss_mb"] and 50 < v["peak_rss_mb"] < 4000, (run["system"], site, v)
         assert run["round_wall_s"]["n"] == SITES * (ROUNDS - 1)  # warm-up round excluded
     # torchft's bytes are the ring all-reduce of the fp32 parameters: 2 (n-1)/n x P x 4 per site.
-    params = json.loads((out / "runs" / "torchft_healthy_r0" / "site-0" / "summary.json").read_text())["fp32_bytes_per_round"] // 4
+    params = (
+        json.loads((out / "runs" / "torchft_healthy_r0" / "site-0" / "summary.json").read_text())[
+            "fp32_bytes_per_round"
+        ]
+        // 4
+    )
     assert t["bytes_per_round_total"] == SITES * round(2 * (SITES - 1) / SITES * params * 4)
     # dtrain sends int8 (+ per-block scales) both ways: a little over 1/4 of torchft's fp32.
     assert 0.24 < res["comparisons"]["healthy"]["bytes_per_round"] < 0.30
@@ -66,7 +78,9 @@ def test_vs_torchft_smoke(tmp_path):
     with open(out / "rounds.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * SITES * ROUNDS
-    assert {(x["system"], x["site"]) for x in rows} == {(s, f"site-{i}") for s in ("dtrain", "torchft") for i in range(SITES)}
+    assert {(x["system"], x["site"]) for x in rows} == {
+        (s, f"site-{i}") for s in ("dtrain", "torchft") for i in range(SITES)
+    }
     png = (out / "loss_vs_wall.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "round wall time" in (out / "report.md").read_text()

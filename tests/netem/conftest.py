@@ -13,7 +13,6 @@ import os
 import subprocess
 
 import pytest
-
 from netem_helpers import leftovers, netem_missing  # sets the per-process prefix first
 
 import netem  # noqa: E402,I001
@@ -55,5 +54,3 @@ def _netem_guard(request):
     after = _root_snapshot()
     assert not after[0] - before[0], f"new links in the root namespace: {after[0] - before[0]}"
     assert after[1:] == before[1:], "the root namespace's nft/iptables rules changed"
-
-

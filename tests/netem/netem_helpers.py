@@ -60,9 +60,14 @@ def leftovers() -> list[str]:
 def run_cli(*args: str, check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
     """``python -m netem ARGS`` with this process's prefix and state directory."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-m", "netem", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout_s, cwd=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "netem", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+        cwd=str(REPO_ROOT),
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"netem {' '.join(args)} failed ({proc.returncode}): "
-                             f"{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"netem {' '.join(args)} failed ({proc.returncode}): {proc.stdout}\n{proc.stderr}")
     return proc

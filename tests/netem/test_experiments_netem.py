@@ -19,8 +19,23 @@ from experiments.common import read_rows
 
 pytestmark = pytest.mark.netem
 
-RUN_COLUMNS = {"experiment", "config", "seed", "num_sites", "sync_every", "codec", "final_val_loss", "first_val_loss",
-               "rounds_done", "wall_s", "bytes_total", "bytes_per_round_site", "sync_s", "stale_buckets", "rejected"}
+RUN_COLUMNS = {
+    "experiment",
+    "config",
+    "seed",
+    "num_sites",
+    "sync_every",
+    "codec",
+    "final_val_loss",
+    "first_val_loss",
+    "rounds_done",
+    "wall_s",
+    "bytes_total",
+    "bytes_per_round_site",
+    "sync_s",
+    "stale_buckets",
+    "rejected",
+}
 
 
 def _main(script: str, tmp_path: Path) -> str:

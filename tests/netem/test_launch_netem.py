@@ -17,10 +17,33 @@ pytestmark = pytest.mark.netem
 def test_three_site_launch_through_emulated_links_agrees(profile: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--size", "tiny", "--rounds", "3",
-         "--sync-every", "5", "--out", str(out), "--no-progress", "--netem", profile,
-         "--reduce-timeout-s", "8", "--broadcast-timeout-s", "16"],
-        capture_output=True, text=True, timeout=220, cwd=Path(__file__).resolve().parents[2],
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "launch",
+            "--sites",
+            "3",
+            "--size",
+            "tiny",
+            "--rounds",
+            "3",
+            "--sync-every",
+            "5",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--netem",
+            profile,
+            "--reduce-timeout-s",
+            "8",
+            "--broadcast-timeout-s",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "checksums agree" in proc.stdout

@@ -12,11 +12,10 @@ import textwrap
 import time
 
 import pytest
+from netem_helpers import REPO_ROOT, leftovers, run_cli
 
 from netem import Topology
 from netem._sys import list_namespaces
-
-from netem_helpers import REPO_ROOT, leftovers, run_cli
 
 pytestmark = pytest.mark.netem
 
@@ -38,8 +37,7 @@ _CHILD = textwrap.dedent("""
 
 def _start_child(name: str, use_with: bool) -> tuple[subprocess.Popen, int]:
     code = _CHILD.format(repo=str(REPO_ROOT), name=name, use_with=use_with)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith("ready"), (line, proc.stderr.read() if proc.poll() is not None else "")
     return proc, int(line.split()[1])
@@ -65,10 +63,13 @@ def test_exception_in_with_block_removes_everything():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("sig, use_with", [
-    (signal.SIGTERM, False),  # after cleanup, the default action: killed by SIGTERM
-    (signal.SIGINT, True),    # after cleanup, KeyboardInterrupt (Python exits with -SIGINT)
-])
+@pytest.mark.parametrize(
+    "sig, use_with",
+    [
+        (signal.SIGTERM, False),  # after cleanup, the default action: killed by SIGTERM
+        (signal.SIGINT, True),  # after cleanup, KeyboardInterrupt (Python exits with -SIGINT)
+    ],
+)
 def test_signal_tears_down(sig, use_with):
     proc, agent_pid = _start_child(f"sig{int(sig)}", use_with)
     assert os.sched_getscheduler(agent_pid) == os.SCHED_FIFO  # delayer runs real-time
@@ -106,13 +107,29 @@ def test_cli_up_set_exec_status_down():
         assert st["agent_alive"], st  # the helper outlives `up`
         assert [link["delay_ms"] for link in st["links"]] == [15.0, 15.0]
         run_cli("set", "1", "--delay-ms", "5", "--jitter-ms", "0", "--name", name)
-        out = run_cli("exec", "0", "--name", name, "--", "ping", "-n", "-c", "5", "-i", "0.05",
-                      st["addresses"][1]).stdout
+        out = run_cli(
+            "exec", "0", "--name", name, "--", "ping", "-n", "-c", "5", "-i", "0.05", st["addresses"][1]
+        ).stdout
         avg = float(re.search(r"= [\d.]+/([\d.]+)/", out)[1])
         assert abs(avg - 20.0) <= 0.1 * 20 + 2, out  # 15 ms to site 0 + 5 ms to site 1
         run_cli("set", "1", "--partition", "on", "--name", name)
-        blocked = run_cli("exec", "0", "--name", name, "--", "ping", "-n", "-c", "2", "-i", "0.1",
-                          "-W", "1", st["addresses"][1], check=False)
+        blocked = run_cli(
+            "exec",
+            "0",
+            "--name",
+            name,
+            "--",
+            "ping",
+            "-n",
+            "-c",
+            "2",
+            "-i",
+            "0.1",
+            "-W",
+            "1",
+            st["addresses"][1],
+            check=False,
+        )
         assert blocked.returncode == 1 and "100% packet loss" in blocked.stdout, blocked.stdout
         run_cli("set", "all", "--partition", "off", "--rate-mbit", "none", "--name", name)
         st = json.loads(run_cli("status", "--name", name, "--json").stdout)
@@ -147,9 +164,24 @@ def test_without_root_the_tests_skip_or_fail_with_the_reason(required):
     if required:
         env["DTRAIN_NETEM_REQUIRED"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "fake_nonroot_plugin",
-         "-p", "no:cacheprovider", "tests/netem/test_netem_partition.py"],
-        capture_output=True, text=True, env=env, cwd=str(REPO_ROOT), timeout=50)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rsf",
+            "-p",
+            "fake_nonroot_plugin",
+            "-p",
+            "no:cacheprovider",
+            "tests/netem/test_netem_partition.py",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO_ROOT),
+        timeout=50,
+    )
     out = proc.stdout
     assert "netem harness unavailable: not root (euid 1000)" in out, out[-3000:]
     if required:

@@ -27,8 +27,7 @@ def _loss_in_interval(topo: Topology, loss_pct: float, drain_s: float) -> tuple[
     lo, hi = binomial_interval(NUM_LOSS_PROBES, loss_pct / 100, 0.99)
     tries = []
     for _ in range(2):
-        sent, received = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=0.0005,
-                                  drain_s=drain_s)
+        sent, received = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=0.0005, drain_s=drain_s)
         tries.append(f"{sent - received}/{sent} lost (99% interval [{lo}, {hi}])")
         if lo <= sent - received <= hi:
             return True, tries
@@ -51,16 +50,17 @@ def test_profile_rtt_loss_goodput(profile):
         if link.needs_delay:
             assert topo.backends()["delay"] in ("nfqueue-userspace", "netem")
         rtt = ping(topo, 0, 1, count=30, interval_s=0.01)
-        loss_ok, loss_tries = _loss_in_interval(topo, link.loss_pct,
-                                                drain_s=0.3 + 2 * link.delay_ms / 1000)
+        loss_ok, loss_tries = _loss_in_interval(topo, link.loss_pct, drain_s=0.3 + 2 * link.delay_ms / 1000)
         goodput = None
         if link.rate_mbit is not None and link.loss_pct <= 1.0:
             topo.set_link(None, rate_mbit=GOODPUT_CAP_MBIT)
             goodput = tcp_goodput_mbit(topo, 0, 1, duration_s=3.5, warmup_s=1.0)
         stats = topo.stats()
-    report = (f"{profile}: rtt avg {rtt.avg_ms:.2f} ms (want 2x{link.delay_ms}), "
-              f"loss {loss_tries}, goodput {goodput} Mbit/s "
-              f"(cap {GOODPUT_CAP_MBIT}); agent {stats}")
+    report = (
+        f"{profile}: rtt avg {rtt.avg_ms:.2f} ms (want 2x{link.delay_ms}), "
+        f"loss {loss_tries}, goodput {goodput} Mbit/s "
+        f"(cap {GOODPUT_CAP_MBIT}); agent {stats}"
+    )
     print(report)
     assert _rtt_ok(rtt.avg_ms, link.delay_ms), report
     assert loss_ok, report

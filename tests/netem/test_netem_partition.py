@@ -27,8 +27,10 @@ def _connect(topo: Topology, src: int, dst_addr: tuple[str, int], timeout_s: flo
 
 def _udp_reaches(topo: Topology, src: int, dst: int, *, tries: int = 5, wait_s: float = 0.3) -> bool:
     """True when one of ``tries`` datagrams from ``src`` arrives at ``dst``."""
-    with topo.socket(dst, socket.AF_INET, socket.SOCK_DGRAM) as rx, \
-            topo.socket(src, socket.AF_INET, socket.SOCK_DGRAM) as tx:
+    with (
+        topo.socket(dst, socket.AF_INET, socket.SOCK_DGRAM) as rx,
+        topo.socket(src, socket.AF_INET, socket.SOCK_DGRAM) as tx,
+    ):
         rx.bind((topo.address(dst), 0))
         rx.settimeout(wait_s)
         for _ in range(tries):
@@ -105,8 +107,10 @@ def test_flaky_outages_follow_the_schedule():
         epoch = topo.flap_epoch
         received: set[int] = set()
         sent_at: list[float] = []
-        with topo.socket(0, socket.AF_INET, socket.SOCK_DGRAM) as rx, \
-                topo.socket(1, socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        with (
+            topo.socket(0, socket.AF_INET, socket.SOCK_DGRAM) as rx,
+            topo.socket(1, socket.AF_INET, socket.SOCK_DGRAM) as tx,
+        ):
             rx.bind((topo.address(0), 0))
             rx.settimeout(0.05)
             stop = threading.Event()
@@ -135,8 +139,7 @@ def test_flaky_outages_follow_the_schedule():
     # Probes within 60 ms of an outage edge are not judged (rule update + 15 ms delay).
     inside = outside = lost_inside = lost_outside = 0
     for seq, ts in enumerate(sent_at):
-        states = {bool({0, 1} & set(flap_down_sites(links, epoch, ts + dt)))
-                  for dt in (-0.06, 0.0, 0.06)}
+        states = {bool({0, 1} & set(flap_down_sites(links, epoch, ts + dt))) for dt in (-0.06, 0.0, 0.06)}
         if len(states) > 1:
             continue
         if states.pop():
@@ -145,8 +148,7 @@ def test_flaky_outages_follow_the_schedule():
         else:
             outside += 1
             lost_outside += seq not in received
-    report = (f"inside outages {lost_inside}/{inside} lost, outside {lost_outside}/{outside} "
-              f"lost; agent {stats}")
+    report = f"inside outages {lost_inside}/{inside} lost, outside {lost_outside}/{outside} lost; agent {stats}"
     print(report)
     assert inside >= 60 and outside >= 60, report  # both sites' outages were sampled
     assert lost_inside >= 0.95 * inside, report

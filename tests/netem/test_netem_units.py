@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from netem import PROFILES, Capabilities, LinkParams, NetemUnavailable, choose_backends, get_profile
-from netem import _rules
+from netem import PROFILES, Capabilities, LinkParams, NetemUnavailable, _rules, choose_backends, get_profile
 from netem.measure import binomial_interval
 from netem.topology import TopologyConfig
 
@@ -81,8 +80,7 @@ def test_nft_rules_for_partitions_and_loss():
 def test_iptables_rules():
     links = [LinkParams(delay_ms=5.0), LinkParams(loss_pct=10.0)]
     assert _rules.ipt_delay_rules(links) == ["-o s0 -j NFQUEUE --queue-num 0 --queue-bypass"]
-    assert _rules.ipt_loss_rules(links) == [
-        "-o s1 -m statistic --mode random --probability 0.100000 -j DROP"]
+    assert _rules.ipt_loss_rules(links) == ["-o s1 -m statistic --mode random --probability 0.100000 -j DROP"]
     assert _rules.ipt_part_rules({(0, 1)}) == ["-i s0 -o s1 -j DROP", "-i s1 -o s0 -j DROP"]
     text = _rules.ipt_chain("DTN-LOSS", [])
     assert text == "*filter\n:DTN-LOSS - [0:0]\nCOMMIT\n"
@@ -96,10 +94,8 @@ def test_tc_arguments():
     assert argv[:9] == ["tc", "qdisc", "replace", "dev", "s1", "root", "tbf", "rate", "40mbit"]
     burst, limit = int(argv[10]), int(argv[12])
     assert burst == 16 * 1514 and limit > 64 * 1024
-    netem = _rules.netem_argv("s0", LinkParams(delay_ms=40, jitter_ms=1, loss_pct=0.1,
-                                               rate_mbit=200))
-    assert netem[6:] == ["netem", "limit", "100000", "delay", "40ms", "1ms", "loss", "0.1%",
-                         "rate", "200mbit"]
+    netem = _rules.netem_argv("s0", LinkParams(delay_ms=40, jitter_ms=1, loss_pct=0.1, rate_mbit=200))
+    assert netem[6:] == ["netem", "limit", "100000", "delay", "40ms", "1ms", "loss", "0.1%", "rate", "200mbit"]
     assert _rules.netem_argv("s0", LinkParams())[2] == "del"
 
 
@@ -116,19 +112,30 @@ def test_flap_schedule_is_staggered():
 
 
 def _caps(**over):
-    base = dict(kernel_netem=False, tbf=True, nftables=True, iptables_nfqueue=True,
-                iptables_statistic=True, ethtool=True, netfilterqueue=True)
+    base = dict(
+        kernel_netem=False,
+        tbf=True,
+        nftables=True,
+        iptables_nfqueue=True,
+        iptables_statistic=True,
+        ethtool=True,
+        netfilterqueue=True,
+    )
     return Capabilities(**{**base, **over})
 
 
 def test_backend_choice():
     assert choose_backends(_caps()) == {
-        "delay": "nfqueue-userspace", "jitter": "nfqueue-userspace", "loss": "nftables",
-        "rate": "tbf", "partition": "nftables", "flap": "agent+nftables"}
+        "delay": "nfqueue-userspace",
+        "jitter": "nfqueue-userspace",
+        "loss": "nftables",
+        "rate": "tbf",
+        "partition": "nftables",
+        "flap": "agent+nftables",
+    }
     netem = choose_backends(_caps(kernel_netem=True))
     assert netem["delay"] == "netem" and netem["loss"] == "netem"
-    assert choose_backends(_caps(kernel_netem=True), kernel_netem=False)["delay"] == (
-        "nfqueue-userspace")
+    assert choose_backends(_caps(kernel_netem=True), kernel_netem=False)["delay"] == ("nfqueue-userspace")
     fallback = choose_backends(_caps(nftables=False))
     assert fallback["loss"] == "iptables" and fallback["partition"] == "iptables"
     assert choose_backends(_caps(netfilterqueue=False))["delay"] is None

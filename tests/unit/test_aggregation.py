@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dtrain.aggregation import AggregationConfig, ChunkAccumulator, partial_mean
-from dtrain.errors import Rejected, RejectCode
+from dtrain.errors import RejectCode, Rejected
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,7 +22,11 @@ def test_partial_mean_divides_by_the_count_that_arrived() -> None:
 
 def test_accumulator_running_sum_matches_partial_mean() -> None:
     acc = ChunkAccumulator(3, AggregationConfig())
-    vals = {"s1": torch.tensor([1.0, 0.0, -1.0]), "s0": torch.tensor([2.0, 4.0, 8.0]), "s2": torch.tensor([0.5, 0.5, 0.5])}
+    vals = {
+        "s1": torch.tensor([1.0, 0.0, -1.0]),
+        "s0": torch.tensor([2.0, 4.0, 8.0]),
+        "s2": torch.tensor([0.5, 0.5, 0.5]),
+    }
     for s, v in vals.items():
         assert acc.add(s, v, s.encode()) is True
     mean, senders, rejected = acc.finalize()

@@ -21,7 +21,9 @@ def _tensors() -> list[torch.Tensor]:
 
 
 def _layout() -> BucketLayout:
-    return BucketLayout([3, 10, 5, 4], ["param", "param", "param", "buffer"], BucketConfig(bucket_bytes=32, chunk_bytes=12))
+    return BucketLayout(
+        [3, 10, 5, 4], ["param", "param", "param", "buffer"], BucketConfig(bucket_bytes=32, chunk_bytes=12)
+    )
 
 
 def test_layout_cuts_buckets_and_chunks() -> None:
@@ -63,8 +65,18 @@ def test_gather_scatter_round_trip_with_a_parameter_spanning_two_buckets() -> No
 def test_fingerprint_depends_on_sizes_and_config() -> None:
     a = _layout().fingerprint()
     assert a == _layout().fingerprint()
-    assert a != BucketLayout([3, 10, 5, 4], ["param"] * 3 + ["buffer"], BucketConfig(bucket_bytes=64, chunk_bytes=12)).fingerprint()
-    assert a != BucketLayout([3, 11, 5, 4], ["param"] * 3 + ["buffer"], BucketConfig(bucket_bytes=32, chunk_bytes=12)).fingerprint()
+    assert (
+        a
+        != BucketLayout(
+            [3, 10, 5, 4], ["param"] * 3 + ["buffer"], BucketConfig(bucket_bytes=64, chunk_bytes=12)
+        ).fingerprint()
+    )
+    assert (
+        a
+        != BucketLayout(
+            [3, 11, 5, 4], ["param"] * 3 + ["buffer"], BucketConfig(bucket_bytes=32, chunk_bytes=12)
+        ).fingerprint()
+    )
 
 
 def test_assign_owners_agrees_regardless_of_member_order() -> None:

@@ -162,7 +162,7 @@ def recording_task(spec):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("problem", ["corrupt", "other_site", "other_model", "unfit"])
 def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, tmp_path: Path) -> None:
-    from dtrain.worker import WorkerConfig, run_worker
+    from dtrain.app.worker import WorkerConfig, run_worker
 
     cdir = tmp_path / "site-0" / "checkpoints"
     if problem == "corrupt":
@@ -174,13 +174,24 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint="0123456789abcdef"))
     else:  # right site and layout, but a model state that does not fit: the recorder sees the attempt
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint=_fingerprint_of_tiny()))
-    cfg = WorkerConfig(site_id="site-0", size="tiny", task=f"{__name__}:recording_task", rendezvous="127.0.0.1:9",
-                       out_dir=str(tmp_path / "site-0"), resume=True, linger_s=0.0)
+    cfg = WorkerConfig(
+        site_id="site-0",
+        size="tiny",
+        task=f"{__name__}:recording_task",
+        rendezvous="127.0.0.1:9",
+        out_dir=str(tmp_path / "site-0"),
+        resume=True,
+        linger_s=0.0,
+    )
     LOADS.clear()
     with pytest.raises(CheckpointError) as e:
         run_worker(cfg)
-    words = {"corrupt": ["corrupt"], "other_site": ["site-1", "site-0"], "other_model": ["fingerprint", "0123456789abcdef"],
-             "unfit": ["does not fit this task"]}
+    words = {
+        "corrupt": ["corrupt"],
+        "other_site": ["site-1", "site-0"],
+        "other_model": ["fingerprint", "0123456789abcdef"],
+        "unfit": ["does not fit this task"],
+    }
     for w in words[problem]:
         assert w in str(e.value)
     # Refused checkpoints are never applied; the unfit one fails on the model (strict load, nothing copied).
@@ -189,16 +200,19 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
 
 
 def _fingerprint_of_tiny() -> str:
+    from dtrain.app.worker import WorkerConfig
     from dtrain.buckets import BucketConfig, BucketLayout
     from dtrain.tasks import TaskSpec, load_task
-    from dtrain.worker import WorkerConfig
 
     cfg = WorkerConfig(size="tiny")
     model = load_task("")(TaskSpec(site_index=0, num_sites=1, size="tiny")).model
     params = [p.numel() for p in model.parameters()]
     bufs = [b.numel() for b in model.buffers() if b.is_floating_point()]
-    return BucketLayout(params + bufs, ["param"] * len(params) + ["buffer"] * len(bufs),
-                        BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes)).fingerprint()
+    return BucketLayout(
+        params + bufs,
+        ["param"] * len(params) + ["buffer"] * len(bufs),
+        BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+    ).fingerprint()
 
 
 @pytest.mark.timeout(120)
@@ -208,12 +222,33 @@ def test_worker_with_resume_and_a_corrupt_checkpoint_exits_2_with_one_line(tmp_p
     (cdir / "ckpt-000005.pt").write_bytes(b"\x80\x02garbage" * 50)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(
-        [sys.executable, "-m", "dtrain", "worker", "--resume", "--size", "tiny", "--rendezvous", "127.0.0.1:9",
-         "--out-dir", str(tmp_path / "site-0"), "--log-level", "WARNING"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "worker",
+            "--resume",
+            "--size",
+            "tiny",
+            "--rendezvous",
+            "127.0.0.1:9",
+            "--out-dir",
+            str(tmp_path / "site-0"),
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("dtrain worker: error: checkpoint ") and "ckpt-000005.pt" in lines[0] and "corrupt" in lines[0]
+    assert (
+        lines[0].startswith("dtrain worker: error: checkpoint ")
+        and "ckpt-000005.pt" in lines[0]
+        and "corrupt" in lines[0]
+    )
     assert p.stdout == ""

@@ -1,7 +1,7 @@
 """Bad flags and bad TOML config files: exit code 2 and ONE line on stderr naming the
 field, for ``dtrain worker``, ``rendezvous`` and ``launch`` (issue 4).
 
-Most cases call ``dtrain.cli.main(argv)`` in-process (nothing starts: validation
+Most cases call ``dtrain.app.cli.main(argv)`` in-process (nothing starts: validation
 fails first); a few run ``python -m dtrain`` to check the real entry point.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.cli import main
+from dtrain.app.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 def files(tmp_path: Path) -> dict[str, str]:
     """TOML files, each wrong in one way, plus a valid token file."""
     texts = {
-        "unknown_worker": 'sync_every = 5\nbogus_key = 1\n',
+        "unknown_worker": "sync_every = 5\nbogus_key = 1\n",
         "wrong_type_worker": 'sync_every = "five"\n',
         "bool_for_int": "rounds = true\n",
         "syntax": "sync_every = \n",
@@ -114,7 +114,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv,words", CASES, ids=[c[0].split(" {")[0].replace(" ", "_") + f"-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "argv,words", CASES, ids=[c[0].split(" {")[0].replace(" ", "_") + f"-{i}" for i, c in enumerate(CASES)]
+)
 def test_bad_flag_or_config_exits_2_with_one_line_naming_the_field(argv: str, words: list[str], files, capsys) -> None:
     args = [a.format(**files) for a in argv.split()]
     rc, err = _run(args, capsys)
@@ -167,10 +169,19 @@ ENTRY_CASES = [
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("argv,field", ENTRY_CASES, ids=[f"{c[0].split()[0]}-{c[1]}" for c in ENTRY_CASES])
 def test_entry_point_exits_2_with_one_line(argv: str, field: str, files) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               GRPC_VERBOSITY="NONE")  # gRPC's C core logs a failed bind on its own line
-    p = subprocess.run([sys.executable, "-m", "dtrain", *[a.format(**files) for a in argv.split()]], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=80)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        GRPC_VERBOSITY="NONE",
+    )  # gRPC's C core logs a failed bind on its own line
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain", *[a.format(**files) for a in argv.split()]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert p.returncode == 2, p.stderr
     assert len(p.stderr.splitlines()) == 1 and field in p.stderr, p.stderr
     assert p.stdout == ""

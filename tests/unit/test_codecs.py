@@ -304,7 +304,9 @@ def test_max_encoded_bytes_is_an_upper_bound() -> None:
         c = get_codec(name)
         assert len(c.encode(x)) <= c.max_encoded_bytes(5000)
     assert get_codec("fp32").max_encoded_bytes(10) == HEADER_BYTES + 40
-    assert math.isclose(get_codec("int8").max_encoded_bytes(256 * 100) / (256 * 100 * 4), (256 + 4) / 1024, rel_tol=1e-2)
+    assert math.isclose(
+        get_codec("int8").max_encoded_bytes(256 * 100) / (256 * 100 * 4), (256 + 4) / 1024, rel_tol=1e-2
+    )
 
 
 # -------------------------------------------------------- stochastic rounding

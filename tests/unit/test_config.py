@@ -10,7 +10,7 @@ from dtrain.aggregation import AggregationConfig
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
 from dtrain.diloco import DiLoCoConfig
-from dtrain.group import GroupConfig
+from dtrain.membership import GroupConfig
 from dtrain.rendezvous import RendezvousConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig
@@ -28,9 +28,21 @@ CASES = [
     (BucketConfig, {"bucket_bytes": 0}, ["bucket_bytes", ">= 4"]),
     (BucketConfig, {"bucket_bytes": 1 << 20, "chunk_bytes": 2 << 20}, ["chunk_bytes", "[4, bucket_bytes=1048576]"]),
     (BucketConfig, {"chunk_bytes": 0}, ["chunk_bytes", "[4, bucket_bytes="]),
-    (RendezvousConfig, {"reduce_timeout_s": 20.0, "broadcast_timeout_s": 20.0}, ["broadcast_timeout_s", "must be > reduce_timeout_s"]),
-    (RendezvousConfig, {"reduce_timeout_s": 30.0, "broadcast_timeout_s": 20.0}, ["broadcast_timeout_s", "must be > reduce_timeout_s"]),
-    (RendezvousConfig, {"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 5.0}, ["heartbeat_timeout_s", "must be > heartbeat_interval_s"]),
+    (
+        RendezvousConfig,
+        {"reduce_timeout_s": 20.0, "broadcast_timeout_s": 20.0},
+        ["broadcast_timeout_s", "must be > reduce_timeout_s"],
+    ),
+    (
+        RendezvousConfig,
+        {"reduce_timeout_s": 30.0, "broadcast_timeout_s": 20.0},
+        ["broadcast_timeout_s", "must be > reduce_timeout_s"],
+    ),
+    (
+        RendezvousConfig,
+        {"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 5.0},
+        ["heartbeat_timeout_s", "must be > heartbeat_interval_s"],
+    ),
     (RendezvousConfig, {"min_sites": 0}, ["min_sites", ">= 1"]),
     (RendezvousConfig, {"min_sites": 3, "initial_sites": 2}, ["initial_sites", ">= min_sites (3)"]),
     (RendezvousConfig, {"quorum_timeout_s": 0}, ["quorum_timeout_s", "> 0"]),
@@ -46,7 +58,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cls,kwargs,words", CASES, ids=[f"{c.__name__}-{'-'.join(k)}-{i}" for i, (c, k, _) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "cls,kwargs,words", CASES, ids=[f"{c.__name__}-{'-'.join(k)}-{i}" for i, (c, k, _) in enumerate(CASES)]
+)
 def test_bad_config_names_field_and_allowed_values(cls, kwargs, words) -> None:
     with pytest.raises(ValueError) as e:
         cls(**kwargs)
@@ -56,7 +70,16 @@ def test_bad_config_names_field_and_allowed_values(cls, kwargs, words) -> None:
 
 
 def test_defaults_are_valid_and_frozen() -> None:
-    for cls in (DiLoCoConfig, CodecConfig, BucketConfig, RendezvousConfig, AggregationConfig, RoundConfig, GroupConfig, InprocFaults):
+    for cls in (
+        DiLoCoConfig,
+        CodecConfig,
+        BucketConfig,
+        RendezvousConfig,
+        AggregationConfig,
+        RoundConfig,
+        GroupConfig,
+        InprocFaults,
+    ):
         cfg = cls()
         with pytest.raises(Exception, match=re.compile("frozen|cannot assign", re.I)):
             setattr(cfg, next(iter(cfg.__dataclass_fields__)), None)

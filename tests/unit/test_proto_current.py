@@ -44,7 +44,12 @@ def test_committed_proto_modules_are_current(tmp_path: Path) -> None:
             problems.append(f"stale file in dtrain/_proto (no longer generated): {name}")
         elif fresh[name] != committed[name]:
             diff = difflib.unified_diff(
-                committed[name].splitlines(), fresh[name].splitlines(), f"committed/{name}", f"fresh/{name}", lineterm="", n=1
+                committed[name].splitlines(),
+                fresh[name].splitlines(),
+                f"committed/{name}",
+                f"fresh/{name}",
+                lineterm="",
+                n=1,
             )
             problems.append("\n".join(list(diff)[:20]))
     tools = importlib.metadata.version("grpcio-tools")

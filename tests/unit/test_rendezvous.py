@@ -8,12 +8,26 @@ from dtrain.rendezvous import RendezvousConfig, RendezvousCore, decide_quorum
 
 pytestmark = pytest.mark.timeout(30)
 
-CFG = RendezvousConfig(min_sites=2, initial_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=1.0,
-                       heartbeat_timeout_s=3.0, reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
+CFG = RendezvousConfig(
+    min_sites=2,
+    initial_sites=3,
+    quorum_timeout_s=5.0,
+    heartbeat_interval_s=1.0,
+    heartbeat_timeout_s=3.0,
+    reduce_timeout_s=10.0,
+    broadcast_timeout_s=20.0,
+)
 
 
-def _decide(*, round: int = 1, live: set[str], ready: dict[str, float], joined: int = 3, now: float = 100.0,
-            config: RendezvousConfig = CFG):
+def _decide(
+    *,
+    round: int = 1,
+    live: set[str],
+    ready: dict[str, float],
+    joined: int = 3,
+    now: float = 100.0,
+    config: RendezvousConfig = CFG,
+):
     return decide_quorum(round=round, live=live, ready=ready, joined_ever=joined, now=now, config=config)
 
 
@@ -63,8 +77,15 @@ def test_round_zero_waits_for_initial_sites() -> None:
 
 
 def _core(**kw) -> RendezvousCore:
-    base = dict(min_sites=1, initial_sites=2, quorum_timeout_s=5.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0,
-                reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
+    base = dict(
+        min_sites=1,
+        initial_sites=2,
+        quorum_timeout_s=5.0,
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=3.0,
+        reduce_timeout_s=10.0,
+        broadcast_timeout_s=20.0,
+    )
     base.update(kw)
     return RendezvousCore(RendezvousConfig(**base))
 

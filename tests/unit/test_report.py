@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.report import REPORT_FILES, make_report, summarize_run
+from dtrain.app.report import REPORT_FILES, make_report, summarize_run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,15 +26,38 @@ def _val_loss(site_index: int, r: int) -> float:
 
 def _round_line(site: str, i: int, r: int, *, members=SITES, checksum=CHECKSUM, rejected=None) -> dict:
     return {
-        "site": site, "event": "round", "round": r, "status": "applied", "reason": "quorum",
-        "members": list(members), "val_loss": _val_loss(i, r), "train_loss": _val_loss(i, r) + 0.05,
-        "inner_steps": 10 * (r + 1), "inner_s": 1.0, "sync_s": 0.5 + 0.1 * r,
-        "wall_s": 1.6 * (r + 1) + 0.1 * i, "time": 1.7e9 + r, "checksum": checksum,
-        "owned_buckets": 2, "applied_buckets": 6, "stale_buckets": 0, "repaired_buckets": 0, "skipped_buckets": 0,
-        "contributed": True, "reduce_arrived_fraction": 1.0, "broadcast_arrived_fraction": 1.0,
-        "included_fraction": 1.0, "bytes_sent": 1000 * (i + 1), "bytes_received": 2000,
-        "encode_s": 0.05, "decode_s": 0.04, "network_s": 0.3, "wait_s": 0.11 + 0.1 * r, "total_s": 0.5 + 0.1 * r,
-        "rejected": rejected or {}, "errors": [],
+        "site": site,
+        "event": "round",
+        "round": r,
+        "status": "applied",
+        "reason": "quorum",
+        "members": list(members),
+        "val_loss": _val_loss(i, r),
+        "train_loss": _val_loss(i, r) + 0.05,
+        "inner_steps": 10 * (r + 1),
+        "inner_s": 1.0,
+        "sync_s": 0.5 + 0.1 * r,
+        "wall_s": 1.6 * (r + 1) + 0.1 * i,
+        "time": 1.7e9 + r,
+        "checksum": checksum,
+        "owned_buckets": 2,
+        "applied_buckets": 6,
+        "stale_buckets": 0,
+        "repaired_buckets": 0,
+        "skipped_buckets": 0,
+        "contributed": True,
+        "reduce_arrived_fraction": 1.0,
+        "broadcast_arrived_fraction": 1.0,
+        "included_fraction": 1.0,
+        "bytes_sent": 1000 * (i + 1),
+        "bytes_received": 2000,
+        "encode_s": 0.05,
+        "decode_s": 0.04,
+        "network_s": 0.3,
+        "wait_s": 0.11 + 0.1 * r,
+        "total_s": 0.5 + 0.1 * r,
+        "rejected": rejected or {},
+        "errors": [],
     }
 
 
@@ -44,8 +67,17 @@ def _write_run(run_dir: Path, *, checksums=None, faulty_round=None, rejected_at=
     for i, site in enumerate(SITES):
         d = run_dir / site
         d.mkdir(parents=True)
-        lines = [{"site": site, "event": "start", "round": 0, "val_loss": _val_loss(i, -1), "wall_s": 0,
-                  "params": 1234, "time": 1.7e9}]
+        lines = [
+            {
+                "site": site,
+                "event": "start",
+                "round": 0,
+                "val_loss": _val_loss(i, -1),
+                "wall_s": 0,
+                "params": 1234,
+                "time": 1.7e9,
+            }
+        ]
         for r in range(NUM_ROUNDS):
             members = SITES
             if r == faulty_round:
@@ -59,13 +91,26 @@ def _write_run(run_dir: Path, *, checksums=None, faulty_round=None, rejected_at=
         if extra_lines and site in extra_lines:
             text += extra_lines[site]
         (d / "metrics.jsonl").write_text(text)
-        (d / "summary.json").write_text(json.dumps({
-            "site": site, "rounds": NUM_ROUNDS, "first_val_loss": _val_loss(i, -1),
-            "final_val_loss": _val_loss(i, NUM_ROUNDS - 1), "final_train_loss": 1.0,
-            "checksum": checksums.get(site, CHECKSUM), "wall_s": 10.0, "sync_share": 0.25 + 0.01 * i,
-            "bytes_sent": 5000, "bytes_received": 10000, "rounds_joined": NUM_ROUNDS,
-            "fp32_bytes_per_round": 4000, "compression_ratio": 4.0, "interrupted": False,
-        }))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "site": site,
+                    "rounds": NUM_ROUNDS,
+                    "first_val_loss": _val_loss(i, -1),
+                    "final_val_loss": _val_loss(i, NUM_ROUNDS - 1),
+                    "final_train_loss": 1.0,
+                    "checksum": checksums.get(site, CHECKSUM),
+                    "wall_s": 10.0,
+                    "sync_share": 0.25 + 0.01 * i,
+                    "bytes_sent": 5000,
+                    "bytes_received": 10000,
+                    "rounds_joined": NUM_ROUNDS,
+                    "fp32_bytes_per_round": 4000,
+                    "compression_ratio": 4.0,
+                    "interrupted": False,
+                }
+            )
+        )
     return run_dir
 
 
@@ -135,7 +180,7 @@ def test_faults_and_rejections_are_reported(tmp_path):
 def test_malformed_lines_are_skipped_with_warning(tmp_path, caplog):
     bad = '{"site": "site-a", "event": "round", "round": 5, "val_lo\n[1, 2]\n{"event": "round", "round": "x"}\n\n'
     run = _write_run(tmp_path / "run", extra_lines={"site-a": bad})
-    with caplog.at_level(logging.WARNING, logger="dtrain.report"):
+    with caplog.at_level(logging.WARNING, logger="dtrain.app.report"):
         written = make_report(run)
     assert len(written) == 5
     path = str(run / "site-a" / "metrics.jsonl")
@@ -152,8 +197,17 @@ def test_deferred_and_resumed_lines(tmp_path):
     run = _write_run(tmp_path / "run")
     f = run / "site-a" / "metrics.jsonl"
     lines = [json.loads(x) for x in f.read_text().splitlines()]
-    deferred = {"site": "site-a", "event": "round", "round": 4, "status": "deferred", "reason": "unreachable",
-                "members": [], "val_loss": 9.9, "wall_s": 20.0, "checksum": CHECKSUM}
+    deferred = {
+        "site": "site-a",
+        "event": "round",
+        "round": 4,
+        "status": "deferred",
+        "reason": "unreachable",
+        "members": [],
+        "val_loss": 9.9,
+        "wall_s": 20.0,
+        "checksum": CHECKSUM,
+    }
     restart = {"site": "site-a", "event": "start", "round": 4, "val_loss": 3.0, "wall_s": 0, "params": 1, "time": 0}
     redo = dict(lines[-1], val_loss=2.5, wall_s=1.0)
     f.write_text("".join(json.dumps(x) + "\n" for x in [*lines, deferred, restart, redo]))

@@ -22,11 +22,30 @@ from dtrain.status import (
 CFG = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 5.0, "quorum_timeout_s": 4.0, "broadcast_timeout_s": 20.0}
 
 LINE = {  # a worker metrics line (docs/METRICS.md), abridged
-    "site": "a", "event": "round", "round": 3, "status": "applied", "reason": "all 2 live sites are ready",
-    "members": ["a", "b"], "val_loss": 3.25, "train_loss": float("nan"), "inner_steps": 40, "inner_s": 1.0,
-    "sync_s": 0.5, "checksum": "abc", "reduce_arrived_fraction": 1.0, "broadcast_arrived_fraction": 0.5,
-    "included_fraction": 1.0, "bytes_sent": 1000, "bytes_received": 900, "stale_buckets": 1, "repaired_buckets": 1,
-    "skipped_buckets": 0, "contributed": True, "rejected": {"stale round": 2}, "errors": ["x", "y"], "time": 1.0e9,
+    "site": "a",
+    "event": "round",
+    "round": 3,
+    "status": "applied",
+    "reason": "all 2 live sites are ready",
+    "members": ["a", "b"],
+    "val_loss": 3.25,
+    "train_loss": float("nan"),
+    "inner_steps": 40,
+    "inner_s": 1.0,
+    "sync_s": 0.5,
+    "checksum": "abc",
+    "reduce_arrived_fraction": 1.0,
+    "broadcast_arrived_fraction": 0.5,
+    "included_fraction": 1.0,
+    "bytes_sent": 1000,
+    "bytes_received": 900,
+    "stale_buckets": 1,
+    "repaired_buckets": 1,
+    "skipped_buckets": 0,
+    "contributed": True,
+    "rejected": {"stale round": 2},
+    "errors": ["x", "y"],
+    "time": 1.0e9,
 }
 
 
@@ -78,8 +97,17 @@ def test_status_log_dedupes_by_seq_sums_totals_and_keeps_n_rounds() -> None:
 
 
 def _site(**kw) -> dict:
-    base = {"site_id": "a", "last_heartbeat": 100.0, "needs_resync": False, "joined_round": 0, "last_member_round": None,
-            "ready_since": None, "last_reported_round": None, "inner_step": 7, "left": False}
+    base = {
+        "site_id": "a",
+        "last_heartbeat": 100.0,
+        "needs_resync": False,
+        "joined_round": 0,
+        "last_member_round": None,
+        "ready_since": None,
+        "last_reported_round": None,
+        "inner_step": 7,
+        "left": False,
+    }
     return {**base, **kw}
 
 
@@ -108,13 +136,15 @@ def test_decide_site_state(site, now, plan, first_ready, state) -> None:
 
 
 def test_core_keeps_reports_plans_and_departed_sites_in_its_snapshot() -> None:
-    core = RendezvousCore(RendezvousConfig(heartbeat_timeout_s=5.0, initial_sites=2))
+    core = RendezvousCore(RendezvousConfig(heartbeat_timeout_s=5.0, initial_sites=2), reports=StatusLog())
     core.join("a", "h:1", now=0.0)
     core.join("b", "h:2", now=0.0)
     core.ready("a", 0, now=0.1)
     assert core.ready("b", 0, now=0.2).status == "plan"
     rep_a = json.dumps({**round_report({**LINE, "round": 0}), "seq": 1})
-    rep_b = json.dumps({**round_report({**LINE, "site": "b", "round": 0, "sync_s": 0.7, "reduce_arrived_fraction": 0.5}), "seq": 1})
+    rep_b = json.dumps(
+        {**round_report({**LINE, "site": "b", "round": 0, "sync_s": 0.7, "reduce_arrived_fraction": 0.5}), "seq": 1}
+    )
     core.heartbeat("a", now=0.5, inner_step=10, last_loss=4.0, round_reports=[rep_a])
     core.heartbeat("b", now=0.5, inner_step=10, round_reports=[rep_b, "not json"])
     core.ready("a", 1, now=0.6)  # a waits for round 1
@@ -144,8 +174,20 @@ def test_resynced_reports_are_notes_not_round_aggregates() -> None:
     log = StatusLog()
     log.add_plan(5, ["a", "b"], now=0.0)
     log.add_reports("a", [_raw(1, round=5)])
-    log.add_reports("c", [json.dumps({**round_report({**LINE, "site": "c"}), "round": 5, "seq": 1, "status": "resynced",
-                                      "reason": "round 5 started without c (straggler)"})])
+    log.add_reports(
+        "c",
+        [
+            json.dumps(
+                {
+                    **round_report({**LINE, "site": "c"}),
+                    "round": 5,
+                    "seq": 1,
+                    "status": "resynced",
+                    "reason": "round 5 started without c (straggler)",
+                }
+            )
+        ],
+    )
     snap = {"now": 1.0, "next_round": 6, "config": CFG, "sites": {}, "status": log.snapshot()}
     (row,) = build_status(snap)["rounds"]
     assert row["num_reported"] == 1 and row["bytes_sent"] == 1000
@@ -157,15 +199,16 @@ def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unr
     import time
     from types import SimpleNamespace
 
-    from dtrain.group import Group
+    from dtrain.membership import Group
     from dtrain.rendezvous import InprocRendezvousClient
 
-    core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0))
+    core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0), reports=StatusLog())
     client = InprocRendezvousClient(core)
     engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
     group = Group(engine, client)  # type: ignore[arg-type]
     group.join()
     try:
+
         def reports() -> int:
             return core.snapshot(now=time.monotonic())["status"]["totals"].get("a", {}).get("num_reports", 0)
 

@@ -92,7 +92,9 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, optional
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = (), group_title: str | None = None) -> list[str]:
+def _add_fields(
+    parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[str, ...] = (), group_title: str | None = None
+) -> list[str]:
     hints = typing.get_type_hints(cls)
     target = parser.add_argument_group(group_title) if group_title else parser
     names = []
@@ -104,10 +106,18 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, *, exclude: tuple[st
         default = f.default if f.default is not dataclasses.MISSING else None
         help_ = f"(default: {default!r})"
         if tp is bool:
-            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+            target.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_
+            )
         else:
-            target.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str, default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), help=help_)
+            target.add_argument(
+                flag,
+                dest=f.name,
+                type=tp if tp in (int, float) else str,
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=help_,
+            )
         names.append(f.name)
     return names
 
@@ -121,9 +131,13 @@ def _check_toml_types(cls: type, values: dict, path: str) -> dict:
         if key not in known:
             raise UsageError(f"config: {path}: unknown field {k!r} (allowed: {', '.join(sorted(known))})")
         tp, optional = _base_type(hints[key])
-        ok = (v is None and optional) or (tp is float and isinstance(v, (int, float)) and not isinstance(v, bool)) or (
-            tp is int and isinstance(v, int) and not isinstance(v, bool)) or (tp is bool and isinstance(v, bool)) or (
-            tp is str and isinstance(v, str))
+        ok = (
+            (v is None and optional)
+            or (tp is float and isinstance(v, (int, float)) and not isinstance(v, bool))
+            or (tp is int and isinstance(v, int) and not isinstance(v, bool))
+            or (tp is bool and isinstance(v, bool))
+            or (tp is str and isinstance(v, str))
+        )
         if not ok:
             raise UsageError(f"config: {path}: field {key!r} must be {tp.__name__}, got {v!r}")
         out[key] = float(v) if tp is float else v
@@ -143,14 +157,17 @@ def _build(cls: type, ns: argparse.Namespace, names: list[str], extra: dict | No
 
 
 def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 # ------------------------------------------------------------------ worker
 def _cmd_worker(ns: argparse.Namespace, names: list[str]) -> int:
+    from dtrain.app.worker import WorkerConfig, install_signal_handlers, run_worker
     from dtrain.errors import CheckpointError, QuorumTimeout, RendezvousError
-    from dtrain.worker import WorkerConfig, install_signal_handlers, run_worker
 
     cfg = _build(WorkerConfig, ns, names)
     check_task(cfg.task)
@@ -184,7 +201,8 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
     import signal
 
     from dtrain.rendezvous import RendezvousConfig, RendezvousCore
-    from dtrain.rendezvous_grpc import serve_rendezvous
+    from dtrain.rendezvous.grpc import serve_rendezvous
+    from dtrain.status import StatusLog
     from dtrain.transports.grpc_common import GrpcTransportConfig
 
     cfg = _build(RendezvousConfig, ns, names)
@@ -198,14 +216,16 @@ def _cmd_rendezvous(ns: argparse.Namespace, names: list[str]) -> int:
         raise UsageError(f"token_file must be an existing file, got {ns.token_file!r}")
     token = Path(ns.token_file).read_text().strip() if ns.token_file else None
     _setup_logging(ns.log_level)
-    core = RendezvousCore(cfg)
+    core = RendezvousCore(cfg, reports=StatusLog())
     try:
-        server = serve_rendezvous(core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64))
+        server = serve_rendezvous(
+            core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64)
+        )
     except OSError as e:
         raise UsageError(f"bind: cannot listen on {ns.bind!r}: {e}") from None
     status = None
     if http_bind is not None:  # the read-only status page (dtrain/status_http.py), on its own thread
-        from dtrain.status_http import serve_status
+        from dtrain.status.http import serve_status
 
         try:
             status = serve_status(core, http_bind, refresh_s=ns.http_refresh_s)
@@ -237,11 +257,11 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
     """The argument parser. The WorkerConfig flags (whose import loads torch, seconds on
     a busy machine) are added only for ``command`` ``worker`` or ``launch``, so
     ``dtrain rendezvous`` and ``dtrain report`` start fast."""
-    from dtrain.launch import PER_SITE_FIELDS
+    from dtrain.app.launch import PER_SITE_FIELDS
     from dtrain.rendezvous import RendezvousConfig
 
     if command in ("worker", "launch"):
-        from dtrain.worker import WorkerConfig
+        from dtrain.app.worker import WorkerConfig
 
     def add_worker_fields(parser: argparse.ArgumentParser, **kw) -> list[str]:
         return _add_fields(parser, WorkerConfig, **kw) if command in ("worker", "launch") else []
@@ -260,11 +280,17 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
     r.add_argument("--bind", default="127.0.0.1:29400", help="host:port to listen on (port 0: any)")
     r.add_argument("--address-file", help="write the bound host:port here once listening")
     r.add_argument("--token-file", help="file holding the shared token")
-    r.add_argument("--http-bind", default=None, metavar="HOST:PORT",
-                   help="serve the read-only status page (/, /api/status, /metrics) here (port 0: any free port; "
-                        "no authentication: keep it on 127.0.0.1 or a private address); default: off")
+    r.add_argument(
+        "--http-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the read-only status page (/, /api/status, /metrics) here (port 0: any free port; "
+        "no authentication: keep it on 127.0.0.1 or a private address); default: off",
+    )
     r.add_argument("--http-address-file", help="write the status page's URL here once listening")
-    r.add_argument("--http-refresh-s", type=float, default=2.0, help="status page refresh interval, seconds (default: 2)")
+    r.add_argument(
+        "--http-refresh-s", type=float, default=2.0, help="status page refresh interval, seconds (default: 2)"
+    )
     r.add_argument("--log-level", default="INFO")
     names["rendezvous"] = _add_fields(r, RendezvousConfig)
 
@@ -273,10 +299,16 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
     la.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     la.add_argument("--netem", default=None, help="run each site in its own network namespace with this link profile")
     la.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    la.add_argument("--http-bind", default=None, metavar="HOST:PORT",
-                    help="the rendezvous's status page address, or 'off' (default: 127.0.0.1 on a free port; "
-                         "off with --netem); the URL is printed at start")
-    la.add_argument("--http-port", type=int, default=None, help="status page on 127.0.0.1:PORT (shorthand for --http-bind)")
+    la.add_argument(
+        "--http-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="the rendezvous's status page address, or 'off' (default: 127.0.0.1 on a free port; "
+        "off with --netem); the URL is printed at start",
+    )
+    la.add_argument(
+        "--http-port", type=int, default=None, help="status page on 127.0.0.1:PORT (shorthand for --http-bind)"
+    )
     la.add_argument("--config", help="TOML file with WorkerConfig fields for every site")
     la.add_argument("--log-level", default="INFO")
     names["launch_worker"] = add_worker_fields(la, exclude=PER_SITE_FIELDS, group_title="worker settings (every site)")
@@ -313,11 +345,11 @@ def _dispatch(ns: argparse.Namespace, names: dict[str, list[str]]) -> int:
         if ns.command == "rendezvous":
             return _cmd_rendezvous(ns, names["rendezvous"])
         if ns.command == "launch":
-            from dtrain.launch import run_launch
+            from dtrain.app.launch import run_launch
 
             return run_launch(ns, names["launch_worker"], names["launch_rendezvous"])
         if ns.command == "report":
-            from dtrain.report import make_report
+            from dtrain.app.report import make_report
 
             try:
                 paths = make_report(ns.run_dir)

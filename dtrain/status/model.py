@@ -56,11 +56,27 @@ _STRS = "strs"
 _COUNTS = "counts"
 #: Fields of a round report (a subset of the worker's metrics line, docs/METRICS.md) and their kinds.
 REPORT_FIELDS: dict[str, str] = {
-    "site": _STR, "round": _INT, "status": _STR, "reason": _STR, "members": _STRS,
-    "val_loss": _NUM, "train_loss": _NUM, "inner_steps": _INT, "sync_s": _NUM,
-    "reduce_arrived_fraction": _NUM, "broadcast_arrived_fraction": _NUM, "included_fraction": _NUM,
-    "bytes_sent": _INT, "bytes_received": _INT, "stale_buckets": _INT, "repaired_buckets": _INT,
-    "skipped_buckets": _INT, "contributed": _BOOL, "rejected": _COUNTS, "num_errors": _INT, "time": _NUM,
+    "site": _STR,
+    "round": _INT,
+    "status": _STR,
+    "reason": _STR,
+    "members": _STRS,
+    "val_loss": _NUM,
+    "train_loss": _NUM,
+    "inner_steps": _INT,
+    "sync_s": _NUM,
+    "reduce_arrived_fraction": _NUM,
+    "broadcast_arrived_fraction": _NUM,
+    "included_fraction": _NUM,
+    "bytes_sent": _INT,
+    "bytes_received": _INT,
+    "stale_buckets": _INT,
+    "repaired_buckets": _INT,
+    "skipped_buckets": _INT,
+    "contributed": _BOOL,
+    "rejected": _COUNTS,
+    "num_errors": _INT,
+    "time": _NUM,
 }
 SITE_STATES = ("training", "in round", "late", "dead", "joining", "left")
 
@@ -98,8 +114,13 @@ def _clean(kind: str, v: Any) -> tuple[bool, Any]:
         ok = isinstance(v, list) and len(v) <= _MAX_LIST and all(isinstance(x, str) for x in v)
         return (True, [x[:_MAX_STR] for x in v]) if ok else (False, None)
     if kind == _COUNTS:
-        ok = isinstance(v, dict) and len(v) <= _MAX_REJECT_REASONS and all(
-            isinstance(k, str) and isinstance(c, int) and not isinstance(c, bool) and c >= 0 for k, c in v.items())
+        ok = (
+            isinstance(v, dict)
+            and len(v) <= _MAX_REJECT_REASONS
+            and all(
+                isinstance(k, str) and isinstance(c, int) and not isinstance(c, bool) and c >= 0 for k, c in v.items()
+            )
+        )
         return (True, {k[:_MAX_STR]: c for k, c in v.items()}) if ok else (False, None)
     raise AssertionError(kind)
 
@@ -191,8 +212,12 @@ class StatusLog:
         stored = 0
         if len(raws) > MAX_REPORTS_PER_HEARTBEAT:
             self.num_dropped += len(raws) - MAX_REPORTS_PER_HEARTBEAT
-            log.warning("status: %s sent %d reports in one heartbeat; keeping the first %d",
-                        site_id, len(raws), MAX_REPORTS_PER_HEARTBEAT)
+            log.warning(
+                "status: %s sent %d reports in one heartbeat; keeping the first %d",
+                site_id,
+                len(raws),
+                MAX_REPORTS_PER_HEARTBEAT,
+            )
             raws = raws[:MAX_REPORTS_PER_HEARTBEAT]
         t = self.totals.setdefault(site_id, _SiteTotals())
         for raw in raws:
@@ -221,17 +246,29 @@ class StatusLog:
             "rounds": {r: dict(by_site) for r, by_site in self.rounds.items()},
             "plans": {r: dict(p) for r, p in self.plans.items()},
             "totals": {
-                s: {"num_reports": t.num_reports, "bytes_sent": t.bytes_sent, "bytes_received": t.bytes_received,
-                    "stale_buckets": t.stale_buckets, "repaired_buckets": t.repaired_buckets,
-                    "rejected": dict(t.rejected), "last": t.last}
+                s: {
+                    "num_reports": t.num_reports,
+                    "bytes_sent": t.bytes_sent,
+                    "bytes_received": t.bytes_received,
+                    "stale_buckets": t.stale_buckets,
+                    "repaired_buckets": t.repaired_buckets,
+                    "rejected": dict(t.rejected),
+                    "last": t.last,
+                }
                 for s, t in self.totals.items()
             },
             "num_dropped": self.num_dropped,
         }
 
 
-def decide_site_state(site: Mapping[str, Any], *, now: float, config: Mapping[str, float], newest_plan: Mapping[str, Any] | None,
-                      first_ready_at: float | None) -> tuple[str, str]:
+def decide_site_state(
+    site: Mapping[str, Any],
+    *,
+    now: float,
+    config: Mapping[str, float],
+    newest_plan: Mapping[str, Any] | None,
+    first_ready_at: float | None,
+) -> tuple[str, str]:
     """Decide what a site is doing, for the status page.
 
     Args:
@@ -267,7 +304,10 @@ def decide_site_state(site: Mapping[str, Any], *, now: float, config: Mapping[st
         if (reported is None or reported < newest_plan["round"]) and in_flight:
             return "in round", f"round {newest_plan['round']} in progress"
     if first_ready_at is not None and now - first_ready_at > config["quorum_timeout_s"] / 2:
-        return "late", f"others have waited {now - first_ready_at:.1f}s for it (quorum timeout {config['quorum_timeout_s']:g}s)"
+        return (
+            "late",
+            f"others have waited {now - first_ready_at:.1f}s for it (quorum timeout {config['quorum_timeout_s']:g}s)",
+        )
     return "training", f"inner step {site.get('inner_step', 0)}"
 
 
@@ -305,7 +345,11 @@ def _round_row(r: int, plan: Mapping[str, Any] | None, reports: Mapping[str, dic
         "stale_buckets": sum(vals("stale_buckets")),
         "repaired_buckets": sum(vals("repaired_buckets")),
         "rejected": rejected,
-        "notes": [f"{s}: {rep.get('status')} ({rep.get('reason', '')})" for s, rep in sorted(reports.items()) if s not in applied],
+        "notes": [
+            f"{s}: {rep.get('status')} ({rep.get('reason', '')})"
+            for s, rep in sorted(reports.items())
+            if s not in applied
+        ],
         "sites": {s: dict(rep) for s, rep in sorted(reports.items())},
     }
 
@@ -332,20 +376,37 @@ def build_status(snap: Mapping[str, Any], *, num_rounds: int = 20) -> dict:
     for sid, s in sorted(snap["sites"].items()):
         tot = status_log["totals"].get(sid, {})
         last = tot.get("last") or {}
-        state, reason = decide_site_state({**s, "site_id": sid, "last_reported_round": last.get("round")}, now=now,
-                                          config=snap["config"], newest_plan=newest_plan, first_ready_at=snap.get("first_ready_at"))
-        sites.append({
-            "site_id": sid, "state": state, "state_reason": reason, "address": s["address"],
-            "heartbeat_age_s": now - s["last_heartbeat"], "rounds_joined": s["rounds_joined"],
-            "inner_step": s["inner_step"], "train_loss": s["last_loss"],
-            "val_loss": last.get("val_loss"), "last_reported_round": last.get("round"),
-            "last_sync_s": last.get("sync_s"), "last_status": last.get("status"),
-            "reduce_arrived_fraction": last.get("reduce_arrived_fraction"),
-            "broadcast_arrived_fraction": last.get("broadcast_arrived_fraction"),
-            "num_reports": tot.get("num_reports", 0), "bytes_sent_total": tot.get("bytes_sent", 0),
-            "bytes_received_total": tot.get("bytes_received", 0), "stale_buckets_total": tot.get("stale_buckets", 0),
-            "repaired_buckets_total": tot.get("repaired_buckets", 0), "rejected_total": tot.get("rejected", {}),
-        })
+        state, reason = decide_site_state(
+            {**s, "site_id": sid, "last_reported_round": last.get("round")},
+            now=now,
+            config=snap["config"],
+            newest_plan=newest_plan,
+            first_ready_at=snap.get("first_ready_at"),
+        )
+        sites.append(
+            {
+                "site_id": sid,
+                "state": state,
+                "state_reason": reason,
+                "address": s["address"],
+                "heartbeat_age_s": now - s["last_heartbeat"],
+                "rounds_joined": s["rounds_joined"],
+                "inner_step": s["inner_step"],
+                "train_loss": s["last_loss"],
+                "val_loss": last.get("val_loss"),
+                "last_reported_round": last.get("round"),
+                "last_sync_s": last.get("sync_s"),
+                "last_status": last.get("status"),
+                "reduce_arrived_fraction": last.get("reduce_arrived_fraction"),
+                "broadcast_arrived_fraction": last.get("broadcast_arrived_fraction"),
+                "num_reports": tot.get("num_reports", 0),
+                "bytes_sent_total": tot.get("bytes_sent", 0),
+                "bytes_received_total": tot.get("bytes_received", 0),
+                "stale_buckets_total": tot.get("stale_buckets", 0),
+                "repaired_buckets_total": tot.get("repaired_buckets", 0),
+                "rejected_total": tot.get("rejected", {}),
+            }
+        )
     all_rounds = sorted(set(status_log["rounds"]) | set(plans), reverse=True)
     rows = [_round_row(r, plans.get(r), status_log["rounds"].get(r, {})) for r in all_rounds[:num_rounds]]
     series: dict[str, dict[str, list]] = {}
@@ -359,12 +420,14 @@ def build_status(snap: Mapping[str, Any], *, num_rounds: int = 20) -> dict:
     counts = {st: 0 for st in SITE_STATES}
     for s in sites:
         counts[s["state"]] += 1
-    return _json_safe({
-        "next_round": snap["next_round"],
-        "config": dict(snap["config"]),
-        "site_counts": counts,
-        "sites": sites,
-        "rounds": rows,
-        "series": dict(sorted(series.items())),
-        "num_reports_dropped": status_log["num_dropped"],
-    })
+    return _json_safe(
+        {
+            "next_round": snap["next_round"],
+            "config": dict(snap["config"]),
+            "site_counts": counts,
+            "sites": sites,
+            "rounds": rows,
+            "series": dict(sorted(series.items())),
+            "num_reports_dropped": status_log["num_dropped"],
+        }
+    )

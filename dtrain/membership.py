@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 class RendezvousClient(Protocol):
     def join(self, site_id: str, address: str) -> JoinInfo: ...
-    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss: float | None = None,
-                  round_reports: Sequence[str] = ()) -> HeartbeatInfo: ...
+    def heartbeat(
+        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+    ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
 
@@ -134,13 +135,20 @@ class Group:
         info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, addr), timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
         if info.needs_state and self.engine.state.rounds_applied < info.next_round:
-            log.info("%s joins at round %d: pulling state from %s", self.site_id, info.next_round, [m.site_id for m in info.members])
+            log.info(
+                "%s joins at round %d: pulling state from %s",
+                self.site_id,
+                info.next_round,
+                [m.site_id for m in info.members],
+            )
             info = self._pull_state(info)
         self.joined = True
         self._rejoin_needed.clear()
         self._resync_needed.clear()
         if self._hb_thread is None:
-            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.site_id}", daemon=True)
+            self._hb_thread = threading.Thread(
+                target=self._heartbeat_loop, name=f"heartbeat-{self.site_id}", daemon=True
+            )
             self._hb_thread.start()
         return info
 
@@ -206,14 +214,20 @@ class Group:
                 return info
             try:
                 pull_full_state(
-                    st, self.engine.transport, list(info.members), requester=self.site_id,
-                    timeout_s=max(0.1, deadline - time.monotonic()), min_round=info.next_round,
+                    st,
+                    self.engine.transport,
+                    list(info.members),
+                    requester=self.site_id,
+                    timeout_s=max(0.1, deadline - time.monotonic()),
+                    min_round=info.next_round,
                 )
                 return info
             except StateTransferError as e:
                 if time.monotonic() + 0.2 >= deadline:
                     raise
-                log.warning("%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e)
+                log.warning(
+                    "%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e
+                )
             time.sleep(0.2)
             info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
 

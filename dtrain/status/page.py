@@ -109,8 +109,14 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def svg_line_chart(
-    series: Mapping[str, Sequence[Sequence[float]]], *, chart_id: str, title: str, y_label: str,
-    colors: Mapping[str, str], width: int = 560, height: int = 260,
+    series: Mapping[str, Sequence[Sequence[float]]],
+    *,
+    chart_id: str,
+    title: str,
+    y_label: str,
+    colors: Mapping[str, str],
+    width: int = 560,
+    height: int = 260,
 ) -> str:
     """One inline SVG line chart: a line per series of ``[x, y]`` points (x: round).
 
@@ -125,11 +131,15 @@ def svg_line_chart(
     left, right, top, bottom = 56, 96, 28, 36
     pw, ph = width - left - right, height - top - bottom
     pts = [(float(x), float(y)) for s in series.values() for x, y in s]
-    out = [f'<svg id="{escape(chart_id)}" class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
-           f'<text class="title" x="{left}" y="17">{escape(title)}</text>']
+    out = [
+        f'<svg id="{escape(chart_id)}" class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
+        f'<text class="title" x="{left}" y="17">{escape(title)}</text>',
+    ]
     if not pts:
-        out.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle">no rounds reported yet</text></svg>')
+        out.append(
+            f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle">no rounds reported yet</text></svg>'
+        )
         return "".join(out)
     x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
     y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
@@ -145,26 +155,34 @@ def svg_line_chart(
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
     for t in _nice_ticks(y0, y1):
-        out.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
-                   f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+        out.append(
+            f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
+            f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>'
+        )
     for t in _nice_ticks(x0, x1, n=8):
         if abs(t - round(t)) < 1e-9:
             out.append(f'<text x="{sx(t):.1f}" y="{top + ph + 16}" text-anchor="middle">{int(round(t))}</text>')
-    out.append(f'<line class="axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}"/>'
-               f'<line class="axis" x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}"/>'
-               f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle">round</text>'
-               f'<text transform="translate(13,{top + ph / 2}) rotate(-90)" text-anchor="middle">{escape(y_label)}</text>')
+    out.append(
+        f'<line class="axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + ph}"/>'
+        f'<line class="axis" x1="{left}" x2="{left + pw}" y1="{top + ph}" y2="{top + ph}"/>'
+        f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle">round</text>'
+        f'<text transform="translate(13,{top + ph / 2}) rotate(-90)" text-anchor="middle">{escape(y_label)}</text>'
+    )
     for i, (name, s) in enumerate(sorted((n, s) for n, s in series.items() if s)):
         color = escape(colors.get(name, PALETTE[i % len(PALETTE)]))
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
         dash = DASHES[i % len(DASHES)]  # consistent sites have equal losses: dashes keep overlapping lines visible
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<polyline data-series="{escape(name)}" fill="none" stroke="{color}" stroke-width="2"{dash_attr} points="{path}"/>')
+        out.append(
+            f'<polyline data-series="{escape(name)}" fill="none" stroke="{color}" stroke-width="2"{dash_attr} points="{path}"/>'
+        )
         if len(s) <= 60:
             out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"/>' for x, y in s)
         ly = top + 8 + 16 * i
-        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="3"{dash_attr}/>'
-                   f'<text x="{left + pw + 30}" y="{ly + 4}">{escape(name)}</text>')
+        out.append(
+            f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="3"{dash_attr}/>'
+            f'<text x="{left + pw + 30}" y="{ly + 4}">{escape(name)}</text>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -179,14 +197,16 @@ def _sites_table(status: Mapping[str, Any]) -> str:
             f'<tr data-site="{sid}" data-state="{escape(st)}" class="{"dead" if st in ("dead", "left") else ""}">'
             f'<td class="l">{sid}</td><td class="l">{escape(s["address"])}</td>'
             f'<td class="l"><span class="st st-{escape(st.replace(" ", "-"))}" title="{escape(s["state_reason"])}">{escape(st)}</span></td>'
-            f'<td>{s["heartbeat_age_s"]:.1f} s</td><td>{s["rounds_joined"]}</td><td>{s["inner_step"]}</td>'
-            f'<td>{_num(s["val_loss"])}</td><td>{_num(s["train_loss"])}</td><td>{_num(s["last_reported_round"], "{}")}</td>'
-            f'<td>{_num(s["last_sync_s"], "{:.2f} s")}</td><td>{_bytes(s["bytes_sent_total"])}</td>'
+            f"<td>{s['heartbeat_age_s']:.1f} s</td><td>{s['rounds_joined']}</td><td>{s['inner_step']}</td>"
+            f"<td>{_num(s['val_loss'])}</td><td>{_num(s['train_loss'])}</td><td>{_num(s['last_reported_round'], '{}')}</td>"
+            f"<td>{_num(s['last_sync_s'], '{:.2f} s')}</td><td>{_bytes(s['bytes_sent_total'])}</td>"
             f'<td class="l wrap">{escape(s["state_reason"])}</td></tr>'
         )
-    head = ("<tr><th class=l>site</th><th class=l>address</th><th class=l>state</th><th>last heartbeat</th>"
-            "<th>rounds joined</th><th>inner step</th><th>val loss</th><th>train loss</th><th>last round</th>"
-            "<th>last sync</th><th>sent</th><th class=l>why</th></tr>")
+    head = (
+        "<tr><th class=l>site</th><th class=l>address</th><th class=l>state</th><th>last heartbeat</th>"
+        "<th>rounds joined</th><th>inner step</th><th>val loss</th><th>train loss</th><th>last round</th>"
+        "<th>last sync</th><th>sent</th><th class=l>why</th></tr>"
+    )
     body = "".join(rows) or '<tr><td class="l" colspan="12">no site has joined yet</td></tr>'
     return f'<table id="sites"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
@@ -197,16 +217,18 @@ def _rounds_table(status: Mapping[str, Any]) -> str:
         members = r["members"]
         rows.append(
             f'<tr data-round="{r["round"]}"><td>{r["round"]}</td><td class="l">{escape(", ".join(members))}</td>'
-            f'<td>{r["num_reported"]}/{len(members)}</td>'
-            f'<td>{_frac(r["reduce_arrived_fraction_min"])}</td><td>{_frac(r["broadcast_arrived_fraction_min"])}</td>'
-            f'<td>{_num(r["sync_s_max"], "{:.2f} s")}</td><td>{_bytes(r["bytes_sent"])}</td>'
-            f'<td>{r["stale_buckets"]} / {r["repaired_buckets"]}</td>'
+            f"<td>{r['num_reported']}/{len(members)}</td>"
+            f"<td>{_frac(r['reduce_arrived_fraction_min'])}</td><td>{_frac(r['broadcast_arrived_fraction_min'])}</td>"
+            f"<td>{_num(r['sync_s_max'], '{:.2f} s')}</td><td>{_bytes(r['bytes_sent'])}</td>"
+            f"<td>{r['stale_buckets']} / {r['repaired_buckets']}</td>"
             f'<td class="l wrap">{_reasons(r["rejected"])}</td>'
             f'<td class="l wrap">{escape("; ".join(r["notes"])) or "–"}</td></tr>'
         )
-    head = ("<tr><th>round</th><th class=l>members</th><th>reported</th><th>reduce arrived (min)</th>"
-            "<th>broadcast arrived (min)</th><th>sync (max)</th><th>sent</th><th>stale / repaired</th>"
-            "<th class=l>rejected (reason: count)</th><th class=l>notes</th></tr>")
+    head = (
+        "<tr><th>round</th><th class=l>members</th><th>reported</th><th>reduce arrived (min)</th>"
+        "<th>broadcast arrived (min)</th><th>sync (max)</th><th>sent</th><th>stale / repaired</th>"
+        "<th class=l>rejected (reason: count)</th><th class=l>notes</th></tr>"
+    )
     body = "".join(rows) or '<tr><td class="l" colspan="10">no round has formed yet</td></tr>'
     return f'<table id="rounds"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
@@ -218,21 +240,36 @@ def render_fragment(status: Mapping[str, Any], *, now_unix: float | None = None)
     colors = {s["site_id"]: PALETTE[i % len(PALETTE)] for i, s in enumerate(status["sites"])}
     when = time.strftime("%H:%M:%S", time.localtime(now_unix if now_unix is not None else time.time()))
     dropped = status["num_reports_dropped"]
-    return "".join([
-        f'<div class="meta"><span class="big">round <span id="round-counter">{status["next_round"]}</span></span>'
-        f' (rounds formed so far) · sites: {counts} · updated {when}</div>',
-        f'<div class="meta">heartbeat every {cfg["heartbeat_interval_s"]:g} s, dead after {cfg["heartbeat_timeout_s"]:g} s'
-        f' · quorum timeout {cfg["quorum_timeout_s"]:g} s · min sites {cfg["min_sites"]}'
-        + (f' · <span class="warn">{dropped} bad round reports dropped</span>' if dropped else "") + "</div>",
-        "<h2>Sites</h2>", _sites_table(status),
-        '<h2>Charts</h2><div class="charts">',
-        svg_line_chart({k: v["val_loss"] for k, v in status["series"].items()}, chart_id="chart-val-loss",
-                       title="validation loss per round", y_label="nats/token", colors=colors),
-        svg_line_chart({k: v["sync_s"] for k, v in status["series"].items()}, chart_id="chart-sync",
-                       title="sync time per round", y_label="seconds", colors=colors),
-        "</div>",
-        f'<h2>Rounds (newest {len(status["rounds"])})</h2>', _rounds_table(status),
-    ])
+    return "".join(
+        [
+            f'<div class="meta"><span class="big">round <span id="round-counter">{status["next_round"]}</span></span>'
+            f" (rounds formed so far) · sites: {counts} · updated {when}</div>",
+            f'<div class="meta">heartbeat every {cfg["heartbeat_interval_s"]:g} s, dead after {cfg["heartbeat_timeout_s"]:g} s'
+            f" · quorum timeout {cfg['quorum_timeout_s']:g} s · min sites {cfg['min_sites']}"
+            + (f' · <span class="warn">{dropped} bad round reports dropped</span>' if dropped else "")
+            + "</div>",
+            "<h2>Sites</h2>",
+            _sites_table(status),
+            '<h2>Charts</h2><div class="charts">',
+            svg_line_chart(
+                {k: v["val_loss"] for k, v in status["series"].items()},
+                chart_id="chart-val-loss",
+                title="validation loss per round",
+                y_label="nats/token",
+                colors=colors,
+            ),
+            svg_line_chart(
+                {k: v["sync_s"] for k, v in status["series"].items()},
+                chart_id="chart-sync",
+                title="sync time per round",
+                y_label="seconds",
+                colors=colors,
+            ),
+            "</div>",
+            f"<h2>Rounds (newest {len(status['rounds'])})</h2>",
+            _rounds_table(status),
+        ]
+    )
 
 
 def render_page(status: Mapping[str, Any], *, refresh_s: float = 2.0, now_unix: float | None = None) -> str:
@@ -242,7 +279,7 @@ def render_page(status: Mapping[str, Any], *, refresh_s: float = 2.0, now_unix: 
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f'<noscript><meta http-equiv="refresh" content="{max(1, round(refresh_s))}"></noscript>'
         f"<title>dtrain status</title><style>{STYLE}</style></head><body>"
-        '<h1>dtrain · rendezvous status</h1>'
+        "<h1>dtrain · rendezvous status</h1>"
         f'<div class="meta">read-only; refreshes every {refresh_s:g} s · JSON: <a href="api/status">/api/status</a> ·'
         ' Prometheus: <a href="metrics">/metrics</a></div>'
         '<div id="conn" hidden></div>'

@@ -3,7 +3,7 @@
 The rendezvous knows who is alive (heartbeats), who is ready for round r, and
 forms each round's quorum. Decisions are pure functions of the state and
 ``now`` that return the decision and a reason string, which is logged on both
-sides. The gRPC service (``dtrain.rendezvous_grpc``) and the in-process client
+sides. The gRPC service (``dtrain.rendezvous.grpc``) and the in-process client
 (:class:`InprocRendezvousClient`) both wrap :class:`RendezvousCore`.
 
 Quorum rule (DESIGN.md step 2): once the first site is ready for round r, the
@@ -21,12 +21,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
-from dtrain.status import StatusLog
 
-__all__ = ["RendezvousConfig", "SiteRecord", "decide_quorum", "RendezvousCore", "InprocRendezvousClient"]
+__all__ = [
+    "RendezvousConfig",
+    "SiteRecord",
+    "decide_quorum",
+    "ReportSink",
+    "NullReportSink",
+    "RendezvousCore",
+    "InprocRendezvousClient",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +65,19 @@ class RendezvousConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.min_sites, int) or self.min_sites < 1:
             raise ValueError(f"min_sites must be an int >= 1, got {self.min_sites!r}")
-        if self.initial_sites is not None and (not isinstance(self.initial_sites, int) or self.initial_sites < self.min_sites):
-            raise ValueError(f"initial_sites must be an int >= min_sites ({self.min_sites}) or None, got {self.initial_sites!r}")
-        for name in ("quorum_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "reduce_timeout_s", "broadcast_timeout_s"):
+        if self.initial_sites is not None and (
+            not isinstance(self.initial_sites, int) or self.initial_sites < self.min_sites
+        ):
+            raise ValueError(
+                f"initial_sites must be an int >= min_sites ({self.min_sites}) or None, got {self.initial_sites!r}"
+            )
+        for name in (
+            "quorum_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "reduce_timeout_s",
+            "broadcast_timeout_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
@@ -148,9 +165,43 @@ def decide_quorum(
     if waited >= config.quorum_timeout_s:
         if len(ready_live) >= config.min_sites:
             cut = sorted(live - set(ready_live))
-            return sorted(ready_live), f"quorum timeout {config.quorum_timeout_s}s: admitting {len(ready_live)}, cutting {cut}"
-        return None, f"only {len(ready_live)} of {len(live)} live sites ready after {waited:.1f}s, min_sites is {config.min_sites}"
-    return None, f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {config.quorum_timeout_s - waited:.1f}s more"
+            return sorted(
+                ready_live
+            ), f"quorum timeout {config.quorum_timeout_s}s: admitting {len(ready_live)}, cutting {cut}"
+        return (
+            None,
+            f"only {len(ready_live)} of {len(live)} live sites ready after {waited:.1f}s, min_sites is {config.min_sites}",
+        )
+    return (
+        None,
+        f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {config.quorum_timeout_s - waited:.1f}s more",
+    )
+
+
+class ReportSink(Protocol):
+    """Where the core puts what the status page shows (``dtrain.status.StatusLog``
+    implements it). Called under the core's lock; must not block."""
+
+    def site_joined(self, site_id: str) -> None: ...
+    def add_reports(self, site_id: str, raws: list[str]) -> int: ...
+    def add_plan(self, round: int, members: list[str], now: float) -> None: ...
+    def snapshot(self) -> dict: ...
+
+
+class NullReportSink:
+    """A :class:`ReportSink` that keeps nothing (a rendezvous without a status page)."""
+
+    def site_joined(self, site_id: str) -> None:
+        pass
+
+    def add_reports(self, site_id: str, raws: list[str]) -> int:
+        return 0
+
+    def add_plan(self, round: int, members: list[str], now: float) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {"rounds": {}, "plans": {}, "totals": {}, "num_dropped": 0}
 
 
 STARTUP_WAIT_S = 60.0  # how long a restarted rendezvous waits for initial_sites joins
@@ -159,13 +210,14 @@ STARTUP_WAIT_S = 60.0  # how long a restarted rendezvous waits for initial_sites
 class RendezvousCore:
     """Thread-safe rendezvous state. ``now`` is ``time.monotonic()`` seconds.
 
-    Besides membership it keeps, for the status page, the sites' per-round
-    reports (``heartbeat(round_reports=...)``) and the round plans in a
-    :class:`~dtrain.status.StatusLog`, and the sites that left; ``snapshot()``
-    copies all of it under the lock for ``dtrain.status.build_status``.
+    Besides membership it hands the sites' per-round reports
+    (``heartbeat(round_reports=...)``) and the round plans to ``reports``, a
+    :class:`ReportSink` (``dtrain.status.StatusLog`` for the status page; by
+    default one that keeps nothing), and remembers the sites that left;
+    ``snapshot()`` copies all of it under the lock for ``dtrain.status.build_status``.
     """
 
-    def __init__(self, config: RendezvousConfig | None = None) -> None:
+    def __init__(self, config: RendezvousConfig | None = None, *, reports: "ReportSink | None" = None) -> None:
         self.config = config or RendezvousConfig()
         self.sites: dict[str, SiteRecord] = {}
         self.next_round = 0
@@ -175,7 +227,7 @@ class RendezvousCore:
         self._cv = threading.Condition()
         self._last_reason = ""
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
-        self.status_log = StatusLog()
+        self.status_log: ReportSink = reports if reports is not None else NullReportSink()
         self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status page only
 
     def _changed(self) -> None:
@@ -198,8 +250,12 @@ class RendezvousCore:
             left = self._left.pop(site_id, (None, 0.0))[0]
             prev = rec or left
             self.sites[site_id] = SiteRecord(
-                site_id=site_id, address=address, joined_at=now, last_heartbeat=now,
-                rounds_joined=prev.rounds_joined if prev else 0, joined_round=self.next_round,
+                site_id=site_id,
+                address=address,
+                joined_at=now,
+                last_heartbeat=now,
+                rounds_joined=prev.rounds_joined if prev else 0,
+                joined_round=self.next_round,
                 last_member_round=prev.last_member_round if prev else None,
             )
             self.status_log.site_joined(site_id)
@@ -212,7 +268,13 @@ class RendezvousCore:
                 if s != site_id and s in self._live(now)
             )
             self._changed()
-            log.info("rendezvous: %s joined (%s); next round %d; %d other live sites", site_id, address, self.next_round, len(others))
+            log.info(
+                "rendezvous: %s joined (%s); next round %d; %d other live sites",
+                site_id,
+                address,
+                self.next_round,
+                len(others),
+            )
             return JoinInfo(
                 next_round=self.next_round,
                 members=others,
@@ -221,7 +283,12 @@ class RendezvousCore:
             )
 
     def heartbeat(
-        self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None,
+        self,
+        site_id: str,
+        *,
+        now: float,
+        inner_step: int = 0,
+        last_loss: float | None = None,
         round_reports: Sequence[str] = (),
     ) -> HeartbeatInfo:
         """Record liveness and progress of ``site_id``.
@@ -234,7 +301,9 @@ class RendezvousCore:
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is None:
-                return HeartbeatInfo(known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again")
+                return HeartbeatInfo(
+                    known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
+                )
             if not rec.alive(now, self.config.heartbeat_timeout_s) and not rec.needs_resync:
                 rec.needs_resync = True
                 rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {self.config.heartbeat_timeout_s}s): declared dead"
@@ -247,10 +316,19 @@ class RendezvousCore:
             if round_reports:
                 self.status_log.add_reports(site_id, list(round_reports))
             self._changed()
-            dead = tuple(sorted({s for s, r in self.sites.items() if not r.alive(now, self.config.heartbeat_timeout_s)}
-                                | set(self._left)))
-            return HeartbeatInfo(known=True, resync_required=rec.needs_resync, next_round=self.next_round,
-                                 reason=rec.resync_reason, dead=dead)
+            dead = tuple(
+                sorted(
+                    {s for s, r in self.sites.items() if not r.alive(now, self.config.heartbeat_timeout_s)}
+                    | set(self._left)
+                )
+            )
+            return HeartbeatInfo(
+                known=True,
+                resync_required=rec.needs_resync,
+                next_round=self.next_round,
+                reason=rec.resync_reason,
+                dead=dead,
+            )
 
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:
@@ -268,20 +346,31 @@ class RendezvousCore:
             rec = self.sites.get(site_id)
             if rec is None:
                 return ReadyDecision(status="wait", reason="unknown site: join first", next_round=self.next_round)
-            rec.last_heartbeat = max(rec.last_heartbeat, now) if rec.alive(now, self.config.heartbeat_timeout_s) else rec.last_heartbeat
+            rec.last_heartbeat = (
+                max(rec.last_heartbeat, now) if rec.alive(now, self.config.heartbeat_timeout_s) else rec.last_heartbeat
+            )
             if rec.needs_resync:
-                return ReadyDecision(status="missed", reason=rec.resync_reason or "resync required", next_round=self.next_round)
+                return ReadyDecision(
+                    status="missed", reason=rec.resync_reason or "resync required", next_round=self.next_round
+                )
             plan = self.plans.get(round)
             if plan is not None:
                 if site_id in plan.site_ids:
                     return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
                 return ReadyDecision(
-                    status="missed", reason=f"round {round} started without {site_id} (straggler)", next_round=self.next_round
+                    status="missed",
+                    reason=f"round {round} started without {site_id} (straggler)",
+                    next_round=self.next_round,
                 )
             if round < self.next_round:
                 return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=self.next_round)
             if round > self.next_round:
-                log.warning("rendezvous: %s asks for round %d, ahead of %d: adopting it (rendezvous restarted?)", site_id, round, self.next_round)
+                log.warning(
+                    "rendezvous: %s asks for round %d, ahead of %d: adopting it (rendezvous restarted?)",
+                    site_id,
+                    round,
+                    self.next_round,
+                )
                 if self.next_round == 0 and not self.plans:
                     self._adopted_at = now  # a fresh (restarted) core: give every site time to re-join
                 self.next_round = round
@@ -305,12 +394,16 @@ class RendezvousCore:
                 self._last_reason = reason
             return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
         members, reason = decide_quorum(
-            round=self.next_round, live=self._live(now), ready=self._ready, joined_ever=len(self.sites), now=now, config=self.config,
+            round=self.next_round,
+            live=self._live(now),
+            ready=self._ready,
+            joined_ever=len(self.sites),
+            now=now,
+            config=self.config,
             startup_complete_at=self._startup_complete_at,
             # The start-up rules apply to the first round formed here; after adopting a
             # round (restart, resume) they give up after STARTUP_WAIT_S in case a site died.
-            first_round=not self.plans
-            and (self._adopted_at is None or now - self._adopted_at < STARTUP_WAIT_S),
+            first_round=not self.plans and (self._adopted_at is None or now - self._adopted_at < STARTUP_WAIT_S),
         )
         if members is None:
             if reason != self._last_reason:
@@ -374,9 +467,12 @@ class RendezvousCore:
                 "now": now,
                 "next_round": self.next_round,
                 "config": {
-                    "heartbeat_interval_s": c.heartbeat_interval_s, "heartbeat_timeout_s": c.heartbeat_timeout_s,
-                    "quorum_timeout_s": c.quorum_timeout_s, "reduce_timeout_s": c.reduce_timeout_s,
-                    "broadcast_timeout_s": c.broadcast_timeout_s, "min_sites": c.min_sites,
+                    "heartbeat_interval_s": c.heartbeat_interval_s,
+                    "heartbeat_timeout_s": c.heartbeat_timeout_s,
+                    "quorum_timeout_s": c.quorum_timeout_s,
+                    "reduce_timeout_s": c.reduce_timeout_s,
+                    "broadcast_timeout_s": c.broadcast_timeout_s,
+                    "min_sites": c.min_sites,
                 },
                 "first_ready_at": min(self._ready.values()) if self._ready else None,
                 "sites": sites,
@@ -387,7 +483,7 @@ class RendezvousCore:
 class InprocRendezvousClient:
     """Client of a :class:`RendezvousCore` in the same process (tests, simulations).
 
-    Same methods as ``dtrain.rendezvous_grpc.GrpcRendezvousClient``.
+    Same methods as ``dtrain.rendezvous.grpc.GrpcRendezvousClient``.
     """
 
     def __init__(self, core: RendezvousCore) -> None:

@@ -67,7 +67,12 @@ class RendezvousCoreLike(Protocol):
     def join(self, site_id: str, address: str, *, now: float) -> JoinInfo: ...
 
     def heartbeat(
-        self, site_id: str, *, now: float, inner_step: int = 0, last_loss: float | None = None,
+        self,
+        site_id: str,
+        *,
+        now: float,
+        inner_step: int = 0,
+        last_loss: float | None = None,
         round_reports: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
 
@@ -164,12 +169,18 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
             context,
             "heartbeat",
             lambda: self._core.heartbeat(
-                request.site_id, now=time.monotonic(), inner_step=request.inner_step, last_loss=last_loss,
+                request.site_id,
+                now=time.monotonic(),
+                inner_step=request.inner_step,
+                last_loss=last_loss,
                 round_reports=list(request.round_reports),
             ),
         )
         return pb.HeartbeatReply(
-            known=info.known, resync_required=info.resync_required, next_round=info.next_round, reason=info.reason,
+            known=info.known,
+            resync_required=info.resync_required,
+            next_round=info.next_round,
+            reason=info.reason,
             dead=list(info.dead),
         )
 
@@ -244,9 +255,7 @@ def serve_rendezvous(
         raise ValueError(f"tick_s must be in (0, 5], got {tick_s!r}")
     cfg = config or GrpcTransportConfig(num_server_threads=DEFAULT_NUM_SERVER_THREADS)
     servicer = _RendezvousServicer(core, tick_s)
-    server = start_server(
-        cfg, lambda s: pb_grpc.add_RendezvousServicer_to_server(servicer, s), name="rendezvous"
-    )
+    server = start_server(cfg, lambda s: pb_grpc.add_RendezvousServicer_to_server(servicer, s), name="rendezvous")
     address = f"{cfg.advertised_host()}:{server.port}"
     log.info("rendezvous listening on %s (tls=%s)", address, cfg.tls is not None)
     return RendezvousServer(server, address)
@@ -304,7 +313,9 @@ class GrpcRendezvousClient:
                 what=f"rendezvous {what}",
             )
         except grpc.RpcError as e:
-            raise RendezvousError(f"rendezvous {what} at {self.address} failed: {e.code().name}: {e.details()}") from None
+            raise RendezvousError(
+                f"rendezvous {what} at {self.address} failed: {e.code().name}: {e.details()}"
+            ) from None
         except DtrainError as e:  # the pool is closed
             raise RendezvousError(f"rendezvous {what}: {e}") from None
 
@@ -313,7 +324,9 @@ class GrpcRendezvousClient:
         reply = self._call(
             "join",
             self.rpc_timeout_s,
-            lambda stub, t: stub.Join(pb.JoinRequest(site_id=site_id, address=address), timeout=t, metadata=self._metadata),
+            lambda stub, t: stub.Join(
+                pb.JoinRequest(site_id=site_id, address=address), timeout=t, metadata=self._metadata
+            ),
         )
         return JoinInfo(
             next_round=reply.next_round,
@@ -334,7 +347,10 @@ class GrpcRendezvousClient:
             "heartbeat", self.rpc_timeout_s, lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata)
         )
         return HeartbeatInfo(
-            known=reply.known, resync_required=reply.resync_required, next_round=reply.next_round, reason=reply.reason,
+            known=reply.known,
+            resync_required=reply.resync_required,
+            next_round=reply.next_round,
+            reason=reply.reason,
             dead=tuple(reply.dead),
         )
 

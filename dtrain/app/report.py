@@ -159,8 +159,9 @@ def _load_run(run_dir: Path) -> list[SiteMetrics]:
     seen: dict[str, Path] = {}
     for s in sites:
         if s.site in seen:
-            log.warning("site %r appears in both %s and %s; keeping both, labelled by directory", s.site,
-                        seen[s.site], s.path)
+            log.warning(
+                "site %r appears in both %s and %s; keeping both, labelled by directory", s.site, seen[s.site], s.path
+            )
             s.site = f"{s.site} ({s.path.parent.name})"
         seen[s.site] = s.path
     return sorted(sites, key=lambda s: s.site)
@@ -188,7 +189,9 @@ def _site_summary(s: SiteMetrics) -> dict:
         "rounds_resynced": sum(1 for ln in lines if ln.get("status") == "resynced"),
         "rounds_deferred": s.num_deferred,
         "resumes": s.num_resumes,
-        "bytes_sent": int(sum(_num(ln.get("bytes_sent")) for ln in lines if not math.isnan(_num(ln.get("bytes_sent"))))),
+        "bytes_sent": int(
+            sum(_num(ln.get("bytes_sent")) for ln in lines if not math.isnan(_num(ln.get("bytes_sent"))))
+        ),
         "bytes_received": int(
             sum(_num(ln.get("bytes_received")) for ln in lines if not math.isnan(_num(ln.get("bytes_received"))))
         ),
@@ -219,12 +222,14 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
             if isinstance(ln.get("members"), list):
                 members.update(str(m) for m in ln["members"])
         if len(members) < num_sites:
-            faults.append({
-                "round": r,
-                "members": sorted(members),
-                "missing": sorted(set(per_site) - members),
-                "statuses": statuses,
-            })
+            faults.append(
+                {
+                    "round": r,
+                    "members": sorted(members),
+                    "missing": sorted(set(per_site) - members),
+                    "statuses": statuses,
+                }
+            )
     rejected: dict[str, int] = {}
     for v in per_site.values():
         for reason, n in v["rejected"].items():
@@ -321,8 +326,7 @@ def _plot_val_loss(sites: list[SiteMetrics], path: Path, *, over: str) -> Path:
             points += [(r, s.rounds[r]) for r in sorted(s.rounds)]
         else:  # every counted line in file order: a resumed round shows both attempts
             points += [(_num(ln.get("wall_s")), ln) for ln in s.order]
-        ax.plot([x for x, _ in points], [_num(ln.get("val_loss")) for _, ln in points], label=s.site,
-                **_site_style(i))
+        ax.plot([x for x, _ in points], [_num(ln.get("val_loss")) for _, ln in points], label=s.site, **_site_style(i))
     if by_round:
         ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(title="site")
@@ -369,8 +373,9 @@ def _plot_bytes(sites: list[SiteMetrics], rounds: list[int], path: Path) -> Path
     fig, ax = _new_figure("Payload bytes per round (summed over sites)", "round", f"payload per round ({unit})")
     width = 0.4
     ax.bar([r - width / 2 for r in rounds], [v / scale for v in sent], width=width, label="sent", color="#4c72b0")
-    ax.bar([r + width / 2 for r in rounds], [v / scale for v in received], width=width, label="received",
-           color="#dd8452")
+    ax.bar(
+        [r + width / 2 for r in rounds], [v / scale for v in received], width=width, label="received", color="#dd8452"
+    )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylim(0, max([v / scale for v in sent + received] + [1e-9]) * 1.2)  # headroom for the legend
     ax.legend(loc="upper right", ncols=2)
@@ -432,8 +437,10 @@ def _markdown(summary: dict, images: list[str]) -> str:
         out.append(f"{len(summary['faults'])} round(s) ran with fewer than {summary['num_sites']} sites:")
         out.append("")
         for f in summary["faults"]:
-            out.append(f"- round {f['round']}: members {', '.join(f['members']) or '(none)'}; "
-                       f"missing {', '.join(f['missing'])}")
+            out.append(
+                f"- round {f['round']}: members {', '.join(f['members']) or '(none)'}; "
+                f"missing {', '.join(f['missing'])}"
+            )
     else:
         out.append(f"Every round's quorum held all {summary['num_sites']} sites.")
     out += ["", "## Rejected contributions", ""]

@@ -29,9 +29,17 @@ import torch
 from dtrain.aggregation import ChunkAccumulator
 from dtrain.buckets import assign_owners
 from dtrain.codecs import get_codec
-from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, Rejected, RejectCode, StateTransferError, TransportError
+from dtrain.errors import (
+    CodecError,
+    PeerTimeout,
+    PeerUnavailable,
+    RejectCode,
+    Rejected,
+    StateTransferError,
+    TransportError,
+)
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
-from dtrain.round_types import RoundConfig, RoundResult
+from dtrain.rounds.types import RoundConfig, RoundResult
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
@@ -88,7 +96,9 @@ class RoundEngine:
         config: see :class:`RoundConfig`.
     """
 
-    def __init__(self, site_id: str, state: GlobalState, transport: Transport, config: RoundConfig | None = None) -> None:
+    def __init__(
+        self, site_id: str, state: GlobalState, transport: Transport, config: RoundConfig | None = None
+    ) -> None:
         self.site_id = site_id
         self.state = state
         self.transport = transport
@@ -106,7 +116,9 @@ class RoundEngine:
         # "before_push", "mid_push" (after the first chunk to a remote owner) and "before_pull";
         # and as fault_hook("serve_state", bucket) before serving a peer's state pull of a bucket.
         self.fault_hook: "Callable[[str, int], None] | None" = None
-        self._gen = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big"))
+        self._gen = torch.Generator().manual_seed(
+            int.from_bytes(hashlib.blake2b(site_id.encode(), digest_size=4).digest(), "big")
+        )
         # Transport counters when the previous round's result was taken. A round's
         # bytes are everything since then: an owner serves a late peer's mean pull (and
         # receives early pushes) outside its own run_round, and those bytes are real.
@@ -135,7 +147,10 @@ class RoundEngine:
                 if o is not None:
                     return o
                 if rnd < self.state.rounds_applied:
-                    raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {rnd} is over here (next round is {self.state.rounds_applied})")
+                    raise Rejected(
+                        RejectCode.FAILED_PRECONDITION,
+                        f"round {rnd} is over here (next round is {self.state.rounds_applied})",
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0 or rnd > self.state.rounds_applied + 1:
                     raise Rejected(
@@ -153,22 +168,37 @@ class RoundEngine:
                 o.rejected[e.reason] = o.rejected.get(e.reason, 0) + 1
                 if e.code in _SENDER_FAULTS:
                     o.rejected_senders.add(c.sender)
-            log.warning("round %d: rejected chunk b%d c%d from %s: %s %s", c.round, c.bucket, c.chunk, c.sender, e.code, e.reason)
+            log.warning(
+                "round %d: rejected chunk b%d c%d from %s: %s %s",
+                c.round,
+                c.bucket,
+                c.chunk,
+                c.sender,
+                e.code,
+                e.reason,
+            )
             raise
 
     def _accept(self, o: _OpenRound, c: Contribution) -> None:
         if c.sender in self._banned:
-            raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions")
+            raise Rejected(
+                RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions"
+            )
         if c.sender not in o.members:
             raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is not a member of round {c.round}")
         layout = self.state.layout
         if not 0 <= c.bucket < len(layout):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {c.bucket} out of range [0, {len(layout)})")
         if o.owners[c.bucket] != self.site_id:
-            raise Rejected(RejectCode.FAILED_PRECONDITION, f"bucket {c.bucket} is owned by {o.owners[c.bucket]}, not {self.site_id}")
+            raise Rejected(
+                RejectCode.FAILED_PRECONDITION,
+                f"bucket {c.bucket} is owned by {o.owners[c.bucket]}, not {self.site_id}",
+            )
         chunks = layout.buckets[c.bucket].chunks
         if not 0 <= c.chunk < len(chunks):
-            raise Rejected(RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} out of range [0, {len(chunks)}) of bucket {c.bucket}")
+            raise Rejected(
+                RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} out of range [0, {len(chunks)}) of bucket {c.bucket}"
+            )
         off, n = chunks[c.chunk]
         if (c.offset, c.numel) != (off, n):
             raise Rejected(
@@ -180,7 +210,9 @@ class RoundEngine:
         try:
             values = self.codec.decode(c.payload, numel=n)
         except CodecError as e:
-            code = RejectCode.RESOURCE_EXHAUSTED if "zstd" in str(e) or "bound" in str(e) else RejectCode.INVALID_ARGUMENT
+            code = (
+                RejectCode.RESOURCE_EXHAUSTED if "zstd" in str(e) or "bound" in str(e) else RejectCode.INVALID_ARGUMENT
+            )
             raise Rejected(code, f"undecodable payload: {e}") from e
         digest = hashlib.blake2b(c.payload, digest_size=16).digest()
         with o.cv:
@@ -232,8 +264,11 @@ class RoundEngine:
                     if o.bucket_missing[b] == 0 and b not in o.complete:
                         o.complete.append(b)
                 o.cv.notify_all()
-            log.warning("round %d: %s declared dead by the rendezvous: not waiting for their contributions",
-                        o.plan.round, ", ".join(sorted(new)))
+            log.warning(
+                "round %d: %s declared dead by the rendezvous: not waiting for their contributions",
+                o.plan.round,
+                ", ".join(sorted(new)),
+            )
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
@@ -270,7 +305,9 @@ class RoundEngine:
             return st
         # A site that missed this mean learns from a repair which of its chunks
         # the mean included (those are consumed, never sent again; DESIGN.md).
-        return replace(st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]})
+        return replace(
+            st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
+        )
 
     # ------------------------------------------------------------------ owner: finalize
     def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
@@ -320,7 +357,9 @@ class RoundEngine:
             if not complete:
                 # Some chunk got nothing at all: nobody applies this bucket and nobody's
                 # contribution counts as included, so it stays in every residual.
-                bm = BucketMean(round=r, bucket=b, owner=self.site_id, chunks=(), checksum_before=before, checksum_after=before)
+                bm = BucketMean(
+                    round=r, bucket=b, owner=self.site_id, chunks=(), checksum_before=before, checksum_after=before
+                )
                 log.warning("round %d: bucket %d has a chunk with no contributions; not applied", r, b)
             else:
                 t = time.perf_counter()
@@ -339,10 +378,21 @@ class RoundEngine:
                             bres = self._bres.setdefault(b, torch.zeros(bucket.numel))
                         bres[off : off + n] = mean - dec
                     full[off : off + n] = dec
-                    chunks.append(MeanChunk(chunk=c, offset=off, numel=n, codec=self.bcodec.name, payload=payload, senders=senders))
+                    chunks.append(
+                        MeanChunk(
+                            chunk=c, offset=off, numel=n, codec=self.bcodec.name, payload=payload, senders=senders
+                        )
+                    )
                 t_enc += time.perf_counter() - t
                 after = self.state.apply_mean(b, full)
-                bm = BucketMean(round=r, bucket=b, owner=self.site_id, chunks=tuple(chunks), checksum_before=before, checksum_after=after)
+                bm = BucketMean(
+                    round=r,
+                    bucket=b,
+                    owner=self.site_id,
+                    chunks=tuple(chunks),
+                    checksum_before=before,
+                    checksum_after=after,
+                )
             with self._cv:
                 self._means[(r, b)] = bm
                 self.state.bucket_round[b] = r + 1
@@ -420,7 +470,16 @@ class RoundEngine:
                             res.encoded_fp32_bytes += 4 * n
                             if not self.codec.lossless:
                                 payloads[(b, c)] = payload
-                        yield Contribution(round=r, bucket=b, chunk=c, offset=off, numel=n, codec=self.codec.name, sender=self.site_id, payload=payload)
+                        yield Contribution(
+                            round=r,
+                            bucket=b,
+                            chunk=c,
+                            offset=off,
+                            numel=n,
+                            codec=self.codec.name,
+                            sender=self.site_id,
+                            payload=payload,
+                        )
                         if remote and first and self.fault_hook is not None:
                             self.fault_hook("mid_push", r)
                         first = False
@@ -435,7 +494,11 @@ class RoundEngine:
                     return
                 t = time.perf_counter()
                 try:
-                    self.transport.push(plan.address_of(ow), chunks_for(bs, remote=True), timeout_s=max(0.01, o.finalize_at - time.monotonic()))
+                    self.transport.push(
+                        plan.address_of(ow),
+                        chunks_for(bs, remote=True),
+                        timeout_s=max(0.01, o.finalize_at - time.monotonic()),
+                    )
                 except TransportError as e:
                     res.errors.append(f"push to {ow}: {e}")
                     log.warning("round %d: push to %s failed: %s", r, ow, e)
@@ -498,7 +561,13 @@ class RoundEngine:
                     if sid == owners[b] and b in owner_down:
                         continue
                     try:
-                        m = self.transport.pull_mean(plan.address_of(sid), r, b, requester=self.site_id, timeout_s=max(0.05, late_until - time.monotonic()))
+                        m = self.transport.pull_mean(
+                            plan.address_of(sid),
+                            r,
+                            b,
+                            requester=self.site_id,
+                            timeout_s=max(0.05, late_until - time.monotonic()),
+                        )
                     except PeerUnavailable:
                         if sid == owners[b]:
                             owner_down.add(b)
@@ -562,8 +631,12 @@ class RoundEngine:
                 stale.append(b)
             else:
                 res.applied_buckets += 1
-        res.applied_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and self._means[(r, b)].chunks)
-        res.skipped_buckets += sum(1 for b in o.mine if self._means.get((r, b)) is not None and not self._means[(r, b)].chunks)
+        res.applied_buckets += sum(
+            1 for b in o.mine if self._means.get((r, b)) is not None and self._means[(r, b)].chunks
+        )
+        res.skipped_buckets += sum(
+            1 for b in o.mine if self._means.get((r, b)) is not None and not self._means[(r, b)].chunks
+        )
         res.stale_buckets = len(stale)
         repaired_senders: dict[int, list[list[str]]] = {}
         if stale and self.config.repair:
@@ -687,7 +760,9 @@ class RoundEngine:
                         or len(ms) not in (0, nchunks)
                         or not all(isinstance(x, list) for x in ms)
                     ):
-                        log.warning("repair of bucket %d from %s: its state does not reflect round %d's mean", b, src, r)
+                        log.warning(
+                            "repair of bucket %d from %s: its state does not reflect round %d's mean", b, src, r
+                        )
                         continue
                     senders_out[b] = ms
                 resid = self.state.residuals[b]
@@ -706,7 +781,9 @@ class RoundEngine:
                 self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
                 if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
                     self._banned.add(s)
-                    log.error("excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s])
+                    log.error(
+                        "excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s]
+                    )
             else:
                 self._reject_streak[s] = 0
 

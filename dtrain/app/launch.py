@@ -6,7 +6,7 @@ cleanly (SIGTERM, then SIGKILL after a grace period); a child that crashes is
 reported with the last lines of its log while the others go on.
 With ``--netem PROFILE`` every site (and the rendezvous) runs in its own network
 namespace behind emulated links (``netem/``; root only).
-The rendezvous serves its read-only status page (``dtrain.status_http``) on
+The rendezvous serves its read-only status page (``dtrain.status.http``) on
 ``--http-bind``/``--http-port`` (default 127.0.0.1, a free port) and launch prints
 the URL; ``RUN_DIR/pids.json`` names every child's PID (site id -> pid).
 """
@@ -28,7 +28,16 @@ __all__ = ["PER_SITE_FIELDS", "run_launch"]
 log = logging.getLogger(__name__)
 
 #: WorkerConfig fields launch sets for each site itself (not allowed in --config).
-PER_SITE_FIELDS = ("site_id", "site_index", "num_sites", "listen", "advertise", "rendezvous", "out_dir", "checkpoint_dir")
+PER_SITE_FIELDS = (
+    "site_id",
+    "site_index",
+    "num_sites",
+    "listen",
+    "advertise",
+    "rendezvous",
+    "out_dir",
+    "checkpoint_dir",
+)
 #: seconds a child gets to exit after SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
 
@@ -165,7 +174,7 @@ def _open_topology(num_sites: int, profile: str):
     current directory or from the checkout this package lives in. Needs root.
     Raises UsageError naming ``netem`` when it cannot be used here.
     """
-    from dtrain.cli import UsageError
+    from dtrain.app.cli import UsageError
 
     try:
         import netem  # noqa: PLC0415
@@ -176,7 +185,9 @@ def _open_topology(num_sites: int, profile: str):
         try:
             import netem  # noqa: PLC0415
         except ImportError as e:
-            raise UsageError(f"netem: the repository's netem/ package is not importable ({e}); run from a dtrain checkout") from None
+            raise UsageError(
+                f"netem: the repository's netem/ package is not importable ({e}); run from a dtrain checkout"
+            ) from None
     if profile not in netem.PROFILES:
         raise UsageError(f"netem: unknown profile {profile!r}; allowed: {', '.join(sorted(netem.PROFILES))}")
     missing = netem.missing_requirements()
@@ -212,9 +223,9 @@ def _status_page_bind(ns, parse_host_port, usage_error) -> str | None:
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     from tqdm import tqdm
 
-    from dtrain.cli import UsageError, _build, _check_toml_types, _toml_load, check_task, parse_host_port
+    from dtrain.app.cli import UsageError, _build, _check_toml_types, _toml_load, check_task, parse_host_port
+    from dtrain.app.worker import WorkerConfig
     from dtrain.rendezvous import RendezvousConfig
-    from dtrain.worker import WorkerConfig
 
     n = ns.sites
     if not isinstance(n, int) or not 1 <= n <= 64:
@@ -225,11 +236,15 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     toml_vals = _check_toml_types(WorkerConfig, _toml_load(ns.config), ns.config) if ns.config else {}
     for key in toml_vals:
         if key in PER_SITE_FIELDS:
-            raise UsageError(f"config: {ns.config}: field {key!r} is set per site by launch; allowed here: every "
-                             f"WorkerConfig field except {', '.join(PER_SITE_FIELDS)}")
+            raise UsageError(
+                f"config: {ns.config}: field {key!r} is set per site by launch; allowed here: every "
+                f"WorkerConfig field except {', '.join(PER_SITE_FIELDS)}"
+            )
     wvals = {**toml_vals, **{k: getattr(ns, k) for k in worker_names if hasattr(ns, k)}}
     try:
-        probe = WorkerConfig(**{**wvals, "site_id": "site-0", "num_sites": n, "site_index": 0, "out_dir": str(run_dir / "site-0")})
+        probe = WorkerConfig(
+            **{**wvals, "site_id": "site-0", "num_sites": n, "site_index": 0, "out_dir": str(run_dir / "site-0")}
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_task(probe.task)
@@ -241,8 +256,10 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     if not probe.resume:
         old_runs = sorted(str(m.parent.name) for m in run_dir.glob("*/metrics.jsonl"))
         if old_runs:
-            raise UsageError(f"out: {str(run_dir)!r} already holds a run ({', '.join(old_runs)} have metrics); "
-                             "pass --resume to continue it or choose another --out")
+            raise UsageError(
+                f"out: {str(run_dir)!r} already holds a run ({', '.join(old_runs)} have metrics); "
+                "pass --resume to continue it or choose another --out"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     log_mode = "a" if probe.resume else "w"  # a resumed run keeps the earlier logs
 
@@ -260,7 +277,15 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     addr_file = run_dir / "rendezvous.addr"
     addr_file.unlink(missing_ok=True)
     rv_host = topo.address(n) if topo is not None else "127.0.0.1"
-    rv_argv = py + ["rendezvous", "--bind", f"{rv_host}:0", "--address-file", str(addr_file), "--log-level", ns.log_level]
+    rv_argv = py + [
+        "rendezvous",
+        "--bind",
+        f"{rv_host}:0",
+        "--address-file",
+        str(addr_file),
+        "--log-level",
+        ns.log_level,
+    ]
     http_file = run_dir / "status.url"
     http_file.unlink(missing_ok=True)
     if http_bind is not None:  # the rendezvous writes http_file before addr_file
@@ -268,7 +293,9 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     for k, v in rvals.items():
         if v is not None:
             rv_argv += _flag(k, v)
-    (run_dir / "launch.json").write_text(json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": ns.netem}, indent=2))
+    (run_dir / "launch.json").write_text(
+        json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": ns.netem}, indent=2)
+    )
     logs["rendezvous"] = run_dir / "rendezvous.log"
     stopping = {"flag": False, "count": 0}
 
@@ -304,8 +331,23 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             sdir.mkdir(parents=True, exist_ok=True)
             (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
             host = topo.address(i) if topo is not None else "127.0.0.1"
-            argv = py + ["worker", "--site-id", site, "--site-index", str(i), "--num-sites", str(n), "--listen", f"{host}:0",
-                         "--rendezvous", rv_addr, "--out-dir", str(sdir), "--log-level", ns.log_level]
+            argv = py + [
+                "worker",
+                "--site-id",
+                site,
+                "--site-index",
+                str(i),
+                "--num-sites",
+                str(n),
+                "--listen",
+                f"{host}:0",
+                "--rendezvous",
+                rv_addr,
+                "--out-dir",
+                str(sdir),
+                "--log-level",
+                ns.log_level,
+            ]
             if ns.config:
                 argv += ["--config", ns.config]
             for k in worker_names:
@@ -317,12 +359,18 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
         _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}")
         # disable=None: no bar when stderr is not a terminal (a log file or CI would get one line per refresh)
-        bar = tqdm(total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True)
+        bar = tqdm(
+            total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True
+        )
         crashed: dict[str, int] = {}
         while True:
             for v in views.values():
                 v.poll()
-            done_rounds = [v.last.get("round", -1) + 1 for v in views.values() if v.site not in crashed and v.last.get("event") == "round"]
+            done_rounds = [
+                v.last.get("round", -1) + 1
+                for v in views.values()
+                if v.site not in crashed and v.last.get("event") == "round"
+            ]
             if done_rounds:
                 bar.n = min(rounds, min(done_rounds))
                 lasts = [v.last for v in views.values() if v.last.get("event") == "round"]
@@ -372,7 +420,9 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     if finished:
         first = [r["first_val_loss"] for r in finished]
         last = [r["final_val_loss"] for r in finished]
-        _out(f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)")
+        _out(
+            f"\nvalidation loss: {sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f} (mean over {len(finished)} sites)"
+        )
     agree = len(sums) == 1 and len(finished) == n
     unfinished = [r["site"] for r in rows if "checksum" not in r]
     if agree:
@@ -380,7 +430,9 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     elif len(sums) == 1:
         verdict = f"θ checksums agree across the {len(finished)} finished sites; {', '.join(unfinished)} did not finish"
     else:
-        verdict = f"θ checksums DIFFER across sites ({len(sums)} distinct)" + (f"; {', '.join(unfinished)} did not finish" if unfinished else "")
+        verdict = f"θ checksums DIFFER across sites ({len(sums)} distinct)" + (
+            f"; {', '.join(unfinished)} did not finish" if unfinished else ""
+        )
     _out(f"{verdict}; run dir: {run_dir}")
     bad = {s: p.returncode for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
     if bad and exit_code == 0:

@@ -2,7 +2,7 @@
 
 Routes (GET/HEAD only; anything else is 404/405):
 
-* ``/`` the page (``dtrain.status_page``): sites, rounds, validation-loss and
+* ``/`` the page (``dtrain.status.page``): sites, rounds, validation-loss and
   sync-time charts (inline SVG), refreshing itself every ``refresh_s`` seconds;
 * ``/fragment`` the page's live part (what the refresh swaps in);
 * ``/api/status`` the same data as JSON (:func:`dtrain.status.build_status`);
@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, State
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dtrain.status import SITE_STATES, build_status
-from dtrain.status_page import csp_header, render_fragment, render_page
+from dtrain.status.page import csp_header, render_fragment, render_page
 
 __all__ = ["StatusServer", "serve_status", "StatusCollector"]
 
@@ -65,7 +65,9 @@ class StatusCollector(Collector):
         for state, n in st["site_counts"].items():
             g.add_metric([state], n)
         yield g
-        c = CounterMetricFamily("dtrain_rendezvous_round_reports_dropped", "Round reports dropped as malformed or excess.")
+        c = CounterMetricFamily(
+            "dtrain_rendezvous_round_reports_dropped", "Round reports dropped as malformed or excess."
+        )
         c.add_metric([], st["num_reports_dropped"])
         yield c
         sites = st["sites"]
@@ -85,26 +87,76 @@ class StatusCollector(Collector):
         for s in sites:
             up.add_metric([s["site_id"]], 0.0 if s["state"] in ("dead", "left") else 1.0)
         yield up
-        yield per_site(GaugeMetricFamily, "dtrain_site_heartbeat_age_seconds", "Seconds since the last heartbeat.", "heartbeat_age_s")
-        yield per_site(CounterMetricFamily, "dtrain_site_rounds_joined", "Rounds whose quorum admitted the site.", "rounds_joined")
+        yield per_site(
+            GaugeMetricFamily,
+            "dtrain_site_heartbeat_age_seconds",
+            "Seconds since the last heartbeat.",
+            "heartbeat_age_s",
+        )
+        yield per_site(
+            CounterMetricFamily, "dtrain_site_rounds_joined", "Rounds whose quorum admitted the site.", "rounds_joined"
+        )
         yield per_site(GaugeMetricFamily, "dtrain_site_inner_step", "Inner steps done (from heartbeats).", "inner_step")
-        yield per_site(GaugeMetricFamily, "dtrain_site_train_loss", "Mean inner-step loss of the last round (nats/token).", "train_loss")
-        yield per_site(GaugeMetricFamily, "dtrain_site_val_loss", "Validation loss after the last reported round (nats/token).", "val_loss")
-        yield per_site(GaugeMetricFamily, "dtrain_site_last_round", "Round of the site's last report.", "last_reported_round")
-        yield per_site(GaugeMetricFamily, "dtrain_site_round_sync_seconds", "Sync time of the last reported round.", "last_sync_s")
-        yield per_site(GaugeMetricFamily, "dtrain_site_round_reduce_arrived_ratio",
-                       "Of expected contribution chunks that reached the site's buckets, last round.", "reduce_arrived_fraction")
-        yield per_site(GaugeMetricFamily, "dtrain_site_round_broadcast_arrived_ratio",
-                       "Of buckets whose mean the site got, last round.", "broadcast_arrived_fraction")
+        yield per_site(
+            GaugeMetricFamily,
+            "dtrain_site_train_loss",
+            "Mean inner-step loss of the last round (nats/token).",
+            "train_loss",
+        )
+        yield per_site(
+            GaugeMetricFamily,
+            "dtrain_site_val_loss",
+            "Validation loss after the last reported round (nats/token).",
+            "val_loss",
+        )
+        yield per_site(
+            GaugeMetricFamily, "dtrain_site_last_round", "Round of the site's last report.", "last_reported_round"
+        )
+        yield per_site(
+            GaugeMetricFamily, "dtrain_site_round_sync_seconds", "Sync time of the last reported round.", "last_sync_s"
+        )
+        yield per_site(
+            GaugeMetricFamily,
+            "dtrain_site_round_reduce_arrived_ratio",
+            "Of expected contribution chunks that reached the site's buckets, last round.",
+            "reduce_arrived_fraction",
+        )
+        yield per_site(
+            GaugeMetricFamily,
+            "dtrain_site_round_broadcast_arrived_ratio",
+            "Of buckets whose mean the site got, last round.",
+            "broadcast_arrived_fraction",
+        )
         yield per_site(CounterMetricFamily, "dtrain_site_round_reports", "Round reports received.", "num_reports")
-        yield per_site(CounterMetricFamily, "dtrain_site_sent_bytes", "Payload bytes sent, summed over reported rounds.", "bytes_sent_total")
-        yield per_site(CounterMetricFamily, "dtrain_site_received_bytes", "Payload bytes received, summed over reported rounds.",
-                       "bytes_received_total")
-        yield per_site(CounterMetricFamily, "dtrain_site_stale_buckets", "Stale buckets, summed over reported rounds.", "stale_buckets_total")
-        yield per_site(CounterMetricFamily, "dtrain_site_repaired_buckets", "Repaired buckets, summed over reported rounds.",
-                       "repaired_buckets_total")
-        rej = CounterMetricFamily("dtrain_site_rejected_contributions", "Contributions the site rejected as an owner, by reason.",
-                                  labels=["site", "reason"])
+        yield per_site(
+            CounterMetricFamily,
+            "dtrain_site_sent_bytes",
+            "Payload bytes sent, summed over reported rounds.",
+            "bytes_sent_total",
+        )
+        yield per_site(
+            CounterMetricFamily,
+            "dtrain_site_received_bytes",
+            "Payload bytes received, summed over reported rounds.",
+            "bytes_received_total",
+        )
+        yield per_site(
+            CounterMetricFamily,
+            "dtrain_site_stale_buckets",
+            "Stale buckets, summed over reported rounds.",
+            "stale_buckets_total",
+        )
+        yield per_site(
+            CounterMetricFamily,
+            "dtrain_site_repaired_buckets",
+            "Repaired buckets, summed over reported rounds.",
+            "repaired_buckets_total",
+        )
+        rej = CounterMetricFamily(
+            "dtrain_site_rejected_contributions",
+            "Contributions the site rejected as an owner, by reason.",
+            labels=["site", "reason"],
+        )
         for s in sites:
             for reason, n in sorted(s["rejected_total"].items()):
                 rej.add_metric([s["site_id"], reason], n)
@@ -139,10 +191,19 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path in ("/", "/index.html"):
                 body = render_page(srv.status(), refresh_s=srv.refresh_s).encode()
-                self._send(200, body, "text/html; charset=utf-8", {"Content-Security-Policy": srv.csp, "X-Frame-Options": "DENY"})
+                self._send(
+                    200,
+                    body,
+                    "text/html; charset=utf-8",
+                    {"Content-Security-Policy": srv.csp, "X-Frame-Options": "DENY"},
+                )
             elif path == "/fragment":
-                self._send(200, render_fragment(srv.status()).encode(), "text/html; charset=utf-8",
-                           {"Content-Security-Policy": srv.csp})
+                self._send(
+                    200,
+                    render_fragment(srv.status()).encode(),
+                    "text/html; charset=utf-8",
+                    {"Content-Security-Policy": srv.csp},
+                )
             elif path == "/api/status":
                 body = json.dumps(srv.status(), allow_nan=False, indent=1).encode()
                 self._send(200, body, "application/json")
@@ -162,7 +223,9 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET  # noqa: N815
 
     def _refuse(self) -> None:
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET only\n", "text/plain; charset=utf-8", {"Allow": "GET, HEAD"})
+        self._send(
+            HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET only\n", "text/plain; charset=utf-8", {"Allow": "GET, HEAD"}
+        )
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
 
@@ -184,8 +247,9 @@ class StatusServer:
         address: ``host:port`` it listens on; url: ``http://host:port/``.
     """
 
-    def __init__(self, snapshot: Callable[[float], Mapping[str, Any]], host: str, port: int, *, refresh_s: float,
-                 num_rounds: int) -> None:
+    def __init__(
+        self, snapshot: Callable[[float], Mapping[str, Any]], host: str, port: int, *, refresh_s: float, num_rounds: int
+    ) -> None:
         self._snapshot = snapshot
         self.refresh_s = refresh_s
         self.num_rounds = num_rounds
@@ -198,8 +262,9 @@ class StatusServer:
         shown = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         self.address = f"{shown}:{bound_port}" if ":" not in shown else f"[{shown}]:{bound_port}"
         self.url = f"http://{self.address}/"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="status-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="status-http", daemon=True
+        )
         self._thread.start()
         self._stopped = False
         log.info("status page on %s (bound %s:%s)", self.url, bound_host, bound_port)

@@ -28,7 +28,7 @@ from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from dtrain.codecs import CodecConfig
 from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.errors import CheckpointError
-from dtrain.group import GroupConfig, SyncOutcome
+from dtrain.membership import GroupConfig, SyncOutcome
 from dtrain.rounds import RoundConfig
 from dtrain.status import round_report
 from dtrain.tasks import TaskSpec, load_task
@@ -114,8 +114,16 @@ class WorkerConfig:
 
         need(isinstance(self.site_id, str) and bool(self.site_id), "site_id", "a non-empty string")
         need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
-        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an int >= 1 (H inner steps per round)")
-        need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0 = never)")
+        need(
+            isinstance(self.sync_every, int) and self.sync_every >= 1,
+            "sync_every",
+            "an int >= 1 (H inner steps per round)",
+        )
+        need(
+            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            "checkpoint_every",
+            "an int >= 0 (0 = never)",
+        )
         need(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", "an int >= 1")
         need(isinstance(self.threads, int) and self.threads >= 1, "threads", "an int >= 1")
         need(self.outer_lr > 0 and math.isfinite(self.outer_lr), "outer_lr", "a finite number > 0")
@@ -136,8 +144,15 @@ class WorkerConfig:
 
     def task_spec(self) -> TaskSpec:
         return TaskSpec(
-            site_index=self.site_index, num_sites=self.num_sites, seed=self.seed, data=self.data, non_iid=self.non_iid,
-            size=self.size, lr=self.lr, batch_size=self.batch_size, context_len=self.context_len,
+            site_index=self.site_index,
+            num_sites=self.num_sites,
+            seed=self.seed,
+            data=self.data,
+            non_iid=self.non_iid,
+            size=self.size,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            context_len=self.context_len,
         )
 
     def diloco_config(self) -> DiLoCoConfig:
@@ -177,7 +192,9 @@ def outer_state_checksum(diloco: DiLoCo) -> str:
                 for key in sorted(st[idx]):
                     v = st[idx][key]
                     h.update(f"{b}/{idx}/{key}=".encode())
-                    h.update(v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+                    h.update(
+                        v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()
+                    )
     return h.hexdigest()
 
 
@@ -225,14 +242,19 @@ def fault_hook_from_env(site_id: str):
 
 
 def _transport_and_rendezvous(cfg: WorkerConfig):
-    from dtrain.rendezvous_grpc import GrpcRendezvousClient
+    from dtrain.rendezvous.grpc import GrpcRendezvousClient
     from dtrain.transports.grpc import GrpcTransport
     from dtrain.transports.grpc_common import GrpcTransportConfig, TlsConfig
 
     token = Path(cfg.token_file).read_text().strip() if cfg.token_file else None
     tls = None
     if cfg.tls_cert or cfg.tls_key or cfg.tls_ca:
-        tls = TlsConfig(cert_path=cfg.tls_cert, key_path=cfg.tls_key, ca_path=cfg.tls_ca, mutual=bool(cfg.tls_cert and cfg.tls_key and cfg.tls_ca))
+        tls = TlsConfig(
+            cert_path=cfg.tls_cert,
+            key_path=cfg.tls_key,
+            ca_path=cfg.tls_ca,
+            mutual=bool(cfg.tls_cert and cfg.tls_key and cfg.tls_ca),
+        )
     host, _, port = cfg.listen.rpartition(":")
     adv_host = cfg.advertise.rpartition(":")[0] if cfg.advertise else None
     tcfg = GrpcTransportConfig(bind_host=host, bind_port=int(port), advertise_host=adv_host, token=token, tls=tls)
@@ -255,7 +277,9 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
     transport, rendezvous = _transport_and_rendezvous(cfg)
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+        return torch.optim.SGD(
+            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+        )
 
     ckpt = None
     if cfg.resume:
@@ -272,8 +296,10 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             from dtrain.buckets import BucketLayout
 
             probe_layout = BucketLayout(
-                [p.numel() for p in task.model.parameters()] + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
-                ["param"] * len(list(task.model.parameters())) + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
+                [p.numel() for p in task.model.parameters()]
+                + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
+                ["param"] * len(list(task.model.parameters()))
+                + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
                 BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
             )
             data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
@@ -284,8 +310,15 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             except (RuntimeError, ValueError, KeyError) as e:
                 raise CheckpointError(f"checkpoint {ckpt} does not fit this task: {e}") from e
             log.info("resuming from %s (round %d)", ckpt, data["round"])
-        diloco = DiLoCo(task.model, task.optimizer, config=cfg.diloco_config(), outer_optimizer=outer,
-                        transport=transport, rendezvous=rendezvous, _defer_join=ckpt is not None)
+        diloco = DiLoCo(
+            task.model,
+            task.optimizer,
+            config=cfg.diloco_config(),
+            outer_optimizer=outer,
+            transport=transport,
+            rendezvous=rendezvous,
+            _defer_join=ckpt is not None,
+        )
         diloco.engine.fault_hook = fault_hook_from_env(cfg.site_id)
         if ckpt is not None:
             diloco.load_state_dict(data["diloco"])
@@ -307,10 +340,29 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     first_val = val
     log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
     with open(metrics_path, "a") as mf:
-        mf.write(json.dumps({"site": cfg.site_id, "event": "start", "round": diloco.round, "val_loss": val,
-                             "wall_s": 0.0, "params": diloco.layout.total_numel, "time": time.time()}) + "\n")
-    totals = {"bytes_sent": 0, "bytes_received": 0, "sync_s": 0.0, "inner_s": 0.0, "rounds_joined": 0,
-              "encoded_bytes": 0, "encoded_fp32_bytes": 0}
+        mf.write(
+            json.dumps(
+                {
+                    "site": cfg.site_id,
+                    "event": "start",
+                    "round": diloco.round,
+                    "val_loss": val,
+                    "wall_s": 0.0,
+                    "params": diloco.layout.total_numel,
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
+    totals = {
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "sync_s": 0.0,
+        "inner_s": 0.0,
+        "rounds_joined": 0,
+        "encoded_bytes": 0,
+        "encoded_fp32_bytes": 0,
+    }
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -375,19 +427,29 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             mf.write(json.dumps(line) + "\n")
         diloco.group.report_round(round_report(line))  # for the rendezvous status page (heartbeat thread)
         log.info(
-            "%s: round %d %s members=%s val_loss=%.4f sync=%.2fs sent=%dB", cfg.site_id, line["round"], outcome.status,
-            line["members"], val, sync_s, res.bytes_sent if res else 0,
+            "%s: round %d %s members=%s val_loss=%.4f sync=%.2fs sent=%dB",
+            cfg.site_id,
+            line["round"],
+            outcome.status,
+            line["members"],
+            val,
+            sync_s,
+            res.bytes_sent if res else 0,
         )
         if cfg.checkpoint_every and outcome.status != "deferred" and diloco.round % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.resolved_checkpoint_dir, diloco.round, {
-                "site_id": cfg.site_id,
-                "fingerprint": diloco.layout.fingerprint(),
-                "model": task.model.state_dict(),
-                "inner_optimizer": task.optimizer.state_dict(),
-                "diloco": diloco.state_dict(),
-                "batches": task.batches.state_dict(),
-                "config": json.dumps(asdict(cfg)),
-            })
+            save_checkpoint(
+                cfg.resolved_checkpoint_dir,
+                diloco.round,
+                {
+                    "site_id": cfg.site_id,
+                    "fingerprint": diloco.layout.fingerprint(),
+                    "model": task.model.state_dict(),
+                    "inner_optimizer": task.optimizer.state_dict(),
+                    "diloco": diloco.state_dict(),
+                    "batches": task.batches.state_dict(),
+                    "config": json.dumps(asdict(cfg)),
+                },
+            )
     wall = time.monotonic() - t_start
     summary = {
         "site": cfg.site_id,
@@ -421,5 +483,3 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
