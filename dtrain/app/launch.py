@@ -106,6 +106,7 @@ def _format_table(rows: list[dict]) -> str:
         ("final val loss", "final_val_loss", "{:.4f}"),
         ("θ checksum", "checksum", "{}"),
         ("rounds joined", "rounds_joined", "{}"),
+        ("owned buckets", "owned", "{}"),  # in the last round joined, of all buckets
         ("bytes sent", "bytes_sent", "{:,}"),
         ("bytes received", "bytes_received", "{:,}"),
         ("compression", "compression_ratio", "{:.1f}x"),
@@ -113,6 +114,8 @@ def _format_table(rows: list[dict]) -> str:
     ]
     cells = [[h for h, _, _ in cols]]
     for r in rows:
+        if "owned_buckets" in r and "num_buckets" in r:
+            r = {**r, "owned": f"{r['owned_buckets']}/{r['num_buckets']}"}
         row = []
         for _, k, fmt in cols:
             v = r.get(k)

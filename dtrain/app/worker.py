@@ -55,7 +55,8 @@ class WorkerConfig:
             ``int4``, ``topk``, each optionally ``+zstd``); zstd_level 1..22.
         outer_lr, outer_momentum, nesterov: outer SGD (DiLoCo arXiv 2311.08105:
             0.7, 0.9, True).
-        bucket_bytes, chunk_bytes: see ``BucketConfig``.
+        bucket_bytes, chunk_bytes: see ``BucketConfig`` (bucket_bytes None: chosen
+            from the model's size and num_sites, so that every site owns buckets).
         quorum_wait_s: give up (exit 3) when no round forms for this long.
         token_file: file holding the shared token; tls_cert/tls_key/tls_ca: PEM
             files (server cert/key, CA for verifying peers; mutual TLS when all set).
@@ -64,7 +65,9 @@ class WorkerConfig:
             continue from the latest checkpoint.
         eval_every: rounds between evaluations; threads: torch threads.
         max_norm: owner's per-contribution L2 bound (None = off).
-        linger_s: seconds to keep serving after the last round (peers may still pull).
+        linger_s: longest wait after the last round for the peers to pull this
+            site's means, seconds (``DiLoCoConfig.close_timeout_s``; None: until the
+            last round's broadcast deadline; the wait ends once all pulled).
         inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
             a slower site in fault tests and experiments.
     """
@@ -90,7 +93,7 @@ class WorkerConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    bucket_bytes: int = 4 << 20
+    bucket_bytes: int | None = None
     chunk_bytes: int = 1 << 20
     quorum_wait_s: float = 300.0
     token_file: str | None = None
@@ -104,7 +107,7 @@ class WorkerConfig:
     eval_every: int = 1
     threads: int = 1
     max_norm: float | None = None
-    linger_s: float = 3.0
+    linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -129,7 +132,7 @@ class WorkerConfig:
         need(self.outer_lr > 0 and math.isfinite(self.outer_lr), "outer_lr", "a finite number > 0")
         need(0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)")
         need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
-        need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
+        need(self.linger_s is None or self.linger_s >= 0, "linger_s", "None (the broadcast deadline) or >= 0 seconds")
         need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
         for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
             v = getattr(self, name)
@@ -159,13 +162,16 @@ class WorkerConfig:
         return DiLoCoConfig(
             site_id=self.site_id,
             sync_every=self.sync_every,
-            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
+            buckets=BucketConfig(
+                bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes, num_sites=self.num_sites
+            ),
             rounds=RoundConfig(
                 codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level),
                 aggregation=AggregationConfig(max_norm=self.max_norm),
             ),
             group=GroupConfig(quorum_wait_s=self.quorum_wait_s),
             hook_optimizer=False,
+            close_timeout_s=self.linger_s,
         )
 
     @property
@@ -300,7 +306,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
                 + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
                 ["param"] * len(list(task.model.parameters()))
                 + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
-                BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+                cfg.diloco_config().buckets,
             )
             data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
             try:
@@ -327,8 +333,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         return _train(cfg, task, diloco, out, stop, t_start)
     finally:
         if diloco is not None:
-            time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
-            diloco.close()
+            diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
         else:
             transport.stop(0.1)
 
@@ -360,6 +365,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         "sync_s": 0.0,
         "inner_s": 0.0,
         "rounds_joined": 0,
+        "owned_buckets": 0,  # in the last round joined
         "encoded_bytes": 0,
         "encoded_fp32_bytes": 0,
     }
@@ -423,6 +429,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             totals["encoded_bytes"] += res.encoded_bytes
             totals["encoded_fp32_bytes"] += res.encoded_fp32_bytes
             totals["rounds_joined"] += 1
+            totals["owned_buckets"] = res.owned_buckets
         with open(metrics_path, "a") as mf:
             mf.write(json.dumps(line) + "\n")
         diloco.group.report_round(round_report(line))  # for the rendezvous status page (heartbeat thread)
@@ -461,6 +468,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         "wall_s": wall,
         "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
         "fp32_bytes_per_round": fp32_bytes,
+        "num_buckets": len(diloco.layout),
         "interrupted": stop.is_set(),
         **totals,
     }

@@ -39,6 +39,7 @@ from dtrain.errors import (
     TransportError,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.types import RoundConfig, RoundResult
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
@@ -123,6 +124,8 @@ class RoundEngine:
         # bytes are everything since then: an owner serves a late peer's mean pull (and
         # receives early pushes) outside its own run_round, and those bytes are real.
         self._bytes_mark: tuple[int, int] | None = None
+        # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
+        self.mean_pulls = MeanPulls()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -248,6 +251,7 @@ class RoundEngine:
         lost = set(site_ids) - {self.site_id}
         if not lost:
             return
+        self.mean_pulls.forget(lost)
         with self._cv:
             rounds = list(self._open.values())
         for o in rounds:
@@ -275,7 +279,7 @@ class RoundEngine:
         with self._cv:
             m = self._means.get((round, bucket))
         if m is not None:
-            return m
+            return self.mean_pulls.record(round, bucket, requester, m)
         o = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
         if not 0 <= bucket < len(o.owners):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(o.owners)})")
@@ -284,14 +288,14 @@ class RoundEngine:
                 m = self._means.get((round, bucket))
             if m is None:
                 raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
-            return m
+            return self.mean_pulls.record(round, bucket, requester, m)
         if not o.done[bucket].wait(max(0.0, deadline - time.monotonic())):
             raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
         with self._cv:
             m = self._means.get((round, bucket))
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
-        return m
+        return self.mean_pulls.record(round, bucket, requester, m)
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if not 0 <= bucket < len(self.state):
@@ -433,6 +437,9 @@ class RoundEngine:
         layout = self.state.layout
         owners = assign_owners(len(layout), plan.site_ids)
         o = _OpenRound(plan, owners, self.site_id, self, t0)
+        self.mean_pulls.expect(
+            r, buckets=o.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=o.broadcast_until
+        )
         res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(o.mine), contributed=contribute)
         sent0, recv0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
