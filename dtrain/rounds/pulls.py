@@ -23,6 +23,7 @@ __all__ = ["MeanPulls", "PullWait"]
 T = TypeVar("T")
 
 _KEEP_ROUNDS = 2  # the ledger keeps the latest rounds only (a site serves the current one)
+_MAX_SERVED_PER_ROUND = 1 << 16  # requester names come from the wire: bound what is kept
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +70,9 @@ class MeanPulls:
     def record(self, round: int, bucket: int, requester: str, mean: T) -> T:
         """Note that ``requester`` got the mean of ``bucket`` of ``round``; returns ``mean``."""
         with self._cv:
-            self._served.setdefault(round, set()).add((requester, bucket))
+            served = self._served.setdefault(round, set())
+            if len(served) < _MAX_SERVED_PER_ROUND:
+                served.add((requester, bucket))
             missing = self._missing.get(round)
             if missing is not None:
                 missing.discard((requester, bucket))
