@@ -9,9 +9,8 @@ import torch
 
 from dtrain.app.worker import WorkerConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.tasks import load_task
 from dtrain.tasks.builtin import lm_loss
-from dtrain.tasks.gpt import GPT, GPTConfig
-from dtrain.tasks.spec import PRESETS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,17 +19,9 @@ ROUNDS = 2
 
 
 def default_model() -> torch.nn.Module:
-    """The built-in GPT at the default size (``WorkerConfig().size``: small, 0.44 M parameters)."""
-    pr = PRESETS[WorkerConfig().size]
-    return GPT(
-        GPTConfig(
-            vocab_size=256,
-            context_len=pr.context_len,
-            num_layers=pr.num_layers,
-            num_heads=pr.num_heads,
-            embed_dim=pr.embed_dim,
-        )
-    )
+    """The built-in task's model at the default size (``WorkerConfig().size``: small, 0.44 M parameters)."""
+    cfg = WorkerConfig(num_sites=NUM_SITES)
+    return load_task(cfg.task)(cfg.task_spec()).model
 
 
 def test_three_sites_on_the_default_model_own_buckets_alike_and_move_bytes_alike() -> None:
