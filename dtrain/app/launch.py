@@ -134,15 +134,16 @@ class _PlainProgress:
 
 
 def _format_table(rows: list[dict]) -> str:
+    # Headers are the summary.json fields (docs/METRICS.md), so the table reads like the summary.
     cols = [
         ("site", "site", "{}"),
-        ("final val loss", "final_val_loss", "{:.4f}"),
+        ("final_val_loss", "final_val_loss", "{:.4f}"),
         ("θ checksum", "checksum", "{}"),
-        ("rounds joined", "rounds_joined", "{}"),
-        ("bytes sent", "bytes_sent", "{:,}"),
-        ("bytes received", "bytes_received", "{:,}"),
-        ("compression", "compression_ratio", "{:.1f}x"),
-        ("sync share", "sync_share", "{:.1%}"),
+        ("rounds_joined", "rounds_joined", "{}"),
+        ("bytes_sent", "bytes_sent", "{:,}"),
+        ("bytes_received", "bytes_received", "{:,}"),
+        ("compression_ratio", "compression_ratio", "{:.1f}x"),
+        ("sync_share", "sync_share", "{:.1%}"),
     ]
     cells = [[h for h, _, _ in cols]]
     for r in rows:
