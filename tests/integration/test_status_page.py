@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.metrics import RoundLine, read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 SITES = ["site-0", "site-1", "site-2"]
@@ -88,9 +90,8 @@ def _wait_for(cond, timeout_s: float, what: str, poll_s: float = 0.1):
 
 
 def _round_lines(run_dir: Path, site: str) -> list[dict]:
-    path = run_dir / site / "metrics.jsonl"
-    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-    return [d for d in lines if d.get("event") == "round"]
+    """The site's round lines so far, through the one reader (a line being written is skipped)."""
+    return [ln.as_dict() for ln in read_metrics(run_dir / site / "metrics.jsonl") if isinstance(ln, RoundLine)]
 
 
 def _check_report_matches_line(rep: dict, line: dict) -> None:
