@@ -217,7 +217,9 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         }, res.rejected
         examples = res.rejected_examples
         assert {k: len(v) for k, v in examples.items()} == {k: min(5, n) for k, n in res.rejected.items()}
-        assert "already accepted" in examples["ALREADY_EXISTS"][0] and "not a member" in examples["PERMISSION_DENIED"][0]
+        assert (
+            "already accepted" in examples["ALREADY_EXISTS"][0] and "not a member" in examples["PERMISSION_DENIED"][0]
+        )
         assert "claims 10737418240 bytes" in examples["RESOURCE_EXHAUSTED"][0]
         assert "covers offset" in examples["INVALID_ARGUMENT"][0]
 
