@@ -135,6 +135,12 @@ class ChunkAccumulator:
         return tuple(sorted(self._digests))
 
     @property
+    def num_held(self) -> int:
+        """Contributions held as tensors: every one with robust options, else those that
+        arrived ahead of their turn in the sum."""
+        return len(self._kept)
+
+    @property
     def digests(self) -> dict[str, bytes]:
         """Sender -> digest of the payload counted from it (a copy)."""
         return dict(self._digests)
