@@ -7,6 +7,7 @@ Modules:
 * ``dtrain.rounds.owner`` — :class:`~dtrain.rounds.owner.OpenRound`, the owner-side
   bookkeeping of one open round (accept, reject, members lost, due, close, finalize);
 * ``dtrain.rounds.error_feedback`` — the residual arithmetic;
+* ``dtrain.rounds.means`` — an owner's mean as broadcast chunks, and back;
 * ``dtrain.rounds.engine`` — :class:`RoundEngine`, one site's engine and peer handler,
   whose ``run_round`` is a sequence of named steps;
 * ``dtrain.rounds.sitelog`` — the logger adapter that names the site on every line.
