@@ -546,8 +546,6 @@ class RoundEngine:
                 run.missing.pop(b)
                 run.owner_lost.discard(b)
                 break
-        for b, why in run.missing.items():
-            self.log.warning("round %d: no mean for bucket %d from %s: %s", run.round, b, run.owners[b], why)
 
     # ------------------------------------------------------------------ site: apply, verify
     def _apply_and_verify(self, run: _Run) -> None:
@@ -573,10 +571,14 @@ class RoundEngine:
         if m is None:
             with self._cv:
                 self.state.bucket_round[b] = r + 1
-            if b in run.owner_lost:
-                return BucketOutcome.OWNER_LOST  # nobody got this mean: every survivor keeps θ_b alike
+            why = run.missing.get(b, "")
+            if b in run.owner_lost:  # nobody got this mean: every survivor keeps θ_b alike
+                self.log.warning(
+                    "round %d: bucket %d %s: no mean from %s: %s", r, b, BucketOutcome.OWNER_LOST, owner, why
+                )
+                return BucketOutcome.OWNER_LOST
             run.missed.add(b)  # the owner may have applied a mean we missed: repaired from it
-            return self._stale(run, b, "its mean never arrived")
+            return self._stale(run, b, f"its mean never arrived from {owner}: {why}")
         with self._cv:
             self._means[(r, b)] = m
         if not m.chunks:
