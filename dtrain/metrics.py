@@ -61,6 +61,9 @@ METRICS_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 #: Version-1 names -> version-2 names.
 _V1_RENAMES = {"total_s": "round_s"}
+#: RoundResult attributes a round line does not carry (the per-bucket outcome list: its
+#: counts are ``bucket_outcomes``; round and members are the line's own fields).
+_NOT_IN_LINE = ("round", "members", "bucket_outcome")
 #: RoundResult attribute -> RoundLine field, where the names differ.
 _ENGINE_RENAMES = {"total_s": "round_s"}
 
@@ -147,8 +150,10 @@ class RoundLine(_Record):
     wait_s: float | None = None
     round_s: float | None = None
     rejected: dict[str, int] | None = None
+    rejected_examples: dict[str, list[str]] | None = None
     lost_members: list[str] | None = None
     errors: list[str] | None = None
+    bucket_outcomes: dict[str, int] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).
@@ -215,7 +220,7 @@ def engine_fields(result: Any) -> dict[str, Any]:
     """
     out = {}
     for f in dataclasses.fields(result):
-        if f.name in ("round", "members"):
+        if f.name in _NOT_IN_LINE:
             continue
         name = _ENGINE_RENAMES.get(f.name, f.name)
         if name not in ENGINE_FIELDS:
