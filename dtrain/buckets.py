@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from dtrain.configs import BucketConfig
+
 __all__ = [
     "BucketConfig",
     "Segment",
@@ -28,31 +30,6 @@ __all__ = [
     "assign_owners",
     "checksum",
 ]
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class BucketConfig:
-    """How parameters are cut into buckets and chunks.
-
-    Attributes:
-        bucket_bytes: target bucket size in bytes of fp32 (4 bytes/element);
-            the unit of ownership, repair and outer-optimizer state. Default 4 MiB.
-        chunk_bytes: chunk size in bytes of fp32 input; the unit of encoding,
-            transfer and partial aggregation. Default 1 MiB. Must be <= bucket_bytes.
-    """
-
-    bucket_bytes: int = 4 * MiB
-    chunk_bytes: int = 1 * MiB
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4:
-            raise ValueError(f"bucket_bytes must be an int >= 4 (one fp32 element), got {self.bucket_bytes!r}")
-        if not isinstance(self.chunk_bytes, int) or not 4 <= self.chunk_bytes <= self.bucket_bytes:
-            raise ValueError(
-                f"chunk_bytes must be an int in [4, bucket_bytes={self.bucket_bytes}], got {self.chunk_bytes!r}"
-            )
 
 
 @dataclass(frozen=True)
