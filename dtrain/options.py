@@ -320,7 +320,11 @@ class Tree:
         by_path: dict[str, Any] = {}
         for name, v in values.items():
             n = name.replace("-", "_")
-            by_path[n if n in self.hidden or self._is_hidden(n) else self.resolve(n).path] = v
+            if self._is_hidden(n):
+                by_path[n] = v
+            else:
+                leaf = self.resolve(n)
+                by_path[leaf.path] = self.check_value(leaf, v)
         return self._build(self.root, self.default, "", by_path)
 
     def _is_hidden(self, path: str) -> bool:
@@ -344,22 +348,29 @@ class Tree:
 
     # ---------------------------------------------------------------- text in
     def parse_text(self, leaf: Leaf, text: str) -> Any:
-        """A flag's text as the leaf's value; ValueError (an argparse type error) if bad."""
+        """A flag's text as the leaf's value (ValueError: argparse's "invalid int value").
+
+        Choices and addresses are checked by :meth:`build`, so that a bad one is a
+        UsageError like every other bad value.
+        """
         if leaf.optional and text.strip().lower() in ("none", "off"):
             return None
-        if leaf.choices is not None:
-            if text not in leaf.choices:
-                raise argparse.ArgumentTypeError(
-                    f"invalid choice {text!r}; allowed: {', '.join(leaf.choices)}"
-                    + (" or none" if leaf.optional else "")
-                )
-            return text
+        return leaf.kind(text) if leaf.kind in (int, float) else text
+
+    @staticmethod
+    def check_value(leaf: Leaf, value: Any) -> Any:
+        """``value`` for ``leaf``: a ``Literal``'s choice checked, host:port text parsed.
+
+        Raises:
+            ValueError: naming the option and the allowed values.
+        """
+        if value is None:
+            return value
+        if leaf.choices is not None and value not in leaf.choices:
+            raise ValueError(f"{leaf.key} must be one of {', '.join(leaf.choices)}, got {value!r}")
         if leaf.kind is HostPort:
-            try:
-                return HostPort.parse(text, leaf.name)
-            except ValueError as e:
-                raise argparse.ArgumentTypeError(str(e)) from None
-        return leaf.kind(text)  # int / float / str: ValueError -> "invalid int value: 'x'"
+            return HostPort.parse(value, leaf.name)
+        return value
 
     def from_toml(self, data: Mapping[str, Any], source: str) -> dict[str, Any]:
         """Values (by path) from a parsed TOML document; UsageError naming the bad key."""
@@ -402,13 +413,6 @@ class Tree:
         )
         if not ok:
             raise UsageError(f"config: {source}: field {name!r} must be {leaf.type_name}, got {v!r}")
-        if leaf.choices is not None and v not in leaf.choices:
-            raise UsageError(f"config: {source}: field {name!r} must be one of {', '.join(leaf.choices)}, got {v!r}")
-        if kind is HostPort:
-            try:
-                return HostPort.parse(v, name)
-            except ValueError as e:
-                raise UsageError(f"config: {source}: {e}") from None
         return float(v) if kind is float else v
 
     # ---------------------------------------------------------------- argv out
@@ -470,7 +474,7 @@ def _converter(tree: Tree, leaf: Leaf):
     def convert(text: str) -> Any:
         return tree.parse_text(leaf, text)
 
-    convert.__name__ = leaf.type_name if leaf.kind in (int, float) else "value"
+    convert.__name__ = leaf.type_name  # argparse: "invalid int value: 'x'"
     return convert
 
 

@@ -216,7 +216,7 @@ BAD = [
     ("worker --diloco.rounds.aggregation.trim-fraction 0.7", ["trim_fraction", "[0, 0.5)"]),
     ("worker --diloco.rounds.aggregation.norm-bound-ratio 0.5", ["norm_bound_ratio", ">= 1"]),
     ("worker --diloco.buffers sum", ["buffers", "'sum'", "average", "local"]),
-    ("worker --broadcast-codec int3", ["broadcast-codec", "'int3'", "int8+zstd"]),
+    ("worker --broadcast-codec int3", ["broadcast_codec", "'int3'", "int8+zstd"]),
     ("worker --diloco.rounds.num-pull-threads 0", ["num_pull_threads", ">= 1"]),
     ("worker --net.grpc.num-attempts 0", ["num_attempts", "[1, 100]"]),
     ("worker --diloco.group.ready-poll-s 0", ["ready_poll_s", "> 0"]),
