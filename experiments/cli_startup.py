@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,12 +35,18 @@ COMMANDS = [
 ]
 
 
-def _run(repo: Path, args: list[str], importtime: bool = False) -> tuple[float, int, str]:
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(repo: Path, args: list[str], importtime: bool = False) -> tuple[float, float, int, str]:
+    """(wall s, CPU s of the child, exit code, stderr)."""
     env = dict(os.environ, PYTHONPATH=str(repo))
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "dtrain", *args]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    return time.perf_counter() - t0, p.returncode, p.stderr
+    return time.perf_counter() - t0, _cpu_s() - c0, p.returncode, p.stderr
 
 
 def _imports(stderr: str) -> tuple[float, list[str]]:
@@ -67,18 +74,20 @@ def main() -> int:
     if not 1 <= runs <= 50:
         ap.error(f"--runs must be in [1, 50], got {a.runs}")
     print(f"repo {a.repo}, {runs} runs each, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'command':34} {'median s':>9} {'min s':>7} {'rc':>3} {'imports s':>9}  heavy modules")
+    print(f"{'command':30} {'wall med':>8} {'min':>5} {'CPU med':>7} {'rc':>3} {'imports':>7}  heavy modules")
     for args in COMMANDS:
-        times, rc = [], 0
+        walls, cpus, rc = [], [], 0
         for _ in range(runs):
-            dt, rc, _ = _run(a.repo, args)
-            times.append(dt)
-        _, _, err = _run(a.repo, args, importtime=True)
+            dt, cpu, rc, _ = _run(a.repo, args)
+            walls.append(dt)
+            cpus.append(cpu)
+        _, _, _, err = _run(a.repo, args, importtime=True)
         imp_s, heavy = _imports(err)
         print(
-            f"{' '.join(args):34} {statistics.median(times):9.2f} {min(times):7.2f} {rc:3d} {imp_s:9.2f}  "
-            f"{', '.join(heavy) or '-'}"
+            f"{' '.join(args):30} {statistics.median(walls):8.2f} {min(walls):5.2f} {statistics.median(cpus):7.2f} "
+            f"{rc:3d} {imp_s:7.2f}  {', '.join(heavy) or '-'}"
         )
+    print("seconds; imports: the top-level imports' cumulative time by -X importtime (one run)")
     return 0
 
 
