@@ -286,7 +286,7 @@ class Tree:
             choices = None
             if typing.get_origin(tp) is Literal:
                 choices, tp = tuple(typing.get_args(tp)), str
-            if tp not in _SCALARS:
+            if tp not in _SCALARS or (tp is bool and optional):  # a bool is --x / --no-x: never None
                 raise TypeError(f"{cls.__name__}.{f.name}: type {hints[f.name]!r} is not an option type; hide it")
             k = f"{key}.{f.name}" if key else f.name
             self.leaves[p] = Leaf(p, k, tp, choices, optional, value, doc, cls)
