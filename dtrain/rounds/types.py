@@ -1,4 +1,6 @@
-"""The round engine's public types: :class:`RoundConfig` (per-site round behaviour)
+"""The round engine's public types: :class:`RoundConfig` (per-site round behaviour),
+:class:`BucketOutcome` (the one word for each state a bucket can be in after a round),
+:class:`RejectionTally` (refused contributions: counts by code, a few example reasons)
 and :class:`RoundResult` (what one round did at one site; its metrics line).
 
 Re-exported by :mod:`dtrain.rounds`, where the engine that uses them lives.
@@ -9,15 +11,28 @@ the command line) and re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from dtrain.configs import RoundConfig
 
-__all__ = ["RoundConfig", "RoundResult"]
+__all__ = ["RoundConfig", "RoundResult", "BucketOutcome", "RejectionTally", "MAX_REJECT_EXAMPLES_PER_CODE"]
+
+#: Example reasons a round keeps per rejection code (the counts are exact).
+MAX_REJECT_EXAMPLES_PER_CODE = 5
 
 
 @dataclass(kw_only=True)
 class RoundResult:
-    """What one round did at one site (also the source of its metrics line)."""
+    """What one round did at one site (also the source of its metrics line).
+
+    The bucket counts follow from ``bucket_outcome`` (one :class:`BucketOutcome` per
+    bucket; :meth:`count_outcomes` fills them): ``applied_buckets`` = APPLIED,
+    ``repaired_buckets`` = REPAIRED, ``stale_buckets`` = STALE + REPAIRED (found stale
+    this round), ``skipped_buckets`` = EMPTY + OWNER_LOST; ``bucket_outcomes`` has the
+    count of every outcome by its value. ``rejected`` counts the contributions this
+    site refused as an owner by :class:`~dtrain.errors.RejectCode` name, with at most
+    :data:`MAX_REJECT_EXAMPLES_PER_CODE` reasons per code in ``rejected_examples``.
+    """
 
     round: int
     members: tuple[str, ...]
@@ -39,9 +54,26 @@ class RoundResult:
     network_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
-    rejected: dict[str, int] = field(default_factory=dict)
+    bucket_outcomes: dict[str, int] = field(default_factory=dict)  # BucketOutcome value -> buckets
+    rejected: dict[str, int] = field(default_factory=dict)  # RejectCode name -> contributions refused
+    rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     errors: list[str] = field(default_factory=list)
+    bucket_outcome: list[BucketOutcome] = field(default_factory=list)  # per bucket; not in the metrics line
+
+    def count_outcomes(self, outcomes: Iterable[BucketOutcome]) -> None:
+        """Set ``bucket_outcome`` and the counts derived from it (see the class docstring)."""
+        self.bucket_outcome = list(outcomes)
+        n = {o: 0 for o in BucketOutcome}
+        for o in self.bucket_outcome:
+            n[o] += 1
+        self.bucket_outcomes = {o.value: k for o, k in n.items()}
+        self.applied_buckets = n[BucketOutcome.APPLIED]
+        self.repaired_buckets = n[BucketOutcome.REPAIRED]
+        self.stale_buckets = n[BucketOutcome.STALE] + n[BucketOutcome.REPAIRED]
+        self.skipped_buckets = n[BucketOutcome.EMPTY] + n[BucketOutcome.OWNER_LOST]
 
     def metrics(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        """The JSON-safe fields of the metrics line (docs/METRICS.md); the per-bucket
+        ``bucket_outcome`` list is left out (its counts are in ``bucket_outcomes``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "bucket_outcome"}
