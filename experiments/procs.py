@@ -97,7 +97,14 @@ class ProcRun:
         self.spawn(
             "rendezvous",
             self.num_sites,
-            ["rendezvous", "--bind", f"{self.host(self.num_sites)}:0", "--address-file", str(addr), *flags(opts, RENDEZVOUS)],
+            [
+                "rendezvous",
+                "--bind",
+                f"{self.host(self.num_sites)}:0",
+                "--address-file",
+                str(addr),
+                *flags(opts, RENDEZVOUS),
+            ],
         )
 
         def ready() -> bool:

@@ -10,15 +10,85 @@ the command line) and re-exported here.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from dtrain.configs import RoundConfig
+from dtrain.errors import RejectCode
 
 __all__ = ["RoundConfig", "RoundResult", "BucketOutcome", "RejectionTally", "MAX_REJECT_EXAMPLES_PER_CODE"]
 
 #: Example reasons a round keeps per rejection code (the counts are exact).
 MAX_REJECT_EXAMPLES_PER_CODE = 5
+
+
+class BucketOutcome(enum.Enum):
+    """The state a bucket is in at one site after a round (the value is the word used
+    in logs and in the ``bucket_outcomes`` metric).
+
+    | outcome | value | meaning |
+    |---|---|---|
+    | APPLIED | ``applied`` | the owner's mean arrived, was applied, and θ_b's checksum equals the owner's |
+    | EMPTY | ``empty`` | the owner published a mean with no chunks (some chunk got no contribution at all): nobody applies it, every site keeps θ_b |
+    | OWNER_LOST | ``owner_lost`` | the owner could not be reached (or did not answer by the broadcast deadline): nobody got its mean, every survivor keeps θ_b |
+    | STALE | ``stale`` | θ_b is behind the owner's (its mean never arrived from a live owner, was undecodable, or the checksum before/after applying differs) and was not repaired (repair off, or it failed) |
+    | REPAIRED | ``repaired`` | was stale and was pulled whole (θ_b and outer-optimizer state) from its owner or a member with the owner's checksum |
+
+    In every outcome but APPLIED and REPAIRED this site's contribution to the bucket
+    stays in its residual, except for chunks that a finalized mean included
+    (:mod:`dtrain.rounds.error_feedback`). A site cut from a round by the quorum (a
+    straggler) does not run the round at all: it resynchronises every bucket
+    (``MissedRound``), which is not a bucket outcome.
+    """
+
+    APPLIED = "applied"
+    EMPTY = "empty"
+    OWNER_LOST = "owner_lost"
+    STALE = "stale"
+    REPAIRED = "repaired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RejectionTally:
+    """Refused contributions of one round at their owner: an exact count per
+    :class:`~dtrain.errors.RejectCode` and at most ``max_examples`` example reasons per
+    code (memory bounded whatever a rogue sender does). Not thread-safe.
+
+    Args:
+        max_examples: example reasons kept per code.
+    """
+
+    def __init__(self, max_examples: int = MAX_REJECT_EXAMPLES_PER_CODE) -> None:
+        if max_examples < 0:
+            raise ValueError(f"max_examples must be >= 0, got {max_examples!r}")
+        self.max_examples = max_examples
+        self.counts: dict[RejectCode, int] = {}
+        self.examples: dict[RejectCode, list[str]] = {}
+
+    def add(self, code: RejectCode, reason: str) -> bool:
+        """Count one rejection; returns whether ``reason`` was kept as an example
+        (callers log those, and only a count of the rest)."""
+        self.counts[code] = self.counts.get(code, 0) + 1
+        kept = self.examples.setdefault(code, [])
+        if len(kept) < self.max_examples:
+            kept.append(reason)
+            return True
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def by_code(self) -> dict[str, int]:
+        """``{code name: count}`` (JSON-safe; what ``RoundResult.rejected`` holds)."""
+        return {c.value: n for c, n in sorted(self.counts.items(), key=lambda kv: kv[0].value)}
+
+    def example_reasons(self) -> dict[str, list[str]]:
+        """``{code name: [reason, ...]}``, at most ``max_examples`` each."""
+        return {c.value: list(r) for c, r in sorted(self.examples.items(), key=lambda kv: kv[0].value)}
 
 
 @dataclass(kw_only=True)

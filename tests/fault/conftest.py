@@ -330,7 +330,14 @@ class Cluster:
         """Start (or restart, e.g. on the old ``bind``) the rendezvous; returns its address."""
         self._rv_starts += 1
         addr_file = self.root / f"rendezvous-{self._rv_starts}.addr"
-        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr_file), *_flags({**self.rv_opts, **opts}, RENDEZVOUS)]
+        argv = [
+            "rendezvous",
+            "--bind",
+            bind,
+            "--address-file",
+            str(addr_file),
+            *_flags({**self.rv_opts, **opts}, RENDEZVOUS),
+        ]
         p = self._spawn("rendezvous", argv, self.root / f"rendezvous-{self._rv_starts}.log")
         wait_until(
             lambda: addr_file.exists() or p.poll() is not None,
