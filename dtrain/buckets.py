@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from dtrain.configs import BucketConfig
 
 __all__ = [
     "BucketConfig",
@@ -41,86 +42,6 @@ __all__ = [
     "assign_owners",
     "checksum",
 ]
-
-KiB = 1 << 10
-MiB = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class BucketConfig:
-    """How parameters are cut into buckets and chunks.
-
-    Attributes:
-        bucket_bytes: bucket size in bytes of fp32 (4 bytes/element); the unit of
-            ownership, repair and outer-optimizer state. None (default): chosen by
-            :meth:`resolve_bucket_bytes` from the model's size and ``num_sites``.
-        chunk_bytes: chunk size in bytes of fp32 input; the unit of encoding,
-            transfer and partial aggregation. Default 1 MiB; a bucket smaller
-            than this is one chunk. Must be <= ``bucket_bytes`` when that is set.
-        num_sites: the configured number of sites of the run (not the live
-            membership); only the automatic bucket size uses it. Every site of a
-            run must use the same value, or their layouts differ.
-        min_buckets_per_site: the automatic size gives at least this many
-            buckets per configured site (so that ownership stays balanced when
-            membership changes), unless that would go below ``min_bucket_bytes``.
-        min_bucket_bytes: the smallest automatic bucket (per-chunk costs: an
-            encode, a header, a mean pull per bucket). Default 64 KiB.
-        max_bucket_bytes: the largest automatic bucket. Default 4 MiB.
-    """
-
-    bucket_bytes: int | None = None
-    chunk_bytes: int = 1 * MiB
-    num_sites: int = 1
-    min_buckets_per_site: int = 4
-    min_bucket_bytes: int = 64 * KiB
-    max_bucket_bytes: int = 4 * MiB
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        b = self.bucket_bytes
-        need(b is None or (is_int(b) and b >= 4), "bucket_bytes", "None (automatic) or an int >= 4 (one fp32 element)")
-        top = b if b is not None else f"auto <= max_bucket_bytes={self.max_bucket_bytes}"
-        need(
-            is_int(self.chunk_bytes) and 4 <= self.chunk_bytes <= (b or 1 << 62),
-            "chunk_bytes",
-            f"an int in [4, bucket_bytes={top}]",
-        )
-        need(is_int(self.num_sites) and self.num_sites >= 1, "num_sites", "an int >= 1")
-        need(
-            is_int(self.min_buckets_per_site) and self.min_buckets_per_site >= 1, "min_buckets_per_site", "an int >= 1"
-        )
-        need(is_int(self.min_bucket_bytes) and self.min_bucket_bytes >= 4, "min_bucket_bytes", "an int >= 4")
-        need(
-            is_int(self.max_bucket_bytes) and self.max_bucket_bytes >= self.min_bucket_bytes,
-            "max_bucket_bytes",
-            f"an int >= min_bucket_bytes={self.min_bucket_bytes}",
-        )
-
-    def resolve_bucket_bytes(self, total_bytes: int) -> int:
-        """The bucket size for ``total_bytes`` of fp32 tensors (a multiple of 4).
-
-        ``bucket_bytes`` when set. Otherwise the model is cut into
-        ``max(ceil(total / max_bucket_bytes), min_buckets_per_site * num_sites)``
-        equal buckets, fewer (each ``>= min_bucket_bytes``) when those would be
-        smaller than ``min_bucket_bytes``; a model under ``min_bucket_bytes`` is
-        one bucket. E.g. the built-in ``small`` GPT (1.75 MB) at 3 sites: 12
-        buckets of 146 KB; a 400 MB model: 100 buckets of 4 MiB (as before).
-        The result depends on the configuration and the model only, never on
-        the live membership.
-        """
-        if self.bucket_bytes is not None:
-            return self.bucket_bytes
-        total_elems = max(1, math.ceil(total_bytes / 4))
-        n = max(math.ceil(total_bytes / self.max_bucket_bytes), self.min_buckets_per_site * self.num_sites)
-        if total_bytes < n * self.min_bucket_bytes:
-            n = max(1, total_bytes // self.min_bucket_bytes)
-        return 4 * math.ceil(total_elems / n)
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ for a real multi-site run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from dtrain.buckets import BucketConfig, BucketLayout
-from dtrain.membership import Group, GroupConfig, RendezvousClient, SyncOutcome
+from dtrain.buckets import BucketLayout
+from dtrain.configs import DiLoCoConfig
+from dtrain.membership import Group, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
-from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
 from dtrain.transports.base import Transport
@@ -40,51 +40,9 @@ __all__ = ["DiLoCoConfig", "DiLoCo"]
 
 log = logging.getLogger(__name__)
 
-_BUFFER_MODES = ("average", "local")
 # state_dict() keys that load_state_dict() needs, and their names in the older layout
 _STATE_KEYS = ("theta", "outer_optimizer", "residuals", "round", "bucket_round", "fingerprint")
 _OLD_NAMES = {"outer_optimizer": "optimizers", "round": "rounds_applied"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiLoCoConfig:
-    """Configuration of the DiLoCo wrapper.
-
-    Attributes:
-        site_id: this site's unique name.
-        sync_every: H, inner steps per round (DiLoCo arXiv 2311.08105 uses 500).
-        buckets: bucket and chunk sizes.
-        rounds: codec, aggregation, error feedback, repair.
-        group: rendezvous-client behaviour (quorum wait, retries).
-        buffers: ``"average"`` floating-point buffers (e.g. batch-norm running
-            statistics) across sites each round, or keep them ``"local"``.
-        hook_optimizer: count inner steps through a post-step hook on the inner
-            optimizer (True) or only when the caller calls :meth:`DiLoCo.step`.
-        close_timeout_s: longest :meth:`DiLoCo.close` waits for the members of the
-            last round to pull this site's means, seconds (0: not at all). None
-            (default): until that round's broadcast deadline, after which no
-            member pulls any more.
-    """
-
-    site_id: str = "site-0"
-    sync_every: int = 500
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    rounds: RoundConfig = field(default_factory=RoundConfig)
-    group: GroupConfig = field(default_factory=GroupConfig)
-    buffers: str = "average"
-    hook_optimizer: bool = True
-    close_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sync_every, int) or self.sync_every <= 0:
-            raise ValueError(f"sync_every (H) must be an int >= 1, got {self.sync_every!r}")
-        if self.buffers not in _BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {_BUFFER_MODES}, got {self.buffers!r}")
-        if not self.site_id or not isinstance(self.site_id, str):
-            raise ValueError(f"site_id must be a non-empty string, got {self.site_id!r}")
-        t = self.close_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
-            raise ValueError(f"close_timeout_s must be None (the broadcast deadline) or seconds >= 0, got {t!r}")
 
 
 class DiLoCo:

@@ -218,7 +218,8 @@ def recording_task(spec):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("problem", ["corrupt", "other_site", "other_model", "unfit"])
 def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, tmp_path: Path) -> None:
-    from dtrain.app.worker import WorkerConfig, run_worker
+    from dtrain.app.config import WORKER
+    from dtrain.app.worker import run_worker
 
     cdir = tmp_path / "site-0" / "checkpoints"
     if problem == "corrupt":
@@ -230,14 +231,16 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint="0123456789abcdef"))
     else:  # right site and layout, but a model state that does not fit: the recorder sees the attempt
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint=_fingerprint_of_tiny()))
-    cfg = WorkerConfig(
-        site_id="site-0",
-        size="tiny",
-        task=f"{__name__}:recording_task",
-        rendezvous="127.0.0.1:9",
-        out_dir=str(tmp_path / "site-0"),
-        resume=True,
-        linger_s=0.0,
+    cfg = WORKER.build(
+        {
+            "site_id": "site-0",
+            "size": "tiny",
+            "task": f"{__name__}:recording_task",
+            "rendezvous": "127.0.0.1:9",
+            "out_dir": str(tmp_path / "site-0"),
+            "resume": True,
+            "linger_s": 0.0,
+        }
     )
     LOADS.clear()
     with pytest.raises(CheckpointError) as e:
@@ -256,11 +259,11 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
 
 
 def _fingerprint_of_tiny() -> str:
-    from dtrain.app.worker import WorkerConfig
+    from dtrain.app.config import WorkerConfig
     from dtrain.buckets import BucketLayout
     from dtrain.tasks import TaskSpec, load_task
 
-    cfg = WorkerConfig(size="tiny")
+    cfg = WorkerConfig()
     model = load_task("")(TaskSpec(site_index=0, num_sites=1, size="tiny")).model
     params = [p.numel() for p in model.parameters()]
     bufs = [b.numel() for b in model.buffers() if b.is_floating_point()]
