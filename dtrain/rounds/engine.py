@@ -1,6 +1,6 @@
 """One round (outer step) as a state machine, written against ``Transport``.
 
-Phases (DESIGN.md, "One round"): reduce (each site streams Δ_b + residual_b,
+Phases (docs/ARCHITECTURE.md, "One round"): reduce (each site streams Δ_b + residual_b,
 encoded per chunk, to owner(b)); finalize (the owner averages per chunk over
 what arrived and validated, unbiased; arXiv 2507.07114); broadcast (sites pull
 the encoded means); apply (every site, the owner included, runs the outer
@@ -304,7 +304,7 @@ class RoundEngine:
         if m is None:
             return st
         # A site that missed this mean learns from a repair which of its chunks
-        # the mean included (those are consumed, never sent again; DESIGN.md).
+        # the mean included (those are consumed, never sent again; docs/ARCHITECTURE.md, "The residual rule").
         return replace(
             st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
         )
@@ -795,7 +795,7 @@ class RoundEngine:
             tensors: the model's current (local) tensors, as the layout expects.
         Returns:
             False, with every residual cleared, when any value is non-finite
-            (the site then contributes nothing this round; DESIGN.md).
+            (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
         """
         layout = self.state.layout
         tmp: torch.Tensor | None = None

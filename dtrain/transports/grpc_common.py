@@ -5,7 +5,7 @@ Holds the one configuration both use (:class:`GrpcTransportConfig`, with
 shared-token server interceptor, TLS credentials from PEM files, the
 UNAVAILABLE-only retry loop, and the per-address channel pool.
 
-Rules (DESIGN.md, "Transport rules (gRPC)"): every RPC has a deadline; only
+Rules (docs/ARCHITECTURE.md, "Transport rules"): every RPC has a deadline; only
 ``UNAVAILABLE`` is retried, with bounded exponential backoff that never runs past
 the call's deadline; the max message size is set explicitly on both ends;
 keepalive is set so that an idle inner phase (minutes without a call) neither
@@ -135,7 +135,7 @@ class GrpcTransportConfig:
     """Configuration of the gRPC peer transport (also used by the rendezvous).
 
     Keepalive defaults and why (an inner phase can leave a channel idle for
-    minutes, DESIGN.md "One round", step 1):
+    minutes, docs/ARCHITECTURE.md "One round", step 1):
 
     * ``keepalive_time_ms=30_000``: each end pings an idle connection every 30 s,
       so NATs and firewalls (idle timeouts of 60 s and more) keep the flow, and a
