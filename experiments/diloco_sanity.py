@@ -30,6 +30,7 @@ table into ``experiments/RESULTS.md``.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -182,7 +183,16 @@ def _free_port() -> int:
 
 
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
-    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site."""
+    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
+
+    Teardown: every rank meets in a last barrier (so none closes its gloo connections while
+    rank 0 still evaluates), destroys the process group, and then leaves with ``os._exit(0)``
+    without finalizing the interpreter. Gloo's worker threads release the tensors of a finished
+    collective on their own time; under load one did so after the interpreter had begun to
+    finalize, needed the GIL, and the forced thread exit ended in "terminate called without an
+    active exception" (SIGABRT). A rank that raises still goes through spawn's error path.
+    """
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -236,8 +246,12 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                     }
                 )
             )
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ddp(spec: RunSpec) -> RunResult:
