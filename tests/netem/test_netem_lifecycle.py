@@ -23,6 +23,11 @@ pytestmark = pytest.mark.netem
 _CHILD = textwrap.dedent("""
     import faulthandler, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it is stuck
+    # Ctrl-C as in a terminal, whatever the test runner inherited: a background job of a
+    # non-interactive shell (how CI may start .ci/run) starts with SIGINT ignored, Python
+    # then installs no KeyboardInterrupt handler, netem rightly leaves an ignored signal
+    # alone, and the SIGINT below would be ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from netem import Topology
     def body(topo):
