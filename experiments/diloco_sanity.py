@@ -187,10 +187,12 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
 
     Teardown: every rank meets in a last barrier (so none closes its gloo connections while
     rank 0 still evaluates), destroys the process group, and then leaves with ``os._exit(0)``
-    without finalizing the interpreter. Gloo's worker threads release the tensors of a finished
-    collective on their own time; under load one did so after the interpreter had begun to
-    finalize, needed the GIL, and the forced thread exit ended in "terminate called without an
-    active exception" (SIGABRT). A rank that raises still goes through spawn's error path.
+    without finalizing the interpreter. With torch 2.13, gloo's threads (``gloo_tcp_loop``,
+    two ``pt_gloo_runloop``; on rank 0 also the TCPStore server ``pt_tcpstore_uv``) still run
+    after ``destroy_process_group()`` returns (listed in /proc/self/task), so a normal exit
+    finalizes the interpreter and runs C++ destructors with them alive; under load that ended
+    once in "terminate called without an active exception" (SIGABRT). A rank that raises
+    still goes through spawn's error path.
     """
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
