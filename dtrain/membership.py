@@ -74,11 +74,15 @@ class SyncOutcome:
     ``"resynced"`` (cut or declared dead: Δ discarded, θ pulled from members;
     reset the model to θ) or ``"deferred"`` (rendezvous unreachable: keep
     training locally and try again later; the model is NOT reset).
+    ``quorum_s``: seconds this sync waited for the rendezvous's decision (the
+    round's plan, or "missed"): the quorum forming, i.e. the slowest member
+    finishing its inner phase.
     """
 
     status: str
     reason: str
     result: RoundResult | None = None
+    quorum_s: float = 0.0
 
 
 class Group:
@@ -279,16 +283,22 @@ class Group:
                 time.sleep(min(0.5, self.config.rendezvous_retry_s))
                 continue
             if d.status == "plan" and d.plan is not None:
+                quorum_s = time.monotonic() - waited_since
                 ok = self.engine.add_pseudo_gradient(list(tensors))
                 res = self.engine.run_round(d.plan, contribute=ok)
-                return SyncOutcome(status="applied", reason=d.reason, result=res)
+                return SyncOutcome(status="applied", reason=d.reason, result=res, quorum_s=quorum_s)
             if d.status == "missed":
+                quorum_s = time.monotonic() - waited_since
                 log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, d.reason)
                 try:
                     self.resync()
                 except (RendezvousError, StateTransferError) as e:
-                    return SyncOutcome(status="deferred", reason=f"missed round {r} ({d.reason}); resync failed: {e}")
-                return SyncOutcome(status="resynced", reason=d.reason)
+                    return SyncOutcome(
+                        status="deferred",
+                        reason=f"missed round {r} ({d.reason}); resync failed: {e}",
+                        quorum_s=quorum_s,
+                    )
+                return SyncOutcome(status="resynced", reason=d.reason, quorum_s=quorum_s)
             if d.reason != last_reason:
                 log.info("%s waiting for round %d: %s", self.site_id, r, d.reason)
                 last_reason = d.reason

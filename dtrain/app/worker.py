@@ -9,6 +9,7 @@ group, stop serving). See ``docs/METRICS.md`` for the metrics fields.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ from dtrain.codecs import CodecConfig
 from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.errors import CheckpointError
 from dtrain.membership import GroupConfig, SyncOutcome
+from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, write_line
 from dtrain.rounds import RoundConfig
 from dtrain.status import round_report
 from dtrain.tasks import TaskSpec, load_task
@@ -55,7 +57,8 @@ class WorkerConfig:
             ``int4``, ``topk``, each optionally ``+zstd``); zstd_level 1..22.
         outer_lr, outer_momentum, nesterov: outer SGD (DiLoCo arXiv 2311.08105:
             0.7, 0.9, True).
-        bucket_bytes, chunk_bytes: see ``BucketConfig``.
+        bucket_bytes, chunk_bytes: see ``BucketConfig`` (bucket_bytes None: chosen
+            from the model's size and num_sites, so that every site owns buckets).
         quorum_wait_s: give up (exit 3) when no round forms for this long.
         token_file: file holding the shared token; tls_cert/tls_key/tls_ca: PEM
             files (server cert/key, CA for verifying peers; mutual TLS when all set).
@@ -64,7 +67,9 @@ class WorkerConfig:
             continue from the latest checkpoint.
         eval_every: rounds between evaluations; threads: torch threads.
         max_norm: owner's per-contribution L2 bound (None = off).
-        linger_s: seconds to keep serving after the last round (peers may still pull).
+        linger_s: longest wait after the last round for the peers to pull this
+            site's means, seconds (``DiLoCoConfig.close_timeout_s``; None: until the
+            last round's broadcast deadline; the wait ends once all pulled).
         inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
             a slower site in fault tests and experiments.
     """
@@ -90,7 +95,7 @@ class WorkerConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    bucket_bytes: int = 4 << 20
+    bucket_bytes: int | None = None
     chunk_bytes: int = 1 << 20
     quorum_wait_s: float = 300.0
     token_file: str | None = None
@@ -104,7 +109,7 @@ class WorkerConfig:
     eval_every: int = 1
     threads: int = 1
     max_norm: float | None = None
-    linger_s: float = 3.0
+    linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -129,7 +134,7 @@ class WorkerConfig:
         need(self.outer_lr > 0 and math.isfinite(self.outer_lr), "outer_lr", "a finite number > 0")
         need(0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)")
         need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
-        need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
+        need(self.linger_s is None or self.linger_s >= 0, "linger_s", "None (the broadcast deadline) or >= 0 seconds")
         need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
         for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
             v = getattr(self, name)
@@ -159,13 +164,16 @@ class WorkerConfig:
         return DiLoCoConfig(
             site_id=self.site_id,
             sync_every=self.sync_every,
-            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
+            buckets=BucketConfig(
+                bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes, num_sites=self.num_sites
+            ),
             rounds=RoundConfig(
                 codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level),
                 aggregation=AggregationConfig(max_norm=self.max_norm),
             ),
             group=GroupConfig(quorum_wait_s=self.quorum_wait_s),
             hook_optimizer=False,
+            close_timeout_s=self.linger_s,
         )
 
     @property
@@ -300,7 +308,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
                 + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
                 ["param"] * len(list(task.model.parameters()))
                 + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
-                BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+                cfg.diloco_config().buckets,
             )
             data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
             try:
@@ -324,45 +332,52 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             diloco.load_state_dict(data["diloco"])
             diloco.state.copy_to(diloco._tensors_and_kinds()[0])
             diloco.join()
-        return _train(cfg, task, diloco, out, stop, t_start)
+        summary = _train(cfg, task, diloco, out, stop, t_start)
     finally:
         if diloco is not None:
-            time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
-            diloco.close()
+            diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
         else:
             transport.stop(0.1)
+    return _finish(out, transport, summary, t_start)
 
 
-def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> dict:
+def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
+    """Append the end line (bytes the transport counted after the last round line: means
+    served to peers while ``DiLoCo.close`` waited for their pulls) and write ``summary.json``; returns the summary."""
+    end = EndLine(
+        site=summary.site,
+        round=summary.rounds,
+        bytes_sent=max(0, transport.bytes_sent() - summary.bytes_sent),
+        bytes_received=max(0, transport.bytes_received() - summary.bytes_received),
+        wall_s=time.monotonic() - t_start,
+        time=time.time(),
+    )
+    with open(out / "metrics.jsonl", "a") as mf:
+        write_line(mf, end)
+    summary = dataclasses.replace(
+        summary,
+        bytes_sent=summary.bytes_sent + end.bytes_sent,
+        bytes_received=summary.bytes_received + end.bytes_received,
+    )
+    d = summary.as_dict()
+    (out / "summary.json").write_text(json.dumps(d, indent=2))
+    log.info("%s: done: %s", summary.site, d)
+    return d
+
+
+def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> Summary:
     metrics_path = out / "metrics.jsonl"
     fp32_bytes = 4 * diloco.layout.total_numel
     val = task.evaluate(task.model)
     first_val = val
     log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
+    start = StartLine(
+        site=cfg.site_id, round=diloco.round, val_loss=val, params=diloco.layout.total_numel, time=time.time()
+    )
     with open(metrics_path, "a") as mf:
-        mf.write(
-            json.dumps(
-                {
-                    "site": cfg.site_id,
-                    "event": "start",
-                    "round": diloco.round,
-                    "val_loss": val,
-                    "wall_s": 0.0,
-                    "params": diloco.layout.total_numel,
-                    "time": time.time(),
-                }
-            )
-            + "\n"
-        )
-    totals = {
-        "bytes_sent": 0,
-        "bytes_received": 0,
-        "sync_s": 0.0,
-        "inner_s": 0.0,
-        "rounds_joined": 0,
-        "encoded_bytes": 0,
-        "encoded_fp32_bytes": 0,
-    }
+        write_line(mf, start)
+    totals = Totals()
+    owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -394,47 +409,38 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         res = outcome.result
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
-        totals["sync_s"] += sync_s
-        totals["inner_s"] += inner_s
-        line = {
-            "site": cfg.site_id,
-            "event": "round",
-            "round": (res.round if res else diloco.round - 1),
-            "status": outcome.status,
-            "reason": outcome.reason,
-            "members": list(res.members) if res else [],
-            "val_loss": val,
-            "train_loss": train_loss,
-            "inner_steps": diloco.inner_steps,
-            "inner_s": inner_s,
-            "sync_s": sync_s,
-            "wall_s": time.monotonic() - t_start,
-            "time": time.time(),
-            "checksum": theta_checksum(diloco),
-            "outer_checksum": outer_state_checksum(diloco),
-        }
-        if res is not None:
-            m = res.metrics()
-            m.pop("round", None)
-            m.pop("members", None)
-            line.update(m)
-            totals["bytes_sent"] += res.bytes_sent
-            totals["bytes_received"] += res.bytes_received
-            totals["encoded_bytes"] += res.encoded_bytes
-            totals["encoded_fp32_bytes"] += res.encoded_fp32_bytes
-            totals["rounds_joined"] += 1
+        line = RoundLine(
+            site=cfg.site_id,
+            round=(res.round if res else diloco.round - 1),
+            status=outcome.status,
+            reason=outcome.reason,
+            members=list(res.members) if res else [],
+            val_loss=val,
+            train_loss=train_loss,
+            inner_steps=diloco.inner_steps,
+            inner_s=inner_s,
+            sync_s=sync_s,
+            quorum_s=outcome.quorum_s,
+            wall_s=time.monotonic() - t_start,
+            time=time.time(),
+            checksum=theta_checksum(diloco),
+            outer_checksum=outer_state_checksum(diloco),
+            **(engine_fields(res) if res is not None else {}),
+        )
+        totals.add(line)
+        owned_buckets = res.owned_buckets if res is not None else owned_buckets
         with open(metrics_path, "a") as mf:
-            mf.write(json.dumps(line) + "\n")
-        diloco.group.report_round(round_report(line))  # for the rendezvous status page (heartbeat thread)
+            write_line(mf, line)
+        diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
         log.info(
-            "%s: round %d %s members=%s val_loss=%.4f sync=%.2fs sent=%dB",
+            "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
             cfg.site_id,
-            line["round"],
+            line.round,
             outcome.status,
-            line["members"],
+            line.members,
             val,
             sync_s,
-            res.bytes_sent if res else 0,
+            line.bytes_sent or 0,
         )
         if cfg.checkpoint_every and outcome.status != "deferred" and diloco.round % cfg.checkpoint_every == 0:
             save_checkpoint(
@@ -451,27 +457,24 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
                 },
             )
     wall = time.monotonic() - t_start
-    summary = {
-        "site": cfg.site_id,
-        "rounds": diloco.round,
-        "first_val_loss": first_val,
-        "final_val_loss": val,
-        "final_train_loss": train_loss,
-        "checksum": theta_checksum(diloco),
-        "wall_s": wall,
-        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
-        "fp32_bytes_per_round": fp32_bytes,
-        "interrupted": stop.is_set(),
-        **totals,
-    }
-    # The codec's ratio over every contribution this site encoded (fp32 bytes / encoded bytes);
+    # compression_ratio: the codec's ratio over every contribution this site encoded;
     # bytes_sent also counts means an owner serves, so it is not a compression measure.
-    summary["compression_ratio"] = (
-        totals["encoded_fp32_bytes"] / totals["encoded_bytes"] if totals.get("encoded_bytes") else None
+    return Summary(
+        site=cfg.site_id,
+        rounds=diloco.round,
+        first_val_loss=first_val,
+        final_val_loss=val,
+        final_train_loss=train_loss,
+        checksum=theta_checksum(diloco),
+        wall_s=wall,
+        sync_share=totals.sync_s / wall if wall > 0 else 0.0,
+        fp32_bytes_per_round=fp32_bytes,
+        owned_buckets=owned_buckets,
+        num_buckets=len(diloco.layout),
+        interrupted=stop.is_set(),
+        compression_ratio=totals.compression_ratio,
+        **dataclasses.asdict(totals),
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("%s: done: %s", cfg.site_id, summary)
-    return summary
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

@@ -66,12 +66,13 @@ def test_healthy_sites_agree_every_round_and_loss_falls(make_cluster):
 # --------------------------------------------------------------------------- SIGKILL
 @pytest.mark.timeout(120)
 def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
-    """4 sites, 4 buckets. Round 2: SIGKILL a site that owns no bucket while it
-    uploads. Round 4: SIGKILL an owner while it uploads. Survivors finish both
-    rounds by the deadline + 1 s, agree on θ, and the next round's plan drops the
-    dead site and reassigns its buckets."""
-    bucket_bytes = 131072
+    """4 sites, 3 buckets (owners are balanced: one site owns none). Round 2: SIGKILL
+    the site that owns no bucket while it uploads. Round 4: SIGKILL an owner while it
+    uploads. Survivors finish both rounds by the deadline + 1 s, agree on θ, and the
+    next round's plan drops the dead site and reassigns its buckets."""
+    bucket_bytes = 163840
     nb = tiny_num_buckets(bucket_bytes)
+    assert nb == 3
     all_sites = [f"site-{i}" for i in range(4)]
     owners0 = assign_owners(nb, all_sites)
     non_owner = next(s for s in all_sites if s not in owners0)
@@ -94,11 +95,11 @@ def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
     lines = _agree(c, after1, 2)
     for s, d in lines.items():
         assert d["members"] == all_sites
-        assert d["total_s"] <= ROUND_LIMIT_S, f"{s} took {d['total_s']:.2f}s in round 2"
+        assert d["round_s"] <= ROUND_LIMIT_S, f"{s} took {d['round_s']:.2f}s in round 2"
         if d["owned_buckets"]:
             # its owners waited for the reduce deadline and averaged over what arrived
             assert d["reduce_arrived_fraction"] < 1.0, d
-            assert d["total_s"] >= REDUCE_S * 0.9, d
+            assert d["round_s"] >= REDUCE_S * 0.9, d
         assert d["applied_buckets"] == nb, d  # every bucket's mean (over the rest) applied
     # ---- round 3: the dead site is out of the plan
     lines = _agree(c, after1, 3)
@@ -108,7 +109,7 @@ def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
     lines = _agree(c, survivors, 4)
     for s, d in lines.items():
         assert d["members"] == after1
-        assert d["total_s"] <= ROUND_LIMIT_S, f"{s} took {d['total_s']:.2f}s in round 4"
+        assert d["round_s"] <= ROUND_LIMIT_S, f"{s} took {d['round_s']:.2f}s in round 4"
         # the dead owner's buckets got no mean: nobody applied them (θ_b kept, alike)
         assert d["applied_buckets"] == nb - owners2.count(owner), d
         assert d["broadcast_arrived_fraction"] < 1.0
@@ -149,7 +150,7 @@ def test_sigstop_during_upload_then_sigcont_resyncs_and_rejoins(make_cluster):
     lines = _agree(c, others, 2)
     for s, d in lines.items():
         assert d["members"] == sites
-        assert d["total_s"] <= ROUND_LIMIT_S, f"{s} took {d['total_s']:.2f}s in round 2"
+        assert d["round_s"] <= ROUND_LIMIT_S, f"{s} took {d['round_s']:.2f}s in round 2"
     assert all("site-2" not in d["members"] for d in _agree(c, others, 3).values())
     after = c.rounds("site-2")[1:]  # everything after its round-1 line
     resynced = [i for i, d in enumerate(after) if d["status"] == "resynced"]
