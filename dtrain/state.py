@@ -3,7 +3,7 @@ state transfer (repair of stale buckets, joining sites).
 
 Every site keeps θ as one fp32 tensor per bucket, one outer optimizer per
 bucket (so its state is per bucket and can be repaired or transferred bucket by
-bucket), and one error-feedback residual per bucket (DESIGN.md, "One round").
+bucket), and one error-feedback residual per bucket (docs/ARCHITECTURE.md, "One round").
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class GlobalState:
             self.residuals[b] = None
 
     def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Reset the model's tensors to θ (DESIGN.md "One round", step 7)."""
+        """Reset the model's tensors to θ (docs/ARCHITECTURE.md "One round", step 4)."""
         for b in range(len(self)):
             with self._locks[b]:
                 self.layout.scatter(b, self.theta[b].detach(), tensors)

@@ -6,7 +6,7 @@ forms each round's quorum. Decisions are pure functions of the state and
 sides. The gRPC service (``dtrain.rendezvous.grpc``) and the in-process client
 (:class:`InprocRendezvousClient`) both wrap :class:`RendezvousCore`.
 
-Quorum rule (DESIGN.md step 2): once the first site is ready for round r, the
+Quorum rule (docs/ARCHITECTURE.md, "One round", step 2): once the first site is ready for round r, the
 round admits every live site ready within ``quorum_timeout_s`` after it, or all
 live sites as soon as they are all ready, with at least ``min_sites``. Round 0
 additionally waits until ``initial_sites`` sites have joined, so sites that

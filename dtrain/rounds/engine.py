@@ -1,6 +1,6 @@
 """One site's round engine (outer step), written against ``Transport``.
 
-Steps of :meth:`RoundEngine.run_round` (DESIGN.md, "One round"), each a method:
+Steps of :meth:`RoundEngine.run_round` (docs/ARCHITECTURE.md, "One round"), each a method:
 
 1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`)
    and start the finalizer thread (``_finalize_loop``: publishes each owned bucket's
@@ -277,7 +277,7 @@ class RoundEngine:
         if m is None:
             return st
         # A site that missed this mean learns from a repair which of its chunks
-        # the mean included (those are consumed, never sent again; DESIGN.md).
+        # the mean included (those are consumed, never sent again; docs/ARCHITECTURE.md, "The residual rule").
         return replace(
             st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
         )
@@ -773,7 +773,7 @@ class RoundEngine:
             tensors: the model's current (local) tensors, as the layout expects.
         Returns:
             False, with every residual cleared, when any value is non-finite
-            (the site then contributes nothing this round; DESIGN.md).
+            (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
         """
         ok = error_feedback.add_pseudo_gradient(
             self.state.layout,

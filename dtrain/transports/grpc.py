@@ -4,7 +4,7 @@ Server side, a ``Peer`` service (``proto/dtrain/v1/peer.proto``) hands each
 request to the site's :class:`~dtrain.transports.base.PeerHandler`; client side,
 ``push`` / ``pull_mean`` / ``pull_state`` call the peers' services.
 
-Wire rules (DESIGN.md, "Transport rules (gRPC)"):
+Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
 
 * ``Push`` is client-streamed, one :class:`~dtrain.protocol.Contribution` per
   message; a contribution larger than ``max_message_bytes`` is refused before

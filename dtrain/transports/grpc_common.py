@@ -5,7 +5,7 @@ Re-exports the one configuration both use (:class:`GrpcTransportConfig`, with
 holds the channel and server options it turns into, the shared-token server interceptor, TLS credentials from PEM files, the
 UNAVAILABLE-only retry loop, and the per-address channel pool.
 
-Rules (DESIGN.md, "Transport rules (gRPC)"): every RPC has a deadline; only
+Rules (docs/ARCHITECTURE.md, "Transport rules"): every RPC has a deadline; only
 ``UNAVAILABLE`` is retried, with bounded exponential backoff that never runs past
 the call's deadline; the max message size is set explicitly on both ends;
 keepalive is set so that an idle inner phase (minutes without a call) neither

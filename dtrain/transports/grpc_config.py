@@ -103,7 +103,7 @@ class GrpcTransportConfig:
     """Configuration of the gRPC peer transport (also used by the rendezvous).
 
     Keepalive defaults and why (an inner phase can leave a channel idle for
-    minutes, DESIGN.md "One round", step 1):
+    minutes, docs/ARCHITECTURE.md "One round", the inner phase):
 
     * ``keepalive_time_ms=30_000``: each end pings an idle connection every 30 s,
       so NATs and firewalls (idle timeouts of 60 s and more) keep the flow, and a

@@ -172,7 +172,7 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
     resynchronises (its Δ is discarded, never sent). site-3 is admitted to round 1
     but pushes only after the reduce deadline: its late chunks are refused
     (FAILED_PRECONDITION) and no mean of that round includes them (they stay in
-    its error-feedback residual, DESIGN.md "Residuals")."""
+    its error-feedback residual, docs/ARCHITECTURE.md "The residual rule")."""
     fast, slow = 0.1, 0.5  # seconds of sleep per inner step, on top of ~0.07 s of compute: ~3x
     site_opts = {i: {"inner_step_sleep_s": fast} for i in (0, 1, 3)}
     site_opts[2] = {"inner_step_sleep_s": slow}
