@@ -222,6 +222,7 @@ class RendezvousCore:
         self.sites: dict[str, SiteRecord] = {}
         self.next_round = 0
         self.plans: dict[int, RoundPlan] = {}
+        self._plan_members: dict[int, frozenset[str]] = {}  # round -> its plan's site ids
         self._ready: dict[str, float] = {}
         self._adopted_at: float | None = None
         self._cv = threading.Condition()
@@ -355,7 +356,7 @@ class RendezvousCore:
                 )
             plan = self.plans.get(round)
             if plan is not None:
-                if site_id in plan.site_ids:
+                if site_id in self._plan_members.get(round, plan.site_ids):
                     return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
                 return ReadyDecision(
                     status="missed",
@@ -377,6 +378,18 @@ class RendezvousCore:
                 self._ready.clear()
             self._ready.setdefault(site_id, now)
             return self._decide(now)
+
+    def decide(self, *, now: float) -> int:
+        """Re-run the quorum decision for round ``next_round`` (forming its plan
+        when the rule says so at ``now``) and return ``next_round``.
+
+        The gRPC service calls this once per change or tick instead of calling
+        ``ready`` for every waiting site; it costs nothing while no site is ready.
+        """
+        with self._cv:
+            if self._ready:
+                self._decide(now)
+            return self.next_round
 
     def poll(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
         """Re-evaluate a pending ``ready`` (long-poll loop); same answers as ``ready``."""
@@ -417,7 +430,9 @@ class RendezvousCore:
             broadcast_timeout_s=self.config.broadcast_timeout_s,
         )
         self.plans[plan.round] = plan
+        self._plan_members[plan.round] = frozenset(members)
         self.plans.pop(plan.round - 8, None)
+        self._plan_members.pop(plan.round - 8, None)
         for s in members:
             self.sites[s].rounds_joined += 1
             self.sites[s].last_member_round = plan.round

@@ -14,14 +14,12 @@ drops the channel nor earns a "too_many_pings" GOAWAY.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import random
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -36,9 +34,6 @@ __all__ = [
     "channel_options",
     "server_options",
     "call_metadata",
-    "TokenInterceptor",
-    "ServerHandle",
-    "start_server",
     "check_timeout",
     "call_with_retry",
     "to_transport_error",
@@ -165,9 +160,31 @@ class GrpcTransportConfig:
         max_pings_without_data, server_min_ping_interval_ms: see above.
         num_channels_per_peer: channels (TCP connections) per peer address,
             used round-robin per call; more than 1 helps fill lossy long-RTT links.
-        num_server_threads: server worker threads; every in-flight RPC holds one
-            (a PullMean waiting for finalization, a long-polling Ready), so size
-            it above the number of concurrent streams expected. Default 16.
+        num_server_threads: threads per method (Push, PullMean, PullState) that
+            run the site's blocking handler work: decoding and validating a chunk,
+            a pull waiting for its bucket to finalize, a request waiting for its
+            round to open. Calls that merely wait (a Push stream between messages,
+            a Ready long poll) hold none (``dtrain.transports.grpc_server``).
+            Default 32.
+        max_concurrent_rpcs: calls a server runs at once, all methods together
+            (grpc's ``maximum_concurrent_rpcs``); the call past it is answered
+            RESOURCE_EXHAUSTED at once. Default 1024 (a rendezvous needs about
+            two per site: a long poll and a heartbeat).
+        max_streams_per_sender: calls of one method a server runs at once for
+            one sender (a Push's ``sender``, a pull's ``requester``); the call past
+            it is answered RESOURCE_EXHAUSTED at once. A site makes at most one
+            Push per owner per round and ``RoundConfig.num_pull_threads`` (8)
+            pulls at a time. The rendezvous keeps at most this many Ready long
+            polls per ``site_id``: a newer one answers the oldest "wait" at once
+            (so a client spoofing a site's id cannot lock the site out).
+            Default 8.
+        stream_idle_timeout_s: a Push stream that sends no message for this long
+            (seconds) is ended with DEADLINE_EXCEEDED, and its call slot freed.
+            Default 10.
+        max_wait_ms: the longest a server lets one call wait, whatever the
+            request asks: a Ready long poll (answered "wait" at the cap; the site
+            asks again) and a PullMean waiting for finalization (answered
+            DEADLINE_EXCEEDED at the cap). Default 30 000.
         num_attempts: attempts per call when the peer answers UNAVAILABLE
             (1 = no retry). Other codes are never retried.
         retry_initial_backoff_s, retry_max_backoff_s, retry_backoff_multiplier:
@@ -194,7 +211,11 @@ class GrpcTransportConfig:
     max_pings_without_data: int = 0
     server_min_ping_interval_ms: int = 10_000
     num_channels_per_peer: int = 1
-    num_server_threads: int = 16
+    num_server_threads: int = 32
+    max_concurrent_rpcs: int = 1024
+    max_streams_per_sender: int = 8
+    stream_idle_timeout_s: float = 10.0
+    max_wait_ms: int = 30_000
     num_attempts: int = 4
     retry_initial_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
@@ -215,6 +236,13 @@ class GrpcTransportConfig:
         _positive_int(self, "server_min_ping_interval_ms", 0, self.keepalive_time_ms)
         _positive_int(self, "num_channels_per_peer", 1, 64)
         _positive_int(self, "num_server_threads", 2, 1024)
+        _positive_int(self, "max_concurrent_rpcs", 4, 1_000_000)
+        _positive_int(self, "max_streams_per_sender", 1, 1_000_000)
+        _positive_int(self, "max_wait_ms", 10, int(_MAX_TIMEOUT_S * 1000))
+        if not isinstance(self.stream_idle_timeout_s, (int, float)) or not 0.01 <= self.stream_idle_timeout_s <= 3600:
+            raise ValueError(
+                f"stream_idle_timeout_s must be a number of seconds in [0.01, 3600], got {self.stream_idle_timeout_s!r}"
+            )
         _positive_int(self, "num_attempts", 1, 100)
         if not 0.0 < self.retry_initial_backoff_s <= self.retry_max_backoff_s <= 60.0:
             raise ValueError(
@@ -286,101 +314,6 @@ def server_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
 def call_metadata(cfg: GrpcTransportConfig) -> tuple[tuple[str, str], ...]:
     """Metadata every call carries (the shared token, when configured)."""
     return ((TOKEN_METADATA_KEY, cfg.token),) if cfg.token else ()
-
-
-def _deny_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED
-    without reading the request stream."""
-
-    def deny(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``dtrain-token`` metadata is missing or wrong with
-    UNAUTHENTICATED, before the servicer runs or reads any request message.
-
-    The comparison is constant-time (``hmac.compare_digest``).
-    """
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode("ascii")
-
-    def intercept_service(self, continuation, handler_call_details):
-        got: str | bytes | None = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                got = value
-        if got is not None:
-            got_bytes = got if isinstance(got, bytes) else got.encode("utf-8", "replace")
-            if hmac.compare_digest(got_bytes, self._token):
-                return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        reason = "missing dtrain-token metadata" if got is None else "wrong token"
-        log.warning("rejected %s: %s", handler_call_details.method, reason)
-        return _deny_handler(handler, reason)
-
-
-def _format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-class ServerHandle:
-    """A started gRPC server with its worker pool (from :func:`start_server`).
-
-    Attributes:
-        server: the ``grpc.Server``.
-        port: the bound TCP port.
-    """
-
-    def __init__(self, server: grpc.Server, executor: ThreadPoolExecutor, port: int) -> None:
-        self.server = server
-        self.port = port
-        self._executor = executor
-
-    def stop(self, grace_s: float) -> None:
-        """Refuse new calls, give in-flight ones ``grace_s`` seconds, cancel the
-        rest and wait for that; then release idle worker threads (a handler still
-        blocked past the grace period keeps its thread until it returns)."""
-        self.server.stop(grace_s).wait()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def start_server(cfg: GrpcTransportConfig, register: Callable[[grpc.Server], None], *, name: str) -> ServerHandle:
-    """Build, bind and start a server with ``cfg``'s options, token interceptor
-    and TLS; ``register`` adds the servicers.
-
-    Raises ``OSError`` when the port cannot be bound.
-    """
-    interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
-    executor = ThreadPoolExecutor(max_workers=cfg.num_server_threads, thread_name_prefix=f"dtrain-{name}")
-    server = grpc.server(executor, interceptors=interceptors, options=server_options(cfg))
-    register(server)
-    target = f"{_format_host(cfg.bind_host)}:{cfg.bind_port}"
-    try:
-        if cfg.tls is not None:
-            port = server.add_secure_port(target, cfg.tls.server_credentials())
-        else:
-            port = server.add_insecure_port(target)
-    except RuntimeError as e:  # grpcio raises RuntimeError when it cannot bind
-        port, error = 0, e
-    else:
-        error = None
-    if not port:
-        executor.shutdown(wait=False)
-        raise OSError(f"cannot bind {name} server to {target}" + (f": {error}" if error else ""))
-    server.start()
-    return ServerHandle(server, executor, port)
 
 
 def check_timeout(timeout_s: float) -> float:
