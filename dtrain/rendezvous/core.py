@@ -239,9 +239,8 @@ class RendezvousCore:
             self._cv.wait(timeout_s)
 
     def _live(self, now: float) -> set[str]:
-        return {
-            s for s, r in self.sites.items() if r.alive(now, self.config.heartbeat_timeout_s) and not r.needs_resync
-        }
+        oldest = now - self.config.heartbeat_timeout_s  # SiteRecord.alive, inlined: this runs per Ready
+        return {s for s, r in self.sites.items() if r.last_heartbeat >= oldest and not r.needs_resync}
 
     def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
         with self._cv:
@@ -263,10 +262,11 @@ class RendezvousCore:
             self._ready.pop(site_id, None)
             if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
                 self._startup_complete_at = now
+            live = self._live(now)  # once: a join costs O(sites), not O(sites^2)
             others = tuple(
                 Member(site_id=s, address=r.address)
                 for s, r in sorted(self.sites.items())
-                if s != site_id and s in self._live(now)
+                if s != site_id and s in live
             )
             self._changed()
             log.info(
@@ -356,7 +356,8 @@ class RendezvousCore:
                 )
             plan = self.plans.get(round)
             if plan is not None:
-                if site_id in self._plan_members.get(round, plan.site_ids):
+                members = self._plan_members.get(round)
+                if site_id in (members if members is not None else plan.site_ids):
                     return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
                 return ReadyDecision(
                     status="missed",

@@ -119,13 +119,6 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
     )
 
 
-def _decision_to_proto(d: ReadyDecision) -> pb.ReadyReply:
-    reply = pb.ReadyReply(status=d.status, reason=d.reason, next_round=d.next_round)
-    if d.plan is not None:
-        reply.plan.CopyFrom(plan_to_proto(d.plan))
-    return reply
-
-
 def _decision_from_proto(m: pb.ReadyReply) -> ReadyDecision:
     return ReadyDecision(
         status=m.status,
@@ -167,13 +160,43 @@ class _RendezvousServicer:
         self._polls: dict[str, list[_Poll]] = {}
         self._dirty: set[str] = set()  # sites whose polls must be re-evaluated on their own
         self._kick: asyncio.Event | None = None
-        self._last_round: int | None = None
+        self._seen_round = -1  # the highest next_round any answer carried
+        self._answered_round = -1  # polls of rounds below it were answered
+        self._need_decide = True
+        self._decided_at = 0.0
+        self._plan_bytes: dict[int, tuple[RoundPlan, bytes]] = {}  # round -> (plan, its serialized field)
         self._evaluator: asyncio.Task | None = None
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
 
     def register(self, server: grpc.aio.Server) -> list[str]:
-        pb_grpc.add_RendezvousServicer_to_server(self, server)
+        def unary(fn, request_type, reply_type):
+            serialize = reply_type.SerializeToString if reply_type is not None else None
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request_type.FromString, response_serializer=serialize
+            )
+
+        handlers = {
+            "Join": unary(self.Join, pb.JoinRequest, pb.JoinReply),
+            "Heartbeat": unary(self.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Ready": unary(self.Ready, pb.ReadyRequest, None),  # answers pre-serialized bytes
+            "Leave": unary(self.Leave, pb.LeaveRequest, pb.LeaveReply),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
         return [_SERVICE]
+
+    def _reply(self, d: ReadyDecision) -> bytes:
+        """``d`` as ReadyReply bytes. A plan is serialized once per round, not once
+        per site: with 1,000 members that is most of the cost of an answer."""
+        head = pb.ReadyReply(status=d.status, reason=d.reason, next_round=d.next_round).SerializeToString()
+        if d.plan is None:
+            return head
+        cached = self._plan_bytes.get(d.plan.round)
+        if cached is None or not (cached[0] is d.plan or cached[0] == d.plan):
+            cached = (d.plan, pb.ReadyReply(plan=plan_to_proto(d.plan)).SerializeToString())
+            self._plan_bytes[d.plan.round] = cached
+            for r in [r for r in self._plan_bytes if r < d.plan.round - 4]:
+                del self._plan_bytes[r]
+        return head + cached[1]  # concatenated messages merge: the plan field is appended
 
     def _call(self, what: str, fn: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
         """Run a core call; a refusal becomes FAILED_PRECONDITION, bad input
@@ -199,6 +222,7 @@ class _RendezvousServicer:
         """Re-evaluate ``site_id``'s waiting polls (its standing changed) and the quorum."""
         if site_id in self._polls:
             self._dirty.add(site_id)
+        self._need_decide = True
         self._wake()
 
     def _wake(self) -> None:
@@ -259,9 +283,11 @@ class _RendezvousServicer:
         site_id, rnd = request.site_id, request.round
         wait_s = self._wait_s(request.wait_ms, context)
         decision = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
-        self._wake()  # this call may have formed a plan that other polls wait for
+        if decision.next_round > self._seen_round:  # this call formed a plan that other polls wait for
+            self._seen_round = decision.next_round
+            self._wake()
         if decision.status != "wait" or wait_s <= 0:
-            return _decision_to_proto(decision)
+            return self._reply(decision)
         poll = self._add_poll(site_id, rnd)
         try:
             got = await asyncio.wait_for(asyncio.shield(poll.future), wait_s)
@@ -271,7 +297,7 @@ class _RendezvousServicer:
             self._remove_poll(poll)
         if got is None:  # the wait ran out, or a newer poll of this site superseded this one
             got = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
-        return _decision_to_proto(got)
+        return self._reply(got)
 
     def _add_poll(self, site_id: str, rnd: int) -> _Poll:
         self._start_evaluator()
@@ -310,18 +336,21 @@ class _RendezvousServicer:
                 log.exception("rendezvous: evaluating the waiting Ready polls failed")
 
     def _evaluate(self, now: float) -> None:
-        """Re-run the quorum decision once; answer the polls it settled."""
+        """Re-run the quorum decision (at most once; none when only a Ready that
+        decided itself woke us) and answer the polls it settled."""
         if not self._polls:
             self._dirty.clear()
             return
         if self._decide is None:
             targets = [p for ps in self._polls.values() for p in ps]
         else:
-            next_round = self._decide(now=now)
+            if self._need_decide or now - self._decided_at >= self._tick_s:
+                self._seen_round = max(self._seen_round, self._decide(now=now))
+                self._need_decide, self._decided_at = False, now
             targets = [p for s in self._dirty for p in self._polls.get(s, ())]
-            if next_round != self._last_round:
-                self._last_round = next_round
-                targets += [p for ps in self._polls.values() for p in ps if p.round < next_round]
+            if self._seen_round > self._answered_round:
+                self._answered_round = self._seen_round
+                targets += [p for ps in self._polls.values() for p in ps if p.round < self._seen_round]
         self._dirty.clear()
         for poll in targets:
             if poll.future.done():
