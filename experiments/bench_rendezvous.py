@@ -52,6 +52,11 @@ __all__ = ["main", "run"]
 # --------------------------------------------------------------------------- server process
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
     """The rendezvous process: serve, answer CPU / dead-site queries on ``conn``, stop when told."""
     import logging
@@ -76,8 +81,7 @@ def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_
         if msg == "stop":
             break
         if msg == "cpu":
-            r = resource.getrusage(resource.RUSAGE_SELF)
-            conn.send(r.ru_utime + r.ru_stime)
+            conn.send(_cpu_s())
         elif msg == "dead":
             sites = core.snapshot(time.monotonic())["sites"]
             conn.send(sorted(s for s, v in sites.items() if v["needs_resync"] or not v["alive"]))
@@ -101,7 +105,9 @@ class _Load:
         self.site_ids = [f"site-{i:04d}" for i in range(args.sites)]
         self.hb_latency_s: list[float] = []
         self.hb_resync = 0
-        self.hb_errors = 0
+        self.hb_errors: dict[str, int] = {}  # status code -> count
+        self.num_cancelled = 0
+        self.missed: list[str] = []
         self.stop = asyncio.Event()
         self.rng = random.Random(args.seed)
 
@@ -124,8 +130,8 @@ class _Load:
             t = time.perf_counter()
             try:
                 reply = await self.stub(i).Heartbeat(req, timeout=10)
-            except grpc.aio.AioRpcError:
-                self.hb_errors += 1
+            except grpc.aio.AioRpcError as e:
+                self.hb_errors[e.code().name] = self.hb_errors.get(e.code().name, 0) + 1
             else:
                 self.hb_latency_s.append(time.perf_counter() - t)
                 self.hb_resync += int(reply.resync_required or not reply.known)
@@ -136,12 +142,20 @@ class _Load:
         sent[i] = time.perf_counter()
         req = pb.ReadyRequest(site_id=self.site_ids[i], round=rnd, wait_ms=10_000)
         while True:
-            reply = await self.stub(i).Ready(req, timeout=30)
+            try:
+                reply = await self.stub(i).Ready(req, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                self.num_cancelled += 1  # seen now and then under this load; a site asks again
+                continue
             if reply.status == "plan":
                 got[i] = time.perf_counter()
                 return len(reply.plan.members)
-            if reply.status == "missed":
-                raise RuntimeError(f"{self.site_ids[i]} missed round {rnd}: {reply.reason}")
+            if reply.status == "missed":  # declared dead (counted in the output); it takes no part
+                self.missed.append(f"{self.site_ids[i]} r{rnd}: {reply.reason}")
+                got[i] = float("nan")
+                return 0
 
     async def one_round(self, rnd: int) -> dict:
         n = len(self.site_ids)
@@ -150,9 +164,11 @@ class _Load:
         sizes = await asyncio.gather(*(self.ready(i, rnd, delays[i], sent, got) for i in range(n)))
         last = max(sent)
         lat_ms = (np.array(got) - last) * 1e3
+        lat_ms = lat_ms[~np.isnan(lat_ms)]
         return {
             "round": rnd,
-            "min_plan_members": min(sizes),
+            "min_plan_members": min((x for x in sizes if x), default=0),
+            "num_missed": sum(1 for x in sizes if not x),
             "decision_ms": float(lat_ms.min()),
             "plan_median_ms": float(np.median(lat_ms)),
             "plan_p99_ms": float(np.percentile(lat_ms, 99)),
@@ -175,11 +191,12 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
     await asyncio.sleep(interval)  # every site heartbeats once before the rounds
     load.hb_latency_s.clear()
     rounds = []
-    cpu0 = server_cpu()
+    cpu0, load0 = server_cpu(), _cpu_s()
     for rnd in range(args.rounds):
         rounds.append(await load.one_round(rnd))
         await asyncio.sleep(args.pause_s)
     cpu_per_round = (server_cpu() - cpu0) / max(1, args.rounds)
+    load_cpu = _cpu_s() - load0
     load.stop.set()
     await asyncio.gather(*hb)
     await load.close()
@@ -199,6 +216,9 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
         "heartbeat_max_ms": float(hb_ms.max()) if hb_ms.size else float("nan"),
         "heartbeat_errors": load.hb_errors,
         "heartbeat_resync_answers": load.hb_resync,
+        "ready_cancelled": load.num_cancelled,
+        "missed": load.missed,
+        "load_cpu_s_per_round": load_cpu / max(1, args.rounds),
         "server_cpu_s_per_round": cpu_per_round,
     }
 
@@ -237,10 +257,11 @@ def _print(out: dict) -> None:
     print(
         f"rendezvous with {out['sites']} simulated sites, {len(out['rounds'])} rounds (join all: {out['join_all_s']:.2f} s)"
     )
-    print("round  members  decision_ms  plan_median_ms  plan_p99_ms  plan_max_ms")
+    print("round  members  missed  decision_ms  plan_median_ms  plan_p99_ms  plan_max_ms")
     for r in out["rounds"]:
         print(
-            f"{r['round']:5d}  {r['min_plan_members']:7d}  {r['decision_ms']:11.1f}  {r['plan_median_ms']:14.1f}"
+            f"{r['round']:5d}  {r['min_plan_members']:7d}  {r['num_missed']:6d}  {r['decision_ms']:11.1f}"
+            f"  {r['plan_median_ms']:14.1f}"
             f"  {r['plan_p99_ms']:11.1f}  {r['plan_max_ms']:11.1f}"
         )
     print(
@@ -250,11 +271,15 @@ def _print(out: dict) -> None:
     print(
         f"heartbeats: {out['heartbeats']} during the rounds, median {out['heartbeat_median_ms']:.2f} ms, "
         f"p99 {out['heartbeat_p99_ms']:.2f} ms, max {out['heartbeat_max_ms']:.2f} ms, "
-        f"errors {out['heartbeat_errors']}, resync answers {out['heartbeat_resync_answers']}"
+        f"errors {out['heartbeat_errors'] or 0}, resync answers {out['heartbeat_resync_answers']}; "
+        f"Ready calls ended CANCELLED (asked again): {out['ready_cancelled']}"
     )
     print(
-        f"sites declared dead: {len(out['declared_dead'])}; rendezvous CPU {out['server_cpu_s_per_round']:.2f} s/round"
+        f"sites declared dead: {len(out['declared_dead'])} at the end, {len(out['missed'])} site-rounds missed; "
+        f"CPU per round: rendezvous {out['server_cpu_s_per_round']:.2f} s, load process {out['load_cpu_s_per_round']:.2f} s"
     )
+    for m in out["missed"][:5]:
+        print(f"  missed: {m}")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
