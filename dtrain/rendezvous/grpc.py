@@ -57,8 +57,6 @@ T = TypeVar("T")
 
 # Kept for compatibility: the server is asynchronous, a long poll holds no thread.
 DEFAULT_NUM_SERVER_THREADS = 64
-# Calls a rendezvous runs at once by default: a long poll and a heartbeat per site.
-DEFAULT_MAX_CONCURRENT_RPCS = 4096
 _SERVICE = pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name  # "dtrain.v1.Rendezvous"
 # Seconds a Ready answer leaves before the caller's deadline.
 _ANSWER_MARGIN_S = 0.1
@@ -411,8 +409,7 @@ def serve_rendezvous(
             again), ``max_streams_per_sender`` the long polls per site id (a newer
             one supersedes the oldest), ``max_concurrent_rpcs`` all calls
             (RESOURCE_EXHAUSTED past it; keep it above twice the number of sites).
-            ``num_server_threads`` is unused. Default: 127.0.0.1, port 0,
-            ``max_concurrent_rpcs`` 4096.
+            ``num_server_threads`` is unused. Default: 127.0.0.1, port 0.
         tick_s: the longest the server goes without re-evaluating the quorum
             with a fresh ``now`` while polls wait (seconds, in (0, 5]), so that a
             ``quorum_timeout_s`` that expires with no new call is still noticed.
@@ -423,7 +420,7 @@ def serve_rendezvous(
     """
     if not 0.0 < tick_s <= 5.0:
         raise ValueError(f"tick_s must be in (0, 5], got {tick_s!r}")
-    cfg = config or GrpcTransportConfig(max_concurrent_rpcs=DEFAULT_MAX_CONCURRENT_RPCS)
+    cfg = config or GrpcTransportConfig()
     server = AioServer(cfg, "rendezvous")
     servicer = _RendezvousServicer(core, tick_s, server)
     server.on_stop(servicer.close)

@@ -168,8 +168,9 @@ class GrpcTransportConfig:
             Default 32.
         max_concurrent_rpcs: calls a server runs at once, all methods together
             (grpc's ``maximum_concurrent_rpcs``); the call past it is answered
-            RESOURCE_EXHAUSTED at once. Default 1024 (a rendezvous needs about
-            two per site: a long poll and a heartbeat).
+            RESOURCE_EXHAUSTED at once. Default 4096 (a rendezvous needs about
+            two per site: a long poll and a heartbeat; a waiting call costs a
+            coroutine, not a thread).
         max_streams_per_sender: calls of one method a server runs at once for
             one sender (a Push's ``sender``, a pull's ``requester``); the call past
             it is answered RESOURCE_EXHAUSTED at once. A site makes at most one
@@ -212,7 +213,7 @@ class GrpcTransportConfig:
     server_min_ping_interval_ms: int = 10_000
     num_channels_per_peer: int = 1
     num_server_threads: int = 32
-    max_concurrent_rpcs: int = 1024
+    max_concurrent_rpcs: int = 4096
     max_streams_per_sender: int = 8
     stream_idle_timeout_s: float = 10.0
     max_wait_ms: int = 30_000
