@@ -222,12 +222,14 @@ class _PeerServicer:
             context,
             lambda: self._handler.handle_pull_state(request.bucket, request.requester),
         )
+        parts = state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
         try:
-            parts = list(state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n)))
+            first = next(parts)  # the header: BucketState.extra is encoded here
         except TypeError as e:
             log.error("PullState bucket %d: BucketState.extra is not JSON-serialisable: %s", request.bucket, e)
             await abort(context, "INTERNAL", f"BucketState.extra is not JSON-serialisable: {e}")
-        for part in parts:
+        yield first
+        for part in parts:  # lazily: a bucket's state is not copied whole
             yield part
 
 
