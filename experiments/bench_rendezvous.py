@@ -74,7 +74,11 @@ def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_
         heartbeat_timeout_s=heartbeat_timeout_s,
     )
     core = RendezvousCore(rcfg)
-    server = serve_rendezvous(core, GrpcTransportConfig(max_concurrent_rpcs=max(4096, 4 * num_sites)))
+    # max_ping_strikes=0: see _Load; the load's few connections each carry ~125 sites.
+    strikes = (("grpc.http2.max_ping_strikes", 0),)
+    server = serve_rendezvous(
+        core, GrpcTransportConfig(max_concurrent_rpcs=max(4096, 4 * num_sites), extra_options=strikes)
+    )
     conn.send(server.address)
     while True:
         msg = conn.recv()
@@ -96,10 +100,11 @@ class _Load:
 
     def __init__(self, address: str, args: argparse.Namespace) -> None:
         self.args = args
-        # No BDP probe: one load connection carries the calls of ~125 sites, and its BDP
-        # pings during the plan fan-out (30 MB in a burst) made calls end CANCELLED now
-        # and then; a real site has its own connection and receives one plan per round.
-        options = [("grpc.http2.bdp_probe", 0)]
+        # One TCP connection per channel, no BDP probe, and no ping strikes on the server:
+        # with ~125 sites' calls on one connection, its pings during the plan fan-out (30 MB
+        # in a burst) now and then ended a batch of calls CANCELLED at once (a GOAWAY, it
+        # seems). A real site has a connection of its own and gets one plan per round.
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
         self.channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(args.channels)]
         self.stubs = [pb_grpc.RendezvousStub(ch) for ch in self.channels]
         self.site_ids = [f"site-{i:04d}" for i in range(args.sites)]
