@@ -232,6 +232,7 @@ class RendezvousCore:
         self.status_log: ReportSink = reports if reports is not None else NullReportSink()
         self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status page only
         self._dead_cache: tuple[float, tuple[str, ...]] | None = None  # (now, HeartbeatInfo.dead); see _dead
+        self._live_cache: tuple[float, float, frozenset[str]] | None = None  # (since, until, live); see _live
 
     def _changed(self) -> None:
         self._cv.notify_all()
@@ -240,9 +241,23 @@ class RendezvousCore:
         with self._cv:
             self._cv.wait(timeout_s)
 
-    def _live(self, now: float) -> set[str]:
-        oldest = now - self.config.heartbeat_timeout_s  # SiteRecord.alive, inlined: this runs per Ready
-        return {s for s, r in self.sites.items() if r.last_heartbeat >= oldest and not r.needs_resync}
+    def _live(self, now: float) -> frozenset[str]:
+        """Sites alive and in good standing at ``now``. Every Ready needs it, so it
+        is kept until the first of them could expire (a later heartbeat only delays
+        that) or a site joins, leaves or is marked for resync: exact, and O(sites)
+        only every few seconds."""
+        c = self._live_cache
+        if c is not None and c[0] <= now < c[1]:
+            return c[2]
+        timeout = self.config.heartbeat_timeout_s
+        oldest = now - timeout
+        live = [
+            (s, r.last_heartbeat) for s, r in self.sites.items() if r.last_heartbeat >= oldest and not r.needs_resync
+        ]
+        expires = min((t for _, t in live), default=now) + timeout
+        result = frozenset(s for s, _ in live)
+        self._live_cache = (now, expires, result)
+        return result
 
     def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
         with self._cv:
@@ -261,7 +276,7 @@ class RendezvousCore:
                 last_member_round=prev.last_member_round if prev else None,
             )
             self.status_log.site_joined(site_id)
-            self._dead_cache = None
+            self._dead_cache = self._live_cache = None
             self._ready.pop(site_id, None)
             if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
                 self._startup_complete_at = now
@@ -312,6 +327,7 @@ class RendezvousCore:
                 self._dead_cache = None  # it is alive again
             if not rec.alive(now, self.config.heartbeat_timeout_s) and not rec.needs_resync:
                 rec.needs_resync = True
+                self._live_cache = None
                 rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {self.config.heartbeat_timeout_s}s): declared dead"
                 log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
                 self._ready.pop(site_id, None)
@@ -346,7 +362,7 @@ class RendezvousCore:
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:
             rec = self.sites.pop(site_id, None)
-            self._dead_cache = None
+            self._dead_cache = self._live_cache = None
             if rec is not None:
                 self._left[site_id] = (rec, now)
                 while len(self._left) > 256:  # bounded: oldest departures forgotten first
