@@ -29,6 +29,7 @@ reveals nothing but the serving status. ``Watch`` (a stream) needs the token.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hmac
 import logging
 import threading
@@ -58,9 +59,11 @@ HEALTH_CHECK_METHOD = f"/{health.SERVICE_NAME}/Check"
 _STOP_SLACK_S = 10.0
 
 
-async def abort(context: grpc.aio.ServicerContext, code: str, reason: str) -> None:
-    """``context.abort`` with a status-code name (unknown names become INTERNAL). Never returns."""
-    status = grpc.StatusCode.__members__.get(str(code), grpc.StatusCode.INTERNAL)
+async def abort(context: grpc.aio.ServicerContext, code: object, reason: str) -> None:
+    """``context.abort`` with a status-code name, or an Enum member named like one
+    (``RejectCode``); unknown names become INTERNAL. Never returns."""
+    name = code.name if isinstance(code, enum.Enum) else str(code)
+    status = grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
     await context.abort(status, reason)
 
 
