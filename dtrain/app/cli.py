@@ -119,9 +119,7 @@ def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     http_bind = cfg.http_bind
     core = RendezvousCore(cfg.rendezvous, reports=StatusLog())
     try:
-        server = serve_rendezvous(
-            core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token, num_server_threads=64)
-        )
+        server = serve_rendezvous(core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token))
     except OSError as e:
         raise UsageError(f"bind: cannot listen on {str(cfg.bind)!r}: {e}") from None
     status = None

@@ -14,12 +14,10 @@ drops the channel nor earns a "too_many_pings" GOAWAY.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Generic, Sequence, TypeVar
 
 import grpc
@@ -34,9 +32,6 @@ __all__ = [
     "channel_options",
     "server_options",
     "call_metadata",
-    "TokenInterceptor",
-    "ServerHandle",
-    "start_server",
     "check_timeout",
     "call_with_retry",
     "to_transport_error",
@@ -48,7 +43,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "dtrain-token"
 # Largest deadline accepted by this module (one day); guards against inf/NaN.
-_MAX_TIMEOUT_S = 86_400.0
+from dtrain.transports.grpc_config import MAX_TIMEOUT_S as _MAX_TIMEOUT_S  # noqa: E402
 
 T = TypeVar("T")
 
@@ -97,101 +92,6 @@ def server_options(cfg: GrpcTransportConfig) -> list[tuple[str, int | str]]:
 def call_metadata(cfg: GrpcTransportConfig) -> tuple[tuple[str, str], ...]:
     """Metadata every call carries (the shared token, when configured)."""
     return ((TOKEN_METADATA_KEY, cfg.token),) if cfg.token else ()
-
-
-def _deny_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED
-    without reading the request stream."""
-
-    def deny(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``dtrain-token`` metadata is missing or wrong with
-    UNAUTHENTICATED, before the servicer runs or reads any request message.
-
-    The comparison is constant-time (``hmac.compare_digest``).
-    """
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode("ascii")
-
-    def intercept_service(self, continuation, handler_call_details):
-        got: str | bytes | None = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                got = value
-        if got is not None:
-            got_bytes = got if isinstance(got, bytes) else got.encode("utf-8", "replace")
-            if hmac.compare_digest(got_bytes, self._token):
-                return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        reason = "missing dtrain-token metadata" if got is None else "wrong token"
-        log.warning("rejected %s: %s", handler_call_details.method, reason)
-        return _deny_handler(handler, reason)
-
-
-def _format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-class ServerHandle:
-    """A started gRPC server with its worker pool (from :func:`start_server`).
-
-    Attributes:
-        server: the ``grpc.Server``.
-        port: the bound TCP port.
-    """
-
-    def __init__(self, server: grpc.Server, executor: ThreadPoolExecutor, port: int) -> None:
-        self.server = server
-        self.port = port
-        self._executor = executor
-
-    def stop(self, grace_s: float) -> None:
-        """Refuse new calls, give in-flight ones ``grace_s`` seconds, cancel the
-        rest and wait for that; then release idle worker threads (a handler still
-        blocked past the grace period keeps its thread until it returns)."""
-        self.server.stop(grace_s).wait()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def start_server(cfg: GrpcTransportConfig, register: Callable[[grpc.Server], None], *, name: str) -> ServerHandle:
-    """Build, bind and start a server with ``cfg``'s options, token interceptor
-    and TLS; ``register`` adds the servicers.
-
-    Raises ``OSError`` when the port cannot be bound.
-    """
-    interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
-    executor = ThreadPoolExecutor(max_workers=cfg.num_server_threads, thread_name_prefix=f"dtrain-{name}")
-    server = grpc.server(executor, interceptors=interceptors, options=server_options(cfg))
-    register(server)
-    target = f"{_format_host(cfg.bind_host)}:{cfg.bind_port}"
-    try:
-        if cfg.tls is not None:
-            port = server.add_secure_port(target, cfg.tls.server_credentials())
-        else:
-            port = server.add_insecure_port(target)
-    except RuntimeError as e:  # grpcio raises RuntimeError when it cannot bind
-        port, error = 0, e
-    else:
-        error = None
-    if not port:
-        executor.shutdown(wait=False)
-        raise OSError(f"cannot bind {name} server to {target}" + (f": {error}" if error else ""))
-    server.start()
-    return ServerHandle(server, executor, port)
 
 
 def check_timeout(timeout_s: float) -> float:

@@ -21,6 +21,8 @@ MiB = 1 << 20
 # Bytes a part/chunk message may carry on top of its payload (field tags, the
 # chunk header with its list of senders, checksums). part_bytes must leave this.
 MESSAGE_OVERHEAD_BYTES = 16 * 1024
+#: Longest deadline any call may have, seconds (a day).
+MAX_TIMEOUT_S = 86_400.0
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -138,9 +140,32 @@ class GrpcTransportConfig:
             accepts, in [0, keepalive_time_ms].
         num_channels_per_peer: channels (TCP connections) per peer address, 1..64,
             used round-robin per call; more than 1 helps fill lossy long-RTT links.
-        num_server_threads: server worker threads; every in-flight RPC holds one
-            (a PullMean waiting for finalization, a long-polling Ready), so size
-            it above the number of concurrent streams expected; 2..1024. Default 16.
+        num_server_threads: threads per method (Push, PullMean, PullState) that
+            run the site's blocking handler work: decoding and validating a chunk,
+            a pull waiting for its bucket to finalize, a request waiting for its
+            round to open. Calls that merely wait (a Push stream between messages,
+            a Ready long poll) hold none (``dtrain.transports.grpc_server``).
+            Default 32.
+        max_concurrent_rpcs: calls a server runs at once, all methods together
+            (grpc's ``maximum_concurrent_rpcs``); the call past it is answered
+            RESOURCE_EXHAUSTED at once. Default 4096 (a rendezvous needs about
+            two per site: a long poll and a heartbeat; a waiting call costs a
+            coroutine, not a thread).
+        max_streams_per_sender: calls of one method a server runs at once for
+            one sender (a Push's ``sender``, a pull's ``requester``); the call past
+            it is answered RESOURCE_EXHAUSTED at once. A site makes at most one
+            Push per owner per round and ``RoundConfig.num_pull_threads`` (8)
+            pulls at a time. The rendezvous keeps at most this many Ready long
+            polls per ``site_id``: a newer one answers the oldest "wait" at once
+            (so a client spoofing a site's id cannot lock the site out).
+            Default 8.
+        stream_idle_timeout_s: a Push stream that sends no message for this long
+            (seconds) is ended with DEADLINE_EXCEEDED, and its call slot freed.
+            Default 10.
+        max_wait_ms: the longest a server lets one call wait, whatever the
+            request asks: a Ready long poll (answered "wait" at the cap; the site
+            asks again) and a PullMean waiting for finalization (answered
+            DEADLINE_EXCEEDED at the cap). Default 30 000.
         num_attempts: attempts per call when the peer answers UNAVAILABLE, 1..100
             (1 = no retry). Other codes are never retried.
         retry_initial_backoff_s: first backoff between attempts, in (0, retry_max_backoff_s];
@@ -169,7 +194,11 @@ class GrpcTransportConfig:
     max_pings_without_data: int = 0
     server_min_ping_interval_ms: int = 10_000
     num_channels_per_peer: int = 1
-    num_server_threads: int = 16
+    num_server_threads: int = 32
+    max_concurrent_rpcs: int = 4096
+    max_streams_per_sender: int = 8
+    stream_idle_timeout_s: float = 10.0
+    max_wait_ms: int = 30_000
     num_attempts: int = 4
     retry_initial_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
@@ -190,6 +219,13 @@ class GrpcTransportConfig:
         _positive_int(self, "server_min_ping_interval_ms", 0, self.keepalive_time_ms)
         _positive_int(self, "num_channels_per_peer", 1, 64)
         _positive_int(self, "num_server_threads", 2, 1024)
+        _positive_int(self, "max_concurrent_rpcs", 4, 1_000_000)
+        _positive_int(self, "max_streams_per_sender", 1, 1_000_000)
+        _positive_int(self, "max_wait_ms", 10, int(MAX_TIMEOUT_S * 1000))
+        if not isinstance(self.stream_idle_timeout_s, (int, float)) or not 0.01 <= self.stream_idle_timeout_s <= 3600:
+            raise ValueError(
+                f"stream_idle_timeout_s must be a number of seconds in [0.01, 3600], got {self.stream_idle_timeout_s!r}"
+            )
         _positive_int(self, "num_attempts", 1, 100)
         if not 0.0 < self.retry_initial_backoff_s <= self.retry_max_backoff_s <= 60.0:
             raise ValueError(
