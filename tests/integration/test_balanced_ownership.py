@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.app.worker import WorkerConfig
+from dtrain.app.config import WorkerConfig
+from dtrain.tasks.spec import TaskSpec
 from dtrain.sim import ClusterConfig, InprocCluster, Site
 from dtrain.tasks import load_task
 from dtrain.tasks.builtin import lm_loss
@@ -19,15 +20,19 @@ ROUNDS = 2
 
 
 def default_model() -> torch.nn.Module:
-    """The built-in task's model at the default size (``WorkerConfig().size``: small, 0.44 M parameters)."""
-    cfg = WorkerConfig(num_sites=NUM_SITES)
-    return load_task(cfg.task)(cfg.task_spec()).model
+    """The built-in task's model at the default size (``TaskSpec().size``: small, 0.44 M parameters)."""
+    cfg = _worker()
+    return load_task(cfg.task)(cfg.task_spec).model
+
+
+def _worker() -> WorkerConfig:
+    return WorkerConfig(task_spec=TaskSpec(num_sites=NUM_SITES))
 
 
 def test_three_sites_on_the_default_model_own_buckets_alike_and_move_bytes_alike() -> None:
     torch.set_num_threads(1)
     # The bucket and codec settings a default `dtrain launch --sites 3` gives each worker.
-    dcfg = WorkerConfig(num_sites=NUM_SITES).diloco_config()
+    dcfg = _worker().diloco_config()
     cfg = ClusterConfig(num_sites=NUM_SITES, sync_every=1, buckets=dcfg.buckets, rounds=dcfg.rounds)
 
     def step(site: Site, k: int) -> None:
