@@ -1,0 +1,548 @@
+"""The rendezvous on etcd v3: membership and quorum with no single point of failure.
+
+:class:`EtcdRendezvous` answers the same calls as the in-memory
+:class:`~dtrain.rendezvous.core.RendezvousCore` (join, heartbeat, ready, leave,
+decide), but keeps nothing that matters in its own process: every fact lives
+under the run's key prefix in etcd, so any number of ``dtrain rendezvous
+--store etcd://...`` front-ends can serve one run at once (stateless), and a site
+can use it directly (:class:`EtcdRendezvousClient`, ``--rendezvous etcd://...``).
+
+Keys under ``<prefix>`` (``/dtrain/<run>/``):
+
+* ``site/<id>``: ``{address, lease, joined_round, left}``; the registration (no lease).
+* ``alive/<id>``: ``{address}`` on the site's lease, whose TTL is ``heartbeat_timeout_s``;
+  a heartbeat is a keep-alive of that lease. The site is live while the key exists.
+* ``ready/<r>/<id>``: ``{t}`` (wall-clock seconds) on the site's lease: ready for round r.
+* ``startup``: ``{t}`` when the ``initial_sites``-th site registered.
+* ``plan/<r>``: the round plan, written once by a transaction that succeeds only if no
+  plan for r exists, after :func:`~dtrain.rendezvous.core.decide_quorum` held on what
+  the store showed; ``next`` (= r + 1) in the same transaction. The last
+  ``NUM_PLANS_KEPT`` plans are kept.
+* ``report/<r>/<id>``: a site's round report for the status page, at most
+  ``max_report_bytes``; the last ``num_report_rounds`` rounds are kept.
+
+Waiters learn plans from a watch on ``plan/`` (one per process), not by polling;
+the quorum is decided by whoever makes it complete (the last ready) or, on a
+quorum timeout, by the first waiter whose timer fires. Times in keys are wall-clock
+(``time.time()``): the clocks of the processes must agree to well under
+``quorum_timeout_s`` (NTP). When etcd has no quorum (a majority of its members
+down), every call raises :class:`~dtrain.rendezvous.etcd_client.EtcdError`, a
+``RendezvousError``: sites keep training locally and say so in their log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+from urllib.parse import urlsplit
+
+from dtrain.errors import RendezvousError
+from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+from dtrain.rendezvous.core import RendezvousConfig, decide_quorum
+from dtrain.rendezvous.etcd_client import (
+    EtcdAuth,
+    EtcdClient,
+    EtcdTls,
+    cmp_absent,
+    op_delete,
+    op_put,
+    op_range,
+    txn_range_kvs,
+)
+
+__all__ = ["EtcdStoreConfig", "SiteIdTaken", "EtcdRendezvous", "EtcdRendezvousClient", "NUM_PLANS_KEPT"]
+
+log = logging.getLogger(__name__)
+
+NUM_PLANS_KEPT = 8
+MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
+
+
+class SiteIdTaken(RendezvousError):
+    """A live site already holds this site id on this run (another process, another address)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdStoreConfig:
+    """Where the run's rendezvous state lives in etcd.
+
+    Attributes:
+        endpoints: ``host:port`` of etcd members' client ports.
+        run: the run's name; its keys live under ``/dtrain/<run>/``.
+        username: etcd user (none: no authentication).
+        password: the user's password.
+        ca_file: CA bundle (PEM) that verifies etcd's certificate; set: https.
+        cert_file: client certificate (PEM) for etcd's client-certificate auth.
+        key_file: the client certificate's private key (PEM).
+        timeout_s: deadline of one etcd call on one member, seconds.
+        num_report_rounds: round reports kept (the newest rounds), >= 1.
+        max_report_bytes: largest round report stored; longer ones are dropped.
+    """
+
+    endpoints: tuple[str, ...]
+    run: str = "default"
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    timeout_s: float = 3.0
+    num_report_rounds: int = 16
+    max_report_bytes: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.endpoints or not all(isinstance(e, str) and e.rpartition(":")[2].isdigit() for e in self.endpoints):
+            raise ValueError(f"endpoints must be host:port strings, got {self.endpoints!r}")
+        if not self.run or "/" in self.run:
+            raise ValueError(f"run must be a non-empty name without '/', got {self.run!r}")
+        if (self.username is None) != (self.password is None):
+            raise ValueError("username and password must be given together")
+        if self.cert_file is not None and self.key_file is None:
+            raise ValueError("key_file must be set with cert_file")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.num_report_rounds, int) or self.num_report_rounds < 1:
+            raise ValueError(f"num_report_rounds must be an int >= 1, got {self.num_report_rounds!r}")
+        if not isinstance(self.max_report_bytes, int) or self.max_report_bytes < 256:
+            raise ValueError(f"max_report_bytes must be an int >= 256, got {self.max_report_bytes!r}")
+
+    @classmethod
+    def parse(cls, url: str, **kw) -> "EtcdStoreConfig":
+        """``etcd://h1:2379,h2:2379[/run]`` (``etcds://``: TLS, with ``ca_file`` in ``kw``)."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
+            raise ValueError(f"an etcd store is etcd://host:port[,host:port...][/run], got {url!r}")
+        run = parts.path.strip("/") or kw.pop("run", "default")
+        return cls(endpoints=tuple(parts.netloc.split(",")), run=run, **kw)
+
+    def client(self) -> EtcdClient:
+        auth = EtcdAuth(username=self.username, password=self.password or "") if self.username else None
+        tls = EtcdTls(ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file)
+        use_tls = self.ca_file is not None or self.cert_file is not None
+        return EtcdClient(self.endpoints, timeout_s=self.timeout_s, auth=auth, tls=tls if use_tls else None)
+
+
+def _j(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _plan_from_json(d: dict) -> RoundPlan:
+    return RoundPlan(
+        round=int(d["round"]),
+        members=tuple(Member(site_id=s, address=a) for s, a in d["members"]),
+        reduce_timeout_s=float(d["reduce_timeout_s"]),
+        broadcast_timeout_s=float(d["broadcast_timeout_s"]),
+    )
+
+
+class EtcdRendezvous:
+    """The rendezvous core over etcd (see the module docstring); thread-safe.
+
+    ``now`` arguments are accepted for the core's signature and ignored: times that
+    other processes compare are wall-clock seconds. Raises ``EtcdError`` (a
+    ``RendezvousError``) when etcd cannot be reached or has no quorum, and
+    :class:`SiteIdTaken` when a live site at another address holds the site id.
+
+    Args:
+        store: where and how to reach etcd.
+        config: membership and round timing (the same as the in-memory core's).
+    """
+
+    def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig | None = None) -> None:
+        self.store = store
+        self.config = config or RendezvousConfig()
+        self.etcd = store.client()
+        self.prefix = f"/dtrain/{store.run}/".encode()
+        self._ttl_s = max(1, math.ceil(self.config.heartbeat_timeout_s))
+        self._cv = threading.Condition()
+        self._plans: dict[int, RoundPlan] = {}
+        self._next = 0
+        self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
+        self._next_check = 0.0
+        self._dead_cache: tuple[float, tuple[str, ...]] | None = None
+        self._watch = None
+        self._start_watch()
+
+    # ------------------------------------------------------------------ keys
+    def _k(self, *parts: str) -> bytes:
+        return self.prefix + "/".join(parts).encode()
+
+    @staticmethod
+    def _r(r: int) -> str:
+        return f"{r:012d}"
+
+    # ------------------------------------------------------------------ the plan watch
+    def _start_watch(self) -> None:
+        kvs, _, rev = self.etcd.range(self._k("plan/"), prefix=True)
+        nxt = self.etcd.get(self._k("next"))
+        with self._cv:
+            for kv in kvs:
+                self._add_plan(_plan_from_json(json.loads(kv.value)))
+            if nxt is not None:
+                self._next = max(self._next, int(nxt.value))
+        self._watch = self.etcd.watch(self._k("plan/"), self._on_plans, prefix=True, start_revision=rev + 1)
+
+    def _add_plan(self, plan: RoundPlan) -> None:
+        self._plans[plan.round] = plan
+        self._next = max(self._next, plan.round + 1)
+        for r in [r for r in self._plans if r <= plan.round - NUM_PLANS_KEPT]:
+            del self._plans[r]
+        self._pending = {r for r in self._pending if r >= self._next}
+
+    def _on_plans(self, events, _rev: int) -> None:
+        with self._cv:
+            for e in events:
+                if e.kind == "PUT":
+                    self._add_plan(_plan_from_json(json.loads(e.kv.value)))
+            self._cv.notify_all()
+
+    @property
+    def next_round(self) -> int:
+        with self._cv:
+            return self._next
+
+    def wait_for_plan(self, round: int, timeout_s: float) -> RoundPlan | None:
+        """Block until the watch delivered round ``round``'s plan, or ``timeout_s`` passed."""
+        with self._cv:
+            self._cv.wait_for(lambda: round in self._plans or self._next > round, timeout_s)
+            return self._plans.get(round)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+    # ------------------------------------------------------------------ membership
+    def join(self, site_id: str, address: str, *, now: float = 0.0) -> JoinInfo:
+        alive = self.etcd.get(self._k("alive", site_id))
+        lease = 0
+        if alive is not None:
+            held = json.loads(alive.value).get("address")
+            if held != address:
+                raise SiteIdTaken(
+                    f"site id {site_id!r} is held by a live site at {held} on run {self.store.run!r} "
+                    f"(this one is at {address}): give each site its own --site-id, or wait "
+                    f"{self.config.heartbeat_timeout_s}s for the other to be declared dead"
+                )
+            lease = alive.lease if self.etcd.lease_keepalive(alive.lease) > 0 else 0
+        if not lease:
+            lease = self.etcd.lease_grant(self._ttl_s)
+        nxt = self.next_round
+        reg = _j({"address": address, "lease": lease, "joined_round": nxt, "left": False})
+        ok, resp = self.etcd.txn(
+            [cmp_absent(self._k("alive", site_id))] if alive is None else [],
+            [op_put(self._k("alive", site_id), _j({"address": address}), lease), op_put(self._k("site", site_id), reg)],
+            [op_range(self._k("alive", site_id))],
+        )
+        if not ok:
+            self.etcd.lease_revoke(lease)
+            other = txn_range_kvs(resp[0])
+            held = json.loads(other[0].value).get("address") if other else "?"
+            raise SiteIdTaken(f"site id {site_id!r} was taken at the same moment by a site at {held}")
+        self._dead_cache = None
+        self._note_startup()
+        members = tuple(m for m in self._alive_members() if m.site_id != site_id)
+        log.info(
+            "rendezvous(etcd): %s joined (%s); next round %d; %d other live sites", site_id, address, nxt, len(members)
+        )
+        return JoinInfo(
+            next_round=nxt,
+            members=members,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            needs_state=nxt > 0 and bool(members),
+        )
+
+    def _note_startup(self) -> None:
+        if self.etcd.get(self._k("startup")) is not None:
+            return
+        _, count, _ = self.etcd.range(self._k("site/"), prefix=True, count_only=True)
+        if count >= self.config.startup_sites:
+            self.etcd.txn([cmp_absent(self._k("startup"))], [op_put(self._k("startup"), _j({"t": time.time()}))])
+
+    def _alive_members(self) -> list[Member]:
+        kvs, _, _ = self.etcd.range(self._k("alive/"), prefix=True)
+        cut = len(self._k("alive/"))
+        return [Member(site_id=kv.key[cut:].decode(), address=json.loads(kv.value)["address"]) for kv in kvs]
+
+    def heartbeat(
+        self,
+        site_id: str,
+        *,
+        now: float = 0.0,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+    ) -> HeartbeatInfo:
+        """Keep the site's lease alive; store its round reports (bounded). An
+        expired lease means the site was declared dead: it must resync."""
+        reg = self.etcd.get(self._k("site", site_id))
+        info = json.loads(reg.value) if reg is not None else None
+        if info is None or info.get("left"):
+            return HeartbeatInfo(
+                known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
+            )
+        if self.etcd.lease_keepalive(int(info["lease"])) <= 0:
+            reason = f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead"
+            return HeartbeatInfo(known=True, resync_required=True, next_round=self.next_round, reason=reason)
+        if round_reports:
+            self._store_reports(site_id, round_reports)
+        return HeartbeatInfo(
+            known=True, resync_required=False, next_round=self.next_round, reason="", dead=self._dead()
+        )
+
+    def _store_reports(self, site_id: str, raws: Sequence[str]) -> None:
+        for raw in raws:
+            if len(raw.encode()) > self.store.max_report_bytes:
+                log.warning(
+                    "rendezvous(etcd): dropped a %d-byte report of %s (> %d)",
+                    len(raw),
+                    site_id,
+                    self.store.max_report_bytes,
+                )
+                continue
+            try:
+                r = int(json.loads(raw)["round"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("rendezvous(etcd): dropped a report of %s without a round", site_id)
+                continue
+            if r >= self.next_round - self.store.num_report_rounds:
+                self.etcd.put(self._k("report", self._r(r), site_id), raw.encode())
+
+    def reports(self) -> dict[int, dict[str, str]]:
+        """round -> site_id -> raw report JSON, of the rounds still kept."""
+        kvs, _, _ = self.etcd.range(self._k("report/"), prefix=True)
+        out: dict[int, dict[str, str]] = {}
+        cut = len(self._k("report/"))
+        for kv in kvs:
+            r, _, site = kv.key[cut:].decode().partition("/")
+            out.setdefault(int(r), {})[site] = kv.value.decode()
+        return out
+
+    def _dead(self) -> tuple[str, ...]:
+        """Registered sites without a live lease (dead or left); cached for a heartbeat interval."""
+        now = time.monotonic()
+        c = self._dead_cache
+        if c is not None and now - c[0] < self.config.heartbeat_interval_s:
+            return c[1]
+        sites, _, _ = self.etcd.range(self._k("site/"), prefix=True, keys_only=True)
+        alive, _, _ = self.etcd.range(self._k("alive/"), prefix=True, keys_only=True)
+        n, m = len(self._k("site/")), len(self._k("alive/"))
+        dead = tuple(sorted({kv.key[n:].decode() for kv in sites} - {kv.key[m:].decode() for kv in alive}))
+        self._dead_cache = (now, dead)
+        return dead
+
+    def leave(self, site_id: str, *, now: float = 0.0) -> None:
+        reg = self.etcd.get(self._k("site", site_id))
+        if reg is None:
+            return
+        info = json.loads(reg.value)
+        self.etcd.lease_revoke(int(info["lease"]))
+        self.etcd.put(self._k("site", site_id), _j({**info, "left": True}))
+        self._dead_cache = None
+        log.info("rendezvous(etcd): %s left", site_id)
+
+    # ------------------------------------------------------------------ rounds
+    def ready(self, site_id: str, round: int, *, now: float = 0.0) -> ReadyDecision:
+        """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
+        decide the quorum if this could complete it. Same answers as the in-memory core."""
+        known = self._answer_known(site_id, round)
+        if known is not None:
+            return known
+        ok, _ = self.etcd.txn(
+            [cmp_absent(self._k("ready", self._r(round), site_id))],
+            [op_put(self._k("ready", self._r(round), site_id), _j({"t": time.time()}), self._lease_of(site_id))],
+        )
+        with self._cv:
+            self._pending.add(round)
+        return self._decide_round(round)
+
+    def _lease_of(self, site_id: str) -> int:
+        reg = self.etcd.get(self._k("site", site_id))
+        return int(json.loads(reg.value)["lease"]) if reg is not None else 0
+
+    def _answer_known(self, site_id: str, round: int) -> ReadyDecision | None:
+        """The answer when it does not depend on the quorum (a plan exists, the round
+        ran, the site is unknown or dead); None: go on to ready/decide."""
+        ok, resp = self.etcd.txn(
+            [],
+            [
+                op_range(self._k("site", site_id)),
+                op_range(self._k("alive", site_id)),
+                op_range(self._k("plan", self._r(round))),
+            ],
+        )
+        reg, alive, plan_kv = (txn_range_kvs(r) for r in resp)
+        nxt = self.next_round
+        if not reg or json.loads(reg[0].value).get("left"):
+            return ReadyDecision(status="wait", reason="unknown site: join first", next_round=nxt)
+        if not alive:
+            return ReadyDecision(
+                status="missed",
+                reason=f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead",
+                next_round=nxt,
+            )
+        if plan_kv:
+            plan = _plan_from_json(json.loads(plan_kv[0].value))
+            with self._cv:
+                self._add_plan(plan)
+            if site_id in plan.site_ids:
+                return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
+            return ReadyDecision(
+                status="missed",
+                reason=f"round {round} started without {site_id} (straggler)",
+                next_round=self.next_round,
+            )
+        if round < nxt:
+            return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=nxt)
+        return None
+
+    def _view(self, round: int) -> tuple[set[str], dict[str, float], int, float | None, bool, dict[str, str]]:
+        """What the store shows for ``round``'s quorum, in one read: live sites (with
+        addresses), ready times, registered count, start-up time, whether any plan exists."""
+        _, resp = self.etcd.txn(
+            [],
+            [
+                op_range(self._k("alive/"), prefix=True),
+                op_range(self._k("ready", self._r(round)) + b"/", prefix=True),
+                {"request_range": {**op_range(self._k("site/"), prefix=True)["request_range"], "count_only": True}},
+                op_range(self._k("startup")),
+                op_range(self._k("next")),
+            ],
+        )
+        alive_kvs, ready_kvs = txn_range_kvs(resp[0]), txn_range_kvs(resp[1])
+        n_alive, n_ready = len(self._k("alive/")), len(self._k("ready", self._r(round))) + 1
+        addresses = {kv.key[n_alive:].decode(): json.loads(kv.value)["address"] for kv in alive_kvs}
+        ready = {kv.key[n_ready:].decode(): float(json.loads(kv.value)["t"]) for kv in ready_kvs}
+        joined = int(resp[2].get("response_range", {}).get("count", 0))
+        startup = txn_range_kvs(resp[3])
+        startup_t = float(json.loads(startup[0].value)["t"]) if startup else None
+        first_round = not txn_range_kvs(resp[4])
+        return set(addresses), ready, joined, startup_t, first_round, addresses
+
+    def _decide_round(self, round: int) -> ReadyDecision:
+        live, ready, joined, startup_t, first_round, addresses = self._view(round)
+        now = time.time()
+        members, reason = decide_quorum(
+            round=round,
+            live=live,
+            ready=ready,
+            joined_ever=joined,
+            now=now,
+            config=self.config,
+            startup_complete_at=startup_t,
+            first_round=first_round,
+        )
+        if members is None:
+            self._schedule(round, ready, now)
+            return ReadyDecision(status="wait", reason=reason, next_round=max(self.next_round, round))
+        plan = RoundPlan(
+            round=round,
+            members=tuple(Member(site_id=s, address=addresses[s]) for s in members),
+            reduce_timeout_s=self.config.reduce_timeout_s,
+            broadcast_timeout_s=self.config.broadcast_timeout_s,
+        )
+        return self._write_plan(plan, reason)
+
+    def _schedule(self, round: int, ready: dict[str, float], now: float) -> None:
+        """When ``decide`` should look again: at the quorum timeout, or within a heartbeat
+        timeout (a site that dies while others wait shrinks the live set)."""
+        first = min(ready.values(), default=now)
+        until = min(max(0.0, first + self.config.quorum_timeout_s - now), self.config.heartbeat_interval_s)
+        with self._cv:
+            self._next_check = time.monotonic() + until + 0.01
+
+    def _write_plan(self, plan: RoundPlan, reason: str) -> ReadyDecision:
+        r = plan.round
+        body = _j(
+            {
+                "round": r,
+                "members": [[m.site_id, m.address] for m in plan.members],
+                "reduce_timeout_s": plan.reduce_timeout_s,
+                "broadcast_timeout_s": plan.broadcast_timeout_s,
+                "reason": reason,
+                "t": time.time(),
+            }
+        )
+        old = max(0, r - NUM_PLANS_KEPT + 1)
+        old_reports = max(0, r - self.store.num_report_rounds + 1)
+        ok, resp = self.etcd.txn(
+            [cmp_absent(self._k("plan", self._r(r)))],
+            [
+                op_put(self._k("plan", self._r(r)), body),
+                op_put(self._k("next"), str(r + 1).encode()),
+                op_delete(self._k("ready/"), end=self._k("ready", self._r(r + 1))),
+                op_delete(self._k("plan/"), end=self._k("plan", self._r(old))),
+                op_delete(self._k("report/"), end=self._k("report", self._r(old_reports))),
+            ],
+            [op_range(self._k("plan", self._r(r)))],
+        )
+        if ok:
+            log.info("rendezvous(etcd): round %d formed with %s: %s", r, list(plan.site_ids), reason)
+        else:  # another writer formed it first, perhaps with other members: theirs holds
+            plan = _plan_from_json(json.loads(txn_range_kvs(resp[0])[0].value))
+        with self._cv:
+            self._add_plan(plan)
+            self._cv.notify_all()
+        return ReadyDecision(status="plan", reason=reason, next_round=self.next_round, plan=plan)
+
+    def decide(self, *, now: float = 0.0) -> int:
+        """Re-run the quorum decision for the rounds this process saw readies for, when
+        a quorum timeout (or a heartbeat interval) has passed since the last look;
+        returns ``next_round``. Costs nothing while no ready is pending here."""
+        with self._cv:
+            pending = sorted(r for r in self._pending if r >= self._next)
+            due = time.monotonic() >= self._next_check
+        if pending and due:
+            try:
+                self._decide_round(pending[-1])
+            except RendezvousError as e:
+                log.warning("rendezvous(etcd): deciding round %d failed: %s", pending[-1], e)
+                with self._cv:
+                    self._next_check = time.monotonic() + self.config.heartbeat_interval_s
+        return self.next_round
+
+    def wait_until_check(self, timeout_s: float) -> float:
+        """Seconds until ``decide`` would look again, capped by ``timeout_s``."""
+        with self._cv:
+            return max(0.0, min(timeout_s, self._next_check - time.monotonic()))
+
+
+class EtcdRendezvousClient:
+    """A site's rendezvous client straight on etcd (``--rendezvous etcd://...``), no
+    ``dtrain rendezvous`` process: same methods as ``GrpcRendezvousClient``.
+
+    ``ready`` waits for the plan on the process's watch of ``plan/``, waking only
+    to decide the quorum itself when its timeout (or a heartbeat interval) passed.
+    """
+
+    def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig | None = None) -> None:
+        self.core = EtcdRendezvous(store, config)
+
+    def join(self, site_id: str, address: str) -> JoinInfo:
+        return self.core.join(site_id, address)
+
+    def heartbeat(
+        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+    ) -> HeartbeatInfo:
+        return self.core.heartbeat(site_id, inner_step=inner_step, last_loss=last_loss, round_reports=round_reports)
+
+    def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
+        deadline = time.monotonic() + timeout_s
+        d = self.core.ready(site_id, round)
+        while d.status == "wait":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return d
+            self.core.wait_for_plan(round, max(MIN_WAKE_S, self.core.wait_until_check(left)))
+            d = self.core.ready(site_id, round)
+        return d
+
+    def leave(self, site_id: str) -> None:
+        self.core.leave(site_id)
+
+    def close(self) -> None:
+        self.core.close()

@@ -1,0 +1,162 @@
+"""One contract over both rendezvous stores: the in-memory core and etcd (a real 3-member cluster).
+
+Start-up, straggler, dead site and rejoin, in real time through the client a site
+uses (``InprocRendezvousClient`` / ``EtcdRendezvousClient``), each site with its own
+client and heartbeat thread as if it were its own process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+from dtrain.rendezvous.etcd_store import EtcdRendezvousClient, EtcdStoreConfig, SiteIdTaken
+from tests.etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = RendezvousConfig(
+    min_sites=1,
+    initial_sites=3,
+    quorum_timeout_s=1.0,
+    heartbeat_interval_s=0.3,
+    heartbeat_timeout_s=2.0,
+    reduce_timeout_s=10.0,
+    broadcast_timeout_s=20.0,
+)
+
+
+class Sites:
+    """Clients of one run, one per site, with heartbeat threads that can be paused."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self.clients: dict[str, object] = {}
+        self.silent: set[str] = set()
+        self.dead_seen: dict[str, tuple[str, ...]] = {}
+        self.resync_seen: set[str] = set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def join(self, site: str):
+        c = self.clients.get(site) or self._make()
+        self.clients[site] = c
+        info = c.join(site, f"addr-{site}")
+        if not any(t.name == site for t in self._threads):
+            t = threading.Thread(target=self._beat, args=(site,), name=site, daemon=True)
+            self._threads.append(t)
+            t.start()
+        return info
+
+    def _beat(self, site: str) -> None:
+        while not self._stop.wait(CFG.heartbeat_interval_s):
+            if site in self.silent:
+                continue
+            hb = self.clients[site].heartbeat(site)
+            self.dead_seen[site] = hb.dead
+            if hb.resync_required:
+                self.resync_seen.add(site)
+
+    def ready_all(self, sites, round: int, timeout_s: float = 15.0) -> dict:
+        with ThreadPoolExecutor(len(sites)) as ex:
+            futs = {s: ex.submit(self.clients[s].ready, s, round, timeout_s) for s in sites}
+            return {s: f.result() for s, f in futs.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        for c in self.clients.values():
+            if hasattr(c, "close"):
+                c.close()
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def sites(request):
+    if request.param == "memory":
+        core = RendezvousCore(CFG)
+        s = Sites(lambda: InprocRendezvousClient(core))
+    else:
+        cluster = request.getfixturevalue("etcd_cluster")
+        store = EtcdStoreConfig.parse(cluster.url, run=f"t-{uuid.uuid4().hex[:8]}")
+        s = Sites(lambda: EtcdRendezvousClient(store, CFG))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_start_up_forms_one_round_of_every_site(sites) -> None:
+    assert sites.join("a").next_round == 0
+    first = sites.clients["a"].ready("a", 0, 0.3)
+    assert first.status == "wait" and "waits for 3 sites to join" in first.reason
+    sites.join("b")
+    sites.join("c")
+    got = sites.ready_all(["a", "b", "c"], 0)
+    plans = {s: d.plan for s, d in got.items()}
+    assert all(d.status == "plan" for d in got.values()), got
+    assert {p.site_ids for p in plans.values()} == {("a", "b", "c")}
+    assert plans["a"].address_of("c") == "addr-c" and plans["a"].round == 0
+
+
+def test_a_straggler_is_cut_after_the_quorum_timeout_and_told_so(sites) -> None:
+    for s in "abc":
+        sites.join(s)
+    assert all(d.status == "plan" for d in sites.ready_all(["a", "b", "c"], 0).values())
+    t0 = time.monotonic()
+    got = sites.ready_all(["a", "b"], 1)
+    assert time.monotonic() - t0 >= CFG.quorum_timeout_s * 0.9  # it did wait for c
+    assert {d.plan.site_ids for d in got.values()} == {("a", "b")}
+    assert "quorum timeout" in got["a"].reason or got["a"].reason == "already formed"
+    late = sites.clients["c"].ready("c", 1, 1.0)
+    assert late.status == "missed" and "started without c (straggler)" in late.reason
+
+
+def test_a_dead_site_is_dropped_named_and_told_to_resync(sites) -> None:
+    for s in "abc":
+        sites.join(s)
+    assert all(d.status == "plan" for d in sites.ready_all(["a", "b", "c"], 0).values())
+    sites.silent.add("c")
+    deadline = time.monotonic() + 10
+    while "c" not in sites.dead_seen.get("a", ()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sites.dead_seen["a"] == ("c",)  # a's heartbeat names c dead
+    got = sites.ready_all(["a", "b"], 1)
+    assert {d.plan.site_ids for d in got.values()} == {("a", "b")}
+    sites.silent.discard("c")
+    deadline = time.monotonic() + 5
+    while "c" not in sites.resync_seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "c" in sites.resync_seen
+    d = sites.clients["c"].ready("c", 1, 1.0)
+    assert d.status == "missed" and ("declared dead" in d.reason or "straggler" in d.reason)
+
+
+def test_a_rejoined_site_gets_the_state_donors_and_the_next_round(sites) -> None:
+    for s in "abc":
+        sites.join(s)
+    assert all(d.status == "plan" for d in sites.ready_all(["a", "b", "c"], 0).values())
+    assert all(d.status == "plan" for d in sites.ready_all(["a", "b"], 1).values())  # c cut
+    info = sites.join("c")  # its resync: join again, pull θ from the members
+    assert info.next_round == 2 and info.needs_state
+    assert {m.site_id for m in info.members} == {"a", "b"}
+    got = sites.ready_all(["a", "b", "c"], 2)
+    assert {d.plan.site_ids for d in got.values()} == {("a", "b", "c")}
+
+
+def test_a_second_site_with_a_taken_site_id_is_refused(etcd_cluster) -> None:  # noqa: F811
+    store = EtcdStoreConfig.parse(etcd_cluster.url + "/dup")
+    first, second = EtcdRendezvousClient(store, CFG), EtcdRendezvousClient(store, CFG)
+    try:
+        first.join("site-0", "127.0.0.1:5000")
+        with pytest.raises(SiteIdTaken, match="'site-0' is held by a live site at 127.0.0.1:5000"):
+            second.join("site-0", "127.0.0.1:6000")
+        assert first.join("site-0", "127.0.0.1:5000").next_round == 0  # its own re-join is fine
+    finally:
+        first.close()
+        second.close()
