@@ -104,6 +104,28 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ rendezvous
+def _rendezvous_core(cfg):
+    """The etcd-backed core of ``--store etcd://...`` (a stateless front-end)."""
+    from dtrain.rendezvous.etcd_client import EtcdError
+    from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
+
+    password = Path(cfg.etcd_password_file).read_text().strip() if cfg.etcd_password_file else None
+    try:
+        store = EtcdStoreConfig.parse(
+            cfg.store,
+            username=cfg.etcd_user,
+            password=password,
+            ca_file=cfg.etcd_ca,
+            cert_file=cfg.etcd_cert,
+            key_file=cfg.etcd_key,
+        )
+        return EtcdRendezvous(store, cfg.rendezvous)
+    except ValueError as e:
+        raise UsageError(f"store: {e}") from None
+    except EtcdError as e:
+        raise UsageError(f"store: etcd unreachable: {e}") from None
+
+
 def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     cfg = build(RENDEZVOUS, config_values(RENDEZVOUS, ns))
     import signal
@@ -117,7 +139,9 @@ def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     _setup_logging(ns.log_level)
     host, port = cfg.bind.host, cfg.bind.port
     http_bind = cfg.http_bind
-    core = RendezvousCore(cfg.rendezvous, reports=StatusLog())
+    core = _rendezvous_core(cfg) if cfg.store else RendezvousCore(cfg.rendezvous, reports=StatusLog())
+    if cfg.store and http_bind is not None:
+        raise UsageError("http_bind: the status page is not served from an etcd store yet (drop --http-bind)")
     try:
         server = serve_rendezvous(core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token))
     except OSError as e:

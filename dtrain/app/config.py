@@ -300,6 +300,13 @@ class RendezvousServerConfig:
             or a private address); none or off: no page.
         http_address_file: write the status page's URL here once listening.
         http_refresh_s: status page refresh interval, in [0.5, 600].
+        store: where membership lives: none (in memory, this process) or
+            etcd://host:port,host:port,...[/run] (etcd v3; several front-ends may serve one run).
+        etcd_user: etcd user of the store (none: no authentication).
+        etcd_password_file: file holding etcd_user's password.
+        etcd_ca: CA bundle, PEM, that verifies etcd's certificate (set: https to etcd).
+        etcd_cert: client certificate, PEM, for etcd's client-certificate authentication.
+        etcd_key: the private key of etcd_cert, PEM.
         rendezvous: membership and round timing.
     """
 
@@ -309,6 +316,12 @@ class RendezvousServerConfig:
     http_bind: HostPort | None = None
     http_address_file: str | None = None
     http_refresh_s: float = 2.0
+    store: str | None = None
+    etcd_user: str | None = None
+    etcd_password_file: str | None = None
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
 
     def __post_init__(self) -> None:
@@ -316,7 +329,13 @@ class RendezvousServerConfig:
             object.__setattr__(self, name, HostPort.coerce(getattr(self, name), name))
         _need(self, self.bind is not None, "bind", "host:port")
         _need(self, 0.5 <= self.http_refresh_s <= 600, "http_refresh_s", "in [0.5, 600] seconds")
-        _need_files(self, ("token_file",))
+        _need(
+            self,
+            self.store is None or self.store.startswith(("etcd://", "etcds://")),
+            "store",
+            "none (in memory) or etcd://host:port[,host:port...][/run]",
+        )
+        _need_files(self, ("token_file", "etcd_password_file", "etcd_ca", "etcd_cert", "etcd_key"))
 
 
 _RDV_FIELDS = (

@@ -40,6 +40,11 @@ def _special(tmp: Path) -> dict[str, Any]:
         "tls_cert": str(f),
         "tls_key": str(f),
         "tls_ca": str(f),
+        "store": "etcd://127.0.0.1:2379/run",
+        "etcd_password_file": str(f),
+        "etcd_ca": str(f),
+        "etcd_cert": str(f),
+        "etcd_key": str(f),
         "norm_bound_ratio": 2.5,
         "site_index": 1,  # num_sites is raised with it (see _values)
         "zstd_level": 7,

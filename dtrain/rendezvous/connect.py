@@ -1,0 +1,106 @@
+"""A site's rendezvous client from one address string: one or several ``dtrain
+rendezvous`` front-ends (``h1:p1,h2:p2``, failing over between them) or etcd
+directly (``etcd://h1:2379,h2:2379[/run]``, no rendezvous process at all)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+from dtrain.errors import RendezvousError
+from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+
+__all__ = ["FailoverRendezvousClient", "rendezvous_client"]
+
+log = logging.getLogger(__name__)
+
+
+class FailoverRendezvousClient:
+    """Several rendezvous front-ends of one run (stateless, on one etcd store): each
+    call goes to the current one and, when it cannot be reached, to the next ones in
+    turn; the first that answers becomes current. A refusal that is an answer (a
+    taken site id) is not retried elsewhere.
+
+    Args:
+        clients: one client per front-end (``GrpcRendezvousClient``), in preference order.
+
+    Raises:
+        RendezvousError: from a call, when no front-end answered (every one named).
+    """
+
+    def __init__(self, clients: Sequence) -> None:
+        if not clients:
+            raise ValueError("clients must hold at least one rendezvous client")
+        self.clients = list(clients)
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def _call(self, what: str, fn):
+        with self._lock:
+            start = self._current
+        errors = []
+        for k in range(len(self.clients)):
+            i = (start + k) % len(self.clients)
+            try:
+                result = fn(self.clients[i])
+            except RendezvousError as e:
+                if "FAILED_PRECONDITION" in str(e):  # an answer, not an outage
+                    raise
+                errors.append(str(e))
+                continue
+            if i != start:
+                with self._lock:
+                    self._current = i
+                log.warning(
+                    "rendezvous %s: failed over to %s (%s)",
+                    what,
+                    getattr(self.clients[i], "address", i),
+                    "; ".join(errors),
+                )
+            return result
+        raise RendezvousError(f"rendezvous {what}: no front-end answered: " + "; ".join(errors))
+
+    def join(self, site_id: str, address: str) -> JoinInfo:
+        return self._call("join", lambda c: c.join(site_id, address))
+
+    def heartbeat(
+        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+    ) -> HeartbeatInfo:
+        return self._call("heartbeat", lambda c: c.heartbeat(site_id, inner_step, last_loss, round_reports))
+
+    def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
+        return self._call("ready", lambda c: c.ready(site_id, round, timeout_s))
+
+    def leave(self, site_id: str) -> None:
+        self._call("leave", lambda c: c.leave(site_id))
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def rendezvous_client(spec: str, *, grpc_config=None, rendezvous_config=None):
+    """The client for ``spec``.
+
+    Args:
+        spec: ``host:port``, ``host:port,host:port,...`` (front-ends, failing over) or
+            ``etcd://host:port,...[/run]`` (etcd directly).
+        grpc_config: ``GrpcTransportConfig`` for front-ends (token, TLS, retries).
+        rendezvous_config: the run's ``RendezvousConfig`` (timing) for etcd directly;
+            it must be the same on every site of the run.
+
+    Raises:
+        ValueError: ``spec`` is malformed.
+    """
+    if spec.startswith(("etcd://", "etcds://")):
+        from dtrain.rendezvous.etcd_store import EtcdRendezvousClient, EtcdStoreConfig
+
+        return EtcdRendezvousClient(EtcdStoreConfig.parse(spec), rendezvous_config)
+    from dtrain.rendezvous.grpc import GrpcRendezvousClient
+
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addresses or not all(a.rpartition(":")[2].isdigit() for a in addresses):
+        raise ValueError(f"rendezvous must be host:port[,host:port...] or etcd://..., got {spec!r}")
+    clients = [GrpcRendezvousClient(a, config=grpc_config) for a in addresses]
+    return clients[0] if len(clients) == 1 else FailoverRendezvousClient(clients)
