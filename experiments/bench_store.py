@@ -62,10 +62,13 @@ def bench_etcd(url: str, n: int, num_threads: int) -> dict:
         c.wait_for_plan(0, 60.0)
     t_all = time.monotonic()
     missing = sum(1 for c in cores if 0 not in c._plans)
+    seen = sorted(c.plan_seen_at.get(0, t_all) - t_last for c in cores[:-1])
     for c in cores:
         c.close()
     return {
-        "last_ready_to_plan_seen_by_all_s": t_all - t_last,
+        "last_ready_to_plan_seen_by_all_s": seen[-1],
+        "first_watch_s": seen[0],
+        "median_watch_s": seen[len(seen) // 2],
         "readies_s": t1 - t0,
         "writes_per_s": (rev1 - rev0) / (t1 - t0),
         "sites_without_plan": missing,
@@ -105,12 +108,16 @@ def main() -> int:
             cluster.stop()
     mem = bench_memory(n)
     print(f"sites: {n}")
-    print("| store | last ready -> plan seen by all (s) | N-1 readies (s) | etcd writes/s |")
-    print("|---|---|---|---|")
     print(
-        f"| etcd (3 members) | {etcd['last_ready_to_plan_seen_by_all_s']:.3f} | {etcd['readies_s']:.2f} | {etcd['writes_per_s']:.0f} |"
+        "| store | last ready -> plan seen by all (s) | ... by the first / median watch (s) | N-1 readies (s) | etcd writes/s |"
     )
-    print(f"| in-memory | {mem['last_ready_to_plan_seen_by_all_s']:.4f} | {mem['readies_s']:.3f} | - |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| etcd (3 members) | {etcd['last_ready_to_plan_seen_by_all_s']:.3f} | {etcd['first_watch_s']:.3f} / "
+        f"{etcd['median_watch_s']:.3f} | {etcd['readies_s']:.2f} | {etcd['writes_per_s']:.0f} |"
+    )
+    print(f"| in-memory | {mem['last_ready_to_plan_seen_by_all_s']:.4f} | - | {mem['readies_s']:.3f} | - |")
+    print("(every etcd site's watch runs in this one process: 'seen by all' includes decoding the plan N times here)")
     if etcd["sites_without_plan"]:
         print(f"WARNING: {etcd['sites_without_plan']} sites' watches did not deliver the plan within 60 s")
         return 1

@@ -22,6 +22,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -101,6 +102,10 @@ def _kv(d: dict) -> KeyValue:
     )
 
 
+MAX_SWEEPS = 1000  # bound on the sweeps over the members within one call's deadline
+SWEEP_PAUSE_S = 0.1  # pause between two sweeps over every member (seconds)
+
+
 class _Retryable(Exception):
     pass
 
@@ -160,11 +165,14 @@ class EtcdClient:
         reply = self._post("/v3/auth/authenticate", body, authed=False)
         self._token = reply.get("token")
 
-    def _post_once(self, endpoint: str, path: str, body: dict, authed: bool) -> dict:
+    def _post_once(self, endpoint: str, path: str, body: dict, authed: bool, timeout_s: float) -> dict:
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(endpoint)
         if conn is None:
-            conn = conns[endpoint] = self.connection(endpoint, self.timeout_s)
+            conn = conns[endpoint] = self.connection(endpoint, timeout_s)
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
         headers = self.headers() if authed else {"Content-Type": "application/json"}
         try:
             conn.request("POST", path, json.dumps(body), headers)
@@ -189,24 +197,36 @@ class EtcdClient:
         raise EtcdError(f"etcd {path} refused at {endpoint}: HTTP {resp.status}: {msg}")
 
     def _post(self, path: str, body: dict, authed: bool = True) -> dict:
-        """POST to the current endpoint, then to each other once; raises EtcdError when all failed."""
-        errors = []
-        with self._lock:
-            start = self._current
+        """POST to the current endpoint, then to the others in turn, sweep after sweep,
+        until one answers or ``timeout_s`` passed (an election takes ~1 s: callers do not
+        see it); raises EtcdError naming every member's last failure. A write whose answer
+        was lost may be sent twice: the rendezvous's writes are idempotent or guarded by
+        a transaction's compare."""
+        deadline = time.monotonic() + self.timeout_s
         n = len(self.endpoints)
-        for k in range(n):
-            i = (start + k) % n
-            try:
-                reply = self._post_once(self.endpoints[i], path, body, authed)
-            except _Retryable as e:
-                errors.append(str(e))
-                continue
-            if k:
-                with self._lock:
-                    self._current = i
-                log.info("etcd: now talking to %s (%s)", self.endpoints[i], "; ".join(errors))
-            return reply
-        raise EtcdError(f"etcd {path}: no member answered: " + "; ".join(errors))
+        errors: dict[str, str] = {}
+        for sweep in range(MAX_SWEEPS):
+            with self._lock:
+                start = self._current
+            for k in range(n):
+                i = (start + k) % n
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    reply = self._post_once(self.endpoints[i], path, body, authed, remaining)
+                except _Retryable as e:
+                    errors[self.endpoints[i]] = str(e)
+                    continue
+                if sweep or k:
+                    with self._lock:
+                        self._current = i
+                    log.info("etcd: now talking to %s (%s)", self.endpoints[i], "; ".join(errors.values()))
+                return reply
+            if time.monotonic() + SWEEP_PAUSE_S >= deadline:
+                break
+            time.sleep(SWEEP_PAUSE_S)
+        raise EtcdError(f"etcd {path}: no member answered within {self.timeout_s}s: " + "; ".join(errors.values()))
 
     # ------------------------------------------------------------------ kv
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:

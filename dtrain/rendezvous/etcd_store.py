@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ __all__ = ["EtcdStoreConfig", "SiteIdTaken", "EtcdRendezvous", "EtcdRendezvousCl
 log = logging.getLogger(__name__)
 
 NUM_PLANS_KEPT = 8
+WAKE_JITTER_S = 0.2  # spread of the waiters' wake-ups at a quorum timeout (seconds)
 MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
 
 
@@ -161,6 +163,7 @@ class EtcdRendezvous:
         self._ttl_s = max(1, math.ceil(self.config.heartbeat_timeout_s))
         self._cv = threading.Condition()
         self._plans: dict[int, RoundPlan] = {}
+        self.plan_seen_at: dict[int, float] = {}  # round -> when this process learnt its plan (monotonic s)
         self._next = 0
         self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
         self._next_check = 0.0
@@ -188,6 +191,9 @@ class EtcdRendezvous:
         self._watch = self.etcd.watch(self._k("plan/"), self._on_plans, prefix=True, start_revision=rev + 1)
 
     def _add_plan(self, plan: RoundPlan) -> None:
+        if plan.round not in self._plans:
+            self.plan_seen_at[plan.round] = time.monotonic()
+            self.plan_seen_at.pop(plan.round - NUM_PLANS_KEPT, None)
         self._plans[plan.round] = plan
         self._next = max(self._next, plan.round + 1)
         for r in [r for r in self._plans if r <= plan.round - NUM_PLANS_KEPT]:
@@ -349,25 +355,20 @@ class EtcdRendezvous:
     def ready(self, site_id: str, round: int, *, now: float = 0.0) -> ReadyDecision:
         """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
         decide the quorum if this could complete it. Same answers as the in-memory core."""
-        known = self._answer_known(site_id, round)
+        known, lease = self._answer_known(site_id, round)
         if known is not None:
             return known
-        ok, _ = self.etcd.txn(
-            [cmp_absent(self._k("ready", self._r(round), site_id))],
-            [op_put(self._k("ready", self._r(round), site_id), _j({"t": time.time()}), self._lease_of(site_id))],
-        )
+        key = self._k("ready", self._r(round), site_id)
+        counts = self._count_ops(round)
+        _, resp = self.etcd.txn([cmp_absent(key)], [op_put(key, _j({"t": time.time()}), lease), *counts], counts)
         with self._cv:
             self._pending.add(round)
-        return self._decide_round(round)
+        return self._decide_round(round, resp[-len(counts) :])
 
-    def _lease_of(self, site_id: str) -> int:
-        reg = self.etcd.get(self._k("site", site_id))
-        return int(json.loads(reg.value)["lease"]) if reg is not None else 0
-
-    def _answer_known(self, site_id: str, round: int) -> ReadyDecision | None:
+    def _answer_known(self, site_id: str, round: int) -> tuple[ReadyDecision | None, int]:
         """The answer when it does not depend on the quorum (a plan exists, the round
-        ran, the site is unknown or dead); None: go on to ready/decide."""
-        ok, resp = self.etcd.txn(
+        ran, the site is unknown or dead), or None; and the site's lease."""
+        _, resp = self.etcd.txn(
             [],
             [
                 op_range(self._k("site", site_id)),
@@ -377,32 +378,57 @@ class EtcdRendezvous:
         )
         reg, alive, plan_kv = (txn_range_kvs(r) for r in resp)
         nxt = self.next_round
-        if not reg or json.loads(reg[0].value).get("left"):
-            return ReadyDecision(status="wait", reason="unknown site: join first", next_round=nxt)
+        info = json.loads(reg[0].value) if reg else {"left": True}
+        if info.get("left"):
+            return ReadyDecision(status="wait", reason="unknown site: join first", next_round=nxt), 0
         if not alive:
             return ReadyDecision(
                 status="missed",
                 reason=f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead",
                 next_round=nxt,
-            )
+            ), 0
         if plan_kv:
             plan = _plan_from_json(json.loads(plan_kv[0].value))
             with self._cv:
                 self._add_plan(plan)
             if site_id in plan.site_ids:
-                return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
+                return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan), 0
             return ReadyDecision(
                 status="missed",
                 reason=f"round {round} started without {site_id} (straggler)",
                 next_round=self.next_round,
-            )
+            ), 0
         if round < nxt:
-            return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=nxt)
-        return None
+            return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=nxt), 0
+        return None, int(info["lease"])
 
-    def _view(self, round: int) -> tuple[set[str], dict[str, float], int, float | None, bool, dict[str, str]]:
-        """What the store shows for ``round``'s quorum, in one read: live sites (with
-        addresses), ready times, registered count, start-up time, whether any plan exists."""
+    def _count_ops(self, round: int) -> list[dict]:
+        """Reads that tell, without listing anyone, whether the quorum could be complete:
+        how many sites are live, how many ready for ``round`` and the earliest ready."""
+        live = op_range(self._k("alive/"), prefix=True)["request_range"]
+        ready = op_range(self._k("ready", self._r(round)) + b"/", prefix=True)["request_range"]
+        return [
+            {"request_range": {**live, "count_only": True}},
+            {"request_range": {**ready, "limit": "1", "sort_order": "ASCEND", "sort_target": "CREATE"}},
+        ]
+
+    def _cannot_form_yet(self, counts: Sequence[dict]) -> str | None:
+        """Why ``decide_quorum`` must answer "wait" on these counts (fewer ready than live,
+        and the earliest ready less than ``quorum_timeout_s`` ago), or None: look closer."""
+        num_live = int(counts[0].get("response_range", {}).get("count", 0))
+        rng = counts[1].get("response_range", {})
+        num_ready, first = int(rng.get("count", 0)), txn_range_kvs(counts[1])
+        if not first or num_ready >= num_live:
+            return None
+        waited = time.time() - float(json.loads(first[0].value)["t"])
+        if waited >= self.config.quorum_timeout_s:
+            return None
+        self._schedule(self.config.quorum_timeout_s - waited)
+        return f"{num_ready} of {num_live} live sites ready; waiting up to {self.config.quorum_timeout_s - waited:.1f}s more"
+
+    def _view(self, round: int) -> tuple[dict[str, float], int, float | None, bool, dict[str, str]]:
+        """What the store shows for ``round``'s quorum, in one read: ready times, the
+        registered count, the start-up time, whether no plan exists yet, live addresses."""
         _, resp = self.etcd.txn(
             [],
             [
@@ -420,15 +446,17 @@ class EtcdRendezvous:
         joined = int(resp[2].get("response_range", {}).get("count", 0))
         startup = txn_range_kvs(resp[3])
         startup_t = float(json.loads(startup[0].value)["t"]) if startup else None
-        first_round = not txn_range_kvs(resp[4])
-        return set(addresses), ready, joined, startup_t, first_round, addresses
+        return ready, joined, startup_t, not txn_range_kvs(resp[4]), addresses
 
-    def _decide_round(self, round: int) -> ReadyDecision:
-        live, ready, joined, startup_t, first_round, addresses = self._view(round)
+    def _decide_round(self, round: int, counts: Sequence[dict] | None = None) -> ReadyDecision:
+        """``decide_quorum`` on what the store shows; the plan written once if it holds."""
+        if counts is not None and (why := self._cannot_form_yet(counts)) is not None:
+            return ReadyDecision(status="wait", reason=why, next_round=max(self.next_round, round))
+        ready, joined, startup_t, first_round, addresses = self._view(round)
         now = time.time()
         members, reason = decide_quorum(
             round=round,
-            live=live,
+            live=set(addresses),
             ready=ready,
             joined_ever=joined,
             now=now,
@@ -437,7 +465,12 @@ class EtcdRendezvous:
             first_round=first_round,
         )
         if members is None:
-            self._schedule(round, ready, now)
+            first = (
+                max(min(ready.values(), default=now), startup_t or 0.0)
+                if first_round
+                else min(ready.values(), default=now)
+            )
+            self._schedule(first + self.config.quorum_timeout_s - now)
             return ReadyDecision(status="wait", reason=reason, next_round=max(self.next_round, round))
         plan = RoundPlan(
             round=round,
@@ -447,11 +480,12 @@ class EtcdRendezvous:
         )
         return self._write_plan(plan, reason)
 
-    def _schedule(self, round: int, ready: dict[str, float], now: float) -> None:
-        """When ``decide`` should look again: at the quorum timeout, or within a heartbeat
-        timeout (a site that dies while others wait shrinks the live set)."""
-        first = min(ready.values(), default=now)
-        until = min(max(0.0, first + self.config.quorum_timeout_s - now), self.config.heartbeat_interval_s)
+    def _schedule(self, until_timeout_s: float) -> None:
+        """When ``decide`` should look again: at the quorum timeout (plus a random delay of up
+        to ``WAKE_JITTER_S``, so the waiters do not all read the full view at once: the first
+        one forms the plan and the others' watches deliver it), or within a heartbeat
+        interval (a site that dies while others wait shrinks the live set)."""
+        until = min(max(0.0, until_timeout_s) + random.uniform(0.0, WAKE_JITTER_S), self.config.heartbeat_interval_s)
         with self._cv:
             self._next_check = time.monotonic() + until + 0.01
 
@@ -498,7 +532,8 @@ class EtcdRendezvous:
             due = time.monotonic() >= self._next_check
         if pending and due:
             try:
-                self._decide_round(pending[-1])
+                _, counts = self.etcd.txn([], self._count_ops(pending[-1]))
+                self._decide_round(pending[-1], counts)
             except RendezvousError as e:
                 log.warning("rendezvous(etcd): deciding round %d failed: %s", pending[-1], e)
                 with self._cv:
