@@ -122,6 +122,21 @@ class CheckpointConfig:
         )
 
 
+def _rendezvous_spec(value: object) -> str:
+    """``NetConfig.rendezvous`` checked and normalized (a HostPort becomes its text)."""
+    if isinstance(value, HostPort):
+        return str(value)
+    text = str(value) if value is not None else ""
+    if text.startswith(("etcd://", "etcds://")):
+        from dtrain.rendezvous.etcd_store import EtcdStoreConfig, timing_from_url
+
+        EtcdStoreConfig.parse(text)
+        timing_from_url(text)
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    return ",".join(str(HostPort.parse(p, "rendezvous")) for p in parts)
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetConfig:
     """Where a site listens and whom it dials; the shared token and TLS files.
@@ -129,7 +144,10 @@ class NetConfig:
     Attributes:
         listen: host:port the Peer service binds (port 0 = any free port).
         advertise: host:port peers dial (none: the bound address).
-        rendezvous: host:port of the rendezvous service.
+        rendezvous: host:port of the rendezvous service; several, comma-separated, for
+            front-ends of one run on an etcd store (the site fails over between them); or
+            etcd://host:port,...[/run][?quorum_timeout_s=..&initial_sites=..] for etcd
+            directly, with no rendezvous process (the query sets the run's timing).
         token_file: file holding the shared token (none: no token).
         tls_cert: this site's certificate chain, PEM (none: plaintext).
         tls_key: the private key of tls_cert, PEM.
@@ -139,7 +157,7 @@ class NetConfig:
 
     listen: HostPort = HostPort("127.0.0.1", 0)
     advertise: HostPort | None = None
-    rendezvous: HostPort = HostPort("127.0.0.1", 29400)
+    rendezvous: str = "127.0.0.1:29400"
     token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -147,10 +165,10 @@ class NetConfig:
     grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
 
     def __post_init__(self) -> None:
-        for name in ("listen", "advertise", "rendezvous"):
+        for name in ("listen", "advertise"):
             object.__setattr__(self, name, HostPort.coerce(getattr(self, name), name))
         _need(self, self.listen is not None, "listen", "host:port")
-        _need(self, self.rendezvous is not None, "rendezvous", "host:port")
+        object.__setattr__(self, "rendezvous", _rendezvous_spec(self.rendezvous))
         _need_files(self, ("token_file", "tls_cert", "tls_key", "tls_ca"))
 
     def transport_config(self) -> GrpcTransportConfig:

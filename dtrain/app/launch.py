@@ -46,7 +46,7 @@ def worker_argv(
             "task_spec.site_index": index,
             "task_spec.num_sites": num_sites,
             "net.listen": HostPort(host, 0),
-            "net.rendezvous": HostPort.parse(rendezvous, "rendezvous"),
+            "net.rendezvous": str(HostPort.parse(rendezvous, "rendezvous")),
             "out_dir": str(out_dir),
         }
     )

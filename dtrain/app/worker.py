@@ -108,11 +108,11 @@ def fault_hook_from_env(site_id: str):
 
 
 def _transport_and_rendezvous(cfg: WorkerConfig):
-    from dtrain.rendezvous.grpc import GrpcRendezvousClient
+    from dtrain.rendezvous.connect import rendezvous_client
     from dtrain.transports.grpc import GrpcTransport
 
     tcfg = cfg.net.transport_config()
-    return GrpcTransport(tcfg), GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
+    return GrpcTransport(tcfg), rendezvous_client(cfg.net.rendezvous, grpc_config=tcfg)
 
 
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:

@@ -88,15 +88,16 @@ def rendezvous_client(spec: str, *, grpc_config=None, rendezvous_config=None):
             ``etcd://host:port,...[/run]`` (etcd directly).
         grpc_config: ``GrpcTransportConfig`` for front-ends (token, TLS, retries).
         rendezvous_config: the run's ``RendezvousConfig`` (timing) for etcd directly;
-            it must be the same on every site of the run.
+            it must be the same on every site of the run (default: from the url's query,
+            ``etcd://h:2379/run?quorum_timeout_s=5&initial_sites=3``).
 
     Raises:
         ValueError: ``spec`` is malformed.
     """
     if spec.startswith(("etcd://", "etcds://")):
-        from dtrain.rendezvous.etcd_store import EtcdRendezvousClient, EtcdStoreConfig
+        from dtrain.rendezvous.etcd_store import EtcdRendezvousClient, EtcdStoreConfig, timing_from_url
 
-        return EtcdRendezvousClient(EtcdStoreConfig.parse(spec), rendezvous_config)
+        return EtcdRendezvousClient(EtcdStoreConfig.parse(spec), rendezvous_config or timing_from_url(spec))
     from dtrain.rendezvous.grpc import GrpcRendezvousClient
 
     addresses = [a.strip() for a in spec.split(",") if a.strip()]

@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
@@ -56,7 +56,14 @@ from dtrain.rendezvous.etcd_client import (
     txn_range_kvs,
 )
 
-__all__ = ["EtcdStoreConfig", "SiteIdTaken", "EtcdRendezvous", "EtcdRendezvousClient", "NUM_PLANS_KEPT"]
+__all__ = [
+    "timing_from_url",
+    "EtcdStoreConfig",
+    "SiteIdTaken",
+    "EtcdRendezvous",
+    "EtcdRendezvousClient",
+    "NUM_PLANS_KEPT",
+]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,28 @@ class EtcdStoreConfig:
         tls = EtcdTls(ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file)
         use_tls = self.ca_file is not None or self.cert_file is not None
         return EtcdClient(self.endpoints, timeout_s=self.timeout_s, auth=auth, tls=tls if use_tls else None)
+
+
+_TIMING_FIELDS = {f: float for f in ("quorum_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s")}
+_TIMING_FIELDS.update({"reduce_timeout_s": float, "broadcast_timeout_s": float, "min_sites": int, "initial_sites": int})
+
+
+def timing_from_url(url: str) -> RendezvousConfig:
+    """The run's :class:`RendezvousConfig` from an ``etcd://...?name=value&...`` query (for
+    sites on etcd directly; the unnamed fields keep their defaults).
+
+    Raises:
+        ValueError: an unknown name, or a value the config refuses.
+    """
+    values = {}
+    for name, text in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if name not in _TIMING_FIELDS:
+            raise ValueError(f"etcd url: unknown timing {name!r}; allowed: {sorted(_TIMING_FIELDS)}")
+        try:
+            values[name] = _TIMING_FIELDS[name](text)
+        except ValueError:
+            raise ValueError(f"etcd url: {name} must be a number, got {text!r}") from None
+    return RendezvousConfig(**values)
 
 
 def _j(obj) -> bytes:

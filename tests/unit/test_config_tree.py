@@ -41,6 +41,7 @@ def _special(tmp: Path) -> dict[str, Any]:
         "tls_key": str(f),
         "tls_ca": str(f),
         "store": "etcd://127.0.0.1:2379/run",
+        "rendezvous": "10.0.0.1:29400,10.0.0.2:29400",
         "etcd_password_file": str(f),
         "etcd_ca": str(f),
         "etcd_cert": str(f),
@@ -393,7 +394,7 @@ def test_launch_writes_worker_argv_that_the_worker_parses_back(tmp_path: Path) -
     cfg = WORKER.build(cli.config_values(WORKER, ns))
     assert (cfg.site_id, cfg.task_spec.site_index, cfg.task_spec.num_sites) == ("site-2", 2, 3)
     assert not cfg.diloco.rounds.repair and cfg.diloco.sync_every == 7 and cfg.checkpoint.resume
-    assert cfg.net.rendezvous == HostPort("127.0.0.1", 29400) and cfg.out_dir == str(tmp_path)
+    assert cfg.net.rendezvous == "127.0.0.1:29400" and cfg.out_dir == str(tmp_path)
 
 
 # ------------------------------------------------------------------ nothing heavy before parsing
