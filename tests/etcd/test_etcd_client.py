@@ -70,3 +70,28 @@ def test_fails_over_to_a_live_member_and_names_every_dead_one(etcd_cluster) -> N
     dead = EtcdClient(["127.0.0.1:1"], timeout_s=1.0)
     with pytest.raises(EtcdError, match=r"no member answered within 1.0s: 127.0.0.1:1"):
         dead.get(b"/f/k")
+
+
+def _etcdctl(cluster, *args: str) -> str:
+    import subprocess
+
+    env = {"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}
+    argv = ["etcdctl", f"--endpoints={','.join(cluster.endpoints)}", *args]
+    return subprocess.run(argv, env=env, check=True, capture_output=True, text=True, timeout=20).stdout
+
+
+def test_user_and_password_authenticate_and_a_stranger_is_refused(etcd_cluster) -> None:  # noqa: F811
+    from dtrain.rendezvous.etcd_client import EtcdAuth
+
+    _etcdctl(etcd_cluster, "user", "add", "root", "--new-user-password=rootpw")
+    _etcdctl(etcd_cluster, "user", "grant-role", "root", "root")
+    _etcdctl(etcd_cluster, "auth", "enable")
+    c = EtcdClient(etcd_cluster.endpoints, auth=EtcdAuth(username="root", password="rootpw"))
+    c.put(b"/a/k", b"v")
+    assert c.get(b"/a/k").value == b"v"
+    lease = c.lease_grant(5)
+    assert c.lease_keepalive(lease) == 5
+    with pytest.raises(EtcdError, match="user name is empty|permission denied|invalid auth"):
+        EtcdClient(etcd_cluster.endpoints, timeout_s=2.0).put(b"/a/k", b"x")
+    with pytest.raises(EtcdError, match="authentication failed"):
+        EtcdClient(etcd_cluster.endpoints, auth=EtcdAuth(username="root", password="wrong"), timeout_s=2.0).get(b"/a/k")
