@@ -108,6 +108,7 @@ def _rendezvous_core(cfg):
     """The etcd-backed core of ``--store etcd://...`` (a stateless front-end)."""
     from dtrain.rendezvous.etcd_client import EtcdError
     from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
+    from dtrain.status import StatusLog
 
     password = Path(cfg.etcd_password_file).read_text().strip() if cfg.etcd_password_file else None
     try:
@@ -119,7 +120,7 @@ def _rendezvous_core(cfg):
             cert_file=cfg.etcd_cert,
             key_file=cfg.etcd_key,
         )
-        return EtcdRendezvous(store, cfg.rendezvous)
+        return EtcdRendezvous(store, cfg.rendezvous, reports=StatusLog())
     except ValueError as e:
         raise UsageError(f"store: {e}") from None
     except EtcdError as e:
@@ -140,8 +141,6 @@ def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     host, port = cfg.bind.host, cfg.bind.port
     http_bind = cfg.http_bind
     core = _rendezvous_core(cfg) if cfg.store else RendezvousCore(cfg.rendezvous, reports=StatusLog())
-    if cfg.store and http_bind is not None:
-        raise UsageError("http_bind: the status page is not served from an etcd store yet (drop --http-bind)")
     try:
         server = serve_rendezvous(core, GrpcTransportConfig(bind_host=host, bind_port=port, token=token))
     except OSError as e:

@@ -44,7 +44,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
-from dtrain.rendezvous.core import RendezvousConfig, decide_quorum
+from dtrain.rendezvous.core import NullReportSink, RendezvousConfig, ReportSink, decide_quorum
 from dtrain.rendezvous.etcd_client import (
     EtcdAuth,
     EtcdClient,
@@ -182,10 +182,15 @@ class EtcdRendezvous:
     Args:
         store: where and how to reach etcd.
         config: membership and round timing (the same as the in-memory core's).
+        reports: where :meth:`snapshot` puts the stored round reports and plans for the
+            status page (``dtrain.status.StatusLog``); a cache, refilled from the store.
     """
 
-    def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig | None = None) -> None:
+    def __init__(
+        self, store: EtcdStoreConfig, config: RendezvousConfig | None = None, *, reports: ReportSink | None = None
+    ) -> None:
         self.store = store
+        self.status_log: ReportSink = reports if reports is not None else NullReportSink()
         self.config = config or RendezvousConfig()
         self.etcd = store.client()
         self.prefix = f"/dtrain/{store.run}/".encode()
@@ -573,6 +578,57 @@ class EtcdRendezvous:
         """Seconds until ``decide`` would look again, capped by ``timeout_s``."""
         with self._cv:
             return max(0.0, min(timeout_s, self._next_check - time.monotonic()))
+
+    # ------------------------------------------------------------------ status page
+    def snapshot(self, now: float) -> dict:
+        """What the status page shows, read from the store (the shape of
+        ``RendezvousCore.snapshot``). etcd keeps no heartbeat times, only whether a
+        site's lease lives: a live site's heartbeat age is 0, a dead one's the timeout."""
+        regs, _, _ = self.etcd.range(self._k("site/"), prefix=True)
+        alive, _, _ = self.etcd.range(self._k("alive/"), prefix=True, keys_only=True)
+        n, m = len(self._k("site/")), len(self._k("alive/"))
+        live = {kv.key[m:].decode() for kv in alive}
+        with self._cv:
+            plans = dict(self._plans)
+            nxt = self._next
+        for r in sorted(plans):
+            self.status_log.add_plan(r, list(plans[r].site_ids), now)
+        for _, by_site in sorted(self.reports().items()):
+            for site, raw in by_site.items():
+                self.status_log.add_reports(site, [raw])
+        c = self.config
+        sites = {}
+        for kv in regs:
+            sid, info = kv.key[n:].decode(), json.loads(kv.value)
+            rounds = [r for r, p in plans.items() if sid in p.site_ids]
+            sites[sid] = {
+                "address": info["address"],
+                "alive": sid in live,
+                "needs_resync": False,
+                "resync_reason": "",
+                "heartbeat_age_s": 0.0 if sid in live else c.heartbeat_timeout_s,
+                "last_heartbeat": now if sid in live else now - c.heartbeat_timeout_s,
+                "rounds_joined": len(rounds),
+                "inner_step": 0,
+                "last_loss": None,
+                "joined_round": int(info.get("joined_round", 0)),
+                "last_member_round": max(rounds, default=None),
+                "ready_since": None,
+                "left": bool(info.get("left")),
+            }
+        timing = ("heartbeat_interval_s", "heartbeat_timeout_s", "quorum_timeout_s", "reduce_timeout_s")
+        return {
+            "now": now,
+            "next_round": nxt,
+            "config": {
+                **{k: getattr(c, k) for k in timing},
+                "broadcast_timeout_s": c.broadcast_timeout_s,
+                "min_sites": c.min_sites,
+            },
+            "first_ready_at": None,
+            "sites": sites,
+            "status": self.status_log.snapshot(),
+        }
 
 
 class EtcdRendezvousClient:

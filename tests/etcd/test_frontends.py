@@ -64,3 +64,57 @@ def test_the_next_round_forms_through_the_other_front_end(etcd_cluster) -> None:
             s.stop(0)
         for c in cores:
             c.close()
+
+
+def _start_frontend(tmp_path, name: str, url: str):
+    import subprocess
+    import sys
+
+    addr, http = tmp_path / f"{name}.addr", tmp_path / f"{name}.http"
+    argv = [sys.executable, "-m", "dtrain", "rendezvous", "--store", url, "--bind", "127.0.0.1:0"]
+    argv += ["--address-file", str(addr), "--http-bind", "127.0.0.1:0", "--http-address-file", str(http)]
+    argv += ["--initial-sites", "2", "--quorum-timeout-s", "1", "--heartbeat-interval-s", "0.3"]
+    argv += ["--heartbeat-timeout-s", "2"]
+    log = open(tmp_path / f"{name}.log", "wb")
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not addr.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert addr.exists(), (tmp_path / f"{name}.log").read_text()
+    return p, addr.read_text().strip(), http.read_text().strip()
+
+
+def test_rendezvous_processes_on_etcd_share_rounds_and_the_status_page(etcd_cluster, tmp_path) -> None:  # noqa: F811
+    import json
+    import os
+    import signal
+    import urllib.request
+
+    url = f"{etcd_cluster.url}/procs"
+    procs = []
+    try:
+        for name in ("fe1", "fe2"):
+            procs.append(_start_frontend(tmp_path, name, url))
+        clients = {s: rendezvous_client(f"{procs[0][1]},{procs[1][1]}") for s in ("a", "b")}
+        for s, c in clients.items():
+            c.join(s, f"addr-{s}")
+        assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b")}
+        report = json.dumps({"round": 0, "seq": 1, "site": "a", "status": "applied", "val_loss": 2.5})
+        assert clients["a"].heartbeat("a", round_reports=[report]).known
+        with urllib.request.urlopen(procs[1][2] + "/api/status", timeout=10) as resp:  # the other front-end's page
+            doc = json.loads(resp.read())
+        assert [s["site_id"] for s in doc["sites"]] == ["a", "b"]
+        assert doc["next_round"] == 1
+        row = next(r for r in doc["rounds"] if r["round"] == 0)
+        assert row["members"] == ["a", "b"], row
+        assert next(s for s in doc["sites"] if s["site_id"] == "a")["val_loss"] == 2.5
+        os.killpg(procs[0][0].pid, signal.SIGKILL)  # the front-end the sites use
+        got = _all_ready(clients, 1)
+        assert {d.plan.site_ids for d in got.values()} == {("a", "b")}
+        for c in clients.values():
+            c.close()
+    finally:
+        for p, _, _ in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)

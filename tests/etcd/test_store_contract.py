@@ -160,3 +160,22 @@ def test_a_second_site_with_a_taken_site_id_is_refused(etcd_cluster) -> None:  #
     finally:
         first.close()
         second.close()
+
+
+def test_round_reports_are_bounded_and_only_the_newest_rounds_kept(etcd_cluster) -> None:  # noqa: F811
+    from dtrain.rendezvous.etcd_store import EtcdRendezvous
+
+    store = EtcdStoreConfig.parse(etcd_cluster.url + "/reports", num_report_rounds=2, max_report_bytes=256)
+    core = EtcdRendezvous(store, RendezvousConfig(min_sites=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0))
+    try:
+        core.join("a", "addr-a")
+        for r in range(4):
+            assert core.ready("a", r).status == "plan"
+            ok = f'{{"round": {r}, "seq": {r + 1}, "site": "a"}}'
+            big = f'{{"round": {r}, "seq": {r + 1}, "site": "a", "pad": "{"x" * 300}"}}'
+            assert core.heartbeat("a", round_reports=[ok, big]).known
+        kept = core.reports()
+        assert sorted(kept) == [2, 3]  # rounds 0 and 1 were dropped when plans 2 and 3 formed
+        assert all("pad" not in raw for by_site in kept.values() for raw in by_site.values())
+    finally:
+        core.close()
