@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["EtcdCluster", "etcd_cluster", "require_etcd"]
+__all__ = ["EtcdCluster", "TlsFiles", "etcd_cluster", "require_etcd"]
 
 NUM_MEMBERS = 3
 LEADER_WAIT_S = 15.0  # a fresh cluster elects a leader in ~1 s; CI machines are slow and shared
@@ -63,9 +64,11 @@ class _Member:
     log_path: Path
     proc: subprocess.Popen | None = None
 
+    scheme: str = "http"
+
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
 
 class EtcdCluster:
@@ -76,8 +79,9 @@ class EtcdCluster:
         url: ``etcd://h1:p1,h2:p2,h3:p3`` (what ``--store`` / ``--rendezvous`` take).
     """
 
-    def __init__(self, root: Path, binary: str) -> None:
+    def __init__(self, root: Path, binary: str, *, tls: "TlsFiles | None" = None) -> None:
         self.binary = binary
+        self.tls = tls
         ports = _free_ports(2 * NUM_MEMBERS)
         self.members = [
             _Member(
@@ -89,6 +93,8 @@ class EtcdCluster:
             )
             for i in range(NUM_MEMBERS)
         ]
+        for m in self.members:
+            m.scheme = "https" if tls else "http"
         self._initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
         self.endpoints = [f"127.0.0.1:{m.client_port}" for m in self.members]
         self.url = "etcd://" + ",".join(self.endpoints)
@@ -109,7 +115,16 @@ class EtcdCluster:
             "--heartbeat-interval=50",
             "--election-timeout=500",
             "--log-level=warn",
-        ]
+        ] + (
+            [
+                f"--cert-file={self.tls.server_cert}",
+                f"--key-file={self.tls.server_key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
+            if self.tls
+            else []
+        )
 
     def start(self) -> None:
         for m in self.members:
@@ -124,8 +139,12 @@ class EtcdCluster:
         """Member ``i``'s ``/v3/maintenance/status`` answer, or None (down, no answer)."""
         m = self.members[i]
         req = urllib.request.Request(f"{m.client_url}/v3/maintenance/status", data=b"{}", method="POST")
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=str(self.tls.ca))
+            ctx.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         try:
-            with urllib.request.urlopen(req, timeout=1.0) as resp:
+            with urllib.request.urlopen(req, timeout=1.0, context=ctx) as resp:
                 return json.loads(resp.read())
         except OSError:
             return None
@@ -171,6 +190,52 @@ class EtcdCluster:
                 pass
         for m in self.members:
             shutil.rmtree(m.data_dir, ignore_errors=True)
+
+
+@dataclass
+class TlsFiles:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (PEM files)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, root: Path) -> "TlsFiles":
+        """Fresh ones under ``root`` (``openssl``; skips, or fails as etcd does, without it)."""
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is not installed")
+        root.mkdir(parents=True, exist_ok=True)
+
+        def run(*args: str) -> None:
+            if args[0] == "req" and "-subj" not in args:
+                args = (*args, "-days", "2", "-subj", "/CN=test-ca")
+            subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=root, timeout=60)
+
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem")
+        run_args = ("-days", "2", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-extfile", "ext.cnf")
+        exts = {
+            "server": "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth",
+            "client": "extendedKeyUsage=clientAuth",
+        }
+        for name, ext in exts.items():
+            run(
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                f"{name}.key",
+                "-out",
+                f"{name}.csr",
+                "-subj",
+                f"/CN={name}",
+            )
+            (root / "ext.cnf").write_text(ext + "\n")
+            run("x509", "-req", "-in", f"{name}.csr", "-out", f"{name}.pem", *run_args)
+        return cls(root / "ca.pem", root / "server.pem", root / "server.key", root / "client.pem", root / "client.key")
 
 
 @pytest.fixture

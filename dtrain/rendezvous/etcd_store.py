@@ -39,6 +39,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 from urllib.parse import parse_qsl, urlsplit
 
@@ -88,6 +89,7 @@ class EtcdStoreConfig:
         ca_file: CA bundle (PEM) that verifies etcd's certificate; set: https.
         cert_file: client certificate (PEM) for etcd's client-certificate auth.
         key_file: the client certificate's private key (PEM).
+        https: TLS to etcd even without ``ca_file`` (the system's CAs verify etcd).
         timeout_s: deadline of one etcd call on one member, seconds.
         num_report_rounds: round reports kept (the newest rounds), >= 1.
         max_report_bytes: largest round report stored; longer ones are dropped.
@@ -100,6 +102,7 @@ class EtcdStoreConfig:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    https: bool = False
     timeout_s: float = 3.0
     num_report_rounds: int = 16
     max_report_bytes: int = 8192
@@ -122,17 +125,36 @@ class EtcdStoreConfig:
 
     @classmethod
     def parse(cls, url: str, **kw) -> "EtcdStoreConfig":
-        """``etcd://h1:2379,h2:2379[/run]`` (``etcds://``: TLS, with ``ca_file`` in ``kw``)."""
+        """``etcd://h1:2379,h2:2379[/run][?name=value&...]``; ``etcds://`` for https.
+
+        The query may name ``ca_file``, ``cert_file``, ``key_file``, ``username`` and
+        ``password_file`` (a file holding the password: never the password itself), and
+        the run's timing (:func:`timing_from_url`); ``kw`` sets fields too.
+
+        Raises:
+            ValueError: a malformed url or a field the config refuses.
+        """
         parts = urlsplit(url)
         if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
             raise ValueError(f"an etcd store is etcd://host:port[,host:port...][/run], got {url!r}")
         run = parts.path.strip("/") or kw.pop("run", "default")
-        return cls(endpoints=tuple(parts.netloc.split(",")), run=run, **kw)
+        for name, text in parse_qsl(parts.query, keep_blank_values=True):
+            if name in _STORE_QUERY:
+                kw.setdefault(name, text)
+            elif name == "password_file":
+                try:
+                    kw.setdefault("password", Path(text).read_text().strip())
+                except OSError as e:
+                    raise ValueError(f"etcd url: password_file {text!r} cannot be read: {e}") from None
+            elif name not in _TIMING_FIELDS:
+                allowed = sorted({*_STORE_QUERY, "password_file", *_TIMING_FIELDS})
+                raise ValueError(f"etcd url: unknown name {name!r}; allowed: {allowed}")
+        return cls(endpoints=tuple(parts.netloc.split(",")), run=run, https=parts.scheme == "etcds", **kw)
 
     def client(self) -> EtcdClient:
         auth = EtcdAuth(username=self.username, password=self.password or "") if self.username else None
         tls = EtcdTls(ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file)
-        use_tls = self.ca_file is not None or self.cert_file is not None
+        use_tls = self.https or self.ca_file is not None or self.cert_file is not None
         return EtcdClient(self.endpoints, timeout_s=self.timeout_s, auth=auth, tls=tls if use_tls else None)
 
 
@@ -140,17 +162,20 @@ _TIMING_FIELDS = {f: float for f in ("quorum_timeout_s", "heartbeat_interval_s",
 _TIMING_FIELDS.update({"reduce_timeout_s": float, "broadcast_timeout_s": float, "min_sites": int, "initial_sites": int})
 
 
+_STORE_QUERY = ("ca_file", "cert_file", "key_file", "username")
+
+
 def timing_from_url(url: str) -> RendezvousConfig:
     """The run's :class:`RendezvousConfig` from an ``etcd://...?name=value&...`` query (for
     sites on etcd directly; the unnamed fields keep their defaults).
 
     Raises:
-        ValueError: an unknown name, or a value the config refuses.
+        ValueError: a value the config refuses.
     """
     values = {}
     for name, text in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         if name not in _TIMING_FIELDS:
-            raise ValueError(f"etcd url: unknown timing {name!r}; allowed: {sorted(_TIMING_FIELDS)}")
+            continue  # a store field (EtcdStoreConfig.parse checks those)
         try:
             values[name] = _TIMING_FIELDS[name](text)
         except ValueError:
