@@ -216,6 +216,7 @@ class TlsFiles:
 
         run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem")
         run_args = ("-days", "2", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-extfile", "ext.cnf")
+        # the server certificate is a client one too: etcd's JSON gateway dials etcd's gRPC port with it
         exts = {
             "server": "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth",
             "client": "extendedKeyUsage=clientAuth",
