@@ -211,6 +211,8 @@ class EtcdRendezvous:
             status page (``dtrain.status.StatusLog``); a cache, refilled from the store.
     """
 
+    blocking = True  # its calls wait on etcd: the gRPC servicer runs them on threads
+
     def __init__(
         self, store: EtcdStoreConfig, config: RendezvousConfig | None = None, *, reports: ReportSink | None = None
     ) -> None:

@@ -165,6 +165,9 @@ class _RendezvousServicer:
         self._plan_bytes: dict[int, tuple[RoundPlan, bytes]] = {}  # round -> (plan, its serialized field)
         self._evaluator: asyncio.Task | None = None
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
+        # A core whose calls wait on the network (``blocking = True``: the etcd store) runs them
+        # on threads; the in-memory core's calls are short and run on the loop.
+        self._blocking = bool(getattr(core, "blocking", False))
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         def unary(fn, request_type, reply_type):
@@ -211,7 +214,10 @@ class _RendezvousServicer:
             return None, ("INTERNAL", f"{type(e).__name__}: {e}")
 
     async def _guard(self, context, what: str, fn: Callable[[], T]) -> T:
-        result, err = self._call(what, fn)
+        if self._blocking:  # a store over the network (etcd): its calls must not stall the loop
+            result, err = await asyncio.to_thread(self._call, what, fn)
+        else:
+            result, err = self._call(what, fn)
         if err is not None:
             await abort(context, *err)
         return result  # type: ignore[return-value]
@@ -329,9 +335,50 @@ class _RendezvousServicer:
                 pass
             self._kick.clear()
             try:
-                self._evaluate(time.monotonic())
+                now = time.monotonic()
+                if self._blocking:
+                    if self._decide is not None and self._polls and self._decide_due(now):
+                        self._decided(now, await asyncio.to_thread(self._decide, now=now))
+                    targets = self._targets()
+                    for poll, d in await asyncio.to_thread(self._settle, targets, now):
+                        poll.answer(d)
+                else:
+                    self._evaluate(now)
             except Exception:
                 log.exception("rendezvous: evaluating the waiting Ready polls failed")
+
+    def _decide_due(self, now: float) -> bool:
+        return self._need_decide or now - self._decided_at >= self._tick_s
+
+    def _decided(self, now: float, next_round: int) -> None:
+        self._seen_round = max(self._seen_round, next_round)
+        self._need_decide, self._decided_at = False, now
+
+    def _targets(self) -> list[_Poll]:
+        """The waiting polls whose answer may have changed (all of them without ``decide``)."""
+        if not self._polls:
+            targets = []
+        elif self._decide is None:
+            targets = [p for ps in self._polls.values() for p in ps]
+        else:
+            targets = [p for s in self._dirty for p in self._polls.get(s, ())]
+            if self._seen_round > self._answered_round:
+                self._answered_round = self._seen_round
+                targets += [p for ps in self._polls.values() for p in ps if p.round < self._seen_round]
+        self._dirty.clear()
+        return targets
+
+    def _settle(self, targets: list[_Poll], now: float) -> list[tuple[_Poll, ReadyDecision | None]]:
+        """The answers of ``targets`` that are no longer "wait" (None: an error, which makes
+        the handler ask once more and report it)."""
+        out = []
+        for poll in targets:
+            if poll.future.done():
+                continue
+            d, err = self._call("ready", lambda: self._core.ready(poll.site_id, poll.round, now=now))
+            if err is not None or d.status != "wait":
+                out.append((poll, d))
+        return out
 
     def _evaluate(self, now: float) -> None:
         """Re-run the quorum decision (at most once; none when only a Ready that
@@ -339,23 +386,10 @@ class _RendezvousServicer:
         if not self._polls:
             self._dirty.clear()
             return
-        if self._decide is None:
-            targets = [p for ps in self._polls.values() for p in ps]
-        else:
-            if self._need_decide or now - self._decided_at >= self._tick_s:
-                self._seen_round = max(self._seen_round, self._decide(now=now))
-                self._need_decide, self._decided_at = False, now
-            targets = [p for s in self._dirty for p in self._polls.get(s, ())]
-            if self._seen_round > self._answered_round:
-                self._answered_round = self._seen_round
-                targets += [p for ps in self._polls.values() for p in ps if p.round < self._seen_round]
-        self._dirty.clear()
-        for poll in targets:
-            if poll.future.done():
-                continue
-            d, err = self._call("ready", lambda: self._core.ready(poll.site_id, poll.round, now=now))
-            if err is not None or d.status != "wait":
-                poll.answer(d)  # None (an error) makes the handler ask once more and report it
+        if self._decide is not None and self._decide_due(now):
+            self._decided(now, self._decide(now=now))
+        for poll, d in self._settle(self._targets(), now):
+            poll.answer(d)
 
     async def close(self) -> None:
         if self._evaluator is not None:
