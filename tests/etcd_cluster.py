@@ -27,9 +27,22 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["EtcdCluster", "TlsFiles", "etcd_cluster", "require_etcd"]
+from dtrain.rendezvous import RendezvousConfig
+
+__all__ = ["FAST_RENDEZVOUS", "EtcdCluster", "TlsFiles", "etcd_cluster", "require_etcd"]
 
 NUM_MEMBERS = 3
+#: Rendezvous timing of the etcd tests: a fault costs a second or two, and a lease (whole
+#: seconds in etcd) outlives a loaded machine's pauses.
+FAST_RENDEZVOUS = RendezvousConfig(
+    min_sites=1,
+    initial_sites=3,
+    quorum_timeout_s=1.0,
+    heartbeat_interval_s=0.3,
+    heartbeat_timeout_s=2.0,
+    reduce_timeout_s=10.0,
+    broadcast_timeout_s=20.0,
+)
 LEADER_WAIT_S = 15.0  # a fresh cluster elects a leader in ~1 s; CI machines are slow and shared
 
 

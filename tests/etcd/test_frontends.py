@@ -10,23 +10,14 @@ import uuid
 
 import pytest
 
-from dtrain.rendezvous import RendezvousConfig
 from dtrain.rendezvous.connect import FailoverRendezvousClient, rendezvous_client
 from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
 from dtrain.rendezvous.grpc import serve_rendezvous
-from tests.etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
+from tests.etcd_cluster import FAST_RENDEZVOUS, etcd_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = RendezvousConfig(
-    min_sites=1,
-    initial_sites=3,
-    quorum_timeout_s=1.0,
-    heartbeat_interval_s=0.3,
-    heartbeat_timeout_s=2.0,
-    reduce_timeout_s=10.0,
-    broadcast_timeout_s=20.0,
-)
+CFG = FAST_RENDEZVOUS
 
 
 def _all_ready(clients, r: int):
