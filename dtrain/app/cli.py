@@ -77,6 +77,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
     check_task(cfg.task)
     from dtrain.app.worker import install_signal_handlers, run_worker
     from dtrain.errors import CheckpointError, QuorumTimeout, RendezvousError
+    from dtrain.rendezvous import SiteIdTaken
 
     _setup_logging(ns.log_level)
     stop = threading.Event()
@@ -90,6 +91,10 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
+    except SiteIdTaken as e:  # another live site holds --site-id on this run (etcd store)
+        log.error("giving up: %s", e)
+        print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except RendezvousError as e:  # unreachable while joining, for the whole join budget
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: rendezvous {cfg.net.rendezvous} unreachable: {one_line(e)}", file=sys.stderr)

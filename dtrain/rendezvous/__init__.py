@@ -9,6 +9,7 @@ from dtrain.rendezvous.core import (
     RendezvousConfig,
     RendezvousCore,
     ReportSink,
+    SiteIdTaken,
     SiteRecord,
     decide_quorum,
 )
@@ -21,4 +22,5 @@ __all__ = [
     "NullReportSink",
     "RendezvousCore",
     "InprocRendezvousClient",
+    "SiteIdTaken",
 ]

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+from dtrain.rendezvous.core import SiteIdTaken
 
 __all__ = ["FailoverRendezvousClient", "rendezvous_client"]
 
@@ -44,6 +45,8 @@ class FailoverRendezvousClient:
             i = (start + k) % len(self.clients)
             try:
                 result = fn(self.clients[i])
+            except SiteIdTaken:
+                raise  # an answer, not an outage
             except RendezvousError as e:
                 if "FAILED_PRECONDITION" in str(e):  # an answer, not an outage
                     raise

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
 
 __all__ = [
@@ -33,9 +34,15 @@ __all__ = [
     "NullReportSink",
     "RendezvousCore",
     "InprocRendezvousClient",
+    "SiteIdTaken",
 ]
 
 log = logging.getLogger(__name__)
+
+
+class SiteIdTaken(RendezvousError):
+    """A live site at another address already holds this site id on this run (the etcd
+    store refuses the second; its message starts with "site id" and says what to do)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
-from dtrain.rendezvous.core import NullReportSink, RendezvousConfig, ReportSink, decide_quorum
+from dtrain.rendezvous.core import NullReportSink, RendezvousConfig, ReportSink, SiteIdTaken, decide_quorum
 from dtrain.rendezvous.etcd_client import (
     EtcdAuth,
     EtcdClient,
@@ -71,10 +71,6 @@ log = logging.getLogger(__name__)
 NUM_PLANS_KEPT = 8
 WAKE_JITTER_S = 0.2  # spread of the waiters' wake-ups at a quorum timeout (seconds)
 MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
-
-
-class SiteIdTaken(RendezvousError):
-    """A live site already holds this site id on this run (another process, another address)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,6 +32,7 @@ from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 from dtrain.errors import DtrainError, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
@@ -516,6 +517,8 @@ class GrpcRendezvousClient:
                 what=f"rendezvous {what}",
             )
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith("site id "):
+                raise SiteIdTaken(f"rendezvous {what} at {self.address} refused: {e.details()}") from None
             raise RendezvousError(
                 f"rendezvous {what} at {self.address} failed: {e.code().name}: {e.details()}"
             ) from None

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from dtrain.rendezvous import SiteIdTaken
 from dtrain.rendezvous.connect import FailoverRendezvousClient, rendezvous_client
 from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
 from dtrain.rendezvous.grpc import serve_rendezvous
@@ -36,6 +37,11 @@ def test_the_next_round_forms_through_the_other_front_end(etcd_cluster) -> None:
         assert all(isinstance(c, FailoverRendezvousClient) for c in clients.values())
         for s, c in clients.items():
             c.join(s, f"addr-{s}")
+        with (
+            rendezvous_client(servers[1].address) as twin,
+            pytest.raises(SiteIdTaken, match="'a' is held by a live site at addr-a"),
+        ):
+            twin.join("a", "addr-elsewhere")  # through the other front-end: the same store says no
         assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b", "c")}
         servers[0].stop(0)  # the front-end every site uses
         t0 = time.monotonic()
