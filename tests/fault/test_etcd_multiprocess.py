@@ -74,3 +74,23 @@ def test_no_round_without_an_etcd_majority_then_rounds_resume(make_cluster, etcd
     for r in range(max(applied_while_down.values()) + 1, rounds):
         _agree(c, sites, r)
     assert len({c.summary(s)["checksum"] for s in sites}) == 1
+
+
+@pytest.mark.timeout(150)
+def test_rounds_go_on_when_the_etcd_leader_is_killed_mid_run(make_cluster, etcd_cluster) -> None:  # noqa: F811
+    rounds = 5
+    c = make_cluster(worker={"rounds": rounds})
+    c.rv_address = _etcd_rendezvous(etcd_cluster, "leader", 3)
+    sites = [c.start_site(i, num_sites=3) for i in range(3)]
+    for s in sites:
+        c.wait_round(s, 1, 90)
+    old = etcd_cluster.wait_for_leader()
+    etcd_cluster.kill(old)
+    assert etcd_cluster.wait_for_leader() != old
+    codes = c.wait_all_exit(sites, 90)
+    assert codes == {s: 0 for s in sites}, c.diag()
+    for r in range(rounds):
+        _agree(c, sites, r)
+    for s in sites:  # the election (~1 s) hid inside the etcd client's deadline: no round deferred
+        assert c.rounds(s, status="deferred") == [], c.rounds(s, status="deferred")
+        assert c.summary(s)["rounds_joined"] == rounds
