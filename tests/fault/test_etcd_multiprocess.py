@@ -94,3 +94,56 @@ def test_rounds_go_on_when_the_etcd_leader_is_killed_mid_run(make_cluster, etcd_
     for s in sites:  # the election (~1 s) hid inside the etcd client's deadline: no round deferred
         assert c.rounds(s, status="deferred") == [], c.rounds(s, status="deferred")
         assert c.summary(s)["rounds_joined"] == rounds
+
+
+@pytest.mark.timeout(150)
+def test_sites_fail_over_to_the_other_rendezvous_front_end(make_cluster, etcd_cluster, tmp_path) -> None:  # noqa: F811
+    """Two ``dtrain rendezvous --store etcd://...`` processes serve one run; three worker
+    processes list both. SIGKILL the one they use after round 1: no site restarts or
+    resyncs, every round applies with one θ, and the rounds after the kill waited for
+    their plan no longer than the heartbeat timeout plus one quorum timeout (+1 s)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dtrain.app.config import RENDEZVOUS
+    from tests.fault.conftest import REPO, _child_env
+
+    rounds = 5
+    timing = {**RENDEZVOUS_DEFAULTS, "initial_sites": 3}
+    fronts = []
+    try:
+        for name in ("fe1", "fe2"):
+            addr = tmp_path / f"{name}.addr"
+            argv = [sys.executable, "-m", "dtrain", "rendezvous", "--store", f"{etcd_cluster.url}/fo"]
+            argv += ["--bind", "127.0.0.1:0", "--address-file", str(addr), *RENDEZVOUS.to_argv(timing)]
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                p = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), cwd=REPO, start_new_session=True
+                )
+            fronts.append((p, addr))
+        wait_until(lambda: all(a.exists() for _, a in fronts), 60, "both front-ends' address files")
+        c = make_cluster(worker={"rounds": rounds})
+        c.rv_address = ",".join(a.read_text().strip() for _, a in fronts)
+        sites = [c.start_site(i, num_sites=3) for i in range(3)]
+        for s in sites:
+            c.wait_round(s, 1, 90)
+        os.killpg(fronts[0][0].pid, signal.SIGKILL)
+        t_kill = time.time()
+        codes = c.wait_all_exit(sites, 90)
+        assert codes == {s: 0 for s in sites}, c.diag()
+        bound_s = RENDEZVOUS_DEFAULTS["heartbeat_timeout_s"] + RENDEZVOUS_DEFAULTS["quorum_timeout_s"] + 1.0
+        for r in range(rounds):
+            _agree(c, sites, r)
+        for s in sites:
+            assert c.summary(s)["rounds_joined"] == rounds
+            assert c.rounds(s, status="resynced") == [] and c.rounds(s, status="deferred") == []
+            after = [d for d in c.rounds(s, status="applied") if d["time"] > t_kill]
+            assert after and all(d["quorum_s"] <= bound_s for d in after), [(d["round"], d["quorum_s"]) for d in after]
+            assert "failed over to" in c.log_text(s)
+    finally:
+        for p, _ in fronts:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
