@@ -226,7 +226,11 @@ class EtcdRendezvous:
         self._next_check = 0.0
         self._dead_cache: tuple[float, tuple[str, ...]] | None = None
         self._watch = None
-        self._start_watch()
+        self._watch_lock = threading.Lock()
+        try:
+            self._start_watch()
+        except RendezvousError as e:  # etcd down now: the first call that needs it tries again
+            log.warning("rendezvous(etcd): store unreachable at start (%s); retrying on first use", e)
 
     # ------------------------------------------------------------------ keys
     def _k(self, *parts: str) -> bytes:
@@ -238,6 +242,12 @@ class EtcdRendezvous:
 
     # ------------------------------------------------------------------ the plan watch
     def _start_watch(self) -> None:
+        """Load the kept plans and watch ``plan/`` from there (once; raises EtcdError)."""
+        with self._watch_lock:
+            if self._watch is None:
+                self._load_and_watch()
+
+    def _load_and_watch(self) -> None:
         kvs, _, rev = self.etcd.range(self._k("plan/"), prefix=True)
         nxt = self.etcd.get(self._k("next"))
         with self._cv:
@@ -281,6 +291,7 @@ class EtcdRendezvous:
 
     # ------------------------------------------------------------------ membership
     def join(self, site_id: str, address: str, *, now: float = 0.0) -> JoinInfo:
+        self._start_watch()
         alive = self.etcd.get(self._k("alive", site_id))
         lease = 0
         if alive is not None:
@@ -412,6 +423,7 @@ class EtcdRendezvous:
     def ready(self, site_id: str, round: int, *, now: float = 0.0) -> ReadyDecision:
         """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
         decide the quorum if this could complete it. Same answers as the in-memory core."""
+        self._start_watch()
         known, lease = self._answer_known(site_id, round)
         if known is not None:
             return known

@@ -70,3 +70,16 @@ def test_the_worker_takes_several_addresses_or_an_etcd_url() -> None:
     c = rendezvous_client("127.0.0.1:1,127.0.0.1:2")
     assert isinstance(c, FailoverRendezvousClient) and [x.address for x in c.clients] == ["127.0.0.1:1", "127.0.0.1:2"]
     c.close()
+
+
+def test_a_site_on_etcd_starts_while_etcd_is_down_and_its_calls_say_why() -> None:
+    from dtrain.rendezvous.etcd_client import EtcdError
+    from dtrain.rendezvous.etcd_store import EtcdRendezvousClient
+
+    c = EtcdRendezvousClient(EtcdStoreConfig.parse("etcd://127.0.0.1:1/r", timeout_s=0.5))  # does not raise
+    try:
+        with pytest.raises(EtcdError, match=r"no member answered within 0.5s: 127.0.0.1:1: ConnectionRefusedError"):
+            c.join("a", "addr-a")
+        assert isinstance(EtcdError("x"), RendezvousError)  # a site defers and retries, as for any rendezvous
+    finally:
+        c.close()
