@@ -338,7 +338,9 @@ WATCH_IDLE_S = 10.0  # a watch stream silent this long is opened again (a member
 
 class EtcdWatch:
     """A watch on its own daemon thread; it re-opens the stream on another endpoint
-    (from the next revision, so no event is lost or repeated) when its member fails."""
+    (from the next revision, so no event is lost or repeated) when its member fails.
+    If etcd compacted that revision away, it goes on from the oldest one kept (the
+    events between are lost: the rendezvous's waiters read the plan on their next wake)."""
 
     def __init__(
         self,
@@ -411,6 +413,14 @@ class EtcdWatch:
             raise EtcdError(f"etcd watch: {msg['error']}")
         r = msg.get("result", {})
         if r.get("canceled"):
+            compacted = int(r.get("compact_revision", 0))
+            if compacted > self.next_revision:  # history gone: go on from the oldest kept revision
+                log.warning(
+                    "etcd watch: revisions %d..%d were compacted; events between are lost",
+                    self.next_revision,
+                    compacted - 1,
+                )
+                self.next_revision = compacted
             raise EtcdError(f"etcd watch canceled: {r.get('cancel_reason', '')}")
         rev = int(r.get("header", {}).get("revision", 0))
         events = [WatchEvent(kind=e.get("type", "PUT"), kv=_kv(e.get("kv", {}))) for e in r.get("events", [])]

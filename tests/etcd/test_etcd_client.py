@@ -95,3 +95,27 @@ def test_user_and_password_authenticate_and_a_stranger_is_refused(etcd_cluster) 
         EtcdClient(etcd_cluster.endpoints, timeout_s=2.0).put(b"/a/k", b"x")
     with pytest.raises(EtcdError, match="authentication failed"):
         EtcdClient(etcd_cluster.endpoints, auth=EtcdAuth(username="root", password="wrong"), timeout_s=2.0).get(b"/a/k")
+
+
+def test_a_watch_from_a_compacted_revision_goes_on_from_the_oldest_kept(etcd_cluster) -> None:  # noqa: F811
+    c = EtcdClient(etcd_cluster.endpoints)
+    first = c.put(b"/c/k", b"0")
+    for i in range(1, 5):
+        rev = c.put(b"/c/k", str(i).encode())
+    c._post("/v3/kv/compaction", {"revision": str(rev), "physical": True})
+    seen: list[bytes] = []
+    got = threading.Event()
+
+    def on(events, _rev):
+        seen.extend(e.kv.value for e in events)
+        if b"5" in seen:
+            got.set()
+
+    w = c.watch(b"/c/k", on, start_revision=first)  # compacted away
+    try:
+        time.sleep(0.3)
+        c.put(b"/c/k", b"5")
+        assert got.wait(10), seen
+        assert seen[-1] == b"5" and b"0" not in seen  # goes on; what was compacted is gone
+    finally:
+        w.stop()
