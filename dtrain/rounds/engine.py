@@ -442,6 +442,7 @@ class RoundEngine:
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
+        self.transport.begin_round(plan, owners, self.site_id)  # datagram path: key, buffers, mean pushes
         finalizer = threading.Thread(target=self._finalize, args=(o, res), name=f"finalize-{r}", daemon=True)
         finalizer.start()
 

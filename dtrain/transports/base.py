@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 from typing import Protocol, Sequence
 
-from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 
 __all__ = ["PeerHandler", "Transport"]
 
@@ -69,6 +69,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch a bucket's whole state (θ_b, outer-optimizer state) for repair or joining."""
+
+    def begin_round(self, plan: RoundPlan, owners: Sequence[str], site_id: str) -> None:
+        """Called by the round engine once it accepts contributions for ``plan.round``.
+
+        A transport that needs the plan (the datagram path: the round's key, the
+        members' addresses, which buckets' means to push or await) takes it here;
+        ``owners`` is the owner site_id per bucket. Default: nothing.
+        """
+        return None
 
     @abc.abstractmethod
     def stop(self, grace_s: float = 1.0) -> None:
