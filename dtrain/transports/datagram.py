@@ -117,7 +117,7 @@ class DatagramTransportConfig:
     initial_rate_mbit: float | None = None
     min_rate_mbit: float = 1.0
     rtt_s: float = 0.1
-    burst_bytes: int = 16 << 10
+    burst_bytes: int = 64 << 10
     max_nack_rounds: int = 3
     nack_idle_s: float = 0.05
     fallback_reserve_s: float = 1.0

@@ -41,7 +41,7 @@ class Pacer:
             after an idle period or a late wake-up.
     """
 
-    def __init__(self, rate_mbit: float, *, burst_bytes: int = 16 << 10) -> None:
+    def __init__(self, rate_mbit: float, *, burst_bytes: int = 64 << 10) -> None:
         if not rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0, got {rate_mbit!r}")
         self._rate_bps = rate_mbit * 1e6 / 8.0
