@@ -67,6 +67,11 @@ class WorkerConfig:
         linger_s: seconds to keep serving after the last round (peers may still pull).
         inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
             a slower site in fault tests and experiments.
+        data_path: ``"grpc"`` (default) or ``"datagram"``: contributions and means as
+            paced, sealed UDP datagrams (``dtrain.transports.datagram``); control,
+            state pulls and repair stay on gRPC. With ``"datagram"`` chunks shrink to
+            one datagram each (``datagram_chunk_bytes``; codecs without ``+zstd``/topk).
+        max_rate_mbit: the datagram path's sending-rate ceiling, Mbit/s.
     """
 
     site_id: str = "site-0"
@@ -106,6 +111,8 @@ class WorkerConfig:
     max_norm: float | None = None
     linger_s: float = 3.0
     inner_step_sleep_s: float = 0.0
+    data_path: str = "grpc"
+    max_rate_mbit: float = 1000.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
@@ -131,6 +138,8 @@ class WorkerConfig:
         need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
         need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
         need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
+        need(self.data_path in ("grpc", "datagram"), "data_path", "'grpc' or 'datagram'")
+        need(self.max_rate_mbit > 0, "max_rate_mbit", "> 0 Mbit/s")
         for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
             v = getattr(self, name)
             host, _, port = str(v).rpartition(":")
@@ -159,7 +168,7 @@ class WorkerConfig:
         return DiLoCoConfig(
             site_id=self.site_id,
             sync_every=self.sync_every,
-            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
+            buckets=self.bucket_config(),
             rounds=RoundConfig(
                 codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level),
                 aggregation=AggregationConfig(max_norm=self.max_norm),
@@ -167,6 +176,18 @@ class WorkerConfig:
             group=GroupConfig(quorum_wait_s=self.quorum_wait_s),
             hook_optimizer=False,
         )
+
+    def bucket_config(self) -> BucketConfig:
+        """Bucket and chunk sizes; on the datagram path a chunk is one datagram."""
+        chunk = self.chunk_bytes
+        if self.data_path == "datagram":
+            from dtrain.transports.datagram import datagram_chunk_bytes
+
+            try:
+                chunk = min(chunk, datagram_chunk_bytes(CodecConfig(name=self.codec, zstd_level=self.zstd_level)))
+            except ValueError as e:
+                raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
+        return BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=chunk)
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
@@ -258,7 +279,13 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
     host, _, port = cfg.listen.rpartition(":")
     adv_host = cfg.advertise.rpartition(":")[0] if cfg.advertise else None
     tcfg = GrpcTransportConfig(bind_host=host, bind_port=int(port), advertise_host=adv_host, token=token, tls=tls)
-    return GrpcTransport(tcfg), GrpcRendezvousClient(cfg.rendezvous, config=tcfg)
+    if cfg.data_path == "datagram":
+        from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+
+        transport = DatagramTransport(DatagramTransportConfig(grpc=tcfg, max_rate_mbit=cfg.max_rate_mbit))
+    else:
+        transport = GrpcTransport(tcfg)
+    return transport, GrpcRendezvousClient(cfg.rendezvous, config=tcfg)
 
 
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:
@@ -300,7 +327,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
                 + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
                 ["param"] * len(list(task.model.parameters()))
                 + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
-                BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+                cfg.bucket_config(),
             )
             data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
             try:

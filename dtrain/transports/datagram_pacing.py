@@ -4,11 +4,9 @@
   site; datagrams leave at the current rate with micro-bursts of at most
   ``burst_bytes`` (the quantum Linux's fq qdisc also allows), never in unpaced bursts.
 * :class:`RateController`: between rounds, from the receivers' reports of what
-  arrived and over how long, picks the next round's rate. A receive window longer
-  than the send window means a queue built up at a bottleneck (random loss alone
-  does not stretch it): the rate drops to 0.95x the delivery rate there and
-  probes upwards by at most 5 % above that estimate afterwards; otherwise it grows
-  by 25 % per round. It never exceeds ``max_rate_mbit``.
+  arrived and over how long, picks the next round's rate: down to the estimated
+  bottleneck on a congestion signal (a stretched receive window, or loss above the
+  path's own random loss), up otherwise; never above ``max_rate_mbit``.
 * :func:`socket_buffer_bytes`: two rate x RTT products (at least 50 ms of traffic),
   so a receive-thread stall of one RTT loses nothing at the socket.
 """
@@ -100,12 +98,19 @@ class ReceiverReport:
 class RateController:
     """Picks each round's sending rate from the previous round's receiver reports.
 
+    Congestion signals (any one): the receive window is longer than ``(1 +
+    queue_tolerance) x`` the send window plus ``jitter_s`` (a queue built up); the
+    loss exceeds the lowest loss seen in an uncongested round by ``loss_margin`` (the
+    loss a bottleneck adds on top of the path's random loss); the loss exceeds
+    ``congestion_loss``. On congestion the bottleneck is estimated as the delivery
+    rate corrected for the random loss, and the rate drops to 0.95x of it. Without
+    congestion the rate grows x1.5 per round until the first congestion (slow start),
+    then by at most 5 % above the estimate per round. Never above ``max_rate_mbit``.
+
     Args:
         max_rate_mbit: ceiling, never exceeded.
         min_rate_mbit: floor.
-        initial_rate_mbit: the first round's rate (<= the ceiling).
-        queue_tolerance: a receive window longer than ``(1 + queue_tolerance) x`` the
-            send window (plus ``jitter_s``) counts as a queue at a bottleneck.
+        initial_rate_mbit: the first round's rate (None: the ceiling).
         min_window_s: reports over shorter send windows carry no rate signal.
     """
 
@@ -117,6 +122,8 @@ class RateController:
         initial_rate_mbit: float | None = None,
         queue_tolerance: float = 0.1,
         jitter_s: float = 0.005,
+        loss_margin: float = 0.02,
+        congestion_loss: float = 0.3,
         min_window_s: float = 0.02,
     ) -> None:
         if not 0 < min_rate_mbit <= max_rate_mbit:
@@ -125,9 +132,21 @@ class RateController:
         self.min_rate_mbit = min_rate_mbit
         self.rate_mbit = min(max_rate_mbit, initial_rate_mbit or max_rate_mbit)
         self.bottleneck_mbit: float | None = None
+        self.base_loss: float | None = None  # lowest loss of an uncongested round
         self._tol = queue_tolerance
         self._jitter_s = jitter_s
+        self._loss_margin = loss_margin
+        self._congestion_loss = congestion_loss
         self._min_window_s = min_window_s
+
+    def _congestion(self, recv_s: float, send_s: float, loss: float) -> str:
+        if recv_s > (1.0 + self._tol) * send_s + self._jitter_s:
+            return f"queue: received over {recv_s:.3f} s what left in {send_s:.3f} s"
+        if self.base_loss is not None and loss > self.base_loss + self._loss_margin:
+            return f"loss {loss:.1%} above the path's {self.base_loss:.1%}"
+        if loss > self._congestion_loss:
+            return f"loss {loss:.1%} above {self._congestion_loss:.0%}"
+        return ""
 
     def decide(self, reports: Sequence[ReceiverReport]) -> tuple[float, str]:
         """Next rate (Mbit/s) and why; updates :attr:`rate_mbit`."""
@@ -136,16 +155,23 @@ class RateController:
             return self.rate_mbit, "no report with a rate signal: rate kept"
         recv_s = max(r.recv_s for r in useful)
         send_s = max(r.send_s for r in useful)
+        sent = sum(r.sent_datagrams for r in useful)
+        loss = 1.0 - sum(r.received_datagrams for r in useful) / sent if sent else 0.0
         delivered_mbit = sum(r.received_bytes for r in useful) * 8.0 / 1e6 / max(recv_s, 1e-9)
-        if recv_s > (1.0 + self._tol) * send_s + self._jitter_s:
-            self.bottleneck_mbit = delivered_mbit
-            new = 0.95 * delivered_mbit
-            why = f"queue: received over {recv_s:.3f} s what left in {send_s:.3f} s; bottleneck ~{delivered_mbit:.1f}"
+        why = self._congestion(recv_s, send_s, loss)
+        if why:
+            self.bottleneck_mbit = delivered_mbit / (1.0 - (self.base_loss or 0.0))
+            new = 0.95 * self.bottleneck_mbit
+            why += f"; bottleneck ~{self.bottleneck_mbit:.1f} Mbit/s"
         else:
-            new = self.rate_mbit * 1.25
-            if self.bottleneck_mbit is not None:
-                self.bottleneck_mbit *= 1.05 if self.rate_mbit >= self.bottleneck_mbit else 1.0
-                new = min(new, 1.05 * self.bottleneck_mbit)
-            why = f"no queue (loss {max(r.loss for r in useful):.1%} is not congestion): probing up"
+            self.base_loss = loss if self.base_loss is None else min(self.base_loss, loss)
+            if self.bottleneck_mbit is None:
+                new = self.rate_mbit * 1.5
+                why = f"no congestion (loss {loss:.1%}): slow start"
+            else:
+                if self.rate_mbit >= self.bottleneck_mbit:
+                    self.bottleneck_mbit = self.rate_mbit
+                new = min(self.rate_mbit * 1.25, 1.05 * self.bottleneck_mbit)
+                why = f"no congestion (loss {loss:.1%}): probing up"
         self.rate_mbit = min(self.max_rate_mbit, max(self.min_rate_mbit, new))
         return self.rate_mbit, f"{why} -> {self.rate_mbit:.1f} Mbit/s"
