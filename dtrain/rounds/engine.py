@@ -60,6 +60,7 @@ class _OpenRound:
         self.owners = owners
         self.members = set(plan.site_ids)
         self.lost: set[str] = set()  # members the rendezvous declared dead during the round
+        self.finished: set[str] = set()  # members whose transport said they sent everything
         self.finalize_at = t0 + plan.reduce_timeout_s
         self.broadcast_until = t0 + plan.broadcast_timeout_s
         layout = engine.state.layout
@@ -225,8 +226,8 @@ class RoundEngine:
                 )
             if o.acc[(c.bucket, c.chunk)].add(c.sender, values, digest):
                 o.arrived += 1
-                if c.sender in o.lost:
-                    return  # no longer awaited (members_lost): counted in the mean, not in what is missing
+                if c.sender in o.lost or c.sender in o.finished:
+                    return  # no longer awaited (members_lost, sender_done): counted in the mean, not in what is missing
                 o.bucket_missing[c.bucket] -= 1
                 if o.bucket_missing[c.bucket] == 0:
                     o.complete.append(c.bucket)
@@ -252,7 +253,7 @@ class RoundEngine:
             rounds = list(self._open.values())
         for o in rounds:
             with o.cv:
-                new = (lost & o.members) - o.lost
+                new = (lost & o.members) - o.lost - o.finished
                 if not new:
                     continue
                 o.lost |= new
@@ -269,6 +270,31 @@ class RoundEngine:
                 o.plan.round,
                 ", ".join(sorted(new)),
             )
+
+    def handle_sender_done(self, round: int, sender: str) -> None:
+        """``sender`` sent everything it will send this site for ``round``.
+
+        Called by a transport that knows (the datagram path, on the sender's
+        SEND_END): the chunks of ``sender`` still missing were lost, not late, so
+        they no longer count as missing and a bucket lacking nothing else is
+        finalized at once instead of at the reduce deadline.
+        """
+        with self._cv:
+            o = self._open.get(round)
+        if o is None:
+            return
+        with o.cv:
+            if sender == self.site_id or sender not in o.members or sender in o.lost or sender in o.finished:
+                return
+            o.finished.add(sender)
+            for b in o.mine:
+                if b in o.closed:
+                    continue
+                nchunks = len(self.state.layout.buckets[b].chunks)
+                o.bucket_missing[b] -= sum(1 for c in range(nchunks) if sender not in o.acc[(b, c)].senders)
+                if o.bucket_missing[b] == 0 and b not in o.complete:
+                    o.complete.append(b)
+            o.cv.notify_all()
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s

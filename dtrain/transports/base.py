@@ -46,6 +46,10 @@ class PeerHandler(Protocol):
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         """Return the bucket's current θ_b and outer-optimizer state."""
 
+    # Optional: ``handle_sender_done(round, sender)``: a transport that learns that a
+    # sender sent everything it will send for a round (the datagram path's SEND_END)
+    # calls it, so the handler stops waiting for chunks that were lost.
+
 
 class Transport(abc.ABC):
     """Moves round messages between sites. One instance per site."""

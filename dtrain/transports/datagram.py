@@ -118,7 +118,7 @@ class DatagramTransportConfig:
     min_rate_mbit: float = 1.0
     rtt_s: float = 0.1
     burst_bytes: int = 64 << 10
-    max_nack_rounds: int = 3
+    max_nack_rounds: int = 8
     nack_idle_s: float = 0.05
     fallback_reserve_s: float = 1.0
     report_wait_s: float = 0.5
@@ -402,17 +402,17 @@ class DatagramTransport(Transport):
     def _end_push(
         self, rs: RoundState, dest: int, sock: socket.socket, address: str, num: int, before: tuple, deadline: float
     ) -> int:
-        """Send SEND_END (twice, for loss) and wait for the owner's REPORT."""
+        """Send SEND_END (up to 3 copies, for loss) and wait for the owner's REPORT."""
         with rs.lock:
             st = list(rs.sent.get(dest, [0, 0, 0.0, 0.0]))
         body = _SEND_END.pack(st[0], st[1], st[3] - st[2])
         until = min(deadline, time.monotonic() + self.config.report_wait_s)
-        for copy in range(2):
-            self._send(rs, dest, sock, rs.sealer.seal(Kind.SEND_END, body, chunk=copy), deadline + 1.0)
+        for copy in range(3):
+            self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=copy))
             with rs.cv:
                 got = rs.cv.wait_for(
                     lambda: dest in rs.reports and rs.reports[dest][5] >= st[0],
-                    timeout=max(0.0, until - time.monotonic()) / (2 - copy),
+                    timeout=max(0.0, until - time.monotonic()) / (3 - copy),
                 )
             if got:
                 break
@@ -566,6 +566,9 @@ class DatagramTransport(Transport):
             self._opener.count("malformed")
             return
         echo = _SEND_END.unpack(body)[0]
+        done = getattr(self._handler, "handle_sender_done", None)
+        if done is not None:  # every contribution before this SEND_END was handled (one FIFO)
+            done(rs.round, rs.site_ids[sender])
         with rs.lock:
             st = rs.stats.setdefault(sender, SenderStats())
             head = _REPORT.pack(st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo)
@@ -705,12 +708,14 @@ class DatagramTransport(Transport):
                 if now >= fallback_at:
                     return None
                 wake = fallback_at
-                if nacks < cfg.max_nack_rounds and ma.last_arrival:
-                    idle = 0.005 if ma.final_meta_seen else 4 * cfg.nack_idle_s
+                if ma.last_arrival:
+                    idle = 0.005 if ma.final_meta_seen else 2 * cfg.nack_idle_s
                     wake = min(wake, ma.last_arrival + idle)
                 if now < wake:
                     rs.cv.wait(wake - now)
                     continue
+                if nacks >= cfg.max_nack_rounds:
+                    return None  # re-requests spent: pull the rest over gRPC now
                 missing = ma.missing() if ma.num_chunks is not None else [_NACK_META]
                 ma.final_meta_seen = False
                 ma.last_arrival = now + cfg.nack_idle_s  # give the resend time to arrive
