@@ -445,6 +445,9 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             m.pop("round", None)
             m.pop("members", None)
             line.update(m)
+            counters = getattr(diloco.engine.transport, "counters", None)
+            if counters is not None:  # the datagram path: wire bytes, NACKs, drops (cumulative)
+                line["datagram"] = counters()
             totals["bytes_sent"] += res.bytes_sent
             totals["bytes_received"] += res.bytes_received
             totals["encoded_bytes"] += res.encoded_bytes
