@@ -162,7 +162,11 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
             run.close()
         wall = time.monotonic() - t0
         per_site = {i: run.rounds(i) for i in range(n)}
-    return [_result(m, label, seed, k, loss, per_site, changed_at[k], wall) for k, loss in enumerate(m["losses"])]
+        starts = [x for x in run.lines(0) if x.get("event") == "start"]
+    first_val = starts[0]["val_loss"] if starts else float("nan")
+    return [
+        _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val) for k, loss in enumerate(m["losses"])
+    ]
 
 
 def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
@@ -325,7 +329,7 @@ CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}
 """
-    publish(args, "datagram_vs_grpc" + ("" if mode == "quick" else f"_{mode}"), "Datagram path vs gRPC", body)
+    publish(args, f"datagram_vs_grpc-{mode}", f"Datagram path vs gRPC through netem ({mode})", body)
     return 0
 
 

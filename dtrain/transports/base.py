@@ -18,6 +18,10 @@ the same suite against each one):
   call stay accepted).
 * ``stop(grace_s)`` finishes in-flight calls for up to ``grace_s`` seconds and
   then refuses new ones.
+
+A transport whose refusals reach the sender only after the whole push (the datagram
+path, ``dtrain.transports.datagram``) sets ``reports_rejections_in_order = False``:
+its ``push`` still raises the first refusal, but later chunks were already handled.
 """
 
 from __future__ import annotations

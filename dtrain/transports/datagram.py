@@ -156,15 +156,15 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     c = get_codec(codec)
     if c.name.endswith("+zstd") or c.base == "topk":
         raise ValueError(f"codec {c.name!r} has no fixed size per element: use fp32, bf16, fp16, int8 or int4")
-    room = max_body_bytes(max_datagram_bytes) - CODEC_HEADER_BYTES - (max_members + 7) // 8
-    lo, hi = 1, max(1, room * 2)
+    room = max_body_bytes(max_datagram_bytes) - (max_members + 7) // 8  # codec payload bytes that fit
+    lo, hi = 0, max(1, 2 * room)
     while lo < hi:  # the largest numel whose payload fits
         mid = (lo + hi + 1) // 2
-        if CODEC_HEADER_BYTES + c._body_bytes(mid) <= room + CODEC_HEADER_BYTES:
+        if CODEC_HEADER_BYTES + c._body_bytes(mid) <= room:
             lo = mid
         else:
             hi = mid - 1
-    if CODEC_HEADER_BYTES + c._body_bytes(lo) > room + CODEC_HEADER_BYTES:
+    if lo == 0:
         raise ValueError(f"max_datagram_bytes={max_datagram_bytes} leaves no room for one {c.name} element")
     return 4 * lo
 
@@ -203,7 +203,12 @@ class DatagramTransport(Transport):
         host, port = address.rsplit(":", 1)
         sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_DGRAM)
         self._size_buffers(sock)
-        sock.bind((self.config.grpc.bind_host, int(port)))
+        try:
+            sock.bind((self.config.grpc.bind_host, int(port)))
+        except OSError as e:
+            sock.close()
+            self._grpc.stop(0)
+            raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
         sock.settimeout(0.1)
         self._sock = sock
         for target, name in ((self._recv_loop, "dgram-recv"), (self._dispatch_loop, "dgram-dispatch")):
