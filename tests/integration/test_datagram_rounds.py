@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -213,3 +214,53 @@ def test_site_killed_mid_send_changes_only_its_own_contribution(make_cluster) ->
     )
     total = sum(len(c.layout.buckets[b].chunks) for b in range(len(c.layout)) if c.published(b) is not None)
     assert counted <= 2 and total > 0, (counted, ids)  # at most its first chunk to each surviving owner
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.accepted: list = []
+
+    def handle_contribution(self, c) -> None:
+        self.accepted.append(c)
+
+    def handle_pull_mean(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no pulls in this test")
+
+    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no pulls in this test")
+
+
+def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
+    from dtrain.protocol import Contribution
+
+    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), report_wait_s=0.3)
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    rec = _Recorder()
+    addr_b = b.start(rec)
+    addr_a = a.start(_Recorder())
+    try:
+        plan = RoundPlan(
+            round=4,
+            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+            reduce_timeout_s=5,
+            broadcast_timeout_s=5,
+            datagram_key=os.urandom(32),
+        )
+        a.begin_round(plan, [], "site-a")
+        cs = [
+            Contribution(
+                round=4, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=bytes([i]) * 4
+            )
+            for i in range(5)
+        ]
+        assert a.push(addr_b, cs, timeout_s=5) == 5  # no report yet: the sender cannot tell
+        assert rec.accepted == []
+        b.begin_round(plan, [], "site-b")  # the plan arrives: the held datagrams are opened
+        deadline = time.monotonic() + 5
+        while len(rec.accepted) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.accepted == cs
+        assert b.counters()["dropped_unknown_round"] >= 5
+    finally:
+        a.stop(0)
+        b.stop(0)
