@@ -331,7 +331,10 @@ class DatagramTransport(Transport):
                 self._send_socks[key] = s
             return s
 
-    def _send(self, rs: RoundState, dest: int, sock: socket.socket, data: bytes, deadline: float) -> bool:
+    def _send(
+        self, rs: RoundState, dest: int, sock: socket.socket, data: bytes, deadline: float, *, contribution: bool
+    ) -> bool:
+        """Paced send of one datagram; ``contribution`` ones count in what the REPORT is compared with."""
         if not self._pacer.wait(len(data), deadline):
             return False
         try:
@@ -342,12 +345,13 @@ class DatagramTransport(Transport):
             if e.errno in (errno.ENOBUFS, errno.EAGAIN):
                 return False  # a local drop: counted as sent, lost like on the wire
             raise PeerUnavailable(f"datagram to {rs.site_ids[dest]} failed: {e}") from e
-        now = time.monotonic()
-        with rs.lock:
-            st = rs.sent.setdefault(dest, [0, 0, now, now])
-            st[0] += 1
-            st[1] += len(data)
-            st[3] = now
+        if contribution:  # the REPORT counts contribution datagrams only
+            now = time.monotonic()
+            with rs.lock:
+                st = rs.sent.setdefault(dest, [0, 0, now, now])
+                st[0] += 1
+                st[1] += len(data)
+                st[3] = now
         self._count(wire_sent=len(data), datagrams_sent=1)
         return True
 
@@ -387,7 +391,7 @@ class DatagramTransport(Transport):
                 numel=c.numel,
                 codec=codec_id(c.codec),
             ):
-                if not self._send(rs, dest, sock, data, deadline):
+                if not self._send(rs, dest, sock, data, deadline, contribution=True):
                     raise PeerTimeout(f"push to {address}: the paced send would end past the deadline")
             self._count(sent=len(c.payload))
             num += 1
@@ -632,7 +636,7 @@ class DatagramTransport(Transport):
                     self._count(sent=len(m.chunks[c].payload))
                 for data in datagrams:
                     try:
-                        if not self._send(rs, d, socks[d], data, rs.broadcast_until):
+                        if not self._send(rs, d, socks[d], data, rs.broadcast_until, contribution=False):
                             log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
                             return
                     except PeerUnavailable as e:

@@ -140,6 +140,11 @@ def test_lossy_round_mean_is_unbiased_and_replicas_agree(make_cluster, drop: flo
         assert r.included_fraction < 1.0 and r.applied_buckets == len(c.layout)
     dropped = sum(e.transport.counters()["test_dropped"] for e in c.engines)
     assert dropped > 0
+    # the owners' REPORTs (the rate controller's input) see the configured loss, mean datagrams apart
+    for e in c.engines:
+        rs = e.transport._round(0)
+        for dest, rep in rs.reports.items():
+            assert abs(rep[0] / rs.sent[dest][0] - (1 - drop)) < 0.12, (e.site_id, dest, rep, rs.sent[dest])
     assert all(r.total_s < c.plan.broadcast_timeout_s + 1.0 for r in results)
 
 
