@@ -393,11 +393,15 @@ class RoundEngine:
                 chunks = []
                 use_bres = self.config.broadcast_error_feedback and not self.bcodec.lossless
                 bres = self._bres.get(b) if use_bres else None
-                for c, mean, senders in means:
+                src = torch.empty(bucket.numel, dtype=torch.float32)
+                for c, mean, _ in means:
                     off, n = bucket.chunks[c]
-                    if bres is not None:
-                        mean = mean + bres[off : off + n]
-                    payload = self.bcodec.encode(mean, generator=self._gen)
+                    src[off : off + n] = mean if bres is None else mean + bres[off : off + n]
+                # one encoding pass per bucket (many small chunks on the datagram path)
+                payloads = self.bcodec.encode_chunks(src, bucket.chunks, generator=self._gen)
+                for (c, _, senders), payload in zip(means, payloads):
+                    off, n = bucket.chunks[c]
+                    mean = src[off : off + n]
                     dec = self.bcodec.decode(payload, numel=n)
                     if use_bres:
                         if bres is None:
@@ -488,11 +492,13 @@ class RoundEngine:
                     v = self.state.residuals[b]
                     if v is None:
                         continue
-                    for c, (off, n) in enumerate(layout.buckets[b].chunks):
-                        t = time.perf_counter()
-                        payload = self.codec.encode(v[off : off + n], generator=self._gen)
+                    t = time.perf_counter()
+                    # one pass per bucket (many small chunks on the datagram path)
+                    encoded = self.codec.encode_chunks(v, layout.buckets[b].chunks, generator=self._gen)
+                    with enc_lock:
+                        res.encode_s += time.perf_counter() - t
+                    for c, ((off, n), payload) in enumerate(zip(layout.buckets[b].chunks, encoded)):
                         with enc_lock:
-                            res.encode_s += time.perf_counter() - t
                             res.encoded_bytes += len(payload)
                             res.encoded_fp32_bytes += 4 * n
                             if not self.codec.lossless:
