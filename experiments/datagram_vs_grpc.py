@@ -50,6 +50,7 @@ from experiments.common import (  # noqa: E402
     mode_settings,
     out_prefix,
     publish,
+    read_rows,
     run_or_load,
     save_fig,
     subplots,
@@ -296,17 +297,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one data path's run, seconds")
+    ap.add_argument(
+        "--paths",
+        help="comma-separated data paths to run (labels, e.g. 'datagram'); the other paths' rows are kept "
+        "from this mode's existing CSV files",
+    )
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
     prefix = out_prefix(args, "datagram_vs_grpc")
 
+    chosen = PATHS
+    if args.paths:
+        want = [x.strip() for x in args.paths.split(",")]
+        chosen = tuple(p for p in PATHS if p[0] in want)
+        if len(chosen) != len(want):
+            raise SystemExit(f"--paths must name some of {[p[0] for p in PATHS]}, got {args.paths!r}")
+
+    def kept() -> list[RunResult]:
+        """Rows of the paths not rerun, from the existing CSV files (their per-round rows with the first)."""
+        csv, rounds_csv = prefix.with_suffix(".csv"), prefix.with_name(prefix.name + "_rounds.csv")
+        if chosen == PATHS or not csv.exists():
+            return []
+        names = {p[0] for p in chosen}
+        rows = [r for r in read_rows(csv) if r["path"] not in names]
+        rounds = [x for x in read_rows(rounds_csv) if not any(x["config"].startswith(n + ",") for n in names)]
+        return [RunResult(row=r, rounds=rounds if i == 0 else []) for i, r in enumerate(rows)]
+
     def runner() -> list[RunResult]:
-        out: list[RunResult] = []
+        out: list[RunResult] = kept()
         with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc") as topo:
             for seed in m["seeds"]:
-                for path in PATHS:
+                for path in chosen:
                     t = time.monotonic()
                     res = run_path(topo, m, path, seed, args.timeout_s)
                     out += res

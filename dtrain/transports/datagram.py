@@ -43,6 +43,7 @@ import queue
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,11 @@ class DatagramTransportConfig:
         test_drop: test-only probability in [0, 1) that a received datagram of a
             data kind (CONTRIB, MEAN, MEAN_META) is discarded before it is opened.
         test_drop_seed: seed of ``test_drop``.
+        switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
+            is longer (None: left alone). The receive thread needs the GIL within a
+            datagram's time; CPython's default 5 ms hand-over let the engine's threads
+            starve it (3 sites x 4 M int8 parameters in one process on loopback: 7.1 s a
+            round with 1408 chunks lost at the socket and re-sent; 4.1 s and none at 0.5 ms).
     """
 
     grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
@@ -126,6 +132,7 @@ class DatagramTransportConfig:
     max_pending_datagrams: int = 4096
     test_drop: float = 0.0
     test_drop_seed: int = 0
+    switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         if not 0 <= self.run_id < 1 << 32:
@@ -199,6 +206,8 @@ class DatagramTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
     def start(self, handler: PeerHandler) -> str:
         self._handler = handler
+        if self.config.switch_interval_s is not None and sys.getswitchinterval() > self.config.switch_interval_s:
+            sys.setswitchinterval(self.config.switch_interval_s)
         address = self._grpc.start(handler)
         host, port = address.rsplit(":", 1)
         sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_DGRAM)
