@@ -54,8 +54,9 @@ def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Rando
 
 @pytest.mark.parametrize("capacity_mbit,loss", [(80.0, 0.0), (80.0, 0.05), (30.0, 0.1)])
 def test_rate_converges_to_the_bottleneck_and_stays_under_the_ceiling(capacity_mbit: float, loss: float) -> None:
+    """A 256-datagram tail-drop queue hardly stretches the receive window: the loss signal finds it."""
     rng = random.Random(1)
-    rc = RateController(max_rate_mbit=200.0, initial_rate_mbit=200.0)
+    rc = RateController(max_rate_mbit=200.0, initial_rate_mbit=200.0, loss_signal=True)
     rates = []
     for _ in range(20):
         rate, why = rc.decide([_link(rc.rate_mbit, capacity_mbit, loss, rng)])
@@ -72,6 +73,40 @@ def test_random_loss_without_a_bottleneck_keeps_the_ceiling(loss: float) -> None
     for _ in range(15):
         rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
     assert rc.rate_mbit == 100.0
+
+
+def test_rising_random_loss_is_not_congestion_by_default() -> None:
+    rng = random.Random(3)
+    rc = RateController(max_rate_mbit=100.0)
+    for loss in (0.01, 0.05, 0.1, 0.2, 0.2):
+        rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
+    assert rc.rate_mbit == 100.0
+    rc = RateController(max_rate_mbit=100.0, loss_signal=True)
+    for loss in (0.01, 0.05, 0.1):
+        rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
+    assert rc.rate_mbit < 100.0  # the opt-in loss signal reads the rise as a bottleneck
+
+
+def test_a_deep_queue_is_found_from_the_receive_window() -> None:
+    """A queue deep enough to hold what exceeds the capacity stretches the receive window."""
+    rc = RateController(max_rate_mbit=200.0)
+    for _ in range(12):
+        n, size = 4000, 1400
+        send_s = n * size * 8 / 1e6 / rc.rate_mbit
+        recv_s = max(send_s, n * size * 8 / 1e6 / 60.0)  # 60 Mbit/s, nothing dropped
+        rc.decide(
+            [
+                ReceiverReport(
+                    sent_datagrams=n,
+                    sent_bytes=n * size,
+                    send_s=send_s,
+                    received_datagrams=n,
+                    received_bytes=n * size,
+                    recv_s=recv_s,
+                )
+            ]
+        )
+    assert 0.85 * 60 <= rc.rate_mbit <= 1.2 * 60  # detection starts at (1 + queue_tolerance) x capacity
 
 
 def test_no_report_keeps_the_rate() -> None:
