@@ -341,6 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out
 
     rows, _, meta = run_or_load(args, argv, "datagram_vs_grpc.py", prefix, runner)
+    kept_note = (
+        f" Only {', '.join(p[0] for p in chosen)} ran in this command; the other rows are kept from an earlier run"
+        " of this mode (the CSV's `wall_s` and `rounds_done` are theirs)."
+        if chosen != PATHS
+        else ""
+    )
     png = plot(rows, prefix)
     body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
 
@@ -348,7 +354,7 @@ Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in n
 {m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), random loss of packets arriving at a
 site; task `{m["task"] or m["size"]}`, H = {m["sync_every"]}, int8; 1 warm-up + {m["measured"]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}`.
-CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 
 {analyse(rows)}
 """
