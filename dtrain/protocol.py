@@ -49,12 +49,17 @@ class RoundPlan:
             finalize their buckets' means over whatever arrived.
         broadcast_timeout_s: seconds after receiving the plan by which every site
             stops waiting for means; a bucket whose mean did not arrive is stale.
+        datagram_key: 32 random bytes the rendezvous draws for this round: the
+            AEAD key of the datagram data path (``dtrain.transports.datagram``), so it
+            only ever travels over the authenticated control plane. Empty when the
+            plan was made without one. Kept out of ``repr`` (plans are logged).
     """
 
     round: int
     members: tuple[Member, ...]
     reduce_timeout_s: float
     broadcast_timeout_s: float
+    datagram_key: bytes = field(default=b"", repr=False)
 
     @property
     def site_ids(self) -> tuple[str, ...]:

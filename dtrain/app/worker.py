@@ -112,7 +112,13 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
     from dtrain.transports.grpc import GrpcTransport
 
     tcfg = cfg.net.transport_config()
-    return GrpcTransport(tcfg), GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
+    if cfg.net.data_path == "datagram":
+        from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+
+        transport = DatagramTransport(DatagramTransportConfig(grpc=tcfg, max_rate_mbit=cfg.net.max_rate_mbit))
+    else:
+        transport = GrpcTransport(tcfg)
+    return transport, GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
 
 
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:
@@ -255,6 +261,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         res = outcome.result
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
+        # the datagram path's wire bytes, NACKs, drops (cumulative)
+        counters = getattr(diloco.engine.transport, "counters", None)
         line = RoundLine(
             site=cfg.site_id,
             round=(res.round if res else diloco.round - 1),
@@ -271,6 +279,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             time=time.time(),
             checksum=theta_checksum(diloco),
             outer_checksum=outer_state_checksum(diloco),
+            datagram=counters() if res is not None and counters is not None else None,
             **(engine_fields(res) if res is not None else {}),
         )
         totals.add(line)

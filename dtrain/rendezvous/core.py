@@ -18,6 +18,7 @@ site asks for.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -462,6 +463,7 @@ class RendezvousCore:
             members=tuple(Member(site_id=s, address=self.sites[s].address) for s in members),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
+            datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
         )
         self.plans[plan.round] = plan
         self._plan_members[plan.round] = frozenset(members)

@@ -105,6 +105,7 @@ def plan_to_proto(plan: RoundPlan) -> pb.RoundPlan:
         members=_members_to_proto(plan.members),
         reduce_timeout_s=plan.reduce_timeout_s,
         broadcast_timeout_s=plan.broadcast_timeout_s,
+        datagram_key=plan.datagram_key,
     )
 
 
@@ -114,6 +115,7 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
         members=_members_from_proto(m.members),
         reduce_timeout_s=m.reduce_timeout_s,
         broadcast_timeout_s=m.broadcast_timeout_s,
+        datagram_key=m.datagram_key,
     )
 
 

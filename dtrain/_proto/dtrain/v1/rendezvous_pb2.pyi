@@ -15,16 +15,18 @@ class Member(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s")
+    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DATAGRAM_KEY_FIELD_NUMBER: _ClassVar[int]
     round: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     reduce_timeout_s: float
     broadcast_timeout_s: float
-    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ...) -> None: ...
+    datagram_key: bytes
+    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("site_id", "address")
