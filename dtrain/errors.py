@@ -21,6 +21,7 @@ __all__ = [
     "MissedRound",
     "StateTransferError",
     "CheckpointError",
+    "SiteGroupError",
 ]
 
 
@@ -119,3 +120,8 @@ class StateTransferError(DtrainError):
 
 class CheckpointError(DtrainError):
     """A checkpoint is corrupt or does not match the model/config; nothing was loaded."""
+
+
+class SiteGroupError(DtrainError):
+    """A site group cannot take part: its sites disagree on the number of ranks per
+    site, or a collective inside the site failed (a rank died)."""

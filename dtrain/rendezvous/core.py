@@ -102,6 +102,7 @@ class SiteRecord:
     site_id: str
     address: str
     joined_at: float
+    rank_addresses: tuple[str, ...] = ()
     last_heartbeat: float
     needs_resync: bool = False
     resync_reason: str = ""
@@ -242,7 +243,7 @@ class RendezvousCore:
             s for s, r in self.sites.items() if r.alive(now, self.config.heartbeat_timeout_s) and not r.needs_resync
         }
 
-    def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
+    def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is not None:
@@ -252,6 +253,7 @@ class RendezvousCore:
             self.sites[site_id] = SiteRecord(
                 site_id=site_id,
                 address=address,
+                rank_addresses=tuple(rank_addresses),
                 joined_at=now,
                 last_heartbeat=now,
                 rounds_joined=prev.rounds_joined if prev else 0,
@@ -263,7 +265,7 @@ class RendezvousCore:
             if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
                 self._startup_complete_at = now
             others = tuple(
-                Member(site_id=s, address=r.address)
+                Member(site_id=s, address=r.address, rank_addresses=r.rank_addresses)
                 for s, r in sorted(self.sites.items())
                 if s != site_id and s in self._live(now)
             )
@@ -412,7 +414,10 @@ class RendezvousCore:
             return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
         plan = RoundPlan(
             round=self.next_round,
-            members=tuple(Member(site_id=s, address=self.sites[s].address) for s in members),
+            members=tuple(
+                Member(site_id=s, address=self.sites[s].address, rank_addresses=self.sites[s].rank_addresses)
+                for s in members
+            ),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
         )
@@ -496,9 +501,9 @@ class InprocRendezvousClient:
 
             raise RendezvousError("rendezvous unreachable (inproc down)")
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         self._check()
-        return self.core.join(site_id, address, now=time.monotonic())
+        return self.core.join(site_id, address, now=time.monotonic(), rank_addresses=rank_addresses)
 
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
