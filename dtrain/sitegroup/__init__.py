@@ -6,7 +6,7 @@ replicated tensors); ``agree``: the half-round rule and each rank's plan;
 """
 
 from dtrain.sitegroup.agree import RankView, combine_checksums, decide_agreement, rank_donors, rank_plan
-from dtrain.sitegroup.diloco import SiteGroupDiLoCo, SiteSyncOutcome, slice_checksum
+from dtrain.sitegroup.diloco import SiteGroupDiLoCo, SiteSyncOutcome, diloco_numel, slice_checksum
 from dtrain.sitegroup.slices import SliceMap, is_sharded, local_part
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "SiteGroupDiLoCo",
     "SiteSyncOutcome",
     "slice_checksum",
+    "diloco_numel",
     "SliceMap",
     "is_sharded",
     "local_part",

@@ -42,7 +42,7 @@ from dtrain.sitegroup.slices import SliceMap
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state
 from dtrain.transports.base import Transport
 
-__all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "slice_checksum"]
+__all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "slice_checksum", "diloco_numel"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,22 @@ log = logging.getLogger(__name__)
 def slice_checksum(state: GlobalState) -> str:
     """One digest over a rank's bucket checksums (its slice's θ)."""
     return combine_checksums(state.checksums())
+
+
+def diloco_numel(state: GlobalState) -> dict[str, int]:
+    """Elements a process holds for DiLoCo: θ, outer-optimizer state tensors and
+    residuals (fp32 each, so bytes = 4 x ``total``).
+
+    Returns:
+        ``{"theta", "outer", "residual", "total"}`` element counts.
+    """
+    theta = sum(t.numel() for t in state.theta)
+    outer = 0
+    for opt in state.optimizers:
+        for st in opt.state.values():
+            outer += sum(v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    resid = sum(r.numel() for r in state.residuals if r is not None)
+    return {"theta": theta, "outer": outer, "residual": resid, "total": theta + outer + resid}
 
 
 @dataclass(kw_only=True)
@@ -327,15 +343,8 @@ class SiteGroupDiLoCo:
 
     # ------------------------------------------------------------------ state
     def diloco_numel(self) -> dict[str, int]:
-        """Elements this rank holds for DiLoCo: θ, outer-optimizer state tensors and
-        residuals (fp32 each); the figure that shrinks as 1/K."""
-        theta = sum(t.numel() for t in self.state.theta)
-        outer = 0
-        for opt in self.state.optimizers:
-            for st in opt.state.values():
-                outer += sum(v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
-        resid = sum(r.numel() for r in self.state.residuals if r is not None)
-        return {"theta": theta, "outer": outer, "residual": resid, "total": theta + outer + resid}
+        """This rank's DiLoCo elements (see :func:`diloco_numel`): ~1/K of a 1-rank site's."""
+        return diloco_numel(self.state)
 
     def close(self) -> None:
         """Leave the group (rank 0) and stop serving peers (every rank)."""

@@ -33,9 +33,9 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
 
-def batch(site_index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(site_index: int, step: int, rows: int = GLOBAL_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * site_index + step)
-    x = torch.randn(GLOBAL_ROWS, IN_FEATURES, generator=g)
+    x = torch.randn(rows, IN_FEATURES, generator=g)
     y = torch.sin(x[:, :1] * 2.0) + 0.5 * x[:, 1:2]
     return x, y
 
@@ -122,6 +122,13 @@ def main() -> None:
         )
     )
     memory = d.diloco_numel()  # before the first round: no residuals yet
+    eval_x, eval_y = batch(99, 0, rows=256)  # held out, the same at every site and rank
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(wrapped(eval_x), eval_y))
+
+    eval_before = eval_loss()
     losses = []
     rows = GLOBAL_ROWS // num_ranks
     for k in range(args.steps):
@@ -135,11 +142,13 @@ def main() -> None:
         opt.step()  # hooked: every sync_every steps a round runs on every rank
         opt.zero_grad()
     memory_after = d.diloco_numel()
+    eval_after = eval_loss()
     params = full_params(model)
     d.close()
     stem = Path(args.out) / f"{site_id}-rank{rank}"
     torch.save(params, f"{stem}.pt")
     summary = {"rank": rank, "num_ranks": num_ranks, "rounds": rounds, "losses": losses}
+    summary.update(eval_before=eval_before, eval_after=eval_after)
     summary.update(
         memory=memory, memory_after=memory_after, model_numel=sum(p.numel() for p in make_model().parameters())
     )

@@ -46,7 +46,15 @@ def _site_procs(site_index: int, num_ranks: int, rdv: str, out: Path, extra: lis
     return procs
 
 
-def run_sites(tmp: Path, *, num_sites: int, num_ranks: int, extra: list[str], timeout_s: float = 90.0) -> dict:
+def run_sites(
+    tmp: Path,
+    *,
+    num_sites: int,
+    num_ranks: int,
+    extra: list[str],
+    site_extra: dict[int, list[str]] | None = None,
+    timeout_s: float = 90.0,
+) -> dict:
     """Run ``num_sites`` site groups of ``num_ranks`` ranks; returns {(site, rank): (summary, params)}."""
     core = RendezvousCore(
         fast_rendezvous_config(
@@ -57,7 +65,7 @@ def run_sites(tmp: Path, *, num_sites: int, num_ranks: int, extra: list[str], ti
     procs = []
     try:
         for i in range(num_sites):
-            procs += _site_procs(i, num_ranks, server.address, tmp, extra)
+            procs += _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []))
         for p in procs:
             p.wait(timeout=timeout_s)
     finally:
@@ -118,3 +126,53 @@ def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites(tmp_path):
     # inner step), carried through 20 SGD steps and 4 outer Nesterov steps.
     torch.testing.assert_close(res[0, 0][1], ref[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(res[0, 0][1], task.full_params(task.make_model()))  # it trained
+
+
+def one_rank_diloco_numel(*, steps: int, sync_every: int) -> int:
+    """θ + outer state + residual elements of a plain 1-process DiLoCo site after its rounds."""
+    from dtrain.diloco import DiLoCo, DiLoCoConfig
+    from dtrain.sitegroup import diloco_numel
+
+    model = task.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with DiLoCo(model, opt, config=DiLoCoConfig(sync_every=sync_every)) as d:
+        for k in range(steps):
+            x, y = task.batch(0, k)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return diloco_numel(d.state)["total"]
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_sites_shard_the_outer_state_and_a_rank_that_missed_the_plan_skips_the_whole_round(tmp_path):
+    steps, h, skipped = 25, 5, 2
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "fsdp", "--steps", str(steps), "--lr", "0.1"],
+        site_extra={1: ["--skip-view-round", str(skipped)]},
+    )
+    statuses = {key: [o["status"] for o in s["rounds"]] for key, (s, _) in res.items()}
+    assert statuses[0, 0] == statuses[0, 1] == ["applied"] * (steps // h)
+    # half-round rule: rank 1 of site-1 missed round 2's plan, so neither rank of site-1 ran it
+    expect = ["applied"] * (steps // h)
+    expect[skipped] = "skipped"
+    assert statuses[1, 0] == statuses[1, 1] == expect, res[1, 0][0]["rounds"][skipped]["reason"]
+    assert "rank 1 holds decision 'wait'" in res[1, 0][0]["rounds"][skipped]["reason"]
+    for r in (0, 1):  # ... and resynchronised: every slice equals site-0's after every round
+        assert [o["slice_checksum"] for o in res[0, r][0]["rounds"]] == [
+            o["slice_checksum"] for o in res[1, r][0]["rounds"]
+        ]
+    assert len({s["rounds"][-1]["site_checksum"] for s, _ in res.values()}) == 1
+    for key in res:
+        assert torch.equal(res[key][1], res[0, 0][1]), key  # full parameters equal everywhere
+    s00 = res[0, 0][0]
+    assert s00["eval_after"] < 0.7 * s00["eval_before"], (s00["eval_before"], s00["eval_after"])  # held-out loss fell
+    # memory: θ + outer momentum + residual elements per rank, against a 1-rank site
+    one = one_rank_diloco_numel(steps=h, sync_every=h)
+    per_rank = [res[0, r][0]["memory_after"]["total"] for r in (0, 1)]
+    assert one == 3 * res[0, 0][0]["model_numel"]
+    assert sum(per_rank) == one
+    assert max(per_rank) <= 0.6 * one, (per_rank, one)  # uneven FSDP shards: 177 and 144 of 321 elements
