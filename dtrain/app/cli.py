@@ -296,6 +296,15 @@ def _parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[s
 
     la = sub.add_parser("launch", help="start a rendezvous and N workers on this machine")
     la.add_argument("--sites", type=int, default=3, help="number of sites (workers)")
+    la.add_argument(
+        "--ranks-per-site",
+        type=int,
+        default=1,
+        help="K > 1: each site is one torchrun group of K ranks (DDP or FSDP2 by --parallel; default 1)",
+    )
+    la.add_argument(
+        "--max-restarts", type=int, default=0, help="with --ranks-per-site > 1: torchrun restarts of a site's group"
+    )
     la.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     la.add_argument("--netem", default=None, help="run each site in its own network namespace with this link profile")
     la.add_argument("--no-progress", action="store_true", help="no live progress bar")

@@ -220,6 +220,17 @@ def _status_page_bind(ns, parse_host_port, usage_error) -> str | None:
     return bind
 
 
+def _site_group_argv(ns, argv: list[str]) -> list[str]:
+    """With ``--ranks-per-site K > 1``: the worker command as one torchrun group of K
+    ranks (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
+    k = getattr(ns, "ranks_per_site", 1)
+    if k <= 1:
+        return argv
+    from dtrain.app.site_worker import free_port, torchrun_argv
+
+    return torchrun_argv(argv, num_ranks=k, master_port=free_port(), max_restarts=getattr(ns, "max_restarts", 0))
+
+
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     from tqdm import tqdm
 
@@ -230,6 +241,11 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     n = ns.sites
     if not isinstance(n, int) or not 1 <= n <= 64:
         raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
+    k = getattr(ns, "ranks_per_site", 1)
+    if not isinstance(k, int) or not 1 <= k <= 64:
+        raise UsageError(f"ranks_per_site must be an int in [1, 64], got {k!r}")
+    if not isinstance(getattr(ns, "max_restarts", 0), int) or getattr(ns, "max_restarts", 0) < 0:
+        raise UsageError(f"max_restarts must be an int >= 0, got {ns.max_restarts!r}")
     run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     # Validate every setting up front (same rules as the worker and rendezvous),
     # before anything is created or started.
@@ -353,6 +369,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             for k in worker_names:
                 if hasattr(ns, k):
                     argv += _flag(k, getattr(ns, k))
+            argv = _site_group_argv(ns, argv)
             logs[site] = sdir / "worker.log"
             procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
             views[site] = _SiteView(site, sdir / "metrics.jsonl")

@@ -67,6 +67,8 @@ class WorkerConfig:
         linger_s: seconds to keep serving after the last round (peers may still pull).
         inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
             a slower site in fault tests and experiments.
+        parallel: how the ranks of a site group (``torchrun --nproc-per-node K``,
+            K > 1) train: ``ddp`` or ``fsdp`` (FSDP2); a single process ignores it.
     """
 
     site_id: str = "site-0"
@@ -106,6 +108,7 @@ class WorkerConfig:
     max_norm: float | None = None
     linger_s: float = 3.0
     inner_step_sleep_s: float = 0.0
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
@@ -131,6 +134,7 @@ class WorkerConfig:
         need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
         need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
         need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
+        need(self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
         for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
             v = getattr(self, name)
             host, _, port = str(v).rpartition(":")
@@ -269,6 +273,10 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         CheckpointError: ``resume`` with a corrupt or mismatched checkpoint.
         QuorumTimeout: no round could form within ``quorum_wait_s``.
     """
+    from dtrain.app.site_worker import in_site_group, run_site_worker
+
+    if in_site_group():  # one rank of a site group under torchrun
+        return run_site_worker(cfg, parallel=cfg.parallel, stop_event=stop_event)
     torch.set_num_threads(cfg.threads)
     stop = stop_event or threading.Event()
     out = Path(cfg.out_dir)
