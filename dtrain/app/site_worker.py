@@ -34,7 +34,15 @@ from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
-__all__ = ["PARALLEL_MODES", "in_site_group", "wrap_model", "run_site_worker", "torchrun_argv", "free_port"]
+__all__ = [
+    "PARALLEL_MODES",
+    "in_site_group",
+    "init_site_process_group",
+    "wrap_model",
+    "run_site_worker",
+    "torchrun_argv",
+    "free_port",
+]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +132,30 @@ def wrap_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, paralle
     return model, _rebuilt_optimizer(optimizer, old_names, model)
 
 
+def init_site_process_group(*, timeout_s: float) -> None:
+    """Join the site's gloo process group from torchrun's environment.
+
+    Under a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) the ranks meet
+    under a store prefix of their own attempt: with torchrun's static rendezvous
+    (``--master-addr/--master-port``) the restarted ranks otherwise read the dead
+    attempt's gloo addresses from the same store and fail in ``connectFullMesh``
+    (Connection refused; reproduced with torch 2.13, see docs/DECISIONS.md).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"dtrain/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
 def _outer_factory(cfg):
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
@@ -150,7 +182,7 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
     if cfg.resume or cfg.checkpoint_every:
         raise ValueError("resume/checkpoint_every: checkpoints are not supported with --ranks-per-site > 1 yet")
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, cfg.quorum_wait_s)))
+    init_site_process_group(timeout_s=max(60.0, cfg.quorum_wait_s))
     rank, k = dist.get_rank(), dist.get_world_size()
     host, _, port = cfg.listen.rpartition(":")
     cfg = dataclasses.replace(cfg, listen=f"{host}:{int(port) + rank if int(port) else 0}")
@@ -215,6 +247,8 @@ def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dic
             line[key] = sum(int(r[key]) for r in results if r is not None)
         line["rank_bytes_sent"] = [int(r["bytes_sent"]) if r else 0 for r in results]
         line["rank_bytes_received"] = [int(r["bytes_received"]) if r else 0 for r in results]
+        for key in ("reduce_arrived_fraction", "broadcast_arrived_fraction"):
+            line[f"rank_{key}"] = [float(r[key]) if r else 0.0 for r in results]
     return line
 
 

@@ -83,9 +83,10 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
         summ = json.loads((tmp_path / s / "summary.json").read_text())
         assert summ["ranks"] == 2 and summ["parallel"] == "fsdp" and summ["rounds"] == rounds
         assert summ["final_val_loss"] < summ["first_val_loss"] - 0.5
-        assert sum(summ["diloco_numel_per_rank"]) == 3 * json.loads(
-            (tmp_path / s / "metrics.jsonl").read_text().splitlines()[0]
-        )["params"]
+        assert (
+            sum(summ["diloco_numel_per_rank"])
+            == 3 * json.loads((tmp_path / s / "metrics.jsonl").read_text().splitlines()[0])["params"]
+        )
         lines = _lines(tmp_path, s)[1:]
         assert [d["round"] for d in lines] == list(range(rounds))
         for d in lines:
@@ -95,3 +96,35 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
     per_round = zip(*(_lines(tmp_path, s)[1:] for s in SITES))
     for a, b in per_round:
         assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_with_equal_state(tmp_path: Path) -> None:
+    # ~1.5 s per round; the group's restart (torch import, task build) takes 13-20 s on 2 busy cores
+    rounds, killed_round, broadcast_timeout_s = 18, 2, 6.0
+    args = [*BASE, "--parallel", "ddp", "--rounds", str(rounds), "--max-restarts", "1"]
+    args += ["--inner-step-sleep-s", "0.3", "--bucket-bytes", "65536", "--chunk-bytes", "16384"]
+    args += ["--heartbeat-timeout-s", "3", "--reduce-timeout-s", "3", "--broadcast-timeout-s", str(broadcast_timeout_s)]
+    fault = f"site-1/1:mid_push:{killed_round}:kill"  # rank 1 of site-1, after its first chunk to site-0
+    rc, out, err = _launch(args, tmp_path, 200, DTRAIN_TEST_FAULT=fault)
+    logs = (tmp_path / "site-1" / "worker.log").read_text()
+    assert "test fault injection: kill at mid_push of round 2" in logs
+    assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
+    site0 = _lines(tmp_path, "site-0")[1:]
+    assert [d["round"] for d in site0] == list(range(rounds))
+    assert all(d["status"] == "applied" for d in site0)
+    hit = site0[killed_round]
+    # site-0 finished the round by its deadlines without the dead rank's slice contributions
+    assert hit["members"] == SITES and hit["sync_s"] < broadcast_timeout_s + 10.0, hit
+    assert hit["rank_reduce_arrived_fraction"][1] < 1.0 or hit["rank_broadcast_arrived_fraction"][1] < 1.0, hit
+    # site-1's group was restarted (a second start line), pulled its slices and rejoined
+    site1 = _lines(tmp_path, "site-1")
+    starts = [i for i, d in enumerate(site1) if d["event"] == "start"]
+    assert len(starts) == 2, [d["event"] for d in site1]
+    assert site1[starts[1]]["round"] > killed_round  # it joined at a later round, with pulled state
+    back = [d for d in site1[starts[1] + 1 :] if d["status"] == "applied" and d["members"] == SITES]
+    assert len(back) >= 3, site1[starts[1] :]
+    by_round = {d["round"]: d for d in site0}
+    for d in back:
+        assert d["checksum"] == by_round[d["round"]]["checksum"], (d["round"], d, by_round[d["round"]])
+        assert d["slice_checksums"] == by_round[d["round"]]["slice_checksums"]
