@@ -25,6 +25,7 @@ from the same rank of another site on join.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -149,6 +150,10 @@ class SiteGroupDiLoCo:
         # Test-only fault injection: view_hook(view) -> view, applied to this rank's
         # RankView before the ranks compare them (e.g. to make a rank miss the plan).
         self.view_hook: Callable[[RankView], RankView] | None = None
+        # Process CPU seconds (all threads) of the last sync's steps: gather (Δ + residual),
+        # round (engine: encode, push, reduce, outer step, decode), scatter (θ into the
+        # model), allgather (replicated parts inside the site), checksum.
+        self.last_cpu_s: dict[str, float] = {}
         self._closed = False
         self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if config.hook_optimizer else None
@@ -227,11 +232,13 @@ class SiteGroupDiLoCo:
                 raise StateTransferError(f"{self.config.site_id}: slices could not be aligned: {errs[0]}")
         raise SiteGroupError(f"{self.config.site_id}: slices still at different rounds after {max_tries} pulls")
 
-    def _publish(self) -> SiteSyncOutcome:
+    def _publish(self) -> None:
         """Reset this rank's slice of the model to θ, all-gather the replicated parts."""
+        t0 = time.process_time()
         self.state.copy_to(self.local)
+        t1 = time.process_time()
         self.slices.sync_replicas(self.pg)
-        return SiteSyncOutcome(status="", reason="")
+        self.last_cpu_s.update(scatter=t1 - t0, allgather=time.process_time() - t1)
 
     def _resync(self, min_round: int) -> str | None:
         """Every rank pulls its slice from the same rank of the members (rank 0
@@ -298,6 +305,7 @@ class SiteGroupDiLoCo:
         Raises:
             QuorumTimeout: on every rank, when no round formed in time.
         """
+        self.last_cpu_s = {}
         kind, plan, reason = self._broadcast(self._decision())
         if kind == "error":
             raise QuorumTimeout(reason)
@@ -312,7 +320,9 @@ class SiteGroupDiLoCo:
             out = SiteSyncOutcome(status="deferred" if err else "resynced", reason=err or reason)
         if out.status != "deferred":
             self._publish()
+        t0 = time.process_time()
         out.slice_checksums = self._all_gather(slice_checksum(self.state))
+        self.last_cpu_s["checksum"] = time.process_time() - t0
         out.site_checksum = combine_checksums(out.slice_checksums)
         self.last_outcome = out
         for cb in self.on_round:
@@ -337,8 +347,11 @@ class SiteGroupDiLoCo:
             err = self._resync(min_round=plan.round + 1)
             return SiteSyncOutcome(status="deferred" if err else "skipped", reason=err or why)
         my_plan = rank_plan(plan, self.rank, self.num_ranks)
+        t0 = time.process_time()
         ok = self.engine.add_pseudo_gradient(self.local)
+        t1 = time.process_time()
         res = self.engine.run_round(my_plan, contribute=ok)
+        self.last_cpu_s.update(gather=t1 - t0, round=time.process_time() - t1)
         return SiteSyncOutcome(status="applied", reason=reason, result=res)
 
     # ------------------------------------------------------------------ state
