@@ -5,7 +5,8 @@ thread per rank:
 
 1. **Real runs**: 2 sites x K ranks as processes (gloo inside a site, gRPC
    between sites on 127.0.0.1, one rendezvous), a ~25M-parameter stack of
-   ``nn.Linear`` layers under DDP, one inner step per round. Each rank records
+   ``nn.Linear`` layers under DDP (or FSDP2 with ``--parallel fsdp``: no
+   allgather, each rank holds only its shard), one inner step per round. Each rank records
    the *process CPU seconds* (all its threads: gRPC servers and pools included,
    robust to other load on a shared machine) of each step of every sync:
    gather (Δ + residual), round (engine: encode, push, reduce, outer step,
@@ -71,7 +72,14 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, k = dist.get_rank(), dist.get_world_size()
     model = make_model(args.params)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if k > 1 else model
+    if k > 1 and args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if k > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     cfg = DiLoCoConfig(
         site_id=f"site-{args.site_index}",
@@ -136,7 +144,7 @@ def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
                 cmd = [sys.executable, __file__, "--rank-main", "--site-index", str(site), "--out", str(out)]
                 cmd += ["--rendezvous", server.address, "--params", str(args.params), "--rounds", str(args.rounds)]
-                cmd += ["--codec", args.codec]
+                cmd += ["--codec", args.codec, "--parallel", args.parallel]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for p in procs:
             _, err = p.communicate(timeout=900)
@@ -220,6 +228,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--codec", default="int8")
+    ap.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="inside a site when K > 1")
     ap.add_argument("--quick", action="store_true", help="2M parameters, 3 rounds")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -237,9 +246,12 @@ def main() -> None:
         for k in args.ranks:
             real[k] = summarise(run_sites(k, args, Path(tmp)))
     n = real[args.ranks[0]]["numel"]
-    print(f"## Site group round cost: {n / 1e6:.1f}M parameters, codec {args.codec}, θ on the CPU, 1 thread/rank\n")
+    print(
+        f"## Site group round cost: {n / 1e6:.1f}M parameters, codec {args.codec}, {args.parallel} inside a site, "
+        "θ on the CPU, 1 thread/rank\n"
+    )
     print("### 2 sites x K ranks (processes; process CPU per rank per round, median of rounds 2..)\n")
-    cols = ["K", "ns/param/rank", "total ms", *[f"{s} ms" for s in STEPS], "encode ms", "decode ms"]
+    cols = ["K", "ns/param/rank", "total ms", *[f"{s} ms" for s in STEPS], "encode ms (wall)", "decode ms (wall)"]
     cols += ["sent MB/rank", "recv MB/rank"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
