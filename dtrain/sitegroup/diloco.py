@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.buckets import BucketLayout
-from dtrain.diloco import DiLoCoConfig
+from dtrain.diloco import DiLoCoConfig, InnerStepCounter, sync_tensors
 from dtrain.errors import QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
 from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import JoinInfo, RoundPlan
@@ -90,7 +90,7 @@ class SiteSyncOutcome:
     site_checksum: str = ""
 
 
-class SiteGroupDiLoCo:
+class SiteGroupDiLoCo(InnerStepCounter):
     """DiLoCo around one rank's part of a site's model.
 
     Args:
@@ -129,7 +129,7 @@ class SiteGroupDiLoCo:
         self.pg = process_group
         self.rank = dist.get_rank(process_group)
         self.num_ranks = dist.get_world_size(process_group)
-        tensors, kinds = self._model_tensors()
+        tensors, kinds = sync_tensors(model, config.buffers)
         self.slices = SliceMap(tensors, kinds, self.rank, self.num_ranks)
         self.local, local_kinds = self.slices.local()
         self.layout = BucketLayout([t.numel() for t in self.local], local_kinds, config.buckets)
@@ -168,15 +168,6 @@ class SiteGroupDiLoCo:
         out: list = [None] * self.num_ranks
         dist.all_gather_object(out, obj, group=self.pg)
         return out
-
-    def _model_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
-        tensors = [p for p in self.model.parameters()]
-        kinds = ["param"] * len(tensors)
-        if self.config.buffers == "average":
-            bufs = [b for b in self.model.buffers() if b.is_floating_point()]
-            tensors += bufs
-            kinds += ["buffer"] * len(bufs)
-        return tensors, kinds
 
     # ------------------------------------------------------------------ membership
     def join(self) -> None:
@@ -270,23 +261,6 @@ class SiteGroupDiLoCo:
         return None
 
     # ------------------------------------------------------------------ rounds
-    @property
-    def round(self) -> int:
-        """Rounds applied to θ (= the next round's number)."""
-        return self.state.rounds_applied
-
-    def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self.step()
-
-    def step(self) -> SiteSyncOutcome | None:
-        """Count one inner step; every ``sync_every`` steps run a round (all ranks)."""
-        self.inner_steps += 1
-        if self.group is not None:
-            self.group.inner_step = self.inner_steps
-        if self.inner_steps % self.config.sync_every == 0:
-            return self.sync()
-        return None
-
     def _decision(self) -> tuple[str, RoundPlan | None, str]:
         if self.group is None:
             return "", None, ""
@@ -358,20 +332,3 @@ class SiteGroupDiLoCo:
     def diloco_numel(self) -> dict[str, int]:
         """This rank's DiLoCo elements (see :func:`diloco_numel`): ~1/K of a 1-rank site's."""
         return diloco_numel(self.state)
-
-    def close(self) -> None:
-        """Leave the group (rank 0) and stop serving peers (every rank)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
-        if self.group is not None:
-            self.group.leave()
-        self.engine.stop(0.5)
-
-    def __enter__(self) -> "SiteGroupDiLoCo":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
