@@ -111,3 +111,24 @@ def test_rank_addresses_travel_through_the_rendezvous_and_its_proto():
     assert d.plan is not None
     assert plan_from_proto(plan_to_proto(d.plan)) == d.plan
     assert d.plan.members[1].rank_addresses == ()  # a single-process site's plan is as before
+
+
+def test_torchrun_argv_wraps_a_worker_command():
+    from dtrain.app.site_worker import torchrun_argv
+
+    argv = torchrun_argv(
+        ["py", "-m", "dtrain", "worker", "--site-id", "s"], num_ranks=2, master_port=1234, max_restarts=1
+    )
+    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2" and argv[argv.index("--master-port") + 1] == "1234"
+    assert argv[argv.index("--max-restarts") + 1] == "1"
+    assert argv[-5:] == ["-m", "dtrain", "worker", "--site-id", "s"]
+    with pytest.raises(ValueError, match="worker_argv must start with"):
+        torchrun_argv(["py", "worker.py"], num_ranks=2, master_port=1)
+
+
+def test_worker_config_refuses_an_unknown_parallel_mode():
+    from dtrain.app.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match="parallel must be one of ddp, fsdp, got 'tp'"):
+        WorkerConfig(parallel="tp")
