@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -104,21 +105,45 @@ def partial_mean(
 class ChunkAccumulator:
     """Collects the contributions to one chunk of one bucket for one round.
 
-    Without robust options it keeps a running fp32 sum (memory: one chunk);
-    with them it keeps every contribution until :meth:`finalize`.
+    The sum is taken in a canonical order, whatever order contributions arrive in:
+    sender ids sorted. Without robust options it keeps a running fp32 sum over the
+    contiguous prefix of ``order`` that has arrived, and holds a contribution that
+    arrives ahead of its turn until the senders before it arrive or :meth:`finalize`
+    (memory: one chunk, plus the contributions that arrived out of turn); with them it
+    keeps every contribution until :meth:`finalize`. Either way two owners given the
+    same contributions compute a bit-identical mean.
     Thread-safety: callers hold the owning round's lock.
+
+    Args:
+        numel: elements of the chunk.
+        config: robust options.
+        order: the senders expected (the round's members); None folds nothing before
+            :meth:`finalize` (every contribution is kept until then).
     """
 
-    def __init__(self, numel: int, config: AggregationConfig) -> None:
+    def __init__(self, numel: int, config: AggregationConfig, order: Iterable[str] | None = None) -> None:
         self.numel = numel
         self.config = config
+        self._order = sorted(order) if order is not None else []
+        self._next = 0  # senders self._order[:self._next] are in self._sum
         self._sum: torch.Tensor | None = None
-        self._kept: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, torch.Tensor] = {}  # robust: every contribution; else: arrived out of turn
         self._digests: dict[str, bytes] = {}
 
     @property
     def senders(self) -> tuple[str, ...]:
         return tuple(sorted(self._digests))
+
+    @property
+    def num_held(self) -> int:
+        """Contributions held as tensors: every one with robust options, else those that
+        arrived ahead of their turn in the sum."""
+        return len(self._kept)
+
+    @property
+    def digests(self) -> dict[str, bytes]:
+        """Sender -> digest of the payload counted from it (a copy)."""
+        return dict(self._digests)
 
     def add(self, sender: str, values: torch.Tensor, digest: bytes) -> bool:
         """Add one contribution. Returns False for an identical retry (idempotent).
@@ -148,19 +173,26 @@ class ChunkAccumulator:
                     RejectCode.INVALID_ARGUMENT,
                     f"contribution norm {norm:.4g} exceeds max_norm {self.config.max_norm:.4g}",
                 )
-        if self.config.robust:
-            self._kept[sender] = values
-        elif self._sum is None:
+        self._kept[sender] = values
+        self._digests[sender] = digest
+        if not self.config.robust:
+            while self._next < len(self._order) and self._order[self._next] in self._kept:
+                self._fold(self._kept.pop(self._order[self._next]))
+                self._next += 1
+        return True
+
+    def _fold(self, values: torch.Tensor) -> None:
+        if self._sum is None:
             self._sum = values.clone()
         else:
             self._sum.add_(values)
-        self._digests[sender] = digest
-        return True
 
     def finalize(self) -> tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]:
         """The unbiased partial mean; see :func:`partial_mean` for the result."""
         if self.config.robust:
             return partial_mean(self._kept, self.config)
+        for sender in sorted(self._kept):
+            self._fold(self._kept.pop(sender))
         if self._sum is None:
             return None, (), {}
         senders = self.senders

@@ -8,9 +8,12 @@ construction (see ``dtrain.config``), not one of these.
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
     "DtrainError",
     "CodecError",
+    "DecodeBoundExceeded",
     "TransportError",
     "PeerUnavailable",
     "PeerTimeout",
@@ -38,39 +41,77 @@ class CodecError(DtrainError):
     """
 
 
-class RejectCode:
-    """Status codes used to reject a request. They are the names of
-    ``grpc.StatusCode`` members so the gRPC transport maps them one to one,
-    while the core does not import grpc."""
+class DecodeBoundExceeded(CodecError):
+    """Decoding a payload would produce more bytes than its bound.
 
-    UNAUTHENTICATED = "UNAUTHENTICATED"  # missing or wrong token
-    PERMISSION_DENIED = "PERMISSION_DENIED"  # sender not a member of the round
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # wrong/stale round, bucket not owned here, finalized
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # offsets, lengths, codec, non-finite, norm bound
-    ALREADY_EXISTS = "ALREADY_EXISTS"  # a different payload for a chunk already received
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # oversized message, decompression bomb
-    NOT_FOUND = "NOT_FOUND"  # no mean / state for that round or bucket here
-    UNAVAILABLE = "UNAVAILABLE"  # peer not reachable (the only retried code)
+    Raised before anything is allocated when a header's element count needs a body
+    larger than ``CodecConfig.max_decoded_bytes``, or a zstd frame declares more
+    content than the exact expected body size; and while decompressing when a zstd
+    frame that does not declare its size (a streaming frame) produces more than that
+    size. A sender whose payload raises this is refused with
+    :attr:`RejectCode.RESOURCE_EXHAUSTED` (a decompression bomb); any other
+    :class:`CodecError` is :attr:`RejectCode.INVALID_ARGUMENT`.
+    """
+
+
+class RejectCode(enum.Enum):
+    """Why a request was refused or failed; the names (and values) are those of
+    ``grpc.StatusCode`` members, so the gRPC transport maps them one to one, while
+    the core does not import grpc.
+
+    | code | raised by dtrain when |
+    |---|---|
+    | UNAUTHENTICATED | missing or wrong token (gRPC server) |
+    | PERMISSION_DENIED | sender not a member of the round, or excluded after repeated rejections |
+    | FAILED_PRECONDITION | wrong or stale round, bucket not owned here, bucket already finalized; a rendezvous refusal |
+    | INVALID_ARGUMENT | offsets, lengths, codec, undecodable payload, non-finite values, norm bound, malformed message |
+    | ALREADY_EXISTS | a different payload for a chunk already received from that sender |
+    | RESOURCE_EXHAUSTED | oversized message, decoding past its bound (:class:`DecodeBoundExceeded`) |
+    | NOT_FOUND | no mean or state for that round or bucket here |
+    | UNAVAILABLE | peer not reachable (the only retried code; :class:`PeerUnavailable`) |
+    | DEADLINE_EXCEEDED | no answer before the call's deadline (:class:`PeerTimeout`) |
+    | INTERNAL | a handler raised an unexpected exception; state not serialisable |
+
+    The other members (CANCELLED, UNKNOWN, ...) are never raised by dtrain; they stand
+    for whatever gRPC status a peer or the library answers with.
+    """
+
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    ALL = (
-        UNAUTHENTICATED,
-        PERMISSION_DENIED,
-        FAILED_PRECONDITION,
-        INVALID_ARGUMENT,
-        ALREADY_EXISTS,
-        RESOURCE_EXHAUSTED,
-        NOT_FOUND,
-        UNAVAILABLE,
-        DEADLINE_EXCEEDED,
-    )
+    INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    ABORTED = "ABORTED"
+    DATA_LOSS = "DATA_LOSS"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: "str | RejectCode") -> "RejectCode":
+        """The member named ``name`` (a member is returned as is); unknown names give
+        :attr:`UNKNOWN`, so a peer's odd status never raises here."""
+        if isinstance(name, cls):
+            return name
+        return cls.__members__.get(str(name), cls.UNKNOWN)
 
 
 class TransportError(DtrainError):
     """A request to a peer failed. ``code`` is one of :class:`RejectCode`."""
 
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(f"{code}: {reason}")
-        self.code = code
+    def __init__(self, code: "RejectCode | str", reason: str) -> None:
+        code = RejectCode.parse(code)
+        super().__init__(f"{code.value}: {reason}")
+        self.code: RejectCode = code
         self.reason = reason
 
 

@@ -74,11 +74,15 @@ class SyncOutcome:
     ``"resynced"`` (cut or declared dead: Δ discarded, θ pulled from members;
     reset the model to θ) or ``"deferred"`` (rendezvous unreachable: keep
     training locally and try again later; the model is NOT reset).
+    ``quorum_s``: seconds this sync waited for the rendezvous's decision (the
+    round's plan, or "missed"): the quorum forming, i.e. the slowest member
+    finishing its inner phase.
     """
 
     status: str
     reason: str
     result: RoundResult | None = None
+    quorum_s: float = 0.0
 
 
 class Group:
@@ -276,12 +280,15 @@ class Group:
         Raises:
             QuorumTimeout: no round formed within ``quorum_wait_s``.
         """
+        waited_since = time.monotonic()
         kind, d, reason = self.next_decision()
+        # seconds waited for the rendezvous's decision (0 when none was asked for)
+        quorum_s = time.monotonic() - waited_since if kind in ("plan", "missed") else 0.0
         if kind == "plan":
             assert d is not None and d.plan is not None
             ok = self.engine.add_pseudo_gradient(list(tensors))
             res = self.engine.run_round(d.plan, contribute=ok)
-            return SyncOutcome(status="applied", reason=reason, result=res)
+            return SyncOutcome(status="applied", reason=reason, result=res, quorum_s=quorum_s)
         if kind == "deferred":
             return SyncOutcome(status="deferred", reason=reason)
         r = self.engine.state.rounds_applied
@@ -291,8 +298,8 @@ class Group:
             self.resync()
         except (RendezvousError, StateTransferError) as e:
             prefix = f"missed round {r} ({reason}); " if kind == "missed" else ""
-            return SyncOutcome(status="deferred", reason=f"{prefix}resync failed: {e}")
-        return SyncOutcome(status="resynced", reason=reason)
+            return SyncOutcome(status="deferred", reason=f"{prefix}resync failed: {e}", quorum_s=quorum_s)
+        return SyncOutcome(status="resynced", reason=reason, quorum_s=quorum_s)
 
     def next_decision(self) -> tuple[str, ReadyDecision | None, str]:
         """Wait for the rendezvous's decision about this site's next round.

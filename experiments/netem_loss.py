@@ -141,7 +141,7 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         "bytes_total": sum(x.get("bytes_sent", 0) for x in allr),
         "bytes_per_round_site": sum(x.get("bytes_sent", 0) for x in allr) / max(1, len(allr)),
         "sync_s": mean("sync_s"),
-        "exchange_s": mean("total_s"),
+        "exchange_s": mean("round_s"),
         "stale_buckets": sum(x.get("stale_buckets", 0) for x in allr),
         "repaired_buckets": sum(x.get("repaired_buckets", 0) for x in allr),
         "rejected": sum(sum(x.get("rejected", {}).values()) for x in allr),
@@ -160,7 +160,7 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
             "site": x["site"],
             "status": x["status"],
             "sync_s": x["sync_s"],
-            "total_s": x.get("total_s", float("nan")),
+            "round_s": x.get("round_s", float("nan")),
             "reduce_arrived": x.get("reduce_arrived_fraction", float("nan")),
             "stale_buckets": x.get("stale_buckets", 0),
             "val_loss": x["val_loss"],
@@ -266,7 +266,9 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
         by: dict[int, list[float]] = {}
         for x in rounds:
             if x["config"] == cfg:
-                by.setdefault(x["round"], []).append(x["total_s"])
+                by.setdefault(x["round"], []).append(
+                    x["round_s"] if "round_s" in x else x["total_s"]
+                )  # older CSVs: total_s
         xs = sorted(by)
         ax2.plot([x + 1 for x in xs], [statistics.fmean(by[x]) for x in xs], marker="o", ms=3, label=cfg)
     lo = min(r["final_val_loss"] for r in rows)

@@ -5,6 +5,8 @@ gRPC, on 127.0.0.1 or, given a :class:`netem.Topology` with N + 1 sites, each in
 its own emulated site (the rendezvous in the last one, as ``dtrain launch --netem``
 does). It reads the workers' ``metrics.jsonl`` files while they run, waits with a
 bound on every wait, kills sites, and kills everything left on :meth:`close`.
+Processes come from the one harness (:mod:`dtrain.app.procs`), metrics lines from the
+one reader (:mod:`dtrain.metrics`, as dicts).
 
 Used by ``site_failures.py`` (127.0.0.1), ``wan_sweep.py`` and ``netem_loss.py``
 (through netem).
@@ -12,15 +14,14 @@ Used by ``site_failures.py`` (127.0.0.1), ``wan_sweep.py`` and ``netem_loss.py``
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from dtrain.app.procs import Proc, spawn, tail
+from dtrain.metrics import read_metrics
 from experiments.common import ROOT
 
 __all__ = ["ProcRun", "flags", "netem_topology"]
@@ -61,7 +62,7 @@ class ProcRun:
 
     def __init__(self, root: Path, num_sites: int, *, timeout_s: float, topo=None) -> None:
         self.root, self.num_sites, self.topo = root, num_sites, topo
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.env.pop("DTRAIN_TEST_FAULT", None)
         self.deadline = time.monotonic() + timeout_s
@@ -76,15 +77,7 @@ class ProcRun:
         cmd = [sys.executable, "-m", "dtrain", *argv]
         if self.topo is not None:
             cmd = self.topo.exec_argv(index, cmd)
-        with open(self.root / f"{name}.log", "a") as f:
-            self.procs[name] = subprocess.Popen(
-                cmd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})},
-                cwd=str(ROOT),
-                start_new_session=True,
-            )
+        self.procs[name] = spawn(name, cmd, self.root / f"{name}.log", env={**self.env, **(env or {})}, cwd=ROOT)
 
     def wait(self, pred: Callable[[], bool], what: str, poll_s: float = 0.05) -> None:
         """Poll ``pred`` until true; TimeoutError naming ``what`` past the run's bound."""
@@ -138,24 +131,11 @@ class ProcRun:
         self.spawn(f"site-{i}", i, argv, env)
 
     def tail(self, name: str, n: int = 20) -> str:
-        try:
-            return "\n".join((self.root / f"{name}.log").read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return tail(self.root / f"{name}.log", n).rstrip("\n")
 
     def lines(self, i: int) -> list[dict[str, Any]]:
-        """Site ``i``'s metrics lines so far (a half-written last line is skipped)."""
-        try:
-            text = (self.root / f"site-{i}" / "metrics.jsonl").read_text()
-        except OSError:
-            return []
-        out = []
-        for ln in text.split("\n")[:-1]:
-            try:
-                out.append(json.loads(ln))
-            except json.JSONDecodeError:
-                continue
-        return out
+        """Site ``i``'s metrics lines so far, as dicts (a half-written last line is skipped)."""
+        return [ln.as_dict() for ln in read_metrics(self.root / f"site-{i}" / "metrics.jsonl")]
 
     def rounds(self, i: int) -> list[dict[str, Any]]:
         return [x for x in self.lines(i) if x.get("event") == "round"]
@@ -175,18 +155,10 @@ class ProcRun:
                 raise RuntimeError(f"{n} exited with code {rc}:\n{self.tail(n)}")
 
     def kill(self, i: int) -> None:
-        """SIGKILL site ``i``'s process group."""
-        p = self.procs[f"site-{i}"]
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
+        """SIGKILL site ``i``'s process group and reap it."""
+        self.procs[f"site-{i}"].kill()
 
     def close(self) -> None:
         """SIGKILL every process still running."""
         for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=10)
+            p.kill()

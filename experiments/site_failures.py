@@ -200,9 +200,9 @@ def run_failure(spec: FailureSpec) -> RunResult:
         early += sum(1 for r in missed if r < s.kill_round)
         detail += [f"site-{i}:r{r}:{status.get(r, 'missing')}" for r in missed]
         for x in rounds:
-            longest = max(longest, x.get("total_s", 0.0))
-            over = max(over, x.get("total_s", 0.0) - RENDEZVOUS["broadcast_timeout_s"])
-            quorum_extra = max(quorum_extra, x["sync_s"] - x.get("total_s", x["sync_s"]))
+            longest = max(longest, x.get("round_s", 0.0))
+            over = max(over, x.get("round_s", 0.0) - RENDEZVOUS["broadcast_timeout_s"])
+            quorum_extra = max(quorum_extra, x["sync_s"] - x.get("round_s", x["sync_s"]))
             stale += x.get("stale_buckets", 0)
             skipped += x.get("skipped_buckets", 0)
             rejected += sum(x.get("rejected", {}).values())
@@ -259,7 +259,7 @@ def run_failure(spec: FailureSpec) -> RunResult:
             "val_loss": x["val_loss"],
             "members": len(x.get("members", [])),
             "sync_s": x["sync_s"],
-            "total_s": x.get("total_s", float("nan")),
+            "round_s": x.get("round_s", float("nan")),
         }
         for x in site0
     ]

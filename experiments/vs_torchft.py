@@ -71,9 +71,14 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from vs_torchft_analysis import _lines, analyse, write_outputs  # this script's directory is on sys.path
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vs_torchft_analysis import _lines, analyse, write_outputs  # noqa: E402  (this script's directory is on sys.path)
+
+from dtrain.app.procs import Proc, spawn  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
@@ -133,67 +138,27 @@ MODES = {
 
 
 # ----------------------------------------------------------------------------- processes
-class Child:
-    """A subprocess in its own session, reaped with ``wait4`` so its peak RSS is known."""
+class Child(Proc):
+    """A process from the one harness (:mod:`dtrain.app.procs`): its own session, stdin
+    from /dev/null, reaped with ``wait4`` so its peak RSS (``maxrss_kb``) and CPU time
+    (``cpu_s``) are known; every child still running is killed at exit."""
 
     live: set["Child"] = set()
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict) -> None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.name = name
-        self.log = log
-        with open(log, "ab") as f:
-            self.p = subprocess.Popen(
-                argv,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=str(REPO),
-                start_new_session=True,
-            )
-        self.started = time.time()
-        self.rc: int | None = None
-        self.maxrss_kb: int | None = None
-        self.cpu_s: float | None = None
+        p = spawn(name, argv, log, env=env, cwd=REPO)
+        super().__init__(name, p.handle, p.log)
         Child.live.add(self)
 
+    @property
+    def rc(self) -> int | None:
+        return self.returncode
+
     def poll(self) -> int | None:
-        if self.rc is None:
-            try:
-                pid, status, ru = os.wait4(self.p.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status, ru = self.p.pid, 0, None
-            if pid:
-                self.rc = os.waitstatus_to_exitcode(status)
-                self.maxrss_kb = ru.ru_maxrss if ru is not None else None
-                self.cpu_s = ru.ru_utime + ru.ru_stime if ru is not None else None
-                self.p.returncode = self.rc  # keep subprocess from reaping it again
-                Child.live.discard(self)
-        return self.rc
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.poll() is None:
-            try:
-                os.killpg(self.p.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        self.kill(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.kill(signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "".join(self.log.read_text(errors="replace").splitlines(True)[-n:])
-        except OSError:
-            return "(no log)"
+        rc = super().poll()
+        if rc is not None:
+            Child.live.discard(self)
+        return rc
 
 
 @atexit.register

@@ -27,6 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
+from dtrain.metrics import read_json_lines
+
 __all__ = ["analyse", "write_outputs", "run_stats"]
 
 KILLED = "site-1"
@@ -34,17 +36,9 @@ RESTART = "site-1-restart"
 
 
 def _lines(run_dir: Path, site: str) -> list[dict]:
-    out = []
-    try:
-        text = (run_dir / site / "metrics.jsonl").read_text()
-    except OSError:
-        return out
-    for ln in text.split("\n"):
-        try:
-            out.append(json.loads(ln))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """A site's metrics lines as dicts: dtrain's (``dtrain.metrics`` schema) or torchft_site's
+    (its own fields), so read by the schema-free layer of the one reader (complete lines only)."""
+    return read_json_lines(run_dir / site / "metrics.jsonl")
 
 
 def _site_dirs(run_dir: Path) -> list[str]:

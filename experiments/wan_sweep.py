@@ -18,7 +18,7 @@ is how long the exchange takes, not where a deadline cut it.
 Per setting and seed:
 
 * ``engine_s``: a round's exchange time, from the plan to the end of apply (the
-  worker's ``total_s``), max over sites (the round's critical path), mean over the
+  worker's ``round_s``), max over sites (the round's critical path), mean over the
   measured rounds; ``sync_s``: the same for the whole ``sync()`` call, which also
   holds the wait for the other sites to be ready.
 * ``limit_s``: the physical limit as issue 6 defines it, 2 x B / rate + 2 x RTT, B =
@@ -247,7 +247,7 @@ def run_seed(
                         "site": x["site"],
                         "measured": ok,
                         "status": x["status"],
-                        "total_s": x.get("total_s", float("nan")),
+                        "round_s": x.get("round_s", float("nan")),
                         "sync_s": x["sync_s"],
                         "inner_s": x["inner_s"],
                         "network_s": x.get("network_s", float("nan")),
@@ -260,7 +260,7 @@ def run_seed(
             if not ok:
                 continue
             valid += 1
-            engine.append(max(x.get("total_s", float("nan")) for x in lines))
+            engine.append(max(x.get("round_s", float("nan")) for x in lines))
             sync.append(max(x["sync_s"] for x in lines))
             enc += [x.get("encoded_bytes", 0) for x in lines]
             sent += [x.get("bytes_sent", 0) for x in lines]

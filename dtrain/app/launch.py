@@ -1,7 +1,9 @@
 """``dtrain launch``: a rendezvous and N workers as subprocesses of this machine.
 
-Shows live progress (tqdm), streams each site's log to ``RUN_DIR/<site>/worker.log``,
-and ends with a summary table. Ctrl-C (SIGINT) or SIGTERM stops every child
+Shows live progress (a tqdm bar on a terminal; one plain line per round when stderr is
+not a terminal: a log file, CI, ``nohup``), streams each site's log to
+``RUN_DIR/<site>/worker.log``, and ends with a summary table (the ``summary.json``
+fields, docs/METRICS.md). Ctrl-C (SIGINT) or SIGTERM stops every child
 cleanly (SIGTERM, then SIGKILL after a grace period); a child that crashes is
 reported with the last lines of its log while the others go on.
 With ``--netem PROFILE`` every site (and the rendezvous) runs in its own network
@@ -17,11 +19,12 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
+
+from dtrain.app.procs import Proc, exit_text, spawn, stop_all
+from dtrain.metrics import MetricsTail, RoundLine, StartLine, read_summary
 
 __all__ = ["PER_SITE_FIELDS", "run_launch"]
 
@@ -38,8 +41,6 @@ PER_SITE_FIELDS = (
     "out_dir",
     "checkpoint_dir",
 )
-#: seconds a child gets to exit after SIGTERM before it is killed.
-STOP_GRACE_S = 15.0
 
 
 def _flag(name: str, value) -> list[str]:
@@ -60,56 +61,89 @@ def _err(text: str) -> None:
     sys.stderr.flush()
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError:
-        return "(no log)"
-
-
 class _SiteView:
+    """The lines of one site's metrics.jsonl seen so far (the live view)."""
+
     def __init__(self, site: str, path: Path) -> None:
         self.site = site
-        self.path = path
-        self.pos = 0
-        self.last: dict = {}
+        self.tail = MetricsTail(path)
+        self.last: StartLine | RoundLine | None = None
+        self.rounds: dict[int, RoundLine] = {}
         self.bytes_sent = 0
 
     def poll(self) -> None:
-        try:
-            with open(self.path) as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except OSError:
+        for line in self.tail.poll():
+            if isinstance(line, RoundLine):
+                self.last = line
+                self.bytes_sent += line.bytes_sent or 0
+                if line.status != "deferred":
+                    self.rounds[line.round] = line
+            elif isinstance(line, StartLine) and self.last is None:
+                self.last = line
+
+    @property
+    def done_round(self) -> int | None:
+        """The last round this site wrote a line for, or None."""
+        return self.last.round if isinstance(self.last, RoundLine) else None
+
+
+def _range(vals: list[float], fmt: str) -> str:
+    if not vals:
+        return "-"
+    lo, hi = min(vals), max(vals)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def progress_line(r: int, total: int, lines: list[RoundLine], sent_so_far: int) -> str:
+    """One plain progress line for round ``r`` from the sites' lines of that round:
+    members (the most any site saw), the val_loss range, the bytes_sent of this round's
+    lines summed over sites (and of every line so far), and the sync_s range."""
+    members = max((len(x.members) for x in lines), default=0)
+    vl = [x.val_loss for x in lines if isinstance(x.val_loss, (int, float))]
+    sync = [x.sync_s for x in lines if isinstance(x.sync_s, (int, float))]
+    sent = sum(x.bytes_sent or 0 for x in lines)
+    return (
+        f"round {r + 1}/{total}: members {members}, val_loss {_range(vl, '.3f')}, "
+        f"bytes_sent {sent / 1e6:.2f} MB ({sent_so_far / 1e6:.2f} MB so far), sync_s {_range(sync, '.2f')}"
+    )
+
+
+class _PlainProgress:
+    """Writes one :func:`progress_line` per round once every running site has written
+    that round (or gone past it); rounds no running site has a line for are not shown."""
+
+    def __init__(self, total: int, write) -> None:
+        self.total = total
+        self.write = write
+        self.next: int | None = None
+        self.sent = 0
+
+    def update(self, views: list[_SiteView]) -> None:
+        done = [v.done_round for v in views]
+        if not done or any(d is None for d in done):
             return
-        if not chunk:
-            return
-        lines = chunk.split("\n")
-        complete, rest = lines[:-1], lines[-1]
-        self.pos += len(chunk) - len(rest)
-        for ln in complete:
-            try:
-                d = json.loads(ln)
-            except json.JSONDecodeError:
-                continue
-            if d.get("event") == "round":
-                self.last = d
-                self.bytes_sent += int(d.get("bytes_sent", 0))
-            elif d.get("event") == "start" and not self.last:
-                self.last = d
+        if self.next is None:
+            self.next = min(min(v.rounds, default=d) for v, d in zip(views, done))  # type: ignore[type-var]
+        upto = min(done)  # type: ignore[type-var]
+        while self.next <= upto:
+            lines = [v.rounds[self.next] for v in views if self.next in v.rounds]
+            if lines:
+                self.sent += sum(x.bytes_sent or 0 for x in lines)
+                self.write(progress_line(self.next, self.total, lines, self.sent))
+            self.next += 1
 
 
 def _format_table(rows: list[dict]) -> str:
+    # Headers are the summary.json fields (docs/METRICS.md), so the table reads like the summary.
     cols = [
         ("site", "site", "{}"),
-        ("final val loss", "final_val_loss", "{:.4f}"),
+        ("final_val_loss", "final_val_loss", "{:.4f}"),
         ("θ checksum", "checksum", "{}"),
-        ("rounds joined", "rounds_joined", "{}"),
-        ("bytes sent", "bytes_sent", "{:,}"),
-        ("bytes received", "bytes_received", "{:,}"),
-        ("compression", "compression_ratio", "{:.1f}x"),
-        ("sync share", "sync_share", "{:.1%}"),
+        ("rounds_joined", "rounds_joined", "{}"),
+        ("bytes_sent", "bytes_sent", "{:,}"),
+        ("bytes_received", "bytes_received", "{:,}"),
+        ("compression_ratio", "compression_ratio", "{:.1f}x"),
+        ("sync_share", "sync_share", "{:.1%}"),
     ]
     cells = [[h for h, _, _ in cols]]
     for r in rows:
@@ -125,46 +159,6 @@ def _format_table(rows: list[dict]) -> str:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
-
-
-def _rc_text(rc: int) -> str:
-    """An exit code, naming the signal for a negative one (``-9 (SIGKILL)``)."""
-    if rc < 0:
-        try:
-            return f"{rc} ({signal.Signals(-rc).name})"
-        except ValueError:
-            pass
-    return str(rc)
-
-
-def _spawn(argv: list[str], log_path: Path, mode: str, env: dict) -> subprocess.Popen:
-    """Start ``argv`` in its own session (a terminal's Ctrl-C reaches only launch) with
-    stdout and stderr going to ``log_path``."""
-    with open(log_path, mode) as log_file:
-        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to the child's process group (it was started in its own session)."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _stop_all(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every running child, wait up to ``grace_s``, then SIGKILL the rest."""
-    for p in procs:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d did not exit within %.0fs of SIGTERM; killing it", p.pid, grace_s)
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
 
 
 def _open_topology(num_sites: int, profile: str):
@@ -232,8 +226,6 @@ def _site_group_argv(ns, argv: list[str]) -> list[str]:
 
 
 def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
-    from tqdm import tqdm
-
     from dtrain.app.cli import UsageError, _build, _check_toml_types, _toml_load, check_task, parse_host_port
     from dtrain.app.worker import WorkerConfig
     from dtrain.rendezvous import RendezvousConfig
@@ -288,7 +280,7 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     py = [sys.executable, "-m", "dtrain"]
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, Proc] = {}
     logs: dict[str, Path] = {}
     addr_file = run_dir / "rendezvous.addr"
     addr_file.unlink(missing_ok=True)
@@ -320,19 +312,19 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
         stopping["count"] += 1
         if stopping["count"] > 1:  # a second Ctrl-C: kill every child now
             for p in procs.values():
-                _signal_group(p, signal.SIGKILL)
+                p.send(signal.SIGKILL)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     exit_code = 0
     try:
-        procs["rendezvous"] = _spawn(wrap(n, rv_argv), logs["rendezvous"], log_mode, env)
+        procs["rendezvous"] = spawn("rendezvous", wrap(n, rv_argv), logs["rendezvous"], env=env, append=log_mode == "a")
         t0 = time.monotonic()
         while not addr_file.exists():
             if stopping["flag"]:
                 _err("dtrain launch: interrupted before the rendezvous started")
                 return 130
             if procs["rendezvous"].poll() is not None or time.monotonic() - t0 > 30:
-                _err(f"rendezvous failed to start:\n{_tail(logs['rendezvous'])}")
+                _err(f"rendezvous failed to start:\n{procs['rendezvous'].tail()}")
                 return 1
             time.sleep(0.05)
         rv_addr = addr_file.read_text().strip()
@@ -371,66 +363,78 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
                     argv += _flag(k, getattr(ns, k))
             argv = _site_group_argv(ns, argv)
             logs[site] = sdir / "worker.log"
-            procs[site] = _spawn(wrap(i, argv), logs[site], log_mode, env)
+            procs[site] = spawn(site, wrap(i, argv), logs[site], env=env, append=log_mode == "a")
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
         (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
         _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}")
-        # disable=None: no bar when stderr is not a terminal (a log file or CI would get one line per refresh)
-        bar = tqdm(
-            total=rounds, desc="rounds", unit="round", disable=True if ns.no_progress else None, dynamic_ncols=True
-        )
-        crashed: dict[str, int] = {}
-        while True:
-            for v in views.values():
-                v.poll()
-            done_rounds = [
-                v.last.get("round", -1) + 1
-                for v in views.values()
-                if v.site not in crashed and v.last.get("event") == "round"
-            ]
-            if done_rounds:
-                bar.n = min(rounds, min(done_rounds))
-                lasts = [v.last for v in views.values() if v.last.get("event") == "round"]
-                vl = [x["val_loss"] for x in lasts if x.get("val_loss") is not None]
-                bar.set_postfix_str(
-                    f"val_loss {min(vl):.3f}-{max(vl):.3f} | sent {sum(v.bytes_sent for v in views.values()) / 1e6:.1f} MB"
-                    f" | sync {max(x.get('sync_s', 0) for x in lasts):.2f}s | members {max(len(x.get('members', [])) for x in lasts)}",
-                    refresh=False,
-                )
-                bar.refresh()
-            for site, p in procs.items():
-                if site == "rendezvous" or site in crashed:
-                    continue
-                rc = p.poll()
-                if rc is not None and rc != 0:
-                    crashed[site] = rc
-                    tqdm.write(f"!! {site} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[site])}")
-            workers_done = all(p.poll() is not None for s, p in procs.items() if s != "rendezvous")
-            if workers_done or stopping["flag"]:
-                break
-            time.sleep(0.5)
-        bar.close()
-        if stopping["flag"]:
-            _err("dtrain launch: interrupted; stopping every site")
-            exit_code = 130
+        exit_code = _watch(procs, views, rounds, no_progress=ns.no_progress, stopping=stopping)
     finally:
         # Workers first (they leave the group through the rendezvous), then the rendezvous.
-        workers = [p for s, p in procs.items() if s != "rendezvous"]
-        _stop_all(workers)
+        stop_all([p for s, p in procs.items() if s != "rendezvous"])
         if "rendezvous" in procs:
-            _stop_all([procs["rendezvous"]])
+            stop_all([procs["rendezvous"]])
         if topo is not None:
             topo.close()
         for s, h in old.items():
             signal.signal(s, h)
+    return _finish(run_dir, n, procs, exit_code)
 
+
+def _show_bar(bar, views: list[_SiteView], rounds: int) -> None:
+    lasts = [v.last for v in views if isinstance(v.last, RoundLine)]
+    if not lasts:
+        return
+    bar.n = min(rounds, min(x.round + 1 for x in lasts))
+    vl = [x.val_loss for x in lasts if isinstance(x.val_loss, (int, float))]
+    sent = sum(v.bytes_sent for v in views)
+    bar.set_postfix_str(
+        f"val_loss {_range(vl, '.3f')} | bytes_sent {sent / 1e6:.1f} MB | sync_s {max(x.sync_s or 0.0 for x in lasts):.2f}"
+        f" | members {max(len(x.members) for x in lasts)}",
+        refresh=False,
+    )
+    bar.refresh()
+
+
+def _watch(procs: dict[str, Proc], views: dict[str, _SiteView], rounds: int, *, no_progress: bool, stopping) -> int:
+    """Follow the sites until every worker exited or a signal came (0, or 130 when
+    interrupted). Progress: a tqdm bar when stderr is a terminal, else one plain
+    :func:`progress_line` per round on stderr; neither with ``--no-progress``. A worker
+    that exits with an error is reported with its log tail while the others go on."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    plain = _PlainProgress(rounds, lambda text: _err("dtrain launch: " + text)) if not (tty or no_progress) else None
+    bar = tqdm(total=rounds, desc="rounds", unit="round", disable=no_progress or not tty, dynamic_ncols=True)
+    crashed: dict[str, int] = {}
+    while True:
+        finished = all(p.poll() is not None for s, p in procs.items() if s != "rendezvous")
+        for v in views.values():
+            v.poll()
+        live = [v for s, v in views.items() if s not in crashed]
+        _show_bar(bar, live, rounds)
+        if plain is not None:
+            plain.update(live)
+        for site, p in procs.items():
+            rc = p.poll()
+            if site != "rendezvous" and site not in crashed and rc not in (None, 0):
+                crashed[site] = rc
+                tqdm.write(f"!! {site} exited with code {exit_text(rc)}; last log lines:\n{p.tail()}")
+        if finished or stopping["flag"]:
+            break
+        time.sleep(0.5)
+    bar.close()
+    if stopping["flag"]:
+        _err("dtrain launch: interrupted; stopping every site")
+        return 130
+    return 0
+
+
+def _finish(run_dir: Path, n: int, procs: dict[str, Proc], exit_code: int) -> int:
+    """Print the summary table and the θ verdict; the launch's exit code."""
     rows = []
     for i in range(n):
-        f = run_dir / f"site-{i}" / "summary.json"
-        if f.exists():
-            rows.append(json.loads(f.read_text()))
-        else:
-            rows.append({"site": f"site-{i}"})
+        summ = read_summary(run_dir / f"site-{i}" / "summary.json")
+        rows.append(summ.as_dict() if summ is not None else {"site": f"site-{i}"})
     _out("\n" + _format_table(rows))
     sums = {r["checksum"] for r in rows if "checksum" in r}
     finished = [r for r in rows if "checksum" in r]
@@ -451,10 +455,10 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             f"; {', '.join(unfinished)} did not finish" if unfinished else ""
         )
     _out(f"{verdict}; run dir: {run_dir}")
-    bad = {s: p.returncode for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
+    bad = {s: p for s, p in procs.items() if s != "rendezvous" and p.returncode not in (0, None)}
     if bad and exit_code == 0:
-        for s, rc in bad.items():
-            _err(f"{s} exited with code {_rc_text(rc)}; last log lines:\n{_tail(logs[s])}")
+        for s, p in bad.items():
+            _err(f"{s} exited with code {exit_text(p.returncode)}; last log lines:\n{p.tail()}")
         exit_code = 1
     if exit_code == 0 and not agree:
         exit_code = 1

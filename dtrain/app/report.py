@@ -5,10 +5,15 @@ Reads every ``RUN_DIR/<site>/metrics.jsonl`` (format: ``docs/METRICS.md``) and t
 
 - ``val_loss_rounds.png``: validation loss per site over rounds (the ``start`` line at round -1);
 - ``val_loss_wall.png``: validation loss per site over wall time;
-- ``sync_time.png``: sync time per round split into encode / network / decode / wait
-  (stacked bars, mean over the sites that ran the round);
-- ``bytes.png``: payload bytes sent and received per round, summed over sites;
+- ``sync_time.png``: ``sync_s`` per round (mean over the sites that ran the round) as
+  ``quorum_s`` + ``round_s`` + the rest, and beside it ``round_s`` split into
+  ``encode_s`` / ``network_s`` / ``decode_s`` / ``wait_s`` (stacked bars);
+- ``bytes.png``: ``bytes_sent`` and ``bytes_received`` of each round's lines, summed over sites;
 - ``report.md``: a short summary (per-site table, checksum agreement, faults, rejections).
+
+Every field is the metrics line's field of the same name (``dtrain.metrics``,
+``docs/METRICS.md``); the per-site table's ``bytes_sent``/``bytes_received`` add the
+``end`` lines (bytes served after a site's last round), so they equal summary.json's.
 
 Which lines count: a ``deferred`` line (the rendezvous was unreachable, θ unchanged) is counted
 only in ``num_deferred``; of several non-deferred lines for the same (site, round) — a run
@@ -22,12 +27,13 @@ Plotting uses matplotlib's Agg canvas directly (``matplotlib.figure.Figure`` +
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dtrain.metrics import EndLine, StartLine, read_metrics, read_summary
 
 __all__ = ["make_report", "summarize_run", "load_site_metrics", "SiteMetrics", "REPORT_FILES"]
 
@@ -36,8 +42,9 @@ log = logging.getLogger(__name__)
 #: Files :func:`make_report` writes into the run directory, in this order.
 REPORT_FILES = ("val_loss_rounds.png", "val_loss_wall.png", "sync_time.png", "bytes.png", "report.md")
 
-_SYNC_PARTS = ("encode_s", "network_s", "decode_s", "wait_s")
-_SYNC_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+_ROUND_PARTS = ("encode_s", "network_s", "decode_s", "wait_s")
+_ROUND_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+_SYNC_COLORS = ("#8172b3", "#937860", "#bbbbbb")  # quorum_s, round_s, the rest of sync_s
 
 
 @dataclass
@@ -52,6 +59,7 @@ class SiteMetrics:
         order: the counted lines in file order, each with ``wall_s`` made monotone across resumes.
         num_deferred: number of ``deferred`` lines.
         num_resumes: number of ``start`` lines after the first.
+        ends: the ``end`` lines (one per site process that exited cleanly).
         summary: the parsed summary.json, or None when absent/unreadable.
     """
 
@@ -62,6 +70,7 @@ class SiteMetrics:
     order: list[dict] = field(default_factory=list)
     num_deferred: int = 0
     num_resumes: int = 0
+    ends: list[dict] = field(default_factory=list)
     summary: dict | None = None
 
 
@@ -72,76 +81,52 @@ def _num(value: Any) -> float:
     return float(value)
 
 
-def _valid_line(obj: Any) -> str | None:
-    """None if ``obj`` is a usable metrics line, else why not."""
-    if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
-    if obj.get("event") not in ("start", "round"):
-        return f"'event' must be 'start' or 'round', got {obj.get('event')!r}"
-    r = obj.get("round")
-    if isinstance(r, bool) or not isinstance(r, int):
-        return f"'round' must be an integer, got {r!r}"
-    return None
-
-
 def load_site_metrics(path: str | Path) -> SiteMetrics:
     """Parse one site's ``metrics.jsonl`` (and the ``summary.json`` beside it, if any).
 
     Malformed lines (not JSON, not an object, unknown ``event``, non-integer ``round``) are
-    skipped with a warning naming the file and the 1-based line number; blank lines are ignored.
+    skipped with a warning naming the file and the 1-based line number; blank lines and a
+    half-written last line are ignored (:func:`dtrain.metrics.read_metrics`).
 
     Args:
         path: a ``metrics.jsonl`` file.
 
     Returns:
         The :class:`SiteMetrics`; ``rounds`` is empty if no valid round line was found.
+
+    Raises:
+        dtrain.metrics.MetricsVersionError: a line or the summary of a version this dtrain does not read.
     """
     path = Path(path)
     site = SiteMetrics(site=path.parent.name, path=path)
     named = False
     wall_offset = 0.0
     last_wall = 0.0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                log.warning("%s:%d: skipping malformed metrics line (%s)", path, lineno, e)
-                continue
-            why = _valid_line(obj)
-            if why is not None:
-                log.warning("%s:%d: skipping malformed metrics line (%s)", path, lineno, why)
-                continue
-            if not named and isinstance(obj.get("site"), str) and obj["site"]:
-                site.site, named = obj["site"], True
-            wall = _num(obj.get("wall_s"))
-            if obj["event"] == "start":
-                if site.start is None:
-                    site.start = dict(obj, wall_s=0.0)
-                else:
-                    site.num_resumes += 1
-                    wall_offset = last_wall
-                continue
-            if obj.get("status") == "deferred":
-                site.num_deferred += 1
-                continue
-            line = dict(obj)
-            if not math.isnan(wall):
-                line["wall_s"] = wall + wall_offset
-                last_wall = line["wall_s"]
-            site.rounds[obj["round"]] = line
-            site.order.append(line)
-    summary_path = path.parent / "summary.json"
-    if summary_path.is_file():
-        try:
-            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
-            site.summary = loaded if isinstance(loaded, dict) else None
-            if site.summary is None:
-                log.warning("%s: expected a JSON object, ignoring it", summary_path)
-        except (OSError, ValueError) as e:
-            log.warning("%s: unreadable summary (%s), ignoring it", summary_path, e)
+    for line in read_metrics(path):
+        obj = line.as_dict()
+        if not named and isinstance(obj.get("site"), str) and obj["site"]:
+            site.site, named = obj["site"], True
+        if isinstance(line, StartLine):
+            if site.start is None:
+                site.start = dict(obj, wall_s=0.0)
+            else:
+                site.num_resumes += 1
+                wall_offset = last_wall
+            continue
+        if isinstance(line, EndLine):
+            site.ends.append(obj)
+            continue
+        if obj.get("status") == "deferred":
+            site.num_deferred += 1
+            continue
+        wall = _num(obj.get("wall_s"))
+        if not math.isnan(wall):
+            obj["wall_s"] = wall + wall_offset
+            last_wall = obj["wall_s"]
+        site.rounds[obj["round"]] = obj
+        site.order.append(obj)
+    summ = read_summary(path.parent / "summary.json")
+    site.summary = summ.as_dict() if summ is not None else None
     return site
 
 
@@ -170,8 +155,6 @@ def _load_run(run_dir: Path) -> list[SiteMetrics]:
 def _site_summary(s: SiteMetrics) -> dict:
     lines = [s.rounds[r] for r in sorted(s.rounds)]
     last = s.order[-1] if s.order else None
-    syncs = [_num(ln.get("sync_s")) for ln in lines]
-    syncs = [x for x in syncs if not math.isnan(x)]
     rejected: dict[str, int] = {}
     for ln in lines:
         rej = ln.get("rejected")
@@ -180,6 +163,15 @@ def _site_summary(s: SiteMetrics) -> dict:
                 if isinstance(n, int) and not isinstance(n, bool):
                     rejected[str(reason)] = rejected.get(str(reason), 0) + n
     summ = s.summary or {}
+
+    def total(key: str) -> int:
+        vals = [_num(ln.get(key)) for ln in [*lines, *s.ends]]
+        return int(sum(v for v in vals if not math.isnan(v)))
+
+    def mean(key: str) -> float:
+        vals = [v for v in (_num(ln.get(key)) for ln in lines) if not math.isnan(v)]
+        return sum(vals) / len(vals) if vals else math.nan
+
     return {
         "site": s.site,
         "first_val_loss": _num(s.start.get("val_loss")) if s.start else math.nan,
@@ -189,13 +181,11 @@ def _site_summary(s: SiteMetrics) -> dict:
         "rounds_resynced": sum(1 for ln in lines if ln.get("status") == "resynced"),
         "rounds_deferred": s.num_deferred,
         "resumes": s.num_resumes,
-        "bytes_sent": int(
-            sum(_num(ln.get("bytes_sent")) for ln in lines if not math.isnan(_num(ln.get("bytes_sent"))))
-        ),
-        "bytes_received": int(
-            sum(_num(ln.get("bytes_received")) for ln in lines if not math.isnan(_num(ln.get("bytes_received"))))
-        ),
-        "mean_sync_s": sum(syncs) / len(syncs) if syncs else math.nan,
+        "bytes_sent": total("bytes_sent"),
+        "bytes_received": total("bytes_received"),
+        "mean_sync_s": mean("sync_s"),
+        "mean_quorum_s": mean("quorum_s"),
+        "mean_round_s": mean("round_s"),
         "wall_s": _num(last.get("wall_s")) if last else 0.0,
         "sync_share": _num(summ.get("sync_share")) if s.summary is not None else None,
         "compression_ratio": summ.get("compression_ratio"),
@@ -259,7 +249,8 @@ def summarize_run(run_dir: str | Path) -> dict:
         numbers any site ran), ``rounds``, ``sites`` (site_id -> ``first_val_loss``,
         ``final_val_loss`` (nats/token; NaN if unknown), ``final_round``, ``rounds_applied``,
         ``rounds_resynced``, ``rounds_deferred``, ``resumes``, ``bytes_sent``, ``bytes_received``
-        (bytes), ``mean_sync_s`` (s), ``wall_s`` (s), ``sync_share`` (0..1, from summary.json; None
+        (bytes: the counted round lines plus the end lines), ``mean_sync_s``, ``mean_quorum_s``,
+        ``mean_round_s`` (s: means of those fields over the counted round lines), ``wall_s`` (s), ``sync_share`` (0..1, from summary.json; None
         without one), ``compression_ratio``, ``checksum`` (final θ checksum), ``rejected``
         (reason -> count), ``num_errors``, ``finished`` (summary.json present and not
         interrupted)), ``checksums_agree`` (every site has a final checksum and all are equal),
@@ -347,16 +338,42 @@ def _per_round(sites: list[SiteMetrics], rounds: list[int], key: str, how: str) 
 
 
 def _plot_sync_time(sites: list[SiteMetrics], rounds: list[int], path: Path) -> Path:
-    fig, ax = _new_figure("Sync time per round, split by phase (mean over sites)", "round", "time (s)")
+    """Left: sync_s = quorum_s + round_s + the rest; right: round_s by part (means over sites)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    sync = _per_round(sites, rounds, "sync_s", "mean")
+    quorum = _per_round(sites, rounds, "quorum_s", "mean")
+    rnd = _per_round(sites, rounds, "round_s", "mean")
+    rest = [max(0.0, s - q - r) for s, q, r in zip(sync, quorum, rnd)]
+    parts = [("quorum_s (waiting for the plan)", quorum), ("round_s (round engine)", rnd), ("rest", rest)]
+    _stack(left, rounds, parts, _SYNC_COLORS, "sync_s per round (mean over sites)")
+    _stack(
+        right,
+        rounds,
+        [(p, _per_round(sites, rounds, p, "mean")) for p in _ROUND_PARTS],
+        _ROUND_COLORS,
+        "round_s per round by part (mean over sites)",
+    )
+    return _save(fig, path)
+
+
+def _stack(ax, rounds: list[int], parts: list[tuple[str, list[float]]], colors, title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("round")
+    ax.set_ylabel("time (s)")
+    ax.grid(True, alpha=0.3)
+    ax.set_axisbelow(True)
     bottom = [0.0] * len(rounds)
-    for part, color in zip(_SYNC_PARTS, _SYNC_COLORS):
-        vals = _per_round(sites, rounds, part, "mean")
-        ax.bar(rounds, vals, bottom=bottom, color=color, label=part[:-2], width=0.8)
+    for (label, vals), color in zip(parts, colors):
+        ax.bar(rounds, vals, bottom=bottom, color=color, label=label, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylim(0, max(bottom + [1e-9]) * 1.25)  # headroom for the legend
-    ax.legend(title="phase", loc="upper left", ncols=4)
-    return _save(fig, path)
+    ax.set_ylim(0, max(bottom + [1e-9]) * 1.3)  # headroom for the legend
+    ax.legend(loc="upper left", ncols=2, fontsize="small")
 
 
 def _byte_unit(max_bytes: float) -> tuple[float, str]:
@@ -370,7 +387,9 @@ def _plot_bytes(sites: list[SiteMetrics], rounds: list[int], path: Path) -> Path
     sent = _per_round(sites, rounds, "bytes_sent", "sum")
     received = _per_round(sites, rounds, "bytes_received", "sum")
     scale, unit = _byte_unit(max(sent + received + [0.0]))
-    fig, ax = _new_figure("Payload bytes per round (summed over sites)", "round", f"payload per round ({unit})")
+    fig, ax = _new_figure(
+        "bytes_sent and bytes_received per round line (summed over sites)", "round", f"payload ({unit})"
+    )
     width = 0.4
     ax.bar([r - width / 2 for r in rounds], [v / scale for v in sent], width=width, label="sent", color="#4c72b0")
     ax.bar(
@@ -404,15 +423,16 @@ def _markdown(summary: dict, images: list[str]) -> str:
         "",
         "## Per site",
         "",
-        "| site | first val loss | final val loss | final round | rounds applied | bytes sent | bytes received "
-        "| mean sync (s) | sync share of wall time | final θ checksum |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| site | first val_loss | final val_loss | final round | rounds applied | bytes_sent | bytes_received "
+        "| mean sync_s | mean quorum_s | mean round_s | sync_share | final θ checksum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, v in sites.items():
         share = "–" if v["sync_share"] is None else _fmt(100 * v["sync_share"], ".1f") + " %"
         out.append(
             f"| {name} | {_fmt(v['first_val_loss'])} | {_fmt(v['final_val_loss'])} | {_fmt(v['final_round'], 'd')} "
             f"| {v['rounds_applied']} | {v['bytes_sent']:,} | {v['bytes_received']:,} | {_fmt(v['mean_sync_s'], '.3f')} "
+            f"| {_fmt(v['mean_quorum_s'], '.3f')} | {_fmt(v['mean_round_s'], '.3f')} "
             f"| {share} | `{v['checksum'] if v['checksum'] is not None else '–'}` |"
         )
     notes = []
@@ -432,7 +452,15 @@ def _markdown(summary: dict, images: list[str]) -> str:
             notes.append(f"- {name}: " + "; ".join(bits))
     if notes:
         out += ["", *notes]
-    out += ["", "## Faults", ""]
+    out += [
+        "",
+        "Times in seconds, bytes in payload bytes; every column is the metrics field of that name "
+        "(docs/METRICS.md): sync_s = quorum_s + round_s + the pseudo-gradient and θ copies; "
+        "sync_share = sync_s / wall_s over the site's last process (summary.json).",
+        "",
+        "## Faults",
+        "",
+    ]
     if summary["faults"]:
         out.append(f"{len(summary['faults'])} round(s) ran with fewer than {summary['num_sites']} sites:")
         out.append("")

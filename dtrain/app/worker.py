@@ -9,6 +9,7 @@ group, stop serving). See ``docs/METRICS.md`` for the metrics fields.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ from dtrain.codecs import CodecConfig
 from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.errors import CheckpointError
 from dtrain.membership import GroupConfig, SyncOutcome
+from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, write_line
 from dtrain.rounds import RoundConfig
 from dtrain.status import round_report
 from dtrain.tasks import TaskSpec, load_task
@@ -332,45 +334,52 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             diloco.load_state_dict(data["diloco"])
             diloco.state.copy_to(diloco._tensors_and_kinds()[0])
             diloco.join()
-        return _train(cfg, task, diloco, out, stop, t_start)
+        summary = _train(cfg, task, diloco, out, stop, t_start)
     finally:
         if diloco is not None:
             time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
             diloco.close()
         else:
             transport.stop(0.1)
+    return _finish(out, transport, summary, t_start)
 
 
-def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> dict:
+def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
+    """Append the end line (bytes the transport counted after the last round line: means
+    served to peers during ``linger_s``) and write ``summary.json``; returns the summary."""
+    end = EndLine(
+        site=summary.site,
+        round=summary.rounds,
+        bytes_sent=max(0, transport.bytes_sent() - summary.bytes_sent),
+        bytes_received=max(0, transport.bytes_received() - summary.bytes_received),
+        wall_s=time.monotonic() - t_start,
+        time=time.time(),
+    )
+    with open(out / "metrics.jsonl", "a") as mf:
+        write_line(mf, end)
+    summary = dataclasses.replace(
+        summary,
+        bytes_sent=summary.bytes_sent + end.bytes_sent,
+        bytes_received=summary.bytes_received + end.bytes_received,
+    )
+    d = summary.as_dict()
+    (out / "summary.json").write_text(json.dumps(d, indent=2))
+    log.info("%s: done: %s", summary.site, d)
+    return d
+
+
+def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> Summary:
     metrics_path = out / "metrics.jsonl"
     fp32_bytes = 4 * diloco.layout.total_numel
     val = task.evaluate(task.model)
     first_val = val
     log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
+    start = StartLine(
+        site=cfg.site_id, round=diloco.round, val_loss=val, params=diloco.layout.total_numel, time=time.time()
+    )
     with open(metrics_path, "a") as mf:
-        mf.write(
-            json.dumps(
-                {
-                    "site": cfg.site_id,
-                    "event": "start",
-                    "round": diloco.round,
-                    "val_loss": val,
-                    "wall_s": 0.0,
-                    "params": diloco.layout.total_numel,
-                    "time": time.time(),
-                }
-            )
-            + "\n"
-        )
-    totals = {
-        "bytes_sent": 0,
-        "bytes_received": 0,
-        "sync_s": 0.0,
-        "inner_s": 0.0,
-        "rounds_joined": 0,
-        "encoded_bytes": 0,
-        "encoded_fp32_bytes": 0,
-    }
+        write_line(mf, start)
+    totals = Totals()
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -402,47 +411,37 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         res = outcome.result
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
-        totals["sync_s"] += sync_s
-        totals["inner_s"] += inner_s
-        line = {
-            "site": cfg.site_id,
-            "event": "round",
-            "round": (res.round if res else diloco.round - 1),
-            "status": outcome.status,
-            "reason": outcome.reason,
-            "members": list(res.members) if res else [],
-            "val_loss": val,
-            "train_loss": train_loss,
-            "inner_steps": diloco.inner_steps,
-            "inner_s": inner_s,
-            "sync_s": sync_s,
-            "wall_s": time.monotonic() - t_start,
-            "time": time.time(),
-            "checksum": theta_checksum(diloco),
-            "outer_checksum": outer_state_checksum(diloco),
-        }
-        if res is not None:
-            m = res.metrics()
-            m.pop("round", None)
-            m.pop("members", None)
-            line.update(m)
-            totals["bytes_sent"] += res.bytes_sent
-            totals["bytes_received"] += res.bytes_received
-            totals["encoded_bytes"] += res.encoded_bytes
-            totals["encoded_fp32_bytes"] += res.encoded_fp32_bytes
-            totals["rounds_joined"] += 1
+        line = RoundLine(
+            site=cfg.site_id,
+            round=(res.round if res else diloco.round - 1),
+            status=outcome.status,
+            reason=outcome.reason,
+            members=list(res.members) if res else [],
+            val_loss=val,
+            train_loss=train_loss,
+            inner_steps=diloco.inner_steps,
+            inner_s=inner_s,
+            sync_s=sync_s,
+            quorum_s=outcome.quorum_s,
+            wall_s=time.monotonic() - t_start,
+            time=time.time(),
+            checksum=theta_checksum(diloco),
+            outer_checksum=outer_state_checksum(diloco),
+            **(engine_fields(res) if res is not None else {}),
+        )
+        totals.add(line)
         with open(metrics_path, "a") as mf:
-            mf.write(json.dumps(line) + "\n")
-        diloco.group.report_round(round_report(line))  # for the rendezvous status page (heartbeat thread)
+            write_line(mf, line)
+        diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
         log.info(
-            "%s: round %d %s members=%s val_loss=%.4f sync=%.2fs sent=%dB",
+            "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
             cfg.site_id,
-            line["round"],
+            line.round,
             outcome.status,
-            line["members"],
+            line.members,
             val,
             sync_s,
-            res.bytes_sent if res else 0,
+            line.bytes_sent or 0,
         )
         if cfg.checkpoint_every and outcome.status != "deferred" and diloco.round % cfg.checkpoint_every == 0:
             save_checkpoint(
@@ -459,27 +458,22 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
                 },
             )
     wall = time.monotonic() - t_start
-    summary = {
-        "site": cfg.site_id,
-        "rounds": diloco.round,
-        "first_val_loss": first_val,
-        "final_val_loss": val,
-        "final_train_loss": train_loss,
-        "checksum": theta_checksum(diloco),
-        "wall_s": wall,
-        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
-        "fp32_bytes_per_round": fp32_bytes,
-        "interrupted": stop.is_set(),
-        **totals,
-    }
-    # The codec's ratio over every contribution this site encoded (fp32 bytes / encoded bytes);
+    # compression_ratio: the codec's ratio over every contribution this site encoded;
     # bytes_sent also counts means an owner serves, so it is not a compression measure.
-    summary["compression_ratio"] = (
-        totals["encoded_fp32_bytes"] / totals["encoded_bytes"] if totals.get("encoded_bytes") else None
+    return Summary(
+        site=cfg.site_id,
+        rounds=diloco.round,
+        first_val_loss=first_val,
+        final_val_loss=val,
+        final_train_loss=train_loss,
+        checksum=theta_checksum(diloco),
+        wall_s=wall,
+        sync_share=totals.sync_s / wall if wall > 0 else 0.0,
+        fp32_bytes_per_round=fp32_bytes,
+        interrupted=stop.is_set(),
+        compression_ratio=totals.compression_ratio,
+        **dataclasses.asdict(totals),
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("%s: done: %s", cfg.site_id, summary)
-    return summary
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

@@ -25,7 +25,9 @@ the decoding codec expects; the decoded body size (which follows from codec, num
 parameter alone) against ``CodecConfig.max_decoded_bytes``; the stored length against
 the payload length; the crc32; for zstd, the frame's *declared* content size against the
 exact expected body size before anything is decompressed (so a frame claiming 10 GB is
-refused without allocating it; frames that declare no size are refused); and finally
+refused without allocating it, :class:`~dtrain.errors.DecodeBoundExceeded`; a streaming
+frame that declares no size is decoded into a buffer of the expected size and refused
+the same way if it yields more); and finally
 that the decoded values are finite and the codes possible.
 
 Bodies (details in each class):

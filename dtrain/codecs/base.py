@@ -18,7 +18,7 @@ import torch
 import zstandard
 
 from dtrain.codecs.config import CodecConfig, _bad_int
-from dtrain.errors import CodecError
+from dtrain.errors import CodecError, DecodeBoundExceeded
 
 __all__ = ["HEADER_BYTES", "Codec", "PayloadHeader", "peek_header"]
 
@@ -178,11 +178,13 @@ class Codec:
             A new 1-D float32 tensor with exactly ``numel`` elements.
 
         Raises:
+            DecodeBoundExceeded: (a ``CodecError``) the body would be larger than
+                ``config.max_decoded_bytes``, or the zstd frame declares or yields more
+                than the expected body size (refused before more than that is allocated).
             CodecError: truncated; corrupted (crc32, impossible codes, non-finite
-                values); mislabeled (codec, zstd flag, block size or k); wrong element
-                count; a body larger than ``config.max_decoded_bytes``; or a zstd frame
-                whose declared content size is not the exact expected body size
-                (refused before anything is decompressed).
+                values, a bad zstd frame); mislabeled (codec, zstd flag, block size or k);
+                wrong element count; a zstd frame that declares or yields fewer bytes than
+                the expected body size.
         """
         if _bad_int(numel) or numel < 0:
             raise CodecError(f"numel must be a non-negative int, got {numel!r}")
@@ -203,7 +205,7 @@ class Codec:
         raw = self._body_bytes(numel)
         bound = self.config.max_decoded_bytes
         if raw > bound:
-            raise CodecError(
+            raise DecodeBoundExceeded(
                 f"decoded body of {raw} bytes for {numel} elements exceeds bound max_decoded_bytes={bound}"
             )
         if self._zstd and h.body_bytes > zstd_bound(raw):
@@ -285,31 +287,47 @@ class Codec:
         return d
 
     def _decompress(self, stored: memoryview, expected: int) -> bytes:
-        """Decompress one zstd frame whose content size must be exactly ``expected``.
+        """Decompress one zstd frame whose content must be exactly ``expected`` bytes.
 
-        The frame header's declared content size is checked *before* decompressing (the
-        zstandard library allocates whatever a frame declares), frames that do not
-        declare it are refused, and the output is capped at ``expected`` bytes.
+        A frame that declares its content size (what :meth:`encode` writes) is checked
+        *before* decompressing (the zstandard library allocates whatever a frame
+        declares): more than ``expected`` raises :class:`DecodeBoundExceeded`, less a
+        :class:`CodecError`. A frame that does not declare it (a streaming frame, as
+        ``ZstdCompressor().compressobj()`` or ``stream_writer`` write it) is decoded into
+        a buffer of ``expected`` bytes; when its content is longer, a bounded streaming
+        read of ``expected + 1`` bytes tells a frame past the bound
+        (:class:`DecodeBoundExceeded`) from a corrupted one (:class:`CodecError`).
         """
         try:
             declared = zstandard.frame_content_size(stored)
         except zstandard.ZstdError as e:
             raise CodecError(f"corrupted zstd frame header: {e}") from None
-        if declared == -1:
-            raise CodecError(f"zstd frame does not declare its content size (expected {expected} bytes)")
         if declared > expected:
-            raise CodecError(f"zstd frame claims {declared} bytes, bound is {expected}")
-        if declared != expected:
+            raise DecodeBoundExceeded(f"zstd frame claims {declared} bytes, bound is {expected}")
+        if declared != -1 and declared != expected:
             raise CodecError(f"zstd frame claims {declared} bytes, expected {expected}")
-        if expected == 0:
+        if declared == 0 == expected:
             return b""
         try:
-            out = self._decompressor().decompress(stored, max_output_size=expected, allow_extra_data=False)
+            # max_output_size bounds the buffer of a frame that declares no size (at least 1:
+            # zstandard reads 0 as "no limit")
+            out = self._decompressor().decompress(stored, max_output_size=max(1, expected), allow_extra_data=False)
         except zstandard.ZstdError as e:
+            if declared == -1 and self._streamed_size_exceeds(stored, expected):
+                raise DecodeBoundExceeded(f"zstd frame decompresses past its bound of {expected} bytes") from None
             raise CodecError(f"corrupted zstd frame: {e}") from None
-        if len(out) != expected:  # zstd enforces the declared size; belt and braces
+        if len(out) != expected:  # zstd enforces a declared size; a streaming frame may be short
             raise CodecError(f"zstd frame decompressed to {len(out)} bytes, expected {expected}")
         return out
+
+    def _streamed_size_exceeds(self, stored: memoryview, expected: int) -> bool:
+        """Whether the first frame in ``stored`` yields more than ``expected`` bytes
+        (reads at most ``expected + 1``; a corrupted frame reads as not exceeding)."""
+        try:
+            with self._decompressor().stream_reader(bytes(stored), read_across_frames=False) as r:
+                return len(r.read(expected + 1)) > expected
+        except zstandard.ZstdError:
+            return False
 
 
 # ------------------------------------------------------------------- helpers

@@ -1,10 +1,19 @@
 """The round (outer step): its public types and the engine that runs it at one site.
 
-``dtrain.rounds.types`` holds :class:`RoundConfig` and :class:`RoundResult`;
-``dtrain.rounds.engine`` holds :class:`RoundEngine`.
+Modules:
+
+* ``dtrain.rounds.types`` — :class:`RoundConfig`, :class:`RoundResult`,
+  :class:`BucketOutcome` (the state of a bucket after a round), :class:`RejectionTally`;
+* ``dtrain.rounds.owner`` — :class:`~dtrain.rounds.owner.OpenRound`, the owner-side
+  bookkeeping of one open round (accept, reject, members lost, due, close, finalize);
+* ``dtrain.rounds.error_feedback`` — the residual arithmetic;
+* ``dtrain.rounds.means`` — an owner's mean as broadcast chunks, and back;
+* ``dtrain.rounds.engine`` — :class:`RoundEngine`, one site's engine and peer handler,
+  whose ``run_round`` is a sequence of named steps;
+* ``dtrain.rounds.sitelog`` — the logger adapter that names the site on every line.
 """
 
 from dtrain.rounds.engine import RoundEngine
-from dtrain.rounds.types import RoundConfig, RoundResult
+from dtrain.rounds.types import BucketOutcome, RejectionTally, RoundConfig, RoundResult
 
-__all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
+__all__ = ["RoundConfig", "RoundResult", "RoundEngine", "BucketOutcome", "RejectionTally"]

@@ -1,17 +1,25 @@
-"""One round (outer step) as a state machine, written against ``Transport``.
+"""One site's round engine (outer step), written against ``Transport``.
 
-Phases (DESIGN.md, "One round"): reduce (each site streams Δ_b + residual_b,
-encoded per chunk, to owner(b)); finalize (the owner averages per chunk over
-what arrived and validated, unbiased; arXiv 2507.07114); broadcast (sites pull
-the encoded means); apply (every site, the owner included, runs the outer
-optimizer on the same decoded bytes); verify and repair (checksums against the
-owner's; stale buckets are pulled whole).
+Steps of :meth:`RoundEngine.run_round` (DESIGN.md, "One round"), each a method:
 
-:class:`RoundEngine` is one site's engine. It is also the site's
-``PeerHandler``: it validates incoming contributions for the rounds it runs and
-serves means and bucket state. ``run_round`` blocks; ``start_round`` runs it in
-a background thread so a caller can overlap it with computation (the way
-Streaming DiLoCo, arXiv 2501.18512, overlaps communication with τ inner steps).
+1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`)
+   and start the finalizer thread (``_finalize_loop``: publishes each owned bucket's
+   mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
+2. ``_reduce`` — encode Δ_b + residual_b per chunk and stream it to owner(b);
+3. ``_broadcast`` — pull the means of the buckets other sites own;
+4. ``_late_pulls`` — once more from the owner (a lost reply), then from members;
+5. ``_apply_and_verify`` — every site, the owner included, applies the same decoded
+   bytes and compares checksums with the owner's; each bucket gets its
+   :class:`~dtrain.rounds.types.BucketOutcome`;
+6. ``_repair`` — stale buckets are pulled whole (θ_b and outer-optimizer state);
+7. ``_settle_residuals`` — error feedback (:mod:`dtrain.rounds.error_feedback`);
+8. ``_close`` — rejection accounting, exclusion of repeat offenders, the result.
+
+:class:`RoundEngine` is also the site's ``PeerHandler``: it validates incoming
+contributions for the rounds it runs and serves means and bucket state.
+``run_round`` blocks; ``start_round`` runs it in a background thread so a caller can
+overlap it with computation (the way Streaming DiLoCo, arXiv 2501.18512, overlaps
+communication with τ inner steps).
 """
 
 from __future__ import annotations
@@ -21,16 +29,16 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from dtrain.aggregation import ChunkAccumulator
 from dtrain.buckets import assign_owners
 from dtrain.codecs import get_codec
 from dtrain.errors import (
     CodecError,
+    DecodeBoundExceeded,
     PeerTimeout,
     PeerUnavailable,
     RejectCode,
@@ -38,8 +46,12 @@ from dtrain.errors import (
     StateTransferError,
     TransportError,
 )
-from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
-from dtrain.rounds.types import RoundConfig, RoundResult
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
+from dtrain.rounds import error_feedback
+from dtrain.rounds.means import decode_mean, encode_mean
+from dtrain.rounds.owner import ChunkReduction, OpenRound
+from dtrain.rounds.sitelog import SiteLog
+from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
@@ -47,43 +59,45 @@ __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
 
 log = logging.getLogger(__name__)
 
-# Rejections that say the sender sent something wrong (and count towards excluding
-# it); late, stale-round or not-a-member rejections are about timing or membership.
-_SENDER_FAULTS = (RejectCode.INVALID_ARGUMENT, RejectCode.RESOURCE_EXHAUSTED, RejectCode.ALREADY_EXISTS)
+
+class _Owned:
+    """The engine's threading around one round's owner-side books."""
+
+    def __init__(self, books: OpenRound) -> None:
+        self.books = books
+        self.cv = threading.Condition()
+        self.done = {b: threading.Event() for b in books.mine}  # mean of owned bucket b published
+        self.published = threading.Event()  # every owned bucket's mean published
 
 
-class _OpenRound:
-    """Owner-side bookkeeping of one round."""
+@dataclass(eq=False)
+class _Run:
+    """What one ``run_round`` at this site carries from step to step."""
 
-    def __init__(self, plan: RoundPlan, owners: list[str], site_id: str, engine: "RoundEngine", t0: float) -> None:
-        self.plan = plan
-        self.owners = owners
-        self.members = set(plan.site_ids)
-        self.lost: set[str] = set()  # members the rendezvous declared dead during the round
-        self.finalize_at = t0 + plan.reduce_timeout_s
-        self.broadcast_until = t0 + plan.broadcast_timeout_s
-        layout = engine.state.layout
-        cfg = engine.config.aggregation
-        self.mine = [b for b, o in enumerate(owners) if o == site_id]
-        self.acc: dict[tuple[int, int], ChunkAccumulator] = {
-            (b, c): ChunkAccumulator(n, cfg) for b in self.mine for c, (_, n) in enumerate(layout.buckets[b].chunks)
-        }
-        self.expected = len(self.acc) * len(self.members)
-        self.arrived = 0
-        self.rejected: dict[str, int] = {}
-        self.rejected_senders: set[str] = set()
-        # Per owned bucket: contributions still expected, closed (no more accepted),
-        # done (mean published). A bucket is finalized as soon as every member's
-        # every chunk arrived, or at the reduce deadline.
-        self.bucket_missing = {b: len(layout.buckets[b].chunks) * len(self.members) for b in self.mine}
-        self.complete: list[int] = [b for b, m in self.bucket_missing.items() if m == 0]
-        self.closed: set[int] = set()
-        self.done = {b: threading.Event() for b in self.mine}
-        self.final_digests: dict[tuple[int, int], dict[str, bytes]] = {}
-        self.finalized = threading.Event()  # every owned bucket is closed
-        self.published = threading.Event()  # every owned bucket's mean is available
-        self.lock = threading.Lock()
-        self.cv = threading.Condition(self.lock)
+    plan: RoundPlan
+    owners: list[str]
+    owned: _Owned
+    res: RoundResult
+    contribute: bool
+    t0: float
+    bytes0: tuple[int, int]
+    payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
+    got: dict[int, BucketMean] = field(default_factory=dict)  # means pulled from their owners (or members)
+    missing: dict[int, str] = field(default_factory=dict)  # bucket -> why its mean did not arrive
+    owner_lost: set[int] = field(default_factory=set)  # buckets whose owner could not be reached
+    outcome: dict[int, BucketOutcome] = field(default_factory=dict)
+    missed: set[int] = field(default_factory=set)  # stale because the mean never arrived
+    repaired_senders: dict[int, list] = field(default_factory=dict)  # a repair's mean_senders per bucket
+    lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
+
+    @property
+    def round(self) -> int:
+        return self.plan.round
+
+    def add(self, **amounts: float) -> None:
+        with self.lock:
+            for k, v in amounts.items():
+                setattr(self.res, k, getattr(self.res, k) + v)
 
 
 class RoundEngine:
@@ -106,8 +120,9 @@ class RoundEngine:
         self.codec = get_codec(self.config.codec)
         self.bcodec = get_codec(self.config.broadcast_codec or self.config.codec)
         self.address: str | None = None
+        self.log = SiteLog(log, site_id)
         self._cv = threading.Condition()
-        self._open: dict[int, _OpenRound] = {}
+        self._open: dict[int, _Owned] = {}
         self._means: dict[tuple[int, int], BucketMean] = {}
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._reject_streak: dict[str, int] = {}
@@ -139,13 +154,13 @@ class RoundEngine:
         return frozenset(self._banned)
 
     # ------------------------------------------------------------------ PeerHandler
-    def _round_for(self, rnd: int, timeout_s: float) -> _OpenRound:
+    def _round_for(self, rnd: int, timeout_s: float) -> _Owned:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:
-                o = self._open.get(rnd)
-                if o is not None:
-                    return o
+                owned = self._open.get(rnd)
+                if owned is not None:
+                    return owned
                 if rnd < self.state.rounds_applied:
                     raise Rejected(
                         RejectCode.FAILED_PRECONDITION,
@@ -160,15 +175,14 @@ class RoundEngine:
                 self._cv.wait(left)
 
     def handle_contribution(self, c: Contribution) -> None:
-        o = self._round_for(c.round, self.config.plan_wait_s)
+        owned = self._round_for(c.round, self.config.plan_wait_s)
         try:
-            self._accept(o, c)
+            self._accept(owned, c)
         except Rejected as e:
-            with o.lock:
-                o.rejected[e.reason] = o.rejected.get(e.reason, 0) + 1
-                if e.code in _SENDER_FAULTS:
-                    o.rejected_senders.add(c.sender)
-            log.warning(
+            with owned.cv:
+                example = owned.books.reject(c.sender, e.code, e.reason)
+            # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
+            (self.log.warning if example else self.log.debug)(
                 "round %d: rejected chunk b%d c%d from %s: %s %s",
                 c.round,
                 c.bucket,
@@ -179,58 +193,25 @@ class RoundEngine:
             )
             raise
 
-    def _accept(self, o: _OpenRound, c: Contribution) -> None:
+    def _accept(self, owned: _Owned, c: Contribution) -> None:
         if c.sender in self._banned:
             raise Rejected(
                 RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions"
             )
-        if c.sender not in o.members:
-            raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is not a member of round {c.round}")
-        layout = self.state.layout
-        if not 0 <= c.bucket < len(layout):
-            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {c.bucket} out of range [0, {len(layout)})")
-        if o.owners[c.bucket] != self.site_id:
-            raise Rejected(
-                RejectCode.FAILED_PRECONDITION,
-                f"bucket {c.bucket} is owned by {o.owners[c.bucket]}, not {self.site_id}",
-            )
-        chunks = layout.buckets[c.bucket].chunks
-        if not 0 <= c.chunk < len(chunks):
-            raise Rejected(
-                RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} out of range [0, {len(chunks)}) of bucket {c.bucket}"
-            )
-        off, n = chunks[c.chunk]
-        if (c.offset, c.numel) != (off, n):
-            raise Rejected(
-                RejectCode.INVALID_ARGUMENT,
-                f"chunk {c.chunk} of bucket {c.bucket} covers offset {off} numel {n}, got offset {c.offset} numel {c.numel}",
-            )
+        owned.books.check(c)
         if c.codec != self.codec.name:
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"codec {c.codec!r} but this round uses {self.codec.name!r}")
         try:
-            values = self.codec.decode(c.payload, numel=n)
+            values = self.codec.decode(c.payload, numel=c.numel)
+        except DecodeBoundExceeded as e:  # a decompression bomb, or a body past max_decoded_bytes
+            raise Rejected(RejectCode.RESOURCE_EXHAUSTED, f"undecodable payload: {e}") from e
         except CodecError as e:
-            code = (
-                RejectCode.RESOURCE_EXHAUSTED if "zstd" in str(e) or "bound" in str(e) else RejectCode.INVALID_ARGUMENT
-            )
-            raise Rejected(code, f"undecodable payload: {e}") from e
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"undecodable payload: {e}") from e
         digest = hashlib.blake2b(c.payload, digest_size=16).digest()
-        with o.cv:
-            if c.bucket in o.closed:
-                if o.final_digests.get((c.bucket, c.chunk), {}).get(c.sender) == digest:
-                    return  # an identical retry of a chunk the mean already counts
-                raise Rejected(
-                    RejectCode.FAILED_PRECONDITION,
-                    f"round {c.round} bucket {c.bucket} is already finalized (late or stale contribution)",
-                )
-            if o.acc[(c.bucket, c.chunk)].add(c.sender, values, digest):
-                o.arrived += 1
-                if c.sender in o.lost:
-                    return  # no longer awaited (members_lost): counted in the mean, not in what is missing
-                o.bucket_missing[c.bucket] -= 1
-                if o.bucket_missing[c.bucket] == 0:
-                    o.complete.append(c.bucket)
-                    o.cv.notify_all()
+        with owned.cv:
+            if owned.books.accept(c.sender, c.bucket, c.chunk, values, digest, now=time.monotonic()):
+                if owned.books.awaited(c.bucket) == 0:
+                    owned.cv.notify_all()
 
     def members_lost(self, site_ids: Iterable[str]) -> None:
         """Stop waiting for contributions from ``site_ids`` in every round open here.
@@ -243,32 +224,25 @@ class RoundEngine:
         waiting out the reduce deadline. Contributions a lost member still sends
         before its bucket is finalized are counted as usual; later ones are
         refused as late and stay in the sender's residual. Sites that are not
-        members of a round, and this site itself, are ignored.
+        members of a round, and this site itself, are ignored
+        (:meth:`OpenRound.members_lost`).
         """
         lost = set(site_ids) - {self.site_id}
         if not lost:
             return
         with self._cv:
             rounds = list(self._open.values())
-        for o in rounds:
-            with o.cv:
-                new = (lost & o.members) - o.lost
-                if not new:
-                    continue
-                o.lost |= new
-                for b in o.mine:
-                    if b in o.closed:
-                        continue
-                    for c in range(len(self.state.layout.buckets[b].chunks)):
-                        o.bucket_missing[b] -= sum(1 for s in new if s not in o.acc[(b, c)].senders)
-                    if o.bucket_missing[b] == 0 and b not in o.complete:
-                        o.complete.append(b)
-                o.cv.notify_all()
-            log.warning(
-                "round %d: %s declared dead by the rendezvous: not waiting for their contributions",
-                o.plan.round,
-                ", ".join(sorted(new)),
-            )
+        for owned in rounds:
+            with owned.cv:
+                new = owned.books.members_lost(lost)
+                if new:
+                    owned.cv.notify_all()
+            if new:
+                self.log.warning(
+                    "round %d: %s declared dead by the rendezvous: not waiting for their contributions",
+                    owned.books.round,
+                    ", ".join(sorted(new)),
+                )
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
@@ -276,18 +250,13 @@ class RoundEngine:
             m = self._means.get((round, bucket))
         if m is not None:
             return m
-        o = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
-        if not 0 <= bucket < len(o.owners):
-            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(o.owners)})")
-        if o.owners[bucket] != self.site_id:
-            with self._cv:  # a peer asking us for a mean we may have cached
-                m = self._means.get((round, bucket))
-            if m is None:
-                raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
-            return m
-        if not o.done[bucket].wait(max(0.0, deadline - time.monotonic())):
+        owned = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
+        owners = owned.books.owners
+        if not 0 <= bucket < len(owners):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(owners)})")
+        if owners[bucket] == self.site_id and not owned.done[bucket].wait(max(0.0, deadline - time.monotonic())):
             raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
-        with self._cv:
+        with self._cv:  # our own mean, or one of a peer's we may have cached
             m = self._means.get((round, bucket))
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
@@ -309,99 +278,6 @@ class RoundEngine:
             st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
         )
 
-    # ------------------------------------------------------------------ owner: finalize
-    def _finalize(self, o: _OpenRound, res: RoundResult) -> None:
-        """Owner side: publish each owned bucket's mean as soon as it is complete,
-        and every remaining one at the reduce deadline."""
-        while True:
-            with o.cv:
-                while not o.complete and time.monotonic() < o.finalize_at and len(o.closed) < len(o.mine):
-                    o.cv.wait(max(0.0, o.finalize_at - time.monotonic()))
-                if time.monotonic() >= o.finalize_at:
-                    batch = [b for b in o.mine if b not in o.closed]
-                else:
-                    batch = [b for b in o.complete if b not in o.closed]
-                o.complete.clear()
-                for b in batch:
-                    o.closed.add(b)
-                    for c in range(len(self.state.layout.buckets[b].chunks)):
-                        o.final_digests[(b, c)] = dict(o.acc[(b, c)]._digests)
-                if len(o.closed) == len(o.mine):
-                    o.finalized.set()
-            self._finalize_buckets(o, res, batch)
-            if o.finalized.is_set():
-                break
-        res.reduce_arrived_fraction = (o.arrived / o.expected) if o.expected else 1.0
-        o.published.set()
-        with self._cv:
-            self._cv.notify_all()
-
-    def _finalize_buckets(self, o: _OpenRound, res: RoundResult, buckets: list[int]) -> None:
-        r = o.plan.round
-        t_enc = 0.0
-        for b in buckets:
-            bucket = self.state.layout.buckets[b]
-            means: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
-            complete = True
-            for c in range(len(bucket.chunks)):
-                mean, senders, dropped = o.acc[(b, c)].finalize()
-                for s, why in dropped.items():
-                    o.rejected[why] = o.rejected.get(why, 0) + 1
-                    o.rejected_senders.add(s)
-                    log.warning("round %d: dropped contribution of %s to b%d c%d: %s", r, s, b, c, why)
-                if mean is None:
-                    complete = False
-                    break
-                means.append((c, mean, senders))
-            before = self.state.checksum(b)
-            if not complete:
-                # Some chunk got nothing at all: nobody applies this bucket and nobody's
-                # contribution counts as included, so it stays in every residual.
-                bm = BucketMean(
-                    round=r, bucket=b, owner=self.site_id, chunks=(), checksum_before=before, checksum_after=before
-                )
-                log.warning("round %d: bucket %d has a chunk with no contributions; not applied", r, b)
-            else:
-                t = time.perf_counter()
-                full = torch.empty(bucket.numel, dtype=torch.float32)
-                chunks = []
-                use_bres = self.config.broadcast_error_feedback and not self.bcodec.lossless
-                bres = self._bres.get(b) if use_bres else None
-                for c, mean, senders in means:
-                    off, n = bucket.chunks[c]
-                    if bres is not None:
-                        mean = mean + bres[off : off + n]
-                    payload = self.bcodec.encode(mean, generator=self._gen)
-                    dec = self.bcodec.decode(payload, numel=n)
-                    if use_bres:
-                        if bres is None:
-                            bres = self._bres.setdefault(b, torch.zeros(bucket.numel))
-                        bres[off : off + n] = mean - dec
-                    full[off : off + n] = dec
-                    chunks.append(
-                        MeanChunk(
-                            chunk=c, offset=off, numel=n, codec=self.bcodec.name, payload=payload, senders=senders
-                        )
-                    )
-                t_enc += time.perf_counter() - t
-                after = self.state.apply_mean(b, full)
-                bm = BucketMean(
-                    round=r,
-                    bucket=b,
-                    owner=self.site_id,
-                    chunks=tuple(chunks),
-                    checksum_before=before,
-                    checksum_after=after,
-                )
-            with self._cv:
-                self._means[(r, b)] = bm
-                self.state.bucket_round[b] = r + 1
-            with o.cv:
-                for c in range(len(bucket.chunks)):
-                    o.acc.pop((b, c), None)  # free memory
-            o.done[b].set()
-        res.encode_s += t_enc
-
     # ------------------------------------------------------------------ site: one round
     def start_round(self, plan: RoundPlan, contribute: bool = True) -> "cf.Future[RoundResult]":
         """Run :meth:`run_round` in a background thread; returns its future."""
@@ -417,7 +293,8 @@ class RoundEngine:
         ``state.residuals[b]`` (see :meth:`add_pseudo_gradient`). On return, θ
         holds the new global parameters for every bucket whose mean arrived (or
         was repaired); buckets whose owner died keep θ_b (alike on every
-        survivor) and this site's contribution stays in its residual.
+        survivor) and this site's contribution stays in its residual. Each
+        bucket's :class:`BucketOutcome` is in ``RoundResult.bucket_outcome``.
 
         Never raises for peer failures: they are recorded in the result. Returns
         after the broadcast deadline + ``repair_timeout_s`` at the latest.
@@ -426,362 +303,456 @@ class RoundEngine:
             plan: the round plan from the rendezvous (this site must be a member).
             contribute: False to take part without sending (e.g. non-finite Δ).
         """
+        run = self._open_round(plan, contribute)
+        finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
+        finalizer.start()
+        self._reduce(run)
+        self._broadcast(run)
+        finalizer.join(timeout=max(0.0, run.owned.books.broadcast_until - time.monotonic()) + 1.0)
+        self._late_pulls(run)
+        self._apply_and_verify(run)
+        self._repair(run)
+        self._settle_residuals(run)
+        return self._close(run)
+
+    def _open_round(self, plan: RoundPlan, contribute: bool) -> _Run:
+        """Step 1: the owner-side books of this round, registered for peers' requests."""
         t0 = time.monotonic()
         r = plan.round
         if self.site_id not in plan.site_ids:
             raise ValueError(f"{self.site_id} is not a member of round {r}: {plan.site_ids}")
         layout = self.state.layout
         owners = assign_owners(len(layout), plan.site_ids)
-        o = _OpenRound(plan, owners, self.site_id, self, t0)
-        res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(o.mine), contributed=contribute)
-        sent0, recv0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
+        books = OpenRound(
+            plan=plan,
+            owners=owners,
+            site_id=self.site_id,
+            chunks=[b.chunks for b in layout.buckets],
+            aggregation=self.config.aggregation,
+            opened_at=t0,
+        )
+        owned = _Owned(books)
+        res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(books.mine), contributed=contribute)
+        bytes0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
-            self._open[r] = o
+            self._open[r] = owned
             # Means of earlier rounds were kept only for peers' late pulls; every
             # member of this round has finished those rounds, so drop them.
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
-        finalizer = threading.Thread(target=self._finalize, args=(o, res), name=f"finalize-{r}", daemon=True)
-        finalizer.start()
+        return _Run(plan=plan, owners=owners, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0)
 
-        # ---- reduce: encode per chunk and stream to owners
-        if self.fault_hook is not None:
-            self.fault_hook("before_push", r)
-        payloads: dict[tuple[int, int], bytes] = {}
-        enc_lock = threading.Lock()
-        if contribute:
-            by_owner: dict[str, list[int]] = {}
-            for b, ow in enumerate(owners):
-                by_owner.setdefault(ow, []).append(b)
-
-            def chunks_for(bs: list[int], remote: bool = False) -> Iterator[Contribution]:
-                first = True
-                for b in bs:
-                    v = self.state.residuals[b]
-                    if v is None:
-                        continue
-                    for c, (off, n) in enumerate(layout.buckets[b].chunks):
-                        t = time.perf_counter()
-                        payload = self.codec.encode(v[off : off + n], generator=self._gen)
-                        with enc_lock:
-                            res.encode_s += time.perf_counter() - t
-                            res.encoded_bytes += len(payload)
-                            res.encoded_fp32_bytes += 4 * n
-                            if not self.codec.lossless:
-                                payloads[(b, c)] = payload
-                        yield Contribution(
-                            round=r,
-                            bucket=b,
-                            chunk=c,
-                            offset=off,
-                            numel=n,
-                            codec=self.codec.name,
-                            sender=self.site_id,
-                            payload=payload,
-                        )
-                        if remote and first and self.fault_hook is not None:
-                            self.fault_hook("mid_push", r)
-                        first = False
-
-            def push(ow: str, bs: list[int]) -> None:
-                if ow == self.site_id:
-                    for cn in chunks_for(bs):
-                        try:
-                            self._accept(o, cn)
-                        except Rejected as e:
-                            res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
-                    return
-                t = time.perf_counter()
-                try:
-                    self.transport.push(
-                        plan.address_of(ow),
-                        chunks_for(bs, remote=True),
-                        timeout_s=max(0.01, o.finalize_at - time.monotonic()),
-                    )
-                except TransportError as e:
-                    res.errors.append(f"push to {ow}: {e}")
-                    log.warning("round %d: push to %s failed: %s", r, ow, e)
-                with enc_lock:
-                    res.network_s += time.perf_counter() - t
-
-            with cf.ThreadPoolExecutor(max_workers=max(1, min(8, len(by_owner)))) as ex:
-                list(ex.map(lambda kv: push(*kv), by_owner.items()))
-
-        # ---- broadcast: pull the means of the buckets others own
-        got: dict[int, BucketMean] = {}
-
-        owner_down: set[int] = set()  # buckets whose owner could not be reached at all
-
-        def pull(b: int) -> tuple[int, BucketMean | None, str]:
-            addr = plan.address_of(owners[b])
-            try:
-                left = o.broadcast_until - time.monotonic()
-                if left <= 0:
-                    return b, None, "broadcast deadline passed"
-                return b, self.transport.pull_mean(addr, r, b, requester=self.site_id, timeout_s=left), ""
-            except PeerUnavailable as e:
-                owner_down.add(b)
-                return b, None, str(e)
-            except PeerTimeout as e:
-                # No answer by the broadcast deadline (owner stopped, hung or far behind):
-                # treated like a dead owner for this round, so that no late pull or repair
-                # waits on it again and the round ends at its deadline. A timeout well
-                # before the deadline is a lost reply (the in-process transport's
-                # pull_loss): the owner is alive, so the bucket is retried and repaired.
-                if o.broadcast_until - time.monotonic() <= max(0.05, 0.05 * plan.broadcast_timeout_s):
-                    owner_down.add(b)
-                return b, None, str(e)
-            except TransportError as e:
-                return b, None, str(e)
-
-        remote = [b for b in range(len(layout)) if owners[b] != self.site_id]
-        if self.fault_hook is not None:
-            self.fault_hook("before_pull", r)
-        t = time.perf_counter()
-        missing: dict[int, str] = {}
-        with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:
-            for b, m, err in ex.map(pull, remote):
-                if m is not None:
-                    got[b] = m
-                else:
-                    missing[b] = err
-        res.network_s += time.perf_counter() - t
-        finalizer.join(timeout=max(0.0, o.broadcast_until - time.monotonic()) + 1.0)
-
-        # late pulls: the owner once more (a lost reply), then members that may
-        # hold the mean (owner slow or gone)
-        if missing:
-            late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
-            for b in list(missing):
-                sources = [owners[b]] + [p.site_id for p in plan.members if p.site_id not in (self.site_id, owners[b])]
-                for sid in sources:
-                    if time.monotonic() > late_until:
-                        break
-                    if sid == owners[b] and b in owner_down:
-                        continue
-                    try:
-                        m = self.transport.pull_mean(
-                            plan.address_of(sid),
-                            r,
-                            b,
-                            requester=self.site_id,
-                            timeout_s=max(0.05, late_until - time.monotonic()),
-                        )
-                    except PeerUnavailable:
-                        if sid == owners[b]:
-                            owner_down.add(b)
-                        continue
-                    except TransportError:
-                        continue
-                    got[b] = m
-                    missing.pop(b)
-                    owner_down.discard(b)
+    # ------------------------------------------------------------------ owner: finalize
+    def _finalize_loop(self, run: _Run) -> None:
+        """Owner side (its own thread): publish each owned bucket's mean as soon as
+        it is due (complete, or every remaining one at the reduce deadline)."""
+        owned, books = run.owned, run.owned.books
+        while True:
+            with owned.cv:
+                closing = books.due(time.monotonic())
+                while closing is None and not books.all_closed:
+                    owned.cv.wait(max(0.0, books.finalize_at - time.monotonic()))
+                    closing = books.due(time.monotonic())
+                if closing is None:
                     break
-        for b, why in missing.items():
-            log.warning("round %d: no mean for bucket %d from %s: %s", r, b, owners[b], why)
+                books.close(closing.buckets)
+            self.log.debug("round %d: finalizing buckets %s: %s", run.round, list(closing.buckets), closing.reason)
+            self._publish(run, closing.buckets)
+        with owned.cv:
+            run.res.reduce_arrived_fraction = books.reduce_arrived_fraction
+        owned.published.set()
+        with self._cv:
+            self._cv.notify_all()
 
-        # ---- apply, verify, repair
-        stale: list[int] = []
-        missed: list[int] = []  # stale because its mean never arrived
-        for b in remote:
-            m = got.get(b)
-            if m is None:
-                with self._cv:
-                    self.state.bucket_round[b] = r + 1
-                if b in owner_down:
-                    # Its owner is gone: nobody got this mean, every survivor keeps θ_b alike.
-                    res.skipped_buckets += 1
-                else:
-                    # The owner may have applied a mean we missed: stale, repaired from it.
-                    stale.append(b)
-                    missed.append(b)
-                continue
+    def _publish(self, run: _Run, buckets: Iterable[int]) -> None:
+        """Finalize closed buckets: encode each mean, apply it here, make it pullable."""
+        owned, r = run.owned, run.round
+        for b in buckets:
+            reductions = owned.books.finalize(b)
+            self._note_dropped(run, b, reductions)
+            before = self.state.checksum(b)
+            if any(red.mean is None for red in reductions):
+                # Some chunk got nothing at all: nobody applies this bucket and nobody's
+                # contribution counts as included, so it stays in every residual.
+                bm = BucketMean(
+                    round=r, bucket=b, owner=self.site_id, chunks=(), checksum_before=before, checksum_after=before
+                )
+                self.log.warning("round %d: bucket %d %s: a chunk has no contributions", r, b, BucketOutcome.EMPTY)
+            else:
+                t = time.perf_counter()
+                chunks, full = encode_mean(
+                    self.bcodec,
+                    self.state.layout.buckets[b],
+                    reductions,
+                    residual=self._mean_residual(b),
+                    generator=self._gen,
+                )
+                run.add(encode_s=time.perf_counter() - t)
+                after = self.state.apply_mean(b, full)
+                bm = BucketMean(
+                    round=r, bucket=b, owner=self.site_id, chunks=chunks, checksum_before=before, checksum_after=after
+                )
             with self._cv:
-                self._means[(r, b)] = m
-            if not m.chunks:
-                res.skipped_buckets += 1
+                self._means[(r, b)] = bm
+                self.state.bucket_round[b] = r + 1
+            owned.done[b].set()
+
+    def _mean_residual(self, b: int) -> torch.Tensor | None:
+        """The owner's broadcast error feedback of bucket ``b`` (None when off)."""
+        if not self.config.broadcast_error_feedback or self.bcodec.lossless:
+            return None
+        return self._bres.setdefault(b, torch.zeros(self.state.layout.buckets[b].numel))
+
+    def _note_dropped(self, run: _Run, b: int, reductions: list[ChunkReduction]) -> None:
+        """Count contributions the robust options dropped at finalize as rejected."""
+        for red in reductions:
+            for s, why in red.dropped.items():
+                with run.owned.cv:
+                    example = run.owned.books.reject(s, RejectCode.INVALID_ARGUMENT, why)
+                (self.log.warning if example else self.log.debug)(
+                    "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, red.chunk, why
+                )
+
+    # ------------------------------------------------------------------ site: reduce
+    def _reduce(self, run: _Run) -> None:
+        """Step 2: encode per chunk and stream to owners (own buckets stay local)."""
+        if self.fault_hook is not None:
+            self.fault_hook("before_push", run.round)
+        if not run.contribute:
+            return
+        by_owner: dict[str, list[int]] = {}
+        for b, ow in enumerate(run.owners):
+            by_owner.setdefault(ow, []).append(b)
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(8, len(by_owner)))) as ex:
+            list(ex.map(lambda kv: self._push(run, *kv), by_owner.items()))
+
+    def _contributions(self, run: _Run, buckets: list[int], remote: bool) -> Iterator[Contribution]:
+        first = True
+        for b in buckets:
+            v = self.state.residuals[b]
+            if v is None:
+                continue
+            for c, (off, n) in enumerate(self.state.layout.buckets[b].chunks):
+                t = time.perf_counter()
+                payload = self.codec.encode(v[off : off + n], generator=self._gen)
+                run.add(encode_s=time.perf_counter() - t, encoded_bytes=len(payload), encoded_fp32_bytes=4 * n)
+                if not self.codec.lossless:
+                    with run.lock:
+                        run.payloads[(b, c)] = payload
+                yield Contribution(
+                    round=run.round,
+                    bucket=b,
+                    chunk=c,
+                    offset=off,
+                    numel=n,
+                    codec=self.codec.name,
+                    sender=self.site_id,
+                    payload=payload,
+                )
+                if remote and first and self.fault_hook is not None:
+                    self.fault_hook("mid_push", run.round)
+                first = False
+
+    def _push(self, run: _Run, owner: str, buckets: list[int]) -> None:
+        if owner == self.site_id:
+            for cn in self._contributions(run, buckets, remote=False):
+                try:
+                    self._accept(run.owned, cn)
+                except Rejected as e:
+                    run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
+            return
+        t = time.perf_counter()
+        try:
+            self.transport.push(
+                run.plan.address_of(owner),
+                self._contributions(run, buckets, remote=True),
+                timeout_s=max(0.01, run.owned.books.finalize_at - time.monotonic()),
+            )
+        except TransportError as e:
+            run.res.errors.append(f"push to {owner}: {e}")
+            self.log.warning("round %d: push to %s failed: %s", run.round, owner, e)
+        run.add(network_s=time.perf_counter() - t)
+
+    # ------------------------------------------------------------------ site: broadcast
+    def _broadcast(self, run: _Run) -> None:
+        """Step 3: pull the means of the buckets others own, until the broadcast deadline."""
+        remote = [b for b in range(len(run.owners)) if run.owners[b] != self.site_id]
+        if self.fault_hook is not None:
+            self.fault_hook("before_pull", run.round)
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:
+            for b, m, err in ex.map(lambda b: self._pull_from_owner(run, b), remote):
+                if m is not None:
+                    run.got[b] = m
+                else:
+                    run.missing[b] = err
+        run.add(network_s=time.perf_counter() - t)
+
+    def _pull_from_owner(self, run: _Run, b: int) -> tuple[int, BucketMean | None, str]:
+        books = run.owned.books
+        try:
+            left = books.broadcast_until - time.monotonic()
+            if left <= 0:
+                return b, None, "broadcast deadline passed"
+            addr = run.plan.address_of(run.owners[b])
+            return b, self.transport.pull_mean(addr, run.round, b, requester=self.site_id, timeout_s=left), ""
+        except PeerUnavailable as e:
+            with run.lock:
+                run.owner_lost.add(b)
+            return b, None, str(e)
+        except PeerTimeout as e:
+            # No answer by the broadcast deadline (owner stopped, hung or far behind):
+            # treated like a lost owner for this round, so that no late pull or repair
+            # waits on it again and the round ends at its deadline. A timeout well
+            # before the deadline is a lost reply (the in-process transport's
+            # pull_loss): the owner is alive, so the bucket is retried and repaired.
+            if books.broadcast_until - time.monotonic() <= max(0.05, 0.05 * run.plan.broadcast_timeout_s):
+                with run.lock:
+                    run.owner_lost.add(b)
+            return b, None, str(e)
+        except TransportError as e:
+            return b, None, str(e)
+
+    def _late_pulls(self, run: _Run) -> None:
+        """Step 4: for each missing mean, the owner once more (a lost reply), then
+        members that may hold it (owner slow or gone), within ~1 s."""
+        if not run.missing:
+            return
+        late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
+        for b in list(run.missing):
+            owner = run.owners[b]
+            sources = [owner] + [s for s in run.plan.site_ids if s not in (self.site_id, owner)]
+            for sid in sources:
+                if time.monotonic() > late_until:
+                    break
+                if sid == owner and b in run.owner_lost:
+                    continue
+                try:
+                    m = self.transport.pull_mean(
+                        run.plan.address_of(sid),
+                        run.round,
+                        b,
+                        requester=self.site_id,
+                        timeout_s=max(0.05, late_until - time.monotonic()),
+                    )
+                except PeerUnavailable:
+                    if sid == owner:
+                        run.owner_lost.add(b)
+                    continue
+                except TransportError:
+                    continue
+                run.got[b] = m
+                run.missing.pop(b)
+                run.owner_lost.discard(b)
+                break
+
+    # ------------------------------------------------------------------ site: apply, verify
+    def _apply_and_verify(self, run: _Run) -> None:
+        """Step 5: apply every mean that arrived; give each bucket its outcome."""
+        r = run.round
+        for b in range(len(run.owners)):
+            if run.owners[b] == self.site_id:
                 with self._cv:
-                    self.state.bucket_round[b] = r + 1
+                    m = self._means.get((r, b))
+                # published by the finalizer (which applied it); unpublished only if it overran
+                run.outcome[b] = (
+                    BucketOutcome.STALE if m is None else (BucketOutcome.APPLIED if m.chunks else BucketOutcome.EMPTY)
+                )
                 continue
-            if self.state.checksum(b) != m.checksum_before:
-                log.warning("round %d: bucket %d differs from owner %s before applying: stale", r, b, owners[b])
-                stale.append(b)
-                if self.config.repair:
-                    continue  # pulled whole below
-                # Keep-stale (arXiv 2507.07114 §4.2): apply the mean to our own θ_b, so
-                # the drift stays what was missed instead of growing every round.
-            t = time.perf_counter()
-            try:
-                full = self._decode_mean(b, m)
-            except (CodecError, ValueError) as e:
-                log.warning("round %d: bad mean for bucket %d from %s: %s", r, b, owners[b], e)
-                res.errors.append(f"bad mean b{b}: {e}")
-                if b not in stale:
-                    stale.append(b)
-                continue
-            res.decode_s += time.perf_counter() - t
-            after = self.state.apply_mean(b, full)
+            run.outcome[b] = self._apply_remote(run, b)
+        run.res.broadcast_arrived_fraction = (
+            (len(run.got) + len(run.owned.books.mine)) / len(run.owners) if run.owners else 1.0
+        )
+
+    def _apply_remote(self, run: _Run, b: int) -> BucketOutcome:
+        """Apply the mean of bucket ``b`` (owned elsewhere), if it arrived; its outcome."""
+        r, owner, m = run.round, run.owners[b], run.got.get(b)
+        if m is None:
             with self._cv:
                 self.state.bucket_round[b] = r + 1
-            if b in stale:
-                continue
-            if after != m.checksum_after:
-                log.warning("round %d: bucket %d checksum after apply differs from owner %s: stale", r, b, owners[b])
-                stale.append(b)
-            else:
-                res.applied_buckets += 1
-        res.applied_buckets += sum(
-            1 for b in o.mine if self._means.get((r, b)) is not None and self._means[(r, b)].chunks
-        )
-        res.skipped_buckets += sum(
-            1 for b in o.mine if self._means.get((r, b)) is not None and not self._means[(r, b)].chunks
-        )
-        res.stale_buckets = len(stale)
-        repaired_senders: dict[int, list[list[str]]] = {}
-        if stale and self.config.repair:
-            res.repaired_buckets = self._repair(plan, owners, stale, got, missed, repaired_senders)
+            why = run.missing.get(b, "")
+            if b in run.owner_lost:  # nobody got this mean: every survivor keeps θ_b alike
+                self.log.warning(
+                    "round %d: bucket %d %s: no mean from %s: %s", r, b, BucketOutcome.OWNER_LOST, owner, why
+                )
+                return BucketOutcome.OWNER_LOST
+            run.missed.add(b)  # the owner may have applied a mean we missed: repaired from it
+            return self._stale(run, b, f"its mean never arrived from {owner}: {why}")
+        with self._cv:
+            self._means[(r, b)] = m
+        if not m.chunks:
+            with self._cv:
+                self.state.bucket_round[b] = r + 1
+            return BucketOutcome.EMPTY
+        stale_before = self.state.checksum(b) != m.checksum_before
+        if stale_before and self.config.repair:
+            return self._stale(run, b, f"differs from owner {owner} before applying")  # pulled whole
+        # Keep-stale (arXiv 2507.07114 §4.2) applies the mean to our own θ_b, so the
+        # drift stays what was missed instead of growing every round.
+        t = time.perf_counter()
+        try:
+            full = decode_mean(self.bcodec, self.state.layout.buckets[b], m)
+        except (CodecError, ValueError) as e:
+            run.res.errors.append(f"bad mean b{b}: {e}")
+            return self._stale(run, b, f"bad mean from {owner}: {e}")
+        run.add(decode_s=time.perf_counter() - t)
+        after = self.state.apply_mean(b, full)
+        with self._cv:
+            self.state.bucket_round[b] = r + 1
+        if stale_before:
+            return self._stale(run, b, f"differs from owner {owner} before applying (kept stale)")
+        if after != m.checksum_after:
+            return self._stale(run, b, f"checksum after apply differs from owner {owner}")
+        return BucketOutcome.APPLIED
 
-        # ---- residuals (error feedback). A chunk that a finalized mean included is
-        # consumed (less the codec's error). A chunk that was not included (lost, late,
-        # rejected) keeps u − A, where A is the mean that was applied to that chunk: the
-        # owner divided by the senders that arrived, so A already stood in for this
-        # contribution once; keeping all of u would count it twice (a systematic
-        # overshoot of ~p·(N−1)/N under chunk loss p). Summed over sites this makes
-        # N·A = Σ_i u_i − Σ_i residual_i, so over rounds the applied means add up to
-        # the true mean of every Δ, less what is still in the residuals. Where no mean
-        # was applied (owner gone, empty chunk) u stays whole. A site that missed the
-        # mean and was repaired learns from the owner which chunks were included, but
-        # not A: a non-included chunk of such a bucket keeps u whole.
-        mine_total = mine_in = 0
+    def _stale(self, run: _Run, b: int, why: str) -> BucketOutcome:
+        self.log.warning("round %d: bucket %d %s: %s", run.round, b, BucketOutcome.STALE, why)
+        return BucketOutcome.STALE
+
+    # ------------------------------------------------------------------ site: repair
+    def _repair(self, run: _Run) -> None:
+        """Step 6: pull stale buckets whole from their owner (or a member with the
+        owner's checksum), within ``repair_timeout_s``; repaired ones become REPAIRED.
+
+        A bucket whose mean this site never got (``run.missed``) is pulled from its
+        owner only, and only a state that reflects this round's mean is taken; its
+        ``mean_senders`` (which chunks the mean included) go to ``run.repaired_senders``.
+        """
+        stale = [b for b, o in run.outcome.items() if o is BucketOutcome.STALE and run.owners[b] != self.site_id]
+        if not stale or not self.config.repair:
+            return
+        deadline = time.monotonic() + self.config.repair_timeout_s
+        for b in stale:
+            owner = run.owners[b]
+            sources = (
+                [owner]
+                if b in run.missed
+                else [owner] + [s for s in run.plan.site_ids if s not in (owner, self.site_id)]
+            )
+            for src in sources:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if self._repair_from(run, b, src, left):
+                    run.outcome[b] = BucketOutcome.REPAIRED
+                    self.log.info("round %d: bucket %d %s from %s", run.round, b, BucketOutcome.REPAIRED, src)
+                    break
+
+    def _repair_from(self, run: _Run, b: int, src: str, timeout_s: float) -> bool:
+        """Pull bucket ``b`` whole from ``src`` and load it if it is the state wanted."""
+        try:
+            st = self.transport.pull_state(run.plan.address_of(src), b, requester=self.site_id, timeout_s=timeout_s)
+            theta, opt = self.state.decode_bucket_state(st)
+        except (TransportError, StateTransferError) as e:
+            self.log.warning("round %d: repair of bucket %d from %s failed: %s", run.round, b, src, e)
+            return False
+        want = run.got[b].checksum_after if b in run.got else None
+        if want is not None and st.checksum != want:
+            return False
+        if b in run.missed:
+            ms = st.extra.get("mean_senders")
+            num_chunks = len(self.state.layout.buckets[b].chunks)
+            if (
+                st.extra.get("mean_round") != run.round
+                or not isinstance(ms, list)
+                or len(ms) not in (0, num_chunks)
+                or not all(isinstance(x, list) for x in ms)
+            ):
+                self.log.warning(
+                    "round %d: repair of bucket %d from %s: its state does not reflect this round's mean",
+                    run.round,
+                    b,
+                    src,
+                )
+                return False
+            run.repaired_senders[b] = ms
+        resid = self.state.residuals[b]
+        self.state.load_bucket(b, theta, opt, st.rounds_applied)
+        self.state.residuals[b] = resid
+        return True
+
+    # ------------------------------------------------------------------ site: residuals
+    def _settle_residuals(self, run: _Run) -> None:
+        """Step 7: error feedback; each chunk of each residual is consumed, reduced by
+        the applied mean, or kept whole (:mod:`dtrain.rounds.error_feedback`)."""
+        layout = self.state.layout
+        num_mine = num_included = 0
         for b in range(len(layout)):
             v = self.state.residuals[b]
             if v is None:
                 continue
             chunks = layout.buckets[b].chunks
-            m = self._means.get((r, b)) if owners[b] == self.site_id else got.get(b)
-            applied: BucketMean | None = None
-            if m is not None:
-                senders = [ch.senders for ch in m.chunks]
-                applied = m if len(m.chunks) == len(chunks) else None
-            else:
-                senders = repaired_senders.get(b, [])
-            included = [c < len(senders) and self.site_id in senders[c] for c in range(len(chunks))]
-            if contribute:
-                mine_total += len(chunks)
-                mine_in += sum(included)
+            senders, applied = self._mean_of(run, b)
+            included = error_feedback.included_chunks(self.site_id, senders, len(chunks))
+            if run.contribute:
+                num_mine += len(chunks)
+                num_included += sum(included)
             if not self.config.error_feedback:
                 self.state.residuals[b] = None
                 continue
             for c, (off, n) in enumerate(chunks):
-                if included[c]:
-                    if self.codec.lossless:
-                        v[off : off + n] = 0.0
-                    else:
-                        v[off : off + n] -= self.codec.decode(payloads[(b, c)], numel=n)
-                elif applied is not None:
+                sent = None
+                if included[c] and not self.codec.lossless:
+                    sent = self.codec.decode(run.payloads[(b, c)], numel=n)
+                mean = None
+                if not included[c] and applied is not None:
                     try:
-                        v[off : off + n] -= self.bcodec.decode(applied.chunks[c].payload, numel=n)
+                        mean = self.bcodec.decode(applied.chunks[c].payload, numel=n)
                     except CodecError as e:  # a bad mean was not applied here either
-                        log.warning("round %d: mean of b%d c%d undecodable, residual kept whole: %s", r, b, c, e)
-        res.included_fraction = mine_in / mine_total if mine_total else 1.0
-        res.broadcast_arrived_fraction = (len(got) + len(o.mine)) / len(layout) if len(layout) else 1.0
+                        self.log.warning(
+                            "round %d: mean of b%d c%d undecodable, residual kept whole: %s", run.round, b, c, e
+                        )
+                error_feedback.settle_chunk(v[off : off + n], included=included[c], sent=sent, applied_mean=mean)
+        run.res.included_fraction = num_included / num_mine if num_mine else 1.0
 
-        # ---- bookkeeping
-        self._note_rejections(o)
-        res.rejected = dict(o.rejected)
-        res.lost_members = sorted(o.lost)
+    def _mean_of(self, run: _Run, b: int) -> tuple[list, BucketMean | None]:
+        """Who bucket ``b``'s mean included (per chunk), and the mean applied here when
+        it is known and whole (None otherwise)."""
+        if run.owners[b] == self.site_id:
+            with self._cv:
+                m = self._means.get((run.round, b))
+        else:
+            m = run.got.get(b)
+        if m is None:
+            return run.repaired_senders.get(b, []), None
+        whole = len(m.chunks) == len(self.state.layout.buckets[b].chunks)
+        return [ch.senders for ch in m.chunks], (m if whole else None)
+
+    # ------------------------------------------------------------------ site: close
+    def _close(self, run: _Run) -> RoundResult:
+        """Step 8: account for rejections, exclude repeat offenders, finish the result."""
+        res, books = run.res, run.owned.books
+        res.count_outcomes(run.outcome[b] for b in range(len(run.owners)))
+        with run.owned.cv:
+            self._note_rejections(books)
+            res.rejected = books.rejections.by_code()
+            res.rejected_examples = books.rejections.example_reasons()
+            res.lost_members = sorted(books.lost)
+        if res.rejected:
+            self.log.warning(
+                "round %d: refused %d contribution(s) as owner: %s", run.round, books.rejections.total, res.rejected
+            )
         with self._cv:
-            self.state.rounds_applied = r + 1
-            self._open.pop(r, None)
+            self.state.rounds_applied = run.round + 1
+            self._open.pop(run.round, None)
             self._cv.notify_all()
         sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()
-        res.bytes_sent, res.bytes_received = sent1 - sent0, recv1 - recv0
+        res.bytes_sent, res.bytes_received = sent1 - run.bytes0[0], recv1 - run.bytes0[1]
         self._bytes_mark = (sent1, recv1)
-        res.total_s = time.monotonic() - t0
+        res.total_s = time.monotonic() - run.t0
         res.wait_s = max(0.0, res.total_s - res.encode_s - res.decode_s - res.network_s)
         return res
 
-    def _decode_mean(self, b: int, m: BucketMean) -> torch.Tensor:
-        bucket = self.state.layout.buckets[b]
-        if len(m.chunks) != len(bucket.chunks):
-            raise ValueError(f"mean has {len(m.chunks)} chunks, bucket {b} has {len(bucket.chunks)}")
-        full = torch.empty(bucket.numel, dtype=torch.float32)
-        for ch, (off, n) in zip(m.chunks, bucket.chunks):
-            if (ch.offset, ch.numel) != (off, n):
-                raise ValueError(f"mean chunk {ch.chunk} covers {ch.offset}+{ch.numel}, expected {off}+{n}")
-            if ch.codec != self.bcodec.name:
-                raise ValueError(f"mean codec {ch.codec!r}, expected {self.bcodec.name!r}")
-            full[off : off + n] = self.bcodec.decode(ch.payload, numel=n)
-        return full
-
-    def _repair(
-        self,
-        plan: RoundPlan,
-        owners: list[str],
-        stale: list[int],
-        got: dict[int, BucketMean],
-        missed: list[int],
-        senders_out: dict[int, list[list[str]]],
-    ) -> int:
-        """Pull stale buckets whole from their owner (or a member with the owner's checksum).
-
-        A bucket whose mean this site never got (``missed``) is pulled from its owner
-        only, and only a state that reflects this round's mean is taken; its
-        ``mean_senders`` go to ``senders_out[b]`` (which chunks the mean included).
-        """
-        deadline = time.monotonic() + self.config.repair_timeout_s
-        repaired = 0
-        r = plan.round
-        for b in stale:
-            want = got[b].checksum_after if b in got else None
-            if b in missed:
-                sources = [owners[b]]
-            else:
-                sources = [owners[b]] + [m.site_id for m in plan.members if m.site_id not in (owners[b], self.site_id)]
-            for src in sources:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    st = self.transport.pull_state(plan.address_of(src), b, requester=self.site_id, timeout_s=left)
-                    theta, opt = self.state.decode_bucket_state(st)
-                except (TransportError, StateTransferError) as e:
-                    log.warning("repair of bucket %d from %s failed: %s", b, src, e)
-                    continue
-                if want is not None and st.checksum != want:
-                    continue
-                if b in missed:
-                    ms = st.extra.get("mean_senders")
-                    nchunks = len(self.state.layout.buckets[b].chunks)
-                    if (
-                        st.extra.get("mean_round") != r
-                        or not isinstance(ms, list)
-                        or len(ms) not in (0, nchunks)
-                        or not all(isinstance(x, list) for x in ms)
-                    ):
-                        log.warning(
-                            "repair of bucket %d from %s: its state does not reflect round %d's mean", b, src, r
-                        )
-                        continue
-                    senders_out[b] = ms
-                resid = self.state.residuals[b]
-                self.state.load_bucket(b, theta, opt, st.rounds_applied)
-                self.state.residuals[b] = resid
-                repaired += 1
-                log.info("repaired bucket %d from %s", b, src)
-                break
-        return repaired
-
-    def _note_rejections(self, o: _OpenRound) -> None:
-        for s in o.members:
+    def _note_rejections(self, books: OpenRound) -> None:
+        for s in books.members:
             if s == self.site_id:
                 continue
-            if s in o.rejected_senders:
+            if s in books.faulty_senders:
                 self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
                 if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
                     self._banned.add(s)
-                    log.error(
+                    self.log.error(
                         "excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s]
                     )
             else:
@@ -797,32 +768,13 @@ class RoundEngine:
             False, with every residual cleared, when any value is non-finite
             (the site then contributes nothing this round; DESIGN.md).
         """
-        layout = self.state.layout
-        tmp: torch.Tensor | None = None
-        ok = True
-        for b in range(len(layout)):
-            n = layout.buckets[b].numel
-            if tmp is None or tmp.numel() < n:
-                tmp = torch.empty(n, dtype=torch.float32)
-            local = layout.gather(b, tensors, out=tmp[:n])
-            ref = self.state.theta[b].detach()
-            low = [s for s in layout.buckets[b].segments if tensors[s.tensor_index].dtype != torch.float32]
-            if low:
-                # a bf16/fp16 model was reset to θ rounded to its dtype: measure Δ from there,
-                # so rounding alone is not mistaken for progress.
-                ref = ref.clone()
-                for sg in low:
-                    sl = slice(sg.bucket_offset, sg.bucket_offset + sg.numel)
-                    ref[sl] = ref[sl].to(tensors[sg.tensor_index].dtype).float()
-            delta = ref - local
-            r = self.state.residuals[b]
-            if r is None or not self.config.error_feedback:
-                self.state.residuals[b] = delta
-            else:
-                r.add_(delta)
-            if not bool(torch.isfinite(self.state.residuals[b]).all()):
-                ok = False
+        ok = error_feedback.add_pseudo_gradient(
+            self.state.layout,
+            self.state.theta,
+            self.state.residuals,
+            tensors,
+            error_feedback=self.config.error_feedback,
+        )
         if not ok:
-            log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")
-            self.state.residuals = [None] * len(layout)
+            self.log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")
         return ok

@@ -1,4 +1,6 @@
-"""The round engine's public types: :class:`RoundConfig` (per-site round behaviour)
+"""The round engine's public types: :class:`RoundConfig` (per-site round behaviour),
+:class:`BucketOutcome` (the one word for each state a bucket can be in after a round),
+:class:`RejectionTally` (refused contributions: counts by code, a few example reasons)
 and :class:`RoundResult` (what one round did at one site; its metrics line).
 
 Re-exported by :mod:`dtrain.rounds`, where the engine that uses them lives.
@@ -6,12 +8,18 @@ Re-exported by :mod:`dtrain.rounds`, where the engine that uses them lives.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from dtrain.aggregation import AggregationConfig
 from dtrain.codecs import CodecConfig, get_codec
+from dtrain.errors import RejectCode
 
-__all__ = ["RoundConfig", "RoundResult"]
+__all__ = ["RoundConfig", "RoundResult", "BucketOutcome", "RejectionTally", "MAX_REJECT_EXAMPLES_PER_CODE"]
+
+#: Example reasons a round keeps per rejection code (the counts are exact).
+MAX_REJECT_EXAMPLES_PER_CODE = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +73,86 @@ class RoundConfig:
             raise ValueError(f"num_pull_threads must be >= 1, got {self.num_pull_threads!r}")
 
 
+class BucketOutcome(enum.Enum):
+    """The state a bucket is in at one site after a round (the value is the word used
+    in logs and in the ``bucket_outcomes`` metric).
+
+    | outcome | value | meaning |
+    |---|---|---|
+    | APPLIED | ``applied`` | the owner's mean arrived, was applied, and θ_b's checksum equals the owner's |
+    | EMPTY | ``empty`` | the owner published a mean with no chunks (some chunk got no contribution at all): nobody applies it, every site keeps θ_b |
+    | OWNER_LOST | ``owner_lost`` | the owner could not be reached (or did not answer by the broadcast deadline): nobody got its mean, every survivor keeps θ_b |
+    | STALE | ``stale`` | θ_b is behind the owner's (its mean never arrived from a live owner, was undecodable, or the checksum before/after applying differs) and was not repaired (repair off, or it failed) |
+    | REPAIRED | ``repaired`` | was stale and was pulled whole (θ_b and outer-optimizer state) from its owner or a member with the owner's checksum |
+
+    In every outcome but APPLIED and REPAIRED this site's contribution to the bucket
+    stays in its residual, except for chunks that a finalized mean included
+    (:mod:`dtrain.rounds.error_feedback`). A site cut from a round by the quorum (a
+    straggler) does not run the round at all: it resynchronises every bucket
+    (``MissedRound``), which is not a bucket outcome.
+    """
+
+    APPLIED = "applied"
+    EMPTY = "empty"
+    OWNER_LOST = "owner_lost"
+    STALE = "stale"
+    REPAIRED = "repaired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RejectionTally:
+    """Refused contributions of one round at their owner: an exact count per
+    :class:`~dtrain.errors.RejectCode` and at most ``max_examples`` example reasons per
+    code (memory bounded whatever a rogue sender does). Not thread-safe.
+
+    Args:
+        max_examples: example reasons kept per code.
+    """
+
+    def __init__(self, max_examples: int = MAX_REJECT_EXAMPLES_PER_CODE) -> None:
+        if max_examples < 0:
+            raise ValueError(f"max_examples must be >= 0, got {max_examples!r}")
+        self.max_examples = max_examples
+        self.counts: dict[RejectCode, int] = {}
+        self.examples: dict[RejectCode, list[str]] = {}
+
+    def add(self, code: RejectCode, reason: str) -> bool:
+        """Count one rejection; returns whether ``reason`` was kept as an example
+        (callers log those, and only a count of the rest)."""
+        self.counts[code] = self.counts.get(code, 0) + 1
+        kept = self.examples.setdefault(code, [])
+        if len(kept) < self.max_examples:
+            kept.append(reason)
+            return True
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def by_code(self) -> dict[str, int]:
+        """``{code name: count}`` (JSON-safe; what ``RoundResult.rejected`` holds)."""
+        return {c.value: n for c, n in sorted(self.counts.items(), key=lambda kv: kv[0].value)}
+
+    def example_reasons(self) -> dict[str, list[str]]:
+        """``{code name: [reason, ...]}``, at most ``max_examples`` each."""
+        return {c.value: list(r) for c, r in sorted(self.examples.items(), key=lambda kv: kv[0].value)}
+
+
 @dataclass(kw_only=True)
 class RoundResult:
-    """What one round did at one site (also the source of its metrics line)."""
+    """What one round did at one site (also the source of its metrics line).
+
+    The bucket counts follow from ``bucket_outcome`` (one :class:`BucketOutcome` per
+    bucket; :meth:`count_outcomes` fills them): ``applied_buckets`` = APPLIED,
+    ``repaired_buckets`` = REPAIRED, ``stale_buckets`` = STALE + REPAIRED (found stale
+    this round), ``skipped_buckets`` = EMPTY + OWNER_LOST; ``bucket_outcomes`` has the
+    count of every outcome by its value. ``rejected`` counts the contributions this
+    site refused as an owner by :class:`~dtrain.errors.RejectCode` name, with at most
+    :data:`MAX_REJECT_EXAMPLES_PER_CODE` reasons per code in ``rejected_examples``.
+    """
 
     round: int
     members: tuple[str, ...]
@@ -89,9 +174,26 @@ class RoundResult:
     network_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
-    rejected: dict[str, int] = field(default_factory=dict)
+    bucket_outcomes: dict[str, int] = field(default_factory=dict)  # BucketOutcome value -> buckets
+    rejected: dict[str, int] = field(default_factory=dict)  # RejectCode name -> contributions refused
+    rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     errors: list[str] = field(default_factory=list)
+    bucket_outcome: list[BucketOutcome] = field(default_factory=list)  # per bucket; not in the metrics line
+
+    def count_outcomes(self, outcomes: Iterable[BucketOutcome]) -> None:
+        """Set ``bucket_outcome`` and the counts derived from it (see the class docstring)."""
+        self.bucket_outcome = list(outcomes)
+        n = {o: 0 for o in BucketOutcome}
+        for o in self.bucket_outcome:
+            n[o] += 1
+        self.bucket_outcomes = {o.value: k for o, k in n.items()}
+        self.applied_buckets = n[BucketOutcome.APPLIED]
+        self.repaired_buckets = n[BucketOutcome.REPAIRED]
+        self.stale_buckets = n[BucketOutcome.STALE] + n[BucketOutcome.REPAIRED]
+        self.skipped_buckets = n[BucketOutcome.EMPTY] + n[BucketOutcome.OWNER_LOST]
 
     def metrics(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        """The JSON-safe fields of the metrics line (docs/METRICS.md); the per-bucket
+        ``bucket_outcome`` list is left out (its counts are in ``bucket_outcomes``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "bucket_outcome"}

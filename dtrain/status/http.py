@@ -152,14 +152,16 @@ class StatusCollector(Collector):
             "Repaired buckets, summed over reported rounds.",
             "repaired_buckets_total",
         )
+        # labelled by RejectCode name only (a bounded set; the status model maps any other
+        # key to UNKNOWN): reasons name rounds and senders, which would make the series unbounded
         rej = CounterMetricFamily(
             "dtrain_site_rejected_contributions",
-            "Contributions the site rejected as an owner, by reason.",
-            labels=["site", "reason"],
+            "Contributions the site rejected as an owner, by RejectCode.",
+            labels=["site", "code"],
         )
         for s in sites:
-            for reason, n in sorted(s["rejected_total"].items()):
-                rej.add_metric([s["site_id"], reason], n)
+            for code, n in sorted(s["rejected_total"].items()):
+                rej.add_metric([s["site_id"], code], n)
         yield rej
 
 

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from dtrain.errors import RejectCode
+
 __all__ = [
     "REPORT_FIELDS",
     "MAX_REPORT_BYTES",
@@ -46,7 +48,6 @@ MAX_REPORT_BYTES = 8192
 MAX_REPORTS_PER_HEARTBEAT = 16
 _MAX_STR = 200
 _MAX_LIST = 64
-_MAX_REJECT_REASONS = 16
 
 _NUM = "num"
 _INT = "int"
@@ -116,12 +117,18 @@ def _clean(kind: str, v: Any) -> tuple[bool, Any]:
     if kind == _COUNTS:
         ok = (
             isinstance(v, dict)
-            and len(v) <= _MAX_REJECT_REASONS
+            and len(v) <= len(RejectCode)
             and all(
                 isinstance(k, str) and isinstance(c, int) and not isinstance(c, bool) and c >= 0 for k, c in v.items()
             )
         )
-        return (True, {k[:_MAX_STR]: c for k, c in v.items()}) if ok else (False, None)
+        if not ok:
+            return False, None
+        counts: dict[str, int] = {}
+        for k, c in v.items():  # keyed by RejectCode name; anything else counts as UNKNOWN
+            code = RejectCode.parse(k).value
+            counts[code] = counts.get(code, 0) + c
+        return True, counts
     raise AssertionError(kind)
 
 
@@ -232,8 +239,8 @@ class StatusLog:
             t.num_reports += 1
             for k in ("bytes_sent", "bytes_received", "stale_buckets", "repaired_buckets"):
                 setattr(t, k, getattr(t, k) + rep.get(k, 0))
-            for reason, count in rep.get("rejected", {}).items():
-                t.rejected[reason] = t.rejected.get(reason, 0) + count
+            for code, count in rep.get("rejected", {}).items():
+                t.rejected[code] = t.rejected.get(code, 0) + count
             t.last = rep
             self.rounds.setdefault(rep["round"], {})[site_id] = rep
             self._trim(self.rounds, self.num_rounds_kept)
@@ -330,8 +337,8 @@ def _round_row(r: int, plan: Mapping[str, Any] | None, reports: Mapping[str, dic
 
     rejected: dict[str, int] = {}
     for rep in applied.values():
-        for reason, count in rep.get("rejected", {}).items():
-            rejected[reason] = rejected.get(reason, 0) + count
+        for code, count in rep.get("rejected", {}).items():
+            rejected[code] = rejected.get(code, 0) + count
     red, bro, syn = vals("reduce_arrived_fraction"), vals("broadcast_arrived_fraction"), vals("sync_s")
     return {
         "round": r,

@@ -227,7 +227,7 @@ def _rounds_table(status: Mapping[str, Any]) -> str:
     head = (
         "<tr><th>round</th><th class=l>members</th><th>reported</th><th>reduce arrived (min)</th>"
         "<th>broadcast arrived (min)</th><th>sync (max)</th><th>sent</th><th>stale / repaired</th>"
-        "<th class=l>rejected (reason: count)</th><th class=l>notes</th></tr>"
+        "<th class=l>rejected (code: count)</th><th class=l>notes</th></tr>"
     )
     body = "".join(rows) or '<tr><td class="l" colspan="10">no round has formed yet</td></tr>'
     return f'<table id="rounds"><thead>{head}</thead><tbody>{body}</tbody></table>'

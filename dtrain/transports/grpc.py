@@ -84,7 +84,7 @@ def _run_handler(what: str, fn: Callable[[], object]) -> tuple[object, Transport
         return None, e
     except Exception as e:  # a handler bug must not kill the server thread silently
         log.exception("%s: handler raised", what)
-        return None, TransportError("INTERNAL", f"handler error in {what}: {type(e).__name__}: {e}")
+        return None, TransportError(RejectCode.INTERNAL, f"handler error in {what}: {type(e).__name__}: {e}")
 
 
 class _PeerServicer:
@@ -157,7 +157,7 @@ class _PeerServicer:
             yield from state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
         except TypeError as e:
             log.error("PullState bucket %d: BucketState.extra is not JSON-serialisable: %s", request.bucket, e)
-            abort_with(context, "INTERNAL", f"BucketState.extra is not JSON-serialisable: {e}")
+            abort_with(context, RejectCode.INTERNAL, f"BucketState.extra is not JSON-serialisable: {e}")
 
 
 # --------------------------------------------------------------------------- transport

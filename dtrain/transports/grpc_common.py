@@ -27,7 +27,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import grpc
 
-from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
+from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected, TransportError
 
 __all__ = [
     "TOKEN_METADATA_KEY",
@@ -427,12 +427,14 @@ def to_transport_error(e: grpc.RpcError, what: str) -> TransportError:
         return PeerUnavailable(f"{what}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return PeerTimeout(f"{what}: {details}")
-    return Rejected(code.name, details)
+    return Rejected(RejectCode.parse(code.name), details)
 
 
-def abort_with(context: grpc.ServicerContext, code: str, reason: str) -> None:
-    """``context.abort`` with a RejectCode name (unknown names become INTERNAL). Never returns."""
-    status = grpc.StatusCode.__members__.get(code, grpc.StatusCode.INTERNAL)
+def abort_with(context: grpc.ServicerContext, code: RejectCode | str, reason: str) -> None:
+    """``context.abort`` with the gRPC status of the same name as ``code`` (a
+    :class:`RejectCode`, or its name; unknown names become INTERNAL). Never returns."""
+    name = code.value if isinstance(code, RejectCode) else code
+    status = grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
     context.abort(status, reason)
 
 

@@ -4,6 +4,8 @@ metrics lines and to kill / stop / continue / restart sites.
 
 Every wait is bounded; every child runs in its own session and is SIGKILLed by
 the fixture's finalizer (and by an ``atexit`` hook, should pytest itself die).
+Children are :class:`dtrain.app.procs.Proc` objects (the one process harness) and
+metrics lines come from the one reader (:func:`dtrain.metrics.read_metrics`).
 
 Start-up cost: a fresh ``python -m dtrain worker`` spends ~5 s of CPU importing
 torch (and torch._dynamo, which the first optimizer pulls in) before it does
@@ -33,7 +35,8 @@ from typing import Callable
 
 import pytest
 
-from dtrain.app.launch import _tail  # last lines of a log file
+from dtrain.app.procs import Proc, spawn, tail
+from dtrain.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,26 +59,13 @@ WORKER_DEFAULTS = {
     "quorum_wait_s": 30.0,
 }
 
-_LIVE: set["subprocess.Popen"] = set()
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    if p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=10)
-    except (subprocess.TimeoutExpired, RuntimeError):
-        pass
+_LIVE: set[Proc] = set()
 
 
 @atexit.register
 def _kill_leftovers() -> None:  # pragma: no cover - only when a finalizer did not run
     for p in list(_LIVE):
-        _kill_group(p)
+        p.kill()
 
 
 # --------------------------------------------------------------------------- zygote
@@ -193,7 +183,7 @@ class Zygote:
     """The forking server (see the module docstring)."""
 
     def __init__(self, env: dict) -> None:
-        self.proc = subprocess.Popen(
+        self.popen = subprocess.Popen(  # talks over its pipes, so not dtrain.app.procs.spawn
             [sys.executable, str(Path(__file__).resolve()), "--zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -201,6 +191,7 @@ class Zygote:
             cwd=str(REPO),
             start_new_session=True,
         )
+        self.proc = Proc("zygote", self.popen)
         _LIVE.add(self.proc)
         self.cv = threading.Condition()
         self.exit_codes: dict[int, int] = {}
@@ -213,8 +204,8 @@ class Zygote:
         return self.proc.poll() is None
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
             msg = json.loads(line)
             with self.cv:
                 if "id" in msg:
@@ -230,9 +221,9 @@ class Zygote:
             self._next += 1
             rid = self._next
         req = {"id": rid, "argv": argv, "env": env, "cwd": str(REPO), "log": str(log)}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(req) + "\n").encode())
-        self.proc.stdin.flush()
+        assert self.popen.stdin is not None
+        self.popen.stdin.write((json.dumps(req) + "\n").encode())
+        self.popen.stdin.flush()
         deadline = time.monotonic() + 120  # the first request waits for the zygote's imports
         with self.cv:
             while rid not in self._pids:
@@ -242,7 +233,7 @@ class Zygote:
             return _ZygoteChild(self, self._pids.pop(rid))
 
     def close(self) -> None:
-        _kill_group(self.proc)
+        self.proc.kill()
         _LIVE.discard(self.proc)
 
 
@@ -323,28 +314,20 @@ class Cluster:
         self.corpus = corpus
         self.rv_opts = {**RENDEZVOUS_DEFAULTS, **(rendezvous or {})}
         self.worker_opts = {**WORKER_DEFAULTS, "data": str(corpus), **(worker or {})}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
         self.logs: dict[str, Path] = {}
         self.rv_address: str | None = None
         self._rv_starts = 0
         self.env = _child_env()
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> Proc:
         log.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**self.env, **(env or {})}
         if self.zygote is not None:
-            p = self.zygote.spawn(argv, full_env, log)
+            p = Proc(name, self.zygote.spawn(argv, full_env, log), log)
         else:
-            with open(log, "a") as f:
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "dtrain", *argv],
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    env=full_env,
-                    cwd=str(REPO),
-                    start_new_session=True,
-                )
+            p = spawn(name, [sys.executable, "-m", "dtrain", *argv], log, env=full_env, cwd=REPO)
         self.procs[name] = p
         self.logs[name] = log
         _LIVE.add(p)
@@ -360,9 +343,9 @@ class Cluster:
             lambda: addr_file.exists() or p.poll() is not None,
             60,
             "the rendezvous address file",
-            lambda: _tail(self.logs["rendezvous"]),
+            p.tail,
         )
-        assert p.poll() is None, f"rendezvous exited with {p.returncode}:\n{_tail(self.logs['rendezvous'])}"
+        assert p.poll() is None, f"rendezvous exited with {p.returncode}:\n{p.tail()}"
         self.rv_address = addr_file.read_text().strip()
         return self.rv_address
 
@@ -412,18 +395,17 @@ class Cluster:
 
     def signal(self, name: str, sig: int) -> None:
         p = self.procs[name]
-        assert p.poll() is None, f"{name} already exited with {p.returncode}"
-        os.killpg(p.pid, sig)
+        assert p.send(sig), f"{name} already exited with {p.returncode}"
 
     def kill(self, name: str) -> None:
         """SIGKILL ``name`` and reap it."""
         self.signal(name, signal.SIGKILL)
-        self.procs[name].wait(timeout=10)
+        self.procs[name].wait(timeout_s=10)
 
     def wait_exit(self, name: str, timeout_s: float) -> int:
         p = self.procs[name]
         try:
-            return p.wait(timeout=timeout_s)
+            return p.wait(timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{name} did not exit within {timeout_s:.0f}s\n{self.diag()}")
 
@@ -433,7 +415,7 @@ class Cluster:
 
     def close(self) -> None:
         for p in self.procs.values():
-            _kill_group(p)
+            p.kill()
             _LIVE.discard(p)
 
     # ------------------------------------------------------------------ outputs
@@ -441,19 +423,8 @@ class Cluster:
         return self.root / site
 
     def lines(self, site: str, out_name: str | None = None) -> list[dict]:
-        """Complete JSON lines of ``site``'s metrics.jsonl (the start line included)."""
-        path = self.root / (out_name or site) / "metrics.jsonl"
-        try:
-            text = path.read_text()
-        except OSError:
-            return []
-        out = []
-        for ln in text.split("\n")[:-1]:  # the last piece may be a line being written
-            try:
-                out.append(json.loads(ln))
-            except json.JSONDecodeError:
-                continue
-        return out
+        """Complete lines of ``site``'s metrics.jsonl as dicts (start and end lines included)."""
+        return [ln.as_dict() for ln in read_metrics(self.root / (out_name or site) / "metrics.jsonl")]
 
     def rounds(self, site: str, out_name: str | None = None, status: str | None = None) -> list[dict]:
         return [
@@ -499,7 +470,7 @@ class Cluster:
     def diag(self) -> str:
         parts = []
         for name, p in self.procs.items():
-            parts.append(f"--- {name} (rc={p.poll()}) {self.logs[name]}\n{_tail(self.logs[name])}")
+            parts.append(f"--- {name} (rc={p.poll()}) {self.logs[name]}\n{tail(self.logs[name])}")
         return "\n".join(parts)
 
 

@@ -4,6 +4,7 @@ keep-stale), a killed site."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
-from dtrain.rounds import RoundConfig
+from dtrain.rounds import BucketOutcome, RoundConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config
 from dtrain.transports.inproc import FaultRule, InprocFaults
 
@@ -194,6 +195,7 @@ def test_owner_failing_mid_round_keeps_its_buckets_alike() -> None:
                 res = site.results[-1]
                 assert res.round == 1 and res.members == tuple(s.site_id for s in c.sites)
                 assert res.skipped_buckets == len(dead_buckets) and res.stale_buckets == 0
+                assert [res.bucket_outcome[b] for b in dead_buckets] == [BucketOutcome.OWNER_LOST] * len(dead_buckets)
                 for b in dead_buckets:
                     assert torch.equal(site.state.theta[b].detach(), snap[site.index][b])  # unchanged
                     lay = site.state.layout.buckets[b]
@@ -234,10 +236,11 @@ def _owner_and_victim(c: InprocCluster) -> tuple[int, int, int]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_sites", [2, 3])
-def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int) -> None:
+def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int, caplog: pytest.LogCaptureFixture) -> None:
     """A site that misses one bucket's mean (every pull of it dropped) marks it
     stale, pulls it whole from the owner and ends with the owner's checksum; its
-    included contribution is not sent again."""
+    included contribution is not sent again. The engine's log lines name the site."""
+    caplog.set_level(logging.INFO, logger="dtrain.rounds")
     cfg = ClusterConfig(num_sites=num_sites, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
     deltas: dict[tuple[int, int], torch.Tensor] = {}
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
@@ -251,6 +254,7 @@ def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int) -> None:
                 res = site.results[-1]
                 if site.index == victim:
                     assert res.stale_buckets == 1 and res.repaired_buckets == 1, res
+                    assert res.bucket_outcome[b] is BucketOutcome.REPAIRED and res.bucket_outcomes["repaired"] == 1
                 else:
                     assert res.stale_buckets == 0
                 # a finalized mean included the victim's chunks: its residual for b is consumed
@@ -259,6 +263,14 @@ def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int) -> None:
         c.run_steps(step, 3, timeout_s=50)
         assert len(set(c.checksums())) == 1
         assert c.sites[victim].checksums()[b] == c.sites[owner].checksums()[b]
+        # several sites share this process: every engine line says which one it is
+        ids = {site.site_id for site in c.sites}
+        lines = [rec for rec in caplog.records if rec.name == "dtrain.rounds.engine"]
+        assert lines and all(rec.site_id in ids and rec.getMessage().startswith(f"{rec.site_id}: ") for rec in lines)
+        vid = c.sites[victim].site_id
+        mine = [rec.getMessage() for rec in lines if rec.site_id == vid]
+        assert any(m.startswith(f"{vid}: round 1: bucket {b} stale: its mean never arrived from ") for m in mine), mine
+        assert any(m.startswith(f"{vid}: round 1: bucket {b} repaired from ") for m in mine), mine
         assert all(res.stale_buckets == 0 for s in c.sites for res in s.results[2:])
         # nothing counted twice: θ moved by exactly the mean of every Δ
         want = sum(deltas[(i, r)] for i in range(num_sites) for r in range(3)) / num_sites

@@ -6,7 +6,9 @@ Each launch costs ~10-20 s on the 2-core CI machine, mostly start-up (importing
 torch in 4 processes); the rounds themselves take ~0.5 s each.
 
 * a healthy run finishes with exit 0, equal θ checksums, a falling validation
-  loss, metrics lines with every documented field, and ``dtrain report`` PNGs;
+  loss, metrics lines with every documented field, bytes that add up (every byte
+  sent is received; each site's lines add up to its summary), one plain progress
+  line per round on stderr (a file, not a terminal), and ``dtrain report`` PNGs;
 * every site killed in round 3, then ``--resume``: each site continues from its
   saved round 3 with the model it saved;
 * Ctrl-C (SIGINT) stops every child and launch exits 130;
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.metrics import METRICS_VERSION, read_metrics
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,9 +38,12 @@ SITES = ["site-0", "site-1", "site-2"]
 BASE_ARGS = ["--sites", "3", "--size", "tiny", "--sync-every", "10", "--linger-s", "1"]
 
 # docs/METRICS.md
-START_FIELDS = {"event", "site", "round", "val_loss", "wall_s", "params", "time"}
+START_FIELDS = {"event", "version", "site", "round", "val_loss", "wall_s", "params", "time"}
+END_FIELDS = {"event", "version", "site", "round", "bytes_sent", "bytes_received", "wall_s", "time"}
 ROUND_FIELDS = {
     "event",
+    "version",
+    "quorum_s",
     "site",
     "round",
     "status",
@@ -65,11 +72,16 @@ ROUND_FIELDS = {
     "decode_s",
     "network_s",
     "wait_s",
-    "total_s",
+    "round_s",
     "rejected",
     "errors",
 }
 SUMMARY_FIELDS = {
+    "version",
+    "inner_s",
+    "sync_s",
+    "quorum_s",
+    "round_s",
     "site",
     "rounds",
     "first_val_loss",
@@ -124,33 +136,41 @@ def _kill_leftovers(run_dir: Path) -> None:
             pass
 
 
-def _start(args: list[str], run_dir: Path, **env: str) -> subprocess.Popen:
+def _start(args: list[str], run_dir: Path, stderr=subprocess.PIPE, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain", "launch", *args, "--out", str(run_dir)],
         cwd=REPO,
         env=_env(**env),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
 
 
-def _launch(args: list[str], run_dir: Path, timeout_s: float, **env: str) -> tuple[int, str, str]:
-    p = _start(args, run_dir, **env)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        _kill_leftovers(run_dir)
-        pytest.fail(f"dtrain launch did not finish within {timeout_s}s\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
-    return p.returncode, out, err
+def _launch(args: list[str], run_dir: Path, timeout_s: float, stderr_path: Path | None = None, **env: str):
+    """(exit code, stdout, stderr) of one launch; ``stderr_path``: stderr goes to that file."""
+    with open(stderr_path, "w") if stderr_path else open(os.devnull) as f:
+        p = _start(args, run_dir, stderr=f if stderr_path else subprocess.PIPE, **env)
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            _kill_leftovers(run_dir)
+            pytest.fail(
+                f"dtrain launch did not finish within {timeout_s}s\nstdout:\n{out}\nstderr:\n{(err or '')[-3000:]}"
+            )
+    return p.returncode, out, stderr_path.read_text() if stderr_path else err
 
 
 def _lines(run_dir: Path, site: str) -> list[dict]:
-    text = (run_dir / site / "metrics.jsonl").read_text()
+    """Every line of a site's metrics.jsonl through the one reader; none may be skipped."""
+    path = run_dir / site / "metrics.jsonl"
+    text = path.read_text()
     assert text.endswith("\n"), f"{site}: metrics.jsonl ends with a partial line"
-    return [json.loads(ln) for ln in text.splitlines()]
+    lines = [ln.as_dict() for ln in read_metrics(path)]
+    assert len(lines) == len(text.splitlines()), f"{site}: the reader skipped lines of {path}"
+    return lines
 
 
 def _summary(run_dir: Path, site: str) -> dict:
@@ -194,15 +214,23 @@ def run_dir(tmp_path: Path):
 @pytest.mark.timeout(150)
 def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: Path) -> None:
     rounds = 6
-    rc, out, err = _launch([*BASE_ARGS, "--rounds", str(rounds)], run_dir, timeout_s=120)
+    err_file = run_dir.parent / "launch.err"
+    rc, out, err = _launch([*BASE_ARGS, "--rounds", str(rounds)], run_dir, timeout_s=120, stderr_path=err_file)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "θ checksums agree across sites" in out
+    # stderr is a file: one plain progress line per round, in order, with members 3 and bytes sent
+    progress = [ln for ln in err.splitlines() if ln.startswith("dtrain launch: round ")]
+    assert [ln.split(":")[1].split()[1] for ln in progress] == [f"{r}/{rounds}" for r in range(1, rounds + 1)], err
+    for ln in progress:
+        assert "members 3, val_loss " in ln and " MB (" in ln and "sync_s " in ln, ln
+    assert "\r" not in err, "a tqdm bar was drawn into a file"
     for s in SITES:  # the summary table has a row per site
         assert any(ln.startswith(s + " ") for ln in out.splitlines()), out
 
     summaries = {s: _summary(run_dir, s) for s in SITES}
     for s, summ in summaries.items():
         assert SUMMARY_FIELDS <= set(summ), f"{s}: summary.json lacks {SUMMARY_FIELDS - set(summ)}"
+        assert summ["version"] == METRICS_VERSION
         assert summ["site"] == s and summ["rounds"] == rounds and summ["rounds_joined"] == rounds
         assert summ["interrupted"] is False
         assert summ["first_val_loss"] - summ["final_val_loss"] > MIN_VAL_LOSS_DROP, (
@@ -213,11 +241,17 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert summ["compression_ratio"] > 1.0  # int8 codec: fewer bytes than fp32
     assert len({summ["checksum"] for summ in summaries.values()}) == 1, summaries
 
+    # Every payload byte sent is received once; a site's lines (rounds + end) add up to its summary.
+    assert sum(x["bytes_sent"] for x in summaries.values()) == sum(x["bytes_received"] for x in summaries.values())
     by_round: dict[int, dict[str, dict]] = {}
     for s in SITES:
         lines = _lines(run_dir, s)
-        start, rest = lines[0], lines[1:]
+        start, rest, end = lines[0], lines[1:-1], lines[-1]
         assert start["event"] == "start" and START_FIELDS <= set(start), start
+        assert end["event"] == "end" and END_FIELDS <= set(end) and end["round"] == rounds, end
+        for key in ("bytes_sent", "bytes_received"):
+            assert sum(d[key] for d in lines[1:]) == summaries[s][key], f"{s}: {key} of the lines != summary"
+        assert sum(d["sync_s"] for d in rest) == pytest.approx(summaries[s]["sync_s"])
         assert start["round"] == 0 and start["site"] == s and math.isfinite(start["val_loss"])
         assert [d["round"] for d in rest] == list(range(rounds)), f"{s}: rounds {[d['round'] for d in rest]}"
         wall = 0.0
@@ -232,6 +266,7 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
             assert d["wall_s"] > wall
             wall = d["wall_s"]
             assert d["inner_steps"] == 10 * (d["round"] + 1)
+            assert 0 <= d["quorum_s"] and d["quorum_s"] + d["round_s"] <= d["sync_s"], d  # sync_s's parts
             by_round.setdefault(d["round"], {})[s] = d
         assert rest[-1]["checksum"] == summaries[s]["checksum"]
         assert rest[-1]["val_loss"] == summaries[s]["final_val_loss"]
@@ -283,7 +318,8 @@ def test_resume_after_every_site_was_killed_continues_from_the_saved_round(run_d
         lines = _lines(run_dir, s)
         assert lines[: len(before[s])] == before[s], f"{s}: the first run's metrics were changed"
         new = lines[len(before[s]) :]
-        start, rest = new[0], new[1:]
+        start, rest = new[0], new[1:-1]
+        assert new[-1]["event"] == "end" and new[-1]["round"] == rounds, new[-1]
         assert start["event"] == "start" and start["round"] == killed_in, start
         # The restored model evaluates exactly as it did when it was saved.
         assert start["val_loss"] == pytest.approx(before[s][-1]["val_loss"], abs=1e-6)
@@ -353,6 +389,6 @@ def test_crashed_child_is_reported_with_its_log_and_the_others_finish(run_dir: P
     survivors = {s: _summary(run_dir, s) for s in ("site-0", "site-2")}
     for s, summ in survivors.items():
         assert summ["rounds"] == rounds and summ["interrupted"] is False, summ
-        last = _lines(run_dir, s)[-1]
+        last = _lines(run_dir, s)[-2]  # the last round line; the end line follows it
         assert last["round"] == rounds - 1 and last["members"] == ["site-0", "site-2"], last
     assert len({summ["checksum"] for summ in survivors.values()}) == 1, survivors

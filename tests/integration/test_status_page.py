@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.metrics import RoundLine, read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 SITES = ["site-0", "site-1", "site-2"]
@@ -88,9 +90,8 @@ def _wait_for(cond, timeout_s: float, what: str, poll_s: float = 0.1):
 
 
 def _round_lines(run_dir: Path, site: str) -> list[dict]:
-    path = run_dir / site / "metrics.jsonl"
-    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-    return [d for d in lines if d.get("event") == "round"]
+    """The site's round lines so far, through the one reader (a line being written is skipped)."""
+    return [ln.as_dict() for ln in read_metrics(run_dir / site / "metrics.jsonl") if isinstance(ln, RoundLine)]
 
 
 def _check_report_matches_line(rep: dict, line: dict) -> None:
@@ -390,7 +391,8 @@ def test_status_http_routes_escape_site_text_and_send_a_strict_csp() -> None:
         code, headers, page = _get(srv.url)
         assert code == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
         assert evil not in page and "<script>alert(2)" not in page
-        assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page and "&lt;script&gt;alert(2)" in page
+        assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page
+        assert "alert(2)" not in page  # a rejection key that is no RejectCode name is counted as UNKNOWN
         csp = headers["Content-Security-Policy"]
         assert "default-src 'none'" in csp and "script-src 'sha256-" in csp and "unsafe" not in csp
         assert headers["Cache-Control"] == "no-store"
@@ -400,11 +402,13 @@ def test_status_http_routes_escape_site_text_and_send_a_strict_csp() -> None:
         assert code == 200 and "<html" not in frag and 'id="sites"' in frag and 'svg id="chart-val-loss"' in frag
         code, headers, text = _get(srv.url + "api/status")
         api = _strict_json(text)
-        assert api["sites"][0]["site_id"] == evil and api["rounds"][0]["rejected"] == {"<script>alert(2)</script>": 1}
+        assert api["sites"][0]["site_id"] == evil and api["rounds"][0]["rejected"] == {"UNKNOWN": 1}
         assert TOKEN not in text and "token" not in json.dumps(api["rounds"][0]["sites"])
         code, headers, text = _get(srv.url + "metrics")
         m = _metric_samples(text)
         assert m[("dtrain_site_val_loss", frozenset({("site", evil)}))] == 3.0
+        rejected = {lab: v for (name, lab), v in m.items() if name == "dtrain_site_rejected_contributions_total"}
+        assert rejected == {frozenset({("site", evil), ("code", "UNKNOWN")}): 1.0}  # labelled by code only
         assert m[("dtrain_rendezvous_next_round", frozenset())] == 1.0
         assert _get(srv.url + "nope")[0] == 404
         req = urllib.request.Request(srv.url + "api/status", data=b"x", method="POST")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.metrics import RoundLine, read_metrics
+
 pytestmark = pytest.mark.netem
 
 
@@ -52,8 +54,8 @@ def test_three_site_launch_through_emulated_links_agrees(profile: str, tmp_path:
     assert all(s["rounds"] == 3 for s in summaries)
     assert all(s["final_val_loss"] < s["first_val_loss"] - 0.5 for s in summaries)
     for i in range(3):
-        rounds = [json.loads(ln) for ln in (out / f"site-{i}" / "metrics.jsonl").read_text().splitlines()]
-        rounds = [r for r in rounds if r.get("event") == "round"]
+        lines = read_metrics(out / f"site-{i}" / "metrics.jsonl")
+        rounds = [ln.as_dict() for ln in lines if isinstance(ln, RoundLine)]
         assert [r["round"] for r in rounds] == [0, 1, 2]
         assert all(len(r["members"]) == 3 for r in rounds), [r["members"] for r in rounds]
     launch = json.loads((out / "launch.json").read_text())

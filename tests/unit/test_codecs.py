@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import struct
 import tracemalloc
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec, peek_header
-from dtrain.errors import CodecError
+from dtrain.errors import CodecError, DecodeBoundExceeded
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -184,7 +185,7 @@ def test_consistent_lies_in_header_are_caught() -> None:
         codec.decode(_with_header(payload, numel=64), numel=64)
     with pytest.raises(CodecError, match="unknown codec id 99"):
         codec.decode(_with_header(payload, codec=99), numel=100)
-    with pytest.raises(CodecError, match="decoded body of .* exceeds bound max_decoded_bytes=1000"):
+    with pytest.raises(DecodeBoundExceeded, match="decoded body of .* exceeds bound max_decoded_bytes=1000"):
         get_codec(CodecConfig(name="fp32", max_decoded_bytes=1000)).decode(
             get_codec("fp32").encode(torch.randn(300)), numel=300
         )
@@ -231,7 +232,7 @@ def test_zstd_bomb_is_refused_without_allocating() -> None:
     payload = _zstd_payload("fp32+zstd", 2048, frame)
     tracemalloc.start()
     try:
-        with pytest.raises(CodecError, match=f"zstd frame claims {claimed} bytes, bound is 8192"):
+        with pytest.raises(DecodeBoundExceeded, match=f"zstd frame claims {claimed} bytes, bound is 8192"):
             codec.decode(payload, numel=2048)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -239,20 +240,80 @@ def test_zstd_bomb_is_refused_without_allocating() -> None:
     assert peak < 1 << 20, f"peak traced allocation {peak} bytes"
 
 
-def test_zstd_frame_without_content_size_or_short_is_refused() -> None:
+def _streaming_frames(raw: bytes) -> dict[str, bytes]:
+    """``raw`` compressed as other zstd implementations write it: no content size in
+    the frame header (a streaming compressor does not know it up front)."""
+    obj = zstandard.ZstdCompressor(level=3).compressobj()
+    by_obj = obj.compress(raw[: len(raw) // 2]) + obj.compress(raw[len(raw) // 2 :]) + obj.flush()
+    sink = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(sink, closefd=False) as w:
+        for i in range(0, len(raw), 1000):
+            w.write(raw[i : i + 1000])
+    frames = {
+        "compressobj": by_obj,
+        "stream_writer": sink.getvalue(),
+        "no_size": zstandard.ZstdCompressor(write_content_size=False).compress(raw),
+    }
+    for name, frame in frames.items():
+        assert zstandard.frame_content_size(frame) == -1, name
+    return frames
+
+
+@pytest.mark.parametrize("name", ["int8+zstd", "fp32+zstd", "topk+zstd"])
+def test_streaming_zstd_frame_of_another_implementation_decodes(name: str) -> None:
+    """A valid frame without its content size is decoded (within the bound), not refused."""
+    codec = get_codec(name)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(7))
+    own = codec.encode(x)
+    raw = zstandard.ZstdDecompressor().decompress(own[HEADER_BYTES:])
+    want = codec.decode(own, numel=5000)
+    for how, frame in _streaming_frames(raw).items():
+        got = codec.decode(_with_header(own[:HEADER_BYTES] + frame, body=len(frame), crc=zlib.crc32(frame)), numel=5000)
+        assert torch.equal(got, want), how
+
+
+def test_streaming_zstd_frame_past_its_bound_is_refused_as_such() -> None:
+    """A frame without a content size that yields more than the expected body raises
+    DecodeBoundExceeded (a decompression bomb: RESOURCE_EXHAUSTED at an owner) after
+    allocating no more than the expected size; short or corrupted ones a plain CodecError."""
+    codec = get_codec("fp32+zstd")
+    numel = 2048  # body 8192 bytes
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64 << 20))
+    assert len(bomb) < 8192 and zstandard.frame_content_size(bomb) == -1
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeBoundExceeded, match="decompresses past its bound of 8192 bytes"):
+            codec.decode(_zstd_payload("fp32+zstd", numel, bomb), numel=numel)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"peak traced allocation {peak} bytes"
+    one_more = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(8193))
+    with pytest.raises(DecodeBoundExceeded):
+        codec.decode(_zstd_payload("fp32+zstd", numel, one_more), numel=numel)
+    short = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(8191))
+    with pytest.raises(CodecError, match="decompressed to 8191 bytes, expected 8192") as info:
+        codec.decode(_zstd_payload("fp32+zstd", numel, short), numel=numel)
+    assert not isinstance(info.value, DecodeBoundExceeded)
+    truncated = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(range(256)) * 32)[:-4]
+    with pytest.raises(CodecError, match="corrupted zstd frame") as info:
+        codec.decode(_zstd_payload("fp32+zstd", numel, truncated), numel=numel)
+    assert not isinstance(info.value, DecodeBoundExceeded)
+
+
+def test_zstd_frame_short_or_garbage_is_refused() -> None:
     codec = get_codec("int8+zstd")
-    cctx = zstandard.ZstdCompressor(write_content_size=False)
     raw = bytes(4 + 100)  # one block scale + 100 codes
-    frame = cctx.compress(raw)
-    assert zstandard.frame_content_size(frame) == -1
-    with pytest.raises(CodecError, match="does not declare its content size"):
-        codec.decode(_zstd_payload("int8+zstd", 100, frame), numel=100)
     short = zstandard.ZstdCompressor().compress(raw[:-1])
     with pytest.raises(CodecError, match="zstd frame claims 103 bytes, expected 104"):
         codec.decode(_zstd_payload("int8+zstd", 100, short), numel=100)
+    long = zstandard.ZstdCompressor().compress(raw + b"\0")
+    with pytest.raises(DecodeBoundExceeded, match="zstd frame claims 105 bytes, bound is 104"):
+        codec.decode(_zstd_payload("int8+zstd", 100, long), numel=100)
     garbage = b"\x28\xb5\x2f\xfd" + b"\xff" * 20
-    with pytest.raises(CodecError, match="zstd"):
+    with pytest.raises(CodecError, match="zstd") as info:
         codec.decode(_zstd_payload("int8+zstd", 100, garbage), numel=100)
+    assert not isinstance(info.value, DecodeBoundExceeded)
 
 
 def test_zstd_frame_lying_about_size_with_small_body_is_refused() -> None:

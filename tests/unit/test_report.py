@@ -246,3 +246,26 @@ def test_missing_summary_and_nan_loss(tmp_path):
     assert math.isnan(s["sites"]["site-b"]["final_val_loss"])
     md = (run / "report.md").read_text()
     assert "site-c: no summary.json" in md
+
+
+def test_end_lines_count_in_the_bytes_and_quorum_round_means(tmp_path):
+    """bytes_sent/received add the end line (means served after the last round), so they equal
+    summary.json's; the table shows the means of sync_s, quorum_s and round_s over the lines."""
+    end = {"event": "end", "version": 2, "site": "site-a", "round": NUM_ROUNDS, "bytes_sent": 777, "bytes_received": 0}
+    run = _write_run(tmp_path / "run", extra_lines={"site-a": json.dumps(end) + "\n"})
+    a = summarize_run(run)["sites"]["site-a"]
+    assert a["bytes_sent"] == 1000 * NUM_ROUNDS + 777 and a["bytes_received"] == 2000 * NUM_ROUNDS
+    assert a["mean_round_s"] == pytest.approx(0.5 + 0.1 * 2)  # version-1 lines: total_s read as round_s
+    assert math.isnan(a["mean_quorum_s"])  # version 1 had no quorum_s
+    make_report(run)
+    md = (run / "report.md").read_text()
+    assert "| mean sync_s | mean quorum_s | mean round_s |" in md and f"{1000 * NUM_ROUNDS + 777:,}" in md
+
+
+def test_unknown_metrics_version_is_refused_naming_the_file(tmp_path):
+    from dtrain.metrics import MetricsVersionError
+
+    future = {"event": "round", "version": 9, "site": "site-b", "round": NUM_ROUNDS}
+    run = _write_run(tmp_path / "run", extra_lines={"site-b": json.dumps(future) + "\n"})
+    with pytest.raises(MetricsVersionError, match=r"site-b/metrics\.jsonl:7: metrics version 9"):
+        make_report(run)

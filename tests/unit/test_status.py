@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dtrain.errors import RejectCode
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.status import (
     MAX_REPORT_BYTES,
@@ -43,7 +44,7 @@ LINE = {  # a worker metrics line (docs/METRICS.md), abridged
     "repaired_buckets": 1,
     "skipped_buckets": 0,
     "contributed": True,
-    "rejected": {"stale round": 2},
+    "rejected": {"FAILED_PRECONDITION": 2},
     "errors": ["x", "y"],
     "time": 1.0e9,
 }
@@ -57,7 +58,7 @@ def test_round_report_keeps_only_known_fields_and_counts_errors() -> None:
     rep = round_report(LINE)
     assert set(rep) <= set(REPORT_FIELDS)
     assert "checksum" not in rep and "errors" not in rep and "inner_s" not in rep
-    assert rep["num_errors"] == 2 and rep["rejected"] == {"stale round": 2} and rep["bytes_sent"] == 1000
+    assert rep["num_errors"] == 2 and rep["rejected"] == {"FAILED_PRECONDITION": 2} and rep["bytes_sent"] == 1000
 
 
 def test_parse_report_cleans_and_validates() -> None:
@@ -77,6 +78,16 @@ def test_parse_report_cleans_and_validates() -> None:
     assert len(long_reason) == 200
 
 
+def test_rejections_are_kept_by_code_only() -> None:
+    """Reports count rejections by RejectCode name; any other key (an old worker's reason
+    text, naming round and sender) is counted as UNKNOWN, so the keys stay a bounded set."""
+    rejected = {"INVALID_ARGUMENT": 3, "round 7 bucket 2 from mallory: late": 1, "bad": 2, "NOT_FOUND": 0}
+    rep, why = parse_report(_raw(1, rejected=rejected), "a")
+    assert why == "" and rep["rejected"] == {"INVALID_ARGUMENT": 3, "UNKNOWN": 3, "NOT_FOUND": 0}
+    too_many = {f"reason {i}": 1 for i in range(len(RejectCode) + 1)}
+    assert "'rejected' must be counts" in parse_report(_raw(1, rejected=too_many), "a")[1]
+
+
 def test_status_log_dedupes_by_seq_sums_totals_and_keeps_n_rounds() -> None:
     log = StatusLog(num_rounds_kept=3)
     assert log.add_reports("a", [_raw(1, round=0), _raw(2, round=1)]) == 2
@@ -87,7 +98,7 @@ def test_status_log_dedupes_by_seq_sums_totals_and_keeps_n_rounds() -> None:
     snap = log.snapshot()
     assert sorted(snap["rounds"]) == [1, 3, 4]  # 4 rounds reported, the oldest (0) trimmed
     t = snap["totals"]["a"]
-    assert t["num_reports"] == 4 and t["bytes_sent"] == 4000 and t["rejected"] == {"stale round": 8}
+    assert t["num_reports"] == 4 and t["bytes_sent"] == 4000 and t["rejected"] == {"FAILED_PRECONDITION": 8}
     assert t["last"]["round"] == 4
     log.site_joined("a")  # a restarted site numbers from 1 again
     assert log.add_reports("a", [_raw(1, round=5)]) == 1
@@ -159,7 +170,7 @@ def test_core_keeps_reports_plans_and_departed_sites_in_its_snapshot() -> None:
     (row,) = status["rounds"]
     assert row["round"] == 0 and row["members"] == ["a", "b"] and row["num_reported"] == 2
     assert row["sync_s_max"] == 0.7 and row["reduce_arrived_fraction_min"] == 0.5
-    assert row["bytes_sent"] == 2000 and row["rejected"] == {"stale round": 4} and row["repaired_buckets"] == 2
+    assert row["bytes_sent"] == 2000 and row["rejected"] == {"FAILED_PRECONDITION": 4} and row["repaired_buckets"] == 2
     assert status["series"]["a"] == {"val_loss": [[0, 3.25]], "sync_s": [[0, 0.5]]}
     # a site that re-joins after leaving keeps its round count and is "joining" until admitted again
     core.join("b", "h:2", now=2.0)

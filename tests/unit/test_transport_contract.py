@@ -158,8 +158,8 @@ def test_push_of_nothing_returns_zero(pair: Pair) -> None:
         RejectCode.RESOURCE_EXHAUSTED,
     ],
 )
-def test_push_rejection_carries_code_and_reason_and_ends_the_call(pair: Pair, code: str) -> None:
-    reason = f"chunk 3 refused: {code.lower()} (round 2 < 3)"
+def test_push_rejection_carries_code_and_reason_and_ends_the_call(pair: Pair, code: RejectCode) -> None:
+    reason = f"chunk 3 refused: {code.value.lower()} (round 2 < 3)"
     pair.handler.reject_chunk[3] = (code, reason)
     cs = _contributions(6)
     with pytest.raises(Rejected) as info:
@@ -206,7 +206,7 @@ def test_pull_mean_not_final_in_time_raises_peer_timeout(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("code", [RejectCode.NOT_FOUND, RejectCode.FAILED_PRECONDITION])
-def test_pull_rejection_carries_code_and_reason(pair: Pair, code: str) -> None:
+def test_pull_rejection_carries_code_and_reason(pair: Pair, code: RejectCode) -> None:
     pair.handler.pull_reject = (code, "no mean for round 7 bucket 5 here")
     with pytest.raises(Rejected) as info:
         pair.client.pull_mean(pair.address, 7, 5, requester="site-a", timeout_s=5)

@@ -1,0 +1,128 @@
+"""Error feedback: the residual arithmetic of a site (DESIGN.md, "One round", residuals).
+
+A site keeps one fp32 residual per bucket: what its contributions have not yet
+delivered to θ. Before a round the pseudo-gradient Δ = θ − θ_local is added to it
+(:func:`add_pseudo_gradient`); the residual ``u`` is what the site encodes and sends.
+After the round each chunk of ``u`` is settled (:func:`settle_chunk`):
+
+* included — a finalized mean counted this site's chunk: it is consumed, less what the
+  codec lost: ``u − decode(encode(u))`` (0 for a lossless codec). It is never sent
+  again, even if this site missed the broadcast (the bucket is repaired instead).
+* not included (lost, late, rejected), and a mean was applied to that chunk: keep
+  ``u − A``, where ``A`` is the applied mean. The owner divided by the senders that
+  arrived, so ``A`` already stood in for this contribution once; keeping all of ``u``
+  would count it twice (a systematic overshoot of ~p·(N−1)/N under chunk loss p).
+  Summed over sites this makes N·A = Σ_i u_i − Σ_i residual_i, so over rounds the
+  applied means add up to the true mean of every Δ, less what is still in the
+  residuals.
+* not included and no mean applied (owner gone, empty chunk; or this site missed the
+  mean and was repaired, so it knows which chunks were included but not ``A``): ``u``
+  stays whole.
+
+Error feedback for lossy compression: Seide et al. 2014 ("1-bit SGD"), Karimireddy et
+al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub et al.
+(arXiv 2507.07114).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtrain.buckets import BucketLayout
+
+__all__ = ["add_pseudo_gradient", "included_chunks", "settle_chunk"]
+
+
+def _pseudo_gradient(
+    theta_b: torch.Tensor, local_b: torch.Tensor, dtypes: list[tuple[slice, torch.dtype]]
+) -> torch.Tensor:
+    """Δ_b = θ_b − local_b, with θ rounded to the model's dtype where a tensor is not fp32
+    (a bf16/fp16 model was reset to θ rounded to its dtype: measure Δ from there, so
+    rounding alone is not mistaken for progress)."""
+    ref = theta_b
+    if dtypes:
+        ref = ref.clone()
+        for sl, dt in dtypes:
+            ref[sl] = ref[sl].to(dt).float()
+    return ref - local_b
+
+
+def add_pseudo_gradient(
+    layout: BucketLayout,
+    theta: list[torch.Tensor],
+    residuals: list[torch.Tensor | None],
+    tensors: list[torch.Tensor],
+    *,
+    error_feedback: bool,
+) -> bool:
+    """Set ``residuals[b] ← residuals[b] + (θ_b − local_b)`` for every bucket, in place.
+
+    Args:
+        layout: how the model's tensors map to buckets.
+        theta: θ per bucket (1-D fp32).
+        residuals: per bucket, the residual (1-D fp32) or None (nothing kept); updated.
+        tensors: the model's current (local) tensors, as ``layout`` expects.
+        error_feedback: False replaces each residual with Δ_b (nothing carried over).
+    Returns:
+        False, with every residual set to None, when any value is non-finite (the site
+        then contributes nothing this round; DESIGN.md).
+    """
+    tmp: torch.Tensor | None = None
+    ok = True
+    for b in range(len(layout)):
+        bucket = layout.buckets[b]
+        n = bucket.numel
+        if tmp is None or tmp.numel() < n:
+            tmp = torch.empty(n, dtype=torch.float32)
+        local = layout.gather(b, tensors, out=tmp[:n])
+        low = [
+            (slice(sg.bucket_offset, sg.bucket_offset + sg.numel), tensors[sg.tensor_index].dtype)
+            for sg in bucket.segments
+            if tensors[sg.tensor_index].dtype != torch.float32
+        ]
+        delta = _pseudo_gradient(theta[b].detach(), local, low)
+        r = residuals[b]
+        if r is None or not error_feedback:
+            residuals[b] = delta
+        else:
+            r.add_(delta)
+        if not bool(torch.isfinite(residuals[b]).all()):
+            ok = False
+    if not ok:
+        residuals[:] = [None] * len(layout)
+    return ok
+
+
+def included_chunks(site_id: str, senders: list, num_chunks: int) -> list[bool]:
+    """Per chunk, whether a finalized mean included ``site_id``'s contribution.
+
+    Args:
+        site_id: this site.
+        senders: per chunk, the senders the mean included (from the mean, or from a
+            repair's ``mean_senders``); shorter than ``num_chunks`` (empty: no mean)
+            means the missing chunks included nobody.
+        num_chunks: chunks of the bucket.
+    """
+    return [c < len(senders) and site_id in senders[c] for c in range(num_chunks)]
+
+
+def settle_chunk(
+    residual: torch.Tensor, *, included: bool, sent: torch.Tensor | None, applied_mean: torch.Tensor | None
+) -> None:
+    """Settle one chunk of a residual after its round, in place (see the module docstring).
+
+    Args:
+        residual: the chunk ``u`` of the residual this site sent (a view; updated).
+        included: whether the chunk's finalized mean included this site.
+        sent: what the owner decoded from this site's payload, ``decode(encode(u))``;
+            None when the codec is lossless (it decoded ``u`` exactly).
+        applied_mean: the mean applied to this chunk (decoded broadcast), or None when
+            no mean was applied or it is not known here.
+    """
+    if included:
+        if sent is None:
+            residual.zero_()
+        else:
+            residual.sub_(sent)
+    elif applied_mean is not None:
+        residual.sub_(applied_mean)

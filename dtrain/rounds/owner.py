@@ -1,0 +1,289 @@
+"""The owner side of one open round: which contributions were accepted, which buckets
+are due to be finalized, and the partial means (DESIGN.md, "One round", steps 3–4).
+
+:class:`OpenRound` is the bookkeeping of one round at one site, for the buckets this
+site owns, as a state machine whose methods are its transitions (in the manner of
+hivemind's ``TensorPartReducer``: ``accumulate_part`` / ``on_sender_failed`` /
+``finalize``):
+
+* :meth:`~OpenRound.accept` — count one validated contribution to one chunk;
+* :meth:`~OpenRound.reject` — count one refused contribution (by code);
+* :meth:`~OpenRound.members_lost` — stop awaiting members the rendezvous holds dead;
+* :meth:`~OpenRound.due` — the buckets to finalize at time ``now``, with a reason: a
+  bucket that awaits nothing more at once, every remaining one at the reduce deadline;
+* :meth:`~OpenRound.close` — accept nothing more for those buckets;
+* :meth:`~OpenRound.finalize` — the unbiased partial mean of each chunk of a closed
+  bucket, summed in sender-id order (:class:`~dtrain.aggregation.ChunkAccumulator`).
+
+Time is passed in (``now``, on the clock of ``opened_at``), never read here; nothing
+here blocks, sends or logs. It is not thread-safe: the round engine holds its lock
+around every call, except :meth:`~OpenRound.finalize` of a closed bucket, which
+touches only that bucket's accumulators (no other transition does once it is closed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+from dtrain.errors import RejectCode, Rejected
+from dtrain.protocol import Contribution, RoundPlan
+from dtrain.rounds.types import RejectionTally
+
+__all__ = ["OpenRound", "Closing", "ChunkReduction", "SENDER_FAULTS", "CLOSE_COMPLETE", "CLOSE_DEADLINE"]
+
+#: Rejections that say the sender sent something wrong (they count towards excluding
+#: it); late, stale-round or not-a-member rejections are about timing or membership.
+SENDER_FAULTS = frozenset({RejectCode.INVALID_ARGUMENT, RejectCode.RESOURCE_EXHAUSTED, RejectCode.ALREADY_EXISTS})
+
+#: :attr:`Closing.reason` of buckets that await nothing more.
+CLOSE_COMPLETE = "complete: every awaited contribution arrived"
+#: :attr:`Closing.reason` of the buckets still open at the reduce deadline.
+CLOSE_DEADLINE = "reduce deadline passed"
+
+
+@dataclass(frozen=True)
+class Closing:
+    """A decision of :meth:`OpenRound.due`: finalize ``buckets`` now, because ``reason``."""
+
+    buckets: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChunkReduction:
+    """The partial mean of one chunk of a closed bucket.
+
+    Attributes:
+        chunk: chunk index in the bucket.
+        mean: 1-D fp32 mean over ``senders`` (None: nothing arrived or all dropped).
+        senders: the senders the mean includes, sorted.
+        dropped: sender -> reason for contributions the robust options dropped here.
+    """
+
+    chunk: int
+    mean: torch.Tensor | None
+    senders: tuple[str, ...]
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+class OpenRound:
+    """Owner-side bookkeeping of one open round at one site.
+
+    Args:
+        plan: the round plan (members; ``reduce_timeout_s`` and
+            ``broadcast_timeout_s`` count from ``opened_at``).
+        owners: owner site id per bucket (``assign_owners`` over the members).
+        site_id: this site; it owns the buckets where ``owners[b] == site_id``.
+        chunks: per bucket, its chunks as ``(offset, numel)`` pairs
+            (``BucketLayout.buckets[b].chunks``).
+        aggregation: the robust-aggregation options.
+        opened_at: when the round opened here, seconds on the caller's clock.
+
+    Attributes:
+        digests: per finalized chunk ``(bucket, chunk)``, sender -> blake2b digest of
+            the payload the mean counted from it (an identical retry after close is
+            recognised by it).
+        rejections: refused contributions by code, with a few example reasons.
+        faulty_senders: senders refused for something they sent wrong (:data:`SENDER_FAULTS`).
+        lost: members declared dead during the round (no longer awaited).
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: RoundPlan,
+        owners: Sequence[str],
+        site_id: str,
+        chunks: Sequence[Sequence[tuple[int, int]]],
+        aggregation: AggregationConfig,
+        opened_at: float,
+    ) -> None:
+        if len(owners) != len(chunks):
+            raise ValueError(f"owners has {len(owners)} entries, chunks {len(chunks)}: one per bucket expected")
+        self.round = plan.round
+        self.members = frozenset(plan.site_ids)
+        self.owners = tuple(owners)
+        self.site_id = site_id
+        self.chunks = [tuple(cs) for cs in chunks]
+        self.finalize_at = opened_at + plan.reduce_timeout_s
+        self.broadcast_until = opened_at + plan.broadcast_timeout_s
+        self.mine = tuple(b for b, o in enumerate(owners) if o == site_id)
+        order = sorted(self.members)
+        self._acc = {
+            (b, c): ChunkAccumulator(n, aggregation, order=order)
+            for b in self.mine
+            for c, (_, n) in enumerate(self.chunks[b])
+        }
+        self.expected = len(self._acc) * len(self.members)
+        self.arrived = 0
+        self.lost: set[str] = set()
+        self.rejections = RejectionTally()
+        self.faulty_senders: set[str] = set()
+        self.digests: dict[tuple[int, int], dict[str, bytes]] = {}
+        self.closed: set[int] = set()
+        self._missing = {b: len(self.chunks[b]) * len(self.members) for b in self.mine}
+        self._complete = [b for b, m in self._missing.items() if m == 0]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def all_closed(self) -> bool:
+        return len(self.closed) == len(self.mine)
+
+    @property
+    def reduce_arrived_fraction(self) -> float:
+        """Of the contributions expected at this site's buckets, those counted."""
+        return self.arrived / self.expected if self.expected else 1.0
+
+    def awaited(self, bucket: int) -> int:
+        """Contributions bucket ``bucket`` still waits for (0 once closed or complete)."""
+        return 0 if bucket in self.closed else self._missing[bucket]
+
+    def check(self, c: Contribution) -> None:
+        """Refuse a contribution that does not fit this round (before decoding it).
+
+        Raises:
+            Rejected: PERMISSION_DENIED (sender not a member), INVALID_ARGUMENT
+                (bucket or chunk out of range, offset/numel not the chunk's),
+                FAILED_PRECONDITION (bucket not owned here). The reason names the
+                field, the expected and the found value.
+        """
+        if c.sender not in self.members:
+            raise Rejected(RejectCode.PERMISSION_DENIED, f"{c.sender} is not a member of round {c.round}")
+        if not 0 <= c.bucket < len(self.owners):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {c.bucket} out of range [0, {len(self.owners)})")
+        if self.owners[c.bucket] != self.site_id:
+            raise Rejected(
+                RejectCode.FAILED_PRECONDITION,
+                f"bucket {c.bucket} is owned by {self.owners[c.bucket]}, not {self.site_id}",
+            )
+        chunks = self.chunks[c.bucket]
+        if not 0 <= c.chunk < len(chunks):
+            raise Rejected(
+                RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} out of range [0, {len(chunks)}) of bucket {c.bucket}"
+            )
+        off, n = chunks[c.chunk]
+        if (c.offset, c.numel) != (off, n):
+            raise Rejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"chunk {c.chunk} of bucket {c.bucket} covers offset {off} numel {n}, got offset {c.offset} numel {c.numel}",
+            )
+
+    # ------------------------------------------------------------------ transitions
+    def accept(self, sender: str, bucket: int, chunk: int, values: torch.Tensor, digest: bytes, *, now: float) -> bool:
+        """Count a contribution that passed :meth:`check` and decoded to ``values``.
+
+        Returns:
+            True when counted; False for an identical retry of a chunk already
+            counted (also after its bucket closed): a no-op.
+        Raises:
+            Rejected: FAILED_PRECONDITION when the bucket is closed or the reduce
+                deadline passed (a late contribution; it stays in the sender's
+                residual); ALREADY_EXISTS for a different payload from a sender
+                already counted; INVALID_ARGUMENT for bad values
+                (:meth:`ChunkAccumulator.add`).
+        """
+        if bucket in self.closed:
+            counted = self.digests.get((bucket, chunk), {}).get(sender)
+            if counted == digest:
+                return False
+            if counted is not None:
+                raise Rejected(
+                    RejectCode.ALREADY_EXISTS,
+                    f"a different contribution from {sender} for round {self.round} bucket {bucket} chunk {chunk} "
+                    "was already counted in its mean",
+                )
+            raise Rejected(
+                RejectCode.FAILED_PRECONDITION,
+                f"round {self.round} bucket {bucket} is already finalized (late or stale contribution)",
+            )
+        acc = self._acc[(bucket, chunk)]
+        if now >= self.finalize_at and acc.digests.get(sender) != digest:
+            raise Rejected(
+                RejectCode.FAILED_PRECONDITION,
+                f"round {self.round} bucket {bucket}: reduce deadline passed {now - self.finalize_at:.3f} s ago "
+                "(late contribution)",
+            )
+        if not acc.add(sender, values, digest):
+            return False
+        self.arrived += 1
+        if sender not in self.lost:  # a lost member is no longer awaited: counted, not missing
+            self._missing[bucket] -= 1
+            if self._missing[bucket] == 0:
+                self._complete.append(bucket)
+        return True
+
+    def reject(self, sender: str, code: RejectCode, reason: str) -> bool:
+        """Count a refused contribution; returns whether ``reason`` was kept as one of
+        the few examples of ``code`` (the caller logs those)."""
+        if code in SENDER_FAULTS:
+            self.faulty_senders.add(sender)
+        return self.rejections.add(code, reason)
+
+    def members_lost(self, site_ids: Iterable[str]) -> frozenset[str]:
+        """Stop awaiting ``site_ids`` (members the rendezvous holds dead).
+
+        For each open bucket, the chunks they have not sent no longer count as
+        missing, so a bucket that lacks nothing else becomes due at once. What they
+        already sent, or still send before the bucket closes, is counted as usual.
+        Non-members and this site are ignored. Returns the members newly lost.
+        """
+        new = frozenset((set(site_ids) & self.members) - self.lost - {self.site_id})
+        if not new:
+            return new
+        self.lost |= new
+        for b in self.mine:
+            if b in self.closed:
+                continue
+            for c in range(len(self.chunks[b])):
+                senders = self._acc[(b, c)].digests
+                self._missing[b] -= sum(1 for s in new if s not in senders)
+            if self._missing[b] == 0 and b not in self._complete:
+                self._complete.append(b)
+        return new
+
+    def due(self, now: float) -> Closing | None:
+        """The buckets to finalize at time ``now`` (a pure decision; nothing changes).
+
+        Every open bucket once ``now`` reaches the reduce deadline
+        (:data:`CLOSE_DEADLINE`); before it, the open buckets that await nothing more
+        (:data:`CLOSE_COMPLETE`), in the order they became complete; None when there
+        is nothing to finalize yet (or every bucket is closed).
+        """
+        if now >= self.finalize_at:
+            rest = tuple(b for b in self.mine if b not in self.closed)
+            return Closing(rest, CLOSE_DEADLINE) if rest else None
+        ready = tuple(b for b in self._complete if b not in self.closed)
+        return Closing(ready, CLOSE_COMPLETE) if ready else None
+
+    def close(self, buckets: Iterable[int]) -> None:
+        """Accept nothing more for ``buckets`` (identical retries stay no-ops); their
+        digests become final in :attr:`digests`."""
+        for b in buckets:
+            if b in self.closed:
+                continue
+            self.closed.add(b)
+            for c in range(len(self.chunks[b])):
+                self.digests[(b, c)] = self._acc[(b, c)].digests
+        self._complete = [b for b in self._complete if b not in self.closed]
+
+    def finalize(self, bucket: int) -> list[ChunkReduction]:
+        """The partial mean of every chunk of closed bucket ``bucket``; frees its
+        accumulators (call once per bucket).
+
+        Raises:
+            ValueError: the bucket is not closed, or was finalized already.
+        """
+        if bucket not in self.closed:
+            raise ValueError(f"bucket {bucket} is not closed in round {self.round}")
+        out = []
+        for c in range(len(self.chunks[bucket])):
+            acc = self._acc.pop((bucket, c), None)
+            if acc is None:
+                raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
+            mean, senders, dropped = acc.finalize()
+            out.append(ChunkReduction(chunk=c, mean=mean, senders=senders, dropped=dropped))
+        return out

@@ -1,0 +1,67 @@
+"""What the owner's canonical reduction order costs (prints a markdown table).
+
+An owner sums each chunk's contributions in sender-id order, whatever order they arrive
+in (``dtrain.aggregation.ChunkAccumulator``), so the mean is bit-identical across runs.
+A contribution that arrives ahead of its turn is held until the senders before it arrive.
+Per arrival pattern: CPU time to add every contribution and finalize one chunk (median
+over ``--repeats``, this thread's CPU time, one torch thread), the most decoded chunks
+held out of turn at once, and whether the mean equals the in-order one bit for bit.
+
+Usage::
+
+    .venv/bin/python experiments/bench_reduce_order.py
+    .venv/bin/python experiments/bench_reduce_order.py --senders 16 --numel 1048576
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+
+
+def _run(order: list[str], senders: list[str], vals: dict[str, torch.Tensor]) -> tuple[float, int, torch.Tensor]:
+    acc = ChunkAccumulator(next(iter(vals.values())).numel(), AggregationConfig(), order=senders)
+    held = 0
+    t = time.thread_time()
+    for s in order:
+        acc.add(s, vals[s], s.encode())
+        held = max(held, acc.num_held)  # contributions waiting for their turn
+    mean, _, _ = acc.finalize()
+    return time.thread_time() - t, held, mean
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--senders", type=int, default=8)
+    ap.add_argument("--numel", type=int, default=262144, help="elements per chunk (default 1 MiB of fp32)")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    senders = [f"site-{i:02d}" for i in range(args.senders)]
+    g = torch.Generator().manual_seed(0)
+    vals = {s: torch.randn(args.numel, generator=g) for s in senders}
+    patterns = {
+        "in sender order": lambda rep: senders,
+        "shuffled": lambda rep: random.Random(rep).sample(senders, len(senders)),
+        "lowest id last (worst case)": lambda rep: senders[1:] + senders[:1],
+    }
+    _, _, ref = _run(senders, senders, vals)
+    print(f"{args.senders} senders, chunks of {args.numel} fp32 elements ({4 * args.numel / 2**20:.2f} MiB)\n")
+    print("| arrival | CPU ms per chunk (median) | most chunks held | mean equals in-order |")
+    print("|---|---|---|---|")
+    for name, make in patterns.items():
+        runs = [_run(make(rep), senders, vals) for rep in range(args.repeats)]
+        ms = 1e3 * statistics.median(r[0] for r in runs)
+        held = max(r[1] for r in runs)
+        same = all(torch.equal(r[2], ref) for r in runs)
+        print(f"| {name} | {ms:.2f} | {held} | {same} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""``dtrain launch``'s plain progress lines (stderr not a terminal), from metrics files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtrain.app.launch import _PlainProgress, _SiteView
+from dtrain.metrics import RoundLine, StartLine, write_line
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _append(path: Path, *lines) -> None:
+    with open(path, "a") as f:
+        for ln in lines:
+            write_line(f, ln)
+
+
+def _round(site: str, r: int, *, val: float, sync: float, sent: int, members=("a", "b")) -> RoundLine:
+    return RoundLine(site=site, round=r, members=list(members), val_loss=val, sync_s=sync, bytes_sent=sent, round_s=0.1)
+
+
+def test_one_line_per_round_once_every_running_site_wrote_it(tmp_path):
+    views = [_SiteView(s, tmp_path / f"{s}.jsonl") for s in ("a", "b")]
+    out: list[str] = []
+    prog = _PlainProgress(3, out.append)
+    for v in views:
+        _append(v.tail.path, StartLine(site=v.site))
+    _append(views[0].tail.path, _round("a", 0, val=3.0, sync=0.2, sent=2_000_000))
+
+    def step() -> None:
+        for v in views:
+            v.poll()
+        prog.update(views)
+
+    step()
+    assert out == []  # b has not finished round 0
+    _append(views[1].tail.path, _round("b", 0, val=3.5, sync=0.4, sent=1_000_000))
+    _append(views[0].tail.path, _round("a", 1, val=2.0, sync=0.1, sent=500_000))
+    step()
+    assert out == ["round 1/3: members 2, val_loss 3.000-3.500, bytes_sent 3.00 MB (3.00 MB so far), sync_s 0.20-0.40"]
+    # b skips round 1 (resynced lines carry no bytes) and writes round 2; a writes round 2
+    _append(views[1].tail.path, RoundLine(site="b", round=1, status="resynced", sync_s=1.0, val_loss=2.5))
+    _append(views[1].tail.path, _round("b", 2, val=1.5, sync=0.3, sent=0, members=("a", "b")))
+    _append(views[0].tail.path, _round("a", 2, val=1.5, sync=0.3, sent=1_000_000))
+    step()
+    assert out[1:] == [
+        "round 2/3: members 2, val_loss 2.000-2.500, bytes_sent 0.50 MB (3.50 MB so far), sync_s 0.10-1.00",
+        "round 3/3: members 2, val_loss 1.500, bytes_sent 1.00 MB (4.50 MB so far), sync_s 0.30",
+    ]
+    step()
+    assert len(out) == 3  # nothing is printed twice

@@ -1,0 +1,108 @@
+"""The one process harness (dtrain.app.procs): spawn, signal the group, stop with a grace
+period, tail, wait. Children are tiny ``python -c`` programs (no torch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.app.procs import exit_text, spawn, stop_all, tail
+
+pytestmark = pytest.mark.timeout(60)
+
+# Prints its pid (and its child's), says "ready" and sleeps; SIGTERM -> "bye", exit 0.
+GRACEFUL = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def bye(signum, frame):
+    print("bye", signum, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+signal.signal(signal.SIGINT, bye)
+print("child", child.pid, flush=True)
+print("ready", flush=True)
+for _ in range(600):
+    time.sleep(0.1)
+"""
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+for _ in range(600):
+    time.sleep(0.1)
+"""
+
+
+def _wait_for(path: Path, text: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = path.read_text() if path.exists() else ""
+        if text in got:
+            return got
+        time.sleep(0.02)
+    pytest.fail(f"{text!r} did not appear in {path}: {tail(path)!r}")
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """The process is gone or a zombie within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            return True
+        if "Z" in state.split()[1]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_sends_sigterm_to_the_group_and_the_child_exits_cleanly(tmp_path):
+    log = tmp_path / "a" / "child.log"  # the directory is created
+    p = spawn("graceful", [sys.executable, "-c", GRACEFUL], log)
+    text = _wait_for(log, "ready")
+    grandchild = int(text.split("child ")[1].split()[0])
+    assert p.poll() is None and os.getpgid(p.pid) == p.pid  # its own session / process group
+    assert p.stop(grace_s=10.0) == 0
+    assert f"bye {int(signal.SIGTERM)}" in p.tail()
+    assert _gone(grandchild), "the SIGTERM did not reach the child's process group"
+    assert p.maxrss_kb is not None and p.maxrss_kb > 1000 and p.cpu_s is not None and p.cpu_s >= 0.0
+
+
+def test_stop_kills_a_child_that_ignores_sigterm_after_the_grace_period(tmp_path):
+    p = spawn("stubborn", [sys.executable, "-c", STUBBORN], tmp_path / "s.log")
+    _wait_for(tmp_path / "s.log", "ready")
+    t0 = time.monotonic()
+    stop_all([p], grace_s=0.5)
+    assert p.returncode == -signal.SIGKILL and exit_text(p.returncode) == "-9 (SIGKILL)"
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_sigint_stop_wait_timeout_tail_and_append(tmp_path):
+    log = tmp_path / "g.log"
+    log.write_text("earlier run\n")
+    p = spawn("graceful", [sys.executable, "-c", GRACEFUL], log, env=dict(os.environ, X="1"), cwd=tmp_path)
+    _wait_for(log, "ready")
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout_s=0.1)
+    assert p.stop(grace_s=10.0, sig=signal.SIGINT) == 0
+    text = log.read_text()
+    assert text.startswith("earlier run\n") and f"bye {int(signal.SIGINT)}" in text  # appended, not truncated
+    assert tail(log, 2) == "".join(text.splitlines(keepends=True)[-2:])
+    assert p.send(signal.SIGTERM) is False  # already exited: nothing sent
+    assert tail(tmp_path / "missing.log") == "(no log)"
+
+
+def test_kill_reaps_and_exit_codes_are_named(tmp_path):
+    p = spawn("k", [sys.executable, "-c", STUBBORN], tmp_path / "k.log", append=False)
+    _wait_for(tmp_path / "k.log", "ready")
+    assert p.kill() == -signal.SIGKILL and p.poll() == -signal.SIGKILL
+    assert exit_text(None) == "running" and exit_text(3) == "3"
+    done = spawn("ok", [sys.executable, "-c", "raise SystemExit(7)"], tmp_path / "ok.log")
+    assert done.wait(timeout_s=30) == 7
