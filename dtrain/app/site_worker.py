@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, parse_line, write_line
 from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome
 from dtrain.status import round_report
 from dtrain.tasks import load_task
@@ -203,10 +204,12 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
         )
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
             diloco.engine.fault_hook = fault_hook_from_env(f"{cfg.site_id}/{rank}")
-        return _train(cfg, task, module, optimizer, diloco, stop, parallel)
+        t_start = time.monotonic()
+        summary = _train(cfg, task, module, optimizer, diloco, stop, parallel)
+        time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
+        return _finish(cfg, diloco, summary, t_start)
     finally:
         if diloco is not None:
-            time.sleep(cfg.linger_s if not stop.is_set() else 0.0)
             diloco.close()
         else:
             transport.stop(0.1)
@@ -238,21 +241,23 @@ def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: th
 
 
 def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dict[str, Any]) -> dict:
-    line: dict[str, Any] = {"site": cfg.site_id, "event": "round", **base}
-    line.update(status=out.status, reason=out.reason, checksum=out.site_checksum, slice_checksums=out.slice_checksums)
-    mine = results[0]
-    if mine is not None:
-        line.update({k: v for k, v in mine.items() if k != "round"})
+    """The site's metrics line: the schema's RoundLine (rank 0's engine fields, bytes summed
+    over the ranks) plus the site-group fields (docs/METRICS.md, "Site groups")."""
+    engine = dict(results[0]) if results[0] is not None else {}
+    if engine:
         for key in _SUMMED:
-            line[key] = sum(int(r[key]) for r in results if r is not None)
-        line["rank_bytes_sent"] = [int(r["bytes_sent"]) if r else 0 for r in results]
-        line["rank_bytes_received"] = [int(r["bytes_received"]) if r else 0 for r in results]
-        for key in ("reduce_arrived_fraction", "broadcast_arrived_fraction"):
-            line[f"rank_{key}"] = [float(r[key]) if r else 0.0 for r in results]
+            engine[key] = sum(int(r[key]) for r in results if r is not None)
+    line = RoundLine(
+        site=cfg.site_id, status=out.status, reason=out.reason, checksum=out.site_checksum, **base, **engine
+    ).as_dict()
+    line.update(ranks=len(results), slice_checksums=out.slice_checksums)
+    if engine:
+        for key in ("bytes_sent", "bytes_received", "reduce_arrived_fraction", "broadcast_arrived_fraction"):
+            line[f"rank_{key}"] = [r[key] if r else 0 for r in results]
     return line
 
 
-def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event, parallel: str) -> dict:
+def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event, parallel: str) -> Summary:
     out_dir = Path(cfg.out_dir)
     rank0 = diloco.rank == 0
     if rank0:
@@ -260,13 +265,12 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
     metrics = out_dir / "metrics.jsonl"
     t_start = time.monotonic()
     val = first_val = task.evaluate(module)
-    numel = sum(t.numel() for t in diloco.slices.local()[0])
-    params = sum(diloco._all_gather(numel))
+    params = sum(diloco._all_gather(sum(t.numel() for t in diloco.local)))
     if rank0:
+        start = StartLine(site=cfg.site_id, round=diloco.round, val_loss=val, params=params, time=time.time())
         with open(metrics, "a") as mf:
-            start = {"site": cfg.site_id, "event": "start", "round": diloco.round, "val_loss": val, "wall_s": 0.0}
-            mf.write(json.dumps({**start, "params": params, "ranks": diloco.num_ranks, "time": time.time()}) + "\n")
-    totals = {k: 0 for k in _SUMMED} | {"sync_s": 0.0, "inner_s": 0.0, "rounds_joined": 0}
+            mf.write(json.dumps({**start.as_dict(), "ranks": diloco.num_ranks}) + "\n")
+    totals = Totals()
     train_loss, syncs, out = float("nan"), 0, None
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < cfg.rounds * 4 + 10:
         t0 = time.monotonic()
@@ -279,9 +283,7 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         syncs += 1
         if out.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(module)
-        results = diloco._all_gather(out.result.metrics() if out.result else None)
-        totals["sync_s"] += t2 - t1
-        totals["inner_s"] += t1 - t0
+        results = diloco._all_gather(engine_fields(out.result) if out.result else None)
         base = {
             "round": out.result.round if out.result else diloco.round - 1,
             "members": list(out.result.members) if out.result else [],
@@ -290,46 +292,64 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             "inner_steps": diloco.inner_steps,
             "inner_s": t1 - t0,
             "sync_s": t2 - t1,
+            "quorum_s": out.quorum_s,
             "wall_s": t2 - t_start,
             "time": time.time(),
-            "ranks": diloco.num_ranks,
         }
         line = _round_line(cfg, out, results, base)
-        if out.result is not None:
-            totals["rounds_joined"] += 1
-            for key in _SUMMED:
-                totals[key] += line[key]
+        totals.add(parse_line(line))
         if rank0:
             with open(metrics, "a") as mf:
                 mf.write(json.dumps(line) + "\n")
             assert diloco.group is not None
             diloco.group.report_round(round_report(line))
             log.info(
-                "%s: round %d %s members=%s val_loss=%.4f", cfg.site_id, base["round"], out.status, base["members"], val
+                "%s: round %d %s members=%s val_loss=%.4f", cfg.site_id, base["round"], out.status, line["members"], val
             )
     wall = time.monotonic() - t_start
-    checksum = out.site_checksum if out is not None else ""
-    summary = {
-        "site": cfg.site_id,
-        "rank": diloco.rank,
-        "ranks": diloco.num_ranks,
-        "parallel": parallel,
-        "rounds": diloco.round,
-        "first_val_loss": first_val,
-        "final_val_loss": val,
-        "final_train_loss": train_loss,
-        "checksum": checksum,
-        "wall_s": wall,
-        "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
-        "fp32_bytes_per_round": 4 * params,
-        "interrupted": stop.is_set(),
-        "diloco_numel_per_rank": diloco._all_gather(diloco.diloco_numel()["total"]),
-        **totals,
-    }
-    summary["compression_ratio"] = (
-        totals["encoded_fp32_bytes"] / totals["encoded_bytes"] if totals["encoded_bytes"] else None
+    summary = Summary(
+        site=cfg.site_id,
+        rounds=diloco.round,
+        first_val_loss=first_val,
+        final_val_loss=val,
+        final_train_loss=train_loss,
+        checksum=out.site_checksum if out is not None else None,
+        wall_s=wall,
+        sync_share=totals.sync_s / wall if wall > 0 else 0.0,
+        fp32_bytes_per_round=4 * params,
+        interrupted=stop.is_set(),
+        compression_ratio=totals.compression_ratio,
+        **dataclasses.asdict(totals),
     )
-    if rank0:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("%s: done: %s", cfg.site_id, summary)
     return summary
+
+
+def _finish(cfg, diloco: SiteGroupDiLoCo, summary: Summary, t_start: float) -> dict:
+    """Every rank: sum the bytes the ranks' transports counted after the last round line
+    (means served during ``linger_s``); rank 0 appends the end line and writes
+    ``summary.json``. Returns the summary with the site-group fields."""
+    tr = diloco.engine.transport
+    sent, received = (sum(x) for x in zip(*diloco._all_gather((tr.bytes_sent(), tr.bytes_received()))))
+    end = EndLine(
+        site=summary.site,
+        round=summary.rounds,
+        bytes_sent=max(0, sent - summary.bytes_sent),
+        bytes_received=max(0, received - summary.bytes_received),
+        wall_s=time.monotonic() - t_start,
+        time=time.time(),
+    )
+    summary = dataclasses.replace(
+        summary,
+        bytes_sent=summary.bytes_sent + end.bytes_sent,
+        bytes_received=summary.bytes_received + end.bytes_received,
+    )
+    d = summary.as_dict()
+    d.update(rank=diloco.rank, ranks=diloco.num_ranks, parallel=cfg.parallel)
+    d["diloco_numel_per_rank"] = diloco._all_gather(diloco.diloco_numel()["total"])
+    if diloco.rank == 0:
+        out_dir = Path(cfg.out_dir)
+        with open(out_dir / "metrics.jsonl", "a") as mf:
+            write_line(mf, end)
+        (out_dir / "summary.json").write_text(json.dumps(d, indent=2))
+        log.info("%s: done: %s", cfg.site_id, d)
+    return d

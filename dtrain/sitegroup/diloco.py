@@ -81,6 +81,8 @@ class SiteSyncOutcome:
         result: this rank's round result (None unless applied).
         slice_checksums: every rank's slice checksum after the call, rank order.
         site_checksum: :func:`combine_checksums` of them: one θ checksum per site.
+        quorum_s: seconds rank 0 waited for the rendezvous's decision (0 when it
+            asked for none).
     """
 
     status: str
@@ -88,6 +90,7 @@ class SiteSyncOutcome:
     result: RoundResult | None = None
     slice_checksums: list[str] = field(default_factory=list)
     site_checksum: str = ""
+    quorum_s: float = 0.0
 
 
 class SiteGroupDiLoCo(InnerStepCounter):
@@ -261,14 +264,16 @@ class SiteGroupDiLoCo(InnerStepCounter):
         return None
 
     # ------------------------------------------------------------------ rounds
-    def _decision(self) -> tuple[str, RoundPlan | None, str]:
+    def _decision(self) -> tuple[str, RoundPlan | None, str, float]:
         if self.group is None:
-            return "", None, ""
+            return "", None, "", 0.0
+        t0 = time.monotonic()
         try:
             kind, d, reason = self.group.next_decision()
         except QuorumTimeout as e:
-            return "error", None, str(e)
-        return kind, (d.plan if d is not None else None), reason
+            return "error", None, str(e), 0.0
+        quorum_s = time.monotonic() - t0 if kind in ("plan", "missed") else 0.0
+        return kind, (d.plan if d is not None else None), reason, quorum_s
 
     def sync(self) -> SiteSyncOutcome:
         """Run one round on every rank of the site (normally called by :meth:`step`).
@@ -280,7 +285,7 @@ class SiteGroupDiLoCo(InnerStepCounter):
             QuorumTimeout: on every rank, when no round formed in time.
         """
         self.last_cpu_s = {}
-        kind, plan, reason = self._broadcast(self._decision())
+        kind, plan, reason, quorum_s = self._broadcast(self._decision())
         if kind == "error":
             raise QuorumTimeout(reason)
         if kind == "deferred":
@@ -294,6 +299,7 @@ class SiteGroupDiLoCo(InnerStepCounter):
             out = SiteSyncOutcome(status="deferred" if err else "resynced", reason=err or reason)
         if out.status != "deferred":
             self._publish()
+        out.quorum_s = quorum_s
         t0 = time.process_time()
         out.slice_checksums = self._all_gather(slice_checksum(self.state))
         self.last_cpu_s["checksum"] = time.process_time() - t0

@@ -35,6 +35,10 @@ def _lines(run_dir: Path, site: str) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / site / "metrics.jsonl").read_text().splitlines()]
 
 
+def _rounds(run_dir: Path, site: str) -> list[dict]:
+    return [d for d in _lines(run_dir, site) if d["event"] == "round"]
+
+
 def _launch(args: list[str], run_dir: Path, timeout_s: float, watch=None, **env: str) -> tuple[int, str, str]:
     cmd = [sys.executable, "-m", "dtrain", "launch", *args, "--out", str(run_dir), "--no-progress"]
     p = subprocess.Popen(cmd, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -87,13 +91,13 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
             sum(summ["diloco_numel_per_rank"])
             == 3 * json.loads((tmp_path / s / "metrics.jsonl").read_text().splitlines()[0])["params"]
         )
-        lines = _lines(tmp_path, s)[1:]
+        lines = _rounds(tmp_path, s)
         assert [d["round"] for d in lines] == list(range(rounds))
         for d in lines:
             assert d["status"] == "applied" and d["members"] == SITES and d["ranks"] == 2
             assert len(d["rank_bytes_sent"]) == 2 and d["bytes_sent"] == sum(d["rank_bytes_sent"])
             assert len(d["slice_checksums"]) == 2
-    per_round = zip(*(_lines(tmp_path, s)[1:] for s in SITES))
+    per_round = zip(*(_rounds(tmp_path, s) for s in SITES))
     for a, b in per_round:
         assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
 
@@ -110,7 +114,7 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
     logs = (tmp_path / "site-1" / "worker.log").read_text()
     assert "test fault injection: kill at mid_push of round 2" in logs
     assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
-    site0 = _lines(tmp_path, "site-0")[1:]
+    site0 = _rounds(tmp_path, "site-0")
     assert [d["round"] for d in site0] == list(range(rounds))
     assert all(d["status"] == "applied" for d in site0)
     hit = site0[killed_round]
@@ -121,8 +125,13 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
     site1 = _lines(tmp_path, "site-1")
     starts = [i for i, d in enumerate(site1) if d["event"] == "start"]
     assert len(starts) == 2, [d["event"] for d in site1]
+    assert site1[-1]["event"] == "end" and _lines(tmp_path, "site-0")[-1]["event"] == "end"
     assert site1[starts[1]]["round"] > killed_round  # it joined at a later round, with pulled state
-    back = [d for d in site1[starts[1] + 1 :] if d["status"] == "applied" and d["members"] == SITES]
+    back = [
+        d
+        for d in site1[starts[1] + 1 :]
+        if d["event"] == "round" and d["status"] == "applied" and d["members"] == SITES
+    ]
     assert len(back) >= 3, site1[starts[1] :]
     by_round = {d["round"]: d for d in site0}
     for d in back:
