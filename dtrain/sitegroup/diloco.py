@@ -132,6 +132,8 @@ class SiteGroupDiLoCo(InnerStepCounter):
         self.pg = process_group
         self.rank = dist.get_rank(process_group)
         self.num_ranks = dist.get_world_size(process_group)
+        if not all(self._all_gather(self.rank != 0 or rendezvous is not None)):
+            raise ValueError("rendezvous must be given on rank 0 (it speaks for the site)")
         tensors, kinds = sync_tensors(model, config.buffers)
         self.slices = SliceMap(tensors, kinds, self.rank, self.num_ranks)
         self.local, local_kinds = self.slices.local()
@@ -143,8 +145,7 @@ class SiteGroupDiLoCo(InnerStepCounter):
         self.rank_addresses: list[str] = addresses
         self.group: Group | None = None
         if self.rank == 0:
-            if rendezvous is None:
-                raise ValueError("rendezvous must be given on rank 0 (it speaks for the site)")
+            assert rendezvous is not None  # checked above, on every rank
             ranks = addresses if self.num_ranks > 1 else ()
             self.group = Group(self.engine, rendezvous, config.group, rank_addresses=ranks)
         self.inner_steps = 0
@@ -187,8 +188,15 @@ class SiteGroupDiLoCo(InnerStepCounter):
         if isinstance(info, Exception):
             raise info
         assert isinstance(info, JoinInfo)
+        err = None
         if self.rank != 0 and info.needs_state and self.state.rounds_applied < info.next_round:
-            self._pull_slice(info, min_round=info.next_round)
+            try:
+                self._pull_slice(info, min_round=info.next_round)
+            except StateTransferError as e:
+                err = f"rank {self.rank}: {e}"
+        errs = [e for e in self._all_gather(err) if e]
+        if errs:  # on every rank, so none waits for the others in a collective
+            raise StateTransferError(f"{self.config.site_id}: joining failed: {errs[0]}")
         self._align_rounds(info)
         self._publish()
 
