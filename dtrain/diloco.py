@@ -35,7 +35,7 @@ from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optim
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-__all__ = ["DiLoCoConfig", "DiLoCo", "InnerStepCounter", "sync_tensors"]
+__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -88,66 +88,7 @@ def sync_tensors(model: torch.nn.Module, buffers: str) -> tuple[list[torch.Tenso
     return tensors, kinds
 
 
-class InnerStepCounter:
-    """What DiLoCo wrappers share: count inner steps (from the inner optimizer's
-    post-step hook or :meth:`step`) and run :meth:`sync` every ``sync_every``.
-
-    Subclasses set ``config`` (with ``sync_every``), ``state``, ``engine``,
-    ``inner_steps``, ``group`` (a ``Group`` or None), ``_hook`` (the optimizer hook
-    handle or None) and ``_closed``, and define ``sync()``.
-    """
-
-    config: DiLoCoConfig
-    state: GlobalState
-    engine: RoundEngine
-    inner_steps: int
-    group: Group | None
-    _hook: object
-    _closed: bool
-
-    @property
-    def round(self) -> int:
-        """Number of rounds applied to θ (= the next round's number)."""
-        return self.state.rounds_applied
-
-    def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self.step()
-
-    def step(self):
-        """Count one inner step; every ``sync_every`` steps run a round.
-
-        Called automatically after ``inner_optimizer.step()`` when
-        ``hook_optimizer`` is True. Returns the round's outcome, or None.
-        """
-        self.inner_steps += 1
-        if self.group is not None:
-            self.group.inner_step = self.inner_steps
-        if self.inner_steps % self.config.sync_every == 0:
-            return self.sync()
-        return None
-
-    def sync(self):  # pragma: no cover - defined by subclasses
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Leave the group (where this process holds it) and stop serving peers."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
-        if self.group is not None:
-            self.group.leave()
-        self.engine.stop(0.5)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class DiLoCo(InnerStepCounter):
+class DiLoCo:
     """DiLoCo around ``model`` and its inner optimizer.
 
     Args:
@@ -213,6 +154,26 @@ class DiLoCo(InnerStepCounter):
     def _tensors_and_kinds(self) -> tuple[list[torch.Tensor], list[str]]:
         return sync_tensors(self.model, self.config.buffers)
 
+    @property
+    def round(self) -> int:
+        """Number of rounds applied to θ (= the next round's number)."""
+        return self.state.rounds_applied
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.step()
+
+    def step(self) -> SyncOutcome | None:
+        """Count one inner step; every ``sync_every`` steps run a round.
+
+        Called automatically after ``inner_optimizer.step()`` when
+        ``hook_optimizer`` is True. Returns the round's outcome, or None.
+        """
+        self.inner_steps += 1
+        self.group.inner_step = self.inner_steps
+        if self.inner_steps % self.config.sync_every == 0:
+            return self.sync()
+        return None
+
     def sync(self) -> SyncOutcome:
         """Run one round now (normally called by :meth:`step`)."""
         tensors = self._tensors_and_kinds()[0]
@@ -241,3 +202,19 @@ class DiLoCo(InnerStepCounter):
             raise ValueError("not a DiLoCo state_dict (missing 'global')")
         self.state.load_state_dict(sd["global"])
         self.inner_steps = int(sd.get("inner_steps", 0))
+
+    def close(self) -> None:
+        """Leave the group and stop serving peers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        self.group.leave()
+        self.engine.stop(0.5)
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.buckets import BucketLayout
-from dtrain.diloco import DiLoCoConfig, InnerStepCounter, sync_tensors
+from dtrain.diloco import DiLoCoConfig, sync_tensors
 from dtrain.errors import QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
 from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import JoinInfo, RoundPlan
@@ -93,7 +93,7 @@ class SiteSyncOutcome:
     quorum_s: float = 0.0
 
 
-class SiteGroupDiLoCo(InnerStepCounter):
+class SiteGroupDiLoCo:
     """DiLoCo around one rank's part of a site's model.
 
     Args:
@@ -342,7 +342,41 @@ class SiteGroupDiLoCo(InnerStepCounter):
         self.last_cpu_s.update(gather=t1 - t0, round=time.process_time() - t1)
         return SiteSyncOutcome(status="applied", reason=reason, result=res)
 
+    @property
+    def round(self) -> int:
+        """Rounds applied to θ (= the next round's number)."""
+        return self.state.rounds_applied
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.step()
+
+    def step(self) -> SiteSyncOutcome | None:
+        """Count one inner step; every ``sync_every`` steps run a round (on every rank)."""
+        self.inner_steps += 1
+        if self.group is not None:
+            self.group.inner_step = self.inner_steps
+        if self.inner_steps % self.config.sync_every == 0:
+            return self.sync()
+        return None
+
     # ------------------------------------------------------------------ state
     def diloco_numel(self) -> dict[str, int]:
         """This rank's DiLoCo elements (see :func:`diloco_numel`): ~1/K of a 1-rank site's."""
         return diloco_numel(self.state)
+
+    def close(self) -> None:
+        """Leave the group (rank 0) and stop serving peers (every rank)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        if self.group is not None:
+            self.group.leave()
+        self.engine.stop(0.5)
+
+    def __enter__(self) -> "SiteGroupDiLoCo":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
