@@ -18,46 +18,16 @@ Robust options (off by default):
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
+from dtrain.configs import AggregationConfig
 from dtrain.errors import RejectCode, Rejected
 
 __all__ = ["AggregationConfig", "ChunkAccumulator", "partial_mean"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AggregationConfig:
-    """How an owner combines the contributions to one chunk.
-
-    Attributes:
-        max_norm: reject a contribution whose L2 norm exceeds this (None: off).
-        norm_bound_ratio: at finalize, drop contributions with norm above
-            ``norm_bound_ratio * median(norms)`` (None: off; must be >= 1).
-        trim_fraction: fraction in [0, 0.5) of values trimmed at each end per
-            element (0: plain mean).
-    """
-
-    max_norm: float | None = None
-    norm_bound_ratio: float | None = None
-    trim_fraction: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
-            raise ValueError(f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}")
-        if self.norm_bound_ratio is not None and not self.norm_bound_ratio >= 1.0:
-            raise ValueError(f"norm_bound_ratio must be >= 1 or None, got {self.norm_bound_ratio!r}")
-        if not 0.0 <= self.trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
-
-    @property
-    def robust(self) -> bool:
-        return self.norm_bound_ratio is not None or self.trim_fraction > 0.0
 
 
 def partial_mean(

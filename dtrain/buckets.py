@@ -6,19 +6,33 @@ floating-point buffers) are viewed as one virtual fp32 vector in
 ``bucket_bytes`` (a parameter may span two buckets); each bucket is cut into
 *chunks* of ``chunk_bytes`` of fp32 input, each encoded and aggregated on its own.
 
+The bucket size is either fixed (``BucketConfig.bucket_bytes``) or chosen from
+the model's size and the *configured* number of sites (``BucketConfig.num_sites``,
+not the live membership: θ's layout is fixed for a run), so that every site owns
+several buckets even of a small model (:meth:`BucketConfig.resolve_bucket_bytes`).
+
 Ownership uses rendezvous (highest-random-weight) hashing (Thaler & Ravishankar,
-"Using name-based mappings to increase hit rates", 1998): the owner of bucket b is
-the member m with the largest ``H(m, b)``. Every site computes the same answer
-from the member list alone, and when one member leaves only its buckets move.
+"Using name-based mappings to increase hit rates", 1998) with bounded loads
+(Mirrokni, Thorup & Zadimoghaddam, "Consistent Hashing with Bounded Loads",
+SODA 2018): each bucket goes to the member of highest weight ``H(m, b)`` that
+still has room, every member owning ``floor(B/N)`` or ``ceil(B/N)`` of the B
+buckets. Every site computes the same answer from the member list alone; when a
+member leaves, its buckets move and a few others may (owners keep no state
+between rounds but the opt-in broadcast error feedback, so a move costs nothing).
+``assign_owners(..., balanced=False)`` is plain HRW (only the leaver's buckets
+move; ownership follows the hash, lumpy with few buckets).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from dtrain.configs import BucketConfig
 
 __all__ = [
     "BucketConfig",
@@ -28,31 +42,6 @@ __all__ = [
     "assign_owners",
     "checksum",
 ]
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class BucketConfig:
-    """How parameters are cut into buckets and chunks.
-
-    Attributes:
-        bucket_bytes: target bucket size in bytes of fp32 (4 bytes/element);
-            the unit of ownership, repair and outer-optimizer state. Default 4 MiB.
-        chunk_bytes: chunk size in bytes of fp32 input; the unit of encoding,
-            transfer and partial aggregation. Default 1 MiB. Must be <= bucket_bytes.
-    """
-
-    bucket_bytes: int = 4 * MiB
-    chunk_bytes: int = 1 * MiB
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4:
-            raise ValueError(f"bucket_bytes must be an int >= 4 (one fp32 element), got {self.bucket_bytes!r}")
-        if not isinstance(self.chunk_bytes, int) or not 4 <= self.chunk_bytes <= self.bucket_bytes:
-            raise ValueError(
-                f"chunk_bytes must be an int in [4, bucket_bytes={self.bucket_bytes}], got {self.chunk_bytes!r}"
-            )
 
 
 @dataclass(frozen=True)
@@ -90,6 +79,10 @@ class BucketLayout:
         kinds: ``"param"`` or ``"buffer"`` per tensor; tensors of different kinds
             never share a bucket.
         config: bucket and chunk sizes.
+
+    Attributes:
+        bucket_bytes: the bucket size in use (``config.resolve_bucket_bytes``).
+        chunk_bytes: the chunk size in use (at most ``bucket_bytes``).
     """
 
     def __init__(self, numels: Sequence[int], kinds: Sequence[str], config: BucketConfig) -> None:
@@ -98,8 +91,10 @@ class BucketLayout:
         self.config = config
         self.numels = tuple(int(n) for n in numels)
         self.kinds = tuple(kinds)
-        bucket_elems = max(1, config.bucket_bytes // 4)
-        chunk_elems = max(1, config.chunk_bytes // 4)
+        self.bucket_bytes = config.resolve_bucket_bytes(4 * sum(self.numels))
+        self.chunk_bytes = min(config.chunk_bytes, self.bucket_bytes)
+        bucket_elems = max(1, self.bucket_bytes // 4)
+        chunk_elems = max(1, self.chunk_bytes // 4)
         buckets: list[Bucket] = []
         for kind in ("param", "buffer"):
             segs: list[Segment] = []
@@ -134,9 +129,11 @@ class BucketLayout:
         return sum(b.numel for b in self.buckets)
 
     def fingerprint(self) -> str:
-        """Hex digest of the tensor sizes and bucket config; equal on compatible sites."""
+        """Hex digest of the tensor sizes and the bucket and chunk sizes in use;
+        equal on compatible sites (and equal to the digest of an explicit
+        ``BucketConfig`` with the same sizes, so older checkpoints still match)."""
         h = hashlib.blake2b(digest_size=8)
-        h.update(repr((self.numels, self.kinds, self.config.bucket_bytes, self.config.chunk_bytes)).encode())
+        h.update(repr((self.numels, self.kinds, self.bucket_bytes, self.chunk_bytes)).encode())
         return h.hexdigest()
 
     def gather(self, index: int, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,12 +174,18 @@ def _weight(member: str, bucket: int) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
-def assign_owners(num_buckets: int, members: Sequence[str]) -> list[str]:
+def assign_owners(num_buckets: int, members: Sequence[str], *, balanced: bool = True) -> list[str]:
     """Owner site_id of each bucket by rendezvous (highest-random-weight) hashing.
 
     Args:
         num_buckets: number of buckets (>= 0).
         members: site_ids of the round's quorum (order does not matter).
+        balanced: bound the loads (Mirrokni et al., SODA 2018, with no slack):
+            every member owns ``floor(B/N)`` or ``ceil(B/N)`` buckets. Buckets
+            claim owners in rounds of preference: in round k every unassigned
+            bucket asks its k-th choice, the strongest claims (highest weight)
+            first, and a member takes it while it has room. False: plain HRW
+            (each bucket to its first choice).
     Returns:
         ``owners[b]`` for ``b in range(num_buckets)``.
     Raises:
@@ -190,8 +193,31 @@ def assign_owners(num_buckets: int, members: Sequence[str]) -> list[str]:
     """
     if not members:
         raise ValueError("members must name at least one site")
-    ms = sorted(set(members))
-    return [max(ms, key=lambda m: (_weight(m, b), m)) for b in range(num_buckets)]
+    return list(_owners(int(num_buckets), tuple(sorted(set(members))), bool(balanced)))
+
+
+@functools.lru_cache(maxsize=64)
+def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool) -> tuple[str, ...]:
+    # prefs[b]: (weight, member) from the most to the least preferred member
+    prefs = [sorted(((_weight(m, b), m) for m in ms), reverse=True) for b in range(num_buckets)]
+    if not balanced:
+        return tuple(p[0][1] for p in prefs)
+    base, extra = divmod(num_buckets, len(ms))
+    load = dict.fromkeys(ms, 0)
+    owners: list[str | None] = [None] * num_buckets
+    at_ceil = 0  # members holding base + 1 (at most `extra` of them)
+    for rank in range(len(ms)):
+        pending = sorted(
+            (b for b in range(num_buckets) if owners[b] is None), key=lambda b: prefs[b][rank], reverse=True
+        )
+        for b in pending:
+            m = prefs[b][rank][1]
+            if load[m] < base or (load[m] == base and at_ceil < extra):
+                owners[b] = m
+                load[m] += 1
+                at_ceil += load[m] == base + 1
+    # Capacity is exactly num_buckets and rooms only shrink, so every bucket found one.
+    return tuple(owners)  # type: ignore[arg-type]
 
 
 def checksum(t: torch.Tensor) -> str:

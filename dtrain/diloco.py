@@ -12,7 +12,7 @@ Usage keeps a training loop's shape (as torchft's ``DiLoCo`` does)::
     diloco = DiLoCo(model, opt, config=DiLoCoConfig(sync_every=50))   # hooks opt.step()
     for x, y in data:
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
-    diloco.close()
+    diloco.close()   # waits (bounded) until the peers pulled this site's last means
 
 Without a transport and rendezvous it runs as a single local site (useful for
 tests); pass ``transport=GrpcTransport(...)`` and ``rendezvous=GrpcRendezvousClient(...)``
@@ -22,15 +22,16 @@ for a real multi-site run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from dtrain.buckets import BucketConfig, BucketLayout
-from dtrain.membership import Group, GroupConfig, RendezvousClient, SyncOutcome
+from dtrain.buckets import BucketLayout
+from dtrain.configs import DiLoCoConfig
+from dtrain.membership import Group, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
-from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.rounds import RoundEngine
+from dtrain.rounds.pulls import PullWait
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
@@ -39,40 +40,9 @@ __all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors"]
 
 log = logging.getLogger(__name__)
 
-_BUFFER_MODES = ("average", "local")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiLoCoConfig:
-    """Configuration of the DiLoCo wrapper.
-
-    Attributes:
-        site_id: this site's unique name.
-        sync_every: H, inner steps per round (DiLoCo arXiv 2311.08105 uses 500).
-        buckets: bucket and chunk sizes.
-        rounds: codec, aggregation, error feedback, repair.
-        group: rendezvous-client behaviour (quorum wait, retries).
-        buffers: ``"average"`` floating-point buffers (e.g. batch-norm running
-            statistics) across sites each round, or keep them ``"local"``.
-        hook_optimizer: count inner steps through a post-step hook on the inner
-            optimizer (True) or only when the caller calls :meth:`DiLoCo.step`.
-    """
-
-    site_id: str = "site-0"
-    sync_every: int = 500
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    rounds: RoundConfig = field(default_factory=RoundConfig)
-    group: GroupConfig = field(default_factory=GroupConfig)
-    buffers: str = "average"
-    hook_optimizer: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sync_every, int) or self.sync_every <= 0:
-            raise ValueError(f"sync_every (H) must be an int >= 1, got {self.sync_every!r}")
-        if self.buffers not in _BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {_BUFFER_MODES}, got {self.buffers!r}")
-        if not self.site_id or not isinstance(self.site_id, str):
-            raise ValueError(f"site_id must be a non-empty string, got {self.site_id!r}")
+# state_dict() keys that load_state_dict() needs, and their names in the older layout
+_STATE_KEYS = ("theta", "outer_optimizer", "residuals", "round", "bucket_round", "fingerprint")
+_OLD_NAMES = {"outer_optimizer": "optimizers", "round": "rounds_applied"}
 
 
 def sync_tensors(model: torch.nn.Module, buffers: str) -> tuple[list[torch.Tensor], list[str]]:
@@ -188,33 +158,88 @@ class DiLoCo:
         return outcome
 
     def state_dict(self) -> dict:
-        """θ, outer-optimizer state, residuals, round number and inner-step count."""
+        """Everything this wrapper adds to a training position, as plain tensors.
+
+        Keys: ``theta`` (per bucket, fp32 ``[numel_b]``: the global parameters θ),
+        ``outer_optimizer`` (per bucket, the outer optimizer's ``state_dict()``),
+        ``residuals`` (per bucket, fp32 ``[numel_b]`` error-feedback residuals or
+        None), ``round`` (rounds applied to θ = the next round's number),
+        ``bucket_round`` (per bucket), ``fingerprint`` (the bucket layout; a
+        load into another model or bucket size is refused), ``inner_steps``
+        and ``sync_every`` (H). The model's own parameters and the inner
+        optimizer are not in it: save ``model.state_dict()`` and the inner
+        optimizer's ``state_dict()`` beside it (as ``dtrain worker`` does).
+        """
         return {
-            "global": self.state.state_dict(),
+            **self.state.state_dict(),
             "inner_steps": self.inner_steps,
             "sync_every": self.config.sync_every,
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore :meth:`state_dict`; raises ``ValueError`` for another model/layout.
-        The model's own (local) parameters are not touched."""
-        if not isinstance(sd, dict) or "global" not in sd:
-            raise ValueError("not a DiLoCo state_dict (missing 'global')")
-        self.state.load_state_dict(sd["global"])
+        """Restore :meth:`state_dict` (also the older layout that nested θ, outer
+        state, residuals and round under ``"global"``). The model's own (local)
+        parameters are not touched.
+
+        Raises:
+            ValueError: not a DiLoCo state_dict (names the missing keys), or one
+                of another model or bucket layout.
+        """
+        state = sd.get("global", sd) if isinstance(sd, dict) else None  # the older layout nested it
+        if not isinstance(state, dict):
+            raise ValueError(f"not a DiLoCo state_dict (a {type(sd).__name__}, expected a dict)")
+        missing = [k for k in _STATE_KEYS if k not in state and _OLD_NAMES.get(k) not in state]
+        if missing:
+            raise ValueError(f"not a DiLoCo state_dict (missing {', '.join(map(repr, missing))})")
+        self.state.load_state_dict(state)
         self.inner_steps = int(sd.get("inner_steps", 0))
 
-    def close(self) -> None:
-        """Leave the group and stop serving peers."""
+    def close(self, *, wait: bool = True) -> PullWait | None:
+        """Wait for the peers to pull this site's last means, leave the group, stop serving.
+
+        With ``wait``, blocks until every member of the last round this site ran
+        has pulled the means of the buckets it owned, at most
+        ``config.close_timeout_s`` (default: until that round's broadcast
+        deadline); members the rendezvous declares dead meanwhile are not waited
+        for. Closing at once would leave a slower member without those means
+        (it would skip the buckets and end with a different θ).
+
+        Args:
+            wait: False closes at once (e.g. on SIGINT).
+        Returns:
+            what the wait found (who did not pull what), or None when this call
+            did not wait (``wait=False`` or already closed).
+        """
         if self._closed:
-            return
+            return None
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
+        waited = None
+        if wait:
+            waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)
+            if waited.missing:
+                log.warning(
+                    "%s: closing after %.2f s without every peer's pull of round %d's means (missing: %s)",
+                    self.config.site_id,
+                    waited.waited_s,
+                    waited.round,
+                    waited.missing,
+                )
+            elif waited.round >= 0:
+                log.info(
+                    "%s: every peer pulled round %d's means (waited %.2f s)",
+                    self.config.site_id,
+                    waited.round,
+                    waited.waited_s,
+                )
         self.group.leave()
         self.engine.stop(0.5)
+        return waited
 
     def __enter__(self) -> "DiLoCo":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        # An interrupted loop closes at once; otherwise the peers get the last means.
+        self.close(wait=not (exc_type is not None and issubclass(exc_type, KeyboardInterrupt)))

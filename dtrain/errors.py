@@ -1,7 +1,7 @@
 """All exception types raised by dtrain.
 
 Network and peer failures during a round are *recorded* by the round engine and
-handled by the round rules (DESIGN.md, "One round"); these exceptions are how the
+handled by the round rules (docs/ARCHITECTURE.md, "One round"); these exceptions are how the
 layers below the engine report them. Bad configuration raises ``ValueError`` at
 construction (see ``dtrain.config``), not one of these.
 """

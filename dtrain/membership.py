@@ -19,6 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
+from dtrain.configs import GroupConfig
 from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
 from dtrain.rounds import RoundEngine, RoundResult
@@ -37,33 +38,6 @@ class RendezvousClient(Protocol):
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupConfig:
-    """Client-side membership behaviour.
-
-    Attributes:
-        quorum_wait_s: longest a site waits for a round to form before
-            ``QuorumTimeout`` (the rendezvous's reason is in the message).
-        ready_poll_s: length of one long poll of ``ready``.
-        rendezvous_retry_s: how long ``sync`` retries an unreachable rendezvous
-            before giving up for now and letting the site train on locally.
-        backoff_max_s: cap of the exponential backoff between retries.
-        state_pull_timeout_s: time budget of a full state pull (join/resync).
-    """
-
-    quorum_wait_s: float = 300.0
-    ready_poll_s: float = 2.0
-    rendezvous_retry_s: float = 2.0
-    backoff_max_s: float = 5.0
-    state_pull_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
 
 
 @dataclass(kw_only=True)

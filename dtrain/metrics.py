@@ -208,6 +208,8 @@ class Summary(_Record):
     encoded_fp32_bytes: int = 0
     fp32_bytes_per_round: int | None = None
     compression_ratio: float | None = None  # encoded_fp32_bytes / encoded_bytes
+    owned_buckets: int | None = None  # buckets this site owned in the last round it ran
+    num_buckets: int | None = None  # buckets of θ (the layout, fixed for the run)
     interrupted: bool = False
 
 

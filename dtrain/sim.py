@@ -366,7 +366,7 @@ class InprocCluster:
         """Every site leaves the group and stops serving (idempotent)."""
         for s in self.sites:
             try:
-                s.diloco.close()
+                s.diloco.close(wait=not s.killed.is_set())  # a killed site's means are not served anyway
             except Exception as e:  # noqa: BLE001 - best effort at shutdown
                 log.warning("closing %s: %s", s.site_id, e)
 

@@ -3,7 +3,7 @@ state transfer (repair of stale buckets, joining sites).
 
 Every site keeps θ as one fp32 tensor per bucket, one outer optimizer per
 bucket (so its state is per bucket and can be repaired or transferred bucket by
-bucket), and one error-feedback residual per bucket (DESIGN.md, "One round").
+bucket), and one error-feedback residual per bucket (docs/ARCHITECTURE.md, "One round").
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class GlobalState:
             self.residuals[b] = None
 
     def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Reset the model's tensors to θ (DESIGN.md "One round", step 7)."""
+        """Reset the model's tensors to θ (docs/ARCHITECTURE.md "One round", step 4)."""
         for b in range(len(self)):
             with self._locks[b]:
                 self.layout.scatter(b, self.theta[b].detach(), tensors)
@@ -167,21 +167,35 @@ class GlobalState:
     def state_dict(self) -> dict:
         """θ, outer-optimizer states, residuals and the round number (tensors only).
 
+        Keys (lists have one entry per bucket, see ``layout``):
+
+        - ``theta``: fp32 ``[numel_b]`` tensors, the global parameters θ;
+        - ``outer_optimizer``: each bucket's outer-optimizer ``state_dict()``;
+        - ``residuals``: fp32 ``[numel_b]`` error-feedback residuals, or None;
+        - ``round``: rounds applied to θ (= the next round's number);
+        - ``bucket_round``: per bucket, the rounds whose outcome θ_b reflects;
+        - ``fingerprint``: the bucket layout's :meth:`BucketLayout.fingerprint`.
+
         A snapshot: nothing in it is shared with the live state (a torch
         optimizer's own ``state_dict()`` returns its momentum tensors by
         reference, and they are updated in place by later rounds).
         """
         return {
-            "fingerprint": self.layout.fingerprint(),
-            "rounds_applied": self.rounds_applied,
-            "bucket_round": list(self.bucket_round),
             "theta": [t.detach().clone() for t in self.theta],
-            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+            "outer_optimizer": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
             "residuals": [None if r is None else r.clone() for r in self.residuals],
+            "round": self.rounds_applied,
+            "bucket_round": list(self.bucket_round),
+            "fingerprint": self.layout.fingerprint(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load :meth:`state_dict` output; refuses a different layout (ValueError)."""
+        """Load :meth:`state_dict` output; refuses a different layout (ValueError).
+
+        Also reads the layout written before the keys were renamed
+        (``optimizers`` for ``outer_optimizer``, ``rounds_applied`` for ``round``).
+        """
+        sd = _renamed(sd)
         if sd.get("fingerprint") != self.layout.fingerprint():
             raise ValueError(
                 f"state_dict fingerprint {sd.get('fingerprint')!r} does not match this model's bucket layout "
@@ -198,11 +212,19 @@ class GlobalState:
                     self.theta[b].copy_(sd["theta"][b])
                 # deep copy: Optimizer.load_state_dict keeps the given tensors, and
                 # later steps would write into the caller's dict
-                self.optimizers[b].load_state_dict(copy.deepcopy(sd["optimizers"][b]))
+                self.optimizers[b].load_state_dict(copy.deepcopy(sd["outer_optimizer"][b]))
                 r = sd["residuals"][b]
                 self.residuals[b] = None if r is None else r.clone()
                 self.bucket_round[b] = int(sd["bucket_round"][b])
-        self.rounds_applied = int(sd["rounds_applied"])
+        self.rounds_applied = int(sd["round"])
+
+
+_OLD_KEYS = {"optimizers": "outer_optimizer", "rounds_applied": "round"}
+
+
+def _renamed(sd: dict) -> dict:
+    """``GlobalState.state_dict`` keys as written now, from either layout."""
+    return {_OLD_KEYS.get(k, k): v for k, v in sd.items()}
 
 
 def pull_full_state(

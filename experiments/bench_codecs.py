@@ -5,7 +5,7 @@ with AdamW (DiLoCo's inner optimizer: lr 4e-4, weight decay 0.1, arXiv 2311.0810
 a few warm-up steps, then a snapshot θ, then ``--inner-steps`` more steps; the
 pseudo-gradient is Δ = θ_snapshot − θ_after. Δ is tiled to ``--numel`` elements and
 cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB of fp32, the
-DESIGN.md bucket size), which is how the round engine calls the codecs. The model is
+default bucket size, docs/ARCHITECTURE.md), which is how the round engine calls the codecs. The model is
 larger than one bucket, so no bucket holds a repeat that zstd could exploit.
 
 Per codec, with and without the zstd stage: compression ratio (fp32 bytes / payload

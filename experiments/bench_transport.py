@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
 
+    from dtrain.options import HostPort
     from dtrain.protocol import Contribution
     from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
@@ -215,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     gproc, gconn, gaddr = _start(_grpc_server, args.sizes_mib, args.part_bytes, args.chunk_bytes, options)
     rproc, rconn, raddr = _start(_raw_server, args.sizes_mib)
     client = GrpcTransport(GrpcTransportConfig(part_bytes=args.part_bytes, extra_options=options))
-    host, port = raddr.rsplit(":", 1)
-    raw = socket.create_connection((host, int(port)))
+    addr = HostPort.parse(raddr, "raw server address")
+    raw = socket.create_connection((addr.host, addr.port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     blob = os.urandom(max(args.sizes_mib) * MiB)
     sink = bytearray(len(blob))

@@ -30,6 +30,7 @@ table into ``experiments/RESULTS.md``.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -182,7 +183,18 @@ def _free_port() -> int:
 
 
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
-    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site."""
+    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
+
+    Teardown: every rank meets in a last barrier (so none closes its gloo connections while
+    rank 0 still evaluates), destroys the process group, and then leaves with ``os._exit(0)``
+    without finalizing the interpreter. With torch 2.13, gloo's threads (``gloo_tcp_loop``,
+    two ``pt_gloo_runloop``; on rank 0 also the TCPStore server ``pt_tcpstore_uv``) still run
+    after ``destroy_process_group()`` returns (listed in /proc/self/task), so a normal exit
+    finalizes the interpreter and runs C++ destructors with them alive; under load that ended
+    once in "terminate called without an active exception" (SIGABRT). A rank that raises
+    still goes through spawn's error path.
+    """
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -236,8 +248,12 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                     }
                 )
             )
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ddp(spec: RunSpec) -> RunResult:

@@ -20,16 +20,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from dtrain.app.config import RENDEZVOUS, WORKER
 from dtrain.app.procs import Proc, spawn, tail
 from dtrain.metrics import read_metrics
+from dtrain.options import Tree
 from experiments.common import ROOT
 
 __all__ = ["ProcRun", "flags", "netem_topology"]
 
 
-def flags(opts: dict[str, Any]) -> list[str]:
-    """``{"reduce_timeout_s": 2}`` -> ``["--reduce-timeout-s", "2"]`` (None values are left out)."""
-    return [x for k, v in opts.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
+def flags(opts: dict[str, Any], tree: Tree = WORKER) -> list[str]:
+    """``{"reduce_timeout_s": 2}`` -> ``["--rendezvous.reduce-timeout-s", "2"]``: the flags of
+    ``tree``'s options by path, key or short name (booleans ``--x`` / ``--no-x``; None
+    values are left out)."""
+    return tree.to_argv({k: v for k, v in opts.items() if v is not None})
 
 
 def netem_topology(num_sites: int, name: str, script: str):
@@ -93,7 +97,14 @@ class ProcRun:
         self.spawn(
             "rendezvous",
             self.num_sites,
-            ["rendezvous", "--bind", f"{self.host(self.num_sites)}:0", "--address-file", str(addr), *flags(opts)],
+            [
+                "rendezvous",
+                "--bind",
+                f"{self.host(self.num_sites)}:0",
+                "--address-file",
+                str(addr),
+                *flags(opts, RENDEZVOUS),
+            ],
         )
 
         def ready() -> bool:

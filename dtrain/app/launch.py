@@ -22,32 +22,46 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from dtrain.app.config import LAUNCH, RENDEZVOUS, WORKER, LaunchConfig, check_task
 from dtrain.app.procs import Proc, exit_text, spawn, stop_all
 from dtrain.metrics import MetricsTail, RoundLine, StartLine, read_summary
+from dtrain.options import HostPort, UsageError
 
-__all__ = ["PER_SITE_FIELDS", "run_launch"]
+__all__ = ["run_launch", "rendezvous_argv", "worker_argv"]
 
 log = logging.getLogger(__name__)
 
-#: WorkerConfig fields launch sets for each site itself (not allowed in --config).
-PER_SITE_FIELDS = (
-    "site_id",
-    "site_index",
-    "num_sites",
-    "listen",
-    "advertise",
-    "rendezvous",
-    "out_dir",
-    "checkpoint_dir",
-)
+
+def worker_argv(
+    options: dict[str, Any], *, index: int, num_sites: int, host: str, rendezvous: str, out_dir: Path
+) -> list[str]:
+    """``dtrain worker`` flags for site ``index``: the launch's worker ``options`` (by path
+    in the worker tree) plus the per-site fields (``dtrain.app.config.PER_SITE``)."""
+    return WORKER.to_argv(
+        {
+            **options,
+            "diloco.site_id": f"site-{index}",
+            "task_spec.site_index": index,
+            "task_spec.num_sites": num_sites,
+            "net.listen": HostPort(host, 0),
+            "net.rendezvous": HostPort.parse(rendezvous, "rendezvous"),
+            "out_dir": str(out_dir),
+        }
+    )
 
 
-def _flag(name: str, value) -> list[str]:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return [flag if value else "--no-" + name.replace("_", "-")]
-    return [flag, str(value)]
+def rendezvous_argv(
+    options: dict[str, Any], *, host: str, address_file: Path, http_bind: HostPort | None, http_file: Path
+) -> list[str]:
+    """``dtrain rendezvous`` flags: RendezvousConfig ``options`` (by field name), the bind
+    address and the files it reports its addresses in."""
+    values: dict[str, Any] = {"bind": HostPort(host, 0), "address_file": str(address_file)}
+    if http_bind is not None:  # the rendezvous writes http_file before address_file
+        values.update(http_bind=http_bind, http_address_file=str(http_file))
+    values.update({f"rendezvous.{k}": v for k, v in options.items()})
+    return RENDEZVOUS.to_argv(values)
 
 
 def _out(text: str) -> None:
@@ -140,6 +154,7 @@ def _format_table(rows: list[dict]) -> str:
         ("final_val_loss", "final_val_loss", "{:.4f}"),
         ("θ checksum", "checksum", "{}"),
         ("rounds_joined", "rounds_joined", "{}"),
+        ("owned_buckets", "owned", "{}"),  # owned_buckets/num_buckets (the last round it ran)
         ("bytes_sent", "bytes_sent", "{:,}"),
         ("bytes_received", "bytes_received", "{:,}"),
         ("compression_ratio", "compression_ratio", "{:.1f}x"),
@@ -147,6 +162,8 @@ def _format_table(rows: list[dict]) -> str:
     ]
     cells = [[h for h, _, _ in cols]]
     for r in rows:
+        if r.get("owned_buckets") is not None and r.get("num_buckets") is not None:
+            r = {**r, "owned": f"{r['owned_buckets']}/{r['num_buckets']}"}
         row = []
         for _, k, fmt in cols:
             v = r.get(k)
@@ -168,8 +185,6 @@ def _open_topology(num_sites: int, profile: str):
     current directory or from the checkout this package lives in. Needs root.
     Raises UsageError naming ``netem`` when it cannot be used here.
     """
-    from dtrain.app.cli import UsageError
-
     try:
         import netem  # noqa: PLC0415
     except ImportError:
@@ -192,76 +207,52 @@ def _open_topology(num_sites: int, profile: str):
     return topo
 
 
-def _status_page_bind(ns, parse_host_port, usage_error) -> str | None:
-    """The rendezvous's ``--http-bind`` from ``--http-bind``/``--http-port``, or None (off).
+def _check(values: dict[str, Any]) -> tuple[LaunchConfig, Path, dict[str, Any], dict[str, Any]]:
+    """Every setting checked up front (the worker's and rendezvous's own rules, with site-0's
+    per-site values), before anything is created or started.
 
-    Default: ``127.0.0.1:0`` (a free port; launch prints the URL), but off with
-    ``--netem``, where 127.0.0.1 inside the rendezvous's namespace is not
-    reachable from this machine's browser; ``--http-bind off`` turns it off.
+    Returns the config, the run directory, and the worker and rendezvous options given.
     """
-    bind, port = getattr(ns, "http_bind", None), getattr(ns, "http_port", None)
-    if bind is not None and port is not None:
-        raise usage_error(f"http_port and http_bind: give one of them, got {port!r} and {bind!r}")
-    if port is not None:
-        if not 0 <= port <= 65535:
-            raise usage_error(f"http_port must be in [0, 65535], got {port!r}")
-        return f"127.0.0.1:{port}"
-    if bind is None:
-        return None if ns.netem else "127.0.0.1:0"
-    if bind == "off":
-        return None
-    parse_host_port("http_bind", bind)
-    return bind
+    n = values.get("sites", LaunchConfig().sites)
+    if not isinstance(n, int) or not 1 <= n <= 64:
+        raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
+    run_dir = Path(values.get("out") or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    values = {"rendezvous.initial_sites": n, **values}  # round 0 waits for every site by default
+    site0 = {"worker.task_spec.num_sites": n, "worker.out_dir": str(run_dir / "site-0")}
+    try:
+        cfg = LAUNCH.build({**values, **site0})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    check_task(cfg.worker.task)
+    worker = {p.removeprefix("worker."): v for p, v in values.items() if p.startswith("worker.")}
+    rendezvous = {p.removeprefix("rendezvous."): v for p, v in values.items() if p.startswith("rendezvous.")}
+    return cfg, run_dir, worker, rendezvous
 
 
-def _site_group_argv(ns, argv: list[str]) -> list[str]:
-    """With ``--ranks-per-site K > 1``: the worker command as one torchrun group of K
-    ranks (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
-    k = getattr(ns, "ranks_per_site", 1)
-    if k <= 1:
+def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
+    """With ``ranks_per_site`` K > 1: the worker command as one torchrun group of K ranks
+    (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
+    if cfg.ranks_per_site <= 1:
         return argv
     from dtrain.app.site_worker import free_port, torchrun_argv
 
-    return torchrun_argv(argv, num_ranks=k, master_port=free_port(), max_restarts=getattr(ns, "max_restarts", 0))
+    return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, master_port=free_port(), max_restarts=cfg.max_restarts)
 
 
-def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
-    from dtrain.app.cli import UsageError, _build, _check_toml_types, _toml_load, check_task, parse_host_port
-    from dtrain.app.worker import WorkerConfig
-    from dtrain.rendezvous import RendezvousConfig
+def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
+    """Run ``dtrain launch`` with ``values``: launch options by path in
+    ``dtrain.app.config.LAUNCH`` (from the flags and ``--config``). Returns the exit code.
 
-    n = ns.sites
-    if not isinstance(n, int) or not 1 <= n <= 64:
-        raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
-    k = getattr(ns, "ranks_per_site", 1)
-    if not isinstance(k, int) or not 1 <= k <= 64:
-        raise UsageError(f"ranks_per_site must be an int in [1, 64], got {k!r}")
-    if not isinstance(getattr(ns, "max_restarts", 0), int) or getattr(ns, "max_restarts", 0) < 0:
-        raise UsageError(f"max_restarts must be an int >= 0, got {ns.max_restarts!r}")
-    run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    # Validate every setting up front (same rules as the worker and rendezvous),
-    # before anything is created or started.
-    toml_vals = _check_toml_types(WorkerConfig, _toml_load(ns.config), ns.config) if ns.config else {}
-    for key in toml_vals:
-        if key in PER_SITE_FIELDS:
-            raise UsageError(
-                f"config: {ns.config}: field {key!r} is set per site by launch; allowed here: every "
-                f"WorkerConfig field except {', '.join(PER_SITE_FIELDS)}"
-            )
-    wvals = {**toml_vals, **{k: getattr(ns, k) for k in worker_names if hasattr(ns, k)}}
-    try:
-        probe = WorkerConfig(
-            **{**wvals, "site_id": "site-0", "num_sites": n, "site_index": 0, "out_dir": str(run_dir / "site-0")}
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    check_task(probe.task)
-    rvals = {k: getattr(ns, k) for k in rendezvous_names if hasattr(ns, k)}
-    rvals.setdefault("initial_sites", n)
-    _build(RendezvousConfig, type("NS", (), rvals)(), list(rvals))
-    http_bind = _status_page_bind(ns, parse_host_port, UsageError)
+    Raises:
+        UsageError: a bad setting (nothing has been started or created then).
+    """
+    cfg, run_dir, wvals, rvals = _check(values)
+
+    n = cfg.sites
+    http_bind = cfg.status_page_bind()
+    probe = cfg.worker
     rounds = probe.rounds
-    if not probe.resume:
+    if not probe.checkpoint.resume:
         old_runs = sorted(str(m.parent.name) for m in run_dir.glob("*/metrics.jsonl"))
         if old_runs:
             raise UsageError(
@@ -269,11 +260,11 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
                 "pass --resume to continue it or choose another --out"
             )
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_mode = "a" if probe.resume else "w"  # a resumed run keeps the earlier logs
+    log_mode = "a" if probe.checkpoint.resume else "w"  # a resumed run keeps the earlier logs
 
     topo = None
-    if ns.netem:
-        topo = _open_topology(n + 1, ns.netem)
+    if cfg.netem:
+        topo = _open_topology(n + 1, cfg.netem)
 
     def wrap(i: int, argv: list[str]) -> list[str]:
         return topo.exec_argv(i, argv) if topo is not None else argv
@@ -285,24 +276,12 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
     addr_file = run_dir / "rendezvous.addr"
     addr_file.unlink(missing_ok=True)
     rv_host = topo.address(n) if topo is not None else "127.0.0.1"
-    rv_argv = py + [
-        "rendezvous",
-        "--bind",
-        f"{rv_host}:0",
-        "--address-file",
-        str(addr_file),
-        "--log-level",
-        ns.log_level,
-    ]
     http_file = run_dir / "status.url"
     http_file.unlink(missing_ok=True)
-    if http_bind is not None:  # the rendezvous writes http_file before addr_file
-        rv_argv += ["--http-bind", http_bind, "--http-address-file", str(http_file)]
-    for k, v in rvals.items():
-        if v is not None:
-            rv_argv += _flag(k, v)
+    rv_argv = py + ["rendezvous", "--log-level", log_level]
+    rv_argv += rendezvous_argv(rvals, host=rv_host, address_file=addr_file, http_bind=http_bind, http_file=http_file)
     (run_dir / "launch.json").write_text(
-        json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": ns.netem}, indent=2)
+        json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": cfg.netem}, indent=2, default=str)
     )
     logs["rendezvous"] = run_dir / "rendezvous.log"
     stopping = {"flag": False, "count": 0}
@@ -339,35 +318,15 @@ def run_launch(ns, worker_names: list[str], rendezvous_names: list[str]) -> int:
             sdir.mkdir(parents=True, exist_ok=True)
             (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
             host = topo.address(i) if topo is not None else "127.0.0.1"
-            argv = py + [
-                "worker",
-                "--site-id",
-                site,
-                "--site-index",
-                str(i),
-                "--num-sites",
-                str(n),
-                "--listen",
-                f"{host}:0",
-                "--rendezvous",
-                rv_addr,
-                "--out-dir",
-                str(sdir),
-                "--log-level",
-                ns.log_level,
-            ]
-            if ns.config:
-                argv += ["--config", ns.config]
-            for k in worker_names:
-                if hasattr(ns, k):
-                    argv += _flag(k, getattr(ns, k))
-            argv = _site_group_argv(ns, argv)
+            argv = py + ["worker", "--log-level", log_level]
+            argv += worker_argv(wvals, index=i, num_sites=n, host=host, rendezvous=rv_addr, out_dir=sdir)
+            argv = _site_group_argv(cfg, argv)
             logs[site] = sdir / "worker.log"
             procs[site] = spawn(site, wrap(i, argv), logs[site], env=env, append=log_mode == "a")
             views[site] = _SiteView(site, sdir / "metrics.jsonl")
         (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
         _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}")
-        exit_code = _watch(procs, views, rounds, no_progress=ns.no_progress, stopping=stopping)
+        exit_code = _watch(procs, views, rounds, no_progress=not cfg.progress, stopping=stopping)
     finally:
         # Workers first (they leave the group through the rendezvous), then the rendezvous.
         stop_all([p for s, p in procs.items() if s != "rendezvous"])

@@ -1,7 +1,7 @@
 """``dtrain worker`` under torchrun: one rank of a site that is a torch.distributed group.
 
 ``torchrun --nproc-per-node K -m dtrain worker ...`` starts K ranks; each calls
-:func:`run_site_worker` (``run_worker`` hands over when ``WORLD_SIZE > 1``). The
+:func:`run_site_worker` (``dtrain worker`` hands over when ``WORLD_SIZE > 1``). The
 ranks form a gloo process group through torchrun's own rendezvous; the built-in
 task trains with DDP or FSDP2 (``--parallel ddp|fsdp``), each rank on its own
 data shard (``site_index * K + rank`` of ``num_sites * K``); the outer sync runs
@@ -160,7 +160,7 @@ def init_site_process_group(*, timeout_s: float) -> None:
 def _outer_factory(cfg):
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
-            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov and cfg.outer.momentum > 0
         )
 
     return outer
@@ -180,14 +180,16 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
     """
     from dtrain.app.worker import _transport_and_rendezvous, fault_hook_from_env
 
-    if cfg.resume or cfg.checkpoint_every:
+    if cfg.checkpoint.resume or cfg.checkpoint.every:
         raise ValueError("resume/checkpoint_every: checkpoints are not supported with --ranks-per-site > 1 yet")
     torch.set_num_threads(cfg.threads)
-    init_site_process_group(timeout_s=max(60.0, cfg.quorum_wait_s))
+    init_site_process_group(timeout_s=max(60.0, cfg.diloco.group.quorum_wait_s))
     rank, k = dist.get_rank(), dist.get_world_size()
-    host, _, port = cfg.listen.rpartition(":")
-    cfg = dataclasses.replace(cfg, listen=f"{host}:{int(port) + rank if int(port) else 0}")
-    spec = dataclasses.replace(cfg.task_spec(), site_index=cfg.site_index * k + rank, num_sites=cfg.num_sites * k)
+    listen = cfg.net.listen
+    listen = dataclasses.replace(listen, port=listen.port + rank if listen.port else 0)
+    cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, listen=listen))
+    ts = cfg.task_spec
+    spec = dataclasses.replace(ts, site_index=ts.site_index * k + rank, num_sites=ts.num_sites * k)
     task = load_task(cfg.task)(spec)
     module, optimizer = wrap_model(task.model, task.optimizer, parallel)
     transport, rendezvous = _transport_and_rendezvous(cfg)
@@ -206,7 +208,8 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
             diloco.engine.fault_hook = fault_hook_from_env(f"{cfg.site_id}/{rank}")
         t_start = time.monotonic()
         summary = _train(cfg, task, module, optimizer, diloco, stop, parallel)
-        time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
+        linger_s = cfg.linger_s if cfg.linger_s is not None else 3.0
+        time.sleep(linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
         return _finish(cfg, diloco, summary, t_start)
     finally:
         if diloco is not None:
@@ -219,7 +222,7 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
 
 def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event) -> float:
     losses = []
-    for _ in range(cfg.sync_every):
+    for _ in range(cfg.diloco.sync_every):
         loss = task.loss(module, next(task.batches))
         loss.backward()
         optimizer.step()

@@ -1,5 +1,8 @@
 """The site process: a task + DiLoCo + the gRPC transport + a rendezvous client.
 
+Its config, :class:`~dtrain.app.config.WorkerConfig` (re-exported here), lives in
+``dtrain.app.config`` with the command line's other config trees (importable without torch).
+
 ``run_worker(config)`` trains for ``rounds`` rounds of ``sync_every`` inner
 steps, evaluates after each round, writes one JSON line of metrics per round to
 ``<out_dir>/metrics.jsonl`` and a ``summary.json`` at the end, and checkpoints
@@ -13,170 +16,27 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from dtrain.aggregation import AggregationConfig
-from dtrain.buckets import BucketConfig
+from dtrain.app.config import WorkerConfig  # re-exported
 from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dtrain.codecs import CodecConfig
-from dtrain.diloco import DiLoCo, DiLoCoConfig
+from dtrain.diloco import DiLoCo
 from dtrain.errors import CheckpointError
-from dtrain.membership import GroupConfig, SyncOutcome
+from dtrain.membership import SyncOutcome
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, write_line
-from dtrain.rounds import RoundConfig
 from dtrain.status import round_report
-from dtrain.tasks import TaskSpec, load_task
+from dtrain.tasks import load_task
 
 __all__ = ["WorkerConfig", "run_worker", "theta_checksum", "outer_state_checksum"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
-    """Everything one site needs (the CLI's ``dtrain worker`` flags).
-
-    Attributes:
-        site_id: unique site name.
-        site_index, num_sites: which data shard this site trains on, of how many.
-        listen: ``host:port`` the Peer service binds (port 0 = any free port).
-        advertise: ``host:port`` peers dial (default: the bound address).
-        rendezvous: ``host:port`` of the rendezvous service.
-        task: ``""`` (built-in GPT) or ``module:function`` returning a Task.
-        data, size, non_iid, seed, lr, batch_size, context_len: see ``TaskSpec``.
-        rounds: rounds to train; sync_every: H inner steps per round.
-        codec: pseudo-gradient codec (``fp32``, ``bf16``, ``fp16``, ``int8``,
-            ``int4``, ``topk``, each optionally ``+zstd``); zstd_level 1..22.
-        outer_lr, outer_momentum, nesterov: outer SGD (DiLoCo arXiv 2311.08105:
-            0.7, 0.9, True).
-        bucket_bytes, chunk_bytes: see ``BucketConfig``.
-        quorum_wait_s: give up (exit 3) when no round forms for this long.
-        token_file: file holding the shared token; tls_cert/tls_key/tls_ca: PEM
-            files (server cert/key, CA for verifying peers; mutual TLS when all set).
-        out_dir: metrics and summary; checkpoint_dir (default out_dir/checkpoints);
-            checkpoint_every: rounds between checkpoints (0 = never); resume:
-            continue from the latest checkpoint.
-        eval_every: rounds between evaluations; threads: torch threads.
-        max_norm: owner's per-contribution L2 bound (None = off).
-        linger_s: seconds to keep serving after the last round (peers may still pull).
-        inner_step_sleep_s: sleep after every inner step, seconds (0 = none); emulates
-            a slower site in fault tests and experiments.
-        parallel: how the ranks of a site group (``torchrun --nproc-per-node K``,
-            K > 1) train: ``ddp`` or ``fsdp`` (FSDP2); a single process ignores it.
-    """
-
-    site_id: str = "site-0"
-    site_index: int = 0
-    num_sites: int = 1
-    listen: str = "127.0.0.1:0"
-    advertise: str | None = None
-    rendezvous: str = "127.0.0.1:29400"
-    task: str = ""
-    data: str = "stdlib"
-    size: str = "small"
-    non_iid: bool = False
-    seed: int = 0
-    lr: float | None = None
-    batch_size: int | None = None
-    context_len: int | None = None
-    rounds: int = 20  # with sync_every 50 and size small: ~1 min of training for 3 sites on 2 cores
-    sync_every: int = 50
-    codec: str = "int8"  # zstd adds only ~5% on int8 pseudo-gradients (experiments/bench_codecs.py)
-    zstd_level: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    bucket_bytes: int = 4 << 20
-    chunk_bytes: int = 1 << 20
-    quorum_wait_s: float = 300.0
-    token_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    out_dir: str = "runs/site-0"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    eval_every: int = 1
-    threads: int = 1
-    max_norm: float | None = None
-    linger_s: float = 3.0
-    inner_step_sleep_s: float = 0.0
-    parallel: str = "ddp"
-
-    def __post_init__(self) -> None:
-        def need(cond: bool, name: str, allowed: str) -> None:
-            if not cond:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        need(isinstance(self.site_id, str) and bool(self.site_id), "site_id", "a non-empty string")
-        need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
-        need(
-            isinstance(self.sync_every, int) and self.sync_every >= 1,
-            "sync_every",
-            "an int >= 1 (H inner steps per round)",
-        )
-        need(
-            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-            "checkpoint_every",
-            "an int >= 0 (0 = never)",
-        )
-        need(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", "an int >= 1")
-        need(isinstance(self.threads, int) and self.threads >= 1, "threads", "an int >= 1")
-        need(self.outer_lr > 0 and math.isfinite(self.outer_lr), "outer_lr", "a finite number > 0")
-        need(0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)")
-        need(self.quorum_wait_s > 0, "quorum_wait_s", "> 0 seconds")
-        need(self.linger_s >= 0, "linger_s", ">= 0 seconds")
-        need(0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
-        need(self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
-        for name in ("listen", "rendezvous") + (("advertise",) if self.advertise else ()):
-            v = getattr(self, name)
-            host, _, port = str(v).rpartition(":")
-            need(bool(host) and port.isdigit() and 0 <= int(port) <= 65535, name, "host:port with port in [0, 65535]")
-        for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
-            v = getattr(self, name)
-            need(v is None or Path(v).is_file(), name, "an existing file")
-        # Validate the nested component configs now so a bad flag fails at start-up.
-        self.task_spec()
-        self.diloco_config()
-
-    def task_spec(self) -> TaskSpec:
-        return TaskSpec(
-            site_index=self.site_index,
-            num_sites=self.num_sites,
-            seed=self.seed,
-            data=self.data,
-            non_iid=self.non_iid,
-            size=self.size,
-            lr=self.lr,
-            batch_size=self.batch_size,
-            context_len=self.context_len,
-        )
-
-    def diloco_config(self) -> DiLoCoConfig:
-        return DiLoCoConfig(
-            site_id=self.site_id,
-            sync_every=self.sync_every,
-            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
-            rounds=RoundConfig(
-                codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level),
-                aggregation=AggregationConfig(max_norm=self.max_norm),
-            ),
-            group=GroupConfig(quorum_wait_s=self.quorum_wait_s),
-            hook_optimizer=False,
-        )
-
-    @property
-    def resolved_checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.out_dir) / "checkpoints"
 
 
 def theta_checksum(diloco: DiLoCo) -> str:
@@ -250,21 +110,9 @@ def fault_hook_from_env(site_id: str):
 def _transport_and_rendezvous(cfg: WorkerConfig):
     from dtrain.rendezvous.grpc import GrpcRendezvousClient
     from dtrain.transports.grpc import GrpcTransport
-    from dtrain.transports.grpc_common import GrpcTransportConfig, TlsConfig
 
-    token = Path(cfg.token_file).read_text().strip() if cfg.token_file else None
-    tls = None
-    if cfg.tls_cert or cfg.tls_key or cfg.tls_ca:
-        tls = TlsConfig(
-            cert_path=cfg.tls_cert,
-            key_path=cfg.tls_key,
-            ca_path=cfg.tls_ca,
-            mutual=bool(cfg.tls_cert and cfg.tls_key and cfg.tls_ca),
-        )
-    host, _, port = cfg.listen.rpartition(":")
-    adv_host = cfg.advertise.rpartition(":")[0] if cfg.advertise else None
-    tcfg = GrpcTransportConfig(bind_host=host, bind_port=int(port), advertise_host=adv_host, token=token, tls=tls)
-    return GrpcTransport(tcfg), GrpcRendezvousClient(cfg.rendezvous, config=tcfg)
+    tcfg = cfg.net.transport_config()
+    return GrpcTransport(tcfg), GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
 
 
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:
@@ -275,24 +123,20 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         CheckpointError: ``resume`` with a corrupt or mismatched checkpoint.
         QuorumTimeout: no round could form within ``quorum_wait_s``.
     """
-    from dtrain.app.site_worker import in_site_group, run_site_worker
-
-    if in_site_group():  # one rank of a site group under torchrun
-        return run_site_worker(cfg, parallel=cfg.parallel, stop_event=stop_event)
     torch.set_num_threads(cfg.threads)
     stop = stop_event or threading.Event()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    task = load_task(cfg.task)(cfg.task_spec())
+    task = load_task(cfg.task)(cfg.task_spec)
     transport, rendezvous = _transport_and_rendezvous(cfg)
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
-            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov and cfg.outer.momentum > 0
         )
 
     ckpt = None
-    if cfg.resume:
+    if cfg.checkpoint.resume:
         path = latest_checkpoint(cfg.resolved_checkpoint_dir)
         if path is None:
             log.warning("--resume: no checkpoint in %s; starting fresh", cfg.resolved_checkpoint_dir)
@@ -310,7 +154,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
                 + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
                 ["param"] * len(list(task.model.parameters()))
                 + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
-                BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+                cfg.diloco_config().buckets,
             )
             data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
             try:
@@ -337,8 +181,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         summary = _train(cfg, task, diloco, out, stop, t_start)
     finally:
         if diloco is not None:
-            time.sleep(cfg.linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
-            diloco.close()
+            diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
         else:
             transport.stop(0.1)
     return _finish(out, transport, summary, t_start)
@@ -346,7 +189,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
 
 def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
     """Append the end line (bytes the transport counted after the last round line: means
-    served to peers during ``linger_s``) and write ``summary.json``; returns the summary."""
+    served to peers while ``DiLoCo.close`` waited for their pulls) and write ``summary.json``; returns the summary."""
     end = EndLine(
         site=summary.site,
         round=summary.rounds,
@@ -380,13 +223,14 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     with open(metrics_path, "a") as mf:
         write_line(mf, start)
     totals = Totals()
+    owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         losses = []
-        for _ in range(cfg.sync_every):
+        for _ in range(cfg.diloco.sync_every):
             batch = next(task.batches)
             loss = task.loss(task.model, batch)
             loss.backward()
@@ -430,6 +274,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             **(engine_fields(res) if res is not None else {}),
         )
         totals.add(line)
+        owned_buckets = res.owned_buckets if res is not None else owned_buckets
         with open(metrics_path, "a") as mf:
             write_line(mf, line)
         diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
@@ -443,7 +288,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             sync_s,
             line.bytes_sent or 0,
         )
-        if cfg.checkpoint_every and outcome.status != "deferred" and diloco.round % cfg.checkpoint_every == 0:
+        every = cfg.checkpoint.every
+        if every and outcome.status != "deferred" and diloco.round % every == 0:
             save_checkpoint(
                 cfg.resolved_checkpoint_dir,
                 diloco.round,
@@ -454,7 +300,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
                     "inner_optimizer": task.optimizer.state_dict(),
                     "diloco": diloco.state_dict(),
                     "batches": task.batches.state_dict(),
-                    "config": json.dumps(asdict(cfg)),
+                    "config": json.dumps(asdict(cfg), default=str),
                 },
             )
     wall = time.monotonic() - t_start
@@ -470,6 +316,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         wall_s=wall,
         sync_share=totals.sync_s / wall if wall > 0 else 0.0,
         fp32_bytes_per_round=fp32_bytes,
+        owned_buckets=owned_buckets,
+        num_buckets=len(diloco.layout),
         interrupted=stop.is_set(),
         compression_ratio=totals.compression_ratio,
         **dataclasses.asdict(totals),

@@ -45,15 +45,21 @@ Bodies (details in each class):
   index gaps (uint32) and fp16 values; needs error feedback.
 
 Measured speeds and ratios: ``experiments/bench_codecs.py``.
+
+The codec classes import torch; this package loads them on first use (``get_codec`` or
+an attribute such as ``dtrain.codecs.Codec``), so ``dtrain.codecs.config`` (names and
+:class:`CodecConfig`) stays importable without torch.
 """
 
 from __future__ import annotations
 
-from dtrain.codecs.base import HEADER_BYTES, Codec, PayloadHeader, peek_header
-from dtrain.codecs.blockwise import Int4Codec, Int8Codec
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dtrain.codecs.config import CODEC_NAMES, ZSTD_SUFFIX, CodecConfig
-from dtrain.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
-from dtrain.codecs.topk import TopKCodec
+
+if TYPE_CHECKING:
+    from dtrain.codecs.base import HEADER_BYTES, Codec, PayloadHeader, peek_header
 
 __all__ = [
     "CODEC_NAMES",
@@ -61,19 +67,34 @@ __all__ = [
     "ZSTD_SUFFIX",
     "Codec",
     "CodecConfig",
+    "codec_class",
     "PayloadHeader",
     "get_codec",
     "peek_header",
 ]
 
-_CLASSES: dict[str, type[Codec]] = {
-    "fp32": Fp32Codec,
-    "bf16": Bf16Codec,
-    "fp16": Fp16Codec,
-    "int8": Int8Codec,
-    "int4": Int4Codec,
-    "topk": TopKCodec,
+#: base codec name -> "module:class" (imported on first use).
+_CLASSES: dict[str, str] = {
+    "fp32": "floats:Fp32Codec",
+    "bf16": "floats:Bf16Codec",
+    "fp16": "floats:Fp16Codec",
+    "int8": "blockwise:Int8Codec",
+    "int4": "blockwise:Int4Codec",
+    "topk": "topk:TopKCodec",
 }
+_BASE_NAMES = ("HEADER_BYTES", "Codec", "PayloadHeader", "peek_header")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE_NAMES:
+        return getattr(importlib.import_module("dtrain.codecs.base"), name)
+    raise AttributeError(f"module 'dtrain.codecs' has no attribute {name!r}")
+
+
+def codec_class(base_name: str) -> type[Codec]:
+    """The codec class for a base name in :data:`CODEC_NAMES` (imports it)."""
+    module, cls = _CLASSES[base_name].split(":")
+    return getattr(importlib.import_module(f"dtrain.codecs.{module}"), cls)
 
 
 def get_codec(config: CodecConfig | str) -> Codec:
@@ -97,4 +118,4 @@ def get_codec(config: CodecConfig | str) -> Codec:
             f"codec config must be a CodecConfig or a codec name, got {type(config).__name__}; "
             f"allowed codec names: {', '.join(CODEC_NAMES)} (each optionally {ZSTD_SUFFIX})"
         )
-    return _CLASSES[config.base_name](config)
+    return codec_class(config.base_name)(config)

@@ -4,11 +4,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["CODEC_NAMES", "ZSTD_SUFFIX", "MAX_BLOCK_SIZE", "CodecConfig"]
+__all__ = [
+    "CODEC_NAMES",
+    "ZSTD_SUFFIX",
+    "MAX_BLOCK_SIZE",
+    "NEEDS_ERROR_FEEDBACK",
+    "CodecConfig",
+    "CodecName",
+]
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "topk")
+#: Every accepted ``CodecConfig.name``: a base codec, optionally with ``+zstd``. This
+#: module imports no torch, so the command line checks names without loading it.
+CodecName = Literal[
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int4",
+    "topk",
+    "fp32+zstd",
+    "bf16+zstd",
+    "fp16+zstd",
+    "int8+zstd",
+    "int4+zstd",
+    "topk+zstd",
+]
 ZSTD_SUFFIX = "+zstd"
+CODEC_NAMES: tuple[str, ...] = tuple(n for n in get_args(CodecName) if not n.endswith(ZSTD_SUFFIX))
+#: Base codecs that drop information by design and need error feedback (the codec
+#: classes' ``needs_error_feedback``; tests/unit/test_config.py checks they agree).
+NEEDS_ERROR_FEEDBACK: tuple[str, ...] = ("topk",)
 MAX_BLOCK_SIZE = 1 << 24
 
 
@@ -21,7 +48,7 @@ class CodecConfig:
     """Which codec to use and its parameters.
 
     Attributes:
-        name: one of :data:`CODEC_NAMES`, optionally with the ``"+zstd"`` suffix
+        name: the codec, one of :data:`CODEC_NAMES`, optionally with the ``"+zstd"`` suffix
             (``"int8+zstd"``).
         zstd_level: zstd compression level, 1..22 (1-3 for the hot path).
         block_size: elements per absmax scale block for int8/int4; even, in
@@ -41,7 +68,7 @@ class CodecConfig:
             allowed values.
     """
 
-    name: str = "fp32"
+    name: CodecName = "fp32"
     zstd_level: int = 3
     block_size: int = 256
     topk_fraction: float = 0.01
@@ -74,6 +101,11 @@ class CodecConfig:
         if isinstance(self.name, str) and self.name.endswith(ZSTD_SUFFIX):
             return self.name[: -len(ZSTD_SUFFIX)]
         return self.name
+
+    @property
+    def needs_error_feedback(self) -> bool:
+        """Whether this codec requires error feedback (``topk``)."""
+        return self.base_name in NEEDS_ERROR_FEEDBACK
 
     @property
     def zstd(self) -> bool:

@@ -1,8 +1,8 @@
 """Top-k sparsification: keep the k largest |x|, send their indices and values.
 
 Every element not kept decodes to 0, so top-k is only sound with error feedback: the
-residual (what was dropped) is added to the next round's Δ (SparseLoCo; DESIGN.md,
-"error feedback"). Hence ``needs_error_feedback = True``.
+residual (what was dropped) is added to the next round's Δ (SparseLoCo; docs/ARCHITECTURE.md,
+"The residual rule"). Hence ``needs_error_feedback = True``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ forms each round's quorum. Decisions are pure functions of the state and
 sides. The gRPC service (``dtrain.rendezvous.grpc``) and the in-process client
 (:class:`InprocRendezvousClient`) both wrap :class:`RendezvousCore`.
 
-Quorum rule (DESIGN.md step 2): once the first site is ready for round r, the
+Quorum rule (docs/ARCHITECTURE.md, "One round", step 2): once the first site is ready for round r, the
 round admits every live site ready within ``quorum_timeout_s`` after it, or all
 live sites as soon as they are all ready, with at least ``min_sites``. Round 0
 additionally waits until ``initial_sites`` sites have joined, so sites that
@@ -206,6 +206,7 @@ class NullReportSink:
 
 
 STARTUP_WAIT_S = 60.0  # how long a restarted rendezvous waits for initial_sites joins
+DEAD_CACHE_S = 0.05  # how stale HeartbeatInfo.dead may be when no site joined, left or came back
 
 
 class RendezvousCore:
@@ -223,6 +224,7 @@ class RendezvousCore:
         self.sites: dict[str, SiteRecord] = {}
         self.next_round = 0
         self.plans: dict[int, RoundPlan] = {}
+        self._plan_members: dict[int, frozenset[str]] = {}  # round -> its plan's site ids
         self._ready: dict[str, float] = {}
         self._adopted_at: float | None = None
         self._cv = threading.Condition()
@@ -230,6 +232,8 @@ class RendezvousCore:
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
         self.status_log: ReportSink = reports if reports is not None else NullReportSink()
         self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status page only
+        self._dead_cache: tuple[float, tuple[str, ...]] | None = None  # (now, HeartbeatInfo.dead); see _dead
+        self._live_cache: tuple[float, float, frozenset[str]] | None = None  # (since, until, live); see _live
 
     def _changed(self) -> None:
         self._cv.notify_all()
@@ -238,10 +242,23 @@ class RendezvousCore:
         with self._cv:
             self._cv.wait(timeout_s)
 
-    def _live(self, now: float) -> set[str]:
-        return {
-            s for s, r in self.sites.items() if r.alive(now, self.config.heartbeat_timeout_s) and not r.needs_resync
-        }
+    def _live(self, now: float) -> frozenset[str]:
+        """Sites alive and in good standing at ``now``. Every Ready needs it, so it
+        is kept until the first of them could expire (a later heartbeat only delays
+        that) or a site joins, leaves or is marked for resync: exact, and O(sites)
+        only every few seconds."""
+        c = self._live_cache
+        if c is not None and c[0] <= now < c[1]:
+            return c[2]
+        timeout = self.config.heartbeat_timeout_s
+        oldest = now - timeout
+        live = [
+            (s, r.last_heartbeat) for s, r in self.sites.items() if r.last_heartbeat >= oldest and not r.needs_resync
+        ]
+        expires = min((t for _, t in live), default=now) + timeout
+        result = frozenset(s for s, _ in live)
+        self._live_cache = (now, expires, result)
+        return result
 
     def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
@@ -261,13 +278,15 @@ class RendezvousCore:
                 last_member_round=prev.last_member_round if prev else None,
             )
             self.status_log.site_joined(site_id)
+            self._dead_cache = self._live_cache = None
             self._ready.pop(site_id, None)
             if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
                 self._startup_complete_at = now
+            live = self._live(now)  # once: a join costs O(sites), not O(sites^2)
             others = tuple(
                 Member(site_id=s, address=r.address, rank_addresses=r.rank_addresses)
                 for s, r in sorted(self.sites.items())
-                if s != site_id and s in self._live(now)
+                if s != site_id and s in live
             )
             self._changed()
             log.info(
@@ -306,8 +325,11 @@ class RendezvousCore:
                 return HeartbeatInfo(
                     known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
                 )
+            if not rec.alive(now, self.config.heartbeat_timeout_s):
+                self._dead_cache = None  # it is alive again
             if not rec.alive(now, self.config.heartbeat_timeout_s) and not rec.needs_resync:
                 rec.needs_resync = True
+                self._live_cache = None
                 rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {self.config.heartbeat_timeout_s}s): declared dead"
                 log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
                 self._ready.pop(site_id, None)
@@ -318,23 +340,31 @@ class RendezvousCore:
             if round_reports:
                 self.status_log.add_reports(site_id, list(round_reports))
             self._changed()
-            dead = tuple(
-                sorted(
-                    {s for s, r in self.sites.items() if not r.alive(now, self.config.heartbeat_timeout_s)}
-                    | set(self._left)
-                )
-            )
             return HeartbeatInfo(
                 known=True,
                 resync_required=rec.needs_resync,
                 next_round=self.next_round,
                 reason=rec.resync_reason,
-                dead=dead,
+                dead=self._dead(now),
             )
+
+    def _dead(self, now: float) -> tuple[str, ...]:
+        """Sites silent past the timeout, and those that left (sorted). Every
+        heartbeat answers it, so it is kept for ``DEAD_CACHE_S`` unless a site
+        joins, leaves or comes back: 1,000 sites heartbeating once a second then
+        cost O(sites) a few times a second instead of O(sites^2)."""
+        c = self._dead_cache
+        if c is not None and 0.0 <= now - c[0] < DEAD_CACHE_S:
+            return c[1]
+        oldest = now - self.config.heartbeat_timeout_s
+        dead = tuple(sorted({s for s, r in self.sites.items() if r.last_heartbeat < oldest} | set(self._left)))
+        self._dead_cache = (now, dead)
+        return dead
 
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:
             rec = self.sites.pop(site_id, None)
+            self._dead_cache = self._live_cache = None
             if rec is not None:
                 self._left[site_id] = (rec, now)
                 while len(self._left) > 256:  # bounded: oldest departures forgotten first
@@ -357,7 +387,8 @@ class RendezvousCore:
                 )
             plan = self.plans.get(round)
             if plan is not None:
-                if site_id in plan.site_ids:
+                members = self._plan_members.get(round)
+                if site_id in (members if members is not None else plan.site_ids):
                     return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
                 return ReadyDecision(
                     status="missed",
@@ -379,6 +410,18 @@ class RendezvousCore:
                 self._ready.clear()
             self._ready.setdefault(site_id, now)
             return self._decide(now)
+
+    def decide(self, *, now: float) -> int:
+        """Re-run the quorum decision for round ``next_round`` (forming its plan
+        when the rule says so at ``now``) and return ``next_round``.
+
+        The gRPC service calls this once per change or tick instead of calling
+        ``ready`` for every waiting site; it costs nothing while no site is ready.
+        """
+        with self._cv:
+            if self._ready:
+                self._decide(now)
+            return self.next_round
 
     def poll(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
         """Re-evaluate a pending ``ready`` (long-poll loop); same answers as ``ready``."""
@@ -422,7 +465,9 @@ class RendezvousCore:
             broadcast_timeout_s=self.config.broadcast_timeout_s,
         )
         self.plans[plan.round] = plan
+        self._plan_members[plan.round] = frozenset(members)
         self.plans.pop(plan.round - 8, None)
+        self._plan_members.pop(plan.round - 8, None)
         for s in members:
             self.sites[s].rounds_joined += 1
             self.sites[s].last_member_round = plan.round

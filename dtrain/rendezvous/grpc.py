@@ -2,11 +2,14 @@
 and the client sites use (``proto/dtrain/v1/rendezvous.proto``).
 
 The core holds every decision (pure functions of the state and ``now``); this
-module only moves requests and answers, and turns ``Ready`` into a long poll:
-the server re-evaluates ``core.ready(now=time.monotonic())`` whenever the core
-reports a change and at least every ``tick_s`` (so a ``quorum_timeout_s`` that
-expires with no new call is still noticed), and answers as soon as the status is
-not ``"wait"``, or ``"wait"`` once the request's ``wait_ms`` ran out.
+module only moves requests and answers, and turns ``Ready`` into a long poll on
+an asynchronous server (:mod:`dtrain.transports.grpc_server`): a waiting poll is
+a future on the server's event loop, not a thread, so heartbeats never queue
+behind polls. The server re-runs the quorum decision (``core.decide``) once per
+change (a Ready, Join or Leave) and at least every ``tick_s`` (so a
+``quorum_timeout_s`` that expires with no new call is still noticed), answers
+every poll as soon as its status is not ``"wait"``, and ``"wait"`` once the
+request's ``wait_ms`` ran out, capped by ``max_wait_ms`` on the server.
 
 Security, keepalive, message limits and retries are the peer transport's
 (:class:`~dtrain.transports.grpc_common.GrpcTransportConfig`): a shared token
@@ -16,6 +19,7 @@ UNAVAILABLE retried within the call's deadline.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -31,14 +35,12 @@ from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, Roun
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
-    ServerHandle,
     TlsConfig,
-    abort_with,
     call_metadata,
     call_with_retry,
     check_timeout,
-    start_server,
 )
+from dtrain.transports.grpc_server import AioServer, abort
 
 __all__ = [
     "RendezvousCoreLike",
@@ -53,8 +55,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Server threads by default: every long-polling Ready holds one for up to wait_ms.
+# Kept for compatibility: the server is asynchronous, a long poll holds no thread.
 DEFAULT_NUM_SERVER_THREADS = 64
+_SERVICE = pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name  # "dtrain.v1.Rendezvous"
 # Seconds a Ready answer leaves before the caller's deadline.
 _ANSWER_MARGIN_S = 0.1
 # Extra seconds a client allows on top of a long poll's wait for the answer to travel.
@@ -80,7 +83,9 @@ class RendezvousCoreLike(Protocol):
 
     def leave(self, site_id: str, *, now: float) -> None: ...
 
-    def wait_for_change(self, timeout_s: float) -> None: ...
+    # Optional: ``decide(*, now) -> int`` re-runs the quorum decision for the round
+    # being formed and returns the next round (``RendezvousCore.decide``). Without
+    # it, every waiting poll calls ``ready`` on each change and tick.
 
 
 # --------------------------------------------------------------------------- conversions
@@ -112,13 +117,6 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
     )
 
 
-def _decision_to_proto(d: ReadyDecision) -> pb.ReadyReply:
-    reply = pb.ReadyReply(status=d.status, reason=d.reason, next_round=d.next_round)
-    if d.plan is not None:
-        reply.plan.CopyFrom(plan_to_proto(d.plan))
-    return reply
-
-
 def _decision_from_proto(m: pb.ReadyReply) -> ReadyDecision:
     return ReadyDecision(
         status=m.status,
@@ -131,35 +129,113 @@ def _decision_from_proto(m: pb.ReadyReply) -> ReadyDecision:
 # --------------------------------------------------------------------------- server
 
 
-class _RendezvousServicer(pb_grpc.RendezvousServicer):
-    def __init__(self, core: RendezvousCoreLike, tick_s: float) -> None:
+class _Poll:
+    """One Ready long poll waiting on the server's loop."""
+
+    __slots__ = ("site_id", "round", "future")
+
+    def __init__(self, site_id: str, round: int, future: "asyncio.Future[ReadyDecision | None]") -> None:
+        self.site_id = site_id
+        self.round = round
+        self.future = future
+
+    def answer(self, decision: ReadyDecision | None) -> None:
+        if not self.future.done():
+            self.future.set_result(decision)
+
+
+class _RendezvousServicer:
+    """The Rendezvous service on an asyncio server. Core calls are short (under
+    the core's lock) and run on the loop; a waiting Ready long poll is a future,
+    no thread. One evaluator task re-runs the quorum decision once per change or
+    tick (not once per waiting poll) and answers the polls it settles."""
+
+    def __init__(self, core: RendezvousCoreLike, tick_s: float, server: AioServer) -> None:
         self._core = core
         self._tick_s = tick_s
+        self._server = server
+        self._cfg = server.config
+        self._polls: dict[str, list[_Poll]] = {}
+        self._dirty: set[str] = set()  # sites whose polls must be re-evaluated on their own
+        self._kick: asyncio.Event | None = None
+        self._seen_round = -1  # the highest next_round any answer carried
+        self._answered_round = -1  # polls of rounds below it were answered
+        self._need_decide = True
+        self._decided_at = 0.0
+        self._plan_bytes: dict[int, tuple[RoundPlan, bytes]] = {}  # round -> (plan, its serialized field)
+        self._evaluator: asyncio.Task | None = None
+        self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
 
-    def _guard(self, context, what: str, fn: Callable[[], T]) -> T:
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        def unary(fn, request_type, reply_type):
+            serialize = reply_type.SerializeToString if reply_type is not None else None
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request_type.FromString, response_serializer=serialize
+            )
+
+        handlers = {
+            "Join": unary(self.Join, pb.JoinRequest, pb.JoinReply),
+            "Heartbeat": unary(self.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Ready": unary(self.Ready, pb.ReadyRequest, None),  # answers pre-serialized bytes
+            "Leave": unary(self.Leave, pb.LeaveRequest, pb.LeaveReply),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+        return [_SERVICE]
+
+    def _reply(self, d: ReadyDecision) -> bytes:
+        """``d`` as ReadyReply bytes. A plan is serialized once per round, not once
+        per site: with 1,000 members that is most of the cost of an answer."""
+        head = pb.ReadyReply(status=d.status, reason=d.reason, next_round=d.next_round).SerializeToString()
+        if d.plan is None:
+            return head
+        cached = self._plan_bytes.get(d.plan.round)
+        if cached is None or not (cached[0] is d.plan or cached[0] == d.plan):
+            cached = (d.plan, pb.ReadyReply(plan=plan_to_proto(d.plan)).SerializeToString())
+            self._plan_bytes[d.plan.round] = cached
+            for r in [r for r in self._plan_bytes if r < d.plan.round - 4]:
+                del self._plan_bytes[r]
+        return head + cached[1]  # concatenated messages merge: the plan field is appended
+
+    def _call(self, what: str, fn: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
         """Run a core call; a refusal becomes FAILED_PRECONDITION, bad input
         INVALID_ARGUMENT, anything else INTERNAL (logged)."""
         try:
-            return fn()
+            return fn(), None
         except DtrainError as e:
             log.info("rendezvous %s refused: %s", what, e)
-            err = ("FAILED_PRECONDITION", str(e))
+            return None, ("FAILED_PRECONDITION", str(e))
         except ValueError as e:
-            err = ("INVALID_ARGUMENT", str(e))
+            return None, ("INVALID_ARGUMENT", str(e))
         except Exception as e:
             log.exception("rendezvous %s failed", what)
-            err = ("INTERNAL", f"{type(e).__name__}: {e}")
-        abort_with(context, *err)
-        raise AssertionError("unreachable")  # context.abort raises
+            return None, ("INTERNAL", f"{type(e).__name__}: {e}")
 
-    def Join(self, request, context):
-        info = self._guard(
+    async def _guard(self, context, what: str, fn: Callable[[], T]) -> T:
+        result, err = self._call(what, fn)
+        if err is not None:
+            await abort(context, *err)
+        return result  # type: ignore[return-value]
+
+    def _touch(self, site_id: str) -> None:
+        """Re-evaluate ``site_id``'s waiting polls (its standing changed) and the quorum."""
+        if site_id in self._polls:
+            self._dirty.add(site_id)
+        self._need_decide = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._kick is not None:
+            self._kick.set()
+
+    async def Join(self, request, context):
+        info = await self._guard(
             context,
             "join",
             lambda: self._core.join(
                 request.site_id, request.address, now=time.monotonic(), rank_addresses=tuple(request.rank_addresses)
             ),
         )
+        self._touch(request.site_id)
         return pb.JoinReply(
             next_round=info.next_round,
             members=_members_to_proto(info.members),
@@ -167,9 +243,9 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
             needs_state=info.needs_state,
         )
 
-    def Heartbeat(self, request, context):
+    async def Heartbeat(self, request, context):
         last_loss = request.last_loss if request.HasField("last_loss") else None
-        info = self._guard(
+        info = await self._guard(
             context,
             "heartbeat",
             lambda: self._core.heartbeat(
@@ -180,6 +256,10 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
                 round_reports=list(request.round_reports),
             ),
         )
+        # A heartbeat never makes a site live (a late one marks it for resync), so it
+        # cannot complete a quorum; it only changes the answer of the site's own polls.
+        if info.resync_required or not info.known:
+            self._touch(request.site_id)
         return pb.HeartbeatReply(
             known=info.known,
             resync_required=info.resync_required,
@@ -188,25 +268,105 @@ class _RendezvousServicer(pb_grpc.RendezvousServicer):
             dead=list(info.dead),
         )
 
-    def Ready(self, request, context):
-        start = time.monotonic()
-        wait_s = request.wait_ms / 1000.0
+    async def Leave(self, request, context):
+        await self._guard(context, "leave", lambda: self._core.leave(request.site_id, now=time.monotonic()))
+        self._touch(request.site_id)
+        return pb.LeaveReply()
+
+    def _wait_s(self, wait_ms: int, context) -> float:
+        """The request's wait, capped by ``max_wait_ms`` and the call's deadline."""
+        wait_s = min(wait_ms, self._cfg.max_wait_ms) / 1000.0
         remaining = context.time_remaining()
         if remaining is not None:
             wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, 0.1 * remaining))
-        deadline = start + max(0.0, wait_s)
-        while True:
-            decision = self._guard(
-                context, "ready", lambda: self._core.ready(request.site_id, request.round, now=time.monotonic())
-            )
-            left = deadline - time.monotonic()
-            if decision.status != "wait" or left <= 0 or not context.is_active():
-                return _decision_to_proto(decision)
-            self._core.wait_for_change(min(left, self._tick_s))
+        return max(0.0, wait_s)
 
-    def Leave(self, request, context):
-        self._guard(context, "leave", lambda: self._core.leave(request.site_id, now=time.monotonic()))
-        return pb.LeaveReply()
+    async def Ready(self, request, context):
+        site_id, rnd = request.site_id, request.round
+        wait_s = self._wait_s(request.wait_ms, context)
+        decision = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
+        if decision.next_round > self._seen_round:  # this call formed a plan that other polls wait for
+            self._seen_round = decision.next_round
+            self._wake()
+        if decision.status != "wait" or wait_s <= 0:
+            return self._reply(decision)
+        poll = self._add_poll(site_id, rnd)
+        try:
+            got = await asyncio.wait_for(asyncio.shield(poll.future), wait_s)
+        except asyncio.TimeoutError:
+            got = None
+        finally:
+            self._remove_poll(poll)
+        if got is None:  # the wait ran out, or a newer poll of this site superseded this one
+            got = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
+        return self._reply(got)
+
+    def _add_poll(self, site_id: str, rnd: int) -> _Poll:
+        self._start_evaluator()
+        polls = self._polls.setdefault(site_id, [])
+        while len(polls) >= self._cfg.max_streams_per_sender:
+            old = polls.pop(0)
+            log.info("rendezvous: a newer Ready of %s supersedes an older one (max_streams_per_sender)", site_id)
+            old.answer(None)
+        poll = _Poll(site_id, rnd, asyncio.get_running_loop().create_future())
+        polls.append(poll)
+        return poll
+
+    def _remove_poll(self, poll: _Poll) -> None:
+        polls = self._polls.get(poll.site_id)
+        if polls is not None and poll in polls:
+            polls.remove(poll)
+            if not polls:
+                del self._polls[poll.site_id]
+
+    def _start_evaluator(self) -> None:
+        if self._evaluator is None:
+            self._kick = asyncio.Event()
+            self._evaluator = asyncio.get_running_loop().create_task(self._evaluate_forever())
+
+    async def _evaluate_forever(self) -> None:
+        assert self._kick is not None
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self._tick_s)
+            except asyncio.TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                self._evaluate(time.monotonic())
+            except Exception:
+                log.exception("rendezvous: evaluating the waiting Ready polls failed")
+
+    def _evaluate(self, now: float) -> None:
+        """Re-run the quorum decision (at most once; none when only a Ready that
+        decided itself woke us) and answer the polls it settled."""
+        if not self._polls:
+            self._dirty.clear()
+            return
+        if self._decide is None:
+            targets = [p for ps in self._polls.values() for p in ps]
+        else:
+            if self._need_decide or now - self._decided_at >= self._tick_s:
+                self._seen_round = max(self._seen_round, self._decide(now=now))
+                self._need_decide, self._decided_at = False, now
+            targets = [p for s in self._dirty for p in self._polls.get(s, ())]
+            if self._seen_round > self._answered_round:
+                self._answered_round = self._seen_round
+                targets += [p for ps in self._polls.values() for p in ps if p.round < self._seen_round]
+        self._dirty.clear()
+        for poll in targets:
+            if poll.future.done():
+                continue
+            d, err = self._call("ready", lambda: self._core.ready(poll.site_id, poll.round, now=now))
+            if err is not None or d.status != "wait":
+                poll.answer(d)  # None (an error) makes the handler ask once more and report it
+
+    async def close(self) -> None:
+        if self._evaluator is not None:
+            self._evaluator.cancel()
+        for ps in list(self._polls.values()):
+            for p in ps:
+                p.answer(None)
 
 
 class RendezvousServer:
@@ -216,7 +376,7 @@ class RendezvousServer:
         address: ``host:port`` sites dial.
     """
 
-    def __init__(self, server: ServerHandle, address: str) -> None:
+    def __init__(self, server: AioServer, address: str) -> None:
         self._server = server
         self.address = address
         self._lock = threading.Lock()
@@ -242,14 +402,21 @@ def serve_rendezvous(
 ) -> RendezvousServer:
     """Serve ``core`` over gRPC, standalone or embedded in a worker process.
 
+    The server is asynchronous (:mod:`dtrain.transports.grpc_server`): a Ready
+    long poll holds no thread, so heartbeats are answered whatever the number of
+    polls. It serves ``grpc.health.v1.Health`` too.
+
     Args:
         core: the membership/quorum state (``dtrain.rendezvous.RendezvousCore``).
-        config: bind address, token, TLS, keepalive, message limits. Its
-            ``num_server_threads`` bounds how many calls run at once: every site
-            long-polling ``Ready`` holds a thread, so use more threads than sites.
-            Default: 127.0.0.1, port 0, 64 threads.
-        tick_s: the longest a long poll sleeps before re-evaluating
-            ``core.ready`` with a fresh ``now`` (seconds, in (0, 5]).
+        config: bind address, token, TLS, keepalive, message limits, and the
+            server's limits: ``max_wait_ms`` caps a Ready's wait (the site asks
+            again), ``max_streams_per_sender`` the long polls per site id (a newer
+            one supersedes the oldest), ``max_concurrent_rpcs`` all calls
+            (RESOURCE_EXHAUSTED past it; keep it above twice the number of sites).
+            ``num_server_threads`` is unused. Default: 127.0.0.1, port 0.
+        tick_s: the longest the server goes without re-evaluating the quorum
+            with a fresh ``now`` while polls wait (seconds, in (0, 5]), so that a
+            ``quorum_timeout_s`` that expires with no new call is still noticed.
 
     Raises:
         OSError: the port cannot be bound.
@@ -257,9 +424,11 @@ def serve_rendezvous(
     """
     if not 0.0 < tick_s <= 5.0:
         raise ValueError(f"tick_s must be in (0, 5], got {tick_s!r}")
-    cfg = config or GrpcTransportConfig(num_server_threads=DEFAULT_NUM_SERVER_THREADS)
-    servicer = _RendezvousServicer(core, tick_s)
-    server = start_server(cfg, lambda s: pb_grpc.add_RendezvousServicer_to_server(servicer, s), name="rendezvous")
+    cfg = config or GrpcTransportConfig()
+    server = AioServer(cfg, "rendezvous")
+    servicer = _RendezvousServicer(core, tick_s, server)
+    server.on_stop(servicer.close)
+    server.start(servicer.register)
     address = f"{cfg.advertised_host()}:{server.port}"
     log.info("rendezvous listening on %s (tls=%s)", address, cfg.tls is not None)
     return RendezvousServer(server, address)

@@ -1,6 +1,6 @@
 """One site's round engine (outer step), written against ``Transport``.
 
-Steps of :meth:`RoundEngine.run_round` (DESIGN.md, "One round"), each a method:
+Steps of :meth:`RoundEngine.run_round` (docs/ARCHITECTURE.md, "One round"), each a method:
 
 1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`)
    and start the finalizer thread (``_finalize_loop``: publishes each owned bucket's
@@ -50,6 +50,7 @@ from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction, OpenRound
+from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult
 from dtrain.state import GlobalState
@@ -138,6 +139,8 @@ class RoundEngine:
         # bytes are everything since then: an owner serves a late peer's mean pull (and
         # receives early pushes) outside its own run_round, and those bytes are real.
         self._bytes_mark: tuple[int, int] | None = None
+        # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
+        self.mean_pulls = MeanPulls()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -230,6 +233,7 @@ class RoundEngine:
         lost = set(site_ids) - {self.site_id}
         if not lost:
             return
+        self.mean_pulls.forget(lost)
         with self._cv:
             rounds = list(self._open.values())
         for owned in rounds:
@@ -249,7 +253,7 @@ class RoundEngine:
         with self._cv:
             m = self._means.get((round, bucket))
         if m is not None:
-            return m
+            return self.mean_pulls.record(round, bucket, requester, m)
         owned = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
         owners = owned.books.owners
         if not 0 <= bucket < len(owners):
@@ -260,7 +264,7 @@ class RoundEngine:
             m = self._means.get((round, bucket))
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
-        return m
+        return self.mean_pulls.record(round, bucket, requester, m)
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if not 0 <= bucket < len(self.state):
@@ -273,7 +277,7 @@ class RoundEngine:
         if m is None:
             return st
         # A site that missed this mean learns from a repair which of its chunks
-        # the mean included (those are consumed, never sent again; DESIGN.md).
+        # the mean included (those are consumed, never sent again; docs/ARCHITECTURE.md, "The residual rule").
         return replace(
             st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
         )
@@ -332,6 +336,9 @@ class RoundEngine:
             opened_at=t0,
         )
         owned = _Owned(books)
+        self.mean_pulls.expect(
+            r, buckets=books.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=books.broadcast_until
+        )
         res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(books.mine), contributed=contribute)
         bytes0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
@@ -766,7 +773,7 @@ class RoundEngine:
             tensors: the model's current (local) tensors, as the layout expects.
         Returns:
             False, with every residual cleared, when any value is non-finite
-            (the site then contributes nothing this round; DESIGN.md).
+            (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
         """
         ok = error_feedback.add_pseudo_gradient(
             self.state.layout,

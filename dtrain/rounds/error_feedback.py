@@ -1,4 +1,4 @@
-"""Error feedback: the residual arithmetic of a site (DESIGN.md, "One round", residuals).
+"""Error feedback: the residual arithmetic of a site (docs/ARCHITECTURE.md, "The residual rule").
 
 A site keeps one fp32 residual per bucket: what its contributions have not yet
 delivered to θ. Before a round the pseudo-gradient Δ = θ − θ_local is added to it
@@ -65,7 +65,7 @@ def add_pseudo_gradient(
         error_feedback: False replaces each residual with Δ_b (nothing carried over).
     Returns:
         False, with every residual set to None, when any value is non-finite (the site
-        then contributes nothing this round; DESIGN.md).
+        then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
     """
     tmp: torch.Tensor | None = None
     ok = True

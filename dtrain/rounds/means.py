@@ -1,5 +1,5 @@
-"""An owner's mean of one bucket as broadcast bytes, and back (DESIGN.md, "One round",
-steps 4–5): the owner encodes each chunk's partial mean with the broadcast codec; every
+"""An owner's mean of one bucket as broadcast bytes, and back (docs/ARCHITECTURE.md, "One round",
+step 3: finalize, apply and verify): the owner encodes each chunk's partial mean with the broadcast codec; every
 site, the owner included, applies the same decoded bytes, so θ_b stays equal everywhere.
 """
 

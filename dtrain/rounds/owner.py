@@ -1,5 +1,5 @@
 """The owner side of one open round: which contributions were accepted, which buckets
-are due to be finalized, and the partial means (DESIGN.md, "One round", steps 3–4).
+are due to be finalized, and the partial means (docs/ARCHITECTURE.md, "One round", step 3: reduce, finalize).
 
 :class:`OpenRound` is the bookkeeping of one round at one site, for the buckets this
 site owns, as a state machine whose methods are its transitions (in the manner of

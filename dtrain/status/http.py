@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, StateSetMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dtrain.options import HostPort
 from dtrain.status import SITE_STATES, build_status
 from dtrain.status.page import csp_header, render_fragment, render_page
 
@@ -304,12 +305,9 @@ def serve_status(core: Any, bind: str = "127.0.0.1:0", *, refresh_s: float = 2.0
         ValueError: a bad ``bind``, ``refresh_s`` or ``num_rounds``.
         OSError: the address cannot be bound.
     """
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"http_bind must be host:port with port in [0, 65535], got {bind!r}")
+    addr = HostPort.parse(bind, "http_bind")
     if not 0.5 <= refresh_s <= 600:
         raise ValueError(f"refresh_s must be in [0.5, 600] seconds, got {refresh_s!r}")
     if not isinstance(num_rounds, int) or not 1 <= num_rounds <= 1000:
         raise ValueError(f"num_rounds must be an int in [1, 1000], got {num_rounds!r}")
-    return StatusServer(core.snapshot, host, int(port), refresh_s=refresh_s, num_rounds=num_rounds)
+    return StatusServer(core.snapshot, addr.host, addr.port, refresh_s=refresh_s, num_rounds=num_rounds)

@@ -52,11 +52,13 @@ a fixed held-out set and leave the model in the mode it found it in.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from dtrain.tasks.builtin import build_task
-from dtrain.tasks.data import BatchStream
 from dtrain.tasks.spec import PRESETS, BatchStreamLike, Task, TaskSpec
+
+if TYPE_CHECKING:
+    from dtrain.tasks.builtin import build_task
+    from dtrain.tasks.data import BatchStream
 
 __all__ = [
     "TaskSpec",
@@ -67,6 +69,16 @@ __all__ = [
     "build_task",
     "load_task",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The built-in task and its data stream import torch: loaded on first use, so
+    # ``TaskSpec`` is importable (and checkable) without torch.
+    if name == "build_task":
+        return importlib.import_module("dtrain.tasks.builtin").build_task
+    if name == "BatchStream":
+        return importlib.import_module("dtrain.tasks.data").BatchStream
+    raise AttributeError(f"module 'dtrain.tasks' has no attribute {name!r}")
 
 
 def load_task(ref: str) -> Callable[[TaskSpec], Task]:
@@ -88,7 +100,7 @@ def load_task(ref: str) -> Callable[[TaskSpec], Task]:
         raise ValueError(f"task: must be 'module:function' or '' for the built-in task, got {ref!r}")
     ref = ref.strip()
     if ref == "":
-        return build_task
+        return importlib.import_module("dtrain.tasks.builtin").build_task
     module_name, sep, attr_path = ref.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(

@@ -1,15 +1,23 @@
-"""The task interface: what a site trains (:class:`TaskSpec` in, :class:`Task` out)."""
+"""The task interface: what a site trains (:class:`TaskSpec` in, :class:`Task` out).
+
+Importable without torch (torch appears in annotations only), so the command line can
+check a ``TaskSpec`` before anything heavy is loaded.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["Preset", "PRESETS", "TaskSpec", "Task", "BatchStreamLike"]
+__all__ = ["Preset", "PRESETS", "SizeName", "TaskSpec", "Task", "BatchStreamLike"]
+
+#: The built-in task's sizes (the keys of :data:`PRESETS`).
+SizeName = Literal["tiny", "small", "base"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,30 +57,31 @@ class TaskSpec:
     """What the built-in (or a user's) task should build for one site.
 
     Attributes:
-        site_index: 0..num_sites-1; chooses the data shard and the data order.
+        site_index: this site's data shard, 0..num_sites-1; chooses the data shard and
+            the data order.
         num_sites: number of sites sharing the corpus (>= 1).
-        seed: model init uses ONLY this seed, so every site starts from bit-identical
-            weights; the data order uses ``seed + site_index``.
+        seed: model init uses ONLY this seed (an int in [0, 2**62]), so every site
+            starts from bit-identical weights; the data order uses ``seed + site_index``.
         data: ``"stdlib"`` | ``"shakespeare"`` | a path to a text file or a directory
             of text files (see ``dtrain.tasks.data``).
         non_iid: False: every site samples from all training files (at different
             random positions); True: each site gets a disjoint set of training files.
         size: ``"tiny"`` (tests), ``"small"`` (``dtrain launch`` default), ``"base"``.
-        lr: inner AdamW learning rate; None takes the preset's. Weight decay is 0.1
-            as in DiLoCo (Douillard et al., arXiv 2311.08105, inner optimizer).
-        batch_size: windows per batch; None takes the preset's.
-        context_len: tokens (bytes) per window; None takes the preset's.
+        lr: inner AdamW learning rate in (0, 1]; None takes the preset's. Weight decay
+            is 0.1 as in DiLoCo (Douillard et al., arXiv 2311.08105, inner optimizer).
+        batch_size: windows per batch, 1..65536; None takes the preset's.
+        context_len: tokens (bytes) per window, 1..4096; None takes the preset's.
 
     Raises:
         ValueError: naming the field and its allowed values, at construction.
     """
 
-    site_index: int
-    num_sites: int
+    site_index: int = 0
+    num_sites: int = 1
     seed: int = 0
     data: str = "stdlib"
     non_iid: bool = False
-    size: str = "small"
+    size: SizeName = "small"
     lr: float | None = None
     batch_size: int | None = None
     context_len: int | None = None

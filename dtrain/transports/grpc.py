@@ -4,7 +4,7 @@ Server side, a ``Peer`` service (``proto/dtrain/v1/peer.proto``) hands each
 request to the site's :class:`~dtrain.transports.base.PeerHandler`; client side,
 ``push`` / ``pull_mean`` / ``pull_state`` call the peers' services.
 
-Wire rules (DESIGN.md, "Transport rules (gRPC)"):
+Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
 
 * ``Push`` is client-streamed, one :class:`~dtrain.protocol.Contribution` per
   message; a contribution larger than ``max_message_bytes`` is refused before
@@ -20,6 +20,12 @@ Wire rules (DESIGN.md, "Transport rules (gRPC)"):
   :class:`~dtrain.errors.Rejected` (every other code, with the peer's reason).
 * A handler's ``Rejected(code, reason)`` becomes ``context.abort(code, reason)``;
   any other handler exception is logged and becomes INTERNAL.
+* The server is asynchronous (:mod:`dtrain.transports.grpc_server`): the
+  blocking handler runs in a thread pool per method, a stream between messages
+  holds no thread, a Push stream idle for ``stream_idle_timeout_s`` is ended,
+  ``max_streams_per_sender`` and ``max_concurrent_rpcs`` bound the calls (past
+  them: RESOURCE_EXHAUSTED at once) and ``max_wait_ms`` caps a pull's wait. It
+  serves the standard ``grpc.health.v1.Health`` service too.
 * Authentication (shared token, TLS/mTLS) and keepalive come from
   :class:`~dtrain.transports.grpc_common.GrpcTransportConfig`.
 * The bulk messages are peer.proto's, encoded and decoded by
@@ -29,9 +35,10 @@ Wire rules (DESIGN.md, "Transport rules (gRPC)"):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -42,15 +49,13 @@ from dtrain.transports.base import PeerHandler, Transport
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
-    ServerHandle,
     TlsConfig,
-    abort_with,
     call_metadata,
     call_with_retry,
     check_timeout,
-    start_server,
     to_transport_error,
 )
+from dtrain.transports.grpc_server import AioServer, abort
 from dtrain.transports.grpc_wire import (
     WireError,
     contribution_wire_bytes,
@@ -66,6 +71,8 @@ __all__ = ["GrpcTransport", "GrpcTransportConfig", "TlsConfig", "NUM_ACCEPTED_ME
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 NUM_ACCEPTED_METADATA_KEY = "dtrain-num-accepted"
 PEER_SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "dtrain.v1.Peer"
 # Seconds the owner answers before the caller's deadline, so that a handler's
@@ -76,88 +83,154 @@ _HANDLER_MARGIN_S = 0.2
 # --------------------------------------------------------------------------- server
 
 
-def _run_handler(what: str, fn: Callable[[], object]) -> tuple[object, TransportError | None]:
+def _run_handler(what: str, fn: Callable[[], T]) -> tuple[T | None, TransportError | None]:
     """Call a handler; return (result, None) or (None, the error to abort with)."""
     try:
         return fn(), None
     except TransportError as e:
         return None, e
-    except Exception as e:  # a handler bug must not kill the server thread silently
+    except Exception as e:  # a handler bug must not kill the server silently
         log.exception("%s: handler raised", what)
         return None, TransportError(RejectCode.INTERNAL, f"handler error in {what}: {type(e).__name__}: {e}")
 
 
 class _PeerServicer:
-    """Serves the Peer service. Push requests arrive as raw bytes and pull answers
-    leave as raw bytes (``grpc_wire``), so payloads are copied as little as possible."""
+    """Serves the Peer service on the transport's asyncio server. Push requests
+    arrive as raw bytes and pull answers leave as raw bytes (``grpc_wire``), so
+    payloads are copied as little as possible.
 
-    def __init__(self, transport: "GrpcTransport", handler: PeerHandler) -> None:
+    The site's handler is blocking: it runs in the server's thread pool of its
+    method. A Push stream between two messages holds no thread; one idle for
+    ``stream_idle_timeout_s`` is ended. Each method allows
+    ``max_streams_per_sender`` calls per sender at once (RESOURCE_EXHAUSTED past it).
+    """
+
+    def __init__(self, transport: "GrpcTransport", handler: PeerHandler, server: AioServer) -> None:
         self._t = transport
         self._handler = handler
+        self.server = server
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            PEER_SERVICE,
-            {
-                "Push": grpc.stream_unary_rpc_method_handler(
-                    self.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    PEER_SERVICE,
+                    {
+                        "Push": grpc.stream_unary_rpc_method_handler(
+                            self.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString
+                        ),
+                        "PullMean": grpc.unary_stream_rpc_method_handler(
+                            self.PullMean, request_deserializer=pb.PullMeanRequest.FromString, response_serializer=None
+                        ),
+                        "PullState": grpc.unary_stream_rpc_method_handler(
+                            self.PullState,
+                            request_deserializer=pb.PullStateRequest.FromString,
+                            response_serializer=None,
+                        ),
+                    },
                 ),
-                "PullMean": grpc.unary_stream_rpc_method_handler(
-                    self.PullMean, request_deserializer=pb.PullMeanRequest.FromString, response_serializer=None
-                ),
-                "PullState": grpc.unary_stream_rpc_method_handler(
-                    self.PullState, request_deserializer=pb.PullStateRequest.FromString, response_serializer=None
-                ),
-            },
+            )
         )
+        return [PEER_SERVICE]
 
-    def Push(self, request_iterator: Iterator[bytes], context) -> pb.PushReply:
-        accepted = 0
-        received = 0
-        for raw in request_iterator:
-            try:
-                c = decode_contribution(raw)
-            except WireError as e:
-                err: TransportError | None = Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
-            else:
+    async def _next_message(self, context, it) -> bytes | None:
+        """The stream's next message, None at its end; aborts an idle stream."""
+        idle_s = self._t.config.stream_idle_timeout_s
+        try:
+            return await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            log.info("ended a Push stream from %s: no message for %.1f s", context.peer(), idle_s)
+            await abort(context, "DEADLINE_EXCEEDED", f"Push stream idle for {idle_s:g} s (stream_idle_timeout_s)")
+        raise AssertionError("unreachable")
+
+    async def _refuse(self, context, accepted: int, err: TransportError) -> None:
+        log.info("refused chunk %d of a push from %s: %s", accepted, context.peer(), err)
+        context.set_trailing_metadata(((NUM_ACCEPTED_METADATA_KEY, str(accepted)),))
+        await abort(context, err.code, err.reason)
+
+    async def Push(self, request_iterator, context) -> pb.PushReply:
+        accepted = received = 0
+        sender: str | None = None
+        it = request_iterator.__aiter__()
+        try:
+            while (raw := await self._next_message(context, it)) is not None:
+                try:
+                    c = decode_contribution(raw)
+                except WireError as e:
+                    await self._refuse(
+                        context, accepted, Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
+                    )
+                if sender is None:
+                    full = self.server.limiter.acquire("Push", c.sender)
+                    if full is not None:
+                        await self._refuse(context, accepted, Rejected(RejectCode.RESOURCE_EXHAUSTED, full))
+                    sender = c.sender
+                elif c.sender != sender:
+                    reason = f"a Push stream carries one sender's chunks: {sender!r}, then {c.sender!r}"
+                    await self._refuse(context, accepted, Rejected(RejectCode.INVALID_ARGUMENT, reason))
                 self._t._count(received=len(c.payload))
-                _, err = _run_handler("Push", lambda: self._handler.handle_contribution(c))
-            if err is not None:
-                log.info("refused chunk %d of a push from %s: %s", accepted, context.peer(), err)
-                context.set_trailing_metadata(((NUM_ACCEPTED_METADATA_KEY, str(accepted)),))
-                abort_with(context, err.code, err.reason)
-            accepted += 1
-            received += len(c.payload)
+                _, err = await self.server.run_blocking(
+                    "Push", lambda c=c: _run_handler("Push", lambda: self._handler.handle_contribution(c))
+                )
+                if err is not None:
+                    await self._refuse(context, accepted, err)
+                accepted += 1
+                received += len(c.payload)
+        finally:
+            if sender is not None:
+                self.server.limiter.release("Push", sender)
         context.set_trailing_metadata(((NUM_ACCEPTED_METADATA_KEY, str(accepted)),))
         return pb.PushReply(num_accepted=accepted, payload_bytes=received)
 
     def _handler_timeout_s(self, requested_ms: int, context) -> float:
-        wait_s = requested_ms / 1000.0
+        wait_s = min(requested_ms, self._t.config.max_wait_ms) / 1000.0
         remaining = context.time_remaining()
         if remaining is not None:
             wait_s = min(wait_s, remaining - min(_HANDLER_MARGIN_S, 0.1 * remaining))
         return max(0.0, wait_s)
 
-    def PullMean(self, request, context):
-        wait_s = self._handler_timeout_s(request.timeout_ms, context)
-        mean, err = _run_handler(
-            "PullMean", lambda: self._handler.handle_pull_mean(request.round, request.bucket, request.requester, wait_s)
-        )
-        if err is not None:
-            abort_with(context, err.code, err.reason)
-        yield from mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
-
-    def PullState(self, request, context):
-        state, err = _run_handler(
-            "PullState", lambda: self._handler.handle_pull_state(request.bucket, request.requester)
-        )
-        if err is not None:
-            abort_with(context, err.code, err.reason)
+    async def _limited(self, method: str, requester: str, context, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in ``method``'s pool within ``requester``'s limit; abort on its error."""
+        full = self.server.limiter.acquire(method, requester)
+        if full is not None:
+            await abort(context, RejectCode.RESOURCE_EXHAUSTED, full)
         try:
-            yield from state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
+            result, err = await self.server.run_blocking(method, lambda: _run_handler(method, fn))
+        finally:
+            self.server.limiter.release(method, requester)
+        if err is not None:
+            await abort(context, err.code, err.reason)
+        return result  # type: ignore[return-value]
+
+    async def PullMean(self, request, context):
+        wait_s = self._handler_timeout_s(request.timeout_ms, context)
+        mean = await self._limited(
+            "PullMean",
+            request.requester,
+            context,
+            lambda: self._handler.handle_pull_mean(request.round, request.bucket, request.requester, wait_s),
+        )
+        for part in mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n)):
+            yield part
+
+    async def PullState(self, request, context):
+        state = await self._limited(
+            "PullState",
+            request.requester,
+            context,
+            lambda: self._handler.handle_pull_state(request.bucket, request.requester),
+        )
+        parts = state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
+        try:
+            first = next(parts)  # the header: BucketState.extra is encoded here
         except TypeError as e:
             log.error("PullState bucket %d: BucketState.extra is not JSON-serialisable: %s", request.bucket, e)
-            abort_with(context, RejectCode.INTERNAL, f"BucketState.extra is not JSON-serialisable: {e}")
+            await abort(context, RejectCode.INTERNAL, f"BucketState.extra is not JSON-serialisable: {e}")
+        yield first
+        for part in parts:  # lazily: a bucket's state is not copied whole
+            yield part
 
 
 # --------------------------------------------------------------------------- transport
@@ -195,7 +268,7 @@ class GrpcTransport(Transport):
     def __init__(self, config: GrpcTransportConfig | None = None) -> None:
         self.config = config or GrpcTransportConfig()
         self.address: str | None = None
-        self._server: ServerHandle | None = None
+        self._server: AioServer | None = None
         self._pool: ChannelPool[_PeerStub] = ChannelPool(self.config, _PeerStub)
         self._metadata = call_metadata(self.config)
         self._count_lock = threading.Lock()
@@ -228,10 +301,9 @@ class GrpcTransport(Transport):
         """
         if self._server is not None or self._stopped:
             raise RuntimeError("GrpcTransport.start: already started (or stopped); use a new instance")
-        servicer = _PeerServicer(self, handler)
-        self._server = start_server(
-            self.config, lambda s: s.add_generic_rpc_handlers((servicer.generic_handler(),)), name="peer"
-        )
+        server = AioServer(self.config, "peer")
+        server.start(_PeerServicer(self, handler, server).register)
+        self._server = server
         self.address = f"{self.config.advertised_host()}:{self._server.port}"
         log.info("peer service listening on %s (tls=%s)", self.address, self.config.tls is not None)
         return self.address

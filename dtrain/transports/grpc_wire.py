@@ -357,7 +357,7 @@ def state_from_wire(messages: Iterable[bytes], on_data: Callable[[int], None] = 
         )
     try:
         extra = json.loads(header.extra_json) if header.extra_json else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the interpreter's limit
         raise _malformed("state", f"extra_json is not JSON: {e}") from None
     if not isinstance(extra, dict):
         raise _malformed("state", "extra_json is not a JSON object")

@@ -35,6 +35,7 @@ from typing import Callable
 
 import pytest
 
+from dtrain.app.config import RENDEZVOUS, WORKER
 from dtrain.app.procs import Proc, spawn, tail
 from dtrain.metrics import read_metrics
 
@@ -249,17 +250,9 @@ def _child_env() -> dict:
     return env
 
 
-def _flags(opts: dict) -> list[str]:
-    out: list[str] = []
-    for k, v in opts.items():
-        if v is None:
-            continue
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + k.replace("_", "-"))
-        else:
-            out += [flag, str(v)]
-    return out
+def _flags(opts: dict, tree) -> list[str]:
+    """The flags of ``tree``'s options (by path, key or short name; None left out)."""
+    return tree.to_argv({k: v for k, v in opts.items() if v is not None})
 
 
 def tiny_num_buckets(bucket_bytes: int) -> int:
@@ -337,7 +330,14 @@ class Cluster:
         """Start (or restart, e.g. on the old ``bind``) the rendezvous; returns its address."""
         self._rv_starts += 1
         addr_file = self.root / f"rendezvous-{self._rv_starts}.addr"
-        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr_file), *_flags({**self.rv_opts, **opts})]
+        argv = [
+            "rendezvous",
+            "--bind",
+            bind,
+            "--address-file",
+            str(addr_file),
+            *_flags({**self.rv_opts, **opts}, RENDEZVOUS),
+        ]
         p = self._spawn("rendezvous", argv, self.root / f"rendezvous-{self._rv_starts}.log")
         wait_until(
             lambda: addr_file.exists() or p.poll() is not None,
@@ -377,7 +377,7 @@ class Cluster:
             self.rv_address,
             "--out-dir",
             str(out),
-            *_flags({**self.worker_opts, **opts}),
+            *_flags({**self.worker_opts, **opts}, WORKER),
         ]
         self._spawn(site, argv, out / "worker.log", env={"DTRAIN_TEST_FAULT": fault} if fault else None)
         return site

@@ -66,12 +66,13 @@ def test_healthy_sites_agree_every_round_and_loss_falls(make_cluster):
 # --------------------------------------------------------------------------- SIGKILL
 @pytest.mark.timeout(120)
 def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
-    """4 sites, 4 buckets. Round 2: SIGKILL a site that owns no bucket while it
-    uploads. Round 4: SIGKILL an owner while it uploads. Survivors finish both
-    rounds by the deadline + 1 s, agree on θ, and the next round's plan drops the
-    dead site and reassigns its buckets."""
-    bucket_bytes = 131072
+    """4 sites, 3 buckets (owners are balanced: one site owns none). Round 2: SIGKILL
+    the site that owns no bucket while it uploads. Round 4: SIGKILL an owner while it
+    uploads. Survivors finish both rounds by the deadline + 1 s, agree on θ, and the
+    next round's plan drops the dead site and reassigns its buckets."""
+    bucket_bytes = 163840
     nb = tiny_num_buckets(bucket_bytes)
+    assert nb == 3
     all_sites = [f"site-{i}" for i in range(4)]
     owners0 = assign_owners(nb, all_sites)
     non_owner = next(s for s in all_sites if s not in owners0)
@@ -171,7 +172,7 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
     resynchronises (its Δ is discarded, never sent). site-3 is admitted to round 1
     but pushes only after the reduce deadline: its late chunks are refused
     (FAILED_PRECONDITION) and no mean of that round includes them (they stay in
-    its error-feedback residual, DESIGN.md "Residuals")."""
+    its error-feedback residual, docs/ARCHITECTURE.md "The residual rule")."""
     fast, slow = 0.1, 0.5  # seconds of sleep per inner step, on top of ~0.07 s of compute: ~3x
     site_opts = {i: {"inner_step_sleep_s": fast} for i in (0, 1, 3)}
     site_opts[2] = {"inner_step_sleep_s": slow}

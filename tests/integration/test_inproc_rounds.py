@@ -266,6 +266,20 @@ def test_state_dict_round_trip() -> None:
         sd = d.state_dict()
         snap = _snapshot(d)
         assert snap["round"] == 3
+        # the top level says what it holds (README: θ, outer state, residuals, round)
+        assert set(sd) == {
+            "theta",
+            "outer_optimizer",
+            "residuals",
+            "round",
+            "bucket_round",
+            "fingerprint",
+            "inner_steps",
+            "sync_every",
+        }
+        assert sd["round"] == 3 and sd["inner_steps"] == 3 * H and sd["sync_every"] == H
+        assert len(sd["theta"]) == len(sd["outer_optimizer"]) == len(sd["residuals"]) == len(d.layout)
+        assert torch.equal(torch.cat(sd["theta"]), torch.cat(snap["theta"]))
         assert any(m is not None and m.abs().sum() > 0 for m in snap["momentum"])
         assert any(r is not None and r.abs().sum() > 0 for r in snap["residuals"])
         c.run_steps(lambda s, k: train_step(s.model, s.optimizer, k + 50, shift=s.index), 2 * H, timeout_s=30)
@@ -297,8 +311,10 @@ def test_state_dict_round_trip() -> None:
         try:
             with pytest.raises(ValueError, match="does not match this model"):
                 d3.load_state_dict(sd)
-            with pytest.raises(ValueError, match="not a DiLoCo state_dict"):
+            with pytest.raises(ValueError, match="not a DiLoCo state_dict .missing 'outer_optimizer', 'residuals'"):
                 d3.load_state_dict({"theta": []})
+            with pytest.raises(ValueError, match="not a DiLoCo state_dict"):
+                d3.load_state_dict([sd])  # type: ignore[arg-type]
         finally:
             d3.close()
 

@@ -83,6 +83,8 @@ SUMMARY_FIELDS = {
     "quorum_s",
     "round_s",
     "site",
+    "owned_buckets",
+    "num_buckets",
     "rounds",
     "first_val_loss",
     "final_val_loss",
@@ -240,6 +242,15 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert 0.0 < summ["sync_share"] < 1.0
         assert summ["compression_ratio"] > 1.0  # int8 codec: fewer bytes than fp32
     assert len({summ["checksum"] for summ in summaries.values()}) == 1, summaries
+    # balanced owners: tiny (0.47 MB) at 3 sites is 7 buckets of >= 64 KiB, 3/2/2; the table says so
+    owned = {s: (summ["owned_buckets"], summ["num_buckets"]) for s, summ in summaries.items()}
+    assert sorted(o for o, _ in owned.values()) == [2, 2, 3] and {n for _, n in owned.values()} == {7}, owned
+    assert (
+        "owned_buckets" in out.splitlines()[next(i for i, ln in enumerate(out.splitlines()) if ln.startswith("site "))]
+    )
+    for s, (o, n) in owned.items():
+        row = next(ln for ln in out.splitlines() if ln.startswith(s + " "))
+        assert f" {o}/{n} " in row, row
 
     # Every payload byte sent is received once; a site's lines (rounds + end) add up to its summary.
     assert sum(x["bytes_sent"] for x in summaries.values()) == sum(x["bytes_received"] for x in summaries.values())

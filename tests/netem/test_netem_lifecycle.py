@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from netem_helpers import REPO_ROOT, leftovers, run_cli
@@ -20,7 +21,13 @@ from netem._sys import list_namespaces
 pytestmark = pytest.mark.netem
 
 _CHILD = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it is stuck
+    # Ctrl-C as in a terminal, whatever the test runner inherited: a background job of a
+    # non-interactive shell (how CI may start .ci/run) starts with SIGINT ignored, Python
+    # then installs no KeyboardInterrupt handler, netem rightly leaves an ignored signal
+    # alone, and the SIGINT below would be ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from netem import Topology
     def body(topo):
@@ -41,6 +48,35 @@ def _start_child(name: str, use_with: bool) -> tuple[subprocess.Popen, int]:
     line = proc.stdout.readline()
     assert line.startswith("ready"), (line, proc.stderr.read() if proc.poll() is not None else "")
     return proc, int(line.split()[1])
+
+
+def _realtime_processes() -> list[str]:
+    """Processes running under a real-time policy (they can starve everything else)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.sched_getscheduler(int(entry)) & ~os.SCHED_RESET_ON_FORK in (os.SCHED_FIFO, os.SCHED_RR):
+                    out.append(f"{entry} {Path(f'/proc/{entry}/cmdline').read_bytes()[:120]!r}")
+            except OSError:
+                continue
+    return out
+
+
+def _communicate_or_explain(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The child's stderr once it exited; if it does not within ``timeout_s``, fail with where it
+    was (its Python stacks, via SIGUSR1 + faulthandler), the load and the real-time processes."""
+    try:
+        return proc.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        proc.kill()
+        err = proc.communicate()[1]
+        pytest.fail(
+            f"child still running {timeout_s:.0f} s after the signal; load {Path('/proc/loadavg').read_text().strip()};"
+            f" real-time processes {_realtime_processes()}; leftovers {leftovers()}; its stderr:\n{err[-6000:]}"
+        )
 
 
 def _wait_clean(timeout_s: float) -> list[str]:
@@ -74,7 +110,7 @@ def test_signal_tears_down(sig, use_with):
     proc, agent_pid = _start_child(f"sig{int(sig)}", use_with)
     assert os.sched_getscheduler(agent_pid) == os.SCHED_FIFO  # delayer runs real-time
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=15)
+    err = _communicate_or_explain(proc, 15.0)
     assert proc.returncode == -sig, err[-2000:]
     assert "tearing down 1 netem topologies" in err, err[-2000:]
     if sig == signal.SIGINT:

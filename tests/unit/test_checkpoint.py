@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dtrain import checkpoint as ckpt_mod
+from dtrain.buckets import checksum
 from dtrain.checkpoint import FORMAT, latest_checkpoint, load_checkpoint, save_checkpoint
 from dtrain.errors import CheckpointError
 
@@ -139,6 +140,61 @@ def test_a_checkpoint_without_the_data_position_is_refused(tmp_path: Path) -> No
     assert "'batches'" in _one_line_error(p)
 
 
+# --------------------------------------------------------------------------- DiLoCo's state_dict
+def _old_layout(sd: dict) -> dict:
+    """``DiLoCo.state_dict()`` as written before its keys moved to the top level."""
+    return {
+        "global": {
+            "fingerprint": sd["fingerprint"],
+            "rounds_applied": sd["round"],
+            "bucket_round": sd["bucket_round"],
+            "theta": sd["theta"],
+            "optimizers": sd["outer_optimizer"],
+            "residuals": sd["residuals"],
+        },
+        "inner_steps": sd["inner_steps"],
+        "sync_every": sd["sync_every"],
+    }
+
+
+def test_diloco_reads_a_checkpoint_written_with_the_old_state_dict_layout(tmp_path: Path) -> None:
+    from dtrain import DiLoCo, DiLoCoConfig
+    from dtrain.buckets import BucketConfig
+
+    def wrapper(seed: int) -> DiLoCo:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = DiLoCoConfig(sync_every=2, buckets=BucketConfig(bucket_bytes=64, chunk_bytes=32))
+        return DiLoCo(model, opt, config=cfg)
+
+    src = wrapper(0)
+    try:
+        x = torch.randn(4, 5)
+        for _ in range(6):  # 3 rounds: outer momentum is set
+            src.model(x).pow(2).mean().backward()
+            src.inner_optimizer.step()
+            src.inner_optimizer.zero_grad()
+        sd = src.state_dict()
+    finally:
+        src.close()
+    assert sd["round"] == 3 and sd["inner_steps"] == 6 and len(sd["theta"]) > 1
+    save_checkpoint(tmp_path, 3, _payload(fingerprint=sd["fingerprint"]) | {"diloco": _old_layout(sd)})
+    data = load_checkpoint(tmp_path / "ckpt-000003.pt", site_id="site-0", fingerprint=sd["fingerprint"])
+    dst = wrapper(1)
+    try:
+        assert dst.state.checksums() != [checksum(t) for t in sd["theta"]]
+        dst.load_state_dict(data["diloco"])
+        now = dst.state_dict()
+    finally:
+        dst.close()
+    assert now["round"] == 3 and now["inner_steps"] == 6 and now["bucket_round"] == sd["bucket_round"]
+    for a, b in zip(now["theta"], sd["theta"]):
+        assert torch.equal(a, b)
+    for a, b in zip(now["outer_optimizer"], sd["outer_optimizer"]):
+        assert torch.equal(a["state"][0]["momentum_buffer"], b["state"][0]["momentum_buffer"])
+
+
 # --------------------------------------------------------------------------- the worker
 LOADS: list[str] = []
 
@@ -162,7 +218,8 @@ def recording_task(spec):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("problem", ["corrupt", "other_site", "other_model", "unfit"])
 def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, tmp_path: Path) -> None:
-    from dtrain.app.worker import WorkerConfig, run_worker
+    from dtrain.app.config import WORKER
+    from dtrain.app.worker import run_worker
 
     cdir = tmp_path / "site-0" / "checkpoints"
     if problem == "corrupt":
@@ -174,14 +231,16 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint="0123456789abcdef"))
     else:  # right site and layout, but a model state that does not fit: the recorder sees the attempt
         save_checkpoint(cdir, 2, _payload(site="site-0", fingerprint=_fingerprint_of_tiny()))
-    cfg = WorkerConfig(
-        site_id="site-0",
-        size="tiny",
-        task=f"{__name__}:recording_task",
-        rendezvous="127.0.0.1:9",
-        out_dir=str(tmp_path / "site-0"),
-        resume=True,
-        linger_s=0.0,
+    cfg = WORKER.build(
+        {
+            "site_id": "site-0",
+            "size": "tiny",
+            "task": f"{__name__}:recording_task",
+            "rendezvous": "127.0.0.1:9",
+            "out_dir": str(tmp_path / "site-0"),
+            "resume": True,
+            "linger_s": 0.0,
+        }
     )
     LOADS.clear()
     with pytest.raises(CheckpointError) as e:
@@ -200,18 +259,16 @@ def test_worker_refuses_a_bad_checkpoint_before_loading_anything(problem: str, t
 
 
 def _fingerprint_of_tiny() -> str:
-    from dtrain.app.worker import WorkerConfig
-    from dtrain.buckets import BucketConfig, BucketLayout
+    from dtrain.app.config import WorkerConfig
+    from dtrain.buckets import BucketLayout
     from dtrain.tasks import TaskSpec, load_task
 
-    cfg = WorkerConfig(size="tiny")
+    cfg = WorkerConfig()
     model = load_task("")(TaskSpec(site_index=0, num_sites=1, size="tiny")).model
     params = [p.numel() for p in model.parameters()]
     bufs = [b.numel() for b in model.buffers() if b.is_floating_point()]
     return BucketLayout(
-        params + bufs,
-        ["param"] * len(params) + ["buffer"] * len(bufs),
-        BucketConfig(bucket_bytes=cfg.bucket_bytes, chunk_bytes=cfg.chunk_bytes),
+        params + bufs, ["param"] * len(params) + ["buffer"] * len(bufs), cfg.diloco_config().buckets
     ).fingerprint()
 
 

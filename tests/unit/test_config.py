@@ -28,6 +28,14 @@ CASES = [
     (BucketConfig, {"bucket_bytes": 0}, ["bucket_bytes", ">= 4"]),
     (BucketConfig, {"bucket_bytes": 1 << 20, "chunk_bytes": 2 << 20}, ["chunk_bytes", "[4, bucket_bytes=1048576]"]),
     (BucketConfig, {"chunk_bytes": 0}, ["chunk_bytes", "[4, bucket_bytes="]),
+    (BucketConfig, {"num_sites": 0}, ["num_sites", ">= 1"]),
+    (BucketConfig, {"min_buckets_per_site": 0}, ["min_buckets_per_site", ">= 1"]),
+    (
+        BucketConfig,
+        {"min_bucket_bytes": 1 << 20, "max_bucket_bytes": 1 << 10},
+        ["max_bucket_bytes", ">= min_bucket_bytes"],
+    ),
+    (DiLoCoConfig, {"close_timeout_s": -1.0}, ["close_timeout_s", "None", ">= 0"]),
     (
         RendezvousConfig,
         {"reduce_timeout_s": 20.0, "broadcast_timeout_s": 20.0},
@@ -84,7 +92,8 @@ def test_defaults_are_valid_and_frozen() -> None:
         with pytest.raises(Exception, match=re.compile("frozen|cannot assign", re.I)):
             setattr(cfg, next(iter(cfg.__dataclass_fields__)), None)
     assert DiLoCoConfig().sync_every == 500
-    assert BucketConfig().bucket_bytes == 4 << 20 and BucketConfig().chunk_bytes == 1 << 20
+    assert BucketConfig().bucket_bytes is None and BucketConfig().chunk_bytes == 1 << 20  # None: automatic size
+    assert (BucketConfig().min_bucket_bytes, BucketConfig().max_bucket_bytes) == (64 << 10, 4 << 20)
 
 
 def test_configs_are_keyword_only() -> None:

@@ -130,5 +130,5 @@ def test_torchrun_argv_wraps_a_worker_command():
 def test_worker_config_refuses_an_unknown_parallel_mode():
     from dtrain.app.worker import WorkerConfig
 
-    with pytest.raises(ValueError, match="parallel must be one of ddp, fsdp, got 'tp'"):
+    with pytest.raises(ValueError, match="parallel"):
         WorkerConfig(parallel="tp")

@@ -1,0 +1,421 @@
+"""The command line's config trees: :class:`WorkerConfig` (``dtrain worker``),
+:class:`RendezvousServerConfig` (``dtrain rendezvous``) and :class:`LaunchConfig`
+(``dtrain launch``), and their :class:`~dtrain.options.Tree` s (flags, TOML keys, help).
+
+A site's tree nests the library's component configs as they are, so every option a
+library user can set is a flag and a TOML key::
+
+    WorkerConfig            task, rounds, out_dir, eval_every, threads, linger_s, ...
+      task_spec: TaskSpec       --task-spec.size (alias --size), --task-spec.data, ...
+      diloco: DiLoCoConfig      --diloco.sync-every (alias --sync-every)
+        buckets: BucketConfig   --diloco.buckets.bucket-bytes
+        rounds: RoundConfig     --diloco.rounds.repair / --no-diloco.rounds.repair
+          codec, broadcast_codec: CodecConfig   --diloco.rounds.codec.name (alias --codec)
+          aggregation: AggregationConfig        --diloco.rounds.aggregation.trim-fraction
+        group: GroupConfig      --diloco.group.quorum-wait-s (alias --quorum-wait-s)
+      outer: OuterConfig        --outer.lr (alias --outer-lr)
+      net: NetConfig            --net.listen (alias --listen), --net.rendezvous, TLS files
+        grpc: GrpcTransportConfig   --net.grpc.num-attempts, keepalive, ...
+      checkpoint: CheckpointConfig  --checkpoint.every (alias --checkpoint-every)
+
+The aliases are the flat names of the earlier command line and README (``--sync-every``,
+TOML ``sync_every = 500``); both forms keep working. Fields the program sets itself are
+hidden (:data:`WORKER_HIDDEN`, :data:`PER_SITE`). Importing this module loads no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from dtrain.codecs.config import CodecConfig
+from dtrain.configs import DiLoCoConfig, RoundConfig
+from dtrain.options import HostPort, Tree, UsageError
+from dtrain.rendezvous.core import RendezvousConfig
+from dtrain.tasks.spec import TaskSpec
+from dtrain.transports.grpc_config import GrpcTransportConfig, TlsConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "LAUNCH",
+    "LaunchConfig",
+    "NetConfig",
+    "OuterConfig",
+    "PER_SITE",
+    "RENDEZVOUS",
+    "RendezvousServerConfig",
+    "WORKER",
+    "WorkerConfig",
+    "check_task",
+]
+
+
+def check_task(ref: str) -> None:
+    """Import a ``module:function`` task reference now, so a bad one is a usage error
+    naming ``task`` (the built-in task, ``''``, is not imported: it loads torch).
+
+    Raises:
+        UsageError: the module or function cannot be found.
+    """
+    if not ref.strip():
+        return
+    from dtrain.tasks import load_task
+
+    try:
+        load_task(ref)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _need(obj: object, cond: bool, name: str, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {allowed}, got {getattr(obj, name)!r}")
+
+
+def _need_files(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _need(obj, v is None or Path(v).is_file(), name, "an existing file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer optimizer: SGD with Nesterov momentum on each bucket of θ (DiLoCo,
+    arXiv 2311.08105: lr 0.7, momentum 0.9, Nesterov).
+
+    Attributes:
+        lr: outer learning rate, a finite number > 0.
+        momentum: outer momentum, in [0, 1).
+        nesterov: Nesterov momentum (ignored when momentum is 0).
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        _need(self, self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0 (outer_lr)")
+        _need(self, 0 <= self.momentum < 1, "momentum", "in [0, 1) (outer_momentum)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints of a site (model, inner and outer optimizer, residuals, data position).
+
+    Attributes:
+        dir: checkpoint directory (none: OUT_DIR/checkpoints).
+        every: rounds between checkpoints, an int >= 0 (0 = never).
+        resume: continue from the latest checkpoint in ``dir`` (a fresh start if none).
+    """
+
+    dir: str | None = None
+    every: int = 0
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        _need(
+            self,
+            isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 0,
+            "every",
+            "an int >= 0 (checkpoint_every; 0 = never)",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetConfig:
+    """Where a site listens and whom it dials; the shared token and TLS files.
+
+    Attributes:
+        listen: host:port the Peer service binds (port 0 = any free port).
+        advertise: host:port peers dial (none: the bound address).
+        rendezvous: host:port of the rendezvous service.
+        token_file: file holding the shared token (none: no token).
+        tls_cert: this site's certificate chain, PEM (none: plaintext).
+        tls_key: the private key of tls_cert, PEM.
+        tls_ca: CA bundle, PEM, that verifies peers (mutual TLS when all three are set).
+        grpc: gRPC channel and server settings.
+    """
+
+    listen: HostPort = HostPort("127.0.0.1", 0)
+    advertise: HostPort | None = None
+    rendezvous: HostPort = HostPort("127.0.0.1", 29400)
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("listen", "advertise", "rendezvous"):
+            object.__setattr__(self, name, HostPort.coerce(getattr(self, name), name))
+        _need(self, self.listen is not None, "listen", "host:port")
+        _need(self, self.rendezvous is not None, "rendezvous", "host:port")
+        _need_files(self, ("token_file", "tls_cert", "tls_key", "tls_ca"))
+
+    def transport_config(self) -> GrpcTransportConfig:
+        """``grpc`` with the bind address, advertised host, token and TLS filled in."""
+        tls = None
+        if self.tls_cert or self.tls_key or self.tls_ca:
+            tls = TlsConfig(
+                cert_path=self.tls_cert,
+                key_path=self.tls_key,
+                ca_path=self.tls_ca,
+                mutual=bool(self.tls_cert and self.tls_key and self.tls_ca),
+            )
+        token = Path(self.token_file).read_text().strip() if self.token_file else None
+        return replace(
+            self.grpc,
+            bind_host=self.listen.host,
+            bind_port=self.listen.port,
+            advertise_host=self.advertise.host if self.advertise else None,
+            token=token,
+            tls=tls,
+        )
+
+
+def _worker_diloco() -> DiLoCoConfig:
+    # zstd adds only ~5% on int8 pseudo-gradients (experiments/bench_codecs.py)
+    return DiLoCoConfig(
+        sync_every=50, rounds=RoundConfig(codec=CodecConfig(name="int8", zstd_level=1)), hook_optimizer=False
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Everything one site needs (``dtrain worker``; ``run_worker(config)``).
+
+    Attributes:
+        task: task function, module:function returning a Task ('' = the built-in GPT).
+        rounds: rounds to train, an int >= 1 (with sync_every 50 and size small: ~1 min
+            of training for 3 sites on 2 cores).
+        out_dir: directory of metrics.jsonl, summary.json and (by default) checkpoints.
+        eval_every: rounds between evaluations, an int >= 1.
+        threads: torch threads, an int >= 1.
+        linger_s: longest wait after the last round for the peers to pull this site's
+            means, >= 0 (DiLoCo.close; none: until the last round's broadcast deadline;
+            the wait ends as soon as every member pulled).
+        inner_step_sleep_s: sleep after every inner step, in [0, 3600) (0 = none);
+            emulates a slower site in fault tests and experiments.
+        parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
+            train: ddp or fsdp (FSDP2); a single process ignores it.
+        task_spec: what the task builds (shard, seed, data, model size).
+        diloco: the DiLoCo wrapper: H, buckets, round behaviour, membership.
+        outer: the outer optimizer.
+        net: addresses, token and TLS, gRPC settings.
+        checkpoint: checkpointing and resuming.
+    """
+
+    task: str = ""
+    rounds: int = 20
+    out_dir: str = "runs/site-0"
+    eval_every: int = 1
+    threads: int = 1
+    linger_s: float | None = None
+    inner_step_sleep_s: float = 0.0
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    task_spec: TaskSpec = field(default_factory=TaskSpec)
+    diloco: DiLoCoConfig = field(default_factory=_worker_diloco)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        _need(self, is_int(self.rounds) and self.rounds >= 1, "rounds", "an int >= 1")
+        _need(self, is_int(self.eval_every) and self.eval_every >= 1, "eval_every", "an int >= 1")
+        _need(self, is_int(self.threads) and self.threads >= 1, "threads", "an int >= 1")
+        _need(
+            self,
+            self.linger_s is None or self.linger_s >= 0,
+            "linger_s",
+            "none (the broadcast deadline) or >= 0 seconds",
+        )
+        _need(self, 0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
+        _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
+        _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
+
+    @property
+    def site_id(self) -> str:
+        return self.diloco.site_id
+
+    def diloco_config(self) -> DiLoCoConfig:
+        """The DiLoCo config the worker runs: it counts inner steps itself (no optimizer
+        hook), the automatic bucket size follows the run's configured number of sites,
+        and ``close()`` waits at most ``linger_s``."""
+        buckets = replace(self.diloco.buckets, num_sites=self.task_spec.num_sites)
+        return replace(self.diloco, hook_optimizer=False, buckets=buckets, close_timeout_s=self.linger_s)
+
+    @property
+    def resolved_checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.out_dir) / "checkpoints"
+
+
+#: Fields of a site's tree that are not options, and why.
+WORKER_HIDDEN = {
+    "diloco.hook_optimizer": "fixed by the worker (it counts inner steps itself)",
+    "diloco.close_timeout_s": "set from linger_s",
+    "diloco.buckets.num_sites": "set from task_spec.num_sites (the run's configured sites)",
+    "net.grpc.bind_host": "set from net.listen",
+    "net.grpc.bind_port": "set from net.listen",
+    "net.grpc.advertise_host": "set from net.advertise",
+    "net.grpc.token": "read from net.token_file",
+    "net.grpc.tls": "set from net.tls_cert, net.tls_key and net.tls_ca",
+    "net.grpc.extra_options": "library only (raw gRPC argument pairs)",
+}
+
+#: The earlier flat names (flags and TOML keys) of the worker's options.
+WORKER_ALIASES = {
+    "site_id": "diloco.site_id",
+    **{n: f"task_spec.{n}" for n in ("site_index", "num_sites", "seed", "data", "size", "non_iid")},
+    **{n: f"task_spec.{n}" for n in ("lr", "batch_size", "context_len")},
+    **{n: f"net.{n}" for n in ("listen", "advertise", "rendezvous", "token_file", "tls_cert", "tls_key", "tls_ca")},
+    "sync_every": "diloco.sync_every",
+    "codec": "diloco.rounds.codec.name",
+    "zstd_level": "diloco.rounds.codec.zstd_level",
+    "broadcast_codec": "diloco.rounds.broadcast_codec.name",
+    "max_norm": "diloco.rounds.aggregation.max_norm",
+    "bucket_bytes": "diloco.buckets.bucket_bytes",
+    "chunk_bytes": "diloco.buckets.chunk_bytes",
+    "quorum_wait_s": "diloco.group.quorum_wait_s",
+    "outer_lr": "outer.lr",
+    "outer_momentum": "outer.momentum",
+    "nesterov": "outer.nesterov",
+    "checkpoint_dir": "checkpoint.dir",
+    "checkpoint_every": "checkpoint.every",
+    "resume": "checkpoint.resume",
+}
+
+WORKER = Tree(WorkerConfig, hidden=WORKER_HIDDEN, aliases=WORKER_ALIASES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousServerConfig:
+    """The membership service process (``dtrain rendezvous``).
+
+    Attributes:
+        bind: host:port to listen on (port 0: any free port).
+        address_file: write the bound host:port here once listening.
+        token_file: file holding the shared token (none: no token).
+        http_bind: serve the read-only status page (/, /api/status, /metrics) on this
+            host:port (port 0: any free port; no authentication: keep it on 127.0.0.1
+            or a private address); none or off: no page.
+        http_address_file: write the status page's URL here once listening.
+        http_refresh_s: status page refresh interval, in [0.5, 600].
+        rendezvous: membership and round timing.
+    """
+
+    bind: HostPort = HostPort("127.0.0.1", 29400)
+    address_file: str | None = None
+    token_file: str | None = None
+    http_bind: HostPort | None = None
+    http_address_file: str | None = None
+    http_refresh_s: float = 2.0
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("bind", "http_bind"):
+            object.__setattr__(self, name, HostPort.coerce(getattr(self, name), name))
+        _need(self, self.bind is not None, "bind", "host:port")
+        _need(self, 0.5 <= self.http_refresh_s <= 600, "http_refresh_s", "in [0.5, 600] seconds")
+        _need_files(self, ("token_file",))
+
+
+_RDV_FIELDS = (
+    "min_sites",
+    "initial_sites",
+    "quorum_timeout_s",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "reduce_timeout_s",
+    "broadcast_timeout_s",
+)
+
+RENDEZVOUS = Tree(RendezvousServerConfig, aliases={n: f"rendezvous.{n}" for n in _RDV_FIELDS})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """A rendezvous and N sites on this machine (``dtrain launch``).
+
+    Attributes:
+        sites: number of sites (workers), 1..64.
+        ranks_per_site: K > 1: each site is one torchrun group of K ranks (DDP or FSDP2
+            by worker.parallel), 1..64.
+        max_restarts: with ranks_per_site > 1: torchrun restarts of a site's group, >= 0.
+        out: run directory (none: runs/<timestamp>).
+        netem: run each site in its own network namespace behind emulated links with
+            this profile (root only; see netem/).
+        progress: a live progress bar on a terminal.
+        http_bind: the rendezvous's status page, host:port or off (none: 127.0.0.1 on a
+            free port; off with netem); the URL is printed at start.
+        http_port: status page on 127.0.0.1:PORT (shorthand for http_bind), 0..65535.
+        worker: the settings of every site.
+        rendezvous: membership and round timing (initial_sites: default the number of sites).
+    """
+
+    sites: int = 3
+    ranks_per_site: int = 1
+    max_restarts: int = 0
+    out: str | None = None
+    netem: str | None = None
+    progress: bool = True
+    http_bind: str | None = None
+    http_port: int | None = None
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+
+    def __post_init__(self) -> None:
+        _need(self, isinstance(self.sites, int) and 1 <= self.sites <= 64, "sites", "an int in [1, 64]")
+        _need(
+            self,
+            isinstance(self.ranks_per_site, int) and 1 <= self.ranks_per_site <= 64,
+            "ranks_per_site",
+            "an int in [1, 64]",
+        )
+        _need(self, isinstance(self.max_restarts, int) and self.max_restarts >= 0, "max_restarts", "an int >= 0")
+        if self.http_bind is not None and self.http_port is not None:
+            raise ValueError(
+                f"http_port and http_bind: give one of them, got {self.http_port!r} and {self.http_bind!r}"
+            )
+        if self.http_bind not in (None, "off"):
+            HostPort.parse(self.http_bind, "http_bind")
+        _need(self, self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "in [0, 65535]")
+
+    def status_page_bind(self) -> HostPort | None:
+        """The rendezvous's status page address, or None (off).
+
+        Default: 127.0.0.1 on a free port, but off with ``netem``, where 127.0.0.1 inside
+        the rendezvous's namespace is not reachable from this machine's browser.
+        """
+        if self.http_port is not None:
+            return HostPort("127.0.0.1", self.http_port)
+        if self.http_bind is None:
+            return None if self.netem else HostPort("127.0.0.1", 0)
+        return None if self.http_bind == "off" else HostPort.parse(self.http_bind, "http_bind")
+
+
+#: Worker fields launch sets for each site itself (not launch options).
+PER_SITE = (
+    "diloco.site_id",
+    "task_spec.site_index",
+    "task_spec.num_sites",
+    "net.listen",
+    "net.advertise",
+    "net.rendezvous",
+    "out_dir",
+    "checkpoint.dir",
+)
+
+LAUNCH = Tree(
+    LaunchConfig,
+    hidden={
+        **{f"worker.{p}": why for p, why in WORKER_HIDDEN.items()},
+        **{f"worker.{p}": "set per site by launch" for p in PER_SITE},
+    },
+    aliases={**WORKER_ALIASES, **{n: f"rendezvous.{n}" for n in _RDV_FIELDS}},
+    flatten=("worker",),
+)

@@ -1,0 +1,265 @@
+"""The site's component configs, importable without torch.
+
+:class:`DiLoCoConfig` (the library's config of one site) and its parts: :class:`BucketConfig`,
+:class:`GroupConfig`, :class:`RoundConfig` with :class:`AggregationConfig` and
+:class:`~dtrain.codecs.config.CodecConfig`. Their owners (``dtrain.diloco``,
+``dtrain.buckets``, ``dtrain.membership``, ``dtrain.rounds``, ``dtrain.aggregation``)
+import torch at module level and re-export their config from here, so
+``from dtrain.buckets import BucketConfig`` keeps working while ``dtrain --help`` and
+every usage error (``dtrain.options`` walks these classes to build the flags) answer
+without loading torch.
+
+Each field is documented in its class's ``Attributes:`` section; that text is the
+field's ``--help`` line (``dtrain.options.field_docs``), so every field needs one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from dtrain.codecs.config import CodecConfig
+
+__all__ = [
+    "AggregationConfig",
+    "BucketConfig",
+    "BufferMode",
+    "DiLoCoConfig",
+    "GroupConfig",
+    "MiB",
+    "RoundConfig",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+BufferMode = Literal["average", "local"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AggregationConfig:
+    """How an owner combines the contributions to one chunk.
+
+    Attributes:
+        max_norm: reject a contribution whose L2 norm exceeds this, a finite number > 0
+            (None: off).
+        norm_bound_ratio: at finalize, drop contributions with norm above
+            ``norm_bound_ratio * median(norms)``, a number >= 1 (None: off).
+        trim_fraction: fraction in [0, 0.5) of values trimmed at each end per
+            element (coordinate-wise trimmed mean; 0: plain mean).
+    """
+
+    max_norm: float | None = None
+    norm_bound_ratio: float | None = None
+    trim_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}")
+        if self.norm_bound_ratio is not None and not self.norm_bound_ratio >= 1.0:
+            raise ValueError(f"norm_bound_ratio must be >= 1 or None, got {self.norm_bound_ratio!r}")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+
+    @property
+    def robust(self) -> bool:
+        return self.norm_bound_ratio is not None or self.trim_fraction > 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketConfig:
+    """How parameters are cut into buckets and chunks.
+
+    Attributes:
+        bucket_bytes: bucket size in bytes of fp32 (4 bytes/element); the unit of
+            ownership, repair and outer-optimizer state. None (default): chosen by
+            :meth:`resolve_bucket_bytes` from the model's size and ``num_sites``.
+        chunk_bytes: chunk size in bytes of fp32 input; the unit of encoding,
+            transfer and partial aggregation. Default 1 MiB; a bucket smaller
+            than this is one chunk. Must be <= ``bucket_bytes`` when that is set.
+        num_sites: the configured number of sites of the run (not the live
+            membership); only the automatic bucket size uses it. Every site of a
+            run must use the same value, or their layouts differ.
+        min_buckets_per_site: the automatic size gives at least this many
+            buckets per configured site (so that ownership stays balanced when
+            membership changes), unless that would go below ``min_bucket_bytes``.
+        min_bucket_bytes: the smallest automatic bucket (per-chunk costs: an
+            encode, a header, a mean pull per bucket). Default 64 KiB.
+        max_bucket_bytes: the largest automatic bucket. Default 4 MiB.
+    """
+
+    bucket_bytes: int | None = None
+    chunk_bytes: int = 1 * MiB
+    num_sites: int = 1
+    min_buckets_per_site: int = 4
+    min_bucket_bytes: int = 64 * KiB
+    max_bucket_bytes: int = 4 * MiB
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        b = self.bucket_bytes
+        need(b is None or (is_int(b) and b >= 4), "bucket_bytes", "None (automatic) or an int >= 4 (one fp32 element)")
+        top = b if b is not None else f"auto <= max_bucket_bytes={self.max_bucket_bytes}"
+        need(
+            is_int(self.chunk_bytes) and 4 <= self.chunk_bytes <= (b or 1 << 62),
+            "chunk_bytes",
+            f"an int in [4, bucket_bytes={top}]",
+        )
+        need(is_int(self.num_sites) and self.num_sites >= 1, "num_sites", "an int >= 1")
+        need(
+            is_int(self.min_buckets_per_site) and self.min_buckets_per_site >= 1, "min_buckets_per_site", "an int >= 1"
+        )
+        need(is_int(self.min_bucket_bytes) and self.min_bucket_bytes >= 4, "min_bucket_bytes", "an int >= 4")
+        need(
+            is_int(self.max_bucket_bytes) and self.max_bucket_bytes >= self.min_bucket_bytes,
+            "max_bucket_bytes",
+            f"an int >= min_bucket_bytes={self.min_bucket_bytes}",
+        )
+
+    def resolve_bucket_bytes(self, total_bytes: int) -> int:
+        """The bucket size for ``total_bytes`` of fp32 tensors (a multiple of 4).
+
+        ``bucket_bytes`` when set. Otherwise the model is cut into
+        ``max(ceil(total / max_bucket_bytes), min_buckets_per_site * num_sites)``
+        equal buckets, fewer (each ``>= min_bucket_bytes``) when those would be
+        smaller than ``min_bucket_bytes``; a model under ``min_bucket_bytes`` is
+        one bucket. E.g. the built-in ``small`` GPT (1.75 MB) at 3 sites: 12
+        buckets of 146 KB; a 400 MB model: 100 buckets of 4 MiB (as before).
+        The result depends on the configuration and the model only, never on
+        the live membership.
+        """
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        total_elems = max(1, math.ceil(total_bytes / 4))
+        n = max(math.ceil(total_bytes / self.max_bucket_bytes), self.min_buckets_per_site * self.num_sites)
+        if total_bytes < n * self.min_bucket_bytes:
+            n = max(1, total_bytes // self.min_bucket_bytes)
+        return 4 * math.ceil(total_elems / n)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    """Client-side membership behaviour.
+
+    Attributes:
+        quorum_wait_s: longest a site waits for a round to form before
+            ``QuorumTimeout`` (the rendezvous's reason is in the message); > 0.
+        ready_poll_s: length of one long poll of ``ready``; > 0.
+        rendezvous_retry_s: how long ``sync`` retries an unreachable rendezvous
+            before giving up for now and letting the site train on locally; > 0.
+        backoff_max_s: cap of the exponential backoff between retries; > 0.
+        state_pull_timeout_s: time budget of a full state pull (join/resync); > 0.
+    """
+
+    quorum_wait_s: float = 300.0
+    ready_poll_s: float = 2.0
+    rendezvous_retry_s: float = 2.0
+    backoff_max_s: float = 5.0
+    state_pull_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    """Per-site round behaviour (the deadlines come with each ``RoundPlan``).
+
+    Attributes:
+        codec: codec of the pseudo-gradient contributions (reduce phase).
+        broadcast_codec: codec of the owners' means; None = same as ``codec``.
+        aggregation: robust-aggregation options of the owner.
+        error_feedback: keep what the codec or a lost exchange failed to deliver
+            and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
+            Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
+        broadcast_error_feedback: the owner also keeps what the lossy broadcast
+            codec lost from each mean and adds it to the next mean of that bucket
+            (costs 4 bytes per owned parameter; off by default).
+        repair: pull stale buckets whole from the owner; False keeps stale
+            values as the packet-loss paper does (arXiv 2507.07114 §4.2).
+        plan_wait_s: how long a request for a round this site has not opened yet
+            waits for the plan to arrive (peers receive plans a few ms apart); > 0.
+        repair_timeout_s: time budget for late mean pulls and state repair after
+            the broadcast deadline; > 0.
+        max_consecutive_rejections: a sender whose contributions were rejected in
+            this many consecutive rounds is refused from then on (PERMISSION_DENIED); >= 1.
+        num_pull_threads: concurrent mean pulls; >= 1.
+    """
+
+    codec: CodecConfig = field(default_factory=lambda: CodecConfig(name="fp32"))
+    broadcast_codec: CodecConfig | None = None
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    error_feedback: bool = True
+    broadcast_error_feedback: bool = False
+    repair: bool = True
+    plan_wait_s: float = 5.0
+    repair_timeout_s: float = 5.0
+    max_consecutive_rejections: int = 3
+    num_pull_threads: int = 8
+
+    def __post_init__(self) -> None:
+        # Codec names are checked by CodecConfig against its torch-free name list.
+        for name in ("codec", "broadcast_codec"):
+            v = getattr(self, name)
+            if not isinstance(v, CodecConfig) and not (v is None and name == "broadcast_codec"):
+                raise ValueError(f"{name} must be a CodecConfig, got {type(v).__name__}")
+        if self.codec.needs_error_feedback and not self.error_feedback:
+            raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
+        for name in ("plan_wait_s", "repair_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_consecutive_rejections < 1:
+            raise ValueError(f"max_consecutive_rejections must be >= 1, got {self.max_consecutive_rejections!r}")
+        if self.num_pull_threads < 1:
+            raise ValueError(f"num_pull_threads must be >= 1, got {self.num_pull_threads!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    """Configuration of the DiLoCo wrapper.
+
+    Attributes:
+        site_id: this site's unique name.
+        sync_every: H, inner steps per round, >= 1 (DiLoCo arXiv 2311.08105 uses 500).
+        buckets: bucket and chunk sizes.
+        rounds: codec, aggregation, error feedback, repair.
+        group: rendezvous-client behaviour (quorum wait, retries).
+        buffers: ``"average"`` floating-point buffers (e.g. batch-norm running
+            statistics) across sites each round, or keep them ``"local"``.
+        hook_optimizer: count inner steps through a post-step hook on the inner
+            optimizer (True) or only when the caller calls :meth:`DiLoCo.step`.
+        close_timeout_s: longest :meth:`DiLoCo.close` waits for the members of the
+            last round to pull this site's means, seconds (0: not at all). None
+            (default): until that round's broadcast deadline, after which no
+            member pulls any more.
+    """
+
+    site_id: str = "site-0"
+    sync_every: int = 500
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
+    buffers: BufferMode = "average"
+    hook_optimizer: bool = True
+    close_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sync_every, int) or self.sync_every <= 0:
+            raise ValueError(f"sync_every (H) must be an int >= 1, got {self.sync_every!r}")
+        if self.buffers not in get_args(BufferMode):
+            raise ValueError(f"buffers must be one of {get_args(BufferMode)}, got {self.buffers!r}")
+        if not self.site_id or not isinstance(self.site_id, str):
+            raise ValueError(f"site_id must be a non-empty string, got {self.site_id!r}")
+        t = self.close_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
+            raise ValueError(f"close_timeout_s must be None (the broadcast deadline) or seconds >= 0, got {t!r}")

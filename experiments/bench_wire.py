@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""The hand codec of the Peer bulk messages (dtrain/transports/grpc_wire.py) against the
+generated protobuf classes, on the same messages, in one process.
+
+For each payload size it times, ``--reps`` times after a warm-up (median):
+
+* contribution encode: ``encode_contribution`` vs ``pb.ContributionChunk(..., payload=p)
+  .SerializeToString()``;
+* contribution decode: ``decode_contribution`` vs ``pb.ContributionChunk.FromString`` and
+  taking ``.payload`` (what any caller must do to get the bytes);
+* mean stream (``--part-bytes`` parts) encode and decode: ``mean_to_wire`` /
+  ``mean_from_wire`` vs building and parsing the same ``pb.MeanPart`` messages and
+  joining the payload.
+
+It prints MB/s (payload bytes per second) and "copies": the time divided by the time of
+one plain copy of the payload, i.e. how many memcpy's of the payload the operation
+costs (``bytes(memoryview(p))``, one copy into a new object, is 1.0); and "py-heap": the peak Python-heap allocation (tracemalloc)
+divided by the payload size (protobuf's own arena allocations are not seen by it, so it
+is a lower bound for the generated classes). The outputs of both codecs are checked to be
+equal before anything is timed.
+
+    .venv/bin/python experiments/bench_wire.py [--sizes-mib 1 4] [--reps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dtrain._proto.dtrain.v1 import peer_pb2 as pb  # noqa: E402
+from dtrain.protocol import BucketMean, Contribution, MeanChunk  # noqa: E402
+from dtrain.transports import grpc_wire as wire  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _heap_peak(fn: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+# --------------------------------------------------------------------------- the generated-class path
+def pb_encode_contribution(c: Contribution) -> bytes:
+    return pb.ContributionChunk(
+        round=c.round,
+        bucket=c.bucket,
+        chunk=c.chunk,
+        offset=c.offset,
+        numel=c.numel,
+        codec=c.codec,
+        sender=c.sender,
+        payload=c.payload,
+    ).SerializeToString()
+
+
+def pb_decode_contribution(data: bytes) -> Contribution:
+    m = pb.ContributionChunk.FromString(data)
+    return Contribution(
+        round=m.round,
+        bucket=m.bucket,
+        chunk=m.chunk,
+        offset=m.offset,
+        numel=m.numel,
+        codec=m.codec,
+        sender=m.sender,
+        payload=m.payload,
+    )
+
+
+def pb_mean_to_wire(mean: BucketMean, part_bytes: int) -> list[bytes]:
+    header = pb.MeanHeader(
+        round=mean.round,
+        bucket=mean.bucket,
+        owner=mean.owner,
+        checksum_before=mean.checksum_before,
+        checksum_after=mean.checksum_after,
+        num_chunks=len(mean.chunks),
+    )
+    out = []
+    for i, ch in enumerate(mean.chunks):
+        chunk = pb.MeanChunkHeader(
+            chunk=ch.chunk,
+            offset=ch.offset,
+            numel=ch.numel,
+            codec=ch.codec,
+            senders=list(ch.senders),
+            payload_bytes=len(ch.payload),
+        )
+        for off in range(0, len(ch.payload), part_bytes):
+            part = pb.MeanPart(data=ch.payload[off : off + part_bytes])
+            if i == 0 and off == 0:
+                part.header.CopyFrom(header)
+            if off == 0:
+                part.chunk.CopyFrom(chunk)
+            out.append(part.SerializeToString())
+    return out
+
+
+def pb_mean_from_wire(parts: list[bytes]) -> BucketMean:
+    header, chunks, cur, pieces = None, [], None, []
+
+    def finish():
+        if cur is not None:
+            chunks.append(
+                MeanChunk(
+                    chunk=cur.chunk,
+                    offset=cur.offset,
+                    numel=cur.numel,
+                    codec=cur.codec,
+                    payload=b"".join(pieces),
+                    senders=tuple(cur.senders),
+                )
+            )
+
+    for raw in parts:
+        m = pb.MeanPart.FromString(raw)
+        if m.HasField("header"):
+            header = m.header
+        if m.HasField("chunk"):
+            finish()
+            cur, pieces = m.chunk, []
+        pieces.append(m.data)
+    finish()
+    return BucketMean(
+        round=header.round,
+        bucket=header.bucket,
+        owner=header.owner,
+        chunks=tuple(chunks),
+        checksum_before=header.checksum_before,
+        checksum_after=header.checksum_after,
+    )
+
+
+# --------------------------------------------------------------------------- the run
+def measure(size: int, part_bytes: int, reps: int) -> list[tuple[str, str, float, float, float, float]]:
+    payload = os.urandom(size)
+    c = Contribution(
+        round=7, bucket=3, chunk=0, offset=0, numel=size // 4, codec="fp32", sender="site-1", payload=payload
+    )
+    mean = BucketMean(
+        round=7,
+        bucket=3,
+        owner="site-0",
+        chunks=(MeanChunk(chunk=0, offset=0, numel=size // 4, codec="fp32", payload=payload, senders=("a", "b")),),
+        checksum_before="0" * 16,
+        checksum_after="1" * 16,
+    )
+    hand_c, pb_c = wire.encode_contribution(c), pb_encode_contribution(c)
+    assert wire.decode_contribution(pb_c) == c and pb_decode_contribution(hand_c) == c
+    hand_parts = list(wire.mean_to_wire(mean, part_bytes))
+    pb_parts = pb_mean_to_wire(mean, part_bytes)
+    assert hand_parts == pb_parts, "the hand codec's MeanParts differ from protobuf's"
+    assert wire.mean_from_wire(pb_parts) == mean and pb_mean_from_wire(hand_parts) == mean
+    view = memoryview(payload)
+    copy_s = _median_s(lambda: bytes(view), reps)  # one copy into a new bytes object
+    cases = [
+        ("contribution encode", lambda: wire.encode_contribution(c), lambda: pb_encode_contribution(c)),
+        ("contribution decode", lambda: wire.decode_contribution(hand_c), lambda: pb_decode_contribution(pb_c)),
+        (
+            "mean stream encode",
+            lambda: list(wire.mean_to_wire(mean, part_bytes)),
+            lambda: pb_mean_to_wire(mean, part_bytes),
+        ),
+        ("mean stream decode", lambda: wire.mean_from_wire(hand_parts), lambda: pb_mean_from_wire(pb_parts)),
+    ]
+    rows = []
+    for name, hand, gen in cases:
+        for codec, fn in (("hand", hand), ("protobuf", gen)):
+            s = _median_s(fn, reps)
+            rows.append((name, codec, s * 1e3, size / s / 1e6, s / copy_s, _heap_peak(fn) / size))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--part-bytes", type=int, default=1 * MiB, help="MeanPart payload size (GrpcTransportConfig)")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.part_bytes < 1 or min(args.sizes_mib) < 1:
+        ap.error("--reps, --part-bytes and --sizes-mib must be >= 1")
+    print(f"{'payload':>8} {'operation':<20} {'codec':<9} {'ms':>8} {'MB/s':>8} {'copies':>7} {'py-heap':>8}")
+    for mib in args.sizes_mib:
+        for name, codec, ms, mbs, copies, heap in measure(mib * MiB, args.part_bytes, args.reps):
+            print(f"{mib:>5} MiB {name:<20} {codec:<9} {ms:>8.2f} {mbs:>8.0f} {copies:>7.1f} {heap:>7.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""How fast the command line answers: wall time of ``python -m dtrain ARGS`` for --help and
+usage errors (median of N runs), and the import time ``-X importtime`` reports.
+
+    .venv/bin/python experiments/cli_startup.py            # this checkout, 5 runs each
+    .venv/bin/python experiments/cli_startup.py --repo /path/to/other/checkout --runs 5
+    .venv/bin/python experiments/cli_startup.py --smoke    # 1 run each (CI)
+
+Prints one line per command: median and min wall seconds, exit code, and which heavy
+modules (torch, grpc, numpy, matplotlib) the process imported (from ``-X importtime``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "grpc", "numpy", "matplotlib")
+COMMANDS = [
+    ["--help"],
+    ["launch", "--help"],
+    ["worker", "--help"],
+    ["rendezvous", "--help"],
+    ["report", "--help"],
+    ["launch", "--sites", "0"],
+    ["worker", "--sync-every", "0"],
+    ["worker", "--no-such-flag"],
+    ["rendezvous", "--min-sites", "0"],
+]
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(repo: Path, args: list[str], importtime: bool = False) -> tuple[float, float, int, str]:
+    """(wall s, CPU s of the child, exit code, stderr)."""
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "dtrain", *args]
+    t0, c0 = time.perf_counter(), _cpu_s()
+    p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    return time.perf_counter() - t0, _cpu_s() - c0, p.returncode, p.stderr
+
+
+def _imports(stderr: str) -> tuple[float, list[str]]:
+    """(total cumulative import seconds of top-level imports, heavy modules imported)."""
+    total_us, heavy = 0, set()
+    for ln in stderr.splitlines():
+        if not ln.startswith("import time:") or "|" not in ln:
+            continue
+        parts = ln.split("|")
+        name = parts[2].rstrip()
+        if parts[1].strip().isdigit() and not name.startswith("  "):  # a top-level import
+            total_us += int(parts[1])
+        if name.strip().split(".")[0] in HEAVY:
+            heavy.add(name.strip().split(".")[0])
+    return total_us / 1e6, sorted(heavy)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repo", type=Path, default=ROOT, help="checkout whose dtrain to run (default: this one)")
+    ap.add_argument("--runs", type=int, default=5, help="runs per command (default 5)")
+    ap.add_argument("--smoke", action="store_true", help="one run per command")
+    a = ap.parse_args()
+    runs = 1 if a.smoke else a.runs
+    if not 1 <= runs <= 50:
+        ap.error(f"--runs must be in [1, 50], got {a.runs}")
+    print(f"repo {a.repo}, {runs} runs each, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'command':30} {'wall med':>8} {'min':>5} {'CPU med':>7} {'rc':>3} {'imports':>7}  heavy modules")
+    for args in COMMANDS:
+        walls, cpus, rc = [], [], 0
+        for _ in range(runs):
+            dt, cpu, rc, _ = _run(a.repo, args)
+            walls.append(dt)
+            cpus.append(cpu)
+        _, _, _, err = _run(a.repo, args, importtime=True)
+        imp_s, heavy = _imports(err)
+        print(
+            f"{' '.join(args):30} {statistics.median(walls):8.2f} {min(walls):5.2f} {statistics.median(cpus):7.2f} "
+            f"{rc:3d} {imp_s:7.2f}  {', '.join(heavy) or '-'}"
+        )
+    print("seconds; imports: the top-level imports' cumulative time by -X importtime (one run)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

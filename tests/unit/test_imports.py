@@ -1,0 +1,270 @@
+"""The import graph of dtrain/: every module imports, there is no cycle, and the layers of
+docs/ARCHITECTURE.md ("Layers and packages") hold.
+
+The graph is read from the source (AST), so it covers imports inside functions too:
+``import dtrain.x``, ``from dtrain.x import y`` (an edge to ``dtrain.x.y`` when that is a
+module, else to ``dtrain.x``) and relative imports. An edge from a module to one of its
+own parent packages is left out (``dtrain.status.http`` may import ``dtrain.status``,
+whose ``__init__`` imports ``dtrain.status.model``): that is not a cycle of concerns.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dtrain"
+
+# The layers, lowest first (docs/ARCHITECTURE.md, "Layers and packages"). A module may
+# import modules of its own unit and of units in strictly lower layers, never of its own
+# layer's other units or of a higher one. A new top-level module or package must be
+# placed here and in ARCHITECTURE.md's table (the test fails for one it does not know).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "protocol", "_proto"),  # vocabulary of the wire and of failures
+    ("codecs", "options"),  # codecs; the config-tree generator (standard library only)
+    ("configs",),  # the torch-free component configs (nested into one tree by dtrain.app.config)
+    ("buckets", "aggregation", "checkpoint", "tasks", "status", "metrics"),  # leaves: no I/O between sites
+    ("transports",),  # moving bytes between sites: the Transport interface and its implementations
+    ("state",),  # θ, outer optimizer, residuals; whole-state transfer for joiners
+    ("rounds", "rendezvous"),  # one round's protocol; membership and quorum
+    ("membership",),  # a site's rendezvous client, heartbeats and sync
+    ("diloco",),  # the library wrapper
+    ("sim", "sitegroup"),  # the in-process cluster; a site as K torch.distributed ranks
+    ("app",),  # CLI, launcher, worker process, report
+    ("__main__",),  # `python -m dtrain`
+]
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+# Narrower rules inside the layers, as (importing prefix, allowed dtrain prefixes).
+NARROW_RULES: list[tuple[str, tuple[str, ...]]] = [
+    # the quorum core is pure: no gRPC, no transport
+    ("dtrain.rendezvous.core", ("dtrain.errors", "dtrain.protocol", "dtrain.rendezvous")),
+    # the round engine talks to the Transport interface, never to one implementation
+    (
+        "dtrain.rounds",
+        (
+            "dtrain.rounds",
+            "dtrain.transports.base",
+            "dtrain.errors",
+            "dtrain.protocol",
+            "dtrain.codecs",
+            "dtrain.buckets",
+            "dtrain.aggregation",
+            "dtrain.state",
+            "dtrain.configs",
+        ),
+    ),
+    # the status model is a leaf: it parses and aggregates round reports only
+    ("dtrain.status.model", ("dtrain.errors",)),
+    # the metrics schema is a leaf: dataclasses and their one reader
+    ("dtrain.metrics", ()),
+]
+
+# KNOWN CYCLES: none (dtrain.app.cli and dtrain.app.launch imported each other until the
+# config tree of issue 12). Do not add entries here.
+KNOWN_CYCLES: set[frozenset[str]] = set()
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE_DIR.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+MODULES = _all_modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module an import of ``name`` loads (the longest prefix that is a module)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in MODULES:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _imports_of(module: str, path: Path) -> set[str]:
+    """dtrain modules that ``module`` imports anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    package = module if is_pkg else module.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            names = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
+        else:
+            continue
+        for name in names:
+            if name == "dtrain" or name.startswith("dtrain."):
+                target = _resolve(name)
+                if target is not None and target != module:
+                    targets.add(target)
+    ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    return targets - ancestors
+
+
+GRAPH = {m: _imports_of(m, p) for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the root package dtrain/__init__.py
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "dtrain.__main__"))
+def test_every_module_imports(module):
+    """Importing each module alone works (``dtrain.__main__`` runs the CLI, so it is only parsed)."""
+    assert importlib.import_module(module).__name__ == module
+
+
+@pytest.mark.timeout(10)
+def test_graph_sees_function_level_and_relative_imports():
+    """The reader follows imports inside functions (the root package imports diloco lazily)."""
+    assert "dtrain.diloco" in GRAPH["dtrain"]
+    assert "dtrain.app.cli" in GRAPH["dtrain.__main__"]
+    assert {"dtrain.status.model"} <= GRAPH["dtrain.status"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+
+
+@pytest.mark.timeout(10)
+def test_no_import_cycles():
+    cycles = set(_cycles(GRAPH))
+    new = sorted(sorted(c) for c in cycles - KNOWN_CYCLES)
+    assert new == [], f"import cycles: {new}"
+    gone = sorted(sorted(c) for c in KNOWN_CYCLES - cycles)
+    assert gone == [], f"no longer a cycle, remove it from KNOWN_CYCLES: {gone}"
+
+
+@pytest.mark.timeout(10)
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in MODULES} - {None}
+    unknown = sorted(units - set(LAYER_OF))
+    assert unknown == [], (
+        f"dtrain/{unknown} not in a layer: add it to LAYERS here and to docs/ARCHITECTURE.md, 'Layers and packages'"
+    )
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        unit = _unit(module)
+        if unit is None or unit not in LAYER_OF:
+            continue
+        for target in sorted(targets):
+            other = _unit(target)
+            if other is None or other == unit or other not in LAYER_OF:
+                continue
+            if LAYER_OF[other] >= LAYER_OF[unit]:
+                bad.append(f"{module} -> {target} (layer {LAYER_OF[unit]} may not import layer {LAYER_OF[other]})")
+    return bad
+
+
+def _narrow_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for prefix, allowed in NARROW_RULES:
+        for module, targets in sorted(graph.items()):
+            if module != prefix and not module.startswith(prefix + "."):
+                continue
+            for target in sorted(targets):
+                if not any(target == a or target.startswith(a + ".") for a in allowed):
+                    bad.append(f"{module} -> {target} (allowed: {', '.join(allowed) or 'nothing in dtrain'})")
+    return bad
+
+
+@pytest.mark.timeout(10)
+def test_imports_go_down_the_layers():
+    bad = _layer_violations(GRAPH)
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.timeout(10)
+def test_narrow_rules():
+    bad = _narrow_violations(GRAPH)
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.timeout(10)
+def test_the_checks_find_violations_in_a_made_up_graph():
+    graph = {
+        "dtrain.rounds.engine": {"dtrain.status.model", "dtrain.rendezvous.core", "dtrain.transports.grpc"},
+        "dtrain.rendezvous.core": {"dtrain.status.model", "dtrain.app.cli"},
+        "dtrain.status.model": {"dtrain.protocol"},
+        "dtrain.protocol": set(),
+    }
+    assert _layer_violations(graph) == [
+        "dtrain.rendezvous.core -> dtrain.app.cli (layer 6 may not import layer 10)",
+        "dtrain.rounds.engine -> dtrain.rendezvous.core (layer 6 may not import layer 6)",
+    ]
+    narrow = _narrow_violations(graph)
+    assert [line.split(" (")[0] for line in narrow] == [
+        "dtrain.rendezvous.core -> dtrain.app.cli",
+        "dtrain.rendezvous.core -> dtrain.status.model",
+        "dtrain.rounds.engine -> dtrain.rendezvous.core",
+        "dtrain.rounds.engine -> dtrain.status.model",
+        "dtrain.rounds.engine -> dtrain.transports.grpc",
+        "dtrain.status.model -> dtrain.protocol",
+    ]

@@ -1,0 +1,76 @@
+"""The ledger of served means that ``DiLoCo.close()`` waits on (``dtrain.rounds.pulls``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dtrain.rounds.pulls import MeanPulls
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_nothing_expected_returns_at_once() -> None:
+    w = MeanPulls().wait_pulled(timeout_s=5.0)
+    assert w.round == -1 and not w.missing and w.reason == "nothing to wait for"
+
+
+def test_wait_ends_when_every_member_pulled_every_owned_bucket() -> None:
+    p = MeanPulls()
+    p.expect(3, buckets=[0, 2], pullers=["b", "c"], until=time.monotonic() + 20)
+    p.record(3, 0, "b", object())
+    got: list = []
+
+    def pull_rest() -> None:
+        time.sleep(0.05)
+        for who, b in (("b", 2), ("c", 0), ("c", 2)):
+            got.append(p.record(3, b, who, (who, b)))  # returns the mean it was given
+
+    t = threading.Thread(target=pull_rest)
+    t.start()
+    w = p.wait_pulled()
+    t.join()
+    assert w.round == 3 and w.missing == {} and w.reason == "all pulled"
+    assert w.waited_s < 10  # ended by the pulls, not by the 20 s deadline
+    assert got == [("b", 2), ("c", 0), ("c", 2)]
+
+
+def test_wait_names_who_did_not_pull_what_at_the_deadline() -> None:
+    p = MeanPulls()
+    p.expect(1, buckets=[4, 5], pullers=["b", "c"], until=time.monotonic() + 0.2)
+    p.record(1, 4, "b", None)
+    p.record(1, 9, "b", None)  # a bucket it does not own here (a cached mean): not expected
+    p.record(0, 5, "c", None)  # another round
+    w = p.wait_pulled()  # None: until the broadcast deadline
+    assert w.reason == "deadline" and w.missing == {"b": [5], "c": [4, 5]}
+    assert 0.1 <= w.waited_s < 5
+
+
+def test_explicit_timeout_bounds_the_wait_and_zero_does_not_wait() -> None:
+    p = MeanPulls()
+    p.expect(0, buckets=[0], pullers=["b"], until=time.monotonic() + 60)
+    assert p.wait_pulled(timeout_s=0).missing == {"b": [0]}
+    t0 = time.monotonic()
+    assert p.wait_pulled(timeout_s=0.1).reason == "deadline"
+    assert time.monotonic() - t0 < 5
+
+
+def test_pulls_before_the_round_opened_here_count_and_dead_members_are_not_awaited() -> None:
+    p = MeanPulls()
+    p.record(2, 0, "b", None)  # a fast peer's pull, served before expect() (a race of threads)
+    p.expect(2, buckets=[0, 1], pullers=["b", "c"], until=time.monotonic() + 60)
+    p.record(2, 1, "b", None)
+    p.forget(["c"])  # the rendezvous declared c dead
+    w = p.wait_pulled(timeout_s=5)
+    assert w.missing == {} and w.waited_s < 1
+
+
+def test_only_the_latest_round_is_waited_on_and_old_rounds_are_dropped() -> None:
+    p = MeanPulls()
+    for r in range(5):
+        p.expect(r, buckets=[0], pullers=["b"], until=time.monotonic() + 60)
+    p.record(4, 0, "b", None)
+    assert p.latest_round() == 4 and p.wait_pulled(timeout_s=1).missing == {}
+    assert len(p._missing) <= 2 and len(p._served) <= 3  # bounded memory
