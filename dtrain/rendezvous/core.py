@@ -225,6 +225,7 @@ class RendezvousCore:
         self.next_round = 0
         self.plans: dict[int, RoundPlan] = {}
         self._plan_members: dict[int, frozenset[str]] = {}  # round -> its plan's site ids
+        self._plan_reason: dict[int, str] = {}  # round -> why the quorum rule formed its plan
         self._ready: dict[str, float] = {}
         self._adopted_at: float | None = None
         self._cv = threading.Condition()
@@ -389,7 +390,10 @@ class RendezvousCore:
             if plan is not None:
                 members = self._plan_members.get(round)
                 if site_id in (members if members is not None else plan.site_ids):
-                    return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
+                    # every member learns why the round formed as it did (a cut straggler, say),
+                    # whichever call formed it
+                    why = self._plan_reason.get(round, "already formed")
+                    return ReadyDecision(status="plan", reason=why, next_round=self.next_round, plan=plan)
                 return ReadyDecision(
                     status="missed",
                     reason=f"round {round} started without {site_id} (straggler)",
@@ -466,8 +470,10 @@ class RendezvousCore:
         )
         self.plans[plan.round] = plan
         self._plan_members[plan.round] = frozenset(members)
+        self._plan_reason[plan.round] = reason
         self.plans.pop(plan.round - 8, None)
         self._plan_members.pop(plan.round - 8, None)
+        self._plan_reason.pop(plan.round - 8, None)
         for s in members:
             self.sites[s].rounds_joined += 1
             self.sites[s].last_member_round = plan.round
