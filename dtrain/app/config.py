@@ -210,6 +210,8 @@ class WorkerConfig:
             the wait ends as soon as every member pulled).
         inner_step_sleep_s: sleep after every inner step, in [0, 3600) (0 = none);
             emulates a slower site in fault tests and experiments.
+        parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
+            train: ddp or fsdp (FSDP2); a single process ignores it.
         task_spec: what the task builds (shard, seed, data, model size).
         diloco: the DiLoCo wrapper: H, buckets, round behaviour, membership.
         outer: the outer optimizer.
@@ -224,6 +226,7 @@ class WorkerConfig:
     threads: int = 1
     linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     task_spec: TaskSpec = field(default_factory=TaskSpec)
     diloco: DiLoCoConfig = field(default_factory=_worker_diloco)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -245,6 +248,7 @@ class WorkerConfig:
         )
         _need(self, 0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
         _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
+        _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
         if self.net.data_path == "datagram":
             self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
 
@@ -374,6 +378,9 @@ class LaunchConfig:
 
     Attributes:
         sites: number of sites (workers), 1..64.
+        ranks_per_site: K > 1: each site is one torchrun group of K ranks (DDP or FSDP2
+            by worker.parallel), 1..64.
+        max_restarts: with ranks_per_site > 1: torchrun restarts of a site's group, >= 0.
         out: run directory (none: runs/<timestamp>).
         netem: run each site in its own network namespace behind emulated links with
             this profile (root only; see netem/).
@@ -386,6 +393,8 @@ class LaunchConfig:
     """
 
     sites: int = 3
+    ranks_per_site: int = 1
+    max_restarts: int = 0
     out: str | None = None
     netem: str | None = None
     progress: bool = True
@@ -396,6 +405,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _need(self, isinstance(self.sites, int) and 1 <= self.sites <= 64, "sites", "an int in [1, 64]")
+        _need(
+            self,
+            isinstance(self.ranks_per_site, int) and 1 <= self.ranks_per_site <= 64,
+            "ranks_per_site",
+            "an int in [1, 64]",
+        )
+        _need(self, isinstance(self.max_restarts, int) and self.max_restarts >= 0, "max_restarts", "an int >= 0")
         if self.http_bind is not None and self.http_port is not None:
             raise ValueError(
                 f"http_port and http_bind: give one of them, got {self.http_port!r} and {self.http_bind!r}"

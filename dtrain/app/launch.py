@@ -229,6 +229,16 @@ def _check(values: dict[str, Any]) -> tuple[LaunchConfig, Path, dict[str, Any], 
     return cfg, run_dir, worker, rendezvous
 
 
+def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
+    """With ``ranks_per_site`` K > 1: the worker command as one torchrun group of K ranks
+    (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
+    if cfg.ranks_per_site <= 1:
+        return argv
+    from dtrain.app.site_worker import free_port, torchrun_argv
+
+    return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, master_port=free_port(), max_restarts=cfg.max_restarts)
+
+
 def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
     """Run ``dtrain launch`` with ``values``: launch options by path in
     ``dtrain.app.config.LAUNCH`` (from the flags and ``--config``). Returns the exit code.
@@ -310,6 +320,7 @@ def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
             host = topo.address(i) if topo is not None else "127.0.0.1"
             argv = py + ["worker", "--log-level", log_level]
             argv += worker_argv(wvals, index=i, num_sites=n, host=host, rendezvous=rv_addr, out_dir=sdir)
+            argv = _site_group_argv(cfg, argv)
             logs[site] = sdir / "worker.log"
             procs[site] = spawn(site, wrap(i, argv), logs[site], env=env, append=log_mode == "a")
             views[site] = _SiteView(site, sdir / "metrics.jsonl")

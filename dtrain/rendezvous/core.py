@@ -103,6 +103,7 @@ class SiteRecord:
     site_id: str
     address: str
     joined_at: float
+    rank_addresses: tuple[str, ...] = ()
     last_heartbeat: float
     needs_resync: bool = False
     resync_reason: str = ""
@@ -261,7 +262,7 @@ class RendezvousCore:
         self._live_cache = (now, expires, result)
         return result
 
-    def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
+    def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is not None:
@@ -271,6 +272,7 @@ class RendezvousCore:
             self.sites[site_id] = SiteRecord(
                 site_id=site_id,
                 address=address,
+                rank_addresses=tuple(rank_addresses),
                 joined_at=now,
                 last_heartbeat=now,
                 rounds_joined=prev.rounds_joined if prev else 0,
@@ -284,7 +286,7 @@ class RendezvousCore:
                 self._startup_complete_at = now
             live = self._live(now)  # once: a join costs O(sites), not O(sites^2)
             others = tuple(
-                Member(site_id=s, address=r.address)
+                Member(site_id=s, address=r.address, rank_addresses=r.rank_addresses)
                 for s, r in sorted(self.sites.items())
                 if s != site_id and s in live
             )
@@ -460,7 +462,10 @@ class RendezvousCore:
             return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
         plan = RoundPlan(
             round=self.next_round,
-            members=tuple(Member(site_id=s, address=self.sites[s].address) for s in members),
+            members=tuple(
+                Member(site_id=s, address=self.sites[s].address, rank_addresses=self.sites[s].rank_addresses)
+                for s in members
+            ),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
             datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
@@ -549,9 +554,9 @@ class InprocRendezvousClient:
 
             raise RendezvousError("rendezvous unreachable (inproc down)")
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         self._check()
-        return self.core.join(site_id, address, now=time.monotonic())
+        return self.core.join(site_id, address, now=time.monotonic(), rank_addresses=rank_addresses)
 
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
