@@ -109,7 +109,8 @@ def _range(vals: list[float], fmt: str) -> str:
 
 
 def progress_line(r: int, total: int, lines: list[RoundLine], sent_so_far: int) -> str:
-    """One plain progress line for round ``r`` from the sites' lines of that round:
+    """One plain progress line for round ``r`` (numbered from 0, as in the metrics; then
+    how many of ``total`` rounds that makes) from the sites' lines of that round:
     members (the most any site saw), the val_loss range, the bytes_sent of this round's
     lines summed over sites (and of every line so far), and the sync_s range."""
     members = max((len(x.members) for x in lines), default=0)
@@ -117,7 +118,7 @@ def progress_line(r: int, total: int, lines: list[RoundLine], sent_so_far: int) 
     sync = [x.sync_s for x in lines if isinstance(x.sync_s, (int, float))]
     sent = sum(x.bytes_sent or 0 for x in lines)
     return (
-        f"round {r + 1}/{total}: members {members}, val_loss {_range(vl, '.3f')}, "
+        f"round {r} ({r + 1}/{total}): members {members}, val_loss {_range(vl, '.3f')}, "
         f"bytes_sent {sent / 1e6:.2f} MB ({sent_so_far / 1e6:.2f} MB so far), sync_s {_range(sync, '.2f')}"
     )
 
