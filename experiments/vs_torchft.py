@@ -75,7 +75,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vs_torchft_analysis import _lines, analyse, write_outputs  # noqa: E402  (this script's directory is on sys.path)
+from vs_torchft_analysis import _lines, analyse  # noqa: E402  (this script's directory is on sys.path)
+from vs_torchft_outputs import write_outputs  # noqa: E402
 
 from dtrain.app.procs import Proc, spawn  # noqa: E402
 
