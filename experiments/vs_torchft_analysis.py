@@ -635,9 +635,9 @@ _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whos
     ("validation loss (every round)", ("evaluate (",)),
     (
         "sync: round engine (encode, reduce, finalize, pull, apply)",
-        ("run_round", "dtrain/rounds.py", "dtrain/codecs", "dtrain/aggregation.py", "dtrain/state.py"),
+        ("run_round", "dtrain/rounds/", "dtrain/codecs", "dtrain/aggregation.py", "dtrain/state.py"),
     ),
-    ("sync: waiting for the quorum (rendezvous client)", ("rendezvous_grpc.py", "group.py")),
+    ("sync: waiting for the quorum (rendezvous client)", ("dtrain/rendezvous/grpc.py", "membership.py")),
     ("gRPC transport threads", ("grpc",)),
     ("inner steps (forward, backward, AdamW)", ("_train (",)),
     ("start-up (task, imports, join)", ("build_task", "load_corpus", "run_worker", "_prewarmed_main", "<module>")),
