@@ -64,8 +64,9 @@ class FailoverRendezvousClient:
             return result
         raise RendezvousError(f"rendezvous {what}: no front-end answered: " + "; ".join(errors))
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
-        return self._call("join", lambda c: c.join(site_id, address))
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
+        kw = {"rank_addresses": rank_addresses} if rank_addresses else {}
+        return self._call("join", lambda c: c.join(site_id, address, **kw))
 
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()

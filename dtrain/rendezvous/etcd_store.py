@@ -32,9 +32,11 @@ down), every call raises :class:`~dtrain.rendezvous.etcd_client.EtcdError`, a
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -183,12 +185,34 @@ def _j(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _member(site_id: str, info: dict) -> Member:
+    """A member from its ``alive/`` value (``address``, ``ranks``: a site group's rank addresses)."""
+    return Member(site_id=site_id, address=info["address"], rank_addresses=tuple(info.get("ranks", ())))
+
+
+def _plan_to_json(plan: RoundPlan, reason: str) -> bytes:
+    return _j(
+        {
+            "round": plan.round,
+            "members": [[m.site_id, m.address, list(m.rank_addresses)] for m in plan.members],
+            "reduce_timeout_s": plan.reduce_timeout_s,
+            "broadcast_timeout_s": plan.broadcast_timeout_s,
+            "datagram_key": base64.b64encode(plan.datagram_key).decode(),
+            "reason": reason,
+            "t": time.time(),
+        }
+    )
+
+
 def _plan_from_json(d: dict) -> RoundPlan:
     return RoundPlan(
         round=int(d["round"]),
-        members=tuple(Member(site_id=s, address=a) for s, a in d["members"]),
+        members=tuple(
+            Member(site_id=m[0], address=m[1], rank_addresses=tuple(m[2] if len(m) > 2 else ())) for m in d["members"]
+        ),
         reduce_timeout_s=float(d["reduce_timeout_s"]),
         broadcast_timeout_s=float(d["broadcast_timeout_s"]),
+        datagram_key=base64.b64decode(d.get("datagram_key", "")),
     )
 
 
@@ -290,7 +314,7 @@ class EtcdRendezvous:
             self._watch.stop()
 
     # ------------------------------------------------------------------ membership
-    def join(self, site_id: str, address: str, *, now: float = 0.0) -> JoinInfo:
+    def join(self, site_id: str, address: str, *, now: float = 0.0, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         self._start_watch()
         alive = self.etcd.get(self._k("alive", site_id))
         lease = 0
@@ -309,7 +333,10 @@ class EtcdRendezvous:
         reg = _j({"address": address, "lease": lease, "joined_round": nxt, "left": False})
         ok, resp = self.etcd.txn(
             [cmp_absent(self._k("alive", site_id))] if alive is None else [],
-            [op_put(self._k("alive", site_id), _j({"address": address}), lease), op_put(self._k("site", site_id), reg)],
+            [
+                op_put(self._k("alive", site_id), _j({"address": address, "ranks": list(rank_addresses)}), lease),
+                op_put(self._k("site", site_id), reg),
+            ],
             [op_range(self._k("alive", site_id))],
         )
         if not ok:
@@ -340,7 +367,7 @@ class EtcdRendezvous:
     def _alive_members(self) -> list[Member]:
         kvs, _, _ = self.etcd.range(self._k("alive/"), prefix=True)
         cut = len(self._k("alive/"))
-        return [Member(site_id=kv.key[cut:].decode(), address=json.loads(kv.value)["address"]) for kv in kvs]
+        return [_member(kv.key[cut:].decode(), json.loads(kv.value)) for kv in kvs]
 
     def heartbeat(
         self,
@@ -457,11 +484,13 @@ class EtcdRendezvous:
                 next_round=nxt,
             ), 0
         if plan_kv:
-            plan = _plan_from_json(json.loads(plan_kv[0].value))
+            doc = json.loads(plan_kv[0].value)
+            plan = _plan_from_json(doc)
             with self._cv:
                 self._add_plan(plan)
-            if site_id in plan.site_ids:
-                return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan), 0
+            if site_id in plan.site_ids:  # every member learns why the round formed as it did
+                why = doc.get("reason") or "already formed"
+                return ReadyDecision(status="plan", reason=why, next_round=self.next_round, plan=plan), 0
             return ReadyDecision(
                 status="missed",
                 reason=f"round {round} started without {site_id} (straggler)",
@@ -510,7 +539,7 @@ class EtcdRendezvous:
         )
         alive_kvs, ready_kvs = txn_range_kvs(resp[0]), txn_range_kvs(resp[1])
         n_alive, n_ready = len(self._k("alive/")), len(self._k("ready", self._r(round))) + 1
-        addresses = {kv.key[n_alive:].decode(): json.loads(kv.value)["address"] for kv in alive_kvs}
+        addresses = {kv.key[n_alive:].decode(): json.loads(kv.value) for kv in alive_kvs}
         ready = {kv.key[n_ready:].decode(): float(json.loads(kv.value)["t"]) for kv in ready_kvs}
         joined = int(resp[2].get("response_range", {}).get("count", 0))
         startup = txn_range_kvs(resp[3])
@@ -543,9 +572,10 @@ class EtcdRendezvous:
             return ReadyDecision(status="wait", reason=reason, next_round=max(self.next_round, round))
         plan = RoundPlan(
             round=round,
-            members=tuple(Member(site_id=s, address=addresses[s]) for s in members),
+            members=tuple(_member(s, addresses[s]) for s in members),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
+            datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
         )
         return self._write_plan(plan, reason)
 
@@ -560,16 +590,7 @@ class EtcdRendezvous:
 
     def _write_plan(self, plan: RoundPlan, reason: str) -> ReadyDecision:
         r = plan.round
-        body = _j(
-            {
-                "round": r,
-                "members": [[m.site_id, m.address] for m in plan.members],
-                "reduce_timeout_s": plan.reduce_timeout_s,
-                "broadcast_timeout_s": plan.broadcast_timeout_s,
-                "reason": reason,
-                "t": time.time(),
-            }
-        )
+        body = _plan_to_json(plan, reason)
         old = max(0, r - NUM_PLANS_KEPT + 1)
         old_reports = max(0, r - self.store.num_report_rounds + 1)
         ok, resp = self.etcd.txn(
@@ -586,7 +607,8 @@ class EtcdRendezvous:
         if ok:
             log.info("rendezvous(etcd): round %d formed with %s: %s", r, list(plan.site_ids), reason)
         else:  # another writer formed it first, perhaps with other members: theirs holds
-            plan = _plan_from_json(json.loads(txn_range_kvs(resp[0])[0].value))
+            doc = json.loads(txn_range_kvs(resp[0])[0].value)
+            plan, reason = _plan_from_json(doc), doc.get("reason") or reason
         with self._cv:
             self._add_plan(plan)
             self._cv.notify_all()
@@ -677,8 +699,8 @@ class EtcdRendezvousClient:
     def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig | None = None) -> None:
         self.core = EtcdRendezvous(store, config)
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
-        return self.core.join(site_id, address)
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
+        return self.core.join(site_id, address, rank_addresses=rank_addresses)
 
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
