@@ -14,9 +14,19 @@ from tests.etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
 from tests.fault.conftest import RENDEZVOUS_DEFAULTS, wait_until
 
 
-def _etcd_rendezvous(cluster, run: str, num_sites: int) -> str:
-    timing = {**RENDEZVOUS_DEFAULTS, "initial_sites": num_sites}
+def _etcd_rendezvous(cluster, run: str, num_sites: int, **timing) -> str:
+    timing = {**RENDEZVOUS_DEFAULTS, "initial_sites": num_sites, **timing}
     return f"{cluster.url}/{run}?{urlencode(timing)}"
+
+
+def _sites_on_etcd(make_cluster, cluster, run: str, rounds: int, *, until_round: int | None = None, **timing):
+    """Three worker processes on etcd directly; with ``until_round``, once each applied it."""
+    c = make_cluster(worker={"rounds": rounds})
+    c.rv_address = _etcd_rendezvous(cluster, run, 3, **timing)
+    sites = [c.start_site(i, num_sites=3) for i in range(3)]
+    for s in sites if until_round is not None else ():
+        c.wait_round(s, until_round, 90)
+    return c, sites
 
 
 def _agree(c, sites, rnd):
@@ -30,9 +40,7 @@ def _agree(c, sites, rnd):
 @pytest.mark.timeout(120)
 def test_sites_on_etcd_directly_agree_every_round(make_cluster, etcd_cluster) -> None:  # noqa: F811
     rounds = 3
-    c = make_cluster(worker={"rounds": rounds})
-    c.rv_address = _etcd_rendezvous(etcd_cluster, "healthy", 3)
-    sites = [c.start_site(i, num_sites=3) for i in range(3)]
+    c, sites = _sites_on_etcd(make_cluster, etcd_cluster, "healthy", rounds)
     codes = c.wait_all_exit(sites, 90)
     assert codes == {s: 0 for s in sites}, c.diag()
     for r in range(rounds):
@@ -42,11 +50,9 @@ def test_sites_on_etcd_directly_agree_every_round(make_cluster, etcd_cluster) ->
 @pytest.mark.timeout(180)
 def test_no_round_without_an_etcd_majority_then_rounds_resume(make_cluster, etcd_cluster) -> None:  # noqa: F811
     rounds = 5
-    c = make_cluster(worker={"rounds": rounds})
-    c.rv_address = _etcd_rendezvous(etcd_cluster, "majority", 3)
-    sites = [c.start_site(i, num_sites=3) for i in range(3)]
-    for s in sites:
-        c.wait_round(s, 1, 90)
+    # min_sites=3: the sites reach etcd again seconds apart (each call waits out its 3 s
+    # deadline); the first back must not form a round alone after one quorum timeout
+    c, sites = _sites_on_etcd(make_cluster, etcd_cluster, "majority", rounds, until_round=1, min_sites=3)
     etcd_cluster.kill(0)
     etcd_cluster.kill(1)
     t_down = time.time()
@@ -79,11 +85,7 @@ def test_no_round_without_an_etcd_majority_then_rounds_resume(make_cluster, etcd
 @pytest.mark.timeout(150)
 def test_rounds_go_on_when_the_etcd_leader_is_killed_mid_run(make_cluster, etcd_cluster) -> None:  # noqa: F811
     rounds = 5
-    c = make_cluster(worker={"rounds": rounds})
-    c.rv_address = _etcd_rendezvous(etcd_cluster, "leader", 3)
-    sites = [c.start_site(i, num_sites=3) for i in range(3)]
-    for s in sites:
-        c.wait_round(s, 1, 90)
+    c, sites = _sites_on_etcd(make_cluster, etcd_cluster, "leader", rounds, until_round=1)
     old = etcd_cluster.wait_for_leader()
     etcd_cluster.kill(old)
     assert etcd_cluster.wait_for_leader() != old
