@@ -103,6 +103,7 @@ def _kv(d: dict) -> KeyValue:
 
 
 MAX_SWEEPS = 1000  # bound on the sweeps over the members within one call's deadline
+MIN_ATTEMPT_S = 0.5  # shortest deadline of one attempt on one member (seconds)
 SWEEP_PAUSE_S = 0.1  # pause between two sweeps over every member (seconds)
 
 
@@ -213,8 +214,11 @@ class EtcdClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                # one member that hangs (a follower holding a proposal through an election)
+                # must not use up the whole deadline: each attempt gets a share of it
+                attempt_s = min(remaining, max(MIN_ATTEMPT_S, self.timeout_s / n))
                 try:
-                    reply = self._post_once(self.endpoints[i], path, body, authed, remaining)
+                    reply = self._post_once(self.endpoints[i], path, body, authed, attempt_s)
                 except _Retryable as e:
                     errors[self.endpoints[i]] = str(e)
                     continue

@@ -85,7 +85,9 @@ def test_no_round_without_an_etcd_majority_then_rounds_resume(make_cluster, etcd
 @pytest.mark.timeout(150)
 def test_rounds_go_on_when_the_etcd_leader_is_killed_mid_run(make_cluster, etcd_cluster) -> None:  # noqa: F811
     rounds = 5
-    c, sites = _sites_on_etcd(make_cluster, etcd_cluster, "leader", rounds, until_round=1)
+    # leases (4 s) and the quorum timeout (3 s) outlive an election plus a loaded machine's pauses
+    timing = {"heartbeat_timeout_s": 4.0, "quorum_timeout_s": 3.0}
+    c, sites = _sites_on_etcd(make_cluster, etcd_cluster, "leader", rounds, until_round=1, **timing)
     old = etcd_cluster.wait_for_leader()
     etcd_cluster.kill(old)
     assert etcd_cluster.wait_for_leader() != old
