@@ -22,6 +22,7 @@ import torch
 from dtrain.configs import GroupConfig
 from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.state import pull_full_state
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
@@ -104,6 +105,8 @@ class Group:
         while True:
             try:
                 return fn()
+            except SiteIdTaken:
+                raise  # another live site holds this id: retrying cannot help
             except RendezvousError as e:
                 if time.monotonic() + delay > deadline:
                     raise
