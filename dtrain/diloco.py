@@ -33,6 +33,7 @@ from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, Rendezvo
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
+from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -98,6 +99,21 @@ class DiLoCo:
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self._closed = False
+        # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
+        self.streaming: StreamingSync | None = None
+        if self.config.streaming:
+            c = self.config
+            self.streaming = StreamingSync(
+                self.group.sync,
+                c.site_id,
+                self.layout,
+                self.state,
+                lambda: self._tensors_and_kinds()[0],
+                sync_every=c.sync_every,
+                num_fragments=c.num_fragments,
+                overlap_steps=c.overlap_steps,
+                merge_alpha=c.merge_alpha,
+            )
         if not _defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
@@ -130,9 +146,17 @@ class DiLoCo:
 
         Called automatically after ``inner_optimizer.step()`` when
         ``hook_optimizer`` is True. Returns the round's outcome, or None.
+        With streaming (``num_fragments`` > 1, ``overlap_steps`` or ``merge_alpha``
+        set) a fragment round starts every H/F steps and the outcome returned is
+        that of the round merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
         self.group.inner_step = self.inner_steps
+        if self.streaming is not None:
+            outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Group.sync)
+            if outcome is not None:
+                self._record(outcome)
+            return outcome
         if self.inner_steps % self.config.sync_every == 0:
             return self.sync()
         return None
@@ -145,10 +169,13 @@ class DiLoCo:
             self.state.copy_to(tensors)
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
+        self._record(outcome)
+        return outcome
+
+    def _record(self, outcome: SyncOutcome) -> None:
         self.last_outcome = outcome
         for cb in self.on_round:
             cb(outcome)
-        return outcome
 
     def state_dict(self) -> dict:
         """Everything this wrapper adds to a training position, as plain tensors.
@@ -208,6 +235,10 @@ class DiLoCo:
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
+        if self.streaming is not None:  # merge the fragment round in flight (bounded by its deadlines)
+            outcome = self.streaming.close()
+            if outcome is not None:
+                self._record(outcome)
         waited = None
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)

@@ -1,0 +1,225 @@
+"""Streaming DiLoCo (dtrain/streaming.py): the fragment schedule, a 2-site F = 2 example
+computed by hand, F = 1 τ = 0 through the new path equal to today's rounds bit for bit,
+and an overlapped round that no inner step waits for."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig
+from dtrain.configs import DiLoCoConfig
+from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.streaming import StreamingSync, fragment_buckets, fragment_of_round, step_actions
+from dtrain.transports.inproc import InprocFaults
+
+pytestmark = pytest.mark.timeout(60)
+
+ONE_ELEMENT_BUCKETS = BucketConfig(bucket_bytes=4, chunk_bytes=4)  # bucket b = element b of the model
+
+
+class Vec(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+def outer_sgd_half(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.0)  # θ ← θ − 0.5·mean(Δ)
+
+
+# ------------------------------------------------------------------ the schedule
+def test_fragments_are_contiguous_groups_of_buckets():
+    assert fragment_buckets(5, 2) == [(0, 1, 2), (3, 4)]
+    assert fragment_buckets(4, 4) == [(0,), (1,), (2,), (3,)]
+    assert fragment_buckets(3, 1) == [(0, 1, 2)]
+    with pytest.raises(ValueError, match="num_fragments"):
+        fragment_buckets(2, 3)
+
+
+def test_round_r_syncs_fragment_r_plus_1_mod_f():
+    # rounds at steps H/F, 2H/F, ...: fragment f at f*H/F + k*H (F = 4, H = 8: steps 2, 4, 6, 8, 10)
+    assert [fragment_of_round(r, 4) for r in range(5)] == [1, 2, 3, 0, 1]
+    assert [fragment_of_round(r, 1) for r in range(3)] == [0, 0, 0]
+
+
+def test_step_actions_start_every_period_and_apply_tau_later():
+    assert step_actions(2, period=2, overlap_steps=0, apply_at=None) == ("start", "apply")
+    assert step_actions(1, period=2, overlap_steps=1, apply_at=None) == ()
+    assert step_actions(2, period=2, overlap_steps=1, apply_at=None) == ("start",)
+    assert step_actions(3, period=2, overlap_steps=1, apply_at=3) == ("apply",)
+    # tau = H/F: merged right before the next fragment's delta is measured
+    assert step_actions(4, period=2, overlap_steps=2, apply_at=4) == ("apply", "start")
+
+
+def test_config_refuses_bad_streaming_fields():
+    with pytest.raises(ValueError, match="num_fragments"):
+        DiLoCoConfig(sync_every=10, num_fragments=3)
+    with pytest.raises(ValueError, match="overlap_steps"):
+        DiLoCoConfig(sync_every=10, num_fragments=2, overlap_steps=6)
+    with pytest.raises(ValueError, match="merge_alpha"):
+        DiLoCoConfig(merge_alpha=1.5)
+    assert not DiLoCoConfig().streaming and DiLoCoConfig(sync_every=4, overlap_steps=4).streaming
+
+
+# ------------------------------------------------------------------ the example by hand
+GRADS = ([1.0, 2.0], [3.0, 4.0])  # site i's constant gradient of w (inner SGD lr 1: local −= g_i per step)
+
+
+def by_hand(tau: int, alpha: float, num_steps: int, H: int = 4, F: int = 2) -> list[float]:
+    """The algorithm on paper (plain floats): θ per element, each element its own fragment."""
+    theta = [0.0, 0.0]
+    local = [[0.0, 0.0], [0.0, 0.0]]
+    pending = None  # (apply_at, element, θ_new)
+    rnd = 0
+    for s in range(1, num_steps + 1):
+        for i, g in enumerate(GRADS):
+            local[i] = [x - gi for x, gi in zip(local[i], g)]
+        if pending and s == pending[0]:
+            _, p, new = pending
+            theta[p] = new
+            for i in range(2):
+                local[i][p] = (1 - alpha) * new + alpha * local[i][p]
+            pending = None
+        if s % (H // F) == 0:
+            p = (rnd + 1) % F  # round r syncs fragment (r + 1) mod F
+            mean_delta = sum(theta[p] - local[i][p] for i in range(2)) / 2  # Δ measured at the start step
+            pending = (s + tau, p, theta[p] - 0.5 * mean_delta)
+            rnd += 1
+            if tau == 0:
+                _, p, new = pending
+                theta[p] = new
+                for i in range(2):
+                    local[i][p] = (1 - alpha) * new + alpha * local[i][p]
+                pending = None
+    return theta
+
+
+def test_by_hand_first_rounds():
+    # τ = 0, α = 0 (worked out above by_hand's loop): step 2 syncs element 1: Δ = (4, 8), θ1 = −3;
+    # step 4 element 0: Δ = (4, 12), θ0 = −4; step 6 element 1: locals −11, −19, Δ = (8, 16), θ1 = −9.
+    assert by_hand(0, 0.0, 6) == [-4.0, -9.0]
+    # τ = 1, α = 0.5: the step-2 round lands at step 3: θ1 = −3, locals (−6, −12) → (−4.5, −7.5).
+    assert by_hand(1, 0.5, 3) == [0.0, -3.0]
+
+
+def _run_cluster(tau: int, alpha: float, num_steps: int) -> InprocCluster:
+    cfg = ClusterConfig(
+        num_sites=2, sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=2, overlap_steps=tau, merge_alpha=alpha
+    )
+    cluster = InprocCluster(
+        lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=outer_sgd_half
+    )
+
+    def step(site: Site, k: int) -> None:
+        site.model.w.grad = torch.tensor(GRADS[site.index])
+        site.optimizer.step()
+        site.model.w.grad = None
+
+    cluster.run_steps(step, num_steps, timeout_s=40)
+    return cluster
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_two_sites_two_fragments_match_the_example_by_hand(tau: int, alpha: float):
+    num_steps = 12  # six fragment rounds (steps 2, 4, ..., 12); with τ = 1 the last is merged by close()
+    with _run_cluster(tau, alpha, num_steps) as cluster:
+        for site in cluster.sites:
+            site.diloco.close()  # merges the round still in flight (τ = 1: the one started at step 12)
+        want = by_hand(tau, alpha, num_steps + tau)
+        for site in cluster.sites:
+            assert site.theta().tolist() == pytest.approx(want, abs=1e-6)
+            assert [r.fragment for r in site.results] == [1, 0, 1, 0, 1, 0]
+            assert [r.buckets for r in site.results] == [[1], [0], [1], [0], [1], [0]]
+        assert len(set(cluster.checksums())) == 1
+
+
+def test_merge_keeps_alpha_of_the_local_steps():
+    # τ = 1, α = 0.5 after the first merge (step 3): local element 1 = 0.5·θ1 + 0.5·local.
+    with _run_cluster(1, 0.5, 3) as cluster:
+        w = [s.model.w.detach().tolist() for s in cluster.sites]
+        assert w[0] == pytest.approx([-3.0, 0.5 * -3.0 + 0.5 * -6.0])
+        assert w[1] == pytest.approx([-9.0, 0.5 * -3.0 + 0.5 * -12.0])
+
+
+# ------------------------------------------------------------------ F = 1, τ = 0 is today's round
+def _theta_after(streaming_path: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = ClusterConfig(num_sites=2, sync_every=3, buckets=BucketConfig(bucket_bytes=64, chunk_bytes=32))
+    cluster = InprocCluster(
+        lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 1)),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        cfg,
+    )
+    if streaming_path:  # the same rounds through dtrain.streaming with F = 1, τ = 0, α = 0
+        for s in cluster.sites:
+            d = s.diloco
+            d.streaming = StreamingSync(
+                d.group.sync,
+                s.site_id,
+                d.layout,
+                d.state,
+                lambda d=d: d._tensors_and_kinds()[0],
+                sync_every=3,
+                num_fragments=1,
+                overlap_steps=0,
+                merge_alpha=0.0,
+            )
+    gen = [torch.Generator().manual_seed(i) for i in range(2)]
+
+    def step(site: Site, k: int) -> None:
+        x = torch.randn(8, 6, generator=gen[site.index])
+        loss = (site.model(x) ** 2).mean()
+        loss.backward()
+        site.optimizer.step()
+        site.optimizer.zero_grad()
+
+    with cluster:
+        cluster.run_steps(step, 9, timeout_s=40)
+        assert all(len(s.results) == 3 for s in cluster.sites)
+        return [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in cluster.sites] + [
+            cluster.sites[0].theta()
+        ]
+
+
+def test_one_fragment_without_overlap_is_todays_round_bit_for_bit():
+    old, new = _theta_after(False), _theta_after(True)
+    for a, b in zip(old, new):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ overlap: no step waits
+def _waited_steps(tau: int, delay_s: float) -> tuple[int, int]:
+    cfg = ClusterConfig(
+        num_sites=2,
+        sync_every=6,
+        buckets=ONE_ELEMENT_BUCKETS,
+        overlap_steps=tau,
+        merge_alpha=0.5,  # so that τ = 0 goes through dtrain.streaming too
+        faults=InprocFaults(delay_s=delay_s),
+    )
+    cluster = InprocCluster(lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), cfg)
+
+    def step(site: Site, k: int) -> None:
+        time.sleep(0.1)  # an inner step of 0.1 s: τ = 5 steps is 25x the exchanges' 0.02 s
+        site.model.w.grad = torch.ones(2)
+        site.optimizer.step()
+        site.model.w.grad = None
+
+    with cluster:
+        cluster.run_steps(step, 17, timeout_s=40)  # rounds start at steps 6 and 12, merged by 17
+        waited = [s.diloco.streaming.num_waited_steps for s in cluster.sites]
+        rounds = [len(s.results) for s in cluster.sites]
+        assert len(set(cluster.checksums())) == 1
+    return max(waited), min(rounds)
+
+
+def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
+    waited, rounds = _waited_steps(tau=5, delay_s=0.02)
+    assert rounds == 2 and waited == 0
+    # the same delay without overlap (τ = 0): every round waits
+    waited0, rounds0 = _waited_steps(tau=0, delay_s=0.02)
+    assert rounds0 == 2 and waited0 == 2
