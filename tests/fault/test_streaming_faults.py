@@ -4,6 +4,7 @@ Every round here overlaps τ = 1 inner step; survivors end with equal checksums.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -99,9 +100,12 @@ def test_a_straggler_cut_from_a_fragment_round_resyncs_that_fragment_only():
     its local progress and its residuals. All end equal."""
     rdv = fast_rendezvous_config(3, quorum_timeout_s=0.8, heartbeat_timeout_s=10.0)
     seen: dict[str, object] = {}
+    resynced = threading.Event()
     with _cluster(rendezvous=rdv) as c:
 
         def step(site: Site, k: int) -> None:
+            if site.index != 2 and k == 5:  # round 2 starts once site 2 is back (it misses round 1 only)
+                assert resynced.wait(20.0)
             if site.index == 2 and k == 3:
                 time.sleep(2.0)  # step 4 (round 1's start) comes after the quorum timeout
             if site.index == 2 and k == 5:  # after step 5: round 1's outcome was merged
@@ -111,6 +115,7 @@ def test_a_straggler_cut_from_a_fragment_round_resyncs_that_fragment_only():
                 seen["frag0_reset"] = torch.equal(w[:4], torch.cat([st.theta[0], st.theta[1]]).detach())
                 seen["frag1_local"] = not torch.equal(w[4:], torch.cat([st.theta[2], st.theta[3]]).detach())
                 seen["frag1_residuals"] = st.residuals[2] is not None and st.residuals[3] is not None
+                resynced.set()
             _step(site, k)
 
         c.run_steps(step, 12, timeout_s=50)
