@@ -227,30 +227,44 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
+    streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
+        waited0 = streaming.waited_s if streaming else 0.0
         losses = []
-        for _ in range(cfg.diloco.sync_every):
+        merged: SyncOutcome | None = None
+        for _ in range(cfg.diloco.sync_every * (2 if streaming else 1)):  # a merge comes within 2H/F steps
             batch = next(task.batches)
             loss = task.loss(task.model, batch)
             loss.backward()
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
-            diloco.inner_steps += 1
-            diloco.group.inner_step = diloco.inner_steps
+            diloco.group.last_loss = float(loss.detach())
+            if streaming:
+                merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
+            else:
+                diloco.inner_steps += 1
+                diloco.group.inner_step = diloco.inner_steps
             if cfg.inner_step_sleep_s:
                 stop.wait(cfg.inner_step_sleep_s)
-            if stop.is_set():
+            if stop.is_set() or merged is not None:
                 break
         if stop.is_set():
             break
         train_loss = sum(losses) / len(losses)
         diloco.group.last_loss = train_loss
-        inner_s = time.monotonic() - t_inner
-        t_sync = time.monotonic()
-        outcome: SyncOutcome = diloco.sync()
-        sync_s = time.monotonic() - t_sync
+        if streaming:  # sync_s: what the steps waited for their rounds at the merge
+            sync_s = streaming.waited_s - waited0
+            inner_s = time.monotonic() - t_inner - sync_s
+            if merged is None:
+                continue
+            outcome: SyncOutcome = merged
+        else:
+            inner_s = time.monotonic() - t_inner
+            t_sync = time.monotonic()
+            outcome = diloco.sync()
+            sync_s = time.monotonic() - t_sync
         syncs += 1
         res = outcome.result
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
