@@ -236,3 +236,19 @@ def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unr
         assert sorted(core.snapshot(now=time.monotonic())["status"]["rounds"]) == [0, 1]
     finally:
         group.leave()
+
+
+def test_a_fragment_round_says_its_fragment_in_the_rounds_table() -> None:
+    from dtrain.status.page import render_fragment
+
+    log = StatusLog()
+    log.add_plan(5, ["a", "b"], now=0.0)
+    log.add_plan(6, ["a", "b"], now=0.0)
+    log.add_reports("a", [_raw(1, round=5, fragment=0), _raw(2, round=6)])
+    snap = {"now": 1.0, "next_round": 7, "config": {**CFG, "min_sites": 1}, "sites": {}, "status": log.snapshot()}
+    status = build_status(snap)
+    assert [(row["round"], row["fragment"]) for row in status["rounds"]] == [(6, None), (5, 0)]
+    html = render_fragment(status)
+    assert '<tr data-round="5"><td>5 <span class="frag">(fragment 0)</span></td>' in html
+    assert '<tr data-round="6"><td>6</td>' in html
+    assert "'fragment' must be int" in parse_report(_raw(3, fragment=-1), "a")[1]
