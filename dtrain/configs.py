@@ -253,9 +253,11 @@ class DiLoCoConfig:
             training (arXiv 2501.18512 §2.3): the round starts in the background at
             step t, Δ measured there, and its result is merged in at step t + τ.
             0 <= τ <= H/F; 0 = the round blocks. τ = H with F = 1 is the
-            one-step-delayed mode (DiLoCoX, arXiv 2506.21263): round r's exchange
-            runs during round r+1's inner phase and is merged just before round
-            r+1's Δ is measured.
+            one-step-delayed mode (DiLoCoX, arXiv 2506.21263; PCCL's async
+            DiLoCo): round r's exchange runs during round r+1's inner phase; at
+            each start step round r+1's Δ (the model's own H steps) is measured,
+            then round r's θ merged in, then round r+1 sent. τ = H/F with F > 1
+            merges a fragment right before the next fragment starts.
         merge_alpha: α, how the fragment's local parameters are merged with the
             new global ones when its round is applied: ``lerp(θ_new, θ_local, α)``
             = (1 − α)·θ_new + α·θ_local (torchft ``fragment_update_alpha``; the

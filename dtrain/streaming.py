@@ -18,8 +18,14 @@ arXiv 2501.18512; torchft's ``local_sgd.py`` is the reference for the semantics)
   parameters become ``lerp(θ_new, θ_local(t+τ), α)`` (``merge_alpha``; 0 = θ_new, the
   τ local steps are dropped; α > 0 keeps that share of them). The next pseudo-gradient
   of the fragment is measured from θ_new (θ in :class:`GlobalState`), as in the paper.
-  τ = 0 blocks, as plain DiLoCo; τ = H/F merges just before the next fragment round
-  measures its Δ (with F = 1: the one-step-delayed mode of DiLoCoX, arXiv 2506.21263).
+  τ = 0 blocks, as plain DiLoCo; τ = H/F with F > 1 merges a fragment right before the
+  next fragment starts.
+* **One-step-delayed mode** (DiLoCoX, arXiv 2506.21263; PCCL's async DiLoCo) is F = 1,
+  τ = H: round r's whole exchange runs during round r+1's inner phase. At each start
+  step the model's Δ is measured first (against the θ its steps began from: the snapshot
+  is shifted by what the merged round moved θ, :meth:`StreamingSync._shift`), then round
+  r's θ is merged in (the first time: θ as it is), then round r+1 is sent; its outer step
+  lands on θ after round r. Without the shift Δ would count round r's outer update again.
 * **Faults**: the engine's rules hold per fragment (the round is an ordinary round over
   the fragment's buckets). A resynchronised site (cut from the round or declared dead)
   resets only the buckets whose θ changed in the pull, plus the fragment (whose Δ was
@@ -45,7 +51,7 @@ __all__ = ["fragment_buckets", "fragment_of_round", "step_actions", "StreamingSy
 
 log = logging.getLogger(__name__)
 
-START, APPLY = "start", "apply"
+START, APPLY, MEASURE, SUBMIT = "start", "apply", "measure", "submit"
 
 
 def fragment_buckets(num_buckets: int, num_fragments: int) -> list[tuple[int, ...]]:
@@ -74,7 +80,9 @@ def fragment_of_round(round: int, num_fragments: int) -> int:
     return (round + 1) % num_fragments
 
 
-def step_actions(step: int, *, period: int, overlap_steps: int, apply_at: int | None) -> tuple[str, ...]:
+def step_actions(
+    step: int, *, period: int, overlap_steps: int, apply_at: int | None, num_fragments: int = 2
+) -> tuple[str, ...]:
     """What to do after inner step ``step`` (1-based), in order.
 
     Args:
@@ -82,18 +90,23 @@ def step_actions(step: int, *, period: int, overlap_steps: int, apply_at: int | 
         period: H/F, inner steps between two fragment rounds.
         overlap_steps: τ.
         apply_at: the step the round in flight is due to be merged at (None: none in flight).
+        num_fragments: F.
     Returns:
-        ``("apply",)``, ``("start",)``, ``("apply", "start")`` (τ = H/F: merge, then
-        measure the next fragment), ``("start", "apply")`` (τ = 0: a blocking round) or ``()``.
+        ``("apply",)``, ``("start",)`` (measure Δ and run the round), ``("start", "apply")``
+        (τ = 0: a blocking round), ``()``; at τ = H/F, when a merge and a start fall on the
+        same step: ``("apply", "start")`` (F > 1: the merged fragment is another one), or
+        ``("measure", "apply", "submit")`` (F = 1, τ = H: the one-step-delayed mode, at every
+        start step: Δ of the model's steps is measured, then the previous round's θ (at the
+        first round: θ as it is) is merged in, then the round is sent).
     """
-    actions: list[str] = []
-    if apply_at is not None and step >= apply_at:
-        actions.append(APPLY)
-    if step % period == 0:
-        actions.append(START)
-        if overlap_steps == 0:
-            actions.append(APPLY)
-    return tuple(actions)
+    due = apply_at is not None and step >= apply_at
+    if step % period:
+        return (APPLY,) if due else ()
+    if num_fragments == 1 and overlap_steps == period:
+        return (MEASURE, APPLY, SUBMIT)
+    if not due:
+        return (START, APPLY) if overlap_steps == 0 else (START,)
+    return (APPLY, START)
 
 
 class Outcome(Protocol):
@@ -117,6 +130,16 @@ class _InFlight:
     future: "cf.Future[Outcome]"
     checksums: list[str]  # θ_b of every bucket when the round started
     residuals: list[torch.Tensor | None]  # every bucket's residual when it started (kept by a resync)
+    theta_before: list[torch.Tensor] | None = None  # θ_b of its buckets at the start (one-step-delayed mode only)
+
+
+@dataclass(eq=False)
+class _Measured:
+    """A fragment's Δ basis: its tensors at the start step (clones; others live, unread)."""
+
+    fragment: int
+    buckets: tuple[int, ...]
+    snapshot: list[torch.Tensor]
 
 
 class StreamingSync:
@@ -161,6 +184,7 @@ class StreamingSync:
         self.num_waited_steps = 0
         self.waited_s = 0.0
         self._pending: _InFlight | None = None
+        self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fragment-{site_id}")
 
     @property
@@ -178,37 +202,66 @@ class StreamingSync:
             period=self.period,
             overlap_steps=self.overlap_steps,
             apply_at=self._pending.apply_at if self._pending else None,
+            num_fragments=len(self.fragments),
         )
+        measured: _Measured | None = None
         for action in actions:
             if action == APPLY:
-                merged = self.flush()
+                merged, moved = self._flush()
+                if measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
+                    self._shift(measured, moved)
+                    if merged is None:  # no round in flight (the first): the model restarts from θ as it is
+                        tensors = self._tensors()
+                        for b in measured.buckets:
+                            self._merge_bucket(b, tensors, self.merge_alpha)
+            elif action == MEASURE:
+                measured = self._measure()
+            elif action == SUBMIT:
+                assert measured is not None
+                self._submit(step, measured)
             else:
-                self._start(step)
+                self._submit(step, self._measure())
         return merged
 
-    def _start(self, step: int) -> None:
-        """Measure the next fragment's Δ from a snapshot; run its round in the background."""
-        assert self._pending is None, "one fragment round at a time"
+    def _measure(self) -> _Measured:
+        """Snapshot the next fragment's tensors (its Δ = θ − snapshot is formed once its plan arrives)."""
         f = fragment_of_round(self.state.rounds_applied, len(self.fragments))
         buckets = self.fragments[f]
-        live = self._tensors()
         touched = {sg.tensor_index for b in buckets for sg in self.layout.buckets[b].segments}
-        snapshot = [t.detach().clone() if i in touched else t for i, t in enumerate(live)]
+        snapshot = [t.detach().clone() if i in touched else t for i, t in enumerate(self._tensors())]
+        return _Measured(fragment=f, buckets=buckets, snapshot=snapshot)
+
+    def _submit(self, step: int, m: _Measured) -> None:
+        """Run the measured fragment's round in the background; it is merged at ``step + τ``."""
+        assert self._pending is None, "one fragment round at a time"
+        delayed = self._delayed
         self._pending = _InFlight(
-            fragment=f,
-            buckets=buckets,
+            fragment=m.fragment,
+            buckets=m.buckets,
             started_at=step,
             apply_at=step + self.overlap_steps,
-            future=self._executor.submit(self._sync, snapshot, buckets=buckets, fragment=f),
+            future=self._executor.submit(self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment),
             checksums=self.state.checksums(),
             residuals=list(self.state.residuals),
+            theta_before=[self.state.theta[b].detach().clone() for b in m.buckets] if delayed else None,
         )
+
+    def _shift(self, m: _Measured, moved: dict[int, torch.Tensor]) -> None:
+        """Add to the snapshot what the merged round moved θ by (θ_after − θ_before), so that
+        Δ = θ_after − snapshot' = θ_before − snapshot: the model's own steps, not the outer update."""
+        for b, d in moved.items():
+            if b in m.buckets:
+                self.layout.scatter(b, self.layout.gather(b, m.snapshot) + d, m.snapshot)
 
     def flush(self) -> Outcome | None:
         """Merge the round in flight now (waiting for it if it is not done); None if none."""
+        return self._flush()[0]
+
+    def _flush(self) -> tuple[Outcome | None, dict[int, torch.Tensor]]:
+        """:meth:`flush`, and per bucket how far the round moved θ (one-step-delayed mode only)."""
         p, self._pending = self._pending, None
         if p is None:
-            return None
+            return None, {}
         if not p.future.done():
             self.num_waited_steps += 1
             t = time.monotonic()
@@ -216,7 +269,10 @@ class StreamingSync:
             self.waited_s += time.monotonic() - t
         outcome = p.future.result()  # QuorumTimeout propagates
         self._merge(p, outcome)
-        return outcome
+        moved = {}
+        if p.theta_before is not None:
+            moved = {b: self.state.theta[b].detach() - t0 for b, t0 in zip(p.buckets, p.theta_before)}
+        return outcome, moved
 
     def _merge(self, p: _InFlight, outcome: Outcome) -> None:
         """Write the round's θ into the model's tensors, per its outcome."""

@@ -50,8 +50,11 @@ def test_step_actions_start_every_period_and_apply_tau_later():
     assert step_actions(1, period=2, overlap_steps=1, apply_at=None) == ()
     assert step_actions(2, period=2, overlap_steps=1, apply_at=None) == ("start",)
     assert step_actions(3, period=2, overlap_steps=1, apply_at=3) == ("apply",)
-    # tau = H/F: merged right before the next fragment's delta is measured
-    assert step_actions(4, period=2, overlap_steps=2, apply_at=4) == ("apply", "start")
+    # τ = H/F, F > 1: the round in flight (another fragment) is merged, then the next one starts
+    assert step_actions(4, period=2, overlap_steps=2, apply_at=4, num_fragments=2) == ("apply", "start")
+    # τ = H, F = 1 (one-step-delayed): Δ measured first, then the previous round merged, then sent
+    assert step_actions(8, period=4, overlap_steps=4, apply_at=8, num_fragments=1) == ("measure", "apply", "submit")
+    assert step_actions(4, period=4, overlap_steps=4, apply_at=None, num_fragments=1) == ("measure", "apply", "submit")
 
 
 def test_config_refuses_bad_streaming_fields():
@@ -69,31 +72,40 @@ GRADS = ([1.0, 2.0], [3.0, 4.0])  # site i's constant gradient of w (inner SGD l
 
 
 def by_hand(tau: int, alpha: float, num_steps: int, H: int = 4, F: int = 2) -> list[float]:
-    """The algorithm on paper (plain floats): θ per element, each element its own fragment."""
+    """The algorithm on paper (plain floats): θ per element; F = 2: each element its own
+    fragment; F = 1: one fragment of both. At a start step: measure Δ against θ, merge the
+    round that is due, then the outer step θ_new = θ − 0.5·mean(Δ) on the θ of that moment."""
     theta = [0.0, 0.0]
     local = [[0.0, 0.0], [0.0, 0.0]]
-    pending = None  # (apply_at, element, θ_new)
+    pending = None  # (apply_at, elements, θ_new per element)
     rnd = 0
+
+    def merge() -> None:
+        nonlocal pending
+        _, elems, new = pending
+        for p, v in zip(elems, new):
+            theta[p] = v
+            for i in range(2):
+                local[i][p] = (1 - alpha) * v + alpha * local[i][p]
+        pending = None
+
     for s in range(1, num_steps + 1):
         for i, g in enumerate(GRADS):
             local[i] = [x - gi for x, gi in zip(local[i], g)]
+        start = s % (H // F) == 0
+        elems = [(rnd + 1) % F] if F == 2 else [0, 1]  # round r syncs fragment (r + 1) mod F
+        mean_delta = [sum(theta[p] - local[i][p] for i in range(2)) / 2 for p in elems]  # Δ at the start step
         if pending and s == pending[0]:
-            _, p, new = pending
-            theta[p] = new
-            for i in range(2):
-                local[i][p] = (1 - alpha) * new + alpha * local[i][p]
-            pending = None
-        if s % (H // F) == 0:
-            p = (rnd + 1) % F  # round r syncs fragment (r + 1) mod F
-            mean_delta = sum(theta[p] - local[i][p] for i in range(2)) / 2  # Δ measured at the start step
-            pending = (s + tau, p, theta[p] - 0.5 * mean_delta)
+            merge()
+        elif start and F == 1 and tau == H:  # one-step-delayed, first round: restart from θ as it is
+            for p in elems:
+                for i in range(2):
+                    local[i][p] = (1 - alpha) * theta[p] + alpha * local[i][p]
+        if start:
+            pending = (s + tau, elems, [theta[p] - 0.5 * d for p, d in zip(elems, mean_delta)])
             rnd += 1
             if tau == 0:
-                _, p, new = pending
-                theta[p] = new
-                for i in range(2):
-                    local[i][p] = (1 - alpha) * new + alpha * local[i][p]
-                pending = None
+                merge()
     return theta
 
 
@@ -134,6 +146,37 @@ def test_two_sites_two_fragments_match_the_example_by_hand(tau: int, alpha: floa
             assert site.theta().tolist() == pytest.approx(want, abs=1e-6)
             assert [r.fragment for r in site.results] == [1, 0, 1, 0, 1, 0]
             assert [r.buckets for r in site.results] == [[1], [0], [1], [0], [1], [0]]
+        assert len(set(cluster.checksums())) == 1
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_one_step_delayed_mode_matches_the_example_by_hand(alpha: float):
+    """F = 1, τ = H (DiLoCoX's one-step delay): round r's exchange runs during round r+1's inner
+    phase; Δ of round r+1 is the model's own H steps (not the outer update merged meanwhile)."""
+    # by hand, α = 0: step 4: Δ = (4, 8 | 12, 16), mean (8, 12), the models restart from θ = 0, and
+    # θ = (−4, −6) lands at step 8; there Δ (the steps 5..8 from 0) = (4, 8 | 12, 16) is measured first,
+    # then θ = (−4, −6) merged, then its outer step: θ = (−4, −6) − 0.5·(8, 12), landing at step 12.
+    assert by_hand(4, 0.0, 8, H=4, F=1) == [-4.0, -6.0]
+    assert by_hand(4, 0.0, 12, H=4, F=1) == [-8.0, -12.0]
+    cfg = ClusterConfig(
+        num_sites=2, sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=1, overlap_steps=4, merge_alpha=alpha
+    )
+    with InprocCluster(
+        lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=outer_sgd_half
+    ) as cluster:
+
+        def step(site: Site, k: int) -> None:
+            site.model.w.grad = torch.tensor(GRADS[site.index])
+            site.optimizer.step()
+            site.model.w.grad = None
+
+        cluster.run_steps(step, 16, timeout_s=40)
+        for site in cluster.sites:
+            site.diloco.close()
+        want = by_hand(4, alpha, 20, H=4, F=1)  # the round started at step 16 is merged by close()
+        for site in cluster.sites:
+            assert site.theta().tolist() == pytest.approx(want, abs=1e-6)
+            assert [r.fragment for r in site.results] == [0, 0, 0, 0]
         assert len(set(cluster.checksums())) == 1
 
 
