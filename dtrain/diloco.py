@@ -100,23 +100,24 @@ class DiLoCo:
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self._closed = False
         # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
-        self.streaming: StreamingSync | None = None
-        if self.config.streaming:
-            c = self.config
-            self.streaming = StreamingSync(
-                self.group.sync,
-                c.site_id,
-                self.layout,
-                self.state,
-                lambda: self._tensors_and_kinds()[0],
-                sync_every=c.sync_every,
-                num_fragments=c.num_fragments,
-                overlap_steps=c.overlap_steps,
-                merge_alpha=c.merge_alpha,
-            )
+        self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
         if not _defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
+
+    def _streaming_sync(self, c: DiLoCoConfig) -> StreamingSync:
+        """The fragment-round scheduler with ``c``'s F, τ and α (built whatever they are)."""
+        return StreamingSync(
+            self.group.sync,
+            c.site_id,
+            self.layout,
+            self.state,
+            lambda: self._tensors_and_kinds()[0],
+            sync_every=c.sync_every,
+            num_fragments=c.num_fragments,
+            overlap_steps=c.overlap_steps,
+            merge_alpha=c.merge_alpha,
+        )
 
     def join(self) -> None:
         """Join the group (done by the constructor); pulls θ when rounds already ran."""

@@ -289,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode, m = mode_settings(args, MODES)
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
+    if args.timeout_s <= 0:
+        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
     prefix = out_prefix(args, "streaming")
 
     def runner() -> list[RunResult]:

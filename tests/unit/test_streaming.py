@@ -12,7 +12,7 @@ import torch
 from dtrain.buckets import BucketConfig
 from dtrain.configs import DiLoCoConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site
-from dtrain.streaming import StreamingSync, fragment_buckets, fragment_of_round, step_actions
+from dtrain.streaming import fragment_buckets, fragment_of_round, step_actions
 from dtrain.transports.inproc import InprocFaults
 
 pytestmark = pytest.mark.timeout(60)
@@ -199,18 +199,8 @@ def _theta_after(streaming_path: bool) -> list[torch.Tensor]:
     )
     if streaming_path:  # the same rounds through dtrain.streaming with F = 1, τ = 0, α = 0
         for s in cluster.sites:
-            d = s.diloco
-            d.streaming = StreamingSync(
-                d.group.sync,
-                s.site_id,
-                d.layout,
-                d.state,
-                lambda d=d: d._tensors_and_kinds()[0],
-                sync_every=3,
-                num_fragments=1,
-                overlap_steps=0,
-                merge_alpha=0.0,
-            )
+            assert not s.diloco.config.streaming  # F = 1, τ = 0, α = 0
+            s.diloco.streaming = s.diloco._streaming_sync(s.diloco.config)
     gen = [torch.Generator().manual_seed(i) for i in range(2)]
 
     def step(site: Site, k: int) -> None:
