@@ -226,7 +226,7 @@ class DiLoCo:
         (it would skip the buckets and end with a different θ).
 
         Args:
-            wait: False closes at once (e.g. on SIGINT).
+            wait: False closes at once (e.g. on SIGINT); a fragment round in flight is not merged.
         Returns:
             what the wait found (who did not pull what), or None when this call
             did not wait (``wait=False`` or already closed).
@@ -237,7 +237,7 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
         if self.streaming is not None:  # merge the fragment round in flight (bounded by its deadlines)
-            outcome = self.streaming.close()
+            outcome = self.streaming.close(wait=wait)
             if outcome is not None:
                 self._record(outcome)
         waited = None

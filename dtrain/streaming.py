@@ -302,8 +302,17 @@ class StreamingSync:
                 local = self.layout.gather(b, tensors)
                 self.layout.scatter(b, torch.lerp(theta, local, alpha), tensors)
 
-    def close(self) -> Outcome | None:
-        """Merge the round in flight (if any) and stop the background thread."""
+    def close(self, *, wait: bool = True) -> Outcome | None:
+        """Merge the round in flight (if any) and stop the background thread.
+
+        Args:
+            wait: False leaves a round in flight to run out on its own (bounded by its
+                deadlines) and merges nothing (e.g. on SIGINT).
+        """
+        if not wait:
+            self._pending = None
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            return None
         try:
             return self.flush()
         finally:
