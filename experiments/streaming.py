@@ -262,7 +262,33 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         "- Targets (issue 15): utilization >= 0.95 with overlap; final loss within 1 % of blocking at the same "
         "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."
     )
+    notes += _verdicts(groups, base_loss, base_peak)
     return md, notes
+
+
+def _verdicts(groups: dict[str, list[dict[str, Any]]], base_loss: float, base_peak: float) -> list[str]:
+    """One line per target and configuration: the figure and met / not met."""
+    out = []
+    if "blocking" in groups:
+        u = statistics.fmean(r["compute_util"] for r in groups["blocking"])
+        out.append(
+            f"- Blocking utilization {u:.2f}: the issue asks for an H that keeps it <= 0.60 "
+            f"({'met' if u <= 0.6 else '**not met**: a larger share of compute than the issue intended'})."
+        )
+    for cfg, g in groups.items():
+        if cfg == "blocking":
+            continue
+        u = statistics.fmean(r["compute_util"] for r in g)
+        dl = statistics.fmean(r["final_val_loss"] for r in g) / base_loss - 1
+        line = (
+            f"- {cfg}: utilization {u:.3f} ({'met' if u >= 0.95 else '**not met**'}); final loss {100 * dl:+.2f} % "
+            f"of blocking ({'met' if dl <= 0.01 else '**not met**'}: at most 1 % worse)"
+        )
+        if g[0]["num_fragments"] == 4:
+            pk = statistics.fmean(r["peak_Bps"] for r in g) / base_peak
+            line += f"; peak bytes/s {pk:.2f}x blocking ({'met' if pk <= 0.35 else '**not met**'})"
+        out.append(line + ".")
+    return out
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
