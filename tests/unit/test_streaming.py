@@ -256,3 +256,49 @@ def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
     # the same delay without overlap (τ = 0): every round waits
     waited0, rounds0 = _waited_steps(tau=0, delay_s=0.02)
     assert rounds0 == 2 and waited0 == 2
+
+
+# ------------------------------------------------------------------ one-step delay: Δ is the model's own steps
+def _regression_loss(num_fragments: int, overlap_steps: int) -> float:
+    """θ's loss on fresh data after 160 inner steps of 2 sites (H = 8, outer step = plain averaging)."""
+    torch.manual_seed(0)
+    w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(5))
+    cfg = ClusterConfig(
+        num_sites=2,
+        sync_every=8,
+        buckets=BucketConfig(bucket_bytes=256, chunk_bytes=256),
+        num_fragments=num_fragments,
+        overlap_steps=overlap_steps,
+    )
+    cluster = InprocCluster(
+        lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),
+        cfg,
+        outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+    )
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+
+    def step(site: Site, k: int) -> None:
+        x = torch.randn(32, 16, generator=gens[site.index])
+        loss = ((site.model(x) - torch.tanh(x @ w_true)) ** 2).mean()
+        loss.backward()
+        site.optimizer.step()
+        site.optimizer.zero_grad()
+
+    with cluster:
+        cluster.run_steps(step, 160, timeout_s=60)
+        for s in cluster.sites:
+            s.diloco.close()
+        model = cluster.sites[0].model
+        cluster.sites[0].state.copy_to([p.data for p in model.parameters()])
+        x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
+        with torch.no_grad():
+            return float(((model(x) - torch.tanh(x @ w_true)) ** 2).mean())
+
+
+def test_one_step_delayed_mode_learns_as_blocking_rounds_do_with_plain_averaging():
+    """With θ ← mean of the sites' models (outer SGD lr 1) a one-round delay costs little: 0.1682
+    against 0.1677 when measured. Without the snapshot's shift (Δ measured against a θ that already
+    holds the merged round) it was 0.1901: the outer update counted twice."""
+    blocking, delayed = _regression_loss(1, 0), _regression_loss(1, 8)
+    assert abs(delayed - blocking) / blocking < 0.03, (blocking, delayed)
