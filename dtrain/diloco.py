@@ -37,13 +37,26 @@ from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-__all__ = ["DiLoCoConfig", "DiLoCo"]
+__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors"]
 
 log = logging.getLogger(__name__)
 
 # state_dict() keys that load_state_dict() needs, and their names in the older layout
 _STATE_KEYS = ("theta", "outer_optimizer", "residuals", "round", "bucket_round", "fingerprint")
 _OLD_NAMES = {"outer_optimizer": "optimizers", "round": "rounds_applied"}
+
+
+def sync_tensors(model: torch.nn.Module, buffers: str) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors DiLoCo synchronises: every parameter (``.data``: DTensors stay
+    DTensors), then the floating-point buffers when ``buffers == "average"``; with
+    their kinds (``"param"``/``"buffer"``) as ``BucketLayout`` takes them."""
+    tensors = [p.data for p in model.parameters()]
+    kinds = ["param"] * len(tensors)
+    if buffers == "average":
+        bufs = [b for b in model.buffers() if b.is_floating_point()]
+        tensors += bufs
+        kinds += ["buffer"] * len(bufs)
+    return tensors, kinds
 
 
 class DiLoCo:
@@ -126,13 +139,7 @@ class DiLoCo:
             self.state.copy_to(self._tensors_and_kinds()[0])
 
     def _tensors_and_kinds(self) -> tuple[list[torch.Tensor], list[str]]:
-        tensors = [p.data for p in self.model.parameters()]
-        kinds = ["param"] * len(tensors)
-        if self.config.buffers == "average":
-            bufs = [b for b in self.model.buffers() if b.is_floating_point()]
-            tensors += bufs
-            kinds += ["buffer"] * len(bufs)
-        return tensors, kinds
+        return sync_tensors(self.model, self.config.buffers)
 
     @property
     def round(self) -> int:

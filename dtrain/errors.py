@@ -24,6 +24,7 @@ __all__ = [
     "MissedRound",
     "StateTransferError",
     "CheckpointError",
+    "SiteGroupError",
 ]
 
 
@@ -160,3 +161,8 @@ class StateTransferError(DtrainError):
 
 class CheckpointError(DtrainError):
     """A checkpoint is corrupt or does not match the model/config; nothing was loaded."""
+
+
+class SiteGroupError(DtrainError):
+    """A site group cannot take part: its sites disagree on the number of ranks per
+    site, or a collective inside the site failed (a rank died)."""

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class RendezvousClient(Protocol):
-    def join(self, site_id: str, address: str) -> JoinInfo: ...
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo: ...
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
     ) -> HeartbeatInfo: ...
@@ -66,10 +66,21 @@ class Group:
         engine: the site's round engine (already started, so it has an address).
         rendezvous: a rendezvous client.
         config: see :class:`GroupConfig`.
+        rank_addresses: for a site group (``dtrain.sitegroup``), every rank's
+            Peer address, rank 0's first; registered with the rendezvous so that
+            plans carry them. Empty for a single-process site.
     """
 
-    def __init__(self, engine: RoundEngine, rendezvous: RendezvousClient, config: GroupConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: RoundEngine,
+        rendezvous: RendezvousClient,
+        config: GroupConfig | None = None,
+        *,
+        rank_addresses: Sequence[str] = (),
+    ) -> None:
         self.engine = engine
+        self.rank_addresses = tuple(rank_addresses)
         self.rendezvous = rendezvous
         self.config = config or GroupConfig()
         self.site_id = engine.site_id
@@ -110,7 +121,7 @@ class Group:
         """
         addr = self.engine.address
         assert addr is not None, "start the engine before joining"
-        info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, addr), timeout_s)
+        info = self._call_with_backoff(self.register, timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
         if info.needs_state and self.engine.state.rounds_applied < info.next_round:
             log.info(
@@ -129,6 +140,15 @@ class Group:
             )
             self._hb_thread.start()
         return info
+
+    def register(self) -> JoinInfo:
+        """One ``join`` call to the rendezvous with this site's address(es).
+
+        Raises:
+            RendezvousError: the rendezvous is unreachable.
+        """
+        kw = {"rank_addresses": self.rank_addresses} if self.rank_addresses else {}
+        return self.rendezvous.join(self.site_id, self.engine.address or "", **kw)
 
     def report_round(self, report: Mapping[str, Any]) -> None:
         """Queue one round's report for the rendezvous's status page
@@ -164,7 +184,7 @@ class Group:
             if not hb.known:
                 self._rejoin_needed.set()
                 try:  # a restarted rendezvous: register again, keep our state
-                    self.rendezvous.join(self.site_id, self.engine.address or "")
+                    self.register()
                     self._rejoin_needed.clear()
                     log.info("%s re-registered with a restarted rendezvous", self.site_id)
                 except RendezvousError:
@@ -207,13 +227,13 @@ class Group:
                     "%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e
                 )
             time.sleep(0.2)
-            info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
+            info = self._call_with_backoff(self.register, 60.0)
 
     def resync(self) -> None:
         """Discard local progress and pull θ and outer-optimizer state from members."""
         st = self.engine.state
         st.residuals = [None] * len(st)
-        info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
+        info = self._call_with_backoff(self.register, 60.0)
         self._pull_state(info)
         self._resync_needed.clear()
 
@@ -242,13 +262,42 @@ class Group:
         Raises:
             QuorumTimeout: no round formed within ``quorum_wait_s``.
         """
+        waited_since = time.monotonic()
+        kind, d, reason = self.next_decision()
+        # seconds waited for the rendezvous's decision (0 when none was asked for)
+        quorum_s = time.monotonic() - waited_since if kind in ("plan", "missed") else 0.0
+        if kind == "plan":
+            assert d is not None and d.plan is not None
+            ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
+            res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets)
+            res.fragment = fragment
+            return SyncOutcome(status="applied", reason=reason, result=res, quorum_s=quorum_s)
+        if kind == "deferred":
+            return SyncOutcome(status="deferred", reason=reason)
+        r = self.engine.state.rounds_applied
+        if kind == "missed":
+            log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
+        try:
+            self.resync()
+        except (RendezvousError, StateTransferError) as e:
+            prefix = f"missed round {r} ({reason}); " if kind == "missed" else ""
+            return SyncOutcome(status="deferred", reason=f"{prefix}resync failed: {e}", quorum_s=quorum_s)
+        return SyncOutcome(status="resynced", reason=reason, quorum_s=quorum_s)
+
+    def next_decision(self) -> tuple[str, ReadyDecision | None, str]:
+        """Wait for the rendezvous's decision about this site's next round.
+
+        Returns:
+            ``(kind, decision, reason)``: kind ``"plan"`` (``decision.plan`` is
+            the round to run), ``"missed"`` (the group moved on: resynchronise),
+            ``"resync"`` (declared dead by the rendezvous: resynchronise) or
+            ``"deferred"`` (rendezvous unreachable: train on locally).
+        Raises:
+            QuorumTimeout: no round formed within ``quorum_wait_s``.
+        """
         st = self.engine.state
         if self._resync_needed.is_set():
-            try:
-                self.resync()
-            except (RendezvousError, StateTransferError) as e:
-                return SyncOutcome(status="deferred", reason=f"resync failed: {e}")
-            return SyncOutcome(status="resynced", reason="declared dead by the rendezvous; state pulled")
+            return "resync", None, "declared dead by the rendezvous; state pulled"
         waited_since = time.monotonic()
         unreachable_since: float | None = None
         last_reason = ""
@@ -261,27 +310,13 @@ class Group:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.config.rendezvous_retry_s:
-                    return SyncOutcome(status="deferred", reason=f"rendezvous unreachable: {e}")
+                    return "deferred", None, f"rendezvous unreachable: {e}"
                 time.sleep(min(0.5, self.config.rendezvous_retry_s))
                 continue
             if d.status == "plan" and d.plan is not None:
-                quorum_s = time.monotonic() - waited_since
-                ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
-                res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets)
-                res.fragment = fragment
-                return SyncOutcome(status="applied", reason=d.reason, result=res, quorum_s=quorum_s)
+                return "plan", d, d.reason
             if d.status == "missed":
-                quorum_s = time.monotonic() - waited_since
-                log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, d.reason)
-                try:
-                    self.resync()
-                except (RendezvousError, StateTransferError) as e:
-                    return SyncOutcome(
-                        status="deferred",
-                        reason=f"missed round {r} ({d.reason}); resync failed: {e}",
-                        quorum_s=quorum_s,
-                    )
-                return SyncOutcome(status="resynced", reason=d.reason, quorum_s=quorum_s)
+                return "missed", d, d.reason
             if d.reason != last_reason:
                 log.info("%s waiting for round %d: %s", self.site_id, r, d.reason)
                 last_reason = d.reason

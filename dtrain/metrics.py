@@ -85,7 +85,7 @@ class _Record:
         d: dict[str, Any] = {"event": self.event} if hasattr(self, "event") else {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
-            if v is None and isinstance(self, RoundLine) and f.name in ENGINE_FIELDS:
+            if v is None and isinstance(self, RoundLine) and (f.name in ENGINE_FIELDS or f.name == "datagram"):
                 continue
             d[f.name] = list(v) if isinstance(v, tuple) else v
         return d
@@ -131,6 +131,7 @@ class RoundLine(_Record):
     time: float | None = None
     checksum: str | None = None
     outer_checksum: str | None = None
+    datagram: dict[str, Any] | None = None  # the datagram path's cumulative counters (absent on gRPC)
     # ---- engine fields (RoundResult), None when no round ran at this site
     owned_buckets: int | None = None
     applied_buckets: int | None = None

@@ -445,7 +445,14 @@ class Tree:
             flags = [leaf.flag]
             if leaf.key in short:
                 flags.insert(0, "--" + short[leaf.key].replace("_", "-"))
-            kw: dict[str, Any] = {"dest": _dest(leaf), "default": argparse.SUPPRESS, "help": help_line(leaf)}
+            # a leaf of an optional node (unset by default) has no default of its own: the
+            # node's class default applies only once one of its options is given
+            unset = self.nodes[owner_path].optional if owner_path in self.nodes else False
+            kw: dict[str, Any] = {
+                "dest": _dest(leaf),
+                "default": argparse.SUPPRESS,
+                "help": help_line(leaf, unset_node=unset),
+            }
             if leaf.kind is bool and not leaf.optional:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
@@ -501,8 +508,12 @@ def _show(value: Any, name: str) -> str:
     return str(value)
 
 
-def help_line(leaf: Leaf) -> str:
-    """``--help`` text: the field's doc, then [unit; allowed values; default]."""
+def help_line(leaf: Leaf, *, unset_node: bool = False) -> str:
+    """``--help`` text: the field's doc, then [unit; allowed values; default].
+
+    ``unset_node``: the leaf belongs to an optional node that is unset by default (e.g.
+    ``broadcast_codec``: None = same as ``codec``); the default shown is then the one
+    the node takes once any of its options is given."""
     parts = []
     unit = unit_of(leaf.name)
     if unit:
@@ -511,7 +522,10 @@ def help_line(leaf: Leaf) -> str:
         parts.append("one of: " + ", ".join(leaf.choices) + (", none" if leaf.optional else ""))
     elif leaf.optional:
         parts.append(f"{leaf.type_name} or none")
-    parts.append(f"default: {_show(leaf.default, leaf.name)}")
+    if unset_node:
+        parts.append(f"default: unset; {_show(leaf.default, leaf.name)} once any option of this group is given")
+    else:
+        parts.append(f"default: {_show(leaf.default, leaf.name)}")
     return f"{leaf.doc or leaf.name} [{'; '.join(parts)}]".replace("%", "%%")
 
 

@@ -30,10 +30,31 @@ class Member:
         site_id: unique, stable name of the site (e.g. ``"site-0"``).
         address: ``host:port`` where its Peer service listens (for the in-process
             transport, any unique string).
+        rank_addresses: for a site group of K > 1 ranks, rank j's Peer address
+            at index j (``rank_addresses[0] == address``); empty for a
+            single-process site. Rank j syncs its slice with rank j of the others.
     """
 
     site_id: str
     address: str
+    rank_addresses: tuple[str, ...] = ()
+
+    @property
+    def num_ranks(self) -> int:
+        """K, the number of ranks whose Peer services this member has (1 for a single process)."""
+        return max(1, len(self.rank_addresses))
+
+    def rank_address(self, rank: int) -> str:
+        """The Peer address of rank ``rank`` (``address`` for a single-process site's rank 0).
+
+        Raises:
+            KeyError: the member has no such rank.
+        """
+        if not self.rank_addresses and rank == 0:
+            return self.address
+        if 0 <= rank < len(self.rank_addresses):
+            return self.rank_addresses[rank]
+        raise KeyError(f"{self.site_id} has {self.num_ranks} ranks, no rank {rank}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,12 +70,17 @@ class RoundPlan:
             finalize their buckets' means over whatever arrived.
         broadcast_timeout_s: seconds after receiving the plan by which every site
             stops waiting for means; a bucket whose mean did not arrive is stale.
+        datagram_key: 32 random bytes the rendezvous draws for this round: the
+            AEAD key of the datagram data path (``dtrain.transports.datagram``), so it
+            only ever travels over the authenticated control plane. Empty when the
+            plan was made without one. Kept out of ``repr`` (plans are logged).
     """
 
     round: int
     members: tuple[Member, ...]
     reduce_timeout_s: float
     broadcast_timeout_s: float
+    datagram_key: bytes = field(default=b"", repr=False)
 
     @property
     def site_ids(self) -> tuple[str, ...]:

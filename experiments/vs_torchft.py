@@ -49,6 +49,10 @@ full mode append ``report.md`` to ``experiments/RESULTS.md`` (``--no-append`` to
     python experiments/vs_torchft.py              # 3 sites, small, more rounds, 2 netem profiles, int8+zstd/int4
     python experiments/vs_torchft.py --out DIR --analyse-only   # recompute the outputs from DIR/runs
 
+Beside this script: ``vs_torchft_specs.py`` (the modes, a run's spec and record),
+``vs_torchft_analysis.py`` (the numbers and the report) and ``vs_torchft_outputs.py``
+(the files above).
+
 torchft is NOT a dependency of dtrain and this script installs nothing. Install it into
 the same environment after torch (it then pulls no torch)::
 
@@ -61,21 +65,22 @@ import argparse
 import atexit
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vs_torchft_analysis import _lines, analyse, write_outputs  # noqa: E402  (this script's directory is on sys.path)
+from vs_torchft_analysis import _lines, analyse  # noqa: E402  (this script's directory is on sys.path)
+from vs_torchft_outputs import write_outputs  # noqa: E402
+from vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name  # noqa: E402
 
 from dtrain.app.procs import Proc, spawn  # noqa: E402
 
@@ -89,52 +94,6 @@ KILLED_SITE = 1
 # --quorum_tick_ms 100 --join_timeout_ms 10000; Manager(use_async_quorum=False); gloo 5 s).
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 TORCHFT_SITE_FLAGS = ["--timeout-s", "30", "--quorum-timeout-s", "300", "--pg-timeout-s", "5"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Mode:
-    sites: int
-    size: str
-    rounds: int
-    sync_every: int
-    fault_rounds: int  # 0: no fault scenario
-    netem: tuple[str, ...]
-    netem_rounds: int
-    kill_round: int = 3
-    restart_after: int = 2
-    run_timeout_s: float = 900.0
-    repeats: int = 1  # healthy runs per system, in the order AB BA AB ...
-    extra_codecs: tuple[str, ...] = ()  # more healthy dtrain runs, one per codec
-
-
-MODES = {
-    "smoke": Mode(
-        sites=2, size="tiny", rounds=4, sync_every=5, fault_rounds=0, netem=(), netem_rounds=0, run_timeout_s=120.0
-    ),
-    "quick": Mode(
-        sites=2,
-        size="small",
-        rounds=8,
-        sync_every=20,
-        fault_rounds=10,
-        netem=("transatlantic",),
-        netem_rounds=5,
-        repeats=2,
-        extra_codecs=("int8+zstd",),
-    ),
-    "full": Mode(
-        sites=3,
-        size="small",
-        rounds=16,
-        sync_every=50,
-        fault_rounds=14,
-        netem=("transatlantic", "lossy"),
-        netem_rounds=8,
-        run_timeout_s=1800.0,
-        repeats=2,
-        extra_codecs=("int8+zstd", "int4"),
-    ),
-}
 
 
 # ----------------------------------------------------------------------------- processes
@@ -259,41 +218,6 @@ def _prewarmed_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-@dataclass(kw_only=True)
-class RunSpec:
-    system: str  # "dtrain" | "torchft"
-    scenario: str  # "healthy" | "fault" | "netem-<profile>"
-    sites: int
-    size: str
-    data: str
-    rounds: int
-    sync_every: int
-    codec: str
-    bucket_bytes: int | None
-    kill_round: int = -1
-    restart_after: int = 2
-    netem: str | None = None
-    timeout_s: float = 900.0
-    repeat: int = 0
-    pyspy: str | None = None  # path of py-spy: sample dtrain's site-0 (scenario "profile")
-
-
-@dataclass(kw_only=True)
-class RunRecord:
-    spec: RunSpec
-    dir: Path
-    t_go: float = 0.0
-    t_kill: float | None = None
-    t_restart: float | None = None
-    t_end: float = 0.0
-    timed_out: bool = False
-    error: str | None = None
-    procs: dict = field(default_factory=dict)  # name -> {"rc", "maxrss_kb", "role"}
-    netem_backends: dict | None = None
-    command: str = ""
-    loadavg_end: float | None = None  # 1-minute load average when the run ended
-
-
 def _rounds_of(site_dir: Path) -> list[dict]:
     return [d for d in _lines(site_dir.parent, site_dir.name) if d.get("event") == "round"]
 
@@ -552,28 +476,10 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         if topo is not None:
             topo.close()
         try:
-            (run_dir / "record.json").write_text(json.dumps(_record_json(rec), indent=2, default=str))
+            (run_dir / "record.json").write_text(json.dumps(record_json(rec), indent=2, default=str))
         except (TypeError, ValueError, OSError) as e:  # the record is also returned; do not lose the run
             print(f"vs_torchft: could not write {run_dir / 'record.json'}: {e}", file=sys.stderr)
     return rec
-
-
-def _run_dir_name(spec: RunSpec) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"{spec.system}_{spec.scenario}_r{spec.repeat}")
-
-
-def load_record(path: Path) -> RunRecord:
-    """A RunRecord back from its ``record.json`` (for ``--analyse-only``)."""
-    d = json.loads(Path(path).read_text())
-    d["spec"] = RunSpec(**d["spec"])
-    d["dir"] = Path(path).parent
-    return RunRecord(**d)
-
-
-def _record_json(rec: RunRecord) -> dict:
-    d = asdict(rec)
-    d["dir"] = str(rec.dir)
-    return d
 
 
 # ----------------------------------------------------------------------------- main
@@ -786,13 +692,13 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         t0 = time.monotonic()
         if len(batch) == 1:
-            recs = [run_one(batch[0], out / "runs" / _run_dir_name(batch[0]), cmd)]
+            recs = [run_one(batch[0], out / "runs" / run_dir_name(batch[0]), cmd)]
         else:
             from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
             together = threading.Barrier(len(batch))
             with ThreadPoolExecutor(len(batch)) as ex:
-                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / _run_dir_name(sp), cmd, together), batch))
+                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / run_dir_name(sp), cmd, together), batch))
         for rec in recs:
             records.append(rec)
             status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
@@ -811,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spec = RunSpec(system="dtrain", scenario="profile", rounds=mode.rounds, pyspy=str(spy), **base)
             t0 = time.monotonic()
-            rec = run_one(spec, out / "runs" / _run_dir_name(spec), cmd)
+            rec = run_one(spec, out / "runs" / run_dir_name(spec), cmd)
             records.append(rec)
             print(
                 f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True

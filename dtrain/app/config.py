@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 from dtrain.codecs.config import CodecConfig
 from dtrain.configs import DiLoCoConfig, RoundConfig
@@ -122,6 +123,9 @@ class CheckpointConfig:
         )
 
 
+DataPath = Literal["grpc", "datagram"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetConfig:
     """Where a site listens and whom it dials; the shared token and TLS files.
@@ -134,6 +138,11 @@ class NetConfig:
         tls_cert: this site's certificate chain, PEM (none: plaintext).
         tls_key: the private key of tls_cert, PEM.
         tls_ca: CA bundle, PEM, that verifies peers (mutual TLS when all three are set).
+        data_path: how contributions and means travel: "grpc" (default) or "datagram"
+            (paced, sealed UDP on the same port number, never retransmitted; meant for
+            provisioned links; control, state pulls and repair stay on gRPC; a chunk
+            becomes one datagram, and codecs with +zstd or topk are refused).
+        max_rate_mbit: the datagram path's sending-rate ceiling, > 0.
         grpc: gRPC channel and server settings.
     """
 
@@ -144,6 +153,8 @@ class NetConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    data_path: DataPath = "grpc"
+    max_rate_mbit: float = 1000.0
     grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
 
     def __post_init__(self) -> None:
@@ -152,6 +163,8 @@ class NetConfig:
         _need(self, self.listen is not None, "listen", "host:port")
         _need(self, self.rendezvous is not None, "rendezvous", "host:port")
         _need_files(self, ("token_file", "tls_cert", "tls_key", "tls_ca"))
+        _need(self, self.data_path in get_args(DataPath), "data_path", f"one of {get_args(DataPath)}")
+        _need(self, self.max_rate_mbit > 0, "max_rate_mbit", "> 0 Mbit/s")
 
     def transport_config(self) -> GrpcTransportConfig:
         """``grpc`` with the bind address, advertised host, token and TLS filled in."""
@@ -197,6 +210,8 @@ class WorkerConfig:
             the wait ends as soon as every member pulled).
         inner_step_sleep_s: sleep after every inner step, in [0, 3600) (0 = none);
             emulates a slower site in fault tests and experiments.
+        parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
+            train: ddp or fsdp (FSDP2); a single process ignores it.
         task_spec: what the task builds (shard, seed, data, model size).
         diloco: the DiLoCo wrapper: H, buckets, round behaviour, membership.
         outer: the outer optimizer.
@@ -211,6 +226,7 @@ class WorkerConfig:
     threads: int = 1
     linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     task_spec: TaskSpec = field(default_factory=TaskSpec)
     diloco: DiLoCoConfig = field(default_factory=_worker_diloco)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -232,6 +248,9 @@ class WorkerConfig:
         )
         _need(self, 0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
         _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
+        _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
+        if self.net.data_path == "datagram":
+            self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
 
     @property
     def site_id(self) -> str:
@@ -242,6 +261,14 @@ class WorkerConfig:
         hook), the automatic bucket size follows the run's configured number of sites,
         and ``close()`` waits at most ``linger_s``."""
         buckets = replace(self.diloco.buckets, num_sites=self.task_spec.num_sites)
+        if self.net.data_path == "datagram":  # a chunk is one datagram
+            from dtrain.transports.datagram import datagram_chunk_bytes
+
+            try:
+                one = datagram_chunk_bytes(self.diloco.rounds.codec)
+            except ValueError as e:
+                raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
+            buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))
         return replace(self.diloco, hook_optimizer=False, buckets=buckets, close_timeout_s=self.linger_s)
 
     @property
@@ -267,7 +294,20 @@ WORKER_ALIASES = {
     "site_id": "diloco.site_id",
     **{n: f"task_spec.{n}" for n in ("site_index", "num_sites", "seed", "data", "size", "non_iid")},
     **{n: f"task_spec.{n}" for n in ("lr", "batch_size", "context_len")},
-    **{n: f"net.{n}" for n in ("listen", "advertise", "rendezvous", "token_file", "tls_cert", "tls_key", "tls_ca")},
+    **{
+        n: f"net.{n}"
+        for n in (
+            "listen",
+            "advertise",
+            "rendezvous",
+            "token_file",
+            "tls_cert",
+            "tls_key",
+            "tls_ca",
+            "data_path",
+            "max_rate_mbit",
+        )
+    },
     "sync_every": "diloco.sync_every",
     "codec": "diloco.rounds.codec.name",
     "zstd_level": "diloco.rounds.codec.zstd_level",
@@ -338,6 +378,9 @@ class LaunchConfig:
 
     Attributes:
         sites: number of sites (workers), 1..64.
+        ranks_per_site: K > 1: each site is one torchrun group of K ranks (DDP or FSDP2
+            by worker.parallel), 1..64.
+        max_restarts: with ranks_per_site > 1: torchrun restarts of a site's group, >= 0.
         out: run directory (none: runs/<timestamp>).
         netem: run each site in its own network namespace behind emulated links with
             this profile (root only; see netem/).
@@ -350,6 +393,8 @@ class LaunchConfig:
     """
 
     sites: int = 3
+    ranks_per_site: int = 1
+    max_restarts: int = 0
     out: str | None = None
     netem: str | None = None
     progress: bool = True
@@ -360,6 +405,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _need(self, isinstance(self.sites, int) and 1 <= self.sites <= 64, "sites", "an int in [1, 64]")
+        _need(
+            self,
+            isinstance(self.ranks_per_site, int) and 1 <= self.ranks_per_site <= 64,
+            "ranks_per_site",
+            "an int in [1, 64]",
+        )
+        _need(self, isinstance(self.max_restarts, int) and self.max_restarts >= 0, "max_restarts", "an int >= 0")
         if self.http_bind is not None and self.http_port is not None:
             raise ValueError(
                 f"http_port and http_bind: give one of them, got {self.http_port!r} and {self.http_bind!r}"

@@ -109,7 +109,8 @@ def _range(vals: list[float], fmt: str) -> str:
 
 
 def progress_line(r: int, total: int, lines: list[RoundLine], sent_so_far: int) -> str:
-    """One plain progress line for round ``r`` from the sites' lines of that round:
+    """One plain progress line for round ``r`` (numbered from 0, as in the metrics; then
+    how many of ``total`` rounds that makes) from the sites' lines of that round:
     members (the most any site saw), the val_loss range, the bytes_sent of this round's
     lines summed over sites (and of every line so far), and the sync_s range."""
     members = max((len(x.members) for x in lines), default=0)
@@ -117,7 +118,7 @@ def progress_line(r: int, total: int, lines: list[RoundLine], sent_so_far: int) 
     sync = [x.sync_s for x in lines if isinstance(x.sync_s, (int, float))]
     sent = sum(x.bytes_sent or 0 for x in lines)
     return (
-        f"round {r + 1}/{total}: members {members}, val_loss {_range(vl, '.3f')}, "
+        f"round {r} ({r + 1}/{total}): members {members}, val_loss {_range(vl, '.3f')}, "
         f"bytes_sent {sent / 1e6:.2f} MB ({sent_so_far / 1e6:.2f} MB so far), sync_s {_range(sync, '.2f')}"
     )
 
@@ -229,6 +230,16 @@ def _check(values: dict[str, Any]) -> tuple[LaunchConfig, Path, dict[str, Any], 
     return cfg, run_dir, worker, rendezvous
 
 
+def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
+    """With ``ranks_per_site`` K > 1: the worker command as one torchrun group of K ranks
+    (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
+    if cfg.ranks_per_site <= 1:
+        return argv
+    from dtrain.app.site_worker import free_port, torchrun_argv
+
+    return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, master_port=free_port(), max_restarts=cfg.max_restarts)
+
+
 def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
     """Run ``dtrain launch`` with ``values``: launch options by path in
     ``dtrain.app.config.LAUNCH`` (from the flags and ``--config``). Returns the exit code.
@@ -310,6 +321,7 @@ def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
             host = topo.address(i) if topo is not None else "127.0.0.1"
             argv = py + ["worker", "--log-level", log_level]
             argv += worker_argv(wvals, index=i, num_sites=n, host=host, rendezvous=rv_addr, out_dir=sdir)
+            argv = _site_group_argv(cfg, argv)
             logs[site] = sdir / "worker.log"
             procs[site] = spawn(site, wrap(i, argv), logs[site], env=env, append=log_mode == "a")
             views[site] = _SiteView(site, sdir / "metrics.jsonl")

@@ -112,7 +112,13 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
     from dtrain.transports.grpc import GrpcTransport
 
     tcfg = cfg.net.transport_config()
-    return GrpcTransport(tcfg), GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
+    if cfg.net.data_path == "datagram":
+        from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+
+        transport = DatagramTransport(DatagramTransportConfig(grpc=tcfg, max_rate_mbit=cfg.net.max_rate_mbit))
+    else:
+        transport = GrpcTransport(tcfg)
+    return transport, GrpcRendezvousClient(str(cfg.net.rendezvous), config=tcfg)
 
 
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:
@@ -212,16 +218,9 @@ def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
 
 
 def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> Summary:
+    """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``."""
     metrics_path = out / "metrics.jsonl"
-    fp32_bytes = 4 * diloco.layout.total_numel
-    val = task.evaluate(task.model)
-    first_val = val
-    log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
-    start = StartLine(
-        site=cfg.site_id, round=diloco.round, val_loss=val, params=diloco.layout.total_numel, time=time.time()
-    )
-    with open(metrics_path, "a") as mf:
-        write_line(mf, start)
+    val = first_val = _write_start(cfg, task, diloco, metrics_path)
     totals = Totals()
     owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
@@ -231,28 +230,10 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
-        losses = []
-        merged: SyncOutcome | None = None
-        for _ in range(cfg.diloco.sync_every * (2 if streaming else 1)):  # a merge comes within 2H/F steps
-            batch = next(task.batches)
-            loss = task.loss(task.model, batch)
-            loss.backward()
-            task.optimizer.step()
-            task.optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-            diloco.group.last_loss = float(loss.detach())
-            if streaming:
-                merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
-            else:
-                diloco.inner_steps += 1
-                diloco.group.inner_step = diloco.inner_steps
-            if cfg.inner_step_sleep_s:
-                stop.wait(cfg.inner_step_sleep_s)
-            if stop.is_set() or merged is not None:
-                break
-        if stop.is_set():
-            break
-        train_loss = sum(losses) / len(losses)
+        mean_loss, merged = _inner_phase(cfg, task, diloco, stop)
+        if mean_loss is None:
+            break  # the summary keeps the last completed round's train loss
+        train_loss = mean_loss
         diloco.group.last_loss = train_loss
         if streaming:  # sync_s: what the steps waited for their rounds at the merge
             sync_s = streaming.waited_s - waited0
@@ -261,62 +242,165 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
                 continue
             outcome: SyncOutcome = merged
         else:
-            inner_s = time.monotonic() - t_inner
-            t_sync = time.monotonic()
-            outcome = diloco.sync()
-            sync_s = time.monotonic() - t_sync
+            inner_s, outcome, sync_s = _blocking_sync(diloco, t_inner)
         syncs += 1
-        res = outcome.result
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
-        line = RoundLine(
-            site=cfg.site_id,
-            round=(res.round if res else diloco.round - 1),
-            status=outcome.status,
-            reason=outcome.reason,
-            members=list(res.members) if res else [],
-            val_loss=val,
-            train_loss=train_loss,
-            inner_steps=diloco.inner_steps,
-            inner_s=inner_s,
-            sync_s=sync_s,
-            quorum_s=outcome.quorum_s,
-            wall_s=time.monotonic() - t_start,
-            time=time.time(),
-            checksum=theta_checksum(diloco),
-            outer_checksum=outer_state_checksum(diloco),
-            **(engine_fields(res) if res is not None else {}),
+        line = _round_line(
+            cfg, diloco, outcome, val=val, train_loss=train_loss, inner_s=inner_s, sync_s=sync_s, t_start=t_start
         )
         totals.add(line)
-        owned_buckets = res.owned_buckets if res is not None else owned_buckets
-        with open(metrics_path, "a") as mf:
-            write_line(mf, line)
-        diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
-        log.info(
-            "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
-            cfg.site_id,
-            line.round,
-            outcome.status,
-            line.members,
-            val,
-            sync_s,
-            line.bytes_sent or 0,
+        owned_buckets = outcome.result.owned_buckets if outcome.result is not None else owned_buckets
+        _record_round(cfg, diloco, metrics_path, line)
+        _maybe_checkpoint(cfg, task, diloco, outcome)
+    return _summary(
+        cfg,
+        diloco,
+        stop,
+        totals,
+        first_val=first_val,
+        val=val,
+        train_loss=train_loss,
+        owned_buckets=owned_buckets,
+        t_start=t_start,
+    )
+
+
+def _write_start(cfg: WorkerConfig, task, diloco: DiLoCo, metrics_path: Path) -> float:
+    """Evaluate the starting model and append the start line; returns its validation loss."""
+    val = task.evaluate(task.model)
+    log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
+    start = StartLine(
+        site=cfg.site_id, round=diloco.round, val_loss=val, params=diloco.layout.total_numel, time=time.time()
+    )
+    with open(metrics_path, "a") as mf:
+        write_line(mf, start)
+    return val
+
+
+def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, float]:
+    """(inner_s, the round's outcome, sync_s) of a blocking round run now."""
+    inner_s = time.monotonic() - t_inner
+    t_sync = time.monotonic()
+    outcome = diloco.sync()
+    return inner_s, outcome, time.monotonic() - t_sync
+
+
+def _inner_phase(
+    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event
+) -> tuple[float | None, SyncOutcome | None]:
+    """``sync_every`` inner-optimizer steps; returns their mean loss (None when ``stop`` was set)
+    and, with streaming rounds (dtrain/streaming.py), the outcome of the fragment round merged at
+    the last step: then the phase ends at the first merge (within 2H/F steps)."""
+    losses = []
+    merged: SyncOutcome | None = None
+    for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
+        batch = next(task.batches)
+        loss = task.loss(task.model, batch)
+        loss.backward()
+        task.optimizer.step()
+        task.optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if diloco.streaming:
+            diloco.group.last_loss = losses[-1]
+            merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
+        else:
+            diloco.inner_steps += 1
+            diloco.group.inner_step = diloco.inner_steps
+        if cfg.inner_step_sleep_s:
+            stop.wait(cfg.inner_step_sleep_s)
+        if stop.is_set() or merged is not None:
+            break
+    if stop.is_set():
+        return None, None
+    return sum(losses) / len(losses), merged
+
+
+def _round_line(
+    cfg: WorkerConfig,
+    diloco: DiLoCo,
+    outcome: SyncOutcome,
+    *,
+    val: float,
+    train_loss: float,
+    inner_s: float,
+    sync_s: float,
+    t_start: float,
+) -> RoundLine:
+    """The metrics line of the sync that just ended (a deferred one has no round result)."""
+    res = outcome.result
+    # the datagram path's wire bytes, NACKs, drops (cumulative)
+    counters = getattr(diloco.engine.transport, "counters", None)
+    return RoundLine(
+        site=cfg.site_id,
+        round=(res.round if res else diloco.round - 1),
+        status=outcome.status,
+        reason=outcome.reason,
+        members=list(res.members) if res else [],
+        val_loss=val,
+        train_loss=train_loss,
+        inner_steps=diloco.inner_steps,
+        inner_s=inner_s,
+        sync_s=sync_s,
+        quorum_s=outcome.quorum_s,
+        wall_s=time.monotonic() - t_start,
+        time=time.time(),
+        checksum=theta_checksum(diloco),
+        outer_checksum=outer_state_checksum(diloco),
+        datagram=counters() if res is not None and counters is not None else None,
+        **(engine_fields(res) if res is not None else {}),
+    )
+
+
+def _record_round(cfg: WorkerConfig, diloco: DiLoCo, metrics_path: Path, line: RoundLine) -> None:
+    """Append ``line`` to the metrics file, queue its report for the status page, and log it."""
+    with open(metrics_path, "a") as mf:
+        write_line(mf, line)
+    diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
+    log.info(
+        "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
+        cfg.site_id,
+        line.round,
+        line.status,
+        line.members,
+        line.val_loss,
+        line.sync_s,
+        line.bytes_sent or 0,
+    )
+
+
+def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutcome) -> None:
+    """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync)."""
+    every = cfg.checkpoint.every
+    if every and outcome.status != "deferred" and diloco.round % every == 0:
+        save_checkpoint(
+            cfg.resolved_checkpoint_dir,
+            diloco.round,
+            {
+                "site_id": cfg.site_id,
+                "fingerprint": diloco.layout.fingerprint(),
+                "model": task.model.state_dict(),
+                "inner_optimizer": task.optimizer.state_dict(),
+                "diloco": diloco.state_dict(),
+                "batches": task.batches.state_dict(),
+                "config": json.dumps(asdict(cfg), default=str),
+            },
         )
-        every = cfg.checkpoint.every
-        if every and outcome.status != "deferred" and diloco.round % every == 0:
-            save_checkpoint(
-                cfg.resolved_checkpoint_dir,
-                diloco.round,
-                {
-                    "site_id": cfg.site_id,
-                    "fingerprint": diloco.layout.fingerprint(),
-                    "model": task.model.state_dict(),
-                    "inner_optimizer": task.optimizer.state_dict(),
-                    "diloco": diloco.state_dict(),
-                    "batches": task.batches.state_dict(),
-                    "config": json.dumps(asdict(cfg), default=str),
-                },
-            )
+
+
+def _summary(
+    cfg: WorkerConfig,
+    diloco: DiLoCo,
+    stop: threading.Event,
+    totals: Totals,
+    *,
+    first_val: float,
+    val: float,
+    train_loss: float,
+    owned_buckets: int,
+    t_start: float,
+) -> Summary:
+    """The run's summary after the loop ended."""
     wall = time.monotonic() - t_start
     # compression_ratio: the codec's ratio over every contribution this site encoded;
     # bytes_sent also counts means an owner serves, so it is not a compression measure.
@@ -329,7 +413,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         checksum=theta_checksum(diloco),
         wall_s=wall,
         sync_share=totals.sync_s / wall if wall > 0 else 0.0,
-        fp32_bytes_per_round=fp32_bytes,
+        fp32_bytes_per_round=4 * diloco.layout.total_numel,
         owned_buckets=owned_buckets,
         num_buckets=len(diloco.layout),
         interrupted=stop.is_set(),

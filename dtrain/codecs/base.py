@@ -154,7 +154,10 @@ class Codec:
         if raw:
             self._encode_into(x32, body, generator)
         stored = self._compressor().compress(body) if self._zstd else body
-        header = _HEADER.pack(
+        return b"".join((self._header(numel, stored, dtype_id), stored))
+
+    def _header(self, numel: int, stored, dtype_id: int = 1) -> bytes:
+        return _HEADER.pack(
             _MAGIC,
             _VERSION,
             self._codec_id,
@@ -165,7 +168,16 @@ class Codec:
             len(stored),
             zlib.crc32(stored),
         )
-        return b"".join((header, stored))
+
+    def encode_chunks(
+        self, x: torch.Tensor, chunks: "list[tuple[int, int]] | tuple[tuple[int, int], ...]", *, generator=None
+    ) -> list[bytes]:
+        """Encode the element ranges ``chunks`` (``(offset, numel)`` pairs) of 1-D ``x``,
+        each to its own payload: the same bytes as ``encode(x[o:o+n])`` per range (up to
+        the random draws of stochastic rounding). Codecs that can do it in one pass over
+        ``x`` (int8/int4 without zstd, block-aligned ranges) override this; many small
+        ranges (the datagram path's one-chunk-per-datagram) then cost one encode."""
+        return [self.encode(x[o : o + n], generator=generator) for o, n in chunks]
 
     def decode(self, payload: bytes | bytearray | memoryview, *, numel: int) -> torch.Tensor:
         """Decode a payload made by :meth:`encode` of a codec with the same config.

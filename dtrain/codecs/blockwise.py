@@ -25,6 +25,7 @@ import torch
 
 from dtrain.codecs.base import (
     CHUNK_ELEMS,
+    HEADER_BYTES,
     SLACK,
     TINY,
     Codec,
@@ -103,6 +104,25 @@ class _Blockwise(Codec):
                 q.round_()
             yield s, t, q.clamp_(-qmax, qmax)
 
+    def encode_chunks(self, x, chunks, *, generator=None):
+        """One pass over ``x``, then each block-aligned range's scales and codes sliced out."""
+        bs = self._bs
+        aligned = all(o % bs == 0 and o % 2 == 0 for o, _ in chunks)
+        if self._zstd or not aligned or x.dim() != 1 or x.dtype != torch.float32 or len(chunks) < 2:
+            return super().encode_chunks(x, chunks, generator=generator)
+        whole = memoryview(self.encode(x, generator=generator))[HEADER_BYTES:]
+        nb = self._num_blocks(x.numel())
+        out = []
+        for o, n in chunks:
+            k0, k1 = o // bs, o // bs + self._num_blocks(n)
+            c0, c1 = self._code_range(o, n)
+            body = b"".join((whole[4 * k0 : 4 * k1], whole[4 * nb + c0 : 4 * nb + c1]))
+            out.append(self._header(n, body) + body)
+        return out
+
+    def _code_range(self, o: int, n: int) -> tuple[int, int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ decode
     def _read_scales(self, body, numel: int) -> torch.Tensor:
         nb = self._num_blocks(numel)
@@ -134,6 +154,9 @@ class Int8Codec(_Blockwise):
 
     def _codes_bytes(self, numel):
         return numel
+
+    def _code_range(self, o, n):
+        return o, o + n
 
     def _encode_into(self, x, out, generator):
         n = x.numel()
@@ -177,6 +200,9 @@ class Int4Codec(_Blockwise):
 
     def _codes_bytes(self, numel):
         return (numel + 1) // 2
+
+    def _code_range(self, o, n):
+        return o // 2, o // 2 + (n + 1) // 2
 
     def _encode_into(self, x, out, generator):
         n = x.numel()

@@ -18,6 +18,7 @@ site asks for.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class SiteRecord:
     site_id: str
     address: str
     joined_at: float
+    rank_addresses: tuple[str, ...] = ()
     last_heartbeat: float
     needs_resync: bool = False
     resync_reason: str = ""
@@ -224,6 +226,7 @@ class RendezvousCore:
         self.next_round = 0
         self.plans: dict[int, RoundPlan] = {}
         self._plan_members: dict[int, frozenset[str]] = {}  # round -> its plan's site ids
+        self._plan_reason: dict[int, str] = {}  # round -> why the quorum rule formed its plan
         self._ready: dict[str, float] = {}
         self._adopted_at: float | None = None
         self._cv = threading.Condition()
@@ -259,7 +262,7 @@ class RendezvousCore:
         self._live_cache = (now, expires, result)
         return result
 
-    def join(self, site_id: str, address: str, *, now: float) -> JoinInfo:
+    def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is not None:
@@ -269,6 +272,7 @@ class RendezvousCore:
             self.sites[site_id] = SiteRecord(
                 site_id=site_id,
                 address=address,
+                rank_addresses=tuple(rank_addresses),
                 joined_at=now,
                 last_heartbeat=now,
                 rounds_joined=prev.rounds_joined if prev else 0,
@@ -282,7 +286,7 @@ class RendezvousCore:
                 self._startup_complete_at = now
             live = self._live(now)  # once: a join costs O(sites), not O(sites^2)
             others = tuple(
-                Member(site_id=s, address=r.address)
+                Member(site_id=s, address=r.address, rank_addresses=r.rank_addresses)
                 for s, r in sorted(self.sites.items())
                 if s != site_id and s in live
             )
@@ -387,7 +391,10 @@ class RendezvousCore:
             if plan is not None:
                 members = self._plan_members.get(round)
                 if site_id in (members if members is not None else plan.site_ids):
-                    return ReadyDecision(status="plan", reason="already formed", next_round=self.next_round, plan=plan)
+                    # every member learns why the round formed as it did (a cut straggler, say),
+                    # whichever call formed it
+                    why = self._plan_reason.get(round, "already formed")
+                    return ReadyDecision(status="plan", reason=why, next_round=self.next_round, plan=plan)
                 return ReadyDecision(
                     status="missed",
                     reason=f"round {round} started without {site_id} (straggler)",
@@ -455,14 +462,20 @@ class RendezvousCore:
             return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
         plan = RoundPlan(
             round=self.next_round,
-            members=tuple(Member(site_id=s, address=self.sites[s].address) for s in members),
+            members=tuple(
+                Member(site_id=s, address=self.sites[s].address, rank_addresses=self.sites[s].rank_addresses)
+                for s in members
+            ),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
+            datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
         )
         self.plans[plan.round] = plan
         self._plan_members[plan.round] = frozenset(members)
+        self._plan_reason[plan.round] = reason
         self.plans.pop(plan.round - 8, None)
         self._plan_members.pop(plan.round - 8, None)
+        self._plan_reason.pop(plan.round - 8, None)
         for s in members:
             self.sites[s].rounds_joined += 1
             self.sites[s].last_member_round = plan.round
@@ -541,9 +554,9 @@ class InprocRendezvousClient:
 
             raise RendezvousError("rendezvous unreachable (inproc down)")
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         self._check()
-        return self.core.join(site_id, address, now=time.monotonic())
+        return self.core.join(site_id, address, now=time.monotonic(), rank_addresses=rank_addresses)
 
     def heartbeat(
         self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()

@@ -67,7 +67,7 @@ _READY_SLACK_S = 5.0
 class RendezvousCoreLike(Protocol):
     """What the servicer needs from ``dtrain.rendezvous.RendezvousCore``."""
 
-    def join(self, site_id: str, address: str, *, now: float) -> JoinInfo: ...
+    def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo: ...
 
     def heartbeat(
         self,
@@ -92,11 +92,11 @@ class RendezvousCoreLike(Protocol):
 
 
 def _members_to_proto(members) -> list[pb.Member]:
-    return [pb.Member(site_id=m.site_id, address=m.address) for m in members]
+    return [pb.Member(site_id=m.site_id, address=m.address, rank_addresses=m.rank_addresses) for m in members]
 
 
 def _members_from_proto(members) -> tuple[Member, ...]:
-    return tuple(Member(site_id=m.site_id, address=m.address) for m in members)
+    return tuple(Member(site_id=m.site_id, address=m.address, rank_addresses=tuple(m.rank_addresses)) for m in members)
 
 
 def plan_to_proto(plan: RoundPlan) -> pb.RoundPlan:
@@ -105,6 +105,7 @@ def plan_to_proto(plan: RoundPlan) -> pb.RoundPlan:
         members=_members_to_proto(plan.members),
         reduce_timeout_s=plan.reduce_timeout_s,
         broadcast_timeout_s=plan.broadcast_timeout_s,
+        datagram_key=plan.datagram_key,
     )
 
 
@@ -114,6 +115,7 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
         members=_members_from_proto(m.members),
         reduce_timeout_s=m.reduce_timeout_s,
         broadcast_timeout_s=m.broadcast_timeout_s,
+        datagram_key=m.datagram_key,
     )
 
 
@@ -229,7 +231,11 @@ class _RendezvousServicer:
 
     async def Join(self, request, context):
         info = await self._guard(
-            context, "join", lambda: self._core.join(request.site_id, request.address, now=time.monotonic())
+            context,
+            "join",
+            lambda: self._core.join(
+                request.site_id, request.address, now=time.monotonic(), rank_addresses=tuple(request.rank_addresses)
+            ),
         )
         self._touch(request.site_id)
         return pb.JoinReply(
@@ -488,13 +494,16 @@ class GrpcRendezvousClient:
         except DtrainError as e:  # the pool is closed
             raise RendezvousError(f"rendezvous {what}: {e}") from None
 
-    def join(self, site_id: str, address: str) -> JoinInfo:
-        """Register ``site_id`` serving its Peer service at ``address``."""
+    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
+        """Register ``site_id`` serving its Peer service at ``address`` (and, for a
+        site group, every rank's Peer address in ``rank_addresses``)."""
         reply = self._call(
             "join",
             self.rpc_timeout_s,
             lambda stub, t: stub.Join(
-                pb.JoinRequest(site_id=site_id, address=address), timeout=t, metadata=self._metadata
+                pb.JoinRequest(site_id=site_id, address=address, rank_addresses=list(rank_addresses)),
+                timeout=t,
+                metadata=self._metadata,
             ),
         )
         return JoinInfo(

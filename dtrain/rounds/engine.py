@@ -249,6 +249,22 @@ class RoundEngine:
                     ", ".join(sorted(new)),
                 )
 
+    def handle_sender_done(self, round: int, sender: str) -> None:
+        """``sender`` sent everything it will send this site for ``round``.
+
+        Called by a transport that knows (the datagram path, on the sender's
+        SEND_END): the chunks of ``sender`` still missing were lost, not late, so
+        they no longer count as missing and a bucket lacking nothing else is
+        finalized at once instead of at the reduce deadline.
+        """
+        with self._cv:
+            owned = self._open.get(round)
+        if owned is None:
+            return
+        with owned.cv:
+            if owned.books.sender_done(sender):
+                owned.cv.notify_all()
+
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
         with self._cv:
@@ -365,6 +381,8 @@ class RoundEngine:
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
+        # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
+        self.transport.begin_round(plan, owners, self.site_id)
         return _Run(
             plan=plan, owners=owners, active=active, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0
         )
@@ -459,10 +477,13 @@ class RoundEngine:
             v = self.state.residuals[b]
             if v is None:
                 continue
-            for c, (off, n) in enumerate(self.state.layout.buckets[b].chunks):
-                t = time.perf_counter()
-                payload = self.codec.encode(v[off : off + n], generator=self._gen)
-                run.add(encode_s=time.perf_counter() - t, encoded_bytes=len(payload), encoded_fp32_bytes=4 * n)
+            chunks = self.state.layout.buckets[b].chunks
+            t = time.perf_counter()
+            # one pass per bucket (the datagram path cuts a bucket into many small chunks)
+            payloads = self.codec.encode_chunks(v, chunks, generator=self._gen)
+            run.add(encode_s=time.perf_counter() - t)
+            for c, ((off, n), payload) in enumerate(zip(chunks, payloads)):
+                run.add(encoded_bytes=len(payload), encoded_fp32_bytes=4 * n)
                 if not self.codec.lossless:
                     with run.lock:
                         run.payloads[(b, c)] = payload

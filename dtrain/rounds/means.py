@@ -41,11 +41,15 @@ def encode_mean(
         and the decoded mean, 1-D fp32 of ``bucket.numel`` elements.
     """
     full = torch.empty(bucket.numel, dtype=torch.float32)
+    src = torch.empty(bucket.numel, dtype=torch.float32)
+    ranges = [bucket.chunks[red.chunk] for red in reductions]
+    for red, (off, n) in zip(reductions, ranges):
+        src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
+    # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
+    payloads = codec.encode_chunks(src, ranges, generator=generator)
     chunks = []
-    for red in reductions:
-        off, n = bucket.chunks[red.chunk]
-        mean = red.mean if residual is None else red.mean + residual[off : off + n]
-        payload = codec.encode(mean, generator=generator)
+    for red, (off, n), payload in zip(reductions, ranges, payloads):
+        mean = src[off : off + n]
         dec = codec.decode(payload, numel=n)
         if residual is not None:
             residual[off : off + n] = mean - dec

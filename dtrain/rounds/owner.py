@@ -121,6 +121,7 @@ class OpenRound:
         self.expected = len(self._acc) * len(self.members)
         self.arrived = 0
         self.lost: set[str] = set()
+        self.finished: set[str] = set()  # members whose transport said they sent everything (sender_done)
         self.rejections = RejectionTally()
         self.faulty_senders: set[str] = set()
         self.digests: dict[tuple[int, int], dict[str, bytes]] = {}
@@ -210,7 +211,7 @@ class OpenRound:
         if not acc.add(sender, values, digest):
             return False
         self.arrived += 1
-        if sender not in self.lost:  # a lost member is no longer awaited: counted, not missing
+        if sender not in self.lost and sender not in self.finished:  # no longer awaited: counted, not missing
             self._missing[bucket] -= 1
             if self._missing[bucket] == 0:
                 self._complete.append(bucket)
@@ -231,19 +232,34 @@ class OpenRound:
         already sent, or still send before the bucket closes, is counted as usual.
         Non-members and this site are ignored. Returns the members newly lost.
         """
-        new = frozenset((set(site_ids) & self.members) - self.lost - {self.site_id})
+        new = frozenset((set(site_ids) & self.members) - self.lost - self.finished - {self.site_id})
         if not new:
             return new
         self.lost |= new
+        self._stop_awaiting(new)
+        return new
+
+    def sender_done(self, sender: str) -> bool:
+        """``sender`` sent everything it will send here this round (the datagram path's
+        SEND_END): its chunks still missing were lost, not late, so they no longer count
+        as missing and a bucket that lacks nothing else becomes due at once. Returns
+        whether anything changed (False for this site, non-members, repeats)."""
+        if sender == self.site_id or sender not in self.members or sender in self.lost or sender in self.finished:
+            return False
+        self.finished.add(sender)
+        self._stop_awaiting(frozenset({sender}))
+        return True
+
+    def _stop_awaiting(self, senders: frozenset[str]) -> None:
+        """The open buckets no longer count ``senders``' unsent chunks as missing."""
         for b in self.mine:
             if b in self.closed:
                 continue
             for c in range(len(self.chunks[b])):
-                senders = self._acc[(b, c)].digests
-                self._missing[b] -= sum(1 for s in new if s not in senders)
+                arrived = self._acc[(b, c)].digests
+                self._missing[b] -= sum(1 for s in senders if s not in arrived)
             if self._missing[b] == 0 and b not in self._complete:
                 self._complete.append(b)
-        return new
 
     def due(self, now: float) -> Closing | None:
         """The buckets to finalize at time ``now`` (a pure decision; nothing changes).

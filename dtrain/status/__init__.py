@@ -4,7 +4,8 @@ page that renders it (``page``) and the read-only HTTP server (``http``).
 Importing this package loads only the model (no HTTP, no prometheus-client).
 """
 
-from dtrain.status.model import (
+from dtrain.status import model
+from dtrain.status.model import (  # noqa: F401 - re-exported: __all__ is model.__all__
     MAX_REPORT_BYTES,
     MAX_REPORTS_PER_HEARTBEAT,
     REPORT_FIELDS,
@@ -16,14 +17,4 @@ from dtrain.status.model import (
     round_report,
 )
 
-__all__ = [
-    "REPORT_FIELDS",
-    "MAX_REPORT_BYTES",
-    "MAX_REPORTS_PER_HEARTBEAT",
-    "SITE_STATES",
-    "round_report",
-    "parse_report",
-    "StatusLog",
-    "decide_site_state",
-    "build_status",
-]
+__all__ = model.__all__  # the model's public names, listed once (in dtrain/status/model.py)

@@ -47,6 +47,66 @@ log = logging.getLogger(__name__)
 _SOCKET_TIMEOUT_S = 10.0
 
 
+#: The per-site families that copy one field of the site's status entry (absent or None: no sample):
+#: (family class, metric name, help text, status key).
+_PER_SITE_FAMILIES: tuple[tuple[type, str, str, str], ...] = (
+    (GaugeMetricFamily, "dtrain_site_heartbeat_age_seconds", "Seconds since the last heartbeat.", "heartbeat_age_s"),
+    (CounterMetricFamily, "dtrain_site_rounds_joined", "Rounds whose quorum admitted the site.", "rounds_joined"),
+    (GaugeMetricFamily, "dtrain_site_inner_step", "Inner steps done (from heartbeats).", "inner_step"),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_train_loss",
+        "Mean inner-step loss of the last round (nats/token).",
+        "train_loss",
+    ),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_val_loss",
+        "Validation loss after the last reported round (nats/token).",
+        "val_loss",
+    ),
+    (GaugeMetricFamily, "dtrain_site_last_round", "Round of the site's last report.", "last_reported_round"),
+    (GaugeMetricFamily, "dtrain_site_round_sync_seconds", "Sync time of the last reported round.", "last_sync_s"),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_round_reduce_arrived_ratio",
+        "Of expected contribution chunks that reached the site's buckets, last round.",
+        "reduce_arrived_fraction",
+    ),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_round_broadcast_arrived_ratio",
+        "Of buckets whose mean the site got, last round.",
+        "broadcast_arrived_fraction",
+    ),
+    (CounterMetricFamily, "dtrain_site_round_reports", "Round reports received.", "num_reports"),
+    (
+        CounterMetricFamily,
+        "dtrain_site_sent_bytes",
+        "Payload bytes sent, summed over reported rounds.",
+        "bytes_sent_total",
+    ),
+    (
+        CounterMetricFamily,
+        "dtrain_site_received_bytes",
+        "Payload bytes received, summed over reported rounds.",
+        "bytes_received_total",
+    ),
+    (
+        CounterMetricFamily,
+        "dtrain_site_stale_buckets",
+        "Stale buckets, summed over reported rounds.",
+        "stale_buckets_total",
+    ),
+    (
+        CounterMetricFamily,
+        "dtrain_site_repaired_buckets",
+        "Repaired buckets, summed over reported rounds.",
+        "repaired_buckets_total",
+    ),
+)
+
+
 class StatusCollector(Collector):
     """Prometheus collector over a status source (collected on each scrape).
 
@@ -57,8 +117,17 @@ class StatusCollector(Collector):
     def __init__(self, status: Callable[[], Mapping[str, Any]]) -> None:
         self._status = status
 
-    def collect(self) -> Iterator:  # noqa: C901 - one family after the other
+    def collect(self) -> Iterator:
         st = self._status()
+        sites = st["sites"]
+        yield from self._rendezvous_families(st)
+        yield from self._site_state_families(sites)
+        yield from self._per_site_families(sites)
+        yield self._rejected_family(sites)
+
+    @staticmethod
+    def _rendezvous_families(st: Mapping[str, Any]) -> Iterator:
+        """The rendezvous's own figures: rounds formed, sites per state, reports dropped."""
         g = GaugeMetricFamily("dtrain_rendezvous_next_round", "Rounds formed so far (the next round's number).")
         g.add_metric([], st["next_round"])
         yield g
@@ -71,88 +140,32 @@ class StatusCollector(Collector):
         )
         c.add_metric([], st["num_reports_dropped"])
         yield c
-        sites = st["sites"]
+
+    @staticmethod
+    def _site_state_families(sites: list[Mapping[str, Any]]) -> Iterator:
+        """Each site's state (a state set over ``SITE_STATES``) and whether it is up."""
         ss = StateSetMetricFamily("dtrain_site_state", "What each site is doing.", labels=["site"])
         for s in sites:
             ss.add_metric([s["site_id"]], {state: s["state"] == state for state in SITE_STATES})
         yield ss
-
-        def per_site(cls, name: str, doc: str, key: str, scale: float = 1.0):
-            fam = cls(name, doc, labels=["site"])
-            for s in sites:
-                if s.get(key) is not None:
-                    fam.add_metric([s["site_id"]], s[key] * scale)
-            return fam
-
         up = GaugeMetricFamily("dtrain_site_up", "1 when the site heartbeats within the timeout.", labels=["site"])
         for s in sites:
             up.add_metric([s["site_id"]], 0.0 if s["state"] in ("dead", "left") else 1.0)
         yield up
-        yield per_site(
-            GaugeMetricFamily,
-            "dtrain_site_heartbeat_age_seconds",
-            "Seconds since the last heartbeat.",
-            "heartbeat_age_s",
-        )
-        yield per_site(
-            CounterMetricFamily, "dtrain_site_rounds_joined", "Rounds whose quorum admitted the site.", "rounds_joined"
-        )
-        yield per_site(GaugeMetricFamily, "dtrain_site_inner_step", "Inner steps done (from heartbeats).", "inner_step")
-        yield per_site(
-            GaugeMetricFamily,
-            "dtrain_site_train_loss",
-            "Mean inner-step loss of the last round (nats/token).",
-            "train_loss",
-        )
-        yield per_site(
-            GaugeMetricFamily,
-            "dtrain_site_val_loss",
-            "Validation loss after the last reported round (nats/token).",
-            "val_loss",
-        )
-        yield per_site(
-            GaugeMetricFamily, "dtrain_site_last_round", "Round of the site's last report.", "last_reported_round"
-        )
-        yield per_site(
-            GaugeMetricFamily, "dtrain_site_round_sync_seconds", "Sync time of the last reported round.", "last_sync_s"
-        )
-        yield per_site(
-            GaugeMetricFamily,
-            "dtrain_site_round_reduce_arrived_ratio",
-            "Of expected contribution chunks that reached the site's buckets, last round.",
-            "reduce_arrived_fraction",
-        )
-        yield per_site(
-            GaugeMetricFamily,
-            "dtrain_site_round_broadcast_arrived_ratio",
-            "Of buckets whose mean the site got, last round.",
-            "broadcast_arrived_fraction",
-        )
-        yield per_site(CounterMetricFamily, "dtrain_site_round_reports", "Round reports received.", "num_reports")
-        yield per_site(
-            CounterMetricFamily,
-            "dtrain_site_sent_bytes",
-            "Payload bytes sent, summed over reported rounds.",
-            "bytes_sent_total",
-        )
-        yield per_site(
-            CounterMetricFamily,
-            "dtrain_site_received_bytes",
-            "Payload bytes received, summed over reported rounds.",
-            "bytes_received_total",
-        )
-        yield per_site(
-            CounterMetricFamily,
-            "dtrain_site_stale_buckets",
-            "Stale buckets, summed over reported rounds.",
-            "stale_buckets_total",
-        )
-        yield per_site(
-            CounterMetricFamily,
-            "dtrain_site_repaired_buckets",
-            "Repaired buckets, summed over reported rounds.",
-            "repaired_buckets_total",
-        )
+
+    @staticmethod
+    def _per_site_families(sites: list[Mapping[str, Any]]) -> Iterator:
+        """One family per row of ``_PER_SITE_FAMILIES``, a sample per site that has the field."""
+        for cls, name, doc, key in _PER_SITE_FAMILIES:
+            fam = cls(name, doc, labels=["site"])
+            for s in sites:
+                if s.get(key) is not None:
+                    fam.add_metric([s["site_id"]], float(s[key]))
+            yield fam
+
+    @staticmethod
+    def _rejected_family(sites: list[Mapping[str, Any]]) -> CounterMetricFamily:
+        """Contributions each site rejected as an owner, by RejectCode."""
         # labelled by RejectCode name only (a bounded set; the status model maps any other
         # key to UNKNOWN): reasons name rounds and senders, which would make the series unbounded
         rej = CounterMetricFamily(
@@ -163,7 +176,7 @@ class StatusCollector(Collector):
         for s in sites:
             for code, n in sorted(s["rejected_total"].items()):
                 rej.add_metric([s["site_id"], code], n)
-        yield rej
+        return rej
 
 
 class _Handler(BaseHTTPRequestHandler):

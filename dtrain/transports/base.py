@@ -18,6 +18,10 @@ the same suite against each one):
   call stay accepted).
 * ``stop(grace_s)`` finishes in-flight calls for up to ``grace_s`` seconds and
   then refuses new ones.
+
+A transport whose refusals reach the sender only after the whole push (the datagram
+path, ``dtrain.transports.datagram``) sets ``reports_rejections_in_order = False``:
+its ``push`` still raises the first refusal, but later chunks were already handled.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import abc
 from typing import Protocol, Sequence
 
-from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 
 __all__ = ["PeerHandler", "Transport"]
 
@@ -45,6 +49,10 @@ class PeerHandler(Protocol):
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         """Return the bucket's current θ_b and outer-optimizer state."""
+
+    # Optional: ``handle_sender_done(round, sender)``: a transport that learns that a
+    # sender sent everything it will send for a round (the datagram path's SEND_END)
+    # calls it, so the handler stops waiting for chunks that were lost.
 
 
 class Transport(abc.ABC):
@@ -69,6 +77,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch a bucket's whole state (θ_b, outer-optimizer state) for repair or joining."""
+
+    def begin_round(self, plan: RoundPlan, owners: Sequence[str], site_id: str) -> None:
+        """Called by the round engine once it accepts contributions for ``plan.round``.
+
+        A transport that needs the plan (the datagram path: the round's key, the
+        members' addresses, which buckets' means to push or await) takes it here;
+        ``owners`` is the owner site_id per bucket. Default: nothing.
+        """
+        return None
 
     @abc.abstractmethod
     def stop(self, grace_s: float = 1.0) -> None:

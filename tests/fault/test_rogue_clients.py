@@ -260,7 +260,10 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
             for eng in (victim, honest):
                 local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
                 assert eng.add_pseudo_gradient([local])
-                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=0.6, broadcast_s=1.2))
+                # The owners wait out the reduce deadline (the rogue's other chunks never come);
+                # 2 s leaves the honest pushes room on a loaded 2-core machine, where 0.6 s
+                # was missed (round 0 ended with no mean applied at all).
+                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=2.0, broadcast_s=4.0))
             _wait_open(victim, rnd)
             with pytest.raises(Rejected) as ei:
                 rogue.push(rogue.chunk(rnd, target, 0, payload=_forged_values(nan)))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dtrain.app.config import WorkerConfig
-from dtrain.tasks.spec import TaskSpec
 from dtrain.sim import ClusterConfig, InprocCluster, Site
 from dtrain.tasks import load_task
 from dtrain.tasks.builtin import lm_loss
+from dtrain.tasks.spec import TaskSpec
 
 pytestmark = pytest.mark.timeout(120)
 

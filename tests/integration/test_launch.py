@@ -222,7 +222,9 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
     assert "θ checksums agree across sites" in out
     # stderr is a file: one plain progress line per round, in order, with members 3 and bytes sent
     progress = [ln for ln in err.splitlines() if ln.startswith("dtrain launch: round ")]
-    assert [ln.split(":")[1].split()[1] for ln in progress] == [f"{r}/{rounds}" for r in range(1, rounds + 1)], err
+    assert [ln.split(":")[1].strip() for ln in progress] == [f"round {r} ({r + 1}/{rounds})" for r in range(rounds)], (
+        err
+    )
     for ln in progress:
         assert "members 3, val_loss " in ln and " MB (" in ln and "sync_s " in ln, ln
     assert "\r" not in err, "a tqdm bar was drawn into a file"

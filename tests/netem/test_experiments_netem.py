@@ -89,6 +89,31 @@ def test_netem_loss_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
+    md = _main("datagram_vs_grpc", tmp_path)
+    rows = read_rows(tmp_path / "datagram_vs_grpc_smoke.csv")
+    # smoke: 2 sites, 100 Mbit/s, 5 ms one way, loss 0 and 5 %; three data paths, one run each
+    paths = [p[0] for p in importlib.import_module("experiments.datagram_vs_grpc").PATHS]
+    assert len(paths) == 3 and "datagram" in paths
+    for path in paths:
+        assert sorted(r["loss_pct"] for r in rows if r["path"] == path) == [0.0, 5.0]
+    for r in rows:
+        assert RUN_COLUMNS <= set(r), RUN_COLUMNS - set(r)
+        assert r["rounds_done"] == 4 and r["rounds_measured"] == 1
+        assert r["drift_rounds"] == 0 and r["stale_buckets"] == 0  # replicas equal on every path
+        assert 100_000 < r["encoded_bytes_per_site"] < 160_000  # tiny GPT, int8
+        expect = 2 * r["encoded_bytes_per_site"] * 8 / 100e6 + 4 * 5.0 / 1000
+        assert r["limit_s"] == pytest.approx(expect, rel=1e-4)
+        if r["path"] == "datagram":  # headers, tags, control datagrams: more on the wire than the payload
+            assert r["wire_bytes_per_round_site"] > 0
+            assert r["delivered"] <= 1.0
+        else:
+            assert r["delivered"] == 1.0  # TCP retransmits: everything arrives
+    assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
+    assert "## Datagram path vs gRPC through netem (smoke)" in md
+    assert "`.venv/bin/python experiments/datagram_vs_grpc.py --smoke" in md
+
+
 def test_streaming_smoke(tmp_path: Path) -> None:
     md = _main("streaming", tmp_path)
     rows = read_rows(tmp_path / "streaming_smoke.csv")

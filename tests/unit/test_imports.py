@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rounds", "rendezvous"),  # one round's protocol; membership and quorum
     ("membership", "streaming"),  # a site's rendezvous client, heartbeats and sync; fragment rounds
     ("diloco",),  # the library wrapper
-    ("sim",),  # the in-process cluster for tests and experiments
+    ("sim", "sitegroup"),  # the in-process cluster; a site as K torch.distributed ranks
     ("app",),  # CLI, launcher, worker process, report
     ("__main__",),  # `python -m dtrain`
 ]

@@ -40,15 +40,17 @@ def test_one_line_per_round_once_every_running_site_wrote_it(tmp_path):
     _append(views[1].tail.path, _round("b", 0, val=3.5, sync=0.4, sent=1_000_000))
     _append(views[0].tail.path, _round("a", 1, val=2.0, sync=0.1, sent=500_000))
     step()
-    assert out == ["round 1/3: members 2, val_loss 3.000-3.500, bytes_sent 3.00 MB (3.00 MB so far), sync_s 0.20-0.40"]
+    assert out == [
+        "round 0 (1/3): members 2, val_loss 3.000-3.500, bytes_sent 3.00 MB (3.00 MB so far), sync_s 0.20-0.40"
+    ]
     # b skips round 1 (resynced lines carry no bytes) and writes round 2; a writes round 2
     _append(views[1].tail.path, RoundLine(site="b", round=1, status="resynced", sync_s=1.0, val_loss=2.5))
     _append(views[1].tail.path, _round("b", 2, val=1.5, sync=0.3, sent=0, members=("a", "b")))
     _append(views[0].tail.path, _round("a", 2, val=1.5, sync=0.3, sent=1_000_000))
     step()
     assert out[1:] == [
-        "round 2/3: members 2, val_loss 2.000-2.500, bytes_sent 0.50 MB (3.50 MB so far), sync_s 0.10-1.00",
-        "round 3/3: members 2, val_loss 1.500, bytes_sent 1.00 MB (4.50 MB so far), sync_s 0.30",
+        "round 1 (2/3): members 2, val_loss 2.000-2.500, bytes_sent 0.50 MB (3.50 MB so far), sync_s 0.10-1.00",
+        "round 2 (3/3): members 2, val_loss 1.500, bytes_sent 1.00 MB (4.50 MB so far), sync_s 0.30",
     ]
     step()
     assert len(out) == 3  # nothing is printed twice

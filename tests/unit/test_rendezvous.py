@@ -215,3 +215,18 @@ def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
     assert d.status == "wait" and "waits for 3 sites to join" in d.reason
     core.join("c", "addr-c", now=4.5)
     assert core.ready("c", 5, now=4.6).plan.site_ids == ("a", "b", "c")
+
+
+def test_every_member_learns_why_the_round_formed_whichever_call_formed_it() -> None:
+    # The gRPC service forms plans through decide() (once per change), so a member's own
+    # ready() finds the plan already formed: it must still get the quorum rule's reason.
+    core = _core(initial_sites=3, quorum_timeout_s=1.0)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    core.ready("a", 0, now=0.1)
+    core.ready("b", 0, now=0.2)
+    assert core.decide(now=1.3) == 1  # the quorum timeout cut c
+    reasons = {s: core.ready(s, 0, now=1.4) for s in ("a", "b", "c")}
+    assert reasons["a"].status == reasons["b"].status == "plan"
+    assert "cutting ['c']" in reasons["a"].reason and reasons["a"].reason == reasons["b"].reason
+    assert reasons["c"].status == "missed" and "straggler" in reasons["c"].reason

@@ -238,6 +238,16 @@ def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unr
         group.leave()
 
 
+def test_package_reexports_every_model_name() -> None:
+    """dtrain.status lists its public names once (model.__all__); each must be imported there too."""
+    import dtrain.status
+    from dtrain.status import model
+
+    assert dtrain.status.__all__ is model.__all__
+    missing = [name for name in model.__all__ if getattr(dtrain.status, name, None) is not getattr(model, name)]
+    assert missing == [], f"dtrain/status/__init__.py does not import {missing} from dtrain.status.model"
+
+
 def test_a_fragment_round_says_its_fragment_in_the_rounds_table() -> None:
     from dtrain.status.page import render_fragment
 

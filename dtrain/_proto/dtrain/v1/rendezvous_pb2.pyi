@@ -7,32 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Member(_message.Message):
-    __slots__ = ("site_id", "address")
+    __slots__ = ("site_id", "address", "rank_addresses")
     SITE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     address: str
-    def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    rank_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s")
+    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DATAGRAM_KEY_FIELD_NUMBER: _ClassVar[int]
     round: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     reduce_timeout_s: float
     broadcast_timeout_s: float
-    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ...) -> None: ...
+    datagram_key: bytes
+    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("site_id", "address")
+    __slots__ = ("site_id", "address", "rank_addresses")
     SITE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     address: str
-    def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    rank_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("next_round", "members", "heartbeat_interval_s", "needs_state")

@@ -1,0 +1,750 @@
+"""The datagram data path: contributions and means as paced, sealed UDP datagrams.
+
+Chosen per run (``data_path = "datagram"``; gRPC stays the default). Control, plans,
+state pulls (repair, joins) and the last-resort mean pull stay on gRPC: this
+transport wraps a :class:`~dtrain.transports.grpc.GrpcTransport` and binds a UDP
+socket on the same port number as its gRPC server (UDP and TCP ports are separate),
+so a plan's ``host:port`` addresses both.
+
+Per round (:meth:`DatagramTransport.begin_round`, the round engine's one seam):
+
+* **Contributions** (``push``) leave as datagrams of at most ``max_datagram_bytes``
+  (``dtrain.transports.datagram_wire``), paced (:class:`~.datagram_pacing.Pacer`),
+  never retransmitted. With ``chunk_bytes`` from :func:`datagram_chunk_bytes`, one
+  chunk is one datagram, so a lost datagram costs exactly its element range and the
+  owner's per-chunk mean (divided by the senders whose datagram arrived) is unbiased
+  at packet granularity; what no mean included stays in the sender's residual (the
+  round engine's rules). Larger payloads are split in fragments (all needed).
+* **Means** are pushed by the owner to every member as soon as a bucket is final
+  (the transport waits on the handler's ``handle_pull_mean``): a meta datagram
+  (chunk count, checksums) before and after the chunks. A member's ``pull_mean``
+  waits for them; missing chunks are re-requested (NACK datagram listing them) at
+  most ``max_nack_rounds`` times; whatever is still missing ``fallback_reserve_s``
+  before the deadline is pulled over gRPC, so every replica applies the same bytes
+  or, past the deadline, none (docs/DECISIONS.md, "Datagram data path").
+* After its contributions a sender sends a SEND_END; the owner answers with a
+  REPORT (what arrived, over how long, what its handler accepted or refused), which
+  ``push`` waits for briefly: it returns the accepted count, raises ``Rejected``
+  with the owner's first refusal, and feeds the :class:`~.datagram_pacing.RateController`
+  that sets the next round's rate.
+
+Contract differences (``tests/unit/test_transport_contract.py``): a rejection reaches
+the sender only through the REPORT, after the later chunks were sent and handled
+(``reports_rejections_in_order = False``); a push to a closed port fails through the
+kernel's ICMP error (loopback, LAN), a push to a silent host only through the gRPC
+pulls.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import random
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
+from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
+from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
+from dtrain.transports.datagram_round import (
+    RoundState,
+    SenderStats,
+    decode_meta,
+    encode_meta,
+    senders_bitmap,
+    senders_from_bitmap,
+)
+from dtrain.transports.datagram_wire import (
+    CODEC_WIRE_NAMES,
+    Dropped,
+    Kind,
+    Opener,
+    codec_id,
+    max_body_bytes,
+)
+from dtrain.transports.grpc import GrpcTransport
+from dtrain.transports.grpc_common import GrpcTransportConfig
+
+__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes"]
+
+log = logging.getLogger(__name__)
+
+_SEND_END = struct.Struct("<QQd")
+_REPORT = struct.Struct("<QQdQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo
+_META_COPY_FINAL = 1
+_NACK_META = 0xFFFFFFFF
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatagramTransportConfig:
+    """The datagram data path of one site.
+
+    Attributes:
+        grpc: the gRPC transport for control-plane pulls (state, fallback means).
+        run_id: u32 every datagram of the run carries.
+        max_datagram_bytes: UDP payload per datagram (path MTU less IP/UDP headers;
+            1400 fits a 1500-byte MTU with room for tunnels).
+        max_rate_mbit: sending-rate ceiling, never exceeded (Mbit/s).
+        initial_rate_mbit: the first round's rate (None: the ceiling).
+        min_rate_mbit: floor of the rate controller.
+        rtt_s: path RTT estimate: socket buffers and NACK timing follow from it.
+        burst_bytes: largest paced micro-burst.
+        max_nack_rounds: re-requests of missing mean chunks per bucket and round.
+        nack_idle_s: a mean that made no progress for this long gets a NACK.
+        fallback_reserve_s: a mean still incomplete this long before the pull's
+            deadline is pulled over gRPC.
+        report_wait_s: how long ``push`` waits for the owner's REPORT.
+        max_round_buffer_bytes: receive budget per round (fragments and means).
+        max_pending_datagrams: datagrams held for a round whose plan has not
+            arrived here yet.
+        test_drop: test-only probability in [0, 1) that a received datagram of a
+            data kind (CONTRIB, MEAN, MEAN_META) is discarded before it is opened.
+        test_drop_seed: seed of ``test_drop``.
+        switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
+            is longer (None: left alone). The receive thread needs the GIL within a
+            datagram's time; CPython's default 5 ms hand-over let the engine's threads
+            starve it (3 sites x 4 M int8 parameters in one process on loopback: 7.1 s a
+            round with 1408 chunks lost at the socket and re-sent; 4.1 s and none at 0.5 ms).
+    """
+
+    grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
+    run_id: int = 0
+    max_datagram_bytes: int = 1400
+    max_rate_mbit: float = 1000.0
+    initial_rate_mbit: float | None = None
+    min_rate_mbit: float = 1.0
+    rtt_s: float = 0.1
+    burst_bytes: int = 64 << 10
+    max_nack_rounds: int = 8
+    nack_idle_s: float = 0.05
+    fallback_reserve_s: float = 1.0
+    report_wait_s: float = 0.5
+    max_round_buffer_bytes: int = 512 << 20
+    max_pending_datagrams: int = 4096
+    test_drop: float = 0.0
+    test_drop_seed: int = 0
+    switch_interval_s: float | None = 0.0005
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.run_id < 1 << 32:
+            raise ValueError(f"run_id must be in [0, 2**32), got {self.run_id!r}")
+        if not 256 <= self.max_datagram_bytes <= 65507:
+            raise ValueError(f"max_datagram_bytes must be in [256, 65507], got {self.max_datagram_bytes!r}")
+        if not 0 < self.min_rate_mbit <= self.max_rate_mbit:
+            raise ValueError(
+                f"need 0 < min_rate_mbit <= max_rate_mbit, got {self.min_rate_mbit!r} and {self.max_rate_mbit!r}"
+            )
+        for name in ("rtt_s", "nack_idle_s", "fallback_reserve_s", "report_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_nack_rounds < 0:
+            raise ValueError(f"max_nack_rounds must be >= 0, got {self.max_nack_rounds!r}")
+        if not 0.0 <= self.test_drop < 1.0:
+            raise ValueError(f"test_drop must be in [0, 1), got {self.test_drop!r}")
+
+
+def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:
+    """Largest ``BucketConfig.chunk_bytes`` (fp32 input) whose encoded chunk fits one
+    datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits).
+
+    Raises:
+        ValueError: a codec whose size depends on the data (``+zstd``, ``topk``) or
+            a datagram too small for one element.
+    """
+    c = get_codec(codec)
+    if c.name.endswith("+zstd") or c.base == "topk":
+        raise ValueError(f"codec {c.name!r} has no fixed size per element: use fp32, bf16, fp16, int8 or int4")
+    room = max_body_bytes(max_datagram_bytes) - (max_members + 7) // 8  # codec payload bytes that fit
+    lo, hi = 0, max(1, 2 * room)
+    while lo < hi:  # the largest numel whose payload fits
+        mid = (lo + hi + 1) // 2
+        if CODEC_HEADER_BYTES + c._body_bytes(mid) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        raise ValueError(f"max_datagram_bytes={max_datagram_bytes} leaves no room for one {c.name} element")
+    return 4 * lo
+
+
+class DatagramTransport(Transport):
+    """One site's datagram data path (see the module docstring)."""
+
+    reports_rejections_in_order = False
+
+    def __init__(self, config: DatagramTransportConfig | None = None) -> None:
+        self.config = cfg = config or DatagramTransportConfig()
+        self._grpc = GrpcTransport(cfg.grpc)
+        self._handler: PeerHandler | None = None
+        self._sock: socket.socket | None = None
+        self._opener = Opener(run=cfg.run_id, max_datagram_bytes=cfg.max_datagram_bytes)
+        self._body_max = max_body_bytes(cfg.max_datagram_bytes)
+        self.rate = RateController(
+            max_rate_mbit=cfg.max_rate_mbit, min_rate_mbit=cfg.min_rate_mbit, initial_rate_mbit=cfg.initial_rate_mbit
+        )
+        self._pacer = Pacer(self.rate.rate_mbit, burst_bytes=cfg.burst_bytes)
+        self._rounds: dict[int, RoundState] = {}
+        self._pending: list[bytes] = []
+        self._lock = threading.Lock()
+        self._send_socks: dict[tuple[str, int], socket.socket] = {}
+        self._dispatch: queue.Queue = queue.Queue(maxsize=65536)
+        self._threads: list[threading.Thread] = []
+        self._stopped = threading.Event()
+        self._drop_rng = random.Random(cfg.test_drop_seed)
+        self._counts = {"sent": 0, "received": 0, "wire_sent": 0, "wire_received": 0, "datagrams_sent": 0}
+        self._counts.update(nacks_sent=0, resent=0, fallback_pulls=0, test_dropped=0, rejected=0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, handler: PeerHandler) -> str:
+        self._handler = handler
+        if self.config.switch_interval_s is not None and sys.getswitchinterval() > self.config.switch_interval_s:
+            sys.setswitchinterval(self.config.switch_interval_s)
+        address = self._grpc.start(handler)
+        host, port = address.rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_DGRAM)
+        self._size_buffers(sock)
+        try:
+            sock.bind((self.config.grpc.bind_host, int(port)))
+        except OSError as e:
+            sock.close()
+            self._grpc.stop(0)
+            raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
+        sock.settimeout(0.1)
+        self._sock = sock
+        for target, name in ((self._recv_loop, "dgram-recv"), (self._dispatch_loop, "dgram-dispatch")):
+            t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s)", host, port, self.rate.rate_mbit)
+        return address
+
+    def _size_buffers(self, sock: socket.socket) -> None:
+        want = socket_buffer_bytes(self.config.max_rate_mbit, self.config.rtt_s)
+        for force, plain in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):  # SO_RCVBUFFORCE, SO_SNDBUFFORCE
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, force, want)
+            except OSError:  # not root: capped by net.core.[rw]mem_max
+                sock.setsockopt(socket.SOL_SOCKET, plain, want)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._grpc.stop(grace_s)
+        self._stopped.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        with self._lock:
+            socks, self._send_socks = list(self._send_socks.values()), {}
+        for s in socks + ([self._sock] if self._sock else []):
+            s.close()
+
+    def counters(self) -> dict[str, int]:
+        """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason."""
+        with self._lock:
+            out = dict(self._counts)
+        out.update({f"dropped_{k}": v for k, v in self._opener.counts().items()})
+        return out
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._counts[k] += v
+
+    def bytes_sent(self) -> int:
+        with self._lock:
+            return self._counts["sent"] + self._grpc.bytes_sent()
+
+    def bytes_received(self) -> int:
+        with self._lock:
+            return self._counts["received"] + self._grpc.bytes_received()
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """(sent, received) UDP payload bytes, headers, tags and resends included."""
+        with self._lock:
+            return self._counts["wire_sent"], self._counts["wire_received"]
+
+    # ------------------------------------------------------------------ rounds
+    def begin_round(self, plan: RoundPlan, owners: Sequence[str], site_id: str) -> None:
+        """Open round ``plan.round``: its key, its receive buffers, this site's mean pushes.
+
+        Args:
+            plan: the round's plan; ``plan.datagram_key`` must be 32 bytes.
+            owners: owner site_id per bucket (``assign_owners``); empty: no means
+                are pushed or awaited as datagrams (all pulled over gRPC).
+            site_id: this site (a member of the plan).
+        """
+        rs = RoundState(
+            plan, list(owners), site_id, run=self.config.run_id, max_buffer_bytes=self.config.max_round_buffer_bytes
+        )
+        self._next_rate()
+        with self._lock:
+            self._rounds[plan.round] = rs
+            for r in [r for r in self._rounds if r < plan.round - 1]:
+                del self._rounds[r]
+            pending, self._pending = self._pending, []
+        self._opener.open_round(plan.round, plan.datagram_key, len(plan.members))
+        for data in pending:
+            self._on_datagram(data)
+        mine = [b for b, o in enumerate(owners) if o == site_id]
+        if mine and len(plan.members) > 1:
+            t = threading.Thread(
+                target=self._push_means, args=(rs, mine), name=f"dgram-means-{plan.round}", daemon=True
+            )
+            t.start()
+
+    def _next_rate(self) -> None:
+        with self._lock:
+            last = max(self._rounds.values(), key=lambda rs: rs.round, default=None)
+        if last is None:
+            return
+        reports = []
+        with last.lock:
+            for dest, rep in last.reports.items():
+                sent = last.sent.get(dest)
+                if sent is not None:
+                    reports.append(
+                        ReceiverReport(
+                            sent_datagrams=sent[0],
+                            sent_bytes=sent[1],
+                            send_s=sent[3] - sent[2],
+                            received_datagrams=rep[0],
+                            received_bytes=rep[1],
+                            recv_s=rep[2],
+                        )
+                    )
+        rate, why = self.rate.decide(reports)
+        self._pacer.set_rate(rate)
+        log.info("round %d: datagram rate %.1f Mbit/s: %s", last.round + 1, rate, why)
+
+    def _round(self, round: int) -> RoundState | None:
+        with self._lock:
+            return self._rounds.get(round)
+
+    # ------------------------------------------------------------------ sending
+    def _send_sock(self, address: str) -> socket.socket:
+        host, port = address.rsplit(":", 1)
+        key = (host.strip("[]"), int(port))
+        with self._lock:
+            s = self._send_socks.get(key)
+            if s is None:
+                s = socket.socket(socket.AF_INET6 if ":" in key[0] else socket.AF_INET, socket.SOCK_DGRAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_buffer_bytes(self.config.max_rate_mbit, 0.05))
+                s.connect(key)
+                self._send_socks[key] = s
+            return s
+
+    def _send(
+        self, rs: RoundState, dest: int, sock: socket.socket, data: bytes, deadline: float, *, contribution: bool
+    ) -> bool:
+        """Paced send of one datagram; ``contribution`` ones count in what the REPORT is compared with."""
+        if not self._pacer.wait(len(data), deadline):
+            return False
+        try:
+            sock.send(data)
+        except ConnectionRefusedError as e:
+            raise PeerUnavailable(f"{rs.site_ids[dest]} refused datagrams (port closed): {e}") from e
+        except OSError as e:
+            if e.errno in (errno.ENOBUFS, errno.EAGAIN):
+                return False  # a local drop: counted as sent, lost like on the wire
+            raise PeerUnavailable(f"datagram to {rs.site_ids[dest]} failed: {e}") from e
+        if contribution:  # the REPORT counts contribution datagrams only
+            now = time.monotonic()
+            with rs.lock:
+                st = rs.sent.setdefault(dest, [0, 0, now, now])
+                st[0] += 1
+                st[1] += len(data)
+                st[3] = now
+        self._count(wire_sent=len(data), datagrams_sent=1)
+        return True
+
+    def _seal_chunks(self, rs: RoundState, kind: int, head: bytes, payload: bytes, **fields: int) -> list[bytes]:
+        room = self._body_max - len(head)
+        n = max(1, -(-len(payload) // room))
+        if n > 0xFFFF:
+            raise Rejected("RESOURCE_EXHAUSTED", f"payload of {len(payload)} bytes needs {n} > 65535 datagrams")
+        return [
+            rs.sealer.seal(kind, head + payload[i * room : (i + 1) * room], frag=i, nfrags=n, **fields)
+            for i in range(n)
+        ]
+
+    def push(self, address: str, contributions: Iterable[Contribution], *, timeout_s: float) -> int:
+        if self._stopped.is_set():
+            raise PeerUnavailable("transport stopped")
+        deadline = time.monotonic() + timeout_s
+        sock = self._send_sock(address)
+        rs: RoundState | None = None
+        dest = -1
+        num = 0
+        before: tuple[int, int] = (0, 0)
+        for c in contributions:
+            if rs is None:
+                rs, dest = self._round_and_dest(c.round, address)
+                with rs.lock:
+                    rep = rs.reports.get(dest)
+                before = (rep[3], rep[4]) if rep else (0, 0)
+            for data in self._seal_chunks(
+                rs,
+                Kind.CONTRIB,
+                b"",
+                c.payload,
+                bucket=c.bucket,
+                chunk=c.chunk,
+                offset=c.offset,
+                numel=c.numel,
+                codec=codec_id(c.codec),
+            ):
+                if not self._send(rs, dest, sock, data, deadline, contribution=True):
+                    raise PeerTimeout(f"push to {address}: the paced send would end past the deadline")
+            self._count(sent=len(c.payload))
+            num += 1
+        if rs is None:
+            return 0
+        return self._end_push(rs, dest, sock, address, num, before, deadline)
+
+    def _round_and_dest(self, round: int, address: str) -> tuple[RoundState, int]:
+        rs = self._round(round)
+        if rs is None:
+            raise Rejected("FAILED_PRECONDITION", f"no datagram plan for round {round} here")
+        sid = rs.by_address.get(address)
+        if sid is None:
+            raise PeerUnavailable(f"{address} is not a member of round {round}")
+        return rs, rs.index[sid]
+
+    def _end_push(
+        self, rs: RoundState, dest: int, sock: socket.socket, address: str, num: int, before: tuple, deadline: float
+    ) -> int:
+        """Send SEND_END (up to 3 copies, for loss) and wait for the owner's REPORT."""
+        with rs.lock:
+            st = list(rs.sent.get(dest, [0, 0, 0.0, 0.0]))
+        body = _SEND_END.pack(st[0], st[1], st[3] - st[2])
+        until = min(deadline, time.monotonic() + self.config.report_wait_s)
+        for copy in range(3):
+            self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=copy))
+            with rs.cv:
+                got = rs.cv.wait_for(
+                    lambda: dest in rs.reports and rs.reports[dest][5] >= st[0],
+                    timeout=max(0.0, until - time.monotonic()) / (3 - copy),
+                )
+            if got:
+                break
+        with rs.lock:
+            rep = rs.reports.get(dest)
+            rejection = rs.rejections.get(dest)
+        if rep is None:
+            return num  # no report: as with a lost datagram, the sender cannot tell
+        accepted, rejected = rep[3] - before[0], rep[4] - before[1]
+        if rejected > 0 and rejection is not None:
+            raise Rejected(*rejection)
+        return max(0, min(num, accepted))
+
+    def _send_ctl(self, rs: RoundState, dest: int, data: bytes) -> None:
+        """One small control datagram (SEND_END, REPORT, NACK): not paced, never a burst."""
+        try:
+            self._send_sock(rs.plan.members[dest].address).send(data)
+            self._count(wire_sent=len(data))
+        except OSError as e:
+            log.debug("control datagram to %s failed: %s", rs.site_ids[dest], e)
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        buf = bytearray(65536)
+        mv = memoryview(buf)
+        while not self._stopped.is_set():
+            try:
+                n = sock.recv_into(buf)
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stopped.is_set():
+                    break
+                continue
+            self._counts["wire_received"] += n  # only this thread writes it
+            try:
+                self._on_datagram(bytes(mv[:n]))
+            except Exception:  # a bug must not stop the receive loop
+                log.exception("datagram handling failed")
+
+    def _on_datagram(self, data: bytes) -> None:
+        if self.config.test_drop and len(data) > 3 and data[3] in (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META):
+            if self._drop_rng.random() < self.config.test_drop:
+                self._counts["test_dropped"] += 1
+                return
+        try:
+            h, body = self._opener.open(data)
+        except Dropped as e:
+            if e.reason == "unknown_round":
+                with self._lock:
+                    if len(self._pending) < self.config.max_pending_datagrams:
+                        self._pending.append(data)
+                        return
+                self._opener.count("over_budget")
+            return
+        rs = self._round(h.round)
+        if rs is None:
+            self._opener.count("stale_round")
+            return
+        if h.kind == Kind.CONTRIB:
+            self._on_contribution(rs, h, body)
+        elif h.kind in (Kind.MEAN, Kind.MEAN_META):
+            self._on_mean(rs, h, body)
+        elif h.kind in (Kind.SEND_END, Kind.NACK):
+            self._enqueue((h.kind, rs, h, body))
+        elif h.kind == Kind.REPORT:
+            self._on_report(rs, h, body)
+        else:
+            self._opener.count("malformed")
+
+    def _enqueue(self, item: tuple) -> None:
+        try:
+            self._dispatch.put_nowait(item)
+        except queue.Full:
+            self._opener.count("over_budget")
+
+    def _on_contribution(self, rs: RoundState, h, body: bytes) -> None:
+        if h.codec >= len(CODEC_WIRE_NAMES):
+            self._opener.count("malformed")
+            return
+        with rs.lock:
+            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), time.monotonic())
+            whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
+        if whole is False:
+            self._opener.count("over_budget")
+        if not whole:
+            return
+        c = Contribution(
+            round=h.round,
+            bucket=h.bucket,
+            chunk=h.chunk,
+            offset=h.offset,
+            numel=h.numel,
+            codec=CODEC_WIRE_NAMES[h.codec],
+            sender=rs.site_ids[h.sender],
+            payload=whole,
+        )
+        self._counts["received"] += len(whole)
+        self._enqueue((Kind.CONTRIB, rs, h, c))
+
+    def _on_report(self, rs: RoundState, h, body: bytes) -> None:
+        if len(body) < _REPORT.size:
+            self._opener.count("malformed")
+            return
+        rep = _REPORT.unpack_from(body, 0)
+        code, _, reason = body[_REPORT.size :].decode("utf-8", "replace").partition("\0")
+        with rs.cv:
+            old = rs.reports.get(h.sender)
+            if old is None or rep[5] >= old[5]:
+                rs.reports[h.sender] = rep
+                if code:
+                    rs.rejections[h.sender] = (code, reason)
+            rs.cv.notify_all()
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                kind, rs, h, obj = self._dispatch.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                if kind == Kind.CONTRIB:
+                    self._handle_contribution(rs, h.sender, obj)
+                elif kind == Kind.SEND_END:
+                    self._answer_send_end(rs, h.sender, obj)
+                elif kind == Kind.NACK:
+                    self._answer_nack(rs, h, obj)
+            except TransportError as e:
+                log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
+            except Exception:
+                log.exception("datagram dispatch failed")
+
+    def _handle_contribution(self, rs: RoundState, sender: int, c: Contribution) -> None:
+        assert self._handler is not None
+        try:
+            self._handler.handle_contribution(c)
+        except Rejected as e:
+            self._count(rejected=1)
+            with rs.lock:
+                st = rs.stats[sender]
+                st.rejected += 1
+                st.last_rejection = (e.code.value, e.reason)  # RejectCode name on the wire
+            return
+        with rs.lock:
+            rs.stats[sender].accepted += 1
+
+    def _answer_send_end(self, rs: RoundState, sender: int, body: bytes) -> None:
+        if len(body) != _SEND_END.size:
+            self._opener.count("malformed")
+            return
+        echo = _SEND_END.unpack(body)[0]
+        done = getattr(self._handler, "handle_sender_done", None)
+        if done is not None:  # every contribution before this SEND_END was handled (one FIFO)
+            done(rs.round, rs.site_ids[sender])
+        with rs.lock:
+            st = rs.stats.setdefault(sender, SenderStats())
+            head = _REPORT.pack(st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo)
+            code, reason = st.last_rejection
+        tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
+        self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
+
+    # ------------------------------------------------------------------ means: owner side
+    def _push_means(self, rs: RoundState, mine: list[int]) -> None:
+        threads = [threading.Thread(target=self._push_mean, args=(rs, b), daemon=True) for b in mine]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _push_mean(self, rs: RoundState, b: int) -> None:
+        assert self._handler is not None
+        try:
+            m = self._handler.handle_pull_mean(rs.round, b, rs.site_id, max(0.0, rs.broadcast_until - time.monotonic()))
+        except TransportError as e:
+            log.warning("round %d: no mean of bucket %d to push: %s", rs.round, b, e)
+            return
+        with rs.lock:
+            rs.published[b] = m
+        dests = [i for i in range(len(rs.site_ids)) if i != rs.me]
+        self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
+
+    def _mean_datagrams(self, rs: RoundState, m: BucketMean, c: int) -> list[bytes]:
+        ch = m.chunks[c]
+        return self._seal_chunks(
+            rs,
+            Kind.MEAN,
+            senders_bitmap(ch.senders, rs.site_ids),
+            ch.payload,
+            bucket=m.bucket,
+            chunk=c,
+            offset=ch.offset,
+            numel=ch.numel,
+            codec=codec_id(ch.codec),
+        )
+
+    def _send_mean(
+        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool
+    ) -> None:
+        """Meta, the chunks, final meta; to every dest, interleaved chunk by chunk, paced."""
+        meta = encode_meta(m)
+        socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
+        items: list[int | None] = ([None] if with_meta else []) + list(chunks) + [None]
+        last = len(items) - 1
+        for k, c in enumerate(items):
+            for d in dests:
+                if c is None:
+                    datagrams = [rs.sealer.seal(Kind.MEAN_META, meta, bucket=m.bucket, chunk=int(k == last))]
+                else:
+                    datagrams = self._mean_datagrams(rs, m, c)
+                    self._count(sent=len(m.chunks[c].payload))
+                for data in datagrams:
+                    try:
+                        if not self._send(rs, d, socks[d], data, rs.broadcast_until, contribution=False):
+                            log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
+                            return
+                    except PeerUnavailable as e:
+                        log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
+
+    def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
+        with rs.lock:
+            m = rs.published.get(h.bucket)
+        if m is None or len(body) % 4:
+            return
+        wanted = [c for c in struct.unpack(f"<{len(body) // 4}I", body) if c != _NACK_META and c < len(m.chunks)]
+        self._count(resent=len(wanted))
+        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in struct.unpack(f"<{len(body) // 4}I", body))
+
+    # ------------------------------------------------------------------ means: member side
+    def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
+        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_ids[h.sender] and h.sender != rs.me):
+            self._opener.count("malformed")
+            return
+        nbits = (len(rs.site_ids) + 7) // 8
+        with rs.cv:
+            ma = rs.mean_for(h.bucket)
+            ma.last_arrival = time.monotonic()
+            if h.kind == Kind.MEAN_META:
+                if ma.num_chunks is None:
+                    ma.num_chunks, before, after = decode_meta(body)
+                    ma.checksums = (before, after)
+                ma.final_meta_seen = ma.final_meta_seen or h.chunk == _META_COPY_FINAL
+            elif h.chunk not in ma.chunks and h.codec < len(CODEC_WIRE_NAMES) and len(body) >= nbits:
+                whole = rs.add_fragment((Kind.MEAN, h.bucket, h.chunk), h.frag, h.nfrags, body[nbits:])
+                if whole is False or (whole and not rs.charge(len(whole))):
+                    self._opener.count("over_budget")
+                elif whole is not None:
+                    ma.chunks[h.chunk] = MeanChunk(
+                        chunk=h.chunk,
+                        offset=h.offset,
+                        numel=h.numel,
+                        codec=CODEC_WIRE_NAMES[h.codec],
+                        payload=whole,
+                        senders=senders_from_bitmap(body[:nbits], rs.site_ids),
+                    )
+                    self._counts["received"] += len(whole)
+            rs.cv.notify_all()
+
+    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+        rs = self._round(round)
+        pushed = (
+            rs is not None
+            and bucket < len(rs.owners)
+            and rs.by_address.get(address) == rs.owners[bucket]
+            and rs.owners[bucket] != rs.site_id
+        )
+        if not pushed:
+            return self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
+        assert rs is not None
+        deadline = time.monotonic() + timeout_s
+        fallback_at = max(time.monotonic(), deadline - self.config.fallback_reserve_s)
+        got = self._await_mean(rs, address, bucket, fallback_at)
+        if got is not None:
+            return got
+        self._count(fallback_pulls=1)
+        log.info("round %d: mean of bucket %d incomplete over datagrams: pulled over gRPC", round, bucket)
+        return self._grpc.pull_mean(
+            address, round, bucket, requester=requester, timeout_s=max(0.01, deadline - time.monotonic())
+        )
+
+    def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
+        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks."""
+        cfg = self.config
+        owner = rs.index[rs.owners[bucket]]
+        nacks = 0
+        while True:
+            with rs.cv:
+                ma = rs.mean_for(bucket)
+                if ma.complete():
+                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
+                now = time.monotonic()
+                if now >= fallback_at:
+                    return None
+                wake = fallback_at
+                if ma.last_arrival:
+                    idle = 0.005 if ma.final_meta_seen else 2 * cfg.nack_idle_s
+                    wake = min(wake, ma.last_arrival + idle)
+                if now < wake:
+                    rs.cv.wait(wake - now)
+                    continue
+                if nacks >= cfg.max_nack_rounds:
+                    return None  # re-requests spent: pull the rest over gRPC now
+                missing = ma.missing() if ma.num_chunks is not None else [_NACK_META]
+                ma.final_meta_seen = False
+                ma.last_arrival = now + cfg.nack_idle_s  # give the resend time to arrive
+            nacks += 1
+            self._count(nacks_sent=1)
+            room = self._body_max // 4
+            for i in range(0, len(missing), room):
+                part = missing[i : i + room]
+                self._send_ctl(
+                    rs, owner, rs.sealer.seal(Kind.NACK, struct.pack(f"<{len(part)}I", *part), bucket=bucket)
+                )
+
+    def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
+        return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)

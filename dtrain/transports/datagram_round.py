@@ -1,0 +1,169 @@
+"""Per-round receive state of the datagram data path: fragment reassembly, the
+means arriving for this site, receive statistics per sender, all bounded.
+
+Every buffer of a round charges a byte budget (``max_round_buffer_bytes``, from the
+transport config and the plan); a datagram that would exceed it is dropped and
+counted (``over_budget``), so a flood, even an authenticated one, cannot grow memory.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dtrain.buckets import assign_owners
+from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
+from dtrain.transports.datagram_wire import Sealer
+
+__all__ = ["MeanAssembly", "RoundState", "SenderStats", "encode_meta", "decode_meta", "senders_bitmap"]
+
+_META = struct.Struct("<I16s16s")
+
+
+def senders_bitmap(senders: tuple[str, ...], site_ids: tuple[str, ...]) -> bytes:
+    """Bitmap (bit i = member i of the plan) of the sites a mean chunk includes."""
+    bits = bytearray((len(site_ids) + 7) // 8)
+    index = {s: i for i, s in enumerate(site_ids)}
+    for s in senders:
+        i = index[s]
+        bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def senders_from_bitmap(bits: bytes, site_ids: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(s for i, s in enumerate(site_ids) if bits[i // 8] >> (i % 8) & 1)
+
+
+def encode_meta(m: BucketMean) -> bytes:
+    """Chunk count and both checksums of a bucket mean (blake2b-128 hex digests)."""
+    return _META.pack(len(m.chunks), bytes.fromhex(m.checksum_before), bytes.fromhex(m.checksum_after))
+
+
+def decode_meta(body: bytes) -> tuple[int, str, str]:
+    n, before, after = _META.unpack(body)
+    return n, before.hex(), after.hex()
+
+
+@dataclass
+class SenderStats:
+    """Contribution datagrams received from one sender in one round."""
+
+    datagrams: int = 0
+    bytes: int = 0
+    first_t: float = 0.0
+    last_t: float = 0.0
+    accepted: int = 0
+    rejected: int = 0
+    last_rejection: tuple[str, str] = ("", "")
+
+    def note(self, nbytes: int, now: float) -> None:
+        if not self.datagrams:
+            self.first_t = now
+        self.datagrams += 1
+        self.bytes += nbytes
+        self.last_t = now
+
+
+@dataclass
+class MeanAssembly:
+    """The chunks of one bucket's mean as they arrive from its owner."""
+
+    num_chunks: int | None = None
+    checksums: tuple[str, str] = ("", "")
+    chunks: dict[int, MeanChunk] = field(default_factory=dict)
+    final_meta_seen: bool = False
+    last_arrival: float = 0.0
+
+    def missing(self) -> list[int]:
+        if self.num_chunks is None:
+            return []
+        return [c for c in range(self.num_chunks) if c not in self.chunks]
+
+    def complete(self) -> bool:
+        return self.num_chunks is not None and len(self.chunks) == self.num_chunks
+
+    def to_mean(self, round: int, bucket: int, owner: str) -> BucketMean:
+        assert self.num_chunks is not None
+        return BucketMean(
+            round=round,
+            bucket=bucket,
+            owner=owner,
+            chunks=tuple(self.chunks[c] for c in range(self.num_chunks)),
+            checksum_before=self.checksums[0],
+            checksum_after=self.checksums[1],
+        )
+
+
+class RoundState:
+    """What one site's datagram transport holds for one round.
+
+    Args:
+        plan: the round's plan (members, deadlines, ``datagram_key``).
+        owners: owner site_id per bucket (empty: no bucket means are pushed).
+        site_id: this site.
+        run: run id.
+        max_buffer_bytes: the round's receive budget (bytes).
+    """
+
+    def __init__(self, plan: RoundPlan, owners: list[str], site_id: str, *, run: int, max_buffer_bytes: int) -> None:
+        self.plan = plan
+        self.round = plan.round
+        self.owners = owners
+        self.site_ids = plan.site_ids
+        self.index = {s: i for i, s in enumerate(self.site_ids)}
+        self.by_address = {m.address: m.site_id for m in plan.members}
+        self.me = self.index[site_id]
+        self.site_id = site_id
+        self.t0 = time.monotonic()
+        self.broadcast_until = self.t0 + plan.broadcast_timeout_s
+        self.sealer = Sealer(plan.datagram_key, run=run, round=plan.round, sender=self.me)
+        self.max_buffer_bytes = max_buffer_bytes
+        self.buffered_bytes = 0
+        self.fragments: dict[tuple, dict[int, bytes]] = {}
+        self.means: dict[int, MeanAssembly] = {}
+        self.published: dict[int, BucketMean] = {}  # means this site owns, kept for NACKs
+        self.stats: dict[int, SenderStats] = {}
+        self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
+        self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver
+        self.rejections: dict[int, tuple[str, str]] = {}  # dest index -> its handler's last refusal
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+
+    @staticmethod
+    def owners_for(plan: RoundPlan, num_buckets: int) -> list[str]:
+        return assign_owners(num_buckets, plan.site_ids)
+
+    def charge(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of the round's budget; False when it would be exceeded."""
+        if self.buffered_bytes + nbytes > self.max_buffer_bytes:
+            return False
+        self.buffered_bytes += nbytes
+        return True
+
+    def add_fragment(self, key: tuple, frag: int, nfrags: int, data: bytes) -> bytes | None | bool:
+        """Store one fragment; return the whole body once every fragment is in, None
+        while some are missing, False when over budget. Called under :attr:`lock`."""
+        if nfrags == 1:
+            return data
+        parts = self.fragments.get(key)
+        if parts is None:
+            parts = self.fragments[key] = {}
+        if frag in parts:
+            return None
+        if not self.charge(len(data)):
+            return False
+        parts[frag] = data
+        if len(parts) < nfrags:
+            return None
+        del self.fragments[key]
+        body = b"".join(parts[i] for i in range(nfrags))
+        self.buffered_bytes -= len(body)
+        return body
+
+    def mean_for(self, bucket: int) -> MeanAssembly:
+        m = self.means.get(bucket)
+        if m is None:
+            m = self.means[bucket] = MeanAssembly()
+        return m

@@ -1,0 +1,342 @@
+"""Wire format and sealing of the datagram data path (``dtrain.transports.datagram``).
+
+Every datagram is decodable on its own: a fixed 43-byte header, then the body sealed
+with ChaCha20-Poly1305 (RFC 8439, from the ``cryptography`` package) under the round's
+key (``RoundPlan.datagram_key``, which only travels over the authenticated gRPC control
+plane). The header is the AEAD's associated data, so a changed header field fails
+authentication exactly like a changed body byte. Layout (little-endian)::
+
+    offset size field
+    0      2    magic b"DG"
+    2      1    version (1)
+    3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6
+    4      4    run id (u32; a run's sites share it; 0 by default)
+    8      4    round
+    12     4    bucket
+    16     4    chunk
+    20     4    element offset of the chunk within the bucket
+    24     4    element count of the chunk
+    28     1    codec id (index into CODEC_WIRE_NAMES; 255: none)
+    29     2    sender: index of the sending site in the round's sorted member list
+    31     8    sequence number (per sender and round, never reused)
+    39     2    fragment index
+    41     2    fragment count (1: the datagram carries the whole chunk)
+    43     ..   sealed body (plaintext length + 16-byte Poly1305 tag)
+
+The 96-bit nonce is ``sender (u16) | 0 (u16) | sequence (u64)``: unique under a round's
+key because each sender numbers its datagrams once per round. The receiver keeps, per
+round and sender, a window of the sequence numbers it accepted
+(:class:`ReplayWindow`), so a replayed datagram is dropped even though it authenticates.
+
+:class:`Opener` checks, in this order, and drops (counting the reason) what fails:
+size (truncated / oversized), magic, version, run, round (unknown, or no longer open),
+sender index, authentication (forged or wrong key), replay. Nothing is ever handed on
+before it authenticated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+from array import array
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from dtrain.codecs.config import CODEC_NAMES, ZSTD_SUFFIX
+
+__all__ = [
+    "CODEC_WIRE_NAMES",
+    "DROP_REASONS",
+    "HEADER",
+    "HEADER_BYTES",
+    "KEY_BYTES",
+    "Kind",
+    "Header",
+    "Dropped",
+    "Opener",
+    "ReplayWindow",
+    "Sealer",
+    "TAG_BYTES",
+    "codec_id",
+    "max_body_bytes",
+]
+
+MAGIC = b"DG"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIIIIIIBHQHH")
+HEADER_BYTES: int = HEADER.size  # 43
+TAG_BYTES = 16
+KEY_BYTES = 32
+_NONCE = struct.Struct("<HHQ")
+_U32_MAX = (1 << 32) - 1
+
+CODEC_WIRE_NAMES: tuple[str, ...] = CODEC_NAMES + tuple(n + ZSTD_SUFFIX for n in CODEC_NAMES)
+_CODEC_IDS = {n: i for i, n in enumerate(CODEC_WIRE_NAMES)}
+NO_CODEC = 255
+
+DROP_REASONS: tuple[str, ...] = (
+    "truncated",
+    "oversized",
+    "bad_magic",
+    "bad_version",
+    "wrong_run",
+    "unknown_round",
+    "stale_round",
+    "bad_sender",
+    "forged",
+    "replayed",
+    "over_budget",
+    "malformed",
+)
+
+
+class Kind:
+    """Datagram kinds (header byte 3)."""
+
+    CONTRIB = 1  # one chunk (or fragment) of a contribution, member -> owner
+    MEAN = 2  # one chunk (or fragment) of a bucket's mean, owner -> members
+    MEAN_META = 3  # a bucket mean's chunk count and checksums, owner -> members
+    NACK = 4  # chunks of a mean a member is missing, member -> owner
+    SEND_END = 5  # what a member sent to an owner this round (rate control)
+    REPORT = 6  # what an owner received from a member this round (rate control)
+
+    ALL = (CONTRIB, MEAN, MEAN_META, NACK, SEND_END, REPORT)
+
+
+class Header(NamedTuple):
+    """A parsed datagram header (see the module docstring for the fields)."""
+
+    magic: bytes
+    version: int
+    kind: int
+    run: int
+    round: int
+    bucket: int
+    chunk: int
+    offset: int
+    numel: int
+    codec: int
+    sender: int
+    seq: int
+    frag: int
+    nfrags: int
+
+
+class Dropped(Exception):
+    """A datagram was refused; ``reason`` is one of :data:`DROP_REASONS`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def codec_id(name: str) -> int:
+    """Wire id of a codec name (ValueError naming the codec for an unknown one)."""
+    try:
+        return _CODEC_IDS[name]
+    except KeyError:
+        raise ValueError(f"codec {name!r} has no datagram wire id; allowed: {', '.join(CODEC_WIRE_NAMES)}") from None
+
+
+def max_body_bytes(max_datagram_bytes: int) -> int:
+    """Plaintext body bytes that fit a datagram of ``max_datagram_bytes`` (UDP payload)."""
+    return max_datagram_bytes - HEADER_BYTES - TAG_BYTES
+
+
+def _check_u32(name: str, v: int) -> None:
+    if not 0 <= v <= _U32_MAX:
+        raise ValueError(f"{name} must fit in 32 bits on the datagram wire, got {v!r}")
+
+
+class Sealer:
+    """Seals datagrams of one sender for one round (thread-safe).
+
+    Args:
+        key: the round's 32-byte key (``RoundPlan.datagram_key``).
+        run: run id (u32).
+        round: round number.
+        sender: this site's index in the round's sorted member list.
+    """
+
+    def __init__(self, key: bytes, *, run: int, round: int, sender: int) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"datagram key must be {KEY_BYTES} bytes, got {len(key)}")
+        _check_u32("round", round)
+        self._aead = ChaCha20Poly1305(key)
+        self.run, self.round, self.sender = run, round, sender
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    def seal(
+        self,
+        kind: int,
+        body: bytes | memoryview,
+        *,
+        bucket: int = 0,
+        chunk: int = 0,
+        offset: int = 0,
+        numel: int = 0,
+        codec: int = NO_CODEC,
+        frag: int = 0,
+        nfrags: int = 1,
+    ) -> bytes:
+        """Return header + sealed body; every call uses a fresh sequence number."""
+        with self._lock:
+            seq = next(self._seq)
+        header = HEADER.pack(
+            MAGIC,
+            VERSION,
+            kind,
+            self.run,
+            self.round,
+            bucket,
+            chunk,
+            offset,
+            numel,
+            codec,
+            self.sender,
+            seq,
+            frag,
+            nfrags,
+        )
+        return header + self._aead.encrypt(_NONCE.pack(self.sender, 0, seq), bytes(body), header)
+
+
+class ReplayWindow:
+    """Sequence numbers accepted from one sender in one round.
+
+    A ring of ``size`` slots holds ``seq + 1`` at ``seq % size``; a sequence number is
+    new when it is above ``highest - size`` and its slot does not hold it. Memory:
+    8 bytes per slot, fixed. Datagrams reordered by more than ``size`` are dropped.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._ring = array("Q", bytes(8 * size))
+        self._size = size
+        self._highest = -1
+
+    def check_and_add(self, seq: int) -> bool:
+        """True (and remembered) when ``seq`` was not seen and is inside the window."""
+        if seq <= self._highest - self._size:
+            return False
+        slot = seq % self._size
+        if self._ring[slot] == seq + 1:
+            return False
+        self._ring[slot] = seq + 1
+        if seq > self._highest:
+            self._highest = seq
+        return True
+
+
+@dataclass
+class _RoundKey:
+    aead: ChaCha20Poly1305
+    num_members: int
+    windows: list[ReplayWindow]
+
+
+class Opener:
+    """Receive-side checks of one site: keys of the open rounds, replay windows, counters.
+
+    Used from the transport's single receive thread (not thread-safe except
+    :meth:`counts`). At most ``max_rounds`` rounds are open; opening a newer one
+    retires the oldest (its datagrams then count as ``stale_round``).
+
+    Args:
+        run: run id every datagram must carry.
+        max_datagram_bytes: larger datagrams are ``oversized``.
+        window: replay window size per sender.
+    """
+
+    def __init__(self, *, run: int, max_datagram_bytes: int, window: int = 8192, max_rounds: int = 2) -> None:
+        self.run = run
+        self.max_datagram_bytes = max_datagram_bytes
+        self._window = window
+        self._max_rounds = max_rounds
+        self._keys: dict[int, _RoundKey] = {}
+        self._retired_below = -1
+        self._counts = {r: 0 for r in DROP_REASONS}
+        self._lock = threading.Lock()
+
+    def open_round(self, round: int, key: bytes, num_members: int) -> None:
+        """Accept datagrams of ``round`` sealed with ``key`` from ``num_members`` senders."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"datagram key of round {round} must be {KEY_BYTES} bytes, got {len(key)}")
+        with self._lock:
+            self._keys[round] = _RoundKey(
+                ChaCha20Poly1305(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)]
+            )
+            while len(self._keys) > self._max_rounds:
+                old = min(self._keys)
+                del self._keys[old]
+                self._retired_below = max(self._retired_below, old)
+
+    def close_round(self, round: int) -> None:
+        with self._lock:
+            if self._keys.pop(round, None) is not None:
+                self._retired_below = max(self._retired_below, round)
+
+    def is_open(self, round: int) -> bool:
+        with self._lock:
+            return round in self._keys
+
+    def count(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[reason] += n
+
+    def counts(self) -> dict[str, int]:
+        """Datagrams dropped so far, by reason (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def peek(self, data: bytes | memoryview) -> Header:
+        """Parse and sanity-check the header without authenticating (raises :class:`Dropped`)."""
+        n = len(data)
+        if n > self.max_datagram_bytes:
+            raise Dropped("oversized", f"{n} bytes > {self.max_datagram_bytes}")
+        if n < HEADER_BYTES + TAG_BYTES:
+            raise Dropped("truncated", f"{n} bytes < {HEADER_BYTES + TAG_BYTES}")
+        h = Header._make(HEADER.unpack_from(data, 0))
+        if h.magic != MAGIC:
+            raise Dropped("bad_magic")
+        if h.version != VERSION:
+            raise Dropped("bad_version", str(h.version))
+        if h.run != self.run:
+            raise Dropped("wrong_run", f"run {h.run}, expected {self.run}")
+        return h
+
+    def open(self, data: bytes | memoryview) -> tuple[Header, bytes]:
+        """Authenticate one datagram; return its header and plaintext body.
+
+        Raises:
+            Dropped: with the reason, which is counted (:meth:`counts`);
+                ``unknown_round`` when the round's key is not known yet (the caller
+                may hold the datagram until the plan arrives).
+        """
+        try:
+            return self._open(data)
+        except Dropped as e:
+            self.count(e.reason)
+            raise
+
+    def _open(self, data: bytes | memoryview) -> tuple[Header, bytes]:
+        h = self.peek(data)
+        with self._lock:
+            rk = self._keys.get(h.round)
+            retired = h.round <= self._retired_below
+        if rk is None:
+            raise Dropped("stale_round" if retired else "unknown_round", f"round {h.round}")
+        if h.sender >= rk.num_members:
+            raise Dropped("bad_sender", f"sender index {h.sender} of {rk.num_members} members")
+        mv = memoryview(data)
+        try:
+            body = rk.aead.decrypt(_NONCE.pack(h.sender, 0, h.seq), mv[HEADER_BYTES:], mv[:HEADER_BYTES])
+        except InvalidTag:
+            raise Dropped("forged", f"round {h.round} sender {h.sender} seq {h.seq}") from None
+        if not rk.windows[h.sender].check_and_add(h.seq):
+            raise Dropped("replayed", f"round {h.round} sender {h.sender} seq {h.seq}")
+        return h, body

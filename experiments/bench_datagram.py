@@ -1,0 +1,169 @@
+"""Send and receive loop rate of the datagram data path on 127.0.0.1 (prints a table).
+
+Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; the
+sender pushes ``--mbytes`` MB of int8 contributions, one datagram each
+(``datagram_chunk_bytes``), with the pacer's ceiling at ``--rate-mbit``; the receiver's
+handler only counts. Figures:
+
+* send: payload Mbit/s from the first to the last datagram leaving the sender
+  (sealing, pacing and ``send`` included);
+* receive: payload Mbit/s handed to the handler (receive, authenticate, dispatch),
+  first to last arrival; delivered: fraction of the contributions that arrived (the
+  rest the kernel dropped at a full socket buffer: the receiver was slower);
+* the same per datagram in microseconds of wall time;
+* the loops' rates per CPU-second of their own thread (robust to other load: what
+  one free core would reach; the receive thread's figure excludes the dispatch
+  thread that calls the handler).
+
+Both loops are single Python threads; the target in the issue is >= 200 Mbit/s per
+site. On a shared machine the wall-clock figures move with the load (printed).
+
+Usage::
+
+    .venv/bin/python experiments/bench_datagram.py            # 64 MB, ceilings 200/400/1000 Mbit/s
+    .venv/bin/python experiments/bench_datagram.py --quick    # 8 MB, one ceiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dtrain.codecs import get_codec  # noqa: E402
+from dtrain.protocol import Contribution, Member, RoundPlan  # noqa: E402
+from dtrain.transports.datagram import (  # noqa: E402
+    DatagramTransport,
+    DatagramTransportConfig,
+    datagram_chunk_bytes,
+)
+from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
+
+
+class CountingHandler:
+    def __init__(self) -> None:
+        self.num = 0
+        self.bytes = 0
+        self.first = 0.0
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def handle_contribution(self, c: Contribution) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if not self.num:
+                self.first = now
+            self.num += 1
+            self.bytes += len(c.payload)
+            self.last = now
+
+    def handle_pull_mean(self, *a, **k):  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used
+        raise NotImplementedError
+
+
+def _contributions(mbytes: float, round: int) -> list[Contribution]:
+    codec = get_codec("int8")
+    n = datagram_chunk_bytes("int8") // 4
+    payload = codec.encode(torch.randn(n))
+    count = int(mbytes * 1e6 / len(payload))
+    return [
+        Contribution(
+            round=round,
+            bucket=0,
+            chunk=i,
+            offset=i * n,
+            numel=n,
+            codec="int8",
+            sender="site-a",
+            payload=payload,
+        )
+        for i in range(count)
+    ]
+
+
+def run_one(rate_mbit: float, mbytes: float, round: int) -> dict:
+    cfg = DatagramTransportConfig(
+        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), max_rate_mbit=rate_mbit, rtt_s=0.05
+    )
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    handler = CountingHandler()
+    addr_b = b.start(handler)
+    addr_a = a.start(CountingHandler())
+    plan = RoundPlan(
+        round=round,
+        members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+        reduce_timeout_s=60,
+        broadcast_timeout_s=60,
+        datagram_key=os.urandom(32),
+    )
+    a.begin_round(plan, [], "site-a")
+    b.begin_round(plan, [], "site-b")
+    cs = _contributions(mbytes, round)
+    recv_threads = [t for t in b._threads if t.name.startswith("dgram-recv")]
+    recv_clock = time.pthread_getcpuclockid(recv_threads[0].ident)
+    recv_cpu0 = time.clock_gettime(recv_clock)
+    send_cpu0 = time.thread_time()
+    t0 = time.monotonic()
+    a.push(addr_b, cs, timeout_s=120)
+    send_s = time.monotonic() - t0
+    send_cpu = time.thread_time() - send_cpu0
+    deadline = time.monotonic() + 5
+    while handler.num < len(cs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    recv_cpu = time.clock_gettime(recv_clock) - recv_cpu0
+    recv_s = max(1e-9, handler.last - handler.first)
+    payload = sum(len(c.payload) for c in cs)
+    out = {
+        "ceiling_mbit": rate_mbit,
+        "datagrams": len(cs),
+        "send_mbit": payload * 8 / 1e6 / send_s,
+        "recv_mbit": handler.bytes * 8 / 1e6 / recv_s,
+        "delivered": handler.num / len(cs),
+        "send_us": send_s / len(cs) * 1e6,
+        "recv_us": recv_s / max(1, handler.num) * 1e6,
+        "send_cpu_mbit": payload * 8 / 1e6 / max(send_cpu, 1e-9),
+        "recv_cpu_mbit": handler.bytes * 8 / 1e6 / max(recv_cpu, 1e-9),
+    }
+    a.stop(0)
+    b.stop(0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="8 MB at one ceiling")
+    p.add_argument("--mbytes", type=float, default=64.0, help="payload MB per run")
+    p.add_argument("--rate-mbit", type=float, nargs="*", default=[200.0, 400.0, 1000.0], help="pacer ceilings")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rates, mbytes = ([400.0], 8.0) if args.quick else (args.rate_mbit, args.mbytes)
+    print(f"datagram loop on 127.0.0.1, {mbytes:g} MB of int8 per run, load {os.getloadavg()[0]:.1f}")
+    print(
+        "| ceiling Mbit/s | datagrams | send Mbit/s | receive Mbit/s | delivered | send µs/dgram | recv µs/dgram "
+        "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, rate in enumerate(rates):
+        r = run_one(rate, mbytes, round=i)
+        print(
+            f"| {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
+            f"| {r['delivered']:.3f} | {r['send_us']:.1f} | {r['recv_us']:.1f} "
+            f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""CPU cost of one round per parameter for a site group of K ranks (issue 14).
+
+Prints figures (not a test). Two parts, both with θ on the CPU and one torch
+thread per rank:
+
+1. **Real runs**: 2 sites x K ranks as processes (gloo inside a site, gRPC
+   between sites on 127.0.0.1, one rendezvous), a ~25M-parameter stack of
+   ``nn.Linear`` layers under DDP (or FSDP2 with ``--parallel fsdp``: no
+   allgather, each rank holds only its shard), one inner step per round. Each rank records
+   the *process CPU seconds* (all its threads: gRPC servers and pools included,
+   robust to other load on a shared machine) of each step of every sync:
+   gather (Δ + residual), round (engine: encode, push, reduce, outer step,
+   decode, pull), scatter (θ into the model), allgather (replicated parts inside
+   the site), checksum; and its bytes sent and received. Rounds after the first
+   are summarised (median per rank, then mean over the ranks).
+2. **Split of one rank's slice** in one process (no network): gather, encode,
+   decode, outer step (``GlobalState.apply_mean``, which includes θ_b's
+   checksum), checksum alone, scatter, on N/K elements in buckets of 4 MiB.
+
+"ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the
+issue's target is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
+
+    python experiments/bench_site_group.py                 # 25M params, K = 1 and 2
+    python experiments/bench_site_group.py --quick         # 2M params, fast
+    python experiments/bench_site_group.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STEPS = ("gather", "round", "scatter", "allgather", "checksum")
+
+
+def make_model(num_params: int) -> torch.nn.Module:
+    """A stack of square Linear layers with ~num_params parameters (width 1024)."""
+    width = 1024
+    layers = max(1, round(num_params / (width * width + width)))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+
+# --------------------------------------------------------------------------- one rank (subprocess)
+def rank_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from dtrain.buckets import BucketConfig
+    from dtrain.codecs import CodecConfig
+    from dtrain.diloco import DiLoCoConfig
+    from dtrain.rendezvous.grpc import GrpcRendezvousClient
+    from dtrain.rounds import RoundConfig
+    from dtrain.sim import fast_group_config
+    from dtrain.sitegroup import SiteGroupDiLoCo
+    from dtrain.transports.grpc import GrpcTransport
+    from dtrain.transports.grpc_common import GrpcTransportConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, k = dist.get_rank(), dist.get_world_size()
+    model = make_model(args.params)
+    if k > 1 and args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if k > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = DiLoCoConfig(
+        site_id=f"site-{args.site_index}",
+        sync_every=1,
+        buckets=BucketConfig(),
+        rounds=RoundConfig(codec=CodecConfig(name=args.codec)),
+        group=fast_group_config(quorum_wait_s=120.0, state_pull_timeout_s=120.0),
+        hook_optimizer=False,
+    )
+    rdv = GrpcRendezvousClient(args.rendezvous, rpc_timeout_s=30.0) if rank == 0 else None
+    d = SiteGroupDiLoCo(
+        ddp, opt, config=cfg, transport=GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1")), rendezvous=rdv
+    )
+    g = torch.Generator().manual_seed(args.site_index * 100 + rank)
+    records = []
+    for _ in range(args.rounds):
+        x = torch.randn(2, 1024, generator=g)
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        t0 = time.process_time()
+        out = d.sync()
+        total = time.process_time() - t0
+        res = out.result
+        records.append(
+            {
+                "status": out.status,
+                "cpu_s": {**d.last_cpu_s, "total": total},
+                "encode_s": res.encode_s if res else 0.0,
+                "decode_s": res.decode_s if res else 0.0,
+                "bytes_sent": res.bytes_sent if res else 0,
+                "bytes_received": res.bytes_received if res else 0,
+            }
+        )
+    numel = sum(p.numel() for p in model.parameters())
+    slice_numel = sum(t.numel() for t in d.state.theta)
+    Path(args.out).write_text(json.dumps({"rank": rank, "numel": numel, "slice_numel": slice_numel, "rounds": records}))
+    d.close()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
+    from dtrain.rendezvous import RendezvousCore
+    from dtrain.rendezvous.grpc import serve_rendezvous
+    from dtrain.sim import fast_rendezvous_config
+
+    core = RendezvousCore(
+        fast_rendezvous_config(
+            2, heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, reduce_timeout_s=60.0, broadcast_timeout_s=120.0
+        )
+    )
+    server = serve_rendezvous(core)
+    procs, outs = [], []
+    try:
+        for site in range(2):
+            port = _free_port()
+            for rank in range(num_ranks):
+                out = tmp / f"k{num_ranks}-s{site}-r{rank}.json"
+                outs.append(out)
+                env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE=str(num_ranks))
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                cmd = [sys.executable, __file__, "--rank-main", "--site-index", str(site), "--out", str(out)]
+                cmd += ["--rendezvous", server.address, "--params", str(args.params), "--rounds", str(args.rounds)]
+                cmd += ["--codec", args.codec, "--parallel", args.parallel]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for p in procs:
+            _, err = p.communicate(timeout=900)
+            if p.returncode != 0:
+                raise RuntimeError(f"a rank failed ({p.returncode}): {err.decode()[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.stop(0)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Median over rounds after the first, per rank; then the mean over every rank."""
+    per_rank = []
+    for r in runs:
+        recs = [x for x in r["rounds"][1:] if x["status"] == "applied"] or r["rounds"][-1:]
+        med = {s: statistics.median(x["cpu_s"].get(s, 0.0) for x in recs) for s in (*STEPS, "total")}
+        med.update(
+            encode=statistics.median(x["encode_s"] for x in recs),
+            decode=statistics.median(x["decode_s"] for x in recs),
+            bytes_sent=statistics.median(x["bytes_sent"] for x in recs),
+            bytes_received=statistics.median(x["bytes_received"] for x in recs),
+        )
+        per_rank.append(med)
+    keys = per_rank[0].keys()
+    return {
+        "numel": runs[0]["numel"],
+        "slice_numel": statistics.mean(r["slice_numel"] for r in runs),
+        **{k: statistics.mean(p[k] for p in per_rank) for k in keys},
+    }
+
+
+# --------------------------------------------------------------------------- split in one process
+def split_one_slice(numel: int, codec_name: str, repeats: int = 3) -> dict:
+    """CPU seconds of each step on one rank's slice of ``numel`` elements (no network)."""
+    from dtrain.buckets import BucketConfig, BucketLayout, checksum
+    from dtrain.codecs import get_codec
+    from dtrain.rounds import RoundEngine
+    from dtrain.state import GlobalState
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    torch.set_num_threads(1)
+    local = [torch.randn(numel)]
+    layout = BucketLayout([numel], ["param"], BucketConfig())
+    state = GlobalState(layout, local)
+    engine = RoundEngine("bench", state, InprocTransport(InprocNetwork()))
+    codec = get_codec(codec_name)
+    out: dict[str, list[float]] = {k: [] for k in ("gather", "encode", "decode", "outer_step", "checksum", "scatter")}
+
+    def timed(key, fn):
+        t0 = time.process_time()
+        r = fn()
+        out[key].append(time.process_time() - t0)
+        return r
+
+    for _ in range(repeats):
+        local[0].add_(1e-3)
+        timed("gather", lambda: engine.add_pseudo_gradient(local))
+        payloads = timed("encode", lambda: [codec.encode(r) for r in state.residuals])
+        means = timed("decode", lambda: [codec.decode(p, numel=b.numel) for p, b in zip(payloads, layout.buckets)])
+        timed("outer_step", lambda: [state.apply_mean(b, m) for b, m in enumerate(means)])
+        timed("checksum", lambda: [checksum(t) for t in state.theta])
+        timed("scatter", lambda: state.copy_to(local))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=int, default=25_000_000)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="inside a site when K > 1")
+    ap.add_argument("--quick", action="store_true", help="2M parameters, 3 rounds")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--site-index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rendezvous", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_main:
+        return rank_main(args)
+    if args.quick:
+        args.params, args.rounds = 2_000_000, 3
+    torch.set_num_threads(1)
+    real = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in args.ranks:
+            real[k] = summarise(run_sites(k, args, Path(tmp)))
+    n = real[args.ranks[0]]["numel"]
+    print(
+        f"## Site group round cost: {n / 1e6:.1f}M parameters, codec {args.codec}, {args.parallel} inside a site, "
+        "θ on the CPU, 1 thread/rank\n"
+    )
+    print("### 2 sites x K ranks (processes; process CPU per rank per round, median of rounds 2..)\n")
+    cols = ["K", "ns/param/rank", "total ms", *[f"{s} ms" for s in STEPS], "encode ms (wall)", "decode ms (wall)"]
+    cols += ["sent MB/rank", "recv MB/rank"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for k, s in real.items():
+        row = [str(k), f"{1e9 * s['total'] / n:.1f}", f"{1e3 * s['total']:.0f}"]
+        row += [f"{1e3 * s[x]:.0f}" for x in STEPS] + [f"{1e3 * s['encode']:.0f}", f"{1e3 * s['decode']:.0f}"]
+        row += [f"{s['bytes_sent'] / 1e6:.2f}", f"{s['bytes_received'] / 1e6:.2f}"]
+        print("| " + " | ".join(row) + " |")
+    print("\n### Split of one rank's slice (one process, no network; ns per model parameter)\n")
+    print("| K | slice elems | gather | encode | decode | outer step (+checksum) | checksum | scatter | sum |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    split = {}
+    for k in args.ranks:
+        sp = split[k] = split_one_slice(-(-n // k), args.codec)
+        cells = [f"{1e9 * sp[x] / n:.2f}" for x in ("gather", "encode", "decode", "outer_step", "checksum", "scatter")]
+        total = sp["gather"] + sp["encode"] + sp["decode"] + sp["outer_step"] + sp["scatter"]
+        print(f"| {k} | {-(-n // k)} | " + " | ".join(cells) + f" | {1e9 * total / n:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"real": real, "split": split, "params": n}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""What a paced datagram flow does to a competing TCP flow on the same bottleneck (netem; prints a table).
+
+Three emulated sites (``netem.Topology``), every link ``--rate-mbit`` (tbf) and
+``--delay-ms`` one way. A bulk TCP flow runs from site 0 to site 1 for ``--seconds``;
+in the middle third, a datagram flow paced like the datagram data path
+(:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte datagrams) runs from
+site 2 to site 1 at ``--udp-mbit``: both share site 1's download cap. Printed per TCP
+congestion control (the namespace's ``net.ipv4.tcp_congestion_control``; cubic where
+the machine's global allowed list has it, else reno): TCP goodput before, during and
+after the datagram flow, and the datagram flow's delivered rate and loss.
+
+The datagram path sends at its round's rate whatever else shares the link (its rate
+controller only acts between rounds), which is why it is meant for provisioned links.
+
+Usage (as root)::
+
+    .venv/bin/python experiments/datagram_tcp_share.py             # 100 Mbit/s, 40 ms, UDP at 50 and 95
+    .venv/bin/python experiments/datagram_tcp_share.py --quick     # one UDP rate, shorter
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dtrain.transports.datagram_pacing import Pacer  # noqa: E402
+
+
+def _tcp_sink(srv: socket.socket, t0: float, bins: list[int], bin_s: float, stop: threading.Event) -> None:
+    conn, _ = srv.accept()
+    conn.settimeout(0.5)
+    buf = bytearray(1 << 16)
+    while not stop.is_set():
+        try:
+            n = conn.recv_into(buf)
+        except socket.timeout:
+            continue
+        if not n:
+            break
+        k = int((time.monotonic() - t0) / bin_s)
+        if k < len(bins):
+            bins[k] += n
+    conn.close()
+
+
+def _tcp_source(cli: socket.socket, addr: tuple[str, int], until: float) -> None:
+    cli.connect(addr)
+    data = b"x" * (1 << 16)
+    cli.settimeout(1.0)
+    while time.monotonic() < until:
+        try:
+            cli.sendall(data)
+        except (socket.timeout, OSError):
+            break
+    cli.close()
+
+
+def _udp_sink(sock: socket.socket, counts: list[int], stop: threading.Event) -> None:
+    sock.settimeout(0.2)
+    buf = bytearray(2048)
+    while not stop.is_set():
+        try:
+            counts[0] += sock.recv_into(buf)
+            counts[1] += 1
+        except socket.timeout:
+            continue
+
+
+def _udp_source(sock: socket.socket, addr: tuple[str, int], rate_mbit: float, start: float, end: float) -> int:
+    pacer = Pacer(rate_mbit)
+    data = b"d" * 1400
+    sent = 0
+    time.sleep(max(0.0, start - time.monotonic()))
+    while time.monotonic() < end:
+        if pacer.wait(len(data), end + 1.0):
+            try:
+                sock.sendto(data, addr)
+                sent += 1
+            except OSError:
+                pass
+    return sent
+
+
+def one(topo, cc: str, udp_mbit: float, seconds: float, bin_s: float = 0.25) -> dict:
+    for i in range(3):
+        subprocess.run(
+            topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"]), check=True, timeout=10
+        )
+    srv = topo.socket(1, socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((topo.address(1), 0))
+    srv.listen(1)
+    usink = topo.socket(1, socket.AF_INET, socket.SOCK_DGRAM)
+    usink.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    usink.bind((topo.address(1), 0))
+    cli = topo.socket(0, socket.AF_INET, socket.SOCK_STREAM)
+    usrc = topo.socket(2, socket.AF_INET, socket.SOCK_DGRAM)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    bins = [0] * int(seconds / bin_s + 1)
+    ucounts = [0, 0]
+    threads = [
+        threading.Thread(target=_tcp_sink, args=(srv, t0, bins, bin_s, stop), daemon=True),
+        threading.Thread(target=_udp_sink, args=(usink, ucounts, stop), daemon=True),
+        threading.Thread(target=_tcp_source, args=(cli, srv.getsockname(), t0 + seconds), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    a, b = t0 + seconds / 3, t0 + 2 * seconds / 3
+    sent = _udp_source(usrc, usink.getsockname(), udp_mbit, a, b)
+    threads[2].join(seconds + 5)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads[:2]:
+        t.join(5)
+    for s in (srv, usink, usrc):
+        s.close()
+
+    def goodput(lo: float, hi: float) -> float:
+        ks = range(int(lo / bin_s), int(hi / bin_s))
+        return sum(bins[k] for k in ks) * 8 / 1e6 / (len(ks) * bin_s)
+
+    third = seconds / 3
+    return {
+        "cc": cc,
+        "udp_mbit": udp_mbit,
+        "tcp_before": goodput(1.0, third),  # the first second is slow start
+        "tcp_during": goodput(third + 0.5, 2 * third),
+        "tcp_after": goodput(2 * third + 0.5, seconds),
+        "udp_delivered_mbit": ucounts[0] * 8 / 1e6 / (b - a),
+        "udp_loss": 1 - ucounts[1] / sent if sent else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one UDP rate, 9 s per run")
+    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--delay-ms", type=float, default=40.0)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--udp-mbit", type=float, nargs="*", default=[50.0, 95.0])
+    args = ap.parse_args(argv)
+    import netem  # noqa: PLC0415
+    from netem.profiles import LinkParams  # noqa: PLC0415
+
+    missing = netem.missing_requirements()
+    if missing:
+        raise SystemExit(f"datagram_tcp_share: netem cannot emulate links here: missing {', '.join(missing)}")
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    ccs = ["bbr", "cubic" if "cubic" in allowed else "reno"]
+    udp_rates, seconds = ([95.0], 9.0) if args.quick else (args.udp_mbit, args.seconds)
+    print(f"links {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; TCP site 0 -> 1, datagrams site 2 -> 1")
+    print("| TCP cc | datagrams Mbit/s | TCP before | TCP during | TCP after | datagrams delivered Mbit/s | loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    with netem.Topology(num_sites=3, profile="lan", name="dgshare") as topo:
+        topo.set_link(None, LinkParams(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit))
+        for cc in ccs:
+            for udp in udp_rates:
+                r = one(topo, cc, udp, seconds)
+                print(
+                    f"| {cc} | {udp:g} | {r['tcp_before']:.1f} | {r['tcp_during']:.1f} | {r['tcp_after']:.1f} "
+                    f"| {r['udp_delivered_mbit']:.1f} | {r['udp_loss']:.1%} |",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""The datagram data path against gRPC (BBR and cubic) through netem packet loss (issue 16).
+
+N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
+namespaces (``netem.Topology``, as ``wan_sweep.py``); every site's link has the same rate
+cap, one-way delay (on packets arriving at the site: RTT = 2 x delay) and random loss.
+One training run per data path walks the loss grid (each loss holds for a warm-up and
+the measured round(s), changed between exchanges as in ``wan_sweep.py``):
+
+* ``gRPC (BBR)`` / ``gRPC (cubic)``: the default data path, with the kernel's TCP
+  congestion control set in every namespace (``net.ipv4.tcp_congestion_control``); where
+  the machine's global ``tcp_allowed_congestion_control`` lacks cubic (this one: reno bbr),
+  reno, also loss-based, stands in and the label says so;
+* ``datagram``: ``--data-path datagram`` (contributions and means as paced, sealed UDP
+  datagrams, never retransmitted; lost mean chunks re-requested, then pulled over gRPC),
+  ``--max-rate-mbit`` just under the link's cap (a provisioned link).
+
+Per data path and loss: ``engine_s`` = a round's exchange time (max ``total_s`` over
+sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-gradient),
+``ratio``; payload bytes sent per site and round (``bytes_sent``) and, for the datagram
+path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
+``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
+datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
+sites (0: replicas equal) and stale buckets.
+
+Usage (from the repository root, as root)::
+
+    .venv/bin/python experiments/datagram_vs_grpc.py --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
+    .venv/bin/python experiments/datagram_vs_grpc.py --smoke --out /tmp/x --results none   # CI
+
+Writes ``OUT/datagram_vs_grpc[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its
+section of ``experiments/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import (  # noqa: E402
+    RunResult,
+    base_parser,
+    md_table,
+    mode_settings,
+    out_prefix,
+    publish,
+    read_rows,
+    run_or_load,
+    save_fig,
+    subplots,
+)
+from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.wan_sweep import physical_limit_s  # noqa: E402
+
+
+def _loss_based_cc() -> str:
+    """cubic where this machine allows it; else reno (also loss-based AIMD). The allowed list is
+    global (``net.ipv4.tcp_allowed_congestion_control``), so it is read, never changed."""
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    return "cubic" if "cubic" in allowed else "reno"
+
+
+_LOSS_CC = _loss_based_cc() if Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").exists() else "cubic"
+PATHS = (
+    ("gRPC (BBR)", "grpc", "bbr"),
+    (f"gRPC ({_LOSS_CC})", "grpc", _LOSS_CC),
+    ("datagram", "datagram", "bbr"),  # its gRPC control plane keeps the kernel's default
+)
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        num_sites=2, task="", size="tiny", sync_every=2, rate=100.0, delay=5.0, losses=[0.0, 5.0], measured=1, seeds=[0]
+    ),
+    "quick": dict(
+        num_sites=4,
+        task="experiments.datagram_task:make",
+        size="tiny",
+        sync_every=1,
+        rate=100.0,
+        delay=40.0,
+        losses=[0.0, 1.0, 5.0, 10.0, 20.0],
+        measured=1,
+        seeds=[0],
+    ),
+    "full": dict(
+        num_sites=4,
+        task="experiments.datagram_task:make",
+        size="tiny",
+        sync_every=5,
+        rate=100.0,
+        delay=40.0,
+        losses=[0.0, 1.0, 5.0, 10.0, 20.0],
+        measured=3,
+        seeds=[0, 1, 2],
+    ),
+}
+RENDEZVOUS = {
+    "quorum_timeout_s": 60.0,
+    "heartbeat_interval_s": 1.0,
+    "heartbeat_timeout_s": 30.0,
+    "reduce_timeout_s": 30.0,
+    "broadcast_timeout_s": 60.0,
+}
+
+
+def _set_cc(topo, n: int, cc: str) -> None:
+    for i in range(n):
+        argv = topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"])
+        subprocess.run(argv, check=True, timeout=10)
+
+
+def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
+    """One training run of one data path through every loss setting; one RunResult per loss."""
+    from netem.profiles import LinkParams  # noqa: PLC0415
+
+    label, data_path, cc = path
+    n, per = m["num_sites"], 1 + m["measured"]
+    total = per * len(m["losses"])
+    changed_at: list[float] = []
+    _set_cc(topo, n + 1, cc)
+
+    def link(loss: float) -> None:
+        topo.set_link(None, LinkParams(delay_ms=m["delay"], loss_pct=loss, rate_mbit=m["rate"]))
+        changed_at.append(time.time())
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
+        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        t0 = time.monotonic()
+        try:
+            link(m["losses"][0])
+            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            opts = dict(
+                task=m["task"] or None,
+                size=m["size"],
+                seed=seed,
+                rounds=total,
+                sync_every=m["sync_every"],
+                codec="int8",
+                eval_every=total,
+                quorum_wait_s=600,
+                linger_s=3,
+                data_path=data_path,
+                max_rate_mbit=0.95 * m["rate"],
+            )
+            for i in range(n):
+                run.start_site(i, opts)
+            names = [f"site-{i}" for i in range(n)]
+            for k in range(1, len(m["losses"])):
+                last = k * per - 1
+                run.wait(
+                    lambda last=last: run.check_alive(names) or all(run.done_round(i, last) for i in range(n)),
+                    f"every site to finish round {last}",
+                )
+                link(m["losses"][k])
+                print(f"  {label}: round {last + 1}: loss {m['losses'][k]:g}%", flush=True)
+            run.wait(lambda: run.check_alive(names) or run.exited(names), "the sites to finish")
+        finally:
+            run.close()
+        wall = time.monotonic() - t0
+        per_site = {i: run.rounds(i) for i in range(n)}
+        starts = [x for x in run.lines(0) if x.get("event") == "start"]
+    first_val = starts[0]["val_loss"] if starts else float("nan")
+    return [
+        _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val) for k, loss in enumerate(m["losses"])
+    ]
+
+
+def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
+    """Datagram wire bytes site i sent in round r (from the cumulative counters)."""
+    lines = {x["round"]: x for x in per_site[i]}
+    now, before = lines.get(r, {}).get("datagram"), lines.get(r - 1, {}).get("datagram")
+    if now is None:
+        return float("nan")
+    return now["wire_sent"] - (before["wire_sent"] if before else 0)
+
+
+def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> RunResult:
+    n, per = m["num_sites"], 1 + m["measured"]
+    engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
+    drift = stale = 0
+    for r in range(k * per + 1, (k + 1) * per):  # the first round of each setting is the warm-up
+        lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
+        ok = len(lines) == n and all(x["time"] - x["sync_s"] >= changed_at for x in lines)
+        for x in lines:
+            rounds_out.append(
+                {
+                    "experiment": "datagram_vs_grpc",
+                    "config": f"{label}, loss {loss:g}%",
+                    "seed": seed,
+                    "round": r,
+                    "site": x["site"],
+                    "measured": ok,
+                    "status": x["status"],
+                    "total_s": x.get("total_s", float("nan")),
+                    "bytes_sent": x.get("bytes_sent", 0),
+                    "included_fraction": x.get("included_fraction", float("nan")),
+                }
+            )
+        if not ok:
+            continue
+        engine.append(max(x.get("total_s", float("nan")) for x in lines))
+        enc += [x.get("encoded_bytes", 0) for x in lines]
+        sent += [x.get("bytes_sent", 0) for x in lines]
+        wire += [_wire_sent(per_site, i, r) for i in range(n)]
+        delivered += [x.get("included_fraction", float("nan")) for x in lines]
+        drift += len({x["checksum"] for x in lines}) > 1
+        stale += sum(x.get("stale_buckets", 0) for x in lines)
+    b = statistics.fmean(enc) if enc else float("nan")
+    limit = physical_limit_s(b, m["rate"], m["delay"])
+    e = statistics.fmean(engine) if engine else float("nan")
+    final = per_site[0][-1] if per_site[0] else {}
+    row = {
+        "experiment": "datagram_vs_grpc",
+        "config": f"{label}, loss {loss:g}%",
+        "path": label,
+        "seed": seed,
+        "num_sites": n,
+        "sync_every": m["sync_every"],
+        "codec": "int8",
+        "rate_mbit": m["rate"],
+        "delay_ms": m["delay"],
+        "loss_pct": loss,
+        "rounds_measured": len(engine),
+        "encoded_bytes_per_site": b,
+        "engine_s": e,
+        "limit_s": limit,
+        "ratio": e / limit if limit > 0 else float("nan"),
+        "bytes_per_round_site": statistics.fmean(sent) if sent else float("nan"),
+        "wire_bytes_per_round_site": statistics.fmean(wire) if wire else float("nan"),
+        "delivered": statistics.fmean(delivered) if delivered else float("nan"),
+        "drift_rounds": drift,
+        "stale_buckets": stale,
+        "rejected": 0,
+        "sync_s": e,
+        "first_val_loss": first_val,
+        "final_val_loss": final.get("val_loss", float("nan")),
+        "rounds_done": len(per_site[0]),
+        "wall_s": wall,
+        "bytes_total": sum(x.get("bytes_sent", 0) for i in per_site for x in per_site[i]),
+    }
+    return RunResult(row=row, rounds=rounds_out)
+
+
+def analyse(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"])):
+        out.append(
+            [
+                f"{r['loss_pct']:g}%",
+                r["path"],
+                f"{r['engine_s']:.2f}",
+                f"{r['limit_s']:.2f}",
+                f"{r['ratio']:.2f}",
+                f"{r['bytes_per_round_site'] / 1e6:.2f}",
+                "-"
+                if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
+                else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
+                f"{r['delivered']:.3f}",
+                f"{r['drift_rounds']} / {r['stale_buckets']}",
+            ]
+        )
+    return md_table(
+        [
+            "loss",
+            "data path",
+            "exchange s",
+            "limit s",
+            "ratio",
+            "payload MB/site",
+            "wire MB/site",
+            "delivered",
+            "drift rounds / stale buckets",
+        ],
+        out,
+    )
+
+
+def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
+    fig, ax = subplots(figsize=(6, 3.6))
+    for label, _, _ in PATHS:
+        pts = sorted((r["loss_pct"], r["ratio"]) for r in rows if r["path"] == label)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.axhline(1.2, color="grey", linestyle=":", label="target 1.2x")
+    ax.set_xlabel("packet loss (%)")
+    ax.set_ylabel("exchange time / physical limit")
+    ax.legend()
+    return save_fig(fig, prefix.with_suffix(".png"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = base_parser(__doc__)
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one data path's run, seconds")
+    ap.add_argument(
+        "--paths",
+        help="comma-separated data paths to run (labels, e.g. 'datagram'); the other paths' rows are kept "
+        "from this mode's existing CSV files",
+    )
+    args = ap.parse_args(argv)
+    mode, m = mode_settings(args, MODES)
+    if m["num_sites"] < 2:
+        raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
+    prefix = out_prefix(args, "datagram_vs_grpc")
+
+    chosen = PATHS
+    if args.paths:
+        want = [x.strip() for x in args.paths.split(",")]
+        chosen = tuple(p for p in PATHS if p[0] in want)
+        if len(chosen) != len(want):
+            raise SystemExit(f"--paths must name some of {[p[0] for p in PATHS]}, got {args.paths!r}")
+
+    def kept() -> list[RunResult]:
+        """Rows of the paths not rerun, from the existing CSV files (their per-round rows with the first)."""
+        csv, rounds_csv = prefix.with_suffix(".csv"), prefix.with_name(prefix.name + "_rounds.csv")
+        if chosen == PATHS or not csv.exists():
+            return []
+        names = {p[0] for p in chosen}
+        rows = [r for r in read_rows(csv) if r["path"] not in names]
+        rounds = [x for x in read_rows(rounds_csv) if not any(x["config"].startswith(n + ",") for n in names)]
+        return [RunResult(row=r, rounds=rounds if i == 0 else []) for i, r in enumerate(rows)]
+
+    def runner() -> list[RunResult]:
+        out: list[RunResult] = kept()
+        with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc") as topo:
+            for seed in m["seeds"]:
+                for path in chosen:
+                    t = time.monotonic()
+                    res = run_path(topo, m, path, seed, args.timeout_s)
+                    out += res
+                    print(
+                        f"{path[0]} seed {seed}: {time.monotonic() - t:.0f} s; "
+                        + "; ".join(f"{r.row['loss_pct']:g}%: {r.row['ratio']:.2f}x" for r in res),
+                        flush=True,
+                    )
+        return out
+
+    rows, _, meta = run_or_load(args, argv, "datagram_vs_grpc.py", prefix, runner)
+    kept_note = (
+        f" Only {', '.join(p[0] for p in chosen)} ran in this command; the other rows are kept from an earlier run"
+        " of this mode (the CSV's `wall_s` and `rounds_done` are theirs)."
+        if chosen != PATHS
+        else ""
+    )
+    png = plot(rows, prefix)
+    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
+
+Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
+{m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), random loss of packets arriving at a
+site; task `{m["task"] or m["size"]}`, H = {m["sync_every"]}, int8; 1 warm-up + {m["measured"]} measured round(s)
+per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}`.
+CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
+
+{analyse(rows)}
+"""
+    publish(args, f"datagram_vs_grpc-{mode}", f"Datagram path vs gRPC through netem ({mode})", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Rounds over the datagram data path on 127.0.0.1, with datagrams dropped on purpose
+(``DatagramTransportConfig.test_drop``): the per-chunk mean is unbiased at packet
+granularity, replicas end equal, junk is dropped without growing memory, and a site
+killed mid-send changes nothing but its own contribution."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig, BucketLayout
+from dtrain.codecs import CodecConfig
+from dtrain.errors import PeerUnavailable
+from dtrain.protocol import Member, RoundPlan
+from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.state import GlobalState
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
+from dtrain.transports.datagram_wire import HEADER, MAGIC, VERSION, Kind
+from dtrain.transports.grpc import GrpcTransportConfig
+
+pytestmark = pytest.mark.timeout(90)
+
+NUMEL = 60_000
+MU = 1.0
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=1.0)  # θ ← θ − mean: the applied mean is θ0 − θ
+
+
+class Cluster:
+    def __init__(self, n: int, *, drop: float, seed: int = 0, reduce_s: float = 2.0, bcast_s: float = 6.0) -> None:
+        torch.manual_seed(seed)
+        chunk = datagram_chunk_bytes("fp32")
+        self.layout = BucketLayout([NUMEL], ["param"], BucketConfig(bucket_bytes=4 * 15_000, chunk_bytes=chunk))
+        self.deltas = [MU + torch.randn(NUMEL) for _ in range(n)]
+        self.engines: list[RoundEngine] = []
+        members = []
+        for i in range(n):
+            cfg = DatagramTransportConfig(
+                grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
+                max_rate_mbit=300.0,
+                rtt_s=0.01,
+                nack_idle_s=0.02,
+                fallback_reserve_s=1.0,
+                test_drop=drop,
+                test_drop_seed=seed * 100 + i,
+            )
+            eng = RoundEngine(
+                f"site-{i}",
+                GlobalState(self.layout, [torch.zeros(NUMEL)], outer_optimizer=_sgd),
+                DatagramTransport(cfg),
+                RoundConfig(codec=CodecConfig(name="fp32"), plan_wait_s=2.0),
+            )
+            members.append(Member(site_id=f"site-{i}", address=eng.start()))
+            self.engines.append(eng)
+        self.plan = RoundPlan(
+            round=0,
+            members=tuple(members),
+            reduce_timeout_s=reduce_s,
+            broadcast_timeout_s=bcast_s,
+            datagram_key=os.urandom(32),
+        )
+
+    def run_round(self, skip: tuple[int, ...] = ()):
+        for eng, d in zip(self.engines, self.deltas):
+            assert eng.add_pseudo_gradient([-d])  # θ0 = 0, local = −Δ
+        futs = [e.start_round(self.plan) for e in self.engines]
+        return [None if i in skip else f.result(timeout=60) for i, f in enumerate(futs)]
+
+    def published(self, b: int):
+        """The owner's mean of bucket b (its chunks list the senders included)."""
+        for e in self.engines:
+            m = e._means.get((0, b))
+            if m is not None and m.owner == e.site_id:
+                return m
+        return None
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop(0)
+
+
+@pytest.fixture
+def make_cluster():
+    made: list[Cluster] = []
+
+    def make(*args, **kw) -> Cluster:
+        c = Cluster(*args, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def _check_means_exact(c: Cluster, survivors: list[int]) -> tuple[float, float, int]:
+    """Every survivor's θ is θ0 − (mean over the senders each chunk lists); returns
+    (average applied value, its standard error for iid Δ, chunks that missed someone)."""
+    total, var, num_elems, partial = 0.0, 0.0, 0, 0
+    ids = [e.site_id for e in c.engines]
+    for b, bucket in enumerate(c.layout.buckets):
+        m = c.published(b)
+        theta = [c.engines[i].state.theta[b] for i in survivors]
+        if m is None or not m.chunks:  # owner gone: nobody applied anything
+            for t in theta:
+                assert torch.equal(t, torch.zeros_like(t))
+            continue
+        start = bucket.segments[0].tensor_offset
+        for ch in m.chunks:
+            rows = [c.deltas[ids.index(s)][start + ch.offset : start + ch.offset + ch.numel] for s in ch.senders]
+            want = torch.stack(rows).mean(0)
+            for t in theta:
+                torch.testing.assert_close(-t[ch.offset : ch.offset + ch.numel], want, rtol=0, atol=1e-6)
+            partial += len(ch.senders) < len(ids)
+            total += float(want.sum())
+            var += ch.numel / len(ch.senders)
+            num_elems += ch.numel
+    return total / num_elems, var**0.5 / num_elems, partial
+
+
+@pytest.mark.parametrize("drop", [0.1, 0.3])
+def test_lossy_round_mean_is_unbiased_and_replicas_agree(make_cluster, drop: float) -> None:
+    c = make_cluster(3, drop=drop, seed=7)
+    results = c.run_round()
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1, "replicas differ after the round"
+    avg, se, partial = _check_means_exact(c, [0, 1, 2])
+    assert abs(avg - MU) < 4 * se, f"mean {avg:.4f} vs {MU} (se {se:.4f}): biased"
+    # dividing by all members instead would give MU * E[k]/N, far outside 4 se
+    num_chunks = sum(len(b.chunks) for b in c.layout.buckets)
+    assert partial > 0.5 * num_chunks * (1 - (1 - drop) ** 2), "datagrams were not lost as configured"
+    for r in results:
+        assert r.included_fraction < 1.0 and r.applied_buckets == len(c.layout)
+    dropped = sum(e.transport.counters()["test_dropped"] for e in c.engines)
+    assert dropped > 0
+    # the owners' REPORTs (the rate controller's input) see the configured loss, mean datagrams apart
+    for e in c.engines:
+        rs = e.transport._round(0)
+        for dest, rep in rs.reports.items():
+            assert abs(rep[0] / rs.sent[dest][0] - (1 - drop)) < 0.12, (e.site_id, dest, rep, rs.sent[dest])
+    assert all(r.total_s < c.plan.broadcast_timeout_s + 1.0 for r in results)
+
+
+def _junk(round: int, n: int, port: int, key_round: int) -> None:
+    """n junk datagrams: random bytes, forged ones for the open round, ones for a future round."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rnd = os.urandom(1400)
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            data = rnd[: 60 + i % 1300]
+        else:
+            r = round if kind == 1 else key_round + 5 + i % 7
+            head = HEADER.pack(MAGIC, VERSION, Kind.CONTRIB, 0, r, 0, i % 50, 0, 325, 0, 0, i, 0, 1)
+            data = head + rnd[: 1300 + 16]
+        try:
+            s.sendto(data, ("127.0.0.1", port))
+        except OSError:
+            pass
+    s.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_flood_of_junk_neither_grows_memory_nor_delays_the_round(make_cluster) -> None:
+    c = make_cluster(2, drop=0.0, seed=3, reduce_s=3.0, bcast_s=6.0)
+    target = c.engines[1]
+    port = int(c.plan.members[1].address.rsplit(":", 1)[1])
+    rss0 = _rss_bytes()
+    flood = threading.Thread(target=_junk, args=(0, 100_000, port, 0))
+    flood.start()
+    results = c.run_round()
+    flood.join(60)
+    growth = _rss_bytes() - rss0
+    counts = target.transport.counters()
+    junk_seen = counts["dropped_bad_magic"] + counts["dropped_forged"] + counts["dropped_truncated"]
+    junk_seen += counts["dropped_over_budget"] + len(target.transport._pending)
+    assert junk_seen > 10_000, counts  # the rest the kernel dropped at the full socket buffer
+    assert len(target.transport._pending) <= target.transport.config.max_pending_datagrams
+    assert growth < 64 << 20, f"RSS grew by {growth / 2**20:.0f} MiB under the flood (100k x 1.4 kB = 134 MiB)"
+    assert all(r.total_s < c.plan.broadcast_timeout_s + 1.0 for r in results)
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1
+    avg, se, _ = _check_means_exact(c, [0, 1])  # nothing from the flood was applied
+    assert abs(avg - MU) < 5 * se
+
+
+def test_site_killed_mid_send_changes_only_its_own_contribution(make_cluster) -> None:
+    c = make_cluster(3, drop=0.0, seed=5, reduce_s=2.0, bcast_s=4.0)
+    victim = c.engines[2]
+
+    def kill(phase: str, round: int) -> None:
+        if phase == "mid_push":
+            victim.transport.stop(0)
+            raise PeerUnavailable("killed mid-send (test)")
+
+    victim.fault_hook = kill
+    results = c.run_round(skip=(2,))
+    assert all(r.total_s < c.plan.broadcast_timeout_s + 1.0 for r in results[:2])
+    for b in range(len(c.layout)):
+        assert c.engines[0].state.checksum(b) == c.engines[1].state.checksum(b)
+    _check_means_exact(c, [0, 1])
+    ids = [e.site_id for e in c.engines]
+    counted = sum(
+        "site-2" in ch.senders
+        for b in range(len(c.layout))
+        if (m := c.published(b)) is not None and m.owner != "site-2"
+        for ch in m.chunks
+    )
+    total = sum(len(c.layout.buckets[b].chunks) for b in range(len(c.layout)) if c.published(b) is not None)
+    assert counted <= 2 and total > 0, (counted, ids)  # at most its first chunk to each surviving owner
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.accepted: list = []
+
+    def handle_contribution(self, c) -> None:
+        self.accepted.append(c)
+
+    def handle_pull_mean(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no pulls in this test")
+
+    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no pulls in this test")
+
+
+def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
+    from dtrain.protocol import Contribution
+
+    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), report_wait_s=0.3)
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    rec = _Recorder()
+    addr_b = b.start(rec)
+    addr_a = a.start(_Recorder())
+    try:
+        plan = RoundPlan(
+            round=4,
+            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+            reduce_timeout_s=5,
+            broadcast_timeout_s=5,
+            datagram_key=os.urandom(32),
+        )
+        a.begin_round(plan, [], "site-a")
+        cs = [
+            Contribution(
+                round=4, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=bytes([i]) * 4
+            )
+            for i in range(5)
+        ]
+        assert a.push(addr_b, cs, timeout_s=5) == 5  # no report yet: the sender cannot tell
+        assert rec.accepted == []
+        b.begin_round(plan, [], "site-b")  # the plan arrives: the held datagrams are opened
+        deadline = time.monotonic() + 5
+        while len(rec.accepted) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.accepted == cs
+        assert b.counters()["dropped_unknown_round"] >= 5
+    finally:
+        a.stop(0)
+        b.stop(0)

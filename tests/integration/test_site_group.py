@@ -1,0 +1,178 @@
+"""A site as a torch.distributed group (issue 14): 2 sites x 2 ranks on gloo, gRPC
+between the ranks of different sites, one gRPC rendezvous in the test process.
+
+Each rank is a subprocess with torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT); see tests/integration/sitegroup_rank.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.rendezvous import RendezvousCore
+from dtrain.rendezvous.grpc import serve_rendezvous
+from dtrain.sim import fast_rendezvous_config
+from tests.integration import sitegroup_rank as task
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _site_procs(site_index: int, num_ranks: int, rdv: str, out: Path, extra: list[str]) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in range(num_ranks):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_ranks))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "tests.integration.sitegroup_rank", "--site-index", str(site_index)]
+        cmd += ["--rendezvous", rdv, "--out", str(out), *extra]
+        log = open(out / f"site-{site_index}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def run_sites(
+    tmp: Path,
+    *,
+    num_sites: int,
+    num_ranks: int,
+    extra: list[str],
+    site_extra: dict[int, list[str]] | None = None,
+    timeout_s: float = 90.0,
+) -> dict:
+    """Run ``num_sites`` site groups of ``num_ranks`` ranks; returns {(site, rank): (summary, params)}."""
+    core = RendezvousCore(
+        fast_rendezvous_config(
+            num_sites, heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0
+        )
+    )
+    server = serve_rendezvous(core)
+    procs = []
+    try:
+        for i in range(num_sites):
+            procs += _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []))
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.stop(0)
+    logs = {f.name: f.read_text()[-3000:] for f in tmp.glob("*.log")}
+    assert all(p.returncode == 0 for p in procs), f"a rank failed: {[p.returncode for p in procs]}\n{logs}"
+    out = {}
+    for i in range(num_sites):
+        for r in range(num_ranks):
+            stem = tmp / f"site-{i}-rank{r}"
+            out[i, r] = (json.loads(Path(f"{stem}.json").read_text()), torch.load(f"{stem}.pt"))
+    return out
+
+
+def reference_run(*, steps: int, sync_every: int, lr: float) -> list[torch.Tensor]:
+    """The same training as 2 sites x 1 rank, in process (plain DiLoCo, inproc transport)."""
+    from dtrain.sim import ClusterConfig, InprocCluster
+
+    cluster = InprocCluster(
+        task.make_model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=lr),
+        ClusterConfig(num_sites=2, sync_every=sync_every),
+    )
+
+    def step(site, k):
+        x, y = task.batch(site.index, k)
+        torch.nn.functional.mse_loss(site.model(x), y).backward()
+        site.optimizer.step()
+        site.optimizer.zero_grad()
+
+    with cluster:
+        cluster.run_steps(step, num_steps=steps, timeout_s=60)
+        return [task.full_params(s.model) for s in cluster.sites]
+
+
+@pytest.mark.timeout(150)
+def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites(tmp_path):
+    steps, h, lr = 20, 5, 0.05
+    res = run_sites(tmp_path, num_sites=2, num_ranks=2, extra=["--parallel", "ddp", "--steps", str(steps)])
+    for r in (0, 1):
+        a, b = res[0, r][0]["rounds"], res[1, r][0]["rounds"]
+        assert [o["status"] for o in a] == ["applied"] * (steps // h)
+        # rank r's θ slice equals rank r's slice at the other site after every round
+        assert [o["slice_checksum"] for o in a] == [o["slice_checksum"] for o in b]
+    assert res[0, 0][0]["rounds"][-1]["site_checksum"] == res[1, 1][0]["rounds"][-1]["site_checksum"]
+    # the two slices differ (each rank synced a different part) and cover the model
+    assert res[0, 0][0]["memory"]["theta"] + res[0, 1][0]["memory"]["theta"] == res[0, 0][0]["model_numel"]
+    # every DDP replica of every site ends with the same parameters (θ after the last round)
+    for key in res:
+        assert torch.equal(res[key][1], res[0, 0][1]), key
+    ref = reference_run(steps=steps, sync_every=h, lr=lr)
+    assert torch.equal(ref[0], ref[1])
+    # fp32 tolerance: DDP sums two 4-row gradient means and halves them, a 1-rank site
+    # averages 8 rows at once: the two differ by float rounding (~1e-7 relative per
+    # inner step), carried through 20 SGD steps and 4 outer Nesterov steps.
+    torch.testing.assert_close(res[0, 0][1], ref[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(res[0, 0][1], task.full_params(task.make_model()))  # it trained
+
+
+def one_rank_diloco_numel(*, steps: int, sync_every: int) -> int:
+    """θ + outer state + residual elements of a plain 1-process DiLoCo site after its rounds."""
+    from dtrain.diloco import DiLoCo, DiLoCoConfig
+    from dtrain.sitegroup import diloco_numel
+
+    model = task.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with DiLoCo(model, opt, config=DiLoCoConfig(sync_every=sync_every)) as d:
+        for k in range(steps):
+            x, y = task.batch(0, k)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return diloco_numel(d.state)["total"]
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_sites_shard_the_outer_state_and_a_rank_that_missed_the_plan_skips_the_whole_round(tmp_path):
+    steps, h, skipped = 25, 5, 2
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "fsdp", "--steps", str(steps), "--lr", "0.1"],
+        site_extra={1: ["--skip-view-round", str(skipped)]},
+    )
+    statuses = {key: [o["status"] for o in s["rounds"]] for key, (s, _) in res.items()}
+    assert statuses[0, 0] == statuses[0, 1] == ["applied"] * (steps // h)
+    # half-round rule: rank 1 of site-1 missed round 2's plan, so neither rank of site-1 ran it
+    expect = ["applied"] * (steps // h)
+    expect[skipped] = "skipped"
+    assert statuses[1, 0] == statuses[1, 1] == expect, res[1, 0][0]["rounds"][skipped]["reason"]
+    assert "rank 1 holds decision 'wait'" in res[1, 0][0]["rounds"][skipped]["reason"]
+    for r in (0, 1):  # ... and resynchronised: every slice equals site-0's after every round
+        assert [o["slice_checksum"] for o in res[0, r][0]["rounds"]] == [
+            o["slice_checksum"] for o in res[1, r][0]["rounds"]
+        ]
+    assert len({s["rounds"][-1]["site_checksum"] for s, _ in res.values()}) == 1
+    for key in res:
+        assert torch.equal(res[key][1], res[0, 0][1]), key  # full parameters equal everywhere
+    s00 = res[0, 0][0]
+    assert s00["eval_after"] < 0.7 * s00["eval_before"], (s00["eval_before"], s00["eval_after"])  # held-out loss fell
+    # memory: θ + outer momentum + residual elements per rank, against a 1-rank site
+    one = one_rank_diloco_numel(steps=h, sync_every=h)
+    per_rank = [res[0, r][0]["memory_after"]["total"] for r in (0, 1)]
+    assert one == 3 * res[0, 0][0]["model_numel"]
+    assert sum(per_rank) == one
+    assert max(per_rank) <= 0.6 * one, (per_rank, one)  # uneven FSDP shards: 177 and 144 of 321 elements

@@ -1,0 +1,139 @@
+"""``dtrain launch --sites 2 --ranks-per-site 2`` end to end (issue 14): each site is
+one torchrun group of 2 ranks (gloo), the built-in tiny GPT trained with FSDP2 or
+DDP inside a site; plus SIGKILL of one rank of site-1 mid-round with
+``--max-restarts 1``: torchrun restarts the group, every rank pulls its slice from
+the same rank of site-0, and the site rejoins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SITES = ["site-0", "site-1"]
+BASE = ["--sites", "2", "--ranks-per-site", "2", "--size", "tiny", "--sync-every", "5", "--linger-s", "1"]
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("DTRAIN_TEST_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def _lines(run_dir: Path, site: str) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / site / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rounds(run_dir: Path, site: str) -> list[dict]:
+    return [d for d in _lines(run_dir, site) if d["event"] == "round"]
+
+
+def _launch(args: list[str], run_dir: Path, timeout_s: float, watch=None, **env: str) -> tuple[int, str, str]:
+    cmd = [sys.executable, "-m", "dtrain", "launch", *args, "--out", str(run_dir), "--no-progress"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while watch is not None and p.poll() is None and time.monotonic() < deadline:
+            if watch(run_dir):
+                break
+            time.sleep(0.3)
+        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"dtrain launch did not finish within {timeout_s}s\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+    return p.returncode, out, err
+
+
+@pytest.mark.timeout(150)
+def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
+    rounds = 4
+    seen: dict = {}
+
+    def watch(run_dir: Path) -> bool:  # the status page while the run is live
+        url_file = run_dir / "status.url"
+        if not url_file.exists():
+            return False
+        try:
+            with urllib.request.urlopen(url_file.read_text().strip() + "api/status", timeout=2) as r:
+                doc = json.loads(r.read())
+        except OSError:
+            return False
+        reported = {s["site_id"]: s.get("last_reported_round") for s in doc["sites"]}
+        if set(reported) == set(SITES) and all(v is not None for v in reported.values()):
+            seen.update(reported)
+            return True
+        return False
+
+    args = [*BASE, "--parallel", "fsdp", "--rounds", str(rounds)]
+    rc, out, err = _launch(args, tmp_path, 120, watch=watch)
+    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "θ checksums agree across sites" in out
+    assert set(seen) == set(SITES), "the status page never showed both sites' round reports"
+    rows = [ln for ln in out.splitlines() if ln.startswith("site-")]
+    assert len(rows) == 2 and rows[0].split()[2] == rows[1].split()[2]  # one θ checksum per site, equal
+    for s in SITES:
+        summ = json.loads((tmp_path / s / "summary.json").read_text())
+        assert summ["ranks"] == 2 and summ["parallel"] == "fsdp" and summ["rounds"] == rounds
+        assert summ["final_val_loss"] < summ["first_val_loss"] - 0.5
+        assert (
+            sum(summ["diloco_numel_per_rank"])
+            == 3 * json.loads((tmp_path / s / "metrics.jsonl").read_text().splitlines()[0])["params"]
+        )
+        lines = _rounds(tmp_path, s)
+        assert [d["round"] for d in lines] == list(range(rounds))
+        for d in lines:
+            assert d["status"] == "applied" and d["members"] == SITES and d["ranks"] == 2
+            assert len(d["rank_bytes_sent"]) == 2 and d["bytes_sent"] == sum(d["rank_bytes_sent"])
+            assert len(d["slice_checksums"]) == 2
+    per_round = zip(*(_rounds(tmp_path, s) for s in SITES))
+    for a, b in per_round:
+        assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_with_equal_state(tmp_path: Path) -> None:
+    # ~1.5 s per round; the group's restart (torch import, task build) takes 13-20 s on 2 busy cores
+    rounds, killed_round, broadcast_timeout_s = 18, 2, 6.0
+    args = [*BASE, "--parallel", "ddp", "--rounds", str(rounds), "--max-restarts", "1"]
+    args += ["--inner-step-sleep-s", "0.3", "--bucket-bytes", "65536", "--chunk-bytes", "16384"]
+    args += ["--heartbeat-timeout-s", "3", "--reduce-timeout-s", "3", "--broadcast-timeout-s", str(broadcast_timeout_s)]
+    fault = f"site-1/1:mid_push:{killed_round}:kill"  # rank 1 of site-1, after its first chunk to site-0
+    rc, out, err = _launch(args, tmp_path, 200, DTRAIN_TEST_FAULT=fault)
+    logs = (tmp_path / "site-1" / "worker.log").read_text()
+    assert "test fault injection: kill at mid_push of round 2" in logs
+    assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
+    site0 = _rounds(tmp_path, "site-0")
+    assert [d["round"] for d in site0] == list(range(rounds))
+    assert all(d["status"] == "applied" for d in site0)
+    hit = site0[killed_round]
+    # site-0 finished the round by its deadlines without the dead rank's slice contributions
+    assert hit["members"] == SITES and hit["sync_s"] < broadcast_timeout_s + 10.0, hit
+    assert hit["rank_reduce_arrived_fraction"][1] < 1.0 or hit["rank_broadcast_arrived_fraction"][1] < 1.0, hit
+    # site-1's group was restarted (a second start line), pulled its slices and rejoined
+    site1 = _lines(tmp_path, "site-1")
+    starts = [i for i, d in enumerate(site1) if d["event"] == "start"]
+    assert len(starts) == 2, [d["event"] for d in site1]
+    assert site1[-1]["event"] == "end" and _lines(tmp_path, "site-0")[-1]["event"] == "end"
+    assert site1[starts[1]]["round"] > killed_round  # it joined at a later round, with pulled state
+    back = [
+        d
+        for d in site1[starts[1] + 1 :]
+        if d["event"] == "round" and d["status"] == "applied" and d["members"] == SITES
+    ]
+    assert len(back) >= 3, site1[starts[1] :]
+    by_round = {d["round"]: d for d in site0}
+    for d in back:
+        assert d["checksum"] == by_round[d["round"]]["checksum"], (d["round"], d, by_round[d["round"]])
+        assert d["slice_checksums"] == by_round[d["round"]]["slice_checksums"]

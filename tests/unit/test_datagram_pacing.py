@@ -1,0 +1,151 @@
+"""Pacing, rate control and configuration of the datagram data path."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from dtrain.codecs import get_codec
+from dtrain.codecs.base import HEADER_BYTES
+from dtrain.transports.datagram import DatagramTransportConfig, datagram_chunk_bytes
+from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
+from dtrain.transports.datagram_wire import max_body_bytes
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_pacer_never_releases_faster_than_its_rate() -> None:
+    rate_mbit, n, size, burst = 200.0, 400, 1400, 16 << 10
+    p = Pacer(rate_mbit, burst_bytes=burst)
+    t0 = time.monotonic()
+    for _ in range(n):
+        assert p.wait(size, deadline=t0 + 60)
+    elapsed = time.monotonic() - t0
+    floor_s = (n * size - burst) / (rate_mbit * 1e6 / 8)  # what the rate allows, less one burst
+    assert elapsed >= floor_s, f"{n * size} bytes left in {elapsed:.4f} s < {floor_s:.4f} s at {rate_mbit} Mbit/s"
+
+
+def test_pacer_refuses_what_would_end_past_the_deadline() -> None:
+    p = Pacer(1.0, burst_bytes=1000)  # 125 kB/s
+    now = time.monotonic()
+    assert not p.wait(1_000_000, deadline=now + 1.0)  # 8 s of traffic
+    assert p.wait(500, deadline=now + 1.0)  # nothing was reserved by the refused call
+
+
+def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Random) -> ReceiverReport:
+    """One round through a bottleneck of ``capacity_mbit`` (a 256-datagram tail-drop queue),
+    then random loss on the way to the receiver."""
+    n, size = 4000, 1400
+    send_s = n * size * 8 / 1e6 / rate_mbit
+    through = n if rate_mbit <= capacity_mbit else min(n, int(capacity_mbit / rate_mbit * n) + 256)
+    recv_s = send_s if rate_mbit <= capacity_mbit else through * size * 8 / 1e6 / capacity_mbit
+    received = sum(rng.random() >= loss for _ in range(through))
+    return ReceiverReport(
+        sent_datagrams=n,
+        sent_bytes=n * size,
+        send_s=send_s,
+        received_datagrams=received,
+        received_bytes=received * size,
+        recv_s=recv_s,
+    )
+
+
+@pytest.mark.parametrize("capacity_mbit,loss", [(80.0, 0.0), (80.0, 0.05), (30.0, 0.1)])
+def test_rate_converges_to_the_bottleneck_and_stays_under_the_ceiling(capacity_mbit: float, loss: float) -> None:
+    """A 256-datagram tail-drop queue hardly stretches the receive window: the loss signal finds it."""
+    rng = random.Random(1)
+    rc = RateController(max_rate_mbit=200.0, initial_rate_mbit=200.0, loss_signal=True)
+    rates = []
+    for _ in range(20):
+        rate, why = rc.decide([_link(rc.rate_mbit, capacity_mbit, loss, rng)])
+        assert rate <= 200.0 and why
+        rates.append(rate)
+    tail = rates[-8:]
+    assert all(0.85 * capacity_mbit <= r <= 1.15 * capacity_mbit for r in tail), rates
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.2])
+def test_random_loss_without_a_bottleneck_keeps_the_ceiling(loss: float) -> None:
+    rng = random.Random(2)
+    rc = RateController(max_rate_mbit=100.0, initial_rate_mbit=10.0)
+    for _ in range(15):
+        rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
+    assert rc.rate_mbit == 100.0
+
+
+def test_rising_random_loss_is_not_congestion_by_default() -> None:
+    rng = random.Random(3)
+    rc = RateController(max_rate_mbit=100.0)
+    for loss in (0.01, 0.05, 0.1, 0.2, 0.2):
+        rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
+    assert rc.rate_mbit == 100.0
+    rc = RateController(max_rate_mbit=100.0, loss_signal=True)
+    for loss in (0.01, 0.05, 0.1):
+        rc.decide([_link(rc.rate_mbit, 1000.0, loss, rng)])
+    assert rc.rate_mbit < 100.0  # the opt-in loss signal reads the rise as a bottleneck
+
+
+def test_a_deep_queue_is_found_from_the_receive_window() -> None:
+    """A queue deep enough to hold what exceeds the capacity stretches the receive window."""
+    rc = RateController(max_rate_mbit=200.0)
+    for _ in range(12):
+        n, size = 4000, 1400
+        send_s = n * size * 8 / 1e6 / rc.rate_mbit
+        recv_s = max(send_s, n * size * 8 / 1e6 / 60.0)  # 60 Mbit/s, nothing dropped
+        rc.decide(
+            [
+                ReceiverReport(
+                    sent_datagrams=n,
+                    sent_bytes=n * size,
+                    send_s=send_s,
+                    received_datagrams=n,
+                    received_bytes=n * size,
+                    recv_s=recv_s,
+                )
+            ]
+        )
+    assert 0.85 * 60 <= rc.rate_mbit <= 1.2 * 60  # detection starts at (1 + queue_tolerance) x capacity
+
+
+def test_no_report_keeps_the_rate() -> None:
+    rc = RateController(max_rate_mbit=50.0)
+    assert rc.decide([])[0] == 50.0
+
+
+def test_socket_buffers_follow_rate_and_rtt() -> None:
+    assert socket_buffer_bytes(100.0, 0.08) == int(2 * 100e6 / 8 * 0.08)  # 2 MB
+    assert socket_buffer_bytes(1.0, 0.001) == 256 << 10  # floor
+    assert socket_buffer_bytes(100_000.0, 1.0) == 64 << 20  # ceiling
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp16", "int8", "int4"])
+def test_datagram_chunk_fits_exactly_one_datagram(codec: str) -> None:
+    chunk = datagram_chunk_bytes(codec, 1400)
+    c = get_codec(codec)
+    room = max_body_bytes(1400) - 8  # the mean's senders bitmap of 64 members
+    assert HEADER_BYTES + c._body_bytes(chunk // 4) <= room < HEADER_BYTES + c._body_bytes(chunk // 4 + 2)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="zstd"):
+        datagram_chunk_bytes("int8+zstd")
+    with pytest.raises(ValueError, match="max_datagram_bytes"):
+        DatagramTransportConfig(max_datagram_bytes=100)
+    with pytest.raises(ValueError, match="min_rate_mbit"):
+        DatagramTransportConfig(max_rate_mbit=1.0, min_rate_mbit=2.0)
+    with pytest.raises(ValueError, match="test_drop"):
+        DatagramTransportConfig(test_drop=1.0)
+
+
+def test_worker_config_data_path() -> None:
+    from dtrain.app.config import WORKER
+
+    with pytest.raises(ValueError, match="data_path"):
+        WORKER.build({"net.data_path": "udp"})
+    cfg = WORKER.build({"net.data_path": "datagram", "diloco.rounds.codec.name": "int8"})
+    assert cfg.diloco_config().buckets.chunk_bytes == datagram_chunk_bytes("int8")
+    assert WORKER.build({}).diloco_config().buckets.chunk_bytes == 1 << 20
+    with pytest.raises(ValueError, match="data_path 'datagram'"):
+        WORKER.build({"data_path": "datagram", "codec": "int8+zstd"})
