@@ -234,16 +234,18 @@ class StreamingSync:
     def _submit(self, step: int, m: _Measured) -> None:
         """Run the measured fragment's round in the background; it is merged at ``step + τ``."""
         assert self._pending is None, "one fragment round at a time"
-        delayed = self._delayed
+        # taken before the round starts: its thread may resync (replacing residuals and θ) at once
+        checksums, residuals = self.state.checksums(), list(self.state.residuals)
+        theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
         self._pending = _InFlight(
             fragment=m.fragment,
             buckets=m.buckets,
             started_at=step,
             apply_at=step + self.overlap_steps,
             future=self._executor.submit(self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment),
-            checksums=self.state.checksums(),
-            residuals=list(self.state.residuals),
-            theta_before=[self.state.theta[b].detach().clone() for b in m.buckets] if delayed else None,
+            checksums=checksums,
+            residuals=residuals,
+            theta_before=theta_before,
         )
 
     def _shift(self, m: _Measured, moved: dict[int, torch.Tensor]) -> None:

@@ -97,7 +97,7 @@ def test_site_killed_between_fragments_is_dropped_and_the_rest_end_equal():
 def test_a_straggler_cut_from_a_fragment_round_resyncs_that_fragment_only():
     """Site 2 is late for round 1 (fragment 0): the others run it without it; site 2 finds the
     round missed, pulls the state, and resets only fragment 0 (whose θ changed); fragment 1 keeps
-    its local progress and its residuals. All end equal."""
+    its local progress and its residuals (the same objects as before the round). All end equal."""
     rdv = fast_rendezvous_config(3, quorum_timeout_s=0.8, heartbeat_timeout_s=10.0)
     seen: dict[str, object] = {}
     resynced = threading.Event()
@@ -107,6 +107,7 @@ def test_a_straggler_cut_from_a_fragment_round_resyncs_that_fragment_only():
             if site.index != 2 and k == 5:  # round 2 starts once site 2 is back (it misses round 1 only)
                 assert resynced.wait(20.0)
             if site.index == 2 and k == 3:
+                seen["residuals_before"] = list(site.state.residuals)
                 time.sleep(2.0)  # step 4 (round 1's start) comes after the quorum timeout
             if site.index == 2 and k == 5:  # after step 5: round 1's outcome was merged
                 st = site.state
@@ -114,7 +115,8 @@ def test_a_straggler_cut_from_a_fragment_round_resyncs_that_fragment_only():
                 w = site.model.w.detach()
                 seen["frag0_reset"] = torch.equal(w[:4], torch.cat([st.theta[0], st.theta[1]]).detach())
                 seen["frag1_local"] = not torch.equal(w[4:], torch.cat([st.theta[2], st.theta[3]]).detach())
-                seen["frag1_residuals"] = st.residuals[2] is not None and st.residuals[3] is not None
+                before = seen.pop("residuals_before")
+                seen["frag1_residuals"] = st.residuals[2] is before[2] and st.residuals[3] is before[3]
                 resynced.set()
             _step(site, k)
 
