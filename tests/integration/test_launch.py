@@ -205,6 +205,20 @@ def _round_lines_at_least(run_dir: Path, n: int) -> bool:
     return True
 
 
+def _report(run_dir: Path) -> subprocess.CompletedProcess:
+    """``dtrain report RUN_DIR``; fails the test unless it exits 0."""
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path):
     d = tmp_path / "run"
@@ -287,15 +301,7 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert len({d["checksum"] for d in per_site.values()}) == 1, f"round {r}: {per_site}"
 
     # dtrain report draws the plots.
-    p = subprocess.run(
-        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _report(run_dir)
     for name in REPORT_PNGS:
         png = run_dir / name
         assert png.is_file(), f"{name} not written; stdout: {p.stdout}"
@@ -324,15 +330,7 @@ def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run
         for d in rounds:
             by_round.setdefault(d["round"], set()).add(d["checksum"])
     assert all(len(cs) == 1 for cs in by_round.values()), by_round
-    p = subprocess.run(
-        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    _report(run_dir)
     assert "fragment 0: rounds 1, 3; fragment 1: rounds 0, 2" in (run_dir / "report.md").read_text()
 
 
