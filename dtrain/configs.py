@@ -242,6 +242,27 @@ class DiLoCoConfig:
             last round to pull this site's means, seconds (0: not at all). None
             (default): until that round's broadcast deadline, after which no
             member pulls any more.
+        num_fragments: F, Streaming DiLoCo's fragments (arXiv 2501.18512 §2.2): the
+            buckets are cut into F contiguous groups, synchronised in turn; a round
+            runs every H/F inner steps, for one fragment (its round number r syncs
+            fragment (r + 1) mod F, so fragment f at inner steps f·H/F + k·H), and
+            the peak bytes on the wire fall by about F. An int >= 1 that divides
+            ``sync_every``, at most the number of buckets. 1: every round syncs the
+            whole model.
+        overlap_steps: τ, inner steps a round's communication overlaps with
+            training (arXiv 2501.18512 §2.3): the round starts in the background at
+            step t, Δ measured there, and its result is merged in at step t + τ.
+            0 <= τ <= H/F; 0 = the round blocks. τ = H with F = 1 is the
+            one-step-delayed mode (DiLoCoX, arXiv 2506.21263; PCCL's async
+            DiLoCo): round r's exchange runs during round r+1's inner phase; at
+            each start step round r+1's Δ (the model's own H steps) is measured,
+            then round r's θ merged in, then round r+1 sent. τ = H/F with F > 1
+            merges a fragment right before the next fragment starts.
+        merge_alpha: α, how the fragment's local parameters are merged with the
+            new global ones when its round is applied: ``lerp(θ_new, θ_local, α)``
+            = (1 − α)·θ_new + α·θ_local (torchft ``fragment_update_alpha``; the
+            paper's α); 0 = take θ_new, as blocking DiLoCo. In [0, 1]. The next
+            pseudo-gradient is measured from θ_new.
     """
 
     site_id: str = "site-0"
@@ -252,10 +273,19 @@ class DiLoCoConfig:
     buffers: BufferMode = "average"
     hook_optimizer: bool = True
     close_timeout_s: float | None = None
+    num_fragments: int = 1
+    overlap_steps: int = 0
+    merge_alpha: float = 0.0
+
+    @property
+    def streaming(self) -> bool:
+        """Whether rounds go through :mod:`dtrain.streaming` (fragments, overlap or merging)."""
+        return self.num_fragments > 1 or self.overlap_steps > 0 or self.merge_alpha > 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.sync_every, int) or self.sync_every <= 0:
             raise ValueError(f"sync_every (H) must be an int >= 1, got {self.sync_every!r}")
+        self._check_streaming()
         if self.buffers not in get_args(BufferMode):
             raise ValueError(f"buffers must be one of {get_args(BufferMode)}, got {self.buffers!r}")
         if not self.site_id or not isinstance(self.site_id, str):
@@ -263,3 +293,15 @@ class DiLoCoConfig:
         t = self.close_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
             raise ValueError(f"close_timeout_s must be None (the broadcast deadline) or seconds >= 0, got {t!r}")
+
+    def _check_streaming(self) -> None:
+        f, tau, a = self.num_fragments, self.overlap_steps, self.merge_alpha
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1 or self.sync_every % f:
+            raise ValueError(f"num_fragments must be an int >= 1 dividing sync_every ({self.sync_every}), got {f!r}")
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau <= self.sync_every // f:
+            raise ValueError(
+                f"overlap_steps (tau) must be an int in [0, sync_every/num_fragments = {self.sync_every // f}], "
+                f"got {tau!r}"
+            )
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"merge_alpha must be a number in [0, 1], got {a!r}")

@@ -33,6 +33,7 @@ from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, Rendezvo
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
+from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -111,9 +112,25 @@ class DiLoCo:
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self._closed = False
+        # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
+        self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
         if not _defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
+
+    def _streaming_sync(self, c: DiLoCoConfig) -> StreamingSync:
+        """The fragment-round scheduler with ``c``'s F, τ and α (built whatever they are)."""
+        return StreamingSync(
+            self.group.sync,
+            c.site_id,
+            self.layout,
+            self.state,
+            lambda: self._tensors_and_kinds()[0],
+            sync_every=c.sync_every,
+            num_fragments=c.num_fragments,
+            overlap_steps=c.overlap_steps,
+            merge_alpha=c.merge_alpha,
+        )
 
     def join(self) -> None:
         """Join the group (done by the constructor); pulls θ when rounds already ran."""
@@ -137,9 +154,17 @@ class DiLoCo:
 
         Called automatically after ``inner_optimizer.step()`` when
         ``hook_optimizer`` is True. Returns the round's outcome, or None.
+        With streaming (``num_fragments`` > 1, ``overlap_steps`` or ``merge_alpha``
+        set) a fragment round starts every H/F steps and the outcome returned is
+        that of the round merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
         self.group.inner_step = self.inner_steps
+        if self.streaming is not None:
+            outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Group.sync)
+            if outcome is not None:
+                self._record(outcome)
+            return outcome
         if self.inner_steps % self.config.sync_every == 0:
             return self.sync()
         return None
@@ -152,10 +177,13 @@ class DiLoCo:
             self.state.copy_to(tensors)
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
+        self._record(outcome)
+        return outcome
+
+    def _record(self, outcome: SyncOutcome) -> None:
         self.last_outcome = outcome
         for cb in self.on_round:
             cb(outcome)
-        return outcome
 
     def state_dict(self) -> dict:
         """Everything this wrapper adds to a training position, as plain tensors.
@@ -205,7 +233,7 @@ class DiLoCo:
         (it would skip the buckets and end with a different θ).
 
         Args:
-            wait: False closes at once (e.g. on SIGINT).
+            wait: False closes at once (e.g. on SIGINT); a fragment round in flight is not merged.
         Returns:
             what the wait found (who did not pull what), or None when this call
             did not wait (``wait=False`` or already closed).
@@ -215,6 +243,10 @@ class DiLoCo:
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
+        if self.streaming is not None:  # merge the fragment round in flight (bounded by its deadlines)
+            outcome = self.streaming.close(wait=wait)
+            if outcome is not None:
+                self._record(outcome)
         waited = None
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)

@@ -249,8 +249,16 @@ class Group:
             log.warning("leave failed: %s", e)
 
     # ------------------------------------------------------------------ rounds
-    def sync(self, tensors: Sequence[torch.Tensor]) -> SyncOutcome:
+    def sync(
+        self, tensors: Sequence[torch.Tensor], *, buckets: Sequence[int] | None = None, fragment: int | None = None
+    ) -> SyncOutcome:
         """Take part in the next round with the model's current ``tensors``.
+
+        Args:
+            tensors: the local tensors Δ is measured from (``θ − tensors``).
+            buckets: a fragment round (Streaming DiLoCo): only these buckets are
+                measured, sent and applied (:meth:`RoundEngine.run_round`); None: all.
+            fragment: the fragment's index, recorded in ``RoundResult.fragment``.
 
         Returns a :class:`SyncOutcome`; see its ``status`` for what the caller
         must do with the model.
@@ -263,8 +271,9 @@ class Group:
         quorum_s = time.monotonic() - waited_since if kind in ("plan", "missed") else 0.0
         if kind == "plan":
             assert d is not None and d.plan is not None
-            ok = self.engine.add_pseudo_gradient(list(tensors))
-            res = self.engine.run_round(d.plan, contribute=ok)
+            ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
+            res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets)
+            res.fragment = fragment
             return SyncOutcome(status="applied", reason=reason, result=res, quorum_s=quorum_s)
         if kind == "deferred":
             return SyncOutcome(status="deferred", reason=reason)

@@ -62,8 +62,9 @@ SUPPORTED_VERSIONS = (1, 2)
 #: Version-1 names -> version-2 names.
 _V1_RENAMES = {"total_s": "round_s"}
 #: RoundResult attributes a round line does not carry (the per-bucket outcome list: its
-#: counts are ``bucket_outcomes``; round and members are the line's own fields).
-_NOT_IN_LINE = ("round", "members", "bucket_outcome")
+#: counts are ``bucket_outcomes``; round and members are the line's own fields; the
+#: bucket list of a fragment round: its ``fragment`` says which).
+_NOT_IN_LINE = ("round", "members", "bucket_outcome", "buckets")
 #: RoundResult attribute -> RoundLine field, where the names differ.
 _ENGINE_RENAMES = {"total_s": "round_s"}
 
@@ -154,6 +155,7 @@ class RoundLine(_Record):
     rejected_examples: dict[str, list[str]] | None = None
     lost_members: list[str] | None = None
     errors: list[str] | None = None
+    fragment: int | None = None
     bucket_outcomes: dict[str, int] | None = None
 
 

@@ -98,6 +98,8 @@ class ClusterConfig:
         buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
         seed: ``torch.manual_seed`` before the model factory runs once.
         site_prefix: prefix of the site ids.
+        num_fragments, overlap_steps, merge_alpha: Streaming DiLoCo's F, τ and α
+            (see ``DiLoCoConfig``).
     """
 
     num_sites: int = 2
@@ -110,6 +112,9 @@ class ClusterConfig:
     buffers: str = "average"
     seed: int = 0
     site_prefix: str = "site-"
+    num_fragments: int = 1
+    overlap_steps: int = 0
+    merge_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or self.num_sites < 1:
@@ -227,6 +232,9 @@ class InprocCluster:
                     rounds=cfg.rounds,
                     group=group,
                     buffers=cfg.buffers,
+                    num_fragments=cfg.num_fragments,
+                    overlap_steps=cfg.overlap_steps,
+                    merge_alpha=cfg.merge_alpha,
                 )
                 d = DiLoCo(
                     model,

@@ -202,6 +202,7 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
     num_sites = len(sites)
     all_rounds = sorted({r for s in sites for r in s.rounds})
     faults = []
+    fragment_of: dict[int, int] = {}  # round -> the Streaming DiLoCo fragment it synchronised
     for r in all_rounds:
         members: set[str] = set()
         statuses = {}
@@ -209,6 +210,8 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
             ln = s.rounds.get(r)
             if ln is None:
                 continue
+            if isinstance(ln.get("fragment"), int):
+                fragment_of[r] = ln["fragment"]
             statuses[s.site] = ln.get("status")
             if isinstance(ln.get("members"), list):
                 members.update(str(m) for m in ln["members"])
@@ -219,6 +222,7 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
                     "members": sorted(members),
                     "missing": sorted(set(per_site) - members),
                     "statuses": statuses,
+                    **({"fragment": fragment_of[r]} if r in fragment_of else {}),
                 }
             )
     rejected: dict[str, int] = {}
@@ -236,6 +240,9 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
         "faults": faults,
         "rejected": rejected,
         "num_rejected": sum(rejected.values()),
+        "fragment_rounds": {
+            str(f): sorted(r for r, g in fragment_of.items() if g == f) for f in sorted(set(fragment_of.values()))
+        },
     }
 
 
@@ -256,7 +263,9 @@ def summarize_run(run_dir: str | Path) -> dict:
         (reason -> count), ``num_errors``, ``finished`` (summary.json present and not
         interrupted)), ``checksums_agree`` (every site has a final checksum and all are equal),
         ``faults`` (rounds whose quorum held fewer than all sites: ``round``, ``members``,
-        ``missing``, ``statuses``), ``rejected`` and ``num_rejected`` (over all sites).
+        ``missing``, ``statuses``, and ``fragment`` for a fragment round), ``rejected`` and
+        ``num_rejected`` (over all sites), ``fragment_rounds`` (Streaming DiLoCo: fragment, as
+        a string -> the rounds that synchronised it; empty when every round covered the whole model).
 
     Raises:
         ValueError: ``run_dir`` is not a directory or holds no valid metrics line at all.
@@ -415,6 +424,15 @@ def _fmt(x: Any, spec: str = ".4f") -> str:
     return format(x, spec)
 
 
+def _fragment_lines(summary: dict) -> list[str]:
+    """The Streaming DiLoCo line of the report: which rounds synchronised which fragment."""
+    frags = summary.get("fragment_rounds") or {}
+    if not frags:
+        return []
+    parts = [f"fragment {f}: rounds {', '.join(map(str, rs))}" for f, rs in frags.items()]
+    return [f"- fragment rounds (Streaming DiLoCo, {len(frags)} fragments): " + "; ".join(parts)]
+
+
 def _markdown(summary: dict, images: list[str]) -> str:
     sites = summary["sites"]
     out = [
@@ -425,6 +443,7 @@ def _markdown(summary: dict, images: list[str]) -> str:
         + (f" (rounds {summary['rounds'][0]}..{summary['rounds'][-1]})" if summary["rounds"] else ""),
         "- final θ checksums: "
         + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)"),
+        *_fragment_lines(summary),
         "",
         "## Per site",
         "",
@@ -471,8 +490,9 @@ def _markdown(summary: dict, images: list[str]) -> str:
         out.append("")
         for f in summary["faults"]:
             out.append(
-                f"- round {f['round']}: members {', '.join(f['members']) or '(none)'}; "
-                f"missing {', '.join(f['missing'])}"
+                f"- round {f['round']}"
+                + (f" (fragment {f['fragment']})" if "fragment" in f else "")
+                + f": members {', '.join(f['members']) or '(none)'}; missing {', '.join(f['missing'])}"
             )
     else:
         out.append(f"Every round's quorum held all {summary['num_sites']} sites.")

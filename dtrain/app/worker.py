@@ -226,17 +226,23 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     train_loss = float("nan")
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
+    streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
-        mean_loss = _inner_phase(cfg, task, diloco, stop)
+        waited0 = streaming.waited_s if streaming else 0.0
+        mean_loss, merged = _inner_phase(cfg, task, diloco, stop)
         if mean_loss is None:
             break  # the summary keeps the last completed round's train loss
         train_loss = mean_loss
         diloco.group.last_loss = train_loss
-        inner_s = time.monotonic() - t_inner
-        t_sync = time.monotonic()
-        outcome: SyncOutcome = diloco.sync()
-        sync_s = time.monotonic() - t_sync
+        if streaming:  # sync_s: what the steps waited for their rounds at the merge
+            sync_s = streaming.waited_s - waited0
+            inner_s = time.monotonic() - t_inner - sync_s
+            if merged is None:
+                continue
+            outcome: SyncOutcome = merged
+        else:
+            inner_s, outcome, sync_s = _blocking_sync(diloco, t_inner)
         syncs += 1
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
@@ -272,25 +278,42 @@ def _write_start(cfg: WorkerConfig, task, diloco: DiLoCo, metrics_path: Path) ->
     return val
 
 
-def _inner_phase(cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event) -> float | None:
-    """``sync_every`` inner-optimizer steps; returns their mean loss, or None when ``stop`` was set."""
+def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, float]:
+    """(inner_s, the round's outcome, sync_s) of a blocking round run now."""
+    inner_s = time.monotonic() - t_inner
+    t_sync = time.monotonic()
+    outcome = diloco.sync()
+    return inner_s, outcome, time.monotonic() - t_sync
+
+
+def _inner_phase(
+    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event
+) -> tuple[float | None, SyncOutcome | None]:
+    """``sync_every`` inner-optimizer steps; returns their mean loss (None when ``stop`` was set)
+    and, with streaming rounds (dtrain/streaming.py), the outcome of the fragment round merged at
+    the last step: then the phase ends at the first merge (within 2H/F steps)."""
     losses = []
-    for _ in range(cfg.diloco.sync_every):
+    merged: SyncOutcome | None = None
+    for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
         batch = next(task.batches)
         loss = task.loss(task.model, batch)
         loss.backward()
         task.optimizer.step()
         task.optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-        diloco.inner_steps += 1
-        diloco.group.inner_step = diloco.inner_steps
+        if diloco.streaming:
+            diloco.group.last_loss = losses[-1]
+            merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
+        else:
+            diloco.inner_steps += 1
+            diloco.group.inner_step = diloco.inner_steps
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
-        if stop.is_set():
+        if stop.is_set() or merged is not None:
             break
     if stop.is_set():
-        return None
-    return sum(losses) / len(losses)
+        return None, None
+    return sum(losses) / len(losses), merged
 
 
 def _round_line(

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -76,7 +76,8 @@ class _Run:
     """What one ``run_round`` at this site carries from step to step."""
 
     plan: RoundPlan
-    owners: list[str]
+    owners: list[str]  # per bucket; "" for a bucket outside this round (a fragment round)
+    active: tuple[int, ...]  # the buckets this round synchronises, ascending
     owned: _Owned
     res: RoundResult
     contribute: bool
@@ -299,14 +300,16 @@ class RoundEngine:
         )
 
     # ------------------------------------------------------------------ site: one round
-    def start_round(self, plan: RoundPlan, contribute: bool = True) -> "cf.Future[RoundResult]":
+    def start_round(
+        self, plan: RoundPlan, contribute: bool = True, buckets: Sequence[int] | None = None
+    ) -> "cf.Future[RoundResult]":
         """Run :meth:`run_round` in a background thread; returns its future."""
         ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"round-{plan.round}")
-        fut = ex.submit(self.run_round, plan, contribute)
+        fut = ex.submit(self.run_round, plan, contribute, buckets)
         ex.shutdown(wait=False)
         return fut
 
-    def run_round(self, plan: RoundPlan, contribute: bool = True) -> RoundResult:
+    def run_round(self, plan: RoundPlan, contribute: bool = True, buckets: Sequence[int] | None = None) -> RoundResult:
         """Run round ``plan.round``; the residuals must already hold Δ + residual.
 
         Before calling, the caller adds this round's pseudo-gradient Δ_b into
@@ -322,8 +325,15 @@ class RoundEngine:
         Args:
             plan: the round plan from the rendezvous (this site must be a member).
             contribute: False to take part without sending (e.g. non-finite Δ).
+            buckets: the buckets this round synchronises (a fragment of Streaming
+                DiLoCo, arXiv 2501.18512; every member must pass the same ones);
+                None: all. Owners are assigned over these buckets only; the others
+                are neither sent, applied nor settled, and their ``bucket_round``
+                advances unchanged at the close (θ_b reflects this round: it had
+                nothing for b). ``RoundResult.bucket_outcome`` then has one entry per
+                bucket of ``RoundResult.buckets``.
         """
-        run = self._open_round(plan, contribute)
+        run = self._open_round(plan, contribute, buckets)
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
         finalizer.start()
         self._reduce(run)
@@ -335,14 +345,19 @@ class RoundEngine:
         self._settle_residuals(run)
         return self._close(run)
 
-    def _open_round(self, plan: RoundPlan, contribute: bool) -> _Run:
+    def _open_round(self, plan: RoundPlan, contribute: bool, buckets: Sequence[int] | None = None) -> _Run:
         """Step 1: the owner-side books of this round, registered for peers' requests."""
         t0 = time.monotonic()
         r = plan.round
         if self.site_id not in plan.site_ids:
             raise ValueError(f"{self.site_id} is not a member of round {r}: {plan.site_ids}")
         layout = self.state.layout
-        owners = assign_owners(len(layout), plan.site_ids)
+        active = tuple(range(len(layout))) if buckets is None else tuple(sorted(set(buckets)))
+        if active and not 0 <= active[0] <= active[-1] < len(layout):
+            raise ValueError(f"round {r}: buckets {list(active)} out of range [0, {len(layout)})")
+        owners = [""] * len(layout)
+        for b, ow in zip(active, assign_owners(len(active), plan.site_ids)):
+            owners[b] = ow
         books = OpenRound(
             plan=plan,
             owners=owners,
@@ -355,7 +370,9 @@ class RoundEngine:
         self.mean_pulls.expect(
             r, buckets=books.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=books.broadcast_until
         )
-        res = RoundResult(round=r, members=plan.site_ids, owned_buckets=len(books.mine), contributed=contribute)
+        res = RoundResult(
+            round=r, members=plan.site_ids, owned_buckets=len(books.mine), contributed=contribute, buckets=list(active)
+        )
         bytes0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
             self._open[r] = owned
@@ -364,8 +381,11 @@ class RoundEngine:
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
-        self.transport.begin_round(plan, owners, self.site_id)  # the datagram path: key, buffers, mean pushes
-        return _Run(plan=plan, owners=owners, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0)
+        # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
+        self.transport.begin_round(plan, owners, self.site_id)
+        return _Run(
+            plan=plan, owners=owners, active=active, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0
+        )
 
     # ------------------------------------------------------------------ owner: finalize
     def _finalize_loop(self, run: _Run) -> None:
@@ -446,8 +466,8 @@ class RoundEngine:
         if not run.contribute:
             return
         by_owner: dict[str, list[int]] = {}
-        for b, ow in enumerate(run.owners):
-            by_owner.setdefault(ow, []).append(b)
+        for b in run.active:
+            by_owner.setdefault(run.owners[b], []).append(b)
         with cf.ThreadPoolExecutor(max_workers=max(1, min(8, len(by_owner)))) as ex:
             list(ex.map(lambda kv: self._push(run, *kv), by_owner.items()))
 
@@ -504,7 +524,7 @@ class RoundEngine:
     # ------------------------------------------------------------------ site: broadcast
     def _broadcast(self, run: _Run) -> None:
         """Step 3: pull the means of the buckets others own, until the broadcast deadline."""
-        remote = [b for b in range(len(run.owners)) if run.owners[b] != self.site_id]
+        remote = [b for b in run.active if run.owners[b] != self.site_id]
         if self.fault_hook is not None:
             self.fault_hook("before_pull", run.round)
         t = time.perf_counter()
@@ -578,7 +598,7 @@ class RoundEngine:
     def _apply_and_verify(self, run: _Run) -> None:
         """Step 5: apply every mean that arrived; give each bucket its outcome."""
         r = run.round
-        for b in range(len(run.owners)):
+        for b in run.active:
             if run.owners[b] == self.site_id:
                 with self._cv:
                     m = self._means.get((r, b))
@@ -589,7 +609,7 @@ class RoundEngine:
                 continue
             run.outcome[b] = self._apply_remote(run, b)
         run.res.broadcast_arrived_fraction = (
-            (len(run.got) + len(run.owned.books.mine)) / len(run.owners) if run.owners else 1.0
+            (len(run.got) + len(run.owned.books.mine)) / len(run.active) if run.active else 1.0
         )
 
     def _apply_remote(self, run: _Run, b: int) -> BucketOutcome:
@@ -705,7 +725,7 @@ class RoundEngine:
         the applied mean, or kept whole (:mod:`dtrain.rounds.error_feedback`)."""
         layout = self.state.layout
         num_mine = num_included = 0
-        for b in range(len(layout)):
+        for b in run.active:
             v = self.state.residuals[b]
             if v is None:
                 continue
@@ -750,7 +770,7 @@ class RoundEngine:
     def _close(self, run: _Run) -> RoundResult:
         """Step 8: account for rejections, exclude repeat offenders, finish the result."""
         res, books = run.res, run.owned.books
-        res.count_outcomes(run.outcome[b] for b in range(len(run.owners)))
+        res.count_outcomes(run.outcome[b] for b in run.active)
         with run.owned.cv:
             self._note_rejections(books)
             res.rejected = books.rejections.by_code()
@@ -761,6 +781,9 @@ class RoundEngine:
                 "round %d: refused %d contribution(s) as owner: %s", run.round, books.rejections.total, res.rejected
             )
         with self._cv:
+            if len(run.active) < len(self.state):  # a fragment round: the other buckets pass it unchanged
+                for b in set(range(len(self.state))) - set(run.active):
+                    self.state.bucket_round[b] = run.round + 1
             self.state.rounds_applied = run.round + 1
             self._open.pop(run.round, None)
             self._cv.notify_all()
@@ -786,11 +809,12 @@ class RoundEngine:
                 self._reject_streak[s] = 0
 
     # ------------------------------------------------------------------ helpers for callers
-    def add_pseudo_gradient(self, tensors: list[torch.Tensor]) -> bool:
-        """Set residual_b ← residual_b + (θ_b − local_b) for every bucket.
+    def add_pseudo_gradient(self, tensors: list[torch.Tensor], buckets: Sequence[int] | None = None) -> bool:
+        """Set residual_b ← residual_b + (θ_b − local_b) for every bucket (of ``buckets``).
 
         Args:
             tensors: the model's current (local) tensors, as the layout expects.
+            buckets: only these (a fragment round); None: all.
         Returns:
             False, with every residual cleared, when any value is non-finite
             (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
@@ -801,6 +825,7 @@ class RoundEngine:
             self.state.residuals,
             tensors,
             error_feedback=self.config.error_feedback,
+            buckets=buckets,
         )
         if not ok:
             self.log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")

@@ -26,6 +26,8 @@ al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dtrain.buckets import BucketLayout
@@ -54,6 +56,7 @@ def add_pseudo_gradient(
     tensors: list[torch.Tensor],
     *,
     error_feedback: bool,
+    buckets: Sequence[int] | None = None,
 ) -> bool:
     """Set ``residuals[b] ← residuals[b] + (θ_b − local_b)`` for every bucket, in place.
 
@@ -63,13 +66,15 @@ def add_pseudo_gradient(
         residuals: per bucket, the residual (1-D fp32) or None (nothing kept); updated.
         tensors: the model's current (local) tensors, as ``layout`` expects.
         error_feedback: False replaces each residual with Δ_b (nothing carried over).
+        buckets: only these buckets (a fragment round); None: all.
     Returns:
-        False, with every residual set to None, when any value is non-finite (the site
+        False, with every residual of ``buckets`` set to None, when any value is non-finite (the site
         then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
     """
     tmp: torch.Tensor | None = None
     ok = True
-    for b in range(len(layout)):
+    chosen = range(len(layout)) if buckets is None else buckets
+    for b in chosen:
         bucket = layout.buckets[b]
         n = bucket.numel
         if tmp is None or tmp.numel() < n:
@@ -89,7 +94,8 @@ def add_pseudo_gradient(
         if not bool(torch.isfinite(residuals[b]).all()):
             ok = False
     if not ok:
-        residuals[:] = [None] * len(layout)
+        for b in chosen:
+            residuals[b] = None
     return ok
 
 

@@ -129,7 +129,9 @@ class RoundResult:
     rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     errors: list[str] = field(default_factory=list)
-    bucket_outcome: list[BucketOutcome] = field(default_factory=list)  # per bucket; not in the metrics line
+    fragment: int | None = None  # the Streaming DiLoCo fragment this round synchronised (None: the whole model)
+    buckets: list[int] = field(default_factory=list)  # the buckets it synchronised; not in the metrics line
+    bucket_outcome: list[BucketOutcome] = field(default_factory=list)  # per bucket of `buckets`; not in the line
 
     def count_outcomes(self, outcomes: Iterable[BucketOutcome]) -> None:
         """Set ``bucket_outcome`` and the counts derived from it (see the class docstring)."""
@@ -146,4 +148,4 @@ class RoundResult:
     def metrics(self) -> dict:
         """The JSON-safe fields of the metrics line (docs/METRICS.md); the per-bucket
         ``bucket_outcome`` list is left out (its counts are in ``bucket_outcomes``)."""
-        return {k: v for k, v in self.__dict__.items() if k != "bucket_outcome"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("bucket_outcome", "buckets")}

@@ -78,6 +78,7 @@ REPORT_FIELDS: dict[str, str] = {
     "rejected": _COUNTS,
     "num_errors": _INT,
     "time": _NUM,
+    "fragment": _INT,  # Streaming DiLoCo: the fragment a round synchronised (absent: the whole model)
 }
 SITE_STATES = ("training", "in round", "late", "dead", "joining", "left")
 
@@ -340,8 +341,10 @@ def _round_row(r: int, plan: Mapping[str, Any] | None, reports: Mapping[str, dic
         for code, count in rep.get("rejected", {}).items():
             rejected[code] = rejected.get(code, 0) + count
     red, bro, syn = vals("reduce_arrived_fraction"), vals("broadcast_arrived_fraction"), vals("sync_s")
+    frag = vals("fragment")
     return {
         "round": r,
+        "fragment": frag[0] if frag else None,
         "members": members,
         "num_reported": len(applied),
         "reduce_arrived_fraction_min": min(red) if red else None,

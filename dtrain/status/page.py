@@ -211,12 +211,19 @@ def _sites_table(status: Mapping[str, Any]) -> str:
     return f'<table id="sites"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
 
+def _fragment(row: Mapping[str, Any]) -> str:
+    """`` (fragment f)`` after a fragment round's number (Streaming DiLoCo), else nothing."""
+    f = row.get("fragment")
+    return f' <span class="frag">(fragment {int(f)})</span>' if isinstance(f, int) else ""
+
+
 def _rounds_table(status: Mapping[str, Any]) -> str:
     rows = []
     for r in status["rounds"]:
         members = r["members"]
         rows.append(
-            f'<tr data-round="{r["round"]}"><td>{r["round"]}</td><td class="l">{escape(", ".join(members))}</td>'
+            f'<tr data-round="{r["round"]}"><td>{r["round"]}{_fragment(r)}</td>'
+            f'<td class="l">{escape(", ".join(members))}</td>'
             f"<td>{r['num_reported']}/{len(members)}</td>"
             f"<td>{_frac(r['reduce_arrived_fraction_min'])}</td><td>{_frac(r['broadcast_arrived_fraction_min'])}</td>"
             f"<td>{_num(r['sync_s_max'], '{:.2f} s')}</td><td>{_bytes(r['bytes_sent'])}</td>"

@@ -188,7 +188,7 @@ def test_site_failures_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep", "netem_loss"]
+    "script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep", "netem_loss", "streaming"]
 )
 def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> None:
     """--seeds 0 / --sites 0 / --jobs 0 stop with one line naming the flag, before anything runs."""

@@ -205,6 +205,20 @@ def _round_lines_at_least(run_dir: Path, n: int) -> bool:
     return True
 
 
+def _report(run_dir: Path) -> subprocess.CompletedProcess:
+    """``dtrain report RUN_DIR``; fails the test unless it exits 0."""
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path):
     d = tmp_path / "run"
@@ -287,15 +301,7 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert len({d["checksum"] for d in per_site.values()}) == 1, f"round {r}: {per_site}"
 
     # dtrain report draws the plots.
-    p = subprocess.run(
-        [sys.executable, "-m", "dtrain", "report", str(run_dir)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _report(run_dir)
     for name in REPORT_PNGS:
         png = run_dir / name
         assert png.is_file(), f"{name} not written; stdout: {p.stdout}"
@@ -303,6 +309,29 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, f"{name}: {len(data)} bytes"
         assert str(png) in p.stdout
     assert "site-0" in (run_dir / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------- streaming rounds
+@pytest.mark.timeout(150)
+def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run_dir: Path) -> None:
+    """F = 2, τ = 2, α = 0.5 through the CLI: a line per merged fragment round, fragments in turn,
+    θ equal after every round, and `dtrain report` lists the rounds of each fragment."""
+    stream = ["--diloco.num-fragments", "2", "--diloco.overlap-steps", "2", "--diloco.merge-alpha", "0.5"]
+    rc, out, err = _launch([*BASE_ARGS, "--rounds", "4", *stream], run_dir, timeout_s=120)
+    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "θ checksums agree across sites" in out
+    by_round: dict[int, set[str]] = {}
+    for s in SITES:
+        rounds = [d for d in _lines(run_dir, s) if d["event"] == "round"]
+        assert [d["round"] for d in rounds] == [0, 1, 2, 3]
+        assert [d["fragment"] for d in rounds] == [1, 0, 1, 0]  # round r syncs fragment (r + 1) mod F
+        assert [d["inner_steps"] for d in rounds] == [7, 12, 17, 22]  # started every H/F = 5 steps, merged 2 later
+        assert all(d["status"] == "applied" and d["members"] == SITES for d in rounds)
+        for d in rounds:
+            by_round.setdefault(d["round"], set()).add(d["checksum"])
+    assert all(len(cs) == 1 for cs in by_round.values()), by_round
+    _report(run_dir)
+    assert "fragment 0: rounds 1, 3; fragment 1: rounds 0, 2" in (run_dir / "report.md").read_text()
 
 
 # --------------------------------------------------------------------------- resume after a kill

@@ -112,3 +112,25 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
     assert "## Datagram path vs gRPC through netem (smoke)" in md
     assert "`.venv/bin/python experiments/datagram_vs_grpc.py --smoke" in md
+
+
+def test_streaming_smoke(tmp_path: Path) -> None:
+    md = _main("streaming", tmp_path)
+    rows = read_rows(tmp_path / "streaming_smoke.csv")
+    # smoke: 2 sites, tiny, H = 8, 2 x H inner steps: blocking, F = 1 τ = H, F = 4 τ = H/4
+    assert [(r["config"], r["num_fragments"], r["overlap_steps"]) for r in rows] == [
+        ("blocking", 1, 0),
+        ("F=1 overlap", 1, 8),
+        ("F=4 overlap", 4, 2),
+    ]
+    assert [r["rounds_done"] for r in rows] == [2, 2, 8]  # fragment rounds count as rounds
+    for r in rows:
+        assert 0 < r["compute_util"] <= 1 and math.isfinite(r["final_val_loss"]) and r["peak_Bps"] > 0
+        assert r["inner_steps"] >= 16
+    # a fragment round sends about a quarter of a whole round's bytes
+    assert rows[2]["bytes_per_round"] < 0.5 * rows[0]["bytes_per_round"]
+    rounds = read_rows(tmp_path / "streaming_smoke_rounds.csv")
+    assert {x["fragment"] for x in rounds if x["config"] == "F=4 overlap"} == {0, 1, 2, 3}
+    assert (tmp_path / "streaming_smoke.png").stat().st_size > 5000
+    assert "## Streaming rounds through netem (smoke)" in md
+    assert "`.venv/bin/python experiments/streaming.py --smoke" in md

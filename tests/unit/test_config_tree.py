@@ -64,6 +64,8 @@ def _special(tmp: Path) -> dict[str, Any]:
         "retry_initial_backoff_s": 0.5,
         "retry_max_backoff_s": 2.0,
         "inner_step_sleep_s": 0.5,
+        "num_fragments": 2,  # must divide sync_every
+        "overlap_steps": 1,
     }
 
 

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("transports",),  # moving bytes between sites: the Transport interface and its implementations
     ("state",),  # θ, outer optimizer, residuals; whole-state transfer for joiners
     ("rounds", "rendezvous"),  # one round's protocol; membership and quorum
-    ("membership",),  # a site's rendezvous client, heartbeats and sync
+    ("membership", "streaming"),  # a site's rendezvous client, heartbeats and sync; fragment rounds
     ("diloco",),  # the library wrapper
     ("sim", "sitegroup"),  # the in-process cluster; a site as K torch.distributed ranks
     ("app",),  # CLI, launcher, worker process, report

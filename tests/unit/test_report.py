@@ -269,3 +269,25 @@ def test_unknown_metrics_version_is_refused_naming_the_file(tmp_path):
     run = _write_run(tmp_path / "run", extra_lines={"site-b": json.dumps(future) + "\n"})
     with pytest.raises(MetricsVersionError, match=r"site-b/metrics\.jsonl:7: metrics version 9"):
         make_report(run)
+
+
+def test_fragment_rounds_are_reported(tmp_path):
+    """Streaming DiLoCo: each round line names its fragment (round r syncs (r + 1) mod 2); the
+    summary lists the rounds of each fragment, the report says so and tags a faulty round."""
+    run = _write_run(tmp_path / "run", faulty_round=2)
+    for site in SITES:
+        p = run / site / "metrics.jsonl"
+        lines = [json.loads(ln) for ln in p.read_text().splitlines()]
+        for ln in lines:
+            if ln["event"] == "round":
+                ln["fragment"] = (ln["round"] + 1) % 2
+        p.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    s = summarize_run(run)
+    odd, even = list(range(0, NUM_ROUNDS, 2)), list(range(1, NUM_ROUNDS, 2))
+    assert s["fragment_rounds"] == {"0": even, "1": odd}
+    assert s["faults"][0]["fragment"] == 1
+    make_report(run)
+    md = (run / "report.md").read_text()
+    assert f"fragment 0: rounds {', '.join(map(str, even))}; fragment 1: rounds {', '.join(map(str, odd))}" in md
+    assert "- round 2 (fragment 1): members site-a, site-b; missing site-c" in md
+    assert summarize_run(_write_run(tmp_path / "plain"))["fragment_rounds"] == {}

@@ -246,3 +246,19 @@ def test_package_reexports_every_model_name() -> None:
     assert dtrain.status.__all__ is model.__all__
     missing = [name for name in model.__all__ if getattr(dtrain.status, name, None) is not getattr(model, name)]
     assert missing == [], f"dtrain/status/__init__.py does not import {missing} from dtrain.status.model"
+
+
+def test_a_fragment_round_says_its_fragment_in_the_rounds_table() -> None:
+    from dtrain.status.page import render_fragment
+
+    log = StatusLog()
+    log.add_plan(5, ["a", "b"], now=0.0)
+    log.add_plan(6, ["a", "b"], now=0.0)
+    log.add_reports("a", [_raw(1, round=5, fragment=0), _raw(2, round=6)])
+    snap = {"now": 1.0, "next_round": 7, "config": {**CFG, "min_sites": 1}, "sites": {}, "status": log.snapshot()}
+    status = build_status(snap)
+    assert [(row["round"], row["fragment"]) for row in status["rounds"]] == [(6, None), (5, 0)]
+    html = render_fragment(status)
+    assert '<tr data-round="5"><td>5 <span class="frag">(fragment 0)</span></td>' in html
+    assert '<tr data-round="6"><td>6</td>' in html
+    assert "'fragment' must be int" in parse_report(_raw(3, fragment=-1), "a")[1]

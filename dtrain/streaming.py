@@ -1,0 +1,321 @@
+"""Streaming rounds: fragments synchronised in turn, communication overlapped with inner steps.
+
+Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication",
+arXiv 2501.18512; torchft's ``local_sgd.py`` is the reference for the semantics):
+
+* **Fragments** (§2.2). The buckets are cut into F contiguous groups
+  (:func:`fragment_buckets`, ``DiLoCoConfig.num_fragments``). A round runs every H/F
+  inner steps and synchronises one fragment: round r syncs fragment
+  :func:`fragment_of_round` ``= (r + 1) mod F``, so while every round succeeds fragment
+  f starts at inner steps f·H/F + k·H. Only one fragment's pseudo-gradient is on the
+  wire at a time. A fragment round is a normal round of the rendezvous (its number
+  advances per fragment round); the fragment is chosen from the round number, so every
+  member picks the same one, also after a resync or a deferred round.
+* **Overlap** (§2.3, ``overlap_steps`` τ). At step t the fragment's pseudo-gradient
+  Δ = θ − θ_local(t) is measured from a snapshot of the fragment's tensors, and its
+  round (``Group.sync`` over the fragment's buckets) runs in a background thread
+  while training goes on. At step t + τ its result is merged in: the fragment's
+  parameters become ``lerp(θ_new, θ_local(t+τ), α)`` (``merge_alpha``; 0 = θ_new, the
+  τ local steps are dropped; α > 0 keeps that share of them). The next pseudo-gradient
+  of the fragment is measured from θ_new (θ in :class:`GlobalState`), as in the paper.
+  τ = 0 blocks, as plain DiLoCo; τ = H/F with F > 1 merges a fragment right before the
+  next fragment starts.
+* **One-step-delayed mode** (DiLoCoX, arXiv 2506.21263; PCCL's async DiLoCo) is F = 1,
+  τ = H: round r's whole exchange runs during round r+1's inner phase. At each start
+  step the model's Δ is measured first (against the θ its steps began from: the snapshot
+  is shifted by what the merged round moved θ, :meth:`StreamingSync._shift`), then round
+  r's θ is merged in (the first time: θ as it is), then round r+1 is sent; its outer step
+  lands on θ after round r. Without the shift Δ would count round r's outer update again.
+* **Faults**: the engine's rules hold per fragment (the round is an ordinary round over
+  the fragment's buckets). A resynchronised site (cut from the round or declared dead)
+  resets only the buckets whose θ changed in the pull, plus the fragment (whose Δ was
+  discarded); the other fragments keep their local progress and their residuals.
+
+:func:`step_actions` is the pure schedule; :class:`StreamingSync` carries it out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dtrain.buckets import BucketLayout
+from dtrain.state import GlobalState
+
+__all__ = ["fragment_buckets", "fragment_of_round", "step_actions", "StreamingSync"]
+
+log = logging.getLogger(__name__)
+
+START, APPLY, MEASURE, SUBMIT = "start", "apply", "measure", "submit"
+
+
+def fragment_buckets(num_buckets: int, num_fragments: int) -> list[tuple[int, ...]]:
+    """The buckets of each fragment: ``num_fragments`` contiguous groups, sizes differing by at most 1.
+
+    Raises:
+        ValueError: fewer buckets than fragments (names ``num_fragments``).
+    """
+    if num_fragments < 1 or num_buckets < num_fragments:
+        raise ValueError(
+            f"num_fragments must be in [1, number of buckets = {num_buckets}], got {num_fragments} "
+            "(lower bucket_bytes for more buckets)"
+        )
+    base, extra = divmod(num_buckets, num_fragments)
+    out, start = [], 0
+    for f in range(num_fragments):
+        n = base + (f < extra)
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return out
+
+
+def fragment_of_round(round: int, num_fragments: int) -> int:
+    """The fragment round ``round`` synchronises: ``(round + 1) mod num_fragments``
+    (the first round, at inner step H/F, is fragment 1: fragment f at f·H/F + k·H)."""
+    return (round + 1) % num_fragments
+
+
+def step_actions(
+    step: int, *, period: int, overlap_steps: int, apply_at: int | None, num_fragments: int = 2
+) -> tuple[str, ...]:
+    """What to do after inner step ``step`` (1-based), in order.
+
+    Args:
+        step: inner steps taken so far.
+        period: H/F, inner steps between two fragment rounds.
+        overlap_steps: τ.
+        apply_at: the step the round in flight is due to be merged at (None: none in flight).
+        num_fragments: F.
+    Returns:
+        ``("apply",)``, ``("start",)`` (measure Δ and run the round), ``("start", "apply")``
+        (τ = 0: a blocking round), ``()``; at τ = H/F, when a merge and a start fall on the
+        same step: ``("apply", "start")`` (F > 1: the merged fragment is another one), or
+        ``("measure", "apply", "submit")`` (F = 1, τ = H: the one-step-delayed mode, at every
+        start step: Δ of the model's steps is measured, then the previous round's θ (at the
+        first round: θ as it is) is merged in, then the round is sent).
+    """
+    due = apply_at is not None and step >= apply_at
+    if step % period:
+        return (APPLY,) if due else ()
+    if num_fragments == 1 and overlap_steps == period:
+        return (MEASURE, APPLY, SUBMIT)
+    if not due:
+        return (START, APPLY) if overlap_steps == 0 else (START,)
+    return (APPLY, START)
+
+
+class Outcome(Protocol):
+    """What a round's sync returns (``dtrain.membership.SyncOutcome``)."""
+
+    status: str  # "applied", "resynced" or "deferred"
+    reason: str
+
+
+SyncFn = Callable[..., Outcome]  # sync(tensors, *, buckets, fragment): Group.sync
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A fragment round started at ``started_at`` and merged at ``apply_at``."""
+
+    fragment: int
+    buckets: tuple[int, ...]
+    started_at: int
+    apply_at: int
+    future: "cf.Future[Outcome]"
+    checksums: list[str]  # θ_b of every bucket when the round started
+    residuals: list[torch.Tensor | None]  # every bucket's residual when it started (kept by a resync)
+    theta_before: list[torch.Tensor] | None = None  # θ_b of its buckets at the start (one-step-delayed mode only)
+
+
+@dataclass(eq=False)
+class _Measured:
+    """A fragment's Δ basis: its tensors at the start step (clones; others live, unread)."""
+
+    fragment: int
+    buckets: tuple[int, ...]
+    snapshot: list[torch.Tensor]
+
+
+class StreamingSync:
+    """Fragment rounds of one site, each started at its step and merged τ steps later.
+
+    Args:
+        sync: runs one round over the buckets given (``Group.sync`` of
+            :mod:`dtrain.membership`; passed in, this module sits beside it).
+        site_id: this site (for logs and the thread's name).
+        layout: the bucket layout.
+        state: θ, outer optimizers, residuals.
+        tensors: returns the model's tensors as the layout expects (live, written in place).
+        sync_every: H; num_fragments: F; overlap_steps: τ; merge_alpha: α
+            (see :class:`~dtrain.configs.DiLoCoConfig`).
+
+    Attributes:
+        num_waited_steps: merges that had to wait for their round (its result was not
+            there at step t + τ): inner steps that waited on the network.
+        waited_s: seconds those merges waited.
+    Raises (from :meth:`on_step`): ``QuorumTimeout`` of a round, at its merge.
+    """
+
+    def __init__(
+        self,
+        sync: SyncFn,
+        site_id: str,
+        layout: BucketLayout,
+        state: GlobalState,
+        tensors: Callable[[], list[torch.Tensor]],
+        *,
+        sync_every: int,
+        num_fragments: int,
+        overlap_steps: int,
+        merge_alpha: float,
+    ) -> None:
+        self._sync, self.site_id = sync, site_id
+        self.layout, self.state, self._tensors = layout, state, tensors
+        self.fragments = fragment_buckets(len(layout), num_fragments)
+        self.period = sync_every // num_fragments
+        self.overlap_steps = overlap_steps
+        self.merge_alpha = float(merge_alpha)
+        self.num_waited_steps = 0
+        self.waited_s = 0.0
+        self._pending: _InFlight | None = None
+        self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fragment-{site_id}")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def on_step(self, step: int) -> Outcome | None:
+        """After inner step ``step``: merge a round that is due, start one on schedule.
+
+        Returns the outcome of the round merged at this step, or None.
+        """
+        merged = None
+        actions = step_actions(
+            step,
+            period=self.period,
+            overlap_steps=self.overlap_steps,
+            apply_at=self._pending.apply_at if self._pending else None,
+            num_fragments=len(self.fragments),
+        )
+        measured: _Measured | None = None
+        for action in actions:
+            if action == APPLY:
+                merged, moved = self._flush()
+                if measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
+                    self._shift(measured, moved)
+                    if merged is None:  # no round in flight (the first): the model restarts from θ as it is
+                        tensors = self._tensors()
+                        for b in measured.buckets:
+                            self._merge_bucket(b, tensors, self.merge_alpha)
+            elif action == MEASURE:
+                measured = self._measure()
+            elif action == SUBMIT:
+                assert measured is not None
+                self._submit(step, measured)
+            else:
+                self._submit(step, self._measure())
+        return merged
+
+    def _measure(self) -> _Measured:
+        """Snapshot the next fragment's tensors (its Δ = θ − snapshot is formed once its plan arrives)."""
+        f = fragment_of_round(self.state.rounds_applied, len(self.fragments))
+        buckets = self.fragments[f]
+        touched = {sg.tensor_index for b in buckets for sg in self.layout.buckets[b].segments}
+        snapshot = [t.detach().clone() if i in touched else t for i, t in enumerate(self._tensors())]
+        return _Measured(fragment=f, buckets=buckets, snapshot=snapshot)
+
+    def _submit(self, step: int, m: _Measured) -> None:
+        """Run the measured fragment's round in the background; it is merged at ``step + τ``."""
+        assert self._pending is None, "one fragment round at a time"
+        # taken before the round starts: its thread may resync (replacing residuals and θ) at once
+        checksums, residuals = self.state.checksums(), list(self.state.residuals)
+        theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
+        self._pending = _InFlight(
+            fragment=m.fragment,
+            buckets=m.buckets,
+            started_at=step,
+            apply_at=step + self.overlap_steps,
+            future=self._executor.submit(self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment),
+            checksums=checksums,
+            residuals=residuals,
+            theta_before=theta_before,
+        )
+
+    def _shift(self, m: _Measured, moved: dict[int, torch.Tensor]) -> None:
+        """Add to the snapshot what the merged round moved θ by (θ_after − θ_before), so that
+        Δ = θ_after − snapshot' = θ_before − snapshot: the model's own steps, not the outer update."""
+        for b, d in moved.items():
+            if b in m.buckets:
+                self.layout.scatter(b, self.layout.gather(b, m.snapshot) + d, m.snapshot)
+
+    def flush(self) -> Outcome | None:
+        """Merge the round in flight now (waiting for it if it is not done); None if none."""
+        return self._flush()[0]
+
+    def _flush(self) -> tuple[Outcome | None, dict[int, torch.Tensor]]:
+        """:meth:`flush`, and per bucket how far the round moved θ (one-step-delayed mode only)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None, {}
+        if not p.future.done():
+            self.num_waited_steps += 1
+            t = time.monotonic()
+            cf.wait([p.future])
+            self.waited_s += time.monotonic() - t
+        outcome = p.future.result()  # QuorumTimeout propagates
+        self._merge(p, outcome)
+        moved = {}
+        if p.theta_before is not None:
+            moved = {b: self.state.theta[b].detach() - t0 for b, t0 in zip(p.buckets, p.theta_before)}
+        return outcome, moved
+
+    def _merge(self, p: _InFlight, outcome: Outcome) -> None:
+        """Write the round's θ into the model's tensors, per its outcome."""
+        tensors = self._tensors()
+        if outcome.status == "applied":
+            for b in p.buckets:
+                self._merge_bucket(b, tensors, self.merge_alpha)
+        elif outcome.status == "resynced":
+            changed = [b for b in range(len(self.state)) if self.state.checksum(b) != p.checksums[b]]
+            reset = sorted(set(p.buckets) | set(changed))
+            for b in range(len(self.state)):
+                if b not in reset:  # θ_b did not change: its residual and local progress still hold
+                    self.state.residuals[b] = p.residuals[b]
+            for b in reset:
+                self._merge_bucket(b, tensors, 0.0)
+        else:
+            log.warning(
+                "%s: fragment %d round deferred (%s); training on locally", self.site_id, p.fragment, outcome.reason
+            )
+
+    def _merge_bucket(self, b: int, tensors: Sequence[torch.Tensor], alpha: float) -> None:
+        with self.state.lock(b):
+            theta = self.state.theta[b].detach()
+            if alpha == 0.0:
+                self.layout.scatter(b, theta, tensors)
+            else:
+                local = self.layout.gather(b, tensors)
+                self.layout.scatter(b, torch.lerp(theta, local, alpha), tensors)
+
+    def close(self, *, wait: bool = True) -> Outcome | None:
+        """Merge the round in flight (if any) and stop the background thread.
+
+        Args:
+            wait: False leaves a round in flight to run out on its own (bounded by its
+                deadlines) and merges nothing (e.g. on SIGINT).
+        """
+        if not wait:
+            self._pending = None
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            return None
+        try:
+            return self.flush()
+        finally:
+            self._executor.shutdown(wait=True)
