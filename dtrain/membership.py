@@ -34,7 +34,12 @@ log = logging.getLogger(__name__)
 class RendezvousClient(Protocol):
     def join(self, site_id: str, address: str) -> JoinInfo: ...
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
@@ -84,6 +89,8 @@ class Group:
         self._reports: deque[tuple[int, str]] = deque(maxlen=MAX_REPORTS_PER_HEARTBEAT)  # (seq, JSON), unsent
         self._reports_lock = threading.Lock()
         self._report_seq = 0
+        self._unreachable: set[str] = set()  # found gone by the data path, not yet reported
+        engine.on_unreachable = self.report_unreachable
         self.joined = False
 
     # ------------------------------------------------------------------ membership
@@ -141,6 +148,14 @@ class Group:
             self._reports.append((self._report_seq, json.dumps({**report, "seq": self._report_seq})))
         self._hb_kick.set()
 
+    def report_unreachable(self, site_id: str) -> None:
+        """The data path found ``site_id`` gone (the round engine calls this): the
+        heartbeat thread tells the rendezvous at once, which then holds it dead
+        sooner if it stays silent (``RendezvousConfig.suspect_timeout_s``). Never blocks."""
+        with self._reports_lock:
+            self._unreachable.add(site_id)
+        self._hb_kick.set()
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             self._hb_kick.wait(self._hb_interval_s)
@@ -149,11 +164,16 @@ class Group:
                 break
             with self._reports_lock:
                 pending = list(self._reports)
+                unreachable, self._unreachable = sorted(self._unreachable), set()
             kw = {"round_reports": [raw for _, raw in pending]} if pending else {}
+            if unreachable:
+                kw["unreachable"] = unreachable
             try:
                 hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
             except RendezvousError as e:
                 log.debug("heartbeat failed: %s", e)
+                with self._reports_lock:  # report them with the next heartbeat
+                    self._unreachable.update(unreachable)
                 continue
             if hb.known and pending:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)

@@ -77,6 +77,7 @@ class RendezvousCoreLike(Protocol):
         inner_step: int = 0,
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -250,6 +251,7 @@ class _RendezvousServicer:
                 inner_step=request.inner_step,
                 last_loss=last_loss,
                 round_reports=list(request.round_reports),
+                **({"unreachable": list(request.unreachable)} if request.unreachable else {}),
             ),
         )
         # A heartbeat never makes a site live (a late one marks it for resync), so it
@@ -505,11 +507,19 @@ class GrpcRendezvousClient:
         )
 
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo:
-        """Report liveness (and progress, and per-round JSON reports for the status
-        page: ``dtrain.status``); the answer says whether to resync or re-join."""
-        request = pb.HeartbeatRequest(site_id=site_id, inner_step=inner_step, round_reports=list(round_reports))
+        """Report liveness (and progress, per-round JSON reports for the status
+        page: ``dtrain.status``, and the sites this site's data path found
+        unreachable); the answer says whether to resync or re-join."""
+        request = pb.HeartbeatRequest(
+            site_id=site_id, inner_step=inner_step, round_reports=list(round_reports), unreachable=list(unreachable)
+        )
         if last_loss is not None:
             request.last_loss = last_loss
         reply = self._call(

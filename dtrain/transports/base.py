@@ -46,6 +46,12 @@ class PeerHandler(Protocol):
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         """Return the bucket's current θ_b and outer-optimizer state."""
 
+    # Optional (transports call it when the handler has it):
+    # ``handle_push_ended(sender: str, round: int, num_accepted: int) -> None`` — a push
+    # stream from ``sender`` for ``round`` ended (closed by the sender, or broken because
+    # it died or its connection dropped: a gRPC server cannot tell these apart) after
+    # ``num_accepted`` accepted chunks. Must not block.
+
 
 class Transport(abc.ABC):
     """Moves round messages between sites. One instance per site."""
