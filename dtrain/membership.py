@@ -90,6 +90,9 @@ class Group:
         self._reports_lock = threading.Lock()
         self._report_seq = 0
         self._unreachable: set[str] = set()  # found gone by the data path, not yet reported
+        # The members θ was last pulled from (join or resync), for DiLoCo's position heal;
+        # empty when the last join or resync pulled nothing.
+        self.donors: list = []
         engine.on_unreachable = self.report_unreachable
         self.joined = False
 
@@ -119,6 +122,7 @@ class Group:
         assert addr is not None, "start the engine before joining"
         info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, addr), timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
+        self.donors = []
         if info.needs_state and self.engine.state.rounds_applied < info.next_round:
             log.info(
                 "%s joins at round %d: pulling state from %s",
@@ -210,6 +214,7 @@ class Group:
             if not info.members:
                 st.rounds_applied = max(st.rounds_applied, info.next_round)
                 return info
+            self.donors = list(info.members)
             try:
                 pull_full_state(
                     st,
@@ -233,6 +238,7 @@ class Group:
         """Discard local progress and pull θ and outer-optimizer state from members."""
         st = self.engine.state
         st.residuals = [None] * len(st)
+        self.donors = []
         info = self._call_with_backoff(lambda: self.rendezvous.join(self.site_id, self.engine.address or ""), 60.0)
         self._pull_state(info)
         self._resync_needed.clear()

@@ -160,6 +160,8 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             try:
                 task.model.load_state_dict(data["model"])
                 task.optimizer.load_state_dict(data["inner_optimizer"])
+                if task.scheduler is not None and data.get("inner_scheduler") is not None:
+                    task.scheduler.load_state_dict(data["inner_scheduler"])
                 task.batches.load_state_dict(data["batches"])
             except (RuntimeError, ValueError, KeyError) as e:
                 raise CheckpointError(f"checkpoint {ckpt} does not fit this task: {e}") from e
@@ -167,6 +169,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         diloco = DiLoCo(
             task.model,
             task.optimizer,
+            inner_scheduler=task.scheduler,
             config=cfg.diloco_config(),
             outer_optimizer=outer,
             transport=transport,
@@ -236,6 +239,8 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             loss.backward()
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
+            if task.scheduler is not None:
+                task.scheduler.step()
             losses.append(float(loss.detach()))
             diloco.inner_steps += 1
             diloco.group.inner_step = diloco.inner_steps
@@ -298,6 +303,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
                     "fingerprint": diloco.layout.fingerprint(),
                     "model": task.model.state_dict(),
                     "inner_optimizer": task.optimizer.state_dict(),
+                    "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
                     "diloco": diloco.state_dict(),
                     "batches": task.batches.state_dict(),
                     "config": json.dumps(asdict(cfg), default=str),

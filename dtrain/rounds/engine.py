@@ -53,7 +53,7 @@ from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult
-from dtrain.state import GlobalState
+from dtrain.state import GlobalState, position_state
 from dtrain.transports.base import Transport
 
 __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
@@ -145,6 +145,9 @@ class RoundEngine:
         # Called with a site the data path found gone (push refused, stream broken);
         # the Group reports it to the rendezvous, which confirms it for later rounds.
         self.on_unreachable: "Callable[[str], None] | None" = None
+        # The site's training position at the start of its next round (DiLoCo sets it):
+        # what a PullState of bucket index len(state) answers (a joiner heals from it).
+        self.position_source: "Callable[[], dict | None] | None" = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -300,6 +303,11 @@ class RoundEngine:
         return self.mean_pulls.record(round, bucket, requester, m)
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        if bucket == len(self.state):  # one past the last bucket: the training position
+            position = self.position_source() if self.position_source is not None else None
+            if position is None:
+                raise Rejected(RejectCode.NOT_FOUND, "no training position here")
+            return position_state(position, index=bucket)
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
         if self.fault_hook is not None:
