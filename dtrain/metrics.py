@@ -130,6 +130,7 @@ class RoundLine(_Record):
     time: float | None = None
     checksum: str | None = None
     outer_checksum: str | None = None
+    data: dict | None = None  # the data ledger of the round's inner steps (docs/METRICS.md)
     # ---- engine fields (RoundResult), None when no round ran at this site
     owned_buckets: int | None = None
     applied_buckets: int | None = None

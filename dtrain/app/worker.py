@@ -190,6 +190,13 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
     return _finish(out, transport, summary, t_start)
 
 
+def _ledger(batches, first_step: int, last_step: int) -> dict:
+    """The data ledger of one round: the stream's own (``take_ledger()``, the built-in
+    ``BatchStream``) or, for a task whose stream has none, the inner steps' range."""
+    take = getattr(batches, "take_ledger", None)
+    return take() if callable(take) else {"steps": [first_step, last_step]}
+
+
 def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
     """Append the end line (bytes the transport counted after the last round line: means
     served to peers while ``DiLoCo.close`` waited for their pulls) and write ``summary.json``; returns the summary."""
@@ -232,6 +239,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     syncs = 0
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
+        first_step = diloco.inner_steps + 1
         losses = []
         for _ in range(cfg.diloco.sync_every):
             batch = next(task.batches)
@@ -253,6 +261,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         train_loss = sum(losses) / len(losses)
         diloco.group.last_loss = train_loss
         inner_s = time.monotonic() - t_inner
+        inner_last = diloco.inner_steps  # before a heal may replace the count
         t_sync = time.monotonic()
         outcome: SyncOutcome = diloco.sync()
         sync_s = time.monotonic() - t_sync
@@ -276,6 +285,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             time=time.time(),
             checksum=theta_checksum(diloco),
             outer_checksum=outer_state_checksum(diloco),
+            data=_ledger(task.batches, first_step, inner_last),
             **(engine_fields(res) if res is not None else {}),
         )
         totals.add(line)

@@ -54,6 +54,12 @@ def test_healthy_sites_agree_every_round_and_loss_falls(make_cluster):
             assert d["reduce_arrived_fraction"] == 1.0 and d["broadcast_arrived_fraction"] == 1.0
             assert d["stale_buckets"] == 0 and d["rejected"] == {} and d["errors"] == []
         assert len({d["outer_checksum"] for d in lines.values()}) == 1
+    for s in sites:  # the data ledger: each round's batches follow the last round's, in the site's own shard
+        ledger = [c.by_round(s)[r]["data"] for r in range(rounds)]
+        h = ledger[0]["steps"][1]
+        assert [d["steps"] for d in ledger] == [[r * h + 1, (r + 1) * h] for r in range(rounds)], ledger
+        assert len({d["shard"] for d in ledger}) == 1 and len({d["digest"] for d in ledger}) == rounds
+    assert len({c.by_round(s)[0]["data"]["shard"] for s in sites}) == len(sites)
     for s in sites:
         summ = c.summary(s)
         assert summ["rounds"] == rounds and summ["rounds_joined"] == rounds
