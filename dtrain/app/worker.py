@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dtrain.app.config import WorkerConfig  # re-exported
+from dtrain.app.shards import DataMix, ShardWatch
 from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dtrain.diloco import DiLoCo
 from dtrain.errors import CheckpointError
@@ -235,6 +236,11 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     totals = Totals()
     owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
+    watch, mix = None, None
+    if cfg.reassign_after_rounds and task.shard_part is not None:
+        watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
+        mix = DataMix(task.batches, task.shard_part)
+    batches = mix if mix is not None else task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
@@ -242,7 +248,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         first_step = diloco.inner_steps + 1
         losses = []
         for _ in range(cfg.diloco.sync_every):
-            batch = next(task.batches)
+            batch = next(batches)
             loss = task.loss(task.model, batch)
             loss.backward()
             task.optimizer.step()
@@ -285,9 +291,15 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
             time=time.time(),
             checksum=theta_checksum(diloco),
             outer_checksum=outer_state_checksum(diloco),
-            data=_ledger(task.batches, first_step, inner_last),
+            data=(
+                mix.take_ledger(lambda: {"steps": [first_step, inner_last]})
+                if mix is not None
+                else _ledger(task.batches, first_step, inner_last)
+            ),
             **(engine_fields(res) if res is not None else {}),
         )
+        if watch is not None and res is not None:
+            mix.apply(*watch.observe(list(res.members)))
         totals.add(line)
         owned_buckets = res.owned_buckets if res is not None else owned_buckets
         with open(metrics_path, "a") as mf:

@@ -159,6 +159,18 @@ def build_task(spec: TaskSpec) -> Task:
     optimizer = make_optimizer(model, spec.resolved_lr)
     scheduler = make_scheduler(optimizer, spec)
 
+    def shard_part(index: int, part: int, num_parts: int) -> BatchStream:
+        """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard."""
+        other, _ = shard_tokens(corpus, site_index=index, num_sites=spec.num_sites, non_iid=True)
+        lo, hi = other.numel() * part // num_parts, other.numel() * (part + 1) // num_parts
+        return BatchStream(
+            other[lo:hi].clone() if hi - lo > context_len else other.clone(),
+            batch_size=batch_size,
+            context_len=context_len,
+            seed=spec.seed + 1_000_003 * (index + 1) + part,
+            shard_id=f"{corpus.fingerprint}/site{index}of{spec.num_sites}/non_iid/part{part}of{num_parts}",
+        )
+
     info: dict[str, Any] = {
         "task": "builtin-gpt",
         "size": spec.size,
@@ -184,4 +196,5 @@ def build_task(spec: TaskSpec) -> Task:
         tokens_per_batch=batch_size * context_len,
         info=info,
         scheduler=scheduler,
+        shard_part=shard_part if spec.non_iid and spec.num_sites > 1 else None,
     )

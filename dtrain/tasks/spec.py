@@ -194,6 +194,9 @@ class Task:
             ``torch.no_grad()`` and restores the model's previous mode.
         tokens_per_batch: tokens one batch trains on (for throughput metrics).
         info: free-form facts for logs (parameter count, corpus fingerprint, ...).
+        shard_part: ``shard_part(site_index, part, num_parts)`` -> a batch stream over
+            part ``part`` of ``num_parts`` of another site's shard (re-assigning a dead
+            site's non-IID shard), or None when the task cannot.
         scheduler: the inner optimizer's LR scheduler or None; the worker steps it
             after every ``optimizer.step()``, checkpoints it, and a joiner takes its
             state from a donor (``DiLoCo(inner_scheduler=...)``).
@@ -207,3 +210,4 @@ class Task:
     tokens_per_batch: int
     info: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None
+    shard_part: Callable[[int, int, int], Any] | None = None
