@@ -50,17 +50,12 @@ import grpc  # noqa: E402
 from dtrain.protocol import Contribution  # noqa: E402
 from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig  # noqa: E402
 from experiments.procs import ProcRun  # noqa: E402
+from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS  # noqa: E402
+from experiments.site_failures import WORKER  # noqa: E402
 
 TOKEN = "chaos-token"
-RENDEZVOUS = {
-    "quorum_timeout_s": 1.0,
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 2.0,
-    "reduce_timeout_s": 1.5,
-    "broadcast_timeout_s": 3.0,
-    "min_sites": 1,
-}
-WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
+# the fault experiments' timing (site_failures.py); one site is enough for a round here
+RENDEZVOUS = {**FAILURE_RENDEZVOUS, "min_sites": 1}
 KINDS = ("kill", "stop", "corrupt", "flood")
 
 
