@@ -20,7 +20,8 @@ Checked from the metrics lines (``dtrain.metrics``) after the run, per round: no
 (every site that ran the round finished its engine part, ``round_s``, by the broadcast
 deadline + 1 s), θ checksums equal among the sites that applied it with no stale bucket
 (a refused contribution applied anywhere would show as a mismatch), and resident memory
-/ open fds of each worker sampled every second (growth after warm-up). Prints a table:
+/ open fds of each worker process sampled every second (growth of each site's
+longest-lived process after the first 30 % of its life). Prints a table:
 faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
 against a fault-free run with the same seed.
 
@@ -94,7 +95,9 @@ class ChaosConfig:
 class Outcome:
     faults: Counter = field(default_factory=Counter)
     lines: dict[int, list[dict]] = field(default_factory=dict)
-    samples: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)  # (t, rss_kb, fds)
+    samples: dict[tuple[int, int], list[tuple[float, int, int]]] = field(
+        default_factory=dict
+    )  # (site, pid) -> (t, rss_kb, fds)
     wall_s: float = 0.0
 
 
@@ -177,7 +180,7 @@ class _Soak(ProcRun):
                 continue
             got = _rss_fds(p.pid)
             if got is not None:
-                self.out.samples.setdefault(int(name[5:]), []).append((time.monotonic() - t0, *got))
+                self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.monotonic() - t0, *got))
 
     def inject(self) -> None:
         c = self.cfg
@@ -265,11 +268,16 @@ def analyse(cfg: ChaosConfig, out: Outcome, ref: Outcome | None) -> dict:
     ref0 = {ln["round"] for ln in out.lines.get(0, []) if ln["status"] == "applied"}
     lost = sorted(set(range(cfg.rounds)) - ref0)
     stall = max((ln.get("sync_s") or 0.0 for lines in out.lines.values() for ln in lines), default=0.0)
-    growth = {}
-    for i, s in out.samples.items():
-        warm = [x for x in s if x[0] >= 0.3 * out.wall_s] or s
+    growth = {}  # per site, its longest-lived process: last sample minus the first after 30 % of its life
+    for (i, _pid), s in sorted(out.samples.items(), key=lambda kv: len(kv[1])):
+        t_warm = s[0][0] + 0.3 * (s[-1][0] - s[0][0])
+        warm = [x for x in s if x[0] >= t_warm]
         if len(warm) >= 2:
-            growth[i] = {"rss_kb": warm[-1][1] - warm[0][1], "fds": warm[-1][2] - warm[0][2]}
+            growth[i] = {
+                "rss_kb": warm[-1][1] - warm[0][1],
+                "fds": warm[-1][2] - warm[0][2],
+                "over_s": round(warm[-1][0] - warm[0][0]),
+            }
     final = out.lines.get(0, [{}])[-1].get("val_loss") if out.lines.get(0) else None
     ref_final = ref.lines.get(0, [{}])[-1].get("val_loss") if ref and ref.lines.get(0) else None
     rejected = sum(sum((ln.get("rejected") or {}).values()) for lines in out.lines.values() for ln in lines)
@@ -298,7 +306,7 @@ def table(res: dict) -> str:
         ("rounds lost at site-0", len(res["rounds_lost_at_site0"])),
         ("longest stall (sync_s, s)", res["longest_stall_s"]),
         ("contributions refused", res["rejected_contributions"]),
-        ("RSS / fd growth after warm-up", json.dumps(res["growth_after_warmup"])),
+        ("RSS (kB) / fd growth after warm-up, per site", json.dumps(res["growth_after_warmup"])),
         ("final val loss (fault-free)", f"{res['final_val_loss']} ({res['fault_free_final_val_loss']})"),
         ("wall (s)", res["wall_s"]),
     ]
