@@ -9,6 +9,7 @@ quorum of ``min_sites`` forms within ``quorum_wait_s``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -94,6 +95,8 @@ class Group:
         # empty when the last join or resync pulled nothing.
         self.donors: list = []
         engine.on_unreachable = self.report_unreachable
+        # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
+        self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
         self.joined = False
 
     # ------------------------------------------------------------------ membership
@@ -170,7 +173,7 @@ class Group:
                 pending = list(self._reports)
                 unreachable, self._unreachable = sorted(self._unreachable), set()
             kw = {"round_reports": [raw for _, raw in pending]} if pending else {}
-            if unreachable:
+            if unreachable and self._client_takes_unreachable:
                 kw["unreachable"] = unreachable
             try:
                 hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -165,6 +166,9 @@ class _RendezvousServicer:
         self._decided_at = 0.0
         self._plan_bytes: dict[int, tuple[RoundPlan, bytes]] = {}  # round -> (plan, its serialized field)
         self._evaluator: asyncio.Task | None = None
+        # A core (or store) whose heartbeat takes no ``unreachable`` reports (an older one)
+        # still gets every heartbeat: the reports are left out for it.
+        self._takes_unreachable = "unreachable" in inspect.signature(core.heartbeat).parameters
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -251,7 +255,11 @@ class _RendezvousServicer:
                 inner_step=request.inner_step,
                 last_loss=last_loss,
                 round_reports=list(request.round_reports),
-                **({"unreachable": list(request.unreachable)} if request.unreachable else {}),
+                **(
+                    {"unreachable": list(request.unreachable)}
+                    if request.unreachable and self._takes_unreachable
+                    else {}
+                ),
             ),
         )
         # A heartbeat never makes a site live (a late one marks it for resync), so it
