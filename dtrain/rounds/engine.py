@@ -269,7 +269,7 @@ class RoundEngine:
         before counts; a retried stream's chunks count too while their bucket is open."""
         with self._cv:
             owned = self._open.get(round)
-        if owned is None:
+        if owned is None or not self.config.short_push_is_loss:
             return
         with owned.cv:
             owed = owned.books.owed(sender)

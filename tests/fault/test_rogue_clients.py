@@ -44,7 +44,10 @@ def _theta0() -> torch.Tensor:
 
 def _site(site_id: str, **round_kw) -> RoundEngine:
     cfg = GrpcTransportConfig(token=TOKEN, max_message_bytes=SERVER_MAX_MESSAGE_BYTES, part_bytes=128 * 1024)
-    rcfg = RoundConfig(codec=CodecConfig(name=CODEC), plan_wait_s=1.0, repair_timeout_s=0.5, **round_kw)
+    # The rogue pushes chunk by chunk (one stream each): not a loss here (short_push_is_loss).
+    rcfg = RoundConfig(
+        codec=CodecConfig(name=CODEC), plan_wait_s=1.0, repair_timeout_s=0.5, short_push_is_loss=False, **round_kw
+    )
     engine = RoundEngine(site_id, GlobalState(_layout(), [_theta0()]), GrpcTransport(cfg), rcfg)
     engine.start()
     return engine
