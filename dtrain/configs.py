@@ -194,6 +194,11 @@ class RoundConfig:
         max_consecutive_rejections: a sender whose contributions were rejected in
             this many consecutive rounds is refused from then on (PERMISSION_DENIED); >= 1.
         num_pull_threads: concurrent mean pulls; >= 1.
+        short_push_is_loss: a push stream that ends while its sender still owes
+            chunks of open buckets here marks the sender lost for the round (a member
+            sends all it owes an owner in one stream; a stream broken by the sender's
+            death looks the same to a gRPC server). Off: such a sender is awaited
+            until the reduce deadline or the rendezvous declares it dead.
     """
 
     codec: CodecConfig = field(default_factory=lambda: CodecConfig(name="fp32"))
@@ -206,6 +211,7 @@ class RoundConfig:
     repair_timeout_s: float = 5.0
     max_consecutive_rejections: int = 3
     num_pull_threads: int = 8
+    short_push_is_loss: bool = True
 
     def __post_init__(self) -> None:
         # Codec names are checked by CodecConfig against its torch-free name list.

@@ -21,6 +21,7 @@ for a real multi-site run.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Callable
 
@@ -28,11 +29,12 @@ import torch
 
 from dtrain.buckets import BucketLayout
 from dtrain.configs import DiLoCoConfig
+from dtrain.errors import StateTransferError, TransportError
 from dtrain.membership import Group, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
-from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
+from dtrain.state import GlobalState, OuterOptimizerFactory, decode_position, default_outer_optimizer
 from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
@@ -72,9 +74,18 @@ class DiLoCo:
             network, i.e. a single local site).
         rendezvous: rendezvous client (default: a private in-process one with
             ``min_sites=1``).
+        inner_scheduler: the inner optimizer's LR scheduler, if any (the caller
+            steps it); its state travels with the training position.
+        outer_scheduler: factory ``Optimizer -> LRScheduler`` applied to each
+            bucket's outer optimizer; stepped here after every applied round.
 
     On construction the site joins the group; if rounds already ran it pulls θ
-    and the outer-optimizer state from the members and loads θ into ``model``.
+    and the outer-optimizer state from the members and loads θ into ``model``,
+    then heals its training position from the first donor that has one for that
+    round (as torchft heals a replica): the inner step count, the inner
+    optimizer's state, the inner and outer LR schedulers' states. A site whose own
+    state is current (nothing pulled) keeps its own. The data position is never
+    taken from a donor (the donor's is its own shard's): docs/DECISIONS.md.
     Peer faults during rounds never raise here; ``QuorumTimeout`` does, when no
     round can form within ``config.group.quorum_wait_s``.
     """
@@ -88,6 +99,8 @@ class DiLoCo:
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
         transport: Transport | None = None,
         rendezvous: RendezvousClient | None = None,
+        inner_scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None,
+        outer_scheduler: "Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None" = None,
         _defer_join: bool = False,
     ) -> None:
         self.config = config or DiLoCoConfig()
@@ -108,12 +121,17 @@ class DiLoCo:
             rendezvous or InprocRendezvousClient(RendezvousCore(RendezvousConfig(min_sites=1))),
             self.config.group,
         )
+        self.inner_scheduler = inner_scheduler
+        self.outer_schedulers = [outer_scheduler(o) for o in self.state.optimizers] if outer_scheduler else []
         self.inner_steps = 0
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
+        self.healed_from: str | None = None  # the donor of the last position heal
         self._closed = False
         # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
         self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
+        self._position: dict | None = None
+        self.engine.position_source = lambda: self._position
         if not _defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
@@ -137,6 +155,73 @@ class DiLoCo:
         info = self.group.join()
         if info.needs_state:
             self.state.copy_to(self._tensors_and_kinds()[0])
+        if self.group.donors:
+            self._heal(self.group.donors)
+        self._snapshot_position()
+
+    # ------------------------------------------------------------------ training position
+    def training_position(self) -> dict:
+        """This site's training position now: ``round``, ``inner_steps``,
+        ``inner_optimizer`` (its ``state_dict``, deep-copied), ``inner_scheduler`` and
+        ``outer_schedulers`` (``state_dict``s, None / [] without schedulers)."""
+        return {
+            "round": self.state.rounds_applied,
+            "inner_steps": self.inner_steps,
+            "inner_optimizer": copy.deepcopy(self.inner_optimizer.state_dict()),
+            "inner_scheduler": self.inner_scheduler.state_dict() if self.inner_scheduler is not None else None,
+            "outer_schedulers": [sch.state_dict() for sch in self.outer_schedulers],
+        }
+
+    def _snapshot_position(self) -> None:
+        """Keep the position at the start of the next round: what joiners heal from."""
+        self._position = self.training_position()
+
+    def load_training_position(self, position: dict) -> None:
+        """Install a position (:meth:`training_position`) without changing θ or the round."""
+        self.inner_steps = int(position["inner_steps"])
+        self.group.inner_step = self.inner_steps
+        self.inner_optimizer.load_state_dict(position["inner_optimizer"])
+        if self.inner_scheduler is not None and position.get("inner_scheduler") is not None:
+            self.inner_scheduler.load_state_dict(position["inner_scheduler"])
+        for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
+            sch.load_state_dict(sd)
+
+    def _heal(self, donors) -> bool:
+        """Take the training position of the first donor whose position is of the round
+        θ was pulled at; False (own position kept, logged) when none has it."""
+        r = self.state.rounds_applied
+        idx = len(self.state)
+        timeout_s = self.config.group.state_pull_timeout_s
+        for m in donors:
+            try:
+                st = self.engine.transport.pull_state(
+                    m.address, idx, requester=self.config.site_id, timeout_s=timeout_s
+                )
+                pos = decode_position(st)
+                if pos["round"] != r:
+                    log.info(
+                        "%s: %s's training position is of round %d, not %d",
+                        self.config.site_id,
+                        m.site_id,
+                        pos["round"],
+                        r,
+                    )
+                    continue
+                self.load_training_position(pos)
+            except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
+                log.warning("%s: no training position from %s: %s", self.config.site_id, m.site_id, e)
+                continue
+            self.healed_from = m.site_id
+            log.info(
+                "%s: took the training position of round %d from %s (inner step %d)",
+                self.config.site_id,
+                r,
+                m.site_id,
+                self.inner_steps,
+            )
+            return True
+        log.warning("%s: no donor had a training position of round %d; keeping this site's own", self.config.site_id, r)
+        return False
 
     def _tensors_and_kinds(self) -> tuple[list[torch.Tensor], list[str]]:
         return sync_tensors(self.model, self.config.buffers)
@@ -175,6 +260,12 @@ class DiLoCo:
         outcome = self.group.sync(tensors)
         if outcome.status in ("applied", "resynced"):
             self.state.copy_to(tensors)
+            if outcome.status == "applied":
+                for sch in self.outer_schedulers:
+                    sch.step()
+            elif self.group.donors:
+                self._heal(self.group.donors)
+            self._snapshot_position()
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
         self._record(outcome)
@@ -197,11 +288,13 @@ class DiLoCo:
         and ``sync_every`` (H). The model's own parameters and the inner
         optimizer are not in it: save ``model.state_dict()`` and the inner
         optimizer's ``state_dict()`` beside it (as ``dtrain worker`` does).
+        ``outer_schedulers``: the outer LR schedulers' ``state_dict``s (empty without).
         """
         return {
             **self.state.state_dict(),
             "inner_steps": self.inner_steps,
             "sync_every": self.config.sync_every,
+            "outer_schedulers": [sch.state_dict() for sch in self.outer_schedulers],
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -221,6 +314,8 @@ class DiLoCo:
             raise ValueError(f"not a DiLoCo state_dict (missing {', '.join(map(repr, missing))})")
         self.state.load_state_dict(state)
         self.inner_steps = int(sd.get("inner_steps", 0))
+        for sch, ssd in zip(self.outer_schedulers, sd.get("outer_schedulers") or []):
+            sch.load_state_dict(ssd)
 
     def close(self, *, wait: bool = True) -> PullWait | None:
         """Wait for the peers to pull this site's last means, leave the group, stop serving.

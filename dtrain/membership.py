@@ -9,6 +9,7 @@ quorum of ``min_sites`` forms within ``quorum_wait_s``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -35,7 +36,12 @@ log = logging.getLogger(__name__)
 class RendezvousClient(Protocol):
     def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo: ...
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
@@ -96,6 +102,13 @@ class Group:
         self._reports: deque[tuple[int, str]] = deque(maxlen=MAX_REPORTS_PER_HEARTBEAT)  # (seq, JSON), unsent
         self._reports_lock = threading.Lock()
         self._report_seq = 0
+        self._unreachable: set[str] = set()  # found gone by the data path, not yet reported
+        # The members θ was last pulled from (join or resync), for DiLoCo's position heal;
+        # empty when the last join or resync pulled nothing.
+        self.donors: list = []
+        engine.on_unreachable = self.report_unreachable
+        # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
+        self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
         self.joined = False
 
     # ------------------------------------------------------------------ membership
@@ -126,6 +139,7 @@ class Group:
         assert addr is not None, "start the engine before joining"
         info = self._call_with_backoff(self.register, timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
+        self.donors = []
         if info.needs_state and self.engine.state.rounds_applied < info.next_round:
             log.info(
                 "%s joins at round %d: pulling state from %s",
@@ -164,6 +178,14 @@ class Group:
             self._reports.append((self._report_seq, json.dumps({**report, "seq": self._report_seq})))
         self._hb_kick.set()
 
+    def report_unreachable(self, site_id: str) -> None:
+        """The data path found ``site_id`` gone (the round engine calls this): the
+        heartbeat thread tells the rendezvous at once, which then holds it dead
+        sooner if it stays silent (``RendezvousConfig.suspect_timeout_s``). Never blocks."""
+        with self._reports_lock:
+            self._unreachable.add(site_id)
+        self._hb_kick.set()
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             self._hb_kick.wait(self._hb_interval_s)
@@ -172,11 +194,16 @@ class Group:
                 break
             with self._reports_lock:
                 pending = list(self._reports)
+                unreachable, self._unreachable = sorted(self._unreachable), set()
             kw = {"round_reports": [raw for _, raw in pending]} if pending else {}
+            if unreachable and self._client_takes_unreachable:
+                kw["unreachable"] = unreachable
             try:
                 hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
             except RendezvousError as e:
                 log.debug("heartbeat failed: %s", e)
+                with self._reports_lock:  # report them with the next heartbeat
+                    self._unreachable.update(unreachable)
                 continue
             if hb.known and pending:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
@@ -213,6 +240,7 @@ class Group:
             if not info.members:
                 st.rounds_applied = max(st.rounds_applied, info.next_round)
                 return info
+            self.donors = list(info.members)
             try:
                 pull_full_state(
                     st,
@@ -236,6 +264,7 @@ class Group:
         """Discard local progress and pull θ and outer-optimizer state from members."""
         st = self.engine.state
         st.residuals = [None] * len(st)
+        self.donors = []
         info = self._call_with_backoff(self.register, 60.0)
         self._pull_state(info)
         self._resync_needed.clear()

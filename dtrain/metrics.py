@@ -132,6 +132,8 @@ class RoundLine(_Record):
     checksum: str | None = None
     outer_checksum: str | None = None
     datagram: dict[str, Any] | None = None  # the datagram path's cumulative counters (absent on gRPC)
+
+    data: dict | None = None  # the data ledger of the round's inner steps (docs/METRICS.md)
     # ---- engine fields (RoundResult), None when no round ran at this site
     owned_buckets: int | None = None
     applied_buckets: int | None = None

@@ -9,6 +9,7 @@ bucket), and one error-feedback residual per bucket (docs/ARCHITECTURE.md, "One 
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import logging
 import threading
@@ -21,7 +22,14 @@ from dtrain.errors import StateTransferError, TransportError
 from dtrain.protocol import BucketState, Member
 from dtrain.transports.base import Transport
 
-__all__ = ["OuterOptimizerFactory", "default_outer_optimizer", "GlobalState", "pull_full_state"]
+__all__ = [
+    "OuterOptimizerFactory",
+    "default_outer_optimizer",
+    "GlobalState",
+    "pull_full_state",
+    "position_state",
+    "decode_position",
+]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +228,42 @@ class GlobalState:
 
 
 _OLD_KEYS = {"optimizers": "outer_optimizer", "rounds_applied": "round"}
+
+
+def position_state(position: dict, *, index: int) -> BucketState:
+    """A site's training position (``DiLoCo``: inner step count, inner optimizer and LR
+    scheduler states, at the start of round ``position["round"]``) as the
+    ``BucketState`` a ``PullState`` of bucket index ``index`` (= the number of buckets,
+    one past the last) answers: no θ, the position ``torch.save``-d as the optimizer
+    state, its digest as the checksum."""
+    data = _serialize(position)
+    return BucketState(
+        bucket=index,
+        rounds_applied=int(position["round"]),
+        theta=b"",
+        optimizer_state=data,
+        checksum=hashlib.blake2b(data, digest_size=16).hexdigest(),
+        extra={"position": True},
+    )
+
+
+def decode_position(st: BucketState) -> dict:
+    """The position dict of a :func:`position_state` answer.
+
+    Raises:
+        StateTransferError: not a position, corrupt, or unreadable.
+    """
+    if not st.extra.get("position") or st.theta:
+        raise StateTransferError(f"bucket {st.bucket}: not a training position")
+    if hashlib.blake2b(st.optimizer_state, digest_size=16).hexdigest() != st.checksum:
+        raise StateTransferError("training position: checksum mismatch (corrupt transfer)")
+    try:
+        pos = _deserialize(st.optimizer_state)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad transfer
+        raise StateTransferError(f"training position unreadable: {e}") from e
+    if not isinstance(pos, dict) or pos.get("round") != st.rounds_applied:
+        raise StateTransferError("training position: not a position dict of the round it claims")
+    return pos
 
 
 def _renamed(sd: dict) -> dict:

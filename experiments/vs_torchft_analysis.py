@@ -318,8 +318,8 @@ UNEQUAL = [
     "quorum, should_commit) is excluded on both sides.",
     "Per-round extra work: a dtrain worker hashes θ and its outer-optimizer state every round (two checksums); "
     "the torchft site hashes its parameters once. Both evaluate the same validation batches every round.",
-    "Recovery state: a restarted dtrain site pulls θ and the outer-optimizer state (not the inner AdamW state; it "
-    "starts fresh); torchft heals the model, the inner AdamW state and DiLoCo's θ/outer state from a peer. A "
+    "Recovery state: a restarted dtrain site pulls θ and the outer-optimizer state, then the training position "
+    "(inner step count, inner AdamW state, LR schedulers) of that round from a donor; torchft heals the model, the inner AdamW state and DiLoCo's θ/outer state from a peer. A "
     "restarted torchft replica first runs H inner steps from its fresh weights before it asks for a quorum and "
     "is healed (those steps are overwritten).",
     "Timeouts are each system's defaults / documented recommendations, not equalised: dtrain rendezvous "

@@ -230,6 +230,11 @@ class WorkerConfig:
             emulates a slower site in fault tests and experiments.
         parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
             train: ddp or fsdp (FSDP2); a single process ignores it.
+
+        reassign_after_rounds: with ``task_spec.non_iid``, re-assign the shard of a
+            site absent from this many consecutive rounds to the survivors (each trains
+            a part of it besides its own); an int >= 0, 0 = never
+            (``dtrain.app.shards``; needs a task with ``shard_part``).
         task_spec: what the task builds (shard, seed, data, model size).
         diloco: the DiLoCo wrapper: H, buckets, round behaviour, membership.
         outer: the outer optimizer.
@@ -245,6 +250,8 @@ class WorkerConfig:
     linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
+
+    reassign_after_rounds: int = 0
     task_spec: TaskSpec = field(default_factory=TaskSpec)
     diloco: DiLoCoConfig = field(default_factory=_worker_diloco)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -265,6 +272,12 @@ class WorkerConfig:
             "none (the broadcast deadline) or >= 0 seconds",
         )
         _need(self, 0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
+        _need(
+            self,
+            is_int(self.reassign_after_rounds) and self.reassign_after_rounds >= 0,
+            "reassign_after_rounds",
+            "an int >= 0",
+        )
         _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
         _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
         if self.net.data_path == "datagram":

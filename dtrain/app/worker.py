@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dtrain.app.config import WorkerConfig  # re-exported
+from dtrain.app.shards import DataMix, ShardWatch
 from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dtrain.diloco import DiLoCo
 from dtrain.errors import CheckpointError
@@ -166,6 +167,8 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             try:
                 task.model.load_state_dict(data["model"])
                 task.optimizer.load_state_dict(data["inner_optimizer"])
+                if task.scheduler is not None and data.get("inner_scheduler") is not None:
+                    task.scheduler.load_state_dict(data["inner_scheduler"])
                 task.batches.load_state_dict(data["batches"])
             except (RuntimeError, ValueError, KeyError) as e:
                 raise CheckpointError(f"checkpoint {ckpt} does not fit this task: {e}") from e
@@ -173,6 +176,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         diloco = DiLoCo(
             task.model,
             task.optimizer,
+            inner_scheduler=task.scheduler,
             config=cfg.diloco_config(),
             outer_optimizer=outer,
             transport=transport,
@@ -191,6 +195,13 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
         else:
             transport.stop(0.1)
     return _finish(out, transport, summary, t_start)
+
+
+def _ledger(batches, first_step: int, last_step: int) -> dict:
+    """The data ledger of one round: the stream's own (``take_ledger()``, the built-in
+    ``BatchStream``) or, for a task whose stream has none, the inner steps' range."""
+    take = getattr(batches, "take_ledger", None)
+    return take() if callable(take) else {"steps": [first_step, last_step]}
 
 
 def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
@@ -224,13 +235,20 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     totals = Totals()
     owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
+    watch, mix = None, None  # --reassign-after-rounds: survivors train parts of a dead site's shard
+    if cfg.reassign_after_rounds and task.shard_part is not None:
+        watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
+        mix = DataMix(task.batches, task.shard_part)
+    batches = mix if mix is not None else task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
     streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
-        mean_loss, merged = _inner_phase(cfg, task, diloco, stop)
+        first_step = diloco.inner_steps + 1
+        mean_loss, merged = _inner_phase(cfg, task, diloco, stop, batches)
+        inner_last = diloco.inner_steps  # before a heal (joiner state) may replace the count
         if mean_loss is None:
             break  # the summary keeps the last completed round's train loss
         train_loss = mean_loss
@@ -246,9 +264,24 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         syncs += 1
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
-        line = _round_line(
-            cfg, diloco, outcome, val=val, train_loss=train_loss, inner_s=inner_s, sync_s=sync_s, t_start=t_start
+        ledger = (
+            mix.take_ledger(lambda: {"steps": [first_step, inner_last]})
+            if mix is not None
+            else _ledger(task.batches, first_step, inner_last)
         )
+        line = _round_line(
+            cfg,
+            diloco,
+            outcome,
+            val=val,
+            train_loss=train_loss,
+            inner_s=inner_s,
+            sync_s=sync_s,
+            t_start=t_start,
+            data=ledger,
+        )
+        if watch is not None and outcome.result is not None:
+            mix.apply(*watch.observe(list(outcome.result.members)))
         totals.add(line)
         owned_buckets = outcome.result.owned_buckets if outcome.result is not None else owned_buckets
         _record_round(cfg, diloco, metrics_path, line)
@@ -287,7 +320,7 @@ def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, 
 
 
 def _inner_phase(
-    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event
+    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event, batches
 ) -> tuple[float | None, SyncOutcome | None]:
     """``sync_every`` inner-optimizer steps; returns their mean loss (None when ``stop`` was set)
     and, with streaming rounds (dtrain/streaming.py), the outcome of the fragment round merged at
@@ -295,11 +328,13 @@ def _inner_phase(
     losses = []
     merged: SyncOutcome | None = None
     for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
-        batch = next(task.batches)
+        batch = next(batches)
         loss = task.loss(task.model, batch)
         loss.backward()
         task.optimizer.step()
         task.optimizer.zero_grad(set_to_none=True)
+        if task.scheduler is not None:
+            task.scheduler.step()
         losses.append(float(loss.detach()))
         if diloco.streaming:
             diloco.group.last_loss = losses[-1]
@@ -326,6 +361,7 @@ def _round_line(
     inner_s: float,
     sync_s: float,
     t_start: float,
+    data: dict | None = None,
 ) -> RoundLine:
     """The metrics line of the sync that just ended (a deferred one has no round result)."""
     res = outcome.result
@@ -348,6 +384,7 @@ def _round_line(
         checksum=theta_checksum(diloco),
         outer_checksum=outer_state_checksum(diloco),
         datagram=counters() if res is not None and counters is not None else None,
+        data=data,
         **(engine_fields(res) if res is not None else {}),
     )
 
@@ -381,6 +418,7 @@ def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutc
                 "fingerprint": diloco.layout.fingerprint(),
                 "model": task.model.state_dict(),
                 "inner_optimizer": task.optimizer.state_dict(),
+                "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
                 "diloco": diloco.state_dict(),
                 "batches": task.batches.state_dict(),
                 "config": json.dumps(asdict(cfg), default=str),

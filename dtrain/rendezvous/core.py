@@ -60,6 +60,11 @@ class RendezvousConfig:
         heartbeat_timeout_s: a site silent this long is dead (> interval).
         reduce_timeout_s: plan deadline for owners to finalize (from plan receipt).
         broadcast_timeout_s: plan deadline for pulling means (> reduce_timeout_s).
+        suspect_timeout_s: a site that a member reported unreachable on the data path
+            (a refused push or mean pull, a push stream that broke) is dead once silent
+            this long, instead of ``heartbeat_timeout_s`` (none: 1.5 ×
+            ``heartbeat_interval_s``); in (``heartbeat_interval_s``, ``heartbeat_timeout_s``].
+            A suspected site that heartbeats in time is cleared.
     """
 
     min_sites: int = 1
@@ -69,6 +74,7 @@ class RendezvousConfig:
     heartbeat_timeout_s: float = 5.0
     reduce_timeout_s: float = 10.0
     broadcast_timeout_s: float = 20.0
+    suspect_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_sites, int) or self.min_sites < 1:
@@ -93,10 +99,25 @@ class RendezvousConfig:
             raise ValueError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be > heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
+        st = self.suspect_timeout_s
+        if st is not None and not (
+            isinstance(st, (int, float)) and self.heartbeat_interval_s < st <= self.heartbeat_timeout_s
+        ):
+            raise ValueError(
+                f"suspect_timeout_s must be None or in (heartbeat_interval_s, heartbeat_timeout_s] = "
+                f"({self.heartbeat_interval_s}, {self.heartbeat_timeout_s}], got {st!r}"
+            )
         if not self.broadcast_timeout_s > self.reduce_timeout_s:
             raise ValueError(
                 f"broadcast_timeout_s ({self.broadcast_timeout_s}) must be > reduce_timeout_s ({self.reduce_timeout_s})"
             )
+
+    @property
+    def suspect_silence_s(self) -> float:
+        """How long a suspected site may be silent (``suspect_timeout_s`` resolved)."""
+        if self.suspect_timeout_s is not None:
+            return self.suspect_timeout_s
+        return min(1.5 * self.heartbeat_interval_s, self.heartbeat_timeout_s)
 
     @property
     def startup_sites(self) -> int:
@@ -120,6 +141,7 @@ class SiteRecord:
     joined_round: int = 0  # next_round when it (re)joined
     last_member_round: int | None = None  # newest round whose quorum admitted it
     extra: dict = field(default_factory=dict)
+    suspected_by: str | None = None  # a member that found it unreachable (cleared by its next heartbeat)
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return now - self.last_heartbeat <= timeout_s
@@ -259,15 +281,31 @@ class RendezvousCore:
         c = self._live_cache
         if c is not None and c[0] <= now < c[1]:
             return c[2]
-        timeout = self.config.heartbeat_timeout_s
-        oldest = now - timeout
         live = [
-            (s, r.last_heartbeat) for s, r in self.sites.items() if r.last_heartbeat >= oldest and not r.needs_resync
+            (s, r.last_heartbeat + self._silence_s(r))
+            for s, r in self.sites.items()
+            if r.last_heartbeat + self._silence_s(r) >= now and not r.needs_resync
         ]
-        expires = min((t for _, t in live), default=now) + timeout
+        expires = min((t for _, t in live), default=now)
         result = frozenset(s for s, _ in live)
         self._live_cache = (now, expires, result)
         return result
+
+    def _silence_s(self, rec: SiteRecord) -> float:
+        """How long ``rec`` may be silent before it is dead: shorter once a member
+        found it unreachable on the data path."""
+        return self.config.suspect_silence_s if rec.suspected_by is not None else self.config.heartbeat_timeout_s
+
+    def _suspect(self, reporter: str, site_ids: Sequence[str], now: float) -> None:
+        """``reporter``'s data path found ``site_ids`` unreachable: each is dead once
+        silent for ``suspect_silence_s`` (the rendezvous confirms by its heartbeats)."""
+        for s in site_ids:
+            rec = self.sites.get(s)
+            if s == reporter or rec is None or rec.suspected_by is not None or rec.needs_resync:
+                continue
+            rec.suspected_by = reporter
+            self._dead_cache = self._live_cache = None
+            log.info("rendezvous: %s reports %s unreachable (silent for %.1f s)", reporter, s, now - rec.last_heartbeat)
 
     def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
@@ -320,13 +358,16 @@ class RendezvousCore:
         inner_step: int = 0,
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo:
         """Record liveness and progress of ``site_id``.
 
         ``round_reports`` are the site's per-round JSON reports for the status
         page (``dtrain.status.parse_report``); bad ones are dropped and logged,
         never failing the heartbeat. An unknown site's reports are ignored (it
-        must join again and resend them).
+        must join again and resend them). ``unreachable``: sites its data path found
+        gone; each is dead once silent for ``suspect_silence_s`` instead of
+        ``heartbeat_timeout_s`` (a suspected site that heartbeats in time is cleared).
         """
         with self._cv:
             rec = self.sites.get(site_id)
@@ -334,15 +375,23 @@ class RendezvousCore:
                 return HeartbeatInfo(
                     known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
                 )
-            if not rec.alive(now, self.config.heartbeat_timeout_s):
+            silence_s = self._silence_s(rec)
+            if not rec.alive(now, silence_s):
                 self._dead_cache = None  # it is alive again
-            if not rec.alive(now, self.config.heartbeat_timeout_s) and not rec.needs_resync:
+            if not rec.alive(now, silence_s) and not rec.needs_resync:
                 rec.needs_resync = True
                 self._live_cache = None
-                rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {self.config.heartbeat_timeout_s}s): declared dead"
+                rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {silence_s}s): declared dead"
+                if rec.suspected_by is not None:
+                    rec.resync_reason += f" ({rec.suspected_by} found it unreachable)"
                 log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
                 self._ready.pop(site_id, None)
             rec.last_heartbeat = now
+            if rec.suspected_by is not None:  # it answered in time (or is marked for resync above)
+                rec.suspected_by = None
+                self._dead_cache = self._live_cache = None
+            if unreachable:
+                self._suspect(site_id, unreachable, now)
             rec.inner_step = inner_step
             if last_loss is not None:
                 rec.last_loss = last_loss
@@ -365,8 +414,9 @@ class RendezvousCore:
         c = self._dead_cache
         if c is not None and 0.0 <= now - c[0] < DEAD_CACHE_S:
             return c[1]
-        oldest = now - self.config.heartbeat_timeout_s
-        dead = tuple(sorted({s for s, r in self.sites.items() if r.last_heartbeat < oldest} | set(self._left)))
+        dead = tuple(
+            sorted({s for s, r in self.sites.items() if r.last_heartbeat + self._silence_s(r) < now} | set(self._left))
+        )
         self._dead_cache = (now, dead)
         return dead
 
@@ -388,7 +438,7 @@ class RendezvousCore:
             if rec is None:
                 return ReadyDecision(status="wait", reason="unknown site: join first", next_round=self.next_round)
             rec.last_heartbeat = (
-                max(rec.last_heartbeat, now) if rec.alive(now, self.config.heartbeat_timeout_s) else rec.last_heartbeat
+                max(rec.last_heartbeat, now) if rec.alive(now, self._silence_s(rec)) else rec.last_heartbeat
             )
             if rec.needs_resync:
                 return ReadyDecision(
@@ -566,11 +616,21 @@ class InprocRendezvousClient:
         return self.core.join(site_id, address, now=time.monotonic(), rank_addresses=rank_addresses)
 
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo:
         self._check()
         return self.core.heartbeat(
-            site_id, now=time.monotonic(), inner_step=inner_step, last_loss=last_loss, round_reports=round_reports
+            site_id,
+            now=time.monotonic(),
+            inner_step=inner_step,
+            last_loss=last_loss,
+            round_reports=round_reports,
+            unreachable=unreachable,
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -78,6 +79,7 @@ class RendezvousCoreLike(Protocol):
         inner_step: int = 0,
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -167,6 +169,9 @@ class _RendezvousServicer:
         self._decided_at = 0.0
         self._plan_bytes: dict[int, tuple[RoundPlan, bytes]] = {}  # round -> (plan, its serialized field)
         self._evaluator: asyncio.Task | None = None
+        # A core (or store) whose heartbeat takes no ``unreachable`` reports (an older one)
+        # still gets every heartbeat: the reports are left out for it.
+        self._takes_unreachable = "unreachable" in inspect.signature(core.heartbeat).parameters
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
         # A core whose calls wait on the network (``blocking = True``: the etcd store) runs them
         # on threads; the in-memory core's calls are short and run on the loop.
@@ -263,6 +268,11 @@ class _RendezvousServicer:
                 inner_step=request.inner_step,
                 last_loss=last_loss,
                 round_reports=list(request.round_reports),
+                **(
+                    {"unreachable": list(request.unreachable)}
+                    if request.unreachable and self._takes_unreachable
+                    else {}
+                ),
             ),
         )
         # A heartbeat never makes a site live (a late one marks it for resync), so it
@@ -551,11 +561,19 @@ class GrpcRendezvousClient:
         )
 
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
     ) -> HeartbeatInfo:
-        """Report liveness (and progress, and per-round JSON reports for the status
-        page: ``dtrain.status``); the answer says whether to resync or re-join."""
-        request = pb.HeartbeatRequest(site_id=site_id, inner_step=inner_step, round_reports=list(round_reports))
+        """Report liveness (and progress, per-round JSON reports for the status
+        page: ``dtrain.status``, and the sites this site's data path found
+        unreachable); the answer says whether to resync or re-join."""
+        request = pb.HeartbeatRequest(
+            site_id=site_id, inner_step=inner_step, round_reports=list(round_reports), unreachable=list(unreachable)
+        )
         if last_loss is not None:
             request.last_loss = last_loss
         reply = self._call(

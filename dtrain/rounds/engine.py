@@ -53,7 +53,7 @@ from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult
-from dtrain.state import GlobalState
+from dtrain.state import GlobalState, position_state
 from dtrain.transports.base import Transport
 
 __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
@@ -87,6 +87,7 @@ class _Run:
     got: dict[int, BucketMean] = field(default_factory=dict)  # means pulled from their owners (or members)
     missing: dict[int, str] = field(default_factory=dict)  # bucket -> why its mean did not arrive
     owner_lost: set[int] = field(default_factory=set)  # buckets whose owner could not be reached
+    unreachable: set[str] = field(default_factory=set)  # members the data path found gone this round
     outcome: dict[int, BucketOutcome] = field(default_factory=dict)
     missed: set[int] = field(default_factory=set)  # stale because the mean never arrived
     repaired_senders: dict[int, list] = field(default_factory=dict)  # a repair's mean_senders per bucket
@@ -142,6 +143,12 @@ class RoundEngine:
         self._bytes_mark: tuple[int, int] | None = None
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
+        # Called with a site the data path found gone (push refused, stream broken);
+        # the Group reports it to the rendezvous, which confirms it for later rounds.
+        self.on_unreachable: "Callable[[str], None] | None" = None
+        # The site's training position at the start of its next round (DiLoCo sets it):
+        # what a PullState of bucket index len(state) answers (a joiner heals from it).
+        self.position_source: "Callable[[], dict | None] | None" = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -217,11 +224,15 @@ class RoundEngine:
                 if owned.books.awaited(c.bucket) == 0:
                     owned.cv.notify_all()
 
-    def members_lost(self, site_ids: Iterable[str]) -> None:
-        """Stop waiting for contributions from ``site_ids`` in every round open here.
+    def members_lost(self, site_ids: Iterable[str], *, round: int | None = None, why: str = "") -> None:
+        """Stop waiting for contributions from ``site_ids`` in every round open here
+        (or only in ``round``).
 
         Called with the sites the rendezvous holds dead (no heartbeat within its
-        timeout, or left; ``HeartbeatInfo.dead``). For each owned bucket not yet
+        timeout, or left; ``HeartbeatInfo.dead``), and by the data path for one
+        round (``round``): a push this site sent was refused as unreachable, or a
+        push stream from a member broke before it ended (``why`` says which;
+        :meth:`member_unreachable`, :meth:`handle_push_ended`). For each owned bucket not yet
         finalized, the chunks those members have not sent no longer count as
         missing: a bucket that now lacks nothing else is finalized at once, with
         the contributions that did arrive (as at the reduce deadline), instead of
@@ -236,7 +247,7 @@ class RoundEngine:
             return
         self.mean_pulls.forget(lost)
         with self._cv:
-            rounds = list(self._open.values())
+            rounds = [o for r, o in self._open.items() if round is None or r == round]
         for owned in rounds:
             with owned.cv:
                 new = owned.books.members_lost(lost)
@@ -244,9 +255,10 @@ class RoundEngine:
                     owned.cv.notify_all()
             if new:
                 self.log.warning(
-                    "round %d: %s declared dead by the rendezvous: not waiting for their contributions",
+                    "round %d: %s %s: not waiting for their contributions",
                     owned.books.round,
                     ", ".join(sorted(new)),
+                    why or "declared dead by the rendezvous",
                 )
 
     def handle_sender_done(self, round: int, sender: str) -> None:
@@ -264,6 +276,30 @@ class RoundEngine:
         with owned.cv:
             if owned.books.sender_done(sender):
                 owned.cv.notify_all()
+
+    def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
+        """A push stream from ``sender`` for ``round`` ended after ``num_accepted``
+        chunks. A member sends everything it owes this owner in one stream, so a
+        stream that ends while the member still owes chunks of open buckets broke (the
+        member died or its connection dropped): it is lost for that round here
+        (:meth:`members_lost`); the rendezvous decides about later rounds. What it sent
+        before counts; a retried stream's chunks count too while their bucket is open."""
+        with self._cv:
+            owned = self._open.get(round)
+        if owned is None or not self.config.short_push_is_loss:
+            return
+        with owned.cv:
+            owed = owned.books.owed(sender)
+        if owed:
+            why = f"its push stream ended after {num_accepted} chunk(s), {owed} short"
+            self.members_lost([sender], round=round, why=why)
+            self._note_unreachable(sender)
+
+    def _note_unreachable(self, site_id: str) -> None:
+        """Tell the site's membership (``on_unreachable``, set by the Group) so the
+        rendezvous hears of it with the next heartbeat."""
+        if self.on_unreachable is not None and site_id != self.site_id:
+            self.on_unreachable(site_id)
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
         deadline = time.monotonic() + timeout_s
@@ -284,6 +320,11 @@ class RoundEngine:
         return self.mean_pulls.record(round, bucket, requester, m)
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        if bucket == len(self.state):  # one past the last bucket: the training position
+            position = self.position_source() if self.position_source is not None else None
+            if position is None:
+                raise Rejected(RejectCode.NOT_FOUND, "no training position here")
+            return position_state(position, index=bucket)
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
         if self.fault_hook is not None:
@@ -516,10 +557,27 @@ class RoundEngine:
                 self._contributions(run, buckets, remote=True),
                 timeout_s=max(0.01, run.owned.books.finalize_at - time.monotonic()),
             )
+        except PeerUnavailable as e:
+            run.res.errors.append(f"push to {owner}: {e}")
+            self.member_unreachable(run, owner, f"push refused: {e}")
         except TransportError as e:
             run.res.errors.append(f"push to {owner}: {e}")
             self.log.warning("round %d: push to %s failed: %s", run.round, owner, e)
         run.add(network_s=time.perf_counter() - t)
+
+    def member_unreachable(self, run: _Run, site_id: str, why: str) -> None:
+        """The data path found ``site_id`` gone in this round (a refused connection,
+        UNAVAILABLE after the retries): stop waiting for its contributions, and for
+        the means of the buckets it owns (they will not come: no pull waits for
+        them, they are OWNER_LOST here). Later rounds: the rendezvous decides."""
+        with run.lock:
+            if site_id in run.unreachable:
+                return
+            run.unreachable.add(site_id)
+            run.owner_lost.update(b for b, o in enumerate(run.owners) if o == site_id)
+        self.log.warning("round %d: %s unreachable: %s", run.round, site_id, why)
+        self.members_lost([site_id], round=run.round, why=f"unreachable ({why})")
+        self._note_unreachable(site_id)
 
     # ------------------------------------------------------------------ site: broadcast
     def _broadcast(self, run: _Run) -> None:
@@ -538,15 +596,17 @@ class RoundEngine:
 
     def _pull_from_owner(self, run: _Run, b: int) -> tuple[int, BucketMean | None, str]:
         books = run.owned.books
+        owner = run.owners[b]
+        if owner in run.unreachable:
+            return b, None, f"owner {owner} unreachable in this round"
         try:
             left = books.broadcast_until - time.monotonic()
             if left <= 0:
                 return b, None, "broadcast deadline passed"
-            addr = run.plan.address_of(run.owners[b])
+            addr = run.plan.address_of(owner)
             return b, self.transport.pull_mean(addr, run.round, b, requester=self.site_id, timeout_s=left), ""
         except PeerUnavailable as e:
-            with run.lock:
-                run.owner_lost.add(b)
+            self.member_unreachable(run, owner, f"mean pull refused: {e}")
             return b, None, str(e)
         except PeerTimeout as e:
             # No answer by the broadcast deadline (owner stopped, hung or far behind):

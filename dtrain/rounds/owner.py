@@ -143,6 +143,19 @@ class OpenRound:
         """Contributions bucket ``bucket`` still waits for (0 once closed or complete)."""
         return 0 if bucket in self.closed else self._missing[bucket]
 
+    def owed(self, sender: str) -> int:
+        """Chunks of open buckets here that member ``sender`` has not sent (0 for a
+        non-member, a lost member or this site)."""
+        if sender not in self.members or sender in self.lost or sender == self.site_id:
+            return 0
+        return sum(
+            1
+            for b in self.mine
+            if b not in self.closed
+            for c in range(len(self.chunks[b]))
+            if sender not in self._acc[(b, c)].digests
+        )
+
     def check(self, c: Contribution) -> None:
         """Refuse a contribution that does not fit this round (before decoding it).
 

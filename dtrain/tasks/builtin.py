@@ -25,14 +25,17 @@ Three concurrent "small" sites (no sync) on the busy 2-core machine went from 5.
 
 Inner optimizer: AdamW (DiLoCo, Douillard et al., arXiv 2311.08105: inner AdamW,
 weight decay 0.1), betas (0.9, 0.95) as in nanoGPT; weight decay applies to matrices
-and embeddings only, not to biases and LayerNorm gains. No learning-rate schedule
-(the worker calls ``optimizer.step()`` only); the small learning rates here need no
-warm-up at these sizes.
+and embeddings only, not to biases and LayerNorm gains. Learning rate: constant by
+default (the small learning rates here need no warm-up at these sizes);
+``lr_schedule="cosine"`` gives linear warmup + cosine decay (``Task.scheduler``, stepped
+by the worker after every inner step; its state travels with a joiner's position).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from typing import Any
 
@@ -43,7 +46,7 @@ from dtrain.tasks.data import BatchStream, load_corpus, shard_tokens, val_batche
 from dtrain.tasks.gpt import GPT, GPTConfig
 from dtrain.tasks.spec import Task, TaskSpec
 
-__all__ = ["build_task", "lm_loss", "make_optimizer", "make_evaluate"]
+__all__ = ["build_task", "lm_loss", "make_optimizer", "make_scheduler", "warmup_cosine", "make_evaluate"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,25 @@ def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     device = next(model.parameters()).device
     logits = model(x.to(device))  # [B, T, V]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1))
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, decay_steps: int, floor: float = 0.1) -> float:
+    """LR multiplier at inner step ``step``: linear warmup from 1/warmup_steps to 1 over
+    ``warmup_steps``, then cosine decay to ``floor`` over ``decay_steps``, then ``floor``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    t = min(1.0, (step - warmup_steps) / decay_steps)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, spec: TaskSpec) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The inner LR schedule of ``spec.lr_schedule`` (None for ``"constant"``)."""
+    if spec.lr_schedule == "constant":
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        functools.partial(warmup_cosine, warmup_steps=spec.warmup_steps, decay_steps=spec.decay_steps),
+    )
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -135,6 +157,19 @@ def build_task(spec: TaskSpec) -> Task:
     )
     model = GPT(cfg, seed=spec.seed)
     optimizer = make_optimizer(model, spec.resolved_lr)
+    scheduler = make_scheduler(optimizer, spec)
+
+    def shard_part(index: int, part: int, num_parts: int) -> BatchStream:
+        """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard."""
+        other, _ = shard_tokens(corpus, site_index=index, num_sites=spec.num_sites, non_iid=True)
+        lo, hi = other.numel() * part // num_parts, other.numel() * (part + 1) // num_parts
+        return BatchStream(
+            other[lo:hi].clone() if hi - lo > context_len else other.clone(),
+            batch_size=batch_size,
+            context_len=context_len,
+            seed=spec.seed + 1_000_003 * (index + 1) + part,
+            shard_id=f"{corpus.fingerprint}/site{index}of{spec.num_sites}/non_iid/part{part}of{num_parts}",
+        )
 
     info: dict[str, Any] = {
         "task": "builtin-gpt",
@@ -160,4 +195,6 @@ def build_task(spec: TaskSpec) -> Task:
         evaluate=evaluate,
         tokens_per_batch=batch_size * context_len,
         info=info,
+        scheduler=scheduler,
+        shard_part=shard_part if spec.non_iid and spec.num_sites > 1 else None,
     )

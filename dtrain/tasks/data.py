@@ -372,6 +372,8 @@ class BatchStream:
         self.shard_id = shard_id
         self.step = 0
         self._gen = torch.Generator().manual_seed(seed)
+        self._ledger_from = 1  # first step of the current ledger entry
+        self._ledger = hashlib.blake2b(digest_size=8)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -384,7 +386,24 @@ class BatchStream:
         high = self.tokens.numel() - self.context_len  # starts in [0, N - T - 1]
         starts = torch.randint(0, high, (self.batch_size,), generator=self._gen)  # [B]
         self.step += 1
+        self._ledger.update(starts.numpy().astype("<i8").tobytes())
         return _windows(self.tokens, starts, self.context_len)
+
+    def take_ledger(self) -> dict[str, Any]:
+        """What was drawn since the last call (the data ledger of a round): ``steps``
+        ``[first, last]`` (1-based batch indices, inclusive), ``shard`` (``shard_id``),
+        ``windows`` (B × batches) and ``digest`` (blake2b-64 hex of the window starts in
+        order); starts a new entry."""
+        first, last = self._ledger_from, self.step
+        entry = {
+            "steps": [first, last],
+            "shard": self.shard_id,
+            "windows": (last - first + 1) * self.batch_size,
+            "digest": self._ledger.hexdigest(),
+        }
+        self._ledger_from = self.step + 1
+        self._ledger = hashlib.blake2b(digest_size=8)
+        return entry
 
     def _identity(self) -> dict[str, Any]:
         return {
@@ -429,3 +448,5 @@ class BatchStream:
             raise ValueError(f"batches: bad 'rng_state' in saved state: {exc}") from exc
         self._gen = gen
         self.step = step
+        self._ledger_from = step + 1
+        self._ledger = hashlib.blake2b(digest_size=8)

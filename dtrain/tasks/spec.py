@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_chec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Preset", "PRESETS", "SizeName", "TaskSpec", "Task", "BatchStreamLike"]
+__all__ = ["Preset", "PRESETS", "SizeName", "ScheduleName", "TaskSpec", "Task", "BatchStreamLike"]
 
 #: The built-in task's sizes (the keys of :data:`PRESETS`).
 SizeName = Literal["tiny", "small", "base"]
+ScheduleName = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,11 @@ class TaskSpec:
             is 0.1 as in DiLoCo (Douillard et al., arXiv 2311.08105, inner optimizer).
         batch_size: windows per batch, 1..65536; None takes the preset's.
         context_len: tokens (bytes) per window, 1..4096; None takes the preset's.
+        lr_schedule: the inner learning rate per inner step: ``"constant"``, or
+            ``"cosine"`` (linear warmup over ``warmup_steps``, then cosine decay to 10 %
+            of ``lr`` over ``decay_steps``; as in DiLoCo, arXiv 2311.08105).
+        warmup_steps: inner steps of linear warmup of the cosine schedule, 0..10**9.
+        decay_steps: inner steps of cosine decay after the warmup, 1..10**9.
 
     Raises:
         ValueError: naming the field and its allowed values, at construction.
@@ -85,6 +91,9 @@ class TaskSpec:
     lr: float | None = None
     batch_size: int | None = None
     context_len: int | None = None
+    lr_schedule: ScheduleName = "constant"
+    warmup_steps: int = 100
+    decay_steps: int = 10_000
 
     def __post_init__(self) -> None:
         _check_int("num_sites", self.num_sites, 1)
@@ -101,6 +110,10 @@ class TaskSpec:
             or not 0 < self.lr <= 1
         ):
             raise ValueError(f"lr: must be a number in (0, 1] or None, got {self.lr!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule: must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        _check_int("warmup_steps", self.warmup_steps, 0, 10**9)
+        _check_int("decay_steps", self.decay_steps, 1, 10**9)
         if self.batch_size is not None:
             _check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
         if self.context_len is not None:
@@ -181,6 +194,12 @@ class Task:
             ``torch.no_grad()`` and restores the model's previous mode.
         tokens_per_batch: tokens one batch trains on (for throughput metrics).
         info: free-form facts for logs (parameter count, corpus fingerprint, ...).
+        shard_part: ``shard_part(site_index, part, num_parts)`` -> a batch stream over
+            part ``part`` of ``num_parts`` of another site's shard (re-assigning a dead
+            site's non-IID shard), or None when the task cannot.
+        scheduler: the inner optimizer's LR scheduler or None; the worker steps it
+            after every ``optimizer.step()``, checkpoints it, and a joiner takes its
+            state from a donor (``DiLoCo(inner_scheduler=...)``).
     """
 
     model: torch.nn.Module
@@ -190,3 +209,5 @@ class Task:
     evaluate: Callable[[torch.nn.Module], float]
     tokens_per_batch: int
     info: dict[str, Any] = field(default_factory=dict)
+    scheduler: Any = None
+    shard_part: Callable[[int, int, int], Any] | None = None

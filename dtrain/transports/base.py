@@ -54,6 +54,12 @@ class PeerHandler(Protocol):
     # sender sent everything it will send for a round (the datagram path's SEND_END)
     # calls it, so the handler stops waiting for chunks that were lost.
 
+    # Optional (transports call it when the handler has it):
+    # ``handle_push_ended(sender: str, round: int, num_accepted: int) -> None`` — a push
+    # stream from ``sender`` for ``round`` ended (closed by the sender, or broken because
+    # it died or its connection dropped: a gRPC server cannot tell these apart) after
+    # ``num_accepted`` accepted chunks. Must not block.
+
 
 class Transport(abc.ABC):
     """Moves round messages between sites. One instance per site."""

@@ -153,20 +153,20 @@ class _PeerServicer:
     async def Push(self, request_iterator, context) -> pb.PushReply:
         accepted = received = 0
         sender: str | None = None
+        rnd = 0
         it = request_iterator.__aiter__()
         try:
             while (raw := await self._next_message(context, it)) is not None:
                 try:
                     c = decode_contribution(raw)
                 except WireError as e:
-                    await self._refuse(
-                        context, accepted, Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
-                    )
+                    err = Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
+                    await self._refuse(context, accepted, err)
                 if sender is None:
                     full = self.server.limiter.acquire("Push", c.sender)
                     if full is not None:
                         await self._refuse(context, accepted, Rejected(RejectCode.RESOURCE_EXHAUSTED, full))
-                    sender = c.sender
+                    sender, rnd = c.sender, c.round
                 elif c.sender != sender:
                     reason = f"a Push stream carries one sender's chunks: {sender!r}, then {c.sender!r}"
                     await self._refuse(context, accepted, Rejected(RejectCode.INVALID_ARGUMENT, reason))
@@ -178,6 +178,12 @@ class _PeerServicer:
                     await self._refuse(context, accepted, err)
                 accepted += 1
                 received += len(c.payload)
+            if accepted and (ended := getattr(self._handler, "handle_push_ended", None)) is not None:
+                # grpc.aio ends the request stream alike whether the client closed it or
+                # its connection broke (the sender died): the handler tells them apart
+                await self.server.run_blocking(
+                    "Push", lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted))
+                )
         finally:
             if sender is not None:
                 self.server.limiter.release("Push", sender)

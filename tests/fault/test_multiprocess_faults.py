@@ -54,6 +54,12 @@ def test_healthy_sites_agree_every_round_and_loss_falls(make_cluster):
             assert d["reduce_arrived_fraction"] == 1.0 and d["broadcast_arrived_fraction"] == 1.0
             assert d["stale_buckets"] == 0 and d["rejected"] == {} and d["errors"] == []
         assert len({d["outer_checksum"] for d in lines.values()}) == 1
+    for s in sites:  # the data ledger: each round's batches follow the last round's, in the site's own shard
+        ledger = [c.by_round(s)[r]["data"] for r in range(rounds)]
+        h = ledger[0]["steps"][1]
+        assert [d["steps"] for d in ledger] == [[r * h + 1, (r + 1) * h] for r in range(rounds)], ledger
+        assert len({d["shard"] for d in ledger}) == 1 and len({d["digest"] for d in ledger}) == rounds
+    assert len({c.by_round(s)[0]["data"]["shard"] for s in sites}) == len(sites)
     for s in sites:
         summ = c.summary(s)
         assert summ["rounds"] == rounds and summ["rounds_joined"] == rounds
@@ -336,3 +342,33 @@ def test_rendezvous_restart_on_same_port_rounds_resume(make_cluster):
         assert len(after) >= 3, f"{s} applied only rounds {after} after the restart"
     last = _agree(c, sites, rounds - 1)
     assert all(d["members"] == sites for d in last.values())
+
+
+# --------------------------------------------------------------------------- data ledger
+@pytest.mark.timeout(90)
+def test_dead_sites_non_iid_shard_is_reassigned_and_the_ledger_says_so(make_cluster):
+    """--non-iid, 3 sites, --reassign-after-rounds 1: site-2 is SIGKILLed in round 1
+    and stays dead. Absent from round 2, its shard is split by site-0 and site-1 (part
+    1/2 and 2/2) from round 3's inner steps on; their data ledgers name the adopted part
+    besides their own shard, whose batch range goes on where it stood."""
+    rounds = 5
+    c = make_cluster(worker={"rounds": rounds, "non_iid": True, "reassign_after_rounds": 1})
+    sites = c.start(3, faults="site-2:before_push:1:kill")
+    survivors = ["site-0", "site-1"]
+    codes = c.wait_all_exit(survivors, 70)
+    assert codes == {s: 0 for s in survivors}, c.diag()
+    for k, s in enumerate(survivors):
+        by = c.by_round(s)
+        assert by[1]["members"] == sites and by[2]["members"] == survivors
+        assert all("adopted" not in by[r]["data"] for r in (0, 1, 2))
+        h = by[0]["data"]["steps"][1]
+        for r in (3, 4):
+            d = by[r]["data"]
+            part = d["adopted"]["site-2"]
+            assert part["shard"].endswith(f"/site2of3/non_iid/part{k}of2"), part
+            assert d["shard"].endswith(f"/site{k}of3/non_iid")
+            assert part["windows"] > 0 and d["windows"] > 0
+        own = [by[r]["data"]["steps"] for r in range(rounds)]
+        assert own[:3] == [[1, h], [h + 1, 2 * h], [2 * h + 1, 3 * h]]
+        assert all(own[r][0] == own[r - 1][1] + 1 for r in range(3, rounds)), own
+    _agree(c, survivors, rounds - 1)

@@ -31,7 +31,6 @@ CODEC = "fp32+zstd"  # zstd on, so a decompression bomb reaches the decoder
 NUMEL = 4096  # one fp32 tensor: 4 buckets of 1024 elements, 4 chunks of 256 each
 LAYOUT_CFG = BucketConfig(bucket_bytes=4096, chunk_bytes=1024)
 SERVER_MAX_MESSAGE_BYTES = 256 * 1024
-DEAD_ADDRESS = "127.0.0.1:1"  # a member nobody can reach (the rogue does not serve)
 _HEADER = struct.Struct("<4sBBBBIQQI")  # payload header, dtrain.codecs docstring
 
 
@@ -45,7 +44,10 @@ def _theta0() -> torch.Tensor:
 
 def _site(site_id: str, **round_kw) -> RoundEngine:
     cfg = GrpcTransportConfig(token=TOKEN, max_message_bytes=SERVER_MAX_MESSAGE_BYTES, part_bytes=128 * 1024)
-    rcfg = RoundConfig(codec=CodecConfig(name=CODEC), plan_wait_s=1.0, repair_timeout_s=0.5, **round_kw)
+    # The rogue pushes chunk by chunk (one stream each): not a loss here (short_push_is_loss).
+    rcfg = RoundConfig(
+        codec=CodecConfig(name=CODEC), plan_wait_s=1.0, repair_timeout_s=0.5, short_push_is_loss=False, **round_kw
+    )
     engine = RoundEngine(site_id, GlobalState(_layout(), [_theta0()]), GrpcTransport(cfg), rcfg)
     engine.start()
     return engine
@@ -81,6 +83,27 @@ def _zstd_bomb(numel: int) -> bytes:
     frame = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + (10 << 30).to_bytes(8, "little")
     frame += ((16 << 3) | 1).to_bytes(3, "little") + bytes(16)
     return _stored_payload(frame, numel)
+
+
+class _RoguePeer:
+    """The rogue member's own Peer service: it takes every push and serves nothing
+    (a member that serves no means, but is reachable: a refused connection would make
+    the honest sites hold it lost for the round and stop waiting for its chunks)."""
+
+    def handle_contribution(self, c: Contribution) -> None:
+        pass
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float):
+        raise Rejected(RejectCode.NOT_FOUND, "the rogue serves no means")
+
+    def handle_pull_state(self, bucket: int, requester: str):
+        raise Rejected(RejectCode.NOT_FOUND, "the rogue serves no state")
+
+
+def _rogue_server() -> GrpcTransport:
+    t = GrpcTransport(GrpcTransportConfig(token=TOKEN))
+    t.start(_RoguePeer())
+    return t
 
 
 class Rogue:
@@ -130,7 +153,8 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
     victim = _site("victim")
     layout = victim.state.layout
     rogue = Rogue(victim.address, layout)
-    members = {"victim": victim.address, "rogue": DEAD_ADDRESS}
+    rogue_server = _rogue_server()
+    members = {"victim": victim.address, "rogue": rogue_server.address}
     owners = assign_owners(len(layout), list(members))
     b = owners.index("victim")  # a bucket the victim owns: the rogue's target
     other = owners.index("rogue")
@@ -197,8 +221,8 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         want = torch.zeros(bucket_numel)
         want[:n] = x / 2  # (victim's 0 + rogue's x, once) / 2 contributions
         assert torch.equal(got, want), "a refused or duplicated chunk reached the mean"
-        # nothing else moved: buckets other than b kept θ (no mean: their owner is
-        # unreachable; or a mean of zeros); in b only chunk 0 moved
+        # nothing else moved: buckets other than b kept θ (no mean: their owner
+        # serves none; or a mean of zeros); in b only chunk 0 moved
         assert res.round == 0 and res.applied_buckets == owners.count("victim")
         for bb in range(len(layout)):
             if bb != b:
@@ -234,6 +258,7 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         assert all(ch.senders == ("victim",) for ch in mean1.chunks), "the replayed chunk reached round 1's mean"
     finally:
         victim.stop(0.1)
+        rogue_server.stop(0.1)
 
 
 @pytest.mark.timeout(60)
@@ -246,7 +271,8 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
     honest = _site("honest", max_consecutive_rejections=max_rej)
     layout = victim.state.layout
     rogue = Rogue(victim.address, layout)
-    members = {"victim": victim.address, "honest": honest.address, "rogue": DEAD_ADDRESS}
+    rogue_server = _rogue_server()
+    members = {"victim": victim.address, "honest": honest.address, "rogue": rogue_server.address}
     owners = assign_owners(len(layout), list(members))
     target = owners.index("victim")
     n = layout.buckets[target].chunks[0][1]
@@ -280,6 +306,7 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
         assert victim.state.rounds_applied == honest.state.rounds_applied == max_rej + 2
     finally:
         victim.stop(0.1)
+        rogue_server.stop(0.1)
         honest.stop(0.1)
 
 

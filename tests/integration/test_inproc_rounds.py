@@ -276,7 +276,9 @@ def test_state_dict_round_trip() -> None:
             "fingerprint",
             "inner_steps",
             "sync_every",
+            "outer_schedulers",
         }
+        assert sd["outer_schedulers"] == []  # no outer LR scheduler here
         assert sd["round"] == 3 and sd["inner_steps"] == 3 * H and sd["sync_every"] == H
         assert len(sd["theta"]) == len(sd["outer_optimizer"]) == len(sd["residuals"]) == len(d.layout)
         assert torch.equal(torch.cat(sd["theta"]), torch.cat(snap["theta"]))

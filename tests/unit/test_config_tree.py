@@ -60,6 +60,7 @@ def _special(tmp: Path) -> dict[str, Any]:
         "heartbeat_interval_s": 0.5,
         "http_refresh_s": 3.0,
         "broadcast_timeout_s": 30.0,
+        "suspect_timeout_s": 2.0,
         "sites": 5,
         "retry_initial_backoff_s": 0.5,
         "retry_max_backoff_s": 2.0,

@@ -141,6 +141,39 @@ def test_heartbeat_lists_the_sites_held_dead_or_gone() -> None:
     assert core.heartbeat("a", now=3.9).dead == ()
 
 
+def test_a_site_reported_unreachable_is_dead_once_silent_for_the_suspect_timeout() -> None:
+    """A member's data path found c gone (heartbeat ``unreachable``): c is dead once
+    silent for 1.5 × heartbeat_interval_s (1.5 s) instead of heartbeat_timeout_s (3 s),
+    so the next round forms without it at once; a suspected site that heartbeats in
+    time is cleared (b), and one that heartbeats too late must resync."""
+    core = _core(min_sites=1, initial_sites=3)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    for s in ("a", "b", "c"):
+        core.ready(s, 0, now=0.1)
+    assert core.next_round == 1
+    core.heartbeat("b", now=1.0)
+    hb = core.heartbeat("a", now=1.2, unreachable=["b", "c", "a", "nobody"])
+    assert hb.dead == ()  # c silent for 1.2 s < 1.5 s
+    assert core.ready("a", 1, now=1.3).status == "wait"  # c and b are live: waited for
+    core.heartbeat("b", now=1.4)  # b answers in time: cleared
+    assert core.heartbeat("a", now=1.7).dead == ("c",)  # c silent (since its ready) for 1.6 s > 1.5 s
+    core.ready("b", 1, now=1.75)
+    d = core.ready("a", 1, now=1.8)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b")  # not waiting for c's 3 s timeout
+    assert core.heartbeat("a", now=3.2).dead == ("c",)  # b, silent for 1.45 s, is not suspected any more
+    hb = core.heartbeat("c", now=3.3)
+    assert hb.resync_required and "(a found it unreachable)" in hb.reason
+
+
+def test_suspect_timeout_must_lie_between_interval_and_timeout() -> None:
+    with pytest.raises(ValueError, match="suspect_timeout_s"):
+        RendezvousConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, suspect_timeout_s=0.5)
+    with pytest.raises(ValueError, match="suspect_timeout_s"):
+        RendezvousConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, suspect_timeout_s=6.0)
+    assert RendezvousConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0).suspect_silence_s == 1.5
+
+
 def test_unknown_site_heartbeat_asks_to_join() -> None:
     core = _core()
     hb = core.heartbeat("x", now=1.0)

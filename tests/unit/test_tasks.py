@@ -148,6 +148,36 @@ def test_batch_stream_state_round_trip_gives_identical_next_batch():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_batch_stream_ledger_names_steps_shard_and_windows_of_each_round():
+    """``take_ledger()``: the batch range since the last call, the shard, the window
+    count and a digest of the window starts; a stream restored from a saved position
+    continues the ledger where the saved one stood, with the same digests."""
+    spec = TaskSpec(site_index=1, num_sites=3, size="tiny", seed=5, non_iid=True)
+    task = build_task(spec)
+    for _ in range(4):
+        next(task.batches)
+    first = task.batches.take_ledger()
+    assert first["steps"] == [1, 4] and first["windows"] == 4 * 8
+    assert first["shard"].endswith("/site1of3/non_iid")
+    saved = task.batches.state_dict()
+    for _ in range(3):
+        next(task.batches)
+    second = task.batches.take_ledger()
+    assert second["steps"] == [5, 7] and second["digest"] != first["digest"]
+    assert task.batches.take_ledger()["steps"] == [8, 7]  # nothing drawn: an empty range
+
+    again = build_task(spec)
+    again.batches.load_state_dict(saved)
+    for _ in range(3):
+        next(again.batches)
+    assert again.batches.take_ledger() == second  # the same windows, recognisably
+    other = build_task(TaskSpec(site_index=2, num_sites=3, size="tiny", seed=5, non_iid=True))
+    for _ in range(4):
+        next(other.batches)
+    theirs = other.batches.take_ledger()
+    assert theirs["shard"] != first["shard"] and theirs["digest"] != first["digest"]
+
+
 def test_batch_stream_refuses_foreign_state():
     a = build_task(TaskSpec(site_index=0, num_sites=3, size="tiny"))
     b = build_task(TaskSpec(site_index=0, num_sites=3, size="tiny", non_iid=True))

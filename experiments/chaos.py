@@ -1,0 +1,352 @@
+"""Chaos soak: N sites over gRPC for R rounds with seeded random faults (issue 13).
+
+Every site is a ``dtrain worker`` process on 127.0.0.1 (``experiments.procs.ProcRun``,
+built on the one process harness ``dtrain/app/procs.py``), checkpointing every round.
+site-0 is never faulted (the reference that paces the run); the others get, at seeded
+random times, one of:
+
+* ``kill``: SIGKILL, restarted with ``--resume`` a few seconds later (a non-owner or an
+  owner, in whatever phase it is in: inner steps, push, finalize, pull, repair);
+* ``stop``: SIGSTOP for a few seconds, then SIGCONT (a hung site, declared dead and
+  resynchronised, or a straggler);
+* ``corrupt``: a client holding the token pushes an undecodable contribution claiming
+  to be a member, for the round in progress, to a site;
+* ``flood``: a client holding the token keeps idle Push streams open on a site.
+
+(Partitions via netem are not injected here: they need root and the netem package;
+``tests/netem`` covers them.) At most one site is down or stopped at a time.
+
+Checked from the metrics lines (``dtrain.metrics``) after the run, per round: no hang
+(every site that ran the round finished its engine part, ``round_s``, by the broadcast
+deadline + 1 s), θ checksums equal among the sites that applied it with no stale bucket
+(a refused contribution applied anywhere would show as a mismatch), and resident memory
+/ open fds of each worker process sampled every second (growth of each site's
+longest-lived process after the first 30 % of its life). Prints a table:
+faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
+against a fault-free run with the same seed.
+
+    python experiments/chaos.py --smoke            # CI: 3 sites, a few rounds and faults
+    python experiments/chaos.py --rounds 200 --faults 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from dtrain.protocol import Contribution  # noqa: E402
+from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig  # noqa: E402
+from experiments.procs import ProcRun  # noqa: E402
+from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS  # noqa: E402
+from experiments.site_failures import WORKER  # noqa: E402
+
+TOKEN = "chaos-token"
+# the fault experiments' timing (site_failures.py); one site is enough for a round here
+RENDEZVOUS = {**FAILURE_RENDEZVOUS, "min_sites": 1}
+KINDS = ("kill", "stop", "corrupt", "flood")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """One soak.
+
+    Attributes:
+        num_sites: workers, >= 2.
+        rounds: rounds site-0 runs, >= 2.
+        num_faults: faults to inject (at most; the run may end first), >= 0.
+        seed: seeds the faults and the training.
+        sync_every: H.
+        inner_step_sleep_s: emulated compute per inner step (rounds of ~1 s on a loaded machine).
+        down_s: how long a killed site stays down / a stopped one stays stopped, seconds.
+        max_gap_s: the gap between two faults is uniform in [max_gap_s / 4, max_gap_s].
+        timeout_s: bound on the whole run.
+    """
+
+    num_sites: int = 3
+    rounds: int = 8
+    num_faults: int = 6
+    seed: int = 0
+    sync_every: int = 4
+    inner_step_sleep_s: float = 0.25
+    down_s: float = 2.5
+    max_gap_s: float = 4.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.num_sites < 2 or self.rounds < 2 or self.num_faults < 0:
+            raise ValueError("num_sites >= 2, rounds >= 2, num_faults >= 0")
+
+
+@dataclass
+class Outcome:
+    faults: Counter = field(default_factory=Counter)
+    lines: dict[int, list[dict]] = field(default_factory=dict)
+    samples: dict[tuple[int, int], list[tuple[float, int, int]]] = field(
+        default_factory=dict
+    )  # (site, pid) -> (t, rss_kb, fds)
+    wall_s: float = 0.0
+
+
+def _rss_fds(pid: int) -> tuple[int, int] | None:
+    try:
+        rss = next(int(ln.split()[1]) for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS:"))
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _address(run: ProcRun, i: int) -> str | None:
+    """Site ``i``'s Peer address, from its log ("peer service listening on HOST:PORT")."""
+    path = run.root / f"site-{i}.log"
+    log = path.read_text(errors="replace") if path.exists() else ""
+    found = [w for w in log.split() if w.startswith("127.0.0.1:") and w[10:].isdigit()]
+    return found[-1] if found else None
+
+
+def _corrupt(address: str, rnd: int) -> None:
+    """An undecodable chunk claiming to be site-0's, for round ``rnd``."""
+    t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
+    c = Contribution(
+        round=rnd, bucket=0, chunk=0, offset=0, numel=4096, codec="fp32", sender="site-0", payload=b"\x00" * 64
+    )
+    try:
+        t.push(address, [c], timeout_s=2.0)
+    except Exception:  # noqa: BLE001 - refused, as it must be
+        pass
+    finally:
+        t.stop(0.1)
+
+
+def _flood(address: str, num_streams: int, hold_s: float) -> None:
+    """``num_streams`` idle Push streams held for ``hold_s`` (each sends nothing)."""
+    ch = grpc.insecure_channel(address)
+    push = ch.stream_unary(f"/{PEER_SERVICE}/Push")
+    done = threading.Event()
+
+    def idle():
+        done.wait(hold_s)
+        return
+        yield b""
+
+    calls = [push.future(idle(), timeout=hold_s + 5, metadata=(("dtrain-token", TOKEN),)) for _ in range(num_streams)]
+    done.wait(hold_s)
+    done.set()
+    for call in calls:
+        call.cancel()
+    ch.close()
+
+
+class _Soak(ProcRun):
+    def __init__(self, cfg: ChaosConfig, root: Path, *, faults: bool) -> None:
+        super().__init__(root, cfg.num_sites, timeout_s=cfg.timeout_s)
+        self.cfg, self.with_faults = cfg, faults
+        root.mkdir(parents=True, exist_ok=True)
+        self.token_file = root / "token"
+        self.token_file.write_text(TOKEN)
+        self.rng = random.Random(cfg.seed)
+        self.out = Outcome()
+        self.down: dict[int, float] = {}  # site -> when to restart / resume
+        self.stopped: set[int] = set()
+
+    def opts(self) -> dict:
+        c = self.cfg
+        return dict(
+            size="tiny",
+            seed=c.seed,
+            rounds=c.rounds,
+            sync_every=c.sync_every,
+            inner_step_sleep_s=c.inner_step_sleep_s,
+            token_file=str(self.token_file),
+            **WORKER,
+        )
+
+    def sample(self, t0: float) -> None:
+        for name, p in self.procs.items():
+            if not name.startswith("site-") or p.poll() is not None:
+                continue
+            got = _rss_fds(p.pid)
+            if got is not None:
+                self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.monotonic() - t0, *got))
+
+    def inject(self) -> None:
+        c = self.cfg
+        kind = self.rng.choice(KINDS)
+        i = self.rng.randrange(1, c.num_sites)
+        if kind in ("kill", "stop") and (self.down or self.stopped):
+            kind = self.rng.choice(("corrupt", "flood"))
+        if i in self.down or i in self.stopped:
+            return
+        name = f"site-{i}"
+        if kind == "kill":
+            self.procs[name].kill()
+            self.down[i] = time.monotonic() + c.down_s
+        elif kind == "stop":
+            self.procs[name].send(signal.SIGSTOP)
+            self.stopped.add(i)
+            self.down[i] = time.monotonic() + c.down_s
+        else:
+            addr = _address(self, i)
+            if addr is None:
+                return
+            rnd = max([ln["round"] for ln in self.rounds(0)] or [0]) + 1
+            target = _corrupt if kind == "corrupt" else (lambda a, r: _flood(a, 50, 2.0))
+            threading.Thread(target=target, args=(addr, rnd), daemon=True).start()
+        self.out.faults[kind] += 1
+
+    def recover(self) -> None:
+        now = time.monotonic()
+        for i, at in list(self.down.items()):
+            if now < at:
+                continue
+            del self.down[i]
+            if i in self.stopped:
+                self.stopped.discard(i)
+                self.procs[f"site-{i}"].send(signal.SIGCONT)
+            elif self.procs[f"site-{i}"].poll() is not None:
+                self.start_site(i, self.opts(), resume=True)
+
+    def run(self) -> Outcome:
+        c = self.cfg
+        t0 = time.monotonic()
+        self.start_rendezvous({"initial_sites": c.num_sites, **RENDEZVOUS, "token_file": str(self.token_file)})
+        for i in range(c.num_sites):
+            self.start_site(i, self.opts())
+        self.wait(lambda: self.done_round(0, 0), "round 0 at site-0")
+        next_fault = time.monotonic() + self.rng.uniform(0.5, 2.0)
+        last_sample = 0.0
+        while not self.done_round(0, c.rounds - 1):
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"site-0 did not finish {c.rounds} rounds in {c.timeout_s} s")
+            self.check_alive(["site-0", "rendezvous"])
+            now = time.monotonic()
+            if now - last_sample >= 1.0:
+                self.sample(t0)
+                last_sample = now
+            self.recover()
+            if self.with_faults and sum(self.out.faults.values()) < c.num_faults and now >= next_fault:
+                self.inject()
+                next_fault = now + self.rng.uniform(c.max_gap_s / 4, c.max_gap_s)
+            time.sleep(0.05)
+        for i in list(self.down):  # let the last ones back for the end
+            self.down[i] = 0.0
+        self.recover()
+        self.out.wall_s = time.monotonic() - t0
+        deadline = time.monotonic() + 30
+        while not self.exited([f"site-{i}" for i in range(c.num_sites)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.out.lines = {i: self.rounds(i) for i in range(c.num_sites)}
+        return self.out
+
+
+def analyse(cfg: ChaosConfig, out: Outcome, ref: Outcome | None) -> dict:
+    """The table's figures (see the module docstring)."""
+    limit_s = RENDEZVOUS["broadcast_timeout_s"] + 1.0
+    by_round: dict[int, dict[int, dict]] = {}
+    for i, lines in out.lines.items():
+        for ln in lines:
+            by_round.setdefault(ln["round"], {})[i] = ln  # the last attempt of a round
+    hangs = [(i, r) for r, d in by_round.items() for i, ln in d.items() if (ln.get("round_s") or 0.0) > limit_s]
+    mismatches = []
+    for r, d in sorted(by_round.items()):
+        sums = {i: ln["checksum"] for i, ln in d.items() if ln["status"] == "applied" and not ln.get("stale_buckets")}
+        if len(set(sums.values())) > 1:
+            mismatches.append(r)
+    ref0 = {ln["round"] for ln in out.lines.get(0, []) if ln["status"] == "applied"}
+    lost = sorted(set(range(cfg.rounds)) - ref0)
+    stall = max((ln.get("sync_s") or 0.0 for lines in out.lines.values() for ln in lines), default=0.0)
+    growth = {}  # per site, its longest-lived process: last sample minus the first after 30 % of its life
+    for (i, _pid), s in sorted(out.samples.items(), key=lambda kv: len(kv[1])):
+        t_warm = s[0][0] + 0.3 * (s[-1][0] - s[0][0])
+        warm = [x for x in s if x[0] >= t_warm]
+        if len(warm) >= 2:
+            growth[i] = {
+                "rss_kb": warm[-1][1] - warm[0][1],
+                "fds": warm[-1][2] - warm[0][2],
+                "over_s": round(warm[-1][0] - warm[0][0]),
+            }
+    final = out.lines.get(0, [{}])[-1].get("val_loss") if out.lines.get(0) else None
+    ref_final = ref.lines.get(0, [{}])[-1].get("val_loss") if ref and ref.lines.get(0) else None
+    rejected = sum(sum((ln.get("rejected") or {}).values()) for lines in out.lines.values() for ln in lines)
+    return {
+        "faults": dict(out.faults),
+        "num_faults": sum(out.faults.values()),
+        "rounds": cfg.rounds,
+        "hangs": hangs,
+        "checksum_mismatch_rounds": mismatches,
+        "rounds_lost_at_site0": lost,
+        "longest_stall_s": round(stall, 2),
+        "rejected_contributions": rejected,
+        "growth_after_warmup": growth,
+        "final_val_loss": final,
+        "fault_free_final_val_loss": ref_final,
+        "wall_s": round(out.wall_s, 1),
+    }
+
+
+def table(res: dict) -> str:
+    rows = [
+        ("faults injected", f"{res['num_faults']} ({', '.join(f'{k} {v}' for k, v in sorted(res['faults'].items()))})"),
+        ("rounds (site-0)", res["rounds"]),
+        ("hangs (round_s > broadcast deadline + 1 s)", len(res["hangs"])),
+        ("rounds with unequal θ among applying sites", len(res["checksum_mismatch_rounds"])),
+        ("rounds lost at site-0", len(res["rounds_lost_at_site0"])),
+        ("longest stall (sync_s, s)", res["longest_stall_s"]),
+        ("contributions refused", res["rejected_contributions"]),
+        ("RSS (kB) / fd growth after warm-up, per site", json.dumps(res["growth_after_warmup"])),
+        ("final val loss (fault-free)", f"{res['final_val_loss']} ({res['fault_free_final_val_loss']})"),
+        ("wall (s)", res["wall_s"]),
+    ]
+    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="3 sites, 10 rounds, 5 faults, no fault-free run")
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for the logs and chaos.json (default: a temp dir)")
+    a = p.parse_args(argv)
+    cfg = (
+        ChaosConfig(num_sites=3, rounds=10, num_faults=5, seed=a.seed, max_gap_s=2.0, down_s=1.5)
+        if a.smoke
+        else ChaosConfig(num_sites=a.sites, rounds=a.rounds, num_faults=a.faults, seed=a.seed, timeout_s=7200)
+    )
+    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="dtrain-chaos-"))
+    ref = None
+    if not a.smoke:
+        soak = _Soak(cfg, root / "fault_free", faults=False)
+        try:
+            ref = soak.run()
+        finally:
+            soak.close()
+    soak = _Soak(cfg, root / "chaos", faults=True)
+    try:
+        out = soak.run()
+    finally:
+        soak.close()
+    res = analyse(cfg, out, ref)
+    (root / "chaos.json").write_text(json.dumps(res, indent=2))
+    print(table(res))
+    print(f"\nlogs and chaos.json under {root}")
+    ok = not res["hangs"] and not res["checksum_mismatch_rounds"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Failure detection from the data path (issue 13, item 5): a refused connection or a
+push stream that breaks mid-stream marks the member lost for this round at once, at
+the owner and at the member, without waiting for the rendezvous (none runs here).
+
+Sites are ``RoundEngine``s served by ``GrpcTransport`` on 127.0.0.1 in this process;
+the dead member is a port nobody serves, or a child process SIGKILLed mid-push.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
+from dtrain.errors import RejectCode, Rejected
+from dtrain.protocol import Member, RoundPlan
+from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.rounds.types import BucketOutcome
+from dtrain.state import GlobalState
+from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
+
+NUMEL = 4096
+LAYOUT_CFG = BucketConfig(bucket_bytes=4096, chunk_bytes=1024)  # 4 buckets of 4 chunks
+REDUCE_S, BROADCAST_S = 60.0, 90.0  # far beyond the test's timeout: only detection ends the round
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _site(site_id: str) -> RoundEngine:
+    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
+    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    rcfg = RoundConfig(plan_wait_s=2.0, repair_timeout_s=0.5)
+    engine = RoundEngine(site_id, GlobalState(layout, [theta]), GrpcTransport(GrpcTransportConfig()), rcfg)
+    engine.start()
+    return engine
+
+
+class _Stub:
+    """site-2's Peer service while its training process is elsewhere: it takes
+    pushes and serves nothing (so site-0's own pushes to it are not refused)."""
+
+    def handle_contribution(self, c) -> None:
+        pass
+
+    def handle_pull_mean(self, round, bucket, requester, timeout_s):
+        raise Rejected(RejectCode.NOT_FOUND, "no means here")
+
+    def handle_pull_state(self, bucket, requester):
+        raise Rejected(RejectCode.NOT_FOUND, "no state here")
+
+
+def _plan(rnd: int, members: dict[str, str]) -> RoundPlan:
+    return RoundPlan(
+        round=rnd,
+        members=tuple(Member(site_id=s, address=a) for s, a in sorted(members.items())),
+        reduce_timeout_s=REDUCE_S,
+        broadcast_timeout_s=BROADCAST_S,
+    )
+
+
+def _step(engine: RoundEngine, seed: int) -> None:
+    local = torch.cat([t.detach() for t in engine.state.theta])
+    local -= 0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+    assert engine.add_pseudo_gradient([local])
+
+
+@pytest.mark.timeout(40)
+def test_refused_connection_marks_the_member_lost_for_the_round_at_once():
+    """site-2 is in the plan but nobody serves its address (it died before the round):
+    the survivors' pushes to it are refused, so they stop waiting for its chunks (their
+    buckets finalize with the two survivors' contributions) and for its buckets' means
+    (OWNER_LOST, no pull), long before the 60 s reduce deadline; θ agrees."""
+    engines = [_site("site-0"), _site("site-1")]
+    reported: dict[str, list[str]] = {e.site_id: [] for e in engines}
+    for e in engines:
+        e.on_unreachable = reported[e.site_id].append
+    members = {e.site_id: e.address for e in engines} | {"site-2": f"127.0.0.1:{_free_port()}"}
+    owners = assign_owners(len(engines[0].state.layout), sorted(members))
+    assert "site-2" in owners
+    try:
+        for i, e in enumerate(engines):
+            _step(e, i)
+        futs = [e.start_round(_plan(0, members)) for e in engines]
+        results = [f.result(timeout=30) for f in futs]
+        for e, res in zip(engines, results):
+            assert res.lost_members == ["site-2"], (e.site_id, res.lost_members)
+            for b, o in enumerate(owners):
+                want = BucketOutcome.OWNER_LOST if o == "site-2" else BucketOutcome.APPLIED
+                assert res.bucket_outcome[b] is want, (e.site_id, b, res.bucket_outcome)
+            assert res.reduce_arrived_fraction == pytest.approx(2 / 3)
+            assert reported[e.site_id] == ["site-2"]
+        assert engines[0].state.checksums() == engines[1].state.checksums()
+    finally:
+        for e in engines:
+            e.stop(0.1)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, threading, grpc, torch
+    from dtrain.codecs import get_codec
+    from dtrain.protocol import Contribution
+    from dtrain.transports.grpc import PEER_SERVICE
+    from dtrain.transports.grpc_wire import encode_contribution
+    address, bucket, offset, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    codec = get_codec(sys.argv[5])
+    def chunks():  # a raw stream (GrpcTransport.push encodes every chunk before it sends)
+        yield encode_contribution(Contribution(round=0, bucket=bucket, chunk=0, offset=offset, numel=numel,
+                                               codec=codec.name, sender="site-2",
+                                               payload=codec.encode(torch.zeros(numel))))
+        print("sent", flush=True)
+        threading.Event().wait(120)  # the stream stays open until SIGKILL
+    push = grpc.insecure_channel(address).stream_unary(f"/{PEER_SERVICE}/Push")
+    push(chunks(), timeout=120)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_push_stream_broken_by_sigkill_marks_the_sender_lost_at_the_owner():
+    """site-2 (a child process) streams its first chunk to site-0 and is SIGKILLed with
+    the stream open (site-2's Peer service stays up, so nothing else tells site-0): site-0 stops waiting for site-2's chunks at once, so its buckets
+    finalize with what arrived (site-2's first chunk included) instead of at the 60 s
+    reduce deadline."""
+    owner = _site("site-0")
+    stub = GrpcTransport(GrpcTransportConfig())
+    members = {"site-0": owner.address, "site-2": stub.start(_Stub())}
+    owners = assign_owners(len(owner.state.layout), sorted(members))
+    mine = [b for b, o in enumerate(owners) if o == "site-0"]
+    b0 = mine[0]
+    off, n = owner.state.layout.buckets[b0].chunks[0]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = None
+    try:
+        _step(owner, 0)
+        fut = owner.start_round(_plan(0, members))
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, owner.address, str(b0), str(off), str(n), owner.codec.name],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert child.stdout.readline().strip() == b"sent"
+        deadline = time.monotonic() + 20
+        while True:  # the first chunk was counted
+            with owner._open[0].cv:
+                if owner._open[0].books.arrived > 0 and "site-2" in owner._open[0].books._acc[(b0, 0)].digests:
+                    break
+            assert time.monotonic() < deadline, "site-2's first chunk never arrived"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        res = fut.result(timeout=30)
+        assert res.lost_members == ["site-2"]
+        for b in mine:
+            assert res.bucket_outcome[b] is BucketOutcome.APPLIED, res.bucket_outcome
+        mean = owner._means[(0, b0)]
+        assert mean.chunks[0].senders == ("site-0", "site-2")  # what it sent before dying counts
+        assert all(ch.senders == ("site-0",) for ch in mean.chunks[1:])
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        owner.stop(0.1)
+        stub.stop(0.1)
+
+
+def test_push_ended_short_loses_the_sender_in_that_round_only():
+    """``handle_push_ended`` loses a sender whose stream ended short in that round
+    only (not in a later round already open here); a stream that ended after every
+    owed chunk loses nobody."""
+    e = _site("site-0")
+    try:
+        members = {"site-0": e.address, "site-1": f"127.0.0.1:{_free_port()}"}
+        from dtrain.rounds.engine import _Owned
+        from dtrain.rounds.owner import OpenRound
+
+        books = {
+            r: OpenRound(
+                plan=_plan(r, members),
+                owners=assign_owners(len(e.state.layout), sorted(members)),
+                site_id="site-0",
+                chunks=[b.chunks for b in e.state.layout.buckets],
+                aggregation=e.config.aggregation,
+                opened_at=time.monotonic(),
+            )
+            for r in (0, 1)
+        }
+        with e._cv:
+            e._open.update({r: _Owned(bk) for r, bk in books.items()})
+        e.handle_push_ended("site-1", 0, 1)
+        assert books[0].lost == {"site-1"} and books[1].lost == set()
+        with e._cv:
+            del e._open[0]
+        bk = books[1]
+        for b in bk.mine:
+            for c, (_, n) in enumerate(bk.chunks[b]):
+                assert bk.accept("site-1", b, c, torch.zeros(n), bytes([b, c]), now=time.monotonic())
+        e.handle_push_ended("site-1", 1, sum(len(bk.chunks[b]) for b in bk.mine))
+        assert bk.lost == set()
+    finally:
+        e.stop(0.1)

@@ -1,0 +1,123 @@
+"""A joining or resynchronising site takes the whole training position (issue 13,
+item 3): the inner step count, the inner optimizer's state and the inner and outer LR
+schedulers' states, from a donor of the round it joins at; a site whose own state is
+current keeps its own. In-process sites (one network, one rendezvous)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig
+from dtrain.configs import DiLoCoConfig
+from dtrain.diloco import DiLoCo
+from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+H = 5
+WARMUP, TOTAL = 10, 100
+SMALL = BucketConfig(bucket_bytes=512, chunk_bytes=256)
+
+
+def _warmup_cosine(step: int) -> float:
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / (TOTAL - WARMUP))))
+
+
+def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, join: bool = True):
+    torch.manual_seed(0)  # identical initial weights
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
+    d = DiLoCo(
+        model,
+        opt,
+        config=DiLoCoConfig(site_id=site_id, sync_every=H, buckets=SMALL, hook_optimizer=False),
+        transport=InprocTransport(net),
+        rendezvous=InprocRendezvousClient(core),
+        inner_scheduler=sched,
+        outer_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda r: 0.9**r),
+        _defer_join=not join,
+    )
+    return d, model, opt, sched
+
+
+def _train(d: DiLoCo, model, opt, sched, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        d.step()
+
+
+def _adam_steps(opt) -> set[float]:
+    return {float(s["step"]) for s in opt.state.values()}
+
+
+def test_late_joiner_takes_the_donors_inner_step_optimizer_and_schedulers():
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.5))
+    a, ma, oa, sa = _site("a", net, core)
+    b = None
+    try:
+        _train(a, ma, oa, sa, 3 * H, seed=1)  # rounds 0..2 alone
+        assert a.round == 3 and a.inner_steps == 3 * H
+        b, mb, ob, sb = _site("b", net, core)
+        assert b.round == 3 and b.healed_from == "a"
+        assert b.inner_steps == a.inner_steps == 15
+        assert ob.param_groups[0]["lr"] == oa.param_groups[0]["lr"] == pytest.approx(1e-2 * _warmup_cosine(15))
+        assert _adam_steps(ob) == _adam_steps(oa) == {15.0}
+        for p_a, p_b in zip(ma.parameters(), mb.parameters()):
+            assert torch.equal(oa.state[p_a]["exp_avg"], ob.state[p_b]["exp_avg"])
+            assert torch.equal(p_a.detach(), p_b.detach())  # θ too
+        assert sb.last_epoch == sa.last_epoch == 15
+        assert (
+            [s.last_epoch for s in b.outer_schedulers]
+            == [s.last_epoch for s in a.outer_schedulers]
+            == [3] * len(a.outer_schedulers)
+        )
+        assert [o.param_groups[0]["lr"] for o in b.state.optimizers] == [
+            o.param_groups[0]["lr"] for o in a.state.optimizers
+        ]
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.close(wait=False)
+
+
+def test_a_restarted_site_keeps_its_own_current_position_and_heals_a_stale_one():
+    """A site that resumes from its own checkpoint of the current round keeps its own
+    inner state (nothing is pulled); one whose checkpoint is stale takes the donor's."""
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.5))
+    a, ma, oa, sa = _site("a", net, core)
+    others = []
+    try:
+        _train(a, ma, oa, sa, H, seed=1)
+        stale = (a.state_dict(), a.training_position())  # round 1
+        _train(a, ma, oa, sa, 2 * H, seed=2)
+        current = (a.state_dict(), a.training_position())  # round 3
+        for (sd, pos), want_from in ((current, None), (stale, "a")):
+            d, m, o, s = _site(f"r{len(others)}", net, core, join=False)
+            others.append(d)
+            d.load_state_dict(sd)
+            d.load_training_position(pos)
+            own_lr = o.param_groups[0]["lr"]
+            d.join()
+            assert d.round == 3 and d.healed_from == want_from
+            if want_from is None:  # current: its own position (round 3's, which is a's too)
+                assert o.param_groups[0]["lr"] == own_lr and d.inner_steps == 3 * H
+            else:  # stale (round 1): a's position of round 3, not its own of round 1
+                assert own_lr == pytest.approx(1e-2 * _warmup_cosine(H))
+                assert o.param_groups[0]["lr"] == oa.param_groups[0]["lr"] and d.inner_steps == 3 * H
+                assert _adam_steps(o) == {15.0}
+    finally:
+        for d in [a, *others]:
+            d.close(wait=False)
