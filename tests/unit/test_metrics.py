@@ -105,7 +105,7 @@ def test_half_written_last_line_is_skipped_silently_and_malformed_lines_with_a_w
     path = tmp_path / "metrics.jsonl"
     start = json.dumps(StartLine(site="a").as_dict())
     path.write_text(f'{start}\n[1]\n{{"event": "nope", "round": 0}}\n\n{{"event": "round", "round": 0, "si')
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="dtrain.metrics"):
         lines = read_metrics(path)
     assert lines == [StartLine(site="a")]
     warned = [r.getMessage() for r in caplog.records]
@@ -157,6 +157,6 @@ def test_summary_round_trip_and_missing_or_broken_files(tmp_path, caplog):
     assert read_summary(path) == s
     assert read_summary(tmp_path / "absent.json") is None
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="dtrain.metrics"):
         assert read_summary(path) is None
     assert "unreadable summary" in caplog.text

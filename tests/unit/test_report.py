@@ -180,7 +180,7 @@ def test_faults_and_rejections_are_reported(tmp_path):
 def test_malformed_lines_are_skipped_with_warning(tmp_path, caplog):
     bad = '{"site": "site-a", "event": "round", "round": 5, "val_lo\n[1, 2]\n{"event": "round", "round": "x"}\n\n'
     run = _write_run(tmp_path / "run", extra_lines={"site-a": bad})
-    with caplog.at_level(logging.WARNING, logger="dtrain.app.report"):
+    with caplog.at_level(logging.WARNING, logger="dtrain"):  # the report and the metrics reader both warn
         written = make_report(run)
     assert len(written) == 5
     path = str(run / "site-a" / "metrics.jsonl")
