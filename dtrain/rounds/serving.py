@@ -1,0 +1,224 @@
+"""The peer-facing side of :class:`~dtrain.rounds.engine.RoundEngine` (its
+``PeerHandler`` methods): validating incoming contributions for the rounds this site
+owns buckets in, stopping waiting for members that are lost, and serving means and
+bucket state to peers. Kept apart from the engine's own round steps (``engine.py``);
+``RoundEngine`` inherits it and holds the state these methods read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Iterable
+
+from dtrain.errors import (
+    CodecError,
+    DecodeBoundExceeded,
+    PeerTimeout,
+    RejectCode,
+    Rejected,
+)
+from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.rounds.owner import OpenRound
+from dtrain.state import position_state
+
+__all__ = ["PeerSide"]
+
+log = logging.getLogger(__name__)
+
+
+class _Owned:
+    """The engine's threading around one round's owner-side books."""
+
+    def __init__(self, books: OpenRound) -> None:
+        self.books = books
+        self.cv = threading.Condition()
+        self.done = {b: threading.Event() for b in books.mine}  # mean of owned bucket b published
+        self.published = threading.Event()  # every owned bucket's mean published
+
+
+class PeerSide:
+    """The ``PeerHandler`` methods of a round engine (mixed into ``RoundEngine``).
+
+    Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``,
+    ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
+    """
+
+    # ------------------------------------------------------------------ PeerHandler
+    def _round_for(self, rnd: int, timeout_s: float) -> _Owned:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                owned = self._open.get(rnd)
+                if owned is not None:
+                    return owned
+                if rnd < self.state.rounds_applied:
+                    raise Rejected(
+                        RejectCode.FAILED_PRECONDITION,
+                        f"round {rnd} is over here (next round is {self.state.rounds_applied})",
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0 or rnd > self.state.rounds_applied + 1:
+                    raise Rejected(
+                        RejectCode.FAILED_PRECONDITION,
+                        f"round {rnd} is not open here (next round is {self.state.rounds_applied})",
+                    )
+                self._cv.wait(left)
+
+    def handle_contribution(self, c: Contribution) -> None:
+        owned = self._round_for(c.round, self.config.plan_wait_s)
+        try:
+            self._accept(owned, c)
+        except Rejected as e:
+            with owned.cv:
+                example = owned.books.reject(c.sender, e.code, e.reason)
+            # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
+            (self.log.warning if example else self.log.debug)(
+                "round %d: rejected chunk b%d c%d from %s: %s %s",
+                c.round,
+                c.bucket,
+                c.chunk,
+                c.sender,
+                e.code,
+                e.reason,
+            )
+            raise
+
+    def _accept(self, owned: _Owned, c: Contribution) -> None:
+        if c.sender in self._banned:
+            raise Rejected(
+                RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions"
+            )
+        owned.books.check(c)
+        if c.codec != self.codec.name:
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"codec {c.codec!r} but this round uses {self.codec.name!r}")
+        try:
+            values = self.codec.decode(c.payload, numel=c.numel)
+        except DecodeBoundExceeded as e:  # a decompression bomb, or a body past max_decoded_bytes
+            raise Rejected(RejectCode.RESOURCE_EXHAUSTED, f"undecodable payload: {e}") from e
+        except CodecError as e:
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"undecodable payload: {e}") from e
+        digest = hashlib.blake2b(c.payload, digest_size=16).digest()
+        with owned.cv:
+            if owned.books.accept(c.sender, c.bucket, c.chunk, values, digest, now=time.monotonic()):
+                if owned.books.awaited(c.bucket) == 0:
+                    owned.cv.notify_all()
+
+    def members_lost(self, site_ids: Iterable[str], *, round: int | None = None, why: str = "") -> None:
+        """Stop waiting for contributions from ``site_ids`` in every round open here
+        (or only in ``round``).
+
+        Called with the sites the rendezvous holds dead (no heartbeat within its
+        timeout, or left; ``HeartbeatInfo.dead``), and by the data path for one
+        round (``round``): a push this site sent was refused as unreachable, or a
+        push stream from a member broke before it ended (``why`` says which;
+        :meth:`member_unreachable`, :meth:`handle_push_ended`). For each owned bucket not yet
+        finalized, the chunks those members have not sent no longer count as
+        missing: a bucket that now lacks nothing else is finalized at once, with
+        the contributions that did arrive (as at the reduce deadline), instead of
+        waiting out the reduce deadline. Contributions a lost member still sends
+        before its bucket is finalized are counted as usual; later ones are
+        refused as late and stay in the sender's residual. Sites that are not
+        members of a round, and this site itself, are ignored
+        (:meth:`OpenRound.members_lost`).
+        """
+        lost = set(site_ids) - {self.site_id}
+        if not lost:
+            return
+        self.mean_pulls.forget(lost)
+        with self._cv:
+            rounds = [o for r, o in self._open.items() if round is None or r == round]
+        for owned in rounds:
+            with owned.cv:
+                new = owned.books.members_lost(lost)
+                if new:
+                    owned.cv.notify_all()
+            if new:
+                self.log.warning(
+                    "round %d: %s %s: not waiting for their contributions",
+                    owned.books.round,
+                    ", ".join(sorted(new)),
+                    why or "declared dead by the rendezvous",
+                )
+
+    def handle_sender_done(self, round: int, sender: str) -> None:
+        """``sender`` sent everything it will send this site for ``round``.
+
+        Called by a transport that knows (the datagram path, on the sender's
+        SEND_END): the chunks of ``sender`` still missing were lost, not late, so
+        they no longer count as missing and a bucket lacking nothing else is
+        finalized at once instead of at the reduce deadline.
+        """
+        with self._cv:
+            owned = self._open.get(round)
+        if owned is None:
+            return
+        with owned.cv:
+            if owned.books.sender_done(sender):
+                owned.cv.notify_all()
+
+    def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
+        """A push stream from ``sender`` for ``round`` ended after ``num_accepted``
+        chunks. A member sends everything it owes this owner in one stream, so a
+        stream that ends while the member still owes chunks of open buckets broke (the
+        member died or its connection dropped): it is lost for that round here
+        (:meth:`members_lost`); the rendezvous decides about later rounds. What it sent
+        before counts; a retried stream's chunks count too while their bucket is open."""
+        with self._cv:
+            owned = self._open.get(round)
+        if owned is None or not self.config.short_push_is_loss:
+            return
+        with owned.cv:
+            owed = owned.books.owed(sender)
+        if owed:
+            why = f"its push stream ended after {num_accepted} chunk(s), {owed} short"
+            self.members_lost([sender], round=round, why=why)
+            self._note_unreachable(sender)
+
+    def _note_unreachable(self, site_id: str) -> None:
+        """Tell the site's membership (``on_unreachable``, set by the Group) so the
+        rendezvous hears of it with the next heartbeat."""
+        if self.on_unreachable is not None and site_id != self.site_id:
+            self.on_unreachable(site_id)
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            m = self._means.get((round, bucket))
+        if m is not None:
+            return self.mean_pulls.record(round, bucket, requester, m)
+        owned = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
+        owners = owned.books.owners
+        if not 0 <= bucket < len(owners):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(owners)})")
+        if owners[bucket] == self.site_id and not owned.done[bucket].wait(max(0.0, deadline - time.monotonic())):
+            raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
+        with self._cv:  # our own mean, or one of a peer's we may have cached
+            m = self._means.get((round, bucket))
+        if m is None:
+            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
+        return self.mean_pulls.record(round, bucket, requester, m)
+
+    def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        if bucket == len(self.state):  # one past the last bucket: the training position
+            position = self.position_source() if self.position_source is not None else None
+            if position is None:
+                raise Rejected(RejectCode.NOT_FOUND, "no training position here")
+            return position_state(position, index=bucket)
+        if not 0 <= bucket < len(self.state):
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
+        if self.fault_hook is not None:
+            self.fault_hook("serve_state", bucket)
+        st = self.state.bucket_state(bucket)
+        with self._cv:
+            m = self._means.get((st.rounds_applied - 1, bucket))
+        if m is None:
+            return st
+        # A site that missed this mean learns from a repair which of its chunks
+        # the mean included (those are consumed, never sent again; docs/ARCHITECTURE.md, "The residual rule").
+        return replace(
+            st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
+        )
