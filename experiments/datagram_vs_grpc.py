@@ -74,7 +74,19 @@ PATHS = (
 )
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
-        num_sites=2, task="", size="tiny", sync_every=2, rate=100.0, delay=5.0, losses=[0.0, 5.0], measured=1, seeds=[0]
+        num_sites=2,
+        task="",
+        size="tiny",
+        sync_every=2,
+        rate=100.0,
+        delay=5.0,
+        losses=[0.0, 5.0],
+        measured=1,
+        seeds=[0],
+        # as in wan_sweep's smoke: an inner phase long enough that the link change lands
+        # between two exchanges (a 40 ms one let the next round start first, once in four
+        # runs, leaving the 5% row unmeasured)
+        inner_step_sleep_s=0.1,
     ),
     "quick": dict(
         num_sites=4,
@@ -146,6 +158,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 linger_s=3,
                 data_path=data_path,
                 max_rate_mbit=0.95 * m["rate"],
+                inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
                 run.start_site(i, opts)

@@ -16,26 +16,9 @@ from pathlib import Path
 import pytest
 
 from experiments.common import read_rows
+from tests.integration.test_experiments_smoke import RUN_COLUMNS  # the one list of per-run CSV columns
 
 pytestmark = pytest.mark.netem
-
-RUN_COLUMNS = {
-    "experiment",
-    "config",
-    "seed",
-    "num_sites",
-    "sync_every",
-    "codec",
-    "final_val_loss",
-    "first_val_loss",
-    "rounds_done",
-    "wall_s",
-    "bytes_total",
-    "bytes_per_round_site",
-    "sync_s",
-    "stale_buckets",
-    "rejected",
-}
 
 
 def _main(script: str, tmp_path: Path) -> str:
