@@ -12,7 +12,8 @@ Keys under ``<prefix>`` (``/dtrain/<run>/``):
 * ``site/<id>``: ``{address, lease, joined_round, left}``; the registration (no lease).
 * ``alive/<id>``: ``{address}`` on the site's lease, whose TTL is ``heartbeat_timeout_s``;
   a heartbeat is a keep-alive of that lease. The site is live while the key exists.
-* ``ready/<r>/<id>``: ``{t}`` (wall-clock seconds) on the site's lease: ready for round r.
+* ``ready/<r>/<id>``: ``{t, seen}`` (wall-clock seconds: first asked, last renewed) on the
+  site's lease: ready for round r; it counts only while renewed (``EtcdStore._fresh``).
 * ``startup``: ``{t}`` when the ``initial_sites``-th site registered.
 * ``plan/<r>``: the round plan, written once by a transaction that succeeds only if no
   plan for r exists, after :func:`~dtrain.rendezvous.core.decide_quorum` held on what
@@ -253,6 +254,7 @@ class EtcdStore:
         self._ttl_s = max(1, math.ceil(config.heartbeat_timeout_s))
         self._cv = threading.Condition()
         self._plans: dict[int, RoundPlan] = {}
+        self._reasons: dict[int, str] = {}  # round -> why its plan formed as it did
         self.plan_seen_at: dict[int, float] = {}  # round -> when this process learnt its plan (monotonic s)
         self._next = 0
         self._dead_cache: tuple[float, tuple[str, ...]] | None = None
@@ -298,25 +300,30 @@ class EtcdStore:
         nxt = self.etcd.get(self._k("next"))
         with self._cv:
             for kv in kvs:
-                self._add_plan(_plan_from_json(json.loads(kv.value)))
+                doc = json.loads(kv.value)
+                self._add_plan(_plan_from_json(doc), doc.get("reason"))
             if nxt is not None:
                 self._next = max(self._next, int(nxt.value))
         self._watch = self.etcd.watch(self._k("plan/"), self._on_plans, prefix=True, start_revision=rev + 1)
 
-    def _add_plan(self, plan: RoundPlan) -> None:
+    def _add_plan(self, plan: RoundPlan, reason: str | None = None) -> None:
         if plan.round not in self._plans:
             self.plan_seen_at[plan.round] = time.monotonic()
             self.plan_seen_at.pop(plan.round - NUM_PLANS_KEPT, None)
         self._plans[plan.round] = plan
+        if reason:
+            self._reasons[plan.round] = reason
         self._next = max(self._next, plan.round + 1)
         for r in [r for r in self._plans if r <= plan.round - NUM_PLANS_KEPT]:
             del self._plans[r]
+            self._reasons.pop(r, None)
 
     def _on_plans(self, events, _rev: int) -> None:
         with self._cv:
             for e in events:
                 if e.kind == "PUT":
-                    self._add_plan(_plan_from_json(json.loads(e.kv.value)))
+                    doc = json.loads(e.kv.value)
+                    self._add_plan(_plan_from_json(doc), doc.get("reason"))
             self._cv.notify_all()
 
     def wait(self, round: int, timeout_s: float) -> None:
@@ -451,7 +458,14 @@ class EtcdStore:
 
     # ------------------------------------------------------------------ rounds
     def standing(self, site_id: str, round: int, *, now: float) -> Standing:
+        """The site's standing for ``round``. A plan the watch delivered that names the
+        site is answered at once, with no etcd call: a member learns its plan as soon as
+        the watch brings it, even while etcd is slow to answer (a plan never changes)."""
         self._start_watch()
+        with self._cv:
+            plan, reason = self._plans.get(round), self._reasons.get(round, "already formed")
+        if plan is not None and site_id in plan.site_ids:
+            return Standing(known=True, plan=plan, member=True, plan_reason=reason, next_round=self.next_round())
         _, resp = self.etcd.txn(
             [],
             [
@@ -470,10 +484,10 @@ class EtcdStore:
         if plan_kv:
             doc = json.loads(plan_kv[0].value)
             plan = _plan_from_json(doc)
-            with self._cv:
-                self._add_plan(plan)
-                self._cv.notify_all()
             reason = doc.get("reason") or "already formed"
+            with self._cv:
+                self._add_plan(plan, reason)
+                self._cv.notify_all()
             return Standing(
                 known=True, plan=plan, member=site_id in plan.site_ids, plan_reason=reason, next_round=self.next_round()
             )
@@ -492,7 +506,16 @@ class EtcdStore:
             {"request_range": {**live, "count_only": True}},
             {"request_range": {**ready, "limit": "1", "sort_order": "ASCEND", "sort_target": "CREATE"}},
         ]
-        _, resp = self.etcd.txn([cmp_absent(key)], [op_put(key, _j({"t": time.time()}), lease), *counts], counts)
+        wall = time.time()
+        put = op_put(key, _j({"t": wall, "seen": wall}), lease)
+        ok, resp = self.etcd.txn([cmp_absent(key)], [put, *counts], [op_range(key), *counts])
+        held = [] if ok else txn_range_kvs(resp[0])
+        if held:  # renew it (at most once per heartbeat interval); a stale one starts afresh
+            old = json.loads(held[0].value)
+            seen = float(old.get("seen", old["t"]))
+            if wall - seen >= self.config.heartbeat_interval_s:
+                first = old["t"] if wall - seen <= self.config.heartbeat_timeout_s else wall
+                self.etcd.put(key, _j({"t": first, "seen": wall}), lease=lease)
         num_live = int(resp[-2].get("response_range", {}).get("count", 0))
         rng = resp[-1].get("response_range", {})
         first = txn_range_kvs(resp[-1])
@@ -520,13 +543,21 @@ class EtcdStore:
         startup = txn_range_kvs(resp[3])
         return QuorumView(
             live=set(addresses),
-            ready={kv.key[n_ready:].decode(): float(json.loads(kv.value)["t"]) for kv in ready_kvs},
+            ready=self._fresh({kv.key[n_ready:].decode(): json.loads(kv.value) for kv in ready_kvs}),
             joined=int(resp[2].get("response_range", {}).get("count", 0)),
             startup_t=float(json.loads(startup[0].value)["t"]) if startup else None,
             first_round=not txn_range_kvs(resp[4]),
             grace_left_s=0.0,
             member=lambda s: _member(s, addresses[s]),
         )
+
+    def _fresh(self, readies: dict[str, dict]) -> dict[str, float]:
+        """The ready times that count: a ready counts only while its site keeps asking
+        (renewed every heartbeat interval; stale after ``heartbeat_timeout_s``). A site
+        that deferred the round (etcd unreachable) trains on locally and asks no more,
+        and its key may outlive an outage (etcd renews every lease on a new leader)."""
+        wall, limit_s = time.time(), self.config.heartbeat_timeout_s
+        return {s: float(d["t"]) for s, d in readies.items() if wall - float(d.get("seen", d["t"])) <= limit_s}
 
     def put_plan(self, plan: RoundPlan, reason: str, *, now: float) -> tuple[RoundPlan, str, bool]:
         """Write round r's plan if none exists (with ``next``, dropping older readies,
@@ -549,7 +580,7 @@ class EtcdStore:
             doc = json.loads(txn_range_kvs(resp[0])[0].value)
             plan, reason = _plan_from_json(doc), doc.get("reason") or reason
         with self._cv:
-            self._add_plan(plan)
+            self._add_plan(plan, reason)
             self._cv.notify_all()
         return plan, reason, ok
 

@@ -198,3 +198,29 @@ def test_a_plan_carries_rank_addresses_and_one_datagram_key(sites) -> None:
     c = next(m for m in plans[0].members if m.site_id == "c")
     assert c.rank_addresses == ("addr-c", "addr-c1") and c.rank_address(1) == "addr-c1"
     assert next(m for m in plans[0].members if m.site_id == "a").rank_addresses == ()
+
+
+def test_a_ready_its_site_stopped_renewing_does_not_count_for_the_quorum(etcd_cluster) -> None:  # noqa: F811
+    """The cause of the round a site once missed after etcd regained its majority: that
+    site's ready key from before the outage outlived it (etcd renews every lease when a
+    leader is elected) while the site, having deferred the round, trained on locally; the
+    first site back formed the round with it at once. A ready now counts only while its
+    site keeps asking (renewed every heartbeat interval, stale after heartbeat_timeout_s)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, min_sites=3)
+    store = EtcdStoreConfig.parse(etcd_cluster.url, run=f"stale-{uuid.uuid4().hex[:8]}")
+    s = Sites(lambda: EtcdRendezvousClient(store, cfg))
+    try:
+        for site in "abc":
+            s.join(site)
+        assert all(d.status == "plan" for d in s.ready_all(["a", "b", "c"], 0).values())
+        assert s.clients["a"].ready("a", 1, 0.2).status == "wait"  # a gives up waiting (it defers)
+        time.sleep(cfg.heartbeat_timeout_s + 0.5)  # its heartbeats go on: its lease (and ready key) live
+        got = s.ready_all(["b", "c"], 1, timeout_s=cfg.quorum_timeout_s + 1.0)
+        assert all(d.status == "wait" for d in got.values()), got  # not formed with a, who is not waiting
+        assert "min_sites is 3" in got["b"].reason, got["b"].reason
+        got = s.ready_all(["a", "b", "c"], 1)
+        assert {d.plan.site_ids for d in got.values()} == {("a", "b", "c")}
+    finally:
+        s.close()
