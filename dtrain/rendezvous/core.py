@@ -408,10 +408,11 @@ class RendezvousCore:
             first_round=view.first_round,
         )
         if members is None:
-            first = min(view.ready.values(), default=t)
-            if view.first_round and view.startup_t is not None:
-                first = max(first, view.startup_t)
-            self._schedule(first + self.config.quorum_timeout_s - t)
+            if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
+                first = min(view.ready.values(), default=t)
+                if view.first_round and view.startup_t is not None:
+                    first = max(first, view.startup_t)
+                self._schedule(first + self.config.quorum_timeout_s - t)
             return self._wait(round, f"round {round}: {reason}")
         plan = RoundPlan(
             round=round,
