@@ -134,8 +134,9 @@ class Codec:
         """Encode ``x`` to a self-describing payload.
 
         Args:
-            x: CPU tensor of dtype float32, bfloat16 or float16, any shape (flattened in
-                row-major order). Not modified.
+            x: tensor of dtype float32, bfloat16 or float16, any shape (flattened in
+                row-major order), on any device (a device tensor is copied to the
+                host first; the payload is host bytes). Not modified.
             generator: CPU generator for stochastic rounding (int8/int4 with
                 ``stochastic_rounding=True``); ignored by other codecs. ``None`` uses
                 torch's default generator (not reproducible across processes).
@@ -144,7 +145,7 @@ class Codec:
             Header + body bytes (layout in the ``dtrain.codecs`` docstring).
 
         Raises:
-            CodecError: ``x`` is not a CPU float32/bfloat16/float16 tensor, or holds NaN
+            CodecError: ``x`` is not a float32/bfloat16/float16 tensor, or holds NaN
                 or ±inf (the message says how many and the first index).
         """
         x32, dtype_id = _prepare(x)
@@ -347,12 +348,12 @@ def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Validate ``x`` and return a contiguous flat float32 view (a copy only if needed)."""
     if not isinstance(x, torch.Tensor):
         raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
-        raise CodecError(f"expected a CPU tensor, got device {x.device}")
     dtype_id = _DTYPE_IDS.get(x.dtype)
     if dtype_id is None:
         raise CodecError(f"unsupported dtype {x.dtype}: expected float32, bfloat16 or float16")
     x32 = x.detach().reshape(-1)
+    if x32.device.type != "cpu":  # θ on the model's device: the body is built on the host
+        x32 = x32.cpu()
     if x32.dtype != torch.float32:
         x32 = x32.float()
     return x32.contiguous(), dtype_id

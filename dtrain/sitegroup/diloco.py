@@ -40,7 +40,7 @@ from dtrain.protocol import JoinInfo, RoundPlan
 from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.sitegroup.agree import RankView, combine_checksums, decide_agreement, rank_donors, rank_plan
 from dtrain.sitegroup.slices import SliceMap
-from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state
+from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state, theta_device_of
 from dtrain.transports.base import Transport
 
 __all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "slice_checksum", "diloco_numel"]
@@ -138,7 +138,8 @@ class SiteGroupDiLoCo:
         self.slices = SliceMap(tensors, kinds, self.rank, self.num_ranks)
         self.local, local_kinds = self.slices.local()
         self.layout = BucketLayout([t.numel() for t in self.local], local_kinds, config.buckets)
-        self.state = GlobalState(self.layout, self.local, outer_optimizer)
+        device = theta_device_of(self.local, config.theta_device)
+        self.state = GlobalState(self.layout, self.local, outer_optimizer, device=device)
         self.engine = RoundEngine(config.site_id, self.state, transport, config.rounds)
         self.engine.start()
         addresses = self._all_gather(self.engine.address)

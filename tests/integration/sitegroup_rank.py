@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bucket-bytes", type=int, default=512)
+    ap.add_argument("--theta-device", choices=("cpu", "model"), default="cpu")
     ap.add_argument("--skip-view-round", type=int, default=-1, help="rank 1 pretends it missed this round's plan")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -98,6 +99,7 @@ def main() -> None:
         sync_every=args.sync_every,
         buckets=BucketConfig(bucket_bytes=args.bucket_bytes, chunk_bytes=min(256, args.bucket_bytes)),
         group=fast_group_config(quorum_wait_s=60.0),
+        theta_device=args.theta_device,
     )
     rdv = GrpcRendezvousClient(args.rendezvous) if rank == 0 else None
     d = SiteGroupDiLoCo(

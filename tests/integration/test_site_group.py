@@ -105,9 +105,16 @@ def reference_run(*, steps: int, sync_every: int, lr: float) -> list[torch.Tenso
 
 
 @pytest.mark.timeout(150)
-def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites(tmp_path):
+def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites_theta_cpu_or_model(tmp_path):
     steps, h, lr = 20, 5, 0.05
-    res = run_sites(tmp_path, num_sites=2, num_ranks=2, extra=["--parallel", "ddp", "--steps", str(steps)])
+    # site-1 keeps θ on the model's device (the CPU here): it must not change a bit
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "ddp", "--steps", str(steps)],
+        site_extra={1: ["--theta-device", "model"]},
+    )
     for r in (0, 1):
         a, b = res[0, r][0]["rounds"], res[1, r][0]["rounds"]
         assert [o["status"] for o in a] == ["applied"] * (steps // h)
