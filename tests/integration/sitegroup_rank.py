@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bucket-bytes", type=int, default=512)
     ap.add_argument("--theta-device", choices=("cpu", "model"), default="cpu")
+    ap.add_argument("--stop-at-round", type=int, default=-1, help="every rank SIGSTOPs itself before pushing it")
     ap.add_argument("--skip-view-round", type=int, default=-1, help="rank 1 pretends it missed this round's plan")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -110,6 +112,11 @@ def main() -> None:
         d.view_hook = lambda v: (
             dataclasses.replace(v, kind="wait", plan_round=None, members=()) if v.plan_round == skip else v
         )
+    if args.stop_at_round >= 0:
+        stop_round = args.stop_at_round
+        d.engine.fault_hook = lambda where, r: (
+            os.kill(os.getpid(), signal.SIGSTOP) if where == "before_push" and r == stop_round else None
+        )
     rounds: list[dict] = []
     d.on_round.append(
         lambda o: rounds.append(
@@ -120,6 +127,8 @@ def main() -> None:
                 "slice_checksum": o.slice_checksums[rank],
                 "slice_checksums": o.slice_checksums,
                 "site_checksum": o.site_checksum,
+                "lost_members": o.result.lost_members if o.result is not None else [],
+                "lost_notices_used": o.num_lost_notices_used,
             }
         )
     )
