@@ -38,8 +38,8 @@ from dtrain.errors import QuorumTimeout, RendezvousError, SiteGroupError, StateT
 from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import JoinInfo, RoundPlan
 from dtrain.rounds import RoundEngine, RoundResult
-from dtrain.sitegroup.notices import LostNotices, site_store
 from dtrain.sitegroup.agree import RankView, combine_checksums, decide_agreement, rank_donors, rank_plan
+from dtrain.sitegroup.notices import LostNotices, site_store
 from dtrain.sitegroup.slices import SliceMap
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state, theta_device_of
 from dtrain.transports.base import Transport
