@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, parse_line, write_line
-from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome
+from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome, combine_checksums
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # Bytes fields of a RoundResult summed over a site's ranks in its metrics line.
-_SUMMED = ("bytes_sent", "bytes_received", "encoded_bytes", "encoded_fp32_bytes")
+_SUMMED = ("bytes_sent", "bytes_received", "encoded_bytes", "encoded_fp32_bytes", "owned_buckets")
 
 
 def in_site_group() -> bool:
@@ -244,8 +244,9 @@ def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: th
 
 
 def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dict[str, Any]) -> dict:
-    """The site's metrics line: the schema's RoundLine (rank 0's engine fields, bytes summed
-    over the ranks) plus the site-group fields (docs/METRICS.md, "Site groups")."""
+    """The site's metrics line: the schema's RoundLine (rank 0's engine fields, bytes and
+    owned buckets summed over the ranks) plus the site-group fields (docs/METRICS.md,
+    "Site groups"). ``base`` carries ``outer_checksum``, combined over the ranks."""
     engine = dict(results[0]) if results[0] is not None else {}
     if engine:
         for key in _SUMMED:
@@ -261,6 +262,8 @@ def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dic
 
 
 def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event, parallel: str) -> Summary:
+    from dtrain.app.worker import outer_state_checksum
+
     out_dir = Path(cfg.out_dir)
     rank0 = diloco.rank == 0
     if rank0:
@@ -275,6 +278,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             mf.write(json.dumps({**start.as_dict(), "ranks": diloco.num_ranks}) + "\n")
     totals = Totals()
     train_loss, syncs, out = float("nan"), 0, None
+    num_buckets = sum(diloco._all_gather(len(diloco.layout)))
+    owned_buckets = 0  # the site's (over its ranks), in the last round it ran
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < cfg.rounds * 4 + 10:
         t0 = time.monotonic()
         train_loss = _inner_phase(cfg, task, module, optimizer, diloco, stop)
@@ -286,7 +291,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         syncs += 1
         if out.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(module)
-        results = diloco._all_gather(engine_fields(out.result) if out.result else None)
+        mine = (engine_fields(out.result) if out.result else None, outer_state_checksum(diloco))
+        results, outer = (list(x) for x in zip(*diloco._all_gather(mine)))
         base = {
             "round": out.result.round if out.result else diloco.round - 1,
             "members": list(out.result.members) if out.result else [],
@@ -298,8 +304,10 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             "quorum_s": out.quorum_s,
             "wall_s": t2 - t_start,
             "time": time.time(),
+            "outer_checksum": combine_checksums(outer),  # as the θ checksum: one per site
         }
         line = _round_line(cfg, out, results, base)
+        owned_buckets = line["owned_buckets"] if out.result is not None else owned_buckets
         totals.add(parse_line(line))
         if rank0:
             with open(metrics, "a") as mf:
@@ -320,6 +328,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         wall_s=wall,
         sync_share=totals.sync_s / wall if wall > 0 else 0.0,
         fp32_bytes_per_round=4 * params,
+        owned_buckets=owned_buckets,
+        num_buckets=num_buckets,
         interrupted=stop.is_set(),
         compression_ratio=totals.compression_ratio,
         **dataclasses.asdict(totals),

@@ -100,6 +100,18 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
     per_round = zip(*(_rounds(tmp_path, s) for s in SITES))
     for a, b in per_round:
         assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
+        # the outer state is combined per site as θ is; the site's ranks own a share of the buckets
+        assert a["outer_checksum"] == b["outer_checksum"] and a["outer_checksum"], (a, b)
+        assert 0 < a["owned_buckets"] and 0 < b["owned_buckets"]
+    owned = [r.split()[4] for r in rows]  # the launch table's owned_buckets column: "n/total"
+    assert all("/" in o for o in owned), rows
+    totals = {int(o.split("/")[1]) for o in owned}
+    assert len(totals) == 1 and sum(int(o.split("/")[0]) for o in owned) == totals.pop(), rows
+    from dtrain.app.report import summarize_run
+
+    report = summarize_run(tmp_path)
+    assert report["checksums_agree"] and report["outer_checksums_agree"], report["sites"]
+    assert all(v["owned_buckets"] and v["outer_checksum"] for v in report["sites"].values())
 
 
 @pytest.mark.timeout(240)
