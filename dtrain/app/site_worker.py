@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, parse_line, write_line
 from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome, combine_checksums
+from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint, save_site_checkpoint
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
@@ -176,12 +177,11 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
         the summary dict (rank 0 also writes ``out_dir/summary.json``).
     Raises:
         QuorumTimeout: (every rank) no round formed within ``quorum_wait_s``.
-        ValueError: ``cfg.resume`` (checkpoints of site groups are not written yet).
+        CheckpointError: (every rank) ``resume`` with a checkpoint of another site,
+            rank count or model.
     """
     from dtrain.app.worker import _transport_and_rendezvous, fault_hook_from_env
 
-    if cfg.checkpoint.resume or cfg.checkpoint.every:
-        raise ValueError("resume/checkpoint_every: checkpoints are not supported with --ranks-per-site > 1 yet")
     torch.set_num_threads(cfg.threads)
     init_site_process_group(timeout_s=max(60.0, cfg.diloco.group.quorum_wait_s))
     rank, k = dist.get_rank(), dist.get_world_size()
@@ -203,7 +203,10 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
             transport=transport,
             rendezvous=rendezvous if rank == 0 else None,
             outer_optimizer=_outer_factory(cfg),
+            defer_join=True,
         )
+        _maybe_resume(cfg, task, module, optimizer, diloco)
+        diloco.join()
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
             diloco.engine.fault_hook = fault_hook_from_env(f"{cfg.site_id}/{rank}")
         t_start = time.monotonic()
@@ -218,6 +221,33 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
             transport.stop(0.1)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _maybe_resume(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo) -> None:
+    """``--resume``: every rank loads its slice, model shard, inner optimizer and data
+    position from the newest site-group checkpoint (dtrain.sitegroup.checkpoint)."""
+    if not cfg.checkpoint.resume:
+        return
+    path = latest_site_checkpoint(cfg.resolved_checkpoint_dir)
+    if path is None:
+        if diloco.rank == 0:
+            log.warning("--resume: no site-group checkpoint in %s; starting fresh", cfg.resolved_checkpoint_dir)
+        return
+    extra = load_site_checkpoint(path, diloco, module, optimizer)
+    task.batches.load_state_dict(extra["batches"])
+    if task.scheduler is not None and extra.get("inner_scheduler") is not None:
+        task.scheduler.load_state_dict(extra["inner_scheduler"])
+
+
+def _maybe_checkpoint(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, out: SiteSyncOutcome) -> None:
+    """Every ``checkpoint.every`` rounds (never after a deferred sync), on every rank."""
+    every = cfg.checkpoint.every
+    if every and out.status != "deferred" and diloco.round % every == 0:
+        extra = {
+            "batches": task.batches.state_dict(),
+            "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
+        }
+        save_site_checkpoint(cfg.resolved_checkpoint_dir, diloco, module, optimizer, extra=extra)
 
 
 def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event) -> float:
@@ -308,6 +338,7 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         }
         line = _round_line(cfg, out, results, base)
         owned_buckets = line["owned_buckets"] if out.result is not None else owned_buckets
+        _maybe_checkpoint(cfg, task, module, optimizer, diloco, out)
         totals.add(parse_line(line))
         if rank0:
             with open(metrics, "a") as mf:

@@ -115,6 +115,9 @@ class SiteGroupDiLoCo:
             rank 0's dead-site notices (default: a client of the site's TCPStore
             from ``MASTER_ADDR``/``MASTER_PORT``; none without them, and then ranks
             j > 0 wait for a dead site until the reduce deadline).
+        defer_join: do not join in the constructor: load a checkpoint first
+            (:func:`dtrain.sitegroup.checkpoint.load_site_checkpoint`), then call
+            :meth:`join` on every rank, so the site presents its saved round.
 
     Every rank must construct it, call :meth:`step`/:meth:`sync` and
     :meth:`close` in the same order: they run collectives.
@@ -134,6 +137,7 @@ class SiteGroupDiLoCo:
         process_group: dist.ProcessGroup | None = None,
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
         store: dist.Store | None = None,
+        defer_join: bool = False,
     ) -> None:
         self.config = config
         self.model = model
@@ -170,7 +174,9 @@ class SiteGroupDiLoCo:
         # model), allgather (replicated parts inside the site), checksum.
         self.last_cpu_s: dict[str, float] = {}
         self._closed = False
-        self.join()
+        self._hook_paused = False  # checkpoint code steps the optimizer without it counting
+        if not defer_join:
+            self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if config.hook_optimizer else None
 
     def _lost_notices(self, store: dist.Store | None) -> LostNotices | None:
@@ -377,7 +383,8 @@ class SiteGroupDiLoCo:
         return self.state.rounds_applied
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self.step()
+        if not self._hook_paused:
+            self.step()
 
     def step(self) -> SiteSyncOutcome | None:
         """Count one inner step; every ``sync_every`` steps run a round (on every rank)."""
