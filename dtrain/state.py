@@ -93,6 +93,11 @@ class GlobalState:
 
     Thread-safety: each bucket has its own lock (``lock(b)``); the round engine
     applies a bucket's mean under it while peers may read it for repair.
+
+    θ_b changes only through :meth:`apply_mean`, :meth:`load_bucket` and
+    :meth:`load_state_dict`; its checksum is cached between them (hashing θ costs
+    ~3 ns per element, and a round asks for it before, after and for the metrics).
+    Code that writes ``theta[b]`` in place otherwise calls :meth:`invalidate_checksums`.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class GlobalState:
         self.bucket_round: list[int] = [0] * len(layout)
         self.rounds_applied = 0
         self._locks = [threading.RLock() for _ in range(len(layout))]
+        self._sums: list[str | None] = [None] * len(layout)  # checksum(θ_b) until θ_b changes
         for b in layout.buckets:
             out = torch.empty(b.numel, dtype=torch.float32, device=self.device)
             t = layout.gather(b.index, tensors, out=out).requires_grad_(True)
@@ -128,8 +134,18 @@ class GlobalState:
         return self._locks[b]
 
     def checksum(self, b: int) -> str:
+        """blake2b-128 of θ_b's bytes (cached until θ_b changes)."""
         with self._locks[b]:
-            return checksum(self.theta[b])
+            s = self._sums[b]
+            if s is None:
+                s = self._sums[b] = checksum(self.theta[b])
+            return s
+
+    def invalidate_checksums(self) -> None:
+        """Forget the cached checksums (after writing θ other than through this class)."""
+        for b in range(len(self)):
+            with self._locks[b]:
+                self._sums[b] = None
 
     def checksums(self) -> list[str]:
         return [self.checksum(b) for b in range(len(self))]
@@ -145,22 +161,25 @@ class GlobalState:
         with self._locks[b]:
             t = self.theta[b]
             t.grad = mean.to(t.device)
+            self._sums[b] = None
             self.optimizers[b].step()
             t.grad = None
-            return checksum(t)
+            s = self._sums[b] = checksum(t)
+            return s
 
     def bucket_state(self, b: int) -> BucketState:
         """Snapshot of bucket ``b`` (θ_b bytes and outer-optimizer state)."""
         with self._locks[b]:
-            theta = self.theta[b].detach().clone()
+            theta = self.theta[b].detach().cpu().clone()
             opt = _serialize(self.optimizers[b].state_dict())
             rnd = self.bucket_round[b]
+            digest = self.checksum(b)
         return BucketState(
             bucket=b,
             rounds_applied=rnd,
-            theta=theta.cpu().numpy().tobytes(),
+            theta=theta.numpy().tobytes(),
             optimizer_state=opt,
-            checksum=checksum(theta),
+            checksum=digest,
         )
 
     def decode_bucket_state(self, st: BucketState) -> tuple[torch.Tensor, dict]:
@@ -188,6 +207,7 @@ class GlobalState:
     def load_bucket(self, b: int, theta: torch.Tensor, opt_state: dict, rounds_applied: int) -> None:
         """Install a decoded bucket (see :meth:`decode_bucket_state`)."""
         with self._locks[b]:
+            self._sums[b] = None
             with torch.no_grad():
                 self.theta[b].copy_(theta)
             self.optimizers[b].load_state_dict(opt_state)
@@ -244,6 +264,7 @@ class GlobalState:
                 )
         for b in range(len(self)):
             with self._locks[b]:
+                self._sums[b] = None
                 with torch.no_grad():
                     self.theta[b].copy_(sd["theta"][b])
                 # deep copy: Optimizer.load_state_dict keeps the given tensors, and

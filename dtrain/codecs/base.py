@@ -151,7 +151,7 @@ class Codec:
         x32, dtype_id = _prepare(x)
         numel = x32.numel()
         raw = self._body_bytes(numel)
-        body = torch.empty(raw, dtype=torch.uint8).numpy()
+        body = self._body_buffer(raw)
         if raw:
             self._encode_into(x32, body, generator)
         stored = self._compressor().compress(body) if self._zstd else body
@@ -283,6 +283,14 @@ class Codec:
 
     def _max_error(self, x: torch.Tensor, absmax: float) -> float:  # pragma: no cover
         raise NotImplementedError
+
+    def _body_buffer(self, raw: int) -> np.ndarray:
+        """A uint8 scratch of ``raw`` bytes, reused per thread (the payload is a copy of
+        it, so the next encode may overwrite it): no new body allocation per bucket."""
+        buf = getattr(self._local, "body", None)
+        if buf is None or buf.size < raw:
+            buf = self._local.body = np.empty(max(raw, 1), dtype=np.uint8)
+        return buf[:raw]
 
     # ----------------------------------------------------------------- zstd stage
     def _compressor(self) -> zstandard.ZstdCompressor:

@@ -46,7 +46,7 @@ def _pseudo_gradient(
         ref = ref.clone()
         for sl, dt in dtypes:
             ref[sl] = ref[sl].to(dt).float()
-    return ref - local_b
+    return torch.sub(ref, local_b, out=local_b)  # in the gather buffer: no tensor per bucket
 
 
 def add_pseudo_gradient(
@@ -85,10 +85,10 @@ def add_pseudo_gradient(
             for sg in bucket.segments
             if tensors[sg.tensor_index].dtype != torch.float32
         ]
-        delta = _pseudo_gradient(theta[b].detach(), local, low)
+        delta = _pseudo_gradient(theta[b].detach(), local, low)  # a view of tmp
         r = residuals[b]
         if r is None or not error_feedback:
-            residuals[b] = delta
+            residuals[b] = delta.clone()
         else:
             r.add_(delta)
         if not bool(torch.isfinite(residuals[b]).all()):
