@@ -76,14 +76,17 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
             return True
         return False
 
-    args = [*BASE, "--parallel", "fsdp", "--rounds", str(rounds)]
+    args = [*BASE, "--parallel", "fsdp", "--rounds", str(rounds), "--checkpoint-every", "2"]
     rc, out, err = _launch(args, tmp_path, 120, watch=watch)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "θ checksums agree across sites" in out
     assert set(seen) == set(SITES), "the status page never showed both sites' round reports"
     rows = [ln for ln in out.splitlines() if ln.startswith("site-")]
     assert len(rows) == 2 and rows[0].split()[2] == rows[1].split()[2]  # one θ checksum per site, equal
-    for s in SITES:
+    for s in SITES:  # DCP checkpoints of the FSDP2 shards and slices, complete, every 2 rounds
+        ckpts = sorted(p.name for p in (tmp_path / s / "checkpoints").iterdir())
+        assert ckpts == ["sg-000002", "sg-000004"], ckpts
+        assert (tmp_path / s / "checkpoints" / "sg-000004" / ".metadata").exists()
         summ = json.loads((tmp_path / s / "summary.json").read_text())
         assert summ["ranks"] == 2 and summ["parallel"] == "fsdp" and summ["rounds"] == rounds
         assert summ["final_val_loss"] < summ["first_val_loss"] - 0.5
