@@ -34,7 +34,7 @@ from dtrain.membership import Group, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
-from dtrain.state import GlobalState, OuterOptimizerFactory, decode_position, default_outer_optimizer
+from dtrain.state import GlobalState, OuterOptimizerFactory, decode_position, default_outer_optimizer, theta_device_of
 from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
@@ -111,7 +111,8 @@ class DiLoCo:
             if not t.is_floating_point():
                 raise ValueError(f"DiLoCo synchronises floating-point tensors only, got {t.dtype}")
         self.layout = BucketLayout([t.numel() for t in tensors], kinds, self.config.buckets)
-        self.state = GlobalState(self.layout, tensors, outer_optimizer)
+        device = theta_device_of(tensors, self.config.theta_device)
+        self.state = GlobalState(self.layout, tensors, outer_optimizer, device=device)
         self.engine = RoundEngine(
             self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds
         )
