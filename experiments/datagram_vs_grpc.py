@@ -155,7 +155,9 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 codec="int8",
                 eval_every=total,
                 quorum_wait_s=600,
-                linger_s=3,
+                # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
+                # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
+                # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
                 data_path=data_path,
                 max_rate_mbit=0.95 * m["rate"],
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
@@ -195,7 +197,7 @@ def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
 def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> RunResult:
     n, per = m["num_sites"], 1 + m["measured"]
     engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
-    drift = stale = 0
+    drift = stale = skipped = 0
     for r in range(k * per + 1, (k + 1) * per):  # the first round of each setting is the warm-up
         lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
         ok = len(lines) == n and all(x["time"] - x["sync_s"] >= changed_at for x in lines)
@@ -223,6 +225,7 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
         delivered += [x.get("included_fraction", float("nan")) for x in lines]
         drift += len({x["checksum"] for x in lines}) > 1
         stale += sum(x.get("stale_buckets", 0) for x in lines)
+        skipped += sum(x.get("skipped_buckets", 0) for x in lines)
     b = statistics.fmean(enc) if enc else float("nan")
     limit = physical_limit_s(b, m["rate"], m["delay"])
     e = statistics.fmean(engine) if engine else float("nan")
@@ -248,6 +251,7 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
         "delivered": statistics.fmean(delivered) if delivered else float("nan"),
         "drift_rounds": drift,
         "stale_buckets": stale,
+        "skipped_buckets": skipped,
         "rejected": 0,
         "sync_s": e,
         "first_val_loss": first_val,
@@ -274,7 +278,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
                 else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
                 f"{r['delivered']:.3f}",
-                f"{r['drift_rounds']} / {r['stale_buckets']}",
+                f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
             ]
         )
     return md_table(
@@ -287,7 +291,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
             "payload MB/site",
             "wire MB/site",
             "delivered",
-            "drift rounds / stale buckets",
+            "drift rounds / stale / skipped buckets",
         ],
         out,
     )

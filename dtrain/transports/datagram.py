@@ -496,7 +496,7 @@ class DatagramTransport(Transport):
             self._on_contribution(rs, h, body)
         elif h.kind in (Kind.MEAN, Kind.MEAN_META):
             self._on_mean(rs, h, body)
-        elif h.kind in (Kind.SEND_END, Kind.NACK):
+        elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK):
             self._enqueue((h.kind, rs, h, body))
         elif h.kind == Kind.REPORT:
             self._on_report(rs, h, body)
@@ -560,6 +560,8 @@ class DatagramTransport(Transport):
                     self._answer_send_end(rs, h.sender, obj)
                 elif kind == Kind.NACK:
                     self._answer_nack(rs, h, obj)
+                elif kind == Kind.MEAN_ACK:
+                    self._answer_ack(rs, h)
             except TransportError as e:
                 log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
             except Exception:
@@ -660,6 +662,15 @@ class DatagramTransport(Transport):
         self._count(resent=len(wanted))
         self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in struct.unpack(f"<{len(body) // 4}I", body))
 
+    def _answer_ack(self, rs: RoundState, h) -> None:
+        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
+        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id):
+            self._opener.count("malformed")
+            return
+        delivered = getattr(self._handler, "handle_mean_delivered", None)
+        if delivered is not None:
+            delivered(rs.round, h.bucket, rs.site_ids[h.sender])
+
     # ------------------------------------------------------------------ means: member side
     def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
         if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_ids[h.sender] and h.sender != rs.me):
@@ -688,7 +699,12 @@ class DatagramTransport(Transport):
                         senders=senders_from_bitmap(body[:nbits], rs.site_ids),
                     )
                     self._counts["received"] += len(whole)
+            ack = ma.complete() and not ma.acked
+            ma.acked = ma.acked or ack
             rs.cv.notify_all()
+        if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
+            for copy in range(2):
+                self._send_ctl(rs, h.sender, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=h.bucket, chunk=copy))
 
     def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
         rs = self._round(round)

@@ -75,6 +75,7 @@ class MeanAssembly:
     chunks: dict[int, MeanChunk] = field(default_factory=dict)
     final_meta_seen: bool = False
     last_arrival: float = 0.0
+    acked: bool = False  # a MEAN_ACK went to the owner
 
     def missing(self) -> list[int]:
         if self.num_chunks is None:

@@ -274,3 +274,34 @@ def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     finally:
         a.stop(0)
         b.stop(0)
+
+
+def test_owners_exit_only_once_a_slow_member_holds_their_means(make_cluster) -> None:
+    """The last round before exit at 30% loss: owners close (wait for their means' pulls,
+    then stop) while a member is still asleep before its pulls. Pushed means count as
+    pulled only when the member acknowledged the whole mean (MEAN_ACK), so the owners wait
+    for the slow member (not to their bound, and not too little), and it ends equal."""
+    c = make_cluster(3, drop=0.3, seed=11, reduce_s=2.0, bcast_s=8.0)
+    slow = c.engines[2]
+
+    def sleep_before_pull(phase: str, round: int) -> None:
+        if phase == "before_pull":
+            time.sleep(1.5)
+
+    slow.fault_hook = sleep_before_pull
+    for eng, d in zip(c.engines, c.deltas):
+        assert eng.add_pseudo_gradient([-d])
+    futs = [e.start_round(c.plan) for e in c.engines]
+    waits = []
+    for e, f in zip(c.engines[:2], futs[:2]):
+        f.result(timeout=60)
+        waits.append(e.mean_pulls.wait_pulled(timeout_s=6.0))
+        e.stop(0)  # as close() does: nothing serves this owner's means any more
+    res = futs[2].result(timeout=60)
+    for w in waits:
+        assert w.reason == "all pulled" and not w.missing, w
+        assert w.waited_s < 5.0, w  # ended by the acknowledgements, not by the bound
+    assert res.applied_buckets == len(c.layout) and res.stale_buckets == 0 and res.skipped_buckets == 0, res
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1, "the slow member ended with a different θ"
+    assert sum(e.transport.counters()["test_dropped"] for e in c.engines) > 0
