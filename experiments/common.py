@@ -386,6 +386,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     bytes_received = sum(x.bytes_received for x in flat)
     row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
     row.update(dict(spec.extra))
+    row["chunk_bytes"] = spec.cluster_config().buckets.chunk_bytes  # the datagram path sets its own
     row.update(
         {
             "num_params": num_params,

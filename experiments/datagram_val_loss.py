@@ -180,8 +180,11 @@ final at 0% - 1 (final = mean over sites; replicas are equal). CSV: `{prefix.wit
 
 {table}
 
-Mean d over {len(paired(rows, args.loss))} seeds: {100 * mean:+.3f}%, standard error {100 * se:.3f}%.
+Mean d over {len(paired(rows, args.loss))} seeds: {100 * mean:+.3f}%, standard error {100 * se:.3f}%
+(one-sided 95% upper bound, mean + 1.645 SE: {100 * (mean + 1.645 * se):+.2f}%).
 Target (within 0.5%, SE <= {100 * args.target_se:.1f}%): **{verdict(mean, se, args.target_se)}**.
+With `--resume` the seeds already in the CSV were kept from earlier invocations of this mode (the
+minutes above are this invocation's).
 """
     publish(args, f"datagram_val_loss-{mode}", f"Datagram path: validation loss at {args.loss:.0%} loss ({mode})", body)
     return 0
