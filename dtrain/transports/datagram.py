@@ -79,7 +79,25 @@ __all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes
 log = logging.getLogger(__name__)
 
 _SEND_END = struct.Struct("<QQd")
-_REPORT = struct.Struct("<QQdQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo
+_REPORT = struct.Struct("<QQdQQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo, socket drops
+_TIMESPEC = struct.Struct("@qq")
+_U32 = struct.Struct("@I")
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
+_SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+
+
+def _enable_rx_meta(sock: socket.socket) -> int:
+    """Ask for arrival timestamps and drop counts on ``sock``; the ancillary buffer size, 0 if refused."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RXQ_OVFL, 1)
+    except OSError:
+        return 0
+    return socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_U32.size)
+
+
 _META_COPY_FINAL = 1
 _NACK_META = 0xFFFFFFFF
 
@@ -200,6 +218,7 @@ class DatagramTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
         self._drop_rng = random.Random(cfg.test_drop_seed)
+        self._sock_drops = 0  # the receive socket's drops at a full buffer so far (SO_RXQ_OVFL)
         self._counts = {"sent": 0, "received": 0, "wire_sent": 0, "wire_received": 0, "datagrams_sent": 0}
         self._counts.update(nacks_sent=0, resent=0, fallback_pulls=0, test_dropped=0, rejected=0)
 
@@ -317,6 +336,7 @@ class DatagramTransport(Transport):
                             received_datagrams=rep[0],
                             received_bytes=rep[1],
                             recv_s=rep[2],
+                            receiver_drops=rep[6],
                         )
                     )
         rate, why = self.rate.decide(reports)
@@ -454,13 +474,24 @@ class DatagramTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self) -> None:
+        """Receive thread. Where the kernel offers them (Linux), every datagram comes with its
+        arrival time at the socket (``SO_TIMESTAMPNS``) and the socket's running count of
+        datagrams dropped at a full receive buffer (``SO_RXQ_OVFL``): the REPORT's receive
+        window is then the network's, not this thread's (a CPU-starved receiver used to look
+        like a queue on the path), and the drops say when this receiver is the bottleneck."""
         sock = self._sock
         assert sock is not None
         buf = bytearray(65536)
         mv = memoryview(buf)
+        anc = _enable_rx_meta(sock)
         while not self._stopped.is_set():
+            t_arrival = None
             try:
-                n = sock.recv_into(buf)
+                if anc:
+                    n, cmsgs, _, _ = sock.recvmsg_into([buf], anc)
+                    t_arrival = self._rx_meta(cmsgs)
+                else:
+                    n = sock.recv_into(buf)
             except socket.timeout:
                 continue
             except OSError:
@@ -469,11 +500,22 @@ class DatagramTransport(Transport):
                 continue
             self._counts["wire_received"] += n  # only this thread writes it
             try:
-                self._on_datagram(bytes(mv[:n]))
+                self._on_datagram(bytes(mv[:n]), t_arrival)
             except Exception:  # a bug must not stop the receive loop
                 log.exception("datagram handling failed")
 
-    def _on_datagram(self, data: bytes) -> None:
+    def _rx_meta(self, cmsgs: list) -> float | None:
+        """Arrival time (``time.monotonic()`` seconds) from the ancillary data; notes socket drops."""
+        t = None
+        for _, kind, data in cmsgs:
+            if kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                sec, nsec = _TIMESPEC.unpack_from(data)
+                t = sec + nsec * 1e-9 - time.time() + time.monotonic()
+            elif kind == _SO_RXQ_OVFL and len(data) >= 4:
+                self._sock_drops = _U32.unpack_from(data)[0]
+        return t
+
+    def _on_datagram(self, data: bytes, t_arrival: float | None = None) -> None:
         if self.config.test_drop and len(data) > 3 and data[3] in (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META):
             if self._drop_rng.random() < self.config.test_drop:
                 self._counts["test_dropped"] += 1
@@ -493,7 +535,7 @@ class DatagramTransport(Transport):
             self._opener.count("stale_round")
             return
         if h.kind == Kind.CONTRIB:
-            self._on_contribution(rs, h, body)
+            self._on_contribution(rs, h, body, time.monotonic() if t_arrival is None else t_arrival)
         elif h.kind in (Kind.MEAN, Kind.MEAN_META):
             self._on_mean(rs, h, body)
         elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK):
@@ -509,12 +551,12 @@ class DatagramTransport(Transport):
         except queue.Full:
             self._opener.count("over_budget")
 
-    def _on_contribution(self, rs: RoundState, h, body: bytes) -> None:
+    def _on_contribution(self, rs: RoundState, h, body: bytes, t_arrival: float) -> None:
         if h.codec >= len(CODEC_WIRE_NAMES):
             self._opener.count("malformed")
             return
         with rs.lock:
-            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), time.monotonic())
+            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
             whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
         if whole is False:
             self._opener.count("over_budget")
@@ -591,7 +633,9 @@ class DatagramTransport(Transport):
             done(rs.round, rs.site_ids[sender])
         with rs.lock:
             st = rs.stats.setdefault(sender, SenderStats())
-            head = _REPORT.pack(st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo)
+            head = _REPORT.pack(
+                st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo, st.socket_drops
+            )
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))

@@ -57,13 +57,25 @@ class SenderStats:
     accepted: int = 0
     rejected: int = 0
     last_rejection: tuple[str, str] = ("", "")
+    drops_first: int = 0  # the receive socket's drop counter at the first arrival
+    drops_last: int = 0  # ... and at the latest
 
-    def note(self, nbytes: int, now: float) -> None:
+    def note(self, nbytes: int, now: float, socket_drops: int = 0) -> None:
+        """One datagram of ``nbytes`` arrived at ``now``; ``socket_drops``: the socket's
+        running count of datagrams dropped at a full buffer (``SO_RXQ_OVFL``)."""
         if not self.datagrams:
             self.first_t = now
+            self.drops_first = socket_drops
         self.datagrams += 1
         self.bytes += nbytes
-        self.last_t = now
+        self.first_t = min(self.first_t, now)
+        self.last_t = max(self.last_t, now)
+        self.drops_last = socket_drops
+
+    @property
+    def socket_drops(self) -> int:
+        """Datagrams (from any sender) the receive socket dropped while this sender's arrived."""
+        return max(0, self.drops_last - self.drops_first)
 
 
 @dataclass

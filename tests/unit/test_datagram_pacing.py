@@ -109,6 +109,56 @@ def test_a_deep_queue_is_found_from_the_receive_window() -> None:
     assert 0.85 * 60 <= rc.rate_mbit <= 1.2 * 60  # detection starts at (1 + queue_tolerance) x capacity
 
 
+def test_a_receiver_overflowing_its_socket_is_congestion_random_loss_is_not() -> None:
+    """Drops the receiver's socket counted (it was too slow: SO_RXQ_OVFL) cut the rate to what
+    it took; the same loss with no socket drops (the path's random loss) keeps the ceiling."""
+    n, size, took = 4000, 1400, 3600  # the receiver kept up with 90% of a 95 Mbit/s send
+
+    def report(drops: int) -> ReceiverReport:
+        send_s = n * size * 8 / 1e6 / 95.0
+        return ReceiverReport(
+            sent_datagrams=n,
+            sent_bytes=n * size,
+            send_s=send_s,
+            received_datagrams=took,
+            received_bytes=took * size,
+            recv_s=send_s,
+            receiver_drops=drops,
+        )
+
+    slow, lossy = RateController(max_rate_mbit=95.0), RateController(max_rate_mbit=95.0)
+    rate, why = slow.decide([report(n - took)])
+    assert rate < 0.95 * 95.0 and "receiver overflow" in why, why
+    assert lossy.decide([report(0)])[0] == 95.0
+
+
+def test_arrival_times_come_from_the_kernel() -> None:
+    """SO_TIMESTAMPNS: a datagram that waited in the socket keeps the time it arrived, not the
+    time the receive thread got to it (a CPU-starved receiver is not a queue on the path)."""
+    import socket
+
+    from dtrain.transports.datagram import DatagramTransport, _enable_rx_meta
+
+    rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with rx, tx:
+        rx.bind(("127.0.0.1", 0))
+        anc = _enable_rx_meta(rx)
+        if not anc:
+            pytest.skip("no SO_TIMESTAMPNS on this platform")
+        transport = DatagramTransport()
+        # the kernel turns stamping on (a global static key) asynchronously: until then it
+        # stamps at recvmsg time, so warm up until a stamp predates a delayed read
+        for _ in range(50):
+            sent_at = time.monotonic()
+            tx.sendto(b"x" * 100, rx.getsockname())
+            time.sleep(0.2)  # the receive thread is late
+            _, cmsgs, _, _ = rx.recvmsg_into([bytearray(2048)], anc)
+            t = transport._rx_meta(cmsgs)
+            if t is not None and t <= sent_at + 0.1:
+                break
+    assert t is not None and sent_at - 0.01 <= t <= sent_at + 0.1, (sent_at, t)
+
+
 def test_no_report_keeps_the_rate() -> None:
     rc = RateController(max_rate_mbit=50.0)
     assert rc.decide([])[0] == 50.0
