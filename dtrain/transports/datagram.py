@@ -60,6 +60,7 @@ from dtrain.transports.datagram_round import (
     SenderStats,
     decode_meta,
     encode_meta,
+    mean_wait_decision,
     senders_bitmap,
     senders_from_bitmap,
 )
@@ -99,7 +100,8 @@ def _enable_rx_meta(sock: socket.socket) -> int:
 
 
 _META_COPY_FINAL = 1
-_NACK_META = 0xFFFFFFFF
+_NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
+_NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -702,9 +704,10 @@ class DatagramTransport(Transport):
             m = rs.published.get(h.bucket)
         if m is None or len(body) % 4:
             return
-        wanted = [c for c in struct.unpack(f"<{len(body) // 4}I", body) if c != _NACK_META and c < len(m.chunks)]
+        asked = struct.unpack(f"<{len(body) // 4}I", body)
+        wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
         self._count(resent=len(wanted))
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in struct.unpack(f"<{len(body) // 4}I", body))
+        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
 
     def _answer_ack(self, rs: RoundState, h) -> None:
         """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
@@ -773,31 +776,39 @@ class DatagramTransport(Transport):
         )
 
     def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
-        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks."""
+        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC
+        (the steps are :func:`~.datagram_round.mean_wait_decision`'s)."""
         cfg = self.config
         owner = rs.index[rs.owners[bucket]]
-        nacks = 0
+        # by then the owner finalized (its reduce deadline) and its first datagrams crossed the path
+        silent_after = rs.t0 + rs.plan.reduce_timeout_s + 2 * cfg.rtt_s + cfg.nack_idle_s
         while True:
             with rs.cv:
                 ma = rs.mean_for(bucket)
-                if ma.complete():
-                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
                 now = time.monotonic()
-                if now >= fallback_at:
+                step = mean_wait_decision(
+                    ma,
+                    now,
+                    fallback_at=fallback_at,
+                    silent_after=silent_after,
+                    nack_idle_s=cfg.nack_idle_s,
+                    max_nacks=cfg.max_nack_rounds,
+                )
+                if step.action == "done":
+                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
+                if step.action == "pull":
+                    log.debug("round %d: mean of bucket %d: %s", rs.round, bucket, step.reason)
                     return None
-                wake = fallback_at
-                if ma.last_arrival:
-                    idle = 0.005 if ma.final_meta_seen else 2 * cfg.nack_idle_s
-                    wake = min(wake, ma.last_arrival + idle)
-                if now < wake:
-                    rs.cv.wait(wake - now)
+                if step.action == "wait":
+                    rs.cv.wait(max(0.0, step.wake_at - now))
                     continue
-                if nacks >= cfg.max_nack_rounds:
-                    return None  # re-requests spent: pull the rest over gRPC now
-                missing = ma.missing() if ma.num_chunks is not None else [_NACK_META]
+                if ma.num_chunks is not None:
+                    missing = ma.missing()
+                else:  # no meta yet: the meta, and every chunk when none came either
+                    missing = [_NACK_META] + ([] if ma.chunks else [_NACK_ALL])
                 ma.final_meta_seen = False
-                ma.last_arrival = now + cfg.nack_idle_s  # give the resend time to arrive
-            nacks += 1
+                ma.nacks += 1
+                ma.nack_at = now
             self._count(nacks_sent=1)
             room = self._body_max // 4
             for i in range(0, len(missing), room):

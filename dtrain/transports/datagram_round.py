@@ -17,7 +17,16 @@ from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
 from dtrain.transports.datagram_wire import Sealer
 
-__all__ = ["MeanAssembly", "RoundState", "SenderStats", "encode_meta", "decode_meta", "senders_bitmap"]
+__all__ = [
+    "MeanAssembly",
+    "MeanWait",
+    "RoundState",
+    "SenderStats",
+    "decode_meta",
+    "encode_meta",
+    "mean_wait_decision",
+    "senders_bitmap",
+]
 
 _META = struct.Struct("<I16s16s")
 
@@ -86,8 +95,10 @@ class MeanAssembly:
     checksums: tuple[str, str] = ("", "")
     chunks: dict[int, MeanChunk] = field(default_factory=dict)
     final_meta_seen: bool = False
-    last_arrival: float = 0.0
+    last_arrival: float = 0.0  # time.monotonic() of the latest datagram of this mean (0: none yet)
     acked: bool = False  # a MEAN_ACK went to the owner
+    nacks: int = 0  # NACKs this site sent for this mean
+    nack_at: float = 0.0  # when the latest went
 
     def missing(self) -> list[int]:
         if self.num_chunks is None:
@@ -107,6 +118,69 @@ class MeanAssembly:
             checksum_before=self.checksums[0],
             checksum_after=self.checksums[1],
         )
+
+
+@dataclass(frozen=True)
+class MeanWait:
+    """What a member does next about one pushed mean (:func:`mean_wait_decision`).
+
+    Attributes:
+        action: ``"done"`` (complete), ``"wait"`` (until ``wake_at``), ``"nack"``
+            (re-request the missing chunks now) or ``"pull"`` (over gRPC now).
+        wake_at: ``time.monotonic()`` seconds to wait until (``"wait"`` only).
+        reason: why, for the log.
+    """
+
+    action: str
+    wake_at: float = 0.0
+    reason: str = ""
+
+
+def mean_wait_decision(
+    m: MeanAssembly,
+    now: float,
+    *,
+    fallback_at: float,
+    silent_after: float,
+    nack_idle_s: float,
+    max_nacks: int,
+) -> MeanWait:
+    """Next step of a member waiting for a pushed mean, from what has arrived and ``now``.
+
+    Args:
+        m: the mean's assembly so far (chunks, metas, arrivals, NACKs sent).
+        now: ``time.monotonic()``.
+        fallback_at: past this, whatever is missing is pulled over gRPC (the pull's
+            deadline less ``fallback_reserve_s``).
+        silent_after: by this time some datagram of the mean should have arrived (the
+            owner's reduce deadline plus the path's slack); a mean of which nothing came
+            by then was wholly lost or its owner is gone: one NACK asks for all of it, and
+            if nothing answers within ``2 x nack_idle_s`` it is pulled over gRPC then,
+            not at ``fallback_at``.
+        nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
+            after the final meta: the owner sent everything).
+        max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
+    """
+    if m.complete():
+        return MeanWait("done", reason="complete")
+    if now >= fallback_at:
+        return MeanWait("pull", reason="fallback reserve reached")
+    if not m.last_arrival:  # nothing of this mean yet
+        if m.nacks:
+            silent_until = m.nack_at + 2 * nack_idle_s
+            if now >= silent_until:
+                return MeanWait("pull", reason="nothing arrived, a NACK unanswered: owner silent or gone")
+            return MeanWait("wait", min(fallback_at, silent_until), "waiting for the answer to a NACK")
+        if now >= silent_after:
+            return MeanWait("nack", reason="nothing arrived by the owner's reduce deadline: asking for all of it")
+        return MeanWait("wait", min(fallback_at, silent_after), "the owner may still be reducing")
+    idle = 0.005 if m.final_meta_seen else 2 * nack_idle_s
+    wake = max(m.last_arrival, m.nack_at + nack_idle_s if m.nacks else 0.0) + idle
+    if now < wake:
+        return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
+    if m.nacks >= max_nacks:
+        return MeanWait("pull", reason=f"{m.nacks} NACKs spent")
+    return MeanWait("nack", reason=f"{len(m.missing()) if m.num_chunks is not None else 'all'} chunks missing")
 
 
 class RoundState:

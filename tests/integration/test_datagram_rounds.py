@@ -305,3 +305,19 @@ def test_owners_exit_only_once_a_slow_member_holds_their_means(make_cluster) -> 
     sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
     assert len(sums) == 1, "the slow member ended with a different θ"
     assert sum(e.transport.counters()["test_dropped"] for e in c.engines) > 0
+
+
+def test_a_mean_whose_datagrams_all_vanish_is_pulled_soon_after_the_reduce_deadline(make_cluster) -> None:
+    """An owner that pushes no mean datagram at all (and answers no NACK: nothing published):
+    its members pull the mean over gRPC right after the reduce deadline (2 s), not 1 s before
+    the broadcast deadline (8 s)."""
+    c = make_cluster(3, drop=0.0, seed=3, reduce_s=2.0, bcast_s=8.0)
+    mute = c.engines[1].transport
+    mute._push_means = lambda rs, mine: None  # type: ignore[method-assign]
+    results = c.run_round()
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1
+    assert all(r.applied_buckets == len(c.layout) for r in results)
+    pulled = [c.engines[i].transport.counters()["fallback_pulls"] for i in (0, 2)]
+    assert all(p >= 1 for p in pulled), pulled  # site-1 owns at least one bucket of 4
+    assert max(r.total_s for r in results) < 4.5, [r.total_s for r in results]
