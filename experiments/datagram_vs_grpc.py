@@ -141,7 +141,9 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
         changed_at.append(time.time())
 
     with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else Path(d)
+        root.mkdir(parents=True, exist_ok=True)
+        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
             link(m["losses"][0])
@@ -211,14 +213,14 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
                     "site": x["site"],
                     "measured": ok,
                     "status": x["status"],
-                    "total_s": x.get("total_s", float("nan")),
+                    "round_s": x.get("round_s", x.get("total_s", float("nan"))),
                     "bytes_sent": x.get("bytes_sent", 0),
                     "included_fraction": x.get("included_fraction", float("nan")),
                 }
             )
         if not ok:
             continue
-        engine.append(max(x.get("total_s", float("nan")) for x in lines))
+        engine.append(max(x.get("round_s", x.get("total_s", float("nan"))) for x in lines))
         enc += [x.get("encoded_bytes", 0) for x in lines]
         sent += [x.get("bytes_sent", 0) for x in lines]
         wire += [_wire_sent(per_site, i, r) for i in range(n)]
@@ -319,8 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated data paths to run (labels, e.g. 'datagram'); the other paths' rows are kept "
         "from this mode's existing CSV files",
     )
+    ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
+    m["logs"] = args.logs
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
     prefix = out_prefix(args, "datagram_vs_grpc")
