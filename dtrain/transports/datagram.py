@@ -726,7 +726,7 @@ class DatagramTransport(Transport):
         nbits = (len(rs.site_ids) + 7) // 8
         with rs.cv:
             ma = rs.mean_for(h.bucket)
-            ma.last_arrival = time.monotonic()
+            ma.last_arrival = rs.owner_active[h.sender] = time.monotonic()
             if h.kind == Kind.MEAN_META:
                 if ma.num_chunks is None:
                     ma.num_chunks, before, after = decode_meta(body)
@@ -793,6 +793,7 @@ class DatagramTransport(Transport):
                     silent_after=silent_after,
                     nack_idle_s=cfg.nack_idle_s,
                     max_nacks=cfg.max_nack_rounds,
+                    owner_active_at=rs.owner_active.get(owner, 0.0),
                 )
                 if step.action == "done":
                     return ma.to_mean(rs.round, bucket, rs.owners[bucket])

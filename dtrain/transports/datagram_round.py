@@ -144,6 +144,7 @@ def mean_wait_decision(
     silent_after: float,
     nack_idle_s: float,
     max_nacks: int,
+    owner_active_at: float = 0.0,
 ) -> MeanWait:
     """Next step of a member waiting for a pushed mean, from what has arrived and ``now``.
 
@@ -160,6 +161,11 @@ def mean_wait_decision(
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
             after the final meta: the owner sent everything).
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
+        owner_active_at: the latest arrival of any mean datagram from this bucket's owner
+            (0: none). While the owner is still sending (other buckets interleave with
+            this one through its pacer), quiet on this bucket is not loss: before its
+            final meta, the bucket waits for quiet from the owner as a whole (through
+            netem on a loaded machine, the per-bucket quiet re-sent ~2x the mean at 1% loss).
     """
     if m.complete():
         return MeanWait("done", reason="complete")
@@ -171,11 +177,13 @@ def mean_wait_decision(
             if now >= silent_until:
                 return MeanWait("pull", reason="nothing arrived, a NACK unanswered: owner silent or gone")
             return MeanWait("wait", min(fallback_at, silent_until), "waiting for the answer to a NACK")
-        if now >= silent_after:
+        owner_quiet_at = owner_active_at + 2 * nack_idle_s
+        if now >= max(silent_after, owner_quiet_at):
             return MeanWait("nack", reason="nothing arrived by the owner's reduce deadline: asking for all of it")
-        return MeanWait("wait", min(fallback_at, silent_after), "the owner may still be reducing")
+        return MeanWait("wait", min(fallback_at, max(silent_after, owner_quiet_at)), "the owner may still be reducing")
     idle = 0.005 if m.final_meta_seen else 2 * nack_idle_s
-    wake = max(m.last_arrival, m.nack_at + nack_idle_s if m.nacks else 0.0) + idle
+    busy = 0.0 if m.final_meta_seen else owner_active_at  # the owner still sending: not loss yet
+    wake = max(m.last_arrival, busy, m.nack_at + nack_idle_s if m.nacks else 0.0) + idle
     if now < wake:
         return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
     if m.nacks >= max_nacks:
@@ -210,6 +218,7 @@ class RoundState:
         self.buffered_bytes = 0
         self.fragments: dict[tuple, dict[int, bytes]] = {}
         self.means: dict[int, MeanAssembly] = {}
+        self.owner_active: dict[int, float] = {}  # owner index -> latest arrival of any of its mean datagrams
         self.published: dict[int, BucketMean] = {}  # means this site owns, kept for NACKs
         self.stats: dict[int, SenderStats] = {}
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]

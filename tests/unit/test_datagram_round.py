@@ -49,3 +49,15 @@ def test_complete_is_done_and_the_fallback_reserve_ends_any_wait() -> None:
     assert mean_wait_decision(MeanAssembly(), 100.0, **KW).action == "pull"
     step = mean_wait_decision(MeanAssembly(last_arrival=99.95), 99.96, **KW)
     assert step.action == "wait" and step.wake_at == 100.0  # never past the reserve
+
+
+def test_while_the_owner_still_sends_other_means_quiet_on_one_bucket_is_not_loss() -> None:
+    m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0)
+    step = mean_wait_decision(m, 20.5, owner_active_at=20.45, **KW)  # the owner sent something 50 ms ago
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.55)
+    assert mean_wait_decision(m, 20.55, owner_active_at=20.45, **KW).action == "nack"
+    m.final_meta_seen = True  # the owner said it sent all of this bucket: missing chunks are lost
+    assert mean_wait_decision(m, 20.5, owner_active_at=20.49, **KW).action == "nack"
+    empty = MeanAssembly()  # nothing of this bucket yet, but the owner is busy with others
+    step = mean_wait_decision(empty, 10.0, owner_active_at=9.99, **KW)
+    assert step.action == "wait" and step.wake_at == pytest.approx(10.09)
