@@ -265,6 +265,54 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
     return RunResult(row=row, rounds=rounds_out)
 
 
+def emulator_rate_mbit(ceiling_csv: Path, num_sites: int) -> tuple[float, str] | None:
+    """Per-site rate the netem emulator itself passed (``netem_udp_ceiling.py``, the "delay + cap"
+    setting with the most flows: its loss-free aggregate over ``num_sites`` senders), or None."""
+    if not ceiling_csv.exists():
+        return None
+    from experiments.netem_udp_ceiling import ceilings  # noqa: PLC0415
+
+    rows = read_rows(ceiling_csv)
+    best = {k: r for k, r in ceilings(rows).items() if k[0] == "delay + cap" and r is not None}
+    if not best:
+        return None
+    flows, r = max((k[1], r) for k, r in best.items())
+    return r["delivered_mbit"] / num_sites, f"{r['delivered_dps']:.0f} datagrams/s over {flows} flows"
+
+
+def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
+    """The speed target (<= 1.2x up to 10% loss) against the nominal limit and the emulator-bound one."""
+    dg = sorted((r for r in rows if r["path"] == "datagram" and r["loss_pct"] <= 10), key=lambda r: r["loss_pct"])
+    if not dg:
+        return ""
+    worst = max(dg, key=lambda r: r["ratio"])
+    lines = [
+        "Target (datagram <= 1.2x the limit up to 10% loss), nominal limit: "
+        + (
+            "**met**"
+            if worst["ratio"] <= 1.2
+            else f"**missed by {worst['ratio'] / 1.2:.1f}x** (worst {worst['ratio']:.2f}x at {worst['loss_pct']:g}%)"
+        )
+        + "."
+    ]
+    if emu is not None:
+        rate, what = emu
+        ratios = []
+        for r in dg:
+            lim = physical_limit_s(r["encoded_bytes_per_site"], min(r["rate_mbit"], rate), r["delay_ms"])
+            ratios.append((r["engine_s"] / lim, r["loss_pct"], lim))
+        w = max(ratios)
+        lines.append(
+            f"Against the emulator's measured ceiling ({what}: {rate:.1f} Mbit/s per site of {rows[0]['num_sites']}, "
+            f"limit {w[2]:.2f} s): "
+            + ", ".join(f"{x:.2f}x at {loss:g}%" for x, loss, _ in ratios)
+            + "; "
+            + ("**met**" if w[0] <= 1.2 else f"**missed by {w[0] / 1.2:.1f}x**")
+            + "."
+        )
+    return "\n\n".join(lines)
+
+
 def analyse(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"])):
@@ -378,6 +426,8 @@ per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 
 {analyse(rows)}
+
+{verdicts(rows, emulator_rate_mbit(args.out / "netem_udp_ceiling.csv", m["num_sites"]))}
 """
     publish(args, f"datagram_vs_grpc-{mode}", f"Datagram path vs gRPC through netem ({mode})", body)
     return 0

@@ -34,6 +34,19 @@ def test_pacer_refuses_what_would_end_past_the_deadline() -> None:
     assert p.wait(500, deadline=now + 1.0)  # nothing was reserved by the refused call
 
 
+def _report(n: int, size: int, send_s: float, received: int, recv_s: float, drops: int = 0) -> ReceiverReport:
+    """What a receiver reports of ``n`` datagrams of ``size`` bytes sent over ``send_s``."""
+    return ReceiverReport(
+        sent_datagrams=n,
+        sent_bytes=n * size,
+        send_s=send_s,
+        received_datagrams=received,
+        received_bytes=received * size,
+        recv_s=recv_s,
+        receiver_drops=drops,
+    )
+
+
 def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Random) -> ReceiverReport:
     """One round through a bottleneck of ``capacity_mbit`` (a 256-datagram tail-drop queue),
     then random loss on the way to the receiver."""
@@ -42,14 +55,7 @@ def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Rando
     through = n if rate_mbit <= capacity_mbit else min(n, int(capacity_mbit / rate_mbit * n) + 256)
     recv_s = send_s if rate_mbit <= capacity_mbit else through * size * 8 / 1e6 / capacity_mbit
     received = sum(rng.random() >= loss for _ in range(through))
-    return ReceiverReport(
-        sent_datagrams=n,
-        sent_bytes=n * size,
-        send_s=send_s,
-        received_datagrams=received,
-        received_bytes=received * size,
-        recv_s=recv_s,
-    )
+    return _report(n, size, send_s, received, recv_s)
 
 
 @pytest.mark.parametrize("capacity_mbit,loss", [(80.0, 0.0), (80.0, 0.05), (30.0, 0.1)])
@@ -116,15 +122,7 @@ def test_a_receiver_overflowing_its_socket_is_congestion_random_loss_is_not() ->
 
     def report(drops: int) -> ReceiverReport:
         send_s = n * size * 8 / 1e6 / 95.0
-        return ReceiverReport(
-            sent_datagrams=n,
-            sent_bytes=n * size,
-            send_s=send_s,
-            received_datagrams=took,
-            received_bytes=took * size,
-            recv_s=send_s,
-            receiver_drops=drops,
-        )
+        return _report(n, size, send_s, took, send_s, drops)
 
     slow, lossy = RateController(max_rate_mbit=95.0), RateController(max_rate_mbit=95.0)
     rate, why = slow.decide([report(n - took)])
