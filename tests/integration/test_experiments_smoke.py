@@ -199,7 +199,7 @@ def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> 
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # two runs of ~15 s each; building 3 tasks alone took 13 s at load 70
 def test_datagram_val_loss_smoke(tmp_path: Path) -> None:
     rows, _, md = _run("datagram_val_loss", tmp_path)
     # smoke: one seed, 3 sites, 3 rounds; the same seed with no loss and with 10% datagram loss
