@@ -46,6 +46,7 @@ from dtrain.membership import GroupConfig, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundConfig, RoundEngine, RoundResult
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
+from dtrain.transports.base import Transport
 from dtrain.transports.inproc import FaultRule, InprocFaults, InprocNetwork, InprocTransport
 
 __all__ = ["ClusterConfig", "Site", "InprocCluster", "fast_rendezvous_config", "fast_group_config"]
@@ -197,6 +198,11 @@ class InprocCluster:
         config: see :class:`ClusterConfig`.
         outer_optimizer: factory of the outer optimizer per bucket (default
             DiLoCo's SGD lr 0.7, momentum 0.9, Nesterov).
+        transport_factory: ``transport_factory(i)`` -> site i's data-path transport
+            (e.g. a loopback :class:`~dtrain.transports.datagram.DatagramTransport`);
+            None: an :class:`~dtrain.transports.inproc.InprocTransport` on the cluster's
+            network. Other transports bypass that network: its faults, :meth:`kill`
+            and the drop helpers then do not reach the data path.
 
     Use as a context manager (or call :meth:`close`) so that every site
     leaves the group and stops serving.
@@ -209,6 +215,7 @@ class InprocCluster:
         config: ClusterConfig | None = None,
         *,
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+        transport_factory: Callable[[int], Transport] | None = None,
     ) -> None:
         self.config = cfg = config or ClusterConfig()
         self.network = InprocNetwork(cfg.faults)
@@ -241,7 +248,7 @@ class InprocCluster:
                     opt,
                     config=dcfg,
                     outer_optimizer=outer_optimizer,
-                    transport=InprocTransport(self.network),
+                    transport=transport_factory(i) if transport_factory else InprocTransport(self.network),
                     rendezvous=client,
                 )
                 site = Site(i, site_id, model, opt, d, client)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -45,6 +46,8 @@ from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_confi
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from dtrain.tasks.builtin import make_evaluate, make_optimizer  # noqa: E402
 from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes  # noqa: E402
+from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
 from dtrain.transports.inproc import InprocFaults  # noqa: E402
 
 __all__ = [
@@ -119,6 +122,11 @@ class RunSpec:
         track_drift: record the max pairwise L2 distance of θ between sites per round.
         timeout_s: limit of the whole run (the threads are abandoned after it).
         extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
+        datagram_drop: None: the in-process network; a probability in [0, 1): the
+            datagram data path on 127.0.0.1 (``DatagramTransport``, one chunk per
+            datagram: ``chunk_bytes`` is then set from the codec), every received
+            contribution / mean datagram dropped with it (``test_drop``, seeded by
+            ``seed`` and the site).
     """
 
     experiment: str
@@ -151,6 +159,7 @@ class RunSpec:
     track_drift: bool = True
     timeout_s: float = 3600.0
     extra: tuple[tuple[str, Any], ...] = ()
+    datagram_drop: float | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
@@ -165,6 +174,7 @@ class RunSpec:
         need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
         need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
         # Build the component configs once so a bad value fails here, naming its field.
         self.task_spec(0)
         self.cluster_config()
@@ -185,7 +195,10 @@ class RunSpec:
         return ClusterConfig(
             num_sites=self.num_sites,
             sync_every=self.sync_every,
-            buckets=BucketConfig(bucket_bytes=self.bucket_bytes, chunk_bytes=self.chunk_bytes),
+            buckets=BucketConfig(
+                bucket_bytes=self.bucket_bytes,
+                chunk_bytes=self.chunk_bytes if self.datagram_drop is None else datagram_chunk_bytes(self.codec),
+            ),
             rounds=RoundConfig(
                 codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
                 error_feedback=self.error_feedback,
@@ -248,6 +261,20 @@ class _Recorder:
         return on_round
 
 
+def _loopback_datagram(spec: RunSpec, i: int) -> DatagramTransport:
+    """Site i's datagram data path on 127.0.0.1 with ``spec.datagram_drop`` injected at its receiver."""
+    cfg = DatagramTransportConfig(
+        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
+        max_rate_mbit=200.0,
+        rtt_s=0.01,
+        nack_idle_s=0.02,
+        fallback_reserve_s=min(1.0, spec.broadcast_timeout_s / 4),
+        test_drop=spec.datagram_drop or 0.0,
+        test_drop_seed=spec.seed * 100 + i,
+    )
+    return DatagramTransport(cfg)
+
+
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -288,7 +315,11 @@ def run_inproc(spec: RunSpec) -> RunResult:
         return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0)
 
     cluster = InprocCluster(
-        lambda: tasks[0].model, lambda m: make_optimizer(m, lr), spec.cluster_config(), outer_optimizer=outer
+        lambda: tasks[0].model,
+        lambda m: make_optimizer(m, lr),
+        spec.cluster_config(),
+        outer_optimizer=outer,
+        transport_factory=None if spec.datagram_drop is None else functools.partial(_loopback_datagram, spec),
     )
     rec = _Recorder(spec, evaluate)
     inner_s = [0.0] * spec.num_sites
@@ -355,6 +386,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     bytes_received = sum(x.bytes_received for x in flat)
     row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
     row.update(dict(spec.extra))
+    row["chunk_bytes"] = spec.cluster_config().buckets.chunk_bytes  # the datagram path sets its own
     row.update(
         {
             "num_params": num_params,

@@ -93,6 +93,13 @@ class MeanPulls:
         with self._cv:
             return max(self._missing, default=-1)
 
+    def time_left_s(self, now: float) -> float:
+        """Seconds from ``now`` to the latest round's broadcast deadline (0: none, or passed):
+        how long a pull already served may still be streaming its reply to the member."""
+        with self._cv:
+            r = max(self._until, default=None)
+            return max(0.0, self._until[r] - now) if r is not None else 0.0
+
     def wait_pulled(self, *, timeout_s: float | None = None) -> PullWait:
         """Wait until every expected pull of the latest round was served.
 

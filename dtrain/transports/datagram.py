@@ -60,6 +60,7 @@ from dtrain.transports.datagram_round import (
     SenderStats,
     decode_meta,
     encode_meta,
+    mean_wait_decision,
     senders_bitmap,
     senders_from_bitmap,
 )
@@ -79,9 +80,28 @@ __all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes
 log = logging.getLogger(__name__)
 
 _SEND_END = struct.Struct("<QQd")
-_REPORT = struct.Struct("<QQdQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo
+_REPORT = struct.Struct("<QQdQQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo, socket drops
+_TIMESPEC = struct.Struct("@qq")
+_U32 = struct.Struct("@I")
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
+_SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+
+
+def _enable_rx_meta(sock: socket.socket) -> int:
+    """Ask for arrival timestamps and drop counts on ``sock``; the ancillary buffer size, 0 if refused."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RXQ_OVFL, 1)
+    except OSError:
+        return 0
+    return socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_U32.size)
+
+
 _META_COPY_FINAL = 1
-_NACK_META = 0xFFFFFFFF
+_NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
+_NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +220,7 @@ class DatagramTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
         self._drop_rng = random.Random(cfg.test_drop_seed)
+        self._sock_drops = 0  # the receive socket's drops at a full buffer so far (SO_RXQ_OVFL)
         self._counts = {"sent": 0, "received": 0, "wire_sent": 0, "wire_received": 0, "datagrams_sent": 0}
         self._counts.update(nacks_sent=0, resent=0, fallback_pulls=0, test_dropped=0, rejected=0)
 
@@ -317,6 +338,7 @@ class DatagramTransport(Transport):
                             received_datagrams=rep[0],
                             received_bytes=rep[1],
                             recv_s=rep[2],
+                            receiver_drops=rep[6],
                         )
                     )
         rate, why = self.rate.decide(reports)
@@ -454,13 +476,24 @@ class DatagramTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self) -> None:
+        """Receive thread. Where the kernel offers them (Linux), every datagram comes with its
+        arrival time at the socket (``SO_TIMESTAMPNS``) and the socket's running count of
+        datagrams dropped at a full receive buffer (``SO_RXQ_OVFL``): the REPORT's receive
+        window is then the network's, not this thread's (a CPU-starved receiver used to look
+        like a queue on the path), and the drops say when this receiver is the bottleneck."""
         sock = self._sock
         assert sock is not None
         buf = bytearray(65536)
         mv = memoryview(buf)
+        anc = _enable_rx_meta(sock)
         while not self._stopped.is_set():
+            t_arrival = None
             try:
-                n = sock.recv_into(buf)
+                if anc:
+                    n, cmsgs, _, _ = sock.recvmsg_into([buf], anc)
+                    t_arrival = self._rx_meta(cmsgs)
+                else:
+                    n = sock.recv_into(buf)
             except socket.timeout:
                 continue
             except OSError:
@@ -469,11 +502,22 @@ class DatagramTransport(Transport):
                 continue
             self._counts["wire_received"] += n  # only this thread writes it
             try:
-                self._on_datagram(bytes(mv[:n]))
+                self._on_datagram(bytes(mv[:n]), t_arrival)
             except Exception:  # a bug must not stop the receive loop
                 log.exception("datagram handling failed")
 
-    def _on_datagram(self, data: bytes) -> None:
+    def _rx_meta(self, cmsgs: list) -> float | None:
+        """Arrival time (``time.monotonic()`` seconds) from the ancillary data; notes socket drops."""
+        t = None
+        for _, kind, data in cmsgs:
+            if kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                sec, nsec = _TIMESPEC.unpack_from(data)
+                t = sec + nsec * 1e-9 - time.time() + time.monotonic()
+            elif kind == _SO_RXQ_OVFL and len(data) >= 4:
+                self._sock_drops = _U32.unpack_from(data)[0]
+        return t
+
+    def _on_datagram(self, data: bytes, t_arrival: float | None = None) -> None:
         if self.config.test_drop and len(data) > 3 and data[3] in (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META):
             if self._drop_rng.random() < self.config.test_drop:
                 self._counts["test_dropped"] += 1
@@ -493,10 +537,10 @@ class DatagramTransport(Transport):
             self._opener.count("stale_round")
             return
         if h.kind == Kind.CONTRIB:
-            self._on_contribution(rs, h, body)
+            self._on_contribution(rs, h, body, time.monotonic() if t_arrival is None else t_arrival)
         elif h.kind in (Kind.MEAN, Kind.MEAN_META):
             self._on_mean(rs, h, body)
-        elif h.kind in (Kind.SEND_END, Kind.NACK):
+        elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK):
             self._enqueue((h.kind, rs, h, body))
         elif h.kind == Kind.REPORT:
             self._on_report(rs, h, body)
@@ -509,12 +553,12 @@ class DatagramTransport(Transport):
         except queue.Full:
             self._opener.count("over_budget")
 
-    def _on_contribution(self, rs: RoundState, h, body: bytes) -> None:
+    def _on_contribution(self, rs: RoundState, h, body: bytes, t_arrival: float) -> None:
         if h.codec >= len(CODEC_WIRE_NAMES):
             self._opener.count("malformed")
             return
         with rs.lock:
-            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), time.monotonic())
+            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
             whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
         if whole is False:
             self._opener.count("over_budget")
@@ -560,6 +604,8 @@ class DatagramTransport(Transport):
                     self._answer_send_end(rs, h.sender, obj)
                 elif kind == Kind.NACK:
                     self._answer_nack(rs, h, obj)
+                elif kind == Kind.MEAN_ACK:
+                    self._answer_ack(rs, h)
             except TransportError as e:
                 log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
             except Exception:
@@ -589,7 +635,9 @@ class DatagramTransport(Transport):
             done(rs.round, rs.site_ids[sender])
         with rs.lock:
             st = rs.stats.setdefault(sender, SenderStats())
-            head = _REPORT.pack(st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo)
+            head = _REPORT.pack(
+                st.datagrams, st.bytes, st.last_t - st.first_t, st.accepted, st.rejected, echo, st.socket_drops
+            )
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
@@ -656,9 +704,19 @@ class DatagramTransport(Transport):
             m = rs.published.get(h.bucket)
         if m is None or len(body) % 4:
             return
-        wanted = [c for c in struct.unpack(f"<{len(body) // 4}I", body) if c != _NACK_META and c < len(m.chunks)]
+        asked = struct.unpack(f"<{len(body) // 4}I", body)
+        wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
         self._count(resent=len(wanted))
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in struct.unpack(f"<{len(body) // 4}I", body))
+        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
+
+    def _answer_ack(self, rs: RoundState, h) -> None:
+        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
+        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id):
+            self._opener.count("malformed")
+            return
+        delivered = getattr(self._handler, "handle_mean_delivered", None)
+        if delivered is not None:
+            delivered(rs.round, h.bucket, rs.site_ids[h.sender])
 
     # ------------------------------------------------------------------ means: member side
     def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
@@ -668,7 +726,7 @@ class DatagramTransport(Transport):
         nbits = (len(rs.site_ids) + 7) // 8
         with rs.cv:
             ma = rs.mean_for(h.bucket)
-            ma.last_arrival = time.monotonic()
+            ma.last_arrival = rs.owner_active[h.sender] = time.monotonic()
             if h.kind == Kind.MEAN_META:
                 if ma.num_chunks is None:
                     ma.num_chunks, before, after = decode_meta(body)
@@ -688,7 +746,12 @@ class DatagramTransport(Transport):
                         senders=senders_from_bitmap(body[:nbits], rs.site_ids),
                     )
                     self._counts["received"] += len(whole)
+            ack = ma.complete() and not ma.acked
+            ma.acked = ma.acked or ack
             rs.cv.notify_all()
+        if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
+            for copy in range(2):
+                self._send_ctl(rs, h.sender, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=h.bucket, chunk=copy))
 
     def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
         rs = self._round(round)
@@ -713,31 +776,40 @@ class DatagramTransport(Transport):
         )
 
     def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
-        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks."""
+        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC
+        (the steps are :func:`~.datagram_round.mean_wait_decision`'s)."""
         cfg = self.config
         owner = rs.index[rs.owners[bucket]]
-        nacks = 0
+        # by then the owner finalized (its reduce deadline) and its first datagrams crossed the path
+        silent_after = rs.t0 + rs.plan.reduce_timeout_s + 2 * cfg.rtt_s + cfg.nack_idle_s
         while True:
             with rs.cv:
                 ma = rs.mean_for(bucket)
-                if ma.complete():
-                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
                 now = time.monotonic()
-                if now >= fallback_at:
+                step = mean_wait_decision(
+                    ma,
+                    now,
+                    fallback_at=fallback_at,
+                    silent_after=silent_after,
+                    nack_idle_s=cfg.nack_idle_s,
+                    max_nacks=cfg.max_nack_rounds,
+                    owner_active_at=rs.owner_active.get(owner, 0.0),
+                )
+                if step.action == "done":
+                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
+                if step.action == "pull":
+                    log.debug("round %d: mean of bucket %d: %s", rs.round, bucket, step.reason)
                     return None
-                wake = fallback_at
-                if ma.last_arrival:
-                    idle = 0.005 if ma.final_meta_seen else 2 * cfg.nack_idle_s
-                    wake = min(wake, ma.last_arrival + idle)
-                if now < wake:
-                    rs.cv.wait(wake - now)
+                if step.action == "wait":
+                    rs.cv.wait(max(0.0, step.wake_at - now))
                     continue
-                if nacks >= cfg.max_nack_rounds:
-                    return None  # re-requests spent: pull the rest over gRPC now
-                missing = ma.missing() if ma.num_chunks is not None else [_NACK_META]
+                if ma.num_chunks is not None:
+                    missing = ma.missing()
+                else:  # no meta yet: the meta, and every chunk when none came either
+                    missing = [_NACK_META] + ([] if ma.chunks else [_NACK_ALL])
                 ma.final_meta_seen = False
-                ma.last_arrival = now + cfg.nack_idle_s  # give the resend time to arrive
-            nacks += 1
+                ma.nacks += 1
+                ma.nack_at = now
             self._count(nacks_sent=1)
             room = self._body_max // 4
             for i in range(0, len(missing), room):

@@ -80,7 +80,10 @@ class ReceiverReport:
         sent_datagrams / sent_bytes / send_s: the sender's own counts and the time
             from its first to its last datagram to this receiver.
         received_datagrams / received_bytes / recv_s: the receiver's counts and the
-            time from the first to the last arrival.
+            time from the first to the last arrival (kernel arrival times where the
+            receiver has them).
+        receiver_drops: datagrams the receiver's socket dropped at a full buffer while
+            this sender's arrived (``SO_RXQ_OVFL``; the receiver, not the path, was too slow).
     """
 
     sent_datagrams: int
@@ -89,6 +92,7 @@ class ReceiverReport:
     received_datagrams: int
     received_bytes: int
     recv_s: float
+    receiver_drops: int = 0
 
     @property
     def loss(self) -> float:
@@ -98,7 +102,9 @@ class ReceiverReport:
 class RateController:
     """Picks each round's sending rate from the previous round's receiver reports.
 
-    Congestion signals (any one): the receive window is longer than ``(1 +
+    Congestion signals (any one): the receivers' sockets dropped more than
+    ``overflow_tolerance`` of what arrived at a full buffer (``receiver_drops``: a
+    receiver too slow for the rate, e.g. CPU-starved); the receive window is longer than ``(1 +
     queue_tolerance) x`` the send window plus ``jitter_s`` (a queue built up); with
     ``loss_signal``, the loss exceeds the lowest loss seen in an uncongested round by
     ``loss_margin`` (what a shallow-buffered bottleneck adds on top of the path's random
@@ -114,6 +120,7 @@ class RateController:
         min_rate_mbit: floor.
         initial_rate_mbit: the first round's rate (None: the ceiling).
         min_window_s: reports over shorter send windows carry no rate signal.
+        overflow_tolerance: fraction of socket drops at the receivers taken as noise.
     """
 
     def __init__(
@@ -128,6 +135,7 @@ class RateController:
         loss_signal: bool = False,
         congestion_loss: float = 0.3,
         min_window_s: float = 0.02,
+        overflow_tolerance: float = 0.01,
     ) -> None:
         if not 0 < min_rate_mbit <= max_rate_mbit:
             raise ValueError(f"need 0 < min_rate_mbit <= max_rate_mbit, got {min_rate_mbit!r}, {max_rate_mbit!r}")
@@ -142,8 +150,11 @@ class RateController:
         self._loss_signal = loss_signal
         self._congestion_loss = congestion_loss
         self._min_window_s = min_window_s
+        self._overflow_tolerance = overflow_tolerance
 
-    def _congestion(self, recv_s: float, send_s: float, loss: float) -> str:
+    def _congestion(self, recv_s: float, send_s: float, loss: float, overflow: float = 0.0) -> str:
+        if overflow > self._overflow_tolerance:
+            return f"receiver overflow: {overflow:.1%} of the datagrams dropped at its full socket"
         if recv_s > (1.0 + self._tol) * send_s + self._jitter_s:
             return f"queue: received over {recv_s:.3f} s what left in {send_s:.3f} s"
         if self._loss_signal and self.base_loss is not None and loss > self.base_loss + self._loss_margin:
@@ -162,7 +173,9 @@ class RateController:
         sent = sum(r.sent_datagrams for r in useful)
         loss = 1.0 - sum(r.received_datagrams for r in useful) / sent if sent else 0.0
         delivered_mbit = sum(r.received_bytes for r in useful) * 8.0 / 1e6 / max(recv_s, 1e-9)
-        why = self._congestion(recv_s, send_s, loss)
+        received = sum(r.received_datagrams for r in useful)
+        overflow = sum(r.receiver_drops for r in useful) / max(1, received)
+        why = self._congestion(recv_s, send_s, loss, overflow)
         if why:
             self.bottleneck_mbit = delivered_mbit / (1.0 - (self.base_loss or 0.0))
             new = 0.95 * self.bottleneck_mbit

@@ -17,7 +17,16 @@ from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
 from dtrain.transports.datagram_wire import Sealer
 
-__all__ = ["MeanAssembly", "RoundState", "SenderStats", "encode_meta", "decode_meta", "senders_bitmap"]
+__all__ = [
+    "MeanAssembly",
+    "MeanWait",
+    "RoundState",
+    "SenderStats",
+    "decode_meta",
+    "encode_meta",
+    "mean_wait_decision",
+    "senders_bitmap",
+]
 
 _META = struct.Struct("<I16s16s")
 
@@ -57,13 +66,25 @@ class SenderStats:
     accepted: int = 0
     rejected: int = 0
     last_rejection: tuple[str, str] = ("", "")
+    drops_first: int = 0  # the receive socket's drop counter at the first arrival
+    drops_last: int = 0  # ... and at the latest
 
-    def note(self, nbytes: int, now: float) -> None:
+    def note(self, nbytes: int, now: float, socket_drops: int = 0) -> None:
+        """One datagram of ``nbytes`` arrived at ``now``; ``socket_drops``: the socket's
+        running count of datagrams dropped at a full buffer (``SO_RXQ_OVFL``)."""
         if not self.datagrams:
             self.first_t = now
+            self.drops_first = socket_drops
         self.datagrams += 1
         self.bytes += nbytes
-        self.last_t = now
+        self.first_t = min(self.first_t, now)
+        self.last_t = max(self.last_t, now)
+        self.drops_last = socket_drops
+
+    @property
+    def socket_drops(self) -> int:
+        """Datagrams (from any sender) the receive socket dropped while this sender's arrived."""
+        return max(0, self.drops_last - self.drops_first)
 
 
 @dataclass
@@ -74,7 +95,10 @@ class MeanAssembly:
     checksums: tuple[str, str] = ("", "")
     chunks: dict[int, MeanChunk] = field(default_factory=dict)
     final_meta_seen: bool = False
-    last_arrival: float = 0.0
+    last_arrival: float = 0.0  # time.monotonic() of the latest datagram of this mean (0: none yet)
+    acked: bool = False  # a MEAN_ACK went to the owner
+    nacks: int = 0  # NACKs this site sent for this mean
+    nack_at: float = 0.0  # when the latest went
 
     def missing(self) -> list[int]:
         if self.num_chunks is None:
@@ -94,6 +118,77 @@ class MeanAssembly:
             checksum_before=self.checksums[0],
             checksum_after=self.checksums[1],
         )
+
+
+@dataclass(frozen=True)
+class MeanWait:
+    """What a member does next about one pushed mean (:func:`mean_wait_decision`).
+
+    Attributes:
+        action: ``"done"`` (complete), ``"wait"`` (until ``wake_at``), ``"nack"``
+            (re-request the missing chunks now) or ``"pull"`` (over gRPC now).
+        wake_at: ``time.monotonic()`` seconds to wait until (``"wait"`` only).
+        reason: why, for the log.
+    """
+
+    action: str
+    wake_at: float = 0.0
+    reason: str = ""
+
+
+def mean_wait_decision(
+    m: MeanAssembly,
+    now: float,
+    *,
+    fallback_at: float,
+    silent_after: float,
+    nack_idle_s: float,
+    max_nacks: int,
+    owner_active_at: float = 0.0,
+) -> MeanWait:
+    """Next step of a member waiting for a pushed mean, from what has arrived and ``now``.
+
+    Args:
+        m: the mean's assembly so far (chunks, metas, arrivals, NACKs sent).
+        now: ``time.monotonic()``.
+        fallback_at: past this, whatever is missing is pulled over gRPC (the pull's
+            deadline less ``fallback_reserve_s``).
+        silent_after: by this time some datagram of the mean should have arrived (the
+            owner's reduce deadline plus the path's slack); a mean of which nothing came
+            by then was wholly lost or its owner is gone: one NACK asks for all of it, and
+            if nothing answers within ``2 x nack_idle_s`` it is pulled over gRPC then,
+            not at ``fallback_at``.
+        nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
+            after the final meta: the owner sent everything).
+        max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
+        owner_active_at: the latest arrival of any mean datagram from this bucket's owner
+            (0: none). While the owner is still sending (other buckets interleave with
+            this one through its pacer), quiet on this bucket is not loss: before its
+            final meta, the bucket waits for quiet from the owner as a whole (through
+            netem on a loaded machine, the per-bucket quiet re-sent ~2x the mean at 1% loss).
+    """
+    if m.complete():
+        return MeanWait("done", reason="complete")
+    if now >= fallback_at:
+        return MeanWait("pull", reason="fallback reserve reached")
+    if not m.last_arrival:  # nothing of this mean yet
+        if m.nacks:
+            silent_until = m.nack_at + 2 * nack_idle_s
+            if now >= silent_until:
+                return MeanWait("pull", reason="nothing arrived, a NACK unanswered: owner silent or gone")
+            return MeanWait("wait", min(fallback_at, silent_until), "waiting for the answer to a NACK")
+        owner_quiet_at = owner_active_at + 2 * nack_idle_s
+        if now >= max(silent_after, owner_quiet_at):
+            return MeanWait("nack", reason="nothing arrived by the owner's reduce deadline: asking for all of it")
+        return MeanWait("wait", min(fallback_at, max(silent_after, owner_quiet_at)), "the owner may still be reducing")
+    idle = 0.005 if m.final_meta_seen else 2 * nack_idle_s
+    busy = 0.0 if m.final_meta_seen else owner_active_at  # the owner still sending: not loss yet
+    wake = max(m.last_arrival, busy, m.nack_at + nack_idle_s if m.nacks else 0.0) + idle
+    if now < wake:
+        return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
+    if m.nacks >= max_nacks:
+        return MeanWait("pull", reason=f"{m.nacks} NACKs spent")
+    return MeanWait("nack", reason=f"{len(m.missing()) if m.num_chunks is not None else 'all'} chunks missing")
 
 
 class RoundState:
@@ -123,6 +218,7 @@ class RoundState:
         self.buffered_bytes = 0
         self.fragments: dict[tuple, dict[int, bytes]] = {}
         self.means: dict[int, MeanAssembly] = {}
+        self.owner_active: dict[int, float] = {}  # owner index -> latest arrival of any of its mean datagrams
         self.published: dict[int, BucketMean] = {}  # means this site owns, kept for NACKs
         self.stats: dict[int, SenderStats] = {}
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]

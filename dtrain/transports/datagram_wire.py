@@ -9,7 +9,7 @@ authentication exactly like a changed body byte. Layout (little-endian)::
     offset size field
     0      2    magic b"DG"
     2      1    version (1)
-    3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6
+    3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6, MEAN_ACK=7
     4      4    run id (u32; a run's sites share it; 0 by default)
     8      4    round
     12     4    bucket
@@ -103,8 +103,9 @@ class Kind:
     NACK = 4  # chunks of a mean a member is missing, member -> owner
     SEND_END = 5  # what a member sent to an owner this round (rate control)
     REPORT = 6  # what an owner received from a member this round (rate control)
+    MEAN_ACK = 7  # a member holds a bucket's whole mean, member -> owner (close() waits for it)
 
-    ALL = (CONTRIB, MEAN, MEAN_META, NACK, SEND_END, REPORT)
+    ALL = (CONTRIB, MEAN, MEAN_META, NACK, SEND_END, REPORT, MEAN_ACK)
 
 
 class Header(NamedTuple):

@@ -274,3 +274,50 @@ def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     finally:
         a.stop(0)
         b.stop(0)
+
+
+def test_owners_exit_only_once_a_slow_member_holds_their_means(make_cluster) -> None:
+    """The last round before exit at 30% loss: owners close (wait for their means' pulls,
+    then stop) while a member is still asleep before its pulls. Pushed means count as
+    pulled only when the member acknowledged the whole mean (MEAN_ACK), so the owners wait
+    for the slow member (not to their bound, and not too little), and it ends equal."""
+    c = make_cluster(3, drop=0.3, seed=11, reduce_s=2.0, bcast_s=8.0)
+    slow = c.engines[2]
+
+    def sleep_before_pull(phase: str, round: int) -> None:
+        if phase == "before_pull":
+            time.sleep(1.5)
+
+    slow.fault_hook = sleep_before_pull
+    for eng, d in zip(c.engines, c.deltas):
+        assert eng.add_pseudo_gradient([-d])
+    futs = [e.start_round(c.plan) for e in c.engines]
+    waits = []
+    for e, f in zip(c.engines[:2], futs[:2]):
+        f.result(timeout=60)
+        waits.append(e.mean_pulls.wait_pulled(timeout_s=6.0))
+        e.stop(0)  # as close() does: nothing serves this owner's means any more
+    res = futs[2].result(timeout=60)
+    for w in waits:
+        assert w.reason == "all pulled" and not w.missing, w
+        assert w.waited_s < 5.0, w  # ended by the acknowledgements, not by the bound
+    assert res.applied_buckets == len(c.layout) and res.stale_buckets == 0 and res.skipped_buckets == 0, res
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1, "the slow member ended with a different θ"
+    assert sum(e.transport.counters()["test_dropped"] for e in c.engines) > 0
+
+
+def test_a_mean_whose_datagrams_all_vanish_is_pulled_soon_after_the_reduce_deadline(make_cluster) -> None:
+    """An owner that pushes no mean datagram at all (and answers no NACK: nothing published):
+    its members pull the mean over gRPC right after the reduce deadline (2 s), not 1 s before
+    the broadcast deadline (8 s)."""
+    c = make_cluster(3, drop=0.0, seed=3, reduce_s=2.0, bcast_s=8.0)
+    mute = c.engines[1].transport
+    mute._push_means = lambda rs, mine: None  # type: ignore[method-assign]
+    results = c.run_round()
+    sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
+    assert len(sums) == 1
+    assert all(r.applied_buckets == len(c.layout) for r in results)
+    pulled = [c.engines[i].transport.counters()["fallback_pulls"] for i in (0, 2)]
+    assert all(p >= 1 for p in pulled), pulled  # site-1 owns at least one bucket of 4
+    assert max(r.total_s for r in results) < 4.5, [r.total_s for r in results]

@@ -197,3 +197,22 @@ def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> 
         with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
             mod.main(["--smoke", flag, "0", "--out", str(tmp_path), "--results", "none"])
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+@pytest.mark.timeout(300)  # two runs of ~15 s each; building 3 tasks alone took 13 s at load 70
+def test_datagram_val_loss_smoke(tmp_path: Path) -> None:
+    rows, _, md = _run("datagram_val_loss", tmp_path)
+    # smoke: one seed, 3 sites, 3 rounds; the same seed with no loss and with 10% datagram loss
+    assert [(r["seed"], r["loss"]) for r in rows] == [(0, 0.0), (0, 0.1)]
+    _check_rows(rows, "datagram_val_loss")
+    clean, lossy = rows
+    assert clean["reduce_arrived"] == 1.0 and 0.8 < lossy["reduce_arrived"] < 0.99  # the loss was injected
+    for r in rows:
+        assert r["consistent"] is True and r["stale_buckets"] == 0 and r["rounds_done"] == 3
+        assert r["final_val_loss"] < r["first_val_loss"] - 1.0  # both trained (tiny: 5.4 -> ~3.1)
+        assert r["chunk_bytes"] > 4096  # one int8 chunk per datagram, not the 4 KiB default
+    d = lossy["final_val_loss"] / clean["final_val_loss"] - 1
+    assert abs(d) < 0.03, d  # same init and data: 10% loss moves the loss by well under 3% here
+    assert "## Datagram path: validation loss at 10% loss (smoke)" in md
+    assert f"| 0 | {clean['final_val_loss']:.4f} | {lossy['final_val_loss']:.4f} |" in md
+    assert "Mean d over 1 seeds" in md and "unresolved at SE inf%" in md

@@ -117,3 +117,19 @@ def test_streaming_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "streaming_smoke.png").stat().st_size > 5000
     assert "## Streaming rounds through netem (smoke)" in md
     assert "`.venv/bin/python experiments/streaming.py --smoke" in md
+
+
+@pytest.mark.timeout(180)
+def test_netem_udp_ceiling_smoke(tmp_path: Path) -> None:
+    md = _main("netem_udp_ceiling", tmp_path)
+    rows = read_rows(tmp_path / "netem_udp_ceiling_smoke.csv")
+    # smoke: 2 sites, one flow, 2,000 and 8,000 datagrams/s offered, on each of the three links
+    assert [(r["setting"], r["flows"], r["offered_dps"]) for r in rows] == [
+        (s, 1, o) for s in ("no delay", "delay", "delay + cap") for o in (2000.0, 8000.0)
+    ]
+    for r in rows:
+        assert 0.0 <= r["loss"] < 1.0 and r["delivered_dps"] > 0
+        assert r["delivered_mbit"] == pytest.approx(r["delivered_dps"] * 1400 * 8 / 1e6, rel=1e-3)
+        assert r["achieved_send_dps"] > 0.5 * r["offered_dps"]  # the sender kept roughly to its pace
+    assert [r["delay_ms"] for r in rows] == [0.0, 0.0, 5.0, 5.0, 5.0, 5.0]
+    assert "## netem's own UDP ceiling (smoke)" in md and "Ceilings (highest delivered" in md

@@ -34,6 +34,19 @@ def test_pacer_refuses_what_would_end_past_the_deadline() -> None:
     assert p.wait(500, deadline=now + 1.0)  # nothing was reserved by the refused call
 
 
+def _report(n: int, size: int, send_s: float, received: int, recv_s: float, drops: int = 0) -> ReceiverReport:
+    """What a receiver reports of ``n`` datagrams of ``size`` bytes sent over ``send_s``."""
+    return ReceiverReport(
+        sent_datagrams=n,
+        sent_bytes=n * size,
+        send_s=send_s,
+        received_datagrams=received,
+        received_bytes=received * size,
+        recv_s=recv_s,
+        receiver_drops=drops,
+    )
+
+
 def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Random) -> ReceiverReport:
     """One round through a bottleneck of ``capacity_mbit`` (a 256-datagram tail-drop queue),
     then random loss on the way to the receiver."""
@@ -42,14 +55,7 @@ def _link(rate_mbit: float, capacity_mbit: float, loss: float, rng: random.Rando
     through = n if rate_mbit <= capacity_mbit else min(n, int(capacity_mbit / rate_mbit * n) + 256)
     recv_s = send_s if rate_mbit <= capacity_mbit else through * size * 8 / 1e6 / capacity_mbit
     received = sum(rng.random() >= loss for _ in range(through))
-    return ReceiverReport(
-        sent_datagrams=n,
-        sent_bytes=n * size,
-        send_s=send_s,
-        received_datagrams=received,
-        received_bytes=received * size,
-        recv_s=recv_s,
-    )
+    return _report(n, size, send_s, received, recv_s)
 
 
 @pytest.mark.parametrize("capacity_mbit,loss", [(80.0, 0.0), (80.0, 0.05), (30.0, 0.1)])
@@ -107,6 +113,48 @@ def test_a_deep_queue_is_found_from_the_receive_window() -> None:
             ]
         )
     assert 0.85 * 60 <= rc.rate_mbit <= 1.2 * 60  # detection starts at (1 + queue_tolerance) x capacity
+
+
+def test_a_receiver_overflowing_its_socket_is_congestion_random_loss_is_not() -> None:
+    """Drops the receiver's socket counted (it was too slow: SO_RXQ_OVFL) cut the rate to what
+    it took; the same loss with no socket drops (the path's random loss) keeps the ceiling."""
+    n, size, took = 4000, 1400, 3600  # the receiver kept up with 90% of a 95 Mbit/s send
+
+    def report(drops: int) -> ReceiverReport:
+        send_s = n * size * 8 / 1e6 / 95.0
+        return _report(n, size, send_s, took, send_s, drops)
+
+    slow, lossy = RateController(max_rate_mbit=95.0), RateController(max_rate_mbit=95.0)
+    rate, why = slow.decide([report(n - took)])
+    assert rate < 0.95 * 95.0 and "receiver overflow" in why, why
+    assert lossy.decide([report(0)])[0] == 95.0
+
+
+def test_arrival_times_come_from_the_kernel() -> None:
+    """SO_TIMESTAMPNS: a datagram that waited in the socket keeps the time it arrived, not the
+    time the receive thread got to it (a CPU-starved receiver is not a queue on the path)."""
+    import socket
+
+    from dtrain.transports.datagram import DatagramTransport, _enable_rx_meta
+
+    rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with rx, tx:
+        rx.bind(("127.0.0.1", 0))
+        anc = _enable_rx_meta(rx)
+        if not anc:
+            pytest.skip("no SO_TIMESTAMPNS on this platform")
+        transport = DatagramTransport()
+        # the kernel turns stamping on (a global static key) asynchronously: until then it
+        # stamps at recvmsg time, so warm up until a stamp predates a delayed read
+        for _ in range(50):
+            sent_at = time.monotonic()
+            tx.sendto(b"x" * 100, rx.getsockname())
+            time.sleep(0.2)  # the receive thread is late
+            _, cmsgs, _, _ = rx.recvmsg_into([bytearray(2048)], anc)
+            t = transport._rx_meta(cmsgs)
+            if t is not None and t <= sent_at + 0.1:
+                break
+    assert t is not None and sent_at - 0.01 <= t <= sent_at + 0.1, (sent_at, t)
 
 
 def test_no_report_keeps_the_rate() -> None:

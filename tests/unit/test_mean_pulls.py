@@ -74,3 +74,14 @@ def test_only_the_latest_round_is_waited_on_and_old_rounds_are_dropped() -> None
     p.record(4, 0, "b", None)
     assert p.latest_round() == 4 and p.wait_pulled(timeout_s=1).missing == {}
     assert len(p._missing) <= 2 and len(p._served) <= 3  # bounded memory
+
+
+def test_time_left_is_the_latest_rounds_deadline() -> None:
+    """``DiLoCo.close()`` lets served replies stream until then (a served pull is not yet a received one)."""
+    p = MeanPulls()
+    assert p.time_left_s(time.monotonic()) == 0.0
+    now = time.monotonic()
+    p.expect(1, buckets=[0], pullers=["b"], until=now + 2.0)
+    p.expect(2, buckets=[0], pullers=["b"], until=now + 7.0)
+    assert p.time_left_s(now) == pytest.approx(7.0)
+    assert p.time_left_s(now + 10.0) == 0.0

@@ -1,0 +1,63 @@
+"""The member's next step about a pushed mean (``mean_wait_decision``): wait, re-request, or
+pull over gRPC, from what has arrived and ``now``."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.protocol import MeanChunk
+from dtrain.transports.datagram_round import MeanAssembly, mean_wait_decision
+
+pytestmark = pytest.mark.timeout(10)
+
+KW = dict(fallback_at=100.0, silent_after=10.0, nack_idle_s=0.05, max_nacks=3)
+
+
+def _chunk(c: int) -> MeanChunk:
+    return MeanChunk(chunk=c, offset=c, numel=1, codec="fp32", payload=b"", senders=("a",))
+
+
+def test_a_mean_of_which_nothing_arrived_is_pulled_soon_after_the_owners_reduce_deadline() -> None:
+    m = MeanAssembly()
+    step = mean_wait_decision(m, 5.0, **KW)
+    assert step.action == "wait" and step.wake_at == 10.0  # the owner may still be reducing
+    assert mean_wait_decision(m, 10.0, **KW).action == "nack"  # all of it asked for once
+    m.nacks, m.nack_at = 1, 10.0
+    step = mean_wait_decision(m, 10.05, **KW)
+    assert step.action == "wait" and step.wake_at == pytest.approx(10.1)
+    step = mean_wait_decision(m, 10.1, **KW)
+    assert step.action == "pull" and "unanswered" in step.reason  # at 10.1 s, not at fallback_at (100 s)
+
+
+def test_arriving_chunks_are_waited_for_then_re_requested_a_bounded_number_of_times() -> None:
+    m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0)
+    step = mean_wait_decision(m, 20.05, **KW)
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.1)  # 2 x nack_idle_s of quiet
+    step = mean_wait_decision(m, 20.1, **KW)
+    assert step.action == "nack" and "2 chunks missing" in step.reason
+    m.final_meta_seen = True  # the owner sent everything: 5 ms of quiet is enough
+    assert mean_wait_decision(m, 20.006, **KW).action == "nack"
+    m.nacks, m.nack_at, m.final_meta_seen = 3, 20.2, False
+    assert mean_wait_decision(m, 20.2, **KW).action == "wait"  # the last resend has time to arrive
+    step = mean_wait_decision(m, 20.36, **KW)
+    assert step.action == "pull" and "3 NACKs spent" in step.reason
+
+
+def test_complete_is_done_and_the_fallback_reserve_ends_any_wait() -> None:
+    m = MeanAssembly(num_chunks=1, chunks={0: _chunk(0)}, last_arrival=1.0)
+    assert mean_wait_decision(m, 1000.0, **KW).action == "done"
+    assert mean_wait_decision(MeanAssembly(), 100.0, **KW).action == "pull"
+    step = mean_wait_decision(MeanAssembly(last_arrival=99.95), 99.96, **KW)
+    assert step.action == "wait" and step.wake_at == 100.0  # never past the reserve
+
+
+def test_while_the_owner_still_sends_other_means_quiet_on_one_bucket_is_not_loss() -> None:
+    m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0)
+    step = mean_wait_decision(m, 20.5, owner_active_at=20.45, **KW)  # the owner sent something 50 ms ago
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.55)
+    assert mean_wait_decision(m, 20.55, owner_active_at=20.45, **KW).action == "nack"
+    m.final_meta_seen = True  # the owner said it sent all of this bucket: missing chunks are lost
+    assert mean_wait_decision(m, 20.5, owner_active_at=20.49, **KW).action == "nack"
+    empty = MeanAssembly()  # nothing of this bucket yet, but the owner is busy with others
+    step = mean_wait_decision(empty, 10.0, owner_active_at=9.99, **KW)
+    assert step.action == "wait" and step.wake_at == pytest.approx(10.09)
