@@ -269,6 +269,13 @@ class DiLoCoConfig:
             = (1 − α)·θ_new + α·θ_local (torchft ``fragment_update_alpha``; the
             paper's α); 0 = take θ_new, as blocking DiLoCo. In [0, 1]. The next
             pseudo-gradient is measured from θ_new.
+        pace_fraction: with overlap (τ > 0), a fragment round's sends (its chunk
+            pushes and the means it serves) are spread over this share of the
+            expected time of its τ inner steps (the measured inner-step time), a
+            send-rate budget, instead of leaving at the link's rate; this is what
+            lowers the peak bytes per second by about F (Streaming DiLoCo,
+            arXiv 2501.18512 §2.2). In [0, 1); 0 = unpaced. Blocking rounds
+            (τ = 0) are never paced.
     """
 
     site_id: str = "site-0"
@@ -282,6 +289,7 @@ class DiLoCoConfig:
     num_fragments: int = 1
     overlap_steps: int = 0
     merge_alpha: float = 0.0
+    pace_fraction: float = 0.5
 
     @property
     def streaming(self) -> bool:
@@ -311,3 +319,6 @@ class DiLoCoConfig:
             )
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"merge_alpha must be a number in [0, 1], got {a!r}")
+        p = self.pace_fraction
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"pace_fraction must be a number in [0, 1) (0 = unpaced), got {p!r}")

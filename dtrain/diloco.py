@@ -148,6 +148,7 @@ class DiLoCo:
             num_fragments=c.num_fragments,
             overlap_steps=c.overlap_steps,
             merge_alpha=c.merge_alpha,
+            pace_fraction=c.pace_fraction,
         )
 
     def join(self) -> None:

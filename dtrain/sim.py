@@ -98,8 +98,8 @@ class ClusterConfig:
         buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
         seed: ``torch.manual_seed`` before the model factory runs once.
         site_prefix: prefix of the site ids.
-        num_fragments, overlap_steps, merge_alpha: Streaming DiLoCo's F, τ and α
-            (see ``DiLoCoConfig``).
+        num_fragments, overlap_steps, merge_alpha, pace_fraction: Streaming
+            DiLoCo's F, τ, α and send pacing (see ``DiLoCoConfig``).
     """
 
     num_sites: int = 2
@@ -115,6 +115,7 @@ class ClusterConfig:
     num_fragments: int = 1
     overlap_steps: int = 0
     merge_alpha: float = 0.0
+    pace_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or self.num_sites < 1:
@@ -235,6 +236,7 @@ class InprocCluster:
                     num_fragments=cfg.num_fragments,
                     overlap_steps=cfg.overlap_steps,
                     merge_alpha=cfg.merge_alpha,
+                    pace_fraction=cfg.pace_fraction,
                 )
                 d = DiLoCo(
                     model,
