@@ -98,8 +98,9 @@ class ClusterConfig:
         buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
         seed: ``torch.manual_seed`` before the model factory runs once.
         site_prefix: prefix of the site ids.
-        num_fragments, overlap_steps, merge_alpha, pace_fraction: Streaming
-            DiLoCo's F, τ, α and send pacing (see ``DiLoCoConfig``).
+        num_fragments, overlap_steps, merge_alpha, pace_fraction, delayed_update:
+            Streaming DiLoCo's F, τ, α, send pacing and the delayed mode's merge
+            (see ``DiLoCoConfig``).
     """
 
     num_sites: int = 2
@@ -116,6 +117,7 @@ class ClusterConfig:
     overlap_steps: int = 0
     merge_alpha: float = 0.0
     pace_fraction: float = 0.5
+    delayed_update: str = "eager"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or self.num_sites < 1:
@@ -237,6 +239,7 @@ class InprocCluster:
                     overlap_steps=cfg.overlap_steps,
                     merge_alpha=cfg.merge_alpha,
                     pace_fraction=cfg.pace_fraction,
+                    delayed_update=cfg.delayed_update,
                 )
                 d = DiLoCo(
                     model,

@@ -195,6 +195,7 @@ class StreamingSync:
         overlap_steps: int,
         merge_alpha: float,
         pace_fraction: float = 0.0,
+        delayed_update: str = "stale",
     ) -> None:
         self._sync, self.site_id = sync, site_id
         self.layout, self.state, self._tensors = layout, state, tensors
@@ -210,6 +211,10 @@ class StreamingSync:
         self._step_end: float | None = None
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
+        if delayed_update not in ("stale", "eager"):
+            raise ValueError(f"delayed_update must be 'stale' or 'eager', got {delayed_update!r}")
+        self.delayed_update = delayed_update
+        self._base: dict[int, torch.Tensor] = {}  # eager: per bucket, where the model's current steps began
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fragment-{site_id}")
 
     @property
@@ -246,7 +251,9 @@ class StreamingSync:
         for action in actions:
             if action == APPLY:
                 merged, moved = self._flush()
-                if measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
+                if measured is not None and self.delayed_update == "eager":
+                    self._rebase(measured)
+                elif measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
                     self._shift(measured, moved)
                     if merged is None:  # no round in flight (the first): the model restarts from θ as it is
                         tensors = self._tensors()
@@ -290,12 +297,42 @@ class StreamingSync:
             theta_before=theta_before,
         )
 
+    def _rebase(self, m: _Measured) -> None:
+        """One-step-delayed mode, eager update (Kale et al., "Eager updates for overlapped
+        communication and computation in DiLoCo", arXiv 2502.12996): the model's own last H
+        steps (``own = local − base``, base: where they began) stay in the model on top of the
+        θ just merged, as a local stand-in for the round now sent, which replaces it with the
+        group's mean one round later. θ itself is the group's on every site, as always.
+
+        Per bucket: ``local ← θ + own``; the snapshot becomes ``θ + own`` so that the round's
+        Δ = θ − snapshot = −own (the steps alone, as a pseudo-gradient); ``base ← local``.
+        """
+        tensors = self._tensors()
+        for b in m.buckets:
+            with self.state.lock(b):
+                theta = self.state.theta[b].detach().clone()
+            end = self.layout.gather(b, m.snapshot)  # the model at this start step
+            own = end - self._base.get(b, theta)  # the first time: the steps began at θ
+            self.layout.scatter(b, theta + own, tensors)
+            self.layout.scatter(b, theta + own, m.snapshot)  # Δ = θ − snapshot = base − end
+            self._base[b] = theta + own
+
     def _shift(self, m: _Measured, moved: dict[int, torch.Tensor]) -> None:
         """Add to the snapshot what the merged round moved θ by (θ_after − θ_before), so that
         Δ = θ_after − snapshot' = θ_before − snapshot: the model's own steps, not the outer update."""
         for b, d in moved.items():
             if b in m.buckets:
                 self.layout.scatter(b, self.layout.gather(b, m.snapshot) + d, m.snapshot)
+
+    def wait_in_flight(self, timeout_s: float | None = None) -> bool:
+        """Wait until the round in flight (if any) has finished, without merging it: θ, the
+        outer state, residuals and the round number are then one round's (a consistent
+        ``state_dict``). The merge into the model still happens at its step. False on timeout."""
+        p = self._pending
+        if p is None:
+            return True
+        done, _ = cf.wait([p.future], timeout=timeout_s)
+        return bool(done)
 
     def flush(self) -> Outcome | None:
         """Merge the round in flight now (waiting for it if it is not done); None if none."""

@@ -159,7 +159,13 @@ def test_one_step_delayed_mode_matches_the_example_by_hand(alpha: float):
     assert by_hand(4, 0.0, 8, H=4, F=1) == [-4.0, -6.0]
     assert by_hand(4, 0.0, 12, H=4, F=1) == [-8.0, -12.0]
     cfg = ClusterConfig(
-        num_sites=2, sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=1, overlap_steps=4, merge_alpha=alpha
+        num_sites=2,
+        sync_every=4,
+        buckets=ONE_ELEMENT_BUCKETS,
+        num_fragments=1,
+        overlap_steps=4,
+        merge_alpha=alpha,
+        delayed_update="stale",  # the eager merge: tests/unit/test_streaming_state.py
     )
     with InprocCluster(
         lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=outer_sgd_half
@@ -259,7 +265,7 @@ def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
 
 
 # ------------------------------------------------------------------ one-step delay: Δ is the model's own steps
-def _regression_loss(num_fragments: int, overlap_steps: int) -> float:
+def _regression_loss(num_fragments: int, overlap_steps: int, delayed_update: str = "stale") -> float:
     """θ's loss on fresh data after 160 inner steps of 2 sites (H = 8, outer step = plain averaging)."""
     torch.manual_seed(0)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(5))
@@ -269,6 +275,7 @@ def _regression_loss(num_fragments: int, overlap_steps: int) -> float:
         buckets=BucketConfig(bucket_bytes=256, chunk_bytes=256),
         num_fragments=num_fragments,
         overlap_steps=overlap_steps,
+        delayed_update=delayed_update,
     )
     cluster = InprocCluster(
         lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)),
