@@ -135,6 +135,7 @@ class RoundEngine(PeerSide):
         self._bytes_mark: tuple[int, int] | None = None
         self._wire_ratio = 1.0  # encoded / fp32 bytes of the last round (a paced round's estimate)
         self.last_pacer: Pacer | None = None  # the last paced round's pacer (its counts: tests, logs)
+        self._site_pacer: Pacer | None = None  # shared by the paced rounds (rate set per round)
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
         # Called with a site the data path found gone (push refused, stream broken);
@@ -266,14 +267,22 @@ class RoundEngine(PeerSide):
         )
 
     def _pacer(self, run: _Run, window_s: float) -> Pacer:
-        """The round's pacer: (fp32 bytes of the chunks it pushes + of the means it serves,
-        times the last round's encoded/fp32 ratio) spread over ``window_s``."""
+        """The site's pacer at this round's rate: (fp32 bytes of the chunks it pushes + of the
+        means it serves, times the last round's encoded/fp32 ratio) spread over ``window_s``.
+
+        One pacer per site, its rate reset per paced round: the means of the previous round
+        still served to a late puller share the budget with this round's pushes (they
+        overlap when τ = H/F), so the two never add up to twice the rate."""
         layout, me = self.state.layout, self.site_id
         push = sum(4 * layout.buckets[b].numel for b in run.active if run.owners[b] != me)
         serve = sum(4 * layout.buckets[b].numel for b in run.owned.books.mine) * (len(run.plan.site_ids) - 1)
         rate = pace_rate_Bps((push + serve) * self._wire_ratio, window_s)
         self.log.debug("round %d: paced at %.2f MB/s over %.2f s", run.round, rate / 1e6, window_s)
-        return Pacer.of_Bps(rate)
+        if self._site_pacer is None:
+            self._site_pacer = Pacer.of_Bps(rate)
+        else:
+            self._site_pacer.set_rate(rate * 8.0 / 1e6)
+        return self._site_pacer
 
     def _pace(self, pacer: Pacer | None, nbytes: int, deadline: float) -> None:
         """Wait for ``nbytes`` of the round's budget (no-op when unpaced; past ``deadline``: at once)."""
