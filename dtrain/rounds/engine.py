@@ -284,11 +284,6 @@ class RoundEngine(PeerSide):
             self._site_pacer.set_rate(rate * 8.0 / 1e6)
         return self._site_pacer
 
-    def _pace(self, pacer: Pacer | None, nbytes: int, deadline: float) -> None:
-        """Wait for ``nbytes`` of the round's budget (no-op when unpaced; past ``deadline``: at once)."""
-        if pacer is not None:
-            pacer.wait(nbytes, deadline)
-
     # ------------------------------------------------------------------ owner: finalize
     def _finalize_loop(self, run: _Run) -> None:
         """Owner side (its own thread): publish each owned bucket's mean as soon as
@@ -389,8 +384,6 @@ class RoundEngine(PeerSide):
                 if not self.codec.lossless:
                     with run.lock:
                         run.payloads[(b, c)] = payload
-                if remote:
-                    self._pace(run.pacer, len(payload), run.owned.books.finalize_at)
                 yield Contribution(
                     round=run.round,
                     bucket=b,
@@ -414,11 +407,15 @@ class RoundEngine(PeerSide):
                     run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
             return
         t = time.perf_counter()
+        pacer, until = run.pacer, run.owned.books.finalize_at
+        # a paced round: each chunk waits for its share of the budget (past the reduce deadline: at once)
+        paced = {} if pacer is None else {"pace": lambda n: pacer.wait(n, until)}
         try:
             self.transport.push(
                 run.plan.address_of(owner),
                 self._contributions(run, buckets, remote=True),
-                timeout_s=max(0.01, run.owned.books.finalize_at - time.monotonic()),
+                timeout_s=max(0.01, until - time.monotonic()),
+                **paced,
             )
         except PeerUnavailable as e:
             run.res.errors.append(f"push to {owner}: {e}")
