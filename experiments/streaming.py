@@ -298,6 +298,12 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."
     )
     notes += _verdicts(groups, base_loss, base_peak)
+    notes.append(
+        "- Utilization counts the overlap configurations' steady rounds: the last round, started at the last "
+        "inner step so that every configuration ends at the same step, is waited for at once (`last merge "
+        "wait s`). The inner-step time, and so every utilization here, depends on the load of this shared "
+        "machine while the run went on (per-round `inner_s` and `sync_s` are in the rounds CSV)."
+    )
     return md, notes
 
 
