@@ -37,6 +37,7 @@ MiB = 1 << 20
 
 BufferMode = Literal["average", "local"]
 ThetaDevice = Literal["cpu", "model"]
+DelayedUpdate = Literal["stale", "eager"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +278,24 @@ class DiLoCoConfig:
             parameter, e.g. its GPU: gather, Δ, residuals, outer step and scatter
             run there, and only codec payloads, checksums and state transfers
             cross to the host). With a CPU model both are the same.
+        pace_fraction: with overlap (τ > 0), a fragment round's sends (its chunk
+            pushes and the means it serves) are spread over this share of the
+            expected time of its τ inner steps (the measured inner-step time), a
+            send-rate budget, instead of leaving at the link's rate; this is what
+            lowers the peak bytes per second by about F (Streaming DiLoCo,
+            arXiv 2501.18512 §2.2). In [0, 1); 0 = unpaced. Blocking rounds
+            (τ = 0) are never paced.
+        delayed_update: the one-step-delayed mode's merge (F = 1, τ = H).
+            ``"eager"`` (default): the model keeps its own last H steps on top of
+            the θ merged in, a local stand-in for the round in flight until its
+            mean lands one round later (Kale et al., "Eager updates for
+            overlapped communication and computation in DiLoCo", arXiv
+            2502.12996; θ stays the group's on every site); ``"stale"``: the
+            model restarts from the merged θ (``lerp`` with ``merge_alpha``) and
+            its steps reach θ only through the one-round-late outer step, which
+            DiLoCo's outer Nesterov momentum 0.9 turns unstable (see
+            experiments/RESULTS.md, "One-step-delayed rounds"). Other modes
+            ignore it.
     """
 
     site_id: str = "site-0"
@@ -291,6 +310,13 @@ class DiLoCoConfig:
     overlap_steps: int = 0
     merge_alpha: float = 0.0
     theta_device: ThetaDevice = "cpu"
+    pace_fraction: float = 0.5
+    delayed_update: DelayedUpdate = "eager"
+
+    @property
+    def one_step_delayed(self) -> bool:
+        """The one-step-delayed mode: F = 1, τ = H (DiLoCoX, arXiv 2506.21263)."""
+        return self.num_fragments == 1 and self.overlap_steps == self.sync_every > 0
 
     @property
     def streaming(self) -> bool:
@@ -322,3 +348,8 @@ class DiLoCoConfig:
             )
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"merge_alpha must be a number in [0, 1], got {a!r}")
+        p = self.pace_fraction
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"pace_fraction must be a number in [0, 1) (0 = unpaced), got {p!r}")
+        if self.delayed_update not in get_args(DelayedUpdate):
+            raise ValueError(f"delayed_update must be one of {get_args(DelayedUpdate)}, got {self.delayed_update!r}")

@@ -35,7 +35,14 @@ from dtrain.membership import Group, RendezvousClient, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
-from dtrain.state import GlobalState, OuterOptimizerFactory, decode_position, default_outer_optimizer, theta_device_of
+from dtrain.state import (
+    GlobalState,
+    OuterOptimizerFactory,
+    decode_position,
+    default_outer_optimizer,
+    delayed_outer_optimizer,
+    theta_device_of,
+)
 from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
@@ -70,7 +77,8 @@ class DiLoCo:
         inner_optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
         config: see :class:`DiLoCoConfig`.
         outer_optimizer: factory ``list[Tensor] -> Optimizer`` applied to each
-            bucket of θ (default SGD lr 0.7, momentum 0.9, Nesterov).
+            bucket of θ (default SGD lr 0.7, momentum 0.9, Nesterov; in the
+            one-step-delayed mode momentum 0.7: :func:`dtrain.state.delayed_outer_optimizer`).
         transport: how to reach the other sites (default: a private in-process
             network, i.e. a single local site).
         rendezvous: rendezvous client (default: a private in-process one with
@@ -112,6 +120,8 @@ class DiLoCo:
             if not t.is_floating_point():
                 raise ValueError(f"DiLoCo synchronises floating-point tensors only, got {t.dtype}")
         self.layout = BucketLayout([t.numel() for t in tensors], kinds, self.config.buckets)
+        if outer_optimizer is default_outer_optimizer and self.config.one_step_delayed:
+            outer_optimizer = delayed_outer_optimizer  # a one-round-stale Δ: lower outer momentum
         device = theta_device_of(tensors, self.config.theta_device)
         self.state = GlobalState(self.layout, tensors, outer_optimizer, device=device)
         self.engine = RoundEngine(
@@ -150,6 +160,8 @@ class DiLoCo:
             num_fragments=c.num_fragments,
             overlap_steps=c.overlap_steps,
             merge_alpha=c.merge_alpha,
+            pace_fraction=c.pace_fraction,
+            delayed_update=c.delayed_update,
         )
 
     def join(self) -> None:
@@ -256,8 +268,27 @@ class DiLoCo:
             return self.sync()
         return None
 
+    def flush(self) -> SyncOutcome | None:
+        """With streaming: merge the fragment round in flight now (waiting for it, bounded by
+        its deadlines) and return its outcome; None when none is in flight or without streaming."""
+        if self.streaming is None:
+            return None
+        outcome = self.streaming.flush()
+        if outcome is not None:
+            self._record(outcome)
+        return outcome
+
     def sync(self) -> SyncOutcome:
-        """Run one round now (normally called by :meth:`step`)."""
+        """Run one round of the whole model now (normally called by :meth:`step`).
+
+        With streaming (fragments / overlap) configured, a hand-called ``sync()`` first
+        merges the fragment round in flight (:meth:`flush`), then runs a blocking round
+        over every bucket (not the next fragment): after it the model and θ are the
+        group's, as after a blocking round. Every member must call it at the same point
+        (it is a round of the rendezvous); the fragment schedule then goes on from the
+        next round number, alike on every site.
+        """
+        self.flush()
         tensors = self._tensors_and_kinds()[0]
         outcome = self.group.sync(tensors)
         if outcome.status in ("applied", "resynced"):
@@ -291,7 +322,13 @@ class DiLoCo:
         optimizer are not in it: save ``model.state_dict()`` and the inner
         optimizer's ``state_dict()`` beside it (as ``dtrain worker`` does).
         ``outer_schedulers``: the outer LR schedulers' ``state_dict``s (empty without).
+
+        With streaming, a fragment round in flight is waited for first (bounded by its
+        deadlines; not merged into the model, which happens at its step as always): θ and
+        the round number are then the group's after that round, never half of it.
         """
+        if self.streaming is not None:
+            self.streaming.wait_in_flight()
         return {
             **self.state.state_dict(),
             "inner_steps": self.inner_steps,

@@ -284,7 +284,12 @@ class Group:
 
     # ------------------------------------------------------------------ rounds
     def sync(
-        self, tensors: Sequence[torch.Tensor], *, buckets: Sequence[int] | None = None, fragment: int | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        buckets: Sequence[int] | None = None,
+        fragment: int | None = None,
+        pace_window_s: float | None = None,
     ) -> SyncOutcome:
         """Take part in the next round with the model's current ``tensors``.
 
@@ -293,6 +298,8 @@ class Group:
             buckets: a fragment round (Streaming DiLoCo): only these buckets are
                 measured, sent and applied (:meth:`RoundEngine.run_round`); None: all.
             fragment: the fragment's index, recorded in ``RoundResult.fragment``.
+            pace_window_s: spread this site's sends over this many seconds from the
+                round's start (:meth:`RoundEngine.run_round`); None: unpaced.
 
         Returns a :class:`SyncOutcome`; see its ``status`` for what the caller
         must do with the model.
@@ -306,7 +313,7 @@ class Group:
         if kind == "plan":
             assert d is not None and d.plan is not None
             ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
-            res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets)
+            res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)
             res.fragment = fragment
             return SyncOutcome(status="applied", reason=reason, result=res, quorum_s=quorum_s)
         if kind == "deferred":

@@ -99,7 +99,8 @@ class ClusterConfig:
         buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
         seed: ``torch.manual_seed`` before the model factory runs once.
         site_prefix: prefix of the site ids.
-        num_fragments, overlap_steps, merge_alpha: Streaming DiLoCo's F, τ and α
+        num_fragments, overlap_steps, merge_alpha, pace_fraction, delayed_update:
+            Streaming DiLoCo's F, τ, α, send pacing and the delayed mode's merge
             (see ``DiLoCoConfig``).
     """
 
@@ -116,6 +117,8 @@ class ClusterConfig:
     num_fragments: int = 1
     overlap_steps: int = 0
     merge_alpha: float = 0.0
+    pace_fraction: float = 0.5
+    delayed_update: str = "eager"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or self.num_sites < 1:
@@ -242,6 +245,8 @@ class InprocCluster:
                     num_fragments=cfg.num_fragments,
                     overlap_steps=cfg.overlap_steps,
                     merge_alpha=cfg.merge_alpha,
+                    pace_fraction=cfg.pace_fraction,
+                    delayed_update=cfg.delayed_update,
                 )
                 d = DiLoCo(
                     model,

@@ -25,6 +25,8 @@ from dtrain.transports.base import Transport
 __all__ = [
     "OuterOptimizerFactory",
     "default_outer_optimizer",
+    "delayed_outer_optimizer",
+    "DELAYED_OUTER_MOMENTUM",
     "GlobalState",
     "pull_full_state",
     "position_state",
@@ -61,6 +63,18 @@ def theta_device_of(tensors: Sequence[torch.Tensor], mode: str) -> torch.device:
     if len(devices) > 1:
         raise ValueError(f"theta_device='model' needs the model on one device, found {sorted(map(str, devices))}")
     return next(iter(devices))
+
+
+#: The one-step-delayed mode's outer momentum (F = 1, τ = H): its Δ is one round stale, and at
+#: DiLoCo's 0.9 the outer step is unstable; 0.7 was the best of a sweep with the eager merge
+#: (experiments/delayed_momentum.py, experiments/RESULTS.md "One-step-delayed rounds").
+DELAYED_OUTER_MOMENTUM = 0.7
+
+
+def delayed_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The outer optimizer of the one-step-delayed mode: SGD, lr 0.7, Nesterov momentum
+    :data:`DELAYED_OUTER_MOMENTUM` (DiLoCo's, with the momentum lowered for a stale Δ)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=DELAYED_OUTER_MOMENTUM, nesterov=True)
 
 
 def _buffer_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -26,6 +26,13 @@ arXiv 2501.18512; torchft's ``local_sgd.py`` is the reference for the semantics)
   is shifted by what the merged round moved θ, :meth:`StreamingSync._shift`), then round
   r's θ is merged in (the first time: θ as it is), then round r+1 is sent; its outer step
   lands on θ after round r. Without the shift Δ would count round r's outer update again.
+* **Pacing** (``pace_fraction``). Through a rate-capped link TCP sends a round's bytes at
+  the cap, so without pacing a fragment's exchange is a burst as high as a blocking
+  round's, only shorter. With τ > 0 a fragment round is given a send-rate budget: its
+  estimated bytes spread over ``pace_fraction`` of the expected time of its τ inner
+  steps (:func:`pace_window_s`, from the measured step time;
+  ``RoundEngine.run_round(pace_window_s=...)``, the shared
+  :class:`~dtrain.transports.pacing.Pacer`). Blocking rounds (τ = 0) are never paced.
 * **Faults**: the engine's rules hold per fragment (the round is an ordinary round over
   the fragment's buckets). A resynchronised site (cut from the round or declared dead)
   resets only the buckets whose θ changed in the pull, plus the fragment (whose Δ was
@@ -47,7 +54,7 @@ import torch
 from dtrain.buckets import BucketLayout
 from dtrain.state import GlobalState
 
-__all__ = ["fragment_buckets", "fragment_of_round", "step_actions", "StreamingSync"]
+__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "StreamingSync"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +116,15 @@ def step_actions(
     return (APPLY, START)
 
 
+def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: float) -> float | None:
+    """Seconds a fragment round's sends are spread over: ``pace_fraction`` x τ x the
+    expected inner-step time. None (unpaced): τ = 0 (a blocking round), pacing off
+    (``pace_fraction`` 0), or no step time measured yet."""
+    if overlap_steps == 0 or pace_fraction <= 0 or step_s is None or not step_s > 0:
+        return None
+    return pace_fraction * overlap_steps * step_s
+
+
 class Outcome(Protocol):
     """What a round's sync returns (``dtrain.membership.SyncOutcome``)."""
 
@@ -152,13 +168,17 @@ class StreamingSync:
         layout: the bucket layout.
         state: θ, outer optimizers, residuals.
         tensors: returns the model's tensors as the layout expects (live, written in place).
-        sync_every: H; num_fragments: F; overlap_steps: τ; merge_alpha: α
+        sync_every: H; num_fragments: F; overlap_steps: τ; merge_alpha: α;
+            pace_fraction: the share of τ steps' time a round's sends spread over
             (see :class:`~dtrain.configs.DiLoCoConfig`).
 
     Attributes:
         num_waited_steps: merges that had to wait for their round (its result was not
             there at step t + τ): inner steps that waited on the network.
         waited_s: seconds those merges waited.
+        step_s: the expected inner-step time (an average of the time between
+            :meth:`on_step` calls, not counting the time spent in them); None at first.
+        num_paced_rounds: rounds started with a send-rate budget.
     Raises (from :meth:`on_step`): ``QuorumTimeout`` of a round, at its merge.
     """
 
@@ -174,6 +194,8 @@ class StreamingSync:
         num_fragments: int,
         overlap_steps: int,
         merge_alpha: float,
+        pace_fraction: float = 0.0,
+        delayed_update: str = "stale",
     ) -> None:
         self._sync, self.site_id = sync, site_id
         self.layout, self.state, self._tensors = layout, state, tensors
@@ -183,8 +205,16 @@ class StreamingSync:
         self.merge_alpha = float(merge_alpha)
         self.num_waited_steps = 0
         self.waited_s = 0.0
+        self.pace_fraction = float(pace_fraction)
+        self.step_s: float | None = None
+        self.num_paced_rounds = 0
+        self._step_end: float | None = None
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
+        if delayed_update not in ("stale", "eager"):
+            raise ValueError(f"delayed_update must be 'stale' or 'eager', got {delayed_update!r}")
+        self.delayed_update = delayed_update
+        self._base: dict[int, torch.Tensor] = {}  # eager: per bucket, where the model's current steps began
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fragment-{site_id}")
 
     @property
@@ -196,6 +226,19 @@ class StreamingSync:
 
         Returns the outcome of the round merged at this step, or None.
         """
+        self._time_step()
+        try:
+            return self._on_step(step)
+        finally:
+            self._step_end = time.monotonic()
+
+    def _time_step(self) -> None:
+        """Fold the inner step that just ended into :attr:`step_s` (a running mean, 0.2 weight)."""
+        if self._step_end is not None:
+            dt = time.monotonic() - self._step_end
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+
+    def _on_step(self, step: int) -> Outcome | None:
         merged = None
         actions = step_actions(
             step,
@@ -208,7 +251,9 @@ class StreamingSync:
         for action in actions:
             if action == APPLY:
                 merged, moved = self._flush()
-                if measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
+                if measured is not None and self.delayed_update == "eager":
+                    self._rebase(measured)
+                elif measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
                     self._shift(measured, moved)
                     if merged is None:  # no round in flight (the first): the model restarts from θ as it is
                         tensors = self._tensors()
@@ -237,16 +282,40 @@ class StreamingSync:
         # taken before the round starts: its thread may resync (replacing residuals and θ) at once
         checksums, residuals = self.state.checksums(), list(self.state.residuals)
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
+        window = pace_window_s(overlap_steps=self.overlap_steps, step_s=self.step_s, pace_fraction=self.pace_fraction)
+        self.num_paced_rounds += window is not None
         self._pending = _InFlight(
             fragment=m.fragment,
             buckets=m.buckets,
             started_at=step,
             apply_at=step + self.overlap_steps,
-            future=self._executor.submit(self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment),
+            future=self._executor.submit(
+                self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment, pace_window_s=window
+            ),
             checksums=checksums,
             residuals=residuals,
             theta_before=theta_before,
         )
+
+    def _rebase(self, m: _Measured) -> None:
+        """One-step-delayed mode, eager update (Kale et al., "Eager updates for overlapped
+        communication and computation in DiLoCo", arXiv 2502.12996): the model's own last H
+        steps (``own = local − base``, base: where they began) stay in the model on top of the
+        θ just merged, as a local stand-in for the round now sent, which replaces it with the
+        group's mean one round later. θ itself is the group's on every site, as always.
+
+        Per bucket: ``local ← θ + own``; the snapshot becomes ``θ + own`` so that the round's
+        Δ = θ − snapshot = −own (the steps alone, as a pseudo-gradient); ``base ← local``.
+        """
+        tensors = self._tensors()
+        for b in m.buckets:
+            with self.state.lock(b):
+                theta = self.state.theta[b].detach().clone()
+            end = self.layout.gather(b, m.snapshot)  # the model at this start step
+            own = end - self._base.get(b, theta)  # the first time: the steps began at θ
+            self.layout.scatter(b, theta + own, tensors)
+            self.layout.scatter(b, theta + own, m.snapshot)  # Δ = θ − snapshot = base − end
+            self._base[b] = theta + own
 
     def _shift(self, m: _Measured, moved: dict[int, torch.Tensor]) -> None:
         """Add to the snapshot what the merged round moved θ by (θ_after − θ_before), so that
@@ -254,6 +323,16 @@ class StreamingSync:
         for b, d in moved.items():
             if b in m.buckets:
                 self.layout.scatter(b, self.layout.gather(b, m.snapshot).to(d.device) + d, m.snapshot)
+
+    def wait_in_flight(self, timeout_s: float | None = None) -> bool:
+        """Wait until the round in flight (if any) has finished, without merging it: θ, the
+        outer state, residuals and the round number are then one round's (a consistent
+        ``state_dict``). The merge into the model still happens at its step. False on timeout."""
+        p = self._pending
+        if p is None:
+            return True
+        done, _ = cf.wait([p.future], timeout=timeout_s)
+        return bool(done)
 
     def flush(self) -> Outcome | None:
         """Merge the round in flight now (waiting for it if it is not done); None if none."""

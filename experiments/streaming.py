@@ -10,7 +10,13 @@ for the same number of inner steps:
 * ``F=1 overlap``: F = 1, τ = H, α = 0: the one-step-delayed mode (DiLoCoX, PCCL's async
   DiLoCo): a round's whole exchange runs during the next inner phase;
 * ``F=4 overlap``: F = 4, τ = H/4 (a fragment round every H/4 steps, merged just before the
-  next one starts), α = 0.5 (Streaming DiLoCo's mixing).
+  next one starts), α = 0.5 (Streaming DiLoCo's mixing), sends paced over 0.8 of the τ
+  steps' time (``pace_fraction``); ``F=4 overlap pace 0.5``: the same over 0.5 of it.
+
+Every configuration ends at the same inner step (rounds x H): with overlap the last round
+starts at the last step and is merged there at once (its wait is ``final_flush_s``, left out
+of the utilization: it has no steps to overlap with). The one-step-delayed mode runs with
+its defaults: the eager merge and outer momentum 0.7 (``OuterConfig.delayed_momentum``).
 
 Per run (one per configuration and seed):
 
@@ -26,7 +32,7 @@ Per run (one per configuration and seed):
 Usage (as root: netem needs network namespaces)::
 
     .venv/bin/python experiments/streaming.py --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
-    .venv/bin/python experiments/streaming.py --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 1 seed
+    .venv/bin/python experiments/streaming.py --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
     .venv/bin/python experiments/streaming.py           # full: 3 seeds
 
 Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
@@ -64,10 +70,17 @@ MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         num_sites=2, size="tiny", codec="int8", sync_every=8, outer_rounds=2, seeds=[0], inner_step_sleep_s=0.05
     ),
-    # base: 3.26 M params; fp32 -> ~13 MB per site and round (>= 8 MB: the issue's size)
-    "quick": dict(num_sites=4, size="base", codec="fp32", sync_every=16, outer_rounds=4, seeds=[0]),
+    # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the issue's size).
+    # batch_size 3 (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a
+    # blocking round (~4 s through netem) leaves compute utilization <= 0.6 at H = 16 (the
+    # issue's setup; with batch 16 it was 0.88). Buckets of 256 KiB in 64 KiB chunks: what
+    # the fragment pacing's budget is spent in.
+    "quick": dict(num_sites=4, size="base", codec="fp32", sync_every=16, outer_rounds=4, seeds=[0, 1, 2]),
     "full": dict(num_sites=4, size="base", codec="fp32", sync_every=16, outer_rounds=8, seeds=[0, 1, 2]),
 }
+TRAIN = dict(batch_size=3, **{"diloco.buckets.bucket_bytes": 256 * KiB, "diloco.buckets.chunk_bytes": 64 * KiB})
+PACE_FRACTION = 0.8  # a fragment round's sends spread over 0.8 of its τ steps' time (DiLoCoConfig.pace_fraction)
+DELAYED_OUTER_MOMENTUM = 0.7  # OuterConfig.delayed_momentum's default (experiments/delayed_momentum.py)
 RENDEZVOUS = {
     "quorum_timeout_s": 120.0,
     "heartbeat_interval_s": 1.0,
@@ -77,13 +90,19 @@ RENDEZVOUS = {
 }
 
 
-def configs(h: int) -> list[tuple[str, dict[str, Any]]]:
+def configs(h: int, mode: str = "quick") -> list[tuple[str, dict[str, Any]]]:
     """(label, DiLoCoConfig streaming fields) of the three configurations for H = ``h``."""
     return [
         ("blocking", dict(num_fragments=1, overlap_steps=0, merge_alpha=0.0)),
-        ("F=1 overlap", dict(num_fragments=1, overlap_steps=h, merge_alpha=0.0)),
-        ("F=4 overlap", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5)),
-    ]
+        ("F=1 overlap", dict(num_fragments=1, overlap_steps=h, merge_alpha=0.0, pace_fraction=PACE_FRACTION)),
+        ("F=4 overlap", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=PACE_FRACTION)),
+    ] + (
+        []
+        if mode == "smoke"
+        else [  # the trade-off: a shorter send window leaves more of τ for the round's tail and the sites' skew
+            ("F=4 overlap pace 0.5", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=0.5))
+        ]
+    )
 
 
 class TxSampler:
@@ -134,6 +153,11 @@ class TxSampler:
         return best
 
 
+def _delayed(stream: dict[str, Any]) -> bool:
+    """The one-step-delayed mode: F = 1, τ = H (its outer momentum is lowered)."""
+    return stream["num_fragments"] == 1 and stream["overlap_steps"] > 0
+
+
 def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: int, timeout_s: float) -> RunResult:
     """One training run of ``outer_rounds`` x H inner steps with the given streaming fields."""
     from netem.profiles import LinkParams  # noqa: PLC0415
@@ -156,6 +180,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
                 quorum_wait_s=600,
                 linger_s=2,
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
+                **({} if m["size"] == "tiny" else TRAIN),
                 **{f"diloco.{k}": v for k, v in stream.items()},
             )
             for i in range(n):
@@ -173,11 +198,16 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
         wall = time.monotonic() - t0
         per_site = {i: run.rounds(i) for i in range(n)}
     lines = [x for i in range(n) for x in per_site[i]]
-    util = []
+    util, flush = [], []
     for i in range(n):
-        inner = sum(x["inner_s"] for x in per_site[i])
-        sync = sum(x["sync_s"] for x in per_site[i])
+        # with overlap the last line is the end-of-run merge: its round starts at the last inner
+        # step and is waited for at once (so every configuration ends at the same step); it has
+        # no steps to overlap with, so it is reported apart (final_flush_s), not in the utilization
+        steady = per_site[i][:-1] if stream["overlap_steps"] and len(per_site[i]) > 1 else per_site[i]
+        inner = sum(x["inner_s"] for x in steady)
+        sync = sum(x["sync_s"] for x in steady)
         util.append(inner / (inner + sync) if inner + sync > 0 else float("nan"))
+        flush.append(per_site[i][-1]["sync_s"] if stream["overlap_steps"] and per_site[i] else 0.0)
     last = per_site[0][-1] if per_site[0] else {}
     row = {
         "experiment": "streaming",
@@ -187,10 +217,15 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
         "size": m["size"],
         "codec": m["codec"],
         "sync_every": m["sync_every"],
-        **stream,
+        "num_fragments": stream["num_fragments"],
+        "overlap_steps": stream["overlap_steps"],
+        "merge_alpha": stream["merge_alpha"],
+        "pace_fraction": stream.get("pace_fraction", 0.0),
+        "outer_momentum": DELAYED_OUTER_MOMENTUM if _delayed(stream) else 0.9,
         "rounds_done": len(per_site[0]),
         "inner_steps": last.get("inner_steps", 0),
         "compute_util": statistics.fmean(util),
+        "final_flush_s": statistics.fmean(flush),
         "final_val_loss": last.get("val_loss", float("nan")),
         "peak_Bps": tx.peak_bps(),
         "bytes_per_round": statistics.fmean(x.get("bytes_sent", 0) for x in lines) if lines else float("nan"),
@@ -233,8 +268,10 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 g0["num_fragments"],
                 g0["overlap_steps"],
                 g0["merge_alpha"],
+                g0.get("pace_fraction", 0.0),
                 int(statistics.fmean(r["inner_steps"] for r in g)),
                 fmt_pm([r["compute_util"] for r in g], "{:.3f}"),
+                fmt_pm([r.get("final_flush_s", 0.0) for r in g], "{:.2f}"),
                 fmt_pm([r["final_val_loss"] for r in g], "{:.4f}"),
                 f"{100 * (loss / base_loss - 1):+.2f} %" if base else "—",
                 f"{peak / 1e6:.2f}",
@@ -248,8 +285,10 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             "F",
             "τ",
             "α",
+            "pace",
             "inner steps",
             "compute utilization",
+            "last merge wait s",
             "final val loss",
             "vs blocking",
             "peak MB/s per site (1 s)",
@@ -263,6 +302,12 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."
     )
     notes += _verdicts(groups, base_loss, base_peak)
+    notes.append(
+        "- Utilization counts the overlap configurations' steady rounds: the last round, started at the last "
+        "inner step so that every configuration ends at the same step, is waited for at once (`last merge "
+        "wait s`). The inner-step time, and so every utilization here, depends on the load of this shared "
+        "machine while the run went on (per-round `inner_s` and `sync_s` are in the rounds CSV)."
+    )
     return md, notes
 
 
@@ -300,7 +345,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         ("compute utilization", "final val loss", "peak bytes/s per site"),
     ):
         vals = [statistics.fmean(r[key] for r in rows if r["config"] == c) for c in cfgs]
-        ax.bar(range(len(cfgs)), vals, color=["0.6", "tab:blue", "tab:green"][: len(cfgs)])
+        ax.bar(range(len(cfgs)), vals, color=["0.6", "tab:blue", "tab:green", "tab:olive"][: len(cfgs)])
         ax.set_xticks(range(len(cfgs)), cfgs, fontsize=8)
         ax.set_title(title, fontsize=10)
     fig.suptitle("Streaming rounds through netem (100 Mbit/s, 40 ms, 1% loss)", fontsize=10)
@@ -323,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out: list[RunResult] = []
         with netem_topology(m["num_sites"] + 1, "strm", "streaming") as topo:
             for seed in m["seeds"]:
-                for label, stream in configs(m["sync_every"]):
+                for label, stream in configs(m["sync_every"], mode):
                     res = run_one(topo, m, label, stream, seed, args.timeout_s)
                     r = res.row
                     print(
@@ -342,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in network namespaces, real gRPC;
 every link {LINK["rate_mbit"]:g} Mbit/s, {LINK["delay_ms"]:g} ms one way, {LINK["loss_pct"]:g}% loss. GPT
 `{m["size"]}`, codec `{m["codec"]}`, H = {m["sync_every"]}, {m["outer_rounds"]} x H inner steps per run
-(F = 4: 4x as many fragment rounds; with overlap the last round's merge adds τ steps), seeds {m["seeds"]}.
+(F = 4: 4x as many fragment rounds; every configuration ends at the same inner step), batch size
+{TRAIN["batch_size"]} (an inner step of ~0.35 s here, so that blocking utilization is <= 0.6), buckets of 256 KiB,
+seeds {m["seeds"]}.
 CSV: `{prefix.with_suffix(".csv").name}`, per round line: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
 
 {md}

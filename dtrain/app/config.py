@@ -89,15 +89,20 @@ class OuterConfig:
         lr: outer learning rate, a finite number > 0.
         momentum: outer momentum, in [0, 1).
         nesterov: Nesterov momentum (ignored when momentum is 0).
+        delayed_momentum: outer momentum in the one-step-delayed mode (F = 1, τ = H),
+            whose Δ is one round stale; in [0, 1) (0.7: the best of a sweep,
+            experiments/delayed_momentum.py); other modes use ``momentum``.
     """
 
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    delayed_momentum: float = 0.7
 
     def __post_init__(self) -> None:
         _need(self, self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0 (outer_lr)")
         _need(self, 0 <= self.momentum < 1, "momentum", "in [0, 1) (outer_momentum)")
+        _need(self, 0 <= self.delayed_momentum < 1, "delayed_momentum", "in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

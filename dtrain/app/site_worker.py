@@ -159,12 +159,9 @@ def init_site_process_group(*, timeout_s: float) -> None:
 
 
 def _outer_factory(cfg):
-    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov and cfg.outer.momentum > 0
-        )
+    from dtrain.app.worker import outer_factory  # noqa: PLC0415 (worker imports this module's users lazily too)
 
-    return outer
+    return outer_factory(cfg)
 
 
 def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event | None = None) -> dict:

@@ -16,12 +16,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -137,11 +139,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
     task = load_task(cfg.task)(cfg.task_spec)
     transport, rendezvous = _transport_and_rendezvous(cfg)
 
-    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov and cfg.outer.momentum > 0
-        )
-
+    outer = outer_factory(cfg)
     ckpt = None
     if cfg.checkpoint.resume:
         path = latest_checkpoint(cfg.resolved_checkpoint_dir)
@@ -228,6 +226,18 @@ def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
     return d
 
 
+def outer_factory(cfg) -> "Callable[[list[torch.Tensor]], torch.optim.Optimizer]":
+    """The outer optimizer of ``cfg`` (``cfg.outer``): SGD with Nesterov momentum; in the
+    one-step-delayed mode (F = 1, τ = H) with ``outer.delayed_momentum`` (a stale Δ)."""
+    o = cfg.outer
+    momentum = o.delayed_momentum if cfg.diloco.one_step_delayed else o.momentum
+
+    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=o.lr, momentum=momentum, nesterov=o.nesterov and momentum > 0)
+
+    return outer
+
+
 def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> Summary:
     """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``."""
     metrics_path = out / "metrics.jsonl"
@@ -243,15 +253,23 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
     streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
+    # with streaming the last round starts at this step and is merged there, so every
+    # configuration ends at the same inner step (rounds x H/F) as blocking rounds do
+    last_step = cfg.rounds * (cfg.diloco.sync_every // cfg.diloco.num_fragments) if streaming else None
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
         first_step = diloco.inner_steps + 1
-        mean_loss, merged = _inner_phase(cfg, task, diloco, stop, batches)
+        mean_loss, merged = _inner_phase(cfg, task, diloco, stop, batches, until_step=last_step)
         inner_last = diloco.inner_steps  # before a heal (joiner state) may replace the count
         if mean_loss is None:
             break  # the summary keeps the last completed round's train loss
-        train_loss = mean_loss
+        if streaming and merged is None and last_step is not None and diloco.inner_steps >= last_step:
+            merged = diloco.flush()  # the last round: merged at its start step (waiting counts as sync_s)
+            if merged is None:
+                break
+        if not math.isnan(mean_loss):
+            train_loss = mean_loss
         diloco.group.last_loss = train_loss
         if streaming:  # sync_s: what the steps waited for their rounds at the merge
             sync_s = streaming.waited_s - waited0
@@ -320,14 +338,17 @@ def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, 
 
 
 def _inner_phase(
-    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event, batches
+    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event, batches, *, until_step: int | None = None
 ) -> tuple[float | None, SyncOutcome | None]:
     """``sync_every`` inner-optimizer steps; returns their mean loss (None when ``stop`` was set)
     and, with streaming rounds (dtrain/streaming.py), the outcome of the fragment round merged at
-    the last step: then the phase ends at the first merge (within 2H/F steps)."""
+    the last step: then the phase ends at the first merge (within 2H/F steps), or at inner step
+    ``until_step`` (streaming: the last round's start; no step then: the mean loss is NaN)."""
     losses = []
     merged: SyncOutcome | None = None
     for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
+        if until_step is not None and diloco.inner_steps >= until_step:
+            break
         batch = next(batches)
         loss = task.loss(task.model, batch)
         loss.backward()
@@ -348,7 +369,7 @@ def _inner_phase(
             break
     if stop.is_set():
         return None, None
-    return sum(losses) / len(losses), merged
+    return (sum(losses) / len(losses) if losses else math.nan), merged
 
 
 def _round_line(

@@ -55,6 +55,7 @@ from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
+from dtrain.transports.pacing import Pacer, pace_rate_Bps
 
 __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
 
@@ -73,6 +74,7 @@ class _Run:
     contribute: bool
     t0: float
     bytes0: tuple[int, int]
+    pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
     got: dict[int, BucketMean] = field(default_factory=dict)  # means pulled from their owners (or members)
     missing: dict[int, str] = field(default_factory=dict)  # bucket -> why its mean did not arrive
@@ -131,6 +133,9 @@ class RoundEngine(PeerSide):
         # bytes are everything since then: an owner serves a late peer's mean pull (and
         # receives early pushes) outside its own run_round, and those bytes are real.
         self._bytes_mark: tuple[int, int] | None = None
+        self._wire_ratio = 1.0  # encoded / fp32 bytes of the last round (a paced round's estimate)
+        self.last_pacer: Pacer | None = None  # the last paced round's pacer (its counts: tests, logs)
+        self._site_pacer: Pacer | None = None  # shared by the paced rounds (rate set per round)
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
         # Called with a site the data path found gone (push refused, stream broken);
@@ -156,15 +161,27 @@ class RoundEngine(PeerSide):
 
     # ------------------------------------------------------------------ site: one round
     def start_round(
-        self, plan: RoundPlan, contribute: bool = True, buckets: Sequence[int] | None = None
+        self,
+        plan: RoundPlan,
+        contribute: bool = True,
+        buckets: Sequence[int] | None = None,
+        *,
+        pace_window_s: float | None = None,
     ) -> "cf.Future[RoundResult]":
         """Run :meth:`run_round` in a background thread; returns its future."""
         ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"round-{plan.round}")
-        fut = ex.submit(self.run_round, plan, contribute, buckets)
+        fut = ex.submit(self.run_round, plan, contribute, buckets, pace_window_s=pace_window_s)
         ex.shutdown(wait=False)
         return fut
 
-    def run_round(self, plan: RoundPlan, contribute: bool = True, buckets: Sequence[int] | None = None) -> RoundResult:
+    def run_round(
+        self,
+        plan: RoundPlan,
+        contribute: bool = True,
+        buckets: Sequence[int] | None = None,
+        *,
+        pace_window_s: float | None = None,
+    ) -> RoundResult:
         """Run round ``plan.round``; the residuals must already hold Δ + residual.
 
         Before calling, the caller adds this round's pseudo-gradient Δ_b into
@@ -187,8 +204,15 @@ class RoundEngine(PeerSide):
                 advances unchanged at the close (θ_b reflects this round: it had
                 nothing for b). ``RoundResult.bucket_outcome`` then has one entry per
                 bucket of ``RoundResult.buckets``.
+            pace_window_s: spread what this site sends in the round (its chunk pushes
+                and the means it serves) over this many seconds from the round's start
+                (a Streaming DiLoCo round overlapping τ inner steps): a send-rate budget
+                of the estimated bytes / the window (:meth:`_pacer`); a send that would
+                be due after the reduce / broadcast deadline leaves unpaced. None: unpaced.
         """
         run = self._open_round(plan, contribute, buckets)
+        if pace_window_s is not None:
+            run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
         finalizer.start()
         self._reduce(run)
@@ -241,6 +265,24 @@ class RoundEngine(PeerSide):
         return _Run(
             plan=plan, owners=owners, active=active, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0
         )
+
+    def _pacer(self, run: _Run, window_s: float) -> Pacer:
+        """The site's pacer at this round's rate: (fp32 bytes of the chunks it pushes + of the
+        means it serves, times the last round's encoded/fp32 ratio) spread over ``window_s``.
+
+        One pacer per site, its rate reset per paced round: the means of the previous round
+        still served to a late puller share the budget with this round's pushes (they
+        overlap when τ = H/F), so the two never add up to twice the rate."""
+        layout, me = self.state.layout, self.site_id
+        push = sum(4 * layout.buckets[b].numel for b in run.active if run.owners[b] != me)
+        serve = sum(4 * layout.buckets[b].numel for b in run.owned.books.mine) * (len(run.plan.site_ids) - 1)
+        rate = pace_rate_Bps((push + serve) * self._wire_ratio, window_s)
+        self.log.debug("round %d: paced at %.2f MB/s over %.2f s", run.round, rate / 1e6, window_s)
+        if self._site_pacer is None:
+            self._site_pacer = Pacer.of_Bps(rate)
+        else:
+            self._site_pacer.set_rate(rate * 8.0 / 1e6)
+        return self._site_pacer
 
     # ------------------------------------------------------------------ owner: finalize
     def _finalize_loop(self, run: _Run) -> None:
@@ -365,11 +407,15 @@ class RoundEngine(PeerSide):
                     run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
             return
         t = time.perf_counter()
+        pacer, until = run.pacer, run.owned.books.finalize_at
+        # a paced round: each chunk waits for its share of the budget (past the reduce deadline: at once)
+        paced = {} if pacer is None else {"pace": lambda n: pacer.wait(n, until)}
         try:
             self.transport.push(
                 run.plan.address_of(owner),
                 self._contributions(run, buckets, remote=True),
-                timeout_s=max(0.01, run.owned.books.finalize_at - time.monotonic()),
+                timeout_s=max(0.01, until - time.monotonic()),
+                **paced,
             )
         except PeerUnavailable as e:
             run.res.errors.append(f"push to {owner}: {e}")
@@ -664,6 +710,8 @@ class RoundEngine(PeerSide):
         sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()
         res.bytes_sent, res.bytes_received = sent1 - run.bytes0[0], recv1 - run.bytes0[1]
         self._bytes_mark = (sent1, recv1)
+        if res.encoded_fp32_bytes:  # the next paced round's estimate of its wire bytes
+            self._wire_ratio = res.encoded_bytes / res.encoded_fp32_bytes
         res.total_s = time.monotonic() - run.t0
         res.wait_s = max(0.0, res.total_s - res.encode_s - res.decode_s - res.network_s)
         return res

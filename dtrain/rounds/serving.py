@@ -24,6 +24,7 @@ from dtrain.errors import (
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.rounds.owner import OpenRound
 from dtrain.state import position_state
+from dtrain.transports.pacing import Pacer
 
 __all__ = ["PeerSide"]
 
@@ -38,6 +39,7 @@ class _Owned:
         self.cv = threading.Condition()
         self.done = {b: threading.Event() for b in books.mine}  # mean of owned bucket b published
         self.published = threading.Event()  # every owned bucket's mean published
+        self.pacer: Pacer | None = None  # a paced fragment round's send budget (the engine sets it)
 
 
 class PeerSide:
@@ -201,8 +203,9 @@ class PeerSide:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             m = self._means.get((round, bucket))
+            paced = self._open.get(round)
         if m is not None:
-            return self.mean_pulls.record(round, bucket, requester, m)
+            return self._reply_mean(paced, round, bucket, requester, m)
         owned = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
         owners = owned.books.owners
         if not 0 <= bucket < len(owners):
@@ -213,6 +216,12 @@ class PeerSide:
             m = self._means.get((round, bucket))
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
+        return self._reply_mean(owned, round, bucket, requester, m)
+
+    def _reply_mean(self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean) -> BucketMean:
+        """Record the pull and, in a paced fragment round, wait for the reply's share of the budget."""
+        if owned is not None and owned.pacer is not None:
+            owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
         return self.mean_pulls.record(round, bucket, requester, m)
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:

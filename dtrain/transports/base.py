@@ -27,7 +27,7 @@ its ``push`` still raises the first refusal, but later chunks were already handl
 from __future__ import annotations
 
 import abc
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 
@@ -74,9 +74,18 @@ class Transport(abc.ABC):
         """Start serving ``handler``; return the address peers should use."""
 
     @abc.abstractmethod
-    def push(self, address: str, contributions: Sequence[Contribution], *, timeout_s: float) -> int:
+    def push(
+        self,
+        address: str,
+        contributions: Sequence[Contribution],
+        *,
+        timeout_s: float,
+        pace: Callable[[int], None] | None = None,
+    ) -> int:
         """Send contributions (usually every chunk this site owes one owner).
 
+        ``pace`` (a paced fragment round): called with a contribution's payload bytes right
+        before it goes on the wire (it may block: the round's send budget); None: unpaced.
         Returns the number of contributions the peer accepted (all of them on
         success). Raises ``Rejected`` (first refusal), ``PeerUnavailable``, ``PeerTimeout``.
         """

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
@@ -396,7 +396,14 @@ class DatagramTransport(Transport):
             for i in range(n)
         ]
 
-    def push(self, address: str, contributions: Iterable[Contribution], *, timeout_s: float) -> int:
+    def push(
+        self,
+        address: str,
+        contributions: Iterable[Contribution],
+        *,
+        timeout_s: float,
+        pace: Callable[[int], None] | None = None,
+    ) -> int:
         if self._stopped.is_set():
             raise PeerUnavailable("transport stopped")
         deadline = time.monotonic() + timeout_s
@@ -406,6 +413,8 @@ class DatagramTransport(Transport):
         num = 0
         before: tuple[int, int] = (0, 0)
         for c in contributions:
+            if pace is not None:  # a paced fragment round's budget, on top of the path's own rate
+                pace(len(c.payload))
             if rs is None:
                 rs, dest = self._round_and_dest(c.round, address)
                 with rs.lock:

@@ -1,6 +1,7 @@
 """Pacing, rate control and socket buffer sizing of the datagram data path.
 
-* :class:`Pacer`: a virtual-clock token bucket shared by every sending thread of a
+* :class:`Pacer` (from :mod:`dtrain.transports.pacing`, shared with the round engine's
+  fragment pacing): a virtual-clock token bucket shared by every sending thread of a
   site; datagrams leave at the current rate with micro-bursts of at most
   ``burst_bytes`` (the quantum Linux's fq qdisc also allows), never in unpaced bursts.
 * :class:`RateController`: between rounds, from the receivers' reports of what
@@ -13,10 +14,10 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from dtrain.transports.pacing import Pacer
 
 __all__ = ["Pacer", "RateController", "ReceiverReport", "socket_buffer_bytes"]
 
@@ -28,48 +29,6 @@ def socket_buffer_bytes(rate_mbit: float, rtt_s: float) -> int:
     max(RTT, 50 ms), clamped to [256 KiB, 64 MiB]."""
     want = 2.0 * rate_mbit * 1e6 / 8.0 * max(rtt_s, 0.05)
     return int(min(64 * _MIB, max(256 << 10, want)))
-
-
-class Pacer:
-    """Releases bytes at ``rate_mbit`` (thread-safe; callers sleep outside the lock).
-
-    Args:
-        rate_mbit: initial rate, Mbit/s (> 0).
-        burst_bytes: largest back-to-back burst (bytes) the virtual clock allows
-            after an idle period or a late wake-up.
-    """
-
-    def __init__(self, rate_mbit: float, *, burst_bytes: int = 64 << 10) -> None:
-        if not rate_mbit > 0:
-            raise ValueError(f"rate_mbit must be > 0, got {rate_mbit!r}")
-        self._rate_bps = rate_mbit * 1e6 / 8.0
-        self._burst = burst_bytes
-        self._t = time.monotonic()
-        self._lock = threading.Lock()
-
-    @property
-    def rate_mbit(self) -> float:
-        return self._rate_bps * 8.0 / 1e6
-
-    def set_rate(self, rate_mbit: float) -> None:
-        if not rate_mbit > 0:
-            raise ValueError(f"rate_mbit must be > 0, got {rate_mbit!r}")
-        with self._lock:
-            self._rate_bps = rate_mbit * 1e6 / 8.0
-
-    def wait(self, nbytes: int, deadline: float) -> bool:
-        """Block until ``nbytes`` may leave; False (nothing reserved) if that is after ``deadline``."""
-        with self._lock:
-            now = time.monotonic()
-            t = max(self._t, now - self._burst / self._rate_bps)
-            due = t + nbytes / self._rate_bps
-            if due > deadline:
-                return False
-            self._t = due
-        delay = due - now - self._burst / self._rate_bps
-        if delay > 0:
-            time.sleep(delay)
-        return True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -344,7 +344,14 @@ class GrpcTransport(Transport):
                 err.num_accepted = _num_accepted(e)
             raise err from None
 
-    def push(self, address: str, contributions: Sequence[Contribution], *, timeout_s: float) -> int:
+    def push(
+        self,
+        address: str,
+        contributions: Sequence[Contribution],
+        *,
+        timeout_s: float,
+        pace: Callable[[int], None] | None = None,
+    ) -> int:
         """Stream ``contributions`` to ``address`` in order; return how many the peer accepted.
 
         Raises ``Rejected`` (the peer's first refusal, with its code and reason; the
@@ -368,6 +375,8 @@ class GrpcTransport(Transport):
 
         def requests() -> Iterator[bytes]:
             for c in contributions:
+                if pace is not None:  # here, not while listing: gRPC sends each message as it is yielded
+                    pace(len(c.payload))
                 msg = encode_contribution(c)
                 self._count(sent=len(c.payload))
                 yield msg

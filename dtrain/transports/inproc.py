@@ -224,12 +224,21 @@ class InprocTransport(Transport):
         if self.address is not None and self.address in self.network._down:
             raise PeerUnavailable(f"this site ({self.address}) is down")
 
-    def push(self, address: str, contributions: Sequence[Contribution], *, timeout_s: float) -> int:
+    def push(
+        self,
+        address: str,
+        contributions: Sequence[Contribution],
+        *,
+        timeout_s: float,
+        pace: Callable[[int], None] | None = None,
+    ) -> int:
         self._check_self()
         handler = self.network._handler(address)
         self._delay(timeout_s)
         accepted = 0
         for c in contributions:
+            if pace is not None:
+                pace(len(c.payload))
             with self._count_lock:
                 self._sent += len(c.payload)
             action = self.network._rule_action("push", c.sender, address, c.round, c.bucket)

@@ -186,9 +186,37 @@ def test_site_failures_smoke(tmp_path: Path) -> None:
     assert "## Site failures (smoke)" in md and "owner killed mid-round: rounds lost 0 (target none: **met**)" in md
 
 
+@pytest.mark.timeout(120)
+def test_delayed_momentum_smoke(tmp_path: Path) -> None:
+    """The one-step-delayed sweep runs end to end: blocking, then each merge at each momentum,
+    every loss finite and the section names the best delayed variant."""
+    from experiments import delayed_momentum  # noqa: PLC0415
+
+    assert delayed_momentum.main(["--smoke", "--out", str(tmp_path), "--results", "none"]) == 0
+    rows = read_rows(tmp_path / "delayed_momentum_smoke.csv")
+    assert [r["config"] for r in rows] == [
+        "blocking",
+        "delayed stale m=0 lr=0.7",
+        "delayed stale m=0.9 lr=0.7",
+        "delayed eager m=0 lr=0.7",
+        "delayed eager m=0.9 lr=0.7",
+    ]
+    assert all(math.isfinite(r["final_loss"]) and r["final_loss"] > 0 for r in rows)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "script", ["loss_sweep", "codec_sweep", "diloco_sanity", "site_failures", "wan_sweep", "netem_loss", "streaming"]
+    "script",
+    [
+        "loss_sweep",
+        "codec_sweep",
+        "diloco_sanity",
+        "site_failures",
+        "wan_sweep",
+        "netem_loss",
+        "streaming",
+        "delayed_momentum",
+    ],
 )
 def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> None:
     """--seeds 0 / --sites 0 / --jobs 0 stop with one line naming the flag, before anything runs."""

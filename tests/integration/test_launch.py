@@ -313,11 +313,14 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
 
 # --------------------------------------------------------------------------- streaming rounds
 @pytest.mark.timeout(150)
-def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run_dir: Path) -> None:
-    """F = 2, τ = 2, α = 0.5 through the CLI: a line per merged fragment round, fragments in turn,
-    θ equal after every round, and `dtrain report` lists the rounds of each fragment."""
+@pytest.mark.parametrize("data_path", ["grpc", "datagram"])
+def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run_dir: Path, data_path: str) -> None:
+    """F = 2, τ = 2, α = 0.5 through the CLI, over gRPC and over the datagram data path: a line
+    per merged fragment round, fragments in turn, θ equal after every round, and `dtrain report`
+    lists the rounds of each fragment."""
     stream = ["--diloco.num-fragments", "2", "--diloco.overlap-steps", "2", "--diloco.merge-alpha", "0.5"]
-    rc, out, err = _launch([*BASE_ARGS, "--rounds", "4", *stream], run_dir, timeout_s=120)
+    args = [*BASE_ARGS, "--rounds", "4", "--data-path", data_path, *stream]
+    rc, out, err = _launch(args, run_dir, timeout_s=120)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "θ checksums agree across sites" in out
     by_round: dict[int, set[str]] = {}
@@ -325,7 +328,9 @@ def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run
         rounds = [d for d in _lines(run_dir, s) if d["event"] == "round"]
         assert [d["round"] for d in rounds] == [0, 1, 2, 3]
         assert [d["fragment"] for d in rounds] == [1, 0, 1, 0]  # round r syncs fragment (r + 1) mod F
-        assert [d["inner_steps"] for d in rounds] == [7, 12, 17, 22]  # started every H/F = 5 steps, merged 2 later
+        # started every H/F = 5 steps, merged 2 later; the last (step 20) merged at its start step, so
+        # the run ends at rounds x H/F inner steps as blocking rounds do
+        assert [d["inner_steps"] for d in rounds] == [7, 12, 17, 20]
         assert all(d["status"] == "applied" and d["members"] == SITES for d in rounds)
         for d in rounds:
             by_round.setdefault(d["round"], set()).add(d["checksum"])

@@ -48,6 +48,7 @@ NARROW_RULES: list[tuple[str, tuple[str, ...]]] = [
         (
             "dtrain.rounds",
             "dtrain.transports.base",
+            "dtrain.transports.pacing",  # the pure send pacer (fragment rounds' budget)
             "dtrain.errors",
             "dtrain.protocol",
             "dtrain.codecs",

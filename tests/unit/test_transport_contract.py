@@ -176,6 +176,23 @@ def test_push_delivers_every_contribution_in_order(pair: Pair) -> None:
     assert pair.client.bytes_sent() - before == sum(len(c.payload) for c in cs)
 
 
+def test_push_paces_each_contribution_before_it_is_sent(pair: Pair) -> None:
+    """``pace`` (a paced fragment round's budget) is called once per contribution with its payload
+    bytes, in order, and before that contribution reaches the peer (gRPC lists the chunks for its
+    retries first: pacing the caller's iterator would pace nothing on the wire)."""
+    cs = _contributions(12)
+    calls: list[tuple[int, int]] = []  # (payload bytes, contributions the peer had when called)
+
+    def pace(n: int) -> None:
+        with pair.handler.lock:
+            calls.append((n, len(pair.handler.accepted)))
+
+    assert pair.client.push(pair.address, cs, timeout_s=10, pace=pace) == 12
+    assert [n for n, _ in calls] == [len(c.payload) for c in cs]
+    assert all(had <= k for k, (_, had) in enumerate(calls))
+    assert pair.handler.accepted == cs
+
+
 def test_push_of_nothing_returns_zero(pair: Pair) -> None:
     assert pair.client.push(pair.address, [], timeout_s=5) == 0
     assert pair.handler.accepted == []
