@@ -645,10 +645,14 @@ class RoundEngine(PeerSide):
         """Step 8: account for rejections, exclude repeat offenders, finish the result."""
         res, books = run.res, run.owned.books
         res.count_outcomes(run.outcome[b] for b in run.active)
+        for b in run.active:
+            if run.outcome[b] in (BucketOutcome.APPLIED, BucketOutcome.REPAIRED):
+                res.mean_senders[str(b)] = [sorted(s) for s in self._mean_of(run, b)[0]]
         with run.owned.cv:
             self._note_rejections(books)
             res.rejected = books.rejections.by_code()
             res.rejected_examples = books.rejections.example_reasons()
+            res.rejected_senders = books.refused()
             res.lost_members = sorted(books.lost)
         if res.rejected:
             self.log.warning(

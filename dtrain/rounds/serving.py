@@ -73,8 +73,9 @@ class PeerSide:
         try:
             self._accept(owned, c)
         except Rejected as e:
+            where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
             with owned.cv:
-                example = owned.books.reject(c.sender, e.code, e.reason)
+                example = owned.books.reject(c.sender, e.code, e.reason, where=where)
             # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
             (self.log.warning if example else self.log.debug)(
                 "round %d: rejected chunk b%d c%d from %s: %s %s",

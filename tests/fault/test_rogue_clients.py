@@ -21,6 +21,7 @@ import zstandard
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.errors import RejectCode, Rejected, TransportError
+from dtrain.metrics import rejected_applied
 from dtrain.protocol import Contribution, Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
@@ -261,6 +262,25 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         rogue_server.stop(0.1)
 
 
+def _assert_nothing_refused_applied(lines, rnd, bucket, rogue, *, members):
+    """The metrics-line check (``rejected_applied``) passes on what the sites applied, names
+    the rogue's refused chunk, and fails once a line claims its mean included the rogue."""
+    victim = next(ln for ln in lines if ln["site"] == "victim")
+    named = [e for e in victim["rejected_senders"] if e["sender"] == rogue]
+    if rnd < 2:  # excluded after 2 rounds: later refusals are PERMISSION_DENIED, not owner-side chunk faults
+        assert named and named[0]["bucket"] == bucket and named[0]["chunk"] == 0 and named[0]["counted"] is None
+    assert all(ln["mean_senders"][str(bucket)][0] == list(members) for ln in lines), lines
+    assert rejected_applied(lines) == []
+    forged = [dict(ln, mean_senders={**ln["mean_senders"], str(bucket): [[*members, rogue]]}) for ln in lines]
+    found = rejected_applied(forged)
+    assert len(found) == 2 * len(named) and all(f"refused {rogue}'s b{bucket} c0" in f for f in found), found
+    if named:
+        counted = [
+            dict(ln, rejected_senders=[{**e, "counted": e["digest"]} for e in ln["rejected_senders"]]) for ln in lines
+        ]
+        assert any("its mean counted that payload" in f for f in rejected_applied(counted))
+
+
 @pytest.mark.timeout(60)
 def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_on():
     """A member whose contribution is refused (NaN) in max_consecutive_rejections
@@ -295,6 +315,8 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
                 rogue.push(rogue.chunk(rnd, target, 0, payload=_forged_values(nan)))
             codes.append(ei.value.code)
             results = {s: f.result(timeout=20) for s, f in futs.items()}
+            lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
+            _assert_nothing_refused_applied(lines, rnd, target, "rogue", members=("honest", "victim"))
             sums = {eng.site_id: eng.state.checksums() for eng in (victim, honest)}
             assert sums["victim"] == sums["honest"], f"round {rnd}: honest sites disagree"
             for s, res in results.items():
