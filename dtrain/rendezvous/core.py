@@ -258,6 +258,9 @@ class RendezvousCore:
         self._plan_reason: dict[int, str] = {}  # round -> why the quorum rule formed its plan
         self._ready: dict[str, float] = {}
         self._adopted_at: float | None = None
+        # A site heartbeat before joining: it ran on through a restart of this rendezvous
+        # (a fresh process joins first), so the run is under way, not resuming as a whole.
+        self._survivor_seen = False
         self._cv = threading.Condition()
         self._last_reason = ""
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
@@ -372,6 +375,7 @@ class RendezvousCore:
         with self._cv:
             rec = self.sites.get(site_id)
             if rec is None:
+                self._survivor_seen = True
                 return HeartbeatInfo(
                     known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
                 )
@@ -489,6 +493,19 @@ class RendezvousCore:
         """Re-evaluate a pending ``ready`` (long-poll loop); same answers as ``ready``."""
         return self.ready(site_id, round, now=now)
 
+    def _startup_rules(self, now: float) -> bool:
+        """Whether the start-up rules (wait for ``initial_sites`` joins) apply to the round
+        being formed: to the first round formed here, unless this core adopted a round
+        and a site heartbeat before it joined (the rendezvous alone restarted under a
+        running run: a site dead meanwhile must not stall it; the restart grace already
+        let every live site re-register); after adopting a round (a whole run resumed)
+        they give up after STARTUP_WAIT_S in case a site died."""
+        if self.plans:
+            return False
+        if self._adopted_at is None:
+            return True
+        return not self._survivor_seen and now - self._adopted_at < STARTUP_WAIT_S
+
     def _decide(self, now: float) -> ReadyDecision:
         adopted_at = self._adopted_at
         if adopted_at is not None and now - adopted_at < self.config.heartbeat_timeout_s:
@@ -508,9 +525,7 @@ class RendezvousCore:
             now=now,
             config=self.config,
             startup_complete_at=self._startup_complete_at,
-            # The start-up rules apply to the first round formed here; after adopting a
-            # round (restart, resume) they give up after STARTUP_WAIT_S in case a site died.
-            first_round=not self.plans and (self._adopted_at is None or now - self._adopted_at < STARTUP_WAIT_S),
+            first_round=self._startup_rules(now),
         )
         if members is None:
             if reason != self._last_reason:

@@ -250,6 +250,24 @@ def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
     assert core.ready("c", 5, now=4.6).plan.site_ids == ("a", "b", "c")
 
 
+def test_rendezvous_restarted_under_running_sites_does_not_wait_for_a_dead_one() -> None:
+    """Only the rendezvous restarted (its survivors heartbeat before they re-join; the
+    chaos soak's rv_kill): a site that died meanwhile must not hold the next round for
+    STARTUP_WAIT_S (it did: 14 s in a soak, until the dead site was restarted). After
+    the restart grace the usual quorum rule forms the round without it."""
+    core = _core(initial_sites=3, quorum_timeout_s=1.0, heartbeat_timeout_s=3.0)
+    for s in ("a", "b"):
+        assert not core.heartbeat(s, now=0.0).known  # running sites, unknown to the fresh core
+        core.join(s, f"addr-{s}", now=0.05)
+        assert core.ready(s, 5, now=0.1).status == "wait"
+    for t in (1.0, 2.0, 3.0):
+        core.heartbeat("a", now=t)
+        core.heartbeat("b", now=t)
+    assert "restarted" in core.ready("a", 5, now=2.9).reason  # the grace: every live site may re-join
+    d = core.ready("a", 5, now=3.2)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d.reason
+
+
 def test_every_member_learns_why_the_round_formed_whichever_call_formed_it() -> None:
     # The gRPC service forms plans through decide() (once per change), so a member's own
     # ready() finds the plan already formed: it must still get the quorum rule's reason.
