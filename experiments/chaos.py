@@ -164,6 +164,7 @@ def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int =
                 try:
                     t.push(address, [c], timeout_s=2.0)
                 except Exception as e:  # noqa: BLE001 - refused, as it must be
+                    log.info("chaos: corrupt chunk b%d of round %d to %s refused: %s", b, rnd, address, e)
                     opened = "not open" not in str(e) and "is over" not in str(e)
                     if not opened or "out of range" in str(e):
                         break
