@@ -133,6 +133,10 @@ class RoundEngine(PeerSide):
         self._bytes_mark: tuple[int, int] | None = None
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
+        # Called (no arguments, from any thread; must not block) when a mean is published
+        # or a round opens or closes here: the gRPC server wakes the PullMean calls that
+        # wait for a bucket as coroutines (PeerSide.poll_pull_mean).
+        self.mean_listeners: "list[Callable[[], None]]" = []
         # Called with a site the data path found gone (push refused, stream broken);
         # the Group reports it to the rendezvous, which confirms it for later rounds.
         self.on_unreachable: "Callable[[str], None] | None" = None
@@ -236,6 +240,7 @@ class RoundEngine(PeerSide):
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
+        self._means_changed()
         # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
         self.transport.begin_round(plan, owners, self.site_id)
         return _Run(
@@ -295,7 +300,9 @@ class RoundEngine(PeerSide):
             with self._cv:
                 self._means[(r, b)] = bm
                 self.state.bucket_round[b] = r + 1
+                self._cv.notify_all()
             owned.done[b].set()
+            self._means_changed()
 
     def _mean_residual(self, b: int) -> torch.Tensor | None:
         """The owner's broadcast error feedback of bucket ``b`` (None when off)."""
@@ -665,6 +672,7 @@ class RoundEngine(PeerSide):
             self.state.rounds_applied = run.round + 1
             self._open.pop(run.round, None)
             self._cv.notify_all()
+        self._means_changed()
         sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()
         res.bytes_sent, res.bytes_received = sent1 - run.bytes0[0], recv1 - run.bytes0[1]
         self._bytes_mark = (sent1, recv1)
