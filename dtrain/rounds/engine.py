@@ -45,7 +45,7 @@ from dtrain.errors import (
     StateTransferError,
     TransportError,
 )
-from dtrain.protocol import BucketMean, Contribution, RoundPlan
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction, OpenRound
@@ -141,8 +141,9 @@ class RoundEngine(PeerSide):
         # the Group reports it to the rendezvous, which confirms it for later rounds.
         self.on_unreachable: "Callable[[str], None] | None" = None
         # The site's training position at the start of its next round (DiLoCo sets it):
-        # what a PullState of bucket index len(state) answers (a joiner heals from it).
-        self.position_source: "Callable[[], dict | None] | None" = None
+        # called with index len(state), it gives the answer of a PullState of that bucket
+        # index (``state.position_state``; None: no position), what a joiner heals from.
+        self.position_source: "Callable[[int], BucketState | None] | None" = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:

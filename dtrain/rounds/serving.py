@@ -23,7 +23,6 @@ from dtrain.errors import (
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.rounds.owner import OpenRound
-from dtrain.state import position_state
 
 __all__ = ["PeerSide"]
 
@@ -250,10 +249,10 @@ class PeerSide:
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if bucket == len(self.state):  # one past the last bucket: the training position
-            position = self.position_source() if self.position_source is not None else None
+            position = self.position_source(bucket) if self.position_source is not None else None
             if position is None:
                 raise Rejected(RejectCode.NOT_FOUND, "no training position here")
-            return position_state(position, index=bucket)
+            return position
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
         if self.fault_hook is not None:
