@@ -316,6 +316,7 @@ class RoundEngine(PeerSide):
         for red in reductions:
             for s, why in red.dropped.items():
                 with run.owned.cv:
+                    run.owned.books.dropped.add(s)
                     example = run.owned.books.reject(s, RejectCode.INVALID_ARGUMENT, why)
                 (self.log.warning if example else self.log.debug)(
                     "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, red.chunk, why
@@ -682,10 +683,15 @@ class RoundEngine(PeerSide):
         return res
 
     def _note_rejections(self, books: OpenRound) -> None:
+        """Count a round towards excluding a member whose contributions were refused for
+        what they carried and none was counted: a name some chunks of which were counted
+        is a member sending (a spoofer with the token claiming its name, as the chaos
+        soak's corrupt action does, got an honest site-0 excluded before)."""
+        counted = books.counted_senders()
         for s in books.members:
             if s == self.site_id:
                 continue
-            if s in books.faulty_senders:
+            if s in books.faulty_senders and s not in counted:
                 self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
                 if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
                     self._banned.add(s)

@@ -127,6 +127,7 @@ class OpenRound:
         self.rejections = RejectionTally()
         self.faulty_senders: set[str] = set()
         self.refusals: list[tuple[int, int, str, bytes]] = []
+        self.dropped: set[str] = set()  # senders a robust option dropped at finalize (engine._note_dropped)
         self.digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.closed: set[int] = set()
         self._missing = {b: len(self.chunks[b]) * len(self.members) for b in self.mine}
@@ -246,6 +247,11 @@ class OpenRound:
             if b in self.mine and 0 <= c < len(self.chunks[b]):
                 self.refusals.append((b, c, sender, digest))
         return self.rejections.add(code, reason)
+
+    def counted_senders(self) -> set[str]:
+        """Senders with a contribution counted in a closed bucket's mean and none dropped
+        at finalize by a robust option."""
+        return {s for by_sender in self.digests.values() for s in by_sender} - self.dropped
 
     def refused(self) -> list[dict]:
         """:attr:`refusals` as ``RoundResult.rejected_senders`` entries: bucket, chunk,

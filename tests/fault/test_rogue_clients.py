@@ -338,3 +338,47 @@ def test_rogue_helpers_build_the_payloads_they_claim():
     vals = np.arange(8, dtype=np.float32)
     assert torch.equal(codec.decode(_forged_values(vals), numel=8), torch.from_numpy(vals))
     assert zstandard.frame_content_size(_zstd_bomb(8)[_HEADER.size :]) == 10 << 30
+
+
+@pytest.mark.timeout(60)
+def test_a_spoofer_claiming_a_members_name_cannot_get_it_excluded():
+    """A token holder pushes NaN chunks claiming to be the honest member, every round for
+    max_consecutive_rejections + 1 rounds (the chaos soak's corrupt action got site-0
+    excluded this way). Each spoofed chunk is refused and named with its digest; the
+    member's own chunks are counted, so it is never excluded, and no refused payload
+    reaches a mean (rejected_applied)."""
+    max_rej = 2
+    victim = _site("victim", max_consecutive_rejections=max_rej)
+    honest = _site("honest", max_consecutive_rejections=max_rej)
+    layout = victim.state.layout
+    rogue = Rogue(victim.address, layout)
+    members = {"victim": victim.address, "honest": honest.address}
+    owners = assign_owners(len(layout), list(members))
+    target = owners.index("victim")
+    n = layout.buckets[target].chunks[0][1]
+    nan = np.zeros(n, np.float32)
+    nan[0] = np.nan
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for rnd in range(max_rej + 1):
+            futs = {}
+            for eng in (victim, honest):
+                local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
+                assert eng.add_pseudo_gradient([local])
+                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=3.0, broadcast_s=5.0))
+            _wait_open(victim, rnd)
+            spoof = rogue.chunk(rnd, target, 0, payload=_forged_values(nan), sender="honest")
+            with pytest.raises(Rejected) as ei:
+                rogue.push(spoof)
+            assert ei.value.code in (RejectCode.INVALID_ARGUMENT, RejectCode.ALREADY_EXISTS), ei.value
+            results = {s: f.result(timeout=20) for s, f in futs.items()}
+            assert victim.state.checksums() == honest.state.checksums(), f"round {rnd}: sites disagree"
+            lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
+            named = [e for e in results["victim"].rejected_senders if e["sender"] == "honest"]
+            assert len(named) == 1 and named[0]["counted"] not in (None, named[0]["digest"]), named
+            assert all(ln["mean_senders"][str(target)][0] == ["honest", "victim"] for ln in lines), lines
+            assert rejected_applied(lines) == []
+        assert victim.banned == frozenset(), "a spoofer got an honest member excluded"
+    finally:
+        victim.stop(0.1)
+        honest.stop(0.1)
