@@ -261,6 +261,7 @@ class RendezvousCore:
         # A site heartbeat before joining: it ran on through a restart of this rendezvous
         # (a fresh process joins first), so the run is under way, not resuming as a whole.
         self._survivor_seen = False
+        self._last_call = 0.0  # monotonic time of the latest call (_clock)
         self._cv = threading.Condition()
         self._last_reason = ""
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
@@ -271,6 +272,21 @@ class RendezvousCore:
 
     def _changed(self) -> None:
         self._cv.notify_all()
+
+    def _clock(self, now: float) -> None:
+        """Note a call at ``now`` (under the lock). A gap since the previous call longer
+        than ``heartbeat_timeout_s / 2`` means this rendezvous did not run (SIGSTOP, a
+        pause of its host; its sites heartbeat every ``heartbeat_interval_s``): the
+        sites' heartbeat clocks move on by the gap, so that it does not declare every
+        site dead for its own silence (it did, in the chaos soak's rv_stop: every site
+        resynced). A site that is really gone is declared dead one timeout later."""
+        gap = now - self._last_call
+        if self._last_call and gap > self.config.heartbeat_timeout_s / 2:
+            for rec in self.sites.values():
+                rec.last_heartbeat += gap
+            self._live_cache = self._dead_cache = None
+            log.warning("rendezvous: no call for %.1fs (was it stopped?): sites' heartbeat clocks moved on by it", gap)
+        self._last_call = max(self._last_call, now)
 
     def wait_for_change(self, timeout_s: float) -> None:
         with self._cv:
@@ -312,6 +328,7 @@ class RendezvousCore:
 
     def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
         with self._cv:
+            self._clock(now)
             rec = self.sites.get(site_id)
             if rec is not None:
                 log.info("rendezvous: %s re-joined from %s", site_id, address)
@@ -373,6 +390,7 @@ class RendezvousCore:
         ``heartbeat_timeout_s`` (a suspected site that heartbeats in time is cleared).
         """
         with self._cv:
+            self._clock(now)
             rec = self.sites.get(site_id)
             if rec is None:
                 self._survivor_seen = True
@@ -426,6 +444,7 @@ class RendezvousCore:
 
     def leave(self, site_id: str, *, now: float) -> None:
         with self._cv:
+            self._clock(now)
             rec = self.sites.pop(site_id, None)
             self._dead_cache = self._live_cache = None
             if rec is not None:
@@ -438,6 +457,7 @@ class RendezvousCore:
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
         with self._cv:
+            self._clock(now)
             rec = self.sites.get(site_id)
             if rec is None:
                 return ReadyDecision(status="wait", reason="unknown site: join first", next_round=self.next_round)
@@ -485,6 +505,7 @@ class RendezvousCore:
         ``ready`` for every waiting site; it costs nothing while no site is ready.
         """
         with self._cv:
+            self._clock(now)
             if self._ready:
                 self._decide(now)
             return self.next_round

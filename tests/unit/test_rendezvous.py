@@ -268,6 +268,26 @@ def test_rendezvous_restarted_under_running_sites_does_not_wait_for_a_dead_one()
     assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d.reason
 
 
+def test_a_rendezvous_that_was_stopped_does_not_declare_every_site_dead() -> None:
+    """SIGSTOP of the rendezvous for longer than heartbeat_timeout_s (the chaos soak's
+    rv_stop): on SIGCONT its first call saw every site silent past the timeout and
+    declared them all dead, so every site resynced. Its own silence does not count now;
+    a site that really stopped is declared dead one timeout later."""
+    core = _core(heartbeat_timeout_s=3.0)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+    for t in (0.5, 1.0):
+        core.heartbeat("a", now=t)
+        core.heartbeat("b", now=t)
+    hb = core.heartbeat("a", now=5.0)  # stopped from 1.0 to 5.0
+    assert hb.dead == () and not hb.resync_required, hb
+    assert not core.heartbeat("b", now=5.1).resync_required
+    for t in (5.5, 6.5, 7.5):  # b stops for real after 5.1
+        hb = core.heartbeat("a", now=t)
+    assert "b" not in hb.dead
+    assert core.heartbeat("a", now=8.7).dead == ("b",)
+
+
 def test_every_member_learns_why_the_round_formed_whichever_call_formed_it() -> None:
     # The gRPC service forms plans through decide() (once per change), so a member's own
     # ready() finds the plan already formed: it must still get the quorum rule's reason.
