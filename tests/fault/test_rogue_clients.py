@@ -281,6 +281,25 @@ def _assert_nothing_refused_applied(lines, rnd, bucket, rogue, *, members):
         assert any("its mean counted that payload" in f for f in rejected_applied(counted))
 
 
+def _nan_chunk_payload(layout, bucket: int) -> bytes:
+    """A well-formed payload of chunk 0 of ``bucket`` whose first value is NaN."""
+    nan = np.zeros(layout.buckets[bucket].chunks[0][1], np.float32)
+    nan[0] = np.nan
+    return _forged_values(nan)
+
+
+def _start_honest_rounds(engines, rnd: int, members, gen, *, reduce_s: float, broadcast_s: float) -> dict:
+    """Every engine adds a small pseudo-gradient and starts round ``rnd``; waits until the
+    first (the victim) has it open. Returns site id -> the round's future."""
+    futs = {}
+    for eng in engines:
+        local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
+        assert eng.add_pseudo_gradient([local])
+        futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=reduce_s, broadcast_s=broadcast_s))
+    _wait_open(engines[0], rnd)
+    return futs
+
+
 @pytest.mark.timeout(60)
 def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_on():
     """A member whose contribution is refused (NaN) in max_consecutive_rejections
@@ -295,24 +314,16 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
     members = {"victim": victim.address, "honest": honest.address, "rogue": rogue_server.address}
     owners = assign_owners(len(layout), list(members))
     target = owners.index("victim")
-    n = layout.buckets[target].chunks[0][1]
-    nan = np.zeros(n, np.float32)
-    nan[0] = np.nan
     gen = torch.Generator().manual_seed(1)
     codes = []
     try:
         for rnd in range(max_rej + 2):
-            futs = {}
-            for eng in (victim, honest):
-                local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
-                assert eng.add_pseudo_gradient([local])
-                # The owners wait out the reduce deadline (the rogue's other chunks never come);
-                # 2 s leaves the honest pushes room on a loaded 2-core machine, where 0.6 s
-                # was missed (round 0 ended with no mean applied at all).
-                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=2.0, broadcast_s=4.0))
-            _wait_open(victim, rnd)
+            # The owners wait out the reduce deadline (the rogue's other chunks never come);
+            # 2 s leaves the honest pushes room on a loaded 2-core machine, where 0.6 s
+            # was missed (round 0 ended with no mean applied at all).
+            futs = _start_honest_rounds((victim, honest), rnd, members, gen, reduce_s=2.0, broadcast_s=4.0)
             with pytest.raises(Rejected) as ei:
-                rogue.push(rogue.chunk(rnd, target, 0, payload=_forged_values(nan)))
+                rogue.push(rogue.chunk(rnd, target, 0, payload=_nan_chunk_payload(layout, target)))
             codes.append(ei.value.code)
             results = {s: f.result(timeout=20) for s, f in futs.items()}
             lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
@@ -355,19 +366,11 @@ def test_a_spoofer_claiming_a_members_name_cannot_get_it_excluded():
     members = {"victim": victim.address, "honest": honest.address}
     owners = assign_owners(len(layout), list(members))
     target = owners.index("victim")
-    n = layout.buckets[target].chunks[0][1]
-    nan = np.zeros(n, np.float32)
-    nan[0] = np.nan
     gen = torch.Generator().manual_seed(3)
     try:
         for rnd in range(max_rej + 1):
-            futs = {}
-            for eng in (victim, honest):
-                local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
-                assert eng.add_pseudo_gradient([local])
-                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=3.0, broadcast_s=5.0))
-            _wait_open(victim, rnd)
-            spoof = rogue.chunk(rnd, target, 0, payload=_forged_values(nan), sender="honest")
+            futs = _start_honest_rounds((victim, honest), rnd, members, gen, reduce_s=3.0, broadcast_s=5.0)
+            spoof = rogue.chunk(rnd, target, 0, payload=_nan_chunk_payload(layout, target), sender="honest")
             with pytest.raises(Rejected) as ei:
                 rogue.push(spoof)
             assert ei.value.code in (RejectCode.INVALID_ARGUMENT, RejectCode.ALREADY_EXISTS), ei.value
