@@ -140,7 +140,7 @@ class BucketLayout:
         """Copy bucket ``index``'s elements out of ``tensors`` into a 1-D fp32 tensor.
 
         Args:
-            tensors: the tensors the layout was built for (any float dtype, CPU).
+            tensors: the tensors the layout was built for (any float dtype, any device).
             out: optional preallocated fp32 tensor of ``bucket.numel`` elements.
         Returns:
             fp32 tensor of shape ``[bucket.numel]``.
@@ -222,5 +222,5 @@ def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool) -> tuple[str,
 
 def checksum(t: torch.Tensor) -> str:
     """Hex blake2b-128 digest of a tensor's raw bytes (fp32 θ_b in practice)."""
-    data = t.detach().contiguous().view(torch.uint8).numpy() if t.numel() else b""
+    data = t.detach().contiguous().view(torch.uint8).cpu().numpy() if t.numel() else b""
     return hashlib.blake2b(memoryview(data) if len(data) else b"", digest_size=16).hexdigest()

@@ -25,6 +25,7 @@ __all__ = [
     "AggregationConfig",
     "BucketConfig",
     "BufferMode",
+    "ThetaDevice",
     "DiLoCoConfig",
     "GroupConfig",
     "MiB",
@@ -35,6 +36,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 BufferMode = Literal["average", "local"]
+ThetaDevice = Literal["cpu", "model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,6 +274,12 @@ class DiLoCoConfig:
             = (1 − α)·θ_new + α·θ_local (torchft ``fragment_update_alpha``; the
             paper's α); 0 = take θ_new, as blocking DiLoCo. In [0, 1]. The next
             pseudo-gradient is measured from θ_new.
+        theta_device: where θ, the outer-optimizer state and the residuals live:
+            ``"cpu"`` (default: host memory, 12 bytes per synchronised parameter,
+            for small hosts) or ``"model"`` (the device of the model's first
+            parameter, e.g. its GPU: gather, Δ, residuals, outer step and scatter
+            run there, and only codec payloads, checksums and state transfers
+            cross to the host). With a CPU model both are the same.
     """
 
     site_id: str = "site-0"
@@ -285,6 +293,7 @@ class DiLoCoConfig:
     num_fragments: int = 1
     overlap_steps: int = 0
     merge_alpha: float = 0.0
+    theta_device: ThetaDevice = "cpu"
 
     @property
     def streaming(self) -> bool:
@@ -297,6 +306,8 @@ class DiLoCoConfig:
         self._check_streaming()
         if self.buffers not in get_args(BufferMode):
             raise ValueError(f"buffers must be one of {get_args(BufferMode)}, got {self.buffers!r}")
+        if self.theta_device not in get_args(ThetaDevice):
+            raise ValueError(f"theta_device must be one of {get_args(ThetaDevice)}, got {self.theta_device!r}")
         if not self.site_id or not isinstance(self.site_id, str):
             raise ValueError(f"site_id must be a non-empty string, got {self.site_id!r}")
         t = self.close_timeout_s

@@ -43,6 +43,7 @@ from dtrain.state import (
     decode_position,
     default_outer_optimizer,
     position_state,
+    theta_device_of,
 )
 from dtrain.streaming import StreamingSync
 from dtrain.transports.base import Transport
@@ -120,7 +121,8 @@ class DiLoCo:
             if not t.is_floating_point():
                 raise ValueError(f"DiLoCo synchronises floating-point tensors only, got {t.dtype}")
         self.layout = BucketLayout([t.numel() for t in tensors], kinds, self.config.buckets)
-        self.state = GlobalState(self.layout, tensors, outer_optimizer)
+        device = theta_device_of(tensors, self.config.theta_device)
+        self.state = GlobalState(self.layout, tensors, outer_optimizer, device=device)
         self.engine = RoundEngine(
             self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds
         )

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -106,6 +106,9 @@ class Group:
         # The members θ was last pulled from (join or resync), for DiLoCo's position heal;
         # empty when the last join or resync pulled nothing.
         self.donors: list = []
+        # Called (heartbeat thread) with the members the rendezvous holds dead, after
+        # the engine stopped waiting for them (``SiteGroupDiLoCo`` posts a lost notice).
+        self.on_members_lost: Callable[[list[str]], None] | None = None
         engine.on_unreachable = self.report_unreachable
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
         self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
@@ -211,6 +214,8 @@ class Group:
                         self._reports.popleft()
             if hb.known and hb.dead:
                 self.engine.members_lost(hb.dead)
+                if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks
+                    self.on_members_lost(list(hb.dead))
             if not hb.known:
                 self._rejoin_needed.set()
                 try:  # a restarted rendezvous: register again, keep our state

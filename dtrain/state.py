@@ -30,6 +30,7 @@ __all__ = [
     "position_state",
     "decode_position",
     "copy_reusing",
+    "theta_device_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,26 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov
     (Douillard et al., arXiv 2311.08105, §3 / Table 5, "outer optimizer")."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def theta_device_of(tensors: Sequence[torch.Tensor], mode: str) -> torch.device:
+    """Where θ lives for ``DiLoCoConfig.theta_device`` ``mode``: the CPU for ``"cpu"``;
+    for ``"model"`` the device of the first tensor (a DTensor's local shard's), CPU
+    when there is none.
+
+    Raises:
+        ValueError: ``mode`` is neither, or the tensors sit on several devices.
+    """
+    if mode == "cpu" or not tensors:
+        if mode not in ("cpu", "model"):
+            raise ValueError(f"theta_device must be 'cpu' or 'model', got {mode!r}")
+        return torch.device("cpu")
+    if mode != "model":
+        raise ValueError(f"theta_device must be 'cpu' or 'model', got {mode!r}")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"theta_device='model' needs the model on one device, found {sorted(map(str, devices))}")
+    return next(iter(devices))
 
 
 def _buffer_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -66,9 +87,18 @@ class GlobalState:
         tensors: the model tensors θ starts from (copied to fp32).
         outer_optimizer: factory building the outer optimizer over ``[θ_b]``
             for each parameter bucket (buffer buckets always use plain averaging).
+        device: where θ, the outer-optimizer state and the residuals live
+            (default CPU; ``DiLoCoConfig.theta_device = "model"`` passes the model's
+            device). Means decoded on the host are moved there before the outer
+            step; checksums and state transfers copy θ_b to the host.
 
     Thread-safety: each bucket has its own lock (``lock(b)``); the round engine
     applies a bucket's mean under it while peers may read it for repair.
+
+    θ_b changes only through :meth:`apply_mean`, :meth:`load_bucket` and
+    :meth:`load_state_dict`; its checksum is cached between them (hashing θ costs
+    ~3 ns per element, and a round asks for it before, after and for the metrics).
+    Code that writes ``theta[b]`` in place otherwise calls :meth:`invalidate_checksums`.
     """
 
     def __init__(
@@ -76,8 +106,10 @@ class GlobalState:
         layout: BucketLayout,
         tensors: Sequence[torch.Tensor],
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.layout = layout
+        self.device = torch.device(device)
         self.theta: list[torch.Tensor] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.residuals: list[torch.Tensor | None] = [None] * len(layout)
@@ -85,8 +117,10 @@ class GlobalState:
         self.bucket_round: list[int] = [0] * len(layout)
         self.rounds_applied = 0
         self._locks = [threading.RLock() for _ in range(len(layout))]
+        self._sums: list[str | None] = [None] * len(layout)  # checksum(θ_b) until θ_b changes
         for b in layout.buckets:
-            t = layout.gather(b.index, tensors).requires_grad_(True)
+            out = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+            t = layout.gather(b.index, tensors, out=out).requires_grad_(True)
             self.theta.append(t)
             factory = outer_optimizer if b.kind == "param" else _buffer_outer_optimizer
             opt = factory([t])
@@ -101,8 +135,18 @@ class GlobalState:
         return self._locks[b]
 
     def checksum(self, b: int) -> str:
+        """blake2b-128 of θ_b's bytes (cached until θ_b changes)."""
         with self._locks[b]:
-            return checksum(self.theta[b])
+            s = self._sums[b]
+            if s is None:
+                s = self._sums[b] = checksum(self.theta[b])
+            return s
+
+    def invalidate_checksums(self) -> None:
+        """Forget the cached checksums (after writing θ other than through this class)."""
+        for b in range(len(self)):
+            with self._locks[b]:
+                self._sums[b] = None
 
     def checksums(self) -> list[str]:
         return [self.checksum(b) for b in range(len(self))]
@@ -117,23 +161,26 @@ class GlobalState:
         """
         with self._locks[b]:
             t = self.theta[b]
-            t.grad = mean
+            t.grad = mean.to(t.device)
+            self._sums[b] = None
             self.optimizers[b].step()
             t.grad = None
-            return checksum(t)
+            s = self._sums[b] = checksum(t)
+            return s
 
     def bucket_state(self, b: int) -> BucketState:
         """Snapshot of bucket ``b`` (θ_b bytes and outer-optimizer state)."""
         with self._locks[b]:
-            theta = self.theta[b].detach().clone()
+            theta = self.theta[b].detach().cpu().clone()
             opt = _serialize(self.optimizers[b].state_dict())
             rnd = self.bucket_round[b]
+            digest = self.checksum(b)
         return BucketState(
             bucket=b,
             rounds_applied=rnd,
             theta=theta.numpy().tobytes(),
             optimizer_state=opt,
-            checksum=checksum(theta),
+            checksum=digest,
         )
 
     def decode_bucket_state(self, st: BucketState) -> tuple[torch.Tensor, dict]:
@@ -161,6 +208,7 @@ class GlobalState:
     def load_bucket(self, b: int, theta: torch.Tensor, opt_state: dict, rounds_applied: int) -> None:
         """Install a decoded bucket (see :meth:`decode_bucket_state`)."""
         with self._locks[b]:
+            self._sums[b] = None
             with torch.no_grad():
                 self.theta[b].copy_(theta)
             self.optimizers[b].load_state_dict(opt_state)
@@ -217,13 +265,14 @@ class GlobalState:
                 )
         for b in range(len(self)):
             with self._locks[b]:
+                self._sums[b] = None
                 with torch.no_grad():
                     self.theta[b].copy_(sd["theta"][b])
                 # deep copy: Optimizer.load_state_dict keeps the given tensors, and
                 # later steps would write into the caller's dict
                 self.optimizers[b].load_state_dict(copy.deepcopy(sd["outer_optimizer"][b]))
                 r = sd["residuals"][b]
-                self.residuals[b] = None if r is None else r.clone()
+                self.residuals[b] = None if r is None else r.to(self.device, copy=True)
                 self.bucket_round[b] = int(sd["bucket_round"][b])
         self.rounds_applied = int(sd["round"])
 

@@ -253,7 +253,7 @@ class StreamingSync:
         Δ = θ_after − snapshot' = θ_before − snapshot: the model's own steps, not the outer update."""
         for b, d in moved.items():
             if b in m.buckets:
-                self.layout.scatter(b, self.layout.gather(b, m.snapshot) + d, m.snapshot)
+                self.layout.scatter(b, self.layout.gather(b, m.snapshot).to(d.device) + d, m.snapshot)
 
     def flush(self) -> Outcome | None:
         """Merge the round in flight now (waiting for it if it is not done); None if none."""
@@ -301,7 +301,7 @@ class StreamingSync:
             if alpha == 0.0:
                 self.layout.scatter(b, theta, tensors)
             else:
-                local = self.layout.gather(b, tensors)
+                local = self.layout.gather(b, tensors).to(theta.device)
                 self.layout.scatter(b, torch.lerp(theta, local, alpha), tensors)
 
     def close(self, *, wait: bool = True) -> Outcome | None:

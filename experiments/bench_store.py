@@ -48,21 +48,21 @@ def bench_etcd(url: str, n: int, num_threads: int) -> dict:
     cfg = _config(n)
     with ThreadPoolExecutor(num_threads) as ex:
         cores = list(ex.map(lambda _: EtcdRendezvous(store, cfg), range(n)))
-        list(ex.map(lambda i: cores[i].join(f"s{i:04d}", f"addr-{i}"), range(n)))
-        rev0 = cores[0].etcd.range(b"/none")[2]
+        list(ex.map(lambda i: cores[i].join(f"s{i:04d}", f"addr-{i}", now=0.0), range(n)))
+        rev0 = cores[0].store.etcd.range(b"/none")[2]
         t0 = time.monotonic()
-        waits = list(ex.map(lambda i: cores[i].ready(f"s{i:04d}", 0).status, range(n - 1)))
+        waits = list(ex.map(lambda i: cores[i].ready(f"s{i:04d}", 0, now=0.0).status, range(n - 1)))
         t1 = time.monotonic()
-        rev1 = cores[0].etcd.range(b"/none")[2]
+        rev1 = cores[0].store.etcd.range(b"/none")[2]
     assert set(waits) == {"wait"}, set(waits)
     t_last = time.monotonic()
-    d = cores[-1].ready(f"s{n - 1:04d}", 0)
+    d = cores[-1].ready(f"s{n - 1:04d}", 0, now=0.0)
     assert d.status == "plan" and len(d.plan.members) == n
     for c in cores:
-        c.wait_for_plan(0, 60.0)
+        c.store.wait(0, 60.0)
     t_all = time.monotonic()
-    missing = sum(1 for c in cores if 0 not in c._plans)
-    seen = sorted(c.plan_seen_at.get(0, t_all) - t_last for c in cores[:-1])
+    missing = sum(1 for c in cores if 0 not in c.store._plans)
+    seen = sorted(c.store.plan_seen_at.get(0, t_all) - t_last for c in cores[:-1])
     for c in cores:
         c.close()
     return {

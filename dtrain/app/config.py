@@ -438,6 +438,9 @@ class LaunchConfig:
         http_bind: the rendezvous's status page, host:port or off (none: 127.0.0.1 on a
             free port; off with netem); the URL is printed at start.
         http_port: status page on 127.0.0.1:PORT (shorthand for http_bind), 0..65535.
+        store: where the rendezvous launch starts keeps membership: none (in memory) or
+            etcd://host:port[,host:port...][/run][?ca_file=..&username=..&password_file=..]
+            (etcd v3: the rendezvous is a stateless front-end on it; not with netem).
         worker: the settings of every site.
         rendezvous: membership and round timing (initial_sites: default the number of sites).
     """
@@ -450,6 +453,7 @@ class LaunchConfig:
     progress: bool = True
     http_bind: str | None = None
     http_port: int | None = None
+    store: str | None = None
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
 
@@ -469,6 +473,14 @@ class LaunchConfig:
         if self.http_bind not in (None, "off"):
             HostPort.parse(self.http_bind, "http_bind")
         _need(self, self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "in [0, 65535]")
+        _need(
+            self,
+            self.store is None or self.store.startswith(("etcd://", "etcds://")),
+            "store",
+            "none (in memory) or etcd://host:port[,host:port...][/run]",
+        )
+        if self.store is not None and self.netem:
+            raise ValueError("store: an etcd store is not reachable from netem's namespaces; drop --store or --netem")
 
     def status_page_bind(self) -> HostPort | None:
         """The rendezvous's status page address, or None (off).

@@ -230,6 +230,11 @@ def _check(values: dict[str, Any]) -> tuple[LaunchConfig, Path, dict[str, Any], 
     return cfg, run_dir, worker, rendezvous
 
 
+def _redacted(store: str | None) -> str | None:
+    """The store url without its query (it may name credential files)."""
+    return store.partition("?")[0] if store else store
+
+
 def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
     """With ``ranks_per_site`` K > 1: the worker command as one torchrun group of K ranks
     (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
@@ -281,8 +286,14 @@ def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
     http_file.unlink(missing_ok=True)
     rv_argv = py + ["rendezvous", "--log-level", log_level]
     rv_argv += rendezvous_argv(rvals, host=rv_host, address_file=addr_file, http_bind=http_bind, http_file=http_file)
+    if cfg.store:  # the rendezvous is a stateless front-end on etcd
+        rv_argv += ["--store", cfg.store]
     (run_dir / "launch.json").write_text(
-        json.dumps({"sites": n, "worker": wvals, "rendezvous": rvals, "netem": cfg.netem}, indent=2, default=str)
+        json.dumps(
+            {"sites": n, "worker": wvals, "rendezvous": rvals, "netem": cfg.netem, "store": _redacted(cfg.store)},
+            indent=2,
+            default=str,
+        )
     )
     logs["rendezvous"] = run_dir / "rendezvous.log"
     stopping = {"flag": False, "count": 0}

@@ -191,6 +191,9 @@ def _site_summary(s: SiteMetrics) -> dict:
         "sync_share": _num(summ.get("sync_share")) if s.summary is not None else None,
         "compression_ratio": summ.get("compression_ratio"),
         "checksum": last.get("checksum") if last else (s.start or {}).get("checksum"),
+        "outer_checksum": last.get("outer_checksum") if last else None,
+        "owned_buckets": summ.get("owned_buckets", last.get("owned_buckets") if last else None),
+        "num_buckets": summ.get("num_buckets"),
         "rejected": rejected,
         "num_errors": sum(len(ln["errors"]) for ln in lines if isinstance(ln.get("errors"), list)),
         "finished": s.summary is not None and not summ.get("interrupted", False),
@@ -230,6 +233,7 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
         for reason, n in v["rejected"].items():
             rejected[reason] = rejected.get(reason, 0) + n
     checksums = [v["checksum"] for v in per_site.values()]
+    outer = [v["outer_checksum"] for v in per_site.values()]
     return {
         "run_dir": str(run_dir),
         "num_sites": num_sites,
@@ -237,6 +241,7 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
         "rounds": all_rounds,
         "sites": per_site,
         "checksums_agree": bool(checksums) and all(c is not None for c in checksums) and len(set(checksums)) == 1,
+        "outer_checksums_agree": bool(outer) and all(c is not None for c in outer) and len(set(outer)) == 1,
         "faults": faults,
         "rejected": rejected,
         "num_rejected": sum(rejected.values()),
@@ -259,9 +264,12 @@ def summarize_run(run_dir: str | Path) -> dict:
         ``rounds_resynced``, ``rounds_deferred``, ``resumes``, ``bytes_sent``, ``bytes_received``
         (bytes: the counted round lines plus the end lines), ``mean_sync_s``, ``mean_quorum_s``,
         ``mean_round_s`` (s: means of those fields over the counted round lines), ``wall_s`` (s), ``sync_share`` (0..1, from summary.json; None
-        without one), ``compression_ratio``, ``checksum`` (final θ checksum), ``rejected``
+        without one), ``compression_ratio``, ``checksum`` (final θ checksum), ``outer_checksum``
+        (final outer-optimizer state checksum, None if not written), ``owned_buckets`` and
+        ``num_buckets`` (the last round it ran, from summary.json), ``rejected``
         (reason -> count), ``num_errors``, ``finished`` (summary.json present and not
         interrupted)), ``checksums_agree`` (every site has a final checksum and all are equal),
+        ``outer_checksums_agree`` (the same for ``outer_checksum``),
         ``faults`` (rounds whose quorum held fewer than all sites: ``round``, ``members``,
         ``missing``, ``statuses``, and ``fragment`` for a fragment round), ``rejected`` and
         ``num_rejected`` (over all sites), ``fragment_rounds`` (Streaming DiLoCo: fragment, as
@@ -443,6 +451,8 @@ def _markdown(summary: dict, images: list[str]) -> str:
         + (f" (rounds {summary['rounds'][0]}..{summary['rounds'][-1]})" if summary["rounds"] else ""),
         "- final θ checksums: "
         + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)"),
+        "- final outer-optimizer checksums: "
+        + ("**all agree**" if summary["outer_checksums_agree"] else "differ or missing"),
         *_fragment_lines(summary),
         "",
         "## Per site",

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, parse_line, write_line
-from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome
+from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome, combine_checksums
+from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint, save_site_checkpoint
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # Bytes fields of a RoundResult summed over a site's ranks in its metrics line.
-_SUMMED = ("bytes_sent", "bytes_received", "encoded_bytes", "encoded_fp32_bytes")
+_SUMMED = ("bytes_sent", "bytes_received", "encoded_bytes", "encoded_fp32_bytes", "owned_buckets")
 
 
 def in_site_group() -> bool:
@@ -176,12 +177,11 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
         the summary dict (rank 0 also writes ``out_dir/summary.json``).
     Raises:
         QuorumTimeout: (every rank) no round formed within ``quorum_wait_s``.
-        ValueError: ``cfg.resume`` (checkpoints of site groups are not written yet).
+        CheckpointError: (every rank) ``resume`` with a checkpoint of another site,
+            rank count or model.
     """
     from dtrain.app.worker import _transport_and_rendezvous, fault_hook_from_env
 
-    if cfg.checkpoint.resume or cfg.checkpoint.every:
-        raise ValueError("resume/checkpoint_every: checkpoints are not supported with --ranks-per-site > 1 yet")
     torch.set_num_threads(cfg.threads)
     init_site_process_group(timeout_s=max(60.0, cfg.diloco.group.quorum_wait_s))
     rank, k = dist.get_rank(), dist.get_world_size()
@@ -203,7 +203,10 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
             transport=transport,
             rendezvous=rendezvous if rank == 0 else None,
             outer_optimizer=_outer_factory(cfg),
+            defer_join=True,
         )
+        _maybe_resume(cfg, task, module, optimizer, diloco)
+        diloco.join()
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
             diloco.engine.fault_hook = fault_hook_from_env(f"{cfg.site_id}/{rank}")
         t_start = time.monotonic()
@@ -218,6 +221,33 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
             transport.stop(0.1)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _maybe_resume(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo) -> None:
+    """``--resume``: every rank loads its slice, model shard, inner optimizer and data
+    position from the newest site-group checkpoint (dtrain.sitegroup.checkpoint)."""
+    if not cfg.checkpoint.resume:
+        return
+    path = latest_site_checkpoint(cfg.resolved_checkpoint_dir)
+    if path is None:
+        if diloco.rank == 0:
+            log.warning("--resume: no site-group checkpoint in %s; starting fresh", cfg.resolved_checkpoint_dir)
+        return
+    extra = load_site_checkpoint(path, diloco, module, optimizer)
+    task.batches.load_state_dict(extra["batches"])
+    if task.scheduler is not None and extra.get("inner_scheduler") is not None:
+        task.scheduler.load_state_dict(extra["inner_scheduler"])
+
+
+def _maybe_checkpoint(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, out: SiteSyncOutcome) -> None:
+    """Every ``checkpoint.every`` rounds (never after a deferred sync), on every rank."""
+    every = cfg.checkpoint.every
+    if every and out.status != "deferred" and diloco.round % every == 0:
+        extra = {
+            "batches": task.batches.state_dict(),
+            "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
+        }
+        save_site_checkpoint(cfg.resolved_checkpoint_dir, diloco, module, optimizer, extra=extra)
 
 
 def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event) -> float:
@@ -244,8 +274,9 @@ def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: th
 
 
 def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dict[str, Any]) -> dict:
-    """The site's metrics line: the schema's RoundLine (rank 0's engine fields, bytes summed
-    over the ranks) plus the site-group fields (docs/METRICS.md, "Site groups")."""
+    """The site's metrics line: the schema's RoundLine (rank 0's engine fields, bytes and
+    owned buckets summed over the ranks) plus the site-group fields (docs/METRICS.md,
+    "Site groups"). ``base`` carries ``outer_checksum``, combined over the ranks."""
     engine = dict(results[0]) if results[0] is not None else {}
     if engine:
         for key in _SUMMED:
@@ -261,6 +292,8 @@ def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dic
 
 
 def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event, parallel: str) -> Summary:
+    from dtrain.app.worker import outer_state_checksum
+
     out_dir = Path(cfg.out_dir)
     rank0 = diloco.rank == 0
     if rank0:
@@ -275,6 +308,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             mf.write(json.dumps({**start.as_dict(), "ranks": diloco.num_ranks}) + "\n")
     totals = Totals()
     train_loss, syncs, out = float("nan"), 0, None
+    num_buckets = sum(diloco._all_gather(len(diloco.layout)))
+    owned_buckets = 0  # the site's (over its ranks), in the last round it ran
     while diloco.round < cfg.rounds and not stop.is_set() and syncs < cfg.rounds * 4 + 10:
         t0 = time.monotonic()
         train_loss = _inner_phase(cfg, task, module, optimizer, diloco, stop)
@@ -286,7 +321,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         syncs += 1
         if out.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(module)
-        results = diloco._all_gather(engine_fields(out.result) if out.result else None)
+        mine = (engine_fields(out.result) if out.result else None, outer_state_checksum(diloco))
+        results, outer = (list(x) for x in zip(*diloco._all_gather(mine)))
         base = {
             "round": out.result.round if out.result else diloco.round - 1,
             "members": list(out.result.members) if out.result else [],
@@ -298,8 +334,11 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             "quorum_s": out.quorum_s,
             "wall_s": t2 - t_start,
             "time": time.time(),
+            "outer_checksum": combine_checksums(outer),  # as the θ checksum: one per site
         }
         line = _round_line(cfg, out, results, base)
+        owned_buckets = line["owned_buckets"] if out.result is not None else owned_buckets
+        _maybe_checkpoint(cfg, task, module, optimizer, diloco, out)
         totals.add(parse_line(line))
         if rank0:
             with open(metrics, "a") as mf:
@@ -320,6 +359,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
         wall_s=wall,
         sync_share=totals.sync_s / wall if wall > 0 else 0.0,
         fp32_bytes_per_round=4 * params,
+        owned_buckets=owned_buckets,
+        num_buckets=num_buckets,
         interrupted=stop.is_set(),
         compression_ratio=totals.compression_ratio,
         **dataclasses.asdict(totals),

@@ -134,8 +134,9 @@ class Codec:
         """Encode ``x`` to a self-describing payload.
 
         Args:
-            x: CPU tensor of dtype float32, bfloat16 or float16, any shape (flattened in
-                row-major order). Not modified.
+            x: tensor of dtype float32, bfloat16 or float16, any shape (flattened in
+                row-major order), on any device (a device tensor is copied to the
+                host first; the payload is host bytes). Not modified.
             generator: CPU generator for stochastic rounding (int8/int4 with
                 ``stochastic_rounding=True``); ignored by other codecs. ``None`` uses
                 torch's default generator (not reproducible across processes).
@@ -144,13 +145,13 @@ class Codec:
             Header + body bytes (layout in the ``dtrain.codecs`` docstring).
 
         Raises:
-            CodecError: ``x`` is not a CPU float32/bfloat16/float16 tensor, or holds NaN
+            CodecError: ``x`` is not a float32/bfloat16/float16 tensor, or holds NaN
                 or ±inf (the message says how many and the first index).
         """
         x32, dtype_id = _prepare(x)
         numel = x32.numel()
         raw = self._body_bytes(numel)
-        body = torch.empty(raw, dtype=torch.uint8).numpy()
+        body = self._body_buffer(raw)
         if raw:
             self._encode_into(x32, body, generator)
         stored = self._compressor().compress(body) if self._zstd else body
@@ -283,6 +284,14 @@ class Codec:
     def _max_error(self, x: torch.Tensor, absmax: float) -> float:  # pragma: no cover
         raise NotImplementedError
 
+    def _body_buffer(self, raw: int) -> np.ndarray:
+        """A uint8 scratch of ``raw`` bytes, reused per thread (the payload is a copy of
+        it, so the next encode may overwrite it): no new body allocation per bucket."""
+        buf = getattr(self._local, "body", None)
+        if buf is None or buf.size < raw:
+            buf = self._local.body = np.empty(max(raw, 1), dtype=np.uint8)
+        return buf[:raw]
+
     # ----------------------------------------------------------------- zstd stage
     def _compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "cctx", None)
@@ -347,12 +356,12 @@ def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Validate ``x`` and return a contiguous flat float32 view (a copy only if needed)."""
     if not isinstance(x, torch.Tensor):
         raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
-        raise CodecError(f"expected a CPU tensor, got device {x.device}")
     dtype_id = _DTYPE_IDS.get(x.dtype)
     if dtype_id is None:
         raise CodecError(f"unsupported dtype {x.dtype}: expected float32, bfloat16 or float16")
     x32 = x.detach().reshape(-1)
+    if x32.device.type != "cpu":  # θ on the model's device: the body is built on the host
+        x32 = x32.cpu()
     if x32.dtype != torch.float32:
         x32 = x32.float()
     return x32.contiguous(), dtype_id

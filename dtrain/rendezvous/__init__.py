@@ -1,6 +1,8 @@
-"""Membership and quorum: the pure core (``core``) and its gRPC service and client (``grpc``).
+"""Membership and quorum: the one core (``core``) over a store (``store``: ``memory_store``
+by default, ``etcd_store``), and its gRPC service and client (``grpc``).
 
-Importing this package loads only the core; ``dtrain.rendezvous.grpc`` brings in grpc.
+Importing this package loads only the core and the in-memory store; ``dtrain.rendezvous.grpc``
+brings in grpc and ``dtrain.rendezvous.etcd_store`` the etcd client.
 """
 
 from dtrain.rendezvous.core import (
@@ -13,6 +15,8 @@ from dtrain.rendezvous.core import (
     SiteRecord,
     decide_quorum,
 )
+from dtrain.rendezvous.memory_store import MemoryStore
+from dtrain.rendezvous.store import RendezvousStore
 
 __all__ = [
     "RendezvousConfig",
@@ -21,6 +25,8 @@ __all__ = [
     "ReportSink",
     "NullReportSink",
     "RendezvousCore",
+    "RendezvousStore",
+    "MemoryStore",
     "InprocRendezvousClient",
     "SiteIdTaken",
 ]

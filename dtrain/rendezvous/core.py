@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from dtrain.errors import RendezvousError
-from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision, RoundPlan
+from dtrain.rendezvous.memory_store import MemoryStore, SiteRecord
+from dtrain.rendezvous.store import ReadyCounts, RendezvousStore, SiteIdTaken, taken_message
 
 __all__ = [
     "RendezvousConfig",
     "SiteRecord",
     "decide_quorum",
+    "cannot_form_yet",
+    "taken_message",
     "ReportSink",
     "NullReportSink",
     "RendezvousCore",
@@ -39,11 +44,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class SiteIdTaken(RendezvousError):
-    """A live site at another address already holds this site id on this run (the etcd
-    store refuses the second; its message starts with "site id" and says what to do)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,29 +122,6 @@ class RendezvousConfig:
     @property
     def startup_sites(self) -> int:
         return self.initial_sites if self.initial_sites is not None else self.min_sites
-
-
-@dataclass(kw_only=True)
-class SiteRecord:
-    """What the rendezvous knows of one site."""
-
-    site_id: str
-    address: str
-    joined_at: float
-    rank_addresses: tuple[str, ...] = ()
-    last_heartbeat: float
-    needs_resync: bool = False
-    resync_reason: str = ""
-    rounds_joined: int = 0
-    inner_step: int = 0
-    last_loss: float | None = None
-    joined_round: int = 0  # next_round when it (re)joined
-    last_member_round: int | None = None  # newest round whose quorum admitted it
-    extra: dict = field(default_factory=dict)
-    suspected_by: str | None = None  # a member that found it unreachable (cleared by its next heartbeat)
-
-    def alive(self, now: float, timeout_s: float) -> bool:
-        return now - self.last_heartbeat <= timeout_s
 
 
 def decide_quorum(
@@ -235,140 +212,75 @@ class NullReportSink:
         return {"rounds": {}, "plans": {}, "totals": {}, "num_dropped": 0}
 
 
-STARTUP_WAIT_S = 60.0  # how long a restarted rendezvous waits for initial_sites joins
-DEAD_CACHE_S = 0.05  # how stale HeartbeatInfo.dead may be when no site joined, left or came back
+WAKE_JITTER_S = 0.2  # spread of remote waiters' wake-ups at a quorum timeout (seconds)
+MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
+LOCAL_WAKE_S = 0.05  # a local waiter re-evaluates at least this often (seconds)
+
+
+def cannot_form_yet(counts: ReadyCounts, *, now: float, config: RendezvousConfig) -> tuple[str | None, float]:
+    """Why :func:`decide_quorum` must answer "wait" on these counts alone: fewer ready
+    than live and the earliest ready less than ``quorum_timeout_s`` ago. Returns
+    ``(reason, seconds until the quorum timeout)``, or ``(None, 0)``: read the full view."""
+    if counts.first_ready_t is None or counts.num_ready >= counts.num_live:
+        return None, 0.0
+    left_s = config.quorum_timeout_s - (now - counts.first_ready_t)
+    if left_s <= 0:
+        return None, 0.0
+    return f"{counts.num_ready} of {counts.num_live} live sites ready; waiting up to {left_s:.1f}s more", left_s
 
 
 class RendezvousCore:
-    """Thread-safe rendezvous state. ``now`` is ``time.monotonic()`` seconds.
+    """The rendezvous: every membership and quorum decision, over a store.
 
-    Besides membership it hands the sites' per-round reports
-    (``heartbeat(round_reports=...)``) and the round plans to ``reports``, a
-    :class:`ReportSink` (``dtrain.status.StatusLog`` for the status page; by
-    default one that keeps nothing), and remembers the sites that left;
-    ``snapshot()`` copies all of it under the lock for ``dtrain.status.build_status``.
+    The store (:class:`~dtrain.rendezvous.store.RendezvousStore`) keeps the facts:
+    :class:`~dtrain.rendezvous.memory_store.MemoryStore` by default (``now`` is
+    ``time.monotonic()`` seconds), or ``dtrain.rendezvous.etcd_store.EtcdStore``
+    (stored times are wall-clock; ``now`` only orders this process's checks). Besides
+    membership it hands the sites' per-round reports (``heartbeat(round_reports=...)``)
+    and the round plans to ``reports``, a :class:`ReportSink` (``dtrain.status.StatusLog``
+    for the status page; by default one that keeps nothing); ``snapshot()`` copies the
+    state for ``dtrain.status.build_status``.
+
+    Raises (from its calls): :class:`SiteIdTaken` when a live site at another address
+    holds a site id; ``RendezvousError`` when the store cannot be reached.
     """
 
-    def __init__(self, config: RendezvousConfig | None = None, *, reports: "ReportSink | None" = None) -> None:
+    def __init__(
+        self,
+        config: RendezvousConfig | None = None,
+        *,
+        reports: "ReportSink | None" = None,
+        store: RendezvousStore | None = None,
+    ) -> None:
         self.config = config or RendezvousConfig()
-        self.sites: dict[str, SiteRecord] = {}
-        self.next_round = 0
-        self.plans: dict[int, RoundPlan] = {}
-        self._plan_members: dict[int, frozenset[str]] = {}  # round -> its plan's site ids
-        self._plan_reason: dict[int, str] = {}  # round -> why the quorum rule formed its plan
-        self._ready: dict[str, float] = {}
-        self._adopted_at: float | None = None
-        # A site heartbeat before joining: it ran on through a restart of this rendezvous
-        # (a fresh process joins first), so the run is under way, not resuming as a whole.
-        self._survivor_seen = False
-        self._last_call = 0.0  # monotonic time of the latest call (_clock)
-        self._cv = threading.Condition()
-        self._last_reason = ""
-        self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
+        self.store: RendezvousStore = store if store is not None else MemoryStore(self.config)
         self.status_log: ReportSink = reports if reports is not None else NullReportSink()
-        self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status page only
-        self._dead_cache: tuple[float, tuple[str, ...]] | None = None  # (now, HeartbeatInfo.dead); see _dead
-        self._live_cache: tuple[float, float, frozenset[str]] | None = None  # (since, until, live); see _live
+        self.blocking = self.store.blocking
+        self._last_reason = ""
+        self._lock = threading.Lock()  # this process's scheduling only (below)
+        self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
+        self._next_check = 0.0  # monotonic time decide() looks again (remote stores)
 
-    def _changed(self) -> None:
-        self._cv.notify_all()
+    @property
+    def next_round(self) -> int:
+        return self.store.next_round()
 
-    def _clock(self, now: float) -> None:
-        """Note a call at ``now`` (under the lock). A gap since the previous call longer
-        than ``heartbeat_timeout_s / 2`` means this rendezvous did not run (SIGSTOP, a
-        pause of its host; its sites heartbeat every ``heartbeat_interval_s``): the
-        sites' heartbeat clocks move on by the gap, so that it does not declare every
-        site dead for its own silence (it did, in the chaos soak's rv_stop: every site
-        resynced). A site that is really gone is declared dead one timeout later."""
-        gap = now - self._last_call
-        if self._last_call and gap > self.config.heartbeat_timeout_s / 2:
-            for rec in self.sites.values():
-                rec.last_heartbeat += gap
-            self._live_cache = self._dead_cache = None
-            log.warning("rendezvous: no call for %.1fs (was it stopped?): sites' heartbeat clocks moved on by it", gap)
-        self._last_call = max(self._last_call, now)
+    def close(self) -> None:
+        self.store.close()
 
-    def wait_for_change(self, timeout_s: float) -> None:
-        with self._cv:
-            self._cv.wait(timeout_s)
-
-    def _live(self, now: float) -> frozenset[str]:
-        """Sites alive and in good standing at ``now``. Every Ready needs it, so it
-        is kept until the first of them could expire (a later heartbeat only delays
-        that) or a site joins, leaves or is marked for resync: exact, and O(sites)
-        only every few seconds."""
-        c = self._live_cache
-        if c is not None and c[0] <= now < c[1]:
-            return c[2]
-        live = [
-            (s, r.last_heartbeat + self._silence_s(r))
-            for s, r in self.sites.items()
-            if r.last_heartbeat + self._silence_s(r) >= now and not r.needs_resync
-        ]
-        expires = min((t for _, t in live), default=now)
-        result = frozenset(s for s, _ in live)
-        self._live_cache = (now, expires, result)
-        return result
-
-    def _silence_s(self, rec: SiteRecord) -> float:
-        """How long ``rec`` may be silent before it is dead: shorter once a member
-        found it unreachable on the data path."""
-        return self.config.suspect_silence_s if rec.suspected_by is not None else self.config.heartbeat_timeout_s
-
-    def _suspect(self, reporter: str, site_ids: Sequence[str], now: float) -> None:
-        """``reporter``'s data path found ``site_ids`` unreachable: each is dead once
-        silent for ``suspect_silence_s`` (the rendezvous confirms by its heartbeats)."""
-        for s in site_ids:
-            rec = self.sites.get(s)
-            if s == reporter or rec is None or rec.suspected_by is not None or rec.needs_resync:
-                continue
-            rec.suspected_by = reporter
-            self._dead_cache = self._live_cache = None
-            log.info("rendezvous: %s reports %s unreachable (silent for %.1f s)", reporter, s, now - rec.last_heartbeat)
-
+    # ------------------------------------------------------------------ membership
     def join(self, site_id: str, address: str, *, now: float, rank_addresses: Sequence[str] = ()) -> JoinInfo:
-        with self._cv:
-            self._clock(now)
-            rec = self.sites.get(site_id)
-            if rec is not None:
-                log.info("rendezvous: %s re-joined from %s", site_id, address)
-            left = self._left.pop(site_id, (None, 0.0))[0]
-            prev = rec or left
-            self.sites[site_id] = SiteRecord(
-                site_id=site_id,
-                address=address,
-                rank_addresses=tuple(rank_addresses),
-                joined_at=now,
-                last_heartbeat=now,
-                rounds_joined=prev.rounds_joined if prev else 0,
-                joined_round=self.next_round,
-                last_member_round=prev.last_member_round if prev else None,
-            )
+        with self.store.atomic():
+            nxt = self.store.claim(site_id, address, rank_addresses, now=now)
             self.status_log.site_joined(site_id)
-            self._dead_cache = self._live_cache = None
-            self._ready.pop(site_id, None)
-            if self._startup_complete_at is None and len(self.sites) >= self.config.startup_sites:
-                self._startup_complete_at = now
-            live = self._live(now)  # once: a join costs O(sites), not O(sites^2)
-            others = tuple(
-                Member(site_id=s, address=r.address, rank_addresses=r.rank_addresses)
-                for s, r in sorted(self.sites.items())
-                if s != site_id and s in live
-            )
-            self._changed()
-            log.info(
-                "rendezvous: %s joined (%s); next round %d; %d other live sites",
-                site_id,
-                address,
-                self.next_round,
-                len(others),
-            )
-            return JoinInfo(
-                next_round=self.next_round,
-                members=others,
-                heartbeat_interval_s=self.config.heartbeat_interval_s,
-                needs_state=self.next_round > 0 and bool(others),
-            )
+            others = tuple(m for m in self.store.live_members(now) if m.site_id != site_id)
+        log.info("rendezvous: %s joined (%s); next round %d; %d other live sites", site_id, address, nxt, len(others))
+        return JoinInfo(
+            next_round=nxt,
+            members=others,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            needs_state=nxt > 0 and bool(others),
+        )
 
     def heartbeat(
         self,
@@ -387,202 +299,174 @@ class RendezvousCore:
         never failing the heartbeat. An unknown site's reports are ignored (it
         must join again and resend them). ``unreachable``: sites its data path found
         gone; each is dead once silent for ``suspect_silence_s`` instead of
-        ``heartbeat_timeout_s`` (a suspected site that heartbeats in time is cleared).
+        ``heartbeat_timeout_s`` (a suspected site that heartbeats in time is cleared;
+        the in-memory store only).
         """
-        with self._cv:
-            self._clock(now)
-            rec = self.sites.get(site_id)
-            if rec is None:
-                self._survivor_seen = True
+        with self.store.atomic():
+            got = self.store.keep_alive(
+                site_id, now=now, inner_step=inner_step, last_loss=last_loss, unreachable=unreachable
+            )
+            nxt = self.store.next_round()
+            if not got.known:
                 return HeartbeatInfo(
-                    known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
+                    known=False, resync_required=False, next_round=nxt, reason="unknown site: join again"
                 )
-            silence_s = self._silence_s(rec)
-            if not rec.alive(now, silence_s):
-                self._dead_cache = None  # it is alive again
-            if not rec.alive(now, silence_s) and not rec.needs_resync:
-                rec.needs_resync = True
-                self._live_cache = None
-                rec.resync_reason = f"no heartbeat for {now - rec.last_heartbeat:.1f}s (> {silence_s}s): declared dead"
-                if rec.suspected_by is not None:
-                    rec.resync_reason += f" ({rec.suspected_by} found it unreachable)"
-                log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
-                self._ready.pop(site_id, None)
-            rec.last_heartbeat = now
-            if rec.suspected_by is not None:  # it answered in time (or is marked for resync above)
-                rec.suspected_by = None
-                self._dead_cache = self._live_cache = None
-            if unreachable:
-                self._suspect(site_id, unreachable, now)
-            rec.inner_step = inner_step
-            if last_loss is not None:
-                rec.last_loss = last_loss
             if round_reports:
-                self.status_log.add_reports(site_id, list(round_reports))
-            self._changed()
+                self.store.put_reports(site_id, round_reports, self.status_log)
             return HeartbeatInfo(
                 known=True,
-                resync_required=rec.needs_resync,
-                next_round=self.next_round,
-                reason=rec.resync_reason,
-                dead=self._dead(now),
+                resync_required=got.resync_reason is not None,
+                next_round=nxt,
+                reason=got.resync_reason or "",
+                dead=self.store.dead(now),
             )
-
-    def _dead(self, now: float) -> tuple[str, ...]:
-        """Sites silent past the timeout, and those that left (sorted). Every
-        heartbeat answers it, so it is kept for ``DEAD_CACHE_S`` unless a site
-        joins, leaves or comes back: 1,000 sites heartbeating once a second then
-        cost O(sites) a few times a second instead of O(sites^2)."""
-        c = self._dead_cache
-        if c is not None and 0.0 <= now - c[0] < DEAD_CACHE_S:
-            return c[1]
-        dead = tuple(
-            sorted({s for s, r in self.sites.items() if r.last_heartbeat + self._silence_s(r) < now} | set(self._left))
-        )
-        self._dead_cache = (now, dead)
-        return dead
 
     def leave(self, site_id: str, *, now: float) -> None:
-        with self._cv:
-            self._clock(now)
-            rec = self.sites.pop(site_id, None)
-            self._dead_cache = self._live_cache = None
-            if rec is not None:
-                self._left[site_id] = (rec, now)
-                while len(self._left) > 256:  # bounded: oldest departures forgotten first
-                    del self._left[min(self._left, key=lambda s: self._left[s][1])]
-            self._ready.pop(site_id, None)
-            self._changed()
-            log.info("rendezvous: %s left", site_id)
+        with self.store.atomic():
+            self.store.release(site_id, now=now)
+        log.info("rendezvous: %s left", site_id)
 
+    # ------------------------------------------------------------------ rounds
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
-        with self._cv:
-            self._clock(now)
-            rec = self.sites.get(site_id)
-            if rec is None:
-                return ReadyDecision(status="wait", reason="unknown site: join first", next_round=self.next_round)
-            rec.last_heartbeat = (
-                max(rec.last_heartbeat, now) if rec.alive(now, self._silence_s(rec)) else rec.last_heartbeat
-            )
-            if rec.needs_resync:
-                return ReadyDecision(
-                    status="missed", reason=rec.resync_reason or "resync required", next_round=self.next_round
-                )
-            plan = self.plans.get(round)
-            if plan is not None:
-                members = self._plan_members.get(round)
-                if site_id in (members if members is not None else plan.site_ids):
-                    # every member learns why the round formed as it did (a cut straggler, say),
-                    # whichever call formed it
-                    why = self._plan_reason.get(round, "already formed")
-                    return ReadyDecision(status="plan", reason=why, next_round=self.next_round, plan=plan)
-                return ReadyDecision(
-                    status="missed",
-                    reason=f"round {round} started without {site_id} (straggler)",
-                    next_round=self.next_round,
-                )
-            if round < self.next_round:
-                return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=self.next_round)
-            if round > self.next_round:
+        """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
+        decide the quorum when this could complete it."""
+        with self.store.atomic():
+            st = self.store.standing(site_id, round, now=now)
+            if not st.known:
+                return ReadyDecision(status="wait", reason="unknown site: join first", next_round=st.next_round)
+            if st.resync_reason is not None:
+                return ReadyDecision(status="missed", reason=st.resync_reason, next_round=st.next_round)
+            if st.plan is not None:
+                if st.member:  # every member learns why the round formed as it did, whichever call formed it
+                    return ReadyDecision(status="plan", reason=st.plan_reason, next_round=st.next_round, plan=st.plan)
+                reason = f"round {round} started without {site_id} (straggler)"
+                return ReadyDecision(status="missed", reason=reason, next_round=st.next_round)
+            if round < st.next_round:
+                return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=st.next_round)
+            if round > st.next_round and self.store.adopt(round, now=now):
                 log.warning(
                     "rendezvous: %s asks for round %d, ahead of %d: adopting it (rendezvous restarted?)",
                     site_id,
                     round,
-                    self.next_round,
+                    st.next_round,
                 )
-                if self.next_round == 0 and not self.plans:
-                    self._adopted_at = now  # a fresh (restarted) core: give every site time to re-join
-                self.next_round = round
-                self._ready.clear()
-            self._ready.setdefault(site_id, now)
-            return self._decide(now)
-
-    def decide(self, *, now: float) -> int:
-        """Re-run the quorum decision for round ``next_round`` (forming its plan
-        when the rule says so at ``now``) and return ``next_round``.
-
-        The gRPC service calls this once per change or tick instead of calling
-        ``ready`` for every waiting site; it costs nothing while no site is ready.
-        """
-        with self._cv:
-            self._clock(now)
-            if self._ready:
-                self._decide(now)
-            return self.next_round
+            counts = self.store.mark_ready(site_id, round, now=now, lease=st.lease)
+            with self._lock:
+                self._pending.add(round)
+            return self._decide(round, now, counts)
 
     def poll(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
         """Re-evaluate a pending ``ready`` (long-poll loop); same answers as ``ready``."""
         return self.ready(site_id, round, now=now)
 
-    def _startup_rules(self, now: float) -> bool:
-        """Whether the start-up rules (wait for ``initial_sites`` joins) apply to the round
-        being formed: to the first round formed here, unless this core adopted a round
-        and a site heartbeat before it joined (the rendezvous alone restarted under a
-        running run: a site dead meanwhile must not stall it; the restart grace already
-        let every live site re-register); after adopting a round (a whole run resumed)
-        they give up after STARTUP_WAIT_S in case a site died."""
-        if self.plans:
-            return False
-        if self._adopted_at is None:
-            return True
-        return not self._survivor_seen and now - self._adopted_at < STARTUP_WAIT_S
+    def decide(self, *, now: float) -> int:
+        """Re-run the quorum decision for the newest round this process saw a ready for
+        (forming its plan when the rule says so) and return ``next_round``.
 
-    def _decide(self, now: float) -> ReadyDecision:
-        adopted_at = self._adopted_at
-        if adopted_at is not None and now - adopted_at < self.config.heartbeat_timeout_s:
+        The gRPC service calls this once per change or tick instead of calling ``ready``
+        for every waiting site. It costs nothing while no ready is pending; on a remote
+        store it looks only once the quorum timeout (or a heartbeat interval) passed.
+        """
+        with self.store.atomic():
+            nxt = self.store.next_round()
+            with self._lock:
+                self._pending = {r for r in self._pending if r >= nxt}
+                pending = max(self._pending, default=None)
+                due = self.store.local or time.monotonic() >= self._next_check
+            if pending is None or not due:
+                return nxt
+            try:
+                self._decide(pending, now, None)
+            except RendezvousError as e:
+                log.warning("rendezvous: deciding round %d failed: %s", pending, e)
+                self._schedule(self.config.heartbeat_interval_s)
+            return self.store.next_round()
+
+    def _decide(self, round: int, now: float, counts: ReadyCounts | None) -> ReadyDecision:
+        """``decide_quorum`` on what the store shows; the plan written once if it holds."""
+        t = self.store.clock(now)
+        if counts is not None:
+            why, left_s = cannot_form_yet(counts, now=t, config=self.config)
+            if why is not None:
+                self._schedule(left_s)
+                return ReadyDecision(status="wait", reason=why, next_round=max(self.store.next_round(), round))
+        view = self.store.view(round, now=now)
+        if view.grace_left_s > 0:
             reason = (
-                f"rendezvous restarted: waiting {self.config.heartbeat_timeout_s - (now - adopted_at):.1f}s more "
-                f"for every live site to re-register before round {self.next_round}"
+                f"rendezvous restarted: waiting {view.grace_left_s:.1f}s more "
+                f"for every live site to re-register before round {round}"
             )
-            if reason.split(":")[0] != self._last_reason.split(":")[0]:
-                log.info("rendezvous: %s", reason)
-                self._last_reason = reason
-            return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
+            return self._wait(round, reason, log_prefix=reason.split(":")[0])
         members, reason = decide_quorum(
-            round=self.next_round,
-            live=self._live(now),
-            ready=self._ready,
-            joined_ever=len(self.sites),
-            now=now,
+            round=round,
+            live=view.live,
+            ready=view.ready,
+            joined_ever=view.joined,
+            now=t,
             config=self.config,
-            startup_complete_at=self._startup_complete_at,
-            first_round=self._startup_rules(now),
+            startup_complete_at=view.startup_t,
+            first_round=view.first_round,
         )
         if members is None:
-            if reason != self._last_reason:
-                log.info("rendezvous: round %d: %s", self.next_round, reason)
-                self._last_reason = reason
-            return ReadyDecision(status="wait", reason=reason, next_round=self.next_round)
+            if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
+                first = min(view.ready.values(), default=t)
+                if view.first_round and view.startup_t is not None:
+                    first = max(first, view.startup_t)
+                self._schedule(first + self.config.quorum_timeout_s - t)
+            return self._wait(round, f"round {round}: {reason}")
         plan = RoundPlan(
-            round=self.next_round,
-            members=tuple(
-                Member(site_id=s, address=self.sites[s].address, rank_addresses=self.sites[s].rank_addresses)
-                for s in members
-            ),
+            round=round,
+            members=tuple(view.member(s) for s in members),
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
             datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
         )
-        self.plans[plan.round] = plan
-        self._plan_members[plan.round] = frozenset(members)
-        self._plan_reason[plan.round] = reason
-        self.plans.pop(plan.round - 8, None)
-        self._plan_members.pop(plan.round - 8, None)
-        self._plan_reason.pop(plan.round - 8, None)
-        for s in members:
-            self.sites[s].rounds_joined += 1
-            self.sites[s].last_member_round = plan.round
-        self.status_log.add_plan(plan.round, list(members), now)
-        self.next_round += 1
-        self._ready.clear()
+        plan, reason, won = self.store.put_plan(plan, reason, now=now)
+        if won:  # else another writer formed it first, perhaps with other members: theirs holds
+            self.status_log.add_plan(plan.round, list(plan.site_ids), now)
+            log.info("rendezvous: round %d formed with %s: %s", plan.round, list(plan.site_ids), reason)
         self._last_reason = ""
-        log.info("rendezvous: round %d formed with %s: %s", plan.round, list(members), reason)
-        self._changed()
-        return ReadyDecision(status="plan", reason=reason, next_round=self.next_round, plan=plan)
+        return ReadyDecision(status="plan", reason=reason, next_round=self.store.next_round(), plan=plan)
 
+    def _wait(self, round: int, reason: str, log_prefix: str | None = None) -> ReadyDecision:
+        """A "wait" answer, logged once per distinct reason (``log_prefix``: once per kind)."""
+        key = log_prefix if log_prefix is not None else reason
+        if key != self._last_reason:
+            log.info("rendezvous: %s", reason)
+            self._last_reason = key
+        text = reason.removeprefix(f"round {round}: ")
+        return ReadyDecision(status="wait", reason=text, next_round=max(self.store.next_round(), round))
+
+    def _schedule(self, until_timeout_s: float) -> None:
+        """When ``decide`` should look again on a remote store: at the quorum timeout
+        (plus a random delay of up to ``WAKE_JITTER_S``, so the waiters do not all read
+        the full view at once: the first forms the plan and the others' watches deliver
+        it), or within a heartbeat interval (a site that dies while others wait shrinks
+        the live set)."""
+        if self.store.local:
+            return
+        jitter = random.uniform(0.0, WAKE_JITTER_S)
+        until = min(max(0.0, until_timeout_s) + jitter, self.config.heartbeat_interval_s)
+        with self._lock:
+            self._next_check = time.monotonic() + until + 0.01
+
+    def wait(self, round: int, timeout_s: float) -> None:
+        """Block until round ``round``'s plan may be there (the store's wake-up: a change
+        in memory, the watch on etcd), the next ``decide`` is due, or ``timeout_s``."""
+        if self.store.local:
+            self.store.wait(round, min(timeout_s, LOCAL_WAKE_S))
+            return
+        with self._lock:
+            until_check = self._next_check - time.monotonic()
+        self.store.wait(round, max(MIN_WAKE_S, min(timeout_s, until_check)))
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Block until something changed (a local store) or ``timeout_s`` passed."""
+        self.store.wait(self.store.next_round(), timeout_s)
+
+    # ------------------------------------------------------------------ status page
     def snapshot(self, now: float) -> dict:
-        """Read-only copy of the state for status pages and tests; holds the lock
-        only while copying (no formatting, no I/O).
+        """Read-only copy of the state for status pages and tests (no formatting).
 
         Returns ``now``, ``next_round``, ``config`` (timing, seconds),
         ``first_ready_at`` (when the first site became ready for ``next_round``,
@@ -590,33 +474,14 @@ class RendezvousCore:
         resync_reason, heartbeat_age_s, last_heartbeat, rounds_joined,
         inner_step, last_loss, joined_round, last_member_round, ready_since,
         left; sites that left have ``left`` True) and ``status`` (the
-        :class:`~dtrain.status.StatusLog` snapshot). Times are monotonic seconds.
+        :class:`~dtrain.status.StatusLog` snapshot). Times are ``now``'s clock.
         """
-        with self._cv:
-            c = self.config
-
-            def entry(r: SiteRecord, left: bool) -> dict:
-                return {
-                    "address": r.address,
-                    "alive": not left and r.alive(now, c.heartbeat_timeout_s),
-                    "needs_resync": r.needs_resync,
-                    "resync_reason": r.resync_reason,
-                    "heartbeat_age_s": now - r.last_heartbeat,
-                    "last_heartbeat": r.last_heartbeat,
-                    "rounds_joined": r.rounds_joined,
-                    "inner_step": r.inner_step,
-                    "last_loss": r.last_loss,
-                    "joined_round": r.joined_round,
-                    "last_member_round": r.last_member_round,
-                    "ready_since": None if left else self._ready.get(r.site_id),
-                    "left": left,
-                }
-
-            sites = {s: entry(r, True) for s, (r, _) in self._left.items()}
-            sites.update({s: entry(r, False) for s, r in self.sites.items()})
+        c = self.config
+        with self.store.atomic():
+            sites, first_ready_at = self.store.site_rows(now, self.status_log)
             return {
                 "now": now,
-                "next_round": self.next_round,
+                "next_round": self.store.next_round(),
                 "config": {
                     "heartbeat_interval_s": c.heartbeat_interval_s,
                     "heartbeat_timeout_s": c.heartbeat_timeout_s,
@@ -625,14 +490,15 @@ class RendezvousCore:
                     "broadcast_timeout_s": c.broadcast_timeout_s,
                     "min_sites": c.min_sites,
                 },
-                "first_ready_at": min(self._ready.values()) if self._ready else None,
+                "first_ready_at": first_ready_at,
                 "sites": sites,
                 "status": self.status_log.snapshot(),
             }
 
 
 class InprocRendezvousClient:
-    """Client of a :class:`RendezvousCore` in the same process (tests, simulations).
+    """Client of a :class:`RendezvousCore` in the same process (tests, simulations, and
+    a site on etcd directly: :class:`~dtrain.rendezvous.etcd_store.EtcdRendezvousClient`).
 
     Same methods as ``dtrain.rendezvous.grpc.GrpcRendezvousClient``.
     """
@@ -643,8 +509,6 @@ class InprocRendezvousClient:
 
     def _check(self) -> None:
         if self.down:
-            from dtrain.errors import RendezvousError
-
             raise RendezvousError("rendezvous unreachable (inproc down)")
 
     def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
@@ -670,15 +534,22 @@ class InprocRendezvousClient:
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
+        """Ready for ``round``; waits up to ``timeout_s`` for the plan, waking on the
+        store's changes (the watch on etcd) and to decide the quorum when it is due."""
         self._check()
         deadline = time.monotonic() + timeout_s
-        while True:
-            d = self.core.ready(site_id, round, now=time.monotonic())
+        d = self.core.ready(site_id, round, now=time.monotonic())
+        while d.status == "wait":
             left = deadline - time.monotonic()
-            if d.status != "wait" or left <= 0:
+            if left <= 0:
                 return d
-            self.core.wait_for_change(min(left, 0.05))
+            self.core.wait(round, left)
+            d = self.core.ready(site_id, round, now=time.monotonic())
+        return d
 
     def leave(self, site_id: str) -> None:
         self._check()
         self.core.leave(site_id, now=time.monotonic())
+
+    def close(self) -> None:
+        pass

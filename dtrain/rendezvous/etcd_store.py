@@ -1,9 +1,9 @@
 """The rendezvous on etcd v3: membership and quorum with no single point of failure.
 
-:class:`EtcdRendezvous` answers the same calls as the in-memory
-:class:`~dtrain.rendezvous.core.RendezvousCore` (join, heartbeat, ready, leave,
-decide), but keeps nothing that matters in its own process: every fact lives
-under the run's key prefix in etcd, so any number of ``dtrain rendezvous
+:class:`EtcdStore` is a store under the one rendezvous core
+(:class:`~dtrain.rendezvous.core.RendezvousCore` makes every decision;
+:class:`EtcdRendezvous` is that core over this store). It keeps nothing that matters
+in its own process: every fact lives under the run's key prefix in etcd, so any number of ``dtrain rendezvous
 --store etcd://...`` front-ends can serve one run at once (stateless), and a site
 can use it directly (:class:`EtcdRendezvousClient`, ``--rendezvous etcd://...``).
 
@@ -12,12 +12,15 @@ Keys under ``<prefix>`` (``/dtrain/<run>/``):
 * ``site/<id>``: ``{address, lease, joined_round, left}``; the registration (no lease).
 * ``alive/<id>``: ``{address}`` on the site's lease, whose TTL is ``heartbeat_timeout_s``;
   a heartbeat is a keep-alive of that lease. The site is live while the key exists.
-* ``ready/<r>/<id>``: ``{t}`` (wall-clock seconds) on the site's lease: ready for round r.
+* ``ready/<r>/<id>``: ``{t, seen}`` (wall-clock seconds: first asked, last renewed) on the
+  site's lease: ready for round r; it counts only while renewed (``EtcdStore._fresh``).
 * ``startup``: ``{t}`` when the ``initial_sites``-th site registered.
 * ``plan/<r>``: the round plan, written once by a transaction that succeeds only if no
   plan for r exists, after :func:`~dtrain.rendezvous.core.decide_quorum` held on what
   the store showed; ``next`` (= r + 1) in the same transaction. The last
   ``NUM_PLANS_KEPT`` plans are kept.
+* ``status/<id>``: ``{t, inner_step, last_loss}`` on the site's lease, for the status
+  page; written at most every ``status_interval_s`` per process (bounded write cost).
 * ``report/<r>/<id>``: a site's round report for the status page, at most
   ``max_report_bytes``; the last ``num_report_rounds`` rounds are kept.
 
@@ -33,11 +36,10 @@ down), every call raises :class:`~dtrain.rendezvous.etcd_client.EtcdError`, a
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
-import os
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -46,8 +48,14 @@ from typing import Sequence
 from urllib.parse import parse_qsl, urlsplit
 
 from dtrain.errors import RendezvousError
-from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
-from dtrain.rendezvous.core import NullReportSink, RendezvousConfig, ReportSink, SiteIdTaken, decide_quorum
+from dtrain.protocol import Member, RoundPlan
+from dtrain.rendezvous.core import (
+    InprocRendezvousClient,
+    RendezvousConfig,
+    RendezvousCore,
+    ReportSink,
+    SiteIdTaken,
+)
 from dtrain.rendezvous.etcd_client import (
     EtcdAuth,
     EtcdClient,
@@ -58,10 +66,12 @@ from dtrain.rendezvous.etcd_client import (
     op_range,
     txn_range_kvs,
 )
+from dtrain.rendezvous.store import Liveness, QuorumView, ReadyCounts, Standing, taken_message
 
 __all__ = [
     "timing_from_url",
     "EtcdStoreConfig",
+    "EtcdStore",
     "SiteIdTaken",
     "EtcdRendezvous",
     "EtcdRendezvousClient",
@@ -71,8 +81,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NUM_PLANS_KEPT = 8
-WAKE_JITTER_S = 0.2  # spread of the waiters' wake-ups at a quorum timeout (seconds)
-MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +99,9 @@ class EtcdStoreConfig:
         timeout_s: deadline of one etcd call on one member, seconds.
         num_report_rounds: round reports kept (the newest rounds), >= 1.
         max_report_bytes: largest round report stored; longer ones are dropped.
+        status_interval_s: a site's status key (heartbeat time, inner step, train loss,
+            on its lease) is written at most this often per process, seconds (> 0): the
+            status page's write cost is one put per site per interval.
     """
 
     endpoints: tuple[str, ...]
@@ -104,6 +115,7 @@ class EtcdStoreConfig:
     timeout_s: float = 3.0
     num_report_rounds: int = 16
     max_report_bytes: int = 8192
+    status_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.endpoints or not all(isinstance(e, str) and e.rpartition(":")[2].isdigit() for e in self.endpoints):
@@ -118,6 +130,8 @@ class EtcdStoreConfig:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if not isinstance(self.num_report_rounds, int) or self.num_report_rounds < 1:
             raise ValueError(f"num_report_rounds must be an int >= 1, got {self.num_report_rounds!r}")
+        if not isinstance(self.status_interval_s, (int, float)) or not self.status_interval_s > 0:
+            raise ValueError(f"status_interval_s must be > 0 seconds, got {self.status_interval_s!r}")
         if not isinstance(self.max_report_bytes, int) or self.max_report_bytes < 256:
             raise ValueError(f"max_report_bytes must be an int >= 256, got {self.max_report_bytes!r}")
 
@@ -216,39 +230,35 @@ def _plan_from_json(d: dict) -> RoundPlan:
     )
 
 
-class EtcdRendezvous:
-    """The rendezvous core over etcd (see the module docstring); thread-safe.
+class EtcdStore:
+    """The rendezvous facts in etcd (see the module docstring); thread-safe.
 
-    ``now`` arguments are accepted for the core's signature and ignored: times that
-    other processes compare are wall-clock seconds. Raises ``EtcdError`` (a
-    ``RendezvousError``) when etcd cannot be reached or has no quorum, and
-    :class:`SiteIdTaken` when a live site at another address holds the site id.
+    Stored times are wall-clock (``clock``); the ``now`` arguments only serve the status
+    rows' ages. Calls raise ``EtcdError`` (a ``RendezvousError``) when etcd cannot be
+    reached or has no quorum, and :class:`SiteIdTaken` when a live site at another
+    address holds the site id.
 
     Args:
         store: where and how to reach etcd.
-        config: membership and round timing (the same as the in-memory core's).
-        reports: where :meth:`snapshot` puts the stored round reports and plans for the
-            status page (``dtrain.status.StatusLog``); a cache, refilled from the store.
+        config: membership and round timing (the same on every process of the run).
     """
 
     blocking = True  # its calls wait on etcd: the gRPC servicer runs them on threads
+    local = False
 
-    def __init__(
-        self, store: EtcdStoreConfig, config: RendezvousConfig | None = None, *, reports: ReportSink | None = None
-    ) -> None:
+    def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig) -> None:
         self.store = store
-        self.status_log: ReportSink = reports if reports is not None else NullReportSink()
-        self.config = config or RendezvousConfig()
+        self.config = config
         self.etcd = store.client()
         self.prefix = f"/dtrain/{store.run}/".encode()
-        self._ttl_s = max(1, math.ceil(self.config.heartbeat_timeout_s))
+        self._ttl_s = max(1, math.ceil(config.heartbeat_timeout_s))
         self._cv = threading.Condition()
         self._plans: dict[int, RoundPlan] = {}
+        self._reasons: dict[int, str] = {}  # round -> why its plan formed as it did
         self.plan_seen_at: dict[int, float] = {}  # round -> when this process learnt its plan (monotonic s)
         self._next = 0
-        self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
-        self._next_check = 0.0
         self._dead_cache: tuple[float, tuple[str, ...]] | None = None
+        self._status_at: dict[str, float] = {}  # site -> when this process last wrote its status key (monotonic)
         self._watch = None
         self._watch_lock = threading.Lock()
         try:
@@ -256,13 +266,27 @@ class EtcdRendezvous:
         except RendezvousError as e:  # etcd down now: the first call that needs it tries again
             log.warning("rendezvous(etcd): store unreachable at start (%s); retrying on first use", e)
 
-    # ------------------------------------------------------------------ keys
+    # ------------------------------------------------------------------ keys, plumbing
     def _k(self, *parts: str) -> bytes:
         return self.prefix + "/".join(parts).encode()
 
     @staticmethod
     def _r(r: int) -> str:
         return f"{r:012d}"
+
+    def atomic(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # etcd's transactions make each step atomic
+
+    def clock(self, now: float) -> float:
+        return time.time()
+
+    def next_round(self) -> int:
+        with self._cv:
+            return self._next
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
 
     # ------------------------------------------------------------------ the plan watch
     def _start_watch(self) -> None:
@@ -276,45 +300,44 @@ class EtcdRendezvous:
         nxt = self.etcd.get(self._k("next"))
         with self._cv:
             for kv in kvs:
-                self._add_plan(_plan_from_json(json.loads(kv.value)))
+                doc = json.loads(kv.value)
+                self._add_plan(_plan_from_json(doc), doc.get("reason"))
             if nxt is not None:
                 self._next = max(self._next, int(nxt.value))
         self._watch = self.etcd.watch(self._k("plan/"), self._on_plans, prefix=True, start_revision=rev + 1)
 
-    def _add_plan(self, plan: RoundPlan) -> None:
+    def _add_plan(self, plan: RoundPlan, reason: str | None = None) -> None:
         if plan.round not in self._plans:
             self.plan_seen_at[plan.round] = time.monotonic()
             self.plan_seen_at.pop(plan.round - NUM_PLANS_KEPT, None)
         self._plans[plan.round] = plan
+        if reason:
+            self._reasons[plan.round] = reason
         self._next = max(self._next, plan.round + 1)
         for r in [r for r in self._plans if r <= plan.round - NUM_PLANS_KEPT]:
             del self._plans[r]
-        self._pending = {r for r in self._pending if r >= self._next}
+            self._reasons.pop(r, None)
 
     def _on_plans(self, events, _rev: int) -> None:
         with self._cv:
             for e in events:
                 if e.kind == "PUT":
-                    self._add_plan(_plan_from_json(json.loads(e.kv.value)))
+                    doc = json.loads(e.kv.value)
+                    self._add_plan(_plan_from_json(doc), doc.get("reason"))
             self._cv.notify_all()
 
-    @property
-    def next_round(self) -> int:
-        with self._cv:
-            return self._next
-
-    def wait_for_plan(self, round: int, timeout_s: float) -> RoundPlan | None:
+    def wait(self, round: int, timeout_s: float) -> None:
         """Block until the watch delivered round ``round``'s plan, or ``timeout_s`` passed."""
         with self._cv:
             self._cv.wait_for(lambda: round in self._plans or self._next > round, timeout_s)
+
+    def wait_for_plan(self, round: int, timeout_s: float) -> RoundPlan | None:
+        self.wait(round, timeout_s)
+        with self._cv:
             return self._plans.get(round)
 
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-
     # ------------------------------------------------------------------ membership
-    def join(self, site_id: str, address: str, *, now: float = 0.0, rank_addresses: Sequence[str] = ()) -> JoinInfo:
+    def claim(self, site_id: str, address: str, rank_addresses: Sequence[str], *, now: float) -> int:
         self._start_watch()
         alive = self.etcd.get(self._k("alive", site_id))
         lease = 0
@@ -322,14 +345,12 @@ class EtcdRendezvous:
             held = json.loads(alive.value).get("address")
             if held != address:
                 raise SiteIdTaken(
-                    f"site id {site_id!r} is held by a live site at {held} on run {self.store.run!r} "
-                    f"(this one is at {address}): give each site its own --site-id, or wait "
-                    f"{self.config.heartbeat_timeout_s}s for the other to be declared dead"
+                    taken_message(site_id, held, address, self.store.run, self.config.heartbeat_timeout_s)
                 )
             lease = alive.lease if self.etcd.lease_keepalive(alive.lease) > 0 else 0
         if not lease:
             lease = self.etcd.lease_grant(self._ttl_s)
-        nxt = self.next_round
+        nxt = self.next_round()
         reg = _j({"address": address, "lease": lease, "joined_round": nxt, "left": False})
         ok, resp = self.etcd.txn(
             [cmp_absent(self._k("alive", site_id))] if alive is None else [],
@@ -345,17 +366,9 @@ class EtcdRendezvous:
             held = json.loads(other[0].value).get("address") if other else "?"
             raise SiteIdTaken(f"site id {site_id!r} was taken at the same moment by a site at {held}")
         self._dead_cache = None
+        self._status_at.pop(site_id, None)
         self._note_startup()
-        members = tuple(m for m in self._alive_members() if m.site_id != site_id)
-        log.info(
-            "rendezvous(etcd): %s joined (%s); next round %d; %d other live sites", site_id, address, nxt, len(members)
-        )
-        return JoinInfo(
-            next_round=nxt,
-            members=members,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
-            needs_state=nxt > 0 and bool(members),
-        )
+        return nxt
 
     def _note_startup(self) -> None:
         if self.etcd.get(self._k("startup")) is not None:
@@ -364,38 +377,58 @@ class EtcdRendezvous:
         if count >= self.config.startup_sites:
             self.etcd.txn([cmp_absent(self._k("startup"))], [op_put(self._k("startup"), _j({"t": time.time()}))])
 
-    def _alive_members(self) -> list[Member]:
+    def live_members(self, now: float) -> list[Member]:
         kvs, _, _ = self.etcd.range(self._k("alive/"), prefix=True)
         cut = len(self._k("alive/"))
         return [_member(kv.key[cut:].decode(), json.loads(kv.value)) for kv in kvs]
 
-    def heartbeat(
-        self,
-        site_id: str,
-        *,
-        now: float = 0.0,
-        inner_step: int = 0,
-        last_loss: float | None = None,
-        round_reports: Sequence[str] = (),
-    ) -> HeartbeatInfo:
-        """Keep the site's lease alive; store its round reports (bounded). An
-        expired lease means the site was declared dead: it must resync."""
+    def keep_alive(
+        self, site_id: str, *, now: float, inner_step: int, last_loss: float | None, unreachable: Sequence[str]
+    ) -> Liveness:
+        """Keep the site's lease alive, and every ``status_interval_s`` write its status
+        key (heartbeat time, inner step, train loss) on that lease. An expired lease
+        means the site was declared dead: it must resync. ``unreachable`` is not used
+        (no shorter silence on etcd: a lease's TTL is fixed)."""
         reg = self.etcd.get(self._k("site", site_id))
         info = json.loads(reg.value) if reg is not None else None
         if info is None or info.get("left"):
-            return HeartbeatInfo(
-                known=False, resync_required=False, next_round=self.next_round, reason="unknown site: join again"
-            )
-        if self.etcd.lease_keepalive(int(info["lease"])) <= 0:
+            return Liveness(known=False)
+        lease = int(info["lease"])
+        if self.etcd.lease_keepalive(lease) <= 0:
             reason = f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead"
-            return HeartbeatInfo(known=True, resync_required=True, next_round=self.next_round, reason=reason)
-        if round_reports:
-            self._store_reports(site_id, round_reports)
-        return HeartbeatInfo(
-            known=True, resync_required=False, next_round=self.next_round, reason="", dead=self._dead()
-        )
+            return Liveness(known=True, resync_reason=reason)
+        mono = time.monotonic()
+        if mono - self._status_at.get(site_id, -math.inf) >= self.store.status_interval_s:
+            self._status_at[site_id] = mono
+            status = {"t": time.time(), "inner_step": inner_step, "last_loss": last_loss}
+            self.etcd.put(self._k("status", site_id), _j(status), lease=lease)
+        return Liveness(known=True)
 
-    def _store_reports(self, site_id: str, raws: Sequence[str]) -> None:
+    def dead(self, now: float) -> tuple[str, ...]:
+        """Registered sites without a live lease (dead or left); cached for a heartbeat interval."""
+        mono = time.monotonic()
+        c = self._dead_cache
+        if c is not None and mono - c[0] < self.config.heartbeat_interval_s:
+            return c[1]
+        sites, _, _ = self.etcd.range(self._k("site/"), prefix=True, keys_only=True)
+        alive, _, _ = self.etcd.range(self._k("alive/"), prefix=True, keys_only=True)
+        n, m = len(self._k("site/")), len(self._k("alive/"))
+        dead = tuple(sorted({kv.key[n:].decode() for kv in sites} - {kv.key[m:].decode() for kv in alive}))
+        self._dead_cache = (mono, dead)
+        return dead
+
+    def release(self, site_id: str, *, now: float) -> None:
+        reg = self.etcd.get(self._k("site", site_id))
+        if reg is None:
+            return
+        info = json.loads(reg.value)
+        self.etcd.lease_revoke(int(info["lease"]))
+        self.etcd.put(self._k("site", site_id), _j({**info, "left": True}))
+        self._dead_cache = None
+
+    def put_reports(self, site_id: str, raws: Sequence[str], sink) -> None:
+        """Store the site's round reports (at most ``max_report_bytes`` each; only the
+        newest ``num_report_rounds`` rounds are kept)."""
         for raw in raws:
             if len(raw.encode()) > self.store.max_report_bytes:
                 log.warning(
@@ -410,7 +443,7 @@ class EtcdRendezvous:
             except (ValueError, KeyError, TypeError):
                 log.warning("rendezvous(etcd): dropped a report of %s without a round", site_id)
                 continue
-            if r >= self.next_round - self.store.num_report_rounds:
+            if r >= self.next_round() - self.store.num_report_rounds:
                 self.etcd.put(self._k("report", self._r(r), site_id), raw.encode())
 
     def reports(self) -> dict[int, dict[str, str]]:
@@ -423,47 +456,16 @@ class EtcdRendezvous:
             out.setdefault(int(r), {})[site] = kv.value.decode()
         return out
 
-    def _dead(self) -> tuple[str, ...]:
-        """Registered sites without a live lease (dead or left); cached for a heartbeat interval."""
-        now = time.monotonic()
-        c = self._dead_cache
-        if c is not None and now - c[0] < self.config.heartbeat_interval_s:
-            return c[1]
-        sites, _, _ = self.etcd.range(self._k("site/"), prefix=True, keys_only=True)
-        alive, _, _ = self.etcd.range(self._k("alive/"), prefix=True, keys_only=True)
-        n, m = len(self._k("site/")), len(self._k("alive/"))
-        dead = tuple(sorted({kv.key[n:].decode() for kv in sites} - {kv.key[m:].decode() for kv in alive}))
-        self._dead_cache = (now, dead)
-        return dead
-
-    def leave(self, site_id: str, *, now: float = 0.0) -> None:
-        reg = self.etcd.get(self._k("site", site_id))
-        if reg is None:
-            return
-        info = json.loads(reg.value)
-        self.etcd.lease_revoke(int(info["lease"]))
-        self.etcd.put(self._k("site", site_id), _j({**info, "left": True}))
-        self._dead_cache = None
-        log.info("rendezvous(etcd): %s left", site_id)
-
     # ------------------------------------------------------------------ rounds
-    def ready(self, site_id: str, round: int, *, now: float = 0.0) -> ReadyDecision:
-        """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
-        decide the quorum if this could complete it. Same answers as the in-memory core."""
+    def standing(self, site_id: str, round: int, *, now: float) -> Standing:
+        """The site's standing for ``round``. A plan the watch delivered that names the
+        site is answered at once, with no etcd call: a member learns its plan as soon as
+        the watch brings it, even while etcd is slow to answer (a plan never changes)."""
         self._start_watch()
-        known, lease = self._answer_known(site_id, round)
-        if known is not None:
-            return known
-        key = self._k("ready", self._r(round), site_id)
-        counts = self._count_ops(round)
-        _, resp = self.etcd.txn([cmp_absent(key)], [op_put(key, _j({"t": time.time()}), lease), *counts], counts)
         with self._cv:
-            self._pending.add(round)
-        return self._decide_round(round, resp[-len(counts) :])
-
-    def _answer_known(self, site_id: str, round: int) -> tuple[ReadyDecision | None, int]:
-        """The answer when it does not depend on the quorum (a plan exists, the round
-        ran, the site is unknown or dead), or None; and the site's lease."""
+            plan, reason = self._plans.get(round), self._reasons.get(round, "already formed")
+        if plan is not None and site_id in plan.site_ids:
+            return Standing(known=True, plan=plan, member=True, plan_reason=reason, next_round=self.next_round())
         _, resp = self.etcd.txn(
             [],
             [
@@ -473,60 +475,58 @@ class EtcdRendezvous:
             ],
         )
         reg, alive, plan_kv = (txn_range_kvs(r) for r in resp)
-        nxt = self.next_round
         info = json.loads(reg[0].value) if reg else {"left": True}
         if info.get("left"):
-            return ReadyDecision(status="wait", reason="unknown site: join first", next_round=nxt), 0
+            return Standing(known=False, next_round=self.next_round())
         if not alive:
-            return ReadyDecision(
-                status="missed",
-                reason=f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead",
-                next_round=nxt,
-            ), 0
+            reason = f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead"
+            return Standing(known=True, resync_reason=reason, next_round=self.next_round())
         if plan_kv:
             doc = json.loads(plan_kv[0].value)
             plan = _plan_from_json(doc)
+            reason = doc.get("reason") or "already formed"
             with self._cv:
-                self._add_plan(plan)
-            if site_id in plan.site_ids:  # every member learns why the round formed as it did
-                why = doc.get("reason") or "already formed"
-                return ReadyDecision(status="plan", reason=why, next_round=self.next_round, plan=plan), 0
-            return ReadyDecision(
-                status="missed",
-                reason=f"round {round} started without {site_id} (straggler)",
-                next_round=self.next_round,
-            ), 0
-        if round < nxt:
-            return ReadyDecision(status="missed", reason=f"round {round} already ran", next_round=nxt), 0
-        return None, int(info["lease"])
+                self._add_plan(plan, reason)
+                self._cv.notify_all()
+            return Standing(
+                known=True, plan=plan, member=site_id in plan.site_ids, plan_reason=reason, next_round=self.next_round()
+            )
+        return Standing(known=True, next_round=self.next_round(), lease=int(info["lease"]))
 
-    def _count_ops(self, round: int) -> list[dict]:
-        """Reads that tell, without listing anyone, whether the quorum could be complete:
-        how many sites are live, how many ready for ``round`` and the earliest ready."""
+    def adopt(self, round: int, *, now: float) -> bool:
+        return False  # etcd's state outlives every process: nothing to adopt
+
+    def mark_ready(self, site_id: str, round: int, *, now: float, lease: int) -> ReadyCounts:
+        """Put ``ready/<round>/<site>`` (its first time is kept) and, in the same
+        transaction, count the live and ready sites and read the earliest ready."""
+        key = self._k("ready", self._r(round), site_id)
         live = op_range(self._k("alive/"), prefix=True)["request_range"]
         ready = op_range(self._k("ready", self._r(round)) + b"/", prefix=True)["request_range"]
-        return [
+        counts = [
             {"request_range": {**live, "count_only": True}},
             {"request_range": {**ready, "limit": "1", "sort_order": "ASCEND", "sort_target": "CREATE"}},
         ]
+        wall = time.time()
+        put = op_put(key, _j({"t": wall, "seen": wall}), lease)
+        ok, resp = self.etcd.txn([cmp_absent(key)], [put, *counts], [op_range(key), *counts])
+        held = [] if ok else txn_range_kvs(resp[0])
+        if held:  # renew it (at most once per heartbeat interval); a stale one starts afresh
+            old = json.loads(held[0].value)
+            seen = float(old.get("seen", old["t"]))
+            if wall - seen >= self.config.heartbeat_interval_s:
+                first = old["t"] if wall - seen <= self.config.heartbeat_timeout_s else wall
+                self.etcd.put(key, _j({"t": first, "seen": wall}), lease=lease)
+        num_live = int(resp[-2].get("response_range", {}).get("count", 0))
+        rng = resp[-1].get("response_range", {})
+        first = txn_range_kvs(resp[-1])
+        return ReadyCounts(
+            num_live=num_live,
+            num_ready=int(rng.get("count", 0)),
+            first_ready_t=float(json.loads(first[0].value)["t"]) if first else None,
+        )
 
-    def _cannot_form_yet(self, counts: Sequence[dict]) -> str | None:
-        """Why ``decide_quorum`` must answer "wait" on these counts (fewer ready than live,
-        and the earliest ready less than ``quorum_timeout_s`` ago), or None: look closer."""
-        num_live = int(counts[0].get("response_range", {}).get("count", 0))
-        rng = counts[1].get("response_range", {})
-        num_ready, first = int(rng.get("count", 0)), txn_range_kvs(counts[1])
-        if not first or num_ready >= num_live:
-            return None
-        waited = time.time() - float(json.loads(first[0].value)["t"])
-        if waited >= self.config.quorum_timeout_s:
-            return None
-        self._schedule(self.config.quorum_timeout_s - waited)
-        return f"{num_ready} of {num_live} live sites ready; waiting up to {self.config.quorum_timeout_s - waited:.1f}s more"
-
-    def _view(self, round: int) -> tuple[dict[str, float], int, float | None, bool, dict[str, str]]:
-        """What the store shows for ``round``'s quorum, in one read: ready times, the
-        registered count, the start-up time, whether no plan exists yet, live addresses."""
+    def view(self, round: int, *, now: float) -> QuorumView:
+        """What the store shows for ``round``'s quorum, in one read."""
         _, resp = self.etcd.txn(
             [],
             [
@@ -540,63 +540,35 @@ class EtcdRendezvous:
         alive_kvs, ready_kvs = txn_range_kvs(resp[0]), txn_range_kvs(resp[1])
         n_alive, n_ready = len(self._k("alive/")), len(self._k("ready", self._r(round))) + 1
         addresses = {kv.key[n_alive:].decode(): json.loads(kv.value) for kv in alive_kvs}
-        ready = {kv.key[n_ready:].decode(): float(json.loads(kv.value)["t"]) for kv in ready_kvs}
-        joined = int(resp[2].get("response_range", {}).get("count", 0))
         startup = txn_range_kvs(resp[3])
-        startup_t = float(json.loads(startup[0].value)["t"]) if startup else None
-        return ready, joined, startup_t, not txn_range_kvs(resp[4]), addresses
-
-    def _decide_round(self, round: int, counts: Sequence[dict] | None = None) -> ReadyDecision:
-        """``decide_quorum`` on what the store shows; the plan written once if it holds."""
-        if counts is not None and (why := self._cannot_form_yet(counts)) is not None:
-            return ReadyDecision(status="wait", reason=why, next_round=max(self.next_round, round))
-        ready, joined, startup_t, first_round, addresses = self._view(round)
-        now = time.time()
-        members, reason = decide_quorum(
-            round=round,
+        return QuorumView(
             live=set(addresses),
-            ready=ready,
-            joined_ever=joined,
-            now=now,
-            config=self.config,
-            startup_complete_at=startup_t,
-            first_round=first_round,
+            ready=self._fresh({kv.key[n_ready:].decode(): json.loads(kv.value) for kv in ready_kvs}),
+            joined=int(resp[2].get("response_range", {}).get("count", 0)),
+            startup_t=float(json.loads(startup[0].value)["t"]) if startup else None,
+            first_round=not txn_range_kvs(resp[4]),
+            grace_left_s=0.0,
+            member=lambda s: _member(s, addresses[s]),
         )
-        if members is None:
-            first = (
-                max(min(ready.values(), default=now), startup_t or 0.0)
-                if first_round
-                else min(ready.values(), default=now)
-            )
-            self._schedule(first + self.config.quorum_timeout_s - now)
-            return ReadyDecision(status="wait", reason=reason, next_round=max(self.next_round, round))
-        plan = RoundPlan(
-            round=round,
-            members=tuple(_member(s, addresses[s]) for s in members),
-            reduce_timeout_s=self.config.reduce_timeout_s,
-            broadcast_timeout_s=self.config.broadcast_timeout_s,
-            datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
-        )
-        return self._write_plan(plan, reason)
 
-    def _schedule(self, until_timeout_s: float) -> None:
-        """When ``decide`` should look again: at the quorum timeout (plus a random delay of up
-        to ``WAKE_JITTER_S``, so the waiters do not all read the full view at once: the first
-        one forms the plan and the others' watches deliver it), or within a heartbeat
-        interval (a site that dies while others wait shrinks the live set)."""
-        until = min(max(0.0, until_timeout_s) + random.uniform(0.0, WAKE_JITTER_S), self.config.heartbeat_interval_s)
-        with self._cv:
-            self._next_check = time.monotonic() + until + 0.01
+    def _fresh(self, readies: dict[str, dict]) -> dict[str, float]:
+        """The ready times that count: a ready counts only while its site keeps asking
+        (renewed every heartbeat interval; stale after ``heartbeat_timeout_s``). A site
+        that deferred the round (etcd unreachable) trains on locally and asks no more,
+        and its key may outlive an outage (etcd renews every lease on a new leader)."""
+        wall, limit_s = time.time(), self.config.heartbeat_timeout_s
+        return {s: float(d["t"]) for s, d in readies.items() if wall - float(d.get("seen", d["t"])) <= limit_s}
 
-    def _write_plan(self, plan: RoundPlan, reason: str) -> ReadyDecision:
+    def put_plan(self, plan: RoundPlan, reason: str, *, now: float) -> tuple[RoundPlan, str, bool]:
+        """Write round r's plan if none exists (with ``next``, dropping older readies,
+        plans and reports in the same transaction); the plan that holds is returned."""
         r = plan.round
-        body = _plan_to_json(plan, reason)
         old = max(0, r - NUM_PLANS_KEPT + 1)
         old_reports = max(0, r - self.store.num_report_rounds + 1)
         ok, resp = self.etcd.txn(
             [cmp_absent(self._k("plan", self._r(r)))],
             [
-                op_put(self._k("plan", self._r(r)), body),
+                op_put(self._k("plan", self._r(r)), _plan_to_json(plan, reason)),
                 op_put(self._k("next"), str(r + 1).encode()),
                 op_delete(self._k("ready/"), end=self._k("ready", self._r(r + 1))),
                 op_delete(self._k("plan/"), end=self._k("plan", self._r(old))),
@@ -604,91 +576,84 @@ class EtcdRendezvous:
             ],
             [op_range(self._k("plan", self._r(r)))],
         )
-        if ok:
-            log.info("rendezvous(etcd): round %d formed with %s: %s", r, list(plan.site_ids), reason)
-        else:  # another writer formed it first, perhaps with other members: theirs holds
+        if not ok:
             doc = json.loads(txn_range_kvs(resp[0])[0].value)
             plan, reason = _plan_from_json(doc), doc.get("reason") or reason
         with self._cv:
-            self._add_plan(plan)
+            self._add_plan(plan, reason)
             self._cv.notify_all()
-        return ReadyDecision(status="plan", reason=reason, next_round=self.next_round, plan=plan)
-
-    def decide(self, *, now: float = 0.0) -> int:
-        """Re-run the quorum decision for the rounds this process saw readies for, when
-        a quorum timeout (or a heartbeat interval) has passed since the last look;
-        returns ``next_round``. Costs nothing while no ready is pending here."""
-        with self._cv:
-            pending = sorted(r for r in self._pending if r >= self._next)
-            due = time.monotonic() >= self._next_check
-        if pending and due:
-            try:
-                _, counts = self.etcd.txn([], self._count_ops(pending[-1]))
-                self._decide_round(pending[-1], counts)
-            except RendezvousError as e:
-                log.warning("rendezvous(etcd): deciding round %d failed: %s", pending[-1], e)
-                with self._cv:
-                    self._next_check = time.monotonic() + self.config.heartbeat_interval_s
-        return self.next_round
-
-    def wait_until_check(self, timeout_s: float) -> float:
-        """Seconds until ``decide`` would look again, capped by ``timeout_s``."""
-        with self._cv:
-            return max(0.0, min(timeout_s, self._next_check - time.monotonic()))
+        return plan, reason, ok
 
     # ------------------------------------------------------------------ status page
-    def snapshot(self, now: float) -> dict:
-        """What the status page shows, read from the store (the shape of
-        ``RendezvousCore.snapshot``). etcd keeps no heartbeat times, only whether a
-        site's lease lives: a live site's heartbeat age is 0, a dead one's the timeout."""
-        regs, _, _ = self.etcd.range(self._k("site/"), prefix=True)
-        alive, _, _ = self.etcd.range(self._k("alive/"), prefix=True, keys_only=True)
-        n, m = len(self._k("site/")), len(self._k("alive/"))
+    def site_rows(self, now: float, sink) -> tuple[dict[str, dict], float | None]:
+        """The status rows from the store: registrations, live leases, and each site's
+        status key (written every ``status_interval_s``, so a heartbeat age is at most
+        that much too old); the stored plans and round reports go to ``sink``."""
+        _, resp = self.etcd.txn(
+            [],
+            [
+                op_range(self._k("site/"), prefix=True),
+                {"request_range": {**op_range(self._k("alive/"), prefix=True)["request_range"], "keys_only": True}},
+                op_range(self._k("status/"), prefix=True),
+            ],
+        )
+        regs, alive, status_kvs = (txn_range_kvs(x) for x in resp)
+        n, m, k = len(self._k("site/")), len(self._k("alive/")), len(self._k("status/"))
         live = {kv.key[m:].decode() for kv in alive}
+        status = {kv.key[k:].decode(): json.loads(kv.value) for kv in status_kvs}
         with self._cv:
             plans = dict(self._plans)
-            nxt = self._next
         for r in sorted(plans):
-            self.status_log.add_plan(r, list(plans[r].site_ids), now)
+            sink.add_plan(r, list(plans[r].site_ids), now)
         for _, by_site in sorted(self.reports().items()):
             for site, raw in by_site.items():
-                self.status_log.add_reports(site, [raw])
-        c = self.config
+                sink.add_reports(site, [raw])
+        wall, timeout_s = time.time(), self.config.heartbeat_timeout_s
         sites = {}
         for kv in regs:
             sid, info = kv.key[n:].decode(), json.loads(kv.value)
+            st = status.get(sid, {})
+            age = max(0.0, wall - float(st["t"])) if "t" in st else 0.0
+            # a live lease had a keep-alive within its TTL; an expired one did not
+            age = min(age, timeout_s) if sid in live else max(age, timeout_s + self.config.heartbeat_interval_s)
             rounds = [r for r, p in plans.items() if sid in p.site_ids]
             sites[sid] = {
                 "address": info["address"],
                 "alive": sid in live,
                 "needs_resync": False,
                 "resync_reason": "",
-                "heartbeat_age_s": 0.0 if sid in live else c.heartbeat_timeout_s,
-                "last_heartbeat": now if sid in live else now - c.heartbeat_timeout_s,
+                "heartbeat_age_s": age,
+                "last_heartbeat": now - age,
                 "rounds_joined": len(rounds),
-                "inner_step": 0,
-                "last_loss": None,
+                "inner_step": int(st.get("inner_step", 0)),
+                "last_loss": st.get("last_loss"),
                 "joined_round": int(info.get("joined_round", 0)),
                 "last_member_round": max(rounds, default=None),
                 "ready_since": None,
                 "left": bool(info.get("left")),
             }
-        timing = ("heartbeat_interval_s", "heartbeat_timeout_s", "quorum_timeout_s", "reduce_timeout_s")
-        return {
-            "now": now,
-            "next_round": nxt,
-            "config": {
-                **{k: getattr(c, k) for k in timing},
-                "broadcast_timeout_s": c.broadcast_timeout_s,
-                "min_sites": c.min_sites,
-            },
-            "first_ready_at": None,
-            "sites": sites,
-            "status": self.status_log.snapshot(),
-        }
+        return sites, None
 
 
-class EtcdRendezvousClient:
+class EtcdRendezvous(RendezvousCore):
+    """The rendezvous core over an :class:`EtcdStore` (``dtrain rendezvous --store
+    etcd://...``: a stateless front-end; any number serve one run).
+
+    Args:
+        store: where and how to reach etcd.
+        config: membership and round timing (the same as the in-memory core's).
+        reports: where :meth:`snapshot` puts the stored round reports and plans for the
+            status page (``dtrain.status.StatusLog``); a cache, refilled from the store.
+    """
+
+    def __init__(
+        self, store: EtcdStoreConfig, config: RendezvousConfig | None = None, *, reports: ReportSink | None = None
+    ) -> None:
+        config = config or RendezvousConfig()
+        super().__init__(config, reports=reports, store=EtcdStore(store, config))
+
+
+class EtcdRendezvousClient(InprocRendezvousClient):
     """A site's rendezvous client straight on etcd (``--rendezvous etcd://...``), no
     ``dtrain rendezvous`` process: same methods as ``GrpcRendezvousClient``.
 
@@ -697,29 +662,7 @@ class EtcdRendezvousClient:
     """
 
     def __init__(self, store: EtcdStoreConfig, config: RendezvousConfig | None = None) -> None:
-        self.core = EtcdRendezvous(store, config)
-
-    def join(self, site_id: str, address: str, rank_addresses: Sequence[str] = ()) -> JoinInfo:
-        return self.core.join(site_id, address, rank_addresses=rank_addresses)
-
-    def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
-    ) -> HeartbeatInfo:
-        return self.core.heartbeat(site_id, inner_step=inner_step, last_loss=last_loss, round_reports=round_reports)
-
-    def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
-        deadline = time.monotonic() + timeout_s
-        d = self.core.ready(site_id, round)
-        while d.status == "wait":
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return d
-            self.core.wait_for_plan(round, max(MIN_WAKE_S, self.core.wait_until_check(left)))
-            d = self.core.ready(site_id, round)
-        return d
-
-    def leave(self, site_id: str) -> None:
-        self.core.leave(site_id)
+        super().__init__(EtcdRendezvous(store, config))
 
     def close(self) -> None:
         self.core.close()

@@ -137,12 +137,13 @@ def _decision_from_proto(m: pb.ReadyReply) -> ReadyDecision:
 class _Poll:
     """One Ready long poll waiting on the server's loop."""
 
-    __slots__ = ("site_id", "round", "future")
+    __slots__ = ("site_id", "round", "future", "asked_at")
 
     def __init__(self, site_id: str, round: int, future: "asyncio.Future[ReadyDecision | None]") -> None:
         self.site_id = site_id
         self.round = round
         self.future = future
+        self.asked_at = time.monotonic()  # when the core last heard this site's ready
 
     def answer(self, decision: ReadyDecision | None) -> None:
         if not self.future.done():
@@ -176,6 +177,10 @@ class _RendezvousServicer:
         # A core whose calls wait on the network (``blocking = True``: the etcd store) runs them
         # on threads; the in-memory core's calls are short and run on the loop.
         self._blocking = bool(getattr(core, "blocking", False))
+        # A remote store counts a ready only while its site keeps asking (it renews it):
+        # the polls waiting here ask the core again this often on the site's behalf.
+        rv_config = getattr(core, "config", None)
+        self._renew_s = getattr(rv_config, "heartbeat_interval_s", 1.0)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         def unary(fn, request_type, reply_type):
@@ -382,6 +387,15 @@ class _RendezvousServicer:
             if self._seen_round > self._answered_round:
                 self._answered_round = self._seen_round
                 targets += [p for ps in self._polls.values() for p in ps if p.round < self._seen_round]
+        if self._blocking:  # renew the readies of polls the core has not heard for a while
+            now = time.monotonic()
+            chosen = {id(p) for p in targets}
+            targets += [
+                p
+                for ps in self._polls.values()
+                for p in ps
+                if id(p) not in chosen and now - p.asked_at >= self._renew_s
+            ]
         self._dirty.clear()
         return targets
 
@@ -392,6 +406,7 @@ class _RendezvousServicer:
         for poll in targets:
             if poll.future.done():
                 continue
+            poll.asked_at = time.monotonic()
             d, err = self._call("ready", lambda: self._core.ready(poll.site_id, poll.round, now=now))
             if err is not None or d.status != "wait":
                 out.append((poll, d))

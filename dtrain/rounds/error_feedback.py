@@ -46,7 +46,7 @@ def _pseudo_gradient(
         ref = ref.clone()
         for sl, dt in dtypes:
             ref[sl] = ref[sl].to(dt).float()
-    return ref - local_b
+    return torch.sub(ref, local_b, out=local_b)  # in the gather buffer: no tensor per bucket
 
 
 def add_pseudo_gradient(
@@ -78,17 +78,17 @@ def add_pseudo_gradient(
         bucket = layout.buckets[b]
         n = bucket.numel
         if tmp is None or tmp.numel() < n:
-            tmp = torch.empty(n, dtype=torch.float32)
+            tmp = torch.empty(n, dtype=torch.float32, device=theta[b].device)
         local = layout.gather(b, tensors, out=tmp[:n])
         low = [
             (slice(sg.bucket_offset, sg.bucket_offset + sg.numel), tensors[sg.tensor_index].dtype)
             for sg in bucket.segments
             if tensors[sg.tensor_index].dtype != torch.float32
         ]
-        delta = _pseudo_gradient(theta[b].detach(), local, low)
+        delta = _pseudo_gradient(theta[b].detach(), local, low)  # a view of tmp
         r = residuals[b]
         if r is None or not error_feedback:
-            residuals[b] = delta
+            residuals[b] = delta.clone()
         else:
             r.add_(delta)
         if not bool(torch.isfinite(residuals[b]).all()):
@@ -124,11 +124,13 @@ def settle_chunk(
             None when the codec is lossless (it decoded ``u`` exactly).
         applied_mean: the mean applied to this chunk (decoded broadcast), or None when
             no mean was applied or it is not known here.
+    ``sent`` and ``applied_mean`` are decoded on the host; they are moved to the
+    residual's device (``DiLoCoConfig.theta_device``).
     """
     if included:
         if sent is None:
             residual.zero_()
         else:
-            residual.sub_(sent)
+            residual.sub_(sent.to(residual.device))
     elif applied_mean is not None:
-        residual.sub_(applied_mean)
+        residual.sub_(applied_mean.to(residual.device))

@@ -107,7 +107,7 @@ class PeerSide:
                 if owned.books.awaited(c.bucket) == 0:
                     owned.cv.notify_all()
 
-    def members_lost(self, site_ids: Iterable[str], *, round: int | None = None, why: str = "") -> None:
+    def members_lost(self, site_ids: Iterable[str], *, round: int | None = None, why: str = "") -> frozenset[str]:
         """Stop waiting for contributions from ``site_ids`` in every round open here
         (or only in ``round``).
 
@@ -123,11 +123,13 @@ class PeerSide:
         before its bucket is finalized are counted as usual; later ones are
         refused as late and stay in the sender's residual. Sites that are not
         members of a round, and this site itself, are ignored
-        (:meth:`OpenRound.members_lost`).
+        (:meth:`OpenRound.members_lost`). Returns the members newly lost in some
+        open round (empty when the call changed nothing).
         """
         lost = set(site_ids) - {self.site_id}
+        changed: set[str] = set()
         if not lost:
-            return
+            return frozenset()
         self.mean_pulls.forget(lost)
         with self._cv:
             rounds = [o for r, o in self._open.items() if round is None or r == round]
@@ -136,6 +138,7 @@ class PeerSide:
                 new = owned.books.members_lost(lost)
                 if new:
                     owned.cv.notify_all()
+            changed |= new
             if new:
                 self.log.warning(
                     "round %d: %s %s: not waiting for their contributions",
@@ -143,6 +146,7 @@ class PeerSide:
                     ", ".join(sorted(new)),
                     why or "declared dead by the rendezvous",
                 )
+        return frozenset(changed)
 
     def handle_sender_done(self, round: int, sender: str) -> None:
         """``sender`` sent everything it will send this site for ``round``.

@@ -39,8 +39,9 @@ from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import JoinInfo, RoundPlan
 from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.sitegroup.agree import RankView, combine_checksums, decide_agreement, rank_donors, rank_plan
+from dtrain.sitegroup.notices import LostNotices, site_store
 from dtrain.sitegroup.slices import SliceMap
-from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state
+from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state, theta_device_of
 from dtrain.transports.base import Transport
 
 __all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "slice_checksum", "diloco_numel"]
@@ -83,6 +84,8 @@ class SiteSyncOutcome:
         site_checksum: :func:`combine_checksums` of them: one θ checksum per site.
         quorum_s: seconds rank 0 waited for the rendezvous's decision (0 when it
             asked for none).
+        num_lost_notices_used: (ranks j > 0) dead-site notices from rank 0 that
+            ended this rank's wait for a member so far (:mod:`dtrain.sitegroup.notices`).
     """
 
     status: str
@@ -91,6 +94,7 @@ class SiteSyncOutcome:
     slice_checksums: list[str] = field(default_factory=list)
     site_checksum: str = ""
     quorum_s: float = 0.0
+    num_lost_notices_used: int = 0
 
 
 class SiteGroupDiLoCo:
@@ -107,6 +111,13 @@ class SiteGroupDiLoCo:
         process_group: the site's process group (default: the default group),
             gloo on CPU. Give it a timeout: a dead rank blocks collectives until then.
         outer_optimizer: factory of the outer optimizer per bucket.
+        store: a ``torch.distributed`` store every rank of the site reaches, for
+            rank 0's dead-site notices (default: a client of the site's TCPStore
+            from ``MASTER_ADDR``/``MASTER_PORT``; none without them, and then ranks
+            j > 0 wait for a dead site until the reduce deadline).
+        defer_join: do not join in the constructor: load a checkpoint first
+            (:func:`dtrain.sitegroup.checkpoint.load_site_checkpoint`), then call
+            :meth:`join` on every rank, so the site presents its saved round.
 
     Every rank must construct it, call :meth:`step`/:meth:`sync` and
     :meth:`close` in the same order: they run collectives.
@@ -125,6 +136,8 @@ class SiteGroupDiLoCo:
         rendezvous: RendezvousClient | None,
         process_group: dist.ProcessGroup | None = None,
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+        store: dist.Store | None = None,
+        defer_join: bool = False,
     ) -> None:
         self.config = config
         self.model = model
@@ -138,7 +151,8 @@ class SiteGroupDiLoCo:
         self.slices = SliceMap(tensors, kinds, self.rank, self.num_ranks)
         self.local, local_kinds = self.slices.local()
         self.layout = BucketLayout([t.numel() for t in self.local], local_kinds, config.buckets)
-        self.state = GlobalState(self.layout, self.local, outer_optimizer)
+        device = theta_device_of(self.local, config.theta_device)
+        self.state = GlobalState(self.layout, self.local, outer_optimizer, device=device)
         self.engine = RoundEngine(config.site_id, self.state, transport, config.rounds)
         self.engine.start()
         addresses = self._all_gather(self.engine.address)
@@ -148,6 +162,7 @@ class SiteGroupDiLoCo:
             assert rendezvous is not None  # checked above, on every rank
             ranks = addresses if self.num_ranks > 1 else ()
             self.group = Group(self.engine, rendezvous, config.group, rank_addresses=ranks)
+        self.notices = self._lost_notices(store)
         self.inner_steps = 0
         self.last_outcome: SiteSyncOutcome | None = None
         self.on_round: list[Callable[[SiteSyncOutcome], None]] = []
@@ -159,8 +174,27 @@ class SiteGroupDiLoCo:
         # model), allgather (replicated parts inside the site), checksum.
         self.last_cpu_s: dict[str, float] = {}
         self._closed = False
-        self.join()
+        self._hook_paused = False  # checkpoint code steps the optimizer without it counting
+        if not defer_join:
+            self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if config.hook_optimizer else None
+
+    def _lost_notices(self, store: dist.Store | None) -> LostNotices | None:
+        """Rank 0 posts the members its heartbeats report dead; the others poll them."""
+        if self.num_ranks == 1:
+            return None
+        store = store if store is not None else site_store()
+        if store is None:
+            log.warning(
+                "%s: no site store (MASTER_ADDR/MASTER_PORT): ranks > 0 wait out dead sites", self.config.site_id
+            )
+            return None
+        notices = LostNotices(
+            store, rank=self.rank, on_lost=lambda ids: self.engine.members_lost(ids, why="lost notice from rank 0")
+        )
+        if self.group is not None:
+            self.group.on_members_lost = notices.post
+        return notices
 
     # ------------------------------------------------------------------ collectives
     def _broadcast(self, obj: object) -> object:
@@ -312,6 +346,7 @@ class SiteGroupDiLoCo:
         out.slice_checksums = self._all_gather(slice_checksum(self.state))
         self.last_cpu_s["checksum"] = time.process_time() - t0
         out.site_checksum = combine_checksums(out.slice_checksums)
+        out.num_lost_notices_used = self.notices.num_used if self.notices is not None else 0
         self.last_outcome = out
         for cb in self.on_round:
             cb(out)
@@ -348,7 +383,8 @@ class SiteGroupDiLoCo:
         return self.state.rounds_applied
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self.step()
+        if not self._hook_paused:
+            self.step()
 
     def step(self) -> SiteSyncOutcome | None:
         """Count one inner step; every ``sync_every`` steps run a round (on every rank)."""
@@ -373,6 +409,8 @@ class SiteGroupDiLoCo:
             self._hook.remove()
         if self.group is not None:
             self.group.leave()
+        if self.notices is not None:
+            self.notices.close()
         self.engine.stop(0.5)
 
     def __enter__(self) -> "SiteGroupDiLoCo":

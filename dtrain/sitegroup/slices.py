@@ -118,7 +118,8 @@ class SliceMap:
         """
         if self.num_ranks == 1 or self.replicated_numel == 0:
             return
-        mine = torch.zeros(self.part_numel, dtype=torch.float32)
+        device = self._tensors[self._replicated[0]].device  # NCCL needs device tensors
+        mine = torch.zeros(self.part_numel, dtype=torch.float32, device=device)
         off = 0
         for p in self._pieces[self.rank]:
             v = self._view(p)

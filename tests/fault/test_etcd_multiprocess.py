@@ -77,16 +77,12 @@ def test_no_round_without_an_etcd_majority_then_rounds_resume(make_cluster, etcd
         assert max(c.by_round(s)) == rounds - 1
         assert [d for d in c.rounds(s, status="deferred") if t_down <= d["time"] <= t_up], f"{s} deferred no round"
         assert not [d["round"] for d in c.rounds(s, status="applied") if settled <= d["time"] <= t_up]
-    # Rounds resume once etcd has a majority again. In a clean-clone CI run at high load one
-    # site once missed round 2 after the restart (its plan came late; the others applied the
-    # round without its means and it resynced): not yet explained, see the issue 17 note. What
-    # must hold whatever the timing: every round after the outage is applied by a quorum whose
-    # θ agrees, and all sites end equal.
+    # Rounds resume once etcd has a majority again, with every site. (A site once missed
+    # round 2 here at high load: its ready key from before the outage outlived it and the
+    # first site back formed the round with it while it trained on locally. A ready now
+    # counts only while its site keeps asking: test_store_contract's stale-ready test.)
     for r in range(max(applied_while_down.values()) + 1, rounds):
-        lines = {s: c.by_round(s).get(r) for s in sites}
-        applied = {s: d["checksum"] for s, d in lines.items() if d and d["status"] == "applied"}
-        assert len(applied) >= 2, f"round {r} applied by {sorted(applied)} only: {c.diag()}"
-        assert len(set(applied.values())) == 1, f"θ checksums differ in round {r}: {applied}"
+        assert all(d["members"] == sites for d in _agree(c, sites, r).values())
     assert len({c.summary(s)["checksum"] for s in sites}) == 1
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bucket-bytes", type=int, default=512)
+    ap.add_argument("--theta-device", choices=("cpu", "model"), default="cpu")
+    ap.add_argument("--ckpt-dir", default="", help="save a site-group checkpoint after every round here")
+    ap.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --ckpt-dir")
+    ap.add_argument("--stop-at-round", type=int, default=-1, help="every rank SIGSTOPs itself before pushing it")
     ap.add_argument("--skip-view-round", type=int, default=-1, help="rank 1 pretends it missed this round's plan")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -98,15 +103,33 @@ def main() -> None:
         sync_every=args.sync_every,
         buckets=BucketConfig(bucket_bytes=args.bucket_bytes, chunk_bytes=min(256, args.bucket_bytes)),
         group=fast_group_config(quorum_wait_s=60.0),
+        theta_device=args.theta_device,
     )
     rdv = GrpcRendezvousClient(args.rendezvous) if rank == 0 else None
-    d = SiteGroupDiLoCo(
-        wrapped, opt, config=cfg, transport=GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1")), rendezvous=rdv
-    )
+    transport = GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1"))
+    d = SiteGroupDiLoCo(wrapped, opt, config=cfg, transport=transport, rendezvous=rdv, defer_join=True)
+    resumed_from = None
+    if args.resume:
+        from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint
+
+        path = latest_site_checkpoint(args.ckpt_dir)
+        assert path is not None, f"no checkpoint in {args.ckpt_dir}"
+        assert load_site_checkpoint(path, d, wrapped, opt) == {"step": d.inner_steps}
+        resumed_from = d.round
+    d.join()
+    if args.ckpt_dir:
+        from dtrain.sitegroup.checkpoint import save_site_checkpoint
+
+        d.on_round.append(lambda o: save_site_checkpoint(args.ckpt_dir, d, wrapped, opt, extra={"step": d.inner_steps}))
     if args.skip_view_round >= 0 and rank == 1:
         skip = args.skip_view_round
         d.view_hook = lambda v: (
             dataclasses.replace(v, kind="wait", plan_round=None, members=()) if v.plan_round == skip else v
+        )
+    if args.stop_at_round >= 0:
+        stop_round = args.stop_at_round
+        d.engine.fault_hook = lambda where, r: (
+            os.kill(os.getpid(), signal.SIGSTOP) if where == "before_push" and r == stop_round else None
         )
     rounds: list[dict] = []
     d.on_round.append(
@@ -118,6 +141,8 @@ def main() -> None:
                 "slice_checksum": o.slice_checksums[rank],
                 "slice_checksums": o.slice_checksums,
                 "site_checksum": o.site_checksum,
+                "lost_members": o.result.lost_members if o.result is not None else [],
+                "lost_notices_used": o.num_lost_notices_used,
             }
         )
     )
@@ -131,7 +156,7 @@ def main() -> None:
     eval_before = eval_loss()
     losses = []
     rows = GLOBAL_ROWS // num_ranks
-    for k in range(args.steps):
+    for k in range(d.inner_steps, args.steps):  # the data position is the inner step
         x, y = batch(args.site_index, k)
         x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         loss = torch.nn.functional.mse_loss(wrapped(x), y)
@@ -147,7 +172,7 @@ def main() -> None:
     d.close()
     stem = Path(args.out) / f"{site_id}-rank{rank}"
     torch.save(params, f"{stem}.pt")
-    summary = {"rank": rank, "num_ranks": num_ranks, "rounds": rounds, "losses": losses}
+    summary = {"rank": rank, "num_ranks": num_ranks, "rounds": rounds, "losses": losses, "resumed_from": resumed_from}
     summary.update(eval_before=eval_before, eval_after=eval_after)
     summary.update(
         memory=memory, memory_after=memory_after, model_numel=sum(p.numel() for p in make_model().parameters())

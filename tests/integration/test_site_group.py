@@ -54,20 +54,24 @@ def run_sites(
     extra: list[str],
     site_extra: dict[int, list[str]] | None = None,
     timeout_s: float = 90.0,
+    stopped: frozenset[int] = frozenset(),
+    **timing: float,
 ) -> dict:
-    """Run ``num_sites`` site groups of ``num_ranks`` ranks; returns {(site, rank): (summary, params)}."""
-    core = RendezvousCore(
-        fast_rendezvous_config(
-            num_sites, heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0
-        )
-    )
+    """Run ``num_sites`` site groups of ``num_ranks`` ranks; returns {(site, rank): (summary, params)}.
+    The sites in ``stopped`` stop themselves mid-run: they are killed once the others ended."""
+    kw = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0)
+    core = RendezvousCore(fast_rendezvous_config(num_sites, **{**kw, **timing}))
     server = serve_rendezvous(core)
-    procs = []
+    procs, parked = [], []
     try:
         for i in range(num_sites):
-            procs += _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []))
+            site = _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []))
+            (parked if i in stopped else procs).extend(site)
         for p in procs:
             p.wait(timeout=timeout_s)
+        for p in parked:
+            p.kill()
+            p.wait(timeout=10)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -76,7 +80,7 @@ def run_sites(
     logs = {f.name: f.read_text()[-3000:] for f in tmp.glob("*.log")}
     assert all(p.returncode == 0 for p in procs), f"a rank failed: {[p.returncode for p in procs]}\n{logs}"
     out = {}
-    for i in range(num_sites):
+    for i in sorted(set(range(num_sites)) - stopped):
         for r in range(num_ranks):
             stem = tmp / f"site-{i}-rank{r}"
             out[i, r] = (json.loads(Path(f"{stem}.json").read_text()), torch.load(f"{stem}.pt"))
@@ -105,9 +109,16 @@ def reference_run(*, steps: int, sync_every: int, lr: float) -> list[torch.Tenso
 
 
 @pytest.mark.timeout(150)
-def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites(tmp_path):
+def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites_theta_cpu_or_model(tmp_path):
     steps, h, lr = 20, 5, 0.05
-    res = run_sites(tmp_path, num_sites=2, num_ranks=2, extra=["--parallel", "ddp", "--steps", str(steps)])
+    # site-1 keeps θ on the model's device (the CPU here): it must not change a bit
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "ddp", "--steps", str(steps)],
+        site_extra={1: ["--theta-device", "model"]},
+    )
     for r in (0, 1):
         a, b = res[0, r][0]["rounds"], res[1, r][0]["rounds"]
         assert [o["status"] for o in a] == ["applied"] * (steps // h)
@@ -176,3 +187,65 @@ def test_fsdp2_sites_shard_the_outer_state_and_a_rank_that_missed_the_plan_skips
     assert one == 3 * res[0, 0][0]["model_numel"]
     assert sum(per_rank) == one
     assert max(per_rank) <= 0.6 * one, (per_rank, one)  # uneven FSDP shards: 177 and 144 of 321 elements
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_site_reaches_every_rank_through_the_site_store(tmp_path):
+    """Site-1's ranks stop (SIGSTOP) before pushing round 1: only site-0's rank 0
+    heartbeats, so without a notice its rank 1 would wait for site-1's contributions
+    to its buckets until the reduce deadline. Rank 0's lost notice (the site's
+    TCPStore) makes rank 1 stop waiting: its round lists site-1 as lost."""
+    steps, h, stop = 15, 5, 1
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "ddp", "--steps", str(steps)],
+        site_extra={1: ["--stop-at-round", str(stop)]},
+        stopped=frozenset({1}),
+        timeout_s=200.0,
+        heartbeat_timeout_s=3.0,  # well above a loaded machine's heartbeat gaps, well below the reduce deadline
+        reduce_timeout_s=15.0,
+        broadcast_timeout_s=20.0,
+    )
+    r0, r1 = res[0, 0][0]["rounds"], res[0, 1][0]["rounds"]
+    assert [o["status"] for o in r1] == ["applied"] * (steps // h)
+    assert r1[stop]["lost_members"] == ["site-1"], r1[stop]
+    assert r1[stop]["lost_notices_used"] >= 1  # the notice, not the deadline, ended the wait
+    assert r1[0]["lost_notices_used"] == 0
+    assert r0[stop]["lost_members"] == ["site-1"]  # rank 0 learnt it from its heartbeats
+    assert r0[stop]["lost_notices_used"] == 0
+    assert r0[-1]["site_checksum"] == r1[-1]["site_checksum"]
+
+
+@pytest.mark.timeout(480)
+def test_site_groups_resume_from_dcp_checkpoints_exactly_where_they_left_off(tmp_path):
+    """2 sites x 2 ranks (DDP) checkpoint after every round (DCP: each rank its slice of
+    θ, outer state and residuals, and the model); both stop after round 0, resume with a
+    fresh rendezvous and run rounds 1-2: every rank loads its own slice, the sites
+    rejoin with equal checksums, and the end is bit-identical to an uninterrupted run."""
+    h, first, total = 5, 5, 15
+    base = ["--parallel", "ddp", "--lr", "0.1"]
+    ckpt = {i: ["--ckpt-dir", str(tmp_path / "ckpt" / f"site-{i}")] for i in (0, 1)}
+    runs = {}
+    for name, steps, resume in (("a", first, []), ("b", total, ["--resume"]), ("whole", total, None)):
+        (tmp_path / name).mkdir()
+        extra = {i: ckpt[i] + resume for i in (0, 1)} if resume is not None else None
+        runs[name] = run_sites(
+            tmp_path / name,
+            num_sites=2,
+            num_ranks=2,
+            extra=[*base, "--steps", str(steps)],
+            site_extra=extra,
+            timeout_s=150.0,
+        )
+    saved = sorted(p.name for p in (tmp_path / "ckpt" / "site-0").iterdir())
+    assert saved == ["sg-000002", "sg-000003"], saved  # the newest two, none left half-written
+    whole = {key: s["rounds"] for key, (s, _) in runs["whole"].items()}
+    for key, (s, params) in runs["b"].items():
+        assert s["resumed_from"] == first // h, key
+        assert [o["round"] for o in s["rounds"]] == [2, 3] and {o["status"] for o in s["rounds"]} == {"applied"}
+        # the rank's own slice after every resumed round equals the uninterrupted run's
+        assert [o["slice_checksum"] for o in s["rounds"]] == [o["slice_checksum"] for o in whole[key][1:]], key
+        assert torch.equal(params, runs["whole"][key][1]), key
+    assert len({s["rounds"][0]["site_checksum"] for s, _ in runs["b"].values()}) == 1

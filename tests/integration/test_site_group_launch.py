@@ -76,14 +76,17 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
             return True
         return False
 
-    args = [*BASE, "--parallel", "fsdp", "--rounds", str(rounds)]
+    args = [*BASE, "--parallel", "fsdp", "--rounds", str(rounds), "--checkpoint-every", "2"]
     rc, out, err = _launch(args, tmp_path, 120, watch=watch)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "θ checksums agree across sites" in out
     assert set(seen) == set(SITES), "the status page never showed both sites' round reports"
     rows = [ln for ln in out.splitlines() if ln.startswith("site-")]
     assert len(rows) == 2 and rows[0].split()[2] == rows[1].split()[2]  # one θ checksum per site, equal
-    for s in SITES:
+    for s in SITES:  # DCP checkpoints of the FSDP2 shards and slices, complete, every 2 rounds
+        ckpts = sorted(p.name for p in (tmp_path / s / "checkpoints").iterdir())
+        assert ckpts == ["sg-000002", "sg-000004"], ckpts
+        assert (tmp_path / s / "checkpoints" / "sg-000004" / ".metadata").exists()
         summ = json.loads((tmp_path / s / "summary.json").read_text())
         assert summ["ranks"] == 2 and summ["parallel"] == "fsdp" and summ["rounds"] == rounds
         assert summ["final_val_loss"] < summ["first_val_loss"] - 0.5
@@ -100,6 +103,18 @@ def test_launch_two_sites_of_two_fsdp_ranks(tmp_path: Path) -> None:
     per_round = zip(*(_rounds(tmp_path, s) for s in SITES))
     for a, b in per_round:
         assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
+        # the outer state is combined per site as θ is; the site's ranks own a share of the buckets
+        assert a["outer_checksum"] == b["outer_checksum"] and a["outer_checksum"], (a, b)
+        assert 0 < a["owned_buckets"] and 0 < b["owned_buckets"]
+    owned = [r.split()[4] for r in rows]  # the launch table's owned_buckets column: "n/total"
+    assert all("/" in o for o in owned), rows
+    totals = {int(o.split("/")[1]) for o in owned}
+    assert len(totals) == 1 and sum(int(o.split("/")[0]) for o in owned) == totals.pop(), rows
+    from dtrain.app.report import summarize_run
+
+    report = summarize_run(tmp_path)
+    assert report["checksums_agree"] and report["outer_checksums_agree"], report["sites"]
+    assert all(v["owned_buckets"] and v["outer_checksum"] for v in report["sites"].values())
 
 
 @pytest.mark.timeout(240)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.rendezvous import RendezvousConfig, RendezvousCore, decide_quorum
+from dtrain.rendezvous import RendezvousConfig, RendezvousCore, SiteIdTaken, decide_quorum
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -301,3 +301,29 @@ def test_every_member_learns_why_the_round_formed_whichever_call_formed_it() -> 
     assert reasons["a"].status == reasons["b"].status == "plan"
     assert "cutting ['c']" in reasons["a"].reason and reasons["a"].reason == reasons["b"].reason
     assert reasons["c"].status == "missed" and "straggler" in reasons["c"].reason
+
+
+def test_a_site_id_held_by_a_live_site_at_another_address_is_refused_naming_the_holder() -> None:
+    core = _core()
+    core.join("a", "addr-a", now=0.0)
+    with pytest.raises(SiteIdTaken, match="'a' is held by a live site at addr-a") as e:
+        core.join("a", "addr-x", now=2.9)  # a's heartbeat (0.0) is within heartbeat_timeout_s=3
+    assert "this one is at addr-x" in str(e.value)
+    assert core.snapshot(3.0)["sites"]["a"]["address"] == "addr-a"  # the holder is untouched
+    assert core.join("a", "addr-a", now=3.0).next_round == 0  # the holder's own re-join is fine
+
+
+def test_a_restarted_site_at_a_new_address_is_accepted_once_the_old_one_is_dead() -> None:
+    core = _core()
+    core.join("a", "addr-a", now=0.0)
+    core.join("b", "addr-b", now=0.0)
+    for t in (1.0, 2.0, 3.0):  # the rendezvous hears from b all along (a gap of its own would not count)
+        core.heartbeat("b", now=t)
+    core.join("a", "addr-a2", now=3.5)  # a silent for 3.5 s > 3 s: dead, its id is free
+    assert [m.address for m in core.join("c", "addr-c", now=3.6).members] == ["addr-a2", "addr-b"]
+    for t in (4.5, 5.5, 6.5):
+        core.heartbeat("c", now=t)
+    core.heartbeat("b", now=7.0)  # b silent for 4 s: declared dead (must resync) ...
+    assert core.heartbeat("b", now=7.0).resync_required
+    core.join("b", "addr-b2", now=7.1)  # ... so a restarted b at a new address is accepted
+    assert core.snapshot(7.2)["sites"]["b"]["address"] == "addr-b2"

@@ -132,3 +132,36 @@ def test_worker_config_refuses_an_unknown_parallel_mode():
 
     with pytest.raises(ValueError, match="parallel"):
         WorkerConfig(parallel="tp")
+
+
+@pytest.mark.timeout(20)
+def test_lost_notices_reach_the_other_ranks_through_a_store():
+    import time as _time
+
+    import torch.distributed as dist
+
+    from dtrain.sitegroup.notices import LostNotices
+
+    store = dist.HashStore()
+    got: list[list[str]] = []
+
+    def on_lost(ids):
+        got.append(ids)
+        return frozenset(ids) if len(got) == 1 else frozenset()  # the repeat changes nothing
+
+    rank0 = LostNotices(store, rank=0, on_lost=lambda ids: frozenset())
+    rank1 = LostNotices(store, rank=1, on_lost=on_lost, poll_s=0.01)
+    try:
+        rank0.post(["site-2", "site-1"])
+        rank0.post(["site-1", "site-2"])  # the same set again: not posted
+        rank0.post(["site-1", "site-2", "site-3"])
+        deadline = _time.monotonic() + 10
+        while rank1.num_received < 2 and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+        assert rank0.num_posted == 2
+        assert got == [["site-1", "site-2"], ["site-1", "site-2", "site-3"]]
+        assert (rank1.num_received, rank1.num_used) == (2, 1)
+        assert rank1.lost == {"site-1", "site-2", "site-3"}
+    finally:
+        rank1.close()
+        rank0.close()
