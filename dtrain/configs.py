@@ -195,7 +195,10 @@ class RoundConfig:
         repair_timeout_s: time budget for late mean pulls and state repair after
             the broadcast deadline; > 0.
         max_consecutive_rejections: a sender whose contributions were rejected in
-            this many consecutive rounds is refused from then on (PERMISSION_DENIED); >= 1.
+            this many consecutive rounds, with none of its contributions counted in
+            those rounds, is refused from then on (PERMISSION_DENIED); >= 1. (A
+            token holder spoofing a member's name must not get it excluded while the
+            member's own chunks are counted.)
         num_pull_threads: concurrent mean pulls; >= 1.
         short_push_is_loss: a push stream that ends while its sender still owes
             chunks of open buckets here marks the sender lost for the round (a member

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -32,15 +33,18 @@ from dtrain.buckets import BucketLayout
 from dtrain.configs import DiLoCoConfig
 from dtrain.errors import StateTransferError, TransportError
 from dtrain.membership import Group, RendezvousClient, SyncOutcome
+from dtrain.protocol import BucketState
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.pulls import PullWait
 from dtrain.state import (
     GlobalState,
     OuterOptimizerFactory,
+    copy_reusing,
     decode_position,
     default_outer_optimizer,
     delayed_outer_optimizer,
+    position_state,
     theta_device_of,
 )
 from dtrain.streaming import StreamingSync
@@ -142,8 +146,9 @@ class DiLoCo:
         self._closed = False
         # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
         self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
-        self._position: dict | None = None
-        self.engine.position_source = lambda: self._position
+        self._position: dict | None = None  # the snapshot joiners heal from (_snapshot_position)
+        self._position_lock = threading.Lock()  # its in-place refresh against a PullState serializing it
+        self.engine.position_source = self._serve_position
         if not _defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
@@ -187,8 +192,24 @@ class DiLoCo:
         }
 
     def _snapshot_position(self) -> None:
-        """Keep the position at the start of the next round: what joiners heal from."""
-        self._position = self.training_position()
+        """Keep the position at the start of the next round: what joiners heal from. The
+        inner optimizer's state (2 x the parameters for AdamW) is copied into the previous
+        snapshot's tensors (:func:`~dtrain.state.copy_reusing`), so a round allocates
+        nothing and never holds two snapshots at once."""
+        live = {
+            "round": self.state.rounds_applied,
+            "inner_steps": self.inner_steps,
+            "inner_optimizer": self.inner_optimizer.state_dict(),  # references to the live state
+            "inner_scheduler": self.inner_scheduler.state_dict() if self.inner_scheduler is not None else None,
+            "outer_schedulers": [sch.state_dict() for sch in self.outer_schedulers],
+        }
+        with self._position_lock:
+            self._position = copy_reusing(self._position, live)
+
+    def _serve_position(self, index: int) -> BucketState | None:
+        """The snapshot as a PullState answer (serialized under the lock: never torn)."""
+        with self._position_lock:
+            return None if self._position is None else position_state(self._position, index=index)
 
     def load_training_position(self, position: dict) -> None:
         """Install a position (:meth:`training_position`) without changing θ or the round."""

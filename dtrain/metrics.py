@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, ClassVar, Literal, Union
+from typing import IO, Any, ClassVar, Iterable, Literal, Union
 
 __all__ = [
     "METRICS_VERSION",
@@ -51,6 +51,7 @@ __all__ = [
     "read_summary",
     "write_line",
     "MetricsTail",
+    "rejected_applied",
 ]
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,8 @@ class RoundLine(_Record):
     errors: list[str] | None = None
     fragment: int | None = None
     bucket_outcomes: dict[str, int] | None = None
+    rejected_senders: list[dict] | None = None
+    mean_senders: dict[str, list[list[str]]] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).
@@ -430,3 +433,37 @@ class Totals:
     def compression_ratio(self) -> float | None:
         """fp32 bytes of what this site encoded / its encoded bytes (None if it encoded nothing)."""
         return self.encoded_fp32_bytes / self.encoded_bytes if self.encoded_bytes else None
+
+
+def rejected_applied(lines: Iterable[dict]) -> list[str]:
+    """Round lines (dicts, of any sites) -> one reason per case where something an owner
+    refused reached a mean a site applied (empty: nothing refused was applied).
+
+    For each ``rejected_senders`` entry of owner O in round r (bucket b, chunk c, sender
+    s): the mean O finalized must not have counted the refused payload (``counted`` equal
+    to ``digest``), and when it counted nothing from s (``counted`` None), no site's
+    applied line of round r may list s among the senders of b's chunk c
+    (``mean_senders``). A spoofed name whose owner also got the real sender's payload is
+    fine: ``counted`` is then another digest. Lines without the fields (version 2 lines
+    before they existed, or not ``applied``) are skipped.
+    """
+    applied: dict[int, list[dict]] = {}
+    refusals: list[tuple[int, str, dict]] = []
+    for ln in lines:
+        if ln.get("event", "round") != "round" or ln.get("status") != "applied":
+            continue
+        applied.setdefault(ln["round"], []).append(ln)
+        refusals.extend((ln["round"], ln.get("site", ""), e) for e in ln.get("rejected_senders") or [])
+    out = []
+    for r, owner, e in refusals:
+        b, c, s = e["bucket"], e["chunk"], e["sender"]
+        what = f"round {r}: {owner} refused {s}'s b{b} c{c} ({e.get('digest')})"
+        if e.get("counted") is not None and e.get("counted") == e.get("digest"):
+            out.append(f"{what} but its mean counted that payload")
+        if e.get("counted") is not None:
+            continue
+        for ln in applied.get(r, []):
+            chunks = (ln.get("mean_senders") or {}).get(str(b), [])
+            if c < len(chunks) and s in chunks[c]:
+                out.append(f"{what} but {ln.get('site')} applied a mean of it that includes {s}")
+    return out

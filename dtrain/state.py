@@ -13,7 +13,7 @@ import hashlib
 import io
 import logging
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ __all__ = [
     "pull_full_state",
     "position_state",
     "decode_position",
+    "copy_reusing",
     "theta_device_of",
 ]
 
@@ -291,6 +292,30 @@ class GlobalState:
 
 
 _OLD_KEYS = {"optimizers": "outer_optimizer", "rounds_applied": "round"}
+
+
+def copy_reusing(old: Any, new: Any) -> Any:
+    """A copy of ``new`` (nested dicts, lists, tuples of tensors and plain values, as an
+    optimizer's ``state_dict``) that writes each tensor into ``old``'s tensor at the same
+    place when it has the same shape, dtype and device (``copy_``, no allocation), else
+    into a fresh clone; other values are deep-copied. ``old``'s reused tensors are
+    overwritten: the caller must keep readers of ``old`` out meanwhile."""
+    if isinstance(new, torch.Tensor):
+        if (
+            isinstance(old, torch.Tensor)
+            and old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.device == new.device
+        ):
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, dict):
+        prev = old if isinstance(old, dict) else {}
+        return {k: copy_reusing(prev.get(k), v) for k, v in new.items()}
+    if type(new) in (list, tuple):
+        prev = old if type(old) is type(new) and len(old) == len(new) else [None] * len(new)
+        return type(new)(copy_reusing(a, b) for a, b in zip(prev, new))
+    return copy.deepcopy(new)
 
 
 def position_state(position: dict, *, index: int) -> BucketState:

@@ -91,16 +91,18 @@ class ProcRun:
                 raise TimeoutError(f"timed out waiting for {what}; last log lines:\n{tails}")
             time.sleep(poll_s)
 
-    def start_rendezvous(self, opts: dict[str, Any]) -> str:
-        """Start the rendezvous with RendezvousConfig fields ``opts``; returns its host:port."""
+    def start_rendezvous(self, opts: dict[str, Any], *, bind: str | None = None) -> str:
+        """Start the rendezvous with RendezvousConfig fields ``opts``; returns its host:port.
+        ``bind``: the host:port to listen on (a restart on the old address); default a free port."""
         addr = self.root / "rendezvous.addr"
+        addr.unlink(missing_ok=True)
         self.spawn(
             "rendezvous",
             self.num_sites,
             [
                 "rendezvous",
                 "--bind",
-                f"{self.host(self.num_sites)}:0",
+                bind or f"{self.host(self.num_sites)}:0",
                 "--address-file",
                 str(addr),
                 *flags(opts, RENDEZVOUS),

@@ -81,6 +81,22 @@ class ShardWatch:
             new.append(a)
         return new, released
 
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe: the absence counts and the adoptions (checkpointed with the worker)."""
+        return {
+            "absent": dict(self.absent),
+            "adopted": {s: [a.index, a.part, a.num_parts] for s, a in self.adopted.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. Raises ValueError naming what is malformed."""
+        try:
+            absent = {str(s): int(n) for s, n in state["absent"].items()}
+            adopted = {str(s): Adoption(str(s), int(i), int(k), int(n)) for s, (i, k, n) in state["adopted"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"shards: not a ShardWatch state ({e!r})") from e
+        self.absent, self.adopted = absent, adopted
+
 
 class DataMix:
     """The site's own batch stream, interleaved with adopted parts (one batch each in turn).
@@ -94,15 +110,49 @@ class DataMix:
         self.own = own
         self._make_part = make_part
         self.parts: dict[str, Any] = {}
+        self.adoptions: dict[str, Adoption] = {}
         self._turn = 0
 
     def apply(self, new: list[Adoption], released: list[str]) -> None:
         for a in new:
             self.parts[a.site_id] = self._make_part(a.index, a.part, a.num_parts)
+            self.adoptions[a.site_id] = a
             log.info("adopting part %d/%d of the shard of %s (dead for a while)", a.part + 1, a.num_parts, a.site_id)
         for s in released:
             self.parts.pop(s, None)
+            self.adoptions.pop(s, None)
             log.info("%s is back: its shard is its own again", s)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The turn and each adopted part's adoption and stream position (the own stream
+        is checkpointed apart, as ``batches``)."""
+        return {
+            "turn": self._turn,
+            "parts": {
+                s: {"adoption": [a.index, a.part, a.num_parts], "stream": self.parts[s].state_dict()}
+                for s, a in self.adoptions.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Re-make the adopted parts of :meth:`state_dict` at their saved positions.
+
+        Raises:
+            ValueError: malformed, or a part's stream refuses its saved position
+                (another shard, batch size or context length); nothing is changed then.
+        """
+        try:
+            turn = int(state["turn"])
+            saved = {
+                str(s): (Adoption(str(s), *map(int, p["adoption"])), p["stream"]) for s, p in state["parts"].items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"shards: not a DataMix state ({e!r})") from e
+        parts = {}
+        for s, (a, pos) in saved.items():
+            parts[s] = self._make_part(a.index, a.part, a.num_parts)
+            parts[s].load_state_dict(pos)
+        self.parts, self.adoptions, self._turn = parts, {s: a for s, (a, _) in saved.items()}, turn
 
     def __iter__(self) -> "DataMix":
         return self

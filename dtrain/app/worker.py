@@ -186,7 +186,8 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             diloco.load_state_dict(data["diloco"])
             diloco.state.copy_to(diloco._tensors_and_kinds()[0])
             diloco.join()
-        summary = _train(cfg, task, diloco, out, stop, t_start)
+        shards = data.get("shards") if ckpt is not None else None
+        summary = _train(cfg, task, diloco, out, stop, t_start, shards_state=shards)
     finally:
         if diloco is not None:
             diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
@@ -238,8 +239,20 @@ def outer_factory(cfg) -> "Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     return outer
 
 
-def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.Event, t_start: float) -> Summary:
-    """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``."""
+def _train(
+    cfg: WorkerConfig,
+    task,
+    diloco: DiLoCo,
+    out: Path,
+    stop: threading.Event,
+    t_start: float,
+    *,
+    shards_state: dict | None = None,
+) -> Summary:
+    """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``.
+
+    ``shards_state``: the checkpoint's ``shards`` entry (adopted shard parts and their
+    positions, ``--reassign-after-rounds``), restored before the first inner step."""
     metrics_path = out / "metrics.jsonl"
     val = first_val = _write_start(cfg, task, diloco, metrics_path)
     totals = Totals()
@@ -249,6 +262,14 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
     if cfg.reassign_after_rounds and task.shard_part is not None:
         watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
         mix = DataMix(task.batches, task.shard_part)
+        if shards_state is not None:
+            try:
+                watch.load_state_dict(shards_state["watch"])
+                mix.load_state_dict(shards_state["mix"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"checkpoint: its adopted shard parts do not fit this task: {e}") from e
+            if mix.adoptions:
+                log.info("resumed with adopted shard parts of %s", ", ".join(sorted(mix.adoptions)))
     batches = mix if mix is not None else task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -303,7 +324,7 @@ def _train(cfg: WorkerConfig, task, diloco: DiLoCo, out: Path, stop: threading.E
         totals.add(line)
         owned_buckets = outcome.result.owned_buckets if outcome.result is not None else owned_buckets
         _record_round(cfg, diloco, metrics_path, line)
-        _maybe_checkpoint(cfg, task, diloco, outcome)
+        _maybe_checkpoint(cfg, task, diloco, outcome, watch=watch, mix=mix)
     return _summary(
         cfg,
         diloco,
@@ -427,8 +448,9 @@ def _record_round(cfg: WorkerConfig, diloco: DiLoCo, metrics_path: Path, line: R
     )
 
 
-def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutcome) -> None:
-    """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync)."""
+def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutcome, *, watch=None, mix=None) -> None:
+    """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync),
+    with the adopted shard parts (``watch``, ``mix``) when shards are re-assigned."""
     every = cfg.checkpoint.every
     if every and outcome.status != "deferred" and diloco.round % every == 0:
         save_checkpoint(
@@ -442,6 +464,7 @@ def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutc
                 "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
                 "diloco": diloco.state_dict(),
                 "batches": task.batches.state_dict(),
+                "shards": {"watch": watch.state_dict(), "mix": mix.state_dict()} if watch is not None else None,
                 "config": json.dumps(asdict(cfg), default=str),
             },
         )

@@ -74,6 +74,10 @@ class MemoryStore:
         self._plan_reason: dict[int, str] = {}  # round -> why the quorum rule formed its plan
         self._ready: dict[str, float] = {}  # site -> when it became ready for ``next``
         self._adopted_at: float | None = None
+        # A site heartbeat before joining: it ran on through a restart of this rendezvous
+        # (a fresh process joins first), so the run is under way, not resuming as a whole.
+        self._survivor_seen = False
+        self._last_call = 0.0  # monotonic time of the latest call (_note_call)
         self._cv = threading.Condition(threading.RLock())
         self._startup_complete_at: float | None = None  # when the initial_sites-th site joined
         self._left: dict[str, tuple[SiteRecord, float]] = {}  # site_id -> (record, when it left); status only
@@ -100,6 +104,21 @@ class MemoryStore:
 
     def close(self) -> None:
         pass
+
+    def _note_call(self, now: float) -> None:
+        """Note a call at ``now`` (under the lock). A gap since the previous call longer
+        than ``heartbeat_timeout_s / 2`` means this rendezvous did not run (SIGSTOP, a
+        pause of its host; its sites heartbeat every ``heartbeat_interval_s``): the
+        sites' heartbeat clocks move on by the gap, so that it does not declare every
+        site dead for its own silence (it did, in the chaos soak's rv_stop: every site
+        resynced). A site that is really gone is declared dead one timeout later."""
+        gap = now - self._last_call
+        if self._last_call and gap > self.config.heartbeat_timeout_s / 2:
+            for rec in self.sites.values():
+                rec.last_heartbeat += gap
+            self._live_cache = self._dead_cache = None
+            log.warning("rendezvous: no call for %.1fs (was it stopped?): sites' heartbeat clocks moved on by it", gap)
+        self._last_call = max(self._last_call, now)
 
     def _silence_s(self, rec: SiteRecord) -> float:
         """How long ``rec`` may be silent before it is dead: shorter once a member
@@ -166,8 +185,10 @@ class MemoryStore:
     def keep_alive(
         self, site_id: str, *, now: float, inner_step: int, last_loss: float | None, unreachable: Sequence[str]
     ) -> Liveness:
+        self._note_call(now)
         rec = self.sites.get(site_id)
         if rec is None:
+            self._survivor_seen = True
             return Liveness(known=False)
         silence_s = self._silence_s(rec)
         if not rec.alive(now, silence_s):
@@ -233,6 +254,7 @@ class MemoryStore:
     # ------------------------------------------------------------------ rounds
     def standing(self, site_id: str, round: int, *, now: float) -> Standing:
         """The site's standing; a ready is also a sign of life of a live site."""
+        self._note_call(now)
         rec = self.sites.get(site_id)
         if rec is None:
             return Standing(known=False, next_round=self.next)
@@ -269,6 +291,7 @@ class MemoryStore:
         return None  # the full view is cheap here
 
     def view(self, round: int, *, now: float) -> QuorumView:
+        self._note_call(now)
         adopted_at = self._adopted_at
         grace = 0.0
         if adopted_at is not None and not self.plans:
@@ -278,12 +301,23 @@ class MemoryStore:
             ready=self._ready if round == self.next else {},
             joined=len(self.sites),
             startup_t=self._startup_complete_at,
-            # The start-up rules apply to the first round formed here; after adopting a
-            # round (restart, resume) they give up after STARTUP_WAIT_S in case a site died.
-            first_round=not self.plans and (adopted_at is None or now - adopted_at < STARTUP_WAIT_S),
+            first_round=self._startup_rules(now),
             grace_left_s=grace,
             member=lambda s: self.sites[s].member(),
         )
+
+    def _startup_rules(self, now: float) -> bool:
+        """Whether the start-up rules (wait for ``initial_sites`` joins) apply to the round
+        being formed: to the first round formed here, unless this store adopted a round
+        and a site heartbeat before it joined (the rendezvous alone restarted under a
+        running run: a site dead meanwhile must not stall it; the restart grace already
+        let every live site re-register); after adopting a round (a whole run resumed)
+        they give up after STARTUP_WAIT_S in case a site died."""
+        if self.plans:
+            return False
+        if self._adopted_at is None:
+            return True
+        return not self._survivor_seen and now - self._adopted_at < STARTUP_WAIT_S
 
     def put_plan(self, plan: RoundPlan, reason: str, *, now: float) -> tuple[RoundPlan, str, bool]:
         r = plan.round

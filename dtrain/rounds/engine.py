@@ -45,7 +45,7 @@ from dtrain.errors import (
     StateTransferError,
     TransportError,
 )
-from dtrain.protocol import BucketMean, Contribution, RoundPlan
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction, OpenRound
@@ -138,12 +138,17 @@ class RoundEngine(PeerSide):
         self._site_pacer: Pacer | None = None  # shared by the paced rounds (rate set per round)
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
+        # Called (no arguments, from any thread; must not block) when a mean is published
+        # or a round opens or closes here: the gRPC server wakes the PullMean calls that
+        # wait for a bucket as coroutines (PeerSide.poll_pull_mean).
+        self.mean_listeners: "list[Callable[[], None]]" = []
         # Called with a site the data path found gone (push refused, stream broken);
         # the Group reports it to the rendezvous, which confirms it for later rounds.
         self.on_unreachable: "Callable[[str], None] | None" = None
         # The site's training position at the start of its next round (DiLoCo sets it):
-        # what a PullState of bucket index len(state) answers (a joiner heals from it).
-        self.position_source: "Callable[[], dict | None] | None" = None
+        # called with index len(state), it gives the answer of a PullState of that bucket
+        # index (``state.position_state``; None: no position), what a joiner heals from.
+        self.position_source: "Callable[[int], BucketState | None] | None" = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -260,6 +265,7 @@ class RoundEngine(PeerSide):
             for key in [k for k in self._means if k[0] < r]:
                 del self._means[key]
             self._cv.notify_all()
+        self._means_changed()
         # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
         self.transport.begin_round(plan, owners, self.site_id)
         return _Run(
@@ -337,7 +343,9 @@ class RoundEngine(PeerSide):
             with self._cv:
                 self._means[(r, b)] = bm
                 self.state.bucket_round[b] = r + 1
+                self._cv.notify_all()
             owned.done[b].set()
+            self._means_changed()
 
     def _mean_residual(self, b: int) -> torch.Tensor | None:
         """The owner's broadcast error feedback of bucket ``b`` (None when off)."""
@@ -350,6 +358,7 @@ class RoundEngine(PeerSide):
         for red in reductions:
             for s, why in red.dropped.items():
                 with run.owned.cv:
+                    run.owned.books.dropped.add(s)
                     example = run.owned.books.reject(s, RejectCode.INVALID_ARGUMENT, why)
                 (self.log.warning if example else self.log.debug)(
                     "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, red.chunk, why
@@ -691,10 +700,14 @@ class RoundEngine(PeerSide):
         """Step 8: account for rejections, exclude repeat offenders, finish the result."""
         res, books = run.res, run.owned.books
         res.count_outcomes(run.outcome[b] for b in run.active)
+        for b in run.active:
+            if run.outcome[b] in (BucketOutcome.APPLIED, BucketOutcome.REPAIRED):
+                res.mean_senders[str(b)] = [sorted(s) for s in self._mean_of(run, b)[0]]
         with run.owned.cv:
             self._note_rejections(books)
             res.rejected = books.rejections.by_code()
             res.rejected_examples = books.rejections.example_reasons()
+            res.rejected_senders = books.refused()
             res.lost_members = sorted(books.lost)
         if res.rejected:
             self.log.warning(
@@ -707,6 +720,7 @@ class RoundEngine(PeerSide):
             self.state.rounds_applied = run.round + 1
             self._open.pop(run.round, None)
             self._cv.notify_all()
+        self._means_changed()
         sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()
         res.bytes_sent, res.bytes_received = sent1 - run.bytes0[0], recv1 - run.bytes0[1]
         self._bytes_mark = (sent1, recv1)
@@ -717,10 +731,15 @@ class RoundEngine(PeerSide):
         return res
 
     def _note_rejections(self, books: OpenRound) -> None:
+        """Count a round towards excluding a member whose contributions were refused for
+        what they carried and none was counted: a name some chunks of which were counted
+        is a member sending (a spoofer with the token claiming its name, as the chaos
+        soak's corrupt action does, got an honest site-0 excluded before)."""
+        counted = books.counted_senders()
         for s in books.members:
             if s == self.site_id:
                 continue
-            if s in books.faulty_senders:
+            if s in books.faulty_senders and s not in counted:
                 self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
                 if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
                     self._banned.add(s)

@@ -31,7 +31,7 @@ import torch
 from dtrain.aggregation import AggregationConfig, ChunkAccumulator
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import Contribution, RoundPlan
-from dtrain.rounds.types import RejectionTally
+from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
 
 __all__ = ["OpenRound", "Closing", "ChunkReduction", "SENDER_FAULTS", "CLOSE_COMPLETE", "CLOSE_DEADLINE"]
 
@@ -89,6 +89,8 @@ class OpenRound:
             recognised by it).
         rejections: refused contributions by code, with a few example reasons.
         faulty_senders: senders refused for something they sent wrong (:data:`SENDER_FAULTS`).
+        refusals: ``(bucket, chunk, sender, payload digest)`` of refused contributions to
+            chunks this site owns, at most :data:`MAX_REFUSALS_NAMED` (see :meth:`refused`).
         lost: members declared dead during the round (no longer awaited).
     """
 
@@ -124,6 +126,8 @@ class OpenRound:
         self.finished: set[str] = set()  # members whose transport said they sent everything (sender_done)
         self.rejections = RejectionTally()
         self.faulty_senders: set[str] = set()
+        self.refusals: list[tuple[int, int, str, bytes]] = []
+        self.dropped: set[str] = set()  # senders a robust option dropped at finalize (engine._note_dropped)
         self.digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.closed: set[int] = set()
         self._missing = {b: len(self.chunks[b]) * len(self.members) for b in self.mine}
@@ -230,12 +234,36 @@ class OpenRound:
                 self._complete.append(bucket)
         return True
 
-    def reject(self, sender: str, code: RejectCode, reason: str) -> bool:
+    def reject(
+        self, sender: str, code: RejectCode, reason: str, *, where: tuple[int, int, bytes] | None = None
+    ) -> bool:
         """Count a refused contribution; returns whether ``reason`` was kept as one of
-        the few examples of ``code`` (the caller logs those)."""
+        the few examples of ``code`` (the caller logs those). ``where``: its bucket,
+        chunk and payload digest, kept in :attr:`refusals` when this site owns that chunk."""
         if code in SENDER_FAULTS:
             self.faulty_senders.add(sender)
+        if where is not None and len(self.refusals) < MAX_REFUSALS_NAMED:
+            b, c, digest = where
+            if b in self.mine and 0 <= c < len(self.chunks[b]):
+                self.refusals.append((b, c, sender, digest))
         return self.rejections.add(code, reason)
+
+    def counted_senders(self) -> set[str]:
+        """Senders with a contribution counted in a closed bucket's mean and none dropped
+        at finalize by a robust option."""
+        return {s for by_sender in self.digests.values() for s in by_sender} - self.dropped
+
+    def refused(self) -> list[dict]:
+        """:attr:`refusals` as ``RoundResult.rejected_senders`` entries: bucket, chunk,
+        sender, ``digest`` (hex) of the refused payload and ``counted``, the digest the
+        finalized mean counted from that sender for that chunk (None: none)."""
+        out = []
+        for b, c, s, d in self.refusals:
+            counted = self.digests.get((b, c), {}).get(s)  # final once the bucket closed
+            out.append(
+                {"bucket": b, "chunk": c, "sender": s, "digest": d.hex(), "counted": counted.hex() if counted else None}
+            )
+        return out
 
     def members_lost(self, site_ids: Iterable[str]) -> frozenset[str]:
         """Stop awaiting ``site_ids`` (members the rendezvous holds dead).

@@ -23,7 +23,6 @@ from dtrain.errors import (
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.rounds.owner import OpenRound
-from dtrain.state import position_state
 from dtrain.transports.pacing import Pacer
 
 __all__ = ["PeerSide"]
@@ -75,8 +74,9 @@ class PeerSide:
         try:
             self._accept(owned, c)
         except Rejected as e:
+            where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
             with owned.cv:
-                example = owned.books.reject(c.sender, e.code, e.reason)
+                example = owned.books.reject(c.sender, e.code, e.reason, where=where)
             # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
             (self.log.warning if example else self.log.debug)(
                 "round %d: rejected chunk b%d c%d from %s: %s %s",
@@ -200,18 +200,55 @@ class PeerSide:
             self.on_unreachable(site_id)
 
     def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
-        deadline = time.monotonic() + timeout_s
+        """The blocking form of :meth:`poll_pull_mean` (the in-process transports): waits on
+        the engine's condition, which every change :meth:`poll_pull_mean` depends on notifies."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                m = self.poll_pull_mean(round, bucket, requester, waited_s=now - t0, last=now >= deadline)
+                if m is not None:
+                    return m
+                wake = deadline if round in self._open else min(deadline, t0 + self.config.plan_wait_s)
+                self._cv.wait(max(0.0, wake - now))
+
+    def poll_pull_mean(
+        self, round: int, bucket: int, requester: str, *, waited_s: float, last: bool
+    ) -> BucketMean | None:
+        """Answer a mean pull now without blocking: the mean, or None when it may still come
+        (call again after :attr:`mean_listeners` fire). Never waits for a lock held long.
+
+        Args:
+            waited_s: how long the pull has waited so far; a round that is not open here
+                after ``plan_wait_s`` is refused.
+            last: the pull's wait is over: raise instead of returning None.
+        Raises:
+            Rejected: FAILED_PRECONDITION (round over, or not open here), INVALID_ARGUMENT
+                (bucket out of range), NOT_FOUND (not the owner and no copy here).
+            PeerTimeout: ``last`` and the owned bucket is not finalized yet.
+        """
         with self._cv:
             m = self._means.get((round, bucket))
-            paced = self._open.get(round)
+            owned = self._open.get(round)
+            applied = self.state.rounds_applied
         if m is not None:
-            return self._reply_mean(paced, round, bucket, requester, m)
-        owned = self._round_for(round, min(timeout_s, self.config.plan_wait_s))
+            return self._reply_mean(owned, round, bucket, requester, m)
+        if owned is None:
+            if round < applied:
+                raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next round is {applied})")
+            if last or waited_s >= self.config.plan_wait_s or round > applied + 1:
+                raise Rejected(
+                    RejectCode.FAILED_PRECONDITION, f"round {round} is not open here (next round is {applied})"
+                )
+            return None
         owners = owned.books.owners
         if not 0 <= bucket < len(owners):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(owners)})")
-        if owners[bucket] == self.site_id and not owned.done[bucket].wait(max(0.0, deadline - time.monotonic())):
-            raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {timeout_s:.2f} s")
+        if owners[bucket] == self.site_id and not owned.done[bucket].is_set():
+            if last:
+                raise PeerTimeout(f"round {round} bucket {bucket} not finalized within {waited_s:.2f} s")
+            return None
         with self._cv:  # our own mean, or one of a peer's we may have cached
             m = self._means.get((round, bucket))
         if m is None:
@@ -224,12 +261,19 @@ class PeerSide:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
         return self.mean_pulls.record(round, bucket, requester, m)
 
+    def _means_changed(self) -> None:
+        for fn in list(self.mean_listeners):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener must not break the round
+                log.exception("mean listener failed")
+
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if bucket == len(self.state):  # one past the last bucket: the training position
-            position = self.position_source() if self.position_source is not None else None
+            position = self.position_source(bucket) if self.position_source is not None else None
             if position is None:
                 raise Rejected(RejectCode.NOT_FOUND, "no training position here")
-            return position_state(position, index=bucket)
+            return position
         if not 0 <= bucket < len(self.state):
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
         if self.fault_hook is not None:

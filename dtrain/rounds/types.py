@@ -17,7 +17,14 @@ from typing import Iterable
 from dtrain.configs import RoundConfig
 from dtrain.errors import RejectCode
 
-__all__ = ["RoundConfig", "RoundResult", "BucketOutcome", "RejectionTally", "MAX_REJECT_EXAMPLES_PER_CODE"]
+__all__ = [
+    "RoundConfig",
+    "RoundResult",
+    "BucketOutcome",
+    "RejectionTally",
+    "MAX_REJECT_EXAMPLES_PER_CODE",
+    "MAX_REFUSALS_NAMED",
+]
 
 #: Example reasons a round keeps per rejection code (the counts are exact).
 MAX_REJECT_EXAMPLES_PER_CODE = 5
@@ -50,6 +57,10 @@ class BucketOutcome(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: Refusals per round an owner names in ``RoundResult.rejected_senders`` (the rest are counted only).
+MAX_REFUSALS_NAMED = 32
 
 
 class RejectionTally:
@@ -102,6 +113,12 @@ class RoundResult:
     count of every outcome by its value. ``rejected`` counts the contributions this
     site refused as an owner by :class:`~dtrain.errors.RejectCode` name, with at most
     :data:`MAX_REJECT_EXAMPLES_PER_CODE` reasons per code in ``rejected_examples``.
+    ``rejected_senders`` names, for the refusals of contributions to buckets this site
+    owns (at most :data:`MAX_REFUSALS_NAMED` a round), the bucket, chunk, sender, the
+    refused payload's digest and the digest the finalized mean counted from that sender
+    (None: none); ``mean_senders`` has, per bucket applied here, each chunk's senders of
+    the mean applied. Together they let a reader check that nothing refused was applied
+    (:func:`dtrain.metrics.rejected_applied`).
     """
 
     round: int
@@ -127,6 +144,11 @@ class RoundResult:
     bucket_outcomes: dict[str, int] = field(default_factory=dict)  # BucketOutcome value -> buckets
     rejected: dict[str, int] = field(default_factory=dict)  # RejectCode name -> contributions refused
     rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons
+    # as owner, refused contributions to its buckets: bucket, chunk, sender, digest, counted (at most 32)
+    rejected_senders: list[dict] = field(default_factory=list)
+    mean_senders: dict[str, list[list[str]]] = field(
+        default_factory=dict
+    )  # bucket -> per chunk, the applied mean's senders
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     errors: list[str] = field(default_factory=list)
     fragment: int | None = None  # the Streaming DiLoCo fragment this round synchronised (None: the whole model)

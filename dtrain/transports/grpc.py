@@ -36,6 +36,8 @@ Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import threading
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -78,6 +80,9 @@ PEER_SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "dtrain.v1.Pe
 # Seconds the owner answers before the caller's deadline, so that a handler's
 # own PeerTimeout (with its reason) reaches the caller instead of a bare deadline.
 _HANDLER_MARGIN_S = 0.2
+# A PullMean waiting for its bucket looks again at least this often (seconds), besides
+# whenever the handler's means change: a round that never opens is refused after plan_wait_s.
+_REPOLL_S = 0.5
 
 
 # --------------------------------------------------------------------------- server
@@ -109,6 +114,25 @@ class _PeerServicer:
         self._t = transport
         self._handler = handler
         self.server = server
+        self._wake = asyncio.Event()  # replaced and set (on the loop) when the handler's means change
+        self._num_pulls = 0  # PullMean calls running (max_waiting_pulls)
+        self._poll = getattr(handler, "poll_pull_mean", None)
+        listeners = getattr(handler, "mean_listeners", None)
+        if self._poll is not None and listeners is not None:
+            listeners.append(self._means_changed)
+        else:
+            self._poll = None  # a handler without listeners: the blocking form in the pool
+
+    def _means_changed(self) -> None:
+        """From any thread: wake every PullMean waiting here (they look again)."""
+        try:
+            self.server.call_soon(self._fire)
+        except RuntimeError:  # the server's loop is closed (stopped)
+            pass
+
+    def _fire(self) -> None:
+        old, self._wake = self._wake, asyncio.Event()
+        old.set()
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         server.add_generic_rpc_handlers(
@@ -212,14 +236,50 @@ class _PeerServicer:
 
     async def PullMean(self, request, context):
         wait_s = self._handler_timeout_s(request.timeout_ms, context)
-        mean = await self._limited(
-            "PullMean",
-            request.requester,
-            context,
-            lambda: self._handler.handle_pull_mean(request.round, request.bucket, request.requester, wait_s),
-        )
+        if self._num_pulls >= self._t.config.max_waiting_pulls:
+            reason = f"{self._num_pulls} PullMean calls already wait here (max_waiting_pulls)"
+            await abort(context, RejectCode.RESOURCE_EXHAUSTED, reason)
+        self._num_pulls += 1
+        try:
+            if self._poll is None:
+                mean = await self._limited(
+                    "PullMean",
+                    request.requester,
+                    context,
+                    lambda: self._handler.handle_pull_mean(request.round, request.bucket, request.requester, wait_s),
+                )
+            else:
+                mean = await self._wait_mean(request, context, wait_s)
+        finally:
+            self._num_pulls -= 1
         for part in mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n)):
             yield part
+
+    async def _wait_mean(self, request, context, wait_s: float):
+        """The mean of ``request``'s bucket, waiting up to ``wait_s`` as a coroutine: each
+        look (``poll_pull_mean``) is a short job in the pool; between looks the call waits
+        for the handler's means to change (or ``_REPOLL_S``, for its plan_wait_s rule)."""
+        full = self.server.limiter.acquire("PullMean", request.requester)
+        if full is not None:
+            await abort(context, RejectCode.RESOURCE_EXHAUSTED, full)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            while True:
+                wake, waited = self._wake, loop.time() - t0  # taken before looking: no change is missed
+                look = functools.partial(
+                    self._poll, request.round, request.bucket, request.requester, waited_s=waited, last=waited >= wait_s
+                )
+                mean, err = await self.server.run_blocking("PullMean", lambda: _run_handler("PullMean", look))
+                if err is not None:
+                    await abort(context, err.code, err.reason)
+                if mean is not None:
+                    return mean
+                left = wait_s - (loop.time() - t0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), max(0.0, min(left, _REPOLL_S)))
+        finally:
+            self.server.limiter.release("PullMean", request.requester)
 
     async def PullState(self, request, context):
         state = await self._limited(

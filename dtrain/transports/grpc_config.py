@@ -142,9 +142,9 @@ class GrpcTransportConfig:
             used round-robin per call; more than 1 helps fill lossy long-RTT links.
         num_server_threads: threads per method (Push, PullMean, PullState) that
             run the site's blocking handler work: decoding and validating a chunk,
-            a pull waiting for its bucket to finalize, a request waiting for its
-            round to open. Calls that merely wait (a Push stream between messages,
-            a Ready long poll) hold none (``dtrain.transports.grpc_server``).
+            a push waiting for its round to open, a mean pull's short look-ups. Calls
+            that merely wait (a Push stream between messages, a Ready long poll, a
+            PullMean waiting for its bucket) hold none (``dtrain.transports.grpc_server``).
             Default 32.
         max_concurrent_rpcs: calls a server runs at once, all methods together
             (grpc's ``maximum_concurrent_rpcs``); the call past it is answered
@@ -159,6 +159,12 @@ class GrpcTransportConfig:
             polls per ``site_id``: a newer one answers the oldest "wait" at once
             (so a client spoofing a site's id cannot lock the site out).
             Default 8.
+        max_waiting_pulls: PullMean calls a Peer server runs at once, all
+            requesters together (each waits for its bucket as a coroutine, holding
+            no thread); the call past it is answered RESOURCE_EXHAUSTED at once, so
+            a token holder claiming many requester names cannot make calls pile
+            up. A site's members pull at most ``RoundConfig.num_pull_threads`` (8)
+            each. Default 512.
         stream_idle_timeout_s: a Push stream that sends no message for this long
             (seconds) is ended with DEADLINE_EXCEEDED, and its call slot freed.
             Default 10.
@@ -197,6 +203,7 @@ class GrpcTransportConfig:
     num_server_threads: int = 32
     max_concurrent_rpcs: int = 4096
     max_streams_per_sender: int = 8
+    max_waiting_pulls: int = 512
     stream_idle_timeout_s: float = 10.0
     max_wait_ms: int = 30_000
     num_attempts: int = 4
@@ -221,6 +228,7 @@ class GrpcTransportConfig:
         _positive_int(self, "num_server_threads", 2, 1024)
         _positive_int(self, "max_concurrent_rpcs", 4, 1_000_000)
         _positive_int(self, "max_streams_per_sender", 1, 1_000_000)
+        _positive_int(self, "max_waiting_pulls", 1, 1_000_000)
         _positive_int(self, "max_wait_ms", 10, int(MAX_TIMEOUT_S * 1000))
         if not isinstance(self.stream_idle_timeout_s, (int, float)) or not 0.01 <= self.stream_idle_timeout_s <= 3600:
             raise ValueError(

@@ -1,10 +1,15 @@
-"""experiments/chaos.py --smoke: 3 worker processes over gRPC, 10 rounds, 5 seeded
-faults (kill + restart, SIGSTOP/SIGCONT, corrupt payload, rogue flood). No hang, equal
-θ among the sites that applied each round, open fds flat."""
+"""experiments/chaos.py --smoke: 3 worker processes over gRPC, 12 rounds, 7 seeded
+faults, each kind once: kill + restart, SIGSTOP/SIGCONT, corrupt payload, rogue flood,
+a netem partition (where netem runs: root and ``ip netns``; CI has both), and the
+rendezvous killed + restarted and SIGSTOPped/SIGCONTed. No hang, equal θ among the
+sites that applied each round (but after an owner cut off during the reduce, the known
+open case, which the soak reports apart), nothing refused found in an applied mean
+(``dtrain.metrics.rejected_applied``), open fds flat."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,11 +25,15 @@ pytestmark = [
 def test_chaos_smoke_has_no_hang_and_equal_checksums(tmp_path: Path) -> None:
     from experiments import chaos
 
-    assert chaos.main(["--smoke", "--out", str(tmp_path)]) == 0
+    netem = "on" if os.environ.get("DTRAIN_NETEM_REQUIRED") == "1" else "auto"
+    assert chaos.main(["--smoke", "--netem", netem, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "chaos.json").read_text())
-    assert res["num_faults"] >= 3, res["faults"]
-    assert set(res["faults"]) <= set(chaos.KINDS)
-    assert res["hangs"] == [] and res["checksum_mismatch_rounds"] == []
-    assert res["rounds"] == 10 and len(res["rounds_lost_at_site0"]) <= 2, res
+    kinds = set(chaos.KINDS) - (set() if res["netem"] else {"partition"})
+    assert set(res["faults"]) == kinds and res["num_faults"] == 7, res["faults"]
+    assert res["hangs"] == [] and res["checksum_mismatch_rounds"] == [] and res["refused_but_applied"] == []
+    # Whether the corrupt action lands in an open round is timing (under netem it is a process
+    # that must start first), so the smoke does not require a named refusal; the check's
+    # power is shown where the rogue's timing is controlled (tests/fault/test_rogue_clients.py).
+    assert res["rounds"] == 12 and len(res["rounds_lost_at_site0"]) <= 2, res
     assert all(abs(g["fds"]) <= 8 for g in res["growth_after_warmup"].values()), res["growth_after_warmup"]
     assert res["final_val_loss"] is not None and res["final_val_loss"] < 5.0

@@ -21,6 +21,7 @@ import zstandard
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.errors import RejectCode, Rejected, TransportError
+from dtrain.metrics import rejected_applied
 from dtrain.protocol import Contribution, Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
@@ -261,6 +262,44 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         rogue_server.stop(0.1)
 
 
+def _assert_nothing_refused_applied(lines, rnd, bucket, rogue, *, members):
+    """The metrics-line check (``rejected_applied``) passes on what the sites applied, names
+    the rogue's refused chunk, and fails once a line claims its mean included the rogue."""
+    victim = next(ln for ln in lines if ln["site"] == "victim")
+    named = [e for e in victim["rejected_senders"] if e["sender"] == rogue]
+    if rnd < 2:  # excluded after 2 rounds: later refusals are PERMISSION_DENIED, not owner-side chunk faults
+        assert named and named[0]["bucket"] == bucket and named[0]["chunk"] == 0 and named[0]["counted"] is None
+    assert all(ln["mean_senders"][str(bucket)][0] == list(members) for ln in lines), lines
+    assert rejected_applied(lines) == []
+    forged = [dict(ln, mean_senders={**ln["mean_senders"], str(bucket): [[*members, rogue]]}) for ln in lines]
+    found = rejected_applied(forged)
+    assert len(found) == 2 * len(named) and all(f"refused {rogue}'s b{bucket} c0" in f for f in found), found
+    if named:
+        counted = [
+            dict(ln, rejected_senders=[{**e, "counted": e["digest"]} for e in ln["rejected_senders"]]) for ln in lines
+        ]
+        assert any("its mean counted that payload" in f for f in rejected_applied(counted))
+
+
+def _nan_chunk_payload(layout, bucket: int) -> bytes:
+    """A well-formed payload of chunk 0 of ``bucket`` whose first value is NaN."""
+    nan = np.zeros(layout.buckets[bucket].chunks[0][1], np.float32)
+    nan[0] = np.nan
+    return _forged_values(nan)
+
+
+def _start_honest_rounds(engines, rnd: int, members, gen, *, reduce_s: float, broadcast_s: float) -> dict:
+    """Every engine adds a small pseudo-gradient and starts round ``rnd``; waits until the
+    first (the victim) has it open. Returns site id -> the round's future."""
+    futs = {}
+    for eng in engines:
+        local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
+        assert eng.add_pseudo_gradient([local])
+        futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=reduce_s, broadcast_s=broadcast_s))
+    _wait_open(engines[0], rnd)
+    return futs
+
+
 @pytest.mark.timeout(60)
 def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_on():
     """A member whose contribution is refused (NaN) in max_consecutive_rejections
@@ -275,26 +314,20 @@ def test_site_sending_corrupt_payloads_every_round_is_excluded_and_the_run_goes_
     members = {"victim": victim.address, "honest": honest.address, "rogue": rogue_server.address}
     owners = assign_owners(len(layout), list(members))
     target = owners.index("victim")
-    n = layout.buckets[target].chunks[0][1]
-    nan = np.zeros(n, np.float32)
-    nan[0] = np.nan
     gen = torch.Generator().manual_seed(1)
     codes = []
     try:
         for rnd in range(max_rej + 2):
-            futs = {}
-            for eng in (victim, honest):
-                local = torch.cat([t.detach() for t in eng.state.theta]) - 0.01 * torch.randn(NUMEL, generator=gen)
-                assert eng.add_pseudo_gradient([local])
-                # The owners wait out the reduce deadline (the rogue's other chunks never come);
-                # 2 s leaves the honest pushes room on a loaded 2-core machine, where 0.6 s
-                # was missed (round 0 ended with no mean applied at all).
-                futs[eng.site_id] = eng.start_round(_plan(rnd, members, reduce_s=2.0, broadcast_s=4.0))
-            _wait_open(victim, rnd)
+            # The owners wait out the reduce deadline (the rogue's other chunks never come);
+            # 2 s leaves the honest pushes room on a loaded 2-core machine, where 0.6 s
+            # was missed (round 0 ended with no mean applied at all).
+            futs = _start_honest_rounds((victim, honest), rnd, members, gen, reduce_s=2.0, broadcast_s=4.0)
             with pytest.raises(Rejected) as ei:
-                rogue.push(rogue.chunk(rnd, target, 0, payload=_forged_values(nan)))
+                rogue.push(rogue.chunk(rnd, target, 0, payload=_nan_chunk_payload(layout, target)))
             codes.append(ei.value.code)
             results = {s: f.result(timeout=20) for s, f in futs.items()}
+            lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
+            _assert_nothing_refused_applied(lines, rnd, target, "rogue", members=("honest", "victim"))
             sums = {eng.site_id: eng.state.checksums() for eng in (victim, honest)}
             assert sums["victim"] == sums["honest"], f"round {rnd}: honest sites disagree"
             for s, res in results.items():
@@ -316,3 +349,39 @@ def test_rogue_helpers_build_the_payloads_they_claim():
     vals = np.arange(8, dtype=np.float32)
     assert torch.equal(codec.decode(_forged_values(vals), numel=8), torch.from_numpy(vals))
     assert zstandard.frame_content_size(_zstd_bomb(8)[_HEADER.size :]) == 10 << 30
+
+
+@pytest.mark.timeout(60)
+def test_a_spoofer_claiming_a_members_name_cannot_get_it_excluded():
+    """A token holder pushes NaN chunks claiming to be the honest member, every round for
+    max_consecutive_rejections + 1 rounds (the chaos soak's corrupt action got site-0
+    excluded this way). Each spoofed chunk is refused and named with its digest; the
+    member's own chunks are counted, so it is never excluded, and no refused payload
+    reaches a mean (rejected_applied)."""
+    max_rej = 2
+    victim = _site("victim", max_consecutive_rejections=max_rej)
+    honest = _site("honest", max_consecutive_rejections=max_rej)
+    layout = victim.state.layout
+    rogue = Rogue(victim.address, layout)
+    members = {"victim": victim.address, "honest": honest.address}
+    owners = assign_owners(len(layout), list(members))
+    target = owners.index("victim")
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for rnd in range(max_rej + 1):
+            futs = _start_honest_rounds((victim, honest), rnd, members, gen, reduce_s=3.0, broadcast_s=5.0)
+            spoof = rogue.chunk(rnd, target, 0, payload=_nan_chunk_payload(layout, target), sender="honest")
+            with pytest.raises(Rejected) as ei:
+                rogue.push(spoof)
+            assert ei.value.code in (RejectCode.INVALID_ARGUMENT, RejectCode.ALREADY_EXISTS), ei.value
+            results = {s: f.result(timeout=20) for s, f in futs.items()}
+            assert victim.state.checksums() == honest.state.checksums(), f"round {rnd}: sites disagree"
+            lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
+            named = [e for e in results["victim"].rejected_senders if e["sender"] == "honest"]
+            assert len(named) == 1 and named[0]["counted"] not in (None, named[0]["digest"]), named
+            assert all(ln["mean_senders"][str(target)][0] == ["honest", "victim"] for ln in lines), lines
+            assert rejected_applied(lines) == []
+        assert victim.banned == frozenset(), "a spoofer got an honest member excluded"
+    finally:
+        victim.stop(0.1)
+        honest.stop(0.1)

@@ -139,6 +139,79 @@ def test_idle_push_streams_from_a_token_holder_do_not_stall_a_round():
         honest.stop(0.1)
 
 
+def _pull_engine(site_id: str, **transport_kw) -> RoundEngine:
+    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
+    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    transport = GrpcTransport(GrpcTransportConfig(token=TOKEN, **transport_kw))
+    engine = RoundEngine(site_id, GlobalState(layout, [theta]), transport, RoundConfig(plan_wait_s=1.0))
+    engine.start()
+    return engine
+
+
+@pytest.mark.timeout(60)
+def test_pulls_waiting_under_many_requester_names_hold_no_thread():
+    """40 PullMean calls under 40 requester names (each within max_streams_per_sender)
+    wait for a round not open yet, on a Peer server with 4 threads per method: a waiting
+    pull held one of them, so the honest site's pulls queued behind the rogue's. Now a
+    waiting pull is a coroutine: the round applies every mean, before its deadline."""
+    victim, honest = _pull_engine("victim", num_server_threads=4), _pull_engine("honest", num_server_threads=4)
+    rogue = RogueFlood(victim.address, TOKEN)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for k in range(40):
+            rogue.keep(1, rogue.waiting_pull(lambda: 1, bucket=0, requester=f"rogue-{k}"))
+        _wait_until(lambda: rogue.num_in_flight() == 40, 10, "the rogue's pulls to open")
+        time.sleep(0.3)
+        members = (Member(site_id="victim", address=victim.address), Member(site_id="honest", address=honest.address))
+        plan = RoundPlan(round=0, members=members, reduce_timeout_s=3.0, broadcast_timeout_s=6.0)
+        futs = [e.start_round(plan) for e in (victim, honest) if e.add_pseudo_gradient(_step(e, gen))]
+        results = [f.result(timeout=30) for f in futs]
+        assert rogue.num_in_flight() >= 30, rogue.codes  # the rogue's pulls were waiting all along
+        for res in results:
+            assert res.broadcast_arrived_fraction == 1.0 and res.stale_buckets == 0, res
+            assert res.total_s < plan.reduce_timeout_s, res
+        assert victim.state.checksums() == honest.state.checksums()
+    finally:
+        rogue.stop()
+        victim.stop(0.1)
+        honest.stop(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_past_max_waiting_pulls_is_refused_at_once():
+    """A token holder claiming a new requester name per call fills max_waiting_pulls (12
+    here): the next PullMean is answered RESOURCE_EXHAUSTED at once (its own deadline is
+    60 s), naming the limit; a PullState is still served."""
+    import grpc
+
+    from dtrain._proto.dtrain.v1 import peer_pb2
+
+    site = _pull_engine("victim", max_waiting_pulls=12)
+    rogue = RogueFlood(site.address, TOKEN)
+    try:
+        for k in range(12):  # round 0 is not open: each waits up to plan_wait_s, then is re-opened
+            rogue.keep(1, rogue.waiting_pull(lambda: 0, bucket=0, requester=f"name-{k}"))
+        _wait_until(lambda: rogue.num_in_flight() == 12, 10, "the rogue's pulls to open")
+        time.sleep(0.2)
+        call = rogue._pull(
+            peer_pb2.PullMeanRequest(round=0, bucket=0, requester="one-more", timeout_ms=60_000),
+            timeout=60,
+            metadata=rogue.metadata,
+        )
+        with pytest.raises(grpc.RpcError) as ei:
+            list(call)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_pulls" in ei.value.details()
+        client = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
+        try:
+            st = client.pull_state(site.address, 0, requester="honest", timeout_s=10)
+            assert st.bucket == 0 and st.checksum == site.state.bucket_state(0).checksum
+        finally:
+            client.stop(0.1)
+    finally:
+        rogue.stop()
+        site.stop(0.1)
+
+
 @pytest.mark.timeout(120)
 def test_three_sites_with_200_rogue_streams_and_200_long_polls_in_flight():
     """A 3-site run over gRPC (rendezvous + Group + RoundEngine) while a token

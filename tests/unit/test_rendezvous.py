@@ -250,6 +250,44 @@ def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
     assert core.ready("c", 5, now=4.6).plan.site_ids == ("a", "b", "c")
 
 
+def test_rendezvous_restarted_under_running_sites_does_not_wait_for_a_dead_one() -> None:
+    """Only the rendezvous restarted (its survivors heartbeat before they re-join; the
+    chaos soak's rv_kill): a site that died meanwhile must not hold the next round for
+    STARTUP_WAIT_S (it did: 14 s in a soak, until the dead site was restarted). After
+    the restart grace the usual quorum rule forms the round without it."""
+    core = _core(initial_sites=3, quorum_timeout_s=1.0, heartbeat_timeout_s=3.0)
+    for s in ("a", "b"):
+        assert not core.heartbeat(s, now=0.0).known  # running sites, unknown to the fresh core
+        core.join(s, f"addr-{s}", now=0.05)
+        assert core.ready(s, 5, now=0.1).status == "wait"
+    for t in (1.0, 2.0, 3.0):
+        core.heartbeat("a", now=t)
+        core.heartbeat("b", now=t)
+    assert "restarted" in core.ready("a", 5, now=2.9).reason  # the grace: every live site may re-join
+    d = core.ready("a", 5, now=3.2)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d.reason
+
+
+def test_a_rendezvous_that_was_stopped_does_not_declare_every_site_dead() -> None:
+    """SIGSTOP of the rendezvous for longer than heartbeat_timeout_s (the chaos soak's
+    rv_stop): on SIGCONT its first call saw every site silent past the timeout and
+    declared them all dead, so every site resynced. Its own silence does not count now;
+    a site that really stopped is declared dead one timeout later."""
+    core = _core(heartbeat_timeout_s=3.0)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+    for t in (0.5, 1.0):
+        core.heartbeat("a", now=t)
+        core.heartbeat("b", now=t)
+    hb = core.heartbeat("a", now=5.0)  # stopped from 1.0 to 5.0
+    assert hb.dead == () and not hb.resync_required, hb
+    assert not core.heartbeat("b", now=5.1).resync_required
+    for t in (5.5, 6.5, 7.5):  # b stops for real after 5.1
+        hb = core.heartbeat("a", now=t)
+    assert "b" not in hb.dead
+    assert core.heartbeat("a", now=8.7).dead == ("b",)
+
+
 def test_every_member_learns_why_the_round_formed_whichever_call_formed_it() -> None:
     # The gRPC service forms plans through decide() (once per change), so a member's own
     # ready() finds the plan already formed: it must still get the quorum rule's reason.
@@ -279,9 +317,12 @@ def test_a_restarted_site_at_a_new_address_is_accepted_once_the_old_one_is_dead(
     core = _core()
     core.join("a", "addr-a", now=0.0)
     core.join("b", "addr-b", now=0.0)
-    core.heartbeat("b", now=3.0)
+    for t in (1.0, 2.0, 3.0):  # the rendezvous hears from b all along (a gap of its own would not count)
+        core.heartbeat("b", now=t)
     core.join("a", "addr-a2", now=3.5)  # a silent for 3.5 s > 3 s: dead, its id is free
     assert [m.address for m in core.join("c", "addr-c", now=3.6).members] == ["addr-a2", "addr-b"]
+    for t in (4.5, 5.5, 6.5):
+        core.heartbeat("c", now=t)
     core.heartbeat("b", now=7.0)  # b silent for 4 s: declared dead (must resync) ...
     assert core.heartbeat("b", now=7.0).resync_required
     core.join("b", "addr-b2", now=7.1)  # ... so a restarted b at a new address is accepted

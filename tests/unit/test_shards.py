@@ -3,6 +3,7 @@ task's shard parts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dtrain.app.shards import Adoption, DataMix, ShardWatch, shard_index
@@ -51,3 +52,60 @@ def test_data_mix_interleaves_own_and_adopted_parts_and_reports_their_ledgers():
     next(mix)
     assert "adopted" not in mix.take_ledger(lambda: {})
     assert build_task(TaskSpec(site_index=0, num_sites=3, size="tiny")).shard_part is None  # IID: nothing to adopt
+
+
+def test_adopted_parts_are_checkpointed_and_a_resumed_site_continues_them(tmp_path):
+    """The worker's checkpoint holds the ShardWatch and DataMix states (``shards``): a site
+    restored from it trains the same adopted part at the same position as one that ran on,
+    and the watch keeps its absence counts (no re-adoption, release when the site is back)."""
+    from dtrain.checkpoint import load_checkpoint, save_checkpoint
+
+    spec = TaskSpec(site_index=0, num_sites=3, size="tiny", seed=1, non_iid=True)
+
+    def fresh():
+        task = build_task(spec)
+        return task, ShardWatch(site_id="site-0", after_rounds=1), DataMix(task.batches, task.shard_part)
+
+    task, watch, mix = fresh()
+    watch.observe(["site-0", "site-1", "site-2"])
+    mix.apply(*watch.observe(["site-0", "site-1"]))
+    for _ in range(5):
+        next(mix)
+    mix.take_ledger(lambda: {})
+    save_checkpoint(
+        tmp_path,
+        3,
+        {
+            "site_id": "site-0",
+            "fingerprint": "f",
+            "model": {},
+            "inner_optimizer": {},
+            "diloco": {},
+            "batches": task.batches.state_dict(),
+            "shards": {"watch": watch.state_dict(), "mix": mix.state_dict()},
+        },
+    )
+    ran_on = [next(mix) for _ in range(6)]
+    want = mix.take_ledger(lambda: {})
+
+    data = load_checkpoint(next(tmp_path.glob("*")), site_id="site-0", fingerprint="f")
+    task2, watch2, mix2 = fresh()
+    task2.batches.load_state_dict(data["batches"])
+    watch2.load_state_dict(data["shards"]["watch"])
+    mix2.load_state_dict(data["shards"]["mix"])
+    assert mix2.adoptions == {"site-2": Adoption("site-2", 2, 0, 2)} and watch2.adopted == watch.adopted
+    resumed = [next(mix2) for _ in range(6)]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ran_on, resumed))
+    got = mix2.take_ledger(lambda: {})
+    assert got == want and got["adopted"]["site-2"]["windows"] > 0, (got, want)
+    assert watch2.observe(["site-0", "site-1"]) == ([], [])  # still adopted: not adopted twice
+    assert watch2.observe(["site-0", "site-1", "site-2"]) == ([], ["site-2"])
+
+
+def test_a_malformed_shards_state_is_refused_with_the_reason():
+    task = build_task(TaskSpec(site_index=0, num_sites=3, size="tiny", seed=1, non_iid=True))
+    mix = DataMix(task.batches, task.shard_part)
+    with pytest.raises(ValueError, match="not a DataMix state"):
+        mix.load_state_dict({"parts": {}})
+    with pytest.raises(ValueError, match="not a ShardWatch state"):
+        ShardWatch(site_id="site-0", after_rounds=1).load_state_dict({"absent": {"site-1": 0}})
