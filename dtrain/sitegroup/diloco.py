@@ -434,6 +434,11 @@ class SiteGroupDiLoCo:
         return SiteSyncOutcome(status="applied", reason=reason, fragment=frag, result=res)
 
     @property
+    def period_steps(self) -> int:
+        """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
+        return self.config.sync_every // len(self.fragments)
+
+    @property
     def round(self) -> int:
         """Rounds applied to θ (= the next round's number)."""
         return self.state.rounds_applied
@@ -448,7 +453,7 @@ class SiteGroupDiLoCo:
         self.inner_steps += 1
         if self.group is not None:
             self.group.inner_step = self.inner_steps
-        if self.inner_steps % (self.config.sync_every // len(self.fragments)) == 0:
+        if self.inner_steps % self.period_steps == 0:
             return self.sync()
         return None
 
