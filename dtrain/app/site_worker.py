@@ -249,7 +249,7 @@ def _maybe_checkpoint(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, out
 
 def _inner_phase(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event) -> float:
     losses = []
-    for _ in range(cfg.diloco.sync_every):
+    for _ in range(diloco.period_steps):  # H, or H/F with fragment rounds
         loss = task.loss(module, next(task.batches))
         loss.backward()
         optimizer.step()

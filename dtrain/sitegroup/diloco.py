@@ -42,9 +42,10 @@ from dtrain.sitegroup.agree import RankView, combine_checksums, decide_agreement
 from dtrain.sitegroup.notices import LostNotices, site_store
 from dtrain.sitegroup.slices import SliceMap
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer, pull_full_state, theta_device_of
+from dtrain.streaming import fragment_buckets, fragment_of_round
 from dtrain.transports.base import Transport
 
-__all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "slice_checksum", "diloco_numel"]
+__all__ = ["SiteSyncOutcome", "SiteGroupDiLoCo", "check_site_streaming", "slice_checksum", "diloco_numel"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,26 @@ log = logging.getLogger(__name__)
 def slice_checksum(state: GlobalState) -> str:
     """One digest over a rank's bucket checksums (its slice's θ)."""
     return combine_checksums(state.checksums())
+
+
+def check_site_streaming(config: DiLoCoConfig) -> None:
+    """Refuse the streaming settings a site group does not run (yet).
+
+    A site group runs blocking fragment rounds (``num_fragments`` >= 1 with
+    ``overlap_steps`` = 0 and ``merge_alpha`` = 0); overlap (τ > 0), merging
+    (α > 0) and the one-step-delayed mode are one-process-site only.
+
+    Raises:
+        ValueError: naming ``overlap_steps``/``merge_alpha`` and the allowed value.
+    """
+    if config.overlap_steps != 0:
+        raise ValueError(
+            f"overlap_steps must be 0 for a site group (blocking fragment rounds only), got {config.overlap_steps!r}"
+        )
+    if config.merge_alpha != 0:
+        raise ValueError(
+            f"merge_alpha must be 0 for a site group (blocking fragment rounds), got {config.merge_alpha!r}"
+        )
 
 
 def diloco_numel(state: GlobalState) -> dict[str, int]:
@@ -79,6 +100,9 @@ class SiteSyncOutcome:
         status: ``"applied"``, ``"resynced"``, ``"skipped"`` (the half-round rule
             kept every rank out of the round; slices resynchronised) or ``"deferred"``.
         reason: why.
+        fragment: the fragment this round synced on every rank (``num_fragments`` > 1,
+            :func:`~dtrain.streaming.fragment_of_round` of the plan's round); None for a
+            whole-slice round or when no plan was run.
         result: this rank's round result (None unless applied).
         slice_checksums: every rank's slice checksum after the call, rank order.
         site_checksum: :func:`combine_checksums` of them: one θ checksum per site.
@@ -90,6 +114,7 @@ class SiteSyncOutcome:
 
     status: str
     reason: str
+    fragment: int | None = None
     result: RoundResult | None = None
     slice_checksums: list[str] = field(default_factory=list)
     site_checksum: str = ""
@@ -118,6 +143,14 @@ class SiteGroupDiLoCo:
         defer_join: do not join in the constructor: load a checkpoint first
             (:func:`dtrain.sitegroup.checkpoint.load_site_checkpoint`), then call
             :meth:`join` on every rank, so the site presents its saved round.
+
+    Fragment rounds (``num_fragments`` = F > 1, Streaming DiLoCo §2.2, blocking):
+    rank j's buckets are cut into F contiguous groups as a one-process site cuts its
+    own (:func:`~dtrain.streaming.fragment_buckets`); a round runs every H/F inner
+    steps and round r syncs fragment ``(r + 1) mod F`` on every rank of every site, so
+    rank j of each site exchanges the same fragment of slice j. The half-round rule
+    holds per fragment round. Only the fragment's buckets of the model are reset to
+    θ after it; a resync (missed or skipped round) resets the whole slice.
 
     Every rank must construct it, call :meth:`step`/:meth:`sync` and
     :meth:`close` in the same order: they run collectives.
@@ -153,6 +186,7 @@ class SiteGroupDiLoCo:
         self.layout = BucketLayout([t.numel() for t in self.local], local_kinds, config.buckets)
         device = theta_device_of(self.local, config.theta_device)
         self.state = GlobalState(self.layout, self.local, outer_optimizer, device=device)
+        self.fragments = self._fragments(config.num_fragments)
         self.engine = RoundEngine(config.site_id, self.state, transport, config.rounds)
         self.engine.start()
         addresses = self._all_gather(self.engine.address)
@@ -178,6 +212,17 @@ class SiteGroupDiLoCo:
         if not defer_join:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if config.hook_optimizer else None
+
+    def _fragments(self, num_fragments: int) -> list[tuple[int, ...]]:
+        """This rank's buckets per fragment; a rank with too few buckets fails every rank."""
+        try:
+            frags, err = fragment_buckets(len(self.layout), num_fragments), None
+        except ValueError as e:
+            frags, err = [], f"rank {self.rank}: {e}"
+        errs = [e for e in self._all_gather(err) if e]
+        if errs:
+            raise ValueError(f"{self.config.site_id}: {errs[0]}")
+        return frags
 
     def _lost_notices(self, store: dist.Store | None) -> LostNotices | None:
         """Rank 0 posts the members its heartbeats report dead; the others poll them."""
@@ -268,10 +313,16 @@ class SiteGroupDiLoCo:
                 raise StateTransferError(f"{self.config.site_id}: slices could not be aligned: {errs[0]}")
         raise SiteGroupError(f"{self.config.site_id}: slices still at different rounds after {max_tries} pulls")
 
-    def _publish(self) -> None:
-        """Reset this rank's slice of the model to θ, all-gather the replicated parts."""
+    def _publish(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Reset this rank's slice of the model to θ (only ``buckets``' part when given:
+        a fragment round), all-gather the replicated parts."""
         t0 = time.process_time()
-        self.state.copy_to(self.local)
+        if buckets is None:
+            self.state.copy_to(self.local)
+        else:
+            for b in buckets:
+                with self.state.lock(b):
+                    self.layout.scatter(b, self.state.theta[b].detach(), self.local)
         t1 = time.process_time()
         self.slices.sync_replicas(self.pg)
         self.last_cpu_s.update(scatter=t1 - t0, allgather=time.process_time() - t1)
@@ -340,7 +391,9 @@ class SiteGroupDiLoCo:
             err = self._resync(min_round=0)
             out = SiteSyncOutcome(status="deferred" if err else "resynced", reason=err or reason)
         if out.status != "deferred":
-            self._publish()
+            self._publish(
+                self.fragments[out.fragment] if out.status == "applied" and out.fragment is not None else None
+            )
         out.quorum_s = quorum_s
         t0 = time.process_time()
         out.slice_checksums = self._all_gather(slice_checksum(self.state))
@@ -370,12 +423,20 @@ class SiteGroupDiLoCo:
             err = self._resync(min_round=plan.round + 1)
             return SiteSyncOutcome(status="deferred" if err else "skipped", reason=err or why)
         my_plan = rank_plan(plan, self.rank, self.num_ranks)
+        frag = fragment_of_round(plan.round, len(self.fragments)) if len(self.fragments) > 1 else None
+        buckets = self.fragments[frag] if frag is not None else None
         t0 = time.process_time()
-        ok = self.engine.add_pseudo_gradient(self.local)
+        ok = self.engine.add_pseudo_gradient(self.local, buckets)
         t1 = time.process_time()
-        res = self.engine.run_round(my_plan, contribute=ok)
+        res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets)
+        res.fragment = frag
         self.last_cpu_s.update(gather=t1 - t0, round=time.process_time() - t1)
-        return SiteSyncOutcome(status="applied", reason=reason, result=res)
+        return SiteSyncOutcome(status="applied", reason=reason, fragment=frag, result=res)
+
+    @property
+    def period_steps(self) -> int:
+        """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
+        return self.config.sync_every // len(self.fragments)
 
     @property
     def round(self) -> int:
@@ -387,11 +448,12 @@ class SiteGroupDiLoCo:
             self.step()
 
     def step(self) -> SiteSyncOutcome | None:
-        """Count one inner step; every ``sync_every`` steps run a round (on every rank)."""
+        """Count one inner step; every ``sync_every`` / ``num_fragments`` steps run a
+        round (on every rank; a fragment round when ``num_fragments`` > 1)."""
         self.inner_steps += 1
         if self.group is not None:
             self.group.inner_step = self.inner_steps
-        if self.inner_steps % self.config.sync_every == 0:
+        if self.inner_steps % self.period_steps == 0:
             return self.sync()
         return None
 

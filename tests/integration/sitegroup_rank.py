@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bucket-bytes", type=int, default=512)
+    ap.add_argument("--num-fragments", type=int, default=1, help="F: fragment rounds over each rank's slice")
     ap.add_argument("--theta-device", choices=("cpu", "model"), default="cpu")
     ap.add_argument("--ckpt-dir", default="", help="save a site-group checkpoint after every round here")
     ap.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --ckpt-dir")
@@ -104,6 +105,7 @@ def main() -> None:
         buckets=BucketConfig(bucket_bytes=args.bucket_bytes, chunk_bytes=min(256, args.bucket_bytes)),
         group=fast_group_config(quorum_wait_s=60.0),
         theta_device=args.theta_device,
+        num_fragments=args.num_fragments,
     )
     rdv = GrpcRendezvousClient(args.rendezvous) if rank == 0 else None
     transport = GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1"))
@@ -137,6 +139,9 @@ def main() -> None:
             {
                 "round": d.round,
                 "status": o.status,
+                "fragment": o.fragment,
+                "result_fragment": o.result.fragment if o.result is not None else None,
+                "num_buckets": len(d.layout),
                 "reason": o.reason,
                 "slice_checksum": o.slice_checksums[rank],
                 "slice_checksums": o.slice_checksums,

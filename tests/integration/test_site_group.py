@@ -249,3 +249,30 @@ def test_site_groups_resume_from_dcp_checkpoints_exactly_where_they_left_off(tmp
         assert [o["slice_checksum"] for o in s["rounds"]] == [o["slice_checksum"] for o in whole[key][1:]], key
         assert torch.equal(params, runs["whole"][key][1]), key
     assert len({s["rounds"][0]["site_checksum"] for s, _ in runs["b"].values()}) == 1
+
+
+@pytest.mark.timeout(150)
+def test_fragment_rounds_sync_the_same_fragment_of_each_ranks_slice_at_every_site(tmp_path):
+    steps, h, f = 12, 4, 2  # a fragment round every h/f = 2 steps: 6 rounds
+    res = run_sites(
+        tmp_path,
+        num_sites=2,
+        num_ranks=2,
+        extra=["--parallel", "ddp", "--steps", str(steps), "--sync-every", str(h), "--num-fragments", str(f)],
+    )
+    for rank in range(2):
+        a, b = res[0, rank][0]["rounds"], res[1, rank][0]["rounds"]
+        assert len(a) == len(b) == steps * f // h
+        for ra, rb in zip(a, b):
+            assert ra["status"] == rb["status"] == "applied", (ra, rb)
+            assert ra["num_buckets"] >= f
+            # round r (recorded after it: "round" = r + 1) syncs fragment (r + 1) mod F, named in the outcome
+            assert ra["fragment"] == rb["fragment"] == ra["result_fragment"] == ra["round"] % f
+            assert ra["slice_checksum"] == rb["slice_checksum"]  # rank j's slice θ equals rank j's elsewhere
+    assert {r["fragment"] for r in res[0, 0][0]["rounds"]} == {0, 1}
+    # replicas inside a site agree; across sites the fragment not synced last keeps its local steps
+    assert torch.equal(res[0, 0][1], res[0, 1][1]) and torch.equal(res[1, 0][1], res[1, 1][1])
+    assert not torch.allclose(res[0, 0][1], res[1, 0][1])
+    for site in range(2):
+        s = res[site, 0][0]
+        assert s["eval_after"] < s["eval_before"]

@@ -165,3 +165,34 @@ def test_lost_notices_reach_the_other_ranks_through_a_store():
     finally:
         rank1.close()
         rank0.close()
+
+
+@pytest.mark.parametrize("num_fragments", [2, 3])
+def test_each_ranks_fragments_partition_its_own_buckets_contiguously(num_fragments):
+    from dtrain.buckets import BucketConfig, BucketLayout
+    from dtrain.streaming import fragment_buckets
+
+    tensors = [torch.zeros(40, 7), torch.zeros(7), torch.zeros(1, 40), torch.zeros(1)]
+    kinds = ["param"] * len(tensors)
+    cfg = BucketConfig(bucket_bytes=256, chunk_bytes=128)
+    for rank in range(2):
+        local, local_kinds = SliceMap(tensors, kinds, rank, 2).local()
+        layout = BucketLayout([t.numel() for t in local], local_kinds, cfg)
+        frags = fragment_buckets(len(layout), num_fragments)
+        assert len(frags) == num_fragments and all(frags)
+        flat = [b for f in frags for b in f]
+        assert flat == list(range(len(layout)))  # disjoint, covering, in order (contiguous groups)
+        assert max(map(len, frags)) - min(map(len, frags)) <= 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("overlap_steps", 1), ("merge_alpha", 0.5)], ids=["overlap", "merge_alpha"]
+)
+def test_a_site_group_refuses_overlap_and_merging_naming_the_field(field, value):
+    from dtrain.diloco import DiLoCoConfig
+    from dtrain.sitegroup.diloco import check_site_streaming
+
+    check_site_streaming(DiLoCoConfig(site_id="s", sync_every=4, num_fragments=2))  # blocking fragments: fine
+    cfg = DiLoCoConfig(site_id="s", sync_every=4, num_fragments=2, **{field: value})
+    with pytest.raises(ValueError, match=f"{field} must be 0 for a site group"):
+        check_site_streaming(cfg)
