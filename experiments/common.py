@@ -43,7 +43,7 @@ from dtrain.codecs import CodecConfig  # noqa: E402
 from dtrain.rounds import RoundConfig  # noqa: E402
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config  # noqa: E402
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
-from dtrain.tasks.builtin import make_evaluate, make_optimizer  # noqa: E402
+from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler  # noqa: E402
 from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
 from dtrain.transports.inproc import InprocFaults  # noqa: E402
 
@@ -102,7 +102,14 @@ class RunSpec:
         config: label of the setting (rows with the same label are seeds of one setting).
         seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
         num_sites: N sites (threads).
-        size, data, batch_size, context_len, lr: see ``dtrain.tasks.TaskSpec``.
+        size, data, batch_size, context_len, lr, non_iid, lr_schedule, warmup_steps:
+            see ``dtrain.tasks.TaskSpec``.
+        decay_steps: cosine decay steps of ``lr_schedule="cosine"``; None: the run's
+            inner steps minus the warmup (decayed to 10 % at the last step).
+        restart_after_round: -1: no restart; else the last site is killed after it
+            applied this many rounds and restarted (``InprocCluster.restart``: join and
+            state pull) once site 0 applied ``down_rounds`` more.
+        down_rounds: rounds the restarted site stays away.
         sync_every: H inner steps per round; rounds: rounds to train.
         codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
             topk_fraction: see ``CodecConfig``.
@@ -130,6 +137,12 @@ class RunSpec:
     batch_size: int | None = None
     context_len: int | None = None
     lr: float | None = None
+    non_iid: bool = False
+    lr_schedule: str = "constant"
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    restart_after_round: int = -1
+    down_rounds: int = 5
     sync_every: int = 10
     rounds: int = 20
     codec: str = "fp32"
@@ -165,6 +178,11 @@ class RunSpec:
         need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
         need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        need(
+            self.restart_after_round == -1 or 0 < self.restart_after_round < self.rounds - self.down_rounds,
+            "restart_after_round",
+            "-1 or in (0, rounds - down_rounds)",
+        )
         # Build the component configs once so a bad value fails here, naming its field.
         self.task_spec(0)
         self.cluster_config()
@@ -179,6 +197,10 @@ class RunSpec:
             lr=self.lr,
             batch_size=self.batch_size,
             context_len=self.context_len,
+            non_iid=self.non_iid,
+            lr_schedule=self.lr_schedule,  # type: ignore[arg-type]
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
 
     def cluster_config(self) -> ClusterConfig:
@@ -248,6 +270,54 @@ class _Recorder:
         return on_round
 
 
+def _train(cluster: InprocCluster, step, spec: RunSpec, rec: _Recorder) -> None:
+    """Every site takes H·rounds inner steps (``step(site, k)``); with
+    ``spec.restart_after_round`` the last site dies after that round and comes back
+    (``InprocCluster.restart``) once site 0 applied ``spec.down_rounds`` more rounds, at
+    the inner step of the training position it pulled.
+
+    Raises:
+        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
+    """
+    total = spec.sync_every * spec.rounds
+    if spec.restart_after_round < 0:
+        cluster.run_steps(step, total, timeout_s=spec.timeout_s)
+        return
+    victim = spec.num_sites - 1
+    deadline = time.monotonic() + spec.timeout_s
+    errors: list[BaseException] = []
+
+    def come_back() -> Site:
+        cluster.kill(victim)
+        while cluster.sites[0].diloco.round < spec.restart_after_round + spec.down_rounds:
+            if time.monotonic() > deadline or cluster.sites[0].thread is None or not cluster.sites[0].thread.is_alive():
+                raise TimeoutError(f"site 0 did not reach round {spec.restart_after_round + spec.down_rounds}")
+            time.sleep(0.01)
+        site = cluster.restart(victim)
+        site.diloco.on_round.append(rec.hook(site))
+        return site
+
+    def loop(site: Site) -> None:
+        k = 0
+        while k < total:
+            if site.index == victim and k == spec.restart_after_round * spec.sync_every and not site.killed.is_set():
+                try:
+                    site = come_back()
+                    k = site.diloco.inner_steps or site.diloco.round * spec.sync_every
+                    while k < total:
+                        step(site, k)
+                        k += 1
+                except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
+                    errors.append(e)
+                return
+            step(site, k)
+            k += 1
+
+    cluster.run(loop, timeout_s=spec.timeout_s)
+    if errors:
+        raise RuntimeError(f"restarted site {victim} failed: {errors[0]!r}") from errors[0]
+
+
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -288,7 +358,11 @@ def run_inproc(spec: RunSpec) -> RunResult:
         return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0)
 
     cluster = InprocCluster(
-        lambda: tasks[0].model, lambda m: make_optimizer(m, lr), spec.cluster_config(), outer_optimizer=outer
+        lambda: tasks[0].model,
+        lambda m: make_optimizer(m, lr),
+        spec.cluster_config(),
+        outer_optimizer=outer,
+        scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)
     inner_s = [0.0] * spec.num_sites
@@ -309,6 +383,8 @@ def run_inproc(spec: RunSpec) -> RunResult:
             cb0 = rec.callback_s[site.index]
             site.optimizer.step()  # hooked: every H-th step runs a round
             site.optimizer.zero_grad(set_to_none=True)
+            if site.scheduler is not None:
+                site.scheduler.step()
             t2 = time.perf_counter()
             if (k + 1) % H == 0:
                 inner_s[site.index] += t1 - t0
@@ -317,7 +393,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
                 inner_s[site.index] += t2 - t0
 
         t_run = time.perf_counter()
-        cluster.run_steps(step, H * spec.rounds, timeout_s=spec.timeout_s)
+        _train(cluster, step, spec, rec)
         wall = time.perf_counter() - t_run
         finals = [evaluate(s.model) for s in cluster.sites]
         thetas = [s.theta() for s in cluster.sites]
