@@ -79,26 +79,31 @@ MODES: dict[str, dict[str, Any]] = {
         hs=[2, 4],
         h_main=2,
         seeds={"iid": [0], "non-iid": [0]},
-        seeds_all_methods=1,
+        grid_data=["iid", "non-iid"],
+        both_outers_hs=[2, 4],
         sweep=dict(total_steps=8, lrs=[0.7, 1.0], moms=[0.0, 0.9], confirm=1, confirm_seeds=[1]),
         faults=dict(total_steps=8, first_seeds=2, step_seeds=1, max_seeds=3, restart_after=1, down_rounds=1),
+        diagnosis_outers=[NESTEROV, AVERAGE],
         budget_min=2.0,
         jobs=1,
         reduce_timeout_s=0.5,
     ),
+    # Sized for the shared 2-core machine under other jobs' load (nice 10): ~1500 CPU-seconds.
     "quick": dict(
         num_sites=4,
         size="tiny",
         num_val_batches=32,
-        total_steps=4000,
+        total_steps=4000,  # 80 rounds at H = 50
         hs=[10, 50, 100],
         h_main=50,
-        seeds={"iid": [0, 1], "non-iid": [0]},
-        seeds_all_methods=1,  # seeds after the first: DDP, 1 site and DiLoCo at h_main only
-        sweep=dict(total_steps=2000, lrs=[0.3, 0.5, 0.7, 1.0], moms=[0.0, 0.5, 0.9], confirm=2, confirm_seeds=[1, 2]),
-        faults=dict(total_steps=2000, first_seeds=4, step_seeds=2, max_seeds=12, restart_after=10, down_rounds=5),
-        budget_min=28.0,
-        jobs=3,
+        seeds={"iid": [0], "non-iid": [0]},
+        grid_data=["iid"],  # the other data settings: DDP, 1 site and DiLoCo at h_main only
+        both_outers_hs=[50],  # other H: Nesterov 0.7/0.9 only
+        sweep=dict(total_steps=1000, lrs=[0.3, 0.5, 0.7, 1.0], moms=[0.0, 0.5, 0.9], confirm=1, confirm_seeds=[1, 2]),
+        faults=dict(total_steps=1000, first_seeds=4, step_seeds=4, max_seeds=16, restart_after=5, down_rounds=5),
+        diagnosis_outers=[NESTEROV],
+        budget_min=25.0,
+        jobs=8,  # more runnable processes than the cores: each in-process run sleeps in its GIL handoffs
         reduce_timeout_s=0.5,
     ),
     "full": dict(
@@ -109,11 +114,13 @@ MODES: dict[str, dict[str, Any]] = {
         hs=[10, 50, 100],
         h_main=50,
         seeds={"iid": [0, 1, 2], "non-iid": [0, 1, 2]},
-        seeds_all_methods=3,
+        grid_data=["iid", "non-iid"],
+        both_outers_hs=[10, 50, 100],
         sweep=dict(
             total_steps=4000, lrs=[0.3, 0.5, 0.7, 1.0], moms=[0.0, 0.5, 0.7, 0.9], confirm=3, confirm_seeds=[1, 2, 3]
         ),
         faults=dict(total_steps=4000, first_seeds=6, step_seeds=4, max_seeds=30, restart_after=20, down_rounds=5),
+        diagnosis_outers=[NESTEROV, AVERAGE],
         budget_min=240.0,
         jobs=4,
         reduce_timeout_s=1.0,
@@ -187,13 +194,15 @@ def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int
 
 
 def convergence_specs(m: dict[str, Any]) -> list[RunSpec]:
-    steps, specs = m["total_steps"], []
+    """Every data setting: DDP, 1 site, DiLoCo at h_main with both outers; the ``grid_data``
+    settings also the 4x batch and every H (both outers at ``both_outers_hs``, else Nesterov)."""
+    steps, h_main, specs = m["total_steps"], m["h_main"], []
     for data, seeds in m["seeds"].items():
-        for i, seed in enumerate(seeds):
-            everything = i < m["seeds_all_methods"]
-            specs += _baselines(m, "convergence", data, seed, steps)[: 3 if everything else 2]
-            for h in m["hs"] if everything else [m["h_main"]]:
-                for outer in (NESTEROV, AVERAGE):
+        grid = data in m["grid_data"]
+        for seed in seeds:
+            specs += _baselines(m, "convergence", data, seed, steps)[: 3 if grid else 2]
+            for h in m["hs"] if grid else [h_main]:
+                for outer in (NESTEROV, AVERAGE) if h in m["both_outers_hs"] or h == h_main else (NESTEROV,):
                     specs.append(
                         _spec(
                             m,
@@ -258,7 +267,7 @@ def diagnosis_specs(m: dict[str, Any], best: tuple[float, float] | None) -> list
     """Where DiLoCo loses to DDP: the inner warmup + cosine LR for both; DiLoCo at the sweep's best outer."""
     steps, h, seed = m["total_steps"], m["h_main"], 0
     specs = _baselines(m, "diagnosis: cosine inner LR", "iid", seed, steps, lr_schedule="cosine")[:1]
-    for outer in (NESTEROV, AVERAGE):
+    for outer in m["diagnosis_outers"]:
         specs.append(
             _spec(
                 m,
@@ -328,17 +337,32 @@ def sweep_best(rows: Sequence[dict[str, Any]], k: int) -> list[tuple[float, floa
 
 
 # ---------------------------------------------------------------------------- running
+def _ddp_all(specs: Sequence[RunSpec]) -> list[RunResult]:
+    """Every DDP run at once, each in its own thread (each is N spawned processes)."""
+    if not specs:
+        return []
+    t0 = time.perf_counter()
+
+    def one(s: RunSpec) -> RunResult:
+        r = run_ddp(s)
+        print(f"[DDP {time.perf_counter() - t0:6.0f}s] {s.config} seed {s.seed}: val {r.row['final_val_loss']:.4f}")
+        return r
+
+    with cf.ThreadPoolExecutor(len(specs)) as ex:
+        return list(ex.map(one, specs))
+
+
 def run_phase(specs: Sequence[RunSpec], m: dict[str, Any], verbose: bool) -> list[RunResult]:
-    """DDP runs one at a time (each is N processes) in a thread, beside the in-process runs
-    (``jobs`` − 1 at a time while DDP runs): a DDP rank waits in every all-reduce for the
-    slowest rank, and on a 2-core machine those waits would otherwise leave the cores idle."""
+    """The DDP runs in threads beside the in-process runs (``jobs`` at a time): a DDP rank
+    waits in every all-reduce for the slowest rank, and on a 2-core machine shared with
+    other jobs those waits would otherwise leave the cores to the others."""
     ddp = [s for s in specs if dict(s.extra)["method"] == DDP]
     rest = [s for s in specs if dict(s.extra)["method"] != DDP]
     rest.sort(key=lambda s: -s.sync_every * s.rounds * s.num_sites)  # longest first: fewer idle cores at the end
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(run_many, ddp, jobs=1, verbose=verbose, fn=run_ddp) if ddp else None
-        out = run_many(rest, jobs=max(1, m["jobs"] - bool(ddp)), verbose=verbose) if rest else []
-        return (fut.result() if fut is not None else []) + out
+        fut = ex.submit(_ddp_all, ddp)
+        out = run_many(rest, jobs=m["jobs"], verbose=verbose) if rest else []
+        return fut.result() + out
 
 
 def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
@@ -357,7 +381,10 @@ def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
     rows = [r.row for r in results]
     best = sweep_best(rows, sw["confirm"] + 1)
     confirm = [p for p in best if p != NESTEROV][: sw["confirm"]] + [NESTEROV]
-    more = sweep_specs(m, confirm, sw["confirm_seeds"]) + diagnosis_specs(m, best[0] if best else None)[3:]
+    more = (
+        sweep_specs(m, confirm, sw["confirm_seeds"])
+        + diagnosis_specs(m, best[0] if best else None)[1 + len(m["diagnosis_outers"]) :]
+    )
     while True:
         todo = unresolved(rows, m)
         budget_left = m["budget_min"] - (time.monotonic() - t0) / 60
