@@ -77,6 +77,7 @@ __all__ = [
     "mode_of",
     "mode_settings",
     "out_prefix",
+    "own_session",
 ]
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class RunSpec:
         eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
         track_drift: record the max pairwise L2 distance of θ between sites per round.
         timeout_s: limit of the whole run (the threads are abandoned after it).
+        own_session: processes a run spawns (DDP ranks) call :func:`own_session`.
         extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
     """
 
@@ -163,6 +165,7 @@ class RunSpec:
     eval_every: int = 1
     track_drift: bool = True
     timeout_s: float = 3600.0
+    own_session: bool = False
     extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -429,7 +432,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     rounds_done = sites[0].diloco.round
     bytes_sent = sum(x.bytes_sent for x in flat)
     bytes_received = sum(x.bytes_received for x in flat)
-    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
+    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row.update(
         {
@@ -468,14 +471,30 @@ def run_inproc(spec: RunSpec) -> RunResult:
     return RunResult(row=row, rounds=rounds)
 
 
-def _init_worker(verbose: bool) -> None:
+def own_session() -> None:
+    """Put this process into a session of its own. With the kernel's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``) CPU is shared between sessions first and
+    ``nice`` only orders processes within one, so N workers in the caller's session would
+    together get the share of one session on a machine where other jobs each start their own."""
+    try:
+        os.setsid()
+    except OSError:  # already a session or process-group leader
+        pass
+
+
+def _init_worker(verbose: bool, session: bool = False) -> None:
     torch.set_num_threads(1)
     quiet_logging(verbose)
+    if session:
+        own_session()
 
 
-def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
+def run_many(
+    specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc, own_sessions: bool = False
+) -> list[RunResult]:
     """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
     (``jobs == 1``: in this process). Prints one progress line per finished run.
+    ``own_sessions``: each worker process calls :func:`own_session`.
     Returns the results in the order of ``specs``."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
@@ -497,7 +516,7 @@ def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, 
     else:
         ctx = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(
-            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose,)
+            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose, own_sessions)
         ) as ex:
             futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
             for f in cf.as_completed(futs):

@@ -163,6 +163,7 @@ def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int,
         eval_every=max(1, eval_steps // h) if h > 1 else eval_steps,
         track_drift=False,
         timeout_s=3600.0,
+        own_session=True,
         extra=(("section", section), ("data", data), ("method", method), ("H", h)),
     )
     fields.update(kw)
@@ -361,7 +362,7 @@ def run_phase(specs: Sequence[RunSpec], m: dict[str, Any], verbose: bool) -> lis
     rest.sort(key=lambda s: -s.sync_every * s.rounds * s.num_sites)  # longest first: fewer idle cores at the end
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(_ddp_all, ddp)
-        out = run_many(rest, jobs=m["jobs"], verbose=verbose) if rest else []
+        out = run_many(rest, jobs=m["jobs"], verbose=verbose, own_sessions=True) if rest else []
         return fut.result() + out
 
 

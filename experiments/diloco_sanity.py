@@ -60,6 +60,7 @@ from experiments.common import (  # noqa: E402
     mean_std,
     mode_settings,
     out_prefix,
+    own_session,
     paired_deltas,
     publish,
     quiet_logging,
@@ -196,6 +197,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
+    if spec.own_session:
+        own_session()  # a rank's CPU share is its own on a machine shared by sessions (autogroup)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -273,7 +276,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = round(2 * (n - 1) / n * 4 * p)  # ring all-reduce, fp32
-    row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s")}
+    row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row.update(
         {
