@@ -170,6 +170,24 @@ def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int,
     return RunSpec(**fields)
 
 
+def _diloco(
+    m: dict[str, Any], section: str, data: str, h: int, outer: tuple[float, float], seed: int, steps: int, **kw: Any
+) -> RunSpec:
+    """DiLoCo with N sites at H = h and the outer SGD (lr, momentum) = ``outer``."""
+    return _spec(
+        m,
+        section=section,
+        data=data,
+        method=diloco_label(h, outer),
+        seed=seed,
+        steps=steps,
+        sync_every=h,
+        outer_lr=outer[0],
+        outer_momentum=outer[1],
+        **kw,
+    )
+
+
 def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int, **kw: Any) -> list[RunSpec]:
     """DDP, one site alone and one site with N times the batch (the last two as 1-site
     DiLoCo with lr 1, momentum 0: θ becomes the local model every round, i.e. plain training;
@@ -204,39 +222,13 @@ def convergence_specs(m: dict[str, Any]) -> list[RunSpec]:
             specs += _baselines(m, "convergence", data, seed, steps)[: 3 if grid else 2]
             for h in m["hs"] if grid else [h_main]:
                 for outer in (NESTEROV, AVERAGE) if h in m["both_outers_hs"] or h == h_main else (NESTEROV,):
-                    specs.append(
-                        _spec(
-                            m,
-                            section="convergence",
-                            data=data,
-                            method=diloco_label(h, outer),
-                            seed=seed,
-                            steps=steps,
-                            sync_every=h,
-                            outer_lr=outer[0],
-                            outer_momentum=outer[1],
-                        )
-                    )
+                    specs.append(_diloco(m, "convergence", data, h, outer, seed, steps))
     return specs
 
 
 def sweep_specs(m: dict[str, Any], grid: Sequence[tuple[float, float]], seeds: Sequence[int]) -> list[RunSpec]:
     sw, h = m["sweep"], m["h_main"]
-    return [
-        _spec(
-            m,
-            section="sweep",
-            data="iid",
-            method=diloco_label(h, (lr, mom)),
-            seed=seed,
-            steps=sw["total_steps"],
-            sync_every=h,
-            outer_lr=lr,
-            outer_momentum=mom,
-        )
-        for lr, mom in grid
-        for seed in seeds
-    ]
+    return [_diloco(m, "sweep", "iid", h, outer, seed, sw["total_steps"]) for outer in grid for seed in seeds]
 
 
 def fault_specs(m: dict[str, Any], names: Sequence[str], seeds: Sequence[int]) -> list[RunSpec]:
@@ -269,34 +261,9 @@ def diagnosis_specs(m: dict[str, Any], best: tuple[float, float] | None) -> list
     steps, h, seed = m["total_steps"], m["h_main"], 0
     specs = _baselines(m, "diagnosis: cosine inner LR", "iid", seed, steps, lr_schedule="cosine")[:1]
     for outer in m["diagnosis_outers"]:
-        specs.append(
-            _spec(
-                m,
-                section="diagnosis: cosine inner LR",
-                data="iid",
-                method=diloco_label(h, outer),
-                seed=seed,
-                steps=steps,
-                sync_every=h,
-                outer_lr=outer[0],
-                outer_momentum=outer[1],
-                lr_schedule="cosine",
-            )
-        )
+        specs.append(_diloco(m, "diagnosis: cosine inner LR", "iid", h, outer, seed, steps, lr_schedule="cosine"))
     if best is not None and best not in (NESTEROV, AVERAGE):
-        specs.append(
-            _spec(
-                m,
-                section="convergence",
-                data="iid",
-                method=diloco_label(h, best),
-                seed=seed,
-                steps=steps,
-                sync_every=h,
-                outer_lr=best[0],
-                outer_momentum=best[1],
-            )
-        )
+        specs.append(_diloco(m, "convergence", "iid", h, best, seed, steps))
     return specs
 
 

@@ -241,7 +241,25 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         f"SE = std/√n. CSV: `{prefix.with_suffix('.csv').name}`."
     )
     statements = claims(rows, m, conv, diag, facts, best, best_d)
-    return "\n\n".join([setup, *parts, "**Claims**\n\n" + statements])
+    return "\n\n".join([setup, scope(m, mode), *parts, "**Claims**\n\n" + statements])
+
+
+def scope(m: dict[str, Any], mode: str) -> str:
+    """What this mode leaves out of issue 18's matrix, plainly."""
+    f = m["faults"]
+    lines = [
+        f"Scope ({mode}): seeds {dict(m['seeds'])} for the convergence runs; the full H grid on "
+        f"{', '.join(m['grid_data'])} only (other data settings: DDP, 1 site, DiLoCo H = {m['h_main']}); the plain "
+        f"average at H = {', '.join(str(h) for h in m['both_outers_hs'])} only; fault and sweep runs of "
+        f"{f['total_steps']} / {m['sweep']['total_steps']} inner steps ({f['total_steps'] // m['h_main']} / "
+        f"{m['sweep']['total_steps'] // m['h_main']} rounds at H = {m['h_main']}), not {m['total_steps']}.",
+        "Not measured here: 10% loss over gRPC through netem (`experiments/netem_loss.py` is that path, with the "
+        "older, unpaired method); a real process restart (`experiments/site_failures.py`). 'Site down' is simulated "
+        f"in process: the last site is killed after round {f['restart_after']} and restarted "
+        f"(`InprocCluster.restart`: rejoin through the rendezvous, θ and training-position pull) once site 0 applied "
+        f"{f['down_rounds']} more rounds.",
+    ]
+    return "\n".join(lines)
 
 
 def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[float]]:
