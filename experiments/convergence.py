@@ -51,11 +51,13 @@ from experiments.common import (  # noqa: E402
     RunResult,
     RunSpec,
     base_parser,
+    load_meta,
     mean_std,
     mode_settings,
     out_prefix,
     publish,
     quiet_logging,
+    read_rows,
     run_many,
     run_or_load,
 )
@@ -370,11 +372,35 @@ def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
     return results
 
 
+def _merge_extra(args, rows: list, rounds: list, meta: dict[str, Any]) -> None:
+    """Add the rows of the ``--fault-seeds`` runs saved beside this mode's CSV (``--replot`` only)."""
+    extra = out_prefix(args, "convergence_faults")
+    if not (args.replot and extra.with_suffix(".csv").exists()):
+        return
+    have = {(r["config"], r["seed"]) for r in rows}
+    new = [r for r in read_rows(extra.with_suffix(".csv")) if (r["config"], r["seed"]) not in have]
+    rows += new
+    rounds += [
+        x
+        for x in read_rows(extra.with_name(extra.name + "_rounds.csv"))
+        if (x["config"], x["seed"]) in {(r["config"], r["seed"]) for r in new}
+    ]
+    more = load_meta(extra)
+    meta["command"] += f"` and `{more['command']}"
+    meta["minutes"] += more["minutes"]
+    meta["provenance"] += f"; fault seeds: {more['provenance']}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
     ap.add_argument("--total-steps", type=int, help="inner steps per site of the convergence runs")
     ap.add_argument("--budget-min", type=float, help="stop adding fault seeds after this many minutes")
+    ap.add_argument(
+        "--fault-seeds",
+        help="A:B: run only the fault section's runs for seeds A..B-1 into OUT/convergence_faults*.csv "
+        "(a later --replot of the same mode adds them to its tables)",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
@@ -384,8 +410,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
+    if args.fault_seeds:
+        a, b = (int(x) for x in args.fault_seeds.split(":"))
+        specs = fault_specs(m, [FAULT_FREE, LOSS10, RESTART, *CODECS], range(a, b))
+        run_or_load(
+            args,
+            argv,
+            "convergence.py",
+            out_prefix(args, "convergence_faults"),
+            lambda: run_phase(specs, m, args.verbose),
+        )
+        return 0
     prefix = out_prefix(args, "convergence")
     rows, rounds, meta = run_or_load(args, argv, "convergence.py", prefix, lambda: run_all(m, args.verbose))
+    _merge_extra(args, rows, rounds, meta)
     body = report(rows, rounds, m, meta, prefix, mode)
     title = "Convergence (issue 18)" if mode == "quick" else f"Convergence (issue 18, {mode})"
     publish(args, f"convergence-{mode}", title, body)
