@@ -401,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="A:B: run only the fault section's runs for seeds A..B-1 into OUT/convergence_faults*.csv "
         "(a later --replot of the same mode adds them to its tables)",
     )
+    ap.add_argument("--fault-names", help="with --fault-seeds: comma-separated runs (default: all, fault-free first)")
+    ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds: suffix of the CSV name")
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
@@ -412,12 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
     if args.fault_seeds:
         a, b = (int(x) for x in args.fault_seeds.split(":"))
-        specs = fault_specs(m, [FAULT_FREE, LOSS10, RESTART, *CODECS], range(a, b))
+        names = args.fault_names.split(",") if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
+        specs = fault_specs(m, names, range(a, b))
         run_or_load(
             args,
             argv,
             "convergence.py",
-            out_prefix(args, "convergence_faults"),
+            out_prefix(args, "convergence_faults" + args.fault_name_tag),
             lambda: run_phase(specs, m, args.verbose),
         )
         return 0

@@ -110,6 +110,7 @@ def convergence_table(rows, section: str, data: str) -> tuple[str, dict[str, lis
                 "—" if method == c.DDP else _pm_se(d),
                 f"{b / 1e6:.1f}",
                 ratio,
+                sum(int(r.get("rejected") or 0) for r in g),
             ]
         )
     md = md_table(
@@ -122,6 +123,7 @@ def convergence_table(rows, section: str, data: str) -> tuple[str, dict[str, lis
             "Δ vs DDP (paired, mean ± SE)",
             "MB sent per site",
             "fewer bytes than DDP",
+            "late contributions refused",
         ],
         table,
     )
@@ -150,6 +152,7 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
                 "—" if not d else ("yes" if se <= se_target else "**no**"),
                 "—" if not ppl else f"{statistics.fmean(ppl):+.2f}%",
                 f"{statistics.fmean(r['stale_buckets'] / max(1, r['rounds_done']) for r in g):.2f}",
+                sum(int(r.get("rejected") or 0) for r in g),
                 "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
             ]
         )
@@ -163,6 +166,7 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
             f"SE ≤ {se_target} pp",
             "Δ perplexity (mean)",
             "stale buckets/round",
+            "late contributions refused",
             "θ equal on all sites",
         ],
         table,
@@ -241,7 +245,8 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         f"SE = std/√n. CSV: `{prefix.with_suffix('.csv').name}`."
     )
     statements = claims(rows, m, conv, diag, facts, best, best_d)
-    return "\n\n".join([setup, scope(m, mode), *parts, "**Claims**\n\n" + statements])
+    note = f"\n\n{meta['note']}" if meta.get("note") else ""
+    return "\n\n".join([setup + note, scope(m, mode), *parts, "**Claims**\n\n" + statements])
 
 
 def scope(m: dict[str, Any], mode: str) -> str:
