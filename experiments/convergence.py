@@ -403,6 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--fault-names", help="with --fault-seeds: comma-separated runs (default: all, fault-free first)")
     ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds: suffix of the CSV name")
+    ap.add_argument(
+        "--sweep-confirm",
+        help="LR/M,LR/M,...:A:B: run only these outer settings of the sweep for seeds A..B-1 "
+        "into OUT/convergence_sweep*.csv",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
@@ -412,6 +417,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
+    if args.sweep_confirm:
+        settings, a, b = args.sweep_confirm.rsplit(":", 2)
+        grid = [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")]
+        specs = sweep_specs(m, grid, range(int(a), int(b)))
+        run_or_load(
+            args,
+            argv,
+            "convergence.py",
+            out_prefix(args, "convergence_sweep"),
+            lambda: run_phase(specs, m, args.verbose),
+        )
+        return 0
     if args.fault_seeds:
         a, b = (int(x) for x in args.fault_seeds.split(":"))
         names = args.fault_names.split(",") if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
