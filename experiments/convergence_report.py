@@ -28,6 +28,8 @@ def _c():
 def verdict(mu: float, se: float, target: float, *, se_target: float) -> str:
     """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent)."""
     if not se <= se_target:
+        if mu - target > 2 * se:  # worse than the target by more than twice its noise
+            return f"missed by {mu - target:.2f} pp (SE {se:.2f} pp, above {se_target} but far below the miss)"
         return f"unresolved at SE {se:.2f} pp (mean {mu:+.2f}%)"
     return "met" if mu <= target else f"missed by {mu - target:.2f} pp"
 
