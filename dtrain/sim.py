@@ -26,7 +26,8 @@ Faults: :meth:`InprocCluster.kill` (a site dies now), :meth:`kill_during_round`
 (an owner dies after the reduce, before serving any mean),
 :meth:`drop_broadcast` (a site misses means), :meth:`drop_contributions`, plus
 the random ``push_loss`` / ``pull_loss`` / ``delay_s`` of ``ClusterConfig.faults``
-(change them mid-run with ``cluster.network.set_faults``).
+(change them mid-run with ``cluster.network.set_faults``); :meth:`restart` brings
+a killed site back (join + state pull, as a restarted process).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class Site:
         site_id: its id in plans and logs.
         model: its model (trained in place by the training callable).
         optimizer: its inner optimizer (``step()`` is hooked by DiLoCo).
+        scheduler: its inner LR scheduler, or None (stepped by the training callable).
         diloco: its :class:`~dtrain.diloco.DiLoCo` wrapper.
         rendezvous: its rendezvous client (``down=True`` cuts it off).
         outcomes: every :class:`~dtrain.membership.SyncOutcome`, in order.
@@ -148,8 +150,11 @@ class Site:
         optimizer: torch.optim.Optimizer,
         diloco: DiLoCo,
         rendezvous: InprocRendezvousClient,
+        *,
+        scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None,
     ) -> None:
         self.index = index
+        self.scheduler = scheduler
         self.site_id = site_id
         self.model = model
         self.optimizer = optimizer
@@ -206,6 +211,9 @@ class InprocCluster:
             None: an :class:`~dtrain.transports.inproc.InprocTransport` on the cluster's
             network. Other transports bypass that network: its faults, :meth:`kill`
             and the drop helpers then do not reach the data path.
+        scheduler_factory: builds a site's inner LR scheduler from its inner
+            optimizer (``Site.scheduler``; the training callable steps it); it is
+            handed to DiLoCo, so a restarted site takes a member's schedule position.
 
     Use as a context manager (or call :meth:`close`) so that every site
     leaves the group and stops serving.
@@ -219,49 +227,85 @@ class InprocCluster:
         *,
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
         transport_factory: Callable[[int], Transport] | None = None,
+        scheduler_factory: "Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None" = None,
     ) -> None:
         self.config = cfg = config or ClusterConfig()
         self.network = InprocNetwork(cfg.faults)
         self.core = RendezvousCore(cfg.rendezvous or fast_rendezvous_config(cfg.num_sites))
-        group = cfg.group or fast_group_config()
+        self._dead: list[Site] = []
         torch.manual_seed(cfg.seed)
-        proto = model_factory()
+        self._proto = model_factory()
+        self._optimizer_factory = optimizer_factory
+        self._scheduler_factory = scheduler_factory
+        self._transport_factory = transport_factory
+        self._outer_optimizer = outer_optimizer
+        self._group = cfg.group or fast_group_config()
         self.sites: list[Site] = []
         self._by_address: dict[str, Site] = {}
         self.network.add_down_listener(self._on_down)
         try:
             for i in range(cfg.num_sites):
-                site_id = f"{cfg.site_prefix}{i}"
-                model = copy.deepcopy(proto)
-                opt = optimizer_factory(model)
-                client = InprocRendezvousClient(self.core)
-                dcfg = DiLoCoConfig(
-                    site_id=site_id,
-                    sync_every=cfg.sync_every,
-                    buckets=cfg.buckets,
-                    rounds=cfg.rounds,
-                    group=group,
-                    buffers=cfg.buffers,
-                    num_fragments=cfg.num_fragments,
-                    overlap_steps=cfg.overlap_steps,
-                    merge_alpha=cfg.merge_alpha,
-                    pace_fraction=cfg.pace_fraction,
-                    delayed_update=cfg.delayed_update,
-                )
-                d = DiLoCo(
-                    model,
-                    opt,
-                    config=dcfg,
-                    outer_optimizer=outer_optimizer,
-                    transport=transport_factory(i) if transport_factory else InprocTransport(self.network),
-                    rendezvous=client,
-                )
-                site = Site(i, site_id, model, opt, d, client)
-                self.sites.append(site)
-                self._by_address[site.address] = site
+                self._add_site(i)
         except BaseException:
             self.close()
             raise
+
+    def _add_site(self, i: int) -> Site:
+        """Build site ``i`` from a copy of the initial model; it joins the group (pulling θ
+        and a training position from a member when rounds already ran)."""
+        cfg = self.config
+        site_id = f"{cfg.site_prefix}{i}"
+        model = copy.deepcopy(self._proto)
+        opt = self._optimizer_factory(model)
+        scheduler = self._scheduler_factory(opt) if self._scheduler_factory is not None else None
+        client = InprocRendezvousClient(self.core)
+        dcfg = DiLoCoConfig(
+            site_id=site_id,
+            sync_every=cfg.sync_every,
+            buckets=cfg.buckets,
+            rounds=cfg.rounds,
+            group=self._group,
+            buffers=cfg.buffers,
+            num_fragments=cfg.num_fragments,
+            overlap_steps=cfg.overlap_steps,
+            merge_alpha=cfg.merge_alpha,
+            pace_fraction=cfg.pace_fraction,
+            delayed_update=cfg.delayed_update,
+        )
+        transport = self._transport_factory(i) if self._transport_factory else InprocTransport(self.network)
+        d = DiLoCo(
+            model,
+            opt,
+            config=dcfg,
+            outer_optimizer=self._outer_optimizer,
+            transport=transport,
+            rendezvous=client,
+            inner_scheduler=scheduler,
+        )
+        site = Site(i, site_id, model, opt, d, client, scheduler=scheduler)
+        if i < len(self.sites):
+            self.sites[i] = site
+        else:
+            self.sites.append(site)
+        self._by_address[site.address] = site
+        return site
+
+    def restart(self, i: int) -> Site:
+        """Site ``i``, killed earlier, comes back as a new process would: a fresh copy of
+        the initial model and a new inner optimizer, a new address, the same site id.
+        It joins the group, pulls θ from the members and takes a member's training
+        position (inner step, inner optimizer and scheduler state), then replaces
+        ``self.sites[i]`` (the dead one is closed without waiting). Blocks for the join
+        (at most the group's ``state_pull_timeout_s`` per attempt).
+
+        Raises:
+            ValueError: site ``i`` was not killed.
+        """
+        old = self.sites[i]
+        if not old.killed.is_set():
+            raise ValueError(f"site {i} ({old.site_id}) is alive; kill it before restarting it")
+        self._dead.append(old)
+        return self._add_site(i)
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -384,7 +428,7 @@ class InprocCluster:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Every site leaves the group and stops serving (idempotent)."""
-        for s in self.sites:
+        for s in [*self._dead, *self.sites]:
             try:
                 s.diloco.close(wait=not s.killed.is_set())  # a killed site's means are not served anyway
             except Exception as e:  # noqa: BLE001 - best effort at shutdown

@@ -44,7 +44,7 @@ from dtrain.codecs import CodecConfig  # noqa: E402
 from dtrain.rounds import RoundConfig  # noqa: E402
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config  # noqa: E402
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
-from dtrain.tasks.builtin import make_evaluate, make_optimizer  # noqa: E402
+from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler  # noqa: E402
 from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
 from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes  # noqa: E402
 from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
@@ -80,6 +80,7 @@ __all__ = [
     "mode_of",
     "mode_settings",
     "out_prefix",
+    "own_session",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,14 @@ class RunSpec:
         config: label of the setting (rows with the same label are seeds of one setting).
         seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
         num_sites: N sites (threads).
-        size, data, batch_size, context_len, lr: see ``dtrain.tasks.TaskSpec``.
+        size, data, batch_size, context_len, lr, non_iid, lr_schedule, warmup_steps:
+            see ``dtrain.tasks.TaskSpec``.
+        decay_steps: cosine decay steps of ``lr_schedule="cosine"``; None: the run's
+            inner steps minus the warmup (decayed to 10 % at the last step).
+        restart_after_round: -1: no restart; else the last site is killed after it
+            applied this many rounds and restarted (``InprocCluster.restart``: join and
+            state pull) once site 0 applied ``down_rounds`` more.
+        down_rounds: rounds the restarted site stays away.
         sync_every: H inner steps per round; rounds: rounds to train.
         codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
             topk_fraction: see ``CodecConfig``.
@@ -121,6 +129,7 @@ class RunSpec:
         eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
         track_drift: record the max pairwise L2 distance of θ between sites per round.
         timeout_s: limit of the whole run (the threads are abandoned after it).
+        own_session: processes a run spawns (DDP ranks) call :func:`own_session`.
         extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
         datagram_drop: None: the in-process network; a probability in [0, 1): the
             datagram data path on 127.0.0.1 (``DatagramTransport``, one chunk per
@@ -138,6 +147,12 @@ class RunSpec:
     batch_size: int | None = None
     context_len: int | None = None
     lr: float | None = None
+    non_iid: bool = False
+    lr_schedule: str = "constant"
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    restart_after_round: int = -1
+    down_rounds: int = 5
     sync_every: int = 10
     rounds: int = 20
     codec: str = "fp32"
@@ -158,6 +173,7 @@ class RunSpec:
     eval_every: int = 1
     track_drift: bool = True
     timeout_s: float = 3600.0
+    own_session: bool = False
     extra: tuple[tuple[str, Any], ...] = ()
     datagram_drop: float | None = None
 
@@ -175,6 +191,11 @@ class RunSpec:
         need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
         need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
+        need(
+            self.restart_after_round == -1 or 0 < self.restart_after_round < self.rounds - self.down_rounds,
+            "restart_after_round",
+            "-1 or in (0, rounds - down_rounds)",
+        )
         # Build the component configs once so a bad value fails here, naming its field.
         self.task_spec(0)
         self.cluster_config()
@@ -189,6 +210,10 @@ class RunSpec:
             lr=self.lr,
             batch_size=self.batch_size,
             context_len=self.context_len,
+            non_iid=self.non_iid,
+            lr_schedule=self.lr_schedule,  # type: ignore[arg-type]
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
 
     def cluster_config(self) -> ClusterConfig:
@@ -275,6 +300,54 @@ def _loopback_datagram(spec: RunSpec, i: int) -> DatagramTransport:
     return DatagramTransport(cfg)
 
 
+def _train(cluster: InprocCluster, step, spec: RunSpec, rec: _Recorder) -> None:
+    """Every site takes H·rounds inner steps (``step(site, k)``); with
+    ``spec.restart_after_round`` the last site dies after that round and comes back
+    (``InprocCluster.restart``) once site 0 applied ``spec.down_rounds`` more rounds, at
+    the inner step of the training position it pulled.
+
+    Raises:
+        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
+    """
+    total = spec.sync_every * spec.rounds
+    if spec.restart_after_round < 0:
+        cluster.run_steps(step, total, timeout_s=spec.timeout_s)
+        return
+    victim = spec.num_sites - 1
+    deadline = time.monotonic() + spec.timeout_s
+    errors: list[BaseException] = []
+
+    def come_back() -> Site:
+        cluster.kill(victim)
+        while cluster.sites[0].diloco.round < spec.restart_after_round + spec.down_rounds:
+            if time.monotonic() > deadline or cluster.sites[0].thread is None or not cluster.sites[0].thread.is_alive():
+                raise TimeoutError(f"site 0 did not reach round {spec.restart_after_round + spec.down_rounds}")
+            time.sleep(0.01)
+        site = cluster.restart(victim)
+        site.diloco.on_round.append(rec.hook(site))
+        return site
+
+    def loop(site: Site) -> None:
+        k = 0
+        while k < total:
+            if site.index == victim and k == spec.restart_after_round * spec.sync_every and not site.killed.is_set():
+                try:
+                    site = come_back()
+                    k = site.diloco.inner_steps or site.diloco.round * spec.sync_every
+                    while k < total:
+                        step(site, k)
+                        k += 1
+                except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
+                    errors.append(e)
+                return
+            step(site, k)
+            k += 1
+
+    cluster.run(loop, timeout_s=spec.timeout_s)
+    if errors:
+        raise RuntimeError(f"restarted site {victim} failed: {errors[0]!r}") from errors[0]
+
+
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -320,6 +393,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         spec.cluster_config(),
         outer_optimizer=outer,
         transport_factory=None if spec.datagram_drop is None else functools.partial(_loopback_datagram, spec),
+        scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)
     inner_s = [0.0] * spec.num_sites
@@ -340,6 +414,8 @@ def run_inproc(spec: RunSpec) -> RunResult:
             cb0 = rec.callback_s[site.index]
             site.optimizer.step()  # hooked: every H-th step runs a round
             site.optimizer.zero_grad(set_to_none=True)
+            if site.scheduler is not None:
+                site.scheduler.step()
             t2 = time.perf_counter()
             if (k + 1) % H == 0:
                 inner_s[site.index] += t1 - t0
@@ -348,7 +424,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
                 inner_s[site.index] += t2 - t0
 
         t_run = time.perf_counter()
-        cluster.run_steps(step, H * spec.rounds, timeout_s=spec.timeout_s)
+        _train(cluster, step, spec, rec)
         wall = time.perf_counter() - t_run
         finals = [evaluate(s.model) for s in cluster.sites]
         thetas = [s.theta() for s in cluster.sites]
@@ -384,7 +460,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     rounds_done = sites[0].diloco.round
     bytes_sent = sum(x.bytes_sent for x in flat)
     bytes_received = sum(x.bytes_received for x in flat)
-    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s")}
+    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row["chunk_bytes"] = spec.cluster_config().buckets.chunk_bytes  # the datagram path sets its own
     row.update(
@@ -424,14 +500,30 @@ def run_inproc(spec: RunSpec) -> RunResult:
     return RunResult(row=row, rounds=rounds)
 
 
-def _init_worker(verbose: bool) -> None:
+def own_session() -> None:
+    """Put this process into a session of its own. With the kernel's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``) CPU is shared between sessions first and
+    ``nice`` only orders processes within one, so N workers in the caller's session would
+    together get the share of one session on a machine where other jobs each start their own."""
+    try:
+        os.setsid()
+    except OSError:  # already a session or process-group leader
+        pass
+
+
+def _init_worker(verbose: bool, session: bool = False) -> None:
     torch.set_num_threads(1)
     quiet_logging(verbose)
+    if session:
+        own_session()
 
 
-def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
+def run_many(
+    specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc, own_sessions: bool = False
+) -> list[RunResult]:
     """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
     (``jobs == 1``: in this process). Prints one progress line per finished run.
+    ``own_sessions``: each worker process calls :func:`own_session`.
     Returns the results in the order of ``specs``."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
@@ -453,7 +545,7 @@ def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, 
     else:
         ctx = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(
-            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose,)
+            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose, own_sessions)
         ) as ex:
             futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
             for f in cf.as_completed(futs):

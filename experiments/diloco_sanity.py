@@ -60,6 +60,7 @@ from experiments.common import (  # noqa: E402
     mean_std,
     mode_settings,
     out_prefix,
+    own_session,
     paired_deltas,
     publish,
     quiet_logging,
@@ -196,6 +197,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
+    if spec.own_session:
+        own_session()  # a rank's CPU share is its own on a machine shared by sessions (autogroup)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -217,10 +220,11 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
             )
         )
         first = evaluate(task.model) if rank == 0 else float("nan")
+        curve: list[tuple[int, float]] = []  # (inner steps done, val loss) every spec.eval_every steps
         comm_s = 0.0
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(spec.rounds):
+        for step in range(spec.rounds):
             loss = task.loss(task.model, next(task.batches))
             loss.backward()
             t = time.perf_counter()
@@ -234,6 +238,10 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
             comm_s += time.perf_counter() - t
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
+            if task.scheduler is not None:
+                task.scheduler.step()
+            if rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0 and step + 1 < spec.rounds:
+                curve.append((step + 1, evaluate(task.model)))
         wall = time.perf_counter() - t0
         if rank == 0:
             Path(out_path).write_text(
@@ -245,6 +253,7 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                         "comm_s": comm_s,
                         "num_params": flat.numel(),
                         "tokens_per_batch": task.tokens_per_batch,
+                        "curve": curve,
                     }
                 )
             )
@@ -257,7 +266,9 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
 
 
 def run_ddp(spec: RunSpec) -> RunResult:
-    """N spawned ranks, ``spec.rounds`` steps each; returns a row shaped like a DiLoCo row."""
+    """N spawned ranks, ``spec.rounds`` steps each; returns a row shaped like a DiLoCo row and,
+    as ``rounds``, rank 0's validation loss every ``spec.eval_every`` steps (``round`` = step − 1)
+    and at the end. The task's inner LR scheduler (``spec.lr_schedule``) is stepped every step."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ddp.json")
@@ -265,7 +276,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = round(2 * (n - 1) / n * 4 * p)  # ring all-reduce, fp32
-    row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s")}
+    row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row.update(
         {
@@ -297,7 +308,12 @@ def run_ddp(spec: RunSpec) -> RunResult:
             "consistent": True,
         }
     )
-    return RunResult(row=row)
+    curve = [*res["curve"], (steps, res["final_val_loss"])]
+    rounds = [
+        {"experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": k - 1, "val_loss": v}
+        for k, v in curve
+    ]
+    return RunResult(row=row, rounds=rounds)
 
 
 # ---------------------------------------------------------------------------- report

@@ -244,3 +244,50 @@ def test_datagram_val_loss_smoke(tmp_path: Path) -> None:
     assert "## Datagram path: validation loss at 10% loss (smoke)" in md
     assert f"| 0 | {clean['final_val_loss']:.4f} | {lossy['final_val_loss']:.4f} |" in md
     assert "Mean d over 1 seeds" in md and "unresolved at SE inf%" in md
+
+
+@pytest.mark.timeout(420)  # ~45 s on an idle 2-core machine; 217 s at load average 60
+def test_convergence_smoke(tmp_path: Path) -> None:
+    """experiments/convergence.py --smoke: every method of every section has a row, losses fall,
+    the fault-free baseline is paired with every fault, and the report states every claim."""
+    from experiments import convergence as c
+
+    rows, _, md = _run("convergence", tmp_path)
+    _check_rows(rows, "convergence")
+    methods = {(r["section"], r["data"], r["method"]) for r in rows}
+    diloco = {c.diloco_label(h, o) for h in (2, 4) for o in (c.NESTEROV, c.AVERAGE)}
+    for data in ("iid", "non-iid"):
+        assert {("convergence", data, x) for x in {c.DDP, c.ALONE, c.BIG} | diloco} <= methods
+    faults = [c.FAULT_FREE, c.LOSS10, c.RESTART, *c.CODECS]
+    assert {("faults", "iid", x) for x in faults} <= methods
+    assert {r["method"] for r in rows if r["section"] == "sweep" and r["seed"] == 0} == {
+        c.diloco_label(2, (lr, mo)) for lr in (0.7, 1.0) for mo in (0.0, 0.9)
+    }
+    for r in rows:
+        assert r["final_val_loss"] < r["first_val_loss"] - 0.01, r["config"]  # every run learned something
+        assert r["consistent"] is True, r["config"]
+    by = {(r["section"], r["data"], r["method"], r["seed"]): r for r in rows}
+    ddp, one, big = (by["convergence", "iid", x, 0] for x in (c.DDP, c.ALONE, c.BIG))
+    assert ddp["inner_steps"] == one["inner_steps"] == big["inner_steps"] == 8
+    assert big["tokens_per_site"] == 2 * one["tokens_per_site"]  # N = 2 sites' tokens
+    assert one["bytes_total"] == big["bytes_total"] == 0
+    # paired by seed: each fault has the fault-free run of the same seeds
+    seeds = {k[3] for k in by if k[:3] == ("faults", "iid", c.FAULT_FREE)}
+    assert len(seeds) >= 2
+    for x in faults:
+        assert {k[3] for k in by if k[:3] == ("faults", "iid", x)} == seeds
+    # int8 changes the fault-free run's loss by far less than top-k keeping 1% of each chunk
+    d = {x: c.pct_deltas(c.fault_rows(rows, x), c.fault_rows(rows, c.FAULT_FREE)) for x in faults[1:]}
+    assert max(abs(v) for v in d["int8"]) < min(abs(v) for v in d["topk + error feedback"])
+    # a curve per run: DDP evaluated every step, DiLoCo H=2 every round
+    rounds = read_rows(tmp_path / "convergence_smoke_rounds.csv")
+    curve = [x for x in rounds if x["config"] == ddp["config"] and x["seed"] == 0]
+    assert [x["round"] for x in curve] == list(range(8)) and curve[-1]["val_loss"] == pytest.approx(
+        ddp["final_val_loss"], rel=1e-5
+    )
+    for name in ("convergence_iid", "convergence_non-iid", "diagnosis_iid"):
+        assert (tmp_path / f"convergence_smoke_{name}.png").stat().st_size > 5000
+    assert "## Convergence (issue 18, smoke)" in md and "`.venv/bin/python experiments/convergence.py --smoke" in md
+    for claim in ("DiLoCo vs DDP (iid", "DiLoCo vs DDP (non-iid", "10% chunk loss ≤ 0.5%", "int4 no regression"):
+        assert claim in md
+    assert md.count("→ **") >= 8  # a verdict per claim
