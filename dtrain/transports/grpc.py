@@ -208,6 +208,16 @@ class _PeerServicer:
                 await self.server.run_blocking(
                     "Push", lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted))
                 )
+        except asyncio.CancelledError:
+            # The sender's connection broke while this coroutine awaited a chunk's handling
+            # (grpc.aio cancels the RPC then instead of ending the stream): the stream
+            # ended short all the same, so the handler hears of it (not awaited: the task
+            # is being cancelled); without this the owner waited for the dead sender's
+            # chunks until the reduce deadline.
+            if sender is not None and (ended := getattr(self._handler, "handle_push_ended", None)) is not None:
+                n, who = accepted, sender
+                self.server.pool("Push").submit(_run_handler, "Push", lambda: ended(who, rnd, n))
+            raise
         finally:
             if sender is not None:
                 self.server.limiter.release("Push", sender)

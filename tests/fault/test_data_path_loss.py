@@ -211,3 +211,53 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
         assert bk.lost == set()
     finally:
         e.stop(0.1)
+
+
+class _SlowOwner:
+    """An owner whose chunk handling takes a while, so the sender dies mid-handling."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.handling = threading.Event()
+        self.ended: list[tuple[str, int, int]] = []
+
+    def handle_contribution(self, c) -> None:
+        self.handling.set()
+        time.sleep(1.0)
+
+    def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
+        self.ended.append((sender, round, num_accepted))
+
+    def handle_pull_mean(self, round, bucket, requester, timeout_s):
+        raise Rejected(RejectCode.NOT_FOUND, "no means here")
+
+    def handle_pull_state(self, bucket, requester):
+        raise Rejected(RejectCode.NOT_FOUND, "no state here")
+
+
+@pytest.mark.timeout(60)
+def test_sender_killed_while_its_chunk_is_handled_is_reported_ended():
+    """The sender dies while the owner still handles its chunk (the RPC is cancelled under
+    the awaiting coroutine rather than its stream ending): the owner's handler still hears
+    that the stream ended, so the engine stops waiting for that sender's chunks (a CI run
+    at load once waited out the 60 s reduce deadline in the SIGKILL test above)."""
+    handler = _SlowOwner()
+    t = GrpcTransport(GrpcTransportConfig())
+    address = t.start(handler)
+    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
+    off, n = layout.buckets[0].chunks[0]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, address, "0", str(off), str(n), "fp32"], env=env)
+    try:
+        assert handler.handling.wait(20), "the chunk never reached the handler"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 15
+        while not handler.ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(s, r) for s, r, _ in handler.ended] == [("site-2", 0)]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        t.stop(0.1)
