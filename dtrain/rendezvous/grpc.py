@@ -535,14 +535,24 @@ class GrpcRendezvousClient:
         self.config = cfg
         self.rpc_timeout_s = check_timeout(rpc_timeout_s)
         self._metadata = call_metadata(cfg)
-        self._pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(
-            dataclasses.replace(cfg, num_channels_per_peer=1), pb_grpc.RendezvousStub
-        )
+        one = dataclasses.replace(cfg, num_channels_per_peer=1)
+        self._pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(one, pb_grpc.RendezvousStub)
+        # Heartbeats get a TCP connection of their own: a connection stalled in TCP
+        # retransmission or reconnect back-off on a lossy link (a Ready long poll's) must
+        # not also silence the site's liveness; two connections stall independently.
+        self._heartbeat_pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(one, pb_grpc.RendezvousStub)
 
-    def _call(self, what: str, timeout_s: float, fn: Callable[[pb_grpc.RendezvousStub, float], T]) -> T:
+    def _call(
+        self,
+        what: str,
+        timeout_s: float,
+        fn: Callable[[pb_grpc.RendezvousStub, float], T],
+        pool: "ChannelPool[pb_grpc.RendezvousStub] | None" = None,
+    ) -> T:
+        pool = pool or self._pool
         try:
             return call_with_retry(
-                lambda remaining: fn(self._pool.stub(self.address), remaining),
+                lambda remaining: fn(pool.stub(self.address), remaining),
                 timeout_s=timeout_s,
                 cfg=self.config,
                 what=f"rendezvous {what}",
@@ -592,7 +602,10 @@ class GrpcRendezvousClient:
         if last_loss is not None:
             request.last_loss = last_loss
         reply = self._call(
-            "heartbeat", self.rpc_timeout_s, lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata)
+            "heartbeat",
+            self.rpc_timeout_s,
+            lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
+            self._heartbeat_pool,
         )
         return HeartbeatInfo(
             known=reply.known,
@@ -627,8 +640,9 @@ class GrpcRendezvousClient:
         )
 
     def close(self) -> None:
-        """Close the channel; later calls raise ``RendezvousError``."""
+        """Close the channels; later calls raise ``RendezvousError``."""
         self._pool.close()
+        self._heartbeat_pool.close()
 
     def __enter__(self) -> "GrpcRendezvousClient":
         return self

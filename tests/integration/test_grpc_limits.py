@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dtrain._proto.dtrain.v1 import rendezvous_pb2
-from dtrain.errors import RejectCode, Rejected
+from dtrain.errors import RejectCode, Rejected, RendezvousError
 from dtrain.protocol import BucketMean, Contribution
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.rendezvous.grpc import GrpcRendezvousClient, serve_rendezvous
@@ -257,3 +257,76 @@ def test_new_limits_are_validated_naming_the_field() -> None:
     ):
         with pytest.raises(ValueError, match=field):
             GrpcTransportConfig(**{field: bad})
+
+
+class _FreezableProxy:
+    """A TCP forwarder on 127.0.0.1 whose connections can be frozen one by one (bytes stop
+    flowing both ways, the sockets stay open): a connection stalled as on a lossy link."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.frozen: set[int] = set()
+        self.num_accepted = 0
+        self._socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                a, _ = self._listener.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self._target)
+            i, self.num_accepted = self.num_accepted, self.num_accepted + 1
+            self._socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(i, src, dst), daemon=True).start()
+
+    def _pump(self, i: int, src, dst) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                while i in self.frozen:
+                    time.sleep(0.01)
+                if not data:
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._socks:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_go_on_while_the_main_rendezvous_connection_is_stalled() -> None:
+    """The rendezvous client's joins and Ready long polls share one connection; its
+    heartbeats have their own. With the first connection frozen (as a TCP connection stuck
+    in retransmission on a 10%-loss link once was for 7.6 s, long enough for the rendezvous
+    to declare the site dead), heartbeats still arrive."""
+    rdv = serve_rendezvous(RendezvousCore(RendezvousConfig(min_sites=2)), GrpcTransportConfig(), tick_s=0.05)
+    proxy = _FreezableProxy(rdv.address)
+    rc = GrpcRendezvousClient(proxy.address, rpc_timeout_s=2.0)
+    try:
+        rc.join("site-a", "127.0.0.1:1")  # the main connection: accepted first
+        assert rc.heartbeat("site-a").known
+        assert proxy.num_accepted == 2  # the heartbeat opened a second connection
+        proxy.frozen.add(0)
+        for _ in range(3):
+            assert rc.heartbeat("site-a").known
+        with pytest.raises(RendezvousError):  # the main connection is stalled indeed
+            rc.ready("site-a", 0, timeout_s=0.2)
+    finally:
+        proxy.frozen.clear()
+        rc.close()
+        proxy.close()
+        rdv.stop(0)
