@@ -53,6 +53,7 @@ from experiments.common import (  # noqa: E402
     base_parser,
     load_meta,
     mean_std,
+    mode_of,
     mode_settings,
     out_prefix,
     publish,
@@ -372,23 +373,47 @@ def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
     return results
 
 
+EXTRA = ("convergence_faults", "convergence_outer")  # the side runs' CSV names (then a --fault-name-tag)
+
+
+def _side_files(args) -> list[Path]:
+    """This mode's side-run CSVs in OUT (``EXTRA`` + tag [+ ``_MODE``]), oldest first."""
+    mode, out = mode_of(args), []
+    for name in EXTRA:
+        for p in Path(args.out).glob(name + "*.csv"):
+            if p.stem.endswith("_rounds") or (p.stem.endswith(("_smoke", "_full")) != (mode != "quick")):
+                continue
+            if mode == "quick" or p.stem.endswith("_" + mode):
+                out.append(p)
+    return sorted(out, key=lambda p: p.stat().st_mtime)
+
+
 def _merge_extra(args, rows: list, rounds: list, meta: dict[str, Any]) -> None:
-    """Add the rows of the ``--fault-seeds`` runs saved beside this mode's CSV (``--replot`` only)."""
-    extra = out_prefix(args, "convergence_faults")
-    if not (args.replot and extra.with_suffix(".csv").exists()):
+    """Add the rows of the side runs (``--fault-seeds``, ``--outer-check``) saved beside this
+    mode's CSV (``--replot`` only), oldest file first: a side run's row replaces the row of
+    the same config and seed already there (a rerun on a quieter machine supersedes)."""
+    if not args.replot:
         return
-    have = {(r["config"], r["seed"]) for r in rows}
-    new = [r for r in read_rows(extra.with_suffix(".csv")) if (r["config"], r["seed"]) not in have]
-    rows += new
-    rounds += [
-        x
-        for x in read_rows(extra.with_name(extra.name + "_rounds.csv"))
-        if (x["config"], x["seed"]) in {(r["config"], r["seed"]) for r in new}
-    ]
-    more = load_meta(extra)
-    meta["command"] += f"` and `{more['command']}"
-    meta["minutes"] += more["minutes"]
-    meta["provenance"] += f"; fault seeds: {more['provenance']}"
+    for csv_path in _side_files(args):
+        extra = csv_path.with_suffix("")
+        new = read_rows(csv_path)
+        keys = {(r["config"], r["seed"]) for r in new}
+        rows[:] = [r for r in rows if (r["config"], r["seed"]) not in keys] + new
+        rounds_path = extra.with_name(extra.name + "_rounds.csv")
+        got = read_rows(rounds_path) if rounds_path.exists() else []
+        rounds[:] = [x for x in rounds if (x["config"], x["seed"]) not in keys] + got
+        more = load_meta(extra)
+        if more["command"] in meta["command"]:
+            continue  # already counted in the main file's meta (merged before)
+        meta["command"] += f"` and `{more['command']}"
+        meta["minutes"] += more["minutes"]
+        meta["provenance"] += f"; `{more['command'].split('convergence.py ', 1)[-1]}`: {more['provenance']}"
+
+
+def _settings(text: str) -> tuple[list[tuple[float, float]], range]:
+    """``"LR/M,LR/M,...:A:B"`` -> the (outer lr, momentum) settings and seeds A..B-1."""
+    settings, a, b = text.rsplit(":", 2)
+    return [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")], range(int(a), int(b))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -402,7 +427,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(a later --replot of the same mode adds them to its tables)",
     )
     ap.add_argument("--fault-names", help="with --fault-seeds: comma-separated runs (default: all, fault-free first)")
-    ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds: suffix of the CSV name")
+    ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds or --outer-check: suffix of the CSV name")
+    ap.add_argument(
+        "--outer-check",
+        help="LR/M,LR/M,...:A:B: run only DiLoCo at H = h_main with these outer settings over the convergence "
+        "runs' inner steps (iid) for seeds A..B-1 into OUT/convergence_outer*.csv (a later --replot of the same "
+        "mode adds them to the convergence table)",
+    )
     ap.add_argument(
         "--sweep-confirm",
         help="LR/M,LR/M,...:A:B: run only these outer settings of the sweep for seeds A..B-1 "
@@ -417,10 +448,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
+    if args.outer_check:
+        grid, seeds = _settings(args.outer_check)
+        specs = [
+            _diloco(m, "convergence", "iid", m["h_main"], o, seed, m["total_steps"]) for o in grid for seed in seeds
+        ]
+        run_or_load(
+            args,
+            argv,
+            "convergence.py",
+            out_prefix(args, "convergence_outer" + args.fault_name_tag),
+            lambda: run_phase(specs, m, args.verbose),
+        )
+        return 0
     if args.sweep_confirm:
-        settings, a, b = args.sweep_confirm.rsplit(":", 2)
-        grid = [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")]
-        specs = sweep_specs(m, grid, range(int(a), int(b)))
+        grid, seeds = _settings(args.sweep_confirm)
+        specs = sweep_specs(m, grid, seeds)
         run_or_load(
             args,
             argv,

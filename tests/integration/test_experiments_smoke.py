@@ -291,3 +291,16 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     for claim in ("DiLoCo vs DDP (iid", "DiLoCo vs DDP (non-iid", "10% chunk loss ≤ 0.5%", "int4 no regression"):
         assert claim in md
     assert md.count("→ **") >= 8  # a verdict per claim
+    # side runs: an outer setting over the convergence steps and a fault rerun, merged by --replot
+    # (a rerun replaces the row of the same config and seed; nothing is counted twice)
+    base = ["--smoke", "--out", str(tmp_path), "--results", "none"]
+    assert c.main([*base, "--outer-check", "1/0.5:0:1"]) == 0
+    assert c.main([*base, "--fault-seeds", "1:2", "--fault-names", c.FAULT_FREE, "--fault-name-tag", "_re"]) == 0
+    again = read_rows(tmp_path / "convergence_faults_re_smoke.csv")
+    assert again[0]["final_val_loss"] == by["faults", "iid", c.FAULT_FREE, 1]["final_val_loss"]  # deterministic
+    results = tmp_path / "RESULTS.md"
+    assert c.main(["--smoke", "--out", str(tmp_path), "--results", str(results), "--replot"]) == 0
+    md2 = results.read_text()
+    assert f"| {c.diloco_label(2, (1.0, 0.5))} | 0 | 4 | 8 |" in md2  # in the iid convergence table
+    assert "--outer-check 1/0.5:0:1" in md2 and "--fault-name-tag _re" in md2
+    assert f"| {c.FAULT_FREE} | {len(seeds)} |" in md2
