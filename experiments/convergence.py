@@ -410,6 +410,25 @@ def _merge_extra(args, rows: list, rounds: list, meta: dict[str, Any]) -> None:
         meta["provenance"] += f"; `{more['command'].split('convergence.py ', 1)[-1]}`: {more['provenance']}"
 
 
+ALIASES = {"fault-free": FAULT_FREE, "loss10": LOSS10, "restart": RESTART, "topk": "topk + error feedback"}
+
+
+def _fault_names(text: str) -> list[str]:
+    """``--fault-names``: comma-separated run names or aliases (``ALIASES``); a name with a
+    comma in it ("1 site down, restarted") is put back together from its pieces."""
+    known = [FAULT_FREE, LOSS10, RESTART, *CODECS]
+    out, acc = [], ""
+    for piece in text.split(","):
+        acc = f"{acc},{piece}" if acc else piece.strip()
+        name = ALIASES.get(acc, acc)
+        if name in known:
+            out.append(name)
+            acc = ""
+    if acc:
+        raise SystemExit(f"--fault-names: unknown run {acc!r}; known: {known} or {sorted(ALIASES)}")
+    return out
+
+
 def _settings(text: str) -> tuple[list[tuple[float, float]], range]:
     """``"LR/M,LR/M,...:A:B"`` -> the (outer lr, momentum) settings and seeds A..B-1."""
     settings, a, b = text.rsplit(":", 2)
@@ -426,7 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="A:B: run only the fault section's runs for seeds A..B-1 into OUT/convergence_faults*.csv "
         "(a later --replot of the same mode adds them to its tables)",
     )
-    ap.add_argument("--fault-names", help="with --fault-seeds: comma-separated runs (default: all, fault-free first)")
+    ap.add_argument(
+        "--fault-names",
+        help="with --fault-seeds: comma-separated runs or aliases fault-free, loss10, restart, int8, int4, "
+        "topk (default: all, fault-free first)",
+    )
     ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds or --outer-check: suffix of the CSV name")
     ap.add_argument(
         "--outer-check",
@@ -474,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.fault_seeds:
         a, b = (int(x) for x in args.fault_seeds.split(":"))
-        names = args.fault_names.split(",") if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
+        names = _fault_names(args.fault_names) if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
         specs = fault_specs(m, names, range(a, b))
         run_or_load(
             args,

@@ -295,7 +295,12 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     # (a rerun replaces the row of the same config and seed; nothing is counted twice)
     base = ["--smoke", "--out", str(tmp_path), "--results", "none"]
     assert c.main([*base, "--outer-check", "1/0.5:0:1"]) == 0
-    assert c.main([*base, "--fault-seeds", "1:2", "--fault-names", c.FAULT_FREE, "--fault-name-tag", "_re"]) == 0
+    assert c._fault_names("fault-free,1 site down, restarted,topk") == [
+        c.FAULT_FREE,
+        c.RESTART,
+        "topk + error feedback",
+    ]
+    assert c.main([*base, "--fault-seeds", "1:2", "--fault-names", "fault-free", "--fault-name-tag", "_re"]) == 0
     again = read_rows(tmp_path / "convergence_faults_re_smoke.csv")
     assert again[0]["final_val_loss"] == by["faults", "iid", c.FAULT_FREE, 1]["final_val_loss"]  # deterministic
     results = tmp_path / "RESULTS.md"
