@@ -462,6 +462,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="LR/M,LR/M,...:A:B: run only these outer settings of the sweep for seeds A..B-1 "
         "into OUT/convergence_sweep*.csv",
     )
+    ap.add_argument(
+        "--rerun-diloco",
+        action="store_true",
+        help="run only the convergence and diagnosis sections' DiLoCo runs (those whose late contributions a "
+        "loaded machine makes the reduce deadline refuse) into OUT/convergence_outer*.csv; a later --replot "
+        "replaces the rows of the same config and seed",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
@@ -471,11 +478,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
-    if args.outer_check:
-        grid, seeds = _settings(args.outer_check)
-        specs = [
-            _diloco(m, "convergence", "iid", m["h_main"], o, seed, m["total_steps"]) for o in grid for seed in seeds
-        ]
+    if args.outer_check or args.rerun_diloco:
+        if args.rerun_diloco:
+            specs = [s for s in convergence_specs(m) + diagnosis_specs(m, None) if s.num_sites > 1]
+            specs = [s for s in specs if dict(s.extra)["method"] != DDP]
+        else:
+            grid, seeds = _settings(args.outer_check)
+            specs = [_diloco(m, "convergence", "iid", m["h_main"], o, s, m["total_steps"]) for o in grid for s in seeds]
         run_or_load(
             args,
             argv,
