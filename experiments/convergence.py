@@ -68,6 +68,7 @@ from experiments.diloco_sanity import run_ddp  # noqa: E402
 SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
 DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
 NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)
+LONG = "long"  # the --long-check runs' section
 FAULT_FREE, LOSS10, RESTART = "fault-free (fp32)", "10% chunk loss", "1 site down, restarted"
 CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
 
@@ -270,6 +271,20 @@ def diagnosis_specs(m: dict[str, Any], best: tuple[float, float] | None) -> list
     return specs
 
 
+def long_specs(m: dict[str, Any], text: str) -> list[RunSpec]:
+    """``--long-check STEPS:ITEMS``: DiLoCo at H = h_main per outer setting, and ``big`` (1 site,
+    N times the batch), over STEPS inner steps, seed 0, section ``LONG`` (its own table)."""
+    steps, items = text.split(":", 1)
+    n, specs = int(steps), []
+    for item in items.split(","):
+        if item == "big":
+            specs.append(_baselines(m, LONG, "iid", 0, n)[2])
+        else:
+            lr, mom = (float(x) for x in item.split("/"))
+            specs.append(_diloco(m, LONG, "iid", m["h_main"], (lr, mom), 0, n))
+    return specs
+
+
 # ---------------------------------------------------------------------------- analysis helpers
 def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
     """100·(loss / base loss − 1) for each row against the base row of the same seed."""
@@ -469,6 +484,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loaded machine makes the reduce deadline refuse) into OUT/convergence_outer*.csv; a later --replot "
         "replaces the rows of the same config and seed",
     )
+    ap.add_argument(
+        "--long-check",
+        help="STEPS:ITEMS: run only, over STEPS inner steps (iid, seed 0, section 'long'), ITEMS = comma-separated "
+        "outer settings LR/M of DiLoCo at H = h_main and 'big' (1 site with N times the batch: DDP's stand-in, "
+        "within 1%% of DDP all along the 4000-step curve) into OUT/convergence_outer*.csv",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
@@ -478,8 +499,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
-    if args.outer_check or args.rerun_diloco:
-        if args.rerun_diloco:
+    if args.outer_check or args.rerun_diloco or args.long_check:
+        if args.long_check:
+            specs = long_specs(m, args.long_check)
+        elif args.rerun_diloco:
             specs = [s for s in convergence_specs(m) + diagnosis_specs(m, None) if s.num_sites > 1]
             specs = [s for s in specs if dict(s.extra)["method"] != DDP]
         else:
