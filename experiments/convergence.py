@@ -444,6 +444,12 @@ def _fault_names(text: str) -> list[str]:
     return out
 
 
+def _side_run(args, argv: Sequence[str], m: dict[str, Any], name: str, specs: Sequence[RunSpec]) -> int:
+    """Run only ``specs`` into ``OUT/name[_MODE].csv`` (a side run; ``--replot`` merges it)."""
+    run_or_load(args, argv, "convergence.py", out_prefix(args, name), lambda: run_phase(specs, m, args.verbose))
+    return 0
+
+
 def _settings(text: str) -> tuple[list[tuple[float, float]], range]:
     """``"LR/M,LR/M,...:A:B"`` -> the (outer lr, momentum) settings and seeds A..B-1."""
     settings, a, b = text.rsplit(":", 2)
@@ -508,37 +514,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             grid, seeds = _settings(args.outer_check)
             specs = [_diloco(m, "convergence", "iid", m["h_main"], o, s, m["total_steps"]) for o in grid for s in seeds]
-        run_or_load(
-            args,
-            argv,
-            "convergence.py",
-            out_prefix(args, "convergence_outer" + args.fault_name_tag),
-            lambda: run_phase(specs, m, args.verbose),
-        )
-        return 0
+        return _side_run(args, argv, m, "convergence_outer" + args.fault_name_tag, specs)
     if args.sweep_confirm:
         grid, seeds = _settings(args.sweep_confirm)
         specs = sweep_specs(m, grid, seeds)
-        run_or_load(
-            args,
-            argv,
-            "convergence.py",
-            out_prefix(args, "convergence_sweep"),
-            lambda: run_phase(specs, m, args.verbose),
-        )
-        return 0
+        return _side_run(args, argv, m, "convergence_sweep", specs)
     if args.fault_seeds:
         a, b = (int(x) for x in args.fault_seeds.split(":"))
         names = _fault_names(args.fault_names) if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
         specs = fault_specs(m, names, range(a, b))
-        run_or_load(
-            args,
-            argv,
-            "convergence.py",
-            out_prefix(args, "convergence_faults" + args.fault_name_tag),
-            lambda: run_phase(specs, m, args.verbose),
-        )
-        return 0
+        return _side_run(args, argv, m, "convergence_faults" + args.fault_name_tag, specs)
     prefix = out_prefix(args, "convergence")
     rows, rounds, meta = run_or_load(args, argv, "convergence.py", prefix, lambda: run_all(m, args.verbose))
     _merge_extra(args, rows, rounds, meta)
