@@ -301,19 +301,22 @@ def _loopback_datagram(spec: RunSpec, i: int) -> DatagramTransport:
 
 
 def _train(cluster: InprocCluster, step, spec: RunSpec, rec: _Recorder) -> None:
-    """Every site takes H·rounds inner steps (``step(site, k)``); with
-    ``spec.restart_after_round`` the last site dies after that round and comes back
-    (``InprocCluster.restart``) once site 0 applied ``spec.down_rounds`` more rounds, at
-    the inner step of the training position it pulled.
+    """Every site trains until its training position (``DiLoCo.inner_steps``) reaches H·rounds
+    (``step(site, k)`` at position k); with ``spec.restart_after_round`` the last site dies
+    after that round and comes back (``InprocCluster.restart``) once site 0 applied
+    ``spec.down_rounds`` more rounds, at the inner step of the training position it pulled.
+
+    The loop follows the site's own position, not a count of its own: a site that was cut
+    from a round resyncs and takes a member's position (``DiLoCo._heal``), which can move it
+    a round back or forth; counting steps here instead left such a site a round short (or
+    long) at the end, with θ unequal to the others' (issue 18, restart seed 8 under load).
 
     Raises:
         TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
     """
     total = spec.sync_every * spec.rounds
-    if spec.restart_after_round < 0:
-        cluster.run_steps(step, total, timeout_s=spec.timeout_s)
-        return
-    victim = spec.num_sites - 1
+    victim = spec.num_sites - 1 if spec.restart_after_round >= 0 else -1
+    restart_step = spec.restart_after_round * spec.sync_every
     deadline = time.monotonic() + spec.timeout_s
     errors: list[BaseException] = []
 
@@ -328,20 +331,20 @@ def _train(cluster: InprocCluster, step, spec: RunSpec, rec: _Recorder) -> None:
         return site
 
     def loop(site: Site) -> None:
-        k = 0
-        while k < total:
-            if site.index == victim and k == spec.restart_after_round * spec.sync_every and not site.killed.is_set():
-                try:
+        offset, restarting = 0, False  # offset: a restarted site that pulled no position starts at its round
+        try:
+            while not site.killed.is_set() and site.diloco.inner_steps + offset < total:
+                k = site.diloco.inner_steps + offset
+                if site.index == victim and not restarting and k >= restart_step:
+                    restarting = True  # from here on the killed site's errors are raised below, not by run()
                     site = come_back()
-                    k = site.diloco.inner_steps or site.diloco.round * spec.sync_every
-                    while k < total:
-                        step(site, k)
-                        k += 1
-                except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
-                    errors.append(e)
-                return
-            step(site, k)
-            k += 1
+                    offset = 0 if site.diloco.inner_steps else site.diloco.round * spec.sync_every
+                    continue
+                step(site, k)
+        except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
+            if not restarting:
+                raise
+            errors.append(e)
 
     cluster.run(loop, timeout_s=spec.timeout_s)
     if errors:

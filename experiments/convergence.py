@@ -53,6 +53,7 @@ from experiments.common import (  # noqa: E402
     base_parser,
     load_meta,
     mean_std,
+    mode_of,
     mode_settings,
     out_prefix,
     publish,
@@ -67,6 +68,7 @@ from experiments.diloco_sanity import run_ddp  # noqa: E402
 SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
 DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
 NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)
+LONG = "long"  # the --long-check runs' section
 FAULT_FREE, LOSS10, RESTART = "fault-free (fp32)", "10% chunk loss", "1 site down, restarted"
 CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
 
@@ -269,6 +271,20 @@ def diagnosis_specs(m: dict[str, Any], best: tuple[float, float] | None) -> list
     return specs
 
 
+def long_specs(m: dict[str, Any], text: str) -> list[RunSpec]:
+    """``--long-check STEPS:ITEMS``: DiLoCo at H = h_main per outer setting, and ``big`` (1 site,
+    N times the batch), over STEPS inner steps, seed 0, section ``LONG`` (its own table)."""
+    steps, items = text.split(":", 1)
+    n, specs = int(steps), []
+    for item in items.split(","):
+        if item == "big":
+            specs.append(_baselines(m, LONG, "iid", 0, n)[2])
+        else:
+            lr, mom = (float(x) for x in item.split("/"))
+            specs.append(_diloco(m, LONG, "iid", m["h_main"], (lr, mom), 0, n))
+    return specs
+
+
 # ---------------------------------------------------------------------------- analysis helpers
 def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
     """100·(loss / base loss − 1) for each row against the base row of the same seed."""
@@ -372,23 +388,72 @@ def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
     return results
 
 
+EXTRA = ("convergence_faults", "convergence_outer")  # the side runs' CSV names (then a --fault-name-tag)
+
+
+def _side_files(args) -> list[Path]:
+    """This mode's side-run CSVs in OUT (``EXTRA`` + tag [+ ``_MODE``]), oldest first."""
+    mode, out = mode_of(args), []
+    for name in EXTRA:
+        for p in Path(args.out).glob(name + "*.csv"):
+            if p.stem.endswith("_rounds") or (p.stem.endswith(("_smoke", "_full")) != (mode != "quick")):
+                continue
+            if mode == "quick" or p.stem.endswith("_" + mode):
+                out.append(p)
+    return sorted(out, key=lambda p: p.stat().st_mtime)
+
+
 def _merge_extra(args, rows: list, rounds: list, meta: dict[str, Any]) -> None:
-    """Add the rows of the ``--fault-seeds`` runs saved beside this mode's CSV (``--replot`` only)."""
-    extra = out_prefix(args, "convergence_faults")
-    if not (args.replot and extra.with_suffix(".csv").exists()):
+    """Add the rows of the side runs (``--fault-seeds``, ``--outer-check``) saved beside this
+    mode's CSV (``--replot`` only), oldest file first: a side run's row replaces the row of
+    the same config and seed already there (a rerun on a quieter machine supersedes)."""
+    if not args.replot:
         return
-    have = {(r["config"], r["seed"]) for r in rows}
-    new = [r for r in read_rows(extra.with_suffix(".csv")) if (r["config"], r["seed"]) not in have]
-    rows += new
-    rounds += [
-        x
-        for x in read_rows(extra.with_name(extra.name + "_rounds.csv"))
-        if (x["config"], x["seed"]) in {(r["config"], r["seed"]) for r in new}
-    ]
-    more = load_meta(extra)
-    meta["command"] += f"` and `{more['command']}"
-    meta["minutes"] += more["minutes"]
-    meta["provenance"] += f"; fault seeds: {more['provenance']}"
+    for csv_path in _side_files(args):
+        extra = csv_path.with_suffix("")
+        new = read_rows(csv_path)
+        keys = {(r["config"], r["seed"]) for r in new}
+        rows[:] = [r for r in rows if (r["config"], r["seed"]) not in keys] + new
+        rounds_path = extra.with_name(extra.name + "_rounds.csv")
+        got = read_rows(rounds_path) if rounds_path.exists() else []
+        rounds[:] = [x for x in rounds if (x["config"], x["seed"]) not in keys] + got
+        more = load_meta(extra)
+        if more["command"] in meta["command"]:
+            continue  # already counted in the main file's meta (merged before)
+        meta["command"] += f"` and `{more['command']}"
+        meta["minutes"] += more["minutes"]
+        meta["provenance"] += f"; `{more['command'].split('convergence.py ', 1)[-1]}`: {more['provenance']}"
+
+
+ALIASES = {"fault-free": FAULT_FREE, "loss10": LOSS10, "restart": RESTART, "topk": "topk + error feedback"}
+
+
+def _fault_names(text: str) -> list[str]:
+    """``--fault-names``: comma-separated run names or aliases (``ALIASES``); a name with a
+    comma in it ("1 site down, restarted") is put back together from its pieces."""
+    known = [FAULT_FREE, LOSS10, RESTART, *CODECS]
+    out, acc = [], ""
+    for piece in text.split(","):
+        acc = f"{acc},{piece}" if acc else piece.strip()
+        name = ALIASES.get(acc, acc)
+        if name in known:
+            out.append(name)
+            acc = ""
+    if acc:
+        raise SystemExit(f"--fault-names: unknown run {acc!r}; known: {known} or {sorted(ALIASES)}")
+    return out
+
+
+def _side_run(args, argv: Sequence[str], m: dict[str, Any], name: str, specs: Sequence[RunSpec]) -> int:
+    """Run only ``specs`` into ``OUT/name[_MODE].csv`` (a side run; ``--replot`` merges it)."""
+    run_or_load(args, argv, "convergence.py", out_prefix(args, name), lambda: run_phase(specs, m, args.verbose))
+    return 0
+
+
+def _settings(text: str) -> tuple[list[tuple[float, float]], range]:
+    """``"LR/M,LR/M,...:A:B"`` -> the (outer lr, momentum) settings and seeds A..B-1."""
+    settings, a, b = text.rsplit(":", 2)
+    return [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")], range(int(a), int(b))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -401,12 +466,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="A:B: run only the fault section's runs for seeds A..B-1 into OUT/convergence_faults*.csv "
         "(a later --replot of the same mode adds them to its tables)",
     )
-    ap.add_argument("--fault-names", help="with --fault-seeds: comma-separated runs (default: all, fault-free first)")
-    ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds: suffix of the CSV name")
+    ap.add_argument(
+        "--fault-names",
+        help="with --fault-seeds: comma-separated runs or aliases fault-free, loss10, restart, int8, int4, "
+        "topk (default: all, fault-free first)",
+    )
+    ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds or --outer-check: suffix of the CSV name")
+    ap.add_argument(
+        "--outer-check",
+        help="LR/M,LR/M,...:A:B: run only DiLoCo at H = h_main with these outer settings over the convergence "
+        "runs' inner steps (iid) for seeds A..B-1 into OUT/convergence_outer*.csv (a later --replot of the same "
+        "mode adds them to the convergence table)",
+    )
     ap.add_argument(
         "--sweep-confirm",
         help="LR/M,LR/M,...:A:B: run only these outer settings of the sweep for seeds A..B-1 "
         "into OUT/convergence_sweep*.csv",
+    )
+    ap.add_argument(
+        "--rerun-diloco",
+        action="store_true",
+        help="run only the convergence and diagnosis sections' DiLoCo runs (those whose late contributions a "
+        "loaded machine makes the reduce deadline refuse) into OUT/convergence_outer*.csv; a later --replot "
+        "replaces the rows of the same config and seed",
+    )
+    ap.add_argument(
+        "--long-check",
+        help="STEPS:ITEMS: run only, over STEPS inner steps (iid, seed 0, section 'long'), ITEMS = comma-separated "
+        "outer settings LR/M of DiLoCo at H = h_main and 'big' (1 site with N times the batch: DDP's stand-in, "
+        "within 1%% of DDP all along the 4000-step curve) into OUT/convergence_outer*.csv",
     )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
@@ -417,30 +505,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:
                 raise SystemExit(f"{steps} inner steps is not a multiple of H={h}")
+    if args.outer_check or args.rerun_diloco or args.long_check:
+        if args.long_check:
+            specs = long_specs(m, args.long_check)
+        elif args.rerun_diloco:
+            specs = [s for s in convergence_specs(m) + diagnosis_specs(m, None) if s.num_sites > 1]
+            specs = [s for s in specs if dict(s.extra)["method"] != DDP]
+        else:
+            grid, seeds = _settings(args.outer_check)
+            specs = [_diloco(m, "convergence", "iid", m["h_main"], o, s, m["total_steps"]) for o in grid for s in seeds]
+        return _side_run(args, argv, m, "convergence_outer" + args.fault_name_tag, specs)
     if args.sweep_confirm:
-        settings, a, b = args.sweep_confirm.rsplit(":", 2)
-        grid = [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")]
-        specs = sweep_specs(m, grid, range(int(a), int(b)))
-        run_or_load(
-            args,
-            argv,
-            "convergence.py",
-            out_prefix(args, "convergence_sweep"),
-            lambda: run_phase(specs, m, args.verbose),
-        )
-        return 0
+        grid, seeds = _settings(args.sweep_confirm)
+        specs = sweep_specs(m, grid, seeds)
+        return _side_run(args, argv, m, "convergence_sweep", specs)
     if args.fault_seeds:
         a, b = (int(x) for x in args.fault_seeds.split(":"))
-        names = args.fault_names.split(",") if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
+        names = _fault_names(args.fault_names) if args.fault_names else [FAULT_FREE, LOSS10, RESTART, *CODECS]
         specs = fault_specs(m, names, range(a, b))
-        run_or_load(
-            args,
-            argv,
-            "convergence.py",
-            out_prefix(args, "convergence_faults" + args.fault_name_tag),
-            lambda: run_phase(specs, m, args.verbose),
-        )
-        return 0
+        return _side_run(args, argv, m, "convergence_faults" + args.fault_name_tag, specs)
     prefix = out_prefix(args, "convergence")
     rows, rounds, meta = run_or_load(args, argv, "convergence.py", prefix, lambda: run_all(m, args.verbose))
     _merge_extra(args, rows, rounds, meta)
