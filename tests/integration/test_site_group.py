@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dtrain.rendezvous import RendezvousCore
 from dtrain.rendezvous.grpc import serve_rendezvous
@@ -27,18 +27,19 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _site_procs(site_index: int, num_ranks: int, rdv: str, out: Path, extra: list[str]) -> list[subprocess.Popen]:
-    port = _free_port()
+def _site_procs(
+    site_index: int, num_ranks: int, rdv: str, out: Path, extra: list[str], stores: list
+) -> list[subprocess.Popen]:
+    # The site's store is held here, as torchrun's agent holds it (TORCHELASTIC_USE_AGENT_STORE:
+    # every rank connects as a client): its port is bound before any rank starts. A port picked
+    # free and bound later by rank 0 was once taken in between (EADDRINUSE in a CI dry run).
+    store = dist.TCPStore("127.0.0.1", 0, num_ranks, is_master=True, wait_for_workers=False)
+    stores.append(store)
     procs = []
     for rank in range(num_ranks):
         env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_ranks))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1")
+        env.update(TORCHELASTIC_USE_AGENT_STORE="True")
         cmd = [sys.executable, "-m", "tests.integration.sitegroup_rank", "--site-index", str(site_index)]
         cmd += ["--rendezvous", rdv, "--out", str(out), *extra]
         log = open(out / f"site-{site_index}-rank{rank}.log", "w")
@@ -62,10 +63,10 @@ def run_sites(
     kw = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0)
     core = RendezvousCore(fast_rendezvous_config(num_sites, **{**kw, **timing}))
     server = serve_rendezvous(core)
-    procs, parked = [], []
+    procs, parked, stores = [], [], []
     try:
         for i in range(num_sites):
-            site = _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []))
+            site = _site_procs(i, num_ranks, server.address, tmp, extra + (site_extra or {}).get(i, []), stores)
             (parked if i in stopped else procs).extend(site)
         for p in procs:
             p.wait(timeout=timeout_s)
