@@ -237,12 +237,12 @@ def _redacted(store: str | None) -> str | None:
 
 def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
     """With ``ranks_per_site`` K > 1: the worker command as one torchrun group of K ranks
-    (its own rendezvous on 127.0.0.1 at a free port); else unchanged."""
+    (torchrun's own standalone rendezvous on a port its agent binds); else unchanged."""
     if cfg.ranks_per_site <= 1:
         return argv
-    from dtrain.app.site_worker import free_port, torchrun_argv
+    from dtrain.app.site_worker import torchrun_argv
 
-    return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, master_port=free_port(), max_restarts=cfg.max_restarts)
+    return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, max_restarts=cfg.max_restarts)
 
 
 def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -43,7 +42,6 @@ __all__ = [
     "wrap_model",
     "run_site_worker",
     "torchrun_argv",
-    "free_port",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,16 +56,15 @@ def in_site_group() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for a site's torchrun rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def torchrun_argv(worker_argv: list[str], *, num_ranks: int, master_port: int, max_restarts: int = 0) -> list[str]:
+def torchrun_argv(worker_argv: list[str], *, num_ranks: int, max_restarts: int = 0) -> list[str]:
     """The command that runs ``worker_argv`` (``[python, -m, dtrain, worker, ...]``)
     as one torchrun group of ``num_ranks`` ranks on this machine.
+
+    ``--standalone``: torchrun's agent binds its own c10d rendezvous store on a port the
+    kernel picks (``localhost:0``) and hands it to the ranks (``MASTER_PORT``,
+    ``TORCHELASTIC_USE_AGENT_STORE``), so no port is chosen here and then bound later by
+    another process (a port picked free and passed as ``--master-port`` could be taken in
+    between).
 
     Raises:
         ValueError: ``worker_argv`` is not a ``python -m dtrain ...`` command.
@@ -82,10 +79,7 @@ def torchrun_argv(worker_argv: list[str], *, num_ranks: int, master_port: int, m
         "1",
         "--nproc-per-node",
         str(num_ranks),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(master_port),
+        "--standalone",
         "--max-restarts",
         str(max_restarts),
         "--monitor-interval",
