@@ -152,3 +152,24 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
     for d in back:
         assert d["checksum"] == by_round[d["round"]]["checksum"], (d["round"], d, by_round[d["round"]])
         assert d["slice_checksums"] == by_round[d["round"]]["slice_checksums"]
+
+
+@pytest.mark.timeout(150)
+def test_launch_two_sites_of_two_ranks_with_two_fragments_alternates_them_and_agrees(tmp_path: Path) -> None:
+    # per-rank fragment rounds (Streaming DiLoCo's F, arXiv 2501.18512 §2.2) through `dtrain launch`:
+    # round r syncs fragment (r + 1) mod F of every rank's slice, at every site
+    rounds = 4
+    args = [*BASE[:-4], "--sync-every", "4", "--linger-s", "1", "--parallel", "ddp", "--rounds", str(rounds)]
+    args += ["--diloco.num-fragments", "2"]
+    rc, out, err = _launch(args, tmp_path, 120)
+    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "θ checksums agree across sites" in out
+    per_site = {s: _rounds(tmp_path, s) for s in SITES}
+    for s, lines in per_site.items():
+        assert [d["round"] for d in lines] == list(range(rounds)), s
+        assert [d["fragment"] for d in lines] == [(r + 1) % 2 for r in range(rounds)], s
+        assert all(d["status"] == "applied" and d["members"] == SITES and d["ranks"] == 2 for d in lines), s
+        summ = json.loads((tmp_path / s / "summary.json").read_text())
+        assert summ["final_val_loss"] < summ["first_val_loss"] - 0.3, summ
+    for a, b in zip(*per_site.values()):
+        assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
