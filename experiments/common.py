@@ -8,6 +8,8 @@ drift) plus one record per round. :func:`run_many` runs several in worker proces
 (each run's sites are GIL-bound threads, so separate processes are what uses more cores).
 :func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
 rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
+A run's kill-and-restart training loop is :mod:`experiments.inproc_training`; its datagram
+data path on 127.0.0.1 (``RunSpec.datagram_drop``) is :mod:`experiments.loopback_datagram`.
 
 Measurements here are figures to print and plot, never asserts.
 """
@@ -46,9 +48,10 @@ from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_confi
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler  # noqa: E402
 from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
-from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes  # noqa: E402
-from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
+from dtrain.transports.datagram import datagram_chunk_bytes  # noqa: E402
 from dtrain.transports.inproc import InprocFaults  # noqa: E402
+from experiments.inproc_training import train_with_restart  # noqa: E402
+from experiments.loopback_datagram import loopback_datagram  # noqa: E402
 
 __all__ = [
     "ROOT",
@@ -286,71 +289,6 @@ class _Recorder:
         return on_round
 
 
-def _loopback_datagram(spec: RunSpec, i: int) -> DatagramTransport:
-    """Site i's datagram data path on 127.0.0.1 with ``spec.datagram_drop`` injected at its receiver."""
-    cfg = DatagramTransportConfig(
-        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
-        max_rate_mbit=200.0,
-        rtt_s=0.01,
-        nack_idle_s=0.02,
-        fallback_reserve_s=min(1.0, spec.broadcast_timeout_s / 4),
-        test_drop=spec.datagram_drop or 0.0,
-        test_drop_seed=spec.seed * 100 + i,
-    )
-    return DatagramTransport(cfg)
-
-
-def _train(cluster: InprocCluster, step, spec: RunSpec, rec: _Recorder) -> None:
-    """Every site trains until its training position (``DiLoCo.inner_steps``) reaches H·rounds
-    (``step(site, k)`` at position k); with ``spec.restart_after_round`` the last site dies
-    after that round and comes back (``InprocCluster.restart``) once site 0 applied
-    ``spec.down_rounds`` more rounds, at the inner step of the training position it pulled.
-
-    The loop follows the site's own position, not a count of its own: a site that was cut
-    from a round resyncs and takes a member's position (``DiLoCo._heal``), which can move it
-    a round back or forth; counting steps here instead left such a site a round short (or
-    long) at the end, with θ unequal to the others' (issue 18, restart seed 8 under load).
-
-    Raises:
-        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
-    """
-    total = spec.sync_every * spec.rounds
-    victim = spec.num_sites - 1 if spec.restart_after_round >= 0 else -1
-    restart_step = spec.restart_after_round * spec.sync_every
-    deadline = time.monotonic() + spec.timeout_s
-    errors: list[BaseException] = []
-
-    def come_back() -> Site:
-        cluster.kill(victim)
-        while cluster.sites[0].diloco.round < spec.restart_after_round + spec.down_rounds:
-            if time.monotonic() > deadline or cluster.sites[0].thread is None or not cluster.sites[0].thread.is_alive():
-                raise TimeoutError(f"site 0 did not reach round {spec.restart_after_round + spec.down_rounds}")
-            time.sleep(0.01)
-        site = cluster.restart(victim)
-        site.diloco.on_round.append(rec.hook(site))
-        return site
-
-    def loop(site: Site) -> None:
-        offset, restarting = 0, False  # offset: a restarted site that pulled no position starts at its round
-        try:
-            while not site.killed.is_set() and site.diloco.inner_steps + offset < total:
-                k = site.diloco.inner_steps + offset
-                if site.index == victim and not restarting and k >= restart_step:
-                    restarting = True  # from here on the killed site's errors are raised below, not by run()
-                    site = come_back()
-                    offset = 0 if site.diloco.inner_steps else site.diloco.round * spec.sync_every
-                    continue
-                step(site, k)
-        except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
-            if not restarting:
-                raise
-            errors.append(e)
-
-    cluster.run(loop, timeout_s=spec.timeout_s)
-    if errors:
-        raise RuntimeError(f"restarted site {victim} failed: {errors[0]!r}") from errors[0]
-
-
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -395,7 +333,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         lambda m: make_optimizer(m, lr),
         spec.cluster_config(),
         outer_optimizer=outer,
-        transport_factory=None if spec.datagram_drop is None else functools.partial(_loopback_datagram, spec),
+        transport_factory=None if spec.datagram_drop is None else functools.partial(loopback_datagram, spec),
         scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)
@@ -427,7 +365,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
                 inner_s[site.index] += t2 - t0
 
         t_run = time.perf_counter()
-        _train(cluster, step, spec, rec)
+        train_with_restart(cluster, step, spec, rec.hook)
         wall = time.perf_counter() - t_run
         finals = [evaluate(s.model) for s in cluster.sites]
         thetas = [s.theta() for s in cluster.sites]

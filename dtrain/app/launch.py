@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,45 @@ def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
     return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, max_restarts=cfg.max_restarts)
 
 
+@dataclass
+class _Run:
+    """One launch: its checked plan and the children it started (filled in by the steps)."""
+
+    cfg: LaunchConfig
+    run_dir: Path
+    wvals: dict[str, Any]
+    rvals: dict[str, Any]
+    log_level: str
+    topo: Any = None  # a netem.Topology with sites + 1 sites (the rendezvous in the last), or None
+    env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, Proc] = field(default_factory=dict)
+    stopping: dict[str, Any] = field(default_factory=lambda: {"flag": False, "count": 0})
+
+    @property
+    def append(self) -> bool:
+        """A resumed run appends to the earlier logs."""
+        return self.cfg.worker.checkpoint.resume
+
+    def host(self, i: int) -> str:
+        """The address of site i (i == sites: the rendezvous)."""
+        return self.topo.address(i) if self.topo is not None else "127.0.0.1"
+
+    def wrap(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run inside site i's network namespace with ``--netem``; else unchanged."""
+        return self.topo.exec_argv(i, argv) if self.topo is not None else argv
+
+
+class _Abort(Exception):
+    """A launch step ended the launch before the sites were watched, with this exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+_PY = [sys.executable, "-m", "dtrain"]
+
+
 def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
     """Run ``dtrain launch`` with ``values``: launch options by path in
     ``dtrain.app.config.LAUNCH`` (from the flags and ``--config``). Returns the exit code.
@@ -252,13 +292,26 @@ def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
     Raises:
         UsageError: a bad setting (nothing has been started or created then).
     """
-    cfg, run_dir, wvals, rvals = _check(values)
+    run = _plan(values, log_level)
+    rv_argv = _rendezvous_command(run)
+    old = _trap_signals(run)
+    try:
+        rv_addr = _start_rendezvous(run, rv_argv)
+        views = _start_sites(run, rv_addr)
+        exit_code = _watch(
+            run.procs, views, run.cfg.worker.rounds, no_progress=not run.cfg.progress, stopping=run.stopping
+        )
+    except _Abort as e:
+        return e.code
+    finally:
+        _stop(run, old)
+    return _finish(run.run_dir, run.cfg.sites, run.procs, exit_code)
 
-    n = cfg.sites
-    http_bind = cfg.status_page_bind()
-    probe = cfg.worker
-    rounds = probe.rounds
-    if not probe.checkpoint.resume:
+
+def _plan(values: dict[str, Any], log_level: str) -> _Run:
+    """Check every setting, refuse a run dir that holds a run unless resuming, create it, open netem."""
+    cfg, run_dir, wvals, rvals = _check(values)
+    if not cfg.worker.checkpoint.resume:
         old_runs = sorted(str(m.parent.name) for m in run_dir.glob("*/metrics.jsonl"))
         if old_runs:
             raise UsageError(
@@ -266,89 +319,111 @@ def run_launch(values: dict[str, Any], *, log_level: str = "INFO") -> int:
                 "pass --resume to continue it or choose another --out"
             )
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_mode = "a" if probe.checkpoint.resume else "w"  # a resumed run keeps the earlier logs
-
-    topo = None
-    if cfg.netem:
-        topo = _open_topology(n + 1, cfg.netem)
-
-    def wrap(i: int, argv: list[str]) -> list[str]:
-        return topo.exec_argv(i, argv) if topo is not None else argv
-
+    topo = _open_topology(cfg.sites + 1, cfg.netem) if cfg.netem else None
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    py = [sys.executable, "-m", "dtrain"]
-    procs: dict[str, Proc] = {}
-    logs: dict[str, Path] = {}
+    return _Run(cfg=cfg, run_dir=run_dir, wvals=wvals, rvals=rvals, log_level=log_level, topo=topo, env=env)
+
+
+def _rendezvous_command(run: _Run) -> list[str]:
+    """The rendezvous's command line; clears its address and status-page files, writes launch.json."""
+    cfg, run_dir = run.cfg, run.run_dir
     addr_file = run_dir / "rendezvous.addr"
     addr_file.unlink(missing_ok=True)
-    rv_host = topo.address(n) if topo is not None else "127.0.0.1"
     http_file = run_dir / "status.url"
     http_file.unlink(missing_ok=True)
-    rv_argv = py + ["rendezvous", "--log-level", log_level]
-    rv_argv += rendezvous_argv(rvals, host=rv_host, address_file=addr_file, http_bind=http_bind, http_file=http_file)
+    argv = _PY + ["rendezvous", "--log-level", run.log_level]
+    argv += rendezvous_argv(
+        run.rvals,
+        host=run.host(cfg.sites),
+        address_file=addr_file,
+        http_bind=cfg.status_page_bind(),
+        http_file=http_file,
+    )
     if cfg.store:  # the rendezvous is a stateless front-end on etcd
-        rv_argv += ["--store", cfg.store]
+        argv += ["--store", cfg.store]
     (run_dir / "launch.json").write_text(
         json.dumps(
-            {"sites": n, "worker": wvals, "rendezvous": rvals, "netem": cfg.netem, "store": _redacted(cfg.store)},
+            {
+                "sites": cfg.sites,
+                "worker": run.wvals,
+                "rendezvous": run.rvals,
+                "netem": cfg.netem,
+                "store": _redacted(cfg.store),
+            },
             indent=2,
             default=str,
         )
     )
-    logs["rendezvous"] = run_dir / "rendezvous.log"
-    stopping = {"flag": False, "count": 0}
+    return argv
+
+
+def _trap_signals(run: _Run) -> dict[int, Any]:
+    """SIGINT/SIGTERM set ``run.stopping``; a second one SIGKILLs every child. Returns the old handlers."""
 
     def on_signal(signum, frame):  # noqa: ARG001
-        stopping["flag"] = True
-        stopping["count"] += 1
-        if stopping["count"] > 1:  # a second Ctrl-C: kill every child now
-            for p in procs.values():
+        run.stopping["flag"] = True
+        run.stopping["count"] += 1
+        if run.stopping["count"] > 1:  # a second Ctrl-C: kill every child now
+            for p in run.procs.values():
                 p.send(signal.SIGKILL)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    exit_code = 0
-    try:
-        procs["rendezvous"] = spawn("rendezvous", wrap(n, rv_argv), logs["rendezvous"], env=env, append=log_mode == "a")
-        t0 = time.monotonic()
-        while not addr_file.exists():
-            if stopping["flag"]:
-                _err("dtrain launch: interrupted before the rendezvous started")
-                return 130
-            if procs["rendezvous"].poll() is not None or time.monotonic() - t0 > 30:
-                _err(f"rendezvous failed to start:\n{procs['rendezvous'].tail()}")
-                return 1
-            time.sleep(0.05)
-        rv_addr = addr_file.read_text().strip()
-        if http_bind is not None:
-            _out(f"dtrain launch: status page {http_file.read_text().strip()}")
-        views: dict[str, _SiteView] = {}
-        for i in range(n):
-            if stopping["flag"]:
-                break
-            site = f"site-{i}"
-            sdir = run_dir / site
-            sdir.mkdir(parents=True, exist_ok=True)
-            (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
-            host = topo.address(i) if topo is not None else "127.0.0.1"
-            argv = py + ["worker", "--log-level", log_level]
-            argv += worker_argv(wvals, index=i, num_sites=n, host=host, rendezvous=rv_addr, out_dir=sdir)
-            argv = _site_group_argv(cfg, argv)
-            logs[site] = sdir / "worker.log"
-            procs[site] = spawn(site, wrap(i, argv), logs[site], env=env, append=log_mode == "a")
-            views[site] = _SiteView(site, sdir / "metrics.jsonl")
-        (run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in procs.items()}, indent=2))
-        _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run_dir}")
-        exit_code = _watch(procs, views, rounds, no_progress=not cfg.progress, stopping=stopping)
-    finally:
-        # Workers first (they leave the group through the rendezvous), then the rendezvous.
-        stop_all([p for s, p in procs.items() if s != "rendezvous"])
-        if "rendezvous" in procs:
-            stop_all([procs["rendezvous"]])
-        if topo is not None:
-            topo.close()
-        for s, h in old.items():
-            signal.signal(s, h)
-    return _finish(run_dir, n, procs, exit_code)
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _start_rendezvous(run: _Run, argv: list[str]) -> str:
+    """Spawn the rendezvous and wait (<= 30 s) for its address; print the status page's URL.
+
+    Raises:
+        _Abort: 130 when interrupted first, 1 when the rendezvous exited or did not start in time.
+    """
+    addr_file = run.run_dir / "rendezvous.addr"
+    rv = run.procs["rendezvous"] = spawn(
+        "rendezvous", run.wrap(run.cfg.sites, argv), run.run_dir / "rendezvous.log", env=run.env, append=run.append
+    )
+    t0 = time.monotonic()
+    while not addr_file.exists():
+        if run.stopping["flag"]:
+            _err("dtrain launch: interrupted before the rendezvous started")
+            raise _Abort(130)
+        if rv.poll() is not None or time.monotonic() - t0 > 30:
+            _err(f"rendezvous failed to start:\n{rv.tail()}")
+            raise _Abort(1)
+        time.sleep(0.05)
+    if run.cfg.status_page_bind() is not None:
+        _out(f"dtrain launch: status page {(run.run_dir / 'status.url').read_text().strip()}")
+    return addr_file.read_text().strip()
+
+
+def _start_sites(run: _Run, rv_addr: str) -> dict[str, _SiteView]:
+    """Spawn one worker per site (stopping early on a signal), write pids.json; the sites' metrics views."""
+    n, log_level = run.cfg.sites, run.log_level
+    views: dict[str, _SiteView] = {}
+    for i in range(n):
+        if run.stopping["flag"]:
+            break
+        site = f"site-{i}"
+        sdir = run.run_dir / site
+        sdir.mkdir(parents=True, exist_ok=True)
+        (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
+        argv = _PY + ["worker", "--log-level", log_level]
+        argv += worker_argv(run.wvals, index=i, num_sites=n, host=run.host(i), rendezvous=rv_addr, out_dir=sdir)
+        argv = _site_group_argv(run.cfg, argv)
+        run.procs[site] = spawn(site, run.wrap(i, argv), sdir / "worker.log", env=run.env, append=run.append)
+        views[site] = _SiteView(site, sdir / "metrics.jsonl")
+    (run.run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in run.procs.items()}, indent=2))
+    _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run.run_dir}")
+    return views
+
+
+def _stop(run: _Run, old_handlers: dict[int, Any]) -> None:
+    """Stop the workers (they leave through the rendezvous), then the rendezvous; close netem; restore signals."""
+    stop_all([p for s, p in run.procs.items() if s != "rendezvous"])
+    if "rendezvous" in run.procs:
+        stop_all([run.procs["rendezvous"]])
+    if run.topo is not None:
+        run.topo.close()
+    for s, h in old_handlers.items():
+        signal.signal(s, h)
 
 
 def _show_bar(bar, views: list[_SiteView], rounds: int) -> None:

@@ -258,18 +258,7 @@ def _train(
     totals = Totals()
     owned_buckets = 0  # in the last round this site ran
     train_loss = float("nan")
-    watch, mix = None, None  # --reassign-after-rounds: survivors train parts of a dead site's shard
-    if cfg.reassign_after_rounds and task.shard_part is not None:
-        watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
-        mix = DataMix(task.batches, task.shard_part)
-        if shards_state is not None:
-            try:
-                watch.load_state_dict(shards_state["watch"])
-                mix.load_state_dict(shards_state["mix"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"checkpoint: its adopted shard parts do not fit this task: {e}") from e
-            if mix.adoptions:
-                log.info("resumed with adopted shard parts of %s", ", ".join(sorted(mix.adoptions)))
+    watch, mix = _shard_reassignment(cfg, task, shards_state)
     batches = mix if mix is not None else task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
@@ -292,22 +281,14 @@ def _train(
         if not math.isnan(mean_loss):
             train_loss = mean_loss
         diloco.group.last_loss = train_loss
-        if streaming:  # sync_s: what the steps waited for their rounds at the merge
-            sync_s = streaming.waited_s - waited0
-            inner_s = time.monotonic() - t_inner - sync_s
-            if merged is None:
-                continue
-            outcome: SyncOutcome = merged
-        else:
-            inner_s, outcome, sync_s = _blocking_sync(diloco, t_inner)
+        timed = _timed_outcome(diloco, merged, t_inner=t_inner, waited0=waited0)
+        if timed is None:
+            continue  # streaming: no fragment round merged at this step
+        inner_s, outcome, sync_s = timed
         syncs += 1
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
-        ledger = (
-            mix.take_ledger(lambda: {"steps": [first_step, inner_last]})
-            if mix is not None
-            else _ledger(task.batches, first_step, inner_last)
-        )
+        ledger = _round_ledger(task, mix, first_step, inner_last)
         line = _round_line(
             cfg,
             diloco,
@@ -348,6 +329,50 @@ def _write_start(cfg: WorkerConfig, task, diloco: DiLoCo, metrics_path: Path) ->
     with open(metrics_path, "a") as mf:
         write_line(mf, start)
     return val
+
+
+def _shard_reassignment(cfg: WorkerConfig, task, shards_state: dict | None) -> tuple[ShardWatch | None, DataMix | None]:
+    """With ``--reassign-after-rounds`` and a sharded task: the watch of dead sites and the data mix
+    in which survivors train parts of a dead site's shard (restored from ``shards_state``); else Nones.
+
+    Raises:
+        CheckpointError: the checkpoint's adopted shard parts do not fit this task.
+    """
+    if not cfg.reassign_after_rounds or task.shard_part is None:
+        return None, None
+    watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
+    mix = DataMix(task.batches, task.shard_part)
+    if shards_state is not None:
+        try:
+            watch.load_state_dict(shards_state["watch"])
+            mix.load_state_dict(shards_state["mix"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint: its adopted shard parts do not fit this task: {e}") from e
+        if mix.adoptions:
+            log.info("resumed with adopted shard parts of %s", ", ".join(sorted(mix.adoptions)))
+    return watch, mix
+
+
+def _round_ledger(task, mix: DataMix | None, first_step: int, last_step: int) -> dict:
+    """The data ledger of one round: the data mix's (adopted shard parts) or the task stream's."""
+    if mix is not None:
+        return mix.take_ledger(lambda: {"steps": [first_step, last_step]})
+    return _ledger(task.batches, first_step, last_step)
+
+
+def _timed_outcome(
+    diloco: DiLoCo, merged: SyncOutcome | None, *, t_inner: float, waited0: float
+) -> tuple[float, SyncOutcome, float] | None:
+    """(inner_s, outcome, sync_s) of the round that ends this inner phase; None: streaming, none merged.
+
+    Streaming: the merged fragment round, sync_s = what the steps waited for their rounds at the
+    merge (``waited0``: the pacer's wait before the phase); blocking: a round run now."""
+    streaming = diloco.streaming
+    if not streaming:
+        return _blocking_sync(diloco, t_inner)
+    sync_s = streaming.waited_s - waited0
+    inner_s = time.monotonic() - t_inner - sync_s
+    return None if merged is None else (inner_s, merged, sync_s)
 
 
 def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, float]:

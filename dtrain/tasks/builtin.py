@@ -37,12 +37,12 @@ import functools
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from dtrain.tasks.data import BatchStream, load_corpus, shard_tokens, val_batches
+from dtrain.tasks.data import BatchStream, Corpus, load_corpus, shard_tokens, val_batches
 from dtrain.tasks.gpt import GPT, GPTConfig
 from dtrain.tasks.spec import Task, TaskSpec
 
@@ -148,6 +148,50 @@ def build_task(spec: TaskSpec) -> Task:
         )
     )
 
+    model = _gpt(spec, context_len)
+    optimizer = make_optimizer(model, spec.resolved_lr)
+    scheduler = make_scheduler(optimizer, spec)
+    multi_non_iid = spec.non_iid and spec.num_sites > 1
+    shard_part = _shard_parts(corpus, spec, batch_size=batch_size, context_len=context_len) if multi_non_iid else None
+    info = _task_info(spec, corpus, model, tokens, names, build_s=time.perf_counter() - t0)
+    logger.info("built task: %s", info)
+    return Task(
+        model=model,
+        optimizer=optimizer,
+        batches=batches,
+        loss=lm_loss,
+        evaluate=evaluate,
+        tokens_per_batch=batch_size * context_len,
+        info=info,
+        scheduler=scheduler,
+        shard_part=shard_part,
+    )
+
+
+def _task_info(
+    spec: TaskSpec, corpus: Corpus, model: GPT, tokens: torch.Tensor, names: list[str], *, build_s: float
+) -> dict[str, Any]:
+    """``Task.info``: the task's size, corpus, this site's shard and its build time."""
+    return {
+        "task": "builtin-gpt",
+        "size": spec.size,
+        "num_params": model.num_params(),
+        "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint,
+        "train_bytes": corpus.train_bytes,
+        "val_bytes": len(corpus.val),
+        "shard_bytes": int(tokens.numel()),
+        "shard_files": len(names),
+        "batch_size": spec.resolved_batch_size,
+        "context_len": spec.resolved_context_len,
+        "lr": spec.resolved_lr,
+        "build_s": round(build_s, 3),
+    }
+
+
+def _gpt(spec: TaskSpec, context_len: int) -> GPT:
+    """The preset's byte-level GPT, initialized from ``spec.seed`` (bit-identical on every site)."""
+    preset = spec.preset
     cfg = GPTConfig(
         vocab_size=256,
         context_len=context_len,
@@ -155,9 +199,13 @@ def build_task(spec: TaskSpec) -> Task:
         num_heads=preset.num_heads,
         embed_dim=preset.embed_dim,
     )
-    model = GPT(cfg, seed=spec.seed)
-    optimizer = make_optimizer(model, spec.resolved_lr)
-    scheduler = make_scheduler(optimizer, spec)
+    return GPT(cfg, seed=spec.seed)
+
+
+def _shard_parts(
+    corpus: Corpus, spec: TaskSpec, *, batch_size: int, context_len: int
+) -> Callable[[int, int, int], BatchStream]:
+    """``Task.shard_part`` of a non-iid run: streams over parts of any site's shard."""
 
     def shard_part(index: int, part: int, num_parts: int) -> BatchStream:
         """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard."""
@@ -171,30 +219,4 @@ def build_task(spec: TaskSpec) -> Task:
             shard_id=f"{corpus.fingerprint}/site{index}of{spec.num_sites}/non_iid/part{part}of{num_parts}",
         )
 
-    info: dict[str, Any] = {
-        "task": "builtin-gpt",
-        "size": spec.size,
-        "num_params": model.num_params(),
-        "corpus": corpus.name,
-        "corpus_fingerprint": corpus.fingerprint,
-        "train_bytes": corpus.train_bytes,
-        "val_bytes": len(corpus.val),
-        "shard_bytes": int(tokens.numel()),
-        "shard_files": len(names),
-        "batch_size": batch_size,
-        "context_len": context_len,
-        "lr": spec.resolved_lr,
-        "build_s": round(time.perf_counter() - t0, 3),
-    }
-    logger.info("built task: %s", info)
-    return Task(
-        model=model,
-        optimizer=optimizer,
-        batches=batches,
-        loss=lm_loss,
-        evaluate=evaluate,
-        tokens_per_batch=batch_size * context_len,
-        info=info,
-        scheduler=scheduler,
-        shard_part=shard_part if spec.non_iid and spec.num_sites > 1 else None,
-    )
+    return shard_part
