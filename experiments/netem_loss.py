@@ -87,7 +87,11 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
     n = m["num_sites"]
     topo.set_link(None, LinkParams(loss_pct=loss_pct, **LINK))
     with tempfile.TemporaryDirectory(prefix="dtrain-netemloss-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        root = (
+            Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else Path(d)
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         names = [f"site-{i}" for i in range(n)]
         try:
@@ -287,8 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = base_parser(__doc__)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on one run, seconds")
+    ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
+    m["logs"] = args.logs
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
     if args.timeout_s <= 0:
