@@ -3,17 +3,20 @@
 Started by :class:`netem.Topology` (``python -m netem._agent --state-dir DIR``) inside
 the hub namespace, one per topology. It
 
-* binds NFQUEUE queue ``i`` for each site ``i`` (the hub's FORWARD rule queues the
-  packets routed to site ``i`` there; only when the delay backend is
-  ``nfqueue-userspace``) and holds each packet until ``arrival + delay ± jitter``,
-  then accepts it; packets to one site leave in arrival order;
+* delays packets: NFQUEUE queue ``i`` holds the packets routed to site ``i`` (the hub's
+  FORWARD rule queues them there) until ``arrival + delay ± jitter``, then accepts them;
+  packets to one site leave in arrival order. Backend ``nfqueue-c``: the compiled
+  delayer (``netem/delayer.c``) runs as this process's child, binds the queues and gets
+  the delays over a pipe (:class:`netem._cdelay.CDelayer`); ``nfqueue-userspace``: this
+  process binds them itself (netfilterqueue, one Python callback per packet);
 * rewrites the "flap" partition rules when a site's periodic outage starts or ends;
 * answers JSON-line requests on ``DIR/agent.sock``: ``config``, ``stats``, ``ping``;
 * with ``--watch-pid``, tears the whole topology down if that process dies (so a
   SIGKILLed owner leaves nothing behind).
 
-Throughput: one Python loop handles ~65k packets/s per core (netfilterqueue with
-COPY_META, measured on the dev machine).
+Throughput: the Python loop handles ~65k packets/s per core on a quiet machine
+(netfilterqueue with COPY_META) and 4-8k/s under load; the compiled delayer costs a few
+hundred ns per packet (experiments/RESULTS.md, "netem's own UDP ceiling").
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 from . import _rules
+from ._cdelay import CDelayer
 from ._sys import delete_namespace, ns_cmd, run
 from .profiles import LinkParams
 
@@ -104,8 +108,17 @@ class Agent:
         self.flap_down: list[int] = []
         self.next_flap: float | None = None
         self.queues: list[_SiteQueue] = []
+        self.cdelay: CDelayer | None = None
         if self.topo["backends"]["delay"] == "nfqueue-userspace":
             self.queues = [_SiteQueue(i) for i in range(self.num_sites)]
+        elif self.topo["backends"]["delay"] == "nfqueue-c":
+            self.cdelay = CDelayer(
+                self.topo["delayer_binary"],
+                self.num_sites,
+                max_queue_len=MAX_QUEUE_LEN,
+                rcvbuf_bytes=SOCK_RCVBUF,
+                marker=str(state_dir),
+            )
         self.watch_fd = os.pidfd_open(watch_pid) if watch_pid else None
         self.sock_path = state_dir / "agent.sock"
         self.sock_path.unlink(missing_ok=True)
@@ -125,14 +138,20 @@ class Agent:
             for q, p in zip(self.queues, self.links):
                 q.delay_s = p.delay_ms / 1000.0
                 q.jitter_s = p.jitter_ms / 1000.0
+            if self.cdelay is not None:
+                for i, p in enumerate(self.links):
+                    self.cdelay.set_delay(i, p.delay_ms / 1000.0, p.jitter_ms / 1000.0)
             self._update_flap(time.time(), force=True)
             return {"ok": True}
         if op == "stats":
             return {
                 "ok": True,
                 "pid": os.getpid(),
+                "delayer_pid": self.cdelay.proc.pid if self.cdelay else None,
                 "flap_down": self.flap_down,
-                "sites": [
+                "sites": self.cdelay.stats()
+                if self.cdelay
+                else [
                     {
                         "delayed": q.num_delayed,
                         "held": len(q.held),
@@ -207,6 +226,8 @@ class Agent:
         fixed = [self.listener, *by_fd]
         if self.watch_fd is not None:
             fixed.append(self.watch_fd)
+        if self.cdelay is not None:
+            fixed.append(self.cdelay.fd)
         while True:
             now = time.monotonic()
             timeout = 1.0
@@ -224,6 +245,9 @@ class Agent:
                 elif r == self.watch_fd:
                     self.teardown_topology()
                     return
+                elif self.cdelay is not None and r == self.cdelay.fd:
+                    if self.cdelay.poll_dead():
+                        fixed.remove(r)  # requests now answer that it exited
                 else:
                     by_fd[r].nfq.run(block=False)
             now = time.monotonic()
@@ -254,6 +278,9 @@ class Agent:
         for q in self.queues:
             q.close()
         self.queues = []
+        if self.cdelay is not None:
+            self.cdelay.close()
+            self.cdelay = None
         for conn in self.conns:
             conn.close()
         self.conns.clear()
@@ -287,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         agent.run()
     finally:
-        if agent.queues or agent.sock_path.exists():
+        if agent.queues or agent.cdelay or agent.sock_path.exists():
             agent.close()
     return 0
 
