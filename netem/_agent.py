@@ -144,25 +144,25 @@ class Agent:
             self._update_flap(time.time(), force=True)
             return {"ok": True}
         if op == "stats":
-            return {
-                "ok": True,
-                "pid": os.getpid(),
-                "delayer_pid": self.cdelay.proc.pid if self.cdelay else None,
-                "flap_down": self.flap_down,
-                "sites": self.cdelay.stats()
-                if self.cdelay
-                else [
-                    {
-                        "delayed": q.num_delayed,
-                        "held": len(q.held),
-                        "max_held": q.max_held,
-                        "late_1ms": q.num_late,
-                        "max_late_ms": round(q.max_late_s * 1000, 3),
-                    }
-                    for q in self.queues
-                ],
-            }
+            return {"ok": True, "pid": os.getpid(), "flap_down": self.flap_down, **self._delay_stats()}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _delay_stats(self) -> dict:
+        """Per-site delayer counters (same keys for both delayers) and the compiled delayer's pid."""
+        if self.cdelay is not None:
+            sites = self.cdelay.stats()
+            return {"delayer_pid": self.cdelay.proc.pid, "delayer_wakeups": self.cdelay.num_wakeups, "sites": sites}
+        sites = [
+            {
+                "delayed": q.num_delayed,
+                "held": len(q.held),
+                "max_held": q.max_held,
+                "late_1ms": q.num_late,
+                "max_late_ms": round(q.max_late_s * 1000, 3),
+            }
+            for q in self.queues
+        ]
+        return {"delayer_pid": None, "delayer_wakeups": None, "sites": sites}
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
