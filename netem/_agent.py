@@ -42,7 +42,8 @@ from .profiles import LinkParams
 
 logger = logging.getLogger("netem.agent")
 
-MAX_QUEUE_LEN = 20_000  # packets held per site at most (the kernel drops beyond)
+# Packets held per site at most (the kernel drops beyond); the environment may lower it (tests).
+MAX_QUEUE_LEN = int(os.environ.get("DTRAIN_NETEM_MAX_QUEUE_LEN", "20000"))
 SOCK_RCVBUF = 8 << 20
 
 

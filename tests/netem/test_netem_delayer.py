@@ -40,10 +40,16 @@ def _toolchain_required():
 
 
 @pytest.fixture
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DTRAIN_NETEM_CACHE", str(tmp_path / "cache"))
+def default_env(monkeypatch):
+    """The default delayer choice (compiled where it builds), whatever this shell sets."""
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv(_cdelay.DELAYER_ENV, raising=False)
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch, default_env):
+    """An empty build cache (a compile each time: only for the build tests)."""
+    monkeypatch.setenv("DTRAIN_NETEM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -84,7 +90,7 @@ def _rtt_ok(measured_ms: float, one_way_ms: float) -> bool:
 @needs_toolchain
 @pytest.mark.netem
 @pytest.mark.timeout(60)
-def test_compiled_delayer_is_chosen_and_delays(own_cache):
+def test_compiled_delayer_is_chosen_and_delays(default_env):
     with Topology(2, "lan") as topo:
         assert topo.backends()["delay"] == "nfqueue-c" and topo.backends()["jitter"] == "nfqueue-c"
         topo.set_link(None, delay_ms=15.0)
@@ -118,7 +124,7 @@ def test_fallback_is_named_when_the_compile_fails(own_cache, monkeypatch, caplog
 @needs_toolchain
 @pytest.mark.netem
 @pytest.mark.timeout(60)
-def test_compiled_delayer_dies_with_its_agent(own_cache):
+def test_compiled_delayer_dies_with_its_agent(default_env):
     with Topology(2, "lan") as topo:
         topo.set_link(None, delay_ms=5.0)
         stats = topo.stats()
@@ -136,7 +142,7 @@ def test_compiled_delayer_dies_with_its_agent(own_cache):
 @pytest.mark.netem
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["nfqueue-c", "nfqueue-userspace"])
-def test_jitter_is_applied_and_packets_stay_in_order(own_cache, monkeypatch, backend):
+def test_jitter_is_applied_and_packets_stay_in_order(default_env, monkeypatch, backend):
     """Sparse probes (10 ms apart, jitter ±5 ms) see the whole jitter range; a dense burst
     (500 datagrams sent back to back) arrives in send order. Kernel receive timestamps, so
     a slow receiver cannot change the measured delays."""
@@ -155,6 +161,38 @@ def test_jitter_is_applied_and_packets_stay_in_order(own_cache, monkeypatch, bac
     assert min(delays_ms) >= 15.0 - 0.3, delays_ms  # load can only lengthen a delay
     assert max(delays_ms) - min(delays_ms) >= 4.0, delays_ms  # the jitter is there
     assert statistics.median(delays_ms) <= 25.0 + 2.0, delays_ms
+
+
+@pytest.mark.netem
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["nfqueue-c", "nfqueue-userspace"])
+def test_held_packets_are_bounded_per_site(default_env, monkeypatch, backend):
+    """With the bound at 50 and a 1 s delay, a burst of 200 datagrams keeps 50: the kernel drops the rest."""
+    if backend == "nfqueue-c" and not HAVE_TOOLCHAIN:
+        pytest.skip("gcc or libnetfilter_queue headers missing")
+    if backend == "nfqueue-userspace":
+        monkeypatch.setenv(_cdelay.DELAYER_ENV, "python")
+    monkeypatch.setenv("DTRAIN_NETEM_MAX_QUEUE_LEN", "50")  # read by the agent at start
+    with Topology(2, "lan") as topo:
+        assert topo.backends()["delay"] == backend
+        topo.set_link(1, delay_ms=1000.0)
+        rx = topo.socket(1, socket.AF_INET, socket.SOCK_DGRAM)
+        tx = topo.socket(0, socket.AF_INET, socket.SOCK_DGRAM)
+        with rx, tx:
+            rx.bind((topo.address(1), 0))
+            for i in range(200):
+                tx.sendto(struct.pack("!I", i), rx.getsockname())
+            held = topo.stats()["sites"][1]
+            received = []
+            rx.settimeout(3.0)
+            while len(received) < 200:
+                try:
+                    received.append(struct.unpack("!I", rx.recv(64)[:4])[0])
+                except TimeoutError:
+                    break
+                rx.settimeout(0.5)  # after the first, the held ones follow at once
+    assert held["held"] == 50 and held["max_held"] == 50, held
+    assert received == list(range(50)), received  # the first 50, in order; the rest dropped
 
 
 def _send_and_receive(topo: Topology, *, num_sparse: int, num_dense: int) -> tuple[list[float], list[int]]:
