@@ -250,12 +250,20 @@ def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
     return out
 
 
-def ceilings(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any] | None]:
-    """Per (setting, delayer, flows): the row with the highest delivered rate at loss < 1% that kept up with
-    the offer (delivered >= 95% of offered: no queue growing in the helper); None: none."""
+def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
+    """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with
+    the offer (delivered >= 95% of offered: no queue growing in the delayer); None: none.
+
+    Args:
+        rows: CSV rows of this experiment.
+        delayer: only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none" for the
+            "no delay" setting); None: every row, i.e. the best any delayer measured managed.
+    """
     out: dict[tuple[str, int], dict[str, Any] | None] = {}
     for r in rows:
-        key = (r["setting"], r.get("delayer", "?"), r["flows"])
+        if delayer is not None and r.get("delayer", "?") != delayer:
+            continue
+        key = (r["setting"], r["flows"])
         best = out.get(key)
         if (
             r["loss"] < 0.01
@@ -307,16 +315,19 @@ def analyse(rows: list[dict[str, Any]]) -> str:
     ceil = md_table(
         ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"],
         [
-            [*k, "-", "-", "-", "-"]
+            [k[0], d, k[1], "-", "-", "-", "-"]
             if r is None
             else [
-                *k,
+                k[0],
+                d,
+                k[1],
                 f"{r['delivered_dps']:.0f}",
                 f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
                 f"{r['delivered_mbit']:.1f}",
-                f"{r['delivered_mbit'] / k[2]:.1f}",
+                f"{r['delivered_mbit'] / k[1]:.1f}",
             ]
-            for k, r in ceilings(rows).items()
+            for d in dict.fromkeys(r.get("delayer", "?") for r in rows)
+            for k, r in ceilings(rows, d).items()
         ],
     )
     return table + "\n\nCeilings (highest delivered rate with loss < 1% and >= 95% of the offer):\n\n" + ceil

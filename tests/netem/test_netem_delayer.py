@@ -146,12 +146,7 @@ def test_jitter_is_applied_and_packets_stay_in_order(default_env, monkeypatch, b
     """Sparse probes (10 ms apart, jitter ±5 ms) see the whole jitter range; a dense burst
     (500 datagrams sent back to back) arrives in send order. Kernel receive timestamps, so
     a slow receiver cannot change the measured delays."""
-    if backend == "nfqueue-c" and not HAVE_TOOLCHAIN:
-        if os.environ.get("DTRAIN_NETEM_REQUIRED") == "1":
-            pytest.fail("gcc or libnetfilter_queue headers missing (DTRAIN_NETEM_REQUIRED=1)")
-        pytest.skip("gcc or libnetfilter_queue headers missing")
-    if backend == "nfqueue-userspace":
-        monkeypatch.setenv(_cdelay.DELAYER_ENV, "python")
+    _select_delayer(backend, monkeypatch)
     with Topology(2, "lan") as topo:
         assert topo.backends()["delay"] == backend
         topo.set_link(1, delay_ms=20.0, jitter_ms=5.0)
@@ -168,10 +163,7 @@ def test_jitter_is_applied_and_packets_stay_in_order(default_env, monkeypatch, b
 @pytest.mark.parametrize("backend", ["nfqueue-c", "nfqueue-userspace"])
 def test_held_packets_are_bounded_per_site(default_env, monkeypatch, backend):
     """With the bound at 50 and a 1 s delay, a burst of 200 datagrams keeps 50: the kernel drops the rest."""
-    if backend == "nfqueue-c" and not HAVE_TOOLCHAIN:
-        pytest.skip("gcc or libnetfilter_queue headers missing")
-    if backend == "nfqueue-userspace":
-        monkeypatch.setenv(_cdelay.DELAYER_ENV, "python")
+    _select_delayer(backend, monkeypatch)
     monkeypatch.setenv("DTRAIN_NETEM_MAX_QUEUE_LEN", "50")  # read by the agent at start
     with Topology(2, "lan") as topo:
         assert topo.backends()["delay"] == backend
@@ -193,6 +185,16 @@ def test_held_packets_are_bounded_per_site(default_env, monkeypatch, backend):
                 rx.settimeout(0.5)  # after the first, the held ones follow at once
     assert held["held"] == 50 and held["max_held"] == 50, held
     assert received == list(range(50)), received  # the first 50, in order; the rest dropped
+
+
+def _select_delayer(backend: str, monkeypatch) -> None:
+    """Make the next Topology use ``backend`` (the compiled one needs the toolchain)."""
+    if backend == "nfqueue-userspace":
+        monkeypatch.setenv(_cdelay.DELAYER_ENV, "python")
+    elif not HAVE_TOOLCHAIN:
+        if os.environ.get("DTRAIN_NETEM_REQUIRED") == "1":
+            pytest.fail("gcc or libnetfilter_queue headers missing (DTRAIN_NETEM_REQUIRED=1)")
+        pytest.skip("gcc or libnetfilter_queue headers missing")
 
 
 def _send_and_receive(topo: Topology, *, num_sparse: int, num_dense: int) -> tuple[list[float], list[int]]:
