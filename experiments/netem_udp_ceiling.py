@@ -1,10 +1,12 @@
 """What the netem emulator itself can pass: 1,400-byte UDP datagrams/s through the namespaces, no dtrain.
 
-On this machine the kernel has no netem qdisc, so delay is done by one userspace helper
-(``netem/_agent.py``: NFQUEUE, one Python callback per packet, for every site) and the rate
-by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands the kernel
-64 KB at once, so the helper's packets/s bound the datagram path long before the 100
-Mbit/s cap does. This script measures that bound.
+On this machine the kernel has no netem qdisc, so delay is done in userspace on NFQUEUE
+for every site, by the compiled delayer (``netem/delayer.c``, backend ``nfqueue-c``) or its
+Python fallback (``netem/_agent.py``, one callback per packet, ``nfqueue-userspace``), and
+the rate by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands
+the kernel 64 KB at once, so the delayer's packets/s can bound the datagram path before
+the 100 Mbit/s cap does. This script measures that bound, per delayer (``--delayers``;
+quick and full measure both in one sitting, the load average next to each row).
 
 Per setting, ``--pairs`` sender processes (site i -> site (i + 1) mod N, each in its own
 namespace, a plain paced ``send`` loop) offer ``rate`` datagrams/s each for ``--seconds``; a
@@ -21,6 +23,7 @@ queue of its own).
 Usage (as root)::
 
     .venv/bin/python experiments/netem_udp_ceiling.py --quick
+    .venv/bin/python experiments/netem_udp_ceiling.py --quick --delayers c --results none
     .venv/bin/python experiments/netem_udp_ceiling.py --smoke --out /tmp/x --results none
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -37,8 +41,12 @@ from typing import Any, Sequence
 
 DATAGRAM_BYTES = 1400
 PORT = 47000
+# --delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
+DELAYER_ENV = {"c": "auto", "python": "python"}
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, pairs=[1], delay=5.0, rate_cap=100.0, offered=[2000, 8000], seconds=0.5, seeds=[0]),
+    "smoke": dict(
+        num_sites=2, pairs=[1], delay=5.0, rate_cap=100.0, offered=[2000, 8000], seconds=0.5, seeds=[0], delayers=["c"]
+    ),
     "quick": dict(
         num_sites=4,
         pairs=[1, 4],
@@ -47,6 +55,7 @@ MODES: dict[str, dict[str, Any]] = {
         offered=[2000, 4000, 8000, 12000, 16000, 24000, 32000, 40000, 48000],
         seconds=2.0,
         seeds=[0],
+        delayers=["c", "python"],
     ),
     "full": dict(
         num_sites=4,
@@ -56,6 +65,7 @@ MODES: dict[str, dict[str, Any]] = {
         offered=[1000, 2000, 4000, 6000, 8000, 12000, 16000, 24000, 32000, 48000],
         seconds=4.0,
         seeds=[0],
+        delayers=["c", "python"],
     ),
 }
 
@@ -135,18 +145,31 @@ from experiments.common import (  # noqa: E402
 from experiments.procs import netem_topology  # noqa: E402
 
 
-def _late(topo, dsts: list[int]) -> int:
-    """Packets the helper released more than 1 ms late so far, over the destination sites."""
-    sites = topo.stats().get("sites") or []
-    return sum(sites[d]["late_1ms"] for d in set(dsts) if d < len(sites))
+def _cpu_ns(pid: int | None) -> int:
+    """CPU time ``pid`` has run so far (ns, /proc/PID/schedstat), 0 when unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) if pid else 0
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _delayer_counters(topo) -> tuple[int, int, int]:
+    """(late releases > 1 ms, packets delayed, CPU ns of the agent + compiled delayer) so far."""
+    st = topo.stats()
+    sites = st.get("sites") or []
+    late = sum(s["late_1ms"] for s in sites)
+    delayed = sum(s["delayed"] for s in sites)
+    return late, delayed, _cpu_ns(st.get("pid")) + _cpu_ns(st.get("delayer_pid"))
 
 
 def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[str, Any]:
     """One measurement: ``pairs`` flows of ``rate`` datagrams/s each; returns a CSV row."""
+    load_1m = os.getloadavg()[0]
     me = [sys.executable, str(Path(__file__).resolve())]
     n = m["num_sites"]
     dsts = [(i + 1) % n for i in range(pairs)]
-    before = _late(topo, dsts) if setting != "no delay" else 0
+    delayed_row = setting != "no delay"
+    before = _delayer_counters(topo) if delayed_row else (0, 0, 0)
     recv = [
         topo.popen(
             d,
@@ -175,7 +198,8 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    late = _late(topo, dsts) - before if setting != "no delay" else 0
+    after = _delayer_counters(topo) if delayed_row else (0, 0, 0)
+    late, num_delayed, cpu_ns = (a - b for a, b in zip(after, before))
     num_sent = sum(x["sent"] for x in sent)
     num_got = sum(x["received"] for x in got)
     send_s = max(x["send_s"] for x in sent)
@@ -184,6 +208,8 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
         "experiment": "netem_udp_ceiling",
         "config": f"{setting}, {pairs} flow(s)",
         "setting": setting,
+        "delayer": "none" if setting == "no delay" else topo.backends()["delay"],
+        "load_1m": load_1m,
         "flows": pairs,
         "delay_ms": 0.0 if setting == "no delay" else m["delay"],
         "rate_cap_mbit": m["rate_cap"] if setting == "delay + cap" else float("nan"),
@@ -193,11 +219,12 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
         "delivered_mbit": num_got * DATAGRAM_BYTES * 8 / 1e6 / recv_s,
         "loss": 1 - num_got / num_sent if num_sent else float("nan"),
         "late_releases": late,
+        "delayer_cpu_us_per_pkt": cpu_ns / 1e3 / num_delayed if num_delayed else float("nan"),
         "seed": 0,
     }
 
 
-def sweep(topo, m: dict[str, Any]) -> list[RunResult]:
+def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     links = {
@@ -206,14 +233,15 @@ def sweep(topo, m: dict[str, Any]) -> list[RunResult]:
         "delay + cap": LinkParams(delay_ms=m["delay"], rate_mbit=m["rate_cap"]),
     }
     out = []
-    for setting, params in links.items():
+    for setting in settings:
+        params = links[setting]
         topo.set_link(None, params)
         for pairs in m["pairs"]:
             for rate in m["offered"]:
                 row = one(topo, m, setting, pairs, rate / pairs)
                 out.append(RunResult(row=row))
                 print(
-                    f"{setting}, {pairs} flow(s), offered {row['offered_dps']:.0f}/s: delivered "
+                    f"{setting} ({row['delayer']}, load {row['load_1m']:.1f}), {pairs} flow(s), offered {row['offered_dps']:.0f}/s: delivered "
                     f"{row['delivered_dps']:.0f}/s ({row['delivered_mbit']:.1f} Mbit/s), loss {row['loss']:.1%}",
                     flush=True,
                 )
@@ -222,11 +250,19 @@ def sweep(topo, m: dict[str, Any]) -> list[RunResult]:
     return out
 
 
-def ceilings(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any] | None]:
+def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
     """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with
-    the offer (delivered >= 95% of offered: no queue growing in the helper); None: none."""
+    the offer (delivered >= 95% of offered: no queue growing in the delayer); None: none.
+
+    Args:
+        rows: CSV rows of this experiment.
+        delayer: only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none" for the
+            "no delay" setting); None: every row, i.e. the best any delayer measured managed.
+    """
     out: dict[tuple[str, int], dict[str, Any] | None] = {}
     for r in rows:
+        if delayer is not None and r.get("delayer", "?") != delayer:
+            continue
         key = (r["setting"], r["flows"])
         best = out.get(key)
         if (
@@ -240,10 +276,16 @@ def ceilings(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]
     return out
 
 
+def _fmt_us(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{v:.2f}"
+
+
 def analyse(rows: list[dict[str, Any]]) -> str:
     table = md_table(
         [
             "setting",
+            "delayer",
+            "load",
             "flows",
             "offered dgram/s",
             "sent dgram/s",
@@ -251,10 +293,13 @@ def analyse(rows: list[dict[str, Any]]) -> str:
             "delivered Mbit/s",
             "loss",
             "late releases",
+            "delayer CPU us/packet",
         ],
         [
             [
                 r["setting"],
+                r.get("delayer", "?"),
+                f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
                 r["flows"],
                 f"{r['offered_dps']:.0f}",
                 f"{r['achieved_send_dps']:.0f}",
@@ -262,23 +307,27 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 f"{r['delivered_mbit']:.1f}",
                 f"{r['loss']:.2%}",
                 r["late_releases"],
+                _fmt_us(r.get("delayer_cpu_us_per_pkt")),
             ]
             for r in rows
         ],
     )
     ceil = md_table(
-        ["setting", "flows", "ceiling dgram/s (loss < 1%)", "Mbit/s", "per flow Mbit/s"],
+        ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"],
         [
-            [k[0], k[1], "-", "-", "-"]
+            [k[0], d, k[1], "-", "-", "-", "-"]
             if r is None
             else [
                 k[0],
+                d,
                 k[1],
                 f"{r['delivered_dps']:.0f}",
+                f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
                 f"{r['delivered_mbit']:.1f}",
                 f"{r['delivered_mbit'] / k[1]:.1f}",
             ]
-            for k, r in ceilings(rows).items()
+            for d in dict.fromkeys(r.get("delayer", "?") for r in rows)
+            for k, r in ceilings(rows, d).items()
         ],
     )
     return table + "\n\nCeilings (highest delivered rate with loss < 1% and >= 95% of the offer):\n\n" + ceil
@@ -289,22 +338,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--role" in argv:
         return _role(argv)
     ap = base_parser(__doc__)
+    ap.add_argument(
+        "--delayers",
+        type=lambda v: v.split(","),
+        help="delayers to measure, comma-separated from 'c' (compiled, netem/delayer.c) and 'python' "
+        "(the agent's fallback); default per mode (quick/full: c,python)",
+    )
     args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES)
+    mode, m = mode_settings(args, MODES, overrides=("delayers",))
+    if not m["delayers"] or set(m["delayers"]) - set(DELAYER_ENV):
+        raise SystemExit(f"--delayers must name some of {sorted(DELAYER_ENV)}, got {m['delayers']}")
     prefix = out_prefix(args, "netem_udp_ceiling")
 
     def runner() -> list[RunResult]:
-        with netem_topology(m["num_sites"], "udpc", "netem_udp_ceiling") as topo:
-            return sweep(topo, m)
+        out: list[RunResult] = []
+        for k, delayer in enumerate(m["delayers"]):  # one topology per delayer, one after the other
+            os.environ["DTRAIN_NETEM_DELAYER"] = DELAYER_ENV[delayer]
+            with netem_topology(m["num_sites"], "udpc", "netem_udp_ceiling") as topo:
+                settings = ["delay", "delay + cap"] if k else ["no delay", "delay", "delay + cap"]
+                out += sweep(topo, m, settings)
+        return out
 
     rows, _, meta = run_or_load(args, argv, "netem_udp_ceiling.py", prefix, runner)
     body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
 
 Setup: {m["num_sites"]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
 (site i -> site i+1), one receiver process per destination, {m["seconds"]:g} s per point. "delay": {m["delay"]:g} ms
-one way on every site (every packet through the userspace NFQUEUE helper); "delay + cap": also tbf at
+one way on every site (every packet through an NFQUEUE delayer: "nfqueue-c" is the compiled one,
+netem/delayer.c; "nfqueue-userspace" the Python fallback in netem/_agent.py); "delay + cap": also tbf at
 {m["rate_cap"]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
-CSV: `{prefix.with_suffix(".csv").name}`.
+"load": the 1-minute load average when the row started; "delayer CPU": CPU time of the agent and the
+compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row. CSV: `{prefix.with_suffix(".csv").name}`.
 
 {analyse(rows)}
 """

@@ -3,17 +3,20 @@
 Started by :class:`netem.Topology` (``python -m netem._agent --state-dir DIR``) inside
 the hub namespace, one per topology. It
 
-* binds NFQUEUE queue ``i`` for each site ``i`` (the hub's FORWARD rule queues the
-  packets routed to site ``i`` there; only when the delay backend is
-  ``nfqueue-userspace``) and holds each packet until ``arrival + delay ± jitter``,
-  then accepts it; packets to one site leave in arrival order;
+* delays packets: NFQUEUE queue ``i`` holds the packets routed to site ``i`` (the hub's
+  FORWARD rule queues them there) until ``arrival + delay ± jitter``, then accepts them;
+  packets to one site leave in arrival order. Backend ``nfqueue-c``: the compiled
+  delayer (``netem/delayer.c``) runs as this process's child, binds the queues and gets
+  the delays over a pipe (:class:`netem._cdelay.CDelayer`); ``nfqueue-userspace``: this
+  process binds them itself (netfilterqueue, one Python callback per packet);
 * rewrites the "flap" partition rules when a site's periodic outage starts or ends;
 * answers JSON-line requests on ``DIR/agent.sock``: ``config``, ``stats``, ``ping``;
 * with ``--watch-pid``, tears the whole topology down if that process dies (so a
   SIGKILLed owner leaves nothing behind).
 
-Throughput: one Python loop handles ~65k packets/s per core (netfilterqueue with
-COPY_META, measured on the dev machine).
+Throughput: the Python loop handles ~65k packets/s per core on a quiet machine
+(netfilterqueue with COPY_META) and 4-8k/s under load; the compiled delayer costs a few
+hundred ns per packet (experiments/RESULTS.md, "netem's own UDP ceiling").
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ import time
 from pathlib import Path
 
 from . import _rules
+from ._cdelay import CDelayer
 from ._sys import delete_namespace, ns_cmd, run
 from .profiles import LinkParams
 
 logger = logging.getLogger("netem.agent")
 
-MAX_QUEUE_LEN = 20_000  # packets held per site at most (the kernel drops beyond)
+# Packets held per site at most (the kernel drops beyond); the environment may lower it (tests).
+MAX_QUEUE_LEN = int(os.environ.get("DTRAIN_NETEM_MAX_QUEUE_LEN", "20000"))
 SOCK_RCVBUF = 8 << 20
 
 
@@ -104,8 +109,17 @@ class Agent:
         self.flap_down: list[int] = []
         self.next_flap: float | None = None
         self.queues: list[_SiteQueue] = []
+        self.cdelay: CDelayer | None = None
         if self.topo["backends"]["delay"] == "nfqueue-userspace":
             self.queues = [_SiteQueue(i) for i in range(self.num_sites)]
+        elif self.topo["backends"]["delay"] == "nfqueue-c":
+            self.cdelay = CDelayer(
+                self.topo["delayer_binary"],
+                self.num_sites,
+                max_queue_len=MAX_QUEUE_LEN,
+                rcvbuf_bytes=SOCK_RCVBUF,
+                marker=str(state_dir),
+            )
         self.watch_fd = os.pidfd_open(watch_pid) if watch_pid else None
         self.sock_path = state_dir / "agent.sock"
         self.sock_path.unlink(missing_ok=True)
@@ -125,25 +139,31 @@ class Agent:
             for q, p in zip(self.queues, self.links):
                 q.delay_s = p.delay_ms / 1000.0
                 q.jitter_s = p.jitter_ms / 1000.0
+            if self.cdelay is not None:
+                for i, p in enumerate(self.links):
+                    self.cdelay.set_delay(i, p.delay_ms / 1000.0, p.jitter_ms / 1000.0)
             self._update_flap(time.time(), force=True)
             return {"ok": True}
         if op == "stats":
-            return {
-                "ok": True,
-                "pid": os.getpid(),
-                "flap_down": self.flap_down,
-                "sites": [
-                    {
-                        "delayed": q.num_delayed,
-                        "held": len(q.held),
-                        "max_held": q.max_held,
-                        "late_1ms": q.num_late,
-                        "max_late_ms": round(q.max_late_s * 1000, 3),
-                    }
-                    for q in self.queues
-                ],
-            }
+            return {"ok": True, "pid": os.getpid(), "flap_down": self.flap_down, **self._delay_stats()}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _delay_stats(self) -> dict:
+        """Per-site delayer counters (same keys for both delayers) and the compiled delayer's pid."""
+        if self.cdelay is not None:
+            sites = self.cdelay.stats()
+            return {"delayer_pid": self.cdelay.proc.pid, "delayer_wakeups": self.cdelay.num_wakeups, "sites": sites}
+        sites = [
+            {
+                "delayed": q.num_delayed,
+                "held": len(q.held),
+                "max_held": q.max_held,
+                "late_1ms": q.num_late,
+                "max_late_ms": round(q.max_late_s * 1000, 3),
+            }
+            for q in self.queues
+        ]
+        return {"delayer_pid": None, "delayer_wakeups": None, "sites": sites}
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -207,6 +227,8 @@ class Agent:
         fixed = [self.listener, *by_fd]
         if self.watch_fd is not None:
             fixed.append(self.watch_fd)
+        if self.cdelay is not None:
+            fixed.append(self.cdelay.fd)
         while True:
             now = time.monotonic()
             timeout = 1.0
@@ -224,6 +246,9 @@ class Agent:
                 elif r == self.watch_fd:
                     self.teardown_topology()
                     return
+                elif self.cdelay is not None and r == self.cdelay.fd:
+                    if self.cdelay.poll_dead():
+                        fixed.remove(r)  # requests now answer that it exited
                 else:
                     by_fd[r].nfq.run(block=False)
             now = time.monotonic()
@@ -254,6 +279,9 @@ class Agent:
         for q in self.queues:
             q.close()
         self.queues = []
+        if self.cdelay is not None:
+            self.cdelay.close()
+            self.cdelay = None
         for conn in self.conns:
             conn.close()
         self.conns.clear()
@@ -287,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         agent.run()
     finally:
-        if agent.queues or agent.sock_path.exists():
+        if agent.queues or agent.cdelay or agent.sock_path.exists():
             agent.close()
     return 0
 

@@ -6,7 +6,8 @@
 # System packages: iproute2 (ip, tc), nftables (nft: loss and partition rules),
 # iptables (NFQUEUE rule for the userspace delayer; fallback for loss/partition),
 # ethtool (TSO/GSO off on veth ends), iputils-ping (RTT tests),
-# libnetfilter-queue-dev + gcc (to build the netfilterqueue Python package).
+# libnetfilter-queue-dev + gcc (to build the netfilterqueue Python package and the
+# compiled delayer netem/delayer.c, which the Topology builds on first use).
 # Then pip-installs netfilterqueue==1.1.0 into the given venv.
 #
 # Idempotent: skips apt-get when every package is already installed and pip
@@ -53,3 +54,5 @@ for c in ip tc nft iptables ethtool ping; do
     command -v "$c" >/dev/null || die "$c still missing after install"
 done
 "$PY" -c "import netfilterqueue" || die "netfilterqueue does not import in $PY"
+command -v gcc >/dev/null || die "gcc still missing after install"
+[ -f /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || die "libnetfilter_queue headers missing after install"

@@ -158,7 +158,11 @@ def probe(*, refresh: bool = False) -> Capabilities:
 
 
 def choose_backends(
-    caps: Capabilities, *, kernel_netem: bool | None = None, filter_backend: str | None = None
+    caps: Capabilities,
+    *,
+    kernel_netem: bool | None = None,
+    filter_backend: str | None = None,
+    compiled_delayer: bool = False,
 ) -> dict[str, str | None]:
     """Pick a backend per property from ``caps`` (None: that property cannot be emulated).
 
@@ -172,6 +176,9 @@ def choose_backends(
     Raises:
         NetemUnavailable: ``kernel_netem=True`` without kernel netem, a forced
             filter backend that does not work, or no rate backend.
+        compiled_delayer: True when the compiled NFQUEUE delayer (``netem/delayer.c``) was
+            built: delay/jitter backend ``nfqueue-c`` instead of the Python delayer
+            ``nfqueue-userspace`` (which needs the netfilterqueue package).
     """
     use_netem = caps.kernel_netem if kernel_netem is None else kernel_netem
     if use_netem and not caps.kernel_netem:
@@ -180,6 +187,8 @@ def choose_backends(
         raise NetemUnavailable("tc tbf does not work here; no rate backend")
     if use_netem:
         delay = "netem"
+    elif caps.iptables_nfqueue and compiled_delayer:
+        delay = "nfqueue-c"
     elif caps.iptables_nfqueue and caps.netfilterqueue:
         delay = "nfqueue-userspace"
     else:

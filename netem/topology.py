@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _rules
+from . import _cdelay, _rules
 from ._sys import (
     PREFIX,
     STATE_ROOT,
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 SUBNET = ipaddress.ip_network("198.18.0.0/15")
 HUB_ADDRESS = "198.19.255.254"  # the hub's address on every port: the sites' gateway
 MAX_SITES = 200
+NFQUEUE_DELAY = ("nfqueue-c", "nfqueue-userspace")  # delay backends that hold packets on NFQUEUE in the agent
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
 
@@ -225,6 +226,13 @@ class Topology:
             )
         self._caps = probe()
         self._backends = choose_backends(self._caps, kernel_netem=kernel_netem, filter_backend=filter_backend)
+        self._delayer_binary: Path | None = None
+        if self._backends["delay"] != "netem" and self._caps.iptables_nfqueue:
+            self._delayer_binary = _cdelay.build_delayer()  # None: the Python delayer (warning logged)
+            if self._delayer_binary is not None:
+                self._backends = choose_backends(
+                    self._caps, kernel_netem=kernel_netem, filter_backend=filter_backend, compiled_delayer=True
+                )
         if self._owned:
             _register(self)
         try:
@@ -483,6 +491,7 @@ class Topology:
                     "site_namespaces": self.site_namespaces,
                     "addresses": self._addresses,
                     "backends": self._backends,
+                    "delayer_binary": None if self._delayer_binary is None else str(self._delayer_binary),
                 }
             )
         )
@@ -519,7 +528,7 @@ class Topology:
         logger.info("netem topology %s up: %d sites, backends %s", self.name, self.num_sites, self._backends)
 
     def _uses_iptables(self) -> bool:
-        return self._backends["delay"] == "nfqueue-userspace" or self._backends["partition"] == "iptables"
+        return self._backends["delay"] in NFQUEUE_DELAY or self._backends["partition"] == "iptables"
 
     def _set_all(self, link: LinkParams) -> None:
         with self._mutation():
@@ -550,7 +559,7 @@ class Topology:
         )
         if flap_changed:
             self._flap_epoch = time.time()
-        userspace = b["delay"] == "nfqueue-userspace"
+        userspace = b["delay"] in NFQUEUE_DELAY
         needs_agent = any(p.flap_period_s > 0 for p in new) or (userspace and any(p.needs_delay for p in new))
         self._links = new
         # 1. the agent learns delays before packets are queued to it

@@ -34,7 +34,8 @@ def netem_missing() -> list[str]:
 
 
 def _agent_pids() -> list[int]:
-    """Helper processes of this test process (their state dir names our tag)."""
+    """Helper processes of this test process (their state dir names our tag): agents and
+    the compiled delayers they start (``netem-delayer ... --state-dir DIR``)."""
     marker = str(netem.STATE_ROOT).encode()
     pids = []
     for entry in os.listdir("/proc"):
@@ -43,7 +44,7 @@ def _agent_pids() -> list[int]:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"netem._agent" in cmd and marker in cmd:
+            if (b"netem._agent" in cmd or b"netem-delayer" in cmd) and marker in cmd:
                 pids.append(int(entry))
     return pids
 

@@ -48,7 +48,7 @@ def test_profile_rtt_loss_goodput(profile):
         if link.flap_period_s:  # outages are tested in test_partition.py; measure the link
             topo.set_link(None, flap_period_s=0.0, flap_down_s=0.0)
         if link.needs_delay:
-            assert topo.backends()["delay"] in ("nfqueue-userspace", "netem")
+            assert topo.backends()["delay"] in ("nfqueue-c", "nfqueue-userspace", "netem")
         rtt = ping(topo, 0, 1, count=30, interval_s=0.01)
         loss_ok, loss_tries = _loss_in_interval(topo, link.loss_pct, drain_s=0.3 + 2 * link.delay_ms / 1000)
         goodput = None

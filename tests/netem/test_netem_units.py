@@ -145,6 +145,15 @@ def test_backend_choice():
         choose_backends(_caps(iptables_statistic=False), filter_backend="iptables")
 
 
+def test_compiled_delayer_backend_choice():
+    compiled = choose_backends(_caps(), compiled_delayer=True)
+    assert compiled["delay"] == compiled["jitter"] == "nfqueue-c"
+    # the compiled delayer does not need the netfilterqueue package, only the NFQUEUE target
+    assert choose_backends(_caps(netfilterqueue=False), compiled_delayer=True)["delay"] == "nfqueue-c"
+    assert choose_backends(_caps(iptables_nfqueue=False), compiled_delayer=True)["delay"] is None
+    assert choose_backends(_caps(kernel_netem=True), compiled_delayer=True)["delay"] == "netem"
+
+
 def test_binomial_interval():
     assert binomial_interval(10, 0.5) == (1, 9)  # P(X=0) = 1/1024 < 0.5%, P(X<=1) > 0.5%
     lo, hi = binomial_interval(2000, 0.1)
