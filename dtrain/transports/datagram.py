@@ -15,7 +15,7 @@ Per round (:meth:`DatagramTransport.begin_round`, the round engine's one seam):
   owner's per-chunk mean (divided by the senders whose datagram arrived) is unbiased
   at packet granularity; what no mean included stays in the sender's residual (the
   round engine's rules). Larger payloads are split in fragments (all needed).
-* **Means** are pushed by the owner to every member as soon as a bucket is final
+* **Means** (:mod:`.datagram_means`) are pushed by the owner to every member as soon as a bucket is final
   (the transport waits on the handler's ``handle_pull_mean``): a meta datagram
   (chunk count, checksums) before and after the chunks. A member's ``pull_mean``
   waits for them; missing chunks are re-requested (NACK datagram listing them) at
@@ -52,18 +52,11 @@ from typing import Callable, Iterable, Sequence
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
-from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.datagram_means import DatagramMeans
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
-from dtrain.transports.datagram_round import (
-    RoundState,
-    SenderStats,
-    decode_meta,
-    encode_meta,
-    mean_wait_decision,
-    senders_bitmap,
-    senders_from_bitmap,
-)
+from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     CODEC_WIRE_NAMES,
     Dropped,
@@ -97,11 +90,6 @@ def _enable_rx_meta(sock: socket.socket) -> int:
     except OSError:
         return 0
     return socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_U32.size)
-
-
-_META_COPY_FINAL = 1
-_NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
-_NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,8 +184,9 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     return 4 * lo
 
 
-class DatagramTransport(Transport):
-    """One site's datagram data path (see the module docstring)."""
+class DatagramTransport(DatagramMeans, Transport):
+    """One site's datagram data path (see the module docstring; the means half is
+    :class:`~.datagram_means.DatagramMeans`)."""
 
     reports_rejections_in_order = False
 
@@ -650,182 +639,6 @@ class DatagramTransport(Transport):
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
-
-    # ------------------------------------------------------------------ means: owner side
-    def _push_means(self, rs: RoundState, mine: list[int]) -> None:
-        threads = [threading.Thread(target=self._push_mean, args=(rs, b), daemon=True) for b in mine]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def _push_mean(self, rs: RoundState, b: int) -> None:
-        assert self._handler is not None
-        try:
-            m = self._handler.handle_pull_mean(rs.round, b, rs.site_id, max(0.0, rs.broadcast_until - time.monotonic()))
-        except TransportError as e:
-            log.warning("round %d: no mean of bucket %d to push: %s", rs.round, b, e)
-            return
-        with rs.lock:
-            rs.published[b] = m
-        dests = [i for i in range(len(rs.site_ids)) if i != rs.me]
-        self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
-
-    def _mean_datagrams(self, rs: RoundState, m: BucketMean, c: int) -> list[bytes]:
-        ch = m.chunks[c]
-        return self._seal_chunks(
-            rs,
-            Kind.MEAN,
-            senders_bitmap(ch.senders, rs.site_ids),
-            ch.payload,
-            bucket=m.bucket,
-            chunk=c,
-            offset=ch.offset,
-            numel=ch.numel,
-            codec=codec_id(ch.codec),
-        )
-
-    def _send_mean(
-        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool
-    ) -> None:
-        """Meta, the chunks, final meta; to every dest, interleaved chunk by chunk, paced."""
-        meta = encode_meta(m)
-        socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
-        items: list[int | None] = ([None] if with_meta else []) + list(chunks) + [None]
-        last = len(items) - 1
-        for k, c in enumerate(items):
-            for d in dests:
-                if c is None:
-                    datagrams = [rs.sealer.seal(Kind.MEAN_META, meta, bucket=m.bucket, chunk=int(k == last))]
-                else:
-                    datagrams = self._mean_datagrams(rs, m, c)
-                    self._count(sent=len(m.chunks[c].payload))
-                for data in datagrams:
-                    try:
-                        if not self._send(rs, d, socks[d], data, rs.broadcast_until, contribution=False):
-                            log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
-                            return
-                    except PeerUnavailable as e:
-                        log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
-
-    def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
-        with rs.lock:
-            m = rs.published.get(h.bucket)
-        if m is None or len(body) % 4:
-            return
-        asked = struct.unpack(f"<{len(body) // 4}I", body)
-        wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
-        self._count(resent=len(wanted))
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
-
-    def _answer_ack(self, rs: RoundState, h) -> None:
-        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
-        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id):
-            self._opener.count("malformed")
-            return
-        delivered = getattr(self._handler, "handle_mean_delivered", None)
-        if delivered is not None:
-            delivered(rs.round, h.bucket, rs.site_ids[h.sender])
-
-    # ------------------------------------------------------------------ means: member side
-    def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
-        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_ids[h.sender] and h.sender != rs.me):
-            self._opener.count("malformed")
-            return
-        nbits = (len(rs.site_ids) + 7) // 8
-        with rs.cv:
-            ma = rs.mean_for(h.bucket)
-            ma.last_arrival = rs.owner_active[h.sender] = time.monotonic()
-            if h.kind == Kind.MEAN_META:
-                if ma.num_chunks is None:
-                    ma.num_chunks, before, after = decode_meta(body)
-                    ma.checksums = (before, after)
-                ma.final_meta_seen = ma.final_meta_seen or h.chunk == _META_COPY_FINAL
-            elif h.chunk not in ma.chunks and h.codec < len(CODEC_WIRE_NAMES) and len(body) >= nbits:
-                whole = rs.add_fragment((Kind.MEAN, h.bucket, h.chunk), h.frag, h.nfrags, body[nbits:])
-                if whole is False or (whole and not rs.charge(len(whole))):
-                    self._opener.count("over_budget")
-                elif whole is not None:
-                    ma.chunks[h.chunk] = MeanChunk(
-                        chunk=h.chunk,
-                        offset=h.offset,
-                        numel=h.numel,
-                        codec=CODEC_WIRE_NAMES[h.codec],
-                        payload=whole,
-                        senders=senders_from_bitmap(body[:nbits], rs.site_ids),
-                    )
-                    self._counts["received"] += len(whole)
-            ack = ma.complete() and not ma.acked
-            ma.acked = ma.acked or ack
-            rs.cv.notify_all()
-        if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
-            for copy in range(2):
-                self._send_ctl(rs, h.sender, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=h.bucket, chunk=copy))
-
-    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
-        rs = self._round(round)
-        pushed = (
-            rs is not None
-            and bucket < len(rs.owners)
-            and rs.by_address.get(address) == rs.owners[bucket]
-            and rs.owners[bucket] != rs.site_id
-        )
-        if not pushed:
-            return self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
-        assert rs is not None
-        deadline = time.monotonic() + timeout_s
-        fallback_at = max(time.monotonic(), deadline - self.config.fallback_reserve_s)
-        got = self._await_mean(rs, address, bucket, fallback_at)
-        if got is not None:
-            return got
-        self._count(fallback_pulls=1)
-        log.info("round %d: mean of bucket %d incomplete over datagrams: pulled over gRPC", round, bucket)
-        return self._grpc.pull_mean(
-            address, round, bucket, requester=requester, timeout_s=max(0.01, deadline - time.monotonic())
-        )
-
-    def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
-        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC
-        (the steps are :func:`~.datagram_round.mean_wait_decision`'s)."""
-        cfg = self.config
-        owner = rs.index[rs.owners[bucket]]
-        # by then the owner finalized (its reduce deadline) and its first datagrams crossed the path
-        silent_after = rs.t0 + rs.plan.reduce_timeout_s + 2 * cfg.rtt_s + cfg.nack_idle_s
-        while True:
-            with rs.cv:
-                ma = rs.mean_for(bucket)
-                now = time.monotonic()
-                step = mean_wait_decision(
-                    ma,
-                    now,
-                    fallback_at=fallback_at,
-                    silent_after=silent_after,
-                    nack_idle_s=cfg.nack_idle_s,
-                    max_nacks=cfg.max_nack_rounds,
-                    owner_active_at=rs.owner_active.get(owner, 0.0),
-                )
-                if step.action == "done":
-                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
-                if step.action == "pull":
-                    log.debug("round %d: mean of bucket %d: %s", rs.round, bucket, step.reason)
-                    return None
-                if step.action == "wait":
-                    rs.cv.wait(max(0.0, step.wake_at - now))
-                    continue
-                if ma.num_chunks is not None:
-                    missing = ma.missing()
-                else:  # no meta yet: the meta, and every chunk when none came either
-                    missing = [_NACK_META] + ([] if ma.chunks else [_NACK_ALL])
-                ma.final_meta_seen = False
-                ma.nacks += 1
-                ma.nack_at = now
-            self._count(nacks_sent=1)
-            room = self._body_max // 4
-            for i in range(0, len(missing), room):
-                part = missing[i : i + room]
-                self._send_ctl(
-                    rs, owner, rs.sealer.seal(Kind.NACK, struct.pack(f"<{len(part)}I", *part), bucket=bucket)
-                )
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
