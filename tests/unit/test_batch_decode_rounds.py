@@ -1,0 +1,87 @@
+"""The round's batch decodes (``Codec.decode_chunks``) give what one decode per chunk gave:
+``encode_mean`` / ``decode_mean`` (means.py) and ``settle_bucket`` (error_feedback.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtrain.buckets import Bucket
+from dtrain.codecs import get_codec
+from dtrain.protocol import BucketMean
+from dtrain.rounds.error_feedback import settle_bucket, settle_chunk
+from dtrain.rounds.means import contiguous_runs, decode_mean, encode_mean
+from dtrain.rounds.owner import ChunkReduction
+
+
+def _bucket(numel: int, step: int = 1280) -> Bucket:
+    chunks = tuple((o, min(step, numel - o)) for o in range(0, numel, step))
+    return Bucket(0, numel, "param", (), chunks)
+
+
+def test_contiguous_runs() -> None:
+    assert contiguous_runs([]) == []
+    assert contiguous_runs([(0, 4), (4, 4), (10, 2)]) == [(0, 2), (2, 3)]
+    assert contiguous_runs([(0, 4), (4, 4), (8, 1)]) == [(0, 3)]
+    assert contiguous_runs([(8, 2), (0, 8)]) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "bf16"])
+def test_encode_mean_then_decode_mean_match_one_decode_per_chunk(name: str) -> None:
+    codec = get_codec(name)
+    bucket = _bucket(9 * 1280 + 77)
+    g = torch.Generator().manual_seed(3)
+    reds = [ChunkReduction(c, torch.randn(n, generator=g), ("a", "b")) for c, (_, n) in enumerate(bucket.chunks)]
+    residual = torch.randn(bucket.numel, generator=g) * 0.01
+    before = residual.clone()
+    chunks, full = encode_mean(codec, bucket, reds, residual=residual, generator=torch.Generator().manual_seed(0))
+    want = torch.cat([codec.decode(ch.payload, numel=ch.numel) for ch in chunks])
+    assert torch.equal(full, want)
+    src = torch.cat([r.mean for r in reds]) + before
+    assert torch.equal(residual, src - want)  # what the codec lost now, kept for the next mean
+    m = BucketMean(round=1, bucket=0, owner="a", chunks=chunks, checksum_before="", checksum_after="")
+    assert torch.equal(decode_mean(codec, bucket, m), want)
+
+
+def test_settle_bucket_matches_settle_chunk_per_chunk_and_keeps_a_bad_mean_chunk_whole() -> None:
+    codec = get_codec("int8")
+    bucket = _bucket(8 * 1280 + 300)
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(bucket.numel, generator=g)
+    sent = codec.encode_chunks(u, list(bucket.chunks))
+    mean = torch.randn(bucket.numel, generator=g)
+    mean_payloads = codec.encode_chunks(mean, list(bucket.chunks))
+    mean_payloads[6] = mean_payloads[6][:-1] + bytes([mean_payloads[6][-1] ^ 1])  # corrupted: kept whole
+    included = [True, True, False, False, True, False, False, False, True]
+    for payloads in (mean_payloads, None):
+        want = u.clone()
+        for c, (off, n) in enumerate(bucket.chunks):
+            s = codec.decode(sent[c], numel=n) if included[c] else None
+            a = None
+            if not included[c] and payloads is not None and c != 6:
+                a = codec.decode(payloads[c], numel=n)
+            settle_chunk(want[off : off + n], included=included[c], sent=s, applied_mean=a)
+        got = u.clone()
+        bad = settle_bucket(
+            got, bucket.chunks, included, codec=codec, sent=sent.__getitem__, bcodec=codec, mean_payloads=payloads
+        )
+        assert torch.equal(got, want)
+        assert [c for c, _ in bad] == ([6] if payloads is not None else [])
+        assert all("checksum mismatch" in str(e) for _, e in bad)
+
+
+def test_settle_bucket_lossless_codec_zeroes_the_included_chunks() -> None:
+    fp32 = get_codec("fp32")
+    bucket = _bucket(3 * 1280)
+    u = torch.ones(bucket.numel)
+    bad = settle_bucket(
+        u,
+        bucket.chunks,
+        [True, False, True],
+        codec=fp32,
+        sent=lambda c: pytest.fail("a lossless codec's payload is never decoded"),
+        bcodec=fp32,
+        mean_payloads=None,
+    )
+    assert bad == []
+    assert u[:1280].eq(0).all() and u[1280:2560].eq(1).all() and u[2560:].eq(0).all()
