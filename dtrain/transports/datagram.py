@@ -51,6 +51,7 @@ from typing import Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
+from dtrain.codecs.base import equal_runs
 from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
@@ -68,7 +69,7 @@ from dtrain.transports.datagram_wire import (
 from dtrain.transports.grpc import GrpcTransport
 from dtrain.transports.grpc_common import GrpcTransportConfig
 
-__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes"]
+__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes", "dispatch_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,14 @@ _TIMESPEC = struct.Struct("@qq")
 _U32 = struct.Struct("@I")
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
+
+
+def dispatch_keys(items: Sequence[tuple]) -> list[tuple]:
+    """Batch key of each queued ``(kind, round state, header, object)`` item: equal for
+    contributions of one round and sender (batched together when consecutive, by
+    :func:`~dtrain.codecs.base.equal_runs`), unique for every other item."""
+    return [(id(rs), h.sender) if kind == Kind.CONTRIB else ("one", i) for i, (kind, rs, h, _) in enumerate(items)]
 
 
 def _enable_rx_meta(sock: socket.socket) -> int:
@@ -590,24 +599,62 @@ class DatagramTransport(DatagramMeans, Transport):
             rs.cv.notify_all()
 
     def _dispatch_loop(self) -> None:
+        """Dispatch thread: takes what the receive thread queued (up to ``_DISPATCH_BATCH``
+        items per wake-up) and hands each sender's consecutive contributions to the
+        handler as one batch (``handle_contributions``: one decode per run of chunks)."""
         while not self._stopped.is_set():
             try:
-                kind, rs, h, obj = self._dispatch.get(timeout=0.1)
+                items = [self._dispatch.get(timeout=0.1)]
             except queue.Empty:
                 continue
-            try:
-                if kind == Kind.CONTRIB:
-                    self._handle_contribution(rs, h.sender, obj)
-                elif kind == Kind.SEND_END:
-                    self._answer_send_end(rs, h.sender, obj)
-                elif kind == Kind.NACK:
-                    self._answer_nack(rs, h, obj)
-                elif kind == Kind.MEAN_ACK:
-                    self._answer_ack(rs, h)
-            except TransportError as e:
-                log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
-            except Exception:
-                log.exception("datagram dispatch failed")
+            while len(items) < _DISPATCH_BATCH:
+                try:
+                    items.append(self._dispatch.get_nowait())
+                except queue.Empty:
+                    break
+            for i, j in equal_runs(dispatch_keys(items)):
+                if j - i > 1:
+                    self._dispatch_contributions(items[i:j])
+                else:
+                    self._dispatch_one(*items[i])
+
+    def _dispatch_one(self, kind: int, rs: RoundState, h, obj) -> None:
+        try:
+            if kind == Kind.CONTRIB:
+                self._handle_contribution(rs, h.sender, obj)
+            elif kind == Kind.SEND_END:
+                self._answer_send_end(rs, h.sender, obj)
+            elif kind == Kind.NACK:
+                self._answer_nack(rs, h, obj)
+            elif kind == Kind.MEAN_ACK:
+                self._answer_ack(rs, h)
+        except TransportError as e:
+            log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
+        except Exception:
+            log.exception("datagram dispatch failed")
+
+    def _dispatch_contributions(self, items: list[tuple]) -> None:
+        """Consecutive contributions of one sender and round (:func:`dispatch_keys`)."""
+        batch = getattr(self._handler, "handle_contributions", None)
+        if batch is None:
+            for item in items:
+                self._dispatch_one(*item)
+            return
+        _, rs, h, _ = items[0]
+        try:
+            results = batch([obj for _, _, _, obj in items])
+        except Exception:
+            log.exception("datagram dispatch failed")
+            return
+        refused = [e for e in results if e is not None]
+        with rs.lock:
+            st = rs.stats[h.sender]
+            st.accepted += len(results) - len(refused)
+            st.rejected += len(refused)
+            if refused:
+                st.last_rejection = (refused[-1].code.value, refused[-1].reason)
+        if refused:
+            self._count(rejected=len(refused))
 
     def _handle_contribution(self, rs: RoundState, sender: int, c: Contribution) -> None:
         assert self._handler is not None

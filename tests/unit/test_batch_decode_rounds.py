@@ -1,17 +1,26 @@
 """The round's batch decodes (``Codec.decode_chunks``) give what one decode per chunk gave:
-``encode_mean`` / ``decode_mean`` (means.py) and ``settle_bucket`` (error_feedback.py)."""
+``encode_mean`` / ``decode_mean`` (means.py), ``settle_bucket`` (error_feedback.py) and an
+owner's ``handle_contributions`` (serving.py) fed by the datagram dispatch thread's batches."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dtrain.buckets import Bucket
 from dtrain.codecs import get_codec
-from dtrain.protocol import BucketMean
+from dtrain.codecs.base import equal_runs
+from dtrain.errors import RejectCode, Rejected
+from dtrain.protocol import BucketMean, Contribution
 from dtrain.rounds.error_feedback import settle_bucket, settle_chunk
 from dtrain.rounds.means import contiguous_runs, decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction
+from dtrain.rounds.serving import PeerSide
+from dtrain.transports.datagram import dispatch_keys
+from dtrain.transports.datagram_wire import Kind
 
 
 def _bucket(numel: int, step: int = 1280) -> Bucket:
@@ -85,3 +94,69 @@ def test_settle_bucket_lossless_codec_zeroes_the_included_chunks() -> None:
     )
     assert bad == []
     assert u[:1280].eq(0).all() and u[1280:2560].eq(1).all() and u[2560:].eq(0).all()
+
+
+class _Side(PeerSide):
+    """Only what ``handle_contributions`` uses: the codec, and ``_handle_one`` recorded."""
+
+    def __init__(self, codec) -> None:
+        self.codec = codec
+        self.seen: list[tuple[Contribution, torch.Tensor | None]] = []
+
+    def _handle_one(self, c, values) -> None:
+        if c.sender == "refused":
+            raise Rejected(RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} refused")
+        self.seen.append((c, values))
+
+
+def _contribs(codec, bucket: int, chunks: list[int], *, sender: str = "s", x: torch.Tensor) -> list[Contribution]:
+    return [
+        Contribution(
+            round=1,
+            bucket=bucket,
+            chunk=c,
+            offset=1280 * c,
+            numel=1280,
+            codec=codec.name,
+            sender=sender,
+            payload=codec.encode(x[1280 * c : 1280 * (c + 1)]),
+        )
+        for c in chunks
+    ]
+
+
+def test_handle_contributions_decodes_runs_of_neighbouring_chunks_and_answers_each() -> None:
+    codec = get_codec("int8")
+    x = torch.randn(10 * 1280, generator=torch.Generator().manual_seed(2))
+    cs = _contribs(codec, 0, [0, 1, 2], x=x) + _contribs(codec, 0, [5, 6], x=x) + _contribs(codec, 1, [7], x=x)
+    bad = bytearray(cs[3].payload)
+    bad[-1] ^= 1
+    cs[3] = replace(cs[3], payload=bytes(bad))  # its run (chunks 5, 6) is decoded chunk by chunk
+    cs += _contribs(codec, 2, [8], sender="refused", x=x)
+    side = _Side(codec)
+    results = side.handle_contributions(cs)
+    assert [r is None for r in results] == [True] * 6 + [False]
+    assert str(results[6]) and "chunk 8 refused" in results[6].reason
+    assert [c.chunk for c, _ in side.seen] == [0, 1, 2, 5, 6, 7]
+    for c, values in side.seen[:3]:  # decoded in one pass, bit for bit the chunk's own decode
+        assert values is not None and torch.equal(values, codec.decode(c.payload, numel=c.numel))
+    assert all(values is None for _, values in side.seen[3:])  # bad run, and a run of one
+
+
+def test_dispatch_keys_group_one_senders_consecutive_contributions() -> None:
+    rs_a, rs_b = object(), object()
+
+    def h(sender: int) -> SimpleNamespace:
+        return SimpleNamespace(sender=sender)
+
+    items = [
+        (Kind.CONTRIB, rs_a, h(1), None),
+        (Kind.CONTRIB, rs_a, h(1), None),
+        (Kind.SEND_END, rs_a, h(1), None),
+        (Kind.CONTRIB, rs_a, h(1), None),
+        (Kind.CONTRIB, rs_a, h(2), None),
+        (Kind.CONTRIB, rs_b, h(2), None),
+        (Kind.NACK, rs_b, h(2), None),
+        (Kind.NACK, rs_b, h(2), None),
+    ]
+    assert equal_runs(dispatch_keys(items)) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
