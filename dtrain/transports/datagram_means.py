@@ -162,7 +162,10 @@ class DatagramMeans:
                         senders=senders_from_bitmap(body[:nbits], rs.site_ids),
                     )
                     self._counts["received"] += len(whole)
-            ack = ma.complete() and not ma.acked
+            # Acknowledge only a mean this member returns: after it fell back to gRPC, a copy
+            # completed by late datagrams is not applied, and an ACK would let the owner exit
+            # before the gRPC pull was served (owner_lost here, applied at the owner)
+            ack = ma.complete() and not ma.acked and not ma.fallback
             ma.acked = ma.acked or ack
             rs.cv.notify_all()
         if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
@@ -215,6 +218,7 @@ class DatagramMeans:
                     return ma.to_mean(rs.round, bucket, rs.owners[bucket])
                 if step.action == "pull":
                     log.debug("round %d: mean of bucket %d: %s", rs.round, bucket, step.reason)
+                    ma.fallback = True  # what still arrives is not acknowledged: this member pulls over gRPC
                     return None
                 if step.action == "wait":
                     rs.cv.wait(max(0.0, step.wake_at - now))

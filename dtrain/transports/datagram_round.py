@@ -99,6 +99,7 @@ class MeanAssembly:
     acked: bool = False  # a MEAN_ACK went to the owner
     nacks: int = 0  # NACKs this site sent for this mean
     nack_at: float = 0.0  # when the latest went
+    fallback: bool = False  # the member gave up on the datagrams and pulls over gRPC: no MEAN_ACK
 
     def missing(self) -> list[int]:
         if self.num_chunks is None:

@@ -321,3 +321,88 @@ def test_a_mean_whose_datagrams_all_vanish_is_pulled_soon_after_the_reduce_deadl
     pulled = [c.engines[i].transport.counters()["fallback_pulls"] for i in (0, 2)]
     assert all(p >= 1 for p in pulled), pulled  # site-1 owns at least one bucket of 4
     assert max(r.total_s for r in results) < 4.5, [r.total_s for r in results]
+
+
+class _MeanOwner:
+    """Serves one mean of bucket 0 and records the members that acknowledged it."""
+
+    def __init__(self, mean) -> None:
+        self.mean = mean
+        self.delivered: list[tuple[int, int, str]] = []
+
+    def handle_contribution(self, c) -> None:  # pragma: no cover - not used here
+        raise AssertionError("no contributions in this test")
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float):
+        return self.mean
+
+    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no state pulls in this test")
+
+    def handle_mean_delivered(self, round: int, bucket: int, member: str) -> None:
+        self.delivered.append((round, bucket, member))
+
+
+def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean() -> None:
+    """At 20% loss (datagram_vs_grpc, last round) members spent their NACKs, fell back to a gRPC
+    pull of the owner's mean, and then the answer to their last NACK completed the datagram copy:
+    they acknowledged it (MEAN_ACK), so the owner counted the mean as delivered and exited, while
+    the members waited on the gRPC pull that the owner's exit then refused (owner_lost there,
+    applied at the owner: θ differed). A member acknowledges only a mean it returns."""
+    from dtrain.codecs import get_codec
+    from dtrain.protocol import BucketMean, MeanChunk
+    from dtrain.transports.datagram_means import DatagramMeans
+
+    fp32 = get_codec("fp32")
+    chunks = tuple(
+        MeanChunk(
+            chunk=i,
+            offset=8 * i,
+            numel=8,
+            codec="fp32",
+            payload=fp32.encode(torch.full((8,), float(i))),
+            senders=("site-a", "site-b"),
+        )
+        for i in range(4)
+    )
+    mean = BucketMean(
+        round=2, bucket=0, owner="site-a", chunks=chunks, checksum_before="0" * 32, checksum_after="1" * 32
+    )
+    grpc = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    cfg = DatagramTransportConfig(grpc=grpc, rtt_s=0.01, nack_idle_s=0.02, max_nack_rounds=1, fallback_reserve_s=0.5)
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    owner = _MeanOwner(mean)
+    addr_a = a.start(owner)
+    addr_b = b.start(_Recorder())
+    a._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # no push until b has fallen back
+    fell_back = threading.Event()
+
+    def grpc_pull(address, round, bucket, *, requester, timeout_s):
+        fell_back.set()  # now the datagram copy completes, as the answer to a late NACK did
+        DatagramMeans._push_mean(a, a._round(round), bucket)
+        rs = b._round(round)
+        until = time.monotonic() + 5
+        while not rs.mean_for(bucket).complete() and time.monotonic() < until:
+            time.sleep(0.01)
+        time.sleep(0.3)  # an acknowledgement would have reached the owner by now
+        return mean
+
+    b._grpc.pull_mean = grpc_pull  # type: ignore[method-assign]
+    try:
+        plan = RoundPlan(
+            round=2,
+            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+            reduce_timeout_s=0.2,
+            broadcast_timeout_s=5,
+            datagram_key=os.urandom(32),
+        )
+        a.begin_round(plan, ["site-a"], "site-a")
+        b.begin_round(plan, ["site-a"], "site-b")
+        got = b.pull_mean(addr_a, 2, 0, requester="site-b", timeout_s=4.0)
+        assert fell_back.is_set() and b.counters()["fallback_pulls"] == 1
+        assert got == mean
+        assert b._round(2).mean_for(0).complete()  # the datagram copy did complete ...
+        assert owner.delivered == []  # ... but the member, pulling over gRPC, did not acknowledge it
+    finally:
+        a.stop(0)
+        b.stop(0)
