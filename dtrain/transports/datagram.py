@@ -41,6 +41,7 @@ import errno
 import logging
 import queue
 import random
+import select
 import socket
 import struct
 import sys
@@ -80,6 +81,7 @@ _U32 = struct.Struct("@I")
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
+_RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
 
 
 def dispatch_keys(items: Sequence[tuple]) -> list[tuple]:
@@ -237,7 +239,7 @@ class DatagramTransport(DatagramMeans, Transport):
             sock.close()
             self._grpc.stop(0)
             raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
-        sock.settimeout(0.1)
+        sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
         for target, name in ((self._recv_loop, "dgram-recv"), (self._dispatch_loop, "dgram-dispatch")):
             t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
@@ -483,35 +485,47 @@ class DatagramTransport(DatagramMeans, Transport):
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self) -> None:
-        """Receive thread. Where the kernel offers them (Linux), every datagram comes with its
+        """Receive thread: waits for the socket to be readable (``poll``, 0.1 s at most, so
+        ``stop`` is seen), then reads every queued datagram (at most ``_RECV_BATCH``)
+        without blocking until ``EAGAIN``: one wake-up and no ``poll`` per datagram when
+        they arrive faster than they are handled.
+
+        Where the kernel offers them (Linux), every datagram comes with its
         arrival time at the socket (``SO_TIMESTAMPNS``) and the socket's running count of
         datagrams dropped at a full receive buffer (``SO_RXQ_OVFL``): the REPORT's receive
         window is then the network's, not this thread's (a CPU-starved receiver used to look
         like a queue on the path), and the drops say when this receiver is the bottleneck."""
         sock = self._sock
         assert sock is not None
-        buf = bytearray(65536)
-        mv = memoryview(buf)
         anc = _enable_rx_meta(sock)
+        size = self.config.max_datagram_bytes + 1  # a larger datagram arrives cut to this: "oversized"
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         while not self._stopped.is_set():
-            t_arrival = None
             try:
-                if anc:
-                    n, cmsgs, _, _ = sock.recvmsg_into([buf], anc)
-                    t_arrival = self._rx_meta(cmsgs)
-                else:
-                    n = sock.recv_into(buf)
-            except socket.timeout:
-                continue
+                if not poller.poll(100):
+                    continue
             except OSError:
-                if self._stopped.is_set():
+                break
+            for _ in range(_RECV_BATCH):
+                t_arrival = None
+                try:
+                    if anc:
+                        data, cmsgs, _, _ = sock.recvmsg(size, anc)
+                        t_arrival = self._rx_meta(cmsgs)
+                    else:
+                        data = sock.recv(size)
+                except BlockingIOError:
                     break
-                continue
-            self._counts["wire_received"] += n  # only this thread writes it
-            try:
-                self._on_datagram(bytes(mv[:n]), t_arrival)
-            except Exception:  # a bug must not stop the receive loop
-                log.exception("datagram handling failed")
+                except OSError:  # e.g. an ICMP error of an earlier send, or the socket closed by stop()
+                    if self._stopped.is_set():
+                        return
+                    continue
+                self._counts["wire_received"] += len(data)  # only this thread writes it
+                try:
+                    self._on_datagram(data, t_arrival)
+                except Exception:  # a bug must not stop the receive loop
+                    log.exception("datagram handling failed")
 
     def _rx_meta(self, cmsgs: list) -> float | None:
         """Arrival time (``time.monotonic()`` seconds) from the ancillary data; notes socket drops."""
