@@ -52,7 +52,6 @@ from typing import Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
-from dtrain.codecs.base import equal_runs
 from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
@@ -70,7 +69,7 @@ from dtrain.transports.datagram_wire import (
 from dtrain.transports.grpc import GrpcTransport
 from dtrain.transports.grpc_common import GrpcTransportConfig
 
-__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes", "dispatch_keys"]
+__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes", "dispatch_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +83,23 @@ _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
 _RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
 
 
-def dispatch_keys(items: Sequence[tuple]) -> list[tuple]:
-    """Batch key of each queued ``(kind, round state, header, object)`` item: equal for
-    contributions of one round and sender (batched together when consecutive, by
-    :func:`~dtrain.codecs.base.equal_runs`), unique for every other item."""
-    return [(id(rs), h.sender) if kind == Kind.CONTRIB else ("one", i) for i, (kind, rs, h, _) in enumerate(items)]
+def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
+    """The order in which the dispatch thread handles queued ``(kind, round state, header,
+    object)`` items, as lists of indices: each stretch of consecutive contributions is split
+    by round and sender (one batch each, in order of first arrival; senders' datagrams
+    interleave on the wire), every other item alone and in place, so each sender's items
+    keep their order (a SEND_END after that sender's contributions)."""
+    out: list[list[int]] = []
+    stretch: dict[tuple, list[int]] = {}
+    for i, (kind, rs, h, _) in enumerate(items):
+        if kind == Kind.CONTRIB:
+            stretch.setdefault((id(rs), h.sender), []).append(i)
+            continue
+        out += stretch.values()
+        stretch = {}
+        out.append([i])
+    out += stretch.values()
+    return out
 
 
 def _enable_rx_meta(sock: socket.socket) -> int:
@@ -636,11 +647,11 @@ class DatagramTransport(DatagramMeans, Transport):
                     items.append(self._dispatch.get_nowait())
                 except queue.Empty:
                     break
-            for i, j in equal_runs(dispatch_keys(items)):
-                if j - i > 1:
-                    self._dispatch_contributions(items[i:j])
+            for group in dispatch_groups(items):
+                if len(group) > 1:
+                    self._dispatch_contributions([items[i] for i in group])
                 else:
-                    self._dispatch_one(*items[i])
+                    self._dispatch_one(*items[group[0]])
 
     def _dispatch_one(self, kind: int, rs: RoundState, h, obj) -> None:
         try:
@@ -658,7 +669,7 @@ class DatagramTransport(DatagramMeans, Transport):
             log.exception("datagram dispatch failed")
 
     def _dispatch_contributions(self, items: list[tuple]) -> None:
-        """Consecutive contributions of one sender and round (:func:`dispatch_keys`)."""
+        """Contributions of one sender and round, in arrival order (:func:`dispatch_groups`)."""
         batch = getattr(self._handler, "handle_contributions", None)
         if batch is None:
             for item in items:

@@ -12,14 +12,13 @@ import torch
 
 from dtrain.buckets import Bucket
 from dtrain.codecs import get_codec
-from dtrain.codecs.base import equal_runs
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import BucketMean, Contribution
 from dtrain.rounds.error_feedback import settle_bucket, settle_chunk
 from dtrain.rounds.means import contiguous_runs, decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction
 from dtrain.rounds.serving import PeerSide
-from dtrain.transports.datagram import dispatch_keys
+from dtrain.transports.datagram import dispatch_groups
 from dtrain.transports.datagram_wire import Kind
 
 
@@ -143,20 +142,22 @@ def test_handle_contributions_decodes_runs_of_neighbouring_chunks_and_answers_ea
     assert all(values is None for _, values in side.seen[3:])  # bad run, and a run of one
 
 
-def test_dispatch_keys_group_one_senders_consecutive_contributions() -> None:
+def test_dispatch_groups_batch_each_senders_contributions_and_keep_each_senders_order() -> None:
     rs_a, rs_b = object(), object()
 
     def h(sender: int) -> SimpleNamespace:
         return SimpleNamespace(sender=sender)
 
     items = [
-        (Kind.CONTRIB, rs_a, h(1), None),
-        (Kind.CONTRIB, rs_a, h(1), None),
-        (Kind.SEND_END, rs_a, h(1), None),
-        (Kind.CONTRIB, rs_a, h(1), None),
-        (Kind.CONTRIB, rs_a, h(2), None),
-        (Kind.CONTRIB, rs_b, h(2), None),
-        (Kind.NACK, rs_b, h(2), None),
-        (Kind.NACK, rs_b, h(2), None),
+        (Kind.CONTRIB, rs_a, h(1), None),  # 0
+        (Kind.CONTRIB, rs_a, h(2), None),  # 1: senders interleave on the wire
+        (Kind.CONTRIB, rs_a, h(1), None),  # 2
+        (Kind.CONTRIB, rs_b, h(1), None),  # 3: another round
+        (Kind.SEND_END, rs_a, h(1), None),  # 4: after everything before it
+        (Kind.CONTRIB, rs_a, h(1), None),  # 5
+        (Kind.NACK, rs_b, h(2), None),  # 6
+        (Kind.NACK, rs_b, h(2), None),  # 7
+        (Kind.CONTRIB, rs_a, h(2), None),  # 8
     ]
-    assert equal_runs(dispatch_keys(items)) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
+    assert dispatch_groups(items) == [[0, 2], [1], [3], [4], [5], [6], [7], [8]]
+    assert dispatch_groups([]) == []
