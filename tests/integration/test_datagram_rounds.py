@@ -240,6 +240,16 @@ class _Recorder:
         raise AssertionError("no pulls in this test")
 
 
+def _two_site_plan(round: int, addr_a: str, addr_b: str, *, reduce_s: float) -> RoundPlan:
+    return RoundPlan(
+        round=round,
+        members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+        reduce_timeout_s=reduce_s,
+        broadcast_timeout_s=5,
+        datagram_key=os.urandom(32),
+    )
+
+
 def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     from dtrain.protocol import Contribution
 
@@ -249,13 +259,7 @@ def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     addr_b = b.start(rec)
     addr_a = a.start(_Recorder())
     try:
-        plan = RoundPlan(
-            round=4,
-            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-            reduce_timeout_s=5,
-            broadcast_timeout_s=5,
-            datagram_key=os.urandom(32),
-        )
+        plan = _two_site_plan(4, addr_a, addr_b, reduce_s=5)
         a.begin_round(plan, [], "site-a")
         cs = [
             Contribution(
@@ -389,13 +393,7 @@ def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean(
 
     b._grpc.pull_mean = grpc_pull  # type: ignore[method-assign]
     try:
-        plan = RoundPlan(
-            round=2,
-            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-            reduce_timeout_s=0.2,
-            broadcast_timeout_s=5,
-            datagram_key=os.urandom(32),
-        )
+        plan = _two_site_plan(2, addr_a, addr_b, reduce_s=0.2)
         a.begin_round(plan, ["site-a"], "site-a")
         b.begin_round(plan, ["site-a"], "site-b")
         got = b.pull_mean(addr_a, 2, 0, requester="site-b", timeout_s=4.0)
