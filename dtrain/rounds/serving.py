@@ -301,9 +301,13 @@ class PeerSide:
         return self._reply_mean(owned, round, bucket, requester, m)
 
     def _reply_mean(self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean) -> BucketMean:
-        """Record the pull and, in a paced fragment round, wait for the reply's share of the budget."""
+        """Record the pull and, in a paced fragment round, wait for the reply's share of the budget.
+        A transport whose members acknowledge the means they got (``acknowledges_means``) records
+        the acknowledgement instead (:meth:`handle_mean_delivered`): this reply may still be lost."""
         if owned is not None and owned.pacer is not None:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
+        if getattr(self.transport, "acknowledges_means", False):
+            return m
         return self.mean_pulls.record(round, bucket, requester, m)
 
     def _means_changed(self) -> None:

@@ -219,6 +219,7 @@ class DatagramTransport(DatagramMeans, Transport):
     :class:`~.datagram_means.DatagramMeans`)."""
 
     reports_rejections_in_order = False
+    acknowledges_means = True  # a member MEAN_ACKs each mean of its owner, pushed or pulled over gRPC
 
     def __init__(self, config: DatagramTransportConfig | None = None) -> None:
         self.config = cfg = config or DatagramTransportConfig()

@@ -168,9 +168,8 @@ class DatagramMeans:
             ack = ma.complete() and not ma.acked and not ma.fallback
             ma.acked = ma.acked or ack
             rs.cv.notify_all()
-        if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
-            for copy in range(2):
-                self._send_ctl(rs, h.sender, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=h.bucket, chunk=copy))
+        if ack:
+            self._ack_mean(rs, h.sender, h.bucket)
 
     def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
         rs = self._round(round)
@@ -181,7 +180,15 @@ class DatagramMeans:
             and rs.owners[bucket] != rs.site_id
         )
         if not pushed:
-            return self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
+            m = self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
+            if (
+                rs is not None
+                and bucket < len(rs.owners)
+                and rs.owners[bucket] != rs.site_id
+                and rs.by_address.get(address) == rs.owners[bucket]
+            ):
+                self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket)  # the owner counts acknowledgements
+            return m
         assert rs is not None
         deadline = time.monotonic() + timeout_s
         fallback_at = max(time.monotonic(), deadline - self.config.fallback_reserve_s)
@@ -190,9 +197,18 @@ class DatagramMeans:
             return got
         self._count(fallback_pulls=1)
         log.info("round %d: mean of bucket %d incomplete over datagrams: pulled over gRPC", round, bucket)
-        return self._grpc.pull_mean(
+        m = self._grpc.pull_mean(
             address, round, bucket, requester=requester, timeout_s=max(0.01, deadline - time.monotonic())
         )
+        # acknowledged only once it arrived here: the owner's serve does not count (its reply can
+        # be lost as the owner exits: owner_lost here, applied there)
+        self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket)
+        return m
+
+    def _ack_mean(self, rs: RoundState, owner: int, bucket: int) -> None:
+        """Two MEAN_ACKs of ``bucket`` to ``owner``: a lost pair only makes its ``close()`` wait to its bound."""
+        for copy in range(2):
+            self._send_ctl(rs, owner, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=bucket, chunk=copy))
 
     def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
         """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC

@@ -352,7 +352,8 @@ def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean(
     pull of the owner's mean, and then the answer to their last NACK completed the datagram copy:
     they acknowledged it (MEAN_ACK), so the owner counted the mean as delivered and exited, while
     the members waited on the gRPC pull that the owner's exit then refused (owner_lost there,
-    applied at the owner: θ differed). A member acknowledges only a mean it returns."""
+    applied at the owner: θ differed). A member acknowledges only a mean it returns (here: the
+    one its gRPC pull returned, once it returned)."""
     from dtrain.codecs import get_codec
     from dtrain.protocol import BucketMean, MeanChunk
     from dtrain.transports.datagram_means import DatagramMeans
@@ -380,6 +381,7 @@ def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean(
     addr_b = b.start(_Recorder())
     a._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # no push until b has fallen back
     fell_back = threading.Event()
+    before_return: list = []
 
     def grpc_pull(address, round, bucket, *, requester, timeout_s):
         fell_back.set()  # now the datagram copy completes, as the answer to a late NACK did
@@ -389,6 +391,7 @@ def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean(
         while not rs.mean_for(bucket).complete() and time.monotonic() < until:
             time.sleep(0.01)
         time.sleep(0.3)  # an acknowledgement would have reached the owner by now
+        before_return.extend(owner.delivered)
         return mean
 
     b._grpc.pull_mean = grpc_pull  # type: ignore[method-assign]
@@ -400,7 +403,35 @@ def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean(
         assert fell_back.is_set() and b.counters()["fallback_pulls"] == 1
         assert got == mean
         assert b._round(2).mean_for(0).complete()  # the datagram copy did complete ...
-        assert owner.delivered == []  # ... but the member, pulling over gRPC, did not acknowledge it
+        assert before_return == []  # ... but the member, pulling over gRPC, did not acknowledge it
+        until = time.monotonic() + 2
+        while not owner.delivered and time.monotonic() < until:
+            time.sleep(0.01)
+        assert (2, 0, "site-b") in owner.delivered  # only the mean it got over gRPC, once it held it
     finally:
         a.stop(0)
         b.stop(0)
+
+
+@pytest.mark.parametrize("acked", [True, False])
+def test_a_mean_pulled_over_grpc_counts_as_delivered_only_once_the_member_acknowledges_it(
+    make_cluster, acked: bool
+) -> None:
+    """20% loss, last round (datagram_vs_grpc): an owner served a member's gRPC fallback pull,
+    counted it, exited 0.9 s later, and the reply never arrived (owner_lost there, applied at the
+    owner). On the datagram path a member acknowledges a mean it pulled over gRPC once it holds
+    it, and the owner counts that, not its serve: without the acknowledgement it still waits."""
+    c = make_cluster(3, drop=0.0, seed=5, reduce_s=1.0, bcast_s=6.0)
+    owner = c.engines[1]
+    owner.transport._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # members pull over gRPC
+    if not acked:
+        for i in (0, 2):
+            c.engines[i].transport._ack_mean = lambda rs, o, b: None  # type: ignore[method-assign]
+    results = c.run_round()
+    assert all(r.applied_buckets == len(c.layout) for r in results)
+    assert all(c.engines[i].transport.counters()["fallback_pulls"] >= 1 for i in (0, 2))
+    w = owner.mean_pulls.wait_pulled(timeout_s=1.0)
+    if acked:
+        assert w.reason == "all pulled" and not w.missing, w
+    else:  # served over gRPC, never acknowledged: not counted
+        assert w.reason == "deadline" and set(w.missing) == {"site-0", "site-2"}, w
