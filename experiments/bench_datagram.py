@@ -13,7 +13,10 @@ handler only counts. Figures:
 * the same per datagram in microseconds of wall time;
 * the loops' rates per CPU-second of their own thread (robust to other load: what
   one free core would reach; the receive thread's figure excludes the dispatch
-  thread that calls the handler).
+  thread that calls the handler);
+* the CPU per datagram-sized int8 chunk of decoding one site's pseudo-gradient chunk by
+  chunk against ``Codec.decode_chunks`` (what an owner, each applied mean and the
+  residual settling pay per datagram).
 
 Both loops are single Python threads; the target in the issue is >= 200 Mbit/s per
 site. On a shared machine the wall-clock figures move with the load (printed).
@@ -141,6 +144,24 @@ def run_one(rate_mbit: float, mbytes: float, round: int) -> dict:
     return out
 
 
+def decode_cpu_us(numel: int, *, batch: bool) -> float:
+    """CPU µs (this thread) per datagram-sized int8 chunk to decode ``numel`` elements cut in
+    ``datagram_chunk_bytes`` chunks: one ``decode`` per chunk, or ``decode_chunks`` over them
+    (what a round does per datagram at the owner, for each applied mean and for the residuals)."""
+    codec = get_codec("int8")
+    step = datagram_chunk_bytes("int8") // 4
+    chunks = [(o, min(step, numel - o)) for o in range(0, numel, step)]
+    payloads = codec.encode_chunks(torch.randn(numel, generator=torch.Generator().manual_seed(0)), chunks)
+    numels = [n for _, n in chunks]
+    t0 = time.thread_time()
+    if batch:
+        codec.decode_chunks(payloads, numels)
+    else:
+        for p, n in zip(payloads, numels):
+            codec.decode(p, numel=n)
+    return (time.thread_time() - t0) / len(chunks) * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="8 MB at one ceiling")
@@ -162,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['delivered']:.3f} | {r['send_us']:.1f} | {r['recv_us']:.1f} "
             f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} |"
         )
+    numel = 1 << 20 if args.quick else 10_000_000
+    per_chunk, batched = decode_cpu_us(numel, batch=False), decode_cpu_us(numel, batch=True)
+    print(
+        f"\nint8 decode of {numel:,} elements in datagram chunks, CPU µs per chunk: one decode each "
+        f"{per_chunk:.1f}, decode_chunks {batched:.1f} ({per_chunk / batched:.1f}x)"
+    )
     return 0
 
 

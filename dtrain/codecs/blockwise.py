@@ -165,6 +165,23 @@ class Int8Codec(_Blockwise):
         for s, t, q in self._quantize_chunks(x, t_view(out, np.float32, nb), generator):
             codes[s:t].copy_(q)
 
+    def _decode_run_into(self, out, payloads, numel):
+        """Chunks of whole blocks: one vectorized pass over the run (rows of scales, then codes),
+        the same products as :meth:`_decode_body` (code -> float32, times its block's scale)."""
+        bs = self._bs
+        if self._zstd or numel == 0 or numel % bs or len(payloads) < 2:
+            return super()._decode_run_into(out, payloads, numel)
+        nb = numel // bs
+        body = b"".join([self._checked_body(p, numel)[0] for p in payloads])
+        rows = np.frombuffer(body, dtype=np.int8).reshape(len(payloads), 4 * nb + numel)
+        scale = np.ascontiguousarray(rows[:, : 4 * nb]).view(np.float32)
+        if not (np.isfinite(scale * np.float32(self.qmax)).all() and (scale >= 0).all()):
+            raise CodecError("corrupted payload: block scales must be finite and >= 0")
+        codes = rows[:, 4 * nb :].reshape(len(payloads), nb, bs)
+        if codes.min() == -128:
+            raise CodecError("corrupted payload: int8 code -128 is never produced")
+        np.multiply(codes, scale[:, :, None], out=out.numpy().reshape(codes.shape), dtype=np.float32)
+
     def _decode_body(self, body, numel):
         scale = self._read_scales(body, numel)
         codes = np_view(body, np.int8, numel, 4 * scale.numel())

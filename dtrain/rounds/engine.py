@@ -667,19 +667,17 @@ class RoundEngine(PeerSide):
             if not self.config.error_feedback:
                 self.state.residuals[b] = None
                 continue
-            for c, (off, n) in enumerate(chunks):
-                sent = None
-                if included[c] and not self.codec.lossless:
-                    sent = self.codec.decode(run.payloads[(b, c)], numel=n)
-                mean = None
-                if not included[c] and applied is not None:
-                    try:
-                        mean = self.bcodec.decode(applied.chunks[c].payload, numel=n)
-                    except CodecError as e:  # a bad mean was not applied here either
-                        self.log.warning(
-                            "round %d: mean of b%d c%d undecodable, residual kept whole: %s", run.round, b, c, e
-                        )
-                error_feedback.settle_chunk(v[off : off + n], included=included[c], sent=sent, applied_mean=mean)
+            bad = error_feedback.settle_bucket(
+                v,
+                chunks,
+                included,
+                codec=self.codec,
+                sent=lambda c, b=b: run.payloads[(b, c)],
+                bcodec=self.bcodec,
+                mean_payloads=None if applied is None else [ch.payload for ch in applied.chunks],
+            )
+            for c, e in bad:  # a bad mean was not applied here either
+                self.log.warning("round %d: mean of b%d c%d undecodable, residual kept whole: %s", run.round, b, c, e)
         run.res.included_fraction = num_included / num_mine if num_mine else 1.0
 
     def _mean_of(self, run: _Run, b: int) -> tuple[list, BucketMean | None]:

@@ -26,13 +26,16 @@ al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dtrain.buckets import BucketLayout
+from dtrain.codecs import Codec
+from dtrain.codecs.base import equal_runs
+from dtrain.errors import CodecError
 
-__all__ = ["add_pseudo_gradient", "included_chunks", "settle_chunk"]
+__all__ = ["add_pseudo_gradient", "included_chunks", "settle_bucket", "settle_chunk"]
 
 
 def _pseudo_gradient(
@@ -134,3 +137,61 @@ def settle_chunk(
             residual.sub_(sent.to(residual.device))
     elif applied_mean is not None:
         residual.sub_(applied_mean.to(residual.device))
+
+
+def settle_bucket(
+    residual: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    included: Sequence[bool],
+    *,
+    codec: Codec,
+    sent: Callable[[int], bytes],
+    bcodec: Codec,
+    mean_payloads: Sequence[bytes] | None,
+) -> list[tuple[int, CodecError]]:
+    """Settle every chunk of one bucket's residual (:func:`settle_chunk` for each), decoding
+    each run of neighbouring chunks that settle alike with one ``decode_chunks`` call.
+
+    Args:
+        residual: the bucket's residual (1-D fp32; updated in place).
+        chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order).
+        included: per chunk, whether the finalized mean included this site.
+        codec: the contribution codec (``sent`` payloads).
+        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec).
+        bcodec: the broadcast codec (``mean_payloads``).
+        mean_payloads: the applied mean's payload per chunk, or None when no whole mean
+            is known here.
+
+    Returns:
+        ``(chunk, error)`` for each mean chunk that did not decode (its residual is kept whole;
+        a bad mean was not applied either).
+    """
+    cases = [
+        ("sent" if not codec.lossless else "zero") if inc else ("mean" if mean_payloads is not None else "keep")
+        for inc in included
+    ]
+    bad: list[tuple[int, CodecError]] = []
+    for i, j in equal_runs(cases):
+        a, b = chunks[i][0], chunks[j - 1][0] + chunks[j - 1][1]
+        numels = [n for _, n in chunks[i:j]]
+        if cases[i] == "zero":
+            settle_chunk(residual[a:b], included=True, sent=None, applied_mean=None)
+        elif cases[i] == "sent":
+            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels)
+            settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
+        elif cases[i] == "mean":
+            assert mean_payloads is not None
+            try:
+                dec = bcodec.decode_chunks(mean_payloads[i:j], numels)
+            except CodecError:  # find which chunks are bad; settle the others
+                for c in range(i, j):
+                    off, n = chunks[c]
+                    try:
+                        mean = bcodec.decode(mean_payloads[c], numel=n)
+                    except CodecError as e:
+                        bad.append((c, e))
+                        continue
+                    settle_chunk(residual[off : off + n], included=False, sent=None, applied_mean=mean)
+                continue
+            settle_chunk(residual[a:b], included=False, sent=None, applied_mean=dec)
+    return bad

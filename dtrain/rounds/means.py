@@ -14,7 +14,7 @@ from dtrain.codecs import Codec
 from dtrain.protocol import BucketMean, MeanChunk
 from dtrain.rounds.owner import ChunkReduction
 
-__all__ = ["encode_mean", "decode_mean"]
+__all__ = ["contiguous_runs", "decode_mean", "encode_mean"]
 
 
 def encode_mean(
@@ -47,17 +47,38 @@ def encode_mean(
         src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
     # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
     payloads = codec.encode_chunks(src, ranges, generator=generator)
-    chunks = []
-    for red, (off, n), payload in zip(reductions, ranges, payloads):
-        mean = src[off : off + n]
-        dec = codec.decode(payload, numel=n)
-        if residual is not None:
-            residual[off : off + n] = mean - dec
-        full[off : off + n] = dec
-        chunks.append(
-            MeanChunk(chunk=red.chunk, offset=off, numel=n, codec=codec.name, payload=payload, senders=red.senders)
-        )
+    _decode_into(codec, full, ranges, payloads)  # one pass per run of equal chunks, not one call per chunk
+    if residual is not None:
+        for i, j in contiguous_runs(ranges):
+            a, b = ranges[i][0], ranges[j - 1][0] + ranges[j - 1][1]
+            residual[a:b] = src[a:b] - full[a:b]
+    chunks = [
+        MeanChunk(chunk=red.chunk, offset=off, numel=n, codec=codec.name, payload=payload, senders=red.senders)
+        for red, (off, n), payload in zip(reductions, ranges, payloads)
+    ]
     return tuple(chunks), full
+
+
+def _decode_into(codec: Codec, full: torch.Tensor, ranges: Sequence[tuple[int, int]], payloads: Sequence) -> None:
+    """Decode ``payloads`` into their element ``ranges`` of ``full``: each run of ranges that
+    follow one another (:func:`contiguous_runs`) with one :meth:`Codec.decode_chunks` call."""
+    for i, j in contiguous_runs(ranges):
+        off = ranges[i][0]
+        dec = codec.decode_chunks(payloads[i:j], [n for _, n in ranges[i:j]])
+        full[off : off + dec.numel()] = dec
+
+
+def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of the maximal runs of ``(offset, numel)`` element ranges
+    where each starts where the one before ended (``[(0, 4), (4, 4), (10, 2)]`` ->
+    ``[(0, 2), (2, 3)]``)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ranges) + 1):
+        if i == len(ranges) or ranges[i][0] != ranges[i - 1][0] + ranges[i - 1][1]:
+            runs.append((start, i))
+            start = i
+    return runs
 
 
 def decode_mean(codec: Codec, bucket: Bucket, m: BucketMean) -> torch.Tensor:
@@ -76,5 +97,5 @@ def decode_mean(codec: Codec, bucket: Bucket, m: BucketMean) -> torch.Tensor:
             raise ValueError(f"mean chunk {ch.chunk} covers {ch.offset}+{ch.numel}, expected {off}+{n}")
         if ch.codec != codec.name:
             raise ValueError(f"mean codec {ch.codec!r}, expected {codec.name!r}")
-        full[off : off + n] = codec.decode(ch.payload, numel=n)
+    _decode_into(codec, full, bucket.chunks, [ch.payload for ch in m.chunks])
     return full

@@ -5,7 +5,8 @@ without its means: they get UNAVAILABLE, skip those buckets, and their θ ends u
 different from everyone else's. The round engine therefore tells a
 :class:`MeanPulls` ledger, per round, which buckets this site owns and which
 members should pull them (:meth:`MeanPulls.expect`), and records every mean it
-serves (:meth:`MeanPulls.record`); a closing site waits on
+serves (:meth:`MeanPulls.record`; on a transport whose members acknowledge the means
+they got, ``Transport.acknowledges_means``, each acknowledgement instead); a closing site waits on
 :meth:`MeanPulls.wait_pulled` until nothing is missing or a deadline passes.
 Members the rendezvous declares dead are no longer waited for
 (:meth:`MeanPulls.forget`).

@@ -12,8 +12,11 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
+import torch
+
+from dtrain.codecs.base import equal_runs
 from dtrain.errors import (
     CodecError,
     DecodeBoundExceeded,
@@ -22,6 +25,7 @@ from dtrain.errors import (
     Rejected,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.rounds.means import contiguous_runs
 from dtrain.rounds.owner import OpenRound
 from dtrain.transports.pacing import Pacer
 
@@ -70,9 +74,48 @@ class PeerSide:
                 self._cv.wait(left)
 
     def handle_contribution(self, c: Contribution) -> None:
+        self._handle_one(c, None)
+
+    def handle_contributions(self, cs: Sequence[Contribution]) -> list[Rejected | None]:
+        """:meth:`handle_contribution` for each of ``cs`` in order (a datagram receiver's
+        backlog): the same checks, effects and refusals, one per item (None: counted).
+        Neighbouring chunks of one bucket decode in one pass (:meth:`Codec.decode_chunks`);
+        a run that does not decode is decoded (and refused) chunk by chunk."""
+        out: list[Rejected | None] = []
+        for c, values in zip(cs, self._decode_runs(cs)):
+            try:
+                self._handle_one(c, values)
+                out.append(None)
+            except Rejected as e:
+                out.append(e)
+        return out
+
+    def _decode_runs(self, cs: Sequence[Contribution]) -> list[torch.Tensor | None]:
+        """Values of each contribution decoded in runs of contiguous chunks of one round and
+        bucket in this round's codec (None: not in such a run, or its run did not decode)."""
+        out: list[torch.Tensor | None] = [None] * len(cs)
+        keys = [(c.round, c.bucket, c.codec == self.codec.name) for c in cs]
+        for i, j in equal_runs(keys):
+            if not keys[i][2] or j - i < 2:
+                continue
+            for a, b in contiguous_runs([(c.offset, c.numel) for c in cs[i:j]]):
+                run = cs[i + a : i + b]
+                if len(run) < 2:
+                    continue
+                try:
+                    dec = self.codec.decode_chunks([c.payload for c in run], [c.numel for c in run])
+                except CodecError:
+                    continue
+                pos = 0
+                for k, c in enumerate(run):
+                    out[i + a + k] = dec[pos : pos + c.numel]
+                    pos += c.numel
+        return out
+
+    def _handle_one(self, c: Contribution, values: torch.Tensor | None) -> None:
         owned = self._round_for(c.round, self.config.plan_wait_s)
         try:
-            self._accept(owned, c)
+            self._accept(owned, c, values)
         except Rejected as e:
             where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
             with owned.cv:
@@ -89,7 +132,8 @@ class PeerSide:
             )
             raise
 
-    def _accept(self, owned: _Owned, c: Contribution) -> None:
+    def _accept(self, owned: _Owned, c: Contribution, values: torch.Tensor | None = None) -> None:
+        """Check and count ``c``; ``values``: its payload already decoded (None: decoded here)."""
         if c.sender in self._banned:
             raise Rejected(
                 RejectCode.PERMISSION_DENIED, f"{c.sender} is excluded after repeated rejected contributions"
@@ -98,7 +142,8 @@ class PeerSide:
         if c.codec != self.codec.name:
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"codec {c.codec!r} but this round uses {self.codec.name!r}")
         try:
-            values = self.codec.decode(c.payload, numel=c.numel)
+            if values is None:
+                values = self.codec.decode(c.payload, numel=c.numel)
         except DecodeBoundExceeded as e:  # a decompression bomb, or a body past max_decoded_bytes
             raise Rejected(RejectCode.RESOURCE_EXHAUSTED, f"undecodable payload: {e}") from e
         except CodecError as e:
@@ -256,9 +301,13 @@ class PeerSide:
         return self._reply_mean(owned, round, bucket, requester, m)
 
     def _reply_mean(self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean) -> BucketMean:
-        """Record the pull and, in a paced fragment round, wait for the reply's share of the budget."""
+        """Record the pull and, in a paced fragment round, wait for the reply's share of the budget.
+        A transport whose members acknowledge the means they got (``acknowledges_means``) records
+        the acknowledgement instead (:meth:`handle_mean_delivered`): this reply may still be lost."""
         if owned is not None and owned.pacer is not None:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
+        if getattr(self.transport, "acknowledges_means", False):
+            return m
         return self.mean_pulls.record(round, bucket, requester, m)
 
     def _means_changed(self) -> None:

@@ -22,6 +22,12 @@ the same suite against each one):
 A transport whose refusals reach the sender only after the whole push (the datagram
 path, ``dtrain.transports.datagram``) sets ``reports_rejections_in_order = False``:
 its ``push`` still raises the first refusal, but later chunks were already handled.
+
+A transport whose members acknowledge every mean they got from its owner, pulled or
+pushed (the datagram path's MEAN_ACK, through ``handle_mean_delivered``), sets
+``acknowledges_means = True``: the owner then counts a mean as delivered on the
+acknowledgement, not when it served the pull (a served reply can still be lost as the
+owner exits).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Per round (:meth:`DatagramTransport.begin_round`, the round engine's one seam):
   owner's per-chunk mean (divided by the senders whose datagram arrived) is unbiased
   at packet granularity; what no mean included stays in the sender's residual (the
   round engine's rules). Larger payloads are split in fragments (all needed).
-* **Means** are pushed by the owner to every member as soon as a bucket is final
+* **Means** (:mod:`.datagram_means`) are pushed by the owner to every member as soon as a bucket is final
   (the transport waits on the handler's ``handle_pull_mean``): a meta datagram
   (chunk count, checksums) before and after the chunks. A member's ``pull_mean``
   waits for them; missing chunks are re-requested (NACK datagram listing them) at
@@ -41,6 +41,7 @@ import errno
 import logging
 import queue
 import random
+import select
 import socket
 import struct
 import sys
@@ -52,18 +53,11 @@ from typing import Callable, Iterable, Sequence
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
-from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk, RoundPlan
+from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.datagram_means import DatagramMeans
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
-from dtrain.transports.datagram_round import (
-    RoundState,
-    SenderStats,
-    decode_meta,
-    encode_meta,
-    mean_wait_decision,
-    senders_bitmap,
-    senders_from_bitmap,
-)
+from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     CODEC_WIRE_NAMES,
     Dropped,
@@ -75,7 +69,7 @@ from dtrain.transports.datagram_wire import (
 from dtrain.transports.grpc import GrpcTransport
 from dtrain.transports.grpc_common import GrpcTransportConfig
 
-__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes"]
+__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes", "dispatch_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +79,27 @@ _TIMESPEC = struct.Struct("@qq")
 _U32 = struct.Struct("@I")
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
+_RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
+
+
+def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
+    """The order in which the dispatch thread handles queued ``(kind, round state, header,
+    object)`` items, as lists of indices: each stretch of consecutive contributions is split
+    by round and sender (one batch each, in order of first arrival; senders' datagrams
+    interleave on the wire), every other item alone and in place, so each sender's items
+    keep their order (a SEND_END after that sender's contributions)."""
+    out: list[list[int]] = []
+    stretch: dict[tuple, list[int]] = {}
+    for i, (kind, rs, h, _) in enumerate(items):
+        if kind == Kind.CONTRIB:
+            stretch.setdefault((id(rs), h.sender), []).append(i)
+            continue
+        out += stretch.values()
+        stretch = {}
+        out.append([i])
+    out += stretch.values()
+    return out
 
 
 def _enable_rx_meta(sock: socket.socket) -> int:
@@ -97,11 +112,6 @@ def _enable_rx_meta(sock: socket.socket) -> int:
     except OSError:
         return 0
     return socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_U32.size)
-
-
-_META_COPY_FINAL = 1
-_NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
-_NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +127,11 @@ class DatagramTransportConfig:
         initial_rate_mbit: the first round's rate (None: the ceiling).
         min_rate_mbit: floor of the rate controller.
         rtt_s: path RTT estimate: socket buffers and NACK timing follow from it.
+        recv_stall_s: the receive socket holds this long of traffic at ``max_rate_mbit``
+            (at least 2 RTT): a receive thread kept from running that long (a busy CPU,
+            the GIL) loses nothing. Through netem on the 2-core machine, receivers with
+            2 RTT (2.4 MB at 95 Mbit/s) overflowed 10-30 % of a round's datagrams and the
+            rate controller then cut the rate to 10-30 Mbit/s.
         burst_bytes: largest paced micro-burst.
         max_nack_rounds: re-requests of missing mean chunks per bucket and round.
         nack_idle_s: a mean that made no progress for this long gets a NACK.
@@ -143,6 +158,7 @@ class DatagramTransportConfig:
     initial_rate_mbit: float | None = None
     min_rate_mbit: float = 1.0
     rtt_s: float = 0.1
+    recv_stall_s: float = 1.0
     burst_bytes: int = 64 << 10
     max_nack_rounds: int = 8
     nack_idle_s: float = 0.05
@@ -163,6 +179,8 @@ class DatagramTransportConfig:
             raise ValueError(
                 f"need 0 < min_rate_mbit <= max_rate_mbit, got {self.min_rate_mbit!r} and {self.max_rate_mbit!r}"
             )
+        if not self.recv_stall_s >= 0:
+            raise ValueError(f"recv_stall_s must be >= 0 seconds, got {self.recv_stall_s!r}")
         for name in ("rtt_s", "nack_idle_s", "fallback_reserve_s", "report_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
@@ -196,10 +214,12 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     return 4 * lo
 
 
-class DatagramTransport(Transport):
-    """One site's datagram data path (see the module docstring)."""
+class DatagramTransport(DatagramMeans, Transport):
+    """One site's datagram data path (see the module docstring; the means half is
+    :class:`~.datagram_means.DatagramMeans`)."""
 
     reports_rejections_in_order = False
+    acknowledges_means = True  # a member MEAN_ACKs each mean of its owner, pushed or pulled over gRPC
 
     def __init__(self, config: DatagramTransportConfig | None = None) -> None:
         self.config = cfg = config or DatagramTransportConfig()
@@ -239,7 +259,7 @@ class DatagramTransport(Transport):
             sock.close()
             self._grpc.stop(0)
             raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
-        sock.settimeout(0.1)
+        sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
         for target, name in ((self._recv_loop, "dgram-recv"), (self._dispatch_loop, "dgram-dispatch")):
             t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
@@ -249,12 +269,14 @@ class DatagramTransport(Transport):
         return address
 
     def _size_buffers(self, sock: socket.socket) -> None:
-        want = socket_buffer_bytes(self.config.max_rate_mbit, self.config.rtt_s)
-        for force, plain in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):  # SO_RCVBUFFORCE, SO_SNDBUFFORCE
+        cfg = self.config
+        want = socket_buffer_bytes(cfg.max_rate_mbit, cfg.rtt_s)
+        rcv = socket_buffer_bytes(cfg.max_rate_mbit, cfg.rtt_s, stall_s=cfg.recv_stall_s)
+        for force, plain, size in ((33, socket.SO_RCVBUF, rcv), (32, socket.SO_SNDBUF, want)):  # SO_*BUFFORCE
             try:
-                sock.setsockopt(socket.SOL_SOCKET, force, want)
+                sock.setsockopt(socket.SOL_SOCKET, force, size)
             except OSError:  # not root: capped by net.core.[rw]mem_max
-                sock.setsockopt(socket.SOL_SOCKET, plain, want)
+                sock.setsockopt(socket.SOL_SOCKET, plain, size)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._grpc.stop(grace_s)
@@ -485,35 +507,47 @@ class DatagramTransport(Transport):
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self) -> None:
-        """Receive thread. Where the kernel offers them (Linux), every datagram comes with its
+        """Receive thread: waits for the socket to be readable (``poll``, 0.1 s at most, so
+        ``stop`` is seen), then reads every queued datagram (at most ``_RECV_BATCH``)
+        without blocking until ``EAGAIN``: one wake-up and no ``poll`` per datagram when
+        they arrive faster than they are handled.
+
+        Where the kernel offers them (Linux), every datagram comes with its
         arrival time at the socket (``SO_TIMESTAMPNS``) and the socket's running count of
         datagrams dropped at a full receive buffer (``SO_RXQ_OVFL``): the REPORT's receive
         window is then the network's, not this thread's (a CPU-starved receiver used to look
         like a queue on the path), and the drops say when this receiver is the bottleneck."""
         sock = self._sock
         assert sock is not None
-        buf = bytearray(65536)
-        mv = memoryview(buf)
         anc = _enable_rx_meta(sock)
+        size = self.config.max_datagram_bytes + 1  # a larger datagram arrives cut to this: "oversized"
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         while not self._stopped.is_set():
-            t_arrival = None
             try:
-                if anc:
-                    n, cmsgs, _, _ = sock.recvmsg_into([buf], anc)
-                    t_arrival = self._rx_meta(cmsgs)
-                else:
-                    n = sock.recv_into(buf)
-            except socket.timeout:
-                continue
+                if not poller.poll(100):
+                    continue
             except OSError:
-                if self._stopped.is_set():
+                break
+            for _ in range(_RECV_BATCH):
+                t_arrival = None
+                try:
+                    if anc:
+                        data, cmsgs, _, _ = sock.recvmsg(size, anc)
+                        t_arrival = self._rx_meta(cmsgs)
+                    else:
+                        data = sock.recv(size)
+                except BlockingIOError:
                     break
-                continue
-            self._counts["wire_received"] += n  # only this thread writes it
-            try:
-                self._on_datagram(bytes(mv[:n]), t_arrival)
-            except Exception:  # a bug must not stop the receive loop
-                log.exception("datagram handling failed")
+                except OSError:  # e.g. an ICMP error of an earlier send, or the socket closed by stop()
+                    if self._stopped.is_set():
+                        return
+                    continue
+                self._counts["wire_received"] += len(data)  # only this thread writes it
+                try:
+                    self._on_datagram(data, t_arrival)
+                except Exception:  # a bug must not stop the receive loop
+                    log.exception("datagram handling failed")
 
     def _rx_meta(self, cmsgs: list) -> float | None:
         """Arrival time (``time.monotonic()`` seconds) from the ancillary data; notes socket drops."""
@@ -601,24 +635,62 @@ class DatagramTransport(Transport):
             rs.cv.notify_all()
 
     def _dispatch_loop(self) -> None:
+        """Dispatch thread: takes what the receive thread queued (up to ``_DISPATCH_BATCH``
+        items per wake-up) and hands each sender's consecutive contributions to the
+        handler as one batch (``handle_contributions``: one decode per run of chunks)."""
         while not self._stopped.is_set():
             try:
-                kind, rs, h, obj = self._dispatch.get(timeout=0.1)
+                items = [self._dispatch.get(timeout=0.1)]
             except queue.Empty:
                 continue
-            try:
-                if kind == Kind.CONTRIB:
-                    self._handle_contribution(rs, h.sender, obj)
-                elif kind == Kind.SEND_END:
-                    self._answer_send_end(rs, h.sender, obj)
-                elif kind == Kind.NACK:
-                    self._answer_nack(rs, h, obj)
-                elif kind == Kind.MEAN_ACK:
-                    self._answer_ack(rs, h)
-            except TransportError as e:
-                log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
-            except Exception:
-                log.exception("datagram dispatch failed")
+            while len(items) < _DISPATCH_BATCH:
+                try:
+                    items.append(self._dispatch.get_nowait())
+                except queue.Empty:
+                    break
+            for group in dispatch_groups(items):
+                if len(group) > 1:
+                    self._dispatch_contributions([items[i] for i in group])
+                else:
+                    self._dispatch_one(*items[group[0]])
+
+    def _dispatch_one(self, kind: int, rs: RoundState, h, obj) -> None:
+        try:
+            if kind == Kind.CONTRIB:
+                self._handle_contribution(rs, h.sender, obj)
+            elif kind == Kind.SEND_END:
+                self._answer_send_end(rs, h.sender, obj)
+            elif kind == Kind.NACK:
+                self._answer_nack(rs, h, obj)
+            elif kind == Kind.MEAN_ACK:
+                self._answer_ack(rs, h)
+        except TransportError as e:
+            log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
+        except Exception:
+            log.exception("datagram dispatch failed")
+
+    def _dispatch_contributions(self, items: list[tuple]) -> None:
+        """Contributions of one sender and round, in arrival order (:func:`dispatch_groups`)."""
+        batch = getattr(self._handler, "handle_contributions", None)
+        if batch is None:
+            for item in items:
+                self._dispatch_one(*item)
+            return
+        _, rs, h, _ = items[0]
+        try:
+            results = batch([obj for _, _, _, obj in items])
+        except Exception:
+            log.exception("datagram dispatch failed")
+            return
+        refused = [e for e in results if e is not None]
+        with rs.lock:
+            st = rs.stats[h.sender]
+            st.accepted += len(results) - len(refused)
+            st.rejected += len(refused)
+            if refused:
+                st.last_rejection = (refused[-1].code.value, refused[-1].reason)
+        if refused:
+            self._count(rejected=len(refused))
 
     def _handle_contribution(self, rs: RoundState, sender: int, c: Contribution) -> None:
         assert self._handler is not None
@@ -650,182 +722,6 @@ class DatagramTransport(Transport):
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
-
-    # ------------------------------------------------------------------ means: owner side
-    def _push_means(self, rs: RoundState, mine: list[int]) -> None:
-        threads = [threading.Thread(target=self._push_mean, args=(rs, b), daemon=True) for b in mine]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def _push_mean(self, rs: RoundState, b: int) -> None:
-        assert self._handler is not None
-        try:
-            m = self._handler.handle_pull_mean(rs.round, b, rs.site_id, max(0.0, rs.broadcast_until - time.monotonic()))
-        except TransportError as e:
-            log.warning("round %d: no mean of bucket %d to push: %s", rs.round, b, e)
-            return
-        with rs.lock:
-            rs.published[b] = m
-        dests = [i for i in range(len(rs.site_ids)) if i != rs.me]
-        self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
-
-    def _mean_datagrams(self, rs: RoundState, m: BucketMean, c: int) -> list[bytes]:
-        ch = m.chunks[c]
-        return self._seal_chunks(
-            rs,
-            Kind.MEAN,
-            senders_bitmap(ch.senders, rs.site_ids),
-            ch.payload,
-            bucket=m.bucket,
-            chunk=c,
-            offset=ch.offset,
-            numel=ch.numel,
-            codec=codec_id(ch.codec),
-        )
-
-    def _send_mean(
-        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool
-    ) -> None:
-        """Meta, the chunks, final meta; to every dest, interleaved chunk by chunk, paced."""
-        meta = encode_meta(m)
-        socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
-        items: list[int | None] = ([None] if with_meta else []) + list(chunks) + [None]
-        last = len(items) - 1
-        for k, c in enumerate(items):
-            for d in dests:
-                if c is None:
-                    datagrams = [rs.sealer.seal(Kind.MEAN_META, meta, bucket=m.bucket, chunk=int(k == last))]
-                else:
-                    datagrams = self._mean_datagrams(rs, m, c)
-                    self._count(sent=len(m.chunks[c].payload))
-                for data in datagrams:
-                    try:
-                        if not self._send(rs, d, socks[d], data, rs.broadcast_until, contribution=False):
-                            log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
-                            return
-                    except PeerUnavailable as e:
-                        log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
-
-    def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
-        with rs.lock:
-            m = rs.published.get(h.bucket)
-        if m is None or len(body) % 4:
-            return
-        asked = struct.unpack(f"<{len(body) // 4}I", body)
-        wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
-        self._count(resent=len(wanted))
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
-
-    def _answer_ack(self, rs: RoundState, h) -> None:
-        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
-        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id):
-            self._opener.count("malformed")
-            return
-        delivered = getattr(self._handler, "handle_mean_delivered", None)
-        if delivered is not None:
-            delivered(rs.round, h.bucket, rs.site_ids[h.sender])
-
-    # ------------------------------------------------------------------ means: member side
-    def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
-        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_ids[h.sender] and h.sender != rs.me):
-            self._opener.count("malformed")
-            return
-        nbits = (len(rs.site_ids) + 7) // 8
-        with rs.cv:
-            ma = rs.mean_for(h.bucket)
-            ma.last_arrival = rs.owner_active[h.sender] = time.monotonic()
-            if h.kind == Kind.MEAN_META:
-                if ma.num_chunks is None:
-                    ma.num_chunks, before, after = decode_meta(body)
-                    ma.checksums = (before, after)
-                ma.final_meta_seen = ma.final_meta_seen or h.chunk == _META_COPY_FINAL
-            elif h.chunk not in ma.chunks and h.codec < len(CODEC_WIRE_NAMES) and len(body) >= nbits:
-                whole = rs.add_fragment((Kind.MEAN, h.bucket, h.chunk), h.frag, h.nfrags, body[nbits:])
-                if whole is False or (whole and not rs.charge(len(whole))):
-                    self._opener.count("over_budget")
-                elif whole is not None:
-                    ma.chunks[h.chunk] = MeanChunk(
-                        chunk=h.chunk,
-                        offset=h.offset,
-                        numel=h.numel,
-                        codec=CODEC_WIRE_NAMES[h.codec],
-                        payload=whole,
-                        senders=senders_from_bitmap(body[:nbits], rs.site_ids),
-                    )
-                    self._counts["received"] += len(whole)
-            ack = ma.complete() and not ma.acked
-            ma.acked = ma.acked or ack
-            rs.cv.notify_all()
-        if ack:  # two copies: a lost ACK only makes the owner's close() wait to its bound
-            for copy in range(2):
-                self._send_ctl(rs, h.sender, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=h.bucket, chunk=copy))
-
-    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
-        rs = self._round(round)
-        pushed = (
-            rs is not None
-            and bucket < len(rs.owners)
-            and rs.by_address.get(address) == rs.owners[bucket]
-            and rs.owners[bucket] != rs.site_id
-        )
-        if not pushed:
-            return self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
-        assert rs is not None
-        deadline = time.monotonic() + timeout_s
-        fallback_at = max(time.monotonic(), deadline - self.config.fallback_reserve_s)
-        got = self._await_mean(rs, address, bucket, fallback_at)
-        if got is not None:
-            return got
-        self._count(fallback_pulls=1)
-        log.info("round %d: mean of bucket %d incomplete over datagrams: pulled over gRPC", round, bucket)
-        return self._grpc.pull_mean(
-            address, round, bucket, requester=requester, timeout_s=max(0.01, deadline - time.monotonic())
-        )
-
-    def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
-        """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC
-        (the steps are :func:`~.datagram_round.mean_wait_decision`'s)."""
-        cfg = self.config
-        owner = rs.index[rs.owners[bucket]]
-        # by then the owner finalized (its reduce deadline) and its first datagrams crossed the path
-        silent_after = rs.t0 + rs.plan.reduce_timeout_s + 2 * cfg.rtt_s + cfg.nack_idle_s
-        while True:
-            with rs.cv:
-                ma = rs.mean_for(bucket)
-                now = time.monotonic()
-                step = mean_wait_decision(
-                    ma,
-                    now,
-                    fallback_at=fallback_at,
-                    silent_after=silent_after,
-                    nack_idle_s=cfg.nack_idle_s,
-                    max_nacks=cfg.max_nack_rounds,
-                    owner_active_at=rs.owner_active.get(owner, 0.0),
-                )
-                if step.action == "done":
-                    return ma.to_mean(rs.round, bucket, rs.owners[bucket])
-                if step.action == "pull":
-                    log.debug("round %d: mean of bucket %d: %s", rs.round, bucket, step.reason)
-                    return None
-                if step.action == "wait":
-                    rs.cv.wait(max(0.0, step.wake_at - now))
-                    continue
-                if ma.num_chunks is not None:
-                    missing = ma.missing()
-                else:  # no meta yet: the meta, and every chunk when none came either
-                    missing = [_NACK_META] + ([] if ma.chunks else [_NACK_ALL])
-                ma.final_meta_seen = False
-                ma.nacks += 1
-                ma.nack_at = now
-            self._count(nacks_sent=1)
-            room = self._body_max // 4
-            for i in range(0, len(missing), room):
-                part = missing[i : i + room]
-                self._send_ctl(
-                    rs, owner, rs.sealer.seal(Kind.NACK, struct.pack(f"<{len(part)}I", *part), bucket=bucket)
-                )
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)

@@ -8,8 +8,9 @@
   arrived and over how long, picks the next round's rate: down to the estimated
   bottleneck on a congestion signal (a stretched receive window, or loss above the
   path's own random loss), up otherwise; never above ``max_rate_mbit``.
-* :func:`socket_buffer_bytes`: two rate x RTT products (at least 50 ms of traffic),
-  so a receive-thread stall of one RTT loses nothing at the socket.
+* :func:`socket_buffer_bytes`: two rate x RTT products (at least 100 ms of traffic), or
+  a receive-thread stall's worth (the receive socket: ``recv_stall_s``), so a stall loses
+  nothing at the socket.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ __all__ = ["Pacer", "RateController", "ReceiverReport", "socket_buffer_bytes"]
 _MIB = 1 << 20
 
 
-def socket_buffer_bytes(rate_mbit: float, rtt_s: float) -> int:
-    """SO_SNDBUF / SO_RCVBUF size for ``rate_mbit`` over a path of ``rtt_s``: 2 x rate x
-    max(RTT, 50 ms), clamped to [256 KiB, 64 MiB]."""
-    want = 2.0 * rate_mbit * 1e6 / 8.0 * max(rtt_s, 0.05)
+def socket_buffer_bytes(rate_mbit: float, rtt_s: float, *, stall_s: float = 0.0) -> int:
+    """SO_SNDBUF / SO_RCVBUF size for ``rate_mbit`` over a path of ``rtt_s``: rate x
+    max(2 x max(RTT, 50 ms), ``stall_s``), clamped to [256 KiB, 64 MiB]. ``stall_s``: how
+    long a receive thread may not run (CPU or GIL) without the socket dropping anything."""
+    want = rate_mbit * 1e6 / 8.0 * max(2.0 * max(rtt_s, 0.05), stall_s)
     return int(min(64 * _MIB, max(256 << 10, want)))
 
 

@@ -99,6 +99,7 @@ class MeanAssembly:
     acked: bool = False  # a MEAN_ACK went to the owner
     nacks: int = 0  # NACKs this site sent for this mean
     nack_at: float = 0.0  # when the latest went
+    fallback: bool = False  # the member gave up on the datagrams and pulls over gRPC: no MEAN_ACK
 
     def missing(self) -> list[int]:
         if self.num_chunks is None:
@@ -159,7 +160,8 @@ def mean_wait_decision(
             if nothing answers within ``2 x nack_idle_s`` it is pulled over gRPC then,
             not at ``fallback_at``.
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
-            after the final meta: the owner sent everything).
+            after the final meta: the owner sent everything); the k-th NACK's answer is
+            waited for ``nack_idle_s x 2^(k-1)`` (capped at 64x) first.
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
         owner_active_at: the latest arrival of any mean datagram from this bucket's owner
             (0: none). While the owner is still sending (other buckets interleave with
@@ -183,7 +185,11 @@ def mean_wait_decision(
         return MeanWait("wait", min(fallback_at, max(silent_after, owner_quiet_at)), "the owner may still be reducing")
     idle = 0.005 if m.final_meta_seen else 2 * nack_idle_s
     busy = 0.0 if m.final_meta_seen else owner_active_at  # the owner still sending: not loss yet
-    wake = max(m.last_arrival, busy, m.nack_at + nack_idle_s if m.nacks else 0.0) + idle
+    # the k-th NACK's answer gets nack_idle_s x 2^(k-1) (at most 64x) before the next one: an
+    # owner slowed down (a busy CPU) is not asked again and again (each NACK re-sends what is
+    # missing), and the NACKs span ~10 s before the gRPC pull (a TCP pull at 20% loss is slow)
+    answer_s = nack_idle_s * 2 ** min(m.nacks - 1, 6) if m.nacks else 0.0
+    wake = max(m.last_arrival, busy, m.nack_at + answer_s if m.nacks else 0.0) + idle
     if now < wake:
         return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
     if m.nacks >= max_nacks:

@@ -240,6 +240,16 @@ class _Recorder:
         raise AssertionError("no pulls in this test")
 
 
+def _two_site_plan(round: int, addr_a: str, addr_b: str, *, reduce_s: float) -> RoundPlan:
+    return RoundPlan(
+        round=round,
+        members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+        reduce_timeout_s=reduce_s,
+        broadcast_timeout_s=5,
+        datagram_key=os.urandom(32),
+    )
+
+
 def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     from dtrain.protocol import Contribution
 
@@ -249,13 +259,7 @@ def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
     addr_b = b.start(rec)
     addr_a = a.start(_Recorder())
     try:
-        plan = RoundPlan(
-            round=4,
-            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-            reduce_timeout_s=5,
-            broadcast_timeout_s=5,
-            datagram_key=os.urandom(32),
-        )
+        plan = _two_site_plan(4, addr_a, addr_b, reduce_s=5)
         a.begin_round(plan, [], "site-a")
         cs = [
             Contribution(
@@ -321,3 +325,113 @@ def test_a_mean_whose_datagrams_all_vanish_is_pulled_soon_after_the_reduce_deadl
     pulled = [c.engines[i].transport.counters()["fallback_pulls"] for i in (0, 2)]
     assert all(p >= 1 for p in pulled), pulled  # site-1 owns at least one bucket of 4
     assert max(r.total_s for r in results) < 4.5, [r.total_s for r in results]
+
+
+class _MeanOwner:
+    """Serves one mean of bucket 0 and records the members that acknowledged it."""
+
+    def __init__(self, mean) -> None:
+        self.mean = mean
+        self.delivered: list[tuple[int, int, str]] = []
+
+    def handle_contribution(self, c) -> None:  # pragma: no cover - not used here
+        raise AssertionError("no contributions in this test")
+
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float):
+        return self.mean
+
+    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here
+        raise AssertionError("no state pulls in this test")
+
+    def handle_mean_delivered(self, round: int, bucket: int, member: str) -> None:
+        self.delivered.append((round, bucket, member))
+
+
+def test_a_member_that_fell_back_to_grpc_does_not_acknowledge_the_datagram_mean() -> None:
+    """At 20% loss (datagram_vs_grpc, last round) members spent their NACKs, fell back to a gRPC
+    pull of the owner's mean, and then the answer to their last NACK completed the datagram copy:
+    they acknowledged it (MEAN_ACK), so the owner counted the mean as delivered and exited, while
+    the members waited on the gRPC pull that the owner's exit then refused (owner_lost there,
+    applied at the owner: θ differed). A member acknowledges only a mean it returns (here: the
+    one its gRPC pull returned, once it returned)."""
+    from dtrain.codecs import get_codec
+    from dtrain.protocol import BucketMean, MeanChunk
+    from dtrain.transports.datagram_means import DatagramMeans
+
+    fp32 = get_codec("fp32")
+    chunks = tuple(
+        MeanChunk(
+            chunk=i,
+            offset=8 * i,
+            numel=8,
+            codec="fp32",
+            payload=fp32.encode(torch.full((8,), float(i))),
+            senders=("site-a", "site-b"),
+        )
+        for i in range(4)
+    )
+    mean = BucketMean(
+        round=2, bucket=0, owner="site-a", chunks=chunks, checksum_before="0" * 32, checksum_after="1" * 32
+    )
+    grpc = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    cfg = DatagramTransportConfig(grpc=grpc, rtt_s=0.01, nack_idle_s=0.02, max_nack_rounds=1, fallback_reserve_s=0.5)
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    owner = _MeanOwner(mean)
+    addr_a = a.start(owner)
+    addr_b = b.start(_Recorder())
+    a._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # no push until b has fallen back
+    fell_back = threading.Event()
+    before_return: list = []
+
+    def grpc_pull(address, round, bucket, *, requester, timeout_s):
+        fell_back.set()  # now the datagram copy completes, as the answer to a late NACK did
+        DatagramMeans._push_mean(a, a._round(round), bucket)
+        rs = b._round(round)
+        until = time.monotonic() + 5
+        while not rs.mean_for(bucket).complete() and time.monotonic() < until:
+            time.sleep(0.01)
+        time.sleep(0.3)  # an acknowledgement would have reached the owner by now
+        before_return.extend(owner.delivered)
+        return mean
+
+    b._grpc.pull_mean = grpc_pull  # type: ignore[method-assign]
+    try:
+        plan = _two_site_plan(2, addr_a, addr_b, reduce_s=0.2)
+        a.begin_round(plan, ["site-a"], "site-a")
+        b.begin_round(plan, ["site-a"], "site-b")
+        got = b.pull_mean(addr_a, 2, 0, requester="site-b", timeout_s=4.0)
+        assert fell_back.is_set() and b.counters()["fallback_pulls"] == 1
+        assert got == mean
+        assert b._round(2).mean_for(0).complete()  # the datagram copy did complete ...
+        assert before_return == []  # ... but the member, pulling over gRPC, did not acknowledge it
+        until = time.monotonic() + 2
+        while not owner.delivered and time.monotonic() < until:
+            time.sleep(0.01)
+        assert (2, 0, "site-b") in owner.delivered  # only the mean it got over gRPC, once it held it
+    finally:
+        a.stop(0)
+        b.stop(0)
+
+
+@pytest.mark.parametrize("acked", [True, False])
+def test_a_mean_pulled_over_grpc_counts_as_delivered_only_once_the_member_acknowledges_it(
+    make_cluster, acked: bool
+) -> None:
+    """20% loss, last round (datagram_vs_grpc): an owner served a member's gRPC fallback pull,
+    counted it, exited 0.9 s later, and the reply never arrived (owner_lost there, applied at the
+    owner). On the datagram path a member acknowledges a mean it pulled over gRPC once it holds
+    it, and the owner counts that, not its serve: without the acknowledgement it still waits."""
+    c = make_cluster(3, drop=0.0, seed=5, reduce_s=1.0, bcast_s=6.0)
+    owner = c.engines[1]
+    owner.transport._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # members pull over gRPC
+    if not acked:
+        for i in (0, 2):
+            c.engines[i].transport._ack_mean = lambda rs, o, b: None  # type: ignore[method-assign]
+    results = c.run_round()
+    assert all(r.applied_buckets == len(c.layout) for r in results)
+    assert all(c.engines[i].transport.counters()["fallback_pulls"] >= 1 for i in (0, 2))
+    w = owner.mean_pulls.wait_pulled(timeout_s=1.0)
+    if acked:
+        assert w.reason == "all pulled" and not w.missing, w
+    else:  # served over gRPC, never acknowledged: not counted
+        assert w.reason == "deadline" and set(w.missing) == {"site-0", "site-2"}, w

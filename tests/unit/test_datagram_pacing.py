@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +169,25 @@ def test_socket_buffers_follow_rate_and_rtt() -> None:
     assert socket_buffer_bytes(100.0, 0.08) == int(2 * 100e6 / 8 * 0.08)  # 2 MB
     assert socket_buffer_bytes(1.0, 0.001) == 256 << 10  # floor
     assert socket_buffer_bytes(100_000.0, 1.0) == 64 << 20  # ceiling
+    assert socket_buffer_bytes(95.0, 0.08, stall_s=1.0) == int(95e6 / 8)  # the receive socket: 1 s of traffic
+    assert socket_buffer_bytes(95.0, 0.08, stall_s=0.1) == int(2 * 95e6 / 8 * 0.08)  # never below 2 RTT
+
+
+def test_the_receive_socket_holds_a_stall_of_traffic() -> None:
+    from dtrain.transports.datagram import DatagramTransport
+
+    t = DatagramTransport(DatagramTransportConfig(max_rate_mbit=95.0, rtt_s=0.08, recv_stall_s=1.0))
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        t._size_buffers(s)
+        # Linux doubles the value for its bookkeeping; without root it is capped by rmem_max
+        got = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        cap = int(Path("/proc/sys/net/core/rmem_max").read_text()) if os.geteuid() else 1 << 40
+        assert got >= min(cap, int(95e6 / 8)), got
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="recv_stall_s"):
+        DatagramTransportConfig(recv_stall_s=-1.0)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "fp16", "int8", "int4"])

@@ -38,9 +38,21 @@ def test_arriving_chunks_are_waited_for_then_re_requested_a_bounded_number_of_ti
     m.final_meta_seen = True  # the owner sent everything: 5 ms of quiet is enough
     assert mean_wait_decision(m, 20.006, **KW).action == "nack"
     m.nacks, m.nack_at, m.final_meta_seen = 3, 20.2, False
-    assert mean_wait_decision(m, 20.2, **KW).action == "wait"  # the last resend has time to arrive
-    step = mean_wait_decision(m, 20.36, **KW)
+    step = mean_wait_decision(m, 20.2, **KW)  # the last resend has time to arrive: 4 x nack_idle_s, then quiet
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.5)
+    step = mean_wait_decision(m, 20.5, **KW)
     assert step.action == "pull" and "3 NACKs spent" in step.reason
+
+
+def test_each_nack_waits_twice_as_long_for_its_answer() -> None:
+    """An owner slowed down (busy CPU) is not asked again every 150 ms: the k-th NACK's answer
+    gets nack_idle_s x 2^(k-1) (at most 64x) before the next NACK, plus the quiet."""
+    kw = dict(KW, max_nacks=10)
+    for nacks, wait_s in ((1, 0.05), (2, 0.1), (3, 0.2), (5, 0.8), (7, 3.2), (9, 3.2)):
+        m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0, nacks=nacks, nack_at=20.0)
+        step = mean_wait_decision(m, 20.0, **kw)
+        assert step.action == "wait" and step.wake_at == pytest.approx(20.0 + wait_s + 0.1), (nacks, step)
+        assert mean_wait_decision(m, 20.0 + wait_s + 0.1, **kw).action == "nack"
 
 
 def test_complete_is_done_and_the_fallback_reserve_ends_any_wait() -> None:
