@@ -37,3 +37,16 @@ def test_chaos_smoke_has_no_hang_and_equal_checksums(tmp_path: Path) -> None:
     assert res["rounds"] == 12 and len(res["rounds_lost_at_site0"]) <= 2, res
     assert all(abs(g["fds"]) <= 8 for g in res["growth_after_warmup"].values()), res["growth_after_warmup"]
     assert res["final_val_loss"] is not None and res["final_val_loss"] < 5.0
+
+
+def test_warm_up_of_a_restarted_worker_ends_at_its_first_round_not_at_30_percent_of_its_life() -> None:
+    from experiments.chaos import warm_up_end_s
+
+    # a second life of 10 s whose first round came 5 s in (torch import, task, θ pull before it)
+    samples = [(100.0 + k, 200_000 + (140_000 if k >= 5 else 0), 40) for k in range(11)]
+    rounds = [{"round": 8, "time": 95.0}, {"round": 9, "time": 105.2}, {"round": 10, "time": 107.0}]
+    assert warm_up_end_s(samples, rounds) == 105.2  # the first life's round 8 (95.0) is not this process's
+    # a long life whose first round came early: 30 % of its life
+    samples = [(0.0 + k, 200_000, 40) for k in range(101)]
+    assert warm_up_end_s(samples, [{"round": 0, "time": 2.0}]) == pytest.approx(30.0)
+    assert warm_up_end_s(samples, []) == 100.0  # no round at all: nothing after warm-up
