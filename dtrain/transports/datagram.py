@@ -289,7 +289,11 @@ class DatagramTransport(DatagramMeans, Transport):
             s.close()
 
     def counters(self) -> dict[str, int]:
-        """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason."""
+        """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason.
+
+        ``dropped_unknown_round`` counts datagrams that came before their round's key: they are
+        held (at most ``max_pending_datagrams``, beyond that ``dropped_over_budget``) and opened
+        when the plan arrives, so they are not lost."""
         with self._lock:
             out = dict(self._counts)
         out.update({f"dropped_{k}": v for k, v in self._opener.counts().items()})
