@@ -81,24 +81,37 @@ def label(loss_pct: float) -> str:
     return f"loss {loss_pct:g}%"
 
 
-def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, timeout_s: float) -> RunResult:
+def run_one(
+    topo,
+    m: dict[str, Any],
+    config: str,
+    loss_pct: float,
+    seed: int,
+    timeout_s: float,
+    *,
+    worker: dict[str, Any] | None = None,
+    rendezvous: dict[str, Any] | None = None,
+) -> RunResult:
+    """One run at ``loss_pct``; ``worker`` / ``rendezvous``: options replacing ``WORKER`` /
+    ``RENDEZVOUS`` (``convergence_netem`` runs the convergence fault table's setup this way)."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     n = m["num_sites"]
+    worker = WORKER if worker is None else worker
     topo.set_link(None, LinkParams(loss_pct=loss_pct, **LINK))
     with tempfile.TemporaryDirectory(prefix="dtrain-netemloss-") as d:
         run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         names = [f"site-{i}" for i in range(n)]
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **RENDEZVOUS})
+            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
             opts = dict(
                 size=m["size"],
                 seed=seed,
                 rounds=m["rounds"],
                 sync_every=m["sync_every"],
                 eval_every=m["rounds"],
-                **WORKER,
+                **worker,
             )
             for i in range(n):
                 run.start_site(i, opts)
@@ -129,7 +142,7 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         "size": m["size"],
         "sync_every": m["sync_every"],
         "rounds": m["rounds"],
-        "codec": WORKER["codec"],
+        "codec": worker["codec"],
         "loss_pct": loss_pct,
         "delay_ms": LINK["delay_ms"],
         "rate_mbit": LINK["rate_mbit"],
