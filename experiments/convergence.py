@@ -276,15 +276,16 @@ def item_specs(
     m: dict[str, Any], section: str, items: Sequence[str], seeds: Sequence[int], steps: int
 ) -> list[RunSpec]:
     """One run per item and seed over ``steps`` inner steps (iid): ``ddp`` (DDP), ``big`` (1 site,
-    N times the batch) or ``LR/M`` (DiLoCo at H = h_main with outer lr LR, momentum M)."""
+    N times the batch) or ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with outer lr LR, momentum M)."""
     specs = []
     for item in items:
         for seed in seeds:
             if item in ("ddp", "big"):
                 specs.append(_baselines(m, section, "iid", seed, steps)[0 if item == "ddp" else 2])
             else:
-                lr, mom = (float(x) for x in item.split("/"))
-                specs.append(_diloco(m, section, "iid", m["h_main"], (lr, mom), seed, steps))
+                outer, _, h = item.partition("@")
+                lr, mom = (float(x) for x in outer.split("/"))
+                specs.append(_diloco(m, section, "iid", int(h or m["h_main"]), (lr, mom), seed, steps))
     return specs
 
 
@@ -511,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--outer-check",
         help="ITEM,ITEM,...:A:B: run only these over the convergence runs' inner steps (iid) for seeds A..B-1 "
         "into OUT/convergence_outer*.csv (a later --replot of the same mode adds them to the convergence table); "
-        "ITEM: LR/M (DiLoCo at H = h_main with this outer lr / momentum), ddp, or big (1 site, N times the batch)",
+        "ITEM: LR/M[@H] (DiLoCo at H = h_main, or H, with this outer lr / momentum), ddp, or big (1 site, N times "
+        "the batch)",
     )
     ap.add_argument(
         "--sweep-confirm",

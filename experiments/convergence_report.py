@@ -93,7 +93,7 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
     ax.set_ylim(lo - 0.1, lo + 1.2)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
-    name = section.split(':')[0].replace(' ', '')  # 'long 8000' -> 'long8000'
+    name = section.split(":")[0].replace(" ", "")  # 'long 8000' -> 'long8000'
     return save_fig(fig, prefix.with_name(f"{prefix.name}_{name}_{data}.png"))
 
 

@@ -12,9 +12,9 @@ buckets of 16 KiB chunks, reduce deadline 1 s, broadcast deadline 2 s.
 What differs from the in-process sweep: TCP retransmits lost packets, so packet loss
 becomes delay; a contribution is lost only when it misses the reduce deadline (then
 error feedback keeps it for the next round, as with seeded chunk loss). The 0% setting
-runs twice per seed: the owners sum contributions in arrival order, so two runs with the
-same seed differ by fp32 rounding, and the "0% (repeat)" row is the noise floor of every
-paired difference.
+runs twice per seed: the "0% (repeat)" row is the noise floor of every paired difference
+(the owners sum in sender-id order, so with every chunk in, a rerun's means are
+bit-identical; what is left is the timing of which chunks miss a deadline).
 
 Usage (from the repository root, as root)::
 
@@ -163,6 +163,7 @@ def run_one(
         "broadcast_arrived": mean("broadcast_arrived_fraction"),
         "included": mean("included_fraction"),
         "consistent": len({per_site[i][-1]["checksum"] for i in range(n) if per_site[i]}) == 1,
+        "checksum": site0[-1]["checksum"] if site0 else "",  # θ after the last round: equal runs, equal θ
     }
     rounds = [
         {
