@@ -167,7 +167,7 @@ def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int,
         num_val_batches=m["num_val_batches"],
         eval_every=max(1, eval_steps // h) if h > 1 else eval_steps,
         track_drift=False,
-        timeout_s=3600.0,
+        timeout_s=max(3600.0, 0.5 * steps * max(1, kw.get("num_sites", m["num_sites"]))),  # bound on one run
         own_session=True,
         extra=(("section", section), ("data", data), ("method", method), ("H", h)),
     )
@@ -540,9 +540,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0%%, 10%% and again 0%% packet loss for seeds A..B-1 into OUT/convergence_netem*.csv (a later --replot "
         "adds its table and claim)",
     )
+    ap.add_argument(
+        "--reduce-timeout-s",
+        type=float,
+        help="the in-process rounds' reduce deadline (broadcast: twice it; default per mode). A run that refuses "
+        "nothing is bit-identical at any deadline, so a side run on a loaded machine may take a generous one",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
+    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min", "reduce_timeout_s"))
     if args.seeds is not None:
         m["seeds"] = {k: list(range(args.seeds)) for k in m["seeds"]}
     for h in m["hs"]:
