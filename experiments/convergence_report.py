@@ -311,11 +311,12 @@ def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
 
 
 def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[float]]:
-    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP."""
+    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP among those run on
+    the most seeds (a 1-seed mean is not compared with a 3-seed one)."""
     cands = {k: v for k, v in deltas.items() if k.startswith(f"DiLoCo H={h},") and v}
     if not cands:
         return "—", []
-    k = min(cands, key=lambda x: statistics.fmean(cands[x]))
+    k = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
     return k, cands[k]
 
 
