@@ -164,6 +164,7 @@ def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int,
         chunk_bytes=16 * 1024,
         reduce_timeout_s=m["reduce_timeout_s"],
         broadcast_timeout_s=2 * m["reduce_timeout_s"],
+        heartbeat_timeout_s=m.get("heartbeat_timeout_s") or 1.5,
         num_val_batches=m["num_val_batches"],
         eval_every=max(1, eval_steps // h) if h > 1 else eval_steps,
         track_drift=False,
@@ -546,9 +547,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the in-process rounds' reduce deadline (broadcast: twice it; default per mode). A run that refuses "
         "nothing is bit-identical at any deadline, so a side run on a loaded machine may take a generous one",
     )
+    ap.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        help="the in-process rendezvous' heartbeat timeout (default 1.5 s): on a loaded machine a starved "
+        "heartbeat thread gets a live site dropped from a round (a resync); a side run may take a generous one",
+    )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min", "reduce_timeout_s"))
+    mode, m = mode_settings(
+        args, MODES, ("size", "jobs", "total_steps", "budget_min", "reduce_timeout_s", "heartbeat_timeout_s")
+    )
     if args.seeds is not None:
         m["seeds"] = {k: list(range(args.seeds)) for k in m["seeds"]}
     for h in m["hs"]:
