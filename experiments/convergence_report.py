@@ -125,7 +125,7 @@ def convergence_table(
                 "—" if method == base_method else _pm_se(d),
                 f"{b / 1e6:.1f}",
                 ratio,
-                sum(int(r.get("rejected") or 0) for r in g),
+                f"{sum(int(r.get('rejected') or 0) for r in g)} / {sum(int(r.get('resyncs') or 0) for r in g)}",
             ]
         )
     md = md_table(
@@ -138,7 +138,7 @@ def convergence_table(
             f"Δ vs {base_method} (paired, mean ± SE)",
             "MB sent per site",
             "fewer bytes than DDP",
-            "late contributions refused",
+            "late contributions refused / site resyncs",
         ],
         table,
     )
