@@ -127,6 +127,8 @@ class RunSpec:
             finer grain, closer to packets).
         reduce_timeout_s, broadcast_timeout_s: round deadlines of the rendezvous; the
             owner waits ``reduce_timeout_s`` whenever a chunk is lost.
+        heartbeat_timeout_s: a site silent this long is dropped from the round (it resyncs);
+            on a loaded machine a starved heartbeat thread does that to a live site.
         outer_lr, outer_momentum: outer SGD-Nesterov (DiLoCo arXiv 2311.08105: 0.7, 0.9).
         num_val_batches: size of the fixed validation set (batches of ``batch_size``).
         eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
@@ -170,6 +172,7 @@ class RunSpec:
     chunk_bytes: int = 4 * KiB
     reduce_timeout_s: float = 1.0
     broadcast_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = 1.5
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     num_val_batches: int = 16
@@ -192,6 +195,7 @@ class RunSpec:
         need(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every", "an int >= 0")
         need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
         need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
+        need(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "> 0 seconds")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
         need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
         need(
@@ -234,7 +238,10 @@ class RunSpec:
                 repair=self.repair,
             ),
             rendezvous=fast_rendezvous_config(
-                self.num_sites, reduce_timeout_s=self.reduce_timeout_s, broadcast_timeout_s=self.broadcast_timeout_s
+                self.num_sites,
+                reduce_timeout_s=self.reduce_timeout_s,
+                broadcast_timeout_s=self.broadcast_timeout_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
             ),
             faults=InprocFaults(push_loss=self.push_loss, pull_loss=self.pull_loss, seed=self.seed),
             seed=self.seed,

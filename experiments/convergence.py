@@ -47,6 +47,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments import convergence_netem  # noqa: E402
 from experiments.common import (  # noqa: E402
     RunResult,
     RunSpec,
@@ -163,10 +164,11 @@ def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int,
         chunk_bytes=16 * 1024,
         reduce_timeout_s=m["reduce_timeout_s"],
         broadcast_timeout_s=2 * m["reduce_timeout_s"],
+        heartbeat_timeout_s=m.get("heartbeat_timeout_s") or 1.5,
         num_val_batches=m["num_val_batches"],
         eval_every=max(1, eval_steps // h) if h > 1 else eval_steps,
         track_drift=False,
-        timeout_s=3600.0,
+        timeout_s=max(3600.0, 0.5 * steps * max(1, kw.get("num_sites", m["num_sites"]))),  # bound on one run
         own_session=True,
         extra=(("section", section), ("data", data), ("method", method), ("H", h)),
     )
@@ -271,18 +273,47 @@ def diagnosis_specs(m: dict[str, Any], best: tuple[float, float] | None) -> list
     return specs
 
 
-def long_specs(m: dict[str, Any], text: str) -> list[RunSpec]:
-    """``--long-check STEPS:ITEMS``: DiLoCo at H = h_main per outer setting, and ``big`` (1 site,
-    N times the batch), over STEPS inner steps, seed 0, section ``LONG`` (its own table)."""
-    steps, items = text.split(":", 1)
-    n, specs = int(steps), []
-    for item in items.split(","):
-        if item == "big":
-            specs.append(_baselines(m, LONG, "iid", 0, n)[2])
-        else:
-            lr, mom = (float(x) for x in item.split("/"))
-            specs.append(_diloco(m, LONG, "iid", m["h_main"], (lr, mom), 0, n))
+def item_specs(
+    m: dict[str, Any], section: str, items: Sequence[str], seeds: Sequence[int], steps: int
+) -> list[RunSpec]:
+    """One run per item and seed over ``steps`` inner steps (iid): ``ddp`` (DDP), ``big`` (1 site,
+    N times the batch) or ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with outer lr LR, momentum M)."""
+    specs = []
+    for item in items:
+        for seed in seeds:
+            if item in ("ddp", "big"):
+                specs.append(_baselines(m, section, "iid", seed, steps)[0 if item == "ddp" else 2])
+            else:
+                outer, _, h = item.partition("@")
+                lr, mom = (float(x) for x in outer.split("/"))
+                specs.append(_diloco(m, section, "iid", int(h or m["h_main"]), (lr, mom), seed, steps))
     return specs
+
+
+def long_section(steps: int) -> str:
+    """The section of the --long-check runs over ``steps`` inner steps (one table per step count)."""
+    return f"{LONG} {steps}"
+
+
+def long_specs(m: dict[str, Any], text: str) -> list[RunSpec]:
+    """``--long-check STEPS:ITEMS[:A:B]``: ``item_specs`` over STEPS inner steps for seeds A..B-1
+    (default seed 0), section ``long_section(STEPS)`` (its own table)."""
+    steps, items, *seeds = text.split(":")
+    span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
+    return item_specs(m, long_section(int(steps)), items.split(","), span, int(steps))
+
+
+def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
+    """Rows of section ``LONG`` (the first --long-check runs, before one section per step
+    count) move to ``long_section(inner_steps)``, their per-round rows with them."""
+    renamed = {}
+    for r in rows:
+        if r["section"] == LONG:
+            r["section"] = long_section(int(r["inner_steps"]))
+            new = f"{r['section']} | {r['data']} | {r['method']}"
+            renamed[r["config"]], r["config"] = new, new
+    for x in rounds:
+        x["config"] = renamed.get(x["config"], x["config"])
 
 
 # ---------------------------------------------------------------------------- analysis helpers
@@ -388,7 +419,7 @@ def run_all(m: dict[str, Any], verbose: bool) -> list[RunResult]:
     return results
 
 
-EXTRA = ("convergence_faults", "convergence_outer")  # the side runs' CSV names (then a --fault-name-tag)
+EXTRA = ("convergence_faults", "convergence_outer", "convergence_netem")  # side runs' CSVs (then a --fault-name-tag)
 
 
 def _side_files(args) -> list[Path]:
@@ -452,8 +483,14 @@ def _side_run(args, argv: Sequence[str], m: dict[str, Any], name: str, specs: Se
 
 def _settings(text: str) -> tuple[list[tuple[float, float]], range]:
     """``"LR/M,LR/M,...:A:B"`` -> the (outer lr, momentum) settings and seeds A..B-1."""
-    settings, a, b = text.rsplit(":", 2)
-    return [(float(x.split("/")[0]), float(x.split("/")[1])) for x in settings.split(",")], range(int(a), int(b))
+    items, seeds = _items(text)
+    return [(float(x.split("/")[0]), float(x.split("/")[1])) for x in items], seeds
+
+
+def _items(text: str) -> tuple[list[str], range]:
+    """``"ITEM,ITEM,...:A:B"`` -> the items and seeds A..B-1."""
+    items, a, b = text.rsplit(":", 2)
+    return items.split(","), range(int(a), int(b))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -474,9 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds or --outer-check: suffix of the CSV name")
     ap.add_argument(
         "--outer-check",
-        help="LR/M,LR/M,...:A:B: run only DiLoCo at H = h_main with these outer settings over the convergence "
-        "runs' inner steps (iid) for seeds A..B-1 into OUT/convergence_outer*.csv (a later --replot of the same "
-        "mode adds them to the convergence table)",
+        help="ITEM,ITEM,...:A:B: run only these over the convergence runs' inner steps (iid) for seeds A..B-1 "
+        "into OUT/convergence_outer*.csv (a later --replot of the same mode adds them to the convergence table); "
+        "ITEM: LR/M[@H] (DiLoCo at H = h_main, or H, with this outer lr / momentum), ddp, or big (1 site, N times "
+        "the batch)",
     )
     ap.add_argument(
         "--sweep-confirm",
@@ -492,13 +530,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--long-check",
-        help="STEPS:ITEMS: run only, over STEPS inner steps (iid, seed 0, section 'long'), ITEMS = comma-separated "
-        "outer settings LR/M of DiLoCo at H = h_main and 'big' (1 site with N times the batch: DDP's stand-in, "
-        "within 1%% of DDP all along the 4000-step curve) into OUT/convergence_outer*.csv",
+        help="STEPS:ITEMS[:A:B]: run only, over STEPS inner steps (iid, seeds A..B-1, default seed 0; section "
+        "'long STEPS', a table per step count), ITEMS = comma-separated outer settings LR/M of DiLoCo at H = h_main, "
+        "'ddp' and 'big' (1 site with N times the batch: DDP's stand-in, within 2%% of DDP all along the "
+        "4000-step curve) into OUT/convergence_outer*.csv",
+    )
+    ap.add_argument(
+        "--netem-pairs",
+        help="A:B: run only the fault table's setup over gRPC through netem (as root; convergence_netem.py) at "
+        "0%%, 10%% and again 0%% packet loss for seeds A..B-1 into OUT/convergence_netem*.csv (a later --replot "
+        "adds its table and claim)",
+    )
+    ap.add_argument(
+        "--reduce-timeout-s",
+        type=float,
+        help="the in-process rounds' reduce deadline (broadcast: twice it; default per mode). A run that refuses "
+        "nothing is bit-identical at any deadline, so a side run on a loaded machine may take a generous one",
+    )
+    ap.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        help="the in-process rendezvous' heartbeat timeout (default 1.5 s): on a loaded machine a starved "
+        "heartbeat thread gets a live site dropped from a round (a resync); a side run may take a generous one",
     )
     args = ap.parse_args(argv)
     quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps", "budget_min"))
+    mode, m = mode_settings(
+        args, MODES, ("size", "jobs", "total_steps", "budget_min", "reduce_timeout_s", "heartbeat_timeout_s")
+    )
     if args.seeds is not None:
         m["seeds"] = {k: list(range(args.seeds)) for k in m["seeds"]}
     for h in m["hs"]:
@@ -512,9 +571,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             specs = [s for s in convergence_specs(m) + diagnosis_specs(m, None) if s.num_sites > 1]
             specs = [s for s in specs if dict(s.extra)["method"] != DDP]
         else:
-            grid, seeds = _settings(args.outer_check)
-            specs = [_diloco(m, "convergence", "iid", m["h_main"], o, s, m["total_steps"]) for o in grid for s in seeds]
+            items, seeds = _items(args.outer_check)
+            specs = item_specs(m, "convergence", items, seeds, m["total_steps"])
         return _side_run(args, argv, m, "convergence_outer" + args.fault_name_tag, specs)
+    if args.netem_pairs:
+        a, b = (int(x) for x in args.netem_pairs.split(":"))
+        prefix = out_prefix(args, "convergence_netem" + args.fault_name_tag)
+        run_or_load(args, argv, "convergence.py", prefix, lambda: convergence_netem.run(m, range(a, b), 1800.0))
+        return 0
     if args.sweep_confirm:
         grid, seeds = _settings(args.sweep_confirm)
         specs = sweep_specs(m, grid, seeds)
@@ -527,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = out_prefix(args, "convergence")
     rows, rounds, meta = run_or_load(args, argv, "convergence.py", prefix, lambda: run_all(m, args.verbose))
     _merge_extra(args, rows, rounds, meta)
+    legacy_long(rows, rounds)
     body = report(rows, rounds, m, meta, prefix, mode)
     title = "Convergence (issue 18)" if mode == "quick" else f"Convergence (issue 18, {mode})"
     publish(args, f"convergence-{mode}", title, body)

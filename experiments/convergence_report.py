@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from experiments import convergence_netem as netem
 from experiments.common import ROOT, fmt_pm, md_table, save_fig, subplots, summarize
 
 __all__ = ["report", "verdict", "curves"]
@@ -66,6 +67,12 @@ def curves(rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> 
     return out
 
 
+def long_sections(rows) -> list[str]:
+    """The --long-check sections (``long STEPS``), fewest steps first."""
+    secs = {r["section"] for r in rows if str(r["section"]).startswith(_c().LONG + " ")}
+    return sorted(secs, key=lambda x: int(x.split()[1]))
+
+
 def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str) -> Path:
     c = _c()
     sel = _rows(rows, section, data)
@@ -86,7 +93,8 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
     ax.set_ylim(lo - 0.1, lo + 1.2)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
-    return save_fig(fig, prefix.with_name(f"{prefix.name}_{section.split(':')[0]}_{data}.png"))
+    name = section.split(":")[0].replace(" ", "")  # 'long 8000' -> 'long8000'
+    return save_fig(fig, prefix.with_name(f"{prefix.name}_{name}_{data}.png"))
 
 
 def convergence_table(
@@ -117,7 +125,7 @@ def convergence_table(
                 "—" if method == base_method else _pm_se(d),
                 f"{b / 1e6:.1f}",
                 ratio,
-                sum(int(r.get("rejected") or 0) for r in g),
+                f"{sum(int(r.get('rejected') or 0) for r in g)} / {sum(int(r.get('resyncs') or 0) for r in g)}",
             ]
         )
     md = md_table(
@@ -130,7 +138,7 @@ def convergence_table(
             f"Δ vs {base_method} (paired, mean ± SE)",
             "MB sent per site",
             "fewer bytes than DDP",
-            "late contributions refused",
+            "late contributions refused / site resyncs",
         ],
         table,
     )
@@ -231,21 +239,29 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         parts.append(
             f"**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0 (plot `{_rel(png)}`):\n\n{diag_md}"
         )
-    long_md, long_d = convergence_table(rows, c.LONG, "iid", base_method=c.BIG)
-    if long_d:
-        steps = _rows(rows, c.LONG)[0]["inner_steps"]
-        png = plot_setting(rows, rounds, c.LONG, "iid", prefix, f"{steps} inner steps per site, iid")
+    long_d = {}
+    for section in long_sections(rows):
+        steps = int(_rows(rows, section)[0]["inner_steps"])
+        base = c.DDP if any(r["method"] == c.DDP for r in _rows(rows, section)) else c.BIG
+        long_md, d = convergence_table(rows, section, "iid", base_method=base)
+        long_d[steps] = (base, d)
+        png = plot_setting(rows, rounds, section, "iid", prefix, f"{steps} inner steps per site, iid")
         pngs.append(png)
-        parts.append(
-            f"**Longer: {steps} inner steps per site**, iid, seed 0, against 1 site with {m['num_sites']}x the batch "
-            f"(DDP's stand-in: within ±2% of DDP at every evaluated step of the {m['total_steps']}-step runs, "
-            f"{conv_big_vs_ddp(rows)} at the end; plot `{_rel(png)}`):\n\n{long_md}"
+        against = (
+            "against DDP"
+            if base == c.DDP
+            else f"against 1 site with {m['num_sites']}x the batch (DDP's stand-in: within ±2% of DDP at every "
+            f"evaluated step of the {m['total_steps']}-step runs, {conv_big_vs_ddp(rows)} at the end)"
         )
+        parts.append(f"**Longer: {steps} inner steps per site**, iid, {against} (plot `{_rel(png)}`):\n\n{long_md}")
     fmd, facts = fault_table(rows, c.SE_TARGET_PP)
     parts.append(
         f"**Faults against the fault-free run** (H = {m['h_main']}, {m['faults']['total_steps']} inner steps, "
         f"warmup + cosine inner LR, iid, paired by seed):\n\n{fmd}"
     )
+    nmd, nfacts = netem.table(rows)
+    if nfacts:
+        parts.append(f"**10% packet loss over gRPC through netem** ({netem.setup(m)}):\n\n{nmd}")
     smd, best, best_d = sweep_tables(rows, m)
     parts.append(
         f"**Outer lr / momentum sweep** (H = {m['h_main']}, {m['sweep']['total_steps']} inner steps, iid, constant "
@@ -262,11 +278,14 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         f"SE = std/√n. CSV: `{prefix.with_suffix('.csv').name}`."
     )
     statements = claims(rows, m, conv, diag, facts, best, best_d, long_d)
+    netem_claim = netem.claim(nfacts, rows, verdict)
+    if netem_claim:
+        statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
     note = f"\n\n{meta['note']}" if meta.get("note") else ""
-    return "\n\n".join([setup + note, scope(m, mode), *parts, "**Claims**\n\n" + statements])
+    return "\n\n".join([setup + note, scope(m, mode, bool(nfacts)), *parts, "**Claims**\n\n" + statements])
 
 
-def scope(m: dict[str, Any], mode: str) -> str:
+def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
     """What this mode leaves out of issue 18's matrix, plainly."""
     f = m["faults"]
     lines = [
@@ -275,8 +294,15 @@ def scope(m: dict[str, Any], mode: str) -> str:
         f"average at H = {', '.join(str(h) for h in m['both_outers_hs'])} only; fault and sweep runs of "
         f"{f['total_steps']} / {m['sweep']['total_steps']} inner steps ({f['total_steps'] // m['h_main']} / "
         f"{m['sweep']['total_steps'] // m['h_main']} rounds at H = {m['h_main']}), not {m['total_steps']}.",
-        "Not measured here: 10% loss over gRPC through netem (`experiments/netem_loss.py` is that path, with the "
-        "older, unpaired method); a real process restart (`experiments/site_failures.py`). 'Site down' is simulated "
+        ("10% loss over gRPC through netem: the `--netem-pairs` table below. " if netem_done else "")
+        + "Not measured here: "
+        + (
+            ""
+            if netem_done
+            else "10% loss over gRPC through netem (`experiments/netem_loss.py` is that path, with the older, "
+            "unpaired method); "
+        )
+        + "a real process restart (`experiments/site_failures.py`). 'Site down' is simulated "
         f"in process: the last site is killed after round {f['restart_after']} and restarted "
         f"(`InprocCluster.restart`: rejoin through the rendezvous, θ and training-position pull) once site 0 applied "
         f"{f['down_rounds']} more rounds.",
@@ -285,11 +311,12 @@ def scope(m: dict[str, Any], mode: str) -> str:
 
 
 def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[float]]:
-    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP."""
+    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP among those run on
+    the most seeds (a 1-seed mean is not compared with a 3-seed one)."""
     cands = {k: v for k, v in deltas.items() if k.startswith(f"DiLoCo H={h},") and v}
     if not cands:
         return "—", []
-    k = min(cands, key=lambda x: statistics.fmean(cands[x]))
+    k = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
     return k, cands[k]
 
 
@@ -331,13 +358,16 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
     if diag:
         name, d = _best_diloco(diag, h)
         out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(name, d, h))
-    if long_d:
-        name, d = _best_diloco(long_d, h)
-        steps = _rows(rows, c.LONG)[0]["inner_steps"]
+    for steps, (base, deltas) in sorted((long_d or {}).items()):
+        name, d = _best_diloco(deltas, h)
+        what = "DDP" if base == c.DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
         out.append(
-            f"- Longer ({steps} inner steps, {steps // h} rounds), against 1 site with {m['num_sites']}x the batch "
-            "(DDP's stand-in): " + _vs_ddp(name, d, h).replace("against DDP", f"against {c.BIG}")
+            f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
+            + _vs_ddp(name, d, h).replace("against DDP", f"against {base}")
         )
+        big = deltas.get(c.BIG, [])
+        if base == c.DDP and big:
+            out.append(f"  - 1 site with {m['num_sites']}x the batch against DDP there: {_pm_se(big)}")
     for name, target, what in (
         (c.LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
         (c.RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),

@@ -12,9 +12,9 @@ buckets of 16 KiB chunks, reduce deadline 1 s, broadcast deadline 2 s.
 What differs from the in-process sweep: TCP retransmits lost packets, so packet loss
 becomes delay; a contribution is lost only when it misses the reduce deadline (then
 error feedback keeps it for the next round, as with seeded chunk loss). The 0% setting
-runs twice per seed: the owners sum contributions in arrival order, so two runs with the
-same seed differ by fp32 rounding, and the "0% (repeat)" row is the noise floor of every
-paired difference.
+runs twice per seed: the "0% (repeat)" row is the noise floor of every paired difference
+(the owners sum in sender-id order, so with every chunk in, a rerun's means are
+bit-identical; what is left is the timing of which chunks miss a deadline).
 
 Usage (from the repository root, as root)::
 
@@ -86,10 +86,23 @@ def label(loss_pct: float) -> str:
     return f"loss {loss_pct:g}%"
 
 
-def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, timeout_s: float) -> RunResult:
+def run_one(
+    topo,
+    m: dict[str, Any],
+    config: str,
+    loss_pct: float,
+    seed: int,
+    timeout_s: float,
+    *,
+    worker: dict[str, Any] | None = None,
+    rendezvous: dict[str, Any] | None = None,
+) -> RunResult:
+    """One run at ``loss_pct``; ``worker`` / ``rendezvous``: options replacing ``WORKER`` /
+    ``RENDEZVOUS`` (``convergence_netem`` runs the convergence fault table's setup this way)."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     n = m["num_sites"]
+    worker = WORKER if worker is None else worker
     topo.set_link(None, LinkParams(loss_pct=loss_pct, **LINK))
     with tempfile.TemporaryDirectory(prefix="dtrain-netemloss-") as d:
         root = (
@@ -100,14 +113,14 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         t0 = time.monotonic()
         names = [f"site-{i}" for i in range(n)]
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **RENDEZVOUS})
+            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
             opts = dict(
                 size=m["size"],
                 seed=seed,
                 rounds=m["rounds"],
                 sync_every=m["sync_every"],
                 eval_every=m["rounds"],
-                **WORKER,
+                **worker,
             )
             for i in range(n):
                 run.start_site(i, opts)
@@ -138,7 +151,7 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         "size": m["size"],
         "sync_every": m["sync_every"],
         "rounds": m["rounds"],
-        "codec": WORKER["codec"],
+        "codec": worker["codec"],
         "loss_pct": loss_pct,
         "delay_ms": LINK["delay_ms"],
         "rate_mbit": LINK["rate_mbit"],
@@ -159,6 +172,7 @@ def run_one(topo, m: dict[str, Any], config: str, loss_pct: float, seed: int, ti
         "broadcast_arrived": mean("broadcast_arrived_fraction"),
         "included": mean("included_fraction"),
         "consistent": len({per_site[i][-1]["checksum"] for i in range(n) if per_site[i]}) == 1,
+        "checksum": site0[-1]["checksum"] if site0 else "",  # θ after the last round: equal runs, equal θ
     }
     rounds = [
         {

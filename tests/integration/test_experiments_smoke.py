@@ -300,7 +300,9 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     # side runs: an outer setting over the convergence steps and a fault rerun, merged by --replot
     # (a rerun replaces the row of the same config and seed; nothing is counted twice)
     base = ["--smoke", "--out", str(tmp_path), "--results", "none"]
-    assert c.main([*base, "--outer-check", "1/0.5:0:1"]) == 0
+    assert c.main([*base, "--outer-check", "1/0.5,1/0@4:0:1"]) == 0
+    outer = {r["method"]: r for r in read_rows(tmp_path / "convergence_outer_smoke.csv")}
+    assert outer[c.diloco_label(4, c.AVERAGE)]["H"] == 4 and outer[c.diloco_label(2, (1.0, 0.5))]["H"] == 2
     assert c._fault_names("fault-free,1 site down, restarted,topk") == [
         c.FAULT_FREE,
         c.RESTART,
@@ -309,7 +311,7 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     assert c.main([*base, "--fault-seeds", "1:2", "--fault-names", "fault-free", "--fault-name-tag", "_re"]) == 0
     again = read_rows(tmp_path / "convergence_faults_re_smoke.csv")
     assert again[0]["final_val_loss"] == by["faults", "iid", c.FAULT_FREE, 1]["final_val_loss"]  # deterministic
-    assert c.main([*base, "--long-check", "16:0.7/0.9,big", "--fault-name-tag", "_long"]) == 0
+    assert c.main([*base, "--long-check", "16:0.7/0.9,big,ddp", "--fault-name-tag", "_long"]) == 0
     assert c.main([*base, "--rerun-diloco", "--fault-name-tag", "_rr"]) == 0
     rerun = {(r["config"], r["seed"]): r for r in read_rows(tmp_path / "convergence_outer_rr_smoke.csv")}
     assert {r["method"] for r in rerun.values()} == diloco  # every DiLoCo run, no baseline
@@ -320,8 +322,11 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     assert c.main(["--smoke", "--out", str(tmp_path), "--results", str(results), "--replot"]) == 0
     md2 = results.read_text()
     assert f"| {c.diloco_label(2, (1.0, 0.5))} | 0 | 4 | 8 |" in md2  # in the iid convergence table
-    assert "--outer-check 1/0.5:0:1" in md2 and "--fault-name-tag _re" in md2
+    assert "--outer-check 1/0.5,1/0@4:0:1" in md2 and "--fault-name-tag _re" in md2
     assert f"| {c.FAULT_FREE} | {len(seeds)} |" in md2
     assert f"| {c.diloco_label(2, c.NESTEROV)} | 0 | 4 | 8 |" in md2  # replaced by its rerun, not doubled
-    assert "**Longer: 16 inner steps per site**" in md2 and "- Longer (16 inner steps, 8 rounds)" in md2
-    assert (tmp_path / "convergence_smoke_long_iid.png").stat().st_size > 5000
+    # the long check has its own table per step count, against DDP when DDP ran at that length
+    assert "**Longer: 16 inner steps per site**, iid, against DDP" in md2
+    assert "- Longer (16 inner steps, 8 rounds), against DDP: " in md2
+    assert f"| {c.DDP} | 0 | 16 | 16 |" in md2 and "1 site with 2x the batch against DDP there" in md2
+    assert (tmp_path / "convergence_smoke_long16_iid.png").stat().st_size > 5000

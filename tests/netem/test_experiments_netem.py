@@ -134,3 +134,39 @@ def test_netem_udp_ceiling_smoke(tmp_path: Path) -> None:
         assert r["achieved_send_dps"] > 0.5 * r["offered_dps"]  # the sender kept roughly to its pace
     assert [r["delay_ms"] for r in rows] == [0.0, 0.0, 5.0, 5.0, 5.0, 5.0]
     assert "## netem's own UDP ceiling (smoke)" in md and "Ceilings (highest delivered" in md
+
+
+@pytest.mark.timeout(240)  # 3 runs of 2 sites x 4 rounds: ~15-30 s each
+def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
+    """convergence.py --netem-pairs: the fault table's setup over gRPC through netem at 0%, 10%
+    and 0% again per seed; the table pairs by seed and the claim names the 0% repeat's floor."""
+    import argparse
+
+    from experiments import convergence as c
+    from experiments import convergence_netem as cn
+    from experiments.convergence_report import verdict
+
+    assert c.main(["--smoke", "--netem-pairs", "0:1", "--out", str(tmp_path), "--results", "none"]) == 0
+    rows = read_rows(tmp_path / "convergence_netem_smoke.csv")
+    assert [(r["method"], r["loss_pct"], r["seed"]) for r in rows] == [
+        (cn.BASE, 0.0, 0),
+        (cn.LOSSY, 10.0, 0),
+        (cn.REPEAT, 0.0, 0),
+    ]
+    for r in rows:
+        assert r["section"] == cn.NETEM and r["config"] == f"{cn.NETEM} | iid | {r['method']}"
+        assert r["rounds_done"] == 4 and r["consistent"] is True  # smoke: 8 steps at H = 2
+        assert r["final_val_loss"] < r["first_val_loss"]
+        assert r["rejected"] == 0  # 30 s deadlines: nothing is refused for lateness
+    assert rows[0]["reduce_arrived"] == 1.0 and rows[2]["reduce_arrived"] == 1.0
+    md, facts = cn.table(rows)
+    assert f"| {cn.LOSSY} | 1 |" in md and f"| {cn.REPEAT} | 1 |" in md
+    assert facts[cn.LOSSY][2] == 1 and facts[cn.REPEAT][2] == 1
+    # owners sum in sender-id order: with every chunk in, a rerun ends with the very same θ
+    assert rows[0]["checksum"] and rows[2]["checksum"] == rows[0]["checksum"]
+    assert f"| {cn.REPEAT} | 1 |" in md and md.count("| 1 of 1 |") >= 1
+    text = cn.claim(facts, rows, verdict)
+    assert "10% packet loss over gRPC through netem ≤ 0.5%" in text and "the 0% repeat" in text
+    # a --replot of the smoke mode merges this CSV with the other side runs
+    args = argparse.Namespace(smoke=True, quick=False, out=tmp_path)
+    assert tmp_path / "convergence_netem_smoke.csv" in c._side_files(args)
