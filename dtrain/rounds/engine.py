@@ -473,7 +473,10 @@ class RoundEngine(PeerSide):
             if left <= 0:
                 return b, None, "broadcast deadline passed"
             addr = run.plan.address_of(owner)
-            return b, self.transport.pull_mean(addr, run.round, b, requester=self.site_id, timeout_s=left), ""
+            # our θ_b checksum: if stale, the owner waits at its close for our repair too
+            have = self.state.checksum(b) if self.config.repair else ""
+            m = self.transport.pull_mean(addr, run.round, b, requester=self.site_id, timeout_s=left, have_checksum=have)
+            return b, m, ""
         except PeerUnavailable as e:
             self.member_unreachable(run, owner, f"mean pull refused: {e}")
             return b, None, str(e)
@@ -511,6 +514,8 @@ class RoundEngine(PeerSide):
                         b,
                         requester=self.site_id,
                         timeout_s=max(0.05, late_until - time.monotonic()),
+                        # to the owner only: a member holding a copy is not who we repair from
+                        have_checksum=self.state.checksum(b) if sid == owner and self.config.repair else "",
                     )
                 except PeerUnavailable:
                     if sid == owner:

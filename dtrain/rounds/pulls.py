@@ -10,6 +10,13 @@ they got, ``Transport.acknowledges_means``, each acknowledgement instead); a clo
 :meth:`MeanPulls.wait_pulled` until nothing is missing or a deadline passes.
 Members the rendezvous declares dead are no longer waited for
 (:meth:`MeanPulls.forget`).
+
+A member whose θ_b differed from the mean's ``checksum_before`` when it pulled (it
+says so with the pull's ``have_checksum``) will repair the bucket whole from this
+owner right after: its pull is recorded with ``needs_state=True`` and counts only
+once this site served it the bucket's state (:meth:`MeanPulls.record_state`).
+Without that, an owner could exit between the two pulls of its last round, and
+the member's repair would be refused (θ unequal at the end of a run).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class MeanPulls:
         self._missing: dict[int, set[tuple[str, int]]] = {}
         self._until: dict[int, float] = {}
         self._served: dict[int, set[tuple[str, int]]] = {}
+        self._needs_state: dict[int, set[tuple[str, int]]] = {}  # round -> pulls waiting for a state pull
 
     def expect(self, round: int, *, buckets: Iterable[int], pullers: Iterable[str], until: float) -> None:
         """Round ``round``: each of ``pullers`` should pull the mean of each of ``buckets``
@@ -66,11 +74,21 @@ class MeanPulls:
                 self._until.pop(old, None)
             for old in [r for r in self._served if r < round - _KEEP_ROUNDS]:
                 del self._served[old]
+            for old in [r for r in self._needs_state if r < round - _KEEP_ROUNDS]:
+                del self._needs_state[old]
             self._cv.notify_all()
 
-    def record(self, round: int, bucket: int, requester: str, mean: T) -> T:
-        """Note that ``requester`` got the mean of ``bucket`` of ``round``; returns ``mean``."""
+    def record(self, round: int, bucket: int, requester: str, mean: T, *, needs_state: bool = False) -> T:
+        """Note that ``requester`` got the mean of ``bucket`` of ``round``; returns ``mean``.
+
+        ``needs_state``: the requester's θ_b was stale, so it will pull the bucket's state
+        next; the pull counts only once :meth:`record_state` sees that."""
         with self._cv:
+            if needs_state:
+                waiting = self._needs_state.setdefault(round, set())
+                if len(waiting) < _MAX_SERVED_PER_ROUND:
+                    waiting.add((requester, bucket))
+                return mean
             served = self._served.setdefault(round, set())
             if len(served) < _MAX_SERVED_PER_ROUND:
                 served.add((requester, bucket))
@@ -80,6 +98,18 @@ class MeanPulls:
                 if not missing:
                     self._cv.notify_all()
         return mean
+
+    def record_state(self, bucket: int, requester: str) -> None:
+        """``requester`` pulled the whole state of ``bucket``: its stale pulls of that bucket count."""
+        with self._cv:
+            for r, waiting in self._needs_state.items():
+                if (requester, bucket) in waiting:
+                    waiting.discard((requester, bucket))
+                    self._served.setdefault(r, set()).add((requester, bucket))
+                    missing = self._missing.get(r)
+                    if missing is not None:
+                        missing.discard((requester, bucket))
+            self._cv.notify_all()
 
     def forget(self, site_ids: Iterable[str]) -> None:
         """Stop waiting for ``site_ids`` (declared dead or gone) in every round."""

@@ -244,7 +244,9 @@ class PeerSide:
         if self.on_unreachable is not None and site_id != self.site_id:
             self.on_unreachable(site_id)
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+    def handle_pull_mean(
+        self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum: str = ""
+    ) -> BucketMean:
         """The blocking form of :meth:`poll_pull_mean` (the in-process transports): waits on
         the engine's condition, which every change :meth:`poll_pull_mean` depends on notifies."""
         t0 = time.monotonic()
@@ -252,14 +254,16 @@ class PeerSide:
         with self._cv:
             while True:
                 now = time.monotonic()
-                m = self.poll_pull_mean(round, bucket, requester, waited_s=now - t0, last=now >= deadline)
+                m = self.poll_pull_mean(
+                    round, bucket, requester, waited_s=now - t0, last=now >= deadline, have_checksum=have_checksum
+                )
                 if m is not None:
                     return m
                 wake = deadline if round in self._open else min(deadline, t0 + self.config.plan_wait_s)
                 self._cv.wait(max(0.0, wake - now))
 
     def poll_pull_mean(
-        self, round: int, bucket: int, requester: str, *, waited_s: float, last: bool
+        self, round: int, bucket: int, requester: str, *, waited_s: float, last: bool, have_checksum: str = ""
     ) -> BucketMean | None:
         """Answer a mean pull now without blocking: the mean, or None when it may still come
         (call again after :attr:`mean_listeners` fire). Never waits for a lock held long.
@@ -268,6 +272,9 @@ class PeerSide:
             waited_s: how long the pull has waited so far; a round that is not open here
                 after ``plan_wait_s`` is refused.
             last: the pull's wait is over: raise instead of returning None.
+            have_checksum: the requester's θ_b checksum before applying ("" = not sent).
+                When it differs from the mean's ``checksum_before``, the requester will
+                repair the bucket whole: :meth:`MeanPulls.record` then waits for its state pull.
         Raises:
             Rejected: FAILED_PRECONDITION (round over, or not open here), INVALID_ARGUMENT
                 (bucket out of range), NOT_FOUND (not the owner and no copy here).
@@ -278,7 +285,7 @@ class PeerSide:
             owned = self._open.get(round)
             applied = self.state.rounds_applied
         if m is not None:
-            return self._reply_mean(owned, round, bucket, requester, m)
+            return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
         if owned is None:
             if round < applied:
                 raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next round is {applied})")
@@ -298,9 +305,11 @@ class PeerSide:
             m = self._means.get((round, bucket))
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
-        return self._reply_mean(owned, round, bucket, requester, m)
+        return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
 
-    def _reply_mean(self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean) -> BucketMean:
+    def _reply_mean(
+        self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean, have_checksum: str = ""
+    ) -> BucketMean:
         """Record the pull and, in a paced fragment round, wait for the reply's share of the budget.
         A transport whose members acknowledge the means they got (``acknowledges_means``) records
         the acknowledgement instead (:meth:`handle_mean_delivered`): this reply may still be lost."""
@@ -308,7 +317,8 @@ class PeerSide:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
         if getattr(self.transport, "acknowledges_means", False):
             return m
-        return self.mean_pulls.record(round, bucket, requester, m)
+        stale = bool(have_checksum) and have_checksum != m.checksum_before
+        return self.mean_pulls.record(round, bucket, requester, m, needs_state=stale)
 
     def _means_changed(self) -> None:
         for fn in list(self.mean_listeners):
@@ -328,6 +338,7 @@ class PeerSide:
         if self.fault_hook is not None:
             self.fault_hook("serve_state", bucket)
         st = self.state.bucket_state(bucket)
+        self.mean_pulls.record_state(bucket, requester)
         with self._cv:
             m = self._means.get((st.rounds_applied - 1, bucket))
         if m is None:

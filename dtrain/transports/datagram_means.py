@@ -171,7 +171,10 @@ class DatagramMeans:
         if ack:
             self._ack_mean(rs, h.sender, h.bucket)
 
-    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+    def pull_mean(
+        self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""
+    ) -> BucketMean:
+        # have_checksum is not used on this path: its owner counts MEAN_ACKs, not pulls
         rs = self._round(round)
         pushed = (
             rs is not None

@@ -99,6 +99,11 @@ def _run_handler(what: str, fn: Callable[[], T]) -> tuple[T | None, TransportErr
         return None, TransportError(RejectCode.INTERNAL, f"handler error in {what}: {type(e).__name__}: {e}")
 
 
+def _have(request) -> dict:
+    """The pull's ``have_checksum`` as a handler keyword, only when the puller sent one."""
+    return {"have_checksum": request.have_checksum} if request.have_checksum else {}
+
+
 class _PeerServicer:
     """Serves the Peer service on the transport's asyncio server. Push requests
     arrive as raw bytes and pull answers leave as raw bytes (``grpc_wire``), so
@@ -256,7 +261,9 @@ class _PeerServicer:
                     "PullMean",
                     request.requester,
                     context,
-                    lambda: self._handler.handle_pull_mean(request.round, request.bucket, request.requester, wait_s),
+                    lambda: self._handler.handle_pull_mean(
+                        request.round, request.bucket, request.requester, wait_s, **_have(request)
+                    ),
                 )
             else:
                 mean = await self._wait_mean(request, context, wait_s)
@@ -278,7 +285,13 @@ class _PeerServicer:
             while True:
                 wake, waited = self._wake, loop.time() - t0  # taken before looking: no change is missed
                 look = functools.partial(
-                    self._poll, request.round, request.bucket, request.requester, waited_s=waited, last=waited >= wait_s
+                    self._poll,
+                    request.round,
+                    request.bucket,
+                    request.requester,
+                    waited_s=waited,
+                    last=waited >= wait_s,
+                    **_have(request),
                 )
                 mean, err = await self.server.run_blocking("PullMean", lambda: _run_handler("PullMean", look))
                 if err is not None:
@@ -456,7 +469,9 @@ class GrpcTransport(Transport):
 
         return self._call(address, "push to", timeout_s, attempt)
 
-    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+    def pull_mean(
+        self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""
+    ) -> BucketMean:
         """Fetch the finalized mean of ``bucket`` for ``round`` from its owner.
 
         The owner waits for finalization until shortly before ``timeout_s``.
@@ -465,7 +480,13 @@ class GrpcTransport(Transport):
         INVALID_ARGUMENT for a malformed stream), ``PeerUnavailable``.
         """
         check_timeout(timeout_s)
-        request = pb.PullMeanRequest(round=round, bucket=bucket, requester=requester, timeout_ms=int(timeout_s * 1000))
+        request = pb.PullMeanRequest(
+            round=round,
+            bucket=bucket,
+            requester=requester,
+            timeout_ms=int(timeout_s * 1000),
+            have_checksum=have_checksum,
+        )
 
         def attempt(stub: _PeerStub, remaining: float) -> BucketMean:
             stream = stub.PullMean(request, timeout=remaining, metadata=self._metadata)

@@ -256,7 +256,9 @@ class InprocTransport(Transport):
             accepted += 1
         return accepted
 
-    def pull_mean(self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float) -> BucketMean:
+    def pull_mean(
+        self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""
+    ) -> BucketMean:
         self._check_self()
         handler = self.network._handler(address)
         action = self.network._rule_action("pull_mean", requester, address, round, bucket)
@@ -264,7 +266,9 @@ class InprocTransport(Transport):
             raise PeerUnavailable(f"{address} went down (inproc rule)")
         t0 = time.monotonic()
         self._delay(timeout_s)
-        mean = handler.handle_pull_mean(round, bucket, requester, max(0.0, timeout_s - (time.monotonic() - t0)))
+        left = max(0.0, timeout_s - (time.monotonic() - t0))
+        extra = {"have_checksum": have_checksum} if have_checksum else {}
+        mean = handler.handle_pull_mean(round, bucket, requester, left, **extra)
         if action == "drop" or self.network._draw(self.network.faults.pull_loss):
             raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address} lost (inproc pull_loss)")
         with self._count_lock:

@@ -85,3 +85,28 @@ def test_time_left_is_the_latest_rounds_deadline() -> None:
     p.expect(2, buckets=[0], pullers=["b"], until=now + 7.0)
     assert p.time_left_s(now) == pytest.approx(7.0)
     assert p.time_left_s(now + 10.0) == 0.0
+
+
+def test_a_stale_members_pull_counts_only_once_it_pulled_the_buckets_state() -> None:
+    # the member's θ_b differed from the mean's checksum_before: it repairs from this owner next,
+    # so an owner closing after its last round must wait for that state pull too
+    p = MeanPulls()
+    p.expect(7, buckets=[0, 1], pullers=["b"], until=time.monotonic() + 20)
+    p.record(7, 0, "b", None)
+    p.record(7, 1, "b", None, needs_state=True)
+    w = p.wait_pulled(timeout_s=0.05)
+    assert w.reason == "deadline" and w.missing == {"b": [1]}
+    p.record_state(0, "b")  # a state pull of another bucket does not count for bucket 1
+    assert p.wait_pulled(timeout_s=0).missing == {"b": [1]}
+    threading.Timer(0.05, p.record_state, args=(1, "b")).start()
+    w = p.wait_pulled()
+    assert w.missing == {} and w.reason == "all pulled" and w.waited_s < 10
+
+
+def test_a_stale_pull_before_the_round_opened_here_still_waits_for_the_state() -> None:
+    p = MeanPulls()
+    p.record(2, 3, "c", None, needs_state=True)
+    p.expect(2, buckets=[3], pullers=["c"], until=time.monotonic() + 20)
+    assert p.wait_pulled(timeout_s=0).missing == {"c": [3]}
+    p.record_state(3, "c")
+    assert p.wait_pulled(timeout_s=0).reason == "all pulled"

@@ -35,16 +35,18 @@ class PushReply(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class PullMeanRequest(_message.Message):
-    __slots__ = ("round", "bucket", "requester", "timeout_ms")
+    __slots__ = ("round", "bucket", "requester", "timeout_ms", "have_checksum")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     round: int
     bucket: int
     requester: str
     timeout_ms: int
-    def __init__(self, round: _Optional[int] = ..., bucket: _Optional[int] = ..., requester: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    have_checksum: str
+    def __init__(self, round: _Optional[int] = ..., bucket: _Optional[int] = ..., requester: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., have_checksum: _Optional[str] = ...) -> None: ...
 
 class MeanPart(_message.Message):
     __slots__ = ("header", "chunk", "data")
