@@ -73,7 +73,7 @@ def _grpc_server(conn, part_bytes: int, chunk_bytes: int, options: tuple) -> Non
         def handle_contribution(self, c) -> None:
             pass
 
-        def handle_pull_mean(self, round, bucket, requester, timeout_s):  # bucket = size in MiB
+        def handle_pull_mean(self, round, bucket, requester, timeout_s, *, have_checksum=""):  # bucket = size in MiB
             if bucket not in means:
                 n = bucket * MiB
                 chunks = tuple(

@@ -46,11 +46,13 @@ class PeerHandler(Protocol):
     def handle_contribution(self, contribution: Contribution) -> None:
         """Validate and accept one chunk; raise ``Rejected(code, reason)`` to refuse."""
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+    def handle_pull_mean(
+        self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum: str = ""
+    ) -> BucketMean:
         """Return the finalized mean, waiting up to ``timeout_s`` for finalization.
 
-        A handler may also take ``have_checksum: str`` (keyword): the requester's θ_b
-        checksum before applying; transports pass it only when the puller sent one.
+        ``have_checksum``: the requester's θ_b checksum before applying, as it sent it
+        ("" = none); an owner uses it to tell whether the requester will repair the bucket.
 
         Raises ``Rejected(NOT_FOUND | FAILED_PRECONDITION, reason)`` when this site has
         no mean for that round/bucket, ``PeerTimeout`` when it is not final in time.
@@ -106,8 +108,8 @@ class Transport(abc.ABC):
         """Fetch a bucket's finalized mean for ``round`` (the peer waits for it to be final).
 
         ``have_checksum``: the requester's θ_b checksum before applying ("" = none); the
-        transport hands it to the owner's handler (``handle_pull_mean(..., have_checksum=)``,
-        only when non-empty), which then knows whether this member will need a repair."""
+        transport hands it to the owner's handler (``handle_pull_mean(..., have_checksum=)``),
+        which then knows whether this member will need a repair."""
 
     @abc.abstractmethod
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:

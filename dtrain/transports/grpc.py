@@ -99,11 +99,6 @@ def _run_handler(what: str, fn: Callable[[], T]) -> tuple[T | None, TransportErr
         return None, TransportError(RejectCode.INTERNAL, f"handler error in {what}: {type(e).__name__}: {e}")
 
 
-def _have(request) -> dict:
-    """The pull's ``have_checksum`` as a handler keyword, only when the puller sent one."""
-    return {"have_checksum": request.have_checksum} if request.have_checksum else {}
-
-
 class _PeerServicer:
     """Serves the Peer service on the transport's asyncio server. Push requests
     arrive as raw bytes and pull answers leave as raw bytes (``grpc_wire``), so
@@ -262,7 +257,7 @@ class _PeerServicer:
                     request.requester,
                     context,
                     lambda: self._handler.handle_pull_mean(
-                        request.round, request.bucket, request.requester, wait_s, **_have(request)
+                        request.round, request.bucket, request.requester, wait_s, have_checksum=request.have_checksum
                     ),
                 )
             else:
@@ -291,7 +286,7 @@ class _PeerServicer:
                     request.requester,
                     waited_s=waited,
                     last=waited >= wait_s,
-                    **_have(request),
+                    have_checksum=request.have_checksum,
                 )
                 mean, err = await self.server.run_blocking("PullMean", lambda: _run_handler("PullMean", look))
                 if err is not None:

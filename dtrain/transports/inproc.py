@@ -267,8 +267,7 @@ class InprocTransport(Transport):
         t0 = time.monotonic()
         self._delay(timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))
-        extra = {"have_checksum": have_checksum} if have_checksum else {}
-        mean = handler.handle_pull_mean(round, bucket, requester, left, **extra)
+        mean = handler.handle_pull_mean(round, bucket, requester, left, have_checksum=have_checksum)
         if action == "drop" or self.network._draw(self.network.faults.pull_loss):
             raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address} lost (inproc pull_loss)")
         with self._count_lock:

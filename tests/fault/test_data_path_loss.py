@@ -55,7 +55,7 @@ class _Stub:
     def handle_contribution(self, c) -> None:
         pass
 
-    def handle_pull_mean(self, round, bucket, requester, timeout_s):
+    def handle_pull_mean(self, round, bucket, requester, timeout_s, *, have_checksum=""):
         raise Rejected(RejectCode.NOT_FOUND, "no means here")
 
     def handle_pull_state(self, bucket, requester):
@@ -229,7 +229,7 @@ class _SlowOwner:
     def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
         self.ended.append((sender, round, num_accepted))
 
-    def handle_pull_mean(self, round, bucket, requester, timeout_s):
+    def handle_pull_mean(self, round, bucket, requester, timeout_s, *, have_checksum=""):
         raise Rejected(RejectCode.NOT_FOUND, "no means here")
 
     def handle_pull_state(self, bucket, requester):

@@ -94,7 +94,7 @@ class _RoguePeer:
     def handle_contribution(self, c: Contribution) -> None:
         pass
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float):
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum=""):
         raise Rejected(RejectCode.NOT_FOUND, "the rogue serves no means")
 
     def handle_pull_state(self, bucket: int, requester: str):

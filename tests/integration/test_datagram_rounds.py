@@ -337,7 +337,7 @@ class _MeanOwner:
     def handle_contribution(self, c) -> None:  # pragma: no cover - not used here
         raise AssertionError("no contributions in this test")
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float):
+    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum=""):
         return self.mean
 
     def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here

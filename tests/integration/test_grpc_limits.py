@@ -39,7 +39,9 @@ class Handler:
         with self.lock:
             self.num_chunks += 1
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+    def handle_pull_mean(
+        self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum: str = ""
+    ) -> BucketMean:
         with self.lock:
             self.pull_timeouts.append(timeout_s)
         return BucketMean(round=round, bucket=bucket, owner="o", chunks=(), checksum_before="", checksum_after="")

@@ -53,7 +53,9 @@ class Handler:
             self.num_chunks += 1
             self.num_payload_bytes += len(c.payload)
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+    def handle_pull_mean(
+        self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum: str = ""
+    ) -> BucketMean:
         with self.lock:
             self.calls.append(("mean", round, bucket))
         if self.block_s:

@@ -45,7 +45,9 @@ class RecordingHandler:
         with self.lock:
             self.accepted.append(c)
 
-    def handle_pull_mean(self, round: int, bucket: int, requester: str, timeout_s: float) -> BucketMean:
+    def handle_pull_mean(
+        self, round: int, bucket: int, requester: str, timeout_s: float, *, have_checksum: str = ""
+    ) -> BucketMean:
         self.pull_calls.append(("mean", round, bucket, requester))
         if self.pull_reject is not None:
             raise Rejected(*self.pull_reject)
