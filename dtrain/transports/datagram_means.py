@@ -25,6 +25,7 @@ from typing import Any
 from dtrain.errors import PeerUnavailable, TransportError
 from dtrain.protocol import BucketMean, MeanChunk
 from dtrain.transports.datagram_round import (
+    MeanAssembly,
     RoundState,
     decode_meta,
     encode_meta,
@@ -32,7 +33,7 @@ from dtrain.transports.datagram_round import (
     senders_bitmap,
     senders_from_bitmap,
 )
-from dtrain.transports.datagram_wire import CODEC_WIRE_NAMES, Kind, codec_id
+from dtrain.transports.datagram_wire import CODEC_WIRE_NAMES, NO_CODEC, Kind, codec_id
 
 __all__ = ["DatagramMeans"]
 
@@ -41,6 +42,19 @@ log = logging.getLogger(__name__)
 _META_COPY_FINAL = 1
 _NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
 _NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
+_MEAN_BATCH = 32  # mean chunks sealed and sent per call (one datagram each with datagram_chunk_bytes)
+
+
+def _mean_chunk(rs: RoundState, h: Any, payload: bytes, bitmap: bytes) -> MeanChunk:
+    """The MeanChunk a MEAN datagram (or its reassembled fragments) carries."""
+    return MeanChunk(
+        chunk=h.chunk,
+        offset=h.offset,
+        numel=h.numel,
+        codec=CODEC_WIRE_NAMES[h.codec],
+        payload=payload,
+        senders=senders_from_bitmap(bitmap, rs.site_ids),
+    )
 
 
 class DatagramMeans:
@@ -48,7 +62,7 @@ class DatagramMeans:
 
     The transport provides what these methods use: ``config``, ``_handler``, ``_grpc``,
     ``_opener``, ``_counts``, ``_body_max`` and the methods ``_count``, ``_round``,
-    ``_send``, ``_send_sock``, ``_send_ctl``, ``_seal_chunks``.
+    ``_send_batch``, ``_send_sock``, ``_send_ctl``, ``_parts``.
     """
 
     config: Any
@@ -78,42 +92,36 @@ class DatagramMeans:
         dests = [i for i in range(len(rs.site_ids)) if i != rs.me]
         self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
 
-    def _mean_datagrams(self, rs: RoundState, m: BucketMean, c: int) -> list[bytes]:
-        ch = m.chunks[c]
-        return self._seal_chunks(
-            rs,
-            Kind.MEAN,
-            senders_bitmap(ch.senders, rs.site_ids),
-            ch.payload,
-            bucket=m.bucket,
-            chunk=c,
-            offset=ch.offset,
-            numel=ch.numel,
-            codec=codec_id(ch.codec),
-        )
-
     def _send_mean(
         self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool
     ) -> None:
-        """Meta, the chunks, final meta; to every dest, interleaved chunk by chunk, paced."""
+        """Meta, the chunks, final meta; to every dest, batch by batch, paced. Each batch is
+        sealed once and the same datagrams go to every dest (each member's replay window is
+        its own), so a mean costs one seal per chunk, not one per chunk and member."""
         meta = encode_meta(m)
         socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
-        items: list[int | None] = ([None] if with_meta else []) + list(chunks) + [None]
-        last = len(items) - 1
-        for k, c in enumerate(items):
+        batches: list[tuple[int, list, list]] = []
+        if with_meta:
+            batches.append((Kind.MEAN_META, [(m.bucket, 0, 0, 0, NO_CODEC, 0, 1)], [meta]))
+        for i in range(0, len(chunks), _MEAN_BATCH):
+            parts = []
+            for c in chunks[i : i + _MEAN_BATCH]:
+                ch = m.chunks[c]
+                head = senders_bitmap(ch.senders, rs.site_ids)
+                parts += self._parts(head, ch.payload, (m.bucket, c, ch.offset, ch.numel, codec_id(ch.codec)))
+            batches.append((Kind.MEAN, [f for f, _ in parts], [b for _, b in parts]))
+        batches.append((Kind.MEAN_META, [(m.bucket, _META_COPY_FINAL, 0, 0, NO_CODEC, 0, 1)], [meta]))
+        for kind, fields, bodies in batches:
+            sealed = rs.sealer.seal_many(kind, fields, bodies)
+            if kind == Kind.MEAN:
+                self._count(sent=sum(len(m.chunks[f[1]].payload) for f in fields if f[5] == 0) * len(dests))
             for d in dests:
-                if c is None:
-                    datagrams = [rs.sealer.seal(Kind.MEAN_META, meta, bucket=m.bucket, chunk=int(k == last))]
-                else:
-                    datagrams = self._mean_datagrams(rs, m, c)
-                    self._count(sent=len(m.chunks[c].payload))
-                for data in datagrams:
-                    try:
-                        if not self._send(rs, d, socks[d], data, rs.broadcast_until, contribution=False):
-                            log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
-                            return
-                    except PeerUnavailable as e:
-                        log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
+                try:
+                    if not self._send_batch(rs, d, socks[d], sealed, rs.broadcast_until, contribution=False):
+                        log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
+                        return
+                except PeerUnavailable as e:
+                    log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
 
     def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
         with rs.lock:
@@ -142,6 +150,7 @@ class DatagramMeans:
         nbits = (len(rs.site_ids) + 7) // 8
         with rs.cv:
             ma = rs.mean_for(h.bucket)
+            was = (ma.complete(), ma.final_meta_seen)
             ma.last_arrival = rs.owner_active[h.sender] = time.monotonic()
             if h.kind == Kind.MEAN_META:
                 if ma.num_chunks is None:
@@ -153,23 +162,54 @@ class DatagramMeans:
                 if whole is False or (whole and not rs.charge(len(whole))):
                     self._opener.count("over_budget")
                 elif whole is not None:
-                    ma.chunks[h.chunk] = MeanChunk(
-                        chunk=h.chunk,
-                        offset=h.offset,
-                        numel=h.numel,
-                        codec=CODEC_WIRE_NAMES[h.codec],
-                        payload=whole,
-                        senders=senders_from_bitmap(body[:nbits], rs.site_ids),
-                    )
+                    ma.chunks[h.chunk] = _mean_chunk(rs, h, whole, body[:nbits])
                     self._counts["received"] += len(whole)
-            # Acknowledge only a mean this member returns: after it fell back to gRPC, a copy
-            # completed by late datagrams is not applied, and an ACK would let the owner exit
-            # before the gRPC pull was served (owner_lost here, applied at the owner)
-            ack = ma.complete() and not ma.acked and not ma.fallback
-            ma.acked = ma.acked or ack
-            rs.cv.notify_all()
+            ack = self._settle_assembly(rs, ma, was)
         if ack:
             self._ack_mean(rs, h.sender, h.bucket)
+
+    def _on_mean_run(self, rs: RoundState, run: list[tuple[Any, bytes]]) -> None:
+        """Whole mean chunks (one datagram each) of one bucket from one sender, in arrival order:
+        what :meth:`_on_mean` does for each, under one lock."""
+        h0 = run[0][0]
+        if not (h0.bucket < len(rs.owners) and rs.owners[h0.bucket] == rs.site_ids[h0.sender] and h0.sender != rs.me):
+            self._opener.count("malformed", len(run))
+            return
+        nbits = (len(rs.site_ids) + 7) // 8
+        received = over = 0
+        with rs.cv:
+            ma = rs.mean_for(h0.bucket)
+            was = (ma.complete(), ma.final_meta_seen)
+            ma.last_arrival = rs.owner_active[h0.sender] = time.monotonic()
+            for h, body in run:
+                if h.chunk in ma.chunks or h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                    continue
+                whole = body[nbits:]
+                if not rs.charge(len(whole)):
+                    over += 1
+                    continue
+                ma.chunks[h.chunk] = _mean_chunk(rs, h, whole, body[:nbits])
+                received += len(whole)
+            ack = self._settle_assembly(rs, ma, was)
+        self._counts["received"] += received
+        if over:
+            self._opener.count("over_budget", over)
+        if ack:
+            self._ack_mean(rs, h0.sender, h0.bucket)
+
+    def _settle_assembly(self, rs: RoundState, ma: MeanAssembly, was: tuple[bool, bool]) -> bool:
+        """After arrivals (under ``rs.cv``): whether to acknowledge the mean now; wakes the waiters
+        when what changes their next step early did (completion, the final meta)."""
+        # Acknowledge only a mean this member returns: after it fell back to gRPC, a copy
+        # completed by late datagrams is not applied, and an ACK would let the owner exit
+        # before the gRPC pull was served (owner_lost here, applied at the owner)
+        ack = ma.complete() and not ma.acked and not ma.fallback
+        ma.acked = ma.acked or ack
+        if (ma.complete(), ma.final_meta_seen) != was:
+            # other arrivals move a waiter's wake-up later (mean_wait_decision), which it sees
+            # when it wakes; a notify per datagram woke every bucket's waiter ~5,000 times a round
+            rs.cv.notify_all()
+        return ack
 
     def pull_mean(
         self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""

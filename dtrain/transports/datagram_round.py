@@ -12,10 +12,15 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
 from dtrain.transports.datagram_wire import Sealer
+
+if TYPE_CHECKING:
+    from dtrain.transports.datagram_native import NativeLib
 
 __all__ = [
     "MeanAssembly",
@@ -41,6 +46,7 @@ def senders_bitmap(senders: tuple[str, ...], site_ids: tuple[str, ...]) -> bytes
     return bytes(bits)
 
 
+@lru_cache(maxsize=1024)  # a round's mean chunks share a handful of bitmaps
 def senders_from_bitmap(bits: bytes, site_ids: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for i, s in enumerate(site_ids) if bits[i // 8] >> (i % 8) & 1)
 
@@ -79,6 +85,18 @@ class SenderStats:
         self.bytes += nbytes
         self.first_t = min(self.first_t, now)
         self.last_t = max(self.last_t, now)
+        self.drops_last = socket_drops
+
+    def note_many(self, num: int, nbytes: int, first_t: float, last_t: float, socket_drops: int = 0) -> None:
+        """``num`` datagrams of ``nbytes`` in all arrived between ``first_t`` and ``last_t``
+        (:meth:`note` for a batch)."""
+        if not self.datagrams:
+            self.first_t = first_t
+            self.drops_first = socket_drops
+        self.datagrams += num
+        self.bytes += nbytes
+        self.first_t = min(self.first_t, first_t)
+        self.last_t = max(self.last_t, last_t)
         self.drops_last = socket_drops
 
     @property
@@ -206,9 +224,19 @@ class RoundState:
         site_id: this site.
         run: run id.
         max_buffer_bytes: the round's receive budget (bytes).
+        native: the compiled loop for the round's :class:`~.datagram_wire.Sealer` (None: Python).
     """
 
-    def __init__(self, plan: RoundPlan, owners: list[str], site_id: str, *, run: int, max_buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        plan: RoundPlan,
+        owners: list[str],
+        site_id: str,
+        *,
+        run: int,
+        max_buffer_bytes: int,
+        native: NativeLib | None = None,
+    ) -> None:
         self.plan = plan
         self.round = plan.round
         self.owners = owners
@@ -219,7 +247,7 @@ class RoundState:
         self.site_id = site_id
         self.t0 = time.monotonic()
         self.broadcast_until = self.t0 + plan.broadcast_timeout_s
-        self.sealer = Sealer(plan.datagram_key, run=run, round=plan.round, sender=self.me)
+        self.sealer = Sealer(plan.datagram_key, run=run, round=plan.round, sender=self.me, native=native)
         self.max_buffer_bytes = max_buffer_bytes
         self.buffered_bytes = 0
         self.fragments: dict[tuple, dict[int, bytes]] = {}

@@ -36,19 +36,25 @@ before it authenticated.
 
 from __future__ import annotations
 
-import itertools
 import struct
 import threading
+import weakref
 from array import array
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from dtrain.codecs.config import CODEC_NAMES, ZSTD_SUFFIX
+from dtrain.transports.datagram_native import HEADER_DTYPE, header_view
+
+if TYPE_CHECKING:
+    from dtrain.transports.datagram_native import NativeLib
 
 __all__ = [
+    "BatchOpened",
     "CODEC_WIRE_NAMES",
     "DROP_REASONS",
     "HEADER",
@@ -59,6 +65,7 @@ __all__ = [
     "Dropped",
     "Opener",
     "ReplayWindow",
+    "SealedBatch",
     "Sealer",
     "TAG_BYTES",
     "codec_id",
@@ -153,6 +160,21 @@ def _check_u32(name: str, v: int) -> None:
         raise ValueError(f"{name} must fit in 32 bits on the datagram wire, got {v!r}")
 
 
+class SealedBatch(NamedTuple):
+    """Sealed datagrams, one per row: ``buf[i, :lens[i]]`` is datagram ``i``.
+
+    Attributes:
+        buf: ``(n, stride)`` uint8.
+        lens: ``(n,)`` uint32 byte lengths.
+    """
+
+    buf: np.ndarray
+    lens: np.ndarray
+
+    def datagram(self, i: int) -> bytes:
+        return self.buf[i, : int(self.lens[i])].tobytes()
+
+
 class Sealer:
     """Seals datagrams of one sender for one round (thread-safe).
 
@@ -161,16 +183,34 @@ class Sealer:
         run: run id (u32).
         round: round number.
         sender: this site's index in the round's sorted member list.
+        native: the compiled loop (:func:`~.datagram_native.native`) that seals
+            :meth:`seal_many`'s batches in one call; None: the ``cryptography`` package
+            seals each datagram (the same bytes).
     """
 
-    def __init__(self, key: bytes, *, run: int, round: int, sender: int) -> None:
+    def __init__(self, key: bytes, *, run: int, round: int, sender: int, native: NativeLib | None = None) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"datagram key must be {KEY_BYTES} bytes, got {len(key)}")
         _check_u32("round", round)
         self._aead = ChaCha20Poly1305(key)
         self.run, self.round, self.sender = run, round, sender
-        self._seq = itertools.count()
+        self._next_seq = 0
         self._lock = threading.Lock()
+        self._native = native
+        self._handle = native.aead(key) if native is not None else None
+        if native is not None:
+            weakref.finalize(self, native.free, self._handle)
+
+    def _reserve(self, n: int) -> int:
+        """The first of ``n`` fresh sequence numbers (never handed out again this round)."""
+        with self._lock:
+            seq, self._next_seq = self._next_seq, self._next_seq + n
+        return seq
+
+    def _header(self, kind: int, seq: int, bucket: int, chunk: int, offset: int, numel: int, codec: int,
+                frag: int, nfrags: int) -> bytes:  # fmt: skip
+        return HEADER.pack(MAGIC, VERSION, kind, self.run, self.round, bucket, chunk, offset, numel, codec,
+                           self.sender, seq, frag, nfrags)  # fmt: skip
 
     def seal(
         self,
@@ -186,25 +226,45 @@ class Sealer:
         nfrags: int = 1,
     ) -> bytes:
         """Return header + sealed body; every call uses a fresh sequence number."""
-        with self._lock:
-            seq = next(self._seq)
-        header = HEADER.pack(
-            MAGIC,
-            VERSION,
-            kind,
-            self.run,
-            self.round,
-            bucket,
-            chunk,
-            offset,
-            numel,
-            codec,
-            self.sender,
-            seq,
-            frag,
-            nfrags,
-        )
+        seq = self._reserve(1)
+        header = self._header(kind, seq, bucket, chunk, offset, numel, codec, frag, nfrags)
         return header + self._aead.encrypt(_NONCE.pack(self.sender, 0, seq), bytes(body), header)
+
+    def seal_many(self, kind: int, fields: Sequence[tuple[int, ...]], bodies: Sequence[bytes]) -> SealedBatch:
+        """Seal one datagram per body, each with a fresh sequence number, in one batch.
+
+        Args:
+            kind: one of :class:`Kind`.
+            fields: per datagram ``(bucket, chunk, offset, numel, codec, frag, nfrags)``.
+            bodies: per datagram its plaintext body (at most :func:`max_body_bytes`).
+        """
+        n = len(bodies)
+        seq = self._reserve(n)
+        stride = HEADER_BYTES + max((len(b) for b in bodies), default=0) + TAG_BYTES
+        out = np.empty((n, stride), np.uint8)
+        if self._native is None:
+            lens = np.empty(n, np.uint32)
+            for i, (f, b) in enumerate(zip(fields, bodies)):
+                header = self._header(kind, seq + i, *f)
+                d = header + self._aead.encrypt(_NONCE.pack(self.sender, 0, seq + i), bytes(b), header)
+                out[i, : len(d)] = np.frombuffer(d, np.uint8)
+                lens[i] = len(d)
+            return SealedBatch(out, lens)
+        hdr = np.zeros(n, HEADER_DTYPE)
+        hdr["magic"], hdr["version"], hdr["kind"], hdr["run"] = MAGIC, VERSION, kind, self.run
+        hdr["round"], hdr["sender"], hdr["seq"] = self.round, self.sender, np.arange(seq, seq + n, dtype=np.uint64)
+        cols = np.array(fields, dtype=np.int64).reshape(n, 7)
+        if n and (
+            cols.min() < 0 or cols[:, :4].max() > _U32_MAX or cols[:, 4].max() > 255 or cols[:, 5:].max() > 0xFFFF
+        ):
+            raise ValueError(
+                f"a header field of a {kind} datagram does not fit its wire width: {cols.min(0)}..{cols.max(0)}"
+            )
+        for j, name in enumerate(("bucket", "chunk", "offset", "numel", "codec", "frag", "nfrags")):
+            hdr[name] = cols[:, j]
+        offsets = np.zeros(n + 1, np.uint64)
+        np.cumsum([len(b) for b in bodies], out=offsets[1:])
+        return SealedBatch(out, self._native.seal(self._handle, hdr, b"".join(bodies), offsets, out))
 
 
 class ReplayWindow:
@@ -238,6 +298,7 @@ class _RoundKey:
     aead: ChaCha20Poly1305
     num_members: int
     windows: list[ReplayWindow]
+    handle: int = 0  # the compiled loop's key handle (0: none)
 
 
 class Opener:
@@ -253,8 +314,17 @@ class Opener:
         window: replay window size per sender.
     """
 
-    def __init__(self, *, run: int, max_datagram_bytes: int, window: int = 8192, max_rounds: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        run: int,
+        max_datagram_bytes: int,
+        window: int = 8192,
+        max_rounds: int = 2,
+        native: NativeLib | None = None,
+    ) -> None:
         self.run = run
+        self._native = native
         self.max_datagram_bytes = max_datagram_bytes
         self._window = window
         self._max_rounds = max_rounds
@@ -267,10 +337,12 @@ class Opener:
         """Accept datagrams of ``round`` sealed with ``key`` from ``num_members`` senders."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"datagram key of round {round} must be {KEY_BYTES} bytes, got {len(key)}")
+        rk = _RoundKey(ChaCha20Poly1305(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)])
+        if self._native is not None:
+            rk.handle = self._native.aead(key)
+            weakref.finalize(rk, self._native.free, rk.handle)  # freed once no batch uses it
         with self._lock:
-            self._keys[round] = _RoundKey(
-                ChaCha20Poly1305(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)]
-            )
+            self._keys[round] = rk
             while len(self._keys) > self._max_rounds:
                 old = min(self._keys)
                 del self._keys[old]
@@ -341,3 +413,85 @@ class Opener:
         if not rk.windows[h.sender].check_and_add(h.seq):
             raise Dropped("replayed", f"round {h.round} sender {h.sender} seq {h.seq}")
         return h, body
+
+    def open_batch(self, buf: np.ndarray, lens: np.ndarray, n: int, skip: np.ndarray | None = None) -> BatchOpened:
+        """Authenticate rows ``0..n-1`` of a received batch in place (the compiled loop).
+
+        The checks and their order are :meth:`open`'s, vectorised over the batch; what
+        fails is counted by reason and not opened. Rows of a round whose key is not
+        known yet are returned in ``pending`` (counted ``unknown_round``, still sealed:
+        the caller may hold them until the plan arrives).
+
+        Args:
+            buf: ``(rows, stride)`` uint8, one datagram per row (``dgram_native.c`` ``dg_recv``).
+            lens: uint32 byte length per row.
+            n: rows received.
+            skip: rows to leave alone (not opened, not counted), e.g. a test's injected drops.
+        """
+        assert self._native is not None
+        hv = header_view(buf, n)
+        ln = lens[:n]
+        good = np.ones(n, bool) if skip is None else ~skip[:n]
+        for reason, bad in (
+            ("oversized", ln > self.max_datagram_bytes),
+            ("truncated", ln < HEADER_BYTES + TAG_BYTES),
+            ("bad_magic", hv["magic"] != MAGIC),
+            ("bad_version", hv["version"] != VERSION),
+            ("wrong_run", hv["run"] != self.run),
+        ):
+            self._drop(good, bad, reason)
+        keys = np.zeros(n, np.uintp)
+        pending: list[int] = []
+        windows: dict[int, list[ReplayWindow]] = {}
+        held: list[_RoundKey] = []  # keeps each key handle alive through the call, even if its round retires
+        rounds, senders = hv["round"], hv["sender"]
+        for r in np.unique(rounds[good]).tolist():
+            in_r = good & (rounds == r)
+            with self._lock:
+                rk = self._keys.get(r)
+                retired = r <= self._retired_below
+            if rk is None:
+                if not retired:
+                    pending += np.flatnonzero(in_r).tolist()
+                self._drop(good, in_r, "stale_round" if retired else "unknown_round")
+                continue
+            self._drop(good, in_r & (senders >= rk.num_members), "bad_sender")
+            keys[good & (rounds == r)] = rk.handle
+            windows[r] = rk.windows
+            held.append(rk)
+        ok = self._native.open(keys, buf, lens, n)
+        self._drop(good, ~ok, "forged")
+        replayed = 0
+        idx = np.flatnonzero(good)
+        for i, r, sender, seq in zip(
+            idx.tolist(), rounds[idx].tolist(), senders[idx].tolist(), hv["seq"][idx].tolist()
+        ):
+            if not windows[r][sender].check_and_add(seq):
+                good[i] = False
+                replayed += 1
+        if replayed:
+            self.count("replayed", replayed)
+        return BatchOpened(hv, good, pending)
+
+    def _drop(self, good: np.ndarray, bad: np.ndarray, reason: str) -> None:
+        """Count and clear the rows of ``good`` that fail a check (``bad``)."""
+        hit = good & bad
+        k = int(hit.sum())
+        if k:
+            good &= ~hit
+            self.count(reason, k)
+
+
+class BatchOpened(NamedTuple):
+    """What :meth:`Opener.open_batch` found.
+
+    Attributes:
+        headers: the batch's headers (:data:`~.datagram_native.HEADER_DTYPE` fields; a view).
+        ok: rows that authenticated and were new: their plaintext body is
+            ``buf[i, HEADER_BYTES : lens[i] - TAG_BYTES]``.
+        pending: rows of rounds whose key is not known yet (still sealed).
+    """
+
+    headers: np.ndarray
+    ok: np.ndarray
+    pending: list[int]

@@ -34,7 +34,16 @@ def _sgd(params):
 
 
 class Cluster:
-    def __init__(self, n: int, *, drop: float, seed: int = 0, reduce_s: float = 2.0, bcast_s: float = 6.0) -> None:
+    def __init__(
+        self,
+        n: int,
+        *,
+        drop: float,
+        seed: int = 0,
+        reduce_s: float = 2.0,
+        bcast_s: float = 6.0,
+        native: str = "auto",
+    ) -> None:
         torch.manual_seed(seed)
         chunk = datagram_chunk_bytes("fp32")
         self.layout = BucketLayout([NUMEL], ["param"], BucketConfig(bucket_bytes=4 * 15_000, chunk_bytes=chunk))
@@ -50,6 +59,7 @@ class Cluster:
                 fallback_reserve_s=1.0,
                 test_drop=drop,
                 test_drop_seed=seed * 100 + i,
+                native=native,
             )
             eng = RoundEngine(
                 f"site-{i}",
@@ -130,9 +140,16 @@ def _check_means_exact(c: Cluster, survivors: list[int]) -> tuple[float, float, 
     return total / num_elems, var**0.5 / num_elems, partial
 
 
-@pytest.mark.parametrize("drop", [0.1, 0.3])
-def test_lossy_round_mean_is_unbiased_and_replicas_agree(make_cluster, drop: float) -> None:
-    c = make_cluster(3, drop=drop, seed=7)
+@pytest.mark.parametrize(
+    "drop,native", [(0.1, "auto"), (0.3, "auto"), (0.1, "off")], ids=["10%-auto", "30%-auto", "10%-python"]
+)
+def test_lossy_round_mean_is_unbiased_and_replicas_agree(make_cluster, drop: float, native: str) -> None:
+    """With the compiled batch loop where it builds (CI: required) and with the Python loop."""
+    if native == "auto" and os.environ.get("DTRAIN_NATIVE_REQUIRED"):
+        native = "on"
+    c = make_cluster(3, drop=drop, seed=7, native=native)
+    if native != "auto":  # auto: whichever loop this machine has
+        assert all((e.transport._native is None) == (native == "off") for e in c.engines)
     results = c.run_round()
     sums = {tuple(e.state.checksum(b) for b in range(len(c.layout))) for e in c.engines}
     assert len(sums) == 1, "replicas differ after the round"

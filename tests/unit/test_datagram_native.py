@@ -1,0 +1,191 @@
+"""The compiled batch loop of the datagram path (dtrain/transports/dgram_native.c): it seals
+the same bytes as the Python ``cryptography`` path, refuses exactly what the Python
+:meth:`Opener.open` refuses (same reasons, same counts), and its ``sendmmsg``/``recvmmsg``
+carry datagrams, arrival times and oversize marks; without a compiler it is reported
+unavailable and the transport falls back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from dtrain.transports import datagram_native
+from dtrain.transports.datagram_native import header_view, native
+from dtrain.transports.datagram_wire import HEADER_BYTES, TAG_BYTES, Dropped, Kind, Opener, Sealer, codec_id
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = bytes(range(32))
+LIB = native("auto")
+if LIB is None and os.environ.get("DTRAIN_NATIVE_REQUIRED"):  # .ci/run as root installs gcc and libssl-dev
+    native("on")  # raises, naming why it is unavailable
+needs_lib = pytest.mark.skipif(LIB is None, reason="the compiled datagram loop does not build here (gcc, libssl-dev)")
+
+
+def _fields(n: int) -> list[tuple[int, ...]]:
+    return [(2, c, 1280 * c, 1280, codec_id("int8"), 0, 1) for c in range(n)]
+
+
+def _bodies(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(0, 1300)), dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+@needs_lib
+def test_native_seal_is_byte_for_byte_the_python_seal() -> None:
+    fast = Sealer(KEY, run=7, round=3, sender=1, native=LIB)
+    slow = Sealer(KEY, run=7, round=3, sender=1)
+    fields, bodies = _fields(40), _bodies(40)
+    a, b = fast.seal_many(Kind.CONTRIB, fields, bodies), slow.seal_many(Kind.CONTRIB, fields, bodies)
+    assert list(a.lens) == list(b.lens) == [HEADER_BYTES + len(x) + TAG_BYTES for x in bodies]
+    assert [a.datagram(i) for i in range(40)] == [b.datagram(i) for i in range(40)]
+    # and each is what seal() gives for the same sequence number
+    one = Sealer(KEY, run=7, round=3, sender=1)
+    assert [one.seal(Kind.CONTRIB, x, bucket=2, chunk=c, offset=1280 * c, numel=1280, codec=codec_id("int8"))
+            for c, x in enumerate(bodies)] == [a.datagram(i) for i in range(40)]  # fmt: skip
+    hv = header_view(a.buf, 40)
+    assert list(hv["seq"]) == list(range(40)) and list(hv["chunk"]) == list(range(40))
+
+
+@needs_lib
+def test_a_header_field_past_its_wire_width_is_refused() -> None:
+    s = Sealer(KEY, run=7, round=3, sender=1, native=LIB)
+    with pytest.raises(ValueError, match="wire width"):
+        s.seal_many(Kind.CONTRIB, [(1 << 32, 0, 0, 0, 0, 0, 1)], [b"x"])
+
+
+def _mixed_batch() -> list[bytes]:
+    """Good datagrams among every kind of bad one, in one arrival order."""
+    good = Sealer(KEY, run=7, round=3, sender=1)
+    d = [good.seal(Kind.CONTRIB, b"body-%d" % i, bucket=1, chunk=i) for i in range(6)]
+    forged_body = bytearray(d[1])
+    forged_body[-20] ^= 1
+    forged_header = bytearray(d[2])
+    forged_header[16] ^= 1  # the chunk field: authenticated as associated data
+    bad_version = bytearray(d[3])
+    bad_version[2] = 9
+    return [
+        d[0],
+        d[0],  # replayed
+        bytes(forged_body),
+        bytes(forged_header),
+        d[4][: HEADER_BYTES + 3],  # truncated
+        d[5][:-1],  # a cut tag: forged
+        Sealer(KEY, run=7, round=3, sender=1).seal(Kind.CONTRIB, b"z" * 1400),  # oversized
+        b"\x00" * 200,  # bad magic
+        bytes(bad_version),
+        Sealer(KEY, run=8, round=3, sender=1).seal(Kind.CONTRIB, b"r"),  # wrong run
+        Sealer(KEY, run=7, round=9, sender=1).seal(Kind.CONTRIB, b"u"),  # unknown round
+        Sealer(KEY, run=7, round=1, sender=1).seal(Kind.CONTRIB, b"s"),  # stale round
+        Sealer(KEY, run=7, round=3, sender=5).seal(Kind.CONTRIB, b"b"),  # bad sender
+        Sealer(os.urandom(32), run=7, round=3, sender=2).seal(Kind.CONTRIB, b"k"),  # wrong key
+        d[4],
+        d[5],
+        good.seal(Kind.MEAN, b"", bucket=2),  # an empty body authenticates too
+    ]
+
+
+def _opener(native_lib=None) -> Opener:
+    op = Opener(run=7, max_datagram_bytes=1400, native=native_lib)
+    op.open_round(1, KEY, 3)
+    op.open_round(3, KEY, 3)
+    op.open_round(4, KEY, 3)  # retires round 1
+    return op
+
+
+@needs_lib
+def test_open_batch_refuses_what_open_refuses_with_the_same_counts() -> None:
+    batch = _mixed_batch()
+    slow = _opener()
+    want_ok, want_bodies = [], []
+    for data in batch:
+        try:
+            want_bodies.append(slow.open(data)[1])
+            want_ok.append(True)
+        except Dropped:
+            want_ok.append(False)
+    fast = _opener(LIB)
+    stride = 1401
+    buf = np.zeros((len(batch), stride), np.uint8)
+    lens = np.zeros(len(batch), np.uint32)
+    for i, data in enumerate(batch):
+        cut = data[:stride]
+        buf[i, : len(cut)] = np.frombuffer(cut, np.uint8)
+        lens[i] = len(data) if len(data) <= stride else stride + 1
+    got = fast.open_batch(buf, lens, len(batch))
+    assert list(got.ok) == want_ok
+    assert [buf[i, HEADER_BYTES : lens[i] - TAG_BYTES].tobytes() for i in np.flatnonzero(got.ok)] == want_bodies
+    assert fast.counts() == slow.counts()
+    assert got.pending == [10]  # the unknown round's datagram, still sealed: opened once its plan comes
+    assert buf[10, : lens[10]].tobytes() == batch[10]
+    assert sum(want_ok) == 4 and slow.counts()["forged"] == 4 and slow.counts()["replayed"] == 1
+
+
+@needs_lib
+def test_sendmmsg_and_recvmmsg_carry_a_batch_with_arrival_times() -> None:
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.bind(("127.0.0.1", 0))
+        rx.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_TIMESTAMPNS", 35), 1)
+        tx.connect(rx.getsockname())
+        sealed = Sealer(KEY, run=7, round=3, sender=1, native=LIB).seal_many(Kind.CONTRIB, _fields(20), _bodies(20))
+        t0 = time.time()
+        assert LIB.send(tx.fileno(), sealed.buf, sealed.lens, 20) == 20
+        tx.send(b"q" * 1500)  # larger than a receive row: reported as row + 1 bytes (oversized)
+        buf = np.zeros((32, 1401), np.uint8)
+        lens, ts, drops = np.zeros(32, np.uint32), np.zeros(32, np.int64), np.zeros(1, np.uint32)
+        got, deadline = 0, time.monotonic() + 5
+        while got < 21 and time.monotonic() < deadline:
+            n = LIB.recv(rx.fileno(), buf[got:], lens[got:], ts[got:], drops)
+            assert n >= 0
+            got += n
+        assert got == 21
+        assert [buf[i, : lens[i]].tobytes() for i in range(20)] == [sealed.datagram(i) for i in range(20)]
+        assert lens[20] == 1402
+        assert all(t0 - 1 < t * 1e-9 < time.time() + 1 for t in ts[:21])
+        assert LIB.recv(rx.fileno(), buf, lens, ts, drops) == 0  # nothing queued: no wait
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_without_a_compiler_the_loop_is_unavailable_and_says_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DTRAIN_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    lib, why = datagram_native._build_and_load()
+    assert lib is None and "/bin/false" in why and "failed" in why
+    monkeypatch.setattr(datagram_native, "_loaded", {"lib": None, "why": why})
+    assert native("auto") is None and native("off") is None
+    with pytest.raises(RuntimeError, match="unavailable: `/bin/false` failed"):
+        native("on")
+    with pytest.raises(ValueError, match="native must be one of auto, on, off, got 'fast'"):
+        native("fast")
+
+
+@needs_lib
+def test_one_sealer_seals_from_many_threads_at_once() -> None:
+    """A round's Sealer serves every push and mean thread of a site at the same time."""
+    import threading
+
+    fast = Sealer(KEY, run=7, round=3, sender=1, native=LIB)
+    out: list = []
+
+    def work(k: int) -> None:
+        for _ in range(30):
+            out.append(fast.seal_many(Kind.CONTRIB, _fields(16), _bodies(16, seed=k)))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    op = Opener(run=7, max_datagram_bytes=1400)
+    op.open_round(3, KEY, 3)
+    bodies = [op.open(b.datagram(i))[1] for b in out for i in range(16)]
+    assert len(bodies) == 6 * 30 * 16 and op.counts()["forged"] == 0
+    assert len({int(s) for b in out for s in header_view(b.buf, 16)["seq"]}) == len(bodies)  # no sequence twice
