@@ -195,14 +195,17 @@ class PeerSide:
                 )
         return frozenset(changed)
 
-    def handle_mean_delivered(self, round: int, bucket: int, member: str) -> None:
+    def handle_mean_delivered(self, round: int, bucket: int, member: str, have_checksum: str) -> None:
         """``member`` holds this site's mean of ``bucket`` for ``round`` without having pulled
         it (the datagram path pushes means; the member acknowledged the whole mean). It then
-        counts as pulled, so ``close()`` stops waiting for it. Unknown means are ignored."""
+        counts as pulled, so ``close()`` stops waiting for it; when its θ_b checksum
+        (``have_checksum``, hex; empty: not said) differs from the mean's ``checksum_before``,
+        only once it pulled the bucket's state (its repair). Unknown means are ignored."""
         with self._cv:
             m = self._means.get((round, bucket))
         if m is not None:
-            self.mean_pulls.record(round, bucket, member, m)
+            stale = bool(have_checksum) and have_checksum != m.checksum_before
+            self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
 
     def handle_sender_done(self, round: int, sender: str) -> None:
         """``sender`` sent everything it will send this site for ``round``.

@@ -65,10 +65,11 @@ class PeerHandler(Protocol):
     # sender sent everything it will send for a round (the datagram path's SEND_END)
     # calls it, so the handler stops waiting for chunks that were lost.
 
-    # Optional: ``handle_mean_delivered(round, bucket, member)``: a transport that
-    # delivers this site's means without a pull (the datagram path's pushed means,
-    # confirmed by the member's MEAN_ACK) calls it, so that the member counts as having
-    # pulled the mean (``close()`` waits for exactly those pulls).
+    # Optional: ``handle_mean_delivered(round, bucket, member, have_checksum)``: a transport
+    # that delivers this site's means without a pull (the datagram path's pushed means,
+    # confirmed by the member's MEAN_ACK, which carries the member's θ_b checksum) calls
+    # it, so that the member counts as having pulled the mean (``close()`` waits for
+    # exactly those pulls, and for a stale member's state pull too).
 
     # Optional (transports call it when the handler has it):
     # ``handle_push_ended(sender: str, round: int, num_accepted: int) -> None`` — a push

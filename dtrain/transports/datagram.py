@@ -873,7 +873,7 @@ class DatagramTransport(DatagramMeans, Transport):
             elif kind == Kind.NACK:
                 self._answer_nack(rs, h, obj)
             elif kind == Kind.MEAN_ACK:
-                self._answer_ack(rs, h)
+                self._answer_ack(rs, h, obj)
         except TransportError as e:
             log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
         except Exception:

@@ -133,14 +133,16 @@ class DatagramMeans:
         self._count(resent=len(wanted))
         self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
 
-    def _answer_ack(self, rs: RoundState, h) -> None:
-        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``)."""
-        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id):
+    def _answer_ack(self, rs: RoundState, h, body: bytes) -> None:
+        """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``), or,
+        when the θ_b checksum it carries differs from the mean's ``checksum_before`` (a stale
+        member, which repairs next), once the member pulled the bucket's state."""
+        if not (h.bucket < len(rs.owners) and rs.owners[h.bucket] == rs.site_id) or len(body) not in (0, 16):
             self._opener.count("malformed")
             return
         delivered = getattr(self._handler, "handle_mean_delivered", None)
         if delivered is not None:
-            delivered(rs.round, h.bucket, rs.site_ids[h.sender])
+            delivered(rs.round, h.bucket, rs.site_ids[h.sender], body.hex())
 
     # ------------------------------------------------------------------ means: member side
     def _on_mean(self, rs: RoundState, h, body: bytes) -> None:
@@ -166,7 +168,7 @@ class DatagramMeans:
                     self._counts["received"] += len(whole)
             ack = self._settle_assembly(rs, ma, was)
         if ack:
-            self._ack_mean(rs, h.sender, h.bucket)
+            self._ack_mean(rs, h.sender, h.bucket, ma.have or "")
 
     def _on_mean_run(self, rs: RoundState, run: list[tuple[Any, bytes]]) -> None:
         """Whole mean chunks (one datagram each) of one bucket from one sender, in arrival order:
@@ -195,7 +197,7 @@ class DatagramMeans:
         if over:
             self._opener.count("over_budget", over)
         if ack:
-            self._ack_mean(rs, h0.sender, h0.bucket)
+            self._ack_mean(rs, h0.sender, h0.bucket, ma.have or "")
 
     def _settle_assembly(self, rs: RoundState, ma: MeanAssembly, was: tuple[bool, bool]) -> bool:
         """After arrivals (under ``rs.cv``): whether to acknowledge the mean now; wakes the waiters
@@ -203,7 +205,8 @@ class DatagramMeans:
         # Acknowledge only a mean this member returns: after it fell back to gRPC, a copy
         # completed by late datagrams is not applied, and an ACK would let the owner exit
         # before the gRPC pull was served (owner_lost here, applied at the owner)
-        ack = ma.complete() and not ma.acked and not ma.fallback
+        # and only once its pull_mean said the member's θ_b checksum (the ACK carries it)
+        ack = ma.complete() and not ma.acked and not ma.fallback and ma.have is not None
         ma.acked = ma.acked or ack
         if (ma.complete(), ma.final_meta_seen) != was:
             # other arrivals move a waiter's wake-up later (mean_wait_decision), which it sees
@@ -214,7 +217,7 @@ class DatagramMeans:
     def pull_mean(
         self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""
     ) -> BucketMean:
-        # have_checksum is not used on this path: its owner counts MEAN_ACKs, not pulls
+        # have_checksum travels in the MEAN_ACK: its owner counts acknowledgements, not pulls
         rs = self._round(round)
         pushed = (
             rs is not None
@@ -230,11 +233,18 @@ class DatagramMeans:
                 and rs.owners[bucket] != rs.site_id
                 and rs.by_address.get(address) == rs.owners[bucket]
             ):
-                self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket)  # the owner counts acknowledgements
+                # the owner counts acknowledgements
+                self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket, have_checksum)
             return m
         assert rs is not None
         deadline = time.monotonic() + timeout_s
         fallback_at = max(time.monotonic(), deadline - self.config.fallback_reserve_s)
+        with rs.cv:  # from now on the receive thread acknowledges it once complete; if it already is: here
+            ma = rs.mean_for(bucket)
+            ma.have = have_checksum
+            ack = self._settle_assembly(rs, ma, (ma.complete(), ma.final_meta_seen))
+        if ack:
+            self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket, have_checksum)
         got = self._await_mean(rs, address, bucket, fallback_at)
         if got is not None:
             return got
@@ -245,13 +255,15 @@ class DatagramMeans:
         )
         # acknowledged only once it arrived here: the owner's serve does not count (its reply can
         # be lost as the owner exits: owner_lost here, applied there)
-        self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket)
+        self._ack_mean(rs, rs.index[rs.owners[bucket]], bucket, have_checksum)
         return m
 
-    def _ack_mean(self, rs: RoundState, owner: int, bucket: int) -> None:
-        """Two MEAN_ACKs of ``bucket`` to ``owner``: a lost pair only makes its ``close()`` wait to its bound."""
+    def _ack_mean(self, rs: RoundState, owner: int, bucket: int, have_checksum: str) -> None:
+        """Two MEAN_ACKs of ``bucket`` to ``owner``, carrying this member's θ_b checksum (16 bytes; none:
+        empty): a lost pair only makes its ``close()`` wait to its bound."""
+        body = bytes.fromhex(have_checksum) if len(have_checksum) == 32 else b""
         for copy in range(2):
-            self._send_ctl(rs, owner, rs.sealer.seal(Kind.MEAN_ACK, b"", bucket=bucket, chunk=copy))
+            self._send_ctl(rs, owner, rs.sealer.seal(Kind.MEAN_ACK, body, bucket=bucket, chunk=copy))
 
     def _await_mean(self, rs: RoundState, address: str, bucket: int, fallback_at: float) -> BucketMean | None:
         """Wait for a pushed mean until ``fallback_at``, NACKing missing chunks; None: pull over gRPC

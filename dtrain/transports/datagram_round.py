@@ -115,6 +115,7 @@ class MeanAssembly:
     final_meta_seen: bool = False
     last_arrival: float = 0.0  # time.monotonic() of the latest datagram of this mean (0: none yet)
     acked: bool = False  # a MEAN_ACK went to the owner
+    have: str | None = None  # this member's θ_b checksum, said by its pull_mean (None: not pulled yet)
     nacks: int = 0  # NACKs this site sent for this mean
     nack_at: float = 0.0  # when the latest went
     fallback: bool = False  # the member gave up on the datagrams and pulls over gRPC: no MEAN_ACK

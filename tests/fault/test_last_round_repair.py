@@ -5,11 +5,13 @@ deadline, the member kept θ_b (owner_lost) while the owner applied its own mean
 in the last round the member's repair was refused because the owner had exited 60 ms
 after the member pulled its means. Now the member's pull says its θ_b checksum
 (``have_checksum``) and the owner's close waits for the stale member's state pull too.
-Sites are ``RoundEngine``s served by ``GrpcTransport`` on 127.0.0.1 in this process.
+Sites are ``RoundEngine``s served by ``GrpcTransport`` (or ``DatagramTransport``, whose
+member says its θ_b checksum in the MEAN_ACK the owner counts) on 127.0.0.1 in this process.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from dtrain.protocol import Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.rounds.types import BucketOutcome
 from dtrain.state import GlobalState
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
 from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
 NUMEL = 4096
@@ -27,11 +30,17 @@ LAYOUT_CFG = BucketConfig(bucket_bytes=4096, chunk_bytes=1024)  # 4 buckets of 4
 REPAIR_DELAY_S = 1.0  # the member starts its repair this long after its pulls (a busy machine)
 
 
-def _site(site_id: str) -> RoundEngine:
+def _site(site_id: str, data_path: str) -> RoundEngine:
     layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
     theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
     rcfg = RoundConfig(plan_wait_s=2.0, repair_timeout_s=10.0)
-    engine = RoundEngine(site_id, GlobalState(layout, [theta]), GrpcTransport(GrpcTransportConfig()), rcfg)
+    grpc = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    transport = (
+        GrpcTransport(grpc)
+        if data_path == "grpc"
+        else DatagramTransport(DatagramTransportConfig(grpc=grpc, max_rate_mbit=200.0, rtt_s=0.01))
+    )
+    engine = RoundEngine(site_id, GlobalState(layout, [theta]), transport, rcfg)
     engine.start()
     return engine
 
@@ -43,8 +52,9 @@ def _step(engine: RoundEngine, seed: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_owner_closing_after_the_last_round_waits_for_a_stale_members_repair():
-    owner, member = _site("site-0"), _site("site-1")
+@pytest.mark.parametrize("data_path", ["grpc", "datagram"])
+def test_owner_closing_after_the_last_round_waits_for_a_stale_members_repair(data_path: str):
+    owner, member = _site("site-0", data_path), _site("site-1", data_path)
     members = (Member(site_id="site-0", address=owner.address), Member(site_id="site-1", address=member.address))
     owners = assign_owners(len(owner.state.layout), ["site-0", "site-1"])
     stale = [b for b, o in enumerate(owners) if o == "site-0"]
@@ -64,7 +74,9 @@ def test_owner_closing_after_the_last_round_waits_for_a_stale_members_repair():
     try:
         for i, e in enumerate((owner, member)):
             _step(e, i)
-        plan = RoundPlan(round=0, members=members, reduce_timeout_s=20.0, broadcast_timeout_s=30.0)
+        plan = RoundPlan(
+            round=0, members=members, reduce_timeout_s=20.0, broadcast_timeout_s=30.0, datagram_key=os.urandom(32)
+        )
         f_owner, f_member = owner.start_round(plan), member.start_round(plan)
         f_owner.result(timeout=30)
         waited = owner.mean_pulls.wait_pulled(timeout_s=20.0)  # what DiLoCo.close() waits for

@@ -360,7 +360,7 @@ class _MeanOwner:
     def handle_pull_state(self, *a, **k):  # pragma: no cover - not used here
         raise AssertionError("no state pulls in this test")
 
-    def handle_mean_delivered(self, round: int, bucket: int, member: str) -> None:
+    def handle_mean_delivered(self, round: int, bucket: int, member: str, have_checksum: str) -> None:
         self.delivered.append((round, bucket, member))
 
 
@@ -443,7 +443,7 @@ def test_a_mean_pulled_over_grpc_counts_as_delivered_only_once_the_member_acknow
     owner.transport._push_means = lambda rs, mine: None  # type: ignore[method-assign]  # members pull over gRPC
     if not acked:
         for i in (0, 2):
-            c.engines[i].transport._ack_mean = lambda rs, o, b: None  # type: ignore[method-assign]
+            c.engines[i].transport._ack_mean = lambda rs, o, b, have: None  # type: ignore[method-assign]
     results = c.run_round()
     assert all(r.applied_buckets == len(c.layout) for r in results)
     assert all(c.engines[i].transport.counters()["fallback_pulls"] >= 1 for i in (0, 2))
