@@ -411,7 +411,9 @@ def _start_sites(run: _Run, rv_addr: str) -> dict[str, _SiteView]:
         run.procs[site] = spawn(site, run.wrap(i, argv), sdir / "worker.log", env=run.env, append=run.append)
         views[site] = _SiteView(site, sdir / "metrics.jsonl")
     (run.run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in run.procs.items()}, indent=2))
-    _out(f"dtrain launch: {n} sites, rendezvous {rv_addr}, run dir {run.run_dir}")
+    _out(
+        f"dtrain launch: {n} sites, data path {run.cfg.worker.net.data_path}, rendezvous {rv_addr}, run dir {run.run_dir}"
+    )
     return views
 
 

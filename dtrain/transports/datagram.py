@@ -309,7 +309,8 @@ class DatagramTransport(DatagramMeans, Transport):
             t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s)", host, port, self.rate.rate_mbit)
+        loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
+        log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, loop)
         return address
 
     def _size_buffers(self, sock: socket.socket) -> None:

@@ -323,6 +323,9 @@ def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run
     rc, out, err = _launch(args, run_dir, timeout_s=120)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     assert "θ checksums agree across sites" in out
+    assert f"sites, data path {data_path}, rendezvous" in out  # the start line says which data path
+    if data_path == "datagram":  # and each site's log which loop carries it
+        assert all("datagram data path on udp" in (run_dir / s / "worker.log").read_text() for s in SITES)
     by_round: dict[int, set[str]] = {}
     for s in SITES:
         rounds = [d for d in _lines(run_dir, s) if d["event"] == "round"]
