@@ -96,16 +96,26 @@ def test_settle_bucket_lossless_codec_zeroes_the_included_chunks() -> None:
 
 
 class _Side(PeerSide):
-    """Only what ``handle_contributions`` uses: the codec, and ``_handle_one`` recorded."""
+    """Only what ``handle_contributions`` uses: the codec; ``_handle_one`` (a chunk) and
+    ``_handle_run`` (a decoded run, its chunks' values as views) recorded."""
 
     def __init__(self, codec) -> None:
         self.codec = codec
         self.seen: list[tuple[Contribution, torch.Tensor | None]] = []
+        self.runs: list[list[int]] = []
 
     def _handle_one(self, c, values) -> None:
         if c.sender == "refused":
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} refused")
         self.seen.append((c, values))
+
+    def _handle_run(self, cs, values) -> list:
+        self.runs.append([c.chunk for c in cs])
+        pos = 0
+        for c in cs:
+            self.seen.append((c, values[pos : pos + c.numel]))
+            pos += c.numel
+        return [None] * len(cs)
 
 
 def _contribs(codec, bucket: int, chunks: list[int], *, sender: str = "s", x: torch.Tensor) -> list[Contribution]:
@@ -137,6 +147,7 @@ def test_handle_contributions_decodes_runs_of_neighbouring_chunks_and_answers_ea
     assert [r is None for r in results] == [True] * 6 + [False]
     assert str(results[6]) and "chunk 8 refused" in results[6].reason
     assert [c.chunk for c, _ in side.seen] == [0, 1, 2, 5, 6, 7]
+    assert side.runs == [[0, 1, 2]]  # checked and counted in one pass
     for c, values in side.seen[:3]:  # decoded in one pass, bit for bit the chunk's own decode
         assert values is not None and torch.equal(values, codec.decode(c.payload, numel=c.numel))
     assert all(values is None for _, values in side.seen[3:])  # bad run, and a run of one
