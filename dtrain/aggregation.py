@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from dtrain.codecs.base import equal_runs
 from dtrain.configs import AggregationConfig
 from dtrain.errors import RejectCode, Rejected
 
@@ -189,7 +190,7 @@ class BucketAccumulator:
     same codes and reasons, idempotent retries, bit for bit the same mean: fp32 sums in
     sender-id order, the first sender copied, each next one added, then divided by the
     count), but it takes a *run* of neighbouring chunks from one sender at once
-    (:meth:`add_run`) and does its work per run: one finiteness check (and one norm per
+    (:meth:`add_run`; ascending chunks, gaps allowed) and does its work per run: one finiteness check (and one norm per
     row for ``max_norm``) over the run's values, and the running sums of the whole
     bucket in one fp32 tensor, folded with one ``copy_`` / ``add_`` per stretch of
     neighbouring chunks whose turn it is (the per-chunk work left is a few dict
@@ -200,8 +201,8 @@ class BucketAccumulator:
     Thread-safety: callers hold the owning round's lock.
 
     Args:
-        numels: elements of each chunk, in chunk order (a run of chunks ``c .. c+k-1``
-            is their values concatenated in that order).
+        numels: elements of each chunk, in chunk order (a run's values are its chunks'
+            concatenated in that order).
         config: robust options.
         order: the senders expected (the round's members); None folds nothing before
             :meth:`finalize`.
@@ -250,20 +251,21 @@ class BucketAccumulator:
                 RejectCode.INVALID_ARGUMENT,
                 f"contribution has {values.numel()} {values.dtype} values, expected {n} float32",
             )
-        (result,) = self.add_run(sender, chunk, values, [digest])
+        (result,) = self.add_run(sender, [chunk], values, [digest])
         if isinstance(result, Rejected):
             raise result
         return bool(result)
 
     def add_run(
-        self, sender: str, first: int, values: torch.Tensor, digests: Sequence[bytes | None]
+        self, sender: str, chunks: Sequence[int], values: torch.Tensor, digests: Sequence[bytes | None]
     ) -> list[bool | Rejected | None]:
-        """Add ``sender``'s contributions to chunks ``first .. first + len(digests) - 1``.
+        """Add ``sender``'s contributions to ``chunks`` (a run: ascending chunk indices, gaps
+        allowed, e.g. a sender's datagrams that arrived), as :meth:`add` of each in turn.
 
         Args:
             sender: the sender of every chunk of the run.
-            first: the run's first chunk.
-            values: 1-D fp32, the run's chunks' values concatenated in chunk order.
+            chunks: the run's chunk indices, strictly ascending.
+            values: 1-D fp32, the run's chunks' values concatenated in that order.
             digests: per chunk of the run, the digest of its payload; None skips the
                 chunk (refused before: its values are ignored).
         Returns:
@@ -272,20 +274,16 @@ class BucketAccumulator:
             (ALREADY_EXISTS, or INVALID_ARGUMENT for NaN/Inf or a norm over
             ``max_norm``; the others of the run are counted), or None (skipped).
         Raises:
-            ValueError: ``values`` is not 1-D fp32 of the run's element count (a caller bug).
+            ValueError: ``chunks`` not ascending or out of range, ``digests`` of another
+                length, or ``values`` not 1-D fp32 of the run's element count (caller bugs).
         """
-        pos, end = self._pos, first + len(digests)
-        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != pos[end] - pos[first]:
-            raise ValueError(
-                f"run of chunks {first}..{end - 1} needs {pos[end] - pos[first]} float32 values, "
-                f"got {values.numel()} {values.dtype}"
-            )
-        out: list[bool | Rejected | None] = [None] * len(digests)
+        starts = self._starts(chunks, digests, values)
+        out: list[bool | Rejected | None] = [None] * len(chunks)
         todo = []  # indices in the run of the chunks still to check and count
-        for j, d in enumerate(digests):
+        for j, (c, d) in enumerate(zip(chunks, digests)):
             if d is None:
                 continue
-            had = self._digests[first + j].get(sender)
+            had = self._digests[c].get(sender)
             if had is None:
                 todo.append(j)
             elif had == d:
@@ -296,24 +294,40 @@ class BucketAccumulator:
                     f"a different contribution from {sender} for this chunk was already accepted",
                 )
         if todo:
-            todo = self._check_values(first, values, todo, out)
+            todo = self._check_values(chunks, starts, values, todo, out)
         for j in todo:
-            c = first + j
+            c = chunks[j]
             self._digests[c][sender] = digests[j]
-            self._held[c][sender] = (values, pos[c] - pos[first])
+            self._held[c][sender] = (values, starts[j])
             out[j] = True
         if todo and not self.config.robust:
-            self._fold_in_turn([first + j for j in todo])
+            self._fold_in_turn([chunks[j] for j in todo])
         return out
 
-    def _check_values(self, first: int, values: torch.Tensor, todo: list[int], out: list) -> list[int]:
+    def _starts(self, chunks: Sequence[int], digests: Sequence, values: torch.Tensor) -> list[int]:
+        """Where each chunk of a run starts in its ``values`` (checking the run's shape)."""
+        starts, total, prev = [], 0, -1
+        for c in chunks:
+            if not prev < c < len(self.numels):
+                raise ValueError(f"run chunks {list(chunks)} not ascending in [0, {len(self.numels)})")
+            starts.append(total)
+            total += self.numels[c]
+            prev = c
+        if len(digests) != len(chunks):
+            raise ValueError(f"{len(digests)} digests for {len(chunks)} chunks")
+        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != total:
+            raise ValueError(f"run needs {total} float32 values, got {values.numel()} {values.dtype}")
+        return starts
+
+    def _check_values(
+        self, chunks: Sequence[int], starts: list[int], values: torch.Tensor, todo: list[int], out: list
+    ) -> list[int]:
         """The chunks of ``todo`` (indices in the run) whose values are finite and within
         ``max_norm``; the others get their refusal in ``out`` (ChunkAccumulator.add's
         codes and reasons). One check over the whole run; chunk by chunk only where it fails."""
-        pos, base = self._pos, self._pos[first]
 
         def row(j: int) -> torch.Tensor:
-            return values[pos[first + j] - base : pos[first + j + 1] - base]
+            return values[starts[j] : starts[j] + self.numels[chunks[j]]]
 
         # A sum is finite only if every value is (NaN propagates, inf - inf is NaN); a finite
         # run whose sum overflows is checked chunk by chunk too. ~40x cheaper than isfinite().all().
@@ -328,11 +342,11 @@ class BucketAccumulator:
         bound = self.config.max_norm
         if bound is None or not todo:
             return todo
-        k, n = len(out), self.numels[first]
-        if n and all(m == n for m in self.numels[first : first + k]):
-            fast = torch.linalg.vector_norm(values.view(k, n), dim=1).tolist()  # one reduction per row
+        n = self.numels[chunks[0]]
+        if n and all(self.numels[c] == n for c in chunks):
+            fast = torch.linalg.vector_norm(values.view(len(chunks), n), dim=1).tolist()  # one reduction per row
         else:
-            fast = [float("inf")] * k
+            fast = [float("inf")] * len(chunks)
         kept = []
         for j in todo:
             if fast[j] < bound * (1.0 - _NORM_MARGIN):
@@ -405,18 +419,18 @@ class BucketAccumulator:
         return self._means()
 
     def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
-        """sum / count per chunk: one division per stretch of neighbouring chunks with one count."""
+        """sum / count per chunk: one division per stretch of chunks of one size, the sums
+        as rows over a column of counts (float32 division is exactly rounded: the same
+        values as dividing each chunk by its count)."""
         senders = [tuple(sorted(d)) for d in self._digests]
-        out: list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]] = []
-        pos, c = self._pos, 0
-        while c < len(senders):
-            k, e = len(senders[c]), c + 1
-            while e < len(senders) and len(senders[e]) == k:
-                e += 1
-            if k == 0 or self._sum is None:
-                out += [(None, (), {}) for _ in range(c, e)]
-            else:
-                mean = self._sum[pos[c] : pos[e]] / k
-                out += [(mean[pos[i] - pos[c] : pos[i + 1] - pos[c]], senders[i], {}) for i in range(c, e)]
-            c = e
-        return out
+        if self._sum is None:
+            return [(None, (), {}) for _ in senders]
+        counts = torch.tensor([float(len(s)) for s in senders], dtype=torch.float32)
+        mean = torch.empty_like(self._sum)
+        pos = self._pos
+        for a, b in equal_runs(self.numels):
+            rows = (b - a, self.numels[a])
+            torch.div(
+                self._sum[pos[a] : pos[b]].view(rows), counts[a:b].unsqueeze(1), out=mean[pos[a] : pos[b]].view(rows)
+            )
+        return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]

@@ -4,9 +4,10 @@ One owner (a :class:`~dtrain.rounds.engine.RoundEngine` with an open round, no
 transport running) counts its own contribution, then takes those of 3 senders to one bucket of
 ``--numel`` elements (2.45 M by default: a 4-site round of a 9.8 M-element model), cut
 in datagram-sized int8 chunks of 1,280 elements (one datagram each). Senders interleave
-as they do on the wire: each sender's next ``--run`` chunks, the senders in a random
-order per step, so about half the contributions arrive ahead of their turn in the
-sender-id order of the sum. Figures, CPU time of the calling thread per chunk:
+as they do on the wire: each sender's next ``--run`` chunks (the dispatch thread's batch
+of one sender), the senders in a random order per step, so about half the contributions
+arrive ahead of their turn in the sender-id order of the sum; ``--loss`` drops that
+fraction of the datagrams (gaps in the batches). Figures, CPU time of the calling thread per chunk:
 
 * per chunk: ``handle_contribution`` for each contribution (the gRPC path's handling);
 * batched: ``handle_contributions`` for each sender's run (what the datagram dispatch
@@ -82,9 +83,9 @@ def _owner(numel: int) -> RoundEngine:
     return eng
 
 
-def _arrivals(numel: int, run: int, seed: int) -> tuple[list[Contribution], list[list[Contribution]]]:
-    """The owner's own contributions, and each sender's in runs of ``run`` chunks,
-    interleaved as on the wire."""
+def _arrivals(numel: int, run: int, seed: int, loss: float) -> tuple[list[Contribution], list[list[Contribution]]]:
+    """The owner's own contributions, and each sender's in batches of ``run`` chunks
+    interleaved as on the wire, a fraction ``loss`` of them lost (gaps in the batches)."""
     codec = get_codec("int8")
     chunks = [(o, min(CHUNK, numel - o)) for o in range(0, numel, CHUNK)]
     g = torch.Generator().manual_seed(seed)
@@ -101,14 +102,16 @@ def _arrivals(numel: int, run: int, seed: int) -> tuple[list[Contribution], list
     for start in range(0, len(chunks), run):
         order = list(SENDERS)
         rng.shuffle(order)
-        out += [per_sender[s][start : start + run] for s in order]
+        for s in order:
+            batch = [c for c in per_sender[s][start : start + run] if rng.random() >= loss]
+            out += [batch] if batch else []
     return per_sender[OWNER], out
 
 
 def _feed_own(eng: RoundEngine, own: list[Contribution], batched: bool) -> float:
     owned = eng._open[0]
     t = time.thread_time()
-    if batched:
+    if batched and hasattr(eng, "accept_own"):  # (absent before the batched accept: then per chunk)
         assert all(r is None for r in eng.accept_own(owned, own))
     else:
         for c in own:
@@ -136,8 +139,8 @@ def _finalize(eng: RoundEngine) -> tuple[float, list]:
     return time.thread_time() - t, reds
 
 
-def _measure(numel: int, run: int, repeats: int) -> dict:
-    own, batches = _arrivals(numel, run, seed=run)
+def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
+    own, batches = _arrivals(numel, run, seed=run, loss=loss)
     num = sum(len(cs) for cs in batches)
     codec = get_codec("int8")
     best: dict[str, float] = {}
@@ -163,6 +166,7 @@ def _measure(numel: int, run: int, repeats: int) -> dict:
     nch = len(means["batched"])
     return {
         "run": run,
+        "loss": loss,
         "num": num,
         "per_chunk_us": 1e6 * best["per_chunk"] / num,
         "batched_us": 1e6 * best["batched"] / num,
@@ -179,23 +183,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=2_450_000, help="elements of the bucket")
     ap.add_argument("--runs", type=int, nargs="+", default=[1, 8, 64, 512], help="chunks per sender's batch")
+    ap.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.1], help="fractions of datagrams lost")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many")
     ap.add_argument("--quick", action="store_true", help="a 0.4 M-element bucket, runs of 1 and 64, 1 repeat")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.quick:
-        args.numel, args.runs, args.repeats = 400_000, [1, 64], 1
+        args.numel, args.runs, args.loss, args.repeats = 400_000, [1, 64], [0.0, 0.1], 1
     print(
         f"owner CPU per 1,280-element int8 chunk, 3 senders, bucket of {args.numel:,} elements (best of {args.repeats})"
     )
     print(
-        f"{'run':>5} {'chunks':>7} {'per-chunk us':>13} {'batched us':>11} {'speedup':>8} {'decode us':>10}"
+        f"{'run':>5} {'loss':>5} {'chunks':>7} {'per-chunk us':>13} {'batched us':>11} {'speedup':>8} {'decode us':>10}"
         f" {'own us/chunk':>14} {'finalize us/chunk':>18} {'identical':>10}"
     )
-    for run in args.runs:
-        r = _measure(args.numel, run, args.repeats)
+    for run, loss in [(run, loss) for run in args.runs for loss in args.loss]:
+        r = _measure(args.numel, run, loss, args.repeats)
         print(
-            f"{r['run']:>5} {r['num']:>7} {r['per_chunk_us']:>13.1f} {r['batched_us']:>11.1f}"
+            f"{r['run']:>5} {r['loss']:>5.0%} {r['num']:>7} {r['per_chunk_us']:>13.1f} {r['batched_us']:>11.1f}"
             f" {r['per_chunk_us'] / r['batched_us']:>7.1f}x {r['decode_us']:>10.1f}"
             f" {r['own_per_chunk_us']:>6.1f} / {r['own_batched_us']:<5.1f}"
             f" {r['fin_per_chunk_us']:>8.1f} / {r['fin_batched_us']:<8.1f} {'yes' if r['identical'] else 'NO':>10}"

@@ -218,13 +218,20 @@ class OpenRound:
         return True
 
     def accept_run(
-        self, sender: str, bucket: int, first: int, values: torch.Tensor, digests: Sequence[bytes | None], *, now: float
+        self,
+        sender: str,
+        bucket: int,
+        chunks: Sequence[int],
+        values: torch.Tensor,
+        digests: Sequence[bytes | None],
+        *,
+        now: float,
     ) -> list[bool | Rejected | None]:
-        """:meth:`accept` for each chunk of ``sender``'s run ``first .. first + len(digests) - 1``
-        of ``bucket`` (every one passed :meth:`check`), in one pass (:meth:`BucketAccumulator.add_run`).
+        """:meth:`accept` for each of ``sender``'s contributions to ``chunks`` of ``bucket``
+        (ascending; each passed :meth:`check`), in one pass (:meth:`BucketAccumulator.add_run`).
 
         Args:
-            values: 1-D fp32, the run's decoded values concatenated in chunk order.
+            values: 1-D fp32, the chunks' decoded values concatenated in that order.
             digests: per chunk, its payload's digest; None skips the chunk.
         Returns:
             Per chunk what :meth:`accept` returns (True, False) or raises (the
@@ -235,7 +242,7 @@ class OpenRound:
             for j, d in enumerate(digests):
                 if d is not None:
                     try:
-                        out[j] = self._closed_answer(sender, bucket, first + j, d)
+                        out[j] = self._closed_answer(sender, bucket, chunks[j], d)
                     except Rejected as e:
                         out[j] = e
             return out
@@ -243,10 +250,10 @@ class OpenRound:
         if now >= self.finalize_at:
             digests = list(digests)
             for j, d in enumerate(digests):
-                if d is not None and acc.digest(first + j, sender) != d:
+                if d is not None and acc.digest(chunks[j], sender) != d:
                     out[j], digests[j] = self._late(bucket, now), None
         counted = 0
-        for j, r in enumerate(acc.add_run(sender, first, values, digests)):
+        for j, r in enumerate(acc.add_run(sender, chunks, values, digests)):
             if r is not None:
                 out[j] = r
                 counted += r is True

@@ -25,7 +25,7 @@ from dtrain.errors import (
     Rejected,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
-from dtrain.rounds.means import contiguous_runs
+from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
 from dtrain.transports.pacing import Pacer
 
@@ -79,9 +79,10 @@ class PeerSide:
     def handle_contributions(self, cs: Sequence[Contribution]) -> list[Rejected | None]:
         """:meth:`handle_contribution` for each of ``cs`` in order (a datagram receiver's
         backlog): the same checks, effects and refusals, one per item (None: counted or an
-        identical retry). A sender's run of neighbouring chunks of one bucket is decoded in
-        one pass (:meth:`Codec.decode_chunks`) and checked and counted in one pass
-        (:meth:`_handle_run`); a run that does not decode is decoded (and refused) chunk by chunk."""
+        identical retry). A sender's run of chunks of one bucket in ascending order (gaps
+        allowed: datagrams lost) is decoded in one pass (:meth:`Codec.decode_chunks`) and
+        checked and counted in one pass (:meth:`_handle_run`); a run that does not decode is
+        decoded (and refused) chunk by chunk."""
         out: list[Rejected | None] = []
         for i, j, values in self._decode_runs(cs):
             if values is None:
@@ -99,16 +100,16 @@ class PeerSide:
 
     def _decode_runs(self, cs: Sequence[Contribution]) -> list[tuple[int, int, torch.Tensor | None]]:
         """``cs`` cut into consecutive spans ``(start, end, values)``: ``values`` is the
-        decoded concatenation of a run (>= 2) of contiguous chunks of one sender, round and
-        bucket in this round's codec, or None for a span to take chunk by chunk (not in
-        such a run, or its run did not decode)."""
+        decoded concatenation of a run (>= 2) of chunks in ascending order of one sender,
+        round and bucket in this round's codec, or None for a span to take chunk by chunk
+        (not in such a run, or its run did not decode)."""
         out: list[tuple[int, int, torch.Tensor | None]] = []
         keys = [(c.round, c.bucket, c.sender, c.codec == self.codec.name) for c in cs]
         for i, j in equal_runs(keys):
             if not keys[i][3] or j - i < 2:
                 out.append((i, j, None))
                 continue
-            for a, b in contiguous_runs([(c.offset, c.numel) for c in cs[i:j]]):
+            for a, b in ascending_runs([c.chunk for c in cs[i:j]]):
                 run, dec = cs[i + a : i + b], None
                 if len(run) >= 2:
                     try:
@@ -119,7 +120,7 @@ class PeerSide:
         return out
 
     def _handle_run(self, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
-        """:meth:`_handle_one` for each chunk of a decoded run (:meth:`_decode_runs`), one
+        """:meth:`_handle_one` for each contribution of a decoded run (:meth:`_decode_runs`), one
         pass: the refused chunks are recorded and logged as :meth:`_handle_one` does."""
         try:
             owned = self._round_for(cs[0].round, self.config.plan_wait_s)
@@ -133,17 +134,16 @@ class PeerSide:
         return out
 
     def _accept_run(self, owned: _Owned, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
-        """:meth:`_accept` for each of ``cs``, one sender's run of neighbouring chunks of one
-        bucket in this round's codec, ``values`` their decoded concatenation: the checks
-        per chunk in plain Python, the values' checks and the sums per run
+        """:meth:`_accept` for each of ``cs``, one sender's run of chunks of one bucket in
+        ascending order in this round's codec, ``values`` their decoded concatenation: the
+        checks per chunk in plain Python, the values' checks and the sums per run
         (:meth:`OpenRound.accept_run`). A run that is not plain (a banned sender, a chunk
-        that fails :meth:`OpenRound.check`, chunk indices not consecutive) is taken chunk
+        that fails :meth:`OpenRound.check`, chunk indices not ascending) is taken chunk
         by chunk. Returns per chunk None (counted or an identical retry) or its refusal."""
         books, c0 = owned.books, cs[0]
         plain = c0.sender not in self._banned and c0.codec == self.codec.name
-        plain = plain and all(
-            c.chunk == c0.chunk + k and c.bucket == c0.bucket and c.sender == c0.sender for k, c in enumerate(cs)
-        )
+        plain = plain and all(c.bucket == c0.bucket and c.sender == c0.sender for c in cs)
+        plain = plain and ascending_runs([c.chunk for c in cs]) == [(0, len(cs))]
         try:
             for c in cs if plain else ():
                 books.check(c)
@@ -162,15 +162,15 @@ class PeerSide:
             return out
         digests = [hashlib.blake2b(c.payload, digest_size=16).digest() for c in cs]
         with owned.cv:
-            res = books.accept_run(c0.sender, c0.bucket, c0.chunk, values, digests, now=time.monotonic())
+            res = books.accept_run(c0.sender, c0.bucket, [c.chunk for c in cs], values, digests, now=time.monotonic())
             if any(r is True for r in res) and books.awaited(c0.bucket) == 0:
                 owned.cv.notify_all()
         return [r if isinstance(r, Rejected) else None for r in res]
 
     def accept_own(self, owned: _Owned, cs: Sequence[Contribution]) -> list[Rejected | None]:
         """:meth:`_accept` for each of this site's own contributions ``cs`` to the buckets it
-        owns (refusals are returned, not recorded as a peer's): runs of neighbouring chunks
-        are decoded, checked and counted in one pass each, as a peer's (:meth:`_accept_run`)."""
+        owns (refusals are returned, not recorded as a peer's): runs of chunks in ascending
+        order are decoded, checked and counted in one pass each, as a peer's (:meth:`_accept_run`)."""
         out: list[Rejected | None] = []
         for i, j, values in self._decode_runs(cs):
             if values is not None:

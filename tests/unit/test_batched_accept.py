@@ -57,27 +57,32 @@ def _values(rng: random.Random, n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _arrivals(rng: random.Random, numels: list[int], senders, g: torch.Generator) -> list[tuple]:
-    """Runs ``(sender, first, values, digests)``: each sender's chunks in random runs, some
-    chunks never sent (lost), some runs sent again (identical retries, or a different payload)."""
+    """Runs ``(sender, chunks, values, digests)``: each sender's chunks in random runs of
+    ascending chunks with gaps (lost), some runs lost whole, some sent again (identical
+    retries, or a different payload)."""
     runs = []
     for s in senders:
         c = 0
         while c < len(numels):
-            k = rng.randint(1, 9)
-            k = min(k, len(numels) - c)
-            vals = torch.cat([_values(rng, n, g) for n in numels[c : c + k]])
+            span = range(c, min(len(numels), c + rng.randint(1, 12)))
+            chunks = [x for x in span if rng.random() > 0.2] or [span[0]]
+            k = len(chunks)
+            vals = torch.cat([_values(rng, numels[x], g) for x in chunks])
             digests = [bytes([rng.randrange(256) for _ in range(8)]) for _ in range(k)]
             if rng.random() < 0.15:
                 digests[rng.randrange(k)] = None  # refused before (check): skipped
             if rng.random() > 0.1:  # else the whole run is lost
-                runs.append((s, c, vals, digests))
+                runs.append((s, chunks, vals, digests))
             if rng.random() < 0.15:  # a retry of it: identical, or one chunk's payload differs
                 d2 = list(digests)
                 if rng.random() < 0.5:
                     j = rng.randrange(k)
                     d2[j] = b"other" if d2[j] is not None else None
-                runs.append((s, c, vals.clone(), d2))
-            c += k
+                runs.append((s, chunks, vals.clone(), d2))
+            c = span[-1] + 1
+    # and always: chunk 0 again with another payload, chunk 1 with a NaN (refused either way)
+    vals = torch.cat([_values(rng, numels[0], g), torch.full((numels[1],), float("nan"))])
+    runs.append((senders[0], [0, 1], vals, [b"again0", b"again1"]))
     rng.shuffle(runs)  # senders out of order, runs interleaved
     return runs
 
@@ -85,16 +90,13 @@ def _arrivals(rng: random.Random, numels: list[int], senders, g: torch.Generator
 def _reference(numels, config, order, runs):
     accs = [ChunkAccumulator(n, config, order=order) for n in numels]
     answers = []
-    pos = [0]
-    for n in numels:
-        pos.append(pos[-1] + n)
-    for s, first, vals, digests in runs:
-        for j, d in enumerate(digests):
+    for s, chunks, vals, digests in runs:
+        start = 0
+        for c, d in zip(chunks, digests):
+            v, start = vals[start : start + numels[c]], start + numels[c]
             if d is None:
                 answers.append(("ok", None))
                 continue
-            c = first + j
-            v = vals[pos[c] - pos[first] : pos[c + 1] - pos[first]]
             try:
                 answers.append(("ok", accs[c].add(s, v, d)))
             except Rejected as e:
@@ -114,8 +116,8 @@ def test_add_run_matches_chunk_accumulator_per_chunk(config_name: str, seed: int
     want_answers, want = _reference(numels, config, order, runs)
     acc = BucketAccumulator(numels, config, order=order)
     got_answers = []
-    for s, first, vals, digests in runs:
-        got_answers += [_answer(r) for r in acc.add_run(s, first, vals, digests)]
+    for s, chunks, vals, digests in runs:
+        got_answers += [_answer(r) for r in acc.add_run(s, chunks, vals, digests)]
     assert got_answers == want_answers
     assert {a[0] for a in got_answers} - {"ok"}, "the runs exercise no refusal"
     got = acc.finalize()
@@ -129,13 +131,15 @@ def test_add_run_refuses_a_nan_chunk_alone_with_the_per_chunk_reason() -> None:
     acc = BucketAccumulator([4, 4, 4], AggregationConfig(), order=["a", "b"])
     vals = torch.arange(12, dtype=torch.float32)
     vals[5] = float("nan")
-    res = acc.add_run("a", 0, vals, [b"0", b"1", b"2"])
+    res = acc.add_run("a", [0, 1, 2], vals, [b"0", b"1", b"2"])
     assert res[0] is True and res[2] is True
     assert isinstance(res[1], Rejected) and res[1].reason == "contribution contains NaN or Inf values"
     assert acc.digests(1) == {} and acc.digests(2) == {"a": b"2"}
-    assert acc.add_run("a", 0, vals, [b"0", None, b"2"]) == [False, None, False]  # identical retries
+    assert acc.add_run("a", [0, 1, 2], vals, [b"0", None, b"2"]) == [False, None, False]  # identical retries
     with pytest.raises(ValueError, match="needs 12 float32 values"):
-        acc.add_run("a", 0, vals[:8], [b"0", b"1", b"2"])
+        acc.add_run("a", [0, 1, 2], vals[:8], [b"0", b"1", b"2"])
+    with pytest.raises(ValueError, match="not ascending"):
+        acc.add_run("a", [0, 0], vals[:8], [b"0", b"0"])
     means = acc.finalize()
     assert torch.equal(means[0][0], vals[:4]) and means[1] == (None, (), {}) and means[0][1] == ("a",)
 
@@ -144,9 +148,9 @@ def test_add_run_folds_in_sender_order_whatever_the_arrival_order() -> None:
     """b's run arrives first and is held; a's run then folds a's and b's sums per stretch;
     c's chunk 1 never comes: the mean of chunk 1 divides by 2, of chunk 0 by 3."""
     acc = BucketAccumulator([2, 2], AggregationConfig(), order=["a", "b", "c"])
-    assert acc.add_run("b", 0, torch.tensor([1e8, 1.0, 3.0, 3.0]), [b"b0", b"b1"]) == [True, True]
+    assert acc.add_run("b", [0, 1], torch.tensor([1e8, 1.0, 3.0, 3.0]), [b"b0", b"b1"]) == [True, True]
     assert acc.num_held == 2
-    assert acc.add_run("a", 0, torch.tensor([-1e8, 1.0, 1.0, 1.0]), [b"a0", b"a1"]) == [True, True]
+    assert acc.add_run("a", [0, 1], torch.tensor([-1e8, 1.0, 1.0, 1.0]), [b"a0", b"a1"]) == [True, True]
     assert acc.num_held == 0  # both folded at once
     assert acc.add("c", 0, torch.tensor([1.0, 1.0]), b"c0") is True
     (m0, s0, _), (m1, s1, _) = acc.finalize()
@@ -226,6 +230,8 @@ def _contributions(codec_name: str, rng: random.Random, g: torch.Generator) -> l
             batches.append(batch)
             if rng.random() < 0.15:  # the batch again: identical retries ...
                 batches.append(list(batch))
+            if rng.random() < 0.1:  # ... within one batch (two runs of ascending chunks)
+                batches.append(batch + batch)
             if rng.random() < 0.3:  # ... or another payload for counted chunks
                 other = codec.encode_chunks(torch.randn(NUMEL, generator=g), chunks, generator=g)
                 batches.append([replace(x, payload=other[x.chunk]) for x in batch])
