@@ -254,6 +254,22 @@ def _books_view(eng: RoundEngine) -> dict:
     }
 
 
+def _one_at_a_time(eng: RoundEngine, cs: list[Contribution]) -> list[tuple | None]:
+    """``handle_contribution`` of each: None (counted or an identical retry) or (code, reason)."""
+    out = []
+    for c in cs:
+        try:
+            eng.handle_contribution(c)
+            out.append(None)
+        except Rejected as e:
+            out.append((e.code, e.reason))
+    return out
+
+
+def _answers(results: list[Rejected | None]) -> list[tuple | None]:
+    return [None if r is None else (r.code, r.reason) for r in results]
+
+
 @pytest.mark.parametrize(
     ("codec", "config_name", "seed"),
     [("fp32", "plain", 0), ("fp32", "plain", 1), ("int8", "plain", 2), ("fp32", "max_norm", 3), ("int8", "trim", 4)],
@@ -265,13 +281,8 @@ def test_handle_contributions_matches_handle_contribution_per_chunk(codec: str, 
     one, many = _engine(codec, config), _engine(codec, config)
     want, got = [], []
     for cs in batches:
-        for c in cs:
-            try:
-                one.handle_contribution(c)
-                want.append(None)
-            except Rejected as e:
-                want.append((e.code, e.reason))
-        got += [None if r is None else (r.code, r.reason) for r in many.handle_contributions(cs)]
+        want += _one_at_a_time(one, cs)
+        got += _answers(many.handle_contributions(cs))
     assert got == want
     codes = {w[0] for w in want if w is not None}
     assert len(codes) >= 3, f"the batches exercise too few refusals: {codes}"
@@ -294,15 +305,8 @@ def test_handle_contributions_after_close_and_past_the_deadline_answer_as_per_ch
                 with eng._open[ROUND].cv:
                     eng._open[ROUND].books.close([0])
         retry = cs[1:5]  # counted ones again (identical retries) and new ones
-        want = []
-        for c in retry:
-            try:
-                one.handle_contribution(c)
-                want.append(None)
-            except Rejected as e:
-                want.append((e.code, e.reason))
-        got = [None if r is None else (r.code, r.reason) for r in many.handle_contributions(retry)]
-        assert got == want
+        want = _one_at_a_time(one, retry)
+        assert _answers(many.handle_contributions(retry)) == want
         assert any(w is not None and "late" in w[1] for w in want) or not late
         assert want[0] is None or late  # an identical retry is never refused while open or after close
 
