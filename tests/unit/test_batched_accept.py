@@ -322,3 +322,12 @@ def test_accept_own_matches_accept_per_chunk() -> None:
         one._accept(one._open[ROUND], c)
     assert many.accept_own(many._open[ROUND], cs) == [None] * len(cs)
     assert _books_view(many) == _books_view(one)
+
+
+def test_bench_owner_measures_identical_means_on_a_small_bucket() -> None:
+    """experiments/bench_owner.py's measurement runs (its figures are printed, never asserted)."""
+    from experiments.bench_owner import _measure
+
+    r = _measure(20_000, 16, 0.1, repeats=1)
+    assert r["identical"] is True
+    assert r["num"] > 0.8 * 3 * (20_000 // 1280)  # 3 senders' chunks, ~10% lost
