@@ -13,19 +13,27 @@ Robust options (off by default):
   * ``trim_fraction``: coordinate-wise trimmed mean dropping that fraction of
     the largest and the smallest values per element (Yin et al., "Byzantine-
     robust distributed learning", ICML 2018, trimmed mean with beta).
+
+:class:`ChunkAccumulator` holds one chunk; :class:`BucketAccumulator` holds every chunk
+of a bucket and takes a run of neighbouring chunks from one sender at once (the datagram
+path's ~1,300-element chunks), with the same checks, refusals and bit for bit the same
+means: the owner's books (dtrain/rounds/owner.py) use it for one chunk and for runs.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Iterable
+import math
+from typing import Iterable, Sequence
 
 import torch
 
+from dtrain.codecs.base import equal_runs
 from dtrain.configs import AggregationConfig
 from dtrain.errors import RejectCode, Rejected
 
-__all__ = ["AggregationConfig", "ChunkAccumulator", "partial_mean"]
+__all__ = ["AggregationConfig", "BucketAccumulator", "ChunkAccumulator", "partial_mean"]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +175,262 @@ class ChunkAccumulator:
             return None, (), {}
         senders = self.senders
         return self._sum / len(senders), senders, {}
+
+
+#: Relative margin under ``max_norm`` within which a norm computed over a run's rows is
+#: trusted; nearer the bound the chunk's own norm decides (row and 1-D reductions may
+#: round differently, by far less than this: ~n·eps for n = a few thousand elements).
+_NORM_MARGIN = 1e-3
+
+
+class BucketAccumulator:
+    """Collects the contributions to every chunk of one bucket for one round.
+
+    Per chunk it is a :class:`ChunkAccumulator` (same checks, same refusals with the
+    same codes and reasons, idempotent retries, bit for bit the same mean: fp32 sums in
+    sender-id order, the first sender copied, each next one added, then divided by the
+    count), but it takes a *run* of neighbouring chunks from one sender at once
+    (:meth:`add_run`; ascending chunks, gaps allowed) and does its work per run: one finiteness check (and one norm per
+    row for ``max_norm``) over the run's values, and the running sums of the whole
+    bucket in one fp32 tensor, folded with one ``copy_`` / ``add_`` per stretch of
+    neighbouring chunks whose turn it is (the per-chunk work left is a few dict
+    operations). A contribution that arrives ahead of its turn is held as a view of its
+    run's values (as :class:`ChunkAccumulator` holds it) until the senders before it
+    arrive or :meth:`finalize`; with robust options every contribution is held until
+    then and each chunk's mean is :func:`partial_mean` of its contributions.
+    Thread-safety: callers hold the owning round's lock.
+
+    Args:
+        numels: elements of each chunk, in chunk order (a run's values are its chunks'
+            concatenated in that order).
+        config: robust options.
+        order: the senders expected (the round's members); None folds nothing before
+            :meth:`finalize`.
+    """
+
+    def __init__(self, numels: Sequence[int], config: AggregationConfig, order: Iterable[str] | None = None) -> None:
+        self.numels = tuple(int(n) for n in numels)
+        self.config = config
+        self._pos = list(itertools.accumulate(self.numels, initial=0))  # chunk c is [pos[c], pos[c+1])
+        self._order = sorted(order) if order is not None else []
+        self._next = [0] * len(self.numels)  # senders order[:next[c]] are folded into chunk c's sum
+        self._sum: torch.Tensor | None = None  # the bucket's running sums (allocated at the first fold)
+        self._digests: list[dict[str, bytes]] = [{} for _ in self.numels]
+        # sender -> (its run's values, element offset of the chunk in them): held until folded
+        self._held: list[dict[str, tuple[torch.Tensor, int]]] = [{} for _ in self.numels]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_chunks(self) -> int:
+        return len(self.numels)
+
+    @property
+    def num_held(self) -> int:
+        """Contributions held as (views of) tensors: every one with robust options, else
+        those that arrived ahead of their turn in the sum."""
+        return sum(len(h) for h in self._held)
+
+    def digest(self, chunk: int, sender: str) -> bytes | None:
+        """The digest counted from ``sender`` for ``chunk`` (None: none yet)."""
+        return self._digests[chunk].get(sender)
+
+    def digests(self, chunk: int) -> dict[str, bytes]:
+        """Sender -> digest of the payload counted from it for ``chunk`` (a copy)."""
+        return dict(self._digests[chunk])
+
+    # ------------------------------------------------------------------ transitions
+    def add(self, sender: str, chunk: int, values: torch.Tensor, digest: bytes) -> bool:
+        """:meth:`ChunkAccumulator.add` for chunk ``chunk``: False for an identical retry.
+
+        Raises:
+            Rejected: as :meth:`ChunkAccumulator.add`.
+        """
+        n = self.numels[chunk]
+        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != n:
+            raise Rejected(
+                RejectCode.INVALID_ARGUMENT,
+                f"contribution has {values.numel()} {values.dtype} values, expected {n} float32",
+            )
+        (result,) = self.add_run(sender, [chunk], values, [digest])
+        if isinstance(result, Rejected):
+            raise result
+        return bool(result)
+
+    def add_run(
+        self, sender: str, chunks: Sequence[int], values: torch.Tensor, digests: Sequence[bytes | None]
+    ) -> list[bool | Rejected | None]:
+        """Add ``sender``'s contributions to ``chunks`` (a run: ascending chunk indices, gaps
+        allowed, e.g. a sender's datagrams that arrived), as :meth:`add` of each in turn.
+
+        Args:
+            sender: the sender of every chunk of the run.
+            chunks: the run's chunk indices, strictly ascending.
+            values: 1-D fp32, the run's chunks' values concatenated in that order.
+            digests: per chunk of the run, the digest of its payload; None skips the
+                chunk (refused before: its values are ignored).
+        Returns:
+            Per chunk: True (counted), False (an identical retry: a no-op), the
+            :class:`Rejected` that :meth:`ChunkAccumulator.add` would raise for it
+            (ALREADY_EXISTS, or INVALID_ARGUMENT for NaN/Inf or a norm over
+            ``max_norm``; the others of the run are counted), or None (skipped).
+        Raises:
+            ValueError: ``chunks`` not ascending or out of range, ``digests`` of another
+                length, or ``values`` not 1-D fp32 of the run's element count (caller bugs).
+        """
+        starts = self._starts(chunks, digests, values)
+        out: list[bool | Rejected | None] = [None] * len(chunks)
+        todo = []  # indices in the run of the chunks still to check and count
+        for j, (c, d) in enumerate(zip(chunks, digests)):
+            if d is None:
+                continue
+            had = self._digests[c].get(sender)
+            if had is None:
+                todo.append(j)
+            elif had == d:
+                out[j] = False
+            else:
+                out[j] = Rejected(
+                    RejectCode.ALREADY_EXISTS,
+                    f"a different contribution from {sender} for this chunk was already accepted",
+                )
+        if todo:
+            todo = self._check_values(chunks, starts, values, todo, out)
+        for j in todo:
+            c = chunks[j]
+            self._digests[c][sender] = digests[j]
+            self._held[c][sender] = (values, starts[j])
+            out[j] = True
+        if todo and not self.config.robust:
+            self._fold_in_turn([chunks[j] for j in todo])
+        return out
+
+    def _starts(self, chunks: Sequence[int], digests: Sequence, values: torch.Tensor) -> list[int]:
+        """Where each chunk of a run starts in its ``values`` (checking the run's shape)."""
+        starts, total, prev = [], 0, -1
+        for c in chunks:
+            if not prev < c < len(self.numels):
+                raise ValueError(f"run chunks {list(chunks)} not ascending in [0, {len(self.numels)})")
+            starts.append(total)
+            total += self.numels[c]
+            prev = c
+        if len(digests) != len(chunks):
+            raise ValueError(f"{len(digests)} digests for {len(chunks)} chunks")
+        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != total:
+            raise ValueError(f"run needs {total} float32 values, got {values.numel()} {values.dtype}")
+        return starts
+
+    def _check_values(
+        self, chunks: Sequence[int], starts: list[int], values: torch.Tensor, todo: list[int], out: list
+    ) -> list[int]:
+        """The chunks of ``todo`` (indices in the run) whose values are finite and within
+        ``max_norm``; the others get their refusal in ``out`` (ChunkAccumulator.add's
+        codes and reasons). One check over the whole run; chunk by chunk only where it fails."""
+
+        def row(j: int) -> torch.Tensor:
+            return values[starts[j] : starts[j] + self.numels[chunks[j]]]
+
+        # A sum is finite only if every value is (NaN propagates, inf - inf is NaN); a finite
+        # run whose sum overflows is checked chunk by chunk too. ~40x cheaper than isfinite().all().
+        if not math.isfinite(float(values.sum())):
+            kept = []
+            for j in todo:
+                if bool(torch.isfinite(row(j)).all()):
+                    kept.append(j)
+                else:
+                    out[j] = Rejected(RejectCode.INVALID_ARGUMENT, "contribution contains NaN or Inf values")
+            todo = kept
+        bound = self.config.max_norm
+        if bound is None or not todo:
+            return todo
+        n = self.numels[chunks[0]]
+        if n and all(self.numels[c] == n for c in chunks):
+            fast = torch.linalg.vector_norm(values.view(len(chunks), n), dim=1).tolist()  # one reduction per row
+        else:
+            fast = [float("inf")] * len(chunks)
+        kept = []
+        for j in todo:
+            if fast[j] < bound * (1.0 - _NORM_MARGIN):
+                kept.append(j)
+                continue
+            norm = float(torch.linalg.vector_norm(row(j)))  # near the bound: the chunk's own norm decides
+            if norm > bound:
+                out[j] = Rejected(
+                    RejectCode.INVALID_ARGUMENT, f"contribution norm {norm:.4g} exceeds max_norm {bound:.4g}"
+                )
+            else:
+                kept.append(j)
+        return kept
+
+    def _fold_in_turn(self, chunks: Iterable[int]) -> None:
+        """Fold into the sums the held contributions of ``chunks`` whose turn came: for each
+        chunk, the senders of ``order`` from its next one on while they are held."""
+        order, ops = self._order, []
+        for c in chunks:
+            held, k = self._held[c], self._next[c]
+            while k < len(order) and order[k] in held:
+                base, start = held.pop(order[k])
+                ops.append((k, c, base, start, k == 0))
+                k += 1
+            self._next[c] = k
+        self._apply(ops)
+
+    def _apply(self, ops: list[tuple[int, int, torch.Tensor, int, bool]]) -> None:
+        """Run folds ``(step, chunk, values, offset in values, first)``: each chunk's in the
+        order of its steps (the sum's order), one ``copy_`` (a chunk's first sender) or
+        ``add_`` per stretch of neighbouring chunks at one step whose values lie one after
+        another in one run's tensor."""
+        if not ops:
+            return
+        if self._sum is None:
+            self._sum = torch.empty(self._pos[-1], dtype=torch.float32)
+        ops.sort(key=lambda op: (op[0], op[1]))
+        pos, numels, i = self._pos, self.numels, 0
+        while i < len(ops):
+            step, c0, base, start, first = ops[i]
+            c, stop, i = c0, start + numels[c0], i + 1
+            while i < len(ops):
+                s2, c2, b2, st2, f2 = ops[i]
+                if s2 != step or c2 != c + 1 or b2 is not base or st2 != stop or f2 != first:
+                    break
+                c, stop, i = c2, stop + numels[c2], i + 1
+            dst, src = self._sum[pos[c0] : pos[c + 1]], base[start:stop]
+            if first:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+
+    def finalize(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
+        """Per chunk, the unbiased partial mean; see :func:`partial_mean` for each item.
+        Without robust options the means are views of one bucket-sized tensor."""
+        if self.config.robust:
+            return [
+                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config)
+                for held, n in zip(self._held, self.numels)
+            ]
+        ops = []
+        for c, held in enumerate(self._held):  # the rest, in sender order after the folded prefix
+            k, first = self._next[c], self._next[c] == 0
+            for s in sorted(held):
+                base, start = held[s]
+                ops.append((k, c, base, start, first))
+                k, first = k + 1, False
+            held.clear()
+        self._apply(ops)
+        return self._means()
+
+    def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
+        """sum / count per chunk: one division per stretch of chunks of one size, the sums
+        as rows over a column of counts (float32 division is exactly rounded: the same
+        values as dividing each chunk by its count)."""
+        senders = [tuple(sorted(d)) for d in self._digests]
+        if self._sum is None:
+            return [(None, (), {}) for _ in senders]
+        counts = torch.tensor([float(len(s)) for s in senders], dtype=torch.float32)
+        mean = torch.empty_like(self._sum)
+        pos = self._pos
+        for a, b in equal_runs(self.numels):
+            rows = (b - a, self.numels[a])
+            torch.div(
+                self._sum[pos[a] : pos[b]].view(rows), counts[a:b].unsqueeze(1), out=mean[pos[a] : pos[b]].view(rows)
+            )
+        return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]

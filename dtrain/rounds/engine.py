@@ -41,7 +41,6 @@ from dtrain.errors import (
     PeerTimeout,
     PeerUnavailable,
     RejectCode,
-    Rejected,
     StateTransferError,
     TransportError,
 )
@@ -408,12 +407,12 @@ class RoundEngine(PeerSide):
                 first = False
 
     def _push(self, run: _Run, owner: str, buckets: list[int]) -> None:
-        if owner == self.site_id:
-            for cn in self._contributions(run, buckets, remote=False):
-                try:
-                    self._accept(run.owned, cn)
-                except Rejected as e:
-                    run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
+        if owner == self.site_id:  # a bucket's chunks counted in one pass per run (PeerSide.accept_own)
+            for b in buckets:
+                cs = list(self._contributions(run, [b], remote=False))
+                for cn, e in zip(cs, self.accept_own(run.owned, cs)):
+                    if e is not None:
+                        run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
             return
         t = time.perf_counter()
         pacer, until = run.pacer, run.owned.books.finalize_at

@@ -14,7 +14,7 @@ from dtrain.codecs import Codec
 from dtrain.protocol import BucketMean, MeanChunk
 from dtrain.rounds.owner import ChunkReduction
 
-__all__ = ["contiguous_runs", "decode_mean", "encode_mean"]
+__all__ = ["ascending_runs", "contiguous_runs", "decode_mean", "encode_mean"]
 
 
 def encode_mean(
@@ -76,6 +76,18 @@ def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     start = 0
     for i in range(1, len(ranges) + 1):
         if i == len(ranges) or ranges[i][0] != ranges[i - 1][0] + ranges[i - 1][1]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def ascending_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of the maximal runs of strictly ascending values in
+    ``indices`` (``[0, 1, 5, 2, 2]`` -> ``[(0, 3), (3, 4), (4, 5)]``)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(indices) + 1):
+        if i == len(indices) or indices[i] <= indices[i - 1]:
             runs.append((start, i))
             start = i
     return runs

@@ -7,13 +7,14 @@ hivemind's ``TensorPartReducer``: ``accumulate_part`` / ``on_sender_failed`` /
 ``finalize``):
 
 * :meth:`~OpenRound.accept` — count one validated contribution to one chunk;
+  :meth:`~OpenRound.accept_run` — the same for a sender's run of neighbouring chunks;
 * :meth:`~OpenRound.reject` — count one refused contribution (by code);
 * :meth:`~OpenRound.members_lost` — stop awaiting members the rendezvous holds dead;
 * :meth:`~OpenRound.due` — the buckets to finalize at time ``now``, with a reason: a
   bucket that awaits nothing more at once, every remaining one at the reduce deadline;
 * :meth:`~OpenRound.close` — accept nothing more for those buckets;
 * :meth:`~OpenRound.finalize` — the unbiased partial mean of each chunk of a closed
-  bucket, summed in sender-id order (:class:`~dtrain.aggregation.ChunkAccumulator`).
+  bucket, summed in sender-id order (:class:`~dtrain.aggregation.BucketAccumulator`).
 
 Time is passed in (``now``, on the clock of ``opened_at``), never read here; nothing
 here blocks, sends or logs. It is not thread-safe: the round engine holds its lock
@@ -28,7 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+from dtrain.aggregation import AggregationConfig, BucketAccumulator
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import Contribution, RoundPlan
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
@@ -115,12 +116,8 @@ class OpenRound:
         self.broadcast_until = opened_at + plan.broadcast_timeout_s
         self.mine = tuple(b for b, o in enumerate(owners) if o == site_id)
         order = sorted(self.members)
-        self._acc = {
-            (b, c): ChunkAccumulator(n, aggregation, order=order)
-            for b in self.mine
-            for c, (_, n) in enumerate(self.chunks[b])
-        }
-        self.expected = len(self._acc) * len(self.members)
+        self._acc = {b: BucketAccumulator([n for _, n in self.chunks[b]], aggregation, order=order) for b in self.mine}
+        self.expected = sum(len(self.chunks[b]) for b in self.mine) * len(self.members)
         self.arrived = 0
         self.lost: set[str] = set()
         self.finished: set[str] = set()  # members whose transport said they sent everything (sender_done)
@@ -157,8 +154,14 @@ class OpenRound:
             for b in self.mine
             if b not in self.closed
             for c in range(len(self.chunks[b]))
-            if sender not in self._acc[(b, c)].digests
+            if self._acc[b].digest(c, sender) is None
         )
+
+    def counted(self, bucket: int, chunk: int, sender: str) -> bytes | None:
+        """The digest of the payload counted from ``sender`` for an owned chunk (None: none)."""
+        if bucket in self.closed:
+            return self.digests.get((bucket, chunk), {}).get(sender)
+        return self._acc[bucket].digest(chunk, sender)
 
     def check(self, c: Contribution) -> None:
         """Refuse a contribution that does not fit this round (before decoding it).
@@ -202,37 +205,92 @@ class OpenRound:
                 deadline passed (a late contribution; it stays in the sender's
                 residual); ALREADY_EXISTS for a different payload from a sender
                 already counted; INVALID_ARGUMENT for bad values
-                (:meth:`ChunkAccumulator.add`).
+                (:meth:`BucketAccumulator.add`).
         """
         if bucket in self.closed:
-            counted = self.digests.get((bucket, chunk), {}).get(sender)
-            if counted == digest:
-                return False
-            if counted is not None:
-                raise Rejected(
-                    RejectCode.ALREADY_EXISTS,
-                    f"a different contribution from {sender} for round {self.round} bucket {bucket} chunk {chunk} "
-                    "was already counted in its mean",
-                )
-            raise Rejected(
-                RejectCode.FAILED_PRECONDITION,
-                f"round {self.round} bucket {bucket} is already finalized (late or stale contribution)",
-            )
-        acc = self._acc[(bucket, chunk)]
-        if now >= self.finalize_at and acc.digests.get(sender) != digest:
-            raise Rejected(
-                RejectCode.FAILED_PRECONDITION,
-                f"round {self.round} bucket {bucket}: reduce deadline passed {now - self.finalize_at:.3f} s ago "
-                "(late contribution)",
-            )
-        if not acc.add(sender, values, digest):
+            return self._closed_answer(sender, bucket, chunk, digest)
+        acc = self._acc[bucket]
+        if now >= self.finalize_at and acc.digest(chunk, sender) != digest:
+            raise self._late(bucket, now)
+        if not acc.add(sender, chunk, values, digest):
             return False
-        self.arrived += 1
+        self._counted(sender, bucket, 1)
+        return True
+
+    def accept_run(
+        self,
+        sender: str,
+        bucket: int,
+        chunks: Sequence[int],
+        values: torch.Tensor,
+        digests: Sequence[bytes | None],
+        *,
+        now: float,
+    ) -> list[bool | Rejected | None]:
+        """:meth:`accept` for each of ``sender``'s contributions to ``chunks`` of ``bucket``
+        (ascending; each passed :meth:`check`), in one pass (:meth:`BucketAccumulator.add_run`).
+
+        Args:
+            values: 1-D fp32, the chunks' decoded values concatenated in that order.
+            digests: per chunk, its payload's digest; None skips the chunk.
+        Returns:
+            Per chunk what :meth:`accept` returns (True, False) or raises (the
+            :class:`Rejected`, same code and reason), or None for a skipped chunk.
+        """
+        out: list[bool | Rejected | None] = [None] * len(digests)
+        if bucket in self.closed:
+            for j, d in enumerate(digests):
+                if d is not None:
+                    try:
+                        out[j] = self._closed_answer(sender, bucket, chunks[j], d)
+                    except Rejected as e:
+                        out[j] = e
+            return out
+        acc = self._acc[bucket]
+        if now >= self.finalize_at:
+            digests = list(digests)
+            for j, d in enumerate(digests):
+                if d is not None and acc.digest(chunks[j], sender) != d:
+                    out[j], digests[j] = self._late(bucket, now), None
+        counted = 0
+        for j, r in enumerate(acc.add_run(sender, chunks, values, digests)):
+            if r is not None:
+                out[j] = r
+                counted += r is True
+        if counted:
+            self._counted(sender, bucket, counted)
+        return out
+
+    def _closed_answer(self, sender: str, bucket: int, chunk: int, digest: bytes) -> bool:
+        """A contribution to a closed bucket: False for an identical retry, else refused."""
+        counted = self.digests.get((bucket, chunk), {}).get(sender)
+        if counted == digest:
+            return False
+        if counted is not None:
+            raise Rejected(
+                RejectCode.ALREADY_EXISTS,
+                f"a different contribution from {sender} for round {self.round} bucket {bucket} chunk {chunk} "
+                "was already counted in its mean",
+            )
+        raise Rejected(
+            RejectCode.FAILED_PRECONDITION,
+            f"round {self.round} bucket {bucket} is already finalized (late or stale contribution)",
+        )
+
+    def _late(self, bucket: int, now: float) -> Rejected:
+        return Rejected(
+            RejectCode.FAILED_PRECONDITION,
+            f"round {self.round} bucket {bucket}: reduce deadline passed {now - self.finalize_at:.3f} s ago "
+            "(late contribution)",
+        )
+
+    def _counted(self, sender: str, bucket: int, num: int) -> None:
+        """``num`` new contributions of ``sender`` to ``bucket`` were counted."""
+        self.arrived += num
         if sender not in self.lost and sender not in self.finished:  # no longer awaited: counted, not missing
-            self._missing[bucket] -= 1
+            self._missing[bucket] -= num
             if self._missing[bucket] == 0:
                 self._complete.append(bucket)
-        return True
 
     def reject(
         self, sender: str, code: RejectCode, reason: str, *, where: tuple[int, int, bytes] | None = None
@@ -296,9 +354,9 @@ class OpenRound:
         for b in self.mine:
             if b in self.closed:
                 continue
+            acc = self._acc[b]
             for c in range(len(self.chunks[b])):
-                arrived = self._acc[(b, c)].digests
-                self._missing[b] -= sum(1 for s in senders if s not in arrived)
+                self._missing[b] -= sum(1 for s in senders if acc.digest(c, s) is None)
             if self._missing[b] == 0 and b not in self._complete:
                 self._complete.append(b)
 
@@ -323,8 +381,9 @@ class OpenRound:
             if b in self.closed:
                 continue
             self.closed.add(b)
+            acc = self._acc[b]
             for c in range(len(self.chunks[b])):
-                self.digests[(b, c)] = self._acc[(b, c)].digests
+                self.digests[(b, c)] = acc.digests(c)
         self._complete = [b for b in self._complete if b not in self.closed]
 
     def finalize(self, bucket: int) -> list[ChunkReduction]:
@@ -336,11 +395,10 @@ class OpenRound:
         """
         if bucket not in self.closed:
             raise ValueError(f"bucket {bucket} is not closed in round {self.round}")
-        out = []
-        for c in range(len(self.chunks[bucket])):
-            acc = self._acc.pop((bucket, c), None)
-            if acc is None:
-                raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
-            mean, senders, dropped = acc.finalize()
-            out.append(ChunkReduction(chunk=c, mean=mean, senders=senders, dropped=dropped))
-        return out
+        acc = self._acc.pop(bucket, None)
+        if acc is None:
+            raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
+        return [
+            ChunkReduction(chunk=c, mean=mean, senders=senders, dropped=dropped)
+            for c, (mean, senders, dropped) in enumerate(acc.finalize())
+        ]

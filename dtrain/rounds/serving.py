@@ -25,7 +25,7 @@ from dtrain.errors import (
     Rejected,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
-from dtrain.rounds.means import contiguous_runs
+from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
 from dtrain.transports.pacing import Pacer
 
@@ -78,38 +78,110 @@ class PeerSide:
 
     def handle_contributions(self, cs: Sequence[Contribution]) -> list[Rejected | None]:
         """:meth:`handle_contribution` for each of ``cs`` in order (a datagram receiver's
-        backlog): the same checks, effects and refusals, one per item (None: counted).
-        Neighbouring chunks of one bucket decode in one pass (:meth:`Codec.decode_chunks`);
-        a run that does not decode is decoded (and refused) chunk by chunk."""
+        backlog): the same checks, effects and refusals, one per item (None: counted or an
+        identical retry). A sender's run of chunks of one bucket in ascending order (gaps
+        allowed: datagrams lost) is decoded in one pass (:meth:`Codec.decode_chunks`) and
+        checked and counted in one pass (:meth:`_handle_run`); a run that does not decode is
+        decoded (and refused) chunk by chunk."""
         out: list[Rejected | None] = []
-        for c, values in zip(cs, self._decode_runs(cs)):
-            try:
-                self._handle_one(c, values)
-                out.append(None)
-            except Rejected as e:
-                out.append(e)
+        for i, j, values in self._decode_runs(cs):
+            if values is None:
+                out += [self._try_one(c, None) for c in cs[i:j]]
+            else:
+                out += self._handle_run(cs[i:j], values)
         return out
 
-    def _decode_runs(self, cs: Sequence[Contribution]) -> list[torch.Tensor | None]:
-        """Values of each contribution decoded in runs of contiguous chunks of one round and
-        bucket in this round's codec (None: not in such a run, or its run did not decode)."""
-        out: list[torch.Tensor | None] = [None] * len(cs)
-        keys = [(c.round, c.bucket, c.codec == self.codec.name) for c in cs]
+    def _try_one(self, c: Contribution, values: torch.Tensor | None) -> Rejected | None:
+        try:
+            self._handle_one(c, values)
+        except Rejected as e:
+            return e
+        return None
+
+    def _decode_runs(self, cs: Sequence[Contribution]) -> list[tuple[int, int, torch.Tensor | None]]:
+        """``cs`` cut into consecutive spans ``(start, end, values)``: ``values`` is the
+        decoded concatenation of a run (>= 2) of chunks in ascending order of one sender,
+        round and bucket in this round's codec, or None for a span to take chunk by chunk
+        (not in such a run, or its run did not decode)."""
+        out: list[tuple[int, int, torch.Tensor | None]] = []
+        keys = [(c.round, c.bucket, c.sender, c.codec == self.codec.name) for c in cs]
         for i, j in equal_runs(keys):
-            if not keys[i][2] or j - i < 2:
+            if not keys[i][3] or j - i < 2:
+                out.append((i, j, None))
                 continue
-            for a, b in contiguous_runs([(c.offset, c.numel) for c in cs[i:j]]):
-                run = cs[i + a : i + b]
-                if len(run) < 2:
-                    continue
+            for a, b in ascending_runs([c.chunk for c in cs[i:j]]):
+                run, dec = cs[i + a : i + b], None
+                if len(run) >= 2:
+                    try:
+                        dec = self.codec.decode_chunks([c.payload for c in run], [c.numel for c in run])
+                    except CodecError:
+                        pass
+                out.append((i + a, i + b, dec))
+        return out
+
+    def _handle_run(self, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
+        """:meth:`_handle_one` for each contribution of a decoded run (:meth:`_decode_runs`), one
+        pass: the refused chunks are recorded and logged as :meth:`_handle_one` does."""
+        try:
+            owned = self._round_for(cs[0].round, self.config.plan_wait_s)
+        except Rejected as e:
+            return [e] * len(cs)
+        out: list[Rejected | None] = []
+        for c, r in zip(cs, self._accept_run(owned, cs, values)):
+            if r is not None:
+                self._refused(owned, c, r)
+            out.append(r)
+        return out
+
+    def _accept_run(self, owned: _Owned, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
+        """:meth:`_accept` for each of ``cs``, one sender's run of chunks of one bucket in
+        ascending order in this round's codec, ``values`` their decoded concatenation: the
+        checks per chunk in plain Python, the values' checks and the sums per run
+        (:meth:`OpenRound.accept_run`). A run that is not plain (a banned sender, a chunk
+        that fails :meth:`OpenRound.check`, chunk indices not ascending) is taken chunk
+        by chunk. Returns per chunk None (counted or an identical retry) or its refusal."""
+        books, c0 = owned.books, cs[0]
+        plain = c0.sender not in self._banned and c0.codec == self.codec.name
+        plain = plain and all(c.bucket == c0.bucket and c.sender == c0.sender for c in cs)
+        plain = plain and ascending_runs([c.chunk for c in cs]) == [(0, len(cs))]
+        try:
+            for c in cs if plain else ():
+                books.check(c)
+        except Rejected:
+            plain = False
+        if not plain:
+            out: list[Rejected | None] = []
+            pos = 0
+            for c in cs:
                 try:
-                    dec = self.codec.decode_chunks([c.payload for c in run], [c.numel for c in run])
-                except CodecError:
-                    continue
-                pos = 0
-                for k, c in enumerate(run):
-                    out[i + a + k] = dec[pos : pos + c.numel]
-                    pos += c.numel
+                    self._accept(owned, c, values[pos : pos + c.numel])
+                    out.append(None)
+                except Rejected as e:
+                    out.append(e)
+                pos += c.numel
+            return out
+        digests = [hashlib.blake2b(c.payload, digest_size=16).digest() for c in cs]
+        with owned.cv:
+            res = books.accept_run(c0.sender, c0.bucket, [c.chunk for c in cs], values, digests, now=time.monotonic())
+            if any(r is True for r in res) and books.awaited(c0.bucket) == 0:
+                owned.cv.notify_all()
+        return [r if isinstance(r, Rejected) else None for r in res]
+
+    def accept_own(self, owned: _Owned, cs: Sequence[Contribution]) -> list[Rejected | None]:
+        """:meth:`_accept` for each of this site's own contributions ``cs`` to the buckets it
+        owns (refusals are returned, not recorded as a peer's): runs of chunks in ascending
+        order are decoded, checked and counted in one pass each, as a peer's (:meth:`_accept_run`)."""
+        out: list[Rejected | None] = []
+        for i, j, values in self._decode_runs(cs):
+            if values is not None:
+                out += self._accept_run(owned, cs[i:j], values)
+                continue
+            for c in cs[i:j]:
+                try:
+                    self._accept(owned, c)
+                    out.append(None)
+                except Rejected as e:
+                    out.append(e)
         return out
 
     def _handle_one(self, c: Contribution, values: torch.Tensor | None) -> None:
@@ -117,20 +189,24 @@ class PeerSide:
         try:
             self._accept(owned, c, values)
         except Rejected as e:
-            where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
-            with owned.cv:
-                example = owned.books.reject(c.sender, e.code, e.reason, where=where)
-            # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
-            (self.log.warning if example else self.log.debug)(
-                "round %d: rejected chunk b%d c%d from %s: %s %s",
-                c.round,
-                c.bucket,
-                c.chunk,
-                c.sender,
-                e.code,
-                e.reason,
-            )
+            self._refused(owned, c, e)
             raise
+
+    def _refused(self, owned: _Owned, c: Contribution, e: Rejected) -> None:
+        """Count and (the first few of each code per round) log a refused contribution."""
+        where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
+        with owned.cv:
+            example = owned.books.reject(c.sender, e.code, e.reason, where=where)
+        # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
+        (self.log.warning if example else self.log.debug)(
+            "round %d: rejected chunk b%d c%d from %s: %s %s",
+            c.round,
+            c.bucket,
+            c.chunk,
+            c.sender,
+            e.code,
+            e.reason,
+        )
 
     def _accept(self, owned: _Owned, c: Contribution, values: torch.Tensor | None = None) -> None:
         """Check and count ``c``; ``values``: its payload already decoded (None: decoded here)."""

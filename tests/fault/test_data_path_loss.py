@@ -156,7 +156,7 @@ def test_push_stream_broken_by_sigkill_marks_the_sender_lost_at_the_owner():
         deadline = time.monotonic() + 20
         while True:  # the first chunk was counted
             with owner._open[0].cv:
-                if owner._open[0].books.arrived > 0 and "site-2" in owner._open[0].books._acc[(b0, 0)].digests:
+                if owner._open[0].books.arrived > 0 and owner._open[0].books.counted(b0, 0, "site-2") is not None:
                     break
             assert time.monotonic() < deadline, "site-2's first chunk never arrived"
             time.sleep(0.02)

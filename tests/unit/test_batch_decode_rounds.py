@@ -15,7 +15,7 @@ from dtrain.codecs import get_codec
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import BucketMean, Contribution
 from dtrain.rounds.error_feedback import settle_bucket, settle_chunk
-from dtrain.rounds.means import contiguous_runs, decode_mean, encode_mean
+from dtrain.rounds.means import ascending_runs, contiguous_runs, decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction
 from dtrain.rounds.serving import PeerSide
 from dtrain.transports.datagram import dispatch_groups
@@ -25,6 +25,12 @@ from dtrain.transports.datagram_wire import Kind
 def _bucket(numel: int, step: int = 1280) -> Bucket:
     chunks = tuple((o, min(step, numel - o)) for o in range(0, numel, step))
     return Bucket(0, numel, "param", (), chunks)
+
+
+def test_ascending_runs() -> None:
+    assert ascending_runs([]) == []
+    assert ascending_runs([0, 1, 5, 2, 2]) == [(0, 3), (3, 4), (4, 5)]
+    assert ascending_runs([3]) == [(0, 1)]
 
 
 def test_contiguous_runs() -> None:
@@ -96,16 +102,26 @@ def test_settle_bucket_lossless_codec_zeroes_the_included_chunks() -> None:
 
 
 class _Side(PeerSide):
-    """Only what ``handle_contributions`` uses: the codec, and ``_handle_one`` recorded."""
+    """Only what ``handle_contributions`` uses: the codec; ``_handle_one`` (a chunk) and
+    ``_handle_run`` (a decoded run, its chunks' values as views) recorded."""
 
     def __init__(self, codec) -> None:
         self.codec = codec
         self.seen: list[tuple[Contribution, torch.Tensor | None]] = []
+        self.runs: list[list[int]] = []
 
     def _handle_one(self, c, values) -> None:
         if c.sender == "refused":
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"chunk {c.chunk} refused")
         self.seen.append((c, values))
+
+    def _handle_run(self, cs, values) -> list:
+        self.runs.append([c.chunk for c in cs])
+        pos = 0
+        for c in cs:
+            self.seen.append((c, values[pos : pos + c.numel]))
+            pos += c.numel
+        return [None] * len(cs)
 
 
 def _contribs(codec, bucket: int, chunks: list[int], *, sender: str = "s", x: torch.Tensor) -> list[Contribution]:
@@ -124,22 +140,24 @@ def _contribs(codec, bucket: int, chunks: list[int], *, sender: str = "s", x: to
     ]
 
 
-def test_handle_contributions_decodes_runs_of_neighbouring_chunks_and_answers_each() -> None:
+def test_handle_contributions_decodes_runs_of_ascending_chunks_and_answers_each() -> None:
     codec = get_codec("int8")
     x = torch.randn(10 * 1280, generator=torch.Generator().manual_seed(2))
-    cs = _contribs(codec, 0, [0, 1, 2], x=x) + _contribs(codec, 0, [5, 6], x=x) + _contribs(codec, 1, [7], x=x)
-    bad = bytearray(cs[3].payload)
+    cs = _contribs(codec, 0, [0, 1, 2, 4], x=x)  # one run: ascending chunks, chunk 3 lost
+    cs += _contribs(codec, 3, [5, 6], x=x) + _contribs(codec, 1, [7], x=x)
+    bad = bytearray(cs[4].payload)
     bad[-1] ^= 1
-    cs[3] = replace(cs[3], payload=bytes(bad))  # its run (chunks 5, 6) is decoded chunk by chunk
+    cs[4] = replace(cs[4], payload=bytes(bad))  # its run (bucket 3, chunks 5, 6) is decoded chunk by chunk
     cs += _contribs(codec, 2, [8], sender="refused", x=x)
     side = _Side(codec)
     results = side.handle_contributions(cs)
-    assert [r is None for r in results] == [True] * 6 + [False]
-    assert str(results[6]) and "chunk 8 refused" in results[6].reason
-    assert [c.chunk for c, _ in side.seen] == [0, 1, 2, 5, 6, 7]
-    for c, values in side.seen[:3]:  # decoded in one pass, bit for bit the chunk's own decode
+    assert [r is None for r in results] == [True] * 7 + [False]
+    assert str(results[7]) and "chunk 8 refused" in results[7].reason
+    assert [c.chunk for c, _ in side.seen] == [0, 1, 2, 4, 5, 6, 7]
+    assert side.runs == [[0, 1, 2, 4]]  # checked and counted in one pass
+    for c, values in side.seen[:4]:  # decoded in one pass, bit for bit the chunk's own decode
         assert values is not None and torch.equal(values, codec.decode(c.payload, numel=c.numel))
-    assert all(values is None for _, values in side.seen[3:])  # bad run, and a run of one
+    assert all(values is None for _, values in side.seen[4:])  # bad run, and a run of one
 
 
 def test_dispatch_groups_batch_each_senders_contributions_and_keep_each_senders_order() -> None:
