@@ -93,16 +93,19 @@ class DatagramMeans:
         self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
 
     def _send_mean(
-        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool
+        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool, copies: int = 1
     ) -> None:
         """Meta, the chunks, final meta; to every dest, batch by batch, paced. Each batch is
         sealed once and the same datagrams go to every dest (each member's replay window is
-        its own), so a mean costs one seal per chunk, not one per chunk and member."""
+        its own), so a mean costs one seal per chunk, not one per chunk and member.
+        ``copies``: each chunk and the final meta leave that many times (separately sealed;
+        the member keeps the first that arrives)."""
         meta = encode_meta(m)
         socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
         batches: list[tuple[int, list, list]] = []
         if with_meta:
             batches.append((Kind.MEAN_META, [(m.bucket, 0, 0, 0, NO_CODEC, 0, 1)], [meta]))
+        chunks = list(chunks) * copies  # the copies one whole pass apart
         for i in range(0, len(chunks), _MEAN_BATCH):
             parts = []
             for c in chunks[i : i + _MEAN_BATCH]:
@@ -110,7 +113,7 @@ class DatagramMeans:
                 head = senders_bitmap(ch.senders, rs.site_ids)
                 parts += self._parts(head, ch.payload, (m.bucket, c, ch.offset, ch.numel, codec_id(ch.codec)))
             batches.append((Kind.MEAN, [f for f, _ in parts], [b for _, b in parts]))
-        batches.append((Kind.MEAN_META, [(m.bucket, _META_COPY_FINAL, 0, 0, NO_CODEC, 0, 1)], [meta]))
+        batches.append((Kind.MEAN_META, [(m.bucket, _META_COPY_FINAL, 0, 0, NO_CODEC, 0, 1)] * copies, [meta] * copies))
         for kind, fields, bodies in batches:
             sealed = rs.sealer.seal_many(kind, fields, bodies)
             if kind == Kind.MEAN:
@@ -130,8 +133,12 @@ class DatagramMeans:
             return
         asked = struct.unpack(f"<{len(body) // 4}I", body)
         wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
-        self._count(resent=len(wanted))
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked)
+        # what was lost once is re-sent nack_copies times (not a whole mean asked for again):
+        # at loss p a NACK round then leaves p^copies of it missing, not p, and the member
+        # needs fewer NACK rounds (each costs an RTT and a wait behind the owner's pacer)
+        copies = 1 if _NACK_ALL in asked else self.config.nack_copies
+        self._count(resent=len(wanted) * copies)
+        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked, copies=copies)
 
     def _answer_ack(self, rs: RoundState, h, body: bytes) -> None:
         """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``), or,
