@@ -43,8 +43,13 @@ def encode_mean(
     full = torch.empty(bucket.numel, dtype=torch.float32)
     src = torch.empty(bucket.numel, dtype=torch.float32)
     ranges = [bucket.chunks[red.chunk] for red in reductions]
-    for red, (off, n) in zip(reductions, ranges):
-        src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
+    if ranges == list(bucket.chunks):  # every chunk in order (as finalize gives them): one copy, one add
+        torch.cat([red.mean for red in reductions], out=src)
+        if residual is not None:
+            src.add_(residual)
+    else:
+        for red, (off, n) in zip(reductions, ranges):
+            src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
     # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
     payloads = codec.encode_chunks(src, ranges, generator=generator)
     _decode_into(codec, full, ranges, payloads)  # one pass per run of equal chunks, not one call per chunk
