@@ -5,6 +5,7 @@ See the package docstring (``dtrain.codecs``) for the payload layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import sys
@@ -227,9 +228,10 @@ class Codec:
         """
         if len(payloads) != len(numels):
             raise ValueError(f"{len(payloads)} payloads but {len(numels)} element counts")
-        for n in numels:
-            if _bad_int(n) or n < 0:
-                raise CodecError(f"numel must be a non-negative int, got {n!r}")
+        if not all(type(n) is int for n in numels) or (numels and min(numels) < 0):  # else: the rule, by element
+            for n in numels:
+                if _bad_int(n) or n < 0:
+                    raise CodecError(f"numel must be a non-negative int, got {n!r}")
         out = torch.empty(sum(numels), dtype=torch.float32)
         pos = 0
         for i, j in equal_runs(numels):
@@ -483,10 +485,10 @@ def equal_runs(numels: Sequence[int]) -> list[tuple[int, int]]:
     (``[5, 5, 5, 2]`` -> ``[(0, 3), (3, 4)]``; empty for an empty sequence)."""
     runs: list[tuple[int, int]] = []
     start = 0
-    for i in range(1, len(numels) + 1):
-        if i == len(numels) or numels[i] != numels[start]:
-            runs.append((start, i))
-            start = i
+    for _, group in itertools.groupby(numels):
+        end = start + len(list(group))
+        runs.append((start, end))
+        start = end
     return runs
 
 

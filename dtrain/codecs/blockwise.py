@@ -18,6 +18,7 @@ element is read from memory once and temporaries stay in cache.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 
@@ -111,7 +112,7 @@ class _Blockwise(Codec):
         whole blocks is cut into its payloads at once (:meth:`_payload_rows`), any other
         range on its own (:meth:`_payload`): the bytes of ``encode(x[o:o+n])`` per range."""
         bs = self._bs
-        aligned = all(o % bs == 0 and o % 2 == 0 for o, _ in chunks)
+        aligned = all(o % bs == 0 for o, _ in chunks)  # and even: block sizes are
         if self._zstd or not aligned or x.dim() != 1 or x.dtype != torch.float32 or len(chunks) < 2:
             return super().encode_chunks(x, chunks, generator=generator)
         x32, _ = _prepare(x)
@@ -323,8 +324,16 @@ def _uniform_runs(ranges) -> list[tuple[int, int]]:
     ``[(0, 2), (2, 3)]``)."""
     runs: list[tuple[int, int]] = []
     start = 0
-    for i in range(1, len(ranges) + 1):
-        if i == len(ranges) or ranges[i][1] != ranges[start][1] or ranges[i][0] != ranges[i - 1][0] + ranges[i - 1][1]:
-            runs.append((start, i))
-            start = i
+    for m, group in itertools.groupby(ranges, key=lambda r: r[1]):
+        offsets = [o for o, _ in group]
+        o0, k = offsets[0], len(offsets)
+        if m and offsets == list(range(o0, o0 + k * m, m)):
+            runs.append((start, start + k))
+        else:  # not contiguous (or empty ranges): split where a range does not follow the one before
+            cut = start
+            for i in range(1, k + 1):
+                if i == k or offsets[i] != offsets[i - 1] + m:
+                    runs.append((cut, start + i))
+                    cut = start + i
+        start += k
     return runs
