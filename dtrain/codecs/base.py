@@ -206,7 +206,7 @@ class Codec:
             return torch.zeros(numel, dtype=torch.float32)
         return self._decode_body(body, numel)
 
-    def decode_chunks(self, payloads: Sequence, numels: Sequence[int]) -> torch.Tensor:
+    def decode_chunks(self, payloads: Sequence, numels: Sequence[int], *, verify: bool = True) -> torch.Tensor:
         """Decode several payloads into one 1-D float32 tensor, their concatenation in order.
 
         The inverse of :meth:`encode_chunks` for a bucket's contiguous chunks: the same
@@ -218,6 +218,10 @@ class Codec:
         Args:
             payloads: the payloads, in element order.
             numels: the element count each payload must decode to.
+            verify: False only for payloads this process encoded itself (its own
+                contributions and means, kept in memory): a vectorized run then skips the
+                header and crc32 comparisons (the values are the same); lengths, scales and
+                codes are still checked, and anything else decodes fully checked.
 
         Returns:
             A new float32 tensor of ``sum(numels)`` elements.
@@ -236,12 +240,13 @@ class Codec:
         pos = 0
         for i, j in equal_runs(numels):
             n = numels[i]
-            self._decode_run_into(out[pos : pos + (j - i) * n], payloads[i:j], n)
+            self._decode_run_into(out[pos : pos + (j - i) * n], payloads[i:j], n, verify)
             pos += (j - i) * n
         return out
 
-    def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int) -> None:
-        """Decode payloads of ``numel`` elements each into consecutive ranges of ``out``."""
+    def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int, verify: bool = True) -> None:
+        """Decode payloads of ``numel`` elements each into consecutive ranges of ``out``
+        (``verify`` is for codecs with a vectorized run: this path checks everything)."""
         for k, p in enumerate(payloads):
             out[k * numel : (k + 1) * numel] = self.decode(p, numel=numel)
 
@@ -253,13 +258,14 @@ class Codec:
             :28
         ]
 
-    def _checked_bodies(self, payloads: Sequence, numel: int) -> np.ndarray | None:
+    def _checked_bodies(self, payloads: Sequence, numel: int, verify: bool = True) -> np.ndarray | None:
         """The bodies of ``payloads`` (a run of ``numel`` elements each, no zstd stage) as a
         ``(len(payloads), body bytes)`` uint8 array when every payload passes the header,
         length and crc32 checks of :meth:`_checked_body`; None when any may not (the caller
         then decodes payload by payload, which raises :meth:`decode`'s error for the first
         bad one). One join and a numpy comparison for the run instead of a header parse per
-        payload; the crc32 is still computed per payload."""
+        payload; the crc32 is still computed per payload. ``verify=False`` (this process's own
+        payloads): the lengths only."""
         raw = self._body_bytes(numel)
         plen = HEADER_BYTES + raw
         if self._zstd or raw == 0 or raw > self.config.max_decoded_bytes:
@@ -270,6 +276,8 @@ class Codec:
         if len(joined) != plen * len(payloads):
             return None
         rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(payloads), plen)
+        if not verify:
+            return rows[:, HEADER_BYTES:]
         want = np.frombuffer(self._header_prefix(numel), dtype=np.uint8)
         if not (
             (rows[:, :7] == want[:7]).all()  # magic, version, codec id, zstd flag

@@ -167,12 +167,12 @@ class _Blockwise(Codec):
             raise CodecError("corrupted payload: block scales must be finite and >= 0")
         return scale
 
-    def _decode_run_into(self, out, payloads, numel):
+    def _decode_run_into(self, out, payloads, numel, verify=True):
         """A run of chunks of whole blocks in one vectorized pass (:meth:`_checked_bodies`,
         then :meth:`_decode_rows`): the same products as :meth:`_decode_body` (code ->
         float32, times its block's scale). Anything the pass does not accept is decoded
         payload by payload, which raises :meth:`decode`'s error for the first bad one."""
-        bodies = None if numel % self._bs or len(payloads) < 2 else self._checked_bodies(payloads, numel)
+        bodies = None if numel % self._bs or len(payloads) < 2 else self._checked_bodies(payloads, numel, verify)
         if bodies is None or not self._decode_rows(out, bodies, numel):
             super()._decode_run_into(out, payloads, numel)
 

@@ -170,7 +170,8 @@ def settle_bucket(
         chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order).
         included: per chunk, whether the finalized mean included this site.
         codec: the contribution codec (``sent`` payloads).
-        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec).
+        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec);
+            made by this process, so decoded without re-checking headers and crc32s.
         bcodec: the broadcast codec (``mean_payloads``).
         mean_payloads: the applied mean's payload per chunk, or None when no whole mean
             is known here.
@@ -190,7 +191,7 @@ def settle_bucket(
         if cases[i] == "zero":
             settle_chunk(residual[a:b], included=True, sent=None, applied_mean=None)
         elif cases[i] == "sent":
-            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels)
+            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False)  # this site's own
             settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
         elif cases[i] == "mean":
             assert mean_payloads is not None

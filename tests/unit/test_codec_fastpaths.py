@@ -196,6 +196,7 @@ def test_payloads_and_decoded_values_equal_the_reference(cfg: CodecConfig, numel
         ref_dec = torch.cat([ref.decode(p, n) for p, n in zip(want, numels)])
         assert torch.equal(_bits(dec), _bits(ref_dec)), f"{cfg.name} {what}: decoded bits differ"
         assert torch.equal(_bits(dec), _bits(torch.cat([codec.decode(p, numel=n) for p, n in zip(got, numels)])))
+        assert torch.equal(_bits(codec.decode_chunks(got, numels, verify=False)), _bits(dec))  # own payloads
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -249,6 +250,10 @@ def test_a_bad_run_raises_decodes_error_for_its_first_bad_payload(name: str) -> 
         with pytest.raises(CodecError) as e:
             codec.decode_chunks(run, [1280] * 6)
         assert str(e.value) == _first_error(codec, run, 1280), what
+    for what in ("code", "scale", "negative scale", "truncated"):  # checked without verify too
+        with pytest.raises(CodecError) as e:
+            codec.decode_chunks(runs[what], [1280] * 6, verify=False)
+        assert str(e.value) == _first_error(codec, runs[what], 1280), what
 
 
 def test_a_run_of_memoryviews_and_bytearrays_decodes_alike() -> None:
