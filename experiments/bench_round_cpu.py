@@ -84,8 +84,10 @@ def _model_tensors(num_sites: int) -> list[torch.Tensor]:
 class _Site:
     """One site's state and the pieces of a round it replays."""
 
-    def __init__(self, tensors: list[torch.Tensor], *, codec: str, num_sites: int, seed: int) -> None:
-        chunk_bytes = datagram_chunk_bytes(codec)
+    def __init__(
+        self, tensors: list[torch.Tensor], *, codec: str, num_sites: int, seed: int, chunk_bytes: int | None = None
+    ) -> None:
+        chunk_bytes = chunk_bytes or datagram_chunk_bytes(codec)
         self.layout = BucketLayout(
             [t.numel() for t in tensors], ["param"] * len(tensors), BucketConfig(chunk_bytes=chunk_bytes, num_sites=4)
         )
@@ -195,10 +197,10 @@ class _Site:
         outer_state_checksum(diloco)
 
 
-def run(codec: str, repeats: int, num_sites: int) -> dict:
+def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None) -> dict:
     torch.set_num_threads(1)
     tensors = _model_tensors(num_sites)
-    site = _Site(tensors, codec=codec, num_sites=num_sites, seed=0)
+    site = _Site(tensors, codec=codec, num_sites=num_sites, seed=0, chunk_bytes=chunk_bytes)
     numel = site.layout.total_numel
     print(
         f"# {numel:,} parameters in {len(site.layout)} buckets of {site.layout.bucket_bytes / 2**20:.2f} MiB, "
@@ -243,13 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", default="int8", help="int8 (default) or int4 (fixed-size codecs of the datagram path)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--num-sites", type=int, default=4)
+    ap.add_argument("--chunk-bytes", type=int, help="fp32 bytes per chunk (default: one datagram's, as a datagram run)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="print ratios of two --json")
     args = ap.parse_args(argv)
     if args.compare:
         _compare(*(json.loads(p.read_text()) for p in args.compare))
         return 0
-    res = run(args.codec, args.repeats, args.num_sites)
+    res = run(args.codec, args.repeats, args.num_sites, args.chunk_bytes)
     _print(res)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -232,7 +232,7 @@ class Codec:
         """
         if len(payloads) != len(numels):
             raise ValueError(f"{len(payloads)} payloads but {len(numels)} element counts")
-        if not all(type(n) is int for n in numels) or (numels and min(numels) < 0):  # else: the rule, by element
+        if not all(type(n) is int for n in numels) or (len(numels) and min(numels) < 0):  # else: checked one by one
             for n in numels:
                 if _bad_int(n) or n < 0:
                     raise CodecError(f"numel must be a non-negative int, got {n!r}")
