@@ -145,7 +145,7 @@ class _Blockwise(Codec):
         the scales and the codes each copied in one numpy assignment, a crc32 per row."""
         mb, cb = m // self._bs, self._codes_bytes(m)
         plen = HEADER_BYTES + 4 * mb + cb
-        rows = np.empty((k, plen), dtype=np.uint8)
+        rows = self._rows_buffer(k * plen).reshape(k, plen)
         rows[:, :28] = np.frombuffer(self._header_prefix(m), dtype=np.uint8)
         b0, c0 = o // self._bs, self._code_range(o, m)[0]
         rows[:, HEADER_BYTES : HEADER_BYTES + 4 * mb] = body[4 * b0 : 4 * (b0 + k * mb)].reshape(k, 4 * mb)
@@ -153,8 +153,15 @@ class _Blockwise(Codec):
         flat = memoryview(rows.reshape(-1))
         crcs = [zlib.crc32(flat[a + HEADER_BYTES : a + plen]) for a in range(0, k * plen, plen)]
         rows[:, 28:32] = np.array(crcs, dtype="<u4").view(np.uint8).reshape(k, 4)
-        data = rows.tobytes()
-        return [data[a : a + plen] for a in range(0, k * plen, plen)]
+        return [bytes(flat[a : a + plen]) for a in range(0, k * plen, plen)]
+
+    def _rows_buffer(self, size: int) -> np.ndarray:
+        """A uint8 scratch of ``size`` bytes for :meth:`_payload_rows`, reused per thread (each
+        payload is a copy of its row): a round does not fault in fresh pages for it per bucket."""
+        buf = getattr(self._local, "rows", None)
+        if buf is None or buf.size < size:
+            buf = self._local.rows = np.empty(max(size, 1), dtype=np.uint8)
+        return buf[:size]
 
     def _code_range(self, o: int, n: int) -> tuple[int, int]:  # pragma: no cover - abstract
         raise NotImplementedError
