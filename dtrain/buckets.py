@@ -30,6 +30,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
+import blake3
 import torch
 
 from dtrain.configs import BucketConfig
@@ -41,6 +42,7 @@ __all__ = [
     "BucketLayout",
     "assign_owners",
     "checksum",
+    "tensor_digest",
 ]
 
 
@@ -221,6 +223,17 @@ def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool) -> tuple[str,
 
 
 def checksum(t: torch.Tensor) -> str:
-    """Hex blake2b-128 digest of a tensor's raw bytes (fp32 θ_b in practice)."""
-    data = t.detach().contiguous().view(torch.uint8).cpu().numpy() if t.numel() else b""
-    return hashlib.blake2b(memoryview(data) if len(data) else b"", digest_size=16).hexdigest()
+    """Hex BLAKE3 digest (128 bits: 32 hex digits) of a tensor's raw bytes (fp32 θ_b in practice).
+
+    BLAKE3 rather than blake2b: the same digest length and strength, ~6x faster on one
+    core (SIMD), and a round hashes every θ_b once (docs/DECISIONS.md, "Round engine CPU")."""
+    return tensor_digest(t).hexdigest(length=16)
+
+
+def tensor_digest(t: torch.Tensor, hasher: "blake3.blake3 | None" = None) -> "blake3.blake3":
+    """``hasher`` (a new BLAKE3 hasher when None) updated with ``t``'s raw bytes in memory
+    order, without copying a contiguous host tensor."""
+    h = blake3.blake3() if hasher is None else hasher
+    if t.numel():
+        h.update(memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
+    return h

@@ -25,10 +25,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+import blake3
 import torch
 
 from dtrain.app.config import WorkerConfig  # re-exported
 from dtrain.app.shards import DataMix, ShardWatch
+from dtrain.buckets import tensor_digest
 from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dtrain.diloco import DiLoCo
 from dtrain.errors import CheckpointError
@@ -51,9 +53,9 @@ def theta_checksum(diloco: DiLoCo) -> str:
 
 
 def outer_state_checksum(diloco: DiLoCo) -> str:
-    """One hex digest over every bucket's outer-optimizer state (e.g. the SGD
-    momentum buffers); equal on sites whose outer optimizers agree."""
-    h = hashlib.blake2b(digest_size=8)
+    """One hex digest (BLAKE3, 64 bits) over every bucket's outer-optimizer state (e.g. the
+    SGD momentum buffers), hashed in place; equal on sites whose outer optimizers agree."""
+    h = blake3.blake3()
     for b, opt in enumerate(diloco.state.optimizers):
         with diloco.state.lock(b):
             st = opt.state_dict()["state"]
@@ -61,10 +63,11 @@ def outer_state_checksum(diloco: DiLoCo) -> str:
                 for key in sorted(st[idx]):
                     v = st[idx][key]
                     h.update(f"{b}/{idx}/{key}=".encode())
-                    h.update(
-                        v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()
-                    )
-    return h.hexdigest()
+                    if torch.is_tensor(v):
+                        tensor_digest(v, h)
+                    else:
+                        h.update(repr(v).encode())
+    return h.hexdigest(length=8)
 
 
 def fault_hook_from_env(site_id: str):

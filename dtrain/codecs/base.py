@@ -5,6 +5,7 @@ See the package docstring (``dtrain.codecs``) for the payload layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import sys
@@ -29,6 +30,7 @@ CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "topk": 6}
 _CODEC_BY_ID = {v: k for k, v in CODEC_IDS.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
+_DTYPE_ID_LIST = sorted(_DTYPE_BY_ID)
 
 _MAGIC = b"DTRC"
 _VERSION = 1
@@ -204,7 +206,7 @@ class Codec:
             return torch.zeros(numel, dtype=torch.float32)
         return self._decode_body(body, numel)
 
-    def decode_chunks(self, payloads: Sequence, numels: Sequence[int]) -> torch.Tensor:
+    def decode_chunks(self, payloads: Sequence, numels: Sequence[int], *, verify: bool = True) -> torch.Tensor:
         """Decode several payloads into one 1-D float32 tensor, their concatenation in order.
 
         The inverse of :meth:`encode_chunks` for a bucket's contiguous chunks: the same
@@ -216,6 +218,10 @@ class Codec:
         Args:
             payloads: the payloads, in element order.
             numels: the element count each payload must decode to.
+            verify: False only for payloads this process encoded itself (its own
+                contributions and means, kept in memory): a vectorized run then skips the
+                header and crc32 comparisons (the values are the same); lengths, scales and
+                codes are still checked, and anything else decodes fully checked.
 
         Returns:
             A new float32 tensor of ``sum(numels)`` elements.
@@ -226,21 +232,64 @@ class Codec:
         """
         if len(payloads) != len(numels):
             raise ValueError(f"{len(payloads)} payloads but {len(numels)} element counts")
-        for n in numels:
-            if _bad_int(n) or n < 0:
-                raise CodecError(f"numel must be a non-negative int, got {n!r}")
+        if not all(type(n) is int for n in numels) or (len(numels) and min(numels) < 0):  # else: checked one by one
+            for n in numels:
+                if _bad_int(n) or n < 0:
+                    raise CodecError(f"numel must be a non-negative int, got {n!r}")
         out = torch.empty(sum(numels), dtype=torch.float32)
         pos = 0
         for i, j in equal_runs(numels):
             n = numels[i]
-            self._decode_run_into(out[pos : pos + (j - i) * n], payloads[i:j], n)
+            self._decode_run_into(out[pos : pos + (j - i) * n], payloads[i:j], n, verify)
             pos += (j - i) * n
         return out
 
-    def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int) -> None:
-        """Decode payloads of ``numel`` elements each into consecutive ranges of ``out``."""
+    def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int, verify: bool = True) -> None:
+        """Decode payloads of ``numel`` elements each into consecutive ranges of ``out``
+        (``verify`` is for codecs with a vectorized run: this path checks everything)."""
         for k, p in enumerate(payloads):
             out[k * numel : (k + 1) * numel] = self.decode(p, numel=numel)
+
+    def _header_prefix(self, numel: int) -> bytes:
+        """The first 28 header bytes of a float32 input's payload of ``numel`` elements
+        (all but the crc32): equal for every payload of that size."""
+        raw = self._body_bytes(numel)
+        return _HEADER.pack(_MAGIC, _VERSION, self._codec_id, int(self._zstd), 1, self._param(numel), numel, raw, 0)[
+            :28
+        ]
+
+    def _checked_bodies(self, payloads: Sequence, numel: int, verify: bool = True) -> np.ndarray | None:
+        """The bodies of ``payloads`` (a run of ``numel`` elements each, no zstd stage) as a
+        ``(len(payloads), body bytes)`` uint8 array when every payload passes the header,
+        length and crc32 checks of :meth:`_checked_body`; None when any may not (the caller
+        then decodes payload by payload, which raises :meth:`decode`'s error for the first
+        bad one). One join and a numpy comparison for the run instead of a header parse per
+        payload; the crc32 is still computed per payload. ``verify=False`` (this process's own
+        payloads): the lengths only."""
+        raw = self._body_bytes(numel)
+        plen = HEADER_BYTES + raw
+        if self._zstd or raw == 0 or raw > self.config.max_decoded_bytes:
+            return None
+        if any(len(p) != plen for p in payloads):  # also a memoryview of another format
+            return None
+        joined = bytearray().join(payloads)  # writable: torch can read the rows without a copy
+        if len(joined) != plen * len(payloads):
+            return None
+        rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(payloads), plen)
+        if not verify:
+            return rows[:, HEADER_BYTES:]
+        want = np.frombuffer(self._header_prefix(numel), dtype=np.uint8)
+        if not (
+            (rows[:, :7] == want[:7]).all()  # magic, version, codec id, zstd flag
+            and np.isin(rows[:, 7], _DTYPE_ID_LIST).all()  # the original dtype (informational)
+            and (rows[:, 8:28] == want[8:28]).all()  # block size / k, numel, body length
+        ):
+            return None
+        mv = memoryview(joined)
+        crcs = [zlib.crc32(mv[a : a + raw]) for a in range(HEADER_BYTES, len(joined), plen)]
+        if not np.array_equal(np.ascontiguousarray(rows[:, 28:32]).view("<u4")[:, 0], crcs):
+            return None
+        return rows[:, HEADER_BYTES:]
 
     def _checked_body(self, payload: bytes | bytearray | memoryview, numel: int) -> tuple[memoryview | bytes, int]:
         """The validated (decompressed) body of ``payload`` and its expected size (:meth:`decode`'s checks)."""
@@ -444,10 +493,10 @@ def equal_runs(numels: Sequence[int]) -> list[tuple[int, int]]:
     (``[5, 5, 5, 2]`` -> ``[(0, 3), (3, 4)]``; empty for an empty sequence)."""
     runs: list[tuple[int, int]] = []
     start = 0
-    for i in range(1, len(numels) + 1):
-        if i == len(numels) or numels[i] != numels[start]:
-            runs.append((start, i))
-            start = i
+    for _, group in itertools.groupby(numels):
+        end = start + len(list(group))
+        runs.append((start, end))
+        start = end
     return runs
 
 

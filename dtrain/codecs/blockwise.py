@@ -18,7 +18,9 @@ element is read from memory once and temporaries stay in cache.
 
 from __future__ import annotations
 
+import itertools
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ from dtrain.codecs.base import (
     SLACK,
     TINY,
     Codec,
+    _prepare,
     chunks,
     non_finite_error,
     np_view,
@@ -105,20 +108,60 @@ class _Blockwise(Codec):
             yield s, t, q.clamp_(-qmax, qmax)
 
     def encode_chunks(self, x, chunks, *, generator=None):
-        """One pass over ``x``, then each block-aligned range's scales and codes sliced out."""
+        """One pass over ``x`` into one body; then each run of equal, contiguous ranges of
+        whole blocks is cut into its payloads at once (:meth:`_payload_rows`), any other
+        range on its own (:meth:`_payload`): the bytes of ``encode(x[o:o+n])`` per range."""
         bs = self._bs
-        aligned = all(o % bs == 0 and o % 2 == 0 for o, _ in chunks)
+        aligned = all(o % bs == 0 for o, _ in chunks)  # and even: block sizes are
         if self._zstd or not aligned or x.dim() != 1 or x.dtype != torch.float32 or len(chunks) < 2:
             return super().encode_chunks(x, chunks, generator=generator)
-        whole = memoryview(self.encode(x, generator=generator))[HEADER_BYTES:]
-        nb = self._num_blocks(x.numel())
-        out = []
-        for o, n in chunks:
-            k0, k1 = o // bs, o // bs + self._num_blocks(n)
-            c0, c1 = self._code_range(o, n)
-            body = b"".join((whole[4 * k0 : 4 * k1], whole[4 * nb + c0 : 4 * nb + c1]))
-            out.append(self._header(n, body) + body)
+        x32, _ = _prepare(x)
+        n = x32.numel()
+        body = self._body_buffer(self._body_bytes(n))  # per-thread scratch: every payload is a copy
+        if body.size:
+            self._encode_into(x32, body, generator)
+        nb = self._num_blocks(n)
+        out: list[bytes] = []
+        for i, j in _uniform_runs(chunks):
+            o, m = chunks[i]
+            if j - i > 1 and m > 0 and m % bs == 0 and o + (j - i) * m <= n:
+                out.extend(self._payload_rows(body, nb, o, m, j - i))
+            else:
+                out.extend(self._payload(body, nb, o, m) for o, m in chunks[i:j])
         return out
+
+    def _payload(self, body: np.ndarray, nb: int, o: int, n: int) -> bytes:
+        """The payload of elements ``[o, o + n)`` cut from the body of the whole tensor
+        (``nb`` blocks): its blocks' scales and its codes behind its own header."""
+        whole = memoryview(body)
+        k0, k1 = o // self._bs, o // self._bs + self._num_blocks(n)
+        c0, c1 = self._code_range(o, n)
+        part = b"".join((whole[4 * k0 : 4 * k1], whole[4 * nb + c0 : 4 * nb + c1]))
+        return self._header(n, part) + part
+
+    def _payload_rows(self, body: np.ndarray, nb: int, o: int, m: int, k: int) -> list[bytes]:
+        """The payloads of ``k`` contiguous ranges of ``m`` elements (whole blocks) from
+        element ``o``, built as the rows of one array: the header (all but the crc32 alike),
+        the scales and the codes each copied in one numpy assignment, a crc32 per row."""
+        mb, cb = m // self._bs, self._codes_bytes(m)
+        plen = HEADER_BYTES + 4 * mb + cb
+        rows = self._rows_buffer(k * plen).reshape(k, plen)
+        rows[:, :28] = np.frombuffer(self._header_prefix(m), dtype=np.uint8)
+        b0, c0 = o // self._bs, self._code_range(o, m)[0]
+        rows[:, HEADER_BYTES : HEADER_BYTES + 4 * mb] = body[4 * b0 : 4 * (b0 + k * mb)].reshape(k, 4 * mb)
+        rows[:, HEADER_BYTES + 4 * mb :] = body[4 * nb + c0 : 4 * nb + c0 + k * cb].reshape(k, cb)
+        flat = memoryview(rows.reshape(-1))
+        crcs = [zlib.crc32(flat[a + HEADER_BYTES : a + plen]) for a in range(0, k * plen, plen)]
+        rows[:, 28:32] = np.array(crcs, dtype="<u4").view(np.uint8).reshape(k, 4)
+        return [bytes(flat[a : a + plen]) for a in range(0, k * plen, plen)]
+
+    def _rows_buffer(self, size: int) -> np.ndarray:
+        """A uint8 scratch of ``size`` bytes for :meth:`_payload_rows`, reused per thread (each
+        payload is a copy of its row): a round does not fault in fresh pages for it per bucket."""
+        buf = getattr(self._local, "rows", None)
+        if buf is None or buf.size < size:
+            buf = self._local.rows = np.empty(max(size, 1), dtype=np.uint8)
+        return buf[:size]
 
     def _code_range(self, o: int, n: int) -> tuple[int, int]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -130,6 +173,28 @@ class _Blockwise(Codec):
         if not bool(torch.isfinite(scale * self.qmax).all() and (scale >= 0).all()):
             raise CodecError("corrupted payload: block scales must be finite and >= 0")
         return scale
+
+    def _decode_run_into(self, out, payloads, numel, verify=True):
+        """A run of chunks of whole blocks in one vectorized pass (:meth:`_checked_bodies`,
+        then :meth:`_decode_rows`): the same products as :meth:`_decode_body` (code ->
+        float32, times its block's scale). Anything the pass does not accept is decoded
+        payload by payload, which raises :meth:`decode`'s error for the first bad one."""
+        bodies = None if numel % self._bs or len(payloads) < 2 else self._checked_bodies(payloads, numel, verify)
+        if bodies is None or not self._decode_rows(out, bodies, numel):
+            super()._decode_run_into(out, payloads, numel)
+
+    def _decode_rows(self, out: torch.Tensor, bodies: np.ndarray, numel: int) -> bool:
+        """Decode the rows of ``bodies`` (checked, ``numel`` elements each, whole blocks)
+        into ``out``; False when a scale or code is one the encoder never makes."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _row_scales(self, bodies: np.ndarray, nb: int) -> torch.Tensor | None:
+        """Each row's ``nb`` block scales as a ``(rows, nb)`` float32 tensor (a copy); None
+        when any is negative or ``qmax * scale`` is not finite (:meth:`_read_scales`'s rule)."""
+        scale = np.ascontiguousarray(bodies[:, : 4 * nb]).view(np.float32)
+        if not (np.isfinite(scale * np.float32(self.qmax)).all() and (scale >= 0).all()):
+            return None
+        return torch.from_numpy(scale)
 
     def _dequantize_(self, out: torch.Tensor, scale: torch.Tensor, s: int, t: int) -> None:
         bs = self._bs
@@ -165,22 +230,16 @@ class Int8Codec(_Blockwise):
         for s, t, q in self._quantize_chunks(x, t_view(out, np.float32, nb), generator):
             codes[s:t].copy_(q)
 
-    def _decode_run_into(self, out, payloads, numel):
-        """Chunks of whole blocks: one vectorized pass over the run (rows of scales, then codes),
-        the same products as :meth:`_decode_body` (code -> float32, times its block's scale)."""
-        bs = self._bs
-        if self._zstd or numel == 0 or numel % bs or len(payloads) < 2:
-            return super()._decode_run_into(out, payloads, numel)
-        nb = numel // bs
-        body = b"".join([self._checked_body(p, numel)[0] for p in payloads])
-        rows = np.frombuffer(body, dtype=np.int8).reshape(len(payloads), 4 * nb + numel)
-        scale = np.ascontiguousarray(rows[:, : 4 * nb]).view(np.float32)
-        if not (np.isfinite(scale * np.float32(self.qmax)).all() and (scale >= 0).all()):
-            raise CodecError("corrupted payload: block scales must be finite and >= 0")
-        codes = rows[:, 4 * nb :].reshape(len(payloads), nb, bs)
-        if codes.min() == -128:
-            raise CodecError("corrupted payload: int8 code -128 is never produced")
-        np.multiply(codes, scale[:, :, None], out=out.numpy().reshape(codes.shape), dtype=np.float32)
+    def _decode_rows(self, out, bodies, numel):
+        k, nb = bodies.shape[0], numel // self._bs
+        scale = self._row_scales(bodies, nb)
+        codes = bodies[:, 4 * nb :].view(np.int8)
+        if scale is None or codes.min() == -128:
+            return False
+        rows = out.view(k, nb, self._bs)
+        rows.copy_(torch.from_numpy(codes).view(k, nb, self._bs))  # int8 -> float32, exact
+        rows.mul_(scale[:, :, None])
+        return True
 
     def _decode_body(self, body, numel):
         scale = self._read_scales(body, numel)
@@ -235,6 +294,17 @@ class Int4Codec(_Blockwise):
             torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=half)
             packed[s // 2 : s // 2 + half.numel()].copy_(half)
 
+    def _decode_rows(self, out, bodies, numel):
+        k, nb = bodies.shape[0], numel // self._bs
+        scale = self._row_scales(bodies, nb)
+        if scale is None:
+            return False
+        pairs = out.numpy().reshape(k, numel // 2, 2)  # whole blocks: an even count, no padding nibble
+        np.take(_INT4_TABLE, bodies[:, 4 * nb :], axis=0, out=pairs, mode="clip")
+        out.view(k, nb, self._bs).mul_(scale[:, :, None])
+        lo, hi = (float(v) for v in torch.aminmax(out))  # nibble 0 decodes to NaN
+        return math.isfinite(lo) and math.isfinite(hi)
+
     def _decode_body(self, body, numel):
         scale = self._read_scales(body, numel)
         packed = np_view(body, np.uint8, (numel + 1) // 2, 4 * scale.numel())
@@ -253,3 +323,24 @@ class Int4Codec(_Blockwise):
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise CodecError("corrupted payload: int4 nibble 0 (code -8) is never produced")
         return out
+
+
+def _uniform_runs(ranges) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of the maximal runs of ``(offset, numel)`` ranges of one
+    size, each starting where the one before ended (``[(0, 4), (4, 4), (8, 2)]`` ->
+    ``[(0, 2), (2, 3)]``)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for m, group in itertools.groupby(ranges, key=lambda r: r[1]):
+        offsets = [o for o, _ in group]
+        o0, k = offsets[0], len(offsets)
+        if m and offsets == list(range(o0, o0 + k * m, m)):
+            runs.append((start, start + k))
+        else:  # not contiguous (or empty ranges): split where a range does not follow the one before
+            cut = start
+            for i in range(1, k + 1):
+                if i == k or offsets[i] != offsets[i - 1] + m:
+                    runs.append((cut, start + i))
+                    cut = start + i
+        start += k
+    return runs

@@ -26,11 +26,12 @@ al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
 
-from dtrain.buckets import BucketLayout
+from dtrain.buckets import Bucket, BucketLayout
 from dtrain.codecs import Codec
 from dtrain.codecs.base import equal_runs
 from dtrain.errors import CodecError
@@ -38,18 +39,34 @@ from dtrain.errors import CodecError
 __all__ = ["add_pseudo_gradient", "included_chunks", "settle_bucket", "settle_chunk"]
 
 
-def _pseudo_gradient(
-    theta_b: torch.Tensor, local_b: torch.Tensor, dtypes: list[tuple[slice, torch.dtype]]
+def _pseudo_gradient_into(
+    out: torch.Tensor, theta_b: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]
 ) -> torch.Tensor:
-    """Δ_b = θ_b − local_b, with θ rounded to the model's dtype where a tensor is not fp32
-    (a bf16/fp16 model was reset to θ rounded to its dtype: measure Δ from there, so
-    rounding alone is not mistaken for progress)."""
-    ref = theta_b
-    if dtypes:
-        ref = ref.clone()
-        for sl, dt in dtypes:
-            ref[sl] = ref[sl].to(dt).float()
-    return torch.sub(ref, local_b, out=local_b)  # in the gather buffer: no tensor per bucket
+    """``out`` ← Δ_b = θ_b − local_b, with θ rounded to the model's dtype where a tensor is not
+    fp32 (a bf16/fp16 model was reset to θ rounded to its dtype: measure Δ from there, so
+    rounding alone is not mistaken for progress).
+
+    Each segment is one subtraction straight from the model's tensor (no gathered copy of
+    the bucket first); a tensor on another device than θ is copied over first."""
+    for sg in bucket.segments:
+        src = tensors[sg.tensor_index].detach().reshape(-1)[sg.tensor_offset : sg.tensor_offset + sg.numel]
+        dst = out[sg.bucket_offset : sg.bucket_offset + sg.numel]
+        ref = theta_b[sg.bucket_offset : sg.bucket_offset + sg.numel]
+        dtype = src.dtype
+        if dtype != torch.float32:
+            ref = ref.to(dtype).float()
+        if src.device != out.device or dtype != torch.float32:
+            src = dst.copy_(src)  # in fp32 on θ's device: exact for every float dtype
+        torch.sub(ref, src, out=dst)
+    return out
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: one min/max pass (NaN propagates), no mask."""
+    if t.numel() == 0:
+        return True
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    return math.isfinite(lo) and math.isfinite(hi)
 
 
 def add_pseudo_gradient(
@@ -80,21 +97,17 @@ def add_pseudo_gradient(
     for b in chosen:
         bucket = layout.buckets[b]
         n = bucket.numel
-        if tmp is None or tmp.numel() < n:
-            tmp = torch.empty(n, dtype=torch.float32, device=theta[b].device)
-        local = layout.gather(b, tensors, out=tmp[:n])
-        low = [
-            (slice(sg.bucket_offset, sg.bucket_offset + sg.numel), tensors[sg.tensor_index].dtype)
-            for sg in bucket.segments
-            if tensors[sg.tensor_index].dtype != torch.float32
-        ]
-        delta = _pseudo_gradient(theta[b].detach(), local, low)  # a view of tmp
+        th = theta[b].detach()
         r = residuals[b]
-        if r is None or not error_feedback:
-            residuals[b] = delta.clone()
+        if r is None or not error_feedback:  # Δ_b becomes the residual: computed in its own tensor
+            residuals[b] = _pseudo_gradient_into(
+                torch.empty(n, dtype=torch.float32, device=th.device), th, bucket, tensors
+            )
         else:
-            r.add_(delta)
-        if not bool(torch.isfinite(residuals[b]).all()):
+            if tmp is None or tmp.numel() < n:
+                tmp = torch.empty(n, dtype=torch.float32, device=th.device)
+            r.add_(_pseudo_gradient_into(tmp[:n], th, bucket, tensors))
+        if not _all_finite(residuals[b]):
             ok = False
     if not ok:
         for b in chosen:
@@ -157,7 +170,8 @@ def settle_bucket(
         chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order).
         included: per chunk, whether the finalized mean included this site.
         codec: the contribution codec (``sent`` payloads).
-        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec).
+        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec);
+            made by this process, so decoded without re-checking headers and crc32s.
         bcodec: the broadcast codec (``mean_payloads``).
         mean_payloads: the applied mean's payload per chunk, or None when no whole mean
             is known here.
@@ -177,7 +191,7 @@ def settle_bucket(
         if cases[i] == "zero":
             settle_chunk(residual[a:b], included=True, sent=None, applied_mean=None)
         elif cases[i] == "sent":
-            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels)
+            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False)  # this site's own
             settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
         elif cases[i] == "mean":
             assert mean_payloads is not None

@@ -43,11 +43,17 @@ def encode_mean(
     full = torch.empty(bucket.numel, dtype=torch.float32)
     src = torch.empty(bucket.numel, dtype=torch.float32)
     ranges = [bucket.chunks[red.chunk] for red in reductions]
-    for red, (off, n) in zip(reductions, ranges):
-        src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
+    if ranges == list(bucket.chunks):  # every chunk in order (as finalize gives them): one copy, one add
+        torch.cat([red.mean for red in reductions], out=src)
+        if residual is not None:
+            src.add_(residual)
+    else:
+        for red, (off, n) in zip(reductions, ranges):
+            src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
     # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
     payloads = codec.encode_chunks(src, ranges, generator=generator)
-    _decode_into(codec, full, ranges, payloads)  # one pass per run of equal chunks, not one call per chunk
+    # one pass per run of equal chunks, not one call per chunk; payloads just made here: not re-verified
+    _decode_into(codec, full, ranges, payloads, verify=False)
     if residual is not None:
         for i, j in contiguous_runs(ranges):
             a, b = ranges[i][0], ranges[j - 1][0] + ranges[j - 1][1]
@@ -59,12 +65,15 @@ def encode_mean(
     return tuple(chunks), full
 
 
-def _decode_into(codec: Codec, full: torch.Tensor, ranges: Sequence[tuple[int, int]], payloads: Sequence) -> None:
+def _decode_into(
+    codec: Codec, full: torch.Tensor, ranges: Sequence[tuple[int, int]], payloads: Sequence, *, verify: bool = True
+) -> None:
     """Decode ``payloads`` into their element ``ranges`` of ``full``: each run of ranges that
-    follow one another (:func:`contiguous_runs`) with one :meth:`Codec.decode_chunks` call."""
+    follow one another (:func:`contiguous_runs`) with one :meth:`Codec.decode_chunks` call
+    (``verify``: as there; False only for payloads made in this process)."""
     for i, j in contiguous_runs(ranges):
         off = ranges[i][0]
-        dec = codec.decode_chunks(payloads[i:j], [n for _, n in ranges[i:j]])
+        dec = codec.decode_chunks(payloads[i:j], [n for _, n in ranges[i:j]], verify=verify)
         full[off : off + dec.numel()] = dec
 
 

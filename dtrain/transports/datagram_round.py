@@ -52,7 +52,7 @@ def senders_from_bitmap(bits: bytes, site_ids: tuple[str, ...]) -> tuple[str, ..
 
 
 def encode_meta(m: BucketMean) -> bytes:
-    """Chunk count and both checksums of a bucket mean (blake2b-128 hex digests)."""
+    """Chunk count and both checksums of a bucket mean (BLAKE3 hex digests, 16 bytes)."""
     return _META.pack(len(m.chunks), bytes.fromhex(m.checksum_before), bytes.fromhex(m.checksum_after))
 
 

@@ -1,0 +1,264 @@
+"""CPU seconds one site spends per round in the round engine's own arithmetic (prints a table).
+
+The model is the datagram experiments' 9.8 M-parameter task (``experiments.datagram_task``),
+cut into the layout a 4-site datagram run uses (chunks of one datagram each,
+:func:`dtrain.transports.datagram.datagram_chunk_bytes`). One site's share of a round is
+replayed in-process without a transport, with the library's own functions, in the order
+the round engine calls them:
+
+* ``pseudo_gradient`` — :meth:`RoundEngine.add_pseudo_gradient` (Δ = θ − θ_local into the residual);
+* ``encode`` — every bucket's residual encoded per chunk (``Codec.encode_chunks``);
+* ``accept_decode`` — the owner decoding the ``N`` contributions of each bucket it owns
+  (``Codec.decode_chunks``, what ``PeerSide`` calls);
+* ``mean_encode`` — the owner encoding each owned bucket's mean (``encode_mean``);
+* ``mean_decode`` — a member decoding the means of the buckets others own (``decode_mean``);
+* ``outer_step`` — the outer optimizer's step on every bucket (``GlobalState.apply_mean``,
+  less its θ checksum);
+* ``settle`` — error feedback (``error_feedback.settle_bucket``, every chunk included);
+* ``checksums`` — every bucket's θ checksum (once per round: ``GlobalState`` caches it) and
+  the worker's ``outer_state_checksum`` and ``theta_checksum`` of the metrics line.
+
+Figures are CPU seconds of this thread (``time.thread_time``, robust to other processes on a
+shared machine), medians over ``--repeats`` rounds, one thread (``torch.set_num_threads(1)``).
+``--json`` writes them too, so that two checkouts can be compared (``--compare a.json b.json``
+prints the ratios).
+
+Usage::
+
+    .venv/bin/python experiments/bench_round_cpu.py                 # int8, ~1 min
+    .venv/bin/python experiments/bench_round_cpu.py --codec int4 --json out/round_cpu_int4.json
+    .venv/bin/python experiments/bench_round_cpu.py --compare before.json after.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dtrain.buckets import BucketConfig, BucketLayout, assign_owners  # noqa: E402
+from dtrain.codecs import get_codec  # noqa: E402
+from dtrain.protocol import BucketMean, MeanChunk  # noqa: E402
+from dtrain.rounds import error_feedback  # noqa: E402
+from dtrain.rounds.means import decode_mean, encode_mean  # noqa: E402
+from dtrain.rounds.owner import ChunkReduction  # noqa: E402
+from dtrain.state import GlobalState  # noqa: E402
+from dtrain.tasks.spec import TaskSpec  # noqa: E402
+from dtrain.transports.datagram import datagram_chunk_bytes  # noqa: E402
+
+STEPS = (
+    "pseudo_gradient",
+    "encode",
+    "accept_decode",
+    "mean_encode",
+    "mean_decode",
+    "outer_step",
+    "settle",
+    "checksums",
+)
+GROUPS = {  # the brief's three figures
+    "encode": ("pseudo_gradient", "encode", "mean_encode"),
+    "decode": ("accept_decode", "mean_decode", "settle"),
+    "checksums": ("checksums",),
+}
+
+
+def _model_tensors(num_sites: int) -> list[torch.Tensor]:
+    from experiments.datagram_task import make
+
+    task = make(TaskSpec(num_sites=num_sites))
+    return [p.detach() for p in task.model.parameters()]
+
+
+class _Site:
+    """One site's state and the pieces of a round it replays."""
+
+    def __init__(
+        self, tensors: list[torch.Tensor], *, codec: str, num_sites: int, seed: int, chunk_bytes: int | None = None
+    ) -> None:
+        chunk_bytes = chunk_bytes or datagram_chunk_bytes(codec)
+        self.layout = BucketLayout(
+            [t.numel() for t in tensors], ["param"] * len(tensors), BucketConfig(chunk_bytes=chunk_bytes, num_sites=4)
+        )
+        self.state = GlobalState(self.layout, tensors)
+        self.codec = get_codec(codec)
+        self.tensors = [t.clone() for t in tensors]
+        self.num_sites = num_sites
+        self.gen = torch.Generator().manual_seed(seed)
+        owners = assign_owners(len(self.layout), [f"site-{i}" for i in range(num_sites)])
+        self.mine = [b for b, o in enumerate(owners) if o == "site-0"]
+        self.remote = [b for b, o in enumerate(owners) if o != "site-0"]
+        self.engine = SimpleNamespace(  # what add_pseudo_gradient reads of a RoundEngine
+            state=self.state, config=SimpleNamespace(error_feedback=True), log=None
+        )
+
+    def train(self, scale: float) -> None:
+        """An inner phase's worth of change to the local model."""
+        for t in self.tensors:
+            t.add_(torch.randn(t.shape, generator=self.gen), alpha=scale)
+
+    def round(self) -> dict[str, float]:
+        cpu: dict[str, float] = {}
+
+        def timed(name, fn):
+            t0 = time.thread_time()
+            out = fn()
+            cpu[name] = cpu.get(name, 0.0) + time.thread_time() - t0
+            return out
+
+        st, layout, codec = self.state, self.layout, self.codec
+        self.train(1e-3)
+        ok = timed(
+            "pseudo_gradient",
+            lambda: error_feedback.add_pseudo_gradient(
+                layout, st.theta, st.residuals, self.tensors, error_feedback=True
+            ),
+        )
+        assert ok
+        sent = timed(
+            "encode",
+            lambda: {
+                b: codec.encode_chunks(st.residuals[b], layout.buckets[b].chunks, generator=self.gen)
+                for b in range(len(layout))
+            },
+        )
+        means = {}
+        for b in self.mine:
+            numels = [n for _, n in layout.buckets[b].chunks]
+            # the N senders' payloads: this site's and (alike here) the others'
+            vals = timed("accept_decode", lambda: [codec.decode_chunks(sent[b], numels) for _ in range(self.num_sites)])
+            total = vals[0].clone()
+            for v in vals[1:]:
+                total.add_(v)
+            total.div_(self.num_sites)
+            reds = [
+                ChunkReduction(chunk=c, mean=total[o : o + n].clone(), senders=("site-0",))
+                for c, (o, n) in enumerate(layout.buckets[b].chunks)
+            ]
+            chunks, full = timed(
+                "mean_encode",
+                lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen),
+            )
+            means[b] = (chunks, full)
+        for b in self.remote:  # stand-in means of the others' buckets: what this site sent
+            chunks = tuple(
+                MeanChunk(chunk=c, offset=o, numel=n, codec=codec.name, payload=p, senders=("site-0",))
+                for c, ((o, n), p) in enumerate(zip(layout.buckets[b].chunks, sent[b]))
+            )
+            m = BucketMean(round=0, bucket=b, owner="x", chunks=chunks, checksum_before="", checksum_after="")
+            full = timed("mean_decode", lambda: decode_mean(codec, layout.buckets[b], m))
+            means[b] = (chunks, full)
+        for b in range(len(layout)):
+            timed("outer_step", lambda: self._outer_step(b, means[b][1]))
+        for b in range(len(layout)):
+            timed(
+                "settle",
+                lambda: error_feedback.settle_bucket(
+                    st.residuals[b],
+                    layout.buckets[b].chunks,
+                    [True] * len(layout.buckets[b].chunks),
+                    codec=codec,
+                    sent=lambda c: sent[b][c],
+                    bcodec=codec,
+                    mean_payloads=[ch.payload for ch in means[b][0]],
+                ),
+            )
+        timed("checksums", self._checksums)
+        return cpu
+
+    def _outer_step(self, b: int, mean: torch.Tensor) -> None:
+        """``GlobalState.apply_mean`` without the checksum it returns (timed as ``checksums``)."""
+        st = self.state
+        with st.lock(b):
+            t = st.theta[b]
+            t.grad = mean
+            st.optimizers[b].step()
+            t.grad = None
+            st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
+
+    def _checksums(self) -> None:
+        from dtrain.app.worker import outer_state_checksum, theta_checksum
+
+        diloco = SimpleNamespace(state=self.state)
+        for b in range(len(self.layout)):
+            self.state.checksum(b)  # before the next round's pulls: cached from here on
+        theta_checksum(diloco)
+        outer_state_checksum(diloco)
+
+
+def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None) -> dict:
+    torch.set_num_threads(1)
+    tensors = _model_tensors(num_sites)
+    site = _Site(tensors, codec=codec, num_sites=num_sites, seed=0, chunk_bytes=chunk_bytes)
+    numel = site.layout.total_numel
+    print(
+        f"# {numel:,} parameters in {len(site.layout)} buckets of {site.layout.bucket_bytes / 2**20:.2f} MiB, "
+        f"{sum(len(b.chunks) for b in site.layout.buckets):,} chunks of {site.layout.chunk_bytes} B; codec "
+        f"{codec}; {num_sites} sites (this one owns {len(site.mine)} buckets); torch {torch.__version__}; "
+        f"one thread; medians of {repeats} rounds (after one warm-up)",
+        flush=True,
+    )
+    site.round()  # warm-up: the outer optimizer's momentum buffers, allocator
+    rounds = [site.round() for _ in range(repeats)]
+    med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in STEPS}
+    grp = {g: statistics.median(sum(r.get(k, 0.0) for k in ks) for r in rounds) for g, ks in GROUPS.items()}
+    grp["total"] = statistics.median(sum(r.values()) for r in rounds)
+    grp["engine"] = statistics.median(sum(r.get(k, 0.0) for ks in GROUPS.values() for k in ks) for r in rounds)
+    # sha256 rather than dtrain.buckets.checksum, which another checkout may compute otherwise
+    digest = hashlib.sha256(torch.cat([t.detach() for t in site.state.theta]).numpy().tobytes()).hexdigest()[:32]
+    return {"codec": codec, "numel": numel, "repeats": repeats, "steps": med, "groups": grp, "theta": digest}
+
+
+def _print(res: dict) -> None:
+    n = res["numel"]
+    print("\n| step | CPU s / round | ns / parameter |\n|:---|---:|---:|")
+    for k, v in res["steps"].items():
+        print(f"| {k} | {v:.4f} | {v / n * 1e9:.2f} |")
+    for k, v in res["groups"].items():
+        print(f"| **{k}** | {v:.4f} | {v / n * 1e9:.2f} |")
+    print(f"\nθ after {res['repeats'] + 1} rounds: {res['theta']}")
+
+
+def _compare(before: dict, after: dict) -> None:
+    print("\n| step | before s | after s | after / before |\n|:---|---:|---:|---:|")
+    rows = [(k, before["steps"][k], after["steps"][k]) for k in STEPS]
+    rows += [(f"**{k}**", before["groups"][k], after["groups"][k]) for k in before["groups"]]
+    for k, a, b in rows:
+        print(f"| {k} | {a:.4f} | {b:.4f} | {b / a if a else float('nan'):.2f} |")
+    same = before.get("theta") == after.get("theta")
+    print(f"\nθ digests after the same rounds: {'equal' if same else 'DIFFER'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--codec", default="int8", help="int8 (default) or int4 (fixed-size codecs of the datagram path)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--num-sites", type=int, default=4)
+    ap.add_argument("--chunk-bytes", type=int, help="fp32 bytes per chunk (default: one datagram's, as a datagram run)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="print ratios of two --json")
+    args = ap.parse_args(argv)
+    if args.compare:
+        _compare(*(json.loads(p.read_text()) for p in args.compare))
+        return 0
+    res = run(args.codec, args.repeats, args.num_sites, args.chunk_bytes)
+    _print(res)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,267 @@
+"""The vectorized int8/int4 paths (``encode_chunks``' payload rows, ``decode_chunks``' run decode)
+against the implementation they replaced, kept here as a reference: byte-identical payloads and
+bit-identical decoded values on random and edge-case inputs, and decode's errors on bad runs."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs.base import HEADER_BYTES, chunks, np_view, t_view
+from dtrain.errors import CodecError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ------------------------------------------------------------------ the reference (before the fast paths)
+class _Reference:
+    """The int8/int4 encode_chunks and decode_chunks as they were (quantizer, per-range slicing with
+    a header and crc per payload, per-payload header checks), over a codec of the same config."""
+
+    def __init__(self, codec) -> None:
+        self.c = codec
+        self.bs = codec.config.block_size
+        self.qmax = codec.qmax
+
+    def encode_chunks(self, x: torch.Tensor, ranges, generator=None) -> list[bytes]:
+        c, bs = self.c, self.bs
+        aligned = all(o % bs == 0 and o % 2 == 0 for o, _ in ranges)
+        if c._zstd or not aligned or x.dim() != 1 or x.dtype != torch.float32 or len(ranges) < 2:
+            return [c.encode(x[o : o + n], generator=generator) for o, n in ranges]
+        whole = memoryview(self.encode(x, generator))[HEADER_BYTES:]
+        nb = c._num_blocks(x.numel())
+        out = []
+        for o, n in ranges:
+            k0, k1 = o // bs, o // bs + c._num_blocks(n)
+            c0, c1 = c._code_range(o, n)
+            body = b"".join((whole[4 * k0 : 4 * k1], whole[4 * nb + c0 : 4 * nb + c1]))
+            out.append(c._header(n, body) + body)
+        return out
+
+    def encode(self, x: torch.Tensor, generator=None) -> bytes:
+        c = self.c
+        n = x.numel()
+        body = np.empty(c._body_bytes(n), dtype=np.uint8)
+        if body.size:
+            nb = c._num_blocks(n)
+            scales = t_view(body, np.float32, nb)
+            if c.base == "int8":
+                codes = t_view(body, np.int8, n, 4 * nb)
+                for s, t, q in self._quantize(x, scales, generator):
+                    codes[s:t].copy_(q)
+            else:
+                packed = t_view(body, np.uint8, (n + 1) // 2, 4 * nb)
+                for s, t, q in self._quantize(x, scales, generator):
+                    q.add_(8.0)
+                    if (t - s) % 2:
+                        q = torch.cat([q, q.new_full((1,), 8.0)])
+                    pairs = q.view(-1, 2)
+                    packed[s // 2 : s // 2 + pairs.shape[0]].copy_(pairs[:, 0] + 16 * pairs[:, 1])
+        return c._header(n, body) + body.tobytes()
+
+    def _quantize(self, x, scales, generator):
+        n, bs, qmax = x.numel(), self.bs, float(self.qmax)
+        step = self.c._step
+        scratch = torch.empty(min(step, n))
+        noise = torch.empty_like(scratch) if self.c.config.stochastic_rounding else None
+        for s, t in chunks(n, step):
+            m = t - s
+            full = m // bs
+            xv = x[s : s + full * bs].view(full, bs)
+            tail = x[s + full * bs : t]
+            sc = scales[s // bs : s // bs + -(-m // bs)]
+            if full:
+                torch.maximum(xv.amax(dim=1), xv.amin(dim=1).neg_(), out=sc[:full])
+            if tail.numel():
+                sc[full] = torch.maximum(tail.max(), tail.min().neg())
+            top = float(sc.max())
+            if not top <= 3.5e38:
+                raise CodecError("non-finite input")
+            absmax = sc.clone() if top > 1e37 else None
+            sc.div_(qmax)
+            if absmax is not None:
+                over = sc * qmax > absmax
+                sc.copy_(torch.where(over, torch.nextafter(sc, torch.zeros_like(sc)), sc))
+            div = torch.where(sc == 0, 1.0, sc)
+            q = scratch[:m]
+            if full:
+                torch.div(xv, div[:full, None], out=q[: full * bs].view(full, bs))
+            if tail.numel():
+                torch.div(tail, div[full], out=q[full * bs :])
+            if noise is not None:
+                q.add_(torch.rand(m, generator=generator, out=noise[:m])).floor_()
+            else:
+                q.round_()
+            yield s, t, q.clamp_(-qmax, qmax)
+
+    def decode(self, payload, numel: int) -> torch.Tensor:
+        """Per payload: the header checks, then codes times scales."""
+        body, raw = self.c._checked_body(payload, numel)
+        if raw == 0:
+            return torch.zeros(numel)
+        nb = self.c._num_blocks(numel)
+        scale = torch.from_numpy(np_view(body, np.float32, nb).copy())
+        if not bool(torch.isfinite(scale * self.qmax).all() and (scale >= 0).all()):
+            raise CodecError("corrupted payload: block scales must be finite and >= 0")
+        out = torch.empty(numel)
+        if self.c.base == "int8":
+            codes = np_view(body, np.int8, numel, 4 * nb)
+            if numel and codes.min() == -128:
+                raise CodecError("corrupted payload: int8 code -128 is never produced")
+            out.numpy()[:] = codes
+        else:
+            table = np.stack([(np.arange(256) & 15) - 8, (np.arange(256) >> 4) - 8], axis=1).astype(np.float32)
+            table[(np.arange(256) & 15) == 0, 0] = np.nan
+            table[(np.arange(256) >> 4) == 0, 1] = np.nan
+            packed = np_view(body, np.uint8, (numel + 1) // 2, 4 * nb)
+            out.copy_(torch.from_numpy(table[packed].reshape(-1)[:numel].copy()))
+            if numel % 2 and int(packed[-1]) >> 4 != 8:
+                raise CodecError("corrupted payload: int4 padding nibble is not zero")
+        full = numel // self.bs
+        if full:
+            out[: full * self.bs].view(full, self.bs).mul_(scale[:full, None])
+        if numel % self.bs:
+            out[full * self.bs :].mul_(scale[full])
+        if numel and not bool(torch.isfinite(out).all()):
+            raise CodecError("corrupted payload: int4 nibble 0 (code -8) is never produced")
+        return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # -0.0 and 0.0 differ here, unlike torch.equal
+
+
+def _inputs(numel: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    cases = {"random": x * 3, "zeros": torch.zeros(numel), "negative zeros": -torch.zeros(numel)}
+    huge = x.clone()
+    huge[::97] = 3.3e38  # the scale nudge near the top of fp32's range
+    huge[1::193] = -3.4028234e38
+    cases["huge"] = huge
+    tiny = x * 1e-40  # subnormal scales: codes are clamped
+    tiny[::5] = 1.4e-45
+    cases["subnormal"] = tiny
+    mixed = x.clone()
+    mixed[: numel // 3] = 0.0  # zero blocks beside others
+    mixed[numel // 2 :: 7] *= 1e30
+    cases["mixed"] = mixed
+    ties = torch.randint(-50, 50, (numel,), generator=g).float() / 2  # halves: round-half-even ties
+    cases["ties"] = ties
+    return cases
+
+
+def _ranges(numel: int, step: int) -> list[tuple[int, int]]:
+    return [(o, min(step, numel - o)) for o in range(0, numel, step)]
+
+
+CONFIGS = [
+    CodecConfig(name="int8"),
+    CodecConfig(name="int4"),
+    CodecConfig(name="int8", block_size=8),
+    CodecConfig(name="int4", block_size=64),
+    CodecConfig(name="int8", block_size=1 << 18),  # one block per quantizer chunk
+    CodecConfig(name="int8", stochastic_rounding=True),
+    CodecConfig(name="int4", stochastic_rounding=True, block_size=32),
+]
+SHAPES = [  # (numel, chunk step): odd lengths, a short last chunk, chunks at and across block boundaries
+    (5 * 1280, 1280),
+    (7 * 1280 + 333, 1280),
+    (3 * 1280 + 1, 1280),
+    (1000, 1280),
+    (10 * 256, 256),
+    (2 * 256 + 255, 256),
+    (9 * 512, 300),  # not block-aligned: the per-range path
+    ((1 << 18) + 3 * 1280, 1280),  # over one quantizer chunk
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.name}-bs{c.block_size}-sr{int(c.stochastic_rounding)}")
+@pytest.mark.parametrize("numel,step", SHAPES)
+def test_payloads_and_decoded_values_equal_the_reference(cfg: CodecConfig, numel: int, step: int) -> None:
+    codec, ref = get_codec(cfg), _Reference(get_codec(cfg))
+    ranges = _ranges(numel, step)
+    numels = [n for _, n in ranges]
+    for what, x in _inputs(numel, seed=numel + step).items():
+        got = codec.encode_chunks(x, ranges, generator=torch.Generator().manual_seed(7))
+        want = ref.encode_chunks(x, ranges, generator=torch.Generator().manual_seed(7))
+        assert got == want, f"{cfg.name} {what}: payloads differ from the reference"
+        assert all(type(p) is bytes for p in got)
+        dec = codec.decode_chunks(got, numels)
+        ref_dec = torch.cat([ref.decode(p, n) for p, n in zip(want, numels)])
+        assert torch.equal(_bits(dec), _bits(ref_dec)), f"{cfg.name} {what}: decoded bits differ"
+        assert torch.equal(_bits(dec), _bits(torch.cat([codec.decode(p, numel=n) for p, n in zip(got, numels)])))
+        assert torch.equal(_bits(codec.decode_chunks(got, numels, verify=False)), _bits(dec))  # own payloads
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_non_finite_input_is_refused_as_before(name: str) -> None:
+    codec = get_codec(name)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(4 * 1280)
+        x[2 * 1280 + 17] = bad
+        with pytest.raises(CodecError, match="non-finite input: 1 of 5120 elements are NaN or inf"):
+            codec.encode_chunks(x, _ranges(x.numel(), 1280))
+
+
+def _forged(p: bytes, at: int, value: bytes) -> bytes:
+    """``p`` with body bytes at ``at`` replaced and the crc32 fixed (passes the header checks)."""
+    body = bytearray(p[HEADER_BYTES:])
+    body[at : at + len(value)] = value
+    return p[: HEADER_BYTES - 4] + zlib.crc32(body).to_bytes(4, "little") + bytes(body)
+
+
+def _first_error(codec, payloads, numel) -> str:
+    for p in payloads:
+        try:
+            codec.decode(p, numel=numel)
+        except CodecError as e:
+            return str(e)
+    raise AssertionError("no payload is bad")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_bad_run_raises_decodes_error_for_its_first_bad_payload(name: str) -> None:
+    codec = get_codec(name)
+    x = torch.randn(6 * 1280)
+    ps = codec.encode_chunks(x, _ranges(x.numel(), 1280))
+    flipped = bytearray(ps[4])
+    flipped[-1] ^= 1
+    code_off = 5 * 4 + 3
+    forbidden = b"\x80" if name == "int8" else b"\x00"  # int8 -128; int4 nibble 0
+    nan_scale = struct.pack("<f", float("nan"))
+    header = bytearray(ps[1])
+    header[7] = 9  # an unknown dtype id
+    runs = {
+        "crc": ps[:4] + [bytes(flipped)] + ps[5:],
+        "code": ps[:2] + [_forged(ps[2], code_off, forbidden)] + ps[3:],
+        "scale": ps[:1] + [_forged(ps[1], 4, nan_scale)] + ps[2:],
+        "negative scale": ps[:3] + [_forged(ps[3], 0, struct.pack("<f", -1.0))] + ps[4:],
+        "dtype id": ps[:1] + [bytes(header)] + ps[2:],
+        "truncated": ps[:5] + [ps[5][:-1]],
+        "code then crc": ps[:1] + [_forged(ps[1], code_off, forbidden)] + ps[2:4] + [bytes(flipped)] + ps[5:],
+    }
+    for what, run in runs.items():
+        with pytest.raises(CodecError) as e:
+            codec.decode_chunks(run, [1280] * 6)
+        assert str(e.value) == _first_error(codec, run, 1280), what
+    for what in ("code", "scale", "negative scale", "truncated"):  # checked without verify too
+        with pytest.raises(CodecError) as e:
+            codec.decode_chunks(runs[what], [1280] * 6, verify=False)
+        assert str(e.value) == _first_error(codec, runs[what], 1280), what
+
+
+def test_a_run_of_memoryviews_and_bytearrays_decodes_alike() -> None:
+    codec = get_codec("int8")
+    x = torch.randn(4 * 1280)
+    ps = codec.encode_chunks(x, _ranges(x.numel(), 1280))
+    mixed = [memoryview(ps[0]), bytearray(ps[1]), ps[2], memoryview(bytearray(ps[3]))]
+    assert torch.equal(_bits(codec.decode_chunks(mixed, [1280] * 4)), _bits(codec.decode_chunks(ps, [1280] * 4)))
+    wide = memoryview(bytearray(ps[1] + b"\0" * (3 * len(ps[1])))).cast("I")  # len() counts items, not bytes
+    with pytest.raises(CodecError):
+        codec.decode_chunks([ps[0], wide, ps[2], ps[3]], [1280] * 4)

@@ -1,0 +1,154 @@
+"""The round engine's cheaper full-model passes give the values of the ones they replaced: the
+pseudo-gradient (one subtraction per segment), the owner's mean (one cat), the checksums (BLAKE3,
+hashed in place)."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import blake3
+import pytest
+import torch
+
+from dtrain.app.worker import outer_state_checksum, theta_checksum
+from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
+from dtrain.codecs import get_codec
+from dtrain.rounds import error_feedback
+from dtrain.rounds.means import encode_mean
+from dtrain.rounds.owner import ChunkReduction
+from dtrain.state import GlobalState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _reference_add(layout, theta, residuals, tensors, *, error_feedback_on: bool) -> bool:
+    """add_pseudo_gradient as it was: gather, θ rounded to low dtypes, subtract, add, isfinite."""
+    ok = True
+    for b, bucket in enumerate(layout.buckets):
+        local = layout.gather(b, tensors)
+        ref = theta[b].detach().clone()
+        for sg in bucket.segments:
+            dt = tensors[sg.tensor_index].dtype
+            if dt != torch.float32:
+                sl = slice(sg.bucket_offset, sg.bucket_offset + sg.numel)
+                ref[sl] = ref[sl].to(dt).float()
+        delta = ref - local
+        if residuals[b] is None or not error_feedback_on:
+            residuals[b] = delta.clone()
+        else:
+            residuals[b].add_(delta)
+        ok = ok and bool(torch.isfinite(residuals[b]).all())
+    if not ok:
+        for b in range(len(layout)):
+            residuals[b] = None
+    return ok
+
+
+def _model(dtypes) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    sizes = [1000, 37, 4096, 1, 777]
+    return [(torch.randn(n, generator=g) * 0.1).to(dt) for n, dt in zip(sizes, dtypes)]
+
+
+@pytest.mark.parametrize("error_feedback_on", [True, False])
+@pytest.mark.parametrize(
+    "dtypes",
+    [[torch.float32] * 5, [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]],
+    ids=["fp32", "mixed"],
+)
+def test_pseudo_gradient_equals_the_gather_then_subtract_reference(dtypes, error_feedback_on: bool) -> None:
+    tensors = _model(dtypes)
+    layout = BucketLayout(
+        [t.numel() for t in tensors], ["param"] * 5, BucketConfig(bucket_bytes=4 * 1500, chunk_bytes=4 * 500)
+    )
+    assert any(len(b.segments) > 1 for b in layout.buckets)  # a tensor spans two buckets
+    state = GlobalState(layout, tensors)
+    with torch.no_grad():  # θ after an outer step: not representable in a bf16/fp16 model's dtype
+        for th in state.theta:
+            th.add_(torch.randn(th.shape, generator=torch.Generator().manual_seed(4)) * 1e-3)
+    got: list = [None] * len(layout)
+    want: list = [None] * len(layout)
+    for step in range(3):  # the residual carries over between rounds
+        for t in tensors:
+            t.add_(torch.randn(t.shape).to(t.dtype) * 1e-3)
+        assert error_feedback.add_pseudo_gradient(
+            layout, state.theta, got, tensors, error_feedback=error_feedback_on
+        ) == _reference_add(layout, state.theta, want, tensors, error_feedback_on=error_feedback_on)
+        for g, w in zip(got, want):
+            assert torch.equal(_bits(g), _bits(w)), step
+    assert all(float(g.abs().max()) > 0 for g in got)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_pseudo_gradient_clears_every_residual(bad: float) -> None:
+    tensors = _model([torch.float32] * 5)
+    layout = BucketLayout(
+        [t.numel() for t in tensors], ["param"] * 5, BucketConfig(bucket_bytes=4 * 1500, chunk_bytes=4 * 500)
+    )
+    state = GlobalState(layout, tensors)
+    tensors[2][100] = bad
+    residuals: list = [torch.zeros(b.numel) for b in layout.buckets]
+    assert not error_feedback.add_pseudo_gradient(layout, state.theta, residuals, tensors, error_feedback=True)
+    assert residuals == [None] * len(layout)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_encode_mean_of_every_chunk_in_order_equals_chunk_by_chunk(with_residual: bool) -> None:
+    codec = get_codec("int8")
+    tensors = [torch.zeros(6 * 1280 + 100)]
+    layout = BucketLayout([tensors[0].numel()], ["param"], BucketConfig(chunk_bytes=4 * 1280))
+    bucket = layout.buckets[0]
+    g = torch.Generator().manual_seed(5)
+    reds = [
+        ChunkReduction(chunk=c, mean=torch.randn(n, generator=g), senders=("a",))
+        for c, (_, n) in enumerate(bucket.chunks)
+    ]
+    res0 = torch.randn(bucket.numel, generator=g) * 1e-3 if with_residual else None
+    res_a = None if res0 is None else res0.clone()
+    res_b = None if res0 is None else res0.clone()
+    chunks_a, full_a = encode_mean(codec, bucket, reds, residual=res_a, generator=torch.Generator())
+    # the chunk-by-chunk path: the same reductions, out of order (as a caller may pass them)
+    order = list(reversed(range(len(reds))))
+    chunks_b, full_b = encode_mean(codec, bucket, [reds[i] for i in order], residual=res_b, generator=torch.Generator())
+    assert [c.payload for c in chunks_a] == [chunks_b[order.index(i)].payload for i in range(len(reds))]
+    assert torch.equal(_bits(full_a), _bits(full_b))
+    if with_residual:
+        assert torch.equal(_bits(res_a), _bits(res_b)) and float(res_a.abs().max()) > 0
+
+
+def test_checksum_is_blake3_of_the_raw_bytes_and_tells_apart_what_differs() -> None:
+    t = torch.tensor([1.0, 2.0, 3.0])
+    assert checksum(t) == blake3.blake3(t.numpy().tobytes()).hexdigest(length=16)
+    assert len(checksum(t)) == 32 and checksum(t) != hashlib.blake2b(t.numpy().tobytes(), digest_size=16).hexdigest()
+    assert checksum(t[::2]) == checksum(torch.tensor([1.0, 3.0]))  # a strided view hashes its values
+    assert checksum(torch.tensor(2.5)) == checksum(torch.tensor([2.5]))  # a 0-dim tensor
+    assert checksum(torch.empty(0)) == blake3.blake3(b"").hexdigest(length=16)
+    assert checksum(torch.tensor([0.0])) != checksum(torch.tensor([-0.0]))
+    h = tensor_digest(torch.tensor([4.0]), tensor_digest(t))
+    assert h.hexdigest() == blake3.blake3(t.numpy().tobytes() + torch.tensor([4.0]).numpy().tobytes()).hexdigest()
+
+
+def _diloco(seed: int, momentum_steps: int) -> SimpleNamespace:
+    tensors = [torch.randn(3000, generator=torch.Generator().manual_seed(seed))]
+    layout = BucketLayout([3000], ["param"], BucketConfig(bucket_bytes=4 * 1024, chunk_bytes=4 * 1024))
+    state = GlobalState(layout, tensors)
+    for _ in range(momentum_steps):
+        for b in range(len(layout)):
+            state.apply_mean(b, torch.full((layout.buckets[b].numel,), 0.01))
+    return SimpleNamespace(state=state)
+
+
+def test_outer_state_checksum_agrees_on_equal_states_and_differs_otherwise() -> None:
+    a, b = _diloco(0, 2), _diloco(0, 2)
+    assert outer_state_checksum(a) == outer_state_checksum(b) and len(outer_state_checksum(a)) == 16
+    assert theta_checksum(a) == theta_checksum(b)
+    assert outer_state_checksum(_diloco(0, 3)) != outer_state_checksum(a)  # another momentum
+    assert outer_state_checksum(_diloco(0, 0)) != outer_state_checksum(a)  # no momentum yet
+    with torch.no_grad():
+        b.state.optimizers[1].state[b.state.theta[1]]["momentum_buffer"][7] += 1e-6
+    assert outer_state_checksum(b) != outer_state_checksum(a)
