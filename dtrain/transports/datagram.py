@@ -242,7 +242,9 @@ class DatagramTransportConfig:
 
 def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:
     """Largest ``BucketConfig.chunk_bytes`` (fp32 input) whose encoded chunk fits one
-    datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits).
+    datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits); for
+    the blockwise codecs a whole number of blocks (int4: 2,304 elements, not 2,522), so
+    neighbouring chunks encode and decode as one run (``Codec.decode_chunks``).
 
     Raises:
         ValueError: a codec whose size depends on the data (``+zstd``, ``topk``) or
@@ -261,6 +263,9 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
             hi = mid - 1
     if lo == 0:
         raise ValueError(f"max_datagram_bytes={max_datagram_bytes} leaves no room for one {c.name} element")
+    block = getattr(c, "_bs", 0)  # blockwise codecs: whole blocks, so runs of chunks decode in one pass
+    if block and lo >= block:
+        lo -= lo % block
     return 4 * lo
 
 
