@@ -96,9 +96,9 @@ def _contributions(mbytes: float, round: int) -> list[Contribution]:
     ]
 
 
-def run_one(rate_mbit: float, mbytes: float, round: int) -> dict:
+def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto") -> dict:
     cfg = DatagramTransportConfig(
-        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), max_rate_mbit=rate_mbit, rtt_s=0.05
+        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), max_rate_mbit=rate_mbit, rtt_s=0.05, native=native
     )
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     handler = CountingHandler()
@@ -167,19 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="8 MB at one ceiling")
     p.add_argument("--mbytes", type=float, default=64.0, help="payload MB per run")
     p.add_argument("--rate-mbit", type=float, nargs="*", default=[200.0, 400.0, 1000.0], help="pacer ceilings")
+    p.add_argument(
+        "--loops", nargs="*", default=["auto", "off"], choices=["auto", "on", "off"],
+        help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rates, mbytes = ([400.0], 8.0) if args.quick else (args.rate_mbit, args.mbytes)
     print(f"datagram loop on 127.0.0.1, {mbytes:g} MB of int8 per run, load {os.getloadavg()[0]:.1f}")
     print(
-        "| ceiling Mbit/s | datagrams | send Mbit/s | receive Mbit/s | delivered | send µs/dgram | recv µs/dgram "
+        "| loop | ceiling Mbit/s | datagrams | send Mbit/s | receive Mbit/s | delivered | send µs/dgram | recv µs/dgram "
         "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for i, rate in enumerate(rates):
-        r = run_one(rate, mbytes, round=i)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    runs = [(loop, rate) for rate in rates for loop in args.loops]
+    for i, (loop, rate) in enumerate(runs):
+        r = run_one(rate, mbytes, round=i, native=loop)
+        name = {"auto": "compiled (auto)", "on": "compiled", "off": "Python"}[loop]
         print(
-            f"| {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
+            f"| {name} | {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
             f"| {r['delivered']:.3f} | {r['send_us']:.1f} | {r['recv_us']:.1f} "
             f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} |"
         )
