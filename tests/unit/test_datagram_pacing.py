@@ -138,7 +138,8 @@ def test_arrival_times_come_from_the_kernel() -> None:
     time the receive thread got to it (a CPU-starved receiver is not a queue on the path)."""
     import socket
 
-    from dtrain.transports.datagram import DatagramTransport, _enable_rx_meta
+    from dtrain.transports.datagram import DatagramTransport
+    from dtrain.transports.datagram_recv import _enable_rx_meta
 
     rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     with rx, tx:

@@ -1,0 +1,360 @@
+"""The receive half of the datagram data path (:class:`~.datagram.DatagramTransport`).
+
+The receive thread (:meth:`DatagramReceive._recv_loop`) waits for the UDP socket, reads
+what is queued (one ``recvmmsg`` and one batch authentication with the compiled loop,
+``recvmsg`` and :meth:`~.datagram_wire.Opener.open` per datagram without it), and hands
+each authenticated, new datagram on by kind: contributions and control datagrams to the
+dispatch thread's queue (bounded: ``_MAX_QUEUED`` items), mean chunks to the round's
+assemblies (:mod:`.datagram_means`), REPORTs to the waiting sender. Datagrams of a round
+whose plan has not arrived are held (``max_pending_datagrams``) and opened at
+``begin_round``.
+
+:class:`DatagramReceive` is a mixin of :class:`~.datagram.DatagramTransport`: it uses the
+transport's socket, opener, rounds, counters and config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from dtrain.protocol import Contribution
+from dtrain.transports.datagram_round import RoundState, SenderStats
+from dtrain.transports.datagram_wire import (
+    CODEC_WIRE_NAMES,
+    HEADER_BYTES,
+    TAG_BYTES,
+    BatchOpened,
+    Dropped,
+    Header,
+    Kind,
+)
+
+__all__ = ["DatagramReceive"]
+
+log = logging.getLogger(__name__)
+
+_REPORT = struct.Struct("<QQdQQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo, socket drops
+_TIMESPEC = struct.Struct("@qq")
+_U32 = struct.Struct("@I")
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
+_SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_MAX_QUEUED = 65536  # items waiting for the dispatch thread at most (a flood's bound)
+_RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
+_DATA_KINDS = (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META)  # what test_drop may discard
+
+
+def _contribution(rs: RoundState, h: Header, payload: bytes) -> Contribution:
+    """The Contribution a CONTRIB datagram (or its reassembled fragments) carries."""
+    return Contribution(
+        round=h.round,
+        bucket=h.bucket,
+        chunk=h.chunk,
+        offset=h.offset,
+        numel=h.numel,
+        codec=CODEC_WIRE_NAMES[h.codec],
+        sender=rs.site_ids[h.sender],
+        payload=payload,
+    )
+
+
+def _enable_rx_meta(sock: socket.socket) -> int:
+    """Ask for arrival timestamps and drop counts on ``sock``; the ancillary buffer size, 0 if refused."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RXQ_OVFL, 1)
+    except OSError:
+        return 0
+    return socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_U32.size)
+
+
+class DatagramReceive:
+    """The receive thread and what it hands on (see the module docstring).
+
+    The transport provides what these methods use: ``config``, ``_sock``, ``_native``,
+    ``_opener``, ``_stopped``, ``_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
+    ``_drop_rng``, ``_counts``, ``_sock_drops`` and the methods ``_round``, ``_on_mean``,
+    ``_on_mean_run``.
+    """
+
+    config: Any
+    _sock: Any
+    _native: Any
+    _opener: Any
+    _stopped: Any
+    _lock: Any
+    _pending: list[bytes]
+    _dispatch: queue.Queue
+    _queued: int
+    _rx: tuple | None
+    _drop_rng: Any
+    _counts: dict[str, int]
+    _sock_drops: int
+    _round: Any
+    _on_mean: Any
+    _on_mean_run: Any
+
+    def _recv_loop(self) -> None:
+        """Receive thread: waits for the socket to be readable (``poll``, 0.1 s at most, so
+        ``stop`` is seen), then reads every queued datagram (at most ``_RECV_BATCH``)
+        without blocking until ``EAGAIN``: one wake-up and no ``poll`` per datagram when
+        they arrive faster than they are handled. With the compiled loop one ``recvmmsg``
+        reads the batch and one call authenticates it (:meth:`~.datagram_wire.Opener.open_batch`);
+        else ``recvmsg`` and :meth:`~.datagram_wire.Opener.open` per datagram.
+
+        Where the kernel offers them (Linux), every datagram comes with its
+        arrival time at the socket (``SO_TIMESTAMPNS``) and the socket's running count of
+        datagrams dropped at a full receive buffer (``SO_RXQ_OVFL``): the REPORT's receive
+        window is then the network's, not this thread's (a CPU-starved receiver used to look
+        like a queue on the path), and the drops say when this receiver is the bottleneck."""
+        sock = self._sock
+        assert sock is not None
+        anc = _enable_rx_meta(sock)
+        read = self._read_native if self._native is not None else self._read_python
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        while not self._stopped.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+            except OSError:
+                break
+            if self.config.recv_coalesce_s:
+                time.sleep(self.config.recv_coalesce_s)
+            out: list[tuple] = []
+            try:
+                read(sock, anc, out)
+            except OSError:  # the socket closed by stop()
+                if self._stopped.is_set():
+                    return
+            except Exception:  # a bug must not stop the receive loop
+                log.exception("datagram handling failed")
+            self._enqueue(out)
+
+    def _read_python(self, sock: socket.socket, anc: int, out: list[tuple]) -> None:
+        """Read and handle up to ``_RECV_BATCH`` queued datagrams one by one."""
+        size = self.config.max_datagram_bytes + 1  # a larger datagram arrives cut to this: "oversized"
+        for _ in range(_RECV_BATCH):
+            t_arrival = None
+            try:
+                if anc:
+                    data, cmsgs, _, _ = sock.recvmsg(size, anc)
+                    t_arrival = self._rx_meta(cmsgs)
+                else:
+                    data = sock.recv(size)
+            except BlockingIOError:
+                return
+            except OSError:  # e.g. an ICMP error of an earlier send, or the socket closed by stop()
+                if self._stopped.is_set():
+                    raise
+                continue
+            self._counts["wire_received"] += len(data)  # only this thread writes it
+            try:
+                self._on_datagram(data, t_arrival, out)
+            except Exception:  # a bug must not stop the receive loop
+                log.exception("datagram handling failed")
+
+    def _read_native(self, sock: socket.socket, anc: int, out: list[tuple]) -> None:
+        """Read up to ``_RECV_BATCH`` queued datagrams with one ``recvmmsg``, open them in one call,
+        then hand each on (:meth:`_on_opened`)."""
+        assert self._native is not None
+        rx = self._rx_buffers()
+        buf, lens, ts, drops = rx
+        for _ in range(4):  # bounded: a flood cannot keep this thread from queueing what it read
+            n = self._native.recv(sock.fileno(), buf, lens, ts, drops)
+            if n < 0:  # an ICMP error of an earlier send: the next call reads on
+                if self._stopped.is_set():
+                    raise OSError(-n, os.strerror(-n))
+                continue
+            if n == 0:
+                return
+            self._counts["wire_received"] += int(lens[:n].sum())  # only this thread writes it
+            if anc:
+                self._sock_drops = int(drops[0])
+            opened = self._opener.open_batch(buf, lens, n, self._test_drops(buf, lens, n))
+            for i in opened.pending:
+                self._hold(buf[i, : int(lens[i])].tobytes())
+            self._hand_on(buf, lens, ts, opened, out)
+            if n < len(lens):
+                return
+
+    def _hand_on(
+        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, opened: BatchOpened, out: list[tuple]
+    ) -> None:
+        """Hand each opened datagram of a batch on, in arrival order. A whole contribution
+        (one datagram) takes the short way: its Contribution goes straight to ``out`` and its
+        sender's receive statistics are noted once per batch (before ``out`` is queued, so a
+        SEND_END behind them in the queue sees them); consecutive whole mean chunks of one
+        bucket go in one call (:meth:`_on_mean_run`); the rest goes through :meth:`_on_opened`."""
+        idx = np.flatnonzero(opened.ok)
+        to_mono = time.monotonic() - time.time()
+        now = time.monotonic()
+        rounds: dict[int, RoundState | None] = {}
+        seen: dict[tuple[int, int], list] = {}  # (round, sender) -> [datagrams, bytes, first_t, last_t]
+        received = 0
+        means: list[tuple[Header, bytes]] = []  # a run of whole mean chunks of one bucket
+        raw = buf.reshape(-1).data  # bodies are sliced from the rows as bytes (one copy each)
+        stride = buf.shape[1]
+        num_codecs = len(CODEC_WIRE_NAMES)
+        for i, row, n_i, t in zip(idx.tolist(), opened.headers[idx].tolist(), lens[idx].tolist(), ts[idx].tolist()):
+            h = Header._make(row)
+            rs = rounds[h.round] if h.round in rounds else rounds.setdefault(h.round, self._round(h.round))
+            at = i * stride
+            body = raw[at + HEADER_BYTES : at + n_i - TAG_BYTES].tobytes()
+            t_arrival = t * 1e-9 + to_mono if t else now
+            if h.kind == Kind.MEAN and h.nfrags == 1 and rs is not None:
+                if means and (means[0][0].round, means[0][0].bucket, means[0][0].sender) != (
+                    h.round,
+                    h.bucket,
+                    h.sender,
+                ):
+                    self._on_mean_run(rounds[means[0][0].round], means)
+                    means = []
+                means.append((h, body))
+                continue
+            if means:  # what came before this datagram is handled before it
+                self._on_mean_run(rounds[means[0][0].round], means)
+                means = []
+            if h.kind != Kind.CONTRIB or h.nfrags != 1 or rs is None or h.codec >= num_codecs:
+                self._on_opened(rs, h, body, t_arrival, out)
+                continue
+            st = seen.get((h.round, h.sender))
+            if st is None:
+                seen[(h.round, h.sender)] = [1, len(body), t_arrival, t_arrival, rs]
+            else:
+                st[0] += 1
+                st[1] += len(body)
+                st[2] = min(st[2], t_arrival)
+                st[3] = max(st[3], t_arrival)
+            received += len(body)
+            out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body)))
+        if means:
+            self._on_mean_run(rounds[means[0][0].round], means)
+        for (_, sender), (num, nbytes, first, last, rs) in seen.items():
+            with rs.lock:
+                rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
+        self._counts["received"] += received
+
+    def _rx_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The receive thread's batch buffers (rows of ``max_datagram_bytes + 1``: a larger
+        datagram shows as that, i.e. oversized)."""
+        if self._rx is None:
+            stride = self.config.max_datagram_bytes + 1
+            self._rx = (
+                np.zeros((_RECV_BATCH, stride), np.uint8),
+                np.zeros(_RECV_BATCH, np.uint32),
+                np.zeros(_RECV_BATCH, np.int64),
+                np.zeros(1, np.uint32),
+            )
+        return self._rx
+
+    def _test_drops(self, buf: np.ndarray, lens: np.ndarray, n: int) -> np.ndarray | None:
+        """Rows ``test_drop`` discards before they are opened (data kinds only), counted."""
+        if not self.config.test_drop:
+            return None
+        skip = np.zeros(n, bool)
+        for i in range(n):
+            if lens[i] > 3 and buf[i, 3] in _DATA_KINDS and self._drop_rng.random() < self.config.test_drop:
+                skip[i] = True
+        self._counts["test_dropped"] += int(skip.sum())
+        return skip
+
+    def _rx_meta(self, cmsgs: list) -> float | None:
+        """Arrival time (``time.monotonic()`` seconds) from the ancillary data; notes socket drops."""
+        t = None
+        for _, kind, data in cmsgs:
+            if kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                sec, nsec = _TIMESPEC.unpack_from(data)
+                t = sec + nsec * 1e-9 - time.time() + time.monotonic()
+            elif kind == _SO_RXQ_OVFL and len(data) >= 4:
+                self._sock_drops = _U32.unpack_from(data)[0]
+        return t
+
+    def _hold(self, data: bytes) -> None:
+        """Keep a datagram of a round whose plan has not arrived (bounded); opened at ``begin_round``."""
+        with self._lock:
+            if len(self._pending) < self.config.max_pending_datagrams:
+                self._pending.append(data)
+                return
+        self._opener.count("over_budget")
+
+    def _on_datagram(self, data: bytes, t_arrival: float | None, out: list[tuple]) -> None:
+        """Open one datagram (the Python loop) and hand it on; what goes to the dispatch thread is appended to ``out``."""
+        if self.config.test_drop and len(data) > 3 and data[3] in _DATA_KINDS:
+            if self._drop_rng.random() < self.config.test_drop:
+                self._counts["test_dropped"] += 1
+                return
+        try:
+            h, body = self._opener.open(data)
+        except Dropped as e:
+            if e.reason == "unknown_round":
+                self._hold(data)
+            return
+        self._on_opened(self._round(h.round), h, body, time.monotonic() if t_arrival is None else t_arrival, out)
+
+    def _on_opened(self, rs: RoundState | None, h: Header, body: bytes, t_arrival: float, out: list[tuple]) -> None:
+        """One authenticated, new datagram: by kind, to its handler here or queued in ``out``."""
+        if rs is None:
+            self._opener.count("stale_round")
+            return
+        if h.kind == Kind.CONTRIB:
+            self._on_contribution(rs, h, body, t_arrival, out)
+        elif h.kind in (Kind.MEAN, Kind.MEAN_META):
+            self._on_mean(rs, h, body)
+        elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK):
+            out.append((h.kind, rs, h, body))
+        elif h.kind == Kind.REPORT:
+            self._on_report(rs, h, body)
+        else:
+            self._opener.count("malformed")
+
+    def _enqueue(self, items: list[tuple]) -> None:
+        """Queue a batch of items for the dispatch thread; at most ``_MAX_QUEUED`` items wait (the rest: over budget)."""
+        if not items:
+            return
+        with self._lock:
+            room = self._queued + len(items) <= _MAX_QUEUED
+            self._queued += len(items) if room else 0
+        if room:
+            self._dispatch.put(items)
+        else:
+            self._opener.count("over_budget", len(items))
+
+    def _on_contribution(self, rs: RoundState, h: Header, body: bytes, t_arrival: float, out: list[tuple]) -> None:
+        if h.codec >= len(CODEC_WIRE_NAMES):
+            self._opener.count("malformed")
+            return
+        with rs.lock:
+            rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
+            whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
+        if whole is False:
+            self._opener.count("over_budget")
+        if not whole:
+            return
+        self._counts["received"] += len(whole)
+        out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, whole)))
+
+    def _on_report(self, rs: RoundState, h, body: bytes) -> None:
+        if len(body) < _REPORT.size:
+            self._opener.count("malformed")
+            return
+        rep = _REPORT.unpack_from(body, 0)
+        code, _, reason = body[_REPORT.size :].decode("utf-8", "replace").partition("\0")
+        with rs.cv:
+            old = rs.reports.get(h.sender)
+            if old is None or rep[5] >= old[5]:
+                rs.reports[h.sender] = rep
+                if code:
+                    rs.rejections[h.sender] = (code, reason)
+            rs.cv.notify_all()
