@@ -168,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbytes", type=float, default=64.0, help="payload MB per run")
     p.add_argument("--rate-mbit", type=float, nargs="*", default=[200.0, 400.0, 1000.0], help="pacer ceilings")
     p.add_argument(
-        "--loops", nargs="*", default=["auto", "off"], choices=["auto", "on", "off"],
+        "--loops",
+        nargs="*",
+        default=["auto", "off"],
+        choices=["auto", "on", "off"],
         help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop",
-    )  # fmt: skip
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rates, mbytes = ([400.0], 8.0) if args.quick else (args.rate_mbit, args.mbytes)

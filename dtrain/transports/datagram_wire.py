@@ -207,10 +207,25 @@ class Sealer:
             seq, self._next_seq = self._next_seq, self._next_seq + n
         return seq
 
-    def _header(self, kind: int, seq: int, bucket: int, chunk: int, offset: int, numel: int, codec: int,
-                frag: int, nfrags: int) -> bytes:  # fmt: skip
-        return HEADER.pack(MAGIC, VERSION, kind, self.run, self.round, bucket, chunk, offset, numel, codec,
-                           self.sender, seq, frag, nfrags)  # fmt: skip
+    def _header(self, kind: int, seq: int, *fields: int) -> bytes:
+        """The 43-byte header; ``fields``: ``(bucket, chunk, offset, numel, codec, frag, nfrags)``."""
+        bucket, chunk, offset, numel, codec, frag, nfrags = fields
+        return HEADER.pack(
+            MAGIC,
+            VERSION,
+            kind,
+            self.run,
+            self.round,
+            bucket,
+            chunk,
+            offset,
+            numel,
+            codec,
+            self.sender,
+            seq,
+            frag,
+            nfrags,
+        )
 
     def seal(
         self,
