@@ -113,7 +113,7 @@ class NativeLib:
             raise ValueError(f"datagram key must be 32 bytes, got {len(key)}")
         h = self._lib.dg_aead_new(key)
         if not h:
-            raise RuntimeError("dg_aead_new failed (libcrypto has no chacha20-poly1305?)")
+            raise MemoryError("dg_aead_new could not allocate a key handle")
         return h
 
     def free(self, handle: int) -> None:

@@ -192,3 +192,46 @@ def test_one_sealer_seals_from_many_threads_at_once() -> None:
     bodies = [op.open(b.datagram(i))[1] for b in out for i in range(16)]
     assert len(bodies) == 6 * 30 * 16 and op.counts()["forged"] == 0
     assert len({int(s) for b in out for s in header_view(b.buf, 16)["seq"]}) == len(bodies)  # no sequence twice
+
+
+def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_once(monkeypatch) -> None:
+    """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed;
+    a NACK for all of a mean (nothing arrived) re-sends it once."""
+    import struct
+    from types import SimpleNamespace
+
+    from dtrain.protocol import BucketMean, MeanChunk, Member, RoundPlan
+    from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+    from dtrain.transports.datagram_round import RoundState
+
+    t = DatagramTransport(DatagramTransportConfig(native="off"))
+    plan = RoundPlan(
+        round=0,
+        members=(Member(site_id="a", address="127.0.0.1:9"), Member(site_id="b", address="127.0.0.1:9")),
+        reduce_timeout_s=5,
+        broadcast_timeout_s=5,
+        datagram_key=KEY,
+    )
+    rs = RoundState(plan, ["a"], "a", run=0, max_buffer_bytes=1 << 20)
+    chunks = tuple(
+        MeanChunk(chunk=c, offset=10 * c, numel=10, codec="fp32", payload=bytes([c]) * 40, senders=("a", "b"))
+        for c in range(5)
+    )
+    rs.published[0] = BucketMean(
+        round=0, bucket=0, owner="a", chunks=chunks, checksum_before="00" * 16, checksum_after="11" * 16
+    )
+    sent: list[tuple[int, int]] = []  # (kind, chunk) of every datagram that left
+
+    def capture(rs_, dest, sock, batch, deadline, *, contribution):
+        hv = header_view(batch.buf, len(batch.lens))
+        sent.extend(zip(hv["kind"].tolist(), hv["chunk"].tolist()))
+        assert len(set(hv["seq"].tolist())) == len(batch.lens)  # every copy sealed on its own
+        return True
+
+    monkeypatch.setattr(t, "_send_batch", capture)
+    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1), struct.pack("<2I", 1, 3))
+    assert sorted(sent) == sorted([(Kind.MEAN, 1), (Kind.MEAN, 3)] * 2 + [(Kind.MEAN_META, 1)] * 2)
+    sent.clear()
+    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1), struct.pack("<2I", 0xFFFFFFFF, 0xFFFFFFFE))
+    assert sorted(sent) == sorted([(Kind.MEAN_META, 0)] + [(Kind.MEAN, c) for c in range(5)] + [(Kind.MEAN_META, 1)])
+    t.stop(0)
