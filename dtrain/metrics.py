@@ -52,6 +52,7 @@ __all__ = [
     "write_line",
     "MetricsTail",
     "rejected_applied",
+    "chunk_senders",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class RoundLine(_Record):
     fragment: int | None = None
     bucket_outcomes: dict[str, int] | None = None
     rejected_senders: list[dict] | None = None
-    mean_senders: dict[str, list[list[str]]] | None = None
+    mean_senders: dict[str, Any] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).
@@ -463,7 +464,19 @@ def rejected_applied(lines: Iterable[dict]) -> list[str]:
         if e.get("counted") is not None:
             continue
         for ln in applied.get(r, []):
-            chunks = (ln.get("mean_senders") or {}).get(str(b), [])
-            if c < len(chunks) and s in chunks[c]:
+            entry = (ln.get("mean_senders") or {}).get(str(b))
+            if s in chunk_senders(entry, c):
                 out.append(f"{what} but {ln.get('site')} applied a mean of it that includes {s}")
     return out
+
+
+def chunk_senders(entry: Any, chunk: int) -> list[str]:
+    """The senders of chunk ``chunk`` in a ``mean_senders`` entry of a metrics line: the compact
+    form (``{"senders", "absent"}``, :func:`dtrain.rounds.types.compact_senders`) or the list per
+    chunk that lines before it held; [] for no entry or a chunk past its end."""
+    if not entry:
+        return []
+    if isinstance(entry, dict):
+        absent = entry.get("absent") or {}
+        return [s for s in entry.get("senders", []) if chunk not in absent.get(s, ())]
+    return list(entry[chunk]) if 0 <= chunk < len(entry) else []

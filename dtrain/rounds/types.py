@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from dtrain.configs import RoundConfig
 from dtrain.errors import RejectCode
@@ -116,8 +116,10 @@ class RoundResult:
     ``rejected_senders`` names, for the refusals of contributions to buckets this site
     owns (at most :data:`MAX_REFUSALS_NAMED` a round), the bucket, chunk, sender, the
     refused payload's digest and the digest the finalized mean counted from that sender
-    (None: none); ``mean_senders`` has, per bucket applied here, each chunk's senders of
-    the mean applied. Together they let a reader check that nothing refused was applied
+    (None: none); ``mean_senders`` has, per bucket applied here, the senders of each chunk
+    of the mean applied, compactly (:func:`compact_senders`: the senders and, per sender,
+    the chunks it is absent from; ~100 bytes a bucket when every chunk has everyone, where
+    a list per chunk made a 4-site datagram round's line 320 KB). Together they let a reader check that nothing refused was applied
     (:func:`dtrain.metrics.rejected_applied`).
     """
 
@@ -146,9 +148,8 @@ class RoundResult:
     rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons
     # as owner, refused contributions to its buckets: bucket, chunk, sender, digest, counted (at most 32)
     rejected_senders: list[dict] = field(default_factory=list)
-    mean_senders: dict[str, list[list[str]]] = field(
-        default_factory=dict
-    )  # bucket -> per chunk, the applied mean's senders
+    # bucket -> compact_senders(the applied mean's senders per chunk)
+    mean_senders: dict[str, dict] = field(default_factory=dict)
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     errors: list[str] = field(default_factory=list)
     fragment: int | None = None  # the Streaming DiLoCo fragment this round synchronised (None: the whole model)
@@ -171,3 +172,20 @@ class RoundResult:
         """The JSON-safe fields of the metrics line (docs/METRICS.md); the per-bucket
         ``bucket_outcome`` list is left out (its counts are in ``bucket_outcomes``)."""
         return {k: v for k, v in self.__dict__.items() if k not in ("bucket_outcome", "buckets")}
+
+
+def compact_senders(per_chunk: Sequence[Iterable[str]]) -> dict:
+    """The senders of each chunk of a mean as ``{"senders": [...], "absent": {sender: [chunk, ...]}}``:
+    every sender any chunk includes (sorted), and for each sender missing from some chunks, those
+    chunks (ascending); chunk ``c`` includes ``[s for s in senders if c not in absent.get(s, [])]``
+    (``dtrain.metrics.chunk_senders``). Chunks with the same senders tuple (the common case: one
+    tuple object shared by a mean's chunks) cost one set operation."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for c, s in enumerate(per_chunk):
+        groups.setdefault(tuple(s), []).append(c)
+    senders = sorted({x for s in groups for x in s})
+    absent: dict[str, list[int]] = {}
+    for s, chunks in groups.items():
+        for x in set(senders) - set(s):
+            absent.setdefault(x, []).extend(chunks)
+    return {"senders": senders, "absent": {x: sorted(cs) for x, cs in sorted(absent.items())}}

@@ -21,7 +21,7 @@ import zstandard
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.errors import RejectCode, Rejected, TransportError
-from dtrain.metrics import rejected_applied
+from dtrain.metrics import chunk_senders, rejected_applied
 from dtrain.protocol import Contribution, Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
@@ -269,9 +269,12 @@ def _assert_nothing_refused_applied(lines, rnd, bucket, rogue, *, members):
     named = [e for e in victim["rejected_senders"] if e["sender"] == rogue]
     if rnd < 2:  # excluded after 2 rounds: later refusals are PERMISSION_DENIED, not owner-side chunk faults
         assert named and named[0]["bucket"] == bucket and named[0]["chunk"] == 0 and named[0]["counted"] is None
-    assert all(ln["mean_senders"][str(bucket)][0] == list(members) for ln in lines), lines
+    assert all(chunk_senders(ln["mean_senders"][str(bucket)], 0) == list(members) for ln in lines), lines
     assert rejected_applied(lines) == []
-    forged = [dict(ln, mean_senders={**ln["mean_senders"], str(bucket): [[*members, rogue]]}) for ln in lines]
+    forged = [
+        dict(ln, mean_senders={**ln["mean_senders"], str(bucket): {"senders": [*members, rogue], "absent": {}}})
+        for ln in lines
+    ]
     found = rejected_applied(forged)
     assert len(found) == 2 * len(named) and all(f"refused {rogue}'s b{bucket} c0" in f for f in found), found
     if named:
@@ -379,7 +382,7 @@ def test_a_spoofer_claiming_a_members_name_cannot_get_it_excluded():
             lines = [{"site": s, "round": rnd, "status": "applied", **r.metrics()} for s, r in results.items()]
             named = [e for e in results["victim"].rejected_senders if e["sender"] == "honest"]
             assert len(named) == 1 and named[0]["counted"] not in (None, named[0]["digest"]), named
-            assert all(ln["mean_senders"][str(target)][0] == ["honest", "victim"] for ln in lines), lines
+            assert all(chunk_senders(ln["mean_senders"][str(target)], 0) == ["honest", "victim"] for ln in lines), lines
             assert rejected_applied(lines) == []
         assert victim.banned == frozenset(), "a spoofer got an honest member excluded"
     finally:

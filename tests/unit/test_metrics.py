@@ -160,3 +160,21 @@ def test_summary_round_trip_and_missing_or_broken_files(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dtrain.metrics"):
         assert read_summary(path) is None
     assert "unreadable summary" in caplog.text
+
+
+def test_compact_senders_round_trips_each_chunk_and_stays_small():
+    from dtrain.metrics import chunk_senders
+    from dtrain.rounds.types import compact_senders
+
+    everyone = ("a", "b", "c", "d")
+    per_chunk = [everyone] * 480
+    per_chunk[3] = ("a", "c", "d")
+    per_chunk[17] = ("a", "b")
+    per_chunk[479] = ("b", "c", "d")
+    entry = compact_senders(per_chunk)
+    assert entry == {"senders": list(everyone), "absent": {"a": [479], "b": [3], "c": [17], "d": [17]}}
+    assert [chunk_senders(entry, c) for c in range(480)] == [list(s) for s in per_chunk]
+    assert len(json.dumps(entry)) < 120  # a list per chunk: ~14,000 characters
+    # lines written before the compact form: a list per chunk
+    assert chunk_senders([["a", "b"], ["b"]], 1) == ["b"] and chunk_senders([["a"]], 5) == []
+    assert chunk_senders(None, 0) == [] and compact_senders([]) == {"senders": [], "absent": {}}
