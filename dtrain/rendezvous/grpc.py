@@ -20,6 +20,7 @@ UNAVAILABLE retried within the call's deadline.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import dataclasses
 import inspect
 import logging
@@ -515,6 +516,14 @@ class GrpcRendezvousClient:
         token: overrides ``config.token`` when given.
         tls: overrides ``config.tls`` when given.
         rpc_timeout_s: deadline of join / heartbeat / leave, seconds.
+        hedge_ready: send each ``ready`` long poll twice at once, over two TCP
+            connections, and take the first answer (the rendezvous treats a site's
+            repeated Ready of one round as one). On a lossy link a lost segment of the
+            plan's reply (or of the request) stalls its connection for a TCP
+            retransmission timeout, 0.2-0.6 s at 80 ms RTT, and that site starts the
+            round late, which every other site then waits for; two connections stall
+            together with the square of the probability (docs/DECISIONS.md, "Hedged
+            Ready polls"). False: one connection.
     """
 
     def __init__(
@@ -525,6 +534,7 @@ class GrpcRendezvousClient:
         token: str | None = None,
         tls: TlsConfig | None = None,
         rpc_timeout_s: float = 5.0,
+        hedge_ready: bool = True,
     ) -> None:
         cfg = config or GrpcTransportConfig()
         if token is not None:
@@ -541,6 +551,13 @@ class GrpcRendezvousClient:
         # retransmission or reconnect back-off on a lossy link (a Ready long poll's) must
         # not also silence the site's liveness; two connections stall independently.
         self._heartbeat_pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(one, pb_grpc.RendezvousStub)
+        # the second Ready of each poll: a third connection, and threads for the two blocking calls
+        # (a call whose twin answered first runs on until its own answer, at most its wait)
+        self._hedge_pool: ChannelPool[pb_grpc.RendezvousStub] | None = None
+        self._hedge_exec: cf.ThreadPoolExecutor | None = None
+        if hedge_ready:
+            self._hedge_pool = ChannelPool(one, pb_grpc.RendezvousStub)
+            self._hedge_exec = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rendezvous-ready")
 
     def _call(
         self,
@@ -624,12 +641,29 @@ class GrpcRendezvousClient:
         """
         wait_ms = int(check_timeout(timeout_s) * 1000)
         request = pb.ReadyRequest(site_id=site_id, round=round, wait_ms=wait_ms)
-        reply = self._call(
-            "ready",
-            timeout_s + _READY_SLACK_S,
-            lambda stub, t: stub.Ready(request, timeout=t, metadata=self._metadata),
-        )
-        return _decision_from_proto(reply)
+
+        def poll(pool: "ChannelPool[pb_grpc.RendezvousStub]") -> pb.ReadyReply:
+            return self._call(
+                "ready",
+                timeout_s + _READY_SLACK_S,
+                lambda stub, t: stub.Ready(request, timeout=t, metadata=self._metadata),
+                pool,
+            )
+
+        if self._hedge_pool is None or self._hedge_exec is None:
+            return _decision_from_proto(poll(self._pool))
+        try:
+            calls = [self._hedge_exec.submit(poll, p) for p in (self._pool, self._hedge_pool)]
+        except RuntimeError:  # the executor is shut down: the client is closed
+            raise RendezvousError("rendezvous ready: the client is closed") from None
+        failure: RendezvousError | None = None
+        for done in cf.as_completed(calls):
+            try:
+                return _decision_from_proto(done.result())
+            except RendezvousError as e:  # the other call may still answer
+                failure = failure or e
+        assert failure is not None
+        raise failure
 
     def leave(self, site_id: str) -> None:
         """Leave the group on purpose."""
@@ -643,6 +677,9 @@ class GrpcRendezvousClient:
         """Close the channels; later calls raise ``RendezvousError``."""
         self._pool.close()
         self._heartbeat_pool.close()
+        if self._hedge_pool is not None and self._hedge_exec is not None:
+            self._hedge_pool.close()
+            self._hedge_exec.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "GrpcRendezvousClient":
         return self

@@ -6,6 +6,7 @@ oldest of one site id."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 from typing import Iterator
@@ -317,7 +318,7 @@ def test_heartbeats_go_on_while_the_main_rendezvous_connection_is_stalled() -> N
     to declare the site dead), heartbeats still arrive."""
     rdv = serve_rendezvous(RendezvousCore(RendezvousConfig(min_sites=2)), GrpcTransportConfig(), tick_s=0.05)
     proxy = _FreezableProxy(rdv.address)
-    rc = GrpcRendezvousClient(proxy.address, rpc_timeout_s=2.0)
+    rc = GrpcRendezvousClient(proxy.address, rpc_timeout_s=2.0, hedge_ready=False)
     try:
         rc.join("site-a", "127.0.0.1:1")  # the main connection: accepted first
         assert rc.heartbeat("site-a").known
@@ -330,5 +331,36 @@ def test_heartbeats_go_on_while_the_main_rendezvous_connection_is_stalled() -> N
     finally:
         proxy.frozen.clear()
         rc.close()
+        proxy.close()
+        rdv.stop(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_hedged_ready_is_answered_while_its_main_connection_is_stalled() -> None:
+    """hedge_ready (the default): each Ready long poll also goes over a connection of its own,
+    so a main connection stuck in TCP retransmission (a lost segment of the plan's reply) does
+    not hold the site back: the other answers; the rendezvous counts the site ready once, and the
+    plan reaches it with the other site's."""
+    rdv = serve_rendezvous(RendezvousCore(RendezvousConfig(min_sites=2)), GrpcTransportConfig(), tick_s=0.05)
+    proxy = _FreezableProxy(rdv.address)
+    a = GrpcRendezvousClient(proxy.address, rpc_timeout_s=2.0)
+    b = GrpcRendezvousClient(rdv.address, rpc_timeout_s=2.0)
+    try:
+        a.join("site-a", "127.0.0.1:1")  # connection 0: joins and the first copy of each Ready
+        b.join("site-b", "127.0.0.1:2")
+        proxy.frozen.add(0)
+        d = a.ready("site-a", 0, timeout_s=0.2)  # the second copy opens connection 1 and answers
+        assert d.status == "wait" and d.reason.startswith("1 of 2 live sites ready"), d
+        assert proxy.num_accepted == 2
+        with cf.ThreadPoolExecutor(2) as ex:
+            fa = ex.submit(a.ready, "site-a", 0, 10.0)
+            fb = ex.submit(b.ready, "site-b", 0, 10.0)
+            da, db = fa.result(timeout=15), fb.result(timeout=15)
+        assert da.status == db.status == "plan", (da, db)
+        assert da.plan == db.plan and da.plan.site_ids == ("site-a", "site-b")
+    finally:
+        proxy.frozen.clear()
+        a.close()
+        b.close()
         proxy.close()
         rdv.stop(0)
