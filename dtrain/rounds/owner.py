@@ -121,6 +121,9 @@ class OpenRound:
         self.arrived = 0
         self.lost: set[str] = set()
         self.finished: set[str] = set()  # members whose transport said they sent everything (sender_done)
+        # (sender, bucket) pairs no longer awaited: the sender is lost or finished, or said it sent
+        # all of that bucket (sender_done with buckets); its missing chunks there count as lost
+        self._not_awaited: set[tuple[str, int]] = set()
         self.rejections = RejectionTally()
         self.faulty_senders: set[str] = set()
         self.refusals: list[tuple[int, int, str, bytes]] = []
@@ -287,7 +290,7 @@ class OpenRound:
     def _counted(self, sender: str, bucket: int, num: int) -> None:
         """``num`` new contributions of ``sender`` to ``bucket`` were counted."""
         self.arrived += num
-        if sender not in self.lost and sender not in self.finished:  # no longer awaited: counted, not missing
+        if (sender, bucket) not in self._not_awaited:  # no longer awaited: counted, not missing
             self._missing[bucket] -= num
             if self._missing[bucket] == 0:
                 self._complete.append(bucket)
@@ -338,27 +341,37 @@ class OpenRound:
         self._stop_awaiting(new)
         return new
 
-    def sender_done(self, sender: str) -> bool:
+    def sender_done(self, sender: str, buckets: Iterable[int] | None = None) -> bool:
         """``sender`` sent everything it will send here this round (the datagram path's
-        SEND_END): its chunks still missing were lost, not late, so they no longer count
-        as missing and a bucket that lacks nothing else becomes due at once. Returns
+        SEND_END), or all of ``buckets`` (its BUCKET_END): its chunks still missing there
+        were lost, not late, so they no longer count as missing and a bucket that lacks
+        nothing else becomes due at once. A sender can only end its own contribution
+        early: what it sends after is refused as late once the bucket closed. Returns
         whether anything changed (False for this site, non-members, repeats)."""
         if sender == self.site_id or sender not in self.members or sender in self.lost or sender in self.finished:
             return False
-        self.finished.add(sender)
-        self._stop_awaiting(frozenset({sender}))
-        return True
+        if buckets is None:
+            self.finished.add(sender)
+            return self._stop_awaiting(frozenset({sender})) or True
+        return self._stop_awaiting(frozenset({sender}), buckets)
 
-    def _stop_awaiting(self, senders: frozenset[str]) -> None:
-        """The open buckets no longer count ``senders``' unsent chunks as missing."""
-        for b in self.mine:
+    def _stop_awaiting(self, senders: frozenset[str], buckets: Iterable[int] | None = None) -> bool:
+        """The open buckets (of ``buckets``; None: all owned here) no longer count ``senders``'
+        unsent chunks as missing. Whether a bucket's count changed."""
+        changed = False
+        for b in self.mine if buckets is None else [b for b in buckets if b in self._acc]:
             if b in self.closed:
                 continue
             acc = self._acc[b]
-            for c in range(len(self.chunks[b])):
-                self._missing[b] -= sum(1 for s in senders if acc.digest(c, s) is None)
+            for s in senders:
+                if (s, b) in self._not_awaited:
+                    continue
+                self._not_awaited.add((s, b))
+                self._missing[b] -= sum(1 for c in range(len(self.chunks[b])) if acc.digest(c, s) is None)
+                changed = True
             if self._missing[b] == 0 and b not in self._complete:
                 self._complete.append(b)
+        return changed
 
     def due(self, now: float) -> Closing | None:
         """The buckets to finalize at time ``now`` (a pure decision; nothing changes).

@@ -283,20 +283,21 @@ class PeerSide:
             stale = bool(have_checksum) and have_checksum != m.checksum_before
             self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
 
-    def handle_sender_done(self, round: int, sender: str) -> None:
-        """``sender`` sent everything it will send this site for ``round``.
+    def handle_sender_done(self, round: int, sender: str, buckets: Sequence[int] | None = None) -> None:
+        """``sender`` sent everything it will send this site for ``round`` (of ``buckets``
+        only, when given).
 
-        Called by a transport that knows (the datagram path, on the sender's
-        SEND_END): the chunks of ``sender`` still missing were lost, not late, so
-        they no longer count as missing and a bucket lacking nothing else is
-        finalized at once instead of at the reduce deadline.
+        Called by a transport that knows (the datagram path, on the sender's SEND_END,
+        or its BUCKET_END after each bucket): the chunks of ``sender`` still missing
+        there were lost, not late, so they no longer count as missing and a bucket
+        lacking nothing else is finalized at once instead of at the reduce deadline.
         """
         with self._cv:
             owned = self._open.get(round)
         if owned is None:
             return
         with owned.cv:
-            if owned.books.sender_done(sender):
+            if owned.books.sender_done(sender, buckets):
                 owned.cv.notify_all()
 
     def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:

@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _SEND_END = struct.Struct("<QQd")
 _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
+_BUCKET_END_COPIES = 2  # BUCKET_END datagrams per bucket and owner
 _SEND_BATCH = 32  # datagrams sealed and sent per call (32 x 1,400 B: under the pacer's 64 KiB burst)
 _SEND_END_COPIES = 5  # all lost: 1e-5 at 10% loss, 3e-4 at 20% (3 copies: 1e-3, 8e-3)
 
@@ -413,16 +414,26 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             return s
 
     def _send_batch(
-        self, rs: RoundState, dest: int, sock: socket.socket, batch: SealedBatch, deadline: float, *, contribution: bool
+        self,
+        rs: RoundState,
+        dest: int,
+        sock: socket.socket,
+        batch: SealedBatch,
+        deadline: float,
+        *,
+        contribution: bool,
+        first_class: bool = False,
     ) -> bool:
         """Paced send of a batch of datagrams (one pacer wait, one ``sendmmsg`` with the compiled
-        loop); ``contribution`` ones count in what the REPORT is compared with. False: the paced
-        send would end past ``deadline`` (nothing sent). A datagram the local queue refuses
-        (ENOBUFS) counts as sent: it is lost like one on the wire."""
+        loop); ``contribution`` ones count in what the REPORT is compared with. Contributions
+        (and ``first_class`` ones: NACK answers) are paced first, other sends (fresh means) in
+        the gaps they leave (:meth:`Pacer.wait` ``second``). False: the paced send would end
+        past ``deadline`` (nothing sent). A datagram the local queue refuses (ENOBUFS) counts
+        as sent: it is lost like one on the wire."""
         lens = batch.lens
         n = len(lens)
         nbytes = int(lens.sum())
-        if not n or not self._pacer.wait(nbytes, deadline):
+        if not n or not self._pacer.wait(nbytes, deadline, second=not (contribution or first_class)):
             return not n
         if self._native is not None:
             r = self._native.send(sock.fileno(), batch.buf, lens, n)
@@ -478,6 +489,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         num = 0
         before: tuple[int, int] = (0, 0)
         parts: list[tuple[tuple, bytes]] = []
+        bucket = -1  # of the contribution before
 
         def flush() -> None:
             assert rs is not None
@@ -494,6 +506,11 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 with rs.lock:
                     rep = rs.reports.get(dest)
                 before = (rep[3], rep[4]) if rep else (0, 0)
+            if c.bucket != bucket and bucket >= 0:  # the previous bucket is all sent: say so
+                if parts:
+                    flush()
+                self._end_bucket(rs, dest, bucket)
+            bucket = c.bucket
             parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, codec_id(c.codec)))
             if len(parts) >= _SEND_BATCH:
                 flush()
@@ -504,6 +521,13 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         if parts:
             flush()
         return self._end_push(rs, dest, sock, address, num, before, deadline)
+
+    def _end_bucket(self, rs: RoundState, dest: int, bucket: int) -> None:
+        """BUCKET_END of ``bucket`` to ``dest``, twice (not paced; after its last chunk left): under
+        loss an owner finalizes each bucket as its senders finish it, not all at the SEND_END.
+        Both copies lost: that bucket waits for the SEND_END, as without it."""
+        for copy in range(_BUCKET_END_COPIES):
+            self._send_ctl(rs, dest, rs.sealer.seal(Kind.BUCKET_END, b"", bucket=bucket, chunk=copy))
 
     def _round_and_dest(self, round: int, address: str) -> tuple[RoundState, int]:
         rs = self._round(round)
@@ -594,6 +618,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 self._answer_nack(rs, h, obj)
             elif kind == Kind.MEAN_ACK:
                 self._answer_ack(rs, h, obj)
+            elif kind == Kind.BUCKET_END:
+                self._answer_bucket_end(rs, h)
         except TransportError as e:
             log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
         except Exception:
@@ -635,6 +661,16 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             return
         with rs.lock:
             rs.stats[sender].accepted += 1
+
+    def _answer_bucket_end(self, rs: RoundState, h) -> None:
+        """The sender sent all of bucket ``h.bucket``'s chunks (every one before this was handled:
+        one FIFO): what of them is missing was lost, and the bucket need not wait for them."""
+        if not 0 <= h.bucket < len(rs.owners) or rs.owners[h.bucket] != rs.site_id:
+            self._opener.count("malformed")
+            return
+        done = getattr(self._handler, "handle_sender_done", None)
+        if done is not None:
+            done(rs.round, rs.site_ids[h.sender], (h.bucket,))
 
     def _answer_send_end(self, rs: RoundState, sender: int, body: bytes) -> None:
         if len(body) != _SEND_END.size:

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 _META_COPY_FINAL = 1
 _NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
 _NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
+_NACK_COPIES = 2  # each NACK datagram leaves twice
+_MAX_NACKS_REMEMBERED = 65536  # NACKs answered, remembered per round to skip their copies (past it: answered)
+_FINAL_META_COPIES = 3  # a mean's final meta leaves 3 times: lost, the member waits 2 x nack_idle_s to NACK
 _MEAN_BATCH = 32  # mean chunks sealed and sent per call (one datagram each with datagram_chunk_bytes)
 
 
@@ -81,25 +84,48 @@ class DatagramMeans:
             t.join()
 
     def _push_mean(self, rs: RoundState, b: int) -> None:
+        """Wait for bucket ``b``'s mean, then send it to every member once the means finalized
+        before it have left: one bucket at a time, so the first is whole at its members (and
+        NACKed, repaired) while the next is still on its way, instead of all finishing together
+        at the end with every repair after them."""
         assert self._handler is not None
         try:
             m = self._handler.handle_pull_mean(rs.round, b, rs.site_id, max(0.0, rs.broadcast_until - time.monotonic()))
         except TransportError as e:
             log.warning("round %d: no mean of bucket %d to push: %s", rs.round, b, e)
-            return
-        with rs.lock:
+            return  # it takes no turn
+        with rs.cv:
             rs.published[b] = m
+            ticket = rs.send_tickets
+            rs.send_tickets += 1
+            rs.cv.wait_for(lambda: rs.send_turn == ticket, timeout=max(0.0, rs.broadcast_until - time.monotonic()))
         dests = [i for i in range(len(rs.site_ids)) if i != rs.me]
-        self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True)
+        try:
+            self._send_mean(rs, m, dests, list(range(len(m.chunks))), with_meta=True, final_copies=_FINAL_META_COPIES)
+        finally:
+            with rs.cv:
+                rs.send_turn += 1
+                rs.cv.notify_all()
 
     def _send_mean(
-        self, rs: RoundState, m: BucketMean, dests: list[int], chunks: list[int], *, with_meta: bool, copies: int = 1
+        self,
+        rs: RoundState,
+        m: BucketMean,
+        dests: list[int],
+        chunks: list[int],
+        *,
+        with_meta: bool,
+        copies: int = 1,
+        final_copies: int | None = None,
+        repair: bool = False,
     ) -> None:
         """Meta, the chunks, final meta; to every dest, batch by batch, paced. Each batch is
         sealed once and the same datagrams go to every dest (each member's replay window is
         its own), so a mean costs one seal per chunk, not one per chunk and member.
-        ``copies``: each chunk and the final meta leave that many times (separately sealed;
-        the member keeps the first that arrives)."""
+        ``copies``: each chunk leaves that many times (separately sealed; the member keeps
+        the first that arrives); the final meta ``final_copies`` times (default: ``copies``).
+        ``repair``: the answer to a NACK, paced in the first class (with contributions, ahead
+        of fresh means): a member waits on it at the end of the round."""
         meta = encode_meta(m)
         socks = {d: self._send_sock(rs.plan.members[d].address) for d in dests}
         batches: list[tuple[int, list, list]] = []
@@ -113,14 +139,17 @@ class DatagramMeans:
                 head = senders_bitmap(ch.senders, rs.site_ids)
                 parts += self._parts(head, ch.payload, (m.bucket, c, ch.offset, ch.numel, codec_id(ch.codec)))
             batches.append((Kind.MEAN, [f for f, _ in parts], [b for _, b in parts]))
-        batches.append((Kind.MEAN_META, [(m.bucket, _META_COPY_FINAL, 0, 0, NO_CODEC, 0, 1)] * copies, [meta] * copies))
+        finals = copies if final_copies is None else final_copies
+        batches.append((Kind.MEAN_META, [(m.bucket, _META_COPY_FINAL, 0, 0, NO_CODEC, 0, 1)] * finals, [meta] * finals))
         for kind, fields, bodies in batches:
             sealed = rs.sealer.seal_many(kind, fields, bodies)
             if kind == Kind.MEAN:
                 self._count(sent=sum(len(m.chunks[f[1]].payload) for f in fields if f[5] == 0) * len(dests))
             for d in dests:
                 try:
-                    if not self._send_batch(rs, d, socks[d], sealed, rs.broadcast_until, contribution=False):
+                    if not self._send_batch(
+                        rs, d, socks[d], sealed, rs.broadcast_until, contribution=False, first_class=repair
+                    ):
                         log.warning("round %d: mean of bucket %d: past the broadcast deadline", rs.round, m.bucket)
                         return
                 except PeerUnavailable as e:
@@ -131,6 +160,12 @@ class DatagramMeans:
             m = rs.published.get(h.bucket)
         if m is None or len(body) % 4:
             return
+        with rs.lock:  # a NACK's second copy (same sender, bucket, number and body) is not answered again
+            key = (h.sender, h.bucket, h.chunk, hash(body))
+            if key in rs.nacks_answered:
+                return
+            if len(rs.nacks_answered) < _MAX_NACKS_REMEMBERED:
+                rs.nacks_answered.add(key)
         asked = struct.unpack(f"<{len(body) // 4}I", body)
         wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
         # what was lost once is re-sent nack_copies times (not a whole mean asked for again):
@@ -138,7 +173,7 @@ class DatagramMeans:
         # needs fewer NACK rounds (each costs an RTT and a wait behind the owner's pacer)
         copies = 1 if _NACK_ALL in asked else self.config.nack_copies
         self._count(resent=len(wanted) * copies)
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked, copies=copies)
+        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked, copies=copies, repair=True)
 
     def _answer_ack(self, rs: RoundState, h, body: bytes) -> None:
         """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``), or,
@@ -291,6 +326,7 @@ class DatagramMeans:
                     nack_idle_s=cfg.nack_idle_s,
                     max_nacks=cfg.max_nack_rounds,
                     owner_active_at=rs.owner_active.get(owner, 0.0),
+                    rtt_s=cfg.rtt_s,
                 )
                 if step.action == "done":
                     return ma.to_mean(rs.round, bucket, rs.owners[bucket])
@@ -311,7 +347,8 @@ class DatagramMeans:
             self._count(nacks_sent=1)
             room = self._body_max // 4
             for i in range(0, len(missing), room):
-                part = missing[i : i + room]
-                self._send_ctl(
-                    rs, owner, rs.sealer.seal(Kind.NACK, struct.pack(f"<{len(part)}I", *part), bucket=bucket)
-                )
+                body = struct.pack(f"<{len(missing[i : i + room])}I", *missing[i : i + room])
+                # each NACK leaves twice (separately sealed, the NACK's number in the chunk field):
+                # lost, the next one waits rtt_s + nack_idle_s x 2^k; the owner answers one copy
+                for _ in range(_NACK_COPIES):
+                    self._send_ctl(rs, owner, rs.sealer.seal(Kind.NACK, body, bucket=bucket, chunk=ma.nacks))

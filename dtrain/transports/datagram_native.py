@@ -25,6 +25,7 @@ numpy view (the layout of :data:`~.datagram_wire.HEADER`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -64,6 +65,7 @@ _FIELDS = (
 )
 
 
+@functools.lru_cache(maxsize=16)  # one per batch stride
 def _header_dtype(itemsize: int) -> np.dtype:
     names, formats, offsets = zip(*_FIELDS)
     return np.dtype({"names": list(names), "formats": list(formats), "offsets": list(offsets), "itemsize": itemsize})

@@ -312,7 +312,7 @@ class DatagramReceive:
             self._on_contribution(rs, h, body, t_arrival, out)
         elif h.kind in (Kind.MEAN, Kind.MEAN_META):
             self._on_mean(rs, h, body)
-        elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK):
+        elif h.kind in (Kind.SEND_END, Kind.NACK, Kind.MEAN_ACK, Kind.BUCKET_END):
             out.append((h.kind, rs, h, body))
         elif h.kind == Kind.REPORT:
             self._on_report(rs, h, body)

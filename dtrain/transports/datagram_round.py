@@ -165,6 +165,7 @@ def mean_wait_decision(
     nack_idle_s: float,
     max_nacks: int,
     owner_active_at: float = 0.0,
+    rtt_s: float = 0.0,
 ) -> MeanWait:
     """Next step of a member waiting for a pushed mean, from what has arrived and ``now``.
 
@@ -180,8 +181,10 @@ def mean_wait_decision(
             not at ``fallback_at``.
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
             after the final meta: the owner sent everything); the k-th NACK's answer is
-            waited for ``nack_idle_s x 2^(k-1)`` (capped at 64x) first.
+            waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first.
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
+        rtt_s: the path's round-trip time (the transport's ``rtt_s``): no answer to a NACK
+            can come sooner, so none is sent again before.
         owner_active_at: the latest arrival of any mean datagram from this bucket's owner
             (0: none). While the owner is still sending (other buckets interleave with
             this one through its pacer), quiet on this bucket is not loss: before its
@@ -207,7 +210,7 @@ def mean_wait_decision(
     # the k-th NACK's answer gets nack_idle_s x 2^(k-1) (at most 64x) before the next one: an
     # owner slowed down (a busy CPU) is not asked again and again (each NACK re-sends what is
     # missing), and the NACKs span ~10 s before the gRPC pull (a TCP pull at 20% loss is slow)
-    answer_s = nack_idle_s * 2 ** min(m.nacks - 1, 6) if m.nacks else 0.0
+    answer_s = rtt_s + nack_idle_s * 2 ** min(m.nacks - 1, 6) if m.nacks else 0.0
     wake = max(m.last_arrival, busy, m.nack_at + answer_s if m.nacks else 0.0) + idle
     if now < wake:
         return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
@@ -255,6 +258,11 @@ class RoundState:
         self.means: dict[int, MeanAssembly] = {}
         self.owner_active: dict[int, float] = {}  # owner index -> latest arrival of any of its mean datagrams
         self.published: dict[int, BucketMean] = {}  # means this site owns, kept for NACKs
+        # the owner sends its means one bucket at a time, in the order they were finalized:
+        # ticket i goes when send_turn == i (under cv)
+        self.send_tickets = 0
+        self.send_turn = 0
+        self.nacks_answered: set[tuple] = set()  # (sender, bucket, NACK number, body hash) answered here
         self.stats: dict[int, SenderStats] = {}
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
         self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver

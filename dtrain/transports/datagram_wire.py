@@ -9,7 +9,8 @@ authentication exactly like a changed body byte. Layout (little-endian)::
     offset size field
     0      2    magic b"DG"
     2      1    version (1)
-    3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6, MEAN_ACK=7
+    3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6, MEAN_ACK=7,
+                BUCKET_END=8
     4      4    run id (u32; a run's sites share it; 0 by default)
     8      4    round
     12     4    bucket
@@ -111,8 +112,9 @@ class Kind:
     SEND_END = 5  # what a member sent to an owner this round (rate control)
     REPORT = 6  # what an owner received from a member this round (rate control)
     MEAN_ACK = 7  # a member holds a bucket's whole mean, member -> owner (close() waits for it)
+    BUCKET_END = 8  # a member sent all of one bucket's chunks, member -> owner (finalize it without waiting)
 
-    ALL = (CONTRIB, MEAN, MEAN_META, NACK, SEND_END, REPORT, MEAN_ACK)
+    ALL = (CONTRIB, MEAN, MEAN_META, NACK, SEND_END, REPORT, MEAN_ACK, BUCKET_END)
 
 
 class Header(NamedTuple):

@@ -195,8 +195,9 @@ def test_one_sealer_seals_from_many_threads_at_once() -> None:
 
 
 def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_once(monkeypatch) -> None:
-    """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed;
-    a NACK for all of a mean (nothing arrived) re-sends it once."""
+    """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed,
+    in the pacer's first class; the NACK's own second copy is not answered again; a NACK for all
+    of a mean (nothing arrived) re-sends it once."""
     import struct
     from types import SimpleNamespace
 
@@ -221,17 +222,23 @@ def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_o
         round=0, bucket=0, owner="a", chunks=chunks, checksum_before="00" * 16, checksum_after="11" * 16
     )
     sent: list[tuple[int, int]] = []  # (kind, chunk) of every datagram that left
+    classes: list[bool] = []
 
-    def capture(rs_, dest, sock, batch, deadline, *, contribution):
+    def capture(rs_, dest, sock, batch, deadline, *, contribution, first_class=False):
         hv = header_view(batch.buf, len(batch.lens))
         sent.extend(zip(hv["kind"].tolist(), hv["chunk"].tolist()))
+        classes.append(first_class)
         assert len(set(hv["seq"].tolist())) == len(batch.lens)  # every copy sealed on its own
         return True
 
     monkeypatch.setattr(t, "_send_batch", capture)
-    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1), struct.pack("<2I", 1, 3))
+    nack = SimpleNamespace(bucket=0, sender=1, chunk=1)  # the member's first NACK of bucket 0
+    t._answer_nack(rs, nack, struct.pack("<2I", 1, 3))
     assert sorted(sent) == sorted([(Kind.MEAN, 1), (Kind.MEAN, 3)] * 2 + [(Kind.MEAN_META, 1)] * 2)
+    assert classes and all(classes)  # a NACK's answer is paced ahead of fresh means
     sent.clear()
-    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1), struct.pack("<2I", 0xFFFFFFFF, 0xFFFFFFFE))
+    t._answer_nack(rs, nack, struct.pack("<2I", 1, 3))  # the NACK's second copy: not answered again
+    assert sent == []
+    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=2), struct.pack("<2I", 0xFFFFFFFF, 0xFFFFFFFE))
     assert sorted(sent) == sorted([(Kind.MEAN_META, 0)] + [(Kind.MEAN, c) for c in range(5)] + [(Kind.MEAN_META, 1)])
     t.stop(0)

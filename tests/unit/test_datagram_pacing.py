@@ -224,3 +224,56 @@ def test_worker_config_data_path() -> None:
     assert WORKER.build({}).diloco_config().buckets.chunk_bytes == 1 << 20
     with pytest.raises(ValueError, match="data_path 'datagram'"):
         WORKER.build({"data_path": "datagram", "codec": "int8+zstd"})
+
+
+def test_yield_decision_lets_a_second_class_send_go_only_in_a_gap() -> None:
+    from dtrain.transports.pacing import yield_decision
+
+    # a first-class reservation due at t=10.0: a mean waits until 5 ms after it
+    assert yield_decision(now=9.99, first_due=10.0, gap_s=0.005, deadline=20.0) == (
+        pytest.approx(0.015),
+        "first-class sends pending",
+    )
+    assert yield_decision(now=10.006, first_due=10.0, gap_s=0.005, deadline=20.0) == (
+        0.0,
+        "no first-class send pending",
+    )
+    # never past the deadline: there it goes regardless
+    assert yield_decision(now=9.99, first_due=10.0, gap_s=0.005, deadline=10.0) == (
+        pytest.approx(0.01),
+        "first-class sends pending",
+    )
+    assert yield_decision(now=10.0, first_due=30.0, gap_s=0.005, deadline=10.0) == (0.0, "deadline reached")
+    # no first-class send ever: at once
+    assert yield_decision(now=1.0, first_due=float("-inf"), gap_s=0.005, deadline=2.0)[0] == 0.0
+
+
+def test_a_second_class_send_waits_while_first_class_sends_stream() -> None:
+    """A thread streaming first-class batches (contributions) keeps a second-class send (a mean)
+    waiting until it stops; the second-class send then goes, and nothing is lost."""
+    import threading
+
+    from dtrain.transports.pacing import Pacer
+
+    # 1 MB/s: a 1,000-byte batch every 1 ms; a 1 s gap, so a loaded machine's scheduling
+    # pauses in the stream are not mistaken for its end
+    p = Pacer(8.0, burst_bytes=1000, yield_gap_s=1.0)
+    order: list[str] = []
+    first_done = threading.Event()
+
+    def first() -> None:
+        for _ in range(20):
+            assert p.wait(1000, deadline=time.monotonic() + 10)
+            order.append("first")
+        first_done.set()
+
+    t = threading.Thread(target=first)
+    t.start()
+    while not order:  # the stream has begun
+        time.sleep(0.001)
+    assert p.wait(1000, deadline=time.monotonic() + 10, second=True)
+    order.append("second")
+    t.join()
+    assert first_done.is_set() and order.count("first") == 20
+    assert order.index("second") == 20, order  # it went after the stream, not between its batches
+    assert p.num_yields >= 1 and p.num_sends == 21

@@ -285,3 +285,29 @@ def test_the_mean_over_a_subset_is_bit_identical_whatever_the_arrival_order() ->
         assert red.senders == ("a", "c", "d")
         means.append(red.mean)
     assert all(torch.equal(m, means[0]) for m in means[1:])
+
+
+def test_a_senders_bucket_end_closes_only_that_bucket_and_counts_nothing_twice() -> None:
+    """BUCKET_END (sender_done with buckets): the sender's chunks still missing in that bucket were
+    lost, so the bucket stops waiting for them; its other buckets still wait; a chunk of it that
+    arrives after is counted without going below zero; its SEND_END later changes only the rest."""
+    o = _round()
+    for s in ("a", "b"):
+        _send_bucket(o, s, 0)
+        _send_bucket(o, s, 1)
+    assert _send(o, "c", 0, 0) is True  # c's chunk 1 of bucket 0 is lost
+    assert o.awaited(0) == 1 and o.awaited(1) == 1
+    assert o.sender_done("c", [0]) is True
+    assert o.awaited(0) == 0 and o.awaited(1) == 1  # bucket 1 still waits for c
+    assert o.due(T0 + 1) == Closing((0,), CLOSE_COMPLETE)
+    assert o.sender_done("c", [0]) is False  # a repeat (its second copy) changes nothing
+    assert o.sender_done("zed", [0]) is False and o.sender_done("a", [1]) is False  # non-member, this site
+    o.close((0,))
+    (r0, r1) = o.finalize(0)
+    assert r0.senders == ("a", "b", "c") and r1.senders == ("a", "b")  # the lost chunk stays out
+    assert o.sender_done("c") is True  # its SEND_END: bucket 1 no longer waits either
+    assert o.awaited(1) == 0 and o.due(T0 + 1) == Closing((1,), CLOSE_COMPLETE)
+    # c's chunk of bucket 1 that still arrives before the close is counted, once
+    assert _send(o, "c", 1, 0) is True and o.awaited(1) == 0
+    o.close((1,))
+    assert o.finalize(1)[0].senders == ("a", "b", "c")
