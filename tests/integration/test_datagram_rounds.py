@@ -452,3 +452,38 @@ def test_a_mean_pulled_over_grpc_counts_as_delivered_only_once_the_member_acknow
         assert w.reason == "all pulled" and not w.missing, w
     else:  # served over gRPC, never acknowledged: not counted
         assert w.reason == "deadline" and set(w.missing) == {"site-0", "site-2"}, w
+
+
+def test_a_sender_ends_each_bucket_so_owners_need_not_wait_for_its_send_end(make_cluster) -> None:
+    """Every sender tells each owner, after a bucket's last chunk, that the bucket is all sent
+    (BUCKET_END), then the SEND_END for the rest: an owner of several buckets hears of each but
+    the last before the SEND_END, in bucket order; a BUCKET_END for a bucket owned elsewhere is
+    counted malformed and ends nothing."""
+    c = make_cluster(3, drop=0.0, seed=5)
+    calls: dict[str, list[tuple[str, tuple | None]]] = {e.site_id: [] for e in c.engines}
+    for e in c.engines:
+        real = e.handle_sender_done
+
+        def record(round, sender, buckets=None, *, e=e, real=real):
+            calls[e.site_id].append((sender, None if buckets is None else tuple(buckets)))
+            return real(round, sender, buckets)
+
+        e.handle_sender_done = record
+    c.run_round()
+    owners = c.engines[0].transport._round(0).owners
+    for e in c.engines:
+        mine = [b for b, o in enumerate(owners) if o == e.site_id]
+        for s in (x.site_id for x in c.engines if x is not e):
+            got = [bs for who, bs in calls[e.site_id] if who == s]
+            distinct = [bs for i, bs in enumerate(got) if i == 0 or got[i - 1] != bs]  # each leaves twice
+            assert distinct == [(b,) for b in mine[:-1]] + [None], (e.site_id, s, got)
+            assert all(got.count((b,)) <= 2 for b in mine) and got.count(None) <= 5  # the copies sent
+    assert any(len([b for b, o in enumerate(owners) if o == e.site_id]) > 1 for e in c.engines)
+    # a forged end of a bucket this site does not own: malformed, nothing ended
+    e0 = c.engines[0]
+    rs = e0.transport._round(0)
+    other = next(b for b, o in enumerate(owners) if o != e0.site_id)
+    before, num_calls = e0.transport.counters().get("dropped_malformed", 0), len(calls[e0.site_id])
+    e0.transport._answer_bucket_end(rs, type("H", (), {"bucket": other, "sender": 1})())
+    assert e0.transport.counters()["dropped_malformed"] == before + 1
+    assert len(calls[e0.site_id]) == num_calls
