@@ -154,6 +154,9 @@ class DatagramMeans:
                         return
                 except PeerUnavailable as e:
                     log.debug("round %d: mean to %s: %s", rs.round, rs.site_ids[d], e)
+            if kind == Kind.MEAN and not repair:
+                with rs.lock:
+                    rs.mean_left[m.bucket] = max(rs.mean_left.get(m.bucket, 0), fields[-1][1] + 1)
 
     def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
         with rs.lock:
@@ -167,7 +170,11 @@ class DatagramMeans:
             if len(rs.nacks_answered) < _MAX_NACKS_REMEMBERED:
                 rs.nacks_answered.add(key)
         asked = struct.unpack(f"<{len(body) // 4}I", body)
-        wanted = list(range(len(m.chunks))) if _NACK_ALL in asked else [c for c in asked if c < len(m.chunks)]
+        with rs.lock:  # only what already left: the rest is still on its way (a NACK of a mean in progress)
+            left = min(len(m.chunks), rs.mean_left.get(h.bucket, 0))
+        wanted = list(range(left)) if _NACK_ALL in asked else [c for c in asked if c < left]
+        if not wanted and _NACK_META not in asked:
+            return
         # what was lost once is re-sent nack_copies times (not a whole mean asked for again):
         # at loss p a NACK round then leaves p^copies of it missing, not p, and the member
         # needs fewer NACK rounds (each costs an RTT and a wait behind the owner's pacer)

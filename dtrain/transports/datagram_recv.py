@@ -244,6 +244,8 @@ class DatagramReceive:
         for (_, sender), (num, nbytes, first, last, rs) in seen.items():
             with rs.lock:
                 rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
+                # a site sending contributions is alive and its pacer busy: its means' quiet is not loss
+                rs.owner_active[sender] = max(rs.owner_active.get(sender, 0.0), now)
         self._counts["received"] += received
 
     def _rx_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -337,6 +339,7 @@ class DatagramReceive:
             return
         with rs.lock:
             rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
+            rs.owner_active[h.sender] = max(rs.owner_active.get(h.sender, 0.0), time.monotonic())
             whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
         if whole is False:
             self._opener.count("over_budget")

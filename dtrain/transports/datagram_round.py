@@ -181,11 +181,12 @@ def mean_wait_decision(
             not at ``fallback_at``.
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
             after the final meta: the owner sent everything); the k-th NACK's answer is
-            waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first.
+            waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first, unless the
+            answer's final meta arrived (the answer is whole: 5 ms later the next NACK goes).
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
         rtt_s: the path's round-trip time (the transport's ``rtt_s``): no answer to a NACK
             can come sooner, so none is sent again before.
-        owner_active_at: the latest arrival of any mean datagram from this bucket's owner
+        owner_active_at: the latest arrival of any mean or contribution datagram from this bucket's owner
             (0: none). While the owner is still sending (other buckets interleave with
             this one through its pacer), quiet on this bucket is not loss: before its
             final meta, the bucket waits for quiet from the owner as a whole (through
@@ -211,7 +212,9 @@ def mean_wait_decision(
     # owner slowed down (a busy CPU) is not asked again and again (each NACK re-sends what is
     # missing), and the NACKs span ~10 s before the gRPC pull (a TCP pull at 20% loss is slow)
     answer_s = rtt_s + nack_idle_s * 2 ** min(m.nacks - 1, 6) if m.nacks else 0.0
-    wake = max(m.last_arrival, busy, m.nack_at + answer_s if m.nacks else 0.0) + idle
+    # the answer's final meta came: it is all here, what still misses can be asked for at once
+    answering = m.nacks and not m.final_meta_seen
+    wake = max(m.last_arrival, busy, m.nack_at + answer_s if answering else 0.0) + idle
     if now < wake:
         return MeanWait("wait", min(fallback_at, wake), "chunks still arriving")
     if m.nacks >= max_nacks:
@@ -256,7 +259,12 @@ class RoundState:
         self.buffered_bytes = 0
         self.fragments: dict[tuple, dict[int, bytes]] = {}
         self.means: dict[int, MeanAssembly] = {}
-        self.owner_active: dict[int, float] = {}  # owner index -> latest arrival of any of its mean datagrams
+        # site index -> latest arrival of any of its mean or contribution datagrams
+        self.owner_active: dict[int, float] = {}
+        # bucket -> chunks of this site's mean that have left to every member (its first pass):
+        # a NACK is answered only for those (the rest are on their way; a member NACKs a mean
+        # still trickling out behind contributions)
+        self.mean_left: dict[int, int] = {}
         self.published: dict[int, BucketMean] = {}  # means this site owns, kept for NACKs
         # the owner sends its means one bucket at a time, in the order they were finalized:
         # ticket i goes when send_turn == i (under cv)

@@ -196,8 +196,9 @@ def test_one_sealer_seals_from_many_threads_at_once() -> None:
 
 def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_once(monkeypatch) -> None:
     """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed,
-    in the pacer's first class; the NACK's own second copy is not answered again; a NACK for all
-    of a mean (nothing arrived) re-sends it once."""
+    in the pacer's first class, only for chunks that already left (the rest are on their way);
+    the NACK's own second copy is not answered again; a NACK for all of a mean (nothing arrived)
+    re-sends it once."""
     import struct
     from types import SimpleNamespace
 
@@ -232,6 +233,13 @@ def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_o
         return True
 
     monkeypatch.setattr(t, "_send_batch", capture)
+    rs.mean_left[0] = 2  # chunks 0-1 have left, 2-4 are still on their way: only chunk 1 is answered
+    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=7), struct.pack("<2I", 1, 3))
+    assert sorted(sent) == sorted([(Kind.MEAN, 1)] * 2 + [(Kind.MEAN_META, 1)] * 2)
+    sent.clear()
+    t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=8), struct.pack("<1I", 3))
+    assert sent == []  # nothing asked for has left yet: no answer
+    rs.mean_left[0] = 5  # the whole mean has left
     nack = SimpleNamespace(bucket=0, sender=1, chunk=1)  # the member's first NACK of bucket 0
     t._answer_nack(rs, nack, struct.pack("<2I", 1, 3))
     assert sorted(sent) == sorted([(Kind.MEAN, 1), (Kind.MEAN, 3)] * 2 + [(Kind.MEAN_META, 1)] * 2)

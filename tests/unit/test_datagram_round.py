@@ -73,3 +73,17 @@ def test_while_the_owner_still_sends_other_means_quiet_on_one_bucket_is_not_loss
     empty = MeanAssembly()  # nothing of this bucket yet, but the owner is busy with others
     step = mean_wait_decision(empty, 10.0, owner_active_at=9.99, **KW)
     assert step.action == "wait" and step.wake_at == pytest.approx(10.09)
+
+
+def test_a_nacks_answer_is_waited_for_at_least_an_rtt_unless_its_final_meta_came() -> None:
+    """With the path's RTT given, no NACK goes again before its answer could have come back
+    (rtt_s + nack_idle_s); once the answer's final meta arrived the answer is whole, and what
+    still misses is asked for 5 ms after its last datagram."""
+    kw = dict(KW, max_nacks=10, rtt_s=0.08)
+    m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0, nacks=1, nack_at=20.0)
+    step = mean_wait_decision(m, 20.0, **kw)
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.0 + 0.08 + 0.05 + 0.1)
+    m.final_meta_seen, m.last_arrival = True, 20.09  # the answer (and its final meta) came at 20.09
+    step = mean_wait_decision(m, 20.091, **kw)
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.095)
+    assert mean_wait_decision(m, 20.095, **kw).action == "nack"
