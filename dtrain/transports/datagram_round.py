@@ -182,7 +182,8 @@ def mean_wait_decision(
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
             after the final meta: the owner sent everything); the k-th NACK's answer is
             waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first, unless the
-            answer's final meta arrived (the answer is whole: 5 ms later the next NACK goes).
+            answer's final meta arrived (the answer is whole: 5 ms later the next NACK goes);
+            when nothing arrived since the NACK, the next goes 5 ms after that wait.
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
         rtt_s: the path's round-trip time (the transport's ``rtt_s``): no answer to a NACK
             can come sooner, so none is sent again before.
@@ -206,7 +207,10 @@ def mean_wait_decision(
         if now >= max(silent_after, owner_quiet_at):
             return MeanWait("nack", reason="nothing arrived by the owner's reduce deadline: asking for all of it")
         return MeanWait("wait", min(fallback_at, max(silent_after, owner_quiet_at)), "the owner may still be reducing")
-    idle = 0.005 if m.final_meta_seen else 2 * nack_idle_s
+    # quiet after the final meta (the owner sent everything), or with nothing at all since the
+    # last NACK (no answer is on its way: its wait below already covers an RTT), is not a pause
+    unanswered = m.nacks and m.last_arrival < m.nack_at
+    idle = 0.005 if m.final_meta_seen or unanswered else 2 * nack_idle_s
     busy = 0.0 if m.final_meta_seen else owner_active_at  # the owner still sending: not loss yet
     # the k-th NACK's answer gets nack_idle_s x 2^(k-1) (at most 64x) before the next one: an
     # owner slowed down (a busy CPU) is not asked again and again (each NACK re-sends what is

@@ -38,7 +38,12 @@ def test_arriving_chunks_are_waited_for_then_re_requested_a_bounded_number_of_ti
     m.final_meta_seen = True  # the owner sent everything: 5 ms of quiet is enough
     assert mean_wait_decision(m, 20.006, **KW).action == "nack"
     m.nacks, m.nack_at, m.final_meta_seen = 3, 20.2, False
-    step = mean_wait_decision(m, 20.2, **KW)  # the last resend has time to arrive: 4 x nack_idle_s, then quiet
+    # the last resend has time to arrive: 4 x nack_idle_s; nothing came since that NACK, so no
+    # quiet is waited for on top (an answer on its way shows as arrivals)
+    step = mean_wait_decision(m, 20.2, **KW)
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.405)
+    m.last_arrival = 20.3  # part of an answer came: then the usual 2 x nack_idle_s of quiet
+    step = mean_wait_decision(m, 20.405, **KW)
     assert step.action == "wait" and step.wake_at == pytest.approx(20.5)
     step = mean_wait_decision(m, 20.5, **KW)
     assert step.action == "pull" and "3 NACKs spent" in step.reason
