@@ -358,8 +358,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             self._rounds[plan.round] = rs
             for r in [r for r in self._rounds if r < plan.round - 1]:
                 del self._rounds[r]
-            pending, self._pending = self._pending, []
         self._opener.open_round(plan.round, plan.datagram_key, len(plan.members))
+        with self._lock:  # after the key: what fails to open from now is opened again (_hold)
+            pending, self._pending = self._pending, []
         out: list[tuple] = []
         for data in pending:
             self._on_datagram(data, None, out)

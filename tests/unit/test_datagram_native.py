@@ -250,3 +250,21 @@ def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_o
     t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=2), struct.pack("<2I", 0xFFFFFFFF, 0xFFFFFFFE))
     assert sorted(sent) == sorted([(Kind.MEAN_META, 0)] + [(Kind.MEAN, c) for c in range(5)] + [(Kind.MEAN_META, 1)])
     t.stop(0)
+
+
+def test_a_datagram_that_failed_to_open_just_before_its_round_began_is_opened_not_held() -> None:
+    """begin_round opens the round's key, then takes what is held; a datagram that failed to open
+    just before the key arrived and reaches _hold after that is not held for a round that has
+    begun (nothing would take it): _hold says so and the caller opens it again. A datagram of a
+    round still to come is held."""
+    from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+
+    t = DatagramTransport(DatagramTransportConfig(native="off"))
+    now = Sealer(KEY, run=0, round=3, sender=1).seal(Kind.CONTRIB, b"x" * 40, bucket=0, chunk=0)
+    later = Sealer(KEY, run=0, round=4, sender=1).seal(Kind.CONTRIB, b"y" * 40, bucket=0, chunk=0)
+    t._opener.open_round(3, KEY, 2)
+    assert t._hold(now) is False and t._pending == []  # its key is here: opened again by the caller
+    assert t._hold(later) is True and t._pending == [later]
+    h, body = t._opener.open(now)
+    assert (h.round, body) == (3, b"x" * 40)
+    t.stop(0)
