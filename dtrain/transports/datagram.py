@@ -249,6 +249,10 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._pacer = Pacer(self.rate.rate_mbit, burst_bytes=cfg.burst_bytes)
         self._rounds: dict[int, RoundState] = {}
         self._pending: list[bytes] = []
+        # held by the receive thread from reading a batch to queueing it, and by begin_round from
+        # opening a round's key to queueing what was held for it: what was held is queued before
+        # anything read after (a sender's BUCKET_END after its held chunks, not before them)
+        self._recv_lock = threading.Lock()
         self._lock = threading.Lock()
         self._send_socks: dict[tuple[str, int], socket.socket] = {}
         self._dispatch: queue.Queue = queue.Queue()  # batches (lists) of items; _queued bounds their total
@@ -358,13 +362,14 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             self._rounds[plan.round] = rs
             for r in [r for r in self._rounds if r < plan.round - 1]:
                 del self._rounds[r]
-        self._opener.open_round(plan.round, plan.datagram_key, len(plan.members))
-        with self._lock:  # after the key: what fails to open from now is opened again (_hold)
-            pending, self._pending = self._pending, []
-        out: list[tuple] = []
-        for data in pending:
-            self._on_datagram(data, None, out)
-        self._enqueue(out)
+        with self._recv_lock:
+            self._opener.open_round(plan.round, plan.datagram_key, len(plan.members))
+            with self._lock:  # after the key: what fails to open from now is opened again (_hold)
+                pending, self._pending = self._pending, []
+            out: list[tuple] = []
+            for data in pending:
+                self._on_datagram(data, None, out)
+            self._enqueue(out)
         mine = [b for b, o in enumerate(owners) if o == site_id]
         if mine and len(plan.members) > 1:
             t = threading.Thread(

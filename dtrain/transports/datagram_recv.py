@@ -84,7 +84,7 @@ class DatagramReceive:
     """The receive thread and what it hands on (see the module docstring).
 
     The transport provides what these methods use: ``config``, ``_sock``, ``_native``,
-    ``_opener``, ``_stopped``, ``_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
+    ``_opener``, ``_stopped``, ``_lock``, ``_recv_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
     ``_drop_rng``, ``_counts``, ``_sock_drops`` and the methods ``_round``, ``_on_mean``,
     ``_on_mean_run``.
     """
@@ -96,6 +96,7 @@ class DatagramReceive:
     _stopped: Any
     _lock: Any
     _pending: list[bytes]
+    _recv_lock: Any
     _dispatch: queue.Queue
     _queued: int
     _rx: tuple | None
@@ -134,14 +135,15 @@ class DatagramReceive:
             if self.config.recv_coalesce_s:
                 time.sleep(self.config.recv_coalesce_s)
             out: list[tuple] = []
-            try:
-                read(sock, anc, out)
-            except OSError:  # the socket closed by stop()
-                if self._stopped.is_set():
-                    return
-            except Exception:  # a bug must not stop the receive loop
-                log.exception("datagram handling failed")
-            self._enqueue(out)
+            with self._recv_lock:  # begin_round queues what was held for its round in between, not inside
+                try:
+                    read(sock, anc, out)
+                except OSError:  # the socket closed by stop()
+                    if self._stopped.is_set():
+                        return
+                except Exception:  # a bug must not stop the receive loop
+                    log.exception("datagram handling failed")
+                self._enqueue(out)
 
     def _read_python(self, sock: socket.socket, anc: int, out: list[tuple]) -> None:
         """Read and handle up to ``_RECV_BATCH`` queued datagrams one by one."""
