@@ -522,8 +522,9 @@ class GrpcRendezvousClient:
             plan's reply (or of the request) stalls its connection for a TCP
             retransmission timeout, 0.2-0.6 s at 80 ms RTT, and that site starts the
             round late, which every other site then waits for; two connections stall
-            together with the square of the probability (docs/DECISIONS.md, "Hedged
-            Ready polls"). False: one connection.
+            together with the square of the probability (docs/DECISIONS.md, "Datagram
+            data path: scheduling a round"). A connection whose last call has not returned
+            (stalled) gets no new one until it does. False: one connection.
     """
 
     def __init__(
@@ -557,7 +558,10 @@ class GrpcRendezvousClient:
         self._hedge_exec: cf.ThreadPoolExecutor | None = None
         if hedge_ready:
             self._hedge_pool = ChannelPool(one, pb_grpc.RendezvousStub)
-            self._hedge_exec = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rendezvous-ready")
+            self._hedge_exec = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rendezvous-ready")
+        # each connection's latest Ready call: a connection whose call is still out (stalled, or
+        # the loser of the last pair) gets no new one, so stalled calls never pile up
+        self._ready_calls: list[cf.Future | None] = [None, None]
 
     def _call(
         self,
@@ -652,10 +656,20 @@ class GrpcRendezvousClient:
 
         if self._hedge_pool is None or self._hedge_exec is None:
             return _decision_from_proto(poll(self._pool))
+        out = [f for f in self._ready_calls if f is not None and not f.done()]
+        if len(out) == 2:  # both connections still busy with earlier calls: wait for one (at most its deadline)
+            cf.wait(out, timeout=timeout_s + _READY_SLACK_S, return_when=cf.FIRST_COMPLETED)
+        calls = []
         try:
-            calls = [self._hedge_exec.submit(poll, p) for p in (self._pool, self._hedge_pool)]
+            for i, p in enumerate((self._pool, self._hedge_pool)):
+                last = self._ready_calls[i]
+                if last is None or last.done():
+                    self._ready_calls[i] = self._hedge_exec.submit(poll, p)
+                    calls.append(self._ready_calls[i])
         except RuntimeError:  # the executor is shut down: the client is closed
             raise RendezvousError("rendezvous ready: the client is closed") from None
+        if not calls:
+            raise RendezvousError(f"rendezvous ready at {self.address}: both connections stalled past the deadline")
         failure: RendezvousError | None = None
         for done in cf.as_completed(calls):
             try:

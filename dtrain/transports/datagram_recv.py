@@ -357,7 +357,7 @@ class DatagramReceive:
             return
         with rs.lock:
             rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
-            rs.owner_active[h.sender] = max(rs.owner_active.get(h.sender, 0.0), time.monotonic())
+            rs.owner_active[h.sender] = max(rs.owner_active.get(h.sender, 0.0), t_arrival)
             whole = rs.add_fragment((Kind.CONTRIB, h.sender, h.bucket, h.chunk), h.frag, h.nfrags, body)
         if whole is False:
             self._opener.count("over_budget")

@@ -352,6 +352,11 @@ def test_a_hedged_ready_is_answered_while_its_main_connection_is_stalled() -> No
         d = a.ready("site-a", 0, timeout_s=0.2)  # the second copy opens connection 1 and answers
         assert d.status == "wait" and d.reason.startswith("1 of 2 live sites ready"), d
         assert proxy.num_accepted == 2
+        stalled = a._ready_calls[0]
+        for _ in range(3):  # the stalled connection gets no new call: nothing piles up behind it
+            assert a.ready("site-a", 0, timeout_s=0.2).status == "wait"
+            assert a._ready_calls[0] is stalled and not stalled.done()
+            assert a._hedge_exec._work_queue.qsize() == 0  # no call waited for a thread
         with cf.ThreadPoolExecutor(2) as ex:
             fa = ex.submit(a.ready, "site-a", 0, 10.0)
             fb = ex.submit(b.ready, "site-b", 0, 10.0)
