@@ -9,6 +9,7 @@ chunk (the owner's accumulator before) and ``handle_contribution`` per chunk."""
 from __future__ import annotations
 
 import random
+import re
 import time
 from dataclasses import replace
 
@@ -270,6 +271,11 @@ def _answers(results: list[Rejected | None]) -> list[tuple | None]:
     return [None if r is None else (r.code, r.reason) for r in results]
 
 
+def _no_elapsed(answers: list[tuple | None]) -> list[tuple | None]:
+    """``answers`` with the seconds in "deadline passed X s ago" replaced by ``X``."""
+    return [None if a is None else (a[0], re.sub(r"passed [0-9.]+ s ago", "passed X s ago", a[1])) for a in answers]
+
+
 @pytest.mark.parametrize(
     ("codec", "config_name", "seed"),
     [("fp32", "plain", 0), ("fp32", "plain", 1), ("int8", "plain", 2), ("fp32", "max_norm", 3), ("int8", "trim", 4)],
@@ -306,7 +312,9 @@ def test_handle_contributions_after_close_and_past_the_deadline_answer_as_per_ch
                     eng._open[ROUND].books.close([0])
         retry = cs[1:5]  # counted ones again (identical retries) and new ones
         want = _one_at_a_time(one, retry)
-        assert _answers(many.handle_contributions(retry)) == want
+        # the late reason says how long ago the deadline passed: the two engines' clocks differ by
+        # the milliseconds between their calls (CI: 0.002 vs 0.004 s), so that figure is left out
+        assert _no_elapsed(_answers(many.handle_contributions(retry))) == _no_elapsed(want)
         assert any(w is not None and "late" in w[1] for w in want) or not late
         assert want[0] is None or late  # an identical retry is never refused while open or after close
 
