@@ -370,9 +370,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "from this mode's existing CSV files",
     )
     ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
+    ap.add_argument("--losses", help="comma-separated loss rates in percent, instead of the mode's (e.g. '0,10')")
+    ap.add_argument("--measured", type=int, help="measured rounds per loss, instead of the mode's (>= 1)")
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
     m["logs"] = args.logs
+    if args.losses:
+        try:
+            m["losses"] = [float(x) for x in args.losses.split(",")]
+        except ValueError:
+            raise SystemExit(f"--losses must be comma-separated percents in [0, 100), got {args.losses!r}") from None
+        if not all(0.0 <= x < 100.0 for x in m["losses"]):
+            raise SystemExit(f"--losses must be comma-separated percents in [0, 100), got {args.losses!r}")
+    if args.measured is not None:
+        if args.measured < 1:
+            raise SystemExit(f"--measured must be an int >= 1, got {args.measured}")
+        m["measured"] = args.measured
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
     prefix = out_prefix(args, "datagram_vs_grpc")

@@ -235,6 +235,10 @@ class WorkerConfig:
             emulates a slower site in fault tests and experiments.
         parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
             train: ddp or fsdp (FSDP2); a single process ignores it.
+        gc_every_rounds: Python's cyclic garbage collection runs between rounds, after
+            every this many rounds, never inside one (``dtrain.app.gc_control``, as
+            torchtitan's ``training.gc_freq``); an int >= 0, 0 = Python's automatic
+            collector, which can stop every thread of the site for 0.2-0.7 s mid-round.
 
         reassign_after_rounds: with ``task_spec.non_iid``, re-assign the shard of a
             site absent from this many consecutive rounds to the survivors (each trains
@@ -255,6 +259,7 @@ class WorkerConfig:
     linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    gc_every_rounds: int = 1
 
     reassign_after_rounds: int = 0
     task_spec: TaskSpec = field(default_factory=TaskSpec)
@@ -285,6 +290,12 @@ class WorkerConfig:
         )
         _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
         _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
+        _need(
+            self,
+            is_int(self.gc_every_rounds) and self.gc_every_rounds >= 0,
+            "gc_every_rounds",
+            "an int >= 0 (0: Python's automatic collector)",
+        )
         if self.net.data_path == "datagram":
             self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
 

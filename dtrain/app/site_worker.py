@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.app.gc_control import RoundCollector
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, parse_line, write_line
 from dtrain.sitegroup import SiteGroupDiLoCo, SiteSyncOutcome, combine_checksums
 from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint, save_site_checkpoint
@@ -186,6 +187,7 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
     transport, rendezvous = _transport_and_rendezvous(cfg)
     stop = stop_event or threading.Event()
     diloco = None
+    collector = RoundCollector(cfg.gc_every_rounds, site=f"{cfg.site_id}/{rank}")
     try:
         diloco = SiteGroupDiLoCo(
             module,
@@ -201,11 +203,13 @@ def run_site_worker(cfg, *, parallel: str = "ddp", stop_event: threading.Event |
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
             diloco.engine.fault_hook = fault_hook_from_env(f"{cfg.site_id}/{rank}")
         t_start = time.monotonic()
-        summary = _train(cfg, task, module, optimizer, diloco, stop, parallel)
+        collector.start()  # after set-up: what exists now is frozen
+        summary = _train(cfg, task, module, optimizer, diloco, stop, parallel, collector)
         linger_s = cfg.linger_s if cfg.linger_s is not None else 3.0
         time.sleep(linger_s if not stop.is_set() else 0.0)  # let peers finish pulling our means
         return _finish(cfg, diloco, summary, t_start)
     finally:
+        collector.close()
         if diloco is not None:
             diloco.close()
         else:
@@ -282,7 +286,16 @@ def _round_line(cfg, out: SiteSyncOutcome, results: list[dict | None], base: dic
     return line
 
 
-def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threading.Event, parallel: str) -> Summary:
+def _train(
+    cfg,
+    task,
+    module,
+    optimizer,
+    diloco: SiteGroupDiLoCo,
+    stop: threading.Event,
+    parallel: str,
+    collector: RoundCollector | None = None,
+) -> Summary:
     from dtrain.app.worker import outer_state_checksum
 
     out_dir = Path(cfg.out_dir)
@@ -339,6 +352,8 @@ def _train(cfg, task, module, optimizer, diloco: SiteGroupDiLoCo, stop: threadin
             log.info(
                 "%s: round %d %s members=%s val_loss=%.4f", cfg.site_id, base["round"], out.status, line["members"], val
             )
+        if collector is not None:
+            collector.after_round(syncs)
     wall = time.monotonic() - t_start
     summary = Summary(
         site=cfg.site_id,

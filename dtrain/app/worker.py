@@ -29,6 +29,7 @@ import blake3
 import torch
 
 from dtrain.app.config import WorkerConfig  # re-exported
+from dtrain.app.gc_control import RoundCollector
 from dtrain.app.shards import DataMix, ShardWatch
 from dtrain.buckets import tensor_digest
 from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -152,6 +153,7 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             ckpt = path
     # Load the checkpoint BEFORE joining so a rejoining site presents its saved round.
     diloco = None
+    collector = RoundCollector(cfg.gc_every_rounds, site=cfg.site_id)
     t_start = time.monotonic()
     try:
         if ckpt is not None:
@@ -190,8 +192,10 @@ def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) 
             diloco.state.copy_to(diloco._tensors_and_kinds()[0])
             diloco.join()
         shards = data.get("shards") if ckpt is not None else None
-        summary = _train(cfg, task, diloco, out, stop, t_start, shards_state=shards)
+        collector.start()  # after set-up: what exists now is frozen
+        summary = _train(cfg, task, diloco, out, stop, t_start, shards_state=shards, collector=collector)
     finally:
+        collector.close()
         if diloco is not None:
             diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
         else:
@@ -251,11 +255,13 @@ def _train(
     t_start: float,
     *,
     shards_state: dict | None = None,
+    collector: RoundCollector | None = None,
 ) -> Summary:
     """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``.
 
     ``shards_state``: the checkpoint's ``shards`` entry (adopted shard parts and their
-    positions, ``--reassign-after-rounds``), restored before the first inner step."""
+    positions, ``--reassign-after-rounds``), restored before the first inner step.
+    ``collector``: runs Python's garbage collection after each round (``gc_every_rounds``)."""
     metrics_path = out / "metrics.jsonl"
     val = first_val = _write_start(cfg, task, diloco, metrics_path)
     totals = Totals()
@@ -309,6 +315,8 @@ def _train(
         owned_buckets = outcome.result.owned_buckets if outcome.result is not None else owned_buckets
         _record_round(cfg, diloco, metrics_path, line)
         _maybe_checkpoint(cfg, task, diloco, outcome, watch=watch, mix=mix)
+        if collector is not None:
+            collector.after_round(syncs)
     return _summary(
         cfg,
         diloco,

@@ -162,12 +162,19 @@ def settle_bucket(
     bcodec: Codec,
     mean_payloads: Sequence[bytes] | None,
 ) -> list[tuple[int, CodecError]]:
-    """Settle every chunk of one bucket's residual (:func:`settle_chunk` for each), decoding
-    each run of neighbouring chunks that settle alike with one ``decode_chunks`` call.
+    """Settle every chunk of one bucket's residual (:func:`settle_chunk` for each) in a few
+    vectorized passes: the same values, bit for bit, as one :func:`settle_chunk` per chunk.
+
+    Chunks that settle alike are decoded together with one ``decode_chunks`` call: every
+    included chunk (this site's own payloads) in one, every chunk settled by the mean in
+    another, and subtracted with one gather / subtract / scatter when the chunks are the
+    layout's usual equal steps (``_uniform_step``); else one call per run of neighbouring
+    chunks that settle alike. (Per run, a round with 10% datagram loss took ~1,500 decode
+    calls per site and 0.13-0.36 s of a 3-4 s round on the datagram path.)
 
     Args:
         residual: the bucket's residual (1-D fp32; updated in place).
-        chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order).
+        chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order, from 0).
         included: per chunk, whether the finalized mean included this site.
         codec: the contribution codec (``sent`` payloads).
         sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec);
@@ -184,8 +191,49 @@ def settle_bucket(
         ("sent" if not codec.lossless else "zero") if inc else ("mean" if mean_payloads is not None else "keep")
         for inc in included
     ]
+    runs = equal_runs(cases)
+    step = _uniform_step(chunks) if residual.is_contiguous() else None
+    if step is None or len(runs) <= 2 * len(set(cases)):  # few runs: each in place, no gather
+        return _settle_runs(residual, chunks, cases, runs, codec=codec, sent=sent, bcodec=bcodec, means=mean_payloads)
     bad: list[tuple[int, CodecError]] = []
-    for i, j in equal_runs(cases):
+    for i, j in runs:
+        if cases[i] == "zero":
+            settle_chunk(
+                residual[chunks[i][0] : chunks[j - 1][0] + chunks[j - 1][1]],
+                included=True,
+                sent=None,
+                applied_mean=None,
+            )
+    own = [c for c, k in enumerate(cases) if k == "sent"]
+    if own:
+        dec = codec.decode_chunks([sent(c) for c in own], [chunks[c][1] for c in own], verify=False)
+        _sub_chunks(residual, chunks, own, dec, step)
+    by_mean = [c for c, k in enumerate(cases) if k == "mean"]
+    if by_mean:
+        assert mean_payloads is not None
+        try:
+            dec = bcodec.decode_chunks([mean_payloads[c] for c in by_mean], [chunks[c][1] for c in by_mean])
+        except CodecError:  # find which chunks are bad; settle the others
+            bad += _settle_means_one_by_one(residual, chunks, by_mean, bcodec, mean_payloads)
+        else:
+            _sub_chunks(residual, chunks, by_mean, dec, step)
+    return bad
+
+
+def _settle_runs(
+    residual: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    cases: Sequence[str],
+    runs: Sequence[tuple[int, int]],
+    *,
+    codec: Codec,
+    sent: Callable[[int], bytes],
+    bcodec: Codec,
+    means: Sequence[bytes] | None,
+) -> list[tuple[int, CodecError]]:
+    """:func:`settle_bucket` one run of neighbouring chunks that settle alike at a time (in place)."""
+    bad: list[tuple[int, CodecError]] = []
+    for i, j in runs:
         a, b = chunks[i][0], chunks[j - 1][0] + chunks[j - 1][1]
         numels = [n for _, n in chunks[i:j]]
         if cases[i] == "zero":
@@ -194,18 +242,68 @@ def settle_bucket(
             dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False)  # this site's own
             settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
         elif cases[i] == "mean":
-            assert mean_payloads is not None
+            assert means is not None
             try:
-                dec = bcodec.decode_chunks(mean_payloads[i:j], numels)
+                dec = bcodec.decode_chunks(means[i:j], numels)
             except CodecError:  # find which chunks are bad; settle the others
-                for c in range(i, j):
-                    off, n = chunks[c]
-                    try:
-                        mean = bcodec.decode(mean_payloads[c], numel=n)
-                    except CodecError as e:
-                        bad.append((c, e))
-                        continue
-                    settle_chunk(residual[off : off + n], included=False, sent=None, applied_mean=mean)
+                bad += _settle_means_one_by_one(residual, chunks, range(i, j), bcodec, means)
                 continue
             settle_chunk(residual[a:b], included=False, sent=None, applied_mean=dec)
     return bad
+
+
+def _settle_means_one_by_one(
+    residual: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    which: Sequence[int],
+    bcodec: Codec,
+    means: Sequence[bytes],
+) -> list[tuple[int, CodecError]]:
+    """Settle chunks ``which`` by their mean, decoding each alone; the ones that fail are kept whole and returned."""
+    bad: list[tuple[int, CodecError]] = []
+    for c in which:
+        off, n = chunks[c]
+        try:
+            mean = bcodec.decode(means[c], numel=n)
+        except CodecError as e:
+            bad.append((c, e))
+            continue
+        settle_chunk(residual[off : off + n], included=False, sent=None, applied_mean=mean)
+    return bad
+
+
+def _uniform_step(chunks: Sequence[tuple[int, int]]) -> int | None:
+    """``n`` when chunk ``c`` is ``(c * n, n)`` for every chunk but the last, which starts at
+    ``c * n`` and has at most ``n`` elements (the layout's chunks); else None."""
+    if not chunks:
+        return None
+    n = chunks[0][1]
+    last = len(chunks) - 1
+    if n <= 0 or any(chunks[c] != (c * n, n) for c in range(last)):
+        return None
+    return n if chunks[last][0] == last * n and 0 < chunks[last][1] <= n else None
+
+
+def _sub_chunks(
+    residual: torch.Tensor, chunks: Sequence[tuple[int, int]], idx: list[int], dec: torch.Tensor, step: int
+) -> None:
+    """``residual``'s chunks ``idx`` (ascending) minus ``dec``, their decoded values concatenated
+    in that order (chunks as :func:`_uniform_step` accepts, of ``step`` elements but the last):
+    one gather, subtraction and scatter, element for element what :func:`settle_chunk` does."""
+    dec = dec.to(residual.device)
+    last = len(chunks) - 1
+    if idx[-1] == last and chunks[last][1] != step:  # the short last chunk, on its own
+        off, n = chunks[last]
+        residual[off : off + n].sub_(dec[dec.numel() - n :])
+        idx, dec = idx[:-1], dec[: dec.numel() - n]
+        if not idx:
+            return
+    if idx[-1] - idx[0] + 1 == len(idx):  # one contiguous range
+        residual[idx[0] * step : (idx[-1] + 1) * step].sub_(dec)
+        return
+    full = len(chunks) if chunks[last][1] == step else last
+    rows = residual[: full * step].view(full, step)
+    at = torch.tensor(idx, dtype=torch.long, device=residual.device)
+    part = rows.index_select(0, at)
+    part.sub_(dec.view(len(idx), step))
+    rows.index_copy_(0, at, part)

@@ -367,8 +367,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             with self._lock:  # after the key: what fails to open from now is opened again (_hold)
                 pending, self._pending = self._pending, []
             out: list[tuple] = []
-            for data in pending:
-                self._on_datagram(data, None, out)
+            self._open_held(pending, out)
             self._enqueue(out)
         mine = [b for b, o in enumerate(owners) if o == site_id]
         if mine and len(plan.members) > 1:

@@ -267,10 +267,14 @@ def _two_site_plan(round: int, addr_a: str, addr_b: str, *, reduce_s: float) -> 
     )
 
 
-def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
+@pytest.mark.parametrize("loop", ["off", "auto"])
+def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None:
+    """Held datagrams are opened at begin_round: one by one with the Python loop, in batches
+    with the compiled one ("auto" is the Python loop where it cannot build)."""
     from dtrain.protocol import Contribution
 
-    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), report_wait_s=0.3)
+    grpc_cfg = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    cfg = DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, native=loop)
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     rec = _Recorder()
     addr_b = b.start(rec)
@@ -280,18 +284,25 @@ def test_datagrams_before_the_plan_are_held_then_handled_once() -> None:
         a.begin_round(plan, [], "site-a")
         cs = [
             Contribution(
-                round=4, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=bytes([i]) * 4
+                round=4,
+                bucket=0,
+                chunk=i,
+                offset=i,
+                numel=1,
+                codec="fp32",
+                sender="site-a",
+                payload=bytes([i % 251]) * 4,
             )
-            for i in range(5)
+            for i in range(300)  # more than one receive batch (256)
         ]
-        assert a.push(addr_b, cs, timeout_s=5) == 5  # no report yet: the sender cannot tell
+        assert a.push(addr_b, cs, timeout_s=5) == 300  # no report yet: the sender cannot tell
         assert rec.accepted == []
         b.begin_round(plan, [], "site-b")  # the plan arrives: the held datagrams are opened
         deadline = time.monotonic() + 5
-        while len(rec.accepted) < 5 and time.monotonic() < deadline:
+        while len(rec.accepted) < 300 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert rec.accepted == cs
-        assert b.counters()["dropped_unknown_round"] >= 5
+        assert sorted(rec.accepted, key=lambda c: c.chunk) == cs
+        assert b.counters()["dropped_unknown_round"] >= 300
     finally:
         a.stop(0)
         b.stop(0)

@@ -84,6 +84,36 @@ def test_settle_bucket_matches_settle_chunk_per_chunk_and_keeps_a_bad_mean_chunk
         assert all("checksum mismatch" in str(e) for _, e in bad)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "fp32"])
+@pytest.mark.parametrize("last", [1280, 300])
+def test_settle_bucket_scattered_inclusion_matches_settle_chunk_bit_for_bit(name: str, last: int) -> None:
+    """Many alternating runs (a lossy round): the grouped decode + gather / scatter path, with
+    the short last chunk both included and not, gives settle_chunk's values exactly."""
+    codec = get_codec(name)
+    bucket = _bucket(40 * 1280 + last)
+    g = torch.Generator().manual_seed(11)
+    u = torch.randn(bucket.numel, generator=g)
+    sent = codec.encode_chunks(u, list(bucket.chunks))
+    mean_payloads = codec.encode_chunks(torch.randn(bucket.numel, generator=g), list(bucket.chunks))
+    for seed, last_included in ((0, True), (1, False)):
+        r = torch.Generator().manual_seed(seed)
+        included = [bool(x) for x in (torch.rand(len(bucket.chunks), generator=r) < 0.7).tolist()]
+        included[-1] = last_included
+        assert sum(1 for a, b in zip(included, included[1:]) if a != b) > 8  # scattered, not a few runs
+        for payloads in (mean_payloads, None):
+            want = u.clone()
+            for c, (off, n) in enumerate(bucket.chunks):
+                s = codec.decode(sent[c], numel=n) if included[c] and not codec.lossless else None
+                a = codec.decode(payloads[c], numel=n) if not included[c] and payloads is not None else None
+                settle_chunk(want[off : off + n], included=included[c], sent=s, applied_mean=a)
+            got = u.clone()
+            bad = settle_bucket(
+                got, bucket.chunks, included, codec=codec, sent=sent.__getitem__, bcodec=codec, mean_payloads=payloads
+            )
+            assert bad == []
+            assert torch.equal(got, want), (name, last, seed, payloads is None)
+
+
 def test_settle_bucket_lossless_codec_zeroes_the_included_chunks() -> None:
     fp32 = get_codec("fp32")
     bucket = _bucket(3 * 1280)
