@@ -308,6 +308,57 @@ def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None
         b.stop(0)
 
 
+class _DoneRecorder(_Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: list = []
+
+    def handle_sender_done(self, round, sender, buckets=None) -> None:
+        self.done.append((round, sender, buckets))
+
+
+def test_a_send_end_that_never_arrived_is_sent_again_until_the_owner_reports() -> None:
+    """Every SEND_END copy of a push is lost: here dropped over the owner's pending budget (one
+    datagram) while its plan is not there yet. The sender goes on offering one every 0.25 s, so
+    the owner learns that the sender is done soon after its plan comes, not at its reduce
+    deadline; once the owner's REPORT is back the copies stop."""
+    from dtrain.protocol import Contribution
+
+    grpc_cfg = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    a = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3))
+    b = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, max_pending_datagrams=1))
+    rec = _DoneRecorder()
+    addr_b = b.start(rec)
+    addr_a = a.start(_Recorder())
+    try:
+        plan = _two_site_plan(5, addr_a, addr_b, reduce_s=20)
+        a.begin_round(plan, [], "site-a")
+        cs = [
+            Contribution(
+                round=5, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"\0" * 4
+            )
+            for i in range(3)
+        ]
+        t0 = time.monotonic()
+        assert a.push(addr_b, cs, timeout_s=10) == 3  # no report: the sender cannot tell
+        assert time.monotonic() - t0 < 5  # the push does not wait for the late copies
+        assert rec.done == []
+        assert b.counters()["dropped_over_budget"] >= 2 + 5  # 2 contributions and every SEND_END copy
+        b.begin_round(plan, [], "site-b")
+        deadline = time.monotonic() + 5
+        while not rec.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.done and rec.done[0] == (5, "site-a", None)
+        assert [c.chunk for c in rec.accepted] == [0]  # the one held contribution; the others were lost
+        time.sleep(0.6)  # the REPORT went back: no more copies
+        n = len(rec.done)
+        time.sleep(0.6)
+        assert len(rec.done) == n
+    finally:
+        a.stop(0)
+        b.stop(0)
+
+
 def test_owners_exit_only_once_a_slow_member_holds_their_means(make_cluster) -> None:
     """The last round before exit at 30% loss: owners close (wait for their means' pulls,
     then stop) while a member is still asleep before its pulls. Pushed means count as
