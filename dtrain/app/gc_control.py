@@ -63,7 +63,6 @@ class RoundCollector:
         self.every_rounds = every_rounds
         self.site = site
         self.collections = 0  # collections this object ran
-        self.collect_s = 0.0  # their total wall time, seconds
         self._started = False
 
     def start(self) -> None:
@@ -99,7 +98,6 @@ class RoundCollector:
         found = gc.collect()
         dt = time.perf_counter() - t
         self.collections += 1
-        self.collect_s += dt
         log.debug(
             "%s: garbage collection after round %d: %d objects freed in %.3f s", self.site, rounds_done, found, dt
         )

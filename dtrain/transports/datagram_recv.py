@@ -194,7 +194,7 @@ class DatagramReceive:
                     n = self._read_batch(sock, anc, rx, out)
                 finally:
                     self._enqueue(out)
-            if n is not None and (n == 0 or n < len(lens)):
+            if n is not None and n < len(lens):  # the socket is empty (0 included)
                 return
 
     def _read_batch(self, sock: socket.socket, anc: int, rx: tuple, out: list[tuple]) -> int | None:
@@ -210,13 +210,20 @@ class DatagramReceive:
         self._counts["wire_received"] += int(lens[:n].sum())  # only this thread writes it
         if anc:
             self._sock_drops = int(drops[0])
-        opened = self._opener.open_batch(buf, lens, n, self._test_drops(buf, lens, n))
+        self._open_rows(buf, lens, ts, n, self._test_drops(buf, lens, n), out)
+        return n
+
+    def _open_rows(
+        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int, skip: np.ndarray | None, out: list[tuple]
+    ) -> None:
+        """Authenticate rows ``0..n-1`` of a batch in one call, hold those of a round still to
+        come (or open them again if it began meanwhile) and hand the rest on (:meth:`_hand_on`)."""
+        opened = self._opener.open_batch(buf, lens, n, skip)
         for i in opened.pending:
             data = buf[i, : int(lens[i])].tobytes()
             if not self._hold(data):  # its round began meanwhile
-                self._on_datagram(data, None, out)
+                self._open_one(data, None, out)
         self._hand_on(buf, lens, ts, opened, out)
-        return n
 
     def _hand_on(
         self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, opened: BatchOpened, out: list[tuple]
@@ -340,7 +347,7 @@ class DatagramReceive:
         datagrams already passed ``test_drop`` when they were read; they are not dropped again."""
         if self._native is None:
             for data in held:
-                self._on_datagram(data, None, out)
+                self._open_one(data, None, out)
             return
         buf, lens, ts, _ = self._rx_buffers()
         stride = buf.shape[1]
@@ -351,19 +358,19 @@ class DatagramReceive:
                 buf[i, :k] = np.frombuffer(data, np.uint8, k)
                 lens[i] = k
             ts[: len(part)] = 0  # arrival: now
-            opened = self._opener.open_batch(buf, lens, len(part))
-            for i in opened.pending:  # of a round still to come: held again
-                data = buf[i, : int(lens[i])].tobytes()
-                if not self._hold(data):  # its round began meanwhile
-                    self._on_datagram(data, None, out)
-            self._hand_on(buf, lens, ts, opened, out)
+            self._open_rows(buf, lens, ts, len(part), None, out)  # a round still to come: held again
 
     def _on_datagram(self, data: bytes, t_arrival: float | None, out: list[tuple]) -> None:
-        """Open one datagram (the Python loop) and hand it on; what goes to the dispatch thread is appended to ``out``."""
+        """A datagram just read by the Python loop: ``test_drop``, then :meth:`_open_one`."""
         if self.config.test_drop and len(data) > 3 and data[3] in _DATA_KINDS:
             if self._drop_rng.random() < self.config.test_drop:
                 self._counts["test_dropped"] += 1
                 return
+        self._open_one(data, t_arrival, out)
+
+    def _open_one(self, data: bytes, t_arrival: float | None, out: list[tuple]) -> None:
+        """Open one datagram and hand it on; what goes to the dispatch thread is appended to ``out``.
+        Also for datagrams held or read earlier, which passed ``test_drop`` then: not dropped again."""
         try:
             h, body = self._opener.open(data)
         except Dropped as e:

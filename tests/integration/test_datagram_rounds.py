@@ -5,6 +5,7 @@ killed mid-send changes nothing but its own contribution."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -267,34 +268,50 @@ def _two_site_plan(round: int, addr_a: str, addr_b: str, *, reduce_s: float) -> 
     )
 
 
+@contextlib.contextmanager
+def _sender_and_owner(owner_handler, *, native: str = "auto", **owner_cfg):
+    """Two started datagram transports on 127.0.0.1: ``(sender, owner, sender address, owner
+    address)``; ``owner_cfg``: the owner's DatagramTransportConfig fields. Both stop after."""
+    grpc_cfg = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
+    a = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, native=native))
+    b = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, native=native, **owner_cfg))
+    addr_b = b.start(owner_handler)
+    addr_a = a.start(_Recorder())
+    try:
+        yield a, b, addr_a, addr_b
+    finally:
+        a.stop(0)
+        b.stop(0)
+
+
+def _one_element_contributions(round: int, n: int) -> list:
+    """``n`` fp32 contributions of one element each from site-a to bucket 0 of ``round``."""
+    from dtrain.protocol import Contribution
+
+    return [
+        Contribution(
+            round=round,
+            bucket=0,
+            chunk=i,
+            offset=i,
+            numel=1,
+            codec="fp32",
+            sender="site-a",
+            payload=bytes([i % 251]) * 4,
+        )
+        for i in range(n)
+    ]
+
+
 @pytest.mark.parametrize("loop", ["off", "auto"])
 def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None:
     """Held datagrams are opened at begin_round: one by one with the Python loop, in batches
     with the compiled one ("auto" is the Python loop where it cannot build)."""
-    from dtrain.protocol import Contribution
-
-    grpc_cfg = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
-    cfg = DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, native=loop)
-    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     rec = _Recorder()
-    addr_b = b.start(rec)
-    addr_a = a.start(_Recorder())
-    try:
+    with _sender_and_owner(rec, native=loop) as (a, b, addr_a, addr_b):
         plan = _two_site_plan(4, addr_a, addr_b, reduce_s=5)
         a.begin_round(plan, [], "site-a")
-        cs = [
-            Contribution(
-                round=4,
-                bucket=0,
-                chunk=i,
-                offset=i,
-                numel=1,
-                codec="fp32",
-                sender="site-a",
-                payload=bytes([i % 251]) * 4,
-            )
-            for i in range(300)  # more than one receive batch (256)
-        ]
+        cs = _one_element_contributions(4, 300)  # more than one receive batch (256)
         assert a.push(addr_b, cs, timeout_s=5) == 300  # no report yet: the sender cannot tell
         assert rec.accepted == []
         b.begin_round(plan, [], "site-b")  # the plan arrives: the held datagrams are opened
@@ -303,9 +320,6 @@ def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None
             time.sleep(0.01)
         assert sorted(rec.accepted, key=lambda c: c.chunk) == cs
         assert b.counters()["dropped_unknown_round"] >= 300
-    finally:
-        a.stop(0)
-        b.stop(0)
 
 
 class _DoneRecorder(_Recorder):
@@ -322,25 +336,12 @@ def test_a_send_end_that_never_arrived_is_sent_again_until_the_owner_reports() -
     datagram) while its plan is not there yet. The sender goes on offering one every 0.25 s, so
     the owner learns that the sender is done soon after its plan comes, not at its reduce
     deadline; once the owner's REPORT is back the copies stop."""
-    from dtrain.protocol import Contribution
-
-    grpc_cfg = GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0)
-    a = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3))
-    b = DatagramTransport(DatagramTransportConfig(grpc=grpc_cfg, report_wait_s=0.3, max_pending_datagrams=1))
     rec = _DoneRecorder()
-    addr_b = b.start(rec)
-    addr_a = a.start(_Recorder())
-    try:
+    with _sender_and_owner(rec, max_pending_datagrams=1) as (a, b, addr_a, addr_b):
         plan = _two_site_plan(5, addr_a, addr_b, reduce_s=20)
         a.begin_round(plan, [], "site-a")
-        cs = [
-            Contribution(
-                round=5, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"\0" * 4
-            )
-            for i in range(3)
-        ]
         t0 = time.monotonic()
-        assert a.push(addr_b, cs, timeout_s=10) == 3  # no report: the sender cannot tell
+        assert a.push(addr_b, _one_element_contributions(5, 3), timeout_s=10) == 3  # no report: cannot tell
         assert time.monotonic() - t0 < 5  # the push does not wait for the late copies
         assert rec.done == []
         assert b.counters()["dropped_over_budget"] >= 2 + 5  # 2 contributions and every SEND_END copy
@@ -354,9 +355,6 @@ def test_a_send_end_that_never_arrived_is_sent_again_until_the_owner_reports() -
         n = len(rec.done)
         time.sleep(0.6)
         assert len(rec.done) == n
-    finally:
-        a.stop(0)
-        b.stop(0)
 
 
 def test_owners_exit_only_once_a_slow_member_holds_their_means(make_cluster) -> None:
