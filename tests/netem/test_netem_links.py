@@ -34,6 +34,21 @@ def _loss_in_interval(topo: Topology, loss_pct: float, drain_s: float) -> tuple[
     return False, tries
 
 
+def _goodput_in_band(topo: Topology) -> tuple[bool, list[float]]:
+    """TCP goodput within 15% of ``GOODPUT_CAP_MBIT`` (the cap set on every link).
+
+    As with the loss probes, a second measurement is made only if the first falls outside:
+    the delayer releases packets from user space, and on a loaded host it ran late (CI:
+    3,550 packets more than 1 ms late, up to 17 ms on a 15 ms one-way delay), which cut one
+    3.5 s BBR measurement to 30.5 Mbit/s. A link whose rate is wrong fails both."""
+    tries: list[float] = []
+    for _ in range(2):
+        tries.append(tcp_goodput_mbit(topo, 0, 1, duration_s=3.5, warmup_s=1.0))
+        if abs(tries[-1] - GOODPUT_CAP_MBIT) <= 0.15 * GOODPUT_CAP_MBIT:
+            return True, tries
+    return False, tries
+
+
 def _rtt_ok(measured_ms: float, one_way_ms: float) -> bool:
     """Within 10% (+2 ms) of twice the one-way delay (the issue's criterion)."""
     expected = 2 * one_way_ms
@@ -51,10 +66,10 @@ def test_profile_rtt_loss_goodput(profile):
             assert topo.backends()["delay"] in ("nfqueue-c", "nfqueue-userspace", "netem")
         rtt = ping(topo, 0, 1, count=30, interval_s=0.01)
         loss_ok, loss_tries = _loss_in_interval(topo, link.loss_pct, drain_s=0.3 + 2 * link.delay_ms / 1000)
-        goodput = None
+        goodput_ok, goodput = True, None
         if link.rate_mbit is not None and link.loss_pct <= 1.0:
             topo.set_link(None, rate_mbit=GOODPUT_CAP_MBIT)
-            goodput = tcp_goodput_mbit(topo, 0, 1, duration_s=3.5, warmup_s=1.0)
+            goodput_ok, goodput = _goodput_in_band(topo)
         stats = topo.stats()
     report = (
         f"{profile}: rtt avg {rtt.avg_ms:.2f} ms (want 2x{link.delay_ms}), "
@@ -64,8 +79,7 @@ def test_profile_rtt_loss_goodput(profile):
     print(report)
     assert _rtt_ok(rtt.avg_ms, link.delay_ms), report
     assert loss_ok, report
-    if goodput is not None:
-        assert abs(goodput - GOODPUT_CAP_MBIT) <= 0.15 * GOODPUT_CAP_MBIT, report
+    assert goodput_ok, report
 
 
 @pytest.mark.timeout(30)
