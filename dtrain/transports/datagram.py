@@ -55,7 +55,7 @@ from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
-from dtrain.transports.datagram_means import DatagramMeans
+from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
 from dtrain.transports.datagram_native import NATIVE_MODES, native
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
@@ -127,7 +127,9 @@ class DatagramTransportConfig:
             receive thread cost ~30 µs of CPU per datagram, against ~8 µs in a burst).
             0: read at once. It adds at most this much to each datagram's latency.
         burst_bytes: largest paced micro-burst.
-        max_nack_rounds: re-requests of missing mean chunks per bucket and round.
+        max_nack_rounds: re-requests of missing mean chunks per bucket and round; as an
+            owner, NACKs numbered past it are not answered (a member's own bound: an honest
+            one never sends them), and each number is answered with at most the whole mean.
         nack_copies: how many times an owner re-sends each chunk a NACK lists (and the
             final meta after them), 1..4: at loss p a re-request then leaves p^copies of
             what it asked for missing, so fewer NACK rounds (an RTT and a wait behind the
@@ -258,6 +260,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._lock = threading.Lock()
         self._send_socks: dict[tuple[str, int], socket.socket] = {}
         self._dispatch: queue.Queue = queue.Queue()  # batches (lists) of items; _queued bounds their total
+        self._repairs: queue.Queue = queue.Queue(maxsize=_MAX_REPAIRS_QUEUED)  # NACK answers (_repair_loop)
         self._queued = 0
         self._rx: tuple | None = None
         self._threads: list[threading.Thread] = []
@@ -284,7 +287,12 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
         sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
-        for target, name in ((self._recv_loop, "dgram-recv"), (self._dispatch_loop, "dgram-dispatch")):
+        threads = (
+            (self._recv_loop, "dgram-recv"),
+            (self._dispatch_loop, "dgram-dispatch"),
+            (self._repair_loop, "dgram-repair"),
+        )
+        for target, name in threads:
             t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
             t.start()
             self._threads.append(t)

@@ -4,7 +4,10 @@
   ``handle_pull_mean`` returns), the owner pushes the mean to every member: a meta
   datagram (chunk count, checksums), the chunks, and a final meta, interleaved member
   by member and paced; it answers a member's NACK by re-sending the listed chunks (or
-  the meta, or all of it) and counts a member's MEAN_ACK as a pull (``close()``).
+  the meta, or all of it) and counts a member's MEAN_ACK as a pull (``close()``). The
+  dispatch thread decides what a NACK asks for; the repair thread (:meth:`_repair_loop`)
+  seals and paces the answer, so a repair waiting on the pacer never holds up the
+  contributions and SEND_ENDs queued behind the NACK.
 * **Member side**: :meth:`DatagramMeans.pull_mean` waits for a pushed mean, NACKs
   missing chunks at most ``max_nack_rounds`` times (the steps are
   :func:`~.datagram_round.mean_wait_decision`'s) and pulls over gRPC what is still
@@ -17,6 +20,7 @@ transport's sockets, pacer, counters and config.
 from __future__ import annotations
 
 import logging
+import queue
 import struct
 import threading
 import time
@@ -43,9 +47,9 @@ _META_COPY_FINAL = 1
 _NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
 _NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 _NACK_COPIES = 3  # each NACK datagram leaves 3 times: all lost 0.1% at 10% loss (twice: 1%, once a round in 2)
-_MAX_NACKS_REMEMBERED = 65536  # NACKs answered, remembered per round to skip their copies (past it: answered)
 _FINAL_META_COPIES = 3  # a mean's final meta leaves 3 times: lost, the member waits 2 x nack_idle_s to NACK
 _MEAN_BATCH = 32  # mean chunks sealed and sent per call (one datagram each with datagram_chunk_bytes)
+_MAX_REPAIRS_QUEUED = 256  # NACK answers waiting for the repair thread (past it: dropped, the member NACKs again)
 
 
 def _mean_chunk(rs: RoundState, h: Any, payload: bytes, bitmap: bytes) -> MeanChunk:
@@ -69,6 +73,7 @@ class DatagramMeans:
     """
 
     config: Any
+    _stopped: threading.Event
     _handler: Any
     _grpc: Any
     _opener: Any
@@ -159,28 +164,73 @@ class DatagramMeans:
                     rs.mean_left[m.bucket] = max(rs.mean_left.get(m.bucket, 0), fields[-1][1] + 1)
 
     def _answer_nack(self, rs: RoundState, h, body: bytes) -> None:
+        """Queue the answer to a member's NACK of ``h.bucket`` (number ``h.chunk``) for the repair
+        thread: the chunks it lists that already left (or all of them for ``_NACK_ALL``), the
+        meta if asked. A member holds a valid key but is not trusted, so what one NACK can cost
+        is bounded: numbers past ``max_nack_rounds`` (an honest member never sends them) and a
+        NACK number's bodies asking for more than the whole mean and its meta are not answered
+        (counted ``over_budget``); a NACK's copies (same number and body) are answered once."""
         with rs.lock:
             m = rs.published.get(h.bucket)
-        if m is None or len(body) % 4:
+        if m is None or not body or len(body) % 4:
             return
-        with rs.lock:  # a NACK's second copy (same sender, bucket, number and body) is not answered again
-            key = (h.sender, h.bucket, h.chunk, hash(body))
-            if key in rs.nacks_answered:
-                return
-            if len(rs.nacks_answered) < _MAX_NACKS_REMEMBERED:
-                rs.nacks_answered.add(key)
+        if not 1 <= h.chunk <= self.config.max_nack_rounds:
+            self._opener.count("over_budget")
+            return
         asked = struct.unpack(f"<{len(body) // 4}I", body)
-        with rs.lock:  # only what already left: the rest is still on its way (a NACK of a mean in progress)
+        meta = _NACK_META in asked
+        with rs.lock:
+            # only what already left: the rest is still on its way (a NACK of a mean in progress)
             left = min(len(m.chunks), rs.mean_left.get(h.bucket, 0))
-        wanted = list(range(left)) if _NACK_ALL in asked else [c for c in asked if c < left]
-        if not wanted and _NACK_META not in asked:
+            wanted = list(range(left)) if _NACK_ALL in asked else list(dict.fromkeys(c for c in asked if c < left))
+            ledger = rs.nacks_answered.setdefault((h.sender, h.bucket, h.chunk), {})
+            if hash(body) in ledger:  # the NACK's second or third copy
+                return
+            cost = len(wanted) + meta
+            over = sum(ledger.values()) + cost > len(m.chunks) + 1
+            if not over:
+                ledger[hash(body)] = cost
+        if over:
+            self._opener.count("over_budget")
+            return
+        if not wanted and not meta:
             return
         # what was lost once is re-sent nack_copies times (not a whole mean asked for again):
         # at loss p a NACK round then leaves p^copies of it missing, not p, and the member
         # needs fewer NACK rounds (each costs an RTT and a wait behind the owner's pacer)
         copies = 1 if _NACK_ALL in asked else self.config.nack_copies
+        try:
+            self._repairs.put_nowait((rs, m, h.sender, wanted, _NACK_META in asked, copies))
+        except queue.Full:  # a NACK flood: this one goes unanswered, the member asks again or pulls
+            self._opener.count("over_budget")
+            return
         self._count(resent=len(wanted) * copies)
-        self._send_mean(rs, m, [h.sender], wanted, with_meta=_NACK_META in asked, copies=copies, repair=True)
+
+    def _repair_loop(self) -> None:
+        """Repair thread: sends the NACK answers :meth:`_answer_nack` queued, in order."""
+        while not self._stopped.is_set():
+            try:
+                job = self._repairs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._send_repair(*job)
+
+    def _run_queued_repairs(self) -> None:
+        """Send every queued NACK answer now, in this thread (tests; a transport not started)."""
+        while True:
+            try:
+                job = self._repairs.get_nowait()
+            except queue.Empty:
+                return
+            self._send_repair(*job)
+
+    def _send_repair(
+        self, rs: RoundState, m: BucketMean, dest: int, chunks: list[int], meta: bool, copies: int
+    ) -> None:
+        try:
+            self._send_mean(rs, m, [dest], chunks, with_meta=meta, copies=copies, repair=True)
+        except Exception:  # a bug must not stop the repair thread
+            log.exception("round %d: NACK answer for bucket %d failed", rs.round, m.bucket)
 
     def _answer_ack(self, rs: RoundState, h, body: bytes) -> None:
         """A member holds our whole mean of ``h.bucket``: it counts as pulled (``close()``), or,

@@ -274,7 +274,9 @@ class RoundState:
         # ticket i goes when send_turn == i (under cv)
         self.send_tickets = 0
         self.send_turn = 0
-        self.nacks_answered: set[tuple] = set()  # (sender, bucket, NACK number, body hash) answered here
+        # (sender, bucket, NACK number) -> {body hash: chunks (+1 for the meta) answered}: the NACKs
+        # answered here, bounded by the plan (numbers <= max_nack_rounds, a whole mean per number)
+        self.nacks_answered: dict[tuple, dict[int, int]] = {}
         self.stats: dict[int, SenderStats] = {}
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
         self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver

@@ -194,14 +194,9 @@ def test_one_sealer_seals_from_many_threads_at_once() -> None:
     assert len({int(s) for b in out for s in header_view(b.buf, 16)["seq"]}) == len(bodies)  # no sequence twice
 
 
-def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_once(monkeypatch) -> None:
-    """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed,
-    in the pacer's first class, only for chunks that already left (the rest are on their way);
-    the NACK's own second copy is not answered again; a NACK for all of a mean (nothing arrived)
-    re-sends it once."""
-    import struct
-    from types import SimpleNamespace
-
+def _owner_with_a_mean():
+    """A transport (not started) and the state of a 2-member round in which it, site "a",
+    published a 5-chunk mean of bucket 0."""
     from dtrain.protocol import BucketMean, MeanChunk, Member, RoundPlan
     from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
     from dtrain.transports.datagram_round import RoundState
@@ -222,6 +217,18 @@ def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_o
     rs.published[0] = BucketMean(
         round=0, bucket=0, owner="a", chunks=chunks, checksum_before="00" * 16, checksum_after="11" * 16
     )
+    return t, rs
+
+
+def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_once(monkeypatch) -> None:
+    """nack_copies=2: the chunks a NACK lists (and the final meta) leave twice, separately sealed,
+    in the pacer's first class, only for chunks that already left (the rest are on their way);
+    the NACK's own second copy is not answered again; a NACK for all of a mean (nothing arrived)
+    re-sends it once."""
+    import struct
+    from types import SimpleNamespace
+
+    t, rs = _owner_with_a_mean()
     sent: list[tuple[int, int]] = []  # (kind, chunk) of every datagram that left
     classes: list[bool] = []
 
@@ -235,19 +242,24 @@ def test_an_owner_answers_a_nack_with_each_listed_chunk_twice_and_a_whole_mean_o
     monkeypatch.setattr(t, "_send_batch", capture)
     rs.mean_left[0] = 2  # chunks 0-1 have left, 2-4 are still on their way: only chunk 1 is answered
     t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=7), struct.pack("<2I", 1, 3))
+    t._run_queued_repairs()
     assert sorted(sent) == sorted([(Kind.MEAN, 1)] * 2 + [(Kind.MEAN_META, 1)] * 2)
     sent.clear()
     t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=8), struct.pack("<1I", 3))
+    t._run_queued_repairs()
     assert sent == []  # nothing asked for has left yet: no answer
     rs.mean_left[0] = 5  # the whole mean has left
     nack = SimpleNamespace(bucket=0, sender=1, chunk=1)  # the member's first NACK of bucket 0
     t._answer_nack(rs, nack, struct.pack("<2I", 1, 3))
+    t._run_queued_repairs()
     assert sorted(sent) == sorted([(Kind.MEAN, 1), (Kind.MEAN, 3)] * 2 + [(Kind.MEAN_META, 1)] * 2)
     assert classes and all(classes)  # a NACK's answer is paced ahead of fresh means
     sent.clear()
     t._answer_nack(rs, nack, struct.pack("<2I", 1, 3))  # the NACK's second copy: not answered again
+    t._run_queued_repairs()
     assert sent == []
     t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=2), struct.pack("<2I", 0xFFFFFFFF, 0xFFFFFFFE))
+    t._run_queued_repairs()
     assert sorted(sent) == sorted([(Kind.MEAN_META, 0)] + [(Kind.MEAN, c) for c in range(5)] + [(Kind.MEAN_META, 1)])
     t.stop(0)
 
@@ -267,4 +279,98 @@ def test_a_datagram_that_failed_to_open_just_before_its_round_began_is_opened_no
     assert t._hold(later) is True and t._pending == [later]
     h, body = t._opener.open(now)
     assert (h.round, body) == (3, b"x" * 40)
+    t.stop(0)
+
+
+def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread(monkeypatch) -> None:
+    """The dispatch thread only decides what a NACK asks for; the repair thread sends it. With
+    the answer stuck in the pacer, a SEND_END queued behind the NACK is still handled and
+    answered; past the repair queue's bound (``_MAX_REPAIRS_QUEUED``) a NACK is dropped and
+    counted ``over_budget``, not queued."""
+    import queue
+    import struct
+    import threading
+    from types import SimpleNamespace
+
+    from dtrain.transports.datagram import _SEND_END
+    from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED
+
+    t, rs = _owner_with_a_mean()
+    rs.mean_left[0] = 5
+    in_pacer, release = threading.Event(), threading.Event()
+    sent: list[int] = []
+
+    def stuck(rs_, dest, sock, batch, deadline, *, contribution, first_class=False):
+        in_pacer.set()
+        assert release.wait(10)
+        sent.append(len(batch.lens))
+        return True
+
+    done, reports = threading.Event(), []
+    t._handler = SimpleNamespace(handle_sender_done=lambda round, sender, buckets=None: done.set())
+    monkeypatch.setattr(t, "_send_batch", stuck)
+    monkeypatch.setattr(t, "_send_ctl", lambda rs_, dest, data, **kw: reports.append(dest))
+    threads = [threading.Thread(target=f, daemon=True) for f in (t._dispatch_loop, t._repair_loop)]
+    for th in threads:
+        th.start()
+    try:
+        t._enqueue([(Kind.NACK, rs, SimpleNamespace(bucket=0, sender=1, chunk=1), struct.pack("<1I", 2))])
+        assert in_pacer.wait(10)  # the repair thread is sending the answer, and stays there
+        t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1), _SEND_END.pack(10, 12800, 0.5))])
+        assert done.wait(10) and not release.is_set()  # handled while the answer is still stuck
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reports == [1]  # ... and answered with a REPORT
+        assert t._repairs.maxsize == _MAX_REPAIRS_QUEUED
+        t._repairs = queue.Queue(maxsize=3)  # a smaller bound, to fill it with one member's NACKs
+        before = t._opener.counts()["over_budget"]
+        for n in range(5):  # distinct NACKs (numbers 2..6, each within its budget): none is a copy
+            t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=2 + n), struct.pack("<1I", 3))
+        assert t._opener.counts()["over_budget"] - before == 2
+        assert t._repairs.qsize() == 3
+    finally:
+        release.set()
+        t._stopped.set()
+        for th in threads:
+            th.join(5)
+    assert sent and sent[0] > 0  # the stuck answer left once released
+    t.stop(0)
+
+
+def test_what_one_nack_can_make_an_owner_resend_is_bounded(monkeypatch) -> None:
+    """A member holds a valid key but is not trusted: a NACK numbered past ``max_nack_rounds``
+    (an honest member never sends one) is not answered; one NACK number's bodies ask for at most
+    the whole mean and its meta (more is refused, counted ``over_budget``); a chunk listed twice
+    is sent once per copy, not twice."""
+    import struct
+    from types import SimpleNamespace
+
+    t, rs = _owner_with_a_mean()
+    rs.mean_left[0] = 5
+    sent: list[tuple[int, int]] = []
+
+    def capture(rs_, dest, sock, batch, deadline, *, contribution, first_class=False):
+        hv = header_view(batch.buf, len(batch.lens))
+        sent.extend(zip(hv["kind"].tolist(), hv["chunk"].tolist()))
+        return True
+
+    monkeypatch.setattr(t, "_send_batch", capture)
+
+    def nack(number: int, *chunks: int) -> int:
+        """Answer one NACK: the mean chunk datagrams it made the owner send, the NACKs refused."""
+        sent.clear()
+        before = t._opener.counts()["over_budget"]
+        t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=number), struct.pack(f"<{len(chunks)}I", *chunks))
+        t._run_queued_repairs()
+        return sum(k == Kind.MEAN for k, _ in sent), t._opener.counts()["over_budget"] - before
+
+    limit = t.config.max_nack_rounds
+    assert nack(limit + 1, 0xFFFFFFFE) == (0, 1)  # past max_nack_rounds: refused
+    assert nack(0, 0xFFFFFFFE) == (0, 1)  # numbers start at 1
+    assert nack(1, *[2] * 300) == (2, 0)  # chunk 2 listed 300 times: sent nack_copies (2) times
+    assert nack(1, 0, 1, 3) == (6, 0)  # another body of number 1: 4 of the 5 chunks + meta spent
+    assert nack(1, 0, 4, 0xFFFFFFFF) == (0, 1)  # 3 more would pass the whole mean + meta (6): refused
+    assert nack(1, 4, 0xFFFFFFFF) == (2, 0)  # 2 more fit
+    assert nack(limit, 0xFFFFFFFE) == (5, 0)  # the last number: all 5 chunks once
     t.stop(0)
