@@ -21,10 +21,10 @@ from tests.integration.test_experiments_smoke import RUN_COLUMNS  # the one list
 pytestmark = pytest.mark.netem
 
 
-def _main(script: str, tmp_path: Path) -> str:
+def _main(script: str, tmp_path: Path, *extra: str) -> str:
     mod = importlib.import_module(f"experiments.{script}")
     results = tmp_path / "RESULTS.md"
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--results", str(results)]) == 0
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--results", str(results), *extra]) == 0
     return results.read_text()
 
 
@@ -95,6 +95,24 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
     assert "## Datagram path vs gRPC through netem (smoke)" in md
     assert "`.venv/bin/python experiments/datagram_vs_grpc.py --smoke" in md
+
+
+@pytest.mark.timeout(180)
+def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
+    md = _main("datagram_val_loss", tmp_path, "--netem")
+    rows = read_rows(tmp_path / "datagram_val_loss_netem_smoke.csv")
+    # smoke: 2 worker processes through netem, one seed at 0% and at 10% packet loss, 3 rounds
+    assert [(r["seed"], r["loss"], r["loss_pct"]) for r in rows] == [(0, 0.0, 0.0), (0, 0.1, 10.0)]
+    clean, lossy = rows
+    # no emulated loss: all but what a loaded host's full socket buffer might drop; 10%: ~300 chunks, 0.94 +- 0.02
+    assert clean["reduce_arrived"] >= 0.98 and 0.8 < lossy["reduce_arrived"] < 0.99
+    for r in rows:
+        assert r["data_path"] == "datagram" and r["codec"] == "int8"
+        assert r["consistent"] is True and r["stale_buckets"] == 0 and r["rounds_done"] == 3
+        assert r["final_val_loss"] < r["first_val_loss"] - 0.5  # both trained (tiny, 6 steps: 5.4 -> ~4.0)
+    assert abs(lossy["final_val_loss"] / clean["final_val_loss"] - 1) < 0.03
+    assert "## Datagram path: validation loss at 10% loss, through netem (smoke)" in md
+    assert "`.venv/bin/python experiments/datagram_val_loss.py --smoke" in md and "--netem" in md
 
 
 @pytest.mark.timeout(180)
