@@ -311,6 +311,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 sock.setsockopt(socket.SOL_SOCKET, plain, size)
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop the gRPC side (``grace_s`` for its calls in flight), then the datagram side: from
+        then on no datagram leaves (a site killed mid-round sends nothing more, as a crashed one
+        would not, while the threads are joined and before the sockets close)."""
         self._grpc.stop(grace_s)
         self._stopped.set()
         for t in self._threads:
@@ -450,6 +453,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         nbytes = int(lens.sum())
         if not n or not self._pacer.wait(nbytes, deadline, second=not (contribution or first_class)):
             return not n
+        if self._stopped.is_set():  # stop() sends nothing more, as a crashed site would not (its sockets close last)
+            raise PeerUnavailable(f"datagram to {rs.site_ids[dest]}: this site's transport stopped")
         if self._native is not None:
             r = self._native.send(sock.fileno(), batch.buf, lens, n)
             if r < 0 and -r not in (errno.ENOBUFS, errno.EAGAIN):
@@ -619,6 +624,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 ICMP error of this or an earlier datagram; a batch of contributions leaves
                 before the first error can come back, so the SEND_END is where a push sees it).
         """
+        if self._stopped.is_set():  # as _send_batch: nothing leaves a stopped transport
+            return
         try:
             self._send_sock(rs.plan.members[dest].address).send(data)
             self._count(wire_sent=len(data))

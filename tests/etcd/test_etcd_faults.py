@@ -50,7 +50,7 @@ def _round(a, b, r: int, timeout_s: float = 10.0):
 
 
 def _retry_round(a, b, r: int, budget_s: float):
-    """The worker's behaviour (``Group._await_plan``): on a RendezvousError keep going and ask
+    """The worker's behaviour (``Group.next_decision``): on a RendezvousError keep going and ask
     again, and ask again while the answer is "wait" (no plan yet)."""
     deadline = time.monotonic() + budget_s
     errors = []
