@@ -200,8 +200,10 @@ class DatagramMeans:
         # needs fewer NACK rounds (each costs an RTT and a wait behind the owner's pacer)
         copies = 1 if _NACK_ALL in asked else self.config.nack_copies
         try:
-            self._repairs.put_nowait((rs, m, h.sender, wanted, _NACK_META in asked, copies))
-        except queue.Full:  # a NACK flood: this one goes unanswered, the member asks again or pulls
+            self._repairs.put_nowait((rs, m, h.sender, wanted, meta, copies))
+        except queue.Full:  # a NACK flood: not answered; not spent either, so a later copy may be
+            with rs.lock:
+                ledger.pop(hash(body), None)
             self._opener.count("over_budget")
             return
         self._count(resent=len(wanted) * copies)

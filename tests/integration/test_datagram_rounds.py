@@ -245,6 +245,8 @@ def test_site_killed_mid_send_changes_only_its_own_contribution(make_cluster) ->
         ]
         assert len(kept) == 1, (b, kept)
         assert results[kept[0]].bucket_outcome[b] != BucketOutcome.APPLIED, results[kept[0]].bucket_outcome[b]
+        others = set(range(len(c.layout))) - {b}
+        _check_means_exact(c, [1 - kept[0]], skip=others)  # the other applied exactly the victim's mean
     _check_means_exact(c, [0, 1], skip=differ)
     ids = [e.site_id for e in c.engines]
     counted = sum(

@@ -194,9 +194,9 @@ def test_one_sealer_seals_from_many_threads_at_once() -> None:
     assert len({int(s) for b in out for s in header_view(b.buf, 16)["seq"]}) == len(bodies)  # no sequence twice
 
 
-def _owner_with_a_mean():
+def _owner_with_a_mean(member_address: str = "127.0.0.1:9"):
     """A transport (not started) and the state of a 2-member round in which it, site "a",
-    published a 5-chunk mean of bucket 0."""
+    published a 5-chunk mean of bucket 0; site "b" is at ``member_address``."""
     from dtrain.protocol import BucketMean, MeanChunk, Member, RoundPlan
     from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
     from dtrain.transports.datagram_round import RoundState
@@ -204,7 +204,7 @@ def _owner_with_a_mean():
     t = DatagramTransport(DatagramTransportConfig(native="off"))
     plan = RoundPlan(
         round=0,
-        members=(Member(site_id="a", address="127.0.0.1:9"), Member(site_id="b", address="127.0.0.1:9")),
+        members=(Member(site_id="a", address="127.0.0.1:9"), Member(site_id="b", address=member_address)),
         reduce_timeout_s=5,
         broadcast_timeout_s=5,
         datagram_key=KEY,
@@ -329,6 +329,9 @@ def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread
             t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=2 + n), struct.pack("<1I", 3))
         assert t._opener.counts()["over_budget"] - before == 2
         assert t._repairs.qsize() == 3
+        t._repairs.get_nowait()  # room again: a refused NACK's next copy is answered, not taken as answered
+        t._answer_nack(rs, SimpleNamespace(bucket=0, sender=1, chunk=6), struct.pack("<1I", 3))
+        assert t._repairs.qsize() == 3 and t._opener.counts()["over_budget"] - before == 2
     finally:
         release.set()
         t._stopped.set()
@@ -374,3 +377,26 @@ def test_what_one_nack_can_make_an_owner_resend_is_bounded(monkeypatch) -> None:
     assert nack(1, 4, 0xFFFFFFFF) == (2, 0)  # 2 more fit
     assert nack(limit, 0xFFFFFFFE) == (5, 0)  # the last number: all 5 chunks once
     t.stop(0)
+
+
+def test_a_stopped_transport_sends_nothing_more() -> None:
+    """After stop() no mean chunk, NACK answer or control datagram leaves, as from a crashed site
+    (its send sockets close only after the threads are joined; a mean push thread is not)."""
+    member = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    member.bind(("127.0.0.1", 0))
+    member.settimeout(2.0)
+    try:
+        t, rs = _owner_with_a_mean(f"127.0.0.1:{member.getsockname()[1]}")
+        rs.mean_left[0] = 5
+        t._send_mean(rs, rs.published[0], [1], [0, 1], with_meta=True)  # before stop: it leaves
+        assert t.counters()["datagrams_sent"] == 4  # meta, 2 chunks, final meta
+        assert len([member.recv(2048) for _ in range(4)]) == 4
+        t.stop(0)
+        t._send_mean(rs, rs.published[0], [1], list(range(5)), with_meta=True)
+        t._send_ctl(rs, 1, b"x" * 40)
+        assert t.counters()["datagrams_sent"] == 4
+        member.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            member.recv(2048)  # nothing arrived after stop()
+    finally:
+        member.close()
