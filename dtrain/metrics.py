@@ -129,6 +129,9 @@ class RoundLine(_Record):
     inner_s: float | None = None
     sync_s: float | None = None
     quorum_s: float | None = None
+    cpu_s: float | None = None  # the process's CPU seconds since the previous line (every thread)
+    sync_cpu_s: float | None = None  # of which during sync_s (blocking rounds only)
+    sync_system_cpu_s: float | None = None  # of sync_cpu_s, in the kernel (system time)
     wall_s: float | None = None
     time: float | None = None
     checksum: str | None = None

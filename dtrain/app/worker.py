@@ -271,6 +271,7 @@ def _train(
     batches = mix if mix is not None else task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
+    cpu_mark = _process_cpu_s()  # each line's cpu_s: the process's CPU since the line before
     streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
     # with streaming the last round starts at this step and is merged there, so every
     # configuration ends at the same inner step (rounds x H/F) as blocking rounds do
@@ -293,11 +294,13 @@ def _train(
         timed = _timed_outcome(diloco, merged, t_inner=t_inner, waited0=waited0)
         if timed is None:
             continue  # streaming: no fragment round merged at this step
-        inner_s, outcome, sync_s = timed
+        inner_s, outcome, sync_s, sync_cpu = timed
         syncs += 1
         if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
             val = task.evaluate(task.model)
         ledger = _round_ledger(task, mix, first_step, inner_last)
+        now_cpu = _process_cpu_s()
+        cpu_s, cpu_mark = now_cpu - cpu_mark, now_cpu
         line = _round_line(
             cfg,
             diloco,
@@ -306,6 +309,7 @@ def _train(
             train_loss=train_loss,
             inner_s=inner_s,
             sync_s=sync_s,
+            cpu_s=(cpu_s, sync_cpu),
             t_start=t_start,
             data=ledger,
         )
@@ -371,27 +375,39 @@ def _round_ledger(task, mix: DataMix | None, first_step: int, last_step: int) ->
     return _ledger(task.batches, first_step, last_step)
 
 
+def _process_cpu_s() -> float:
+    """This process's CPU seconds so far, user + system, every thread (``os.times``, the clock of
+    the sync CPU too)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def _timed_outcome(
     diloco: DiLoCo, merged: SyncOutcome | None, *, t_inner: float, waited0: float
-) -> tuple[float, SyncOutcome, float] | None:
-    """(inner_s, outcome, sync_s) of the round that ends this inner phase; None: streaming, none merged.
+) -> tuple[float, SyncOutcome, float, tuple[float, float] | None] | None:
+    """(inner_s, outcome, sync_s, sync CPU) of the round that ends this inner phase; None:
+    streaming, none merged.
 
     Streaming: the merged fragment round, sync_s = what the steps waited for their rounds at the
-    merge (``waited0``: the pacer's wait before the phase); blocking: a round run now."""
+    merge (``waited0``: the pacer's wait before the phase), sync CPU None (the round ran in the
+    background, its CPU mixed with the inner steps'); blocking: a round run now."""
     streaming = diloco.streaming
     if not streaming:
         return _blocking_sync(diloco, t_inner)
     sync_s = streaming.waited_s - waited0
     inner_s = time.monotonic() - t_inner - sync_s
-    return None if merged is None else (inner_s, merged, sync_s)
+    return None if merged is None else (inner_s, merged, sync_s, None)
 
 
-def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, float]:
-    """(inner_s, the round's outcome, sync_s) of a blocking round run now."""
+def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, float, tuple[float, float]]:
+    """(inner_s, the round's outcome, sync_s, sync CPU) of a blocking round run now; sync CPU: the
+    process's CPU seconds (every thread) during the sync, ``(user + system, system)``."""
     inner_s = time.monotonic() - t_inner
-    t_sync = time.monotonic()
+    t_sync, cpu0 = time.monotonic(), os.times()
     outcome = diloco.sync()
-    return inner_s, outcome, time.monotonic() - t_sync
+    cpu1 = os.times()
+    system_s = cpu1.system - cpu0.system
+    return inner_s, outcome, time.monotonic() - t_sync, (cpu1.user - cpu0.user + system_s, system_s)
 
 
 def _inner_phase(
@@ -439,9 +455,11 @@ def _round_line(
     inner_s: float,
     sync_s: float,
     t_start: float,
+    cpu_s: tuple[float | None, tuple[float, float] | None] = (None, None),
     data: dict | None = None,
 ) -> RoundLine:
-    """The metrics line of the sync that just ended (a deferred one has no round result)."""
+    """The metrics line of the sync that just ended (a deferred one has no round result);
+    ``cpu_s``: the process's CPU seconds since the previous line and during the sync (all, system)."""
     res = outcome.result
     # the datagram path's wire bytes, NACKs, drops (cumulative)
     counters = getattr(diloco.engine.transport, "counters", None)
@@ -457,6 +475,9 @@ def _round_line(
         inner_s=inner_s,
         sync_s=sync_s,
         quorum_s=outcome.quorum_s,
+        cpu_s=cpu_s[0],
+        sync_cpu_s=None if cpu_s[1] is None else cpu_s[1][0],
+        sync_system_cpu_s=None if cpu_s[1] is None else cpu_s[1][1],
         wall_s=time.monotonic() - t_start,
         time=time.time(),
         checksum=theta_checksum(diloco),

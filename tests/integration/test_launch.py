@@ -54,6 +54,9 @@ ROUND_FIELDS = {
     "inner_steps",
     "inner_s",
     "sync_s",
+    "cpu_s",
+    "sync_cpu_s",
+    "sync_system_cpu_s",
     "wall_s",
     "time",
     "checksum",
@@ -294,6 +297,10 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
             wall = d["wall_s"]
             assert d["inner_steps"] == 10 * (d["round"] + 1)
             assert 0 <= d["quorum_s"] and d["quorum_s"] + d["round_s"] <= d["sync_s"], d  # sync_s's parts
+            # CPU seconds of the process: the sync's are part of the line's, the kernel's part of the sync's;
+            # a round that encoded, sent and decoded cost some (os.times ticks are 10 ms)
+            assert 0 <= d["sync_system_cpu_s"] <= d["sync_cpu_s"] <= d["cpu_s"] + 1e-9, d
+            assert d["cpu_s"] > 0, d
             by_round.setdefault(d["round"], {})[s] = d
         assert rest[-1]["checksum"] == summaries[s]["checksum"]
         assert rest[-1]["val_loss"] == summaries[s]["final_val_loss"]
