@@ -20,7 +20,12 @@ sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-grad
 path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
 ``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
 datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
-sites (0: replicas equal) and stale buckets.
+sites (0: replicas equal) and stale buckets. CPU: ``sites_sync_cpu_s`` (and its kernel part
+``sites_sync_system_cpu_s``) = the sites' CPU seconds during their syncs, summed over sites
+(median over rounds; the round lines' ``sync_cpu_s``); ``machine_busy_*`` = this machine's
+``/proc/stat`` over the setting's rounds (every process, the emulator and the kernel's packet
+work). The sites' sync CPU over the cores is a floor under a round's exchange on this machine
+(the report's CPU verdict): a ratio near it was set by the CPU, not by the data path's waits.
 
 Usage (from the repository root, as root)::
 
@@ -33,6 +38,7 @@ section of ``experiments/RESULTS.md``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -126,6 +132,35 @@ def _set_cc(topo, n: int, cc: str) -> None:
         subprocess.run(argv, check=True, timeout=10)
 
 
+def machine_cpu() -> dict[str, float]:
+    """This machine's CPU seconds so far, over all cores (Linux ``/proc/stat``): ``busy`` (user, nice,
+    system, irq, softirq, steal), ``softirq`` (packet processing the kernel did outside any process:
+    much of the netem emulation's cost) and ``idle`` (idle, iowait); ``{}`` where there is no
+    ``/proc/stat``. Differences of two calls give the machine's load over a window."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    v += [0] * (8 - len(v))
+    user, nice, system, idle, iowait, irq, softirq, steal = (x / tick for x in v[:8])
+    return {"busy": user + nice + system + irq + softirq + steal, "softirq": softirq, "idle": idle + iowait}
+
+
+def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """The machine's CPU between two :func:`machine_cpu` samples: ``busy_fraction`` of every core's
+    time (0..1), ``busy_s`` and ``softirq_s`` (CPU seconds, all cores); NaNs without samples."""
+    if not a or not b:
+        return {"busy_fraction": float("nan"), "busy_s": float("nan"), "softirq_s": float("nan")}
+    busy, total = b["busy"] - a["busy"], (b["busy"] + b["idle"]) - (a["busy"] + a["idle"])
+    return {
+        "busy_fraction": busy / total if total > 0 else float("nan"),
+        "busy_s": busy,
+        "softirq_s": b["softirq"] - a["softirq"],
+    }
+
+
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
     from netem.profiles import LinkParams  # noqa: PLC0415
@@ -134,11 +169,15 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     n, per = m["num_sites"], 1 + m["measured"]
     total = per * len(m["losses"])
     changed_at: list[float] = []
+    # the machine's CPU after the first round (start-up left out), at each later link change and at the end
+    cpu_at: list[dict[str, float]] = []
     _set_cc(topo, n + 1, cc)
 
     def link(loss: float) -> None:
         topo.set_link(None, LinkParams(delay_ms=m["delay"], loss_pct=loss, rate_mbit=m["rate"]))
         changed_at.append(time.time())
+        if cpu_at:
+            cpu_at.append(machine_cpu())
 
     with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
         root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else Path(d)
@@ -167,6 +206,8 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
             for i in range(n):
                 run.start_site(i, opts)
             names = [f"site-{i}" for i in range(n)]
+            run.wait(lambda: run.check_alive(names) or all(run.done_round(i, 0) for i in range(n)), "the first round")
+            cpu_at.append(machine_cpu())
             for k in range(1, len(m["losses"])):
                 last = k * per - 1
                 run.wait(
@@ -175,6 +216,10 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 )
                 link(m["losses"][k])
                 print(f"  {label}: round {last + 1}: loss {m['losses'][k]:g}%", flush=True)
+            run.wait(
+                lambda: run.check_alive(names) or all(run.done_round(i, total - 1) for i in range(n)), "the last round"
+            )
+            cpu_at.append(machine_cpu())
             run.wait(lambda: run.check_alive(names) or run.exited(names), "the sites to finish")
         finally:
             run.close()
@@ -182,8 +227,11 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
         per_site = {i: run.rounds(i) for i in range(n)}
         starts = [x for x in run.lines(0) if x.get("event") == "start"]
     first_val = starts[0]["val_loss"] if starts else float("nan")
+    cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
+    cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
     return [
-        _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val) for k, loss in enumerate(m["losses"])
+        _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val, cpu[k])
+        for k, loss in enumerate(m["losses"])
     ]
 
 
@@ -196,9 +244,18 @@ def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
     return now["wire_sent"] - (before["wire_sent"] if before else 0)
 
 
-def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> RunResult:
+def _number(line: dict, key: str) -> float:
+    """``line[key]`` as a float, NaN when absent or null (lines of an older dtrain)."""
+    v = line.get(key)
+    return float("nan") if v is None else float(v)
+
+
+def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val, cpu) -> RunResult:
+    """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
+    its rounds (its warm-up round included, but the first setting's)."""
     n, per = m["num_sites"], 1 + m["measured"]
     engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
+    sync_cpu, sync_sys, cycle_cpu = [], [], []  # per measured round: the sites' CPU seconds, summed over sites
     drift = stale = skipped = 0
     for r in range(k * per + 1, (k + 1) * per):  # the first round of each setting is the warm-up
         lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
@@ -221,6 +278,9 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
         if not ok:
             continue
         engine.append(max(x.get("round_s", x.get("total_s", float("nan"))) for x in lines))
+        sync_cpu.append(sum(_number(x, "sync_cpu_s") for x in lines))
+        sync_sys.append(sum(_number(x, "sync_system_cpu_s") for x in lines))
+        cycle_cpu.append(sum(_number(x, "cpu_s") for x in lines))
         enc += [x.get("encoded_bytes", 0) for x in lines]
         sent += [x.get("bytes_sent", 0) for x in lines]
         wire += [_wire_sent(per_site, i, r) for i in range(n)]
@@ -261,6 +321,15 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val) -> R
         "rounds_done": len(per_site[0]),
         "wall_s": wall,
         "bytes_total": sum(x.get("bytes_sent", 0) for i in per_site for x in per_site[i]),
+        # CPU: what the sites' syncs and whole round cycles cost (CPU s per round, summed over sites),
+        # and how busy the machine was over this setting's rounds (the emulator's kernel work included)
+        "sites_sync_cpu_s": statistics.median(sync_cpu) if sync_cpu else float("nan"),
+        "sites_sync_system_cpu_s": statistics.median(sync_sys) if sync_sys else float("nan"),
+        "sites_cycle_cpu_s": statistics.median(cycle_cpu) if cycle_cpu else float("nan"),
+        "machine_busy_fraction": cpu["busy_fraction"],
+        "machine_busy_s_per_round": cpu["busy_s"] / (per - (k == 0)),
+        "machine_softirq_s_per_round": cpu["softirq_s"] / (per - (k == 0)),
+        "cpu_cores": os.cpu_count() or 1,
     }
     return RunResult(row=row, rounds=rounds_out)
 
@@ -329,6 +398,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
                 f"{r['delivered']:.3f}",
                 f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
+                _cpu_cell(r),
             ]
         )
     return md_table(
@@ -342,8 +412,43 @@ def analyse(rows: list[dict[str, Any]]) -> str:
             "wire MB/site",
             "delivered",
             "drift rounds / stale / skipped buckets",
+            "CPU s/round: sites' syncs (kernel) / machine (busy)",
         ],
         out,
+    )
+
+
+def _cpu_cell(r: dict[str, Any]) -> str:
+    """``S (K) / M (B%)``: the sites' sync CPU seconds per round (summed over sites) and the kernel's
+    part of it, the machine's busy CPU seconds per round (every process and the kernel's packet
+    work) and its busy share of all cores; ``-`` for rows of a run before these were measured."""
+    keys = ("sites_sync_cpu_s", "sites_sync_system_cpu_s", "machine_busy_s_per_round", "machine_busy_fraction")
+    sync, kernel, busy, frac = (r.get(k) for k in keys)
+    if not all(isinstance(v, (int, float)) and v == v for v in (sync, kernel, busy, frac)):
+        return "-"
+    return f"{sync:.2f} ({kernel:.2f}) / {busy:.2f} ({frac:.0%})"
+
+
+def cpu_verdict(rows: list[dict[str, Any]]) -> str:
+    """What the machine's CPU allowed the datagram rows (up to 10% loss): the sites' sync CPU per
+    round over the cores is a floor under a round's syncs on this machine, whatever the network."""
+    dg = [r for r in rows if r["path"] == "datagram" and r["loss_pct"] <= 10 and _cpu_cell(r) != "-"]
+    if not dg:
+        return ""
+    cores = dg[0].get("cpu_cores") or 1
+    floors = [(r["sites_sync_cpu_s"] / cores / r["limit_s"], r) for r in dg]
+    lo, hi = min(f for f, _ in floors), max(f for f, _ in floors)
+    busy = [r["machine_busy_fraction"] for r in dg]
+    softirq = [r["machine_softirq_s_per_round"] for r in dg]
+    return (
+        f"CPU: the machine's {cores} cores were {min(busy):.0%}-{max(busy):.0%} busy over the datagram rows up to 10% "
+        f"loss. The {dg[0]['num_sites']} sites' syncs used {min(r['sites_sync_cpu_s'] for r in dg):.2f}-"
+        f"{max(r['sites_sync_cpu_s'] for r in dg):.2f} CPU s per round (median over rounds, summed over sites), "
+        f"{min(r['sites_sync_system_cpu_s'] / r['sites_sync_cpu_s'] for r in dg):.0%}-"
+        f"{max(r['sites_sync_system_cpu_s'] / r['sites_sync_cpu_s'] for r in dg):.0%} of it in the kernel (socket "
+        "calls and the emulated links' packet work done in the sending threads); the machine's softirq, packet work "
+        f"outside any process, adds {min(softirq):.2f}-{max(softirq):.2f} s per round. On {cores} cores the syncs "
+        f"alone cannot take less than {lo:.2f}-{hi:.2f}x the limit, whatever the network does."
     )
 
 
@@ -441,6 +546,8 @@ CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 {analyse(rows)}
 
 {verdicts(rows, emulator_rate_mbit(args.out / "netem_udp_ceiling.csv", m["num_sites"]))}
+
+{cpu_verdict(rows)}
 """
     publish(args, f"datagram_vs_grpc-{mode}", f"Datagram path vs gRPC through netem ({mode})", body)
     return 0

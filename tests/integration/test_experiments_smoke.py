@@ -340,3 +340,33 @@ def test_datagram_val_loss_verdict_is_judged_at_the_issues_standard_error() -> N
     assert verdict(0.0017, 0.0015) == "met (mean d +0.17% <= 0.5%, SE 0.15% <= 0.20%)"
     assert verdict(0.0017, 0.0025).startswith("unresolved at SE 0.25%")
     assert verdict(0.006, 0.001).startswith("missed by 0.10 percentage points")
+
+
+def test_datagram_vs_grpc_cpu_floor_from_the_sites_sync_cpu() -> None:
+    """The CPU window of two /proc/stat samples, and the floor a round's syncs have on N cores:
+    the sites' sync CPU seconds over the cores, against the limit (8 CPU s on 2 cores vs 2 s: 2x)."""
+    from experiments.datagram_vs_grpc import _cpu_cell, cpu_verdict, cpu_window, machine_cpu
+
+    w = cpu_window({"busy": 10.0, "softirq": 1.0, "idle": 30.0}, {"busy": 25.0, "softirq": 2.5, "idle": 35.0})
+    assert w == {"busy_fraction": 0.75, "busy_s": 15.0, "softirq_s": 1.5}
+    assert math.isnan(cpu_window({}, {"busy": 1.0, "softirq": 0.0, "idle": 1.0})["busy_fraction"])
+    now = machine_cpu()  # this machine (Linux): counters that only grow
+    assert now["busy"] > 0 and now["idle"] >= 0 and machine_cpu()["busy"] >= now["busy"]
+    row = {
+        "path": "datagram",
+        "loss_pct": 10.0,
+        "num_sites": 4,
+        "cpu_cores": 2,
+        "limit_s": 2.0,
+        "sites_sync_cpu_s": 8.0,
+        "sites_sync_system_cpu_s": 2.0,
+        "machine_busy_s_per_round": 9.5,
+        "machine_busy_fraction": 0.95,
+        "machine_softirq_s_per_round": 1.0,
+    }
+    assert _cpu_cell(row) == "8.00 (2.00) / 9.50 (95%)"
+    assert _cpu_cell({**row, "machine_busy_fraction": float("nan")}) == "-"  # a row of an older run
+    v = cpu_verdict([row, {**row, "loss_pct": 20.0, "sites_sync_cpu_s": 100.0}])  # 20%: not judged
+    assert "95%-95% busy" in v and "8.00-8.00 CPU s per round" in v and "25%-25% of it in the kernel" in v
+    assert "cannot take less than 2.00-2.00x the limit" in v
+    assert cpu_verdict([{**row, "sites_sync_cpu_s": None}]) == ""

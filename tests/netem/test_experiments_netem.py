@@ -92,7 +92,12 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
             assert r["delivered"] <= 1.0
         else:
             assert r["delivered"] == 1.0  # TCP retransmits: everything arrives
+        # CPU: the sites' syncs cost some, their kernel part is a part, the machine was partly busy
+        assert 0 < r["sites_sync_cpu_s"] <= r["sites_cycle_cpu_s"], r
+        assert 0 <= r["sites_sync_system_cpu_s"] <= r["sites_sync_cpu_s"], r
+        assert 0 < r["machine_busy_fraction"] <= 1 and r["machine_busy_s_per_round"] > 0, r
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
+    assert "CPU: the machine's" in md and "cannot take less than" in md
     assert "## Datagram path vs gRPC through netem (smoke)" in md
     assert "`.venv/bin/python experiments/datagram_vs_grpc.py --smoke" in md
 
