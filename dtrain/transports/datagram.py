@@ -510,13 +510,19 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         before: tuple[int, int] = (0, 0)
         parts: list[tuple[tuple, bytes]] = []
         bucket = -1  # of the contribution before
+        unsent = 0  # payload bytes in parts, counted as sent once they leave
+        room = self._body_max
+        cids: dict[str, int] = {}
 
         def flush() -> None:
+            nonlocal unsent
             assert rs is not None
             batch = rs.sealer.seal_many(Kind.CONTRIB, [f for f, _ in parts], [b for _, b in parts])
             parts.clear()
             if not self._send_batch(rs, dest, sock, batch, deadline, contribution=True):
                 raise PeerTimeout(f"push to {address}: the paced send would end past the deadline")
+            self._count(sent=unsent)
+            unsent = 0
 
         for c in contributions:
             if pace is not None:  # a paced fragment round's budget, on top of the path's own rate
@@ -531,10 +537,16 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                     flush()
                 self._end_bucket(rs, dest, bucket)
             bucket = c.bucket
-            parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, codec_id(c.codec)))
+            cid = cids.get(c.codec)
+            if cid is None:
+                cid = cids[c.codec] = codec_id(c.codec)
+            if len(c.payload) <= room:  # one datagram (the layout's chunks fit one: datagram_chunk_bytes)
+                parts.append(((c.bucket, c.chunk, c.offset, c.numel, cid, 0, 1), c.payload))
+            else:
+                parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, cid))
+            unsent += len(c.payload)
             if len(parts) >= _SEND_BATCH:
                 flush()
-            self._count(sent=len(c.payload))
             num += 1
         if rs is None:
             return 0

@@ -53,15 +53,24 @@ _MAX_REPAIRS_QUEUED = 256  # NACK answers waiting for the repair thread (past it
 
 
 def _mean_chunk(rs: RoundState, h: Any, payload: bytes, bitmap: bytes) -> MeanChunk:
-    """The MeanChunk a MEAN datagram (or its reassembled fragments) carries."""
-    return MeanChunk(
-        chunk=h.chunk,
-        offset=h.offset,
-        numel=h.numel,
-        codec=CODEC_WIRE_NAMES[h.codec],
-        payload=payload,
-        senders=senders_from_bitmap(bitmap, rs.site_ids),
+    """The MeanChunk a MEAN datagram (or its reassembled fragments) carries: equal to
+    ``MeanChunk(chunk=h.chunk, ...)``, made without the frozen dataclass's per-field
+    ``object.__setattr__``, its senders decoded once per distinct bitmap in the round
+    (nearly every chunk of a round carries the same one)."""
+    senders = rs.senders_of.get(bitmap)
+    if senders is None:
+        senders = senders_from_bitmap(bitmap, rs.site_ids)
+        if len(rs.senders_of) < _MAX_BITMAPS_KEPT:
+            rs.senders_of[bitmap] = senders
+    m = _new(MeanChunk)
+    m.__dict__.update(
+        chunk=h.chunk, offset=h.offset, numel=h.numel, codec=CODEC_WIRE_NAMES[h.codec], payload=payload, senders=senders
     )
+    return m
+
+
+_new = object.__new__
+_MAX_BITMAPS_KEPT = 1024  # distinct sender bitmaps decoded once per round (a forger cannot grow it past this)
 
 
 class DatagramMeans:
@@ -137,11 +146,14 @@ class DatagramMeans:
         if with_meta:
             batches.append((Kind.MEAN_META, [(m.bucket, 0, 0, 0, NO_CODEC, 0, 1)], [meta]))
         chunks = list(chunks) * copies  # the copies one whole pass apart
+        heads: dict[tuple[str, ...], bytes] = {}  # senders -> bitmap: nearly every chunk has the same senders
         for i in range(0, len(chunks), _MEAN_BATCH):
             parts = []
             for c in chunks[i : i + _MEAN_BATCH]:
                 ch = m.chunks[c]
-                head = senders_bitmap(ch.senders, rs.site_ids)
+                head = heads.get(ch.senders)
+                if head is None:
+                    head = heads[ch.senders] = senders_bitmap(ch.senders, rs.site_ids)
                 parts += self._parts(head, ch.payload, (m.bucket, c, ch.offset, ch.numel, codec_id(ch.codec)))
             batches.append((Kind.MEAN, [f for f, _ in parts], [b for _, b in parts]))
         finals = copies if final_copies is None else final_copies

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["HEADER_DTYPE", "NATIVE_MODES", "NativeLib", "cache_dir", "header_view", "native"]
+__all__ = ["HEADER_DTYPE", "NATIVE_MODES", "OPEN_STATUS", "NativeLib", "cache_dir", "header_view", "native"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,19 @@ CFLAGS = ["-O2", "-shared", "-fPIC", "-Wall", "-Wextra"]
 LIBS = ["-lcrypto"]
 COMPILE_TIMEOUT_S = 120.0
 NATIVE_MODES = ("auto", "on", "off")
+#: :meth:`NativeLib.open_round`'s row outcomes, by code (``dgram_native.c`` ``DG_*``).
+OPEN_STATUS = (
+    "ok",
+    "skip",
+    "oversized",
+    "truncated",
+    "bad_magic",
+    "bad_version",
+    "wrong_run",
+    "other_round",
+    "bad_sender",
+    "forged",
+)
 
 _FIELDS = (
     ("magic", "S2", 0),
@@ -99,8 +112,9 @@ class NativeLib:
             ("dg_version", i, []),
             ("dg_aead_new", vp, [ctypes.c_char_p]),
             ("dg_aead_free", None, [vp]),
-            ("dg_seal", i, [vp, i, vp, vp, vp, vp, u32, vp]),
+            ("dg_seal", i, [vp, i, ctypes.c_char_p, u32, u32, u32, u32, u32, ctypes.c_uint64, vp, vp, vp, vp, u32, vp]),
             ("dg_open", i, [i, vp, vp, u32, vp, vp]),
+            ("dg_open_round", i, [i, vp, vp, u32, vp, vp, u32, ctypes.c_char_p, u32, u32, u32, u32, vp]),
             ("dg_send", i, [i, i, vp, u32, vp]),
             ("dg_recv", i, [i, i, vp, u32, vp, vp, vp]),
         ):
@@ -121,20 +135,46 @@ class NativeLib:
     def free(self, handle: int) -> None:
         self._lib.dg_aead_free(handle)
 
-    def seal(self, handle: int, headers: np.ndarray, body: bytes, offsets: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Seal ``len(headers)`` datagrams into the rows of ``out``; their lengths (uint32).
+    def seal(
+        self,
+        handle: int,
+        cols: np.ndarray,
+        body: bytes,
+        offsets: np.ndarray,
+        out: np.ndarray,
+        *,
+        magic: bytes,
+        version: int,
+        kind: int,
+        run: int,
+        round: int,
+        sender: int,
+        seq0: int,
+    ) -> np.ndarray:
+        """Seal ``len(cols)`` datagrams into the rows of ``out``; their lengths (uint32).
 
         Args:
-            headers: :data:`HEADER_DTYPE` array (sequence numbers set).
+            cols: ``(n, 7)`` int64, per datagram ``(bucket, chunk, offset, numel, codec, frag,
+                nfrags)``; the header's other fields are the keywords, datagram i's sequence
+                number ``seq0 + i``.
             body: the plaintexts back to back; datagram i's is ``body[offsets[i]:offsets[i+1]]``.
-            offsets: uint64, ``len(headers) + 1`` entries.
+            offsets: uint64, ``n + 1`` entries.
             out: ``(>= n, stride)`` uint8.
+
+        Raises:
+            ValueError: a field does not fit its wire width, or a datagram its slot.
         """
-        n = len(headers)
+        n = len(cols)
         lens = np.empty(n, np.uint32)
-        hdr = np.ascontiguousarray(headers, dtype=HEADER_DTYPE)
+        cols = np.ascontiguousarray(cols, dtype=np.int64)
         src = np.frombuffer(body, np.uint8) if len(body) else np.zeros(1, np.uint8)
-        if self._lib.dg_seal(handle, n, _ptr(hdr), _ptr(src), _ptr(offsets), _ptr(out), out.shape[1], _ptr(lens)) != n:
+        rc = self._lib.dg_seal(
+            handle, n, magic, version, kind, run, round, sender, seq0,
+            _ptr(cols), _ptr(src), _ptr(offsets), _ptr(out), out.shape[1], _ptr(lens),
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"a header field does not fit its wire width: {cols.min(0)}..{cols.max(0)}")
+        if rc != n:
             raise ValueError(f"dg_seal failed: a datagram of {n} does not fit a {out.shape[1]}-byte slot")
         return lens
 
@@ -143,6 +183,43 @@ class NativeLib:
         ok = np.zeros(n, np.uint8)
         self._lib.dg_open(n, _ptr(keys), _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ok))
         return ok.view(bool)
+
+    def open_round(
+        self,
+        handle: int,
+        buf: np.ndarray,
+        lens: np.ndarray,
+        n: int,
+        skip: np.ndarray | None,
+        *,
+        max_len: int,
+        magic: bytes,
+        version: int,
+        run: int,
+        round: int,
+        num_members: int,
+    ) -> np.ndarray:
+        """Check and authenticate rows ``0..n-1`` of one round in place: per row its outcome, a
+        uint8 index into :data:`OPEN_STATUS` (``"ok"``; ``"skip"``: in ``skip``; ``"other_round"``:
+        left sealed; else the drop reason). The checks and their order are ``Opener.open``'s."""
+        status = np.empty(n, np.uint8)
+        sk = None if skip is None else np.ascontiguousarray(skip[:n], dtype=np.uint8)
+        self._lib.dg_open_round(
+            n,
+            handle,
+            _ptr(buf),
+            buf.shape[1],
+            _ptr(lens),
+            None if sk is None else _ptr(sk),
+            max_len,
+            magic,
+            version,
+            run,
+            round,
+            num_members,
+            _ptr(status),
+        )
+        return status
 
     def send(self, fd: int, buf: np.ndarray, lens: np.ndarray, n: int) -> int:
         """``sendmmsg`` rows ``0..n-1`` on connected ``fd``: the number sent, or ``-errno``."""
@@ -191,8 +268,8 @@ def _build_and_load() -> tuple[NativeLib | None, str]:
         if not out.exists():
             _compile(cc, out)
         lib = NativeLib(out)
-        if lib._lib.dg_version() != 1:
-            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 1")
+        if lib._lib.dg_version() != 2:
+            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 2")
         return lib, ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)

@@ -253,6 +253,7 @@ class RoundState:
         self.owners = owners
         self.site_ids = plan.site_ids
         self.index = {s: i for i, s in enumerate(self.site_ids)}
+        self.senders_of: dict[bytes, tuple[str, ...]] = {}  # mean chunks' sender bitmaps, decoded
         self.by_address = {m.address: m.site_id for m in plan.members}
         self.me = self.index[site_id]
         self.site_id = site_id

@@ -27,7 +27,7 @@
 #define TAG 16
 #define MAX_BATCH 1024
 
-int dg_version(void) { return 1; }
+int dg_version(void) { return 2; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -66,31 +66,57 @@ static void nonce_of(const unsigned char *hdr, unsigned char nonce[12]) {
     memcpy(nonce + 4, hdr + 31, 8);
 }
 
-/* Seal n datagrams. hdrs: n complete 43-byte headers back to back (sequence numbers set);
- * body: the plaintexts back to back, datagram i's at [off[i], off[i+1]). Slot i of out
- * (stride bytes) receives header | ciphertext | tag and lens[i] its length.
- * Returns n, or -1 when a slot is too small or the cipher fails (nothing is usable then). */
-int dg_seal(void *p, int n, const unsigned char *hdrs, const unsigned char *body, const uint64_t *off,
-            unsigned char *out, uint32_t stride, uint32_t *lens) {
+static void put_le(unsigned char *p, uint64_t v, int bytes) {
+    for (int k = 0; k < bytes; k++) p[k] = (unsigned char)(v >> (8 * k));
+}
+
+/* Seal n datagrams of one kind from one sender in one round. cols: n rows of 7 int64 fields
+ * (bucket, chunk, offset, numel, codec, frag, nfrags), written with magic (2 bytes), version,
+ * kind, run, round, sender and sequence number seq0 + i into row i's 43-byte header
+ * (datagram_wire.HEADER, little-endian); body: the plaintexts back to back, datagram i's at
+ * [off[i], off[i+1]). Slot i of out (stride bytes) receives header | ciphertext | tag and
+ * lens[i] its length. Returns n; -1 when a slot is too small or the cipher fails, -2 when a
+ * field does not fit its wire width (nothing is usable then). */
+int dg_seal(void *p, int n, const unsigned char *magic, uint32_t version, uint32_t kind, uint32_t run,
+            uint32_t round, uint32_t sender, uint64_t seq0, const int64_t *cols, const unsigned char *body,
+            const uint64_t *off, unsigned char *out, uint32_t stride, uint32_t *lens) {
+    static const int64_t wmax[7] = {0xFFFFFFFFLL, 0xFFFFFFFFLL, 0xFFFFFFFFLL, 0xFFFFFFFFLL, 0xFF, 0xFFFF, 0xFFFF};
     unsigned char nonce[12];
-    EVP_CIPHER_CTX *c = ctx_for(p, 1);
+    EVP_CIPHER_CTX *c;
     int rc = n;
-    if (!c) return -1;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < 7; j++)
+            if (cols[i * 7 + j] < 0 || cols[i * 7 + j] > wmax[j]) return -2;
+    if (!(c = ctx_for(p, 1))) return -1;
     for (int i = 0; i < n && rc == n; i++) {
-        const unsigned char *h = hdrs + (size_t)i * HDR;
+        const int64_t *f = cols + (size_t)i * 7;
         uint64_t blen = off[i + 1] - off[i];
-        unsigned char *slot = out + (size_t)i * stride;
+        unsigned char *h = out + (size_t)i * stride;
         int outl = 0, finl = 0;
         if (HDR + blen + TAG > stride) {
             rc = -1;
             break;
         }
-        memcpy(slot, h, HDR);
+        h[0] = magic[0];
+        h[1] = magic[1];
+        h[2] = (unsigned char)version;
+        h[3] = (unsigned char)kind;
+        put_le(h + 4, run, 4);
+        put_le(h + 8, round, 4);
+        put_le(h + 12, (uint64_t)f[0], 4);
+        put_le(h + 16, (uint64_t)f[1], 4);
+        put_le(h + 20, (uint64_t)f[2], 4);
+        put_le(h + 24, (uint64_t)f[3], 4);
+        h[28] = (unsigned char)f[4];
+        put_le(h + 29, sender, 2);
+        put_le(h + 31, seq0 + (uint64_t)i, 8);
+        put_le(h + 39, (uint64_t)f[5], 2);
+        put_le(h + 41, (uint64_t)f[6], 2);
         nonce_of(h, nonce);
         if (EVP_EncryptInit_ex(c, NULL, NULL, NULL, nonce) != 1 || EVP_EncryptUpdate(c, NULL, &outl, h, HDR) != 1 ||
-            EVP_EncryptUpdate(c, slot + HDR, &outl, body + off[i], (int)blen) != 1 ||
-            EVP_EncryptFinal_ex(c, slot + HDR + outl, &finl) != 1 ||
-            EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_GET_TAG, TAG, slot + HDR + blen) != 1)
+            EVP_EncryptUpdate(c, h + HDR, &outl, body + off[i], (int)blen) != 1 ||
+            EVP_EncryptFinal_ex(c, h + HDR + outl, &finl) != 1 ||
+            EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_GET_TAG, TAG, h + HDR + blen) != 1)
             rc = -1;
         lens[i] = (uint32_t)(HDR + blen + TAG);
     }
@@ -98,12 +124,26 @@ int dg_seal(void *p, int n, const unsigned char *hdrs, const unsigned char *body
     return rc;
 }
 
+/* Authenticate and decrypt one datagram of len bytes (>= HDR + TAG) in place with context c
+ * (its key set): 1 when it opened; 0 when forged, and then no plaintext is left behind. */
+static int open_slot(EVP_CIPHER_CTX *c, unsigned char *slot, uint32_t len) {
+    unsigned char nonce[12], tag[TAG];
+    int outl = 0, finl = 0, clen = (int)(len - HDR - TAG);
+    memcpy(tag, slot + HDR + clen, TAG);
+    nonce_of(slot, nonce);
+    if (EVP_DecryptInit_ex(c, NULL, NULL, NULL, nonce) == 1 && EVP_DecryptUpdate(c, NULL, &outl, slot, HDR) == 1 &&
+        EVP_DecryptUpdate(c, slot + HDR, &outl, slot + HDR, clen) == 1 &&
+        EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_SET_TAG, TAG, tag) == 1 && EVP_DecryptFinal_ex(c, slot + HDR + outl, &finl) == 1)
+        return 1;
+    memset(slot + HDR, 0, (size_t)clen);
+    return 0;
+}
+
 /* Authenticate and decrypt n datagrams in place: slot i of buf holds lens[i] bytes; keys[i]
  * is its round's key (NULL: not opened). On success the plaintext replaces the ciphertext
  * (at slot offset 43, lens[i] - 59 bytes) and ok[i] = 1; else ok[i] = 0 (forged, wrong key,
  * or too short). Returns the number authenticated. */
 int dg_open(int n, void **keys, unsigned char *buf, uint32_t stride, const uint32_t *lens, unsigned char *ok) {
-    unsigned char nonce[12], tag[TAG];
     int good = 0;
     const dg_aead *cur = NULL;
     EVP_CIPHER_CTX *c = NULL;
@@ -111,7 +151,6 @@ int dg_open(int n, void **keys, unsigned char *buf, uint32_t stride, const uint3
         dg_aead *a = keys[i];
         unsigned char *slot = buf + (size_t)i * stride;
         uint32_t len = lens[i];
-        int outl = 0, finl = 0, clen;
         ok[i] = 0;
         if (!a || len < HDR + TAG || len > stride) continue;
         if (a != cur) { /* rows of one round are usually together: one context per run of a key */
@@ -120,19 +159,81 @@ int dg_open(int n, void **keys, unsigned char *buf, uint32_t stride, const uint3
             cur = c ? a : NULL;
             if (!c) continue;
         }
-        clen = (int)(len - HDR - TAG);
-        memcpy(tag, slot + HDR + clen, TAG);
-        nonce_of(slot, nonce);
-        if (EVP_DecryptInit_ex(c, NULL, NULL, NULL, nonce) != 1 || EVP_DecryptUpdate(c, NULL, &outl, slot, HDR) != 1 ||
-            EVP_DecryptUpdate(c, slot + HDR, &outl, slot + HDR, clen) != 1 ||
-            EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_SET_TAG, TAG, tag) != 1)
+        ok[i] = (unsigned char)open_slot(c, slot, len);
+        good += ok[i];
+    }
+    EVP_CIPHER_CTX_free(c);
+    return good;
+}
+
+/* Check and open n datagrams of one round in place: what dg_open does, plus the header checks
+ * that come before authentication, in the order Opener.open makes them, each row's outcome in
+ * status[i] (DG_*). skip (NULL: none) marks rows to leave alone; a row of another round is left
+ * sealed (DG_OTHER_ROUND) for the caller's general path. key is the round's key; magic (2 bytes),
+ * version, run, round and num_members are what the header must say. Returns the number opened.
+ * Header fields are little-endian on the wire (datagram_wire.HEADER), read byte by byte. */
+enum {
+    DG_OK = 0,
+    DG_SKIP = 1,
+    DG_OVERSIZED = 2,
+    DG_TRUNCATED = 3,
+    DG_BAD_MAGIC = 4,
+    DG_BAD_VERSION = 5,
+    DG_WRONG_RUN = 6,
+    DG_OTHER_ROUND = 7,
+    DG_BAD_SENDER = 8,
+    DG_FORGED = 9,
+};
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+int dg_open_round(int n, void *key, unsigned char *buf, uint32_t stride, const uint32_t *lens,
+                  const unsigned char *skip, uint32_t max_len, const unsigned char *magic, uint32_t version,
+                  uint32_t run, uint32_t round, uint32_t num_members, unsigned char *status) {
+    int good = 0;
+    EVP_CIPHER_CTX *c = NULL;
+    for (int i = 0; i < n; i++) {
+        unsigned char *slot = buf + (size_t)i * stride;
+        uint32_t len = lens[i];
+        if (skip && skip[i]) {
+            status[i] = DG_SKIP;
             continue;
-        if (EVP_DecryptFinal_ex(c, slot + HDR + outl, &finl) == 1) {
-            ok[i] = 1;
+        }
+        if (len > max_len || len > stride) {
+            status[i] = DG_OVERSIZED;
+            continue;
+        }
+        if (len < HDR + TAG) {
+            status[i] = DG_TRUNCATED;
+            continue;
+        }
+        if (slot[0] != magic[0] || slot[1] != magic[1]) {
+            status[i] = DG_BAD_MAGIC;
+            continue;
+        }
+        if (slot[2] != version) {
+            status[i] = DG_BAD_VERSION;
+            continue;
+        }
+        if (le32(slot + 4) != run) {
+            status[i] = DG_WRONG_RUN;
+            continue;
+        }
+        if (le32(slot + 8) != round) {
+            status[i] = DG_OTHER_ROUND;
+            continue;
+        }
+        if (((uint32_t)slot[29] | (uint32_t)slot[30] << 8) >= num_members) {
+            status[i] = DG_BAD_SENDER;
+            continue;
+        }
+        status[i] = DG_FORGED;
+        if (!c && !(c = ctx_for(key, 0))) continue;
+        if (open_slot(c, slot, len)) {
+            status[i] = DG_OK;
             good++;
-        } else {
-            /* a forged datagram leaves no plaintext behind */
-            memset(slot + HDR, 0, (size_t)clen);
         }
     }
     EVP_CIPHER_CTX_free(c);

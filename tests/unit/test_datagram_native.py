@@ -101,31 +101,69 @@ def _opener(native_lib=None) -> Opener:
 
 
 @needs_lib
-def test_open_batch_refuses_what_open_refuses_with_the_same_counts() -> None:
+@pytest.mark.parametrize("order", ["arrival", "reversed", "junk_first", "unknown_round_first", "skips"])
+def test_open_batch_refuses_what_open_refuses_with_the_same_counts(order: str) -> None:
+    """Whatever row comes first (its round picks the one-round call, whose other rows go the
+    general way) and with rows skipped (a test's injected drops: neither opened nor counted)."""
     batch = _mixed_batch()
+    if order != "arrival":
+        batch = _reordered(batch, order)
+    skip = np.array([i % 3 == 1 for i in range(len(batch))]) if order == "skips" else None
     slow = _opener()
     want_ok, want_bodies = [], []
-    for data in batch:
+    for i, data in enumerate(batch):
+        if skip is not None and skip[i]:
+            want_ok.append(False)
+            continue
         try:
             want_bodies.append(slow.open(data)[1])
             want_ok.append(True)
         except Dropped:
             want_ok.append(False)
     fast = _opener(LIB)
-    stride = 1401
+    general: list[list[int]] = []  # the rows each general-path call was given
+    open_general = fast._open_general
+
+    def spy(buf, lens, n, skip, hv):
+        general.append([i for i in range(n) if skip is None or not skip[i]])
+        return open_general(buf, lens, n, skip, hv)
+
+    fast._open_general = spy  # type: ignore[method-assign]
+    buf, lens = _rows(batch)
+    got = fast.open_batch(buf, lens, len(batch), skip)
+    if order == "arrival":  # round 3 in one call; only the rows of rounds 9 and 1 went the general way
+        assert general == [[10, 11]]
+    elif order in ("junk_first", "unknown_round_first"):  # no key for the first row's round
+        assert general == [list(range(len(batch)))]
+    assert list(got.ok) == want_ok
+    assert [buf[i, HEADER_BYTES : lens[i] - TAG_BYTES].tobytes() for i in np.flatnonzero(got.ok)] == want_bodies
+    assert fast.counts() == slow.counts()
+    unknown = [i for i, d in enumerate(batch) if d == _mixed_batch()[10] and (skip is None or not skip[i])]
+    assert got.pending == unknown  # the unknown round's datagram, still sealed: opened once its plan comes
+    for i in unknown:
+        assert buf[i, : lens[i]].tobytes() == batch[i]
+    if order != "skips":
+        assert sum(want_ok) == 4 and slow.counts()["forged"] == 4 and slow.counts()["replayed"] == 1
+
+
+def _reordered(batch: list[bytes], order: str) -> list[bytes]:
+    if order == "reversed":
+        return batch[::-1]
+    if order == "junk_first":  # bad magic first: its "round" field is zeros
+        return [batch[7]] + batch[:7] + batch[8:]
+    if order == "unknown_round_first":
+        return [batch[10]] + batch[:10] + batch[11:]
+    return batch  # "skips"
+
+
+def _rows(batch: list[bytes], stride: int = 1401) -> tuple[np.ndarray, np.ndarray]:
     buf = np.zeros((len(batch), stride), np.uint8)
     lens = np.zeros(len(batch), np.uint32)
     for i, data in enumerate(batch):
         cut = data[:stride]
         buf[i, : len(cut)] = np.frombuffer(cut, np.uint8)
         lens[i] = len(data) if len(data) <= stride else stride + 1
-    got = fast.open_batch(buf, lens, len(batch))
-    assert list(got.ok) == want_ok
-    assert [buf[i, HEADER_BYTES : lens[i] - TAG_BYTES].tobytes() for i in np.flatnonzero(got.ok)] == want_bodies
-    assert fast.counts() == slow.counts()
-    assert got.pending == [10]  # the unknown round's datagram, still sealed: opened once its plan comes
-    assert buf[10, : lens[10]].tobytes() == batch[10]
-    assert sum(want_ok) == 4 and slow.counts()["forged"] == 4 and slow.counts()["replayed"] == 1
+    return buf, lens
 
 
 @needs_lib

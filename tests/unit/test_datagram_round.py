@@ -92,3 +92,37 @@ def test_a_nacks_answer_is_waited_for_at_least_an_rtt_unless_its_final_meta_came
     step = mean_wait_decision(m, 20.091, **kw)
     assert step.action == "wait" and step.wake_at == pytest.approx(20.095)
     assert mean_wait_decision(m, 20.095, **kw).action == "nack"
+
+
+def test_received_contributions_and_mean_chunks_equal_their_dataclasses() -> None:
+    """The receive path builds Contribution and MeanChunk without their frozen constructors (a
+    datagram's worth of CPU each): the objects must be the dataclasses' own, field for field, and
+    a field added to either dataclass must be added there too (this test then fails)."""
+    import dataclasses
+
+    from dtrain.protocol import Contribution, MeanChunk, Member, RoundPlan
+    from dtrain.transports.datagram_means import _mean_chunk
+    from dtrain.transports.datagram_recv import _contribution
+    from dtrain.transports.datagram_round import RoundState, senders_bitmap
+    from dtrain.transports.datagram_wire import Header, codec_id
+
+    plan = RoundPlan(
+        round=5,
+        members=tuple(Member(site_id=f"s{i}", address=f"127.0.0.1:{9000 + i}") for i in range(3)),
+        reduce_timeout_s=5,
+        broadcast_timeout_s=5,
+        datagram_key=bytes(32),
+    )
+    rs = RoundState(plan, ["s0", "s1"], "s0", run=7, max_buffer_bytes=1 << 20)
+    h = Header(b"DG", 1, 1, 7, 5, 1, 3, 3 * 1280, 1280, codec_id("int8"), 2, 99, 0, 1)
+    c = _contribution(rs, h, b"payload")
+    want = Contribution(round=5, bucket=1, chunk=3, offset=3840, numel=1280, codec="int8", sender="s2", payload=b"p")
+    assert c == dataclasses.replace(want, payload=b"payload") and type(c) is Contribution
+    assert set(vars(c)) == {f.name for f in dataclasses.fields(Contribution)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.chunk = 4  # type: ignore[misc]
+    bits = senders_bitmap(("s0", "s2"), rs.site_ids)
+    m = _mean_chunk(rs, h, b"mean", bits)
+    assert m == MeanChunk(chunk=3, offset=3840, numel=1280, codec="int8", payload=b"mean", senders=("s0", "s2"))
+    assert set(vars(m)) == {f.name for f in dataclasses.fields(MeanChunk)} and hash(m) == hash(dataclasses.replace(m))
+    assert _mean_chunk(rs, h, b"x", bits).senders is m.senders  # decoded once per bitmap and round
