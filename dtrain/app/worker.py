@@ -309,7 +309,8 @@ def _train(
             train_loss=train_loss,
             inner_s=inner_s,
             sync_s=sync_s,
-            cpu_s=(cpu_s, sync_cpu),
+            cpu_s=cpu_s,
+            sync_cpu=sync_cpu,
             t_start=t_start,
             data=ledger,
         )
@@ -455,11 +456,13 @@ def _round_line(
     inner_s: float,
     sync_s: float,
     t_start: float,
-    cpu_s: tuple[float | None, tuple[float, float] | None] = (None, None),
+    cpu_s: float | None = None,
+    sync_cpu: tuple[float, float] | None = None,
     data: dict | None = None,
 ) -> RoundLine:
     """The metrics line of the sync that just ended (a deferred one has no round result);
-    ``cpu_s``: the process's CPU seconds since the previous line and during the sync (all, system)."""
+    ``cpu_s``: the process's CPU seconds since the previous line; ``sync_cpu``: during the sync,
+    ``(user + system, system)`` (None: streaming)."""
     res = outcome.result
     # the datagram path's wire bytes, NACKs, drops (cumulative)
     counters = getattr(diloco.engine.transport, "counters", None)
@@ -475,9 +478,9 @@ def _round_line(
         inner_s=inner_s,
         sync_s=sync_s,
         quorum_s=outcome.quorum_s,
-        cpu_s=cpu_s[0],
-        sync_cpu_s=None if cpu_s[1] is None else cpu_s[1][0],
-        sync_system_cpu_s=None if cpu_s[1] is None else cpu_s[1][1],
+        cpu_s=cpu_s,
+        sync_cpu_s=None if sync_cpu is None else sync_cpu[0],
+        sync_system_cpu_s=None if sync_cpu is None else sync_cpu[1],
         wall_s=time.monotonic() - t_start,
         time=time.time(),
         checksum=theta_checksum(diloco),

@@ -510,9 +510,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         before: tuple[int, int] = (0, 0)
         parts: list[tuple[tuple, bytes]] = []
         bucket = -1  # of the contribution before
-        unsent = 0  # payload bytes in parts, counted as sent once they leave
-        room = self._body_max
-        cids: dict[str, int] = {}
+        unsent = 0  # payload bytes in parts, counted as sent once they leave (one lock per batch)
 
         def flush() -> None:
             nonlocal unsent
@@ -537,13 +535,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                     flush()
                 self._end_bucket(rs, dest, bucket)
             bucket = c.bucket
-            cid = cids.get(c.codec)
-            if cid is None:
-                cid = cids[c.codec] = codec_id(c.codec)
-            if len(c.payload) <= room:  # one datagram (the layout's chunks fit one: datagram_chunk_bytes)
-                parts.append(((c.bucket, c.chunk, c.offset, c.numel, cid, 0, 1), c.payload))
-            else:
-                parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, cid))
+            parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, codec_id(c.codec)))
             unsent += len(c.payload)
             if len(parts) >= _SEND_BATCH:
                 flush()

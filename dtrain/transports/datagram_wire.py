@@ -101,6 +101,8 @@ DROP_REASONS: tuple[str, ...] = (
     "malformed",
 )
 _OTHER_ROUND = OPEN_STATUS.index("other_round")  # rows NativeLib.open_round leaves for the general path
+# NativeLib.open_round's outcomes that are drops, by code ("ok", "skip", "other_round": not counted there)
+_STATUS_DROPS = tuple((code, r) for code, r in enumerate(OPEN_STATUS) if r in DROP_REASONS)
 
 
 class Kind:
@@ -488,9 +490,9 @@ class Opener:
             num_members=rk.num_members,
         )
         counts = np.bincount(status, minlength=len(OPEN_STATUS)).tolist()
-        for reason, k in zip(OPEN_STATUS, counts):
-            if k and reason in self._counts:
-                self.count(reason, k)
+        for code, reason in _STATUS_DROPS:
+            if counts[code]:
+                self.count(reason, counts[code])
         good = status == 0
         idx = np.flatnonzero(good)
         replayed = 0

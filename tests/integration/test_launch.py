@@ -302,6 +302,7 @@ def test_launch_three_sites_agree_loss_falls_metrics_parse_and_report(run_dir: P
             assert 0 <= d["sync_system_cpu_s"] <= d["sync_cpu_s"] <= d["cpu_s"] + 1e-9, d
             assert d["cpu_s"] > 0, d
             by_round.setdefault(d["round"], {})[s] = d
+        assert sum(d["sync_cpu_s"] for d in rest) > 0, rest  # the syncs encoded, sent and decoded
         assert rest[-1]["checksum"] == summaries[s]["checksum"]
         assert rest[-1]["val_loss"] == summaries[s]["final_val_loss"]
     for r, per_site in by_round.items():  # consistent after EVERY round, not only at the end
