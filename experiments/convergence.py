@@ -91,7 +91,9 @@ MODES: dict[str, dict[str, Any]] = {
         diagnosis_outers=[NESTEROV, AVERAGE],
         budget_min=2.0,
         jobs=1,
-        reduce_timeout_s=0.5,
+        # 2 s, not 0.5: the CI test reruns runs and requires the same losses, and under load a 0.5 s
+        # deadline once cut a chunk that was only late (reduce_arrived 0.98, sync_s 0.86 s against 0.35 s)
+        reduce_timeout_s=2.0,
     ),
     # Sized for the shared 2-core machine under other jobs' load (nice 10): ~1500 CPU-seconds.
     "quick": dict(
