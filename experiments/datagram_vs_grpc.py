@@ -31,6 +31,13 @@ Usage (from the repository root, as root)::
 
     .venv/bin/python experiments/datagram_vs_grpc.py --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
     .venv/bin/python experiments/datagram_vs_grpc.py --smoke --out /tmp/x --results none   # CI
+    .venv/bin/python experiments/datagram_vs_grpc.py --quick --mtu-bytes 9000   # jumbo-frame links
+
+``--mtu-bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
+``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
+MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
+per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
+write ``..._mtuN`` files and their own RESULTS.md section.
 
 Writes ``OUT/datagram_vs_grpc[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its
 section of ``experiments/RESULTS.md``.
@@ -161,6 +168,12 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
+def datagram_bytes(mtu_bytes: int) -> int:
+    """The datagram path's UDP payload on a link of ``mtu_bytes``: 28 bytes of IPv4 and UDP
+    headers and 72 of room for tunnels less (1400 at 1500, 8900 at 9000)."""
+    return mtu_bytes - 100
+
+
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
     from netem.profiles import LinkParams  # noqa: PLC0415
@@ -201,6 +214,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
                 data_path=data_path,
                 max_rate_mbit=0.95 * m["rate"],
+                max_datagram_bytes=datagram_bytes(m["mtu"]) if data_path == "datagram" else None,
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
@@ -477,9 +491,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
     ap.add_argument("--losses", help="comma-separated loss rates in percent, instead of the mode's (e.g. '0,10')")
     ap.add_argument("--measured", type=int, help="measured rounds per loss, instead of the mode's (>= 1)")
+    ap.add_argument(
+        "--mtu-bytes",
+        type=int,
+        default=1500,
+        help="every link's MTU in [1280, 9000] (default 1500; 9000: jumbo frames)",
+    )
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
     m["logs"] = args.logs
+    if not 1280 <= args.mtu_bytes <= 9000:
+        raise SystemExit(f"--mtu-bytes must be in [1280, 9000], got {args.mtu_bytes}")
+    m["mtu"] = args.mtu_bytes
     if args.losses:
         try:
             m["losses"] = [float(x) for x in args.losses.split(",")]
@@ -494,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if m["num_sites"] < 2:
         raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
     prefix = out_prefix(args, "datagram_vs_grpc")
+    mtu_tag = "" if m["mtu"] == 1500 else f"_mtu{m['mtu']}"
+    prefix = prefix.with_name(prefix.name + mtu_tag)
 
     chosen = PATHS
     if args.paths:
@@ -514,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def runner() -> list[RunResult]:
         out: list[RunResult] = kept()
-        with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc") as topo:
+        with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
             for seed in m["seeds"]:
                 for path in chosen:
                     t = time.monotonic()
@@ -528,19 +553,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out
 
     rows, _, meta = run_or_load(args, argv, "datagram_vs_grpc.py", prefix, runner)
+    names = {p[0] for p in chosen}
     kept_note = (
         f" Only {', '.join(p[0] for p in chosen)} ran in this command; the other rows are kept from an earlier run"
         " of this mode (the CSV's `wall_s` and `rounds_done` are theirs)."
-        if chosen != PATHS
+        if any(r["path"] not in names for r in rows)
         else ""
     )
     png = plot(rows, prefix)
     body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
 
 Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
-{m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), random loss of packets arriving at a
+{m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), MTU {m["mtu"]} bytes, random loss of packets arriving at a
 site; task `{m["task"] or m["size"]}`, H = {m["sync_every"]}, int8; 1 warm-up + {m["measured"]} measured round(s)
-per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}`.
+per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}
+--max-datagram-bytes {datagram_bytes(m["mtu"])}`.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 
 {analyse(rows)}
@@ -549,7 +576,13 @@ CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 
 {cpu_verdict(rows)}
 """
-    publish(args, f"datagram_vs_grpc-{mode}", f"Datagram path vs gRPC through netem ({mode})", body)
+    mtu_title = "" if m["mtu"] == 1500 else f", MTU {m['mtu']}"
+    publish(
+        args,
+        f"datagram_vs_grpc-{mode}{mtu_tag.replace('_', '-')}",
+        f"Datagram path vs gRPC through netem ({mode}{mtu_title})",
+        body,
+    )
     return 0
 
 

@@ -36,9 +36,10 @@ def flags(opts: dict[str, Any], tree: Tree = WORKER) -> list[str]:
     return tree.to_argv({k: v for k, v in opts.items() if v is not None})
 
 
-def netem_topology(num_sites: int, name: str, script: str):
-    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; use it as a context manager),
-    named ``name`` + this process's id, so that runs on one machine do not collide.
+def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
+    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; links of ``mtu_bytes``; use it
+    as a context manager), named ``name`` + this process's id, so that runs on one machine do not
+    collide.
 
     ``netem/`` is repository tooling, imported from this checkout. Raises SystemExit naming
     ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
@@ -51,7 +52,7 @@ def netem_topology(num_sites: int, name: str, script: str):
     missing = netem.missing_requirements()
     if missing:
         raise SystemExit(f"{script}: netem cannot emulate links here: missing {', '.join(missing)}")
-    return netem.Topology(num_sites=num_sites, profile="lan", name=f"{name}{os.getpid()}"[:20])
+    return netem.Topology(num_sites=num_sites, profile="lan", name=f"{name}{os.getpid()}"[:20], mtu_bytes=mtu_bytes)
 
 
 class ProcRun:

@@ -146,16 +146,17 @@ def ipt_delay_rules(links: Sequence[LinkParams]) -> list[str]:
 # ---------------------------------------------------------------- tc
 
 
-def tbf_argv(dev: str, rate_mbit: float | None) -> list[str]:
+def tbf_argv(dev: str, rate_mbit: float | None, mtu_bytes: int = 1500) -> list[str]:
     """``tc`` argv installing a tbf rate cap on ``dev`` (or deleting the root qdisc).
 
-    burst: at least 16 full frames and 2 ms at the rate (so timer granularity does not
+    burst: at least 16 full frames (``mtu_bytes`` + 14 bytes of Ethernet header; a frame
+    larger than the burst would never pass) and 2 ms at the rate (so timer granularity does not
     eat throughput); queue: 50 ms at the rate, at least 64 KiB.
     """
     if rate_mbit is None:
         return ["tc", "qdisc", "del", "dev", dev, "root"]
     rate_bps = rate_mbit * 1e6 / 8
-    burst = max(16 * 1514, int(rate_bps * 0.002))
+    burst = max(16 * (mtu_bytes + 14), int(rate_bps * 0.002))
     limit = max(64 * 1024, int(rate_bps * 0.05)) + burst
     return [
         "tc",

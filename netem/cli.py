@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     up = named(sub.add_parser("up", help="build a topology and leave it running"))
     up.add_argument("--sites", type=int, required=True, help="number of sites")
     up.add_argument("--profile", default="lan", choices=sorted(PROFILES))
+    up.add_argument("--mtu-bytes", type=int, default=1500, help="every link's MTU, 1280-9000 (default 1500)")
     up.add_argument("--no-kernel-netem", action="store_true", help="use the fallbacks even where the kernel has netem")
     named(sub.add_parser("down", help="remove a topology"))
     st = sub.add_parser("status", help="show one topology (--name) or list all")
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 name=args.name,
                 persistent=True,
                 kernel_netem=False if args.no_kernel_netem else None,
+                mtu_bytes=args.mtu_bytes,
             )
             _print_topology(topo.status())
         elif args.cmd == "down":

@@ -82,6 +82,9 @@ class TopologyConfig:
             no atexit teardown, and the helper process does not watch this process.
         filter_backend: "nftables" or "iptables" for loss/partitions; None = nftables
             where it works (iptables is the fallback).
+        mtu_bytes: MTU of every site's link (both veth ends), bytes, in [1280, 9000]:
+            1500 = Ethernet, 9000 = jumbo frames (provisioned links such as a cloud VPC's,
+            whose MTU may be 8896 even between regions).
     """
 
     num_sites: int
@@ -90,6 +93,7 @@ class TopologyConfig:
     kernel_netem: bool | None = None
     persistent: bool = False
     filter_backend: str | None = None
+    mtu_bytes: int = 1500
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_sites, int) or not 1 <= self.num_sites <= MAX_SITES:
@@ -101,6 +105,8 @@ class TopologyConfig:
             raise ValueError(f"kernel_netem must be None, True or False, got {self.kernel_netem!r}")
         if self.filter_backend not in (None, "nftables", "iptables"):
             raise ValueError(f"filter_backend must be None, 'nftables' or 'iptables', got {self.filter_backend!r}")
+        if not isinstance(self.mtu_bytes, int) or not 1280 <= self.mtu_bytes <= 9000:
+            raise ValueError(f"mtu_bytes must be an int in [1280, 9000], got {self.mtu_bytes!r}")
 
 
 # ---------------------------------------------------------------- signal / exit safety net
@@ -180,7 +186,7 @@ class Topology:
         profile: A preset name (``lan``, ``continental``, ``transatlantic``, ``lossy``,
             ``flaky``) applied to every site.
         name: Topology name, [a-z0-9]{1,20}; default a unique one for this process.
-        kernel_netem, persistent, filter_backend: see :class:`TopologyConfig`.
+        kernel_netem, persistent, filter_backend, mtu_bytes: see :class:`TopologyConfig`.
 
     Raises:
         NetemUnavailable: not root, no ``ip netns``, or the profile needs a property no
@@ -199,6 +205,7 @@ class Topology:
         kernel_netem: bool | None = None,
         persistent: bool = False,
         filter_backend: str | None = None,
+        mtu_bytes: int = 1500,
     ) -> None:
         if name is None:
             name = f"t{os.getpid()}x{next(_counter)}"
@@ -209,6 +216,7 @@ class Topology:
             kernel_netem=kernel_netem,
             persistent=persistent,
             filter_backend=filter_backend,
+            mtu_bytes=mtu_bytes,
         )
         self._init_names()
         self._lock = threading.RLock()
@@ -508,6 +516,9 @@ class Topology:
             if self._caps.ethtool:  # per-packet loss/delay instead of 64 KB GSO lumps
                 run(ns_cmd(hub, ["ethtool", "-K", port, *off]))
                 run(ns_cmd(ns, ["ethtool", "-K", _rules.SITE_IF, *off]))
+            if self.config.mtu_bytes != 1500:
+                run(["ip", "-n", hub, "link", "set", port, "mtu", str(self.config.mtu_bytes)])
+                run(["ip", "-n", ns, "link", "set", _rules.SITE_IF, "mtu", str(self.config.mtu_bytes)])
             run(["ip", "-n", hub, "addr", "add", f"{gw}/32", "dev", port])
             run(["ip", "-n", hub, "link", "set", port, "up"])
             run(["ip", "-n", hub, "route", "add", f"{addr}/32", "dev", port, "src", gw])
@@ -572,11 +583,11 @@ class Topology:
             o, n = old[i], new[i]
             port = _rules.hub_port(i)
             if n.rate_mbit != o.rate_mbit:
-                self._tc(self.site_namespaces[i], _rules.tbf_argv(_rules.SITE_IF, n.rate_mbit))
+                self._tc(self.site_namespaces[i], _rules.tbf_argv(_rules.SITE_IF, n.rate_mbit, self.config.mtu_bytes))
             if b["delay"] == "netem":
                 self._tc(hub, _rules.netem_argv(port, n))
             elif n.rate_mbit != o.rate_mbit:
-                self._tc(hub, _rules.tbf_argv(port, n.rate_mbit))
+                self._tc(hub, _rules.tbf_argv(port, n.rate_mbit, self.config.mtu_bytes))
 
         def differs(attr: str) -> bool:
             return any(getattr(new[i], attr) != getattr(old[i], attr) for i in changed)

@@ -166,6 +166,11 @@ class NetConfig:
             provisioned links; control, state pulls and repair stay on gRPC; a chunk
             becomes one datagram, and codecs with +zstd or topk are refused).
         max_rate_mbit: the datagram path's sending-rate ceiling, > 0.
+        max_datagram_bytes: the datagram path's UDP payload per datagram, bytes, in [256, 65507]:
+            the path MTU less 28 bytes of IPv4/UDP headers and room for tunnels (1400 for a
+            1500-byte MTU; 8900 for jumbo frames of 9000). It sets the chunk size (one chunk,
+            one datagram), so every site of a run must use the same value: a larger datagram
+            than a receiver's own bound is dropped there and counted as oversized.
         grpc: gRPC channel and server settings.
     """
 
@@ -178,6 +183,7 @@ class NetConfig:
     tls_ca: str | None = None
     data_path: DataPath = "grpc"
     max_rate_mbit: float = 1000.0
+    max_datagram_bytes: int = 1400
     grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
 
     def __post_init__(self) -> None:
@@ -188,6 +194,14 @@ class NetConfig:
         _need_files(self, ("token_file", "tls_cert", "tls_key", "tls_ca"))
         _need(self, self.data_path in get_args(DataPath), "data_path", f"one of {get_args(DataPath)}")
         _need(self, self.max_rate_mbit > 0, "max_rate_mbit", "> 0 Mbit/s")
+        _need(
+            self,
+            isinstance(self.max_datagram_bytes, int)
+            and not isinstance(self.max_datagram_bytes, bool)
+            and 256 <= self.max_datagram_bytes <= 65507,
+            "max_datagram_bytes",
+            "an int in [256, 65507] bytes (the path MTU less 28 and a margin: 1400 for an MTU of 1500)",
+        )
 
     def transport_config(self) -> GrpcTransportConfig:
         """``grpc`` with the bind address, advertised host, token and TLS filled in."""
@@ -312,7 +326,7 @@ class WorkerConfig:
             from dtrain.transports.datagram import datagram_chunk_bytes
 
             try:
-                one = datagram_chunk_bytes(self.diloco.rounds.codec)
+                one = datagram_chunk_bytes(self.diloco.rounds.codec, self.net.max_datagram_bytes)
             except ValueError as e:
                 raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
             buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))
@@ -353,6 +367,7 @@ WORKER_ALIASES = {
             "tls_ca",
             "data_path",
             "max_rate_mbit",
+            "max_datagram_bytes",
         )
     },
     "sync_every": "diloco.sync_every",

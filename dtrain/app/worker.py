@@ -122,7 +122,11 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
     if cfg.net.data_path == "datagram":
         from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
 
-        transport = DatagramTransport(DatagramTransportConfig(grpc=tcfg, max_rate_mbit=cfg.net.max_rate_mbit))
+        transport = DatagramTransport(
+            DatagramTransportConfig(
+                grpc=tcfg, max_rate_mbit=cfg.net.max_rate_mbit, max_datagram_bytes=cfg.net.max_datagram_bytes
+            )
+        )
     else:
         transport = GrpcTransport(tcfg)
     return transport, rendezvous_client(cfg.net.rendezvous, grpc_config=tcfg)

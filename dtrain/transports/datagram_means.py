@@ -48,7 +48,6 @@ _NACK_META = 0xFFFFFFFF  # in a NACK: send the meta again
 _NACK_ALL = 0xFFFFFFFE  # in a NACK: send every chunk again (nothing of the mean arrived)
 _NACK_COPIES = 3  # each NACK datagram leaves 3 times: all lost 0.1% at 10% loss (twice: 1%, once a round in 2)
 _FINAL_META_COPIES = 3  # a mean's final meta leaves 3 times: lost, the member waits 2 x nack_idle_s to NACK
-_MEAN_BATCH = 32  # mean chunks sealed and sent per call (one datagram each with datagram_chunk_bytes)
 _MAX_REPAIRS_QUEUED = 256  # NACK answers waiting for the repair thread (past it: dropped, the member NACKs again)
 
 
@@ -147,9 +146,10 @@ class DatagramMeans:
             batches.append((Kind.MEAN_META, [(m.bucket, 0, 0, 0, NO_CODEC, 0, 1)], [meta]))
         chunks = list(chunks) * copies  # the copies one whole pass apart
         heads: dict[tuple[str, ...], bytes] = {}  # senders -> bitmap: nearly every chunk has the same senders
-        for i in range(0, len(chunks), _MEAN_BATCH):
+        per = self._batch_datagrams  # mean chunks sealed and sent per call (one datagram each)
+        for i in range(0, len(chunks), per):
             parts = []
-            for c in chunks[i : i + _MEAN_BATCH]:
+            for c in chunks[i : i + per]:
                 ch = m.chunks[c]
                 head = heads.get(ch.senders)
                 if head is None:

@@ -123,3 +123,23 @@ def test_iptables_fallback_for_loss_and_rate():
         goodput = tcp_goodput_mbit(topo, 0, 1, duration_s=3.0, warmup_s=1.0)
     assert loss_ok, loss_tries
     assert abs(goodput - 20.0) <= 0.15 * 20.0, goodput
+
+
+@pytest.mark.timeout(40)
+def test_jumbo_links_carry_9000_byte_packets_whole_through_the_rate_cap_and_delay():
+    """``mtu_bytes=9000``: a ping of 9,000 bytes with don't-fragment set crosses a rate-capped,
+    delayed link (tbf's burst holds 16 such frames); one byte more is refused at the sender."""
+    with Topology(2, "lan", mtu_bytes=9000) as topo:
+        topo.set_link(None, delay_ms=5.0, rate_mbit=100.0)
+
+        def ping_df(payload_bytes: int) -> subprocess.CompletedProcess:
+            argv = ["ping", "-n", "-c", "5", "-i", "0.05", "-M", "do", "-s", str(payload_bytes), topo.address(1)]
+            return subprocess.run(topo.exec_argv(0, argv), capture_output=True, text=True, timeout=20)
+
+        whole = ping_df(9000 - 28)  # 20 B IPv4 + 8 B ICMP headers
+        too_big = ping_df(9000 - 27)
+    assert whole.returncode == 0 and " 0% packet loss" in whole.stdout, whole.stdout + whole.stderr
+    rtts = [float(x) for x in re.findall(r"time=([\d.]+)", whole.stdout)]
+    serialize_ms = 2 * 9014 * 8 / 100e6 * 1e3  # the frame at 100 Mbit/s, each way: 1.4 ms
+    assert len(rtts) == 5 and all(10.0 <= r <= 10.0 + serialize_ms + 3.0 for r in rtts), rtts
+    assert too_big.returncode != 0 and "mtu=9000" in (too_big.stdout + too_big.stderr), too_big.stdout + too_big.stderr

@@ -60,6 +60,9 @@ def test_topology_config_validation():
         TopologyConfig(num_sites=2, name="Bad-Name")
     with pytest.raises(ValueError, match="filter_backend"):
         TopologyConfig(num_sites=2, name="x", filter_backend="pf")
+    for mtu in (1000, 9001, 1500.0):
+        with pytest.raises(ValueError, match=r"mtu_bytes must be an int in \[1280, 9000\]"):
+            TopologyConfig(num_sites=2, name="x", mtu_bytes=mtu)
 
 
 def test_nft_rules_for_partitions_and_loss():
@@ -94,6 +97,8 @@ def test_tc_arguments():
     assert argv[:9] == ["tc", "qdisc", "replace", "dev", "s1", "root", "tbf", "rate", "40mbit"]
     burst, limit = int(argv[10]), int(argv[12])
     assert burst == 16 * 1514 and limit > 64 * 1024
+    jumbo = _rules.tbf_argv("s1", 40.0, mtu_bytes=9000)  # a frame larger than the burst would never pass
+    assert int(jumbo[10]) == 16 * 9014 and int(jumbo[12]) > int(jumbo[10])
     netem = _rules.netem_argv("s0", LinkParams(delay_ms=40, jitter_ms=1, loss_pct=0.1, rate_mbit=200))
     assert netem[6:] == ["netem", "limit", "100000", "delay", "40ms", "1ms", "loss", "0.1%", "rate", "200mbit"]
     assert _rules.netem_argv("s0", LinkParams())[2] == "del"

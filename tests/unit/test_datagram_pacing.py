@@ -225,6 +225,22 @@ def test_worker_config_data_path() -> None:
     assert WORKER.build({}).diloco_config().buckets.chunk_bytes == 1 << 20
     with pytest.raises(ValueError, match="data_path 'datagram'"):
         WORKER.build({"data_path": "datagram", "codec": "int8+zstd"})
+    # jumbo frames: a chunk fills an 8,900-byte datagram (6.4x the elements of a 1,400-byte one)
+    jumbo = WORKER.build({"data_path": "datagram", "codec": "int8", "max_datagram_bytes": 8900})
+    assert jumbo.diloco_config().buckets.chunk_bytes == datagram_chunk_bytes("int8", 8900)
+    assert datagram_chunk_bytes("int8", 8900) > 6 * datagram_chunk_bytes("int8")
+    for bad in (100, 70000, 1400.5, True):
+        with pytest.raises(ValueError, match=r"max_datagram_bytes.*\[256, 65507\]"):
+            WORKER.build({"max_datagram_bytes": bad})
+
+
+def test_a_paced_send_stays_within_the_burst_whatever_the_datagram_size() -> None:
+    from dtrain.transports.datagram import DatagramTransport
+
+    assert DatagramTransport(DatagramTransportConfig())._batch_datagrams == 32  # 32 x 1,400 B < 64 KiB
+    t = DatagramTransport(DatagramTransportConfig(max_datagram_bytes=8900))
+    assert t._batch_datagrams == 7 and 7 * 8900 <= t.config.burst_bytes
+    assert DatagramTransport(DatagramTransportConfig(max_datagram_bytes=65507))._batch_datagrams == 1
 
 
 def test_yield_decision_lets_a_second_class_send_go_only_in_a_gap() -> None:
