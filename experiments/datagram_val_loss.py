@@ -27,6 +27,11 @@ Usage::
     .venv/bin/python experiments/datagram_val_loss.py --quick          # 3 sites, up to 12 seed pairs
     .venv/bin/python experiments/datagram_val_loss.py --smoke --out /tmp/x --results none   # CI
     .venv/bin/python experiments/datagram_val_loss.py --quick --netem  # as root: through netem
+    .venv/bin/python experiments/datagram_val_loss.py --quick --netem --mtu-bytes 9000  # jumbo frames
+
+``--mtu-bytes`` (with ``--netem``): every link's MTU, and ``--max-datagram-bytes`` 100 less
+(as ``datagram_vs_grpc.py``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
+one, the same fraction of them. Writes ``..._mtuN`` files and their own section.
 """
 
 from __future__ import annotations
@@ -117,6 +122,14 @@ def spec(m: dict[str, Any], seed: int, loss: float) -> RunSpec:
     )
 
 
+def netem_worker(mtu_bytes: int) -> dict[str, Any]:
+    """:data:`NETEM_WORKER` for links of ``mtu_bytes``: datagrams (and so chunks) of the MTU less 100 B."""
+    if mtu_bytes == 1500:
+        return NETEM_WORKER
+    size = mtu_bytes - 100
+    return {**NETEM_WORKER, "chunk_bytes": datagram_chunk_bytes("int8", size), "max_datagram_bytes": size}
+
+
 def run_netem_pair(topo, m: dict[str, Any], seed: int, loss: float) -> list[RunResult]:
     """Seed ``seed`` at 0% and at ``loss`` packet loss through ``topo``'s links, as worker processes."""
     from experiments import netem_loss  # noqa: PLC0415
@@ -130,7 +143,7 @@ def run_netem_pair(topo, m: dict[str, Any], seed: int, loss: float) -> list[RunR
             100.0 * p,
             seed,
             900.0,
-            worker=NETEM_WORKER,
+            worker=netem_worker(m.get("mtu", 1500)),
             rendezvous=NETEM_RENDEZVOUS,
         )
         r.row.update(experiment="datagram_val_loss", loss=p, data_path="datagram")
@@ -206,12 +219,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, help="stop adding seeds after this long (default per mode)")
     ap.add_argument("--resume", action="store_true", help="keep this mode's CSV rows and go on with the seeds it lacks")
     ap.add_argument("--netem", action="store_true", help="run the pairs through netem as worker processes (root)")
+    ap.add_argument("--mtu-bytes", type=int, default=1500, help="with --netem: every link's MTU in [1280, 9000]")
     args = ap.parse_args(argv)
+    if not 1280 <= args.mtu_bytes <= 9000 or (args.mtu_bytes != 1500 and not args.netem):
+        raise SystemExit(
+            f"--mtu-bytes must be in [1280, 9000], and other than 1500 only with --netem; got {args.mtu_bytes}"
+        )
     mode, m = mode_settings(args, NETEM_MODES if args.netem else MODES)
+    m["mtu"] = args.mtu_bytes
     if args.budget_s is not None:
         m["budget_s"] = args.budget_s
     quiet_logging(args.verbose)
     name = "datagram_val_loss_netem" if args.netem else "datagram_val_loss"
+    if m["mtu"] != 1500:
+        name += f"_mtu{m['mtu']}"
     prefix = out_prefix(args, name)
 
     def runner() -> list[RunResult]:
@@ -225,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.netem:
                 from experiments.procs import netem_topology  # noqa: PLC0415
 
-                topo = stack.enter_context(netem_topology(m["num_sites"] + 1, "dgval", "datagram_val_loss.py"))
+                topo = stack.enter_context(
+                    netem_topology(m["num_sites"] + 1, "dgval", "datagram_val_loss.py", mtu_bytes=m["mtu"])
+                )
             for k, seed in enumerate(m["seeds"]):
                 if seed in done:
                     continue
@@ -255,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.netem:
         setup = f"""Setup: {m["num_sites"]} `dtrain worker` processes and a `dtrain rendezvous` in netem namespaces,
-every link 100 Mbit/s and 10 ms one way, random loss of the packets arriving at each site;
-`--data-path datagram`, int8, `--max-rate-mbit 95`, built-in task `{m["size"]}`, H = {m["sync_every"]},
+every link 100 Mbit/s and 10 ms one way, MTU {m["mtu"]} bytes, random loss of the packets arriving at each site;
+`--data-path datagram`, int8, `--max-rate-mbit 95 --max-datagram-bytes {m["mtu"] - 100}`, built-in task `{m["size"]}`, H = {m["sync_every"]},
 {m["rounds"]} rounds; the lossy run loses {args.loss:.0%} of the packets (datagrams and the gRPC
 control plane's alike). Final = site-0's loss after the last round (replicas equal: the last
 column)."""
