@@ -384,3 +384,18 @@ def test_datagram_vs_grpc_mtu_sets_the_datagram_size_and_is_checked() -> None:
     for bad in ("1000", "9001"):
         with pytest.raises(SystemExit, match=r"--mtu-bytes must be in \[1280, 9000\], got " + bad):
             main(["--smoke", "--mtu-bytes", bad, "--results", "none"])
+
+
+def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk() -> None:
+    """``--mtu-bytes`` with ``--netem``: the workers' datagrams are the MTU less 100 B and a chunk
+    fills one; at 1,500 the options are the default ones; without ``--netem`` it is refused."""
+    from dtrain.transports.datagram import datagram_chunk_bytes
+    from experiments.datagram_val_loss import NETEM_WORKER, main, netem_worker
+
+    assert netem_worker(1500) is NETEM_WORKER and "max_datagram_bytes" not in NETEM_WORKER
+    jumbo = netem_worker(9000)
+    assert jumbo["max_datagram_bytes"] == 8900 and jumbo["chunk_bytes"] == datagram_chunk_bytes("int8", 8900)
+    with pytest.raises(SystemExit, match=r"--mtu-bytes .* only with --netem; got 9000"):
+        main(["--smoke", "--mtu-bytes", "9000", "--results", "none"])
+    with pytest.raises(SystemExit, match=r"--mtu-bytes must be in \[1280, 9000\].*got 100"):
+        main(["--smoke", "--netem", "--mtu-bytes", "100", "--results", "none"])
