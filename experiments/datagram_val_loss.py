@@ -127,7 +127,13 @@ def netem_worker(mtu_bytes: int) -> dict[str, Any]:
     if mtu_bytes == 1500:
         return NETEM_WORKER
     size = mtu_bytes - 100
-    return {**NETEM_WORKER, "chunk_bytes": datagram_chunk_bytes("int8", size), "max_datagram_bytes": size}
+    chunk = datagram_chunk_bytes("int8", size)  # 33,792 B of fp32 at 8,900 B: a bucket holds one at least
+    return {
+        **NETEM_WORKER,
+        "chunk_bytes": chunk,
+        "bucket_bytes": max(NETEM_WORKER["bucket_bytes"], chunk),
+        "max_datagram_bytes": size,
+    }
 
 
 def run_netem_pair(topo, m: dict[str, Any], seed: int, loss: float) -> list[RunResult]:

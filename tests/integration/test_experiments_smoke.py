@@ -395,6 +395,7 @@ def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk() -> None:
     assert netem_worker(1500) is NETEM_WORKER and "max_datagram_bytes" not in NETEM_WORKER
     jumbo = netem_worker(9000)
     assert jumbo["max_datagram_bytes"] == 8900 and jumbo["chunk_bytes"] == datagram_chunk_bytes("int8", 8900)
+    assert jumbo["bucket_bytes"] >= jumbo["chunk_bytes"]  # the worker refuses a chunk larger than its bucket
     with pytest.raises(SystemExit, match=r"--mtu-bytes .* only with --netem; got 9000"):
         main(["--smoke", "--mtu-bytes", "9000", "--results", "none"])
     with pytest.raises(SystemExit, match=r"--mtu-bytes must be in \[1280, 9000\].*got 100"):
