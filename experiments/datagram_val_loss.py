@@ -305,7 +305,7 @@ Mean d over {len(paired(rows, args.loss))} seeds: {100 * mean:+.3f}%, standard e
 (one-sided 95% upper bound, mean + 1.645 SE: {100 * (mean + 1.645 * se):+.2f}%).
 Target (within 0.5%, SE <= {100 * TARGET_SE:.1f}%): **{verdict(mean, se)}**.{resumed}
 """
-    where = ", through netem" if args.netem else ""
+    where = (", through netem" + ("" if m["mtu"] == 1500 else f", MTU {m['mtu']}")) if args.netem else ""
     title = f"Datagram path: validation loss at {args.loss:.0%} loss{where} ({mode})"
     publish(args, f"{name}-{mode}", title, body)
     return 0
