@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtrain.transports.datagram import datagram_chunk_bytes  # noqa: E402
+from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu  # noqa: E402
 from experiments.common import (  # noqa: E402
     RunResult,
     RunSpec,
@@ -60,6 +60,7 @@ from experiments.common import (  # noqa: E402
     run_inproc,
     run_or_load,
 )
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
 
 TOLERANCE = 0.005  # the issue's "within 0.5%"
 TARGET_SE = 0.002  # the issue's "standard error <= 0.2%" (the verdict's; --target-se only stops adding seeds)
@@ -126,7 +127,7 @@ def netem_worker(mtu_bytes: int) -> dict[str, Any]:
     """:data:`NETEM_WORKER` for links of ``mtu_bytes``: datagrams (and so chunks) of the MTU less 100 B."""
     if mtu_bytes == 1500:
         return NETEM_WORKER
-    size = mtu_bytes - 100
+    size = max_datagram_bytes_for_mtu(mtu_bytes)
     chunk = datagram_chunk_bytes("int8", size)  # 33,792 B of fp32 at 8,900 B: a bucket holds one at least
     return {
         **NETEM_WORKER,
@@ -149,7 +150,7 @@ def run_netem_pair(topo, m: dict[str, Any], seed: int, loss: float) -> list[RunR
             100.0 * p,
             seed,
             900.0,
-            worker=netem_worker(m.get("mtu", 1500)),
+            worker=netem_worker(m["mtu"]),
             rendezvous=NETEM_RENDEZVOUS,
         )
         r.row.update(experiment="datagram_val_loss", loss=p, data_path="datagram")
@@ -227,9 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--netem", action="store_true", help="run the pairs through netem as worker processes (root)")
     ap.add_argument("--mtu-bytes", type=int, default=1500, help="with --netem: every link's MTU in [1280, 9000]")
     args = ap.parse_args(argv)
-    if not 1280 <= args.mtu_bytes <= 9000 or (args.mtu_bytes != 1500 and not args.netem):
+    if not MIN_MTU_BYTES <= args.mtu_bytes <= MAX_MTU_BYTES or (args.mtu_bytes != 1500 and not args.netem):
         raise SystemExit(
-            f"--mtu-bytes must be in [1280, 9000], and other than 1500 only with --netem; got {args.mtu_bytes}"
+            f"--mtu-bytes must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], and other than 1500 only with --netem;"
+            f" got {args.mtu_bytes}"
         )
     mode, m = mode_settings(args, NETEM_MODES if args.netem else MODES)
     m["mtu"] = args.mtu_bytes
@@ -285,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.netem:
         setup = f"""Setup: {m["num_sites"]} `dtrain worker` processes and a `dtrain rendezvous` in netem namespaces,
 every link 100 Mbit/s and 10 ms one way, MTU {m["mtu"]} bytes, random loss of the packets arriving at each site;
-`--data-path datagram`, int8, `--max-rate-mbit 95 --max-datagram-bytes {m["mtu"] - 100}`, built-in task `{m["size"]}`, H = {m["sync_every"]},
+`--data-path datagram`, int8, `--max-rate-mbit 95 --max-datagram-bytes {max_datagram_bytes_for_mtu(m["mtu"])}`, built-in task `{m["size"]}`, H = {m["sync_every"]},
 {m["rounds"]} rounds; the lossy run loses {args.loss:.0%} of the packets (datagrams and the gRPC
 control plane's alike). Final = site-0's loss after the last round (replicas equal: the last
 column)."""

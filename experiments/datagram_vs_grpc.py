@@ -56,6 +56,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtrain.transports.datagram import max_datagram_bytes_for_mtu  # noqa: E402
 from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,
@@ -70,6 +71,7 @@ from experiments.common import (  # noqa: E402
 )
 from experiments.procs import ProcRun, netem_topology  # noqa: E402
 from experiments.wan_sweep import physical_limit_s  # noqa: E402
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
 
 
 def _loss_based_cc() -> str:
@@ -168,12 +170,6 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
-def datagram_bytes(mtu_bytes: int) -> int:
-    """The datagram path's UDP payload on a link of ``mtu_bytes``: 28 bytes of IPv4 and UDP
-    headers and 72 of room for tunnels less (1400 at 1500, 8900 at 9000)."""
-    return mtu_bytes - 100
-
-
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
     from netem.profiles import LinkParams  # noqa: PLC0415
@@ -214,7 +210,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
                 data_path=data_path,
                 max_rate_mbit=0.95 * m["rate"],
-                max_datagram_bytes=datagram_bytes(m["mtu"]) if data_path == "datagram" else None,
+                max_datagram_bytes=max_datagram_bytes_for_mtu(m["mtu"]) if data_path == "datagram" else None,
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
@@ -500,8 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mode, m = mode_settings(args, MODES)
     m["logs"] = args.logs
-    if not 1280 <= args.mtu_bytes <= 9000:
-        raise SystemExit(f"--mtu-bytes must be in [1280, 9000], got {args.mtu_bytes}")
+    if not MIN_MTU_BYTES <= args.mtu_bytes <= MAX_MTU_BYTES:
+        raise SystemExit(f"--mtu-bytes must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {args.mtu_bytes}")
     m["mtu"] = args.mtu_bytes
     if args.losses:
         try:
@@ -569,7 +565,7 @@ Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in n
 {m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), MTU {m["mtu"]} bytes, random loss of packets arriving at a
 site; task `{m["task"] or m["size"]}`, H = {m["sync_every"]}, int8; 1 warm-up + {m["measured"]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}
---max-datagram-bytes {datagram_bytes(m["mtu"])}`.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(m["mtu"])}`.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
 
 {analyse(rows)}

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 SUBNET = ipaddress.ip_network("198.18.0.0/15")
 HUB_ADDRESS = "198.19.255.254"  # the hub's address on every port: the sites' gateway
 MAX_SITES = 200
+MIN_MTU_BYTES, MAX_MTU_BYTES = 1280, 9000  # IPv6's minimum; jumbo frames
 NFQUEUE_DELAY = ("nfqueue-c", "nfqueue-userspace")  # delay backends that hold packets on NFQUEUE in the agent
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
@@ -105,8 +106,8 @@ class TopologyConfig:
             raise ValueError(f"kernel_netem must be None, True or False, got {self.kernel_netem!r}")
         if self.filter_backend not in (None, "nftables", "iptables"):
             raise ValueError(f"filter_backend must be None, 'nftables' or 'iptables', got {self.filter_backend!r}")
-        if not isinstance(self.mtu_bytes, int) or not 1280 <= self.mtu_bytes <= 9000:
-            raise ValueError(f"mtu_bytes must be an int in [1280, 9000], got {self.mtu_bytes!r}")
+        if not isinstance(self.mtu_bytes, int) or not MIN_MTU_BYTES <= self.mtu_bytes <= MAX_MTU_BYTES:
+            raise ValueError(f"mtu_bytes must be an int in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {self.mtu_bytes!r}")
 
 
 # ---------------------------------------------------------------- signal / exit safety net

@@ -70,7 +70,13 @@ from dtrain.transports.datagram_wire import (
 from dtrain.transports.grpc import GrpcTransport
 from dtrain.transports.grpc_common import GrpcTransportConfig
 
-__all__ = ["DatagramTransport", "DatagramTransportConfig", "datagram_chunk_bytes", "dispatch_groups"]
+__all__ = [
+    "DatagramTransport",
+    "DatagramTransportConfig",
+    "datagram_chunk_bytes",
+    "dispatch_groups",
+    "max_datagram_bytes_for_mtu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +207,19 @@ class DatagramTransportConfig:
             raise ValueError(f"test_drop must be in [0, 1), got {self.test_drop!r}")
         if self.native not in NATIVE_MODES:
             raise ValueError(f"native must be one of {', '.join(NATIVE_MODES)}, got {self.native!r}")
+
+
+def max_datagram_bytes_for_mtu(mtu_bytes: int) -> int:
+    """``max_datagram_bytes`` for a path of ``mtu_bytes``: 28 bytes of IPv4 and UDP headers and 72
+    of room for tunnels less (1400 at 1500, the default; 8900 for jumbo frames of 9000).
+
+    Raises:
+        ValueError: ``mtu_bytes`` leaves less than 256 bytes, or more than 65507.
+    """
+    size = mtu_bytes - 100
+    if not 256 <= size <= 65507:
+        raise ValueError(f"mtu_bytes must be in [356, 65607], got {mtu_bytes!r}")
+    return size
 
 
 def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:

@@ -234,6 +234,24 @@ def test_worker_config_data_path() -> None:
             WORKER.build({"max_datagram_bytes": bad})
 
 
+def test_datagram_size_for_an_mtu_and_the_worker_passes_it_to_its_transport() -> None:
+    from dtrain.app.config import WORKER
+    from dtrain.app.worker import _transport_and_rendezvous
+    from dtrain.transports.datagram import max_datagram_bytes_for_mtu
+
+    assert max_datagram_bytes_for_mtu(1500) == DatagramTransportConfig().max_datagram_bytes == 1400
+    assert max_datagram_bytes_for_mtu(9000) == 8900
+    for bad in (300, 70000):
+        with pytest.raises(ValueError, match=r"mtu_bytes must be in \[356, 65607\], got " + str(bad)):
+            max_datagram_bytes_for_mtu(bad)
+    cfg = WORKER.build({"data_path": "datagram", "codec": "int8", "max_datagram_bytes": 8900})
+    transport, rendezvous = _transport_and_rendezvous(cfg)  # nothing bound or dialled until started
+    try:
+        assert transport.config.max_datagram_bytes == 8900 and transport._batch_datagrams == 7
+    finally:
+        rendezvous.close()
+
+
 def test_a_paced_send_stays_within_the_burst_whatever_the_datagram_size() -> None:
     from dtrain.transports.datagram import DatagramTransport
 
