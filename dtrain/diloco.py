@@ -17,11 +17,20 @@ Usage keeps a training loop's shape (as torchft's ``DiLoCo`` does)::
 Without a transport and rendezvous it runs as a single local site (useful for
 tests); pass ``transport=GrpcTransport(...)`` and ``rendezvous=GrpcRendezvousClient(...)``
 for a real multi-site run.
+
+A site that is a torch.distributed group of K ranks (DDP, FSDP2 or plain replicas)
+runs the same wrapper on every rank, with ``site_comm=TorchSiteComm()`` and its own
+transport per rank (rendezvous on rank 0 only): rank j holds θ, the outer state and the
+residuals of slice j (:class:`~dtrain.sitegroup.slices.SliceMap`: its FSDP2 shards, or
+1/K of the replicated tensors) and syncs it with rank j of the other sites, so a rank's
+DiLoCo memory is ~12/K bytes per parameter (as torchft's DiLoCo serves plain tensors
+and DTensor shards alike).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import time
@@ -32,11 +41,16 @@ import torch
 from dtrain.buckets import BucketLayout
 from dtrain.configs import DiLoCoConfig
 from dtrain.errors import StateTransferError, TransportError
-from dtrain.membership import Group, RendezvousClient, SyncOutcome
-from dtrain.protocol import BucketState
+from dtrain.membership import Group, RendezvousClient
+from dtrain.protocol import BucketState, Member
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine
+from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.rounds.pulls import PullWait
+from dtrain.site import Site
+from dtrain.sitegroup.agree import combine_checksums
+from dtrain.sitegroup.comm import LocalSiteComm, SiteComm
+from dtrain.sitegroup.slices import SliceMap
 from dtrain.state import (
     GlobalState,
     OuterOptimizerFactory,
@@ -47,11 +61,11 @@ from dtrain.state import (
     position_state,
     theta_device_of,
 )
-from dtrain.streaming import StreamingSync
+from dtrain.streaming import StreamingSync, fragment_buckets
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors"]
+__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors", "theta_checksum", "diloco_numel"]
 
 log = logging.getLogger(__name__)
 
@@ -73,34 +87,72 @@ def sync_tensors(model: torch.nn.Module, buffers: str) -> tuple[list[torch.Tenso
     return tensors, kinds
 
 
+def theta_checksum(state: GlobalState) -> str:
+    """One hex digest (blake2b-64) over every bucket's θ checksum of ``state`` (one rank's
+    slice; equal on consistent sites)."""
+    h = hashlib.blake2b(digest_size=8)
+    for c in state.checksums():
+        h.update(c.encode())
+    return h.hexdigest()
+
+
+def diloco_numel(state: GlobalState) -> dict[str, int]:
+    """Elements a process holds for DiLoCo: θ, outer-optimizer state tensors and
+    residuals (fp32 each, so bytes = 4 x ``total``).
+
+    Returns:
+        ``{"theta", "outer", "residual", "total"}`` element counts.
+    """
+    theta = sum(t.numel() for t in state.theta)
+    outer = 0
+    for opt in state.optimizers:
+        for st in opt.state.values():
+            outer += sum(v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    resid = sum(r.numel() for r in state.residuals if r is not None)
+    return {"theta": theta, "outer": outer, "residual": resid, "total": theta + outer + resid}
+
+
 class DiLoCo:
-    """DiLoCo around ``model`` and its inner optimizer.
+    """DiLoCo around ``model`` and its inner optimizer, for a site of K >= 1 ranks.
 
     Args:
-        model: any ``torch.nn.Module`` (fp32, bf16 or fp16 parameters, CPU).
+        model: any ``torch.nn.Module`` (fp32, bf16 or fp16 parameters); for K > 1 this
+            rank's module (DDP-wrapped, FSDP2-sharded or plain): DTensor parameters are
+            synced as their local shards, replicated ones as a 1/K partition that is
+            all-gathered inside the site after a round.
         inner_optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-        config: see :class:`DiLoCoConfig`.
+        config: see :class:`DiLoCoConfig`; ``site_id`` is the site's (the same on every rank).
         outer_optimizer: factory ``list[Tensor] -> Optimizer`` applied to each
             bucket of θ (default SGD lr 0.7, momentum 0.9, Nesterov; in the
             one-step-delayed mode momentum 0.7: :func:`dtrain.state.delayed_outer_optimizer`).
-        transport: how to reach the other sites (default: a private in-process
-            network, i.e. a single local site).
-        rendezvous: rendezvous client (default: a private in-process one with
-            ``min_sites=1``).
+        transport: how this rank reaches the other sites (default: a private in-process
+            network, i.e. a single local site); each rank of a site has its own.
+        rendezvous: rendezvous client (default for K = 1: a private in-process one with
+            ``min_sites=1``); rank 0 only for K > 1 (None on the other ranks).
         inner_scheduler: the inner optimizer's LR scheduler, if any (the caller
             steps it); its state travels with the training position.
         outer_scheduler: factory ``Optimizer -> LRScheduler`` applied to each
             bucket's outer optimizer; stepped here after every applied round.
+        site_comm: the site's ranks (:class:`~dtrain.sitegroup.comm.TorchSiteComm` for
+            K > 1; default :class:`~dtrain.sitegroup.comm.LocalSiteComm`, one process).
 
     On construction the site joins the group; if rounds already ran it pulls θ
-    and the outer-optimizer state from the members and loads θ into ``model``,
-    then heals its training position from the first donor that has one for that
-    round (as torchft heals a replica): the inner step count, the inner
-    optimizer's state, the inner and outer LR schedulers' states. A site whose own
-    state is current (nothing pulled) keeps its own. The data position is never
-    taken from a donor (the donor's is its own shard's): docs/DECISIONS.md.
-    Peer faults during rounds never raise here; ``QuorumTimeout`` does, when no
-    round can form within ``config.group.quorum_wait_s``.
+    and the outer-optimizer state from the members (rank j from their rank j) and
+    loads θ into ``model``, then heals its training position from the first donor that
+    has one for that round, on every rank (as torchft heals a replica): the inner step
+    count, the inner optimizer's state, the inner and outer LR schedulers' states. A
+    site whose own state is current (nothing pulled) keeps its own. The data position
+    is never taken from a donor (the donor's is its own shard's): docs/DECISIONS.md.
+    Peer faults during rounds never raise here; ``QuorumTimeout`` does (on every
+    rank), when no round can form within ``config.group.quorum_wait_s``.
+    For K > 1 every rank must construct it and call :meth:`step`/:meth:`sync` and
+    :meth:`close` in the same order (they run collectives); a rank that dies breaks
+    the site's collectives after the process group's timeout.
+
+    Raises:
+        ValueError: a non-floating-point tensor, rank 0 without a rendezvous, or a
+            rank with fewer buckets than ``num_fragments`` (on every rank).
+        SiteGroupError: sites with different numbers of ranks.
     """
 
     def __init__(
@@ -114,15 +166,23 @@ class DiLoCo:
         rendezvous: RendezvousClient | None = None,
         inner_scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None,
         outer_scheduler: "Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None" = None,
+        site_comm: SiteComm | None = None,
         _defer_join: bool = False,
     ) -> None:
         self.config = config or DiLoCoConfig()
         self.model = model
         self.inner_optimizer = inner_optimizer
-        tensors, kinds = self._tensors_and_kinds()
+        self.comm: SiteComm = site_comm or LocalSiteComm()
+        self.rank, self.num_ranks = self.comm.rank, self.comm.num_ranks
+        tensors, kinds = sync_tensors(model, self.config.buffers)
         for t in tensors:
             if not t.is_floating_point():
                 raise ValueError(f"DiLoCo synchronises floating-point tensors only, got {t.dtype}")
+        # K > 1: this rank's slice, views of the model's tensors; K = 1: the tensors themselves
+        self.slices = SliceMap(tensors, kinds, self.rank, self.num_ranks) if self.num_ranks > 1 else None
+        if self.slices is not None:
+            self._slice, kinds = self.slices.local()
+            tensors = self._slice
         self.layout = BucketLayout([t.numel() for t in tensors], kinds, self.config.buckets)
         if outer_optimizer is default_outer_optimizer and self.config.one_step_delayed:
             outer_optimizer = delayed_outer_optimizer  # a one-round-stale Δ: lower outer momentum
@@ -132,11 +192,9 @@ class DiLoCo:
             self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds
         )
         self.engine.start()
-        self.group = Group(
-            self.engine,
-            rendezvous or InprocRendezvousClient(RendezvousCore(RendezvousConfig(min_sites=1))),
-            self.config.group,
-        )
+        if rendezvous is None and self.num_ranks == 1:
+            rendezvous = InprocRendezvousClient(RendezvousCore(RendezvousConfig(min_sites=1)))
+        self.site = Site(self.engine, self.comm, rendezvous, self.config.group)
         self.inner_scheduler = inner_scheduler
         self.outer_schedulers = [outer_scheduler(o) for o in self.state.optimizers] if outer_scheduler else []
         self.inner_steps = 0
@@ -144,6 +202,7 @@ class DiLoCo:
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self.healed_from: str | None = None  # the donor of the last position heal
         self._closed = False
+        self._hook_paused = False  # checkpoint code steps the optimizer without it counting
         # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
         self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
         self._position: dict | None = None  # the snapshot joiners heal from (_snapshot_position)
@@ -153,34 +212,62 @@ class DiLoCo:
             self.join()
         self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
 
+    @property
+    def group(self) -> Group | None:
+        """Rank 0's membership (rendezvous client, heartbeats); None on ranks j > 0."""
+        return self.site.group
+
     def _streaming_sync(self, c: DiLoCoConfig) -> StreamingSync:
-        """The fragment-round scheduler with ``c``'s F, τ and α (built whatever they are)."""
+        """The fragment-round scheduler with ``c``'s F, τ and α; every rank must hold at
+        least F buckets (checked on every rank, so none waits alone in a collective)."""
+        try:
+            fragment_buckets(len(self.layout), c.num_fragments)
+            err = None
+        except ValueError as e:
+            err = f"rank {self.rank}: {e}" if self.num_ranks > 1 else str(e)
+        errs = [e for e in self.comm.all_gather(err) if e]
+        if errs:
+            raise ValueError(f"{c.site_id}: {errs[0]}")
         return StreamingSync(
-            self.group.sync,
+            self.site.sync,
             c.site_id,
             self.layout,
             self.state,
-            lambda: self._tensors_and_kinds()[0],
+            self.local_tensors,
             sync_every=c.sync_every,
             num_fragments=c.num_fragments,
             overlap_steps=c.overlap_steps,
             merge_alpha=c.merge_alpha,
             pace_fraction=c.pace_fraction,
             delayed_update=c.delayed_update,
+            on_merge=self._sync_replicas,
         )
 
     def join(self) -> None:
-        """Join the group (done by the constructor); pulls θ when rounds already ran."""
-        info = self.group.join()
-        if info.needs_state:
-            self.state.copy_to(self._tensors_and_kinds()[0])
-        if self.group.donors:
-            self._heal(self.group.donors)
+        """Join the group (done by the constructor); pulls θ when rounds already ran,
+        then writes θ into the model on every rank and heals the training position."""
+        info = self.site.join()
+        if info.needs_state or self.num_ranks > 1:
+            self.state.copy_to(self.local_tensors())
+            self._sync_replicas()
+        if self.site.donors:
+            self._heal(self.site.donors)
         self._snapshot_position()
+
+    def local_tensors(self) -> list[torch.Tensor]:
+        """This rank's slice of the model (K = 1: every synced tensor, read afresh)."""
+        if self.slices is not None:
+            return self._slice
+        return sync_tensors(self.model, self.config.buffers)[0]
+
+    def _sync_replicas(self) -> None:
+        """K > 1: all-gather the replicated parts of the model inside the site."""
+        if self.slices is not None:
+            self.comm.sync_replicas(self.slices)
 
     # ------------------------------------------------------------------ training position
     def training_position(self) -> dict:
-        """This site's training position now: ``round``, ``inner_steps``,
+        """This rank's training position now: ``round``, ``inner_steps``,
         ``inner_optimizer`` (its ``state_dict``, deep-copied), ``inner_scheduler`` and
         ``outer_schedulers`` (``state_dict``s, None / [] without schedulers)."""
         return {
@@ -214,38 +301,45 @@ class DiLoCo:
     def load_training_position(self, position: dict) -> None:
         """Install a position (:meth:`training_position`) without changing θ or the round."""
         self.inner_steps = int(position["inner_steps"])
-        self.group.inner_step = self.inner_steps
+        self.site.note_progress(inner_step=self.inner_steps)
         self.inner_optimizer.load_state_dict(position["inner_optimizer"])
         if self.inner_scheduler is not None and position.get("inner_scheduler") is not None:
             self.inner_scheduler.load_state_dict(position["inner_scheduler"])
         for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
             sch.load_state_dict(sd)
 
-    def _heal(self, donors) -> bool:
-        """Take the training position of the first donor whose position is of the round
-        θ was pulled at; False (own position kept, logged) when none has it."""
+    def _fetch_position(self, donor: Member, r: int) -> dict | None:
+        """``donor``'s training position of round ``r``, or None (logged)."""
+        try:
+            st = self.engine.transport.pull_state(
+                donor.address,
+                len(self.state),
+                requester=self.config.site_id,
+                timeout_s=self.config.group.state_pull_timeout_s,
+            )
+            pos = decode_position(st)
+        except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
+            log.warning("%s: no training position from %s: %s", self.config.site_id, donor.site_id, e)
+            return None
+        if pos["round"] != r:
+            log.info(
+                "%s: %s's training position is of round %d, not %d", self.config.site_id, donor.site_id, pos["round"], r
+            )
+            return None
+        return pos
+
+    def _heal(self, donors: list[Member]) -> bool:
+        """Take the training position of the first donor (its rank j for rank j) whose
+        position is of the round θ was pulled at, on every rank or on none; False (own
+        position kept, logged) when no donor has it for every rank."""
         r = self.state.rounds_applied
-        idx = len(self.state)
-        timeout_s = self.config.group.state_pull_timeout_s
-        for m in donors:
-            try:
-                st = self.engine.transport.pull_state(
-                    m.address, idx, requester=self.config.site_id, timeout_s=timeout_s
-                )
-                pos = decode_position(st)
-                if pos["round"] != r:
-                    log.info(
-                        "%s: %s's training position is of round %d, not %d",
-                        self.config.site_id,
-                        m.site_id,
-                        pos["round"],
-                        r,
-                    )
-                    continue
-                self.load_training_position(pos)
-            except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
-                log.warning("%s: no training position from %s: %s", self.config.site_id, m.site_id, e)
+        for m in donors:  # the same site order on every rank (rank_donors of one member list)
+            pos = self._fetch_position(m, r)
+            oks = self.comm.all_gather(None if pos is None else int(pos["inner_steps"]))
+            if None in oks or len(set(oks)) != 1:
                 continue
+            assert pos is not None
+            self.load_training_position(pos)
             self.healed_from = m.site_id
             log.info(
                 "%s: took the training position of round %d from %s (inner step %d)",
@@ -258,16 +352,23 @@ class DiLoCo:
         log.warning("%s: no donor had a training position of round %d; keeping this site's own", self.config.site_id, r)
         return False
 
-    def _tensors_and_kinds(self) -> tuple[list[torch.Tensor], list[str]]:
-        return sync_tensors(self.model, self.config.buffers)
-
     @property
     def round(self) -> int:
         """Number of rounds applied to θ (= the next round's number)."""
         return self.state.rounds_applied
 
+    @property
+    def period_steps(self) -> int:
+        """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
+        return self.config.sync_every // self.config.num_fragments
+
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self.step()
+        if not self._hook_paused:
+            self.step()
+
+    def note_progress(self, *, last_loss: float | None = None) -> None:
+        """Tell the rendezvous (rank 0's heartbeats) the inner step and the last loss."""
+        self.site.note_progress(inner_step=self.inner_steps, last_loss=last_loss)
 
     def step(self) -> SyncOutcome | None:
         """Count one inner step; every ``sync_every`` steps run a round.
@@ -279,11 +380,11 @@ class DiLoCo:
         that of the round merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
-        self.group.inner_step = self.inner_steps
+        self.note_progress()
         if self.streaming is not None:
-            outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Group.sync)
+            outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Site.sync)
             if outcome is not None:
-                self._record(outcome)
+                self._merged(outcome)
             return outcome
         if self.inner_steps % self.config.sync_every == 0:
             return self.sync()
@@ -296,7 +397,7 @@ class DiLoCo:
             return None
         outcome = self.streaming.flush()
         if outcome is not None:
-            self._record(outcome)
+            self._merged(outcome)
         return outcome
 
     def sync(self) -> SyncOutcome:
@@ -310,25 +411,54 @@ class DiLoCo:
         next round number, alike on every site.
         """
         self.flush()
-        tensors = self._tensors_and_kinds()[0]
-        outcome = self.group.sync(tensors)
-        if outcome.status in ("applied", "resynced"):
+        tensors = self.local_tensors()
+        outcome = self.site.sync(tensors)
+        if outcome.status.resets_model:
             self.state.copy_to(tensors)
-            if outcome.status == "applied":
+            self._sync_replicas()
+            if outcome.status == RoundStatus.APPLIED:
                 for sch in self.outer_schedulers:
                     sch.step()
-            elif self.group.donors:
-                self._heal(self.group.donors)
+            elif self.site.donors:
+                self._heal(self.site.donors)
             self._snapshot_position()
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
         self._record(outcome)
         return outcome
 
+    def _merged(self, outcome: SyncOutcome) -> None:
+        """A streaming fragment round was merged into the model: step the outer schedulers
+        after an applied one, then record it."""
+        if outcome.status == RoundStatus.APPLIED:
+            for sch in self.outer_schedulers:
+                sch.step()
+        self._record(outcome)
+
+    def slice_checksums(self) -> list[str]:
+        """Every rank's θ checksum (:func:`theta_checksum` of its slice), in rank order
+        (a collective for K > 1)."""
+        return self.comm.all_gather(theta_checksum(self.state))
+
+    def site_checksum(self, slice_checksums: list[str] | None = None) -> str:
+        """One θ checksum for the site: the slice's for K = 1, else
+        :func:`~dtrain.sitegroup.agree.combine_checksums` of the ranks' (a collective
+        unless ``slice_checksums`` is given)."""
+        sums = slice_checksums if slice_checksums is not None else self.slice_checksums()
+        return sums[0] if self.num_ranks == 1 else combine_checksums(sums)
+
     def _record(self, outcome: SyncOutcome) -> None:
+        outcome.slice_checksums = self.slice_checksums()
+        outcome.site_checksum = self.site_checksum(outcome.slice_checksums)
+        notices = self.site.notices
+        outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
         for cb in self.on_round:
             cb(outcome)
+
+    def diloco_numel(self) -> dict[str, int]:
+        """This rank's DiLoCo elements (see :func:`diloco_numel`): ~1/K of a one-rank site's."""
+        return diloco_numel(self.state)
 
     def state_dict(self) -> dict:
         """Everything this wrapper adds to a training position, as plain tensors.
@@ -378,7 +508,8 @@ class DiLoCo:
             sch.load_state_dict(ssd)
 
     def close(self, *, wait: bool = True) -> PullWait | None:
-        """Wait for the peers to pull this site's last means, leave the group, stop serving.
+        """Wait for the peers to pull this site's last means, leave the group, stop serving
+        (every rank of a site calls it).
 
         With ``wait``, blocks until every member of the last round this site ran
         has pulled the means of the buckets it owned, at most
@@ -401,7 +532,7 @@ class DiLoCo:
         if self.streaming is not None:  # merge the fragment round in flight (bounded by its deadlines)
             outcome = self.streaming.close(wait=wait)
             if outcome is not None:
-                self._record(outcome)
+                self._merged(outcome)
         waited = None
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)
@@ -420,7 +551,9 @@ class DiLoCo:
                     waited.round,
                     waited.waited_s,
                 )
-        self.group.leave()
+        if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
+            self.comm.all_gather(None, round=True)
+        self.site.leave()
         # A pull counts when it was served, before its reply crossed the link: give replies in
         # flight until the round's broadcast deadline (a stop returns as soon as none is left).
         # With 0.5 s, a member at 20% loss lost the last round's mean as it streamed in

@@ -21,7 +21,6 @@ __all__ = [
     "RejectCode",
     "RendezvousError",
     "QuorumTimeout",
-    "MissedRound",
     "StateTransferError",
     "CheckpointError",
     "SiteGroupError",
@@ -143,16 +142,6 @@ class RendezvousError(DtrainError):
 
 class QuorumTimeout(RendezvousError):
     """No quorum of at least ``min_sites`` formed within the configured time."""
-
-
-class MissedRound(RendezvousError):
-    """This site was not admitted to the round it asked for (it was cut as a
-    straggler, or was declared dead); it must resynchronise before rejoining."""
-
-    def __init__(self, reason: str, next_round: int) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.next_round = next_round
 
 
 class StateTransferError(DtrainError):

@@ -1,10 +1,11 @@
-"""A site's membership in a training group: join, heartbeats, rounds, resync.
+"""A site's membership in a training group: registration, heartbeats, round decisions.
 
 :class:`Group` ties a :class:`~dtrain.rounds.RoundEngine` to a rendezvous client
-(in-process or gRPC). ``sync(tensors)`` asks for the next round's plan, computes
-the pseudo-gradient only once admitted, runs the round and reports what
-happened. It never raises for peer faults; it raises ``QuorumTimeout`` when no
-quorum of ``min_sites`` forms within ``quorum_wait_s``.
+(in-process or gRPC): it registers the site (every rank's Peer address), heartbeats
+(progress, round reports for the status page, members the data path found gone), and
+asks for the decision about the site's next round (:meth:`Group.next_decision`). The
+round itself, the state pulls of a join or a resync and the ranks of a site group are
+:class:`dtrain.site.Site`'s; only local rank 0 of a site holds a Group.
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-import torch
-
 from dtrain.configs import GroupConfig
-from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
+from dtrain.errors import QuorumTimeout, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
 from dtrain.rendezvous.core import SiteIdTaken
-from dtrain.rounds import RoundEngine, RoundResult
-from dtrain.state import pull_full_state
+from dtrain.rounds import RoundEngine
+from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
 
-__all__ = ["RendezvousClient", "GroupConfig", "SyncOutcome", "Group"]
+__all__ = ["RendezvousClient", "GroupConfig", "RoundStatus", "SyncOutcome", "Group"]
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +43,6 @@ class RendezvousClient(Protocol):
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
-
-
-@dataclass(kw_only=True)
-class SyncOutcome:
-    """What ``Group.sync`` did.
-
-    ``status``: ``"applied"`` (a round ran; reset the model to θ),
-    ``"resynced"`` (cut or declared dead: Δ discarded, θ pulled from members;
-    reset the model to θ) or ``"deferred"`` (rendezvous unreachable: keep
-    training locally and try again later; the model is NOT reset).
-    ``quorum_s``: seconds this sync waited for the rendezvous's decision (the
-    round's plan, or "missed"): the quorum forming, i.e. the slowest member
-    finishing its inner phase.
-    """
-
-    status: str
-    reason: str
-    result: RoundResult | None = None
-    quorum_s: float = 0.0
 
 
 class Group:
@@ -103,11 +82,8 @@ class Group:
         self._reports_lock = threading.Lock()
         self._report_seq = 0
         self._unreachable: set[str] = set()  # found gone by the data path, not yet reported
-        # The members θ was last pulled from (join or resync), for DiLoCo's position heal;
-        # empty when the last join or resync pulled nothing.
-        self.donors: list = []
         # Called (heartbeat thread) with the members the rendezvous holds dead, after
-        # the engine stopped waiting for them (``SiteGroupDiLoCo`` posts a lost notice).
+        # the engine stopped waiting for them (a site group's rank 0 posts a lost notice).
         self.on_members_lost: Callable[[list[str]], None] | None = None
         engine.on_unreachable = self.report_unreachable
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
@@ -131,26 +107,15 @@ class Group:
                 delay = min(delay * 2, self.config.backoff_max_s)
 
     def join(self, timeout_s: float = 60.0) -> JoinInfo:
-        """Register with the rendezvous and, when rounds already ran, pull θ and
-        outer-optimizer state from the members (a joining or restarted site).
+        """Register with the rendezvous and start heartbeating. The state pull of a
+        joining site is :meth:`dtrain.site.Site.join`'s.
 
         Raises:
             RendezvousError: unreachable for ``timeout_s``.
-            StateTransferError: no member could provide a consistent state.
         """
-        addr = self.engine.address
-        assert addr is not None, "start the engine before joining"
-        info = self._call_with_backoff(self.register, timeout_s)
+        assert self.engine.address is not None, "start the engine before joining"
+        info = self.register_with_backoff(timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
-        self.donors = []
-        if info.needs_state and self.engine.state.rounds_applied < info.next_round:
-            log.info(
-                "%s joins at round %d: pulling state from %s",
-                self.site_id,
-                info.next_round,
-                [m.site_id for m in info.members],
-            )
-            info = self._pull_state(info)
         self.joined = True
         self._rejoin_needed.clear()
         self._resync_needed.clear()
@@ -160,6 +125,22 @@ class Group:
             )
             self._hb_thread.start()
         return info
+
+    def register_with_backoff(self, budget_s: float) -> JoinInfo:
+        """:meth:`register`, retried with backoff for up to ``budget_s`` seconds.
+
+        Raises:
+            RendezvousError: still unreachable after ``budget_s``; ``SiteIdTaken`` at once.
+        """
+        return self._call_with_backoff(self.register, budget_s)
+
+    def resync_needed(self) -> None:
+        """Make the next :meth:`next_decision` answer ``"resync"`` (a failed resync is tried again)."""
+        self._resync_needed.set()
+
+    def resync_done(self) -> None:
+        """The site re-registered to resynchronise: the rendezvous's demand is met."""
+        self._resync_needed.clear()
 
     def register(self) -> JoinInfo:
         """One ``join`` call to the rendezvous with this site's address(es).
@@ -229,105 +210,19 @@ class Group:
                     log.warning("%s must resynchronise: %s", self.site_id, hb.reason)
                 self._resync_needed.set()
 
-    def _pull_state(self, info: JoinInfo) -> JoinInfo:
-        """Pull θ and outer-optimizer state from ``info.members`` within
-        ``state_pull_timeout_s``. When every donor failed (they died or left), the
-        rendezvous is asked again for the current members; with none left, the site
-        only adopts the group's round number. Returns the last JoinInfo.
-
-        Raises:
-            StateTransferError: no consistent state within ``state_pull_timeout_s``.
-            RendezvousError: the rendezvous unreachable when asked again.
-        """
-        st = self.engine.state
-        deadline = time.monotonic() + self.config.state_pull_timeout_s
-        while True:
-            if not info.members:
-                st.rounds_applied = max(st.rounds_applied, info.next_round)
-                return info
-            self.donors = list(info.members)
-            try:
-                pull_full_state(
-                    st,
-                    self.engine.transport,
-                    list(info.members),
-                    requester=self.site_id,
-                    timeout_s=max(0.1, deadline - time.monotonic()),
-                    min_round=info.next_round,
-                )
-                return info
-            except StateTransferError as e:
-                if time.monotonic() + 0.2 >= deadline:
-                    raise
-                log.warning(
-                    "%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e
-                )
-            time.sleep(0.2)
-            info = self._call_with_backoff(self.register, 60.0)
-
-    def resync(self) -> None:
-        """Discard local progress and pull θ and outer-optimizer state from members."""
-        st = self.engine.state
-        st.residuals = [None] * len(st)
-        self.donors = []
-        info = self._call_with_backoff(self.register, 60.0)
-        self._pull_state(info)
-        self._resync_needed.clear()
-
     def leave(self) -> None:
+        """Stop heartbeating and tell the rendezvous this site leaves (nothing to tell when
+        it never joined: e.g. its checkpoint was refused before the join)."""
         self._stop.set()
         self._hb_kick.set()
+        if not self.joined:
+            return
         try:
             self.rendezvous.leave(self.site_id)
         except RendezvousError as e:
             log.warning("leave failed: %s", e)
 
     # ------------------------------------------------------------------ rounds
-    def sync(
-        self,
-        tensors: Sequence[torch.Tensor],
-        *,
-        buckets: Sequence[int] | None = None,
-        fragment: int | None = None,
-        pace_window_s: float | None = None,
-    ) -> SyncOutcome:
-        """Take part in the next round with the model's current ``tensors``.
-
-        Args:
-            tensors: the local tensors Δ is measured from (``θ − tensors``).
-            buckets: a fragment round (Streaming DiLoCo): only these buckets are
-                measured, sent and applied (:meth:`RoundEngine.run_round`); None: all.
-            fragment: the fragment's index, recorded in ``RoundResult.fragment``.
-            pace_window_s: spread this site's sends over this many seconds from the
-                round's start (:meth:`RoundEngine.run_round`); None: unpaced.
-
-        Returns a :class:`SyncOutcome`; see its ``status`` for what the caller
-        must do with the model.
-        Raises:
-            QuorumTimeout: no round formed within ``quorum_wait_s``.
-        """
-        waited_since = time.monotonic()
-        kind, d, reason = self.next_decision()
-        # seconds waited for the rendezvous's decision (0 when none was asked for)
-        quorum_s = time.monotonic() - waited_since if kind in ("plan", "missed") else 0.0
-        if kind == "plan":
-            assert d is not None and d.plan is not None
-            ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
-            res = self.engine.run_round(d.plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)
-            res.fragment = fragment
-            return SyncOutcome(status="applied", reason=reason, result=res, quorum_s=quorum_s)
-        if kind == "deferred":
-            return SyncOutcome(status="deferred", reason=reason)
-        r = self.engine.state.rounds_applied
-        if kind == "missed":
-            log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
-        try:
-            self.resync()
-        except (RendezvousError, StateTransferError) as e:
-            prefix = f"missed round {r} ({reason}); " if kind == "missed" else ""
-            return SyncOutcome(status="deferred", reason=f"{prefix}resync failed: {e}", quorum_s=quorum_s)
-        return SyncOutcome(status="resynced", reason=reason, quorum_s=quorum_s)
-
     def next_decision(self) -> tuple[str, ReadyDecision | None, str]:
         """Wait for the rendezvous's decision about this site's next round.
 

@@ -47,11 +47,12 @@ import concurrent.futures as cf
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dtrain.buckets import BucketLayout
+from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.state import GlobalState
 
 __all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "StreamingSync"]
@@ -125,14 +126,7 @@ def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: fl
     return pace_fraction * overlap_steps * step_s
 
 
-class Outcome(Protocol):
-    """What a round's sync returns (``dtrain.membership.SyncOutcome``)."""
-
-    status: str  # "applied", "resynced" or "deferred"
-    reason: str
-
-
-SyncFn = Callable[..., Outcome]  # sync(tensors, *, buckets, fragment): Group.sync
+SyncFn = Callable[..., SyncOutcome]  # sync(tensors, *, buckets, fragment, pace_window_s): Site.sync
 
 
 @dataclass(eq=False)
@@ -143,7 +137,7 @@ class _InFlight:
     buckets: tuple[int, ...]
     started_at: int
     apply_at: int
-    future: "cf.Future[Outcome]"
+    future: "cf.Future[SyncOutcome]"
     checksums: list[str]  # θ_b of every bucket when the round started
     residuals: list[torch.Tensor | None]  # every bucket's residual when it started (kept by a resync)
     theta_before: list[torch.Tensor] | None = None  # θ_b of its buckets at the start (one-step-delayed mode only)
@@ -162,8 +156,8 @@ class StreamingSync:
     """Fragment rounds of one site, each started at its step and merged τ steps later.
 
     Args:
-        sync: runs one round over the buckets given (``Group.sync`` of
-            :mod:`dtrain.membership`; passed in, this module sits beside it).
+        sync: runs one round over the buckets given (:meth:`dtrain.site.Site.sync`;
+            passed in, this module sits below it).
         site_id: this site (for logs and the thread's name).
         layout: the bucket layout.
         state: θ, outer optimizers, residuals.
@@ -171,6 +165,9 @@ class StreamingSync:
         sync_every: H; num_fragments: F; overlap_steps: τ; merge_alpha: α;
             pace_fraction: the share of τ steps' time a round's sends spread over
             (see :class:`~dtrain.configs.DiLoCoConfig`).
+        on_merge: called (the caller's thread) after θ was written into the model's
+            tensors: a site group all-gathers its replicated parts there
+            (:meth:`~dtrain.sitegroup.comm.SiteComm.sync_replicas`); None: nothing.
 
     Attributes:
         num_waited_steps: merges that had to wait for their round (its result was not
@@ -196,8 +193,10 @@ class StreamingSync:
         merge_alpha: float,
         pace_fraction: float = 0.0,
         delayed_update: str = "stale",
+        on_merge: Callable[[], None] | None = None,
     ) -> None:
         self._sync, self.site_id = sync, site_id
+        self._on_merge = on_merge
         self.layout, self.state, self._tensors = layout, state, tensors
         self.fragments = fragment_buckets(len(layout), num_fragments)
         self.period = sync_every // num_fragments
@@ -221,7 +220,7 @@ class StreamingSync:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def on_step(self, step: int) -> Outcome | None:
+    def on_step(self, step: int) -> SyncOutcome | None:
         """After inner step ``step``: merge a round that is due, start one on schedule.
 
         Returns the outcome of the round merged at this step, or None.
@@ -238,7 +237,7 @@ class StreamingSync:
             dt = time.monotonic() - self._step_end
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
 
-    def _on_step(self, step: int) -> Outcome | None:
+    def _on_step(self, step: int) -> SyncOutcome | None:
         merged = None
         actions = step_actions(
             step,
@@ -253,12 +252,14 @@ class StreamingSync:
                 merged, moved = self._flush()
                 if measured is not None and self.delayed_update == "eager":
                     self._rebase(measured)
+                    self._merged()
                 elif measured is not None:  # one-step-delayed: Δ stays relative to the θ the steps began from
                     self._shift(measured, moved)
                     if merged is None:  # no round in flight (the first): the model restarts from θ as it is
                         tensors = self._tensors()
                         for b in measured.buckets:
                             self._merge_bucket(b, tensors, self.merge_alpha)
+                        self._merged()
             elif action == MEASURE:
                 measured = self._measure()
             elif action == SUBMIT:
@@ -334,11 +335,11 @@ class StreamingSync:
         done, _ = cf.wait([p.future], timeout=timeout_s)
         return bool(done)
 
-    def flush(self) -> Outcome | None:
+    def flush(self) -> SyncOutcome | None:
         """Merge the round in flight now (waiting for it if it is not done); None if none."""
         return self._flush()[0]
 
-    def _flush(self) -> tuple[Outcome | None, dict[int, torch.Tensor]]:
+    def _flush(self) -> tuple[SyncOutcome | None, dict[int, torch.Tensor]]:
         """:meth:`flush`, and per bucket how far the round moved θ (one-step-delayed mode only)."""
         p, self._pending = self._pending, None
         if p is None:
@@ -355,13 +356,13 @@ class StreamingSync:
             moved = {b: self.state.theta[b].detach() - t0 for b, t0 in zip(p.buckets, p.theta_before)}
         return outcome, moved
 
-    def _merge(self, p: _InFlight, outcome: Outcome) -> None:
+    def _merge(self, p: _InFlight, outcome: SyncOutcome) -> None:
         """Write the round's θ into the model's tensors, per its outcome."""
         tensors = self._tensors()
-        if outcome.status == "applied":
+        if outcome.status == RoundStatus.APPLIED:
             for b in p.buckets:
                 self._merge_bucket(b, tensors, self.merge_alpha)
-        elif outcome.status == "resynced":
+        elif outcome.status in (RoundStatus.RESYNCED, RoundStatus.SKIPPED):
             changed = [b for b in range(len(self.state)) if self.state.checksum(b) != p.checksums[b]]
             reset = sorted(set(p.buckets) | set(changed))
             for b in range(len(self.state)):
@@ -369,10 +370,17 @@ class StreamingSync:
                     self.state.residuals[b] = p.residuals[b]
             for b in reset:
                 self._merge_bucket(b, tensors, 0.0)
+        if outcome.status.resets_model:
+            self._merged()
         else:
             log.warning(
                 "%s: fragment %d round deferred (%s); training on locally", self.site_id, p.fragment, outcome.reason
             )
+
+    def _merged(self) -> None:
+        """θ was written into the model's tensors: tell the caller (``on_merge``)."""
+        if self._on_merge is not None:
+            self._on_merge()
 
     def _merge_bucket(self, b: int, tensors: Sequence[torch.Tensor], alpha: float) -> None:
         with self.state.lock(b):
@@ -383,7 +391,7 @@ class StreamingSync:
                 local = self.layout.gather(b, tensors).to(theta.device)
                 self.layout.scatter(b, torch.lerp(theta, local, alpha), tensors)
 
-    def close(self, *, wait: bool = True) -> Outcome | None:
+    def close(self, *, wait: bool = True) -> SyncOutcome | None:
         """Merge the round in flight (if any) and stop the background thread.
 
         Args:

@@ -83,12 +83,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
     stop = threading.Event()
     install_signal_handlers(stop)
     try:
-        from dtrain.app.site_worker import in_site_group, run_site_worker
-
-        if in_site_group():  # one rank of a site group under torchrun (WORLD_SIZE > 1)
-            summary = run_site_worker(cfg, parallel=cfg.parallel, stop_event=stop)
-        else:
-            summary = run_worker(cfg, stop_event=stop)
+        summary = run_worker(cfg, stop_event=stop)  # also one rank of a site group under torchrun
     except CheckpointError as e:
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

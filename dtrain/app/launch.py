@@ -241,7 +241,7 @@ def _site_group_argv(cfg: LaunchConfig, argv: list[str]) -> list[str]:
     (torchrun's own standalone rendezvous on a port its agent binds); else unchanged."""
     if cfg.ranks_per_site <= 1:
         return argv
-    from dtrain.app.site_worker import torchrun_argv
+    from dtrain.app.ranks import torchrun_argv
 
     return torchrun_argv(argv, num_ranks=cfg.ranks_per_site, max_restarts=cfg.max_restarts)
 

@@ -1,19 +1,23 @@
-"""The site process: a task + DiLoCo + the gRPC transport + a rendezvous client.
+"""The site process: a task + DiLoCo + a transport + a rendezvous client, for a site
+of K >= 1 ranks (one process, or one rank of a torch.distributed group under torchrun).
 
 Its config, :class:`~dtrain.app.config.WorkerConfig` (re-exported here), lives in
 ``dtrain.app.config`` with the command line's other config trees (importable without torch).
 
-``run_worker(config)`` trains for ``rounds`` rounds of ``sync_every`` inner
-steps, evaluates after each round, writes one JSON line of metrics per round to
-``<out_dir>/metrics.jsonl`` and a ``summary.json`` at the end, and checkpoints
-every ``checkpoint_every`` rounds. SIGTERM/SIGINT end it cleanly (leave the
-group, stop serving). See ``docs/METRICS.md`` for the metrics fields.
+``run_worker(config)`` trains for ``rounds`` rounds of ``sync_every`` inner steps,
+evaluates after each round, writes one JSON line of metrics per round to
+``<out_dir>/metrics.jsonl`` and a ``summary.json`` at the end (rank 0 of a site group
+writes the site's, with per-rank figures gathered from every rank), and checkpoints
+every ``checkpoint_every`` rounds (:mod:`dtrain.app.checkpoints`). The same loop runs
+every K: what differs is set up by :mod:`dtrain.app.ranks` (process group, data shard,
+DDP/FSDP2) and carried out by the wrapper's site communication
+(:mod:`dtrain.sitegroup.comm`). SIGTERM/SIGINT end it cleanly (leave the group, stop
+serving). See ``docs/METRICS.md`` for the metrics fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -21,41 +25,41 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import blake3
 import torch
 
+from dtrain.app import checkpoints
 from dtrain.app.config import WorkerConfig  # re-exported
 from dtrain.app.gc_control import RoundCollector
+from dtrain.app.ranks import in_site_group, init_site_process_group, rank_config, wrap_model
 from dtrain.app.shards import DataMix, ShardWatch
 from dtrain.buckets import tensor_digest
-from dtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dtrain.diloco import DiLoCo
 from dtrain.errors import CheckpointError
-from dtrain.membership import SyncOutcome
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, write_line
+from dtrain.rounds.outcome import RoundStatus, SyncOutcome
+from dtrain.sitegroup import LocalSiteComm, SiteComm, TorchSiteComm, combine_checksums
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
-__all__ = ["WorkerConfig", "run_worker", "theta_checksum", "outer_state_checksum"]
+__all__ = ["WorkerConfig", "run_worker", "outer_state_checksum"]
 
 log = logging.getLogger(__name__)
 
-
-def theta_checksum(diloco: DiLoCo) -> str:
-    """One hex digest over every bucket's θ checksum (equal on consistent sites)."""
-    h = hashlib.blake2b(digest_size=8)
-    for c in diloco.state.checksums():
-        h.update(c.encode())
-    return h.hexdigest()
+# Fields of a round line summed over a site's ranks; the other engine fields are rank 0's.
+_SUMMED = ("bytes_sent", "bytes_received", "encoded_bytes", "encoded_fp32_bytes", "owned_buckets")
+# Per-rank lists a site group's line adds (``rank_<field>``, rank order).
+_PER_RANK = ("bytes_sent", "bytes_received", "reduce_arrived_fraction", "broadcast_arrived_fraction")
 
 
 def outer_state_checksum(diloco: DiLoCo) -> str:
-    """One hex digest (BLAKE3, 64 bits) over every bucket's outer-optimizer state (e.g. the
-    SGD momentum buffers), hashed in place; equal on sites whose outer optimizers agree."""
+    """One hex digest (BLAKE3, 64 bits) over every bucket's outer-optimizer state of this
+    rank's slice (e.g. the SGD momentum buffers), hashed in place; equal on sites whose
+    outer optimizers agree."""
     h = blake3.blake3()
     for b, opt in enumerate(diloco.state.optimizers):
         with diloco.state.lock(b):
@@ -132,79 +136,100 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
     return transport, rendezvous_client(cfg.net.rendezvous, grpc_config=tcfg)
 
 
+def _site_comm(cfg: WorkerConfig) -> SiteComm:
+    """The site's ranks: torch.distributed under torchrun (``WORLD_SIZE`` > 1), else one process."""
+    if not in_site_group():
+        return LocalSiteComm()
+    init_site_process_group(timeout_s=max(60.0, cfg.diloco.group.quorum_wait_s))
+    return TorchSiteComm()
+
+
+@dataclass
+class _Run:
+    """What one worker's loop works on (this rank's)."""
+
+    cfg: WorkerConfig
+    task: Any
+    module: torch.nn.Module  # the model as called (DDP-wrapped or FSDP2-sharded for K > 1)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    diloco: DiLoCo
+    out: Path
+    stop: threading.Event
+    t_start: float
+    collector: RoundCollector | None = None
+    watch: ShardWatch | None = None
+    mix: DataMix | None = None
+
+    @property
+    def rank0(self) -> bool:
+        return self.diloco.rank == 0
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+
 def run_worker(cfg: WorkerConfig, *, stop_event: threading.Event | None = None) -> dict:
-    """Run one site to completion. Returns the summary dict (also written to
-    ``out_dir/summary.json``).
+    """Run this site (this rank of it) to completion. Returns the summary dict (rank 0
+    also writes ``out_dir/summary.json``).
 
     Raises:
-        CheckpointError: ``resume`` with a corrupt or mismatched checkpoint.
-        QuorumTimeout: no round could form within ``quorum_wait_s``.
+        CheckpointError: ``resume`` with a corrupt or mismatched checkpoint (every rank).
+        QuorumTimeout: no round could form within ``quorum_wait_s`` (every rank).
     """
     torch.set_num_threads(cfg.threads)
     stop = stop_event or threading.Event()
+    comm = _site_comm(cfg)
+    try:
+        return _run(rank_config(cfg, comm.rank, comm.num_ranks), comm, stop)
+    finally:
+        if comm.num_ranks > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
+    rank, k = comm.rank, comm.num_ranks
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     task = load_task(cfg.task)(cfg.task_spec)
+    module, optimizer, scheduler = task.model, task.optimizer, task.scheduler
+    if k > 1:
+        module, optimizer, scheduler = wrap_model(task.model, task.optimizer, cfg.parallel, task.scheduler)
     transport, rendezvous = _transport_and_rendezvous(cfg)
-
-    outer = outer_factory(cfg)
-    ckpt = None
-    if cfg.checkpoint.resume:
-        path = latest_checkpoint(cfg.resolved_checkpoint_dir)
-        if path is None:
-            log.warning("--resume: no checkpoint in %s; starting fresh", cfg.resolved_checkpoint_dir)
-        else:
-            ckpt = path
-    # Load the checkpoint BEFORE joining so a rejoining site presents its saved round.
-    diloco = None
-    collector = RoundCollector(cfg.gc_every_rounds, site=cfg.site_id)
+    name = cfg.site_id if k == 1 else f"{cfg.site_id}/{rank}"
+    collector = RoundCollector(cfg.gc_every_rounds, site=name)
     t_start = time.monotonic()
+    diloco = None
     try:
-        if ckpt is not None:
-            from dtrain.buckets import BucketLayout
-
-            probe_layout = BucketLayout(
-                [p.numel() for p in task.model.parameters()]
-                + [b.numel() for b in task.model.buffers() if b.is_floating_point()],
-                ["param"] * len(list(task.model.parameters()))
-                + ["buffer"] * len([b for b in task.model.buffers() if b.is_floating_point()]),
-                cfg.diloco_config().buckets,
-            )
-            data = load_checkpoint(ckpt, site_id=cfg.site_id, fingerprint=probe_layout.fingerprint())
-            try:
-                task.model.load_state_dict(data["model"])
-                task.optimizer.load_state_dict(data["inner_optimizer"])
-                if task.scheduler is not None and data.get("inner_scheduler") is not None:
-                    task.scheduler.load_state_dict(data["inner_scheduler"])
-                task.batches.load_state_dict(data["batches"])
-            except (RuntimeError, ValueError, KeyError) as e:
-                raise CheckpointError(f"checkpoint {ckpt} does not fit this task: {e}") from e
-            log.info("resuming from %s (round %d)", ckpt, data["round"])
         diloco = DiLoCo(
-            task.model,
-            task.optimizer,
-            inner_scheduler=task.scheduler,
+            module,
+            optimizer,
+            inner_scheduler=scheduler,
             config=cfg.diloco_config(),
-            outer_optimizer=outer,
+            outer_optimizer=outer_factory(cfg),
             transport=transport,
-            rendezvous=rendezvous,
-            _defer_join=ckpt is not None,
+            rendezvous=rendezvous if rank == 0 else None,
+            site_comm=comm,
+            _defer_join=True,  # a checkpoint first, so a rejoining site presents its saved round
         )
-        diloco.engine.fault_hook = fault_hook_from_env(cfg.site_id)
-        if ckpt is not None:
-            diloco.load_state_dict(data["diloco"])
-            diloco.state.copy_to(diloco._tensors_and_kinds()[0])
-            diloco.join()
-        shards = data.get("shards") if ckpt is not None else None
+        shards = checkpoints.resume(cfg, task, module, optimizer, scheduler, diloco)
+        diloco.join()
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
+            diloco.engine.fault_hook = fault_hook_from_env(name)
         collector.start()  # after set-up: what exists now is frozen
-        summary = _train(cfg, task, diloco, out, stop, t_start, shards_state=shards, collector=collector)
+        run = _Run(cfg, task, module, optimizer, scheduler, diloco, out, stop, t_start, collector)
+        summary = _train(run, shards_state=shards)
     finally:
         collector.close()
         if diloco is not None:
             diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
         else:
             transport.stop(0.1)
-    return _finish(out, transport, summary, t_start)
+    return _finish(run, summary)
 
 
 def _ledger(batches, first_step: int, last_step: int) -> dict:
@@ -214,27 +239,35 @@ def _ledger(batches, first_step: int, last_step: int) -> dict:
     return take() if callable(take) else {"steps": [first_step, last_step]}
 
 
-def _finish(out: Path, transport, summary: Summary, t_start: float) -> dict:
-    """Append the end line (bytes the transport counted after the last round line: means
-    served to peers while ``DiLoCo.close`` waited for their pulls) and write ``summary.json``; returns the summary."""
+def _finish(run: _Run, summary: Summary) -> dict:
+    """Append the end line (bytes the transports counted after the last round line: means
+    served to peers while ``DiLoCo.close`` waited for their pulls; summed over the ranks)
+    and write ``summary.json`` (rank 0); returns the summary."""
+    diloco, tr = run.diloco, run.diloco.engine.transport
+    counts = diloco.comm.all_gather((tr.bytes_sent(), tr.bytes_received(), diloco.diloco_numel()["total"]))
+    sent, received = sum(c[0] for c in counts), sum(c[1] for c in counts)
     end = EndLine(
         site=summary.site,
         round=summary.rounds,
-        bytes_sent=max(0, transport.bytes_sent() - summary.bytes_sent),
-        bytes_received=max(0, transport.bytes_received() - summary.bytes_received),
-        wall_s=time.monotonic() - t_start,
+        bytes_sent=max(0, sent - summary.bytes_sent),
+        bytes_received=max(0, received - summary.bytes_received),
+        wall_s=time.monotonic() - run.t_start,
         time=time.time(),
     )
-    with open(out / "metrics.jsonl", "a") as mf:
-        write_line(mf, end)
     summary = dataclasses.replace(
         summary,
         bytes_sent=summary.bytes_sent + end.bytes_sent,
         bytes_received=summary.bytes_received + end.bytes_received,
     )
     d = summary.as_dict()
-    (out / "summary.json").write_text(json.dumps(d, indent=2))
-    log.info("%s: done: %s", summary.site, d)
+    if diloco.num_ranks > 1:
+        d.update(rank=diloco.rank, ranks=diloco.num_ranks, parallel=run.cfg.parallel)
+        d["diloco_numel_per_rank"] = [c[2] for c in counts]
+    if run.rank0:
+        with open(run.metrics_path, "a") as mf:
+            write_line(mf, end)
+        (run.out / "summary.json").write_text(json.dumps(d, indent=2))
+        log.info("%s: done: %s", summary.site, d)
     return d
 
 
@@ -250,41 +283,30 @@ def outer_factory(cfg) -> "Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     return outer
 
 
-def _train(
-    cfg: WorkerConfig,
-    task,
-    diloco: DiLoCo,
-    out: Path,
-    stop: threading.Event,
-    t_start: float,
-    *,
-    shards_state: dict | None = None,
-    collector: RoundCollector | None = None,
-) -> Summary:
+def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
     """The training loop: inner phase, sync, metrics line, checkpoint, until ``cfg.rounds`` or ``stop``.
 
     ``shards_state``: the checkpoint's ``shards`` entry (adopted shard parts and their
-    positions, ``--reassign-after-rounds``), restored before the first inner step.
-    ``collector``: runs Python's garbage collection after each round (``gc_every_rounds``)."""
-    metrics_path = out / "metrics.jsonl"
-    val = first_val = _write_start(cfg, task, diloco, metrics_path)
+    positions, ``--reassign-after-rounds``), restored before the first inner step."""
+    cfg, diloco = run.cfg, run.diloco
+    val = first_val = _write_start(run)
     totals = Totals()
-    owned_buckets = 0  # in the last round this site ran
+    owned_buckets = 0  # in the last round this site ran (over its ranks)
     train_loss = float("nan")
-    watch, mix = _shard_reassignment(cfg, task, shards_state)
-    batches = mix if mix is not None else task.batches
+    run.watch, run.mix = _shard_reassignment(cfg, run.task, shards_state, diloco.rank, diloco.num_ranks)
+    batches = run.mix if run.mix is not None else run.task.batches
     max_syncs = cfg.rounds * 4 + 10  # bound the loop even if rounds keep being deferred
     syncs = 0
     cpu_mark = _process_cpu_s()  # each line's cpu_s: the process's CPU since the line before
     streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
     # with streaming the last round starts at this step and is merged there, so every
     # configuration ends at the same inner step (rounds x H/F) as blocking rounds do
-    last_step = cfg.rounds * (cfg.diloco.sync_every // cfg.diloco.num_fragments) if streaming else None
-    while diloco.round < cfg.rounds and not stop.is_set() and syncs < max_syncs:
+    last_step = cfg.rounds * diloco.period_steps if streaming else None
+    while diloco.round < cfg.rounds and not run.stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
         first_step = diloco.inner_steps + 1
-        mean_loss, merged = _inner_phase(cfg, task, diloco, stop, batches, until_step=last_step)
+        mean_loss, merged = _inner_phase(run, batches, until_step=last_step)
         inner_last = diloco.inner_steps  # before a heal (joiner state) may replace the count
         if mean_loss is None:
             break  # the summary keeps the last completed round's train loss
@@ -294,66 +316,55 @@ def _train(
                 break
         if not math.isnan(mean_loss):
             train_loss = mean_loss
-        diloco.group.last_loss = train_loss
+        diloco.note_progress(last_loss=train_loss)
         timed = _timed_outcome(diloco, merged, t_inner=t_inner, waited0=waited0)
         if timed is None:
             continue  # streaming: no fragment round merged at this step
         inner_s, outcome, sync_s, sync_cpu = timed
         syncs += 1
-        if outcome.status != "deferred" and (diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds):
-            val = task.evaluate(task.model)
-        ledger = _round_ledger(task, mix, first_step, inner_last)
+        if outcome.status != RoundStatus.DEFERRED and (
+            diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds
+        ):
+            val = run.task.evaluate(run.module)
+        ledger = _round_ledger(run.task, run.mix, first_step, inner_last)
         now_cpu = _process_cpu_s()
         cpu_s, cpu_mark = now_cpu - cpu_mark, now_cpu
-        line = _round_line(
-            cfg,
-            diloco,
-            outcome,
-            val=val,
-            train_loss=train_loss,
-            inner_s=inner_s,
-            sync_s=sync_s,
-            cpu_s=cpu_s,
-            sync_cpu=sync_cpu,
-            t_start=t_start,
-            data=ledger,
+        times = {"inner_s": inner_s, "sync_s": sync_s, "cpu_s": cpu_s}
+        line, extra = _round_line(
+            run, outcome, val=val, train_loss=train_loss, times=times, sync_cpu=sync_cpu, data=ledger
         )
-        if watch is not None and outcome.result is not None:
-            mix.apply(*watch.observe(list(outcome.result.members)))
+        if run.watch is not None and outcome.result is not None:
+            run.mix.apply(*run.watch.observe(list(outcome.result.members)))
         totals.add(line)
-        owned_buckets = outcome.result.owned_buckets if outcome.result is not None else owned_buckets
-        _record_round(cfg, diloco, metrics_path, line)
-        _maybe_checkpoint(cfg, task, diloco, outcome, watch=watch, mix=mix)
-        if collector is not None:
-            collector.after_round(syncs)
-    return _summary(
-        cfg,
-        diloco,
-        stop,
-        totals,
-        first_val=first_val,
-        val=val,
-        train_loss=train_loss,
-        owned_buckets=owned_buckets,
-        t_start=t_start,
-    )
+        owned_buckets = line.owned_buckets if outcome.result is not None and line.owned_buckets else owned_buckets
+        _record_round(run, line, extra)
+        _maybe_checkpoint(run, outcome)
+        if run.collector is not None:
+            run.collector.after_round(syncs)
+    return _summary(run, totals, first_val=first_val, val=val, train_loss=train_loss, owned_buckets=owned_buckets)
 
 
-def _write_start(cfg: WorkerConfig, task, diloco: DiLoCo, metrics_path: Path) -> float:
-    """Evaluate the starting model and append the start line; returns its validation loss."""
-    val = task.evaluate(task.model)
-    log.info("%s: start at round %d, validation loss %.4f", cfg.site_id, diloco.round, val)
-    start = StartLine(
-        site=cfg.site_id, round=diloco.round, val_loss=val, params=diloco.layout.total_numel, time=time.time()
-    )
-    with open(metrics_path, "a") as mf:
-        write_line(mf, start)
+def _write_start(run: _Run) -> float:
+    """Evaluate the starting model and append the start line (rank 0); returns its validation loss."""
+    diloco = run.diloco
+    val = run.task.evaluate(run.module)
+    params = sum(diloco.comm.all_gather(diloco.layout.total_numel))
+    log.info("%s: start at round %d, validation loss %.4f", run.cfg.site_id, diloco.round, val)
+    if run.rank0:
+        start = StartLine(site=run.cfg.site_id, round=diloco.round, val_loss=val, params=params, time=time.time())
+        extra = {"ranks": diloco.num_ranks} if diloco.num_ranks > 1 else {}
+        with open(run.metrics_path, "a") as mf:
+            mf.write(json.dumps({**start.as_dict(), **extra}) + "\n")
     return val
 
 
-def _shard_reassignment(cfg: WorkerConfig, task, shards_state: dict | None) -> tuple[ShardWatch | None, DataMix | None]:
+def _shard_reassignment(
+    cfg: WorkerConfig, task, shards_state: dict | None, rank: int = 0, num_ranks: int = 1
+) -> tuple[ShardWatch | None, DataMix | None]:
     """With ``--reassign-after-rounds`` and a sharded task: the watch of dead sites and the data mix
     in which survivors train parts of a dead site's shard (restored from ``shards_state``); else Nones.
+    Rank j of a site group adopts its part of rank j's shard of the dead site (shard
+    ``index * K + j``: :func:`dtrain.app.ranks.rank_config`).
 
     Raises:
         CheckpointError: the checkpoint's adopted shard parts do not fit this task.
@@ -361,7 +372,10 @@ def _shard_reassignment(cfg: WorkerConfig, task, shards_state: dict | None) -> t
     if not cfg.reassign_after_rounds or task.shard_part is None:
         return None, None
     watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
-    mix = DataMix(task.batches, task.shard_part)
+    make_part = task.shard_part
+    if num_ranks > 1:
+        make_part = lambda index, part, parts: task.shard_part(index * num_ranks + rank, part, parts)  # noqa: E731
+    mix = DataMix(task.batches, make_part)
     if shards_state is not None:
         try:
             watch.load_state_dict(shards_state["watch"])
@@ -415,94 +429,154 @@ def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, 
     return inner_s, outcome, time.monotonic() - t_sync, (cpu1.user - cpu0.user + system_s, system_s)
 
 
-def _inner_phase(
-    cfg: WorkerConfig, task, diloco: DiLoCo, stop: threading.Event, batches, *, until_step: int | None = None
-) -> tuple[float | None, SyncOutcome | None]:
-    """``sync_every`` inner-optimizer steps; returns their mean loss (None when ``stop`` was set)
-    and, with streaming rounds (dtrain/streaming.py), the outcome of the fragment round merged at
-    the last step: then the phase ends at the first merge (within 2H/F steps), or at inner step
-    ``until_step`` (streaming: the last round's start; no step then: the mean loss is NaN)."""
+def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[float | None, SyncOutcome | None]:
+    """``sync_every`` inner-optimizer steps (each stepping the LR scheduler); returns the mean
+    loss over the site's ranks (None when ``stop`` was set on any rank) and, with streaming
+    rounds (dtrain/streaming.py), the outcome of the fragment round merged at the last step:
+    then the phase ends at the first merge (within 2H/F steps), or at inner step
+    ``until_step`` (streaming: the last round's start; no step then: the mean loss is NaN).
+
+    A one-process site stops at the step ``stop`` is set; the ranks of a site group stop
+    together at the end of the phase (one rank stopping alone would leave the others in a
+    collective)."""
+    cfg, diloco, stop = run.cfg, run.diloco, run.stop
+    alone = diloco.num_ranks == 1
     losses = []
     merged: SyncOutcome | None = None
     for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
         if until_step is not None and diloco.inner_steps >= until_step:
             break
         batch = next(batches)
-        loss = task.loss(task.model, batch)
+        loss = run.task.loss(run.module, batch)
         loss.backward()
-        task.optimizer.step()
-        task.optimizer.zero_grad(set_to_none=True)
-        if task.scheduler is not None:
-            task.scheduler.step()
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.scheduler is not None:
+            run.scheduler.step()
         losses.append(float(loss.detach()))
         if diloco.streaming:
-            diloco.group.last_loss = losses[-1]
+            diloco.note_progress(last_loss=losses[-1])
             merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
         else:
             diloco.inner_steps += 1
-            diloco.group.inner_step = diloco.inner_steps
+            diloco.note_progress()
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
-        if stop.is_set() or merged is not None:
+        if merged is not None or (alone and stop.is_set()):
             break
-    if stop.is_set():
+    mine = (sum(losses) / len(losses)) if losses else math.nan
+    ranks = diloco.comm.all_gather((mine, stop.is_set()))
+    if any(s for _, s in ranks):
+        stop.set()
         return None, None
-    return (sum(losses) / len(losses) if losses else math.nan), merged
+    finite = [x for x, _ in ranks if not math.isnan(x)]
+    return (sum(finite) / len(finite) if finite else math.nan), merged
+
+
+def _site_figures(ranks: list[dict], key: str) -> float | None:
+    """A figure summed over the ranks (None when every rank has None)."""
+    vals = [r[key] for r in ranks if r[key] is not None]
+    return sum(vals) if vals else None
+
+
+def _site_engine_fields(ranks: list[dict]) -> dict:
+    """The line's engine fields: rank 0's, with bytes and owned buckets summed over the ranks."""
+    engine = dict(ranks[0]["engine"]) if ranks[0]["engine"] is not None else {}
+    if engine:
+        for key in _SUMMED:
+            engine[key] = sum(int(r["engine"][key] or 0) for r in ranks if r["engine"] is not None)
+    return engine
+
+
+def _site_counters(ranks: list[dict]) -> dict | None:
+    """The datagram path's counters summed over the ranks (rank 0's non-numbers)."""
+    first = ranks[0]["datagram"]
+    if first is None or len(ranks) == 1:
+        return first
+    out = dict(first)
+    for key, v in first.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = sum(r["datagram"][key] for r in ranks if r["datagram"] is not None)
+    return out
 
 
 def _round_line(
-    cfg: WorkerConfig,
-    diloco: DiLoCo,
+    run: _Run,
     outcome: SyncOutcome,
     *,
     val: float,
     train_loss: float,
-    inner_s: float,
-    sync_s: float,
-    t_start: float,
-    cpu_s: float | None = None,
+    times: dict[str, float],
     sync_cpu: tuple[float, float] | None = None,
     data: dict | None = None,
-) -> RoundLine:
-    """The metrics line of the sync that just ended (a deferred one has no round result);
-    ``cpu_s``: the process's CPU seconds since the previous line; ``sync_cpu``: during the sync,
-    ``(user + system, system)`` (None: streaming)."""
-    res = outcome.result
-    # the datagram path's wire bytes, NACKs, drops (cumulative)
-    counters = getattr(diloco.engine.transport, "counters", None)
-    return RoundLine(
-        site=cfg.site_id,
+) -> tuple[RoundLine, dict]:
+    """The site's metrics line of the sync that just ended (a deferred one has no round
+    result), and the site-group fields it adds for K > 1 (docs/METRICS.md, "Site groups").
+    Every rank's figures are gathered (a collective); CPU seconds and bytes are the site's
+    (summed over its ranks), the other engine fields rank 0's. ``times``: ``inner_s``,
+    ``sync_s`` and ``cpu_s`` (the process's CPU seconds since the previous line);
+    ``sync_cpu``: during the sync, ``(user + system, system)`` (None: streaming)."""
+    diloco, res = run.diloco, outcome.result
+    counters = getattr(diloco.engine.transport, "counters", None)  # the datagram path's (cumulative)
+    mine = {
+        "engine": engine_fields(res) if res is not None else None,
+        "cpu_s": times["cpu_s"],
+        "sync_cpu_s": None if sync_cpu is None else sync_cpu[0],
+        "sync_system_cpu_s": None if sync_cpu is None else sync_cpu[1],
+        "outer_checksum": outer_state_checksum(diloco),
+        "datagram": counters() if res is not None and counters is not None else None,
+        "data": data,
+    }
+    ranks = diloco.comm.all_gather(mine)
+    k = len(ranks)
+    line = RoundLine(
+        site=run.cfg.site_id,
         round=(res.round if res else diloco.round - 1),
-        status=outcome.status,
+        status=outcome.status.value,
         reason=outcome.reason,
         members=list(res.members) if res else [],
         val_loss=val,
         train_loss=train_loss,
         inner_steps=diloco.inner_steps,
-        inner_s=inner_s,
-        sync_s=sync_s,
+        inner_s=times["inner_s"],
+        sync_s=times["sync_s"],
         quorum_s=outcome.quorum_s,
-        cpu_s=cpu_s,
-        sync_cpu_s=None if sync_cpu is None else sync_cpu[0],
-        sync_system_cpu_s=None if sync_cpu is None else sync_cpu[1],
-        wall_s=time.monotonic() - t_start,
+        cpu_s=_site_figures(ranks, "cpu_s"),
+        sync_cpu_s=_site_figures(ranks, "sync_cpu_s"),
+        sync_system_cpu_s=_site_figures(ranks, "sync_system_cpu_s"),
+        wall_s=time.monotonic() - run.t_start,
         time=time.time(),
-        checksum=theta_checksum(diloco),
-        outer_checksum=outer_state_checksum(diloco),
-        datagram=counters() if res is not None and counters is not None else None,
-        data=data,
-        **(engine_fields(res) if res is not None else {}),
+        checksum=outcome.site_checksum,
+        outer_checksum=ranks[0]["outer_checksum"]
+        if k == 1
+        else combine_checksums([r["outer_checksum"] for r in ranks]),
+        datagram=_site_counters(ranks),
+        data=data if k == 1 else {"ranks": [r["data"] for r in ranks]},
+        **_site_engine_fields(ranks),
     )
+    extra: dict = {}
+    if k > 1:
+        extra = {"ranks": k, "slice_checksums": outcome.slice_checksums, "rank_cpu_s": [r["cpu_s"] for r in ranks]}
+        if res is not None:
+            for key in _PER_RANK:
+                extra[f"rank_{key}"] = [r["engine"][key] if r["engine"] else 0 for r in ranks]
+    return line, extra
 
 
-def _record_round(cfg: WorkerConfig, diloco: DiLoCo, metrics_path: Path, line: RoundLine) -> None:
-    """Append ``line`` to the metrics file, queue its report for the status page, and log it."""
-    with open(metrics_path, "a") as mf:
-        write_line(mf, line)
-    diloco.group.report_round(round_report(line.as_dict()))  # for the rendezvous status page (heartbeat thread)
+def _record_round(run: _Run, line: RoundLine, extra: dict) -> None:
+    """(Rank 0) append ``line`` to the metrics file, queue its report for the status page, and log it."""
+    if not run.rank0:
+        return
+    d = {**line.as_dict(), **extra}
+    with open(run.metrics_path, "a") as mf:
+        mf.write(json.dumps(d) + "\n")
+        mf.flush()
+    group = run.diloco.group
+    if group is not None:
+        group.report_round(round_report(d))  # for the rendezvous status page (heartbeat thread)
     log.info(
         "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
-        cfg.site_id,
+        run.cfg.site_id,
         line.round,
         line.status,
         line.members,
@@ -512,57 +586,37 @@ def _record_round(cfg: WorkerConfig, diloco: DiLoCo, metrics_path: Path, line: R
     )
 
 
-def _maybe_checkpoint(cfg: WorkerConfig, task, diloco: DiLoCo, outcome: SyncOutcome, *, watch=None, mix=None) -> None:
-    """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync),
-    with the adopted shard parts (``watch``, ``mix``) when shards are re-assigned."""
-    every = cfg.checkpoint.every
-    if every and outcome.status != "deferred" and diloco.round % every == 0:
-        save_checkpoint(
-            cfg.resolved_checkpoint_dir,
-            diloco.round,
-            {
-                "site_id": cfg.site_id,
-                "fingerprint": diloco.layout.fingerprint(),
-                "model": task.model.state_dict(),
-                "inner_optimizer": task.optimizer.state_dict(),
-                "inner_scheduler": task.scheduler.state_dict() if task.scheduler is not None else None,
-                "diloco": diloco.state_dict(),
-                "batches": task.batches.state_dict(),
-                "shards": {"watch": watch.state_dict(), "mix": mix.state_dict()} if watch is not None else None,
-                "config": json.dumps(asdict(cfg), default=str),
-            },
-        )
+def _maybe_checkpoint(run: _Run, outcome: SyncOutcome) -> None:
+    """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync; every
+    rank of a site group), with the adopted shard parts when shards are re-assigned."""
+    every = run.cfg.checkpoint.every
+    if every and outcome.status != RoundStatus.DEFERRED and run.diloco.round % every == 0:
+        shards = {"watch": run.watch.state_dict(), "mix": run.mix.state_dict()} if run.watch is not None else None
+        checkpoints.save(run.cfg, run.task, run.module, run.optimizer, run.scheduler, run.diloco, shards=shards)
 
 
 def _summary(
-    cfg: WorkerConfig,
-    diloco: DiLoCo,
-    stop: threading.Event,
-    totals: Totals,
-    *,
-    first_val: float,
-    val: float,
-    train_loss: float,
-    owned_buckets: int,
-    t_start: float,
+    run: _Run, totals: Totals, *, first_val: float, val: float, train_loss: float, owned_buckets: int
 ) -> Summary:
-    """The run's summary after the loop ended."""
-    wall = time.monotonic() - t_start
+    """The run's summary after the loop ended (a collective for K > 1: every rank calls it)."""
+    diloco = run.diloco
+    wall = time.monotonic() - run.t_start
+    sizes = diloco.comm.all_gather((len(diloco.layout), diloco.layout.total_numel))
     # compression_ratio: the codec's ratio over every contribution this site encoded;
     # bytes_sent also counts means an owner serves, so it is not a compression measure.
     return Summary(
-        site=cfg.site_id,
+        site=run.cfg.site_id,
         rounds=diloco.round,
         first_val_loss=first_val,
         final_val_loss=val,
         final_train_loss=train_loss,
-        checksum=theta_checksum(diloco),
+        checksum=diloco.site_checksum(),
         wall_s=wall,
         sync_share=totals.sync_s / wall if wall > 0 else 0.0,
-        fp32_bytes_per_round=4 * diloco.layout.total_numel,
+        fp32_bytes_per_round=4 * sum(n for _, n in sizes),
         owned_buckets=owned_buckets,
-        num_buckets=len(diloco.layout),
-        interrupted=stop.is_set(),
+        num_buckets=sum(b for b, _ in sizes),
+        interrupted=run.stop.is_set(),
         compression_ratio=totals.compression_ratio,
         **dataclasses.asdict(totals),
     )

@@ -46,7 +46,7 @@ class BucketOutcome(enum.Enum):
     stays in its residual, except for chunks that a finalized mean included
     (:mod:`dtrain.rounds.error_feedback`). A site cut from a round by the quorum (a
     straggler) does not run the round at all: it resynchronises every bucket
-    (``MissedRound``), which is not a bucket outcome.
+    (``RoundStatus.RESYNCED``, :mod:`dtrain.rounds.outcome`), which is not a bucket outcome.
     """
 
     APPLIED = "applied"

@@ -13,6 +13,7 @@ slice from the same rank of another site.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -84,8 +85,9 @@ def _check_ranks(m: Member, num_ranks: int) -> None:
 
 
 def rank_plan(plan: RoundPlan, rank: int, num_ranks: int) -> RoundPlan:
-    """The plan rank ``rank`` runs: the same round and members, each member's address
-    replaced by the Peer address of its rank ``rank``.
+    """The plan rank ``rank`` runs: the same plan (round, members, deadlines, keys), each
+    member's address replaced by the Peer address of its rank ``rank`` (for a one-process
+    site, rank 0: its own address).
 
     Raises:
         SiteGroupError: a member runs a different number of ranks.
@@ -93,12 +95,9 @@ def rank_plan(plan: RoundPlan, rank: int, num_ranks: int) -> RoundPlan:
     for m in plan.members:
         _check_ranks(m, num_ranks)
     members = tuple(Member(site_id=m.site_id, address=m.rank_address(rank)) for m in plan.members)
-    return RoundPlan(
-        round=plan.round,
-        members=members,
-        reduce_timeout_s=plan.reduce_timeout_s,
-        broadcast_timeout_s=plan.broadcast_timeout_s,
-    )
+    # every other field (deadlines, the datagram key, ...) is the site's plan's: a copy
+    # field by field once dropped the datagram key and every site group crashed at round 0
+    return dataclasses.replace(plan, members=members)
 
 
 def rank_donors(members: Sequence[Member], rank: int, num_ranks: int) -> list[Member]:

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from dtrain.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from dtrain.sitegroup.diloco import SiteGroupDiLoCo
+# ``diloco`` below is a :class:`dtrain.diloco.DiLoCo` of a site of K > 1 ranks (this
+# module sits below it: it uses its ``comm``, ``state``, ``layout`` and step counters)
+SiteDiLoCo = Any
 
 __all__ = ["FORMAT", "save_site_checkpoint", "load_site_checkpoint", "latest_site_checkpoint"]
 
@@ -50,7 +51,7 @@ _NAME = re.compile(r"^sg-(\d{6,})$")
 
 
 @contextlib.contextmanager
-def _no_round(diloco: "SiteGroupDiLoCo") -> Iterator[None]:
+def _no_round(diloco: SiteDiLoCo) -> Iterator[None]:
     """get_state_dict may step a stateless inner optimizer once with lr 0 to create its
     state: that step must not count as an inner step (or start a round)."""
     steps, diloco._hook_paused = diloco.inner_steps, True
@@ -60,7 +61,7 @@ def _no_round(diloco: "SiteGroupDiLoCo") -> Iterator[None]:
         diloco._hook_paused, diloco.inner_steps = False, steps
 
 
-def _blob(diloco: "SiteGroupDiLoCo", extra: object) -> bytes:
+def _blob(diloco: SiteDiLoCo, extra: object) -> bytes:
     buf = io.BytesIO()
     torch.save(
         {
@@ -80,7 +81,7 @@ def _blob(diloco: "SiteGroupDiLoCo", extra: object) -> bytes:
 
 def save_site_checkpoint(
     directory: str | Path,
-    diloco: "SiteGroupDiLoCo",
+    diloco: SiteDiLoCo,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
@@ -103,19 +104,19 @@ def save_site_checkpoint(
     if diloco.rank == 0:
         d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier(group=diloco.pg)
+    dist.barrier(group=diloco.comm.process_group)
     with _no_round(diloco):
         model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, f"rank{diloco.rank}": _blob(diloco, extra)}
-    dcp.save(state, checkpoint_id=str(tmp), process_group=diloco.pg)
-    dist.barrier(group=diloco.pg)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=diloco.comm.process_group)
+    dist.barrier(group=diloco.comm.process_group)
     if diloco.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(p for p in d.iterdir() if _NAME.match(p.name))[: -max(1, keep)]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("site-group checkpoint saved: %s", final)
-    dist.barrier(group=diloco.pg)
+    dist.barrier(group=diloco.comm.process_group)
     return final
 
 
@@ -128,7 +129,7 @@ def latest_site_checkpoint(directory: str | Path) -> Path | None:
     return max(done, key=lambda p: int(_NAME.match(p.name).group(1))) if done else None  # type: ignore[union-attr]
 
 
-def _check(meta: dict, diloco: "SiteGroupDiLoCo") -> str | None:
+def _check(meta: dict, diloco: SiteDiLoCo) -> str | None:
     want = {
         "format": FORMAT,
         "site_id": diloco.config.site_id,
@@ -143,10 +144,10 @@ def _check(meta: dict, diloco: "SiteGroupDiLoCo") -> str | None:
 
 
 def load_site_checkpoint(
-    path: str | Path, diloco: "SiteGroupDiLoCo", model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    path: str | Path, diloco: SiteDiLoCo, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> object:
     """Load this rank's model, inner optimizer and DiLoCo slice (every rank calls it),
-    before the site joins (``SiteGroupDiLoCo(..., defer_join=True)``, then ``join()``).
+    before the site joins (``DiLoCo(..., _defer_join=True)``, then ``join()``).
 
     Returns:
         this rank's ``extra`` as saved.
@@ -160,12 +161,12 @@ def load_site_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, key: b""}
     try:
-        dcp.load(state, checkpoint_id=str(path), process_group=diloco.pg)
+        dcp.load(state, checkpoint_id=str(path), process_group=diloco.comm.process_group)
         meta = torch.load(io.BytesIO(state[key]), weights_only=True)
         err = _check(meta, diloco) if isinstance(meta, dict) else f"rank {diloco.rank}: not a site-group slice"
     except (RuntimeError, ValueError, KeyError, OSError, dcp.api.CheckpointException) as e:
         err = f"rank {diloco.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    errs = [e for e in diloco._all_gather(err) if e]
+    errs = [e for e in diloco.comm.all_gather(err) if e]
     if errs:
         raise CheckpointError(f"checkpoint {path} does not fit this site group: {errs[0]}")
     with _no_round(diloco):
@@ -173,7 +174,6 @@ def load_site_checkpoint(
     diloco.state.load_state_dict(meta["diloco"])
     steps = int(meta["inner_steps"])
     diloco.inner_steps = steps
-    if diloco.group is not None:
-        diloco.group.inner_step = steps
+    diloco.note_progress()
     log.info("%s rank %d: resumed from %s (round %d)", diloco.config.site_id, diloco.rank, path, diloco.round)
     return meta["extra"]

@@ -88,10 +88,10 @@ def main() -> None:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
 
     from dtrain.buckets import BucketConfig
-    from dtrain.diloco import DiLoCoConfig
+    from dtrain.diloco import DiLoCo, DiLoCoConfig
     from dtrain.rendezvous.grpc import GrpcRendezvousClient
     from dtrain.sim import fast_group_config
-    from dtrain.sitegroup import SiteGroupDiLoCo
+    from dtrain.sitegroup import TorchSiteComm
     from dtrain.transports.grpc import GrpcTransport
     from dtrain.transports.grpc_common import GrpcTransportConfig
 
@@ -109,7 +109,7 @@ def main() -> None:
     )
     rdv = GrpcRendezvousClient(args.rendezvous) if rank == 0 else None
     transport = GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1"))
-    d = SiteGroupDiLoCo(wrapped, opt, config=cfg, transport=transport, rendezvous=rdv, defer_join=True)
+    d = DiLoCo(wrapped, opt, config=cfg, transport=transport, rendezvous=rdv, site_comm=TorchSiteComm(), _defer_join=True)
     resumed_from = None
     if args.resume:
         from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint
@@ -125,7 +125,7 @@ def main() -> None:
         d.on_round.append(lambda o: save_site_checkpoint(args.ckpt_dir, d, wrapped, opt, extra={"step": d.inner_steps}))
     if args.skip_view_round >= 0 and rank == 1:
         skip = args.skip_view_round
-        d.view_hook = lambda v: (
+        d.site.view_hook = lambda v: (
             dataclasses.replace(v, kind="wait", plan_round=None, members=()) if v.plan_round == skip else v
         )
     if args.stop_at_round >= 0:

@@ -30,9 +30,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("transports",),  # moving bytes between sites: the Transport interface and its implementations
     ("state",),  # θ, outer optimizer, residuals; whole-state transfer for joiners
     ("rounds", "rendezvous"),  # one round's protocol; membership and quorum
-    ("membership", "streaming"),  # a site's rendezvous client, heartbeats and sync; fragment rounds
-    ("diloco",),  # the library wrapper
-    ("sim", "sitegroup"),  # the in-process cluster; a site as K torch.distributed ranks
+    ("membership", "streaming", "sitegroup"),  # rendezvous client and heartbeats; fragment rounds; K ranks' pieces
+    ("site",),  # one site's (one rank's) side of the round protocol, for K >= 1 ranks
+    ("diloco",),  # the library wrapper, for a site of K >= 1 ranks
+    ("sim",),  # the in-process cluster
     ("app",),  # CLI, launcher, worker process, report
     ("__main__",),  # `python -m dtrain`
 ]
@@ -257,7 +258,7 @@ def test_the_checks_find_violations_in_a_made_up_graph():
         "dtrain.protocol": set(),
     }
     assert _layer_violations(graph) == [
-        "dtrain.rendezvous.core -> dtrain.app.cli (layer 6 may not import layer 10)",
+        "dtrain.rendezvous.core -> dtrain.app.cli (layer 6 may not import layer 11)",
         "dtrain.rounds.engine -> dtrain.rendezvous.core (layer 6 may not import layer 6)",
     ]
     narrow = _narrow_violations(graph)

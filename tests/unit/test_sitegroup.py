@@ -114,7 +114,7 @@ def test_rank_addresses_travel_through_the_rendezvous_and_its_proto():
 
 
 def test_torchrun_argv_wraps_a_worker_command():
-    from dtrain.app.site_worker import torchrun_argv
+    from dtrain.app.ranks import torchrun_argv
 
     argv = torchrun_argv(["py", "-m", "dtrain", "worker", "--site-id", "s"], num_ranks=2, max_restarts=1)
     assert argv[:3] == ["py", "-m", "torch.distributed.run"]
@@ -185,14 +185,30 @@ def test_each_ranks_fragments_partition_its_own_buckets_contiguously(num_fragmen
         assert max(map(len, frags)) - min(map(len, frags)) <= 1
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("overlap_steps", 1), ("merge_alpha", 0.5)], ids=["overlap", "merge_alpha"]
-)
-def test_a_site_group_refuses_overlap_and_merging_naming_the_field(field, value):
-    from dtrain.diloco import DiLoCoConfig
-    from dtrain.sitegroup.diloco import check_site_streaming
+def test_rank_plan_keeps_every_field_of_the_site_plan_but_the_addresses():
+    """A copy field by field once dropped the datagram key: every site group on the datagram
+    path then crashed at round 0 ("datagram key must be 32 bytes, got 0")."""
+    import dataclasses
 
-    check_site_streaming(DiLoCoConfig(site_id="s", sync_every=4, num_fragments=2))  # blocking fragments: fine
-    cfg = DiLoCoConfig(site_id="s", sync_every=4, num_fragments=2, **{field: value})
-    with pytest.raises(ValueError, match=f"{field} must be 0 for a site group"):
-        check_site_streaming(cfg)
+    from dtrain.protocol import Member, RoundPlan
+
+    key = bytes(range(32))
+    plan = RoundPlan(
+        round=3,
+        members=(
+            Member(site_id="a", address="h:1", rank_addresses=("h:1", "h:2")),
+            Member(site_id="b", address="h:3", rank_addresses=("h:3", "h:4")),
+        ),
+        reduce_timeout_s=1.5,
+        broadcast_timeout_s=2.5,
+        datagram_key=key,
+    )
+    mine = rank_plan(plan, 1, 2)
+    assert [m.address for m in mine.members] == ["h:2", "h:4"]
+    for f in dataclasses.fields(RoundPlan):
+        if f.name != "members":
+            assert getattr(mine, f.name) == getattr(plan, f.name), f.name
+    assert mine.datagram_key == key
+    # a one-process site's plan (rank 0 of 1) is its own plan
+    single = dataclasses.replace(plan, members=(Member(site_id="a", address="h:1"), Member(site_id="b", address="h:3")))
+    assert rank_plan(single, 0, 1) == single

@@ -1,0 +1,321 @@
+"""``Site``: one site's side of the round protocol, for a site of K >= 1 ranks.
+
+A site is one process (K = 1) or a torch.distributed group of K ranks; rank j holds
+slice j of θ (:mod:`dtrain.sitegroup.slices`) and runs its own
+:class:`~dtrain.rounds.RoundEngine`, which exchanges slice j with rank j of the other
+sites. One membership per site: rank 0 holds the :class:`~dtrain.membership.Group`
+(rendezvous client, heartbeats) and registers every rank's Peer address. What differs
+between K = 1 and K > 1 is only the :class:`~dtrain.sitegroup.comm.SiteComm` the
+steps below talk through (the identity for K = 1):
+
+* :meth:`Site.join`: rank 0 registers; every rank pulls its slice when rounds already
+  ran; the slices are aligned to one round.
+* :meth:`Site.sync` (one round; the callable :class:`~dtrain.streaming.StreamingSync`
+  runs fragment rounds with): rank 0 asks the rendezvous; its decision is broadcast;
+  the ranks apply the half-round rule (:func:`~dtrain.sitegroup.agree.decide_agreement`)
+  before any of them pushes; each rank runs its slice's round with rank j of the
+  members (:func:`~dtrain.sitegroup.agree.rank_plan`).
+* :meth:`Site.resync`: a site cut from a round or declared dead: every rank pulls its
+  slice from rank j of the members.
+
+It never raises for peer faults; ``QuorumTimeout`` (every rank) when no round forms
+within ``GroupConfig.quorum_wait_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from dtrain.configs import GroupConfig
+from dtrain.errors import QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
+from dtrain.membership import Group, RendezvousClient
+from dtrain.protocol import JoinInfo, Member, RoundPlan
+from dtrain.rounds import RoundEngine
+from dtrain.rounds.outcome import RoundStatus, SyncOutcome
+from dtrain.sitegroup.agree import RankView, decide_agreement, rank_donors, rank_plan
+from dtrain.sitegroup.comm import SiteComm
+from dtrain.state import pull_full_state
+
+__all__ = ["Site"]
+
+log = logging.getLogger(__name__)
+
+
+class Site:
+    """One site's (one rank's) membership and rounds.
+
+    Args:
+        engine: this rank's round engine, started (it has an address).
+        comm: the site's ranks (:class:`~dtrain.sitegroup.comm.LocalSiteComm` for K = 1).
+        rendezvous: the rendezvous client; rank 0 only (None on the other ranks).
+        config: membership timing (:class:`~dtrain.configs.GroupConfig`).
+
+    Every rank must construct it and call :meth:`join`, :meth:`sync` and
+    :meth:`leave` in the same order (they run collectives).
+
+    Attributes:
+        group: rank 0's :class:`~dtrain.membership.Group`; None on ranks j > 0.
+        donors: the members (their rank j) this rank's θ was last pulled from (join or
+            resync), for the training-position heal; empty when the last one pulled nothing.
+        view_hook: test-only fault injection, ``view -> view`` applied to this rank's
+            :class:`~dtrain.sitegroup.agree.RankView` before the ranks compare them.
+    Raises:
+        ValueError: (every rank) rank 0 has no rendezvous client.
+    """
+
+    def __init__(
+        self, engine: RoundEngine, comm: SiteComm, rendezvous: RendezvousClient | None, config: GroupConfig
+    ) -> None:
+        self.engine = engine
+        self.comm = comm
+        self.config = config
+        self.site_id = engine.site_id
+        self.rank, self.num_ranks = comm.rank, comm.num_ranks
+        if not all(comm.all_gather(self.rank != 0 or rendezvous is not None, round=True)):
+            raise ValueError("rendezvous must be given on rank 0 (it speaks for the site)")
+        self.rank_addresses: list[str] = comm.all_gather(engine.address, round=True)
+        self.group: Group | None = None
+        if self.rank == 0:
+            assert rendezvous is not None  # checked above, on every rank
+            ranks = self.rank_addresses if self.num_ranks > 1 else ()
+            self.group = Group(engine, rendezvous, config, rank_addresses=ranks)
+        self.notices = None
+        if self.num_ranks > 1:
+            self.notices = comm.lost_notices(lambda ids: engine.members_lost(ids, why="lost notice from rank 0"))
+            if self.group is not None and self.notices is not None:
+                self.group.on_members_lost = self.notices.post
+        self.donors: list[Member] = []
+        self.view_hook: Callable[[RankView], RankView] | None = None
+
+    # ------------------------------------------------------------------ membership
+    def join(self) -> JoinInfo:
+        """Join as one site: rank 0 registers (every rank's address) and starts
+        heartbeating; when rounds already ran every rank pulls its slice from rank j of
+        the members (within ``state_pull_timeout_s``).
+
+        Raises:
+            RendezvousError: (every rank) the rendezvous unreachable for 60 s.
+            StateTransferError: (every rank) no member could provide a consistent state.
+        """
+        info: JoinInfo | Exception | None = None
+        if self.group is not None:
+            try:
+                info = self.group.join()
+            except (RendezvousError, StateTransferError) as e:
+                info = e
+        info = self.comm.broadcast(info, round=True)
+        if isinstance(info, Exception):
+            raise info
+        assert isinstance(info, JoinInfo)
+        self.donors = []
+        err = None
+        if info.needs_state and self.engine.state.rounds_applied < info.next_round:
+            log.info(
+                "%s joins at round %d: pulling state from %s",
+                self.site_id,
+                info.next_round,
+                [m.site_id for m in info.members],
+            )
+            err = self._try_pull(info, min_round=info.next_round)
+        errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        if errs:  # on every rank, so none waits for the others in a collective
+            raise StateTransferError(f"{self.site_id}: joining failed: {errs[0]}")
+        self._align_rounds(info)
+        return info
+
+    def resync(self, min_round: int = 0) -> str | None:
+        """Discard this site's progress and pull θ and the outer state from the members
+        (rank 0 registers again first). Returns None, or the first rank's error (then
+        rank 0 tries again at its next sync)."""
+        info: JoinInfo | str = ""
+        if self.group is not None:
+            try:
+                info = self.group.register_with_backoff(60.0)
+                self.group.resync_done()
+            except RendezvousError as e:
+                info = f"rendezvous: {e}"
+        info = self.comm.broadcast(info, round=True)
+        err: str | None = info if isinstance(info, str) else None
+        self.donors = []
+        if err is None:
+            assert isinstance(info, JoinInfo)
+            st = self.engine.state
+            st.residuals = [None] * len(st)
+            err = self._try_pull(info, min_round=max(min_round, info.next_round))
+        errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        if errs:
+            if self.group is not None:
+                self.group.resync_needed()  # try again next time
+            return errs[0]
+        self._align_rounds(info)  # type: ignore[arg-type]
+        return None
+
+    def _try_pull(self, info: JoinInfo, *, min_round: int) -> str | None:
+        """:meth:`_pull`; its error as text (prefixed with the rank for K > 1), or None."""
+        try:
+            self._pull(info, min_round=min_round)
+        except (StateTransferError, RendezvousError) as e:
+            return f"rank {self.rank}: {e}" if self.num_ranks > 1 else str(e)
+        return None
+
+    def _pull(self, info: JoinInfo, *, min_round: int) -> None:
+        """Pull this rank's slice from rank j of ``info.members`` within
+        ``state_pull_timeout_s``. With no member left the site only adopts the group's
+        round number. A one-process site whose donors all failed asks the rendezvous
+        for the current members and tries them (ranks of a K > 1 site fail together and
+        try again at the next sync instead: one rank cannot re-register alone).
+
+        Raises:
+            StateTransferError: no consistent state within ``state_pull_timeout_s``.
+            RendezvousError: the rendezvous unreachable when asked again.
+        """
+        st = self.engine.state
+        deadline = time.monotonic() + self.config.state_pull_timeout_s
+        while True:
+            donors = rank_donors(info.members, self.rank, self.num_ranks)
+            if not donors:
+                st.rounds_applied = max(st.rounds_applied, info.next_round)
+                self.donors = []
+                return
+            self.donors = donors
+            try:
+                pull_full_state(
+                    st,
+                    self.engine.transport,
+                    donors,
+                    requester=self.site_id,
+                    timeout_s=max(0.1, deadline - time.monotonic()),
+                    min_round=max(min_round, info.next_round),
+                )
+                return
+            except StateTransferError as e:
+                if self.group is None or self.num_ranks > 1 or time.monotonic() + 0.2 >= deadline:
+                    raise
+                log.warning(
+                    "%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e
+                )
+            time.sleep(0.2)
+            info = self.group.register_with_backoff(60.0)
+
+    def _align_rounds(self, info: JoinInfo, max_tries: int = 5) -> None:
+        """Make every slice reflect the same number of rounds: ranks behind the newest
+        pull again (a donor site may have finished a round between two ranks' pulls).
+        Nothing to do for K = 1."""
+        for _ in range(max_tries):
+            rounds = self.comm.all_gather(self.engine.state.rounds_applied, round=True)
+            if len(set(rounds)) == 1:
+                return
+            target = max(rounds)
+            err = None
+            if self.engine.state.rounds_applied < target:
+                err = self._try_pull(info, min_round=target)
+            errs = [e for e in self.comm.all_gather(err, round=True) if e]
+            if errs:
+                raise StateTransferError(f"{self.site_id}: slices could not be aligned: {errs[0]}")
+        raise SiteGroupError(f"{self.site_id}: slices still at different rounds after {max_tries} pulls")
+
+    def note_progress(self, *, inner_step: int, last_loss: float | None = None) -> None:
+        """What rank 0's heartbeats tell the rendezvous (no-op on ranks j > 0)."""
+        if self.group is not None:
+            self.group.inner_step = inner_step
+            if last_loss is not None:
+                self.group.last_loss = last_loss
+
+    def leave(self) -> None:
+        """Rank 0 leaves the group (heartbeats stop); every rank stops its notices."""
+        if self.group is not None:
+            self.group.leave()
+        if self.notices is not None:
+            self.notices.close()
+
+    # ------------------------------------------------------------------ rounds
+    def _decision(self) -> tuple[str, RoundPlan | None, str, float]:
+        """(rank 0) ``(kind, plan, reason, quorum_s)``: the rendezvous's decision, or
+        ``("error", None, why, 0)`` for a QuorumTimeout (re-raised on every rank)."""
+        assert self.group is not None
+        t0 = time.monotonic()
+        try:
+            kind, d, reason = self.group.next_decision()
+        except QuorumTimeout as e:
+            return "error", None, str(e), 0.0
+        quorum_s = time.monotonic() - t0 if kind in ("plan", "missed") else 0.0
+        return kind, (d.plan if d is not None else None), reason, quorum_s
+
+    def sync(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        buckets: Sequence[int] | None = None,
+        fragment: int | None = None,
+        pace_window_s: float | None = None,
+    ) -> SyncOutcome:
+        """Take part in the next round with this rank's slice of the model.
+
+        Args:
+            tensors: this rank's slice (Δ = θ − tensors), as the bucket layout expects.
+            buckets: a fragment round (Streaming DiLoCo): only these buckets are
+                measured, sent and applied (:meth:`RoundEngine.run_round`); None: all.
+            fragment: the fragment's index, recorded in the outcome and the result.
+            pace_window_s: spread this rank's sends over this many seconds from the
+                round's start; None: unpaced.
+        Returns:
+            the outcome (the same on every rank but ``result``); the caller writes θ
+            into the model per its status. θ is never half a round's: a rank that
+            disagrees makes every rank skip (SKIPPED, slices pulled again).
+        Raises:
+            QuorumTimeout: (every rank) no round formed within ``quorum_wait_s``.
+        """
+        decided = self._decision() if self.group is not None else None
+        kind, plan, reason, quorum_s = self.comm.broadcast(decided, round=True)
+        if kind == "error":
+            raise QuorumTimeout(reason)
+        if kind == "deferred":
+            return SyncOutcome(status=RoundStatus.DEFERRED, reason=reason, fragment=fragment)
+        if kind == "plan":
+            assert plan is not None
+            return self._run_planned(plan, reason, quorum_s, tensors, buckets, fragment, pace_window_s)
+        r = self.engine.state.rounds_applied
+        if kind == "missed":
+            log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
+        err = self.resync()
+        if err is not None:
+            prefix = f"missed round {r} ({reason}); " if kind == "missed" else ""
+            why = f"{prefix}resync failed: {err}"
+            return SyncOutcome(status=RoundStatus.DEFERRED, reason=why, quorum_s=quorum_s, fragment=fragment)
+        return SyncOutcome(status=RoundStatus.RESYNCED, reason=reason, quorum_s=quorum_s, fragment=fragment)
+
+    def _run_planned(
+        self,
+        plan: RoundPlan,
+        reason: str,
+        quorum_s: float,
+        tensors: Sequence[torch.Tensor],
+        buckets: Sequence[int] | None,
+        fragment: int | None,
+        pace_window_s: float | None,
+    ) -> SyncOutcome:
+        """The half-round rule, then this rank's slice's round."""
+        view = RankView(
+            rank=self.rank,
+            kind="plan",
+            plan_round=plan.round,
+            members=plan.site_ids,
+            rounds_applied=self.engine.state.rounds_applied,
+        )
+        if self.view_hook is not None:
+            view = self.view_hook(view)
+        agree, why = decide_agreement(self.comm.all_gather(view, round=True))
+        if not agree:
+            log.warning("%s rank %d: skipping round %d (half-round rule): %s", self.site_id, self.rank, plan.round, why)
+            err = self.resync(min_round=plan.round + 1)
+            status = RoundStatus.DEFERRED if err else RoundStatus.SKIPPED
+            return SyncOutcome(status=status, reason=err or why, quorum_s=quorum_s, fragment=fragment)
+        my_plan = rank_plan(plan, self.rank, self.num_ranks)
+        ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
+        res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)
+        res.fragment = fragment
+        return SyncOutcome(status=RoundStatus.APPLIED, reason=reason, result=res, quorum_s=quorum_s, fragment=fragment)
