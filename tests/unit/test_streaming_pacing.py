@@ -59,8 +59,10 @@ def test_pace_window_is_the_fraction_of_tau_steps():
         DiLoCoConfig(pace_fraction=1.0)
 
 
-class _Out:
-    status, reason = "deferred", "test"
+def _deferred():
+    from dtrain.rounds.outcome import RoundStatus, SyncOutcome
+
+    return SyncOutcome(status=RoundStatus.DEFERRED, reason="test")
 
 
 def test_streaming_sync_passes_a_window_with_overlap_and_none_when_blocking():
@@ -68,7 +70,7 @@ def test_streaming_sync_passes_a_window_with_overlap_and_none_when_blocking():
 
     def sync(tensors, *, buckets, fragment, pace_window_s):
         windows.append(pace_window_s)
-        return _Out()
+        return _deferred()
 
     cfg = DiLoCoConfig(sync_every=4, buckets=BucketConfig(bucket_bytes=4, chunk_bytes=4))
     for tau, want_paced in ((2, True), (0, False)):
