@@ -552,7 +552,10 @@ class DiLoCo:
                     waited.waited_s,
                 )
         if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
-            self.comm.all_gather(None, round=True)
+            try:
+                self.comm.all_gather(None, round=True)
+            except RuntimeError as e:  # a rank died: leave at once, so a restarted group can rejoin
+                log.warning("%s rank %d: closing without the other ranks: %s", self.config.site_id, self.rank, e)
         self.site.leave()
         # A pull counts when it was served, before its reply crossed the link: give replies in
         # flight until the round's broadcast deadline (a stop returns as soon as none is left).
