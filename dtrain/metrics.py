@@ -111,8 +111,9 @@ class StartLine(_Record):
 class RoundLine(_Record):
     """One round attempt of one site (``docs/METRICS.md`` defines every field).
 
-    ``status``: ``applied`` (a round ran here), ``resynced`` (state pulled instead) or
-    ``deferred`` (rendezvous unreachable). The engine fields (:data:`ENGINE_FIELDS`,
+    ``status``: a ``dtrain.rounds.outcome.RoundStatus`` value: ``applied`` (a round ran
+    here), ``resynced`` (state pulled instead), ``skipped`` (a site group's ranks disagreed:
+    slices pulled again) or ``deferred`` (rendezvous unreachable). The engine fields (:data:`ENGINE_FIELDS`,
     from ``RoundResult``) are None, and left out of the JSON, unless a round ran here.
     """
 
@@ -120,7 +121,7 @@ class RoundLine(_Record):
     version: int = METRICS_VERSION
     site: str = ""
     round: int = 0
-    status: Literal["applied", "resynced", "deferred"] | str = "applied"
+    status: Literal["applied", "resynced", "skipped", "deferred"] = "applied"
     reason: str = ""
     members: list[str] = field(default_factory=list)
     val_loss: float | None = None
