@@ -17,11 +17,13 @@ import torch
 from rogue_flood import RogueFlood
 
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
-from dtrain.membership import Group, GroupConfig
+from dtrain.membership import GroupConfig
 from dtrain.protocol import Member, RoundPlan
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.rendezvous.grpc import GrpcRendezvousClient, serve_rendezvous
 from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.site import Site
+from dtrain.sitegroup import LocalSiteComm
 from dtrain.state import GlobalState
 from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
@@ -216,7 +218,7 @@ def test_a_pull_past_max_waiting_pulls_is_refused_at_once():
 
 @pytest.mark.timeout(120)
 def test_three_sites_with_200_rogue_streams_and_200_long_polls_in_flight():
-    """A 3-site run over gRPC (rendezvous + Group + RoundEngine) while a token
+    """A 3-site run over gRPC (rendezvous + Site + RoundEngine) while a token
     holder keeps 200 streams on the sites' Peer servers (idle Pushes and pulls
     waiting for the next round) and 200 Ready long polls at the rendezvous: no
     healthy site is declared dead, every round has all three sites, every
@@ -237,7 +239,7 @@ def test_three_sites_with_200_rogue_streams_and_200_long_polls_in_flight():
     floods = [RogueFlood(server.address, TOKEN)] + [RogueFlood(e.address, TOKEN) for e in engines]
     gcfg = GroupConfig(quorum_wait_s=30.0, ready_poll_s=1.0, rendezvous_retry_s=2.0)
     clients = [GrpcRendezvousClient(server.address, token=TOKEN, rpc_timeout_s=2.0) for _ in engines]
-    groups = [Group(e, c, gcfg) for e, c in zip(engines, clients)]
+    groups = [Site(e, LocalSiteComm(), c, gcfg) for e, c in zip(engines, clients)]
     outcomes: dict[str, list] = {e.site_id: [] for e in engines}
     try:
         for k in range(200):
@@ -251,9 +253,9 @@ def test_three_sites_with_200_rogue_streams_and_200_long_polls_in_flight():
         _wait_until(lambda: floods[0].num_in_flight() == 200, 15, "200 long polls in flight")
         _wait_until(lambda: sum(f.num_in_flight() for f in floods[1:]) >= 190, 15, "the rogue streams in flight")
 
-        def site(group: Group) -> None:
+        def site(group: Site) -> None:
             gen = torch.Generator().manual_seed(hash(group.site_id) % 1000)
-            group.join(timeout_s=10)
+            group.join()
             for _ in range(num_rounds):
                 outcomes[group.site_id].append(group.sync(_step(group.engine, gen)))
 
