@@ -3,9 +3,9 @@
 Steps of :meth:`RoundEngine.run_round` (docs/ARCHITECTURE.md, "One round"), each a method:
 
 1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`;
-   member-side, the fate of each bucket: :class:`~dtrain.rounds.member.MemberRound`, whose
-   transitions steps 3-6 call) and start the finalizer thread (``_finalize_loop``: publishes each owned bucket's
-   mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
+   member side, each bucket's fate: :class:`~dtrain.rounds.member.MemberRound`, whose
+   transitions steps 3-6 call) and start the finalizer thread (``_finalize_loop``:
+   publishes each owned bucket's mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
 2. ``_reduce`` — encode Δ_b + residual_b per chunk and stream it to owner(b);
 3. ``_broadcast`` — pull the means of the buckets other sites own;
 4. ``_late_pulls`` — once more from the owner (a lost reply), then from members;
