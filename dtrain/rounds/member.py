@@ -3,7 +3,7 @@ synchronises (docs/ARCHITECTURE.md, "One round": broadcast, late pulls, apply an
 verify, repair), the counterpart of the owner side's :class:`~dtrain.rounds.owner.OpenRound`.
 
 :class:`MemberRound` holds every per-bucket fact of one round at one site (whose is
-the bucket, whether and from where its mean arrived, why not, whether its owner is
+the bucket, whether its mean arrived and why not, whether its owner is
 lost, its :class:`~dtrain.rounds.types.BucketOutcome` and why, who repaired it) as a
 state machine whose methods are its transitions. A bucket owned elsewhere goes
 
@@ -46,7 +46,7 @@ from dtrain.rounds.types import BucketOutcome
 
 __all__ = ["MemberRound", "Phase", "InvalidTransition", "PULL_TIMEOUT_OWNER_LOST_S"]
 
-#: A pull that timed out with less than max(this, 5% of the broadcast timeout) left
+#: A pull that timed out with at most max(this, 5% of the broadcast timeout) left
 #: before the broadcast deadline counts as its owner lost (:meth:`MemberRound.pull_timed_out`).
 PULL_TIMEOUT_OWNER_LOST_S = 0.05
 
@@ -289,7 +289,7 @@ class MemberRound:
 
     def pull_timed_out(self, b: int, now: float) -> bool:
         """AWAITING: the owner did not answer the pull of bucket ``b`` by ``now``. Near the
-        broadcast deadline (less than max(:data:`PULL_TIMEOUT_OWNER_LOST_S`, 5% of the
+        broadcast deadline (at most max(:data:`PULL_TIMEOUT_OWNER_LOST_S`, 5% of the
         broadcast timeout) left) the owner is stopped, hung or far behind: owner-lost, so
         that no late pull or repair waits on it and the round ends at its deadline.
         Earlier, it is a lost reply (the owner is alive: the bucket is retried and
