@@ -2,9 +2,10 @@
 
 Steps of :meth:`RoundEngine.run_round` (docs/ARCHITECTURE.md, "One round"), each a method:
 
-1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`)
-   and start the finalizer thread (``_finalize_loop``: publishes each owned bucket's
-   mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
+1. ``_open_round`` — register the round (owner-side books: :class:`~dtrain.rounds.owner.OpenRound`;
+   member side, each bucket's fate: :class:`~dtrain.rounds.member.MemberRound`, whose
+   transitions steps 3-6 call) and start the finalizer thread (``_finalize_loop``:
+   publishes each owned bucket's mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
 2. ``_reduce`` — encode Δ_b + residual_b per chunk and stream it to owner(b);
 3. ``_broadcast`` — pull the means of the buckets other sites own;
 4. ``_late_pulls`` — once more from the owner (a lost reply), then from members;
@@ -47,6 +48,7 @@ from dtrain.errors import (
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
+from dtrain.rounds.member import MemberRound
 from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.serving import PeerSide, _Owned
@@ -69,19 +71,13 @@ class _Run:
     owners: list[str]  # per bucket; "" for a bucket outside this round (a fragment round)
     active: tuple[int, ...]  # the buckets this round synchronises, ascending
     owned: _Owned
+    member: MemberRound  # the member side: each bucket's mean, owner, outcome (under `lock` while threads pull)
     res: RoundResult
     contribute: bool
     t0: float
     bytes0: tuple[int, int]
     pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
-    got: dict[int, BucketMean] = field(default_factory=dict)  # means pulled from their owners (or members)
-    missing: dict[int, str] = field(default_factory=dict)  # bucket -> why its mean did not arrive
-    owner_lost: set[int] = field(default_factory=set)  # buckets whose owner could not be reached
-    unreachable: set[str] = field(default_factory=set)  # members the data path found gone this round
-    outcome: dict[int, BucketOutcome] = field(default_factory=dict)
-    missed: set[int] = field(default_factory=set)  # stale because the mean never arrived
-    repaired_senders: dict[int, list] = field(default_factory=dict)  # a repair's mean_senders per bucket
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
     @property
@@ -250,6 +246,13 @@ class RoundEngine(PeerSide):
             opened_at=t0,
         )
         owned = _Owned(books)
+        member = MemberRound(
+            plan=plan,
+            owners=owners,
+            site_id=self.site_id,
+            num_chunks=[len(b.chunks) for b in layout.buckets],
+            opened_at=t0,
+        )
         self.mean_pulls.expect(
             r, buckets=books.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=books.broadcast_until
         )
@@ -268,7 +271,15 @@ class RoundEngine(PeerSide):
         # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
         self.transport.begin_round(plan, owners, self.site_id)
         return _Run(
-            plan=plan, owners=owners, active=active, owned=owned, res=res, contribute=contribute, t0=t0, bytes0=bytes0
+            plan=plan,
+            owners=owners,
+            active=active,
+            owned=owned,
+            member=member,
+            res=res,
+            contribute=contribute,
+            t0=t0,
+            bytes0=bytes0,
         )
 
     def _pacer(self, run: _Run, window_s: float) -> Pacer:
@@ -443,10 +454,8 @@ class RoundEngine(PeerSide):
         the means of the buckets it owns (they will not come: no pull waits for
         them, they are OWNER_LOST here). Later rounds: the rendezvous decides."""
         with run.lock:
-            if site_id in run.unreachable:
+            if not run.member.member_unreachable(site_id):
                 return
-            run.unreachable.add(site_id)
-            run.owner_lost.update(b for b, o in enumerate(run.owners) if o == site_id)
         self.log.warning("round %d: %s unreachable: %s", run.round, site_id, why)
         self.members_lost([site_id], round=run.round, why=f"unreachable ({why})")
         self._note_unreachable(site_id)
@@ -454,27 +463,25 @@ class RoundEngine(PeerSide):
     # ------------------------------------------------------------------ site: broadcast
     def _broadcast(self, run: _Run) -> None:
         """Step 3: pull the means of the buckets others own, until the broadcast deadline."""
-        remote = [b for b in run.active if run.owners[b] != self.site_id]
         if self.fault_hook is not None:
             self.fault_hook("before_pull", run.round)
         t = time.perf_counter()
         with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:
-            for b, m, err in ex.map(lambda b: self._pull_from_owner(run, b), remote):
-                if m is not None:
-                    run.got[b] = m
-                else:
-                    run.missing[b] = err
+            for b, m, err in ex.map(lambda b: self._pull_from_owner(run, b), run.member.remote):
+                with run.lock:
+                    if m is not None:
+                        run.member.mean_arrived(b, m)
+                    else:
+                        run.member.mean_missing(b, err)
         run.add(network_s=time.perf_counter() - t)
 
     def _pull_from_owner(self, run: _Run, b: int) -> tuple[int, BucketMean | None, str]:
-        books = run.owned.books
         owner = run.owners[b]
-        if owner in run.unreachable:
-            return b, None, f"owner {owner} unreachable in this round"
+        with run.lock:
+            left, why = run.member.pull_decision(b, time.monotonic())
+        if left <= 0:
+            return b, None, why
         try:
-            left = books.broadcast_until - time.monotonic()
-            if left <= 0:
-                return b, None, "broadcast deadline passed"
             addr = run.plan.address_of(owner)
             # our θ_b checksum: if stale, the owner waits at its close for our repair too
             have = self.state.checksum(b) if self.config.repair else ""
@@ -489,9 +496,8 @@ class RoundEngine(PeerSide):
             # waits on it again and the round ends at its deadline. A timeout well
             # before the deadline is a lost reply (the in-process transport's
             # pull_loss): the owner is alive, so the bucket is retried and repaired.
-            if books.broadcast_until - time.monotonic() <= max(0.05, 0.05 * run.plan.broadcast_timeout_s):
-                with run.lock:
-                    run.owner_lost.add(b)
+            with run.lock:
+                run.member.pull_timed_out(b, time.monotonic())
             return b, None, str(e)
         except TransportError as e:
             return b, None, str(e)
@@ -499,17 +505,15 @@ class RoundEngine(PeerSide):
     def _late_pulls(self, run: _Run) -> None:
         """Step 4: for each missing mean, the owner once more (a lost reply), then
         members that may hold it (owner slow or gone), within ~1 s."""
-        if not run.missing:
+        missing = run.member.missing()
+        if not missing:
             return
         late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
-        for b in list(run.missing):
+        for b in missing:
             owner = run.owners[b]
-            sources = [owner] + [s for s in run.plan.site_ids if s not in (self.site_id, owner)]
-            for sid in sources:
+            for sid in run.member.late_pull_sources(b):
                 if time.monotonic() > late_until:
                     break
-                if sid == owner and b in run.owner_lost:
-                    continue
                 try:
                     m = self.transport.pull_mean(
                         run.plan.address_of(sid),
@@ -522,56 +526,51 @@ class RoundEngine(PeerSide):
                     )
                 except PeerUnavailable:
                     if sid == owner:
-                        run.owner_lost.add(b)
+                        run.member.owner_lost(b)
                     continue
                 except TransportError:
                     continue
-                run.got[b] = m
-                run.missing.pop(b)
-                run.owner_lost.discard(b)
+                run.member.mean_arrived(b, m)
                 break
 
     # ------------------------------------------------------------------ site: apply, verify
     def _apply_and_verify(self, run: _Run) -> None:
-        """Step 5: apply every mean that arrived; give each bucket its outcome."""
+        """Step 5: apply every mean that arrived; give each bucket its outcome (``run.member``)."""
         r = run.round
         for b in run.active:
             if run.owners[b] == self.site_id:
                 with self._cv:
                     m = self._means.get((r, b))
                 # published by the finalizer (which applied it); unpublished only if it overran
-                run.outcome[b] = (
-                    BucketOutcome.STALE if m is None else (BucketOutcome.APPLIED if m.chunks else BucketOutcome.EMPTY)
-                )
+                run.member.published(b, m)
                 continue
-            run.outcome[b] = self._apply_remote(run, b)
-        run.res.broadcast_arrived_fraction = (
-            (len(run.got) + len(run.owned.books.mine)) / len(run.active) if run.active else 1.0
-        )
+            self._apply_remote(run, b)
+        run.res.broadcast_arrived_fraction = run.member.broadcast_arrived_fraction
 
-    def _apply_remote(self, run: _Run, b: int) -> BucketOutcome:
-        """Apply the mean of bucket ``b`` (owned elsewhere), if it arrived; its outcome."""
-        r, owner, m = run.round, run.owners[b], run.got.get(b)
+    def _apply_remote(self, run: _Run, b: int) -> None:
+        """Apply the mean of bucket ``b`` (owned elsewhere), if it arrived; give it its outcome."""
+        r, owner, member = run.round, run.owners[b], run.member
+        m = member.mean(b)
         if m is None:
             with self._cv:
                 self.state.bucket_round[b] = r + 1
-            why = run.missing.get(b, "")
-            if b in run.owner_lost:  # nobody got this mean: every survivor keeps θ_b alike
-                self.log.warning(
-                    "round %d: bucket %d %s: no mean from %s: %s", r, b, BucketOutcome.OWNER_LOST, owner, why
-                )
-                return BucketOutcome.OWNER_LOST
-            run.missed.add(b)  # the owner may have applied a mean we missed: repaired from it
-            return self._stale(run, b, f"its mean never arrived from {owner}: {why}")
+            # OWNER_LOST: nobody got this mean, every survivor keeps θ_b alike; STALE: the
+            # owner may have applied a mean we missed: repaired from it
+            outcome = member.no_mean(b)
+            self.log.warning("round %d: bucket %d %s: %s", r, b, outcome, member.why(b))
+            return
         with self._cv:
             self._means[(r, b)] = m
         if not m.chunks:
             with self._cv:
                 self.state.bucket_round[b] = r + 1
-            return BucketOutcome.EMPTY
-        stale_before = self.state.checksum(b) != m.checksum_before
+            member.empty(b)
+            return
+        before = self.state.checksum(b)
+        stale_before = member.differs_before(b, before)
         if stale_before and self.config.repair:
-            return self._stale(run, b, f"differs from owner {owner} before applying")  # pulled whole
+            self._stale(run, b, f"differs from owner {owner} before applying")  # pulled whole
+            return
         # Keep-stale (arXiv 2507.07114 §4.2) applies the mean to our own θ_b, so the
         # drift stays what was missed instead of growing every round.
         t = time.perf_counter()
@@ -579,47 +578,38 @@ class RoundEngine(PeerSide):
             full = decode_mean(self.bcodec, self.state.layout.buckets[b], m)
         except (CodecError, ValueError) as e:
             run.res.errors.append(f"bad mean b{b}: {e}")
-            return self._stale(run, b, f"bad mean from {owner}: {e}")
+            self._stale(run, b, f"bad mean from {owner}: {e}")
+            return
         run.add(decode_s=time.perf_counter() - t)
         after = self.state.apply_mean(b, full)
         with self._cv:
             self.state.bucket_round[b] = r + 1
-        if stale_before:
-            return self._stale(run, b, f"differs from owner {owner} before applying (kept stale)")
-        if after != m.checksum_after:
-            return self._stale(run, b, f"checksum after apply differs from owner {owner}")
-        return BucketOutcome.APPLIED
+        if member.applied(b, before=before, after=after) is BucketOutcome.STALE:
+            self.log.warning("round %d: bucket %d %s: %s", r, b, BucketOutcome.STALE, member.why(b))
 
-    def _stale(self, run: _Run, b: int, why: str) -> BucketOutcome:
+    def _stale(self, run: _Run, b: int, why: str) -> None:
+        run.member.stale(b, why)
         self.log.warning("round %d: bucket %d %s: %s", run.round, b, BucketOutcome.STALE, why)
-        return BucketOutcome.STALE
 
     # ------------------------------------------------------------------ site: repair
     def _repair(self, run: _Run) -> None:
         """Step 6: pull stale buckets whole from their owner (or a member with the
         owner's checksum), within ``repair_timeout_s``; repaired ones become REPAIRED.
 
-        A bucket whose mean this site never got (``run.missed``) is pulled from its
-        owner only, and only a state that reflects this round's mean is taken; its
-        ``mean_senders`` (which chunks the mean included) go to ``run.repaired_senders``.
+        A bucket whose mean this site never got is pulled from its owner only, and only
+        a state that reflects this round's mean is taken; its ``mean_senders`` (which
+        chunks the mean included) settle the residual (``MemberRound.repair_decision``).
         """
-        stale = [b for b, o in run.outcome.items() if o is BucketOutcome.STALE and run.owners[b] != self.site_id]
+        stale = run.member.to_repair()
         if not stale or not self.config.repair:
             return
         deadline = time.monotonic() + self.config.repair_timeout_s
         for b in stale:
-            owner = run.owners[b]
-            sources = (
-                [owner]
-                if b in run.missed
-                else [owner] + [s for s in run.plan.site_ids if s not in (owner, self.site_id)]
-            )
-            for src in sources:
+            for src in run.member.repair_sources(b):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 if self._repair_from(run, b, src, left):
-                    run.outcome[b] = BucketOutcome.REPAIRED
                     self.log.info("round %d: bucket %d %s from %s", run.round, b, BucketOutcome.REPAIRED, src)
                     break
 
@@ -631,29 +621,14 @@ class RoundEngine(PeerSide):
         except (TransportError, StateTransferError) as e:
             self.log.warning("round %d: repair of bucket %d from %s failed: %s", run.round, b, src, e)
             return False
-        want = run.got[b].checksum_after if b in run.got else None
-        if want is not None and st.checksum != want:
+        ok, why = run.member.repair_decision(b, st.checksum, st.extra)
+        if not ok:
+            self.log.warning("round %d: repair of bucket %d from %s: %s", run.round, b, src, why)
             return False
-        if b in run.missed:
-            ms = st.extra.get("mean_senders")
-            num_chunks = len(self.state.layout.buckets[b].chunks)
-            if (
-                st.extra.get("mean_round") != run.round
-                or not isinstance(ms, list)
-                or len(ms) not in (0, num_chunks)
-                or not all(isinstance(x, list) for x in ms)
-            ):
-                self.log.warning(
-                    "round %d: repair of bucket %d from %s: its state does not reflect this round's mean",
-                    run.round,
-                    b,
-                    src,
-                )
-                return False
-            run.repaired_senders[b] = ms
         resid = self.state.residuals[b]
         self.state.load_bucket(b, theta, opt, st.rounds_applied)
         self.state.residuals[b] = resid
+        run.member.repaired(b, src, checksum=st.checksum, extra=st.extra)
         return True
 
     # ------------------------------------------------------------------ site: residuals
@@ -667,7 +642,7 @@ class RoundEngine(PeerSide):
             if v is None:
                 continue
             chunks = layout.buckets[b].chunks
-            senders, applied = self._mean_of(run, b)
+            senders, applied = run.member.mean_of(b)
             included = error_feedback.included_chunks(self.site_id, senders, len(chunks))
             if run.contribute:
                 num_mine += len(chunks)
@@ -688,27 +663,14 @@ class RoundEngine(PeerSide):
                 self.log.warning("round %d: mean of b%d c%d undecodable, residual kept whole: %s", run.round, b, c, e)
         run.res.included_fraction = num_included / num_mine if num_mine else 1.0
 
-    def _mean_of(self, run: _Run, b: int) -> tuple[list, BucketMean | None]:
-        """Who bucket ``b``'s mean included (per chunk), and the mean applied here when
-        it is known and whole (None otherwise)."""
-        if run.owners[b] == self.site_id:
-            with self._cv:
-                m = self._means.get((run.round, b))
-        else:
-            m = run.got.get(b)
-        if m is None:
-            return run.repaired_senders.get(b, []), None
-        whole = len(m.chunks) == len(self.state.layout.buckets[b].chunks)
-        return [ch.senders for ch in m.chunks], (m if whole else None)
-
     # ------------------------------------------------------------------ site: close
     def _close(self, run: _Run) -> RoundResult:
         """Step 8: account for rejections, exclude repeat offenders, finish the result."""
         res, books = run.res, run.owned.books
-        res.count_outcomes(run.outcome[b] for b in run.active)
+        res.count_outcomes(run.member.outcomes())
         for b in run.active:
-            if run.outcome[b] in (BucketOutcome.APPLIED, BucketOutcome.REPAIRED):
-                res.mean_senders[str(b)] = compact_senders(self._mean_of(run, b)[0])
+            if run.member.outcome(b) in (BucketOutcome.APPLIED, BucketOutcome.REPAIRED):
+                res.mean_senders[str(b)] = compact_senders(run.member.mean_of(b)[0])
         with run.owned.cv:
             self._note_rejections(books)
             res.rejected = books.rejections.by_code()
