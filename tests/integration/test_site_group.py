@@ -142,8 +142,7 @@ def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites_theta_cpu_o
 
 def one_rank_diloco_numel(*, steps: int, sync_every: int) -> int:
     """θ + outer state + residual elements of a plain 1-process DiLoCo site after its rounds."""
-    from dtrain.diloco import DiLoCo, DiLoCoConfig
-    from dtrain.diloco import diloco_numel
+    from dtrain.diloco import DiLoCo, DiLoCoConfig, diloco_numel
 
     model = task.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
