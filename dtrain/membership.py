@@ -21,9 +21,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import QuorumTimeout, RendezvousError, StateTransferError
+from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError, StateTransferError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
-from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.state import pull_full_state
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
@@ -121,8 +120,8 @@ class Group:
         while True:
             try:
                 return fn()
-            except SiteIdTaken:
-                raise  # another live site holds this id: retrying cannot help
+            except PermanentError:
+                raise  # a wrong token, a taken site id: retrying cannot help
             except RendezvousError as e:
                 if time.monotonic() + delay > deadline:
                     raise

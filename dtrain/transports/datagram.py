@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
-from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
+from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
 from dtrain.transports.datagram_config import DatagramTransportConfig
@@ -203,7 +203,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         except OSError as e:
             sock.close()
             self._grpc.stop(0)
-            raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
+            raise BindError(
+                "bind_host and bind_port", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}"
+            ) from e
         sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
         threads = (
