@@ -139,3 +139,16 @@ def test_a_site_on_etcd_starts_while_etcd_is_down_and_its_calls_say_why() -> Non
         assert isinstance(EtcdError("x"), RendezvousError)  # a site defers and retries, as for any rendezvous
     finally:
         c.close()
+
+
+def test_etcd_refusals_carry_the_grpc_code_etcd_answered() -> None:
+    """etcd's JSON gateway answers ``{"code": 5, "error": "etcdserver: requested lease not
+    found"}``: the client reads the code, not the words (``lease_revoke`` of an unknown lease)."""
+    from dtrain.errors import RejectCode
+    from dtrain.rendezvous.etcd_client import EtcdError, _reject_code
+
+    assert _reject_code(5) is RejectCode.NOT_FOUND and _reject_code(16) is RejectCode.UNAUTHENTICATED
+    assert _reject_code(14) is RejectCode.UNAVAILABLE and _reject_code(9) is RejectCode.FAILED_PRECONDITION
+    for odd in (0, 17, -1, None, "5", True):
+        assert _reject_code(odd) is RejectCode.UNKNOWN
+    assert EtcdError("x").code is None and EtcdError("x", RejectCode.NOT_FOUND).code is RejectCode.NOT_FOUND
