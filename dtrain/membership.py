@@ -20,9 +20,8 @@ from collections import deque
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import QuorumTimeout, RendezvousError
+from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
-from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
@@ -115,8 +114,8 @@ class Group:
         while True:
             try:
                 return fn()
-            except SiteIdTaken:
-                raise  # another live site holds this id: retrying cannot help
+            except PermanentError:
+                raise  # a wrong token, a taken site id: retrying cannot help
             except RendezvousError as e:
                 if time.monotonic() + delay > deadline:
                     raise

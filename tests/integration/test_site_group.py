@@ -90,12 +90,12 @@ def run_sites(
 
 def reference_run(*, steps: int, sync_every: int, lr: float) -> list[torch.Tensor]:
     """The same training as 2 sites x 1 rank, in process (plain DiLoCo, inproc transport)."""
-    from dtrain.sim import ClusterConfig, InprocCluster
+    from dtrain.sim import ClusterConfig, InprocCluster, fast_diloco_config
 
     cluster = InprocCluster(
         task.make_model,
         lambda m: torch.optim.SGD(m.parameters(), lr=lr),
-        ClusterConfig(num_sites=2, sync_every=sync_every),
+        ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=sync_every)),
     )
 
     def step(site, k):
