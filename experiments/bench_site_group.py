@@ -20,9 +20,9 @@ thread per rank:
 "ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the
 issue's target is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
 
-    python experiments/bench_site_group.py                 # 25M params, K = 1 and 2
-    python experiments/bench_site_group.py --quick         # 2M params, fast
-    python experiments/bench_site_group.py --json out.json
+    python -m experiments.bench_site_group                 # 25M params, K = 1 and 2
+    python -m experiments.bench_site_group --quick         # 2M params, fast
+    python -m experiments.bench_site_group --json out.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 STEPS = ("gather", "round", "scatter", "allgather", "checksum")
 

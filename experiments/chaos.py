@@ -41,8 +41,8 @@ longest-lived process after the first 30 % of its life). Prints a table:
 faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
 against a fault-free run with the same seed.
 
-    python experiments/chaos.py --smoke            # CI: 3 sites, a few rounds and faults
-    python experiments/chaos.py --rounds 200 --faults 50
+    python -m experiments.chaos --smoke            # CI: 3 sites, a few rounds and faults
+    python -m experiments.chaos --rounds 200 --faults 50
 """
 
 from __future__ import annotations
@@ -63,16 +63,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
 
-import grpc  # noqa: E402
-
-from dtrain.metrics import RoundLine, read_metrics, rejected_applied  # noqa: E402
-from dtrain.protocol import Contribution  # noqa: E402
-from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig  # noqa: E402
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
-from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS  # noqa: E402
-from experiments.site_failures import WORKER  # noqa: E402
+from dtrain.metrics import RoundLine, read_metrics, rejected_applied
+from dtrain.protocol import Contribution
+from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig
+from experiments.procs import ProcRun, netem_topology
+from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
+from experiments.site_failures import WORKER
 
 log = logging.getLogger("chaos")
 TOKEN = "chaos-token"
@@ -301,7 +299,7 @@ class _Soak(ProcRun):
             threading.Thread(target=_rogue, args=(kind, addr, metrics), daemon=True).start()
         else:  # from the rendezvous's site (the root namespace has no route to the sites); the
             # process reads the round once started (a second or more later)
-            argv = [sys.executable, str(Path(__file__).resolve()), "--rogue", kind, addr, str(metrics)]
+            argv = [sys.executable, "-m", "experiments.chaos", "--rogue", kind, addr, str(metrics)]
             self.rogues.append(self.topo.popen(self.cfg.num_sites, argv, env=self.env, stdout=subprocess.DEVNULL))
         return True
 
@@ -456,7 +454,6 @@ def table(res: dict) -> str:
 def _netem_wanted(mode: str) -> bool:
     if mode == "off":
         return False
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import netem  # noqa: PLC0415
 
     missing = netem.missing_requirements()

@@ -15,9 +15,9 @@ for good otherwise. The other codecs use the defaults (contribution-side error f
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/codec_sweep.py --quick    # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/codec_sweep.py            # full: small model, more rounds, + fp16
-    .venv/bin/python experiments/codec_sweep.py --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments.codec_sweep --quick    # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments.codec_sweep            # full: small model, more rounds, + fp16
+    .venv/bin/python -m experiments.codec_sweep --smoke --out /tmp/x --results none
 
 Writes ``OUT/codec_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
 and puts its table into ``experiments/RESULTS.md``.
@@ -33,13 +33,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from dtrain.codecs import CodecConfig, get_codec  # noqa: E402
-from dtrain.tasks import TaskSpec, build_task  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.tasks import TaskSpec, build_task
+from experiments.common import (
     RunSpec,
     base_parser,
     fmt_pm,

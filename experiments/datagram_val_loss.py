@@ -24,10 +24,10 @@ Verdict: "met" when mean d <= 0.5% with SE <= the target SE; "missed by X" when 
 
 Usage::
 
-    .venv/bin/python experiments/datagram_val_loss.py --quick          # 3 sites, up to 12 seed pairs
-    .venv/bin/python experiments/datagram_val_loss.py --smoke --out /tmp/x --results none   # CI
-    .venv/bin/python experiments/datagram_val_loss.py --quick --netem  # as root: through netem
-    .venv/bin/python experiments/datagram_val_loss.py --quick --netem --mtu-bytes 9000  # jumbo frames
+    .venv/bin/python -m experiments.datagram_val_loss --quick          # 3 sites, up to 12 seed pairs
+    .venv/bin/python -m experiments.datagram_val_loss --smoke --out /tmp/x --results none   # CI
+    .venv/bin/python -m experiments.datagram_val_loss --quick --netem  # as root: through netem
+    .venv/bin/python -m experiments.datagram_val_loss --quick --netem --mtu-bytes 9000  # jumbo frames
 
 ``--mtu-bytes`` (with ``--netem``): every link's MTU, and ``--max-datagram-bytes`` 100 less
 (as ``datagram_vs_grpc.py``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
@@ -41,13 +41,10 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
+from experiments.common import (
     RunResult,
     RunSpec,
     base_parser,
@@ -60,7 +57,7 @@ from experiments.common import (  # noqa: E402
     run_inproc,
     run_or_load,
 )
-from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 TOLERANCE = 0.005  # the "within 0.5%"
 TARGET_SE = 0.002  # the "standard error <= 0.2%" (the verdict's; --target-se only stops adding seeds)

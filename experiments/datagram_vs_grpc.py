@@ -29,9 +29,9 @@ work). The sites' sync CPU over the cores is a floor under a round's exchange on
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python experiments/datagram_vs_grpc.py --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
-    .venv/bin/python experiments/datagram_vs_grpc.py --smoke --out /tmp/x --results none   # CI
-    .venv/bin/python experiments/datagram_vs_grpc.py --quick --mtu-bytes 9000   # jumbo-frame links
+    .venv/bin/python -m experiments.datagram_vs_grpc --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
+    .venv/bin/python -m experiments.datagram_vs_grpc --smoke --out /tmp/x --results none   # CI
+    .venv/bin/python -m experiments.datagram_vs_grpc --quick --mtu-bytes 9000   # jumbo-frame links
 
 ``--mtu-bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
 ``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
@@ -54,10 +54,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.transports.datagram import max_datagram_bytes_for_mtu  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.transports.datagram import max_datagram_bytes_for_mtu
+from experiments.common import (
     RunResult,
     base_parser,
     md_table,
@@ -69,9 +67,9 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
-from experiments.wan_sweep import physical_limit_s  # noqa: E402
-from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
+from experiments.procs import ProcRun, netem_topology
+from experiments.wan_sweep import physical_limit_s
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 
 def _loss_based_cc() -> str:

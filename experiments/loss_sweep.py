@@ -21,9 +21,9 @@ The 10% point over the gRPC transport with real packet loss (netem) is
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/loss_sweep.py --quick     # 4 sites, tiny, 3 seeds: minutes on 2 cores
-    .venv/bin/python experiments/loss_sweep.py             # full: small model, 5 seeds, more rounds
-    .venv/bin/python experiments/loss_sweep.py --smoke --out /tmp/x --results none   # CI: seconds
+    .venv/bin/python -m experiments.loss_sweep --quick     # 4 sites, tiny, 3 seeds: minutes on 2 cores
+    .venv/bin/python -m experiments.loss_sweep             # full: small model, 5 seeds, more rounds
+    .venv/bin/python -m experiments.loss_sweep --smoke --out /tmp/x --results none   # CI: seconds
 
 Writes ``OUT/loss_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv`` (one row
 per run and round), ``....png`` (perplexity change against loss rate) and
@@ -40,9 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from experiments.common import (
     RunSpec,
     base_parser,
     fmt_pm,

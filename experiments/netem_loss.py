@@ -18,9 +18,9 @@ bit-identical; what is left is the timing of which chunks miss a deadline).
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python experiments/netem_loss.py --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/netem_loss.py           # full: small, H = 50, 40 rounds, 5 seeds
-    .venv/bin/python experiments/netem_loss.py --smoke --out /tmp/x --results none   # CI: 2 sites, 3 rounds
+    .venv/bin/python -m experiments.netem_loss --quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments.netem_loss           # full: small, H = 50, 40 rounds, 5 seeds
+    .venv/bin/python -m experiments.netem_loss --smoke --out /tmp/x --results none   # CI: 2 sites, 3 rounds
 
 Writes ``OUT/netem_loss[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
 and puts its table into ``experiments/RESULTS.md``.
@@ -37,9 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -53,7 +51,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import ProcRun, netem_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)

@@ -45,8 +45,6 @@ def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1
     ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
     be emulated here.
     """
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     import netem  # noqa: PLC0415
 
     missing = netem.missing_requirements()

@@ -22,9 +22,9 @@ for a site whose heartbeats have not yet timed out).
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/site_failures.py --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/site_failures.py           # full: small model, more rounds
-    .venv/bin/python experiments/site_failures.py --smoke --out /tmp/x --results none   # CI: 2 runs
+    .venv/bin/python -m experiments.site_failures --quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments.site_failures           # full: small model, more rounds
+    .venv/bin/python -m experiments.site_failures --smoke --out /tmp/x --results none   # CI: 2 runs
 
 Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -41,9 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -59,7 +57,7 @@ from experiments.common import (  # noqa: E402
     subplots,
     summarize,
 )
-from experiments.procs import ProcRun  # noqa: E402
+from experiments.procs import ProcRun
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]

@@ -31,9 +31,9 @@ Per run (one per configuration and seed):
 
 Usage (as root: netem needs network namespaces)::
 
-    .venv/bin/python experiments/streaming.py --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
-    .venv/bin/python experiments/streaming.py --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
-    .venv/bin/python experiments/streaming.py           # full: 3 seeds
+    .venv/bin/python -m experiments.streaming --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
+    .venv/bin/python -m experiments.streaming --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
+    .venv/bin/python -m experiments.streaming           # full: 3 seeds
 
 Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
 """
@@ -48,9 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -62,7 +60,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import ProcRun, netem_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)

@@ -31,9 +31,9 @@ Per setting and seed:
 
 Usage (from the repository root, as root: netem needs network namespaces)::
 
-    .venv/bin/python experiments/wan_sweep.py --quick   # 4 sites, small, 27 settings, 3 seeds
-    .venv/bin/python experiments/wan_sweep.py           # full: base model, 3 measured rounds each
-    .venv/bin/python experiments/wan_sweep.py --smoke --out /tmp/x --results none   # CI: 2 sites, 2 settings
+    .venv/bin/python -m experiments.wan_sweep --quick   # 4 sites, small, 27 settings, 3 seeds
+    .venv/bin/python -m experiments.wan_sweep           # full: base model, 3 measured rounds each
+    .venv/bin/python -m experiments.wan_sweep --smoke --out /tmp/x --results none   # CI: 2 sites, 2 settings
 
 Writes ``OUT/wan_sweep[_MODE].csv`` (one row per setting and seed), ``..._rounds.csv``
 (one row per round and site), ``....png``, and puts its table into
@@ -52,9 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -68,7 +66,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import ProcRun, netem_topology
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that

@@ -71,7 +71,7 @@ def test_loss_sweep_smoke(tmp_path: Path) -> None:
     for png in ("loss_sweep_smoke.png", "loss_sweep_smoke_drift.png"):
         assert (tmp_path / png).stat().st_size > 5000
     assert "## Chunk-loss sweep (smoke)" in md
-    assert "`.venv/bin/python experiments/loss_sweep.py --smoke" in md
+    assert "`.venv/bin/python -m experiments.loss_sweep --smoke" in md
     assert "| 30 | 1 |" in md  # the 30% row of the table
     # --replot: nothing runs, the same CSV gives the same table
     csv_before = (tmp_path / "loss_sweep_smoke.csv").read_text()
@@ -293,7 +293,7 @@ def test_convergence_smoke(tmp_path: Path) -> None:
     )
     for name in ("convergence_iid", "convergence_non-iid", "diagnosis_iid"):
         assert (tmp_path / f"convergence_smoke_{name}.png").stat().st_size > 5000
-    assert "## Convergence (issue 18, smoke)" in md and "`.venv/bin/python experiments/convergence.py --smoke" in md
+    assert "## Convergence (issue 18, smoke)" in md and "`.venv/bin/python -m experiments.convergence --smoke" in md
     for claim in ("DiLoCo vs DDP (iid", "DiLoCo vs DDP (non-iid", "10% chunk loss ≤ 0.5%", "int4 no regression"):
         assert claim in md
     assert md.count("→ **") >= 8  # a verdict per claim
