@@ -136,7 +136,7 @@ def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
         r.row.update({f"bench_{k}": v for k, v in b[r.row["codec"]].items()})
 
 
-def findings(rows: list[dict[str, Any]], m: dict[str, Any] | None = None) -> list[str]:
+def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = None, m: Any = None) -> list[str]:
     """Verdict lines under the table."""
     groups = summarize(rows)
     base = groups.get("fp32", [])
@@ -259,7 +259,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return p
 
 
-def report(rows: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     """Setup, the table (:func:`analyse`) and the plot of one sweep."""
     f = m["fixed"]
     png = plot(rows, prefix)

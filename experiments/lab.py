@@ -101,7 +101,9 @@ class Spec:
         title: the RESULTS.md section title (the mode is appended).
         modes: per mode: ``seeds`` (list), ``jobs``, ``fixed`` and ``grid`` (merged over the
             spec's own, by path), and any knob the spec's functions read (``m[...]``).
-        grid: path -> values; every combination is one configuration (in the order given).
+        grid: path -> values; every combination is one configuration (in the order given). A
+            mode may instead give a list of points (path -> value dicts; a point's ``config``
+            key, if any, is its label): configurations that are not a product.
         fixed: path -> value for every run.
         label: grid point (path -> value) -> the configuration's label (the ``config`` column).
         derive: grid point -> more path -> value settings (e.g. a flag that follows the codec).
@@ -109,9 +111,10 @@ class Spec:
         metrics: (column, low, high): the numbers every row reports, and the range a sane
             run's value lies in (the smoke test checks them: finite and in range).
         after_runs: (results, mode settings) -> None, extra measurements added to the rows.
-        report: (rows, mode settings, csv prefix) -> the section's body under the stamp:
-            setup, table, plots (the analysis; a spec's own function).
-        verdict: (rows, mode settings) -> verdict lines, one per claim (a named function).
+        report: (rows, per-round rows, mode settings, csv prefix) -> the section's body under
+            the stamp: setup, table, plots (the analysis; a spec's own function).
+        verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim (a named
+            function).
     """
 
     name: str
@@ -124,11 +127,11 @@ class Spec:
     columns: Callable[[dict[str, Any]], dict[str, Any]] = lambda point: {}
     metrics: tuple[tuple[str, float, float], ...]
     after_runs: Callable[[list[RunResult], dict[str, Any]], None] | None = None
-    report: Callable[[Rows, dict[str, Any], Path], str]
-    verdict: Callable[[Rows, dict[str, Any]], list[str]]
+    report: Callable[[Rows, Rows, dict[str, Any], Path], str]
+    verdict: Callable[[Rows, Rows, dict[str, Any]], list[str]]
 
     def __post_init__(self) -> None:
-        used = {p for m in self.modes.values() for p in (*m.get("fixed", {}), *m.get("grid", {}))}
+        used = {p for m in self.modes.values() for pt in _points_of(m) for p in (*m.get("fixed", {}), *pt)} - {"config"}
         bad = sorted((used | set(self.fixed) | set(self.grid)) - set(TREE_FIELDS))
         if bad:
             raise ValueError(f"{self.name}: unknown config paths {bad}; allowed: {sorted(TREE_FIELDS)}")
@@ -139,22 +142,32 @@ class Spec:
         """The mode's settings with the spec's fixed settings and grid merged under its own."""
         m = dict(self.modes[mode])
         m["fixed"] = {**self.fixed, **m.get("fixed", {})}
-        m["grid"] = {**self.grid, **m.get("grid", {})}
+        grid = m.get("grid", {})
+        m["grid"] = grid if isinstance(grid, list) else {**self.grid, **grid}
         m["mode"] = mode
         return m
 
     def run_specs(self, m: dict[str, Any]) -> list[RunSpec]:
         """One :class:`RunSpec` per grid point and seed (configurations in grid order, seeds inner)."""
-        paths = list(m["grid"])
         out = []
-        for values in itertools.product(*(m["grid"][p] for p in paths)):
-            point = dict(zip(paths, values))
+        for point in _points_of(m):
+            point = dict(point)
+            config = point.pop("config", None) or self.label(point)
             settings = {**m["fixed"], **point, **self.derive(point)}
             kw = {TREE_FIELDS[p]: v for p, v in settings.items()}
             extra = tuple(self.columns(point).items())
             for seed in m["seeds"]:
-                out.append(RunSpec(experiment=self.name, config=self.label(point), seed=seed, extra=extra, **kw))
+                out.append(RunSpec(experiment=self.name, config=config, seed=seed, extra=extra, **kw))
         return out
+
+
+def _points_of(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A mode's configurations: its list of points, or every combination of its grid."""
+    grid = m.get("grid", {})
+    if isinstance(grid, list):
+        return grid
+    paths = list(grid)
+    return [dict(zip(paths, values)) for values in itertools.product(*(grid[p] for p in paths))]
 
 
 def load_spec(name: str) -> Spec:
@@ -219,6 +232,7 @@ def run(
     rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
     if replot:
         rows, meta = read_rows(prefix.with_suffix(".csv")), load_meta(prefix)
+        rounds = read_rows(rounds_path) if rounds_path.exists() else []
     else:
         runs = spec.run_specs(m)
         load = os.getloadavg()
@@ -227,13 +241,13 @@ def run(
         res = run_many(runs, jobs=m["jobs"], verbose=verbose)
         if spec.after_runs is not None:
             spec.after_runs(res, m)
-        rows = [r.row for r in res]
+        rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
         write_csv(prefix.with_suffix(".csv"), rows)
-        write_csv(rounds_path, [x for r in res for x in r.rounds])
+        write_csv(rounds_path, rounds)
         meta = {"stamp": stamp(command, (time.perf_counter() - t0) / 60, load)}
         save_meta(prefix, meta)
-    lines = spec.verdict(rows, m)
-    body = f"{meta['stamp']}\n\n{spec.report(rows, m, prefix)}\n\n" + "\n".join(lines)
+    lines = spec.verdict(rows, rounds, m)
+    body = f"{meta['stamp']}\n\n{spec.report(rows, rounds, m, prefix)}\n\n" + "\n".join(lines)
     print(body)
     if str(results).lower() != "none":
         update_results(Path(results), f"{spec.name}-{mode}", f"{spec.title} ({mode})", body)
