@@ -20,7 +20,8 @@ workers evaluate on the preset's own validation batches (4 for ``tiny``), so the
 from the in-process ones; the paired d is what compares.
 
 Verdict: "met" when mean d <= 0.5% with SE <= the target SE; "missed by X" when mean d >
-0.5% (X = the excess); "unresolved at SE Y" when the seeds ran out first.
+0.5% (X = the excess) with SE <= the target SE, or by more than twice an SE above it;
+"unresolved at SE Y" otherwise (the seeds ran out first).
 
 Usage::
 
@@ -176,7 +177,9 @@ def summary(diffs: Sequence[float]) -> tuple[float, float]:
 
 
 def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
-    if mean > TOLERANCE:
+    """"met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
+    twice the SE is one (one seed, SE inf, measuring d = +0.51% is unresolved, not a miss)."""
+    if mean > TOLERANCE and (se <= target_se or mean - TOLERANCE > 2 * se):
         return f"missed by {100 * (mean - TOLERANCE):.2f} percentage points (mean d {100 * mean:+.2f}%)"
     if se <= target_se:
         return f"met (mean d {100 * mean:+.2f}% <= 0.5%, SE {100 * se:.2f}% <= {100 * target_se:.2f}%)"
