@@ -177,7 +177,7 @@ def summary(diffs: Sequence[float]) -> tuple[float, float]:
 
 
 def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
-    """"met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
+    """ "met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
     twice the SE is one (one seed, SE inf, measuring d = +0.51% is unresolved, not a miss)."""
     if mean > TOLERANCE and (se <= target_se or mean - TOLERANCE > 2 * se):
         return f"missed by {100 * (mean - TOLERANCE):.2f} percentage points (mean d {100 * mean:+.2f}%)"
