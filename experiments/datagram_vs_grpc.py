@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from dtrain.app.procs import Cluster
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import (
     RunResult,
@@ -67,7 +68,7 @@ from experiments.common import (
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology
+from experiments.procs import netem_topology
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
@@ -189,11 +190,11 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
         root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else Path(d)
         root.mkdir(parents=True, exist_ok=True)
-        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
             link(m["losses"][0])
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 task=m["task"] or None,
                 size=m["size"],
@@ -212,7 +213,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             run.wait(lambda: run.check_alive(names) or all(run.done_round(i, 0) for i in range(n)), "the first round")
             cpu_at.append(machine_cpu())

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     base_parser,
@@ -51,7 +52,7 @@ from experiments.common import (
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology
+from experiments.procs import netem_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -107,11 +108,11 @@ def run_one(
             Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else Path(d)
         )
         root.mkdir(parents=True, exist_ok=True)
-        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         names = [f"site-{i}" for i in range(n)]
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -121,7 +122,7 @@ def run_one(
                 **worker,
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
 
             def done() -> bool:
                 run.check_alive(names)

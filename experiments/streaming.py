@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     base_parser,
@@ -60,7 +61,7 @@ from experiments.common import (
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology
+from experiments.procs import netem_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
@@ -164,10 +165,10 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
     rounds = m["outer_rounds"] * f  # round numbers advance per fragment round: the same inner steps
     topo.set_link(None, LinkParams(**LINK))
     with tempfile.TemporaryDirectory(prefix="dtrain-streaming-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -182,7 +183,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
                 **{f"diloco.{k}": v for k, v in stream.items()},
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             with TxSampler({nm: run.procs[nm].handle.pid for nm in names}) as tx:
 

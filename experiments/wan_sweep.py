@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     base_parser,
@@ -66,7 +67,7 @@ from experiments.common import (
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology
+from experiments.procs import netem_topology
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
@@ -166,13 +167,13 @@ def run_seed(
     total = per * len(settings)
     changed_at: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dtrain-wan-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
             rate, delay, loss = settings[0]
             topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
             changed_at.append(time.time())
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -187,7 +188,7 @@ def run_seed(
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             for k in range(1, len(settings)):
                 last = k * per - 1
