@@ -602,4 +602,49 @@ def update_results(path: Path, key: str, title: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(with_index(text))
+
+
+INDEX_BEGIN, INDEX_END = "<!-- begin index -->", "<!-- end index -->"
+
+
+def _anchor(title: str) -> str:
+    """The anchor a markdown renderer (GitHub) gives the heading ``title``."""
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def _stamp_of(body: str) -> str:
+    """``commit C, DATE`` from a section's stamp or older provenance line; ``no stamp`` without one."""
+    import re
+
+    commit = re.search(r"[Cc]ommit `?([0-9a-f]{7,40})(\+dirty)?", body)
+    date = re.search(r"\b(20\d\d-\d\d-\d\d)\b", body)
+    if commit is None:
+        return "**no stamp**"
+    return f"commit `{commit[1]}{commit[2] or ''}`, {date[1] if date else 'undated'}"
+
+
+def with_index(text: str) -> str:
+    """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: one line per
+    ``## `` section, linked, with the commit and date its stamp names (``no stamp`` where none
+    does: a section to rerun or to remove), and the first verdict line (``- ...``) of its body."""
+    if INDEX_BEGIN in text and INDEX_END in text:
+        head, rest = text.split(INDEX_BEGIN, 1)
+        text = head.rstrip("\n") + "\n\n" + rest.split(INDEX_END, 1)[1].lstrip("\n")
+    parts = text.split("\n## ")
+    lines = []
+    for part in parts[1:]:
+        title, _, body = part.partition("\n")
+        body = body.split("<!-- end ", 1)[0]
+        verdict = next((ln[2:].strip() for ln in body.splitlines() if ln.startswith("- ")), "")
+        verdict = verdict if len(verdict) <= 160 else verdict[:157] + "..."
+        lines.append(f"| [{title}](#{_anchor(title)}) | {_stamp_of(body)} | {verdict} |")
+    index = "\n".join(
+        [INDEX_BEGIN, "## Summary", "", "| section | produced by | headline |", "|---|---|---|", *lines, INDEX_END]
+    )
+    intro = parts[0]
+    cut = intro.find("<!-- begin ")  # the first section's begin marker stands above its title
+    cut = len(intro) if cut < 0 else cut
+    head = intro[:cut].rstrip("\n") + "\n\n" + index + "\n\n" + intro[cut:].lstrip("\n")
+    return head + "".join("\n## " + x for x in parts[1:])

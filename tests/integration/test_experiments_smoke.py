@@ -158,6 +158,12 @@ def test_update_results_replaces_own_section_only(tmp_path: Path) -> None:
     update_results(p, "x-quick", "X (quick)", "third")
     text = p.read_text()
     assert text.count("## X (quick)") == 1 and "third" in text and "second" not in text and "other" in text
+    # the index at the top: a line per section, linked, with what its stamp names
+    update_results(p, "z-quick", "Z (quick)", "Commit `abc1234+dirty`, 2026-12-03 07:00 UTC, command `x`.\n\n- **met**")
+    text = p.read_text()
+    assert text.count("<!-- begin index -->") == 1 and text.index("## Summary") < text.index("## Someone else's")
+    assert "| [X (quick)](#x-quick) | **no stamp** |  |" in text
+    assert "| [Z (quick)](#z-quick) | commit `abc1234+dirty`, 2026-12-03 | **met** |" in text
 
 
 @pytest.mark.timeout(30)
