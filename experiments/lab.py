@@ -187,17 +187,22 @@ def _git(*args: str) -> str:
         return ""
 
 
-def stamp(command: str, minutes: float, load_before: tuple[float, ...]) -> str:
-    """The provenance line of a RESULTS.md section: commit (``+dirty`` with uncommitted
-    changes), UTC date, command, wall minutes, machine load (1-min load average before and
-    after against the CPU count), machine and library versions."""
+def code_version() -> str:
+    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
+    writes its outputs, some of which are tracked)."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
+    """The provenance line of a RESULTS.md section: the code's ``version`` (:func:`code_version`),
+    UTC date, command, wall minutes, machine load (1-min load average before and after against
+    the CPU count), machine and library versions."""
     import torch
 
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
     after = os.getloadavg()
     return (
-        f"Commit `{commit}{dirty}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, command `{command}` "
+        f"Commit `{version}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, command `{command}` "
         f"({minutes:.1f} min); load average {load_before[0]:.1f} before, {after[0]:.1f} after, on "
         f"{os.cpu_count()} CPUs ({platform.machine()}); torch {torch.__version__}, Python {platform.python_version()}."
     )
@@ -235,7 +240,7 @@ def run(
         rounds = read_rows(rounds_path) if rounds_path.exists() else []
     else:
         runs = spec.run_specs(m)
-        load = os.getloadavg()
+        load, version = os.getloadavg(), code_version()
         t0 = time.perf_counter()
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
         res = run_many(runs, jobs=m["jobs"], verbose=verbose)
@@ -244,7 +249,7 @@ def run(
         rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
         write_csv(prefix.with_suffix(".csv"), rows)
         write_csv(rounds_path, rounds)
-        meta = {"stamp": stamp(command, (time.perf_counter() - t0) / 60, load)}
+        meta = {"stamp": stamp(command, (time.perf_counter() - t0) / 60, load, version)}
         save_meta(prefix, meta)
     lines = spec.verdict(rows, rounds, m)
     body = f"{meta['stamp']}\n\n{spec.report(rows, rounds, m, prefix)}\n\n" + "\n".join(lines)
