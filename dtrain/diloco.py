@@ -203,6 +203,9 @@ class DiLoCo:
         self.healed_from: str | None = None  # the donor of the last position heal
         self._closed = False
         self._hook_paused = False  # checkpoint code steps the optimizer without it counting
+        # process CPU seconds of the last blocking sync's steps: gather, round (Site.sync),
+        # scatter (θ into the model), allgather (replicated parts, K > 1), checksum
+        self.last_cpu_s: dict[str, float] = {}
         # Streaming DiLoCo (fragments, overlap, merge): dtrain/streaming.py runs the rounds.
         self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
         self._position: dict | None = None  # the snapshot joiners heal from (_snapshot_position)
@@ -413,9 +416,13 @@ class DiLoCo:
         self.flush()
         tensors = self.local_tensors()
         outcome = self.site.sync(tensors)
+        cpu = dict(self.site.last_cpu_s)
         if outcome.status.resets_model:
+            t0 = time.process_time()
             self.state.copy_to(tensors)
+            t1 = time.process_time()
             self._sync_replicas()
+            cpu.update(scatter=t1 - t0, allgather=time.process_time() - t1)
             if outcome.status == RoundStatus.APPLIED:
                 for sch in self.outer_schedulers:
                     sch.step()
@@ -424,7 +431,9 @@ class DiLoCo:
             self._snapshot_position()
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
+        t0 = time.process_time()
         self._record(outcome)
+        self.last_cpu_s = {**cpu, "checksum": time.process_time() - t0}
         return outcome
 
     def _merged(self, outcome: SyncOutcome) -> None:

@@ -90,6 +90,9 @@ class Site:
                 self.group.on_members_lost = self.notices.post
         self.donors: list[Member] = []
         self.view_hook: Callable[[RankView], RankView] | None = None
+        # process CPU seconds of the last round's steps: gather (Δ + residual) and round (the
+        # engine: encode, push, reduce, outer step, decode); empty when no round ran
+        self.last_cpu_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ membership
     def join(self) -> JoinInfo:
@@ -269,6 +272,7 @@ class Site:
         Raises:
             QuorumTimeout: (every rank) no round formed within ``quorum_wait_s``.
         """
+        self.last_cpu_s = {}
         decided = self._decision() if self.group is not None else None
         kind, plan, reason, quorum_s = self.comm.broadcast(decided, round=True)
         if kind is None:
@@ -315,7 +319,10 @@ class Site:
             status = RoundStatus.DEFERRED if err else RoundStatus.SKIPPED
             return SyncOutcome(status=status, reason=err or why, quorum_s=quorum_s, fragment=fragment)
         my_plan = rank_plan(plan, self.rank, self.num_ranks)
+        t0 = time.process_time()
         ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
+        t1 = time.process_time()
         res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)
         res.fragment = fragment
+        self.last_cpu_s = {"gather": t1 - t0, "round": time.process_time() - t1}
         return SyncOutcome(status=RoundStatus.APPLIED, reason=reason, result=res, quorum_s=quorum_s, fragment=fragment)

@@ -18,9 +18,9 @@ bottleneck.
 
 Usage::
 
-    .venv/bin/python experiments/bench_codecs.py            # 16 Mi elements
-    .venv/bin/python experiments/bench_codecs.py --quick    # small, ~20 s
-    .venv/bin/python experiments/bench_codecs.py --out results/codecs.json
+    .venv/bin/python -m experiments.bench_codecs            # 16 Mi elements
+    .venv/bin/python -m experiments.bench_codecs --quick    # small, ~20 s
+    .venv/bin/python -m experiments.bench_codecs --out results/codecs.json
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ import torch
 import zstandard
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
 
-from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------- pseudo-gradient

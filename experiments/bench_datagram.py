@@ -23,8 +23,8 @@ site. On a shared machine the wall-clock figures move with the load (printed).
 
 Usage::
 
-    .venv/bin/python experiments/bench_datagram.py            # 64 MB, ceilings 200/400/1000 Mbit/s
-    .venv/bin/python experiments/bench_datagram.py --quick    # 8 MB, one ceiling
+    .venv/bin/python -m experiments.bench_datagram            # 64 MB, ceilings 200/400/1000 Mbit/s
+    .venv/bin/python -m experiments.bench_datagram --quick    # 8 MB, one ceiling
 """
 
 from __future__ import annotations
@@ -38,18 +38,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from dtrain.codecs import get_codec  # noqa: E402
-from dtrain.protocol import Contribution, Member, RoundPlan  # noqa: E402
-from dtrain.transports.datagram import (  # noqa: E402
+from dtrain.codecs import get_codec
+from dtrain.protocol import Contribution, Member, RoundPlan
+from dtrain.transports.datagram import (
     DatagramTransport,
     DatagramTransportConfig,
     datagram_chunk_bytes,
 )
-from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
+from dtrain.transports.grpc import GrpcTransportConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountingHandler:

@@ -12,7 +12,7 @@ parameter (issue 2). It also reports the largest single temporary the round engi
 allocates (one bucket). One site runs alone, so it owns (and aggregates) every
 bucket: the owner-side accumulators are the worst case here.
 
-    python experiments/bench_memory.py [--params-m 25] [--codec int8+zstd] [--rounds 2]
+    python -m experiments.bench_memory [--params-m 25] [--codec int8+zstd] [--rounds 2]
 """
 
 from __future__ import annotations

@@ -23,33 +23,30 @@ the batched accept is <= 8 us per chunk (it was ~50 us through netem, 4 workers 
 
 Usage::
 
-    .venv/bin/python experiments/bench_owner.py            # runs of 1, 8, 64, 512 chunks
-    .venv/bin/python experiments/bench_owner.py --quick    # a 0.4 M-element bucket
+    .venv/bin/python -m experiments.bench_owner            # runs of 1, 8, 64, 512 chunks
+    .venv/bin/python -m experiments.bench_owner --quick    # a 0.4 M-element bucket
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from dtrain.buckets import BucketConfig, BucketLayout
+from dtrain.codecs import get_codec
+from dtrain.configs import CodecConfig
+from dtrain.protocol import Contribution, Member, RoundPlan
+from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.rounds.owner import OpenRound
+from dtrain.rounds.serving import _Owned
+from dtrain.state import GlobalState
+from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-from dtrain.buckets import BucketConfig, BucketLayout  # noqa: E402
-from dtrain.codecs import get_codec  # noqa: E402
-from dtrain.configs import CodecConfig  # noqa: E402
-from dtrain.protocol import Contribution, Member, RoundPlan  # noqa: E402
-from dtrain.rounds import RoundConfig, RoundEngine  # noqa: E402
-from dtrain.rounds.owner import OpenRound  # noqa: E402
-from dtrain.rounds.serving import _Owned  # noqa: E402
-from dtrain.state import GlobalState  # noqa: E402
-from dtrain.transports.inproc import InprocNetwork, InprocTransport  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHUNK = 1280
 OWNER = "site-0"  # owns the bucket and counts its own contribution first (as in a round)

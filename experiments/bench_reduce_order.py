@@ -9,8 +9,8 @@ held out of turn at once, and whether the mean equals the in-order one bit for b
 
 Usage::
 
-    .venv/bin/python experiments/bench_reduce_order.py
-    .venv/bin/python experiments/bench_reduce_order.py --senders 16 --numel 1048576
+    .venv/bin/python -m experiments.bench_reduce_order
+    .venv/bin/python -m experiments.bench_reduce_order --senders 16 --numel 1048576
 """
 
 from __future__ import annotations

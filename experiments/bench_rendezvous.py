@@ -21,8 +21,8 @@ Figures, on this process's clock (so they include its own queueing):
 
 Issue 13's target: quorum decisions in under 100 ms with 1,000 sites.
 
-    .venv/bin/python experiments/bench_rendezvous.py [--sites 1000] [--rounds 10] [--json out.json]
-    .venv/bin/python experiments/bench_rendezvous.py --smoke   # 50 sites, 2 rounds
+    .venv/bin/python -m experiments.bench_rendezvous [--sites 1000] [--rounds 10] [--json out.json]
+    .venv/bin/python -m experiments.bench_rendezvous --smoke   # 50 sites, 2 rounds
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import grpc  # noqa: E402
-
-from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb  # noqa: E402
-from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc  # noqa: E402
+from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
+from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 
 __all__ = ["main", "run"]
 

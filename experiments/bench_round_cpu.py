@@ -25,9 +25,9 @@ prints the ratios).
 
 Usage::
 
-    .venv/bin/python experiments/bench_round_cpu.py                 # int8, ~1 min
-    .venv/bin/python experiments/bench_round_cpu.py --codec int4 --json out/round_cpu_int4.json
-    .venv/bin/python experiments/bench_round_cpu.py --compare before.json after.json
+    .venv/bin/python -m experiments.bench_round_cpu                 # int8, ~1 min
+    .venv/bin/python -m experiments.bench_round_cpu --codec int4 --json out/round_cpu_int4.json
+    .venv/bin/python -m experiments.bench_round_cpu --compare before.json after.json
 """
 
 from __future__ import annotations
@@ -36,26 +36,23 @@ import argparse
 import hashlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
+from dtrain.codecs import get_codec
+from dtrain.protocol import BucketMean, MeanChunk
+from dtrain.rounds import error_feedback
+from dtrain.rounds.means import decode_mean, encode_mean
+from dtrain.rounds.owner import ChunkReduction
+from dtrain.state import GlobalState
+from dtrain.tasks.spec import TaskSpec
+from dtrain.transports.datagram import datagram_chunk_bytes
 
-from dtrain.buckets import BucketConfig, BucketLayout, assign_owners  # noqa: E402
-from dtrain.codecs import get_codec  # noqa: E402
-from dtrain.protocol import BucketMean, MeanChunk  # noqa: E402
-from dtrain.rounds import error_feedback  # noqa: E402
-from dtrain.rounds.means import decode_mean, encode_mean  # noqa: E402
-from dtrain.rounds.owner import ChunkReduction  # noqa: E402
-from dtrain.state import GlobalState  # noqa: E402
-from dtrain.tasks.spec import TaskSpec  # noqa: E402
-from dtrain.transports.datagram import datagram_chunk_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = (
     "pseudo_gradient",

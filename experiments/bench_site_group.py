@@ -20,9 +20,9 @@ thread per rank:
 "ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the
 issue's target is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
 
-    python experiments/bench_site_group.py                 # 25M params, K = 1 and 2
-    python experiments/bench_site_group.py --quick         # 2M params, fast
-    python experiments/bench_site_group.py --json out.json
+    python -m experiments.bench_site_group                 # 25M params, K = 1 and 2
+    python -m experiments.bench_site_group --quick         # 2M params, fast
+    python -m experiments.bench_site_group --json out.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 STEPS = ("gather", "round", "scatter", "allgather", "checksum")
 
@@ -60,11 +59,11 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from dtrain.buckets import BucketConfig
     from dtrain.codecs import CodecConfig
-    from dtrain.diloco import DiLoCoConfig
+    from dtrain.diloco import DiLoCo, DiLoCoConfig
     from dtrain.rendezvous.grpc import GrpcRendezvousClient
     from dtrain.rounds import RoundConfig
     from dtrain.sim import fast_group_config
-    from dtrain.sitegroup import SiteGroupDiLoCo
+    from dtrain.sitegroup import TorchSiteComm
     from dtrain.transports.grpc import GrpcTransport
     from dtrain.transports.grpc_common import GrpcTransportConfig
 
@@ -90,8 +89,13 @@ def rank_main(args: argparse.Namespace) -> None:
         hook_optimizer=False,
     )
     rdv = GrpcRendezvousClient(args.rendezvous, rpc_timeout_s=30.0) if rank == 0 else None
-    d = SiteGroupDiLoCo(
-        ddp, opt, config=cfg, transport=GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1")), rendezvous=rdv
+    d = DiLoCo(
+        ddp,
+        opt,
+        config=cfg,
+        transport=GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1")),
+        rendezvous=rdv,
+        site_comm=TorchSiteComm(),
     )
     g = torch.Generator().manual_seed(args.site_index * 100 + rank)
     records = []

@@ -11,8 +11,8 @@ ready forms the plan; every site's next poll sees it).
 
 Usage::
 
-    .venv/bin/python experiments/bench_store.py            # 1,000 sites
-    .venv/bin/python experiments/bench_store.py --smoke    # 20 sites, a few seconds
+    .venv/bin/python -m experiments.bench_store            # 1,000 sites
+    .venv/bin/python -m experiments.bench_store --smoke    # 20 sites, a few seconds
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.rendezvous import RendezvousConfig, RendezvousCore  # noqa: E402
-from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig  # noqa: E402
+from dtrain.rendezvous import RendezvousConfig, RendezvousCore
+from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
 
 
 def _config(n: int) -> RendezvousConfig:

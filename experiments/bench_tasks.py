@@ -2,9 +2,9 @@
 
 Usage (prints a table; no asserts — speed targets are measured, not tested)::
 
-    python experiments/bench_tasks.py                      # step times of tiny, small, base
-    python experiments/bench_tasks.py --sizes small --curve 1000 --every 100
-    python experiments/bench_tasks.py --sizes small --sites 3 --seconds 60   # 3 concurrent sites, no sync
+    python -m experiments.bench_tasks                      # step times of tiny, small, base
+    python -m experiments.bench_tasks --sizes small --curve 1000 --every 100
+    python -m experiments.bench_tasks --sizes small --sites 3 --seconds 60   # 3 concurrent sites, no sync
 
 Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, because
 that is how ``dtrain launch`` runs its workers on a small machine.

@@ -22,7 +22,7 @@ both (target >= 0.70), and the CPU time both processes spent per MiB (user+sys,
 all threads), which does not depend on other load on the machine.
 ``--json PATH`` also writes the rows.
 
-    .venv/bin/python experiments/bench_transport.py [--sizes-mib 1 16 128] [--reps 7]
+    .venv/bin/python -m experiments.bench_transport [--sizes-mib 1 16 128] [--reps 7]
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MiB = 1 << 20
 

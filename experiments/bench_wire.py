@@ -19,7 +19,7 @@ divided by the payload size (protobuf's own arena allocations are not seen by it
 is a lower bound for the generated classes). The outputs of both codecs are checked to be
 equal before anything is timed.
 
-    .venv/bin/python experiments/bench_wire.py [--sizes-mib 1 4] [--reps 15]
+    .venv/bin/python -m experiments.bench_wire [--sizes-mib 1 4] [--reps 15]
 """
 
 from __future__ import annotations
@@ -27,17 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dtrain._proto.dtrain.v1 import peer_pb2 as pb  # noqa: E402
-from dtrain.protocol import BucketMean, Contribution, MeanChunk  # noqa: E402
-from dtrain.transports import grpc_wire as wire  # noqa: E402
+from dtrain._proto.dtrain.v1 import peer_pb2 as pb
+from dtrain.protocol import BucketMean, Contribution, MeanChunk
+from dtrain.transports import grpc_wire as wire
 
 MiB = 1 << 20
 

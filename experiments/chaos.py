@@ -1,6 +1,6 @@
 """Chaos soak: N sites over gRPC for R rounds with seeded random faults (issue 13).
 
-Every site is a ``dtrain worker`` process on 127.0.0.1 (``experiments.procs.ProcRun``,
+Every site is a ``dtrain worker`` process on 127.0.0.1 (``dtrain.app.procs.Cluster``,
 built on the one process harness ``dtrain/app/procs.py``), checkpointing every round.
 site-0 is never faulted (the reference that paces the run); the others get, at seeded
 random times, one of:
@@ -41,8 +41,8 @@ longest-lived process after the first 30 % of its life). Prints a table:
 faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
 against a fault-free run with the same seed.
 
-    python experiments/chaos.py --smoke            # CI: 3 sites, a few rounds and faults
-    python experiments/chaos.py --rounds 200 --faults 50
+    python -m experiments.chaos --smoke            # CI: 3 sites, a few rounds and faults
+    python -m experiments.chaos --rounds 200 --faults 50
 """
 
 from __future__ import annotations
@@ -63,16 +63,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
 
-import grpc  # noqa: E402
-
-from dtrain.metrics import RoundLine, read_metrics, rejected_applied  # noqa: E402
-from dtrain.protocol import Contribution  # noqa: E402
-from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig  # noqa: E402
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
-from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS  # noqa: E402
-from experiments.site_failures import WORKER  # noqa: E402
+from dtrain.app.procs import Cluster
+from dtrain.metrics import RoundLine, read_metrics, rejected_applied
+from dtrain.protocol import Contribution
+from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig
+from experiments.procs import netem_topology
+from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
+from experiments.site_failures import WORKER
 
 log = logging.getLogger("chaos")
 TOKEN = "chaos-token"
@@ -134,10 +133,9 @@ def _rss_fds(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _address(run: ProcRun, i: int) -> str | None:
+def _address(run: Cluster, i: int) -> str | None:
     """Site ``i``'s Peer address, from its log ("peer service listening on HOST:PORT")."""
-    path = run.root / f"site-{i}.log"
-    log = path.read_text(errors="replace") if path.exists() else ""
+    log = run.log_text(i)
     host = run.host(i) + ":"
     found = [w for w in log.split() if w.startswith(host) and w[len(host) :].isdigit()]
     return found[-1] if found else None
@@ -209,9 +207,9 @@ def _rogue(kind: str, address: str, metrics: Path) -> None:
         _flood(address, 50, 2.0)
 
 
-class _Soak(ProcRun):
+class _Soak(Cluster):
     def __init__(self, cfg: ChaosConfig, root: Path, *, faults: bool, topo=None) -> None:
-        super().__init__(root, cfg.num_sites, timeout_s=cfg.timeout_s, topo=topo)
+        super().__init__(root, num_sites=cfg.num_sites, timeout_s=cfg.timeout_s, topo=topo)
         self.cfg, self.with_faults = cfg, faults
         root.mkdir(parents=True, exist_ok=True)
         self.token_file = root / "token"
@@ -301,7 +299,7 @@ class _Soak(ProcRun):
             threading.Thread(target=_rogue, args=(kind, addr, metrics), daemon=True).start()
         else:  # from the rendezvous's site (the root namespace has no route to the sites); the
             # process reads the round once started (a second or more later)
-            argv = [sys.executable, str(Path(__file__).resolve()), "--rogue", kind, addr, str(metrics)]
+            argv = [sys.executable, "-m", "experiments.chaos", "--rogue", kind, addr, str(metrics)]
             self.rogues.append(self.topo.popen(self.cfg.num_sites, argv, env=self.env, stdout=subprocess.DEVNULL))
         return True
 
@@ -320,17 +318,17 @@ class _Soak(ProcRun):
                 self.cut.discard(i)
                 self.topo.partition(i, False)
             elif i == n:
-                self.start_rendezvous(self.rv_opts(), bind=self.rv)
+                self.start_rendezvous(bind=self.rv_address, **self.rv_opts())
             elif self.procs[name].poll() is not None:
-                self.start_site(i, self.opts(), resume=True)
+                self.start_site(i, resume=True, **self.opts())
         self.rogues = [p for p in self.rogues if p.poll() is None]
 
     def run(self) -> Outcome:
         c = self.cfg
         t0 = time.monotonic()
-        self.start_rendezvous(self.rv_opts())
+        self.start_rendezvous(**self.rv_opts())
         for i in range(c.num_sites):
-            self.start_site(i, self.opts())
+            self.start_site(i, **self.opts())
         self.wait(lambda: self.done_round(0, 0), "round 0 at site-0")
         next_fault = time.monotonic() + self.rng.uniform(0.5, 2.0)
         last_sample = 0.0
@@ -456,7 +454,6 @@ def table(res: dict) -> str:
 def _netem_wanted(mode: str) -> bool:
     if mode == "off":
         return False
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import netem  # noqa: PLC0415
 
     missing = netem.missing_requirements()

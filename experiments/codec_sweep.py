@@ -13,11 +13,11 @@ topk runs with broadcast error feedback on (``RoundConfig.broadcast_error_feedba
 the mean of N top-k contributions has up to N·k non-zeros and its top-k loses the rest
 for good otherwise. The other codecs use the defaults (contribution-side error feedback).
 
-Usage (from the repository root)::
+Run (from the repository root)::
 
-    .venv/bin/python experiments/codec_sweep.py --quick    # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/codec_sweep.py            # full: small model, more rounds, + fp16
-    .venv/bin/python experiments/codec_sweep.py --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments run codec_sweep --mode quick    # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments run codec_sweep --mode full     # small model, more rounds, + fp16
+    .venv/bin/python -m experiments run codec_sweep --mode smoke --out /tmp/x --results none
 
 Writes ``OUT/codec_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
 and puts its table into ``experiments/RESULTS.md``.
@@ -28,117 +28,64 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from dtrain.codecs import CodecConfig, get_codec  # noqa: E402
-from dtrain.tasks import TaskSpec, build_task  # noqa: E402
-from experiments.common import (  # noqa: E402
-    RunSpec,
-    base_parser,
-    fmt_pm,
-    md_table,
-    mean_std,
-    mode_settings,
-    out_prefix,
-    paired_deltas,
-    publish,
-    quiet_logging,
-    run_many,
-    run_or_load,
-    save_fig,
-    subplots,
-    summarize,
-)
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.tasks import TaskSpec, build_task
+from experiments.common import RunResult, fmt_pm, md_table, mean_std, paired_deltas, save_fig, subplots, summarize
+from experiments.lab import Spec
 
 BUCKET_BYTES = 64 * 1024
 CHUNK_BYTES = 16 * 1024
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
+CODEC = "diloco.rounds.codec.name"
+SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
+
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
-        num_sites=2,
-        size="tiny",
-        batch_size=4,
-        context_len=16,
-        sync_every=2,
-        rounds=2,
         seeds=[0],
-        codecs=["fp32", "int8+zstd"],
         jobs=1,
-        num_val_batches=2,
         bench_repeats=1,
+        grid={CODEC: ["fp32", "int8+zstd"]},
+        fixed={"task_spec.num_sites": 2, "task_spec.size": "tiny", "diloco.sync_every": 2, "rounds": 2, **SMALL}
+        | {"inproc.num_val_batches": 2},
     ),
     "quick": dict(
-        num_sites=4,
-        size="tiny",
-        sync_every=10,
-        rounds=12,
         seeds=[0, 1, 2],
-        codecs=[c + z for c in BASE_CODECS for z in ("", "+zstd")],
         jobs=2,
-        num_val_batches=16,
         bench_repeats=5,
+        grid={CODEC: [c + z for c in BASE_CODECS for z in ("", "+zstd")]},
+        fixed={"task_spec.num_sites": 4, "task_spec.size": "tiny", "diloco.sync_every": 10, "rounds": 12}
+        | {"inproc.num_val_batches": 16},
     ),
     "full": dict(
-        num_sites=4,
-        size="small",
-        sync_every=50,
-        rounds=30,
         seeds=[0, 1, 2, 3, 4],
-        codecs=[c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")],
         jobs=max(1, (os.cpu_count() or 2) // 4),
-        num_val_batches=32,
         bench_repeats=10,
+        grid={CODEC: [c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")]},
+        fixed={"task_spec.num_sites": 4, "task_spec.size": "small", "diloco.sync_every": 50, "rounds": 30}
+        | {"inproc.num_val_batches": 32},
     ),
 }
 
 
-def make_specs(m: dict[str, Any]) -> list[RunSpec]:
-    specs = []
-    for codec in m["codecs"]:
-        for seed in m["seeds"]:
-            specs.append(
-                RunSpec(
-                    experiment="codec_sweep",
-                    config=codec,
-                    seed=seed,
-                    num_sites=m["num_sites"],
-                    size=m["size"],
-                    batch_size=m.get("batch_size"),
-                    context_len=m.get("context_len"),
-                    sync_every=m["sync_every"],
-                    rounds=m["rounds"],
-                    codec=codec,
-                    zstd_level=m.get("zstd_level", 1),
-                    broadcast_error_feedback=codec.startswith("topk"),
-                    bucket_bytes=BUCKET_BYTES,
-                    chunk_bytes=CHUNK_BYTES,
-                    num_val_batches=m["num_val_batches"],
-                    track_drift=False,
-                    extra=(("zstd", codec.endswith("+zstd")), ("base_codec", codec.split("+")[0])),
-                )
-            )
-    return specs
-
-
-def real_pseudo_gradient(m: dict[str, Any]) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat)."""
+def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
+    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat);
+    ``f``: the run's fixed settings by config path."""
     torch.set_num_threads(1)
     task = build_task(
         TaskSpec(
             site_index=0,
-            num_sites=m["num_sites"],
+            num_sites=f["task_spec.num_sites"],
             seed=0,
-            size=m["size"],
-            batch_size=m.get("batch_size"),
-            context_len=m.get("context_len"),
+            size=f["task_spec.size"],
+            batch_size=f.get("task_spec.batch_size"),
+            context_len=f.get("task_spec.context_len"),
         )
     )
 
@@ -149,9 +96,9 @@ def real_pseudo_gradient(m: dict[str, Any]) -> torch.Tensor:
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
 
-    steps(m["sync_every"])  # past the first, atypically large updates
+    steps(f["diloco.sync_every"])  # past the first, atypically large updates
     before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).clone()
-    steps(m["sync_every"])
+    steps(f["diloco.sync_every"])
     return before - torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
 
 
@@ -181,7 +128,15 @@ def bench(delta: torch.Tensor, codecs: Sequence[str], repeats: int, zstd_level: 
     return out
 
 
-def findings(rows: list[dict[str, Any]]) -> list[str]:
+def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
+    """The codec micro-benchmark on one real pseudo-gradient, as ``bench_*`` columns of every row."""
+    f = m["fixed"]
+    b = bench(real_pseudo_gradient(f), m["grid"][CODEC], m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
+    for r in results:
+        r.row.update({f"bench_{k}": v for k, v in b[r.row["codec"]].items()})
+
+
+def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = None, m: Any = None) -> list[str]:
     """Verdict lines under the table."""
     groups = summarize(rows)
     base = groups.get("fp32", [])
@@ -304,56 +259,41 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--sync-every", type=int, help="H inner steps per round")
-    ap.add_argument("--codecs", help="comma-separated codec names (must include fp32, the baseline)")
-    ap.add_argument("--zstd-level", type=int, default=1, help="zstd level of the +zstd codecs (default 1)")
-    args = ap.parse_args(argv)
-    quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("rounds", "sync_every", "size", "jobs"))
-    if args.codecs:
-        m["codecs"] = args.codecs.split(",")
-        if "fp32" not in m["codecs"]:
-            raise SystemExit("--codecs must include fp32 (the baseline)")
-    m["zstd_level"] = args.zstd_level
-    specs = make_specs(m)
-    prefix = out_prefix(args, "codec_sweep")
-
-    def runner():
-        print(f"codec_sweep ({mode}): {len(specs)} runs, {m['jobs']} at a time", flush=True)
-        results = run_many(specs, jobs=m["jobs"], verbose=args.verbose)
-        b = bench(real_pseudo_gradient(m), m["codecs"], m["bench_repeats"], m["zstd_level"])
-        for r in results:
-            r.row.update({f"bench_{k}": v for k, v in b[r.row["codec"]].items()})
-        return results
-
-    rows, _, meta = run_or_load(args, argv, "codec_sweep.py", prefix, runner)
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    """Setup, the table (:func:`analyse`) and the plot of one sweep."""
+    f = m["fixed"]
     png = plot(rows, prefix)
-    md = analyse(rows)
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
+    return f"""Setup: {f["task_spec.num_sites"]} sites as threads over the in-process transport (no faults), built-in GPT
+`{f["task_spec.size"]}` ({rows[0]["num_params"]:,} parameters) on the stdlib source, H = {f["diloco.sync_every"]},
+{f["rounds"]} rounds, 64 KiB buckets of 16 KiB chunks (each chunk encoded on its own, 32-byte header), zstd level
+{f["diloco.rounds.codec.zstd_level"]}, topk keeps 1% per chunk with error feedback on both sides. Means are sent back
+with the same codec. Δ against fp32 with the same seed (same data and init). Mean ± std over seeds {m["seeds"]}.
+"Bench" columns: CPU time of one thread to encode / decode one real pseudo-gradient of the whole model (H inner
+steps) chunk by chunk, median of {m["bench_repeats"]}. Encode/decode "rounds" columns: what the round engine recorded
+(contribution and mean encoding; mean decoding; owners' decoding of contributions is not timed by the engine). The
+engine's times are wall-clock inside a process whose site threads share one GIL: several times the single-thread CPU
+times of the bench columns. CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
-Setup: {m["num_sites"]} sites as threads over the in-process transport (no faults), built-in GPT `{m["size"]}`
-({rows[0]["num_params"]:,} parameters) on the stdlib source, H = {m["sync_every"]}, {m["rounds"]} rounds,
-64 KiB buckets of 16 KiB chunks (each chunk encoded on its own, 32-byte header), zstd level {m["zstd_level"]},
-topk keeps 1% per chunk with error feedback on both sides. Means are sent back with the same codec. Δ against fp32
-with the same seed (same data and init). Mean ± std over seeds {m["seeds"]}. "Bench" columns: CPU time of one
-thread to encode / decode one real pseudo-gradient of the whole model (H inner steps) chunk by chunk, median of
-{m["bench_repeats"]}. Encode/decode "rounds" columns: what the round engine recorded (contribution and mean
-encoding; mean decoding; owners' decoding of contributions is not timed by the engine). CSV:
-`{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
-
-{md}
-
-{chr(10).join(findings(rows))}
-- The engine's encode/decode times are wall-clock inside a process whose 4 site threads share one GIL (and, here,
-  a loaded 2-core machine): they are several times the single-thread CPU times of the bench columns.
+{analyse(rows)}
 """
-    publish(args, f"codec_sweep-{mode}", f"Codec sweep ({mode})", body)
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="codec_sweep",
+    title="Codec sweep",
+    modes=MODES,
+    fixed={
+        "diloco.buckets.bucket_bytes": BUCKET_BYTES,
+        "diloco.buckets.chunk_bytes": CHUNK_BYTES,
+        "diloco.rounds.codec.zstd_level": 1,
+        "inproc.track_drift": False,
+    },
+    label=lambda point: point[CODEC],
+    # the mean of N top-k contributions has up to N·k non-zeros: its top-k loses the rest unless fed back
+    derive=lambda point: {"diloco.rounds.broadcast_error_feedback": point[CODEC].startswith("topk")},
+    columns=lambda point: {"zstd": point[CODEC].endswith("+zstd"), "base_codec": point[CODEC].split("+")[0]},
+    metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 1.0, 1e12), ("bench_rel_err", 0.0, 1.0)),
+    after_runs=add_bench,
+    report=report,
+    verdict=findings,
+)

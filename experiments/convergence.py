@@ -26,9 +26,9 @@ batches and the same number of inner steps per site (inner AdamW at the preset's
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/convergence.py --quick    # 4 sites, tiny, 4000 steps: ~30 min on 2 cores
-    .venv/bin/python experiments/convergence.py            # full: small model, 8000 steps, more seeds
-    .venv/bin/python experiments/convergence.py --smoke --out /tmp/x --results none   # CI: seconds
+    .venv/bin/python -m experiments.convergence --quick    # 4 sites, tiny, 4000 steps: ~30 min on 2 cores
+    .venv/bin/python -m experiments.convergence            # full: small model, 8000 steps, more seeds
+    .venv/bin/python -m experiments.convergence --smoke --out /tmp/x --results none   # CI: seconds
 
 Writes ``OUT/convergence[_MODE].csv`` (one row per run; ``section``, ``data``, ``method``
 columns), ``..._rounds.csv`` (validation loss per evaluated round / step), one PNG per
@@ -38,22 +38,18 @@ data setting, and the section "Convergence (issue 18)" of ``experiments/RESULTS.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments import convergence_netem  # noqa: E402
-from experiments.common import (  # noqa: E402
+from experiments import convergence_netem
+from experiments.common import (
     RunResult,
     RunSpec,
     base_parser,
     load_meta,
-    mean_std,
     mode_of,
     mode_settings,
     out_prefix,
@@ -63,15 +59,25 @@ from experiments.common import (  # noqa: E402
     run_many,
     run_or_load,
 )
-from experiments.convergence_report import report  # noqa: E402
-from experiments.diloco_sanity import run_ddp  # noqa: E402
-
-SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
-DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
-NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)
-LONG = "long"  # the --long-check runs' section
-FAULT_FREE, LOSS10, RESTART = "fault-free (fp32)", "10% chunk loss", "1 site down, restarted"
-CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
+from experiments.convergence_labels import (
+    ALONE,
+    AVERAGE,
+    BIG,
+    CODECS,
+    DDP,
+    FAULT_FREE,
+    LONG,
+    LOSS10,
+    NESTEROV,
+    RESTART,
+    SE_TARGET_PP,
+    diloco_label,
+    fault_rows,
+    mean_se,
+    pct_deltas,
+)
+from experiments.convergence_report import report
+from experiments.diloco_sanity import run_ddp
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
@@ -133,16 +139,6 @@ MODES: dict[str, dict[str, Any]] = {
         reduce_timeout_s=1.0,
     ),
 }
-
-
-def outer_name(outer: tuple[float, float]) -> str:
-    if outer == AVERAGE:
-        return "average"
-    return f"Nesterov {outer[0]:g}/{outer[1]:g}" if outer[1] else f"SGD lr {outer[0]:g}"
-
-
-def diloco_label(h: int, outer: tuple[float, float]) -> str:
-    return f"DiLoCo H={h}, {outer_name(outer)}"
 
 
 # ---------------------------------------------------------------------------- specs
@@ -319,21 +315,6 @@ def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> Non
 
 
 # ---------------------------------------------------------------------------- analysis helpers
-def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
-    """100·(loss / base loss − 1) for each row against the base row of the same seed."""
-    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
-    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
-
-
-def mean_se(xs: Sequence[float]) -> tuple[float, float]:
-    mu, sd = mean_std(xs)
-    return mu, (sd / math.sqrt(len(xs)) if len(xs) > 1 else float("inf"))
-
-
-def fault_rows(rows: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    return [r for r in rows if r["section"] == "faults" and r["method"] == name]
-
-
 def unresolved(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     """Faults whose paired change still has SE > SE_TARGET_PP."""
     base = fault_rows(rows, FAULT_FREE)

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from experiments import convergence_labels as c
 from experiments import convergence_netem as netem
 from experiments.common import ROOT, fmt_pm, md_table, save_fig, subplots, summarize
 
@@ -18,12 +19,6 @@ __all__ = ["report", "verdict", "curves"]
 
 MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent above DDP's
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
-
-
-def _c():
-    from experiments import convergence as c  # the labels and helpers (imported late: no import cycle)
-
-    return c
 
 
 def verdict(mu: float, se: float, target: float, *, se_target: float) -> str:
@@ -49,7 +44,7 @@ def _rows(rows: Sequence[dict[str, Any]], section: str, data: str | None = None)
 def _pm_se(xs: Sequence[float]) -> str:
     if not xs:
         return "—"
-    mu, se = _c().mean_se(xs)
+    mu, se = c.mean_se(xs)
     return f"{mu:+.2f}%" + (f" ± {se:.2f}" if math.isfinite(se) else " (1 seed)")
 
 
@@ -69,12 +64,11 @@ def curves(rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> 
 
 def long_sections(rows) -> list[str]:
     """The --long-check sections (``long STEPS``), fewest steps first."""
-    secs = {r["section"] for r in rows if str(r["section"]).startswith(_c().LONG + " ")}
+    secs = {r["section"] for r in rows if str(r["section"]).startswith(c.LONG + " ")}
     return sorted(secs, key=lambda x: int(x.split()[1]))
 
 
 def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str) -> Path:
-    c = _c()
     sel = _rows(rows, section, data)
     cur = curves(sel, rounds)
     fig, ax = subplots(figsize=(7.2, 4.6))
@@ -102,7 +96,6 @@ def convergence_table(
 ) -> tuple[str, dict[str, list[float]]]:
     """Markdown table of one data setting; also method -> paired % changes against DDP
     (or ``base_method``, DDP's stand-in where DDP did not run)."""
-    c = _c()
     sel = _rows(rows, section, data)
     groups = summarize(sel, "method")
     base_method = base_method or c.DDP
@@ -146,7 +139,6 @@ def convergence_table(
 
 
 def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, float, int]]]:
-    c = _c()
     base = c.fault_rows(rows, c.FAULT_FREE)
     table, facts = [], {}
     for name in (c.FAULT_FREE, c.LOSS10, c.RESTART, *c.CODECS):
@@ -196,7 +188,6 @@ def _paired(g, base):
 
 def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], list[float]]:
     """The seed-0 grid, the confirmation on more seeds; returns (markdown, best setting, its Δ% vs default)."""
-    c = _c()
     sw = _rows(rows, "sweep")
     grid = {(float(r["outer_lr"]), float(r["outer_momentum"])): r["final_val_loss"] for r in sw if r["seed"] == 0}
     lrs, moms = m["sweep"]["lrs"], m["sweep"]["moms"]
@@ -222,7 +213,6 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
 
 def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, mode: str) -> str:
     """The RESULTS.md section: setup, tables, plots and a statement per claim."""
-    c = _c()
     parts, pngs, conv = [], [], {}
     for data in m["seeds"]:
         md, deltas = convergence_table(rows, "convergence", data)
@@ -323,7 +313,7 @@ def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[floa
 def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
     if not d:
         return "no run"
-    mu, se = _c().mean_se(d)
+    mu, se = c.mean_se(d)
     se_txt = f"SE {se:.2f} pp, {len(d)} seeds" if math.isfinite(se) else "1 seed"
     state = "**met**" if mu <= MATCH_PCT else f"**missed by {mu - MATCH_PCT:.2f} pp**"
     return f"{name}: {mu:+.2f}% against DDP ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
@@ -331,7 +321,6 @@ def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
 
 def conv_big_vs_ddp(rows) -> str:
     """The iid convergence runs' final 4x-batch loss against DDP's, as text."""
-    c = _c()
     sel = _rows(rows, "convergence", "iid")
     d = c.pct_deltas([r for r in sel if r["method"] == c.BIG], [r for r in sel if r["method"] == c.DDP])
     return f"{statistics.fmean(d):+.2f}%" if d else "not measured"
@@ -339,7 +328,6 @@ def conv_big_vs_ddp(rows) -> str:
 
 def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
     """One plain statement per claim of issue 18."""
-    c = _c()
     h, se_t = m["h_main"], c.SE_TARGET_PP
     out = []
     for data, deltas in conv.items():

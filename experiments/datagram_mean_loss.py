@@ -16,8 +16,8 @@ means) is dropped with probability p (``test_drop``). Per loss rate, one round p
 
 Usage::
 
-    .venv/bin/python experiments/datagram_mean_loss.py            # losses 0..30 %, 3 seeds
-    .venv/bin/python experiments/datagram_mean_loss.py --quick    # 0, 10, 30 %, 1 seed
+    .venv/bin/python -m experiments.datagram_mean_loss            # losses 0..30 %, 3 seeds
+    .venv/bin/python -m experiments.datagram_mean_loss --quick    # 0, 10, 30 %, 1 seed
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from dtrain.buckets import BucketConfig, BucketLayout
+from dtrain.codecs import CodecConfig
+from dtrain.protocol import Member, RoundPlan
+from dtrain.rounds import RoundConfig, RoundEngine
+from dtrain.state import GlobalState
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
+from dtrain.transports.grpc import GrpcTransportConfig
 
-from dtrain.buckets import BucketConfig, BucketLayout  # noqa: E402
-from dtrain.codecs import CodecConfig  # noqa: E402
-from dtrain.protocol import Member, RoundPlan  # noqa: E402
-from dtrain.rounds import RoundConfig, RoundEngine  # noqa: E402
-from dtrain.state import GlobalState  # noqa: E402
-from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes  # noqa: E402
-from dtrain.transports.grpc import GrpcTransportConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_round(loss: float, seed: int, numel: int, bucket_elems: int) -> dict:

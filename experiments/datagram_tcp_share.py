@@ -14,8 +14,8 @@ controller only acts between rounds), which is why it is meant for provisioned l
 
 Usage (as root)::
 
-    .venv/bin/python experiments/datagram_tcp_share.py             # 100 Mbit/s, 40 ms, UDP at 50 and 95
-    .venv/bin/python experiments/datagram_tcp_share.py --quick     # one UDP rate, shorter
+    .venv/bin/python -m experiments.datagram_tcp_share             # 100 Mbit/s, 40 ms, UDP at 50 and 95
+    .venv/bin/python -m experiments.datagram_tcp_share --quick     # one UDP rate, shorter
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from dtrain.transports.datagram_pacing import Pacer
 
-from dtrain.transports.datagram_pacing import Pacer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tcp_sink(srv: socket.socket, t0: float, bins: list[int], bin_s: float, stop: threading.Event) -> None:

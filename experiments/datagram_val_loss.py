@@ -20,14 +20,15 @@ workers evaluate on the preset's own validation batches (4 for ``tiny``), so the
 from the in-process ones; the paired d is what compares.
 
 Verdict: "met" when mean d <= 0.5% with SE <= the target SE; "missed by X" when mean d >
-0.5% (X = the excess); "unresolved at SE Y" when the seeds ran out first.
+0.5% (X = the excess) with SE <= the target SE, or by more than twice an SE above it;
+"unresolved at SE Y" otherwise (the seeds ran out first).
 
 Usage::
 
-    .venv/bin/python experiments/datagram_val_loss.py --quick          # 3 sites, up to 12 seed pairs
-    .venv/bin/python experiments/datagram_val_loss.py --smoke --out /tmp/x --results none   # CI
-    .venv/bin/python experiments/datagram_val_loss.py --quick --netem  # as root: through netem
-    .venv/bin/python experiments/datagram_val_loss.py --quick --netem --mtu-bytes 9000  # jumbo frames
+    .venv/bin/python -m experiments.datagram_val_loss --quick          # 3 sites, up to 12 seed pairs
+    .venv/bin/python -m experiments.datagram_val_loss --smoke --out /tmp/x --results none   # CI
+    .venv/bin/python -m experiments.datagram_val_loss --quick --netem  # as root: through netem
+    .venv/bin/python -m experiments.datagram_val_loss --quick --netem --mtu-bytes 9000  # jumbo frames
 
 ``--mtu-bytes`` (with ``--netem``): every link's MTU, and ``--max-datagram-bytes`` 100 less
 (as ``datagram_vs_grpc.py``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
@@ -41,13 +42,10 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
+from experiments.common import (
     RunResult,
     RunSpec,
     base_parser,
@@ -60,7 +58,7 @@ from experiments.common import (  # noqa: E402
     run_inproc,
     run_or_load,
 )
-from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 TOLERANCE = 0.005  # the issue's "within 0.5%"
 TARGET_SE = 0.002  # the issue's "standard error <= 0.2%" (the verdict's; --target-se only stops adding seeds)
@@ -179,7 +177,9 @@ def summary(diffs: Sequence[float]) -> tuple[float, float]:
 
 
 def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
-    if mean > TOLERANCE:
+    """ "met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
+    twice the SE is one (one seed, SE inf, measuring d = +0.51% is unresolved, not a miss)."""
+    if mean > TOLERANCE and (se <= target_se or mean - TOLERANCE > 2 * se):
         return f"missed by {100 * (mean - TOLERANCE):.2f} percentage points (mean d {100 * mean:+.2f}%)"
     if se <= target_se:
         return f"met (mean d {100 * mean:+.2f}% <= 0.5%, SE {100 * se:.2f}% <= {100 * target_se:.2f}%)"

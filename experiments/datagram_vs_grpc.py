@@ -29,9 +29,9 @@ work). The sites' sync CPU over the cores is a floor under a round's exchange on
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python experiments/datagram_vs_grpc.py --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
-    .venv/bin/python experiments/datagram_vs_grpc.py --smoke --out /tmp/x --results none   # CI
-    .venv/bin/python experiments/datagram_vs_grpc.py --quick --mtu-bytes 9000   # jumbo-frame links
+    .venv/bin/python -m experiments.datagram_vs_grpc --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
+    .venv/bin/python -m experiments.datagram_vs_grpc --smoke --out /tmp/x --results none   # CI
+    .venv/bin/python -m experiments.datagram_vs_grpc --quick --mtu-bytes 9000   # jumbo-frame links
 
 ``--mtu-bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
 ``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
@@ -54,10 +54,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dtrain.transports.datagram import max_datagram_bytes_for_mtu  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.app.procs import Cluster
+from dtrain.transports.datagram import max_datagram_bytes_for_mtu
+from experiments.common import (
     RunResult,
     base_parser,
     md_table,
@@ -69,9 +68,9 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
-from experiments.wan_sweep import physical_limit_s  # noqa: E402
-from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES  # noqa: E402
+from experiments.procs import netem_topology
+from experiments.wan_sweep import physical_limit_s
+from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 
 def _loss_based_cc() -> str:
@@ -191,11 +190,11 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
         root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else Path(d)
         root.mkdir(parents=True, exist_ok=True)
-        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
             link(m["losses"][0])
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 task=m["task"] or None,
                 size=m["size"],
@@ -214,7 +213,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             run.wait(lambda: run.check_alive(names) or all(run.done_round(i, 0) for i in range(n)), "the first round")
             cpu_at.append(machine_cpu())

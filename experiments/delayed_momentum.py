@@ -16,24 +16,21 @@ AdamW lr 3e-3 inside), loss = MSE on 2048 held-out points of θ after the last r
 
 Usage::
 
-    .venv/bin/python experiments/delayed_momentum.py --quick   # 4 sites, 3 seeds (~2 min on 2 cores)
-    .venv/bin/python experiments/delayed_momentum.py --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments.delayed_momentum --quick   # 4 sites, 3 seeds (~2 min on 2 cores)
+    .venv/bin/python -m experiments.delayed_momentum --smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from dtrain.buckets import BucketConfig  # noqa: E402
-from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.buckets import BucketConfig
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,

@@ -19,9 +19,9 @@ inner steps and tokens:
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/diloco_sanity.py --quick    # 4 sites, tiny, 3 seeds, 200 steps
-    .venv/bin/python experiments/diloco_sanity.py            # full: small model, 2000 steps
-    .venv/bin/python experiments/diloco_sanity.py --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments.diloco_sanity --quick    # 4 sites, tiny, 3 seeds, 200 steps
+    .venv/bin/python -m experiments.diloco_sanity            # full: small model, 2000 steps
+    .venv/bin/python -m experiments.diloco_sanity --smoke --out /tmp/x --results none
 
 Writes ``OUT/diloco_sanity[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -42,16 +42,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
-
-from dtrain.tasks import build_task  # noqa: E402
-from dtrain.tasks.builtin import make_evaluate  # noqa: E402
-from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
-from experiments.common import (  # noqa: E402
+from dtrain.tasks import build_task
+from dtrain.tasks.builtin import make_evaluate
+from dtrain.tasks.data import load_corpus, val_batches
+from experiments.common import (
     RunResult,
     RunSpec,
     base_parser,

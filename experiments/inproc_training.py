@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from dtrain.sim import InprocCluster, Site
 
 if TYPE_CHECKING:
-    from experiments.common import RunSpec
+    from experiments.runspec import RunSpec
 
 __all__ = ["train_with_restart"]
 

@@ -13,7 +13,7 @@ from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfi
 from dtrain.transports.grpc import GrpcTransportConfig
 
 if TYPE_CHECKING:
-    from experiments.common import RunSpec
+    from experiments.runspec import RunSpec
 
 __all__ = ["loopback_datagram"]
 

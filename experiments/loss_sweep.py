@@ -19,11 +19,11 @@ should level off rather than grow with rounds.
 The 10% point over the gRPC transport with real packet loss (netem) is
 ``experiments/netem_loss.py``.
 
-Usage (from the repository root)::
+Run (from the repository root)::
 
-    .venv/bin/python experiments/loss_sweep.py --quick     # 4 sites, tiny, 3 seeds: minutes on 2 cores
-    .venv/bin/python experiments/loss_sweep.py             # full: small model, 5 seeds, more rounds
-    .venv/bin/python experiments/loss_sweep.py --smoke --out /tmp/x --results none   # CI: seconds
+    .venv/bin/python -m experiments run loss_sweep --mode quick   # 4 sites, tiny, 3 seeds: minutes on 2 cores
+    .venv/bin/python -m experiments run loss_sweep --mode full    # small model, 5 seeds, more rounds
+    .venv/bin/python -m experiments run loss_sweep --mode smoke --out /tmp/x --results none   # CI: seconds
 
 Writes ``OUT/loss_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv`` (one row
 per run and round), ``....png`` (perplexity change against loss rate) and
@@ -32,33 +32,14 @@ per run and round), ``....png`` (perplexity change against loss rate) and
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
-    RunSpec,
-    base_parser,
-    fmt_pm,
-    md_table,
-    mean_std,
-    mode_settings,
-    out_prefix,
-    paired_deltas,
-    publish,
-    quiet_logging,
-    run_many,
-    run_or_load,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import fmt_pm, md_table, mean_std, paired_deltas, save_fig, subplots, summarize
+from experiments.lab import Spec
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -67,96 +48,65 @@ TARGET_PPL_AT_10 = 0.5  # % (issue 6)
 # growth 7/3 ~ 2.33, a bounded drift ~ 1).
 LEVEL_OFF_RATIO = 1.25
 
-MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        num_sites=2,
-        size="tiny",
-        batch_size=4,
-        context_len=16,
-        sync_every=2,
-        rounds=2,
-        seeds=[0],
-        rates=[0.0, 0.3],
-        drift_rates=[0.3],
-        jobs=1,
-        num_val_batches=2,
-        reduce_timeout_s=1.0,
-        repeat_baseline=False,
-    ),
-    "quick": dict(
-        num_sites=4,
-        size="tiny",
-        sync_every=10,
-        rounds=16,
-        seeds=[0, 1, 2],
-        rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3],
-        drift_rates=[0.1, 0.3],
-        jobs=2,
-        num_val_batches=16,
-        reduce_timeout_s=1.0,
-        repeat_baseline=True,
-    ),
-    "full": dict(
-        num_sites=4,
-        size="small",
-        sync_every=50,
-        rounds=40,
-        seeds=[0, 1, 2, 3, 4],
-        rates=[0.0, 0.01, 0.05, 0.1, 0.2, 0.3],
-        drift_rates=[0.05, 0.1, 0.3],
-        jobs=max(1, (os.cpu_count() or 2) // 4),
-        num_val_batches=32,
-        reduce_timeout_s=1.0,
-        repeat_baseline=True,
-    ),
-}
-
-
 REPEAT = "loss 0% (repeat)"
+LOSS, REPAIR = "inproc.push_loss", "diloco.rounds.repair"
 
 
 def label(rate: float, repair: bool) -> str:
     return f"loss {rate * 100:g}%" + ("" if repair else " repair off")
 
 
-def make_specs(m: dict[str, Any]) -> list[RunSpec]:
-    common = dict(
-        experiment="loss_sweep",
-        num_sites=m["num_sites"],
-        size=m["size"],
-        batch_size=m.get("batch_size"),
-        context_len=m.get("context_len"),
-        sync_every=m["sync_every"],
-        rounds=m["rounds"],
-        codec=m["codec"],
-        bucket_bytes=64 * 1024,
-        chunk_bytes=16 * 1024,
-        reduce_timeout_s=m["reduce_timeout_s"],
-        broadcast_timeout_s=2 * m["reduce_timeout_s"],
-        num_val_batches=m["num_val_batches"],
+def points(rates: list[float], drift_rates: list[float], repeat_baseline: bool) -> list[dict[str, Any]]:
+    """Each loss rate with repair; the 0% runs again (``repeat_baseline``: the owners sum contributions
+    in arrival order, so fp32 rounding differs run to run and training amplifies it; Δ between two
+    0% runs with the same seed is the noise floor of every paired Δ); the drift rates with repair off."""
+    out = [{LOSS: r, REPAIR: True} for r in rates]
+    if repeat_baseline:
+        out.insert(1, {LOSS: 0.0, REPAIR: True, "config": REPEAT})
+    return out + [{LOSS: r, REPAIR: False} for r in drift_rates]
+
+
+def _mode(seeds, jobs, rates, drift_rates, repeat, fixed) -> dict[str, Any]:
+    return dict(
+        seeds=seeds,
+        jobs=jobs,
+        rates=rates,
+        drift_rates=drift_rates,
+        grid=points(rates, drift_rates, repeat),
+        fixed=fixed,
     )
-    specs = []
-    settings = [(label(rate, True), rate, True) for rate in m["rates"]]
-    if m["repeat_baseline"]:
-        # The same 0% runs again: the owners sum contributions in arrival order, so fp32
-        # rounding differs run to run and training amplifies it. Δ between two 0% runs
-        # with the same seed is the noise floor of every paired Δ.
-        settings.insert(1, (REPEAT, 0.0, True))
-    settings += [(label(rate, False), rate, False) for rate in m["drift_rates"]]
-    for config, rate, repair in settings:
-        for seed in m["seeds"]:
-            specs.append(
-                RunSpec(
-                    config=config,
-                    seed=seed,
-                    push_loss=rate,
-                    pull_loss=rate,
-                    repair=repair,
-                    extra=(("loss_rate", rate),),
-                    **common,
-                )
-            )
-    return specs
+
+
+def _sizes(n: int, size: str, h: int, rounds: int, val: int) -> dict[str, Any]:
+    return {
+        "task_spec.num_sites": n,
+        "task_spec.size": size,
+        "diloco.sync_every": h,
+        "rounds": rounds,
+        "inproc.num_val_batches": val,
+    }
+
+
+RATES = [0.0, 0.01, 0.05, 0.1, 0.2, 0.3]
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": _mode(
+        [0],
+        1,
+        [0.0, 0.3],
+        [0.3],
+        False,
+        _sizes(2, "tiny", 2, 2, 2) | {"task_spec.batch_size": 4, "task_spec.context_len": 16},
+    ),
+    "quick": _mode([0, 1, 2], 2, RATES, [0.1, 0.3], True, _sizes(4, "tiny", 10, 16, 16)),
+    "full": _mode(
+        [0, 1, 2, 3, 4],
+        max(1, (os.cpu_count() or 2) // 4),
+        RATES,
+        [0.05, 0.1, 0.3],
+        True,
+        _sizes(4, "small", 50, 40, 32),
+    ),
+}
 
 
 def drift_growth(rounds: Sequence[dict[str, Any]]) -> float:
@@ -280,7 +230,7 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
             "loss %",
             "repair",
             "runs",
-            f"drift at round {m['rounds'] // 2} (mean)",
+            f"drift at round {m['fixed']['rounds'] // 2} (mean)",
             "final drift",
             "final drift / ‖θ‖",
             "max drift",
@@ -322,7 +272,11 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
     )
     ax.set_xlabel("chunk loss rate, reduce and broadcast (%)")
     ax.set_ylabel("perplexity change vs 0% loss (%)")
-    ax.set_title(f"Chunk-loss sweep: {m['num_sites']} sites, {m['size']}, H={m['sync_every']}, {m['rounds']} rounds")
+    f = m["fixed"]
+    ax.set_title(
+        f"Chunk-loss sweep: {f['task_spec.num_sites']} sites, {f['task_spec.size']}, "
+        f"H={f['diloco.sync_every']}, {f['rounds']} rounds"
+    )
     ax.legend(fontsize=8)
     p1 = save_fig(fig, prefix.with_suffix(".png"))
 
@@ -353,36 +307,9 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
     return [p1, p2]
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = base_parser(__doc__)
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--sync-every", type=int, help="H inner steps per round")
-    ap.add_argument("--rates", help="comma-separated loss rates in [0, 1); must include 0")
-    ap.add_argument("--codec", default="fp32", help="pseudo-gradient codec (default fp32: isolates the loss)")
-    return ap.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("rounds", "sync_every", "size", "jobs"))
-    if args.rates:
-        m["rates"] = [float(x) for x in args.rates.split(",")]
-        if 0.0 not in m["rates"]:
-            raise SystemExit("--rates must include 0 (the baseline)")
-    m["codec"] = args.codec
-    specs = make_specs(m)
-    prefix = out_prefix(args, "loss_sweep")
-
-    def runner():
-        print(f"loss_sweep ({mode}): {len(specs)} runs, {m['jobs']} at a time", flush=True)
-        return run_many(specs, jobs=m["jobs"], verbose=args.verbose)
-
-    rows, rounds, meta = run_or_load(args, argv, "loss_sweep.py", prefix, runner)
-    pngs = plot(rows, rounds, m, prefix)
-    md, facts = analyse(rows, rounds, m)
-
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """The noise floor, the 10% target against the paper's figure, and whether drift levels off."""
+    _, facts = analyse(rows, rounds, m)
     lines = []
     n_seeds = len(m["seeds"])
     if REPEAT in facts:
@@ -399,16 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         (ppl_m, ppl_s), (d_m, _) = facts[label(0.1, True)]
         se = ppl_s / math.sqrt(n_seeds)
         met = ppl_m * 100 <= TARGET_PPL_AT_10
+        resolved = (ppl_m + se) * 100 <= TARGET_PPL_AT_10
         lines.append(
             f"- **10% loss**: perplexity change {ppl_m * 100:+.2f}% (std {ppl_s * 100:.2f}%, standard error "
             f"{se * 100:.2f}%; Δ loss {d_m:+.4f} nats; paired over {n_seeds} seeds). Paper: ≤ {PAPER_PPL_AT_10}%. "
             f"Our target ≤ {TARGET_PPL_AT_10}%: **{'met' if met else 'NOT met'}** by the mean; mean + 1 SE = "
             f"{(ppl_m + se) * 100:+.2f}%"
-            + (
-                " (also within the target)."
-                if (ppl_m + se) * 100 <= TARGET_PPL_AT_10
-                else " (not resolved at this number of seeds)."
-            )
+            + (" (also within the target)." if resolved else " (not resolved at this number of seeds).")
         )
     for cfg, (levels, growth, maxd) in facts["drift"].items():
         what = (
@@ -420,36 +344,58 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"- Drift, {cfg}{'' if 'off' in cfg else ' (repair on)'}: max {maxd:.3f}, {what}: "
             f"**{'levels off' if levels else 'does NOT level off'}**."
         )
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
+    lines.append(
+        '- The 10% point over real gRPC with 10% packet loss through netem: see "Packet loss over gRPC through '
+        'netem" (`experiments/netem_loss.py`).'
+    )
+    return lines
 
-Setup: {m["num_sites"]} sites as threads over the in-process transport, built-in GPT `{m["size"]}` on the stdlib
-source, H = {m["sync_every"]}, {m["rounds"]} rounds, codec `{m["codec"]}` with error feedback, 64 KiB buckets of
-16 KiB chunks, reduce deadline {m["reduce_timeout_s"]} s. Each contribution chunk and each pulled mean is lost with
-probability p (seeded). Δ is against the 0% run with the same seed (same data and init). Validation: {m["num_val_batches"]}
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    """Setup, the loss and drift tables (:func:`analyse`) and the two plots."""
+    f = m["fixed"]
+    pngs = plot(rows, rounds, m, prefix)
+    md, _ = analyse(rows, rounds, m)
+    theta = statistics.fmean(r["theta_norm"] for r in rows)
+    return f"""Setup: {f["task_spec.num_sites"]} sites as threads over the in-process transport, built-in GPT
+`{f["task_spec.size"]}` on the stdlib source, H = {f["diloco.sync_every"]}, {f["rounds"]} rounds, codec
+`{f["diloco.rounds.codec.name"]}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
+{f["rendezvous.reduce_timeout_s"]} s. Each contribution chunk and each pulled mean is lost with probability p
+(seeded). Δ is against the 0% run with the same seed (same data and init). Validation: {f["inproc.num_val_batches"]}
 fixed batches. Mean ± std over seeds {m["seeds"]}. "sync s/round": a site's time in the round call, including
 the wait for the other sites to be ready (site 0 evaluates θ after every round, the others wait for it) and the
-reduce deadline whenever a chunk was lost (the owner cannot tell lost from late). CSV: `{prefix.with_suffix(".csv").name}`, per round:
-`{prefix.name}_rounds.csv`; plots: {", ".join(f"`{p.name}`" for p in pngs)}.
+reduce deadline whenever a chunk was lost (the owner cannot tell lost from late). CSV:
+`{prefix.with_suffix(".csv").name}`, per round: `{prefix.name}_rounds.csv`; plots: {", ".join(f"`{p.name}`" for p in pngs)}.
 
 {md}
 
-Drift = max over site pairs of ‖θ_i − θ_j‖₂ after each round (‖θ‖ ≈ {statistics.fmean(r["theta_norm"] for r in rows):.1f}).
-"Levels off": mean drift over the last quarter of the rounds ≤ {LEVEL_OFF_RATIO} × the mean over the second quarter
-(a random walk gives ≈ 1.53, linear growth ≈ 2.33).
+Drift = max over site pairs of ‖θ_i − θ_j‖₂ after each round (‖θ‖ ≈ {theta:.1f}). "Levels off": mean drift over
+the last quarter of the rounds ≤ {LEVEL_OFF_RATIO} × the mean over the second quarter (a random walk gives ≈ 1.53,
+linear growth ≈ 2.33).
 
 Why drift without repair grows here although the paper's stays bounded: the paper's broadcast carries parameter
 values, so the next packet that does arrive overwrites a stale value; here the broadcast carries the owner's mean
 pseudo-gradient (an update). A site that misses one keeps its θ_b off by that update (plus what the outer
 momentum would have made of it) until a repair pulls θ_b whole, and every further miss adds to it. With repair
 on, a missed mean is repaired within the round (θ equal on every site after every round).
-
-{chr(10).join(lines)}
-- The 10% point over real gRPC with 10% packet loss through netem: see "Packet loss over gRPC through netem"
-  (`experiments/netem_loss.py`).
 """
-    publish(args, f"loss_sweep-{mode}", f"Chunk-loss sweep ({mode})", body)
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="loss_sweep",
+    title="Chunk-loss sweep",
+    modes=MODES,
+    fixed={
+        "diloco.rounds.codec.name": "fp32",  # isolates the loss
+        "diloco.buckets.bucket_bytes": 64 * 1024,
+        "diloco.buckets.chunk_bytes": 16 * 1024,
+        "rendezvous.reduce_timeout_s": 1.0,
+        "rendezvous.broadcast_timeout_s": 2.0,
+    },
+    label=lambda point: label(point[LOSS], point[REPAIR]),
+    derive=lambda point: {"inproc.pull_loss": point[LOSS]},  # the broadcast loses what the reduce does
+    columns=lambda point: {"loss_rate": point[LOSS]},
+    metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 1.0, 1e12), ("reduce_arrived", 0.0, 1.0)),
+    report=report,
+    verdict=verdict,
+)

@@ -18,9 +18,9 @@ bit-identical; what is left is the timing of which chunks miss a deadline).
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python experiments/netem_loss.py --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/netem_loss.py           # full: small, H = 50, 40 rounds, 5 seeds
-    .venv/bin/python experiments/netem_loss.py --smoke --out /tmp/x --results none   # CI: 2 sites, 3 rounds
+    .venv/bin/python -m experiments.netem_loss --quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments.netem_loss           # full: small, H = 50, 40 rounds, 5 seeds
+    .venv/bin/python -m experiments.netem_loss --smoke --out /tmp/x --results none   # CI: 2 sites, 3 rounds
 
 Writes ``OUT/netem_loss[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
 and puts its table into ``experiments/RESULTS.md``.
@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from dtrain.app.procs import Cluster
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -53,7 +52,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import netem_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -109,11 +108,11 @@ def run_one(
             Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else Path(d)
         )
         root.mkdir(parents=True, exist_ok=True)
-        run = ProcRun(root, n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         names = [f"site-{i}" for i in range(n)]
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -123,7 +122,7 @@ def run_one(
                 **worker,
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
 
             def done() -> bool:
                 run.check_alive(names)

@@ -22,9 +22,9 @@ queue of its own).
 
 Usage (as root)::
 
-    .venv/bin/python experiments/netem_udp_ceiling.py --quick
-    .venv/bin/python experiments/netem_udp_ceiling.py --quick --delayers c --results none
-    .venv/bin/python experiments/netem_udp_ceiling.py --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments.netem_udp_ceiling --quick
+    .venv/bin/python -m experiments.netem_udp_ceiling --quick --delayers c --results none
+    .venv/bin/python -m experiments.netem_udp_ceiling --smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def _role(argv: list[str]) -> int:
 if __name__ == "__main__" and "--role" in sys.argv:
     sys.exit(_role(sys.argv[1:]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# imported after the --role check: a sender/receiver process starts on the standard library only
 from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,

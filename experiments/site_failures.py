@@ -22,9 +22,9 @@ for a site whose heartbeats have not yet timed out).
 
 Usage (from the repository root)::
 
-    .venv/bin/python experiments/site_failures.py --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python experiments/site_failures.py           # full: small model, more rounds
-    .venv/bin/python experiments/site_failures.py --smoke --out /tmp/x --results none   # CI: 2 runs
+    .venv/bin/python -m experiments.site_failures --quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments.site_failures           # full: small model, more rounds
+    .venv/bin/python -m experiments.site_failures --smoke --out /tmp/x --results none   # CI: 2 runs
 
 Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -41,9 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from dtrain.app.procs import Cluster
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -59,7 +58,6 @@ from experiments.common import (  # noqa: E402
     subplots,
     summarize,
 )
-from experiments.procs import ProcRun  # noqa: E402
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -132,20 +130,20 @@ class FailureSpec:
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
-class _Run(ProcRun):
-    """The rendezvous and worker processes of one run (see :class:`experiments.procs.ProcRun`)."""
+class _Run(Cluster):
+    """The rendezvous and worker processes of one run (the one harness, :class:`dtrain.app.procs.Cluster`)."""
 
     def __init__(self, spec: FailureSpec, root: Path) -> None:
-        super().__init__(root, spec.num_sites, timeout_s=spec.timeout_s)
+        super().__init__(root, num_sites=spec.num_sites, timeout_s=spec.timeout_s)
         self.spec = spec
 
-    def start(self) -> None:
-        self.start_rendezvous({"initial_sites": self.spec.num_sites, **RENDEZVOUS})
+    def start_run(self) -> None:
+        self.start_rendezvous(**{"initial_sites": self.spec.num_sites, **RENDEZVOUS})
         for i in range(self.spec.num_sites):
             fault = f"site-1:mid_push:{self.spec.kill_round}:kill" if self.spec.scenario == OWNER and i == 1 else None
             self.start_site(i, fault=fault)
 
-    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> None:  # type: ignore[override]
+    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> str:  # type: ignore[override]
         s = self.spec
         opts = dict(
             size=s.size,
@@ -155,7 +153,7 @@ class _Run(ProcRun):
             **WORKER,
             inner_step_sleep_s=s.inner_step_sleep_s,
         )
-        super().start_site(i, opts, env={"DTRAIN_TEST_FAULT": fault} if fault else None, resume=resume)
+        return super().start_site(i, fault=fault, resume=resume, **opts)
 
 
 def run_failure(spec: FailureSpec) -> RunResult:
@@ -166,7 +164,7 @@ def run_failure(spec: FailureSpec) -> RunResult:
         run = _Run(spec, Path(d))
         t0 = time.monotonic()
         try:
-            run.start()
+            run.start_run()
             if s.scenario == RESTART:
                 run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
                 run.kill(3)

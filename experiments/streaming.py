@@ -31,9 +31,9 @@ Per run (one per configuration and seed):
 
 Usage (as root: netem needs network namespaces)::
 
-    .venv/bin/python experiments/streaming.py --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
-    .venv/bin/python experiments/streaming.py --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
-    .venv/bin/python experiments/streaming.py           # full: 3 seeds
+    .venv/bin/python -m experiments.streaming --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
+    .venv/bin/python -m experiments.streaming --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
+    .venv/bin/python -m experiments.streaming           # full: 3 seeds
 
 Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
 """
@@ -48,9 +48,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from dtrain.app.procs import Cluster
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -62,7 +61,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import netem_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
@@ -166,10 +165,10 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
     rounds = m["outer_rounds"] * f  # round numbers advance per fragment round: the same inner steps
     topo.set_link(None, LinkParams(**LINK))
     with tempfile.TemporaryDirectory(prefix="dtrain-streaming-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -184,7 +183,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
                 **{f"diloco.{k}": v for k, v in stream.items()},
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             with TxSampler({nm: run.procs[nm].handle.pid for nm in names}) as tx:
 

@@ -44,10 +44,10 @@ Outputs under ``--out`` (default ``experiments/out/vs_torchft_<mode>``): ``round
 ``loss_vs_wall.png`` and the raw run directories under ``runs/``. ``--quick`` and the
 full mode append ``report.md`` to ``experiments/RESULTS.md`` (``--no-append`` to skip).
 
-    python experiments/vs_torchft.py --smoke      # CI: 2 sites, tiny, healthy only (< 60 s)
-    python experiments/vs_torchft.py --quick      # 2 sites, small: healthy x2, concurrent, fault, 1 netem profile
-    python experiments/vs_torchft.py              # 3 sites, small, more rounds, 2 netem profiles, int8+zstd/int4
-    python experiments/vs_torchft.py --out DIR --analyse-only   # recompute the outputs from DIR/runs
+    python -m experiments.vs_torchft --smoke      # CI: 2 sites, tiny, healthy only (< 60 s)
+    python -m experiments.vs_torchft --quick      # 2 sites, small: healthy x2, concurrent, fault, 1 netem profile
+    python -m experiments.vs_torchft              # 3 sites, small, more rounds, 2 netem profiles, int8+zstd/int4
+    python -m experiments.vs_torchft --out DIR --analyse-only   # recompute the outputs from DIR/runs
 
 Beside this script: ``vs_torchft_specs.py`` (the modes, a run's spec and record),
 ``vs_torchft_analysis.py`` (the numbers and the report) and ``vs_torchft_outputs.py``
@@ -74,15 +74,12 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from dtrain.app.procs import Proc, spawn
+from experiments.vs_torchft_analysis import _lines, analyse
+from experiments.vs_torchft_outputs import write_outputs
+from experiments.vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from vs_torchft_analysis import _lines, analyse  # noqa: E402  (this script's directory is on sys.path)
-from vs_torchft_outputs import write_outputs  # noqa: E402
-from vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name  # noqa: E402
-
-from dtrain.app.procs import Proc, spawn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 INSTALL_HINT = (
@@ -175,8 +172,7 @@ def _prewarmed_main(argv: list[str]) -> None:
     if kind == "dtrain":
         from dtrain.app.cli import main as run
     else:
-        sys.path.insert(0, str(HERE))
-        from torchft_site import main as run
+        from experiments.torchft_site import main as run
     ready.write_text(str(os.getpid()))
     deadline = time.monotonic() + 1800
     while not go.exists():
@@ -380,7 +376,8 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
                     args += ["--barrier-dir", str(gate)]
             argv = [
                 py,
-                str(Path(__file__).resolve()),
+                "-m",
+                "experiments.vs_torchft",
                 "_child",
                 spec.system,
                 str(gate / f"warm-{out_name}"),
@@ -519,8 +516,6 @@ def _append_results(report: str, mode_name: str, no_append: bool) -> int:
     ``vs_torchft-MODE`` section, replacing an earlier one of the same mode (never in --smoke,
     nor with --no-append)."""
     if mode_name != "smoke" and not no_append:
-        if str(HERE.parent) not in sys.path:
-            sys.path.insert(0, str(HERE.parent))
         from experiments.common import update_results  # noqa: PLC0415
 
         title, _, body = report.partition("\n")
@@ -584,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
-    cmd = "python experiments/vs_torchft.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m experiments.vs_torchft " + " ".join(sys.argv[1:] if argv is None else argv)
     if a.analyse_only:  # keep the command and notes of the run that made the records
         records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
         records.sort(key=lambda r: r.t_go)
@@ -731,7 +726,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(HERE), str(REPO)]  # the analysis module; the repository's netem package
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         _prewarmed_main(sys.argv[2:])
     sys.exit(main())

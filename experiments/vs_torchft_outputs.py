@@ -9,7 +9,7 @@ import csv
 import json
 from pathlib import Path
 
-from vs_torchft_analysis import _lines, _site_dirs, report_md  # this script's directory is on sys.path
+from experiments.vs_torchft_analysis import _lines, _site_dirs, report_md
 
 __all__ = ["write_outputs", "plot"]
 

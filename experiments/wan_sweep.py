@@ -31,9 +31,9 @@ Per setting and seed:
 
 Usage (from the repository root, as root: netem needs network namespaces)::
 
-    .venv/bin/python experiments/wan_sweep.py --quick   # 4 sites, small, 27 settings, 3 seeds
-    .venv/bin/python experiments/wan_sweep.py           # full: base model, 3 measured rounds each
-    .venv/bin/python experiments/wan_sweep.py --smoke --out /tmp/x --results none   # CI: 2 sites, 2 settings
+    .venv/bin/python -m experiments.wan_sweep --quick   # 4 sites, small, 27 settings, 3 seeds
+    .venv/bin/python -m experiments.wan_sweep           # full: base model, 3 measured rounds each
+    .venv/bin/python -m experiments.wan_sweep --smoke --out /tmp/x --results none   # CI: 2 sites, 2 settings
 
 Writes ``OUT/wan_sweep[_MODE].csv`` (one row per setting and seed), ``..._rounds.csv``
 (one row per round and site), ``....png``, and puts its table into
@@ -52,9 +52,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from dtrain.app.procs import Cluster
+from experiments.common import (
     RunResult,
     base_parser,
     fmt_pm,
@@ -68,7 +67,7 @@ from experiments.common import (  # noqa: E402
     save_fig,
     subplots,
 )
-from experiments.procs import ProcRun, netem_topology  # noqa: E402
+from experiments.procs import netem_topology
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
@@ -168,13 +167,13 @@ def run_seed(
     total = per * len(settings)
     changed_at: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dtrain-wan-") as d:
-        run = ProcRun(Path(d), n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
         t0 = time.monotonic()
         try:
             rate, delay, loss = settings[0]
             topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
             changed_at.append(time.time())
-            run.start_rendezvous({"initial_sites": n, "min_sites": n, **RENDEZVOUS})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
             opts = dict(
                 size=m["size"],
                 seed=seed,
@@ -189,7 +188,7 @@ def run_seed(
                 inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
             )
             for i in range(n):
-                run.start_site(i, opts)
+                run.start_site(i, **opts)
             names = [f"site-{i}" for i in range(n)]
             for k in range(1, len(settings)):
                 last = k * per - 1

@@ -1,9 +1,11 @@
 """One process harness: child processes in their own session, with a log file each.
 
-Used by ``dtrain launch`` (:mod:`dtrain.app.launch`), the experiments
-(``experiments/procs.py``, ``experiments/vs_torchft.py``) and the multi-process fault
-tests (``tests/fault/conftest.py``), so that spawning, signalling, stopping with a grace
-period, tailing a log and waiting are written once.
+Used by ``dtrain launch`` (:mod:`dtrain.app.launch`), the experiments and the
+multi-process fault tests, so that spawning, signalling, stopping with a grace period,
+tailing a log and waiting are written once. :class:`Cluster` is the one harness of a
+``dtrain rendezvous`` and its ``dtrain worker`` processes that the experiments
+(``experiments/site_failures.py``, the netem sweeps, ``chaos.py``) and the fault tests
+(``tests/fault/conftest.py``, which adds its forking zygote and short timeouts) share.
 
 Every child starts in its own session (``start_new_session``): a terminal's Ctrl-C
 reaches only the parent, and a signal sent with :meth:`Proc.send` reaches the child's
@@ -18,16 +20,35 @@ what is left and waits at most :data:`KILL_WAIT_S` more.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-__all__ = ["ChildHandle", "KILL_WAIT_S", "Proc", "STOP_GRACE_S", "exit_text", "spawn", "stop_all", "tail"]
+from dtrain.app.config import RENDEZVOUS, WORKER
+from dtrain.metrics import read_metrics
+
+__all__ = [
+    "ChildHandle",
+    "Cluster",
+    "KILL_WAIT_S",
+    "Proc",
+    "STOP_GRACE_S",
+    "child_env",
+    "exit_text",
+    "flags",
+    "spawn",
+    "stop_all",
+    "tail",
+]
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +247,277 @@ def _name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return str(sig)
+
+
+# ----------------------------------------------------------------------------- a cluster
+#: the directory holding the ``dtrain`` package: children run ``python -m dtrain`` from it
+CHECKOUT = Path(__file__).resolve().parents[2]
+_LIVE: set[Proc] = set()  # every Cluster child still running: SIGKILLed at exit
+
+
+@atexit.register
+def _kill_leftovers() -> None:  # pragma: no cover - only when a Cluster was not closed
+    for p in list(_LIVE):
+        p.kill()
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a ``python -m dtrain`` child: this checkout first on
+    ``PYTHONPATH``, one BLAS thread, unbuffered output, no inherited ``DTRAIN_TEST_FAULT``;
+    then ``extra``."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(CHECKOUT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DTRAIN_TEST_FAULT", None)
+    env.update(extra or {})
+    return env
+
+
+def flags(opts: Mapping[str, Any], tree=WORKER) -> list[str]:
+    """``{"reduce_timeout_s": 2}`` -> ``["--rendezvous.reduce-timeout-s", "2"]``: the flags of
+    ``tree``'s options by path, key or short name (booleans ``--x`` / ``--no-x``; None left out)."""
+    return tree.to_argv({k: v for k, v in opts.items() if v is not None})
+
+
+def _site(site: int | str) -> str:
+    return f"site-{site}" if isinstance(site, int) else site
+
+
+class Cluster:
+    """One ``dtrain rendezvous`` and its ``dtrain worker`` processes, all under ``root``.
+
+    Layout: ``root/rendezvous-<k>.log`` (the k-th start) and ``root/<site>/`` per site (its
+    ``worker.log``, ``metrics.jsonl``, ``summary.json``). Sites are named ``site-<i>``;
+    every method taking a site takes that name or the index ``i``.
+
+    Args:
+        root: the directory of the run.
+        num_sites: the workers' ``--num-sites`` unless :meth:`start_site` says otherwise.
+        rendezvous, worker: options (by tree path, key or short name) of every rendezvous /
+            worker start, under the ones a start gives.
+        topo: a ``netem.Topology`` with a site per worker and one more for the rendezvous (the
+            last, as ``dtrain launch --netem`` places it), or None for 127.0.0.1.
+        spawner: ``(argv, env, log) -> ChildHandle`` to start ``dtrain ARGV`` some other way (a
+            test's forking zygote); None: ``python -m dtrain`` subprocesses. Not with ``topo``.
+        timeout_s: bound on the whole run: every :meth:`wait` raises past it.
+
+    Every wait is bounded and raises ``TimeoutError`` naming what it waited for, with the
+    tails of every log; :meth:`close` SIGKILLs every child (so does interpreter exit).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        num_sites: int | None = None,
+        rendezvous: Mapping[str, Any] | None = None,
+        worker: Mapping[str, Any] | None = None,
+        topo=None,
+        spawner: Callable[[list[str], dict[str, str], Path], ChildHandle] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if spawner is not None and topo is not None:
+            raise ValueError("spawner must be None with a netem topology (children run inside its sites)")
+        self.root, self.num_sites, self.topo, self.spawner = Path(root), num_sites, topo, spawner
+        self.rendezvous_defaults = dict(rendezvous or {})
+        self.worker_defaults = dict(worker or {})
+        self.procs: dict[str, Proc] = {}
+        self.logs: dict[str, Path] = {}
+        self.rv_address: str | None = None
+        self._rv_starts = 0
+        self.env = child_env()
+        self.deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+
+    # ------------------------------------------------------------------ processes
+    def host(self, i: int) -> str:
+        """Site ``i``'s address (``i == num_sites``: the rendezvous's site under netem)."""
+        return self.topo.address(i) if self.topo is not None else "127.0.0.1"
+
+    def spawn(self, name: str, index: int, argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> Proc:
+        """Start ``dtrain ARGV`` as ``name`` (inside netem site ``index`` with a topology)."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**self.env, **(env or {})}
+        if self.spawner is not None:
+            p = Proc(name, self.spawner(argv, full_env, log), log)
+        else:
+            cmd = [sys.executable, "-m", "dtrain", *argv]
+            if self.topo is not None:
+                cmd = self.topo.exec_argv(index, cmd)
+            p = spawn(name, cmd, log, env=full_env, cwd=CHECKOUT)
+        self.procs[name], self.logs[name] = p, log
+        _LIVE.add(p)
+        return p
+
+    def wait(self, pred: Callable[[], Any], what: str, timeout_s: float | None = None, poll_s: float = 0.05) -> Any:
+        """Poll ``pred`` until it returns something truthy (returned); TimeoutError naming ``what``
+        after ``timeout_s`` or past the run's bound."""
+        deadline = min(self.deadline, math.inf if timeout_s is None else time.monotonic() + timeout_s)
+        while True:
+            v = pred()
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}; the logs:\n{self.diag()}")
+            time.sleep(poll_s)
+
+    def start_rendezvous(self, bind: str | None = None, **opts: Any) -> str:
+        """Start (or restart, e.g. on the old ``bind`` host:port) the rendezvous with
+        ``RendezvousServerConfig`` options ``opts``; returns its address once it listens.
+
+        Raises:
+            RuntimeError: it exited before writing its address (with its log's tail).
+        """
+        self._rv_starts += 1
+        addr = self.root / f"rendezvous-{self._rv_starts}.addr"
+        bind = bind or f"{self.host(self.num_sites or 0) if self.topo is not None else '127.0.0.1'}:0"
+        argv = ["rendezvous", "--bind", bind, "--address-file", str(addr)]
+        argv += flags({**self.rendezvous_defaults, **opts}, RENDEZVOUS)
+        p = self.spawn("rendezvous", self.num_sites or 0, argv, self.root / f"rendezvous-{self._rv_starts}.log")
+        self.wait(
+            lambda: (addr.exists() and addr.read_text().strip()) or p.poll() is not None, "the rendezvous address", 60
+        )
+        if p.poll() is not None:
+            raise RuntimeError(f"the rendezvous exited with {exit_text(p.returncode)}:\n{p.tail()}")
+        self.rv_address = addr.read_text().strip()
+        return self.rv_address
+
+    def start_site(
+        self,
+        index: int,
+        *,
+        num_sites: int | None = None,
+        fault: str | None = None,
+        listen: str | None = None,
+        out_name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        resume: bool = False,
+        **opts: Any,
+    ) -> str:
+        """Start worker ``site-<index>`` with ``WorkerConfig`` options ``opts`` (site id and index,
+        sites, listen address, rendezvous and out dir filled in); ``fault`` sets ``DTRAIN_TEST_FAULT``;
+        ``resume`` adds ``--resume``. Returns the site's name."""
+        if not self.rv_address:
+            raise RuntimeError("start the rendezvous first")
+        n = num_sites or self.num_sites
+        if n is None:
+            raise ValueError("num_sites: give it to the Cluster or to start_site")
+        site = f"site-{index}"
+        out = self.root / (out_name or site)
+        argv = ["worker", "--site-id", site, "--site-index", str(index), "--num-sites", str(n)]
+        argv += ["--listen", listen or f"{self.host(index)}:0", "--rendezvous", self.rv_address, "--out-dir", str(out)]
+        argv += flags({**self.worker_defaults, **opts}, WORKER)
+        if resume:
+            argv.append("--resume")
+        self.spawn(
+            site, index, argv, out / "worker.log", {**(env or {}), **({"DTRAIN_TEST_FAULT": fault} if fault else {})}
+        )
+        return site
+
+    def start(
+        self, num_sites: int, *, faults: str | None = None, site_opts: dict[int, dict] | None = None, **rv_opts: Any
+    ) -> list[str]:
+        """Start the rendezvous (round 0 waits for ``num_sites``) and ``num_sites`` workers."""
+        rv_opts.setdefault("initial_sites", num_sites)
+        self.start_rendezvous(**rv_opts)
+        return [
+            self.start_site(i, num_sites=num_sites, fault=faults, **(site_opts or {}).get(i, {}))
+            for i in range(num_sites)
+        ]
+
+    def signal(self, name: int | str, sig: int) -> None:
+        """Send ``sig`` to ``name``'s process group. Raises RuntimeError when it already exited."""
+        p = self.procs[_site(name)]
+        if not p.send(sig):
+            raise RuntimeError(f"{p.name} already exited with {exit_text(p.returncode)}")
+
+    def kill(self, name: int | str) -> None:
+        """SIGKILL ``name``'s process group and reap it."""
+        self.procs[_site(name)].kill()
+
+    def wait_exit(self, name: int | str, timeout_s: float) -> int:
+        """``name``'s exit code; TimeoutError (with the logs) when it runs past ``timeout_s``."""
+        try:
+            return self.procs[_site(name)].wait(timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{_site(name)} did not exit within {timeout_s:.0f}s\n{self.diag()}") from None
+
+    def wait_all_exit(self, names: list[str], timeout_s: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        return {n: self.wait_exit(n, max(0.1, deadline - time.monotonic())) for n in names}
+
+    def exited(self, names: list[str]) -> bool:
+        return all(self.procs[n].poll() is not None for n in names)
+
+    def check_alive(self, names: list[str]) -> None:
+        """RuntimeError with its log's tail if one of ``names`` exited with a non-zero code."""
+        for n in names:
+            rc = self.procs[n].poll()
+            if rc not in (None, 0):
+                raise RuntimeError(f"{n} exited with code {rc}:\n{self.tail(n)}")
+
+    def close(self) -> None:
+        """SIGKILL every child still running."""
+        for p in self.procs.values():
+            p.kill()
+            _LIVE.discard(p)
+
+    # ------------------------------------------------------------------ outputs
+    def out_dir(self, site: int | str) -> Path:
+        return self.root / _site(site)
+
+    def lines(self, site: int | str, out_name: str | None = None) -> list[dict]:
+        """The complete lines of ``site``'s metrics.jsonl so far, as dicts (start and end lines included)."""
+        return [ln.as_dict() for ln in read_metrics(self.root / (out_name or _site(site)) / "metrics.jsonl")]
+
+    def rounds(self, site: int | str, out_name: str | None = None, status: str | None = None) -> list[dict]:
+        return [
+            d
+            for d in self.lines(site, out_name)
+            if d.get("event") == "round" and (status is None or d["status"] == status)
+        ]
+
+    def by_round(self, site: int | str, status: str = "applied") -> dict[int, dict]:
+        return {d["round"]: d for d in self.rounds(site, status=status)}
+
+    def done_round(self, site: int | str, rnd: int) -> bool:
+        """``site`` wrote its metrics line for round ``rnd`` or a later one."""
+        return any(x["round"] >= rnd for x in self.rounds(site))
+
+    def wait_round(self, site: int | str, rnd: int, timeout_s: float, status: str | None = "applied") -> dict:
+        """Wait until ``site`` has written a round line with round >= ``rnd`` (and ``status``); returns it."""
+
+        def done():
+            return next((d for d in self.rounds(site, status=status) if d["round"] >= rnd), None)
+
+        return self.wait(done, f"{_site(site)} to finish round {rnd} ({status})", timeout_s)
+
+    def summary(self, site: int | str) -> dict:
+        return json.loads((self.root / _site(site) / "summary.json").read_text())
+
+    def log_text(self, name: int | str) -> str:
+        try:
+            return self.logs[_site(name)].read_text(errors="replace")
+        except (OSError, KeyError):
+            return ""
+
+    def tail(self, name: int | str, n: int = 20) -> str:
+        return tail(self.logs[_site(name)], n).rstrip("\n") if _site(name) in self.logs else "(no log)"
+
+    def address(self, site: int | str, timeout_s: float = 60) -> str:
+        """The host:port ``site``'s Peer service bound (from its log)."""
+
+        def find():
+            for ln in self.log_text(site).splitlines():
+                if "peer service listening on " in ln:
+                    return ln.split("peer service listening on ", 1)[1].split()[0]
+            return None
+
+        return self.wait(find, f"{_site(site)}'s peer address", timeout_s)
+
+    def diag(self) -> str:
+        """Every child's exit code and log tail."""
+        return "\n".join(f"--- {n} (rc={p.poll()}) {self.logs[n]}\n{tail(self.logs[n])}" for n, p in self.procs.items())

@@ -1,11 +1,10 @@
-"""Harness for multi-process fault tests: a rendezvous and N ``dtrain worker``
-subprocesses on 127.0.0.1 (port 0), short timeouts, and helpers to wait for
-metrics lines and to kill / stop / continue / restart sites.
+"""Fixtures of the multi-process fault tests: a rendezvous and N ``dtrain worker``
+processes on 127.0.0.1 (port 0) from the one cluster harness
+(:class:`dtrain.app.procs.Cluster`: waits for metrics lines, kill / stop / continue /
+restart of sites), with short timeouts, a small corpus and a forking zygote.
 
 Every wait is bounded; every child runs in its own session and is SIGKILLed by
 the fixture's finalizer (and by an ``atexit`` hook, should pytest itself die).
-Children are :class:`dtrain.app.procs.Proc` objects (the one process harness) and
-metrics lines come from the one reader (:func:`dtrain.metrics.read_metrics`).
 
 Start-up cost: a fresh ``python -m dtrain worker`` spends ~5 s of CPU importing
 torch (and torch._dynamo, which the first optimizer pulls in) before it does
@@ -35,9 +34,8 @@ from typing import Callable
 
 import pytest
 
-from dtrain.app.config import RENDEZVOUS, WORKER
-from dtrain.app.procs import Proc, spawn, tail
-from dtrain.metrics import read_metrics
+from dtrain.app import procs
+from dtrain.app.procs import Proc, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -238,21 +236,7 @@ class Zygote:
         _LIVE.discard(self.proc)
 
 
-def _child_env() -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("DTRAIN_TEST_FAULT", None)
-    return env
-
-
-def _flags(opts: dict, tree) -> list[str]:
-    """The flags of ``tree``'s options (by path, key or short name; None left out)."""
-    return tree.to_argv({k: v for k, v in opts.items() if v is not None})
+_child_env = child_env  # the zygote's environment: that of every child
 
 
 def tiny_num_buckets(bucket_bytes: int) -> int:
@@ -290,8 +274,9 @@ def wait_until(pred: Callable[[], object], timeout_s: float, what: str, diag: Ca
         time.sleep(0.05)
 
 
-class Cluster:
-    """One rendezvous and its worker subprocesses, all under ``root``."""
+class Cluster(procs.Cluster):
+    """The one harness (:class:`dtrain.app.procs.Cluster`) with the fault tests' short round
+    timing, the session's small corpus and its forking zygote (None: plain subprocesses)."""
 
     def __init__(
         self,
@@ -302,176 +287,13 @@ class Cluster:
         worker: dict | None = None,
         zygote: "Zygote | None" = None,
     ) -> None:
-        self.root = root
-        self.zygote = zygote
-        self.corpus = corpus
-        self.rv_opts = {**RENDEZVOUS_DEFAULTS, **(rendezvous or {})}
-        self.worker_opts = {**WORKER_DEFAULTS, "data": str(corpus), **(worker or {})}
-        self.procs: dict[str, Proc] = {}
-        self.logs: dict[str, Path] = {}
-        self.rv_address: str | None = None
-        self._rv_starts = 0
-        self.env = _child_env()
-
-    # ------------------------------------------------------------------ processes
-    def _spawn(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> Proc:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        full_env = {**self.env, **(env or {})}
-        if self.zygote is not None:
-            p = Proc(name, self.zygote.spawn(argv, full_env, log), log)
-        else:
-            p = spawn(name, [sys.executable, "-m", "dtrain", *argv], log, env=full_env, cwd=REPO)
-        self.procs[name] = p
-        self.logs[name] = log
-        _LIVE.add(p)
-        return p
-
-    def start_rendezvous(self, bind: str = "127.0.0.1:0", **opts) -> str:
-        """Start (or restart, e.g. on the old ``bind``) the rendezvous; returns its address."""
-        self._rv_starts += 1
-        addr_file = self.root / f"rendezvous-{self._rv_starts}.addr"
-        argv = [
-            "rendezvous",
-            "--bind",
-            bind,
-            "--address-file",
-            str(addr_file),
-            *_flags({**self.rv_opts, **opts}, RENDEZVOUS),
-        ]
-        p = self._spawn("rendezvous", argv, self.root / f"rendezvous-{self._rv_starts}.log")
-        wait_until(
-            lambda: addr_file.exists() or p.poll() is not None,
-            60,
-            "the rendezvous address file",
-            p.tail,
+        super().__init__(
+            root,
+            rendezvous={**RENDEZVOUS_DEFAULTS, **(rendezvous or {})},
+            worker={**WORKER_DEFAULTS, "data": str(corpus), **(worker or {})},
+            spawner=zygote.spawn if zygote is not None else None,
         )
-        assert p.poll() is None, f"rendezvous exited with {p.returncode}:\n{p.tail()}"
-        self.rv_address = addr_file.read_text().strip()
-        return self.rv_address
-
-    def start_site(
-        self,
-        index: int,
-        *,
-        num_sites: int,
-        fault: str | None = None,
-        listen: str = "127.0.0.1:0",
-        out_name: str | None = None,
-        **opts,
-    ) -> str:
-        """Start ``site-<index>``; ``fault`` sets ``DTRAIN_TEST_FAULT``. Returns the site id."""
-        assert self.rv_address, "start the rendezvous first"
-        site = f"site-{index}"
-        out = self.root / (out_name or site)
-        argv = [
-            "worker",
-            "--site-id",
-            site,
-            "--site-index",
-            str(index),
-            "--num-sites",
-            str(num_sites),
-            "--listen",
-            listen,
-            "--rendezvous",
-            self.rv_address,
-            "--out-dir",
-            str(out),
-            *_flags({**self.worker_opts, **opts}, WORKER),
-        ]
-        self._spawn(site, argv, out / "worker.log", env={"DTRAIN_TEST_FAULT": fault} if fault else None)
-        return site
-
-    def start(
-        self, num_sites: int, *, faults: str | None = None, site_opts: dict[int, dict] | None = None, **rv_opts
-    ) -> list[str]:
-        """Start the rendezvous (round 0 waits for ``num_sites``) and ``num_sites`` workers."""
-        rv_opts.setdefault("initial_sites", num_sites)
-        self.start_rendezvous(**rv_opts)
-        return [
-            self.start_site(i, num_sites=num_sites, fault=faults, **(site_opts or {}).get(i, {}))
-            for i in range(num_sites)
-        ]
-
-    def signal(self, name: str, sig: int) -> None:
-        p = self.procs[name]
-        assert p.send(sig), f"{name} already exited with {p.returncode}"
-
-    def kill(self, name: str) -> None:
-        """SIGKILL ``name`` and reap it."""
-        self.signal(name, signal.SIGKILL)
-        self.procs[name].wait(timeout_s=10)
-
-    def wait_exit(self, name: str, timeout_s: float) -> int:
-        p = self.procs[name]
-        try:
-            return p.wait(timeout_s=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not exit within {timeout_s:.0f}s\n{self.diag()}")
-
-    def wait_all_exit(self, names: list[str], timeout_s: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout_s
-        return {n: self.wait_exit(n, max(0.1, deadline - time.monotonic())) for n in names}
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.kill()
-            _LIVE.discard(p)
-
-    # ------------------------------------------------------------------ outputs
-    def out_dir(self, site: str) -> Path:
-        return self.root / site
-
-    def lines(self, site: str, out_name: str | None = None) -> list[dict]:
-        """Complete lines of ``site``'s metrics.jsonl as dicts (start and end lines included)."""
-        return [ln.as_dict() for ln in read_metrics(self.root / (out_name or site) / "metrics.jsonl")]
-
-    def rounds(self, site: str, out_name: str | None = None, status: str | None = None) -> list[dict]:
-        return [
-            d
-            for d in self.lines(site, out_name)
-            if d.get("event") == "round" and (status is None or d["status"] == status)
-        ]
-
-    def by_round(self, site: str, status: str = "applied") -> dict[int, dict]:
-        return {d["round"]: d for d in self.rounds(site, status=status)}
-
-    def wait_round(self, site: str, rnd: int, timeout_s: float, status: str | None = "applied") -> dict:
-        """Wait until ``site`` has written a round line with round >= ``rnd`` (and ``status``)."""
-
-        def done():
-            for d in self.rounds(site, status=status):
-                if d["round"] >= rnd:
-                    return d
-            return None
-
-        return wait_until(done, timeout_s, f"{site} to finish round {rnd} ({status})", self.diag)
-
-    def summary(self, site: str) -> dict:
-        return json.loads((self.root / site / "summary.json").read_text())
-
-    def log_text(self, name: str) -> str:
-        try:
-            return self.logs[name].read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def address(self, site: str, timeout_s: float = 60) -> str:
-        """The host:port ``site``'s Peer service bound (from its log)."""
-
-        def find():
-            for ln in self.log_text(site).splitlines():
-                if "peer service listening on " in ln:
-                    return ln.split("peer service listening on ", 1)[1].split()[0]
-            return None
-
-        return wait_until(find, timeout_s, f"{site}'s peer address", self.diag)
-
-    def diag(self) -> str:
-        parts = []
-        for name, p in self.procs.items():
-            parts.append(f"--- {name} (rc={p.poll()}) {self.logs[name]}\n{tail(self.logs[name])}")
-        return "\n".join(parts)
+        self.corpus, self.zygote = corpus, zygote
 
 
 @pytest.fixture(scope="session")

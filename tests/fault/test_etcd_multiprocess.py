@@ -116,7 +116,8 @@ def test_sites_fail_over_to_the_other_rendezvous_front_end(make_cluster, etcd_cl
     import sys
 
     from dtrain.app.config import RENDEZVOUS
-    from tests.fault.conftest import REPO, _child_env
+    from dtrain.app.procs import child_env as _child_env
+    from tests.fault.conftest import REPO
 
     rounds = 5
     timing = {**RENDEZVOUS_DEFAULTS, "initial_sites": 3}

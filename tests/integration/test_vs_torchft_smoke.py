@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "experiments" / "vs_torchft.py"
 ROUNDS, SITES = 4, 2
 
 pytestmark = pytest.mark.slow
@@ -45,7 +44,7 @@ def test_vs_torchft_smoke(tmp_path):
         pytest.skip(why)
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "experiments.vs_torchft", "--smoke", "--out", str(out)],
         cwd=str(REPO),
         capture_output=True,
         text=True,

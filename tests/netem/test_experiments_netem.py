@@ -50,7 +50,7 @@ def test_wan_sweep_smoke(tmp_path: Path) -> None:
     assert len(rounds) == 8 and sum(1 for x in rounds if x["measured"] is True) == 4
     assert (tmp_path / "wan_sweep_smoke.png").stat().st_size > 5000
     assert "## WAN sweep through netem (smoke)" in md
-    assert "`.venv/bin/python experiments/wan_sweep.py --smoke" in md
+    assert "`.venv/bin/python -m experiments.wan_sweep --smoke" in md
     assert "| 50 | 25 | 0 | 1 |" in md
 
 
@@ -68,7 +68,7 @@ def test_netem_loss_smoke(tmp_path: Path) -> None:
     assert rows[0]["reduce_arrived"] == 1.0 and rows[0]["stale_buckets"] == 0
     assert (tmp_path / "netem_loss_smoke.png").stat().st_size > 5000
     assert "## Packet loss over gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python experiments/netem_loss.py --smoke" in md
+    assert "`.venv/bin/python -m experiments.netem_loss --smoke" in md
 
 
 @pytest.mark.timeout(240)
@@ -99,7 +99,7 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
     assert "CPU: the machine's" in md and "cannot take less than" in md
     assert "## Datagram path vs gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python experiments/datagram_vs_grpc.py --smoke" in md
+    assert "`.venv/bin/python -m experiments.datagram_vs_grpc --smoke" in md
 
 
 @pytest.mark.timeout(180)
@@ -117,7 +117,7 @@ def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
         assert r["final_val_loss"] < r["first_val_loss"] - 0.5  # both trained (tiny, 6 steps: 5.4 -> ~4.0)
     assert abs(lossy["final_val_loss"] / clean["final_val_loss"] - 1) < 0.03
     assert "## Datagram path: validation loss at 10% loss, through netem (smoke)" in md
-    assert "`.venv/bin/python experiments/datagram_val_loss.py --smoke" in md and "--netem" in md
+    assert "`.venv/bin/python -m experiments.datagram_val_loss --smoke" in md and "--netem" in md
 
 
 @pytest.mark.timeout(180)
@@ -140,7 +140,7 @@ def test_streaming_smoke(tmp_path: Path) -> None:
     assert {x["fragment"] for x in rounds if x["config"] == "F=4 overlap"} == {0, 1, 2, 3}
     assert (tmp_path / "streaming_smoke.png").stat().st_size > 5000
     assert "## Streaming rounds through netem (smoke)" in md
-    assert "`.venv/bin/python experiments/streaming.py --smoke" in md
+    assert "`.venv/bin/python -m experiments.streaming --smoke" in md
 
 
 @pytest.mark.timeout(180)

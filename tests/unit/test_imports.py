@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dtrain"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = REPO / "dtrain"
+LAB_DIR = REPO / "experiments"  # the lab: a package over dtrain, checked for cycles and sys.path edits
 
 # The layers, lowest first (docs/ARCHITECTURE.md, "Layers and packages"). A module may
 # import modules of its own unit and of units in strictly lower layers, never of its own
@@ -71,33 +73,34 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE_DIR.parent).with_suffix("")
+    rel = path.relative_to(REPO).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _all_modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+def _all_modules(root: Path = PACKAGE_DIR) -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(root.rglob("*.py")) if "out" not in p.relative_to(root).parts}
 
 
 MODULES = _all_modules()
+LAB_MODULES = _all_modules(LAB_DIR)
 
 
-def _resolve(name: str) -> str | None:
+def _resolve(name: str, modules: dict[str, Path] = MODULES) -> str | None:
     """The module an import of ``name`` loads (the longest prefix that is a module)."""
     parts = name.split(".")
     while parts:
         candidate = ".".join(parts)
-        if candidate in MODULES:
+        if candidate in modules:
             return candidate
         parts.pop()
     return None
 
 
-def _imports_of(module: str, path: Path) -> set[str]:
-    """dtrain modules that ``module`` imports anywhere in its source."""
+def _imports_of(module: str, path: Path, top: str = "dtrain", modules: dict[str, Path] = MODULES) -> set[str]:
+    """Modules of package ``top`` (in ``modules``) that ``module`` imports anywhere in its source."""
     is_pkg = path.name == "__init__.py"
     package = module if is_pkg else module.rpartition(".")[0]
     targets: set[str] = set()
@@ -115,8 +118,8 @@ def _imports_of(module: str, path: Path) -> set[str]:
         else:
             continue
         for name in names:
-            if name == "dtrain" or name.startswith("dtrain."):
-                target = _resolve(name)
+            if name == top or name.startswith(top + "."):
+                target = _resolve(name, modules)
                 if target is not None and target != module:
                     targets.add(target)
     ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
@@ -124,6 +127,7 @@ def _imports_of(module: str, path: Path) -> set[str]:
 
 
 GRAPH = {m: _imports_of(m, p) for m, p in MODULES.items()}
+LAB_GRAPH = {m: _imports_of(m, p, "experiments", LAB_MODULES) for m, p in LAB_MODULES.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -270,3 +274,27 @@ def test_the_checks_find_violations_in_a_made_up_graph():
         "dtrain.rounds.engine -> dtrain.transports.grpc",
         "dtrain.status.model -> dtrain.protocol",
     ]
+
+
+@pytest.mark.timeout(10)
+def test_the_lab_has_no_import_cycles():
+    """experiments/ is a package whose modules import each other without a cycle (imports
+    under ``TYPE_CHECKING`` and inside functions count: they are cycles of concerns too)."""
+    assert "experiments.common" in LAB_GRAPH["experiments.convergence"]
+    cycles = sorted(sorted(c) for c in _cycles(LAB_GRAPH))
+    assert cycles == [], f"import cycles in experiments/: {cycles}"
+
+
+@pytest.mark.timeout(10)
+def test_the_lab_does_not_edit_sys_path_and_dtrain_does_not_import_it():
+    """Experiments run as ``python -m experiments...`` from the repository root: no module edits
+    ``sys.path`` to find its neighbours, and the library never imports the lab."""
+    edits = [
+        f"{m}:{node.lineno}"
+        for m, p in sorted(LAB_MODULES.items())
+        for node in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    ]
+    assert edits == [], f"sys.path used in: {edits}"
+    lab_users = sorted(m for m, p in MODULES.items() if _imports_of(m, p, "experiments", LAB_MODULES))
+    assert lab_users == [], lab_users

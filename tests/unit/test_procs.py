@@ -108,3 +108,18 @@ def test_kill_reaps_and_exit_codes_are_named(tmp_path):
     assert exit_text(None) == "running" and exit_text(3) == "3"
     done = spawn("ok", [sys.executable, "-c", "raise SystemExit(7)"], tmp_path / "ok.log")
     assert done.wait(timeout_s=30) == 7
+
+
+def test_cluster_refuses_what_it_cannot_do(tmp_path) -> None:
+    """The one cluster harness: a spawner cannot run inside netem sites, a site needs its
+    rendezvous first, and a wait past its bound raises naming what it waited for."""
+    from dtrain.app.procs import Cluster
+
+    with pytest.raises(ValueError, match="spawner must be None with a netem topology"):
+        Cluster(tmp_path, topo=object(), spawner=lambda argv, env, log: None)
+    c = Cluster(tmp_path, num_sites=2, worker={"size": "tiny"})
+    with pytest.raises(RuntimeError, match="start the rendezvous first"):
+        c.start_site(0)
+    with pytest.raises(TimeoutError, match="timed out waiting for nothing"):
+        c.wait(lambda: False, "nothing", timeout_s=0.1)
+    assert c.host(1) == "127.0.0.1" and c.tail(0) == "(no log)" and c.lines(0) == []

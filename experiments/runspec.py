@@ -1,0 +1,170 @@
+"""One in-process multi-site training run's settings (:class:`RunSpec`), the input of
+:func:`experiments.common.run_inproc`; it builds the run's ``TaskSpec`` and ``ClusterConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.buckets import BucketConfig
+from dtrain.codecs import CodecConfig
+from dtrain.rounds import RoundConfig
+from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
+from dtrain.tasks import TaskSpec
+from dtrain.transports.datagram import datagram_chunk_bytes
+from dtrain.transports.inproc import InprocFaults
+
+__all__ = ["RunSpec"]
+
+KiB = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One in-process multi-site training run.
+
+    Attributes:
+        experiment: name of the experiment (goes into the CSV row).
+        config: label of the setting (rows with the same label are seeds of one setting).
+        seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
+        num_sites: N sites (threads).
+        size, data, batch_size, context_len, lr, non_iid, lr_schedule, warmup_steps:
+            see ``dtrain.tasks.TaskSpec``.
+        decay_steps: cosine decay steps of ``lr_schedule="cosine"``; None: the run's
+            inner steps minus the warmup (decayed to 10 % at the last step).
+        restart_after_round: -1: no restart; else the last site is killed after it
+            applied this many rounds and restarted (``InprocCluster.restart``: join and
+            state pull) once site 0 applied ``down_rounds`` more.
+        down_rounds: rounds the restarted site stays away.
+        sync_every: H inner steps per round; rounds: rounds to train.
+        codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
+            topk_fraction: see ``CodecConfig``.
+        error_feedback, broadcast_error_feedback, repair: see ``RoundConfig``.
+        push_loss, pull_loss: probability that a contribution chunk (reduce) / a
+            pulled mean (broadcast) is lost (``InprocFaults``).
+        bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
+            finer grain, closer to packets).
+        reduce_timeout_s, broadcast_timeout_s: round deadlines of the rendezvous; the
+            owner waits ``reduce_timeout_s`` whenever a chunk is lost.
+        heartbeat_timeout_s: a site silent this long is dropped from the round (it resyncs);
+            on a loaded machine a starved heartbeat thread does that to a live site.
+        outer_lr, outer_momentum: outer SGD-Nesterov (DiLoCo arXiv 2311.08105: 0.7, 0.9).
+        num_val_batches: size of the fixed validation set (batches of ``batch_size``).
+        eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
+        track_drift: record the max pairwise L2 distance of θ between sites per round.
+        timeout_s: limit of the whole run (the threads are abandoned after it).
+        own_session: processes a run spawns (DDP ranks) call :func:`own_session`.
+        extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
+        datagram_drop: None: the in-process network; a probability in [0, 1): the
+            datagram data path on 127.0.0.1 (``DatagramTransport``, one chunk per
+            datagram: ``chunk_bytes`` is then set from the codec), every received
+            contribution / mean datagram dropped with it (``test_drop``, seeded by
+            ``seed`` and the site).
+    """
+
+    experiment: str
+    config: str
+    seed: int = 0
+    num_sites: int = 4
+    size: str = "tiny"
+    data: str = "stdlib"
+    batch_size: int | None = None
+    context_len: int | None = None
+    lr: float | None = None
+    non_iid: bool = False
+    lr_schedule: str = "constant"
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    restart_after_round: int = -1
+    down_rounds: int = 5
+    sync_every: int = 10
+    rounds: int = 20
+    codec: str = "fp32"
+    zstd_level: int = 1
+    topk_fraction: float = 0.01
+    error_feedback: bool = True
+    broadcast_error_feedback: bool = False
+    repair: bool = True
+    push_loss: float = 0.0
+    pull_loss: float = 0.0
+    bucket_bytes: int = 32 * KiB
+    chunk_bytes: int = 4 * KiB
+    reduce_timeout_s: float = 1.0
+    broadcast_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = 1.5
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    num_val_batches: int = 16
+    eval_every: int = 1
+    track_drift: bool = True
+    timeout_s: float = 3600.0
+    own_session: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()
+    datagram_drop: float | None = None
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, allowed: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.num_sites, int) and self.num_sites >= 1, "num_sites", "an int >= 1")
+        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an int >= 1")
+        need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
+        need(isinstance(self.num_val_batches, int) and self.num_val_batches >= 1, "num_val_batches", "an int >= 1")
+        need(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every", "an int >= 0")
+        need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
+        need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
+        need(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "> 0 seconds")
+        need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
+        need(
+            self.restart_after_round == -1 or 0 < self.restart_after_round < self.rounds - self.down_rounds,
+            "restart_after_round",
+            "-1 or in (0, rounds - down_rounds)",
+        )
+        # Build the component configs once so a bad value fails here, naming its field.
+        self.task_spec(0)
+        self.cluster_config()
+
+    def task_spec(self, site_index: int) -> TaskSpec:
+        return TaskSpec(
+            site_index=site_index,
+            num_sites=self.num_sites,
+            seed=self.seed,
+            data=self.data,
+            size=self.size,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            context_len=self.context_len,
+            non_iid=self.non_iid,
+            lr_schedule=self.lr_schedule,  # type: ignore[arg-type]
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
+        )
+
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig(
+            num_sites=self.num_sites,
+            diloco=fast_diloco_config(
+                sync_every=self.sync_every,
+                buckets=BucketConfig(
+                    bucket_bytes=self.bucket_bytes,
+                    chunk_bytes=self.chunk_bytes if self.datagram_drop is None else datagram_chunk_bytes(self.codec),
+                ),
+                rounds=RoundConfig(
+                    codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
+                    error_feedback=self.error_feedback,
+                    broadcast_error_feedback=self.broadcast_error_feedback,
+                    repair=self.repair,
+                ),
+            ),
+            rendezvous=fast_rendezvous_config(
+                self.num_sites,
+                reduce_timeout_s=self.reduce_timeout_s,
+                broadcast_timeout_s=self.broadcast_timeout_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+            ),
+            faults=InprocFaults(push_loss=self.push_loss, pull_loss=self.pull_loss, seed=self.seed),
+            seed=self.seed,
+        )
