@@ -585,6 +585,8 @@ class DiLoCo:
                     waited.round,
                     waited.waited_s,
                 )
+        if wait:  # a straggler cut from this site's last round pulls θ from it, not from nobody
+            self.site.wait_left_out(self.config.group.state_pull_timeout_s)
         if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
             try:
                 self.comm.all_gather(None, round=True)

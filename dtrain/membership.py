@@ -89,6 +89,7 @@ class Group:
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
         self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
         self.joined = False
+        self.dead: frozenset[str] = frozenset()  # the sites the last heartbeat named dead or left
 
     # ------------------------------------------------------------------ membership
     def _call_with_backoff(self, fn, budget_s: float):
@@ -193,6 +194,8 @@ class Group:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
                     while self._reports and self._reports[0][0] <= pending[-1][0]:
                         self._reports.popleft()
+            if hb.known:
+                self.dead = frozenset(hb.dead)
             if hb.known and hb.dead:
                 self.engine.members_lost(hb.dead)
                 if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks

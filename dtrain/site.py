@@ -90,6 +90,7 @@ class Site:
             if self.group is not None and self.notices is not None:
                 self.group.on_members_lost = self.notices.post
         self.donors: list[Member] = []
+        self.last_plan: RoundPlan | None = None  # of the last round this site ran
         self.view_hook: Callable[[RankView], RankView] | None = None
 
     # ------------------------------------------------------------------ membership
@@ -263,6 +264,39 @@ class Site:
             if last_loss is not None:
                 self.group.last_loss = last_loss
 
+    def wait_left_out(self, timeout_s: float, poll_s: float = 0.1) -> list[str]:
+        """Before leaving at the end of a run: wait until every site the last round this
+        site ran left out (cut as a straggler, ``RoundPlan.left_out``) is gone: it caught
+        up (pulled θ from this site or another member, finished and left) or the
+        rendezvous holds it dead; at most ``timeout_s``. Meanwhile this site heartbeats
+        and serves its state as a member, so the straggler's resync finds a donor
+        instead of ending behind (issue 33). Nothing to wait for when this site's θ moved
+        past that round since (it resynced). Rank 0 waits; the other ranks wait for its
+        answer (every rank keeps serving its slice). Returns the sites still not gone.
+        """
+        waiting: list[str] = []
+        plan = self.last_plan
+        if self.group is not None and plan is not None and plan.left_out:
+            if self.engine.state.rounds_applied == plan.round + 1:
+                deadline = time.monotonic() + timeout_s
+                t0 = time.monotonic()
+                waiting = [s for s in plan.left_out if s not in self.group.dead]
+                if waiting:
+                    log.info(
+                        "%s: waiting up to %.1f s for %s to catch up before leaving", self.site_id, timeout_s, waiting
+                    )
+                while waiting and time.monotonic() < deadline:
+                    time.sleep(poll_s)
+                    waiting = [s for s in waiting if s not in self.group.dead]
+                if plan.left_out:
+                    log.info(
+                        "%s: %s after %.1f s",
+                        self.site_id,
+                        f"still waiting for {waiting}; leaving" if waiting else f"{list(plan.left_out)} gone",
+                        time.monotonic() - t0,
+                    )
+        return self.comm.broadcast(waiting, round=True)
+
     def leave(self) -> None:
         """Rank 0 leaves the group (heartbeats stop); every rank stops its notices."""
         if self.group is not None:
@@ -352,6 +386,7 @@ class Site:
             err = self.resync(min_round=plan.round + 1)
             status = RoundStatus.DEFERRED if err else RoundStatus.SKIPPED
             return SyncOutcome(status=status, reason=err or why, quorum_s=quorum_s, fragment=fragment)
+        self.last_plan = plan
         my_plan = rank_plan(plan, self.rank, self.num_ranks)
         ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
         res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)

@@ -7,6 +7,7 @@ rendezvous)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ H = 3
 PULL_S = 1.0  # the state-pull budget: how long a site behind looks for a member
 
 
-def _site(site_id: str, net: InprocNetwork, core: RendezvousCore) -> DiLoCo:
+def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: float = PULL_S) -> DiLoCo:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -34,7 +35,7 @@ def _site(site_id: str, net: InprocNetwork, core: RendezvousCore) -> DiLoCo:
         sync_every=H,
         hook_optimizer=False,
         buckets=BucketConfig(bucket_bytes=512, chunk_bytes=256),
-        group=GroupConfig(state_pull_timeout_s=PULL_S),
+        group=GroupConfig(state_pull_timeout_s=pull_s),
     )
     return DiLoCo(model, opt, config=cfg, transport=InprocTransport(net), rendezvous=InprocRendezvousClient(core))
 
@@ -58,16 +59,47 @@ def _together(sites: list[DiLoCo], seed: int) -> None:
         t.join(timeout=30)
 
 
-def test_a_site_that_missed_the_last_round_after_the_others_left_raises_left_behind():
-    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
-    a, b = _site("a", net, core), _site("b", net, core)
+def _cut_from_the_last_round(pull_s: float = PULL_S) -> tuple[DiLoCo, DiLoCo]:
+    """a and b run rounds 0 and 1 together; a runs the last round (2) alone, cutting b."""
+    net = InprocNetwork()
+    core = RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3, heartbeat_interval_s=0.1))
+    a, b = _site("a", net, core, pull_s=pull_s), _site("b", net, core, pull_s=pull_s)
+    _together([a, b], seed=1)
+    _together([a, b], seed=3)
+    assert a.round == b.round == 2 and a.site_checksum() == b.site_checksum()
+    _round(a, seed=5)  # the last round (2): b is cut as a straggler
+    assert a.round == 3 and a.last_outcome.result.members == ("a",)
+    assert a.site.last_plan.left_out == ("b",)
+    return a, b
+
+
+def test_the_site_that_finished_waits_for_the_straggler_it_left_out_to_catch_up():
+    """a ends the run with round 2 but stays a member (serving θ) until b, cut from that
+    round, resynced from it and left: both end on the same θ."""
+    a, b = _cut_from_the_last_round(pull_s=20.0)
+    closing = threading.Thread(target=a.close)
     try:
-        _together([a, b], seed=1)
-        _together([a, b], seed=3)
-        assert a.round == b.round == 2 and a.site_checksum() == b.site_checksum()
-        _round(a, seed=5)  # the last round (2): b is cut as a straggler
-        assert a.round == 3 and a.last_outcome.result.members == ("a",)
-        a.close()  # a is done and leaves: nobody holds round 3's θ for b
+        closing.start()
+        time.sleep(0.5)  # b is slower: it reaches the last round after a finished
+        assert closing.is_alive()  # a waits for b
+        _round(b, seed=6)  # missed round 2: resyncs from a
+        assert b.last_outcome.status == RoundStatus.RESYNCED and b.round == 3
+        assert b.site_checksum() == a.site_checksum()
+        t0 = time.monotonic()
+        b.close()
+        closing.join(timeout=10)
+        assert not closing.is_alive() and time.monotonic() - t0 < 5.0  # a left once b did, not at 20 s
+    finally:
+        a.close(wait=False)
+        b.close(wait=False)
+
+
+def test_a_site_that_missed_the_last_round_after_the_others_left_raises_left_behind():
+    a, b = _cut_from_the_last_round()
+    try:
+        t0 = time.monotonic()
+        a.close()  # a waits PULL_S for b, then leaves: nobody holds round 3's θ for b
+        assert time.monotonic() - t0 >= PULL_S
         with pytest.raises(LeftBehind) as err:
             _round(b, seed=6)  # b: missed round 2, resyncs, finds no member
         e = err.value
