@@ -142,7 +142,8 @@ class DiLoCo:
     has one for that round, on every rank (as torchft heals a replica): the inner step
     count, the inner optimizer's state, the inner and outer LR schedulers' states. A
     site whose own state is current (nothing pulled) keeps its own. The data position
-    is never taken from a donor (the donor's is its own shard's): docs/DECISIONS.md.
+    is not taken from a donor (the donor's is its own shard's); the inner step count it
+    takes is the cursor ``dtrain worker`` moves its own stream on to: docs/DECISIONS.md.
     Peer faults during rounds never raise here; ``QuorumTimeout`` does (on every
     rank), when no round can form within ``config.group.quorum_wait_s``.
     For K > 1 every rank must construct it and call :meth:`step`/:meth:`sync` and

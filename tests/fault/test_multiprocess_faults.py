@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets
+from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets, wait_until
 
 from dtrain.buckets import assign_owners
 
@@ -395,3 +395,38 @@ def test_dead_sites_non_iid_shard_is_reassigned_and_the_ledger_says_so(make_clus
         assert own[:3] == [[1, h], [h + 1, 2 * h], [2 * h + 1, 3 * h]]
         assert all(own[r][0] == own[r - 1][1] + 1 for r in range(3, rounds)), own
     _agree(c, survivors, rounds - 1)
+
+
+@pytest.mark.timeout(120)
+def test_non_iid_site_restarted_without_checkpoint_never_trains_a_window_twice(make_cluster):
+    """--non-iid, 3 sites, --reassign-after-rounds 1: site-2 is SIGKILLed in round 2 and
+    restarted without a checkpoint. It takes the group's inner step count with its
+    training position and moves its shard's stream on to it (issue 33): its data ledger
+    over both lives has no window digest and no batch twice (before the fix the restarted
+    life's first round had round 0's digest), and its first line names the skipped range
+    with its reason."""
+    rounds = 8
+    c = make_cluster(worker={"rounds": rounds, "non_iid": True, "reassign_after_rounds": 1, "inner_step_sleep_s": 0.15})
+    c.start(3, faults="site-2:before_push:2:kill")
+    wait_until(lambda: c.procs["site-2"].poll() is not None, 60, "site-2 killed", c.diag)
+    time.sleep(RENDEZVOUS_DEFAULTS["heartbeat_timeout_s"] + 0.5)  # its id is free once it is held dead
+    restarted = c.start_site(2, num_sites=3, out_name="site-2-restarted")
+    c.logs["site-2-restarted"] = c.logs.pop(restarted)
+    c.procs["site-2-restarted"] = c.procs.pop(restarted)
+    codes = c.wait_all_exit(["site-0", "site-1", "site-2-restarted"], 90)
+    assert set(codes.values()) == {0}, c.diag()
+    before = [d["data"] for d in c.rounds("site-2")]
+    after = [d["data"] for d in c.rounds("site-2", out_name="site-2-restarted")]
+    assert len(before) == 2 and after, (before, after)  # rounds 0 and 1, then the restarted life
+    ledger = before + after
+    digests = [d["digest"] for d in ledger if d["windows"]]
+    assert len(digests) == len(set(digests)), ledger
+    batches = [b for d in ledger for b in range(d["steps"][0], d["steps"][1] + 1)]
+    assert len(batches) == len(set(batches)), ledger
+    # the restarted stream skipped from its start (batch 1: the earlier life trained 1..8)
+    # to the group's inner step; the batches between the lives were trained by no one
+    # (its peers trained adopted parts of its shard instead)
+    gap = after[0]["skipped"]
+    assert gap["steps"] == [1, after[0]["steps"][0] - 1] and gap["steps"][1] > before[-1]["steps"][1], ledger
+    assert "rejoined" in gap["reason"]
+    assert "data stream moved on" in c.log_text("site-2-restarted")
