@@ -190,6 +190,8 @@ class Group:
                 with self._reports_lock:  # report them with the next heartbeat
                     self._unreachable.update(unreachable)
                 continue
+            if self._stop.is_set():  # left meanwhile: "unknown" is the leave, not a restarted rendezvous
+                break
             if hb.known and pending:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
                     while self._reports and self._reports[0][0] <= pending[-1][0]:
@@ -218,6 +220,10 @@ class Group:
         it never joined: e.g. its checkpoint was refused before the join)."""
         self._stop.set()
         self._hb_kick.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            # a heartbeat in flight must not re-register the site after it left (it would stay
+            # live until the heartbeat timeout, and peers waiting for it to leave would wait)
+            self._hb_thread.join(timeout=2.0)
         if not self.joined:
             return
         try:
