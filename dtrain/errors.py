@@ -3,7 +3,12 @@
 Network and peer failures during a round are *recorded* by the round engine and
 handled by the round rules (docs/ARCHITECTURE.md, "One round"); these exceptions are how the
 layers below the engine report them. Bad configuration raises ``ValueError`` at
-construction (see ``dtrain.config``), not one of these.
+construction (see ``dtrain.app.config``), not one of these.
+
+Errors are told apart by type, never by message text. A :class:`PermanentError` is a
+refusal that retrying cannot change (a wrong token, a taken site id, an address this
+host cannot bind): callers that retry (``Group._call_with_backoff``, the rendezvous
+fail-over) re-raise it at once, and the command line exits with its ``fix``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ __all__ = [
     "Rejected",
     "RejectCode",
     "RendezvousError",
+    "RendezvousRefused",
+    "PermanentError",
+    "AuthenticationError",
+    "ConfigError",
+    "BindError",
     "QuorumTimeout",
     "StateTransferError",
     "CheckpointError",
@@ -61,11 +71,11 @@ class RejectCode(enum.Enum):
 
     | code | raised by dtrain when |
     |---|---|
-    | UNAUTHENTICATED | missing or wrong token (gRPC server) |
+    | UNAUTHENTICATED | missing or wrong token (gRPC server; from the rendezvous: :class:`AuthenticationError`) |
     | PERMISSION_DENIED | sender not a member of the round, or excluded after repeated rejections |
     | FAILED_PRECONDITION | wrong or stale round, bucket not owned here, bucket already finalized; a rendezvous refusal |
     | INVALID_ARGUMENT | offsets, lengths, codec, undecodable payload, non-finite values, norm bound, malformed message |
-    | ALREADY_EXISTS | a different payload for a chunk already received from that sender |
+    | ALREADY_EXISTS | a different payload for a chunk already received from that sender; the rendezvous: a live site holds this site id |
     | RESOURCE_EXHAUSTED | oversized message, decoding past its bound (:class:`DecodeBoundExceeded`) |
     | NOT_FOUND | no mean or state for that round or bucket here |
     | UNAVAILABLE | peer not reachable (the only retried code; :class:`PeerUnavailable`) |
@@ -139,6 +149,63 @@ class Rejected(TransportError):
 
 class RendezvousError(DtrainError):
     """The rendezvous refused a request or could not be reached."""
+
+
+class RendezvousRefused(RendezvousError):
+    """The rendezvous answered with a refusal (it was reached: another front-end of the
+    run would answer the same, so a fail-over client does not try the next).
+
+    Attributes:
+        code: the gRPC status it answered with, as a :class:`RejectCode`
+            (FAILED_PRECONDITION for a refusal of the core, INVALID_ARGUMENT for bad input).
+    """
+
+    def __init__(self, code: "RejectCode | str", reason: str) -> None:
+        super().__init__(reason)
+        self.code: RejectCode = RejectCode.parse(code)
+
+
+class PermanentError(DtrainError):
+    """A refusal that retrying cannot change: something in this site's settings must be
+    fixed first. Never retried; ``dtrain worker`` exits with exit code 2 and ``fix``.
+
+    Attributes:
+        fix: one sentence saying what to change (the setting, in library terms).
+    """
+
+    fix: str = "fix this site's settings"
+
+    def __init__(self, reason: str, fix: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        if fix is not None:
+            self.fix = fix
+
+
+class AuthenticationError(PermanentError, RendezvousError):
+    """The rendezvous refused this site's token (gRPC UNAUTHENTICATED): the site's
+    token (``GrpcTransportConfig.token``, from ``--net.token-file``) is missing or is
+    not the rendezvous's."""
+
+    fix = "give this site the rendezvous's token (GrpcTransportConfig.token; the CLI's --net.token-file)"
+
+
+class ConfigError(PermanentError, ValueError):
+    """A setting that passed its checks but is found wrong only when used (e.g. a
+    listen address this host does not have).
+
+    Attributes:
+        field: the dotted config field to change (``net.listen``).
+    """
+
+    def __init__(self, field: str, reason: str, fix: str | None = None) -> None:
+        super().__init__(reason, fix or f"change {field}")
+        self.field = field
+
+
+class BindError(ConfigError, OSError):
+    """A server could not bind its address: the port is taken or the host is not one of
+    this machine's addresses (also an ``OSError``, as binding is one)."""
 
 
 class QuorumTimeout(RendezvousError):

@@ -10,6 +10,7 @@ round itself, the state pulls of a join or a resync and the ranks of a site grou
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json
 import logging
@@ -19,14 +20,13 @@ from collections import deque
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import QuorumTimeout, RendezvousError
+from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
-from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
 
-__all__ = ["RendezvousClient", "GroupConfig", "RoundStatus", "SyncOutcome", "Group"]
+__all__ = ["RendezvousClient", "GroupConfig", "Decision", "RoundStatus", "SyncOutcome", "Group"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,23 @@ class RendezvousClient(Protocol):
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
+
+
+class Decision(enum.StrEnum):
+    """What the rendezvous decided about this site's next round (:meth:`Group.next_decision`).
+
+    | decision | the site then |
+    |---|---|
+    | PLAN | runs the round of the plan |
+    | MISSED | was cut (a straggler) or the group moved on: resynchronises |
+    | RESYNC | was declared dead by the rendezvous: resynchronises |
+    | DEFERRED | the rendezvous was unreachable for ``rendezvous_retry_s``: trains on locally |
+    """
+
+    PLAN = "plan"
+    MISSED = "missed"
+    RESYNC = "resync"
+    DEFERRED = "deferred"
 
 
 class Group:
@@ -98,8 +115,8 @@ class Group:
         while True:
             try:
                 return fn()
-            except SiteIdTaken:
-                raise  # another live site holds this id: retrying cannot help
+            except PermanentError:
+                raise  # a wrong token, a taken site id: retrying cannot help
             except RendezvousError as e:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -232,20 +249,18 @@ class Group:
             log.warning("leave failed: %s", e)
 
     # ------------------------------------------------------------------ rounds
-    def next_decision(self) -> tuple[str, ReadyDecision | None, str]:
+    def next_decision(self) -> tuple[Decision, ReadyDecision | None, str]:
         """Wait for the rendezvous's decision about this site's next round.
 
         Returns:
-            ``(kind, decision, reason)``: kind ``"plan"`` (``decision.plan`` is
-            the round to run), ``"missed"`` (the group moved on: resynchronise),
-            ``"resync"`` (declared dead by the rendezvous: resynchronise) or
-            ``"deferred"`` (rendezvous unreachable: train on locally).
+            ``(kind, decision, reason)``: a :class:`Decision` (with ``PLAN``,
+            ``decision.plan`` is the round to run), the rendezvous's answer and why.
         Raises:
             QuorumTimeout: no round formed within ``quorum_wait_s``.
         """
         st = self.engine.state
         if self._resync_needed.is_set():
-            return "resync", None, "declared dead by the rendezvous; state pulled"
+            return Decision.RESYNC, None, "declared dead by the rendezvous; state pulled"
         waited_since = time.monotonic()
         unreachable_since: float | None = None
         last_reason = ""
@@ -258,13 +273,13 @@ class Group:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.config.rendezvous_retry_s:
-                    return "deferred", None, f"rendezvous unreachable: {e}"
+                    return Decision.DEFERRED, None, f"rendezvous unreachable: {e}"
                 time.sleep(min(0.5, self.config.rendezvous_retry_s))
                 continue
             if d.status == "plan" and d.plan is not None:
-                return "plan", d, d.reason
+                return Decision.PLAN, d, d.reason
             if d.status == "missed":
-                return "missed", d, d.reason
+                return Decision.MISSED, d, d.reason
             if d.reason != last_reason:
                 log.info("%s waiting for round %d: %s", self.site_id, r, d.reason)
                 last_reason = d.reason

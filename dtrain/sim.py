@@ -13,7 +13,7 @@ Example::
 
     cluster = InprocCluster(lambda: torch.nn.Linear(4, 1),
                             lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                            ClusterConfig(num_sites=3, sync_every=5))
+                            ClusterConfig(num_sites=3, diloco=fast_diloco_config(sync_every=5)))
     def step(site, k):
         x, y = data(site.index, k)
         loss = ((site.model(x) - y) ** 2).mean()
@@ -36,21 +36,28 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 
-from dtrain.buckets import BucketConfig, assign_owners
+from dtrain.buckets import assign_owners
 from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.membership import GroupConfig, SyncOutcome
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
-from dtrain.rounds import RoundConfig, RoundEngine, RoundResult
+from dtrain.rounds import RoundEngine, RoundResult
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import FaultRule, InprocFaults, InprocNetwork, InprocTransport
 
-__all__ = ["ClusterConfig", "Site", "InprocCluster", "fast_rendezvous_config", "fast_group_config"]
+__all__ = [
+    "ClusterConfig",
+    "Site",
+    "InprocCluster",
+    "fast_diloco_config",
+    "fast_rendezvous_config",
+    "fast_group_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,45 +92,50 @@ def fast_group_config(**overrides: object) -> GroupConfig:
     return GroupConfig(**kw)
 
 
+def fast_diloco_config(**overrides: object) -> DiLoCoConfig:
+    """DiLoCo for in-process runs: H = 4 inner steps and :func:`fast_group_config`'s
+    timing; ``overrides`` are :class:`~dtrain.diloco.DiLoCoConfig` fields
+    (``fast_diloco_config(sync_every=1, rounds=RoundConfig(repair=False))``)."""
+    kw: dict = dict(sync_every=4, group=fast_group_config())
+    kw.update(overrides)
+    return DiLoCoConfig(**kw)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """Shape of an in-process cluster.
+    """Shape of an in-process cluster: the component configs of its sites nested, not
+    re-declared.
 
     Attributes:
-        num_sites: number of sites N (>= 1); site ids are ``f"{site_prefix}{i}"``.
-        sync_every: H, inner steps per round.
-        buckets: bucket and chunk sizes.
-        rounds: codec, aggregation, error feedback, repair of every site.
-        rendezvous: rendezvous timing; None: :func:`fast_rendezvous_config`.
-        group: rendezvous-client timing; None: :func:`fast_group_config`.
+        num_sites: number of sites N, an int >= 1; site ids are ``f"{site_prefix}{i}"``.
+        diloco: every site's DiLoCo config (H, buckets, rounds, group timing, streaming);
+            its ``site_id`` is replaced by each site's own, and ``hook_optimizer`` must
+            stay True (the sites count inner steps through their optimizer's ``step``).
+            Default :func:`fast_diloco_config`.
+        rendezvous: rendezvous timing; None: :func:`fast_rendezvous_config` for ``num_sites``.
         faults: random faults of the network (seeded).
-        buffers: ``"average"`` or ``"local"`` (see ``DiLoCoConfig.buffers``).
         seed: ``torch.manual_seed`` before the model factory runs once.
-        site_prefix: prefix of the site ids.
-        num_fragments, overlap_steps, merge_alpha, pace_fraction, delayed_update:
-            Streaming DiLoCo's F, τ, α, send pacing and the delayed mode's merge
-            (see ``DiLoCoConfig``).
+        site_prefix: prefix of the site ids, non-empty.
     """
 
     num_sites: int = 2
-    sync_every: int = 4
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    rounds: RoundConfig = field(default_factory=RoundConfig)
+    diloco: DiLoCoConfig = field(default_factory=fast_diloco_config)
     rendezvous: RendezvousConfig | None = None
-    group: GroupConfig | None = None
     faults: InprocFaults = field(default_factory=InprocFaults)
-    buffers: str = "average"
     seed: int = 0
     site_prefix: str = "site-"
-    num_fragments: int = 1
-    overlap_steps: int = 0
-    merge_alpha: float = 0.0
-    pace_fraction: float = 0.5
-    delayed_update: str = "eager"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_sites, int) or self.num_sites < 1:
+        if not isinstance(self.num_sites, int) or isinstance(self.num_sites, bool) or self.num_sites < 1:
             raise ValueError(f"num_sites must be an int >= 1, got {self.num_sites!r}")
+        if not isinstance(self.diloco, DiLoCoConfig):
+            raise ValueError(f"diloco must be a DiLoCoConfig (see fast_diloco_config), got {self.diloco!r}")
+        if not self.diloco.hook_optimizer:
+            raise ValueError("diloco.hook_optimizer must be True (a cluster's sites count steps through the hook)")
+        if self.rendezvous is not None and not isinstance(self.rendezvous, RendezvousConfig):
+            raise ValueError(f"rendezvous must be none or a RendezvousConfig, got {self.rendezvous!r}")
+        if not isinstance(self.site_prefix, str) or not self.site_prefix:
+            raise ValueError(f"site_prefix must be a non-empty string, got {self.site_prefix!r}")
 
 
 class Site:
@@ -239,7 +251,6 @@ class InprocCluster:
         self._scheduler_factory = scheduler_factory
         self._transport_factory = transport_factory
         self._outer_optimizer = outer_optimizer
-        self._group = cfg.group or fast_group_config()
         self.sites: list[Site] = []
         self._by_address: dict[str, Site] = {}
         self.network.add_down_listener(self._on_down)
@@ -259,19 +270,7 @@ class InprocCluster:
         opt = self._optimizer_factory(model)
         scheduler = self._scheduler_factory(opt) if self._scheduler_factory is not None else None
         client = InprocRendezvousClient(self.core)
-        dcfg = DiLoCoConfig(
-            site_id=site_id,
-            sync_every=cfg.sync_every,
-            buckets=cfg.buckets,
-            rounds=cfg.rounds,
-            group=self._group,
-            buffers=cfg.buffers,
-            num_fragments=cfg.num_fragments,
-            overlap_steps=cfg.overlap_steps,
-            merge_alpha=cfg.merge_alpha,
-            pace_fraction=cfg.pace_fraction,
-            delayed_update=cfg.delayed_update,
-        )
+        dcfg = replace(cfg.diloco, site_id=site_id)
         transport = self._transport_factory(i) if self._transport_factory else InprocTransport(self.network)
         d = DiLoCo(
             model,

@@ -33,7 +33,7 @@ import torch
 
 from dtrain.configs import GroupConfig
 from dtrain.errors import LeftBehind, QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
-from dtrain.membership import Group, RendezvousClient
+from dtrain.membership import Decision, Group, RendezvousClient
 from dtrain.protocol import JoinInfo, Member, RoundPlan
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
@@ -305,16 +305,16 @@ class Site:
             self.notices.close()
 
     # ------------------------------------------------------------------ rounds
-    def _decision(self) -> tuple[str, RoundPlan | None, str, float]:
-        """(rank 0) ``(kind, plan, reason, quorum_s)``: the rendezvous's decision, or
-        ``("error", None, why, 0)`` for a QuorumTimeout (re-raised on every rank)."""
+    def _decision(self) -> tuple[Decision | None, RoundPlan | None, str, float]:
+        """(rank 0) ``(decision, plan, reason, quorum_s)``: the rendezvous's decision, or
+        ``(None, None, why, 0)`` for a QuorumTimeout (re-raised on every rank)."""
         assert self.group is not None
         t0 = time.monotonic()
         try:
             kind, d, reason = self.group.next_decision()
         except QuorumTimeout as e:
-            return "error", None, str(e), 0.0
-        quorum_s = time.monotonic() - t0 if kind in ("plan", "missed") else 0.0
+            return None, None, str(e), 0.0
+        quorum_s = time.monotonic() - t0 if kind in (Decision.PLAN, Decision.MISSED) else 0.0
         return kind, (d.plan if d is not None else None), reason, quorum_s
 
     def sync(
@@ -343,19 +343,19 @@ class Site:
         """
         decided = self._decision() if self.group is not None else None
         kind, plan, reason, quorum_s = self.comm.broadcast(decided, round=True)
-        if kind == "error":
+        if kind is None:
             raise QuorumTimeout(reason)
-        if kind == "deferred":
+        if kind == Decision.DEFERRED:
             return SyncOutcome(status=RoundStatus.DEFERRED, reason=reason, fragment=fragment)
-        if kind == "plan":
+        if kind == Decision.PLAN:
             assert plan is not None
             return self._run_planned(plan, reason, quorum_s, tensors, buckets, fragment, pace_window_s)
         r = self.engine.state.rounds_applied
-        if kind == "missed":
+        if kind == Decision.MISSED:
             log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
         err = self.resync()
         if err is not None:
-            prefix = f"missed round {r} ({reason}); " if kind == "missed" else ""
+            prefix = f"missed round {r} ({reason}); " if kind == Decision.MISSED else ""
             why = f"{prefix}resync failed: {err}"
             return SyncOutcome(status=RoundStatus.DEFERRED, reason=why, quorum_s=quorum_s, fragment=fragment)
         return SyncOutcome(status=RoundStatus.RESYNCED, reason=reason, quorum_s=quorum_s, fragment=fragment)
@@ -373,7 +373,7 @@ class Site:
         """The half-round rule, then this rank's slice's round."""
         view = RankView(
             rank=self.rank,
-            kind="plan",
+            kind=Decision.PLAN.value,
             plan_round=plan.round,
             members=plan.site_ids,
             rounds_applied=self.engine.state.rounds_applied,

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from dtrain.buckets import BucketConfig  # noqa: E402
 from dtrain.codecs import CodecConfig  # noqa: E402
 from dtrain.rounds import RoundConfig  # noqa: E402
-from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config  # noqa: E402
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config, fast_rendezvous_config  # noqa: E402
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler  # noqa: E402
 from dtrain.tasks.data import load_corpus, val_batches  # noqa: E402
@@ -226,16 +226,18 @@ class RunSpec:
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
             num_sites=self.num_sites,
-            sync_every=self.sync_every,
-            buckets=BucketConfig(
-                bucket_bytes=self.bucket_bytes,
-                chunk_bytes=self.chunk_bytes if self.datagram_drop is None else datagram_chunk_bytes(self.codec),
-            ),
-            rounds=RoundConfig(
-                codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
-                error_feedback=self.error_feedback,
-                broadcast_error_feedback=self.broadcast_error_feedback,
-                repair=self.repair,
+            diloco=fast_diloco_config(
+                sync_every=self.sync_every,
+                buckets=BucketConfig(
+                    bucket_bytes=self.bucket_bytes,
+                    chunk_bytes=self.chunk_bytes if self.datagram_drop is None else datagram_chunk_bytes(self.codec),
+                ),
+                rounds=RoundConfig(
+                    codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
+                    error_feedback=self.error_feedback,
+                    broadcast_error_feedback=self.broadcast_error_feedback,
+                    repair=self.repair,
+                ),
             ),
             rendezvous=fast_rendezvous_config(
                 self.num_sites,
@@ -410,7 +412,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     bytes_received = sum(x.bytes_received for x in flat)
     row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
-    row["chunk_bytes"] = spec.cluster_config().buckets.chunk_bytes  # the datagram path sets its own
+    row["chunk_bytes"] = spec.cluster_config().diloco.buckets.chunk_bytes  # the datagram path sets its own
     row.update(
         {
             "num_params": num_params,

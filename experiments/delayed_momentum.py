@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dtrain.buckets import BucketConfig  # noqa: E402
-from dtrain.sim import ClusterConfig, InprocCluster, Site  # noqa: E402
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config  # noqa: E402
 from experiments.common import (  # noqa: E402
     RunResult,
     base_parser,
@@ -71,10 +71,12 @@ def final_loss(
     h = m["sync_every"]
     cfg = ClusterConfig(
         num_sites=m["num_sites"],
-        sync_every=h,
-        buckets=BucketConfig(bucket_bytes=256, chunk_bytes=256),
-        overlap_steps=h if delayed else 0,
-        delayed_update=update,
+        diloco=fast_diloco_config(
+            sync_every=h,
+            buckets=BucketConfig(bucket_bytes=256, chunk_bytes=256),
+            overlap_steps=h if delayed else 0,
+            delayed_update=update,
+        ),
         seed=seed,
     )
     cluster = InprocCluster(

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from dtrain.buckets import BucketConfig  # noqa: E402
 from dtrain.codecs import CodecConfig  # noqa: E402
 from dtrain.rounds import RoundConfig  # noqa: E402
-from dtrain.sim import ClusterConfig, InprocCluster  # noqa: E402
+from dtrain.sim import ClusterConfig, InprocCluster, fast_diloco_config  # noqa: E402
 from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from dtrain.tasks.builtin import make_optimizer  # noqa: E402
 
@@ -48,9 +48,11 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
 
     cfg = ClusterConfig(
         num_sites=3,
-        sync_every=h,
-        buckets=BucketConfig(bucket_bytes=256 << 10, chunk_bytes=64 << 10),
-        rounds=RoundConfig(codec=CodecConfig(name="int8")),
+        diloco=fast_diloco_config(
+            sync_every=h,
+            buckets=BucketConfig(bucket_bytes=256 << 10, chunk_bytes=64 << 10),
+            rounds=RoundConfig(codec=CodecConfig(name="int8")),
+        ),
     )
     ok = True
     with InprocCluster(model_factory, lambda m: make_optimizer(m, lr), cfg) as c:
@@ -105,7 +107,9 @@ def time_big_round(device: str, width: int, depth: int) -> None:
     def factory():
         return torch.nn.Sequential(*layers).to(device)
 
-    cfg = ClusterConfig(num_sites=1, sync_every=1, rounds=RoundConfig(codec=CodecConfig(name="int8")))
+    cfg = ClusterConfig(
+        num_sites=1, diloco=fast_diloco_config(sync_every=1, rounds=RoundConfig(codec=CodecConfig(name="int8")))
+    )
     with InprocCluster(factory, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), cfg) as c:
         site = c.sites[0]
         n = sum(p.numel() for p in site.model.parameters())

@@ -73,12 +73,26 @@ def _setup_logging(level: str = "INFO") -> None:
 
 
 # ------------------------------------------------------------------ worker
+def _worker_fix(e: Exception) -> str:
+    """What to change on ``dtrain worker``'s command line after permanent error ``e``,
+    by its type (the library's ``fix`` names config fields, this the flags)."""
+    from dtrain.errors import AuthenticationError, BindError, PermanentError
+    from dtrain.rendezvous import SiteIdTaken
+
+    if isinstance(e, AuthenticationError):
+        return "check that --net.token-file (alias --token-file) holds the same token as the rendezvous's --token-file"
+    if isinstance(e, SiteIdTaken):
+        return "give each worker of the run its own --site-id (alias of --diloco.site-id)"
+    if isinstance(e, BindError):
+        return "change --net.listen (alias --listen) to a free port on one of this machine's addresses (port 0: any)"
+    return e.fix if isinstance(e, PermanentError) else "fix this worker's settings"
+
+
 def _cmd_worker(ns: argparse.Namespace) -> int:
     cfg = build(WORKER, config_values(WORKER, ns))
     check_task(cfg.task)
     from dtrain.app.worker import install_signal_handlers, run_worker
-    from dtrain.errors import CheckpointError, LeftBehind, QuorumTimeout, RendezvousError
-    from dtrain.rendezvous import SiteIdTaken
+    from dtrain.errors import CheckpointError, LeftBehind, PermanentError, QuorumTimeout, RendezvousError
 
     _setup_logging(ns.log_level)
     stop = threading.Event()
@@ -96,19 +110,15 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_LEFT_BEHIND
-    except SiteIdTaken as e:  # another live site holds --site-id on this run (etcd store)
-        log.error("giving up: %s", e)
-        print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
+    except PermanentError as e:  # a wrong token, a taken site id, --listen not bindable: fix, then restart
+        if isinstance(e, RendezvousError):  # in the log too; a bad --listen is a usage error, one line
+            log.error("giving up: %s", e)
+        print(f"dtrain worker: error: {one_line(e).rstrip('.')}: {_worker_fix(e)}", file=sys.stderr)
         return EXIT_USAGE
     except RendezvousError as e:  # unreachable while joining, for the whole join budget
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: rendezvous {cfg.net.rendezvous} unreachable: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
-    except OSError as e:
-        if "cannot bind" not in str(e):  # grpc_common.start_server: --listen is taken or not local
-            raise
-        print(f"dtrain worker: error: listen: {one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
     print(json.dumps(summary))
     return 0
 

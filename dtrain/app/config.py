@@ -16,6 +16,7 @@ library user can set is a flag and a TOML key::
       outer: OuterConfig        --outer.lr (alias --outer-lr)
       net: NetConfig            --net.listen (alias --listen), --net.rendezvous, TLS files
         grpc: GrpcTransportConfig   --net.grpc.num-attempts, keepalive, ...
+        datagram: DatagramTransportConfig  --net.datagram.max-rate-mbit (alias --max-rate-mbit)
       checkpoint: CheckpointConfig  --checkpoint.every (alias --checkpoint-every)
 
 The aliases are the flat names of the earlier command line and README (``--sync-every``,
@@ -35,6 +36,7 @@ from dtrain.configs import DiLoCoConfig, RoundConfig
 from dtrain.options import HostPort, Tree, UsageError
 from dtrain.rendezvous.core import RendezvousConfig
 from dtrain.tasks.spec import TaskSpec
+from dtrain.transports.datagram_config import DatagramTransportConfig
 from dtrain.transports.grpc_config import GrpcTransportConfig, TlsConfig
 
 __all__ = [
@@ -165,13 +167,10 @@ class NetConfig:
             (paced, sealed UDP on the same port number, never retransmitted; meant for
             provisioned links; control, state pulls and repair stay on gRPC; a chunk
             becomes one datagram, and codecs with +zstd or topk are refused).
-        max_rate_mbit: the datagram path's sending-rate ceiling, > 0.
-        max_datagram_bytes: the datagram path's UDP payload per datagram, bytes, in [256, 65507]:
-            the path MTU less 28 bytes of IPv4/UDP headers and room for tunnels (1400 for a
-            1500-byte MTU; 8900 for jumbo frames of 9000). It sets the chunk size (one chunk,
-            one datagram), so every site of a run must use the same value: a larger datagram
-            than a receiver's own bound is dropped there and counted as oversized.
         grpc: gRPC channel and server settings.
+        datagram: the datagram path's settings (rate, datagram size, NACKs, buffers);
+            used with data_path "datagram". Its max_datagram_bytes sets the chunk size,
+            so every site of a run must use the same value.
     """
 
     listen: HostPort = HostPort("127.0.0.1", 0)
@@ -182,9 +181,8 @@ class NetConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     data_path: DataPath = "grpc"
-    max_rate_mbit: float = 1000.0
-    max_datagram_bytes: int = 1400
     grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
+    datagram: DatagramTransportConfig = field(default_factory=DatagramTransportConfig)
 
     def __post_init__(self) -> None:
         for name in ("listen", "advertise"):
@@ -193,15 +191,6 @@ class NetConfig:
         object.__setattr__(self, "rendezvous", _rendezvous_spec(self.rendezvous))
         _need_files(self, ("token_file", "tls_cert", "tls_key", "tls_ca"))
         _need(self, self.data_path in get_args(DataPath), "data_path", f"one of {get_args(DataPath)}")
-        _need(self, self.max_rate_mbit > 0, "max_rate_mbit", "> 0 Mbit/s")
-        _need(
-            self,
-            isinstance(self.max_datagram_bytes, int)
-            and not isinstance(self.max_datagram_bytes, bool)
-            and 256 <= self.max_datagram_bytes <= 65507,
-            "max_datagram_bytes",
-            "an int in [256, 65507] bytes (the path MTU less 28 and a margin: 1400 for an MTU of 1500)",
-        )
 
     def transport_config(self) -> GrpcTransportConfig:
         """``grpc`` with the bind address, advertised host, token and TLS filled in."""
@@ -222,6 +211,10 @@ class NetConfig:
             token=token,
             tls=tls,
         )
+
+    def datagram_config(self) -> DatagramTransportConfig:
+        """``datagram`` with its gRPC half from :meth:`transport_config`."""
+        return replace(self.datagram, grpc=self.transport_config())
 
 
 def _worker_diloco() -> DiLoCoConfig:
@@ -326,7 +319,7 @@ class WorkerConfig:
             from dtrain.transports.datagram import datagram_chunk_bytes
 
             try:
-                one = datagram_chunk_bytes(self.diloco.rounds.codec, self.net.max_datagram_bytes)
+                one = datagram_chunk_bytes(self.diloco.rounds.codec, self.net.datagram.max_datagram_bytes)
             except ValueError as e:
                 raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
             buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))
@@ -348,6 +341,7 @@ WORKER_HIDDEN = {
     "net.grpc.token": "read from net.token_file",
     "net.grpc.tls": "set from net.tls_cert, net.tls_key and net.tls_ca",
     "net.grpc.extra_options": "library only (raw gRPC argument pairs)",
+    "net.datagram.grpc": "set from net.grpc and the addresses, token and TLS of net",
 }
 
 #: The earlier flat names (flags and TOML keys) of the worker's options.
@@ -366,10 +360,9 @@ WORKER_ALIASES = {
             "tls_key",
             "tls_ca",
             "data_path",
-            "max_rate_mbit",
-            "max_datagram_bytes",
         )
     },
+    **{n: f"net.datagram.{n}" for n in ("max_rate_mbit", "max_datagram_bytes")},
     "sync_every": "diloco.sync_every",
     "codec": "diloco.rounds.codec.name",
     "zstd_level": "diloco.rounds.codec.zstd_level",

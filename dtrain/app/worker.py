@@ -124,13 +124,9 @@ def _transport_and_rendezvous(cfg: WorkerConfig):
 
     tcfg = cfg.net.transport_config()
     if cfg.net.data_path == "datagram":
-        from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+        from dtrain.transports.datagram import DatagramTransport
 
-        transport = DatagramTransport(
-            DatagramTransportConfig(
-                grpc=tcfg, max_rate_mbit=cfg.net.max_rate_mbit, max_datagram_bytes=cfg.net.max_datagram_bytes
-            )
-        )
+        transport = DatagramTransport(cfg.net.datagram_config())
     else:
         transport = GrpcTransport(tcfg)
     return transport, rendezvous_client(cfg.net.rendezvous, grpc_config=tcfg)

@@ -8,9 +8,8 @@ import logging
 import threading
 from typing import Sequence
 
-from dtrain.errors import RendezvousError
+from dtrain.errors import PermanentError, RendezvousError, RendezvousRefused
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
-from dtrain.rendezvous.core import SiteIdTaken
 
 __all__ = ["FailoverRendezvousClient", "rendezvous_client"]
 
@@ -20,8 +19,9 @@ log = logging.getLogger(__name__)
 class FailoverRendezvousClient:
     """Several rendezvous front-ends of one run (stateless, on one etcd store): each
     call goes to the current one and, when it cannot be reached, to the next ones in
-    turn; the first that answers becomes current. A refusal that is an answer (a
-    taken site id) is not retried elsewhere.
+    turn; the first that answers becomes current. A refusal that is an answer
+    (:class:`~dtrain.errors.RendezvousRefused`, or a :class:`~dtrain.errors.PermanentError`
+    such as a wrong token or a taken site id) is raised at once, not tried elsewhere.
 
     Args:
         clients: one client per front-end (``GrpcRendezvousClient``), in preference order.
@@ -45,11 +45,9 @@ class FailoverRendezvousClient:
             i = (start + k) % len(self.clients)
             try:
                 result = fn(self.clients[i])
-            except SiteIdTaken:
-                raise  # an answer, not an outage
+            except (PermanentError, RendezvousRefused):
+                raise  # an answer, not an outage: every front-end of the run would give the same
             except RendezvousError as e:
-                if "FAILED_PRECONDITION" in str(e):  # an answer, not an outage
-                    raise
                 errors.append(str(e))
                 continue
             if i != start:

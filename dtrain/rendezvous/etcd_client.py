@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from dtrain.errors import RendezvousError
+from dtrain.errors import RejectCode, RendezvousError
 
 __all__ = ["EtcdError", "EtcdAuth", "EtcdTls", "KeyValue", "WatchEvent", "EtcdClient", "EtcdWatch", "prefix_end"]
 
@@ -34,7 +34,31 @@ log = logging.getLogger(__name__)
 
 
 class EtcdError(RendezvousError):
-    """etcd could not be reached or refused a request; the message names the endpoint(s) and etcd's words."""
+    """etcd could not be reached or refused a request; the message names the endpoint(s) and etcd's words.
+
+    Attributes:
+        code: the gRPC status etcd answered with (its JSON gateway's numeric ``code``, as a
+            :class:`~dtrain.errors.RejectCode`), or None when no member answered.
+    """
+
+    def __init__(self, message: str, code: RejectCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+#: gRPC status numbers (etcd's JSON gateway answers ``{"code": 5, ...}``) by name.
+_GRPC_CODES = (
+    "OK CANCELLED UNKNOWN INVALID_ARGUMENT DEADLINE_EXCEEDED NOT_FOUND ALREADY_EXISTS PERMISSION_DENIED "
+    "RESOURCE_EXHAUSTED FAILED_PRECONDITION ABORTED OUT_OF_RANGE UNIMPLEMENTED INTERNAL UNAVAILABLE DATA_LOSS "
+    "UNAUTHENTICATED"
+).split()
+
+
+def _reject_code(number: object) -> RejectCode:
+    """The :class:`RejectCode` of gRPC status ``number`` (UNKNOWN for anything else)."""
+    if isinstance(number, int) and not isinstance(number, bool) and 0 < number < len(_GRPC_CODES):
+        return RejectCode.parse(_GRPC_CODES[number])
+    return RejectCode.UNKNOWN
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +219,9 @@ class EtcdClient:
             raise _Retryable(f"{endpoint}: {msg} (authenticating again)")
         if resp.status >= 500 or "leader" in msg or "timed out" in msg or "unavailable" in msg:
             raise _Retryable(f"{endpoint}: HTTP {resp.status}: {msg}")
-        raise EtcdError(f"etcd {path} refused at {endpoint}: HTTP {resp.status}: {msg}")
+        raise EtcdError(
+            f"etcd {path} refused at {endpoint}: HTTP {resp.status}: {msg}", _reject_code(reply.get("code"))
+        )
 
     def _post(self, path: str, body: dict, authed: bool = True) -> dict:
         """POST to the current endpoint, then to the others in turn, sweep after sweep,
@@ -282,7 +308,7 @@ class EtcdClient:
         try:
             self._post("/v3/lease/revoke", {"ID": str(lease)})
         except EtcdError as e:
-            if "not found" not in str(e):
+            if e.code is not RejectCode.NOT_FOUND:
                 raise
 
     # ------------------------------------------------------------------ watch

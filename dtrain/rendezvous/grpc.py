@@ -32,7 +32,7 @@ import grpc
 
 from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
-from dtrain.errors import DtrainError, RendezvousError
+from dtrain.errors import AuthenticationError, DtrainError, RendezvousError, RendezvousRefused
 from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
 from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.transports.grpc_common import (
@@ -50,6 +50,7 @@ __all__ = [
     "RendezvousServer",
     "serve_rendezvous",
     "GrpcRendezvousClient",
+    "rendezvous_error",
     "plan_to_proto",
     "plan_from_proto",
 ]
@@ -216,10 +217,13 @@ class _RendezvousServicer:
         return head + cached[1]  # concatenated messages merge: the plan field is appended
 
     def _call(self, what: str, fn: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
-        """Run a core call; a refusal becomes FAILED_PRECONDITION, bad input
-        INVALID_ARGUMENT, anything else INTERNAL (logged)."""
+        """Run a core call; a taken site id becomes ALREADY_EXISTS, another refusal
+        FAILED_PRECONDITION, bad input INVALID_ARGUMENT, anything else INTERNAL (logged)."""
         try:
             return fn(), None
+        except SiteIdTaken as e:  # its own code, so that the client knows it by type, not by text
+            log.info("rendezvous %s refused: %s", what, e)
+            return None, ("ALREADY_EXISTS", str(e))
         except DtrainError as e:
             log.info("rendezvous %s refused: %s", what, e)
             return None, ("FAILED_PRECONDITION", str(e))
@@ -484,7 +488,7 @@ def serve_rendezvous(
             ``quorum_timeout_s`` that expires with no new call is still noticed.
 
     Raises:
-        OSError: the port cannot be bound.
+        BindError: the port cannot be bound (an ``OSError``).
         ValueError: ``tick_s`` out of range.
     """
     if not 0.0 < tick_s <= 5.0:
@@ -502,14 +506,40 @@ def serve_rendezvous(
 # --------------------------------------------------------------------------- client
 
 
+def rendezvous_error(code: grpc.StatusCode, details: str, what: str) -> RendezvousError:
+    """The dtrain error of a rendezvous call that failed with gRPC status ``code``,
+    classified by the code alone (the details only go into the message):
+
+    | code | error | retried by the site |
+    |---|---|---|
+    | UNAUTHENTICATED | :class:`~dtrain.errors.AuthenticationError` (wrong or missing token) | never: fatal |
+    | ALREADY_EXISTS | :class:`~dtrain.rendezvous.store.SiteIdTaken` (a live site holds the id) | never: fatal |
+    | FAILED_PRECONDITION, INVALID_ARGUMENT, PERMISSION_DENIED | :class:`~dtrain.errors.RendezvousRefused` (an answer) | with backoff, not on another front-end |
+    | any other (UNAVAILABLE, DEADLINE_EXCEEDED, ...) | :class:`~dtrain.errors.RendezvousError` (no answer) | with backoff, and on the next front-end |
+    """
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"{what} refused this site's token ({code.name}: {details})")
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return SiteIdTaken(f"{what} refused: {details}")
+    if code in (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ):
+        return RendezvousRefused(code.name, f"{what} refused: {code.name}: {details}")
+    return RendezvousError(f"{what} failed: {code.name}: {details}")
+
+
 class GrpcRendezvousClient:
     """A site's client of the rendezvous service.
 
     Every call has a deadline (``rpc_timeout_s``; for ``ready``, its wait plus a
     slack) and retries UNAVAILABLE within it. Any failure to get an answer
-    (unreachable, deadline passed, or a refusal) raises
-    :class:`~dtrain.errors.RendezvousError`, whose message names the gRPC code;
-    the worker keeps training and retries with backoff.
+    (unreachable, deadline passed, or a refusal) raises a
+    :class:`~dtrain.errors.RendezvousError` of the type its gRPC code gives
+    (:func:`rendezvous_error`): the worker keeps training and retries with backoff,
+    except after a :class:`~dtrain.errors.PermanentError` (a wrong token, a taken
+    site id), which it raises at once.
 
     Args:
         address: ``host:port`` of the rendezvous.
@@ -581,11 +611,7 @@ class GrpcRendezvousClient:
                 what=f"rendezvous {what}",
             )
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith("site id "):
-                raise SiteIdTaken(f"rendezvous {what} at {self.address} refused: {e.details()}") from None
-            raise RendezvousError(
-                f"rendezvous {what} at {self.address} failed: {e.code().name}: {e.details()}"
-            ) from None
+            raise rendezvous_error(e.code(), e.details() or "", f"rendezvous {what} at {self.address}") from None
         except DtrainError as e:  # the pool is closed
             raise RendezvousError(f"rendezvous {what}: {e}") from None
 

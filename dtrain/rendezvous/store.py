@@ -21,15 +21,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
-from dtrain.errors import RendezvousError
+from dtrain.errors import PermanentError, RendezvousError
 from dtrain.protocol import Member, RoundPlan
 
 __all__ = ["SiteIdTaken", "taken_message", "Standing", "ReadyCounts", "QuorumView", "Liveness", "RendezvousStore"]
 
 
-class SiteIdTaken(RendezvousError):
+class SiteIdTaken(PermanentError, RendezvousError):
     """A live site at another address already holds this site id on this run (the etcd
-    store refuses the second; its message starts with "site id" and says what to do)."""
+    store refuses the second; its message says what to do). Permanent: a site retrying
+    it would only be refused again, so it is never retried (gRPC: ALREADY_EXISTS)."""
+
+    fix = "give each site its own site id (DiLoCoConfig.site_id; the CLI's --site-id)"
 
 
 def taken_message(site_id: str, held: str, address: str, run: str, heartbeat_timeout_s: float) -> str:

@@ -47,16 +47,16 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
-from dtrain.errors import PeerTimeout, PeerUnavailable, Rejected, TransportError
+from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.datagram_config import DatagramTransportConfig
 from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
-from dtrain.transports.datagram_native import NATIVE_MODES, native
+from dtrain.transports.datagram_native import native
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
 from dtrain.transports.datagram_round import RoundState, SenderStats
@@ -68,7 +68,6 @@ from dtrain.transports.datagram_wire import (
     max_body_bytes,
 )
 from dtrain.transports.grpc import GrpcTransport
-from dtrain.transports.grpc_common import GrpcTransportConfig
 
 __all__ = [
     "DatagramTransport",
@@ -106,107 +105,6 @@ def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
         out.append([i])
     out += stretch.values()
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class DatagramTransportConfig:
-    """The datagram data path of one site.
-
-    Attributes:
-        grpc: the gRPC transport for control-plane pulls (state, fallback means).
-        run_id: u32 every datagram of the run carries.
-        max_datagram_bytes: UDP payload per datagram (path MTU less IP/UDP headers;
-            1400 fits a 1500-byte MTU with room for tunnels).
-        max_rate_mbit: sending-rate ceiling, never exceeded (Mbit/s).
-        initial_rate_mbit: the first round's rate (None: the ceiling).
-        min_rate_mbit: floor of the rate controller.
-        rtt_s: path RTT estimate: socket buffers and NACK timing follow from it.
-        recv_stall_s: the receive socket holds this long of traffic at ``max_rate_mbit``
-            (at least 2 RTT): a receive thread kept from running that long (a busy CPU,
-            the GIL) loses nothing. Through netem on the 2-core machine, receivers with
-            2 RTT (2.4 MB at 95 Mbit/s) overflowed 10-30 % of a round's datagrams and the
-            rate controller then cut the rate to 10-30 Mbit/s.
-        recv_coalesce_s: after the socket turns readable the receive thread waits this long
-            before it reads, so one wake-up reads a batch, not one datagram: paced
-            datagrams arrive ~0.1 ms apart, and the fixed cost of a wake-up and of a
-            batch's checks (~30-50 µs) then dominated (through netem the compiled loop's
-            receive thread cost ~30 µs of CPU per datagram, against ~8 µs in a burst).
-            0: read at once. It adds at most this much to each datagram's latency.
-        burst_bytes: largest paced micro-burst.
-        max_nack_rounds: re-requests of missing mean chunks per bucket and round; as an
-            owner, NACKs numbered past it are not answered (a member's own bound: an honest
-            one never sends them), and each number is answered with at most the whole mean.
-        nack_copies: how many times an owner re-sends each chunk a NACK lists (and the
-            final meta after them), 1..4: at loss p a re-request then leaves p^copies of
-            what it asked for missing, so fewer NACK rounds (an RTT and a wait behind the
-            owner's other sends each) are needed; the cost is the re-sent bytes times
-            ``nack_copies`` (at 10% loss ~+10% of the mean's bytes with 2).
-        nack_idle_s: a mean that made no progress for this long gets a NACK.
-        fallback_reserve_s: a mean still incomplete this long before the pull's
-            deadline is pulled over gRPC.
-        report_wait_s: how long ``push`` waits for the owner's REPORT.
-        max_round_buffer_bytes: receive budget per round (fragments and means).
-        max_pending_datagrams: datagrams held for a round whose plan has not
-            arrived here yet.
-        test_drop: test-only probability in [0, 1) that a received datagram of a
-            data kind (CONTRIB, MEAN, MEAN_META) is discarded before it is opened.
-        test_drop_seed: seed of ``test_drop``.
-        native: the compiled batch loop (:mod:`~.datagram_native`: seal, open, ``sendmmsg``,
-            ``recvmmsg`` per batch): ``"auto"`` where it builds (else the Python loop, same
-            wire format), ``"on"`` (``start`` fails without it) or ``"off"``.
-        switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
-            is longer (None: left alone). The receive thread needs the GIL within a
-            datagram's time; CPython's default 5 ms hand-over let the engine's threads
-            starve it (3 sites x 4 M int8 parameters in one process on loopback: 7.1 s a
-            round with 1408 chunks lost at the socket and re-sent; 4.1 s and none at 0.5 ms).
-    """
-
-    grpc: GrpcTransportConfig = field(default_factory=GrpcTransportConfig)
-    run_id: int = 0
-    max_datagram_bytes: int = 1400
-    max_rate_mbit: float = 1000.0
-    initial_rate_mbit: float | None = None
-    min_rate_mbit: float = 1.0
-    rtt_s: float = 0.1
-    recv_stall_s: float = 1.0
-    recv_coalesce_s: float = 0.002
-    burst_bytes: int = 64 << 10
-    max_nack_rounds: int = 8
-    nack_copies: int = 2
-    nack_idle_s: float = 0.05
-    fallback_reserve_s: float = 1.0
-    report_wait_s: float = 0.5
-    max_round_buffer_bytes: int = 512 << 20
-    max_pending_datagrams: int = 4096
-    test_drop: float = 0.0
-    test_drop_seed: int = 0
-    native: str = "auto"
-    switch_interval_s: float | None = 0.0005
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.run_id < 1 << 32:
-            raise ValueError(f"run_id must be in [0, 2**32), got {self.run_id!r}")
-        if not 256 <= self.max_datagram_bytes <= 65507:
-            raise ValueError(f"max_datagram_bytes must be in [256, 65507], got {self.max_datagram_bytes!r}")
-        if not 0 < self.min_rate_mbit <= self.max_rate_mbit:
-            raise ValueError(
-                f"need 0 < min_rate_mbit <= max_rate_mbit, got {self.min_rate_mbit!r} and {self.max_rate_mbit!r}"
-            )
-        if not self.recv_stall_s >= 0:
-            raise ValueError(f"recv_stall_s must be >= 0 seconds, got {self.recv_stall_s!r}")
-        if not 0 <= self.recv_coalesce_s <= 0.1:
-            raise ValueError(f"recv_coalesce_s must be in [0, 0.1] seconds, got {self.recv_coalesce_s!r}")
-        for name in ("rtt_s", "nack_idle_s", "fallback_reserve_s", "report_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.max_nack_rounds < 0:
-            raise ValueError(f"max_nack_rounds must be >= 0, got {self.max_nack_rounds!r}")
-        if not 1 <= self.nack_copies <= 4:
-            raise ValueError(f"nack_copies must be in 1..4, got {self.nack_copies!r}")
-        if not 0.0 <= self.test_drop < 1.0:
-            raise ValueError(f"test_drop must be in [0, 1), got {self.test_drop!r}")
-        if self.native not in NATIVE_MODES:
-            raise ValueError(f"native must be one of {', '.join(NATIVE_MODES)}, got {self.native!r}")
 
 
 def max_datagram_bytes_for_mtu(mtu_bytes: int) -> int:
@@ -305,7 +203,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         except OSError as e:
             sock.close()
             self._grpc.stop(0)
-            raise TransportError("UNAVAILABLE", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}") from e
+            raise BindError(
+                "bind_host and bind_port", f"cannot bind udp {self.config.grpc.bind_host}:{port}: {e}"
+            ) from e
         sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
         threads = (

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dtrain.transports.datagram_config import NATIVE_MODES
+
 __all__ = ["HEADER_DTYPE", "NATIVE_MODES", "OPEN_STATUS", "NativeLib", "cache_dir", "header_view", "native"]
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,6 @@ SOURCE = Path(__file__).resolve().parent / "dgram_native.c"
 CFLAGS = ["-O2", "-shared", "-fPIC", "-Wall", "-Wextra"]
 LIBS = ["-lcrypto"]
 COMPILE_TIMEOUT_S = 120.0
-NATIVE_MODES = ("auto", "on", "off")
 #: :meth:`NativeLib.open_round`'s row outcomes, by code (``dgram_native.c`` ``DG_*``).
 OPEN_STATUS = (
     "ok",

@@ -380,7 +380,7 @@ class GrpcTransport(Transport):
     def start(self, handler: PeerHandler) -> str:
         """Serve ``handler``; return ``"host:port"`` (the advertised host, the bound port).
 
-        Raises ``OSError`` when the port cannot be bound, ``RuntimeError`` when
+        Raises ``BindError`` (an ``OSError``) when the port cannot be bound, ``RuntimeError`` when
         already started or stopped.
         """
         if self._server is not None or self._stopped:

@@ -39,6 +39,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dtrain.errors import BindError
 from dtrain.transports.grpc_common import TOKEN_METADATA_KEY, GrpcTransportConfig, server_options
 
 __all__ = [
@@ -57,6 +58,7 @@ T = TypeVar("T")
 HEALTH_CHECK_METHOD = f"/{health.SERVICE_NAME}/Check"
 # Seconds stop() waits for the loop thread on top of the grace period.
 _STOP_SLACK_S = 10.0
+_BIND_FIELDS = "bind_host and bind_port"  # the GrpcTransportConfig fields of a server's address
 
 
 async def abort(context: grpc.aio.ServicerContext, code: object, reason: str) -> None:
@@ -216,9 +218,9 @@ class AioServer:
             else:
                 port = server.add_insecure_port(target)
         except RuntimeError as e:  # grpcio raises RuntimeError when it cannot bind
-            raise OSError(f"cannot bind {self.name} server to {target}: {e}") from None
+            raise BindError(_BIND_FIELDS, f"cannot bind {self.name} server to {target}: {e}") from None
         if not port:
-            raise OSError(f"cannot bind {self.name} server to {target}")
+            raise BindError(_BIND_FIELDS, f"cannot bind {self.name} server to {target}")
         for service in services:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
@@ -280,7 +282,7 @@ def start_server(
     token interceptor, TLS and the health service; ``register`` adds the
     servicers and returns the service names to report SERVING.
 
-    Raises ``OSError`` when the port cannot be bound.
+    Raises ``BindError`` (an ``OSError``) when the port cannot be bound.
     """
     srv = AioServer(cfg, name)
     srv.start(register)

@@ -13,7 +13,7 @@ import torch
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
 from dtrain.rounds import BucketOutcome, RoundConfig
-from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config, fast_rendezvous_config
 from dtrain.transports.inproc import FaultRule, InprocFaults
 
 P = 1024  # parameters of the toy model
@@ -80,10 +80,8 @@ def test_chunk_loss_mean_is_unbiased(loss: float) -> None:
     N, R, mu, sigma = 3, 8, 1.0, 1.0
     cfg = ClusterConfig(
         num_sites=N,
-        sync_every=1,
-        buckets=BUCKETS,
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32, error_feedback=False)),
         faults=InprocFaults(push_loss=loss, seed=7),
-        rounds=RoundConfig(codec=FP32, error_feedback=False),
         rendezvous=lossy_rendezvous(N),
     )
     deltas: dict[tuple[int, int], torch.Tensor] = {}
@@ -136,10 +134,8 @@ def test_error_feedback_delivers_what_was_lost(loss: float, codec: str) -> None:
     rounds = RoundConfig(codec=CodecConfig(name=codec, block_size=8), broadcast_codec=FP32)
     cfg = ClusterConfig(
         num_sites=N,
-        sync_every=1,
-        buckets=BUCKETS,
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=rounds),
         faults=InprocFaults(push_loss=loss, seed=11),
-        rounds=rounds,
         rendezvous=lossy_rendezvous(N),
     )
     deltas: dict[tuple[int, int], torch.Tensor] = {}
@@ -173,7 +169,9 @@ def test_owner_failing_mid_round_keeps_its_buckets_alike() -> None:
     those θ_b unchanged and equal, their contributions stay in their residuals,
     and the next round (without the dead site) applies them."""
     N = 3
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    cfg = ClusterConfig(
+        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
         owners = c.owners()
         victim = next(i for i, s in enumerate(c.sites) if owners.count(s.site_id) >= 1)
@@ -241,7 +239,9 @@ def test_missed_broadcast_is_repaired_from_the_owner(num_sites: int, caplog: pyt
     stale, pulls it whole from the owner and ends with the owner's checksum; its
     included contribution is not sent again. The engine's log lines name the site."""
     caplog.set_level(logging.INFO, logger="dtrain.rounds")
-    cfg = ClusterConfig(num_sites=num_sites, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    cfg = ClusterConfig(
+        num_sites=num_sites, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
     deltas: dict[tuple[int, int], torch.Tensor] = {}
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
         b, owner, victim = _owner_and_victim(c)
@@ -284,9 +284,7 @@ def test_pull_loss_everyone_ends_equal() -> None:
     N = 3
     cfg = ClusterConfig(
         num_sites=N,
-        sync_every=1,
-        buckets=BUCKETS,
-        rounds=RoundConfig(codec=FP32),
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32)),
         faults=InprocFaults(pull_loss=0.5, seed=3),
     )
     with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
@@ -311,7 +309,10 @@ def test_keep_stale_without_repair_drift_stays_bounded(momentum: float) -> None:
     Nesterov momentum μ it settles (the missed step's momentum decays as μ^k)."""
     N, R = 2, 10
     outer = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=momentum, nesterov=momentum > 0)  # noqa: E731
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32, repair=False))
+    cfg = ClusterConfig(
+        num_sites=N,
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32, repair=False)),
+    )
     drift: list[float] = []
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer) as c:
         b, owner, victim = _owner_and_victim(c)
@@ -347,7 +348,9 @@ def test_killed_site_is_dropped_and_the_rest_continue() -> None:
     """A site killed between rounds: once its heartbeats stop the others form the
     next rounds without it, and end equal."""
     N = 3
-    cfg = ClusterConfig(num_sites=N, sync_every=2, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    cfg = ClusterConfig(
+        num_sites=N, diloco=fast_diloco_config(sync_every=2, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
     with InprocCluster(Vec, inner_sgd_lr1, cfg) as c:
 
         def step(site: Site, k: int) -> None:
@@ -375,7 +378,11 @@ def test_owners_stop_waiting_for_a_member_the_rendezvous_declares_dead() -> None
     applies it, and the survivors end equal."""
     N = 3
     rdv = fast_rendezvous_config(N, heartbeat_timeout_s=0.5, reduce_timeout_s=6.0, broadcast_timeout_s=12.0)
-    cfg = ClusterConfig(num_sites=N, sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32), rendezvous=rdv)
+    cfg = ClusterConfig(
+        num_sites=N,
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32)),
+        rendezvous=rdv,
+    )
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
         owners = c.owners()
         victim = min(range(N), key=lambda i: owners.count(c.sites[i].site_id))  # owns the fewest buckets

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dtrain.sim import ClusterConfig, InprocCluster
+from dtrain.sim import ClusterConfig, InprocCluster, fast_diloco_config
 
 
 def _model() -> torch.nn.Module:
@@ -30,7 +30,7 @@ def _step(site, k: int) -> None:
 @pytest.mark.timeout(60)
 def test_restarted_site_rejoins_with_theta_and_position() -> None:
     H, total = 4, 40  # 10 rounds; site 2 dies after round 2 and comes back after round 5
-    cfg = ClusterConfig(num_sites=3, sync_every=H)
+    cfg = ClusterConfig(num_sites=3, diloco=fast_diloco_config(sync_every=H))
     c = InprocCluster(
         _model,
         lambda m: torch.optim.SGD(m.parameters(), lr=0.05),

@@ -12,7 +12,7 @@ import torch
 
 from dtrain.buckets import BucketConfig, assign_owners
 from dtrain.rounds import BucketOutcome
-from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_rendezvous_config
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config, fast_rendezvous_config
 
 BUCKETS = BucketConfig(bucket_bytes=8, chunk_bytes=8)  # 4 buckets of 2 elements; F = 2: (0, 1), (2, 3)
 P = 8
@@ -29,7 +29,9 @@ def inner_sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _cluster(**kw) -> InprocCluster:
-    cfg = ClusterConfig(num_sites=3, sync_every=4, buckets=BUCKETS, num_fragments=2, overlap_steps=1, **kw)
+    cfg = ClusterConfig(
+        num_sites=3, diloco=fast_diloco_config(sync_every=4, buckets=BUCKETS, num_fragments=2, overlap_steps=1), **kw
+    )
     return InprocCluster(Vec, inner_sgd, cfg)
 
 

@@ -109,7 +109,9 @@ def main() -> None:
     )
     rdv = GrpcRendezvousClient(args.rendezvous) if rank == 0 else None
     transport = GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1"))
-    d = DiLoCo(wrapped, opt, config=cfg, transport=transport, rendezvous=rdv, site_comm=TorchSiteComm(), _defer_join=True)
+    d = DiLoCo(
+        wrapped, opt, config=cfg, transport=transport, rendezvous=rdv, site_comm=TorchSiteComm(), _defer_join=True
+    )
     resumed_from = None
     if args.resume:
         from dtrain.sitegroup.checkpoint import latest_site_checkpoint, load_site_checkpoint

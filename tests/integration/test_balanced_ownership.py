@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain.app.config import WorkerConfig
-from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.tasks import load_task
 from dtrain.tasks.builtin import lm_loss
 from dtrain.tasks.spec import TaskSpec
@@ -33,7 +33,9 @@ def test_three_sites_on_the_default_model_own_buckets_alike_and_move_bytes_alike
     torch.set_num_threads(1)
     # The bucket and codec settings a default `dtrain launch --sites 3` gives each worker.
     dcfg = _worker().diloco_config()
-    cfg = ClusterConfig(num_sites=NUM_SITES, sync_every=1, buckets=dcfg.buckets, rounds=dcfg.rounds)
+    cfg = ClusterConfig(
+        num_sites=NUM_SITES, diloco=fast_diloco_config(sync_every=1, buckets=dcfg.buckets, rounds=dcfg.rounds)
+    )
 
     def step(site: Site, k: int) -> None:
         g = torch.Generator().manual_seed(1000 * site.index + k)

@@ -12,7 +12,7 @@ from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
 from dtrain.diloco import DiLoCo, DiLoCoConfig
 from dtrain.rounds import RoundConfig
-from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 
 EPS32 = 2.0**-24  # unit roundoff of fp32 (half an ulp of 1.0)
 # Small buckets and chunks so that every test exercises several owners and chunks.
@@ -86,7 +86,8 @@ def test_fp32_lr1_sites_match_plain_training(num_sites: int) -> None:
     """1 site, and N sites with identical data and seeds, equal plain inner training."""
     H, R = 5, 6
     cfg = ClusterConfig(
-        num_sites=num_sites, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="fp32"))
+        num_sites=num_sites,
+        diloco=fast_diloco_config(sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="fp32"))),
     )
     ref = plain_training(H * R)
     tol = rounding_tolerance(R, ref)
@@ -126,7 +127,7 @@ def test_two_sites_two_rounds_nesterov_by_hand() -> None:
         site.optimizer.step()  # inner SGD: w ← w − 0.1 g; the hook runs a round every 2 steps
 
     nesterov = lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mu, nesterov=True)  # noqa: E731
-    cfg = ClusterConfig(num_sites=2, sync_every=2)
+    cfg = ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=2))
     with InprocCluster(Vec, lambda m: torch.optim.SGD(m.parameters(), lr=inner_lr), cfg, outer_optimizer=nesterov) as c:
         c.run_steps(step, 4, timeout_s=20)
         got = [s.theta().tolist() for s in c.sites]
@@ -166,7 +167,7 @@ def test_low_precision_models(dtype: torch.dtype) -> None:
     def step(site: Site, k: int) -> None:
         losses[site.index].append(train_step(site.model, site.optimizer, k, shift=site.index))
 
-    cfg = ClusterConfig(num_sites=2, sync_every=4, buckets=SMALL)
+    cfg = ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=4, buckets=SMALL))
     lin = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
     with InprocCluster(model, lin, cfg) as c:
         c.run_steps(step, 40, timeout_s=40)
@@ -211,7 +212,7 @@ def test_batchnorm_buffers_average_or_local(buffers: str) -> None:
         site.optimizer.step()
         site.optimizer.zero_grad()
 
-    cfg = ClusterConfig(num_sites=2, sync_every=H, buffers=buffers)
+    cfg = ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=H, buffers=buffers))
     with InprocCluster(BNNet, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), cfg) as c:
         c.run_steps(step, H, timeout_s=20)
         bn = [s.model.bn for s in c.sites]
@@ -258,7 +259,10 @@ def test_state_dict_round_trip() -> None:
     """θ, outer momentum, residuals (int8 leaves quantisation error in them) and the round."""
     H = 3
     cfg = ClusterConfig(
-        num_sites=2, sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="int8", block_size=8))
+        num_sites=2,
+        diloco=fast_diloco_config(
+            sync_every=H, buckets=SMALL, rounds=RoundConfig(codec=CodecConfig(name="int8", block_size=8))
+        ),
     )
     with InprocCluster(mlp, inner_sgd, cfg) as c:
         c.run_steps(lambda s, k: train_step(s.model, s.optimizer, k, shift=s.index), 3 * H, timeout_s=30)
@@ -295,7 +299,9 @@ def test_state_dict_round_trip() -> None:
         torch.manual_seed(99)
         m2 = mlp()
         d2 = DiLoCo(
-            m2, inner_sgd(m2), config=DiLoCoConfig(site_id="fresh", sync_every=H, buckets=SMALL, rounds=cfg.rounds)
+            m2,
+            inner_sgd(m2),
+            config=DiLoCoConfig(site_id="fresh", sync_every=H, buckets=SMALL, rounds=cfg.diloco.rounds),
         )
         try:
             d2.load_state_dict(torch.load(_to_bytes(sd), weights_only=True))  # survives a save/load

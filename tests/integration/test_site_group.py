@@ -90,12 +90,12 @@ def run_sites(
 
 def reference_run(*, steps: int, sync_every: int, lr: float) -> list[torch.Tensor]:
     """The same training as 2 sites x 1 rank, in process (plain DiLoCo, inproc transport)."""
-    from dtrain.sim import ClusterConfig, InprocCluster
+    from dtrain.sim import ClusterConfig, InprocCluster, fast_diloco_config
 
     cluster = InprocCluster(
         task.make_model,
         lambda m: torch.optim.SGD(m.parameters(), lr=lr),
-        ClusterConfig(num_sites=2, sync_every=sync_every),
+        ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=sync_every)),
     )
 
     def step(site, k):
@@ -142,8 +142,7 @@ def test_ddp_two_sites_two_ranks_match_each_other_and_one_rank_sites_theta_cpu_o
 
 def one_rank_diloco_numel(*, steps: int, sync_every: int) -> int:
     """θ + outer state + residual elements of a plain 1-process DiLoCo site after its rounds."""
-    from dtrain.diloco import DiLoCo, DiLoCoConfig
-    from dtrain.diloco import diloco_numel
+    from dtrain.diloco import DiLoCo, DiLoCoConfig, diloco_numel
 
     model = task.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -63,6 +63,9 @@ CASES = [
     (InprocFaults, {"push_loss": 1.0}, ["push_loss", "[0, 1)"]),
     (FaultRule, {"kind": "pull", "action": "drop"}, ["kind", "push", "pull_mean", "pull_state"]),
     (ClusterConfig, {"num_sites": 0}, ["num_sites", ">= 1"]),
+    (ClusterConfig, {"diloco": DiLoCoConfig(hook_optimizer=False)}, ["diloco.hook_optimizer", "True"]),
+    (ClusterConfig, {"diloco": 4}, ["diloco", "DiLoCoConfig"]),
+    (ClusterConfig, {"site_prefix": ""}, ["site_prefix", "non-empty"]),
 ]
 
 
@@ -101,3 +104,22 @@ def test_configs_are_keyword_only() -> None:
         BucketConfig(4096)  # type: ignore[misc]
     with pytest.raises(TypeError):
         RendezvousConfig(2)  # type: ignore[misc]
+
+
+def test_a_cluster_nests_the_component_configs_and_re_declares_none_of_their_fields() -> None:
+    import dataclasses
+
+    import torch
+
+    from dtrain.sim import InprocCluster, fast_diloco_config, fast_group_config
+
+    own = {f.name for f in dataclasses.fields(ClusterConfig)}
+    for component in (DiLoCoConfig, RendezvousConfig, GroupConfig):  # (InprocFaults.seed seeds the faults)
+        assert not own & {f.name for f in dataclasses.fields(component)}, component.__name__
+    assert ClusterConfig().diloco == fast_diloco_config() and ClusterConfig().diloco.group == fast_group_config()
+    assert ClusterConfig().diloco.sync_every == 4
+    cfg = ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=3, buffers="local"), site_prefix="s")
+    with InprocCluster(lambda: torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), cfg) as c:
+        got = [s.diloco.config for s in c.sites]
+    assert [g.site_id for g in got] == ["s0", "s1"]
+    assert all(dataclasses.replace(g, site_id=cfg.diloco.site_id) == cfg.diloco for g in got)

@@ -67,6 +67,7 @@ def _special(tmp: Path) -> dict[str, Any]:
         "inner_step_sleep_s": 0.5,
         "num_fragments": 2,  # must divide sync_every
         "overlap_steps": 1,
+        "initial_rate_mbit": 100.0,  # within [min_rate_mbit, max_rate_mbit]
     }
 
 

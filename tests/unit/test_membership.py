@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import RendezvousError
+from dtrain.errors import AuthenticationError, RendezvousError
 from dtrain.membership import Group
 from dtrain.rendezvous.core import SiteIdTaken
 
@@ -39,6 +39,14 @@ def _group(rdv: _Rendezvous) -> Group:
 def test_a_refused_site_id_is_not_retried() -> None:
     rdv = _Rendezvous([SiteIdTaken("site id 'a' is held by a live site at h:2")])
     with pytest.raises(SiteIdTaken, match="held by a live site"):
+        _group(rdv)._call_with_backoff(lambda: rdv.join("a", "h:1"), 30.0)
+    assert rdv.calls == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_token_is_not_retried() -> None:
+    rdv = _Rendezvous([AuthenticationError("rendezvous join at h:1 refused this site's token (UNAUTHENTICATED)")])
+    with pytest.raises(AuthenticationError, match="UNAUTHENTICATED"):
         _group(rdv)._call_with_backoff(lambda: rdv.join("a", "h:1"), 30.0)
     assert rdv.calls == 1
 

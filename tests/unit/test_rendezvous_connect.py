@@ -5,22 +5,23 @@ from __future__ import annotations
 import pytest
 
 from dtrain.app.config import NetConfig
-from dtrain.errors import RendezvousError
+from dtrain.errors import AuthenticationError, PermanentError, RendezvousError, RendezvousRefused
 from dtrain.protocol import JoinInfo
 from dtrain.rendezvous.connect import FailoverRendezvousClient, rendezvous_client
+from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.rendezvous.etcd_store import EtcdStoreConfig, timing_from_url
 
 pytestmark = pytest.mark.timeout(30)
 
 
 class _Fake:
-    def __init__(self, name: str, error: str | None = None) -> None:
+    def __init__(self, name: str, error: Exception | None = None) -> None:
         self.address, self.error, self.calls = name, error, 0
 
     def join(self, site_id: str, address: str) -> JoinInfo:
         self.calls += 1
         if self.error:
-            raise RendezvousError(f"rendezvous join at {self.address} failed: {self.error}")
+            raise self.error
         return JoinInfo(next_round=3, members=(), heartbeat_interval_s=1.0, needs_state=False)
 
     def close(self) -> None:
@@ -28,21 +29,76 @@ class _Fake:
 
 
 def test_fails_over_to_the_next_front_end_and_stays_there() -> None:
-    down, up = _Fake("fe1", "UNAVAILABLE: connection refused"), _Fake("fe2")
+    down, up = (
+        _Fake("fe1", RendezvousError("rendezvous join at fe1 failed: UNAVAILABLE: connection refused")),
+        _Fake("fe2"),
+    )
     c = FailoverRendezvousClient([down, up])
     assert c.join("a", "x").next_round == 3
     assert c.join("a", "x").next_round == 3
     assert (down.calls, up.calls) == (1, 2)  # the second call went straight to fe2
 
 
-def test_every_front_end_down_names_each_and_a_refusal_is_not_retried() -> None:
-    c = FailoverRendezvousClient([_Fake("fe1", "UNAVAILABLE: a"), _Fake("fe2", "DEADLINE_EXCEEDED: b")])
+def test_every_front_end_down_names_each() -> None:
+    c = FailoverRendezvousClient(
+        [
+            _Fake("fe1", RendezvousError("rendezvous join at fe1 failed: UNAVAILABLE: a")),
+            _Fake("fe2", RendezvousError("rendezvous join at fe2 failed: DEADLINE_EXCEEDED: b")),
+        ]
+    )
     with pytest.raises(RendezvousError, match="no front-end answered: .*fe1.*UNAVAILABLE.*fe2.*DEADLINE_EXCEEDED"):
         c.join("a", "x")
-    refused, other = _Fake("fe1", "FAILED_PRECONDITION: site id 'a' is held"), _Fake("fe2")
-    with pytest.raises(RendezvousError, match="is held"):
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RendezvousRefused("FAILED_PRECONDITION", "rendezvous join at fe1 refused: run over"),
+        SiteIdTaken("site id 'a' is held by a live site at h:2"),
+        AuthenticationError("rendezvous join at fe1 refused this site's token (UNAUTHENTICATED: wrong token)"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_an_answer_is_not_tried_on_another_front_end(error: Exception) -> None:
+    refused, other = _Fake("fe1", error), _Fake("fe2")
+    with pytest.raises(type(error)) as e:
         FailoverRendezvousClient([refused, other]).join("a", "x")
-    assert other.calls == 0
+    assert e.value is error and (refused.calls, other.calls) == (1, 0)
+
+
+def test_an_outage_is_known_by_its_type_not_its_text() -> None:
+    """A plain RendezvousError is an outage even if its text names a refusal's code."""
+    odd, up = _Fake("fe1", RendezvousError("FAILED_PRECONDITION in the text only")), _Fake("fe2")
+    assert FailoverRendezvousClient([odd, up]).join("a", "x").next_round == 3
+    assert up.calls == 1
+
+
+@pytest.mark.parametrize(
+    "code,kind,permanent",
+    [
+        ("UNAUTHENTICATED", AuthenticationError, True),
+        ("ALREADY_EXISTS", SiteIdTaken, True),
+        ("FAILED_PRECONDITION", RendezvousRefused, False),
+        ("INVALID_ARGUMENT", RendezvousRefused, False),
+        ("PERMISSION_DENIED", RendezvousRefused, False),
+        ("UNAVAILABLE", RendezvousError, False),
+        ("DEADLINE_EXCEEDED", RendezvousError, False),
+        ("INTERNAL", RendezvousError, False),
+    ],
+)
+def test_a_grpc_status_maps_to_an_error_type_by_its_code(code: str, kind: type, permanent: bool) -> None:
+    import grpc
+
+    from dtrain.rendezvous.grpc import rendezvous_error
+
+    # the details say nothing of the kind: only the code decides
+    e = rendezvous_error(grpc.StatusCode[code], "site id 'a' is held; wrong token", "rendezvous join at h:1")
+    assert type(e) is kind and isinstance(e, RendezvousError)
+    assert isinstance(e, PermanentError) is permanent
+    assert code in str(e) or kind is SiteIdTaken
+    assert str(e).startswith("rendezvous join at h:1")
+    if kind is RendezvousRefused:
+        assert e.code.value == code
 
 
 def test_etcd_urls_give_endpoints_run_timing_and_tls(tmp_path) -> None:
@@ -83,3 +139,16 @@ def test_a_site_on_etcd_starts_while_etcd_is_down_and_its_calls_say_why() -> Non
         assert isinstance(EtcdError("x"), RendezvousError)  # a site defers and retries, as for any rendezvous
     finally:
         c.close()
+
+
+def test_etcd_refusals_carry_the_grpc_code_etcd_answered() -> None:
+    """etcd's JSON gateway answers ``{"code": 5, "error": "etcdserver: requested lease not
+    found"}``: the client reads the code, not the words (``lease_revoke`` of an unknown lease)."""
+    from dtrain.errors import RejectCode
+    from dtrain.rendezvous.etcd_client import EtcdError, _reject_code
+
+    assert _reject_code(5) is RejectCode.NOT_FOUND and _reject_code(16) is RejectCode.UNAUTHENTICATED
+    assert _reject_code(14) is RejectCode.UNAVAILABLE and _reject_code(9) is RejectCode.FAILED_PRECONDITION
+    for odd in (0, 17, -1, None, "5", True):
+        assert _reject_code(odd) is RejectCode.UNKNOWN
+    assert EtcdError("x").code is None and EtcdError("x", RejectCode.NOT_FOUND).code is RejectCode.NOT_FOUND

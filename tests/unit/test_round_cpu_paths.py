@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dtrain.app.worker import outer_state_checksum
-from dtrain.diloco import theta_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
 from dtrain.codecs import get_codec
+from dtrain.diloco import theta_checksum
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import encode_mean
 from dtrain.rounds.owner import ChunkReduction

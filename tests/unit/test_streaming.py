@@ -11,7 +11,7 @@ import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.configs import DiLoCoConfig
-from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.streaming import fragment_buckets, fragment_of_round, step_actions
 from dtrain.transports.inproc import InprocFaults
 from experiments.delayed_momentum import final_loss
@@ -120,7 +120,10 @@ def test_by_hand_first_rounds():
 
 def _run_cluster(tau: int, alpha: float, num_steps: int) -> InprocCluster:
     cfg = ClusterConfig(
-        num_sites=2, sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=2, overlap_steps=tau, merge_alpha=alpha
+        num_sites=2,
+        diloco=fast_diloco_config(
+            sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=2, overlap_steps=tau, merge_alpha=alpha
+        ),
     )
     cluster = InprocCluster(
         lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=outer_sgd_half
@@ -161,12 +164,14 @@ def test_one_step_delayed_mode_matches_the_example_by_hand(alpha: float):
     assert by_hand(4, 0.0, 12, H=4, F=1) == [-8.0, -12.0]
     cfg = ClusterConfig(
         num_sites=2,
-        sync_every=4,
-        buckets=ONE_ELEMENT_BUCKETS,
-        num_fragments=1,
-        overlap_steps=4,
-        merge_alpha=alpha,
-        delayed_update="stale",  # the eager merge: tests/unit/test_streaming_state.py
+        diloco=fast_diloco_config(
+            sync_every=4,
+            buckets=ONE_ELEMENT_BUCKETS,
+            num_fragments=1,
+            overlap_steps=4,
+            merge_alpha=alpha,
+            delayed_update="stale",
+        ),
     )
     with InprocCluster(
         lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=outer_sgd_half
@@ -198,7 +203,9 @@ def test_merge_keeps_alpha_of_the_local_steps():
 # ------------------------------------------------------------------ F = 1, τ = 0 is today's round
 def _theta_after(streaming_path: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    cfg = ClusterConfig(num_sites=2, sync_every=3, buckets=BucketConfig(bucket_bytes=64, chunk_bytes=32))
+    cfg = ClusterConfig(
+        num_sites=2, diloco=fast_diloco_config(sync_every=3, buckets=BucketConfig(bucket_bytes=64, chunk_bytes=32))
+    )
     cluster = InprocCluster(
         lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 1)),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
@@ -235,10 +242,7 @@ def test_one_fragment_without_overlap_is_todays_round_bit_for_bit():
 def _waited_steps(tau: int, delay_s: float) -> tuple[int, int]:
     cfg = ClusterConfig(
         num_sites=2,
-        sync_every=6,
-        buckets=ONE_ELEMENT_BUCKETS,
-        overlap_steps=tau,
-        merge_alpha=0.5,  # so that τ = 0 goes through dtrain.streaming too
+        diloco=fast_diloco_config(sync_every=6, buckets=ONE_ELEMENT_BUCKETS, overlap_steps=tau, merge_alpha=0.5),
         faults=InprocFaults(delay_s=delay_s),
     )
     cluster = InprocCluster(lambda: Vec(2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), cfg)

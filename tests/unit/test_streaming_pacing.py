@@ -11,7 +11,7 @@ import torch
 
 from dtrain.buckets import BucketConfig, BucketLayout
 from dtrain.configs import DiLoCoConfig
-from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.state import GlobalState
 from dtrain.streaming import StreamingSync, pace_window_s
 from dtrain.transports.pacing import pace_decision, pace_rate_Bps
@@ -104,12 +104,14 @@ def _run(pace_fraction: float, tau: int) -> tuple[list[torch.Tensor], list[int]]
     torch.manual_seed(0)
     cfg = ClusterConfig(
         num_sites=2,
-        sync_every=4,
-        buckets=BucketConfig(bucket_bytes=128 << 10, chunk_bytes=16 << 10),
-        num_fragments=2,
-        overlap_steps=tau,
-        merge_alpha=0.5,
-        pace_fraction=pace_fraction,
+        diloco=fast_diloco_config(
+            sync_every=4,
+            buckets=BucketConfig(bucket_bytes=128 << 10, chunk_bytes=16 << 10),
+            num_fragments=2,
+            overlap_steps=tau,
+            merge_alpha=0.5,
+            pace_fraction=pace_fraction,
+        ),
     )
     cluster = InprocCluster(lambda: torch.nn.Linear(512, 512), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), cfg)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]

@@ -12,7 +12,7 @@ import torch
 from dtrain.buckets import BucketConfig
 from dtrain.configs import DiLoCoConfig
 from dtrain.diloco import DiLoCo
-from dtrain.sim import ClusterConfig, InprocCluster, Site
+from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.transports.inproc import InprocFaults
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,11 +30,9 @@ class Vec(torch.nn.Module):
 def _cluster(tau: int, delay_s: float) -> InprocCluster:
     cfg = ClusterConfig(
         num_sites=2,
-        sync_every=4,
-        buckets=ONE_ELEMENT_BUCKETS,
-        num_fragments=2,
-        overlap_steps=tau,
-        merge_alpha=0.5,
+        diloco=fast_diloco_config(
+            sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=2, overlap_steps=tau, merge_alpha=0.5
+        ),
         faults=InprocFaults(delay_s=delay_s),
     )
     return InprocCluster(lambda: Vec(), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), cfg, outer_optimizer=_outer)
@@ -112,10 +110,7 @@ def test_eager_delayed_mode_keeps_the_models_own_steps_on_the_merged_theta():
     lr 1): at step 4 each Δ_i = 4·g_i is sent; at step 8 θ_1 = −0.5·mean(4·g) = (−4, −6) is
     merged and each model keeps its own steps 5..8: local_i = θ_1 − 4·g_i; at step 12 likewise
     on θ_2 = (−8, −12): local_i = θ_2 − 4·g_i (the stale merge would restart both at θ_2)."""
-    cfg = ClusterConfig(
-        num_sites=2, sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=1, overlap_steps=4,
-        delayed_update="eager",
-    )  # fmt: skip
+    cfg = ClusterConfig(num_sites=2, diloco=fast_diloco_config(sync_every=4, buckets=ONE_ELEMENT_BUCKETS, num_fragments=1, overlap_steps=4, delayed_update="eager"))  # fmt: skip
     with InprocCluster(
         lambda: Vec(),
         lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
