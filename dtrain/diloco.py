@@ -142,7 +142,8 @@ class DiLoCo:
     has one for that round, on every rank (as torchft heals a replica): the inner step
     count, the inner optimizer's state, the inner and outer LR schedulers' states. A
     site whose own state is current (nothing pulled) keeps its own. The data position
-    is never taken from a donor (the donor's is its own shard's): docs/DECISIONS.md.
+    is not taken from a donor (the donor's is its own shard's); the inner step count it
+    takes is the cursor ``dtrain worker`` moves its own stream on to: docs/DECISIONS.md.
     Peer faults during rounds never raise here; ``QuorumTimeout`` does (on every
     rank), when no round can form within ``config.group.quorum_wait_s``.
     For K > 1 every rank must construct it and call :meth:`step`/:meth:`sync` and
@@ -210,10 +211,17 @@ class DiLoCo:
         self.streaming = self._streaming_sync(self.config) if self.config.streaming else None
         self._position: dict | None = None  # the snapshot joiners heal from (_snapshot_position)
         self._position_lock = threading.Lock()  # its in-place refresh against a PullState serializing it
+        self._in_step_hook = False  # a round runs inside inner_optimizer.step() (the post-step hook)
+        self._heal_due: dict | None = None  # a position healed there, installed at the next step's start
         self.engine.position_source = self._serve_position
         if not _defer_join:
             self.join()
-        self._hook = inner_optimizer.register_step_post_hook(self._post_step) if self.config.hook_optimizer else None
+        self._hooks = []
+        if self.config.hook_optimizer:
+            self._hooks = [
+                inner_optimizer.register_step_post_hook(self._post_step),
+                inner_optimizer.register_step_pre_hook(self._pre_step),
+            ]
 
     @property
     def group(self) -> Group | None:
@@ -272,27 +280,33 @@ class DiLoCo:
     def training_position(self) -> dict:
         """This rank's training position now: ``round``, ``inner_steps``,
         ``inner_optimizer`` (its ``state_dict``, deep-copied), ``inner_scheduler`` and
-        ``outer_schedulers`` (``state_dict``s, None / [] without schedulers)."""
+        ``outer_schedulers`` (``state_dict``s, None / [] without schedulers),
+        ``scheduler_behind`` (see :meth:`_live_position`)."""
+        return copy.deepcopy(self._live_position())
+
+    def _live_position(self) -> dict:
+        """The position now, referencing the live state. ``scheduler_behind``: taken inside
+        ``inner_optimizer.step()`` (a round run by the post-step hook), before the caller
+        stepped its LR scheduler for that inner step; whoever installs it steps the
+        scheduler once (:meth:`_install_position`), so its scheduler and AdamW step counts
+        are the donor's at the start of the next inner step (issue 33: a joiner one LR
+        step behind its donor for the rest of the run)."""
         return {
             "round": self.state.rounds_applied,
             "inner_steps": self.inner_steps,
-            "inner_optimizer": copy.deepcopy(self.inner_optimizer.state_dict()),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
             "inner_scheduler": self.inner_scheduler.state_dict() if self.inner_scheduler is not None else None,
+            "scheduler_behind": self._in_step_hook and self.inner_scheduler is not None,
             "outer_schedulers": [sch.state_dict() for sch in self.outer_schedulers],
         }
 
     def _snapshot_position(self) -> None:
-        """Keep the position at the start of the next round: what joiners heal from. The
-        inner optimizer's state (2 x the parameters for AdamW) is copied into the previous
-        snapshot's tensors (:func:`~dtrain.state.copy_reusing`), so a round allocates
-        nothing and never holds two snapshots at once."""
-        live = {
-            "round": self.state.rounds_applied,
-            "inner_steps": self.inner_steps,
-            "inner_optimizer": self.inner_optimizer.state_dict(),  # references to the live state
-            "inner_scheduler": self.inner_scheduler.state_dict() if self.inner_scheduler is not None else None,
-            "outer_schedulers": [sch.state_dict() for sch in self.outer_schedulers],
-        }
+        """Keep the position at the start of the next round: what joiners heal from (a
+        position healed inside the post-step hook and not yet installed is kept as it
+        came). The inner optimizer's state (2 x the parameters for AdamW) is copied into
+        the previous snapshot's tensors (:func:`~dtrain.state.copy_reusing`), so a round
+        allocates nothing and never holds two snapshots at once."""
+        live = self._heal_due if self._heal_due is not None else self._live_position()
         with self._position_lock:
             self._position = copy_reusing(self._position, live)
 
@@ -302,12 +316,24 @@ class DiLoCo:
             return None if self._position is None else position_state(self._position, index=index)
 
     def load_training_position(self, position: dict) -> None:
-        """Install a position (:meth:`training_position`) without changing θ or the round."""
+        """Install a position (:meth:`training_position`) without changing θ or the round.
+        Called inside ``inner_optimizer.step()`` (a round run by the post-step hook), the
+        install waits for the start of the next inner step (the pre-step hook), so the
+        caller's LR scheduler step after this one does not move it on."""
+        if self._in_step_hook:
+            self._heal_due = position
+            return
+        self._install_position(position)
+
+    def _install_position(self, position: dict) -> None:
+        """Install ``position`` now: at the start of an inner step, as the donor's next one."""
         self.inner_steps = int(position["inner_steps"])
         self.site.note_progress(inner_step=self.inner_steps)
         self.inner_optimizer.load_state_dict(position["inner_optimizer"])
         if self.inner_scheduler is not None and position.get("inner_scheduler") is not None:
             self.inner_scheduler.load_state_dict(position["inner_scheduler"])
+            if position.get("scheduler_behind"):
+                self.inner_scheduler.step()  # the step the donor's caller made after the snapshot
         for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
             sch.load_state_dict(sd)
 
@@ -349,7 +375,7 @@ class DiLoCo:
                 self.config.site_id,
                 r,
                 m.site_id,
-                self.inner_steps,
+                int(pos["inner_steps"]),
             )
             return True
         log.warning("%s: no donor had a training position of round %d; keeping this site's own", self.config.site_id, r)
@@ -367,7 +393,16 @@ class DiLoCo:
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if not self._hook_paused:
-            self.step()
+            self._in_step_hook = True
+            try:
+                self.step()
+            finally:
+                self._in_step_hook = False
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._heal_due is not None and not self._hook_paused:
+            pos, self._heal_due = self._heal_due, None
+            self._install_position(pos)
 
     def note_progress(self, *, last_loss: float | None = None) -> None:
         """Tell the rendezvous (rank 0's heartbeats) the inner step and the last loss."""
@@ -536,8 +571,8 @@ class DiLoCo:
         if self._closed:
             return None
         self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         if self.streaming is not None:  # merge the fragment round in flight (bounded by its deadlines)
             outcome = self.streaming.close(wait=wait)
             if outcome is not None:
@@ -560,6 +595,8 @@ class DiLoCo:
                     waited.round,
                     waited.waited_s,
                 )
+        if wait:  # a straggler cut from this site's last round pulls θ from it, not from nobody
+            self.site.wait_left_out(self.config.group.state_pull_timeout_s)
         if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
             try:
                 self.comm.all_gather(None, round=True)

@@ -34,6 +34,7 @@ __all__ = [
     "StateTransferError",
     "CheckpointError",
     "SiteGroupError",
+    "LeftBehind",
 ]
 
 
@@ -222,3 +223,27 @@ class CheckpointError(DtrainError):
 class SiteGroupError(DtrainError):
     """A site group cannot take part: its sites disagree on the number of ranks per
     site, or a collective inside the site failed (a rank died)."""
+
+
+class LeftBehind(DtrainError):
+    """This site's θ is behind the group's round and no live member holds a state to
+    pull (the others finished, left or died) within ``state_pull_timeout_s``: it cannot
+    catch up. It never adopts the group's round number with its old θ (that would end a
+    run "done" on another θ); the worker exits with its own code (``dtrain worker``).
+
+    Attributes:
+        site_id: this site.
+        round: rounds applied to its θ (the round it is stuck at).
+        group_round: the group's next round (what it would have to catch up to).
+    """
+
+    def __init__(self, site_id: str, round: int, group_round: int, detail: str = "") -> None:
+        self.site_id, self.round, self.group_round, self.detail = site_id, round, group_round, detail
+        why = f": {detail}" if detail else ""
+        super().__init__(
+            f"{site_id} is left behind at round {round} (the group is at round {group_round}) "
+            f"with no member to pull θ from{why}"
+        )
+
+    def __reduce__(self):  # a SiteComm sends it between ranks
+        return (LeftBehind, (self.site_id, self.round, self.group_round, self.detail))

@@ -106,6 +106,7 @@ class Group:
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
         self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
         self.joined = False
+        self.dead: frozenset[str] = frozenset()  # the sites the last heartbeat named dead or left
 
     # ------------------------------------------------------------------ membership
     def _call_with_backoff(self, fn, budget_s: float):
@@ -206,10 +207,14 @@ class Group:
                 with self._reports_lock:  # report them with the next heartbeat
                     self._unreachable.update(unreachable)
                 continue
+            if self._stop.is_set():  # left meanwhile: "unknown" is the leave, not a restarted rendezvous
+                break
             if hb.known and pending:
                 with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
                     while self._reports and self._reports[0][0] <= pending[-1][0]:
                         self._reports.popleft()
+            if hb.known:
+                self.dead = frozenset(hb.dead)
             if hb.known and hb.dead:
                 self.engine.members_lost(hb.dead)
                 if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks
@@ -232,6 +237,10 @@ class Group:
         it never joined: e.g. its checkpoint was refused before the join)."""
         self._stop.set()
         self._hb_kick.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            # a heartbeat in flight must not re-register the site after it left (it would stay
+            # live until the heartbeat timeout, and peers waiting for it to leave would wait)
+            self._hb_thread.join(timeout=2.0)
         if not self.joined:
             return
         try:

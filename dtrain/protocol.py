@@ -74,6 +74,10 @@ class RoundPlan:
             AEAD key of the datagram data path (``dtrain.transports.datagram``), so it
             only ever travels over the authenticated control plane. Empty when the
             plan was made without one. Kept out of ``repr`` (plans are logged).
+        left_out: live sites the rendezvous did not admit (stragglers it cut), sorted:
+            they resync after the round, from its members. A member that ends the run
+            with this round waits (bounded) for them to catch up or leave before it
+            leaves (``Site.wait_left_out``; issue 33, "no site left behind").
     """
 
     round: int
@@ -81,6 +85,7 @@ class RoundPlan:
     reduce_timeout_s: float
     broadcast_timeout_s: float
     datagram_key: bytes = field(default=b"", repr=False)
+    left_out: tuple[str, ...] = ()
 
     @property
     def site_ids(self) -> tuple[str, ...]:

@@ -19,7 +19,8 @@ steps below talk through (the identity for K = 1):
   slice from rank j of the members.
 
 It never raises for peer faults; ``QuorumTimeout`` (every rank) when no round forms
-within ``GroupConfig.quorum_wait_s``.
+within ``GroupConfig.quorum_wait_s``; ``LeftBehind`` (every rank) when its θ is behind the
+group's round and no member is left to pull from (the end of a run that left it behind).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
+from dtrain.errors import LeftBehind, QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
 from dtrain.membership import Decision, Group, RendezvousClient
 from dtrain.protocol import JoinInfo, Member, RoundPlan
 from dtrain.rounds import RoundEngine
@@ -89,6 +90,7 @@ class Site:
             if self.group is not None and self.notices is not None:
                 self.group.on_members_lost = self.notices.post
         self.donors: list[Member] = []
+        self.last_plan: RoundPlan | None = None  # of the last round this site ran
         self.view_hook: Callable[[RankView], RankView] | None = None
         # process CPU seconds of the last round's steps: gather (Δ + residual) and round (the
         # engine: encode, push, reduce, outer step, decode); empty when no round ran
@@ -103,6 +105,8 @@ class Site:
         Raises:
             RendezvousError: (every rank) the rendezvous unreachable for 60 s.
             StateTransferError: (every rank) no member could provide a consistent state.
+            LeftBehind: (every rank) rounds already ran, this site's θ is older (a
+                checkpoint of an earlier round, or none) and no member is live to pull from.
         """
         info: JoinInfo | Exception | None = None
         if self.group is not None:
@@ -116,7 +120,7 @@ class Site:
         assert isinstance(info, JoinInfo)
         self.donors = []
         err = None
-        if info.needs_state and self.engine.state.rounds_applied < info.next_round:
+        if self.engine.state.rounds_applied < info.next_round:  # needs_state, or no member to pull from
             log.info(
                 "%s joins at round %d: pulling state from %s",
                 self.site_id,
@@ -124,7 +128,7 @@ class Site:
                 [m.site_id for m in info.members],
             )
             err = self._try_pull(info, min_round=info.next_round)
-        errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        errs = self._gather_errors(err)
         if errs:  # on every rank, so none waits for the others in a collective
             raise StateTransferError(f"{self.site_id}: joining failed: {errs[0]}")
         self._align_rounds(info)
@@ -133,7 +137,11 @@ class Site:
     def resync(self, min_round: int = 0) -> str | None:
         """Discard this site's progress and pull θ and the outer state from the members
         (rank 0 registers again first). Returns None, or the first rank's error (then
-        rank 0 tries again at its next sync)."""
+        rank 0 tries again at its next sync).
+
+        Raises:
+            LeftBehind: (every rank) no member is left to pull from (:meth:`_pull`).
+        """
         info: JoinInfo | str = ""
         if self.group is not None:
             try:
@@ -149,7 +157,7 @@ class Site:
             st = self.engine.state
             st.residuals = [None] * len(st)
             err = self._try_pull(info, min_round=max(min_round, info.next_round))
-        errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        errs = self._gather_errors(err)
         if errs:
             if self.group is not None:
                 self.group.resync_needed()  # try again next time
@@ -157,33 +165,64 @@ class Site:
         self._align_rounds(info)  # type: ignore[arg-type]
         return None
 
-    def _try_pull(self, info: JoinInfo, *, min_round: int) -> str | None:
-        """:meth:`_pull`; its error as text (prefixed with the rank for K > 1), or None."""
+    def _try_pull(self, info: JoinInfo, *, min_round: int) -> str | LeftBehind | None:
+        """:meth:`_pull`; its error as text (prefixed with the rank for K > 1), or None;
+        a :class:`LeftBehind` as it is (:meth:`_gather_errors` raises it on every rank)."""
         try:
             self._pull(info, min_round=min_round)
+        except LeftBehind as e:
+            return e
         except (StateTransferError, RendezvousError) as e:
             return f"rank {self.rank}: {e}" if self.num_ranks > 1 else str(e)
         return None
 
+    def _gather_errors(self, err: str | LeftBehind | None) -> list[str]:
+        """Every rank's pull error (a collective); a rank left behind raises
+        :class:`LeftBehind` on every rank."""
+        errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        behind = [e for e in errs if isinstance(e, LeftBehind)]
+        if behind:
+            raise behind[0]
+        return errs
+
     def _pull(self, info: JoinInfo, *, min_round: int) -> None:
         """Pull this rank's slice from rank j of ``info.members`` within
-        ``state_pull_timeout_s``. With no member left the site only adopts the group's
-        round number. A one-process site whose donors all failed asks the rendezvous
-        for the current members and tries them (ranks of a K > 1 site fail together and
-        try again at the next sync instead: one rank cannot re-register alone).
+        ``state_pull_timeout_s``. A one-process site whose donors all failed, or that
+        finds no member while its θ is behind the group's round (the others may be
+        re-joining), asks the rendezvous for the current members every 0.5 s and tries
+        them (ranks of a K > 1 site fail together and try again at the next sync
+        instead: one rank cannot re-register alone). With no member and a θ that is not
+        behind there is nothing to pull.
 
         Raises:
             StateTransferError: no consistent state within ``state_pull_timeout_s``.
             RendezvousError: the rendezvous unreachable when asked again.
+            LeftBehind: no member to pull from (K = 1: for ``state_pull_timeout_s``)
+                while θ is behind the round the group is at: the site never adopts the
+                round number with its old θ (issue 33, "no site left behind").
         """
         st = self.engine.state
         deadline = time.monotonic() + self.config.state_pull_timeout_s
         while True:
             donors = rank_donors(info.members, self.rank, self.num_ranks)
-            if not donors:
-                st.rounds_applied = max(st.rounds_applied, info.next_round)
+            target = max(min_round, info.next_round)
+            if not donors and st.rounds_applied >= target:
                 self.donors = []
                 return
+            if not donors:
+                self.donors = []
+                if self.group is None or self.num_ranks > 1 or time.monotonic() + 0.5 >= deadline:
+                    raise LeftBehind(
+                        self.site_id,
+                        st.rounds_applied,
+                        target,
+                        f"no live member for {self.config.state_pull_timeout_s:g} s"
+                        if self.num_ranks == 1
+                        else "no live member",
+                    )
+                time.sleep(0.5)
+                info = self.group.register_with_backoff(60.0)
+                continue
             self.donors = donors
             try:
                 pull_full_state(
@@ -216,7 +255,7 @@ class Site:
             err = None
             if self.engine.state.rounds_applied < target:
                 err = self._try_pull(info, min_round=target)
-            errs = [e for e in self.comm.all_gather(err, round=True) if e]
+            errs = self._gather_errors(err)
             if errs:
                 raise StateTransferError(f"{self.site_id}: slices could not be aligned: {errs[0]}")
         raise SiteGroupError(f"{self.site_id}: slices still at different rounds after {max_tries} pulls")
@@ -227,6 +266,39 @@ class Site:
             self.group.inner_step = inner_step
             if last_loss is not None:
                 self.group.last_loss = last_loss
+
+    def wait_left_out(self, timeout_s: float, poll_s: float = 0.1) -> list[str]:
+        """Before leaving at the end of a run: wait until every site the last round this
+        site ran left out (cut as a straggler, ``RoundPlan.left_out``) is gone: it caught
+        up (pulled θ from this site or another member, finished and left) or the
+        rendezvous holds it dead; at most ``timeout_s``. Meanwhile this site heartbeats
+        and serves its state as a member, so the straggler's resync finds a donor
+        instead of ending behind (issue 33). Nothing to wait for when this site's θ moved
+        past that round since (it resynced). Rank 0 waits; the other ranks wait for its
+        answer (every rank keeps serving its slice). Returns the sites still not gone.
+        """
+        waiting: list[str] = []
+        plan = self.last_plan
+        if self.group is not None and plan is not None and plan.left_out:
+            if self.engine.state.rounds_applied == plan.round + 1:
+                deadline = time.monotonic() + timeout_s
+                t0 = time.monotonic()
+                waiting = [s for s in plan.left_out if s not in self.group.dead]
+                if waiting:
+                    log.info(
+                        "%s: waiting up to %.1f s for %s to catch up before leaving", self.site_id, timeout_s, waiting
+                    )
+                while waiting and time.monotonic() < deadline:
+                    time.sleep(poll_s)
+                    waiting = [s for s in waiting if s not in self.group.dead]
+                if plan.left_out:
+                    log.info(
+                        "%s: %s after %.1f s",
+                        self.site_id,
+                        f"still waiting for {waiting}; leaving" if waiting else f"{list(plan.left_out)} gone",
+                        time.monotonic() - t0,
+                    )
+        return self.comm.broadcast(waiting, round=True)
 
     def leave(self) -> None:
         """Rank 0 leaves the group (heartbeats stop); every rank stops its notices."""
@@ -318,6 +390,7 @@ class Site:
             err = self.resync(min_round=plan.round + 1)
             status = RoundStatus.DEFERRED if err else RoundStatus.SKIPPED
             return SyncOutcome(status=status, reason=err or why, quorum_s=quorum_s, fragment=fragment)
+        self.last_plan = plan
         my_plan = rank_plan(plan, self.rank, self.num_ranks)
         t0 = time.process_time()
         ok = self.engine.add_pseudo_gradient(list(tensors), buckets)

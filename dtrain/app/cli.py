@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_QUORUM = 3
+EXIT_LEFT_BEHIND = 4  # the site's θ is behind the group's round with no member left to pull from
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -91,7 +92,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
     cfg = build(WORKER, config_values(WORKER, ns))
     check_task(cfg.task)
     from dtrain.app.worker import install_signal_handlers, run_worker
-    from dtrain.errors import CheckpointError, PermanentError, QuorumTimeout, RendezvousError
+    from dtrain.errors import CheckpointError, LeftBehind, PermanentError, QuorumTimeout, RendezvousError
 
     _setup_logging(ns.log_level)
     stop = threading.Event()
@@ -105,6 +106,10 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
+    except LeftBehind as e:  # never "done" on another θ than the group's
+        log.error("giving up: %s", e)
+        print(f"dtrain worker: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_LEFT_BEHIND
     except PermanentError as e:  # a wrong token, a taken site id, --listen not bindable: fix, then restart
         if isinstance(e, RendezvousError):  # in the log too; a bad --listen is a usage error, one line
             log.error("giving up: %s", e)

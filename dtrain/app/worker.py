@@ -214,6 +214,7 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
         )
         shards = checkpoints.resume(cfg, task, module, optimizer, scheduler, diloco)
         diloco.join()
+        align_data_position(task.batches, diloco.inner_steps, site=name)
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # a restarted group runs without faults
             diloco.engine.fault_hook = fault_hook_from_env(name)
         collector.start()  # after set-up: what exists now is frozen
@@ -226,6 +227,34 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
         else:
             transport.stop(0.1)
     return _finish(run, summary)
+
+
+def align_data_position(batches, inner_steps: int, *, site: str) -> int:
+    """After the join: move this site's own batch stream on to batch ``inner_steps`` when
+    it stands before it (a stream without ``skip_to``, a task's own, is left alone).
+    Returns the number of batches skipped.
+
+    The data cursor of a site's own shard is its inner step count: the worker draws one
+    batch of its own stream per inner step (adopted parts are drawn besides, never
+    instead of a step's own batch), so the stream never stands past the inner step count,
+    and the batches of inner steps ``1..n`` are the stream's first ``n`` at most. A site
+    that rejoins takes the donor's inner step count with its training position
+    (:meth:`dtrain.diloco.DiLoCo._heal`; equal on every site: every round is H steps),
+    so, restarted without a checkpoint (stream at 0) or with a stale one, it skips the
+    batches of the rounds it was down for instead of training its shard's first windows
+    again (issue 33: the same window digests twice in the data ledger). The skipped
+    range is in the next round's ledger (``skipped``, with the reason); while the site was
+    down its peers trained parts of its shard instead (``--reassign-after-rounds``). No
+    peer or rendezvous keeps another site's cursor: the inner step count every position
+    carries is the cursor.
+    """
+    skip = getattr(batches, "skip_to", None)
+    behind = inner_steps - getattr(batches, "step", inner_steps)
+    if not callable(skip) or behind <= 0:
+        return 0
+    n = skip(inner_steps, reason="rounds this site was not training (rejoined at the group's inner step)")
+    log.info("%s: data stream moved on %d batches to batch %d (the group's inner step)", site, n, inner_steps)
+    return n
 
 
 def _ledger(batches, first_step: int, last_step: int) -> dict:

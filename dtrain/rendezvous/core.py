@@ -420,6 +420,7 @@ class RendezvousCore:
             reduce_timeout_s=self.config.reduce_timeout_s,
             broadcast_timeout_s=self.config.broadcast_timeout_s,
             datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
+            left_out=tuple(sorted(set(view.live) - set(members))),
         )
         plan, reason, won = self.store.put_plan(plan, reason, now=now)
         if won:  # else another writer formed it first, perhaps with other members: theirs holds

@@ -212,6 +212,7 @@ def _plan_to_json(plan: RoundPlan, reason: str) -> bytes:
             "reduce_timeout_s": plan.reduce_timeout_s,
             "broadcast_timeout_s": plan.broadcast_timeout_s,
             "datagram_key": base64.b64encode(plan.datagram_key).decode(),
+            "left_out": list(plan.left_out),
             "reason": reason,
             "t": time.time(),
         }
@@ -227,6 +228,7 @@ def _plan_from_json(d: dict) -> RoundPlan:
         reduce_timeout_s=float(d["reduce_timeout_s"]),
         broadcast_timeout_s=float(d["broadcast_timeout_s"]),
         datagram_key=base64.b64decode(d.get("datagram_key", "")),
+        left_out=tuple(d.get("left_out", ())),
     )
 
 

@@ -111,6 +111,7 @@ def plan_to_proto(plan: RoundPlan) -> pb.RoundPlan:
         reduce_timeout_s=plan.reduce_timeout_s,
         broadcast_timeout_s=plan.broadcast_timeout_s,
         datagram_key=plan.datagram_key,
+        left_out=list(plan.left_out),
     )
 
 
@@ -121,6 +122,7 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
         reduce_timeout_s=m.reduce_timeout_s,
         broadcast_timeout_s=m.broadcast_timeout_s,
         datagram_key=m.datagram_key,
+        left_out=tuple(m.left_out),
     )
 
 

@@ -374,6 +374,7 @@ class BatchStream:
         self._gen = torch.Generator().manual_seed(seed)
         self._ledger_from = 1  # first step of the current ledger entry
         self._ledger = hashlib.blake2b(digest_size=8)
+        self._skipped: dict[str, Any] | None = None  # skip_to's range, reported by the next ledger entry
 
     @property
     def tokens_per_batch(self) -> int:
@@ -382,12 +383,43 @@ class BatchStream:
     def __iter__(self) -> "BatchStream":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self) -> torch.Tensor:
         high = self.tokens.numel() - self.context_len  # starts in [0, N - T - 1]
         starts = torch.randint(0, high, (self.batch_size,), generator=self._gen)  # [B]
         self.step += 1
+        return starts
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self._draw()
         self._ledger.update(starts.numpy().astype("<i8").tobytes())
         return _windows(self.tokens, starts, self.context_len)
+
+    def skip_to(self, step: int, *, reason: str) -> int:
+        """Move the stream on to batch ``step`` without yielding the batches between (their
+        window starts are drawn and dropped, so the batches after are exactly those of a
+        stream that yielded every one). The next :meth:`take_ledger` entry names them:
+        ``skipped`` ``{"steps": [first, last], "windows", "reason"}``; its own ``steps``
+        begin after them. Nothing happens when the stream is at or past ``step``.
+
+        Returns:
+            the number of batches skipped.
+        Raises:
+            ValueError: batches were drawn since the last :meth:`take_ledger` (a skip
+                splits ledger entries: call it between rounds).
+        """
+        n = step - self.step
+        if n <= 0:
+            return 0
+        if self._ledger_from <= self.step:
+            raise ValueError(
+                f"batches: skip_to({step}) with batches {self._ledger_from}..{self.step} not yet in a ledger"
+            )
+        first = self.step + 1
+        for _ in range(n):
+            self._draw()
+        self._ledger_from = self.step + 1
+        self._skipped = {"steps": [first, self.step], "windows": n * self.batch_size, "reason": reason}
+        return n
 
     def take_ledger(self) -> dict[str, Any]:
         """What was drawn since the last call (the data ledger of a round): ``steps``
@@ -401,6 +433,8 @@ class BatchStream:
             "windows": (last - first + 1) * self.batch_size,
             "digest": self._ledger.hexdigest(),
         }
+        if self._skipped is not None:
+            entry["skipped"], self._skipped = self._skipped, None
         self._ledger_from = self.step + 1
         self._ledger = hashlib.blake2b(digest_size=8)
         return entry

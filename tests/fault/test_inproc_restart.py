@@ -60,8 +60,9 @@ def test_restarted_site_rejoins_with_theta_and_position() -> None:
         c.run(loop, timeout_s=50)
         joined_round, joined_step, joined_epoch = back[0]
         assert 5 <= joined_round < 9 and joined_step == joined_round * H  # a member's position, not step 0
-        # The scheduler's position came with it: the member's snapshot is taken inside the round's
-        # optimizer.step(), before that step's scheduler.step(), so it is one step behind.
-        assert joined_epoch == joined_step - 1
+        # The scheduler's position came with it, exactly: the member's snapshot is taken inside the
+        # round's optimizer.step(), before that step's scheduler.step(), and says so; the joiner
+        # makes that step (issue 33: it stayed one step behind before).
+        assert joined_epoch == joined_step
         assert c.sites[2].results and c.sites[2].results[-1].round == 9  # it took part to the end
         assert len(set(c.checksums())) == 1 and all(s.diloco.round == 10 for s in c.sites)

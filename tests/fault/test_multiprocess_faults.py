@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets
+from conftest import RENDEZVOUS_DEFAULTS, tiny_num_buckets, wait_until
 
 from dtrain.buckets import assign_owners
 
@@ -198,14 +198,14 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
         assert any("cutting ['site-2']" in d["reason"] for d in lines.values()), [d["reason"] for d in lines.values()]
         for d in lines.values():
             assert not any("not a member" in why for why in d["rejected"]), d["rejected"]
-    # the straggler: told it missed each round, resynchronised to the others' θ (but
-    # for the last round: by then the others may have finished and left, so there is
-    # nobody to pull from and it only adopts the round number)
+    # the straggler: told it missed each round, resynchronised to the others' θ, the
+    # last round's too: the others, done, waited for it to pull θ before leaving (issue 33)
     assert all(d["status"] == "resynced" and "straggler" in d["reason"] for d in slow_lines), slow_lines
-    synced = [d for d in slow_lines if d["round"] < 3]
-    assert len(synced) >= 2, slow_lines
-    for d in synced:
+    assert len(slow_lines) >= 3 and slow_lines[-1]["round"] == 3, slow_lines
+    for d in slow_lines:
         assert d["checksum"] == c.by_round("site-0")[d["round"]]["checksum"], d
+    assert len({c.summary(s)["checksum"] for s in sites}) == 1
+    assert "to catch up before leaving" in c.log_text("site-0")
     # the late push of round 1: refused as stale, the round averaged without it. The
     # sender stops pushing to others at the reduce deadline (DEADLINE_EXCEEDED), and
     # its chunks for the buckets it owns itself are refused as finalized.
@@ -214,6 +214,29 @@ def test_slow_site_is_cut_and_late_push_is_refused(make_cluster):
     assert late["included_fraction"] == 0.0, late
     owners = [c.by_round(s)[1] for s in admitted if c.by_round(s)[1]["owned_buckets"]]
     assert owners and all(d["reduce_arrived_fraction"] < 1.0 for d in owners), owners
+
+
+@pytest.mark.timeout(90)
+def test_a_straggler_that_cannot_catch_up_exits_left_behind_never_done(make_cluster):
+    """site-1 is cut from every round (~3x slower) and site-0 waits only 0.5 s for it at
+    the end (its state-pull budget): site-1 finds no member to pull the last round's θ
+    from and exits with code 4 naming itself and the round it is stuck at, never 0 with
+    an old θ (issue 33). Its earlier rounds resynced to site-0's θ."""
+    c = make_cluster(worker={"rounds": 3})
+    opts = {
+        0: {"inner_step_sleep_s": 0.1, "diloco.group.state_pull_timeout_s": 0.5},
+        1: {"inner_step_sleep_s": 0.5, "diloco.group.state_pull_timeout_s": 2.0},
+    }
+    sites = c.start(2, site_opts=opts)
+    codes = c.wait_all_exit(sites, 70)
+    assert codes == {"site-0": 0, "site-1": 4}, c.diag()
+    log = c.log_text("site-1")
+    assert "site-1 is left behind at round 2 (the group is at round 3)" in log, log[-2000:]
+    assert not (c.root / "site-1" / "summary.json").exists()  # never "done"
+    lines = c.rounds("site-1")
+    assert lines and all(d["status"] == "resynced" for d in lines), lines
+    for d in lines:
+        assert d["checksum"] == c.by_round("site-0")[d["round"]]["checksum"], d
 
 
 # --------------------------------------------------------------------------- restart
@@ -372,3 +395,38 @@ def test_dead_sites_non_iid_shard_is_reassigned_and_the_ledger_says_so(make_clus
         assert own[:3] == [[1, h], [h + 1, 2 * h], [2 * h + 1, 3 * h]]
         assert all(own[r][0] == own[r - 1][1] + 1 for r in range(3, rounds)), own
     _agree(c, survivors, rounds - 1)
+
+
+@pytest.mark.timeout(120)
+def test_non_iid_site_restarted_without_checkpoint_never_trains_a_window_twice(make_cluster):
+    """--non-iid, 3 sites, --reassign-after-rounds 1: site-2 is SIGKILLed in round 2 and
+    restarted without a checkpoint. It takes the group's inner step count with its
+    training position and moves its shard's stream on to it (issue 33): its data ledger
+    over both lives has no window digest and no batch twice (before the fix the restarted
+    life's first round had round 0's digest), and its first line names the skipped range
+    with its reason."""
+    rounds = 8
+    c = make_cluster(worker={"rounds": rounds, "non_iid": True, "reassign_after_rounds": 1, "inner_step_sleep_s": 0.15})
+    c.start(3, faults="site-2:before_push:2:kill")
+    wait_until(lambda: c.procs["site-2"].poll() is not None, 60, "site-2 killed", c.diag)
+    time.sleep(RENDEZVOUS_DEFAULTS["heartbeat_timeout_s"] + 0.5)  # its id is free once it is held dead
+    restarted = c.start_site(2, num_sites=3, out_name="site-2-restarted")
+    c.logs["site-2-restarted"] = c.logs.pop(restarted)
+    c.procs["site-2-restarted"] = c.procs.pop(restarted)
+    codes = c.wait_all_exit(["site-0", "site-1", "site-2-restarted"], 90)
+    assert set(codes.values()) == {0}, c.diag()
+    before = [d["data"] for d in c.rounds("site-2")]
+    after = [d["data"] for d in c.rounds("site-2", out_name="site-2-restarted")]
+    assert len(before) == 2 and after, (before, after)  # rounds 0 and 1, then the restarted life
+    ledger = before + after
+    digests = [d["digest"] for d in ledger if d["windows"]]
+    assert len(digests) == len(set(digests)), ledger
+    batches = [b for d in ledger for b in range(d["steps"][0], d["steps"][1] + 1)]
+    assert len(batches) == len(set(batches)), ledger
+    # the restarted stream skipped from its start (batch 1: the earlier life trained 1..8)
+    # to the group's inner step; the batches between the lives were trained by no one
+    # (its peers trained adopted parts of its shard instead)
+    gap = after[0]["skipped"]
+    assert gap["steps"] == [1, after[0]["steps"][0] - 1] and gap["steps"][1] > before[-1]["steps"][1], ledger
+    assert "rejoined" in gap["reason"]
+    assert "data stream moved on" in c.log_text("site-2-restarted")

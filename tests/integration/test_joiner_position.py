@@ -29,7 +29,7 @@ def _warmup_cosine(step: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / (TOTAL - WARMUP))))
 
 
-def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, join: bool = True):
+def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, join: bool = True, hook: bool = False):
     torch.manual_seed(0)  # identical initial weights
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -37,7 +37,7 @@ def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, join: bool 
     d = DiLoCo(
         model,
         opt,
-        config=DiLoCoConfig(site_id=site_id, sync_every=H, buckets=SMALL, hook_optimizer=False),
+        config=DiLoCoConfig(site_id=site_id, sync_every=H, buckets=SMALL, hook_optimizer=hook),
         transport=InprocTransport(net),
         rendezvous=InprocRendezvousClient(core),
         inner_scheduler=sched,
@@ -53,10 +53,11 @@ def _train(d: DiLoCo, model, opt, sched, steps: int, seed: int) -> None:
         x = torch.randn(16, 8, generator=gen)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
         loss.backward()
-        opt.step()
+        opt.step()  # with hook_optimizer, the round runs in here, before the scheduler's step
         opt.zero_grad()
         sched.step()
-        d.step()
+        if not d.config.hook_optimizer:
+            d.step()
 
 
 def _adam_steps(opt) -> set[float]:
@@ -121,3 +122,48 @@ def test_a_restarted_site_keeps_its_own_current_position_and_heals_a_stale_one()
     finally:
         for d in [a, *others]:
             d.close(wait=False)
+
+
+def _lockstep(sites, steps: int) -> None:
+    """Train every site ``steps`` inner steps, step by step in turn (rounds of several
+    sites need every member at its round at once: each site's own thread)."""
+    import threading
+
+    threads = [threading.Thread(target=_train, args=(*s, steps, i)) for i, s in enumerate(sites)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+
+
+def test_hooked_joiner_and_resynced_site_keep_the_donors_schedule_to_the_end():
+    """With ``hook_optimizer`` the round runs inside ``opt.step()``, before the caller's
+    ``sched.step()`` (issue 33): a joiner, and a site healed by a resync, take the donor's
+    LR schedule and AdamW step count exactly and keep them equal to the end of the run."""
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.5))
+    a = _site("a", net, core, hook=True)
+    b = None
+    try:
+        _train(*a, 3 * H, seed=1)  # rounds 0..2 alone
+        b = _site("b", net, core, hook=True)
+        assert b[0].round == 3 and b[0].healed_from == "a"
+        _lockstep([a, b], 2 * H)  # rounds 3 and 4 together
+        assert a[0].round == b[0].round == 5
+        assert b[3].last_epoch == a[3].last_epoch == 5 * H
+        assert b[2].param_groups[0]["lr"] == a[2].param_groups[0]["lr"] == pytest.approx(1e-2 * _warmup_cosine(5 * H))
+        assert _adam_steps(b[2]) == _adam_steps(a[2]) == {5.0 * H}
+        # b misses round 5 (a runs it alone), then resyncs inside its own opt.step()
+        _train(*a, H, seed=3)
+        assert a[0].round == 6
+        _train(*b, H, seed=4)
+        assert b[0].round == 6 and b[0].last_outcome.status.value == "resynced"
+        _train(*a, 1, seed=5)  # the first inner step of round 6 at each
+        _train(*b, 1, seed=6)
+        assert b[0].inner_steps == a[0].inner_steps == 6 * H + 1
+        assert b[3].last_epoch == a[3].last_epoch == 6 * H + 1
+        assert b[2].param_groups[0]["lr"] == a[2].param_groups[0]["lr"]
+        assert _adam_steps(b[2]) == _adam_steps(a[2]) == {6.0 * H + 1}
+    finally:
+        for s in (a, b):
+            if s is not None:
+                s[0].close(wait=False)

@@ -3,6 +3,8 @@ site id is not (retrying cannot help, and the worker should exit with the reason
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -54,3 +56,41 @@ def test_an_unreachable_rendezvous_is_retried_within_the_budget() -> None:
     rdv = _Rendezvous([RendezvousError("unavailable"), RendezvousError("unavailable")])
     assert _group(rdv)._call_with_backoff(lambda: rdv.join("a", "h:1"), 30.0) == "joined"
     assert rdv.calls == 3
+
+
+class _LeavingRendezvous:
+    """A rendezvous whose heartbeat is in flight while the site leaves; it answers
+    ``known=False`` (the site is gone), as a real one does after the leave."""
+
+    def __init__(self) -> None:
+        self.in_heartbeat, self.left, self.events = threading.Event(), threading.Event(), []
+
+    def join(self, site_id: str, address: str, **kw):
+        self.events.append("join")
+        return SimpleNamespace(heartbeat_interval_s=0.01, next_round=0, members=(), needs_state=False)
+
+    def heartbeat(self, site_id: str, inner_step: int = 0, last_loss=None, round_reports=()):
+        self.in_heartbeat.set()
+        self.left.wait(5)
+        return SimpleNamespace(known=False, resync_required=False, next_round=0, reason="unknown site", dead=())
+
+    def leave(self, site_id: str) -> None:
+        self.events.append("leave")
+        self.left.set()
+
+
+@pytest.mark.timeout(10)
+def test_a_heartbeat_in_flight_at_leave_never_registers_the_site_again() -> None:
+    """The heartbeat thread took the "unknown site" answer to a heartbeat in flight at the
+    leave for a restarted rendezvous and joined again: the site stayed live until the
+    heartbeat timeout, and the peers waiting for it to leave (issue 33) waited for nothing."""
+    rdv = _LeavingRendezvous()
+    engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
+    engine.members_lost = lambda ids: None
+    g = Group(engine, rdv, GroupConfig(backoff_max_s=0.1))
+    g.join()
+    assert rdv.in_heartbeat.wait(5)
+    threading.Timer(0.2, rdv.left.set).start()  # the heartbeat answers just after the leave began
+    g.leave()
+    time.sleep(0.3)
+    assert rdv.events == ["join", "leave"]

@@ -178,6 +178,28 @@ def test_batch_stream_ledger_names_steps_shard_and_windows_of_each_round():
     assert theirs["shard"] != first["shard"] and theirs["digest"] != first["digest"]
 
 
+def test_batch_stream_skip_to_moves_on_exactly_and_the_ledger_names_the_gap():
+    """``skip_to(n)``: the batches after it are those of a stream that yielded all n; the
+    next ledger entry starts after the gap and names it with its reason (issue 33)."""
+    spec = TaskSpec(site_index=1, num_sites=3, size="tiny", seed=5, non_iid=True)
+    full, skipped = build_task(spec).batches, build_task(spec).batches
+    for _ in range(6):
+        next(full)
+    full.take_ledger()
+    assert skipped.skip_to(6, reason="down") == 6 and skipped.step == 6
+    assert skipped.skip_to(4, reason="behind") == 0  # never backwards
+    for _ in range(2):
+        xs, xf = next(skipped), next(full)
+        assert torch.equal(xs[0], xf[0])
+    got, want = skipped.take_ledger(), full.take_ledger()
+    assert got["steps"] == want["steps"] == [7, 8] and got["digest"] == want["digest"]
+    assert got["skipped"] == {"steps": [1, 6], "windows": 6 * 8, "reason": "down"} and "skipped" not in want
+    assert "skipped" not in skipped.take_ledger()
+    next(skipped)
+    with pytest.raises(ValueError, match="not yet in a ledger"):
+        skipped.skip_to(20, reason="mid-round")
+
+
 def test_batch_stream_refuses_foreign_state():
     a = build_task(TaskSpec(site_index=0, num_sites=3, size="tiny"))
     b = build_task(TaskSpec(site_index=0, num_sites=3, size="tiny", non_iid=True))

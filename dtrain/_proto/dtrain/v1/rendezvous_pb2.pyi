@@ -17,18 +17,20 @@ class Member(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key")
+    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key", "left_out")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DATAGRAM_KEY_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     round: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     reduce_timeout_s: float
     broadcast_timeout_s: float
     datagram_key: bytes
-    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ...) -> None: ...
+    left_out: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ..., left_out: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("site_id", "address", "rank_addresses")

@@ -1,0 +1,140 @@
+"""No site left behind (issue 33): a site whose θ is behind the group's round and that
+finds no member to pull from never adopts the round number with its old θ; it raises
+``LeftBehind`` naming itself and the round it is stuck at (the worker exits with its own
+code: tests/fault/test_multiprocess_faults.py). In-process sites (one network, one
+rendezvous)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dtrain.buckets import BucketConfig
+from dtrain.configs import DiLoCoConfig, GroupConfig
+from dtrain.diloco import DiLoCo
+from dtrain.errors import LeftBehind
+from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+from dtrain.rounds.outcome import RoundStatus
+from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+H = 3
+PULL_S = 1.0  # the state-pull budget: how long a site behind looks for a member
+
+
+def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: float = PULL_S) -> DiLoCo:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = DiLoCoConfig(
+        site_id=site_id,
+        sync_every=H,
+        hook_optimizer=False,
+        buckets=BucketConfig(bucket_bytes=512, chunk_bytes=256),
+        group=GroupConfig(state_pull_timeout_s=pull_s),
+    )
+    return DiLoCo(model, opt, config=cfg, transport=InprocTransport(net), rendezvous=InprocRendezvousClient(core))
+
+
+def _round(d: DiLoCo, seed: int) -> None:
+    """H inner steps, then the round (d.step runs it at the H-th)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = d.inner_optimizer
+    for _ in range(H):
+        d.model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        d.step()
+
+
+def _together(sites: list[DiLoCo], seed: int) -> None:
+    threads = [threading.Thread(target=_round, args=(d, seed + i)) for i, d in enumerate(sites)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+def _cut_from_the_last_round(pull_s: float = PULL_S) -> tuple[DiLoCo, DiLoCo]:
+    """a and b run rounds 0 and 1 together; a runs the last round (2) alone, cutting b."""
+    net = InprocNetwork()
+    core = RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3, heartbeat_interval_s=0.1))
+    a, b = _site("a", net, core, pull_s=pull_s), _site("b", net, core, pull_s=pull_s)
+    _together([a, b], seed=1)
+    _together([a, b], seed=3)
+    assert a.round == b.round == 2 and a.site_checksum() == b.site_checksum()
+    _round(a, seed=5)  # the last round (2): b is cut as a straggler
+    assert a.round == 3 and a.last_outcome.result.members == ("a",)
+    assert a.site.last_plan.left_out == ("b",)
+    return a, b
+
+
+def test_the_site_that_finished_waits_for_the_straggler_it_left_out_to_catch_up():
+    """a ends the run with round 2 but stays a member (serving θ) until b, cut from that
+    round, resynced from it and left: both end on the same θ."""
+    a, b = _cut_from_the_last_round(pull_s=20.0)
+    closing = threading.Thread(target=a.close)
+    try:
+        closing.start()
+        time.sleep(0.5)  # b is slower: it reaches the last round after a finished
+        assert closing.is_alive()  # a waits for b
+        _round(b, seed=6)  # missed round 2: resyncs from a
+        assert b.last_outcome.status == RoundStatus.RESYNCED and b.round == 3
+        assert b.site_checksum() == a.site_checksum()
+        t0 = time.monotonic()
+        b.close()
+        closing.join(timeout=10)
+        assert not closing.is_alive() and time.monotonic() - t0 < 5.0  # a left once b did, not at 20 s
+    finally:
+        a.close(wait=False)
+        b.close(wait=False)
+
+
+def test_a_site_that_missed_the_last_round_after_the_others_left_raises_left_behind():
+    a, b = _cut_from_the_last_round()
+    try:
+        t0 = time.monotonic()
+        a.close()  # a waits PULL_S for b, then leaves: nobody holds round 3's θ for b
+        assert time.monotonic() - t0 >= PULL_S
+        with pytest.raises(LeftBehind) as err:
+            _round(b, seed=6)  # b: missed round 2, resyncs, finds no member
+        e = err.value
+        assert (e.site_id, e.round, e.group_round) == ("b", 2, 3)
+        assert "b is left behind at round 2 (the group is at round 3)" in str(e)
+        assert b.round == 2  # never the group's round number with its old θ
+    finally:
+        a.close(wait=False)
+        b.close(wait=False)
+
+
+def test_a_site_joining_after_every_member_left_raises_left_behind():
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
+    a = _site("a", net, core)
+    try:
+        _round(a, seed=1)
+        _round(a, seed=2)
+        a.close()
+        with pytest.raises(LeftBehind) as err:
+            _site("c", net, core)  # a fresh θ (round 0) and the group at round 2
+        assert (err.value.site_id, err.value.round, err.value.group_round) == ("c", 0, 2)
+    finally:
+        a.close(wait=False)
+
+
+def test_a_site_cut_while_a_member_is_live_resyncs_to_its_theta():
+    """The ordinary case is unchanged: a member is live, the site resyncs to its θ."""
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
+    a, b = _site("a", net, core), _site("b", net, core)
+    try:
+        _together([a, b], seed=1)
+        _round(a, seed=5)  # b cut from round 1
+        _round(b, seed=6)
+        assert b.last_outcome.status == RoundStatus.RESYNCED
+        assert b.round == a.round == 2 and b.site_checksum() == a.site_checksum()
+    finally:
+        a.close(wait=False)
+        b.close(wait=False)
