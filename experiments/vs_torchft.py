@@ -74,7 +74,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from dtrain.app.procs import Proc, spawn
+from dtrain.app.procs import Proc, child_env, spawn
 from experiments.vs_torchft_analysis import _lines, analyse
 from experiments.vs_torchft_outputs import write_outputs
 from experiments.vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name
@@ -125,19 +125,6 @@ def _kill_all() -> None:
 
 def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _child_env(extra: dict | None = None) -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("DTRAIN_TEST_FAULT", None)
-    env.update(extra or {})
-    return env
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -275,7 +262,7 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
                 "--initial-sites",
                 str(n),
             ]
-            children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", _child_env())
+            children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", child_env())
             coord = _wait(
                 lambda: addr_file.exists() and addr_file.read_text().strip(),
                 120,
@@ -286,7 +273,7 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
             port = _free_port() if topo is None else 29510
             lh = str(Path(py).parent / "torchft_lighthouse")
             argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
-            children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", _child_env())
+            children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
             coord = f"http://{net.host(n)}:{port}"
 
             def lighthouse_up() -> bool:
@@ -391,11 +378,11 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         for i, name in enumerate(names):
             fault = spec.kill_round >= 0 and i == KILLED_SITE
             argv, env = site_argv(i, name, fault=fault, barrier=True)
-            children[name] = Child(name, argv, run_dir / name / "worker.log", _child_env(env))
+            children[name] = Child(name, argv, run_dir / name / "worker.log", child_env(env))
         restart_name = f"site-{KILLED_SITE}-restart"
         if spec.kill_round >= 0:  # pre-warm the replacement now; it starts when told
             argv, env = site_argv(KILLED_SITE, restart_name, fault=False, barrier=False)
-            children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", _child_env(env))
+            children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", child_env(env))
         _wait(
             lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
             600,
