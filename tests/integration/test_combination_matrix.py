@@ -67,6 +67,10 @@ REFUSED: dict[Pair, tuple[str, ...]] = {
 }
 
 
+#: the codec axis's values -> the fp32/encoded ratio a run must show (measured 3.93 and 9.0)
+CODEC_RATIO = {"int8": (3.5, 4.1), "int4+zstd": (7.0, 16.0)}
+
+
 def _allowed(p: Pair) -> bool:
     return p not in REFUSED
 
@@ -105,6 +109,8 @@ def test_every_axis_key_is_a_launch_config_key() -> None:
                     assert v in leaf.choices, (axis, label, key, v, leaf.choices)
     for key in BASE:
         LAUNCH.resolve(key)
+    # every codec of the axis has the compression ratio its rows are checked against
+    assert {kv["diloco.rounds.codec.name"] for _, kv in AXES["codec"]} == set(CODEC_RATIO)
 
 
 def test_pairwise_rows_cover_every_allowed_pair_and_no_refused_one() -> None:
@@ -235,7 +241,43 @@ def _check_run(values: dict[str, Any], label: str, run_dir: Path, timeout_s: flo
     checksums = {s: summ["checksum"] for s, summ in summaries.items()}
     need(len(set(checksums.values())) == 1, f"θ checksums differ: {checksums}")
     need("θ checksums agree across sites" in out, "launch did not report agreeing θ checksums")
+    for s in SITES:  # an option silently dropped is a wrong result too
+        for what in _ignored_options(values, summaries[s], _round_lines(run_dir, s)):
+            need(False, f"{s}: {what}")
     return summaries
+
+
+def _ignored_options(values: dict[str, Any], summ: dict, rounds: list[dict]) -> list[str]:
+    """What the metrics show of each option the run was given, where they show it (the
+    inner LR schedule is not in the metrics: the equivalence rows test it)."""
+    bad = []
+    k = values.get("ranks_per_site", 1)
+    if summ.get("ranks", 1) != k or any(d.get("ranks", 1) != k for d in rounds):
+        bad.append(f"ranks_per_site {k}: summary ranks {summ.get('ranks')}, lines {[d.get('ranks') for d in rounds]}")
+    if k > 1 and summ.get("parallel") != values.get("parallel", "ddp"):
+        bad.append(f"parallel {values.get('parallel')}: summary says {summ.get('parallel')}")
+    dgrams = [d["datagram"]["datagrams_sent"] for d in rounds if "datagram" in d]
+    if values.get("net.data_path") == "datagram" and not sum(dgrams):
+        bad.append(f"data_path datagram: datagrams sent per round {dgrams}")
+    if values.get("net.data_path", "grpc") == "grpc" and dgrams:
+        bad.append(f"data_path grpc: datagram counters {dgrams}")
+    f, tau = values.get("diloco.num_fragments", 1), values.get("diloco.overlap_steps", 0)
+    frags = [d.get("fragment") for d in rounds]
+    if frags != ([(r + 1) % f for r in range(len(rounds))] if f > 1 else [None] * len(rounds)):
+        bad.append(f"num_fragments {f}: fragments synced {frags}")
+    # a round's Δ is measured at step (r + 1)·H/F, merged τ steps later (the last round at the end)
+    steps = [d["inner_steps"] for d in rounds[:-1]]
+    if steps != [(r + 1) * (H // f) + tau for r in range(len(steps))]:
+        bad.append(f"overlap_steps {tau} with F {f}: inner steps at the merges {steps}")
+    want = "non_iid" if values.get("task_spec.non_iid") else "iid"
+    shards = [led["shard"] for d in rounds for led in d["data"].get("ranks", [d["data"]])]
+    if not shards or any(sh.rpartition("/")[2] != want for sh in shards):
+        bad.append(f"non_iid {values.get('task_spec.non_iid')}: shards {sorted(set(shards))}")
+    # fp32 bytes / encoded bytes: int8 with a 4-byte scale per 256 = 3.94; int4 7.9, zstd on top ~9
+    lo, hi = CODEC_RATIO[values.get("diloco.rounds.codec.name", "int8")]
+    if not lo <= summ["compression_ratio"] <= hi:
+        bad.append(f"codec {values.get('diloco.rounds.codec.name')}: compression ratio {summ['compression_ratio']:.2f}")
+    return bad
 
 
 @pytest.mark.slow
@@ -255,3 +297,50 @@ def test_refused_pair_is_a_clean_usage_error(pair: Pair, tmp_path: Path) -> None
     for word in REFUSED[pair]:
         assert word in err, (word, err)
     assert not (tmp_path / "site-0" / "metrics.jsonl").exists()  # refused before any site started
+
+
+# ---------------------------------------------------------------- equivalence rows (slow)
+EQ_ROUNDS = 6
+EQ_BATCH = 8  # the tiny preset's batch per rank
+EQ_SEEDS = (0, 1, 2)
+EQ_SCHEDULES = {
+    "constant": {"task_spec.lr_schedule": "constant"},
+    "cosine": {"task_spec.lr_schedule": "cosine", "task_spec.warmup_steps": 5, "task_spec.decay_steps": 55},
+}
+#: Bound on |mean over EQ_SEEDS of final val loss(K = 2 DDP, batch B per rank) - the
+#: same mean for K = 1, batch 2B|, nats/token. The two are the same computation (DDP
+#: averages the two ranks' batch-B gradients: the gradient of the batch-2B mean loss)
+#: on different IID samples (rank j reads stream site*K + j), so they differ by sampling
+#: noise only. Measured, K = 1 batch 16, 2 sites, 6 rounds of H = 10, constant LR,
+#: seeds 0-4: 2.791, 2.793, 2.902, 2.883, 2.876 (sd 0.052 per run); a mean of 3 seeds
+#: has sd 0.030 and the difference of two such means sd 0.042: 0.10 is 2.4 sd.
+EQ_TOL = 0.10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", list(EQ_SCHEDULES))
+def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(schedule: str, tmp_path: Path) -> None:
+    common = {**BASE, "rounds": EQ_ROUNDS, **EQ_SCHEDULES[schedule], "diloco.rounds.codec.name": "int8"}
+    losses: dict[int, list[float]] = {1: [], 2: []}
+    for seed in EQ_SEEDS:
+        one = {**common, "task_spec.seed": seed, "ranks_per_site": 1, "task_spec.batch_size": 2 * EQ_BATCH}
+        two = {
+            **common,
+            "task_spec.seed": seed,
+            "ranks_per_site": 2,
+            "parallel": "ddp",
+            "task_spec.batch_size": EQ_BATCH,
+        }
+        for k, values in ((1, one), (2, two)):
+            label = f"K{k},batch{values['task_spec.batch_size']},{schedule},seed{seed}"
+            summ = _check_run(values, label, tmp_path / f"k{k}-s{seed}", timeout_s=120)
+            losses[k].append(summ["site-0"]["final_val_loss"])
+    m1, m2 = (sum(v) / len(v) for v in (losses[1], losses[2]))
+    per_seed = ", ".join(f"seed {s}: {a:.4f} vs {b:.4f}" for s, a, b in zip(EQ_SEEDS, losses[2], losses[1]))
+    print(f"equivalence [{schedule}]: K=2 {m2:.4f}, K=1 {m1:.4f}, diff {m2 - m1:+.4f} ({per_seed})")
+    assert abs(m2 - m1) <= EQ_TOL, (
+        f"[{schedule}] final val loss, mean over seeds {EQ_SEEDS}: K=2 DDP (batch {EQ_BATCH} per rank) {m2:.4f} vs "
+        f"K=1 (batch {2 * EQ_BATCH}) {m1:.4f}: |diff| {abs(m2 - m1):.4f} > {EQ_TOL} (K=2 vs K=1 {per_seed})\n"
+        f"--- K=2 seed {EQ_SEEDS[-1]} site-0/worker.log (tail)\n{_tail(tmp_path / f'k2-s{EQ_SEEDS[-1]}' / 'site-0' / 'worker.log')}"
+    )
