@@ -595,14 +595,15 @@ class DiLoCo:
                     waited.round,
                     waited.waited_s,
                 )
-        if wait:  # a straggler cut from this site's last round pulls θ from it, not from nobody
-            self.site.wait_left_out(self.config.group.state_pull_timeout_s)
-        if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
-            try:
+        try:
+            if wait:  # a straggler cut from this site's last round pulls θ from it, not from nobody
+                self.site.wait_left_out(self.config.group.state_pull_timeout_s)
+            if wait and self.num_ranks > 1:  # rank 0 leaves the group only once every rank's peers pulled
                 self.comm.all_gather(None, round=True)
-            except RuntimeError as e:  # a rank died: leave at once, so a restarted group can rejoin
-                log.warning("%s rank %d: closing without the other ranks: %s", self.config.site_id, self.rank, e)
-        self.site.leave()
+        except RuntimeError as e:  # a rank died (its collectives fail): leave at once, so a restarted group can rejoin
+            log.warning("%s rank %d: closing without the other ranks: %s", self.config.site_id, self.rank, e)
+        finally:
+            self.site.leave()
         # A pull counts when it was served, before its reply crossed the link: give replies in
         # flight until the round's broadcast deadline (a stop returns as soon as none is left).
         # With 0.5 s, a member at 20% loss lost the last round's mean as it streamed in
