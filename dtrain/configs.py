@@ -159,6 +159,11 @@ class GroupConfig:
             before giving up for now and letting the site train on locally; > 0.
         backoff_max_s: cap of the exponential backoff between retries; > 0.
         state_pull_timeout_s: time budget of a full state pull (join/resync); > 0.
+        takeover_s: how long a join that the rendezvous refuses because a live site holds
+            this site id is tried again, >= 0: a restarted incarnation of the same site (a
+            torchrun restart of a site group, a process supervisor) waits there for its
+            predecessor to be declared dead. 0 refuses at once (two sites given one id by
+            mistake); ``dtrain worker`` restarted by torchrun uses ``quorum_wait_s`` when 0.
     """
 
     quorum_wait_s: float = 300.0
@@ -166,12 +171,16 @@ class GroupConfig:
     rendezvous_retry_s: float = 2.0
     backoff_max_s: float = 5.0
     state_pull_timeout_s: float = 120.0
+    takeover_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        t = self.takeover_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            raise ValueError(f"takeover_s must be a number of seconds >= 0, got {t!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -387,6 +387,18 @@ class DiLoCo:
         return self.state.rounds_applied
 
     @property
+    def model_round(self) -> int:
+        """Rounds whose θ the model reflects, for decisions of the training loop (when to stop,
+        evaluate, checkpoint). Without streaming, :attr:`round`; with streaming, the count at
+        the last merge (:attr:`StreamingSync.merged_round`): a fragment round running in the
+        background does not move it, so every rank of a site takes the same decision at the
+        same step (reading :attr:`round` there raced with the round's thread and put the
+        ranks' collectives out of step)."""
+        if self.streaming is not None and self.streaming.merged_round is not None:
+            return self.streaming.merged_round
+        return self.state.rounds_applied
+
+    @property
     def period_steps(self) -> int:
         """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
         return self.config.sync_every // self.config.num_fragments
@@ -466,6 +478,8 @@ class DiLoCo:
             self._snapshot_position()
         else:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
+        if self.streaming is not None:  # a hand-called blocking round: the model is the group's now
+            self.streaming.merged_round = self.state.rounds_applied
         t0 = time.process_time()
         self._record(outcome)
         self.last_cpu_s = {**cpu, "checksum": time.process_time() - t0}

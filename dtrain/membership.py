@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from dtrain.configs import GroupConfig
 from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+from dtrain.rendezvous.store import SiteIdTaken
 from dtrain.rounds import RoundEngine
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
@@ -132,7 +133,7 @@ class Group:
             RendezvousError: unreachable for ``timeout_s``.
         """
         assert self.engine.address is not None, "start the engine before joining"
-        info = self.register_with_backoff(timeout_s)
+        info = self._register_taking_over(timeout_s)
         self._hb_interval_s = info.heartbeat_interval_s
         self.joined = True
         self._rejoin_needed.clear()
@@ -143,6 +144,20 @@ class Group:
             )
             self._hb_thread.start()
         return info
+
+    def _register_taking_over(self, timeout_s: float) -> JoinInfo:
+        """:meth:`register_with_backoff`; a ``SiteIdTaken`` refusal is tried again for
+        ``config.takeover_s`` (a restarted incarnation waits for its predecessor to be
+        declared dead), then raised."""
+        deadline = time.monotonic() + self.config.takeover_s
+        while True:
+            try:
+                return self.register_with_backoff(timeout_s)
+            except SiteIdTaken as e:
+                if time.monotonic() + 0.5 > deadline:
+                    raise
+                log.warning("%s: %s; trying again (takeover_s %.1f s)", self.site_id, e, self.config.takeover_s)
+                time.sleep(0.5)
 
     def register_with_backoff(self, budget_s: float) -> JoinInfo:
         """:meth:`register`, retried with backoff for up to ``budget_s`` seconds.

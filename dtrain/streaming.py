@@ -176,6 +176,11 @@ class StreamingSync:
         step_s: the expected inner-step time (an average of the time between
             :meth:`on_step` calls, not counting the time spent in them); None at first.
         num_paced_rounds: rounds started with a send-rate budget.
+        merged_round: rounds applied to θ as of the last merge (or, before the first one, as
+            of the first round's start): read on the caller's thread, it never moves while a
+            round runs in the background, so every rank of a site reads the same number at
+            the same inner step (``GlobalState.rounds_applied`` is advanced by the round's
+            thread). None until the first round starts.
     Raises (from :meth:`on_step`): ``QuorumTimeout`` of a round, at its merge.
     """
 
@@ -207,6 +212,7 @@ class StreamingSync:
         self.pace_fraction = float(pace_fraction)
         self.step_s: float | None = None
         self.num_paced_rounds = 0
+        self.merged_round: int | None = None
         self._step_end: float | None = None
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
@@ -280,6 +286,8 @@ class StreamingSync:
     def _submit(self, step: int, m: _Measured) -> None:
         """Run the measured fragment's round in the background; it is merged at ``step + τ``."""
         assert self._pending is None, "one fragment round at a time"
+        if self.merged_round is None:  # nothing in flight now: the count is this thread's to read
+            self.merged_round = self.state.rounds_applied
         # taken before the round starts: its thread may resync (replacing residuals and θ) at once
         checksums, residuals = self.state.checksums(), list(self.state.residuals)
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
@@ -350,6 +358,7 @@ class StreamingSync:
             cf.wait([p.future])
             self.waited_s += time.monotonic() - t
         outcome = p.future.result()  # QuorumTimeout propagates
+        self.merged_round = self.state.rounds_applied  # nothing else in flight until the next start
         self._merge(p, outcome)
         moved = {}
         if p.theta_before is not None:

@@ -75,6 +75,8 @@ def save(cfg, task, module: torch.nn.Module, optimizer, scheduler, diloco: DiLoC
     Args:
         shards: the adopted shard parts (``{"watch", "mix"}`` state dicts) or None.
     """
+    if diloco.streaming is not None:  # θ, the outer state and the round number of one round, on every rank
+        diloco.streaming.wait_in_flight()
     extra = {
         "batches": task.batches.state_dict(),
         "inner_scheduler": scheduler.state_dict() if scheduler is not None else None,

@@ -140,6 +140,15 @@ def _site_comm(cfg: WorkerConfig) -> SiteComm:
     return TorchSiteComm()
 
 
+def _restarted(dcfg):
+    """A site group restarted by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) joins as the
+    same site while the rendezvous may still hold its dead predecessor live: unless the user
+    set ``takeover_s``, it tries again for ``quorum_wait_s`` instead of giving up at once."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or dcfg.group.takeover_s > 0:
+        return dcfg
+    return dataclasses.replace(dcfg, group=dataclasses.replace(dcfg.group, takeover_s=dcfg.group.quorum_wait_s))
+
+
 @dataclass
 class _Run:
     """What one worker's loop works on (this rank's)."""
@@ -205,7 +214,7 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
             module,
             optimizer,
             inner_scheduler=scheduler,
-            config=cfg.diloco_config(),
+            config=_restarted(cfg.diloco_config()),
             outer_optimizer=outer_factory(cfg),
             transport=transport,
             rendezvous=rendezvous if rank == 0 else None,
@@ -327,7 +336,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
     # with streaming the last round starts at this step and is merged there, so every
     # configuration ends at the same inner step (rounds x H/F) as blocking rounds do
     last_step = cfg.rounds * diloco.period_steps if streaming else None
-    while diloco.round < cfg.rounds and not run.stop.is_set() and syncs < max_syncs:
+    while diloco.model_round < cfg.rounds and not run.stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
         first_step = diloco.inner_steps + 1
@@ -348,7 +357,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         inner_s, outcome, sync_s, sync_cpu = timed
         syncs += 1
         if outcome.status != RoundStatus.DEFERRED and (
-            diloco.round % cfg.eval_every == 0 or diloco.round >= cfg.rounds
+            diloco.model_round % cfg.eval_every == 0 or diloco.model_round >= cfg.rounds
         ):
             val = run.task.evaluate(run.module)
         ledger = _round_ledger(run.task, run.mix, first_step, inner_last)
@@ -556,7 +565,7 @@ def _round_line(
     k = len(ranks)
     line = RoundLine(
         site=run.cfg.site_id,
-        round=(res.round if res else diloco.round - 1),
+        round=(res.round if res else diloco.model_round - 1),
         status=outcome.status.value,
         reason=outcome.reason,
         members=list(res.members) if res else [],
@@ -615,7 +624,7 @@ def _maybe_checkpoint(run: _Run, outcome: SyncOutcome) -> None:
     """Save a checkpoint every ``checkpoint.every`` rounds (never after a deferred sync; every
     rank of a site group), with the adopted shard parts when shards are re-assigned."""
     every = run.cfg.checkpoint.every
-    if every and outcome.status != RoundStatus.DEFERRED and run.diloco.round % every == 0:
+    if every and outcome.status != RoundStatus.DEFERRED and run.diloco.model_round % every == 0:
         shards = {"watch": run.watch.state_dict(), "mix": run.mix.state_dict()} if run.watch is not None else None
         checkpoints.save(run.cfg, run.task, run.module, run.optimizer, run.scheduler, run.diloco, shards=shards)
 

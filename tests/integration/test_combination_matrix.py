@@ -49,7 +49,10 @@ AXES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "fragments": [
         ("blocking", {"diloco.num_fragments": 1, "diloco.overlap_steps": 0}),
-        ("F2-tau2", {"diloco.num_fragments": 2, "diloco.overlap_steps": 2}),
+        # τ = H/F, the most overlap: a fragment round always runs in the background while the
+        # loop decides whether to stop, evaluate or checkpoint (where a site group's ranks once
+        # read the round number at different moments and put their collectives out of step)
+        ("F2-tau5", {"diloco.num_fragments": 2, "diloco.overlap_steps": 5}),
     ],
     "lr_schedule": [
         ("constant", {"task_spec.lr_schedule": "constant"}),

@@ -94,3 +94,27 @@ def test_a_heartbeat_in_flight_at_leave_never_registers_the_site_again() -> None
     g.leave()
     time.sleep(0.3)
     assert rdv.events == ["join", "leave"]
+
+
+@pytest.mark.timeout(10)
+def test_a_taken_site_id_is_tried_again_for_takeover_s_then_refused() -> None:
+    """A restarted incarnation of a site (torchrun restarting a site group) waits for its
+    predecessor to be declared dead; with takeover_s 0 a taken id is refused at once."""
+    taken = "site id 'a' is held by a live site at h:2"
+    engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
+    rdv = _Rendezvous([SiteIdTaken(taken), SiteIdTaken(taken)])
+    group = Group(engine, rdv, GroupConfig(backoff_max_s=0.1, takeover_s=5.0))
+    t0 = time.monotonic()
+    assert group._register_taking_over(30.0) == "joined"
+    assert rdv.calls == 3 and 0.9 <= time.monotonic() - t0 < 5.0  # two waits of 0.5 s
+    rdv = _Rendezvous([SiteIdTaken(taken)] * 20)
+    group = Group(engine, rdv, GroupConfig(backoff_max_s=0.1, takeover_s=1.0))
+    with pytest.raises(SiteIdTaken, match="held by a live site"):
+        group._register_taking_over(30.0)
+    assert 2 <= rdv.calls <= 3  # tried for takeover_s, not for ever
+    rdv = _Rendezvous([SiteIdTaken(taken)])
+    with pytest.raises(SiteIdTaken):
+        _group(rdv)._register_taking_over(30.0)
+    assert rdv.calls == 1
+    with pytest.raises(ValueError, match="takeover_s must be a number of seconds >= 0"):
+        GroupConfig(takeover_s=-1)
