@@ -389,6 +389,11 @@ class Tree:
             if leaf is None or isinstance(v, dict):
                 if full in self.refused:
                     raise UsageError(f"config: {source}: field {k!r} is {self.refused[full]}")
+                if full in self.tables:  # a table given a value: name its fields
+                    raise UsageError(
+                        f"config: {source}: {k!r}{' in [' + prefix[:-1] + ']' if prefix else ''} is a table "
+                        f"([{full}]), not a value: set one of its fields ({', '.join(self._allowed_at(full + '.'))})"
+                    )
                 raise UsageError(
                     f"config: {source}: unknown field {k!r}{' in [' + prefix[:-1] + ']' if prefix else ''} "
                     f"(allowed: {', '.join(self._allowed_at(prefix))})"

@@ -295,6 +295,11 @@ class WorkerConfig:
             "reassign_after_rounds",
             "an int >= 0",
         )
+        if self.reassign_after_rounds and not self.task and not self.task_spec.non_iid:
+            raise ValueError(
+                "reassign_after_rounds needs task_spec.non_iid (--non-iid): with IID data every site "
+                f"trains the whole corpus and there is no dead site's shard to re-assign (got {self.reassign_after_rounds})"
+            )
         _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
         _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
         _need(

@@ -48,8 +48,9 @@ class CodecConfig:
     """Which codec to use and its parameters.
 
     Attributes:
-        name: the codec, one of :data:`CODEC_NAMES`, optionally with the ``"+zstd"`` suffix
-            (``"int8+zstd"``).
+        name: the codec: fp32, bf16, fp16, int8, int4 or topk, optionally with the ``"+zstd"``
+            suffix (``"int8+zstd"``); the datagram data path takes fixed-size codecs only (no
+            ``+zstd``, no topk).
         zstd_level: zstd compression level, 1..22 (1-3 for the hot path).
         block_size: elements per absmax scale block for int8/int4; even, in
             8..2**24. Smaller blocks: tighter error, more scale overhead

@@ -123,3 +123,17 @@ def test_a_cluster_nests_the_component_configs_and_re_declares_none_of_their_fie
         got = [s.diloco.config for s in c.sites]
     assert [g.site_id for g in got] == ["s0", "s1"]
     assert all(dataclasses.replace(g, site_id=cfg.diloco.site_id) == cfg.diloco for g in got)
+
+
+def test_reassigning_shards_without_non_iid_data_is_refused_naming_both_fields() -> None:
+    """--reassign-after-rounds re-assigns a dead site's non-IID shard; with IID data it used to be
+    ignored without a word (a fresh user's trial)."""
+    import pytest
+
+    from dtrain.app.config import WorkerConfig
+    from dtrain.tasks import TaskSpec
+
+    with pytest.raises(ValueError, match=r"reassign_after_rounds needs task_spec.non_iid \(--non-iid\)"):
+        WorkerConfig(reassign_after_rounds=2)
+    cfg = WorkerConfig(reassign_after_rounds=2, task_spec=TaskSpec(non_iid=True, num_sites=3))
+    assert cfg.reassign_after_rounds == 2

@@ -99,6 +99,8 @@ def _values(leaf: Leaf, tmp: Path) -> dict[str, Any]:
         values[f"{parent}.num_sites"] = 3
     if leaf.name == "stochastic_rounding":  # int8/int4 only
         values[f"{parent}.name"] = "int8"
+    if leaf.name == "reassign_after_rounds":  # needs non-IID shards to re-assign
+        values[f"{parent + '.' if parent else ''}task_spec.non_iid"] = True
     return values
 
 
@@ -251,7 +253,8 @@ BAD_TOML = [
     ("worker", "[diloco.rounds]\nbogus = 1\n", ["bogus", "[diloco.rounds]", "allowed", "repair"]),
     ("worker", "[diloco]\nbuffers = 'sum'\n", ["buffers", "average", "local"]),
     ("worker", "listen = 'x'\n", ["listen", "host:port"]),
-    ("worker", "diloco = 3\n", ["diloco", "unknown field"]),
+    ("worker", "diloco = 3\n", ["diloco", "is a table", "sync_every"]),
+    ("launch", "[diloco.rounds]\ncodec = \"bf16\"\n", ["codec", "is a table ([diloco.rounds.codec])", "name"]),
     ("launch", "[rendezvous]\nmin_sites = 0\n", ["min_sites", ">= 1"]),
     ("launch", "[net]\nlisten = '127.0.0.1:0'\n", ["listen", "set per site"]),
     ("launch", "[diloco]\nhook_optimizer = false\n", ["hook_optimizer", "fixed by the worker"]),
