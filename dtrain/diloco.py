@@ -87,11 +87,11 @@ def sync_tensors(model: torch.nn.Module, buffers: str) -> tuple[list[torch.Tenso
     return tensors, kinds
 
 
-def theta_checksum(state: GlobalState) -> str:
+def theta_checksum(state: GlobalState, bucket_checksums: list[str] | None = None) -> str:
     """One hex digest (blake2b-64) over every bucket's θ checksum of ``state`` (one rank's
-    slice; equal on consistent sites)."""
+    slice; equal on consistent sites), or over ``bucket_checksums`` taken earlier."""
     h = hashlib.blake2b(digest_size=8)
-    for c in state.checksums():
+    for c in bucket_checksums if bucket_checksums is not None else state.checksums():
         h.update(c.encode())
     return h.hexdigest()
 
@@ -480,6 +480,7 @@ class DiLoCo:
             log.warning("%s: round deferred (%s); training on locally", self.config.site_id, outcome.reason)
         if self.streaming is not None:  # a hand-called blocking round: the model is the group's now
             self.streaming.merged_round = self.state.rounds_applied
+            self.streaming.merged_checksums = None
         t0 = time.process_time()
         self._record(outcome)
         self.last_cpu_s = {**cpu, "checksum": time.process_time() - t0}
@@ -493,10 +494,10 @@ class DiLoCo:
                 sch.step()
         self._record(outcome)
 
-    def slice_checksums(self) -> list[str]:
-        """Every rank's θ checksum (:func:`theta_checksum` of its slice), in rank order
-        (a collective for K > 1)."""
-        return self.comm.all_gather(theta_checksum(self.state))
+    def slice_checksums(self, bucket_checksums: list[str] | None = None) -> list[str]:
+        """Every rank's θ checksum (:func:`theta_checksum` of its slice, or of its
+        ``bucket_checksums`` taken earlier), in rank order (a collective for K > 1)."""
+        return self.comm.all_gather(theta_checksum(self.state, bucket_checksums))
 
     def site_checksum(self, slice_checksums: list[str] | None = None) -> str:
         """One θ checksum for the site: the slice's for K = 1, else
@@ -506,7 +507,10 @@ class DiLoCo:
         return sums[0] if self.num_ranks == 1 else combine_checksums(sums)
 
     def _record(self, outcome: SyncOutcome) -> None:
-        outcome.slice_checksums = self.slice_checksums()
+        # a merged fragment round: θ as the merge left it (the next round may already run and
+        # change θ before this line), so every site and rank reports the same round's θ
+        merged = self.streaming.merged_checksums if self.streaming is not None else None
+        outcome.slice_checksums = self.slice_checksums(merged)
         outcome.site_checksum = self.site_checksum(outcome.slice_checksums)
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0

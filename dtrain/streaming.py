@@ -181,6 +181,7 @@ class StreamingSync:
             round runs in the background, so every rank of a site reads the same number at
             the same inner step (``GlobalState.rounds_applied`` is advanced by the round's
             thread). None until the first round starts.
+        merged_checksums: every bucket's θ checksum at the last merge, for the same reason.
     Raises (from :meth:`on_step`): ``QuorumTimeout`` of a round, at its merge.
     """
 
@@ -213,6 +214,7 @@ class StreamingSync:
         self.step_s: float | None = None
         self.num_paced_rounds = 0
         self.merged_round: int | None = None
+        self.merged_checksums: list[str] | None = None  # every bucket's θ checksum at the last merge
         self._step_end: float | None = None
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
@@ -359,6 +361,7 @@ class StreamingSync:
             self.waited_s += time.monotonic() - t
         outcome = p.future.result()  # QuorumTimeout propagates
         self.merged_round = self.state.rounds_applied  # nothing else in flight until the next start
+        self.merged_checksums = self.state.checksums()  # θ as this round left it (cached per bucket)
         self._merge(p, outcome)
         moved = {}
         if p.theta_before is not None:
