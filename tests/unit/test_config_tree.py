@@ -254,7 +254,7 @@ BAD_TOML = [
     ("worker", "[diloco]\nbuffers = 'sum'\n", ["buffers", "average", "local"]),
     ("worker", "listen = 'x'\n", ["listen", "host:port"]),
     ("worker", "diloco = 3\n", ["diloco", "is a table", "sync_every"]),
-    ("launch", "[diloco.rounds]\ncodec = \"bf16\"\n", ["codec", "is a table ([diloco.rounds.codec])", "name"]),
+    ("launch", '[diloco.rounds]\ncodec = "bf16"\n', ["codec", "is a table ([diloco.rounds.codec])", "name"]),
     ("launch", "[rendezvous]\nmin_sites = 0\n", ["min_sites", ">= 1"]),
     ("launch", "[net]\nlisten = '127.0.0.1:0'\n", ["listen", "set per site"]),
     ("launch", "[diloco]\nhook_optimizer = false\n", ["hook_optimizer", "fixed by the worker"]),
