@@ -24,10 +24,9 @@ from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
 from dtrain.rendezvous.store import SiteIdTaken
 from dtrain.rounds import RoundEngine
-from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
 
-__all__ = ["RendezvousClient", "GroupConfig", "Decision", "RoundStatus", "SyncOutcome", "Group"]
+__all__ = ["RendezvousClient", "GroupConfig", "Decision", "Group"]
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,10 @@ import torch
 
 from dtrain.buckets import assign_owners
 from dtrain.diloco import DiLoCo, DiLoCoConfig
-from dtrain.membership import GroupConfig, SyncOutcome
+from dtrain.membership import GroupConfig
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.rounds import RoundEngine, RoundResult
+from dtrain.rounds.outcome import SyncOutcome
 from dtrain.state import GlobalState, OuterOptimizerFactory, default_outer_optimizer
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import FaultRule, InprocFaults, InprocNetwork, InprocTransport

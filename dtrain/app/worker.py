@@ -370,7 +370,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         if run.watch is not None and outcome.result is not None:
             run.mix.apply(*run.watch.observe(list(outcome.result.members)))
         totals.add(line)
-        owned_buckets = line.owned_buckets if outcome.result is not None and line.owned_buckets else owned_buckets
+        owned_buckets = (line.owned_buckets or 0) if outcome.result is not None else owned_buckets
         _record_round(run, line, extra)
         _maybe_checkpoint(run, outcome)
         if run.collector is not None:
