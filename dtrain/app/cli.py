@@ -1,4 +1,4 @@
-"""``dtrain worker | rendezvous | launch | report``.
+"""``dtrain worker | rendezvous | launch | doctor | report``.
 
 Every flag and TOML key comes from a config tree (``dtrain.app.config``: the worker's
 :class:`~dtrain.app.config.WorkerConfig` nests the library's component configs), by
@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.config import LAUNCH, RENDEZVOUS, WORKER, check_task
+from dtrain.app.config import DOCTOR, LAUNCH, RENDEZVOUS, WORKER, check_task
 from dtrain.options import Tree, UsageError, load_toml
 
 __all__ = ["main", "UsageError"]
@@ -220,6 +220,13 @@ _COMMANDS: dict[str, tuple[Tree, str, str, str]] = {
         "Start a rendezvous and N sites on this machine; every site gets the worker options given here.",
         "[diloco.rounds], [rendezvous]",
     ),
+    "doctor": (
+        DOCTOR,
+        "measure the paths to peers and say what to change",
+        "Preflight between sites: RTT, throughput (one and several TCP flows), path MTU and loss to each peer's "
+        "`dtrain doctor --serve`, this host's TCP settings, and what to change (sysctls, dtrain options).",
+        "[probe]",
+    ),
 }
 
 
@@ -269,6 +276,16 @@ def _dispatch(ns: argparse.Namespace) -> int:
             from dtrain.app.launch import run_launch
 
             return run_launch(values, log_level=ns.log_level)
+        if ns.command == "doctor":
+            cfg = build(DOCTOR, config_values(DOCTOR, ns))
+            if not cfg.serve and not cfg.peer_list():
+                raise UsageError(
+                    "peer: give --peer HOST:PORT[,HOST:PORT...] (a peer's `dtrain doctor --serve`), or --serve"
+                )
+            from dtrain.app.doctor import run_doctor
+
+            _setup_logging(ns.log_level)
+            return run_doctor(cfg, out=lambda text: print(text, flush=True))
         if ns.command == "report":
             from dtrain.app.report import make_report
 

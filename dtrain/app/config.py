@@ -34,6 +34,7 @@ from typing import Literal, get_args
 from dtrain.codecs.config import CodecConfig
 from dtrain.configs import DiLoCoConfig, RoundConfig
 from dtrain.options import HostPort, Tree, UsageError
+from dtrain.probe import ProbeConfig
 from dtrain.rendezvous.core import RendezvousConfig
 from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram_config import DatagramTransportConfig
@@ -41,6 +42,8 @@ from dtrain.transports.grpc_config import GrpcTransportConfig, TlsConfig
 
 __all__ = [
     "CheckpointConfig",
+    "DOCTOR",
+    "DoctorConfig",
     "LAUNCH",
     "LaunchConfig",
     "NetConfig",
@@ -247,6 +250,9 @@ class WorkerConfig:
             torchtitan's ``training.gc_freq``); an int >= 0, 0 = Python's automatic
             collector, which can stop every thread of the site for 0.2-0.7 s mid-round.
 
+        tensorboard: also write each round's scalars (the status page's figures) as
+            TensorBoard event files under DIR/<site_id> (none: off; needs the
+            ``tensorboard`` package: pip install 'dtrain[tensorboard]').
         reassign_after_rounds: with ``task_spec.non_iid``, re-assign the shard of a
             site absent from this many consecutive rounds to the survivors (each trains
             a part of it besides its own); an int >= 0, 0 = never
@@ -267,6 +273,7 @@ class WorkerConfig:
     inner_step_sleep_s: float = 0.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     gc_every_rounds: int = 1
+    tensorboard: str | None = None
 
     reassign_after_rounds: int = 0
     task_spec: TaskSpec = field(default_factory=TaskSpec)
@@ -310,6 +317,15 @@ class WorkerConfig:
         )
         if self.net.data_path == "datagram":
             self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
+        if self.tensorboard is not None:
+            import importlib.util
+
+            _need(self, bool(self.tensorboard), "tensorboard", "a directory or none")
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError(
+                    f"tensorboard: writing to {self.tensorboard!r} needs the tensorboard package, which is not "
+                    "installed: pip install 'dtrain[tensorboard]' (or tensorboard), or drop --tensorboard"
+                )
 
     @property
     def site_id(self) -> str:
@@ -545,3 +561,50 @@ LAUNCH = Tree(
     aliases={**WORKER_ALIASES, **{n: f"rendezvous.{n}" for n in _RDV_FIELDS}},
     flatten=("worker",),
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorConfig:
+    """A preflight of the paths between sites (``dtrain doctor``; ``dtrain.app.doctor``).
+
+    Attributes:
+        serve: serve the probe (TCP and UDP on listen's port) for peers to measure against.
+        listen: host:port the probe server binds with serve.
+        serve_s: with serve, stop after this many seconds, > 0 (none: until SIGINT/SIGTERM).
+        peer: probe servers to measure, host:port, comma-separated (without serve).
+        json: print one JSON document (kernel settings, each peer's figures and advice).
+        model_params: parameters the run synchronises, an int >= 0, for the codec advice
+            (0: no codec advice).
+        sync_budget_s: longest acceptable exchange per round for the codec advice, > 0 seconds.
+        probe: how hard the probe measures (counts, durations, MTU range, timeouts).
+    """
+
+    serve: bool = False
+    listen: HostPort = HostPort("0.0.0.0", 29401)
+    serve_s: float | None = None
+    peer: str = ""
+    json: bool = False
+    model_params: int = 0
+    sync_budget_s: float = 10.0
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "listen", HostPort.coerce(self.listen, "listen"))
+        _need(self, self.serve_s is None or self.serve_s > 0, "serve_s", "none or > 0 seconds")
+        _need(
+            self,
+            isinstance(self.model_params, int) and not isinstance(self.model_params, bool) and self.model_params >= 0,
+            "model_params",
+            "an int >= 0",
+        )
+        _need(self, self.sync_budget_s > 0, "sync_budget_s", "> 0 seconds")
+        if self.serve and self.peer:
+            raise ValueError(f"peer: give peers or serve, not both (got serve and peer {self.peer!r})")
+        self.peer_list()
+
+    def peer_list(self) -> list[str]:
+        """The peers as ``host:port`` strings (each checked by HostPort.parse)."""
+        return [str(HostPort.parse(p.strip(), "peer")) for p in self.peer.split(",") if p.strip()]
+
+
+DOCTOR = Tree(DoctorConfig)

@@ -165,6 +165,7 @@ class _Run:
     collector: RoundCollector | None = None
     watch: ShardWatch | None = None
     mix: DataMix | None = None
+    tb: Any = None  # TensorBoardSink (rank 0 with --tensorboard)
 
     @property
     def rank0(self) -> bool:
@@ -228,6 +229,10 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
             diloco.engine.fault_hook = fault_hook_from_env(name)
         collector.start()  # after set-up: what exists now is frozen
         run = _Run(cfg, task, module, optimizer, scheduler, diloco, out, stop, t_start, collector)
+        if cfg.tensorboard and rank == 0:
+            from dtrain.app.tensorboard_sink import TensorBoardSink
+
+            run.tb = TensorBoardSink(cfg.tensorboard, cfg.site_id)
         summary = _train(run, shards_state=shards)
     finally:
         collector.close()
@@ -301,6 +306,8 @@ def _finish(run: _Run, summary: Summary) -> dict:
         with open(run.metrics_path, "a") as mf:
             write_line(mf, end)
         (run.out / "summary.json").write_text(json.dumps(d, indent=2))
+        if run.tb is not None:
+            run.tb.close()
         log.info("%s: done: %s", summary.site, d)
     return d
 
@@ -608,6 +615,8 @@ def _record_round(run: _Run, line: RoundLine, extra: dict) -> None:
     group = run.diloco.group
     if group is not None:
         group.report_round(round_report(d))  # for the rendezvous status page (heartbeat thread)
+    if run.tb is not None:
+        run.tb.add_round(d)  # the same figures as TensorBoard scalars
     log.info(
         "%s: round %d %s members=%s val_loss=%.4f sync_s=%.2f bytes_sent=%d",
         run.cfg.site_id,

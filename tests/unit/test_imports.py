@@ -29,7 +29,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("codecs", "options"),  # codecs; the config-tree generator (standard library only)
     ("configs",),  # the torch-free component configs (nested into one tree by dtrain.app.config)
     ("buckets", "aggregation", "checkpoint", "tasks", "status", "metrics"),  # leaves: no I/O between sites
-    ("transports",),  # moving bytes between sites: the Transport interface and its implementations
+    (
+        "transports",
+        "probe",
+    ),  # moving bytes between sites: the Transport interface and its implementations; the path probe
     ("state",),  # θ, outer optimizer, residuals; whole-state transfer for joiners
     ("rounds", "rendezvous"),  # one round's protocol; membership and quorum
     ("membership", "streaming", "sitegroup"),  # rendezvous client and heartbeats; fragment rounds; K ranks' pieces
