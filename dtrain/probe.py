@@ -518,18 +518,14 @@ def measure_mtu(addr: str, config: ProbeConfig = ProbeConfig(), rtt_s: float | N
     session = os.urandom(8)
     with _udp_socket(addr, wait_s) as s:
         v6 = s.family == socket.AF_INET6
-        level, opt, do, mtu_opt = (
-            (socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO, _IPV6_MTU)
+        level, opt, do = (
+            (socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER, _IPV6_PMTUDISC_DO)
             if v6
-            else (socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_MTU)
+            else (socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
         )
         overhead = _IPV6_UDP_BYTES if v6 else _IPV4_UDP_BYTES
         s.setsockopt(level, opt, do)
-        hi = config.max_mtu_bytes
-        try:
-            hi = min(hi, s.getsockopt(level, mtu_opt))
-        except OSError:
-            pass
+        hi = min(config.max_mtu_bytes, _route_mtu(s, config.max_mtu_bytes))
         lo = config.min_mtu_bytes
         if not _mtu_passes(s, session, lo, overhead, config.mtu_tries, wait_s):
             raise ProbeError(f"peer {addr}: no answer to {lo}-byte UDP probes with don't-fragment set")
@@ -542,6 +538,15 @@ def measure_mtu(addr: str, config: ProbeConfig = ProbeConfig(), rtt_s: float | N
             else:
                 hi = mid
         return lo, v6
+
+
+def _route_mtu(s: socket.socket, default: int) -> int:
+    """The kernel's current path MTU to the connected peer (``IP_MTU``), or ``default``."""
+    v6 = s.family == socket.AF_INET6
+    try:
+        return s.getsockopt(socket.IPPROTO_IPV6 if v6 else socket.IPPROTO_IP, _IPV6_MTU if v6 else _IP_MTU)
+    except OSError:
+        return default
 
 
 def _mtu_passes(s: socket.socket, session: bytes, size: int, overhead: int, tries: int, wait_s: float) -> bool:
@@ -564,6 +569,12 @@ def _mtu_passes(s: socket.socket, session: bytes, size: int, overhead: int, trie
                 break
             except ConnectionRefusedError:
                 continue
+            except OSError as e:  # an ICMP "fragmentation needed" arrived: the kernel learnt a smaller MTU
+                if e.errno != errno.EMSGSIZE:
+                    raise
+                if size > _route_mtu(s, size):
+                    return False
+                continue  # a late error of an earlier, larger probe
             if len(data) >= _HDR.size + 4 and data[:4] == MAGIC and data[5:13] == session:
                 _, _, _, got_seq = _HDR.unpack_from(data)
                 (length,) = struct.unpack_from("!I", data, _HDR.size)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from dtrain.probe import PathReport, ProbeError, ProbeServer, measure_path
+from dtrain.transports.datagram_config import max_datagram_bytes_for_mtu
 from dtrain.transports.datagram_pacing import socket_buffer_bytes
 
 __all__ = [
@@ -242,8 +243,6 @@ def _congestion_advice(kernel: KernelSettings, rtt: float | None, loss: float | 
 
 
 def _data_path_advice(report: PathReport, rate: float | None, rtt: float | None, loss: float | None) -> list[Advice]:
-    from dtrain.transports.datagram import max_datagram_bytes_for_mtu
-
     out = []
     mtu = report.mtu_bytes
     if loss is not None and loss >= DATAGRAM_LOSS:

@@ -54,7 +54,7 @@ from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
-from dtrain.transports.datagram_config import DatagramTransportConfig
+from dtrain.transports.datagram_config import DatagramTransportConfig, max_datagram_bytes_for_mtu
 from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
 from dtrain.transports.datagram_native import native
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
@@ -105,19 +105,6 @@ def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
         out.append([i])
     out += stretch.values()
     return out
-
-
-def max_datagram_bytes_for_mtu(mtu_bytes: int) -> int:
-    """``max_datagram_bytes`` for a path of ``mtu_bytes``: 28 bytes of IPv4 and UDP headers and 72
-    of room for tunnels less (1400 at 1500, the default; 8900 for jumbo frames of 9000).
-
-    Raises:
-        ValueError: ``mtu_bytes`` leaves less than 256 bytes, or more than 65507.
-    """
-    size = mtu_bytes - 100
-    if not 256 <= size <= 65507:
-        raise ValueError(f"mtu_bytes must be in [356, 65607], got {mtu_bytes!r}")
-    return size
 
 
 def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:

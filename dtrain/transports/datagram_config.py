@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 from dtrain.transports.grpc_config import GrpcTransportConfig
 
-__all__ = ["NATIVE_MODES", "DatagramTransportConfig", "NativeMode"]
+__all__ = ["NATIVE_MODES", "DatagramTransportConfig", "NativeMode", "max_datagram_bytes_for_mtu"]
 
 #: ``DatagramTransportConfig.native``: the compiled batch loop where it builds, required, or never.
 NativeMode = Literal["auto", "on", "off"]
@@ -164,3 +164,16 @@ class DatagramTransportConfig:
             self.switch_interval_s is None or (_is_num(self.switch_interval_s) and self.switch_interval_s > 0),
             "none (left alone) or a finite number > 0 seconds",
         )
+
+
+def max_datagram_bytes_for_mtu(mtu_bytes: int) -> int:
+    """``max_datagram_bytes`` for a path of ``mtu_bytes``: 28 bytes of IPv4 and UDP headers and 72
+    of room for tunnels less (1400 at 1500, the default; 8900 for jumbo frames of 9000).
+
+    Raises:
+        ValueError: ``mtu_bytes`` leaves less than 256 bytes, or more than 65507.
+    """
+    size = mtu_bytes - 100
+    if not 256 <= size <= 65507:
+        raise ValueError(f"mtu_bytes must be in [356, 65607], got {mtu_bytes!r}")
+    return size
