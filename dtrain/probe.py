@@ -408,7 +408,8 @@ def measure_rtt(addr: str, config: ProbeConfig = ProbeConfig()) -> tuple[float, 
             except ConnectionRefusedError:  # an ICMP port unreachable of an earlier echo
                 pass
             _drain_echoes(s, session, sent, rtts, time.perf_counter() + config.rtt_interval_s)
-        _drain_echoes(s, session, sent, rtts, time.perf_counter() + config.timeout_s, want=config.num_rtt_probes)
+        last = time.perf_counter()
+        _drain_echoes(s, session, sent, rtts, last + config.timeout_s, want=config.num_rtt_probes, tail_s=last)
     if not rtts:
         raise ProbeError(
             f"peer {addr}: none of {config.num_rtt_probes} UDP echoes came back within {config.timeout_s:g} s"
@@ -417,13 +418,24 @@ def measure_rtt(addr: str, config: ProbeConfig = ProbeConfig()) -> tuple[float, 
 
 
 def _drain_echoes(
-    s: socket.socket, session: bytes, sent: dict[int, float], rtts: list[float], until: float, want: int | None = None
+    s: socket.socket,
+    session: bytes,
+    sent: dict[int, float],
+    rtts: list[float],
+    until: float,
+    want: int | None = None,
+    tail_s: float | None = None,
 ) -> None:
-    """Read echo answers until ``until`` (perf_counter), or until ``want`` answers arrived."""
+    """Read echo answers until ``until`` (perf_counter), or until ``want`` answers arrived;
+    with ``tail_s`` (the last send's time) and an answer seen, no longer than 4x the largest
+    RTT seen (at least 0.2 s) after it: a lost echo does not hold the wait to ``until``."""
     import select
 
     while True:
-        left = until - time.perf_counter()
+        end = until
+        if tail_s is not None and rtts:
+            end = min(until, tail_s + max(4 * max(rtts), 0.2))
+        left = end - time.perf_counter()
         if left <= 0 or (want is not None and len(rtts) >= want):
             return
         ready, _, _ = select.select([s], [], [], left)

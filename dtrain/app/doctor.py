@@ -288,13 +288,13 @@ def _data_path_advice(report: PathReport, rate: float | None, rtt: float | None,
     if mtu is not None and 356 <= mtu:
         size = max_datagram_bytes_for_mtu(min(mtu, 65607))
         if size != 1400 or any(a.value == "datagram" for a in out):
-            where = "above the default 1,500" if mtu > 1500 else ("below the default 1,500" if mtu < 1500 else "")
+            where = " (above the usual 1,500)" if mtu > 1500 else (" (below the usual 1,500)" if mtu < 1500 else "")
             out.append(
                 Advice(
                     kind="dtrain",
                     setting="--max-datagram-bytes",
                     value=str(size),
-                    reason=f"path MTU {mtu} bytes {where}: one chunk is one datagram, the MTU less 28 bytes of "
+                    reason=f"path MTU {mtu} bytes{where}: one chunk is one datagram, the MTU less 28 bytes of "
                     "IPv4 + UDP headers and 72 of room for tunnels (datagram path only; every site the same)",
                 )
             )

@@ -107,7 +107,7 @@ def test_loss_picks_the_datagram_path_with_rate_rtt_and_datagram_size():
 def test_datagram_size_follows_the_path_mtu():
     assert _by_setting(advise(_path(mtu_bytes=9000), TUNED))["--max-datagram-bytes"].value == "8900"
     tunnel = _by_setting(advise(_path(mtu_bytes=1400), TUNED))["--max-datagram-bytes"]
-    assert tunnel.value == "1300" and "below the default 1,500" in tunnel.reason
+    assert tunnel.value == "1300" and "path MTU 1400 bytes (below the usual 1,500): " in tunnel.reason
     assert "--max-datagram-bytes" not in _by_setting(advise(_path(mtu_bytes=1500), TUNED))
 
 
