@@ -384,7 +384,7 @@ def run_doctor(cfg, out=print) -> int:
         try:
             report = measure_path(peer, cfg.probe)
         except (ProbeError, OSError) as e:
-            out(f"dtrain doctor: {peer}: {e}")
+            out(f"dtrain doctor: {e}")
             rc = 1
             continue
         advice = advise(report, kernel, model_params=cfg.model_params, sync_budget_s=cfg.sync_budget_s)

@@ -214,3 +214,14 @@ def test_tensorboard_without_the_package_is_refused_naming_the_field(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match=r"tensorboard: .* needs the tensorboard package.*dtrain\[tensorboard\]"):
         WorkerConfig(tensorboard="tb")
+
+
+def test_doctor_command_line_needs_a_peer_or_serve(capsys):
+    from dtrain.app.cli import main
+
+    assert main(["doctor"]) == 2
+    assert "peer: give --peer HOST:PORT" in capsys.readouterr().err
+    assert main(["doctor", "--peer", "a:1", "--serve"]) == 2
+    assert "give peers or serve, not both" in capsys.readouterr().err
+    assert main(["doctor", "--peer", "a:1", "--probe.num-flows", "0"]) == 2
+    assert "num_flows must be an int in [1, 64]" in capsys.readouterr().err
