@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 __all__ = [
     "ProbeConfig",
@@ -174,8 +174,7 @@ class PathReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def as_dict(self) -> dict:
-        from dataclasses import asdict
-
+        """The report as JSON-ready values (``notes`` a list)."""
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
