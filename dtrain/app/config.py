@@ -235,7 +235,7 @@ class ExportConfig:
         dir: export directory (none: OUT_DIR/export); rounds go to ``round-NNNNNN``, the
             end of the run to ``final``.
         every: rounds between exports, an int >= 0 (0 = none during the run).
-        final: export when the run ends (not when it was stopped).
+        final: export to ``final`` once the run has trained all its rounds (not after a stop).
     """
 
     dir: str | None = None

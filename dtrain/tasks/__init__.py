@@ -54,7 +54,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
-from dtrain.tasks.spec import PRESETS, BatchStreamLike, Task, TaskSpec
+from dtrain.tasks.spec import PRESETS, BatchStreamLike, HfSpec, Task, TaskSpec
 
 if TYPE_CHECKING:
     from dtrain.tasks.builtin import build_task
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TaskSpec",
+    "HfSpec",
     "Task",
     "BatchStream",
     "BatchStreamLike",

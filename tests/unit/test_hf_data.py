@@ -238,3 +238,26 @@ def test_export_round_trips_bit_for_bit_with_tied_weights_once(tmp_path: Path) -
     write_export(tmp_path / "e", {"w": torch.zeros(2)}, metadata={})  # replaces the older export whole
     assert set(load_file(out / "model.safetensors")) == {"w"} and not (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["e"]  # no temporary left behind
+
+
+def test_readme_hf_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    """README's "A Hugging Face model on your own data": the corpus line, then the library block."""
+    import re
+    import subprocess
+    import sys
+
+    section = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = section.split("## A Hugging Face model on your own data", 1)[1].split("\n## ", 1)[0]
+    (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    make_corpus = bash.splitlines()[0]
+    assert make_corpus.startswith(".venv/bin/python -c ") and "corpus.jsonl" in make_corpus
+    subprocess.run([sys.executable, "-c", make_corpus.split(" -c ", 1)[1].strip('"')], cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["diloco"].round == 3  # 60 steps, a round every 20
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "my-llama", local_files_only=True)
+    got, want = model.state_dict(), scope["task"].model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in got)  # blocking rounds leave the model at θ
+    assert "--task hf --hf.config tiny-llama --data corpus.jsonl" in bash
