@@ -152,7 +152,7 @@ def test_a_tokenizer_encodes_the_shard_and_the_gpt_task_takes_its_vocabulary(tmp
     x, y = next(task.batches)
     assert x.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
     first = task.evaluate(task.model)
-    for _ in range(30):
+    for _ in range(20):
         task.loss(task.model, next(task.batches)).backward()
         task.optimizer.step()
         task.optimizer.zero_grad(set_to_none=True)
@@ -163,47 +163,56 @@ def test_a_tokenizer_encodes_the_shard_and_the_gpt_task_takes_its_vocabulary(tmp
     assert (out / "tokenizer.json").read_bytes() == tok_path.read_bytes()
 
 
-def _hf(spec_kwargs: dict, config: str):
-    return load_task("hf")(TaskSpec(size="tiny", **spec_kwargs, hf=HfSpec(config=config)))
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """A 28 KB text file: fast to load, and a tiny model learns it in a few steps."""
+    path = tmp_path_factory.mktemp("corpus") / "lines.txt"
+    path.write_text("\n".join(LINES))
+    return path
 
 
-def test_hf_task_from_a_preset_is_identical_on_every_site_and_learns() -> None:
-    a, b = _hf({"site_index": 0, "num_sites": 2}, "tiny-llama"), _hf({"site_index": 1, "num_sites": 2}, "tiny-llama")
+def _hf(spec_kwargs: dict, config: str, data: Path):
+    return load_task("hf")(TaskSpec(size="tiny", data=str(data), **spec_kwargs, hf=HfSpec(config=config)))
+
+
+def test_hf_task_from_a_preset_is_identical_on_every_site_and_learns(small_corpus: Path) -> None:
+    a = _hf({"site_index": 0, "num_sites": 2}, "tiny-llama", small_corpus)
+    b = _hf({"site_index": 1, "num_sites": 2}, "tiny-llama", small_corpus)
     assert a.info["task"] == "hf:llama" and a.info["num_params"] == 34976
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(next(a.batches)[0], next(b.batches)[0])  # per-site data order
     first = a.evaluate(a.model)
-    for _ in range(30):
+    for _ in range(20):
         a.loss(a.model, next(a.batches)).backward()
         a.optimizer.step()
         a.optimizer.zero_grad(set_to_none=True)
     assert a.evaluate(a.model) < first - 1.0
 
 
-def test_hf_task_from_a_config_file_or_a_directory_with_weights(tmp_path: Path) -> None:
+def test_hf_task_from_a_config_file_or_a_directory_with_weights(tmp_path: Path, small_corpus: Path) -> None:
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
     )
     cfg.save_pretrained(tmp_path / "cfg")
-    from_file = _hf({}, str(tmp_path / "cfg" / "config.json"))
+    from_file = _hf({}, str(tmp_path / "cfg" / "config.json"), small_corpus)
     assert from_file.model.config.hidden_size == 32 and from_file.model.config.use_cache is False
     with torch.no_grad():
         for p in from_file.model.parameters():
             p.add_(0.5)
     from_file.model.save_pretrained(tmp_path / "weights")
-    loaded = _hf({}, str(tmp_path / "weights"))  # config.json + model.safetensors
+    loaded = _hf({}, str(tmp_path / "weights"), small_corpus)  # config.json + model.safetensors
     want = from_file.model.state_dict()
     got = loaded.model.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     cfg.vocab_size = 100
     cfg.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="^hf.config: .*vocab_size=100.*256"):
-        _hf({}, str(tmp_path / "small"))
+        _hf({}, str(tmp_path / "small"), small_corpus)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"hidden_size": 3}')
     with pytest.raises(ValueError, match="^hf.config: .*not a transformers config.json"):
-        _hf({}, str(tmp_path / "bad"))
+        _hf({}, str(tmp_path / "bad"), small_corpus)
 
 
 def test_hf_options_are_flags_and_go_with_task_hf(tmp_path: Path) -> None:
@@ -221,8 +230,8 @@ def test_hf_options_are_flags_and_go_with_task_hf(tmp_path: Path) -> None:
         check_task("hf:")
 
 
-def test_export_round_trips_bit_for_bit_with_tied_weights_once(tmp_path: Path) -> None:
-    task = build_task(TaskSpec(size="tiny"))
+def test_export_round_trips_bit_for_bit_with_tied_weights_once(tmp_path: Path, small_corpus: Path) -> None:
+    task = build_task(TaskSpec(size="tiny", data=str(small_corpus)))
     state = task.model.state_dict()
     assert state["head.weight"].data_ptr() == state["tok_emb.weight"].data_ptr()  # tied
     out = write_export(tmp_path / "e", state, metadata={"dtrain_round": "3"}, export_files=task.export_files)
