@@ -1,4 +1,6 @@
-"""The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``).
+"""The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``);
+with ``TaskSpec.tokenizer`` its vocabulary is the tokenizer's. :func:`build_data` is the data of
+every language-model task (this one and ``dtrain.tasks.hf``).
 
 Presets (``TaskSpec.size``). Step = one inner step (forward, backward, AdamW) at
 ``torch.set_num_threads(1)``, fp32, eager, on the 2-vCPU development machine, median
@@ -69,6 +71,7 @@ __all__ = [
     "make_scheduler",
     "warmup_cosine",
     "make_evaluate",
+    "task_info",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,7 +155,7 @@ def build_task(spec: TaskSpec) -> Task:
     model = _gpt(spec, data.context_len, data.tokenizer.vocab_size)
     optimizer = make_optimizer(model, spec.resolved_lr)
     scheduler = make_scheduler(optimizer, spec)
-    info = _task_info(spec, data, model.num_params(), build_s=time.perf_counter() - t0)
+    info = task_info(spec, data, model.num_params(), build_s=time.perf_counter() - t0)
     logger.info("built task: %s", info)
 
     def export_files(directory: Path) -> None:
@@ -241,7 +244,7 @@ def build_data(spec: TaskSpec, loss: Callable[[torch.nn.Module, Any], torch.Tens
     return TaskData(corpus, tokenizer, tokens, names, batches, evaluate, shard_part, batch_size, context_len)
 
 
-def _task_info(spec: TaskSpec, data: TaskData, num_params: int, *, build_s: float, task: str = "builtin-gpt") -> dict:
+def task_info(spec: TaskSpec, data: TaskData, num_params: int, *, build_s: float, task: str = "builtin-gpt") -> dict:
     """``Task.info``: the task's size, corpus, this site's shard and its build time."""
     return {
         "task": task,

@@ -1,6 +1,7 @@
-"""Text corpora for the built-in task: loading, train/validation split, site shards, batches.
+"""Text corpora of the language-model tasks (the built-in GPT, ``hf``): loading, train/validation
+split, site shards, batches.
 
-Tokens are bytes (ids 0..255), so every text works without a tokenizer.
+Tokens are bytes (ids 0..255) unless a tokenizer is given, so every text works without one.
 
 Corpora (``TaskSpec.data``):
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtrain.tasks.builtin import _task_info, build_data, make_optimizer, make_scheduler
+from dtrain.tasks.builtin import build_data, make_optimizer, make_scheduler, task_info
 from dtrain.tasks.spec import HF_PRESETS, Task, TaskSpec
 
 __all__ = ["build_task", "hf_loss", "load_config", "INSTALL_HINT"]
@@ -132,7 +132,7 @@ def build_task(spec: TaskSpec) -> Task:
     optimizer = make_optimizer(model, spec.resolved_lr)
     scheduler = make_scheduler(optimizer, spec)
     num_params = sum(p.numel() for p in model.parameters())
-    info = _task_info(spec, data, num_params, build_s=time.perf_counter() - t0, task=f"hf:{cfg.model_type}")
+    info = task_info(spec, data, num_params, build_s=time.perf_counter() - t0, task=f"hf:{cfg.model_type}")
     info["hf_config"] = spec.hf.config
     logger.info("built task: %s", info)
 
