@@ -18,6 +18,7 @@ library user can set is a flag and a TOML key::
         grpc: GrpcTransportConfig   --net.grpc.num-attempts, keepalive, ...
         datagram: DatagramTransportConfig  --net.datagram.max-rate-mbit (alias --max-rate-mbit)
       checkpoint: CheckpointConfig  --checkpoint.every (alias --checkpoint-every)
+      export: ExportConfig      --export.every, --export.dir (safetensors of the agreed θ)
 
 The aliases are the flat names of the earlier command line and README (``--sync-every``,
 TOML ``sync_every = 500``); both forms keep working. Fields the program sets itself are
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointConfig",
     "DOCTOR",
     "DoctorConfig",
+    "ExportConfig",
     "LAUNCH",
     "LaunchConfig",
     "NetConfig",
@@ -65,6 +67,12 @@ def check_task(ref: str) -> None:
         UsageError: the module or function cannot be found.
     """
     if not ref.strip():
+        return
+    if ref.strip() == "hf":  # not imported here either (torch); only whether transformers is there
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise UsageError("task 'hf' needs the transformers package: pip install 'dtrain[hf]'")
         return
     from dtrain.tasks import load_task
 
@@ -220,6 +228,32 @@ class NetConfig:
         return replace(self.datagram, grpc=self.transport_config())
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """Export of the agreed θ as safetensors in the Hugging Face layout (``dtrain.app.export``):
+    a directory with ``model.safetensors`` and the task's ``config.json`` (and tokenizer), which
+    ``AutoModelForCausalLM.from_pretrained`` loads for the ``hf`` task.
+
+    Attributes:
+        dir: export directory (none: OUT_DIR/export); rounds go to ``round-NNNNNN``, the
+            end of the run to ``final``.
+        every: rounds between exports, an int >= 0 (0 = none during the run).
+        final: export to ``final`` once the run has trained all its rounds (not after a stop).
+    """
+
+    dir: str | None = None
+    every: int = 0
+    final: bool = True
+
+    def __post_init__(self) -> None:
+        _need(
+            self,
+            isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 0,
+            "every",
+            "an int >= 0",
+        )
+
+
 def _worker_diloco() -> DiLoCoConfig:
     # zstd adds only ~5% on int8 pseudo-gradients (experiments/bench_codecs.py)
     return DiLoCoConfig(
@@ -232,7 +266,8 @@ class WorkerConfig:
     """Everything one site needs (``dtrain worker``; ``run_worker(config)``).
 
     Attributes:
-        task: task function, module:function returning a Task ('' = the built-in GPT).
+        task: task function, module:function returning a Task ('' = the built-in GPT,
+            hf = a transformers causal LM from task_spec.hf.config).
         rounds: rounds to train, an int >= 1 (with sync_every 50 and size small: ~1 min
             of training for 3 sites on 2 cores).
         out_dir: directory of metrics.jsonl, summary.json and (by default) checkpoints.
@@ -262,6 +297,7 @@ class WorkerConfig:
         outer: the outer optimizer.
         net: addresses, token and TLS, gRPC settings.
         checkpoint: checkpointing and resuming.
+        export: safetensors exports of the agreed θ.
     """
 
     task: str = ""
@@ -281,6 +317,7 @@ class WorkerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     net: NetConfig = field(default_factory=NetConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         def is_int(v: object) -> bool:
@@ -307,7 +344,12 @@ class WorkerConfig:
                 "reassign_after_rounds needs task_spec.non_iid (--non-iid): with IID data every site "
                 f"trains the whole corpus and there is no dead site's shard to re-assign (got {self.reassign_after_rounds})"
             )
-        _need(self, isinstance(self.task, str), "task", "'module:function' or ''")
+        _need(self, isinstance(self.task, str), "task", "'module:function', 'hf' or ''")
+        if (self.task.strip() == "hf") != (self.task_spec.hf.config is not None):
+            raise ValueError(
+                "task 'hf' and hf.config go together: --task hf --hf.config PATH|preset "
+                f"(got task={self.task!r}, hf.config={self.task_spec.hf.config!r})"
+            )
         _need(self, self.parallel in ("ddp", "fsdp"), "parallel", "one of ddp, fsdp")
         _need(
             self,
@@ -350,6 +392,10 @@ class WorkerConfig:
     def resolved_checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.out_dir) / "checkpoints"
 
+    @property
+    def resolved_export_dir(self) -> Path:
+        return Path(self.export.dir) if self.export.dir else Path(self.out_dir) / "export"
+
 
 #: Fields of a site's tree that are not options, and why.
 WORKER_HIDDEN = {
@@ -369,7 +415,8 @@ WORKER_HIDDEN = {
 WORKER_ALIASES = {
     "site_id": "diloco.site_id",
     **{n: f"task_spec.{n}" for n in ("site_index", "num_sites", "seed", "data", "size", "non_iid")},
-    **{n: f"task_spec.{n}" for n in ("lr", "batch_size", "context_len")},
+    **{n: f"task_spec.{n}" for n in ("lr", "batch_size", "context_len", "text_field", "tokenizer")},
+    "hf.config": "task_spec.hf.config",
     **{
         n: f"net.{n}"
         for n in (
@@ -550,6 +597,7 @@ PER_SITE = (
     "net.rendezvous",
     "out_dir",
     "checkpoint.dir",
+    "export.dir",
 )
 
 LAUNCH = Tree(

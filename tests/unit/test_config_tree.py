@@ -36,6 +36,8 @@ def _special(tmp: Path) -> dict[str, Any]:
     f.write_text("x")
     return {
         "data": str(tmp),
+        "tokenizer": str(f),  # checked to exist, read only when a task is built
+        "config": "tiny-llama",  # task_spec.hf.config, with task 'hf' (see _values)
         "token_file": str(f),
         "tls_cert": str(f),
         "tls_key": str(f),
@@ -99,6 +101,8 @@ def _values(leaf: Leaf, tmp: Path) -> dict[str, Any]:
         values[f"{parent}.num_sites"] = 3
     if leaf.name == "stochastic_rounding":  # int8/int4 only
         values[f"{parent}.name"] = "int8"
+    if leaf.path.endswith("hf.config"):  # goes with task 'hf'
+        values[f"{leaf.path.split('task_spec.')[0]}task"] = "hf"
     if leaf.name == "reassign_after_rounds":  # needs non-IID shards to re-assign
         values[f"{parent + '.' if parent else ''}task_spec.non_iid"] = True
     return values

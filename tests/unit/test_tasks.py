@@ -250,7 +250,7 @@ def test_data_path_single_file_split_by_position(tmp_path):
     assert corpus.train_docs[0][1] + corpus.val == path.read_bytes()
 
     task = build_task(TaskSpec(site_index=1, num_sites=2, size="tiny", data=str(path), non_iid=True))
-    assert task.info["shard_bytes"] == (size - len(corpus.val)) - (size - len(corpus.val)) // 2
+    assert task.info["shard_tokens"] == (size - len(corpus.val)) - (size - len(corpus.val)) // 2
     before = task.evaluate(task.model)
     _train(task, 60)
     assert task.evaluate(task.model) < before - 1.0  # 16-word vocabulary: learned fast
