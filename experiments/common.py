@@ -325,10 +325,10 @@ def run_many(
         out[i] = res
         done = sum(r is not None for r in out)
         r = res.row
+        shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
+        figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
         print(
-            f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: "
-            f"val {r['final_val_loss']:.4f}  rounds {r['rounds_done']}  wall {r['wall_s']:.1f}s  "
-            f"stale {r['stale_buckets']}  rejected {r['rejected']}",
+            f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}",
             flush=True,
         )
 
@@ -367,7 +367,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _typed(v: str) -> Any:
+def typed(v: str) -> Any:
+    """A CSV cell or a ``--set`` value as the number, boolean, None or text it spells."""
     if v in ("True", "False"):
         return v == "True"
     if v == "None" or v == "":
@@ -382,7 +383,7 @@ def _typed(v: str) -> Any:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a CSV written by :func:`write_csv`, with numbers, booleans and None restored."""
-    return [{k: _typed(v) for k, v in r.items()} for r in read_csv(path)]
+    return [{k: typed(v) for k, v in r.items()} for r in read_csv(path)]
 
 
 def save_meta(prefix: Path, meta: dict[str, Any]) -> None:
