@@ -57,7 +57,7 @@ from experiments.common import (
 __all__ = ["SPECS", "MODES", "TREE_FIELDS", "Point", "Spec", "load_spec", "run", "check_rows", "stamp", "main"]
 
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
-SPECS = ("codec_sweep", "loss_sweep", "delayed_momentum", "diloco_sanity")
+SPECS = ("codec_sweep", "loss_sweep", "delayed_momentum", "diloco_sanity", "site_failures")
 MODES = ("smoke", "quick", "full")
 
 #: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option) -> field of the in-process run;
