@@ -57,7 +57,14 @@ from experiments.common import (
 __all__ = ["SPECS", "MODES", "TREE_FIELDS", "Point", "Spec", "load_spec", "run", "check_rows", "stamp", "main"]
 
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
-SPECS = ("codec_sweep", "loss_sweep", "delayed_momentum", "diloco_sanity", "site_failures")
+SPECS = (
+    "codec_sweep",
+    "loss_sweep",
+    "delayed_momentum",
+    "diloco_sanity",
+    "site_failures",
+    "datagram_val_loss",
+)
 MODES = ("smoke", "quick", "full")
 
 #: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option) -> field of the in-process run;
@@ -167,6 +174,9 @@ class Spec:
         paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
+        stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
+            With it the seeds run in order, one seed's configurations at a time, and the runner
+            asks after each seed (a standard error reached, a time budget spent).
     """
 
     name: str
@@ -184,6 +194,7 @@ class Spec:
     execute: Callable[[Point], RunResult] = run_point
     paths: tuple[str, ...] = ()
     jobs_fn: Callable[[Point], bool] | None = None
+    stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
 
     def __post_init__(self) -> None:
         used = {p for m in self.modes.values() for pt in _points_of(m) for p in (*m.get("fixed", {}), *pt)} - {"config"}
@@ -285,7 +296,7 @@ def run(
     """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish
     the section into ``results`` (a path, or ``none``). Returns (rows, section body).
     ``overrides``: path -> value over the mode's fixed settings (a grid point's own setting of
-    the path still wins); they name the CSV files (``NAME_path=value``) and the section.
+    the path still wins); they name the CSV files (``NAME_path-to=value``) and the section.
 
     Raises:
         SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), or an override of a path
@@ -304,7 +315,7 @@ def run(
         m["seeds"] = list(range(seeds))
     m["jobs"] = jobs or m.get("jobs", 1)
     tag = ",".join(f"{p}={v}" for p, v in overrides.items())
-    name = spec.name + (f"_{tag}" if tag else "")
+    name = spec.name + (f"_{tag}".replace(".", "-").replace(",", "_") if tag else "")  # no dot: Path.suffix
     prefix = out / (name if mode == "quick" else f"{name}_{mode}")
     rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
     if replot:
@@ -315,7 +326,7 @@ def run(
         load, version = os.getloadavg(), code_version()
         t0 = time.perf_counter()
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
-        res = _run_all(spec, runs, m["jobs"], verbose)
+        res = _run_adaptive(spec, runs, m, verbose) if spec.stop else _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
             spec.after_runs(res, m)
         rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
@@ -341,6 +352,18 @@ def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[Ru
     for idx, n in ((seq, 1), (par, jobs)):
         out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
     return [out[i] for i in range(len(runs))]
+
+
+def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
+    """The seeds in order, each seed's points together, until ``spec.stop`` gives a reason."""
+    out: list[RunResult] = []
+    for seed in m["seeds"]:
+        out += _run_all(spec, [p for p in runs if p.seed == seed], m["jobs"], verbose)
+        why = spec.stop([r.row for r in out], m)
+        if why:
+            print(f"{spec.name}: no more seeds after seed {seed}: {why}", flush=True)
+            break
+    return out
 
 
 def check_rows(spec: Spec, rows: Rows) -> list[str]:

@@ -43,12 +43,11 @@ RUN_COLUMNS = {
 # Experiment scripts not yet specs: section title, the loss column, the columns of RUN_COLUMNS they
 # have (None: all), and the test's time limit (s; at load average 60 convergence took 217 s).
 SCRIPTS = {
-    "datagram_val_loss": ("Datagram path: validation loss at 10% loss (smoke)", "final_val_loss", None, 300),
     "convergence": ("Convergence (issue 18, smoke)", "final_val_loss", None, 420),
 }
 
 # A spec's smoke time limit where 120 s is not enough under load (s).
-SPEC_TIMEOUT_S = {"diloco_sanity": 180, "site_failures": 240}
+SPEC_TIMEOUT_S = {"diloco_sanity": 180, "site_failures": 240, "datagram_val_loss": 300}
 
 
 def _pipeline_checks(md: str, title: str, out: Path) -> None:
@@ -289,17 +288,22 @@ def test_datagram_vs_grpc_mtu_sets_the_datagram_size_and_is_checked() -> None:
             main(["--smoke", "--mtu-bytes", bad, "--results", "none"])
 
 
-def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk() -> None:
-    """``--mtu-bytes`` with ``--netem``: the workers' datagrams are the MTU less 100 B and a chunk
-    fills one; at 1,500 the options are the default ones; without ``--netem`` it is refused."""
+def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk(tmp_path: Path) -> None:
+    """``netem.mtu_bytes`` with ``netem.enabled``: the workers' datagrams are the MTU less 100 B and
+    a chunk fills one; at 1,500 the options are the default ones; without netem, or outside the
+    emulator's range, it is refused naming the path before anything runs."""
     from dtrain.transports.datagram import datagram_chunk_bytes
-    from experiments.datagram_val_loss import NETEM_WORKER, main, netem_worker
+    from experiments.datagram_val_loss import NETEM_WORKER, netem_worker
 
     assert netem_worker(1500) is NETEM_WORKER and "max_datagram_bytes" not in NETEM_WORKER
     jumbo = netem_worker(9000)
     assert jumbo["max_datagram_bytes"] == 8900 and jumbo["chunk_bytes"] == datagram_chunk_bytes("int8", 8900)
     assert jumbo["bucket_bytes"] >= jumbo["chunk_bytes"]  # the worker refuses a chunk larger than its bucket
-    with pytest.raises(SystemExit, match=r"--mtu-bytes .* only with --netem; got 9000"):
-        main(["--smoke", "--mtu-bytes", "9000", "--results", "none"])
-    with pytest.raises(SystemExit, match=r"--mtu-bytes must be in \[1280, 9000\].*got 100"):
-        main(["--smoke", "--netem", "--mtu-bytes", "100", "--results", "none"])
+    spec = lab.load_spec("datagram_val_loss")
+    for sets, msg in (
+        ({"netem.mtu_bytes": 9000}, r"netem.mtu_bytes must be .* only with netem.enabled; got 9000"),
+        ({"netem.enabled": True, "netem.mtu_bytes": 100}, r"netem.mtu_bytes must be in \[1280, 9000\].*got 100"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            lab.run(spec, "smoke", out=tmp_path, results="none", overrides=sets)
+    assert not any(tmp_path.iterdir())

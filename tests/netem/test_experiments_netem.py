@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments import lab
 from experiments.common import read_rows
 from tests.integration.test_experiments_smoke import RUN_COLUMNS  # the one list of per-run CSV columns
 
@@ -25,6 +26,13 @@ def _main(script: str, tmp_path: Path, *extra: str) -> str:
     mod = importlib.import_module(f"experiments.{script}")
     results = tmp_path / "RESULTS.md"
     assert mod.main(["--smoke", "--out", str(tmp_path), "--results", str(results), *extra]) == 0
+    return results.read_text()
+
+
+def _spec(name: str, tmp_path: Path, sets: dict) -> str:
+    """``python -m experiments run NAME --mode smoke --set PATH=VALUE ...`` into ``tmp_path``."""
+    results = tmp_path / "RESULTS.md"
+    lab.run(lab.load_spec(name), "smoke", out=tmp_path, results=str(results), overrides=sets, command=name)
     return results.read_text()
 
 
@@ -104,8 +112,9 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
-    md = _main("datagram_val_loss", tmp_path, "--netem")
-    rows = read_rows(tmp_path / "datagram_val_loss_netem_smoke.csv")
+    sets = {"netem.enabled": True, "task_spec.num_sites": 2, "diloco.sync_every": 2}
+    md = _spec("datagram_val_loss", tmp_path, sets)
+    rows = read_rows(next(tmp_path.glob("datagram_val_loss_netem-enabled=True*_smoke.csv")))
     # smoke: 2 worker processes through netem, one seed at 0% and at 10% packet loss, 3 rounds
     assert [(r["seed"], r["loss"], r["loss_pct"]) for r in rows] == [(0, 0.0, 0.0), (0, 0.1, 10.0)]
     clean, lossy = rows
@@ -116,8 +125,8 @@ def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
         assert r["consistent"] is True and r["stale_buckets"] == 0 and r["rounds_done"] == 3
         assert r["final_val_loss"] < r["first_val_loss"] - 0.5  # both trained (tiny, 6 steps: 5.4 -> ~4.0)
     assert abs(lossy["final_val_loss"] / clean["final_val_loss"] - 1) < 0.03
-    assert "## Datagram path: validation loss at 10% loss, through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.datagram_val_loss --smoke" in md and "--netem" in md
+    assert "## Datagram path: validation loss at 10% loss (smoke, netem.enabled True" in md
+    assert "in netem namespaces" in md
 
 
 @pytest.mark.timeout(180)
