@@ -12,7 +12,7 @@ init, the data order and every other random choice, so the paired difference
 time until the standard error of the mean ``d`` is <= ``--target-se`` (after at least
 ``min_seeds``), or ``--budget-s`` or ``max_seeds`` run out.
 
-``--netem``: the same pairs through the emulated links instead (``netem_loss.run_one``: N
+``netem.enabled``: the same pairs through the emulated links instead (``netem_loss.run_one``: N
 ``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces, every link
 100 Mbit/s and 10 ms one way, the loss on packets arriving at each site; ``--data-path
 datagram``, int8, ``--max-rate-mbit 95``): ~35 s per pair here, against ~25 s in process. The

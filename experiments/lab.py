@@ -64,6 +64,7 @@ SPECS = (
     "diloco_sanity",
     "site_failures",
     "datagram_val_loss",
+    "netem_loss",
 )
 MODES = ("smoke", "quick", "full")
 
@@ -174,6 +175,7 @@ class Spec:
         paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
+        netem: its runs need emulated links (root, ``ip netns``): its smoke is in tests/netem/.
         stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
             With it the seeds run in order, one seed's configurations at a time, and the runner
             asks after each seed (a standard error reached, a time budget spent).
@@ -195,6 +197,7 @@ class Spec:
     paths: tuple[str, ...] = ()
     jobs_fn: Callable[[Point], bool] | None = None
     stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
+    netem: bool = False
 
     def __post_init__(self) -> None:
         used = {p for m in self.modes.values() for pt in _points_of(m) for p in (*m.get("fixed", {}), *pt)} - {"config"}

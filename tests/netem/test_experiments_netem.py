@@ -64,7 +64,7 @@ def test_wan_sweep_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_netem_loss_smoke(tmp_path: Path) -> None:
-    md = _main("netem_loss", tmp_path)
+    md = _spec("netem_loss", tmp_path, {})
     rows = read_rows(tmp_path / "netem_loss_smoke.csv")
     assert [(r["config"], r["loss_pct"]) for r in rows] == [("loss 0%", 0.0), ("loss 10%", 10.0)]
     for r in rows:
@@ -76,7 +76,7 @@ def test_netem_loss_smoke(tmp_path: Path) -> None:
     assert rows[0]["reduce_arrived"] == 1.0 and rows[0]["stale_buckets"] == 0
     assert (tmp_path / "netem_loss_smoke.png").stat().st_size > 5000
     assert "## Packet loss over gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.netem_loss --smoke" in md
+    assert "Commit `" in md and "command `netem_loss`" in md  # the stamp
 
 
 @pytest.mark.timeout(240)
