@@ -333,3 +333,15 @@ def test_no_function_in_the_lab_is_longer_than_100_lines():
     long = set().union(*(_long_functions(p.read_text(), m, MAX_FUNCTION_LINES) for m, p in LAB_MODULES.items()))
     assert long - LONG_FUNCTIONS_LEFT == set(), f"split these (at most {MAX_FUNCTION_LINES} lines): {long}"
     assert LONG_FUNCTIONS_LEFT - long == set(), "no longer long: drop from LONG_FUNCTIONS_LEFT"
+
+
+@pytest.mark.timeout(10)
+def test_every_micro_benchmark_uses_the_one_parser_and_output_writer():
+    """Issue 31: the bench_* scripts share experiments.bench's parser and writer (``--json`` in one
+    stamped form), none builds its own ArgumentParser or writes its own JSON."""
+    benches = sorted(p for p in LAB_DIR.glob("bench_*.py"))
+    assert len(benches) >= 10
+    for p in benches:
+        src = p.read_text()
+        assert "bench.parser(" in src and "bench.write(" in src, p.name
+        assert "argparse.ArgumentParser(" not in src and "json.dumps(" not in src.split("def main", 1)[-1], p.name
