@@ -65,6 +65,7 @@ SPECS = (
     "site_failures",
     "datagram_val_loss",
     "netem_loss",
+    "streaming",
 )
 MODES = ("smoke", "quick", "full")
 

@@ -214,7 +214,6 @@ def test_site_failures_report_from_rows(tmp_path: Path) -> None:
     "script",
     [
         "wan_sweep",
-        "streaming",
     ],
 )
 def test_bad_counts_are_refused_naming_the_flag(script: str, tmp_path: Path) -> None:

@@ -131,7 +131,7 @@ def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_streaming_smoke(tmp_path: Path) -> None:
-    md = _main("streaming", tmp_path)
+    md = _spec("streaming", tmp_path, {})
     rows = read_rows(tmp_path / "streaming_smoke.csv")
     # smoke: 2 sites, tiny, H = 8, 2 x H inner steps: blocking, F = 1 τ = H, F = 4 τ = H/4 (paced)
     assert [(r["config"], r["num_fragments"], r["overlap_steps"], r["pace_fraction"]) for r in rows] == [
@@ -149,7 +149,7 @@ def test_streaming_smoke(tmp_path: Path) -> None:
     assert {x["fragment"] for x in rounds if x["config"] == "F=4 overlap"} == {0, 1, 2, 3}
     assert (tmp_path / "streaming_smoke.png").stat().st_size > 5000
     assert "## Streaming rounds through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.streaming --smoke" in md
+    assert "Commit `" in md and "command `streaming`" in md  # the stamp
 
 
 @pytest.mark.timeout(180)
