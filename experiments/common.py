@@ -342,20 +342,19 @@ def run_many(
     """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
     (``jobs == 1``: in this process). Prints one progress line per finished run.
     ``own_sessions``: each worker process calls :func:`own_session`.
-    Returns the results in the order of ``specs``."""
+    Returns the results in the order of ``specs`` (an ``fn`` may return a list: several rows of one run)."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
 
-    def report(i: int, res: RunResult) -> None:
+    def report(i: int, res: RunResult | list[RunResult]) -> None:
         out[i] = res
         done = sum(r is not None for r in out)
-        r = res.row
-        shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
-        figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
-        print(
-            f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}",
-            flush=True,
-        )
+        for one in res if isinstance(res, list) else [res]:
+            r = one.row
+            shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
+            figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
+            elapsed = time.perf_counter() - t0
+            print(f"[{done}/{len(specs)} {elapsed:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}", flush=True)
 
     if jobs <= 1:
         for i, s in enumerate(specs):

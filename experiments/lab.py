@@ -66,6 +66,7 @@ SPECS = (
     "datagram_val_loss",
     "netem_loss",
     "streaming",
+    "wan_sweep",
 )
 MODES = ("smoke", "quick", "full")
 
@@ -172,7 +173,9 @@ class Spec:
         verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim (a named
             function).
         execute: a module-level function (runs go to worker processes) of one :class:`Point`
-            returning its :class:`RunResult`; default: the in-process DiLoCo run.
+            returning its :class:`RunResult`, or a list of them when one run measures several
+            settings (one row each: a run that walks a grid of links); default: the in-process
+            DiLoCo run.
         paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
@@ -352,10 +355,10 @@ def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[Ru
     parallel first, one at a time, then the rest ``jobs`` at a time."""
     par = [i for i, p in enumerate(runs) if spec.jobs_fn is None or spec.jobs_fn(p)]
     seq = [i for i in range(len(runs)) if i not in set(par)]
-    out: dict[int, RunResult] = {}
+    out: dict[int, RunResult | list[RunResult]] = {}
     for idx, n in ((seq, 1), (par, jobs)):
         out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
-    return [out[i] for i in range(len(runs))]
+    return [r for i in range(len(runs)) for r in (out[i] if isinstance(out[i], list) else [out[i]])]
 
 
 def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
@@ -428,11 +431,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
-    """``["outer.lr=1", ...]`` -> ``{"outer.lr": 1}`` (numbers, booleans and None as such)."""
+    """``["outer.lr=1", "netem.rates=[10,50]", ...]`` -> ``{"outer.lr": 1, "netem.rates": [10, 50]}``:
+    a JSON value as such (numbers, true/false, null, lists), anything else as a CSV cell reads."""
+    import json  # noqa: PLC0415
+
     out = {}
     for item in items:
         path, eq, value = item.partition("=")
         if not eq or not path:
             raise SystemExit(f"--set takes PATH=VALUE, got {item!r}")
-        out[path] = typed(value)
+        try:
+            out[path] = json.loads(value)
+        except ValueError:
+            out[path] = typed(value)
     return out

@@ -38,7 +38,7 @@ def _spec(name: str, tmp_path: Path, sets: dict) -> str:
 
 @pytest.mark.timeout(180)
 def test_wan_sweep_smoke(tmp_path: Path) -> None:
-    md = _main("wan_sweep", tmp_path)
+    md = _spec("wan_sweep", tmp_path, {})
     rows = read_rows(tmp_path / "wan_sweep_smoke.csv")
     # smoke: 2 sites, 50 Mbit/s, one-way delay 0 and 25 ms, no loss; 1 warm-up + 1 measured round each
     assert [(r["rate_mbit"], r["delay_ms"], r["loss_pct"]) for r in rows] == [(50.0, 0.0, 0.0), (50.0, 25.0, 0.0)]
@@ -58,7 +58,7 @@ def test_wan_sweep_smoke(tmp_path: Path) -> None:
     assert len(rounds) == 8 and sum(1 for x in rounds if x["measured"] is True) == 4
     assert (tmp_path / "wan_sweep_smoke.png").stat().st_size > 5000
     assert "## WAN sweep through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.wan_sweep --smoke" in md
+    assert "Commit `" in md and "command `wan_sweep`" in md  # the stamp
     assert "| 50 | 25 | 0 | 1 |" in md
 
 

@@ -311,7 +311,6 @@ LONG_FUNCTIONS_LEFT = {
     "experiments.vs_torchft:run_one",
     "experiments.vs_torchft:main",
     "experiments.vs_torchft_analysis:report_md",
-    "experiments.wan_sweep:run_seed",
     "experiments.wan_sweep:analyse",
 }
 
