@@ -67,6 +67,7 @@ SPECS = (
     "netem_loss",
     "streaming",
     "wan_sweep",
+    "datagram_vs_grpc",
 )
 MODES = ("smoke", "quick", "full")
 

@@ -262,14 +262,18 @@ def test_datagram_vs_grpc_cpu_floor_from_the_sites_sync_cpu() -> None:
     assert cpu_verdict([{**row, "sites_sync_cpu_s": None}]) == ""
 
 
-def test_datagram_vs_grpc_mtu_sets_the_datagram_size_and_is_checked() -> None:
-    """``--mtu-bytes``: an MTU outside the emulator's range is refused naming the flag, before
+def test_datagram_vs_grpc_mtu_sets_the_datagram_size_and_is_checked(tmp_path: Path) -> None:
+    """``netem.mtu_bytes``: an MTU outside the emulator's range is refused naming the path, before
     any namespace is made (the datagram size it implies: ``max_datagram_bytes_for_mtu``)."""
-    from experiments.datagram_vs_grpc import main
+    from experiments.datagram_vs_grpc import run_point
 
-    for bad in ("1000", "9001"):
-        with pytest.raises(SystemExit, match=r"--mtu-bytes must be in \[1280, 9000\], got " + bad):
-            main(["--smoke", "--mtu-bytes", bad, "--results", "none"])
+    spec = lab.load_spec("datagram_vs_grpc")
+    for bad in (1000, 9001):
+        point = spec.points(
+            spec.settings("smoke") | {"fixed": {**spec.settings("smoke")["fixed"], "netem.mtu_bytes": bad}}
+        )[0]
+        with pytest.raises(ValueError, match=rf"netem.mtu_bytes must be in \[1280, 9000\], got {bad}"):
+            run_point(point)
 
 
 def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ def test_netem_loss_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
-    md = _main("datagram_vs_grpc", tmp_path)
+    md = _spec("datagram_vs_grpc", tmp_path, {})
     rows = read_rows(tmp_path / "datagram_vs_grpc_smoke.csv")
     # smoke: 2 sites, 100 Mbit/s, 5 ms one way, loss 0 and 5 %; three data paths, one run each
     paths = [p[0] for p in importlib.import_module("experiments.datagram_vs_grpc").PATHS]
@@ -107,7 +107,7 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
     assert "CPU: the machine's" in md and "cannot take less than" in md
     assert "## Datagram path vs gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.datagram_vs_grpc --smoke" in md
+    assert "Commit `" in md and "command `datagram_vs_grpc`" in md  # the stamp
 
 
 @pytest.mark.timeout(180)
