@@ -306,7 +306,6 @@ def test_the_lab_does_not_edit_sys_path_and_dtrain_does_not_import_it():
 MAX_FUNCTION_LINES = 100
 LONG_FUNCTIONS_LEFT = {
     "experiments.convergence:main",
-    "experiments.datagram_vs_grpc:main",
     "experiments.torchft_site:main",
     "experiments.vs_torchft:run_one",
     "experiments.vs_torchft:main",
