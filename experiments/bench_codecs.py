@@ -20,13 +20,11 @@ Usage::
 
     .venv/bin/python -m experiments.bench_codecs            # 16 Mi elements
     .venv/bin/python -m experiments.bench_codecs --quick    # small, ~20 s
-    .venv/bin/python -m experiments.bench_codecs --out results/codecs.json
+    .venv/bin/python -m experiments.bench_codecs --json results/codecs.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import platform
 import statistics
@@ -39,6 +37,7 @@ import zstandard
 from torch import nn
 
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
+from experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,15 +191,13 @@ def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench.parser(__doc__, quick="small model, 1 Mi elements, 2 repeats")
     ap.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="elements of Δ")
     ap.add_argument("--bucket-elems", type=int, default=1 << 20, help="0: one bucket")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--zstd-level", type=int, default=3)
     ap.add_argument("--zstd-levels", default="1,3,9", help="levels for the zstd-stage table")
     ap.add_argument("--inner-steps", type=int, default=30)
-    ap.add_argument("--quick", action="store_true", help="small model, 1 Mi elements, 2 repeats")
-    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
@@ -264,13 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "codecs": rows, "zstd_stage": zrows}, indent=2
-            )
-        )
+    bench.write(args, "bench_codecs", {"codecs": rows, "zstd_stage": zrows})
     return 0
 
 

@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -46,6 +45,7 @@ from dtrain.transports.datagram import (
     datagram_chunk_bytes,
 )
 from dtrain.transports.grpc import GrpcTransportConfig
+from experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,8 +161,7 @@ def decode_cpu_us(numel: int, *, batch: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="8 MB at one ceiling")
+    p = bench.parser(__doc__, quick="8 MB at one ceiling")
     p.add_argument("--mbytes", type=float, default=64.0, help="payload MB per run")
     p.add_argument("--rate-mbit", type=float, nargs="*", default=[200.0, 400.0, 1000.0], help="pacer ceilings")
     p.add_argument(
@@ -182,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     runs = [(loop, rate) for rate in rates for loop in args.loops]
+    load, figures = os.getloadavg()[0], []
     for i, (loop, rate) in enumerate(runs):
         r = run_one(rate, mbytes, round=i, native=loop)
+        figures.append({"loop": loop, **r})
         name = {"auto": "compiled (auto)", "on": "compiled", "off": "Python"}[loop]
         print(
             f"| {name} | {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nint8 decode of {numel:,} elements in datagram chunks, CPU µs per chunk: one decode each "
         f"{per_chunk:.1f}, decode_chunks {batched:.1f} ({per_chunk / batched:.1f}x)"
     )
+    decode = {"numel": numel, "per_chunk_us": per_chunk, "batched_us": batched}
+    bench.write(args, "bench_datagram", {"loops": figures, "decode": decode}, load_before=load)
     return 0
 
 

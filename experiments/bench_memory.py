@@ -17,7 +17,6 @@ bucket: the owner-side accumulators are the worst case here.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import threading
@@ -28,6 +27,7 @@ import torch
 from dtrain import DiLoCo, DiLoCoConfig
 from dtrain.codecs import CodecConfig
 from dtrain.rounds import RoundConfig
+from experiments import bench
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -87,13 +87,13 @@ def trim() -> int:
     return rss_bytes()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = bench.parser(__doc__)
     ap.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
     ap.add_argument("--codec", default="int8+zstd")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sync-every", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     sampler = PeakRss()
@@ -134,6 +134,10 @@ def main() -> None:
     print(f"| one bucket (largest engine temporary) | {bucket_bytes / n:.3f} ({bucket_bytes / 2**20:.1f} MiB) | |")
     print()
     print("expected steady extra: θ 4 + outer momentum 4 + residual 4 = 12 bytes/param")
+    per_param = {"plain_peak": plain_peak / n, "extra_peak": extra_peak, "extra_steady": extra_steady}
+    bench.write(
+        args, "bench_memory", {"params": n, **per_param, "extra_trimmed": extra_trimmed, "bucket_bytes": bucket_bytes}
+    )
 
 
 if __name__ == "__main__":

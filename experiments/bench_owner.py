@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from dtrain.rounds.owner import OpenRound
 from dtrain.rounds.serving import _Owned
 from dtrain.state import GlobalState
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
+from experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,14 +176,13 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = bench.parser(__doc__, quick="a 0.4 M-element bucket, runs of 1 and 64, 1 repeat")
     ap.add_argument("--numel", type=int, default=2_450_000, help="elements of the bucket")
     ap.add_argument("--runs", type=int, nargs="+", default=[1, 8, 64, 512], help="chunks per sender's batch")
     ap.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.1], help="fractions of datagrams lost")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many")
-    ap.add_argument("--quick", action="store_true", help="a 0.4 M-element bucket, runs of 1 and 64, 1 repeat")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
         args.numel, args.runs, args.loss, args.repeats = 400_000, [1, 64], [0.0, 0.1], 1
@@ -194,14 +193,18 @@ def main() -> None:
         f"{'run':>5} {'loss':>5} {'chunks':>7} {'per-chunk us':>13} {'batched us':>11} {'speedup':>8} {'decode us':>10}"
         f" {'own us/chunk':>14} {'finalize us/chunk':>18} {'identical':>10}"
     )
+    figures = []
     for run, loss in [(run, loss) for run in args.runs for loss in args.loss]:
         r = _measure(args.numel, run, loss, args.repeats)
+        figures.append(r)
         print(
             f"{r['run']:>5} {r['loss']:>5.0%} {r['num']:>7} {r['per_chunk_us']:>13.1f} {r['batched_us']:>11.1f}"
             f" {r['per_chunk_us'] / r['batched_us']:>7.1f}x {r['decode_us']:>10.1f}"
             f" {r['own_per_chunk_us']:>6.1f} / {r['own_batched_us']:<5.1f}"
             f" {r['fin_per_chunk_us']:>8.1f} / {r['fin_batched_us']:<8.1f} {'yes' if r['identical'] else 'NO':>10}"
         )
+
+    bench.write(args, "bench_owner", figures)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 
 from dtrain.aggregation import AggregationConfig, ChunkAccumulator
+from experiments import bench
 
 
 def _run(order: list[str], senders: list[str], vals: dict[str, torch.Tensor]) -> tuple[float, int, torch.Tensor]:
@@ -36,12 +36,12 @@ def _run(order: list[str], senders: list[str], vals: dict[str, torch.Tensor]) ->
     return time.thread_time() - t, held, mean
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = bench.parser(__doc__)
     ap.add_argument("--senders", type=int, default=8)
     ap.add_argument("--numel", type=int, default=262144, help="elements per chunk (default 1 MiB of fp32)")
     ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     senders = [f"site-{i:02d}" for i in range(args.senders)]
     g = torch.Generator().manual_seed(0)
@@ -55,12 +55,15 @@ def main() -> None:
     print(f"{args.senders} senders, chunks of {args.numel} fp32 elements ({4 * args.numel / 2**20:.2f} MiB)\n")
     print("| arrival | CPU ms per chunk (median) | most chunks held | mean equals in-order |")
     print("|---|---|---|---|")
+    figures = []
     for name, make in patterns.items():
         runs = [_run(make(rep), senders, vals) for rep in range(args.repeats)]
         ms = 1e3 * statistics.median(r[0] for r in runs)
         held = max(r[1] for r in runs)
         same = all(torch.equal(r[2], ref) for r in runs)
         print(f"| {name} | {ms:.2f} | {held} | {same} |")
+        figures.append({"arrival": name, "cpu_ms_per_chunk": ms, "most_held": held, "equals_in_order": same})
+    bench.write(args, "bench_reduce_order", figures)
 
 
 if __name__ == "__main__":

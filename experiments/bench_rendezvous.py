@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import random
 import resource
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 
 from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
+from experiments import bench
 
 __all__ = ["main", "run"]
 
@@ -285,7 +284,7 @@ def _print(out: dict) -> None:
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench.parser(__doc__, smoke="50 sites, 2 rounds (CI)")
     p.add_argument("--sites", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--channels", type=int, default=8, help="loopback channels of the load process")
@@ -294,8 +293,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spread-s", type=float, default=1.0, help="Readies of a round arrive within this window")
     p.add_argument("--pause-s", type=float, default=0.5, help="pause between rounds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="50 sites, 2 rounds (CI)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     if args.smoke:
         args.sites, args.rounds, args.spread_s, args.pause_s = 50, 2, 0.2, 0.1
@@ -308,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     out = run(args)
     _print(out)
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+    bench.write(args, "bench_rendezvous", out)
     return 0
 
 

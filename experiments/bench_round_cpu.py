@@ -32,7 +32,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import statistics
@@ -51,6 +50,7 @@ from dtrain.rounds.owner import ChunkReduction
 from dtrain.state import GlobalState
 from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
+from experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,23 +238,25 @@ def _compare(before: dict, after: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench.parser(__doc__)
     ap.add_argument("--codec", default="int8", help="int8 (default) or int4 (fixed-size codecs of the datagram path)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--num-sites", type=int, default=4)
     ap.add_argument("--chunk-bytes", type=int, help="fp32 bytes per chunk (default: one datagram's, as a datagram run)")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="print ratios of two --json")
     args = ap.parse_args(argv)
     if args.compare:
-        _compare(*(json.loads(p.read_text()) for p in args.compare))
+        _compare(*(_figures(json.loads(p.read_text())) for p in args.compare))
         return 0
     res = run(args.codec, args.repeats, args.num_sites, args.chunk_bytes)
     _print(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2))
+    bench.write(args, "bench_round_cpu", res)
     return 0
+
+
+def _figures(doc: dict) -> dict:
+    """A ``--json`` file's figures (files of before the stamped form are the figures themselves)."""
+    return doc.get("figures", doc)
 
 
 if __name__ == "__main__":

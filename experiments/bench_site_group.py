@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from experiments import bench
+
 REPO = Path(__file__).resolve().parents[1]
 
 STEPS = ("gather", "round", "scatter", "allgather", "checksum")
@@ -227,14 +229,12 @@ def split_one_slice(numel: int, codec_name: str, repeats: int = 3) -> dict:
 
 # --------------------------------------------------------------------------- main
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__, quick="2M parameters, 3 rounds")
     ap.add_argument("--params", type=int, default=25_000_000)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="inside a site when K > 1")
-    ap.add_argument("--quick", action="store_true", help="2M parameters, 3 rounds")
-    ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--site-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rendezvous", default="", help=argparse.SUPPRESS)
@@ -273,8 +273,7 @@ def main() -> None:
         cells = [f"{1e9 * sp[x] / n:.2f}" for x in ("gather", "encode", "decode", "outer_step", "checksum", "scatter")]
         total = sp["gather"] + sp["encode"] + sp["decode"] + sp["outer_step"] + sp["scatter"]
         print(f"| {k} | {-(-n // k)} | " + " | ".join(cells) + f" | {1e9 * total / n:.2f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"real": real, "split": split, "params": n}, indent=2))
+    bench.write(args, "bench_site_group", {"real": real, "split": split, "params": n})
 
 
 if __name__ == "__main__":

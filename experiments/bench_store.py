@@ -17,7 +17,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.rendezvous.etcd_store import EtcdRendezvous, EtcdStoreConfig
+from experiments import bench
 
 
 def _config(n: int) -> RendezvousConfig:
@@ -88,12 +88,11 @@ def bench_memory(n: int) -> dict:
     return {"last_ready_to_plan_seen_by_all_s": t2 - t1, "readies_s": t1 - t0}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = bench.parser(__doc__, smoke="20 sites")
     ap.add_argument("--sites", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=32, help="client threads of the load process")
-    ap.add_argument("--smoke", action="store_true", help="20 sites")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = 20 if args.smoke else args.sites
     from tests.etcd_cluster import EtcdCluster, require_etcd
 
@@ -116,6 +115,7 @@ def main() -> int:
     )
     print(f"| in-memory | {mem['last_ready_to_plan_seen_by_all_s']:.4f} | - | {mem['readies_s']:.3f} | - |")
     print("(every etcd site's watch runs in this one process: 'seen by all' includes decoding the plan N times here)")
+    bench.write(args, "bench_store", {"sites": n, "etcd": etcd, "memory": mem})
     if etcd["sites_without_plan"]:
         print(f"WARNING: {etcd['sites_without_plan']} sites' watches did not deliver the plan within 60 s")
         return 1

@@ -12,7 +12,6 @@ that is how ``dtrain launch`` runs its workers on a small machine.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import statistics
 import time
@@ -20,6 +19,7 @@ import time
 import torch
 
 from dtrain.tasks import PRESETS, TaskSpec, build_task
+from experiments import bench
 
 __all__ = ["main"]
 
@@ -54,7 +54,7 @@ def _timed_site(args: tuple[str, str, int, int, float, float, int]) -> list[tupl
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     ap.add_argument("--sizes", default=",".join(PRESETS), help="comma-separated presets")
     ap.add_argument("--data", default="stdlib")
     ap.add_argument("--threads", type=int, default=1)
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"site {i} ({size}, wall s/step:val loss): {points}", flush=True)
         return
 
+    figures = []
     for size in args.sizes.split(","):
         task = build_task(TaskSpec(site_index=0, num_sites=1, size=size, data=args.data))
         if args.curve:
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{task.tokens_per_batch / med:,.0f} tok/s  evaluate {eval_s * 1e3:.0f} ms  threads {args.threads}",
             flush=True,
         )
+        figures.append({"size": size, "step_s": med, "cpu_s": cpu_med, "tok_s": task.tokens_per_batch / med})
+    bench.write(args, "bench_tasks", figures)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ all threads), which does not depend on other load on the machine.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -38,7 +36,8 @@ import struct
 import sys
 import threading
 import time
-from pathlib import Path
+
+from experiments import bench
 
 MiB = 1 << 20
 
@@ -196,14 +195,13 @@ def _row(size_mib: int, direction: str, baseline: str, g: dict, r: dict, reps: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench.parser(__doc__)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 128])
     ap.add_argument("--reps", type=int, default=7, help="timed calls per figure (at least 20 for sizes < 16 MiB)")
     ap.add_argument("--chunk-bytes", type=int, default=1 * MiB, help="contribution / mean chunk size")
     ap.add_argument("--part-bytes", type=int, default=1 * MiB, help="streamed part size of a pulled mean")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
                     help="extra gRPC channel/server argument (repeatable), e.g. grpc.http2.write_buffer_size=4194304")  # fmt: skip
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
 
     from dtrain.options import HostPort
@@ -292,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_median_mib_s']:>8.0f} {r['ratio_median']:>5.2f} | {r['grpc_best_mib_s']:>7.0f} "
               f"{r['raw_best_mib_s']:>7.0f} {r['ratio_best']:>5.2f} | {r['grpc_cpu_ms_per_mib']:>6.2f} "
               f"{r['raw_cpu_ms_per_mib']:>6.2f}")  # fmt: skip
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
+    bench.write(args, "bench_transport", rows, load_before=load_before)
     return 0
 
 

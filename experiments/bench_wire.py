@@ -24,7 +24,6 @@ equal before anything is timed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -34,6 +33,7 @@ from typing import Callable
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
 from dtrain.protocol import BucketMean, Contribution, MeanChunk
 from dtrain.transports import grpc_wire as wire
+from experiments import bench
 
 MiB = 1 << 20
 
@@ -190,7 +190,7 @@ def measure(size: int, part_bytes: int, reps: int) -> list[tuple[str, str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.parser(__doc__)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--part-bytes", type=int, default=1 * MiB, help="MeanPart payload size (GrpcTransportConfig)")
     ap.add_argument("--reps", type=int, default=15)
@@ -198,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.part_bytes < 1 or min(args.sizes_mib) < 1:
         ap.error("--reps, --part-bytes and --sizes-mib must be >= 1")
     print(f"{'payload':>8} {'operation':<20} {'codec':<9} {'ms':>8} {'MB/s':>8} {'copies':>7} {'py-heap':>8}")
+    figures = []
     for mib in args.sizes_mib:
         for name, codec, ms, mbs, copies, heap in measure(mib * MiB, args.part_bytes, args.reps):
             print(f"{mib:>5} MiB {name:<20} {codec:<9} {ms:>8.2f} {mbs:>8.0f} {copies:>7.1f} {heap:>7.1f}x")
+            figures.append({"mib": mib, "operation": name, "codec": codec, "ms": ms, "copies": copies, "heap": heap})
+    bench.write(args, "bench_wire", figures)
     return 0
 
 

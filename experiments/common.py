@@ -141,6 +141,32 @@ class _Recorder:
         return on_round
 
 
+def _round_records(spec: RunSpec, results: list[list[Any]], rec: _Recorder, final0: float) -> list[dict[str, Any]]:
+    """One record per round over the sites' ``RoundResult`` lists (site 0's validation loss at
+    the evaluated rounds and, at its last, ``final0``)."""
+    rounds: list[dict[str, Any]] = []
+    for r in range(max((len(x) for x in results), default=0)):
+        rr = [x[r] for x in results if r < len(x)]
+        rounds.append(
+            {
+                "experiment": spec.experiment,
+                "config": spec.config,
+                "seed": spec.seed,
+                "round": rr[0].round,
+                "val_loss": rec.val.get(rr[0].round, final0 if r == len(results[0]) - 1 else float("nan")),
+                "drift": rec.drift.get(rr[0].round, float("nan")),
+                "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
+                "round_s": statistics.fmean(x.total_s for x in rr),
+                "stale_buckets": sum(x.stale_buckets for x in rr),
+                "repaired_buckets": sum(x.repaired_buckets for x in rr),
+                "rejected": sum(sum(x.rejected.values()) for x in rr),
+                "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
+                "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
+            }
+        )
+    return rounds
+
+
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -158,10 +184,8 @@ def run_inproc(spec: RunSpec) -> RunResult:
     ``rejected`` (contributions owners rejected), ``reduce_arrived`` /
     ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
     (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (every site's θ
-    checksum equal at the end).
-
-    Raises:
-        TimeoutError / RuntimeError: from ``InprocCluster.run`` (a site hung or failed).
+    checksum equal at the end). Raises TimeoutError / RuntimeError from ``InprocCluster.run``
+    (a site hung or failed).
     """
     torch.set_num_threads(1)
     t_build = time.perf_counter()
@@ -226,31 +250,32 @@ def run_inproc(spec: RunSpec) -> RunResult:
         num_params = sum(p.numel() for p in sites[0].model.parameters())
 
     results = [s.results for s in sites]
-    n = spec.num_sites
-    rounds: list[dict[str, Any]] = []
-    for r in range(max((len(x) for x in results), default=0)):
-        rr = [x[r] for x in results if r < len(x)]
-        rounds.append(
-            {
-                "experiment": spec.experiment,
-                "config": spec.config,
-                "seed": spec.seed,
-                "round": rr[0].round,
-                "val_loss": rec.val.get(rr[0].round, finals[0] if r == len(results[0]) - 1 else float("nan")),
-                "drift": rec.drift.get(rr[0].round, float("nan")),
-                "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
-                "round_s": statistics.fmean(x.total_s for x in rr),
-                "stale_buckets": sum(x.stale_buckets for x in rr),
-                "repaired_buckets": sum(x.repaired_buckets for x in rr),
-                "rejected": sum(sum(x.rejected.values()) for x in rr),
-                "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
-                "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
-            }
-        )
-    flat = [x for per_site in results for x in per_site]
+    rounds = _round_records(spec, results, rec, finals[0])
     statuses = [o.status for s in sites for o in s.outcomes]
+    f = dict(
+        num_params=num_params,
+        tokens_per_batch=tasks[0].tokens_per_batch,
+        first_val=first_val,
+        finals=finals,
+        build_s=build_s,
+        wall=wall,
+        inner_s=inner_s,
+        sync_s=sync_s,
+        rounds_done=sites[0].diloco.round,
+        thetas=thetas,
+        consistent=consistent,
+    )
+    return RunResult(row=_run_row(spec, results, statuses, rounds, f), rounds=rounds)
+
+
+def _run_row(
+    spec: RunSpec, results: list[list[Any]], statuses: list[str], rounds: list[dict[str, Any]], f: dict[str, Any]
+) -> dict[str, Any]:
+    """The run's CSV row (see :func:`run_inproc`) from the sites' round results and ``f``, what the
+    run measured around them."""
+    n, H, finals, thetas, rounds_done = spec.num_sites, spec.sync_every, f["finals"], f["thetas"], f["rounds_done"]
+    flat = [x for per_site in results for x in per_site]
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
-    rounds_done = sites[0].diloco.round
     bytes_sent = sum(x.bytes_sent for x in flat)
     bytes_received = sum(x.bytes_received for x in flat)
     row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s", "own_session")}
@@ -258,19 +283,19 @@ def run_inproc(spec: RunSpec) -> RunResult:
     row["chunk_bytes"] = spec.cluster_config().diloco.buckets.chunk_bytes  # the datagram path sets its own
     row.update(
         {
-            "num_params": num_params,
+            "num_params": f["num_params"],
             "inner_steps": H * spec.rounds,
-            "tokens_per_site": H * spec.rounds * tasks[0].tokens_per_batch,
-            "first_val_loss": first_val,
+            "tokens_per_site": H * spec.rounds * f["tokens_per_batch"],
+            "first_val_loss": f["first_val"],
             "final_val_loss": statistics.fmean(finals),
             "val_loss_site_spread": max(finals) - min(finals),
             "rounds_done": rounds_done,
             "resyncs": statuses.count("resynced"),
             "deferred": statuses.count("deferred"),
-            "build_s": build_s,
-            "wall_s": wall,
-            "inner_s": statistics.fmean(inner_s),
-            "sync_s": statistics.fmean(sync_s),
+            "build_s": f["build_s"],
+            "wall_s": f["wall"],
+            "inner_s": statistics.fmean(f["inner_s"]),
+            "sync_s": statistics.fmean(f["sync_s"]),
             "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
             "bytes_sent": bytes_sent,
             "bytes_received": bytes_received,
@@ -287,10 +312,10 @@ def run_inproc(spec: RunSpec) -> RunResult:
             "max_drift": max(drifts) if drifts else float("nan"),
             "final_drift": _max_pairwise_l2(thetas),
             "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
-            "consistent": consistent,
+            "consistent": f["consistent"],
         }
     )
-    return RunResult(row=row, rounds=rounds)
+    return row
 
 
 def own_session() -> None:
@@ -317,20 +342,19 @@ def run_many(
     """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
     (``jobs == 1``: in this process). Prints one progress line per finished run.
     ``own_sessions``: each worker process calls :func:`own_session`.
-    Returns the results in the order of ``specs``."""
+    Returns the results in the order of ``specs`` (an ``fn`` may return a list: several rows of one run)."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
 
-    def report(i: int, res: RunResult) -> None:
+    def report(i: int, res: RunResult | list[RunResult]) -> None:
         out[i] = res
         done = sum(r is not None for r in out)
-        r = res.row
-        print(
-            f"[{done}/{len(specs)} {time.perf_counter() - t0:6.0f}s] {r['config']:<24s} seed {r['seed']}: "
-            f"val {r['final_val_loss']:.4f}  rounds {r['rounds_done']}  wall {r['wall_s']:.1f}s  "
-            f"stale {r['stale_buckets']}  rejected {r['rejected']}",
-            flush=True,
-        )
+        for one in res if isinstance(res, list) else [res]:
+            r = one.row
+            shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
+            figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
+            elapsed = time.perf_counter() - t0
+            print(f"[{done}/{len(specs)} {elapsed:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}", flush=True)
 
     if jobs <= 1:
         for i, s in enumerate(specs):
@@ -367,7 +391,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _typed(v: str) -> Any:
+def typed(v: str) -> Any:
+    """A CSV cell or a ``--set`` value as the number, boolean, None or text it spells."""
     if v in ("True", "False"):
         return v == "True"
     if v == "None" or v == "":
@@ -382,7 +407,7 @@ def _typed(v: str) -> Any:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a CSV written by :func:`write_csv`, with numbers, booleans and None restored."""
-    return [{k: _typed(v) for k, v in r.items()} for r in read_csv(path)]
+    return [{k: typed(v) for k, v in r.items()} for r in read_csv(path)]
 
 
 def save_meta(prefix: Path, meta: dict[str, Any]) -> None:

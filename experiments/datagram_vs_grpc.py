@@ -29,15 +29,16 @@ work). The sites' sync CPU over the cores is a floor under a round's exchange on
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python -m experiments.datagram_vs_grpc --quick   # 4 sites, 9.8 MB/site, loss 0..20 %
-    .venv/bin/python -m experiments.datagram_vs_grpc --smoke --out /tmp/x --results none   # CI
-    .venv/bin/python -m experiments.datagram_vs_grpc --quick --mtu-bytes 9000   # jumbo-frame links
+    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick   # 4 sites, 9.8 MB/site, loss 0..20 %
+    .venv/bin/python -m experiments run datagram_vs_grpc --mode smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.mtu_bytes=9000   # jumbo frames
+    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.losses=[0,10]
 
-``--mtu-bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
+``netem.mtu_bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
 ``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
 MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
 per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
-write ``..._mtuN`` files and their own RESULTS.md section.
+write files and a RESULTS.md section of their own.
 
 Writes ``OUT/datagram_vs_grpc[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its
 section of ``experiments/RESULTS.md``.
@@ -48,26 +49,15 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.app.procs import Cluster
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
-from experiments.common import (
-    RunResult,
-    base_parser,
-    md_table,
-    mode_settings,
-    out_prefix,
-    publish,
-    read_rows,
-    run_or_load,
-    save_fig,
-    subplots,
-)
+from experiments.common import RunResult, md_table, read_rows, save_fig, subplots
+from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
@@ -86,45 +76,44 @@ PATHS = (
     (f"gRPC ({_LOSS_CC})", "grpc", _LOSS_CC),
     ("datagram", "datagram", "bbr"),  # its gRPC control plane keeps the kernel's default
 )
+SITES, SIZE, H, TASK = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "task_spec.task"
+RATE, DELAY, LOSSES, MTU = "netem.rate_mbit", "netem.delay_ms", "netem.losses", "netem.mtu_bytes"
+MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s", "net.data_path", "netem.tcp_cc"
+LINK = {RATE: 100.0, MTU: 1500}
 MODES: dict[str, dict[str, Any]] = {
+    # smoke: as in wan_sweep's smoke, an inner phase long enough that the link change lands between two
+    # exchanges (a 40 ms one let the next round start first, once in four runs, leaving the 5% row unmeasured)
     "smoke": dict(
-        num_sites=2,
-        task="",
-        size="tiny",
-        sync_every=2,
-        rate=100.0,
-        delay=5.0,
-        losses=[0.0, 5.0],
-        measured=1,
         seeds=[0],
-        # as in wan_sweep's smoke: an inner phase long enough that the link change lands
-        # between two exchanges (a 40 ms one let the next round start first, once in four
-        # runs, leaving the 5% row unmeasured)
-        inner_step_sleep_s=0.1,
+        fixed={SITES: 2, TASK: "", SIZE: "tiny", H: 2, DELAY: 5.0, LOSSES: [0.0, 5.0], MEASURED: 1, SLEEP: 0.1},
     ),
     "quick": dict(
-        num_sites=4,
-        task="experiments.datagram_task:make",
-        size="tiny",
-        sync_every=1,
-        rate=100.0,
-        delay=40.0,
-        losses=[0.0, 1.0, 5.0, 10.0, 20.0],
-        measured=1,
         seeds=[0],
+        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 1, DELAY: 40.0}
+        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 1},
     ),
     "full": dict(
-        num_sites=4,
-        task="experiments.datagram_task:make",
-        size="tiny",
-        sync_every=5,
-        rate=100.0,
-        delay=40.0,
-        losses=[0.0, 1.0, 5.0, 10.0, 20.0],
-        measured=3,
         seeds=[0, 1, 2],
+        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 5, DELAY: 40.0}
+        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 3},
     ),
 }
+
+
+def _legacy(f: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings by path as the names :func:`run_path` and :func:`_result` read."""
+    losses, mtu = f[LOSSES], f.get(MTU, 1500)
+    if not all(0.0 <= x < 100.0 for x in losses):
+        raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
+    if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
+        raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
+    if f[SITES] < 2:
+        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
+    return dict(
+        num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
+    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0))
+
+
 RENDEZVOUS = {
     "quorum_timeout_s": 60.0,
     "heartbeat_interval_s": 1.0,
@@ -474,114 +463,47 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one data path's run, seconds")
-    ap.add_argument(
-        "--paths",
-        help="comma-separated data paths to run (labels, e.g. 'datagram'); the other paths' rows are kept "
-        "from this mode's existing CSV files",
-    )
-    ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
-    ap.add_argument("--losses", help="comma-separated loss rates in percent, instead of the mode's (e.g. '0,10')")
-    ap.add_argument("--measured", type=int, help="measured rounds per loss, instead of the mode's (>= 1)")
-    ap.add_argument(
-        "--mtu-bytes",
-        type=int,
-        default=1500,
-        help="every link's MTU in [1280, 9000] (default 1500; 9000: jumbo frames)",
-    )
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES)
-    m["logs"] = args.logs
-    if not MIN_MTU_BYTES <= args.mtu_bytes <= MAX_MTU_BYTES:
-        raise SystemExit(f"--mtu-bytes must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {args.mtu_bytes}")
-    m["mtu"] = args.mtu_bytes
-    if args.losses:
-        try:
-            m["losses"] = [float(x) for x in args.losses.split(",")]
-        except ValueError:
-            raise SystemExit(f"--losses must be comma-separated percents in [0, 100), got {args.losses!r}") from None
-        if not all(0.0 <= x < 100.0 for x in m["losses"]):
-            raise SystemExit(f"--losses must be comma-separated percents in [0, 100), got {args.losses!r}")
-    if args.measured is not None:
-        if args.measured < 1:
-            raise SystemExit(f"--measured must be an int >= 1, got {args.measured}")
-        m["measured"] = args.measured
-    if m["num_sites"] < 2:
-        raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
-    prefix = out_prefix(args, "datagram_vs_grpc")
-    mtu_tag = "" if m["mtu"] == 1500 else f"_mtu{m['mtu']}"
-    prefix = prefix.with_name(prefix.name + mtu_tag)
+def run_point(point: Point) -> list[RunResult]:
+    """One data path's run through every loss, in a topology of its own; one result per loss."""
+    m = _legacy(point.settings)
+    path = (point.config, point.settings[DATA_PATH], point.settings[CC])
+    with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
+        return run_path(topo, m, path, point.seed, 3600.0)
 
-    chosen = PATHS
-    if args.paths:
-        want = [x.strip() for x in args.paths.split(",")]
-        chosen = tuple(p for p in PATHS if p[0] in want)
-        if len(chosen) != len(want):
-            raise SystemExit(f"--paths must name some of {[p[0] for p in PATHS]}, got {args.paths!r}")
 
-    def kept() -> list[RunResult]:
-        """Rows of the paths not rerun, from the existing CSV files (their per-round rows with the first)."""
-        csv, rounds_csv = prefix.with_suffix(".csv"), prefix.with_name(prefix.name + "_rounds.csv")
-        if chosen == PATHS or not csv.exists():
-            return []
-        names = {p[0] for p in chosen}
-        rows = [r for r in read_rows(csv) if r["path"] not in names]
-        rounds = [x for x in read_rows(rounds_csv) if not any(x["config"].startswith(n + ",") for n in names)]
-        return [RunResult(row=r, rounds=rounds if i == 0 else []) for i, r in enumerate(rows)]
-
-    def runner() -> list[RunResult]:
-        out: list[RunResult] = kept()
-        with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
-            for seed in m["seeds"]:
-                for path in chosen:
-                    t = time.monotonic()
-                    res = run_path(topo, m, path, seed, args.timeout_s)
-                    out += res
-                    print(
-                        f"{path[0]} seed {seed}: {time.monotonic() - t:.0f} s; "
-                        + "; ".join(f"{r.row['loss_pct']:g}%: {r.row['ratio']:.2f}x" for r in res),
-                        flush=True,
-                    )
-        return out
-
-    rows, _, meta = run_or_load(args, argv, "datagram_vs_grpc.py", prefix, runner)
-    names = {p[0] for p in chosen}
-    kept_note = (
-        f" Only {', '.join(p[0] for p in chosen)} ran in this command; the other rows are kept from an earlier run"
-        " of this mode (the CSV's `wall_s` and `rounds_done` are theirs)."
-        if any(r["path"] not in names for r in rows)
-        else ""
-    )
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    lm = _legacy(m["fixed"])
     png = plot(rows, prefix)
     # the emulator's ceiling was measured in 1,400-byte datagrams per second: it bounds those only
-    emu = emulator_rate_mbit(args.out / "netem_udp_ceiling.csv", m["num_sites"]) if m["mtu"] == 1500 else None
-    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
-{m["rate"]:g} Mbit/s, {m["delay"]:g} ms one way (RTT {2 * m["delay"]:g} ms), MTU {m["mtu"]} bytes, random loss of packets arriving at a
-site; task `{m["task"] or m["size"]}`, H = {m["sync_every"]}, int8; 1 warm-up + {m["measured"]} measured round(s)
-per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * m["rate"]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(m["mtu"])}`.
-CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.{kept_note}
+    ceiling = Path(__file__).parent / "out" / "netem_udp_ceiling.csv"
+    emu = emulator_rate_mbit(ceiling, lm["num_sites"]) if lm["mtu"] == 1500 else None
+    return f"""Setup (as root): {lm["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
+{lm["rate"]:g} Mbit/s, {lm["delay"]:g} ms one way (RTT {2 * lm["delay"]:g} ms), MTU {lm["mtu"]} bytes, random loss of packets arriving at a
+site; task `{lm["task"] or lm["size"]}`, H = {lm["sync_every"]}, int8; 1 warm-up + {lm["measured"]} measured round(s)
+per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm["rate"]:g}
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`.
+CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}
 
 {verdicts(rows, emu)}
 
-{cpu_verdict(rows)}
-"""
-    mtu_title = "" if m["mtu"] == 1500 else f", MTU {m['mtu']}"
-    publish(
-        args,
-        f"datagram_vs_grpc-{mode}{mtu_tag.replace('_', '-')}",
-        f"Datagram path vs gRPC through netem ({mode}{mtu_title})",
-        body,
-    )
-    return 0
+{cpu_verdict(rows)}"""
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SPEC = Spec(
+    name="datagram_vs_grpc",
+    title="Datagram path vs gRPC through netem",
+    # one run per data path and seed, walking the losses
+    modes={
+        k: {"jobs": 1, "grid": [{"config": a, DATA_PATH: b, CC: c} for a, b, c in PATHS], **v} for k, v in MODES.items()
+    },
+    fixed=LINK,
+    label=lambda point: point["config"],
+    metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("delivered", 0.0, 1.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: [],  # its verdicts are paragraphs of the report (data path, CPU floor)
+    execute=run_point,
+    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC),
+    netem=True,
+)

@@ -16,63 +16,69 @@ AdamW lr 3e-3 inside), loss = MSE on 2048 held-out points of θ after the last r
 
 Usage::
 
-    .venv/bin/python -m experiments.delayed_momentum --quick   # 4 sites, 3 seeds (~2 min on 2 cores)
-    .venv/bin/python -m experiments.delayed_momentum --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments run delayed_momentum --mode quick   # 4 sites, 3 seeds (~2 min on 2 cores)
+    .venv/bin/python -m experiments run delayed_momentum --mode smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
-from experiments.common import (
-    RunResult,
-    base_parser,
-    fmt_pm,
-    md_table,
-    mode_settings,
-    out_prefix,
-    publish,
-    run_or_load,
-)
+from experiments.common import RunResult, fmt_pm, md_table
+from experiments.lab import Point, Spec
+
+OUTER_LR = 0.7  # DiLoCo's outer learning rate (Nesterov SGD)
+SITES, H, ROUNDS = "task_spec.num_sites", "diloco.sync_every", "rounds"
+MOMENTUM, LR, OVERLAP, UPDATE = "outer.momentum", "outer.lr", "diloco.overlap_steps", "diloco.delayed_update"
+DELAYED = "delayed"  # the sweep's switch: τ = H (one-step-delayed) or 0 (blocking)
+
+
+def sweep(momenta: list[float], lrs: list[float]) -> list[dict[str, Any]]:
+    """Blocking rounds at DiLoCo's (momentum 0.9, lr 0.7), then the one-step-delayed mode (τ = H,
+    ``diloco.overlap_steps`` set from H by the spec) over the sweep, with the stale and the eager merge."""
+    out: list[dict[str, Any]] = [{"config": "blocking", MOMENTUM: 0.9, LR: OUTER_LR, UPDATE: "stale", DELAYED: False}]
+    for upd in ("stale", "eager"):
+        out += [
+            {"config": f"delayed {upd} m={mo:g} lr={lr:g}", MOMENTUM: mo, LR: lr, UPDATE: upd, DELAYED: True}
+            for lr in lrs
+            for mo in momenta
+        ]
+    return out
+
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, sync_every=4, rounds=4, seeds=[0], momenta=[0.0, 0.9], lrs=[0.7]),
+    "smoke": dict(seeds=[0], fixed={SITES: 2, H: 4, ROUNDS: 4}, grid=sweep([0.0, 0.9], [0.7])),
     "quick": dict(
-        num_sites=4, sync_every=8, rounds=30, seeds=[0, 1, 2], momenta=[0.0, 0.3, 0.5, 0.7, 0.9], lrs=[0.7, 1.0, 1.4]
+        seeds=[0, 1, 2], fixed={SITES: 4, H: 8, ROUNDS: 30}, grid=sweep([0.0, 0.3, 0.5, 0.7, 0.9], [0.7, 1.0, 1.4])
     ),
     "full": dict(
-        num_sites=4,
-        sync_every=8,
-        rounds=60,
         seeds=[0, 1, 2, 3, 4],
-        momenta=[0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9],
-        lrs=[0.5, 0.7, 1.0, 1.4],
+        fixed={SITES: 4, H: 8, ROUNDS: 60},
+        grid=sweep([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.7, 1.0, 1.4]),
     ),
 }
-OUTER_LR = 0.7  # DiLoCo's outer learning rate (Nesterov SGD)
 
 
-def final_loss(
-    m: dict[str, Any], *, delayed: bool, momentum: float, lr: float, seed: int, update: str = "stale"
-) -> float:
+def final_loss(point: Point) -> RunResult:
     """θ's held-out loss after ``rounds`` x H inner steps (blocking or one-step-delayed rounds)."""
+    f, seed = point.settings, point.seed
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(5 + seed))
-    h = m["sync_every"]
+    h, n, momentum = f[H], f[SITES], f[MOMENTUM]
     cfg = ClusterConfig(
-        num_sites=m["num_sites"],
+        num_sites=n,
         diloco=fast_diloco_config(
             sync_every=h,
             buckets=BucketConfig(bucket_bytes=256, chunk_bytes=256),
-            overlap_steps=h if delayed else 0,
-            delayed_update=update,
+            overlap_steps=f[OVERLAP],
+            delayed_update=f[UPDATE],
         ),
         seed=seed,
     )
@@ -80,9 +86,9 @@ def final_loss(
         lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)),
         lambda mod: torch.optim.AdamW(mod.parameters(), lr=3e-3),
         cfg,
-        outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0),
+        outer_optimizer=lambda p: torch.optim.SGD(p, lr=f[LR], momentum=momentum, nesterov=momentum > 0),
     )
-    gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(m["num_sites"])]
+    gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(n)]
 
     def step(site: Site, k: int) -> None:
         x = torch.randn(32, 16, generator=gens[site.index])
@@ -92,23 +98,15 @@ def final_loss(
         site.optimizer.zero_grad()
 
     with cluster:
-        cluster.run_steps(step, m["rounds"] * h, timeout_s=600)
+        cluster.run_steps(step, f[ROUNDS] * h, timeout_s=600)
         for s in cluster.sites:
             s.diloco.close()
         model = cluster.sites[0].model
         cluster.sites[0].state.copy_to([p.data for p in model.parameters()])
         x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
         with torch.no_grad():
-            return float(((model(x) - torch.tanh(x @ w_true)) ** 2).mean())
-
-
-def configs(m: dict[str, Any]) -> list[tuple[str, bool, float, float, str]]:
-    """(label, delayed, outer momentum, outer lr, delayed_update): blocking at DiLoCo's (0.9, 0.7),
-    the delayed mode over the sweep, with the stale and the eager merge."""
-    out = [("blocking", False, 0.9, OUTER_LR, "stale")]
-    for upd in ("stale", "eager"):
-        out += [(f"delayed {upd} m={mo:g} lr={lr:g}", True, mo, lr, upd) for lr in m["lrs"] for mo in m["momenta"]]
-    return out
+            loss = float(((model(x) - torch.tanh(x @ w_true)) ** 2).mean())
+    return RunResult(row=point.row(final_loss=loss))
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, float, float, str]]:
@@ -118,13 +116,13 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, fl
         g = [r for r in rows if r["config"] == label]
         ratios = [r["final_loss"] / base[r["seed"]] - 1 for r in g]  # paired by seed
         mean = statistics.fmean(ratios)
-        if g[0]["delayed"] and mean < best[0]:
-            best = (mean, g[0]["outer_momentum"], g[0]["outer_lr"], g[0]["delayed_update"])
+        if g[0][DELAYED] and mean < best[0]:
+            best = (mean, g[0][MOMENTUM], g[0][LR], g[0][UPDATE])
         table.append(
             [
                 label,
-                g[0]["outer_momentum"],
-                g[0]["outer_lr"],
+                g[0][MOMENTUM],
+                g[0][LR],
                 fmt_pm([r["final_loss"] for r in g], "{:.4f}"),
                 fmt_pm([100 * x for x in ratios], "{:+.1f}") + " %",
             ]
@@ -139,48 +137,25 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, fl
     return md, notes, best
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = base_parser(__doc__).parse_args(argv)
-    mode, m = mode_settings(args, MODES, overrides=())
-    prefix = out_prefix(args, "delayed_momentum")
-
-    def runner() -> list[RunResult]:
-        out = []
-        for seed in m["seeds"]:
-            for label, delayed, mo, lr, upd in configs(m):
-                loss = final_loss(m, delayed=delayed, momentum=mo, lr=lr, seed=seed, update=upd)
-                print(f"seed {seed} {label}: {loss:.4f}", flush=True)
-                row = dict(
-                    experiment="delayed_momentum",
-                    config=label,
-                    delayed=delayed,
-                    delayed_update=upd,
-                    outer_momentum=mo,
-                    outer_lr=lr,
-                )
-                out.append(RunResult(row={**row, "seed": seed, "final_loss": loss, **m}))
-        return out
-
-    rows, _, meta = run_or_load(args, argv, "delayed_momentum.py", prefix, runner)
-    for r in rows:  # CSV round trip: text back to values
-        r["delayed"] = r["delayed"] in (True, "True", "true", "1")
-        for k in ("outer_momentum", "outer_lr", "final_loss"):
-            r[k] = float(r[k])
-    md, notes, _ = analyse(rows)
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: in-process (`dtrain.sim`), {m["num_sites"]} sites, H = {m["sync_every"]}, {m["rounds"]} rounds,
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    return f"""Setup: in-process (`dtrain.sim`), {f[SITES]} sites, H = {f[H]}, {f[ROUNDS]} rounds,
 outer Nesterov SGD (blocking: DiLoCo's lr {OUTER_LR}, momentum 0.9); one-step-delayed = F = 1, τ = H; seeds {m["seeds"]} (paired).
 CSV: `{prefix.with_suffix(".csv").name}`.
 
-{md}
-
-{chr(10).join(notes)}
-"""
-    publish(args, f"delayed_momentum-{mode}", f"One-step-delayed rounds: outer momentum ({mode})", body)
-    return 0
+{analyse(rows)[0]}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="delayed_momentum",
+    title="One-step-delayed rounds: outer momentum",
+    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
+    label=lambda point: point["config"],
+    # F = 1, τ = H: the one-step-delayed mode; blocking rounds overlap nothing
+    derive=lambda s: {OVERLAP: s[H] if s[DELAYED] else 0},
+    metrics=(("final_loss", 0.0, 10.0),),
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
+    execute=final_loss,
+    paths=(MOMENTUM, LR, OVERLAP, UPDATE, DELAYED),
+)

@@ -19,9 +19,9 @@ inner steps and tokens:
 
 Usage (from the repository root)::
 
-    .venv/bin/python -m experiments.diloco_sanity --quick    # 4 sites, tiny, 3 seeds, 200 steps
-    .venv/bin/python -m experiments.diloco_sanity            # full: small model, 2000 steps
-    .venv/bin/python -m experiments.diloco_sanity --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments run diloco_sanity --mode quick   # 4 sites, tiny, 3 seeds, 200 steps
+    .venv/bin/python -m experiments run diloco_sanity --mode full    # small model, 2000 steps
+    .venv/bin/python -m experiments run diloco_sanity --mode quick --set outer.lr=1 --set outer.momentum=0
 
 Writes ``OUT/diloco_sanity[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,126 +52,76 @@ from dtrain.tasks.data import load_corpus, val_batches
 from experiments.common import (
     RunResult,
     RunSpec,
-    base_parser,
     fmt_pm,
     md_table,
     mean_std,
-    mode_settings,
-    out_prefix,
     own_session,
     paired_deltas,
-    publish,
-    quiet_logging,
-    run_many,
-    run_or_load,
+    run_inproc,
     save_fig,
     subplots,
     summarize,
 )
+from experiments.lab import Point, Spec
 
 DDP = "DDP (all-reduce every step)"
 ALONE = "1 site alone (no sync)"
+SITES, H, ROUNDS, EVAL = "task_spec.num_sites", "diloco.sync_every", "rounds", "eval_every"
+OUTER_LR, OUTER_M, METHOD = "outer.lr", "outer.momentum", "baseline.method"
+SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
+
+
+def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
+    """DDP (all-reduce every step), DiLoCo at every H, and one site alone: ``total_steps`` inner
+    steps per site each. Alone: outer SGD lr 1, no momentum, one round at the end (θ becomes the
+    local model, i.e. plain training): what one site reaches with the same steps and batch size."""
+    bad = [h for h in hs if total_steps % h]
+    if bad:
+        raise ValueError(f"total steps {total_steps} is not a multiple of H={bad[0]}")
+    ddp = {"config": DDP, METHOD: "ddp", H: 1, ROUNDS: total_steps, EVAL: 0}
+    diloco = [
+        {
+            "config": f"DiLoCo H={h}",
+            METHOD: "diloco",
+            H: h,
+            ROUNDS: total_steps // h,
+            EVAL: max(1, total_steps // h // 20),
+        }
+        for h in hs
+    ]
+    alone = {"config": ALONE, METHOD: "alone", SITES: 1, H: total_steps, ROUNDS: 1, EVAL: 0}
+    return [ddp, *diloco, alone | {OUTER_LR: 1.0, OUTER_M: 0.0}]
+
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
-        num_sites=2,
-        size="tiny",
-        batch_size=4,
-        context_len=16,
-        total_steps=4,
-        hs=[1, 2],
         seeds=[0],
         jobs=1,
-        num_val_batches=2,
+        total_steps=4,
+        grid=methods(4, [1, 2]),
+        fixed={SITES: 2, "task_spec.size": "tiny", "inproc.num_val_batches": 2, **SMALL},
     ),
     "quick": dict(
-        num_sites=4, size="tiny", total_steps=200, hs=[1, 10, 50, 100], seeds=[0, 1, 2], jobs=2, num_val_batches=16
+        seeds=[0, 1, 2],
+        jobs=2,
+        total_steps=200,
+        grid=methods(200, [1, 10, 50, 100]),
+        fixed={SITES: 4, "task_spec.size": "tiny", "inproc.num_val_batches": 16},
     ),
     "full": dict(
-        num_sites=4,
-        size="small",
-        total_steps=2000,
-        hs=[1, 10, 50, 100, 500],
         seeds=[0, 1, 2],
         jobs=max(1, (os.cpu_count() or 2) // 4),
-        num_val_batches=32,
+        total_steps=2000,
+        grid=methods(2000, [1, 10, 50, 100, 500]),
+        fixed={SITES: 4, "task_spec.size": "small", "inproc.num_val_batches": 32},
     ),
 }
 
 
-def h_label(h: int, m: dict[str, Any]) -> str:
-    outer = "" if outer_tag(m) == "" else f" (outer lr {m['outer_lr']:g}, momentum {m['outer_momentum']:g})"
-    return f"DiLoCo H={h}{outer}"
-
-
-def outer_tag(m: dict[str, Any]) -> str:
-    """ "" for DiLoCo's outer SGD (lr 0.7, momentum 0.9), else a file/section suffix naming the setting."""
-    if (m["outer_lr"], m["outer_momentum"]) == (0.7, 0.9):
-        return ""
-    return f"outer-lr{m['outer_lr']:g}-m{m['outer_momentum']:g}"
-
-
-def make_specs(m: dict[str, Any]) -> tuple[list[RunSpec], list[RunSpec]]:
-    common = dict(
-        experiment="diloco_sanity",
-        num_sites=m["num_sites"],
-        size=m["size"],
-        batch_size=m.get("batch_size"),
-        context_len=m.get("context_len"),
-        codec="fp32",
-        bucket_bytes=64 * 1024,
-        chunk_bytes=16 * 1024,
-        num_val_batches=m["num_val_batches"],
-        track_drift=False,
-    )
-    diloco, ddp = [], []
-    for h in m["hs"]:
-        if m["total_steps"] % h:
-            raise SystemExit(f"total steps {m['total_steps']} is not a multiple of H={h}")
-        rounds = m["total_steps"] // h
-        for seed in m["seeds"]:
-            diloco.append(
-                RunSpec(
-                    config=h_label(h, m),
-                    seed=seed,
-                    sync_every=h,
-                    rounds=rounds,
-                    outer_lr=m["outer_lr"],
-                    outer_momentum=m["outer_momentum"],
-                    eval_every=max(1, rounds // 20),
-                    extra=(("method", "diloco"), ("H", h)),
-                    **common,
-                )
-            )
-    for seed in m["seeds"]:
-        # Reference: what one site reaches on its own with the same steps and batch size (outer SGD lr 1,
-        # no momentum, one round at the end: θ becomes the local model, i.e. plain training).
-        diloco.append(
-            RunSpec(
-                **{**common, "num_sites": 1},
-                config=ALONE,
-                seed=seed,
-                sync_every=m["total_steps"],
-                rounds=1,
-                outer_lr=1.0,
-                outer_momentum=0.0,
-                eval_every=0,
-                extra=(("method", "alone"), ("H", m["total_steps"])),
-            )
-        )
-    for seed in m["seeds"]:
-        ddp.append(
-            RunSpec(
-                config=DDP,
-                seed=seed,
-                sync_every=1,
-                rounds=m["total_steps"],
-                eval_every=0,
-                extra=(("method", "ddp"), ("H", 1)),
-                **common,
-            )
-        )
-    return diloco, ddp
+def run_method(point: Point) -> RunResult:
+    """The DDP baseline's ranks (:func:`run_ddp`) or the in-process DiLoCo run of the point."""
+    spec = point.run_spec()
+    return run_ddp(spec) if point.settings[METHOD] == "ddp" else run_inproc(spec)
 
 
 # ---------------------------------------------------------------------------- DDP baseline
@@ -413,71 +363,48 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--total-steps", type=int, help="inner steps per site (a multiple of every H)")
-    ap.add_argument("--hs", help="comma-separated H values")
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate (DiLoCo: 0.7)")
-    ap.add_argument(
-        "--outer-momentum",
-        type=float,
-        default=0.9,
-        help="outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD; lr 1 + momentum 0 = model averaging)",
-    )
-    args = ap.parse_args(argv)
-    quiet_logging(args.verbose)
-    mode, m = mode_settings(args, MODES, ("size", "jobs", "total_steps"))
-    if args.hs:
-        m["hs"] = [int(x) for x in args.hs.split(",")]
-    m["outer_lr"], m["outer_momentum"] = args.outer_lr, args.outer_momentum
-    tag = outer_tag(m)
-    diloco_specs, ddp_specs = make_specs(m)
-    prefix = out_prefix(args, "diloco_sanity" + (f"_{tag}" if tag else ""))
-
-    def runner():
-        print(
-            f"diloco_sanity ({mode}): {len(diloco_specs)} DiLoCo runs ({m['jobs']} at a time), "
-            f"{len(ddp_specs)} DDP runs",
-            flush=True,
-        )
-        results = run_many(ddp_specs, jobs=1, verbose=args.verbose, fn=run_ddp)
-        return results + run_many(diloco_specs, jobs=m["jobs"], verbose=args.verbose)
-
-    rows, _, meta = run_or_load(args, argv, "diloco_sanity.py", prefix, runner)
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f, steps = m["fixed"], m["total_steps"]
+    n, lr, mom = f[SITES], f[OUTER_LR], f[OUTER_M]
+    hs = [int(r["H"]) for r in rows if r["method"] == "diloco"]
     png = plot(rows, prefix)
-    md, verdicts = analyse(rows, m)
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} sites, built-in GPT `{m["size"]}` ({rows[0]["num_params"]:,} parameters) on the stdlib source,
-{m["total_steps"]} inner steps per site for every method (same per-site batches and tokens: {rows[0]["tokens_per_site"]:,}
-per site), inner AdamW at the preset's lr. DDP: {m["num_sites"]} processes, gradients all-reduced (gloo, 127.0.0.1)
+    return f"""Setup: {n} sites, built-in GPT `{f["task_spec.size"]}` ({rows[0]["num_params"]:,} parameters) on the stdlib source,
+{steps} inner steps per site for every method (same per-site batches and tokens: {rows[0]["tokens_per_site"]:,}
+per site), inner AdamW at the preset's lr. DDP: {n} processes, gradients all-reduced (gloo, 127.0.0.1)
 every step; bytes by the ring formula 2·(N−1)/N·4·P per rank per step. DiLoCo: in-process sites, fp32 codec, outer
-SGD lr {m["outer_lr"]:g} momentum {m["outer_momentum"]:g}{" Nesterov" if m["outer_momentum"] else ""}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
+SGD lr {lr:g} momentum {mom:g}{" Nesterov" if mom else ""}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
 {m["seeds"]}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). CSV:
 `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
-{md}
-
-{chr(10).join(verdicts)}
+{analyse(rows, m)[0]}
 
 Context: DiLoCo's claim comes from long runs (H = 500 and tens of thousands of inner steps per worker in the
-paper). Here every site takes {m["total_steps"]} steps from scratch, so DiLoCo gets at most
-{m["total_steps"] // min(m["hs"])} outer steps; what this table can show is whether the byte count scales as 1/H
+paper). Here every site takes {steps} steps from scratch, so DiLoCo gets at most
+{steps // min(hs)} outer steps; what this table can show is whether the byte count scales as 1/H
 (it does, by construction of the rounds) and whether merging the sites helps at all (against one site alone).
-Running it again with `--outer-lr 1 --outer-momentum 0` (plain model averaging) separates the merging from the
-outer optimizer: with few rounds, Nesterov momentum 0.9 at lr 0.7 re-applies a large part of earlier rounds'
-updates.
-"""
-    publish(
-        args,
-        f"diloco_sanity-{mode}" + (f"-{tag}" if tag else ""),
-        f"DiLoCo sanity table ({mode}"
-        + (f", outer lr {m['outer_lr']:g}, momentum {m['outer_momentum']:g})" if tag else ")"),
-        body,
-    )
-    return 0
+Running it again with `--set outer.lr=1 --set outer.momentum=0` (plain model averaging) separates the merging
+from the outer optimizer: with few rounds, Nesterov momentum 0.9 at lr 0.7 re-applies a large part of earlier
+rounds' updates."""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="diloco_sanity",
+    title="DiLoCo sanity table",
+    modes=MODES,
+    fixed={
+        "diloco.rounds.codec.name": "fp32",
+        "diloco.buckets.bucket_bytes": 64 * 1024,
+        "diloco.buckets.chunk_bytes": 16 * 1024,
+        "inproc.track_drift": False,
+        OUTER_LR: 0.7,
+        OUTER_M: 0.9,
+    },
+    label=lambda point: point["config"],
+    columns=lambda point: {"method": point[METHOD], "H": point[H]},
+    metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows, m)[1],
+    execute=run_method,
+    paths=(METHOD,),
+    jobs_fn=lambda point: point.settings[METHOD] != "ddp",  # DDP's ranks want every core: one run at a time
+)

@@ -12,6 +12,13 @@ expands the grid over the seeds, runs every point (``jobs`` at a time), writes
 stamped with the commit, date, command and machine load it came from (a rerun replaces
 its own section: :func:`experiments.common.update_results`).
 
+An experiment whose runs are something else (a DDP baseline, a small MLP task, worker
+processes in netem sites) gives its own ``execute``: a module-level function of one
+:class:`Point` (the configuration's label, the seed, and its settings by path) returning a
+:class:`~experiments.common.RunResult`; the paths it reads beyond :data:`TREE_FIELDS` are
+declared in ``paths`` (config-tree paths such as ``outer.momentum`` or ``netem.delay_ms``).
+Everything else (the grid, the seeds, the CSVs, the stamped section) is the same runner.
+
 ``python -m experiments run NAME [--mode smoke|quick|full]`` is the command line
 (:mod:`experiments.__main__`); :data:`SPECS` names every spec.
 """
@@ -39,16 +46,29 @@ from experiments.common import (
     load_meta,
     quiet_logging,
     read_rows,
+    run_inproc,
     run_many,
     save_meta,
+    typed,
     update_results,
     write_csv,
 )
 
-__all__ = ["SPECS", "MODES", "TREE_FIELDS", "Spec", "load_spec", "run", "check_rows", "stamp", "main"]
+__all__ = ["SPECS", "MODES", "TREE_FIELDS", "Point", "Spec", "load_spec", "run", "check_rows", "stamp", "main"]
 
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
-SPECS = ("codec_sweep", "loss_sweep")
+SPECS = (
+    "codec_sweep",
+    "loss_sweep",
+    "delayed_momentum",
+    "diloco_sanity",
+    "site_failures",
+    "datagram_val_loss",
+    "netem_loss",
+    "streaming",
+    "wan_sweep",
+    "datagram_vs_grpc",
+)
 MODES = ("smoke", "quick", "full")
 
 #: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option) -> field of the in-process run;
@@ -92,6 +112,43 @@ TREE_FIELDS: dict[str, str] = {
 Rows = list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class Point:
+    """One run of a spec: the configuration's label, the seed, and its settings by config path
+    (the mode's fixed settings, the grid point and what ``derive`` adds); ``extra``: the
+    spec's ``columns`` of the point, copied into the CSV row."""
+
+    experiment: str
+    config: str
+    seed: int
+    settings: dict[str, Any]
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def run_spec(self, **override: Any) -> RunSpec:
+        """The in-process run of these settings (paths of :data:`TREE_FIELDS`; the others skipped),
+        ``override`` applied over them by ``RunSpec`` field."""
+        kw = {TREE_FIELDS[p]: v for p, v in self.settings.items() if p in TREE_FIELDS}
+        return RunSpec(
+            experiment=self.experiment, config=self.config, seed=self.seed, extra=self.extra, **{**kw, **override}
+        )
+
+    def row(self, **measured: Any) -> dict[str, Any]:
+        """A CSV row: experiment, config, seed, the settings by path, the extra columns, ``measured``."""
+        return {
+            "experiment": self.experiment,
+            "config": self.config,
+            "seed": self.seed,
+            **self.settings,
+            **dict(self.extra),
+            **measured,
+        }
+
+
+def run_point(point: Point) -> RunResult:
+    """The default ``execute``: the in-process DiLoCo run of the point (:func:`experiments.common.run_inproc`)."""
+    return run_inproc(point.run_spec())
+
+
 @dataclass(frozen=True, kw_only=True)
 class Spec:
     """One experiment, declared.
@@ -106,7 +163,8 @@ class Spec:
             key, if any, is its label): configurations that are not a product.
         fixed: path -> value for every run.
         label: grid point (path -> value) -> the configuration's label (the ``config`` column).
-        derive: grid point -> more path -> value settings (e.g. a flag that follows the codec).
+        derive: a configuration's settings (the fixed ones and its grid point, by path) -> more
+            path -> value settings (e.g. a flag that follows the codec, τ that follows H).
         columns: grid point -> extra CSV columns (the swept variable under a short name).
         metrics: (column, low, high): the numbers every row reports, and the range a sane
             run's value lies in (the smoke test checks them: finite and in range).
@@ -115,6 +173,17 @@ class Spec:
             the stamp: setup, table, plots (the analysis; a spec's own function).
         verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim (a named
             function).
+        execute: a module-level function (runs go to worker processes) of one :class:`Point`
+            returning its :class:`RunResult`, or a list of them when one run measures several
+            settings (one row each: a run that walks a grid of links); default: the in-process
+            DiLoCo run.
+        paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
+        jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
+            (a DDP baseline's ranks each want a core). None: every point.
+        netem: its runs need emulated links (root, ``ip netns``): its smoke is in tests/netem/.
+        stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
+            With it the seeds run in order, one seed's configurations at a time, and the runner
+            asks after each seed (a standard error reached, a time budget spent).
     """
 
     name: str
@@ -129,12 +198,18 @@ class Spec:
     after_runs: Callable[[list[RunResult], dict[str, Any]], None] | None = None
     report: Callable[[Rows, Rows, dict[str, Any], Path], str]
     verdict: Callable[[Rows, Rows, dict[str, Any]], list[str]]
+    execute: Callable[[Point], RunResult] = run_point
+    paths: tuple[str, ...] = ()
+    jobs_fn: Callable[[Point], bool] | None = None
+    stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
+    netem: bool = False
 
     def __post_init__(self) -> None:
         used = {p for m in self.modes.values() for pt in _points_of(m) for p in (*m.get("fixed", {}), *pt)} - {"config"}
-        bad = sorted((used | set(self.fixed) | set(self.grid)) - set(TREE_FIELDS))
+        allowed = set(TREE_FIELDS) | set(self.paths)
+        bad = sorted((used | set(self.fixed) | set(self.grid)) - allowed)
         if bad:
-            raise ValueError(f"{self.name}: unknown config paths {bad}; allowed: {sorted(TREE_FIELDS)}")
+            raise ValueError(f"{self.name}: unknown config paths {bad}; allowed: {sorted(allowed)}")
         if set(self.modes) != set(MODES):
             raise ValueError(f"{self.name}: modes must be {MODES}, got {sorted(self.modes)}")
 
@@ -147,17 +222,22 @@ class Spec:
         m["mode"] = mode
         return m
 
-    def run_specs(self, m: dict[str, Any]) -> list[RunSpec]:
-        """One :class:`RunSpec` per grid point and seed (configurations in grid order, seeds inner)."""
+    def points(self, m: dict[str, Any]) -> list[Point]:
+        """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner);
+        each built into its ``RunSpec`` once here when it runs in-process, so a bad setting fails
+        before anything runs."""
         out = []
         for point in _points_of(m):
             point = dict(point)
             config = point.pop("config", None) or self.label(point)
-            settings = {**m["fixed"], **point, **self.derive(point)}
-            kw = {TREE_FIELDS[p]: v for p, v in settings.items()}
+            settings = {**m["fixed"], **point}
+            settings |= self.derive(settings)
             extra = tuple(self.columns(point).items())
             for seed in m["seeds"]:
-                out.append(RunSpec(experiment=self.name, config=config, seed=seed, extra=extra, **kw))
+                p = Point(self.name, config, seed, settings, extra)
+                if self.execute is run_point:
+                    p.run_spec()
+                out.append(p)
         return out
 
 
@@ -219,31 +299,42 @@ def run(
     replot: bool = False,
     verbose: bool = False,
     command: str = "",
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[Rows, str]:
     """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish
     the section into ``results`` (a path, or ``none``). Returns (rows, section body).
+    ``overrides``: path -> value over the mode's fixed settings (a grid point's own setting of
+    the path still wins); they name the CSV files (``NAME_path-to=value``) and the section.
 
     Raises:
-        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), before anything runs.
+        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), or an override of a path
+            the spec does not know (naming the allowed ones), before anything runs.
     """
     for flag, v in (("--seeds", seeds), ("--jobs", jobs)):
         if v is not None and v < 1:
             raise SystemExit(f"{flag} must be >= 1, got {v}")
+    overrides = overrides or {}
+    allowed = set(TREE_FIELDS) | set(spec.paths)
+    if set(overrides) - allowed:
+        raise SystemExit(f"--set: unknown path(s) {sorted(set(overrides) - allowed)}; allowed: {sorted(allowed)}")
     m = spec.settings(mode)
+    m["fixed"].update(overrides)
     if seeds is not None:
         m["seeds"] = list(range(seeds))
     m["jobs"] = jobs or m.get("jobs", 1)
-    prefix = out / (spec.name if mode == "quick" else f"{spec.name}_{mode}")
+    tag = ",".join(f"{p}={v}" for p, v in overrides.items())
+    name = spec.name + (f"_{tag}".replace(".", "-").replace(",", "_") if tag else "")  # no dot: Path.suffix
+    prefix = out / (name if mode == "quick" else f"{name}_{mode}")
     rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
     if replot:
         rows, meta = read_rows(prefix.with_suffix(".csv")), load_meta(prefix)
         rounds = read_rows(rounds_path) if rounds_path.exists() else []
     else:
-        runs = spec.run_specs(m)
+        runs = spec.points(m)
         load, version = os.getloadavg(), code_version()
         t0 = time.perf_counter()
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
-        res = run_many(runs, jobs=m["jobs"], verbose=verbose)
+        res = _run_adaptive(spec, runs, m, verbose) if spec.stop else _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
             spec.after_runs(res, m)
         rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
@@ -255,8 +346,32 @@ def run(
     body = f"{meta['stamp']}\n\n{spec.report(rows, rounds, m, prefix)}\n\n" + "\n".join(lines)
     print(body)
     if str(results).lower() != "none":
-        update_results(Path(results), f"{spec.name}-{mode}", f"{spec.title} ({mode})", body)
+        title = f"{spec.title} ({mode}" + "".join(f", {p} {v}" for p, v in overrides.items()) + ")"
+        update_results(Path(results), f"{spec.name}-{mode}" + (f"-{tag}" if tag else ""), title, body)
     return rows, body
+
+
+def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[RunResult]:
+    """Every point's result in the order of ``runs``: those ``jobs_fn`` keeps from running in
+    parallel first, one at a time, then the rest ``jobs`` at a time."""
+    par = [i for i, p in enumerate(runs) if spec.jobs_fn is None or spec.jobs_fn(p)]
+    seq = [i for i in range(len(runs)) if i not in set(par)]
+    out: dict[int, RunResult | list[RunResult]] = {}
+    for idx, n in ((seq, 1), (par, jobs)):
+        out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
+    return [r for i in range(len(runs)) for r in (out[i] if isinstance(out[i], list) else [out[i]])]
+
+
+def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
+    """The seeds in order, each seed's points together, until ``spec.stop`` gives a reason."""
+    out: list[RunResult] = []
+    for seed in m["seeds"]:
+        out += _run_all(spec, [p for p in runs if p.seed == seed], m["jobs"], verbose)
+        why = spec.stop([r.row for r in out], m)
+        if why:
+            print(f"{spec.name}: no more seeds after seed {seed}: {why}", flush=True)
+            break
+    return out
 
 
 def check_rows(spec: Spec, rows: Rows) -> list[str]:
@@ -285,6 +400,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--results", default=str(RESULTS_MD), help="RESULTS.md to update, or 'none'")
     r.add_argument("--replot", action="store_true", help="run nothing: redo the section from the CSV files")
     r.add_argument("--verbose", action="store_true", help="log the library's INFO lines")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a fixed setting by config path (repeatable), e.g. --set outer.lr=1",
+    )
     argv = list(argv) if argv is not None else None
     a = ap.parse_args(argv)
     if a.cmd == "list":
@@ -304,5 +426,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         replot=a.replot,
         verbose=a.verbose,
         command=command,
+        overrides=_parse_sets(a.set),
     )
     return 0
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """``["outer.lr=1", "netem.rates=[10,50]", ...]`` -> ``{"outer.lr": 1, "netem.rates": [10, 50]}``:
+    a JSON value as such (numbers, true/false, null, lists), anything else as a CSV cell reads."""
+    import json  # noqa: PLC0415
+
+    out = {}
+    for item in items:
+        path, eq, value = item.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--set takes PATH=VALUE, got {item!r}")
+        try:
+            out[path] = json.loads(value)
+        except ValueError:
+            out[path] = typed(value)
+    return out

@@ -188,7 +188,12 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         table,
     )
 
-    # drift
+    dmd, facts["drift"] = _drift_table(groups, rounds, m)
+    return md + "\n\n" + dmd, facts
+
+
+def _drift_table(groups: dict[str, list[dict[str, Any]]], rounds: list[dict[str, Any]], m: dict[str, Any]):
+    """The replica-drift table and, per configuration, (levels off, growth, max drift)."""
     dtable = []
     verdicts = {}
     for rate in m["drift_rates"]:
@@ -241,8 +246,7 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         ],
         dtable,
     )
-    facts["drift"] = verdicts
-    return md + "\n\n" + dmd, facts
+    return dmd, verdicts
 
 
 def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> list[Path]:

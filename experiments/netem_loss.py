@@ -18,9 +18,9 @@ bit-identical; what is left is the timing of which chunks miss a deadline).
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python -m experiments.netem_loss --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments.netem_loss           # full: small, H = 50, 40 rounds, 5 seeds
-    .venv/bin/python -m experiments.netem_loss --smoke --out /tmp/x --results none   # CI: 2 sites, 3 rounds
+    .venv/bin/python -m experiments run netem_loss --mode quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments run netem_loss --mode full    # small, H = 50, 40 rounds, 5 seeds
+    .venv/bin/python -m experiments run netem_loss --mode smoke --out /tmp/x --results none   # 2 sites, 3 rounds
 
 Writes ``OUT/netem_loss[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
 and puts its table into ``experiments/RESULTS.md``.
@@ -31,44 +31,50 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
-    base_parser,
     fmt_pm,
     md_table,
     mean_std,
-    mode_settings,
-    out_prefix,
     paired_deltas,
-    publish,
-    run_or_load,
     save_fig,
     subplots,
 )
+from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
 KiB = 1024
 BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
+SITES, SIZE, H, ROUNDS, LOSS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds", "netem.loss_pct"
+
+
+def label(loss_pct: float) -> str:
+    return f"loss {loss_pct:g}%"
+
+
+def settings(repeat: bool) -> list[dict[str, Any]]:
+    """0% and 10% packet loss; with ``repeat`` 0% twice (the second: the noise floor of a paired d)."""
+    out = [{"config": label(0.0), LOSS: 0.0}, {"config": label(10.0), LOSS: 10.0}]
+    return out[:1] + [{"config": REPEAT, LOSS: 0.0}] + out[1:] if repeat else out
+
+
 MODES: dict[str, dict[str, Any]] = {
     # smoke: 3 rounds, not 2. At 10% loss the first round sets up its TCP connections, and a lost SYN
     # (1 s retransmit) can push both sites past the 1 s reduce deadline: the member then keeps θ_b
     # (owner_lost) while the owner applied its own mean, and it finds the bucket stale next round.
     # With 2 rounds that next round was the last, the owner exited before the repair and the run
     # ended with θ unequal (1 of 9 smoke runs, logs kept with --logs); a third round repairs it.
-    "smoke": dict(num_sites=2, size="tiny", sync_every=2, rounds=3, seeds=[0], losses=[0.0, 10.0], repeat=False),
-    "quick": dict(num_sites=4, size="tiny", sync_every=10, rounds=16, seeds=[0, 1, 2], losses=[0.0, 10.0], repeat=True),
-    "full": dict(
-        num_sites=4, size="small", sync_every=50, rounds=40, seeds=[0, 1, 2, 3, 4], losses=[0.0, 10.0], repeat=True
-    ),
+    "smoke": dict(seeds=[0], grid=settings(False), fixed={SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 3}),
+    "quick": dict(seeds=[0, 1, 2], grid=settings(True), fixed={SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 16}),
+    "full": dict(seeds=[0, 1, 2, 3, 4], grid=settings(True), fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40}),
 }
 LINK = dict(delay_ms=10.0, rate_mbit=100.0)  # the ``lossy`` profile's delay and rate
 RENDEZVOUS = {
@@ -79,10 +85,6 @@ RENDEZVOUS = {
     "broadcast_timeout_s": 2.0,
 }
 WORKER = dict(codec="fp32", bucket_bytes=64 * KiB, chunk_bytes=16 * KiB, quorum_wait_s=120, linger_s=2)
-
-
-def label(loss_pct: float) -> str:
-    return f"loss {loss_pct:g}%"
 
 
 def run_one(
@@ -134,6 +136,12 @@ def run_one(
         wall = time.monotonic() - t0
         per_site = {i: run.rounds(i) for i in range(n)}
         start = [x for x in run.lines(0) if x.get("event") == "start"]
+    return _measure(config, seed, m, worker, loss_pct, per_site, start, wall)
+
+
+def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunResult:
+    """The run's row and every site's rounds from the sites' round lines."""
+    n = m["num_sites"]
     allr = [x for i in range(n) for x in per_site[i]]
     site0 = per_site[0]
     reasons: dict[str, int] = {}
@@ -305,61 +313,41 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on one run, seconds")
-    ap.add_argument("--logs", type=Path, help="keep each run's logs and metrics under this directory")
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES)
-    m["logs"] = args.logs
-    if m["num_sites"] < 2:
-        raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
-    if args.timeout_s <= 0:
-        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
-    configs = [(label(x), x) for x in m["losses"]]
-    if m["repeat"]:
-        configs.insert(1, (REPEAT, 0.0))
-    prefix = out_prefix(args, "netem_loss")
+def run_point(point: Point) -> RunResult:
+    """One run of the point in a topology of its own (the sites and the rendezvous each a namespace)."""
+    f = point.settings
+    if f[SITES] < 2:
+        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
+    m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
+    with netem_topology(f[SITES] + 1, "nloss", "netem_loss") as topo:
+        return run_one(topo, m, point.config, f[LOSS], point.seed, 900.0)
 
-    def runner() -> list[RunResult]:
-        out = []
-        with netem_topology(m["num_sites"] + 1, "nloss", "netem_loss") as topo:
-            for seed in m["seeds"]:
-                for cfg, loss in configs:
-                    res = run_one(topo, m, cfg, loss, seed, args.timeout_s)
-                    r = res.row
-                    print(
-                        f"{cfg:<18s} seed {seed}: val {r['final_val_loss']:.4f} rounds {r['rounds_done']} "
-                        f"exchange {r['exchange_s']:.2f}s reduce arrived {r['reduce_arrived']:.3f} "
-                        f"stale {r['stale_buckets']} wall {r['wall_s']:.0f}s",
-                        flush=True,
-                    )
-                    out.append(res)
-        return out
 
-    rows, rounds, meta = run_or_load(args, argv, "netem_loss.py", prefix, runner)
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
     png = plot(rows, rounds, prefix)
-    md, notes = analyse(rows)
-    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace,
+    return f"""Setup (as root): {f[SITES]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace,
 real gRPC; every link {LINK["delay_ms"]:g} ms one-way, {LINK["rate_mbit"]:g} Mbit/s, and the loss shown
-(random, of packets arriving at a site; nftables). Built-in GPT `{m["size"]}`, H = {m["sync_every"]},
-{m["rounds"]} rounds, `{WORKER["codec"]}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
-{RENDEZVOUS["reduce_timeout_s"]:g} s, broadcast deadline {RENDEZVOUS["broadcast_timeout_s"]:g} s (in --quick: the
+(random, of packets arriving at a site; nftables). Built-in GPT `{f[SIZE]}`, H = {f[H]},
+{f[ROUNDS]} rounds, `{WORKER["codec"]}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
+{RENDEZVOUS["reduce_timeout_s"]:g} s, broadcast deadline {RENDEZVOUS["broadcast_timeout_s"]:g} s (in quick: the
 in-process chunk-loss sweep's quick setup). Δ is paired by seed against the 0% run; mean ± std over seeds {m["seeds"]}. "Reduce
 arrived": the fraction of contribution chunks an owner had by its deadline. CSV: `{prefix.with_suffix(".csv").name}`;
 plot: `{png.name}`.
 
-{md}
-
-{chr(10).join(notes)}
-{"- Smoke mode: a check that the script runs end to end; 3 rounds measure nothing." if mode == "smoke" else ""}
-"""
-    publish(args, f"netem_loss-{mode}", f"Packet loss over gRPC through netem ({mode})", body)
-    return 0
+{analyse(rows)[0]}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="netem_loss",
+    title="Packet loss over gRPC through netem",
+    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one emulated WAN at a time
+    label=lambda point: point["config"],
+    columns=lambda point: {},
+    metrics=(("final_val_loss", 0.0, 10.0), ("reduce_arrived", 0.0, 1.0), ("exchange_s", 0.0, 600.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
+    execute=run_point,
+    paths=(LOSS,),
+    netem=True,
+)

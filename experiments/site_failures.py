@@ -22,9 +22,9 @@ for a site whose heartbeats have not yet timed out).
 
 Usage (from the repository root)::
 
-    .venv/bin/python -m experiments.site_failures --quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments.site_failures           # full: small model, more rounds
-    .venv/bin/python -m experiments.site_failures --smoke --out /tmp/x --results none   # CI: 2 runs
+    .venv/bin/python -m experiments run site_failures --mode quick   # 4 sites, tiny, 3 seeds
+    .venv/bin/python -m experiments run site_failures --mode full    # small model, more rounds
+    .venv/bin/python -m experiments run site_failures --mode smoke --out /tmp/x --results none   # CI: 2 runs
 
 Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
 table into ``experiments/RESULTS.md``.
@@ -34,30 +34,24 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
-    base_parser,
     fmt_pm,
     md_table,
     mean_std,
-    mode_settings,
-    out_prefix,
     paired_deltas,
-    publish,
-    run_many,
-    run_or_load,
     save_fig,
     subplots,
     summarize,
 )
+from experiments.lab import Point, Spec
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -69,42 +63,22 @@ RENDEZVOUS = {
     "broadcast_timeout_s": 3.0,
     "min_sites": 2,
 }
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_rounds", "task.inner_step_sleep_s"
 
+# A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
+# milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
+# site is back for a good part of the run instead of after its end.
+# CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
 MODES: dict[str, dict[str, Any]] = {
-    # A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
-    # milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
-    # site is back for a good part of the run instead of after its end.
-    # CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
     "smoke": dict(
-        num_sites=4,
-        size="tiny",
-        sync_every=2,
-        rounds=4,
-        kill_round=1,
-        down_rounds=1,
         seeds=[0],
-        inner_step_sleep_s=0.05,
-        scenarios=[NO_FAULT, OWNER],
+        fixed={SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05},
+        grid={SCENARIO: [NO_FAULT, OWNER]},
     ),
-    "quick": dict(
-        num_sites=4,
-        size="tiny",
-        sync_every=10,
-        rounds=24,
-        kill_round=3,
-        down_rounds=2,
-        seeds=[0, 1, 2],
-        inner_step_sleep_s=0.1,
-    ),
+    "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 24, KILL: 3, DOWN: 2, SLEEP: 0.1}),
     "full": dict(
-        num_sites=4,
-        size="small",
-        sync_every=50,
-        rounds=40,
-        kill_round=8,
-        down_rounds=5,
-        seeds=[0, 1, 2, 3, 4],
-        inner_step_sleep_s=0.02,
+        seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}
     ),
 }
 
@@ -125,6 +99,23 @@ class FailureSpec:
     @property
     def config(self) -> str:
         return self.scenario
+
+    @classmethod
+    def of(cls, point: Point) -> "FailureSpec":
+        f = point.settings
+        if f[ROUNDS] < f[KILL] + 2:
+            raise ValueError(f"rounds must be >= {f[KILL] + 2} (faults strike in round {f[KILL]}), got {f[ROUNDS]}")
+        return cls(
+            scenario=f[SCENARIO],
+            seed=point.seed,
+            num_sites=f[SITES],
+            size=f[SIZE],
+            sync_every=f[H],
+            rounds=f[ROUNDS],
+            kill_round=f[KILL],
+            down_rounds=f[DOWN],
+            inner_step_sleep_s=f[SLEEP],
+        )
 
 
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
@@ -156,35 +147,46 @@ class _Run(Cluster):
         return super().start_site(i, fault=fault, resume=resume, **opts)
 
 
-def run_failure(spec: FailureSpec) -> RunResult:
-    """One run of ``spec.scenario``; see the module docstring."""
-    s = spec
-    survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[s.scenario]
+def _drive(run: "_Run", s: FailureSpec) -> None:
+    """Start the run, strike the scenario's fault, and wait for the survivors to finish."""
+    run.start_run()
+    if s.scenario == RESTART:
+        run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+        run.kill(3)
+        run.wait(lambda: run.done_round(0, s.kill_round + s.down_rounds), "site-0 to go on")
+        run.start_site(3, resume=True)
+    elif s.scenario == TWO:
+        run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+        run.kill(2)
+        run.kill(3)
+    alive = [f"site-{i}" for i in range(s.num_sites) if s.scenario != OWNER or i != 1]
+    if s.scenario == TWO:
+        alive = ["site-0", "site-1"]
+    run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
+
+
+def run_failure(point: Point) -> RunResult:
+    """One run of the point's scenario; see the module docstring."""
+    s = FailureSpec.of(point)
     with tempfile.TemporaryDirectory(prefix="dtrain-failures-") as d:
-        run = _Run(spec, Path(d))
+        run = _Run(s, Path(d))
         t0 = time.monotonic()
         try:
-            run.start_run()
-            if s.scenario == RESTART:
-                run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
-                run.kill(3)
-                run.wait(lambda: run.done_round(0, s.kill_round + s.down_rounds), "site-0 to go on")
-                run.start_site(3, resume=True)
-            elif s.scenario == TWO:
-                run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
-                run.kill(2)
-                run.kill(3)
-            alive = [f"site-{i}" for i in range(s.num_sites) if s.scenario != OWNER or i != 1]
-            if s.scenario == TWO:
-                alive = ["site-0", "site-1"]
-            run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
+            _drive(run, s)
         finally:
             run.close()
         wall = time.monotonic() - t0
         per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(s.num_sites)}
         start = [x for x in run.lines(0) if x.get("event") == "start"]
         codes = {n: p.returncode for n, p in run.procs.items() if n != "rendezvous"}
+    return _measure(s, per_site, start, codes, wall)
 
+
+def _measure(
+    s: FailureSpec, per_site: dict[int, list[dict[str, Any]]], start: list[dict[str, Any]], codes: dict, wall: float
+) -> RunResult:
+    """The run's row and site-0's rounds from the sites' round lines."""
+    survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[s.scenario]
     lost, early, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
     detail = []
     for i in survivors:
@@ -326,7 +328,8 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     return md, verdicts
 
 
-def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
+def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
+    """Site-0's validation loss per round, one line per scenario; ``f``: the mode's fixed settings."""
     fig, ax = subplots(figsize=(6.4, 4.2))
     for cfg in SCENARIOS:
         by: dict[int, list[float]] = {}
@@ -343,61 +346,25 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
                 label=cfg,
                 ls="-" if cfg == NO_FAULT else "--",
             )
-    ax.axvline(m["kill_round"] + 1, color="0.6", lw=0.8, ls=":")
+    ax.axvline(f[KILL] + 1, color="0.6", lw=0.8, ls=":")
     ax.set_xlabel("round (site-0)")
     ax.set_ylabel("validation loss, mean over seeds")
-    ax.set_title(f"Site failures: {m['num_sites']} sites, faults at round {m['kill_round']}", fontsize=10)
+    ax.set_title(f"Site failures: {f[SITES]} sites, faults at round {f[KILL]}", fontsize=10)
     ax.legend(fontsize=8)
     p = save_fig(fig, prefix.with_suffix(".png"))
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument(
-        "--rounds", type=int, help="rounds per run (default per mode; must leave two rounds after the fault round)"
-    )
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES, ("size", "rounds"))
-    if m["rounds"] < m["kill_round"] + 2:
-        raise SystemExit(
-            f"--rounds must be >= {m['kill_round'] + 2} in this mode (faults strike in round "
-            f"{m['kill_round']}), got {m['rounds']}"
-        )
-    scenarios = m.get("scenarios", SCENARIOS)
-    restart = f" the restarted site is down for {m['down_rounds']} rounds of site-0." if RESTART in scenarios else ""
-    specs = [
-        FailureSpec(
-            scenario=sc,
-            seed=seed,
-            num_sites=m["num_sites"],
-            size=m["size"],
-            sync_every=m["sync_every"],
-            rounds=m["rounds"],
-            kill_round=m["kill_round"],
-            down_rounds=m["down_rounds"],
-            inner_step_sleep_s=m["inner_step_sleep_s"],
-        )
-        for sc in scenarios
-        for seed in m["seeds"]
-    ]
-    prefix = out_prefix(args, "site_failures")
-
-    def runner():
-        print(f"site_failures ({mode}): {len(specs)} runs, one at a time", flush=True)
-        return run_many(specs, jobs=1, fn=run_failure)
-
-    rows, rounds, meta = run_or_load(args, argv, "site_failures.py", prefix, runner)
-    png = plot(rounds, prefix, m)
-    md, verdicts = analyse(rows)
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
-`{m["size"]}`, H = {m["sync_every"]}, {m["rounds"]} rounds, fp32, checkpoints every round, each inner step
-followed by a {m["inner_step_sleep_s"]:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    scenarios = {r["config"] for r in rows}
+    restart = f" the restarted site is down for {f[DOWN]} rounds of site-0." if RESTART in scenarios else ""
+    png = plot(rounds, prefix, f)
+    return f"""Setup: {f[SITES]} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC), built-in GPT
+`{f[SIZE]}`, H = {f[H]}, {f[ROUNDS]} rounds, fp32, checkpoints every round, each inner step
+followed by a {f[SLEEP]:g} s sleep (emulated compute: rounds last long enough for a restarted worker's
 start-up, ~10 s, to span a few rounds, not the rest of the run); rendezvous timing
-{", ".join(f"{k} {v}" for k, v in RENDEZVOUS.items())}. Faults after / in round {m["kill_round"]};{restart}
+{", ".join(f"{k} {v}" for k, v in RENDEZVOUS.items())}. Faults after / in round {f[KILL]};{restart}
 Mean ± std over seeds {m["seeds"]}; Δ paired by seed. "Beyond
 deadline": a survivor's round engine time (from its plan to the end of apply and repair) minus the broadcast
 deadline. "Rounds lost": rounds from the fault's round on that a survivor did not apply; rounds a site missed
@@ -406,14 +373,18 @@ after a death for up to quorum_timeout_s = {RENDEZVOUS["quorum_timeout_s"]} s, u
 a site whose heartbeats have not yet timed out). "Skipped buckets": buckets whose owner died in the round (every
 survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
-{md}
-
-{chr(10).join(verdicts)}
-{"- Smoke mode: a check that the script runs end to end; it measures nothing." if mode == "smoke" else ""}
-"""
-    publish(args, f"site_failures-{mode}", f"Site failures ({mode})", body)
-    return 0
+{analyse(rows)[0]}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="site_failures",
+    title="Site failures",
+    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # processes of one run share the cores: one at a time
+    grid={SCENARIO: SCENARIOS},
+    label=lambda point: point[SCENARIO],
+    metrics=(("final_val_loss", 0.0, 10.0), ("rounds_lost", 0, 1000), ("max_round_s", 0.0, 600.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
+    execute=run_failure,
+    paths=(SCENARIO, KILL, DOWN, SLEEP),
+)

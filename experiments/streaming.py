@@ -31,9 +31,9 @@ Per run (one per configuration and seed):
 
 Usage (as root: netem needs network namespaces)::
 
-    .venv/bin/python -m experiments.streaming --smoke --out /tmp/x --results none  # CI: 2 sites, tiny, 1 seed
-    .venv/bin/python -m experiments.streaming --quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
-    .venv/bin/python -m experiments.streaming           # full: 3 seeds
+    .venv/bin/python -m experiments run streaming --mode smoke --out /tmp/x --results none  # 2 sites, tiny
+    .venv/bin/python -m experiments run streaming --mode quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
+    .venv/bin/python -m experiments run streaming --mode full    # 3 seeds, 8 rounds
 
 Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
 """
@@ -41,41 +41,44 @@ Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RES
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
-    base_parser,
     fmt_pm,
     md_table,
-    mode_settings,
-    out_prefix,
-    publish,
-    run_or_load,
     save_fig,
     subplots,
 )
+from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
+SITES, SIZE, CODEC, H, ROUNDS = (
+    "task_spec.num_sites",
+    "task_spec.size",
+    "diloco.rounds.codec.name",
+    "diloco.sync_every",
+    "rounds",
+)
+STREAM = ("diloco.num_fragments", "diloco.overlap_steps", "diloco.merge_alpha", "diloco.pace_fraction")
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
-        num_sites=2, size="tiny", codec="int8", sync_every=8, outer_rounds=2, seeds=[0], inner_step_sleep_s=0.05
+        seeds=[0], fixed={SITES: 2, SIZE: "tiny", CODEC: "int8", H: 8, ROUNDS: 2, "task.inner_step_sleep_s": 0.05}
     ),
     # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the issue's size).
     # batch_size 3 (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a
     # blocking round (~4 s through netem) leaves compute utilization <= 0.6 at H = 16 (the
     # issue's setup; with batch 16 it was 0.88). Buckets of 256 KiB in 64 KiB chunks: what
-    # the fragment pacing's budget is spent in.
-    "quick": dict(num_sites=4, size="base", codec="fp32", sync_every=16, outer_rounds=4, seeds=[0, 1, 2]),
-    "full": dict(num_sites=4, size="base", codec="fp32", sync_every=16, outer_rounds=8, seeds=[0, 1, 2]),
+    # the fragment pacing's budget is spent in. ROUNDS: outer rounds (F = 4 runs 4x as many fragment rounds).
+    "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 4}),
+    "full": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 8}),
 }
 TRAIN = dict(batch_size=3, **{"diloco.buckets.bucket_bytes": 256 * KiB, "diloco.buckets.chunk_bytes": 64 * KiB})
 PACE_FRACTION = 0.8  # a fragment round's sends spread over 0.8 of its τ steps' time (DiLoCoConfig.pace_fraction)
@@ -351,54 +354,47 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one run, seconds")
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES)
-    if m["num_sites"] < 2:
-        raise SystemExit(f"--sites must be >= 2, got {m['num_sites']}")
-    if args.timeout_s <= 0:
-        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
-    prefix = out_prefix(args, "streaming")
+def run_point(point: Point) -> RunResult:
+    """One configuration and seed in a topology of its own."""
+    f = point.settings
+    if f[SITES] < 2:
+        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
+    m = {"num_sites": f[SITES], "size": f[SIZE], "codec": f[CODEC], "sync_every": f[H], "outer_rounds": f[ROUNDS]}
+    if "task.inner_step_sleep_s" in f:
+        m["inner_step_sleep_s"] = f["task.inner_step_sleep_s"]
+    stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
+    with netem_topology(f[SITES] + 1, "strm", "streaming") as topo:
+        return run_one(topo, m, point.config, stream, point.seed, 3600.0)
 
-    def runner() -> list[RunResult]:
-        out: list[RunResult] = []
-        with netem_topology(m["num_sites"] + 1, "strm", "streaming") as topo:
-            for seed in m["seeds"]:
-                for label, stream in configs(m["sync_every"], mode):
-                    res = run_one(topo, m, label, stream, seed, args.timeout_s)
-                    r = res.row
-                    print(
-                        f"seed {seed} {label}: util {r['compute_util']:.3f}, val {r['final_val_loss']:.4f}, "
-                        f"peak {r['peak_Bps'] / 1e6:.2f} MB/s, {r['wall_s']:.0f} s",
-                        flush=True,
-                    )
-                    out.append(res)
-        return out
 
-    rows, _, meta = run_or_load(args, argv, "streaming.py", prefix, runner)
+def points(h: int, mode: str) -> list[dict[str, Any]]:
+    """:func:`configs` as the spec's points (config-tree paths of ``DiLoCoConfig``'s streaming fields)."""
+    return [{"config": label, **{f"diloco.{k}": v for k, v in c.items()}} for label, c in configs(h, mode)]
+
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
     png = plot(rows, prefix)
-    md, notes = analyse(rows)
-    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in network namespaces, real gRPC;
+    return f"""Setup (as root): {f[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in network namespaces, real gRPC;
 every link {LINK["rate_mbit"]:g} Mbit/s, {LINK["delay_ms"]:g} ms one way, {LINK["loss_pct"]:g}% loss. GPT
-`{m["size"]}`, codec `{m["codec"]}`, H = {m["sync_every"]}, {m["outer_rounds"]} x H inner steps per run
+`{f[SIZE]}`, codec `{f[CODEC]}`, H = {f[H]}, {f[ROUNDS]} x H inner steps per run
 (F = 4: 4x as many fragment rounds; every configuration ends at the same inner step), batch size
 {TRAIN["batch_size"]} (an inner step of ~0.35 s here, so that blocking utilization is <= 0.6), buckets of 256 KiB,
 seeds {m["seeds"]}.
 CSV: `{prefix.with_suffix(".csv").name}`, per round line: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
 
-{md}
-
-{chr(10).join(notes)}
-{"- Smoke mode: a check that the script runs end to end; it measures nothing." if mode == "smoke" else ""}
-"""
-    publish(args, f"streaming-{mode}", f"Streaming rounds through netem ({mode})", body)
-    return 0
+{analyse(rows)[0]}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="streaming",
+    title="Streaming rounds through netem",
+    modes={k: {"jobs": 1, "grid": points(v["fixed"][H], k), **v} for k, v in MODES.items()},
+    label=lambda point: point["config"],
+    metrics=(("final_val_loss", 0.0, 10.0), ("compute_util", 0.0, 1.0), ("peak_Bps", 0.0, 1e12)),
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
+    execute=run_point,
+    paths=(*STREAM, "task.inner_step_sleep_s"),
+    netem=True,
+)

@@ -31,9 +31,14 @@ Per setting and seed:
 
 Usage (from the repository root, as root: netem needs network namespaces)::
 
-    .venv/bin/python -m experiments.wan_sweep --quick   # 4 sites, small, 27 settings, 3 seeds
-    .venv/bin/python -m experiments.wan_sweep           # full: base model, 3 measured rounds each
-    .venv/bin/python -m experiments.wan_sweep --smoke --out /tmp/x --results none   # CI: 2 sites, 2 settings
+    .venv/bin/python -m experiments run wan_sweep --mode quick   # 4 sites, small, 27 settings, 3 seeds
+    .venv/bin/python -m experiments run wan_sweep --mode full    # base model, 3 measured rounds each
+    .venv/bin/python -m experiments run wan_sweep --mode smoke --out /tmp/x --results none   # 2 sites, 2 settings
+    .venv/bin/python -m experiments run wan_sweep --mode quick --set netem.tcp_slow_start_after_idle=0
+
+``netem.rates`` / ``netem.delays`` / ``netem.losses`` (``--set netem.rates=[10,50]``), ``netem.floor``
+(the setting without emulation first) and ``netem.tcp_slow_start_after_idle`` (the sysctl in every
+site's namespace; the kernel's default is 1) are the spec's own paths.
 
 Writes ``OUT/wan_sweep[_MODE].csv`` (one row per setting and seed), ``..._rounds.csv``
 (one row per round and site), ``....png``, and puts its table into
@@ -46,27 +51,22 @@ import itertools
 import math
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
-    base_parser,
     fmt_pm,
     md_table,
     mean_std,
-    mode_settings,
-    out_prefix,
-    publish,
     read_rows,
-    run_or_load,
     save_fig,
     subplots,
 )
+from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 
 KiB = 1024
@@ -74,51 +74,36 @@ KiB = 1024
 # the per-chunk cost stays small: on the 2-core machine, 4 sites of GPT small on 127.0.0.1 took a median 0.50 s
 # per exchange with 64 KiB buckets of 16 KiB chunks (108 chunks), 0.15 s with 256/64 KiB (28), 0.09 s with
 # 512/256 KiB and 0.07 s with the 4 MiB default (one bucket: one owner carries everything).
+SITES, SIZE, H = "task_spec.num_sites", "task_spec.size", "diloco.sync_every"
+BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_bytes", "task.inner_step_sleep_s"
+RATES, DELAYS, LOSSES, FLOOR, SSAI = (
+    "netem.rates",
+    "netem.delays",
+    "netem.losses",
+    "netem.floor",
+    "netem.tcp_slow_start_after_idle",
+)
+WARMUP, MEASURED = "lab.warmup_rounds", "lab.measured_rounds"
+WALK = [RATES, DELAYS, LOSSES]
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
-        num_sites=2,
-        size="tiny",
-        sync_every=5,
-        rates=[50.0],
-        delays=[0.0, 25.0],
-        losses=[0.0],
-        warmup_rounds=1,
-        measured_rounds=1,
         seeds=[0],
-        bucket_bytes=64 * KiB,
-        chunk_bytes=16 * KiB,
+        fixed={SITES: 2, SIZE: "tiny", H: 5, RATES: [50.0], DELAYS: [0.0, 25.0], LOSSES: [0.0], FLOOR: False}
+        | {WARMUP: 1, MEASURED: 1, BUCKET: 64 * KiB, CHUNK: 16 * KiB}
         # tiny's 5 steps take ~0.06 s: too short for the link change to land between two exchanges
-        inner_step_sleep_s=0.1,
+        | {SLEEP: 0.1},
     ),
     # small: 0.44 M params, int8 -> ~0.45 MB per site and round: 0.7 s of 2 x B / rate at 10 Mbit/s, 0.04 s at 200.
     "quick": dict(
-        num_sites=4,
-        size="small",
-        sync_every=10,
-        rates=[10.0, 50.0, 200.0],
-        delays=[0.0, 25.0, 75.0],
-        losses=[0.0, 1.0, 5.0],
-        warmup_rounds=1,
-        measured_rounds=1,
         seeds=[0, 1, 2],
-        floor=True,
-        bucket_bytes=256 * KiB,
-        chunk_bytes=64 * KiB,
+        fixed={SITES: 4, SIZE: "small", H: 10, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
+        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 1, BUCKET: 256 * KiB, CHUNK: 64 * KiB},
     ),
     # base: 3.26 M params, int8 -> ~3.3 MB per site and round.
     "full": dict(
-        num_sites=4,
-        size="base",
-        sync_every=20,
-        rates=[10.0, 50.0, 200.0],
-        delays=[0.0, 25.0, 75.0],
-        losses=[0.0, 1.0, 5.0],
-        warmup_rounds=1,
-        measured_rounds=3,
         seeds=[0, 1, 2],
-        floor=True,
-        bucket_bytes=1024 * KiB,
-        chunk_bytes=256 * KiB,
+        fixed={SITES: 4, SIZE: "base", H: 20, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
+        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB},
     ),
 }
 CODEC = "int8"  # the worker's default
@@ -148,22 +133,31 @@ def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: floa
     return physical_limit_s(encoded_bytes, rate_mbit, delay_ms, (num_sites - 1) / num_sites)
 
 
-def grid(m: dict[str, Any]) -> list[tuple[float | None, float, float]]:
-    """The settings in the order one run walks them; with ``floor``, first a setting with no emulation at all
-    (the exchange's own cost on this machine: CPU, gRPC, the hub's routing)."""
-    return ([(None, 0.0, 0.0)] if m.get("floor") else []) + list(
-        itertools.product(m["rates"], m["delays"], m["losses"])
-    )
+def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
+    """The settings in the order one run walks them (``f``: the run's settings by path); with
+    ``netem.floor``, first a setting with no emulation at all (the exchange's own cost on this
+    machine: CPU, gRPC, the hub's routing)."""
+    return ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
 
 
-def run_seed(
-    topo, m: dict[str, Any], seed: int, settings: list[tuple[float, float, float]], timeout_s: float
-) -> list[RunResult]:
+def run_point(point: Point) -> list[RunResult]:
+    """One seed's run through every setting of the walk, in a topology of its own; one result per setting."""
+    f = point.settings
+    if f[SITES] < 2:
+        raise ValueError(f"{SITES} must be >= 2 (an exchange needs two sites), got {f[SITES]}")
+    with netem_topology(f[SITES] + 1, "wan", "wan_sweep") as topo:
+        if f.get(SSAI) is not None:
+            for i in range(f[SITES] + 1):
+                argv = ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={int(f[SSAI])}"]
+                subprocess.run(topo.exec_argv(i, argv), check=True, timeout=10)
+        return run_seed(topo, f, point.seed, grid(f), 3600.0)
+
+
+def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | None, float, float]], timeout_s: float):
     """One training run through every setting; one RunResult per setting."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
-    n = m["num_sites"]
-    per = m["warmup_rounds"] + m["measured_rounds"]
+    n, per = f[SITES], f[WARMUP] + f[MEASURED]
     total = per * len(settings)
     changed_at: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dtrain-wan-") as d:
@@ -174,21 +168,10 @@ def run_seed(
             topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
             changed_at.append(time.time())
             run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(
-                size=m["size"],
-                seed=seed,
-                rounds=total,
-                sync_every=m["sync_every"],
-                codec=CODEC,
-                bucket_bytes=m["bucket_bytes"],
-                chunk_bytes=m["chunk_bytes"],
-                eval_every=total,
-                quorum_wait_s=600,
-                linger_s=2,
-                inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
-            )
+            opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=CODEC, eval_every=total)
+            opts |= dict(bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
             for i in range(n):
-                run.start_site(i, **opts)
+                run.start_site(i, inner_step_sleep_s=f.get(SLEEP, 0.0), **opts)
             names = [f"site-{i}" for i in range(n)]
             for k in range(1, len(settings)):
                 last = k * per - 1
@@ -213,96 +196,92 @@ def run_seed(
         wall = time.monotonic() - t0
         per_site = {i: run.rounds(i) for i in range(n)}
         starts = [x for x in run.lines(0) if x.get("event") == "start"]
-    first_val = starts[0]["val_loss"] if starts else float("nan")
-    final_val = per_site[0][-1]["val_loss"] if per_site[0] else float("nan")
-    results = []
-    for k, (rate, delay, loss) in enumerate(settings):
-        rounds_out, engine, sync, enc, sent, util, inner, stale, rej, arrived, valid = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            0,
-            0,
-            [],
-            0,
-        )
-        for r in range(k * per, (k + 1) * per):
-            lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
-            measured = r - k * per >= m["warmup_rounds"]
-            # the exchange must have begun after the link changed (the sync call starts sync_s before the line)
-            began_after = all(x["time"] - x["sync_s"] >= changed_at[k] for x in lines)
-            ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
-            for x in lines:
-                rounds_out.append(
-                    {
-                        "experiment": "wan_sweep",
-                        "config": setting_label(rate, delay, loss),
-                        "seed": seed,
-                        "round": r,
-                        "site": x["site"],
-                        "measured": ok,
-                        "status": x["status"],
-                        "round_s": x.get("round_s", float("nan")),
-                        "sync_s": x["sync_s"],
-                        "inner_s": x["inner_s"],
-                        "network_s": x.get("network_s", float("nan")),
-                        "wait_s": x.get("wait_s", float("nan")),
-                        "encoded_bytes": x.get("encoded_bytes", 0),
-                        "bytes_sent": x.get("bytes_sent", 0),
-                        "stale_buckets": x.get("stale_buckets", 0),
-                    }
-                )
-            if not ok:
-                continue
-            valid += 1
-            engine.append(max(x.get("round_s", float("nan")) for x in lines))
-            sync.append(max(x["sync_s"] for x in lines))
-            enc += [x.get("encoded_bytes", 0) for x in lines]
-            sent += [x.get("bytes_sent", 0) for x in lines]
-            util += [x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in lines]
-            inner += [x["inner_s"] for x in lines]
-            stale += sum(x.get("stale_buckets", 0) for x in lines)
-            rej += sum(sum(x.get("rejected", {}).values()) for x in lines)
-            arrived += [x.get("reduce_arrived_fraction", float("nan")) for x in lines]
-        b = statistics.fmean(enc) if enc else float("nan")
-        limit = physical_limit_s(b, rate, delay)
-        e = statistics.fmean(engine) if engine else float("nan")
-        row = {
-            "experiment": "wan_sweep",
-            "config": setting_label(rate, delay, loss),
-            "seed": seed,
-            "num_sites": n,
-            "size": m["size"],
-            "sync_every": m["sync_every"],
-            "codec": CODEC,
-            "rate_mbit": rate,
-            "delay_ms": delay,
-            "loss_pct": loss,
-            "rounds_measured": valid,
-            "encoded_bytes_per_site": b,
-            "bytes_per_round_site": statistics.fmean(sent) if sent else float("nan"),
-            "engine_s": e,
-            "sync_s": statistics.fmean(sync) if sync else float("nan"),
-            "limit_s": limit,
-            "ratio": e / limit if limit > 0 else float("nan"),
-            "compute_util": statistics.fmean(util) if util else float("nan"),
-            "inner_s": statistics.fmean(inner) if inner else float("nan"),
-            "stale_buckets": stale,
-            "rejected": rej,
-            "reduce_arrived": statistics.fmean(arrived) if arrived else float("nan"),
-            # of the whole run (every setting of this seed), so the columns every experiment CSV has are here
-            "first_val_loss": first_val,
-            "final_val_loss": final_val,
-            "rounds_done": len(per_site[0]),
-            "wall_s": wall,
-            "bytes_total": sum(x.get("bytes_sent", 0) for i in range(n) for x in per_site[i]),
-        }
-        results.append(RunResult(row=row, rounds=rounds_out))
-    return results
+    run_facts = {
+        # of the whole run (every setting of this seed), so the columns every experiment CSV has are here
+        "first_val_loss": starts[0]["val_loss"] if starts else float("nan"),
+        "final_val_loss": per_site[0][-1]["val_loss"] if per_site[0] else float("nan"),
+        "rounds_done": len(per_site[0]),
+        "wall_s": wall,
+        "bytes_total": sum(x.get("bytes_sent", 0) for i in range(n) for x in per_site[i]),
+    }
+    return [_setting(f, seed, k, s, per_site, changed_at[k], run_facts) for k, s in enumerate(settings)]
+
+
+def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
+    """The row of setting ``k`` (rounds ``k * per`` on) and its per-round, per-site records."""
+    rate, delay, loss = setting
+    n, per = f[SITES], f[WARMUP] + f[MEASURED]
+    label = setting_label(rate, delay, loss)
+    rounds_out, engine, sync, enc, sent, util, inner, arrived = [], [], [], [], [], [], [], []
+    stale = rej = valid = 0
+    for r in range(k * per, (k + 1) * per):
+        lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
+        measured = r - k * per >= f[WARMUP]
+        # the exchange must have begun after the link changed (the sync call starts sync_s before the line)
+        began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
+        ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
+        rounds_out += [_round_record(label, seed, r, ok, x) for x in lines]
+        if not ok:
+            continue
+        valid += 1
+        engine.append(max(x.get("round_s", float("nan")) for x in lines))
+        sync.append(max(x["sync_s"] for x in lines))
+        enc += [x.get("encoded_bytes", 0) for x in lines]
+        sent += [x.get("bytes_sent", 0) for x in lines]
+        util += [x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in lines]
+        inner += [x["inner_s"] for x in lines]
+        stale += sum(x.get("stale_buckets", 0) for x in lines)
+        rej += sum(sum(x.get("rejected", {}).values()) for x in lines)
+        arrived += [x.get("reduce_arrived_fraction", float("nan")) for x in lines]
+    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+    b, e = mean(enc), mean(engine)
+    limit = physical_limit_s(b, rate, delay)
+    row = {
+        "experiment": "wan_sweep",
+        "config": label,
+        "seed": seed,
+        "num_sites": n,
+        "size": f[SIZE],
+        "sync_every": f[H],
+        "codec": CODEC,
+        "rate_mbit": rate,
+        "delay_ms": delay,
+        "loss_pct": loss,
+        "rounds_measured": valid,
+        "encoded_bytes_per_site": b,
+        "bytes_per_round_site": mean(sent),
+        "engine_s": e,
+        "sync_s": mean(sync),
+        "limit_s": limit,
+        "ratio": e / limit if limit > 0 else float("nan"),
+        "compute_util": mean(util),
+        "inner_s": mean(inner),
+        "stale_buckets": stale,
+        "rejected": rej,
+        "reduce_arrived": mean(arrived),
+        **run_facts,
+    }
+    return RunResult(row=row, rounds=rounds_out)
+
+
+def _round_record(label: str, seed: int, r: int, ok: bool, x: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "experiment": "wan_sweep",
+        "config": label,
+        "seed": seed,
+        "round": r,
+        "site": x["site"],
+        "measured": ok,
+        "status": x["status"],
+        "round_s": x.get("round_s", float("nan")),
+        "sync_s": x["sync_s"],
+        "inner_s": x["inner_s"],
+        "network_s": x.get("network_s", float("nan")),
+        "wait_s": x.get("wait_s", float("nan")),
+        "encoded_bytes": x.get("encoded_bytes", 0),
+        "bytes_sent": x.get("bytes_sent", 0),
+        "stale_buckets": x.get("stale_buckets", 0),
+    }
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
@@ -473,100 +452,49 @@ def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
         axes[1][j].set_ylabel("ratio to physical limit")
         axes[1][j].axhline(1.0, color="0.6", lw=0.8)
         axes[0][j].legend(fontsize=8, title="one-way delay", title_fontsize=8)
-    fig.suptitle(f"WAN sweep: {m['num_sites']} sites, GPT {m['size']}, {CODEC}, gRPC through netem", fontsize=10)
+    fig.suptitle(f"WAN sweep: {m[SITES]} sites, GPT {m[SIZE]}, {CODEC}, gRPC through netem", fontsize=10)
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on one seed's run, seconds")
-    ap.add_argument("--rates", help="comma-separated rates in Mbit/s (default per mode)")
-    ap.add_argument("--delays", help="comma-separated one-way delays in ms (default per mode)")
-    ap.add_argument("--losses", help="comma-separated loss percentages (default per mode)")
-    ap.add_argument("--no-floor", action="store_true", help="skip the setting without emulation")
-    ap.add_argument(
-        "--tcp-slow-start-after-idle",
-        type=int,
-        choices=[0, 1],
-        help="set the sysctl net.ipv4.tcp_slow_start_after_idle in every site's namespace (the kernel "
-        "default is 1: a connection idle for one RTO restarts from the initial window); results go "
-        "to files and a RESULTS.md section of their own",
-    )
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES)
-    if m["num_sites"] < 2:
-        raise SystemExit(f"--sites must be >= 2 (an exchange needs two sites), got {m['num_sites']}")
-    if args.timeout_s <= 0:
-        raise SystemExit(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
-    for k in ("rates", "delays", "losses"):
-        if getattr(args, k):
-            try:
-                m[k] = [float(x) for x in getattr(args, k).split(",")]
-            except ValueError:
-                raise SystemExit(f"--{k} must be comma-separated numbers, got {getattr(args, k)!r}") from None
-    if args.no_floor:
-        m["floor"] = False
-    ssai = args.tcp_slow_start_after_idle
-    tag = "" if ssai is None else f"_ssai{ssai}"
-    prefix = out_prefix(args, "wan_sweep" + tag)
-    settings = grid(m)
-
-    def runner() -> list[RunResult]:
-        print(
-            f"wan_sweep ({mode}): {len(settings)} settings x {len(m['seeds'])} seeds, "
-            f"{m['warmup_rounds'] + m['measured_rounds']} rounds each",
-            flush=True,
-        )
-        out: list[RunResult] = []
-        with netem_topology(m["num_sites"] + 1, "wan", "wan_sweep") as topo:
-            if ssai is not None:
-                for i in range(m["num_sites"] + 1):
-                    subprocess.run(
-                        topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={ssai}"]),
-                        check=True,
-                        timeout=10,
-                    )
-            for seed in m["seeds"]:
-                t = time.monotonic()
-                res = run_seed(topo, m, seed, settings, args.timeout_s)
-                out += res
-                print(
-                    f"seed {seed}: {time.monotonic() - t:.0f} s; "
-                    + "; ".join(f"{r.row['config']}: {r.row['engine_s']:.2f}/{r.row['limit_s']:.2f} s" for r in res),
-                    flush=True,
-                )
-        return out
-
-    rows, _, meta = run_or_load(args, argv, "wan_sweep.py", prefix, runner)
-    png = plot(rows, prefix, m)
-    md, notes = analyse(rows)
-    if ssai is not None:
-        notes += compare_default(rows, out_prefix(args, "wan_sweep").with_suffix(".csv"))
-    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    ssai = f.get(SSAI)
+    png = plot(rows, prefix, f)
+    return f"""Setup (as root): {f[SITES]} `dtrain worker` processes + one `dtrain rendezvous`, each in its own network namespace
 (`netem.Topology`, routing hub; tbf for the rate, nftables for loss, the NFQUEUE delayer for delay), real gRPC.
-Built-in GPT `{m["size"]}`, H = {m["sync_every"]} inner steps (real compute, {m["num_sites"]} processes sharing
-the machine's cores), codec `{CODEC}`, {m["bucket_bytes"] // KiB} KiB buckets of {m["chunk_bytes"] // KiB} KiB
+Built-in GPT `{f[SIZE]}`, H = {f[H]} inner steps (real compute, {f[SITES]} processes sharing
+the machine's cores), codec `{CODEC}`, {f[BUCKET] // KiB} KiB buckets of {f[CHUNK] // KiB} KiB
 chunks; deadlines reduce {RENDEZVOUS["reduce_timeout_s"]:g} s / broadcast {RENDEZVOUS["broadcast_timeout_s"]:g} s
 (generous: the exchange is timed, not cut). Every site's link (and the rendezvous's) gets the setting; delay and
 loss apply to packets arriving at a site, so RTT = 2 x delay and a packet crossing two sites sees the loss once.
-One run per seed ({m["seeds"]}) walks the grid; each setting holds {m["warmup_rounds"]} warm-up +
-{m["measured_rounds"]} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
+One run per seed ({m["seeds"]}) walks the grid; each setting holds {f[WARMUP]} warm-up +
+{f[MEASURED]} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
 pseudo-gradient. Compute utilization = inner-phase time / (inner + sync) per site. Mean ± std over seeds.
 {"" if ssai is None else f"net.ipv4.tcp_slow_start_after_idle = {ssai} in every site's namespace (kernel default 1). "}
 CSV: `{prefix.with_suffix(".csv").name}`, per round and site: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
 
-{md}
-
-{chr(10).join(notes)}
-{"- Smoke mode: a check that the script runs end to end; it measures nothing." if mode == "smoke" else ""}
-"""
-    title = f"WAN sweep through netem ({mode}{'' if ssai is None else f', tcp_slow_start_after_idle={ssai}'})"
-    publish(args, f"wan_sweep{tag}-{mode}", title, body)
-    return 0
+{analyse(rows)[0]}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    notes = analyse(rows)[1]
+    if m["fixed"].get(SSAI) is not None:  # against the run with the kernel's default, when there is one
+        default = (
+            Path(__file__).parent / "out" / ("wan_sweep.csv" if m["mode"] == "quick" else f"wan_sweep_{m['mode']}.csv")
+        )
+        notes += compare_default(rows, default)
+    return notes
+
+
+SPEC = Spec(
+    name="wan_sweep",
+    title="WAN sweep through netem",
+    modes={k: {"jobs": 1, "grid": [{"config": "walk"}], **v} for k, v in MODES.items()},  # a run per seed
+    label=lambda point: "walk",
+    metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("compute_util", 0.0, 1.0)),
+    report=report,
+    verdict=verdict,
+    execute=run_point,
+    paths=(*WALK, FLOOR, SSAI, WARMUP, MEASURED, SLEEP),
+    netem=True,
+)

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     up = named(sub.add_parser("up", help="build a topology and leave it running"))
     up.add_argument("--sites", type=int, required=True, help="number of sites")
     up.add_argument("--profile", default="lan", choices=sorted(PROFILES))
-    up.add_argument("--mtu-bytes", type=int, default=1500, help="every link's MTU, 1280-9000 (default 1500)")
+    up.add_argument("--mtu-bytes", type=int, help="every link's MTU, 1280-9000 (default: the profile's, mostly 1500)")
     up.add_argument("--no-kernel-netem", action="store_true", help="use the fallbacks even where the kernel has netem")
     named(sub.add_parser("down", help="remove a topology"))
     st = sub.add_parser("status", help="show one topology (--name) or list all")

@@ -108,13 +108,52 @@ class Profile:
         link: The LinkParams applied to every site.
         description: What the preset models.
         measured_here: What the preset was measured to give on the 2-vCPU dev machine
-            with the userspace delayer (see netem/README.md for the commands).
+            with the userspace delayer (see netem/README.md for the commands), or, for a
+            preset not measured, what this machine's emulator can reach of it.
+        mtu_bytes: The links' MTU, bytes, in [1280, 9000]; a topology built from the preset
+            uses it unless told another (``Topology(mtu_bytes=...)``).
+        per_flow_mbit: A cap the modelled network puts on each flow (one 5-tuple), Mbit/s, or
+            None. The emulator caps a site's whole link (``link.rate_mbit``), not a flow: a preset
+            with a per-flow cap sets the link's rate to it, which is the same for one flow.
+        source: Where the figures come from (documentation, or how a class value was chosen).
     """
 
     name: str
     link: LinkParams
     description: str
     measured_here: str = ""
+    mtu_bytes: int = 1500
+    per_flow_mbit: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mtu_bytes, int) or not 1280 <= self.mtu_bytes <= 9000:
+            raise ValueError(f"mtu_bytes must be an int in [1280, 9000], got {self.mtu_bytes!r}")
+        if self.per_flow_mbit is not None and self.link.rate_mbit != self.per_flow_mbit:
+            raise ValueError(
+                f"link.rate_mbit must equal per_flow_mbit ({self.per_flow_mbit}), got {self.link.rate_mbit}"
+            )
+
+
+# Documented limits of cloud networks (read 2026-12-03):
+# - AWS, "Amazon EC2 instance network bandwidth" (docs.aws.amazon.com/AWSEC2/latest/UserGuide/
+#   ec2-instance-network-bandwidth.html): single-flow traffic (one TCP/UDP 5-tuple) is limited to
+#   5 Gbps when the instances are not in the same cluster placement group.
+# - AWS, "Network maximum transmission unit (MTU) for your EC2 instance": traffic between regions
+#   (VPC peering across regions, internet gateway) leaves with MTU 1,500 bytes unless it goes
+#   through a transit gateway; jumbo frames (9,001) only inside a VPC / placement group.
+# - Google Cloud, "Maximum transmission unit" (cloud.google.com/vpc/docs/mtu): a VPC network's
+#   default MTU is 1,460 bytes (configurable 1,300-8,896).
+# RTT classes: the providers publish live inter-region round-trip times (GCP: Network Intelligence
+# Center, Performance Dashboard; AWS: Network Manager, Infrastructure Performance); the figures
+# change, so the classes here are derived from what does not: light in fibre covers ~200 km per ms
+# (1 ms of RTT per 100 km of path), and a path runs ~1.3-1.8x the great-circle distance.
+_RTT_NOTE = "RTT class value: great-circle distance at 1 ms RTT per 100 km of fibre, times ~1.5 path stretch"
+_EMULATOR_REACH = (
+    "RTT and MTU are emulated as given; a multi-Gbit/s rate is not: one TCP flow through the userspace "
+    "delayer reaches a few hundred Mbit/s on this 2-vCPU machine (window- and CPU-bound)"
+)
+_MEASURED = "measured 2026-12-03 with `python -m netem.report` at load average ~13: "
 
 
 PROFILES: dict[str, Profile] = {
@@ -161,6 +200,44 @@ PROFILES: dict[str, Profile] = {
             "partitioned for 2 s (staggered across sites), 0.5% loss, 100 Mbit/s",
             measured_here="RTT 30.4 ms between outages, one TCP flow (bbr) ~96 Mbit/s; "
             "probes sent inside outages are all lost, outside none",
+        ),
+        Profile(
+            name="cloud-continent",
+            link=LinkParams(delay_ms=12.5, jitter_ms=0.5),
+            description="two cloud regions on one continent (e.g. Iowa - South Carolina, Frankfurt - "
+            "Belgium, ~1,000-1,500 km): RTT 25 ms, GCP's default VPC MTU 1,460",
+            mtu_bytes=1460,
+            source=f"MTU: Google Cloud 'Maximum transmission unit' (default VPC MTU 1,460). {_RTT_NOTE} "
+            "(1,300 km -> 13 ms floor -> ~20-25 ms)",
+            measured_here=_MEASURED
+            + "RTT 25.4 ms (24.5-26.0), one TCP flow (bbr, no cap) 842 Mbit/s. "
+            + _EMULATOR_REACH,
+        ),
+        Profile(
+            name="cloud-cross-coast",
+            link=LinkParams(delay_ms=32.5, jitter_ms=1.0, rate_mbit=5000.0),
+            description="across North America (e.g. AWS us-east-1 - us-west-2, ~3,700 km): RTT 65 ms, "
+            "MTU 1,500 between regions, 5 Gbit/s per flow",
+            mtu_bytes=1500,
+            per_flow_mbit=5000.0,
+            source="AWS 'Amazon EC2 instance network bandwidth' (single flow 5 Gbps outside a cluster "
+            "placement group) and 'Network MTU for your EC2 instance' (1,500 between regions unless "
+            f"through a transit gateway). {_RTT_NOTE} (3,700 km -> 37 ms floor -> ~55-67 ms)",
+            measured_here=_MEASURED
+            + "RTT 65.3 ms (63.5-67.0), one TCP flow 342 Mbit/s of the 5,000. "
+            + _EMULATOR_REACH,
+        ),
+        Profile(
+            name="cloud-transoceanic",
+            link=LinkParams(delay_ms=45.0, jitter_ms=1.0, rate_mbit=5000.0),
+            description="across the North Atlantic (e.g. AWS us-east-1 - eu-west-1, ~5,500 km): RTT 90 ms, "
+            "MTU 1,500 between regions, 5 Gbit/s per flow",
+            mtu_bytes=1500,
+            per_flow_mbit=5000.0,
+            source="AWS as cloud-cross-coast (per-flow cap, inter-region MTU). "
+            f"{_RTT_NOTE} (5,500 km -> 55 ms floor -> ~75-95 ms)",
+            measured_here=_MEASURED + "RTT 90.4 ms (88.8-92.1), one TCP flow 243 Mbit/s of the 5,000 (the 4 MiB "
+            "send window allows ~260 at 90 ms). " + _EMULATOR_REACH,
         ),
     )
 }

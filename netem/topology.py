@@ -187,7 +187,8 @@ class Topology:
         profile: A preset name (``lan``, ``continental``, ``transatlantic``, ``lossy``,
             ``flaky``) applied to every site.
         name: Topology name, [a-z0-9]{1,20}; default a unique one for this process.
-        kernel_netem, persistent, filter_backend, mtu_bytes: see :class:`TopologyConfig`.
+        kernel_netem, persistent, filter_backend: see :class:`TopologyConfig`.
+        mtu_bytes: see :class:`TopologyConfig`; None: the profile's (``Profile.mtu_bytes``).
 
     Raises:
         NetemUnavailable: not root, no ``ip netns``, or the profile needs a property no
@@ -206,8 +207,10 @@ class Topology:
         kernel_netem: bool | None = None,
         persistent: bool = False,
         filter_backend: str | None = None,
-        mtu_bytes: int = 1500,
+        mtu_bytes: int | None = None,
     ) -> None:
+        if mtu_bytes is None:
+            mtu_bytes = get_profile(profile).mtu_bytes if profile in PROFILES else 1500
         if name is None:
             name = f"t{os.getpid()}x{next(_counter)}"
         self.config = TopologyConfig(

@@ -18,7 +18,9 @@ from experiments import bench_rendezvous
 def test_bench_rendezvous_smoke(tmp_path: Path, capsys) -> None:
     out_path = tmp_path / "bench.json"
     assert bench_rendezvous.main(["--smoke", "--json", str(out_path)]) == 0
-    out = json.loads(out_path.read_text())
+    doc = json.loads(out_path.read_text())  # the one output writer's form: stamp and figures
+    assert doc["bench"] == "bench_rendezvous" and doc["stamp"]["commit"] and doc["args"]["smoke"] is True
+    out = doc["figures"]
     assert out["sites"] == 50 and len(out["rounds"]) == 2
     for r in out["rounds"]:
         assert r["min_plan_members"] == 50 and r["num_missed"] == 0, r

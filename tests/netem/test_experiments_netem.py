@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments import lab
 from experiments.common import read_rows
 from tests.integration.test_experiments_smoke import RUN_COLUMNS  # the one list of per-run CSV columns
 
@@ -28,9 +29,16 @@ def _main(script: str, tmp_path: Path, *extra: str) -> str:
     return results.read_text()
 
 
+def _spec(name: str, tmp_path: Path, sets: dict) -> str:
+    """``python -m experiments run NAME --mode smoke --set PATH=VALUE ...`` into ``tmp_path``."""
+    results = tmp_path / "RESULTS.md"
+    lab.run(lab.load_spec(name), "smoke", out=tmp_path, results=str(results), overrides=sets, command=name)
+    return results.read_text()
+
+
 @pytest.mark.timeout(180)
 def test_wan_sweep_smoke(tmp_path: Path) -> None:
-    md = _main("wan_sweep", tmp_path)
+    md = _spec("wan_sweep", tmp_path, {})
     rows = read_rows(tmp_path / "wan_sweep_smoke.csv")
     # smoke: 2 sites, 50 Mbit/s, one-way delay 0 and 25 ms, no loss; 1 warm-up + 1 measured round each
     assert [(r["rate_mbit"], r["delay_ms"], r["loss_pct"]) for r in rows] == [(50.0, 0.0, 0.0), (50.0, 25.0, 0.0)]
@@ -50,13 +58,13 @@ def test_wan_sweep_smoke(tmp_path: Path) -> None:
     assert len(rounds) == 8 and sum(1 for x in rounds if x["measured"] is True) == 4
     assert (tmp_path / "wan_sweep_smoke.png").stat().st_size > 5000
     assert "## WAN sweep through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.wan_sweep --smoke" in md
+    assert "Commit `" in md and "command `wan_sweep`" in md  # the stamp
     assert "| 50 | 25 | 0 | 1 |" in md
 
 
 @pytest.mark.timeout(180)
 def test_netem_loss_smoke(tmp_path: Path) -> None:
-    md = _main("netem_loss", tmp_path)
+    md = _spec("netem_loss", tmp_path, {})
     rows = read_rows(tmp_path / "netem_loss_smoke.csv")
     assert [(r["config"], r["loss_pct"]) for r in rows] == [("loss 0%", 0.0), ("loss 10%", 10.0)]
     for r in rows:
@@ -68,12 +76,12 @@ def test_netem_loss_smoke(tmp_path: Path) -> None:
     assert rows[0]["reduce_arrived"] == 1.0 and rows[0]["stale_buckets"] == 0
     assert (tmp_path / "netem_loss_smoke.png").stat().st_size > 5000
     assert "## Packet loss over gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.netem_loss --smoke" in md
+    assert "Commit `" in md and "command `netem_loss`" in md  # the stamp
 
 
 @pytest.mark.timeout(240)
 def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
-    md = _main("datagram_vs_grpc", tmp_path)
+    md = _spec("datagram_vs_grpc", tmp_path, {})
     rows = read_rows(tmp_path / "datagram_vs_grpc_smoke.csv")
     # smoke: 2 sites, 100 Mbit/s, 5 ms one way, loss 0 and 5 %; three data paths, one run each
     paths = [p[0] for p in importlib.import_module("experiments.datagram_vs_grpc").PATHS]
@@ -99,13 +107,14 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "datagram_vs_grpc_smoke.png").stat().st_size > 5000
     assert "CPU: the machine's" in md and "cannot take less than" in md
     assert "## Datagram path vs gRPC through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.datagram_vs_grpc --smoke" in md
+    assert "Commit `" in md and "command `datagram_vs_grpc`" in md  # the stamp
 
 
 @pytest.mark.timeout(180)
 def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
-    md = _main("datagram_val_loss", tmp_path, "--netem")
-    rows = read_rows(tmp_path / "datagram_val_loss_netem_smoke.csv")
+    sets = {"netem.enabled": True, "task_spec.num_sites": 2, "diloco.sync_every": 2}
+    md = _spec("datagram_val_loss", tmp_path, sets)
+    rows = read_rows(next(tmp_path.glob("datagram_val_loss_netem-enabled=True*_smoke.csv")))
     # smoke: 2 worker processes through netem, one seed at 0% and at 10% packet loss, 3 rounds
     assert [(r["seed"], r["loss"], r["loss_pct"]) for r in rows] == [(0, 0.0, 0.0), (0, 0.1, 10.0)]
     clean, lossy = rows
@@ -116,13 +125,13 @@ def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
         assert r["consistent"] is True and r["stale_buckets"] == 0 and r["rounds_done"] == 3
         assert r["final_val_loss"] < r["first_val_loss"] - 0.5  # both trained (tiny, 6 steps: 5.4 -> ~4.0)
     assert abs(lossy["final_val_loss"] / clean["final_val_loss"] - 1) < 0.03
-    assert "## Datagram path: validation loss at 10% loss, through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.datagram_val_loss --smoke" in md and "--netem" in md
+    assert "## Datagram path: validation loss at 10% loss (smoke, netem.enabled True" in md
+    assert "in netem namespaces" in md
 
 
 @pytest.mark.timeout(180)
 def test_streaming_smoke(tmp_path: Path) -> None:
-    md = _main("streaming", tmp_path)
+    md = _spec("streaming", tmp_path, {})
     rows = read_rows(tmp_path / "streaming_smoke.csv")
     # smoke: 2 sites, tiny, H = 8, 2 x H inner steps: blocking, F = 1 τ = H, F = 4 τ = H/4 (paced)
     assert [(r["config"], r["num_fragments"], r["overlap_steps"], r["pace_fraction"]) for r in rows] == [
@@ -140,7 +149,7 @@ def test_streaming_smoke(tmp_path: Path) -> None:
     assert {x["fragment"] for x in rounds if x["config"] == "F=4 overlap"} == {0, 1, 2, 3}
     assert (tmp_path / "streaming_smoke.png").stat().st_size > 5000
     assert "## Streaming rounds through netem (smoke)" in md
-    assert "`.venv/bin/python -m experiments.streaming --smoke" in md
+    assert "Commit `" in md and "command `streaming`" in md  # the stamp
 
 
 @pytest.mark.timeout(180)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from netem import PROFILES, Capabilities, LinkParams, NetemUnavailable, _rules, choose_backends, get_profile
+from netem import PROFILES, Capabilities, LinkParams, NetemUnavailable, Profile, _rules, choose_backends, get_profile
 from netem.measure import binomial_interval
 from netem.topology import TopologyConfig
 
@@ -37,8 +37,32 @@ def test_link_params_roundtrip_and_unknown_fields():
         LinkParams.from_dict({"delay": 1})
 
 
+def test_cloud_profiles_say_their_source_and_what_the_emulator_reaches():
+    """Issue 31: MTU 1,500 between regions (GCP's default VPC 1,460), AWS's 5 Gbit/s per flow, and
+    same-continent < cross-coast < transoceanic RTT classes, each naming its source."""
+    cloud = [get_profile(n) for n in ("cloud-continent", "cloud-cross-coast", "cloud-transoceanic")]
+    assert [p.mtu_bytes for p in cloud] == [1460, 1500, 1500]
+    assert [2 * p.link.delay_ms for p in cloud] == [25.0, 65.0, 90.0]  # RTT between two sites of the preset
+    assert [p.per_flow_mbit for p in cloud] == [None, 5000.0, 5000.0]
+    assert all(p.link.rate_mbit == p.per_flow_mbit for p in cloud)  # the emulator's cap stands for the flow's
+    for p in cloud:
+        assert "km" in p.source and ("AWS" in p.source or "Google" in p.source), p.name
+        assert "measured" in p.measured_here and "Mbit/s" in p.measured_here, p.name
+    assert all(p.mtu_bytes == 1500 and not p.source for n, p in PROFILES.items() if not n.startswith("cloud-"))
+    with pytest.raises(ValueError, match=r"mtu_bytes must be an int in \[1280, 9000\]"):
+        Profile(name="x", link=LinkParams(), description="x", mtu_bytes=576)
+    with pytest.raises(ValueError, match="link.rate_mbit must equal per_flow_mbit"):
+        Profile(name="x", link=LinkParams(), description="x", per_flow_mbit=5000.0)
+
+
 def test_profiles_match_the_issue():
-    assert set(PROFILES) == {"lan", "continental", "transatlantic", "lossy", "flaky"}
+    assert set(PROFILES) - {"cloud-continent", "cloud-cross-coast", "cloud-transoceanic"} == {
+        "lan",
+        "continental",
+        "transatlantic",
+        "lossy",
+        "flaky",
+    }
     assert get_profile("lan").link == LinkParams()
     c = get_profile("continental").link
     assert (c.delay_ms, c.rate_mbit) == (15.0, 1000.0)

@@ -1,0 +1,91 @@
+"""The micro-benchmarks' one parser and one output writer.
+
+A micro-benchmark (``experiments/bench_*.py``) stays a script run as ``python -m
+experiments.bench_NAME``: :func:`parser` gives it the flags every benchmark has (``--json
+PATH``, and ``--quick`` / ``--smoke`` where it has such a mode) with its docstring's first
+paragraph as the description; its own flags are added to that. It prints its tables as it
+measures, and ends with :func:`write`: one provenance line (commit, UTC date, command, machine
+load, CPUs, torch) and, with ``--json``, every figure it measured under that same stamp, so two
+checkouts or two machines can be compared file against file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["parser", "stamp", "write"]
+
+
+def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's parser: ``--json PATH`` always; ``--quick`` / ``--smoke`` (store_true) when
+    their help text is given (what the smaller run measures)."""
+    ap = argparse.ArgumentParser(
+        description=(doc or "").split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if quick:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    if smoke:
+        ap.add_argument("--smoke", action="store_true", help=smoke)
+    ap.add_argument("--json", type=Path, help="also write every figure here, stamped (commit, date, command, load)")
+    return ap
+
+
+def stamp(load_before: float | None = None) -> dict[str, Any]:
+    """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average
+    (before the run, when given, and now), CPUs, machine, torch and Python versions."""
+    from experiments.lab import code_version  # noqa: PLC0415
+
+    try:
+        import torch  # noqa: PLC0415
+
+        torch_version = torch.__version__
+    except ImportError:  # a benchmark without torch
+        torch_version = "-"
+    return {
+        "commit": code_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": shlex.join([".venv/bin/python", "-m", _module(), *sys.argv[1:]]),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch_version,
+        "python": platform.python_version(),
+    }
+
+
+def _module() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else Path(sys.argv[0]).stem
+
+
+def write(args: argparse.Namespace, name: str, figures: Any, *, load_before: float | None = None) -> dict[str, Any]:
+    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}``
+    there (parent directories made). Returns the stamp."""
+    st = stamp(load_before)
+    print(
+        f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "
+        f"{st['load_before'] if st['load_before'] is not None else '-'} before, {st['load_after']:.1f} after, "
+        f"on {st['cpus']} CPUs ({st['machine']}); torch {st['torch']}",
+        flush=True,
+    )
+    path = getattr(args, "json", None)
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"bench": name, "stamp": st, "args": {k: _plain(v) for k, v in vars(args).items()}, "figures": figures}
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    return st
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
