@@ -193,7 +193,11 @@ class RoundConfig:
         aggregation: robust-aggregation options of the owner.
         error_feedback: keep what the codec or a lost exchange failed to deliver
             and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
-            Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
+            Karimireddy et al. 2019 "EF-SGD"); required by ``topk`` and ``sparseloco``.
+        error_feedback_decay: β, the residual's decay before each round's Δ is added:
+            residual ← β·residual + Δ (SparseLoCo, arXiv 2508.15706, Algorithm 1: β = 0.95
+            with outer lr α = 1 and no outer momentum, the decayed residual standing in for
+            the outer momentum). In (0, 1]; 1 (default): nothing undelivered is forgotten.
         broadcast_error_feedback: the owner also keeps what the lossy broadcast
             codec lost from each mean and adds it to the next mean of that bucket
             (costs 4 bytes per owned parameter; off by default).
@@ -220,6 +224,7 @@ class RoundConfig:
     broadcast_codec: CodecConfig | None = None
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     error_feedback: bool = True
+    error_feedback_decay: float = 1.0
     broadcast_error_feedback: bool = False
     repair: bool = True
     plan_wait_s: float = 5.0
@@ -236,6 +241,9 @@ class RoundConfig:
                 raise ValueError(f"{name} must be a CodecConfig, got {type(v).__name__}")
         if self.codec.needs_error_feedback and not self.error_feedback:
             raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
+        d = self.error_feedback_decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
+            raise ValueError(f"error_feedback_decay must be a number in (0, 1], got {d!r}")
         for name in ("plan_wait_s", "repair_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

@@ -18,6 +18,22 @@ NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)
 LONG = "long"  # the --long-check runs' section
 FAULT_FREE, LOSS10, RESTART = "fault-free (fp32)", "10% chunk loss", "1 site down, restarted"
 CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
+#: SparseLoCo rows (issue 35): chunked top-k, 2-bit values, error feedback decay β, and the
+#: paper's outer step (SGD lr α = 1, no momentum) unless a row says otherwise; the owners
+#: re-sparsify each mean with their own error feedback unless a row says otherwise.
+_SL = dict(
+    codec="sparseloco", error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0, broadcast_error_feedback=True
+)
+SPARSE = {
+    "int4+zstd": dict(codec="int4+zstd"),
+    "sparseloco k=32/4096": dict(_SL, sparse_k=32),
+    "sparseloco k=64/4096": dict(_SL, sparse_k=64),
+    "sparseloco k=128/4096": dict(_SL, sparse_k=128),
+    "sparseloco k=64, Nesterov 0.7/0.9, β 1": dict(_SL, error_feedback_decay=1.0, outer_lr=0.7, outer_momentum=0.9),
+    "sparseloco k=64, int8 means": dict(_SL, broadcast_codec="int8", broadcast_error_feedback=False),
+    "sparseloco k=64, means at k=256": dict(_SL, broadcast_sparse_k=256),
+    "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
+}
 
 
 def outer_name(outer: tuple[float, float]) -> str:
