@@ -51,11 +51,17 @@ class AggregationConfig:
             ``norm_bound_ratio * median(norms)``, a number >= 1 (None: off).
         trim_fraction: fraction in [0, 0.5) of values trimmed at each end per
             element (coordinate-wise trimmed mean; 0: plain mean).
+        sparse_mean: per element, divide the sum by the number of contributions that sent
+            a nonzero value there instead of by the number of contributions (SparseLoCo's
+            aggregation, arXiv 2508.15706: a scatter-mean over the workers whose top-k
+            picked the element; an element picked by one of R sites is not shrunk R-fold).
+            For sparse codecs (``sparseloco``, ``topk``); not with the robust options.
     """
 
     max_norm: float | None = None
     norm_bound_ratio: float | None = None
     trim_fraction: float = 0.0
+    sparse_mean: bool = False
 
     def __post_init__(self) -> None:
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
@@ -64,6 +70,10 @@ class AggregationConfig:
             raise ValueError(f"norm_bound_ratio must be >= 1 or None, got {self.norm_bound_ratio!r}")
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+        if not isinstance(self.sparse_mean, bool):
+            raise ValueError(f"sparse_mean must be a bool, got {self.sparse_mean!r}")
+        if self.sparse_mean and self.robust:
+            raise ValueError("sparse_mean cannot be combined with norm_bound_ratio or trim_fraction (robust options)")
 
     @property
     def robust(self) -> bool:

@@ -33,6 +33,12 @@ SPARSE = {
     "sparseloco k=64, int8 means": dict(_SL, broadcast_codec="int8", broadcast_error_feedback=False),
     "sparseloco k=64, means at k=256": dict(_SL, broadcast_sparse_k=256),
     "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
+    "sparseloco k=64 sparse-mean": dict(_SL, sparse_mean=True),
+    "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),
+    "sparseloco k=64 sparse-mean int8-means": dict(
+        _SL, sparse_mean=True, broadcast_codec="int8", broadcast_error_feedback=False
+    ),
+    "sparseloco k=64 sparse-mean β1": dict(_SL, sparse_mean=True, error_feedback_decay=1.0),
 }
 
 

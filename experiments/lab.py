@@ -76,6 +76,7 @@ TREE_FIELDS: dict[str, str] = {
     "diloco.rounds.codec.sparse_chunk": "sparse_chunk",
     "diloco.rounds.codec.sparse_bits": "sparse_bits",
     "diloco.rounds.error_feedback_decay": "error_feedback_decay",
+    "diloco.rounds.aggregation.sparse_mean": "sparse_mean",
     "diloco.rounds.error_feedback": "error_feedback",
     "diloco.rounds.broadcast_error_feedback": "broadcast_error_feedback",
     "diloco.rounds.repair": "repair",

@@ -9,6 +9,7 @@ from typing import Any
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
+from dtrain.configs import AggregationConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
 from dtrain.tasks import TaskSpec
@@ -42,7 +43,8 @@ class RunSpec:
             topk_fraction, sparse_k, sparse_chunk, sparse_bits: see ``CodecConfig``.
         broadcast_codec: the means' codec name (None: ``codec``); broadcast_sparse_k: its
             ``sparse_k`` (None: ``sparse_k``).
-        error_feedback, error_feedback_decay, broadcast_error_feedback, repair: see ``RoundConfig``.
+        error_feedback, error_feedback_decay, broadcast_error_feedback, repair: see ``RoundConfig``;
+            sparse_mean: see ``AggregationConfig``.
         push_loss, pull_loss: probability that a contribution chunk (reduce) / a
             pulled mean (broadcast) is lost (``InprocFaults``).
         bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
@@ -92,6 +94,7 @@ class RunSpec:
     broadcast_sparse_k: int | None = None
     error_feedback: bool = True
     error_feedback_decay: float = 1.0
+    sparse_mean: bool = False
     broadcast_error_feedback: bool = False
     repair: bool = True
     push_loss: float = 0.0
@@ -170,7 +173,7 @@ class RunSpec:
                     bucket_bytes=self.bucket_bytes,
                     chunk_bytes=self.chunk_bytes
                     if self.datagram_drop is None
-                    else datagram_chunk_bytes(self._codec(self.codec, self.sparse_k)),
+                    else min(self.bucket_bytes, datagram_chunk_bytes(self._codec(self.codec, self.sparse_k))),
                 ),
                 rounds=RoundConfig(
                     codec=self._codec(self.codec, self.sparse_k),
@@ -179,6 +182,7 @@ class RunSpec:
                     else self._codec(self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k),
                     error_feedback=self.error_feedback,
                     error_feedback_decay=self.error_feedback_decay,
+                    aggregation=AggregationConfig(sparse_mean=self.sparse_mean),
                     broadcast_error_feedback=self.broadcast_error_feedback,
                     repair=self.repair,
                 ),

@@ -166,7 +166,8 @@ class NetConfig:
         data_path: how contributions and means travel: "grpc" (default) or "datagram"
             (paced, sealed UDP on the same port number, never retransmitted; meant for
             provisioned links; control, state pulls and repair stay on gRPC; a chunk
-            becomes one datagram, and codecs with +zstd or topk are refused).
+            becomes one datagram, and codecs with +zstd or topk are refused; sparseloco is
+            fixed-size and cut in whole top-k chunks per datagram).
         grpc: gRPC channel and server settings.
         datagram: the datagram path's settings (rate, datagram size, NACKs, buffers);
             used with data_path "datagram". Its max_datagram_bytes sets the chunk size,
@@ -371,6 +372,9 @@ WORKER_ALIASES = {
     "sync_every": "diloco.sync_every",
     "codec": "diloco.rounds.codec.name",
     "zstd_level": "diloco.rounds.codec.zstd_level",
+    **{n: f"diloco.rounds.codec.{n}" for n in ("sparse_k", "sparse_chunk", "sparse_bits")},
+    "error_feedback_decay": "diloco.rounds.error_feedback_decay",
+    "sparse_mean": "diloco.rounds.aggregation.sparse_mean",
     "broadcast_codec": "diloco.rounds.broadcast_codec.name",
     "max_norm": "diloco.rounds.aggregation.max_norm",
     "bucket_bytes": "diloco.buckets.bucket_bytes",

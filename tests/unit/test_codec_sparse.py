@@ -203,3 +203,29 @@ def test_datagram_path_takes_whole_chunks_per_datagram() -> None:
     assert len(c.encode(torch.randn(numel))) <= 1400
     with pytest.raises(ValueError, match="no fixed size"):
         datagram_chunk_bytes(CodecConfig(name="sparseloco+zstd"), 1400)
+
+
+def test_sparse_mean_divides_each_element_by_the_contributions_nonzero_there() -> None:
+    from dtrain.aggregation import BucketAccumulator, ChunkAccumulator
+    from dtrain.configs import AggregationConfig
+
+    a = torch.tensor([4.0, 0.0, 2.0, 0.0, 1.0, 0.0])
+    b = torch.tensor([2.0, 0.0, 0.0, 6.0, 0.0, 0.0])
+    want = torch.tensor([3.0, 0.0, 2.0, 6.0, 1.0, 0.0])
+    cfg = AggregationConfig(sparse_mean=True)
+    acc = BucketAccumulator([4, 2], cfg, order=["a", "b"])
+    acc.add_run("b", [0, 1], b, [b"b0", b"b1"])
+    acc.add_run("a", [0, 1], a, [b"a0", b"a1"])
+    means = acc.finalize()
+    assert torch.equal(torch.cat([m for m, _, _ in means]), want)
+    assert means[0][1] == ("a", "b")
+    one = ChunkAccumulator(6, cfg, order=["a", "b"])
+    one.add("a", a, b"a")
+    one.add("b", b, b"b")
+    assert torch.equal(one.finalize()[0], want)
+    plain = BucketAccumulator([6], AggregationConfig(), order=["a", "b"])
+    plain.add_run("a", [0], a, [b"a"])
+    plain.add_run("b", [0], b, [b"b"])
+    assert torch.equal(plain.finalize()[0][0], (a + b) / 2)
+    with pytest.raises(ValueError, match="sparse_mean cannot be combined"):
+        AggregationConfig(sparse_mean=True, trim_fraction=0.1)
