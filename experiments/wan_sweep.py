@@ -179,7 +179,7 @@ def run_seed(
                 seed=seed,
                 rounds=total,
                 sync_every=m["sync_every"],
-                codec=CODEC,
+                codec=m.get("codec", CODEC),
                 bucket_bytes=m["bucket_bytes"],
                 chunk_bytes=m["chunk_bytes"],
                 eval_every=total,
@@ -278,7 +278,7 @@ def run_seed(
             "num_sites": n,
             "size": m["size"],
             "sync_every": m["sync_every"],
-            "codec": CODEC,
+            "codec": m.get("codec", CODEC),
             "rate_mbit": rate,
             "delay_ms": delay,
             "loss_pct": loss,
@@ -485,6 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--delays", help="comma-separated one-way delays in ms (default per mode)")
     ap.add_argument("--losses", help="comma-separated loss percentages (default per mode)")
     ap.add_argument("--no-floor", action="store_true", help="skip the setting without emulation")
+    ap.add_argument("--codec", help=f"the workers' codec (default {CODEC}); another one names the output files")
     ap.add_argument(
         "--tcp-slow-start-after-idle",
         type=int,
@@ -509,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         m["floor"] = False
     ssai = args.tcp_slow_start_after_idle
     tag = "" if ssai is None else f"_ssai{ssai}"
+    if args.codec and args.codec != CODEC:
+        m["codec"] = args.codec
+        tag += "_" + args.codec.replace("+", "_")
     prefix = out_prefix(args, "wan_sweep" + tag)
     settings = grid(m)
 
