@@ -36,6 +36,8 @@ SPARSE = {
     "sparseloco k=32, means at k=128": dict(_SL, sparse_k=32, broadcast_sparse_k=128),
     "sparseloco k=128 α 2, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=2.0),
     "sparseloco k=128 α 4, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=4.0),
+    "sparseloco k=128 datagram 0%, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, datagram_drop=0.0),
+    "sparseloco k=128 datagram 10%, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, datagram_drop=0.1),
     "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
     "sparseloco k=64 sparse-mean": dict(_SL, sparse_mean=True),
     "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),

@@ -154,6 +154,12 @@ class RunSpec:
             decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
 
+    def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
+        """The contribution codec and the means' codec."""
+        return self._codec(self.codec, self.sparse_k), self._codec(
+            self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k
+        )
+
     def _codec(self, name: str, sparse_k: int) -> CodecConfig:
         return CodecConfig(
             name=name,
@@ -173,7 +179,7 @@ class RunSpec:
                     bucket_bytes=self.bucket_bytes,
                     chunk_bytes=self.chunk_bytes
                     if self.datagram_drop is None
-                    else min(self.bucket_bytes, datagram_chunk_bytes(self._codec(self.codec, self.sparse_k))),
+                    else min(self.bucket_bytes, *(datagram_chunk_bytes(c) for c in self._codecs())),
                 ),
                 rounds=RoundConfig(
                     codec=self._codec(self.codec, self.sparse_k),

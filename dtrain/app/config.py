@@ -324,8 +324,12 @@ class WorkerConfig:
         if self.net.data_path == "datagram":  # a chunk is one datagram
             from dtrain.transports.datagram import datagram_chunk_bytes
 
-            try:
-                one = datagram_chunk_bytes(self.diloco.rounds.codec, self.net.datagram.max_datagram_bytes)
+            rounds = self.diloco.rounds
+            try:  # both a contribution and a mean of one chunk must fit a datagram
+                one = min(
+                    datagram_chunk_bytes(c, self.net.datagram.max_datagram_bytes)
+                    for c in (rounds.codec, rounds.broadcast_codec or rounds.codec)
+                )
             except ValueError as e:
                 raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
             buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))

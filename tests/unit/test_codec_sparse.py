@@ -229,3 +229,18 @@ def test_sparse_mean_divides_each_element_by_the_contributions_nonzero_there() -
     assert torch.equal(plain.finalize()[0][0], (a + b) / 2)
     with pytest.raises(ValueError, match="sparse_mean cannot be combined"):
         AggregationConfig(sparse_mean=True, trim_fraction=0.1)
+
+
+def test_datagram_chunk_fits_both_the_contribution_and_the_denser_mean() -> None:
+    from dataclasses import replace
+
+    from dtrain.app.config import NetConfig, WorkerConfig
+    from dtrain.configs import DiLoCoConfig
+
+    rounds = RoundConfig(
+        codec=CodecConfig(name="sparseloco", sparse_k=128), broadcast_codec=CodecConfig(name="sparseloco", sparse_k=512)
+    )
+    cfg = WorkerConfig(diloco=replace(DiLoCoConfig(site_id="s"), rounds=rounds), net=NetConfig(data_path="datagram"))
+    chunk = cfg.diloco_config().buckets.chunk_bytes
+    assert chunk == datagram_chunk_bytes(rounds.broadcast_codec) < datagram_chunk_bytes(rounds.codec)
+    assert len(get_codec(rounds.broadcast_codec).encode(torch.randn(chunk // 4))) <= 1400
