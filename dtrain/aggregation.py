@@ -105,6 +105,7 @@ class ChunkAccumulator:
         self._order = sorted(order) if order is not None else []
         self._next = 0  # senders self._order[:self._next] are in self._sum
         self._sum: torch.Tensor | None = None
+        self._nnz: torch.Tensor | None = None  # sparse_mean: per element, contributions nonzero there
         self._kept: dict[str, torch.Tensor] = {}  # robust: every contribution; else: arrived out of turn
         self._digests: dict[str, bytes] = {}
 
@@ -164,6 +165,9 @@ class ChunkAccumulator:
             self._sum = values.clone()
         else:
             self._sum.add_(values)
+        if self.config.sparse_mean:
+            nz = (values != 0).to(torch.float32)
+            self._nnz = nz if self._nnz is None else self._nnz.add_(nz)
 
     def finalize(self) -> tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]:
         """The unbiased partial mean; see :func:`partial_mean` for the result."""
@@ -174,6 +178,8 @@ class ChunkAccumulator:
         if self._sum is None:
             return None, (), {}
         senders = self.senders
+        if self._nnz is not None:
+            return self._sum / self._nnz.clamp_(min=1.0), senders, {}
         return self._sum / len(senders), senders, {}
 
 
@@ -215,6 +221,7 @@ class BucketAccumulator:
         self._order = sorted(order) if order is not None else []
         self._next = [0] * len(self.numels)  # senders order[:next[c]] are folded into chunk c's sum
         self._sum: torch.Tensor | None = None  # the bucket's running sums (allocated at the first fold)
+        self._nnz: torch.Tensor | None = None  # sparse_mean: per element, the contributions nonzero there
         self._digests: list[dict[str, bytes]] = [{} for _ in self.numels]
         # sender -> (its run's values, element offset of the chunk in them): held until folded
         self._held: list[dict[str, tuple[torch.Tensor, int]]] = [{} for _ in self.numels]
@@ -383,6 +390,8 @@ class BucketAccumulator:
             return
         if self._sum is None:
             self._sum = torch.empty(self._pos[-1], dtype=torch.float32)
+            if self.config.sparse_mean:
+                self._nnz = torch.zeros(self._pos[-1], dtype=torch.float32)
         ops.sort(key=lambda op: (op[0], op[1]))
         pos, numels, i = self._pos, self.numels, 0
         while i < len(ops):
@@ -398,6 +407,8 @@ class BucketAccumulator:
                 dst.copy_(src)
             else:
                 dst.add_(src)
+            if self._nnz is not None:
+                self._nnz[pos[c0] : pos[c + 1]].add_((src != 0).to(torch.float32))
 
     def finalize(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
         """Per chunk, the unbiased partial mean; see :func:`partial_mean` for each item.
@@ -425,9 +436,12 @@ class BucketAccumulator:
         senders = [tuple(sorted(d)) for d in self._digests]
         if self._sum is None:
             return [(None, (), {}) for _ in senders]
+        pos = self._pos
+        if self._nnz is not None:  # sparse_mean: per element over the contributions nonzero there
+            mean = self._sum / self._nnz.clamp(min=1.0)
+            return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]
         counts = torch.tensor([float(len(s)) for s in senders], dtype=torch.float32)
         mean = torch.empty_like(self._sum)
-        pos = self._pos
         for a, b in equal_runs(self.numels):
             rows = (b - a, self.numels[a])
             torch.div(

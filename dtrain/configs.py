@@ -51,11 +51,17 @@ class AggregationConfig:
             ``norm_bound_ratio * median(norms)``, a number >= 1 (None: off).
         trim_fraction: fraction in [0, 0.5) of values trimmed at each end per
             element (coordinate-wise trimmed mean; 0: plain mean).
+        sparse_mean: per element, divide the sum by the number of contributions that sent
+            a nonzero value there instead of by the number of contributions (SparseLoCo's
+            aggregation, arXiv 2508.15706: a scatter-mean over the workers whose top-k
+            picked the element; an element picked by one of R sites is not shrunk R-fold).
+            For sparse codecs (``sparseloco``, ``topk``); not with the robust options.
     """
 
     max_norm: float | None = None
     norm_bound_ratio: float | None = None
     trim_fraction: float = 0.0
+    sparse_mean: bool = False
 
     def __post_init__(self) -> None:
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
@@ -64,6 +70,10 @@ class AggregationConfig:
             raise ValueError(f"norm_bound_ratio must be >= 1 or None, got {self.norm_bound_ratio!r}")
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+        if not isinstance(self.sparse_mean, bool):
+            raise ValueError(f"sparse_mean must be a bool, got {self.sparse_mean!r}")
+        if self.sparse_mean and self.robust:
+            raise ValueError("sparse_mean cannot be combined with norm_bound_ratio or trim_fraction (robust options)")
 
     @property
     def robust(self) -> bool:
@@ -193,7 +203,11 @@ class RoundConfig:
         aggregation: robust-aggregation options of the owner.
         error_feedback: keep what the codec or a lost exchange failed to deliver
             and add it to the next round's Δ (Seide et al. 2014 "1-bit SGD";
-            Karimireddy et al. 2019 "EF-SGD"); required by ``topk``.
+            Karimireddy et al. 2019 "EF-SGD"); required by ``topk`` and ``sparseloco``.
+        error_feedback_decay: β, the residual's decay before each round's Δ is added:
+            residual ← β·residual + Δ (SparseLoCo, arXiv 2508.15706, Algorithm 1: β = 0.95
+            with outer lr α = 1 and no outer momentum, the decayed residual standing in for
+            the outer momentum). In (0, 1]; 1 (default): nothing undelivered is forgotten.
         broadcast_error_feedback: the owner also keeps what the lossy broadcast
             codec lost from each mean and adds it to the next mean of that bucket
             (costs 4 bytes per owned parameter; off by default).
@@ -220,6 +234,7 @@ class RoundConfig:
     broadcast_codec: CodecConfig | None = None
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     error_feedback: bool = True
+    error_feedback_decay: float = 1.0
     broadcast_error_feedback: bool = False
     repair: bool = True
     plan_wait_s: float = 5.0
@@ -236,6 +251,9 @@ class RoundConfig:
                 raise ValueError(f"{name} must be a CodecConfig, got {type(v).__name__}")
         if self.codec.needs_error_feedback and not self.error_feedback:
             raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
+        d = self.error_feedback_decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
+            raise ValueError(f"error_feedback_decay must be a number in (0, 1], got {d!r}")
         for name in ("plan_wait_s", "repair_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

@@ -71,6 +71,7 @@ from experiments.convergence_labels import (
     NESTEROV,
     RESTART,
     SE_TARGET_PP,
+    SPARSE,
     diloco_label,
     fault_rows,
     mean_se,
@@ -242,6 +243,7 @@ def fault_specs(m: dict[str, Any], names: Sequence[str], seeds: Sequence[int]) -
         LOSS10: dict(push_loss=0.1, pull_loss=0.1),
         RESTART: dict(restart_after_round=f["restart_after"], down_rounds=f["down_rounds"]),
         **{k: dict(codec=c, broadcast_error_feedback=c == "topk") for k, c in CODECS.items()},
+        **SPARSE,
     }
     return [
         _spec(
@@ -445,7 +447,7 @@ ALIASES = {"fault-free": FAULT_FREE, "loss10": LOSS10, "restart": RESTART, "topk
 def _fault_names(text: str) -> list[str]:
     """``--fault-names``: comma-separated run names or aliases (``ALIASES``); a name with a
     comma in it ("1 site down, restarted") is put back together from its pieces."""
-    known = [FAULT_FREE, LOSS10, RESTART, *CODECS]
+    known = [FAULT_FREE, LOSS10, RESTART, *CODECS, *SPARSE]
     out, acc = [], ""
     for piece in text.split(","):
         acc = f"{acc},{piece}" if acc else piece.strip()
@@ -489,7 +491,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--fault-names",
         help="with --fault-seeds: comma-separated runs or aliases fault-free, loss10, restart, int8, int4, "
-        "topk (default: all, fault-free first)",
+        "topk, or the issue-35 rows (convergence_labels.SPARSE: int4+zstd, sparseloco ...; default: "
+        "fault-free, loss10, restart, int8, int4, topk)",
+    )
+    ap.add_argument(
+        "--fault-steps", type=int, help="with --fault-seeds: inner steps per site (default per mode; 4000 = 80 rounds)"
     )
     ap.add_argument("--fault-name-tag", default="", help="with --fault-seeds or --outer-check: suffix of the CSV name")
     ap.add_argument(
@@ -543,6 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.seeds is not None:
         m["seeds"] = {k: list(range(args.seeds)) for k in m["seeds"]}
+    if args.fault_steps:
+        m["faults"] = dict(m["faults"], total_steps=args.fault_steps)
     for h in m["hs"]:
         for steps in (m["total_steps"], m["sweep"]["total_steps"], m["faults"]["total_steps"]):
             if steps % h:

@@ -9,6 +9,7 @@ from typing import Any
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
+from dtrain.configs import AggregationConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
 from dtrain.tasks import TaskSpec
@@ -39,8 +40,11 @@ class RunSpec:
         down_rounds: rounds the restarted site stays away.
         sync_every: H inner steps per round; rounds: rounds to train.
         codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
-            topk_fraction: see ``CodecConfig``.
-        error_feedback, broadcast_error_feedback, repair: see ``RoundConfig``.
+            topk_fraction, sparse_k, sparse_chunk, sparse_bits: see ``CodecConfig``.
+        broadcast_codec: the means' codec name (None: ``codec``); broadcast_sparse_k: its
+            ``sparse_k`` (None: ``sparse_k``).
+        error_feedback, error_feedback_decay, broadcast_error_feedback, repair: see ``RoundConfig``;
+            sparse_mean: see ``AggregationConfig``.
         push_loss, pull_loss: probability that a contribution chunk (reduce) / a
             pulled mean (broadcast) is lost (``InprocFaults``).
         bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
@@ -83,7 +87,14 @@ class RunSpec:
     codec: str = "fp32"
     zstd_level: int = 1
     topk_fraction: float = 0.01
+    sparse_k: int = 64
+    sparse_chunk: int = 4096
+    sparse_bits: int = 2
+    broadcast_codec: str | None = None
+    broadcast_sparse_k: int | None = None
     error_feedback: bool = True
+    error_feedback_decay: float = 1.0
+    sparse_mean: bool = False
     broadcast_error_feedback: bool = False
     repair: bool = True
     push_loss: float = 0.0
@@ -143,6 +154,22 @@ class RunSpec:
             decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
 
+    def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
+        """The contribution codec and the means' codec."""
+        return self._codec(self.codec, self.sparse_k), self._codec(
+            self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k
+        )
+
+    def _codec(self, name: str, sparse_k: int) -> CodecConfig:
+        return CodecConfig(
+            name=name,
+            zstd_level=self.zstd_level,
+            topk_fraction=self.topk_fraction,
+            sparse_k=sparse_k,
+            sparse_chunk=self.sparse_chunk,
+            sparse_bits=self.sparse_bits,
+        )
+
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
             num_sites=self.num_sites,
@@ -150,11 +177,18 @@ class RunSpec:
                 sync_every=self.sync_every,
                 buckets=BucketConfig(
                     bucket_bytes=self.bucket_bytes,
-                    chunk_bytes=self.chunk_bytes if self.datagram_drop is None else datagram_chunk_bytes(self.codec),
+                    chunk_bytes=self.chunk_bytes
+                    if self.datagram_drop is None
+                    else min(self.bucket_bytes, *(datagram_chunk_bytes(c) for c in self._codecs())),
                 ),
                 rounds=RoundConfig(
-                    codec=CodecConfig(name=self.codec, zstd_level=self.zstd_level, topk_fraction=self.topk_fraction),
+                    codec=self._codec(self.codec, self.sparse_k),
+                    broadcast_codec=None
+                    if self.broadcast_codec is None and self.broadcast_sparse_k is None
+                    else self._codec(self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k),
                     error_feedback=self.error_feedback,
+                    error_feedback_decay=self.error_feedback_decay,
+                    aggregation=AggregationConfig(sparse_mean=self.sparse_mean),
                     broadcast_error_feedback=self.broadcast_error_feedback,
                     repair=self.repair,
                 ),

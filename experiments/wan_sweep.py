@@ -106,7 +106,8 @@ MODES: dict[str, dict[str, Any]] = {
         | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB},
     ),
 }
-CODEC = "int8"  # the worker's default
+CODEC = "int8"  # the worker's default; --set diloco.rounds.codec.name=sparseloco (issue 35) measures another
+CODEC_PATH = "diloco.rounds.codec.name"
 RENDEZVOUS = {
     "quorum_timeout_s": 60.0,
     "heartbeat_interval_s": 1.0,
@@ -168,7 +169,8 @@ def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | No
             topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
             changed_at.append(time.time())
             run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=CODEC, eval_every=total)
+            opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=f.get(CODEC_PATH, CODEC))
+            opts |= dict(eval_every=total)
             opts |= dict(bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
             for i in range(n):
                 run.start_site(i, inner_step_sleep_s=f.get(SLEEP, 0.0), **opts)
@@ -243,7 +245,7 @@ def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
         "num_sites": n,
         "size": f[SIZE],
         "sync_every": f[H],
-        "codec": CODEC,
+        "codec": f.get(CODEC_PATH, CODEC),
         "rate_mbit": rate,
         "delay_ms": delay,
         "loss_pct": loss,

@@ -177,7 +177,8 @@ class NetConfig:
         data_path: how contributions and means travel: "grpc" (default) or "datagram"
             (paced, sealed UDP on the same port number, never retransmitted; meant for
             provisioned links; control, state pulls and repair stay on gRPC; a chunk
-            becomes one datagram, and codecs with +zstd or topk are refused).
+            becomes one datagram, and codecs with +zstd or topk are refused; sparseloco is
+            fixed-size and cut in whole top-k chunks per datagram).
         grpc: gRPC channel and server settings.
         datagram: the datagram path's settings (rate, datagram size, NACKs, buffers);
             used with data_path "datagram". Its max_datagram_bytes sets the chunk size,
@@ -381,8 +382,12 @@ class WorkerConfig:
         if self.net.data_path == "datagram":  # a chunk is one datagram
             from dtrain.transports.datagram import datagram_chunk_bytes
 
-            try:
-                one = datagram_chunk_bytes(self.diloco.rounds.codec, self.net.datagram.max_datagram_bytes)
+            rounds = self.diloco.rounds
+            try:  # both a contribution and a mean of one chunk must fit a datagram
+                one = min(
+                    datagram_chunk_bytes(c, self.net.datagram.max_datagram_bytes)
+                    for c in (rounds.codec, rounds.broadcast_codec or rounds.codec)
+                )
             except ValueError as e:
                 raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
             buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))
@@ -434,6 +439,9 @@ WORKER_ALIASES = {
     "sync_every": "diloco.sync_every",
     "codec": "diloco.rounds.codec.name",
     "zstd_level": "diloco.rounds.codec.zstd_level",
+    **{n: f"diloco.rounds.codec.{n}" for n in ("sparse_k", "sparse_chunk", "sparse_bits")},
+    "error_feedback_decay": "diloco.rounds.error_feedback_decay",
+    "sparse_mean": "diloco.rounds.aggregation.sparse_mean",
     "broadcast_codec": "diloco.rounds.broadcast_codec.name",
     "max_norm": "diloco.rounds.aggregation.max_norm",
     "bucket_bytes": "diloco.buckets.bucket_bytes",

@@ -12,10 +12,11 @@ Payload layout (little-endian; :data:`HEADER_BYTES` = 32, then the body)::
     offset size field
     0      4    magic b"DTRC"
     4      1    format version (1)
-    5      1    codec id: fp32=1, bf16=2, fp16=3, int8=4, int4=5, topk=6
+    5      1    codec id: fp32=1, bf16=2, fp16=3, int8=4, int4=5, topk=6, sparseloco=7
     6      1    zstd flag: 0/1
     7      1    original dtype id: float32=1, bfloat16=2, float16=3 (informational)
-    8      4    codec parameter: int8/int4 block size, topk k, else 0
+    8      4    codec parameter: int8/int4 block size, topk k, sparseloco
+                log2(chunk) | bits << 8 | k << 16, else 0
     12     8    numel (u64)
     20     8    body length in bytes as stored (after zstd when the flag is set)
     28     4    crc32 of the stored body
@@ -43,6 +44,13 @@ Bodies (details in each class):
   stochastic rounding (unbiased).
 * ``topk`` (:class:`~dtrain.codecs.topk.TopKCodec`): k = ceil(fraction * numel) sorted
   index gaps (uint32) and fp16 values; needs error feedback.
+* ``sparseloco`` (:class:`~dtrain.codecs.sparse.SparseLoCoCodec`, SparseLoCo arXiv
+  2508.15706): per chunk of ``sparse_chunk`` elements (C) the ``sparse_k`` largest |x|
+  (k); body = per chunk (lo, hi) float32, then all kept chunk-local indices in log2(C) bits
+  each, then all kept values in ``sparse_bits`` bits each (sign | magnitude level between
+  lo and hi), both bit streams LSB-first; error <= max(lo, (hi − lo) / 2^sparse_bits) per
+  chunk; fixed size per element count (C=4096, k=64, 2 bits: 120 B per 4096 elements,
+  1/136.5 of fp32); needs error feedback.
 
 Measured speeds and ratios: ``experiments/bench_codecs.py``.
 
@@ -81,6 +89,7 @@ _CLASSES: dict[str, str] = {
     "int8": "blockwise:Int8Codec",
     "int4": "blockwise:Int4Codec",
     "topk": "topk:TopKCodec",
+    "sparseloco": "sparse:SparseLoCoCodec",
 }
 _BASE_NAMES = ("HEADER_BYTES", "Codec", "PayloadHeader", "peek_header")
 

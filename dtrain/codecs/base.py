@@ -26,7 +26,7 @@ __all__ = ["HEADER_BYTES", "Codec", "PayloadHeader", "equal_runs", "peek_header"
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("dtrain.codecs assumes a little-endian host")
 
-CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "topk": 6}
+CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "topk": 6, "sparseloco": 7}
 _CODEC_BY_ID = {v: k for k, v in CODEC_IDS.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}

@@ -11,6 +11,7 @@ __all__ = [
     "ZSTD_SUFFIX",
     "MAX_BLOCK_SIZE",
     "NEEDS_ERROR_FEEDBACK",
+    "SPARSE_CHUNKS",
     "CodecConfig",
     "CodecName",
 ]
@@ -24,19 +25,24 @@ CodecName = Literal[
     "int8",
     "int4",
     "topk",
+    "sparseloco",
     "fp32+zstd",
     "bf16+zstd",
     "fp16+zstd",
     "int8+zstd",
     "int4+zstd",
     "topk+zstd",
+    "sparseloco+zstd",
 ]
 ZSTD_SUFFIX = "+zstd"
 CODEC_NAMES: tuple[str, ...] = tuple(n for n in get_args(CodecName) if not n.endswith(ZSTD_SUFFIX))
 #: Base codecs that drop information by design and need error feedback (the codec
 #: classes' ``needs_error_feedback``; tests/unit/test_config.py checks they agree).
-NEEDS_ERROR_FEEDBACK: tuple[str, ...] = ("topk",)
+NEEDS_ERROR_FEEDBACK: tuple[str, ...] = ("topk", "sparseloco")
 MAX_BLOCK_SIZE = 1 << 24
+#: Chunk sizes ``sparseloco`` accepts: powers of two, so a chunk-local index uses all of its
+#: log2(chunk) bits.
+SPARSE_CHUNKS: tuple[int, ...] = tuple(1 << e for e in range(4, 17))
 
 
 def _bad_int(v: object) -> bool:
@@ -48,15 +54,22 @@ class CodecConfig:
     """Which codec to use and its parameters.
 
     Attributes:
-        name: the codec: fp32, bf16, fp16, int8, int4 or topk, optionally with the ``"+zstd"``
-            suffix (``"int8+zstd"``); the datagram data path takes fixed-size codecs only (no
-            ``+zstd``, no topk).
+        name: the codec: fp32, bf16, fp16, int8, int4, topk or sparseloco, optionally with the
+            ``"+zstd"`` suffix (``"int8+zstd"``); the datagram data path takes fixed-size codecs
+            only (no ``+zstd``, no topk; sparseloco is fixed-size and allowed).
         zstd_level: zstd compression level, 1..22 (1-3 for the hot path).
         block_size: elements per absmax scale block for int8/int4; even, in
             8..2**24. Smaller blocks: tighter error, more scale overhead
             (4 / block_size bytes per element).
         topk_fraction: fraction of elements kept by topk, in (0, 1]; k =
             ceil(topk_fraction * numel), at least 1.
+        sparse_chunk: sparseloco: elements per top-k chunk (SparseLoCo's chunk, 4096 in
+            arXiv 2508.15706), a power of two in 16..65536; chunk-local indices take
+            log2(sparse_chunk) bits.
+        sparse_k: sparseloco: entries kept per chunk (the paper's k; density k / chunk:
+            64 / 4096 = 1.56 %), an int in 1..sparse_chunk - 1.
+        sparse_bits: sparseloco: bits per kept value (the paper's Q: 2 bits, 4 levels),
+            an int in 2..8: a sign bit and sparse_bits - 1 magnitude bits.
         stochastic_rounding: int8/int4 only. Round up with probability equal to the
             fractional part, so that E[decode(encode(x))] = x (unbiased; error < one
             quantization step instead of half a step). Pass a seeded
@@ -73,6 +86,9 @@ class CodecConfig:
     zstd_level: int = 3
     block_size: int = 256
     topk_fraction: float = 0.01
+    sparse_chunk: int = 4096
+    sparse_k: int = 64
+    sparse_bits: int = 2
     stochastic_rounding: bool = False
     max_decoded_bytes: int = 1 << 31
 
@@ -89,6 +105,14 @@ class CodecConfig:
         f = self.topk_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 < f <= 1.0:
             raise ValueError(f"topk_fraction must be a number in (0, 1], got {f!r}")
+        if _bad_int(self.sparse_chunk) or self.sparse_chunk not in SPARSE_CHUNKS:
+            raise ValueError(f"sparse_chunk must be a power of two in 16..65536, got {self.sparse_chunk!r}")
+        if _bad_int(self.sparse_k) or not 1 <= self.sparse_k < self.sparse_chunk:
+            raise ValueError(
+                f"sparse_k must be an int in 1..sparse_chunk - 1 = {self.sparse_chunk - 1}, got {self.sparse_k!r}"
+            )
+        if _bad_int(self.sparse_bits) or not 2 <= self.sparse_bits <= 8:
+            raise ValueError(f"sparse_bits must be an int in 2..8, got {self.sparse_bits!r}")
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.stochastic_rounding and self.base_name not in ("int8", "int4"):
@@ -105,7 +129,7 @@ class CodecConfig:
 
     @property
     def needs_error_feedback(self) -> bool:
-        """Whether this codec requires error feedback (``topk``)."""
+        """Whether this codec requires error feedback (``topk``, ``sparseloco``)."""
         return self.base_name in NEEDS_ERROR_FEEDBACK
 
     @property

@@ -1,8 +1,18 @@
 """Top-k sparsification: keep the k largest |x|, send their indices and values.
 
 Every element not kept decodes to 0, so top-k is only sound with error feedback: the
-residual (what was dropped) is added to the next round's Δ (SparseLoCo; docs/ARCHITECTURE.md,
-"The residual rule"). Hence ``needs_error_feedback = True``.
+residual (what was dropped) is added to the next round's Δ (docs/ARCHITECTURE.md, "The
+residual rule"). Hence ``needs_error_feedback = True``.
+
+Why this is not SparseLoCo's compressor (that is :mod:`dtrain.codecs.sparse`, ``sparseloco``):
+the top-k here is over the whole payload, not per chunk, so a few large tensors' entries
+can take every slot and the rest of the model gets none for rounds; k scales with numel
+(``topk_fraction``), not per chunk; the index gaps are 32-bit and the values fp16 (6 bytes
+per kept entry against ~1.75 for sparseloco's 12-bit indices and 2-bit values); and its size
+does not decompose per chunk, so the datagram path refuses it. It stays as the plain,
+exact global top-k reference; its poor convergence in experiments/RESULTS.md (+69.6 % at 20
+rounds) comes mostly from the run's setting, not the codec: see docs/DECISIONS.md, "Codecs
+and error feedback".
 """
 
 from __future__ import annotations

@@ -719,7 +719,8 @@ class RoundEngine(PeerSide):
 
     # ------------------------------------------------------------------ helpers for callers
     def add_pseudo_gradient(self, tensors: list[torch.Tensor], buckets: Sequence[int] | None = None) -> bool:
-        """Set residual_b ← residual_b + (θ_b − local_b) for every bucket (of ``buckets``).
+        """Set residual_b ← β·residual_b + (θ_b − local_b) for every bucket (of ``buckets``),
+        β = ``RoundConfig.error_feedback_decay``.
 
         Args:
             tensors: the model's current (local) tensors, as the layout expects.
@@ -735,6 +736,7 @@ class RoundEngine(PeerSide):
             tensors,
             error_feedback=self.config.error_feedback,
             buckets=buckets,
+            decay=self.config.error_feedback_decay,
         )
         if not ok:
             self.log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")

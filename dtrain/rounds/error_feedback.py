@@ -77,8 +77,9 @@ def add_pseudo_gradient(
     *,
     error_feedback: bool,
     buckets: Sequence[int] | None = None,
+    decay: float = 1.0,
 ) -> bool:
-    """Set ``residuals[b] ← residuals[b] + (θ_b − local_b)`` for every bucket, in place.
+    """Set ``residuals[b] ← decay·residuals[b] + (θ_b − local_b)`` for every bucket, in place.
 
     Args:
         layout: how the model's tensors map to buckets.
@@ -87,6 +88,8 @@ def add_pseudo_gradient(
         tensors: the model's current (local) tensors, as ``layout`` expects.
         error_feedback: False replaces each residual with Δ_b (nothing carried over).
         buckets: only these buckets (a fragment round); None: all.
+        decay: β of SparseLoCo's error feedback e ← β·e + Δ (arXiv 2508.15706, Algorithm 1;
+            0.95 there), in (0, 1]; 1 keeps everything not yet delivered (EF-SGD).
     Returns:
         False, with every residual of ``buckets`` set to None, when any value is non-finite (the site
         then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
@@ -106,6 +109,8 @@ def add_pseudo_gradient(
         else:
             if tmp is None or tmp.numel() < n:
                 tmp = torch.empty(n, dtype=torch.float32, device=th.device)
+            if decay != 1.0:
+                r.mul_(decay)
             r.add_(_pseudo_gradient_into(tmp[:n], th, bucket, tensors))
         if not _all_finite(residuals[b]):
             ok = False

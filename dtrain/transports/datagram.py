@@ -111,7 +111,9 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     """Largest ``BucketConfig.chunk_bytes`` (fp32 input) whose encoded chunk fits one
     datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits); for
     the blockwise codecs a whole number of blocks (int4: 2,304 elements, not 2,522), so
-    neighbouring chunks encode and decode as one run (``Codec.decode_chunks``).
+    neighbouring chunks encode and decode as one run (``Codec.decode_chunks``); for
+    ``sparseloco`` a whole number of its top-k chunks (C=4096, k=64: 10 chunks, 40,960
+    elements, in 1,400 bytes), each datagram decodable on its own.
 
     Raises:
         ValueError: a codec whose size depends on the data (``+zstd``, ``topk``) or
@@ -119,9 +121,13 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     """
     c = get_codec(codec)
     if c.name.endswith("+zstd") or c.base == "topk":
-        raise ValueError(f"codec {c.name!r} has no fixed size per element: use fp32, bf16, fp16, int8 or int4")
+        raise ValueError(
+            f"codec {c.name!r} has no fixed size per element: use fp32, bf16, fp16, int8, int4 or sparseloco"
+        )
     room = max_body_bytes(max_datagram_bytes) - (max_members + 7) // 8  # codec payload bytes that fit
     lo, hi = 0, max(1, 2 * room)
+    while CODEC_HEADER_BYTES + c._body_bytes(hi) <= room:  # sparse codecs: many elements per byte
+        lo, hi = hi, 2 * hi
     while lo < hi:  # the largest numel whose payload fits
         mid = (lo + hi + 1) // 2
         if CODEC_HEADER_BYTES + c._body_bytes(mid) <= room:
@@ -130,7 +136,7 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
             hi = mid - 1
     if lo == 0:
         raise ValueError(f"max_datagram_bytes={max_datagram_bytes} leaves no room for one {c.name} element")
-    block = getattr(c, "_bs", 0)  # blockwise codecs: whole blocks, so runs of chunks decode in one pass
+    block = getattr(c, "_bs", 0)  # blockwise: whole blocks (runs decode in one pass); sparseloco: whole chunks
     if block and lo >= block:
         lo -= lo % block
     return 4 * lo

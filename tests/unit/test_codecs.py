@@ -79,12 +79,12 @@ def test_decode_returns_new_tensor_and_does_not_touch_input(name: str) -> None:
 
 
 def test_flags_and_names() -> None:
-    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "int4", "topk")
+    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "int4", "topk", "sparseloco")
     for name in ALL_NAMES:
         c = get_codec(name)
         assert c.name == name
         assert c.lossless == name.startswith("fp32")
-        assert c.needs_error_feedback == name.startswith("topk")
+        assert c.needs_error_feedback == name.startswith(("topk", "sparseloco"))
     assert get_codec(CodecConfig(name="int8+zstd", zstd_level=1)).name == "int8+zstd"
 
 

@@ -52,6 +52,7 @@ def _special(tmp: Path) -> dict[str, Any]:
         "site_index": 1,  # num_sites is raised with it (see _values)
         "zstd_level": 7,
         "block_size": 64,
+        "sparse_chunk": 1024,
         "keepalive_time_ms": 40_000,
         "server_min_ping_interval_ms": 5_000,
         "chunk_bytes": 1 << 18,
