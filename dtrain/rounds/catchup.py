@@ -372,7 +372,12 @@ class CatchUp:
         while s.tag < min(target, donor_round):
             try:
                 m = self.transport.pull_mean(
-                    d.address, s.tag, b, requester=self.requester, timeout_s=min(30.0, self.progress_timeout_s)
+                    d.address,
+                    s.tag,
+                    b,
+                    requester=self.requester,
+                    timeout_s=min(30.0, self.progress_timeout_s),
+                    have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
                 )
             except Rejected as e:  # not kept there (or unknown): another donor, else a new copy
                 log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)

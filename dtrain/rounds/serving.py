@@ -369,7 +369,7 @@ class PeerSide:
             return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
         if owned is None:
             if round < applied:
-                return self._past_mean(round, bucket, applied)
+                return self._past_mean(round, bucket, applied, have_checksum)
             if last or waited_s >= self.config.plan_wait_s or round > applied + 1:
                 raise Rejected(
                     RejectCode.FAILED_PRECONDITION, f"round {round} is not open here (next round is {applied})"
@@ -388,9 +388,11 @@ class PeerSide:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
         return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
 
-    def _past_mean(self, round: int, bucket: int, applied: int) -> BucketMean:
-        """A closed round's mean from :attr:`history` (a site catching up replays it); a bucket
-        that passed the round unchanged answers a mean without chunks.
+    def _past_mean(self, round: int, bucket: int, applied: int, have_checksum: str) -> BucketMean:
+        """A closed round's mean from :attr:`history` (a site catching up replays it). A bucket
+        that passed the round unchanged answers a mean without chunks, but only to a pull that
+        says its θ_b checksum (a site catching up does): a member's late pull of that round
+        from another member would read it as the owner's empty mean.
 
         Raises:
             Rejected: FAILED_PRECONDITION (the round is not kept, or its mean unknown here).
@@ -403,6 +405,8 @@ class PeerSide:
             ) from e
         if am.mean is not None:
             return am.mean
+        if not have_checksum:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next round is {applied})")
         return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
 
     def _reply_mean(
