@@ -16,6 +16,7 @@ from dtrain.configs import DiLoCoConfig, GroupConfig, RoundConfig
 from dtrain.diloco import DiLoCo
 from dtrain.errors import PeerUnavailable
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+from dtrain.rounds.outcome import RoundStatus
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
 pytestmark = pytest.mark.timeout(90)
@@ -180,3 +181,21 @@ def test_a_donor_lost_mid_transfer_costs_only_its_part():
         for d in (a, b, j):
             if d is not None:
                 d.close(wait=False)
+
+
+def test_a_straggler_cut_from_a_round_replays_it_from_its_own_theta_pulling_nothing_whole():
+    net, core = InprocNetwork(), _core()
+    a, b = _site("a", net, core), _site("b", net, core)
+    try:
+        until = [2]
+        for t in [_train(a, until, 1), _train(b, until, 2)]:
+            t.join(timeout=30)
+        _round(a, seed=5)  # round 2 without b (cut as a straggler)
+        _round(b, seed=6)  # b: missed round 2, resyncs
+        stats = b.site.last_catch_up
+        assert b.last_outcome.status == RoundStatus.RESYNCED and b.round == a.round == 3
+        assert stats.buckets_from == {} and stats.own_buckets == 9 and stats.means_replayed == 9
+        assert b.site_checksum() == a.site_checksum()
+    finally:
+        a.close(wait=False)
+        b.close(wait=False)
