@@ -224,9 +224,10 @@ class RoundConfig:
             death looks the same to a gRPC server). Off: such a sender is awaited
             until the reduce deadline or the rendezvous declares it dead.
         history_rounds: how many closed rounds' applied means this site keeps for a site
-            behind to replay (:mod:`dtrain.rounds.history`), >= 0; a site whose state pull
-            takes longer than this many rounds pulls its oldest buckets again. 0: none kept
-            (a site behind then needs a state pull faster than a round).
+            behind to replay (:mod:`dtrain.rounds.history`), >= 0. A pull may span any number
+            of rounds; one bucket's transfer must take fewer than this many (else that
+            bucket is pulled again, and again). 0: none kept (a site behind then needs its
+            state pull to finish within the round it started in).
         history_bytes: the most bytes of means kept (encoded, as broadcast), >= 0; the
             oldest rounds are dropped first.
     """
