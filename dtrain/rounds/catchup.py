@@ -124,6 +124,7 @@ class CatchUp:
         self.stats = CatchUpStats()
         self._staged: dict[int, _Staged] = {}
         self._pulled: set[int] = set()
+        self._pulled_again: set[int] = set()
         self._cv = threading.Condition()
         # per run
         self._queue: deque[int] = deque()
@@ -188,10 +189,7 @@ class CatchUp:
                     now = time.monotonic()
                     left = self.progress_at + self.progress_timeout_s - now
                     if left <= 0:
-                        raise StateTransferError(
-                            f"no progress for {self.progress_timeout_s:g} s "
-                            f"({len(self._queue)} bucket(s) queued, {self._busy} in flight)"
-                        )
+                        raise StateTransferError(self._stuck())
                     if self._queue and not self._busy:  # no donor takes them: ask the donors again
                         idle_since = idle_since if idle_since is not None else now
                         if now - idle_since > 0.5:
@@ -219,12 +217,22 @@ class CatchUp:
                 if not behind:
                     break
                 if time.monotonic() - self.progress_at > self.progress_timeout_s:
-                    raise StateTransferError(f"no progress for {self.progress_timeout_s:g} s at round {target}")
+                    raise StateTransferError(self._stuck())
                 self._queue.extend(behind)
                 self._avoid = {}
                 self._cv.notify_all()
         self._install(target)
         return target
+
+    def _stuck(self) -> str:
+        why = f"no progress for {self.progress_timeout_s:g} s at round {self._target}"
+        why += f" ({len(self._queue)} bucket(s) queued, {self._busy} in flight"
+        if self.stats.repulled:
+            why += (
+                f"; {self.stats.repulled} bucket pull(s) repeated: a bucket's transfer outlasts the rounds the "
+                "members keep (RoundConfig.history_rounds / history_bytes)"
+            )
+        return why + ")"
 
     def _install(self, target: int) -> None:
         lrs_now = next((i.lrs_now for i in self._info.values() if i.rounds_applied == target), None)
@@ -406,6 +414,7 @@ class CatchUp:
         with self._cv:
             if b in self._pulled:
                 self.stats.repulled += 1
+                self._pulled_again.add(b)
             self._pulled.add(b)
             self.stats.buckets_from[d.site_id] = self.stats.buckets_from.get(d.site_id, 0) + 1
             self.stats.bytes_from[d.site_id] = (
@@ -414,7 +423,10 @@ class CatchUp:
             self._staged[b] = s
             self._rounds[d.site_id] = max(self._rounds.get(d.site_id, 0), st.rounds_applied)
             self._target = max(self._target, st.rounds_applied)
-            self.progress_at = time.monotonic()
+            if b not in self._pulled_again:
+                # a bucket's first pull is progress; pulling it again is not (with nothing kept
+                # to replay, a pull that spans rounds would pull forever: it times out instead)
+                self.progress_at = time.monotonic()
         return s
 
     def _replay(self, b: int, s: _Staged, m: BucketMean, sid: str) -> bool:

@@ -14,9 +14,10 @@ what it applied: its :class:`MeanHistory` holds, per closed round and bucket, on
   the mean): a request is refused, the joiner asks another donor.
 
 Bounded by a number of rounds and by the payload bytes kept (``RoundConfig.history_rounds``,
-``history_bytes``): the oldest rounds go first; a round larger than the byte bound alone is
-not kept. Means of the newest round are the same objects the engine serves to late pullers,
-so they cost nothing extra.
+``history_bytes``): the oldest rounds go first, but the newest round is kept even when it
+alone is larger than the byte bound (a straggler cut from one round replays it). Means of the
+newest round are the same objects the engine serves to late pullers until the next round
+opens, so at most one round costs memory past the bound.
 """
 
 from __future__ import annotations
@@ -76,13 +77,12 @@ class MeanHistory:
 
     def close_round(self, round: int, buckets: Mapping[int, AppliedMean | None]) -> None:
         """Keep round ``round``'s outcome per bucket (every bucket of the layout: ``None`` for
-        one whose group mean this site does not know); drops the oldest rounds past the bounds.
-        A round older than one kept, or kept already, is ignored."""
+        one whose group mean this site does not know); drops the oldest rounds past the bounds
+        (never the newest). A round older than one kept, or kept already, is ignored; a gap
+        (rounds this site did not close) drops everything older."""
         size = sum(_size(m) for m in buckets.values())
         with self._lock:
-            if self.max_rounds == 0 or size > self.max_bytes:
-                self._rounds.clear()  # a gap: older rounds cannot be replayed past it
-                self._bytes.clear()
+            if self.max_rounds == 0:
                 return
             if self._rounds and round <= next(reversed(self._rounds)):
                 return
@@ -91,7 +91,11 @@ class MeanHistory:
                 self._bytes.clear()
             self._rounds[round] = dict(buckets)
             self._bytes[round] = size
-            while len(self._rounds) > self.max_rounds or sum(self._bytes.values()) > self.max_bytes:
+            # the newest round stays even past the byte bound (a straggler cut from one round
+            # replays it; the engine held those means anyway until the next round opened)
+            while len(self._rounds) > self.max_rounds or (
+                len(self._rounds) > 1 and sum(self._bytes.values()) > self.max_bytes
+            ):
                 old, _ = self._rounds.popitem(last=False)
                 del self._bytes[old]
 

@@ -25,7 +25,9 @@ H = 2
 KEEP = 5  # rounds of means the members keep in the first test
 
 
-def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, history_rounds: int = 16) -> DiLoCo:
+def _site(
+    site_id: str, net: InprocNetwork, core: RendezvousCore, *, history_rounds: int = 16, pull_s: float = 10.0
+) -> DiLoCo:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)  # 136 parameters: 9 buckets of 64 bytes
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -35,7 +37,7 @@ def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, history_rou
         hook_optimizer=False,
         buckets=BucketConfig(bucket_bytes=64, chunk_bytes=64),
         rounds=RoundConfig(history_rounds=history_rounds),
-        group=GroupConfig(state_pull_timeout_s=10.0, state_pull_streams=1, ready_poll_s=0.2),
+        group=GroupConfig(state_pull_timeout_s=pull_s, state_pull_streams=1, ready_poll_s=0.2),
     )
     return DiLoCo(model, opt, config=cfg, transport=InprocTransport(net), rendezvous=InprocRendezvousClient(core))
 
@@ -94,7 +96,7 @@ def test_a_joiner_whose_pull_spans_ten_rounds_replays_them_and_ends_equal():
         while min(a.round, b.round) < 2 * KEEP:  # round 0 no longer kept: the joiner must pull
             time.sleep(0.05)
         for d in (a, b):  # each bucket takes 2 rounds: 9 over 2 donors, one stream each: ~10 rounds
-            d.engine.fault_hook = _rounds_per_bucket(d, 2)
+            d.engine.fault_hook = _rounds_per_bucket(d, 3)
         r0 = a.round
         j = _site("j", net, core, history_rounds=KEEP)
         joined_at = j.round

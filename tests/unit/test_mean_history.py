@@ -40,8 +40,10 @@ def test_the_byte_bound_drops_the_oldest_and_a_gap_starts_again():
     assert h.span() == (2, 3)
     h.close_round(6, _round(6))  # rounds 4, 5 missed here: nothing older can be replayed past them
     assert h.span() == (6, 6)
-    h.close_round(7, _round(7, nbytes=300))  # larger than the bound alone: nothing kept
-    assert h.span() is None
+    h.close_round(7, _round(7, nbytes=300))  # larger than the bound alone: kept, as the only one
+    assert h.span() == (7, 7) and h.bytes_kept() == 300
+    h.close_round(8, _round(8))
+    assert h.span() == (8, 8)
 
 
 def test_zero_rounds_keeps_nothing_and_bad_bounds_are_refused():
