@@ -10,15 +10,18 @@ replayed round costs one round of means, what a member pulls every round anyway)
 
 Modes:
   smoke  loopback (no netem, no root), 2 MB of state: seconds; checks the code path.
-  quick  netem (root): every site's link 100 Mbit/s, RTT 40 ms; 16 and 64 MB of state;
-         one and three donors.
+  quick  netem (root): every donor's link 100 Mbit/s, RTT 40 ms; 16 and 64 MB of state;
+         one and three donors; the joiner's link 100 Mbit/s (it is the bottleneck) or
+         300 Mbit/s (the donors' uplinks are: three donors should take a third of the time).
   full   as quick with 64 and 256 MB.
 
 Run (repository root)::
 
     .venv/bin/python -m experiments.catch_up --mode quick
 
-Prints one line per run and a table (state MB, donors, seconds, naive seconds, ratio).
+Prints one line per run and a table (joiner link, state MB, donors, seconds, the naive
+seconds = state bytes / the narrower side's rate: the joiner's link, or the donors' uplinks
+together, and the ratio).
 The target (issue 33): within 1.3x of the naive figure with three donors.
 """
 
@@ -34,9 +37,23 @@ import time
 from pathlib import Path
 
 MODES = {
-    "smoke": {"netem": False, "state_mb": [2], "donors": [1, 3], "rate_mbit": None, "rtt_ms": 0},
-    "quick": {"netem": True, "state_mb": [16, 64], "donors": [1, 3], "rate_mbit": 100, "rtt_ms": 40},
-    "full": {"netem": True, "state_mb": [64, 256], "donors": [1, 3], "rate_mbit": 100, "rtt_ms": 40},
+    "smoke": {"netem": False, "state_mb": [2], "donors": [1, 3], "rate_mbit": None, "rtt_ms": 0, "joiner_x": [1]},
+    "quick": {
+        "netem": True,
+        "state_mb": [16, 64],
+        "donors": [1, 3],
+        "rate_mbit": 100,
+        "rtt_ms": 40,
+        "joiner_x": [1, 3],
+    },
+    "full": {
+        "netem": True,
+        "state_mb": [64, 256],
+        "donors": [1, 3],
+        "rate_mbit": 100,
+        "rtt_ms": 40,
+        "joiner_x": [1, 3],
+    },
 }
 BUCKET_BYTES = 1 << 20  # 1 MiB buckets: a 16 MB state is 8 of them, enough to spread over 3 donors x 2 streams
 TARGET_RATIO = 1.3
@@ -164,22 +181,28 @@ def main(argv: list[str] | None = None) -> None:
         topo.set_link(None, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"])
     rows = []
     try:
-        for mb in m["state_mb"]:
-            numel = (mb << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
-            for n in m["donors"]:
-                r = _run_one(numel, n, m, topo)
-                naive = r["bytes"] * 8 / (m["rate_mbit"] * 1e6) if m["rate_mbit"] else float("nan")
-                row = {"state_mb": mb, "donors": n, **r, "naive_s": naive, "ratio": r["seconds"] / naive}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        for jx in m["joiner_x"]:
+            if topo is not None:
+                topo.set_link(0, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"] * jx)
+            for mb in m["state_mb"]:
+                numel = (mb << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
+                for n in m["donors"]:
+                    r = _run_one(numel, n, m, topo)
+                    rate = m["rate_mbit"] * min(jx, n) if m["rate_mbit"] else float("nan")  # the narrower side
+                    naive = r["bytes"] * 8 / (rate * 1e6)
+                    row = {"joiner_mbit": (m["rate_mbit"] or 0) * jx, "state_mb": mb, "donors": n, **r}
+                    row.update(naive_s=naive, ratio=r["seconds"] / naive)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     finally:
         if topo is not None:
             topo.close()
-    print("\n| state MB | donors | seconds | naive s | ratio | equal |")
-    print("|---|---|---|---|---|---|")
+    print("\n| joiner Mbit/s | state MB | donors | seconds | naive s | ratio | equal |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['state_mb']} | {r['donors']} | {r['seconds']:.2f} | {r['naive_s']:.2f} | {r['ratio']:.2f} | {r['equal']} |"
+            f"| {r['joiner_mbit']} | {r['state_mb']} | {r['donors']} | {r['seconds']:.2f} | {r['naive_s']:.2f} "
+            f"| {r['ratio']:.2f} | {r['equal']} |"
         )
 
 
