@@ -168,7 +168,12 @@ class GroupConfig:
         rendezvous_retry_s: how long ``sync`` retries an unreachable rendezvous
             before giving up for now and letting the site train on locally; > 0.
         backoff_max_s: cap of the exponential backoff between retries; > 0.
-        state_pull_timeout_s: time budget of a full state pull (join/resync); > 0.
+        state_pull_timeout_s: how long a state pull (join/resync) goes on without progress
+            (no bucket pulled or replayed) before it fails, and how long a site behind looks
+            for a member to pull from; > 0. A pull that makes progress may take any number
+            of rounds (it replays the rounds it missed, :mod:`dtrain.rounds.catchup`).
+        state_pull_streams: concurrent transfers per donor of a state pull, >= 1; the buckets
+            are spread over every live member, a faster one taking more (:mod:`dtrain.rounds.catchup`).
         takeover_s: how long a join that the rendezvous refuses because a live site holds
             this site id is tried again, >= 0: a restarted incarnation of the same site (a
             torchrun restart of a site group, a process supervisor) waits there for its
@@ -181,6 +186,7 @@ class GroupConfig:
     rendezvous_retry_s: float = 2.0
     backoff_max_s: float = 5.0
     state_pull_timeout_s: float = 120.0
+    state_pull_streams: int = 2
     takeover_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -188,6 +194,9 @@ class GroupConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        n = self.state_pull_streams
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"state_pull_streams must be an int >= 1, got {n!r}")
         t = self.takeover_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
             raise ValueError(f"takeover_s must be a number of seconds >= 0, got {t!r}")
@@ -228,6 +237,13 @@ class RoundConfig:
             sends all it owes an owner in one stream; a stream broken by the sender's
             death looks the same to a gRPC server). Off: such a sender is awaited
             until the reduce deadline or the rendezvous declares it dead.
+        history_rounds: how many closed rounds' applied means this site keeps for a site
+            behind to replay (:mod:`dtrain.rounds.history`), >= 0. A pull may span any number
+            of rounds; one bucket's transfer must take fewer than this many (else that
+            bucket is pulled again, and again). 0: none kept (a site behind then needs its
+            state pull to finish within the round it started in).
+        history_bytes: the most bytes of means kept (encoded, as broadcast), >= 0; the
+            oldest rounds are dropped first.
     """
 
     codec: CodecConfig = field(default_factory=lambda: CodecConfig(name="fp32"))
@@ -242,6 +258,8 @@ class RoundConfig:
     max_consecutive_rejections: int = 3
     num_pull_threads: int = 8
     short_push_is_loss: bool = True
+    history_rounds: int = 16
+    history_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         # Codec names are checked by CodecConfig against its torch-free name list.
@@ -261,6 +279,10 @@ class RoundConfig:
             raise ValueError(f"max_consecutive_rejections must be >= 1, got {self.max_consecutive_rejections!r}")
         if self.num_pull_threads < 1:
             raise ValueError(f"num_pull_threads must be >= 1, got {self.num_pull_threads!r}")
+        for name in ("history_rounds", "history_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,10 +36,10 @@ from dtrain.errors import LeftBehind, QuorumTimeout, RendezvousError, SiteGroupE
 from dtrain.membership import Decision, Group, RendezvousClient
 from dtrain.protocol import JoinInfo, Member, RoundPlan
 from dtrain.rounds import RoundEngine
+from dtrain.rounds.catchup import CatchUp, CatchUpStats
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.sitegroup.agree import RankView, decide_agreement, rank_donors, rank_plan
 from dtrain.sitegroup.comm import SiteComm
-from dtrain.state import pull_full_state
 
 __all__ = ["Site"]
 
@@ -62,6 +62,8 @@ class Site:
         group: rank 0's :class:`~dtrain.membership.Group`; None on ranks j > 0.
         donors: the members (their rank j) this rank's θ was last pulled from (join or
             resync), for the training-position heal; empty when the last one pulled nothing.
+        last_catch_up: what the last join or resync pulled and replayed, from whom
+            (:class:`~dtrain.rounds.catchup.CatchUpStats`); None before the first.
         view_hook: test-only fault injection, ``view -> view`` applied to this rank's
             :class:`~dtrain.sitegroup.agree.RankView` before the ranks compare them.
     Raises:
@@ -90,6 +92,7 @@ class Site:
             if self.group is not None and self.notices is not None:
                 self.group.on_members_lost = self.notices.post
         self.donors: list[Member] = []
+        self.last_catch_up: CatchUpStats | None = None  # what the last join or resync pulled and replayed
         self.last_plan: RoundPlan | None = None  # of the last round this site ran
         self.view_hook: Callable[[RankView], RankView] | None = None
         # process CPU seconds of the last round's steps: gather (Δ + residual) and round (the
@@ -100,7 +103,7 @@ class Site:
     def join(self) -> JoinInfo:
         """Join as one site: rank 0 registers (every rank's address) and starts
         heartbeating; when rounds already ran every rank pulls its slice from rank j of
-        the members (within ``state_pull_timeout_s``).
+        the members (:meth:`_pull`).
 
         Raises:
             RendezvousError: (every rank) the rendezvous unreachable for 60 s.
@@ -186,23 +189,37 @@ class Site:
         return errs
 
     def _pull(self, info: JoinInfo, *, min_round: int) -> None:
-        """Pull this rank's slice from rank j of ``info.members`` within
-        ``state_pull_timeout_s``. A one-process site whose donors all failed, or that
-        finds no member while its θ is behind the group's round (the others may be
-        re-joining), asks the rendezvous for the current members every 0.5 s and tries
-        them (ranks of a K > 1 site fail together and try again at the next sync
-        instead: one rank cannot re-register alone). With no member and a θ that is not
-        behind there is nothing to pull.
+        """Bring this rank's slice to the group's round from rank j of ``info.members``
+        (:class:`~dtrain.rounds.catchup.CatchUp`: buckets spread over every member, each
+        pulled whole or replayed from the means the members keep, starting from this
+        site's own θ_b where they keep every round since). A pull may take any number of
+        rounds; it fails after ``state_pull_timeout_s`` without progress. A one-process
+        site whose donors all failed, or that finds no member while its θ is behind the
+        group's round (the others may be re-joining), asks the rendezvous for the current
+        members every 0.5 s and goes on with them, keeping what it pulled (ranks of a
+        K > 1 site fail together and try again at the next sync instead: one rank cannot
+        re-register alone). With no member and a θ that is not behind there is nothing to
+        pull. ``last_catch_up`` holds what the pull did.
 
         Raises:
-            StateTransferError: no consistent state within ``state_pull_timeout_s``.
+            StateTransferError: no progress within ``state_pull_timeout_s``.
             RendezvousError: the rendezvous unreachable when asked again.
             LeftBehind: no member to pull from (K = 1: for ``state_pull_timeout_s``)
                 while θ is behind the round the group is at: the site never adopts the
                 round number with its old θ (issue 33, "no site left behind").
         """
         st = self.engine.state
-        deadline = time.monotonic() + self.config.state_pull_timeout_s
+        timeout_s = self.config.state_pull_timeout_s
+        deadline = time.monotonic() + timeout_s
+        catch = CatchUp(
+            st,
+            self.engine.transport,
+            self.engine.bcodec,
+            requester=self.site_id,
+            streams_per_donor=self.config.state_pull_streams,
+            progress_timeout_s=timeout_s,
+        )
+        self.last_catch_up = catch.stats
         while True:
             donors = rank_donors(info.members, self.rank, self.num_ranks)
             target = max(min_round, info.next_round)
@@ -216,25 +233,17 @@ class Site:
                         self.site_id,
                         st.rounds_applied,
                         target,
-                        f"no live member for {self.config.state_pull_timeout_s:g} s"
-                        if self.num_ranks == 1
-                        else "no live member",
+                        f"no live member for {timeout_s:g} s" if self.num_ranks == 1 else "no live member",
                     )
                 time.sleep(0.5)
                 info = self.group.register_with_backoff(60.0)
                 continue
             self.donors = donors
             try:
-                pull_full_state(
-                    st,
-                    self.engine.transport,
-                    donors,
-                    requester=self.site_id,
-                    timeout_s=max(0.1, deadline - time.monotonic()),
-                    min_round=max(min_round, info.next_round),
-                )
+                catch.run(donors, min_round=target)
                 return
             except StateTransferError as e:
+                deadline = max(deadline, catch.progress_at + timeout_s)  # it made progress: go on
                 if self.group is None or self.num_ranks > 1 or time.monotonic() + 0.2 >= deadline:
                     raise
                 log.warning(

@@ -1,5 +1,6 @@
-"""Global parameters θ per bucket, their outer optimizers and residuals, and
-state transfer (repair of stale buckets, joining sites).
+"""Global parameters θ per bucket, their outer optimizers and residuals, and what state
+transfer moves: one bucket's state (repair of stale buckets; a site catching up pulls and
+replays them, :mod:`dtrain.rounds.catchup`) and a site's training position.
 
 Every site keeps θ as one fp32 tensor per bucket, one outer optimizer per
 bucket (so its state is per bucket and can be repaired or transferred bucket by
@@ -18,9 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dtrain.buckets import BucketLayout, checksum
-from dtrain.errors import StateTransferError, TransportError
-from dtrain.protocol import BucketState, Member
-from dtrain.transports.base import Transport
+from dtrain.errors import StateTransferError
+from dtrain.protocol import BucketState
 
 __all__ = [
     "OuterOptimizerFactory",
@@ -28,7 +28,6 @@ __all__ = [
     "delayed_outer_optimizer",
     "DELAYED_OUTER_MOMENTUM",
     "GlobalState",
-    "pull_full_state",
     "position_state",
     "decode_position",
     "copy_reusing",
@@ -357,71 +356,3 @@ def decode_position(st: BucketState) -> dict:
 def _renamed(sd: dict) -> dict:
     """``GlobalState.state_dict`` keys as written now, from either layout."""
     return {_OLD_KEYS.get(k, k): v for k, v in sd.items()}
-
-
-def pull_full_state(
-    state: GlobalState,
-    transport: Transport,
-    donors: Sequence[Member],
-    *,
-    requester: str,
-    timeout_s: float,
-    min_round: int = 0,
-) -> int:
-    """Pull every bucket's θ_b and outer-optimizer state from ``donors``.
-
-    Buckets are fetched one by one; if a donor fails mid-transfer the next donor
-    is asked for the remaining buckets; when every donor failed, it raises at once
-    (the caller refreshes the member list). All buckets must carry the same
-    ``rounds_applied`` tag (>= ``min_round``); otherwise the whole transfer
-    is retried (a donor was mid-round). Nothing is applied until every bucket has
-    arrived and validated: on failure, ``state`` is untouched.
-
-    Args:
-        donors: members to pull from, tried in order.
-        timeout_s: overall time budget, seconds.
-        min_round: the lowest acceptable round tag.
-    Returns:
-        the round tag of the installed state (= the next round to run).
-    Raises:
-        StateTransferError: every donor failed, or no consistent state could be
-            assembled in time.
-    """
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    last_err = "no donors"
-    while time.monotonic() < deadline:
-        got: dict[int, tuple[torch.Tensor, dict, int]] = {}
-        di = 0
-        while len(got) < len(state) and di < len(donors) and time.monotonic() < deadline:
-            donor = donors[di]
-            try:
-                for b in range(len(state)):
-                    if b in got:
-                        continue
-                    remaining = max(0.05, deadline - time.monotonic())
-                    st = transport.pull_state(donor.address, b, requester=requester, timeout_s=min(remaining, 30.0))
-                    theta, opt = state.decode_bucket_state(st)
-                    got[b] = (theta, opt, st.rounds_applied)
-            except (TransportError, StateTransferError) as e:
-                last_err = f"donor {donor.site_id} failed: {e}"
-                log.warning("state pull: %s; trying the next donor", last_err)
-                di += 1
-        if len(got) < len(state) and di >= len(donors):
-            # Every donor failed: they may have died or left. The caller asks the
-            # rendezvous for the current members rather than retrying these.
-            raise StateTransferError(f"every donor failed ({len(donors)} tried): {last_err}")
-        if len(got) == len(state):
-            tags = {g[2] for g in got.values()}
-            if len(tags) == 1 and next(iter(tags)) >= min_round:
-                tag = next(iter(tags))
-                for b, (theta, opt, rnd) in got.items():
-                    state.load_bucket(b, theta, opt, rnd)
-                state.rounds_applied = tag
-                log.info("state pull: installed %d buckets at round %d", len(got), tag)
-                return tag
-            last_err = f"inconsistent round tags {sorted(tags)} (donor mid-round) or below {min_round}"
-            log.info("state pull: %s; retrying", last_err)
-        time.sleep(0.2)
-    raise StateTransferError(f"could not pull a consistent state in {timeout_s} s: {last_err}")

@@ -47,6 +47,7 @@ from dtrain.errors import (
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
+from dtrain.rounds.history import AppliedMean, MeanHistory
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.member import MemberRound
 from dtrain.rounds.owner import ChunkReduction, OpenRound
@@ -133,6 +134,8 @@ class RoundEngine(PeerSide):
         self._site_pacer: Pacer | None = None  # shared by the paced rounds (rate set per round)
         # Who pulled which of this site's means, per round (what DiLoCo.close() waits for).
         self.mean_pulls = MeanPulls()
+        # The last rounds' applied means, for a site behind to replay (dtrain.rounds.catchup).
+        self.history = MeanHistory(self.config.history_rounds, self.config.history_bytes)
         # Called (no arguments, from any thread; must not block) when a mean is published
         # or a round opens or closes here: the gRPC server wakes the PullMean calls that
         # wait for a bucket as coroutines (PeerSide.poll_pull_mean).
@@ -681,6 +684,7 @@ class RoundEngine(PeerSide):
             self.log.warning(
                 "round %d: refused %d contribution(s) as owner: %s", run.round, books.rejections.total, res.rejected
             )
+        self.history.close_round(run.round, self._applied_means(run))
         with self._cv:
             if len(run.active) < len(self.state):  # a fragment round: the other buckets pass it unchanged
                 for b in set(range(len(self.state))) - set(run.active):
@@ -697,6 +701,25 @@ class RoundEngine(PeerSide):
         res.total_s = time.monotonic() - run.t0
         res.wait_s = max(0.0, res.total_s - res.encode_s - res.decode_s - res.network_s)
         return res
+
+    def _applied_means(self, run: _Run) -> dict[int, AppliedMean | None]:
+        """What the round did to each bucket, for :attr:`history`: the mean the group applied
+        (an owner's own, or the one that arrived; a site that was stale still knows it), None
+        for unchanged (owner lost, empty, outside the fragment), or unknown (no mean here)."""
+        out: dict[int, AppliedMean | None] = {}
+        active = set(run.active)
+        for b in range(len(self.state)):
+            lrs = tuple(float(g["lr"]) for g in self.state.optimizers[b].param_groups)
+            if b not in active or run.member.outcome(b) in (BucketOutcome.EMPTY, BucketOutcome.OWNER_LOST):
+                out[b] = AppliedMean(None, lrs)
+                continue
+            if run.owners[b] == self.site_id:
+                with self._cv:
+                    m = self._means.get((run.round, b))
+            else:
+                m = run.member.mean(b)
+            out[b] = AppliedMean(m, lrs) if m is not None and m.chunks else None
+        return out
 
     def _note_rejections(self, books: OpenRound) -> None:
         """Count a round towards excluding a member whose contributions were refused for

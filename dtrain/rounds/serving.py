@@ -25,6 +25,7 @@ from dtrain.errors import (
     Rejected,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.rounds.history import NotRetained, history_info_state
 from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
 from dtrain.transports.pacing import Pacer
@@ -368,7 +369,7 @@ class PeerSide:
             return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
         if owned is None:
             if round < applied:
-                raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next round is {applied})")
+                return self._past_mean(round, bucket, applied, have_checksum)
             if last or waited_s >= self.config.plan_wait_s or round > applied + 1:
                 raise Rejected(
                     RejectCode.FAILED_PRECONDITION, f"round {round} is not open here (next round is {applied})"
@@ -386,6 +387,27 @@ class PeerSide:
         if m is None:
             raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
         return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
+
+    def _past_mean(self, round: int, bucket: int, applied: int, have_checksum: str) -> BucketMean:
+        """A closed round's mean from :attr:`history` (a site catching up replays it). A bucket
+        that passed the round unchanged answers a mean without chunks, but only to a pull that
+        says its θ_b checksum (a site catching up does): a member's late pull of that round
+        from another member would read it as the owner's empty mean.
+
+        Raises:
+            Rejected: FAILED_PRECONDITION (the round is not kept, or its mean unknown here).
+        """
+        try:
+            am = self.history.get(round, bucket)
+        except NotRetained as e:
+            raise Rejected(
+                RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next is {applied}): {e}"
+            ) from e
+        if am.mean is not None:
+            return am.mean
+        if not have_checksum:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is over here (next round is {applied})")
+        return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
 
     def _reply_mean(
         self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean, have_checksum: str = ""
@@ -408,6 +430,9 @@ class PeerSide:
                 log.exception("mean listener failed")
 
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
+        if bucket == len(self.state) + 1:  # two past the last: what this site keeps for a site behind
+            lrs_now = [tuple(float(g["lr"]) for g in o.param_groups) for o in self.state.optimizers]
+            return history_info_state(self.history, self.state.rounds_applied, lrs_now, index=bucket)
         if bucket == len(self.state):  # one past the last bucket: the training position
             position = self.position_source(bucket) if self.position_source is not None else None
             if position is None:

@@ -339,7 +339,12 @@ class DatagramMeans:
             and rs.owners[bucket] != rs.site_id
         )
         if not pushed:
-            m = self._grpc.pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
+            # not a round of this site's (a site catching up replays a closed one): the checksum
+            # asks for "unchanged" answers too (PeerSide._past_mean)
+            have = have_checksum if rs is None else ""
+            m = self._grpc.pull_mean(
+                address, round, bucket, requester=requester, timeout_s=timeout_s, have_checksum=have
+            )
             if (
                 rs is not None
                 and bucket < len(rs.owners)

@@ -1,0 +1,467 @@
+"""Catching up: a site behind brings θ and the outer state to the group's round, however slow
+its link, from every live member at once (issue 33).
+
+Per bucket, not per snapshot: each bucket's θ_b and outer-optimizer state carry the round
+they reflect (``BucketState.rounds_applied``, read under the bucket's lock at the donor), so
+a bucket pulled at round t needs only the outer steps of rounds ``[t, T)`` to be current at
+round T. Those steps are replayed here from the means the members keep
+(:class:`~dtrain.rounds.history.MeanHistory`): decode the mean, run the bucket's outer
+optimizer with the learning rate of that round, and check θ_b's checksum before and after
+against the owner's (``BucketMean.checksum_before/after``). No donor keeps a copy of its
+state, blocks its training, or has to finish the transfer within a round; a transfer that
+spans rounds replays them afterwards. Buckets start from the site's own θ_b when the
+members still keep every round since (a straggler cut from a round pulls only that round's
+means); a bucket older than what the members keep, or whose replay does not reach the
+owner's checksum, is pulled whole again ("says so, takes a newer copy").
+
+Several donors: one work queue of buckets; each live member serves it through
+``streams_per_donor`` concurrent transfers, so a faster donor takes more buckets (chosen
+by measured throughput, as work stealing does); a donor that fails mid-transfer is dropped
+and only the bucket it was serving goes back on the queue (a partial re-pull). What was
+pulled survives a failed :meth:`CatchUp.run` (every donor gone): the next call, with the
+members the rendezvous names then, goes on from there.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dtrain.buckets import checksum
+from dtrain.codecs.base import Codec
+from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, Rejected, StateTransferError, TransportError
+from dtrain.protocol import BucketMean, Member
+from dtrain.rounds.history import HistoryInfo, decode_history_info
+from dtrain.rounds.means import decode_mean
+from dtrain.state import GlobalState
+from dtrain.transports.base import Transport
+
+__all__ = ["CatchUp", "CatchUpStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CatchUpStats:
+    """What a :class:`CatchUp` did (tests, logs, the benchmark).
+
+    Attributes:
+        buckets_from: per donor site id, the buckets pulled whole from it.
+        bytes_from: per donor site id, bytes of bucket state pulled from it.
+        means_replayed: outer steps replayed (one bucket, one round each).
+        own_buckets: buckets that started from this site's own θ_b and were only replayed.
+        repulled: bucket pulls beyond the first of each bucket (a bucket older than what the
+            members keep, a replay that missed the owner's checksum, or a donor lost mid-pull).
+        donors_lost: donors dropped after a failed transfer.
+        rounds: the round installed.
+    """
+
+    buckets_from: dict[str, int] = field(default_factory=dict)
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    means_replayed: int = 0
+    own_buckets: int = 0
+    repulled: int = 0
+    donors_lost: list[str] = field(default_factory=list)
+    rounds: int = -1
+
+
+class _Staged:
+    """One bucket being brought up to date: its own outer optimizer over a private θ_b."""
+
+    def __init__(self, opt: torch.optim.Optimizer, tag: int) -> None:
+        self.opt = opt
+        self.theta: torch.Tensor = opt.param_groups[0]["params"][0]
+        self.tag = tag
+        self.sum = checksum(self.theta)
+
+
+class _Stop(Exception):
+    pass
+
+
+class CatchUp:
+    """Bring ``state`` to the members' round; :meth:`run` once per set of donors.
+
+    Args:
+        state: this rank's θ, outer optimizers and residuals; written only when :meth:`run`
+            succeeds (every bucket at one round), else untouched.
+        transport: to reach the donors.
+        bcodec: the broadcast codec the means are encoded with.
+        requester: this site's id (in the donors' logs).
+        streams_per_donor: concurrent transfers per donor, >= 1.
+        progress_timeout_s: :meth:`run` fails when nothing was pulled or replayed this long.
+        use_own: start each bucket from this site's own θ_b when the members keep every
+            round since its ``bucket_round`` (False: pull every bucket).
+    """
+
+    def __init__(
+        self,
+        state: GlobalState,
+        transport: Transport,
+        bcodec: Codec,
+        *,
+        requester: str,
+        streams_per_donor: int = 2,
+        progress_timeout_s: float = 120.0,
+        use_own: bool = True,
+    ) -> None:
+        if streams_per_donor < 1:
+            raise ValueError(f"streams_per_donor must be >= 1, got {streams_per_donor!r}")
+        self.state = state
+        self.transport = transport
+        self.bcodec = bcodec
+        self.requester = requester
+        self.streams_per_donor = streams_per_donor
+        self.progress_timeout_s = progress_timeout_s
+        self.use_own = use_own
+        self.stats = CatchUpStats()
+        self._staged: dict[int, _Staged] = {}
+        self._pulled: set[int] = set()
+        self._pulled_again: set[int] = set()
+        self._cv = threading.Condition()
+        # per run
+        self._queue: deque[int] = deque()
+        self._avoid: dict[int, set[str]] = {}
+        self._inflight: set[int] = set()
+        self._busy = 0
+        self._live: dict[str, Member] = {}
+        self._rounds: dict[str, int] = {}  # each donor's last known rounds_applied
+        self._info: dict[str, HistoryInfo] = {}
+        self._target = 0
+        self.progress_at = 0.0
+        self._stop = False
+
+    # ------------------------------------------------------------------ driver
+    def run(self, donors: Sequence[Member], *, min_round: int = 0) -> int:
+        """Pull and replay until every bucket is at the donors' round (>= ``min_round``),
+        then install it in ``state`` and return that round.
+
+        Raises:
+            StateTransferError: every donor failed (what was pulled is kept for the next
+                call), or nothing progressed for ``progress_timeout_s``.
+        """
+        self._live = {d.site_id: d for d in donors}
+        self._rounds, self._info = {}, {}
+        self.progress_at = time.monotonic()
+        self._stop = False
+        for d in list(self._live.values()):
+            self._probe(d)
+        if not self._live:
+            raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
+        self._target = max(min_round, max(self._rounds.values()))
+        n = len(self.state)
+        for b in range(n):
+            own = self.state.bucket_round[b]
+            if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
+                with self.state.lock(b):
+                    self._staged[b] = _Staged(copy.deepcopy(self.state.optimizers[b]), self.state.bucket_round[b])
+                self.stats.own_buckets += 1
+        self._queue = deque(range(n))
+        self._avoid = {}
+        workers = [
+            threading.Thread(target=self._worker, args=(sid,), name=f"catchup-{sid}-{i}", daemon=True)
+            for sid in self._live
+            for i in range(self.streams_per_donor)
+        ]
+        for w in workers:
+            w.start()
+        try:
+            return self._drive(min_round)
+        finally:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            for w in workers:
+                w.join(timeout=5.0)
+
+    def _drive(self, min_round: int) -> int:
+        while True:
+            with self._cv:
+                idle_since: float | None = None
+                while (self._queue or self._busy) and self._live:
+                    now = time.monotonic()
+                    left = self.progress_at + self.progress_timeout_s - now
+                    if left <= 0:
+                        raise StateTransferError(self._stuck())
+                    if self._queue and not self._busy:  # no donor takes them: ask the donors again
+                        idle_since = idle_since if idle_since is not None else now
+                        if now - idle_since > 0.5:
+                            break
+                    else:
+                        idle_since = None
+                    self._cv.wait(min(left, 0.1))
+                if not self._live:
+                    raise StateTransferError(
+                        f"every donor failed ({', '.join(self.stats.donors_lost)}); {len(self._staged)} of "
+                        f"{len(self.state)} buckets kept for the next try"
+                    )
+                self._queue.clear()
+            # every bucket is at some round (or nobody took it): where are the donors now?
+            for d in list(self._live.values()):
+                self._probe(d)
+            with self._cv:
+                if not self._live:
+                    continue
+                target = max(min_round, max(self._rounds.get(sid, 0) for sid in self._live))
+                self._target = target
+                for b in [b for b, s in self._staged.items() if s.tag > target]:
+                    self._drop_staged(b)  # ahead of every donor (its own θ_b): take theirs
+                behind = [b for b in range(len(self.state)) if b not in self._staged or self._staged[b].tag < target]
+                if not behind:
+                    break
+                if time.monotonic() - self.progress_at > self.progress_timeout_s:
+                    raise StateTransferError(self._stuck())
+                self._queue.extend(behind)
+                self._avoid = {}
+                self._cv.notify_all()
+        self._install(target)
+        return target
+
+    def _stuck(self) -> str:
+        why = f"no progress for {self.progress_timeout_s:g} s at round {self._target}"
+        why += f" ({len(self._queue)} bucket(s) queued, {self._busy} in flight"
+        if self.stats.repulled:
+            why += (
+                f"; {self.stats.repulled} bucket pull(s) repeated: a bucket's transfer outlasts the rounds the "
+                "members keep (RoundConfig.history_rounds / history_bytes)"
+            )
+        return why + ")"
+
+    def _install(self, target: int) -> None:
+        lrs_now = next((i.lrs_now for i in self._info.values() if i.rounds_applied == target), None)
+        for b, s in sorted(self._staged.items()):
+            if lrs_now is not None and b < len(lrs_now) and lrs_now[b]:
+                for g, lr in zip(s.opt.param_groups, lrs_now[b]):
+                    g["lr"] = lr
+            self.state.load_bucket(b, s.theta.detach(), s.opt.state_dict(), target)
+        self.state.rounds_applied = target
+        self.stats.rounds = target
+        self._staged = {}
+        log.info(
+            "%s caught up to round %d: %s bucket(s) pulled (%s), %d from its own θ, %d outer step(s) replayed, "
+            "%d pulled again",
+            self.requester,
+            target,
+            sum(self.stats.buckets_from.values()),
+            ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.buckets_from.items())) or "none",
+            self.stats.own_buckets,
+            self.stats.means_replayed,
+            self.stats.repulled,
+        )
+
+    def _floor(self) -> int:
+        """The oldest round a whole bucket may be of and still be replayed to the target:
+        the oldest round a donor at the target keeps (the target when none keeps any)."""
+        spans = [i.span[0] for sid, i in self._info.items() if self._rounds.get(sid) == self._target and i.span]
+        return min(spans, default=self._target)
+
+    def _kept_since(self, tag: int) -> bool:
+        """A donor at the target round keeps every round from ``tag`` on (or none is needed)."""
+        if tag >= self._target:
+            return True
+        return any(
+            self._rounds.get(sid) == self._target and i.span is not None and i.span[0] <= tag
+            for sid, i in self._info.items()
+        )
+
+    def _probe(self, d: Member) -> None:
+        """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
+        try:
+            st = self.transport.pull_state(
+                d.address, len(self.state) + 1, requester=self.requester, timeout_s=min(30.0, self.progress_timeout_s)
+            )
+            info = decode_history_info(st)
+        except (TransportError, StateTransferError) as e:
+            self._lose(d.site_id, f"history summary: {e}")
+            return
+        with self._cv:
+            self._info[d.site_id] = info
+            self._rounds[d.site_id] = info.rounds_applied
+
+    def _lose(self, sid: str, why: str) -> None:
+        with self._cv:
+            self._rounds.pop(sid, None)
+            self._info.pop(sid, None)
+            if self._live.pop(sid, None) is not None:
+                self.stats.donors_lost.append(sid)
+                log.warning("%s: donor %s dropped: %s", self.requester, sid, why)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ workers
+    def _next(self, sid: str) -> int:
+        """The next bucket for this donor (blocks): first a pulled bucket that fell behind
+        the newest round seen while others were being pulled (its replay keeps it within
+        the rounds the members keep, however long the whole pull takes), then the next
+        queued one it has not been ruled out for."""
+        with self._cv:
+            while True:
+                if self._stop or sid not in self._live:
+                    raise _Stop
+                mine = self._rounds.get(sid, -1)
+                for b, s in self._staged.items():
+                    if (
+                        s.tag < min(self._target, mine)
+                        and b not in self._inflight
+                        and b not in self._queue
+                        and sid not in self._avoid.get(b, ())
+                    ):
+                        self._busy += 1
+                        self._inflight.add(b)
+                        return b
+                for i, b in enumerate(self._queue):
+                    s = self._staged.get(b)
+                    # a donor older than what the donors at the target keep (a joiner itself)
+                    # serves only the means it has; whole buckets come from the others
+                    useful = mine >= self._floor() or (s is not None and s.tag < mine)
+                    if useful and sid not in self._avoid.get(b, ()):
+                        del self._queue[i]
+                        self._busy += 1
+                        self._inflight.add(b)
+                        return b
+                self._cv.wait(0.5)
+
+    def _done(self, b: int, *, requeue: bool, avoid: str | None = None) -> None:
+        with self._cv:
+            self._busy -= 1
+            self._inflight.discard(b)
+            if requeue:
+                if avoid is not None:
+                    self._avoid.setdefault(b, set()).add(avoid)
+                    if set(self._live) <= self._avoid[b]:  # no donor can advance it: pull it whole
+                        self._avoid[b] = set()
+                        self._drop_staged(b)
+                self._queue.append(b)
+            self._cv.notify_all()
+
+    def _drop_staged(self, b: int) -> None:
+        if self._staged.pop(b, None) is not None:
+            log.info("%s: bucket %d cannot be replayed from the kept means; pulling it again", self.requester, b)
+
+    def _worker(self, sid: str) -> None:
+        while True:
+            try:
+                b = self._next(sid)
+            except _Stop:
+                return
+            d = self._live.get(sid)
+            if d is None:
+                self._done(b, requeue=True)
+                return
+            try:
+                requeue, avoid = self._advance(d, b)
+            except (PeerUnavailable, PeerTimeout) as e:
+                self._lose(sid, str(e))
+                self._done(b, requeue=True)
+                return
+            except Exception as e:  # noqa: BLE001 - any other failure of this donor: drop it, keep the bucket
+                self._lose(sid, f"{type(e).__name__}: {e}")
+                self._done(b, requeue=True)
+                return
+            self._done(b, requeue=requeue, avoid=avoid)
+
+    def _advance(self, d: Member, b: int) -> tuple[bool, str | None]:
+        """Bring bucket ``b`` as far as ``d`` can: pull it whole when not staged, then replay
+        ``d``'s kept means up to the target. Returns ``(requeue, avoid)``."""
+        with self._cv:
+            s = self._staged.get(b)
+            target = self._target
+        if s is None:
+            s = self._pull_bucket(d, b)
+            if s is None:
+                return True, d.site_id
+        donor_round = self._rounds.get(d.site_id, 0)
+        while s.tag < min(target, donor_round):
+            try:
+                m = self.transport.pull_mean(
+                    d.address,
+                    s.tag,
+                    b,
+                    requester=self.requester,
+                    timeout_s=min(30.0, self.progress_timeout_s),
+                    have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
+                )
+            except Rejected as e:  # not kept there (or unknown): another donor, else a new copy
+                log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)
+                return True, d.site_id
+            if not self._replay(b, s, m, d.site_id):
+                with self._cv:
+                    self._drop_staged(b)
+                return True, None
+        return s.tag < target, (d.site_id if s.tag < target else None)
+
+    def _pull_bucket(self, d: Member, b: int) -> _Staged | None:
+        st = self.transport.pull_state(
+            d.address, b, requester=self.requester, timeout_s=min(30.0, self.progress_timeout_s)
+        )
+        try:
+            theta, opt_sd = self.state.decode_bucket_state(st)
+        except StateTransferError as e:
+            log.warning("%s: bucket %d from %s: %s", self.requester, b, d.site_id, e)
+            return None
+        with self.state.lock(b):
+            opt = copy.deepcopy(self.state.optimizers[b])
+        with torch.no_grad():
+            opt.param_groups[0]["params"][0].copy_(theta)
+        opt.load_state_dict(opt_sd)
+        s = _Staged(opt, st.rounds_applied)
+        with self._cv:
+            if b in self._pulled:
+                self.stats.repulled += 1
+                self._pulled_again.add(b)
+            self._pulled.add(b)
+            self.stats.buckets_from[d.site_id] = self.stats.buckets_from.get(d.site_id, 0) + 1
+            self.stats.bytes_from[d.site_id] = (
+                self.stats.bytes_from.get(d.site_id, 0) + len(st.theta) + len(st.optimizer_state)
+            )
+            self._staged[b] = s
+            self._rounds[d.site_id] = max(self._rounds.get(d.site_id, 0), st.rounds_applied)
+            self._target = max(self._target, st.rounds_applied)
+            if b not in self._pulled_again:
+                # a bucket's first pull is progress; pulling it again is not (with nothing kept
+                # to replay, a pull that spans rounds would pull forever: it times out instead)
+                self.progress_at = time.monotonic()
+        return s
+
+    def _replay(self, b: int, s: _Staged, m: BucketMean, sid: str) -> bool:
+        """One outer step of round ``s.tag`` on the staged bucket; False when it does not
+        reproduce the owner's checksums (the bucket is then pulled whole)."""
+        if m.chunks:
+            if s.sum != m.checksum_before:
+                if s.sum == m.checksum_after:  # a copy read between the step and its round tag
+                    s.tag += 1
+                    return True
+                log.info(
+                    "%s: bucket %d at round %d differs from the owner's before its mean; pulling it again",
+                    self.requester,
+                    b,
+                    s.tag,
+                )
+                return False
+            try:
+                full = decode_mean(self.bcodec, self.state.layout.buckets[b], m)
+            except (CodecError, ValueError) as e:
+                log.warning("%s: mean of round %d bucket %d from %s undecodable: %s", self.requester, s.tag, b, sid, e)
+                return False
+            info = self._info.get(sid)
+            lrs = info.lrs.get(s.tag, [])[b] if info is not None and len(info.lrs.get(s.tag, [])) > b else ()
+            for g, lr in zip(s.opt.param_groups, lrs):
+                g["lr"] = lr
+            s.theta.grad = full.to(s.theta.device)
+            s.opt.step()
+            s.theta.grad = None
+            s.sum = checksum(s.theta)
+            if s.sum != m.checksum_after:
+                log.info("%s: replaying round %d of bucket %d missed the owner's checksum", self.requester, s.tag, b)
+                return False
+        s.tag += 1
+        with self._cv:
+            self.stats.means_replayed += 1
+            self.progress_at = time.monotonic()
+        return True

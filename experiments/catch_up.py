@@ -1,0 +1,210 @@
+"""Catch-up benchmark: how long a joiner takes to pull θ and the outer state, against the
+state size, the link and the number of donors, next to the naive figure state bytes / link rate.
+
+Each donor is a process holding the same θ and SGD-momentum outer state (one outer step
+taken, so the momentum buffers are full size) behind its gRPC Peer service; the joiner is a
+process that runs :class:`dtrain.rounds.catchup.CatchUp` against them (buckets spread over the
+donors, ``state_pull_streams`` transfers each) and prints the seconds and bytes. The donors
+are not training: this measures the transfer the catch-up needs, not the replay (a
+replayed round costs one round of means, what a member pulls every round anyway).
+
+Modes:
+  smoke  loopback (no netem, no root), 2 MB of state: seconds; checks the code path.
+  quick  netem (root): every donor's link 100 Mbit/s, RTT 40 ms; 16 and 64 MB of state;
+         one and three donors; the joiner's link 100 Mbit/s (it is the bottleneck) or
+         300 Mbit/s (the donors' uplinks are: three donors should take a third of the time).
+  full   as quick with 64 and 256 MB.
+
+Run (repository root)::
+
+    .venv/bin/python -m experiments.catch_up --mode quick
+
+Prints one line per run and a table (joiner link, state MB, donors, seconds, the naive
+seconds = state bytes / the narrower side's rate: the joiner's link, or the donors' uplinks
+together, and the ratio).
+The target (issue 33): within 1.3x of the naive figure with three donors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = {
+    "smoke": {"netem": False, "state_mb": [2], "donors": [1, 3], "rate_mbit": None, "rtt_ms": 0, "joiner_x": [1]},
+    "quick": {
+        "netem": True,
+        "state_mb": [16, 64],
+        "donors": [1, 3],
+        "rate_mbit": 100,
+        "rtt_ms": 40,
+        "joiner_x": [1, 3],
+    },
+    "full": {
+        "netem": True,
+        "state_mb": [64, 256],
+        "donors": [1, 3],
+        "rate_mbit": 100,
+        "rtt_ms": 40,
+        "joiner_x": [1, 3],
+    },
+}
+BUCKET_BYTES = 1 << 20  # 1 MiB buckets: a 16 MB state is 8 of them, enough to spread over 3 donors x 2 streams
+TARGET_RATIO = 1.3
+
+
+def _state(numel: int, *, theta: bool):
+    """A one-tensor GlobalState of ``numel`` fp32 parameters; ``theta``: the donors' (seeded θ,
+    one outer step taken, so every bucket has its momentum buffer), else zeros."""
+    import torch
+
+    from dtrain.buckets import BucketConfig, BucketLayout
+    from dtrain.state import GlobalState
+
+    layout = BucketLayout([numel], ["param"], BucketConfig(bucket_bytes=BUCKET_BYTES, chunk_bytes=BUCKET_BYTES))
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(numel, generator=gen) if theta else torch.zeros(numel)
+    st = GlobalState(layout, [t])
+    if theta:
+        for b in range(len(st)):
+            st.apply_mean(b, torch.randn(layout.buckets[b].numel, generator=gen))
+            st.bucket_round[b] = 1
+        st.rounds_applied = 1
+    return st
+
+
+def _engine(site_id: str, state, host: str):
+    from dtrain.rounds import RoundEngine
+    from dtrain.transports.grpc import GrpcTransport
+    from dtrain.transports.grpc_config import GrpcTransportConfig
+
+    eng = RoundEngine(site_id, state, GrpcTransport(GrpcTransportConfig(bind_host=host)))
+    eng.start()
+    return eng
+
+
+def donor(args: argparse.Namespace) -> None:
+    eng = _engine(args.site_id, _state(args.numel, theta=True), args.host)
+    Path(args.out).write_text(eng.address or "")
+    while True:
+        time.sleep(3600)
+
+
+def joiner(args: argparse.Namespace) -> None:
+    from dtrain.protocol import Member
+    from dtrain.rounds.catchup import CatchUp
+
+    st = _state(args.numel, theta=False)
+    eng = _engine("joiner", st, args.host)
+    donors = [Member(site_id=f"donor-{i}", address=a) for i, a in enumerate(args.donors.split(","))]
+    cu = CatchUp(st, eng.transport, eng.bcodec, requester="joiner", streams_per_donor=args.streams, use_own=False)
+    t0 = time.monotonic()
+    rnd = cu.run(donors)
+    dt = time.monotonic() - t0
+    ref = _state(args.numel, theta=True)
+    print(
+        json.dumps(
+            {
+                "seconds": dt,
+                "round": rnd,
+                "bytes": sum(cu.stats.bytes_from.values()),
+                "buckets_from": cu.stats.buckets_from,
+                "equal": st.checksums() == ref.checksums(),
+            }
+        )
+    )
+    eng.stop(0.1)
+
+
+def _run_one(numel: int, num_donors: int, m: dict, topo) -> dict:
+    py = [sys.executable, "-m", "experiments.catch_up"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            addrs = []
+            for i in range(num_donors):
+                host = topo.address(i + 1) if topo else "127.0.0.1"
+                out = Path(d) / f"donor-{i}"
+                argv = [*py, "donor", "--numel", str(numel), "--host", host, "--out", str(out), "--site-id", f"d{i}"]
+                procs.append(topo.popen(i + 1, argv, env=env) if topo else subprocess.Popen(argv, env=env))
+                addrs.append(out)
+            deadline = time.monotonic() + 120
+            while not all(a.exists() and a.read_text() for a in addrs):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("donors did not start")
+                time.sleep(0.1)
+            host = topo.address(0) if topo else "127.0.0.1"
+            argv = [*py, "joiner", "--numel", str(numel), "--host", host, "--streams", "2"]
+            argv += ["--donors", ",".join(a.read_text() for a in addrs)]
+            if topo:
+                run = topo.popen(0, argv, env=env, stdout=subprocess.PIPE)
+            else:
+                run = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)
+            out, _ = run.communicate(timeout=600)
+            return json.loads(out.decode().strip().splitlines()[-1])
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m experiments.catch_up", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="role")
+    for role in ("donor", "joiner"):
+        p = sub.add_parser(role)
+        p.add_argument("--numel", type=int, required=True)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--out", default="")
+        p.add_argument("--site-id", default="donor")
+        p.add_argument("--donors", default="")
+        p.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--mode", choices=sorted(MODES), default="quick")
+    args = ap.parse_args(argv)
+    if args.role == "donor":
+        return donor(args)
+    if args.role == "joiner":
+        return joiner(args)
+    m = MODES[args.mode]
+    topo = None
+    if m["netem"]:
+        from netem import Topology
+
+        topo = Topology(num_sites=1 + max(m["donors"]), name="cu")
+        topo.set_link(None, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"])
+    rows = []
+    try:
+        for jx in m["joiner_x"]:
+            if topo is not None:
+                topo.set_link(0, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"] * jx)
+            for mb in m["state_mb"]:
+                numel = (mb << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
+                for n in m["donors"]:
+                    r = _run_one(numel, n, m, topo)
+                    rate = m["rate_mbit"] * min(jx, n) if m["rate_mbit"] else float("nan")  # the narrower side
+                    naive = r["bytes"] * 8 / (rate * 1e6)
+                    row = {"joiner_mbit": (m["rate_mbit"] or 0) * jx, "state_mb": mb, "donors": n, **r}
+                    row.update(naive_s=naive, ratio=r["seconds"] / naive)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        if topo is not None:
+            topo.close()
+    print("\n| joiner Mbit/s | state MB | donors | seconds | naive s | ratio | equal |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['joiner_mbit']} | {r['state_mb']} | {r['donors']} | {r['seconds']:.2f} | {r['naive_s']:.2f} "
+            f"| {r['ratio']:.2f} | {r['equal']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
