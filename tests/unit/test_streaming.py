@@ -14,7 +14,8 @@ from dtrain.configs import DiLoCoConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.streaming import fragment_buckets, fragment_of_round, step_actions
 from dtrain.transports.inproc import InprocFaults
-from experiments.delayed_momentum import final_loss
+from experiments.delayed_momentum import LR, MOMENTUM, OVERLAP, ROUNDS, SITES, UPDATE, H, final_loss
+from experiments.lab import Point
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -273,8 +274,9 @@ def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
 def _regression_loss(delayed: bool) -> float:
     """θ's loss on fresh data after 160 inner steps of 2 sites (H = 8, outer step = plain averaging,
     the stale merge): the task of experiments/delayed_momentum.py, seed 0."""
-    m = dict(num_sites=2, sync_every=8, rounds=20)
-    return final_loss(m, delayed=delayed, momentum=0.0, lr=1.0, seed=0, update="stale")
+    settings = {SITES: 2, H: 8, ROUNDS: 20, MOMENTUM: 0.0, LR: 1.0, UPDATE: "stale", OVERLAP: 8 if delayed else 0}
+    point = Point(experiment="delayed_momentum", config="delayed" if delayed else "blocking", seed=0, settings=settings)
+    return float(final_loss(point).row["final_loss"])
 
 
 def test_one_step_delayed_mode_learns_as_blocking_rounds_do_with_plain_averaging():

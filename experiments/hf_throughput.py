@@ -12,8 +12,8 @@ Two measurements per task, both at ``torch.set_num_threads(1)`` (how ``dtrain la
 
 Usage::
 
-    python -m experiments.bench_hf_task --quick     # small (0.44 M) GPT vs small-llama (0.43 M)
-    python -m experiments.bench_hf_task --smoke     # seconds: tiny sizes, one 1-site launch
+    python -m experiments.hf_throughput --quick     # small (0.44 M) GPT vs small-llama (0.43 M)
+    python -m experiments.hf_throughput --smoke     # seconds: tiny sizes, one 1-site launch
 
 On the shared 2-core machine every site's process competes with the others' and with
 other jobs, so the launch's tokens/s per site is about bare / sites at best.
@@ -142,12 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = base_parser(__doc__).parse_args(argv)
     mode, m = mode_settings(args, MODES)
-    prefix = out_prefix(args, "bench_hf_task")
+    prefix = out_prefix(args, "hf_throughput")
 
     def runner() -> list[RunResult]:
         out = []
         for task in ("builtin", "hf"):
-            row: dict[str, Any] = {"experiment": "bench_hf_task", "config": task, "seed": 0}
+            row: dict[str, Any] = {"experiment": "hf_throughput", "config": task, "seed": 0}
             row["model"] = f"gpt-{m['size']}" if task == "builtin" else m["hf"]
             row.update(bare(task, m))
             row["final_val_loss"] = row["bare_val_loss"]
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.append(RunResult(row=row))
         return out
 
-    rows, _, meta = run_or_load(args, argv, "bench_hf_task.py", prefix, runner)
+    rows, _, meta = run_or_load(args, argv, "hf_throughput.py", prefix, runner)
     table = []
     for r in rows:
         launched = "launch_tokens_per_s" in r and r["launch_tokens_per_s"] not in ("", None)
@@ -193,7 +193,7 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 
 {md_table(headers, table)}
 """
-    publish(args, f"bench_hf_task-{mode}", f"hf task vs built-in GPT: tokens per second per site ({mode})", body)
+    publish(args, f"hf_throughput-{mode}", f"hf task vs built-in GPT: tokens per second per site ({mode})", body)
     return 0
 
 
