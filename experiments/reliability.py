@@ -38,10 +38,13 @@ from experiments.common import RunResult, base_parser, md_table, mode_settings, 
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {"runs": {"lossy": 1}, "rounds": 3, "size": "tiny"},
-    "quick": {"runs": {"lossy": 10, "flaky": 10, "lossy30": 4}, "rounds": 4, "size": "tiny"},
-    "full": {"runs": {"lossy": 30, "flaky": 30, "lossy30": 10}, "rounds": 5, "size": "tiny"},
+    "smoke": {"runs": {"lossy": 1}, "rounds": 3, "size": "tiny", "slowdown": False},
+    "quick": {"runs": {"lossy": 10, "flaky": 10, "lossy30": 4}, "rounds": 4, "size": "tiny", "slowdown": True},
+    "full": {"runs": {"lossy": 30, "flaky": 30, "lossy30": 10}, "rounds": 5, "size": "tiny", "slowdown": True},
 }
+#: the slowdown run: the built-in small GPT in fp32 through continental links whose rate drops
+#: 200x (to 5 Mbit/s) before round SLOW[0] and recovers before round SLOW[1]
+SLOW, SLOW_MBIT, SLOW_ROUNDS = (4, 9), 5.0, 13
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -93,9 +96,87 @@ def read_run(out: Path) -> dict[str, Any]:
     }
 
 
+def _rounds_done(out: Path) -> int:
+    """Rounds site-0 has written a line for (-1: none yet)."""
+    path = out / "site-0" / "metrics.jsonl"
+    done = -1
+    for text in path.read_text().splitlines() if path.exists() else ():
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue
+        if d.get("event") == "round":
+            done = max(done, int(d["round"]))
+    return done
+
+
+def _set_rate(mbit: float) -> None:
+    """Change every link of the running launch's topology (``python -m netem set``)."""
+    argv = [sys.executable, "-m", "netem", "set", "all", "--name", "launch", "--rate-mbit", f"{mbit:g}"]
+    subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=60)
+
+
+def slowdown_once(out: Path) -> list[dict[str, Any]]:
+    """A launch whose links slow 200x for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
+    the link rate, the slowest site's reduce_s, the plan's reduce deadline and why, and what
+    was refused or missing (nothing should be: every contribution arrives within the budget)."""
+    argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small"]
+    argv += ["--codec", "fp32", "--sync-every", "10", "--netem", "continental", "--out", str(out)]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 2 * LAUNCH_TIMEOUT_S
+        state = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            done = _rounds_done(out)
+            want = SLOW_MBIT if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
+            if want != state and done >= 0:
+                _set_rate(want if want is not None else 1000.0)  # continental's own cap: 1 Gbit/s
+                state = want
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+    rows = []
+    lines = _lines(out)
+    for r in sorted({d["round"] for d in lines}):
+        rs = [d for d in lines if d["round"] == r and d.get("status") == "applied"]
+        if not rs:
+            continue
+        rows.append(
+            {
+                "round": r,
+                "link_mbit": "5" if SLOW[0] <= r < SLOW[1] else "1000",
+                "slowest_reduce_s": round(max(float(d.get("reduce_s") or 0) for d in rs), 2),
+                "reduce_deadline_s": round(float(rs[0].get("reduce_timeout_s") or 0), 2),
+                "refused": sum(sum((d.get("rejected") or {}).values()) for d in rs),
+                "min_reduce_arrived": min(float(d.get("reduce_arrived_fraction") or 0) for d in rs),
+                "why": (rs[0].get("deadline_reason") or "").split("; ")[1] if rs[0].get("deadline_reason") else "",
+            }
+        )
+    return rows
+
+
+def _lines(out: Path) -> list[dict[str, Any]]:
+    got = []
+    for path in sorted(out.glob("site-*/metrics.jsonl")):
+        for text in path.read_text().splitlines():
+            try:
+                d = json.loads(text)
+            except ValueError:
+                continue
+            if d.get("event") == "round":
+                got.append(d)
+    return got
+
+
 def run_all(settings: dict[str, Any]) -> list[RunResult]:
     results = []
     with tempfile.TemporaryDirectory(prefix="dtrain-reliability-") as tmp:
+        if settings.get("slowdown"):
+            for row in slowdown_once(Path(tmp) / "slowdown"):
+                print(json.dumps(row), flush=True)
+                results.append(RunResult(row={"profile": "slowdown", **row}))
         for profile, n in settings["runs"].items():
             for i in range(n):
                 row = launch_once(
@@ -113,7 +194,10 @@ def _true(v: Any) -> bool:
 
 
 def report(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The table: per profile, runs, runs ending equal, false deaths, unequal rounds."""
+    """The table: per profile, runs, runs ending equal, false deaths, unequal rounds; and
+    the slowdown run's deadlines round by round."""
+    slow = [r for r in rows if r["profile"] == "slowdown"]
+    rows = [r for r in rows if r["profile"] != "slowdown"]
     table = []
     for profile in dict.fromkeys(r["profile"] for r in rows):
         rs = [r for r in rows if r["profile"] == profile]
@@ -143,14 +227,21 @@ def report(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Targets (issue 32): every run ends equal; 0 sites declared dead while alive; 0 rounds of "
         "unequal θ not repaired in the same round; no user-set timeout (none is set here)."
     )
-    return "\n\n".join(
-        [
-            f"`{meta.get('command', '')}` — {meta.get('provenance', '')}, {meta.get('minutes', '?')} min, "
-            f"load {os.getloadavg()[0]:.1f}",
-            md_table(head, table),
-            targets,
+    parts = [
+        f"`{meta.get('command', '')}` — {meta.get('provenance', '')}, {meta.get('minutes', '?')} min, "
+        f"load {os.getloadavg()[0]:.1f}",
+        md_table(head, table),
+        targets,
+    ]
+    if slow:
+        cols = ["round", "link_mbit", "slowest_reduce_s", "reduce_deadline_s", "refused", "min_reduce_arrived", "why"]
+        parts += [
+            f"A link that slows 200x and recovers (3 sites, small, fp32, continental links at 5 Mbit/s for "
+            f"rounds {SLOW[0]}-{SLOW[1] - 1}): each round's slowest reduce, the deadline its plan carried, and "
+            "what the owners refused (a contribution that arrived within the budget must not be).",
+            md_table(cols, [[r[c] for c in cols] for r in slow]),
         ]
-    )
+    return "\n\n".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

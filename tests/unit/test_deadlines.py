@@ -6,8 +6,13 @@ import json
 
 import pytest
 
+from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
+from dtrain.protocol import Member, RoundPlan
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
+from dtrain.rendezvous.core import aged
 from dtrain.rendezvous.deadlines import DeadlineConfig, RoundTimes, derive_deadlines, quantile
+from dtrain.rendezvous.grpc import _decision_from_proto, plan_to_proto
+from dtrain.site import plan_expired
 
 CFG = DeadlineConfig()  # budget 5 s, q0.9, margin 1.5, 3 rounds before deriving, cap 4x the start bound
 
@@ -115,3 +120,44 @@ def test_the_rendezvous_derives_the_next_plans_deadlines_from_the_sites_reports(
     assert plan.broadcast_timeout_s == pytest.approx(max(1.2 * 1.5 + 2.0, 0.8 * 1.5 + 2.0 + 1.0))
     assert core.deadlines.quorum_timeout_s == pytest.approx(0.1 * 1.5 + 2.0)
     assert "q0.9 0.80s of 4 rounds" in core.snapshot(t)["config"]["deadline_reason"]
+
+
+# ---------------------------------------------------------------- a plan's age
+
+
+def _plan(**kw):
+    return RoundPlan(
+        round=3,
+        members=(Member(site_id="a", address="x:1"),),
+        reduce_timeout_s=2.0,
+        broadcast_timeout_s=4.0,
+        **kw,
+    )
+
+
+def test_the_rendezvous_ages_a_plan_on_its_stores_clock() -> None:
+    assert aged(_plan(formed_at=100.0), 101.5).age_s == 1.5
+    assert aged(_plan(formed_at=100.0), 99.0).age_s == 0.0  # never negative
+    assert aged(_plan(), 5.0).age_s == 0.0  # formation unknown
+
+
+def test_a_plan_read_past_its_reduce_deadline_is_a_missed_round() -> None:
+    assert plan_expired(_plan(age_s=1.9)) == (False, "the plan of round 3 is 1.90s old")
+    expired, why = plan_expired(_plan(age_s=2.5))
+    assert expired and "2.5s old, past its reduce deadline (2.0s after it formed)" in why
+
+
+@pytest.mark.parametrize(
+    "age_s, held_s, call_s, want",
+    [
+        (0.0, 1.9, 2.0, 0.1),  # a long poll held 1.9 s of a 2 s call: 0.1 s in flight at most
+        (0.5, 0.0, 0.2, 0.7),  # the plan was 0.5 s old at the answer, the call took 0.2 s
+        (0.0, 0.5, 15.5, 15.0),  # the site was stopped 15 s while the answer waited: the plan is 15 s old
+        (0.0, 3.0, 2.0, 0.0),  # clocks disagree: never below the rendezvous's own figure
+    ],
+)
+def test_the_client_adds_the_calls_time_not_held_at_the_rendezvous(age_s, held_s, call_s, want) -> None:
+    reply = pb.ReadyReply(status="plan", reason="r", next_round=3, plan=plan_to_proto(_plan()))
+    reply.plan_age_s, reply.held_s = age_s, held_s
+    d = _decision_from_proto(reply, call_s)
+    assert d.plan is not None and d.plan.age_s == pytest.approx(want)
