@@ -52,6 +52,12 @@ class AccrualConfig:
             the configured heartbeat interval), with σ = ``first_interval_s / 4``, as in Akka.
         max_silence_s: a site silent this long is dead whatever its φ (a bound for a site
             whose window learnt very irregular arrivals), seconds.
+        warmup_gaps: until this many inter-arrival times were measured, a site is given at
+            least ``warmup_silence_s``: a new site's window has not yet seen its link's stalls
+            (measured: through the ``flaky`` profile's 2 s partitions, the first one silenced
+            a site's heartbeats for 4.9-5.8 s, 20-30 s into the run, past a bound learnt from
+            regular 1 s arrivals; once a few partitions are in the window, σ covers them).
+        warmup_silence_s: the least silence allowed during the warm-up, seconds.
     """
 
     dead_phi: float = 8.0
@@ -61,6 +67,8 @@ class AccrualConfig:
     acceptable_pause_s: float = 3.0
     first_interval_s: float = 1.0
     max_silence_s: float = 30.0
+    warmup_gaps: int = 30
+    warmup_silence_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.dead_phi) and self.dead_phi > 0):
@@ -69,6 +77,13 @@ class AccrualConfig:
             raise ValueError(f"suspect_phi must be in (0, dead_phi={self.dead_phi}), got {self.suspect_phi!r}")
         if not (isinstance(self.window, int) and self.window >= 2):
             raise ValueError(f"window must be an int >= 2, got {self.window!r}")
+        if not (isinstance(self.warmup_gaps, int) and self.warmup_gaps >= 0):
+            raise ValueError(f"warmup_gaps must be an int >= 0, got {self.warmup_gaps!r}")
+        if not (isinstance(self.warmup_silence_s, (int, float)) and 0 <= self.warmup_silence_s <= self.max_silence_s):
+            raise ValueError(
+                f"warmup_silence_s must be in [0, max_silence_s={self.max_silence_s}] seconds, "
+                f"got {self.warmup_silence_s!r}"
+            )
         for name in ("min_std_s", "first_interval_s", "max_silence_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
@@ -136,9 +151,14 @@ class ArrivalWindow:
 
     def silence_s(self, level: float) -> float:
         """How long this site may be silent before φ reaches ``level``, seconds (Akka's
-        guards: σ >= ``min_std_s``, μ + ``acceptable_pause_s``; at most ``max_silence_s``)."""
+        guards: σ >= ``min_std_s``, μ + ``acceptable_pause_s``; at least ``warmup_silence_s``
+        before ``warmup_gaps`` gaps; at most ``max_silence_s``)."""
         mean, std = self._guarded()
-        return min(self.config.max_silence_s, silence_for_phi(level, mean_s=mean, std_s=std))
+        c = self.config
+        bound = silence_for_phi(level, mean_s=mean, std_s=std)
+        if len(self._gaps) < c.warmup_gaps:
+            bound = max(bound, c.warmup_silence_s)
+        return min(c.max_silence_s, bound)
 
     def phi(self, silence_s: float) -> float:
         """φ of a silence of ``silence_s`` seconds."""

@@ -35,6 +35,15 @@ def test_a_regular_sender_is_declared_dead_after_mean_plus_pause_plus_a_few_min_
     assert w.phi(4.0) == pytest.approx(-math.log10(0.5))
 
 
+def test_a_new_site_is_given_the_warmup_silence_until_its_window_has_seen_its_link() -> None:
+    w = ArrivalWindow(AccrualConfig())  # warm-up: 30 gaps, at least 10 s
+    for _ in range(29):
+        w.add(1.0)
+    assert w.silence_s(8.0) == 10.0
+    w.add(1.0)
+    assert w.silence_s(8.0) == pytest.approx(4.561, abs=1e-3)
+
+
 def test_before_two_gaps_the_configured_interval_stands_for_the_arrivals() -> None:
     w = ArrivalWindow(AccrualConfig(first_interval_s=2.0))
     assert w.stats() == (2.0, 0.5)
@@ -103,19 +112,17 @@ def test_the_store_declares_a_regular_site_dead_once_its_phi_passes_8() -> None:
     core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=1.0))
     core.join("a", "127.0.0.1:1", now=0.0)
     core.join("b", "127.0.0.1:2", now=0.0)
-    for t in range(1, 21):
+    for t in range(1, 41):  # past the warm-up (30 gaps)
         core.heartbeat("a", now=float(t))
         core.heartbeat("b", now=float(t))
-    # b goes silent at t=20; a keeps heartbeating
-    for t in (21.0, 22.0):
-        core.heartbeat("a", now=t)
-    for t in (23.0, 24.0):
-        core.heartbeat("a", now=t)
-    assert core.heartbeat("a", now=24.5).dead == ()  # 4.5 s of silence: φ < 8
-    assert 3 < core.snapshot(24.5)["sites"]["b"]["phi"] < 8  # suspected, not dead
-    core.heartbeat("a", now=25.0)
-    assert core.heartbeat("a", now=25.0).dead == ("b",)  # 5 s: past μ + pause + 5.6 σ = 4.56 s
-    row = core.snapshot(25.0)["sites"]["b"]
+    # b goes silent at t=40; a keeps heartbeating
+    for t in range(41, 45):
+        core.heartbeat("a", now=float(t))
+    assert core.heartbeat("a", now=44.5).dead == ()  # 4.5 s of silence: φ < 8
+    assert 3 < core.snapshot(44.5)["sites"]["b"]["phi"] < 8  # suspected, not dead
+    core.heartbeat("a", now=45.0)
+    assert core.heartbeat("a", now=45.0).dead == ("b",)  # 5 s: past μ + pause + 5.6 σ = 4.56 s
+    row = core.snapshot(45.0)["sites"]["b"]
     assert not row["alive"] and row["phi"] > 8 and row["dead_after_s"] == pytest.approx(4.561, abs=1e-3)
 
 
@@ -142,6 +149,7 @@ def test_an_explicit_heartbeat_timeout_is_a_fixed_rule() -> None:
         ("window", 1, "window must be an int >= 2"),
         ("min_std_s", 0.0, "min_std_s must be a number of seconds > 0"),
         ("acceptable_pause_s", -1.0, "acceptable_pause_s must be a number of seconds >= 0"),
+        ("warmup_silence_s", 40.0, r"warmup_silence_s must be in \[0, max_silence_s=30.0\]"),
     ],
 )
 def test_bad_accrual_settings_name_the_field(field: str, value: object, match: str) -> None:
