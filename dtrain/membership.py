@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from dtrain.configs import GroupConfig
 from dtrain.errors import PermanentError, QuorumTimeout, RendezvousError
-from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision
+from dtrain.protocol import HEARTBEATS_IN_FLIGHT, HeartbeatInfo, JoinInfo, ReadyDecision
 from dtrain.rendezvous.store import SiteIdTaken
 from dtrain.rounds import RoundEngine
 from dtrain.status import MAX_REPORTS_PER_HEARTBEAT
@@ -95,6 +95,9 @@ class Group:
         self._hb_thread: threading.Thread | None = None
         self._hb_interval_s = 1.0
         self._hb_kick = threading.Event()  # send a heartbeat now (a round report is waiting)
+        self._hb_seq = 0  # heartbeats sent
+        self._hb_answered = 0  # the newest heartbeat whose answer was handled
+        self._hb_answer_lock = threading.Lock()
         self._reports: deque[tuple[int, str]] = deque(maxlen=MAX_REPORTS_PER_HEARTBEAT)  # (seq, JSON), unsent
         self._reports_lock = threading.Lock()
         self._report_seq = 0
@@ -203,48 +206,75 @@ class Group:
         self._hb_kick.set()
 
     def _heartbeat_loop(self) -> None:
+        """Every ``heartbeat_interval_s`` (or at once when kicked), send a heartbeat on a
+        thread of its own, without waiting for the previous one: on a lossy link one
+        heartbeat stalled in a TCP retransmission must not hold back the next (the
+        rendezvous's accrual detector reads the arrivals), up to ``HEARTBEATS_IN_FLIGHT``
+        out at once (a tick with all of them out sends none)."""
+        out: list[threading.Thread] = []
         while not self._stop.is_set():
             self._hb_kick.wait(self._hb_interval_s)
             self._hb_kick.clear()
             if self._stop.is_set():
                 break
+            out = [t for t in out if t.is_alive()]
+            if len(out) >= HEARTBEATS_IN_FLIGHT:
+                continue
             with self._reports_lock:
                 pending = list(self._reports)
                 unreachable, self._unreachable = sorted(self._unreachable), set()
-            kw = {"round_reports": [raw for _, raw in pending]} if pending else {}
-            if unreachable and self._client_takes_unreachable:
-                kw["unreachable"] = unreachable
-            try:
-                hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
-            except RendezvousError as e:
-                log.debug("heartbeat failed: %s", e)
-                with self._reports_lock:  # report them with the next heartbeat
-                    self._unreachable.update(unreachable)
-                continue
-            if self._stop.is_set():  # left meanwhile: "unknown" is the leave, not a restarted rendezvous
-                break
-            if hb.known and pending:
-                with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
-                    while self._reports and self._reports[0][0] <= pending[-1][0]:
-                        self._reports.popleft()
-            if hb.known:
-                self.dead = frozenset(hb.dead)
-            if hb.known and hb.dead:
-                self.engine.members_lost(hb.dead)
-                if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks
-                    self.on_members_lost(list(hb.dead))
-            if not hb.known:
-                self._rejoin_needed.set()
-                try:  # a restarted rendezvous: register again, keep our state
-                    self.register()
-                    self._rejoin_needed.clear()
-                    log.info("%s re-registered with a restarted rendezvous", self.site_id)
-                except RendezvousError:
-                    pass
-            elif hb.resync_required:
-                if not self._resync_needed.is_set():
-                    log.warning("%s must resynchronise: %s", self.site_id, hb.reason)
-                self._resync_needed.set()
+                self._hb_seq += 1
+                seq = self._hb_seq
+            t = threading.Thread(
+                target=self._beat, args=(seq, pending, unreachable), name=f"heartbeat-{self.site_id}-{seq}", daemon=True
+            )
+            t.start()
+            out.append(t)
+        for t in out:  # a heartbeat in flight must not re-register the site after it left
+            t.join(timeout=max(0.0, 2.0 / max(1, len(out))))
+
+    def _beat(self, seq: int, pending: list[tuple[int, str]], unreachable: list[str]) -> None:
+        """One heartbeat and what its answer says (its own thread; answers older than one
+        already handled are dropped)."""
+        kw: dict = {"round_reports": [raw for _, raw in pending]} if pending else {}
+        if unreachable and self._client_takes_unreachable:
+            kw["unreachable"] = unreachable
+        try:
+            hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
+        except RendezvousError as e:
+            log.debug("heartbeat failed: %s", e)
+            with self._reports_lock:  # report them with the next heartbeat
+                self._unreachable.update(unreachable)
+            return
+        with self._hb_answer_lock:
+            if seq < self._hb_answered or self._stop.is_set():
+                return  # a newer answer was handled; or left meanwhile ("unknown" is the leave)
+            self._hb_answered = seq
+            self._heartbeat_answered(hb, pending)
+
+    def _heartbeat_answered(self, hb: HeartbeatInfo, pending: list[tuple[int, str]]) -> None:
+        if hb.known and pending:
+            with self._reports_lock:  # delivered: drop them (newer ones may have arrived meanwhile)
+                while self._reports and self._reports[0][0] <= pending[-1][0]:
+                    self._reports.popleft()
+        if hb.known:
+            self.dead = frozenset(hb.dead)
+        if hb.known and hb.dead:
+            self.engine.members_lost(hb.dead)
+            if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks
+                self.on_members_lost(list(hb.dead))
+        if not hb.known:
+            self._rejoin_needed.set()
+            try:  # a restarted rendezvous: register again, keep our state
+                self.register()
+                self._rejoin_needed.clear()
+                log.info("%s re-registered with a restarted rendezvous", self.site_id)
+            except RendezvousError:
+                pass
+        elif hb.resync_required:
+            if not self._resync_needed.is_set():
+                log.warning("%s must resynchronise: %s", self.site_id, hb.reason)
+            self._resync_needed.set()
 
     def leave(self) -> None:
         """Stop heartbeating and tell the rendezvous this site leaves (nothing to tell when

@@ -159,6 +159,11 @@ class RoundLine(_Record):
     network_s: float | None = None
     wait_s: float | None = None
     round_s: float | None = None
+    reduce_s: float | None = None
+    means_s: float | None = None
+    reduce_timeout_s: float | None = None
+    broadcast_timeout_s: float | None = None
+    deadline_reason: str | None = None
     rejected: dict[str, int] | None = None
     rejected_examples: dict[str, list[str]] | None = None
     lost_members: list[str] | None = None

@@ -22,6 +22,14 @@ __all__ = [
 ]
 
 
+#: Heartbeats a site may have out at once (``dtrain.membership.Group`` sends the next one
+#: while earlier ones are still out), and the gRPC rendezvous client's heartbeat connections.
+#: Three: in a model of heartbeats through a link losing 30% of segments (Linux's RTO
+#: backoff), one connection stalls the arrivals past the accrual detector's bound ~11 times
+#: per 3,000 heartbeats, three about once per 20,000 (tests/unit/test_accrual.py).
+HEARTBEATS_IN_FLIGHT = 3
+
+
 @dataclass(frozen=True, kw_only=True)
 class Member:
     """One site admitted to a round.
@@ -78,6 +86,20 @@ class RoundPlan:
             they resync after the round, from its members. A member that ends the run
             with this round waits (bounded) for them to catch up or leave before it
             leaves (``Site.wait_left_out``; issue 33, "no site left behind").
+        deadline_reason: why the deadlines are what they are: the rendezvous's derivation
+            from the rounds it observed and the stall budget, or "set" for an explicit
+            timeout (``dtrain.rendezvous.deadlines``); logged and in the metrics line.
+        formed_at: when the rendezvous formed the plan, on its store's clock
+            (``RendezvousStore.clock``: monotonic seconds in memory, wall-clock on etcd);
+            0 when unknown. The rendezvous's own; not sent to sites.
+        age_s: how old the plan was when this site read it, seconds: the rendezvous's
+            measure at its answer plus the answer's time in flight (an upper bound).
+            The plan's deadlines count from its formation, not from when a site reads
+            it (``Site`` opens the round ``age_s`` in the past, and treats a plan older
+            than ``reduce_timeout_s`` as a round it missed). Not part of equality.
+        formed_local_s: when the plan formed on this process's ``time.monotonic()``
+            clock (read time − ``age_s``, set by ``Site``): the round engine counts the
+            deadlines from it. None: from when the engine opens the round. Not sent.
     """
 
     round: int
@@ -86,6 +108,10 @@ class RoundPlan:
     broadcast_timeout_s: float
     datagram_key: bytes = field(default=b"", repr=False)
     left_out: tuple[str, ...] = ()
+    deadline_reason: str = ""
+    formed_at: float = field(default=0.0, compare=False, repr=False)
+    age_s: float = field(default=0.0, compare=False)
+    formed_local_s: float | None = field(default=None, compare=False, repr=False)
 
     @property
     def site_ids(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ group's round and no member is left to pull from (the end of a run that left it 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -44,6 +45,19 @@ from dtrain.sitegroup.comm import SiteComm
 __all__ = ["Site"]
 
 log = logging.getLogger(__name__)
+
+
+def plan_expired(plan: RoundPlan) -> tuple[bool, str]:
+    """Whether a plan read ``plan.age_s`` seconds after the rendezvous formed it is too old
+    to act on: its reduce deadline (``reduce_timeout_s`` after formation) has passed, so
+    the owners have finalized without this site and it could only finalize its own
+    buckets alone. Such a site takes the round as missed and resynchronises after it."""
+    if plan.age_s > plan.reduce_timeout_s:
+        return True, (
+            f"the plan of round {plan.round} is {plan.age_s:.1f}s old, past its reduce deadline "
+            f"({plan.reduce_timeout_s:.1f}s after it formed): this site was stalled"
+        )
+    return False, f"the plan of round {plan.round} is {plan.age_s:.2f}s old"
 
 
 class Site:
@@ -327,7 +341,12 @@ class Site:
         except QuorumTimeout as e:
             return None, None, str(e), 0.0
         quorum_s = time.monotonic() - t0 if kind in (Decision.PLAN, Decision.MISSED) else 0.0
-        return kind, (d.plan if d is not None else None), reason, quorum_s
+        plan = d.plan if d is not None else None
+        if kind == Decision.PLAN and plan is not None:
+            expired, why = plan_expired(plan)
+            if expired:  # the others are past its reduce: acting on it could only apply a mean alone
+                return Decision.MISSED, plan, why, quorum_s
+        return kind, plan, reason, quorum_s
 
     def sync(
         self,
@@ -356,6 +375,8 @@ class Site:
         self.last_cpu_s = {}
         decided = self._decision() if self.group is not None else None
         kind, plan, reason, quorum_s = self.comm.broadcast(decided, round=True)
+        if plan is not None:  # the round's deadlines count from its formation, on this rank's clock
+            plan = dataclasses.replace(plan, formed_local_s=time.monotonic() - plan.age_s)
         if kind is None:
             raise QuorumTimeout(reason)
         if kind == Decision.DEFERRED:
@@ -364,6 +385,8 @@ class Site:
             assert plan is not None
             return self._run_planned(plan, reason, quorum_s, tensors, buckets, fragment, pace_window_s)
         r = self.engine.state.rounds_applied
+        if kind == Decision.MISSED and plan is not None:  # a member that will not run it: peers hear at once
+            self.engine.skip_round(plan.round, reason)
         if kind == Decision.MISSED:
             log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
         err = self.resync()

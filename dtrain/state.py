@@ -181,6 +181,26 @@ class GlobalState:
             s = self._sums[b] = checksum(t)
             return s
 
+    def snapshot_bucket(self, b: int) -> tuple[torch.Tensor, dict, str]:
+        """A copy of bucket ``b`` (θ_b, its outer-optimizer state, its checksum) for
+        :meth:`restore_bucket`: what an owner keeps while its applied mean is not yet
+        committed (``dtrain.rounds.pulls.MeanPulls.settle``). Costs a copy of θ_b and of
+        its optimizer state (e.g. Nesterov's momentum buffer), on θ's device."""
+        with self._locks[b]:
+            theta = self.theta[b].detach().clone()
+            opt = copy.deepcopy(self.optimizers[b].state_dict())
+            return theta, opt, self.checksum(b)
+
+    def restore_bucket(self, b: int, snapshot: tuple[torch.Tensor, dict, str]) -> None:
+        """Put bucket ``b`` back as :meth:`snapshot_bucket` copied it (θ_b and optimizer
+        state; ``bucket_round`` and the residual are left as they are)."""
+        theta, opt, digest = snapshot
+        with self._locks[b]:
+            with torch.no_grad():
+                self.theta[b].copy_(theta)
+            self.optimizers[b].load_state_dict(opt)
+            self._sums[b] = digest
+
     def bucket_state(self, b: int) -> BucketState:
         """Snapshot of bucket ``b`` (θ_b bytes and outer-optimizer state)."""
         with self._locks[b]:

@@ -187,6 +187,13 @@ PROFILES: dict[str, Profile] = {
             "cubic/reno collapse to a few Mbit/s at such loss",
         ),
         Profile(
+            name="lossy30",
+            link=LinkParams(delay_ms=10.0, loss_pct=30.0, rate_mbit=100.0),
+            description="a very bad path: 10 ms one-way, 30% random loss, 100 Mbit/s "
+            "(the worst case of issue 32's reliability benchmark)",
+            measured_here="RTT 20.5 ms, loss 30%; one TCP flow (bbr) a few Mbit/s: most of a round is retransmission",
+        ),
+        Profile(
             name="flaky",
             link=LinkParams(
                 delay_ms=15.0,

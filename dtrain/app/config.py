@@ -519,7 +519,10 @@ _RDV_FIELDS = (
     "broadcast_timeout_s",
 )
 
-RENDEZVOUS = Tree(RendezvousServerConfig, aliases={n: f"rendezvous.{n}" for n in _RDV_FIELDS})
+#: the one time figure a user may state (every deadline is derived from it and the observed rounds)
+_RDV_ALIASES = {**{n: f"rendezvous.{n}" for n in _RDV_FIELDS}, "stall_budget_s": "rendezvous.deadlines.stall_budget_s"}
+
+RENDEZVOUS = Tree(RendezvousServerConfig, aliases=_RDV_ALIASES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,7 +617,7 @@ LAUNCH = Tree(
         **{f"worker.{p}": why for p, why in WORKER_HIDDEN.items()},
         **{f"worker.{p}": "set per site by launch" for p in PER_SITE},
     },
-    aliases={**WORKER_ALIASES, **{n: f"rendezvous.{n}" for n in _RDV_FIELDS}},
+    aliases={**WORKER_ALIASES, **_RDV_ALIASES},
     flatten=("worker",),
 )
 

@@ -17,16 +17,21 @@ site asks for.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
 import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision, RoundPlan
+from dtrain.rendezvous.accrual import AccrualConfig
+from dtrain.rendezvous.deadlines import DeadlineConfig, Deadlines, RoundTimes, derive_deadlines
 from dtrain.rendezvous.memory_store import MemoryStore, SiteRecord
 from dtrain.rendezvous.store import ReadyCounts, RendezvousStore, SiteIdTaken, taken_message
 
@@ -55,11 +60,25 @@ class RendezvousConfig:
         initial_sites: round 0 starts only once this many sites joined
             (None: ``min_sites``).
         quorum_timeout_s: after the first site is ready, how long the others
-            have to become ready before they are cut as stragglers.
+            have to become ready before they are cut as stragglers. None (default):
+            derived each round from the observed ready spread and ``deadlines``'
+            stall budget (``dtrain.rendezvous.deadlines``); a number is an override.
         heartbeat_interval_s: how often sites heartbeat.
-        heartbeat_timeout_s: a site silent this long is dead (> interval).
-        reduce_timeout_s: plan deadline for owners to finalize (from plan receipt).
-        broadcast_timeout_s: plan deadline for pulling means (> reduce_timeout_s).
+        heartbeat_timeout_s: a site silent this long is dead: a fixed rule (> interval), an
+            override. None (default): the phi accrual detector (``accrual``) decides per
+            site from its own heartbeat arrivals, so a site behind a slow or lossy link is
+            given the silence its arrivals show, and a regular one is found dead sooner;
+            where one figure is needed (the etcd store's lease TTL, a restarted
+            rendezvous's grace) :attr:`silence_bound_s` stands for it.
+        accrual: the phi accrual detector's parameters (used when ``heartbeat_timeout_s``
+            is None; Hayashibara et al. 2004, ``dtrain.rendezvous.accrual``).
+        reduce_timeout_s: plan deadline for owners to finalize, seconds after the plan
+            formed. None (default): derived (``deadlines``); a number is an override.
+        broadcast_timeout_s: plan deadline for pulling means, seconds after the plan
+            formed (> reduce_timeout_s). None (default): derived; a number is an override.
+        deadlines: how deadlines are derived from the observed rounds: the one figure a
+            user may state is ``deadlines.stall_budget_s``, the stall a round may cost
+            beyond its measured exchange (``dtrain.rendezvous.deadlines.DeadlineConfig``).
         suspect_timeout_s: a site that a member reported unreachable on the data path
             (a refused push or mean pull, a push stream that broke) is dead once silent
             this long, instead of ``heartbeat_timeout_s`` (none: 1.5 ×
@@ -69,11 +88,13 @@ class RendezvousConfig:
 
     min_sites: int = 1
     initial_sites: int | None = None
-    quorum_timeout_s: float = 5.0
+    quorum_timeout_s: float | None = None
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    reduce_timeout_s: float = 10.0
-    broadcast_timeout_s: float = 20.0
+    heartbeat_timeout_s: float | None = None
+    accrual: AccrualConfig = field(default_factory=AccrualConfig)
+    reduce_timeout_s: float | None = None
+    broadcast_timeout_s: float | None = None
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     suspect_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -85,39 +106,63 @@ class RendezvousConfig:
             raise ValueError(
                 f"initial_sites must be an int >= min_sites ({self.min_sites}) or None, got {self.initial_sites!r}"
             )
-        for name in (
-            "quorum_timeout_s",
-            "heartbeat_interval_s",
-            "heartbeat_timeout_s",
-            "reduce_timeout_s",
-            "broadcast_timeout_s",
-        ):
+        v = self.heartbeat_interval_s
+        if not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"heartbeat_interval_s must be a number of seconds > 0, got {v!r}")
+        for name in ("quorum_timeout_s", "reduce_timeout_s", "broadcast_timeout_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
-        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{name} must be none (derived) or a number of seconds > 0, got {v!r}")
+        if not isinstance(self.deadlines, DeadlineConfig):
+            raise ValueError(f"deadlines must be a DeadlineConfig, got {self.deadlines!r}")
+        ht = self.heartbeat_timeout_s
+        if ht is not None and not (isinstance(ht, (int, float)) and ht > self.heartbeat_interval_s):
             raise ValueError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be > heartbeat_interval_s ({self.heartbeat_interval_s})"
+                f"heartbeat_timeout_s must be none (the accrual detector) or a number of seconds > "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}), got {ht!r}"
             )
+        if not isinstance(self.accrual, AccrualConfig):
+            raise ValueError(f"accrual must be an AccrualConfig, got {self.accrual!r}")
         st = self.suspect_timeout_s
         if st is not None and not (
-            isinstance(st, (int, float)) and self.heartbeat_interval_s < st <= self.heartbeat_timeout_s
+            isinstance(st, (int, float)) and self.heartbeat_interval_s < st <= self.silence_bound_s
         ):
             raise ValueError(
                 f"suspect_timeout_s must be None or in (heartbeat_interval_s, heartbeat_timeout_s] = "
-                f"({self.heartbeat_interval_s}, {self.heartbeat_timeout_s}], got {st!r}"
+                f"({self.heartbeat_interval_s}, {self.silence_bound_s}], got {st!r}"
             )
-        if not self.broadcast_timeout_s > self.reduce_timeout_s:
-            raise ValueError(
-                f"broadcast_timeout_s ({self.broadcast_timeout_s}) must be > reduce_timeout_s ({self.reduce_timeout_s})"
-            )
+        bt, rt = self.broadcast_timeout_s, self.reduce_timeout_s
+        if bt is not None and rt is not None and not bt > rt:
+            raise ValueError(f"broadcast_timeout_s ({bt}) must be > reduce_timeout_s ({rt})")
+
+    @property
+    def overrides(self) -> tuple[float | None, float | None, float | None]:
+        """The explicit (quorum, reduce, broadcast) timeouts; None where derived."""
+        return self.quorum_timeout_s, self.reduce_timeout_s, self.broadcast_timeout_s
+
+    def start_deadlines(self) -> Deadlines:
+        """The deadlines before any round was observed (the start bound, or the overrides)."""
+        return derive_deadlines((), config=self.deadlines, overrides=self.overrides)
+
+    @property
+    def silence_bound_s(self) -> float:
+        """One figure for "silent this long is dead" where a per-site one cannot serve:
+        ``heartbeat_timeout_s`` when set, else 5 heartbeat intervals (the accrual
+        detector's first estimate, with its acceptable pause, is below it)."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return 5.0 * self.heartbeat_interval_s
+
+    def accrual_for_sites(self) -> AccrualConfig:
+        """``accrual`` with its first interval set to ``heartbeat_interval_s``."""
+        return dataclasses.replace(self.accrual, first_interval_s=self.heartbeat_interval_s)
 
     @property
     def suspect_silence_s(self) -> float:
         """How long a suspected site may be silent (``suspect_timeout_s`` resolved)."""
         if self.suspect_timeout_s is not None:
             return self.suspect_timeout_s
-        return min(1.5 * self.heartbeat_interval_s, self.heartbeat_timeout_s)
+        return min(1.5 * self.heartbeat_interval_s, self.silence_bound_s)
 
     @property
     def startup_sites(self) -> int:
@@ -134,6 +179,7 @@ def decide_quorum(
     config: RendezvousConfig,
     startup_complete_at: float | None = None,
     first_round: bool | None = None,
+    quorum_timeout_s: float | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -151,9 +197,12 @@ def decide_quorum(
             (default: ``round == 0``). The start-up rules (wait for
             ``initial_sites`` joins) apply to it, so a run resumed from
             checkpoints at round k starts together too.
+        quorum_timeout_s: the quorum wait for this round (the rendezvous's derived
+            deadline, ``dtrain.rendezvous.deadlines``); None: ``config``'s, or its start bound.
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
+    wait_s = quorum_timeout_s if quorum_timeout_s is not None else config.start_deadlines().quorum_timeout_s
     ready_live = {s: t for s, t in ready.items() if s in live}
     if not ready_live:
         return None, "no live site is ready"
@@ -170,20 +219,26 @@ def decide_quorum(
         if len(ready_live) >= config.min_sites:
             return sorted(ready_live), f"all {len(ready_live)} live sites are ready"
         return None, f"only {len(ready_live)} live site(s), min_sites is {config.min_sites}"
-    if waited >= config.quorum_timeout_s:
+    if waited >= wait_s:
         if len(ready_live) >= config.min_sites:
             cut = sorted(live - set(ready_live))
-            return sorted(
-                ready_live
-            ), f"quorum timeout {config.quorum_timeout_s}s: admitting {len(ready_live)}, cutting {cut}"
+            return sorted(ready_live), f"quorum timeout {wait_s}s: admitting {len(ready_live)}, cutting {cut}"
         return (
             None,
             f"only {len(ready_live)} of {len(live)} live sites ready after {waited:.1f}s, min_sites is {config.min_sites}",
         )
     return (
         None,
-        f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {config.quorum_timeout_s - waited:.1f}s more",
+        f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {wait_s - waited:.1f}s more",
     )
+
+
+def aged(plan: RoundPlan, now: float) -> RoundPlan:
+    """``plan`` with ``age_s`` = ``now - plan.formed_at`` (both on the store's clock; 0 when
+    the formation time is unknown, never negative)."""
+    if not plan.formed_at:
+        return plan
+    return dataclasses.replace(plan, age_s=max(0.0, now - plan.formed_at))
 
 
 class ReportSink(Protocol):
@@ -217,13 +272,16 @@ MIN_WAKE_S = 0.05  # a waiting client looks again no sooner than this (seconds)
 LOCAL_WAKE_S = 0.05  # a local waiter re-evaluates at least this often (seconds)
 
 
-def cannot_form_yet(counts: ReadyCounts, *, now: float, config: RendezvousConfig) -> tuple[str | None, float]:
+def cannot_form_yet(
+    counts: ReadyCounts, *, now: float, config: RendezvousConfig, quorum_timeout_s: float | None = None
+) -> tuple[str | None, float]:
     """Why :func:`decide_quorum` must answer "wait" on these counts alone: fewer ready
     than live and the earliest ready less than ``quorum_timeout_s`` ago. Returns
     ``(reason, seconds until the quorum timeout)``, or ``(None, 0)``: read the full view."""
     if counts.first_ready_t is None or counts.num_ready >= counts.num_live:
         return None, 0.0
-    left_s = config.quorum_timeout_s - (now - counts.first_ready_t)
+    wait_s = quorum_timeout_s if quorum_timeout_s is not None else config.start_deadlines().quorum_timeout_s
+    left_s = wait_s - (now - counts.first_ready_t)
     if left_s <= 0:
         return None, 0.0
     return f"{counts.num_ready} of {counts.num_live} live sites ready; waiting up to {left_s:.1f}s more", left_s
@@ -260,6 +318,10 @@ class RendezvousCore:
         self._lock = threading.Lock()  # this process's scheduling only (below)
         self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
         self._next_check = 0.0  # monotonic time decide() looks again (remote stores)
+        # What the rounds showed (round -> the slowest site's figures), and the deadlines
+        # derived from it for the next round (dtrain.rendezvous.deadlines)
+        self._times: dict[int, RoundTimes] = {}
+        self.deadlines: Deadlines = self.config.start_deadlines()
 
     @property
     def next_round(self) -> int:
@@ -313,6 +375,8 @@ class RendezvousCore:
                 )
             if round_reports:
                 self.store.put_reports(site_id, round_reports, self.status_log)
+                for raw in round_reports:
+                    self._observe_report(raw)
             return HeartbeatInfo(
                 known=True,
                 resync_required=got.resync_reason is not None,
@@ -338,7 +402,8 @@ class RendezvousCore:
                 return ReadyDecision(status="missed", reason=st.resync_reason, next_round=st.next_round)
             if st.plan is not None:
                 if st.member:  # every member learns why the round formed as it did, whichever call formed it
-                    return ReadyDecision(status="plan", reason=st.plan_reason, next_round=st.next_round, plan=st.plan)
+                    plan = aged(st.plan, self.store.clock(now))
+                    return ReadyDecision(status="plan", reason=st.plan_reason, next_round=st.next_round, plan=plan)
                 reason = f"round {round} started without {site_id} (straggler)"
                 return ReadyDecision(status="missed", reason=reason, next_round=st.next_round)
             if round < st.next_round:
@@ -386,7 +451,9 @@ class RendezvousCore:
         """``decide_quorum`` on what the store shows; the plan written once if it holds."""
         t = self.store.clock(now)
         if counts is not None:
-            why, left_s = cannot_form_yet(counts, now=t, config=self.config)
+            why, left_s = cannot_form_yet(
+                counts, now=t, config=self.config, quorum_timeout_s=self.deadlines.quorum_timeout_s
+            )
             if why is not None:
                 self._schedule(left_s)
                 return ReadyDecision(status="wait", reason=why, next_round=max(self.store.next_round(), round))
@@ -406,21 +473,28 @@ class RendezvousCore:
             config=self.config,
             startup_complete_at=view.startup_t,
             first_round=view.first_round,
+            quorum_timeout_s=self.deadlines.quorum_timeout_s,
         )
         if members is None:
             if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
                 first = min(view.ready.values(), default=t)
                 if view.first_round and view.startup_t is not None:
                     first = max(first, view.startup_t)
-                self._schedule(first + self.config.quorum_timeout_s - t)
+                self._schedule(first + self.deadlines.quorum_timeout_s - t)
             return self._wait(round, f"round {round}: {reason}")
+        everyone = set(members) >= set(view.live)  # else a straggler was cut: the spread is not known
+        ready = [view.ready[s] for s in members if s in view.ready]
+        self._observe(round, ready_spread_s=(max(ready) - min(ready)) if everyone and ready else None)
+        d = self.deadlines
         plan = RoundPlan(
             round=round,
             members=tuple(view.member(s) for s in members),
-            reduce_timeout_s=self.config.reduce_timeout_s,
-            broadcast_timeout_s=self.config.broadcast_timeout_s,
+            reduce_timeout_s=d.reduce_timeout_s,
+            broadcast_timeout_s=d.broadcast_timeout_s,
+            deadline_reason=d.reason,
             datagram_key=os.urandom(32),  # the round's datagram AEAD key (protocol.RoundPlan)
             left_out=tuple(sorted(set(view.live) - set(members))),
+            formed_at=t,
         )
         plan, reason, won = self.store.put_plan(plan, reason, now=now)
         if won:  # else another writer formed it first, perhaps with other members: theirs holds
@@ -428,6 +502,43 @@ class RendezvousCore:
             log.info("rendezvous: round %d formed with %s: %s", plan.round, list(plan.site_ids), reason)
         self._last_reason = ""
         return ReadyDecision(status="plan", reason=reason, next_round=self.store.next_round(), plan=plan)
+
+    # ------------------------------------------------------------------ deadlines
+    def _observe(self, round: int, **figures: float | bool | None) -> None:
+        """Fold a round's figures into its :class:`RoundTimes` (the slowest site's; a round is
+        clean only while every report says so) and derive the next round's deadlines."""
+        t = self._times.get(round) or RoundTimes(round=round)
+        new = {}
+        for k, v in figures.items():
+            if k == "clean":
+                new[k] = t.clean and bool(v)
+            elif v is not None:
+                old = getattr(t, k)
+                new[k] = v if old is None else max(old, v)
+        self._times[round] = dataclasses.replace(t, **new)
+        keep = 2 * self.config.deadlines.history_rounds
+        for r in sorted(self._times)[:-keep]:
+            del self._times[r]
+        d = derive_deadlines(list(self._times.values()), config=self.config.deadlines, overrides=self.config.overrides)
+        if d.reason != self.deadlines.reason:
+            log.debug("rendezvous: deadlines %s", d.reason)
+        self.deadlines = d
+
+    def _observe_report(self, raw: str) -> None:
+        """A site's round report (``dtrain.status.round_report`` JSON): its phase times and
+        whether everything arrived. Malformed ones are ignored here (the status log says why)."""
+        try:
+            rep = json.loads(raw)
+            rnd = int(rep["round"])
+        except (ValueError, TypeError, KeyError):
+            return
+        if rep.get("status") != "applied" or rnd < 0:
+            return
+        times = {k: rep.get(k) for k in ("reduce_s", "means_s")}
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()):
+            return
+        fractions = (rep.get("reduce_arrived_fraction"), rep.get("broadcast_arrived_fraction"))
+        self._observe(rnd, clean=fractions == (1.0, 1.0), **times)
 
     def _wait(self, round: int, reason: str, log_prefix: str | None = None) -> ReadyDecision:
         """A "wait" answer, logged once per distinct reason (``log_prefix``: once per kind)."""
@@ -485,10 +596,13 @@ class RendezvousCore:
                 "next_round": self.store.next_round(),
                 "config": {
                     "heartbeat_interval_s": c.heartbeat_interval_s,
-                    "heartbeat_timeout_s": c.heartbeat_timeout_s,
-                    "quorum_timeout_s": c.quorum_timeout_s,
-                    "reduce_timeout_s": c.reduce_timeout_s,
-                    "broadcast_timeout_s": c.broadcast_timeout_s,
+                    "heartbeat_timeout_s": c.silence_bound_s,
+                    "failure_detector": "fixed" if c.heartbeat_timeout_s is not None else "accrual",
+                    "dead_phi": c.accrual.dead_phi,
+                    "quorum_timeout_s": self.deadlines.quorum_timeout_s,
+                    "reduce_timeout_s": self.deadlines.reduce_timeout_s,
+                    "broadcast_timeout_s": self.deadlines.broadcast_timeout_s,
+                    "deadline_reason": self.deadlines.reason,
                     "min_sites": c.min_sites,
                 },
                 "first_ready_at": first_ready_at,

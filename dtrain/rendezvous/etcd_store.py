@@ -213,6 +213,7 @@ def _plan_to_json(plan: RoundPlan, reason: str) -> bytes:
             "broadcast_timeout_s": plan.broadcast_timeout_s,
             "datagram_key": base64.b64encode(plan.datagram_key).decode(),
             "left_out": list(plan.left_out),
+            "deadline_reason": plan.deadline_reason,
             "reason": reason,
             "t": time.time(),
         }
@@ -229,6 +230,8 @@ def _plan_from_json(d: dict) -> RoundPlan:
         broadcast_timeout_s=float(d["broadcast_timeout_s"]),
         datagram_key=base64.b64decode(d.get("datagram_key", "")),
         left_out=tuple(d.get("left_out", ())),
+        deadline_reason=str(d.get("deadline_reason", "")),
+        formed_at=float(d.get("t", 0.0)),  # wall-clock, the etcd store's clock
     )
 
 
@@ -253,7 +256,7 @@ class EtcdStore:
         self.config = config
         self.etcd = store.client()
         self.prefix = f"/dtrain/{store.run}/".encode()
-        self._ttl_s = max(1, math.ceil(config.heartbeat_timeout_s))
+        self._ttl_s = max(1, math.ceil(config.silence_bound_s))
         self._cv = threading.Condition()
         self._plans: dict[int, RoundPlan] = {}
         self._reasons: dict[int, str] = {}  # round -> why its plan formed as it did
@@ -346,9 +349,7 @@ class EtcdStore:
         if alive is not None:
             held = json.loads(alive.value).get("address")
             if held != address:
-                raise SiteIdTaken(
-                    taken_message(site_id, held, address, self.store.run, self.config.heartbeat_timeout_s)
-                )
+                raise SiteIdTaken(taken_message(site_id, held, address, self.store.run, self.config.silence_bound_s))
             lease = alive.lease if self.etcd.lease_keepalive(alive.lease) > 0 else 0
         if not lease:
             lease = self.etcd.lease_grant(self._ttl_s)
@@ -397,7 +398,7 @@ class EtcdStore:
             return Liveness(known=False)
         lease = int(info["lease"])
         if self.etcd.lease_keepalive(lease) <= 0:
-            reason = f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead"
+            reason = f"no heartbeat for > {self.config.silence_bound_s}s: its etcd lease expired, declared dead"
             return Liveness(known=True, resync_reason=reason)
         mono = time.monotonic()
         if mono - self._status_at.get(site_id, -math.inf) >= self.store.status_interval_s:
@@ -481,7 +482,7 @@ class EtcdStore:
         if info.get("left"):
             return Standing(known=False, next_round=self.next_round())
         if not alive:
-            reason = f"no heartbeat for > {self.config.heartbeat_timeout_s}s: its etcd lease expired, declared dead"
+            reason = f"no heartbeat for > {self.config.silence_bound_s}s: its etcd lease expired, declared dead"
             return Standing(known=True, resync_reason=reason, next_round=self.next_round())
         if plan_kv:
             doc = json.loads(plan_kv[0].value)
@@ -516,7 +517,7 @@ class EtcdStore:
             old = json.loads(held[0].value)
             seen = float(old.get("seen", old["t"]))
             if wall - seen >= self.config.heartbeat_interval_s:
-                first = old["t"] if wall - seen <= self.config.heartbeat_timeout_s else wall
+                first = old["t"] if wall - seen <= self.config.silence_bound_s else wall
                 self.etcd.put(key, _j({"t": first, "seen": wall}), lease=lease)
         num_live = int(resp[-2].get("response_range", {}).get("count", 0))
         rng = resp[-1].get("response_range", {})
@@ -558,7 +559,7 @@ class EtcdStore:
         (renewed every heartbeat interval; stale after ``heartbeat_timeout_s``). A site
         that deferred the round (etcd unreachable) trains on locally and asks no more,
         and its key may outlive an outage (etcd renews every lease on a new leader)."""
-        wall, limit_s = time.time(), self.config.heartbeat_timeout_s
+        wall, limit_s = time.time(), self.config.silence_bound_s
         return {s: float(d["t"]) for s, d in readies.items() if wall - float(d.get("seen", d["t"])) <= limit_s}
 
     def put_plan(self, plan: RoundPlan, reason: str, *, now: float) -> tuple[RoundPlan, str, bool]:
@@ -610,7 +611,7 @@ class EtcdStore:
         for _, by_site in sorted(self.reports().items()):
             for site, raw in by_site.items():
                 sink.add_reports(site, [raw])
-        wall, timeout_s = time.time(), self.config.heartbeat_timeout_s
+        wall, timeout_s = time.time(), self.config.silence_bound_s
         sites = {}
         for kv in regs:
             sid, info = kv.key[n:].decode(), json.loads(kv.value)

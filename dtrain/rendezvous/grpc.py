@@ -33,7 +33,7 @@ import grpc
 from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 from dtrain.errors import AuthenticationError, DtrainError, RendezvousError, RendezvousRefused
-from dtrain.protocol import HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
+from dtrain.protocol import HEARTBEATS_IN_FLIGHT, HeartbeatInfo, JoinInfo, Member, ReadyDecision, RoundPlan
 from dtrain.rendezvous.core import SiteIdTaken
 from dtrain.transports.grpc_common import (
     ChannelPool,
@@ -93,6 +93,9 @@ class RendezvousCoreLike(Protocol):
     # it, every waiting poll calls ``ready`` on each change and tick.
 
 
+HEARTBEAT_CONNECTIONS = HEARTBEATS_IN_FLIGHT  # one per heartbeat that may be out (dtrain.protocol)
+
+
 # --------------------------------------------------------------------------- conversions
 
 
@@ -112,6 +115,7 @@ def plan_to_proto(plan: RoundPlan) -> pb.RoundPlan:
         broadcast_timeout_s=plan.broadcast_timeout_s,
         datagram_key=plan.datagram_key,
         left_out=list(plan.left_out),
+        deadline_reason=plan.deadline_reason,
     )
 
 
@@ -123,16 +127,18 @@ def plan_from_proto(m: pb.RoundPlan) -> RoundPlan:
         broadcast_timeout_s=m.broadcast_timeout_s,
         datagram_key=m.datagram_key,
         left_out=tuple(m.left_out),
+        deadline_reason=m.deadline_reason,
     )
 
 
-def _decision_from_proto(m: pb.ReadyReply) -> ReadyDecision:
-    return ReadyDecision(
-        status=m.status,
-        reason=m.reason,
-        next_round=m.next_round,
-        plan=plan_from_proto(m.plan) if m.HasField("plan") else None,
-    )
+def _decision_from_proto(m: pb.ReadyReply, call_s: float = 0.0) -> ReadyDecision:
+    """The answer of a Ready call that took ``call_s`` seconds here: its plan's age is the
+    rendezvous's figure plus the call's time not spent held there (an upper bound of the
+    answer's time in flight, whatever stalled this process meanwhile)."""
+    plan = None
+    if m.HasField("plan"):
+        plan = dataclasses.replace(plan_from_proto(m.plan), age_s=m.plan_age_s + max(0.0, call_s - m.held_s))
+    return ReadyDecision(status=m.status, reason=m.reason, next_round=m.next_round, plan=plan)
 
 
 # --------------------------------------------------------------------------- server
@@ -202,10 +208,18 @@ class _RendezvousServicer:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
         return [_SERVICE]
 
-    def _reply(self, d: ReadyDecision) -> bytes:
+    def _reply(self, d: ReadyDecision, held_s: float = 0.0) -> bytes:
         """``d`` as ReadyReply bytes. A plan is serialized once per round, not once
-        per site: with 1,000 members that is most of the cost of an answer."""
-        head = pb.ReadyReply(status=d.status, reason=d.reason, next_round=d.next_round).SerializeToString()
+        per site: with 1,000 members that is most of the cost of an answer. ``held_s``:
+        how long this call was held (the client subtracts it from the call's time to
+        bound the answer's time in flight, which ages the plan)."""
+        head = pb.ReadyReply(
+            status=d.status,
+            reason=d.reason,
+            next_round=d.next_round,
+            plan_age_s=d.plan.age_s if d.plan is not None else 0.0,
+            held_s=held_s,
+        ).SerializeToString()
         if d.plan is None:
             return head
         cached = self._plan_bytes.get(d.plan.round)
@@ -314,13 +328,14 @@ class _RendezvousServicer:
 
     async def Ready(self, request, context):
         site_id, rnd = request.site_id, request.round
+        t0 = time.monotonic()
         wait_s = self._wait_s(request.wait_ms, context)
         decision = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
         if decision.next_round > self._seen_round:  # this call formed a plan that other polls wait for
             self._seen_round = decision.next_round
             self._wake()
         if decision.status != "wait" or wait_s <= 0:
-            return self._reply(decision)
+            return self._reply(decision, time.monotonic() - t0)
         poll = self._add_poll(site_id, rnd)
         try:
             got = await asyncio.wait_for(asyncio.shield(poll.future), wait_s)
@@ -330,7 +345,7 @@ class _RendezvousServicer:
             self._remove_poll(poll)
         if got is None:  # the wait ran out, or a newer poll of this site superseded this one
             got = await self._guard(context, "ready", lambda: self._core.ready(site_id, rnd, now=time.monotonic()))
-        return self._reply(got)
+        return self._reply(got, time.monotonic() - t0)
 
     def _add_poll(self, site_id: str, rnd: int) -> _Poll:
         self._start_evaluator()
@@ -580,10 +595,16 @@ class GrpcRendezvousClient:
         self._metadata = call_metadata(cfg)
         one = dataclasses.replace(cfg, num_channels_per_peer=1)
         self._pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(one, pb_grpc.RendezvousStub)
-        # Heartbeats get a TCP connection of their own: a connection stalled in TCP
-        # retransmission or reconnect back-off on a lossy link (a Ready long poll's) must
-        # not also silence the site's liveness; two connections stall independently.
-        self._heartbeat_pool: ChannelPool[pb_grpc.RendezvousStub] = ChannelPool(one, pb_grpc.RendezvousStub)
+        # Heartbeats get TCP connections of their own (HEARTBEAT_CONNECTIONS), each call on
+        # the one with the fewest calls out: a connection stalled in TCP retransmission or
+        # reconnect back-off on a lossy link (a Ready long poll's, or a heartbeat's) must not
+        # silence the site's liveness; connections stall independently (the Group sends the
+        # next heartbeat while one is still out).
+        self._heartbeat_pools: list[ChannelPool[pb_grpc.RendezvousStub]] = [
+            ChannelPool(one, pb_grpc.RendezvousStub) for _ in range(HEARTBEAT_CONNECTIONS)
+        ]
+        self._heartbeat_out = [0] * HEARTBEAT_CONNECTIONS
+        self._heartbeat_lock = threading.Lock()
         # the second Ready of each poll: a third connection, and threads for the two blocking calls
         # (a call whose twin answered first runs on until its own answer, at most its wait)
         self._hedge_pool: ChannelPool[pb_grpc.RendezvousStub] | None = None
@@ -650,12 +671,19 @@ class GrpcRendezvousClient:
         )
         if last_loss is not None:
             request.last_loss = last_loss
-        reply = self._call(
-            "heartbeat",
-            self.rpc_timeout_s,
-            lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
-            self._heartbeat_pool,
-        )
+        with self._heartbeat_lock:
+            i = min(range(HEARTBEAT_CONNECTIONS), key=lambda k: self._heartbeat_out[k])
+            self._heartbeat_out[i] += 1
+        try:
+            reply = self._call(
+                "heartbeat",
+                self.rpc_timeout_s,
+                lambda stub, t: stub.Heartbeat(request, timeout=t, metadata=self._metadata),
+                self._heartbeat_pools[i],
+            )
+        finally:
+            with self._heartbeat_lock:
+                self._heartbeat_out[i] -= 1
         return HeartbeatInfo(
             known=reply.known,
             resync_required=reply.resync_required,
@@ -674,16 +702,18 @@ class GrpcRendezvousClient:
         wait_ms = int(check_timeout(timeout_s) * 1000)
         request = pb.ReadyRequest(site_id=site_id, round=round, wait_ms=wait_ms)
 
-        def poll(pool: "ChannelPool[pb_grpc.RendezvousStub]") -> pb.ReadyReply:
-            return self._call(
+        def poll(pool: "ChannelPool[pb_grpc.RendezvousStub]") -> ReadyDecision:
+            t0 = time.monotonic()
+            reply = self._call(
                 "ready",
                 timeout_s + _READY_SLACK_S,
                 lambda stub, t: stub.Ready(request, timeout=t, metadata=self._metadata),
                 pool,
             )
+            return _decision_from_proto(reply, time.monotonic() - t0)
 
         if self._hedge_pool is None or self._hedge_exec is None:
-            return _decision_from_proto(poll(self._pool))
+            return poll(self._pool)
         out = [f for f in self._ready_calls if f is not None and not f.done()]
         if len(out) == 2:  # both connections still busy with earlier calls: wait for one (at most its deadline)
             cf.wait(out, timeout=timeout_s + _READY_SLACK_S, return_when=cf.FIRST_COMPLETED)
@@ -701,7 +731,7 @@ class GrpcRendezvousClient:
         failure: RendezvousError | None = None
         for done in cf.as_completed(calls):
             try:
-                return _decision_from_proto(done.result())
+                return done.result()
             except RendezvousError as e:  # the other call may still answer
                 failure = failure or e
         assert failure is not None
@@ -718,7 +748,8 @@ class GrpcRendezvousClient:
     def close(self) -> None:
         """Close the channels; later calls raise ``RendezvousError``."""
         self._pool.close()
-        self._heartbeat_pool.close()
+        for pool in self._heartbeat_pools:
+            pool.close()
         if self._hedge_pool is not None and self._hedge_exec is not None:
             self._hedge_pool.close()
             self._hedge_exec.shutdown(wait=False, cancel_futures=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dtrain.protocol import Member, RoundPlan
+from dtrain.rendezvous.accrual import ArrivalWindow
 from dtrain.rendezvous.store import Liveness, QuorumView, ReadyCounts, SiteIdTaken, Standing, taken_message
 
 __all__ = ["SiteRecord", "MemoryStore", "STARTUP_WAIT_S", "DEAD_CACHE_S", "NUM_PLANS_KEPT"]
@@ -47,6 +48,7 @@ class SiteRecord:
     last_member_round: int | None = None  # newest round whose quorum admitted it
     extra: dict = field(default_factory=dict)
     suspected_by: str | None = None  # a member that found it unreachable (cleared by its next heartbeat)
+    arrivals: ArrivalWindow | None = None  # its heartbeat inter-arrival times (the accrual detector)
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return now - self.last_heartbeat <= timeout_s
@@ -67,6 +69,7 @@ class MemoryStore:
 
     def __init__(self, config) -> None:
         self.config = config
+        self._accrual = config.accrual_for_sites()
         self.sites: dict[str, SiteRecord] = {}
         self.next = 0
         self.plans: dict[int, RoundPlan] = {}
@@ -113,7 +116,7 @@ class MemoryStore:
         site dead for its own silence (it did, in the chaos soak's rv_stop: every site
         resynced). A site that is really gone is declared dead one timeout later."""
         gap = now - self._last_call
-        if self._last_call and gap > self.config.heartbeat_timeout_s / 2:
+        if self._last_call and gap > self.config.silence_bound_s / 2:
             for rec in self.sites.values():
                 rec.last_heartbeat += gap
             self._live_cache = self._dead_cache = None
@@ -121,9 +124,15 @@ class MemoryStore:
         self._last_call = max(self._last_call, now)
 
     def _silence_s(self, rec: SiteRecord) -> float:
-        """How long ``rec`` may be silent before it is dead: shorter once a member
-        found it unreachable on the data path."""
-        return self.config.suspect_silence_s if rec.suspected_by is not None else self.config.heartbeat_timeout_s
+        """How long ``rec`` may be silent before it is dead: ``suspect_silence_s`` once a
+        member found it unreachable on the data path; else ``heartbeat_timeout_s`` when
+        set (a fixed rule); else the silence at which the phi accrual detector over its
+        own heartbeat arrivals reaches ``accrual.dead_phi`` (``dtrain.rendezvous.accrual``)."""
+        if rec.suspected_by is not None:
+            return self.config.suspect_silence_s
+        if self.config.heartbeat_timeout_s is not None:
+            return self.config.heartbeat_timeout_s
+        return rec.arrivals.silence_s(self.config.accrual.dead_phi)
 
     def _live(self, now: float) -> frozenset[str]:
         """Sites alive and in good standing at ``now``. Every Ready needs it, so it
@@ -154,9 +163,7 @@ class MemoryStore:
         rec = self.sites.get(site_id)
         if rec is not None and rec.address != address and rec.alive(now, self._silence_s(rec)):
             if not rec.needs_resync:
-                raise SiteIdTaken(
-                    taken_message(site_id, rec.address, address, "this run", self.config.heartbeat_timeout_s)
-                )
+                raise SiteIdTaken(taken_message(site_id, rec.address, address, "this run", self.config.silence_bound_s))
         if rec is not None:
             log.info("rendezvous: %s re-joined from %s", site_id, address)
         left = self._left.pop(site_id, (None, 0.0))[0]
@@ -170,6 +177,7 @@ class MemoryStore:
             rounds_joined=prev.rounds_joined if prev else 0,
             joined_round=self.next,
             last_member_round=prev.last_member_round if prev else None,
+            arrivals=ArrivalWindow(self._accrual) if self.config.heartbeat_timeout_s is None else None,
         )
         self._dead_cache = self._live_cache = None
         self._ready.pop(site_id, None)
@@ -201,6 +209,11 @@ class MemoryStore:
                     rec.resync_reason += f" ({rec.suspected_by} found it unreachable)"
                 log.warning("rendezvous: %s %s", site_id, rec.resync_reason)
                 self._ready.pop(site_id, None)
+        if rec.arrivals is not None:
+            rec.arrivals.add(now - rec.last_heartbeat)
+            c = self._live_cache  # its silence bound moved with its window: earlier than the cache's?
+            if c is not None and now + self._silence_s(rec) < c[1]:
+                self._live_cache = None
         rec.last_heartbeat = now
         if rec.suspected_by is not None:  # it answered in time (or is marked for resync above)
             rec.suspected_by = None
@@ -295,7 +308,7 @@ class MemoryStore:
         adopted_at = self._adopted_at
         grace = 0.0
         if adopted_at is not None and not self.plans:
-            grace = max(0.0, self.config.heartbeat_timeout_s - (now - adopted_at))
+            grace = max(0.0, self.config.silence_bound_s - (now - adopted_at))
         return QuorumView(
             live=self._live(now),
             ready=self._ready if round == self.next else {},
@@ -340,12 +353,15 @@ class MemoryStore:
     def site_rows(self, now: float, sink) -> tuple[dict[str, dict], float | None]:
         """The status page's rows (``RendezvousCore.snapshot``'s ``sites``) and when the
         first site became ready for the round being formed."""
-        timeout_s = self.config.heartbeat_timeout_s
+        timeout_s = self.config.silence_bound_s
 
         def entry(r: SiteRecord, left: bool) -> dict:
             return {
                 "address": r.address,
-                "alive": not left and r.alive(now, timeout_s),
+                "alive": not left and r.alive(now, timeout_s if r.arrivals is None else self._silence_s(r)),
+                # the accrual detector's suspicion of its silence (None: a fixed timeout)
+                "phi": None if r.arrivals is None else round(min(r.arrivals.phi(now - r.last_heartbeat), 99.0), 2),
+                "dead_after_s": self._silence_s(r),
                 "needs_resync": r.needs_resync,
                 "resync_reason": r.resync_reason,
                 "heartbeat_age_s": now - r.last_heartbeat,

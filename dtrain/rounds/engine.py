@@ -76,6 +76,7 @@ class _Run:
     res: RoundResult
     contribute: bool
     t0: float
+    opened: float  # when the round's deadlines count from (the plan's formation, or t0)
     bytes0: tuple[int, int]
     pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
@@ -116,6 +117,7 @@ class RoundEngine(PeerSide):
         self._open: dict[int, _Owned] = {}
         self._means: dict[tuple[int, int], BucketMean] = {}
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
+        self._skipped: dict[int, str] = {}  # rounds this site was a member of and will not run (skip_round)
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
         # Test-only fault injection: called as fault_hook(phase, round) at
@@ -163,6 +165,18 @@ class RoundEngine(PeerSide):
         return frozenset(self._banned)
 
     # ------------------------------------------------------------------ site: one round
+    def skip_round(self, round: int, why: str) -> None:
+        """This site, a member of ``round``'s plan, will not run it (its plan expired before
+        it read it, ``dtrain.site.plan_expired``): peers' pushes and mean pulls for it are
+        refused at once (ABORTED: its buckets are owner-lost for them) instead of waiting
+        ``plan_wait_s`` for a round that never opens here."""
+        with self._cv:
+            self._skipped[round] = why
+            for old in [r for r in self._skipped if r < round - 4]:
+                del self._skipped[old]
+            self._cv.notify_all()
+        self._means_changed()
+
     def start_round(
         self,
         plan: RoundPlan,
@@ -219,17 +233,22 @@ class RoundEngine(PeerSide):
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
         finalizer.start()
         self._reduce(run)
+        run.res.reduce_s = time.monotonic() - run.opened
         self._broadcast(run)
         finalizer.join(timeout=max(0.0, run.owned.books.broadcast_until - time.monotonic()) + 1.0)
         self._late_pulls(run)
+        run.res.means_s = time.monotonic() - run.opened
         self._apply_and_verify(run)
         self._repair(run)
         self._settle_residuals(run)
         return self._close(run)
 
     def _open_round(self, plan: RoundPlan, contribute: bool, buckets: Sequence[int] | None = None) -> _Run:
-        """Step 1: the owner-side books of this round, registered for peers' requests."""
+        """Step 1: the owner-side books of this round, registered for peers' requests. The
+        deadlines count from the plan's formation when the plan says when that was
+        (``RoundPlan.formed_local_s``: a site that read it late has less time), else from now."""
         t0 = time.monotonic()
+        opened = t0 if plan.formed_local_s is None else min(t0, plan.formed_local_s)
         r = plan.round
         if self.site_id not in plan.site_ids:
             raise ValueError(f"{self.site_id} is not a member of round {r}: {plan.site_ids}")
@@ -246,7 +265,7 @@ class RoundEngine(PeerSide):
             site_id=self.site_id,
             chunks=[b.chunks for b in layout.buckets],
             aggregation=self.config.aggregation,
-            opened_at=t0,
+            opened_at=opened,
         )
         owned = _Owned(books)
         member = MemberRound(
@@ -254,13 +273,20 @@ class RoundEngine(PeerSide):
             owners=owners,
             site_id=self.site_id,
             num_chunks=[len(b.chunks) for b in layout.buckets],
-            opened_at=t0,
+            opened_at=opened,
         )
         self.mean_pulls.expect(
             r, buckets=books.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=books.broadcast_until
         )
         res = RoundResult(
-            round=r, members=plan.site_ids, owned_buckets=len(books.mine), contributed=contribute, buckets=list(active)
+            round=r,
+            members=plan.site_ids,
+            owned_buckets=len(books.mine),
+            contributed=contribute,
+            buckets=list(active),
+            reduce_timeout_s=plan.reduce_timeout_s,
+            broadcast_timeout_s=plan.broadcast_timeout_s,
+            deadline_reason=plan.deadline_reason,
         )
         bytes0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
@@ -282,6 +308,7 @@ class RoundEngine(PeerSide):
             res=res,
             contribute=contribute,
             t0=t0,
+            opened=opened,
             bytes0=bytes0,
         )
 
@@ -341,12 +368,11 @@ class RoundEngine(PeerSide):
                 self.log.warning("round %d: bucket %d %s: a chunk has no contributions", r, b, BucketOutcome.EMPTY)
             else:
                 t = time.perf_counter()
+                bres = self._mean_residual(b)
+                if len(run.plan.site_ids) > 1:  # kept until a member takes the mean (the commit rule)
+                    owned.rollback[b] = (self.state.snapshot_bucket(b), None if bres is None else bres.clone())
                 chunks, full = encode_mean(
-                    self.bcodec,
-                    self.state.layout.buckets[b],
-                    reductions,
-                    residual=self._mean_residual(b),
-                    generator=self._gen,
+                    self.bcodec, self.state.layout.buckets[b], reductions, residual=bres, generator=self._gen
                 )
                 run.add(encode_s=time.perf_counter() - t)
                 after = self.state.apply_mean(b, full)
@@ -503,6 +529,9 @@ class RoundEngine(PeerSide):
                 run.member.pull_timed_out(b, time.monotonic())
             return b, None, str(e)
         except TransportError as e:
+            if e.code is RejectCode.ABORTED:  # the owner withdrew the mean: nobody applies it
+                with run.lock:
+                    run.member.owner_lost(b)
             return b, None, str(e)
 
     def _late_pulls(self, run: _Run) -> None:
@@ -531,7 +560,10 @@ class RoundEngine(PeerSide):
                     if sid == owner:
                         run.member.owner_lost(b)
                     continue
-                except TransportError:
+                except TransportError as e:
+                    if e.code is RejectCode.ABORTED:  # the owner withdrew the mean
+                        run.member.owner_lost(b)
+                        break
                     continue
                 run.member.mean_arrived(b, m)
                 break
@@ -544,11 +576,34 @@ class RoundEngine(PeerSide):
             if run.owners[b] == self.site_id:
                 with self._cv:
                     m = self._means.get((r, b))
+                if m is not None and b in run.owned.rollback and not self._commit(run, b):
+                    continue
                 # published by the finalizer (which applied it); unpublished only if it overran
                 run.member.published(b, m)
                 continue
             self._apply_remote(run, b)
         run.res.broadcast_arrived_fraction = run.member.broadcast_arrived_fraction
+
+    def _commit(self, run: _Run, b: int) -> bool:
+        """The commit rule for an owned bucket whose mean this site applied: keep it once a
+        member took it; otherwise (nobody by the broadcast deadline, or no member left) roll
+        θ_b back and give the bucket OWNER_LOST, as every member that could not get it does
+        (:meth:`MeanPulls.settle <dtrain.rounds.pulls.MeanPulls.settle>`). Returns whether kept."""
+        snap, bres = run.owned.rollback.pop(b)
+        until = run.owned.books.broadcast_until
+        self.mean_pulls.wait_settled(run.round, b, until=until)
+        with self.state.lock(b):  # no state pull reads θ_b between the decision and the roll-back
+            keep, why = self.mean_pulls.settle(run.round, b, until=until)
+            if keep:
+                return True
+            self.state.restore_bucket(b, snap)
+        if bres is not None:
+            self._bres[b] = bres
+        with self._cv:
+            self._means.pop((run.round, b), None)
+        run.member.withdrawn(b, why)
+        self.log.warning("round %d: bucket %d %s: mean withdrawn: %s", run.round, b, BucketOutcome.OWNER_LOST, why)
+        return False
 
     def _apply_remote(self, run: _Run, b: int) -> None:
         """Apply the mean of bucket ``b`` (owned elsewhere), if it arrived; give it its outcome."""

@@ -309,6 +309,12 @@ class MemberRound:
             return self._give(f, BucketOutcome.STALE, "its finalizer did not publish its mean")
         return self._give(f, BucketOutcome.APPLIED if mean.chunks else BucketOutcome.EMPTY)
 
+    def withdrawn(self, b: int, why: str) -> BucketOutcome:
+        """OWN -> OWNER_LOST: this site withdrew its own mean of ``b`` (no member took it:
+        the commit rule, ``MeanPulls.settle``); θ_b is rolled back, as every member keeps it."""
+        f = self._expect(b, "withdrawn", Phase.OWN)
+        return self._give(f, BucketOutcome.OWNER_LOST, f"mean withdrawn: {why}")
+
     def no_mean(self, b: int) -> BucketOutcome:
         """MISSING -> OWNER_LOST (its owner is lost: every survivor keeps θ_b alike) or
         STALE (the owner may have applied the mean this site missed: repaired from it)."""

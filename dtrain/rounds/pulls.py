@@ -17,6 +17,16 @@ owner right after: its pull is recorded with ``needs_state=True`` and counts onl
 once this site served it the bucket's state (:meth:`MeanPulls.record_state`).
 Without that, an owner could exit between the two pulls of its last round, and
 the member's repair would be refused (θ unequal at the end of a run).
+
+The same ledger decides whether an owner keeps the mean it applied (the commit rule,
+docs/DECISIONS.md "An owner commits a mean only once it left"): the owner applies its
+mean when it publishes it, and keeps it once the mean left this site (a pull served, a
+member's acknowledgement, a state pull of the bucket) or every other member is gone; a
+mean no member took by the broadcast deadline is withdrawn (:meth:`MeanPulls.settle`), the owner
+rolls θ_b back, and every later pull of it is refused (ABORTED). Members that could not
+get it treat the bucket as owner-lost, so every site keeps θ_b alike in the same round
+(an owner cut off during the reduce, or one stopped while the others finished, no longer
+applies a mean alone).
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, TypeVar
 
-__all__ = ["MeanPulls", "PullWait"]
+from dtrain.errors import RejectCode, Rejected
+
+__all__ = ["MeanPulls", "PullWait", "commit_decision"]
 
 T = TypeVar("T")
 
@@ -51,8 +63,32 @@ class PullWait:
     reason: str = ""
 
 
+def commit_decision(*, taken: bool, pullers_left: int, now: float, until: float) -> tuple[bool | None, str]:
+    """Whether an owner keeps (True), withdraws (False) or still waits (None) on a mean it
+    applied, with the reason.
+
+    Args:
+        taken: the mean left this site (a pull was served, or a member acknowledged it).
+        pullers_left: members still expected to take it (not lost, not yet served). A
+            member is no longer expected once it is lost on evidence of its death (the
+            rendezvous declared it dead, it refused a connection, its push stream broke:
+            ``PeerSide.members_lost``); such a member resyncs if it comes back, so the mean
+            is kept. A member cut off by a partition only times out: it stays expected,
+            and the mean is withdrawn at the deadline, as that member treats it.
+        now, until: ``time.monotonic()`` seconds; ``until`` is the round's broadcast deadline.
+    """
+    if taken:
+        return True, "a member took the mean"
+    if pullers_left <= 0:  # each was lost on evidence (declared dead, refused, stream broken): it resyncs
+        return True, "every other member is gone (it resyncs from the survivors)"
+    if now >= until:
+        return False, f"no member took the mean by the broadcast deadline ({pullers_left} expected)"
+    return None, f"waiting {until - now:.2f}s more for a member to take the mean"
+
+
 class MeanPulls:
-    """Per round: the (member, bucket) pairs still to pull this site's means. Thread-safe."""
+    """Per round: the (member, bucket) pairs still to pull this site's means, and which
+    of this site's means left it (the commit rule, :meth:`settle`). Thread-safe."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
@@ -60,6 +96,8 @@ class MeanPulls:
         self._until: dict[int, float] = {}
         self._served: dict[int, set[tuple[str, int]]] = {}
         self._needs_state: dict[int, set[tuple[str, int]]] = {}  # round -> pulls waiting for a state pull
+        self._taken: dict[int, set[int]] = {}  # round -> buckets whose mean left this site
+        self._withdrawn: dict[int, set[int]] = {}  # round -> buckets whose mean this owner withdrew
 
     def expect(self, round: int, *, buckets: Iterable[int], pullers: Iterable[str], until: float) -> None:
         """Round ``round``: each of ``pullers`` should pull the mean of each of ``buckets``
@@ -76,14 +114,23 @@ class MeanPulls:
                 del self._served[old]
             for old in [r for r in self._needs_state if r < round - _KEEP_ROUNDS]:
                 del self._needs_state[old]
+            for book in (self._taken, self._withdrawn):
+                for old in [r for r in book if r < round - _KEEP_ROUNDS]:
+                    del book[old]
             self._cv.notify_all()
 
     def record(self, round: int, bucket: int, requester: str, mean: T, *, needs_state: bool = False) -> T:
         """Note that ``requester`` got the mean of ``bucket`` of ``round``; returns ``mean``.
 
         ``needs_state``: the requester's θ_b was stale, so it will pull the bucket's state
-        next; the pull counts only once :meth:`record_state` sees that."""
+        next; the pull counts only once :meth:`record_state` sees that.
+
+        Raises:
+            Rejected: ABORTED when this owner withdrew that mean (:meth:`settle`); the
+                requester then treats the bucket as owner-lost.
+        """
         with self._cv:
+            self._take(round, bucket)
             if needs_state:
                 waiting = self._needs_state.setdefault(round, set())
                 if len(waiting) < _MAX_SERVED_PER_ROUND:
@@ -99,9 +146,34 @@ class MeanPulls:
                     self._cv.notify_all()
         return mean
 
-    def record_state(self, bucket: int, requester: str) -> None:
-        """``requester`` pulled the whole state of ``bucket``: its stale pulls of that bucket count."""
+    def take(self, round: int, bucket: int) -> None:
+        """This site's mean of ``bucket`` in ``round`` leaves it now (a pull is answered
+        with it, before the answer is known to arrive): the commit rule keeps it.
+
+        Raises:
+            Rejected: ABORTED when this owner already withdrew it (:meth:`settle`).
+        """
         with self._cv:
+            self._take(round, bucket)
+
+    def _take(self, round: int, bucket: int) -> None:
+        if bucket in self._withdrawn.get(round, ()):
+            raise Rejected(
+                RejectCode.ABORTED,
+                f"round {round} bucket {bucket}: the owner withdrew its mean (no member took it in time)",
+            )
+        self._taken.setdefault(round, set()).add(bucket)
+        self._cv.notify_all()
+
+    def record_state(self, bucket: int, requester: str) -> None:
+        """``requester`` pulled the whole state of ``bucket``: its stale pulls of that bucket
+        count, and a mean of it this site applied and has not withdrawn counts as taken (the
+        state reflects it). The caller holds the bucket's state lock while reading the state
+        and calling this, so a withdrawal (:meth:`settle`) falls wholly before or after it."""
+        with self._cv:
+            for r in self._missing:
+                if bucket not in self._withdrawn.get(r, ()):
+                    self._taken.setdefault(r, set()).add(bucket)
             for r, waiting in self._needs_state.items():
                 if (requester, bucket) in waiting:
                     waiting.discard((requester, bucket))
@@ -118,6 +190,36 @@ class MeanPulls:
             for r, missing in self._missing.items():
                 self._missing[r] = {(m, b) for m, b in missing if m not in gone}
             self._cv.notify_all()
+
+    def _decision(self, round: int, bucket: int, until: float) -> tuple[bool | None, str]:
+        left = sum(1 for _m, b in self._missing.get(round, ()) if b == bucket)
+        taken = bucket in self._taken.get(round, ())
+        return commit_decision(taken=taken, pullers_left=left, now=time.monotonic(), until=until)
+
+    def wait_settled(self, round: int, bucket: int, *, until: float) -> None:
+        """Block until :meth:`settle` of ``bucket`` in ``round`` would decide: a member took
+        the mean, ``until`` (``time.monotonic()`` seconds) passed, or no member is left."""
+        with self._cv:
+            while self._decision(round, bucket, until)[0] is None:
+                self._cv.wait(max(0.0, until - time.monotonic()))
+
+    def settle(self, round: int, bucket: int, *, until: float) -> tuple[bool, str]:
+        """The commit rule for this site's own mean of ``bucket`` in ``round`` (which it
+        applied), decided now by :func:`commit_decision`: keep it (True) once a member took
+        it; withdraw it (False) when ``until`` (the broadcast deadline) passed or no expected
+        member is left: every later :meth:`record` of it raises ABORTED, and
+        :meth:`record_state` no longer counts as taking it. Before ``until`` with members
+        still expected it keeps waiting (:meth:`wait_settled`) first. The caller holds the
+        bucket's state lock around this and its roll-back, which :meth:`record_state`'s
+        caller holds around reading the state. Returns ``(keep, reason)``."""
+        self.wait_settled(round, bucket, until=until)
+        with self._cv:
+            keep, why = self._decision(round, bucket, until)
+            if keep is None:  # cannot happen after wait_settled unless the clock stepped back
+                keep, why = False, f"undecided at the deadline: {why}"
+            if not keep:
+                self._withdrawn.setdefault(round, set()).add(bucket)
+            return keep, why
 
     def latest_round(self) -> int:
         """The latest round with expected pulls (-1 when none)."""

@@ -44,6 +44,9 @@ class _Owned:
         self.done = {b: threading.Event() for b in books.mine}  # mean of owned bucket b published
         self.published = threading.Event()  # every owned bucket's mean published
         self.pacer: Pacer | None = None  # a paced fragment round's send budget (the engine sets it)
+        # owned bucket -> (θ_b snapshot, broadcast residual) from before its mean was applied,
+        # until the commit rule keeps or withdraws the mean (RoundEngine._commit)
+        self.rollback: dict[int, tuple] = {}
 
 
 class PeerSide:
@@ -61,6 +64,8 @@ class PeerSide:
                 owned = self._open.get(rnd)
                 if owned is not None:
                     return owned
+                if rnd in self._skipped:
+                    raise Rejected(RejectCode.ABORTED, f"round {rnd} is not run here: {self._skipped[rnd]}")
                 if rnd < self.state.rounds_applied:
                     raise Rejected(
                         RejectCode.FAILED_PRECONDITION,
@@ -282,7 +287,10 @@ class PeerSide:
             m = self._means.get((round, bucket))
         if m is not None:
             stale = bool(have_checksum) and have_checksum != m.checksum_before
-            self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
+            try:
+                self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
+            except Rejected as e:  # an acknowledgement after this owner withdrew the mean
+                self.log.warning("round %d: %s acknowledged bucket %d too late: %s", round, member, bucket, e.reason)
 
     def handle_sender_done(self, round: int, sender: str, buckets: Sequence[int] | None = None) -> None:
         """``sender`` sent everything it will send this site for ``round`` (of ``buckets``
@@ -368,6 +376,10 @@ class PeerSide:
         if m is not None:
             return self._reply_mean(owned, round, bucket, requester, m, have_checksum)
         if owned is None:
+            with self._cv:
+                skipped = self._skipped.get(round)
+            if skipped is not None:
+                raise Rejected(RejectCode.ABORTED, f"round {round} is not run here: {skipped}")
             if round < applied:
                 return self._past_mean(round, bucket, applied, have_checksum)
             if last or waited_s >= self.config.plan_wait_s or round > applied + 1:
@@ -415,6 +427,7 @@ class PeerSide:
         """Record the pull and, in a paced fragment round, wait for the reply's share of the budget.
         A transport whose members acknowledge the means they got (``acknowledges_means``) records
         the acknowledgement instead (:meth:`handle_mean_delivered`): this reply may still be lost."""
+        self.mean_pulls.take(round, bucket)  # the commit rule: from here the mean may be applied there
         if owned is not None and owned.pacer is not None:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
         if getattr(self.transport, "acknowledges_means", False):
@@ -442,8 +455,9 @@ class PeerSide:
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"bucket {bucket} out of range [0, {len(self.state)})")
         if self.fault_hook is not None:
             self.fault_hook("serve_state", bucket)
-        st = self.state.bucket_state(bucket)
-        self.mean_pulls.record_state(bucket, requester)
+        with self.state.lock(bucket):  # the commit rule: the state read and its taking are one step
+            st = self.state.bucket_state(bucket)
+            self.mean_pulls.record_state(bucket, requester)
         with self._cv:
             m = self._means.get((st.rounds_applied - 1, bucket))
         if m is None:

@@ -143,6 +143,11 @@ class RoundResult:
     network_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
+    reduce_s: float = 0.0  # from the plan's formation (as this site reckons it) to the end of its pushes
+    means_s: float = 0.0  # from the plan's formation to when this site held every mean it got
+    reduce_timeout_s: float = 0.0  # the plan's deadlines (derived by the rendezvous, or set)
+    broadcast_timeout_s: float = 0.0
+    deadline_reason: str = ""  # why the deadlines are what they are (the rendezvous's derivation)
     bucket_outcomes: dict[str, int] = field(default_factory=dict)  # BucketOutcome value -> buckets
     rejected: dict[str, int] = field(default_factory=dict)  # RejectCode name -> contributions refused
     rejected_examples: dict[str, list[str]] = field(default_factory=dict)  # RejectCode name -> a few reasons

@@ -79,6 +79,12 @@ REPORT_FIELDS: dict[str, str] = {
     "num_errors": _INT,
     "time": _NUM,
     "fragment": _INT,  # Streaming DiLoCo: the fragment a round synchronised (absent: the whole model)
+    # the phases' times from the plan's formation (what the rendezvous derives deadlines from)
+    "reduce_s": _NUM,
+    "means_s": _NUM,
+    "reduce_timeout_s": _NUM,
+    "broadcast_timeout_s": _NUM,
+    "deadline_reason": _STR,
 }
 SITE_STATES = ("training", "in round", "late", "dead", "joining", "left")
 
@@ -400,6 +406,9 @@ def build_status(snap: Mapping[str, Any], *, num_rounds: int = 20) -> dict:
                 "state_reason": reason,
                 "address": s["address"],
                 "heartbeat_age_s": now - s["last_heartbeat"],
+                # the accrual detector's suspicion (None: a fixed timeout), and the silence it allows
+                "phi": s.get("phi"),
+                "dead_after_s": s.get("dead_after_s"),
                 "rounds_joined": s["rounds_joined"],
                 "inner_step": s["inner_step"],
                 "train_loss": s["last_loss"],

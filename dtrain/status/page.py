@@ -188,6 +188,9 @@ def svg_line_chart(
 
 
 # --------------------------------------------------------------------------- page
+_DEADLINES = ("quorum_timeout_s", "reduce_timeout_s", "broadcast_timeout_s")
+
+
 def _sites_table(status: Mapping[str, Any]) -> str:
     rows = []
     for s in status["sites"]:
@@ -197,17 +200,19 @@ def _sites_table(status: Mapping[str, Any]) -> str:
             f'<tr data-site="{sid}" data-state="{escape(st)}" class="{"dead" if st in ("dead", "left") else ""}">'
             f'<td class="l">{sid}</td><td class="l">{escape(s["address"])}</td>'
             f'<td class="l"><span class="st st-{escape(st.replace(" ", "-"))}" title="{escape(s["state_reason"])}">{escape(st)}</span></td>'
-            f"<td>{s['heartbeat_age_s']:.1f} s</td><td>{s['rounds_joined']}</td><td>{s['inner_step']}</td>"
+            f"<td>{s['heartbeat_age_s']:.1f} s</td><td>{_num(s.get('phi'), '{:.1f}')}</td>"
+            f"<td>{s['rounds_joined']}</td><td>{s['inner_step']}</td>"
             f"<td>{_num(s['val_loss'])}</td><td>{_num(s['train_loss'])}</td><td>{_num(s['last_reported_round'], '{}')}</td>"
             f"<td>{_num(s['last_sync_s'], '{:.2f} s')}</td><td>{_bytes(s['bytes_sent_total'])}</td>"
             f'<td class="l wrap">{escape(s["state_reason"])}</td></tr>'
         )
     head = (
         "<tr><th class=l>site</th><th class=l>address</th><th class=l>state</th><th>last heartbeat</th>"
+        '<th title="phi accrual suspicion of its silence: dead at the configured dead_phi">φ</th>'
         "<th>rounds joined</th><th>inner step</th><th>val loss</th><th>train loss</th><th>last round</th>"
         "<th>last sync</th><th>sent</th><th class=l>why</th></tr>"
     )
-    body = "".join(rows) or '<tr><td class="l" colspan="12">no site has joined yet</td></tr>'
+    body = "".join(rows) or '<tr><td class="l" colspan="13">no site has joined yet</td></tr>'
     return f'<table id="sites"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
 
@@ -251,8 +256,20 @@ def render_fragment(status: Mapping[str, Any], *, now_unix: float | None = None)
         [
             f'<div class="meta"><span class="big">round <span id="round-counter">{status["next_round"]}</span></span>'
             f" (rounds formed so far) · sites: {counts} · updated {when}</div>",
-            f'<div class="meta">heartbeat every {cfg["heartbeat_interval_s"]:g} s, dead after {cfg["heartbeat_timeout_s"]:g} s'
-            f" · quorum timeout {cfg['quorum_timeout_s']:g} s · min sites {cfg['min_sites']}"
+            f'<div class="meta">heartbeat every {cfg["heartbeat_interval_s"]:g} s, dead after '
+            + (
+                f"φ ≥ {cfg['dead_phi']:g} of its own heartbeat arrivals (the φ column)"
+                if cfg.get("failure_detector") == "accrual"
+                else f"{cfg['heartbeat_timeout_s']:g} s"
+            )
+            + f" · min sites {cfg['min_sites']}</div>"
+            + (
+                f'<div class="meta">next round\'s deadlines: quorum {cfg["quorum_timeout_s"]:.2f} s, reduce '
+                f"{cfg['reduce_timeout_s']:.2f} s, broadcast {cfg['broadcast_timeout_s']:.2f} s "
+                f"(why: {escape(cfg.get('deadline_reason') or 'set')})"
+                if all(isinstance(cfg.get(k), (int, float)) for k in _DEADLINES)
+                else '<div class="meta">'
+            )
             + (f' · <span class="warn">{dropped} bad round reports dropped</span>' if dropped else "")
             + "</div>",
             "<h2>Sites</h2>",

@@ -54,7 +54,7 @@ class InprocFaults:
 
 
 _RULE_KINDS = ("push", "pull_mean", "pull_state")
-_RULE_ACTIONS = ("drop", "kill_dst", "kill_src")
+_RULE_ACTIONS = ("drop", "kill_dst", "kill_src", "cut")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +72,9 @@ class FaultRule:
             destination goes down before it handles the call (as if it died at
             that moment; ``PeerUnavailable``), and down listeners are told;
             ``"kill_src"`` (``push`` only): the sending site goes down at that
-            chunk (it dies mid-push; the chunk is not delivered).
+            chunk (it dies mid-push; the chunk is not delivered); ``"cut"``
+            (``pull_mean`` only): the call never reaches the destination (a
+            partition) and times out after its ``timeout_s`` (``PeerTimeout``).
         times: how many calls the rule applies to (None: all of them).
     """
 
@@ -89,6 +91,8 @@ class FaultRule:
             raise ValueError(f"kind must be one of {_RULE_KINDS}, got {self.kind!r}")
         if self.action not in _RULE_ACTIONS:
             raise ValueError(f"action must be one of {_RULE_ACTIONS}, got {self.action!r}")
+        if self.action == "cut" and self.kind != "pull_mean":
+            raise ValueError(f"action 'cut' applies to kind 'pull_mean' only, got kind {self.kind!r}")
         if self.action == "kill_src" and self.kind != "push":
             raise ValueError(f"action 'kill_src' applies to kind 'push' only, got kind {self.kind!r}")
         if self.times is not None and self.times < 1:
@@ -264,6 +268,9 @@ class InprocTransport(Transport):
         action = self.network._rule_action("pull_mean", requester, address, round, bucket)
         if action == "kill_dst":
             raise PeerUnavailable(f"{address} went down (inproc rule)")
+        if action == "cut":
+            time.sleep(max(0.0, timeout_s))
+            raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address}: no answer (inproc cut)")
         t0 = time.monotonic()
         self._delay(timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))

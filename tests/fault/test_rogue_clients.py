@@ -215,6 +215,8 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
                 if (bb, c) != (b, 0):
                     assert rogue.push(rogue.chunk(0, bb, c, payload=_streaming_frame_payload(nc))) == 1
         mean = rogue.t.pull_mean(victim.address, 0, b, requester="rogue", timeout_s=5.0)
+        for bb in (i for i, o in enumerate(owners) if o == "victim" and i != b):  # a member takes every mean
+            rogue.t.pull_mean(victim.address, 0, bb, requester="rogue", timeout_s=5.0)  # (else the owner withdraws it)
         res = fut.result(timeout=40)
         assert [ch.senders for ch in mean.chunks] == [("rogue", "victim")] * len(mean.chunks)
         dec = get_codec(CODEC)
@@ -253,9 +255,13 @@ def test_each_rogue_request_is_refused_with_its_status_and_nothing_is_applied():
         fut = victim.start_round(_plan(1, members, reduce_s=1.0, broadcast_s=2.0))
         _wait_open(victim, 1)
         assert "round 0 is over here" in rogue.refused(rogue.chunk(0, b, 0, values=x), RejectCode.FAILED_PRECONDITION)
-        res1 = fut.result(timeout=20)
-        assert res1.round == 1
+        # the rogue takes round 1's means as a member does, while the round runs (a mean no
+        # member took by the broadcast deadline is withdrawn: the commit rule)
         mean1 = rogue.t.pull_mean(victim.address, 1, b, requester="rogue", timeout_s=5.0)
+        for bb in (i for i, o in enumerate(owners) if o == "victim" and i != b):
+            rogue.t.pull_mean(victim.address, 1, bb, requester="rogue", timeout_s=5.0)
+        res1 = fut.result(timeout=20)
+        assert res1.round == 1 and res1.applied_buckets == owners.count("victim")
         assert all(ch.senders == ("victim",) for ch in mean1.chunks), "the replayed chunk reached round 1's mean"
     finally:
         victim.stop(0.1)

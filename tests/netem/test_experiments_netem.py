@@ -202,3 +202,16 @@ def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
     # a --replot of the smoke mode merges this CSV with the other side runs
     args = argparse.Namespace(smoke=True, quick=False, out=tmp_path)
     assert tmp_path / "convergence_netem_smoke.csv" in c._side_files(args)
+
+
+@pytest.mark.timeout(180)
+def test_reliability_smoke(tmp_path: Path) -> None:
+    """One 3-site launch through the lossy profile with no time setting: the row has its
+    figures, the run ended with one θ, and the section names the targets."""
+    text = _main("reliability", tmp_path)
+    rows = read_rows(tmp_path / "reliability_smoke.csv")
+    assert [r["profile"] for r in rows] == ["lossy"]
+    r = rows[0]
+    assert r["sites_seen"] == 3 and r["exit_code"] == 0 and str(r["equal_at_end"]) == "True", r
+    assert r["unequal_rounds"] == 0 and r["declared_dead"] == 0, r
+    assert "| lossy | 1 | 1 | 0 | 0 |" in text and "no user-set timeout" in text

@@ -49,7 +49,7 @@ CASES = [
     (
         RendezvousConfig,
         {"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 5.0},
-        ["heartbeat_timeout_s", "must be > heartbeat_interval_s"],
+        ["heartbeat_timeout_s", "> heartbeat_interval_s"],
     ),
     (RendezvousConfig, {"min_sites": 0}, ["min_sites", ">= 1"]),
     (RendezvousConfig, {"min_sites": 3, "initial_sites": 2}, ["initial_sites", ">= min_sites (3)"]),

@@ -64,6 +64,8 @@ def _special(tmp: Path) -> dict[str, Any]:
         "http_refresh_s": 3.0,
         "broadcast_timeout_s": 30.0,
         "suspect_timeout_s": 2.0,
+        "heartbeat_timeout_s": 4.0,  # > heartbeat_interval_s
+        "margin": 2.0,  # >= 1 (the deadlines' factor on the observed quantile)
         "sites": 5,
         "retry_initial_backoff_s": 0.5,
         "retry_max_backoff_s": 2.0,

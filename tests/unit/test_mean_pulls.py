@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from dtrain.rounds.pulls import MeanPulls
+from dtrain.errors import RejectCode, Rejected
+from dtrain.rounds.pulls import MeanPulls, commit_decision
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -110,3 +111,53 @@ def test_a_stale_pull_before_the_round_opened_here_still_waits_for_the_state() -
     assert p.wait_pulled(timeout_s=0).missing == {"c": [3]}
     p.record_state(3, "c")
     assert p.wait_pulled(timeout_s=0).reason == "all pulled"
+
+
+# ---------------------------------------------------------------- the commit rule (MeanPulls.settle)
+
+
+@pytest.mark.parametrize(
+    "taken, left, now, keep, why",
+    [
+        (True, 0, 99.0, True, "a member took the mean"),
+        (True, 2, 0.0, True, "a member took the mean"),
+        (False, 0, 0.0, True, "every other member is gone (it resyncs from the survivors)"),
+        (False, 2, 10.0, False, "no member took the mean by the broadcast deadline (2 expected)"),
+        (False, 1, 9.5, None, "waiting 0.50s more for a member to take the mean"),
+    ],
+)
+def test_commit_decision(taken: bool, left: int, now: float, keep: bool | None, why: str) -> None:
+    assert commit_decision(taken=taken, pullers_left=left, now=now, until=10.0) == (keep, why)
+
+
+def test_a_mean_is_kept_once_a_member_pulled_it() -> None:
+    p = MeanPulls()
+    p.expect(1, buckets=[0], pullers=["b", "c"], until=time.monotonic() + 20)
+    threading.Timer(0.05, lambda: p.record(1, 0, "c", "mean")).start()
+    t0 = time.monotonic()
+    assert p.settle(1, 0, until=time.monotonic() + 20) == (True, "a member took the mean")
+    assert time.monotonic() - t0 < 5.0  # woken by the pull, not the deadline
+    assert p.record(1, 0, "b", "mean") == "mean"  # later pulls are served as before
+
+
+def test_a_mean_nobody_took_by_the_deadline_is_withdrawn_and_later_pulls_are_refused_aborted() -> None:
+    p = MeanPulls()
+    p.expect(1, buckets=[0, 1], pullers=["b"], until=time.monotonic() + 20)
+    keep, why = p.settle(1, 0, until=time.monotonic() + 0.1)
+    assert (keep, why) == (False, "no member took the mean by the broadcast deadline (1 expected)")
+    with pytest.raises(Rejected) as e:
+        p.record(1, 0, "b", "mean")
+    assert e.value.code is RejectCode.ABORTED and "withdrew" in e.value.reason
+    assert p.record(1, 1, "b", "other") == "other"  # only that bucket
+
+
+def test_a_mean_is_kept_at_once_when_every_other_member_is_gone() -> None:
+    p = MeanPulls()
+    p.expect(4, buckets=[2], pullers=["b", "c"], until=time.monotonic() + 20)
+    p.forget(["b", "c"])
+    t0 = time.monotonic()
+    assert p.settle(4, 2, until=time.monotonic() + 20) == (
+        True,
+        "every other member is gone (it resyncs from the survivors)",
+    )
+    assert time.monotonic() - t0 < 5.0

@@ -17,20 +17,22 @@ class Member(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., address: _Optional[str] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key", "left_out")
+    __slots__ = ("round", "members", "reduce_timeout_s", "broadcast_timeout_s", "datagram_key", "left_out", "deadline_reason")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REDUCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DATAGRAM_KEY_FIELD_NUMBER: _ClassVar[int]
     LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_REASON_FIELD_NUMBER: _ClassVar[int]
     round: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     reduce_timeout_s: float
     broadcast_timeout_s: float
     datagram_key: bytes
     left_out: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ..., left_out: _Optional[_Iterable[str]] = ...) -> None: ...
+    deadline_reason: str
+    def __init__(self, round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reduce_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ..., datagram_key: _Optional[bytes] = ..., left_out: _Optional[_Iterable[str]] = ..., deadline_reason: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("site_id", "address", "rank_addresses")
@@ -93,16 +95,20 @@ class ReadyRequest(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class ReadyReply(_message.Message):
-    __slots__ = ("status", "reason", "next_round", "plan")
+    __slots__ = ("status", "reason", "next_round", "plan", "plan_age_s", "held_s")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     status: str
     reason: str
     next_round: int
     plan: RoundPlan
-    def __init__(self, status: _Optional[str] = ..., reason: _Optional[str] = ..., next_round: _Optional[int] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ...) -> None: ...
+    plan_age_s: float
+    held_s: float
+    def __init__(self, status: _Optional[str] = ..., reason: _Optional[str] = ..., next_round: _Optional[int] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., plan_age_s: _Optional[float] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("site_id",)

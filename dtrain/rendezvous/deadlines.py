@@ -1,0 +1,155 @@
+"""A round's deadlines, derived from what the run observed and one stall budget.
+
+Instead of hand-set timeouts (the quorum wait, the owners' reduce deadline, the members'
+broadcast deadline), the rendezvous derives each round's deadlines from the rounds it has
+seen and one figure the user may state, ``stall_budget_s``: how long a round may stall
+beyond its measured exchange (for a straggler, a lost chunk, a slow owner). The
+derivation, :func:`derive_deadlines`, is a pure function of the observed history, the
+configuration and ``now``; it returns the :class:`Deadlines` with the reason, which the
+plan carries to every site (``RoundPlan.deadline_reason``) and the status page shows.
+
+Rule (each figure from the latest ``history_rounds`` clean rounds; a round is clean when
+every site's report says all contributions and all means arrived, so no observation is a
+deadline in disguise, which would feed the deadlines back into themselves):
+
+* quorum wait  = q(ready spread) · margin + budget  (ready spread: first to last ready)
+* reduce       = q(reduce) · margin + budget        (reduce: formation to pushes done)
+* broadcast    = max(q(means) · margin + budget, reduce + budget / 2)
+                                                    (means: formation to all means in)
+
+with q the ``quantile`` (0.9) over rounds of the slowest site's figure. Before
+``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
+broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
+conservative for a LAN and for most WAN links). A figure the user set explicitly
+(``RendezvousConfig.quorum_timeout_s`` ...) overrides its derivation. Every derived figure
+is capped at ``max_factor`` times its start bound, so a run of slow rounds cannot grow a
+deadline without bound. The idea follows Decoupled DiLoCo (arXiv 2604.21428), which closes
+rounds at a minimum quorum plus an adaptive grace window, and hivemind #676 ("the deadline
+should track the arrival times you already see").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["DeadlineConfig", "Deadlines", "RoundTimes", "derive_deadlines", "quantile"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlineConfig:
+    """How the rendezvous derives deadlines (:func:`derive_deadlines`).
+
+    Attributes:
+        stall_budget_s: the one figure a user may state: how long a round may stall beyond
+            its measured exchange (waiting for a straggler, a lost chunk, a slow owner),
+            seconds > 0. The start bound (before ``min_rounds`` clean rounds) is 1 / 2 / 4
+            times it for the quorum wait / reduce / broadcast.
+        history_rounds: how many recent clean rounds the derivation reads (>= 1).
+        min_rounds: clean rounds needed before the derivation replaces the start bound (>= 1).
+        quantile: the quantile of the observed figures used, in (0, 1].
+        margin: factor on the observed quantile (>= 1).
+        max_factor: a derived deadline is at most this many times its start bound (>= 1).
+    """
+
+    stall_budget_s: float = 5.0
+    history_rounds: int = 20
+    min_rounds: int = 3
+    quantile: float = 0.9
+    margin: float = 1.5
+    max_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        b = self.stall_budget_s
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (math.isfinite(b) and b > 0):
+            raise ValueError(f"stall_budget_s must be a number of seconds > 0, got {b!r}")
+        for name in ("history_rounds", "min_rounds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
+        for name in ("margin", "max_factor"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
+                raise ValueError(f"{name} must be a number >= 1, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundTimes:
+    """What one round showed, seconds: the slowest site's figures.
+
+    Attributes:
+        round: the round.
+        ready_spread_s: from the first member's ready to the last one's (None: the round
+            formed by cutting a straggler, so the spread is not known).
+        reduce_s: from the plan's formation to the end of a site's pushes (None: unknown).
+        means_s: from the plan's formation until a site held every mean (None: unknown).
+        clean: every report of it said that all contributions and all means arrived.
+    """
+
+    round: int
+    ready_spread_s: float | None = None
+    reduce_s: float | None = None
+    means_s: float | None = None
+    clean: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deadlines:
+    """One round's deadlines, seconds, and why they are what they are."""
+
+    quorum_timeout_s: float
+    reduce_timeout_s: float
+    broadcast_timeout_s: float
+    reason: str
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; ``values`` not empty)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def derive_deadlines(
+    history: Sequence[RoundTimes],
+    *,
+    config: DeadlineConfig,
+    overrides: tuple[float | None, float | None, float | None] = (None, None, None),
+    now: float = 0.0,
+) -> Deadlines:
+    """The next round's deadlines from the observed ``history`` (any order), the budget
+    and the explicit ``overrides`` (quorum, reduce, broadcast; None: derived). ``now`` is
+    accepted for the pure-decision convention (the rule reads no clock; history is
+    counted in rounds). See the module docstring for the rule."""
+    del now
+    b = config.stall_budget_s
+    start = (b, 2 * b, 4 * b)
+    clean = sorted((t for t in history if t.clean), key=lambda t: t.round)[-config.history_rounds :]
+
+    def observed(values: list[float], i: int, what: str) -> tuple[float, str]:
+        if len(values) < config.min_rounds:
+            return start[i], f"{what} {start[i]:.2f}s (start bound: {len(values)} of {config.min_rounds} rounds seen)"
+        q = quantile(values, config.quantile)
+        d = min(q * config.margin + b, start[i] * config.max_factor)
+        return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds)"
+
+    spreads = [t.ready_spread_s for t in clean if t.ready_spread_s is not None]
+    reduces = [t.reduce_s for t in clean if t.reduce_s is not None]
+    means = [t.means_s for t in clean if t.means_s is not None]
+    quorum, why_q = observed(spreads, 0, "quorum")
+    reduce, why_r = observed(reduces, 1, "reduce")
+    bcast, why_b = observed(means, 2, "broadcast")
+    qo, ro, bo = overrides
+    if qo is not None:
+        quorum, why_q = qo, f"quorum {qo:.2f}s (set)"
+    if ro is not None:
+        reduce, why_r = ro, f"reduce {ro:.2f}s (set)"
+    if bo is not None:
+        bcast, why_b = bo, f"broadcast {bo:.2f}s (set)"
+    elif bcast < reduce + b / 2:
+        bcast = reduce + b / 2
+        why_b = f"broadcast {bcast:.2f}s (reduce + budget/2)"
+    reason = f"budget {b:g}s: {why_q}; {why_r}; {why_b}"
+    return Deadlines(quorum_timeout_s=quorum, reduce_timeout_s=reduce, broadcast_timeout_s=bcast, reason=reason)

@@ -1,0 +1,163 @@
+"""Deadlines derived from the observed rounds and one stall budget (``dtrain.rendezvous.deadlines``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
+from dtrain.protocol import Member, RoundPlan
+from dtrain.rendezvous import RendezvousConfig, RendezvousCore
+from dtrain.rendezvous.core import aged
+from dtrain.rendezvous.deadlines import DeadlineConfig, RoundTimes, derive_deadlines, quantile
+from dtrain.rendezvous.grpc import _decision_from_proto, plan_to_proto
+from dtrain.site import plan_expired
+
+CFG = DeadlineConfig()  # budget 5 s, q0.9, margin 1.5, 3 rounds before deriving, cap 4x the start bound
+
+
+def rounds(n: int, *, spread: float = 0.2, reduce: float = 0.5, means: float = 0.8, clean: bool = True):
+    return [RoundTimes(round=r, ready_spread_s=spread, reduce_s=reduce, means_s=means, clean=clean) for r in range(n)]
+
+
+def test_before_min_rounds_the_start_bound_is_1_2_4_budgets() -> None:
+    d = derive_deadlines(rounds(2), config=CFG)
+    assert (d.quorum_timeout_s, d.reduce_timeout_s, d.broadcast_timeout_s) == (5.0, 10.0, 20.0)
+    assert "start bound: 2 of 3 rounds seen" in d.reason
+
+
+def test_a_fast_link_gets_deadlines_of_its_exchange_plus_the_budget() -> None:
+    d = derive_deadlines(rounds(10), config=CFG)
+    assert d.quorum_timeout_s == pytest.approx(0.2 * 1.5 + 5)
+    assert d.reduce_timeout_s == pytest.approx(0.5 * 1.5 + 5)
+    # means 0.8 * 1.5 + 5 = 6.2 < reduce + budget / 2 = 8.25
+    assert d.broadcast_timeout_s == pytest.approx(0.5 * 1.5 + 5 + 2.5)
+    assert d.reason.startswith("budget 5s: quorum 5.30s (q0.9 0.20s of 10 rounds)")
+
+
+def test_a_link_that_slows_10x_moves_the_deadlines_within_the_quantiles_window() -> None:
+    """10 rounds at 2 s of reduce, then the link slows 10x (20 s): the q0.9 (nearest rank)
+    of the 12 rounds seen after two slow ones is a slow one, so the next plan's deadline
+    follows after 2 rounds (the slow rounds themselves ran under the old deadline)."""
+    slow_from = 10
+    hist = rounds(slow_from, reduce=2.0, means=3.0)
+    moved_after = None
+    for k in range(1, 8):
+        hist.append(RoundTimes(round=slow_from + k - 1, ready_spread_s=0.2, reduce_s=20.0, means_s=30.0))
+        d = derive_deadlines(hist, config=CFG)
+        if d.reduce_timeout_s > 20.0 and moved_after is None:
+            moved_after = k
+    assert moved_after == 2
+    assert d.reduce_timeout_s == pytest.approx(min(20 * 1.5 + 5, 4 * 10.0))  # capped at 4x the start bound
+    # and recovers once the fast rounds are the 90% again (window of 20 rounds)
+    for k in range(20):
+        hist.append(RoundTimes(round=100 + k, ready_spread_s=0.2, reduce_s=2.0, means_s=3.0))
+    assert derive_deadlines(hist, config=CFG).reduce_timeout_s == pytest.approx(2 * 1.5 + 5)
+
+
+def test_rounds_that_were_not_clean_are_not_observations() -> None:
+    """A round where something was lost ran into a deadline: its times are the deadline, not the link."""
+    d = derive_deadlines(rounds(10, reduce=9.9, clean=False) + rounds(2), config=CFG)
+    assert d.reduce_timeout_s == 10.0  # 2 clean rounds only: the start bound
+
+
+def test_explicit_timeouts_override_their_derivation_and_say_so() -> None:
+    d = derive_deadlines(rounds(10), config=CFG, overrides=(None, 3.0, None))
+    assert d.reduce_timeout_s == 3.0 and "reduce 3.00s (set)" in d.reason
+    assert d.broadcast_timeout_s == pytest.approx(max(0.8 * 1.5 + 5, 3.0 + 2.5))
+
+
+def test_quantile_is_nearest_rank() -> None:
+    assert quantile([5, 1, 4, 2, 3], 0.9) == 5 and quantile([5, 1, 4, 2, 3], 0.5) == 3 and quantile([7], 0.1) == 7
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("stall_budget_s", 0.0, "stall_budget_s must be a number of seconds > 0"),
+        ("history_rounds", 0, "history_rounds must be an int >= 1"),
+        ("quantile", 1.5, r"quantile must be in \(0, 1\]"),
+        ("margin", 0.5, "margin must be a number >= 1"),
+    ],
+)
+def test_bad_deadline_settings_name_the_field(field: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DeadlineConfig(**{field: value})
+
+
+def _report(site: str, rnd: int, *, reduce_s: float, means_s: float, arrived: float = 1.0) -> str:
+    return json.dumps(
+        {
+            "site": site,
+            "round": rnd,
+            "seq": rnd + 1,
+            "status": "applied",
+            "reduce_s": reduce_s,
+            "means_s": means_s,
+            "reduce_arrived_fraction": arrived,
+            "broadcast_arrived_fraction": 1.0,
+        }
+    )
+
+
+def test_the_rendezvous_derives_the_next_plans_deadlines_from_the_sites_reports() -> None:
+    core = RendezvousCore(RendezvousConfig(min_sites=2, deadlines=DeadlineConfig(stall_budget_s=2.0)))
+    for s in ("a", "b"):
+        core.join(s, f"127.0.0.1:{ord(s)}", now=0.0)
+    t = 0.0
+    for r in range(4):
+        t += 1.0
+        assert core.ready("a", r, now=t).status == "wait"
+        plan = core.ready("b", r, now=t + 0.1).plan
+        assert plan is not None
+        if r < 3:
+            assert plan.reduce_timeout_s == 4.0 and "start bound" in plan.deadline_reason
+        for s, slow in (("a", 1.0), ("b", 2.0)):  # the slowest site's figures count
+            core.heartbeat(s, now=t + 0.5, round_reports=[_report(s, r, reduce_s=0.4 * slow, means_s=0.6 * slow)])
+    # rounds 0-2 observed: reduce q0.9 = 0.8 s, means 1.2 s, ready spread 0.1 s
+    assert plan.reduce_timeout_s == pytest.approx(0.8 * 1.5 + 2.0)
+    assert plan.broadcast_timeout_s == pytest.approx(max(1.2 * 1.5 + 2.0, 0.8 * 1.5 + 2.0 + 1.0))
+    assert core.deadlines.quorum_timeout_s == pytest.approx(0.1 * 1.5 + 2.0)
+    assert "q0.9 0.80s of 4 rounds" in core.snapshot(t)["config"]["deadline_reason"]
+
+
+# ---------------------------------------------------------------- a plan's age
+
+
+def _plan(**kw):
+    return RoundPlan(
+        round=3,
+        members=(Member(site_id="a", address="x:1"),),
+        reduce_timeout_s=2.0,
+        broadcast_timeout_s=4.0,
+        **kw,
+    )
+
+
+def test_the_rendezvous_ages_a_plan_on_its_stores_clock() -> None:
+    assert aged(_plan(formed_at=100.0), 101.5).age_s == 1.5
+    assert aged(_plan(formed_at=100.0), 99.0).age_s == 0.0  # never negative
+    assert aged(_plan(), 5.0).age_s == 0.0  # formation unknown
+
+
+def test_a_plan_read_past_its_reduce_deadline_is_a_missed_round() -> None:
+    assert plan_expired(_plan(age_s=1.9)) == (False, "the plan of round 3 is 1.90s old")
+    expired, why = plan_expired(_plan(age_s=2.5))
+    assert expired and "2.5s old, past its reduce deadline (2.0s after it formed)" in why
+
+
+@pytest.mark.parametrize(
+    "age_s, held_s, call_s, want",
+    [
+        (0.0, 1.9, 2.0, 0.1),  # a long poll held 1.9 s of a 2 s call: 0.1 s in flight at most
+        (0.5, 0.0, 0.2, 0.7),  # the plan was 0.5 s old at the answer, the call took 0.2 s
+        (0.0, 0.5, 15.5, 15.0),  # the site was stopped 15 s while the answer waited: the plan is 15 s old
+        (0.0, 3.0, 2.0, 0.0),  # clocks disagree: never below the rendezvous's own figure
+    ],
+)
+def test_the_client_adds_the_calls_time_not_held_at_the_rendezvous(age_s, held_s, call_s, want) -> None:
+    reply = pb.ReadyReply(status="plan", reason="r", next_round=3, plan=plan_to_proto(_plan()))
+    reply.plan_age_s, reply.held_s = age_s, held_s
+    d = _decision_from_proto(reply, call_s)
+    assert d.plan is not None and d.plan.age_s == pytest.approx(want)
