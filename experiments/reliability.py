@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,12 +54,27 @@ def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str,
     argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(rounds), "--size", size]
     argv += ["--netem", profile, "--out", str(out)]
     t0 = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        code = proc.returncode
+        code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        code = -1
+        code = -1  # a hung run: stop the launch and everything it started, and its topology
+        _stop(proc)
     return {"profile": profile, "exit_code": code, "wall_s": round(time.monotonic() - t0, 1), **read_run(out)}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a launch's process group and take down its netem topology (named ``launch``), so the
+    next run can build its own."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+    argv = [sys.executable, "-m", "netem", "down", "--name", "launch"]
+    subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
 
 
 def read_run(out: Path) -> dict[str, Any]:
@@ -122,7 +138,9 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
     was refused or missing (nothing should be: every contribution arrives within the budget)."""
     argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small"]
     argv += ["--codec", "fp32", "--sync-every", "10", "--netem", "continental", "--out", str(out)]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 2 * LAUNCH_TIMEOUT_S
         state = None
@@ -135,8 +153,7 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+            _stop(proc)
     rows = []
     lines = _lines(out)
     for r in sorted({d["round"] for d in lines}):
