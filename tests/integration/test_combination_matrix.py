@@ -338,7 +338,10 @@ EQ_TASK = {"task": "tests.integration.fixed_val_task:build"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", list(EQ_SCHEDULES))
+# cosine only in CI: the row covers both what the constant one does (the same global batch) and the
+# scheduler (a warmup that never steps ends ~1 nat higher); constant is run by hand (-k constant
+# after adding it back) when the equivalence itself is in doubt.
+@pytest.mark.parametrize("schedule", ["cosine"])
 def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(schedule: str, tmp_path: Path) -> None:
     common = {**BASE, **EQ_TASK, "rounds": EQ_ROUNDS, **EQ_SCHEDULES[schedule], "diloco.rounds.codec.name": "int8"}
     losses: dict[int, list[float]] = {1: [], 2: []}

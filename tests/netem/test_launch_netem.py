@@ -15,7 +15,9 @@ pytestmark = pytest.mark.netem
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("profile", ["transatlantic", "lossy"])
+# (the lossy profile's 3-site launch, with no time setting at all, is
+# tests/netem/test_experiments_netem.py::test_reliability_smoke)
+@pytest.mark.parametrize("profile", ["transatlantic"])
 def test_three_site_launch_through_emulated_links_agrees(profile: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
