@@ -24,8 +24,11 @@ from dtrain.status import REPORT_FIELDS, round_report
 
 __all__ = ["TensorBoardSink", "round_scalars"]
 
-#: report fields that are not scalars (text, lists, counts handled below)
-_SKIP = {"site", "round", "status", "reason", "members", "rejected", "time"}
+#: numeric report fields that are not a round's scalars (the step, a clock)
+_SKIP = {"round", "time"}
+#: the kinds of REPORT_FIELDS that are scalars (text, lists and counts are not; members and
+#: rejected are summarized below)
+_SCALAR_KINDS = {"num", "int", "bool"}
 
 
 def round_scalars(metrics_line: Mapping[str, Any]) -> dict[str, float]:
@@ -36,8 +39,8 @@ def round_scalars(metrics_line: Mapping[str, Any]) -> dict[str, float]:
     """
     rep = round_report(metrics_line)
     out: dict[str, float] = {}
-    for key in REPORT_FIELDS:
-        if key in _SKIP or rep.get(key) is None:
+    for key, kind in REPORT_FIELDS.items():
+        if key in _SKIP or kind not in _SCALAR_KINDS or rep.get(key) is None:
             continue
         v = float(rep[key])
         if math.isfinite(v):

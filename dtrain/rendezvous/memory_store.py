@@ -360,7 +360,9 @@ class MemoryStore:
                 "address": r.address,
                 "alive": not left and r.alive(now, timeout_s if r.arrivals is None else self._silence_s(r)),
                 # the accrual detector's suspicion of its silence (None: a fixed timeout)
-                "phi": None if r.arrivals is None else round(min(r.arrivals.phi(now - r.last_heartbeat), 99.0), 2),
+                "phi": None
+                if r.arrivals is None
+                else round(max(0.0, min(r.arrivals.phi(now - r.last_heartbeat), 99.0)), 2),
                 "dead_after_s": self._silence_s(r),
                 "needs_resync": r.needs_resync,
                 "resync_reason": r.resync_reason,

@@ -196,8 +196,11 @@ def test_round_scalars_are_the_status_reports_numbers():
         "errors": ["x"],
         "encode_s": 0.1,  # not on the status page
         "time": 1.7e9,
+        "reduce_s": 0.5,
+        "deadline_reason": "budget 5s: quorum 5.00s (start bound: 1 of 3 rounds seen)",  # text: not a scalar
     }
     assert round_scalars(line) == {
+        "round/reduce_s": 0.5,
         "round/train_loss": 2.5,
         "round/sync_s": 0.25,
         "round/bytes_sent": 1000.0,
