@@ -455,7 +455,9 @@ def test_rendezvous_long_poll_quorum_timeout_and_restart() -> None:
         elapsed = time.monotonic() - t0
         assert d.status == "plan" and d.plan.site_ids == ("site-a",), d
         assert 0.4 <= elapsed < 2.0
-        assert d.plan.reduce_timeout_s == rcfg.reduce_timeout_s
+        # no round observed yet: the start bound of the derived deadlines, and why, in the plan
+        assert d.plan.reduce_timeout_s == rcfg.start_deadlines().reduce_timeout_s == 10.0
+        assert "reduce 10.00s (start bound" in d.plan.deadline_reason
         late = client.ready("site-b", 0, timeout_s=1)
         assert late.status == "missed" and late.next_round == 1
         hb = client.heartbeat("site-a", inner_step=7, last_loss=2.5)

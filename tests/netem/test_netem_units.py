@@ -56,7 +56,7 @@ def test_cloud_profiles_say_their_source_and_what_the_emulator_reaches():
 
 
 def test_profiles_match_the_issue():
-    assert set(PROFILES) - {"cloud-continent", "cloud-cross-coast", "cloud-transoceanic"} == {
+    assert set(PROFILES) - {"cloud-continent", "cloud-cross-coast", "cloud-transoceanic", "lossy30"} == {
         "lan",
         "continental",
         "transatlantic",
@@ -68,6 +68,8 @@ def test_profiles_match_the_issue():
     assert (c.delay_ms, c.rate_mbit) == (15.0, 1000.0)
     t = get_profile("transatlantic").link
     assert (t.delay_ms, t.loss_pct, t.rate_mbit) == (40.0, 0.1, 200.0)
+    v = get_profile("lossy30").link  # issue 32's reliability benchmark: 30% loss
+    assert (v.delay_ms, v.loss_pct, v.rate_mbit) == (10.0, 30.0, 100.0)
     assert get_profile("lossy").link.loss_pct == 10.0
     f = get_profile("flaky").link
     assert 0 < f.flap_down_s < f.flap_period_s
