@@ -165,18 +165,6 @@ class RoundEngine(PeerSide):
         return frozenset(self._banned)
 
     # ------------------------------------------------------------------ site: one round
-    def skip_round(self, round: int, why: str) -> None:
-        """This site, a member of ``round``'s plan, will not run it (its plan expired before
-        it read it, ``dtrain.site.plan_expired``): peers' pushes and mean pulls for it are
-        refused at once (ABORTED: its buckets are owner-lost for them) instead of waiting
-        ``plan_wait_s`` for a round that never opens here."""
-        with self._cv:
-            self._skipped[round] = why
-            for old in [r for r in self._skipped if r < round - 4]:
-                del self._skipped[old]
-            self._cv.notify_all()
-        self._means_changed()
-
     def start_round(
         self,
         plan: RoundPlan,
@@ -583,27 +571,6 @@ class RoundEngine(PeerSide):
                 continue
             self._apply_remote(run, b)
         run.res.broadcast_arrived_fraction = run.member.broadcast_arrived_fraction
-
-    def _commit(self, run: _Run, b: int) -> bool:
-        """The commit rule for an owned bucket whose mean this site applied: keep it once a
-        member took it; otherwise (nobody by the broadcast deadline, or no member left) roll
-        θ_b back and give the bucket OWNER_LOST, as every member that could not get it does
-        (:meth:`MeanPulls.settle <dtrain.rounds.pulls.MeanPulls.settle>`). Returns whether kept."""
-        snap, bres = run.owned.rollback.pop(b)
-        until = run.owned.books.broadcast_until
-        self.mean_pulls.wait_settled(run.round, b, until=until)
-        with self.state.lock(b):  # no state pull reads θ_b between the decision and the roll-back
-            keep, why = self.mean_pulls.settle(run.round, b, until=until)
-            if keep:
-                return True
-            self.state.restore_bucket(b, snap)
-        if bres is not None:
-            self._bres[b] = bres
-        with self._cv:
-            self._means.pop((run.round, b), None)
-        run.member.withdrawn(b, why)
-        self.log.warning("round %d: bucket %d %s: mean withdrawn: %s", run.round, b, BucketOutcome.OWNER_LOST, why)
-        return False
 
     def _apply_remote(self, run: _Run, b: int) -> None:
         """Apply the mean of bucket ``b`` (owned elsewhere), if it arrived; give it its outcome."""

@@ -28,6 +28,7 @@ from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.rounds.history import NotRetained, history_info_state
 from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
+from dtrain.rounds.types import BucketOutcome
 from dtrain.transports.pacing import Pacer
 
 __all__ = ["PeerSide"]
@@ -45,14 +46,14 @@ class _Owned:
         self.published = threading.Event()  # every owned bucket's mean published
         self.pacer: Pacer | None = None  # a paced fragment round's send budget (the engine sets it)
         # owned bucket -> (θ_b snapshot, broadcast residual) from before its mean was applied,
-        # until the commit rule keeps or withdraws the mean (RoundEngine._commit)
+        # until the commit rule keeps or withdraws the mean (PeerSide._commit)
         self.rollback: dict[int, tuple] = {}
 
 
 class PeerSide:
     """The ``PeerHandler`` methods of a round engine (mixed into ``RoundEngine``).
 
-    Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``,
+    Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``, ``_skipped``, ``_bres``,
     ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
     """
 
@@ -434,6 +435,39 @@ class PeerSide:
             return m
         stale = bool(have_checksum) and have_checksum != m.checksum_before
         return self.mean_pulls.record(round, bucket, requester, m, needs_state=stale)
+
+    def skip_round(self, round: int, why: str) -> None:
+        """This site, a member of ``round``'s plan, will not run it (its plan expired before
+        it read it, ``dtrain.site.plan_expired``): peers' pushes and mean pulls for it are
+        refused at once (ABORTED: its buckets are owner-lost for them) instead of waiting
+        ``plan_wait_s`` for a round that never opens here."""
+        with self._cv:
+            self._skipped[round] = why
+            for old in [r for r in self._skipped if r < round - 4]:
+                del self._skipped[old]
+            self._cv.notify_all()
+        self._means_changed()
+
+    def _commit(self, run, b: int) -> bool:  # run: the engine's _Run of this round
+        """The commit rule for an owned bucket whose mean this site applied: keep it once a
+        member took it; otherwise (nobody by the broadcast deadline, or no member left) roll
+        θ_b back and give the bucket OWNER_LOST, as every member that could not get it does
+        (:meth:`MeanPulls.settle <dtrain.rounds.pulls.MeanPulls.settle>`). Returns whether kept."""
+        snap, bres = run.owned.rollback.pop(b)
+        until = run.owned.books.broadcast_until
+        self.mean_pulls.wait_settled(run.round, b, until=until)
+        with self.state.lock(b):  # no state pull reads θ_b between the decision and the roll-back
+            keep, why = self.mean_pulls.settle(run.round, b, until=until)
+            if keep:
+                return True
+            self.state.restore_bucket(b, snap)
+        if bres is not None:
+            self._bres[b] = bres
+        with self._cv:
+            self._means.pop((run.round, b), None)
+        run.member.withdrawn(b, why)
+        self.log.warning("round %d: bucket %d %s: mean withdrawn: %s", run.round, b, BucketOutcome.OWNER_LOST, why)
+        return False
 
     def _means_changed(self) -> None:
         for fn in list(self.mean_listeners):
