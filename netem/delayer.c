@@ -48,6 +48,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -293,6 +294,15 @@ int main(int argc, char **argv) {
     if (parent > 0 && getppid() != (pid_t)parent)
         return 3;
     signal(SIGPIPE, SIG_IGN);
+    /* Real-time priority where allowed (root): kernel netem delays in softirq context, ahead of
+     * every user process, but this program competes for the CPU with the processes whose traffic
+     * it delays. At normal priority a wake-up on a loaded 2-core host could come several ms late,
+     * and every packet due meanwhile left late with it (CI once saw 7 ms on a 40 ms RTT). It sleeps
+     * between ticks, and the kernel's RT throttling bounds it if it ever spun. */
+    struct sched_param rt = {.sched_priority = 10};
+    if (sched_setscheduler(0, SCHED_FIFO, &rt) != 0)
+        fprintf(stderr, "netem-delayer: no real-time priority (%s); releases may run late under load\n",
+                strerror(errno));
     rng_state = (uint64_t)now_ns() ^ ((uint64_t)getpid() << 32) ^ 0x9E3779B97F4A7C15ULL;
 
     struct nfq_handle *h = bind_queues(max_len, rcvbuf);
