@@ -513,8 +513,9 @@ class RoundEngine(PeerSide):
             # waits on it again and the round ends at its deadline. A timeout well
             # before the deadline is a lost reply (the in-process transport's
             # pull_loss): the owner is alive, so the bucket is retried and repaired.
+            heard = self.config.repair and owner in self.mean_pulls.heard_from(run.round)
             with run.lock:
-                run.member.pull_timed_out(b, time.monotonic())
+                run.member.pull_timed_out(b, time.monotonic(), owner_heard=heard)
             return b, None, str(e)
         except TransportError as e:
             if e.code is RejectCode.ABORTED:  # the owner withdrew the mean: nobody applies it
@@ -619,7 +620,8 @@ class RoundEngine(PeerSide):
     # ------------------------------------------------------------------ site: repair
     def _repair(self, run: _Run) -> None:
         """Step 6: pull stale buckets whole from their owner (or a member with the
-        owner's checksum), within ``repair_timeout_s``; repaired ones become REPAIRED.
+        owner's checksum), within ``repair_timeout_s``; repaired ones become REPAIRED, and
+        a missed mean its owner withdrew becomes OWNER_LOST (``withdrawal_confirmed``).
 
         A bucket whose mean this site never got is pulled from its owner only, and only
         a state that reflects this round's mean is taken; its ``mean_senders`` (which
@@ -635,7 +637,7 @@ class RoundEngine(PeerSide):
                 if left <= 0:
                     break
                 if self._repair_from(run, b, src, left):
-                    self.log.info("round %d: bucket %d %s from %s", run.round, b, BucketOutcome.REPAIRED, src)
+                    self.log.info("round %d: bucket %d %s from %s", run.round, b, run.member.outcome(b), src)
                     break
 
     def _repair_from(self, run: _Run, b: int, src: str, timeout_s: float) -> bool:
@@ -646,14 +648,20 @@ class RoundEngine(PeerSide):
         except (TransportError, StateTransferError) as e:
             self.log.warning("round %d: repair of bucket %d from %s failed: %s", run.round, b, src, e)
             return False
-        ok, why = run.member.repair_decision(b, st.checksum, st.extra)
-        if not ok:
-            self.log.warning("round %d: repair of bucket %d from %s: %s", run.round, b, src, why)
-            return False
+        # the owner withdrew the mean this site missed: keep θ_b as the owner rolled it back
+        withdrawn = st.extra.get("withdrawn_round") == run.round and src == run.owners[b] and run.member.mean(b) is None
+        if not withdrawn:
+            ok, why = run.member.repair_decision(b, st.checksum, st.extra)
+            if not ok:
+                self.log.warning("round %d: repair of bucket %d from %s: %s", run.round, b, src, why)
+                return False
         resid = self.state.residuals[b]
         self.state.load_bucket(b, theta, opt, st.rounds_applied)
         self.state.residuals[b] = resid
-        run.member.repaired(b, src, checksum=st.checksum, extra=st.extra)
+        if withdrawn:
+            run.member.withdrawal_confirmed(b, src)
+        else:
+            run.member.repaired(b, src, checksum=st.checksum, extra=st.extra)
         return True
 
     # ------------------------------------------------------------------ site: residuals

@@ -21,7 +21,9 @@ and then gets its outcome once (step 5, apply and verify):
 * :meth:`~MemberRound.stale` (ARRIVED) — STALE for a reason the engine found (its θ_b
   differs before applying and will be repaired, or the mean is undecodable);
 
-and STALE --:meth:`~MemberRound.repaired`--> REPAIRED (step 6). A bucket this site
+and STALE --:meth:`~MemberRound.repaired`--> REPAIRED (step 6), or, for a mean that
+never arrived, STALE --:meth:`~MemberRound.withdrawal_confirmed`--> OWNER_LOST when the
+owner's state says it withdrew that mean. A bucket this site
 owns gets its outcome from :meth:`~MemberRound.published` (the mean its finalizer
 published). The decisions are pure and take ``now`` where time matters
 (:meth:`~MemberRound.pull_decision`, :meth:`~MemberRound.pull_timed_out`) and the
@@ -287,15 +289,23 @@ class MemberRound:
         refused a late pull): nobody gets this mean."""
         self._expect(b, "owner_lost", Phase.AWAITING, Phase.MISSING).owner_lost = True
 
-    def pull_timed_out(self, b: int, now: float) -> bool:
-        """AWAITING: the owner did not answer the pull of bucket ``b`` by ``now``. Near the
-        broadcast deadline (at most max(:data:`PULL_TIMEOUT_OWNER_LOST_S`, 5% of the
-        broadcast timeout) left) the owner is stopped, hung or far behind: owner-lost, so
-        that no late pull or repair waits on it and the round ends at its deadline.
-        Earlier, it is a lost reply (the owner is alive: the bucket is retried and
-        repaired). Returns whether the owner is now lost for ``b``."""
+    def pull_timed_out(self, b: int, now: float, *, owner_heard: bool = False) -> bool:
+        """AWAITING: the owner did not answer the pull of bucket ``b`` by ``now``.
+
+        Near the broadcast deadline (at most max(:data:`PULL_TIMEOUT_OWNER_LOST_S`, 5% of
+        the broadcast timeout) left) and with no sign of the owner in this round's broadcast,
+        the owner is stopped, hung or far behind: owner-lost, so that no late pull or repair
+        waits on it and the round ends at its deadline. ``owner_heard``: the owner asked this
+        site for a mean of this round (``MeanPulls.heard_from``): it is alive behind a slow or
+        lossy link and may have applied the mean (a member took it, and this reply was lost),
+        so the bucket is retried and repaired from it instead: its state says whether it kept
+        the mean (REPAIRED) or withdrew it (:meth:`withdrawal_confirmed`). Earlier than near
+        the deadline it is a lost reply (retried and repaired). The price of an owner stopped
+        after it asked: ``repair_timeout_s`` once. Returns whether the owner is now lost for
+        ``b``."""
         f = self._expect(b, "pull_timed_out", Phase.AWAITING)
-        if self.broadcast_until - now <= max(PULL_TIMEOUT_OWNER_LOST_S, 0.05 * self.broadcast_timeout_s):
+        near = self.broadcast_until - now <= max(PULL_TIMEOUT_OWNER_LOST_S, 0.05 * self.broadcast_timeout_s)
+        if near and not owner_heard:
             f.owner_lost = True
         return f.owner_lost
 
@@ -367,6 +377,25 @@ class MemberRound:
             f.repaired_senders = list(extra["mean_senders"])
         f.repaired_from = src
         return self._give(f, BucketOutcome.REPAIRED)
+
+    def withdrawal_confirmed(self, b: int, src: str) -> BucketOutcome:
+        """STALE (its mean never arrived here) -> OWNER_LOST: its owner ``src`` answered the
+        repair with a state whose ``withdrawn_round`` is this round: it withdrew the mean (the
+        commit rule: nobody took it), so this site keeps θ_b as the owner does (the engine
+        loads the owner's θ_b) and the residual is kept whole, as for any owner-lost bucket.
+
+        Raises:
+            InvalidTransition: the bucket is not STALE, its mean arrived here (a mean that
+                arrived was taken: the owner cannot have withdrawn it), or ``src`` is not its owner.
+        """
+        f = self._stale(b, "withdrawal_confirmed")
+        if f.mean is not None or src != f.owner:
+            raise InvalidTransition(
+                f"withdrawal_confirmed: bucket {b} of round {self.round} from {src}: only its owner {f.owner}"
+                " can withdraw a mean, and only one that never arrived here"
+            )
+        f.owner_lost = True
+        return self._give(f, BucketOutcome.OWNER_LOST, f"{src} withdrew its mean (nobody took it): {f.why}")
 
     # ------------------------------------------------------------------ internals
     def _get(self, b: int) -> _Fate:

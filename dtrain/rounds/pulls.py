@@ -98,6 +98,7 @@ class MeanPulls:
         self._needs_state: dict[int, set[tuple[str, int]]] = {}  # round -> pulls waiting for a state pull
         self._taken: dict[int, set[int]] = {}  # round -> buckets whose mean left this site
         self._withdrawn: dict[int, set[int]] = {}  # round -> buckets whose mean this owner withdrew
+        self._heard: dict[int, set[str]] = {}  # round -> sites that asked this site for a mean of it
 
     def expect(self, round: int, *, buckets: Iterable[int], pullers: Iterable[str], until: float) -> None:
         """Round ``round``: each of ``pullers`` should pull the mean of each of ``buckets``
@@ -114,10 +115,33 @@ class MeanPulls:
                 del self._served[old]
             for old in [r for r in self._needs_state if r < round - _KEEP_ROUNDS]:
                 del self._needs_state[old]
-            for book in (self._taken, self._withdrawn):
+            for book in (self._taken, self._withdrawn, self._heard):
                 for old in [r for r in book if r < round - _KEEP_ROUNDS]:
                     del book[old]
             self._cv.notify_all()
+
+    def heard(self, round: int, requester: str) -> None:
+        """``requester`` asked this site for a mean of ``round`` (answered or not): it was
+        alive in that round's broadcast (:meth:`heard_from`)."""
+        with self._cv:
+            seen = self._heard.setdefault(round, set())
+            if len(seen) < _MAX_SERVED_PER_ROUND:
+                seen.add(requester)
+
+    def heard_from(self, round: int) -> frozenset[str]:
+        """The sites that asked this site for a mean of ``round`` so far. A member whose pull
+        from an owner timed out at the broadcast deadline asks this: an owner heard from in the
+        broadcast is alive behind a slow or lossy link, and may have applied the mean whose reply
+        was lost, so the bucket is repaired from it rather than taken as owner-lost
+        (``MemberRound.pull_timed_out``). The requester is the pull's own claim: a forged one
+        costs the repair budget, never a wrong θ (the repair checks the owner's state)."""
+        with self._cv:
+            return frozenset(self._heard.get(round, ()))
+
+    def withdrew(self, round: int, bucket: int) -> bool:
+        """Whether this owner withdrew its mean of ``bucket`` in ``round`` (:meth:`settle`)."""
+        with self._cv:
+            return bucket in self._withdrawn.get(round, ())
 
     def record(self, round: int, bucket: int, requester: str, mean: T, *, needs_state: bool = False) -> T:
         """Note that ``requester`` got the mean of ``bucket`` of ``round``; returns ``mean``.

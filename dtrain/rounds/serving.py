@@ -370,6 +370,7 @@ class PeerSide:
                 (bucket out of range), NOT_FOUND (not the owner and no copy here).
             PeerTimeout: ``last`` and the owned bucket is not finalized yet.
         """
+        self.mean_pulls.heard(round, requester)
         with self._cv:
             m = self._means.get((round, bucket))
             owned = self._open.get(round)
@@ -495,6 +496,9 @@ class PeerSide:
         with self._cv:
             m = self._means.get((st.rounds_applied - 1, bucket))
         if m is None:
+            if self.mean_pulls.withdrew(st.rounds_applied - 1, bucket):
+                # a member whose pull of that mean failed learns it keeps θ_b as this owner does
+                return replace(st, extra={**st.extra, "withdrawn_round": st.rounds_applied - 1})
             return st
         # A site that missed this mean learns from a repair which of its chunks
         # the mean included (those are consumed, never sent again; docs/ARCHITECTURE.md, "The residual rule").

@@ -54,7 +54,7 @@ class InprocFaults:
 
 
 _RULE_KINDS = ("push", "pull_mean", "pull_state")
-_RULE_ACTIONS = ("drop", "kill_dst", "kill_src", "cut")
+_RULE_ACTIONS = ("drop", "kill_dst", "kill_src", "cut", "lose_reply")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,11 @@ class FaultRule:
             ``"kill_src"`` (``push`` only): the sending site goes down at that
             chunk (it dies mid-push; the chunk is not delivered); ``"cut"``
             (``pull_mean`` only): the call never reaches the destination (a
-            partition) and times out after its ``timeout_s`` (``PeerTimeout``).
+            partition) and times out after its ``timeout_s`` (``PeerTimeout``);
+            ``"lose_reply"`` (``pull_mean`` only): the destination answers (its mean
+            left it) and the answer is lost: the call times out after its
+            ``timeout_s`` (a reply lost on a lossy link, as a TCP stream retransmits
+            until the caller's deadline).
         times: how many calls the rule applies to (None: all of them).
     """
 
@@ -91,8 +95,8 @@ class FaultRule:
             raise ValueError(f"kind must be one of {_RULE_KINDS}, got {self.kind!r}")
         if self.action not in _RULE_ACTIONS:
             raise ValueError(f"action must be one of {_RULE_ACTIONS}, got {self.action!r}")
-        if self.action == "cut" and self.kind != "pull_mean":
-            raise ValueError(f"action 'cut' applies to kind 'pull_mean' only, got kind {self.kind!r}")
+        if self.action in ("cut", "lose_reply") and self.kind != "pull_mean":
+            raise ValueError(f"action {self.action!r} applies to kind 'pull_mean' only, got kind {self.kind!r}")
         if self.action == "kill_src" and self.kind != "push":
             raise ValueError(f"action 'kill_src' applies to kind 'push' only, got kind {self.kind!r}")
         if self.times is not None and self.times < 1:
@@ -275,6 +279,9 @@ class InprocTransport(Transport):
         self._delay(timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))
         mean = handler.handle_pull_mean(round, bucket, requester, left, have_checksum=have_checksum)
+        if action == "lose_reply":
+            time.sleep(max(0.0, timeout_s - (time.monotonic() - t0)))
+            raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address}: reply lost (inproc lose_reply)")
         if action == "drop" or self.network._draw(self.network.faults.pull_loss):
             raise PeerTimeout(f"mean of bucket {bucket} round {round} from {address} lost (inproc pull_loss)")
         with self._count_lock:

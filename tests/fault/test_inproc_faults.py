@@ -228,6 +228,48 @@ def test_owner_failing_mid_round_keeps_its_buckets_alike() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_member_whose_mean_replies_are_lost_repairs_from_the_owner_in_the_same_round() -> None:
+    """Round 1: every answer of one owner to one member's mean pulls is lost (the owner served
+    it: on a lossy link the reply is retransmitted until the member's deadline), and with two
+    sites no other member holds a copy. The owner keeps its means (a pull was served: the commit
+    rule); the member heard from the owner in the broadcast (it pulled the member's means), so
+    it does not take the owner as lost: it repairs those buckets from the owner after the
+    deadline, and round 1 ends with one θ (before: OWNER_LOST at the member, θ unequal)."""
+    N = 2
+    cfg = ClusterConfig(
+        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
+    sums_after_1: dict[int, tuple[str, ...]] = {}
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+        oid = c.sites[owner].site_id
+        victim = next(i for i, s in enumerate(c.sites) if i != owner and s.site_id in owners)  # owns buckets too
+        its = [b for b, o in enumerate(owners) if o == oid]
+        c.network.add_rule(
+            FaultRule(
+                kind="pull_mean",
+                sender=c.sites[victim].site_id,
+                dst=c.sites[owner].address,
+                round=1,
+                action="lose_reply",
+            )
+        )
+
+        def step(site: Site, r: int) -> None:
+            g = torch.Generator().manual_seed(17 * r + site.index)
+            contribute(site, torch.randn(P, generator=g))
+            if r == 1:
+                res = site.results[-1]
+                want = BucketOutcome.REPAIRED if site.index == victim else BucketOutcome.APPLIED
+                assert [res.bucket_outcome[b] for b in its] == [want] * len(its), (site.index, res.bucket_outcome)
+                sums_after_1[site.index] = tuple(site.state.checksums())
+
+        c.run_steps(step, 2, timeout_s=50)
+        assert len(sums_after_1) == N and len(set(sums_after_1.values())) == 1, "θ differs after round 1"
+
+
+@pytest.mark.timeout(60)
 def test_an_owner_cut_off_from_the_members_withdraws_its_means_and_every_site_keeps_theta_alike() -> None:
     """Every mean pull to one owner is cut in round 1 (a partition after its reduce: its
     pushes and its own pulls still work). The members give its buckets OWNER_LOST at

@@ -149,6 +149,17 @@ def test_a_mean_nobody_took_by_the_deadline_is_withdrawn_and_later_pulls_are_ref
         p.record(1, 0, "b", "mean")
     assert e.value.code is RejectCode.ABORTED and "withdrew" in e.value.reason
     assert p.record(1, 1, "b", "other") == "other"  # only that bucket
+    assert p.withdrew(1, 0) and not p.withdrew(1, 1) and not p.withdrew(2, 0)
+
+
+def test_who_asked_for_a_mean_is_heard_per_round_and_old_rounds_are_dropped() -> None:
+    p = MeanPulls()
+    p.heard(5, "b")
+    p.heard(5, "b")
+    p.heard(6, "c")
+    assert p.heard_from(5) == {"b"} and p.heard_from(6) == {"c"} and p.heard_from(7) == frozenset()
+    p.expect(9, buckets=[0], pullers=["b"], until=time.monotonic() + 1)  # keeps rounds >= 9 - 2
+    assert p.heard_from(5) == frozenset() and p.heard_from(6) == frozenset()
 
 
 def test_a_mean_is_kept_at_once_when_every_other_member_is_gone() -> None:

@@ -147,6 +147,35 @@ def test_a_pull_timing_out_near_the_broadcast_deadline_loses_its_owner(broadcast
     assert mr.no_mean(2) is (BucketOutcome.OWNER_LOST if lost else BucketOutcome.STALE)
 
 
+def test_an_owner_heard_from_in_the_broadcast_is_repaired_from_not_lost_at_the_deadline() -> None:
+    """The owner asked this site for a mean of this round (alive behind a lossy link): a pull
+    timing out at the deadline may be a lost reply of a mean a member took, so the bucket is
+    STALE and repaired from it; its state then says it withdrew the mean (OWNER_LOST, residual
+    whole) or kept it (REPAIRED)."""
+    mr, clock = _round(), Clock()
+    assert mr.pull_timed_out(2, clock.advance(BROADCAST_S), owner_heard=True) is False
+    mr.mean_missing(2, "deadline exceeded")
+    assert mr.late_pull_sources(2) == ["c", "b"]  # the owner first: alive
+    assert mr.no_mean(2) is BucketOutcome.STALE
+    assert mr.repair_sources(2) == ["c"]
+    with pytest.raises(InvalidTransition, match="only its owner c can withdraw a mean"):
+        mr.withdrawal_confirmed(2, "b")
+    assert mr.withdrawal_confirmed(2, "c") is BucketOutcome.OWNER_LOST
+    assert mr.why(2).startswith("c withdrew its mean (nobody took it): its mean never arrived from c")
+    assert mr.is_owner_lost(2) and mr.mean_of(2) == ([], None)  # no chunk included: residual kept whole
+    with pytest.raises(InvalidTransition, match="not a stale bucket owned elsewhere"):
+        mr.withdrawal_confirmed(2, "c")
+
+
+def test_a_withdrawal_is_refused_for_a_mean_that_arrived() -> None:
+    mr = _round()
+    mr.mean_arrived(2, _mean(2))
+    mr.stale(2, "differs before applying")
+    with pytest.raises(InvalidTransition, match="only one that never arrived here"):
+        mr.withdrawal_confirmed(2, "c")
+    assert mr.outcome(2) is BucketOutcome.STALE
+
+
 def test_a_late_pull_asks_the_owner_then_the_members_and_a_late_mean_clears_owner_lost() -> None:
     mr = _round()
     mr.mean_arrived(2, _mean(2))
