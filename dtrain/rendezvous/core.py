@@ -26,7 +26,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision, RoundPlan
@@ -180,6 +180,8 @@ def decide_quorum(
     startup_complete_at: float | None = None,
     first_round: bool | None = None,
     quorum_timeout_s: float | None = None,
+    finishing: Collection[str] = (),
+    hold_until: float | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -199,6 +201,13 @@ def decide_quorum(
             checkpoints at round k starts together too.
         quorum_timeout_s: the quorum wait for this round (the rendezvous's derived
             deadline, ``dtrain.rendezvous.deadlines``); None: ``config``'s, or its start bound.
+        finishing, hold_until: live members of the previous round that are not ready and
+            have not reported it finished, and the time (``now``'s clock) that round may
+            still legitimately run to (its formation + broadcast deadline + stall budget: a
+            member behind a slow link may still be repairing it). None of them is cut as a
+            straggler before ``hold_until``: a site still in the previous round within its
+            deadlines is slow on the link, not late (the 30%-loss launch cut a site still
+            within round r's deadline from round r + 1).
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
@@ -219,6 +228,12 @@ def decide_quorum(
         if len(ready_live) >= config.min_sites:
             return sorted(ready_live), f"all {len(ready_live)} live sites are ready"
         return None, f"only {len(ready_live)} live site(s), min_sites is {config.min_sites}"
+    held = sorted(set(finishing) & (live - set(ready_live)))
+    if waited >= wait_s and held and hold_until is not None and now < hold_until:
+        return None, (
+            f"{len(ready_live)} of {len(live)} live sites ready; {held} still finishing round {round - 1}"
+            f" within its deadlines: waiting up to {hold_until - now:.1f}s more"
+        )
     if waited >= wait_s:
         if len(ready_live) >= config.min_sites:
             cut = sorted(live - set(ready_live))
@@ -322,6 +337,11 @@ class RendezvousCore:
         # derived from it for the next round (dtrain.rendezvous.deadlines)
         self._times: dict[int, RoundTimes] = {}
         self.deadlines: Deadlines = self.config.start_deadlines()
+        # Per recent round: its members and when it may still run to (formation + broadcast
+        # deadline + stall budget), and who reported it finished (decide_quorum's hold)
+        self._formed: dict[int, tuple[frozenset[str], float]] = {}
+        self._finished: dict[int, set[str]] = {}
+        self._reporters: set[str] = set()  # sites that report their rounds (dtrain launch's workers)
 
     @property
     def next_round(self) -> int:
@@ -376,7 +396,7 @@ class RendezvousCore:
             if round_reports:
                 self.store.put_reports(site_id, round_reports, self.status_log)
                 for raw in round_reports:
-                    self._observe_report(raw)
+                    self._observe_report(site_id, raw)
             return HeartbeatInfo(
                 known=True,
                 resync_required=got.resync_reason is not None,
@@ -464,6 +484,7 @@ class RendezvousCore:
                 f"for every live site to re-register before round {round}"
             )
             return self._wait(round, reason, log_prefix=reason.split(":")[0])
+        finishing, hold_until = self._still_finishing(round - 1)
         members, reason = decide_quorum(
             round=round,
             live=view.live,
@@ -474,14 +495,16 @@ class RendezvousCore:
             startup_complete_at=view.startup_t,
             first_round=view.first_round,
             quorum_timeout_s=self.deadlines.quorum_timeout_s,
+            finishing=finishing,
+            hold_until=hold_until,
         )
         if members is None:
             if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
                 first = min(view.ready.values(), default=t)
                 if view.first_round and view.startup_t is not None:
                     first = max(first, view.startup_t)
-                self._schedule(first + self.deadlines.quorum_timeout_s - t)
-            return self._wait(round, f"round {round}: {reason}")
+                self._schedule(max(first + self.deadlines.quorum_timeout_s, hold_until or 0.0) - t)
+            return self._wait(round, f"round {round}: {reason}", log_prefix=f"round {round}: {reason[:12]}")
         everyone = set(members) >= set(view.live)  # else a straggler was cut: the spread is not known
         ready = [view.ready[s] for s in members if s in view.ready]
         self._observe(round, ready_spread_s=(max(ready) - min(ready)) if everyone and ready else None)
@@ -497,11 +520,34 @@ class RendezvousCore:
             formed_at=t,
         )
         plan, reason, won = self.store.put_plan(plan, reason, now=now)
+        self._note_formed(plan)
         if won:  # else another writer formed it first, perhaps with other members: theirs holds
             self.status_log.add_plan(plan.round, list(plan.site_ids), now)
             log.info("rendezvous: round %d formed with %s: %s", plan.round, list(plan.site_ids), reason)
         self._last_reason = ""
         return ReadyDecision(status="plan", reason=reason, next_round=self.store.next_round(), plan=plan)
+
+    def _note_formed(self, plan: RoundPlan) -> None:
+        """Remember ``plan``'s members and how long it may run (decide_quorum's hold)."""
+        end = plan.formed_at + plan.broadcast_timeout_s + self.config.deadlines.stall_budget_s
+        with self._lock:
+            self._formed[plan.round] = (frozenset(plan.site_ids), end)
+            for r in [r for r in self._formed if r < plan.round - 2]:
+                del self._formed[r]
+                self._finished.pop(r, None)
+
+    def _still_finishing(self, round: int) -> tuple[list[str], float | None]:
+        """The members of ``round`` (formed here) that report their rounds and have not
+        reported this one finished, and the time it may still run to; ``([], None)`` when this
+        process did not form it. A site that reports no rounds (the library used without
+        ``dtrain launch``'s worker, which sends them) is never held: it is cut at the quorum
+        timeout, as before this rule."""
+        with self._lock:
+            got = self._formed.get(round)
+            if got is None:
+                return [], None
+            members, end = got
+            return sorted((members & self._reporters) - self._finished.get(round, set())), end
 
     # ------------------------------------------------------------------ deadlines
     def _observe(self, round: int, **figures: float | bool | None) -> None:
@@ -524,14 +570,20 @@ class RendezvousCore:
             log.debug("rendezvous: deadlines %s", d.reason)
         self.deadlines = d
 
-    def _observe_report(self, raw: str) -> None:
-        """A site's round report (``dtrain.status.round_report`` JSON): its phase times and
-        whether everything arrived. Malformed ones are ignored here (the status log says why)."""
+    def _observe_report(self, site_id: str, raw: str) -> None:
+        """A site's round report (``dtrain.status.round_report`` JSON): it finished that round
+        (whatever its status), its phase times and whether everything arrived. Malformed ones
+        are ignored here (the status log says why)."""
         try:
             rep = json.loads(raw)
             rnd = int(rep["round"])
         except (ValueError, TypeError, KeyError):
             return
+        with self._lock:
+            if len(self._reporters) < 1 << 16:  # site ids come from the wire: bounded
+                self._reporters.add(site_id)
+            if rnd in self._formed:
+                self._finished.setdefault(rnd, set()).add(site_id)
         if rep.get("status") != "applied" or rnd < 0:
             return
         times = {k: rep.get(k) for k in ("reduce_s", "means_s")}

@@ -205,8 +205,10 @@ def test_a_dead_site_reaches_every_rank_through_the_site_store(tmp_path):
         stopped=frozenset({1}),
         timeout_s=200.0,
         heartbeat_timeout_s=3.0,  # well above a loaded machine's heartbeat gaps, well below the reduce deadline
-        reduce_timeout_s=15.0,
-        broadcast_timeout_s=20.0,
+        # the pulls of the stopped site's means wait for the broadcast deadline (its TCP stack still
+        # answers): the round takes broadcast_timeout_s, so it is only as long as the reduce needs
+        reduce_timeout_s=10.0,
+        broadcast_timeout_s=11.0,
     )
     r0, r1 = res[0, 0][0]["rounds"], res[0, 1][0]["rounds"]
     assert [o["status"] for o in r1] == ["applied"] * (steps // h)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore, SiteIdTaken, decide_quorum
@@ -327,3 +329,62 @@ def test_a_restarted_site_at_a_new_address_is_accepted_once_the_old_one_is_dead(
     assert core.heartbeat("b", now=7.0).resync_required
     core.join("b", "addr-b2", now=7.1)  # ... so a restarted b at a new address is accepted
     assert core.snapshot(7.2)["sites"]["b"]["address"] == "addr-b2"
+
+
+def test_a_member_still_finishing_the_previous_round_is_held_not_cut_until_that_round_may_end() -> None:
+    """decide_quorum's hold: c, live and still in round 0 (no report of it finished), is not cut
+    from round 1 at the quorum timeout but only once round 0 may no longer run (hold_until); a
+    dead site or one that finished round 0 (a straggler on compute) is cut at the timeout."""
+    live, ready = {"a", "b", "c"}, {"a": 94.0, "b": 94.5}
+    members, reason = decide_quorum(
+        round=1, live=live, ready=ready, joined_ever=3, now=100.0, config=CFG, finishing=["c"], hold_until=104.0
+    )
+    assert members is None
+    assert (
+        reason == "2 of 3 live sites ready; ['c'] still finishing round 0 within its deadlines: waiting up to 4.0s more"
+    )
+    members, reason = decide_quorum(
+        round=1, live=live, ready=ready, joined_ever=3, now=104.0, config=CFG, finishing=["c"], hold_until=104.0
+    )
+    assert members == ["a", "b"] and "cutting ['c']" in reason
+    for finishing in ([], ["d"]):  # c finished round 0 / the one still in it is not live
+        members, _ = decide_quorum(
+            round=1, live=live, ready=ready, joined_ever=3, now=100.0, config=CFG, finishing=finishing, hold_until=104.0
+        )
+        assert members == ["a", "b"]
+
+
+def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_reported_round_r() -> None:
+    """Round 0 forms at 0.1 (broadcast 20 s, stall budget 5 s: it may run to 25.1). a and b report
+    round 0 and are ready for round 1 at 1.0; c is silent about round 0 but heartbeats: at the
+    quorum timeout (6.0) it is held; once it reports round 0 finished, it is cut at once. A site
+    that reports no rounds at all (the library without the worker) is never held."""
+    core = _core(min_sites=1, initial_sites=3)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    for s in ("a", "b", "c"):
+        core.ready(s, 0, now=0.1)
+    done = json.dumps({"round": 0, "status": "applied", "reduce_s": 0.5, "means_s": 0.9})
+    core.heartbeat("c", now=0.05, round_reports=[json.dumps({"round": -1, "status": "start"})])  # c reports
+    for s in ("a", "b"):
+        core.heartbeat(s, now=0.9, round_reports=[done])
+        core.ready(s, 1, now=1.0)
+    core.heartbeat("c", now=6.5)
+    d = core.ready("a", 1, now=6.6)
+    assert d.status == "wait" and "['c'] still finishing round 0" in d.reason, d.reason
+    core.heartbeat("c", now=7.0, round_reports=[done])
+    d = core.ready("a", 1, now=7.1)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d
+
+
+def test_a_site_that_reports_no_rounds_is_cut_at_the_quorum_timeout_as_before() -> None:
+    core = _core(min_sites=1, initial_sites=3)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    for s in ("a", "b", "c"):
+        core.ready(s, 0, now=0.1)
+    for s in ("a", "b"):
+        core.ready(s, 1, now=1.0)
+    core.heartbeat("c", now=6.5)
+    d = core.ready("a", 1, now=6.6)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d
