@@ -161,14 +161,14 @@ class RunSpec:
         )
 
     def _codec(self, name: str, sparse_k: int) -> CodecConfig:
-        return CodecConfig(
-            name=name,
-            zstd_level=self.zstd_level,
-            topk_fraction=self.topk_fraction,
-            sparse_k=sparse_k,
-            sparse_chunk=self.sparse_chunk,
-            sparse_bits=self.sparse_bits,
-        )
+        """The codec ``name`` with the spec's parameters that belong to it (a codec refuses another's)."""
+        kw: dict = {}
+        base = name.removesuffix("+zstd")
+        if base == "topk":
+            kw["topk_fraction"] = self.topk_fraction
+        if base == "sparseloco":
+            kw.update(sparse_k=sparse_k, sparse_chunk=self.sparse_chunk, sparse_bits=self.sparse_bits)
+        return CodecConfig(name=name, zstd_level=self.zstd_level, **kw)
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(

@@ -113,6 +113,18 @@ class CodecConfig:
             )
         if _bad_int(self.sparse_bits) or not 2 <= self.sparse_bits <= 8:
             raise ValueError(f"sparse_bits must be an int in 2..8, got {self.sparse_bits!r}")
+        defaults = {"sparse_chunk": 4096, "sparse_k": 64, "sparse_bits": 2}
+        set_here = [k for k, v in defaults.items() if getattr(self, k) != v]
+        if set_here and self.base_name != "sparseloco":
+            raise ValueError(
+                f"{', '.join(set_here)} apply to codec sparseloco only, not codec {self.base_name!r}: "
+                "set the codec name to sparseloco (or sparseloco+zstd) or leave them at their defaults"
+            )
+        if self.topk_fraction != 0.01 and self.base_name != "topk":
+            raise ValueError(
+                f"topk_fraction applies to codec topk only, not codec {self.base_name!r}: "
+                "set the codec name to topk or leave topk_fraction at its default (0.01)"
+            )
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.stochastic_rounding and self.base_name not in ("int8", "int4"):

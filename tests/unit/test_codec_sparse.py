@@ -244,3 +244,17 @@ def test_datagram_chunk_fits_both_the_contribution_and_the_denser_mean() -> None
     chunk = cfg.diloco_config().buckets.chunk_bytes
     assert chunk == datagram_chunk_bytes(rounds.broadcast_codec) < datagram_chunk_bytes(rounds.codec)
     assert len(get_codec(rounds.broadcast_codec).encode(torch.randn(chunk // 4))) <= 1400
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"name": "int8", "sparse_k": 32}, "sparse_k apply to codec sparseloco only, not codec 'int8'"),
+        ({"name": "fp32+zstd", "sparse_chunk": 1024, "sparse_bits": 4}, "sparse_chunk, sparse_bits apply to codec"),
+        ({"name": "sparseloco", "topk_fraction": 0.05}, "topk_fraction applies to codec topk only"),
+    ],
+)
+def test_a_codec_parameter_set_for_another_codec_is_refused_naming_it(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CodecConfig(**kw)
+    CodecConfig(name="sparseloco+zstd", sparse_k=32)  # its own codec: fine

@@ -104,6 +104,10 @@ def _values(leaf: Leaf, tmp: Path) -> dict[str, Any]:
         values[f"{parent}.num_sites"] = 3
     if leaf.name == "stochastic_rounding":  # int8/int4 only
         values[f"{parent}.name"] = "int8"
+    if leaf.name == "topk_fraction":  # topk only
+        values[f"{parent}.name"] = "topk"
+    if leaf.name.startswith("sparse_") and parent.endswith("codec"):  # sparseloco only
+        values[f"{parent}.name"] = "sparseloco"
     if leaf.path.endswith("hf.config"):  # goes with task 'hf'
         values[f"{leaf.path.split('task_spec.')[0]}task"] = "hf"
     if leaf.name == "reassign_after_rounds":  # needs non-IID shards to re-assign
