@@ -477,12 +477,38 @@ def _watch(procs: dict[str, Proc], views: dict[str, _SiteView], rounds: int, *, 
     return 0
 
 
+def _starts(metrics_path: Path) -> list[dict]:
+    """The ``start`` lines of a site's metrics.jsonl, in order (one per start of its worker:
+    more than one after a restart, ``--max-restarts``)."""
+    out = []
+    try:
+        text = metrics_path.read_text()
+    except OSError:
+        return out
+    for raw in text.splitlines():
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and d.get("event") == "start":
+            out.append(d)
+    return out
+
+
 def _finish(run_dir: Path, n: int, procs: dict[str, Proc], exit_code: int) -> int:
     """Print the summary table and the θ verdict; the launch's exit code."""
     rows = []
     for i in range(n):
         summ = read_summary(run_dir / f"site-{i}" / "summary.json")
         rows.append(summ.as_dict() if summ is not None else {"site": f"site-{i}"})
+        starts = _starts(run_dir / f"site-{i}" / "metrics.jsonl")
+        if len(starts) > 1:  # a restarted site's summary starts at its last start: the run's first loss is its first
+            _out(
+                f"site-{i} started {len(starts)} times (restarted by --max-restarts, or resumed);"
+                f" its last start joined at round {starts[-1].get('round')}"
+            )
+            if "checksum" in rows[-1] and isinstance(starts[0].get("val_loss"), (int, float)):
+                rows[-1]["first_val_loss"] = float(starts[0]["val_loss"])
     _out("\n" + _format_table(rows))
     sums = {r["checksum"] for r in rows if "checksum" in r}
     finished = [r for r in rows if "checksum" in r]
@@ -496,6 +522,8 @@ def _finish(run_dir: Path, n: int, procs: dict[str, Proc], exit_code: int) -> in
     unfinished = [r["site"] for r in rows if "checksum" not in r]
     if agree:
         verdict = "θ checksums agree across sites"
+    elif not finished:
+        verdict = "no site finished"
     elif len(sums) == 1:
         verdict = f"θ checksums agree across the {len(finished)} finished sites; {', '.join(unfinished)} did not finish"
     else:

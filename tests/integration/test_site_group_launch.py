@@ -129,6 +129,7 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
     logs = (tmp_path / "site-1" / "worker.log").read_text()
     assert "test fault injection: kill at mid_push of round 2" in logs
     assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
+    assert "site-1 started 2 times (restarted by --max-restarts, or resumed)" in out, out  # not silent
     site0 = _rounds(tmp_path, "site-0")
     assert [d["round"] for d in site0] == list(range(rounds))
     assert all(d["status"] == "applied" for d in site0)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from dtrain.app.launch import _PlainProgress, _SiteView
+from dtrain.app.launch import _finish, _PlainProgress, _SiteView
 from dtrain.metrics import RoundLine, StartLine, write_line
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,3 +55,24 @@ def test_one_line_per_round_once_every_running_site_wrote_it(tmp_path):
     ]
     step()
     assert len(out) == 3  # nothing is printed twice
+
+
+def test_the_verdict_of_a_launch_where_no_site_finished_says_so(tmp_path, capsys) -> None:
+    for i in range(2):
+        (tmp_path / f"site-{i}").mkdir()
+    assert _finish(tmp_path, 2, {}, 0) == 1
+    out = capsys.readouterr().out
+    assert "no site finished; run dir:" in out and "distinct" not in out
+
+
+def test_a_site_started_twice_is_named_and_the_runs_first_loss_is_its_first_start(tmp_path, capsys) -> None:
+    d = tmp_path / "site-0"
+    d.mkdir()
+    lines = [
+        {"event": "start", "site": "site-0", "round": 0, "val_loss": 5.5},
+        {"event": "start", "site": "site-0", "round": 3, "val_loss": 2.5},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _finish(tmp_path, 1, {}, 0)
+    out = capsys.readouterr().out
+    assert "site-0 started 2 times (restarted by --max-restarts, or resumed); its last start joined at round 3" in out
