@@ -160,6 +160,20 @@ class ArrivalWindow:
             bound = max(bound, c.warmup_silence_s)
         return min(c.max_silence_s, bound)
 
+    def suspected_silence_s(self, level: float, *, floor_s: float) -> float:
+        """How long a site a member found unreachable may be silent: the silence at which φ
+        over its own arrivals reaches ``level`` (the suspect level) without the pause guard, at
+        least ``floor_s``; ``floor_s`` while the window is warming up. A site whose heartbeats
+        arrive regularly (a LAN: σ at its floor) gets ``floor_s``, and a killed one is dead
+        that soon; one behind a lossy link, whose gaps spread (TCP retransmits), gets the tail
+        its own arrivals show (a 30%-loss launch declared a live site dead 2 s after a
+        member's push stream from it broke)."""
+        if len(self._gaps) < self.config.warmup_gaps:
+            return floor_s
+        mean, std = self.stats()
+        bound = silence_for_phi(level, mean_s=mean, std_s=max(std, self.config.min_std_s))
+        return min(self.config.max_silence_s, max(floor_s, bound))
+
     def phi(self, silence_s: float) -> float:
         """φ of a silence of ``silence_s`` seconds."""
         mean, std = self._guarded()

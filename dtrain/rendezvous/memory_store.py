@@ -124,12 +124,19 @@ class MemoryStore:
         self._last_call = max(self._last_call, now)
 
     def _silence_s(self, rec: SiteRecord) -> float:
-        """How long ``rec`` may be silent before it is dead: ``suspect_silence_s`` once a
-        member found it unreachable on the data path; else ``heartbeat_timeout_s`` when
+        """How long ``rec`` may be silent before it is dead: once a member found it
+        unreachable on the data path, ``suspect_timeout_s`` if set, else the silence at which
+        φ over its own arrivals reaches ``accrual.suspect_phi``, at least ``suspect_silence_s``
+        (``ArrivalWindow.suspected_silence_s``); else ``heartbeat_timeout_s`` when
         set (a fixed rule); else the silence at which the phi accrual detector over its
         own heartbeat arrivals reaches ``accrual.dead_phi`` (``dtrain.rendezvous.accrual``)."""
         if rec.suspected_by is not None:
-            return self.config.suspect_silence_s
+            if self.config.suspect_timeout_s is not None:
+                return self.config.suspect_timeout_s
+            floor_s = self.config.suspect_silence_s
+            if rec.arrivals is None:  # a fixed heartbeat_timeout_s: no arrival history kept
+                return floor_s
+            return rec.arrivals.suspected_silence_s(self.config.accrual.suspect_phi, floor_s=floor_s)
         if self.config.heartbeat_timeout_s is not None:
             return self.config.heartbeat_timeout_s
         return rec.arrivals.silence_s(self.config.accrual.dead_phi)

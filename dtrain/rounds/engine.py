@@ -138,6 +138,7 @@ class RoundEngine(PeerSide):
         self.mean_pulls = MeanPulls()
         # The last rounds' applied means, for a site behind to replay (dtrain.rounds.catchup).
         self.history = MeanHistory(self.config.history_rounds, self.config.history_bytes)
+        self.unrepaired: list[int] = []  # the last round's buckets owned elsewhere left STALE (θ_b unlike the owner's)
         # Called (no arguments, from any thread; must not block) when a mean is published
         # or a round opens or closes here: the gRPC server wakes the PullMean calls that
         # wait for a bucket as coroutines (PeerSide.poll_pull_mean).
@@ -648,8 +649,8 @@ class RoundEngine(PeerSide):
         except (TransportError, StateTransferError) as e:
             self.log.warning("round %d: repair of bucket %d from %s failed: %s", run.round, b, src, e)
             return False
-        # the owner withdrew the mean this site missed: keep θ_b as the owner rolled it back
-        withdrawn = st.extra.get("withdrawn_round") == run.round and src == run.owners[b] and run.member.mean(b) is None
+        have, kw = self.state.checksum(b), dict(checksum=st.checksum, rounds_applied=st.rounds_applied, extra=st.extra)
+        withdrawn = run.member.withdrawal_decision(b, src, have_checksum=have, **kw)  # θ_b as the owner holds it
         if not withdrawn:
             ok, why = run.member.repair_decision(b, st.checksum, st.extra)
             if not ok:
@@ -701,6 +702,7 @@ class RoundEngine(PeerSide):
         """Step 8: account for rejections, exclude repeat offenders, finish the result."""
         res, books = run.res, run.owned.books
         res.count_outcomes(run.member.outcomes())
+        self.unrepaired = run.member.to_repair()
         for b in run.active:
             if run.member.outcome(b) in (BucketOutcome.APPLIED, BucketOutcome.REPAIRED):
                 res.mean_senders[str(b)] = compact_senders(run.member.mean_of(b)[0])

@@ -378,6 +378,21 @@ class MemberRound:
         f.repaired_from = src
         return self._give(f, BucketOutcome.REPAIRED)
 
+    def withdrawal_decision(
+        self, b: int, src: str, *, checksum: str, have_checksum: str, rounds_applied: int, extra: dict
+    ) -> bool:
+        """Whether a state pulled from ``src`` for the repair of STALE bucket ``b``, whose mean
+        never arrived here, says its owner holds θ_b as this site does: it withdrew the mean
+        (``extra["withdrawn_round"]`` is this round) or never applied one (its state is of this
+        round, carries no ``mean_round``, and its ``checksum`` is this site's ``have_checksum``).
+        Then :meth:`withdrawal_confirmed`, not a repair."""
+        f = self._get(b)
+        if src != f.owner or f.mean is not None or f.outcome is not BucketOutcome.STALE:
+            return False
+        if extra.get("withdrawn_round") == self.round:
+            return True
+        return rounds_applied == self.round + 1 and checksum == have_checksum and "mean_round" not in extra
+
     def withdrawal_confirmed(self, b: int, src: str) -> BucketOutcome:
         """STALE (its mean never arrived here) -> OWNER_LOST: its owner ``src`` answered the
         repair with a state whose ``withdrawn_round`` is this round: it withdrew the mean (the

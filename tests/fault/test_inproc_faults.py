@@ -13,6 +13,7 @@ import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
+from dtrain.errors import LeftBehind
 from dtrain.rounds import BucketOutcome, RoundConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config, fast_rendezvous_config
 from dtrain.transports.inproc import FaultRule, InprocFaults
@@ -267,6 +268,35 @@ def test_a_member_whose_mean_replies_are_lost_repairs_from_the_owner_in_the_same
 
         c.run_steps(step, 2, timeout_s=50)
         assert len(sums_after_1) == N and len(set(sums_after_1.values())) == 1, "θ differs after round 1"
+
+
+@pytest.mark.timeout(60)
+def test_a_site_whose_last_round_left_a_bucket_unrepaired_does_not_close_done() -> None:
+    """The run's last round (1): one member loses every reply of one owner and every state pull
+    of its repair, so a bucket stays STALE with θ_b unlike the owner's, and no later round can
+    repair it. Its close raises LeftBehind naming it (the worker exits non-zero), never "done";
+    the others close normally."""
+    N = 2
+    cfg = ClusterConfig(
+        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+        victim = 1 - owner
+        vid, addr = c.sites[victim].site_id, c.sites[owner].address
+        c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
+        c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
+
+        def step(site: Site, r: int) -> None:
+            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
+
+        c.run_steps(step, 2, timeout_s=50)
+        its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
+        assert c.sites[victim].diloco.engine.unrepaired == its
+        c.sites[owner].diloco.close()  # the owner: done
+        with pytest.raises(LeftBehind, match=f"{vid} is left behind at round 2 .* left {len(its)} bucket"):
+            c.sites[victim].diloco.close()
 
 
 @pytest.mark.timeout(60)

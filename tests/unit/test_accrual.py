@@ -108,6 +108,25 @@ def test_at_30_percent_loss_heartbeats_on_several_connections_are_almost_never_d
     assert several <= 1, several
 
 
+def test_a_suspected_site_gets_the_floor_on_a_regular_link_and_its_own_tail_on_a_lossy_one() -> None:
+    """Once a member found a site unreachable it is dead after the silence at which φ over its own
+    arrivals reaches the suspect level (3), at least the floor (1.5 s): a LAN site's regular
+    heartbeats give the floor (a killed one is dead that soon); at 30% loss the gaps spread, and
+    the site gets their tail instead of being declared dead at the first 2 s gap."""
+    cfg = RendezvousConfig(heartbeat_interval_s=1.0).accrual_for_sites()
+    regular, lossy = ArrivalWindow(cfg), ArrivalWindow(cfg)
+    assert regular.suspected_silence_s(3.0, floor_s=1.5) == 1.5  # warming up: the floor
+    for _ in range(40):
+        regular.add(1.0)
+    assert regular.suspected_silence_s(3.0, floor_s=1.5) == 1.5
+    for g in _lossy_gaps(200, loss=0.3, connections=HEARTBEATS_IN_FLIGHT, seed=1):
+        lossy.add(g)
+    mean, std = lossy.stats()
+    got = lossy.suspected_silence_s(3.0, floor_s=1.5)
+    assert got == pytest.approx(silence_for_phi(3.0, mean_s=mean, std_s=std)) and got > 2.0, (got, mean, std)
+    assert got < lossy.silence_s(cfg.dead_phi)  # still sooner than an unsuspected site's death
+
+
 def test_the_store_declares_a_regular_site_dead_once_its_phi_passes_8() -> None:
     core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=1.0))
     core.join("a", "127.0.0.1:1", now=0.0)

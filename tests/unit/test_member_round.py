@@ -167,6 +167,19 @@ def test_an_owner_heard_from_in_the_broadcast_is_repaired_from_not_lost_at_the_d
         mr.withdrawal_confirmed(2, "c")
 
 
+def test_a_state_of_this_round_with_no_mean_and_our_checksum_says_the_owner_holds_theta_as_we_do() -> None:
+    mr = _round()
+    mr.mean_missing(2, "timed out")
+    assert mr.no_mean(2) is BucketOutcome.STALE
+    kw = dict(checksum="same", have_checksum="same", rounds_applied=ROUND + 1, extra={})
+    assert mr.withdrawal_decision(2, "c", **kw) is True  # never applied, alike
+    assert mr.withdrawal_decision(2, "b", **kw) is False  # not its owner
+    assert mr.withdrawal_decision(2, "c", **{**kw, "have_checksum": "other"}) is False  # θ_b differs
+    assert mr.withdrawal_decision(2, "c", **{**kw, "rounds_applied": ROUND + 2}) is False  # moved on
+    assert mr.withdrawal_decision(2, "c", **{**kw, "extra": {"mean_round": ROUND}}) is False  # it applied it
+    assert mr.withdrawal_decision(2, "c", **{**kw, "have_checksum": "x", "extra": {"withdrawn_round": ROUND}})
+
+
 def test_a_withdrawal_is_refused_for_a_mean_that_arrived() -> None:
     mr = _round()
     mr.mean_arrived(2, _mean(2))
