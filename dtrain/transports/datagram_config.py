@@ -71,6 +71,14 @@ class DatagramTransportConfig:
         fallback_reserve_s: a mean still incomplete this long before the pull's
             deadline is pulled over gRPC.
         report_wait_s: how long ``push`` waits for the owner's REPORT.
+        reorder_grace_s: the least a sender's end (BUCKET_END, SEND_END) waits, in seconds
+            (>= 0), for contributions it announced that have not arrived: they may have been
+            overtaken by the end (reordering), not lost. The wait is twice the path's observed
+            reordering, at least this (:mod:`~.datagram_reorder`), and paid only when something
+            is missing at the end.
+        max_reorder_grace_s: the most that wait lasts, seconds (>= reorder_grace_s); a
+            contribution later than it is refused once its bucket closed, counted
+            ``late_after_end`` and ``rejected_failed_precondition``.
         max_round_buffer_bytes: receive budget per round (fragments and means), an int
             >= max_datagram_bytes.
         max_pending_datagrams: datagrams held for a round whose plan has not
@@ -103,6 +111,8 @@ class DatagramTransportConfig:
     nack_idle_s: float = 0.05
     fallback_reserve_s: float = 1.0
     report_wait_s: float = 0.5
+    reorder_grace_s: float = 0.005
+    max_reorder_grace_s: float = 0.25
     max_round_buffer_bytes: int = 512 << 20
     max_pending_datagrams: int = 4096
     test_drop: float = 0.0
@@ -139,6 +149,18 @@ class DatagramTransportConfig:
             v = getattr(self, name)
             need(name, _is_num(v) and v > 0, "a finite number > 0 seconds")
         need("recv_stall_s", _is_num(self.recv_stall_s) and self.recv_stall_s >= 0, "a finite number >= 0 seconds")
+        need(
+            "reorder_grace_s",
+            _is_num(self.reorder_grace_s) and self.reorder_grace_s >= 0,
+            "a finite number >= 0 seconds",
+        )
+        need(
+            "max_reorder_grace_s",
+            _is_num(self.max_reorder_grace_s)
+            and _is_num(self.reorder_grace_s)
+            and self.max_reorder_grace_s >= self.reorder_grace_s,
+            f"a finite number >= reorder_grace_s ({self.reorder_grace_s!r}) seconds",
+        )
         need(
             "recv_coalesce_s", _is_num(self.recv_coalesce_s) and 0 <= self.recv_coalesce_s <= 0.1, "in [0, 0.1] seconds"
         )

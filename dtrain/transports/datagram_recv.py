@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dtrain.protocol import Contribution
+from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     CODEC_WIRE_NAMES,
@@ -92,7 +93,8 @@ class DatagramReceive:
 
     The transport provides what these methods use: ``config``, ``_sock``, ``_native``,
     ``_opener``, ``_stopped``, ``_lock``, ``_recv_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
-    ``_drop_rng``, ``_counts``, ``_sock_drops`` and the methods ``_round``, ``_on_mean``,
+    ``_drop_rng``, ``_counts``, ``_sock_drops``, ``_reorder`` (the :class:`~.datagram_reorder.ReorderWindow`
+    each overtaken contribution's lateness goes to) and the methods ``_round``, ``_on_mean``,
     ``_on_mean_run``.
     """
 
@@ -110,6 +112,7 @@ class DatagramReceive:
     _drop_rng: Any
     _counts: dict[str, int]
     _sock_drops: int
+    _reorder: Any
     _round: Any
     _on_mean: Any
     _on_mean_run: Any
@@ -277,6 +280,9 @@ class DatagramReceive:
             if h.kind != Kind.CONTRIB or h.nfrags != 1 or rs is None or h.codec >= num_codecs:
                 self._on_opened(rs, h, body, t_arrival, out)
                 continue
+            late = rs.arrivals.setdefault(h.sender, SeqArrivals()).note(h.seq, t_arrival)
+            if late:
+                self._reorder.observe(rs.site_ids[h.sender], late)
             st = seen.get((h.round, h.sender))
             if st is None:
                 seen[(h.round, h.sender)] = [1, len(body), t_arrival, t_arrival, rs]
@@ -427,6 +433,9 @@ class DatagramReceive:
         if h.codec >= len(CODEC_WIRE_NAMES):
             self._opener.count("malformed")
             return
+        late = rs.arrivals.setdefault(h.sender, SeqArrivals()).note(h.seq, t_arrival)
+        if late:
+            self._reorder.observe(rs.site_ids[h.sender], late)
         with rs.lock:
             rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
             rs.owner_active[h.sender] = max(rs.owner_active.get(h.sender, 0.0), t_arrival)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
+from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_wire import Sealer
 
 if TYPE_CHECKING:
@@ -282,6 +283,14 @@ class RoundState:
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
         self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver
         self.rejections: dict[int, tuple[str, str]] = {}  # dest index -> its handler's last refusal
+        # what the ends count (datagram_reorder); bucket -1: the whole round (SEND_END)
+        self.announced: dict[tuple[int, int], int] = {}  # (dest, bucket) -> contributions sent there (rs.lock)
+        # the dispatch thread's alone: (sender, bucket) -> contributions handled; ends still waiting
+        # for contributions they announced -> (announced, handled at); ended ones, the same
+        self.handled: dict[tuple[int, int], int] = {}
+        self.ends: dict[tuple[int, int], tuple[int | None, float]] = {}
+        self.ended: dict[tuple[int, int], tuple[int | None, float]] = {}
+        self.arrivals: dict[int, SeqArrivals] = {}  # sender -> its contributions' arrival order (receive thread)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
 

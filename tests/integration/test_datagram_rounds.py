@@ -581,3 +581,94 @@ def test_a_sender_ends_each_bucket_so_owners_need_not_wait_for_its_send_end(make
     e0.transport._answer_bucket_end(rs, type("H", (), {"bucket": other, "sender": 1})())
     assert e0.transport.counters()["dropped_malformed"] == before + 1
     assert len(calls[e0.site_id]) == num_calls
+
+
+class _OrderRecorder(_Recorder):
+    """Contributions and sender ends in the order the owner's handler saw them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list = []
+
+    def handle_contribution(self, c) -> None:
+        super().handle_contribution(c)
+        self.events.append(("c", c.bucket, c.chunk))
+
+    def handle_sender_done(self, round, sender, buckets=None) -> None:
+        self.events.append(("end", sender, None if buckets is None else tuple(buckets)))
+
+
+@pytest.mark.parametrize("loop", ["off", "auto"])
+def test_a_contribution_overtaken_by_its_own_bucket_end_is_waited_for(loop: str) -> None:
+    """Reordering on the path (by hand here: sealed datagrams sent out of order): an end says how
+    many contributions it ends, and the owner waits for those it has not handled up to twice the
+    reordering it measured on that path (one contribution 40 ms behind its successors), so a
+    contribution that its own BUCKET_END overtook by 40 ms is counted before the end; a contribution
+    really lost ends the bucket once that grace passed, and when it comes after all it is counted
+    late (``late_after_end``), as is every end that waited and ended short."""
+    from dtrain.transports.datagram import _COUNT
+    from dtrain.transports.datagram_wire import codec_id
+
+    rec = _OrderRecorder()
+    with _sender_and_owner(rec, native=loop) as (a, b, addr_a, addr_b):
+        plan = _two_site_plan(6, addr_a, addr_b, reduce_s=20)
+        a.begin_round(plan, [], "site-a")
+        b.begin_round(plan, [], "site-b")
+        b._round(6).owners = ["site-b", "site-b"]  # b owns buckets 0 and 1 (without pushing means)
+        sealer = a._round(6).sealer  # site-a's sequence numbers, key and sender index
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        host, port = addr_b.rsplit(":", 1)
+        dest = (host, int(port))
+
+        fp32 = codec_id("fp32")
+
+        def contrib(bucket: int, chunk: int) -> bytes:
+            return sealer.seal(
+                Kind.CONTRIB, bytes([chunk]) * 4, bucket=bucket, chunk=chunk, offset=chunk, numel=1, codec=fp32
+            )
+
+        def end(bucket: int, n: int) -> bytes:
+            return sealer.seal(Kind.BUCKET_END, _COUNT.pack(n), bucket=bucket)
+
+        def wait_for(cond, timeout_s: float = 5.0) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not cond() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        b0 = [contrib(0, i) for i in range(10)]
+        for i in [0, 1, 2, 3, 4, 6, 7, 8]:
+            sock.sendto(b0[i], dest)
+        time.sleep(0.04)
+        sock.sendto(b0[5], dest)  # 40 ms behind chunks 6..8: the path reorders
+        sock.sendto(end(0, 10), dest)  # overtakes chunk 9 by 40 ms
+        time.sleep(0.04)
+        sock.sendto(b0[9], dest)
+        wait_for(lambda: ("end", "site-a", (0,)) in rec.events)
+        assert rec.events[-1] == ("end", "site-a", (0,)), rec.events
+        assert sorted(e[2] for e in rec.events[:-1]) == list(range(10))  # all counted before the end
+        k = b.counters()
+        assert (k["ends_waited"], k["ends_short"], k["end_missing"], k["late_after_end"]) == (1, 0, 0, 0), k
+        assert 0.035 < b._reorder.get("site-a") < 0.2
+
+        b1 = [contrib(1, i) for i in range(3)]
+        sock.sendto(b1[0], dest)
+        sock.sendto(b1[2], dest)
+        t_end = time.monotonic()
+        sock.sendto(end(1, 3), dest)  # chunk 1 is lost ...
+        wait_for(lambda: ("end", "site-a", (1,)) in rec.events)
+        waited = time.monotonic() - t_end
+        assert 0.07 < waited < 1.0, waited  # twice the 40 ms measured, not the 5 ms floor, nor forever
+        k = b.counters()
+        assert (k["ends_waited"], k["ends_short"], k["end_missing"], k["late_after_end"]) == (2, 1, 1, 0), k
+        sock.sendto(b1[1], dest)  # ... or reordered past the grace: it comes after its end ended
+        wait_for(lambda: ("c", 1, 1) in rec.events)
+        wait_for(lambda: b.counters()["late_after_end"] == 1)
+        assert b.counters()["late_after_end"] == 1
+        sock.sendto(end(1, 3), dest)  # a second copy of an end that ended: nothing more ends
+        sock.sendto(b1[0], dest)  # a replayed contribution: dropped and counted, not handled again
+        wait_for(lambda: b.counters()["dropped_replayed"] >= 1)
+        time.sleep(0.05)
+        assert rec.events.count(("end", "site-a", (1,))) == 1
+        assert rec.events.count(("c", 1, 0)) == 1
+        assert b.counters()["dropped_replayed"] == 1
+        sock.close()

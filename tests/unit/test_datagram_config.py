@@ -37,6 +37,8 @@ OTHER = {
     "nack_idle_s": 0.1,
     "fallback_reserve_s": 2.0,
     "report_wait_s": 0.25,
+    "reorder_grace_s": 0.01,
+    "max_reorder_grace_s": 0.5,
     "max_round_buffer_bytes": 64 << 20,
     "max_pending_datagrams": 100,
     "test_drop": 0.1,
@@ -61,6 +63,8 @@ BAD = {
     "nack_idle_s": (0.0, ["nack_idle_s", "> 0"]),
     "fallback_reserve_s": (-1.0, ["fallback_reserve_s", "> 0"]),
     "report_wait_s": (0.0, ["report_wait_s", "> 0"]),
+    "reorder_grace_s": (-0.1, ["reorder_grace_s", ">= 0"]),
+    "max_reorder_grace_s": (0.001, ["max_reorder_grace_s", ">= reorder_grace_s (0.005)"]),
     "max_round_buffer_bytes": (1000, ["max_round_buffer_bytes", ">= max_datagram_bytes"]),
     "max_pending_datagrams": (-1, ["max_pending_datagrams", ">= 0"]),
     "test_drop": (1.0, ["test_drop", "[0, 1)"]),
@@ -72,7 +76,7 @@ BAD = {
 
 def test_the_tables_cover_every_field() -> None:
     assert sorted(OTHER) == sorted(FIELDS) == sorted(BAD)
-    assert len(FIELDS) == 20
+    assert len(FIELDS) == 22
     assert all(OTHER[n] != getattr(DatagramTransportConfig(), n) for n in FIELDS)
     assert NATIVE_MODES == ("auto", "on", "off")
 
