@@ -157,6 +157,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._handler: PeerHandler | None = None
         self._sock: socket.socket | None = None
         self._native = native(cfg.native)
+        # UDP segmentation offload for the compiled loop's sends, until a kernel refuses it (_no_gso)
+        self._gso = cfg.gso and self._native is not None and sys.platform.startswith("linux")
         self._opener = Opener(run=cfg.run_id, max_datagram_bytes=cfg.max_datagram_bytes, native=self._native)
         self._body_max = max_body_bytes(cfg.max_datagram_bytes)
         self.rate = RateController(
@@ -218,6 +220,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             t.start()
             self._threads.append(t)
         loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
+        loop += ", UDP GSO" if self._gso else ""
         log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, loop)
         return address
 
@@ -384,7 +387,12 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         if self._stopped.is_set():  # stop() sends nothing more, as a crashed site would not (its sockets close last)
             raise PeerUnavailable(f"datagram to {rs.site_ids[dest]}: this site's transport stopped")
         if self._native is not None:
-            r = self._native.send(sock.fileno(), batch.buf, lens, n)
+            if self._gso:
+                r, refused = self._native.send_gso(sock.fileno(), batch.buf, lens, n)
+                if refused:
+                    self._no_gso(refused)
+            else:
+                r = self._native.send(sock.fileno(), batch.buf, lens, n)
             if r < 0 and -r not in (errno.ENOBUFS, errno.EAGAIN):
                 err = OSError(-r, os.strerror(-r))
                 if -r == errno.ECONNREFUSED:
@@ -408,6 +416,17 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 st[3] = now
         self._count(wire_sent=nbytes, datagrams_sent=n)
         return True
+
+    def _no_gso(self, err: int) -> None:
+        """The kernel refused UDP_SEGMENT (the batch went with ``sendmmsg``): say so once, then
+        send every batch with ``sendmmsg``."""
+        with self._lock:
+            was, self._gso = self._gso, False
+        if was:
+            log.warning(
+                "UDP segmentation offload refused by the kernel (%s): sending datagrams with sendmmsg from now on",
+                os.strerror(err),
+            )
 
     def _parts(self, head: bytes, payload: bytes, fields: tuple[int, int, int, int, int]) -> list[tuple[tuple, bytes]]:
         """``(fields + (frag, nfrags), body)`` of the datagrams that carry ``head + payload`` fragment by

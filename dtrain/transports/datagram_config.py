@@ -89,6 +89,10 @@ class DatagramTransportConfig:
         native: the compiled batch loop (:mod:`~.datagram_native`: seal, open, ``sendmmsg``,
             ``recvmmsg`` per batch): ``"auto"`` where it builds (else the Python loop, same
             wire format), ``"on"`` (``start`` fails without it) or ``"off"``.
+        gso: with the compiled loop on Linux, send each run of equal-sized datagrams of a
+            batch as one UDP segmentation offload write (``UDP_SEGMENT``, a bool): the same
+            datagrams on the wire for about half the send call's CPU. A kernel that refuses
+            it is logged once and the transport goes on with ``sendmmsg``.
         switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
             is longer, > 0 (None: left alone). The receive thread needs the GIL within a
             datagram's time; CPython's default 5 ms hand-over let the engine's threads
@@ -118,6 +122,7 @@ class DatagramTransportConfig:
     test_drop: float = 0.0
     test_drop_seed: int = 0
     native: NativeMode = "auto"
+    gso: bool = True
     switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
@@ -181,6 +186,7 @@ class DatagramTransportConfig:
         need("test_drop", _is_num(self.test_drop) and 0.0 <= self.test_drop < 1.0, "in [0, 1)")
         need("test_drop_seed", _is_int(self.test_drop_seed) and self.test_drop_seed >= 0, "an int >= 0")
         need("native", self.native in NATIVE_MODES, f"one of {', '.join(NATIVE_MODES)}")
+        need("gso", isinstance(self.gso, bool), "a bool (true or false)")
         need(
             "switch_interval_s",
             self.switch_interval_s is None or (_is_num(self.switch_interval_s) and self.switch_interval_s > 0),
