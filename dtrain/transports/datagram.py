@@ -84,7 +84,9 @@ _SEND_END = struct.Struct("<QQdQ")  # contribution datagrams, their bytes, send 
 _COUNT = struct.Struct("<Q")  # a BUCKET_END's body: the sender's contributions to that bucket and owner so far
 _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
 _BUCKET_END_COPIES = 2  # BUCKET_END datagrams per bucket and owner
-_SEND_BATCH = 32  # at most this many datagrams sealed and sent per call (32 x 1,400 B: under the pacer's 64 KiB burst)
+_SEND_BATCH = (
+    64  # at most this many datagrams sealed and sent per call (and what fits the pacer's burst: 46 x 1,400 B in 64 KiB)
+)
 _SEND_END_COPIES = 5  # all lost: 1e-5 at 10% loss, 3e-4 at 20% (3 copies: 1e-3, 8e-3)
 _LATE_SEND_END_EVERY_S = 0.25  # then, until the REPORT comes: one more copy this often (_resend_end_later)
 _LATE_SEND_END_MAX = 40  # at most this many more (10 s of them)
@@ -455,7 +457,11 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         dest = -1
         num = 0
         before: tuple[int, int] = (0, 0)
-        parts: list[tuple[tuple, bytes]] = []
+        fields: list[tuple] = []  # of the datagrams to seal next, and their bodies
+        bodies: list[bytes] = []
+        room = self._body_max  # a payload up to this leaves whole in one datagram (the usual case)
+        batch_max = self._batch_datagrams
+        codecs: dict[str, int] = {}
         bucket = -1  # of the contribution before
         in_bucket = 0  # contributions to it in this push (the end announces the running count)
         unsent = 0  # payload bytes in parts, counted as sent once they leave (one lock per batch)
@@ -463,8 +469,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         def flush() -> None:
             nonlocal unsent
             assert rs is not None
-            batch = rs.sealer.seal_many(Kind.CONTRIB, [f for f, _ in parts], [b for _, b in parts])
-            parts.clear()
+            batch = rs.sealer.seal_many(Kind.CONTRIB, fields, bodies)
+            fields.clear()
+            bodies.clear()
             if not self._send_batch(rs, dest, sock, batch, deadline, contribution=True):
                 raise PeerTimeout(f"push to {address}: the paced send would end past the deadline")
             self._count(sent=unsent)
@@ -478,21 +485,32 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 with rs.lock:
                     rep = rs.reports.get(dest)
                 before = (rep[3], rep[4]) if rep else (0, 0)
-            if c.bucket != bucket and bucket >= 0:  # the previous bucket is all sent: say so
-                if parts:
-                    flush()
-                self._end_bucket(rs, dest, bucket, in_bucket)
-                in_bucket = 0
-            bucket = c.bucket
+            if c.bucket != bucket:
+                if bucket >= 0:  # the previous bucket is all sent: say so
+                    if bodies:
+                        flush()
+                    self._end_bucket(rs, dest, bucket, in_bucket)
+                    in_bucket = 0
+                bucket = c.bucket
             in_bucket += 1
-            parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, codec_id(c.codec)))
-            unsent += len(c.payload)
-            if len(parts) >= self._batch_datagrams:
+            p = c.payload
+            cid = codecs.get(c.codec)
+            if cid is None:
+                cid = codecs[c.codec] = codec_id(c.codec)
+            if len(p) <= room:  # one datagram (no per-datagram list of parts on the hot path)
+                fields.append((bucket, c.chunk, c.offset, c.numel, cid, 0, 1))
+                bodies.append(p)
+            else:
+                for f, b in self._parts(b"", p, (bucket, c.chunk, c.offset, c.numel, cid)):
+                    fields.append(f)
+                    bodies.append(b)
+            unsent += len(p)
+            if len(bodies) >= batch_max:
                 flush()
             num += 1
         if rs is None:
             return 0
-        if parts:
+        if bodies:
             flush()
         self._announce(rs, dest, bucket, in_bucket)  # the last bucket ends with the SEND_END
         return self._end_push(rs, dest, sock, address, num, before, deadline)

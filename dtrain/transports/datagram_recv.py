@@ -280,22 +280,24 @@ class DatagramReceive:
             if h.kind != Kind.CONTRIB or h.nfrags != 1 or rs is None or h.codec >= num_codecs:
                 self._on_opened(rs, h, body, t_arrival, out)
                 continue
-            late = rs.arrivals.setdefault(h.sender, SeqArrivals()).note(h.seq, t_arrival)
-            if late:
-                self._reorder.observe(rs.site_ids[h.sender], late)
             st = seen.get((h.round, h.sender))
             if st is None:
-                seen[(h.round, h.sender)] = [1, len(body), t_arrival, t_arrival, rs]
-            else:
-                st[0] += 1
-                st[1] += len(body)
-                st[2] = min(st[2], t_arrival)
-                st[3] = max(st[3], t_arrival)
+                arrivals = rs.arrivals.get(h.sender) or rs.arrivals.setdefault(h.sender, SeqArrivals())
+                st = seen[(h.round, h.sender)] = [0, 0, t_arrival, t_arrival, rs, arrivals]
+            st[0] += 1
+            st[1] += len(body)
+            if t_arrival < st[2]:
+                st[2] = t_arrival
+            elif t_arrival > st[3]:
+                st[3] = t_arrival
+            late = st[5].note(h.seq, t_arrival)
+            if late:
+                self._reorder.observe(rs.site_ids[h.sender], late)
             received += len(body)
             out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body)))
         if means:
             self._on_mean_run(rounds[means[0][0].round], means)
-        for (_, sender), (num, nbytes, first, last, rs) in seen.items():
+        for (_, sender), (num, nbytes, first, last, rs, _) in seen.items():
             with rs.lock:
                 rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
                 # a site sending contributions is alive and its pacer busy: its means' quiet is not loss
