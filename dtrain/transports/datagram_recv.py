@@ -290,14 +290,21 @@ class DatagramReceive:
                 st[2] = t_arrival
             elif t_arrival > st[3]:
                 st[3] = t_arrival
-            late = st[5].note(h.seq, t_arrival)
-            if late:
-                self._reorder.observe(rs.site_ids[h.sender], late)
+            arrivals, seq = st[5], h.seq
+            if seq > arrivals.hi:  # in order (SeqArrivals.note's first case, inline; trimmed per batch)
+                arrivals.hi = seq
+                arrivals.seqs.append(seq)
+                arrivals.times.append(t_arrival)
+            else:
+                late = arrivals.note(seq, t_arrival)
+                if late:
+                    self._reorder.observe(rs.site_ids[h.sender], late)
             received += len(body)
             out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body)))
         if means:
             self._on_mean_run(rounds[means[0][0].round], means)
-        for (_, sender), (num, nbytes, first, last, rs, _) in seen.items():
+        for (_, sender), (num, nbytes, first, last, rs, arrivals) in seen.items():
+            arrivals.trim()
             with rs.lock:
                 rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
                 # a site sending contributions is alive and its pacer busy: its means' quiet is not loss

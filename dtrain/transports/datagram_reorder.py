@@ -59,13 +59,18 @@ class SeqArrivals:
         is measured against the oldest kept high: less than it was)."""
         if seq > self.hi:
             self.hi = seq
-            if len(self.seqs) >= _MAX_ADVANCES:
-                del self.seqs[: _MAX_ADVANCES // 2], self.times[: _MAX_ADVANCES // 2]
             self.seqs.append(seq)
             self.times.append(t)
+            self.trim()
             return 0.0
         i = bisect.bisect_right(self.seqs, seq)  # the first kept high above seq (it exists: seq < hi)
         return max(0.0, t - self.times[i]) if i < len(self.seqs) else 0.0
+
+    def trim(self) -> None:
+        """Keep at most the newest ``_MAX_ADVANCES`` highs (a caller that appends in order itself,
+        as the receive thread does per datagram, calls this once per batch)."""
+        if len(self.seqs) > _MAX_ADVANCES:
+            del self.seqs[: -_MAX_ADVANCES // 2], self.times[: -_MAX_ADVANCES // 2]
 
 
 class ReorderWindow:
