@@ -192,6 +192,10 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0)
         self._reorder = ReorderWindow()  # per sending site: how late overtaken contributions came
         self._ends_due = float("inf")  # the dispatch thread's next look at ends still waiting
+        # the receive thread: every datagram that reached the socket before this time.monotonic()
+        # was read and queued (it found the socket empty then); it looks every 2 ms while ends wait
+        self._drained_at = 0.0
+        self._ends_waiting = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, handler: PeerHandler) -> str:
@@ -775,7 +779,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         if num_late:
             self._count(late_after_end=num_late)
         if waiting:
-            self._check_ends(rs, now, sender)
+            self._check_ends(rs, 0.0, sender)
 
     def _end_sender(self, rs: RoundState, sender: int, bucket: int, announced: int | None) -> None:
         """Dispatch thread: ``sender`` ended ``bucket`` (-1: its push) after ``announced``
@@ -791,12 +795,17 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         now = time.monotonic()
         if announced is not None and rs.handled.get(key, 0) < announced:
             self._count(ends_waited=1)
+            self._ends_waiting = True
         rs.ends[key] = (announced, now)
-        self._check_ends(rs, now, sender)
+        self._check_ends(rs, 0.0, sender)
 
-    def _check_ends(self, rs: RoundState, now: float, sender: int | None = None) -> None:
+    def _check_ends(self, rs: RoundState, horizon: float, sender: int | None = None) -> None:
         """End (``handle_sender_done``) the waiting ends of ``sender`` (None: every sender) that
-        :func:`~.datagram_reorder.end_wait_decision` says end now; note when the next is due."""
+        :func:`~.datagram_reorder.end_wait_decision` says end by ``horizon``: a time up to which every
+        datagram that reached the socket was read and handled (0.0: unknown, as in the middle of a
+        dispatch batch: then only ends whose contributions were all handled end). So a receiver
+        kept off the CPU does not take what waits unread in its socket for lost. Notes when the
+        next end is due."""
         done = getattr(self._handler, "handle_sender_done", None)
         cfg = self.config
         for key, (announced, at) in list(rs.ends.items()):
@@ -805,7 +814,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             site = rs.site_ids[key[0]]
             grace = reorder_grace_s(self._reorder.get(site), cfg.reorder_grace_s, cfg.max_reorder_grace_s)
             handled = rs.handled.get(key, 0)
-            decision, why = end_wait_decision(handled, announced, at, grace, now)
+            decision, why = end_wait_decision(handled, announced, at, grace, horizon)
             if decision == WAIT:
                 self._ends_due = min(self._ends_due, at + grace)
                 continue
@@ -818,16 +827,24 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 done(rs.round, site, None if key[1] < 0 else (key[1],))
 
     def _check_all_ends(self) -> None:
-        """Dispatch thread, when an end's grace may have passed: every round's waiting ends."""
+        """Dispatch thread, between batches, when an end's grace may have passed: every round's
+        waiting ends, judged up to the receive thread's last empty read (when nothing it queued
+        waits; that time is read first: it is set after what it read was queued)."""
+        drained = self._drained_at
+        horizon = drained if self._dispatch.empty() else 0.0
         self._ends_due = float("inf")
         with self._lock:
             rounds = [rs for rs in self._rounds.values() if rs.ends]
-        now = time.monotonic()
         for rs in rounds:
             try:
-                self._check_ends(rs, now)
+                self._check_ends(rs, horizon)
             except Exception:
                 log.exception("datagram dispatch failed")
+        with self._lock:
+            self._ends_waiting = any(rs.ends for rs in self._rounds.values())
+        now = time.monotonic()
+        if self._ends_due <= now:  # due, but what arrived by then is not all read: look again soon
+            self._ends_due = now + 0.002
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)

@@ -28,6 +28,7 @@ from typing import Any
 
 from dtrain.errors import PeerUnavailable, TransportError
 from dtrain.protocol import BucketMean, MeanChunk
+from dtrain.transports.datagram_reorder import reorder_grace_s
 from dtrain.transports.datagram_round import (
     MeanAssembly,
     RoundState,
@@ -76,7 +77,8 @@ class DatagramMeans:
     """Owner push and member assembly of bucket means (see the module docstring).
 
     The transport provides what these methods use: ``config``, ``_handler``, ``_grpc``,
-    ``_opener``, ``_counts``, ``_body_max`` and the methods ``_count``, ``_round``,
+    ``_opener``, ``_counts``, ``_body_max``, ``_reorder`` (each site's observed reordering: how long
+    chunks a final meta overtook may still come) and the methods ``_count``, ``_round``,
     ``_send_batch``, ``_send_sock``, ``_send_ctl``, ``_parts``.
     """
 
@@ -87,6 +89,7 @@ class DatagramMeans:
     _opener: Any
     _counts: dict[str, int]
     _body_max: int
+    _reorder: Any
 
     # ------------------------------------------------------------------ means: owner side
     def _push_means(self, rs: RoundState, mine: list[int]) -> None:
@@ -403,6 +406,9 @@ class DatagramMeans:
                     max_nacks=cfg.max_nack_rounds,
                     owner_active_at=rs.owner_active.get(owner, 0.0),
                     rtt_s=cfg.rtt_s,
+                    reorder_s=reorder_grace_s(
+                        self._reorder.get(rs.owners[bucket]), cfg.reorder_grace_s, cfg.max_reorder_grace_s
+                    ),
                 )
                 if step.action == "done":
                     return ma.to_mean(rs.round, bucket, rs.owners[bucket])

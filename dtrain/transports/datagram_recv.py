@@ -113,6 +113,8 @@ class DatagramReceive:
     _counts: dict[str, int]
     _sock_drops: int
     _reorder: Any
+    _drained_at: float
+    _ends_waiting: bool
     _round: Any
     _on_mean: Any
     _on_mean_run: Any
@@ -137,8 +139,10 @@ class DatagramReceive:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         while not self._stopped.is_set():
+            t = time.monotonic()
             try:
-                if not poller.poll(100):
+                if not poller.poll(2 if self._ends_waiting else 100):
+                    self._drained_at = t  # nothing readable since t: all that came before was read
                     continue
             except OSError:
                 break
@@ -157,15 +161,20 @@ class DatagramReceive:
         goes to the dispatch thread, all under ``_recv_lock`` (see :meth:`_read_native`)."""
         out: list[tuple] = []
         with self._recv_lock:
+            drained = None
             try:
-                self._read_python_into(sock, anc, out)
+                drained = self._read_python_into(sock, anc, out)
             finally:
                 self._enqueue(out)
+            if drained is not None:  # after the queueing (see DatagramTransport._check_all_ends)
+                self._drained_at = drained
 
-    def _read_python_into(self, sock: socket.socket, anc: int, out: list[tuple]) -> None:
+    def _read_python_into(self, sock: socket.socket, anc: int, out: list[tuple]) -> float | None:
+        """Up to ``_RECV_BATCH`` datagrams; the time of the read that found the socket empty (None: not emptied)."""
         size = self.config.max_datagram_bytes + 1  # a larger datagram arrives cut to this: "oversized"
         for _ in range(_RECV_BATCH):
             t_arrival = None
+            t = time.monotonic()
             try:
                 if anc:
                     data, cmsgs, _, _ = sock.recvmsg(size, anc)
@@ -173,7 +182,7 @@ class DatagramReceive:
                 else:
                     data = sock.recv(size)
             except BlockingIOError:
-                return
+                return t
             except OSError:  # e.g. an ICMP error of an earlier send, or the socket closed by stop()
                 if self._stopped.is_set():
                     raise
@@ -183,6 +192,7 @@ class DatagramReceive:
                 self._on_datagram(data, t_arrival, out)
             except Exception:  # a bug must not stop the receive loop
                 log.exception("datagram handling failed")
+        return None
 
     def _read_native(self, sock: socket.socket, anc: int) -> None:
         """Read up to 4 batches of ``_RECV_BATCH`` queued datagrams: each with one ``recvmmsg``,
@@ -199,12 +209,14 @@ class DatagramReceive:
         buf, lens, ts, drops = rx
         for _ in range(4):  # bounded: a flood cannot keep this thread from queueing what it read
             out: list[tuple] = []
+            t = time.monotonic()
             with self._recv_lock:
                 try:
                     n = self._read_batch(sock, anc, rx, out)
                 finally:
                     self._enqueue(out)
-            if n is not None and n < len(lens):  # the socket is empty (0 included)
+            if n is not None and n < len(lens):  # the socket is empty (0 included): all before t is queued
+                self._drained_at = t
                 return
 
     def _read_batch(self, sock: socket.socket, anc: int, rx: tuple, out: list[tuple]) -> int | None:
