@@ -104,14 +104,17 @@ def _contributions(mbytes: float, round: int) -> list[Contribution]:
     ]
 
 
+def _config(**kw) -> DatagramTransportConfig:
+    """The config with the fields this checkout has (``gso`` is newer), so that this script, run
+    with ``PYTHONPATH`` at an older checkout, measures that checkout the same way."""
+    have = DatagramTransportConfig.__dataclass_fields__
+    return DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), **{
+        k: v for k, v in kw.items() if k in have
+    })  # fmt: skip
+
+
 def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", gso: bool = True) -> dict:
-    cfg = DatagramTransportConfig(
-        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
-        max_rate_mbit=rate_mbit,
-        rtt_s=0.05,
-        native=native,
-        gso=gso,
-    )
+    cfg = _config(max_rate_mbit=rate_mbit, rtt_s=0.05, native=native, gso=gso)
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     handler = CountingHandler()
     addr_b = b.start(handler)
@@ -166,13 +169,7 @@ def _plan(addr_a: str, addr_b: str, key: bytes) -> RoundPlan:
 def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> float:
     """CPU µs (this thread) per datagram of one unpaced ``push`` of ``num`` int8 contributions
     to a plain UDP socket of this process (nothing reads them in Python: the send path alone)."""
-    cfg = DatagramTransportConfig(
-        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
-        max_rate_mbit=20_000.0,
-        native=native,
-        gso=gso,
-        report_wait_s=0.01,
-    )
+    cfg = _config(max_rate_mbit=20_000.0, native=native, gso=gso, report_wait_s=0.01)
     a = DatagramTransport(cfg)
     addr_a = a.start(CountingHandler())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
@@ -206,7 +203,7 @@ while i < len(blob):
 def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, float]:
     """(CPU µs per datagram of the receive thread, fraction delivered) while another process
     sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart)."""
-    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native=native)
+    cfg = _config(native=native)
     b, handler = DatagramTransport(cfg), CountingHandler()
     addr_b = b.start(handler)
     key = os.urandom(32)
@@ -289,14 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     iso = {}
     if "auto" in args.loops or "on" in args.loops:
+        has_gso = "gso" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: sendmmsg only
         iso = {
-            "push_gso_us": isolated_push_cpu_us(gso=True),
+            "push_gso_us": isolated_push_cpu_us(gso=True) if has_gso else None,
             "push_sendmmsg_us": isolated_push_cpu_us(gso=False),
         }
         iso["recv_us"], iso["recv_delivered"] = isolated_recv_cpu_us()
+        gso = f"{iso['push_gso_us']:.2f} (UDP GSO), " if has_gso else ""
         print(
-            f"\ncompiled loop, each side alone, CPU µs per datagram: unpaced push {iso['push_gso_us']:.2f} "
-            f"(UDP GSO), {iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} "
+            f"\ncompiled loop, each side alone, CPU µs per datagram: unpaced push {gso}"
+            f"{iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} "
             f"(delivered {iso['recv_delivered']:.3f})"
         )
     numel = 1 << 20 if args.quick else 10_000_000
