@@ -84,9 +84,8 @@ _SEND_END = struct.Struct("<QQdQ")  # contribution datagrams, their bytes, send 
 _COUNT = struct.Struct("<Q")  # a BUCKET_END's body: the sender's contributions to that bucket and owner so far
 _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
 _BUCKET_END_COPIES = 2  # BUCKET_END datagrams per bucket and owner
-_SEND_BATCH = (
-    64  # at most this many datagrams sealed and sent per call (and what fits the pacer's burst: 46 x 1,400 B in 64 KiB)
-)
+# at most this many datagrams sealed and sent per call, and what fits the pacer's burst (46 x 1,400 B in 64 KiB)
+_SEND_BATCH = 64
 _SEND_END_COPIES = 5  # all lost: 1e-5 at 10% loss, 3e-4 at 20% (3 copies: 1e-3, 8e-3)
 _LATE_SEND_END_EVERY_S = 0.25  # then, until the REPORT comes: one more copy this often (_resend_end_later)
 _LATE_SEND_END_MAX = 40  # at most this many more (10 s of them)
