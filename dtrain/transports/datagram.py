@@ -188,7 +188,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._counts.update(nacks_sent=0, resent=0, fallback_pulls=0, test_dropped=0, rejected=0)
         # sender ends that found announced contributions missing (and waited), that ended with some
         # still missing (lost), how many; contributions handled after their end had ended
-        self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0)
+        self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0, mean_duplicates=0)
         self._reorder = ReorderWindow()  # per sending site: how late overtaken contributions came
         self._ends_due = float("inf")  # the dispatch thread's next look at ends still waiting
         # the receive thread: every datagram that reached the socket before this time.monotonic()
@@ -259,7 +259,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         ``ends_waited`` (an end that found announced contributions missing waited for them),
         ``ends_short`` / ``end_missing`` (ends that passed their grace with contributions missing,
         and how many: lost), ``late_after_end`` (contributions handled after their end had ended:
-        reordered past the grace; refused once their bucket closed).
+        reordered past the grace; refused once their bucket closed); ``mean_duplicates``: mean
+        chunks that came when the member held them already (a NACK's answer and its copies, an
+        original overtaken by its resend), not applied twice.
 
         ``dropped_unknown_round`` counts datagrams that came before their round's key: they are
         held (at most ``max_pending_datagrams``, beyond that ``dropped_over_budget``) and opened

@@ -275,7 +275,11 @@ class DatagramMeans:
                     ma.num_chunks, before, after = decode_meta(body)
                     ma.checksums = (before, after)
                 ma.final_meta_seen = ma.final_meta_seen or h.chunk == _META_COPY_FINAL
-            elif h.chunk not in ma.chunks and h.codec < len(CODEC_WIRE_NAMES) and len(body) >= nbits:
+            elif h.chunk in ma.chunks:
+                self._counts["mean_duplicates"] += 1  # held already (a NACK's answer or its copy)
+            elif h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                self._opener.count("malformed")
+            else:
                 whole = rs.add_fragment((Kind.MEAN, h.bucket, h.chunk), h.frag, h.nfrags, body[nbits:])
                 if whole is False or (whole and not rs.charge(len(whole))):
                     self._opener.count("over_budget")
@@ -294,13 +298,17 @@ class DatagramMeans:
             self._opener.count("malformed", len(run))
             return
         nbits = (len(rs.site_ids) + 7) // 8
-        received = over = 0
+        received = over = dup = bad = 0
         with rs.cv:
             ma = rs.mean_for(h0.bucket)
             was = (ma.complete(), ma.final_meta_seen)
             ma.last_arrival = rs.owner_active[h0.sender] = time.monotonic()
             for h, body in run:
-                if h.chunk in ma.chunks or h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                if h.chunk in ma.chunks:
+                    dup += 1
+                    continue
+                if h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                    bad += 1
                     continue
                 whole = body[nbits:]
                 if not rs.charge(len(whole)):
@@ -310,8 +318,11 @@ class DatagramMeans:
                 received += len(whole)
             ack = self._settle_assembly(rs, ma, was)
         self._counts["received"] += received
+        self._counts["mean_duplicates"] += dup  # held already (a NACK's answer or its copy): not applied twice
         if over:
             self._opener.count("over_budget", over)
+        if bad:
+            self._opener.count("malformed", bad)
         if ack:
             self._ack_mean(rs, h0.sender, h0.bucket, ma.have or "")
 
