@@ -13,7 +13,12 @@ handler only counts. Figures:
 * the same per datagram in microseconds of wall time;
 * the loops' rates per CPU-second of their own thread (robust to other load: what
   one free core would reach; the receive thread's figure excludes the dispatch
-  thread that calls the handler);
+  thread that calls the handler), and the same as CPU µs per datagram sent / received
+  (the issue's target: <= 3);
+* each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000 int8
+  contributions to a plain socket (no receiver in the process: the send thread alone, with
+  and without UDP segmentation offload), and of the receive thread while another process
+  sends it 20,000 sealed contributions in bursts of 46 (no sender in the process);
 * the CPU per datagram-sized int8 chunk of decoding one site's pseudo-gradient chunk by
   chunk against ``Codec.decode_chunks`` (what an owner, each applied mean and the
   residual settling pay per datagram).
@@ -30,7 +35,11 @@ Usage::
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,6 +53,7 @@ from dtrain.transports.datagram import (
     DatagramTransportConfig,
     datagram_chunk_bytes,
 )
+from dtrain.transports.datagram_wire import Kind, Sealer, codec_id
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
 
@@ -94,10 +104,17 @@ def _contributions(mbytes: float, round: int) -> list[Contribution]:
     ]
 
 
-def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto") -> dict:
-    cfg = DatagramTransportConfig(
-        grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), max_rate_mbit=rate_mbit, rtt_s=0.05, native=native
-    )
+def _config(**kw) -> DatagramTransportConfig:
+    """The config with the fields this checkout has (``gso`` is newer), so that this script, run
+    with ``PYTHONPATH`` at an older checkout, measures that checkout the same way."""
+    have = DatagramTransportConfig.__dataclass_fields__
+    return DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), **{
+        k: v for k, v in kw.items() if k in have
+    })  # fmt: skip
+
+
+def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", gso: bool = True) -> dict:
+    cfg = _config(max_rate_mbit=rate_mbit, rtt_s=0.05, native=native, gso=gso)
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     handler = CountingHandler()
     addr_b = b.start(handler)
@@ -136,10 +153,85 @@ def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto") -
         "recv_us": recv_s / max(1, handler.num) * 1e6,
         "send_cpu_mbit": payload * 8 / 1e6 / max(send_cpu, 1e-9),
         "recv_cpu_mbit": handler.bytes * 8 / 1e6 / max(recv_cpu, 1e-9),
+        "send_cpu_us": send_cpu / len(cs) * 1e6,
+        "recv_cpu_us": recv_cpu / max(1, handler.num) * 1e6,
     }
     a.stop(0)
     b.stop(0)
     return out
+
+
+def _plan(addr_a: str, addr_b: str, key: bytes) -> RoundPlan:
+    members = (Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b))
+    return RoundPlan(round=0, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=key)
+
+
+def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> float:
+    """CPU µs (this thread) per datagram of one unpaced ``push`` of ``num`` int8 contributions
+    to a plain UDP socket of this process (nothing reads them in Python: the send path alone)."""
+    cfg = _config(max_rate_mbit=20_000.0, native=native, gso=gso, report_wait_s=0.01)
+    a = DatagramTransport(cfg)
+    addr_a = a.start(CountingHandler())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind(("127.0.0.1", 0))
+        sink.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+        addr_b = f"127.0.0.1:{sink.getsockname()[1]}"
+        a.begin_round(_plan(addr_a, addr_b, os.urandom(32)), [], "site-a")
+        cs = _contributions(num * 1332 / 1e6, 0)
+        t0 = time.thread_time()
+        a.push(addr_b, cs, timeout_s=60)
+        cpu = time.thread_time() - t0
+    a.stop(0)
+    return cpu / len(cs) * 1e6
+
+
+_BLAST = """
+import socket, struct, sys, time
+blob = open(sys.argv[1], 'rb').read()
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect(('127.0.0.1', int(sys.argv[2])))
+i = k = 0
+while i < len(blob):
+    (n,) = struct.unpack_from('<H', blob, i)
+    s.send(blob[i + 2 : i + 2 + n])
+    i, k = i + 2 + n, k + 1
+    if k % 46 == 0:
+        time.sleep(0.0015)
+"""
+
+
+def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, float]:
+    """(CPU µs per datagram of the receive thread, fraction delivered) while another process
+    sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart)."""
+    cfg = _config(native=native)
+    b, handler = DatagramTransport(cfg), CountingHandler()
+    addr_b = b.start(handler)
+    key = os.urandom(32)
+    b.begin_round(_plan("127.0.0.1:1", addr_b, key), [], "site-b")
+    payload = _contributions(0.002, 0)[0].payload
+    sealer = Sealer(key, run=0, round=0, sender=0, native=b._native)
+    blob = bytearray()
+    numel = datagram_chunk_bytes("int8") // 4
+    for at in range(0, num, 46):
+        k = min(46, num - at)
+        fields = [(i // 500, i % 500, 0, numel, codec_id("int8"), 0, 1) for i in range(at, at + k)]
+        sb = sealer.seal_many(Kind.CONTRIB, fields, [payload] * k)
+        for i in range(k):
+            d = sb.datagram(i)
+            blob += struct.pack("<H", len(d)) + d
+    recv = [t for t in b._threads if t.name.startswith("dgram-recv")][0]
+    clock = time.pthread_getcpuclockid(recv.ident)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(blob)
+        f.flush()
+        cpu0 = time.clock_gettime(clock)
+        subprocess.run([sys.executable, "-c", _BLAST, f.name, addr_b.rsplit(":", 1)[1]], check=True)
+        deadline = time.monotonic() + 10
+        while handler.num < num and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cpu = time.clock_gettime(clock) - cpu0
+    b.stop(0)
+    return cpu / max(1, handler.num) * 1e6, handler.num / num
 
 
 def decode_cpu_us(numel: int, *, batch: bool) -> float:
@@ -168,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         "--loops",
         nargs="*",
         default=["auto", "off"],
-        choices=["auto", "on", "off"],
-        help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop",
+        choices=["auto", "on", "off", "sendmmsg"],
+        help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop "
+        "(sendmmsg: the compiled loop without UDP segmentation offload)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -177,19 +270,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"datagram loop on 127.0.0.1, {mbytes:g} MB of int8 per run, load {os.getloadavg()[0]:.1f}")
     print(
         "| loop | ceiling Mbit/s | datagrams | send Mbit/s | receive Mbit/s | delivered | send µs/dgram | recv µs/dgram "
-        "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s |"
+        "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s | send CPU µs/dgram | recv CPU µs/dgram |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     runs = [(loop, rate) for rate in rates for loop in args.loops]
     load, figures = os.getloadavg()[0], []
     for i, (loop, rate) in enumerate(runs):
-        r = run_one(rate, mbytes, round=i, native=loop)
+        r = run_one(rate, mbytes, round=i, native="on" if loop == "sendmmsg" else loop, gso=loop != "sendmmsg")
         figures.append({"loop": loop, **r})
-        name = {"auto": "compiled (auto)", "on": "compiled", "off": "Python"}[loop]
+        name = {"auto": "compiled (auto)", "on": "compiled", "off": "Python", "sendmmsg": "compiled, no GSO"}[loop]
         print(
             f"| {name} | {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
             f"| {r['delivered']:.3f} | {r['send_us']:.1f} | {r['recv_us']:.1f} "
-            f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} |"
+            f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} | {r['send_cpu_us']:.1f} | {r['recv_cpu_us']:.1f} |"
+        )
+    iso = {}
+    if "auto" in args.loops or "on" in args.loops:
+        has_gso = "gso" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: sendmmsg only
+        iso = {
+            "push_gso_us": isolated_push_cpu_us(gso=True) if has_gso else None,
+            "push_sendmmsg_us": isolated_push_cpu_us(gso=False),
+        }
+        iso["recv_us"], iso["recv_delivered"] = isolated_recv_cpu_us()
+        gso = f"{iso['push_gso_us']:.2f} (UDP GSO), " if has_gso else ""
+        print(
+            f"\ncompiled loop, each side alone, CPU µs per datagram: unpaced push {gso}"
+            f"{iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} "
+            f"(delivered {iso['recv_delivered']:.3f})"
         )
     numel = 1 << 20 if args.quick else 10_000_000
     per_chunk, batched = decode_cpu_us(numel, batch=False), decode_cpu_us(numel, batch=True)
@@ -198,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_chunk:.1f}, decode_chunks {batched:.1f} ({per_chunk / batched:.1f}x)"
     )
     decode = {"numel": numel, "per_chunk_us": per_chunk, "batched_us": batched}
-    bench.write(args, "bench_datagram", {"loops": figures, "decode": decode}, load_before=load)
+    bench.write(args, "bench_datagram", {"loops": figures, "isolated": iso, "decode": decode}, load_before=load)
     return 0
 
 

@@ -56,8 +56,13 @@ class _SiteQueue:
         self.site = site
         self.delay_s = 0.0
         self.jitter_s = 0.0
+        self.reorder_p = 0.0  # share of packets held reorder_gap_s longer (overtaken by the next ones)
+        self.reorder_gap_s = 0.0
         self.last_due = 0.0
+        self.last_late_due = 0.0
         self.held: collections.deque = collections.deque()
+        self.held_back: collections.deque = collections.deque()  # the reordered ones, a FIFO of their own
+        self.num_reordered = 0
         self.num_delayed = 0
         self.max_held = 0
         self.num_late = 0  # released more than 1 ms after their due time
@@ -72,6 +77,12 @@ class _SiteQueue:
         delay = self.delay_s
         if self.jitter_s:
             delay = max(0.0, delay + random.uniform(-self.jitter_s, self.jitter_s))
+        if self.reorder_p and random.random() < self.reorder_p:
+            due = self.last_late_due = max(now + delay + self.reorder_gap_s, self.last_late_due)
+            self.held_back.append((due, pkt))
+            self.num_delayed += 1
+            self.num_reordered += 1
+            return
         due = max(now + delay, self.last_due)
         self.last_due = due
         self.held.append((due, pkt))
@@ -79,23 +90,28 @@ class _SiteQueue:
         if len(self.held) > self.max_held:
             self.max_held = len(self.held)
 
+    def next_due(self) -> float | None:
+        dues = [q[0][0] for q in (self.held, self.held_back) if q]
+        return min(dues) if dues else None
+
     def release(self, now: float) -> None:
-        held = self.held
-        while held and held[0][0] <= now:
-            due, pkt = held.popleft()
-            pkt.accept()
-            late = now - due
-            if late > 0.001:
-                self.num_late += 1
-                if late > self.max_late_s:
-                    self.max_late_s = late
+        for held in (self.held_back, self.held):
+            while held and held[0][0] <= now:
+                due, pkt = held.popleft()
+                pkt.accept()
+                late = now - due
+                if late > 0.001:
+                    self.num_late += 1
+                    if late > self.max_late_s:
+                        self.max_late_s = late
 
     def close(self) -> None:
-        while self.held:
-            try:
-                self.held.popleft()[1].accept()
-            except Exception:  # queue already gone: the kernel drops them
-                break
+        for held in (self.held_back, self.held):
+            while held:
+                try:
+                    held.popleft()[1].accept()
+                except Exception:  # queue already gone: the kernel drops them
+                    break
         self.nfq.unbind()
 
 
@@ -139,9 +155,13 @@ class Agent:
             for q, p in zip(self.queues, self.links):
                 q.delay_s = p.delay_ms / 1000.0
                 q.jitter_s = p.jitter_ms / 1000.0
+                q.reorder_p = p.reorder_pct / 100.0
+                q.reorder_gap_s = p.reorder_gap_ms / 1000.0
             if self.cdelay is not None:
                 for i, p in enumerate(self.links):
-                    self.cdelay.set_delay(i, p.delay_ms / 1000.0, p.jitter_ms / 1000.0)
+                    self.cdelay.set_delay(
+                        i, p.delay_ms / 1000.0, p.jitter_ms / 1000.0, p.reorder_pct, p.reorder_gap_ms / 1000.0
+                    )
             self._update_flap(time.time(), force=True)
             return {"ok": True}
         if op == "stats":
@@ -156,10 +176,11 @@ class Agent:
         sites = [
             {
                 "delayed": q.num_delayed,
-                "held": len(q.held),
+                "held": len(q.held) + len(q.held_back),
                 "max_held": q.max_held,
                 "late_1ms": q.num_late,
                 "max_late_ms": round(q.max_late_s * 1000, 3),
+                "reordered": q.num_reordered,
             }
             for q in self.queues
         ]
@@ -233,8 +254,9 @@ class Agent:
             now = time.monotonic()
             timeout = 1.0
             for q in self.queues:
-                if q.held:
-                    timeout = min(timeout, q.held[0][0] - now)
+                due = q.next_due()
+                if due is not None:
+                    timeout = min(timeout, due - now)
             if self.next_flap is not None:
                 timeout = min(timeout, self.next_flap - time.time())
             ready, _, _ = select.select(fixed + list(self.conns), [], [], max(timeout, 0.0))
@@ -253,7 +275,8 @@ class Agent:
                     by_fd[r].nfq.run(block=False)
             now = time.monotonic()
             for q in self.queues:
-                if q.held and q.held[0][0] <= now:
+                due = q.next_due()
+                if due is not None and due <= now:
                     q.release(now)
             if self.next_flap is not None and time.time() >= self.next_flap:
                 self._update_flap(time.time())

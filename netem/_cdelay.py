@@ -168,19 +168,27 @@ class CDelayer:
             raise RuntimeError(f"the compiled delayer refused {line!r}: {lines[-1]}")
         return lines
 
-    def set_delay(self, site: int, delay_s: float, jitter_s: float) -> None:
-        """Site ``site``'s one-way delay and jitter (uniform ±jitter), for packets queued from now on."""
-        self._request(f"delay {site} {round(delay_s * 1e9)} {round(jitter_s * 1e9)}", _one_line)
+    def set_delay(
+        self, site: int, delay_s: float, jitter_s: float, reorder_pct: float = 0.0, reorder_gap_s: float = 0.0
+    ) -> None:
+        """Site ``site``'s one-way delay and jitter (uniform ±jitter), and the share of its packets
+        held ``reorder_gap_s`` longer (overtaken by the next ones), for packets queued from now on."""
+        self._request(
+            f"delay {site} {round(delay_s * 1e9)} {round(jitter_s * 1e9)} "
+            f"{round(reorder_pct * 1e4)} {round(reorder_gap_s * 1e9)}",
+            _one_line,
+        )
 
     def stats(self) -> list[dict]:
-        """Per site: delayed, held, max_held, late_1ms, max_late_ms, overflow (same keys as the Python delayer)."""
+        """Per site: delayed, held, max_held, late_1ms, max_late_ms, overflow, reordered (same keys as the
+        Python delayer)."""
         lines = self._request("stats", lambda ls: ls[-1] == "end" or ls[-1].startswith("error"))
         out = []
         for line in lines[:-1]:
             if line.startswith("wakeups"):
                 self.num_wakeups = int(line.split()[1])
                 continue
-            _, _, delayed, held, max_held, late, max_late_ns, overflow = line.split()
+            _, _, delayed, held, max_held, late, max_late_ns, overflow, reordered = line.split()
             out.append(
                 {
                     "delayed": int(delayed),
@@ -189,6 +197,7 @@ class CDelayer:
                     "late_1ms": int(late),
                     "max_late_ms": round(int(max_late_ns) / 1e6, 3),
                     "overflow": int(overflow),
+                    "reordered": int(reordered),
                 }
             )
         return out

@@ -26,6 +26,9 @@ from .probe import NetemUnavailable
 from .profiles import PROFILES, LinkParams
 from .topology import Topology, cleanup_all, list_topologies
 
+# LinkParams fields that `set` takes as plain numbers (rate_mbit also takes "none")
+_FLOAT_FIELDS = ("delay_ms", "jitter_ms", "loss_pct", "reorder_pct", "reorder_gap_ms", "flap_period_s", "flap_down_s")
+
 __all__ = ["main"]
 
 DEFAULT_NAME = "dt"
@@ -66,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s = named(sub.add_parser("set", help="change a site's link (live)"))
     s.add_argument("site", help="site index or 'all'")
     s.add_argument("--profile", choices=sorted(PROFILES), help="start from this preset's link")
-    for field in ("delay_ms", "jitter_ms", "loss_pct", "flap_period_s", "flap_down_s"):
+    for field in _FLOAT_FIELDS:
         s.add_argument("--" + field.replace("_", "-"), type=float, dest=field)
     s.add_argument(
         "--rate-mbit", type=_rate, dest="rate_mbit", default=argparse.SUPPRESS, help="Mbit/s, or 'none' for no cap"
@@ -98,11 +101,7 @@ def _print_topology(st: dict) -> None:
 def _cmd_set(args: argparse.Namespace) -> None:
     topo = Topology.attach(args.name)
     site = None if args.site == "all" else int(args.site)
-    changes = {
-        f: getattr(args, f)
-        for f in ("delay_ms", "jitter_ms", "loss_pct", "flap_period_s", "flap_down_s")
-        if getattr(args, f) is not None
-    }
+    changes = {f: getattr(args, f) for f in _FLOAT_FIELDS if getattr(args, f) is not None}
     if hasattr(args, "rate_mbit"):
         changes["rate_mbit"] = args.rate_mbit
     if args.profile or changes:

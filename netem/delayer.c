@@ -14,16 +14,22 @@
  * (--state-dir is only a marker in the command line, so tests can find leftovers.)
  *
  * Control protocol, one ASCII line per request on stdin, answers on stdout:
- *     delay <site> <delay_ns> <jitter_ns>   set a site's delay; answer "ok"
+ *     delay <site> <delay_ns> <jitter_ns> [<reorder_ppm> <reorder_gap_ns>]
+ *                                           set a site's delay (and reordering); answer "ok"
  *     stats                                 one line per site:
- *                                           "site <i> <delayed> <held> <max_held> <late> <max_late_ns>"
- *                                           then "end"
+ *                                           "site <i> <delayed> <held> <max_held> <late> <max_late_ns>
+ *                                            <overflow> <reordered>"
+ *                                           then "wakeups <n>", then "end"
  * On start-up, after every queue is bound, it prints "ready". EOF on stdin (the agent closed
  * the pipe or died) accepts every held packet, unbinds and exits 0.
  *
  * Semantics, as in the Python delayer:
  *   - due = max(arrival + delay + U(-jitter, +jitter), due of the previous packet to that
  *     site), so packets to one site are never reordered (per-site FIFO, due times monotone);
+ *   - reordering (netem's "reorder", turned around): with probability reorder_ppm / 1e6 a packet
+ *     is held reorder_gap longer (due + gap) in a second FIFO of its own, so the packets that
+ *     arrive within the gap after it overtake it; the others keep their FIFO. While such a packet
+ *     is held, releases are per packet (a batched verdict "up to id X" would release it too);
  *   - at most max-queue-len packets held per site: the kernel's queue has the same bound and
  *     drops beyond it, so the ring below never overflows (if it did, the packet is dropped
  *     and counted as held-overflow, never delayed wrongly);
@@ -72,7 +78,11 @@ struct site {
     int64_t delay_ns, jitter_ns, last_due_ns;
     struct held *ring; /* circular FIFO of capacity cap */
     uint32_t cap, head, len;
-    uint64_t num_delayed, num_late, num_overflow, max_held;
+    uint32_t reorder_ppm; /* packets held back by reorder_gap_ns, per million */
+    int64_t reorder_gap_ns, last_late_due_ns;
+    struct held *late; /* circular FIFO (capacity cap) of the packets held back */
+    uint32_t late_head, late_len;
+    uint64_t num_delayed, num_late, num_overflow, max_held, num_reordered;
     int64_t max_late_ns;
 };
 
@@ -111,7 +121,7 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
     if (ph == NULL)
         return 0;
     uint32_t id = ntohl(ph->packet_id);
-    if (s->len >= s->cap) { /* cannot happen while the kernel bound holds; never delay wrongly */
+    if (s->len + s->late_len >= s->cap) { /* cannot happen while the kernel bound holds; never delay wrongly */
         s->num_overflow++;
         return nfq_set_verdict(qh, id, NF_DROP, 0, NULL);
     }
@@ -119,6 +129,17 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
     if (delay < 0)
         delay = 0;
     int64_t due = now_ns() + delay;
+    if (s->reorder_ppm > 0 && rng_next() % 1000000ULL < s->reorder_ppm) { /* held back: overtaken */
+        due += s->reorder_gap_ns;
+        if (due < s->last_late_due_ns)
+            due = s->last_late_due_ns;
+        s->last_late_due_ns = due;
+        s->late[(s->late_head + s->late_len) % s->cap] = (struct held){.due_ns = due, .id = id};
+        s->late_len++;
+        s->num_delayed++;
+        s->num_reordered++;
+        return 0;
+    }
     if (due < s->last_due_ns)
         due = s->last_due_ns; /* keep arrival order */
     s->last_due_ns = due;
@@ -130,22 +151,37 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
     return 0;
 }
 
-/* Accept every packet of s that is due at `now` with one batched verdict. */
+static void note_late(struct site *s, int64_t late) {
+    if (late > LATE_NS) {
+        s->num_late++;
+        if (late > s->max_late_ns)
+            s->max_late_ns = late;
+    }
+}
+
+/* Accept every packet of s that is due at `now`: the held-back ones one by one, then the FIFO's due
+ * prefix with one batched verdict, or one by one while a held-back packet (a lower id) waits. */
 static void release_due(struct site *s, int64_t now) {
+    while (s->late_len > 0 && s->late[s->late_head].due_ns <= now) {
+        struct held *h = &s->late[s->late_head];
+        note_late(s, now - h->due_ns);
+        if (nfq_set_verdict(s->qh, h->id, NF_ACCEPT, 0, NULL) < 0)
+            fprintf(stderr, "netem-delayer: verdict for queue %d failed: %s\n", s->index, strerror(errno));
+        s->late_head = (s->late_head + 1) % s->cap;
+        s->late_len--;
+    }
+    int one_by_one = s->late_len > 0;
     uint32_t last_id = 0;
     int any = 0;
     while (s->len > 0) {
         struct held *h = &s->ring[s->head];
         if (h->due_ns > now)
             break;
-        int64_t late = now - h->due_ns;
-        if (late > LATE_NS) {
-            s->num_late++;
-            if (late > s->max_late_ns)
-                s->max_late_ns = late;
-        }
+        note_late(s, now - h->due_ns);
+        if (one_by_one && nfq_set_verdict(s->qh, h->id, NF_ACCEPT, 0, NULL) < 0)
+            fprintf(stderr, "netem-delayer: verdict for queue %d failed: %s\n", s->index, strerror(errno));
         last_id = h->id;
-        any = 1;
+        any = !one_by_one;
         s->head = (s->head + 1) % s->cap;
         s->len--;
     }
@@ -166,6 +202,8 @@ static int64_t next_due(void) {
         struct site *s = &sites[i];
         if (s->len > 0 && (best < 0 || s->ring[s->head].due_ns < best))
             best = s->ring[s->head].due_ns;
+        if (s->late_len > 0 && (best < 0 || s->late[s->late_head].due_ns < best))
+            best = s->late[s->late_head].due_ns;
     }
     return best;
 }
@@ -173,21 +211,25 @@ static int64_t next_due(void) {
 /* One control request (a line without its newline); answers on stdout. */
 static void handle_line(char *line) {
     int site;
-    long long d, j;
-    if (sscanf(line, "delay %d %lld %lld", &site, &d, &j) == 3) {
-        if (site < 0 || site >= num_sites || d < 0 || j < 0) {
+    long long d, j, ppm = 0, gap = 0;
+    int n = sscanf(line, "delay %d %lld %lld %lld %lld", &site, &d, &j, &ppm, &gap);
+    if (n == 3 || n == 5) {
+        if (site < 0 || site >= num_sites || d < 0 || j < 0 || ppm < 0 || ppm > 1000000 || gap < 0) {
             printf("error bad delay request: %s\n", line);
         } else {
             sites[site].delay_ns = d;
             sites[site].jitter_ns = j;
+            sites[site].reorder_ppm = (uint32_t)ppm;
+            sites[site].reorder_gap_ns = gap;
             printf("ok\n");
         }
     } else if (strcmp(line, "stats") == 0) {
         for (int i = 0; i < num_sites; i++) {
             struct site *s = &sites[i];
-            printf("site %d %llu %u %llu %llu %lld %llu\n", i, (unsigned long long)s->num_delayed, s->len,
-                   (unsigned long long)s->max_held, (unsigned long long)s->num_late, (long long)s->max_late_ns,
-                   (unsigned long long)s->num_overflow);
+            printf("site %d %llu %u %llu %llu %lld %llu %llu\n", i, (unsigned long long)s->num_delayed,
+                   s->len + s->late_len, (unsigned long long)s->max_held, (unsigned long long)s->num_late,
+                   (long long)s->max_late_ns, (unsigned long long)s->num_overflow,
+                   (unsigned long long)s->num_reordered);
         }
         printf("wakeups %llu\n", (unsigned long long)num_wakeups);
         printf("end\n");
@@ -255,8 +297,9 @@ static struct nfq_handle *bind_queues(long max_len, long rcvbuf) {
         s->index = i;
         s->cap = (uint32_t)max_len;
         s->ring = calloc(s->cap, sizeof *s->ring);
+        s->late = calloc(s->cap, sizeof *s->late);
         s->qh = nfq_create_queue(h, (uint16_t)i, on_packet, s);
-        if (s->ring == NULL || s->qh == NULL) {
+        if (s->ring == NULL || s->late == NULL || s->qh == NULL) {
             fprintf(stderr, "netem-delayer: cannot bind queue %d: %s\n", i, strerror(errno));
             exit(2);
         }
@@ -276,7 +319,7 @@ static struct nfq_handle *bind_queues(long max_len, long rcvbuf) {
 
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "--version") == 0) {
-        printf("netem-delayer 1\n");
+        printf("netem-delayer 2\n");
         return 0;
     }
     num_sites = (int)parse_arg(argc, argv, "--queues", 0);

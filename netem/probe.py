@@ -203,6 +203,7 @@ def choose_backends(
     return {
         "delay": delay,
         "jitter": delay,
+        "reorder": None if use_netem else delay,  # the userspace delayers' (kernel netem's reorder skips the delay)
         "loss": "netem" if use_netem else filt,
         "rate": "tbf+netem" if use_netem else "tbf",
         "partition": filt,

@@ -11,6 +11,11 @@ A site's :class:`LinkParams` describe its access link to the emulated WAN:
   flow from ``a`` to ``b`` gets at most ``min(rate_a, rate_b)``. The cap counts
   Ethernet frames (1514 bytes for a full-size TCP segment), so TCP goodput is at
   most ~95.6 % of it.
+* ``reorder_pct`` / ``reorder_gap_ms``: reordering. That share of the packets arriving at
+  the site is held ``reorder_gap_ms`` longer than its delay, so the packets that arrive
+  within the gap after it overtake it (netem's ``reorder`` turned around: there the
+  reordered packets skip the delay). A property of the userspace delayers (NFQUEUE); a
+  topology on kernel netem refuses it (``Topology(kernel_netem=False)`` uses them).
 * ``flap_period_s`` / ``flap_down_s``: periodic partitions. Every ``flap_period_s``
   the site is cut off from all others for ``flap_down_s``. Sites are staggered
   (site ``i`` starts its outage at ``i * period / num_sites``) so that at most one
@@ -48,6 +53,11 @@ class LinkParams:
             (0 to 100).
         rate_mbit: Cap on each direction of the link in Mbit/s (Ethernet frame bytes),
             or None for no cap. 0.01 to 100,000.
+        reorder_pct: Share of the packets arriving at the site that are held
+            ``reorder_gap_ms`` longer, percent (0 to 100): the packets arriving within the
+            gap after one overtake it. Needs ``reorder_gap_ms`` > 0.
+        reorder_gap_ms: How much longer a reordered packet is held, ms (0 to 10,000;
+            > 0 exactly when ``reorder_pct`` > 0).
         flap_period_s: Period of the periodic partitions in s; 0 disables them.
         flap_down_s: Length of each periodic partition in s; 0 < flap_down_s <
             flap_period_s when flapping is on.
@@ -57,6 +67,8 @@ class LinkParams:
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
     rate_mbit: float | None = None
+    reorder_pct: float = 0.0
+    reorder_gap_ms: float = 0.0
     flap_period_s: float = 0.0
     flap_down_s: float = 0.0
 
@@ -68,6 +80,13 @@ class LinkParams:
         _check_range("loss_pct", self.loss_pct, 0.0, 100.0)
         if self.rate_mbit is not None:
             _check_range("rate_mbit", self.rate_mbit, 0.01, 100_000.0)
+        _check_range("reorder_pct", self.reorder_pct, 0.0, 100.0)
+        _check_range("reorder_gap_ms", self.reorder_gap_ms, 0.0, 10_000.0)
+        if (self.reorder_pct > 0) != (self.reorder_gap_ms > 0):
+            raise ValueError(
+                "reorder_pct and reorder_gap_ms must both be > 0 (reordering) or both 0, "
+                f"got reorder_pct={self.reorder_pct!r}, reorder_gap_ms={self.reorder_gap_ms!r}"
+            )
         _check_range("flap_period_s", self.flap_period_s, 0.0, 86_400.0)
         _check_range("flap_down_s", self.flap_down_s, 0.0, 86_400.0)
         if self.flap_period_s > 0 and not 0 < self.flap_down_s < self.flap_period_s:
@@ -80,8 +99,8 @@ class LinkParams:
 
     @property
     def needs_delay(self) -> bool:
-        """True when packets must be held (delay or jitter is set)."""
-        return self.delay_ms > 0 or self.jitter_ms > 0
+        """True when packets must be held (delay, jitter or reordering is set)."""
+        return self.delay_ms > 0 or self.jitter_ms > 0 or self.reorder_pct > 0
 
     def replace(self, **changes: object) -> "LinkParams":
         """Return a copy with ``changes`` applied (validated)."""

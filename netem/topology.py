@@ -305,7 +305,7 @@ class Topology:
             return self._links[self._site(site)]
 
     def backends(self) -> dict[str, str | None]:
-        """Which backend emulates each property: delay, jitter, loss, rate, partition, flap."""
+        """Which backend emulates each property: delay, jitter, reorder, loss, rate, partition, flap."""
         return dict(self._backends)
 
     @property
@@ -562,6 +562,8 @@ class Topology:
         for p in new:
             if p.needs_delay:
                 self._require("delay")
+            if p.reorder_pct > 0:
+                self._require("reorder")
             if p.loss_pct > 0:
                 self._require("loss")
             if p.flap_period_s > 0:

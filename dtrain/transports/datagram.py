@@ -59,6 +59,7 @@ from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
 from dtrain.transports.datagram_native import native
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
+from dtrain.transports.datagram_reorder import WAIT, ReorderWindow, end_wait_decision, reorder_grace_s
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     Kind,
@@ -79,10 +80,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SEND_END = struct.Struct("<QQd")
+_SEND_END = struct.Struct("<QQdQ")  # contribution datagrams, their bytes, send window s, contributions sent
+_COUNT = struct.Struct("<Q")  # a BUCKET_END's body: the sender's contributions to that bucket and owner so far
 _DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
 _BUCKET_END_COPIES = 2  # BUCKET_END datagrams per bucket and owner
-_SEND_BATCH = 32  # at most this many datagrams sealed and sent per call (32 x 1,400 B: under the pacer's 64 KiB burst)
+# at most this many datagrams sealed and sent per call, and what fits the pacer's burst (46 x 1,400 B in 64 KiB)
+_SEND_BATCH = 64
 _SEND_END_COPIES = 5  # all lost: 1e-5 at 10% loss, 3e-4 at 20% (3 copies: 1e-3, 8e-3)
 _LATE_SEND_END_EVERY_S = 0.25  # then, until the REPORT comes: one more copy this often (_resend_end_later)
 _LATE_SEND_END_MAX = 40  # at most this many more (10 s of them)
@@ -155,6 +158,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._handler: PeerHandler | None = None
         self._sock: socket.socket | None = None
         self._native = native(cfg.native)
+        # UDP segmentation offload for the compiled loop's sends, until a kernel refuses it (_no_gso)
+        self._gso = cfg.gso and self._native is not None and sys.platform.startswith("linux")
         self._opener = Opener(run=cfg.run_id, max_datagram_bytes=cfg.max_datagram_bytes, native=self._native)
         self._body_max = max_body_bytes(cfg.max_datagram_bytes)
         self.rate = RateController(
@@ -181,6 +186,15 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         self._sock_drops = 0  # the receive socket's drops at a full buffer so far (SO_RXQ_OVFL)
         self._counts = {"sent": 0, "received": 0, "wire_sent": 0, "wire_received": 0, "datagrams_sent": 0}
         self._counts.update(nacks_sent=0, resent=0, fallback_pulls=0, test_dropped=0, rejected=0)
+        # sender ends that found announced contributions missing (and waited), that ended with some
+        # still missing (lost), how many; contributions handled after their end had ended
+        self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0, mean_duplicates=0)
+        self._reorder = ReorderWindow()  # per sending site: how late overtaken contributions came
+        self._ends_due = float("inf")  # the dispatch thread's next look at ends still waiting
+        # the receive thread: every datagram that reached the socket before this time.monotonic()
+        # was read and queued (it found the socket empty then); it looks every 2 ms while ends wait
+        self._drained_at = 0.0
+        self._ends_waiting = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, handler: PeerHandler) -> str:
@@ -211,6 +225,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             t.start()
             self._threads.append(t)
         loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
+        loop += ", UDP GSO" if self._gso else ""
         log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, loop)
         return address
 
@@ -238,7 +253,15 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             s.close()
 
     def counters(self) -> dict[str, int]:
-        """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason.
+        """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason,
+        refusals by code (``rejected_<code>``, e.g. ``rejected_failed_precondition`` for a late
+        contribution; ``rejected`` is their sum), and the sender ends of :mod:`.datagram_reorder`:
+        ``ends_waited`` (an end that found announced contributions missing waited for them),
+        ``ends_short`` / ``end_missing`` (ends that passed their grace with contributions missing,
+        and how many: lost), ``late_after_end`` (contributions handled after their end had ended:
+        reordered past the grace; refused once their bucket closed); ``mean_duplicates``: mean
+        chunks that came when the member held them already (a NACK's answer and its copies, an
+        original overtaken by its resend), not applied twice.
 
         ``dropped_unknown_round`` counts datagrams that came before their round's key: they are
         held (at most ``max_pending_datagrams``, beyond that ``dropped_over_budget``) and opened
@@ -285,6 +308,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             native=self._native,
         )
         self._next_rate()
+        self._reorder.new_round()
         with self._lock:
             self._rounds[plan.round] = rs
             for r in [r for r in self._rounds if r < plan.round - 1]:
@@ -370,7 +394,12 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         if self._stopped.is_set():  # stop() sends nothing more, as a crashed site would not (its sockets close last)
             raise PeerUnavailable(f"datagram to {rs.site_ids[dest]}: this site's transport stopped")
         if self._native is not None:
-            r = self._native.send(sock.fileno(), batch.buf, lens, n)
+            if self._gso:
+                r, refused = self._native.send_gso(sock.fileno(), batch.buf, lens, n)
+                if refused:
+                    self._no_gso(refused)
+            else:
+                r = self._native.send(sock.fileno(), batch.buf, lens, n)
             if r < 0 and -r not in (errno.ENOBUFS, errno.EAGAIN):
                 err = OSError(-r, os.strerror(-r))
                 if -r == errno.ECONNREFUSED:
@@ -394,6 +423,17 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 st[3] = now
         self._count(wire_sent=nbytes, datagrams_sent=n)
         return True
+
+    def _no_gso(self, err: int) -> None:
+        """The kernel refused UDP_SEGMENT (the batch went with ``sendmmsg``): say so once, then
+        send every batch with ``sendmmsg``."""
+        with self._lock:
+            was, self._gso = self._gso, False
+        if was:
+            log.warning(
+                "UDP segmentation offload refused by the kernel (%s): sending datagrams with sendmmsg from now on",
+                os.strerror(err),
+            )
 
     def _parts(self, head: bytes, payload: bytes, fields: tuple[int, int, int, int, int]) -> list[tuple[tuple, bytes]]:
         """``(fields + (frag, nfrags), body)`` of the datagrams that carry ``head + payload`` fragment by
@@ -422,15 +462,21 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         dest = -1
         num = 0
         before: tuple[int, int] = (0, 0)
-        parts: list[tuple[tuple, bytes]] = []
+        fields: list[tuple] = []  # of the datagrams to seal next, and their bodies
+        bodies: list[bytes] = []
+        room = self._body_max  # a payload up to this leaves whole in one datagram (the usual case)
+        batch_max = self._batch_datagrams
+        codecs: dict[str, int] = {}
         bucket = -1  # of the contribution before
+        in_bucket = 0  # contributions to it in this push (the end announces the running count)
         unsent = 0  # payload bytes in parts, counted as sent once they leave (one lock per batch)
 
         def flush() -> None:
             nonlocal unsent
             assert rs is not None
-            batch = rs.sealer.seal_many(Kind.CONTRIB, [f for f, _ in parts], [b for _, b in parts])
-            parts.clear()
+            batch = rs.sealer.seal_many(Kind.CONTRIB, fields, bodies)
+            fields.clear()
+            bodies.clear()
             if not self._send_batch(rs, dest, sock, batch, deadline, contribution=True):
                 raise PeerTimeout(f"push to {address}: the paced send would end past the deadline")
             self._count(sent=unsent)
@@ -444,28 +490,54 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 with rs.lock:
                     rep = rs.reports.get(dest)
                 before = (rep[3], rep[4]) if rep else (0, 0)
-            if c.bucket != bucket and bucket >= 0:  # the previous bucket is all sent: say so
-                if parts:
-                    flush()
-                self._end_bucket(rs, dest, bucket)
-            bucket = c.bucket
-            parts += self._parts(b"", c.payload, (c.bucket, c.chunk, c.offset, c.numel, codec_id(c.codec)))
-            unsent += len(c.payload)
-            if len(parts) >= self._batch_datagrams:
+            if c.bucket != bucket:
+                if bucket >= 0:  # the previous bucket is all sent: say so
+                    if bodies:
+                        flush()
+                    self._end_bucket(rs, dest, bucket, in_bucket)
+                    in_bucket = 0
+                bucket = c.bucket
+            in_bucket += 1
+            p = c.payload
+            cid = codecs.get(c.codec)
+            if cid is None:
+                cid = codecs[c.codec] = codec_id(c.codec)
+            if len(p) <= room:  # one datagram (no per-datagram list of parts on the hot path)
+                fields.append((bucket, c.chunk, c.offset, c.numel, cid, 0, 1))
+                bodies.append(p)
+            else:
+                for f, b in self._parts(b"", p, (bucket, c.chunk, c.offset, c.numel, cid)):
+                    fields.append(f)
+                    bodies.append(b)
+            unsent += len(p)
+            if len(bodies) >= batch_max:
                 flush()
             num += 1
         if rs is None:
             return 0
-        if parts:
+        if bodies:
             flush()
+        self._announce(rs, dest, bucket, in_bucket)  # the last bucket ends with the SEND_END
         return self._end_push(rs, dest, sock, address, num, before, deadline)
 
-    def _end_bucket(self, rs: RoundState, dest: int, bucket: int) -> None:
-        """BUCKET_END of ``bucket`` to ``dest``, twice (not paced; after its last chunk left): under
-        loss an owner finalizes each bucket as its senders finish it, not all at the SEND_END.
-        Both copies lost: that bucket waits for the SEND_END, as without it."""
+    @staticmethod
+    def _announce(rs: RoundState, dest: int, bucket: int, num: int) -> int:
+        """Add ``num`` contributions to ``bucket`` sent to ``dest`` to the round's running counts
+        (that bucket's and the round's total, which the ends announce); returns the bucket's."""
+        with rs.lock:
+            rs.announced[(dest, -1)] = rs.announced.get((dest, -1), 0) + num
+            n = rs.announced[(dest, bucket)] = rs.announced.get((dest, bucket), 0) + num
+        return n
+
+    def _end_bucket(self, rs: RoundState, dest: int, bucket: int, num: int) -> None:
+        """BUCKET_END of ``bucket`` to ``dest``, twice (not paced; after its last chunk left), with
+        the count of contributions to it sent to ``dest`` this round (``num`` more now): under loss
+        an owner finalizes each bucket as its senders finish it, not all at the SEND_END, and
+        under reordering it waits for what the end overtook (:mod:`.datagram_reorder`). Both
+        copies lost: that bucket waits for the SEND_END, as without it."""
+        body = _COUNT.pack(self._announce(rs, dest, bucket, num))
         for copy in range(_BUCKET_END_COPIES):
-            self._send_ctl(rs, dest, rs.sealer.seal(Kind.BUCKET_END, b"", bucket=bucket, chunk=copy))
+            self._send_ctl(rs, dest, rs.sealer.seal(Kind.BUCKET_END, body, bucket=bucket, chunk=copy))
 
     def _round_and_dest(self, round: int, address: str) -> tuple[RoundState, int]:
         rs = self._round(round)
@@ -485,7 +557,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         only at its reduce deadline (30 s in datagram_vs_grpc)."""
         with rs.lock:
             st = list(rs.sent.get(dest, [0, 0, 0.0, 0.0]))
-        body = _SEND_END.pack(st[0], st[1], st[3] - st[2])
+            total = rs.announced.get((dest, -1), 0)
+        body = _SEND_END.pack(st[0], st[1], st[3] - st[2], total)
         until = min(deadline, time.monotonic() + self.config.report_wait_s)
         for copy in range(_SEND_END_COPIES):
             self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=copy), refused_raises=True)
@@ -561,8 +634,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         run of chunks)."""
         while not self._stopped.is_set():
             try:
-                items = list(self._dispatch.get(timeout=0.1))
+                items = list(self._dispatch.get(timeout=min(0.1, max(0.0, self._ends_due - time.monotonic()))))
             except queue.Empty:
+                self._check_all_ends()
                 continue
             while len(items) < _DISPATCH_BATCH:
                 try:
@@ -576,6 +650,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                     self._dispatch_contributions([items[i] for i in group])
                 else:
                     self._dispatch_one(*items[group[0]])
+            if self._ends_due <= time.monotonic():
+                self._check_all_ends()
 
     def _dispatch_one(self, kind: int, rs: RoundState, h, obj) -> None:
         try:
@@ -588,7 +664,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             elif kind == Kind.MEAN_ACK:
                 self._answer_ack(rs, h, obj)
             elif kind == Kind.BUCKET_END:
-                self._answer_bucket_end(rs, h)
+                self._answer_bucket_end(rs, h, obj)
         except TransportError as e:
             log.warning("round %d: datagram %s from %s: %s", rs.round, kind, rs.site_ids[h.sender], e)
         except Exception:
@@ -607,6 +683,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         except Exception:
             log.exception("datagram dispatch failed")
             return
+        finally:
+            self._note_handled(rs, h.sender, [obj.bucket for _, _, _, obj in items])
         refused = [e for e in results if e is not None]
         with rs.lock:
             st = rs.stats[h.sender]
@@ -615,14 +693,28 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             if refused:
                 st.last_rejection = (refused[-1].code.value, refused[-1].reason)
         if refused:
-            self._count(rejected=len(refused))
+            self._count_refused(refused)
+
+    def _count_refused(self, refused: Sequence[Rejected]) -> None:
+        with self._lock:
+            self._counts["rejected"] += len(refused)
+            for e in refused:
+                k = f"rejected_{e.code.name.lower()}"
+                self._counts[k] = self._counts.get(k, 0) + 1
 
     def _handle_contribution(self, rs: RoundState, sender: int, c: Contribution) -> None:
         assert self._handler is not None
         try:
+            self._handle_one_contribution(rs, sender, c)
+        finally:
+            self._note_handled(rs, sender, [c.bucket])
+
+    def _handle_one_contribution(self, rs: RoundState, sender: int, c: Contribution) -> None:
+        assert self._handler is not None
+        try:
             self._handler.handle_contribution(c)
         except Rejected as e:
-            self._count(rejected=1)
+            self._count_refused([e])
             with rs.lock:
                 st = rs.stats[sender]
                 st.rejected += 1
@@ -631,24 +723,21 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         with rs.lock:
             rs.stats[sender].accepted += 1
 
-    def _answer_bucket_end(self, rs: RoundState, h) -> None:
-        """The sender sent all of bucket ``h.bucket``'s chunks (every one before this was handled:
-        one FIFO): what of them is missing was lost, and the bucket need not wait for them."""
-        if not 0 <= h.bucket < len(rs.owners) or rs.owners[h.bucket] != rs.site_id:
+    def _answer_bucket_end(self, rs: RoundState, h, body: bytes = b"") -> None:
+        """The sender sent all of bucket ``h.bucket``'s chunks, ``body`` says how many (its running
+        count to this site this round): once that many were handled here, or the reordering grace
+        passed, what is missing was lost and the bucket need not wait for it (:meth:`_end_sender`)."""
+        if not 0 <= h.bucket < len(rs.owners) or rs.owners[h.bucket] != rs.site_id or len(body) not in (0, _COUNT.size):
             self._opener.count("malformed")
             return
-        done = getattr(self._handler, "handle_sender_done", None)
-        if done is not None:
-            done(rs.round, rs.site_ids[h.sender], (h.bucket,))
+        self._end_sender(rs, h.sender, h.bucket, _COUNT.unpack(body)[0] if body else None)
 
     def _answer_send_end(self, rs: RoundState, sender: int, body: bytes) -> None:
         if len(body) != _SEND_END.size:
             self._opener.count("malformed")
             return
-        echo = _SEND_END.unpack(body)[0]
-        done = getattr(self._handler, "handle_sender_done", None)
-        if done is not None:  # every contribution before this SEND_END was handled (one FIFO)
-            done(rs.round, rs.site_ids[sender])
+        echo, _, _, announced = _SEND_END.unpack(body)
+        self._end_sender(rs, sender, -1, announced)  # the REPORT goes now; the end may wait
         with rs.lock:
             st = rs.stats.setdefault(sender, SenderStats())
             head = _REPORT.pack(
@@ -657,6 +746,106 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
+
+    # ------------------------------------------------------------------ sender ends (datagram_reorder)
+    def _note_handled(self, rs: RoundState, sender: int, buckets: Sequence[int]) -> None:
+        """Dispatch thread: contributions of ``sender`` to ``buckets`` (one entry each) were handed
+        to the handler. One that comes after its own end (it was among those the end announced)
+        measures the path's reordering; after the end already ended, it also counts
+        ``late_after_end``. An end waiting for it may end now."""
+        now = time.monotonic()
+        handled = rs.handled
+        for b in buckets:
+            handled[(sender, b)] = handled.get((sender, b), 0) + 1
+        handled[(sender, -1)] = handled.get((sender, -1), 0) + len(buckets)
+        if not (rs.ends or rs.ended):
+            return
+        late_s, num_late, waiting = 0.0, 0, False
+        for b in set(buckets):
+            n_b = buckets.count(b)
+            for key, n in (((sender, b), n_b), ((sender, -1), len(buckets))):
+                end = rs.ends.get(key)
+                waiting |= end is not None
+                end = end or rs.ended.get(key)
+                if end is None or end[0] is None:
+                    continue
+                # of these contributions, the ones among those the end announced came after it
+                after = min(n_b, end[0] - (handled[key] - n))
+                if after > 0:
+                    late_s = max(late_s, now - end[1])
+                    num_late += after if key not in rs.ends else 0
+                    break  # its bucket's end, else its push's
+        if late_s:
+            self._reorder.observe(rs.site_ids[sender], late_s)
+        if num_late:
+            self._count(late_after_end=num_late)
+        if waiting:
+            self._check_ends(rs, 0.0, sender)
+
+    def _end_sender(self, rs: RoundState, sender: int, bucket: int, announced: int | None) -> None:
+        """Dispatch thread: ``sender`` ended ``bucket`` (-1: its push) after ``announced``
+        contributions; it ends here once they were handled or the grace passed (:meth:`_check_ends`)."""
+        key = (sender, bucket)
+        if key in rs.ends:  # another copy while it waits (a later push's end: the larger count)
+            old, at = rs.ends[key]
+            rs.ends[key] = (max(old or 0, announced or 0) if announced is not None else old, at)
+            return
+        ended = rs.ended.get(key)
+        if ended is not None and ended[0] == announced:
+            return  # a copy of an end that ended
+        now = time.monotonic()
+        if announced is not None and rs.handled.get(key, 0) < announced:
+            self._count(ends_waited=1)
+            self._ends_waiting = True
+        rs.ends[key] = (announced, now)
+        self._check_ends(rs, 0.0, sender)
+
+    def _check_ends(self, rs: RoundState, horizon: float, sender: int | None = None) -> None:
+        """End (``handle_sender_done``) the waiting ends of ``sender`` (None: every sender) that
+        :func:`~.datagram_reorder.end_wait_decision` says end by ``horizon``: a time up to which every
+        datagram that reached the socket was read and handled (0.0: unknown, as in the middle of a
+        dispatch batch: then only ends whose contributions were all handled end). So a receiver
+        kept off the CPU does not take what waits unread in its socket for lost. Notes when the
+        next end is due."""
+        done = getattr(self._handler, "handle_sender_done", None)
+        cfg = self.config
+        for key, (announced, at) in list(rs.ends.items()):
+            if sender is not None and key[0] != sender:
+                continue
+            site = rs.site_ids[key[0]]
+            grace = reorder_grace_s(self._reorder.get(site), cfg.reorder_grace_s, cfg.max_reorder_grace_s)
+            handled = rs.handled.get(key, 0)
+            decision, why = end_wait_decision(handled, announced, at, grace, horizon)
+            if decision == WAIT:
+                self._ends_due = min(self._ends_due, at + grace)
+                continue
+            del rs.ends[key]
+            rs.ended[key] = (announced, at)
+            if announced is not None and handled < announced:
+                self._count(ends_short=1, end_missing=announced - handled)
+            log.debug("round %d: %s's end of %s: %s", rs.round, site, "its push" if key[1] < 0 else key[1], why)
+            if done is not None:
+                done(rs.round, site, None if key[1] < 0 else (key[1],))
+
+    def _check_all_ends(self) -> None:
+        """Dispatch thread, between batches, when an end's grace may have passed: every round's
+        waiting ends, judged up to the receive thread's last empty read (when nothing it queued
+        waits; that time is read first: it is set after what it read was queued)."""
+        drained = self._drained_at
+        horizon = drained if self._dispatch.empty() else 0.0
+        self._ends_due = float("inf")
+        with self._lock:
+            rounds = [rs for rs in self._rounds.values() if rs.ends]
+        for rs in rounds:
+            try:
+                self._check_ends(rs, horizon)
+            except Exception:
+                log.exception("datagram dispatch failed")
+        with self._lock:
+            self._ends_waiting = any(rs.ends for rs in self._rounds.values())
+        now = time.monotonic()
+        if self._ends_due <= now:  # due, but what arrived by then is not all read: look again soon
+            self._ends_due = now + 0.002
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)

@@ -71,6 +71,14 @@ class DatagramTransportConfig:
         fallback_reserve_s: a mean still incomplete this long before the pull's
             deadline is pulled over gRPC.
         report_wait_s: how long ``push`` waits for the owner's REPORT.
+        reorder_grace_s: the least a sender's end (BUCKET_END, SEND_END) waits, in seconds
+            (>= 0), for contributions it announced that have not arrived: they may have been
+            overtaken by the end (reordering), not lost. The wait is twice the path's observed
+            reordering, at least this (:mod:`~.datagram_reorder`), and paid only when something
+            is missing at the end.
+        max_reorder_grace_s: the most that wait lasts, seconds (>= reorder_grace_s); a
+            contribution later than it is refused once its bucket closed, counted
+            ``late_after_end`` and ``rejected_failed_precondition``.
         max_round_buffer_bytes: receive budget per round (fragments and means), an int
             >= max_datagram_bytes.
         max_pending_datagrams: datagrams held for a round whose plan has not
@@ -81,6 +89,10 @@ class DatagramTransportConfig:
         native: the compiled batch loop (:mod:`~.datagram_native`: seal, open, ``sendmmsg``,
             ``recvmmsg`` per batch): ``"auto"`` where it builds (else the Python loop, same
             wire format), ``"on"`` (``start`` fails without it) or ``"off"``.
+        gso: with the compiled loop on Linux, send each run of equal-sized datagrams of a
+            batch as one UDP segmentation offload write (``UDP_SEGMENT``, a bool): the same
+            datagrams on the wire for about half the send call's CPU. A kernel that refuses
+            it is logged once and the transport goes on with ``sendmmsg``.
         switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
             is longer, > 0 (None: left alone). The receive thread needs the GIL within a
             datagram's time; CPython's default 5 ms hand-over let the engine's threads
@@ -103,11 +115,14 @@ class DatagramTransportConfig:
     nack_idle_s: float = 0.05
     fallback_reserve_s: float = 1.0
     report_wait_s: float = 0.5
+    reorder_grace_s: float = 0.005
+    max_reorder_grace_s: float = 0.25
     max_round_buffer_bytes: int = 512 << 20
     max_pending_datagrams: int = 4096
     test_drop: float = 0.0
     test_drop_seed: int = 0
     native: NativeMode = "auto"
+    gso: bool = True
     switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
@@ -140,6 +155,18 @@ class DatagramTransportConfig:
             need(name, _is_num(v) and v > 0, "a finite number > 0 seconds")
         need("recv_stall_s", _is_num(self.recv_stall_s) and self.recv_stall_s >= 0, "a finite number >= 0 seconds")
         need(
+            "reorder_grace_s",
+            _is_num(self.reorder_grace_s) and self.reorder_grace_s >= 0,
+            "a finite number >= 0 seconds",
+        )
+        need(
+            "max_reorder_grace_s",
+            _is_num(self.max_reorder_grace_s)
+            and _is_num(self.reorder_grace_s)
+            and self.max_reorder_grace_s >= self.reorder_grace_s,
+            f"a finite number >= reorder_grace_s ({self.reorder_grace_s!r}) seconds",
+        )
+        need(
             "recv_coalesce_s", _is_num(self.recv_coalesce_s) and 0 <= self.recv_coalesce_s <= 0.1, "in [0, 0.1] seconds"
         )
         for name in ("burst_bytes", "max_round_buffer_bytes"):
@@ -159,6 +186,7 @@ class DatagramTransportConfig:
         need("test_drop", _is_num(self.test_drop) and 0.0 <= self.test_drop < 1.0, "in [0, 1)")
         need("test_drop_seed", _is_int(self.test_drop_seed) and self.test_drop_seed >= 0, "an int >= 0")
         need("native", self.native in NATIVE_MODES, f"one of {', '.join(NATIVE_MODES)}")
+        need("gso", isinstance(self.gso, bool), "a bool (true or false)")
         need(
             "switch_interval_s",
             self.switch_interval_s is None or (_is_num(self.switch_interval_s) and self.switch_interval_s > 0),

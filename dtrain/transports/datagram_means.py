@@ -28,6 +28,7 @@ from typing import Any
 
 from dtrain.errors import PeerUnavailable, TransportError
 from dtrain.protocol import BucketMean, MeanChunk
+from dtrain.transports.datagram_reorder import reorder_grace_s
 from dtrain.transports.datagram_round import (
     MeanAssembly,
     RoundState,
@@ -76,7 +77,8 @@ class DatagramMeans:
     """Owner push and member assembly of bucket means (see the module docstring).
 
     The transport provides what these methods use: ``config``, ``_handler``, ``_grpc``,
-    ``_opener``, ``_counts``, ``_body_max`` and the methods ``_count``, ``_round``,
+    ``_opener``, ``_counts``, ``_body_max``, ``_reorder`` (each site's observed reordering: how long
+    chunks a final meta overtook may still come) and the methods ``_count``, ``_round``,
     ``_send_batch``, ``_send_sock``, ``_send_ctl``, ``_parts``.
     """
 
@@ -87,6 +89,7 @@ class DatagramMeans:
     _opener: Any
     _counts: dict[str, int]
     _body_max: int
+    _reorder: Any
 
     # ------------------------------------------------------------------ means: owner side
     def _push_means(self, rs: RoundState, mine: list[int]) -> None:
@@ -272,7 +275,11 @@ class DatagramMeans:
                     ma.num_chunks, before, after = decode_meta(body)
                     ma.checksums = (before, after)
                 ma.final_meta_seen = ma.final_meta_seen or h.chunk == _META_COPY_FINAL
-            elif h.chunk not in ma.chunks and h.codec < len(CODEC_WIRE_NAMES) and len(body) >= nbits:
+            elif h.chunk in ma.chunks:
+                self._counts["mean_duplicates"] += 1  # held already (a NACK's answer or its copy)
+            elif h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                self._opener.count("malformed")
+            else:
                 whole = rs.add_fragment((Kind.MEAN, h.bucket, h.chunk), h.frag, h.nfrags, body[nbits:])
                 if whole is False or (whole and not rs.charge(len(whole))):
                     self._opener.count("over_budget")
@@ -291,13 +298,17 @@ class DatagramMeans:
             self._opener.count("malformed", len(run))
             return
         nbits = (len(rs.site_ids) + 7) // 8
-        received = over = 0
+        received = over = dup = bad = 0
         with rs.cv:
             ma = rs.mean_for(h0.bucket)
             was = (ma.complete(), ma.final_meta_seen)
             ma.last_arrival = rs.owner_active[h0.sender] = time.monotonic()
             for h, body in run:
-                if h.chunk in ma.chunks or h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                if h.chunk in ma.chunks:
+                    dup += 1
+                    continue
+                if h.codec >= len(CODEC_WIRE_NAMES) or len(body) < nbits:
+                    bad += 1
                     continue
                 whole = body[nbits:]
                 if not rs.charge(len(whole)):
@@ -307,8 +318,11 @@ class DatagramMeans:
                 received += len(whole)
             ack = self._settle_assembly(rs, ma, was)
         self._counts["received"] += received
+        self._counts["mean_duplicates"] += dup  # held already (a NACK's answer or its copy): not applied twice
         if over:
             self._opener.count("over_budget", over)
+        if bad:
+            self._opener.count("malformed", bad)
         if ack:
             self._ack_mean(rs, h0.sender, h0.bucket, ma.have or "")
 
@@ -403,6 +417,9 @@ class DatagramMeans:
                     max_nacks=cfg.max_nack_rounds,
                     owner_active_at=rs.owner_active.get(owner, 0.0),
                     rtt_s=cfg.rtt_s,
+                    reorder_s=reorder_grace_s(
+                        self._reorder.get(rs.owners[bucket]), cfg.reorder_grace_s, cfg.max_reorder_grace_s
+                    ),
                 )
                 if step.action == "done":
                     return ma.to_mean(rs.round, bucket, rs.owners[bucket])

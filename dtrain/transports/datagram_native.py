@@ -117,6 +117,7 @@ class NativeLib:
             ("dg_open", i, [i, vp, vp, u32, vp, vp]),
             ("dg_open_round", i, [i, vp, vp, u32, vp, vp, u32, ctypes.c_char_p, u32, u32, u32, u32, vp]),
             ("dg_send", i, [i, i, vp, u32, vp]),
+            ("dg_send_gso", i, [i, i, vp, u32, vp, vp]),
             ("dg_recv", i, [i, i, vp, u32, vp, vp, vp]),
         ):
             fn = getattr(lib, name)
@@ -226,6 +227,14 @@ class NativeLib:
         """``sendmmsg`` rows ``0..n-1`` on connected ``fd``: the number sent, or ``-errno``."""
         return self._lib.dg_send(fd, n, _ptr(buf), buf.shape[1], _ptr(lens))
 
+    def send_gso(self, fd: int, buf: np.ndarray, lens: np.ndarray, n: int) -> tuple[int, int]:
+        """:meth:`send` with UDP segmentation offload (``UDP_SEGMENT``: one ``sendmsg`` per run of
+        equal-length rows, cut by the kernel into the same datagrams, in order): ``(number sent or
+        -errno, errno of a refused UDP_SEGMENT or 0)``; a refused one sent the rest with ``sendmmsg``."""
+        err = ctypes.c_int(0)
+        r = self._lib.dg_send_gso(fd, n, _ptr(buf), buf.shape[1], _ptr(lens), ctypes.byref(err))
+        return r, err.value
+
     def recv(self, fd: int, buf: np.ndarray, lens: np.ndarray, ts_ns: np.ndarray, drops: np.ndarray) -> int:
         """``recvmmsg`` into the rows of ``buf`` without blocking: the number received (0: none), or ``-errno``."""
         return self._lib.dg_recv(fd, buf.shape[0], _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ts_ns), _ptr(drops))
@@ -269,8 +278,8 @@ def _build_and_load() -> tuple[NativeLib | None, str]:
         if not out.exists():
             _compile(cc, out)
         lib = NativeLib(out)
-        if lib._lib.dg_version() != 2:
-            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 2")
+        if lib._lib.dg_version() != 3:
+            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 3")
         return lib, ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dtrain.protocol import Contribution
+from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     CODEC_WIRE_NAMES,
@@ -92,7 +93,8 @@ class DatagramReceive:
 
     The transport provides what these methods use: ``config``, ``_sock``, ``_native``,
     ``_opener``, ``_stopped``, ``_lock``, ``_recv_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
-    ``_drop_rng``, ``_counts``, ``_sock_drops`` and the methods ``_round``, ``_on_mean``,
+    ``_drop_rng``, ``_counts``, ``_sock_drops``, ``_reorder`` (the :class:`~.datagram_reorder.ReorderWindow`
+    each overtaken contribution's lateness goes to) and the methods ``_round``, ``_on_mean``,
     ``_on_mean_run``.
     """
 
@@ -110,6 +112,9 @@ class DatagramReceive:
     _drop_rng: Any
     _counts: dict[str, int]
     _sock_drops: int
+    _reorder: Any
+    _drained_at: float
+    _ends_waiting: bool
     _round: Any
     _on_mean: Any
     _on_mean_run: Any
@@ -134,8 +139,10 @@ class DatagramReceive:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         while not self._stopped.is_set():
+            t = time.monotonic()
             try:
-                if not poller.poll(100):
+                if not poller.poll(2 if self._ends_waiting else 100):
+                    self._drained_at = t  # nothing readable since t: all that came before was read
                     continue
             except OSError:
                 break
@@ -154,15 +161,20 @@ class DatagramReceive:
         goes to the dispatch thread, all under ``_recv_lock`` (see :meth:`_read_native`)."""
         out: list[tuple] = []
         with self._recv_lock:
+            drained = None
             try:
-                self._read_python_into(sock, anc, out)
+                drained = self._read_python_into(sock, anc, out)
             finally:
                 self._enqueue(out)
+            if drained is not None:  # after the queueing (see DatagramTransport._check_all_ends)
+                self._drained_at = drained
 
-    def _read_python_into(self, sock: socket.socket, anc: int, out: list[tuple]) -> None:
+    def _read_python_into(self, sock: socket.socket, anc: int, out: list[tuple]) -> float | None:
+        """Up to ``_RECV_BATCH`` datagrams; the time of the read that found the socket empty (None: not emptied)."""
         size = self.config.max_datagram_bytes + 1  # a larger datagram arrives cut to this: "oversized"
         for _ in range(_RECV_BATCH):
             t_arrival = None
+            t = time.monotonic()
             try:
                 if anc:
                     data, cmsgs, _, _ = sock.recvmsg(size, anc)
@@ -170,7 +182,7 @@ class DatagramReceive:
                 else:
                     data = sock.recv(size)
             except BlockingIOError:
-                return
+                return t
             except OSError:  # e.g. an ICMP error of an earlier send, or the socket closed by stop()
                 if self._stopped.is_set():
                     raise
@@ -180,6 +192,7 @@ class DatagramReceive:
                 self._on_datagram(data, t_arrival, out)
             except Exception:  # a bug must not stop the receive loop
                 log.exception("datagram handling failed")
+        return None
 
     def _read_native(self, sock: socket.socket, anc: int) -> None:
         """Read up to 4 batches of ``_RECV_BATCH`` queued datagrams: each with one ``recvmmsg``,
@@ -196,12 +209,14 @@ class DatagramReceive:
         buf, lens, ts, drops = rx
         for _ in range(4):  # bounded: a flood cannot keep this thread from queueing what it read
             out: list[tuple] = []
+            t = time.monotonic()
             with self._recv_lock:
                 try:
                     n = self._read_batch(sock, anc, rx, out)
                 finally:
                     self._enqueue(out)
-            if n is not None and n < len(lens):  # the socket is empty (0 included)
+            if n is not None and n < len(lens):  # the socket is empty (0 included): all before t is queued
+                self._drained_at = t
                 return
 
     def _read_batch(self, sock: socket.socket, anc: int, rx: tuple, out: list[tuple]) -> int | None:
@@ -279,17 +294,29 @@ class DatagramReceive:
                 continue
             st = seen.get((h.round, h.sender))
             if st is None:
-                seen[(h.round, h.sender)] = [1, len(body), t_arrival, t_arrival, rs]
+                arrivals = rs.arrivals.get(h.sender) or rs.arrivals.setdefault(h.sender, SeqArrivals())
+                st = seen[(h.round, h.sender)] = [0, 0, t_arrival, t_arrival, rs, arrivals]
+            st[0] += 1
+            st[1] += len(body)
+            if t_arrival < st[2]:
+                st[2] = t_arrival
+            elif t_arrival > st[3]:
+                st[3] = t_arrival
+            arrivals, seq = st[5], h.seq
+            if seq > arrivals.hi:  # in order (SeqArrivals.note's first case, inline; trimmed per batch)
+                arrivals.hi = seq
+                arrivals.seqs.append(seq)
+                arrivals.times.append(t_arrival)
             else:
-                st[0] += 1
-                st[1] += len(body)
-                st[2] = min(st[2], t_arrival)
-                st[3] = max(st[3], t_arrival)
+                late = arrivals.note(seq, t_arrival)
+                if late:
+                    self._reorder.observe(rs.site_ids[h.sender], late)
             received += len(body)
             out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body)))
         if means:
             self._on_mean_run(rounds[means[0][0].round], means)
-        for (_, sender), (num, nbytes, first, last, rs) in seen.items():
+        for (_, sender), (num, nbytes, first, last, rs, arrivals) in seen.items():
+            arrivals.trim()
             with rs.lock:
                 rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
                 # a site sending contributions is alive and its pacer busy: its means' quiet is not loss
@@ -427,6 +454,9 @@ class DatagramReceive:
         if h.codec >= len(CODEC_WIRE_NAMES):
             self._opener.count("malformed")
             return
+        late = rs.arrivals.setdefault(h.sender, SeqArrivals()).note(h.seq, t_arrival)
+        if late:
+            self._reorder.observe(rs.site_ids[h.sender], late)
         with rs.lock:
             rs.stats.setdefault(h.sender, SenderStats()).note(len(body), t_arrival, self._sock_drops)
             rs.owner_active[h.sender] = max(rs.owner_active.get(h.sender, 0.0), t_arrival)

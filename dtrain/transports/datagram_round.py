@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
+from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_wire import Sealer
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def mean_wait_decision(
     max_nacks: int,
     owner_active_at: float = 0.0,
     rtt_s: float = 0.0,
+    reorder_s: float = 0.005,
 ) -> MeanWait:
     """Next step of a member waiting for a pushed mean, from what has arrived and ``now``.
 
@@ -179,14 +181,17 @@ def mean_wait_decision(
             by then was wholly lost or its owner is gone: one NACK asks for all of it, and
             if nothing answers within ``2 x nack_idle_s`` it is pulled over gRPC then,
             not at ``fallback_at``.
-        nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (5 ms
+        nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (``reorder_s``
             after the final meta: the owner sent everything); the k-th NACK's answer is
             waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first, unless the
-            answer's final meta arrived (the answer is whole: 5 ms later the next NACK goes);
-            when nothing arrived since the NACK, the next goes 5 ms after that wait.
+            answer's final meta arrived (the answer is whole: ``reorder_s`` later the next NACK
+            goes); when nothing arrived since the NACK, the next goes ``reorder_s`` after that wait.
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
         rtt_s: the path's round-trip time (the transport's ``rtt_s``): no answer to a NACK
             can come sooner, so none is sent again before.
+        reorder_s: how long chunks the final meta overtook may still come: the reordering
+            grace of the owner's path (:func:`~.datagram_reorder.reorder_grace_s`; 5 ms on an
+            in-order path).
         owner_active_at: the latest arrival of any mean or contribution datagram from this bucket's owner
             (0: none). While the owner is still sending (other buckets interleave with
             this one through its pacer), quiet on this bucket is not loss: before its
@@ -210,7 +215,7 @@ def mean_wait_decision(
     # quiet after the final meta (the owner sent everything), or with nothing at all since the
     # last NACK (no answer is on its way: its wait below already covers an RTT), is not a pause
     unanswered = m.nacks and m.last_arrival < m.nack_at
-    idle = 0.005 if m.final_meta_seen or unanswered else 2 * nack_idle_s
+    idle = reorder_s if m.final_meta_seen or unanswered else 2 * nack_idle_s
     busy = 0.0 if m.final_meta_seen else owner_active_at  # the owner still sending: not loss yet
     # the k-th NACK's answer gets nack_idle_s x 2^(k-1) (at most 64x) before the next one: an
     # owner slowed down (a busy CPU) is not asked again and again (each NACK re-sends what is
@@ -282,6 +287,14 @@ class RoundState:
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
         self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver
         self.rejections: dict[int, tuple[str, str]] = {}  # dest index -> its handler's last refusal
+        # what the ends count (datagram_reorder); bucket -1: the whole round (SEND_END)
+        self.announced: dict[tuple[int, int], int] = {}  # (dest, bucket) -> contributions sent there (rs.lock)
+        # the dispatch thread's alone: (sender, bucket) -> contributions handled; ends still waiting
+        # for contributions they announced -> (announced, handled at); ended ones, the same
+        self.handled: dict[tuple[int, int], int] = {}
+        self.ends: dict[tuple[int, int], tuple[int | None, float]] = {}
+        self.ended: dict[tuple[int, int], tuple[int | None, float]] = {}
+        self.arrivals: dict[int, SeqArrivals] = {}  # sender -> its contributions' arrival order (receive thread)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
 

@@ -260,7 +260,8 @@ class Sealer:
         """
         n = len(bodies)
         seq = self._reserve(n)
-        stride = HEADER_BYTES + max((len(b) for b in bodies), default=0) + TAG_BYTES
+        blens = list(map(len, bodies))
+        stride = HEADER_BYTES + max(blens, default=0) + TAG_BYTES
         out = np.empty((n, stride), np.uint8)
         if self._native is None:
             lens = np.empty(n, np.uint32)
@@ -272,7 +273,7 @@ class Sealer:
             return SealedBatch(out, lens)
         cols = np.array(fields, dtype=np.int64).reshape(n, 7)
         offsets = np.zeros(n + 1, np.uint64)
-        np.cumsum([len(b) for b in bodies], out=offsets[1:])
+        np.cumsum(blens, out=offsets[1:])
         try:
             lens = self._native.seal(
                 self._handle, cols, b"".join(bodies), offsets, out,

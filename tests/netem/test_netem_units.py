@@ -22,6 +22,9 @@ from netem.topology import TopologyConfig
         ({"rate_mbit": 0.0}, "rate_mbit"),
         ({"flap_period_s": 1.0, "flap_down_s": 1.0}, "flap_down_s"),
         ({"flap_down_s": 1.0}, "flap_down_s"),
+        ({"reorder_pct": 120.0, "reorder_gap_ms": 30.0}, "reorder_pct"),
+        ({"reorder_pct": 20.0}, "reorder_gap_ms"),
+        ({"reorder_gap_ms": 30.0}, "reorder_pct"),
     ],
 )
 def test_link_params_reject_bad_values_naming_the_field(kwargs, field):
@@ -33,6 +36,7 @@ def test_link_params_roundtrip_and_unknown_fields():
     p = LinkParams(delay_ms=40.0, jitter_ms=1.0, loss_pct=0.1, rate_mbit=200.0)
     assert LinkParams.from_dict(p.to_dict()) == p
     assert p.needs_delay and not LinkParams(loss_pct=5.0).needs_delay
+    assert LinkParams(reorder_pct=20.0, reorder_gap_ms=30.0).needs_delay  # held on the delayer's queue
     with pytest.raises(ValueError, match="unknown LinkParams fields"):
         LinkParams.from_dict({"delay": 1})
 
@@ -159,13 +163,14 @@ def test_backend_choice():
     assert choose_backends(_caps()) == {
         "delay": "nfqueue-userspace",
         "jitter": "nfqueue-userspace",
+        "reorder": "nfqueue-userspace",
         "loss": "nftables",
         "rate": "tbf",
         "partition": "nftables",
         "flap": "agent+nftables",
     }
     netem = choose_backends(_caps(kernel_netem=True))
-    assert netem["delay"] == "netem" and netem["loss"] == "netem"
+    assert netem["delay"] == "netem" and netem["loss"] == "netem" and netem["reorder"] is None
     assert choose_backends(_caps(kernel_netem=True), kernel_netem=False)["delay"] == ("nfqueue-userspace")
     fallback = choose_backends(_caps(nftables=False))
     assert fallback["loss"] == "iptables" and fallback["partition"] == "iptables"

@@ -37,11 +37,14 @@ OTHER = {
     "nack_idle_s": 0.1,
     "fallback_reserve_s": 2.0,
     "report_wait_s": 0.25,
+    "reorder_grace_s": 0.01,
+    "max_reorder_grace_s": 0.5,
     "max_round_buffer_bytes": 64 << 20,
     "max_pending_datagrams": 100,
     "test_drop": 0.1,
     "test_drop_seed": 3,
     "native": "off",
+    "gso": False,
     "switch_interval_s": None,
 }
 
@@ -61,18 +64,21 @@ BAD = {
     "nack_idle_s": (0.0, ["nack_idle_s", "> 0"]),
     "fallback_reserve_s": (-1.0, ["fallback_reserve_s", "> 0"]),
     "report_wait_s": (0.0, ["report_wait_s", "> 0"]),
+    "reorder_grace_s": (-0.1, ["reorder_grace_s", ">= 0"]),
+    "max_reorder_grace_s": (0.001, ["max_reorder_grace_s", ">= reorder_grace_s (0.005)"]),
     "max_round_buffer_bytes": (1000, ["max_round_buffer_bytes", ">= max_datagram_bytes"]),
     "max_pending_datagrams": (-1, ["max_pending_datagrams", ">= 0"]),
     "test_drop": (1.0, ["test_drop", "[0, 1)"]),
     "test_drop_seed": (-1, ["test_drop_seed", ">= 0"]),
     "native": ("maybe", ["native", "auto, on, off"]),
+    "gso": ("yes", ["gso", "a bool"]),
     "switch_interval_s": (0.0, ["switch_interval_s", "> 0"]),
 }
 
 
 def test_the_tables_cover_every_field() -> None:
     assert sorted(OTHER) == sorted(FIELDS) == sorted(BAD)
-    assert len(FIELDS) == 20
+    assert len(FIELDS) == 23
     assert all(OTHER[n] != getattr(DatagramTransportConfig(), n) for n in FIELDS)
     assert NATIVE_MODES == ("auto", "on", "off")
 
@@ -86,7 +92,10 @@ def test_every_field_is_a_worker_and_launch_flag_and_toml_key(tmp_path: Path) ->
     assert {n: getattr(cfg.net.datagram, n) for n in FIELDS} == OTHER
     # the same as TOML, [net.datagram]
     toml = tmp_path / "w.toml"
-    lines = ["[net.datagram]"] + [f"{n} = {v!r}" for n, v in OTHER.items() if v is not None]
+    toml_value = {True: "true", False: "false"}
+    lines = ["[net.datagram]"] + [
+        f"{n} = {toml_value[v] if isinstance(v, bool) else repr(v)}" for n, v in OTHER.items() if v is not None
+    ]
     toml.write_text("\n".join(lines).replace("'", '"') + "\n")
     from dtrain.options import load_toml
 

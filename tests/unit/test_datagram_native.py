@@ -195,6 +195,98 @@ def test_sendmmsg_and_recvmmsg_carry_a_batch_with_arrival_times() -> None:
         tx.close()
 
 
+def _batch_lens_for_gso() -> list[int]:
+    """Bodies whose sealed lengths make GSO runs of every kind: full runs past 64 segments and past
+    65,000 bytes, a shorter datagram closing a run, a longer one opening the next, runs of one."""
+    return [1332] * 70 + [500] + [1332] * 3 + [1332, 100, 1332] + [40] * 5 + [600] * 2
+
+
+def _received(rx: socket.socket, n: int) -> list[bytes]:
+    got, deadline = [], time.monotonic() + 5
+    rx.settimeout(1.0)
+    while len(got) < n and time.monotonic() < deadline:
+        got.append(rx.recv(2000))
+    return got
+
+
+@needs_lib
+@pytest.mark.parametrize("no_check", [False, True], ids=["gso", "kernel-refuses-gso"])
+def test_gso_sends_the_same_datagrams_as_sendmmsg_in_the_same_order(no_check: bool) -> None:
+    """One batch sealed once, sent with ``sendmmsg`` and with UDP_SEGMENT runs: the receiver reads
+    the same datagrams in the same order. With SO_NO_CHECK the kernel refuses UDP_SEGMENT (EINVAL):
+    the refusal is reported and the batch still leaves whole through ``sendmmsg``."""
+    import errno
+
+    bodies = [bytes([i % 251]) * n for i, n in enumerate(_batch_lens_for_gso())]
+    fields = [(1, c, 0, 1, codec_id("int8"), 0, 1) for c in range(len(bodies))]
+    sealed = Sealer(KEY, run=7, round=3, sender=1, native=LIB).seal_many(Kind.CONTRIB, fields, bodies)
+    n = len(bodies)
+    want = [sealed.datagram(i) for i in range(n)]
+    rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with rx, tx:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        rx.bind(("127.0.0.1", 0))
+        tx.connect(rx.getsockname())
+        if no_check:
+            tx.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK: UDP GSO needs checksums
+        assert LIB.send(tx.fileno(), sealed.buf, sealed.lens, n) == n
+        assert _received(rx, n) == want
+        r, refused = LIB.send_gso(tx.fileno(), sealed.buf, sealed.lens, n)
+        assert r == n and refused == (errno.EINVAL if no_check else 0)
+        assert _received(rx, n) == want
+
+
+@needs_lib
+def test_a_transport_whose_kernel_refuses_gso_says_so_once_and_sends_with_sendmmsg(caplog) -> None:
+    """The push of a transport whose UDP_SEGMENT writes are refused (here: SO_NO_CHECK on its send
+    socket) delivers every contribution, logs the refusal once and sends with ``sendmmsg`` after."""
+    import logging
+
+    from dtrain.protocol import Contribution, Member, RoundPlan
+    from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+    from dtrain.transports.grpc import GrpcTransportConfig
+
+    class Count:
+        def __init__(self) -> None:
+            self.got: list = []
+
+        def handle_contribution(self, c) -> None:
+            self.got.append(c.chunk)
+
+    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on")
+    a, b = DatagramTransport(cfg), DatagramTransport(cfg)
+    rec = Count()
+    addr_b, addr_a = b.start(rec), a.start(Count())
+    try:
+        assert a._gso and b._gso
+        plan = RoundPlan(
+            round=0,
+            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+            reduce_timeout_s=5,
+            broadcast_timeout_s=5,
+            datagram_key=os.urandom(32),
+        )
+        a.begin_round(plan, [], "site-a")
+        b.begin_round(plan, [], "site-b")
+        a._send_sock(addr_b).setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK
+        cs = [
+            Contribution(round=0, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"abcd")
+            for i in range(100)
+        ]
+        with caplog.at_level(logging.WARNING, logger="dtrain.transports.datagram"):
+            assert a.push(addr_b, cs, timeout_s=5) == 100
+            assert a.push(addr_b, cs, timeout_s=5) == 100  # again (identical): via sendmmsg
+        assert not a._gso
+        assert [r.getMessage() for r in caplog.records].count(
+            "UDP segmentation offload refused by the kernel (Invalid argument): sending datagrams with sendmmsg "
+            "from now on"
+        ) == 1
+        assert sorted(rec.got) == sorted(list(range(100)) * 2)
+    finally:
+        a.stop(0)
+        b.stop(0)
+
+
 def test_without_a_compiler_the_loop_is_unavailable_and_says_why(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DTRAIN_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
@@ -354,7 +446,7 @@ def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread
     try:
         t._enqueue([(Kind.NACK, rs, SimpleNamespace(bucket=0, sender=1, chunk=1), struct.pack("<1I", 2))])
         assert in_pacer.wait(10)  # the repair thread is sending the answer, and stays there
-        t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1), _SEND_END.pack(10, 12800, 0.5))])
+        t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1), _SEND_END.pack(10, 12800, 0.5, 0))])
         assert done.wait(10) and not release.is_set()  # handled while the answer is still stuck
         deadline = time.monotonic() + 10
         while not reports and time.monotonic() < deadline:

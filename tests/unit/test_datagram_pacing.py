@@ -255,7 +255,7 @@ def test_datagram_size_for_an_mtu_and_the_worker_passes_it_to_its_transport() ->
 def test_a_paced_send_stays_within_the_burst_whatever_the_datagram_size() -> None:
     from dtrain.transports.datagram import DatagramTransport
 
-    assert DatagramTransport(DatagramTransportConfig())._batch_datagrams == 32  # 32 x 1,400 B < 64 KiB
+    assert DatagramTransport(DatagramTransportConfig())._batch_datagrams == 46  # 46 x 1,400 B <= 64 KiB
     t = DatagramTransport(DatagramTransportConfig(max_datagram_bytes=8900))
     assert t._batch_datagrams == 7 and 7 * 8900 <= t.config.burst_bytes
     assert DatagramTransport(DatagramTransportConfig(max_datagram_bytes=65507))._batch_datagrams == 1

@@ -126,3 +126,13 @@ def test_received_contributions_and_mean_chunks_equal_their_dataclasses() -> Non
     assert m == MeanChunk(chunk=3, offset=3840, numel=1280, codec="int8", payload=b"mean", senders=("s0", "s2"))
     assert set(vars(m)) == {f.name for f in dataclasses.fields(MeanChunk)} and hash(m) == hash(dataclasses.replace(m))
     assert _mean_chunk(rs, h, b"x", bits).senders is m.senders  # decoded once per bitmap and round
+
+
+def test_after_the_final_meta_missing_chunks_wait_for_the_paths_reordering() -> None:
+    """On a path that reorders (the owner's observed reordering grace, here 60 ms), chunks the
+    final meta overtook are waited for that long before a NACK asks for them again."""
+    m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0, final_meta_seen=True)
+    step = mean_wait_decision(m, 20.01, **KW, reorder_s=0.06)
+    assert step.action == "wait" and step.wake_at == pytest.approx(20.06)
+    assert mean_wait_decision(m, 20.06, **KW, reorder_s=0.06).action == "nack"
+    assert mean_wait_decision(m, 20.01, **KW).action == "nack"  # in order: 5 ms
