@@ -515,6 +515,7 @@ class DiLoCo:
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
+        self.site.note_rounds_done(self.engine.state.rounds_applied)
         for cb in self.on_round:
             cb(outcome)
 

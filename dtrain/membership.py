@@ -108,6 +108,8 @@ class Group:
         engine.on_unreachable = self.report_unreachable
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
         self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
+        self._client_takes_rounds_done = "rounds_done" in inspect.signature(rendezvous.heartbeat).parameters
+        self.rounds_done = 0  # rounds this site finished (note_rounds_done), told with each heartbeat
         self.joined = False
         self.dead: frozenset[str] = frozenset()  # the sites the last heartbeat named dead or left
 
@@ -186,6 +188,14 @@ class Group:
         kw = {"rank_addresses": self.rank_addresses} if self.rank_addresses else {}
         return self.rendezvous.join(self.site_id, self.engine.address or "", **kw)
 
+    def note_rounds_done(self, n: int) -> None:
+        """This site finished ``n`` rounds (its θ has ``n`` rounds applied): the heartbeat
+        thread tells the rendezvous at once, which holds round r + 1 for a member still
+        finishing round r within its deadlines instead of cutting it as a straggler."""
+        if n > self.rounds_done:
+            self.rounds_done = n
+            self._hb_kick.set()
+
     def report_round(self, report: Mapping[str, Any]) -> None:
         """Queue one round's report for the rendezvous's status page
         (``dtrain.status.round_report``); the heartbeat thread sends it at once and
@@ -239,6 +249,8 @@ class Group:
         kw: dict = {"round_reports": [raw for _, raw in pending]} if pending else {}
         if unreachable and self._client_takes_unreachable:
             kw["unreachable"] = unreachable
+        if self.rounds_done and self._client_takes_rounds_done:
+            kw["rounds_done"] = self.rounds_done
         try:
             hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
         except RendezvousError as e:

@@ -283,6 +283,11 @@ class Site:
                 raise StateTransferError(f"{self.site_id}: slices could not be aligned: {errs[0]}")
         raise SiteGroupError(f"{self.site_id}: slices still at different rounds after {max_tries} pulls")
 
+    def note_rounds_done(self, n: int) -> None:
+        """(rank 0) This site finished ``n`` rounds: its heartbeats say so (no-op elsewhere)."""
+        if self.group is not None:
+            self.group.note_rounds_done(n)
+
     def note_progress(self, *, inner_step: int, last_loss: float | None = None) -> None:
         """What rank 0's heartbeats tell the rendezvous (no-op on ranks j > 0)."""
         if self.group is not None:

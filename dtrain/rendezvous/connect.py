@@ -67,9 +67,16 @@ class FailoverRendezvousClient:
         return self._call("join", lambda c: c.join(site_id, address, **kw))
 
     def heartbeat(
-        self, site_id: str, inner_step: int = 0, last_loss: float | None = None, round_reports: Sequence[str] = ()
+        self,
+        site_id: str,
+        inner_step: int = 0,
+        last_loss: float | None = None,
+        round_reports: Sequence[str] = (),
+        unreachable: Sequence[str] = (),
+        rounds_done: int = 0,
     ) -> HeartbeatInfo:
-        return self._call("heartbeat", lambda c: c.heartbeat(site_id, inner_step, last_loss, round_reports))
+        kw = dict(round_reports=round_reports, unreachable=unreachable, rounds_done=rounds_done)
+        return self._call("heartbeat", lambda c: c.heartbeat(site_id, inner_step, last_loss, **kw))
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:
         return self._call("ready", lambda c: c.ready(site_id, round, timeout_s))

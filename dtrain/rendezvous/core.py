@@ -202,7 +202,7 @@ def decide_quorum(
         quorum_timeout_s: the quorum wait for this round (the rendezvous's derived
             deadline, ``dtrain.rendezvous.deadlines``); None: ``config``'s, or its start bound.
         finishing, hold_until: live members of the previous round that are not ready and
-            have not reported it finished, and the time (``now``'s clock) that round may
+            whose heartbeats have not said they finished it (``rounds_done``), and the time (``now``'s clock) that round may
             still legitimately run to (its formation + broadcast deadline + stall budget: a
             member behind a slow link may still be repairing it). None of them is cut as a
             straggler before ``hold_until``: a site still in the previous round within its
@@ -338,10 +338,9 @@ class RendezvousCore:
         self._times: dict[int, RoundTimes] = {}
         self.deadlines: Deadlines = self.config.start_deadlines()
         # Per recent round: its members and when it may still run to (formation + broadcast
-        # deadline + stall budget), and who reported it finished (decide_quorum's hold)
+        # deadline + stall budget); per site, the rounds it finished (decide_quorum's hold)
         self._formed: dict[int, tuple[frozenset[str], float]] = {}
-        self._finished: dict[int, set[str]] = {}
-        self._reporters: set[str] = set()  # sites that report their rounds (dtrain launch's workers)
+        self._done: dict[str, int] = {}
 
     @property
     def next_round(self) -> int:
@@ -373,8 +372,13 @@ class RendezvousCore:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
+        rounds_done: int = 0,
     ) -> HeartbeatInfo:
         """Record liveness and progress of ``site_id``.
+
+        ``rounds_done``: how many rounds the site finished (its last finished round + 1):
+        a member of round r that has not finished it is not cut from round r + 1 before
+        r's deadlines passed (:func:`decide_quorum`'s hold).
 
         ``round_reports`` are the site's per-round JSON reports for the status
         page (``dtrain.status.parse_report``); bad ones are dropped and logged,
@@ -393,10 +397,14 @@ class RendezvousCore:
                 return HeartbeatInfo(
                     known=False, resync_required=False, next_round=nxt, reason="unknown site: join again"
                 )
+            if rounds_done > 0:
+                with self._lock:
+                    if site_id in self._done or len(self._done) < 1 << 16:  # ids from the wire: bounded
+                        self._done[site_id] = max(self._done.get(site_id, 0), rounds_done)
             if round_reports:
                 self.store.put_reports(site_id, round_reports, self.status_log)
                 for raw in round_reports:
-                    self._observe_report(site_id, raw)
+                    self._observe_report(raw)
             return HeartbeatInfo(
                 known=True,
                 resync_required=got.resync_reason is not None,
@@ -534,20 +542,17 @@ class RendezvousCore:
             self._formed[plan.round] = (frozenset(plan.site_ids), end)
             for r in [r for r in self._formed if r < plan.round - 2]:
                 del self._formed[r]
-                self._finished.pop(r, None)
 
     def _still_finishing(self, round: int) -> tuple[list[str], float | None]:
-        """The members of ``round`` (formed here) that report their rounds and have not
-        reported this one finished, and the time it may still run to; ``([], None)`` when this
-        process did not form it. A site that reports no rounds (the library used without
-        ``dtrain launch``'s worker, which sends them) is never held: it is cut at the quorum
-        timeout, as before this rule."""
+        """The members of ``round`` (formed here) whose heartbeats have not said they finished
+        it (``rounds_done`` <= ``round``), and the time it may still run to; ``([], None)`` when
+        this process did not form it (another front-end did, or before a restart)."""
         with self._lock:
             got = self._formed.get(round)
             if got is None:
                 return [], None
             members, end = got
-            return sorted((members & self._reporters) - self._finished.get(round, set())), end
+            return sorted(s for s in members if self._done.get(s, 0) <= round), end
 
     # ------------------------------------------------------------------ deadlines
     def _observe(self, round: int, **figures: float | bool | None) -> None:
@@ -570,20 +575,14 @@ class RendezvousCore:
             log.debug("rendezvous: deadlines %s", d.reason)
         self.deadlines = d
 
-    def _observe_report(self, site_id: str, raw: str) -> None:
-        """A site's round report (``dtrain.status.round_report`` JSON): it finished that round
-        (whatever its status), its phase times and whether everything arrived. Malformed ones
-        are ignored here (the status log says why)."""
+    def _observe_report(self, raw: str) -> None:
+        """A site's round report (``dtrain.status.round_report`` JSON): its phase times and
+        whether everything arrived. Malformed ones are ignored here (the status log says why)."""
         try:
             rep = json.loads(raw)
             rnd = int(rep["round"])
         except (ValueError, TypeError, KeyError):
             return
-        with self._lock:
-            if len(self._reporters) < 1 << 16:  # site ids come from the wire: bounded
-                self._reporters.add(site_id)
-            if rnd in self._formed:
-                self._finished.setdefault(rnd, set()).add(site_id)
         if rep.get("status") != "applied" or rnd < 0:
             return
         times = {k: rep.get(k) for k in ("reduce_s", "means_s")}
@@ -689,6 +688,7 @@ class InprocRendezvousClient:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
+        rounds_done: int = 0,
     ) -> HeartbeatInfo:
         self._check()
         return self.core.heartbeat(
@@ -698,6 +698,7 @@ class InprocRendezvousClient:
             last_loss=last_loss,
             round_reports=round_reports,
             unreachable=unreachable,
+            rounds_done=rounds_done,
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

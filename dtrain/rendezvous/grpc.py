@@ -82,6 +82,7 @@ class RendezvousCoreLike(Protocol):
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
+        rounds_done: int = 0,
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -183,6 +184,7 @@ class _RendezvousServicer:
         # A core (or store) whose heartbeat takes no ``unreachable`` reports (an older one)
         # still gets every heartbeat: the reports are left out for it.
         self._takes_unreachable = "unreachable" in inspect.signature(core.heartbeat).parameters
+        self._takes_rounds_done = "rounds_done" in inspect.signature(core.heartbeat).parameters
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
         # A core whose calls wait on the network (``blocking = True``: the etcd store) runs them
         # on threads; the in-memory core's calls are short and run on the loop.
@@ -299,6 +301,7 @@ class _RendezvousServicer:
                     if request.unreachable and self._takes_unreachable
                     else {}
                 ),
+                **({"rounds_done": request.rounds_done} if request.rounds_done and self._takes_rounds_done else {}),
             ),
         )
         # A heartbeat never makes a site live (a late one marks it for resync), so it
@@ -662,12 +665,18 @@ class GrpcRendezvousClient:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
+        rounds_done: int = 0,
     ) -> HeartbeatInfo:
         """Report liveness (and progress, per-round JSON reports for the status
-        page: ``dtrain.status``, and the sites this site's data path found
-        unreachable); the answer says whether to resync or re-join."""
+        page: ``dtrain.status``, the sites this site's data path found
+        unreachable, and how many rounds it finished); the answer says whether to
+        resync or re-join."""
         request = pb.HeartbeatRequest(
-            site_id=site_id, inner_step=inner_step, round_reports=list(round_reports), unreachable=list(unreachable)
+            site_id=site_id,
+            inner_step=inner_step,
+            round_reports=list(round_reports),
+            unreachable=list(unreachable),
+            rounds_done=max(0, int(rounds_done)),
         )
         if last_loss is not None:
             request.last_loss = last_loss
