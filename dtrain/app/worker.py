@@ -82,7 +82,8 @@ def fault_hook_from_env(site_id: str):
     ``site-2:mid_push:2:kill``. PHASE is ``before_push``, ``mid_push`` or
     ``before_pull`` (ROUND is the round), or ``serve_state`` (ROUND is the bucket
     index whose state a peer pulls from this site, e.g. a joining site); ACTION
-    is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself) or ``sleep=SECONDS``.
+    is ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``raise`` (a RuntimeError in the
+    round, as a bug would) or ``sleep=SECONDS``.
     Each rule fires once. Returns None when unset. Bad specs raise ValueError.
     """
     spec = os.environ.get("DTRAIN_TEST_FAULT", "").strip()
@@ -112,6 +113,8 @@ def fault_hook_from_env(site_id: str):
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif action == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif action == "raise":
+                    raise RuntimeError(f"test fault injection: raise at {phase} of round {rnd}")
                 elif action.startswith("sleep="):
                     time.sleep(float(action.split("=", 1)[1]))
 
@@ -209,7 +212,7 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
     name = cfg.site_id if k == 1 else f"{cfg.site_id}/{rank}"
     collector = RoundCollector(cfg.gc_every_rounds, site=name)
     t_start = time.monotonic()
-    diloco = None
+    diloco, trained = None, False
     try:
         diloco = DiLoCo(
             module,
@@ -234,10 +237,14 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
 
             run.tb = TensorBoardSink(cfg.tensorboard, cfg.site_id)
         summary = _train(run, shards_state=shards)
+        trained = True
     finally:
         collector.close()
         if diloco is not None:
-            diloco.close(wait=not stop.is_set())  # first, the peers pull our last means (bounded)
+            # first, the peers pull our last means (bounded); after an error at once: closing
+            # waits in collectives, which the site group's other ranks (still in the round's
+            # own) would never join, so they hung until gloo's 300 s timeout
+            diloco.close(wait=trained and not stop.is_set())
         else:
             transport.stop(0.1)
     return _finish(run, summary)

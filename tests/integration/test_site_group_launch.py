@@ -155,6 +155,20 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
         assert d["slice_checksums"] == by_round[d["round"]]["slice_checksums"]
 
 
+@pytest.mark.timeout(120)
+def test_an_error_in_one_rank_ends_its_site_group_at_once_not_at_the_gloo_timeout(tmp_path: Path) -> None:
+    """Rank 1 of site-1 raises in round 1 (a bug, not a kill): it closes at once instead of
+    waiting in close's collectives, which its rank 0 (in the round's own) never joins, so
+    torchrun sees the failure and stops the group; before, the group hung until gloo's 300 s."""
+    args = [*BASE, "--parallel", "ddp", "--rounds", "2"]
+    t0 = time.monotonic()
+    rc, out, err = _launch(args, tmp_path, 100, DTRAIN_TEST_FAULT="site-1/1:before_push:1:raise")
+    took = time.monotonic() - t0
+    assert rc != 0, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
+    assert took < 90, took
+    assert "test fault injection: raise at before_push of round 1" in (tmp_path / "site-1" / "worker.log").read_text()
+
+
 @pytest.mark.timeout(150)
 def test_launch_two_sites_of_two_ranks_with_two_fragments_alternates_them_and_agrees(tmp_path: Path) -> None:
     # per-rank fragment rounds (Streaming DiLoCo's F, arXiv 2501.18512 §2.2) through `dtrain launch`:
