@@ -199,6 +199,7 @@ class DiLoCo:
         self.inner_scheduler = inner_scheduler
         self.outer_schedulers = [outer_scheduler(o) for o in self.state.optimizers] if outer_scheduler else []
         self.inner_steps = 0
+        self.round_steps = 0  # inner steps since the last blocking round reset the model (its claim)
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self.healed_from: str | None = None  # the donor of the last position heal
@@ -252,6 +253,7 @@ class DiLoCo:
             pace_fraction=c.pace_fraction,
             delayed_update=c.delayed_update,
             on_merge=self._sync_replicas,
+            tokens_per_step=c.tokens_per_step,
         )
 
     def join(self) -> None:
@@ -430,6 +432,7 @@ class DiLoCo:
         that of the round merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
+        self.round_steps += 1
         self.note_progress()
         if self.streaming is not None:
             outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Site.sync)
@@ -462,9 +465,10 @@ class DiLoCo:
         """
         self.flush()
         tensors = self.local_tensors()
-        outcome = self.site.sync(tensors)
+        outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * self.round_steps)
         cpu = dict(self.site.last_cpu_s)
         if outcome.status.resets_model:
+            self.round_steps = 0
             t0 = time.process_time()
             self.state.copy_to(tensors)
             t1 = time.process_time()

@@ -172,6 +172,9 @@ class RoundLine(_Record):
     bucket_outcomes: dict[str, int] | None = None
     rejected_senders: list[dict] | None = None
     mean_senders: dict[str, Any] | None = None
+    tokens: int | None = None
+    claims: dict[str, int] | None = None
+    weight_refused: dict[str, str] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).

@@ -200,8 +200,11 @@ class StreamingSync:
         pace_fraction: float = 0.0,
         delayed_update: str = "stale",
         on_merge: Callable[[], None] | None = None,
+        tokens_per_step: int = 1,
     ) -> None:
         self._sync, self.site_id = sync, site_id
+        self.tokens_per_step = tokens_per_step
+        self._last_start: dict[int, int] = {}  # fragment -> the inner step its last round started at
         self._on_merge = on_merge
         self.layout, self.state, self._tensors = layout, state, tensors
         self.fragments = fragment_buckets(len(layout), num_fragments)
@@ -295,13 +298,16 @@ class StreamingSync:
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
         window = pace_window_s(overlap_steps=self.overlap_steps, step_s=self.step_s, pace_fraction=self.pace_fraction)
         self.num_paced_rounds += window is not None
+        # the fragment's claim: the tokens of the inner steps since its last round started
+        tokens = self.tokens_per_step * (step - self._last_start.get(m.fragment, 0))
+        self._last_start[m.fragment] = step
         self._pending = _InFlight(
             fragment=m.fragment,
             buckets=m.buckets,
             started_at=step,
             apply_at=step + self.overlap_steps,
             future=self._executor.submit(
-                self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment, pace_window_s=window
+                self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment, pace_window_s=window, tokens=tokens
             ),
             checksums=checksums,
             residuals=residuals,

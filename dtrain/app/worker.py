@@ -502,6 +502,7 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
             merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
         else:
             diloco.inner_steps += 1
+            diloco.round_steps += 1  # the round's token claim (DiLoCo.sync)
             diloco.note_progress()
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
