@@ -383,6 +383,13 @@ class DiLoCoConfig:
             times the inner steps since the site's last round of those buckets
             (``Contribution.tokens``, the weight of a token-weighted mean,
             ``rounds.aggregation.token_weighted``). 1 (default): the claim counts steps.
+        round_window_s: time-based rounds: instead of H inner steps, each site trains as many
+            as fit in this many seconds from its measured inner-step time, at least 1 and at
+            most ``sync_every`` (which becomes the bound), so sites of different speed reach
+            the exchange together (``dtrain.streaming.window_steps``; the ranks of a site
+            group take rank 0's count). Pair with ``rounds.aggregation.token_weighted``, so
+            a site's contribution weighs what it trained. None (default): ``sync_every``
+            steps a round. Not with streaming rounds (fragments, overlap, merge) yet.
     """
 
     site_id: str = "site-0"
@@ -400,6 +407,7 @@ class DiLoCoConfig:
     pace_fraction: float = 0.5
     delayed_update: DelayedUpdate = "eager"
     tokens_per_step: int = 1
+    round_window_s: float | None = None
 
     @property
     def one_step_delayed(self) -> bool:
@@ -419,6 +427,15 @@ class DiLoCoConfig:
             raise ValueError(f"buffers must be one of {get_args(BufferMode)}, got {self.buffers!r}")
         if self.theta_device not in get_args(ThetaDevice):
             raise ValueError(f"theta_device must be one of {get_args(ThetaDevice)}, got {self.theta_device!r}")
+        w = self.round_window_s
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf")):
+            raise ValueError(f"round_window_s must be None (rounds of sync_every steps) or seconds > 0, got {w!r}")
+        if w is not None and self.streaming:
+            raise ValueError(
+                "round_window_s (time-based rounds) cannot be combined with streaming rounds (num_fragments > 1, "
+                "overlap_steps > 0 or merge_alpha > 0) yet: a fragment's start step comes from the step count "
+                "(dtrain.streaming.step_actions), which a time window would make differ between sites"
+            )
         n = self.tokens_per_step
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tokens_per_step must be an int >= 1, got {n!r}")

@@ -127,6 +127,8 @@ class RoundLine(_Record):
     val_loss: float | None = None
     train_loss: float | None = None
     inner_steps: int | None = None
+    round_steps: int | None = None  # inner steps this site trained in this round's inner phase
+    tokens_per_s: float | None = None  # tokens_per_step x round_steps / inner_s: this site's speed
     inner_s: float | None = None
     sync_s: float | None = None
     quorum_s: float | None = None

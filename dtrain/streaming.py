@@ -55,7 +55,7 @@ from dtrain.buckets import BucketLayout
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.state import GlobalState
 
-__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "StreamingSync"]
+__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "window_steps", "StreamingSync"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,27 @@ def step_actions(
     if not due:
         return (START, APPLY) if overlap_steps == 0 else (START,)
     return (APPLY, START)
+
+
+def window_steps(*, window_s: float, step_s: float, done: int, max_steps: int) -> tuple[int, str]:
+    """Time-based rounds (``DiLoCoConfig.round_window_s``): how many inner steps this site's
+    round trains (a pure decision).
+
+    Args:
+        window_s: the round's compute window, seconds.
+        step_s: the expected inner-step time, seconds (> 0; measured).
+        done: steps already taken in this round's inner phase (the decision is made after
+            the first); the answer is never below it.
+        max_steps: the bound (``sync_every``).
+    Returns:
+        ``(steps, reason)``: ``floor(window_s / step_s)`` clamped to ``[max(1, done), max_steps]``.
+    """
+    fit = int(window_s / step_s) if step_s > 0 else max_steps
+    n = min(max_steps, max(1, done, fit))
+    why = f"{fit} steps of {step_s * 1e3:.1f} ms fit in {window_s:g} s"
+    if n != fit:
+        why += f", clamped to [{max(1, done)}, {max_steps}]"
+    return n, why
 
 
 def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: float) -> float | None:

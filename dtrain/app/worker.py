@@ -370,7 +370,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         ledger = _round_ledger(run.task, run.mix, first_step, inner_last)
         now_cpu = _process_cpu_s()
         cpu_s, cpu_mark = now_cpu - cpu_mark, now_cpu
-        times = {"inner_s": inner_s, "sync_s": sync_s, "cpu_s": cpu_s}
+        times = {"inner_s": inner_s, "sync_s": sync_s, "cpu_s": cpu_s, "round_steps": inner_last - first_step + 1}
         line, extra = _round_line(
             run, outcome, val=val, train_loss=train_loss, times=times, sync_cpu=sync_cpu, data=ledger
         )
@@ -486,8 +486,12 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
     alone = diloco.num_ranks == 1
     losses = []
     merged: SyncOutcome | None = None
-    for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
+    t0 = time.monotonic()
+    for n in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
         if until_step is not None and diloco.inner_steps >= until_step:
+            break
+        # blocking rounds: sync_every steps, or with round_window_s those that fit (decided after the first)
+        if n and not diloco.streaming and n >= diloco.phase_target(n, time.monotonic() - t0):
             break
         batch = next(batches)
         loss = run.task.loss(run.module, batch)
@@ -582,6 +586,10 @@ def _round_line(
         val_loss=val,
         train_loss=train_loss,
         inner_steps=diloco.inner_steps,
+        round_steps=times["round_steps"],
+        tokens_per_s=diloco.config.tokens_per_step * times["round_steps"] / times["inner_s"]
+        if times["inner_s"] > 0
+        else None,
         inner_s=times["inner_s"],
         sync_s=times["sync_s"],
         quorum_s=outcome.quorum_s,

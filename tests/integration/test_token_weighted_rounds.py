@@ -5,6 +5,7 @@ mapping's in-process twin; the owners report the claims they accepted."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -47,3 +48,33 @@ def test_two_sites_weighted_three_to_one() -> None:
     assert [r.tokens for r in results] == [1, 3]
     owner = next(r for r in results if r.owned_buckets)
     assert owner.claims == {"site-0": 1, "site-1": 3} and owner.weight_refused == {}
+
+
+@pytest.mark.timeout(60)
+def test_time_based_rounds_slow_site_trains_fewer_steps_and_all_agree() -> None:
+    """round_window_s: a site 4x slower trains about a quarter of the inner steps in each
+    round's window, both reach every round (no straggler), their claims say so, and θ is
+    bit-identical on both."""
+    rounds = RoundConfig(aggregation=AggregationConfig(token_weighted=True))
+    diloco = fast_diloco_config(sync_every=50, round_window_s=0.12, rounds=rounds)
+    cfg = ClusterConfig(num_sites=2, diloco=diloco)
+    step_sleep_s = {0: 0.004, 1: 0.016}
+    num_rounds = 4
+
+    def train(site: Site) -> None:
+        while site.diloco.round < num_rounds and not site.killed.is_set():
+            time.sleep(step_sleep_s[site.index])
+            site.model.w.grad = torch.tensor(GRADS[site.index])
+            site.optimizer.step()
+
+    with InprocCluster(Vec, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), cfg) as c:
+        c.run(train, timeout_s=40)
+        assert len(set(c.checksums())) == 1
+        results = [s.results for s in c.sites]
+        statuses = [[o.status.value for o in s.outcomes] for s in c.sites]
+    assert statuses == [["applied"] * num_rounds] * 2
+    for r in range(1, num_rounds):  # round 0's step time is a first guess
+        fast, slow = results[0][r].tokens, results[1][r].tokens
+        assert 1 <= slow <= 50 and slow * 2 <= fast <= 50, (r, fast, slow)
+    owner_claims = [res.claims for rs in results for res in rs[1:] if res.owned_buckets]
+    assert owner_claims and all(set(cl) == {"site-0", "site-1"} for cl in owner_claims)

@@ -197,3 +197,26 @@ def test_grpc_wire_carries_the_claim() -> None:
 
     c = dataclasses.replace(_contribution("b", 1, 4096), payload=b"\x01\x02\x03")
     assert decode_contribution(encode_contribution(c)) == c
+
+
+def test_window_steps_rule() -> None:
+    from dtrain.streaming import window_steps
+
+    assert window_steps(window_s=10.0, step_s=0.1, done=1, max_steps=500)[0] == 100
+    assert window_steps(window_s=10.0, step_s=0.2, done=1, max_steps=500)[0] == 50  # half speed: half the steps
+    n, why = window_steps(window_s=10.0, step_s=0.01, done=1, max_steps=500)
+    assert n == 500 and "1000 steps of 10.0 ms fit in 10 s, clamped to [1, 500]" == why
+    assert window_steps(window_s=1.0, step_s=5.0, done=1, max_steps=500)[0] == 1  # at least one step
+    assert window_steps(window_s=1.0, step_s=0.1, done=20, max_steps=500)[0] == 20  # never below what is done
+
+
+def test_time_based_rounds_config() -> None:
+    from dtrain.configs import DiLoCoConfig
+
+    assert DiLoCoConfig(round_window_s=30.0).round_window_s == 30.0
+    with pytest.raises(ValueError, match="round_window_s must be None"):
+        DiLoCoConfig(round_window_s=0.0)
+    with pytest.raises(ValueError, match="cannot be combined with streaming rounds"):
+        DiLoCoConfig(round_window_s=30.0, sync_every=8, num_fragments=2)
+    with pytest.raises(ValueError, match="tokens_per_step must be an int >= 1"):
+        DiLoCoConfig(tokens_per_step=0)
