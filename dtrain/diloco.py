@@ -456,10 +456,11 @@ class DiLoCo:
         rounds (``round_window_s``) as many as fit in the window at the measured step time
         (:func:`~dtrain.streaming.window_steps`), decided once per phase, after its first step,
         on rank 0 and broadcast over the site group (every rank must call it at the same step).
+        The step time is that of the earlier phases (:meth:`note_phase`), at first these steps'.
 
         Args:
             done: steps taken in this phase so far (>= 1 for a time-based decision).
-            elapsed_s: the seconds they took (the first measurement of the step time).
+            elapsed_s: the seconds they took.
         """
         window = self.config.round_window_s
         if window is None:
@@ -467,12 +468,19 @@ class DiLoCo:
         if self._phase_target is None:
             decided = None
             if self.rank == 0:
-                measured = elapsed_s / max(1, done)
-                self.step_s = measured if self.step_s is None else 0.7 * self.step_s + 0.3 * measured
+                if self.step_s is None:
+                    self.step_s = elapsed_s / max(1, done)
                 decided = window_steps(window_s=window, step_s=self.step_s, done=done, max_steps=self.config.sync_every)
             self._phase_target, self.phase_reason = self.comm.broadcast(decided, round=True)
             log.info("%s: this round trains %d inner steps (%s)", self.config.site_id, *self.decided_phase)
         return self._phase_target
+
+    def note_phase(self, steps: int, seconds: float) -> None:
+        """An inner phase of ``steps`` steps took ``seconds``: the step time time-based rounds
+        plan with (a running mean over phases, 0.7 weight on the newest)."""
+        if steps > 0 and seconds > 0:
+            measured = seconds / steps
+            self.step_s = measured if self.step_s is None else 0.3 * self.step_s + 0.7 * measured
 
     @property
     def decided_phase(self) -> tuple[int, str]:
@@ -501,6 +509,8 @@ class DiLoCo:
         """
         self.flush()
         tensors = self.local_tensors()
+        if self._phase_steps:  # the hooked path's phase (the worker notes its own)
+            self.note_phase(self._phase_steps, time.monotonic() - self._phase_t0)
         outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * self.round_steps)
         self._phase_target, self._phase_steps = None, 0  # the next inner phase decides anew
         cpu = dict(self.site.last_cpu_s)

@@ -493,6 +493,7 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
         # blocking rounds: sync_every steps, or with round_window_s those that fit (decided after the first)
         if n and not diloco.streaming and n >= diloco.phase_target(n, time.monotonic() - t0):
             break
+        t_step = time.monotonic()
         batch = next(batches)
         loss = run.task.loss(run.module, batch)
         loss.backward()
@@ -501,6 +502,7 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
         if run.scheduler is not None:
             run.scheduler.step()
         losses.append(float(loss.detach()))
+        step_s = time.monotonic() - t_step
         if diloco.streaming:
             diloco.note_progress(last_loss=losses[-1])
             merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
@@ -508,10 +510,14 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
             diloco.inner_steps += 1
             diloco.round_steps += 1  # the round's token claim (DiLoCo.sync)
             diloco.note_progress()
+        if cfg.slowdown < 1:  # emulated slow hardware: this step stretched to 1/slowdown of its time
+            stop.wait((1 / cfg.slowdown - 1) * step_s)
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
         if merged is not None or (alone and stop.is_set()):
             break
+    if not diloco.streaming:  # the step time time-based rounds plan the next phase with
+        diloco.note_phase(len(losses), time.monotonic() - t0)
     mine = (sum(losses) / len(losses)) if losses else math.nan
     ranks = diloco.comm.all_gather((mine, stop.is_set()))
     if any(s for _, s in ranks):
