@@ -69,15 +69,20 @@ def mean_factor(weights: Mapping[str, float] | None) -> float:
     return math.fsum(factors) / len(factors)
 
 
+#: Claims an owner must have accepted in a round before it bounds the next one by their median.
+MIN_CLAIMS_COMPARED = 2
+
+
 def claim_decision(claim: int, accepted: Sequence[int], max_weight_ratio: float) -> tuple[bool, str]:
     """Whether an owner accepts a sender's token claim (a pure decision).
 
     The rule: a claim must be a positive integer, and not above ``max_weight_ratio`` x the
     median of the claims the owner accepted this round before it (its own first, when it
-    contributes). With nothing accepted yet, any positive claim is accepted. So no sender
+    contributes), once there are at least :data:`MIN_CLAIMS_COMPARED` of them (before that a
+    median is one site's word: a slow owner would refuse every faster site). So no sender
     weighs more than ``max_weight_ratio`` x a typical one in a mean; a site that really
     trains that much faster than the median is refused and its contribution stays in its
-    residual (raise the ratio for such a mix).
+    residual (raise the ratio for such a mix). Two-site runs are not bounded.
 
     Args:
         claim: the tokens claimed.
@@ -88,8 +93,8 @@ def claim_decision(claim: int, accepted: Sequence[int], max_weight_ratio: float)
     """
     if isinstance(claim, bool) or not isinstance(claim, int) or claim <= 0:
         return False, f"claims {claim!r} tokens: a token-weighted round needs a claim > 0"
-    if not accepted:
-        return True, f"claims {claim} tokens, the first claim of the round"
+    if len(accepted) < MIN_CLAIMS_COMPARED:
+        return True, f"claims {claim} tokens, with {len(accepted)} claim(s) of the round to compare with"
     med = statistics.median(accepted)
     bound = max_weight_ratio * med
     if claim > bound:

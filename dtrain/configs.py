@@ -67,8 +67,8 @@ class AggregationConfig:
             ``sparse_mean`` (its per-element divisor counts contributions).
         max_weight_ratio: with ``token_weighted``, an owner refuses (INVALID_ARGUMENT, logged
             and counted) every chunk of a sender whose claim is above ``max_weight_ratio`` x
-            the median of the claims it accepted this round so far (its own claim first), so
-            one site cannot dominate a mean; a number >= 1.
+            the median of the claims it accepted this round so far (its own claim first; once
+            it holds two), so one site cannot dominate a mean; a number >= 1.
     """
 
     max_norm: float | None = None

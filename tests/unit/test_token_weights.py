@@ -156,8 +156,9 @@ def test_oversized_claim_is_refused_on_every_chunk_and_counted() -> None:
 
 def test_claim_decision_rule() -> None:
     assert claim_decision(10**9, [], 4.0)[0]  # nothing to compare with: accepted
-    assert claim_decision(400, [100], 4.0)[0]
-    ok, why = claim_decision(401, [100], 4.0)
+    assert claim_decision(10**9, [5], 4.0)[0]  # one claim is one site's word (a slow owner's own)
+    assert claim_decision(400, [100, 100], 4.0)[0]
+    ok, why = claim_decision(401, [100, 100], 4.0)
     assert not ok and "401 tokens, above max_weight_ratio 4 x the median claim 100 of the round (400)" in why
     assert claim_decision(250, [50, 60, 1000], 4.0)[0] is False  # median 60, not the mean
     assert claim_decision(0, [100], 4.0)[0] is False and claim_decision(True, [], 4.0)[0] is False
