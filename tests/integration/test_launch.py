@@ -363,7 +363,7 @@ def test_launch_with_one_site_slowed_time_based_and_token_weighted(run_dir: Path
     assert "θ checksums agree across sites" in out
     rounds = {s: [d for d in _lines(run_dir, s) if d["event"] == "round"] for s in SITES}
     claims: dict[int, dict[str, int]] = {}
-    for s, lines in rounds.items():
+    for lines in rounds.values():
         assert [d["round"] for d in lines] == [0, 1, 2, 3]
         assert all(d["status"] == "applied" and d["members"] == SITES for d in lines)
         for d in lines:
