@@ -510,10 +510,10 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
             diloco.inner_steps += 1
             diloco.round_steps += 1  # the round's token claim (DiLoCo.sync)
             diloco.note_progress()
-        if cfg.slowdown < 1:  # emulated slow hardware: this step stretched to 1/slowdown of its time
-            stop.wait((1 / cfg.slowdown - 1) * step_s)
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
+        if cfg.slowdown < 1:  # emulated slow hardware: the step (its emulated compute too) to 1/slowdown
+            stop.wait((1 / cfg.slowdown - 1) * (step_s + cfg.inner_step_sleep_s))
         if merged is not None or (alone and stop.is_set()):
             break
     if not diloco.streaming:  # the step time time-based rounds plan the next phase with
