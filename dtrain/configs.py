@@ -382,7 +382,8 @@ class DiLoCoConfig:
             ranks (batch x sequence length x ranks), an int >= 1: a round's claim is this
             times the inner steps since the site's last round of those buckets
             (``Contribution.tokens``, the weight of a token-weighted mean,
-            ``rounds.aggregation.token_weighted``). 1 (default): the claim counts steps.
+            ``rounds.aggregation.token_weighted``). 1 (default): the claim counts steps;
+            ``dtrain worker`` then uses the task's tokens per batch x the site's ranks.
         round_window_s: time-based rounds: instead of H inner steps, each site trains as many
             as fit in this many seconds from its measured inner-step time, at least 1 and at
             most ``sync_every`` (which becomes the bound), so sites of different speed reach

@@ -215,7 +215,7 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
             module,
             optimizer,
             inner_scheduler=scheduler,
-            config=_restarted(cfg.diloco_config()),
+            config=_restarted(_with_tokens(cfg.diloco_config(), task.tokens_per_batch * k)),
             outer_optimizer=outer_factory(cfg),
             transport=transport,
             rendezvous=rendezvous if rank == 0 else None,
@@ -241,6 +241,12 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
         else:
             transport.stop(0.1)
     return _finish(run, summary)
+
+
+def _with_tokens(c, tokens_per_step: int):
+    """The site's tokens per inner step (the task's tokens per batch x its ranks: the unit of a
+    round's claim) unless ``diloco.tokens_per_step`` was given."""
+    return c if c.tokens_per_step != 1 else dataclasses.replace(c, tokens_per_step=max(1, int(tokens_per_step)))
 
 
 def align_data_position(batches, inner_steps: int, *, site: str) -> int:
