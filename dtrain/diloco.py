@@ -511,7 +511,9 @@ class DiLoCo:
         tensors = self.local_tensors()
         if self._phase_steps:  # the hooked path's phase (the worker notes its own)
             self.note_phase(self._phase_steps, time.monotonic() - self._phase_t0)
-        outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * self.round_steps)
+        # at least one step's claim: a round right after another (a hand-called sync) still sends its
+        # residuals, and an owner refuses a token-weighted contribution that claims nothing
+        outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * max(1, self.round_steps))
         self._phase_target, self._phase_steps = None, 0  # the next inner phase decides anew
         cpu = dict(self.site.last_cpu_s)
         if outcome.status.resets_model:

@@ -165,12 +165,14 @@ def _measure(point: Point, per_site: dict[int, list[dict[str, Any]]], wall: floa
 
 
 def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
-    """θ's checksum is the same at every site after every round all of them applied (a run is
-    stopped at the target, so the sites' last lines may be of different rounds)."""
+    """θ's checksum is the same at every site that applied a round, for every round (a run is
+    stopped at the target, so the sites' last lines may be of different rounds; a site cut as a
+    straggler applies none)."""
     by_round: dict[int, set[str]] = {}
-    applied = [{x["round"]: x["checksum"] for x in xs if x["status"] == "applied"} for xs in per_site.values()]
-    for r in set.intersection(*(set(a) for a in applied)) if applied else ():
-        by_round[r] = {a[r] for a in applied}
+    for xs in per_site.values():
+        for x in xs:
+            if x["status"] == "applied":
+                by_round.setdefault(x["round"], set()).add(x["checksum"])
     return bool(by_round) and all(len(cs) == 1 for cs in by_round.values())
 
 
