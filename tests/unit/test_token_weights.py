@@ -221,3 +221,34 @@ def test_time_based_rounds_config() -> None:
         DiLoCoConfig(round_window_s=30.0, sync_every=8, num_fragments=2)
     with pytest.raises(ValueError, match="tokens_per_step must be an int >= 1"):
         DiLoCoConfig(tokens_per_step=0)
+
+
+def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
+    """Time-based rounds in a site group: rank 0 decides the phase's step count from its own
+    step time and broadcasts it; rank j > 0 takes it whatever its own clock says, once a phase."""
+    from dtrain.configs import DiLoCoConfig
+    from dtrain.diloco import DiLoCo
+
+    class Comm:  # rank 1 of 2: a broadcast answers rank 0's value
+        def __init__(self, rank: int, rank0_value=None) -> None:
+            self.rank, self.sent, self.rank0_value = rank, [], rank0_value
+
+        def broadcast(self, obj, *, round: bool = False):
+            self.sent.append(obj)
+            return obj if self.rank == 0 else self.rank0_value
+
+    def rank(r: int, comm: Comm) -> DiLoCo:
+        d = DiLoCo.__new__(DiLoCo)  # only the phase decision's state: no model, no rendezvous
+        d.config, d.rank, d.comm = DiLoCoConfig(sync_every=100, round_window_s=1.0), r, comm
+        d.step_s, d.phase_reason, d._phase_target = None, "", None
+        return d
+
+    r0 = rank(0, Comm(0))
+    assert r0.phase_target(1, 0.02) == 50  # 1 s / 20 ms
+    decided = r0.comm.sent[0]
+    r1 = rank(1, Comm(1, rank0_value=decided))
+    assert r1.phase_target(1, 0.5) == 50 and r1.comm.sent == [None]  # rank 1's own 0.5 s step is not used
+    assert r1.phase_target(7, 9.0) == 50 and len(r1.comm.sent) == 1  # once per phase
+    r0.note_phase(50, 2.0)  # the phase took 40 ms a step: the next phase plans with it
+    r0._phase_target = None
+    assert r0.phase_target(1, 0.02) == int(1.0 / (0.3 * 0.02 + 0.7 * 0.04))
