@@ -18,6 +18,20 @@ Robust options (off by default):
 of a bucket and takes a run of neighbouring chunks from one sender at once (the datagram
 path's ~1,300-element chunks), with the same checks, refusals and bit for bit the same
 means: the owner's books (dtrain/rounds/owner.py) use it for one chunk and for runs.
+
+Token-weighted means (``AggregationConfig.token_weighted``; Decoupled DiLoCo, arXiv
+2604.21428, merges by tokens): each sender's contribution counts with its weight, passed
+as a factor fᵢ = wᵢ / w_ref (a float32 number; w_ref is one claim of the round, so equal
+claims give fᵢ = 1.0 exactly and every operation is the unweighted one, bit for bit). The
+mean of a chunk that k of the senders reached is Σ fᵢΔᵢ / (k · f̄), f̄ the mean factor of
+every sender the owner heard from this round (``weights``). With every contribution there
+this is Σ wᵢΔᵢ / Σ wᵢ. Under loss it stays unbiased: if each sender's chunk is lost
+independently with one probability, the k that arrived are a uniform k-subset of the
+senders, so E[Σ_S fᵢΔᵢ | k] = (k/n) Σ fᵢΔᵢ and the divisor k · f̄ = (k/n) Σ fᵢ undoes it
+exactly (a Horvitz-Thompson estimate with the observed arrival rate). The ratio
+Σ_S fᵢΔᵢ / Σ_S fᵢ over the arrived is *not* unbiased (weights 1 and 100, Δ 0 and 1, each
+arriving with p = 0.5: it averages 0.66 against 0.99); tests/unit/test_token_weights.py
+measures both.
 """
 
 from __future__ import annotations
@@ -25,7 +39,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Iterable, Sequence
+import statistics
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -33,19 +48,75 @@ from dtrain.codecs.base import equal_runs
 from dtrain.configs import AggregationConfig
 from dtrain.errors import RejectCode, Rejected
 
-__all__ = ["AggregationConfig", "BucketAccumulator", "ChunkAccumulator", "partial_mean"]
+__all__ = [
+    "AggregationConfig",
+    "BucketAccumulator",
+    "ChunkAccumulator",
+    "claim_decision",
+    "mean_factor",
+    "partial_mean",
+]
 
 log = logging.getLogger(__name__)
 
 
+def mean_factor(weights: Mapping[str, float] | None) -> float:
+    """f̄, the mean of the weight factors of the senders heard from (1.0 without weights).
+    A chunk reached by k senders is divided by k · f̄ (see the module docstring)."""
+    if not weights:
+        return 1.0
+    factors = tuple(weights.values())  # one C-level copy: the owner may add a claim meanwhile
+    return math.fsum(factors) / len(factors)
+
+
+#: Claims an owner must have accepted in a round before it bounds the next one by their median.
+MIN_CLAIMS_COMPARED = 2
+
+
+def claim_decision(claim: int, accepted: Sequence[int], max_weight_ratio: float) -> tuple[bool, str]:
+    """Whether an owner accepts a sender's token claim (a pure decision).
+
+    The rule: a claim must be a positive integer, and not above ``max_weight_ratio`` x the
+    median of the claims the owner accepted this round before it (its own first, when it
+    contributes), once there are at least :data:`MIN_CLAIMS_COMPARED` of them (before that a
+    median is one site's word: a slow owner would refuse every faster site). So no sender
+    weighs more than ``max_weight_ratio`` x a typical one in a mean; a site that really
+    trains that much faster than the median is refused and its contribution stays in its
+    residual (raise the ratio for such a mix). Two-site runs are not bounded.
+
+    Args:
+        claim: the tokens claimed.
+        accepted: the claims accepted so far this round.
+        max_weight_ratio: the bound's factor, >= 1.
+    Returns:
+        ``(accepted, reason)``: the reason names the claim, the median and the bound.
+    """
+    if isinstance(claim, bool) or not isinstance(claim, int) or claim <= 0:
+        return False, f"claims {claim!r} tokens: a token-weighted round needs a claim > 0"
+    if len(accepted) < MIN_CLAIMS_COMPARED:
+        return True, f"claims {claim} tokens, with {len(accepted)} claim(s) of the round to compare with"
+    med = statistics.median(accepted)
+    bound = max_weight_ratio * med
+    if claim > bound:
+        return False, (
+            f"claims {claim} tokens, above max_weight_ratio {max_weight_ratio:g} x the median claim {med:g} "
+            f"of the round ({bound:g})"
+        )
+    return True, f"claims {claim} tokens, within {max_weight_ratio:g} x the median claim {med:g}"
+
+
 def partial_mean(
-    contributions: dict[str, torch.Tensor], config: AggregationConfig
+    contributions: dict[str, torch.Tensor],
+    config: AggregationConfig,
+    weights: Mapping[str, float] | None = None,
 ) -> tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]:
     """Mean over the contributions that are present and pass the robust checks.
 
     Args:
         contributions: sender -> fp32 1-D tensor, all of the same length.
         config: robust options.
+        weights: token weighting: sender -> weight factor fᵢ (a sender not in it counts
+            1.0); the mean is Σ fᵢvᵢ / (k · f̄) (module docstring). None: unweighted.
     Returns:
         ``(mean, included_senders, rejected)``: ``mean`` is None when nothing is
         left; ``rejected`` maps sender -> reason for contributions dropped here.
@@ -75,6 +146,9 @@ def partial_mean(
     if k > 0 and len(items) - 2 * k >= 1:
         srt, _ = torch.sort(stack, dim=0)
         mean = srt[k : len(items) - k].mean(dim=0)
+    elif weights and (any(weights.get(s, 1.0) != 1.0 for s in senders) or mean_factor(weights) != 1.0):
+        f = torch.tensor([weights.get(s, 1.0) for s in senders], dtype=torch.float32)
+        mean = (stack * f.unsqueeze(1)).sum(dim=0) / float(len(items) * mean_factor(weights))
     else:
         mean = stack.sum(dim=0) / len(items)
     return mean, senders, rejected
@@ -212,11 +286,22 @@ class BucketAccumulator:
         config: robust options.
         order: the senders expected (the round's members); None folds nothing before
             :meth:`finalize`.
+        weights: token weighting (module docstring): sender -> weight factor fᵢ, a mapping
+            the caller fills as senders' claims arrive (a sender's factor must be in it
+            before its first contribution is added, and never change); a sender not in it
+            counts 1.0. None: unweighted.
     """
 
-    def __init__(self, numels: Sequence[int], config: AggregationConfig, order: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        numels: Sequence[int],
+        config: AggregationConfig,
+        order: Iterable[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
         self.numels = tuple(int(n) for n in numels)
         self.config = config
+        self.weights = weights
         self._pos = list(itertools.accumulate(self.numels, initial=0))  # chunk c is [pos[c], pos[c+1])
         self._order = sorted(order) if order is not None else []
         self._next = [0] * len(self.numels)  # senders order[:next[c]] are folded into chunk c's sum
@@ -376,16 +461,20 @@ class BucketAccumulator:
             held, k = self._held[c], self._next[c]
             while k < len(order) and order[k] in held:
                 base, start = held.pop(order[k])
-                ops.append((k, c, base, start, k == 0))
+                ops.append((k, c, base, start, k == 0, self._factor(order[k])))
                 k += 1
             self._next[c] = k
         self._apply(ops)
 
-    def _apply(self, ops: list[tuple[int, int, torch.Tensor, int, bool]]) -> None:
-        """Run folds ``(step, chunk, values, offset in values, first)``: each chunk's in the
-        order of its steps (the sum's order), one ``copy_`` (a chunk's first sender) or
-        ``add_`` per stretch of neighbouring chunks at one step whose values lie one after
-        another in one run's tensor."""
+    def _factor(self, sender: str) -> float:
+        return 1.0 if self.weights is None else self.weights.get(sender, 1.0)
+
+    def _apply(self, ops: list[tuple[int, int, torch.Tensor, int, bool, float]]) -> None:
+        """Run folds ``(step, chunk, values, offset in values, first, weight factor)``: each
+        chunk's in the order of its steps (the sum's order), one ``copy_`` (a chunk's first
+        sender) or ``add_`` per stretch of neighbouring chunks at one step whose values lie
+        one after another in one run's tensor; a factor other than 1.0 scales the values
+        (``mul`` / ``add_`` with ``alpha``), 1.0 runs exactly the unweighted operations."""
         if not ops:
             return
         if self._sum is None:
@@ -395,15 +484,20 @@ class BucketAccumulator:
         ops.sort(key=lambda op: (op[0], op[1]))
         pos, numels, i = self._pos, self.numels, 0
         while i < len(ops):
-            step, c0, base, start, first = ops[i]
+            step, c0, base, start, first, w = ops[i]
             c, stop, i = c0, start + numels[c0], i + 1
             while i < len(ops):
-                s2, c2, b2, st2, f2 = ops[i]
-                if s2 != step or c2 != c + 1 or b2 is not base or st2 != stop or f2 != first:
+                s2, c2, b2, st2, f2, w2 = ops[i]
+                if s2 != step or c2 != c + 1 or b2 is not base or st2 != stop or f2 != first or w2 != w:
                     break
                 c, stop, i = c2, stop + numels[c2], i + 1
             dst, src = self._sum[pos[c0] : pos[c + 1]], base[start:stop]
-            if first:
+            if w != 1.0:
+                if first:
+                    torch.mul(src, w, out=dst)
+                else:
+                    dst.add_(src, alpha=w)
+            elif first:
                 dst.copy_(src)
             else:
                 dst.add_(src)
@@ -415,7 +509,7 @@ class BucketAccumulator:
         Without robust options the means are views of one bucket-sized tensor."""
         if self.config.robust:
             return [
-                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config)
+                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights)
                 for held, n in zip(self._held, self.numels)
             ]
         ops = []
@@ -423,7 +517,7 @@ class BucketAccumulator:
             k, first = self._next[c], self._next[c] == 0
             for s in sorted(held):
                 base, start = held[s]
-                ops.append((k, c, base, start, first))
+                ops.append((k, c, base, start, first, self._factor(s)))
                 k, first = k + 1, False
             held.clear()
         self._apply(ops)
@@ -432,7 +526,8 @@ class BucketAccumulator:
     def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
         """sum / count per chunk: one division per stretch of chunks of one size, the sums
         as rows over a column of counts (float32 division is exactly rounded: the same
-        values as dividing each chunk by its count)."""
+        values as dividing each chunk by its count). Weighted: the count times f̄ (1.0
+        for equal claims, so the same divisors)."""
         senders = [tuple(sorted(d)) for d in self._digests]
         if self._sum is None:
             return [(None, (), {}) for _ in senders]
@@ -440,7 +535,8 @@ class BucketAccumulator:
         if self._nnz is not None:  # sparse_mean: per element over the contributions nonzero there
             mean = self._sum / self._nnz.clamp(min=1.0)
             return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]
-        counts = torch.tensor([float(len(s)) for s in senders], dtype=torch.float32)
+        fbar = mean_factor(self.weights)
+        counts = torch.tensor([len(s) * fbar for s in senders], dtype=torch.float32)
         mean = torch.empty_like(self._sum)
         for a, b in equal_runs(self.numels):
             rows = (b - a, self.numels[a])

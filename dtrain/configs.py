@@ -56,12 +56,27 @@ class AggregationConfig:
             aggregation, arXiv 2508.15706: a scatter-mean over the workers whose top-k
             picked the element; an element picked by one of R sites is not shrunk R-fold).
             For sparse codecs (``sparseloco``, ``topk``); not with the robust options.
+        token_weighted: weight each contribution by the tokens (samples) its site trained
+            since its last round, carried in the contribution itself (``Contribution.tokens``,
+            inside what the data path authenticates): the owner's mean is
+            Σ wᵢΔᵢ / (k · w̄) over the k contributions that arrived, w̄ the mean claim of the
+            senders the owner heard from this round (= Σ wᵢΔᵢ / Σ wᵢ when every one
+            arrived; unbiased under random loss, see :mod:`dtrain.aggregation`). Equal
+            claims give bit for bit the unweighted mean. Not with ``trim_fraction`` (a
+            coordinate-wise trimmed mean trims a count of values, not a weight) nor
+            ``sparse_mean`` (its per-element divisor counts contributions).
+        max_weight_ratio: with ``token_weighted``, an owner refuses (INVALID_ARGUMENT, logged
+            and counted) every chunk of a sender whose claim is above ``max_weight_ratio`` x
+            the median of the claims it accepted this round so far (its own claim first; once
+            it holds two), so one site cannot dominate a mean; a number >= 1.
     """
 
     max_norm: float | None = None
     norm_bound_ratio: float | None = None
     trim_fraction: float = 0.0
     sparse_mean: bool = False
+    token_weighted: bool = False
+    max_weight_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
@@ -74,6 +89,21 @@ class AggregationConfig:
             raise ValueError(f"sparse_mean must be a bool, got {self.sparse_mean!r}")
         if self.sparse_mean and self.robust:
             raise ValueError("sparse_mean cannot be combined with norm_bound_ratio or trim_fraction (robust options)")
+        if not isinstance(self.token_weighted, bool):
+            raise ValueError(f"token_weighted must be a bool, got {self.token_weighted!r}")
+        r = self.max_weight_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (r >= 1.0 and math.isfinite(r)):
+            raise ValueError(f"max_weight_ratio must be a finite number >= 1, got {r!r}")
+        if self.token_weighted and self.trim_fraction > 0.0:
+            raise ValueError(
+                "token_weighted cannot be combined with trim_fraction: a coordinate-wise trimmed mean drops a "
+                "count of values per element, which has no token-weighted meaning (use norm_bound_ratio or max_norm)"
+            )
+        if self.token_weighted and self.sparse_mean:
+            raise ValueError(
+                "token_weighted cannot be combined with sparse_mean: its per-element divisor counts the "
+                "contributions nonzero there, not their tokens"
+            )
 
     @property
     def robust(self) -> bool:
@@ -348,6 +378,19 @@ class DiLoCoConfig:
             DiLoCo's outer Nesterov momentum 0.9 turns unstable (see
             experiments/RESULTS.md, "One-step-delayed rounds"). Other modes
             ignore it.
+        tokens_per_step: tokens (samples) one inner step of this site trains, over all its
+            ranks (batch x sequence length x ranks), an int >= 1: a round's claim is this
+            times the inner steps since the site's last round of those buckets
+            (``Contribution.tokens``, the weight of a token-weighted mean,
+            ``rounds.aggregation.token_weighted``). 1 (default): the claim counts steps;
+            ``dtrain worker`` then uses the task's tokens per batch x the site's ranks.
+        round_window_s: time-based rounds: instead of H inner steps, each site trains as many
+            as fit in this many seconds from its measured inner-step time, at least 1 and at
+            most ``sync_every`` (which becomes the bound), so sites of different speed reach
+            the exchange together (``dtrain.streaming.window_steps``; the ranks of a site
+            group take rank 0's count). Pair with ``rounds.aggregation.token_weighted``, so
+            a site's contribution weighs what it trained. None (default): ``sync_every``
+            steps a round. Not with streaming rounds (fragments, overlap, merge) yet.
     """
 
     site_id: str = "site-0"
@@ -364,6 +407,8 @@ class DiLoCoConfig:
     theta_device: ThetaDevice = "cpu"
     pace_fraction: float = 0.5
     delayed_update: DelayedUpdate = "eager"
+    tokens_per_step: int = 1
+    round_window_s: float | None = None
 
     @property
     def one_step_delayed(self) -> bool:
@@ -383,6 +428,18 @@ class DiLoCoConfig:
             raise ValueError(f"buffers must be one of {get_args(BufferMode)}, got {self.buffers!r}")
         if self.theta_device not in get_args(ThetaDevice):
             raise ValueError(f"theta_device must be one of {get_args(ThetaDevice)}, got {self.theta_device!r}")
+        w = self.round_window_s
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf")):
+            raise ValueError(f"round_window_s must be None (rounds of sync_every steps) or seconds > 0, got {w!r}")
+        if w is not None and self.streaming:
+            raise ValueError(
+                "round_window_s (time-based rounds) cannot be combined with streaming rounds (num_fragments > 1, "
+                "overlap_steps > 0 or merge_alpha > 0) yet: a fragment's start step comes from the step count "
+                "(dtrain.streaming.step_actions), which a time window would make differ between sites"
+            )
+        n = self.tokens_per_step
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tokens_per_step must be an int >= 1, got {n!r}")
         if not self.site_id or not isinstance(self.site_id, str):
             raise ValueError(f"site_id must be a non-empty string, got {self.site_id!r}")
         t = self.close_timeout_s

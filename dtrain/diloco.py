@@ -61,7 +61,7 @@ from dtrain.state import (
     position_state,
     theta_device_of,
 )
-from dtrain.streaming import StreamingSync, fragment_buckets
+from dtrain.streaming import StreamingSync, fragment_buckets, window_steps
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -199,6 +199,13 @@ class DiLoCo:
         self.inner_scheduler = inner_scheduler
         self.outer_schedulers = [outer_scheduler(o) for o in self.state.optimizers] if outer_scheduler else []
         self.inner_steps = 0
+        self.round_steps = 0  # inner steps since the last blocking round reset the model (its claim)
+        # time-based rounds: this phase's step count (decided once, rank 0's), the measured step time
+        self.step_s: float | None = None
+        self.phase_reason = ""
+        self._phase_target: int | None = None
+        self._phase_steps = 0
+        self._phase_t0 = time.monotonic()
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self.healed_from: str | None = None  # the donor of the last position heal
@@ -252,6 +259,7 @@ class DiLoCo:
             pace_fraction=c.pace_fraction,
             delayed_update=c.delayed_update,
             on_merge=self._sync_replicas,
+            tokens_per_step=c.tokens_per_step,
         )
 
     def join(self) -> None:
@@ -430,15 +438,54 @@ class DiLoCo:
         that of the round merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
+        self.round_steps += 1
+        self._phase_steps += 1
         self.note_progress()
         if self.streaming is not None:
             outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Site.sync)
             if outcome is not None:
                 self._merged(outcome)
             return outcome
-        if self.inner_steps % self.config.sync_every == 0:
-            return self.sync()
-        return None
+        if self.config.round_window_s is None:
+            return self.sync() if self.inner_steps % self.config.sync_every == 0 else None
+        target = self.phase_target(self._phase_steps, time.monotonic() - self._phase_t0)
+        return self.sync() if self._phase_steps >= target else None
+
+    def phase_target(self, done: int, elapsed_s: float) -> int:
+        """Inner steps of the current round's inner phase: ``sync_every``, or with time-based
+        rounds (``round_window_s``) as many as fit in the window at the measured step time
+        (:func:`~dtrain.streaming.window_steps`), decided once per phase, after its first step,
+        on rank 0 and broadcast over the site group (every rank must call it at the same step).
+        The step time is that of the earlier phases (:meth:`note_phase`), at first these steps'.
+
+        Args:
+            done: steps taken in this phase so far (>= 1 for a time-based decision).
+            elapsed_s: the seconds they took.
+        """
+        window = self.config.round_window_s
+        if window is None:
+            return self.config.sync_every
+        if self._phase_target is None:
+            decided = None
+            if self.rank == 0:
+                if self.step_s is None:
+                    self.step_s = elapsed_s / max(1, done)
+                decided = window_steps(window_s=window, step_s=self.step_s, done=done, max_steps=self.config.sync_every)
+            self._phase_target, self.phase_reason = self.comm.broadcast(decided, round=True)
+            log.info("%s: this round trains %d inner steps (%s)", self.config.site_id, *self.decided_phase)
+        return self._phase_target
+
+    def note_phase(self, steps: int, seconds: float) -> None:
+        """An inner phase of ``steps`` steps took ``seconds``: the step time time-based rounds
+        plan with (a running mean over phases, 0.7 weight on the newest)."""
+        if steps > 0 and seconds > 0:
+            measured = seconds / steps
+            self.step_s = measured if self.step_s is None else 0.3 * self.step_s + 0.7 * measured
+
+    @property
+    def decided_phase(self) -> tuple[int, str]:
+        """The current phase's step count and why (time-based rounds; (0, "") before the decision)."""
+        return self._phase_target or 0, self.phase_reason
 
     def flush(self) -> SyncOutcome | None:
         """With streaming: merge the fragment round in flight now (waiting for it, bounded by
@@ -462,9 +509,15 @@ class DiLoCo:
         """
         self.flush()
         tensors = self.local_tensors()
-        outcome = self.site.sync(tensors)
+        if self._phase_steps:  # the hooked path's phase (the worker notes its own)
+            self.note_phase(self._phase_steps, time.monotonic() - self._phase_t0)
+        # at least one step's claim: a round right after another (a hand-called sync) still sends its
+        # residuals, and an owner refuses a token-weighted contribution that claims nothing
+        outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * max(1, self.round_steps))
+        self._phase_target, self._phase_steps = None, 0  # the next inner phase decides anew
         cpu = dict(self.site.last_cpu_s)
         if outcome.status.resets_model:
+            self.round_steps = 0
             t0 = time.process_time()
             self.state.copy_to(tensors)
             t1 = time.process_time()
@@ -484,6 +537,7 @@ class DiLoCo:
         t0 = time.process_time()
         self._record(outcome)
         self.last_cpu_s = {**cpu, "checksum": time.process_time() - t0}
+        self._phase_t0 = time.monotonic()  # the next inner phase's steps are timed from here
         return outcome
 
     def _merged(self, outcome: SyncOutcome) -> None:

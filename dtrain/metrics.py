@@ -127,6 +127,8 @@ class RoundLine(_Record):
     val_loss: float | None = None
     train_loss: float | None = None
     inner_steps: int | None = None
+    round_steps: int | None = None  # inner steps this site trained in this round's inner phase
+    tokens_per_s: float | None = None  # tokens_per_step x round_steps / inner_s: this site's speed
     inner_s: float | None = None
     sync_s: float | None = None
     quorum_s: float | None = None
@@ -172,6 +174,9 @@ class RoundLine(_Record):
     bucket_outcomes: dict[str, int] | None = None
     rejected_senders: list[dict] | None = None
     mean_senders: dict[str, Any] | None = None
+    tokens: int | None = None
+    claims: dict[str, int] | None = None
+    weight_refused: dict[str, str] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).

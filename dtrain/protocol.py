@@ -140,6 +140,10 @@ class Contribution:
         codec: codec name (``dtrain.codecs``), e.g. ``"int8+zstd"``.
         sender: site_id of the contributing site.
         payload: the codec's self-describing bytes.
+        tokens: tokens (samples) the sender trained since its last round, the same on
+            every chunk it sends in a round: its weight in a token-weighted mean
+            (``AggregationConfig.token_weighted``); 0 (default): no claim. A field of the
+            message, so it is authenticated with the rest of the contribution.
     """
 
     round: int
@@ -150,6 +154,7 @@ class Contribution:
     codec: str
     sender: str
     payload: bytes
+    tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

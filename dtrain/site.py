@@ -360,6 +360,7 @@ class Site:
         buckets: Sequence[int] | None = None,
         fragment: int | None = None,
         pace_window_s: float | None = None,
+        tokens: int = 0,
     ) -> SyncOutcome:
         """Take part in the next round with this rank's slice of the model.
 
@@ -370,6 +371,8 @@ class Site:
             fragment: the fragment's index, recorded in the outcome and the result.
             pace_window_s: spread this rank's sends over this many seconds from the
                 round's start; None: unpaced.
+            tokens: the site's tokens trained since its last round of these buckets (its
+                claim on every contribution, ``RoundEngine.run_round``); 0: none.
         Returns:
             the outcome (the same on every rank but ``result``); the caller writes θ
             into the model per its status. θ is never half a round's: a rank that
@@ -388,7 +391,7 @@ class Site:
             return SyncOutcome(status=RoundStatus.DEFERRED, reason=reason, fragment=fragment)
         if kind == Decision.PLAN:
             assert plan is not None
-            return self._run_planned(plan, reason, quorum_s, tensors, buckets, fragment, pace_window_s)
+            return self._run_planned(plan, reason, quorum_s, tensors, buckets, fragment, pace_window_s, tokens)
         r = self.engine.state.rounds_applied
         if kind == Decision.MISSED and plan is not None:  # a member that will not run it: peers hear at once
             self.engine.skip_round(plan.round, reason)
@@ -410,6 +413,7 @@ class Site:
         buckets: Sequence[int] | None,
         fragment: int | None,
         pace_window_s: float | None,
+        tokens: int = 0,
     ) -> SyncOutcome:
         """The half-round rule, then this rank's slice's round."""
         view = RankView(
@@ -432,7 +436,7 @@ class Site:
         t0 = time.process_time()
         ok = self.engine.add_pseudo_gradient(list(tensors), buckets)
         t1 = time.process_time()
-        res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s)
+        res = self.engine.run_round(my_plan, contribute=ok, buckets=buckets, pace_window_s=pace_window_s, tokens=tokens)
         res.fragment = fragment
         self.last_cpu_s = {"gather": t1 - t0, "round": time.process_time() - t1}
         return SyncOutcome(status=RoundStatus.APPLIED, reason=reason, result=res, quorum_s=quorum_s, fragment=fragment)

@@ -55,7 +55,7 @@ from dtrain.buckets import BucketLayout
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.state import GlobalState
 
-__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "StreamingSync"]
+__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "window_steps", "StreamingSync"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,27 @@ def step_actions(
     if not due:
         return (START, APPLY) if overlap_steps == 0 else (START,)
     return (APPLY, START)
+
+
+def window_steps(*, window_s: float, step_s: float, done: int, max_steps: int) -> tuple[int, str]:
+    """Time-based rounds (``DiLoCoConfig.round_window_s``): how many inner steps this site's
+    round trains (a pure decision).
+
+    Args:
+        window_s: the round's compute window, seconds.
+        step_s: the expected inner-step time, seconds (> 0; measured).
+        done: steps already taken in this round's inner phase (the decision is made after
+            the first); the answer is never below it.
+        max_steps: the bound (``sync_every``).
+    Returns:
+        ``(steps, reason)``: ``floor(window_s / step_s)`` clamped to ``[max(1, done), max_steps]``.
+    """
+    fit = int(window_s / step_s) if step_s > 0 else max_steps
+    n = min(max_steps, max(1, done, fit))
+    why = f"{fit} steps of {step_s * 1e3:.1f} ms fit in {window_s:g} s"
+    if n != fit:
+        why += f", clamped to [{max(1, done)}, {max_steps}]"
+    return n, why
 
 
 def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: float) -> float | None:
@@ -200,8 +221,11 @@ class StreamingSync:
         pace_fraction: float = 0.0,
         delayed_update: str = "stale",
         on_merge: Callable[[], None] | None = None,
+        tokens_per_step: int = 1,
     ) -> None:
         self._sync, self.site_id = sync, site_id
+        self.tokens_per_step = tokens_per_step
+        self._last_start: dict[int, int] = {}  # fragment -> the inner step its last round started at
         self._on_merge = on_merge
         self.layout, self.state, self._tensors = layout, state, tensors
         self.fragments = fragment_buckets(len(layout), num_fragments)
@@ -295,13 +319,16 @@ class StreamingSync:
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
         window = pace_window_s(overlap_steps=self.overlap_steps, step_s=self.step_s, pace_fraction=self.pace_fraction)
         self.num_paced_rounds += window is not None
+        # the fragment's claim: the tokens of the inner steps since its last round started
+        tokens = self.tokens_per_step * (step - self._last_start.get(m.fragment, 0))
+        self._last_start[m.fragment] = step
         self._pending = _InFlight(
             fragment=m.fragment,
             buckets=m.buckets,
             started_at=step,
             apply_at=step + self.overlap_steps,
             future=self._executor.submit(
-                self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment, pace_window_s=window
+                self._sync, m.snapshot, buckets=m.buckets, fragment=m.fragment, pace_window_s=window, tokens=tokens
             ),
             checksums=checksums,
             residuals=residuals,

@@ -68,6 +68,7 @@ SPECS = (
     "streaming",
     "wan_sweep",
     "datagram_vs_grpc",
+    "heterogeneous",
 )
 MODES = ("smoke", "quick", "full")
 

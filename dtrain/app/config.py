@@ -279,6 +279,10 @@ class WorkerConfig:
             the wait ends as soon as every member pulled).
         inner_step_sleep_s: sleep after every inner step, in [0, 3600) (0 = none);
             emulates a slower site in fault tests and experiments.
+        slowdown: this site's compute share in (0, 1]: after each inner step it sleeps
+            (1 / slowdown - 1) x that step's own time, so it trains at that share of its
+            speed whatever the machine's load (emulated slow hardware; ``dtrain launch
+            --site-slowdown I=SHARE --slowdown-by stretch`` sets it per site). 1: none.
         parallel: how the ranks of a site group (torchrun --nproc-per-node K, K > 1)
             train: ddp or fsdp (FSDP2); a single process ignores it.
         gc_every_rounds: Python's cyclic garbage collection runs between rounds, after
@@ -308,6 +312,7 @@ class WorkerConfig:
     threads: int = 1
     linger_s: float | None = None
     inner_step_sleep_s: float = 0.0
+    slowdown: float = 1.0
     parallel: Literal["ddp", "fsdp"] = "ddp"
     gc_every_rounds: int = 1
     tensorboard: str | None = None
@@ -334,6 +339,7 @@ class WorkerConfig:
             "none (the broadcast deadline) or >= 0 seconds",
         )
         _need(self, 0 <= self.inner_step_sleep_s < 3600, "inner_step_sleep_s", "in [0, 3600) seconds")
+        _need(self, 0 < self.slowdown <= 1, "slowdown", "a compute share in (0, 1]")
         _need(
             self,
             is_int(self.reassign_after_rounds) and self.reassign_after_rounds >= 0,
@@ -360,6 +366,11 @@ class WorkerConfig:
         )
         if self.net.data_path == "datagram":
             self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
+            if self.diloco.rounds.aggregation.token_weighted:
+                raise ValueError(
+                    "diloco.rounds.aggregation.token_weighted needs net.data_path 'grpc': a contribution's token "
+                    "claim must travel inside what is authenticated, and the datagram header has no field for it yet"
+                )
         if self.tensorboard is not None:
             import importlib.util
 
@@ -442,6 +453,8 @@ WORKER_ALIASES = {
     **{n: f"diloco.rounds.codec.{n}" for n in ("sparse_k", "sparse_chunk", "sparse_bits")},
     "error_feedback_decay": "diloco.rounds.error_feedback_decay",
     "sparse_mean": "diloco.rounds.aggregation.sparse_mean",
+    "token_weighted": "diloco.rounds.aggregation.token_weighted",
+    "round_window_s": "diloco.round_window_s",
     "broadcast_codec": "diloco.rounds.broadcast_codec.name",
     "max_norm": "diloco.rounds.aggregation.max_norm",
     "bucket_bytes": "diloco.buckets.bucket_bytes",
@@ -544,6 +557,11 @@ class LaunchConfig:
         store: where the rendezvous launch starts keeps membership: none (in memory) or
             etcd://host:port[,host:port...][/run][?ca_file=..&username=..&password_file=..]
             (etcd v3: the rendezvous is a stateless front-end on it; not with netem).
+        site_slowdown: emulated slow hardware, I=SHARE[,I=SHARE...]: site I trains at SHARE
+            (in (0, 1]) of its speed (``dtrain.app.slowdown``); none: every site at full speed.
+        slowdown_by: how: cgroup (the cgroup v1 cpu controller caps the site at SHARE x
+            worker.threads x ranks_per_site CPUs; root, refused at start where unavailable)
+            or stretch (the worker sleeps (1/SHARE - 1) x each inner step's time after it).
         worker: the settings of every site.
         rendezvous: membership and round timing (initial_sites: default the number of sites).
     """
@@ -557,6 +575,8 @@ class LaunchConfig:
     http_bind: str | None = None
     http_port: int | None = None
     store: str | None = None
+    site_slowdown: str | None = None
+    slowdown_by: Literal["cgroup", "stretch"] = "cgroup"
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
 
@@ -584,6 +604,10 @@ class LaunchConfig:
         )
         if self.store is not None and self.netem:
             raise ValueError("store: an etcd store is not reachable from netem's namespaces; drop --store or --netem")
+        _need(self, self.slowdown_by in ("cgroup", "stretch"), "slowdown_by", "one of cgroup, stretch")
+        from dtrain.app.slowdown import parse_slowdown
+
+        parse_slowdown(self.site_slowdown, self.sites)  # UsageError naming site_slowdown
 
     def status_page_bind(self) -> HostPort | None:
         """The rendezvous's status page address, or None (off).

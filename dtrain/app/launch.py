@@ -27,6 +27,7 @@ from typing import Any
 
 from dtrain.app.config import LAUNCH, RENDEZVOUS, WORKER, LaunchConfig, check_task
 from dtrain.app.procs import Proc, exit_text, spawn, stop_all
+from dtrain.app.slowdown import CpuCaps, cgroup_unavailable, parse_slowdown
 from dtrain.metrics import MetricsTail, RoundLine, StartLine, read_summary
 from dtrain.options import HostPort, UsageError
 
@@ -256,6 +257,8 @@ class _Run:
     rvals: dict[str, Any]
     log_level: str
     topo: Any = None  # a netem.Topology with sites + 1 sites (the rendezvous in the last), or None
+    slow: dict[int, float] = field(default_factory=dict)  # --site-slowdown: site index -> compute share
+    caps: Any = None  # the slowed sites' cgroups (dtrain.app.slowdown.CpuCaps; --slowdown-by cgroup)
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
     stopping: dict[str, Any] = field(default_factory=lambda: {"flag": False, "count": 0})
@@ -319,9 +322,22 @@ def _plan(values: dict[str, Any], log_level: str) -> _Run:
                 "pass --resume to continue it or choose another --out"
             )
     run_dir.mkdir(parents=True, exist_ok=True)
+    slow = parse_slowdown(cfg.site_slowdown, cfg.sites)
+    why = cgroup_unavailable() if slow and cfg.slowdown_by == "cgroup" else None
+    if why is not None:
+        raise UsageError(f"site_slowdown: {why}; use --slowdown-by stretch (each step stretched by 1/SHARE instead)")
     topo = _open_topology(cfg.sites + 1, cfg.netem) if cfg.netem else None
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return _Run(cfg=cfg, run_dir=run_dir, wvals=wvals, rvals=rvals, log_level=log_level, topo=topo, env=env)
+    run = _Run(cfg=cfg, run_dir=run_dir, wvals=wvals, rvals=rvals, log_level=log_level, topo=topo, env=env, slow=slow)
+    if slow and cfg.slowdown_by == "cgroup":
+        run.caps = CpuCaps(f"{run_dir.resolve().name}-{os.getpid()}")
+        busy = cfg.sites * cfg.ranks_per_site * cfg.worker.threads
+        if busy > (os.cpu_count() or 1):
+            _err(
+                f"dtrain launch: {busy} worker threads on {os.cpu_count()} CPUs: a site that gets less than its "
+                "cgroup cap anyway is not slowed by it (--slowdown-by stretch slows relative to the load)"
+            )
+    return run
 
 
 def _rendezvous_command(run: _Run) -> list[str]:
@@ -406,8 +422,14 @@ def _start_sites(run: _Run, rv_addr: str) -> dict[str, _SiteView]:
         sdir.mkdir(parents=True, exist_ok=True)
         (sdir / "summary.json").unlink(missing_ok=True)  # a previous run's (with --resume) must not count
         argv = _PY + ["worker", "--log-level", log_level]
-        argv += worker_argv(run.wvals, index=i, num_sites=n, host=run.host(i), rendezvous=rv_addr, out_dir=sdir)
+        wvals = run.wvals
+        if i in run.slow and run.caps is None:  # --slowdown-by stretch
+            wvals = {**wvals, "slowdown": run.slow[i]}
+        argv += worker_argv(wvals, index=i, num_sites=n, host=run.host(i), rendezvous=rv_addr, out_dir=sdir)
         argv = _site_group_argv(run.cfg, argv)
+        if i in run.slow and run.caps is not None:
+            cpus = run.cfg.worker.threads * run.cfg.ranks_per_site
+            argv = CpuCaps.wrap(run.caps.create(i, run.slow[i], cpus), argv)
         run.procs[site] = spawn(site, run.wrap(i, argv), sdir / "worker.log", env=run.env, append=run.append)
         views[site] = _SiteView(site, sdir / "metrics.jsonl")
     (run.run_dir / "pids.json").write_text(json.dumps({s: p.pid for s, p in run.procs.items()}, indent=2))
@@ -424,6 +446,8 @@ def _stop(run: _Run, old_handlers: dict[int, Any]) -> None:
         stop_all([run.procs["rendezvous"]])
     if run.topo is not None:
         run.topo.close()
+    if run.caps is not None:
+        run.caps.remove()
     for s, h in old_handlers.items():
         signal.signal(s, h)
 

@@ -218,7 +218,7 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
             module,
             optimizer,
             inner_scheduler=scheduler,
-            config=_restarted(cfg.diloco_config()),
+            config=_restarted(_with_tokens(cfg.diloco_config(), task.tokens_per_batch * k)),
             outer_optimizer=outer_factory(cfg),
             transport=transport,
             rendezvous=rendezvous if rank == 0 else None,
@@ -248,6 +248,12 @@ def _run(cfg: WorkerConfig, comm: SiteComm, stop: threading.Event) -> dict:
         else:
             transport.stop(0.1)
     return _finish(run, summary)
+
+
+def _with_tokens(c, tokens_per_step: int):
+    """The site's tokens per inner step (the task's tokens per batch x its ranks: the unit of a
+    round's claim) unless ``diloco.tokens_per_step`` was given."""
+    return c if c.tokens_per_step != 1 else dataclasses.replace(c, tokens_per_step=max(1, int(tokens_per_step)))
 
 
 def align_data_position(batches, inner_steps: int, *, site: str) -> int:
@@ -377,7 +383,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         ledger = _round_ledger(run.task, run.mix, first_step, inner_last)
         now_cpu = _process_cpu_s()
         cpu_s, cpu_mark = now_cpu - cpu_mark, now_cpu
-        times = {"inner_s": inner_s, "sync_s": sync_s, "cpu_s": cpu_s}
+        times = {"inner_s": inner_s, "sync_s": sync_s, "cpu_s": cpu_s, "round_steps": inner_last - first_step + 1}
         line, extra = _round_line(
             run, outcome, val=val, train_loss=train_loss, times=times, sync_cpu=sync_cpu, data=ledger
         )
@@ -493,9 +499,14 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
     alone = diloco.num_ranks == 1
     losses = []
     merged: SyncOutcome | None = None
-    for _ in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
+    t0 = time.monotonic()
+    for n in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
         if until_step is not None and diloco.inner_steps >= until_step:
             break
+        # blocking rounds: sync_every steps, or with round_window_s those that fit (decided after the first)
+        if n and not diloco.streaming and n >= diloco.phase_target(n, time.monotonic() - t0):
+            break
+        t_step = time.monotonic()
         batch = next(batches)
         loss = run.task.loss(run.module, batch)
         loss.backward()
@@ -504,16 +515,22 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
         if run.scheduler is not None:
             run.scheduler.step()
         losses.append(float(loss.detach()))
+        step_s = time.monotonic() - t_step
         if diloco.streaming:
             diloco.note_progress(last_loss=losses[-1])
             merged = diloco.step()  # counts the step; starts / merges fragment rounds on schedule
         else:
             diloco.inner_steps += 1
+            diloco.round_steps += 1  # the round's token claim (DiLoCo.sync)
             diloco.note_progress()
         if cfg.inner_step_sleep_s:
             stop.wait(cfg.inner_step_sleep_s)
+        if cfg.slowdown < 1:  # emulated slow hardware: the step (its emulated compute too) to 1/slowdown
+            stop.wait((1 / cfg.slowdown - 1) * (step_s + cfg.inner_step_sleep_s))
         if merged is not None or (alone and stop.is_set()):
             break
+    if not diloco.streaming:  # the step time time-based rounds plan the next phase with
+        diloco.note_phase(len(losses), time.monotonic() - t0)
     mine = (sum(losses) / len(losses)) if losses else math.nan
     ranks = diloco.comm.all_gather((mine, stop.is_set()))
     if any(s for _, s in ranks):
@@ -588,6 +605,10 @@ def _round_line(
         val_loss=val,
         train_loss=train_loss,
         inner_steps=diloco.inner_steps,
+        round_steps=times["round_steps"],
+        tokens_per_s=diloco.config.tokens_per_step * times["round_steps"] / times["inner_s"]
+        if times["inner_s"] > 0
+        else None,
         inner_s=times["inner_s"],
         sync_s=times["sync_s"],
         quorum_s=outcome.quorum_s,

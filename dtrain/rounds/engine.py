@@ -79,6 +79,7 @@ class _Run:
     opened: float  # when the round's deadlines count from (the plan's formation, or t0)
     bytes0: tuple[int, int]
     pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
+    tokens: int = 0  # this site's token claim, on every contribution it sends (0: none)
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
@@ -173,10 +174,11 @@ class RoundEngine(PeerSide):
         buckets: Sequence[int] | None = None,
         *,
         pace_window_s: float | None = None,
+        tokens: int = 0,
     ) -> "cf.Future[RoundResult]":
         """Run :meth:`run_round` in a background thread; returns its future."""
         ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"round-{plan.round}")
-        fut = ex.submit(self.run_round, plan, contribute, buckets, pace_window_s=pace_window_s)
+        fut = ex.submit(self.run_round, plan, contribute, buckets, pace_window_s=pace_window_s, tokens=tokens)
         ex.shutdown(wait=False)
         return fut
 
@@ -187,6 +189,7 @@ class RoundEngine(PeerSide):
         buckets: Sequence[int] | None = None,
         *,
         pace_window_s: float | None = None,
+        tokens: int = 0,
     ) -> RoundResult:
         """Run round ``plan.round``; the residuals must already hold Δ + residual.
 
@@ -215,8 +218,10 @@ class RoundEngine(PeerSide):
                 (a Streaming DiLoCo round overlapping τ inner steps): a send-rate budget
                 of the estimated bytes / the window (:meth:`_pacer`); a send that would
                 be due after the reduce / broadcast deadline leaves unpaced. None: unpaced.
+            tokens: tokens (samples) this site trained since its last round of these buckets:
+                its claim on every contribution (its weight where ``token_weighted``); 0: none.
         """
-        run = self._open_round(plan, contribute, buckets)
+        run = self._open_round(plan, contribute, buckets, tokens)
         if pace_window_s is not None:
             run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
@@ -232,7 +237,7 @@ class RoundEngine(PeerSide):
         self._settle_residuals(run)
         return self._close(run)
 
-    def _open_round(self, plan: RoundPlan, contribute: bool, buckets: Sequence[int] | None = None) -> _Run:
+    def _open_round(self, plan: RoundPlan, contribute: bool, buckets: Sequence[int] | None, tokens: int) -> _Run:
         """Step 1: the owner-side books of this round, registered for peers' requests. The
         deadlines count from the plan's formation when the plan says when that was
         (``RoundPlan.formed_local_s``: a site that read it late has less time), else from now."""
@@ -255,6 +260,7 @@ class RoundEngine(PeerSide):
             chunks=[b.chunks for b in layout.buckets],
             aggregation=self.config.aggregation,
             opened_at=opened,
+            tokens=tokens if contribute else 0,
         )
         owned = _Owned(books)
         member = MemberRound(
@@ -276,6 +282,7 @@ class RoundEngine(PeerSide):
             reduce_timeout_s=plan.reduce_timeout_s,
             broadcast_timeout_s=plan.broadcast_timeout_s,
             deadline_reason=plan.deadline_reason,
+            tokens=tokens,
         )
         bytes0 = self._bytes_mark or (self.transport.bytes_sent(), self.transport.bytes_received())
         with self._cv:
@@ -299,6 +306,7 @@ class RoundEngine(PeerSide):
             t0=t0,
             opened=opened,
             bytes0=bytes0,
+            tokens=tokens,
         )
 
     def _pacer(self, run: _Run, window_s: float) -> Pacer:
@@ -434,6 +442,7 @@ class RoundEngine(PeerSide):
                     codec=self.codec.name,
                     sender=self.site_id,
                     payload=payload,
+                    tokens=run.tokens,
                 )
                 if remote and first and self.fault_hook is not None:
                     self.fault_hook("mid_push", run.round)
@@ -712,6 +721,7 @@ class RoundEngine(PeerSide):
             res.rejected_examples = books.rejections.example_reasons()
             res.rejected_senders = books.refused()
             res.lost_members = sorted(books.lost)
+            res.claims, res.weight_refused = dict(books.claims), dict(books.refused_claims)
         if res.rejected:
             self.log.warning(
                 "round %d: refused %d contribution(s) as owner: %s", run.round, books.rejections.total, res.rejected

@@ -24,12 +24,14 @@ touches only that bucket's accumulators (no other transition does once it is clo
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
-from dtrain.aggregation import AggregationConfig, BucketAccumulator
+from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import Contribution, RoundPlan
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
@@ -81,8 +83,10 @@ class OpenRound:
         site_id: this site; it owns the buckets where ``owners[b] == site_id``.
         chunks: per bucket, its chunks as ``(offset, numel)`` pairs
             (``BucketLayout.buckets[b].chunks``).
-        aggregation: the robust-aggregation options.
+        aggregation: the robust-aggregation options (and token weighting).
         opened_at: when the round opened here, seconds on the caller's clock.
+        tokens: this site's own token claim this round (its weight with
+            ``aggregation.token_weighted``; 0: none, it does not contribute).
 
     Attributes:
         digests: per finalized chunk ``(bucket, chunk)``, sender -> blake2b digest of
@@ -93,6 +97,10 @@ class OpenRound:
         refusals: ``(bucket, chunk, sender, payload digest)`` of refused contributions to
             chunks this site owns, at most :data:`MAX_REFUSALS_NAMED` (see :meth:`refused`).
         lost: members declared dead during the round (no longer awaited).
+        claims: token weighting: sender -> the token claim accepted from it this round.
+        weights: sender -> its weight factor, claim / the reference claim (this site's
+            own, else the first accepted), a float32 number (1.0 for a claim equal to it).
+        refused_claims: sender -> why its claim was refused (every chunk of it refused).
     """
 
     def __init__(
@@ -104,6 +112,7 @@ class OpenRound:
         chunks: Sequence[Sequence[tuple[int, int]]],
         aggregation: AggregationConfig,
         opened_at: float,
+        tokens: int = 0,
     ) -> None:
         if len(owners) != len(chunks):
             raise ValueError(f"owners has {len(owners)} entries, chunks {len(chunks)}: one per bucket expected")
@@ -116,7 +125,19 @@ class OpenRound:
         self.broadcast_until = opened_at + plan.broadcast_timeout_s
         self.mine = tuple(b for b, o in enumerate(owners) if o == site_id)
         order = sorted(self.members)
-        self._acc = {b: BucketAccumulator([n for _, n in self.chunks[b]], aggregation, order=order) for b in self.mine}
+        self.token_weighted = aggregation.token_weighted
+        self.max_weight_ratio = aggregation.max_weight_ratio
+        self.claims: dict[str, int] = {}
+        self.weights: dict[str, float] = {}
+        self.refused_claims: dict[str, str] = {}
+        self._ref_claim = 0
+        self._claims_lock = threading.Lock()  # check() runs on the push threads, outside the round's lock
+        if self.token_weighted and tokens > 0:
+            self._register_claim(site_id, tokens)
+        w = self.weights if self.token_weighted else None
+        self._acc = {
+            b: BucketAccumulator([n for _, n in self.chunks[b]], aggregation, order=order, weights=w) for b in self.mine
+        }
         self.expected = sum(len(self.chunks[b]) for b in self.mine) * len(self.members)
         self.arrived = 0
         self.lost: set[str] = set()
@@ -195,6 +216,40 @@ class OpenRound:
                 RejectCode.INVALID_ARGUMENT,
                 f"chunk {c.chunk} of bucket {c.bucket} covers offset {off} numel {n}, got offset {c.offset} numel {c.numel}",
             )
+        if self.token_weighted:
+            self._check_claim(c.sender, c.tokens)
+
+    def _check_claim(self, sender: str, tokens: int) -> None:
+        """Token weighting: the sender's claim is the one it made on its earlier chunks of this
+        round, or, on its first, within the bound (:func:`~dtrain.aggregation.claim_decision`
+        against the claims accepted so far); a refused claim refuses every chunk of it.
+
+        Raises:
+            Rejected: INVALID_ARGUMENT, naming the claim and the bound or the earlier claim.
+        """
+        with self._claims_lock:
+            refused = self.refused_claims.get(sender)
+            if refused is not None:
+                raise Rejected(RejectCode.INVALID_ARGUMENT, refused)
+            had = self.claims.get(sender)
+            if had is not None:
+                if tokens != had:
+                    raise Rejected(
+                        RejectCode.INVALID_ARGUMENT,
+                        f"{sender} claims {tokens} tokens, {had} on its earlier chunks of round {self.round}",
+                    )
+                return
+            ok, reason = claim_decision(tokens, list(self.claims.values()), self.max_weight_ratio)
+            if not ok:
+                self.refused_claims[sender] = f"round {self.round}: {sender} {reason}"
+                raise Rejected(RejectCode.INVALID_ARGUMENT, self.refused_claims[sender])
+            self._register_claim(sender, tokens)
+
+    def _register_claim(self, sender: str, tokens: int) -> None:
+        if self._ref_claim == 0:  # fixed at the first claim: every factor is relative to one value
+            self._ref_claim = tokens
+        self.claims[sender] = tokens
+        self.weights[sender] = float(np.float32(tokens / self._ref_claim))
 
     # ------------------------------------------------------------------ transitions
     def accept(self, sender: str, bucket: int, chunk: int, values: torch.Tensor, digest: bytes, *, now: float) -> bool:

@@ -65,6 +65,9 @@ REPORT_FIELDS: dict[str, str] = {
     "val_loss": _NUM,
     "train_loss": _NUM,
     "inner_steps": _INT,
+    "round_steps": _INT,  # inner steps of this round (time-based rounds: as many as fit the window)
+    "tokens_per_s": _NUM,
+    "tokens": _INT,  # the site's token claim: its weight in a token-weighted mean
     "sync_s": _NUM,
     "reduce_arrived_fraction": _NUM,
     "broadcast_arrived_fraction": _NUM,
@@ -415,6 +418,9 @@ def build_status(snap: Mapping[str, Any], *, num_rounds: int = 20) -> dict:
                 "val_loss": last.get("val_loss"),
                 "last_reported_round": last.get("round"),
                 "last_sync_s": last.get("sync_s"),
+                "round_steps": last.get("round_steps"),
+                "tokens_per_s": last.get("tokens_per_s"),
+                "weight": last.get("tokens"),
                 "last_status": last.get("status"),
                 "reduce_arrived_fraction": last.get("reduce_arrived_fraction"),
                 "broadcast_arrived_fraction": last.get("broadcast_arrived_fraction"),

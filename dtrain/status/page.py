@@ -203,16 +203,20 @@ def _sites_table(status: Mapping[str, Any]) -> str:
             f"<td>{s['heartbeat_age_s']:.1f} s</td><td>{_num(s.get('phi'), '{:.1f}')}</td>"
             f"<td>{s['rounds_joined']}</td><td>{s['inner_step']}</td>"
             f"<td>{_num(s['val_loss'])}</td><td>{_num(s['train_loss'])}</td><td>{_num(s['last_reported_round'], '{}')}</td>"
-            f"<td>{_num(s['last_sync_s'], '{:.2f} s')}</td><td>{_bytes(s['bytes_sent_total'])}</td>"
+            f"<td>{_num(s['last_sync_s'], '{:.2f} s')}</td><td>{_num(s.get('round_steps'), '{}')}</td>"
+            f"<td>{_num(s.get('tokens_per_s'), '{:.0f}')}</td><td>{_num(s.get('weight'), '{}')}</td>"
+            f"<td>{_bytes(s['bytes_sent_total'])}</td>"
             f'<td class="l wrap">{escape(s["state_reason"])}</td></tr>'
         )
     head = (
         "<tr><th class=l>site</th><th class=l>address</th><th class=l>state</th><th>last heartbeat</th>"
         '<th title="phi accrual suspicion of its silence: dead at the configured dead_phi">φ</th>'
         "<th>rounds joined</th><th>inner step</th><th>val loss</th><th>train loss</th><th>last round</th>"
-        "<th>last sync</th><th>sent</th><th class=l>why</th></tr>"
+        '<th>last sync</th><th title="inner steps of its last round">steps/round</th><th>tokens/s</th>'
+        '<th title="its token claim in its last round: its weight in a token-weighted mean">weight</th>'
+        "<th>sent</th><th class=l>why</th></tr>"
     )
-    body = "".join(rows) or '<tr><td class="l" colspan="13">no site has joined yet</td></tr>'
+    body = "".join(rows) or '<tr><td class="l" colspan="16">no site has joined yet</td></tr>'
     return f'<table id="sites"><thead>{head}</thead><tbody>{body}</tbody></table>'
 
 

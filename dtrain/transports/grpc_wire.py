@@ -135,13 +135,20 @@ def _parse(cls, data: bytes):
 
 def contribution_wire_bytes(c: Contribution) -> int:
     """Upper bound of the encoded size of ``c`` in bytes."""
-    return len(c.payload) + len(c.codec.encode()) + len(c.sender.encode()) + 8 * 11
+    return len(c.payload) + len(c.codec.encode()) + len(c.sender.encode()) + 8 * 12
 
 
 def encode_contribution(c: Contribution) -> bytes:
     """A ``ContributionChunk`` message for ``c``."""
     head = pb.ContributionChunk(
-        round=c.round, bucket=c.bucket, chunk=c.chunk, offset=c.offset, numel=c.numel, codec=c.codec, sender=c.sender
+        round=c.round,
+        bucket=c.bucket,
+        chunk=c.chunk,
+        offset=c.offset,
+        numel=c.numel,
+        codec=c.codec,
+        sender=c.sender,
+        tokens=c.tokens,
     ).SerializeToString()
     if not c.payload:
         return head
@@ -162,6 +169,7 @@ def decode_contribution(data: bytes) -> Contribution:
         codec=m.codec,
         sender=m.sender,
         payload=bytes(payload) if payload is not None else b"",
+        tokens=m.tokens,
     )
 
 

@@ -350,6 +350,35 @@ def test_launch_with_fragment_rounds_overlapped_agrees_and_reports_fragments(run
     assert "fragment 0: rounds 1, 3; fragment 1: rounds 0, 2" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.timeout(180)
+def test_launch_with_one_site_slowed_time_based_and_token_weighted(run_dir: Path) -> None:
+    """Issue 34: site-2 at half speed (--site-slowdown 2=0.5, steps stretched: no root needed),
+    time-based rounds (a 0.4 s window, H = 400 the bound) and token-weighted means: every site
+    takes part in every round (none cut as a straggler), θ checksums agree, each line says how
+    many steps its site trained and at what speed, and the owners' accepted claims are those."""
+    slow = ["--round-window-s", "0.4", "--token-weighted", "--site-slowdown", "2=0.5", "--slowdown-by", "stretch"]
+    args = [*BASE_ARGS[:-4], "--sync-every", "400", "--linger-s", "1", "--rounds", "4", *slow]
+    rc, out, err = _launch(args, run_dir, timeout_s=150)
+    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "θ checksums agree across sites" in out
+    rounds = {s: [d for d in _lines(run_dir, s) if d["event"] == "round"] for s in SITES}
+    claims: dict[int, dict[str, int]] = {}
+    for lines in rounds.values():
+        assert [d["round"] for d in lines] == [0, 1, 2, 3]
+        assert all(d["status"] == "applied" and d["members"] == SITES for d in lines)
+        for d in lines:
+            # the claim: tiny's 8 x 32 tokens a batch per step
+            assert 1 <= d["round_steps"] <= 400 and d["tokens"] == 256 * d["round_steps"] and d["tokens_per_s"] > 0
+            assert d["weight_refused"] == {}
+            if d["claims"]:
+                claims.setdefault(d["round"], {}).update(d["claims"])
+    for r, by_site in claims.items():  # every owner accepted every site's claim: the steps it trained
+        assert by_site == {s: rounds[s][r]["tokens"] for s in SITES}, (r, by_site)
+    # the slow site is slower (tokens/s) than the fast ones over the run
+    speed = {s: sum(d["tokens_per_s"] for d in lines) / len(lines) for s, lines in rounds.items()}
+    assert speed["site-2"] < min(speed["site-0"], speed["site-1"]), speed
+
+
 # --------------------------------------------------------------------------- resume after a kill
 @pytest.mark.timeout(240)
 def test_resume_after_every_site_was_killed_continues_from_the_saved_round(run_dir: Path) -> None:

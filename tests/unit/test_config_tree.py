@@ -73,6 +73,7 @@ def _special(tmp: Path) -> dict[str, Any]:
         "num_fragments": 2,  # must divide sync_every
         "overlap_steps": 1,
         "initial_rate_mbit": 100.0,  # within [min_rate_mbit, max_rate_mbit]
+        "site_slowdown": "2=0.5",  # I=SHARE, I < sites
     }
 
 

@@ -262,3 +262,17 @@ def test_a_fragment_round_says_its_fragment_in_the_rounds_table() -> None:
     assert '<tr data-round="5"><td>5 <span class="frag">(fragment 0)</span></td>' in html
     assert '<tr data-round="6"><td>6</td>' in html
     assert "'fragment' must be int" in parse_report(_raw(3, fragment=-1), "a")[1]
+
+
+def test_sites_table_shows_steps_per_round_tokens_per_s_and_weight() -> None:
+    """Issue 34: each site's steps per round, tokens/s and weight (its claim) from its last report."""
+    from dtrain.status.page import render_fragment
+
+    core = RendezvousCore(RendezvousConfig(heartbeat_timeout_s=5.0, initial_sites=1), reports=StatusLog())
+    core.join("a", "h:1", now=0.0)
+    rep = {**round_report({**LINE, "round": 0, "round_steps": 37, "tokens_per_s": 1234.4, "tokens": 37}), "seq": 1}
+    core.heartbeat("a", now=0.5, inner_step=37, round_reports=[json.dumps(rep)])
+    status = build_status(core.snapshot(now=1.0))
+    (a,) = status["sites"]
+    assert (a["round_steps"], a["tokens_per_s"], a["weight"]) == (37, 1234.4, 37)
+    assert "<td>37</td><td>1234</td><td>37</td>" in render_fragment(status)

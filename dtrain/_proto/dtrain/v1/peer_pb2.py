@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64train/v1/peer.proto\x12\tdtrain.v1\"\x90\x01\n\x11\x43ontributionChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0e\n\x06sender\x18\x07 \x01(\t\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\"8\n\tPushReply\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"n\n\x0fPullMeanRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\x11\n\trequester\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x04\x12\x15\n\rhave_checksum\x18\x05 \x01(\t\"j\n\x08MeanPart\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.MeanHeader\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.dtrain.v1.MeanChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\nMeanHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x17\n\x0f\x63hecksum_before\x18\x04 \x01(\t\x12\x16\n\x0e\x63hecksum_after\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x04\"v\n\x0fMeanChunkHeader\x12\r\n\x05\x63hunk\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0f\n\x07senders\x18\x05 \x03(\t\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\"5\n\x10PullStateRequest\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x04\x12\x11\n\trequester\x18\x02 \x01(\t\"g\n\tStatePart\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.dtrain.v1.StateHeader\x12\x0f\n\x05theta\x18\x02 \x01(\x0cH\x00\x12\x19\n\x0foptimizer_state\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x64\x61ta\"\x8f\x01\n\x0bStateHeader\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x04\x12\x16\n\x0erounds_applied\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x13\n\x0btheta_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x05 \x01(\x04\x12\x12\n\nextra_json\x18\x06 \x01(\t2\xc5\x01\n\x04Peer\x12<\n\x04Push\x12\x1c.dtrain.v1.ContributionChunk\x1a\x14.dtrain.v1.PushReply(\x01\x12=\n\x08PullMean\x12\x1a.dtrain.v1.PullMeanRequest\x1a\x13.dtrain.v1.MeanPart0\x01\x12@\n\tPullState\x12\x1b.dtrain.v1.PullStateRequest\x1a\x14.dtrain.v1.StatePart0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64train/v1/peer.proto\x12\tdtrain.v1\"\xa0\x01\n\x11\x43ontributionChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\r\n\x05\x63hunk\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0e\n\x06sender\x18\x07 \x01(\t\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\x0e\n\x06tokens\x18\t \x01(\x04\"8\n\tPushReply\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\"n\n\x0fPullMeanRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\x11\n\trequester\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x04\x12\x15\n\rhave_checksum\x18\x05 \x01(\t\"j\n\x08MeanPart\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.MeanHeader\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.dtrain.v1.MeanChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x7f\n\nMeanHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x04\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x17\n\x0f\x63hecksum_before\x18\x04 \x01(\t\x12\x16\n\x0e\x63hecksum_after\x18\x05 \x01(\t\x12\x12\n\nnum_chunks\x18\x06 \x01(\x04\"v\n\x0fMeanChunkHeader\x12\r\n\x05\x63hunk\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0f\n\x07senders\x18\x05 \x03(\t\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\"5\n\x10PullStateRequest\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x04\x12\x11\n\trequester\x18\x02 \x01(\t\"g\n\tStatePart\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.dtrain.v1.StateHeader\x12\x0f\n\x05theta\x18\x02 \x01(\x0cH\x00\x12\x19\n\x0foptimizer_state\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x64\x61ta\"\x8f\x01\n\x0bStateHeader\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x04\x12\x16\n\x0erounds_applied\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x13\n\x0btheta_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x05 \x01(\x04\x12\x12\n\nextra_json\x18\x06 \x01(\t2\xc5\x01\n\x04Peer\x12<\n\x04Push\x12\x1c.dtrain.v1.ContributionChunk\x1a\x14.dtrain.v1.PushReply(\x01\x12=\n\x08PullMean\x12\x1a.dtrain.v1.PullMeanRequest\x1a\x13.dtrain.v1.MeanPart0\x01\x12@\n\tPullState\x12\x1b.dtrain.v1.PullStateRequest\x1a\x14.dtrain.v1.StatePart0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dtrain.v1.peer_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONTRIBUTIONCHUNK']._serialized_start=36
-  _globals['_CONTRIBUTIONCHUNK']._serialized_end=180
-  _globals['_PUSHREPLY']._serialized_start=182
-  _globals['_PUSHREPLY']._serialized_end=238
-  _globals['_PULLMEANREQUEST']._serialized_start=240
-  _globals['_PULLMEANREQUEST']._serialized_end=350
-  _globals['_MEANPART']._serialized_start=352
-  _globals['_MEANPART']._serialized_end=458
-  _globals['_MEANHEADER']._serialized_start=460
-  _globals['_MEANHEADER']._serialized_end=587
-  _globals['_MEANCHUNKHEADER']._serialized_start=589
-  _globals['_MEANCHUNKHEADER']._serialized_end=707
-  _globals['_PULLSTATEREQUEST']._serialized_start=709
-  _globals['_PULLSTATEREQUEST']._serialized_end=762
-  _globals['_STATEPART']._serialized_start=764
-  _globals['_STATEPART']._serialized_end=867
-  _globals['_STATEHEADER']._serialized_start=870
-  _globals['_STATEHEADER']._serialized_end=1013
-  _globals['_PEER']._serialized_start=1016
-  _globals['_PEER']._serialized_end=1213
+  _globals['_CONTRIBUTIONCHUNK']._serialized_end=196
+  _globals['_PUSHREPLY']._serialized_start=198
+  _globals['_PUSHREPLY']._serialized_end=254
+  _globals['_PULLMEANREQUEST']._serialized_start=256
+  _globals['_PULLMEANREQUEST']._serialized_end=366
+  _globals['_MEANPART']._serialized_start=368
+  _globals['_MEANPART']._serialized_end=474
+  _globals['_MEANHEADER']._serialized_start=476
+  _globals['_MEANHEADER']._serialized_end=603
+  _globals['_MEANCHUNKHEADER']._serialized_start=605
+  _globals['_MEANCHUNKHEADER']._serialized_end=723
+  _globals['_PULLSTATEREQUEST']._serialized_start=725
+  _globals['_PULLSTATEREQUEST']._serialized_end=778
+  _globals['_STATEPART']._serialized_start=780
+  _globals['_STATEPART']._serialized_end=883
+  _globals['_STATEHEADER']._serialized_start=886
+  _globals['_STATEHEADER']._serialized_end=1029
+  _globals['_PEER']._serialized_start=1032
+  _globals['_PEER']._serialized_end=1229
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("round", "bucket", "chunk", "offset", "numel", "codec", "sender", "payload")
+    __slots__ = ("round", "bucket", "chunk", "offset", "numel", "codec", "sender", "payload", "tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ContributionChunk(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     bucket: int
     chunk: int
@@ -24,7 +25,8 @@ class ContributionChunk(_message.Message):
     codec: str
     sender: str
     payload: bytes
-    def __init__(self, round: _Optional[int] = ..., bucket: _Optional[int] = ..., chunk: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., sender: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    tokens: int
+    def __init__(self, round: _Optional[int] = ..., bucket: _Optional[int] = ..., chunk: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., codec: _Optional[str] = ..., sender: _Optional[str] = ..., payload: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("num_accepted", "payload_bytes")

@@ -1,0 +1,279 @@
+"""Sites of different speed (issue 34): wall-clock time to a fixed validation loss.
+
+4 ``dtrain worker`` processes + one ``dtrain rendezvous`` on 127.0.0.1 (gRPC) train the
+built-in byte-level GPT; one site (site-3) runs at a share of the others' speed (``slowdown``:
+each of its inner steps, emulated compute included, stretched to 1/share of its time, the
+worker's ``--slowdown``, which ``dtrain launch --site-slowdown 3=SHARE --slowdown-by stretch``
+sets; stretch and not the cgroup cap because 4 workers on this 2-core machine get less than
+their cap anyway, see dtrain/app/slowdown.py). Each inner step also sleeps ``compute_s``
+(emulated compute, no CPU): rounds are long enough that the exchange is a small part, as on
+real hardware. Configurations:
+
+* ``lockstep``: H inner steps a round everywhere (today's behaviour): the fast sites wait for
+  the slow one every round.
+* ``straggler cut``: the same, with a quorum timeout short enough that the slow site misses
+  every quorum: it is cut as a straggler and resyncs (its steps thrown away).
+* ``time + weighted``: time-based rounds (``round_window_s`` = H fast steps' time; H the bound)
+  with token-weighted means: every site trains what fits in the window.
+* ``homogeneous``: a reference of 4 sites of equal speed with the same total throughput
+  ((3 + share) / 4 each), lockstep.
+
+Measured per run: the wall time from the end of site-0's round 0 (after every process's
+start-up) to the first round whose validation loss (θ, the same on every site) is at or
+below ``target_loss``; rounds to it; the slow site's steps per round. A run stops there
+(its processes killed), or after ``rounds``; θ must agree after every round all sites applied.
+
+Usage (from the repository root)::
+
+    .venv/bin/python -m experiments run heterogeneous --mode quick   # half and quarter speed, 2 seeds
+    .venv/bin/python -m experiments run heterogeneous --mode smoke --out /tmp/x --results none
+
+Writes ``OUT/heterogeneous[_MODE].csv``, ``..._rounds.csv``, a plot and its RESULTS.md section.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.app.procs import Cluster
+from experiments.common import RunResult, fmt_pm, md_table, mean_std, save_fig, subplots, summarize
+from experiments.lab import Point, Spec
+
+LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+MODE, SHARE, COMPUTE, TARGET = "hetero.mode", "hetero.share", "hetero.compute_s", "hetero.target_loss"
+
+RENDEZVOUS = {
+    "heartbeat_interval_s": 0.25,
+    "heartbeat_timeout_s": 3.0,
+    "reduce_timeout_s": 3.0,
+    "broadcast_timeout_s": 6.0,
+    "min_sites": 2,
+}
+STEP_S = 0.008  # the tiny model's own inner step on this machine under load (s), besides compute_s
+WORKER = dict(codec="int8", bucket_bytes=65536, chunk_bytes=16384, linger_s=2, quorum_wait_s=120)
+
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        seeds=[0],
+        fixed={SITES: 2, SIZE: "tiny", H: 6, ROUNDS: 2, COMPUTE: 0.005, TARGET: 5.0},
+        grid={MODE: [TIMED], SHARE: [0.5]},
+    ),
+    "quick": dict(
+        seeds=[0, 1],
+        fixed={SITES: 4, SIZE: "tiny", H: 20, ROUNDS: 40, COMPUTE: 0.05, TARGET: 2.65},
+        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+    ),
+    "full": dict(
+        seeds=[0, 1, 2],
+        fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 60, COMPUTE: 0.05, TARGET: 2.3},
+        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+    ),
+}
+
+
+def _site_options(f: dict[str, Any], seed: int, i: int) -> dict[str, Any]:
+    """Worker options of site ``i`` (the last site is the slow one)."""
+    n, mode, share = f[SITES], f[MODE], f[SHARE]
+    opts: dict[str, Any] = dict(size=f[SIZE], seed=seed, rounds=f[ROUNDS], sync_every=f[H], **WORKER)
+    opts["inner_step_sleep_s"] = f[COMPUTE]
+    if mode == HOMO:
+        opts["slowdown"] = (n - 1 + share) / n
+    elif i == n - 1:
+        opts["slowdown"] = share
+    if mode == TIMED:
+        # the fast sites' H steps: compute_s plus the tiny model's own step (~8 ms measured under load)
+        opts["diloco.round_window_s"] = f[H] * (f[COMPUTE] + STEP_S)
+        opts["sync_every"] = 2 * f[H]  # the bound
+        opts["token_weighted"] = True
+    return opts
+
+
+def run_hetero(point: Point) -> RunResult:
+    """One run of the point's configuration; see the module docstring."""
+    f, n = point.settings, point.settings[SITES]
+    # the slow site is cut when the others wait at most 0.3 of its extra time for it
+    extra_s = f[H] * (f[COMPUTE] + STEP_S) * (1 / f[SHARE] - 1)
+    quorum = 0.3 * extra_s if f[MODE] == CUT else 30.0
+    with tempfile.TemporaryDirectory(prefix="dtrain-hetero-") as d:
+        run = Cluster(Path(d), num_sites=n, timeout_s=600)
+        t0 = time.monotonic()
+        try:
+            run.start_rendezvous(**{"initial_sites": n, "quorum_timeout_s": quorum, **RENDEZVOUS})
+            for i in range(n):
+                run.start_site(i, **_site_options(f, point.seed, i))
+            run.wait(lambda: _done(run, n, f[TARGET]), "the target loss or the sites to finish", poll_s=0.5)
+        finally:
+            run.close()
+        wall = time.monotonic() - t0
+        per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(n)}
+    return _measure(point, per_site, wall)
+
+
+def _done(run: Cluster, n: int, target: float) -> bool:
+    """Every site finished, or site-0 reported a round at or below the target (the run stops there)."""
+    if all(run.procs[f"site-{i}"].poll() is not None for i in range(n)):
+        return True
+    return any(x.get("event") == "round" and (x.get("val_loss") or math.inf) <= target for x in run.lines(0))
+
+
+def _measure(point: Point, per_site: dict[int, list[dict[str, Any]]], wall: float) -> RunResult:
+    f, n = point.settings, point.settings[SITES]
+    site0, slow = per_site[0], per_site[n - 1]
+    t_ref = site0[0]["time"] if site0 else math.nan
+    reached = next((x for x in site0 if x.get("val_loss") is not None and x["val_loss"] <= f[TARGET]), None)
+    applied_slow = [x for x in slow if x["status"] == "applied"]
+    row = point.row(
+        num_sites=n,
+        sync_every=f[H],
+        codec=WORKER["codec"],
+        first_val_loss=site0[0]["val_loss"] if site0 else math.nan,
+        final_val_loss=site0[-1]["val_loss"] if site0 else math.nan,
+        rounds_done=len(site0),
+        time_to_target_s=(reached["time"] - t_ref) if reached else math.nan,
+        rounds_to_target=reached["round"] if reached else -1,
+        wall_s=wall,
+        bytes_total=sum(x.get("bytes_sent", 0) for xs in per_site.values() for x in xs),
+        bytes_per_round_site=sum(x.get("bytes_sent", 0) for xs in per_site.values() for x in xs)
+        / max(1, len(site0))
+        / n,
+        sync_s=sum(x["sync_s"] for x in site0),
+        stale_buckets=sum(x.get("stale_buckets", 0) for xs in per_site.values() for x in xs),
+        rejected=sum(sum((x.get("rejected") or {}).values()) for xs in per_site.values() for x in xs),
+        slow_rounds_applied=len(applied_slow),
+        slow_steps_per_round=sum(x.get("round_steps") or 0 for x in applied_slow) / max(1, len(applied_slow)),
+        fast_steps_per_round=sum(x.get("round_steps") or 0 for x in site0) / max(1, len(site0)),
+        consistent=_consistent(per_site),
+    )
+    rounds = [
+        {
+            "experiment": point.experiment,
+            "config": point.config,
+            "seed": point.seed,
+            "round": x["round"],
+            "t_s": x["time"] - t_ref,
+            "val_loss": x.get("val_loss"),
+            "round_steps": x.get("round_steps"),
+        }
+        for x in site0
+    ]
+    return RunResult(row=row, rounds=rounds)
+
+
+def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
+    """θ's checksum is the same at every site that applied a round, for every round (a run is
+    stopped at the target, so the sites' last lines may be of different rounds; a site cut as a
+    straggler applies none)."""
+    by_round: dict[int, set[str]] = {}
+    for xs in per_site.values():
+        for x in xs:
+            if x["status"] == "applied":
+                by_round.setdefault(x["round"], set()).add(x["checksum"])
+    return bool(by_round) and all(len(cs) == 1 for cs in by_round.values())
+
+
+def _se(xs: list[float]) -> float:
+    m, s = mean_std(xs)
+    good = [x for x in xs if not math.isnan(x)]
+    return s / math.sqrt(len(good)) if good else math.nan
+
+
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    table, verdicts = [], []
+    by_share = summarize(rows, key=SHARE)
+    for share, group in by_share.items():
+        t = {c: [r["time_to_target_s"] for r in rs] for c, rs in summarize(group, key=MODE).items()}
+        for c, rs in summarize(group, key=MODE).items():
+            ts = t[c]
+            m, _ = mean_std(ts)
+            reached_all = not any(math.isnan(x) for x in ts)
+            table.append(
+                [
+                    f"{share:g}",
+                    c,
+                    f"{m:.1f} ± {_se(ts):.1f}" if reached_all else "not reached by every seed",
+                    f"{sum(1 for x in ts if not math.isnan(x))}/{len(ts)}",
+                    fmt_pm([r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0], "{:.1f}"),
+                    fmt_pm([r["final_val_loss"] for r in rs], "{:.3f}"),
+                    fmt_pm([r["slow_steps_per_round"] for r in rs], "{:.1f}"),
+                    fmt_pm([r["slow_rounds_applied"] for r in rs], "{:.1f}"),
+                    "yes" if all(r["consistent"] for r in rs) else "NO",
+                ]
+            )
+        # a configuration with a seed that did not reach the target has no mean time: no verdict on it
+        a, c, h = (
+            mean_std(t[k])[0] if k in t and not any(math.isnan(x) for x in t[k]) else math.nan
+            for k in (LOCKSTEP, TIMED, HOMO)
+        )
+        if any(k in t and any(math.isnan(x) for x in t[k]) for k in (LOCKSTEP, TIMED, HOMO)):
+            verdicts.append(f"share {share:g}: a seed did not reach the target within the rounds run: no verdict")
+        if not any(math.isnan(x) for x in (a, c)):
+            ok = a / c >= 1.5
+            verdicts.append(
+                f"share {share:g}: time + weighted reaches the loss {a / c:.2f}x sooner than lockstep "
+                f"(target >= 1.5x): {'met' if ok else 'NOT met'}"
+            )
+        if not any(math.isnan(x) for x in (c, h)):
+            ok = c <= 1.15 * h
+            verdicts.append(
+                f"share {share:g}: time + weighted takes {c / h:.2f}x the homogeneous reference's time "
+                f"(target <= 1.15x): {'met' if ok else 'NOT met'}"
+            )
+    head = [
+        "slow share",
+        "configuration",
+        "time to target (s, mean ± SE)",
+        "reached",
+        "rounds to target",
+        "val loss at stop",
+        "slow site steps/round",
+        "slow site rounds applied",
+        "θ agrees",
+    ]
+    return md_table(head, table), verdicts
+
+
+def plot(rounds: list[dict[str, Any]], prefix: Path) -> Path:
+    fig, ax = subplots(figsize=(7, 4))
+    for c, rs in summarize(rounds).items():
+        seed0 = [r for r in rs if r["seed"] == rs[0]["seed"]]
+        if not seed0:
+            continue
+        ax.plot([r["t_s"] for r in seed0], [r["val_loss"] for r in seed0], marker=".", label=c)
+    ax.set_xlabel("wall time since site-0's round 0 (s)")
+    ax.set_ylabel("validation loss (site-0, first seed)")
+    ax.legend(fontsize=7)
+    return save_fig(fig, prefix.with_name(prefix.name + ".png"))
+
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    png = plot(rounds, prefix)
+    return f"""Setup: {f[SITES]} `dtrain worker` processes + one `dtrain rendezvous` on 127.0.0.1 (gRPC, int8),
+built-in GPT `{f[SIZE]}`, H = {f[H]}, {f[ROUNDS]} rounds, each inner step followed by {f[COMPUTE]:g} s of emulated
+compute; the last site at the given share of the others' speed (its steps stretched, `--slowdown`); the homogeneous
+reference runs every site at (n - 1 + share) / n. Time-based rounds: a window of H x ({f[COMPUTE]:g} + {STEP_S}) s,
+at most 2H steps, token-weighted means. Time to target: from site-0's round-0 line (every process started) to its
+first round with validation loss <= {f[TARGET]:g}; mean ± standard error over seeds {m["seeds"]}. The rows
+per share cover different claims: "slow site rounds applied" below the rounds run means it was cut and resynced.
+CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+
+{analyse(rows)[0]}"""
+
+
+SPEC = Spec(
+    name="heterogeneous",
+    title="Sites of different speed",
+    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one run's processes share the cores
+    label=lambda point: f"{point[MODE]}, share {point[SHARE]:g}",
+    columns=lambda point: {"share": point[SHARE]},
+    metrics=(("final_val_loss", 0.0, 10.0), ("wall_s", 0.0, 3600.0), ("rounds_done", 1, 1000)),
+    report=report,
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
+    execute=run_hetero,
+    paths=(MODE, SHARE, COMPUTE, TARGET),
+)

@@ -1,0 +1,254 @@
+"""Token-weighted means (AggregationConfig.token_weighted, issue 34): equal claims give bit for
+bit today's mean, the weighted mean is unbiased under random loss, an oversized claim is
+refused and counted, and the combinations that cannot work are refused at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+import torch
+
+from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision, mean_factor, partial_mean
+from dtrain.errors import RejectCode, Rejected
+from dtrain.protocol import Contribution, Member, RoundPlan
+from dtrain.rounds.owner import OpenRound
+
+pytestmark = pytest.mark.timeout(60)
+
+T0 = 100.0
+CHUNKS = [((0, 5), (5, 5), (10, 3))]  # one bucket of three chunks, owned by "a"
+SENDERS = ("a", "b", "c", "d")
+
+
+def _round(tokens: int = 0, members=SENDERS, **agg) -> OpenRound:
+    plan = RoundPlan(
+        round=7,
+        members=tuple(Member(site_id=s, address=f"inproc:{i}") for i, s in enumerate(members)),
+        reduce_timeout_s=10.0,
+        broadcast_timeout_s=20.0,
+    )
+    return OpenRound(
+        plan=plan,
+        owners=["a"],
+        site_id="a",
+        chunks=CHUNKS,
+        aggregation=AggregationConfig(**agg),
+        opened_at=T0,
+        tokens=tokens,
+    )
+
+
+def _contribution(sender: str, chunk: int, tokens: int) -> Contribution:
+    off, n = CHUNKS[0][chunk]
+    return Contribution(
+        round=7, bucket=0, chunk=chunk, offset=off, numel=n, codec="fp32", sender=sender, payload=b"", tokens=tokens
+    )
+
+
+def _digest(v: torch.Tensor) -> bytes:
+    return hashlib.blake2b(v.numpy().tobytes(), digest_size=16).digest()
+
+
+def _feed(o: OpenRound, values: dict[tuple[str, int], torch.Tensor], tokens: dict[str, int], order) -> None:
+    """Check and accept each (sender, chunk) in ``order`` as the round engine does."""
+    for s, c in order:
+        o.check(_contribution(s, c, tokens.get(s, 0)))
+        v = values[(s, c)]
+        assert o.accept(s, 0, c, v, _digest(v), now=T0 + 1) is True
+
+
+def _means(o: OpenRound) -> list[torch.Tensor | None]:
+    o.close([0])
+    return [r.mean for r in o.finalize(0)]
+
+
+def _values(seed: int) -> dict[tuple[str, int], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {(s, c): torch.randn(n, generator=g) * 3 for s in SENDERS for c, (_, n) in enumerate(CHUNKS[0])}
+
+
+@pytest.mark.parametrize("robust", [{}, {"norm_bound_ratio": 3.0}, {"max_norm": 100.0}])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_equal_claims_give_bit_identical_means(seed: int, robust: dict) -> None:
+    """Equal claims: every factor is 1.0 exactly, so the sums, divisors and means are today's,
+    whatever the arrival order and whichever chunks were lost."""
+    values = _values(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    order = [(s, c) for s in SENDERS for c in range(3)]
+    order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+    order = [x for x in order if not (x[0] == "c" and x[1] == 1) and x != ("d", 2)]  # two chunks lost
+    plain = _round(**robust)
+    _feed(plain, values, {}, order)
+    weighted = _round(tokens=512, token_weighted=True, **robust)
+    _feed(weighted, values, dict.fromkeys(SENDERS, 512), order)
+    assert weighted.weights == dict.fromkeys(SENDERS, 1.0)
+    for want, got in zip(_means(plain), _means(weighted)):
+        assert torch.equal(want, got)  # bit for bit
+
+
+def test_weighted_mean_is_sum_of_w_delta_over_sum_of_w_when_all_arrive() -> None:
+    values = _values(5)
+    tokens = {"a": 100, "b": 300, "c": 50, "d": 200}
+    o = _round(tokens=100, token_weighted=True)
+    _feed(o, values, tokens, [(s, c) for s in reversed(SENDERS) for c in range(3)])
+    assert o.claims == tokens and o.weights == {"a": 1.0, "b": 3.0, "c": 0.5, "d": 2.0}
+    for c, got in enumerate(_means(o)):
+        want = sum(tokens[s] * values[(s, c)].double() for s in SENDERS) / sum(tokens.values())
+        assert torch.allclose(got.double(), want, atol=1e-6)
+    # the robust path (every contribution held, norm bound at finalize) gives the same mean
+    r = _round(tokens=100, token_weighted=True, norm_bound_ratio=10.0)
+    _feed(r, values, tokens, [(s, c) for s in SENDERS for c in range(3)])
+    for c, got in enumerate(_means(r)):
+        want = sum(tokens[s] * values[(s, c)].double() for s in SENDERS) / sum(tokens.values())
+        assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_weighted_mean_is_unbiased_under_random_drops() -> None:
+    """Each sender's chunk arrives independently with probability 0.6 (fixed seed, 6,000
+    trials): the owner's mean Σ fᵢΔᵢ / (k·f̄) averages to Σ wᵢΔᵢ / Σ wᵢ within 4 standard
+    errors per element, while the ratio Σ fᵢΔᵢ / Σ fᵢ over the arrived misses it (so the
+    test can tell the two apart)."""
+    weights = {"a": 1.0, "b": 8.0, "c": 0.5, "d": 2.0}  # the factors of claims 100, 800, 50, 200
+    delta = {"a": torch.tensor([0.0, 1.0, -2.0]), "b": torch.tensor([1.0, 0.0, 4.0])}
+    delta |= {"c": torch.tensor([-3.0, 2.0, 0.0]), "d": torch.tensor([2.0, -1.0, 1.0])}
+    target = sum(weights[s] * delta[s].double() for s in SENDERS) / sum(weights.values())
+    g = torch.Generator().manual_seed(34)
+    ours, ratio = [], []
+    for _ in range(6000):
+        arrived = [s for s, keep in zip(SENDERS, (torch.rand(4, generator=g) < 0.6).tolist()) if keep]
+        if not arrived:
+            continue
+        acc = BucketAccumulator([3], AggregationConfig(token_weighted=True), order=SENDERS, weights=weights)
+        for s in arrived:
+            acc.add(s, 0, delta[s], _digest(delta[s]))
+        ((mean, senders, _),) = acc.finalize()
+        assert senders == tuple(arrived)
+        ours.append(mean.double())
+        ratio.append(sum(weights[s] * delta[s].double() for s in arrived) / sum(weights[s] for s in arrived))
+    ours_t, ratio_t = torch.stack(ours), torch.stack(ratio)
+    se = ours_t.std(dim=0) / len(ours) ** 0.5
+    assert ((ours_t.mean(dim=0) - target).abs() < 4 * se).all(), (ours_t.mean(dim=0), target, se)
+    ratio_se = ratio_t.std(dim=0) / len(ratio) ** 0.5
+    assert ((ratio_t.mean(dim=0) - target).abs() > 4 * ratio_se).any()  # the ratio is biased here
+
+
+def test_oversized_claim_is_refused_on_every_chunk_and_counted() -> None:
+    o = _round(tokens=100, token_weighted=True, max_weight_ratio=4.0)
+    o.check(_contribution("b", 0, 300))  # within 4 x the median (100)
+    o.check(_contribution("c", 0, 100))
+    with pytest.raises(Rejected) as e:
+        o.check(_contribution("d", 0, 500))  # above 4 x median(100, 300, 100) = 400
+    assert e.value.code == RejectCode.INVALID_ARGUMENT
+    assert "500 tokens, above max_weight_ratio 4 x the median claim 100" in e.value.reason
+    o.reject("d", e.value.code, e.value.reason)
+    with pytest.raises(Rejected, match="above max_weight_ratio"):  # its next chunk: refused alike
+        o.check(_contribution("d", 1, 500))
+    o.reject("d", RejectCode.INVALID_ARGUMENT, "again")
+    assert set(o.refused_claims) == {"d"} and "d" not in o.claims and "d" in o.faulty_senders
+    assert o.rejections.by_code() == {"INVALID_ARGUMENT": 2}
+    with pytest.raises(Rejected, match="claims 301 tokens, 300 on its earlier chunks"):
+        o.check(_contribution("b", 1, 301))  # a claim cannot change within a round
+    with pytest.raises(Rejected, match="needs a claim > 0"):
+        _round(token_weighted=True).check(_contribution("b", 0, 0))
+
+
+def test_claim_decision_rule() -> None:
+    assert claim_decision(10**9, [], 4.0)[0]  # nothing to compare with: accepted
+    assert claim_decision(10**9, [5], 4.0)[0]  # one claim is one site's word (a slow owner's own)
+    assert claim_decision(400, [100, 100], 4.0)[0]
+    ok, why = claim_decision(401, [100, 100], 4.0)
+    assert not ok and "401 tokens, above max_weight_ratio 4 x the median claim 100 of the round (400)" in why
+    assert claim_decision(250, [50, 60, 1000], 4.0)[0] is False  # median 60, not the mean
+    assert claim_decision(0, [100], 4.0)[0] is False and claim_decision(True, [], 4.0)[0] is False
+
+
+def test_mean_factor_and_partial_mean_unweighted_unchanged() -> None:
+    assert mean_factor(None) == 1.0 and mean_factor({}) == 1.0 and mean_factor({"a": 1.0, "b": 3.0}) == 2.0
+    vals = {s: torch.randn(6, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(SENDERS)}
+    cfg = AggregationConfig()
+    plain, _, _ = partial_mean(vals, cfg)
+    same, _, _ = partial_mean(vals, cfg, dict.fromkeys(SENDERS, 1.0))
+    assert torch.equal(plain, same)
+
+
+def test_refused_combinations_say_why() -> None:
+    with pytest.raises(ValueError, match="token_weighted cannot be combined with trim_fraction"):
+        AggregationConfig(token_weighted=True, trim_fraction=0.1)
+    with pytest.raises(ValueError, match="token_weighted cannot be combined with sparse_mean"):
+        AggregationConfig(token_weighted=True, sparse_mean=True)
+    with pytest.raises(ValueError, match="max_weight_ratio must be a finite number >= 1"):
+        AggregationConfig(token_weighted=True, max_weight_ratio=0.5)
+    from dtrain.app.config import NetConfig, WorkerConfig
+    from dtrain.configs import RoundConfig
+
+    cfg = WorkerConfig()
+    rounds = RoundConfig(aggregation=AggregationConfig(token_weighted=True))
+    with pytest.raises(ValueError, match="token_weighted needs net.data_path 'grpc'"):
+        dataclasses.replace(
+            cfg,
+            diloco=dataclasses.replace(cfg.diloco, rounds=rounds),
+            net=dataclasses.replace(NetConfig(), data_path="datagram"),
+        )
+
+
+def test_grpc_wire_carries_the_claim() -> None:
+    from dtrain.transports.grpc_wire import decode_contribution, encode_contribution
+
+    c = dataclasses.replace(_contribution("b", 1, 4096), payload=b"\x01\x02\x03")
+    assert decode_contribution(encode_contribution(c)) == c
+
+
+def test_window_steps_rule() -> None:
+    from dtrain.streaming import window_steps
+
+    assert window_steps(window_s=10.0, step_s=0.1, done=1, max_steps=500)[0] == 100
+    assert window_steps(window_s=10.0, step_s=0.2, done=1, max_steps=500)[0] == 50  # half speed: half the steps
+    n, why = window_steps(window_s=10.0, step_s=0.01, done=1, max_steps=500)
+    assert n == 500 and "1000 steps of 10.0 ms fit in 10 s, clamped to [1, 500]" == why
+    assert window_steps(window_s=1.0, step_s=5.0, done=1, max_steps=500)[0] == 1  # at least one step
+    assert window_steps(window_s=1.0, step_s=0.1, done=20, max_steps=500)[0] == 20  # never below what is done
+
+
+def test_time_based_rounds_config() -> None:
+    from dtrain.configs import DiLoCoConfig
+
+    assert DiLoCoConfig(round_window_s=30.0).round_window_s == 30.0
+    with pytest.raises(ValueError, match="round_window_s must be None"):
+        DiLoCoConfig(round_window_s=0.0)
+    with pytest.raises(ValueError, match="cannot be combined with streaming rounds"):
+        DiLoCoConfig(round_window_s=30.0, sync_every=8, num_fragments=2)
+    with pytest.raises(ValueError, match="tokens_per_step must be an int >= 1"):
+        DiLoCoConfig(tokens_per_step=0)
+
+
+def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
+    """Time-based rounds in a site group: rank 0 decides the phase's step count from its own
+    step time and broadcasts it; rank j > 0 takes it whatever its own clock says, once a phase."""
+    from dtrain.configs import DiLoCoConfig
+    from dtrain.diloco import DiLoCo
+
+    class Comm:  # rank 1 of 2: a broadcast answers rank 0's value
+        def __init__(self, rank: int, rank0_value=None) -> None:
+            self.rank, self.sent, self.rank0_value = rank, [], rank0_value
+
+        def broadcast(self, obj, *, round: bool = False):
+            self.sent.append(obj)
+            return obj if self.rank == 0 else self.rank0_value
+
+    def rank(r: int, comm: Comm) -> DiLoCo:
+        d = DiLoCo.__new__(DiLoCo)  # only the phase decision's state: no model, no rendezvous
+        d.config, d.rank, d.comm = DiLoCoConfig(sync_every=100, round_window_s=1.0), r, comm
+        d.step_s, d.phase_reason, d._phase_target = None, "", None
+        return d
+
+    r0 = rank(0, Comm(0))
+    assert r0.phase_target(1, 0.02) == 50  # 1 s / 20 ms
+    decided = r0.comm.sent[0]
+    r1 = rank(1, Comm(1, rank0_value=decided))
+    assert r1.phase_target(1, 0.5) == 50 and r1.comm.sent == [None]  # rank 1's own 0.5 s step is not used
+    assert r1.phase_target(7, 9.0) == 50 and len(r1.comm.sent) == 1  # once per phase
+    r0.note_phase(50, 2.0)  # the phase took 40 ms a step: the next phase plans with it
+    r0._phase_target = None
+    assert r0.phase_target(1, 0.02) == int(1.0 / (0.3 * 0.02 + 0.7 * 0.04))
