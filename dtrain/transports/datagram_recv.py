@@ -69,6 +69,7 @@ def _contribution(rs: RoundState, h: Header, payload: bytes) -> Contribution:
         codec=CODEC_WIRE_NAMES[h.codec],
         sender=rs.site_ids[h.sender],
         payload=payload,
+        tokens=0,  # no token claim on the datagram path (token weighting is refused with it at start)
     )
     return c
 

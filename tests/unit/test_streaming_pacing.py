@@ -68,7 +68,7 @@ def _deferred():
 def test_streaming_sync_passes_a_window_with_overlap_and_none_when_blocking():
     windows: list[float | None] = []
 
-    def sync(tensors, *, buckets, fragment, pace_window_s):
+    def sync(tensors, *, buckets, fragment, pace_window_s, tokens=0):
         windows.append(pace_window_s)
         return _deferred()
 
