@@ -650,10 +650,25 @@ def _stamp_of(body: str) -> str:
     return f"commit `{commit[1]}{commit[2] or ''}`, {date[1] if date else 'undated'}"
 
 
+def _headline(body: str) -> str:
+    """A section's headline: its ``Headline:`` line (a hand-written section names its current
+    figure so), else its first verdict line (``- ...``), else its first line with a bold verdict."""
+    lines = body.splitlines()
+    for pick in (
+        lambda ln: ln[len("Headline:") :].strip() if ln.startswith("Headline:") else "",
+        lambda ln: ln[2:].strip() if ln.startswith("- ") else "",
+        lambda ln: ln.strip() if "**" in ln and not ln.startswith(("|", "Provenance", "Command")) else "",
+    ):
+        found = next((x for x in map(pick, lines) if x), "")
+        if found:
+            return found
+    return ""
+
+
 def with_index(text: str) -> str:
     """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: one line per
     ``## `` section, linked, with the commit and date its stamp names (``no stamp`` where none
-    does: a section to rerun or to remove), and the first verdict line (``- ...``) of its body."""
+    does: a section to rerun or to remove), and its headline (:func:`_headline`)."""
     if INDEX_BEGIN in text and INDEX_END in text:
         head, rest = text.split(INDEX_BEGIN, 1)
         text = head.rstrip("\n") + "\n\n" + rest.split(INDEX_END, 1)[1].lstrip("\n")
@@ -662,7 +677,7 @@ def with_index(text: str) -> str:
     for part in parts[1:]:
         title, _, body = part.partition("\n")
         body = body.split("<!-- end ", 1)[0]
-        verdict = next((ln[2:].strip() for ln in body.splitlines() if ln.startswith("- ")), "")
+        verdict = _headline(body)
         verdict = verdict if len(verdict) <= 160 else verdict[:157] + "..."
         lines.append(f"| [{title}](#{_anchor(title)}) | {_stamp_of(body)} | {verdict} |")
     index = "\n".join(
