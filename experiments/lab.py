@@ -68,6 +68,8 @@ SPECS = (
     "streaming",
     "wan_sweep",
     "datagram_vs_grpc",
+    "reliability",
+    "netem_udp_ceiling",
 )
 MODES = ("smoke", "quick", "full")
 
