@@ -61,6 +61,8 @@ __all__ = [
     "load_meta",
     "summarize",
     "mean_std",
+    "mean_se",
+    "pct_deltas",
     "fmt_pm",
     "md_table",
     "update_results",
@@ -431,6 +433,12 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error (inf below two values: no spread measured); NaNs dropped."""
+    mu, sd = mean_std(xs)
+    return mu, (sd / math.sqrt(len(xs)) if len(xs) > 1 else float("inf"))
+
+
 def fmt_pm(xs: Sequence[float], fmt: str = "{:.4f}", scale: float = 1.0) -> str:
     """``"mean ± std"`` of ``xs`` times ``scale`` (a sign in ``fmt`` applies to the mean only)."""
     m, s = mean_std(xs)
@@ -451,6 +459,12 @@ def paired_deltas(
     """``row[metric] − base_row[metric]`` for the base row with the same seed."""
     by_seed = {b["seed"]: float(b[metric]) for b in base}
     return [float(r[metric]) - by_seed[r["seed"]] for r in rows if r["seed"] in by_seed]
+
+
+def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
+    """100·(final val loss / the base row's of the same seed − 1), per row whose seed the base has."""
+    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
+    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -50,9 +50,11 @@ from experiments.common import (
     RunSpec,
     base_parser,
     load_meta,
+    mean_se,
     mode_of,
     mode_settings,
     out_prefix,
+    pct_deltas,
     publish,
     quiet_logging,
     read_rows,
@@ -74,8 +76,6 @@ from experiments.convergence_labels import (
     SPARSE,
     diloco_label,
     fault_rows,
-    mean_se,
-    pct_deltas,
 )
 from experiments.convergence_report import report
 from experiments.diloco_sanity import run_ddp
