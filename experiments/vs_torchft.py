@@ -75,6 +75,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dtrain.app.procs import Proc, child_env, spawn
+from experiments.procs import free_port
 from experiments.vs_torchft_analysis import _lines, analyse
 from experiments.vs_torchft_outputs import write_outputs
 from experiments.vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name
@@ -125,12 +126,6 @@ def _kill_all() -> None:
 
 def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout_s: float, what: str, procs: list[Child] = ()):
@@ -293,7 +288,7 @@ def _start_coordinator(spec: RunSpec, run_dir: Path, net: _Net, children: dict[s
             [children["rendezvous"]],
         )
     else:
-        port = _free_port() if net.topo is None else 29510
+        port = free_port() if net.topo is None else 29510
         lh = str(Path(py).parent / "torchft_lighthouse")
         argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
         children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
