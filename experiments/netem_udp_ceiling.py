@@ -5,7 +5,7 @@ for every site, by the compiled delayer (``netem/delayer.c``, backend ``nfqueue-
 Python fallback (``netem/_agent.py``, one callback per packet, ``nfqueue-userspace``), and
 the rate by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands
 the kernel 64 KB at once, so the delayer's packets/s can bound the datagram path before
-the 100 Mbit/s cap does. This script measures that bound, per delayer (``--delayers``;
+the 100 Mbit/s cap does. This script measures that bound, per delayer (``--set netem.delayers=...``;
 quick and full measure both in one sitting, the load average next to each row).
 
 Per setting, ``--pairs`` sender processes (site i -> site (i + 1) mod N, each in its own
@@ -40,11 +40,11 @@ from typing import Any, Sequence
 
 DATAGRAM_BYTES = 1400
 PORT = 47000
-# --delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
+# netem.delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
 DELAYER_ENV = {"c": "auto", "python": "python"}
 DELAYER, DELAYERS = "netem.delayer", "netem.delayers"
 #: the spec's settings by path -> the names ``one`` and ``sweep`` read
-LEGACY = {
+NAMES = {
     "num_sites": "netem.num_sites",
     "pairs": "netem.pairs",
     "delay": "netem.delay_ms",
@@ -332,7 +332,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
 def run_point(point: Point) -> list[RunResult]:
     """One topology, its links walked without delay (``config`` "no delay") or through one
     delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
-    m = {k: point.settings[p] for k, p in LEGACY.items()}
+    m = {k: point.settings[p] for k, p in NAMES.items()}
     delayer = point.settings[DELAYER]
     wanted = point.settings[DELAYERS]
     if not wanted or set(wanted) - set(DELAYER_ENV):
@@ -346,7 +346,7 @@ def run_point(point: Point) -> list[RunResult]:
 
 
 def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
-    f = {k: m["fixed"][p] for k, p in LEGACY.items()}
+    f = {k: m["fixed"][p] for k, p in NAMES.items()}
     return f"""Setup: {f["num_sites"]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
 (site i -> site i+1), one receiver process per destination, {f["seconds"]:g} s per point. "delay": {f["delay"]:g} ms
 one way on every site (every packet through an NFQUEUE delayer: "nfqueue-c" is the compiled one,
@@ -368,7 +368,7 @@ SPEC = Spec(
             "jobs": 1,
             # "no delay" first, on a topology of its own; then each delayer's delayed links
             "grid": [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)],
-            "fixed": {LEGACY[k]: v[k] for k in LEGACY if k in v} | {DELAYERS: v["delayers"]},
+            "fixed": {NAMES[k]: v[k] for k in NAMES if k in v} | {DELAYERS: v["delayers"]},
         }
         for mode, v in MODES.items()
     },
@@ -378,6 +378,6 @@ SPEC = Spec(
     report=report,
     verdict=lambda rows, rounds, m: [],  # the ceilings are the report's second table
     execute=run_point,
-    paths=(*LEGACY.values(), DELAYER, DELAYERS),
+    paths=(*NAMES.values(), DELAYER, DELAYERS),
     netem=True,
 )

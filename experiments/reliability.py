@@ -186,6 +186,7 @@ def run_point(point: Point) -> list[RunResult]:
                 kept = Path(tempfile.gettempdir()) / f"reliability-failed-{profile}-{i}-{os.getpid()}"
                 shutil.copytree(run, kept)
                 row["kept"] = str(kept)
+            print(f"reliability {profile} run {i}: exit {row['exit_code']}, equal {row['equal_at_end']}", flush=True)
             out.append(RunResult(row=row))
         return out
 
