@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from experiments import bench
+from experiments.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]
     procs, outs = [], []
     try:
         for site in range(2):
-            port = _free_port()
+            port = free_port()
             for rank in range(num_ranks):
                 out = tmp / f"k{num_ranks}-s{site}-r{rank}.json"
                 outs.append(out)
@@ -162,14 +163,6 @@ def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]
                 p.kill()
         server.stop(0)
     return [json.loads(o.read_text()) for o in outs]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarise(runs: list[dict]) -> dict:

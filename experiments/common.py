@@ -61,6 +61,8 @@ __all__ = [
     "load_meta",
     "summarize",
     "mean_std",
+    "mean_se",
+    "pct_deltas",
     "fmt_pm",
     "md_table",
     "update_results",
@@ -431,6 +433,12 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error (inf below two values: no spread measured); NaNs dropped."""
+    mu, sd = mean_std(xs)
+    return mu, (sd / math.sqrt(len(xs)) if len(xs) > 1 else float("inf"))
+
+
 def fmt_pm(xs: Sequence[float], fmt: str = "{:.4f}", scale: float = 1.0) -> str:
     """``"mean ± std"`` of ``xs`` times ``scale`` (a sign in ``fmt`` applies to the mean only)."""
     m, s = mean_std(xs)
@@ -451,6 +459,12 @@ def paired_deltas(
     """``row[metric] − base_row[metric]`` for the base row with the same seed."""
     by_seed = {b["seed"]: float(b[metric]) for b in base}
     return [float(r[metric]) - by_seed[r["seed"]] for r in rows if r["seed"] in by_seed]
+
+
+def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
+    """100·(final val loss / the base row's of the same seed − 1), per row whose seed the base has."""
+    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
+    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -650,10 +664,25 @@ def _stamp_of(body: str) -> str:
     return f"commit `{commit[1]}{commit[2] or ''}`, {date[1] if date else 'undated'}"
 
 
+def _headline(body: str) -> str:
+    """A section's headline: its ``Headline:`` line (a hand-written section names its current
+    figure so), else its first verdict line (``- ...``), else its first line with a bold verdict."""
+    lines = body.splitlines()
+    for pick in (
+        lambda ln: ln[len("Headline:") :].strip() if ln.startswith("Headline:") else "",
+        lambda ln: ln[2:].strip() if ln.startswith("- ") else "",
+        lambda ln: ln.strip() if "**" in ln and not ln.startswith(("|", "Provenance", "Command")) else "",
+    ):
+        found = next((x for x in map(pick, lines) if x), "")
+        if found:
+            return found
+    return ""
+
+
 def with_index(text: str) -> str:
     """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: one line per
     ``## `` section, linked, with the commit and date its stamp names (``no stamp`` where none
-    does: a section to rerun or to remove), and the first verdict line (``- ...``) of its body."""
+    does: a section to rerun or to remove), and its headline (:func:`_headline`)."""
     if INDEX_BEGIN in text and INDEX_END in text:
         head, rest = text.split(INDEX_BEGIN, 1)
         text = head.rstrip("\n") + "\n\n" + rest.split(INDEX_END, 1)[1].lstrip("\n")
@@ -662,7 +691,7 @@ def with_index(text: str) -> str:
     for part in parts[1:]:
         title, _, body = part.partition("\n")
         body = body.split("<!-- end ", 1)[0]
-        verdict = next((ln[2:].strip() for ln in body.splitlines() if ln.startswith("- ")), "")
+        verdict = _headline(body)
         verdict = verdict if len(verdict) <= 160 else verdict[:157] + "..."
         lines.append(f"| [{title}](#{_anchor(title)}) | {_stamp_of(body)} | {verdict} |")
     index = "\n".join(

@@ -50,9 +50,11 @@ from experiments.common import (
     RunSpec,
     base_parser,
     load_meta,
+    mean_se,
     mode_of,
     mode_settings,
     out_prefix,
+    pct_deltas,
     publish,
     quiet_logging,
     read_rows,
@@ -74,8 +76,6 @@ from experiments.convergence_labels import (
     SPARSE,
     diloco_label,
     fault_rows,
-    mean_se,
-    pct_deltas,
 )
 from experiments.convergence_report import report
 from experiments.diloco_sanity import run_ddp
@@ -478,8 +478,8 @@ def _items(text: str) -> tuple[list[str], range]:
     return items.split(","), range(int(a), int(b))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parser():
+    """The common flags (``base_parser``) and this script's side runs."""
     ap = base_parser(__doc__)
     ap.add_argument("--total-steps", type=int, help="inner steps per site of the convergence runs")
     ap.add_argument("--budget-min", type=float, help="stop adding fault seeds after this many minutes")
@@ -542,7 +542,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the in-process rendezvous' heartbeat timeout (default 1.5 s): on a loaded machine a starved "
         "heartbeat thread gets a live site dropped from a round (a resync); a side run may take a generous one",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
     quiet_logging(args.verbose)
     mode, m = mode_settings(
         args, MODES, ("size", "jobs", "total_steps", "budget_min", "reduce_timeout_s", "heartbeat_timeout_s")

@@ -1,16 +1,13 @@
-"""The labels and paired-change helpers of ``experiments/convergence.py`` (issue 18), shared by
+"""The labels and row selectors of ``experiments/convergence.py`` (issue 18), shared by
 its runner and its report (:mod:`experiments.convergence_report`) without an import cycle.
 
-Percent changes are of the final validation loss (nats/byte): 100·(L / L_base − 1), paired
+Percent changes (``common.pct_deltas``) are of the final validation loss (nats/byte): 100·(L / L_base − 1), paired
 by seed; SE = std / √n (inf for one value).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
-
-from experiments.common import mean_std
 
 SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
 DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
@@ -56,17 +53,6 @@ def outer_name(outer: tuple[float, float]) -> str:
 
 def diloco_label(h: int, outer: tuple[float, float]) -> str:
     return f"DiLoCo H={h}, {outer_name(outer)}"
-
-
-def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
-    """100·(loss / base loss − 1) for each row against the base row of the same seed."""
-    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
-    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
-
-
-def mean_se(xs: Sequence[float]) -> tuple[float, float]:
-    mu, sd = mean_std(xs)
-    return mu, (sd / math.sqrt(len(xs)) if len(xs) > 1 else float("inf"))
 
 
 def fault_rows(rows: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:

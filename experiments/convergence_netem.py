@@ -25,12 +25,11 @@ so the absolute losses differ from that table's; the paired changes are what com
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Sequence
 
 from experiments import netem_loss
-from experiments.common import RunResult, fmt_pm, md_table, summarize
+from experiments.common import RunResult, fmt_pm, md_table, mean_se, pct_deltas, summarize
 from experiments.procs import netem_topology
 
 __all__ = ["NETEM", "BASE", "REPEAT", "LOSSY", "RENDEZVOUS", "settings", "run", "table", "claim"]
@@ -94,18 +93,6 @@ def run(m: dict[str, Any], seeds: Sequence[int], timeout_s: float) -> list[RunRe
     return out
 
 
-def _deltas(g: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
-    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
-    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in g if r["seed"] in by_seed]
-
-
-def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
-    if not xs:
-        return float("nan"), float("nan")
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("inf")
-    return statistics.fmean(xs), se
-
-
 def _same_theta(g: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> str:
     """ "k of n" seeds whose final θ checksum equals the 0% run's (older rows without one: "—")."""
     by_seed = {b["seed"]: str(b.get("checksum") or "") for b in base}
@@ -123,8 +110,8 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[str, dict[str, tuple[float, f
         g = groups.get(method, [])
         if not g:
             continue
-        d = _deltas(g, base) if method != BASE else []
-        mu, se = _mean_se(d)
+        d = pct_deltas(g, base) if method != BASE else []
+        mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[method] = (mu, se, len(d))
         out.append(
             [

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from experiments import convergence_labels as c
 from experiments import convergence_netem as netem
-from experiments.common import ROOT, fmt_pm, md_table, save_fig, subplots, summarize
+from experiments.common import ROOT, fmt_pm, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
 
 __all__ = ["report", "verdict", "curves"]
 
@@ -44,7 +44,7 @@ def _rows(rows: Sequence[dict[str, Any]], section: str, data: str | None = None)
 def _pm_se(xs: Sequence[float]) -> str:
     if not xs:
         return "—"
-    mu, se = c.mean_se(xs)
+    mu, se = mean_se(xs)
     return f"{mu:+.2f}%" + (f" ± {se:.2f}" if math.isfinite(se) else " (1 seed)")
 
 
@@ -103,7 +103,7 @@ def convergence_table(
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base) if base else float("nan")
     table, deltas = [], {}
     for method, g in groups.items():
-        d = c.pct_deltas(g, base)
+        d = pct_deltas(g, base)
         deltas[method] = d
         b = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
         ratio = "1" if method == c.DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
@@ -145,8 +145,8 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
         g = c.fault_rows(rows, name)
         if not g:
             continue
-        d = c.pct_deltas(g, base) if name != c.FAULT_FREE else []
-        mu, se = c.mean_se(d) if d else (float("nan"), float("nan"))
+        d = pct_deltas(g, base) if name != c.FAULT_FREE else []
+        mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[name] = (mu, se, len(d))
         ppl = [100 * (math.exp(float(r["final_val_loss"]) - b) - 1) for r, b in _paired(g, base)]
         table.append(
@@ -203,11 +203,11 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
         if len(g) < 2:
             continue
         mu = statistics.fmean(r["final_val_loss"] for r in g)
-        conf.append([method, len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(c.pct_deltas(g, default))])
+        conf.append([method, len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(pct_deltas(g, default))])
         if mu < best_mu:
             best_mu, best = mu, (float(g[0]["outer_lr"]), float(g[0]["outer_momentum"]))
     cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], conf)
-    bd = c.pct_deltas(by.get(c.diloco_label(m["h_main"], best), []), default)
+    bd = pct_deltas(by.get(c.diloco_label(m["h_main"], best), []), default)
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
 
 
@@ -313,7 +313,7 @@ def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[floa
 def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
     if not d:
         return "no run"
-    mu, se = c.mean_se(d)
+    mu, se = mean_se(d)
     se_txt = f"SE {se:.2f} pp, {len(d)} seeds" if math.isfinite(se) else "1 seed"
     state = "**met**" if mu <= MATCH_PCT else f"**missed by {mu - MATCH_PCT:.2f} pp**"
     return f"{name}: {mu:+.2f}% against DDP ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
@@ -322,7 +322,7 @@ def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
 def conv_big_vs_ddp(rows) -> str:
     """The iid convergence runs' final 4x-batch loss against DDP's, as text."""
     sel = _rows(rows, "convergence", "iid")
-    d = c.pct_deltas([r for r in sel if r["method"] == c.BIG], [r for r in sel if r["method"] == c.DDP])
+    d = pct_deltas([r for r in sel if r["method"] == c.BIG], [r for r in sel if r["method"] == c.DDP])
     return f"{statistics.fmean(d):+.2f}%" if d else "not measured"
 
 
@@ -374,7 +374,7 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
                 f"(SE {se:.3f} pp, {n} seeds) → **{v}**"
             )
     if best_d:
-        mu, se = c.mean_se(best_d)
+        mu, se = mean_se(best_d)
         same = best == c.NESTEROV
         out.append(
             f"- Outer optimizer defaults (lr 0.7, momentum 0.9): the best confirmed setting is lr {best[0]:g} / momentum "

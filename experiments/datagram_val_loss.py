@@ -40,12 +40,11 @@ to stop adding seeds.
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
-from experiments.common import RunResult, md_table, run_inproc
+from experiments.common import RunResult, md_table, mean_se, run_inproc
 from experiments.lab import Point, Spec
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
@@ -158,13 +157,6 @@ def paired(rows: list[dict[str, Any]], loss: float) -> list[tuple[int, float, fl
     return out
 
 
-def summary(diffs: Sequence[float]) -> tuple[float, float]:
-    """(mean, standard error of the mean); SE is inf below two seeds."""
-    mean = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
-    return mean, se
-
-
 def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
     """ "met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
     twice the SE is one (one seed, SE inf, measuring d = +0.51% is unresolved, not a miss)."""
@@ -201,7 +193,7 @@ def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]
             for s, a, b, d in pairs
         ],
     )
-    mean, se = summary([p[3] for p in pairs]) if pairs else (math.nan, math.inf)
+    mean, se = mean_se([p[3] for p in pairs]) if pairs else (math.nan, math.inf)
     return table, mean, se
 
 
@@ -210,7 +202,7 @@ def stop(rows: list[dict[str, Any]], m: dict[str, Any]) -> str | None:
     or the runs' wall time passes ``lab.budget_s``."""
     f = m["fixed"]
     pairs = paired(rows, _loss(m))
-    _, se = summary([p[3] for p in pairs])
+    _, se = mean_se([p[3] for p in pairs])
     print(f"seed {pairs[-1][0]}: d {100 * pairs[-1][3]:+.3f}%; SE {100 * se:.3f}%", flush=True)
     if len(pairs) >= f[MIN_SEEDS] and se <= f.get(STOP_SE, TARGET_SE):
         return f"SE {100 * se:.3f}% reached"

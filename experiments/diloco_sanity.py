@@ -34,7 +34,6 @@ import faulthandler
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
+from experiments.procs import free_port
 
 DDP = "DDP (all-reduce every step)"
 ALONE = "1 site alone (no sync)"
@@ -125,12 +125,6 @@ def run_method(point: Point) -> RunResult:
 
 
 # ---------------------------------------------------------------------------- DDP baseline
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
 
@@ -220,7 +214,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ddp.json")
-        tmp.spawn(_ddp_worker, args=(spec, _free_port(), out), nprocs=spec.num_sites, join=True)
+        tmp.spawn(_ddp_worker, args=(spec, free_port(), out), nprocs=spec.num_sites, join=True)
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = round(2 * (n - 1) / n * 4 * p)  # ring all-reduce, fp32

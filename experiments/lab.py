@@ -69,6 +69,8 @@ SPECS = (
     "wan_sweep",
     "datagram_vs_grpc",
     "heterogeneous",
+    "reliability",
+    "netem_udp_ceiling",
 )
 MODES = ("smoke", "quick", "full")
 

@@ -5,7 +5,7 @@ for every site, by the compiled delayer (``netem/delayer.c``, backend ``nfqueue-
 Python fallback (``netem/_agent.py``, one callback per packet, ``nfqueue-userspace``), and
 the rate by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands
 the kernel 64 KB at once, so the delayer's packets/s can bound the datagram path before
-the 100 Mbit/s cap does. This script measures that bound, per delayer (``--delayers``;
+the 100 Mbit/s cap does. This script measures that bound, per delayer (``--set netem.delayers=...``;
 quick and full measure both in one sitting, the load average next to each row).
 
 Per setting, ``--pairs`` sender processes (site i -> site (i + 1) mod N, each in its own
@@ -22,9 +22,8 @@ queue of its own).
 
 Usage (as root)::
 
-    .venv/bin/python -m experiments.netem_udp_ceiling --quick
-    .venv/bin/python -m experiments.netem_udp_ceiling --quick --delayers c --results none
-    .venv/bin/python -m experiments.netem_udp_ceiling --smoke --out /tmp/x --results none
+    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick
+    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick --set 'netem.delayers=["c"]' --results none
 """
 
 from __future__ import annotations
@@ -41,30 +40,34 @@ from typing import Any, Sequence
 
 DATAGRAM_BYTES = 1400
 PORT = 47000
-# --delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
+# netem.delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
 DELAYER_ENV = {"c": "auto", "python": "python"}
+DELAYER, DELAYERS = "netem.delayer", "netem.delayers"
+#: the spec's settings by path -> the names ``one`` and ``sweep`` read
+NAMES = {
+    "num_sites": "netem.num_sites",
+    "pairs": "netem.pairs",
+    "delay": "netem.delay_ms",
+    "rate_cap": "netem.rate_mbit",
+    "offered": "netem.offered_dps",
+    "seconds": "lab.seconds",
+}
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        num_sites=2, pairs=[1], delay=5.0, rate_cap=100.0, offered=[2000, 8000], seconds=0.5, seeds=[0], delayers=["c"]
-    ),
+    "smoke": dict(num_sites=2, pairs=[1], delay=5.0, offered=[2000, 8000], seconds=0.5, delayers=["c"]),
     "quick": dict(
         num_sites=4,
         pairs=[1, 4],
         delay=40.0,
-        rate_cap=100.0,
         offered=[2000, 4000, 8000, 12000, 16000, 24000, 32000, 40000, 48000],
         seconds=2.0,
-        seeds=[0],
         delayers=["c", "python"],
     ),
     "full": dict(
         num_sites=4,
         pairs=[1, 2, 4],
         delay=40.0,
-        rate_cap=100.0,
         offered=[1000, 2000, 4000, 6000, 8000, 12000, 16000, 24000, 32000, 48000],
         seconds=4.0,
-        seeds=[0],
         delayers=["c", "python"],
     ),
 }
@@ -133,15 +136,8 @@ if __name__ == "__main__" and "--role" in sys.argv:
 
 
 # imported after the --role check: a sender/receiver process starts on the standard library only
-from experiments.common import (  # noqa: E402
-    RunResult,
-    base_parser,
-    md_table,
-    mode_settings,
-    out_prefix,
-    publish,
-    run_or_load,
-)
+from experiments.common import RunResult, md_table  # noqa: E402
+from experiments.lab import Point, Spec  # noqa: E402
 from experiments.procs import netem_topology  # noqa: E402
 
 
@@ -333,48 +329,55 @@ def analyse(rows: list[dict[str, Any]]) -> str:
     return table + "\n\nCeilings (highest delivered rate with loss < 1% and >= 95% of the offer):\n\n" + ceil
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--role" in argv:
-        return _role(argv)
-    ap = base_parser(__doc__)
-    ap.add_argument(
-        "--delayers",
-        type=lambda v: v.split(","),
-        help="delayers to measure, comma-separated from 'c' (compiled, netem/delayer.c) and 'python' "
-        "(the agent's fallback); default per mode (quick/full: c,python)",
-    )
-    args = ap.parse_args(argv)
-    mode, m = mode_settings(args, MODES, overrides=("delayers",))
-    if not m["delayers"] or set(m["delayers"]) - set(DELAYER_ENV):
-        raise SystemExit(f"--delayers must name some of {sorted(DELAYER_ENV)}, got {m['delayers']}")
-    prefix = out_prefix(args, "netem_udp_ceiling")
+def run_point(point: Point) -> list[RunResult]:
+    """One topology, its links walked without delay (``config`` "no delay") or through one
+    delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
+    m = {k: point.settings[p] for k, p in NAMES.items()}
+    delayer = point.settings[DELAYER]
+    wanted = point.settings[DELAYERS]
+    if not wanted or set(wanted) - set(DELAYER_ENV):
+        raise ValueError(f"{DELAYERS} must name some of {sorted(DELAYER_ENV)}, got {wanted}")
+    if delayer != "none" and delayer not in wanted:
+        return []
+    if delayer != "none":
+        os.environ["DTRAIN_NETEM_DELAYER"] = DELAYER_ENV[delayer]
+    with netem_topology(m["num_sites"], "udpc", "netem_udp_ceiling") as topo:
+        return sweep(topo, m, ["no delay"] if delayer == "none" else ["delay", "delay + cap"])
 
-    def runner() -> list[RunResult]:
-        out: list[RunResult] = []
-        for k, delayer in enumerate(m["delayers"]):  # one topology per delayer, one after the other
-            os.environ["DTRAIN_NETEM_DELAYER"] = DELAYER_ENV[delayer]
-            with netem_topology(m["num_sites"], "udpc", "netem_udp_ceiling") as topo:
-                settings = ["delay", "delay + cap"] if k else ["no delay", "delay", "delay + cap"]
-                out += sweep(topo, m, settings)
-        return out
 
-    rows, _, meta = run_or_load(args, argv, "netem_udp_ceiling.py", prefix, runner)
-    body = f"""Command: `{meta["command"]}` (as root; {meta["minutes"]:.1f} min; {meta["provenance"]}).
-
-Setup: {m["num_sites"]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
-(site i -> site i+1), one receiver process per destination, {m["seconds"]:g} s per point. "delay": {m["delay"]:g} ms
+def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
+    f = {k: m["fixed"][p] for k, p in NAMES.items()}
+    return f"""Setup: {f["num_sites"]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
+(site i -> site i+1), one receiver process per destination, {f["seconds"]:g} s per point. "delay": {f["delay"]:g} ms
 one way on every site (every packet through an NFQUEUE delayer: "nfqueue-c" is the compiled one,
 netem/delayer.c; "nfqueue-userspace" the Python fallback in netem/_agent.py); "delay + cap": also tbf at
-{m["rate_cap"]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
+{f["rate_cap"]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
 "load": the 1-minute load average when the row started; "delayer CPU": CPU time of the agent and the
 compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row. CSV: `{prefix.with_suffix(".csv").name}`.
 
 {analyse(rows)}
 """
-    publish(args, f"netem_udp_ceiling-{mode}", f"netem's own UDP ceiling ({mode})", body)
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SPEC = Spec(
+    name="netem_udp_ceiling",
+    title="netem's own UDP ceiling",
+    modes={
+        mode: {
+            "seeds": [0],
+            "jobs": 1,
+            # "no delay" first, on a topology of its own; then each delayer's delayed links
+            "grid": [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)],
+            "fixed": {NAMES[k]: v[k] for k in NAMES if k in v} | {DELAYERS: v["delayers"]},
+        }
+        for mode, v in MODES.items()
+    },
+    fixed={"netem.rate_mbit": 100.0},
+    label=lambda point: point[DELAYER],
+    metrics=(("delivered_dps", 0.0, 1e7), ("loss", 0.0, 1.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: [],  # the ceilings are the report's second table
+    execute=run_point,
+    paths=(*NAMES.values(), DELAYER, DELAYERS),
+    netem=True,
+)

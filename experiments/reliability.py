@@ -16,16 +16,15 @@ detector. Each run is read back from its metrics lines and the rendezvous log:
 
 Usage (root; from the repository root)::
 
-    .venv/bin/python -m experiments.reliability --quick    # 10 lossy, 10 flaky, 4 at 30%
-    .venv/bin/python -m experiments.reliability            # full: 30 / 30 / 10 (the issue's count)
-    .venv/bin/python -m experiments.reliability --smoke --out /tmp/x --results none   # CI: 1 lossy run
+    .venv/bin/python -m experiments run reliability --mode quick   # 10 lossy, 10 flaky, 4 at 30%
+    .venv/bin/python -m experiments run reliability --mode full    # 30 / 30 / 10 (the issue's count)
 
-Writes ``OUT/reliability[_MODE].csv`` (one row per run) and puts its table into RESULTS.md.
+Writes ``OUT/reliability[_MODE].csv`` (one row per run) and puts its table into RESULTS.md; a
+run that did not end equal keeps its run directory (the row's ``kept`` column names it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -34,15 +33,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from experiments.common import RunResult, base_parser, md_table, mode_settings, out_prefix, publish, run_or_load
+from dtrain.metrics import read_json_lines
+from experiments.common import ROOT, RunResult, md_table
+from experiments.lab import Point, Spec
 
-ROOT = Path(__file__).resolve().parent.parent
+PROFILE, RUNS, SIZE = "netem.profile", "lab.runs", "task_spec.size"
+SLOWDOWN = "slowdown"  # the profile name of the slowdown run (continental links, see SLOW)
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {"runs": {"lossy": 1}, "rounds": 3, "size": "tiny", "slowdown": False},
-    "quick": {"runs": {"lossy": 10, "flaky": 10, "lossy30": 4}, "rounds": 4, "size": "tiny", "slowdown": True},
-    "full": {"runs": {"lossy": 30, "flaky": 30, "lossy30": 10}, "rounds": 5, "size": "tiny", "slowdown": True},
+    "smoke": {"runs": {"lossy": 1}, "rounds": 3},
+    "quick": {"runs": {SLOWDOWN: 1, "lossy": 10, "flaky": 10, "lossy30": 4}, "rounds": 4},
+    "full": {"runs": {SLOWDOWN: 1, "lossy": 30, "flaky": 30, "lossy30": 10}, "rounds": 5},
 }
 #: the slowdown run: the built-in small GPT in fp32 through continental links whose rate drops
 #: 200x (to 5 Mbit/s) before round SLOW[0] and recovers before round SLOW[1]
@@ -78,6 +80,10 @@ def _stop(proc: subprocess.Popen) -> None:
     subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
 
 
+def _round_lines(path: Path) -> list[dict[str, Any]]:
+    return [d for d in read_json_lines(path) if d.get("event") == "round"]
+
+
 def read_run(out: Path) -> dict[str, Any]:
     """The reliability figures of a launch's run directory (see the module docstring)."""
     by_round: dict[int, dict[str, str]] = {}
@@ -86,13 +92,7 @@ def read_run(out: Path) -> dict[str, Any]:
     sync_max = 0.0
     for path in sorted(out.glob("site-*/metrics.jsonl")):
         site = path.parent.name
-        for text in path.read_text().splitlines():
-            try:
-                d = json.loads(text)
-            except ValueError:
-                continue
-            if d.get("event") != "round":
-                continue
+        for d in _round_lines(path):
             if d.get("status") == "applied" and d.get("checksum"):
                 by_round.setdefault(int(d["round"]), {})[site] = d["checksum"]
             elif d.get("status") == "resynced":
@@ -115,16 +115,7 @@ def read_run(out: Path) -> dict[str, Any]:
 
 def _rounds_done(out: Path) -> int:
     """Rounds site-0 has written a line for (-1: none yet)."""
-    path = out / "site-0" / "metrics.jsonl"
-    done = -1
-    for text in path.read_text().splitlines() if path.exists() else ():
-        try:
-            d = json.loads(text)
-        except ValueError:
-            continue
-        if d.get("event") == "round":
-            done = max(done, int(d["round"]))
-    return done
+    return max((int(d["round"]) for d in _round_lines(out / "site-0" / "metrics.jsonl")), default=-1)
 
 
 def _set_rate(mbit: float) -> None:
@@ -156,7 +147,7 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
         if proc.poll() is None:
             _stop(proc)
     rows = []
-    lines = _lines(out)
+    lines = [d for path in sorted(out.glob("site-*/metrics.jsonl")) for d in _round_lines(path)]
     for r in sorted({d["round"] for d in lines}):
         rs = [d for d in lines if d["round"] == r and d.get("status") == "applied"]
         if not rs:
@@ -175,40 +166,29 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _lines(out: Path) -> list[dict[str, Any]]:
-    got = []
-    for path in sorted(out.glob("site-*/metrics.jsonl")):
-        for text in path.read_text().splitlines():
-            try:
-                d = json.loads(text)
-            except ValueError:
-                continue
-            if d.get("event") == "round":
-                got.append(d)
-    return got
-
-
-def run_all(settings: dict[str, Any]) -> list[RunResult]:
-    results = []
+def run_point(point: Point) -> list[RunResult]:
+    """One profile's launches (``lab.runs`` of them; the slowdown run: one row per round); a
+    launch that did not end equal keeps its run directory, named in its row's ``kept``."""
+    if os.geteuid() != 0:
+        raise SystemExit("reliability: needs root (netem network namespaces)")
+    m, profile = point.settings, point.settings[PROFILE]
     with tempfile.TemporaryDirectory(prefix="dtrain-reliability-") as tmp:
-        if settings.get("slowdown"):
-            for row in slowdown_once(Path(tmp) / "slowdown"):
-                print(json.dumps(row), flush=True)
-                results.append(RunResult(row={"profile": "slowdown", **row}))
-        for profile, n in settings["runs"].items():
-            for i in range(n):
-                row = launch_once(
-                    profile, rounds=settings["rounds"], size=settings["size"], out=Path(tmp) / f"{profile}-{i}"
-                )
-                row["run"] = i
-                if not (row["equal_at_end"] and row["exit_code"] == 0) or row["unequal_rounds"]:
-                    kept = settings["out"] / f"reliability-failed-{profile}-{i}"  # its logs, for whoever looks
-                    shutil.rmtree(kept, ignore_errors=True)
-                    shutil.copytree(Path(tmp) / f"{profile}-{i}", kept)
-                    row["kept"] = str(kept)
-                print(json.dumps(row), flush=True)
-                results.append(RunResult(row=row))
-    return results
+        if profile == SLOWDOWN:
+            t0 = time.monotonic()
+            rows = slowdown_once(Path(tmp) / profile)
+            wall = {"wall_s": round(time.monotonic() - t0, 1)}
+            return [RunResult(row=point.row(profile=profile, **r, **wall)) for r in rows]
+        out = []
+        for i in range(m[RUNS]):
+            run = Path(tmp) / f"{profile}-{i}"
+            row = point.row(**launch_once(profile, rounds=m["rounds"], size=m[SIZE], out=run), run=i)
+            if not (row["equal_at_end"] and row["exit_code"] == 0) or row["unequal_rounds"]:
+                kept = Path(tempfile.gettempdir()) / f"reliability-failed-{profile}-{i}-{os.getpid()}"
+                shutil.copytree(run, kept)
+                row["kept"] = str(kept)
+            print(f"reliability {profile} run {i}: exit {row['exit_code']}, equal {row['equal_at_end']}", flush=True)
+            out.append(RunResult(row=row))
+        return out
 
 
 def _true(v: Any) -> bool:
@@ -216,11 +196,11 @@ def _true(v: Any) -> bool:
     return v is True or str(v) == "True"
 
 
-def report(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
     """The table: per profile, runs, runs ending equal, false deaths, unequal rounds; and
     the slowdown run's deadlines round by round."""
-    slow = [r for r in rows if r["profile"] == "slowdown"]
-    rows = [r for r in rows if r["profile"] != "slowdown"]
+    slow = [r for r in rows if r["profile"] == SLOWDOWN]
+    rows = [r for r in rows if r["profile"] != SLOWDOWN]
     table = []
     for profile in dict.fromkeys(r["profile"] for r in rows):
         rs = [r for r in rows if r["profile"] == profile]
@@ -250,12 +230,7 @@ def report(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Targets (issue 32): every run ends equal; 0 sites declared dead while alive; 0 rounds of "
         "unequal θ not repaired in the same round; no user-set timeout (none is set here)."
     )
-    parts = [
-        f"`{meta.get('command', '')}` — {meta.get('provenance', '')}, {meta.get('minutes', '?')} min, "
-        f"load {os.getloadavg()[0]:.1f}",
-        md_table(head, table),
-        targets,
-    ]
+    parts = [md_table(head, table), targets]
     if slow:
         cols = ["round", "link_mbit", "slowest_reduce_s", "reduce_deadline_s", "refused", "min_reduce_arrived", "why"]
         parts += [
@@ -267,24 +242,39 @@ def report(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = base_parser(__doc__)
-    args = ap.parse_args(argv)
-    if os.geteuid() != 0:
-        raise SystemExit("reliability: needs root (netem network namespaces)")
-    _mode, settings = mode_settings(args, MODES)
-    prefix = out_prefix(args, "reliability")
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    settings["out"] = Path(args.out)
-    rows, _rounds, meta = run_or_load(args, argv, "reliability.py", prefix, lambda: run_all(settings))
-    publish(
-        args, "reliability", "Reliability: equal θ through bad links with no timeout set (issue 32)", report(rows, meta)
-    )
-    runs = [r for r in rows if r["profile"] != "slowdown"]
-    bad = [r for r in runs if not (_true(r["equal_at_end"]) and int(r["exit_code"]) == 0)]
-    return 1 if bad and _mode == "smoke" else 0
+def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list[str]:
+    """Per profile: how many runs ended with one θ, sites declared dead while alive, rounds of unequal θ."""
+    out = []
+    for profile in dict.fromkeys(r["profile"] for r in rows if r["profile"] != SLOWDOWN):
+        rs = [r for r in rows if r["profile"] == profile]
+        equal = sum(_true(r["equal_at_end"]) and int(r["exit_code"]) == 0 for r in rs)
+        dead, unequal = sum(int(r["declared_dead"]) for r in rs), sum(int(r["unequal_rounds"]) for r in rs)
+        met = equal == len(rs) and dead == 0 and unequal == 0
+        out.append(
+            f"- {profile}: {equal}/{len(rs)} runs ended equal, {dead} sites declared dead while alive, "
+            f"{unequal} rounds of unequal θ: **{'met' if met else 'NOT met'}**."
+        )
+    return out
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="reliability",
+    title="Reliability: equal θ through bad links with no timeout set (issue 32)",
+    modes={
+        mode: {
+            "seeds": [0],
+            "jobs": 1,
+            "grid": [{"config": p, PROFILE: p, RUNS: n} for p, n in v["runs"].items()],
+            "fixed": {"rounds": v["rounds"]},
+        }
+        for mode, v in MODES.items()
+    },
+    fixed={SIZE: "tiny"},
+    label=lambda point: point[PROFILE],
+    metrics=(("wall_s", 0.0, 2 * LAUNCH_TIMEOUT_S),),
+    report=report,
+    verdict=verdict,
+    execute=run_point,
+    paths=(PROFILE, RUNS),
+    netem=True,
+)

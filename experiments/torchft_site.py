@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     from dtrain.tasks import TaskSpec, build_task
 
     try:
-        from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
     except ImportError as e:  # the harness checks first; this is for direct use
         print(f"torchft_site: torchft is not importable ({e}); see experiments/vs_torchft.py --help", file=sys.stderr)
@@ -133,9 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     task = build_task(TaskSpec(site_index=a.site_index, num_sites=a.num_sites, seed=a.seed, data=a.data, size=a.size))
     model, inner = task.model, task.optimizer
     outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
-    numel = sum(p.numel() for p in model.parameters())
-
     store = TCPStore(a.host, 0, is_master=True, wait_for_workers=False)
+    manager, state = _manager(a, site, task, store.port)
+    if a.barrier_dir and not _start_barrier(a):
+        print("torchft_site: start barrier timed out", file=sys.stderr)
+        return 3
+    with open(out / "metrics.jsonl", "a", buffering=1) as metrics:
+        with DiLoCo(
+            manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"), pin_memory=False
+        ):
+            summary = _train(a, site, task, manager, state, metrics, t_start)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    manager.shutdown(wait=False)
+    store = None
+    return 0
+
+
+def _manager(a: argparse.Namespace, site: str, task, store_port: int):
+    """The torchft Manager of this site (one replica group of one rank, the lighthouse's quorum),
+    its all-reduce wrapped to count calls and to SIGKILL this process in attempt
+    ``--kill-at-round`` once admitted and before sending. Returns (manager, the shared counters)."""
+    from torchft import Manager, ProcessGroupGloo
+
+    model, inner = task.model, task.optimizer
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "inner_optim": inner.state_dict()}
@@ -144,16 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner_optim"])
 
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout_s))
     manager = Manager(
-        pg=pg,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout_s)),
         min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         use_async_quorum=False,
         replica_id=site,
         store_addr=a.host,
-        store_port=store.port,
+        store_port=store_port,
         rank=0,
         world_size=1,
         lighthouse_addr=a.lighthouse,
@@ -163,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=timedelta(seconds=a.connect_timeout_s),
         init_sync=False,
     )
-
     state = {"attempt": 0, "allreduce_calls": 0}
     real_allreduce = manager.allreduce
 
@@ -177,97 +194,89 @@ def main(argv: list[str] | None = None) -> int:
         return real_allreduce(tensor, *args, **kwargs)
 
     manager.allreduce = allreduce  # DiLoCo looks it up on the instance
+    return manager, state
 
-    if a.barrier_dir:
-        bdir = Path(a.barrier_dir)
-        (bdir / f"ready-{a.site_index}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + a.barrier_timeout_s
-        while not (bdir / "go").exists():
-            if time.monotonic() > deadline:
-                print("torchft_site: start barrier timed out", file=sys.stderr)
-                return 3
-            time.sleep(0.02)
 
-    metrics = open(out / "metrics.jsonl", "a", buffering=1)
-    val = task.evaluate(model)
-    first_val = val
-    metrics.write(
-        json.dumps(
-            {
-                "site": site,
-                "event": "start",
-                "round": manager.current_step(),
-                "val_loss": val,
-                "wall_s": time.monotonic() - t_start,
-                "params": numel,
-                "time": time.time(),
-                "pid": os.getpid(),
-            }
-        )
-        + "\n"
-    )
+def _start_barrier(a: argparse.Namespace) -> bool:
+    """Write ``ready-I`` into ``--barrier-dir`` and wait for its ``go`` file; False on timeout."""
+    bdir = Path(a.barrier_dir)
+    (bdir / f"ready-{a.site_index}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + a.barrier_timeout_s
+    while not (bdir / "go").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics, t_start: float) -> dict:
+    """Sync attempts until ``--rounds`` are committed (or ``--max-attempts``), one metrics line per
+    attempt (inside DiLoCo's context); returns the site's summary."""
+    model, inner = task.model, task.optimizer
+    numel = sum(p.numel() for p in model.parameters())
+    val = first_val = task.evaluate(model)
+    start = {"site": site, "event": "start", "round": manager.current_step(), "val_loss": val}
+    start |= {"wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(), "pid": os.getpid()}
+    metrics.write(json.dumps(start) + "\n")
     totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0, "attempts": 0}
     max_attempts = a.max_attempts or 4 * a.rounds + 10
     train_loss = float("nan")
-    with DiLoCo(
-        manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"), pin_memory=False
-    ):
-        while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
-            t_inner = time.monotonic()
-            losses = []
-            sync_s = 0.0
-            step_before = manager.current_step()
-            calls_before = state["allreduce_calls"]
-            for k in range(a.sync_every):
-                loss = task.loss(model, next(task.batches))
-                loss.backward()
-                losses.append(float(loss.detach()))
-                if k == a.sync_every - 1:
-                    t_sync = time.monotonic()
-                    inner.step()  # the DiLoCo post-step hook runs quorum, all-reduce, outer step
-                    sync_s = time.monotonic() - t_sync
-                else:
-                    inner.step()
-                inner.zero_grad(set_to_none=True)
-            inner_s = time.monotonic() - t_inner - sync_s
-            train_loss = sum(losses) / len(losses)
-            committed = manager.current_step() > step_before
-            members = manager.num_participants()
-            val = task.evaluate(model)
-            sent = ring_allreduce_bytes(numel, members) if state["allreduce_calls"] > calls_before else 0
-            totals["bytes_sent"] += sent
-            totals["sync_s"] += sync_s
-            totals["inner_s"] += inner_s
-            totals["committed"] += int(committed)
-            totals["attempts"] += 1
-            metrics.write(
-                json.dumps(
-                    {
-                        "site": site,
-                        "event": "round",
-                        "round": state["attempt"],
-                        "step": manager.current_step(),
-                        "status": "applied" if committed else "discarded",
-                        "committed": committed,
-                        "members": members,
-                        "quorum_id": manager._quorum_id,
-                        "val_loss": val,
-                        "train_loss": train_loss,
-                        "inner_s": inner_s,
-                        "sync_s": sync_s,
-                        "wall_s": time.monotonic() - t_start,
-                        "time": time.time(),
-                        "checksum": _checksum(model),
-                        "bytes_sent": sent,
-                        "bytes_received": sent,
-                        "errored": repr(manager.errored().original_exception) if manager.errored() else None,
-                    }
-                )
-                + "\n"
+    while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
+        t_inner = time.monotonic()
+        losses = []
+        sync_s = 0.0
+        step_before = manager.current_step()
+        calls_before = state["allreduce_calls"]
+        for k in range(a.sync_every):
+            loss = task.loss(model, next(task.batches))
+            loss.backward()
+            losses.append(float(loss.detach()))
+            if k == a.sync_every - 1:
+                t_sync = time.monotonic()
+                inner.step()  # the DiLoCo post-step hook runs quorum, all-reduce, outer step
+                sync_s = time.monotonic() - t_sync
+            else:
+                inner.step()
+            inner.zero_grad(set_to_none=True)
+        inner_s = time.monotonic() - t_inner - sync_s
+        train_loss = sum(losses) / len(losses)
+        committed = manager.current_step() > step_before
+        members = manager.num_participants()
+        val = task.evaluate(model)
+        sent = ring_allreduce_bytes(numel, members) if state["allreduce_calls"] > calls_before else 0
+        totals["bytes_sent"] += sent
+        totals["sync_s"] += sync_s
+        totals["inner_s"] += inner_s
+        totals["committed"] += int(committed)
+        totals["attempts"] += 1
+        metrics.write(
+            json.dumps(
+                {
+                    "site": site,
+                    "event": "round",
+                    "round": state["attempt"],
+                    "step": manager.current_step(),
+                    "status": "applied" if committed else "discarded",
+                    "committed": committed,
+                    "members": members,
+                    "quorum_id": manager._quorum_id,
+                    "val_loss": val,
+                    "train_loss": train_loss,
+                    "inner_s": inner_s,
+                    "sync_s": sync_s,
+                    "wall_s": time.monotonic() - t_start,
+                    "time": time.time(),
+                    "checksum": _checksum(model),
+                    "bytes_sent": sent,
+                    "bytes_received": sent,
+                    "errored": repr(manager.errored().original_exception) if manager.errored() else None,
+                }
             )
-            state["attempt"] += 1
+            + "\n"
+        )
+        state["attempt"] += 1
     wall = time.monotonic() - t_start
-    summary = {
+    return {
         "site": site,
         "system": "torchft",
         "rounds": manager.current_step(),
@@ -281,11 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         **totals,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    metrics.close()
-    manager.shutdown(wait=False)
-    store = None
-    return 0
 
 
 if __name__ == "__main__":

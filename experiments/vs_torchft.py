@@ -75,6 +75,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dtrain.app.procs import Proc, child_env, spawn
+from experiments.procs import free_port
 from experiments.vs_torchft_analysis import _lines, analyse
 from experiments.vs_torchft_outputs import write_outputs
 from experiments.vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name
@@ -125,12 +126,6 @@ def _kill_all() -> None:
 
 def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout_s: float, what: str, procs: list[Child] = ()):
@@ -235,204 +230,18 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
     rec = RunRecord(spec=spec, dir=run_dir, command=command)
     children: dict[str, Child] = {}
     topo = None
-    n = spec.sites
     gate = run_dir / "gate"
     try:
         if spec.netem:
             from netem import Topology  # noqa: PLC0415
 
-            topo = Topology(num_sites=n + 1, profile=spec.netem)
+            topo = Topology(num_sites=spec.sites + 1, profile=spec.netem)
             rec.netem_backends = topo.backends()
         net = _Net(topo)
-        py = sys.executable
         gate.mkdir(exist_ok=True)
-
-        # --- coordinator
-        if spec.system == "dtrain":
-            addr_file = run_dir / "rendezvous.addr"
-            argv = [
-                py,
-                "-m",
-                "dtrain",
-                "rendezvous",
-                "--bind",
-                f"{net.host(n)}:0",
-                "--address-file",
-                str(addr_file),
-                "--initial-sites",
-                str(n),
-            ]
-            children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", child_env())
-            coord = _wait(
-                lambda: addr_file.exists() and addr_file.read_text().strip(),
-                120,
-                "the rendezvous address",
-                [children["rendezvous"]],
-            )
-        else:
-            port = _free_port() if topo is None else 29510
-            lh = str(Path(py).parent / "torchft_lighthouse")
-            argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
-            children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
-            coord = f"http://{net.host(n)}:{port}"
-
-            def lighthouse_up() -> bool:
-                try:
-                    if topo is None:
-                        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                            return True
-                    with topo.socket(0) as s:  # from inside site 0's namespace
-                        s.settimeout(2.0)
-                        s.connect((net.host(n), port))
-                        return True
-                except OSError:
-                    return False
-
-            _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
-
-        # --- sites (pre-warmed)
-        def site_argv(i: int, out_name: str, *, fault: bool, barrier: bool) -> tuple[list[str], dict]:
-            out = run_dir / out_name
-            env = {"GLOO_SOCKET_IFNAME": net.ifname}
-            if spec.system == "dtrain":
-                args = [
-                    "worker",
-                    "--site-id",
-                    f"site-{i}",
-                    "--site-index",
-                    str(i),
-                    "--num-sites",
-                    str(n),
-                    "--listen",
-                    f"{net.host(i)}:0",
-                    "--rendezvous",
-                    coord,
-                    "--out-dir",
-                    str(out),
-                    "--size",
-                    spec.size,
-                    "--data",
-                    spec.data,
-                    "--rounds",
-                    str(spec.rounds),
-                    "--sync-every",
-                    str(spec.sync_every),
-                    "--codec",
-                    spec.codec,
-                    "--threads",
-                    "1",
-                    "--seed",
-                    "0",
-                ]
-                if spec.bucket_bytes:
-                    args += ["--bucket-bytes", str(spec.bucket_bytes)]
-                if fault:
-                    env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{spec.kill_round}:kill"
-                if spec.pyspy and i == 0:
-                    env["VS_TORCHFT_PYSPY"] = spec.pyspy
-                    env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
-            else:
-                args = [
-                    "--site-index",
-                    str(i),
-                    "--num-sites",
-                    str(n),
-                    "--lighthouse",
-                    coord,
-                    "--out-dir",
-                    str(out),
-                    "--size",
-                    spec.size,
-                    "--data",
-                    spec.data,
-                    "--rounds",
-                    str(spec.rounds),
-                    "--sync-every",
-                    str(spec.sync_every),
-                    "--threads",
-                    "1",
-                    "--seed",
-                    "0",
-                    "--host",
-                    net.host(i),
-                    *TORCHFT_SITE_FLAGS,
-                ]
-                if fault:
-                    args += ["--kill-at-round", str(spec.kill_round)]
-                if barrier:
-                    args += ["--barrier-dir", str(gate)]
-            argv = [
-                py,
-                "-m",
-                "experiments.vs_torchft",
-                "_child",
-                spec.system,
-                str(gate / f"warm-{out_name}"),
-                str(gate / f"go-{out_name}"),
-                "--",
-                *args,
-            ]
-            return net.wrap(i, argv), env
-
-        names = [f"site-{i}" for i in range(n)]
-        for i, name in enumerate(names):
-            fault = spec.kill_round >= 0 and i == KILLED_SITE
-            argv, env = site_argv(i, name, fault=fault, barrier=True)
-            children[name] = Child(name, argv, run_dir / name / "worker.log", child_env(env))
-        restart_name = f"site-{KILLED_SITE}-restart"
-        if spec.kill_round >= 0:  # pre-warm the replacement now; it starts when told
-            argv, env = site_argv(KILLED_SITE, restart_name, fault=False, barrier=False)
-            children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", child_env(env))
-        _wait(
-            lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
-            600,
-            "every site to import torch",
-            [c for nm, c in children.items() if nm.startswith("site-")],
-        )
-        if start_together is not None:
-            start_together.wait(timeout=600)
-        rec.t_go = time.time()
-        for name in names:
-            (gate / f"go-{name}").write_text("")
-        if spec.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
-            _wait(
-                lambda: all((gate / f"ready-{i}").exists() for i in range(n)),
-                300,
-                "every torchft Manager",
-                [children[nm] for nm in names],
-            )
-            (gate / "go").write_text("")
-
-        # --- supervise
-        deadline = time.monotonic() + spec.timeout_s
-        survivor = run_dir / "site-0"
-        while True:
-            if spec.kill_round >= 0:
-                killed = children[f"site-{KILLED_SITE}"]
-                if rec.t_kill is None and killed.poll() is not None:
-                    rec.t_kill = time.time()
-                if rec.t_restart is None and any(
-                    d["round"] >= spec.kill_round + spec.restart_after - 1 for d in _rounds_of(survivor)
-                ):
-                    if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
-                        killed.kill()
-                        rec.error = (
-                            rec.error or ""
-                        ) + f"site-{KILLED_SITE} was not dead at the restart point; killed. "
-                    rec.t_restart = time.time()
-                    (gate / f"go-{restart_name}").write_text("")
-            workers = [
-                c
-                for nm, c in children.items()
-                if nm.startswith("site-") and not (nm == restart_name and rec.t_restart is None)
-            ]
-            if all(c.poll() is not None for c in workers):
-                break
-            if time.monotonic() > deadline:
-                rec.timed_out = True
-                rec.error = (rec.error or "") + f"timed out after {spec.timeout_s:.0f}s. "
-                break
-            time.sleep(0.1)
+        coord = _start_coordinator(spec, run_dir, net, children)
+        restart_name = _start_sites(spec, run_dir, net, coord, children, start_together, rec)
+        _supervise(spec, rec, run_dir, children, restart_name)
         rec.t_end = time.time()
         rec.loadavg_end = os.getloadavg()[0]
         if spec.pyspy:  # py-spy writes its file once the sampled process has exited
@@ -443,20 +252,7 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
-        for nm, c in children.items():
-            if nm.startswith("site-"):
-                c.stop(grace_s=3.0)
-        for nm, c in children.items():
-            c.stop(grace_s=3.0)
-            own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM; wait4's ru_maxrss otherwise
-            rss = int(own.read_text()) if own.exists() else c.maxrss_kb
-            rec.procs[nm] = {
-                "rc": c.rc,
-                "maxrss_kb": rss,
-                "maxrss_source": "VmHWM" if own.exists() else "wait4",
-                "cpu_s": c.cpu_s,
-                "role": "site" if nm.startswith("site-") else "coordinator",
-            }
+        _stop_all(rec, children, gate)
         if topo is not None:
             topo.close()
         try:
@@ -464,6 +260,233 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         except (TypeError, ValueError, OSError) as e:  # the record is also returned; do not lose the run
             print(f"vs_torchft: could not write {run_dir / 'record.json'}: {e}", file=sys.stderr)
     return rec
+
+
+def _start_coordinator(spec: RunSpec, run_dir: Path, net: _Net, children: dict[str, Child]) -> str:
+    """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
+    answers; returns its address as the sites take it."""
+    n, py = spec.sites, sys.executable
+    if spec.system == "dtrain":
+        addr_file = run_dir / "rendezvous.addr"
+        argv = [
+            py,
+            "-m",
+            "dtrain",
+            "rendezvous",
+            "--bind",
+            f"{net.host(n)}:0",
+            "--address-file",
+            str(addr_file),
+            "--initial-sites",
+            str(n),
+        ]
+        children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", child_env())
+        coord = _wait(
+            lambda: addr_file.exists() and addr_file.read_text().strip(),
+            120,
+            "the rendezvous address",
+            [children["rendezvous"]],
+        )
+    else:
+        port = free_port() if net.topo is None else 29510
+        lh = str(Path(py).parent / "torchft_lighthouse")
+        argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
+        children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
+        coord = f"http://{net.host(n)}:{port}"
+
+        def lighthouse_up() -> bool:
+            try:
+                if net.topo is None:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                        return True
+                with net.topo.socket(0) as s:  # from inside site 0's namespace
+                    s.settimeout(2.0)
+                    s.connect((net.host(n), port))
+                    return True
+            except OSError:
+                return False
+
+        _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
+
+    return coord
+
+
+def _site_argv(
+    spec: RunSpec, run_dir: Path, net: _Net, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
+) -> tuple[list[str], dict]:
+    """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
+    go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
+    n, py, gate = spec.sites, sys.executable, run_dir / "gate"
+    out = run_dir / out_name
+    env = {"GLOO_SOCKET_IFNAME": net.ifname}
+    if spec.system == "dtrain":
+        args = [
+            "worker",
+            "--site-id",
+            f"site-{i}",
+            "--site-index",
+            str(i),
+            "--num-sites",
+            str(n),
+            "--listen",
+            f"{net.host(i)}:0",
+            "--rendezvous",
+            coord,
+            "--out-dir",
+            str(out),
+            "--size",
+            spec.size,
+            "--data",
+            spec.data,
+            "--rounds",
+            str(spec.rounds),
+            "--sync-every",
+            str(spec.sync_every),
+            "--codec",
+            spec.codec,
+            "--threads",
+            "1",
+            "--seed",
+            "0",
+        ]
+        if spec.bucket_bytes:
+            args += ["--bucket-bytes", str(spec.bucket_bytes)]
+        if fault:
+            env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{spec.kill_round}:kill"
+        if spec.pyspy and i == 0:
+            env["VS_TORCHFT_PYSPY"] = spec.pyspy
+            env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
+    else:
+        args = [
+            "--site-index",
+            str(i),
+            "--num-sites",
+            str(n),
+            "--lighthouse",
+            coord,
+            "--out-dir",
+            str(out),
+            "--size",
+            spec.size,
+            "--data",
+            spec.data,
+            "--rounds",
+            str(spec.rounds),
+            "--sync-every",
+            str(spec.sync_every),
+            "--threads",
+            "1",
+            "--seed",
+            "0",
+            "--host",
+            net.host(i),
+            *TORCHFT_SITE_FLAGS,
+        ]
+        if fault:
+            args += ["--kill-at-round", str(spec.kill_round)]
+        if barrier:
+            args += ["--barrier-dir", str(gate)]
+    argv = [
+        py,
+        "-m",
+        "experiments.vs_torchft",
+        "_child",
+        spec.system,
+        str(gate / f"warm-{out_name}"),
+        str(gate / f"go-{out_name}"),
+        "--",
+        *args,
+    ]
+    return net.wrap(i, argv), env
+
+
+def _start_sites(
+    spec: RunSpec, run_dir: Path, net: _Net, coord: str, children: dict[str, Child], start_together, rec: RunRecord
+) -> str:
+    """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
+    then let them go together; returns the replacement's name."""
+    n, gate = spec.sites, run_dir / "gate"
+    names = [f"site-{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        fault = spec.kill_round >= 0 and i == KILLED_SITE
+        argv, env = _site_argv(spec, run_dir, net, coord, i, name, fault=fault, barrier=True)
+        children[name] = Child(name, argv, run_dir / name / "worker.log", child_env(env))
+    restart_name = f"site-{KILLED_SITE}-restart"
+    if spec.kill_round >= 0:  # pre-warm the replacement now; it starts when told
+        argv, env = _site_argv(spec, run_dir, net, coord, KILLED_SITE, restart_name, fault=False, barrier=False)
+        children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", child_env(env))
+    _wait(
+        lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
+        600,
+        "every site to import torch",
+        [c for nm, c in children.items() if nm.startswith("site-")],
+    )
+    if start_together is not None:
+        start_together.wait(timeout=600)
+    rec.t_go = time.time()
+    for name in names:
+        (gate / f"go-{name}").write_text("")
+    if spec.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
+        _wait(
+            lambda: all((gate / f"ready-{i}").exists() for i in range(n)),
+            300,
+            "every torchft Manager",
+            [children[nm] for nm in names],
+        )
+        (gate / "go").write_text("")
+    return restart_name
+
+
+def _supervise(spec: RunSpec, rec: RunRecord, run_dir: Path, children: dict[str, Child], restart_name: str) -> None:
+    """Until every site has exited or the run times out: record the kill, and start the
+    replacement once a survivor has finished the restart round (killing the site first
+    if the fault did not fire)."""
+    gate = run_dir / "gate"
+    deadline = time.monotonic() + spec.timeout_s
+    survivor = run_dir / "site-0"
+    while True:
+        if spec.kill_round >= 0:
+            killed = children[f"site-{KILLED_SITE}"]
+            if rec.t_kill is None and killed.poll() is not None:
+                rec.t_kill = time.time()
+            if rec.t_restart is None and any(
+                d["round"] >= spec.kill_round + spec.restart_after - 1 for d in _rounds_of(survivor)
+            ):
+                if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
+                    killed.kill()
+                    rec.error = (rec.error or "") + f"site-{KILLED_SITE} was not dead at the restart point; killed. "
+                rec.t_restart = time.time()
+                (gate / f"go-{restart_name}").write_text("")
+        workers = [
+            c
+            for nm, c in children.items()
+            if nm.startswith("site-") and not (nm == restart_name and rec.t_restart is None)
+        ]
+        if all(c.poll() is not None for c in workers):
+            break
+        if time.monotonic() > deadline:
+            rec.timed_out = True
+            rec.error = (rec.error or "") + f"timed out after {spec.timeout_s:.0f}s. "
+            break
+        time.sleep(0.1)
+
+
+def _stop_all(rec: RunRecord, children: dict[str, Child], gate: Path) -> None:
+    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU."""
+    for nm, c in children.items():
+        if nm.startswith("site-"):
+            c.stop(grace_s=3.0)
+    for nm, c in children.items():
+        c.stop(grace_s=3.0)
+        own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM; wait4's ru_maxrss otherwise
+        rss = int(own.read_text()) if own.exists() else c.maxrss_kb
+        rec.procs[nm] = {
+            "rc": c.rc,
+            "maxrss_kb": rss,
+            "maxrss_source": "VmHWM" if own.exists() else "wait4",
+            "cpu_s": c.cpu_s,
+            "role": "site" if nm.startswith("site-") else "coordinator",
+        }
 
 
 # ----------------------------------------------------------------------------- main
@@ -512,6 +535,60 @@ def _append_results(report: str, mode_name: str, no_append: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    mode_name = "smoke" if a.smoke else "quick" if a.quick else "full"
+    mode = MODES[mode_name]
+    mode = replace(
+        mode,
+        **{
+            k: v
+            for k, v in (("sites", a.sites), ("size", a.size), ("rounds", a.rounds), ("sync_every", a.sync_every))
+            if v is not None
+        },
+    )
+    out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
+    cmd = "python -m experiments.vs_torchft " + " ".join(sys.argv[1:] if argv is None else argv)
+    if a.analyse_only:
+        return _analyse_only(a, out, mode, mode_name, cmd)
+    problem = torchft_problem()
+    if problem:
+        print(
+            f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
+            f"    {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_signal)
+    notes: list[str] = []
+    scenarios, base, plan = _plan(a, mode, mode_name, notes)
+    print(f"vs_torchft ({mode_name}): {len(plan)} runs -> {out}", flush=True)
+    records = _run_plan(plan, out, cmd)
+    results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
+    missed = (
+        results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
+    )
+    if a.profile == "always" or (a.profile == "auto" and missed and "healthy" in scenarios and mode_name != "smoke"):
+        spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
+        else:
+            spec = RunSpec(system="dtrain", scenario="profile", rounds=mode.rounds, pyspy=str(spy), **base)
+            t0 = time.monotonic()
+            rec = run_one(spec, out / "runs" / run_dir_name(spec), cmd)
+            records.append(rec)
+            print(
+                f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True
+            )
+            results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
+    report = write_outputs(results, records, out)
+    print(report)
+    _append_results(report, mode_name, a.no_append)
+    bad = [r for r in records if r.error and r.spec.scenario == "healthy"]
+    return 1 if bad else 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
     )
@@ -554,44 +631,33 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: recompute the outputs from the record.json files under OUT/runs",
     )
     p.add_argument("--no-append", action="store_true", help="do not append the report to experiments/RESULTS.md")
-    a = p.parse_args(argv)
-    mode_name = "smoke" if a.smoke else "quick" if a.quick else "full"
-    mode = MODES[mode_name]
-    mode = replace(
-        mode,
-        **{
-            k: v
-            for k, v in (("sites", a.sites), ("size", a.size), ("rounds", a.rounds), ("sync_every", a.sync_every))
-            if v is not None
-        },
-    )
-    out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
-    cmd = "python -m experiments.vs_torchft " + " ".join(sys.argv[1:] if argv is None else argv)
-    if a.analyse_only:  # keep the command and notes of the run that made the records
-        records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
-        records.sort(key=lambda r: r.t_go)
-        prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-        report = write_outputs(
-            analyse(
-                records,
-                mode=prev.get("mode", asdict(mode)),
-                mode_name=prev.get("mode_name", mode_name),
-                command=prev.get("command", cmd),
-                notes=prev.get("notes", []),
-            ),
+    return p
+
+
+def _analyse_only(a: argparse.Namespace, out: Path, mode, mode_name: str, cmd: str) -> int:
+    """Recompute the outputs from OUT/runs/*/record.json, keeping the command and notes of the
+    run that made the records."""
+    records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
+    records.sort(key=lambda r: r.t_go)
+    prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    report = write_outputs(
+        analyse(
             records,
-            out,
-        )
-        print(report)
-        return _append_results(report, mode_name, a.no_append)
-    problem = torchft_problem()
-    if problem:
-        print(
-            f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
-            f"    {INSTALL_HINT}",
-            file=sys.stderr,
-        )
-        return 2
+            mode=prev.get("mode", asdict(mode)),
+            mode_name=prev.get("mode_name", mode_name),
+            command=prev.get("command", cmd),
+            notes=prev.get("notes", []),
+        ),
+        records,
+        out,
+    )
+    print(report)
+    return _append_results(report, mode_name, a.no_append)
+
+
+def _plan(a: argparse.Namespace, mode, mode_name: str, notes: list[str]) -> tuple[list[str], dict, list[RunSpec]]:
+    """(the scenarios, the settings every run shares, the runs in order); a scenario this machine
+    cannot run is noted in ``notes`` and left out."""
     scenarios = (
         a.scenarios.split(",")
         if a.scenarios
@@ -601,8 +667,6 @@ def main(argv: list[str] | None = None) -> int:
         + (["netem"] if mode.netem else [])
     )
     profiles = a.netem_profiles.split(",") if a.netem_profiles else list(mode.netem)
-    out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _on_signal)
     notes: list[str] = []
     base = dict(
         sites=mode.sites,
@@ -657,7 +721,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for s in ("dtrain", "torchft")
                 ]
-    print(f"vs_torchft ({mode_name}): {len(plan)} runs -> {out}", flush=True)
+    return scenarios, base, plan
+
+
+def _run_plan(plan: list[RunSpec], out: Path, cmd: str) -> list[RunRecord]:
+    """Every run of ``plan``: "concurrent" pairs at the same time, everything else one after the other."""
     records: list[RunRecord] = []
     batches: list[list[RunSpec]] = []
     for spec in plan:  # "concurrent" pairs run at the same time; everything else one after the other
@@ -688,28 +756,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {rec.spec.system:7s} {rec.spec.scenario:22s} #{rec.spec.repeat} {time.monotonic() - t0:6.1f}s  {status}",
                 flush=True,
             )
-    results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
-    missed = (
-        results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
-    )
-    if a.profile == "always" or (a.profile == "auto" and missed and "healthy" in scenarios and mode_name != "smoke"):
-        spy = Path(sys.executable).parent / "py-spy"
-        if not spy.exists():
-            notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
-        else:
-            spec = RunSpec(system="dtrain", scenario="profile", rounds=mode.rounds, pyspy=str(spy), **base)
-            t0 = time.monotonic()
-            rec = run_one(spec, out / "runs" / run_dir_name(spec), cmd)
-            records.append(rec)
-            print(
-                f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True
-            )
-            results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
-    report = write_outputs(results, records, out)
-    print(report)
-    _append_results(report, mode_name, a.no_append)
-    bad = [r for r in records if r.error and r.spec.scenario == "healthy"]
-    return 1 if bad else 0
+    return records
 
 
 if __name__ == "__main__":

@@ -351,8 +351,9 @@ def _load_text(loads: list) -> str:
 
 
 def report_md(res: dict) -> str:
+    """The RESULTS.md section of a comparison: setup, one table per scenario, the fault table,
+    the profile, what could not be made equal, notes."""
     m = res["mode"]
-    runs, comps = res["runs"], res["comparisons"]
     lines = [
         f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}`",
         "",
@@ -370,241 +371,13 @@ def report_md(res: dict) -> str:
         + ".",
         "",
     ]
+    runs, comps = res["runs"], res["comparisons"]
     for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(
         s for s in comps if s.startswith("netem")
     ):
-        d, t, c = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"], comps[scen]
-        rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
-        rows.append(
-            [
-                "round wall time median [min, max] (s)",
-                f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
-                f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
-                _f(c["round_wall_median"]),
-            ]
-        )
-        rows.append(
-            [
-                "per-round overhead = round wall - inner phase, median (s)",
-                _f(d["overhead_s"]["median"]),
-                _f(t["overhead_s"]["median"]),
-                _f(c["overhead_median"]),
-            ]
-        )
-        rows.append(
-            [
-                "sync time median / max (s)",
-                f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
-                f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
-                _f(_ratio(d["sync_s"]["median"], t["sync_s"]["median"])),
-            ]
-        )
-        rows.append(
-            [
-                "inner phase median (s)",
-                _f(d["inner_s"]["median"]),
-                _f(t["inner_s"]["median"]),
-                _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"])),
-            ]
-        )
-        rows.append(
-            [
-                "final val loss, mean of sites",
-                _f(d["final_val_loss_mean"], "{:.4f}"),
-                _f(t["final_val_loss_mean"], "{:.4f}"),
-                _f(c["final_val_loss_mean"], "{:.4f}"),
-            ]
-        )
-        for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-            rows.append(
-                [
-                    f"final val loss {s}",
-                    _f(d["final_val_loss"].get(s), "{:.4f}"),
-                    _f(t["final_val_loss"].get(s), "{:.4f}"),
-                    "",
-                ]
-            )
-        rows.append(
-            [
-                "bytes on the wire per round, all sites",
-                _f(d["bytes_per_round_total"], "{:,.0f}"),
-                _f(t["bytes_per_round_total"], "{:,.0f}"),
-                _f(c["bytes_per_round"]),
-            ]
-        )
-        rows.append(
-            [
-                "peak RSS per site process, max / mean (MB)",
-                f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
-                f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}",
-                _f(c["peak_rss_max"]),
-            ]
-        )
-        rows.append(
-            [
-                "CPU seconds per site process (whole life, mean)",
-                _f(d["cpu_s_per_site_mean"], "{:.1f}"),
-                _f(t["cpu_s_per_site_mean"], "{:.1f}"),
-                _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"])),
-            ]
-        )
-        rows.append(
-            [
-                "coordinator peak RSS (MB) (rendezvous / lighthouse)",
-                _f(d["coordinator_rss_mb"], "{:.0f}"),
-                _f(t["coordinator_rss_mb"], "{:.0f}"),
-                "",
-            ]
-        )
-        rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
-        rows.append(
-            [
-                "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
-                ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
-                ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none",
-                "",
-            ]
-        )
-        rows.append(
-            [
-                "time from go to the last round (s)",
-                _f(d["wall_total_s"], "{:.1f}"),
-                _f(t["wall_total_s"], "{:.1f}"),
-                _f(_ratio(d["wall_total_s"], t["wall_total_s"])),
-            ]
-        )
-        if scen == "healthy":
-            for key, x in sorted(runs.items()):
-                if key.startswith("dtrain/healthy codec="):
-                    codec = key.split("=", 1)[1]
-                    rows.append(
-                        [
-                            f"with codec {codec}: bytes per round / round wall median (s) / final val loss",
-                            f"{_f(x['bytes_per_round_total'], '{:,.0f}')} / {_f(x['round_wall_s']['median'])} / "
-                            f"{_f(x['final_val_loss_mean'], '{:.4f}')}",
-                            "",
-                            f"{_f(_ratio(x['bytes_per_round_total'], t['bytes_per_round_total']))} / "
-                            f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
-                            f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}",
-                        ]
-                    )
-        sp = d["sync_split_median_s"]
-        title = {
-            "healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
-            "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)",
-        }
-        lines += [
-            f"### {title.get(scen, scen)}",
-            "",
-            _table(rows),
-            "",
-            f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
-            f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}.",
-        ]
-        if d.get("netem_backends"):
-            lines.append(f"netem backends: {d['netem_backends']}")
-        if "targets" in c:
-            lines.append("")
-            lines.append(
-                "Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + "."
-            )
-            if not c["targets"]["round wall time dtrain <= torchft"]:
-                share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
-                lines.append(
-                    f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) "
-                    f"is {_f(share, '{:.0%}')} of torchft's round; dtrain's inner phase took "
-                    f"{_f(_ratio(d['inner_s']['median'], t['inner_s']['median']))}x torchft's while each dtrain site used "
-                    f"{_f(_ratio(d['cpu_s_per_site_mean'], t['cpu_s_per_site_mean']))}x the CPU seconds. The part of a "
-                    f"round each system adds (round wall - inner phase) is {_f(c['overhead_median'])}x torchft's. See the "
-                    f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's."
-                )
-            if not c["targets"]["bytes <= 1/4"]:
-                ok = [
-                    k.split("=", 1)[1]
-                    for k, x in runs.items()
-                    if k.startswith("dtrain/healthy codec=")
-                    and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25
-                ]
-                lines.append(
-                    f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
-                    f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
-                    f"({_f(c['bytes_per_round'])}); "
-                    + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else "no other codec was run.")
-                )
-        for r in (d, t):
-            if r["error"]:
-                lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
-        lines.append("")
+        lines += _scenario_section(scen, runs, comps[scen])
     if "fault" in comps:
-        d, t = runs["dtrain/fault"], runs["torchft/fault"]
-        df, tf = d["fault"], t["fault"]
-        rows = [
-            [
-                "fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4",
-                "dtrain",
-                "torchft",
-            ]
-        ]
-
-        def surv(f, key, fmt=lambda v: str(v)):
-            return "; ".join(f"{s}: {fmt(v[key])}" for s, v in f["survivors"].items())
-
-        rows += [
-            [
-                "rounds discarded at survivors (inner work thrown away)",
-                surv(df, "discarded_rounds"),
-                surv(tf, "discarded_rounds"),
-            ],
-            ["rounds applied without some buckets at survivors", surv(df, "partial_rounds"), "n/a (all-or-nothing)"],
-            ["sync attempts at survivors", surv(df, "attempts"), surv(tf, "attempts")],
-            ["inner steps at survivors", surv(df, "inner_steps"), surv(tf, "inner_steps")],
-            [
-                "time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
-                surv(df, "time_lost_s"),
-                surv(tf, "time_lost_s"),
-            ],
-            [
-                "longest stall a survivor saw (s)",
-                f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
-                f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})",
-            ],
-            [
-                "restarted site: go -> start line / first round (s)",
-                f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
-                f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}",
-            ],
-            [
-                "restarted site's first round (status)",
-                f"{df['restart_first_round']} ({df['restart_first_status']})",
-                f"{tf['restart_first_round']} ({tf['restart_first_status']})",
-            ],
-            [
-                "rounds site-1 took part in / missed",
-                f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
-                f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}",
-            ],
-            [
-                "final val loss, mean of finished sites",
-                _f(d["final_val_loss_mean"], "{:.4f}"),
-                _f(t["final_val_loss_mean"], "{:.4f}"),
-            ],
-        ]
-        for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-            rows.append(
-                [
-                    f"final val loss {s}",
-                    _f(d["final_val_loss"].get(s), "{:.4f}"),
-                    _f(t["final_val_loss"].get(s), "{:.4f}"),
-                ]
-            )
-        rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"])])
-        rows.append(
-            ["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")]
-        )
-        lines += ["### fault", "", _table(rows), ""]
-        for r in (d, t):
-            if r["error"]:
-                lines.append(f"{r['system']} fault: problem: {r['error']}\n")
+        lines += _fault_section(runs)
     prof = res.get("profile")
     if prof:
         rows = [["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"]]
@@ -628,6 +401,273 @@ def report_md(res: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _scenario_rows(scen: str, runs: dict, c: dict) -> list[list[str]]:
+    """The table of one scenario: a metric per row, dtrain, torchft, their ratio."""
+    d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
+    rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
+    rows.append(
+        [
+            "round wall time median [min, max] (s)",
+            f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
+            f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
+            _f(c["round_wall_median"]),
+        ]
+    )
+    rows.append(
+        [
+            "per-round overhead = round wall - inner phase, median (s)",
+            _f(d["overhead_s"]["median"]),
+            _f(t["overhead_s"]["median"]),
+            _f(c["overhead_median"]),
+        ]
+    )
+    rows.append(
+        [
+            "sync time median / max (s)",
+            f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
+            f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
+            _f(_ratio(d["sync_s"]["median"], t["sync_s"]["median"])),
+        ]
+    )
+    rows.append(
+        [
+            "inner phase median (s)",
+            _f(d["inner_s"]["median"]),
+            _f(t["inner_s"]["median"]),
+            _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"])),
+        ]
+    )
+    rows.append(
+        [
+            "final val loss, mean of sites",
+            _f(d["final_val_loss_mean"], "{:.4f}"),
+            _f(t["final_val_loss_mean"], "{:.4f}"),
+            _f(c["final_val_loss_mean"], "{:.4f}"),
+        ]
+    )
+    for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
+        rows.append(
+            [
+                f"final val loss {s}",
+                _f(d["final_val_loss"].get(s), "{:.4f}"),
+                _f(t["final_val_loss"].get(s), "{:.4f}"),
+                "",
+            ]
+        )
+    rows += _resource_rows(d, t, c)
+    if scen == "healthy":
+        rows += _codec_rows(runs, t)
+    return rows
+
+
+def _resource_rows(d: dict, t: dict, c: dict) -> list[list[str]]:
+    """A scenario table's rows after the losses: bytes, memory, CPU, agreement, rounds not applied, time."""
+    rows: list[list[str]] = []
+    rows.append(
+        [
+            "bytes on the wire per round, all sites",
+            _f(d["bytes_per_round_total"], "{:,.0f}"),
+            _f(t["bytes_per_round_total"], "{:,.0f}"),
+            _f(c["bytes_per_round"]),
+        ]
+    )
+    rows.append(
+        [
+            "peak RSS per site process, max / mean (MB)",
+            f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
+            f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}",
+            _f(c["peak_rss_max"]),
+        ]
+    )
+    rows.append(
+        [
+            "CPU seconds per site process (whole life, mean)",
+            _f(d["cpu_s_per_site_mean"], "{:.1f}"),
+            _f(t["cpu_s_per_site_mean"], "{:.1f}"),
+            _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"])),
+        ]
+    )
+    rows.append(
+        [
+            "coordinator peak RSS (MB) (rendezvous / lighthouse)",
+            _f(d["coordinator_rss_mb"], "{:.0f}"),
+            _f(t["coordinator_rss_mb"], "{:.0f}"),
+            "",
+        ]
+    )
+    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
+    rows.append(
+        [
+            "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
+            ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
+            ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "time from go to the last round (s)",
+            _f(d["wall_total_s"], "{:.1f}"),
+            _f(t["wall_total_s"], "{:.1f}"),
+            _f(_ratio(d["wall_total_s"], t["wall_total_s"])),
+        ]
+    )
+    return rows
+
+
+def _codec_rows(runs: dict, t: dict) -> list[list[str]]:
+    """The healthy table's extra dtrain runs with other codecs, against torchft's healthy run."""
+    rows: list[list[str]] = []
+    for key, x in sorted(runs.items()):
+        if key.startswith("dtrain/healthy codec="):
+            codec = key.split("=", 1)[1]
+            rows.append(
+                [
+                    f"with codec {codec}: bytes per round / round wall median (s) / final val loss",
+                    f"{_f(x['bytes_per_round_total'], '{:,.0f}')} / {_f(x['round_wall_s']['median'])} / "
+                    f"{_f(x['final_val_loss_mean'], '{:.4f}')}",
+                    "",
+                    f"{_f(_ratio(x['bytes_per_round_total'], t['bytes_per_round_total']))} / "
+                    f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
+                    f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}",
+                ]
+            )
+    return rows
+
+
+def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
+    """One scenario's heading, table, dtrain's sync split, targets and problems."""
+    d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
+    rows = _scenario_rows(scen, runs, c)
+    sp = d["sync_split_median_s"]
+    title = {
+        "healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
+        "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)",
+    }
+    lines = [
+        f"### {title.get(scen, scen)}",
+        "",
+        _table(rows),
+        "",
+        f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
+        f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}.",
+    ]
+    if d.get("netem_backends"):
+        lines.append(f"netem backends: {d['netem_backends']}")
+    if "targets" in c:
+        lines += _target_notes(runs, d, t, c)
+    for r in (d, t):
+        if r["error"]:
+            lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
+    lines.append("")
+    return lines
+
+
+def _target_notes(runs: dict, d: dict, t: dict, c: dict) -> list[str]:
+    """The targets met or missed, and what explains a missed wall-time or bytes target."""
+    lines = [""]
+    lines.append("Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + ".")
+    if not c["targets"]["round wall time dtrain <= torchft"]:
+        share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
+        lines.append(
+            f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) "
+            f"is {_f(share, '{:.0%}')} of torchft's round; dtrain's inner phase took "
+            f"{_f(_ratio(d['inner_s']['median'], t['inner_s']['median']))}x torchft's while each dtrain site used "
+            f"{_f(_ratio(d['cpu_s_per_site_mean'], t['cpu_s_per_site_mean']))}x the CPU seconds. The part of a "
+            f"round each system adds (round wall - inner phase) is {_f(c['overhead_median'])}x torchft's. See the "
+            f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's."
+        )
+    if not c["targets"]["bytes <= 1/4"]:
+        ok = [
+            k.split("=", 1)[1]
+            for k, x in runs.items()
+            if k.startswith("dtrain/healthy codec=")
+            and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25
+        ]
+        lines.append(
+            f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
+            f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
+            f"({_f(c['bytes_per_round'])}); "
+            + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else "no other codec was run.")
+        )
+    return lines
+
+
+def _fault_section(runs: dict) -> list[str]:
+    """The fault scenario's table: what a SIGKILL and a restart cost each system."""
+    lines: list[str] = []
+    d, t = runs["dtrain/fault"], runs["torchft/fault"]
+    df, tf = d["fault"], t["fault"]
+    rows = [
+        [
+            "fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4",
+            "dtrain",
+            "torchft",
+        ]
+    ]
+
+    def surv(f, key, fmt=lambda v: str(v)):
+        return "; ".join(f"{s}: {fmt(v[key])}" for s, v in f["survivors"].items())
+
+    rows += [
+        [
+            "rounds discarded at survivors (inner work thrown away)",
+            surv(df, "discarded_rounds"),
+            surv(tf, "discarded_rounds"),
+        ],
+        ["rounds applied without some buckets at survivors", surv(df, "partial_rounds"), "n/a (all-or-nothing)"],
+        ["sync attempts at survivors", surv(df, "attempts"), surv(tf, "attempts")],
+        ["inner steps at survivors", surv(df, "inner_steps"), surv(tf, "inner_steps")],
+        [
+            "time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
+            surv(df, "time_lost_s"),
+            surv(tf, "time_lost_s"),
+        ],
+        [
+            "longest stall a survivor saw (s)",
+            f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
+            f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})",
+        ],
+        [
+            "restarted site: go -> start line / first round (s)",
+            f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
+            f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}",
+        ],
+        [
+            "restarted site's first round (status)",
+            f"{df['restart_first_round']} ({df['restart_first_status']})",
+            f"{tf['restart_first_round']} ({tf['restart_first_status']})",
+        ],
+        [
+            "rounds site-1 took part in / missed",
+            f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
+            f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}",
+        ],
+        [
+            "final val loss, mean of finished sites",
+            _f(d["final_val_loss_mean"], "{:.4f}"),
+            _f(t["final_val_loss_mean"], "{:.4f}"),
+        ],
+    ]
+    for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
+        rows.append(
+            [
+                f"final val loss {s}",
+                _f(d["final_val_loss"].get(s), "{:.4f}"),
+                _f(t["final_val_loss"].get(s), "{:.4f}"),
+            ]
+        )
+    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"])])
+    rows.append(
+        ["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")]
+    )
+    lines += ["### fault", "", _table(rows), ""]
+    for r in (d, t):
+        if r["error"]:
+            lines.append(f"{r['system']} fault: problem: {r['error']}\n")
+    return lines
 
 
 _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whose substring is in the stack wins)

@@ -287,9 +287,16 @@ def _round_record(label: str, seed: int, r: int, ok: bool, x: dict[str, Any]) ->
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """(the table, per setting averaged over seeds; the notes under it)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r["config"], []).append(r)
+    md, ratios = _table(groups)
+    return md, _ratio_notes(groups, ratios) + _floor_and_util_notes(rows, groups)
+
+
+def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[float, str]]]:
+    """The markdown table, and (mean ratio to the physical limit, configuration) per setting."""
     table, ratios = [], []
     for cfg, g in groups.items():
         g0 = g[0]
@@ -339,6 +346,11 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ],
         table,
     )
+    return md, ratios
+
+
+def _ratio_notes(groups: dict[str, list[dict[str, Any]]], ratios: list[tuple[float, str]]) -> list[str]:
+    """The median, best and worst ratio to the physical limit, and the median per loss rate."""
     good = sorted((r, c) for r, c in ratios if not math.isnan(r))
     notes = []
     if good:
@@ -355,6 +367,12 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
             + "."
         )
+    return notes
+
+
+def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The unemulated floor, the compute utilization (and at 10x H), short runs, the limit's definition."""
+    notes = []
     floor = [r for r in rows if r["rate_mbit"] is None]
     if floor:
         fm, fs = mean_std([r["engine_s"] for r in floor])
@@ -393,7 +411,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         "sites) when ownership is balanced, hence the stricter column; uneven ownership (HRW over few "
         "buckets) lies in between."
     )
-    return md, notes
+    return notes
 
 
 def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:

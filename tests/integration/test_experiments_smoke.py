@@ -165,6 +165,12 @@ def test_update_results_replaces_own_section_only(tmp_path: Path) -> None:
     assert text.count("<!-- begin index -->") == 1 and text.index("## Summary") < text.index("## Someone else's")
     assert "| [X (quick)](#x-quick) | **no stamp** |  |" in text
     assert "| [Z (quick)](#z-quick) | commit `abc1234+dirty`, 2026-12-03 | **met** |" in text
+    # the headline: a section's "Headline:" line, else its first verdict line, else its first bold verdict
+    update_results(p, "h-quick", "H (quick)", "Commit `abc1234`, 2026-12-03.\n\nHeadline: 3.2x\n\n- **met**")
+    update_results(p, "b-quick", "B (quick)", "Commit `abc1234`, 2026-12-03.\n\n| a |\nTarget: **missed by 2x**.")
+    text = p.read_text()
+    assert "| [H (quick)](#h-quick) | commit `abc1234`, 2026-12-03 | 3.2x |" in text
+    assert "| [B (quick)](#b-quick) | commit `abc1234`, 2026-12-03 | Target: **missed by 2x**. |" in text
 
 
 @pytest.mark.timeout(30)

@@ -1,6 +1,7 @@
-"""The netem experiment scripts in their smallest mode (``--smoke``), so they do not rot.
+"""The netem experiments in their smallest mode (``python -m experiments run NAME --mode smoke``),
+so they do not rot.
 
-``wan_sweep.py`` and ``netem_loss.py`` start real worker and rendezvous processes in
+``wan_sweep`` and ``netem_loss`` start real worker and rendezvous processes in
 emulated sites. What is checked: one CSV row per setting and seed with the documented
 columns and values that follow from the setting (bytes, the physical limit, a delay that
 shows in the exchange time), the plot, and the RESULTS.md section with its command.
@@ -20,13 +21,6 @@ from experiments.common import read_rows
 from tests.integration.test_experiments_smoke import RUN_COLUMNS  # the one list of per-run CSV columns
 
 pytestmark = pytest.mark.netem
-
-
-def _main(script: str, tmp_path: Path, *extra: str) -> str:
-    mod = importlib.import_module(f"experiments.{script}")
-    results = tmp_path / "RESULTS.md"
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--results", str(results), *extra]) == 0
-    return results.read_text()
 
 
 def _spec(name: str, tmp_path: Path, sets: dict) -> str:
@@ -154,7 +148,7 @@ def test_streaming_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_netem_udp_ceiling_smoke(tmp_path: Path) -> None:
-    md = _main("netem_udp_ceiling", tmp_path)
+    md = _spec("netem_udp_ceiling", tmp_path, {})
     rows = read_rows(tmp_path / "netem_udp_ceiling_smoke.csv")
     # smoke: 2 sites, one flow, 2,000 and 8,000 datagrams/s offered, on each of the three links
     assert [(r["setting"], r["flows"], r["offered_dps"]) for r in rows] == [
@@ -208,7 +202,7 @@ def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
 def test_reliability_smoke(tmp_path: Path) -> None:
     """One 3-site launch through the lossy profile with no time setting: the row has its
     figures, the run ended with one θ, and the section names the targets."""
-    text = _main("reliability", tmp_path)
+    text = _spec("reliability", tmp_path, {})
     rows = read_rows(tmp_path / "reliability_smoke.csv")
     assert [r["profile"] for r in rows] == ["lossy"]
     r = rows[0]
