@@ -112,6 +112,7 @@ class Group:
         self.rounds_done = 0  # rounds this site finished (note_rounds_done), told with each heartbeat
         self.joined = False
         self.dead: frozenset[str] = frozenset()  # the sites the last heartbeat named dead or left
+        self.behind: frozenset[str] | None = None  # members still finishing the newest round (None: no answer yet)
 
     # ------------------------------------------------------------------ membership
     def _call_with_backoff(self, fn, budget_s: float):
@@ -187,6 +188,10 @@ class Group:
         """
         kw = {"rank_addresses": self.rank_addresses} if self.rank_addresses else {}
         return self.rendezvous.join(self.site_id, self.engine.address or "", **kw)
+
+    def beat_now(self) -> None:
+        """Send a heartbeat now (its answer refreshes ``dead`` and ``behind``)."""
+        self._hb_kick.set()
 
     def note_rounds_done(self, n: int) -> None:
         """This site finished ``n`` rounds (its θ has ``n`` rounds applied): the heartbeat
@@ -271,6 +276,7 @@ class Group:
                     self._reports.popleft()
         if hb.known:
             self.dead = frozenset(hb.dead)
+            self.behind = frozenset(hb.behind)
         if hb.known and hb.dead:
             self.engine.members_lost(hb.dead)
             if self.on_members_lost is not None:  # a site group's rank 0 tells its other ranks

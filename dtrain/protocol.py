@@ -242,6 +242,9 @@ class HeartbeatInfo:
     the site re-joins. ``dead`` lists the sites the rendezvous holds dead now
     (silent for longer than its heartbeat timeout, or left): the site's round
     engine stops waiting for their contributions (``RoundEngine.members_lost``).
+    ``behind`` lists the live members of the newest round the rendezvous formed that
+    have not finished it (their heartbeats' ``rounds_done``): a site ending its run
+    keeps serving until they have (``dtrain.site.Site.wait_left_out``).
     """
 
     known: bool
@@ -249,6 +252,7 @@ class HeartbeatInfo:
     next_round: int
     reason: str
     dead: tuple[str, ...] = ()
+    behind: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -307,6 +307,8 @@ class Site:
         """
         waiting: list[str] = []
         plan = self.last_plan
+        if self.group is not None and plan is not None and self.engine.state.rounds_applied == plan.round + 1:
+            self._wait_members_finished(plan, poll_s)
         if self.group is not None and plan is not None and plan.left_out:
             if self.engine.state.rounds_applied == plan.round + 1:
                 deadline = time.monotonic() + timeout_s
@@ -327,6 +329,42 @@ class Site:
                         time.monotonic() - t0,
                     )
         return self.comm.broadcast(waiting, round=True)
+
+    def _wait_members_finished(self, plan: RoundPlan, poll_s: float) -> None:
+        """(rank 0) Keep serving until every other live member of ``plan`` (this site's last
+        round) has finished it, as the rendezvous sees from their heartbeats
+        (``HeartbeatInfo.behind``), at most ``plan.broadcast_timeout_s``: a member still in
+        the round (behind a lossy or partitioned link) late-pulls and repairs from the
+        others, which must not have left (a flaky-link run ended with one site "done" on
+        another θ because the member holding its missed mean had already left)."""
+        assert self.group is not None
+        g, others = self.group, set(plan.site_ids) - {self.site_id}
+        t0 = time.monotonic()
+        deadline, waiting = t0 + plan.broadcast_timeout_s, None
+        g.behind = None  # only an answer to a heartbeat sent from here on counts
+        g.beat_now()
+        while time.monotonic() < deadline:
+            behind = g.behind
+            if behind is None and time.monotonic() - t0 > 2.0:  # no answer (rendezvous gone): do not wait on it
+                break
+            if behind is not None:
+                waiting = sorted((behind & others) - g.dead)
+                if not waiting:
+                    break
+            time.sleep(poll_s)
+            g.beat_now()
+        if waiting:
+            log.info(
+                "%s: leaving after %.1f s with %s still in round %d",
+                self.site_id,
+                time.monotonic() - t0,
+                waiting,
+                plan.round,
+            )
+        elif time.monotonic() - t0 > 1.0:
+            log.info(
+                "%s: every member finished round %d (waited %.1f s)", self.site_id, plan.round, time.monotonic() - t0
+            )
 
     def leave(self) -> None:
         """Rank 0 leaves the group (heartbeats stop); every rank stops its notices."""

@@ -405,12 +405,14 @@ class RendezvousCore:
                 self.store.put_reports(site_id, round_reports, self.status_log)
                 for raw in round_reports:
                     self._observe_report(raw)
+            dead = self.store.dead(now)
             return HeartbeatInfo(
                 known=True,
                 resync_required=got.resync_reason is not None,
                 next_round=nxt,
                 reason=got.resync_reason or "",
-                dead=self.store.dead(now),
+                dead=dead,
+                behind=self._behind(dead),
             )
 
     def leave(self, site_id: str, *, now: float) -> None:
@@ -542,6 +544,16 @@ class RendezvousCore:
             self._formed[plan.round] = (frozenset(plan.site_ids), end)
             for r in [r for r in self._formed if r < plan.round - 2]:
                 del self._formed[r]
+
+    def _behind(self, dead: Sequence[str]) -> tuple[str, ...]:
+        """The members of the newest round formed here that have not finished it and are not
+        dead or gone (``HeartbeatInfo.behind``); () when none was formed here."""
+        with self._lock:
+            if not self._formed:
+                return ()
+            r = max(self._formed)
+            members = self._formed[r][0]
+            return tuple(sorted(s for s in members if self._done.get(s, 0) <= r and s not in dead))
 
     def _still_finishing(self, round: int) -> tuple[list[str], float | None]:
         """The members of ``round`` (formed here) whose heartbeats have not said they finished

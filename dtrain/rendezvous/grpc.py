@@ -314,6 +314,7 @@ class _RendezvousServicer:
             next_round=info.next_round,
             reason=info.reason,
             dead=list(info.dead),
+            behind=list(info.behind),
         )
 
     async def Leave(self, request, context):
@@ -699,6 +700,7 @@ class GrpcRendezvousClient:
             next_round=reply.next_round,
             reason=reply.reason,
             dead=tuple(reply.dead),
+            behind=tuple(reply.behind),
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

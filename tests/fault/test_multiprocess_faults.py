@@ -103,9 +103,11 @@ def test_sigkill_non_owner_then_owner_mid_push(make_cluster):
         assert d["members"] == all_sites
         assert d["round_s"] <= ROUND_LIMIT_S, f"{s} took {d['round_s']:.2f}s in round 2"
         if d["owned_buckets"]:
-            # its owners waited for the reduce deadline and averaged over what arrived
+            # its owners averaged over what arrived: they waited for the reduce deadline, unless
+            # the dead site's push stream broke first (the kernel closes a killed process's
+            # sockets): then they stopped waiting for it at once and say so
             assert d["reduce_arrived_fraction"] < 1.0, d
-            assert d["round_s"] >= REDUCE_S * 0.9, d
+            assert d["round_s"] >= REDUCE_S * 0.9 or non_owner in d["lost_members"], d
         assert d["applied_buckets"] == nb, d  # every bucket's mean (over the rest) applied
     # ---- round 3: the dead site is out of the plan
     lines = _agree(c, after1, 3)

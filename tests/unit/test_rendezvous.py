@@ -372,3 +372,18 @@ def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_finished_round_
     core.heartbeat("c", now=7.0, rounds_done=1)
     d = core.ready("a", 1, now=7.1)
     assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d
+
+
+def test_a_heartbeat_names_the_members_still_finishing_the_newest_round() -> None:
+    """HeartbeatInfo.behind: the live members of the newest round formed here whose heartbeats
+    have not said they finished it; a dead or gone member is not waited for."""
+    core = _core(min_sites=1, initial_sites=3)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+    assert core.heartbeat("a", now=0.05).behind == ()  # no round formed yet
+    for s in ("a", "b", "c"):
+        core.ready(s, 0, now=0.1)
+    assert core.heartbeat("a", now=0.5, rounds_done=1).behind == ("b", "c")
+    assert core.heartbeat("b", now=0.6, rounds_done=1).behind == ("c",)
+    core.leave("c", now=0.7)
+    assert core.heartbeat("a", now=0.8).behind == ()

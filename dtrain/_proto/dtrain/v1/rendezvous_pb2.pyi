@@ -73,18 +73,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., round_reports: _Optional[_Iterable[str]] = ..., unreachable: _Optional[_Iterable[str]] = ..., rounds_done: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "resync_required", "next_round", "reason", "dead")
+    __slots__ = ("known", "resync_required", "next_round", "reason", "dead", "behind")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DEAD_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
     known: bool
     resync_required: bool
     next_round: int
     reason: str
     dead: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., resync_required: _Optional[bool] = ..., next_round: _Optional[int] = ..., reason: _Optional[str] = ..., dead: _Optional[_Iterable[str]] = ...) -> None: ...
+    behind: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, known: _Optional[bool] = ..., resync_required: _Optional[bool] = ..., next_round: _Optional[int] = ..., reason: _Optional[str] = ..., dead: _Optional[_Iterable[str]] = ..., behind: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ("site_id", "round", "wait_ms")
