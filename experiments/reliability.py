@@ -70,8 +70,11 @@ def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str,
 
 def _stop(proc: subprocess.Popen) -> None:
     """Kill a launch's process group and take down its netem topology (named ``launch``), so the
-    next run can build its own."""
+    next run can build its own. SIGUSR1 first: each worker prints its threads' stacks into its
+    worker.log (kept with a failed run), which says what a hung run waited on."""
     try:
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(2.0)
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass

@@ -18,6 +18,7 @@ serving). See ``docs/METRICS.md`` for the metrics fields.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import math
@@ -696,7 +697,10 @@ def _summary(
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
-    """SIGTERM/SIGINT set ``stop``; the training loop ends after the current step."""
+    """SIGTERM/SIGINT set ``stop``; the training loop ends after the current step. SIGUSR1
+    prints every thread's Python stack to stderr (the site's worker.log under ``dtrain
+    launch``) and goes on: what a hung worker is waiting on (the reliability harness sends
+    it before killing a launch that overran)."""
 
     def handler(signum, frame):  # noqa: ARG001
         log.warning("signal %d: stopping after the current step", signum)
@@ -704,3 +708,4 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
