@@ -73,26 +73,41 @@ def mean_factor(weights: Mapping[str, float] | None) -> float:
 MIN_CLAIMS_COMPARED = 2
 
 
-def claim_decision(claim: int, accepted: Sequence[int], max_weight_ratio: float) -> tuple[bool, str]:
+def claim_decision(
+    claim: int, accepted: Sequence[int], max_weight_ratio: float, full_round_tokens: int = 0
+) -> tuple[bool, str]:
     """Whether an owner accepts a sender's token claim (a pure decision).
 
-    The rule: a claim must be a positive integer, and not above ``max_weight_ratio`` x the
-    median of the claims the owner accepted this round before it (its own first, when it
-    contributes), once there are at least :data:`MIN_CLAIMS_COMPARED` of them (before that a
-    median is one site's word: a slow owner would refuse every faster site). So no sender
-    weighs more than ``max_weight_ratio`` x a typical one in a mean; a site that really
-    trains that much faster than the median is refused and its contribution stays in its
-    residual (raise the ratio for such a mix). Two-site runs are not bounded.
+    The rule: a claim must be a positive integer, and
+    - with ``full_round_tokens`` known (the runtime's: ``sync_every`` x ``tokens_per_step``,
+      what a site trains in a round at its most; time-based rounds never take more than
+      ``sync_every`` steps), not above ``max_weight_ratio`` x it: no sender weighs more than
+      ``max_weight_ratio`` sites training a full round, and a fast honest site is never
+      refused, however slow the others (a bound relative to the median refused the fastest
+      site of a run where two of three ran at a fifth of its speed, and excluded it);
+    - without it, not above ``max_weight_ratio`` x the median of the claims the owner
+      accepted this round before it (its own first), once there are at least
+      :data:`MIN_CLAIMS_COMPARED` of them.
+    A refused claim's contribution stays in its sender's residual.
 
     Args:
         claim: the tokens claimed.
         accepted: the claims accepted so far this round.
         max_weight_ratio: the bound's factor, >= 1.
+        full_round_tokens: tokens a site trains in a full round (0: not known).
     Returns:
-        ``(accepted, reason)``: the reason names the claim, the median and the bound.
+        ``(accepted, reason)``: the reason names the claim and the bound.
     """
     if isinstance(claim, bool) or not isinstance(claim, int) or claim <= 0:
         return False, f"claims {claim!r} tokens: a token-weighted round needs a claim > 0"
+    if full_round_tokens > 0:
+        cap = max_weight_ratio * full_round_tokens
+        if claim > cap:
+            return False, (
+                f"claims {claim} tokens, above max_weight_ratio {max_weight_ratio:g} x a full round's "
+                f"{full_round_tokens} tokens ({cap:g})"
+            )
+        return True, f"claims {claim} tokens, within {max_weight_ratio:g} x a full round's {full_round_tokens}"
     if len(accepted) < MIN_CLAIMS_COMPARED:
         return True, f"claims {claim} tokens, with {len(accepted)} claim(s) of the round to compare with"
     med = statistics.median(accepted)

@@ -67,8 +67,10 @@ class AggregationConfig:
             ``sparse_mean`` (its per-element divisor counts contributions).
         max_weight_ratio: with ``token_weighted``, an owner refuses (INVALID_ARGUMENT, logged
             and counted) every chunk of a sender whose claim is above ``max_weight_ratio`` x
-            the median of the claims it accepted this round so far (its own claim first; once
-            it holds two), so one site cannot dominate a mean; a number >= 1.
+            the tokens a site trains in a full round (``sync_every`` x ``tokens_per_step``;
+            an engine used without DiLoCo: x the median of the claims it accepted this round,
+            once it holds two), so one site cannot weigh more than that many full-speed
+            sites in a mean; a number >= 1 (``dtrain.aggregation.claim_decision``).
     """
 
     max_norm: float | None = None

@@ -192,6 +192,8 @@ class DiLoCo:
         self.engine = RoundEngine(
             self.config.site_id, self.state, transport or InprocTransport(InprocNetwork()), self.config.rounds
         )
+        # token claims are bounded by max_weight_ratio x a full round's tokens (claim_decision)
+        self.engine.full_round_tokens = self.config.sync_every * self.config.tokens_per_step
         self.engine.start()
         if rendezvous is None and self.num_ranks == 1:
             rendezvous = InprocRendezvousClient(RendezvousCore(RendezvousConfig(min_sites=1)))

@@ -232,8 +232,10 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
     for v in per_site.values():
         for reason, n in v["rejected"].items():
             rejected[reason] = rejected.get(reason, 0) + n
-    checksums = [v["checksum"] for v in per_site.values()]
-    outer = [v["outer_checksum"] for v in per_site.values()]
+    # the sites that finished the run (a dead or interrupted site's last checksum is of an earlier round)
+    ended = {k: v for k, v in per_site.items() if v["finished"]} or per_site
+    checksums = [v["checksum"] for v in ended.values()]
+    outer = [v["outer_checksum"] for v in ended.values()]
     return {
         "run_dir": str(run_dir),
         "num_sites": num_sites,
@@ -241,6 +243,7 @@ def _summarize(sites: list[SiteMetrics], run_dir: Path) -> dict:
         "rounds": all_rounds,
         "sites": per_site,
         "checksums_agree": bool(checksums) and all(c is not None for c in checksums) and len(set(checksums)) == 1,
+        "unfinished": sorted(k for k, v in per_site.items() if not v["finished"]),
         "outer_checksums_agree": bool(outer) and all(c is not None for c in outer) and len(set(outer)) == 1,
         "faults": faults,
         "rejected": rejected,
@@ -268,8 +271,10 @@ def summarize_run(run_dir: str | Path) -> dict:
         (final outer-optimizer state checksum, None if not written), ``owned_buckets`` and
         ``num_buckets`` (the last round it ran, from summary.json), ``rejected``
         (reason -> count), ``num_errors``, ``finished`` (summary.json present and not
-        interrupted)), ``checksums_agree`` (every site has a final checksum and all are equal),
-        ``outer_checksums_agree`` (the same for ``outer_checksum``),
+        interrupted)), ``checksums_agree`` (every site that finished has a final checksum and all
+        are equal; every site when none finished), ``unfinished`` (the sites that did not finish:
+        a dead site's last checksum is of an earlier round), ``outer_checksums_agree`` (the same
+        for ``outer_checksum``),
         ``faults`` (rounds whose quorum held fewer than all sites: ``round``, ``members``,
         ``missing``, ``statuses``, and ``fragment`` for a fragment round), ``rejected`` and
         ``num_rejected`` (over all sites), ``fragment_rounds`` (Streaming DiLoCo: fragment, as
@@ -450,7 +455,12 @@ def _markdown(summary: dict, images: list[str]) -> str:
         f"- rounds: **{summary['num_rounds']}**"
         + (f" (rounds {summary['rounds'][0]}..{summary['rounds'][-1]})" if summary["rounds"] else ""),
         "- final θ checksums: "
-        + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)"),
+        + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)")
+        + (
+            f" (over the sites that finished; {', '.join(summary['unfinished'])} did not)"
+            if summary.get("unfinished")
+            else ""
+        ),
         "- final outer-optimizer checksums: "
         + ("**all agree**" if summary["outer_checksums_agree"] else "differ or missing"),
         *_fragment_lines(summary),

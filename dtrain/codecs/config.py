@@ -116,9 +116,11 @@ class CodecConfig:
         defaults = {"sparse_chunk": 4096, "sparse_k": 64, "sparse_bits": 2}
         set_here = [k for k, v in defaults.items() if getattr(self, k) != v]
         if set_here and self.base_name != "sparseloco":
+            verb = "applies" if len(set_here) == 1 else "apply"
             raise ValueError(
-                f"{', '.join(set_here)} apply to codec sparseloco only, not codec {self.base_name!r}: "
-                "set the codec name to sparseloco (or sparseloco+zstd) or leave them at their defaults"
+                f"{', '.join(set_here)} {verb} to codec sparseloco only, not codec {self.base_name!r} (the codec "
+                "these settings belong to: the contributions' --codec or the means' --broadcast-codec): set that "
+                "codec's name to sparseloco (or sparseloco+zstd) or leave them at their defaults"
             )
         if self.topk_fraction != 0.01 and self.base_name != "topk":
             raise ValueError(

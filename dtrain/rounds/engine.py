@@ -139,6 +139,7 @@ class RoundEngine(PeerSide):
         self.mean_pulls = MeanPulls()
         # The last rounds' applied means, for a site behind to replay (dtrain.rounds.catchup).
         self.history = MeanHistory(self.config.history_rounds, self.config.history_bytes)
+        self.full_round_tokens = 0  # what a site trains in a full round (DiLoCo sets it): the claim bound
         self.unrepaired: list[int] = []  # the last round's buckets owned elsewhere left STALE (θ_b unlike the owner's)
         # Called (no arguments, from any thread; must not block) when a mean is published
         # or a round opens or closes here: the gRPC server wakes the PullMean calls that
@@ -261,6 +262,7 @@ class RoundEngine(PeerSide):
             aggregation=self.config.aggregation,
             opened_at=opened,
             tokens=tokens if contribute else 0,
+            full_round_tokens=self.full_round_tokens,
         )
         owned = _Owned(books)
         member = MemberRound(

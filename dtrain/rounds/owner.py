@@ -113,6 +113,7 @@ class OpenRound:
         aggregation: AggregationConfig,
         opened_at: float,
         tokens: int = 0,
+        full_round_tokens: int = 0,
     ) -> None:
         if len(owners) != len(chunks):
             raise ValueError(f"owners has {len(owners)} entries, chunks {len(chunks)}: one per bucket expected")
@@ -127,6 +128,7 @@ class OpenRound:
         order = sorted(self.members)
         self.token_weighted = aggregation.token_weighted
         self.max_weight_ratio = aggregation.max_weight_ratio
+        self.full_round_tokens = full_round_tokens  # the claim bound's unit (claim_decision); 0: unknown
         self.claims: dict[str, int] = {}
         self.weights: dict[str, float] = {}
         self.refused_claims: dict[str, str] = {}
@@ -239,7 +241,9 @@ class OpenRound:
                         f"{sender} claims {tokens} tokens, {had} on its earlier chunks of round {self.round}",
                     )
                 return
-            ok, reason = claim_decision(tokens, list(self.claims.values()), self.max_weight_ratio)
+            ok, reason = claim_decision(
+                tokens, list(self.claims.values()), self.max_weight_ratio, self.full_round_tokens
+            )
             if not ok:
                 self.refused_claims[sender] = f"round {self.round}: {sender} {reason}"
                 raise Rejected(RejectCode.INVALID_ARGUMENT, self.refused_claims[sender])

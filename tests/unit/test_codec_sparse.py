@@ -249,7 +249,7 @@ def test_datagram_chunk_fits_both_the_contribution_and_the_denser_mean() -> None
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"name": "int8", "sparse_k": 32}, "sparse_k apply to codec sparseloco only, not codec 'int8'"),
+        ({"name": "int8", "sparse_k": 32}, "sparse_k applies to codec sparseloco only, not codec 'int8'"),
         ({"name": "fp32+zstd", "sparse_chunk": 1024, "sparse_bits": 4}, "sparse_chunk, sparse_bits apply to codec"),
         ({"name": "sparseloco", "topk_fraction": 0.05}, "topk_fraction applies to codec topk only"),
     ],

@@ -291,3 +291,19 @@ def test_fragment_rounds_are_reported(tmp_path):
     assert f"fragment 0: rounds {', '.join(map(str, even))}; fragment 1: rounds {', '.join(map(str, odd))}" in md
     assert "- round 2 (fragment 1): members site-a, site-b; missing site-c" in md
     assert summarize_run(_write_run(tmp_path / "plain"))["fragment_rounds"] == {}
+
+
+def test_a_dead_sites_older_checksum_does_not_make_the_finished_sites_disagree(tmp_path):
+    """site-c died (no summary.json) with the checksum of an earlier round: the sites that
+    finished agree, and the report says which site did not finish (the launch summary did;
+    the report said DISAGREE)."""
+    run = _write_run(tmp_path / "run", checksums={"site-c": "dead0000dead0000"})
+    (run / "site-c" / "summary.json").unlink()
+    s = summarize_run(run)
+    assert s["checksums_agree"] is True and s["unfinished"] == ["site-c"]
+    make_report(run)
+    md = (run / "report.md").read_text()
+    assert "**all agree** (over the sites that finished; site-c did not)" in md
+    (run / "site-b" / "summary.json").unlink()
+    (run / "site-a" / "summary.json").unlink()
+    assert summarize_run(run)["checksums_agree"] is False  # none finished: every site counts

@@ -161,6 +161,18 @@ def test_claim_decision_rule() -> None:
     ok, why = claim_decision(401, [100, 100], 4.0)
     assert not ok and "401 tokens, above max_weight_ratio 4 x the median claim 100 of the round (400)" in why
     assert claim_decision(250, [50, 60, 1000], 4.0)[0] is False  # median 60, not the mean
+
+
+def test_with_a_full_rounds_tokens_known_a_fast_honest_site_is_never_refused() -> None:
+    """The runtime's bound: max_weight_ratio x a full round's tokens (sync_every x tokens_per_step).
+    The fresh-user case: two owners at a fifth of the speed accepted claims of 1,900 each, and the
+    median rule refused the fast site's honest 9,472 (and excluded it after repeats)."""
+    full = 50 * 256  # H = 50 steps of 256 tokens
+    assert claim_decision(9472, [1900, 1900], 4.0, full)[0]  # honest and fast: accepted
+    assert claim_decision(full, [1, 1, 1], 1.0, full)[0]  # a full round, whatever the others did
+    ok, why = claim_decision(4 * full + 1, [full, full], 4.0, full)
+    assert not ok and f"above max_weight_ratio 4 x a full round's {full} tokens ({4 * full})" in why
+    assert claim_decision(0, [], 4.0, full)[0] is False
     assert claim_decision(0, [100], 4.0)[0] is False and claim_decision(True, [], 4.0)[0] is False
 
 
