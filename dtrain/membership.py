@@ -254,7 +254,7 @@ class Group:
         kw: dict = {"round_reports": [raw for _, raw in pending]} if pending else {}
         if unreachable and self._client_takes_unreachable:
             kw["unreachable"] = unreachable
-        if self.rounds_done and self._client_takes_rounds_done:
+        if self._client_takes_rounds_done:  # always, 0 included: this site says how far it is
             kw["rounds_done"] = self.rounds_done
         try:
             hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)

@@ -73,7 +73,7 @@ class FailoverRendezvousClient:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
-        rounds_done: int = 0,
+        rounds_done: int | None = None,
     ) -> HeartbeatInfo:
         kw = dict(round_reports=round_reports, unreachable=unreachable, rounds_done=rounds_done)
         return self._call("heartbeat", lambda c: c.heartbeat(site_id, inner_step, last_loss, **kw))

@@ -372,13 +372,14 @@ class RendezvousCore:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
-        rounds_done: int = 0,
+        rounds_done: int | None = None,
     ) -> HeartbeatInfo:
         """Record liveness and progress of ``site_id``.
 
-        ``rounds_done``: how many rounds the site finished (its last finished round + 1):
-        a member of round r that has not finished it is not cut from round r + 1 before
-        r's deadlines passed (:func:`decide_quorum`'s hold).
+        ``rounds_done``: how many rounds the site finished (its last finished round + 1;
+        None: the client does not say): a member of round r that says it has not finished
+        it is not cut from round r + 1 before r's deadlines passed (:func:`decide_quorum`'s
+        hold); a site that never says is cut at the quorum timeout as before.
 
         ``round_reports`` are the site's per-round JSON reports for the status
         page (``dtrain.status.parse_report``); bad ones are dropped and logged,
@@ -397,7 +398,7 @@ class RendezvousCore:
                 return HeartbeatInfo(
                     known=False, resync_required=False, next_round=nxt, reason="unknown site: join again"
                 )
-            if rounds_done > 0:
+            if rounds_done is not None:
                 with self._lock:
                     if site_id in self._done or len(self._done) < 1 << 16:  # ids from the wire: bounded
                         self._done[site_id] = max(self._done.get(site_id, 0), rounds_done)
@@ -553,7 +554,7 @@ class RendezvousCore:
                 return ()
             r = max(self._formed)
             members = self._formed[r][0]
-            return tuple(sorted(s for s in members if self._done.get(s, 0) <= r and s not in dead))
+            return tuple(sorted(s for s in members if s in self._done and self._done[s] <= r and s not in dead))
 
     def _still_finishing(self, round: int) -> tuple[list[str], float | None]:
         """The members of ``round`` (formed here) whose heartbeats have not said they finished
@@ -564,7 +565,7 @@ class RendezvousCore:
             if got is None:
                 return [], None
             members, end = got
-            return sorted(s for s in members if self._done.get(s, 0) <= round), end
+            return sorted(s for s in members if s in self._done and self._done[s] <= round), end
 
     # ------------------------------------------------------------------ deadlines
     def _observe(self, round: int, **figures: float | bool | None) -> None:
@@ -700,7 +701,7 @@ class InprocRendezvousClient:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
-        rounds_done: int = 0,
+        rounds_done: int | None = None,
     ) -> HeartbeatInfo:
         self._check()
         return self.core.heartbeat(

@@ -82,7 +82,7 @@ class RendezvousCoreLike(Protocol):
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
-        rounds_done: int = 0,
+        rounds_done: int | None = None,
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -301,7 +301,11 @@ class _RendezvousServicer:
                     if request.unreachable and self._takes_unreachable
                     else {}
                 ),
-                **({"rounds_done": request.rounds_done} if request.rounds_done and self._takes_rounds_done else {}),
+                **(
+                    {"rounds_done": request.rounds_done}
+                    if request.HasField("rounds_done") and self._takes_rounds_done
+                    else {}
+                ),
             ),
         )
         # A heartbeat never makes a site live (a late one marks it for resync), so it
@@ -666,7 +670,7 @@ class GrpcRendezvousClient:
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
-        rounds_done: int = 0,
+        rounds_done: int | None = None,
     ) -> HeartbeatInfo:
         """Report liveness (and progress, per-round JSON reports for the status
         page: ``dtrain.status``, the sites this site's data path found
@@ -677,8 +681,9 @@ class GrpcRendezvousClient:
             inner_step=inner_step,
             round_reports=list(round_reports),
             unreachable=list(unreachable),
-            rounds_done=max(0, int(rounds_done)),
         )
+        if rounds_done is not None:
+            request.rounds_done = max(0, int(rounds_done))
         if last_loss is not None:
             request.last_loss = last_loss
         with self._heartbeat_lock:

@@ -365,8 +365,8 @@ def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_finished_round_
     for s in ("a", "b"):
         core.heartbeat(s, now=0.9, rounds_done=1)
         core.ready(s, 1, now=1.0)
-    core.heartbeat("c", now=2.0)
-    core.heartbeat("c", now=4.5)
+    core.heartbeat("c", now=2.0, rounds_done=0)  # c says how far it is: not done with round 0
+    core.heartbeat("c", now=4.5, rounds_done=0)
     d = core.ready("a", 1, now=6.6)
     assert d.status == "wait" and "['c'] still finishing round 0" in d.reason, d.reason
     core.heartbeat("c", now=7.0, rounds_done=1)
@@ -382,8 +382,24 @@ def test_a_heartbeat_names_the_members_still_finishing_the_newest_round() -> Non
         core.join(s, f"addr-{s}", now=0.0)
     assert core.heartbeat("a", now=0.05).behind == ()  # no round formed yet
     for s in ("a", "b", "c"):
+        core.heartbeat(s, now=0.06, rounds_done=0)
         core.ready(s, 0, now=0.1)
     assert core.heartbeat("a", now=0.5, rounds_done=1).behind == ("b", "c")
     assert core.heartbeat("b", now=0.6, rounds_done=1).behind == ("c",)
     core.leave("c", now=0.7)
     assert core.heartbeat("a", now=0.8).behind == ()
+
+
+def test_a_site_whose_heartbeats_do_not_say_how_far_it_is_is_never_held_nor_waited_for() -> None:
+    """A client that sends no rounds_done (an older one, or a test's bare client) is cut at the
+    quorum timeout as before and never listed as behind."""
+    core = _core(min_sites=1, initial_sites=2)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+        core.ready(s, 0, now=0.1)
+    core.heartbeat("a", now=0.5, rounds_done=1)
+    assert core.heartbeat("b", now=0.6).behind == ()
+    core.ready("a", 1, now=1.0)
+    core.heartbeat("b", now=5.5)
+    d = core.ready("a", 1, now=6.2)
+    assert d.status == "plan" and d.plan.site_ids == ("a",), d
