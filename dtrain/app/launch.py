@@ -361,6 +361,11 @@ def _rendezvous_command(run: _Run) -> list[str]:
         json.dumps(
             {
                 "sites": cfg.sites,
+                # every launch-level setting (a slowed site, a site group's ranks) is part of the record
+                "ranks_per_site": cfg.ranks_per_site,
+                "max_restarts": cfg.max_restarts,
+                "site_slowdown": cfg.site_slowdown,
+                "slowdown_by": cfg.slowdown_by if cfg.site_slowdown else None,
                 "worker": run.wvals,
                 "rendezvous": run.rvals,
                 "netem": cfg.netem,

@@ -377,6 +377,8 @@ def test_launch_with_one_site_slowed_time_based_and_token_weighted(run_dir: Path
     # the slow site is slower (tokens/s) than the fast ones over the run
     speed = {s: sum(d["tokens_per_s"] for d in lines) / len(lines) for s, lines in rounds.items()}
     assert speed["site-2"] < min(speed["site-0"], speed["site-1"]), speed
+    record = json.loads((run_dir / "launch.json").read_text())  # the run's record says a site was slowed
+    assert (record["site_slowdown"], record["slowdown_by"], record["ranks_per_site"]) == ("2=0.5", "stretch", 1)
 
 
 # --------------------------------------------------------------------------- resume after a kill
