@@ -553,8 +553,12 @@ def _finish(run_dir: Path, n: int, procs: dict[str, Proc], exit_code: int) -> in
         verdict = "θ checksums agree across sites"
     elif not finished:
         verdict = "no site finished"
+    elif any(r.get("interrupted") for r in finished):  # stopped mid-run: each at its own round
+        at = ", ".join(f"{r['site']} after round {int(r['rounds']) - 1}" for r in finished if "rounds" in r)
+        verdict = f"interrupted: the sites stopped at their own rounds ({at}), so their θ may differ"
     elif len(sums) == 1:
-        verdict = f"θ checksums agree across the {len(finished)} finished sites; {', '.join(unfinished)} did not finish"
+        n = len(finished)
+        verdict = f"θ checksums agree across the {n} finished site{'s' if n > 1 else ''}; {', '.join(unfinished)} did not finish"
     else:
         verdict = f"θ checksums DIFFER across sites ({len(sums)} distinct)" + (
             f"; {', '.join(unfinished)} did not finish" if unfinished else ""

@@ -76,3 +76,16 @@ def test_a_site_started_twice_is_named_and_the_runs_first_loss_is_its_first_star
     _finish(tmp_path, 1, {}, 0)
     out = capsys.readouterr().out
     assert "site-0 started 2 times (restarted by --max-restarts, or resumed); its last start joined at round 3" in out
+
+
+def test_an_interrupted_launch_says_the_sites_stopped_at_their_own_rounds(tmp_path, capsys) -> None:
+    for i, (rounds, checksum) in enumerate(((4, "aaaa"), (3, "bbbb"))):
+        d = tmp_path / f"site-{i}"
+        d.mkdir()
+        summary = {"site": f"site-{i}", "rounds": rounds, "checksum": checksum, "interrupted": True}
+        summary.update(first_val_loss=5.0, final_val_loss=3.0, wall_s=1.0, sync_share=0.1)
+        (d / "summary.json").write_text(json.dumps(summary))
+    _finish(tmp_path, 2, {}, 130)
+    out = capsys.readouterr().out
+    assert "interrupted: the sites stopped at their own rounds (site-0 after round 3, site-1 after round 2)" in out
+    assert "DIFFER" not in out
