@@ -154,15 +154,18 @@ class Site:
     def resync(self, min_round: int = 0) -> str | None:
         """Discard this site's progress and pull θ and the outer state from the members
         (rank 0 registers again first). Returns None, or the first rank's error (then
-        rank 0 tries again at its next sync).
+        rank 0 tries again at its next sync). A rendezvous unreachable for
+        ``config.rendezvous_retry_s`` (the tolerance of :meth:`Group.next_decision`) is
+        such an error: the round is deferred and the site trains on locally, as in any
+        round the rendezvous cannot be reached for.
 
         Raises:
             LeftBehind: (every rank) no member is left to pull from (:meth:`_pull`).
         """
         info: JoinInfo | str = ""
         if self.group is not None:
-            try:
-                info = self.group.register_with_backoff(60.0)
+            try:  # as long as a round waits for an unreachable rendezvous: then the site trains on
+                info = self.group.register_with_backoff(self.config.rendezvous_retry_s)
                 self.group.resync_done()
             except RendezvousError as e:
                 info = f"rendezvous: {e}"
@@ -250,7 +253,7 @@ class Site:
                         f"no live member for {timeout_s:g} s" if self.num_ranks == 1 else "no live member",
                     )
                 time.sleep(0.5)
-                info = self.group.register_with_backoff(60.0)
+                info = self.group.register_with_backoff(max(0.0, deadline - time.monotonic()))
                 continue
             self.donors = donors
             try:
@@ -264,7 +267,7 @@ class Site:
                     "%s: state pull failed (%s); asking the rendezvous for the current members", self.site_id, e
                 )
             time.sleep(0.2)
-            info = self.group.register_with_backoff(60.0)
+            info = self.group.register_with_backoff(max(0.0, deadline - time.monotonic()))
 
     def _align_rounds(self, info: JoinInfo, max_tries: int = 5) -> None:
         """Make every slice reflect the same number of rounds: ranks behind the newest

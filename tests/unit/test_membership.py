@@ -118,3 +118,23 @@ def test_a_taken_site_id_is_tried_again_for_takeover_s_then_refused() -> None:
     assert rdv.calls == 1
     with pytest.raises(ValueError, match="takeover_s must be a number of seconds >= 0"):
         GroupConfig(takeover_s=-1)
+
+
+@pytest.mark.timeout(20)
+def test_a_resync_with_the_rendezvous_unreachable_gives_up_after_rendezvous_retry_s() -> None:
+    """A site that must resync (it missed a round) while the rendezvous is unreachable
+    (etcd without a majority) defers the round within ``rendezvous_retry_s`` and trains
+    on, as every other site does, instead of retrying its registration for a minute (CI
+    once timed out waiting for that site to say it trains on locally) and asks again at
+    its next sync."""
+    from dtrain.site import Site
+    from dtrain.sitegroup.comm import LocalSiteComm
+
+    rdv = _Rendezvous([RendezvousError("etcd /v3/kv/txn: no member answered within 3.0s")] * 1000)
+    engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=2))
+    site = Site(engine, LocalSiteComm(), rdv, GroupConfig(rendezvous_retry_s=1.0, backoff_max_s=0.1))
+    err = site.resync()
+    assert err is not None and err.startswith("rendezvous: etcd /v3/kv/txn: no member answered"), err
+    # retried every 0.1 s within the 1 s budget (a 60 s budget made ~600 calls)
+    assert 2 <= rdv.calls <= 12, rdv.calls
+    assert site.group is not None and site.group._resync_needed.is_set()  # tried again at the next sync
