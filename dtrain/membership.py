@@ -98,6 +98,7 @@ class Group:
         self._hb_seq = 0  # heartbeats sent
         self._hb_answered = 0  # the newest heartbeat whose answer was handled
         self._hb_answer_lock = threading.Lock()
+        self._hb_answer_cv = threading.Condition()  # notified after each handled answer
         self._reports: deque[tuple[int, str]] = deque(maxlen=MAX_REPORTS_PER_HEARTBEAT)  # (seq, JSON), unsent
         self._reports_lock = threading.Lock()
         self._report_seq = 0
@@ -189,9 +190,14 @@ class Group:
         kw = {"rank_addresses": self.rank_addresses} if self.rank_addresses else {}
         return self.rendezvous.join(self.site_id, self.engine.address or "", **kw)
 
-    def beat_now(self) -> None:
-        """Send a heartbeat now (its answer refreshes ``dead`` and ``behind``)."""
-        self._hb_kick.set()
+    def beat_and_wait(self, timeout_s: float) -> bool:
+        """Send a heartbeat now and wait up to ``timeout_s`` seconds for an answer to one
+        sent from here on. Returns whether one was handled (``dead`` and ``behind`` are
+        then at least that fresh); False on timeout (the rendezvous is slow or gone)."""
+        with self._hb_answer_cv:
+            after = self._hb_seq
+            self._hb_kick.set()
+            return self._hb_answer_cv.wait_for(lambda: self._hb_answered > after, timeout=timeout_s)
 
     def note_rounds_done(self, n: int) -> None:
         """This site finished ``n`` rounds (its θ has ``n`` rounds applied): the heartbeat
@@ -268,6 +274,8 @@ class Group:
                 return  # a newer answer was handled; or left meanwhile ("unknown" is the leave)
             self._hb_answered = seq
             self._heartbeat_answered(hb, pending)
+        with self._hb_answer_cv:
+            self._hb_answer_cv.notify_all()
 
     def _heartbeat_answered(self, hb: HeartbeatInfo, pending: list[tuple[int, str]]) -> None:
         if hb.known and pending:

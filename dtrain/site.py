@@ -343,19 +343,17 @@ class Site:
         assert self.group is not None
         g, others = self.group, set(plan.site_ids) - {self.site_id}
         t0 = time.monotonic()
-        deadline, waiting = t0 + plan.broadcast_timeout_s, None
-        g.behind = None  # only an answer to a heartbeat sent from here on counts
-        g.beat_now()
+        deadline, waiting, answered = t0 + plan.broadcast_timeout_s, None, False
         while time.monotonic() < deadline:
-            behind = g.behind
-            if behind is None and time.monotonic() - t0 > 2.0:  # no answer (rendezvous gone): do not wait on it
-                break
-            if behind is not None:
-                waiting = sorted((behind & others) - g.dead)
+            # only an answer to a heartbeat sent from here on counts
+            if g.beat_and_wait(min(2.0, max(0.0, deadline - time.monotonic()))):
+                answered = True
+                waiting = sorted(((g.behind or frozenset()) & others) - g.dead)
                 if not waiting:
                     break
-            time.sleep(poll_s)
-            g.beat_now()
+            elif not answered:
+                break  # no answer within 2 s (the rendezvous is gone): do not wait on it
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))  # a later answer may still come
         if waiting:
             log.info(
                 "%s: leaving after %.1f s with %s still in round %d",

@@ -313,7 +313,7 @@ def test_refused_pair_is_a_clean_usage_error(pair: Pair, tmp_path: Path) -> None
 # ---------------------------------------------------------------- equivalence rows (slow)
 EQ_ROUNDS = 6
 EQ_BATCH = 8  # the tiny preset's batch per rank
-EQ_SEEDS = (0, 1, 2)
+EQ_SEEDS = (0,)
 EQ_SCHEDULES = {
     "constant": {"task_spec.lr_schedule": "constant"},
     # a long warmup: a scheduler that never steps stays at lr/20 and ends ~1 nat higher
@@ -329,10 +329,12 @@ EQ_SCHEDULES = {
 #: 2.791, 2.793, 2.902, 2.883, 2.876 (sd 0.053), cosine 3.060, 3.025, 2.946, 3.095, 3.154
 #: (sd 0.078); K = 2 minus K = 1 at the same seed (same initial model) for seeds 0-2,
 #: constant +0.069, +0.056, -0.017, cosine -0.047, -0.014, +0.088: sd 0.055 per seed,
-#: so 0.032 for the mean of 3, and 0.10 is 3 sd. What it catches: an inner LR schedule
-#: that never steps stays at lr/20 with this warmup and ends +1.06 higher. What it
-#: cannot resolve: half the global batch lost (K = 1 with batch B, not 2B: +0.09, seed 0).
-EQ_TOL = 0.10
+#: and 0.17 is 3 sd for one seed. What it catches: an inner LR schedule that never
+#: steps stays at lr/20 with this warmup and ends +1.06 higher (6 times the bound).
+#: What it cannot resolve: half the global batch lost (K = 1 with batch B, not 2B:
+#: +0.09, seed 0); three seeds (bound 0.10, 3 sd of their mean) could not either, and
+#: cost 30 s more of the CI's 17 minutes.
+EQ_TOL = 0.17
 EQ_TASK = {"task": "tests.integration.fixed_val_task:build"}
 
 
