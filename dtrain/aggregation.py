@@ -12,7 +12,8 @@ Robust options (off by default):
     ``ratio x median norm`` are dropped (needs >= 3 contributions to act).
   * ``trim_fraction``: coordinate-wise trimmed mean dropping that fraction of
     the largest and the smallest values per element (Yin et al., "Byzantine-
-    robust distributed learning", ICML 2018, trimmed mean with beta).
+    robust distributed learning", ICML 2018, trimmed mean with beta); token-weighted,
+    that share of the *weight* (:func:`weighted_trimmed_mean`).
 
 :class:`ChunkAccumulator` holds one chunk; :class:`BucketAccumulator` holds every chunk
 of a bucket and takes a run of neighbouring chunks from one sender at once (the datagram
@@ -55,6 +56,7 @@ __all__ = [
     "claim_decision",
     "mean_factor",
     "partial_mean",
+    "weighted_trimmed_mean",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,16 +159,87 @@ def partial_mean(
         return None, (), rejected
     senders = tuple(s for s, _ in items)
     stack = torch.stack([v for _, v in items])
-    k = int(config.trim_fraction * len(items))
-    if k > 0 and len(items) - 2 * k >= 1:
-        srt, _ = torch.sort(stack, dim=0)
-        mean = srt[k : len(items) - k].mean(dim=0)
-    elif weights and (any(weights.get(s, 1.0) != 1.0 for s in senders) or mean_factor(weights) != 1.0):
+    weighted = bool(weights) and (
+        any(weights.get(s, 1.0) != 1.0 for s in senders) or mean_factor(weights) != 1.0  # type: ignore[union-attr]
+    )
+    if int(config.trim_fraction * len(items)) > 0:
+        if weighted:
+            assert weights is not None
+            f = torch.tensor([weights.get(s, 1.0) for s in senders], dtype=torch.float64)
+            mean = weighted_trimmed_mean(stack, f, config.trim_fraction, total=len(items) * mean_factor(weights))
+        else:
+            mean = weighted_trimmed_mean(stack, torch.ones(len(items), dtype=torch.float64), config.trim_fraction)
+    elif weighted:
+        assert weights is not None
         f = torch.tensor([weights.get(s, 1.0) for s in senders], dtype=torch.float32)
         mean = (stack * f.unsqueeze(1)).sum(dim=0) / float(len(items) * mean_factor(weights))
     else:
         mean = stack.sum(dim=0) / len(items)
     return mean, senders, rejected
+
+
+def weighted_trimmed_mean(
+    values: torch.Tensor, weights: torch.Tensor, trim_fraction: float, *, total: float | None = None
+) -> torch.Tensor:
+    """Coordinate-wise weighted trimmed mean of ``n`` contributions (a pure function).
+
+    The rule, per coordinate: with ``k = int(trim_fraction * n)`` (the count of values
+    today's trimmed mean drops from each end; 0 for a non-integer ``trim_fraction * n``
+    below 1) and ``W = Σ wᵢ``, sort the values ascending with their weights, drop the
+    weight mass ``k/n · W`` from each end, a value straddling a cut keeping the part of
+    its weight inside, and take the weighted mean of the mass left,
+    ``(1 - 2k/n) · W``. This is the α-trimmed mean as an L-estimator,
+    T(F) = (1 - 2α)⁻¹ ∫_α^{1-α} F⁻¹(u) du (Huber & Ronchetti, *Robust Statistics*, 2nd ed.
+    2009, §3.3), evaluated at the weighted empirical distribution Σ (wᵢ/W) δ(xᵢ), with
+    α = k/n; the same algorithm as R's ``smoothemplik::trimmed.weighted.mean`` (sort,
+    accumulate the weights, drop what lies wholly outside the cut points, weigh the two
+    outermost kept values down in proportion). Equal weights with ``total`` None or
+    their sum give exactly today's trimmed mean (``sort(values)[k:n-k].mean(0)``, the
+    same arithmetic, bit for bit); a heavy value of small weight is trimmed as soon as
+    the weight below (or above) it reaches ``k/n · W``.
+
+    The cuts are compared as ``n x cumulative weight`` against ``k x W`` and
+    ``(n - k) x W`` in float64, so that for weights within ~2^29 of each other every
+    comparison is exact and a value wholly outside the kept mass gets weight 0, not a
+    rounding error's worth (which would leak a huge outlier into the mean).
+
+    Args:
+        values: ``(n, m)`` float32, one contribution per row (finite).
+        weights: ``(n,)`` weights > 0, any float dtype (computed in float64).
+        trim_fraction: in [0, 0.5), as ``AggregationConfig.trim_fraction``.
+        total: the weight the kept mass is a ``(1 - 2k/n)`` share of, in the divisor:
+            None: ``W`` (the L-estimator above); :func:`partial_mean` passes
+            ``n · f̄``, the Horvitz-Thompson divisor of the module docstring, so that
+            with every sender's chunk there it is ``W`` and under loss it stays the
+            weighted mean's estimate of the full round.
+    Returns:
+        ``(m,)`` float32.
+    Raises:
+        ValueError: shapes that do not match, a weight <= 0, or ``trim_fraction``
+            outside [0, 0.5).
+    """
+    if values.dim() != 2 or weights.shape != (values.shape[0],) or values.shape[0] == 0:
+        raise ValueError(
+            f"values must be (n, m) and weights (n,), n >= 1; got {tuple(values.shape)}, {tuple(weights.shape)}"
+        )
+    if not 0.0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
+    n = values.shape[0]
+    w = weights.to(torch.float64)
+    if not bool((w > 0).all()):
+        raise ValueError(f"weights must be > 0, got {w.tolist()}")
+    k = int(trim_fraction * n)
+    if bool((w == w[0]).all()) and (total is None or total == float(w.sum())):
+        srt, _ = torch.sort(values, dim=0)  # equal weights: today's trimmed mean, the same operations
+        return srt[k : n - k].mean(dim=0) if k > 0 else values.sum(dim=0) / n
+    srt, idx = torch.sort(values, dim=0, stable=True)
+    ws = w[idx]  # (n, m): each sorted value's weight
+    upto = torch.cumsum(ws, dim=0)  # weight at or below each sorted value
+    below = torch.cat([torch.zeros_like(upto[:1]), upto[:-1]])  # weight strictly below it
+    whole = upto[-1:]  # (1, m): W, per coordinate (its own sums: the cuts use the same numbers)
+    kept = (torch.minimum(n * upto, (n - k) * whole) - torch.maximum(n * below, k * whole)).clamp_(min=0.0)
+    denom = (n - 2 * k) * (whole if total is None else torch.full_like(whole, float(total)))
+    return ((kept * srt.to(torch.float64)).sum(dim=0) / denom.squeeze(0)).to(torch.float32)
 
 
 class ChunkAccumulator:

@@ -50,7 +50,8 @@ class AggregationConfig:
         norm_bound_ratio: at finalize, drop contributions with norm above
             ``norm_bound_ratio * median(norms)``, a number >= 1 (None: off).
         trim_fraction: fraction in [0, 0.5) of values trimmed at each end per
-            element (coordinate-wise trimmed mean; 0: plain mean).
+            element (coordinate-wise trimmed mean: ``int(trim_fraction * n)`` of the n
+            values; of their weight with ``token_weighted``; 0: plain mean).
         sparse_mean: per element, divide the sum by the number of contributions that sent
             a nonzero value there instead of by the number of contributions (SparseLoCo's
             aggregation, arXiv 2508.15706: a scatter-mean over the workers whose top-k
@@ -62,9 +63,10 @@ class AggregationConfig:
             Σ wᵢΔᵢ / (k · w̄) over the k contributions that arrived, w̄ the mean claim of the
             senders the owner heard from this round (= Σ wᵢΔᵢ / Σ wᵢ when every one
             arrived; unbiased under random loss, see :mod:`dtrain.aggregation`). Equal
-            claims give bit for bit the unweighted mean. Not with ``trim_fraction`` (a
-            coordinate-wise trimmed mean trims a count of values, not a weight) nor
-            ``sparse_mean`` (its per-element divisor counts contributions).
+            claims give bit for bit the unweighted mean. With ``trim_fraction`` the trimmed
+            mean trims weight, not a count of values (``dtrain.aggregation.weighted_trimmed_mean``:
+            the same share of the weight as today's of the count, fractional at the cuts).
+            Not with ``sparse_mean`` (its per-element divisor counts contributions).
         max_weight_ratio: with ``token_weighted``, an owner refuses (INVALID_ARGUMENT, logged
             and counted) every chunk of a sender whose claim is above ``max_weight_ratio`` x
             the tokens a site trains in a full round (``sync_every`` x ``tokens_per_step``;
@@ -96,11 +98,6 @@ class AggregationConfig:
         r = self.max_weight_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (r >= 1.0 and math.isfinite(r)):
             raise ValueError(f"max_weight_ratio must be a finite number >= 1, got {r!r}")
-        if self.token_weighted and self.trim_fraction > 0.0:
-            raise ValueError(
-                "token_weighted cannot be combined with trim_fraction: a coordinate-wise trimmed mean drops a "
-                "count of values per element, which has no token-weighted meaning (use norm_bound_ratio or max_norm)"
-            )
         if self.token_weighted and self.sparse_mean:
             raise ValueError(
                 "token_weighted cannot be combined with sparse_mean: its per-element divisor counts the "

@@ -10,7 +10,14 @@ import hashlib
 import pytest
 import torch
 
-from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision, mean_factor, partial_mean
+from dtrain.aggregation import (
+    AggregationConfig,
+    BucketAccumulator,
+    claim_decision,
+    mean_factor,
+    partial_mean,
+    weighted_trimmed_mean,
+)
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import Contribution, Member, RoundPlan
 from dtrain.rounds.owner import OpenRound
@@ -69,11 +76,15 @@ def _values(seed: int) -> dict[tuple[str, int], torch.Tensor]:
     return {(s, c): torch.randn(n, generator=g) * 3 for s in SENDERS for c, (_, n) in enumerate(CHUNKS[0])}
 
 
-@pytest.mark.parametrize("robust", [{}, {"norm_bound_ratio": 3.0}, {"max_norm": 100.0}])
+@pytest.mark.parametrize(
+    "robust",
+    [{}, {"norm_bound_ratio": 3.0}, {"max_norm": 100.0}, {"trim_fraction": 0.25}, {"trim_fraction": 0.3}],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_equal_claims_give_bit_identical_means(seed: int, robust: dict) -> None:
     """Equal claims: every factor is 1.0 exactly, so the sums, divisors and means are today's,
-    whatever the arrival order and whichever chunks were lost."""
+    whatever the arrival order and whichever chunks were lost (the trimmed mean: chunk 0 has
+    all four senders and trims one value at each end, the others three and trim none)."""
     values = _values(seed)
     g = torch.Generator().manual_seed(100 + seed)
     order = [(s, c) for s in SENDERS for c in range(3)]
@@ -185,9 +196,7 @@ def test_mean_factor_and_partial_mean_unweighted_unchanged() -> None:
     assert torch.equal(plain, same)
 
 
-def test_refused_combinations_say_why() -> None:
-    with pytest.raises(ValueError, match="token_weighted cannot be combined with trim_fraction"):
-        AggregationConfig(token_weighted=True, trim_fraction=0.1)
+def test_refused_combinations_say_why_and_the_others_combine() -> None:
     with pytest.raises(ValueError, match="token_weighted cannot be combined with sparse_mean"):
         AggregationConfig(token_weighted=True, sparse_mean=True)
     with pytest.raises(ValueError, match="max_weight_ratio must be a finite number >= 1"):
@@ -196,13 +205,89 @@ def test_refused_combinations_say_why() -> None:
     from dtrain.configs import RoundConfig
 
     cfg = WorkerConfig()
-    rounds = RoundConfig(aggregation=AggregationConfig(token_weighted=True))
+    rounds = RoundConfig(aggregation=AggregationConfig(token_weighted=True, trim_fraction=0.25))
     with pytest.raises(ValueError, match="token_weighted needs net.data_path 'grpc'"):
         dataclasses.replace(
             cfg,
             diloco=dataclasses.replace(cfg.diloco, rounds=rounds),
             net=dataclasses.replace(NetConfig(), data_path="datagram"),
         )
+
+
+def _todays_trimmed_mean(values: torch.Tensor, trim_fraction: float) -> torch.Tensor:
+    """partial_mean's trimmed mean before weights (commit 612eb69), verbatim."""
+    k = int(trim_fraction * len(values))
+    srt, _ = torch.sort(values, dim=0)
+    return srt[k : len(values) - k].mean(dim=0)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 7, 10])
+def test_weighted_trimmed_mean_with_equal_weights_is_todays_trimmed_mean(n: int) -> None:
+    """Bit for bit, for integer and non-integer trim_fraction x n (today's drops
+    int(trim_fraction x n) values from each end; so does the weighted one's k/n of the weight)."""
+    g = torch.Generator().manual_seed(n)
+    values = torch.randn(n, 257, generator=g) * torch.logspace(-3, 3, 257)
+    for t in (0.1, 0.2, 0.25, 0.3, 1 / 3, 0.45):
+        if int(t * n) == 0:
+            continue
+        want = _todays_trimmed_mean(values, t)
+        for w in (1.0, 2.5, 1e-3):
+            got = weighted_trimmed_mean(values, torch.full((n,), w), t)
+            assert torch.equal(got, want), (n, t, w)
+        mean, _, _ = partial_mean({f"s{i}": v for i, v in enumerate(values)}, AggregationConfig(trim_fraction=t))
+        assert torch.equal(mean, want), (n, t)
+
+
+def test_weighted_trimmed_mean_by_hand() -> None:
+    """Four contributions, trim_fraction 0.25 (k = 1: a quarter of the weight off each end).
+    Column 0: values 1, 2, 3, 100 with weights 2, 1, 1, 0.1 (W = 4.1, cut 1.025 at each end):
+    the value 1 keeps 0.975 of its 2, the 2 all of its 1, the 3 keeps 0.075 (0.925 of the top
+    cut after 100's 0.1), 100 nothing: (0.975 + 2 + 0.225) / 2.05 = 3.2 / 2.05. Column 1: the
+    same weights on values 4, -1, 0, 2 (sorted: -1 w1, 0 w1, 2 w0.1, 4 w2): the -1 is cut
+    whole, 0 keeps 0.975, 2 its 0.1, 4 keeps 0.975: (0 + 0.2 + 3.9) / 2.05."""
+    values = torch.tensor([[1.0, 4.0], [2.0, -1.0], [3.0, 0.0], [100.0, 2.0]])
+    w = torch.tensor([2.0, 1.0, 1.0, 0.1])
+    got = weighted_trimmed_mean(values, w, 0.25).double()
+    want = torch.tensor([3.2 / 2.05, 4.1 / 2.05], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # total: the kept mass is (1 - 2k/n) of it (partial_mean's Horvitz-Thompson divisor)
+    torch.testing.assert_close(weighted_trimmed_mean(values, w, 0.25, total=8.2).double(), want / 2, rtol=0, atol=1e-6)
+    # no trimming (k = 0): the weighted mean
+    torch.testing.assert_close(
+        weighted_trimmed_mean(values, w, 0.2).double(), (w.double() @ values.double()) / 4.1, rtol=0, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="weights must be > 0"):
+        weighted_trimmed_mean(values, torch.tensor([1.0, 0.0, 1.0, 1.0]), 0.25)
+    with pytest.raises(ValueError, match="trim_fraction must be in"):
+        weighted_trimmed_mean(values, w, 0.5)
+
+
+def test_a_heavy_outlier_with_a_small_weight_is_trimmed() -> None:
+    """An owner with token weighting and trim_fraction 0.2 (five senders: a fifth of the weight
+    off each end): sender e sends 1e30 on every element with a tenth of a's claim; the top cut
+    (a fifth of W = 4.1 + 0.1 = 0.84) takes it whole and not a rounding error of it leaks: the
+    mean is the hand-computed weighted trimmed mean of the others, finite and small."""
+    vals = {"a": [1.0, -1.0], "b": [2.0, 0.5], "c": [0.0, 0.0], "d": [-1.0, 3.0], "e": [1e30, 1e30]}
+    tokens = {"a": 100, "b": 100, "c": 100, "d": 100, "e": 10}
+    agg = AggregationConfig(token_weighted=True, trim_fraction=0.2)
+    mean, senders, dropped = partial_mean(
+        {s: torch.tensor(v) for s, v in vals.items()}, agg, {s: t / 100 for s, t in tokens.items()}
+    )
+    assert senders == tuple(vals) and dropped == {}
+    # column 0 sorted: -1 (d), 0 (c), 1 (a), 2 (b), 1e30 (e, 0.1); cut 0.82 each end:
+    # d keeps 0.18, c, a whole, b keeps 1 - 0.72 = 0.28, e none; kept mass 4.1 - 1.64 = 2.46
+    # column 1 sorted: -1 (a), 0 (c), 0.5 (b), 3 (d), 1e30 (e): a keeps 0.18, d keeps 0.28
+    want = torch.tensor([(-0.18 + 0 + 1 + 0.56) / 2.46, (-0.18 + 0 + 0.5 + 0.84) / 2.46], dtype=torch.float64)
+    torch.testing.assert_close(mean.double(), want, rtol=0, atol=1e-6)
+    # and end to end at an owner, the claims checked and the outlier's sender not otherwise refused
+    members = ("a", "b", "c", "d", "e")
+    o = _round(tokens=100, members=members, token_weighted=True, trim_fraction=0.2)
+    chunk0 = {(s, 0): torch.tensor(vals[s] + [0.0, 0.0, 0.0]) for s in members}
+    _feed(o, chunk0, tokens, [(s, 0) for s in members])
+    o.close([0])
+    red = o.finalize(0)[0]
+    assert red.senders == members and red.dropped == {}
+    torch.testing.assert_close(red.mean[:2].double(), want, rtol=0, atol=1e-6)
 
 
 def test_grpc_wire_carries_the_claim() -> None:
