@@ -366,11 +366,6 @@ class WorkerConfig:
         )
         if self.net.data_path == "datagram":
             self.diloco_config()  # the codec must fit one datagram per chunk (loads the codecs)
-            if self.diloco.rounds.aggregation.token_weighted:
-                raise ValueError(
-                    "diloco.rounds.aggregation.token_weighted needs net.data_path 'grpc': a contribution's token "
-                    "claim must travel inside what is authenticated, and the datagram header has no field for it yet"
-                )
         if self.tensorboard is not None:
             import importlib.util
 

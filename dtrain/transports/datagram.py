@@ -62,10 +62,12 @@ from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
 from dtrain.transports.datagram_reorder import WAIT, ReorderWindow, end_wait_decision, reorder_grace_s
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
+    CLAIM_BYTES,
     Kind,
     Opener,
     SealedBatch,
     codec_id,
+    contribution_body,
     max_body_bytes,
 )
 from dtrain.transports.grpc import GrpcTransport
@@ -112,7 +114,8 @@ def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
 
 def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:
     """Largest ``BucketConfig.chunk_bytes`` (fp32 input) whose encoded chunk fits one
-    datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits); for
+    datagram: its codec payload plus the mean's senders bitmap (``max_members`` bits) or
+    a contribution's token claim (8 bytes), whichever is larger; for
     the blockwise codecs a whole number of blocks (int4: 2,304 elements, not 2,522), so
     neighbouring chunks encode and decode as one run (``Codec.decode_chunks``); for
     ``sparseloco`` a whole number of its top-k chunks (C=4096, k=64: 10 chunks, 40,960
@@ -127,7 +130,8 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
         raise ValueError(
             f"codec {c.name!r} has no fixed size per element: use fp32, bf16, fp16, int8, int4 or sparseloco"
         )
-    room = max_body_bytes(max_datagram_bytes) - (max_members + 7) // 8  # codec payload bytes that fit
+    # codec payload bytes that fit beside the mean's senders bitmap, and beside a contribution's claim
+    room = max_body_bytes(max_datagram_bytes) - max((max_members + 7) // 8, CLAIM_BYTES)
     lo, hi = 0, max(1, 2 * room)
     while CODEC_HEADER_BYTES + c._body_bytes(hi) <= room:  # sparse codecs: many elements per byte
         lo, hi = hi, 2 * hi
@@ -467,6 +471,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
         room = self._body_max  # a payload up to this leaves whole in one datagram (the usual case)
         batch_max = self._batch_datagrams
         codecs: dict[str, int] = {}
+        claims: dict[int, bytes] = {}  # token claim -> its wire bytes
         bucket = -1  # of the contribution before
         in_bucket = 0  # contributions to it in this push (the end announces the running count)
         unsent = 0  # payload bytes in parts, counted as sent once they leave (one lock per batch)
@@ -498,7 +503,10 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                     in_bucket = 0
                 bucket = c.bucket
             in_bucket += 1
-            p = c.payload
+            claim = claims.get(c.tokens)  # the claim, sealed with the payload (a sender's one per round)
+            if claim is None:
+                claim = claims[c.tokens] = contribution_body(c.tokens, b"")
+            p = claim + c.payload
             cid = codecs.get(c.codec)
             if cid is None:
                 cid = codecs[c.codec] = codec_id(c.codec)
@@ -509,7 +517,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
                 for f, b in self._parts(b"", p, (bucket, c.chunk, c.offset, c.numel, cid)):
                     fields.append(f)
                     bodies.append(b)
-            unsent += len(p)
+            unsent += len(c.payload)
             if len(bodies) >= batch_max:
                 flush()
             num += 1

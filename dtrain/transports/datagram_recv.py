@@ -31,6 +31,7 @@ from dtrain.protocol import Contribution
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
+    CLAIM_BYTES,
     CODEC_WIRE_NAMES,
     HEADER,
     HEADER_BYTES,
@@ -39,6 +40,7 @@ from dtrain.transports.datagram_wire import (
     Dropped,
     Header,
     Kind,
+    split_contribution_body,
 )
 
 __all__ = ["DatagramReceive"]
@@ -55,10 +57,11 @@ _RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
 _DATA_KINDS = (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META)  # what test_drop may discard
 
 
-def _contribution(rs: RoundState, h: Header, payload: bytes) -> Contribution:
-    """The Contribution a CONTRIB datagram (or its reassembled fragments) carries: equal to
-    ``Contribution(round=h.round, ...)``, made without the frozen dataclass's per-field
-    ``object.__setattr__`` (half of the constructor's ~2.6 µs, once per datagram)."""
+def _contribution(rs: RoundState, h: Header, payload: bytes, tokens: int) -> Contribution:
+    """The Contribution a CONTRIB datagram (or its reassembled fragments) carries, its claim
+    ``tokens`` read from the sealed body (:func:`~.datagram_wire.split_contribution_body`):
+    equal to ``Contribution(round=h.round, ...)``, made without the frozen dataclass's
+    per-field ``object.__setattr__`` (half of the constructor's ~2.6 µs, once per datagram)."""
     c = _new(Contribution)
     c.__dict__.update(
         round=h.round,
@@ -69,7 +72,7 @@ def _contribution(rs: RoundState, h: Header, payload: bytes) -> Contribution:
         codec=CODEC_WIRE_NAMES[h.codec],
         sender=rs.site_ids[h.sender],
         payload=payload,
-        tokens=0,  # no token claim on the datagram path (token weighting is refused with it at start)
+        tokens=tokens,  # bounded by the owner (OpenRound.check -> claim_decision), as over gRPC
     )
     return c
 
@@ -257,11 +260,15 @@ class DatagramReceive:
         SEND_END behind them in the queue sees them); consecutive whole mean chunks of one
         bucket go in one call (:meth:`_on_mean_run`); the rest goes through :meth:`_on_opened`."""
         n = len(opened.ok)
+        # each row's first 8 body bytes as a u64: a CONTRIB's claim (one numpy pass per batch)
+        claims = np.ascontiguousarray(buf[:n, HEADER_BYTES : HEADER_BYTES + CLAIM_BYTES]).view("<u8")[:, 0]
         if opened.ok.all():  # the usual batch: no fancy indexing
             idx, rows, lens_, ts_ = range(n), opened.headers.tolist(), lens[:n].tolist(), ts[:n].tolist()
+            claims_ = claims.tolist()
         else:
             ok = np.flatnonzero(opened.ok)
             idx, rows, lens_, ts_ = ok.tolist(), opened.headers[ok].tolist(), lens[ok].tolist(), ts[ok].tolist()
+            claims_ = claims[ok].tolist()
         to_mono = time.monotonic() - time.time()
         now = time.monotonic()
         rounds: dict[int, RoundState | None] = {}
@@ -271,12 +278,16 @@ class DatagramReceive:
         raw = buf.reshape(-1).data  # bodies are sliced from the rows as bytes (one copy each)
         stride = buf.shape[1]
         num_codecs = len(CODEC_WIRE_NAMES)
-        for i, row, n_i, t in zip(idx, rows, lens_, ts_):
+        for i, row, n_i, t, claim in zip(idx, rows, lens_, ts_, claims_):
             h = Header._make(row)
             rs = rounds[h.round] if h.round in rounds else rounds.setdefault(h.round, self._round(h.round))
             at = i * stride
-            body = raw[at + HEADER_BYTES : at + n_i - TAG_BYTES].tobytes()
+            lo, hi = at + HEADER_BYTES, at + n_i - TAG_BYTES  # the plaintext body
             t_arrival = t * 1e-9 + to_mono if t else now
+            if h.kind == Kind.CONTRIB and h.nfrags == 1 and hi - lo >= CLAIM_BYTES:  # the usual datagram
+                tokens, body = claim, raw[lo + CLAIM_BYTES : hi].tobytes()
+            else:
+                tokens, body = -1, raw[lo:hi].tobytes()
             if h.kind == Kind.MEAN and h.nfrags == 1 and rs is not None:
                 if means and (means[0][0].round, means[0][0].bucket, means[0][0].sender) != (
                     h.round,
@@ -290,15 +301,15 @@ class DatagramReceive:
             if means:  # what came before this datagram is handled before it
                 self._on_mean_run(rounds[means[0][0].round], means)
                 means = []
-            if h.kind != Kind.CONTRIB or h.nfrags != 1 or rs is None or h.codec >= num_codecs:
-                self._on_opened(rs, h, body, t_arrival, out)
+            if tokens < 0 or rs is None or h.codec >= num_codecs:
+                self._on_opened(rs, h, body if tokens < 0 else raw[lo:hi].tobytes(), t_arrival, out)
                 continue
             st = seen.get((h.round, h.sender))
             if st is None:
                 arrivals = rs.arrivals.get(h.sender) or rs.arrivals.setdefault(h.sender, SeqArrivals())
                 st = seen[(h.round, h.sender)] = [0, 0, t_arrival, t_arrival, rs, arrivals]
             st[0] += 1
-            st[1] += len(body)
+            st[1] += hi - lo
             if t_arrival < st[2]:
                 st[2] = t_arrival
             elif t_arrival > st[3]:
@@ -313,7 +324,7 @@ class DatagramReceive:
                 if late:
                     self._reorder.observe(rs.site_ids[h.sender], late)
             received += len(body)
-            out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body)))
+            out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body, tokens)))
         if means:
             self._on_mean_run(rounds[means[0][0].round], means)
         for (_, sender), (num, nbytes, first, last, rs, arrivals) in seen.items():
@@ -466,8 +477,13 @@ class DatagramReceive:
             self._opener.count("over_budget")
         if not whole:
             return
-        self._counts["received"] += len(whole)
-        out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, whole)))
+        try:
+            tokens, payload = split_contribution_body(whole)
+        except Dropped as e:
+            self._opener.count(e.reason)
+            return
+        self._counts["received"] += len(payload)
+        out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, payload, tokens)))
 
     def _on_report(self, rs: RoundState, h, body: bytes) -> None:
         if len(body) < _REPORT.size:

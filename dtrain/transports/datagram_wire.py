@@ -8,7 +8,7 @@ authentication exactly like a changed body byte. Layout (little-endian)::
 
     offset size field
     0      2    magic b"DG"
-    2      1    version (1)
+    2      1    version (2)
     3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6, MEAN_ACK=7,
                 BUCKET_END=8
     4      4    run id (u32; a run's sites share it; 0 by default)
@@ -23,6 +23,15 @@ authentication exactly like a changed body byte. Layout (little-endian)::
     39     2    fragment index
     41     2    fragment count (1: the datagram carries the whole chunk)
     43     ..   sealed body (plaintext length + 16-byte Poly1305 tag)
+
+A CONTRIB datagram's plaintext is the contribution's token claim (u64, little-endian;
+``Contribution.tokens``, 0: none) then its codec payload; a contribution sent in
+fragments has the claim once, at the start of the reassembled plaintext
+(:func:`contribution_body`, :func:`split_contribution_body`). Being in the sealed body,
+the claim is authenticated (and hidden) like the payload: a changed claim fails as
+``forged``. Version 1 had no claim; a version-1 datagram is dropped as ``bad_version``.
+The claim costs no datagram: a chunk's size leaves room for the mean's senders bitmap
+(``datagram_chunk_bytes``: 64 members, 8 bytes), which a contribution does not carry.
 
 The 96-bit nonce is ``sender (u16) | 0 (u16) | sequence (u64)``: unique under a round's
 key because each sender numbers its datagrams once per round. The receiver keeps, per
@@ -56,6 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BatchOpened",
+    "CLAIM",
+    "CLAIM_BYTES",
     "CODEC_WIRE_NAMES",
     "DROP_REASONS",
     "HEADER",
@@ -70,11 +81,13 @@ __all__ = [
     "Sealer",
     "TAG_BYTES",
     "codec_id",
+    "contribution_body",
     "max_body_bytes",
+    "split_contribution_body",
 ]
 
 MAGIC = b"DG"
-VERSION = 1
+VERSION = 2  # 2: a CONTRIB body starts with the token claim
 HEADER = struct.Struct("<2sBBIIIIIIBHQHH")
 HEADER_BYTES: int = HEADER.size  # 43
 TAG_BYTES = 16
@@ -158,6 +171,33 @@ def codec_id(name: str) -> int:
 def max_body_bytes(max_datagram_bytes: int) -> int:
     """Plaintext body bytes that fit a datagram of ``max_datagram_bytes`` (UDP payload)."""
     return max_datagram_bytes - HEADER_BYTES - TAG_BYTES
+
+
+#: The token claim at the start of a CONTRIB datagram's plaintext.
+CLAIM = struct.Struct("<Q")
+CLAIM_BYTES: int = CLAIM.size  # 8
+
+
+def contribution_body(tokens: int, payload: bytes | memoryview) -> bytes:
+    """A CONTRIB plaintext: ``tokens`` (the contribution's claim, u64) then ``payload``.
+
+    Raises:
+        ValueError: ``tokens`` not an int in [0, 2^64), naming the field.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 1 << 64:
+        raise ValueError(f"Contribution.tokens must be an int in [0, 2^64) on the datagram wire, got {tokens!r}")
+    return CLAIM.pack(tokens) + payload
+
+
+def split_contribution_body(body: bytes) -> tuple[int, bytes]:
+    """``(tokens, payload)`` of a CONTRIB plaintext (:func:`contribution_body`).
+
+    Raises:
+        Dropped: ``malformed``, a plaintext shorter than the claim (not counted here).
+    """
+    if len(body) < CLAIM_BYTES:
+        raise Dropped("malformed", f"contribution body of {len(body)} bytes < the {CLAIM_BYTES}-byte claim")
+    return CLAIM.unpack_from(body)[0], body[CLAIM_BYTES:]
 
 
 def _check_u32(name: str, v: int) -> None:

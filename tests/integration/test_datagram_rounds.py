@@ -6,6 +6,8 @@ killed mid-send changes nothing but its own contribution."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -16,13 +18,14 @@ import torch
 
 from dtrain.buckets import BucketConfig, BucketLayout
 from dtrain.codecs import CodecConfig
+from dtrain.configs import AggregationConfig
 from dtrain.errors import PeerUnavailable
 from dtrain.protocol import Member, RoundPlan
 from dtrain.rounds import BucketOutcome, RoundConfig, RoundEngine
 from dtrain.state import GlobalState
 from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
 from dtrain.transports.datagram_wire import HEADER, MAGIC, VERSION, Kind
-from dtrain.transports.grpc import GrpcTransportConfig
+from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -47,6 +50,8 @@ class Cluster:
         datagram_bytes: int = 1400,
         numel: int = NUMEL,
         gso: bool = True,
+        aggregation: AggregationConfig | None = None,
+        data_path: str = "datagram",
     ) -> None:
         torch.manual_seed(seed)
         chunk = datagram_chunk_bytes("fp32", datagram_bytes)
@@ -67,11 +72,12 @@ class Cluster:
                 max_datagram_bytes=datagram_bytes,
                 gso=gso,
             )
+            rounds = RoundConfig(codec=CodecConfig(name="fp32"), plan_wait_s=2.0)
             eng = RoundEngine(
                 f"site-{i}",
                 GlobalState(self.layout, [torch.zeros(numel)], outer_optimizer=_sgd),
-                DatagramTransport(cfg),
-                RoundConfig(codec=CodecConfig(name="fp32"), plan_wait_s=2.0),
+                DatagramTransport(cfg) if data_path == "datagram" else GrpcTransport(cfg.grpc),
+                rounds if aggregation is None else dataclasses.replace(rounds, aggregation=aggregation),
             )
             members.append(Member(site_id=f"site-{i}", address=eng.start()))
             self.engines.append(eng)
@@ -83,10 +89,11 @@ class Cluster:
             datagram_key=os.urandom(32),
         )
 
-    def run_round(self, skip: tuple[int, ...] = ()):
+    def run_round(self, skip: tuple[int, ...] = (), tokens: tuple[int, ...] = ()):
+        """One round; ``tokens``: each site's token claim (none: 0)."""
         for eng, d in zip(self.engines, self.deltas):
             assert eng.add_pseudo_gradient([-d])  # θ0 = 0, local = −Δ
-        futs = [e.start_round(self.plan) for e in self.engines]
+        futs = [e.start_round(self.plan, tokens=tokens[i] if tokens else 0) for i, e in enumerate(self.engines)]
         return [None if i in skip else f.result(timeout=60) for i, f in enumerate(futs)]
 
     def published(self, b: int):
@@ -611,7 +618,7 @@ def test_a_contribution_overtaken_by_its_own_bucket_end_is_waited_for(loop: str)
     really lost ends the bucket once that grace passed, and when it comes after all it is counted
     late (``late_after_end``), as is every end that waited and ended short."""
     from dtrain.transports.datagram import _COUNT
-    from dtrain.transports.datagram_wire import codec_id
+    from dtrain.transports.datagram_wire import codec_id, contribution_body
 
     rec = _OrderRecorder()
     with _sender_and_owner(rec, native=loop) as (a, b, addr_a, addr_b):
@@ -627,9 +634,8 @@ def test_a_contribution_overtaken_by_its_own_bucket_end_is_waited_for(loop: str)
         fp32 = codec_id("fp32")
 
         def contrib(bucket: int, chunk: int) -> bytes:
-            return sealer.seal(
-                Kind.CONTRIB, bytes([chunk]) * 4, bucket=bucket, chunk=chunk, offset=chunk, numel=1, codec=fp32
-            )
+            body = contribution_body(0, bytes([chunk]) * 4)
+            return sealer.seal(Kind.CONTRIB, body, bucket=bucket, chunk=chunk, offset=chunk, numel=1, codec=fp32)
 
         def end(bucket: int, n: int) -> bytes:
             return sealer.seal(Kind.BUCKET_END, _COUNT.pack(n), bucket=bucket)
@@ -692,3 +698,61 @@ def test_gso_and_sendmmsg_rounds_give_the_same_means(make_cluster) -> None:
         digests.append([e.state.checksums() for e in c.engines])
         c.stop()
     assert digests[0] == digests[1] and all(d == digests[0][0] for d in digests[0])
+
+
+CLAIMS = (100, 300, 50)  # tokens each site claims (issue 34): weights 1 : 3 : 0.5
+
+
+def test_a_token_weighted_round_over_datagrams_gives_the_grpc_paths_mean(make_cluster) -> None:
+    """The claim travels in the sealed CONTRIB body: the same contributions and claims give,
+    over datagrams (the compiled batch loop where it builds, and the Python loop) and over
+    gRPC, bit for bit the same θ at every site, Σ wᵢΔᵢ / Σ wᵢ, and every owner reports the
+    claims it accepted."""
+    agg = AggregationConfig(token_weighted=True)
+    thetas, claims = {}, {}
+    for path, native in (("grpc", "auto"), ("datagram", "auto"), ("datagram", "off")):
+        c = make_cluster(3, drop=0.0, seed=7, numel=30_000, aggregation=agg, data_path=path, native=native)
+        results = c.run_round(tokens=CLAIMS)
+        thetas[path, native] = [torch.cat(list(e.state.theta)) for e in c.engines]
+        claims[path, native] = [r.claims for r in results if r.owned_buckets]
+        c.stop()
+        assert all(r.rejected == {} for r in results), [r.rejected for r in results]
+    want = sum(w * d for w, d in zip(CLAIMS, c.deltas)) / sum(CLAIMS)
+    expected = {f"site-{i}": t for i, t in enumerate(CLAIMS)}
+    for key in (("datagram", "auto"), ("datagram", "off")):
+        for got, grpc in zip(thetas[key], thetas["grpc", "auto"]):
+            assert torch.equal(got, grpc), key  # the same sums in the same order
+            torch.testing.assert_close(-got, want, rtol=0, atol=1e-5)
+        assert claims[key] == claims["grpc", "auto"], key
+    assert claims["grpc", "auto"] and all(cl == expected for cl in claims["grpc", "auto"])
+
+
+def test_an_oversized_claim_over_datagrams_is_refused_counted_and_logged(make_cluster, caplog) -> None:
+    """A claim above max_weight_ratio x a full round's tokens is refused at every owner but the
+    liar's own (INVALID_ARGUMENT on each of its chunks, counted, logged with the claim and the
+    bound, named in ``weight_refused``), never applied: the others' buckets get the plain mean
+    of the two honest sites, and the liar keeps its Δ there in its residual."""
+    c = make_cluster(3, drop=0.0, seed=8, numel=30_000, aggregation=AggregationConfig(token_weighted=True))
+    for e in c.engines:
+        e.full_round_tokens = 100  # as DiLoCo sets it: sync_every x tokens_per_step
+    with caplog.at_level(logging.WARNING, logger="dtrain"):
+        results = c.run_round(tokens=(100, 100, 401))
+    why = "site-2 claims 401 tokens, above max_weight_ratio 4 x a full round's 100 tokens (400)"
+    honest = (c.deltas[0] + c.deltas[1]) / 2
+    owned: dict[str, list[int]] = {}
+    for b in range(len(c.layout.buckets)):
+        owned.setdefault(c.published(b).owner, []).append(b)
+    assert set(owned) - {"site-2"}, owned  # some bucket is owned by an honest site
+    for r, e in zip(results, c.engines):
+        if e.site_id == "site-2" or e.site_id not in owned:
+            continue
+        assert r.weight_refused == {"site-2": f"round 0: {why}"}, r.weight_refused
+        chunks = sum(len(c.layout.buckets[b].chunks) for b in owned[e.site_id])
+        assert r.rejected == {"INVALID_ARGUMENT": chunks}, r.rejected
+        assert r.claims == {"site-0": 100, "site-1": 100}
+        for b in owned[e.site_id]:
+            lo = c.layout.buckets[b].segments[0].tensor_offset
+            span = slice(lo, lo + c.layout.buckets[b].numel)
+            for other in c.engines:
+                torch.testing.assert_close(-other.state.theta[b], honest[span], rtol=0, atol=1e-6)
+    assert any(why in rec.getMessage() and "INVALID_ARGUMENT" in rec.getMessage() for rec in caplog.records)

@@ -115,8 +115,10 @@ def test_received_contributions_and_mean_chunks_equal_their_dataclasses() -> Non
     )
     rs = RoundState(plan, ["s0", "s1"], "s0", run=7, max_buffer_bytes=1 << 20)
     h = Header(b"DG", 1, 1, 7, 5, 1, 3, 3 * 1280, 1280, codec_id("int8"), 2, 99, 0, 1)
-    c = _contribution(rs, h, b"payload")
-    want = Contribution(round=5, bucket=1, chunk=3, offset=3840, numel=1280, codec="int8", sender="s2", payload=b"p")
+    c = _contribution(rs, h, b"payload", 4096)
+    want = Contribution(
+        round=5, bucket=1, chunk=3, offset=3840, numel=1280, codec="int8", sender="s2", payload=b"p", tokens=4096
+    )
     assert c == dataclasses.replace(want, payload=b"payload") and type(c) is Contribution
     assert set(vars(c)) == {f.name for f in dataclasses.fields(Contribution)}
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -8,16 +8,20 @@ import os
 import pytest
 
 from dtrain.transports.datagram_wire import (
+    CLAIM_BYTES,
     HEADER,
     HEADER_BYTES,
     TAG_BYTES,
+    VERSION,
     Dropped,
     Kind,
     Opener,
     ReplayWindow,
     Sealer,
     codec_id,
+    contribution_body,
     max_body_bytes,
+    split_contribution_body,
 )
 
 pytestmark = pytest.mark.timeout(20)
@@ -88,6 +92,28 @@ def test_forged_body_or_header_is_dropped() -> None:
     d[29] ^= 1  # the sender index: sender 0 is a member, but the nonce no longer matches
     assert _dropped(op, bytes(d)) == "forged"
     assert op.counts()["forged"] == 3
+
+
+def test_a_contributions_claim_is_sealed_with_it() -> None:
+    """A CONTRIB plaintext is the claim (u64) then the payload: a changed claim byte fails
+    authentication like any other; a version-1 datagram (no claim) is refused as such; a
+    plaintext shorter than the claim is malformed; a claim that does not fit is refused."""
+    op = _opener()
+    body = contribution_body(12_345_678_901, b"payload")
+    assert len(body) == CLAIM_BYTES + 7 and split_contribution_body(body) == (12_345_678_901, b"payload")
+    _, opened = op.open(_sealed(body))
+    assert split_contribution_body(opened) == (12_345_678_901, b"payload")
+    d = bytearray(_sealed(body))
+    d[HEADER_BYTES] ^= 1  # the claim's lowest byte, in the sealed body
+    assert _dropped(op, bytes(d)) == "forged"
+    old = bytearray(_sealed(body))
+    old[2] = 1  # a version-1 sender: its body has no claim
+    assert VERSION == 2 and _dropped(op, bytes(old)) == "bad_version"
+    with pytest.raises(Dropped, match="malformed"):
+        split_contribution_body(b"\x01" * (CLAIM_BYTES - 1))
+    for bad in (-1, 1 << 64, 1.5, True):
+        with pytest.raises(ValueError, match="Contribution.tokens must be an int"):
+            contribution_body(bad, b"")  # type: ignore[arg-type]
 
 
 def test_wrong_key_wrong_round_wrong_run_are_dropped() -> None:

@@ -205,13 +205,14 @@ def test_refused_combinations_say_why_and_the_others_combine() -> None:
     from dtrain.configs import RoundConfig
 
     cfg = WorkerConfig()
-    rounds = RoundConfig(aggregation=AggregationConfig(token_weighted=True, trim_fraction=0.25))
-    with pytest.raises(ValueError, match="token_weighted needs net.data_path 'grpc'"):
-        dataclasses.replace(
-            cfg,
-            diloco=dataclasses.replace(cfg.diloco, rounds=rounds),
-            net=dataclasses.replace(NetConfig(), data_path="datagram"),
-        )
+    agg = AggregationConfig(token_weighted=True, trim_fraction=0.25)  # the weighted trimmed mean
+    rounds = RoundConfig(aggregation=agg)
+    built = dataclasses.replace(  # over datagrams: the claim rides in the sealed CONTRIB body
+        cfg,
+        diloco=dataclasses.replace(cfg.diloco, rounds=rounds),
+        net=dataclasses.replace(NetConfig(), data_path="datagram"),
+    )
+    assert built.diloco.rounds.aggregation == agg and built.net.data_path == "datagram"
 
 
 def _todays_trimmed_mean(values: torch.Tensor, trim_fraction: float) -> torch.Tensor:

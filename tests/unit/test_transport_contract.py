@@ -136,6 +136,11 @@ def pair(request):
     server.stop(0)
 
 
+#: every contribution's token claim: each transport carries it (the datagram path in the sealed
+#: body, as a u64: this one needs more than 32 bits)
+CLAIM = 12_345_678_901
+
+
 def _contributions(n: int, *, round: int = 2, bucket: int = 5, size: int = 1000) -> list[Contribution]:
     return [
         Contribution(
@@ -147,6 +152,7 @@ def _contributions(n: int, *, round: int = 2, bucket: int = 5, size: int = 1000)
             codec="fp32",
             sender="site-a",
             payload=bytes((i + j) % 256 for j in range(size)),
+            tokens=CLAIM,
         )
         for i in range(n)
     ]
@@ -176,6 +182,13 @@ def test_push_delivers_every_contribution_in_order(pair: Pair) -> None:
     assert pair.client.push(pair.address, cs, timeout_s=10) == 20
     assert pair.handler.accepted == cs  # same fields, same order, each once
     assert pair.client.bytes_sent() - before == sum(len(c.payload) for c in cs)
+
+
+def test_push_delivers_contributions_larger_than_a_datagram(pair: Pair) -> None:
+    # the datagram path sends each in fragments, the claim once, at the start of the whole
+    cs = _contributions(3, size=4000)
+    assert pair.client.push(pair.address, cs, timeout_s=10) == 3
+    assert pair.handler.accepted == cs
 
 
 def test_push_paces_each_contribution_before_it_is_sent(pair: Pair) -> None:
