@@ -61,7 +61,7 @@ from dtrain.state import (
     position_state,
     theta_device_of,
 )
-from dtrain.streaming import StreamingSync, fragment_buckets, window_steps
+from dtrain.streaming import StreamingSync, first_window_steps, fragment_buckets, window_steps
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -458,7 +458,9 @@ class DiLoCo:
         rounds (``round_window_s``) as many as fit in the window at the measured step time
         (:func:`~dtrain.streaming.window_steps`), decided once per phase, after its first step,
         on rank 0 and broadcast over the site group (every rank must call it at the same step).
-        The step time is that of the earlier phases (:meth:`note_phase`), at first these steps'.
+        The step time is that of the earlier phases (:meth:`note_phase`); in the first phase,
+        with none measured, the decision is asked after every step until the window is
+        spent (:func:`~dtrain.streaming.first_window_steps`; the answer is then ``done + 1``).
 
         Args:
             done: steps taken in this phase so far (>= 1 for a time-based decision).
@@ -470,10 +472,15 @@ class DiLoCo:
         if self._phase_target is None:
             decided = None
             if self.rank == 0:
+                h = self.config.sync_every
                 if self.step_s is None:
-                    self.step_s = elapsed_s / max(1, done)
-                decided = window_steps(window_s=window, step_s=self.step_s, done=done, max_steps=self.config.sync_every)
-            self._phase_target, self.phase_reason = self.comm.broadcast(decided, round=True)
+                    decided = first_window_steps(window_s=window, elapsed_s=elapsed_s, done=done, max_steps=h)
+                else:
+                    decided = window_steps(window_s=window, step_s=self.step_s, done=done, max_steps=h)
+            n, why = self.comm.broadcast(decided, round=True)
+            if n is None:
+                return done + 1  # the first phase: decided again after the next step
+            self._phase_target, self.phase_reason = n, why
             log.info("%s: this round trains %d inner steps (%s)", self.config.site_id, *self.decided_phase)
         return self._phase_target
 

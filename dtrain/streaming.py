@@ -138,6 +138,30 @@ def window_steps(*, window_s: float, step_s: float, done: int, max_steps: int) -
     return n, why
 
 
+def first_window_steps(*, window_s: float, elapsed_s: float, done: int, max_steps: int) -> tuple[int | None, str]:
+    """Time-based rounds before any step time was measured (a process's first inner
+    phase, whose first steps are slow: allocations, cold caches; the first one alone
+    once made round 0 train 3 steps of a window that fits 20): whether this phase ends
+    now (a pure decision, asked after each step).
+
+    Args:
+        window_s: the round's compute window, seconds.
+        elapsed_s: seconds the ``done`` steps of this phase took.
+        done: steps taken in this phase (>= 1).
+        max_steps: the bound (``sync_every``).
+    Returns:
+        ``(done, reason)`` to end the phase now: the bound is reached, or one more step at
+        the mean step time so far (``elapsed_s / done``, an over-estimate while the first
+        step is in it) would pass the window; ``(None, "")`` to take another step.
+    """
+    step_s = elapsed_s / max(1, done)
+    if done >= max_steps:
+        return done, f"the bound of {max_steps} steps, {elapsed_s:.2f} s of the {window_s:g} s window"
+    if elapsed_s + step_s > window_s:
+        return done, f"{done} steps took {elapsed_s:.2f} s of the {window_s:g} s window (no step time measured yet)"
+    return None, ""
+
+
 def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: float) -> float | None:
     """Seconds a fragment round's sends are spread over: ``pace_fraction`` x τ x the
     expected inner-step time. None (unpaced): τ = 0 (a blocking round), pacing off

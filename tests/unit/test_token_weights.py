@@ -309,6 +309,33 @@ def test_window_steps_rule() -> None:
     assert window_steps(window_s=1.0, step_s=0.1, done=20, max_steps=500)[0] == 20  # never below what is done
 
 
+def test_the_first_phase_of_time_based_rounds_fills_its_window_step_by_step() -> None:
+    """With no step time measured yet, the first step (slow: allocations, cold caches) does
+    not set the phase's count: it goes on step by step until one more step at the mean so
+    far would pass the window (a fresh-user run trained 3 steps of a window that fits 20)."""
+    from dtrain.configs import DiLoCoConfig
+    from dtrain.diloco import DiLoCo
+    from dtrain.sitegroup.comm import LocalSiteComm
+    from dtrain.streaming import first_window_steps
+
+    assert first_window_steps(window_s=1.0, elapsed_s=0.5, done=1, max_steps=100) == (None, "")  # 0.5 + 0.5 = 1.0
+    assert first_window_steps(window_s=1.0, elapsed_s=0.9, done=9, max_steps=100) == (None, "")  # 0.9 + 0.1 = 1.0
+    n, why = first_window_steps(window_s=1.0, elapsed_s=0.95, done=10, max_steps=100)
+    assert n == 10 and "10 steps took 0.95 s of the 1 s window" in why
+    assert first_window_steps(window_s=1.0, elapsed_s=0.2, done=8, max_steps=8)[0] == 8  # the bound
+    d = DiLoCo.__new__(DiLoCo)  # only the phase decision's state
+    d.config, d.rank, d.comm = DiLoCoConfig(sync_every=100, round_window_s=1.0), 0, LocalSiteComm()
+    d.step_s, d.phase_reason, d._phase_target = None, "", None
+    t, steps = 0.5, 1  # a first step of 0.5 s, then 0.04 s steps
+    while steps < d.phase_target(steps, t):
+        steps, t = steps + 1, t + 0.04
+    # 12 steps took 0.94 s; a 13th at their mean (78 ms) would pass 1 s (11: 0.90 + 0.082 does not)
+    assert steps == 12 and d.decided_phase[0] == 12, (steps, t)
+    d.note_phase(steps, t)  # the next phase plans from the measured step time, at once
+    d._phase_target = None
+    assert d.phase_target(1, 0.05) == int(1.0 / d.step_s)
+
+
 def test_time_based_rounds_config() -> None:
     from dtrain.configs import DiLoCoConfig
 
@@ -342,6 +369,7 @@ def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
         return d
 
     r0 = rank(0, Comm(0))
+    r0.step_s = 0.02  # measured in an earlier phase
     assert r0.phase_target(1, 0.02) == 50  # 1 s / 20 ms
     decided = r0.comm.sent[0]
     r1 = rank(1, Comm(1, rank0_value=decided))
