@@ -298,6 +298,12 @@ class RoundConfig:
                 raise ValueError(f"{name} must be a CodecConfig, got {type(v).__name__}")
         if self.codec.needs_error_feedback and not self.error_feedback:
             raise ValueError(f"codec {self.codec.name!r} requires error_feedback=True")
+        if self.aggregation.sparse_mean and self.codec.base_name not in ("topk", "sparseloco"):
+            raise ValueError(
+                f"aggregation.sparse_mean needs a sparse codec (topk or sparseloco), not codec {self.codec.name!r}: "
+                "a dense codec sends a value for every element, so the per-element count it divides by is every "
+                "contribution (the plain mean) or, for an exact zero, a smaller one that inflates the mean"
+            )
         d = self.error_feedback_decay
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
             raise ValueError(f"error_feedback_decay must be a number in (0, 1], got {d!r}")

@@ -127,6 +127,11 @@ class CodecConfig:
                 f"topk_fraction applies to codec topk only, not codec {self.base_name!r}: "
                 "set the codec name to topk or leave topk_fraction at its default (0.01)"
             )
+        if self.block_size != 256 and self.base_name not in ("int8", "int4"):
+            raise ValueError(
+                f"block_size applies to codecs int8 and int4 only, not codec {self.base_name!r}: "
+                "set the codec name to int8 or int4 or leave block_size at its default (256)"
+            )
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.stochastic_rounding and self.base_name not in ("int8", "int4"):

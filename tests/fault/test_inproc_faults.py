@@ -133,7 +133,9 @@ def test_error_feedback_delivers_what_was_lost(loss: float, codec: str) -> None:
     so that only the reduce codec is lossy.
     """
     N, R, F = 3, 6, 2
-    rounds = RoundConfig(codec=CodecConfig(name=codec, block_size=8), broadcast_codec=FP32)
+    rounds = RoundConfig(
+        codec=CodecConfig(name=codec, **({"block_size": 8} if codec in ("int8", "int4") else {})), broadcast_codec=FP32
+    )
     cfg = ClusterConfig(
         num_sites=N,
         diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=rounds),

@@ -229,6 +229,13 @@ def test_sparse_mean_divides_each_element_by_the_contributions_nonzero_there() -
     assert torch.equal(plain.finalize()[0][0], (a + b) / 2)
     with pytest.raises(ValueError, match="sparse_mean cannot be combined"):
         AggregationConfig(sparse_mean=True, trim_fraction=0.1)
+    sparse = AggregationConfig(sparse_mean=True)
+    with pytest.raises(ValueError, match="sparse_mean needs a sparse codec \\(topk or sparseloco\\), not codec 'int8'"):
+        RoundConfig(codec=CodecConfig(name="int8"), aggregation=sparse)
+    for name in ("topk", "sparseloco+zstd"):  # its own codecs: fine
+        assert RoundConfig(
+            codec=CodecConfig(name=name), aggregation=sparse, error_feedback=True
+        ).aggregation.sparse_mean
 
 
 def test_datagram_chunk_fits_both_the_contribution_and_the_denser_mean() -> None:
@@ -252,6 +259,7 @@ def test_datagram_chunk_fits_both_the_contribution_and_the_denser_mean() -> None
         ({"name": "int8", "sparse_k": 32}, "sparse_k applies to codec sparseloco only, not codec 'int8'"),
         ({"name": "fp32+zstd", "sparse_chunk": 1024, "sparse_bits": 4}, "sparse_chunk, sparse_bits apply to codec"),
         ({"name": "sparseloco", "topk_fraction": 0.05}, "topk_fraction applies to codec topk only"),
+        ({"name": "topk", "block_size": 64}, "block_size applies to codecs int8 and int4 only, not codec 'topk'"),
     ],
 )
 def test_a_codec_parameter_set_for_another_codec_is_refused_naming_it(kw: dict, match: str) -> None:

@@ -103,10 +103,12 @@ def _values(leaf: Leaf, tmp: Path) -> dict[str, Any]:
     parent = leaf.path.rpartition(".")[0]
     if leaf.name == "site_index":
         values[f"{parent}.num_sites"] = 3
-    if leaf.name == "stochastic_rounding":  # int8/int4 only
+    if leaf.name in ("stochastic_rounding", "block_size"):  # int8/int4 only
         values[f"{parent}.name"] = "int8"
     if leaf.name == "topk_fraction":  # topk only
         values[f"{parent}.name"] = "topk"
+    if leaf.name == "sparse_mean":  # a sparse codec only
+        values[f"{parent.rpartition('.')[0]}.codec.name"] = "sparseloco"
     if leaf.name.startswith("sparse_") and parent.endswith("codec"):  # sparseloco only
         values[f"{parent}.name"] = "sparseloco"
     if leaf.path.endswith("hf.config"):  # goes with task 'hf'
