@@ -53,7 +53,7 @@ from dtrain.transports.datagram import (
     DatagramTransportConfig,
     datagram_chunk_bytes,
 )
-from dtrain.transports.datagram_wire import Kind, Sealer, codec_id
+from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
 
@@ -208,7 +208,7 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
     addr_b = b.start(handler)
     key = os.urandom(32)
     b.begin_round(_plan("127.0.0.1:1", addr_b, key), [], "site-b")
-    payload = _contributions(0.002, 0)[0].payload
+    payload = contribution_body(0, _contributions(0.002, 0)[0].payload)  # the claim, then the codec payload
     sealer = Sealer(key, run=0, round=0, sender=0, native=b._native)
     blob = bytearray()
     numel = datagram_chunk_bytes("int8") // 4
