@@ -168,7 +168,7 @@ class Site:
                 info = self.group.register_with_backoff(self.config.rendezvous_retry_s)
                 self.group.resync_done()
             except RendezvousError as e:
-                info = f"rendezvous: {e}"
+                info = f"rendezvous unreachable: {e}"  # the words of every round deferred for it
         info = self.comm.broadcast(info, round=True)
         err: str | None = info if isinstance(info, str) else None
         self.donors = []

@@ -134,7 +134,7 @@ def test_a_resync_with_the_rendezvous_unreachable_gives_up_after_rendezvous_retr
     engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=2))
     site = Site(engine, LocalSiteComm(), rdv, GroupConfig(rendezvous_retry_s=1.0, backoff_max_s=0.1))
     err = site.resync()
-    assert err is not None and err.startswith("rendezvous: etcd /v3/kv/txn: no member answered"), err
+    assert err is not None and err.startswith("rendezvous unreachable: etcd /v3/kv/txn: no member answered"), err
     # retried every 0.1 s within the 1 s budget (a 60 s budget made ~600 calls)
     assert 2 <= rdv.calls <= 12, rdv.calls
     assert site.group is not None and site.group._resync_needed.is_set()  # tried again at the next sync
