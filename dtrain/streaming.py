@@ -33,6 +33,14 @@ arXiv 2501.18512; torchft's ``local_sgd.py`` is the reference for the semantics)
   steps (:func:`pace_window_s`, from the measured step time;
   ``RoundEngine.run_round(pace_window_s=...)``, the shared
   :class:`~dtrain.transports.pacing.Pacer`). Blocking rounds (τ = 0) are never paced.
+* **Time-based rounds** (``DiLoCoConfig.round_window_s`` W, issue 34): a fragment period is
+  the steps that fit W/F seconds of compute at the site's measured step time, at least 1
+  and at most H/F (:func:`fragment_period`, the caller's decision: rank 0's, broadcast over
+  the site group, passed to :meth:`StreamingSync.on_step`); :func:`step_actions` then counts
+  the period from the last start instead of ``step % (H/F)``. A round in flight is merged
+  τ steps into the next period or at its end, whichever comes first (τ clamped to the
+  period). The fragment stays :func:`fragment_of_round` of the round number, the claim the
+  steps since that fragment's last start.
 * **Faults**: the engine's rules hold per fragment (the round is an ordinary round over
   the fragment's buckets). A resynchronised site (cut from the round or declared dead)
   resets only the buckets whose θ changed in the pull, plus the fragment (whose Δ was
@@ -334,6 +342,7 @@ class StreamingSync:
         self.started_round: int | None = None
         self.merged_checksums: list[str] | None = None  # every bucket's θ checksum at the last merge
         self._step_end: float | None = None
+        self._tau_now = overlap_steps
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
         if delayed_update not in ("stale", "eager"):
@@ -372,6 +381,9 @@ class StreamingSync:
 
     def _on_step(self, step: int, period: int | None, since_start: int | None) -> SyncOutcome | None:
         merged = None
+        # the τ steps a round started now is expected to overlap (its pacing): with time-based
+        # periods at most this period's steps (the next one's, unknown yet, is about as long)
+        self._tau_now = self.overlap_steps if period is None else min(self.overlap_steps, period)
         if period is not None and since_start is not None and self._pending is not None:
             # τ fits the period: merged at the latest at this period's end (the next start)
             self._pending.apply_at = min(self._pending.apply_at, step - since_start + period)
@@ -424,7 +436,7 @@ class StreamingSync:
         # taken before the round starts: its thread may resync (replacing residuals and θ) at once
         checksums, residuals = self.state.checksums(), list(self.state.residuals)
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
-        window = pace_window_s(overlap_steps=self.overlap_steps, step_s=self.step_s, pace_fraction=self.pace_fraction)
+        window = pace_window_s(overlap_steps=self._tau_now, step_s=self.step_s, pace_fraction=self.pace_fraction)
         self.num_paced_rounds += window is not None
         # the fragment's claim: the tokens of the inner steps since its last round started
         tokens = self.tokens_per_step * (step - self._last_start.get(m.fragment, 0))
