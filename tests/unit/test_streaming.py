@@ -271,20 +271,24 @@ def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
 
 
 # ------------------------------------------------------------------ time-based fragment rounds
-def test_time_based_fragment_rounds_with_one_site_slowed():
-    """round_window_s with F = 2, τ = 1 (issue 34, "a fragment's window"): a fragment round every
-    W/F seconds of compute at each site. The site 5x slower trains fewer steps a fragment period,
-    both sync the same fragment in every round, θ agrees after every merge, each claim is the
-    steps its site trained since that fragment's last round, and the run ends after the
-    configured rounds however many steps that took."""
-    num_rounds, step_sleep_s = 6, {0: 0.004, 1: 0.020}
+@pytest.mark.parametrize(
+    "num_fragments, overlap_steps",
+    [(2, 1), (1, 30)],  # F = 2, τ = 1; the one-step-delayed mode (F = 1, τ = H: τ is every period's length)
+)
+def test_time_based_fragment_rounds_with_one_site_slowed(num_fragments: int, overlap_steps: int):
+    """round_window_s with fragments and overlap (issue 34, "a fragment's window"): a fragment
+    round every W/F seconds of compute at each site. The site 5x slower trains fewer steps a
+    fragment period, both sync the same fragment in every round, θ agrees after every merge,
+    each claim is the steps its site trained since that fragment's last round, and the run
+    ends after the configured rounds however many steps that took."""
+    num_rounds, step_sleep_s, F = 6, {0: 0.004, 1: 0.020}, num_fragments
     rounds_cfg = RoundConfig(aggregation=AggregationConfig(token_weighted=True))
     diloco = fast_diloco_config(
-        sync_every=60,  # the bound: H/F = 30 steps a period
+        sync_every=30 * F,  # the bound: H/F = 30 steps a period
         buckets=ONE_ELEMENT_BUCKETS,
-        num_fragments=2,
-        overlap_steps=1,
-        round_window_s=0.16,  # a fragment round every 0.08 s of compute: ~20 fast steps, ~5 slow ones
+        num_fragments=F,
+        overlap_steps=overlap_steps,
+        round_window_s=0.08 * F,  # a fragment round every 0.08 s of compute: ~20 fast steps, ~5 slow ones
         rounds=rounds_cfg,
     )
     cfg = ClusterConfig(num_sites=2, diloco=diloco)
@@ -310,11 +314,11 @@ def test_time_based_fragment_rounds_with_one_site_slowed():
     for i in (0, 1):
         assert [r for r, _ in starts[i]] == list(range(num_rounds)), starts[i]
         assert [o.status.value for o in outcomes[i]] == ["applied"] * num_rounds
-        assert [o.result.fragment for o in outcomes[i]] == [1, 0] * (num_rounds // 2)
+        assert [o.result.fragment for o in outcomes[i]] == [(r + 1) % F for r in range(num_rounds)]
         assert [o.result.round for o in outcomes[i]] == list(range(num_rounds))
         # the claim: the steps since that fragment's last round started (its first: since step 0)
         steps = [k for _, k in starts[i]]
-        want = [steps[0], steps[1]] + [steps[r] - steps[r - 2] for r in range(2, num_rounds)]
+        want = [steps[r] - (steps[r - F] if r >= F else 0) for r in range(num_rounds)]
         assert [o.result.tokens for o in outcomes[i]] == want, (i, steps)
     for r in range(num_rounds):  # θ agrees after every merge
         assert outcomes[0][r].site_checksum == outcomes[1][r].site_checksum, r
