@@ -411,7 +411,8 @@ class DiLoCo:
 
     @property
     def period_steps(self) -> int:
-        """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
+        """Inner steps between two rounds: ``sync_every`` / ``num_fragments`` (with time-based
+        rounds the bound of a period, whose steps the window decides: :meth:`phase_target`)."""
         return self.config.sync_every // self.config.num_fragments
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
