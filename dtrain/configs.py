@@ -392,10 +392,15 @@ class DiLoCoConfig:
         round_window_s: time-based rounds: instead of H inner steps, each site trains as many
             as fit in this many seconds from its measured inner-step time, at least 1 and at
             most ``sync_every`` (which becomes the bound), so sites of different speed reach
-            the exchange together (``dtrain.streaming.window_steps``; the ranks of a site
-            group take rank 0's count). Pair with ``rounds.aggregation.token_weighted``, so
-            a site's contribution weighs what it trained. None (default): ``sync_every``
-            steps a round. Not with streaming rounds (fragments, overlap, merge) yet.
+            the exchange together (``dtrain.streaming.fragment_period``; the ranks of a site
+            group take rank 0's count). With streaming rounds a fragment round starts every
+            ``round_window_s / num_fragments`` seconds of compute (at least 1, at most H/F
+            steps a fragment period; the fragment stays ``(r + 1) mod F`` of the round number
+            r, alike on every site), and a round in flight is merged ``overlap_steps`` steps
+            into the next period or at its end, whichever comes first (τ clamped to the
+            period decided). Pair with ``rounds.aggregation.token_weighted``, so a site's
+            contribution weighs what it trained. None (default): ``sync_every`` steps a round
+            (H/F a fragment round).
     """
 
     site_id: str = "site-0"
@@ -436,12 +441,6 @@ class DiLoCoConfig:
         w = self.round_window_s
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf")):
             raise ValueError(f"round_window_s must be None (rounds of sync_every steps) or seconds > 0, got {w!r}")
-        if w is not None and self.streaming:
-            raise ValueError(
-                "round_window_s (time-based rounds) cannot be combined with streaming rounds (num_fragments > 1, "
-                "overlap_steps > 0 or merge_alpha > 0) yet: a fragment's start step comes from the step count "
-                "(dtrain.streaming.step_actions), which a time window would make differ between sites"
-            )
         n = self.tokens_per_step
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tokens_per_step must be an int >= 1, got {n!r}")

@@ -61,7 +61,7 @@ from dtrain.state import (
     position_state,
     theta_device_of,
 )
-from dtrain.streaming import StreamingSync, first_window_steps, fragment_buckets, window_steps
+from dtrain.streaming import StreamingSync, fragment_buckets, fragment_period
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -208,6 +208,7 @@ class DiLoCo:
         self._phase_target: int | None = None
         self._phase_steps = 0
         self._phase_t0 = time.monotonic()
+        self._phase_waited0 = 0.0  # the streaming merges' wait at the phase's start
         self.last_outcome: SyncOutcome | None = None
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self.healed_from: str | None = None  # the donor of the last position heal
@@ -410,7 +411,8 @@ class DiLoCo:
 
     @property
     def period_steps(self) -> int:
-        """Inner steps between two rounds: ``sync_every`` / ``num_fragments``."""
+        """Inner steps between two rounds: ``sync_every`` / ``num_fragments`` (with time-based
+        rounds the bound of a period, whose steps the window decides: :meth:`phase_target`)."""
         return self.config.sync_every // self.config.num_fragments
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -436,15 +438,23 @@ class DiLoCo:
         Called automatically after ``inner_optimizer.step()`` when
         ``hook_optimizer`` is True. Returns the round's outcome, or None.
         With streaming (``num_fragments`` > 1, ``overlap_steps`` or ``merge_alpha``
-        set) a fragment round starts every H/F steps and the outcome returned is
-        that of the round merged at this step (:mod:`dtrain.streaming`).
+        set) a fragment round starts every H/F steps (time-based rounds: every fragment
+        period, :meth:`phase_target`) and the outcome returned is that of the round
+        merged at this step (:mod:`dtrain.streaming`).
         """
         self.inner_steps += 1
         self.round_steps += 1
         self._phase_steps += 1
         self.note_progress()
         if self.streaming is not None:
-            outcome = self.streaming.on_step(self.inner_steps)  # a SyncOutcome (Site.sync)
+            period, elapsed_s = None, self._phase_elapsed_s()
+            if self.config.round_window_s is not None:  # time-based: this period's steps (rank 0's)
+                period = self.phase_target(self._phase_steps, elapsed_s)
+            # a SyncOutcome (Site.sync)
+            outcome = self.streaming.on_step(self.inner_steps, period=period, since_start=self._phase_steps)
+            if period is not None and self._phase_steps >= period:  # a round started: the next period decides anew
+                self.note_phase(self._phase_steps, elapsed_s)
+                self.start_inner_phase()
             if outcome is not None:
                 self._merged(outcome)
             return outcome
@@ -454,35 +464,58 @@ class DiLoCo:
         return self.sync() if self._phase_steps >= target else None
 
     def phase_target(self, done: int, elapsed_s: float) -> int:
-        """Inner steps of the current round's inner phase: ``sync_every``, or with time-based
-        rounds (``round_window_s``) as many as fit in the window at the measured step time
-        (:func:`~dtrain.streaming.window_steps`), decided once per phase, after its first step,
-        on rank 0 and broadcast over the site group (every rank must call it at the same step).
-        The step time is that of the earlier phases (:meth:`note_phase`); in the first phase,
-        with none measured, the decision is asked after every step until the window is
-        spent (:func:`~dtrain.streaming.first_window_steps`; the answer is then ``done + 1``).
+        """Inner steps of the current inner phase (blocking rounds: up to the round; streaming:
+        one fragment period, up to the next fragment round's start): ``sync_every`` (H/F), or
+        with time-based rounds (``round_window_s``) as many as fit in the window (W/F with F
+        fragments) at the measured step time (:func:`~dtrain.streaming.fragment_period`),
+        decided once per phase, after its first step, on rank 0 and broadcast over the site
+        group (every rank must call it at the same step). The step time is that of the earlier
+        phases (:meth:`note_phase`); in the first phase, with none measured, the decision is
+        asked after every step until the window is spent
+        (:func:`~dtrain.streaming.first_window_steps`; the answer is then ``done + 1``).
 
         Args:
             done: steps taken in this phase so far (>= 1 for a time-based decision).
             elapsed_s: the seconds they took.
         """
-        window = self.config.round_window_s
+        c = self.config
+        window = c.round_window_s
         if window is None:
-            return self.config.sync_every
+            return c.sync_every // c.num_fragments
         if self._phase_target is None:
             decided = None
             if self.rank == 0:
-                h = self.config.sync_every
-                if self.step_s is None:
-                    decided = first_window_steps(window_s=window, elapsed_s=elapsed_s, done=done, max_steps=h)
-                else:
-                    decided = window_steps(window_s=window, step_s=self.step_s, done=done, max_steps=h)
-            n, why = self.comm.broadcast(decided, round=True)
+                decided = fragment_period(
+                    window_s=window,
+                    num_fragments=c.num_fragments,
+                    step_s=self.step_s,
+                    done=done,
+                    elapsed_s=elapsed_s,
+                    max_steps=c.sync_every // c.num_fragments,
+                    overlap_steps=c.overlap_steps,
+                )
+            # streaming: on the training loop's group (a fragment round's thread uses the side group)
+            n, why = self.comm.broadcast(decided, round=not c.streaming)
             if n is None:
                 return done + 1  # the first phase: decided again after the next step
             self._phase_target, self.phase_reason = n, why
-            log.info("%s: this round trains %d inner steps (%s)", self.config.site_id, *self.decided_phase)
+            log.info("%s: this period trains %d inner steps (%s)", c.site_id, *self.decided_phase)
         return self._phase_target
+
+    def start_inner_phase(self) -> None:
+        """The current inner phase starts now: its step count is decided anew and its clock
+        (the step time of time-based rounds) starts here. Called after every round; a training
+        loop calls it before its first step, so that setup (joining, a first evaluation) does
+        not count as inner steps."""
+        self._phase_target, self._phase_steps = None, 0
+        self._phase_t0 = time.monotonic()
+        self._phase_waited0 = self.streaming.waited_s if self.streaming is not None else 0.0
+
+    def _phase_elapsed_s(self) -> float:
+        """Seconds of inner steps in the current phase: since its start, less what merges
+        waited for their rounds (network time, not compute)."""
+        waited = self.streaming.waited_s - self._phase_waited0 if self.streaming is not None else 0.0
+        return time.monotonic() - self._phase_t0 - waited
 
     def note_phase(self, steps: int, seconds: float) -> None:
         """An inner phase of ``steps`` steps took ``seconds``: the step time time-based rounds
@@ -519,7 +552,7 @@ class DiLoCo:
         self.flush()
         tensors = self.local_tensors()
         if self._phase_steps:  # the hooked path's phase (the worker notes its own)
-            self.note_phase(self._phase_steps, time.monotonic() - self._phase_t0)
+            self.note_phase(self._phase_steps, self._phase_elapsed_s())
         # at least one step's claim: a round right after another (a hand-called sync) still sends its
         # residuals, and an owner refuses a token-weighted contribution that claims nothing
         outcome = self.site.sync(tensors, tokens=self.config.tokens_per_step * max(1, self.round_steps))
@@ -546,7 +579,7 @@ class DiLoCo:
         t0 = time.process_time()
         self._record(outcome)
         self.last_cpu_s = {**cpu, "checksum": time.process_time() - t0}
-        self._phase_t0 = time.monotonic()  # the next inner phase's steps are timed from here
+        self.start_inner_phase()  # the next inner phase's steps are timed from here
         return outcome
 
     def _merged(self, outcome: SyncOutcome) -> None:

@@ -33,6 +33,14 @@ arXiv 2501.18512; torchft's ``local_sgd.py`` is the reference for the semantics)
   steps (:func:`pace_window_s`, from the measured step time;
   ``RoundEngine.run_round(pace_window_s=...)``, the shared
   :class:`~dtrain.transports.pacing.Pacer`). Blocking rounds (τ = 0) are never paced.
+* **Time-based rounds** (``DiLoCoConfig.round_window_s`` W, issue 34): a fragment period is
+  the steps that fit W/F seconds of compute at the site's measured step time, at least 1
+  and at most H/F (:func:`fragment_period`, the caller's decision: rank 0's, broadcast over
+  the site group, passed to :meth:`StreamingSync.on_step`); :func:`step_actions` then counts
+  the period from the last start instead of ``step % (H/F)``. A round in flight is merged
+  τ steps into the next period or at its end, whichever comes first (τ clamped to the
+  period). The fragment stays :func:`fragment_of_round` of the round number, the claim the
+  steps since that fragment's last start.
 * **Faults**: the engine's rules hold per fragment (the round is an ordinary round over
   the fragment's buckets). A resynchronised site (cut from the round or declared dead)
   resets only the buckets whose θ changed in the pull, plus the fragment (whose Δ was
@@ -55,7 +63,16 @@ from dtrain.buckets import BucketLayout
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.state import GlobalState
 
-__all__ = ["fragment_buckets", "fragment_of_round", "pace_window_s", "step_actions", "window_steps", "StreamingSync"]
+__all__ = [
+    "fragment_buckets",
+    "fragment_of_round",
+    "fragment_period",
+    "first_window_steps",
+    "pace_window_s",
+    "step_actions",
+    "window_steps",
+    "StreamingSync",
+]
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +106,29 @@ def fragment_of_round(round: int, num_fragments: int) -> int:
 
 
 def step_actions(
-    step: int, *, period: int, overlap_steps: int, apply_at: int | None, num_fragments: int = 2
+    step: int,
+    *,
+    period: int,
+    overlap_steps: int,
+    apply_at: int | None,
+    num_fragments: int = 2,
+    since_start: int | None = None,
+    delayed: bool | None = None,
 ) -> tuple[str, ...]:
     """What to do after inner step ``step`` (1-based), in order.
 
     Args:
         step: inner steps taken so far.
-        period: H/F, inner steps between two fragment rounds.
+        period: inner steps between two fragment rounds: H/F, or with time-based rounds the
+            count decided for the current period (:func:`fragment_period`).
         overlap_steps: τ.
         apply_at: the step the round in flight is due to be merged at (None: none in flight).
         num_fragments: F.
+        since_start: time-based rounds: inner steps since the current period began (the last
+            round's start step), so the period ends when it reaches ``period``; None: fixed
+            periods, a round starts when ``step % period == 0``.
+        delayed: the one-step-delayed mode (F = 1, τ = H); None: ``num_fragments == 1 and
+            overlap_steps == period`` (fixed periods).
     Returns:
         ``("apply",)``, ``("start",)`` (measure Δ and run the round), ``("start", "apply")``
         (τ = 0: a blocking round), ``()``; at τ = H/F, when a merge and a start fall on the
@@ -108,9 +138,9 @@ def step_actions(
         first round: θ as it is) is merged in, then the round is sent).
     """
     due = apply_at is not None and step >= apply_at
-    if step % period:
+    if (step if since_start is None else since_start) % period:
         return (APPLY,) if due else ()
-    if num_fragments == 1 and overlap_steps == period:
+    if delayed if delayed is not None else (num_fragments == 1 and overlap_steps == period):
         return (MEASURE, APPLY, SUBMIT)
     if not due:
         return (START, APPLY) if overlap_steps == 0 else (START,)
@@ -160,6 +190,50 @@ def first_window_steps(*, window_s: float, elapsed_s: float, done: int, max_step
     if elapsed_s + step_s > window_s:
         return done, f"{done} steps took {elapsed_s:.2f} s of the {window_s:g} s window (no step time measured yet)"
     return None, ""
+
+
+def fragment_period(
+    *,
+    window_s: float,
+    num_fragments: int,
+    step_s: float | None,
+    done: int,
+    elapsed_s: float,
+    max_steps: int,
+    overlap_steps: int = 0,
+) -> tuple[int | None, str]:
+    """Time-based rounds (``DiLoCoConfig.round_window_s``), blocking or streaming: the inner
+    steps of the current period, from one round's start to the next (a pure decision). With
+    F fragments a fragment round starts every ``window_s / F`` seconds of compute, so every
+    site starts fragment k's round at about the same wall time whatever its speed; F = 1 is
+    the blocking round's window.
+
+    Args:
+        window_s: the round window W, seconds (a whole model's worth: F fragment periods).
+        num_fragments: F (1: blocking rounds).
+        step_s: the expected inner-step time, seconds (measured over earlier periods); None:
+            none measured yet (the process's first period: :func:`first_window_steps`, asked
+            after every step).
+        done: steps taken in this period (>= 1); the answer is never below it.
+        elapsed_s: the seconds they took (used only while ``step_s`` is None).
+        max_steps: the bound, H/F (``sync_every / num_fragments``).
+        overlap_steps: τ. A round started at a period's end is merged τ steps into the next
+            period, at the latest at that period's end (the next start): τ is clamped to the
+            period decided (the reason says so), so one fragment round at a time holds.
+    Returns:
+        ``(steps, reason)``: ``floor(W / F / step_s)`` clamped to ``[max(1, done), max_steps]``;
+        ``(None, "")`` in the first period while another step fits.
+    """
+    w = window_s / num_fragments
+    if step_s is None:
+        n, why = first_window_steps(window_s=w, elapsed_s=elapsed_s, done=done, max_steps=max_steps)
+    else:
+        n, why = window_steps(window_s=w, step_s=step_s, done=done, max_steps=max_steps)
+    if n is not None and num_fragments > 1:
+        why = f"fragment period of {window_s:g} s / {num_fragments}: {why}"
+    if n is not None and overlap_steps > n:
+        why += f"; overlap_steps {overlap_steps} clamped to {n} (the round in flight merges at this period's end)"
+    return n, why
 
 
 def pace_window_s(*, overlap_steps: int, step_s: float | None, pace_fraction: float) -> float | None:
@@ -227,6 +301,9 @@ class StreamingSync:
             the same inner step (``GlobalState.rounds_applied`` is advanced by the round's
             thread). None until the first round starts.
         merged_checksums: every bucket's θ checksum at the last merge, for the same reason.
+        started_round: the number of the last round started (read on the caller's thread at
+            its start, when none is in flight: the same on every rank); None before the
+            first. A run of R rounds ends once round R − 1 has started and is merged.
     Raises (from :meth:`on_step`): ``QuorumTimeout`` of a round, at its merge.
     """
 
@@ -262,8 +339,10 @@ class StreamingSync:
         self.step_s: float | None = None
         self.num_paced_rounds = 0
         self.merged_round: int | None = None
+        self.started_round: int | None = None
         self.merged_checksums: list[str] | None = None  # every bucket's θ checksum at the last merge
         self._step_end: float | None = None
+        self._tau_now = overlap_steps
         self._pending: _InFlight | None = None
         self._delayed = num_fragments == 1 and overlap_steps == self.period  # DiLoCoX's one-step delay
         if delayed_update not in ("stale", "eager"):
@@ -276,14 +355,21 @@ class StreamingSync:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def on_step(self, step: int) -> SyncOutcome | None:
+    def on_step(self, step: int, *, period: int | None = None, since_start: int | None = None) -> SyncOutcome | None:
         """After inner step ``step``: merge a round that is due, start one on schedule.
 
+        Args:
+            step: inner steps taken so far.
+            period: time-based rounds: the current period's step count (decided by the caller,
+                :func:`fragment_period`, alike on every rank of the site); a round in flight
+                is merged at this period's end at the latest (τ clamped to it). None: H/F,
+                a round every ``step % (H/F) == 0``.
+            since_start: with ``period``: steps taken in the current period (this one included).
         Returns the outcome of the round merged at this step, or None.
         """
         self._time_step()
         try:
-            return self._on_step(step)
+            return self._on_step(step, period, since_start)
         finally:
             self._step_end = time.monotonic()
 
@@ -293,14 +379,22 @@ class StreamingSync:
             dt = time.monotonic() - self._step_end
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
 
-    def _on_step(self, step: int) -> SyncOutcome | None:
+    def _on_step(self, step: int, period: int | None, since_start: int | None) -> SyncOutcome | None:
         merged = None
+        # the τ steps a round started now is expected to overlap (its pacing): with time-based
+        # periods at most this period's steps (the next one's, unknown yet, is about as long)
+        self._tau_now = self.overlap_steps if period is None else min(self.overlap_steps, period)
+        if period is not None and since_start is not None and self._pending is not None:
+            # τ fits the period: merged at the latest at this period's end (the next start)
+            self._pending.apply_at = min(self._pending.apply_at, step - since_start + period)
         actions = step_actions(
             step,
-            period=self.period,
+            period=self.period if period is None else period,
             overlap_steps=self.overlap_steps,
             apply_at=self._pending.apply_at if self._pending else None,
             num_fragments=len(self.fragments),
+            since_start=since_start if period is not None else None,
+            delayed=self._delayed,
         )
         measured: _Measured | None = None
         for action in actions:
@@ -338,10 +432,11 @@ class StreamingSync:
         assert self._pending is None, "one fragment round at a time"
         if self.merged_round is None:  # nothing in flight now: the count is this thread's to read
             self.merged_round = self.state.rounds_applied
+        self.started_round = self.state.rounds_applied  # the number of the round started now
         # taken before the round starts: its thread may resync (replacing residuals and θ) at once
         checksums, residuals = self.state.checksums(), list(self.state.residuals)
         theta_before = [self.state.theta[b].detach().clone() for b in m.buckets] if self._delayed else None
-        window = pace_window_s(overlap_steps=self.overlap_steps, step_s=self.step_s, pace_fraction=self.pace_fraction)
+        window = pace_window_s(overlap_steps=self._tau_now, step_s=self.step_s, pace_fraction=self.pace_fraction)
         self.num_paced_rounds += window is not None
         # the fragment's claim: the tokens of the inner steps since its last round started
         tokens = self.tokens_per_step * (step - self._last_start.get(m.fragment, 0))

@@ -354,18 +354,17 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
     syncs = 0
     cpu_mark = _process_cpu_s()  # each line's cpu_s: the process's CPU since the line before
     streaming = diloco.streaming  # fragment rounds: one line per merged round (dtrain/streaming.py)
-    # with streaming the last round starts at this step and is merged there, so every
-    # configuration ends at the same inner step (rounds x H/F) as blocking rounds do
-    last_step = cfg.rounds * diloco.period_steps if streaming else None
+    last_started = _last_round_started(diloco, cfg.rounds) if streaming else None
+    diloco.start_inner_phase()  # setup (joining, the first evaluation) is not inner-step time
     while diloco.model_round < cfg.rounds and not run.stop.is_set() and syncs < max_syncs:
         t_inner = time.monotonic()
         waited0 = streaming.waited_s if streaming else 0.0
         first_step = diloco.inner_steps + 1
-        mean_loss, merged = _inner_phase(run, batches, until_step=last_step)
+        mean_loss, merged = _inner_phase(run, batches, last_started=last_started)
         inner_last = diloco.inner_steps  # before a heal (joiner state) may replace the count
         if mean_loss is None:
             break  # the summary keeps the last completed round's train loss
-        if streaming and merged is None and last_step is not None and diloco.inner_steps >= last_step:
+        if streaming and merged is None and last_started is not None and last_started():
             merged = diloco.flush()  # the last round: merged at its start step (waiting counts as sync_s)
             if merged is None:
                 break
@@ -486,12 +485,29 @@ def _blocking_sync(diloco: DiLoCo, t_inner: float) -> tuple[float, SyncOutcome, 
     return inner_s, outcome, time.monotonic() - t_sync, (cpu1.user - cpu0.user + system_s, system_s)
 
 
-def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[float | None, SyncOutcome | None]:
+def _last_round_started(diloco: DiLoCo, rounds: int) -> Callable[[], bool]:
+    """Streaming: whether the run's last fragment round has started, so the run ends there and
+    merges it (``DiLoCo.flush``). Fixed periods: at inner step ``rounds`` x H/F, as blocking
+    rounds end at rounds x H; time-based rounds (``round_window_s``: the steps of a period
+    are the window's): once round ``rounds - 1`` has started, however many steps that took
+    (:attr:`~dtrain.streaming.StreamingSync.started_round`, the same on every rank)."""
+    streaming = diloco.streaming
+    assert streaming is not None
+    if diloco.config.round_window_s is None:
+        last_step = rounds * diloco.period_steps
+        return lambda: diloco.inner_steps >= last_step
+    return lambda: streaming.started_round is not None and streaming.started_round >= rounds - 1
+
+
+def _inner_phase(
+    run: _Run, batches, *, last_started: Callable[[], bool] | None = None
+) -> tuple[float | None, SyncOutcome | None]:
     """``sync_every`` inner-optimizer steps (each stepping the LR scheduler); returns the mean
     loss over the site's ranks (None when ``stop`` was set on any rank) and, with streaming
     rounds (dtrain/streaming.py), the outcome of the fragment round merged at the last step:
-    then the phase ends at the first merge (within 2H/F steps), or at inner step
-    ``until_step`` (streaming: the last round's start; no step then: the mean loss is NaN).
+    then the phase ends at the first merge (within 2H/F steps), or once ``last_started()``
+    (streaming: the last round has started, :func:`_last_round_started`; no step then: the
+    mean loss is NaN).
 
     A one-process site stops at the step ``stop`` is set; the ranks of a site group stop
     together at the end of the phase (one rank stopping alone would leave the others in a
@@ -502,7 +518,7 @@ def _inner_phase(run: _Run, batches, *, until_step: int | None = None) -> tuple[
     merged: SyncOutcome | None = None
     t0 = time.monotonic()
     for n in range(cfg.diloco.sync_every * (2 if diloco.streaming else 1)):
-        if until_step is not None and diloco.inner_steps >= until_step:
+        if last_started is not None and last_started():
             break
         # blocking rounds: sync_every steps, or with round_window_s those that fit (decided after the first)
         if n and not diloco.streaming and n >= diloco.phase_target(n, time.monotonic() - t0):

@@ -381,6 +381,33 @@ def test_launch_with_one_site_slowed_time_based_and_token_weighted(run_dir: Path
     assert (record["site_slowdown"], record["slowdown_by"], record["ranks_per_site"]) == ("2=0.5", "stretch", 1)
 
 
+@pytest.mark.timeout(120)
+def test_launch_time_based_fragment_rounds_with_one_site_slowed(run_dir: Path) -> None:
+    """Issue 34, "a fragment's window": time-based rounds with F = 2, τ = 1 through the CLI, site-1
+    at half speed: a fragment round every 0.2 s of compute at each site, fragments in turn, θ equal
+    after every round, the slowed site trains fewer steps, and the run ends after its 4 rounds
+    (however many steps they took: no rounds x H/F step count)."""
+    sites = SITES[:2]
+    stream = ["--diloco.num-fragments", "2", "--diloco.overlap-steps", "1", "--round-window-s", "0.4"]
+    slow = ["--site-slowdown", "1=0.5", "--slowdown-by", "stretch"]
+    args = ["--sites", "2", "--size", "tiny", "--sync-every", "400", "--linger-s", "1", "--rounds", "4", *stream, *slow]
+    rc, out, err = _launch(args, run_dir, timeout_s=100)
+    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+    assert "θ checksums agree across sites" in out
+    rounds = {s: [d for d in _lines(run_dir, s) if d["event"] == "round"] for s in sites}
+    for s, lines in rounds.items():
+        assert [d["round"] for d in lines] == [0, 1, 2, 3]
+        assert [d["fragment"] for d in lines] == [1, 0, 1, 0]  # round r syncs fragment (r + 1) mod F
+        assert all(d["status"] == "applied" and d["members"] == sites for d in lines)
+        assert all(1 <= d["round_steps"] <= 2 * 200 and d["tokens_per_s"] > 0 for d in lines)  # H/F = 200
+        assert _summary(run_dir, s)["rounds"] == 4
+    for r in range(4):
+        assert rounds["site-0"][r]["checksum"] == rounds["site-1"][r]["checksum"], r
+    steps = {s: sum(d["round_steps"] for d in lines) for s, lines in rounds.items()}
+    assert steps["site-1"] < steps["site-0"], steps  # the same windows at half speed: fewer steps
+    assert rounds["site-0"][-1]["inner_steps"] == steps["site-0"] != 4 * 200  # not rounds x H/F
+
+
 # --------------------------------------------------------------------------- resume after a kill
 @pytest.mark.timeout(240)
 def test_resume_after_every_site_was_killed_continues_from_the_saved_round(run_dir: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dtrain.buckets import BucketConfig
-from dtrain.configs import DiLoCoConfig
+from dtrain.configs import AggregationConfig, DiLoCoConfig, RoundConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from dtrain.streaming import fragment_buckets, fragment_of_round, step_actions
 from dtrain.transports.inproc import InprocFaults
@@ -268,6 +268,65 @@ def test_with_overlap_no_inner_step_waits_on_a_delayed_network():
     # the same delay without overlap (τ = 0): every round waits
     waited0, rounds0 = _waited_steps(tau=0, delay_s=0.02)
     assert rounds0 == 2 and waited0 == 2
+
+
+# ------------------------------------------------------------------ time-based fragment rounds
+@pytest.mark.parametrize(
+    "num_fragments, overlap_steps",
+    [(2, 1), (1, 30)],  # F = 2, τ = 1; the one-step-delayed mode (F = 1, τ = H: τ is every period's length)
+)
+def test_time_based_fragment_rounds_with_one_site_slowed(num_fragments: int, overlap_steps: int):
+    """round_window_s with fragments and overlap (issue 34, "a fragment's window"): a fragment
+    round every W/F seconds of compute at each site. The site 5x slower trains fewer steps a
+    fragment period, both sync the same fragment in every round, θ agrees after every merge,
+    each claim is the steps its site trained since that fragment's last round, and the run
+    ends after the configured rounds however many steps that took."""
+    num_rounds, step_sleep_s, F = 6, {0: 0.004, 1: 0.020}, num_fragments
+    rounds_cfg = RoundConfig(aggregation=AggregationConfig(token_weighted=True))
+    diloco = fast_diloco_config(
+        sync_every=30 * F,  # the bound: H/F = 30 steps a period
+        buckets=ONE_ELEMENT_BUCKETS,
+        num_fragments=F,
+        overlap_steps=overlap_steps,
+        round_window_s=0.08 * F,  # a fragment round every 0.08 s of compute: ~20 fast steps, ~5 slow ones
+        rounds=rounds_cfg,
+    )
+    cfg = ClusterConfig(num_sites=2, diloco=diloco)
+    starts: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # per site: (round started, its inner step)
+
+    def train(site: Site) -> None:
+        d = site.diloco
+        while not (d.streaming.started_round is not None and d.streaming.started_round >= num_rounds - 1):
+            time.sleep(step_sleep_s[site.index])
+            site.model.w.grad = torch.ones(4) * (site.index + 1)
+            site.optimizer.step()
+            site.model.w.grad = None
+            if d.streaming.started_round is not None and (
+                not starts[site.index] or starts[site.index][-1][0] != d.streaming.started_round
+            ):
+                starts[site.index].append((d.streaming.started_round, d.inner_steps))
+        d.flush()  # the last round, merged at its start step (as dtrain worker ends a run)
+
+    with InprocCluster(lambda: Vec(4), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), cfg) as c:
+        c.run(train, timeout_s=40)
+        outcomes = [s.outcomes for s in c.sites]
+        assert [s.diloco.model_round for s in c.sites] == [num_rounds] * 2
+    for i in (0, 1):
+        assert [r for r, _ in starts[i]] == list(range(num_rounds)), starts[i]
+        assert [o.status.value for o in outcomes[i]] == ["applied"] * num_rounds
+        assert [o.result.fragment for o in outcomes[i]] == [(r + 1) % F for r in range(num_rounds)]
+        assert [o.result.round for o in outcomes[i]] == list(range(num_rounds))
+        # the claim: the steps since that fragment's last round started (its first: since step 0)
+        steps = [k for _, k in starts[i]]
+        want = [steps[r] - (steps[r - F] if r >= F else 0) for r in range(num_rounds)]
+        assert [o.result.tokens for o in outcomes[i]] == want, (i, steps)
+    for r in range(num_rounds):  # θ agrees after every merge
+        assert outcomes[0][r].site_checksum == outcomes[1][r].site_checksum, r
+    periods = {i: [b - a for (_, a), (_, b) in zip(starts[i], starts[i][1:])] for i in (0, 1)}
+    assert all(1 <= p <= 30 for ps in periods.values() for p in ps), periods
+    # after the first period (no step time measured yet) the slow site trains fewer steps a period
+    assert all(slow < fast for fast, slow in zip(periods[0][1:], periods[1][1:])), periods
+    assert 2 * sum(periods[1][1:]) <= sum(periods[0][1:]), periods
 
 
 # ------------------------------------------------------------------ one-step delay: Δ is the model's own steps

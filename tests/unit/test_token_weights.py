@@ -336,14 +336,80 @@ def test_the_first_phase_of_time_based_rounds_fills_its_window_step_by_step() ->
     assert d.phase_target(1, 0.05) == int(1.0 / d.step_s)
 
 
+def test_fragment_period_rule() -> None:
+    """Time-based fragment rounds: a fragment round every W/F seconds of compute, the period's
+    steps from the measured step time, clamped to [max(1, done), H/F]; τ fits the period."""
+    from dtrain.streaming import fragment_period
+
+    kw = dict(window_s=1.0, done=1, elapsed_s=0.0, max_steps=50)
+    assert fragment_period(num_fragments=1, step_s=0.01, **kw)[0] == 50  # F = 1: the blocking round's window
+    assert fragment_period(num_fragments=2, step_s=0.01, **kw) == (
+        50,
+        "fragment period of 1 s / 2: 50 steps of 10.0 ms fit in 0.5 s",
+    )
+    assert fragment_period(num_fragments=4, step_s=0.01, **kw)[0] == 25  # W/F = 0.25 s
+    assert fragment_period(num_fragments=4, step_s=0.02, **kw)[0] == 12  # half speed: half the steps
+    n, why = fragment_period(num_fragments=2, step_s=0.001, **kw)  # 500 fit: the bound H/F
+    assert n == 50 and why.endswith("clamped to [1, 50]")
+    assert fragment_period(num_fragments=2, step_s=3.0, **kw)[0] == 1  # at least one step
+    assert fragment_period(num_fragments=2, step_s=0.1, **{**kw, "done": 9})[0] == 9  # never below what is done
+    # τ fits the period: a round in flight is merged at the period's end at the latest, and the reason says so
+    n, why = fragment_period(num_fragments=2, step_s=0.2, overlap_steps=4, **kw)
+    assert n == 2 and why.endswith("; overlap_steps 4 clamped to 2 (the round in flight merges at this period's end)")
+    assert "clamped" not in fragment_period(num_fragments=2, step_s=0.2, overlap_steps=2, **kw)[1]
+    # the first period, no step time measured: asked after every step until W/F is spent
+    first = dict(window_s=1.0, num_fragments=2, step_s=None, max_steps=50, overlap_steps=1)
+    assert fragment_period(done=1, elapsed_s=0.2, **first) == (None, "")  # 0.2 + 0.2 <= 0.5
+    n, why = fragment_period(done=3, elapsed_s=0.45, **first)  # 0.45 + 0.15 > 0.5
+    assert n == 3 and "3 steps took 0.45 s of the 0.5 s window" in why
+    assert fragment_period(done=50, elapsed_s=0.1, **first)[0] == 50  # the bound
+
+
+def test_step_actions_with_periods_decided_by_the_window() -> None:
+    """Time-based periods: a round starts when the period's steps are taken (counted from the
+    last start, not ``step % H/F``); a round in flight is merged by then (apply_at clamped)."""
+    from dtrain.streaming import step_actions
+
+    # periods of 3 then 5 steps, τ = 1: start at 3, merge at 4, start at 8, merge at 9
+    assert step_actions(3, period=3, overlap_steps=1, apply_at=None, since_start=3) == ("start",)
+    assert step_actions(4, period=5, overlap_steps=1, apply_at=4, since_start=1) == ("apply",)
+    assert step_actions(6, period=5, overlap_steps=1, apply_at=None, since_start=3) == ()
+    assert step_actions(8, period=5, overlap_steps=1, apply_at=None, since_start=5) == ("start",)
+    # step 8 is a multiple of neither 3 nor 5: the period's count decides, not the step number
+    assert step_actions(8, period=4, overlap_steps=1, apply_at=None, since_start=3) == ()
+    # τ = 3 clamped to a 2-step period: merged at the period's end, before the next fragment starts
+    assert step_actions(10, period=2, overlap_steps=3, apply_at=10, since_start=2) == ("apply", "start")
+    assert step_actions(5, period=5, overlap_steps=0, apply_at=None, since_start=5) == ("start", "apply")
+    # the one-step-delayed mode (F = 1, τ = H) stays itself whatever the period decided
+    assert step_actions(7, period=7, overlap_steps=8, apply_at=7, num_fragments=1, since_start=7, delayed=True) == (
+        "measure",
+        "apply",
+        "submit",
+    )
+
+
 def test_time_based_rounds_config() -> None:
     from dtrain.configs import DiLoCoConfig
 
     assert DiLoCoConfig(round_window_s=30.0).round_window_s == 30.0
     with pytest.raises(ValueError, match="round_window_s must be None"):
         DiLoCoConfig(round_window_s=0.0)
-    with pytest.raises(ValueError, match="cannot be combined with streaming rounds"):
-        DiLoCoConfig(round_window_s=30.0, sync_every=8, num_fragments=2)
+    # with streaming rounds (fragments, overlap, merge, the one-step-delayed mode): accepted
+    for streaming in (
+        dict(num_fragments=2),
+        dict(num_fragments=2, overlap_steps=4),
+        dict(overlap_steps=3, merge_alpha=0.5),
+        dict(overlap_steps=8),
+    ):
+        c = DiLoCoConfig(round_window_s=30.0, sync_every=8, **streaming)
+        assert c.streaming and c.round_window_s == 30.0
+    # what is still refused names the field and the allowed values
+    with pytest.raises(
+        ValueError, match=r"overlap_steps \(tau\) must be an int in \[0, sync_every/num_fragments = 4\]"
+    ):
+        DiLoCoConfig(round_window_s=30.0, sync_every=8, num_fragments=2, overlap_steps=5)
+    with pytest.raises(ValueError, match="round_window_s must be None"):
+        DiLoCoConfig(round_window_s=float("inf"), sync_every=8, num_fragments=2)
     with pytest.raises(ValueError, match="tokens_per_step must be an int >= 1"):
         DiLoCoConfig(tokens_per_step=0)
 
@@ -360,11 +426,12 @@ def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
 
         def broadcast(self, obj, *, round: bool = False):
             self.sent.append(obj)
+            self.groups = getattr(self, "groups", []) + ["round" if round else "main"]
             return obj if self.rank == 0 else self.rank0_value
 
-    def rank(r: int, comm: Comm) -> DiLoCo:
+    def rank(r: int, comm: Comm, **streaming) -> DiLoCo:
         d = DiLoCo.__new__(DiLoCo)  # only the phase decision's state: no model, no rendezvous
-        d.config, d.rank, d.comm = DiLoCoConfig(sync_every=100, round_window_s=1.0), r, comm
+        d.config, d.rank, d.comm = DiLoCoConfig(sync_every=100, round_window_s=1.0, **streaming), r, comm
         d.step_s, d.phase_reason, d._phase_target = None, "", None
         return d
 
@@ -378,3 +445,12 @@ def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
     r0.note_phase(50, 2.0)  # the phase took 40 ms a step: the next phase plans with it
     r0._phase_target = None
     assert r0.phase_target(1, 0.02) == int(1.0 / (0.3 * 0.02 + 0.7 * 0.04))
+    assert r0.comm.groups == ["round", "round"]  # blocking rounds: decided on the rounds' group
+    # streaming (F = 4, τ = 3): a fragment period of W/F = 0.25 s, decided on the training loop's group
+    # (a fragment round's thread uses the rounds' group meanwhile); τ clamped to the period, said so
+    s0 = rank(0, Comm(0), num_fragments=4, overlap_steps=3)
+    s0.step_s = 0.1
+    assert s0.phase_target(1, 0.1) == 2 and s0.comm.groups == ["main"]
+    assert "overlap_steps 3 clamped to 2" in s0.decided_phase[1]
+    s1 = rank(1, Comm(1, rank0_value=s0.comm.sent[0]), num_fragments=4, overlap_steps=3)
+    assert s1.phase_target(1, 0.01) == 2 and s1.comm.groups == ["main"]  # rank 0's count, not its own
