@@ -163,10 +163,6 @@ class RoundEngine(PeerSide):
     def stop(self, grace_s: float = 1.0) -> None:
         self.transport.stop(grace_s)
 
-    @property
-    def banned(self) -> frozenset[str]:
-        return frozenset(self._banned)
-
     # ------------------------------------------------------------------ site: one round
     def start_round(
         self,
@@ -764,25 +760,6 @@ class RoundEngine(PeerSide):
                 m = run.member.mean(b)
             out[b] = AppliedMean(m, lrs) if m is not None and m.chunks else None
         return out
-
-    def _note_rejections(self, books: OpenRound) -> None:
-        """Count a round towards excluding a member whose contributions were refused for
-        what they carried and none was counted: a name some chunks of which were counted
-        is a member sending (a spoofer with the token claiming its name, as the chaos
-        soak's corrupt action does, got an honest site-0 excluded before)."""
-        counted = books.counted_senders()
-        for s in books.members:
-            if s == self.site_id:
-                continue
-            if s in books.faulty_senders and s not in counted:
-                self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
-                if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
-                    self._banned.add(s)
-                    self.log.error(
-                        "excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s]
-                    )
-            else:
-                self._reject_streak[s] = 0
 
     # ------------------------------------------------------------------ helpers for callers
     def add_pseudo_gradient(self, tensors: list[torch.Tensor], buckets: Sequence[int] | None = None) -> bool:

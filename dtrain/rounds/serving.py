@@ -54,8 +54,33 @@ class PeerSide:
     """The ``PeerHandler`` methods of a round engine (mixed into ``RoundEngine``).
 
     Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``, ``_skipped``, ``_bres``,
-    ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
+    ``_banned``, ``_reject_streak``, ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
     """
+
+    @property
+    def banned(self) -> frozenset[str]:
+        """The members excluded for repeat offences (:meth:`_note_rejections`): their
+        contributions are refused from then on."""
+        return frozenset(self._banned)
+
+    def _note_rejections(self, books: OpenRound) -> None:
+        """Count a round towards excluding a member whose contributions were refused for
+        what they carried and none was counted: a name some chunks of which were counted
+        is a member sending (a spoofer with the token claiming its name, as the chaos
+        soak's corrupt action does, got an honest site-0 excluded before)."""
+        counted = books.counted_senders()
+        for s in books.members:
+            if s == self.site_id:
+                continue
+            if s in books.faulty_senders and s not in counted:
+                self._reject_streak[s] = self._reject_streak.get(s, 0) + 1
+                if self._reject_streak[s] >= self.config.max_consecutive_rejections and s not in self._banned:
+                    self._banned.add(s)
+                    self.log.error(
+                        "excluding %s: contributions rejected in %d consecutive rounds", s, self._reject_streak[s]
+                    )
+            else:
+                self._reject_streak[s] = 0
 
     # ------------------------------------------------------------------ PeerHandler
     def _round_for(self, rnd: int, timeout_s: float) -> _Owned:
