@@ -55,11 +55,12 @@ from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, Tra
 from dtrain.protocol import BucketState, Contribution, RoundPlan
 from dtrain.transports.base import PeerHandler, Transport
 from dtrain.transports.datagram_config import DatagramTransportConfig, max_datagram_bytes_for_mtu
+from dtrain.transports.datagram_ends import DatagramEnds
 from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
 from dtrain.transports.datagram_native import native
 from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
-from dtrain.transports.datagram_reorder import WAIT, ReorderWindow, end_wait_decision, reorder_grace_s
+from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
     CLAIM_BYTES,
@@ -149,7 +150,7 @@ def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 140
     return 4 * lo
 
 
-class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
+class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport):
     """One site's datagram data path (see the module docstring; the means half is
     :class:`~.datagram_means.DatagramMeans`, the receive thread :class:`~.datagram_recv.DatagramReceive`)."""
 
@@ -754,106 +755,6 @@ class DatagramTransport(DatagramMeans, DatagramReceive, Transport):
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
         self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
-
-    # ------------------------------------------------------------------ sender ends (datagram_reorder)
-    def _note_handled(self, rs: RoundState, sender: int, buckets: Sequence[int]) -> None:
-        """Dispatch thread: contributions of ``sender`` to ``buckets`` (one entry each) were handed
-        to the handler. One that comes after its own end (it was among those the end announced)
-        measures the path's reordering; after the end already ended, it also counts
-        ``late_after_end``. An end waiting for it may end now."""
-        now = time.monotonic()
-        handled = rs.handled
-        for b in buckets:
-            handled[(sender, b)] = handled.get((sender, b), 0) + 1
-        handled[(sender, -1)] = handled.get((sender, -1), 0) + len(buckets)
-        if not (rs.ends or rs.ended):
-            return
-        late_s, num_late, waiting = 0.0, 0, False
-        for b in set(buckets):
-            n_b = buckets.count(b)
-            for key, n in (((sender, b), n_b), ((sender, -1), len(buckets))):
-                end = rs.ends.get(key)
-                waiting |= end is not None
-                end = end or rs.ended.get(key)
-                if end is None or end[0] is None:
-                    continue
-                # of these contributions, the ones among those the end announced came after it
-                after = min(n_b, end[0] - (handled[key] - n))
-                if after > 0:
-                    late_s = max(late_s, now - end[1])
-                    num_late += after if key not in rs.ends else 0
-                    break  # its bucket's end, else its push's
-        if late_s:
-            self._reorder.observe(rs.site_ids[sender], late_s)
-        if num_late:
-            self._count(late_after_end=num_late)
-        if waiting:
-            self._check_ends(rs, 0.0, sender)
-
-    def _end_sender(self, rs: RoundState, sender: int, bucket: int, announced: int | None) -> None:
-        """Dispatch thread: ``sender`` ended ``bucket`` (-1: its push) after ``announced``
-        contributions; it ends here once they were handled or the grace passed (:meth:`_check_ends`)."""
-        key = (sender, bucket)
-        if key in rs.ends:  # another copy while it waits (a later push's end: the larger count)
-            old, at = rs.ends[key]
-            rs.ends[key] = (max(old or 0, announced or 0) if announced is not None else old, at)
-            return
-        ended = rs.ended.get(key)
-        if ended is not None and ended[0] == announced:
-            return  # a copy of an end that ended
-        now = time.monotonic()
-        if announced is not None and rs.handled.get(key, 0) < announced:
-            self._count(ends_waited=1)
-            self._ends_waiting = True
-        rs.ends[key] = (announced, now)
-        self._check_ends(rs, 0.0, sender)
-
-    def _check_ends(self, rs: RoundState, horizon: float, sender: int | None = None) -> None:
-        """End (``handle_sender_done``) the waiting ends of ``sender`` (None: every sender) that
-        :func:`~.datagram_reorder.end_wait_decision` says end by ``horizon``: a time up to which every
-        datagram that reached the socket was read and handled (0.0: unknown, as in the middle of a
-        dispatch batch: then only ends whose contributions were all handled end). So a receiver
-        kept off the CPU does not take what waits unread in its socket for lost. Notes when the
-        next end is due."""
-        done = getattr(self._handler, "handle_sender_done", None)
-        cfg = self.config
-        for key, (announced, at) in list(rs.ends.items()):
-            if sender is not None and key[0] != sender:
-                continue
-            site = rs.site_ids[key[0]]
-            grace = reorder_grace_s(self._reorder.get(site), cfg.reorder_grace_s, cfg.max_reorder_grace_s)
-            handled = rs.handled.get(key, 0)
-            decision, why = end_wait_decision(handled, announced, at, grace, horizon)
-            if decision == WAIT:
-                self._ends_due = min(self._ends_due, at + grace)
-                continue
-            del rs.ends[key]
-            rs.ended[key] = (announced, at)
-            if announced is not None and handled < announced:
-                self._count(ends_short=1, end_missing=announced - handled)
-            log.debug("round %d: %s's end of %s: %s", rs.round, site, "its push" if key[1] < 0 else key[1], why)
-            if done is not None:
-                done(rs.round, site, None if key[1] < 0 else (key[1],))
-
-    def _check_all_ends(self) -> None:
-        """Dispatch thread, between batches, when an end's grace may have passed: every round's
-        waiting ends, judged up to the receive thread's last empty read (when nothing it queued
-        waits; that time is read first: it is set after what it read was queued)."""
-        drained = self._drained_at
-        horizon = drained if self._dispatch.empty() else 0.0
-        self._ends_due = float("inf")
-        with self._lock:
-            rounds = [rs for rs in self._rounds.values() if rs.ends]
-        for rs in rounds:
-            try:
-                self._check_ends(rs, horizon)
-            except Exception:
-                log.exception("datagram dispatch failed")
-        with self._lock:
-            self._ends_waiting = any(rs.ends for rs in self._rounds.values())
-        now = time.monotonic()
-        if self._ends_due <= now:  # due, but what arrived by then is not all read: look again soon
-            self._ends_due = now + 0.002
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
