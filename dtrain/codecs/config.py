@@ -129,8 +129,9 @@ class CodecConfig:
             )
         if self.block_size != 256 and self.base_name not in ("int8", "int4"):
             raise ValueError(
-                f"block_size applies to codecs int8 and int4 only, not codec {self.base_name!r}: "
-                "set the codec name to int8 or int4 or leave block_size at its default (256)"
+                f"block_size applies to codecs int8 and int4 only, not codec {self.base_name!r} (the codec it "
+                "belongs to: the contributions' --codec or the means' --broadcast-codec): set that codec's name "
+                "to int8 or int4 or leave block_size at its default (256)"
             )
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
