@@ -138,3 +138,44 @@ def test_a_resync_with_the_rendezvous_unreachable_gives_up_after_rendezvous_retr
     # retried every 0.1 s within the 1 s budget (a 60 s budget made ~600 calls)
     assert 2 <= rdv.calls <= 12, rdv.calls
     assert site.group is not None and site.group._resync_needed.is_set()  # tried again at the next sync
+
+
+class _BehindRendezvous:
+    """Answers each heartbeat with the next of ``behind`` (then nobody behind); raises while ``down``."""
+
+    def __init__(self, behind: list[frozenset[str]]) -> None:
+        self.behind, self.beats, self.down = list(behind), 0, False
+
+    def join(self, site_id: str, address: str, **kw):
+        # a long interval: only beat_and_wait's kicks send heartbeats here
+        return SimpleNamespace(heartbeat_interval_s=30.0, next_round=0, members=(), needs_state=False)
+
+    def heartbeat(self, site_id, inner_step=0, last_loss=None, round_reports=(), unreachable=(), rounds_done=None):
+        self.beats += 1
+        if self.down:
+            raise RendezvousError("unavailable")
+        behind = self.behind.pop(0) if self.behind else frozenset()
+        return SimpleNamespace(known=True, resync_required=False, next_round=0, reason="", dead=(), behind=behind)
+
+    def leave(self, site_id: str) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+def test_beat_and_wait_returns_with_the_answer_to_a_heartbeat_it_sent() -> None:
+    """The closing wait's primitive: each call sends a heartbeat and returns once its answer
+    is handled (``behind`` is that answer's), at once, not after a poll; with the rendezvous
+    unreachable it returns False at its timeout."""
+    rdv = _BehindRendezvous([frozenset({"b"}), frozenset({"b", "c"})])
+    g = Group(SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0)), rdv, GroupConfig())
+    g.join()
+    try:
+        assert g.beat_and_wait(5.0) and g.behind == frozenset({"b"}) and rdv.beats == 1
+        assert g.beat_and_wait(5.0) and g.behind == frozenset({"b", "c"}) and rdv.beats == 2
+        assert g.beat_and_wait(5.0) and g.behind == frozenset() and rdv.beats == 3
+        rdv.down = True
+        t0 = time.monotonic()
+        assert not g.beat_and_wait(0.3)
+        assert time.monotonic() - t0 >= 0.3 and g.behind == frozenset()  # an unanswered beat changes nothing
+    finally:
+        g.leave()
