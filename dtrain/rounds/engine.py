@@ -47,9 +47,10 @@ from dtrain.errors import (
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 from dtrain.rounds import error_feedback
+from dtrain.rounds.fanout import Fanout
 from dtrain.rounds.history import AppliedMean, MeanHistory
 from dtrain.rounds.means import decode_mean, encode_mean
-from dtrain.rounds.member import MemberRound
+from dtrain.rounds.member import MemberRound, Phase
 from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.serving import PeerSide, _Owned
@@ -81,6 +82,7 @@ class _Run:
     pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
     tokens: int = 0  # this site's token claim, on every contribution it sends (0: none)
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
+    fan: "Fanout | None" = None  # the pushes or the mean pulls while they run (under `lock`)
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
     @property
@@ -116,6 +118,7 @@ class RoundEngine(PeerSide):
         self.log = SiteLog(log, site_id)
         self._cv = threading.Condition()
         self._open: dict[int, _Owned] = {}
+        self._runs: dict[int, _Run] = {}  # the rounds this site runs now, member side (under _cv)
         self._means: dict[tuple[int, int], BucketMean] = {}
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._skipped: dict[int, str] = {}  # rounds this site was a member of and will not run (skip_round)
@@ -293,7 +296,7 @@ class RoundEngine(PeerSide):
         self._means_changed()
         # the datagram path: key, buffers, mean pushes ("" owns a bucket outside a fragment round)
         self.transport.begin_round(plan, owners, self.site_id)
-        return _Run(
+        run = _Run(
             plan=plan,
             owners=owners,
             active=active,
@@ -306,6 +309,9 @@ class RoundEngine(PeerSide):
             bytes0=bytes0,
             tokens=tokens,
         )
+        with self._cv:
+            self._runs[r] = run
+        return run
 
     def _pacer(self, run: _Run, window_s: float) -> Pacer:
         """The site's pacer at this round's rate: (fp32 bytes of the chunks it pushes + of the
@@ -408,12 +414,17 @@ class RoundEngine(PeerSide):
         by_owner: dict[str, list[int]] = {}
         for b in run.active:
             by_owner.setdefault(run.owners[b], []).append(b)
-        with cf.ThreadPoolExecutor(max_workers=max(1, min(8, len(by_owner)))) as ex:
-            list(ex.map(lambda kv: self._push(run, *kv), by_owner.items()))
+        width = max(1, min(8, len(by_owner)))
+        fan: Fanout[str, None] = Fanout(lambda o: self._push(run, o, by_owner[o]), by_owner, width, f"push-{run.round}")
+        self._wait_fanout(run, fan, run.owned.books.finalize_at, lambda owner: owner, "push")
 
     def _contributions(self, run: _Run, buckets: list[int], remote: bool) -> Iterator[Contribution]:
+        """The chunks of ``buckets`` (Δ_b + residual_b encoded), for one owner; they stop at the
+        next bucket once that owner is declared lost (its push was given up: :meth:`_wait_fanout`)."""
         first = True
         for b in buckets:
+            if remote and run.owners[b] in run.member.unreachable:
+                return
             v = self.state.residuals[b]
             if v is None:
                 continue
@@ -485,20 +496,87 @@ class RoundEngine(PeerSide):
         self.members_lost([site_id], round=run.round, why=f"unreachable ({why})")
         self._note_unreachable(site_id)
 
+    def members_lost(self, site_ids: Iterable[str], *, round: int | None = None, why: str = "") -> frozenset[str]:
+        """:meth:`PeerSide.members_lost` (stop waiting for their contributions), and on the
+        member side stop waiting for the means they own: their pulls in flight are given up
+        (:meth:`_broadcast`) instead of waiting out the broadcast deadline."""
+        site_ids = list(site_ids)
+        changed = super().members_lost(site_ids, round=round, why=why)
+        self._owners_lost(site_ids, round)
+        return changed
+
     # ------------------------------------------------------------------ site: broadcast
     def _broadcast(self, run: _Run) -> None:
-        """Step 3: pull the means of the buckets others own, until the broadcast deadline."""
+        """Step 3: pull the means of the buckets others own, until the broadcast deadline.
+
+        The pulls of an owner declared lost meanwhile (:meth:`members_lost`: the rendezvous
+        holds it dead, or rank 0's notice) are given up at once instead of at the deadline (a
+        stopped owner's kernel still accepts the call): those buckets go MISSING with their
+        owner lost, so the late pulls ask the other members and, if none has the mean, every
+        survivor keeps θ_b alike (the owner withdraws a mean no member took: the commit rule)."""
         if self.fault_hook is not None:
             self.fault_hook("before_pull", run.round)
         t = time.perf_counter()
-        with cf.ThreadPoolExecutor(max_workers=self.config.num_pull_threads) as ex:
-            for b, m, err in ex.map(lambda b: self._pull_from_owner(run, b), run.member.remote):
-                with run.lock:
-                    if m is not None:
-                        run.member.mean_arrived(b, m)
-                    else:
-                        run.member.mean_missing(b, err)
+        fan: Fanout[int, tuple[int, BucketMean | None, str]] = Fanout(
+            lambda b: self._pull_from_owner(run, b),
+            run.member.remote,
+            self.config.num_pull_threads,
+            f"pull-{run.round}",
+        )
+        for b, answer in self._wait_fanout(run, fan, run.member.broadcast_until, lambda b: run.owners[b], "pull"):
+            if isinstance(answer, BaseException):  # a bug in a transport: a missing mean, never a hang
+                answer = (b, None, repr(answer))
+            with run.lock:
+                if run.member.phase(b) is not Phase.AWAITING:  # given up (_wait_fanout)
+                    continue
+                if answer[1] is not None:
+                    run.member.mean_arrived(b, answer[1])
+                else:
+                    run.member.mean_missing(b, answer[2])
         run.add(network_s=time.perf_counter() - t)
+
+    def _wait_fanout(
+        self, run: _Run, fan: "Fanout", deadline: float, owner_of: Callable[[object], str], what: str
+    ) -> list[tuple[object, object]]:
+        """Wait for the pushes or pulls of ``fan`` (keys: owners, or buckets whose owner is
+        ``owner_of(key)``); returns the answers ``(key, result or exception)``. Those to an
+        owner declared lost meanwhile (:meth:`_owners_lost` wakes the wait) are given up at
+        once (:meth:`Fanout.wait`). A given-up pull's bucket goes MISSING: its late pull asks
+        the other members."""
+
+        def given_up(key: object, late: bool) -> None:
+            owner = owner_of(key)
+            with run.lock:
+                run.res.calls_given_up += 1
+                if what == "pull":
+                    run.member.mean_missing(key, "no answer" if late else f"owner {owner} lost while pulled from")
+            self.log.info(
+                "round %d: %s %s given up: owner %s %s", run.round, what, key, owner, "late" if late else "lost"
+            )
+
+        with run.lock:
+            run.fan = fan
+        answers = fan.wait(deadline, lambda key: owner_of(key) in run.member.unreachable, given_up)
+        with run.lock:
+            run.fan = None
+        for key, answer in answers:
+            if isinstance(answer, BaseException):
+                self.log.error("round %d: %s %r failed: %r", run.round, what, key, answer)
+        return answers
+
+    def _owners_lost(self, site_ids: Iterable[str], round: int | None) -> None:
+        """Members declared lost (:meth:`members_lost`): in the rounds this site runs (or
+        ``round``), their buckets whose mean has not arrived are owner-lost and their pulls
+        in flight are given up (:meth:`_broadcast`)."""
+        with self._cv:
+            runs = [run for r, run in self._runs.items() if round is None or r == round]
+        for run in runs:
+            with run.lock:
+                lost = [s for s in site_ids if s in run.plan.site_ids and s != self.site_id]
+                for s in lost:
+                    run.member.member_unreachable(s)
+                if lost and run.fan is not None:
+                    run.fan.wake()
 
     def _pull_from_owner(self, run: _Run, b: int) -> tuple[int, BucketMean | None, str]:
         owner = run.owners[b]
@@ -523,7 +601,8 @@ class RoundEngine(PeerSide):
             # pull_loss): the owner is alive, so the bucket is retried and repaired.
             heard = self.config.repair and owner in self.mean_pulls.heard_from(run.round)
             with run.lock:
-                run.member.pull_timed_out(b, time.monotonic(), owner_heard=heard)
+                if run.member.phase(b) is Phase.AWAITING:  # not given up meanwhile (_wait_fanout)
+                    run.member.pull_timed_out(b, time.monotonic(), owner_heard=heard)
             return b, None, str(e)
         except TransportError as e:
             if e.code is RejectCode.ABORTED:  # the owner withdrew the mean: nobody applies it
@@ -731,6 +810,7 @@ class RoundEngine(PeerSide):
                     self.state.bucket_round[b] = run.round + 1
             self.state.rounds_applied = run.round + 1
             self._open.pop(run.round, None)
+            self._runs.pop(run.round, None)
             self._cv.notify_all()
         self._means_changed()
         sent1, recv1 = self.transport.bytes_sent(), self.transport.bytes_received()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import pytest
@@ -301,6 +302,15 @@ def test_a_site_whose_last_round_left_a_bucket_unrepaired_does_not_close_done() 
             c.sites[victim].diloco.close()
 
 
+def cut_off_an_owner(c: InprocCluster, round: int) -> tuple[int, str, list[int]]:
+    """Cut every mean pull to the first site that owns buckets, in ``round``: its index, id and buckets."""
+    owners = c.owners()
+    cut = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+    cid = c.sites[cut].site_id
+    c.network.add_rule(FaultRule(kind="pull_mean", dst=c.sites[cut].address, round=round, action="cut"))
+    return cut, cid, [b for b, o in enumerate(owners) if o == cid]
+
+
 @pytest.mark.timeout(60)
 def test_an_owner_cut_off_from_the_members_withdraws_its_means_and_every_site_keeps_theta_alike() -> None:
     """Every mean pull to one owner is cut in round 1 (a partition after its reduce: its
@@ -315,12 +325,8 @@ def test_an_owner_cut_off_from_the_members_withdraws_its_means_and_every_site_ke
     deltas: dict[tuple[int, int], torch.Tensor] = {}
     sums_after_1: dict[int, tuple[str, ...]] = {}
     with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
-        owners = c.owners()
-        cut = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
-        cid = c.sites[cut].site_id
-        cut_buckets = [b for b, o in enumerate(owners) if o == cid]
+        cut, cid, cut_buckets = cut_off_an_owner(c, round=1)
         before: dict[int, list[str]] = {}
-        c.network.add_rule(FaultRule(kind="pull_mean", dst=c.sites[cut].address, round=1, action="cut"))
 
         def step(site: Site, r: int) -> None:
             if r == 1:
@@ -339,6 +345,49 @@ def test_an_owner_cut_off_from_the_members_withdraws_its_means_and_every_site_ke
         assert len(set(c.checksums())) == 1
         want = sum(deltas[(i, r)] for i in range(N) for r in range(3)) / N
         assert (-c.sites[cut].theta() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_pulls_from_an_owner_declared_lost_are_given_up_at_once_not_at_the_broadcast_deadline() -> None:
+    """As above, every mean pull to one owner is cut in round 1 (its kernel accepts the call,
+    nothing answers: a SIGSTOPped owner), and shortly after the members start pulling they
+    are told the owner is lost (the rendezvous holds it dead, or rank 0's notice). They give
+    its pulls up then, not at the broadcast deadline: its buckets are OWNER_LOST, every
+    other bucket applied, and the owner withdraws the means nobody took, so θ is one."""
+    N, broadcast_timeout_s = 3, 5.0
+    cfg = ClusterConfig(
+        num_sites=N,
+        diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32)),
+        rendezvous=fast_rendezvous_config(N, broadcast_timeout_s=broadcast_timeout_s),
+    )
+    sums_after_1: dict[int, tuple[str, ...]] = {}
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        cut, cid, cut_buckets = cut_off_an_owner(c, round=1)
+        for site in c.sites:
+            if site.index != cut:
+
+                def notice(phase: str, r: int, engine=site.engine) -> None:
+                    if phase == "before_pull" and r == 1:  # the notice comes while the pulls wait
+                        threading.Timer(0.2, engine.members_lost, args=([cid],), kwargs={"why": "test notice"}).start()
+
+                site.engine.fault_hook = notice
+
+        def step(site: Site, r: int) -> None:
+            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
+            if r == 1:
+                res = site.results[-1]
+                sums_after_1[site.index] = tuple(site.state.checksums())
+                if site.index == cut:
+                    return
+                assert [res.bucket_outcome[b] for b in cut_buckets] == [BucketOutcome.OWNER_LOST] * len(cut_buckets)
+                assert res.calls_given_up == len(cut_buckets), res
+                assert res.bucket_outcomes["applied"] == len(owners) - len(cut_buckets), res.bucket_outcomes
+                # given up by the notice (0.2 s in), not the deadline: the old wait was the whole 5 s
+                assert res.means_s < broadcast_timeout_s / 2, res.means_s
+
+        c.run_steps(step, 2, timeout_s=50)
+        assert len(set(sums_after_1.values())) == 1, "θ differs between sites after round 1"
 
 
 @pytest.mark.timeout(60)

@@ -150,6 +150,8 @@ def main() -> None:
                 "site_checksum": o.site_checksum,
                 "lost_members": o.result.lost_members if o.result is not None else [],
                 "lost_notices_used": o.num_lost_notices_used,
+                "calls_given_up": o.result.calls_given_up if o.result is not None else 0,
+                "means_s": o.result.means_s if o.result is not None else None,
             }
         )
     )

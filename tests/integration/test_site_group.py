@@ -194,7 +194,8 @@ def test_a_dead_site_reaches_every_rank_through_the_site_store(tmp_path):
     """Site-1's ranks stop (SIGSTOP) before pushing round 1: only site-0's rank 0
     heartbeats, so without a notice its rank 1 would wait for site-1's contributions
     to its buckets until the reduce deadline. Rank 0's lost notice (the site's
-    TCPStore) makes rank 1 stop waiting: its round lists site-1 as lost."""
+    TCPStore) makes rank 1 stop waiting: its round lists site-1 as lost, and both ranks
+    give up their pushes to and pulls from site-1 then, not at the deadlines."""
     steps, h, stop = 15, 5, 1
     res = run_sites(
         tmp_path,
@@ -205,8 +206,6 @@ def test_a_dead_site_reaches_every_rank_through_the_site_store(tmp_path):
         stopped=frozenset({1}),
         timeout_s=200.0,
         heartbeat_timeout_s=3.0,  # well above a loaded machine's heartbeat gaps, well below the reduce deadline
-        # the pulls of the stopped site's means wait for the broadcast deadline (its TCP stack still
-        # answers): the round takes broadcast_timeout_s, so it is only as long as the reduce needs
         reduce_timeout_s=10.0,
         broadcast_timeout_s=11.0,
     )
@@ -217,6 +216,11 @@ def test_a_dead_site_reaches_every_rank_through_the_site_store(tmp_path):
     assert r1[0]["lost_notices_used"] == 0
     assert r0[stop]["lost_members"] == ["site-1"]  # rank 0 learnt it from its heartbeats
     assert r0[stop]["lost_notices_used"] == 0
+    # the stopped site's kernel still accepts calls: each rank gave up its push to site-1 when it
+    # learnt site-1 was lost, instead of waiting out the 10 s reduce deadline (and its pulls, had
+    # they started, the 11 s broadcast one)
+    for r in (r0, r1):
+        assert r[stop]["calls_given_up"] >= 1 and r[stop]["means_s"] < 10.0, r[stop]
     assert r0[-1]["site_checksum"] == r1[-1]["site_checksum"]
 
 
