@@ -354,7 +354,7 @@ def test_pulls_from_an_owner_declared_lost_are_given_up_at_once_not_at_the_broad
     are told the owner is lost (the rendezvous holds it dead, or rank 0's notice). They give
     its pulls up then, not at the broadcast deadline: its buckets are OWNER_LOST, every
     other bucket applied, and the owner withdraws the means nobody took, so θ is one."""
-    N, broadcast_timeout_s = 3, 5.0
+    N, broadcast_timeout_s = 3, 4.0
     cfg = ClusterConfig(
         num_sites=N,
         diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32)),
