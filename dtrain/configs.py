@@ -252,9 +252,13 @@ class RoundConfig:
         repair: pull stale buckets whole from the owner; False keeps stale
             values as the packet-loss paper does (arXiv 2507.07114 §4.2).
         plan_wait_s: how long a request for a round this site has not opened yet
-            waits for the plan to arrive (peers receive plans a few ms apart); > 0.
+            waits for the plan to arrive (peers receive plans a few ms apart); > 0. None
+            (default): derived, the reduce timeout of the last plan this site opened (5 s
+            before the first), so it follows the link as the plans' deadlines do.
         repair_timeout_s: time budget for late mean pulls and state repair after
-            the broadcast deadline; > 0.
+            the broadcast deadline; > 0. None (default): derived per round, the plan's
+            broadcast timeout minus its reduce timeout (the round's broadcast window,
+            itself derived from the observed exchange), at least 0.5 s.
         max_consecutive_rejections: a sender whose contributions were rejected in
             this many consecutive rounds, with none of its contributions counted in
             those rounds, is refused from then on (PERMISSION_DENIED); >= 1. (A
@@ -282,8 +286,8 @@ class RoundConfig:
     error_feedback_decay: float = 1.0
     broadcast_error_feedback: bool = False
     repair: bool = True
-    plan_wait_s: float = 5.0
-    repair_timeout_s: float = 5.0
+    plan_wait_s: float | None = None
+    repair_timeout_s: float | None = None
     max_consecutive_rejections: int = 3
     num_pull_threads: int = 8
     short_push_is_loss: bool = True
@@ -308,7 +312,7 @@ class RoundConfig:
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
             raise ValueError(f"error_feedback_decay must be a number in (0, 1], got {d!r}")
         for name in ("plan_wait_s", "repair_timeout_s"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.max_consecutive_rejections < 1:
             raise ValueError(f"max_consecutive_rejections must be >= 1, got {self.max_consecutive_rejections!r}")

@@ -34,12 +34,27 @@ def shard_index(site_id: str) -> int | None:
 
 @dataclass(frozen=True)
 class Adoption:
-    """Part ``part`` of ``num_parts`` of the shard of ``site_id`` (index ``index``)."""
+    """Part ``part`` of ``num_parts`` of the shard of ``site_id`` (index ``index``), adopted
+    after round ``since_round`` (the applied round whose members made it; the same at every
+    survivor). Each adoption is a stream of its own (``Task.shard_part``'s ``since_round``):
+    a shard adopted again after its site came back and died again draws new windows, never
+    the ones an earlier adoption drew (issue 33: exactly-once data)."""
 
     site_id: str
     index: int
     part: int
     num_parts: int
+    since_round: int = 0
+
+    def as_list(self) -> list[int]:
+        return [self.index, self.part, self.num_parts, self.since_round]
+
+    @classmethod
+    def of_list(cls, site_id: str, v: list) -> "Adoption":
+        """From :meth:`as_list` (or a checkpoint's older ``[index, part, num_parts]``)."""
+        if not isinstance(v, (list, tuple)) or len(v) not in (3, 4):
+            raise ValueError(f"an adoption is [index, part, num_parts, since_round], got {v!r}")
+        return cls(str(site_id), *map(int, v))
 
 
 @dataclass
@@ -56,8 +71,8 @@ class ShardWatch:
     absent: dict[str, int] = field(default_factory=dict)  # member ever seen -> consecutive rounds absent
     adopted: dict[str, Adoption] = field(default_factory=dict)
 
-    def observe(self, members: list[str]) -> tuple[list[Adoption], list[str]]:
-        """Feed one applied round's members; returns ``(new adoptions, released site ids)``."""
+    def observe(self, members: list[str], round: int = 0) -> tuple[list[Adoption], list[str]]:
+        """Feed applied round ``round``'s members; returns ``(new adoptions, released site ids)``."""
         new, released = [], []
         for s in members:
             self.absent[s] = 0
@@ -76,7 +91,7 @@ class ShardWatch:
                 log.warning("cannot re-assign the shard of %s: not a site-<index> id", s)
                 self.absent[s] = -(10**9)  # never again
                 continue
-            a = Adoption(site_id=s, index=idx, part=survivors.index(self.site_id), num_parts=len(survivors))
+            a = Adoption(s, idx, part=survivors.index(self.site_id), num_parts=len(survivors), since_round=round)
             self.adopted[s] = a
             new.append(a)
         return new, released
@@ -85,14 +100,14 @@ class ShardWatch:
         """JSON-safe: the absence counts and the adoptions (checkpointed with the worker)."""
         return {
             "absent": dict(self.absent),
-            "adopted": {s: [a.index, a.part, a.num_parts] for s, a in self.adopted.items()},
+            "adopted": {s: a.as_list() for s, a in self.adopted.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`. Raises ValueError naming what is malformed."""
         try:
             absent = {str(s): int(n) for s, n in state["absent"].items()}
-            adopted = {str(s): Adoption(str(s), int(i), int(k), int(n)) for s, (i, k, n) in state["adopted"].items()}
+            adopted = {str(s): Adoption.of_list(s, v) for s, v in state["adopted"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"shards: not a ShardWatch state ({e!r})") from e
         self.absent, self.adopted = absent, adopted
@@ -103,7 +118,7 @@ class DataMix:
 
     Args:
         own: the task's stream.
-        make_part: ``(index, part, num_parts) -> stream`` (``Task.shard_part``).
+        make_part: ``(index, part, num_parts, since_round) -> stream`` (``Task.shard_part``).
     """
 
     def __init__(self, own, make_part: Callable[[int, int, int], Any]) -> None:
@@ -115,9 +130,15 @@ class DataMix:
 
     def apply(self, new: list[Adoption], released: list[str]) -> None:
         for a in new:
-            self.parts[a.site_id] = self._make_part(a.index, a.part, a.num_parts)
+            self.parts[a.site_id] = self._make_part(a.index, a.part, a.num_parts, a.since_round)
             self.adoptions[a.site_id] = a
-            log.info("adopting part %d/%d of the shard of %s (dead for a while)", a.part + 1, a.num_parts, a.site_id)
+            log.info(
+                "adopting part %d/%d of the shard of %s (dead for a while; after round %d)",
+                a.part + 1,
+                a.num_parts,
+                a.site_id,
+                a.since_round,
+            )
         for s in released:
             self.parts.pop(s, None)
             self.adoptions.pop(s, None)
@@ -129,8 +150,7 @@ class DataMix:
         return {
             "turn": self._turn,
             "parts": {
-                s: {"adoption": [a.index, a.part, a.num_parts], "stream": self.parts[s].state_dict()}
-                for s, a in self.adoptions.items()
+                s: {"adoption": a.as_list(), "stream": self.parts[s].state_dict()} for s, a in self.adoptions.items()
             },
         }
 
@@ -143,14 +163,12 @@ class DataMix:
         """
         try:
             turn = int(state["turn"])
-            saved = {
-                str(s): (Adoption(str(s), *map(int, p["adoption"])), p["stream"]) for s, p in state["parts"].items()
-            }
+            saved = {str(s): (Adoption.of_list(s, p["adoption"]), p["stream"]) for s, p in state["parts"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"shards: not a DataMix state ({e!r})") from e
         parts = {}
         for s, (a, pos) in saved.items():
-            parts[s] = self._make_part(a.index, a.part, a.num_parts)
+            parts[s] = self._make_part(a.index, a.part, a.num_parts, a.since_round)
             parts[s].load_state_dict(pos)
         self.parts, self.adoptions, self._turn = parts, {s: a for s, (a, _) in saved.items()}, turn
 

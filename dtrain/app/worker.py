@@ -388,7 +388,7 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
             run, outcome, val=val, train_loss=train_loss, times=times, sync_cpu=sync_cpu, data=ledger
         )
         if run.watch is not None and outcome.result is not None:
-            run.mix.apply(*run.watch.observe(list(outcome.result.members)))
+            run.mix.apply(*run.watch.observe(list(outcome.result.members), outcome.result.round))
         totals.add(line)
         owned_buckets = (line.owned_buckets or 0) if outcome.result is not None else owned_buckets
         _record_round(run, line, extra)
@@ -430,7 +430,7 @@ def _shard_reassignment(
     watch = ShardWatch(site_id=cfg.site_id, after_rounds=cfg.reassign_after_rounds)
     make_part = task.shard_part
     if num_ranks > 1:
-        make_part = lambda index, part, parts: task.shard_part(index * num_ranks + rank, part, parts)  # noqa: E731
+        make_part = lambda index, part, parts, since: task.shard_part(index * num_ranks + rank, part, parts, since)  # noqa: E731
     mix = DataMix(task.batches, make_part)
     if shards_state is not None:
         try:

@@ -62,6 +62,22 @@ from dtrain.transports.pacing import Pacer, pace_rate_Bps
 
 __all__ = ["RoundConfig", "RoundResult", "RoundEngine"]
 
+#: The shortest derived repair window, seconds (a plan whose broadcast and reduce timeouts are
+#: set equal by hand would otherwise leave none).
+MIN_REPAIR_S = 0.5
+
+
+def repair_window_s(explicit_s: float | None, plan: RoundPlan) -> float:
+    """A round's window for late pulls and repairs after its broadcast deadline, seconds:
+    ``explicit_s`` (``RoundConfig.repair_timeout_s``) when set, else the plan's broadcast
+    window, its broadcast minus its reduce timeout (both derived by the rendezvous from the
+    run's observed exchange and the stall budget: :mod:`dtrain.rendezvous.deadlines`), at
+    least :data:`MIN_REPAIR_S`."""
+    if explicit_s is not None:
+        return explicit_s
+    return max(MIN_REPAIR_S, plan.broadcast_timeout_s - plan.reduce_timeout_s)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -201,7 +217,8 @@ class RoundEngine(PeerSide):
         bucket's :class:`BucketOutcome` is in ``RoundResult.bucket_outcome``.
 
         Never raises for peer failures: they are recorded in the result. Returns
-        after the broadcast deadline + ``repair_timeout_s`` at the latest.
+        after the broadcast deadline + the repair window (``RoundConfig.repair_timeout_s``, or
+        derived from the plan: :meth:`_repair_timeout_s`) at the latest.
 
         Args:
             plan: the round plan from the rendezvous (this site must be a member).
@@ -311,6 +328,8 @@ class RoundEngine(PeerSide):
         )
         with self._cv:
             self._runs[r] = run
+            if plan.reduce_timeout_s > 0:
+                self._last_reduce_timeout_s = plan.reduce_timeout_s  # plan_wait_s's derived value
         return run
 
     def _pacer(self, run: _Run, window_s: float) -> Pacer:
@@ -616,7 +635,7 @@ class RoundEngine(PeerSide):
         missing = run.member.missing()
         if not missing:
             return
-        late_until = time.monotonic() + min(1.0, self.config.repair_timeout_s)
+        late_until = time.monotonic() + min(1.0, self._repair_timeout_s(run))
         for b in missing:
             owner = run.owners[b]
             for sid in run.member.late_pull_sources(b):
@@ -705,9 +724,16 @@ class RoundEngine(PeerSide):
         self.log.warning("round %d: bucket %d %s: %s", run.round, b, BucketOutcome.STALE, why)
 
     # ------------------------------------------------------------------ site: repair
+    def _repair_timeout_s(self, run: _Run) -> float:
+        """``RoundConfig.repair_timeout_s`` when set, else the round's own broadcast window, the
+        plan's broadcast minus its reduce timeout (derived from the run's observed exchange,
+        :mod:`dtrain.rendezvous.deadlines`: a repair pulls a few buckets' state as the broadcast
+        pulled every mean), at least :data:`MIN_REPAIR_S`."""
+        return repair_window_s(self.config.repair_timeout_s, run.plan)
+
     def _repair(self, run: _Run) -> None:
         """Step 6: pull stale buckets whole from their owner (or a member with the
-        owner's checksum), within ``repair_timeout_s``; repaired ones become REPAIRED, and
+        owner's checksum), within the repair window (:meth:`_repair_timeout_s`); repaired ones become REPAIRED, and
         a missed mean its owner withdrew becomes OWNER_LOST (``withdrawal_confirmed``).
 
         A bucket whose mean this site never got is pulled from its owner only, and only
@@ -717,7 +743,7 @@ class RoundEngine(PeerSide):
         stale = run.member.to_repair()
         if not stale or not self.config.repair:
             return
-        deadline = time.monotonic() + self.config.repair_timeout_s
+        deadline = time.monotonic() + self._repair_timeout_s(run)
         for b in stale:
             for src in run.member.repair_sources(b):
                 left = deadline - time.monotonic()

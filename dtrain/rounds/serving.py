@@ -35,6 +35,9 @@ __all__ = ["PeerSide"]
 
 log = logging.getLogger(__name__)
 
+#: ``plan_wait_s`` before this site opened any round (the derived rule's start: 5 s, the former default).
+PLAN_WAIT_START_S = 5.0
+
 
 class _Owned:
     """The engine's threading around one round's owner-side books."""
@@ -56,6 +59,15 @@ class PeerSide:
     Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``, ``_skipped``, ``_bres``,
     ``_banned``, ``_reject_streak``, ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
     """
+
+    @property
+    def plan_wait_s(self) -> float:
+        """How long a request for a round not open here waits for this site to open it:
+        ``RoundConfig.plan_wait_s`` when set, else the reduce timeout of the last plan this
+        site opened (a push later than that is late anyway; the plans' deadlines follow the
+        link, :mod:`dtrain.rendezvous.deadlines`), :data:`PLAN_WAIT_START_S` before the first."""
+        v = self.config.plan_wait_s
+        return v if v is not None else getattr(self, "_last_reduce_timeout_s", PLAN_WAIT_START_S)
 
     @property
     def banned(self) -> frozenset[str]:
@@ -155,7 +167,7 @@ class PeerSide:
         """:meth:`_handle_one` for each contribution of a decoded run (:meth:`_decode_runs`), one
         pass: the refused chunks are recorded and logged as :meth:`_handle_one` does."""
         try:
-            owned = self._round_for(cs[0].round, self.config.plan_wait_s)
+            owned = self._round_for(cs[0].round, self.plan_wait_s)
         except Rejected as e:
             return [e] * len(cs)
         out: list[Rejected | None] = []
@@ -217,7 +229,7 @@ class PeerSide:
         return out
 
     def _handle_one(self, c: Contribution, values: torch.Tensor | None) -> None:
-        owned = self._round_for(c.round, self.config.plan_wait_s)
+        owned = self._round_for(c.round, self.plan_wait_s)
         try:
             self._accept(owned, c, values)
         except Rejected as e:
@@ -374,7 +386,7 @@ class PeerSide:
                 )
                 if m is not None:
                     return m
-                wake = deadline if round in self._open else min(deadline, t0 + self.config.plan_wait_s)
+                wake = deadline if round in self._open else min(deadline, t0 + self.plan_wait_s)
                 self._cv.wait(max(0.0, wake - now))
 
     def poll_pull_mean(
@@ -409,7 +421,7 @@ class PeerSide:
                 raise Rejected(RejectCode.ABORTED, f"round {round} is not run here: {skipped}")
             if round < applied:
                 return self._past_mean(round, bucket, applied, have_checksum)
-            if last or waited_s >= self.config.plan_wait_s or round > applied + 1:
+            if last or waited_s >= self.plan_wait_s or round > applied + 1:
                 raise Rejected(
                     RejectCode.FAILED_PRECONDITION, f"round {round} is not open here (next round is {applied})"
                 )

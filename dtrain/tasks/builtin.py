@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -190,7 +191,7 @@ class TaskData:
     names: list[str]
     batches: BatchStream
     evaluate: Callable[[torch.nn.Module], float]
-    shard_part: Callable[[int, int, int], BatchStream] | None
+    shard_part: Callable[[int, int, int, int], BatchStream] | None
     batch_size: int
     context_len: int
 
@@ -281,19 +282,28 @@ def _gpt(spec: TaskSpec, context_len: int, vocab_size: int = 256) -> GPT:
 
 def _shard_parts(
     corpus: Corpus, spec: TaskSpec, tokenizer, *, batch_size: int, context_len: int
-) -> Callable[[int, int, int], BatchStream]:
+) -> Callable[[int, int, int, int], BatchStream]:
     """``Task.shard_part`` of a non-iid run: streams over parts of any site's shard."""
 
-    def shard_part(index: int, part: int, num_parts: int) -> BatchStream:
-        """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard."""
+    def shard_part(index: int, part: int, num_parts: int, since_round: int = 0) -> BatchStream:
+        """A stream over part ``part`` of ``num_parts`` of site ``index``'s shard, for the
+        adoption made after round ``since_round``: each adoption draws its own windows (its
+        generator is seeded by all four), so a shard adopted again never repeats a window an
+        earlier adoption drew (0: a checkpoint from before adoptions had a round)."""
         other, _ = shard_tokens(corpus, site_index=index, num_sites=spec.num_sites, non_iid=True, tokenizer=tokenizer)
         lo, hi = other.numel() * part // num_parts, other.numel() * (part + 1) // num_parts
+        seed, shard_id = spec.seed + 1_000_003 * (index + 1) + part, f"site{index}of{spec.num_sites}"
+        shard_id = f"{corpus.fingerprint}/{shard_id}/non_iid/part{part}of{num_parts}"
+        if since_round:
+            key = f"{index}/{part}/{num_parts}/{since_round}".encode()
+            seed = spec.seed + int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big")
+            shard_id += f"/after_round{since_round}"
         return BatchStream(
             other[lo:hi].clone() if hi - lo > context_len else other.clone(),
             batch_size=batch_size,
             context_len=context_len,
-            seed=spec.seed + 1_000_003 * (index + 1) + part,
-            shard_id=f"{corpus.fingerprint}/site{index}of{spec.num_sites}/non_iid/part{part}of{num_parts}",
+            seed=seed,
+            shard_id=shard_id,
         )
 
     return shard_part

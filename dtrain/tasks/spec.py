@@ -270,9 +270,11 @@ class Task:
             ``torch.no_grad()`` and restores the model's previous mode.
         tokens_per_batch: tokens one batch trains on (for throughput metrics).
         info: free-form facts for logs (parameter count, corpus fingerprint, ...).
-        shard_part: ``shard_part(site_index, part, num_parts)`` -> a batch stream over
-            part ``part`` of ``num_parts`` of another site's shard (re-assigning a dead
-            site's non-IID shard), or None when the task cannot.
+        shard_part: ``shard_part(site_index, part, num_parts, since_round)`` -> a batch
+            stream over part ``part`` of ``num_parts`` of another site's shard (re-assigning
+            a dead site's non-IID shard, adopted after applied round ``since_round``), or
+            None when the task cannot. Streams of different ``since_round`` must not repeat
+            each other's batches (a shard adopted twice; the data ledger checks it).
         scheduler: the inner optimizer's LR scheduler or None; the worker steps it
             after every ``optimizer.step()``, checkpoints it, and a joiner takes its
             state from a donor (``DiLoCo(inner_scheduler=...)``).
@@ -289,5 +291,5 @@ class Task:
     tokens_per_batch: int
     info: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None
-    shard_part: Callable[[int, int, int], Any] | None = None
+    shard_part: Callable[[int, int, int, int], Any] | None = None
     export_files: Callable[[Path], None] | None = None

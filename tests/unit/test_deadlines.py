@@ -161,3 +161,43 @@ def test_the_client_adds_the_calls_time_not_held_at_the_rendezvous(age_s, held_s
     reply.plan_age_s, reply.held_s = age_s, held_s
     d = _decision_from_proto(reply, call_s)
     assert d.plan is not None and d.plan.age_s == pytest.approx(want)
+
+
+def test_the_repair_window_and_the_plan_wait_follow_the_plans_deadlines_unless_set() -> None:
+    """No hand-set repair budget or plan wait: the repair window is the plan's broadcast
+    window (its broadcast minus its reduce timeout), the plan wait the reduce timeout of the
+    last plan the site opened (5 s before any); an explicit value overrides either."""
+    import torch
+
+    from dtrain.buckets import BucketConfig, BucketLayout
+    from dtrain.rounds import RoundConfig, RoundEngine
+    from dtrain.rounds.engine import MIN_REPAIR_S, repair_window_s
+    from dtrain.state import GlobalState
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    lan = RoundPlan(round=0, members=(Member(site_id="a", address="x"),), reduce_timeout_s=5.1, broadcast_timeout_s=7.6)
+    assert repair_window_s(None, lan) == pytest.approx(2.5)
+    assert repair_window_s(3.0, lan) == 3.0
+    assert (
+        repair_window_s(None, RoundPlan(round=0, members=lan.members, reduce_timeout_s=4, broadcast_timeout_s=4))
+        == MIN_REPAIR_S
+    )
+    layout = BucketLayout([64], ["w"], BucketConfig(bucket_bytes=256, chunk_bytes=64))
+    engine = RoundEngine("a", GlobalState(layout, [torch.zeros(64)]), InprocTransport(InprocNetwork()), RoundConfig())
+    engine.start()
+    try:
+        assert engine.plan_wait_s == 5.0
+        plan = RoundPlan(
+            round=0,
+            members=(Member(site_id="a", address=engine.address),),
+            reduce_timeout_s=1.5,
+            broadcast_timeout_s=3.0,
+        )
+        engine.add_pseudo_gradient([torch.ones(64)])
+        assert engine.run_round(plan).applied_buckets == len(layout)
+        assert engine.plan_wait_s == 1.5
+    finally:
+        engine.stop(0.1)
+    assert (
+        RoundEngine("b", GlobalState(layout, [torch.zeros(64)]), None, RoundConfig(plan_wait_s=2.0)).plan_wait_s == 2.0
+    )

@@ -3,6 +3,8 @@ task's shard parts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -52,6 +54,44 @@ def test_data_mix_interleaves_own_and_adopted_parts_and_reports_their_ledgers():
     next(mix)
     assert "adopted" not in mix.take_ledger(lambda: {})
     assert build_task(TaskSpec(site_index=0, num_sites=3, size="tiny")).shard_part is None  # IID: nothing to adopt
+
+
+def test_a_shard_adopted_again_draws_new_windows_never_the_first_adoptions():
+    """site-2 dies, is adopted after round 3, comes back at round 5, dies again and is adopted
+    after round 8 by the same survivor with the same part: the second adoption is a stream of
+    its own (issue 33: a re-adopted part restarted its stream and trained its first windows
+    twice), and every survivor names the same round."""
+    spec = TaskSpec(site_index=0, num_sites=3, size="tiny", seed=1, non_iid=True)
+    task = build_task(spec)
+    watches = [ShardWatch(site_id=s, after_rounds=1) for s in ("site-0", "site-1")]
+    mix = DataMix(task.batches, task.shard_part)
+    everyone, two = ["site-0", "site-1", "site-2"], ["site-0", "site-1"]
+    digests = []
+    for r, members in enumerate([everyone, everyone, everyone, two, two, everyone, everyone, everyone, two, two]):
+        new, released = watches[0].observe(members, r)
+        assert watches[1].observe(members, r)[0] == [dataclasses.replace(a, part=1) for a in new]
+        mix.apply(new, released)
+        if new:
+            assert [(a.part, a.num_parts, a.since_round) for a in new] == [(0, 2, r)]
+        for _ in range(4):
+            next(mix)
+        part = mix.take_ledger(lambda: {}).get("adopted", {}).get("site-2")
+        if part is not None:
+            digests.append((part["shard"], part["digest"], part["steps"]))
+    assert [d[0].rsplit("/", 1)[1] for d in digests] == ["after_round3"] * 2 + ["after_round8"] * 2
+    assert digests[2][2] == [1, 2]  # a stream of its own, from its start
+    assert len({d[1] for d in digests}) == 4  # no window drawn twice
+    # a checkpoint from before adoptions had a round ([index, part, num_parts]) still loads
+    old = DataMix(task.batches, task.shard_part)
+    old.load_state_dict(
+        {
+            "turn": 0,
+            "parts": {"site-2": {"adoption": [2, 0, 2], "stream": build_task(spec).shard_part(2, 0, 2).state_dict()}},
+        }
+    )
+    assert old.adoptions == {"site-2": Adoption("site-2", 2, 0, 2, 0)}
+    with pytest.raises(ValueError, match="an adoption is"):
+        Adoption.of_list("site-2", [2, 0])
 
 
 def test_adopted_parts_are_checkpointed_and_a_resumed_site_continues_them(tmp_path):
