@@ -15,6 +15,7 @@ uses the standard library's argparse and tomllib (tomli on Python 3.10).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -43,10 +44,37 @@ def one_line(message: object) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (naming the flag) and exit code 2."""
+    """argparse, but a usage error is one line (naming the flag) and exit code 2; an
+    unknown flag gets the nearest of the command's flags (``suggest_from``)."""
+
+    suggest_from: list[str] | None = None  # the command's option strings (set by _parser)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see --help)\n")
+        hint = did_you_mean(message, self.suggest_from or list(self._option_string_actions))
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}{hint} (see --help)\n")
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """For argparse's "unrecognized arguments: ..." message, "; did you mean ..." naming the
+    nearest option string (difflib's ratio, over the whole flag and over the last part of a
+    dotted one) of each unknown ``--flag``; "" when none is near or the message is another."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    by_leaf = {"--" + o.rsplit(".", 1)[-1].lstrip("-"): o for o in options if o.startswith("--")}
+    hints = []
+    for token in message.split(": ", 1)[1].split():
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        near = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
+        if not near:
+            leaf = difflib.get_close_matches(
+                "--" + flag.rsplit(".", 1)[-1].lstrip("-"), list(by_leaf), n=1, cutoff=0.8
+            )
+            near = [by_leaf[leaf[0]]] if leaf else []
+        if near:
+            hints.append(f"{flag}: did you mean {near[0]}?")
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def config_values(tree: Tree, ns: argparse.Namespace) -> dict[str, Any]:
@@ -240,6 +268,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         _common(sp, f"TOML file with these options: tables follow the dots ({tables}), the short names work as keys")
         if command == name:
             tree.add_to(sp)
+            p.suggest_from = list(sp._option_string_actions)
     rp = sub.add_parser(
         "report", help="plots and a markdown summary of a run directory", description="Plots and report.md of a run."
     )

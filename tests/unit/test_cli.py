@@ -185,3 +185,26 @@ def test_entry_point_exits_2_with_one_line(argv: str, field: str, files) -> None
     assert p.returncode == 2, p.stderr
     assert len(p.stderr.splitlines()) == 1 and field in p.stderr, p.stderr
     assert p.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["launch", "--sync-evry", "3"], "--sync-evry: did you mean --sync-every?"),
+        (["launch", "--tokenweighted"], "--tokenweighted: did you mean --token-weighted?"),
+        (["launch", "--rendezvous.reduce-timeout", "3"], "did you mean --rendezvous.reduce-timeout-s?"),
+        (["worker", "--diloco.syncevery=3"], "--diloco.syncevery: did you mean --diloco.sync-every?"),
+    ],
+)
+def test_an_unknown_flag_names_the_nearest_flag_of_its_command(argv: list[str], hint: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"unrecognized arguments: {argv[1]}" in err and hint in err, err
+    assert err.count("\n") == 1  # still one line
+
+
+def test_an_unknown_flag_with_nothing_near_gets_no_guess(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["launch", "--xyz", "1"])
+    assert "did you mean" not in capsys.readouterr().err
