@@ -171,6 +171,14 @@ class DiLoCo:
         _defer_join: bool = False,
     ) -> None:
         self.config = config or DiLoCoConfig()
+        if self.config.round_window_s is not None and not self.config.rounds.aggregation.token_weighted:
+            log.warning(
+                "%s: time-based rounds (round_window_s %.3g s) without aggregation.token_weighted: a fast "
+                "site trains more steps per round than a slow one, yet each contribution counts equally "
+                "(--token-weighted weighs each by the tokens it trained)",
+                self.config.site_id,
+                self.config.round_window_s,
+            )
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm: SiteComm = site_comm or LocalSiteComm()

@@ -68,9 +68,7 @@ def did_you_mean(message: str, options: list[str]) -> str:
             continue
         near = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
         if not near:
-            leaf = difflib.get_close_matches(
-                "--" + flag.rsplit(".", 1)[-1].lstrip("-"), list(by_leaf), n=1, cutoff=0.8
-            )
+            leaf = difflib.get_close_matches("--" + flag.rsplit(".", 1)[-1].lstrip("-"), list(by_leaf), n=1, cutoff=0.8)
             near = [by_leaf[leaf[0]]] if leaf else []
         if near:
             hints.append(f"{flag}: did you mean {near[0]}?")

@@ -79,6 +79,24 @@ _PER_SITE_FAMILIES: tuple[tuple[type, str, str, str], ...] = (
         "Of buckets whose mean the site got, last round.",
         "broadcast_arrived_fraction",
     ),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_round_steps",
+        "Inner steps of the last reported round (time-based rounds: as many as fit the window).",
+        "round_steps",
+    ),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_tokens_per_second",
+        "Tokens trained per second in the last reported round's inner steps.",
+        "tokens_per_s",
+    ),
+    (
+        GaugeMetricFamily,
+        "dtrain_site_round_weight_tokens",
+        "The site's token claim in the last reported round (its weight where token-weighted).",
+        "weight",
+    ),
     (CounterMetricFamily, "dtrain_site_round_reports", "Round reports received.", "num_reports"),
     (
         CounterMetricFamily,

@@ -134,6 +134,8 @@ def _check_api_and_metrics_agree_with_jsonl(api: dict, metrics: dict, run_dir: P
         lab = frozenset({("site", site)})
         assert metrics[("dtrain_site_last_round", lab)] == last["round"]
         assert metrics[("dtrain_site_round_sync_seconds", lab)] == pytest.approx(last["sync_s"], rel=1e-12)
+        assert metrics[("dtrain_site_round_steps", lab)] == last["round_steps"]
+        assert metrics[("dtrain_site_tokens_per_second", lab)] == pytest.approx(last["tokens_per_s"], rel=1e-12)
         assert metrics[("dtrain_site_val_loss", lab)] == pytest.approx(last["val_loss"], rel=1e-12)
         assert metrics[("dtrain_site_sent_bytes_total", lab)] == sum(ln.get("bytes_sent", 0) for ln in lines[site][:km])
         assert metrics[("dtrain_site_received_bytes_total", lab)] == sum(

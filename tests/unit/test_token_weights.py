@@ -455,3 +455,25 @@ def test_ranks_of_a_site_group_take_rank_0s_step_count() -> None:
     assert "overlap_steps 3 clamped to 2" in s0.decided_phase[1]
     s1 = rank(1, Comm(1, rank0_value=s0.comm.sent[0]), num_fragments=4, overlap_steps=3)
     assert s1.phase_target(1, 0.01) == 2 and s1.comm.groups == ["main"]  # rank 0's count, not its own
+
+
+def test_time_based_rounds_without_token_weights_warn_once_at_start(caplog) -> None:
+    """Time-based rounds let a fast site train more steps per round; without token weights
+    each contribution still counts equally: said once when the site starts, not refused."""
+    import logging
+
+    from dtrain.configs import AggregationConfig, DiLoCoConfig
+    from dtrain.diloco import DiLoCo
+    from dtrain.rounds import RoundConfig
+
+    def start(**rounds) -> list[str]:
+        caplog.clear()
+        cfg = DiLoCoConfig(sync_every=100, round_window_s=1.0, rounds=RoundConfig(**rounds))
+        with caplog.at_level(logging.WARNING, logger="dtrain.diloco"):
+            d = DiLoCo(torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1), config=cfg)
+            d.engine.stop(0.1)
+        return [r.getMessage() for r in caplog.records if "round_window_s" in r.getMessage()]
+
+    said = start()
+    assert len(said) == 1 and "--token-weighted" in said[0], said
+    assert start(aggregation=AggregationConfig(token_weighted=True)) == []
