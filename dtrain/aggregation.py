@@ -37,6 +37,7 @@ measures both.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -57,6 +58,7 @@ __all__ = [
     "mean_factor",
     "partial_mean",
     "weighted_trimmed_mean",
+    "trimmed_counts",
 ]
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ def partial_mean(
     contributions: dict[str, torch.Tensor],
     config: AggregationConfig,
     weights: Mapping[str, float] | None = None,
+    trimmed: "collections.Counter[str] | None" = None,
 ) -> tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]:
     """Mean over the contributions that are present and pass the robust checks.
 
@@ -134,6 +137,8 @@ def partial_mean(
         config: robust options.
         weights: token weighting: sender -> weight factor fᵢ (a sender not in it counts
             1.0); the mean is Σ fᵢvᵢ / (k · f̄) (module docstring). None: unweighted.
+        trimmed: with ``trim_fraction`` cutting something, each sender's count of elements
+            the trim cut is added here (:func:`trimmed_counts`); None: not counted.
     Returns:
         ``(mean, included_senders, rejected)``: ``mean`` is None when nothing is
         left; ``rejected`` maps sender -> reason for contributions dropped here.
@@ -163,6 +168,9 @@ def partial_mean(
         any(weights.get(s, 1.0) != 1.0 for s in senders) or mean_factor(weights) != 1.0  # type: ignore[union-attr]
     )
     if int(config.trim_fraction * len(items)) > 0:
+        if trimmed is not None:
+            counts = trimmed_counts(stack, int(config.trim_fraction * len(items)))
+            trimmed.update({s: n for s, n in zip(senders, counts.tolist()) if n})
         if weighted:
             assert weights is not None
             f = torch.tensor([weights.get(s, 1.0) for s in senders], dtype=torch.float64)
@@ -176,6 +184,20 @@ def partial_mean(
     else:
         mean = stack.sum(dim=0) / len(items)
     return mean, senders, rejected
+
+
+def trimmed_counts(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Per contribution (row of ``values``, [n, m]), how many of its m elements lie among
+    the ``k`` lowest or ``k`` highest of their coordinate (ties by row order): what a
+    trimmed mean with ``k = int(trim_fraction * n)`` cuts (Yin et al. 2018's trimmed mean;
+    with token weights the cut is a weight share, so this counts the elements at the
+    extremes it is taken from). int64 [n]; 0 everywhere for ``k`` 0. A contribution cut
+    at nearly every element is an outlier the trim kept out of the mean."""
+    n = values.shape[0]
+    if k <= 0:
+        return torch.zeros(n, dtype=torch.int64)
+    idx = torch.argsort(values, dim=0, stable=True)
+    return torch.bincount(torch.cat([idx[:k], idx[n - k :]]).flatten(), minlength=n)
 
 
 def weighted_trimmed_mean(
@@ -270,6 +292,7 @@ class ChunkAccumulator:
         self._nnz: torch.Tensor | None = None  # sparse_mean: per element, contributions nonzero there
         self._kept: dict[str, torch.Tensor] = {}  # robust: every contribution; else: arrived out of turn
         self._digests: dict[str, bytes] = {}
+        self.trimmed: collections.Counter[str] = collections.Counter()  # sender -> elements the trim cut
 
     @property
     def senders(self) -> tuple[str, ...]:
@@ -334,7 +357,7 @@ class ChunkAccumulator:
     def finalize(self) -> tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]:
         """The unbiased partial mean; see :func:`partial_mean` for the result."""
         if self.config.robust:
-            return partial_mean(self._kept, self.config)
+            return partial_mean(self._kept, self.config, trimmed=self.trimmed)
         for sender in sorted(self._kept):
             self._fold(self._kept.pop(sender))
         if self._sum is None:
@@ -398,6 +421,7 @@ class BucketAccumulator:
         self._digests: list[dict[str, bytes]] = [{} for _ in self.numels]
         # sender -> (its run's values, element offset of the chunk in them): held until folded
         self._held: list[dict[str, tuple[torch.Tensor, int]]] = [{} for _ in self.numels]
+        self.trimmed: collections.Counter[str] = collections.Counter()  # sender -> elements the trim cut
 
     # ------------------------------------------------------------------ queries
     @property
@@ -597,7 +621,7 @@ class BucketAccumulator:
         Without robust options the means are views of one bucket-sized tensor."""
         if self.config.robust:
             return [
-                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights)
+                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed)
                 for held, n in zip(self._held, self.numels)
             ]
         ops = []

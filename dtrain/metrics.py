@@ -178,6 +178,7 @@ class RoundLine(_Record):
     tokens: int | None = None
     claims: dict[str, int] | None = None
     weight_refused: dict[str, str] | None = None
+    trimmed: dict[str, int] | None = None
 
 
 #: RoundLine fields that come from the round engine's RoundResult (absent unless applied).

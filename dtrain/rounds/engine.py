@@ -825,6 +825,7 @@ class RoundEngine(PeerSide):
             res.rejected_senders = books.refused()
             res.lost_members = sorted(books.lost)
             res.claims, res.weight_refused = dict(books.claims), dict(books.refused_claims)
+            res.trimmed = dict(sorted(books.trimmed.items()))
         if res.rejected:
             self.log.warning(
                 "round %d: refused %d contribution(s) as owner: %s", run.round, books.rejections.total, res.rejected

@@ -24,6 +24,7 @@ touches only that bucket's accumulators (no other transition does once it is clo
 
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -151,6 +152,7 @@ class OpenRound:
         self.faulty_senders: set[str] = set()
         self.refusals: list[tuple[int, int, str, bytes]] = []
         self.dropped: set[str] = set()  # senders a robust option dropped at finalize (engine._note_dropped)
+        self.trimmed: collections.Counter[str] = collections.Counter()  # sender -> elements a trimmed mean cut
         self.digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.closed: set[int] = set()
         self._missing = {b: len(self.chunks[b]) * len(self.members) for b in self.mine}
@@ -470,7 +472,9 @@ class OpenRound:
         acc = self._acc.pop(bucket, None)
         if acc is None:
             raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
-        return [
+        out = [
             ChunkReduction(chunk=c, mean=mean, senders=senders, dropped=dropped)
             for c, (mean, senders, dropped) in enumerate(acc.finalize())
         ]
+        self.trimmed.update(acc.trimmed)
+        return out

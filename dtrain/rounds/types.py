@@ -162,6 +162,7 @@ class RoundResult:
     tokens: int = 0  # this site's token claim this round (its weight where token-weighted; 0: none)
     claims: dict[str, int] = field(default_factory=dict)  # as owner, token-weighted: sender -> accepted claim
     weight_refused: dict[str, str] = field(default_factory=dict)  # as owner: sender -> why its claim was refused
+    trimmed: dict[str, int] = field(default_factory=dict)  # as owner, trim_fraction: sender -> elements cut
     buckets: list[int] = field(default_factory=list)  # the buckets it synchronised; not in the metrics line
     bucket_outcome: list[BucketOutcome] = field(default_factory=list)  # per bucket of `buckets`; not in the line
 

@@ -629,3 +629,31 @@ def test_owners_stop_waiting_for_a_member_the_rendezvous_declares_dead() -> None
         assert all(0 <= k <= lost_buckets for k in skipped), (skipped, lost_buckets)
         assert all(s.diloco.round == 3 for s in survivors)
         assert len(set(c.checksums(survivors))) == 1
+
+
+@pytest.mark.timeout(60)
+def test_what_a_trimmed_mean_cut_is_in_each_owners_round_result() -> None:
+    """3 sites, trim_fraction 0.34 (one value cut at each end of every coordinate): one site
+    sends a contribution 1000x the others'. Every owner's round result names it as cut at
+    every element of the buckets it owns (the highest value everywhere), and θ stays one."""
+    from dtrain.configs import AggregationConfig
+
+    N = 3
+    rounds = RoundConfig(codec=FP32, aggregation=AggregationConfig(trim_fraction=0.34))
+    cfg = ClusterConfig(num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=rounds))
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners, loud = c.owners(), c.sites[-1].site_id
+        numel = {b: bk.numel for b, bk in enumerate(c.sites[0].state.layout.buckets)}
+
+        def step(site: Site, r: int) -> None:
+            g = torch.rand(P, generator=torch.Generator().manual_seed(r * N + site.index)) + 1.0
+            contribute(site, g * (1000.0 if site.site_id == loud else 1.0))
+
+        c.run_steps(step, 1, timeout_s=30)
+        for site in c.sites:
+            res = site.results[-1]
+            mine = sum(numel[b] for b, o in enumerate(owners) if o == site.site_id)
+            assert res.trimmed.get(loud, 0) == mine, (site.site_id, res.trimmed)
+            # the other end of each coordinate: one of the two quiet sites, all of them together
+            assert sum(n for s, n in res.trimmed.items() if s != loud) == mine, res.trimmed
+        assert len(set(c.checksums())) == 1

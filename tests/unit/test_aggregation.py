@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
-from dtrain.aggregation import AggregationConfig, ChunkAccumulator, partial_mean
+from dtrain.aggregation import AggregationConfig, ChunkAccumulator, partial_mean, trimmed_counts
 from dtrain.errors import RejectCode, Rejected
 
 pytestmark = pytest.mark.timeout(30)
@@ -60,10 +62,15 @@ def test_trimmed_mean_drops_an_outlier() -> None:
     vals["evil"] = torch.tensor([1e6, -1e6])
     plain, _, _ = partial_mean(vals, AggregationConfig())
     assert plain[0] > 1e5
-    mean, senders, rejected = partial_mean(vals, AggregationConfig(trim_fraction=0.2))
+    cut: collections.Counter = collections.Counter()
+    mean, senders, rejected = partial_mean(vals, AggregationConfig(trim_fraction=0.2), trimmed=cut)
     # 5 values, trim int(0.2*5)=1 at each end: element 0 keeps s1..s3, element 1 keeps three -1.0
     assert torch.allclose(mean, torch.tensor([1.2, -1.0]))
     assert len(senders) == 5 and rejected == {}
+    # what the trim cut: element 0's lowest (s0) and highest (evil), element 1's lowest (evil)
+    # and, of the tied -1.0s, the last in sender order (s3)
+    assert cut == {"evil": 2, "s0": 1, "s3": 1}
+    assert trimmed_counts(torch.stack([vals[k] for k in sorted(vals)]), 0).tolist() == [0] * 5
 
 
 def test_norm_bound_drops_an_outlier_with_a_reason() -> None:
