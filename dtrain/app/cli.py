@@ -91,9 +91,13 @@ def build(tree: Tree, values: dict[str, Any]) -> Any:
 
 
 def _setup_logging(level: str = "INFO") -> None:
+    """Log lines to stderr; a rank of a site group (torchrun: ``WORLD_SIZE`` > 1) tags its
+    lines ``[rank r/K]``: the K ranks of a site write one worker.log."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    tag = f"[rank {os.environ.get('RANK', '?')}/{world}] " if world.isdigit() and int(world) > 1 else ""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s",
         stream=sys.stderr,
     )
 

@@ -208,3 +208,12 @@ def test_an_unknown_flag_with_nothing_near_gets_no_guess(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["launch", "--xyz", "1"])
     assert "did you mean" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world,tag", [("2", "[rank 1/2] "), ("1", "")])
+def test_a_site_groups_ranks_tag_their_log_lines(world: str, tag: str) -> None:
+    """The K ranks of a site write one worker.log: each line says which rank wrote it."""
+    code = "from dtrain.app.cli import _setup_logging; import logging; _setup_logging(); logging.getLogger('dtrain.x').warning('hi')"
+    env = dict(os.environ, WORLD_SIZE=world, RANK="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr.rstrip().endswith(f"WARNING {tag}dtrain.x: hi"), p.stderr
