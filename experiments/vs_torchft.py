@@ -319,36 +319,13 @@ def _site_argv(
     n, py, gate = spec.sites, sys.executable, run_dir / "gate"
     out = run_dir / out_name
     env = {"GLOO_SOCKET_IFNAME": net.ifname}
+    # the task and the schedule, the same for both systems (each names its coordinator its own way)
+    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", spec.size]
+    common += ["--data", spec.data, "--rounds", str(spec.rounds), "--sync-every", str(spec.sync_every)]
+    common += ["--threads", "1", "--seed", "0"]
     if spec.system == "dtrain":
-        args = [
-            "worker",
-            "--site-id",
-            f"site-{i}",
-            "--site-index",
-            str(i),
-            "--num-sites",
-            str(n),
-            "--listen",
-            f"{net.host(i)}:0",
-            "--rendezvous",
-            coord,
-            "--out-dir",
-            str(out),
-            "--size",
-            spec.size,
-            "--data",
-            spec.data,
-            "--rounds",
-            str(spec.rounds),
-            "--sync-every",
-            str(spec.sync_every),
-            "--codec",
-            spec.codec,
-            "--threads",
-            "1",
-            "--seed",
-            "0",
-        ]
+        args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
+        args += ["--codec", spec.codec]
         if spec.bucket_bytes:
             args += ["--bucket-bytes", str(spec.bucket_bytes)]
         if fault:
@@ -357,31 +334,7 @@ def _site_argv(
             env["VS_TORCHFT_PYSPY"] = spec.pyspy
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
-        args = [
-            "--site-index",
-            str(i),
-            "--num-sites",
-            str(n),
-            "--lighthouse",
-            coord,
-            "--out-dir",
-            str(out),
-            "--size",
-            spec.size,
-            "--data",
-            spec.data,
-            "--rounds",
-            str(spec.rounds),
-            "--sync-every",
-            str(spec.sync_every),
-            "--threads",
-            "1",
-            "--seed",
-            "0",
-            "--host",
-            net.host(i),
-            *TORCHFT_SITE_FLAGS,
-        ]
+        args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
         if fault:
             args += ["--kill-at-round", str(spec.kill_round)]
         if barrier:
