@@ -546,8 +546,8 @@ class LaunchConfig:
         netem: run each site in its own network namespace behind emulated links with
             this profile (root only; see netem/).
         progress: a live progress bar on a terminal.
-        http_bind: the rendezvous's status page, host:port or off (none: 127.0.0.1 on a
-            free port; off with netem); the URL is printed at start.
+        http_bind: the rendezvous's status page: host:port, off, or auto (default: 127.0.0.1
+            on a free port; off with netem); the URL is printed at start.
         http_port: status page on 127.0.0.1:PORT (shorthand for http_bind), 0..65535.
         store: where the rendezvous launch starts keeps membership: none (in memory) or
             etcd://host:port[,host:port...][/run][?ca_file=..&username=..&password_file=..]
@@ -567,7 +567,7 @@ class LaunchConfig:
     out: str | None = None
     netem: str | None = None
     progress: bool = True
-    http_bind: str | None = None
+    http_bind: str = "auto"
     http_port: int | None = None
     store: str | None = None
     site_slowdown: str | None = None
@@ -584,11 +584,14 @@ class LaunchConfig:
             "an int in [1, 64]",
         )
         _need(self, isinstance(self.max_restarts, int) and self.max_restarts >= 0, "max_restarts", "an int >= 0")
-        if self.http_bind is not None and self.http_port is not None:
+        word = str(self.http_bind).strip().lower()
+        if word in ("auto", "off", "none"):  # none: what a TOML user may write for off
+            object.__setattr__(self, "http_bind", "off" if word == "none" else word)
+        if self.http_bind != "auto" and self.http_port is not None:
             raise ValueError(
                 f"http_port and http_bind: give one of them, got {self.http_port!r} and {self.http_bind!r}"
             )
-        if self.http_bind not in (None, "off"):
+        if self.http_bind not in ("auto", "off"):
             HostPort.parse(self.http_bind, "http_bind")
         _need(self, self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "in [0, 65535]")
         _need(
@@ -612,7 +615,7 @@ class LaunchConfig:
         """
         if self.http_port is not None:
             return HostPort("127.0.0.1", self.http_port)
-        if self.http_bind is None:
+        if self.http_bind == "auto":
             return None if self.netem else HostPort("127.0.0.1", 0)
         return None if self.http_bind == "off" else HostPort.parse(self.http_bind, "http_bind")
 

@@ -466,3 +466,21 @@ def test_cli_and_launch_do_not_import_each_other() -> None:
         assert f"dtrain.app.{other}" not in names or mod == "cli", f"dtrain.app.{mod} imports dtrain.app.{other}"
     tree = ast.parse((REPO / "dtrain" / "app" / "launch.py").read_text())
     assert "dtrain.app.cli" not in {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        ([], "127.0.0.1:0"),
+        (["--http-bind", "off"], None),  # before: off parsed as None, which meant the default page
+        (["--http-bind", "OFF"], None),
+        (["--http-bind", "0.0.0.0:8080"], "0.0.0.0:8080"),
+        (["--http-port", "8081"], "127.0.0.1:8081"),
+        (["--netem", "lossy"], None),  # 127.0.0.1 in the rendezvous's namespace: off unless asked
+    ],
+)
+def test_launch_status_page_is_off_when_asked_auto_by_default(flags: list[str], want: str | None) -> None:
+    ns = cli._parser("launch").parse_args(["launch", *flags])
+    cfg = LAUNCH.build(cli.config_values(LAUNCH, ns))
+    got = cfg.status_page_bind()
+    assert (str(got) if got is not None else None) == want
