@@ -465,6 +465,12 @@ class DiLoCoConfig:
             )
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"merge_alpha must be a number in [0, 1], got {a!r}")
+        if a > 0 and self.one_step_delayed and self.delayed_update == "eager":
+            raise ValueError(
+                f"merge_alpha {a!r} has nothing to apply to in the one-step-delayed mode's eager merge "
+                "(num_fragments 1, overlap_steps = sync_every, delayed_update eager: the model keeps its own "
+                "steps on the merged θ); use delayed_update stale, num_fragments > 1, or merge_alpha 0"
+            )
         p = self.pace_fraction
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"pace_fraction must be a number in [0, 1) (0 = unpaced), got {p!r}")

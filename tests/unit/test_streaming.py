@@ -66,6 +66,10 @@ def test_config_refuses_bad_streaming_fields():
         DiLoCoConfig(sync_every=10, num_fragments=2, overlap_steps=6)
     with pytest.raises(ValueError, match="merge_alpha"):
         DiLoCoConfig(merge_alpha=1.5)
+    # α in the one-step-delayed mode's eager merge would be silently ignored: refused, naming why
+    with pytest.raises(ValueError, match="merge_alpha 0.5 has nothing to apply to .* use delayed_update stale"):
+        DiLoCoConfig(sync_every=10, overlap_steps=10, merge_alpha=0.5)
+    assert DiLoCoConfig(sync_every=10, overlap_steps=10, merge_alpha=0.5, delayed_update="stale").merge_alpha == 0.5
     assert not DiLoCoConfig().streaming and DiLoCoConfig(sync_every=4, overlap_steps=4).streaming
 
 
