@@ -446,6 +446,17 @@ def _fragment_lines(summary: dict) -> list[str]:
     return [f"- fragment rounds (Streaming DiLoCo, {len(frags)} fragments): " + "; ".join(parts)]
 
 
+def _unfinished_note(summary: dict) -> str:
+    """Which sites the checksum verdict is over: those that finished, or, when none did (an
+    interrupted run), every site's last round line."""
+    unfinished = summary.get("unfinished") or []
+    if not unfinished:
+        return ""
+    if len(unfinished) == summary["num_sites"]:
+        return " (no site finished: over every site's last round, which may differ between sites)"
+    return f" (over the sites that finished; {', '.join(unfinished)} did not)"
+
+
 def _markdown(summary: dict, images: list[str]) -> str:
     sites = summary["sites"]
     out = [
@@ -456,11 +467,7 @@ def _markdown(summary: dict, images: list[str]) -> str:
         + (f" (rounds {summary['rounds'][0]}..{summary['rounds'][-1]})" if summary["rounds"] else ""),
         "- final θ checksums: "
         + ("**all agree**" if summary["checksums_agree"] else "**DISAGREE** (sites ended with different θ)")
-        + (
-            f" (over the sites that finished; {', '.join(summary['unfinished'])} did not)"
-            if summary.get("unfinished")
-            else ""
-        ),
+        + _unfinished_note(summary),
         "- final outer-optimizer checksums: "
         + ("**all agree**" if summary["outer_checksums_agree"] else "differ or missing"),
         *_fragment_lines(summary),

@@ -307,3 +307,8 @@ def test_a_dead_sites_older_checksum_does_not_make_the_finished_sites_disagree(t
     (run / "site-b" / "summary.json").unlink()
     (run / "site-a" / "summary.json").unlink()
     assert summarize_run(run)["checksums_agree"] is False  # none finished: every site counts
+    make_report(run)  # an interrupted run: the verdict says what it is over, without contradiction
+    assert (
+        "**DISAGREE** (sites ended with different θ) (no site finished: over every site's last round"
+        in (run / "report.md").read_text()
+    )
