@@ -271,6 +271,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         if command == name:
             tree.add_to(sp)
             p.suggest_from = list(sp._option_string_actions)
+            p.prog = sp.prog  # an unknown flag's error names the command, as its other errors do
     rp = sub.add_parser(
         "report", help="plots and a markdown summary of a run directory", description="Plots and report.md of a run."
     )

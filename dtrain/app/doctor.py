@@ -180,8 +180,8 @@ def advise(
                 kind="kernel",
                 setting="net.ipv4.tcp_slow_start_after_idle",
                 value="0",
-                reason=f"each round's exchange follows an idle inner phase; with 1 TCP restarts it from the "
-                f"initial window and needs ~{rtts} RTTs ({rtts * rtt:.2f} s) to reach the path's rate again",
+                reason=f"each round's exchange follows an idle inner phase; with this setting at 1, TCP restarts it "
+                f"from the initial window and needs ~{rtts} RTTs ({rtts * rtt:.2f} s) to reach the path's rate again",
             )
         )
     out += _congestion_advice(kernel, rtt, loss)
