@@ -86,6 +86,8 @@ class _SiteView:
         self.last: StartLine | RoundLine | None = None
         self.rounds: dict[int, RoundLine] = {}
         self.bytes_sent = 0
+        self.starts: list[StartLine] = []  # one per start of its worker (a restart adds one)
+        self.starts_told = 1  # the starts already announced (the first is not news)
 
     def poll(self) -> None:
         for line in self.tail.poll():
@@ -94,8 +96,21 @@ class _SiteView:
                 self.bytes_sent += line.bytes_sent or 0
                 if line.status != "deferred":
                     self.rounds[line.round] = line
-            elif isinstance(line, StartLine) and self.last is None:
-                self.last = line
+            elif isinstance(line, StartLine):
+                self.starts.append(line)
+                if self.last is None:
+                    self.last = line
+
+    def restarts_to_tell(self) -> list[str]:
+        """A line for each start of the worker since the last call, after its first (a site
+        group restarted by ``--max-restarts``, rejoining at the round it names)."""
+        out = [
+            f"{self.site} started again (start {k + 1}, at round {st.round}: restarted by --max-restarts)"
+            for k, st in enumerate(self.starts)
+            if k >= self.starts_told
+        ]
+        self.starts_told = max(self.starts_told, len(self.starts))
+        return out
 
     @property
     def done_round(self) -> int | None:
@@ -487,6 +502,8 @@ def _watch(procs: dict[str, Proc], views: dict[str, _SiteView], rounds: int, *, 
         finished = all(p.poll() is not None for s, p in procs.items() if s != "rendezvous")
         for v in views.values():
             v.poll()
+            for text in v.restarts_to_tell():
+                tqdm.write("dtrain launch: " + text, file=sys.stderr)
         live = [v for s, v in views.items() if s not in crashed]
         _show_bar(bar, live, rounds)
         if plain is not None:

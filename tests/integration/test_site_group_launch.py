@@ -130,6 +130,7 @@ def test_sigkill_of_one_rank_mid_round_restarts_the_site_group_which_rejoins_wit
     assert "test fault injection: kill at mid_push of round 2" in logs
     assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
     assert "site-1 started 2 times (restarted by --max-restarts, or resumed)" in out, out  # not silent
+    assert "dtrain launch: site-1 started again (start 2, at round " in err, err[-2000:]  # said as it happens
     site0 = _rounds(tmp_path, "site-0")
     assert [d["round"] for d in site0] == list(range(rounds))
     assert all(d["status"] == "applied" for d in site0)

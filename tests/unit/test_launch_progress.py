@@ -89,3 +89,17 @@ def test_an_interrupted_launch_says_the_sites_stopped_at_their_own_rounds(tmp_pa
     out = capsys.readouterr().out
     assert "interrupted: the sites stopped at their own rounds (site-0 after round 3, site-1 after round 2)" in out
     assert "DIFFER" not in out
+
+
+def test_a_restarted_site_is_announced_when_its_second_start_line_appears(tmp_path) -> None:
+    """A site group restarted by --max-restarts is said while the run goes on (it was only
+    in the final summary; the live view showed one member fewer for 13 rounds)."""
+    v = _SiteView("site-1", tmp_path / "site-1.jsonl")
+    _append(v.tail.path, StartLine(site="site-1", round=0), _round("site-1", 0, val=3.0, sync=0.1, sent=1))
+    v.poll()
+    assert v.restarts_to_tell() == []  # the first start is not news
+    _append(v.tail.path, StartLine(site="site-1", round=7))
+    v.poll()
+    assert v.restarts_to_tell() == ["site-1 started again (start 2, at round 7: restarted by --max-restarts)"]
+    v.poll()
+    assert v.restarts_to_tell() == []  # said once
