@@ -149,7 +149,8 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: rendezvous {cfg.net.rendezvous} unreachable: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
-    print(json.dumps(summary))
+    if os.environ.get("RANK", "0") == "0":  # a site group's ranks share one worker.log: its summary once
+        print(json.dumps(summary))
     return 0
 
 
