@@ -171,7 +171,7 @@ def test_the_repair_window_and_the_plan_wait_follow_the_plans_deadlines_unless_s
 
     from dtrain.buckets import BucketConfig, BucketLayout
     from dtrain.rounds import RoundConfig, RoundEngine
-    from dtrain.rounds.engine import MIN_REPAIR_S, repair_window_s
+    from dtrain.rounds.recovery import MIN_REPAIR_S, repair_window_s
     from dtrain.state import GlobalState
     from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
