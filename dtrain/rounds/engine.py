@@ -560,6 +560,7 @@ class RoundEngine(PeerSide, Recovery):
 
         with run.lock:
             run.fan = fan
+        fan.wake()  # an owner declared lost before run.fan was set: looked at once
         answers = fan.wait(deadline, lambda key: owner_of(key) in run.member.unreachable, given_up)
         with run.lock:
             run.fan = None
