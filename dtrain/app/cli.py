@@ -93,7 +93,7 @@ def build(tree: Tree, values: dict[str, Any]) -> Any:
 def _setup_logging(level: str = "INFO") -> None:
     """Log lines to stderr; a rank of a site group (torchrun: ``WORLD_SIZE`` > 1) tags its
     lines ``[rank r/K]``: the K ranks of a site write one worker.log."""
-    world = os.environ.get("WORLD_SIZE", "1")
+    world = os.environ.get("WORLD_SIZE", "1")  # ranks.in_site_group's test, without importing torch here
     tag = f"[rank {os.environ.get('RANK', '?')}/{world}] " if world.isdigit() and int(world) > 1 else ""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -149,7 +149,9 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         log.error("giving up: %s", e)
         print(f"dtrain worker: error: rendezvous {cfg.net.rendezvous} unreachable: {one_line(e)}", file=sys.stderr)
         return EXIT_QUORUM
-    if os.environ.get("RANK", "0") == "0":  # a site group's ranks share one worker.log: its summary once
+    from dtrain.app.ranks import in_site_group
+
+    if not in_site_group() or os.environ.get("RANK") == "0":  # a site group's ranks share one worker.log
         print(json.dumps(summary))
     return 0
 
