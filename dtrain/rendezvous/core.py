@@ -532,6 +532,10 @@ class RendezvousCore:
         )
         plan, reason, won = self.store.put_plan(plan, reason, now=now)
         self._note_formed(plan)
+        # the deadlines it runs under: a round that runs to one of them is a censored observation
+        self._observe(
+            plan.round, reduce_deadline_s=plan.reduce_timeout_s, broadcast_deadline_s=plan.broadcast_timeout_s
+        )
         if won:  # else another writer formed it first, perhaps with other members: theirs holds
             self.status_log.add_plan(plan.round, list(plan.site_ids), now)
             log.info("rendezvous: round %d formed with %s: %s", plan.round, list(plan.site_ids), reason)

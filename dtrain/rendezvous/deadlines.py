@@ -17,7 +17,14 @@ deadline in disguise, which would feed the deadlines back into themselves):
 * broadcast    = max(q(means) · margin + budget, reduce + budget / 2)
                                                     (means: formation to all means in)
 
-with q the ``quantile`` (0.9) over rounds of the slowest site's figure. Before
+with q the ``quantile`` (0.9) over rounds of the slowest site's figure. A round that was not
+clean but whose slowest figure reached ``cut_fraction`` (0.9) of the deadline it ran under was
+cut by that deadline, not by a fault: its figure is at least the deadline (a right-censored
+observation), so it enters the quantile as that deadline; and when the newest such round is
+the newest round observed, the next deadline is at least ``backoff`` (2) times the one that
+cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5). Without this a link that
+slowed past its deadline would only produce rounds that are not clean, and the derivation,
+which reads clean rounds only, would keep the deadline that cuts every round. Before
 ``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
 broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
 conservative for a LAN and for most WAN links). A figure the user set explicitly
@@ -51,6 +58,9 @@ class DeadlineConfig:
         quantile: the quantile of the observed figures used, in (0, 1].
         margin: factor on the observed quantile (>= 1).
         max_factor: a derived deadline is at most this many times its start bound (>= 1).
+        cut_fraction: a round that was not clean and whose slowest figure reached this share
+            of its deadline ran to that deadline (a censored observation), in (0, 1].
+        backoff: factor on the deadline that cut the newest round observed (>= 1).
     """
 
     stall_budget_s: float = 5.0
@@ -59,6 +69,8 @@ class DeadlineConfig:
     quantile: float = 0.9
     margin: float = 1.5
     max_factor: float = 4.0
+    cut_fraction: float = 0.9
+    backoff: float = 2.0
 
     def __post_init__(self) -> None:
         b = self.stall_budget_s
@@ -68,9 +80,11 @@ class DeadlineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not 0 < self.quantile <= 1:
-            raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
-        for name in ("margin", "max_factor"):
+        for name in ("quantile", "cut_fraction"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        for name in ("margin", "max_factor", "backoff"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
                 raise ValueError(f"{name} must be a number >= 1, got {v!r}")
@@ -87,6 +101,9 @@ class RoundTimes:
         reduce_s: from the plan's formation to the end of a site's pushes (None: unknown).
         means_s: from the plan's formation until a site held every mean (None: unknown).
         clean: every report of it said that all contributions and all means arrived.
+        reduce_deadline_s, broadcast_deadline_s: the deadlines its plan carried (None: not
+            known here, e.g. another front-end formed it): a round that was not clean and
+            ran to one of them is a censored observation (module docstring).
     """
 
     round: int
@@ -94,6 +111,18 @@ class RoundTimes:
     reduce_s: float | None = None
     means_s: float | None = None
     clean: bool = True
+    reduce_deadline_s: float | None = None
+    broadcast_deadline_s: float | None = None
+
+    def cut(self, figure: str, cut_fraction: float) -> float | None:
+        """The deadline that cut this round's ``figure`` (``"reduce_s"`` or ``"means_s"``):
+        the round was not clean and its figure reached ``cut_fraction`` of that deadline;
+        None otherwise (clean, or ended well before its deadline, or the deadline unknown)."""
+        value = getattr(self, figure)
+        deadline = self.reduce_deadline_s if figure == "reduce_s" else self.broadcast_deadline_s
+        if self.clean or value is None or deadline is None or value < cut_fraction * deadline:
+            return None
+        return deadline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +155,8 @@ def derive_deadlines(
     del now
     b = config.stall_budget_s
     start = (b, 2 * b, 4 * b)
-    clean = sorted((t for t in history if t.clean), key=lambda t: t.round)[-config.history_rounds :]
+    ordered = sorted(history, key=lambda t: t.round)
+    clean = [t for t in ordered if t.clean][-config.history_rounds :]
 
     def observed(values: list[float], i: int, what: str) -> tuple[float, str]:
         if len(values) < config.min_rounds:
@@ -135,12 +165,28 @@ def derive_deadlines(
         d = min(q * config.margin + b, start[i] * config.max_factor)
         return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds)"
 
+    def exchange(figure: str, i: int, what: str) -> tuple[float, str]:
+        """A figure's deadline from the clean rounds and the censored ones (module docstring)."""
+        seen = [t for t in ordered if t.clean or t.cut(figure, config.cut_fraction) is not None]
+        seen = seen[-config.history_rounds :]
+        values = [t.cut(figure, config.cut_fraction) or getattr(t, figure) for t in seen]
+        d, why = observed([v for v in values if v is not None], i, what)
+        newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
+        cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
+        if cut_by is not None:
+            backed = min(cut_by * config.backoff, start[i] * config.max_factor)
+            if backed > d:
+                assert newest is not None
+                d, why = (
+                    backed,
+                    f"{what} {backed:.2f}s (round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g})",
+                )
+        return d, why
+
     spreads = [t.ready_spread_s for t in clean if t.ready_spread_s is not None]
-    reduces = [t.reduce_s for t in clean if t.reduce_s is not None]
-    means = [t.means_s for t in clean if t.means_s is not None]
     quorum, why_q = observed(spreads, 0, "quorum")
-    reduce, why_r = observed(reduces, 1, "reduce")
-    bcast, why_b = observed(means, 2, "broadcast")
+    reduce, why_r = exchange("reduce_s", 1, "reduce")
+    bcast, why_b = exchange("means_s", 2, "broadcast")
     qo, ro, bo = overrides
     if qo is not None:
         quorum, why_q = qo, f"quorum {qo:.2f}s (set)"

@@ -62,6 +62,59 @@ def test_rounds_that_were_not_clean_are_not_observations() -> None:
     assert d.reduce_timeout_s == 10.0  # 2 clean rounds only: the start bound
 
 
+def test_a_link_slower_than_its_deadline_backs_the_deadline_off_until_its_rounds_fit() -> None:
+    """10 fast rounds derive a 5.75 s reduce deadline; then the link needs 15 s of reduce. A round
+    cut by its deadline is not clean, so before censored rounds counted the deadline stayed at
+    5.75 s and cut every round from then on. Now each cut doubles it until the exchange fits,
+    and the rounds that fit keep it there."""
+    hist = rounds(10)
+    need_s, cut_rounds, deadlines = 15.0, [], []
+    for r in range(10, 30):
+        d = derive_deadlines(hist, config=CFG)
+        deadlines.append(d.reduce_timeout_s)
+        fits = need_s <= d.reduce_timeout_s
+        if not fits:
+            cut_rounds.append(r)
+        hist.append(
+            RoundTimes(
+                round=r,
+                ready_spread_s=0.2,
+                reduce_s=need_s if fits else d.reduce_timeout_s,  # a cut round's pushes end at its deadline
+                means_s=need_s + 0.3 if fits else d.reduce_timeout_s + 0.3,
+                clean=fits,
+                reduce_deadline_s=d.reduce_timeout_s,
+                broadcast_deadline_s=d.broadcast_timeout_s,
+            )
+        )
+    assert deadlines[:3] == pytest.approx([0.5 * 1.5 + 5, 11.5, 23.0])
+    assert cut_rounds == [10, 11]  # two rounds cut, then every round fits
+    assert min(deadlines[2:]) >= need_s
+    assert deadlines[-1] == pytest.approx(min(need_s * 1.5 + 5, 40.0))  # derived from the 15 s rounds now
+    assert "ran to its 5.75s deadline: x2" in derive_deadlines(hist[:11], config=CFG).reason
+
+
+def test_a_round_cut_by_a_fault_before_its_deadline_is_not_a_censored_observation() -> None:
+    """A round that lost a site's contributions but ended well before its deadline says nothing
+    about the link: it neither enters the quantile nor backs the deadline off."""
+    lost = RoundTimes(
+        round=10, reduce_s=1.0, means_s=1.5, clean=False, reduce_deadline_s=5.75, broadcast_deadline_s=8.25
+    )
+    assert lost.cut("reduce_s", 0.9) is None and lost.cut("means_s", 0.9) is None
+    assert derive_deadlines(rounds(10) + [lost], config=CFG) == derive_deadlines(rounds(10), config=CFG)
+    # the same round at its deadline is one: the figure was at least the deadline
+    at = RoundTimes(round=10, reduce_s=5.6, means_s=8.0, clean=False, reduce_deadline_s=5.75, broadcast_deadline_s=8.25)
+    assert at.cut("reduce_s", 0.9) == 5.75 and at.cut("means_s", 0.9) == 8.25
+
+
+def test_backoff_is_capped_like_every_derived_deadline() -> None:
+    hist = [
+        RoundTimes(round=r, reduce_s=40.0, means_s=80.0, clean=False, reduce_deadline_s=40.0, broadcast_deadline_s=80.0)
+        for r in range(5)
+    ]
+    d = derive_deadlines(hist, config=CFG)
+    assert (d.reduce_timeout_s, d.broadcast_timeout_s) == (40.0, 80.0)  # 4x the start bound
+
+
 def test_explicit_timeouts_override_their_derivation_and_say_so() -> None:
     d = derive_deadlines(rounds(10), config=CFG, overrides=(None, 3.0, None))
     assert d.reduce_timeout_s == 3.0 and "reduce 3.00s (set)" in d.reason
@@ -79,6 +132,8 @@ def test_quantile_is_nearest_rank() -> None:
         ("history_rounds", 0, "history_rounds must be an int >= 1"),
         ("quantile", 1.5, r"quantile must be in \(0, 1\]"),
         ("margin", 0.5, "margin must be a number >= 1"),
+        ("cut_fraction", 0.0, r"cut_fraction must be in \(0, 1\]"),
+        ("backoff", 0.5, "backoff must be a number >= 1"),
     ],
 )
 def test_bad_deadline_settings_name_the_field(field: str, value: object, match: str) -> None:
@@ -120,6 +175,23 @@ def test_the_rendezvous_derives_the_next_plans_deadlines_from_the_sites_reports(
     assert plan.broadcast_timeout_s == pytest.approx(max(1.2 * 1.5 + 2.0, 0.8 * 1.5 + 2.0 + 1.0))
     assert core.deadlines.quorum_timeout_s == pytest.approx(0.1 * 1.5 + 2.0)
     assert "q0.9 0.80s of 4 rounds" in core.snapshot(t)["config"]["deadline_reason"]
+
+
+def test_the_rendezvous_backs_off_a_deadline_that_cut_the_last_round() -> None:
+    """The rendezvous keeps the deadlines each plan it formed carried: a report of a round that ran
+    to its reduce deadline with contributions missing makes the next plan's deadline twice it."""
+    core = RendezvousCore(RendezvousConfig(min_sites=2, deadlines=DeadlineConfig(stall_budget_s=2.0)))
+    for s in ("a", "b"):
+        core.join(s, f"127.0.0.1:{ord(s)}", now=0.0)
+    core.ready("a", 0, now=1.0)
+    plan = core.ready("b", 0, now=1.1).plan
+    assert plan is not None and plan.reduce_timeout_s == 4.0
+    for s in ("a", "b"):
+        core.heartbeat(s, now=6.0, round_reports=[_report(s, 0, reduce_s=4.0, means_s=4.5, arrived=0.5)])
+    core.ready("a", 1, now=7.0)
+    plan = core.ready("b", 1, now=7.1).plan
+    assert plan is not None and plan.reduce_timeout_s == 8.0
+    assert "reduce 8.00s (round 0 ran to its 4.00s deadline: x2)" in plan.deadline_reason
 
 
 # ---------------------------------------------------------------- a plan's age
