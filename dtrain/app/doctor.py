@@ -272,7 +272,8 @@ def _data_path_advice(report: PathReport, rate: float | None, rtt: float | None,
                     kind="dtrain",
                     setting="--net.datagram.rtt-s",
                     value=f"{rtt:.3f}",
-                    reason="the measured median RTT: its socket buffers and NACK timing follow from it",
+                    reason="the measured median RTT: its socket buffers are sized from it, and its timers "
+                    "start from it until they have measured the round trip to each peer",
                 )
             )
     elif loss is not None:

@@ -47,7 +47,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
@@ -62,6 +62,7 @@ from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverRep
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
 from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
+from dtrain.transports.datagram_rtt import RttEstimator
 from dtrain.transports.datagram_wire import (
     CLAIM_BYTES,
     Kind,
@@ -195,6 +196,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         # still missing (lost), how many; contributions handled after their end had ended
         self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0, mean_duplicates=0)
         self._reorder = ReorderWindow()  # per sending site: how late overtaken contributions came
+        self._rtt = RttEstimator(cfg.rtt_s)  # per peer site: the measured round trip (SEND_END -> REPORT)
         self._ends_due = float("inf")  # the dispatch thread's next look at ends still waiting
         # the receive thread: every datagram that reached the socket before this time.monotonic()
         # was read and queued (it found the socket empty then); it looks every 2 ms while ends wait
@@ -257,7 +259,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         for s in socks + ([self._sock] if self._sock else []):
             s.close()
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         """Datagram counters: payload and wire bytes, NACKs, resends, fallbacks, drops by reason,
         refusals by code (``rejected_<code>``, e.g. ``rejected_failed_precondition`` for a late
         contribution; ``rejected`` is their sum), and the sender ends of :mod:`.datagram_reorder`:
@@ -270,10 +272,14 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
 
         ``dropped_unknown_round`` counts datagrams that came before their round's key: they are
         held (at most ``max_pending_datagrams``, beyond that ``dropped_over_budget``) and opened
-        when the plan arrives, so they are not lost."""
+        when the plan arrives, so they are not lost.
+
+        ``rtt_ms``: per peer site with a sample, the measured round trip its timers follow
+        (``{"srtt": ms, "rto": ms, "samples": n}``, :mod:`.datagram_rtt`)."""
         with self._lock:
-            out = dict(self._counts)
+            out: dict[str, Any] = dict(self._counts)
         out.update({f"dropped_{k}": v for k, v in self._opener.counts().items()})
+        out["rtt_ms"] = self._rtt.summary_ms()
         return out
 
     def _count(self, **kw: int) -> None:
@@ -568,16 +574,28 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             st = list(rs.sent.get(dest, [0, 0, 0.0, 0.0]))
             total = rs.announced.get((dest, -1), 0)
         body = _SEND_END.pack(st[0], st[1], st[3] - st[2], total)
-        until = min(deadline, time.monotonic() + self.config.report_wait_s)
+        peer = rs.site_ids[dest]
+        rto_s = self._rtt.rto_s(peer)
+
+        def answered() -> bool:
+            return dest in rs.reports and rs.reports[dest][5] >= st[0]
+
+        with rs.cv:
+            measurable = not answered()  # else a REPORT already there would read as a round trip of 0
+        # the first copy waits the path's RTO; all copies together at least report_wait_s
+        until = min(deadline, time.monotonic() + max(self.config.report_wait_s, 3 * rto_s))
         for copy in range(_SEND_END_COPIES):
+            sent_at = time.monotonic()
             self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=copy), refused_raises=True)
+            share = max(0.0, until - time.monotonic()) / (_SEND_END_COPIES - copy)
             with rs.cv:
-                got = rs.cv.wait_for(
-                    lambda: dest in rs.reports and rs.reports[dest][5] >= st[0],
-                    timeout=max(0.0, until - time.monotonic()) / (_SEND_END_COPIES - copy),
-                )
+                got = rs.cv.wait_for(answered, timeout=min(max(share, rto_s), until - sent_at) if copy == 0 else share)
             if got:
+                if copy == 0 and measurable:  # Karn's rule: no second copy left, so it answers this one
+                    self._rtt.observe(peer, time.monotonic() - sent_at)
                 break
+            if copy == 0:
+                self._rtt.timed_out(peer)
         else:
             self._resend_end_later(rs, dest, body, st[0], deadline)
         with rs.lock:

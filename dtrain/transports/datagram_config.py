@@ -46,7 +46,11 @@ class DatagramTransportConfig:
         initial_rate_mbit: the first round's rate, in [min_rate_mbit, max_rate_mbit]
             (None: the ceiling).
         min_rate_mbit: floor of the rate controller, in (0, max_rate_mbit].
-        rtt_s: path RTT estimate: socket buffers and NACK timing follow from it.
+        rtt_s: the path RTT assumed before it is measured, seconds > 0: the socket buffers
+            are sized from it; the timers that wait for a peer's answer (a NACK's, the
+            REPORT's, an owner's first mean datagram) start from it and then follow the
+            round trip measured per peer (:mod:`~.datagram_rtt`, RFC 6298's SRTT/RTO from
+            SEND_END -> REPORT).
         recv_stall_s: the receive socket holds this long of traffic at ``max_rate_mbit``
             (at least 2 RTT): a receive thread kept from running that long (a busy CPU,
             the GIL) loses nothing. Through netem on the 2-core machine, receivers with
@@ -70,7 +74,9 @@ class DatagramTransportConfig:
         nack_idle_s: a mean that made no progress for this long gets a NACK.
         fallback_reserve_s: a mean still incomplete this long before the pull's
             deadline is pulled over gRPC.
-        report_wait_s: how long ``push`` waits for the owner's REPORT.
+        report_wait_s: the least ``push`` waits for the owner's REPORT, seconds (three of
+            the path's measured RTOs where that is longer); later copies of the SEND_END
+            follow from a daemon thread.
         reorder_grace_s: the least a sender's end (BUCKET_END, SEND_END) waits, in seconds
             (>= 0), for contributions it announced that have not arrived: they may have been
             overtaken by the end (reordering), not lost. The wait is twice the path's observed

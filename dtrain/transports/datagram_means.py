@@ -90,6 +90,7 @@ class DatagramMeans:
     _counts: dict[str, int]
     _body_max: int
     _reorder: Any
+    _rtt: Any
 
     # ------------------------------------------------------------------ means: owner side
     def _push_means(self, rs: RoundState, mine: list[int]) -> None:
@@ -402,8 +403,9 @@ class DatagramMeans:
         (the steps are :func:`~.datagram_round.mean_wait_decision`'s)."""
         cfg = self.config
         owner = rs.index[rs.owners[bucket]]
+        rto_s = self._rtt.rto_s(rs.owners[bucket])  # the path's measured round trip, overdue after
         # by then the owner finalized (its reduce deadline) and its first datagrams crossed the path
-        silent_after = rs.t0 + rs.plan.reduce_timeout_s + 2 * cfg.rtt_s + cfg.nack_idle_s
+        silent_after = rs.t0 + rs.plan.reduce_timeout_s + rto_s + cfg.nack_idle_s
         while True:
             with rs.cv:
                 ma = rs.mean_for(bucket)
@@ -416,7 +418,7 @@ class DatagramMeans:
                     nack_idle_s=cfg.nack_idle_s,
                     max_nacks=cfg.max_nack_rounds,
                     owner_active_at=rs.owner_active.get(owner, 0.0),
-                    rtt_s=cfg.rtt_s,
+                    rtt_s=rto_s,
                     reorder_s=reorder_grace_s(
                         self._reorder.get(rs.owners[bucket]), cfg.reorder_grace_s, cfg.max_reorder_grace_s
                     ),
@@ -442,6 +444,6 @@ class DatagramMeans:
             for i in range(0, len(missing), room):
                 body = struct.pack(f"<{len(missing[i : i + room])}I", *missing[i : i + room])
                 # each NACK leaves _NACK_COPIES times (separately sealed, the NACK's number in the chunk field):
-                # lost, the next one waits rtt_s + nack_idle_s x 2^k; the owner answers one copy
+                # lost, the next one waits the path's RTO + nack_idle_s x 2^k; the owner answers one copy
                 for _ in range(_NACK_COPIES):
                     self._send_ctl(rs, owner, rs.sealer.seal(Kind.NACK, body, bucket=bucket, chunk=ma.nacks))

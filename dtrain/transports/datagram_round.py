@@ -179,16 +179,18 @@ def mean_wait_decision(
         silent_after: by this time some datagram of the mean should have arrived (the
             owner's reduce deadline plus the path's slack); a mean of which nothing came
             by then was wholly lost or its owner is gone: one NACK asks for all of it, and
-            if nothing answers within ``2 x nack_idle_s`` it is pulled over gRPC then,
-            not at ``fallback_at``.
+            if nothing answers within ``rtt_s + 2 x nack_idle_s`` it is pulled over gRPC
+            then, not at ``fallback_at``.
         nack_idle_s: a mean that made no progress for ``2 x`` this gets a NACK (``reorder_s``
             after the final meta: the owner sent everything); the k-th NACK's answer is
             waited for ``rtt_s + nack_idle_s x 2^(k-1)`` (capped at 64x) first, unless the
             answer's final meta arrived (the answer is whole: ``reorder_s`` later the next NACK
             goes); when nothing arrived since the NACK, the next goes ``reorder_s`` after that wait.
         max_nacks: NACKs per mean; once spent, the rest is pulled over gRPC.
-        rtt_s: the path's round-trip time (the transport's ``rtt_s``): no answer to a NACK
-            can come sooner, so none is sent again before.
+        rtt_s: how long an answer from the owner may take, seconds: the path's measured
+            RTO (:class:`~.datagram_rtt.RttEstimator`); no answer to a NACK can come sooner,
+            so none is sent again before, and a NACK that brought nothing is given up only
+            after it.
         reorder_s: how long chunks the final meta overtook may still come: the reordering
             grace of the owner's path (:func:`~.datagram_reorder.reorder_grace_s`; 5 ms on an
             in-order path).
@@ -204,7 +206,7 @@ def mean_wait_decision(
         return MeanWait("pull", reason="fallback reserve reached")
     if not m.last_arrival:  # nothing of this mean yet
         if m.nacks:
-            silent_until = m.nack_at + 2 * nack_idle_s
+            silent_until = m.nack_at + rtt_s + 2 * nack_idle_s  # its answer cannot come sooner than a round trip
             if now >= silent_until:
                 return MeanWait("pull", reason="nothing arrived, a NACK unanswered: owner silent or gone")
             return MeanWait("wait", min(fallback_at, silent_until), "waiting for the answer to a NACK")

@@ -190,6 +190,10 @@ def test_lossy_round_mean_is_unbiased_and_replicas_agree(
     counts = [e.transport.counters() for e in c.engines]
     assert sum(k["test_dropped"] for k in counts) > 0
     assert sum(k["dropped_oversized"] for k in counts) == 0
+    # each site measured its round trip to both other sites (SEND_END -> REPORT, never dropped here)
+    for e, k in zip(c.engines, counts):
+        assert set(k["rtt_ms"]) == {x.site_id for x in c.engines} - {e.site_id}, k["rtt_ms"]
+        assert all(v["samples"] >= 1 and 0 < v["srtt"] <= v["rto"] for v in k["rtt_ms"].values()), k["rtt_ms"]
     # NACK answers leave twice (nack_copies): the copy of a chunk a member holds is counted, not applied again
     assert sum(k["mean_duplicates"] for k in counts) > 0 and sum(k["dropped_malformed"] for k in counts) == 0
     # the transports sent datagrams of the configured size, not 1,400-byte fragments of them (the

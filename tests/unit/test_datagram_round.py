@@ -29,6 +29,15 @@ def test_a_mean_of_which_nothing_arrived_is_pulled_soon_after_the_owners_reduce_
     assert step.action == "pull" and "unanswered" in step.reason  # at 10.1 s, not at fallback_at (100 s)
 
 
+def test_a_nack_that_brought_nothing_waits_a_round_trip_before_the_owner_counts_as_silent() -> None:
+    """On a transoceanic path (RTO 0.3 s) the answer to a NACK cannot come within 2 x
+    nack_idle_s (0.1 s): the mean was pulled over gRPC before its answer could arrive."""
+    m = MeanAssembly(nacks=1, nack_at=10.0)
+    step = mean_wait_decision(m, 10.2, **KW, rtt_s=0.3)
+    assert step.action == "wait" and step.wake_at == pytest.approx(10.0 + 0.3 + 0.1)
+    assert mean_wait_decision(m, 10.4, **KW, rtt_s=0.3).action == "pull"
+
+
 def test_arriving_chunks_are_waited_for_then_re_requested_a_bounded_number_of_times() -> None:
     m = MeanAssembly(num_chunks=3, chunks={0: _chunk(0)}, last_arrival=20.0)
     step = mean_wait_decision(m, 20.05, **KW)
