@@ -351,12 +351,15 @@ def run_many(
     def report(i: int, res: RunResult | list[RunResult]) -> None:
         out[i] = res
         done = sum(r is not None for r in out)
-        for one in res if isinstance(res, list) else [res]:
-            r = one.row
-            shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
-            figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
-            elapsed = time.perf_counter() - t0
-            print(f"[{done}/{len(specs)} {elapsed:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}", flush=True)
+        rows = [one.row for one in (res if isinstance(res, list) else [res])]
+        if not rows:
+            return
+        r = rows[-1]  # one line per run: its last row (of a run with several, e.g. one per round)
+        shown = ("final_val_loss", "rounds_done", "wall_s", "stale_buckets", "rejected")
+        figures = "  ".join(f"{k} {r[k]:.4g}" for k in shown if isinstance(r.get(k), (int, float)))
+        figures += f"  ({len(rows)} rows)" if len(rows) > 1 else ""
+        elapsed = time.perf_counter() - t0
+        print(f"[{done}/{len(specs)} {elapsed:6.0f}s] {r['config']:<24s} seed {r['seed']}: {figures}", flush=True)
 
     if jobs <= 1:
         for i, s in enumerate(specs):

@@ -47,8 +47,9 @@ MODES: dict[str, dict[str, Any]] = {
     "full": {"runs": {SLOWDOWN: 1, "lossy": 30, "flaky": 30, "lossy30": 10}, "rounds": 5},
 }
 #: the slowdown run: the built-in small GPT in fp32 through continental links whose rate drops
-#: 200x (to 5 Mbit/s) before round SLOW[0] and recovers before round SLOW[1]
-SLOW, SLOW_MBIT, SLOW_ROUNDS = (4, 9), 5.0, 13
+#: (200x: to 5 Mbit/s, the setting SLOW_MBIT) before round SLOW[0] and recovers before round SLOW[1];
+#: at 1 Mbit/s (``--set slowdown.mbit=1``) a round needs more than the deadline derived before
+SLOW, SLOW_MBIT, SLOW_ROUNDS = (4, 9), "slowdown.mbit", 13
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -127,8 +128,8 @@ def _set_rate(mbit: float) -> None:
     subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=60)
 
 
-def slowdown_once(out: Path) -> list[dict[str, Any]]:
-    """A launch whose links slow 200x for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
+def slowdown_once(out: Path, mbit: float) -> list[dict[str, Any]]:
+    """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
     the link rate, the slowest site's reduce_s, the plan's reduce deadline and why, and what
     was refused or missing (nothing should be: every contribution arrives within the budget)."""
     argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small"]
@@ -141,7 +142,7 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
         state = None
         while proc.poll() is None and time.monotonic() < deadline:
             done = _rounds_done(out)
-            want = SLOW_MBIT if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
+            want = mbit if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
             if want != state and done >= 0:
                 _set_rate(want if want is not None else 1000.0)  # continental's own cap: 1 Gbit/s
                 state = want
@@ -158,7 +159,7 @@ def slowdown_once(out: Path) -> list[dict[str, Any]]:
         rows.append(
             {
                 "round": r,
-                "link_mbit": "5" if SLOW[0] <= r < SLOW[1] else "1000",
+                "link_mbit": f"{mbit:g}" if SLOW[0] <= r < SLOW[1] else "1000",
                 "slowest_reduce_s": round(max(float(d.get("reduce_s") or 0) for d in rs), 2),
                 "reduce_deadline_s": round(float(rs[0].get("reduce_timeout_s") or 0), 2),
                 "refused": sum(sum((d.get("rejected") or {}).values()) for d in rs),
@@ -178,7 +179,7 @@ def run_point(point: Point) -> list[RunResult]:
     with tempfile.TemporaryDirectory(prefix="dtrain-reliability-") as tmp:
         if profile == SLOWDOWN:
             t0 = time.monotonic()
-            rows = slowdown_once(Path(tmp) / profile)
+            rows = slowdown_once(Path(tmp) / profile, float(m[SLOW_MBIT]))
             wall = {"wall_s": round(time.monotonic() - t0, 1)}
             return [RunResult(row=point.row(profile=profile, **r, **wall)) for r in rows]
         out = []
@@ -236,10 +237,13 @@ def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: 
     parts = [md_table(head, table), targets]
     if slow:
         cols = ["round", "link_mbit", "slowest_reduce_s", "reduce_deadline_s", "refused", "min_reduce_arrived", "why"]
+        mbit = float(m["fixed"][SLOW_MBIT])
         parts += [
-            f"A link that slows 200x and recovers (3 sites, small, fp32, continental links at 5 Mbit/s for "
-            f"rounds {SLOW[0]}-{SLOW[1] - 1}): each round's slowest reduce, the deadline its plan carried, and "
-            "what the owners refused (a contribution that arrived within the budget must not be).",
+            f"A link that slows {1000 / mbit:.0f}x and recovers (3 sites, small, fp32, continental links at "
+            f"{mbit:g} Mbit/s for rounds {SLOW[0]}-{SLOW[1] - 1}): each round's slowest reduce, the deadline its "
+            "plan carried, and what the owners refused (a contribution that arrived within the budget must not "
+            "be). A round that needs more than its deadline is cut there (min_reduce_arrived < 1) and backs the "
+            "next deadline off.",
             md_table(cols, [[r[c] for c in cols] for r in slow]),
         ]
     return "\n\n".join(parts)
@@ -272,12 +276,12 @@ SPEC = Spec(
         }
         for mode, v in MODES.items()
     },
-    fixed={SIZE: "tiny"},
+    fixed={SIZE: "tiny", SLOW_MBIT: 5.0},
     label=lambda point: point[PROFILE],
     metrics=(("wall_s", 0.0, 2 * LAUNCH_TIMEOUT_S),),
     report=report,
     verdict=verdict,
     execute=run_point,
-    paths=(PROFILE, RUNS),
+    paths=(PROFILE, RUNS, SLOW_MBIT),
     netem=True,
 )
