@@ -176,7 +176,9 @@ def _weight(member: str, bucket: int) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
-def assign_owners(num_buckets: int, members: Sequence[str], *, balanced: bool = True) -> list[str]:
+def assign_owners(
+    num_buckets: int, members: Sequence[str], *, balanced: bool = True, rotate: int | None = None
+) -> list[str]:
     """Owner site_id of each bucket by rendezvous (highest-random-weight) hashing.
 
     Args:
@@ -188,23 +190,32 @@ def assign_owners(num_buckets: int, members: Sequence[str], *, balanced: bool = 
             bucket asks its k-th choice, the strongest claims (highest weight)
             first, and a member takes it while it has room. False: plain HRW
             (each bucket to its first choice).
+        rotate: with ``balanced``, which members may hold the ``ceil(B/N)``: None, those
+            the strongest claims fill first; an int j >= 0, the ``B mod N`` members from
+            position ``j x (B mod N)`` of the sorted members on (cyclically). A site group's
+            rank j passes j: its K slices are assigned apart, each over its own buckets, and
+            with None the same members took every rank's extra bucket (2 sites x 2 ranks:
+            one site owned 4 of 6 buckets, the other 2).
     Returns:
         ``owners[b]`` for ``b in range(num_buckets)``.
     Raises:
-        ValueError: ``members`` is empty.
+        ValueError: ``members`` is empty, or ``rotate`` is negative.
     """
     if not members:
         raise ValueError("members must name at least one site")
-    return list(_owners(int(num_buckets), tuple(sorted(set(members))), bool(balanced)))
+    if rotate is not None and (isinstance(rotate, bool) or not isinstance(rotate, int) or rotate < 0):
+        raise ValueError(f"rotate must be None or an int >= 0, got {rotate!r}")
+    return list(_owners(int(num_buckets), tuple(sorted(set(members))), bool(balanced), rotate))
 
 
 @functools.lru_cache(maxsize=64)
-def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool) -> tuple[str, ...]:
+def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool, rotate: int | None) -> tuple[str, ...]:
     # prefs[b]: (weight, member) from the most to the least preferred member
     prefs = [sorted(((_weight(m, b), m) for m in ms), reverse=True) for b in range(num_buckets)]
     if not balanced:
         return tuple(p[0][1] for p in prefs)
     base, extra = divmod(num_buckets, len(ms))
+    may_ceil = None if rotate is None else {ms[(rotate * extra + i) % len(ms)] for i in range(extra)}
     load = dict.fromkeys(ms, 0)
     owners: list[str | None] = [None] * num_buckets
     at_ceil = 0  # members holding base + 1 (at most `extra` of them)
@@ -214,7 +225,8 @@ def _owners(num_buckets: int, ms: tuple[str, ...], balanced: bool) -> tuple[str,
         )
         for b in pending:
             m = prefs[b][rank][1]
-            if load[m] < base or (load[m] == base and at_ceil < extra):
+            ceil_ok = at_ceil < extra and (may_ceil is None or m in may_ceil)
+            if load[m] < base or (load[m] == base and ceil_ok):
                 owners[b] = m
                 load[m] += 1
                 at_ceil += load[m] == base + 1

@@ -202,6 +202,8 @@ class DiLoCo:
         )
         # token claims are bounded by max_weight_ratio x a full round's tokens (claim_decision)
         self.engine.full_round_tokens = self.config.sync_every * self.config.tokens_per_step
+        # a site group's ranks take turns holding the extra bucket of their slice (assign_owners)
+        self.engine.owner_rotation = self.rank if self.num_ranks > 1 else None
         self.engine.start()
         if rendezvous is None and self.num_ranks == 1:
             rendezvous = InprocRendezvousClient(RendezvousCore(RendezvousConfig(min_sites=1)))

@@ -144,6 +144,8 @@ class RoundEngine(PeerSide, Recovery):
         # The last rounds' applied means, for a site behind to replay (dtrain.rounds.catchup).
         self.history = MeanHistory(self.config.history_rounds, self.config.history_bytes)
         self.full_round_tokens = 0  # what a site trains in a full round (DiLoCo sets it): the claim bound
+        # a site group's rank j (DiLoCo sets it): which members hold the extra buckets (assign_owners)
+        self.owner_rotation: int | None = None
         self.unrepaired: list[int] = []  # the last round's buckets owned elsewhere left STALE (θ_b unlike the owner's)
         # Called (no arguments, from any thread; must not block) when a mean is published
         # or a round opens or closes here: the gRPC server wakes the PullMean calls that
@@ -253,7 +255,7 @@ class RoundEngine(PeerSide, Recovery):
         if active and not 0 <= active[0] <= active[-1] < len(layout):
             raise ValueError(f"round {r}: buckets {list(active)} out of range [0, {len(layout)})")
         owners = [""] * len(layout)
-        for b, ow in zip(active, assign_owners(len(active), plan.site_ids)):
+        for b, ow in zip(active, assign_owners(len(active), plan.site_ids, rotate=self.owner_rotation)):
             owners[b] = ow
         books = OpenRound(
             plan=plan,

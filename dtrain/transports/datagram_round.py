@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from dtrain.buckets import assign_owners
 from dtrain.protocol import BucketMean, MeanChunk, RoundPlan
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_wire import Sealer
@@ -299,10 +298,6 @@ class RoundState:
         self.arrivals: dict[int, SeqArrivals] = {}  # sender -> its contributions' arrival order (receive thread)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
-
-    @staticmethod
-    def owners_for(plan: RoundPlan, num_buckets: int) -> list[str]:
-        return assign_owners(num_buckets, plan.site_ids)
 
     def charge(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of the round's budget; False when it would be exceeded."""

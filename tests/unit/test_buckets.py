@@ -112,6 +112,31 @@ def test_balanced_owners_hold_floor_or_ceil_of_the_buckets(num_members: int, num
     assert owners == assign_owners(num_buckets, list(reversed(members)))  # every site computes the same
 
 
+@pytest.mark.parametrize("num_members, slice_buckets", [(2, [3, 3]), (2, [3, 2]), (3, [4, 4, 4]), (3, [5, 5, 5, 5])])
+def test_a_site_groups_ranks_take_turns_holding_the_extra_buckets(num_members: int, slice_buckets: list[int]) -> None:
+    """Rank j of every site assigns its slice's buckets with rotate=j: over the K ranks each
+    site owns its share of all buckets within one (unrotated, 2 sites x 2 ranks x 3 buckets:
+    one site owned 4 of 6, the other 2, since both ranks gave their extra bucket to it)."""
+    members = [f"site-{i}" for i in range(num_members)]
+    total = dict.fromkeys(members, 0)
+    for j, nb in enumerate(slice_buckets):
+        owners = assign_owners(nb, members, rotate=j)
+        base, extra = divmod(nb, num_members)
+        assert sorted(owners.count(m) for m in members) == [base] * (num_members - extra) + [base + 1] * extra
+        assert owners == assign_owners(nb, list(reversed(members)), rotate=j)  # every site computes the same
+        for m in owners:
+            total[m] += 1
+    assert max(total.values()) - min(total.values()) <= 1, total
+    unrotated = dict.fromkeys(members, 0)
+    for nb in slice_buckets:
+        for m in assign_owners(nb, members):
+            unrotated[m] += 1
+    if slice_buckets == [3, 3]:
+        assert sorted(unrotated.values()) == [2, 4]  # what rotate fixes
+    with pytest.raises(ValueError, match="rotate must be None or an int >= 0"):
+        assign_owners(3, members, rotate=-1)
+
+
 def test_plain_hrw_is_lumpy_with_few_buckets_and_balanced_is_not() -> None:
     # Why the default bounds the loads: 12 buckets over the default run's 3 sites.
     members = ["site-0", "site-1", "site-2"]
