@@ -200,7 +200,9 @@ class GroupConfig:
         state_pull_timeout_s: how long a state pull (join/resync) goes on without progress
             (no bucket pulled or replayed) before it fails, and how long a site behind looks
             for a member to pull from; > 0. A pull that makes progress may take any number
-            of rounds (it replays the rounds it missed, :mod:`dtrain.rounds.catchup`).
+            of rounds (it replays the rounds it missed, :mod:`dtrain.rounds.catchup`). Also
+            the longest attempt of a training-position pull, whose attempts start at the
+            last plan's broadcast deadline and double (``dtrain.diloco.position_attempts``).
         state_pull_streams: concurrent transfers per donor of a state pull, >= 1; the buckets
             are spread over every live member, a faster one taking more (:mod:`dtrain.rounds.catchup`).
         takeover_s: how long a join that the rendezvous refuses because a live site holds

@@ -40,7 +40,7 @@ import torch
 
 from dtrain.buckets import BucketLayout
 from dtrain.configs import DiLoCoConfig
-from dtrain.errors import LeftBehind, StateTransferError, TransportError
+from dtrain.errors import LeftBehind, PeerTimeout, StateTransferError, TransportError
 from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import BucketState, Member
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
@@ -65,7 +65,7 @@ from dtrain.streaming import StreamingSync, fragment_buckets, fragment_period
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors", "theta_checksum", "diloco_numel"]
+__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors", "theta_checksum", "diloco_numel", "position_attempts"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,44 @@ def diloco_numel(state: GlobalState) -> dict[str, int]:
             outer += sum(v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
     resid = sum(r.numel() for r in state.residuals if r is not None)
     return {"theta": theta, "outer": outer, "residual": resid, "total": theta + outer + resid}
+
+
+#: a position pull's first attempt when no plan said how long a round's exchange may take:
+#: the broadcast deadline's start bound at the default stall budget (dtrain.rendezvous.deadlines)
+POSITION_FIRST_ATTEMPT_S = 20.0
+
+
+def position_attempts(
+    num_donors: int, broadcast_timeout_s: float | None, max_attempt_s: float
+) -> list[tuple[int, float]]:
+    """The attempts of a training-position pull: ``(donor index, timeout seconds)`` in order.
+
+    Passes over the donors, each donor once per pass: the first pass with the last plan's
+    broadcast deadline (how long the run's own exchange of a round may take;
+    ``POSITION_FIRST_ATTEMPT_S`` before any plan), each later pass with twice the previous
+    one's, up to ``max_attempt_s`` (``GroupConfig.state_pull_timeout_s``, which every attempt
+    was before); the pass at ``max_attempt_s`` is the last. Why: on a lossy link one TCP
+    stream can stall for a minute in retransmission back-off (a resync at 30% loss waited
+    65 s for one donor's position while another donor held the same one); a stall now costs
+    a short attempt, and a slow but moving link still gets the old, long one. When every
+    donor stalls, the short passes add at most as much again as the last one. A pure
+    function: every rank of a site group computes the same sequence.
+
+    Args:
+        num_donors: donors to try (>= 0; none: no attempt).
+        broadcast_timeout_s: the last plan's broadcast deadline, seconds (None: no plan yet).
+        max_attempt_s: the longest attempt, seconds (> 0).
+    """
+    if num_donors <= 0 or max_attempt_s <= 0:
+        return []
+    first = broadcast_timeout_s if broadcast_timeout_s is not None else POSITION_FIRST_ATTEMPT_S
+    step = min(max(1.0, first), max_attempt_s)
+    out: list[tuple[int, float]] = []
+    while True:
+        out += [(i, step) for i in range(num_donors)]
+        if step >= max_attempt_s:
+            return out
+        step = min(2.0 * step, max_attempt_s)
 
 
 class DiLoCo:
@@ -359,35 +397,50 @@ class DiLoCo:
         for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
             sch.load_state_dict(sd)
 
-    def _fetch_position(self, donor: Member, r: int) -> dict | None:
-        """``donor``'s training position of round ``r``, or None (logged)."""
+    def _fetch_position(self, donor: Member, r: int, timeout_s: float) -> tuple[dict | None, bool]:
+        """``donor``'s training position of round ``r``, or None (logged); and whether the
+        call ran out of its ``timeout_s`` (a later attempt with more time may succeed)."""
         try:
             st = self.engine.transport.pull_state(
-                donor.address,
-                len(self.state),
-                requester=self.config.site_id,
-                timeout_s=self.config.group.state_pull_timeout_s,
+                donor.address, len(self.state), requester=self.config.site_id, timeout_s=timeout_s
             )
             pos = decode_position(st)
         except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
-            log.warning("%s: no training position from %s: %s", self.config.site_id, donor.site_id, e)
-            return None
+            timed_out = isinstance(e, PeerTimeout)
+            why = f" (attempt of {timeout_s:.1f} s)" if timed_out else ""
+            log.warning("%s: no training position from %s%s: %s", self.config.site_id, donor.site_id, why, e)
+            return None, timed_out
         if pos["round"] != r:
             log.info(
                 "%s: %s's training position is of round %d, not %d", self.config.site_id, donor.site_id, pos["round"], r
             )
-            return None
-        return pos
+            return None, False
+        return pos, False
 
     def _heal(self, donors: list[Member]) -> bool:
         """Take the training position of the first donor (its rank j for rank j) whose
         position is of the round θ was pulled at, on every rank or on none; False (own
-        position kept, logged) when no donor has it for every rank."""
+        position kept, logged) when no donor has it for every rank. The donors are tried in
+        turn with the attempts of :func:`position_attempts` (a donor whose stream stalled is
+        left after one attempt for the next, and tried again with more time later)."""
         r = self.state.rounds_applied
-        for m in donors:  # the same site order on every rank (rank_donors of one member list)
-            pos = self._fetch_position(m, r)
-            oks = self.comm.all_gather(None if pos is None else int(pos["inner_steps"]))
+        plan = self.site.last_plan
+        attempts = position_attempts(
+            len(donors),
+            None if plan is None else plan.broadcast_timeout_s,
+            self.config.group.state_pull_timeout_s,
+        )
+        settled: set[int] = set()  # donors that answered without a usable position: no retry
+        for i, timeout_s in attempts:  # the same sequence on every rank (rank_donors of one member list)
+            if i in settled:
+                continue
+            m = donors[i]
+            pos, timed_out = self._fetch_position(m, r, timeout_s)
+            got = self.comm.all_gather((None if pos is None else int(pos["inner_steps"]), timed_out))
+            oks = [g[0] for g in got]
             if None in oks or len(set(oks)) != 1:
+                if not any(g[1] for g in got):
+                    settled.add(i)
                 continue
             assert pos is not None
             self.load_training_position(pos)

@@ -73,8 +73,9 @@ class FaultRule:
             that moment; ``PeerUnavailable``), and down listeners are told;
             ``"kill_src"`` (``push`` only): the sending site goes down at that
             chunk (it dies mid-push; the chunk is not delivered); ``"cut"``
-            (``pull_mean`` only): the call never reaches the destination (a
-            partition) and times out after its ``timeout_s`` (``PeerTimeout``);
+            (``pull_mean`` and ``pull_state``): the call never reaches the destination
+            (a partition, a stalled stream) and times out after its ``timeout_s``
+            (``PeerTimeout``);
             ``"lose_reply"`` (``pull_mean`` only): the destination answers (its mean
             left it) and the answer is lost: the call times out after its
             ``timeout_s`` (a reply lost on a lossy link, as a TCP stream retransmits
@@ -95,8 +96,10 @@ class FaultRule:
             raise ValueError(f"kind must be one of {_RULE_KINDS}, got {self.kind!r}")
         if self.action not in _RULE_ACTIONS:
             raise ValueError(f"action must be one of {_RULE_ACTIONS}, got {self.action!r}")
-        if self.action in ("cut", "lose_reply") and self.kind != "pull_mean":
-            raise ValueError(f"action {self.action!r} applies to kind 'pull_mean' only, got kind {self.kind!r}")
+        if self.action == "lose_reply" and self.kind != "pull_mean":
+            raise ValueError(f"action 'lose_reply' applies to kind 'pull_mean' only, got kind {self.kind!r}")
+        if self.action == "cut" and self.kind == "push":
+            raise ValueError("action 'cut' applies to kinds 'pull_mean' and 'pull_state' only, got kind 'push'")
         if self.action == "kill_src" and self.kind != "push":
             raise ValueError(f"action 'kill_src' applies to kind 'push' only, got kind {self.kind!r}")
         if self.times is not None and self.times < 1:
@@ -294,6 +297,9 @@ class InprocTransport(Transport):
         action = self.network._rule_action("pull_state", requester, address, None, bucket)
         if action == "kill_dst":
             raise PeerUnavailable(f"{address} went down (inproc rule)")
+        if action == "cut":
+            time.sleep(max(0.0, timeout_s))
+            raise PeerTimeout(f"state of bucket {bucket} from {address}: no answer (inproc cut)")
         self._delay(timeout_s)
         state = handler.handle_pull_state(bucket, requester)
         if action == "drop":

@@ -167,3 +167,53 @@ def test_hooked_joiner_and_resynced_site_keep_the_donors_schedule_to_the_end():
         for s in (a, b):
             if s is not None:
                 s[0].close(wait=False)
+
+
+def test_position_attempts_go_round_the_donors_doubling_up_to_the_old_single_attempt() -> None:
+    from dtrain.diloco import POSITION_FIRST_ATTEMPT_S, position_attempts
+
+    assert position_attempts(2, 8.0, 120.0) == [
+        (0, 8.0), (1, 8.0), (0, 16.0), (1, 16.0), (0, 32.0), (1, 32.0), (0, 64.0), (1, 64.0), (0, 120.0), (1, 120.0)
+    ]  # fmt: skip
+    assert position_attempts(1, None, 120.0) == [(0, POSITION_FIRST_ATTEMPT_S), (0, 40.0), (0, 80.0), (0, 120.0)]
+    assert position_attempts(3, 200.0, 120.0) == [(0, 120.0), (1, 120.0), (2, 120.0)]  # the old behaviour
+    assert position_attempts(0, 8.0, 120.0) == [] and position_attempts(2, 0.1, 1.0) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_resync_whose_first_donor_stalls_takes_the_next_donors_position_after_one_short_attempt() -> None:
+    """Three sites; b misses round 2 and resyncs. Its pull of a's training position never
+    answers (a stalled stream: on a 30%-loss link one waited 65 s while another donor had the
+    same position). b gives a up after the plan's broadcast deadline and takes c's; before,
+    that one attempt waited the whole state_pull_timeout_s (120 s)."""
+    import time
+
+    from dtrain.rendezvous.deadlines import DeadlineConfig
+    from dtrain.transports.inproc import FaultRule
+
+    net = InprocNetwork()
+    core = RendezvousCore(
+        RendezvousConfig(min_sites=1, quorum_timeout_s=0.5, deadlines=DeadlineConfig(stall_budget_s=0.5))
+    )
+    sites = []
+    try:
+        for name in ("a", "b", "c"):
+            sites.append(_site(name, net, core))
+        a, b, c = sites
+        _lockstep([a, b, c], 2 * H)  # rounds 0 and 1 with all three
+        assert a[0].round == b[0].round == c[0].round == 2
+        _lockstep([a, c], H)  # round 2 without b (cut at the 0.5 s quorum timeout)
+        assert a[0].round == c[0].round == 3 and b[0].round == 2
+        stalled = a[0].engine.transport.address
+        net.add_rule(FaultRule(kind="pull_state", sender="b", dst=stalled, bucket=len(a[0].state), action="cut"))
+        t0 = time.monotonic()
+        _train(*b, H, seed=4)
+        took_s = time.monotonic() - t0
+        assert b[0].last_outcome.status.value == "resynced" and b[0].round == 3
+        assert b[0].healed_from == "c", b[0].healed_from
+        assert b[0].inner_steps == c[0].inner_steps == 3 * H
+        assert _adam_steps(b[2]) == _adam_steps(c[2]) == {3.0 * H}
+        plan = b[0].site.last_plan
+        assert plan is not None and took_s < plan.broadcast_timeout_s + 10.0, (took_s, plan.broadcast_timeout_s)
+    finally:
+        for s in sites:
+            s[0].close(wait=False)
