@@ -235,7 +235,9 @@ def _check(values: dict[str, Any]) -> tuple[LaunchConfig, Path, dict[str, Any], 
     if not isinstance(n, int) or not 1 <= n <= 64:
         raise UsageError(f"sites must be an int in [1, 64], got {n!r}")
     run_dir = Path(values.get("out") or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    values = {"rendezvous.initial_sites": n, **values}  # round 0 waits for every site by default
+    # round 0 waits for every site by default; the rendezvous is never restarted under running
+    # sites, so a resumed run's first round needs no restart grace (it waits for every site too)
+    values = {"rendezvous.initial_sites": n, "rendezvous.restart_grace_s": 0.0, **values}
     site0 = {"worker.task_spec.num_sites": n, "worker.out_dir": str(run_dir / "site-0")}
     try:
         cfg = LAUNCH.build({**values, **site0})

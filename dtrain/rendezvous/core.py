@@ -84,6 +84,12 @@ class RendezvousConfig:
             this long, instead of ``heartbeat_timeout_s`` (none: 1.5 ×
             ``heartbeat_interval_s``); in (``heartbeat_interval_s``, ``heartbeat_timeout_s``].
             A suspected site that heartbeats in time is cleared.
+        restart_grace_s: how long a fresh in-memory rendezvous that is asked for a round > 0
+            (it restarted under a running run, or the run resumed from checkpoints) waits for
+            every live site to re-register before it forms that round, seconds >= 0; None:
+            :attr:`silence_bound_s` (a live site heartbeats within it). ``dtrain launch`` sets
+            0: it never restarts its rendezvous under running sites, and the first round a
+            rendezvous forms already waits for ``initial_sites`` (every site) to join.
     """
 
     min_sites: int = 1
@@ -96,6 +102,7 @@ class RendezvousConfig:
     broadcast_timeout_s: float | None = None
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     suspect_timeout_s: float | None = None
+    restart_grace_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_sites, int) or self.min_sites < 1:
@@ -131,6 +138,9 @@ class RendezvousConfig:
                 f"suspect_timeout_s must be None or in (heartbeat_interval_s, heartbeat_timeout_s] = "
                 f"({self.heartbeat_interval_s}, {self.silence_bound_s}], got {st!r}"
             )
+        g = self.restart_grace_s
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
+            raise ValueError(f"restart_grace_s must be none (the silence bound) or seconds >= 0, got {g!r}")
         bt, rt = self.broadcast_timeout_s, self.reduce_timeout_s
         if bt is not None and rt is not None and not bt > rt:
             raise ValueError(f"broadcast_timeout_s ({bt}) must be > reduce_timeout_s ({rt})")
@@ -163,6 +173,11 @@ class RendezvousConfig:
         if self.suspect_timeout_s is not None:
             return self.suspect_timeout_s
         return min(1.5 * self.heartbeat_interval_s, self.silence_bound_s)
+
+    @property
+    def restart_grace(self) -> float:
+        """``restart_grace_s`` resolved (None: :attr:`silence_bound_s`)."""
+        return self.silence_bound_s if self.restart_grace_s is None else float(self.restart_grace_s)
 
     @property
     def startup_sites(self) -> int:

@@ -315,7 +315,7 @@ class MemoryStore:
         adopted_at = self._adopted_at
         grace = 0.0
         if adopted_at is not None and not self.plans:
-            grace = max(0.0, self.config.silence_bound_s - (now - adopted_at))
+            grace = max(0.0, self.config.restart_grace - (now - adopted_at))
         return QuorumView(
             live=self._live(now),
             ready=self._ready if round == self.next else {},

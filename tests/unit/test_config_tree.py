@@ -398,12 +398,15 @@ def test_field_docs_reads_google_attributes_sections() -> None:
     assert unit_of("sites") is None
 
 
-def test_launch_defaults_initial_sites_to_the_number_of_sites() -> None:
+def test_launch_defaults_initial_sites_to_the_number_of_sites_and_needs_no_restart_grace() -> None:
     from dtrain.app.launch import _check
 
     cfg, _, _, rvals = _check({"sites": 4, "out": "/nonexistent/run"})
-    assert cfg.rendezvous.initial_sites == 4 and rvals == {"initial_sites": 4}
+    assert cfg.rendezvous.initial_sites == 4 and rvals == {"initial_sites": 4, "restart_grace_s": 0.0}
+    assert cfg.rendezvous.restart_grace == 0.0
     assert isinstance(cfg, LaunchConfig)
+    _, _, _, rvals = _check({"sites": 4, "out": "/nonexistent/run", "rendezvous.restart_grace_s": 3.0})
+    assert rvals["restart_grace_s"] == 3.0  # a user's setting wins
 
 
 def test_launch_writes_worker_argv_that_the_worker_parses_back(tmp_path: Path) -> None:

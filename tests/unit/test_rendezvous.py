@@ -250,6 +250,26 @@ def test_first_round_after_a_restart_waits_for_initial_sites() -> None:
     assert core.ready("c", 5, now=4.6).plan.site_ids == ("a", "b", "c")
 
 
+def test_a_resumed_run_with_no_restart_grace_forms_its_first_round_once_every_site_joined() -> None:
+    """``dtrain launch --resume`` sets restart_grace_s 0: its rendezvous never restarts under
+    running sites, and the start-up rule already waits for every site (fresh-user finding: its
+    first round waited the 5 s grace with every site joined and ready)."""
+    core = _core(initial_sites=2, quorum_timeout_s=1.0, heartbeat_timeout_s=5.0, restart_grace_s=0.0)
+    core.join("a", "addr-a", now=0.0)
+    assert "waits for 2 sites to join" in core.ready("a", 5, now=0.1).reason
+    core.join("b", "addr-b", now=0.2)
+    d = core.ready("b", 5, now=0.3)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d.reason
+    # the default grace is the silence bound (5 s here): the same resume waits for it
+    core = _core(initial_sites=2, quorum_timeout_s=1.0, heartbeat_timeout_s=5.0)
+    core.join("a", "addr-a", now=0.0)
+    core.ready("a", 5, now=0.1)
+    core.join("b", "addr-b", now=0.2)
+    assert "restarted" in core.ready("b", 5, now=0.3).reason
+    with pytest.raises(ValueError, match="restart_grace_s must be none"):
+        _core(restart_grace_s=-1.0)
+
+
 def test_rendezvous_restarted_under_running_sites_does_not_wait_for_a_dead_one() -> None:
     """Only the rendezvous restarted (its survivors heartbeat before they re-join; the
     chaos soak's rv_kill): a site that died meanwhile must not hold the next round for
