@@ -40,6 +40,8 @@ class RendezvousClient(Protocol):
         last_loss: float | None = None,
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
+        rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo: ...
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision: ...
     def leave(self, site_id: str) -> None: ...
@@ -110,7 +112,10 @@ class Group:
         # a rendezvous client without ``unreachable`` (an older one) gets heartbeats without the reports
         self._client_takes_unreachable = "unreachable" in inspect.signature(rendezvous.heartbeat).parameters
         self._client_takes_rounds_done = "rounds_done" in inspect.signature(rendezvous.heartbeat).parameters
+        self._client_takes_catch_up = "catch_up_eta_s" in inspect.signature(rendezvous.heartbeat).parameters
         self.rounds_done = 0  # rounds this site finished (note_rounds_done), told with each heartbeat
+        # while this site pulls state: seconds until its pull should end (None: no estimate yet)
+        self.catch_up_eta: Callable[[], float | None] | None = None
         self.joined = False
         self.dead: frozenset[str] = frozenset()  # the sites the last heartbeat named dead or left
         self.behind: frozenset[str] | None = None  # members still finishing the newest round (None: no answer yet)
@@ -262,6 +267,10 @@ class Group:
             kw["unreachable"] = unreachable
         if self._client_takes_rounds_done:  # always, 0 included: this site says how far it is
             kw["rounds_done"] = self.rounds_done
+        eta_fn = self.catch_up_eta
+        eta = eta_fn() if eta_fn is not None else None
+        if eta is not None and self._client_takes_catch_up:
+            kw["catch_up_eta_s"] = eta
         try:
             hb = self.rendezvous.heartbeat(self.site_id, inner_step=self.inner_step, last_loss=self.last_loss, **kw)
         except RendezvousError as e:

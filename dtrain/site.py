@@ -256,6 +256,8 @@ class Site:
                 info = self.group.register_with_backoff(max(0.0, deadline - time.monotonic()))
                 continue
             self.donors = donors
+            if self.group is not None:  # the rendezvous then does not hold rounds for a long pull
+                self.group.catch_up_eta = catch.eta_s
             try:
                 catch.run(donors, min_round=target)
                 return

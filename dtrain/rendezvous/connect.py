@@ -74,8 +74,11 @@ class FailoverRendezvousClient:
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
         rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo:
         kw = dict(round_reports=round_reports, unreachable=unreachable, rounds_done=rounds_done)
+        if catch_up_eta_s is not None:
+            kw["catch_up_eta_s"] = catch_up_eta_s
         return self._call("heartbeat", lambda c: c.heartbeat(site_id, inner_step, last_loss, **kw))
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

@@ -26,7 +26,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision, RoundPlan
@@ -197,6 +197,7 @@ def decide_quorum(
     quorum_timeout_s: float | None = None,
     finishing: Collection[str] = (),
     hold_until: float | None = None,
+    catching_up: Mapping[str, float] | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -223,6 +224,12 @@ def decide_quorum(
             straggler before ``hold_until``: a site still in the previous round within its
             deadlines is slow on the link, not late (the 30%-loss launch cut a site still
             within round r's deadline from round r + 1).
+        catching_up: live sites pulling state (a join or a resync) -> when their pull is
+            expected to end (``now``'s clock; from the progress their heartbeats report). One
+            whose pull ends after this round's quorum wait is not waited for: the round forms
+            once every other live site is ready, instead of holding each round of a long pull
+            for the quorum wait and cutting it then (a pull of 10 rounds held 10 rounds). A
+            pull about to end is waited for as any live site.
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
@@ -239,8 +246,18 @@ def decide_quorum(
     if first_round and startup_complete_at is not None:
         first = max(first, startup_complete_at)
     waited = now - first
+    pulling = sorted(
+        s for s, end in (catching_up or {}).items() if s in live and s not in ready_live and end > first + wait_s
+    )
+    if pulling:
+        live = live - set(pulling)
     if set(ready_live) >= live:
         if len(ready_live) >= config.min_sites:
+            if pulling:
+                return sorted(ready_live), (
+                    f"all {len(ready_live)} live sites ready but {pulling} pulling state past the quorum wait: "
+                    "not waited for"
+                )
             return sorted(ready_live), f"all {len(ready_live)} live sites are ready"
         return None, f"only {len(ready_live)} live site(s), min_sites is {config.min_sites}"
     held = sorted(set(finishing) & (live - set(ready_live)))
@@ -356,6 +373,8 @@ class RendezvousCore:
         # deadline + stall budget); per site, the rounds it finished (decide_quorum's hold)
         self._formed: dict[int, tuple[frozenset[str], float]] = {}
         self._done: dict[str, int] = {}
+        # per site pulling state: (its expected seconds to go, when it said so on ``now``'s clock)
+        self._catching: dict[str, tuple[float, float]] = {}
 
     @property
     def next_round(self) -> int:
@@ -388,6 +407,7 @@ class RendezvousCore:
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
         rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo:
         """Record liveness and progress of ``site_id``.
 
@@ -395,6 +415,11 @@ class RendezvousCore:
         None: the client does not say): a member of round r that says it has not finished
         it is not cut from round r + 1 before r's deadlines passed (:func:`decide_quorum`'s
         hold); a site that never says is cut at the quorum timeout as before.
+
+        ``catch_up_eta_s``: the site is pulling state and expects to be done in this many
+        seconds (None: not pulling, or no estimate yet; a non-finite or negative one is
+        ignored): a round whose quorum wait would end before that does not wait for it
+        (:func:`decide_quorum`'s ``catching_up``).
 
         ``round_reports`` are the site's per-round JSON reports for the status
         page (``dtrain.status.parse_report``); bad ones are dropped and logged,
@@ -417,6 +442,12 @@ class RendezvousCore:
                 with self._lock:
                     if site_id in self._done or len(self._done) < 1 << 16:  # ids from the wire: bounded
                         self._done[site_id] = max(self._done.get(site_id, 0), rounds_done)
+            with self._lock:
+                eta = catch_up_eta_s
+                if eta is None or not (math.isfinite(eta) and eta >= 0):
+                    self._catching.pop(site_id, None)
+                elif site_id in self._catching or len(self._catching) < 1 << 16:
+                    self._catching[site_id] = (float(eta), now)
             if round_reports:
                 self.store.put_reports(site_id, round_reports, self.status_log)
                 for raw in round_reports:
@@ -431,7 +462,15 @@ class RendezvousCore:
                 behind=self._behind(dead),
             )
 
+    def _catching_up(self, now: float, t: float) -> dict[str, float]:
+        """The sites pulling state -> when their pull should end, on the store's clock ``t``
+        (``now`` is the same instant on this core's clock)."""
+        with self._lock:
+            return {s: t + (at + eta - now) for s, (eta, at) in self._catching.items()}
+
     def leave(self, site_id: str, *, now: float) -> None:
+        with self._lock:
+            self._catching.pop(site_id, None)
         with self.store.atomic():
             self.store.release(site_id, now=now)
         log.info("rendezvous: %s left", site_id)
@@ -440,6 +479,8 @@ class RendezvousCore:
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision:
         """Mark ``site_id`` ready for ``round`` (its first ready time is kept) and
         decide the quorum when this could complete it."""
+        with self._lock:
+            self._catching.pop(site_id, None)  # asking for a round: its pull, if any, is over
         with self.store.atomic():
             st = self.store.standing(site_id, round, now=now)
             if not st.known:
@@ -523,6 +564,7 @@ class RendezvousCore:
             quorum_timeout_s=self.deadlines.quorum_timeout_s,
             finishing=finishing,
             hold_until=hold_until,
+            catching_up=self._catching_up(now, t),
         )
         if members is None:
             if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
@@ -721,6 +763,7 @@ class InprocRendezvousClient:
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
         rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo:
         self._check()
         return self.core.heartbeat(
@@ -731,6 +774,7 @@ class InprocRendezvousClient:
             round_reports=round_reports,
             unreachable=unreachable,
             rounds_done=rounds_done,
+            catch_up_eta_s=catch_up_eta_s,
         )
 
     def ready(self, site_id: str, round: int, timeout_s: float) -> ReadyDecision:

@@ -83,6 +83,7 @@ class RendezvousCoreLike(Protocol):
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
         rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo: ...
 
     def ready(self, site_id: str, round: int, *, now: float) -> ReadyDecision: ...
@@ -185,6 +186,7 @@ class _RendezvousServicer:
         # still gets every heartbeat: the reports are left out for it.
         self._takes_unreachable = "unreachable" in inspect.signature(core.heartbeat).parameters
         self._takes_rounds_done = "rounds_done" in inspect.signature(core.heartbeat).parameters
+        self._takes_catch_up = "catch_up_eta_s" in inspect.signature(core.heartbeat).parameters
         self._decide = getattr(core, "decide", None)  # RendezvousCore.decide; absent: evaluate every poll
         # A core whose calls wait on the network (``blocking = True``: the etcd store) runs them
         # on threads; the in-memory core's calls are short and run on the loop.
@@ -304,6 +306,11 @@ class _RendezvousServicer:
                 **(
                     {"rounds_done": request.rounds_done}
                     if request.HasField("rounds_done") and self._takes_rounds_done
+                    else {}
+                ),
+                **(
+                    {"catch_up_eta_s": request.catch_up_eta_s}
+                    if request.HasField("catch_up_eta_s") and self._takes_catch_up
                     else {}
                 ),
             ),
@@ -671,11 +678,12 @@ class GrpcRendezvousClient:
         round_reports: Sequence[str] = (),
         unreachable: Sequence[str] = (),
         rounds_done: int | None = None,
+        catch_up_eta_s: float | None = None,
     ) -> HeartbeatInfo:
         """Report liveness (and progress, per-round JSON reports for the status
         page: ``dtrain.status``, the sites this site's data path found
-        unreachable, and how many rounds it finished); the answer says whether to
-        resync or re-join."""
+        unreachable, how many rounds it finished, and when a state pull it is in
+        should end); the answer says whether to resync or re-join."""
         request = pb.HeartbeatRequest(
             site_id=site_id,
             inner_step=inner_step,
@@ -684,6 +692,8 @@ class GrpcRendezvousClient:
         )
         if rounds_done is not None:
             request.rounds_done = max(0, int(rounds_done))
+        if catch_up_eta_s is not None:
+            request.catch_up_eta_s = float(catch_up_eta_s)
         if last_loss is not None:
             request.last_loss = last_loss
         with self._heartbeat_lock:

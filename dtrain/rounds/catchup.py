@@ -137,6 +137,23 @@ class CatchUp:
         self._target = 0
         self.progress_at = 0.0
         self._stop = False
+        self._started_at: float | None = None  # the current run's start (eta_s)
+
+    def eta_s(self, now: float | None = None) -> float | None:
+        """Seconds until the current :meth:`run` should end, from its progress: the buckets not
+        yet at the target round over the rate at which buckets got there so far; None when no
+        estimate can be made yet (no run, nothing at the target, or under half a second in).
+        What a site pulling state tells the rendezvous (``catch_up_eta_s``)."""
+        now = time.monotonic() if now is None else now
+        with self._cv:
+            if self._started_at is None:
+                return None
+            n, target = len(self.state), self._target
+            done = sum(1 for s in self._staged.values() if s.tag >= target)
+            elapsed = now - self._started_at
+        if n == 0 or done == 0 or elapsed < 0.5:
+            return None
+        return max(0.0, (n - done) * elapsed / done)
 
     # ------------------------------------------------------------------ driver
     def run(self, donors: Sequence[Member], *, min_round: int = 0) -> int:
@@ -150,6 +167,7 @@ class CatchUp:
         self._live = {d.site_id: d for d in donors}
         self._rounds, self._info = {}, {}
         self.progress_at = time.monotonic()
+        self._started_at = self.progress_at
         self._stop = False
         for d in list(self._live.values()):
             self._probe(d)
@@ -177,6 +195,7 @@ class CatchUp:
         finally:
             with self._cv:
                 self._stop = True
+                self._started_at = None
                 self._cv.notify_all()
             for w in workers:
                 w.join(timeout=5.0)

@@ -97,12 +97,16 @@ def test_a_joiner_whose_pull_spans_ten_rounds_replays_them_and_ends_equal():
             time.sleep(0.05)
         for d in (a, b):  # each bucket takes 2 rounds: 9 over 2 donors, one stream each: ~10 rounds
             d.engine.fault_hook = _rounds_per_bucket(d, 3)
+        reasons: list[str] = []
+        a.on_round.append(lambda o: reasons.append(o.reason))
         r0 = a.round
         j = _site("j", net, core, history_rounds=KEEP)
         joined_at = j.round
         stats = j.site.last_catch_up
         print(f"pull from round {r0} to {joined_at}: {stats}")
         assert joined_at - r0 > KEEP, (r0, joined_at)  # the pull spanned more rounds than are kept
+        # j's heartbeats said how long its pull had to go: rounds did not wait the quorum timeout for it
+        assert any("['j'] pulling state past the quorum wait" in r for r in reasons), reasons
         assert stats.means_replayed >= 9 and stats.repulled == 0 and stats.own_buckets == 0
         assert sum(stats.buckets_from.values()) == 9
         until[0] = joined_at + 3

@@ -372,6 +372,45 @@ def test_a_member_still_finishing_the_previous_round_is_held_not_cut_until_that_
         assert members == ["a", "b"]
 
 
+def test_a_site_whose_state_pull_ends_after_the_quorum_wait_is_not_waited_for() -> None:
+    """decide_quorum's catching_up: j is live (registered, heartbeating) but pulling state. A pull
+    that ends after the quorum wait would end (first ready + wait) does not hold the round: it
+    forms as soon as every other live site is ready. A pull about to end is waited for as
+    before (it gets into the round), and a site with no estimate is waited for as before."""
+    live, ready = {"a", "b", "j"}, {"a": 99.0, "b": 99.5}
+    wait_s = CFG.start_deadlines().quorum_timeout_s
+    kw = dict(round=7, live=live, ready=ready, joined_ever=3, now=100.0, config=CFG)
+    members, reason = decide_quorum(**kw, catching_up={"j": 99.0 + wait_s + 30.0})
+    assert members == ["a", "b"], reason
+    assert reason == "all 2 live sites ready but ['j'] pulling state past the quorum wait: not waited for"
+    for catching in ({"j": 99.0 + wait_s - 1.0}, {}, {"x": 10**6}):  # about to end / no estimate / not live
+        members, reason = decide_quorum(**kw, catching_up=catching)
+        assert members is None and "2 of 3 live sites ready" in reason, (catching, reason)
+
+
+def test_the_core_forms_rounds_without_a_joiner_whose_pull_has_long_to_go() -> None:
+    """A joiner's heartbeats say when its pull should end (catch_up_eta_s): 60 s to go does not
+    hold round 3 (a and b ready); once it asks for a round, or says nothing, it counts again."""
+    core = _core(min_sites=1, initial_sites=2, quorum_timeout_s=5.0)
+    for s in ("a", "b"):
+        core.join(s, f"addr-{s}", now=0.0)
+        core.ready(s, 0, now=0.1)
+    core.join("j", "addr-j", now=0.5)
+    core.heartbeat("j", now=0.6, catch_up_eta_s=60.0)
+    for s in ("a", "b"):
+        core.heartbeat(s, now=0.9, rounds_done=1)
+    assert core.ready("a", 1, now=1.0).status == "wait"
+    d = core.ready("b", 1, now=1.1)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b") and d.plan.left_out == ("j",), d
+    assert "pulling state past the quorum wait" in d.reason
+    core.heartbeat("j", now=1.5)  # no estimate any more: waited for as any live site
+    core.heartbeat("j", now=1.6, catch_up_eta_s=float("nan"))  # a bad one is ignored (as none)
+    for s in ("a", "b"):
+        core.heartbeat(s, now=1.9, rounds_done=2)
+        core.ready(s, 2, now=2.0)
+    assert core.ready("a", 2, now=2.1).status == "wait"
+
+
 def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_finished_round_r() -> None:
     """Round 0 forms at 0.1 (broadcast 20 s, stall budget 5 s: it may run to 25.1). a and b finish
     round 0 (their heartbeats say rounds_done=1) and are ready for round 1 at 1.0; c heartbeats

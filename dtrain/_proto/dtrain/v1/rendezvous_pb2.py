@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64train/v1/rendezvous.proto\x12\tdtrain.v1\"B\n\x06Member\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0erank_addresses\x18\x03 \x03(\t\"\xb6\x01\n\tRoundPlan\x12\r\n\x05round\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.dtrain.v1.Member\x12\x18\n\x10reduce_timeout_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x62roadcast_timeout_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x61tagram_key\x18\x05 \x01(\x0c\x12\x10\n\x08left_out\x18\x06 \x03(\t\x12\x17\n\x0f\x64\x65\x61\x64line_reason\x18\x07 \x01(\t\"G\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0erank_addresses\x18\x03 \x03(\t\"v\n\tJoinReply\x12\x12\n\nnext_round\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.dtrain.v1.Member\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x13\n\x0bneeds_state\x18\x04 \x01(\x08\"\xb3\x01\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x12\n\ninner_step\x18\x02 \x01(\x04\x12\x16\n\tlast_loss\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rround_reports\x18\x04 \x03(\t\x12\x13\n\x0bunreachable\x18\x05 \x03(\t\x12\x18\n\x0brounds_done\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x0c\n\n_last_lossB\x0e\n\x0c_rounds_done\"z\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x65\x61\x64\x18\x05 \x03(\t\x12\x0e\n\x06\x62\x65hind\x18\x06 \x03(\t\"?\n\x0cReadyRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x04\"\x88\x01\n\nReadyReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\"\n\x04plan\x18\x04 \x01(\x0b\x32\x14.dtrain.v1.RoundPlan\x12\x12\n\nplan_age_s\x18\x05 \x01(\x01\x12\x0e\n\x06held_s\x18\x06 \x01(\x01\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply2\xf9\x01\n\nRendezvous\x12\x34\n\x04Join\x12\x16.dtrain.v1.JoinRequest\x1a\x14.dtrain.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.dtrain.v1.HeartbeatRequest\x1a\x19.dtrain.v1.HeartbeatReply\x12\x37\n\x05Ready\x12\x17.dtrain.v1.ReadyRequest\x1a\x15.dtrain.v1.ReadyReply\x12\x37\n\x05Leave\x12\x17.dtrain.v1.LeaveRequest\x1a\x15.dtrain.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64train/v1/rendezvous.proto\x12\tdtrain.v1\"B\n\x06Member\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0erank_addresses\x18\x03 \x03(\t\"\xb6\x01\n\tRoundPlan\x12\r\n\x05round\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.dtrain.v1.Member\x12\x18\n\x10reduce_timeout_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x62roadcast_timeout_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x61tagram_key\x18\x05 \x01(\x0c\x12\x10\n\x08left_out\x18\x06 \x03(\t\x12\x17\n\x0f\x64\x65\x61\x64line_reason\x18\x07 \x01(\t\"G\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0erank_addresses\x18\x03 \x03(\t\"v\n\tJoinReply\x12\x12\n\nnext_round\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.dtrain.v1.Member\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x13\n\x0bneeds_state\x18\x04 \x01(\x08\"\xe3\x01\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x12\n\ninner_step\x18\x02 \x01(\x04\x12\x16\n\tlast_loss\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rround_reports\x18\x04 \x03(\t\x12\x13\n\x0bunreachable\x18\x05 \x03(\t\x12\x18\n\x0brounds_done\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x1b\n\x0e\x63\x61tch_up_eta_s\x18\x07 \x01(\x01H\x02\x88\x01\x01\x42\x0c\n\n_last_lossB\x0e\n\x0c_rounds_doneB\x11\n\x0f_catch_up_eta_s\"z\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x17\n\x0fresync_required\x18\x02 \x01(\x08\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x65\x61\x64\x18\x05 \x03(\t\x12\x0e\n\x06\x62\x65hind\x18\x06 \x03(\t\"?\n\x0cReadyRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x04\"\x88\x01\n\nReadyReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnext_round\x18\x03 \x01(\x04\x12\"\n\x04plan\x18\x04 \x01(\x0b\x32\x14.dtrain.v1.RoundPlan\x12\x12\n\nplan_age_s\x18\x05 \x01(\x01\x12\x0e\n\x06held_s\x18\x06 \x01(\x01\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply2\xf9\x01\n\nRendezvous\x12\x34\n\x04Join\x12\x16.dtrain.v1.JoinRequest\x1a\x14.dtrain.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.dtrain.v1.HeartbeatRequest\x1a\x19.dtrain.v1.HeartbeatReply\x12\x37\n\x05Ready\x12\x17.dtrain.v1.ReadyRequest\x1a\x15.dtrain.v1.ReadyReply\x12\x37\n\x05Leave\x12\x17.dtrain.v1.LeaveRequest\x1a\x15.dtrain.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREPLY']._serialized_start=367
   _globals['_JOINREPLY']._serialized_end=485
   _globals['_HEARTBEATREQUEST']._serialized_start=488
-  _globals['_HEARTBEATREQUEST']._serialized_end=667
-  _globals['_HEARTBEATREPLY']._serialized_start=669
-  _globals['_HEARTBEATREPLY']._serialized_end=791
-  _globals['_READYREQUEST']._serialized_start=793
-  _globals['_READYREQUEST']._serialized_end=856
-  _globals['_READYREPLY']._serialized_start=859
-  _globals['_READYREPLY']._serialized_end=995
-  _globals['_LEAVEREQUEST']._serialized_start=997
-  _globals['_LEAVEREQUEST']._serialized_end=1028
-  _globals['_LEAVEREPLY']._serialized_start=1030
-  _globals['_LEAVEREPLY']._serialized_end=1042
-  _globals['_RENDEZVOUS']._serialized_start=1045
-  _globals['_RENDEZVOUS']._serialized_end=1294
+  _globals['_HEARTBEATREQUEST']._serialized_end=715
+  _globals['_HEARTBEATREPLY']._serialized_start=717
+  _globals['_HEARTBEATREPLY']._serialized_end=839
+  _globals['_READYREQUEST']._serialized_start=841
+  _globals['_READYREQUEST']._serialized_end=904
+  _globals['_READYREPLY']._serialized_start=907
+  _globals['_READYREPLY']._serialized_end=1043
+  _globals['_LEAVEREQUEST']._serialized_start=1045
+  _globals['_LEAVEREQUEST']._serialized_end=1076
+  _globals['_LEAVEREPLY']._serialized_start=1078
+  _globals['_LEAVEREPLY']._serialized_end=1090
+  _globals['_RENDEZVOUS']._serialized_start=1093
+  _globals['_RENDEZVOUS']._serialized_end=1342
 # @@protoc_insertion_point(module_scope)

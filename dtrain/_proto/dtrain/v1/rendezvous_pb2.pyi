@@ -57,20 +57,22 @@ class JoinReply(_message.Message):
     def __init__(self, next_round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., needs_state: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site_id", "inner_step", "last_loss", "round_reports", "unreachable", "rounds_done")
+    __slots__ = ("site_id", "inner_step", "last_loss", "round_reports", "unreachable", "rounds_done", "catch_up_eta_s")
     SITE_ID_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     ROUND_REPORTS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_ETA_S_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     inner_step: int
     last_loss: float
     round_reports: _containers.RepeatedScalarFieldContainer[str]
     unreachable: _containers.RepeatedScalarFieldContainer[str]
     rounds_done: int
-    def __init__(self, site_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., round_reports: _Optional[_Iterable[str]] = ..., unreachable: _Optional[_Iterable[str]] = ..., rounds_done: _Optional[int] = ...) -> None: ...
+    catch_up_eta_s: float
+    def __init__(self, site_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., last_loss: _Optional[float] = ..., round_reports: _Optional[_Iterable[str]] = ..., unreachable: _Optional[_Iterable[str]] = ..., rounds_done: _Optional[int] = ..., catch_up_eta_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "resync_required", "next_round", "reason", "dead", "behind")
