@@ -202,7 +202,7 @@ class GroupConfig:
             for a member to pull from; > 0. A pull that makes progress may take any number
             of rounds (it replays the rounds it missed, :mod:`dtrain.rounds.catchup`). Also
             the longest attempt of a training-position pull, whose attempts start at the
-            last plan's broadcast deadline and double (``dtrain.diloco.position_attempts``).
+            last plan's broadcast deadline and double (``dtrain.state.position_attempts``).
         state_pull_streams: concurrent transfers per donor of a state pull, >= 1; the buckets
             are spread over every live member, a faster one taking more (:mod:`dtrain.rounds.catchup`).
         takeover_s: how long a join that the rendezvous refuses because a live site holds

@@ -58,6 +58,7 @@ from dtrain.state import (
     decode_position,
     default_outer_optimizer,
     delayed_outer_optimizer,
+    position_attempts,
     position_state,
     theta_device_of,
 )
@@ -65,7 +66,7 @@ from dtrain.streaming import StreamingSync, fragment_buckets, fragment_period
 from dtrain.transports.base import Transport
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors", "theta_checksum", "diloco_numel", "position_attempts"]
+__all__ = ["DiLoCoConfig", "DiLoCo", "sync_tensors", "theta_checksum", "diloco_numel"]
 
 log = logging.getLogger(__name__)
 
@@ -110,44 +111,6 @@ def diloco_numel(state: GlobalState) -> dict[str, int]:
             outer += sum(v.numel() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
     resid = sum(r.numel() for r in state.residuals if r is not None)
     return {"theta": theta, "outer": outer, "residual": resid, "total": theta + outer + resid}
-
-
-#: a position pull's first attempt when no plan said how long a round's exchange may take:
-#: the broadcast deadline's start bound at the default stall budget (dtrain.rendezvous.deadlines)
-POSITION_FIRST_ATTEMPT_S = 20.0
-
-
-def position_attempts(
-    num_donors: int, broadcast_timeout_s: float | None, max_attempt_s: float
-) -> list[tuple[int, float]]:
-    """The attempts of a training-position pull: ``(donor index, timeout seconds)`` in order.
-
-    Passes over the donors, each donor once per pass: the first pass with the last plan's
-    broadcast deadline (how long the run's own exchange of a round may take;
-    ``POSITION_FIRST_ATTEMPT_S`` before any plan), each later pass with twice the previous
-    one's, up to ``max_attempt_s`` (``GroupConfig.state_pull_timeout_s``, which every attempt
-    was before); the pass at ``max_attempt_s`` is the last. Why: on a lossy link one TCP
-    stream can stall for a minute in retransmission back-off (a resync at 30% loss waited
-    65 s for one donor's position while another donor held the same one); a stall now costs
-    a short attempt, and a slow but moving link still gets the old, long one. When every
-    donor stalls, the short passes add at most as much again as the last one. A pure
-    function: every rank of a site group computes the same sequence.
-
-    Args:
-        num_donors: donors to try (>= 0; none: no attempt).
-        broadcast_timeout_s: the last plan's broadcast deadline, seconds (None: no plan yet).
-        max_attempt_s: the longest attempt, seconds (> 0).
-    """
-    if num_donors <= 0 or max_attempt_s <= 0:
-        return []
-    first = broadcast_timeout_s if broadcast_timeout_s is not None else POSITION_FIRST_ATTEMPT_S
-    step = min(max(1.0, first), max_attempt_s)
-    out: list[tuple[int, float]] = []
-    while True:
-        out += [(i, step) for i in range(num_donors)]
-        if step >= max_attempt_s:
-            return out
-        step = min(2.0 * step, max_attempt_s)
 
 
 class DiLoCo:

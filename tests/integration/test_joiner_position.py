@@ -170,7 +170,7 @@ def test_hooked_joiner_and_resynced_site_keep_the_donors_schedule_to_the_end():
 
 
 def test_position_attempts_go_round_the_donors_doubling_up_to_the_old_single_attempt() -> None:
-    from dtrain.diloco import POSITION_FIRST_ATTEMPT_S, position_attempts
+    from dtrain.state import POSITION_FIRST_ATTEMPT_S, position_attempts
 
     assert position_attempts(2, 8.0, 120.0) == [
         (0, 8.0), (1, 8.0), (0, 16.0), (1, 16.0), (0, 32.0), (1, 32.0), (0, 64.0), (1, 64.0), (0, 120.0), (1, 120.0)
