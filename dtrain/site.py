@@ -235,6 +235,8 @@ class Site:
             requester=self.site_id,
             streams_per_donor=self.config.state_pull_streams,
             progress_timeout_s=timeout_s,
+            # a request's first timeout: the run's own exchange of a round (none yet: 30 s)
+            request_timeout_s=None if self.last_plan is None else self.last_plan.broadcast_timeout_s,
         )
         self.last_catch_up = catch.stats
         while True:

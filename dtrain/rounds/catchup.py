@@ -97,6 +97,13 @@ class CatchUp:
         requester: this site's id (in the donors' logs).
         streams_per_donor: concurrent transfers per donor, >= 1.
         progress_timeout_s: :meth:`run` fails when nothing was pulled or replayed this long.
+        request_timeout_s: the first timeout of each request to a donor, seconds (None: 30 s;
+            at most ``progress_timeout_s``): the site passes its last plan's broadcast
+            deadline, how long the run's own exchange of a round may take. Each request that
+            times out doubles it (up to ``progress_timeout_s``) and drops that donor for the
+            run, so a stalled stream (one TCP flow in retransmission back-off at 30% loss)
+            costs a short wait before the other donors take its buckets, and a slow but
+            moving link gets longer requests.
         use_own: start each bucket from this site's own θ_b when the members keep every
             round since its ``bucket_round`` (False: pull every bucket).
     """
@@ -111,6 +118,7 @@ class CatchUp:
         streams_per_donor: int = 2,
         progress_timeout_s: float = 120.0,
         use_own: bool = True,
+        request_timeout_s: float | None = None,
     ) -> None:
         if streams_per_donor < 1:
             raise ValueError(f"streams_per_donor must be >= 1, got {streams_per_donor!r}")
@@ -120,6 +128,8 @@ class CatchUp:
         self.requester = requester
         self.streams_per_donor = streams_per_donor
         self.progress_timeout_s = progress_timeout_s
+        first = 30.0 if request_timeout_s is None else max(1.0, float(request_timeout_s))
+        self.request_timeout_s = min(first, progress_timeout_s)  # doubled by each request that times out
         self.use_own = use_own
         self.stats = CatchUpStats()
         self._staged: dict[int, _Staged] = {}
@@ -294,15 +304,23 @@ class CatchUp:
         """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
         try:
             st = self.transport.pull_state(
-                d.address, len(self.state) + 1, requester=self.requester, timeout_s=min(30.0, self.progress_timeout_s)
+                d.address, len(self.state) + 1, requester=self.requester, timeout_s=self.request_timeout_s
             )
             info = decode_history_info(st)
         except (TransportError, StateTransferError) as e:
+            if isinstance(e, PeerTimeout):
+                self._timed_out()
             self._lose(d.site_id, f"history summary: {e}")
             return
         with self._cv:
             self._info[d.site_id] = info
             self._rounds[d.site_id] = info.rounds_applied
+
+    def _timed_out(self) -> None:
+        """A request ran out of its timeout: the next ones get twice as long (up to
+        ``progress_timeout_s``)."""
+        with self._cv:
+            self.request_timeout_s = min(2.0 * self.request_timeout_s, self.progress_timeout_s)
 
     def _lose(self, sid: str, why: str) -> None:
         with self._cv:
@@ -376,6 +394,8 @@ class CatchUp:
             try:
                 requeue, avoid = self._advance(d, b)
             except (PeerUnavailable, PeerTimeout) as e:
+                if isinstance(e, PeerTimeout):
+                    self._timed_out()
                 self._lose(sid, str(e))
                 self._done(b, requeue=True)
                 return
@@ -403,7 +423,7 @@ class CatchUp:
                     s.tag,
                     b,
                     requester=self.requester,
-                    timeout_s=min(30.0, self.progress_timeout_s),
+                    timeout_s=self.request_timeout_s,
                     have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
                 )
             except Rejected as e:  # not kept there (or unknown): another donor, else a new copy
@@ -416,9 +436,7 @@ class CatchUp:
         return s.tag < target, (d.site_id if s.tag < target else None)
 
     def _pull_bucket(self, d: Member, b: int) -> _Staged | None:
-        st = self.transport.pull_state(
-            d.address, b, requester=self.requester, timeout_s=min(30.0, self.progress_timeout_s)
-        )
+        st = self.transport.pull_state(d.address, b, requester=self.requester, timeout_s=self.request_timeout_s)
         try:
             theta, opt_sd = self.state.decode_bucket_state(st)
         except StateTransferError as e:

@@ -73,3 +73,40 @@ def _frozen(donor: _Donor):
         return replace(st, rounds_applied=5) if bucket < len(donor.state) else st
 
     return pull_state
+
+
+def test_a_stalled_donor_costs_one_short_request_then_requests_get_twice_as_long():
+    """Two donors at round 5; every request to "stall" hangs until its timeout (a TCP stream in
+    retransmission back-off). With the first request timeout at 1 s (the site passes its last
+    plan's broadcast deadline; 1 s is the least) the stalled donor is dropped after 1 s and the
+    other serves every bucket; the next requests may take 2 s. Before, every request had 30 s."""
+    import time
+
+    from dtrain.errors import PeerTimeout
+
+    good, joiner = _Donor(), _state(2)
+    good.pull_state = _frozen(good)
+    waited: list[float] = []
+
+    class _Router:
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            if address == "stall":
+                waited.append(timeout_s)
+                time.sleep(timeout_s)
+                raise PeerTimeout("stalled (test)")
+            return good.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
+
+        def pull_mean(self, *a, **kw):
+            return good.pull_mean(*a, **kw)
+
+    cu = CatchUp(
+        joiner, _Router(), get_codec(CodecConfig(name="fp32")), requester="j", use_own=False, request_timeout_s=0.5
+    )
+    t0 = time.monotonic()
+    assert cu.run([Member(site_id="stall", address="stall"), Member(site_id="d", address="d")]) == 5
+    assert waited == [1.0] and time.monotonic() - t0 < 15.0  # 0.5 s asked: 1 s is the least (was 30 s)
+    assert cu.stats.donors_lost == ["stall"] and cu.stats.buckets_from == {"d": len(joiner)}
+    assert cu.request_timeout_s == pytest.approx(2.0)
+    assert joiner.checksums() == good.state.checksums()
+    capped = CatchUp(joiner, _Router(), get_codec(CodecConfig(name="fp32")), requester="j", progress_timeout_s=3.0)
+    assert capped.request_timeout_s == 3.0  # never past the progress timeout (30 s when no plan said)
