@@ -123,6 +123,7 @@ class OpenRound:
         self.owners = tuple(owners)
         self.site_id = site_id
         self.chunks = [tuple(cs) for cs in chunks]
+        self.reduce_timeout_s = plan.reduce_timeout_s
         self.finalize_at = opened_at + plan.reduce_timeout_s
         self.broadcast_until = opened_at + plan.broadcast_timeout_s
         self.mine = tuple(b for b, o in enumerate(owners) if o == site_id)

@@ -353,13 +353,30 @@ class PeerSide:
         stream that ends while the member still owes chunks of open buckets broke (the
         member died or its connection dropped): it is lost for that round here
         (:meth:`members_lost`); the rendezvous decides about later rounds. What it sent
-        before counts; a retried stream's chunks count too while their bucket is open."""
+        before counts; a retried stream's chunks count too while their bucket is open.
+
+        A stream that ends short at the reduce deadline (within ``max(0.5 s, 10%)`` of it,
+        the sites' clocks agreeing on a plan's formation only so well) ran out of the
+        sender's own time: the deadline explains it, not a death, and these buckets finalize
+        then anyway. Losing the sender there made the members hold its buckets
+        OWNER_LOST while their owner applied them, and had it declared dead while alive (a
+        30%-loss launch of the reliability benchmark)."""
         with self._cv:
             owned = self._open.get(round)
         if owned is None or not self.config.short_push_is_loss:
             return
         with owned.cv:
             owed = owned.books.owed(sender)
+            books = owned.books
+        margin_s = max(0.5, 0.1 * books.reduce_timeout_s)
+        if owed and time.monotonic() >= books.finalize_at - margin_s:
+            self.log.info(
+                "round %d: %s's push stream ended %d short at the reduce deadline: its own deadline, not a loss",
+                round,
+                sender,
+                owed,
+            )
+            return
         if owed:
             why = f"its push stream ended after {num_accepted} chunk(s), {owed} short"
             self.members_lost([sender], round=round, why=why)

@@ -209,6 +209,19 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
                 assert bk.accept("site-1", b, c, torch.zeros(n), bytes([b, c]), now=time.monotonic())
         e.handle_push_ended("site-1", 1, sum(len(bk.chunks[b]) for b in bk.mine))
         assert bk.lost == set()
+        # a stream that ends short at the reduce deadline ran out of its sender's time: no loss
+        late = OpenRound(
+            plan=_plan(2, members),
+            owners=assign_owners(len(e.state.layout), sorted(members)),
+            site_id="site-0",
+            chunks=[b.chunks for b in e.state.layout.buckets],
+            aggregation=e.config.aggregation,
+            opened_at=time.monotonic() - _plan(2, members).reduce_timeout_s + 0.2,  # 0.2 s before its deadline
+        )
+        with e._cv:
+            e._open[2] = _Owned(late)
+        e.handle_push_ended("site-1", 2, 1)
+        assert late.lost == set() and late.owed("site-1")
     finally:
         e.stop(0.1)
 
