@@ -580,22 +580,17 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         def answered() -> bool:
             return dest in rs.reports and rs.reports[dest][5] >= st[0]
 
-        with rs.cv:
-            measurable = not answered()  # else a REPORT already there would read as a round trip of 0
         # the first copy waits the path's RTO; all copies together at least report_wait_s
         until = min(deadline, time.monotonic() + max(self.config.report_wait_s, 3 * rto_s))
         for copy in range(_SEND_END_COPIES):
-            sent_at = time.monotonic()
+            with rs.lock:  # the REPORT that answers this copy is a round-trip sample (_on_report)
+                rs.send_end_at[(dest, copy)] = time.monotonic()
             self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=copy), refused_raises=True)
             share = max(0.0, until - time.monotonic()) / (_SEND_END_COPIES - copy)
             with rs.cv:
-                got = rs.cv.wait_for(answered, timeout=min(max(share, rto_s), until - sent_at) if copy == 0 else share)
+                got = rs.cv.wait_for(answered, timeout=max(share, rto_s) if copy == 0 else share)
             if got:
-                if copy == 0 and measurable:  # Karn's rule: no second copy left, so it answers this one
-                    self._rtt.observe(peer, time.monotonic() - sent_at)
                 break
-            if copy == 0:
-                self._rtt.timed_out(peer)
         else:
             self._resend_end_later(rs, dest, body, st[0], deadline)
         with rs.lock:
@@ -629,6 +624,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
                         return
                 if self._stopped.is_set() or time.monotonic() >= deadline:
                     return
+                with rs.lock:
+                    rs.send_end_at[(dest, _SEND_END_COPIES + k)] = time.monotonic()
                 self._send_ctl(rs, dest, rs.sealer.seal(Kind.SEND_END, body, chunk=_SEND_END_COPIES + k))
             log.debug("round %d: no REPORT from %s for SEND_END", rs.round, rs.site_ids[dest])
 
@@ -685,7 +682,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             if kind == Kind.CONTRIB:
                 self._handle_contribution(rs, h.sender, obj)
             elif kind == Kind.SEND_END:
-                self._answer_send_end(rs, h.sender, obj)
+                self._answer_send_end(rs, h.sender, obj, copy=h.chunk)
             elif kind == Kind.NACK:
                 self._answer_nack(rs, h, obj)
             elif kind == Kind.MEAN_ACK:
@@ -759,7 +756,9 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             return
         self._end_sender(rs, h.sender, h.bucket, _COUNT.unpack(body)[0] if body else None)
 
-    def _answer_send_end(self, rs: RoundState, sender: int, body: bytes) -> None:
+    def _answer_send_end(self, rs: RoundState, sender: int, body: bytes, *, copy: int = 0) -> None:
+        """The REPORT for a SEND_END: it carries the SEND_END's copy number in its chunk field,
+        so the sender knows which copy it answers (its round-trip sample, :mod:`.datagram_rtt`)."""
         if len(body) != _SEND_END.size:
             self._opener.count("malformed")
             return
@@ -772,7 +771,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             )
             code, reason = st.last_rejection
         tail = (code + "\0" + reason).encode()[: self._body_max - _REPORT.size] if code else b""
-        self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail))
+        self._send_ctl(rs, sender, rs.sealer.seal(Kind.REPORT, head + tail, chunk=copy))
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)

@@ -117,6 +117,7 @@ class DatagramReceive:
     _counts: dict[str, int]
     _sock_drops: int
     _reorder: Any
+    _rtt: Any
     _drained_at: float
     _ends_waiting: bool
     _round: Any
@@ -491,10 +492,16 @@ class DatagramReceive:
             return
         rep = _REPORT.unpack_from(body, 0)
         code, _, reason = body[_REPORT.size :].decode("utf-8", "replace").partition("\0")
+        now = time.monotonic()
         with rs.cv:
+            # the REPORT names the SEND_END copy it answers (its chunk field): a round-trip sample
+            # with no retransmission ambiguity (what Karn's rule guards against, RFC 6298 section 3)
+            sent_at = rs.send_end_at.pop((h.sender, h.chunk), None)
             old = rs.reports.get(h.sender)
             if old is None or rep[5] >= old[5]:
                 rs.reports[h.sender] = rep
                 if code:
                     rs.rejections[h.sender] = (code, reason)
             rs.cv.notify_all()
+        if sent_at is not None and now >= sent_at:
+            self._rtt.observe(rs.site_ids[h.sender], now - sent_at)

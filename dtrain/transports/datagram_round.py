@@ -287,6 +287,7 @@ class RoundState:
         self.stats: dict[int, SenderStats] = {}
         self.sent: dict[int, list] = {}  # dest index -> [datagrams, bytes, first_t, last_t]
         self.reports: dict[int, tuple] = {}  # dest index -> report tuple from that receiver
+        self.send_end_at: dict[tuple[int, int], float] = {}  # (dest index, SEND_END copy) -> when it left
         self.rejections: dict[int, tuple[str, str]] = {}  # dest index -> its handler's last refusal
         # what the ends count (datagram_reorder); bucket -1: the whole round (SEND_END)
         self.announced: dict[tuple[int, int], int] = {}  # (dest, bucket) -> contributions sent there (rs.lock)

@@ -9,11 +9,10 @@ cannot come within it was taken for an owner gone silent and its mean pulled ove
 :class:`RttEstimator` keeps, per peer, the smoothed round trip and its variation of RFC 6298
 (section 2: ``SRTT``, ``RTTVAR``, ``alpha = 1/8``, ``beta = 1/4``, ``RTO = SRTT + max(G,
 4 RTTVAR)``), from samples the transport takes where an answer follows a request at once:
-a SEND_END and the owner's REPORT, under Karn's rule (RFC 6298 section 3: a sample only when
-the first copy was answered before a second one left, so an answer is never matched to the
-wrong request). A first copy left unanswered for its RTO doubles that peer's RTO until the next
-valid sample (RFC 6298 5.5's back-off), so a path longer than the estimate still gets a first
-copy that waits long enough to be measured. A sample measures the peer's response, its dispatch queue included, which is
+a SEND_END and the owner's REPORT. A SEND_END leaves in several copies, and the REPORT names
+the copy it answers (its chunk field), so a sample is never matched to the wrong copy: the
+ambiguity Karn's rule avoids by not sampling retransmissions (RFC 6298 section 3) does not
+arise, and a path longer than the estimate is measured from its first round on. A sample measures the peer's response, its dispatch queue included, which is
 what a NACK's answer waits behind too. Before a peer's first sample its figures are the
 transport's configured ``rtt_s`` (``SRTT = rtt_s``, ``RTTVAR = rtt_s / 2``, RFC 6298 2.1's
 start). Pure and torch-free; thread-safe.
@@ -72,14 +71,12 @@ class RttEstimator:
         self.initial_s, self.min_rto_s, self.max_rto_s = initial_s, min_rto_s, max_rto_s
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[float, float, int]] = {}  # peer -> (srtt, rttvar, samples)
-        self._backoff: dict[str, float] = {}  # peer -> factor on its RTO since its last sample
 
     def observe(self, peer: str, sample_s: float) -> None:
         """One round-trip sample to ``peer``, seconds; a negative or non-finite one is ignored."""
         if not (math.isfinite(sample_s) and sample_s >= 0):
             return
         with self._lock:
-            self._backoff.pop(peer, None)
             got = self._peers.get(peer)
             if got is None:  # RFC 6298 2.2: the first measurement
                 self._peers[peer] = (sample_s, sample_s / 2.0, 1)
@@ -89,18 +86,11 @@ class RttEstimator:
             srtt = (1.0 - ALPHA) * srtt + ALPHA * sample_s
             self._peers[peer] = (srtt, var, n + 1)
 
-    def timed_out(self, peer: str) -> None:
-        """A first copy to ``peer`` went unanswered for its RTO: double the RTO (up to
-        ``max_rto_s``) until the next sample (RFC 6298 5.5)."""
-        with self._lock:
-            self._backoff[peer] = min(self._backoff.get(peer, 1.0) * 2.0, 1 << 10)
-
     def get(self, peer: str) -> RttEstimate:
         """``peer``'s estimate (the start figures before its first sample)."""
         with self._lock:
             srtt, var, n = self._peers.get(peer, (self.initial_s, self.initial_s / 2.0, 0))
-            factor = self._backoff.get(peer, 1.0)
-        rto = min(self.max_rto_s, max(self.min_rto_s, (srtt + max(CLOCK_GRANULARITY_S, K * var)) * factor))
+        rto = min(self.max_rto_s, max(self.min_rto_s, srtt + max(CLOCK_GRANULARITY_S, K * var)))
         return RttEstimate(srtt_s=srtt, rttvar_s=var, rto_s=rto, samples=n)
 
     def rto_s(self, peer: str) -> float:

@@ -446,7 +446,7 @@ def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread
     try:
         t._enqueue([(Kind.NACK, rs, SimpleNamespace(bucket=0, sender=1, chunk=1), struct.pack("<1I", 2))])
         assert in_pacer.wait(10)  # the repair thread is sending the answer, and stays there
-        t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1), _SEND_END.pack(10, 12800, 0.5, 0))])
+        t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1, chunk=0), _SEND_END.pack(10, 12800, 0.5, 0))])
         assert done.wait(10) and not release.is_set()  # handled while the answer is still stuck
         deadline = time.monotonic() + 10
         while not reports and time.monotonic() < deadline:
