@@ -322,11 +322,12 @@ UNEQUAL = [
     "(inner step count, inner AdamW state, LR schedulers) of that round from a donor; torchft heals the model, the inner AdamW state and DiLoCo's θ/outer state from a peer. A "
     "restarted torchft replica first runs H inner steps from its fresh weights before it asks for a quorum and "
     "is healed (those steps are overwritten).",
-    "Timeouts are each system's defaults / documented recommendations, not equalised: dtrain rendezvous "
-    "(quorum 5 s, heartbeat 1 s / dead after 5 s, reduce deadline 10 s, broadcast deadline 20 s); torchft "
-    "lighthouse (--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000, heartbeat dead after 5 s), "
-    "Manager timeout 30 s, quorum timeout 300 s, ProcessGroupGloo timeout 5 s. Stalls after a kill mostly "
-    "measure these choices.",
+    "Timeouts: dtrain sets none (its deadlines are derived from the observed rounds and the default 5 s stall "
+    "budget, starting at quorum 5 s / reduce 10 s / broadcast 20 s; a site is dead by the phi accrual detector "
+    "over its heartbeats, or at once when the data path finds it gone); torchft uses its documented "
+    "recommendations: lighthouse (--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000, heartbeat "
+    "dead after 5 s), Manager timeout 30 s, quorum timeout 300 s, ProcessGroupGloo timeout 5 s. Stalls after "
+    "a kill mostly measure these choices.",
     "Start-up: every site process is pre-warmed (imports done) and starts on a go-file; torchft sites also wait "
     "until every Manager heartbeats (a barrier dtrain gets from its rendezvous's initial_sites). Round 0 is "
     "excluded from the per-round times.",
