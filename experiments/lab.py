@@ -311,12 +311,13 @@ def run(
 ) -> tuple[Rows, str]:
     """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish
     the section into ``results`` (a path, or ``none``). Returns (rows, section body).
-    ``overrides``: path -> value over the mode's fixed settings (a grid point's own setting of
-    the path still wins); they name the CSV files (``NAME_path-to=value``) and the section.
+    ``overrides``: path -> value over the mode's fixed settings; they name the CSV files
+    (``NAME_path-to=value``) and the section.
 
     Raises:
-        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), or an override of a path
-            the spec does not know (naming the allowed ones), before anything runs.
+        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), an override of a path
+            the spec does not know (naming the allowed ones), or of a path the mode's grid sets
+            per point (it would be silently overridden there), before anything runs.
     """
     for flag, v in (("--seeds", seeds), ("--jobs", jobs)):
         if v is not None and v < 1:
@@ -326,6 +327,11 @@ def run(
     if set(overrides) - allowed:
         raise SystemExit(f"--set: unknown path(s) {sorted(set(overrides) - allowed)}; allowed: {sorted(allowed)}")
     m = spec.settings(mode)
+    gridded = sorted({p for point in m.get("grid", []) for p in point} & set(overrides))
+    if gridded:
+        raise SystemExit(
+            f"--set: {gridded} vary per grid point in {spec.name}'s {mode} mode; --set overrides fixed settings only"
+        )
     m["fixed"].update(overrides)
     if seeds is not None:
         m["seeds"] = list(range(seeds))

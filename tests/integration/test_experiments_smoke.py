@@ -316,4 +316,7 @@ def test_set_overrides_parse_json_and_unknown_paths_are_refused(tmp_path: Path) 
         lab._parse_sets(["outer.lr"])
     with pytest.raises(SystemExit, match=r"--set: unknown path\(s\) \['netem.rates'\]"):
         lab.run(lab.load_spec("diloco_sanity"), "smoke", out=tmp_path, results="none", overrides={"netem.rates": [1]})
+    # a path the mode's grid sets per point: the grid would win, so --set is refused, not ignored
+    with pytest.raises(SystemExit, match=r"--set: \['lab.runs'\] vary per grid point in reliability's quick mode"):
+        lab.run(lab.load_spec("reliability"), "quick", out=tmp_path, results="none", overrides={"lab.runs": 0})
     assert not any(tmp_path.iterdir())
