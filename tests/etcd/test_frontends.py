@@ -21,6 +21,35 @@ pytestmark = pytest.mark.timeout(60)
 CFG = FAST_RENDEZVOUS
 
 
+class _Heartbeats:
+    """Each client's site heartbeats every ``every_s`` from a thread, as a live site does
+    (``dtrain.membership.Group``): without it the test's sites were live only for the 2 s
+    heartbeat timeout after their join, and on a loaded machine the steps between round 0 and
+    round 1 took longer (CI: round 1 never formed, both sites dead)."""
+
+    def __init__(self, clients: dict, every_s: float = 0.3) -> None:
+        import threading
+
+        self.clients, self.every_s, self.stop = clients, every_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            for s, c in self.clients.items():
+                try:
+                    c.heartbeat(s)
+                except Exception:  # noqa: BLE001 - a front-end going down mid-call: the next beat fails over
+                    pass
+
+    def __enter__(self) -> "_Heartbeats":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
 def _all_ready(clients, r: int):
     with cf.ThreadPoolExecutor(len(clients)) as ex:
         futs = {s: ex.submit(c.ready, s, r, 10.0) for s, c in clients.items()}
@@ -37,19 +66,20 @@ def test_the_next_round_forms_through_the_other_front_end(etcd_cluster) -> None:
         assert all(isinstance(c, FailoverRendezvousClient) for c in clients.values())
         for s, c in clients.items():
             c.join(s, f"addr-{s}")
-        with (
-            rendezvous_client(servers[1].address) as twin,
-            pytest.raises(SiteIdTaken, match="'a' is held by a live site at addr-a"),
-        ):
-            twin.join("a", "addr-elsewhere")  # through the other front-end: the same store says no
-        assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b", "c")}
-        servers[0].stop(0)  # the front-end every site uses
-        t0 = time.monotonic()
-        for s, c in clients.items():
-            hb = c.heartbeat(s)
-            assert hb.known and not hb.resync_required  # the lease lives in etcd, not in the front-end
-        got = _all_ready(clients, 1)
-        took_s = time.monotonic() - t0
+        with _Heartbeats(clients):
+            with (
+                rendezvous_client(servers[1].address) as twin,
+                pytest.raises(SiteIdTaken, match="'a' is held by a live site at addr-a"),
+            ):
+                twin.join("a", "addr-elsewhere")  # through the other front-end: the same store says no
+            assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b", "c")}
+            servers[0].stop(0)  # the front-end every site uses
+            t0 = time.monotonic()
+            for s, c in clients.items():
+                hb = c.heartbeat(s)
+                assert hb.known and not hb.resync_required  # the lease lives in etcd, not in the front-end
+            got = _all_ready(clients, 1)
+            took_s = time.monotonic() - t0
         assert {d.plan.site_ids for d in got.values()} == {("a", "b", "c")}
         assert {d.plan.round for d in got.values()} == {1}
         assert took_s < CFG.heartbeat_timeout_s + CFG.quorum_timeout_s
@@ -95,19 +125,20 @@ def test_rendezvous_processes_on_etcd_share_rounds_and_the_status_page(etcd_clus
         clients = {s: rendezvous_client(f"{procs[0][1]},{procs[1][1]}") for s in ("a", "b")}
         for s, c in clients.items():
             c.join(s, f"addr-{s}")
-        assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b")}
-        report = json.dumps({"round": 0, "seq": 1, "site": "a", "status": "applied", "val_loss": 2.5})
-        assert clients["a"].heartbeat("a", round_reports=[report]).known
-        with urllib.request.urlopen(procs[1][2] + "/api/status", timeout=10) as resp:  # the other front-end's page
-            doc = json.loads(resp.read())
-        assert [s["site_id"] for s in doc["sites"]] == ["a", "b"]
-        assert doc["next_round"] == 1
-        row = next(r for r in doc["rounds"] if r["round"] == 0)
-        assert row["members"] == ["a", "b"], row
-        assert next(s for s in doc["sites"] if s["site_id"] == "a")["val_loss"] == 2.5
-        os.killpg(procs[0][0].pid, signal.SIGKILL)  # the front-end the sites use
-        got = _all_ready(clients, 1)
-        assert {d.plan.site_ids for d in got.values()} == {("a", "b")}
+        with _Heartbeats(clients):
+            assert {d.plan.site_ids for d in _all_ready(clients, 0).values()} == {("a", "b")}
+            report = json.dumps({"round": 0, "seq": 1, "site": "a", "status": "applied", "val_loss": 2.5})
+            assert clients["a"].heartbeat("a", round_reports=[report]).known
+            with urllib.request.urlopen(procs[1][2] + "/api/status", timeout=10) as resp:  # the other front-end's
+                doc = json.loads(resp.read())
+            assert [s["site_id"] for s in doc["sites"]] == ["a", "b"]
+            assert doc["next_round"] == 1
+            row = next(r for r in doc["rounds"] if r["round"] == 0)
+            assert row["members"] == ["a", "b"], row
+            assert next(s for s in doc["sites"] if s["site_id"] == "a")["val_loss"] == 2.5
+            os.killpg(procs[0][0].pid, signal.SIGKILL)  # the front-end the sites use
+            got = _all_ready(clients, 1)
+            assert {d.plan.site_ids for d in got.values()} == {("a", "b")}, got
         for c in clients.values():
             c.close()
     finally:
