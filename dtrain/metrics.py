@@ -170,6 +170,7 @@ class RoundLine(_Record):
     rejected_examples: dict[str, list[str]] | None = None
     lost_members: list[str] | None = None
     calls_given_up: int | None = None
+    late_means: int | None = None
     errors: list[str] | None = None
     fragment: int | None = None
     bucket_outcomes: dict[str, int] | None = None

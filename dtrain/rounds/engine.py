@@ -8,8 +8,9 @@ Steps of :meth:`RoundEngine.run_round` (docs/ARCHITECTURE.md, "One round"), each
    publishes each owned bucket's mean as soon as :meth:`OpenRound.due` says so, ``_publish``);
 2. ``_reduce`` — encode Δ_b + residual_b per chunk and stream it to owner(b);
 3. ``_broadcast`` — pull the means of the buckets other sites own;
-4. ``_late_pulls`` — once more from the owner (a lost reply), then from members
-   (this step and step 6 live in :mod:`dtrain.rounds.recovery`);
+4. ``_late_pulls`` — once more from the owner (a lost reply), then from members,
+   pass after pass for half the repair window (this step and step 6 live in
+   :mod:`dtrain.rounds.recovery`);
 5. ``_apply_and_verify`` — every site, the owner included, applies the same decoded
    bytes and compares checksums with the owner's; each bucket gets its
    :class:`~dtrain.rounds.types.BucketOutcome`;

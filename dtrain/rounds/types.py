@@ -157,6 +157,7 @@ class RoundResult:
     mean_senders: dict[str, dict] = field(default_factory=dict)
     lost_members: list[str] = field(default_factory=list)  # declared dead by the rendezvous during the round
     calls_given_up: int = 0  # pushes and mean pulls given up in flight: owner declared lost (or overran)
+    late_means: int = 0  # means that arrived in the late pulls (step 4), from their owner or a member
     errors: list[str] = field(default_factory=list)
     fragment: int | None = None  # the Streaming DiLoCo fragment this round synchronised (None: the whole model)
     tokens: int = 0  # this site's token claim this round (its weight where token-weighted; 0: none)

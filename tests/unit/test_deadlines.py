@@ -273,3 +273,17 @@ def test_the_repair_window_and_the_plan_wait_follow_the_plans_deadlines_unless_s
     assert (
         RoundEngine("b", GlobalState(layout, [torch.zeros(64)]), None, RoundConfig(plan_wait_s=2.0)).plan_wait_s == 2.0
     )
+
+
+def test_late_pull_waits_start_at_an_eighth_of_the_window_and_double_each_pass() -> None:
+    """A late pull's wait for one answer (:func:`late_pull_timeout_s`): an eighth of the
+    late-pull window in the first pass over the sources, doubled each pass (a stalled
+    connection's next answer comes after its back-off; another source's may come first), at
+    least 0.2 s, never past the time left."""
+    from dtrain.rounds.recovery import late_pull_timeout_s
+
+    assert late_pull_timeout_s(0, 8.0, 8.0) == pytest.approx(1.0)
+    assert late_pull_timeout_s(1, 8.0, 6.0) == pytest.approx(2.0)
+    assert late_pull_timeout_s(2, 8.0, 3.0) == pytest.approx(3.0)  # capped by the time left
+    assert late_pull_timeout_s(0, 0.5, 0.5) == pytest.approx(0.2)  # the floor
+    assert late_pull_timeout_s(3, 8.0, -1.0) == 0.0
