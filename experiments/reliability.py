@@ -6,8 +6,9 @@ Runs ``dtrain launch --sites 3 --size tiny`` many times through netem profiles (
 observed rounds and the default stall budget, failure detection is the phi accrual
 detector. Each run is read back from its metrics lines and the rendezvous log:
 
-* equal θ at the end: every site's last round line has the same checksum (and the launch
-  exited 0, which it does only then);
+* equal θ at the end: every site's final checksum (its ``summary.json``; else its last round
+  line) is the same (and the launch exited 0, which it does only then): a site that joined as
+  the run ended has no round line, only the θ it caught up to;
 * sites declared dead while alive: every site lives through the run, so each "declared
   dead" line of the rendezvous is a false one;
 * rounds of unequal θ: a round whose applied lines disagree on the checksum (a round is
@@ -25,6 +26,7 @@ run that did not end equal keeps its run directory (the row's ``kept`` column na
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -104,6 +106,9 @@ def read_run(out: Path) -> dict[str, Any]:
             if d.get("checksum"):
                 last[site] = d["checksum"]
             sync_max = max(sync_max, float(d.get("sync_s") or 0.0))
+        summary = path.parent / "summary.json"
+        if summary.exists():  # the θ it ended with: a site that joined at the run's end has no round line
+            last[site] = json.loads(summary.read_text()).get("checksum") or last.get(site, "")
     log = out / "rendezvous.log"
     dead = log.read_text().count("declared dead") if log.exists() else 0
     unequal = sum(1 for sums in by_round.values() if len(set(sums.values())) > 1)

@@ -320,3 +320,46 @@ def test_set_overrides_parse_json_and_unknown_paths_are_refused(tmp_path: Path) 
     with pytest.raises(SystemExit, match=r"--set: \['lab.runs'\] vary per grid point in reliability's quick mode"):
         lab.run(lab.load_spec("reliability"), "quick", out=tmp_path, results="none", overrides={"lab.runs": 0})
     assert not any(tmp_path.iterdir())
+
+
+def test_reliability_reads_a_site_that_joined_as_the_run_ended_by_its_final_theta(tmp_path: Path) -> None:
+    """The reliability benchmark's reading of a run directory: a site that could join only as
+    the run ended (30% loss) caught up and has no round line; its summary's checksum is the θ
+    it ended with, so the run ends equal when that checksum is the others'. Rounds whose
+    applied lines differ are counted, and a resync is a missed round."""
+    import json
+
+    from experiments.reliability import read_run
+
+    def site(name: str, rounds: list[dict], checksum: str) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        lines = [{"event": "start"}, *({"event": "round", **r} for r in rounds), {"event": "end"}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (d / "summary.json").write_text(json.dumps({"checksum": checksum}))
+
+    site(
+        "site-0",
+        [{"round": 0, "status": "applied", "checksum": "a"}, {"round": 1, "status": "applied", "checksum": "b"}],
+        "b",
+    )
+    site(
+        "site-1",
+        [
+            {"round": 0, "status": "applied", "checksum": "x"},
+            {"round": 1, "status": "resynced", "checksum": "b", "sync_s": 9.5},
+        ],
+        "b",
+    )
+    site("site-2", [], "b")
+    got = read_run(tmp_path)
+    assert got == {
+        "sites_seen": 3,
+        "equal_at_end": True,
+        "declared_dead": 0,
+        "unequal_rounds": 1,
+        "rounds_missed": 1,
+        "max_sync_s": 9.5,
+    }
+    (tmp_path / "site-2" / "summary.json").write_text(json.dumps({"checksum": "c"}))
+    assert read_run(tmp_path)["equal_at_end"] is False
