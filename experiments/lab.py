@@ -71,6 +71,8 @@ SPECS = (
     "heterogeneous",
     "reliability",
     "netem_udp_ceiling",
+    "hf_throughput",
+    "datagram_mean_loss",
 )
 MODES = ("smoke", "quick", "full")
 
