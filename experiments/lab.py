@@ -73,6 +73,7 @@ SPECS = (
     "netem_udp_ceiling",
     "hf_throughput",
     "datagram_mean_loss",
+    "catch_up",
 )
 MODES = ("smoke", "quick", "full")
 
