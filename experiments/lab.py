@@ -74,6 +74,7 @@ SPECS = (
     "hf_throughput",
     "datagram_mean_loss",
     "catch_up",
+    "datagram_tcp_share",
 )
 MODES = ("smoke", "quick", "full")
 

@@ -209,3 +209,15 @@ def test_reliability_smoke(tmp_path: Path) -> None:
     assert r["sites_seen"] == 3 and r["exit_code"] == 0 and str(r["equal_at_end"]) == "True", r
     assert r["unequal_rounds"] == 0 and r["declared_dead"] == 0, r
     assert "| lossy | 1 | 1 | 0 | 0 |" in text and "no user-set timeout" in text
+
+
+@pytest.mark.timeout(120)
+def test_datagram_tcp_share_smoke(tmp_path: Path) -> None:
+    """One TCP flow (bbr) beside a 95 Mbit/s datagram flow on 100 Mbit/s links: a row with goodputs
+    a 100 Mbit/s link can carry, and the section's table."""
+    text = _spec("datagram_tcp_share", tmp_path, {})
+    rows = read_rows(tmp_path / "datagram_tcp_share_smoke.csv")
+    assert [(r["cc"], r["udp_mbit"]) for r in rows] == [("bbr", 95.0)]
+    r = rows[0]
+    assert 0 < r["tcp_before"] <= 110 and 0 <= r["tcp_during"] <= 110 and 0 < r["udp_delivered_mbit"] <= 110, r
+    assert "| TCP cc | datagrams Mbit/s |" in text and "| bbr | 95 |" in text
