@@ -68,6 +68,7 @@ __all__ = [
     "update_results",
     "command_line",
     "provenance",
+    "code_version",
     "quiet_logging",
     "paired_deltas",
     "base_parser",
@@ -482,20 +483,26 @@ def command_line(script: str, argv: Sequence[str]) -> str:
     return shlex.join([".venv/bin/python", "-m", module, *[a for a in argv if a != "--replot"]])
 
 
+def _git(*args: str) -> str:
+    try:
+        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def code_version() -> str:
+    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
+    writes its outputs, some of which are tracked)."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def provenance() -> str:
     """Date, commit, machine and torch version, for the RESULTS.md section header."""
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     return (
-        f"{time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), "
-        f"torch {torch.__version__}, Python {platform.python_version()}"
+        f"{time.strftime('%Y-%m-%d')}, commit {_git('rev-parse', '--short', 'HEAD') or 'unknown'}, "
+        f"{os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, Python {platform.python_version()}"
     )
 
 

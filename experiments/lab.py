@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +39,9 @@ from typing import Any, Callable, Sequence
 from experiments.common import (
     OUT_DIR,
     RESULTS_MD,
-    ROOT,
     RunResult,
     RunSpec,
+    code_version,
     load_meta,
     quiet_logging,
     read_rows,
@@ -269,21 +268,6 @@ def load_spec(name: str) -> Spec:
     import importlib
 
     return importlib.import_module(f"experiments.{name}").SPEC
-
-
-def _git(*args: str) -> str:
-    try:
-        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def code_version() -> str:
-    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
-    writes its outputs, some of which are tracked)."""
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
