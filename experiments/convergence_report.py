@@ -1,4 +1,4 @@
-"""Tables, plots and claim statements of ``experiments/convergence.py`` (issue 18).
+"""Tables, plots and claim statements of the convergence spec (``experiments/convergence.py``, issue 18).
 
 Measurements are printed and plotted, never asserted. Percent changes are of the final
 validation loss (nats/byte): 100·(L / L_base − 1), paired by seed; SE = std / √n.
@@ -15,7 +15,7 @@ from experiments import convergence_labels as c
 from experiments import convergence_netem as netem
 from experiments.common import ROOT, fmt_pm, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
 
-__all__ = ["report", "verdict", "curves"]
+__all__ = ["report", "claims_of", "verdict", "curves"]
 
 MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent above DDP's
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
@@ -211,12 +211,16 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
 
 
-def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, mode: str) -> str:
-    """The RESULTS.md section: setup, tables, plots and a statement per claim."""
-    parts, pngs, conv = [], [], {}
+def _long_base(rows, section: str) -> str:
+    """A --long-check section's base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
+    return c.DDP if any(r["method"] == c.DDP for r in _rows(rows, section)) else c.BIG
+
+
+def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
+    """The RESULTS.md section under its stamp: setup, scope, tables and plots (the claims: :func:`claims_of`)."""
+    parts, pngs = [], []
     for data in m["seeds"]:
-        md, deltas = convergence_table(rows, "convergence", data)
-        conv[data] = deltas
+        md, _ = convergence_table(rows, "convergence", data)
         png = plot_setting(
             rows, rounds, "convergence", data, prefix, f"{m['num_sites']} sites, {m['size']}, {data} shards"
         )
@@ -229,12 +233,10 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         parts.append(
             f"**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0 (plot `{_rel(png)}`):\n\n{diag_md}"
         )
-    long_d = {}
     for section in long_sections(rows):
         steps = int(_rows(rows, section)[0]["inner_steps"])
-        base = c.DDP if any(r["method"] == c.DDP for r in _rows(rows, section)) else c.BIG
-        long_md, d = convergence_table(rows, section, "iid", base_method=base)
-        long_d[steps] = (base, d)
+        base = _long_base(rows, section)
+        long_md, _ = convergence_table(rows, section, "iid", base_method=base)
         png = plot_setting(rows, rounds, section, "iid", prefix, f"{steps} inner steps per site, iid")
         pngs.append(png)
         against = (
@@ -244,7 +246,7 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
             f"evaluated step of the {m['total_steps']}-step runs, {conv_big_vs_ddp(rows)} at the end)"
         )
         parts.append(f"**Longer: {steps} inner steps per site**, iid, {against} (plot `{_rel(png)}`):\n\n{long_md}")
-    fmd, facts = fault_table(rows, c.SE_TARGET_PP)
+    fmd, _ = fault_table(rows, c.SE_TARGET_PP)
     parts.append(
         f"**Faults against the fault-free run** (H = {m['h_main']}, {m['faults']['total_steps']} inner steps, "
         f"warmup + cosine inner LR, iid, paired by seed):\n\n{fmd}"
@@ -252,13 +254,12 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
     nmd, nfacts = netem.table(rows)
     if nfacts:
         parts.append(f"**10% packet loss over gRPC through netem** ({netem.setup(m)}):\n\n{nmd}")
-    smd, best, best_d = sweep_tables(rows, m)
+    smd, _, _ = sweep_tables(rows, m)
     parts.append(
         f"**Outer lr / momentum sweep** (H = {m['h_main']}, {m['sweep']['total_steps']} inner steps, iid, constant "
         f"inner LR; final val loss, seed 0):\n\n{smd}"
     )
     setup = (
-        f"Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).\n\n"
         f"Setup: {m['num_sites']} sites, built-in GPT `{m['size']}` ({rows[0]['num_params']:,} parameters), stdlib "
         f"source, {m['total_steps']} inner steps per site for every convergence run, inner AdamW (preset lr, "
         f"constant unless said), validation on {m['num_val_batches']} fixed batches. DDP: {m['num_sites']} "
@@ -267,12 +268,25 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         f"one site, plain training (the 4x batch sees the N sites' tokens). Δ% = 100·(L/L_DDP − 1), paired by seed; "
         f"SE = std/√n. CSV: `{prefix.with_suffix('.csv').name}`."
     )
+    return "\n\n".join([setup, scope(m, mode, bool(nfacts)), *parts])
+
+
+def claims_of(rows, m: dict[str, Any]) -> str:
+    """The claims of the section (:func:`claims`) from the same tables :func:`report` shows, with
+    the netem pairs' claim before the site-down one."""
+    conv = {data: convergence_table(rows, "convergence", data)[1] for data in m["seeds"]}
+    diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
+    long_d = {}
+    for section in long_sections(rows):
+        base = _long_base(rows, section)
+        long_d[int(_rows(rows, section)[0]["inner_steps"])] = (base, convergence_table(rows, section, "iid", base)[1])
+    _, facts = fault_table(rows, c.SE_TARGET_PP)
+    _, best, best_d = sweep_tables(rows, m)
     statements = claims(rows, m, conv, diag, facts, best, best_d, long_d)
-    netem_claim = netem.claim(nfacts, rows, verdict)
+    netem_claim = netem.claim(netem.table(rows)[1], rows, verdict)
     if netem_claim:
         statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
-    note = f"\n\n{meta['note']}" if meta.get("note") else ""
-    return "\n\n".join([setup + note, scope(m, mode, bool(nfacts)), *parts, "**Claims**\n\n" + statements])
+    return statements
 
 
 def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
@@ -284,7 +298,7 @@ def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
         f"average at H = {', '.join(str(h) for h in m['both_outers_hs'])} only; fault and sweep runs of "
         f"{f['total_steps']} / {m['sweep']['total_steps']} inner steps ({f['total_steps'] // m['h_main']} / "
         f"{m['sweep']['total_steps'] // m['h_main']} rounds at H = {m['h_main']}), not {m['total_steps']}.",
-        ("10% loss over gRPC through netem: the `--netem-pairs` table below. " if netem_done else "")
+        ("10% loss over gRPC through netem: the `convergence.side=netem` table below. " if netem_done else "")
         + "Not measured here: "
         + (
             ""

@@ -76,6 +76,7 @@ SPECS = (
     "datagram_mean_loss",
     "catch_up",
     "datagram_tcp_share",
+    "convergence",
 )
 MODES = ("smoke", "quick", "full")
 
