@@ -204,7 +204,7 @@ def knobs(m: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- points
-def _spec(m: dict[str, Any], *, section: str, data: str, method: str, seed: int, steps: int, **kw: Any) -> Point:
+def _spec(m: dict[str, Any], section: str, data: str, method: str, seed: int, steps: int, **kw: Any) -> Point:
     """One run; ``kw`` overrides RunSpec fields (sync_every, num_sites, outer_lr, codec, ...), which
     the point holds by their config paths."""
     h = kw.pop("sync_every", steps)
@@ -239,17 +239,9 @@ def _diloco(
     m: dict[str, Any], section: str, data: str, h: int, outer: tuple[float, float], seed: int, steps: int, **kw: Any
 ) -> Point:
     """DiLoCo with N sites at H = h and the outer SGD (lr, momentum) = ``outer``."""
+    lr, momentum = outer
     return _spec(
-        m,
-        section=section,
-        data=data,
-        method=diloco_label(h, outer),
-        seed=seed,
-        steps=steps,
-        sync_every=h,
-        outer_lr=outer[0],
-        outer_momentum=outer[1],
-        **kw,
+        m, section, data, diloco_label(h, outer), seed, steps, sync_every=h, outer_lr=lr, outer_momentum=momentum, **kw
     )
 
 
@@ -260,20 +252,11 @@ def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int
     h, n = m["h_main"], m["num_sites"]
     one = dict(num_sites=1, sync_every=h, outer_lr=1.0, outer_momentum=0.0, **kw)
     big = m.get("batch_size") or 8
+    same_windows = max(1, m["num_val_batches"] // n)  # the same validation windows (evenly spaced)
     return [
-        _spec(m, section=section, data=data, method=DDP, seed=seed, steps=steps, sync_every=1, rounds=steps, **kw),
-        _spec(m, section=section, data=data, method=ALONE, seed=seed, steps=steps, **one),
-        _spec(
-            m,
-            section=section,
-            data=data,
-            method=BIG,
-            seed=seed,
-            steps=steps,
-            batch_size=big * n,
-            num_val_batches=max(1, m["num_val_batches"] // n),  # the same validation windows (evenly spaced)
-            **one,
-        ),
+        _spec(m, section, data, DDP, seed, steps, sync_every=1, rounds=steps, **kw),
+        _spec(m, section, data, ALONE, seed, steps, **one),
+        _spec(m, section, data, BIG, seed, steps, batch_size=big * n, num_val_batches=same_windows, **one),
     ]
 
 
@@ -305,18 +288,9 @@ def fault_points(m: dict[str, Any], names: Sequence[str], seeds: Sequence[int]) 
         **{k: dict(codec=c, broadcast_error_feedback=c == "topk") for k, c in CODECS.items()},
         **SPARSE,
     }
+    steps = f["total_steps"]
     return [
-        _spec(
-            m,
-            section="faults",
-            data="iid",
-            method=name,
-            seed=seed,
-            steps=f["total_steps"],
-            sync_every=h,
-            lr_schedule="cosine",
-            **by_name[name],
-        )
+        _spec(m, "faults", "iid", name, seed, steps, sync_every=h, lr_schedule="cosine", **by_name[name])
         for name in names
         for seed in seeds
     ]
