@@ -77,6 +77,7 @@ SPECS = (
     "catch_up",
     "datagram_tcp_share",
     "convergence",
+    "chaos",
 )
 MODES = ("smoke", "quick", "full")
 

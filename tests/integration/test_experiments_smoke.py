@@ -43,8 +43,10 @@ RUN_COLUMNS = {
 # Specs with their own ``execute`` whose rows are in-process DiLoCo (and DDP) run rows all the same.
 RUN_ROWS = {"convergence"}
 
+# Specs whose smoke is a test of its own: what it checks is the system under faults, not the pipeline.
+SMOKED_ELSEWHERE = {"chaos": "tests/fault/test_chaos_smoke.py"}
 # The specs that run on this host; those through emulated links (root) have their smokes in tests/netem/.
-LOCAL_SPECS = [n for n in lab.SPECS if not lab.load_spec(n).netem]
+LOCAL_SPECS = [n for n in lab.SPECS if not lab.load_spec(n).netem and n not in SMOKED_ELSEWHERE]
 # A spec's smoke time limit where 120 s is not enough under load (s).
 # (at load average 60 convergence took 217 s)
 SPEC_TIMEOUT_S = {"diloco_sanity": 180, "site_failures": 240, "datagram_val_loss": 300, "convergence": 420}
