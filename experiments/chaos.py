@@ -536,6 +536,19 @@ def run_point(point: Point) -> RunResult:
     return RunResult(row=point.row(**_row(res)), rounds=[])
 
 
+# every soak's settings (a mode sets rounds, faults and timing); chaos.faults: per mode
+FIXED = {
+    "task_spec.num_sites": 3,
+    "diloco.sync_every": 4,
+    "chaos.max_gap_s": 4.0,
+    "chaos.down_s": 2.5,
+    "chaos.timeout_s": 600.0,
+    "chaos.reference": True,  # the fault-free run of the same seed, for the final loss
+    "chaos.netem": "auto",  # on / off / auto: netem sites when root and ip netns allow (partitions need them)
+    "chaos.logs": None,
+    "chaos.seed": None,  # the soak's seed instead of the lab's seeds 0..n-1
+}
+
 SPEC = Spec(
     name="chaos",
     title="Chaos soak (issue 13)",
@@ -553,27 +566,8 @@ SPEC = Spec(
         "quick": dict(seeds=[0], fixed={"rounds": 60, "chaos.faults": 20, "chaos.timeout_s": 7200.0}),
         "full": dict(seeds=[0], fixed={"rounds": 200, "chaos.faults": 50, "chaos.timeout_s": 7200.0}),
     },
-    fixed={
-        "task_spec.num_sites": 3,
-        "diloco.sync_every": 4,
-        "chaos.max_gap_s": 4.0,
-        "chaos.down_s": 2.5,
-        "chaos.timeout_s": 600.0,
-        "chaos.reference": True,  # the fault-free run of the same seed, for the final loss
-        "chaos.netem": "auto",  # on / off / auto: netem sites when root and ip netns allow (partitions need them)
-        "chaos.logs": None,
-        "chaos.seed": None,  # the soak's seed instead of the lab's seeds 0..n-1
-    },
-    paths=(
-        "chaos.faults",
-        "chaos.max_gap_s",
-        "chaos.down_s",
-        "chaos.timeout_s",
-        "chaos.reference",
-        "chaos.netem",
-        "chaos.logs",
-        "chaos.seed",
-    ),
+    fixed=FIXED,
+    paths=tuple(p for p in FIXED if p.startswith("chaos.")) + ("chaos.faults",),
     label=lambda point: "soak",
     metrics=(("num_faults", 0, 10_000), ("wall_s", 0.0, 1e6)),
     report=table,
