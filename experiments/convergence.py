@@ -65,7 +65,7 @@ e.g. ``.venv/bin/python -m experiments run convergence --set convergence.side=fa
 --replot``. ITEMS of ``outer`` / ``long``: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this
 outer lr / momentum), ``ddp``, or ``big`` (1 site, N times the batch: DDP's stand-in, within 2%
 of DDP all along the 4000-step curve); ``fault_names``: runs of the fault table or the aliases
-fault-free, loss10, restart, int8, int4, topk, or the issue-35 rows (``convergence_labels.SPARSE``).
+fault-free, loss10, restart, int8, int4, topk, or the issue-35 rows (``convergence_report.SPARSE``).
 A side run's own section (if ``--results`` is not ``none``) only says where its rows went.
 """
 
@@ -79,7 +79,7 @@ from typing import Any, Sequence
 from experiments import convergence_netem
 from experiments import convergence_report as rep
 from experiments.common import RunResult, load_meta, mean_se, own_session, pct_deltas, read_rows, run_inproc
-from experiments.convergence_labels import (
+from experiments.convergence_report import (
     ALONE,
     AVERAGE,
     BIG,
