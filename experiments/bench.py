@@ -41,7 +41,7 @@ def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = Non
 def stamp(load_before: float | None = None) -> dict[str, Any]:
     """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average
     (before the run, when given, and now), CPUs, machine, torch and Python versions."""
-    from experiments.lab import code_version  # noqa: PLC0415
+    from experiments.common import code_version  # noqa: PLC0415
 
     try:
         import torch  # noqa: PLC0415

@@ -17,43 +17,40 @@ Modes:
 
 Run (repository root)::
 
-    .venv/bin/python -m experiments.catch_up --mode quick
+    .venv/bin/python -m experiments run catch_up --mode quick   # as root (netem)
+    .venv/bin/python -m experiments run catch_up --mode smoke   # loopback, seconds
 
-Prints one line per run and a table (joiner link, state MB, donors, seconds, the naive
-seconds = state bytes / the narrower side's rate: the joiner's link, or the donors' uplinks
-together, and the ratio).
-The target (issue 33): within 1.3x of the naive figure with three donors.
+Writes one row per run (joiner link, state MB, donors, seconds, the naive seconds = state
+bytes / the narrower side's rate: the joiner's link, or the donors' uplinks together, and
+the ratio) and the table. The target (issue 33): within 1.3x of the naive figure with three
+donors. The donor and joiner processes are this module run as ``python -m
+experiments.catch_up donor|joiner``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-MODES = {
-    "smoke": {"netem": False, "state_mb": [2], "donors": [1, 3], "rate_mbit": None, "rtt_ms": 0, "joiner_x": [1]},
-    "quick": {
-        "netem": True,
-        "state_mb": [16, 64],
-        "donors": [1, 3],
-        "rate_mbit": 100,
-        "rtt_ms": 40,
-        "joiner_x": [1, 3],
-    },
-    "full": {
-        "netem": True,
-        "state_mb": [64, 256],
-        "donors": [1, 3],
-        "rate_mbit": 100,
-        "rtt_ms": 40,
-        "joiner_x": [1, 3],
-    },
+from dtrain.app.procs import child_env
+from experiments.common import RunResult, md_table
+from experiments.lab import Point, Spec
+from experiments.procs import netem_topology
+
+NETEM, RATE, RTT = "netem.enabled", "netem.rate_mbit", "netem.rtt_ms"
+STATE_MB, DONORS, JOINER_X = "lab.state_mb", "lab.donors", "lab.joiner_x"
+WAN = {NETEM: True, RATE: 100, RTT: 40}
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(fixed={NETEM: False, RATE: None, RTT: 0}, grid={JOINER_X: [1], STATE_MB: [2], DONORS: [1, 3]}),
+    "quick": dict(fixed=WAN, grid={JOINER_X: [1, 3], STATE_MB: [16, 64], DONORS: [1, 3]}),
+    "full": dict(fixed=WAN, grid={JOINER_X: [1, 3], STATE_MB: [64, 256], DONORS: [1, 3]}),
 }
 BUCKET_BYTES = 1 << 20  # 1 MiB buckets: a 16 MB state is 8 of them, enough to spread over 3 donors x 2 streams
 TARGET_RATIO = 1.3
@@ -122,9 +119,9 @@ def joiner(args: argparse.Namespace) -> None:
     eng.stop(0.1)
 
 
-def _run_one(numel: int, num_donors: int, m: dict, topo) -> dict:
+def _run_one(numel: int, num_donors: int, topo) -> dict:
     py = [sys.executable, "-m", "experiments.catch_up"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = child_env()
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         try:
@@ -155,9 +152,71 @@ def _run_one(numel: int, num_donors: int, m: dict, topo) -> dict:
                 p.wait()
 
 
+def measure(point: Point) -> RunResult:
+    """One pull of ``lab.state_mb`` MB from ``lab.donors`` donors; through netem (every link at
+    ``netem.rate_mbit``, the joiner's ``lab.joiner_x`` times that) when ``netem.enabled``."""
+    f = point.settings
+    numel = (f[STATE_MB] << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
+    topo = None
+    if f[NETEM]:
+        topo = netem_topology(1 + f[DONORS], "cu", "catch_up")
+        topo.set_link(None, delay_ms=f[RTT] / 2, rate_mbit=f[RATE])
+        topo.set_link(0, delay_ms=f[RTT] / 2, rate_mbit=f[RATE] * f[JOINER_X])
+    try:
+        r = _run_one(numel, f[DONORS], topo)
+    finally:
+        if topo is not None:
+            topo.close()
+    rate = f[RATE] * min(f[JOINER_X], f[DONORS]) if f[RATE] else float("nan")  # the narrower side
+    naive = r["bytes"] * 8 / (rate * 1e6)
+    r["buckets_from"] = json.dumps(r["buckets_from"])
+    return RunResult(
+        row=point.row(joiner_mbit=(f[RATE] or 0) * f[JOINER_X], **r, naive_s=naive, ratio=r["seconds"] / naive)
+    )
+
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    link = f"netem, every link {f[RATE]} Mbit/s, RTT {f[RTT]} ms" if f[NETEM] else "loopback, no emulated link"
+    table = [
+        [r["joiner_mbit"], r["lab.state_mb"], r["lab.donors"], f"{r['seconds']:.2f}", f"{r['naive_s']:.2f}"]
+        + [f"{r['ratio']:.2f}", r["equal"]]
+        for r in rows
+    ]
+    return f"""Setup: {link}; the joiner pulls θ and the outer momentum ({BUCKET_BYTES >> 20} MiB buckets, 2 streams a donor).
+CSV: `{prefix.with_suffix(".csv").name}`.
+
+{md_table(["joiner Mbit/s", "state MB", "donors", "seconds", "naive s", "ratio", "equal"], table)}"""
+
+
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """Issue 33's target: three donors within ``TARGET_RATIO`` of the naive figure."""
+    three = [r["ratio"] for r in rows if r["lab.donors"] == 3 and math.isfinite(r["ratio"])]
+    if not three:
+        return ["- Three donors within 1.3x of the naive time: not judged (no link rate: loopback)."]
+    worst = max(three)
+    return [
+        f"- Three donors within {TARGET_RATIO}x of the naive time: worst {worst:.2f}x (**{'met' if worst <= TARGET_RATIO else 'missed'}**)."
+    ]
+
+
+SPEC = Spec(
+    name="catch_up",
+    title="Catch-up: a joiner's state pull against the naive transfer time",
+    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},  # timings: one pull at a time
+    label=lambda point: f"joiner x{point[JOINER_X]}, {point[STATE_MB]} MB, {point[DONORS]} donors",
+    metrics=(("seconds", 0.0, 600.0), ("bytes", 1, 1e12)),
+    report=report,
+    verdict=verdict,
+    execute=measure,
+    paths=(NETEM, RATE, RTT, STATE_MB, DONORS, JOINER_X),
+)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The donor and joiner processes of :func:`measure` (``python -m experiments.catch_up ROLE``)."""
     ap = argparse.ArgumentParser(prog="python -m experiments.catch_up", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="role")
+    sub = ap.add_subparsers(dest="role", required=True)
     for role in ("donor", "joiner"):
         p = sub.add_parser(role)
         p.add_argument("--numel", type=int, required=True)
@@ -166,44 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--site-id", default="donor")
         p.add_argument("--donors", default="")
         p.add_argument("--streams", type=int, default=2)
-    ap.add_argument("--mode", choices=sorted(MODES), default="quick")
     args = ap.parse_args(argv)
-    if args.role == "donor":
-        return donor(args)
-    if args.role == "joiner":
-        return joiner(args)
-    m = MODES[args.mode]
-    topo = None
-    if m["netem"]:
-        from netem import Topology
-
-        topo = Topology(num_sites=1 + max(m["donors"]), name="cu")
-        topo.set_link(None, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"])
-    rows = []
-    try:
-        for jx in m["joiner_x"]:
-            if topo is not None:
-                topo.set_link(0, delay_ms=m["rtt_ms"] / 2, rate_mbit=m["rate_mbit"] * jx)
-            for mb in m["state_mb"]:
-                numel = (mb << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
-                for n in m["donors"]:
-                    r = _run_one(numel, n, m, topo)
-                    rate = m["rate_mbit"] * min(jx, n) if m["rate_mbit"] else float("nan")  # the narrower side
-                    naive = r["bytes"] * 8 / (rate * 1e6)
-                    row = {"joiner_mbit": (m["rate_mbit"] or 0) * jx, "state_mb": mb, "donors": n, **r}
-                    row.update(naive_s=naive, ratio=r["seconds"] / naive)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-    finally:
-        if topo is not None:
-            topo.close()
-    print("\n| joiner Mbit/s | state MB | donors | seconds | naive s | ratio | equal |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['joiner_mbit']} | {r['state_mb']} | {r['donors']} | {r['seconds']:.2f} | {r['naive_s']:.2f} "
-            f"| {r['ratio']:.2f} | {r['equal']} |"
-        )
+    (donor if args.role == "donor" else joiner)(args)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,22 @@ longest-lived process after the first 30 % of its life). Prints a table:
 faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
 against a fault-free run with the same seed.
 
-    python -m experiments.chaos --smoke            # CI: 3 sites, a few rounds and faults
-    python -m experiments.chaos --rounds 200 --faults 50
+A spec of the one runner (one row per soak; the table and the verdict in the section)::
+
+    python -m experiments run chaos --mode smoke    # CI: 3 sites, 12 rounds, 7 faults, no fault-free run
+    python -m experiments run chaos                 # quick: 60 rounds, 20 faults, and the fault-free run
+    python -m experiments run chaos --mode full     # 200 rounds, 50 faults
+
+The flags of the script before the lab: ``--smoke`` is ``--mode smoke``, no flag ``--mode quick``;
+``--sites N``, ``--rounds R``, ``--faults F``, ``--seed S``, ``--netem auto|on|off`` and ``--out DIR``
+(the logs and ``chaos.json``; default a temporary directory) are ``--set task_spec.num_sites=N``,
+``--set rounds=R``, ``--set chaos.faults=F``, ``--set chaos.seed=S``, ``--set chaos.netem=...``
+and ``--set chaos.logs=DIR``. The run no longer exits 1 on a failed check: its verdict line
+says **NOT met** (and ``chaos.json`` has the figures).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -69,6 +78,8 @@ from dtrain.app.procs import Cluster
 from dtrain.metrics import RoundLine, read_metrics, rejected_applied
 from dtrain.protocol import Contribution
 from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig
+from experiments.common import RunResult
+from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
 from experiments.site_failures import WORKER
@@ -427,28 +438,57 @@ def analyse(cfg: ChaosConfig, out: Outcome, ref: Outcome | None) -> dict:
     }
 
 
-def table(res: dict) -> str:
-    rows = [
-        ("faults injected", f"{res['num_faults']} ({', '.join(f'{k} {v}' for k, v in sorted(res['faults'].items()))})"),
-        ("rounds (site-0)", res["rounds"]),
-        ("hangs (round_s > broadcast deadline + 1 s)", len(res["hangs"])),
-        ("rounds with unequal θ among applying sites, unexplained", len(res["checksum_mismatch_rounds"])),
+def _row(res: dict) -> dict:
+    """The CSV row of one soak's figures (:func:`analyse`): lists as counts, the faults as text."""
+    growth = res["growth_after_warmup"].values()
+    return {
+        "faults": ", ".join(f"{k} {v}" for k, v in sorted(res["faults"].items())),
+        **{k: res[k] for k in ("num_faults", "longest_stall_s", "rejected_contributions", "rejected_named", "netem")},
+        **{k: len(res[k]) for k in ("hangs", "checksum_mismatch_rounds", "refused_but_applied")},
+        "owner_cut_rounds": len(res["unequal_after_unreachable_owner_rounds"]),
+        "rounds_lost_at_site0": len(res["rounds_lost_at_site0"]),
+        "max_rss_growth_kb": max((g["rss_kb"] for g in growth), default=0),
+        "max_fd_growth": max((g["fds"] for g in growth), default=0),
+        "final_val_loss": res["final_val_loss"],
+        "fault_free_final_val_loss": res["fault_free_final_val_loss"],
+        "wall_s": res["wall_s"],
+    }
+
+
+def table(rows: list[dict], rounds: list, m: dict, prefix: Path) -> str:
+    """One column per soak (seed): faults, hangs, unequal θ, rounds lost, stalls, refusals, growth, loss."""
+    items = [
+        ("faults injected", lambda r: f"{r['num_faults']} ({r['faults']})"),
+        ("rounds (site-0)", lambda r: r["rounds"]),
+        ("hangs (round_s > broadcast deadline + 1 s)", lambda r: r["hangs"]),
+        ("rounds with unequal θ among applying sites, unexplained", lambda r: r["checksum_mismatch_rounds"]),
         (
             "rounds with unequal θ after an owner some site could not reach (known, open)",
-            len(res["unequal_after_unreachable_owner_rounds"]),
+            lambda r: r["owner_cut_rounds"],
         ),
-        ("rounds lost at site-0", len(res["rounds_lost_at_site0"])),
-        ("longest stall (sync_s, s)", res["longest_stall_s"]),
-        ("contributions refused (named per chunk)", f"{res['rejected_contributions']} ({res['rejected_named']})"),
-        ("refused contributions found in an applied mean", len(res["refused_but_applied"])),
-        ("RSS (kB) / fd growth after warm-up, per site", json.dumps(res["growth_after_warmup"])),
+        ("rounds lost at site-0", lambda r: r["rounds_lost_at_site0"]),
+        ("longest stall (sync_s, s)", lambda r: r["longest_stall_s"]),
+        ("contributions refused (named per chunk)", lambda r: f"{r['rejected_contributions']} ({r['rejected_named']})"),
+        ("refused contributions found in an applied mean", lambda r: r["refused_but_applied"]),
+        (
+            "largest RSS (kB) / fd growth after warm-up of a site",
+            lambda r: f"{r['max_rss_growth_kb']} / {r['max_fd_growth']}",
+        ),
         (
             "final val loss, this run (fault-free run, same seed; None: not run)",
-            f"{res['final_val_loss']} ({res['fault_free_final_val_loss']})",
+            lambda r: f"{r['final_val_loss']} ({r['fault_free_final_val_loss']})",
         ),
-        ("wall (s)", res["wall_s"]),
+        ("netem", lambda r: r["netem"]),
+        ("wall (s)", lambda r: r["wall_s"]),
     ]
-    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    head = ["| | " + " | ".join(f"seed {r['seed']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+    return "\n".join([*head, *(f"| {k} | " + " | ".join(str(f(r)) for r in rows) + " |" for k, f in items)])
+
+
+def verdict(rows: list[dict], rounds: list, m: dict) -> list[str]:
+    """No hang, no unexplained unequal θ, nothing refused in an applied mean, in every soak."""
+    ok = all(not r["hangs"] and not r["checksum_mismatch_rounds"] and not r["refused_but_applied"] for r in rows)
+    return [f"- no hang, equal θ, nothing refused applied: **{'met' if ok else 'NOT met'}**"]
 
 
 def _netem_wanted(mode: str) -> bool:
@@ -458,13 +498,13 @@ def _netem_wanted(mode: str) -> bool:
 
     missing = netem.missing_requirements()
     if missing and mode == "on":
-        raise SystemExit(f"chaos.py --netem on: netem cannot emulate links here: missing {', '.join(missing)}")
+        raise SystemExit(f"chaos.netem=on: netem cannot emulate links here: missing {', '.join(missing)}")
     return not missing
 
 
 def _soak(cfg: ChaosConfig, root: Path, *, faults: bool) -> Outcome:
     """One run, under netem (sites + 1 for the rendezvous) when ``cfg.netem``."""
-    ctx = netem_topology(cfg.num_sites + 1, "chaos", "chaos.py") if cfg.netem else contextlib.nullcontext()
+    ctx = netem_topology(cfg.num_sites + 1, "chaos", "run chaos") if cfg.netem else contextlib.nullcontext()
     with ctx as topo:
         soak = _Soak(cfg, root, faults=faults, topo=topo)
         try:
@@ -473,50 +513,68 @@ def _soak(cfg: ChaosConfig, root: Path, *, faults: bool) -> Outcome:
             soak.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--rogue"]:  # a rogue client process (netem runs): --rogue KIND ADDRESS METRICS_JSONL
-        _rogue(argv[1], argv[2], Path(argv[3]))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="3 sites, 12 rounds, 7 faults (each kind once where netem runs; without it partitions are left out "
-        "and one kind repeats), no fault-free run",
+def run_point(point: Point) -> RunResult:
+    """One soak (and first the fault-free run of the same seed, with ``chaos.reference``); its
+    figures go to ``chaos.json`` beside the logs (``chaos.logs``, default a temporary directory)."""
+    s = point.settings
+    cfg = ChaosConfig(
+        num_sites=s["task_spec.num_sites"],
+        rounds=s["rounds"],
+        num_faults=s["chaos.faults"],
+        seed=point.seed if s["chaos.seed"] is None else s["chaos.seed"],
+        sync_every=s["diloco.sync_every"],
+        down_s=s["chaos.down_s"],
+        max_gap_s=s["chaos.max_gap_s"],
+        timeout_s=s["chaos.timeout_s"],
+        netem=_netem_wanted(s["chaos.netem"]),
     )
-    p.add_argument("--sites", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=60)
-    p.add_argument("--faults", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--netem",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run in netem sites (root, ip netns; needed for partitions); auto: when available",
-    )
-    p.add_argument("--out", default=None, help="directory for the logs and chaos.json (default: a temp dir)")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    use_netem = _netem_wanted(a.netem)
-    cfg = (
-        ChaosConfig(num_sites=3, rounds=12, num_faults=7, seed=a.seed, max_gap_s=2.0, down_s=1.5, netem=use_netem)
-        if a.smoke
-        else ChaosConfig(
-            num_sites=a.sites, rounds=a.rounds, num_faults=a.faults, seed=a.seed, timeout_s=7200, netem=use_netem
-        )
-    )
-    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="dtrain-chaos-"))
-    ref = None if a.smoke else _soak(cfg, root / "fault_free", faults=False)
-    out = _soak(cfg, root / "chaos", faults=True)
-    res = analyse(cfg, out, ref)
+    root = Path(s["chaos.logs"] or tempfile.mkdtemp(prefix="dtrain-chaos-"))
+    ref = _soak(cfg, root / "fault_free", faults=False) if s["chaos.reference"] else None
+    res = analyse(cfg, _soak(cfg, root / "chaos", faults=True), ref)
     (root / "chaos.json").write_text(json.dumps(res, indent=2))
-    print(table(res))
-    print(f"\nlogs and chaos.json under {root}")
-    ok = not res["hangs"] and not res["checksum_mismatch_rounds"] and not res["refused_but_applied"]
-    return 0 if ok else 1
+    print(f"chaos: logs and chaos.json under {root}", flush=True)
+    return RunResult(row=point.row(**_row(res)), rounds=[])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# every soak's settings (a mode sets rounds, faults and timing); chaos.faults: per mode
+FIXED = {
+    "task_spec.num_sites": 3,
+    "diloco.sync_every": 4,
+    "chaos.max_gap_s": 4.0,
+    "chaos.down_s": 2.5,
+    "chaos.timeout_s": 600.0,
+    "chaos.reference": True,  # the fault-free run of the same seed, for the final loss
+    "chaos.netem": "auto",  # on / off / auto: netem sites when root and ip netns allow (partitions need them)
+    "chaos.logs": None,
+    "chaos.seed": None,  # the soak's seed instead of the lab's seeds 0..n-1
+}
+
+SPEC = Spec(
+    name="chaos",
+    title="Chaos soak (issue 13)",
+    modes={
+        "smoke": dict(
+            seeds=[0],
+            fixed={
+                "rounds": 12,
+                "chaos.faults": 7,
+                "chaos.max_gap_s": 2.0,
+                "chaos.down_s": 1.5,
+                "chaos.reference": False,
+            },
+        ),
+        "quick": dict(seeds=[0], fixed={"rounds": 60, "chaos.faults": 20, "chaos.timeout_s": 7200.0}),
+        "full": dict(seeds=[0], fixed={"rounds": 200, "chaos.faults": 50, "chaos.timeout_s": 7200.0}),
+    },
+    fixed=FIXED,
+    paths=tuple(p for p in FIXED if p.startswith("chaos.")) + ("chaos.faults",),
+    label=lambda point: "soak",
+    metrics=(("num_faults", 0, 10_000), ("wall_s", 0.0, 1e6)),
+    report=table,
+    verdict=verdict,
+    execute=run_point,
+)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--rogue"]:  # a rogue client process (netem runs)
+    _rogue(sys.argv[2], sys.argv[3], Path(sys.argv[4]))  # --rogue KIND ADDRESS METRICS_JSONL

@@ -1,4 +1,4 @@
-"""Shared helpers of the experiment scripts (loss_sweep, codec_sweep, diloco_sanity).
+"""Shared helpers of the lab (:mod:`experiments.lab`) and its specs.
 
 One run = N DiLoCo sites training the built-in byte-level GPT (``dtrain.tasks``) as
 threads of one process over a seeded in-process network (:class:`dtrain.sim.InprocCluster`).
@@ -16,7 +16,6 @@ Measurements here are figures to print and plot, never asserts.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import csv
 import functools
@@ -24,8 +23,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import threading
@@ -66,18 +63,11 @@ __all__ = [
     "fmt_pm",
     "md_table",
     "update_results",
-    "command_line",
-    "provenance",
+    "code_version",
     "quiet_logging",
     "paired_deltas",
-    "base_parser",
-    "run_or_load",
-    "publish",
     "subplots",
     "save_fig",
-    "mode_of",
-    "mode_settings",
-    "out_prefix",
     "own_session",
 ]
 
@@ -476,125 +466,19 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def command_line(script: str, argv: Sequence[str]) -> str:
-    """The command that reproduces this run, from the repository root (``--replot`` dropped)."""
-    module = "experiments." + script.removesuffix(".py")
-    return shlex.join([".venv/bin/python", "-m", module, *[a for a in argv if a != "--replot"]])
-
-
-def provenance() -> str:
-    """Date, commit, machine and torch version, for the RESULTS.md section header."""
+def _git(*args: str) -> str:
     try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or "unknown"
-        )
+        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return r.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return (
-        f"{time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs ({platform.machine()}), "
-        f"torch {torch.__version__}, Python {platform.python_version()}"
-    )
+        return ""
 
 
-def base_parser(doc: str) -> argparse.ArgumentParser:
-    """The flags every experiment script shares: mode, seeds, jobs, output paths."""
-    ap = argparse.ArgumentParser(
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Without --quick or --smoke the full mode runs (for a bigger machine).",
-    )
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        action="store_true",
-        help="minutes on a 2-core machine (4-12 min; each RESULTS.md section says how long it took)",
-    )
-    mode.add_argument("--smoke", action="store_true", help="seconds; what the CI test runs; measures nothing")
-    ap.add_argument("--sites", type=int, help="number of sites (default per mode)")
-    ap.add_argument("--size", choices=["tiny", "small", "base"], help="built-in model size")
-    ap.add_argument("--seeds", type=int, help="number of seeds, 0..n-1")
-    ap.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=OUT_DIR,
-        help="directory for the CSV and PNG files (default: experiments/out, the committed --quick results)",
-    )
-    ap.add_argument("--results", default=str(RESULTS_MD), help="RESULTS.md to update, or 'none'")
-    ap.add_argument("--verbose", action="store_true", help="log the library's INFO lines")
-    ap.add_argument(
-        "--replot",
-        action="store_true",
-        help="run nothing: redo the plots and the RESULTS.md section from this mode's CSV files",
-    )
-    return ap
-
-
-def mode_of(args: argparse.Namespace) -> str:
-    return "smoke" if args.smoke else "quick" if args.quick else "full"
-
-
-def mode_settings(
-    args: argparse.Namespace, modes: dict[str, dict[str, Any]], overrides: Sequence[str] = ("size",)
-) -> tuple[str, dict[str, Any]]:
-    """(mode, a copy of ``modes[mode]``) with the flags the user gave applied: ``--sites``
-    (``num_sites``), ``--seeds N`` (seeds 0..N-1) and each attribute named in ``overrides``
-    that is not None."""
-    mode = mode_of(args)
-    m = dict(modes[mode])
-    for k in ("seeds", "sites", "jobs"):
-        v = getattr(args, k, None)
-        if v is not None and v < 1:
-            raise SystemExit(f"--{k} must be >= 1, got {v}")
-    for k in overrides:
-        if getattr(args, k, None) is not None:
-            m[k] = getattr(args, k)
-    if getattr(args, "sites", None) is not None:
-        m["num_sites"] = args.sites
-    if args.seeds is not None:
-        m["seeds"] = list(range(args.seeds))
-    return mode, m
-
-
-def out_prefix(args: argparse.Namespace, name: str) -> Path:
-    """``OUT/name`` for --quick (the committed files), ``OUT/name_MODE`` otherwise."""
-    mode = mode_of(args)
-    return args.out / (name if mode == "quick" else f"{name}_{mode}")
-
-
-def run_or_load(
-    args: argparse.Namespace, argv: Sequence[str], script: str, prefix: Path, runner
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """``runner()`` -> list of :class:`RunResult`; write ``prefix.csv``, ``prefix_rounds.csv`` and
-    ``prefix_meta.json``. With ``--replot``, read them back instead of running anything.
-    Returns (rows, per-round rows, meta with ``command``, ``minutes``, ``provenance``)."""
-    rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
-    if args.replot:
-        rounds = read_rows(rounds_path) if rounds_path.exists() else []
-        return read_rows(prefix.with_suffix(".csv")), rounds, load_meta(prefix)
-    t0 = time.perf_counter()
-    results = runner()
-    rows = [r.row for r in results]
-    rounds = [x for r in results for x in r.rounds]
-    write_csv(prefix.with_suffix(".csv"), rows)
-    write_csv(rounds_path, rounds)
-    meta = {
-        "command": command_line(script, argv),
-        "minutes": round((time.perf_counter() - t0) / 60, 2),
-        "provenance": provenance(),
-    }
-    save_meta(prefix, meta)
-    return rows, rounds, meta
-
-
-def publish(args: argparse.Namespace, key: str, title: str, body: str) -> None:
-    """Print the section and put it into ``--results`` (unless 'none')."""
-    print(body)
-    if str(args.results).lower() != "none":
-        update_results(Path(args.results), key, title, body)
+def code_version() -> str:
+    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
+    writes its outputs, some of which are tracked)."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def subplots(*args: Any, **kwargs: Any):

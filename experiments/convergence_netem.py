@@ -2,7 +2,7 @@
 
 Issue 18 asks for the change in final validation loss under 10% loss over gRPC through
 netem, paired by seed, with a standard error of at most 0.2 percentage points.
-``experiments/convergence.py --netem-pairs A:B`` runs, per seed A..B-1, the fault table's
+``python -m experiments run convergence --set convergence.side=netem:A:B`` runs, per seed A..B-1, the fault table's
 training setup (N sites, built-in GPT, H = ``h_main``, the fault runs' inner steps,
 warmup + cosine inner LR, fp32 with error feedback, 64 KiB buckets of 16 KiB chunks) as N
 ``dtrain worker`` processes and one ``dtrain rendezvous`` in their own network namespaces
@@ -67,7 +67,7 @@ def run(m: dict[str, Any], seeds: Sequence[int], timeout_s: float) -> list[RunRe
     """Per seed: 0%, 10% and 0% again through one netem topology; rows tagged section ``NETEM``."""
     run_m, worker = settings(m)
     out = []
-    with netem_topology(run_m["num_sites"] + 1, "cnet", "convergence.py --netem-pairs") as topo:
+    with netem_topology(run_m["num_sites"] + 1, "cnet", "convergence.side=netem") as topo:
         for seed in seeds:
             for cfg, loss in ((BASE, 0.0), (LOSSY, 10.0), (REPEAT, 0.0)):
                 res = netem_loss.run_one(topo, run_m, cfg, loss, seed, timeout_s, worker=worker, rendezvous=RENDEZVOUS)

@@ -1,4 +1,4 @@
-"""Tables, plots and claim statements of ``experiments/convergence.py`` (issue 18).
+"""Tables, plots and claim statements of the convergence spec (``experiments/convergence.py``, issue 18).
 
 Measurements are printed and plotted, never asserted. Percent changes are of the final
 validation loss (nats/byte): 100·(L / L_base − 1), paired by seed; SE = std / √n.
@@ -11,11 +11,60 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments import convergence_labels as c
 from experiments import convergence_netem as netem
 from experiments.common import ROOT, fmt_pm, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
 
-__all__ = ["report", "verdict", "curves"]
+__all__ = ["report", "claims_of", "verdict", "curves", "diloco_label", "fault_rows"]
+
+SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
+DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
+NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)
+LONG = "long"  # the --long-check runs' section
+FAULT_FREE, LOSS10, RESTART = "fault-free (fp32)", "10% chunk loss", "1 site down, restarted"
+CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
+#: SparseLoCo rows (issue 35): chunked top-k, 2-bit values, error feedback decay β, and the
+#: paper's outer step (SGD lr α = 1, no momentum) unless a row says otherwise; the owners
+#: re-sparsify each mean with their own error feedback unless a row says otherwise.
+_SL = dict(
+    codec="sparseloco", error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0, broadcast_error_feedback=True
+)
+SPARSE = {
+    "int4+zstd": dict(codec="int4+zstd"),
+    "sparseloco k=32/4096": dict(_SL, sparse_k=32),
+    "sparseloco k=64/4096": dict(_SL, sparse_k=64),
+    "sparseloco k=128/4096": dict(_SL, sparse_k=128),
+    "sparseloco k=64, Nesterov 0.7/0.9, β 1": dict(_SL, error_feedback_decay=1.0, outer_lr=0.7, outer_momentum=0.9),
+    "sparseloco k=64, int8 means": dict(_SL, broadcast_codec="int8", broadcast_error_feedback=False),
+    "sparseloco k=64, means at k=256": dict(_SL, broadcast_sparse_k=256),
+    "sparseloco k=128, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512),
+    "sparseloco k=32, means at k=128": dict(_SL, sparse_k=32, broadcast_sparse_k=128),
+    "sparseloco k=128 α 2, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=2.0),
+    "sparseloco k=128 α 4, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=4.0),
+    "sparseloco k=128 datagram 0%, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, datagram_drop=0.0),
+    "sparseloco k=128 datagram 10%, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512, datagram_drop=0.1),
+    "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
+    "sparseloco k=64 sparse-mean": dict(_SL, sparse_mean=True),
+    "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),
+    "sparseloco k=64 sparse-mean int8-means": dict(
+        _SL, sparse_mean=True, broadcast_codec="int8", broadcast_error_feedback=False
+    ),
+    "sparseloco k=64 sparse-mean β1": dict(_SL, sparse_mean=True, error_feedback_decay=1.0),
+}
+
+
+def outer_name(outer: tuple[float, float]) -> str:
+    if outer == AVERAGE:
+        return "average"
+    return f"Nesterov {outer[0]:g}/{outer[1]:g}" if outer[1] else f"SGD lr {outer[0]:g}"
+
+
+def diloco_label(h: int, outer: tuple[float, float]) -> str:
+    return f"DiLoCo H={h}, {outer_name(outer)}"
+
+
+def fault_rows(rows: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r["section"] == "faults" and r["method"] == name]
+
 
 MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent above DDP's
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
@@ -64,7 +113,7 @@ def curves(rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> 
 
 def long_sections(rows) -> list[str]:
     """The --long-check sections (``long STEPS``), fewest steps first."""
-    secs = {r["section"] for r in rows if str(r["section"]).startswith(c.LONG + " ")}
+    secs = {r["section"] for r in rows if str(r["section"]).startswith(LONG + " ")}
     return sorted(secs, key=lambda x: int(x.split()[1]))
 
 
@@ -75,9 +124,9 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
     for cfg, g in summarize(sel).items():
         method = g[0]["method"]
         pts = sorted(cur.get(cfg, {}).items())
-        style = dict(color="black", lw=2) if method == c.DDP else {}
-        if method in (c.ALONE, c.BIG):
-            style = dict(color="tab:red" if method == c.ALONE else "tab:pink", ls=":")
+        style = dict(color="black", lw=2) if method == DDP else {}
+        if method in (ALONE, BIG):
+            style = dict(color="tab:red" if method == ALONE else "tab:pink", ls=":")
         elif "average" in method:
             style = dict(ls="--")
         ax.plot([s for s, _ in pts], [statistics.fmean(v) for _, v in pts], label=method, **style)
@@ -98,7 +147,7 @@ def convergence_table(
     (or ``base_method``, DDP's stand-in where DDP did not run)."""
     sel = _rows(rows, section, data)
     groups = summarize(sel, "method")
-    base_method = base_method or c.DDP
+    base_method = base_method or DDP
     base = groups.get(base_method, [])
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base) if base else float("nan")
     table, deltas = [], {}
@@ -106,8 +155,8 @@ def convergence_table(
         d = pct_deltas(g, base)
         deltas[method] = d
         b = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
-        ratio = "1" if method == c.DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
-        ratio = ratio if base_method == c.DDP else "—"
+        ratio = "1" if method == DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
+        ratio = ratio if base_method == DDP else "—"
         table.append(
             [
                 method,
@@ -139,13 +188,13 @@ def convergence_table(
 
 
 def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, float, int]]]:
-    base = c.fault_rows(rows, c.FAULT_FREE)
+    base = fault_rows(rows, FAULT_FREE)
     table, facts = [], {}
-    for name in (c.FAULT_FREE, c.LOSS10, c.RESTART, *c.CODECS):
-        g = c.fault_rows(rows, name)
+    for name in (FAULT_FREE, LOSS10, RESTART, *CODECS):
+        g = fault_rows(rows, name)
         if not g:
             continue
-        d = pct_deltas(g, base) if name != c.FAULT_FREE else []
+        d = pct_deltas(g, base) if name != FAULT_FREE else []
         mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[name] = (mu, se, len(d))
         ppl = [100 * (math.exp(float(r["final_val_loss"]) - b) - 1) for r, b in _paired(g, base)]
@@ -196,9 +245,9 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
         [[f"{lr:g}", *[f"{grid.get((lr, mo), float('nan')):.4f}" for mo in moms]] for lr in lrs],
     )
     by = summarize(sw, "method")
-    default = by.get(c.diloco_label(m["h_main"], c.NESTEROV), [])
+    default = by.get(diloco_label(m["h_main"], NESTEROV), [])
     conf = []
-    best, best_mu = c.NESTEROV, float("inf")
+    best, best_mu = NESTEROV, float("inf")
     for method, g in by.items():
         if len(g) < 2:
             continue
@@ -207,16 +256,20 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
         if mu < best_mu:
             best_mu, best = mu, (float(g[0]["outer_lr"]), float(g[0]["outer_momentum"]))
     cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], conf)
-    bd = pct_deltas(by.get(c.diloco_label(m["h_main"], best), []), default)
+    bd = pct_deltas(by.get(diloco_label(m["h_main"], best), []), default)
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
 
 
-def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, mode: str) -> str:
-    """The RESULTS.md section: setup, tables, plots and a statement per claim."""
-    parts, pngs, conv = [], [], {}
+def _long_base(rows, section: str) -> str:
+    """A --long-check section's base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
+    return DDP if any(r["method"] == DDP for r in _rows(rows, section)) else BIG
+
+
+def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
+    """The RESULTS.md section under its stamp: setup, scope, tables and plots (the claims: :func:`claims_of`)."""
+    parts, pngs = [], []
     for data in m["seeds"]:
-        md, deltas = convergence_table(rows, "convergence", data)
-        conv[data] = deltas
+        md, _ = convergence_table(rows, "convergence", data)
         png = plot_setting(
             rows, rounds, "convergence", data, prefix, f"{m['num_sites']} sites, {m['size']}, {data} shards"
         )
@@ -229,22 +282,20 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         parts.append(
             f"**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0 (plot `{_rel(png)}`):\n\n{diag_md}"
         )
-    long_d = {}
     for section in long_sections(rows):
         steps = int(_rows(rows, section)[0]["inner_steps"])
-        base = c.DDP if any(r["method"] == c.DDP for r in _rows(rows, section)) else c.BIG
-        long_md, d = convergence_table(rows, section, "iid", base_method=base)
-        long_d[steps] = (base, d)
+        base = _long_base(rows, section)
+        long_md, _ = convergence_table(rows, section, "iid", base_method=base)
         png = plot_setting(rows, rounds, section, "iid", prefix, f"{steps} inner steps per site, iid")
         pngs.append(png)
         against = (
             "against DDP"
-            if base == c.DDP
+            if base == DDP
             else f"against 1 site with {m['num_sites']}x the batch (DDP's stand-in: within ±2% of DDP at every "
             f"evaluated step of the {m['total_steps']}-step runs, {conv_big_vs_ddp(rows)} at the end)"
         )
         parts.append(f"**Longer: {steps} inner steps per site**, iid, {against} (plot `{_rel(png)}`):\n\n{long_md}")
-    fmd, facts = fault_table(rows, c.SE_TARGET_PP)
+    fmd, _ = fault_table(rows, SE_TARGET_PP)
     parts.append(
         f"**Faults against the fault-free run** (H = {m['h_main']}, {m['faults']['total_steps']} inner steps, "
         f"warmup + cosine inner LR, iid, paired by seed):\n\n{fmd}"
@@ -252,13 +303,12 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
     nmd, nfacts = netem.table(rows)
     if nfacts:
         parts.append(f"**10% packet loss over gRPC through netem** ({netem.setup(m)}):\n\n{nmd}")
-    smd, best, best_d = sweep_tables(rows, m)
+    smd, _, _ = sweep_tables(rows, m)
     parts.append(
         f"**Outer lr / momentum sweep** (H = {m['h_main']}, {m['sweep']['total_steps']} inner steps, iid, constant "
         f"inner LR; final val loss, seed 0):\n\n{smd}"
     )
     setup = (
-        f"Command: `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']}).\n\n"
         f"Setup: {m['num_sites']} sites, built-in GPT `{m['size']}` ({rows[0]['num_params']:,} parameters), stdlib "
         f"source, {m['total_steps']} inner steps per site for every convergence run, inner AdamW (preset lr, "
         f"constant unless said), validation on {m['num_val_batches']} fixed batches. DDP: {m['num_sites']} "
@@ -267,12 +317,25 @@ def report(rows, rounds, m: dict[str, Any], meta: dict[str, Any], prefix: Path, 
         f"one site, plain training (the 4x batch sees the N sites' tokens). Δ% = 100·(L/L_DDP − 1), paired by seed; "
         f"SE = std/√n. CSV: `{prefix.with_suffix('.csv').name}`."
     )
+    return "\n\n".join([setup, scope(m, mode, bool(nfacts)), *parts])
+
+
+def claims_of(rows, m: dict[str, Any]) -> str:
+    """The claims of the section (:func:`claims`) from the same tables :func:`report` shows, with
+    the netem pairs' claim before the site-down one."""
+    conv = {data: convergence_table(rows, "convergence", data)[1] for data in m["seeds"]}
+    diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
+    long_d = {}
+    for section in long_sections(rows):
+        base = _long_base(rows, section)
+        long_d[int(_rows(rows, section)[0]["inner_steps"])] = (base, convergence_table(rows, section, "iid", base)[1])
+    _, facts = fault_table(rows, SE_TARGET_PP)
+    _, best, best_d = sweep_tables(rows, m)
     statements = claims(rows, m, conv, diag, facts, best, best_d, long_d)
-    netem_claim = netem.claim(nfacts, rows, verdict)
+    netem_claim = netem.claim(netem.table(rows)[1], rows, verdict)
     if netem_claim:
         statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
-    note = f"\n\n{meta['note']}" if meta.get("note") else ""
-    return "\n\n".join([setup + note, scope(m, mode, bool(nfacts)), *parts, "**Claims**\n\n" + statements])
+    return statements
 
 
 def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
@@ -284,7 +347,7 @@ def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
         f"average at H = {', '.join(str(h) for h in m['both_outers_hs'])} only; fault and sweep runs of "
         f"{f['total_steps']} / {m['sweep']['total_steps']} inner steps ({f['total_steps'] // m['h_main']} / "
         f"{m['sweep']['total_steps'] // m['h_main']} rounds at H = {m['h_main']}), not {m['total_steps']}.",
-        ("10% loss over gRPC through netem: the `--netem-pairs` table below. " if netem_done else "")
+        ("10% loss over gRPC through netem: the `convergence.side=netem` table below. " if netem_done else "")
         + "Not measured here: "
         + (
             ""
@@ -322,13 +385,13 @@ def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
 def conv_big_vs_ddp(rows) -> str:
     """The iid convergence runs' final 4x-batch loss against DDP's, as text."""
     sel = _rows(rows, "convergence", "iid")
-    d = pct_deltas([r for r in sel if r["method"] == c.BIG], [r for r in sel if r["method"] == c.DDP])
+    d = pct_deltas([r for r in sel if r["method"] == BIG], [r for r in sel if r["method"] == DDP])
     return f"{statistics.fmean(d):+.2f}%" if d else "not measured"
 
 
 def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
     """One plain statement per claim of issue 18."""
-    h, se_t = m["h_main"], c.SE_TARGET_PP
+    h, se_t = m["h_main"], SE_TARGET_PP
     out = []
     for data, deltas in conv.items():
         name, d = _best_diloco(deltas, h)
@@ -338,7 +401,7 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
             f"above DDP's): " + _vs_ddp(name, d, h)
         )
         others = [f"H={k.split('H=')[1]}: {statistics.fmean(v):+.2f}%" for k, v in deltas.items() if "H=" in k and v]
-        alone = deltas.get(c.ALONE, [])
+        alone = deltas.get(ALONE, [])
         out.append(
             f"  - every DiLoCo setting against DDP: {'; '.join(others)}"
             + (f"; 1 site alone: {statistics.fmean(alone):+.2f}%" if alone else "")
@@ -348,24 +411,24 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
         out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(name, d, h))
     for steps, (base, deltas) in sorted((long_d or {}).items()):
         name, d = _best_diloco(deltas, h)
-        what = "DDP" if base == c.DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
+        what = "DDP" if base == DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
         out.append(
             f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
             + _vs_ddp(name, d, h).replace("against DDP", f"against {base}")
         )
-        big = deltas.get(c.BIG, [])
-        if base == c.DDP and big:
+        big = deltas.get(BIG, [])
+        if base == DDP and big:
             out.append(f"  - 1 site with {m['num_sites']}x the batch against DDP there: {_pm_se(big)}")
     for name, target, what in (
-        (c.LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
-        (c.RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),
+        (LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
+        (RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),
     ):
         if name in facts:
             mu, se, n = facts[name]
             out.append(
                 f"- {what}: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) → **{verdict(mu, se, target, se_target=se_t)}**"
             )
-    for name in c.CODECS:
+    for name in CODECS:
         if name in facts:
             mu, se, n = facts[name]
             v = verdict(mu, se, se_t, se_target=se_t)  # no regression: not worse by more than the resolution
@@ -375,15 +438,15 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
             )
     if best_d:
         mu, se = mean_se(best_d)
-        same = best == c.NESTEROV
+        same = best == NESTEROV
         out.append(
             f"- Outer optimizer defaults (lr 0.7, momentum 0.9): the best confirmed setting is lr {best[0]:g} / momentum "
             f"{best[1]:g}"
             + ("" if same else f", {mu:+.2f}% (SE {se:.2f} pp) against the default")
             + (" → the default is the best measured." if same else ".")
         )
-        long_best = conv.get("iid", {}).get(c.diloco_label(h, best), [])
-        default = conv.get("iid", {}).get(c.diloco_label(h, c.NESTEROV), [])
+        long_best = conv.get("iid", {}).get(diloco_label(h, best), [])
+        default = conv.get("iid", {}).get(diloco_label(h, NESTEROV), [])
         if not same and long_best and default:
             better = statistics.fmean(long_best) < statistics.fmean(default)
             out.append(

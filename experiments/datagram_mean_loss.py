@@ -16,17 +16,17 @@ means) is dropped with probability p (``test_drop``). Per loss rate, one round p
 
 Usage::
 
-    .venv/bin/python -m experiments.datagram_mean_loss            # losses 0..30 %, 3 seeds
-    .venv/bin/python -m experiments.datagram_mean_loss --quick    # 0, 10, 30 %, 1 seed
+    .venv/bin/python -m experiments run datagram_mean_loss --mode full    # losses 0..30 %, 3 seeds
+    .venv/bin/python -m experiments run datagram_mean_loss --mode quick   # 0, 10, 30 %, 1 seed
+    .venv/bin/python -m experiments run datagram_mean_loss --mode smoke   # 0 and 30 %, 40 k params
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,8 +37,15 @@ from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
 from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
 from dtrain.transports.grpc import GrpcTransportConfig
+from experiments.common import RunResult, md_table, summarize
+from experiments.lab import Point, Spec
 
-ROOT = Path(__file__).resolve().parents[1]
+LOSS, NUMEL = "lab.loss", "lab.numel"
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(seeds=[0], fixed={NUMEL: 40_000}, grid={LOSS: [0.0, 0.3]}),
+    "quick": dict(seeds=[0], grid={LOSS: [0.0, 0.1, 0.3]}),
+    "full": dict(seeds=[0, 1, 2], grid={LOSS: [0.0, 0.01, 0.05, 0.1, 0.2, 0.3]}),
+}
 
 
 def one_round(loss: float, seed: int, numel: int, bucket_elems: int) -> dict:
@@ -96,31 +103,49 @@ def fec_lost(p: float, k: int) -> float:
     return p * (1 - (1 - p) ** k)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="losses 0, 10, 30 %%, one seed")
-    ap.add_argument("--numel", type=int, default=400_000, help="parameters (int8: about one byte each)")
-    args = ap.parse_args(argv)
+def measure(point: Point) -> RunResult:
+    """One round at the point's loss rate (4 buckets of ``lab.numel`` int8 parameters)."""
     torch.set_num_threads(1)
-    losses, seeds = ([0.0, 0.1, 0.3], [0]) if args.quick else ([0.0, 0.01, 0.05, 0.1, 0.2, 0.3], [0, 1, 2])
-    bucket_elems = args.numel // 4
-    print(f"3 sites on 127.0.0.1, {args.numel} int8 params, 4 buckets, load {os.getloadavg()[0]:.1f}")
-    print(
-        "| loss | time s | NACK rounds/site | re-sent chunks | gRPC pulls | wire/payload | replicas equal "
-        "| fec k=8: chunks lost | fec k=8: extra bytes | keep-previous: elements not applied |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|")
-    for p in losses:
-        rs = [one_round(p, s, args.numel, bucket_elems) for s in seeds]
-        print(
-            f"| {p:.0%} | {statistics.fmean(r['time_s'] for r in rs):.2f} | {statistics.fmean(r['nacks'] for r in rs):.1f} "
-            f"| {statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2} "
-            f"| {sum(r['fallbacks'] for r in rs)} of {rs[0]['buckets'] * 2 * len(rs)} "
-            f"| {statistics.fmean(r['wire_over_payload'] for r in rs):.3f} | {all(r['equal'] for r in rs)} "
-            f"| {fec_lost(p, 8):.2%} | 12.5% | {p:.0%} |"
-        )
-    return 0
+    numel = point.settings[NUMEL]
+    return RunResult(row=point.row(**one_round(point.settings[LOSS], point.seed, numel, numel // 4)))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _table_row(rs: list[dict[str, Any]]) -> list[str]:
+    """One loss rate over its seeds; the FEC and keep-previous columns computed from p."""
+    p = rs[0][LOSS]
+    return [
+        f"{p:.0%}",
+        f"{statistics.fmean(r['time_s'] for r in rs):.2f}",
+        f"{statistics.fmean(r['nacks'] for r in rs):.1f}",
+        f"{statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2}",
+        f"{sum(r['fallbacks'] for r in rs)} of {rs[0]['buckets'] * 2 * len(rs)}",
+        f"{statistics.fmean(r['wire_over_payload'] for r in rs):.3f}",
+        str(all(r["equal"] for r in rs)),
+        f"{fec_lost(p, 8):.2%}",
+        "12.5%",
+        f"{p:.0%}",
+    ]
+
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    headers = ["loss", "time s", "NACK rounds/site", "re-sent chunks", "gRPC pulls", "wire/payload"]
+    headers += ["replicas equal", "fec k=8: chunks lost", "fec k=8: extra bytes", "keep-previous: elements not applied"]
+    table = md_table(headers, [_table_row(g) for g in summarize(rows).values()])
+    return f"""Setup: 3 sites on 127.0.0.1, {m["fixed"][NUMEL]} int8 params, 4 buckets, one round per seed {m["seeds"]}.
+CSV: `{prefix.with_suffix(".csv").name}`.
+
+{table}"""
+
+
+SPEC = Spec(
+    name="datagram_mean_loss",
+    title="Datagram path: recovering lost mean datagrams",
+    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
+    fixed={NUMEL: 400_000},  # parameters (int8: about one byte each)
+    label=lambda point: f"loss {point[LOSS]:g}",
+    metrics=(("time_s", 0.0, 600.0), ("wire_over_payload", 0.0, 10.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: [],
+    execute=measure,
+    paths=(LOSS, NUMEL),
+)

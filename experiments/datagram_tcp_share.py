@@ -1,10 +1,10 @@
 """What a paced datagram flow does to a competing TCP flow on the same bottleneck (netem; prints a table).
 
-Three emulated sites (``netem.Topology``), every link ``--rate-mbit`` (tbf) and
-``--delay-ms`` one way. A bulk TCP flow runs from site 0 to site 1 for ``--seconds``;
+Three emulated sites (``netem.Topology``), every link ``netem.rate_mbit`` (tbf) and
+``netem.delay_ms`` one way. A bulk TCP flow runs from site 0 to site 1 for ``lab.seconds``;
 in the middle third, a datagram flow paced like the datagram data path
 (:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte datagrams) runs from
-site 2 to site 1 at ``--udp-mbit``: both share site 1's download cap. Printed per TCP
+site 2 to site 1 at ``lab.udp_mbit``: both share site 1's download cap. Printed per TCP
 congestion control (the namespace's ``net.ipv4.tcp_congestion_control``; cubic where
 the machine's global allowed list has it, else reno): TCP goodput before, during and
 after the datagram flow, and the datagram flow's delivered rate and loss.
@@ -14,23 +14,32 @@ controller only acts between rounds), which is why it is meant for provisioned l
 
 Usage (as root)::
 
-    .venv/bin/python -m experiments.datagram_tcp_share             # 100 Mbit/s, 40 ms, UDP at 50 and 95
-    .venv/bin/python -m experiments.datagram_tcp_share --quick     # one UDP rate, shorter
+    .venv/bin/python -m experiments run datagram_tcp_share --mode full    # 100 Mbit/s, 40 ms, UDP at 50 and 95
+    .venv/bin/python -m experiments run datagram_tcp_share --mode quick   # one UDP rate, 9 s per run
+    .venv/bin/python -m experiments run datagram_tcp_share --mode smoke   # one UDP rate, 6 s per run, one cc
 """
 
 from __future__ import annotations
 
-import argparse
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dtrain.transports.datagram_pacing import Pacer
+from experiments.common import RunResult, md_table
+from experiments.lab import Point, Spec
+from experiments.procs import netem_topology
 
-ROOT = Path(__file__).resolve().parents[1]
+RATE, DELAY, SECONDS, UDP, CC = "netem.rate_mbit", "netem.delay_ms", "lab.seconds", "lab.udp_mbit", "netem.tcp_cc"
+LOSSY_CC = "cubic-or-reno"  # cubic where the machine's allowed list has it, else reno
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": dict(fixed={SECONDS: 6.0}, grid={CC: ["bbr"], UDP: [95.0]}),
+    "quick": dict(fixed={SECONDS: 9.0}, grid={UDP: [95.0]}),
+    "full": dict(fixed={SECONDS: 15.0}, grid={UDP: [50.0, 95.0]}),
+}
 
 
 def _tcp_sink(srv: socket.socket, t0: float, bins: list[int], bin_s: float, stop: threading.Event) -> None:
@@ -138,38 +147,48 @@ def one(topo, cc: str, udp_mbit: float, seconds: float, bin_s: float = 0.25) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one UDP rate, 9 s per run")
-    ap.add_argument("--rate-mbit", type=float, default=100.0)
-    ap.add_argument("--delay-ms", type=float, default=40.0)
-    ap.add_argument("--seconds", type=float, default=15.0)
-    ap.add_argument("--udp-mbit", type=float, nargs="*", default=[50.0, 95.0])
-    args = ap.parse_args(argv)
-    import netem  # noqa: PLC0415
+def _cc(name: str) -> str:
+    if name != LOSSY_CC:
+        return name
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    return "cubic" if "cubic" in allowed else "reno"
+
+
+def measure(point: Point) -> RunResult:
+    """A TCP flow beside a paced datagram flow on three emulated sites (one topology per point)."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
-    missing = netem.missing_requirements()
-    if missing:
-        raise SystemExit(f"datagram_tcp_share: netem cannot emulate links here: missing {', '.join(missing)}")
-    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
-    ccs = ["bbr", "cubic" if "cubic" in allowed else "reno"]
-    udp_rates, seconds = ([95.0], 9.0) if args.quick else (args.udp_mbit, args.seconds)
-    print(f"links {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; TCP site 0 -> 1, datagrams site 2 -> 1")
-    print("| TCP cc | datagrams Mbit/s | TCP before | TCP during | TCP after | datagrams delivered Mbit/s | loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    with netem.Topology(num_sites=3, profile="lan", name="dgshare") as topo:
-        topo.set_link(None, LinkParams(delay_ms=args.delay_ms, rate_mbit=args.rate_mbit))
-        for cc in ccs:
-            for udp in udp_rates:
-                r = one(topo, cc, udp, seconds)
-                print(
-                    f"| {cc} | {udp:g} | {r['tcp_before']:.1f} | {r['tcp_during']:.1f} | {r['tcp_after']:.1f} "
-                    f"| {r['udp_delivered_mbit']:.1f} | {r['udp_loss']:.1%} |",
-                    flush=True,
-                )
-    return 0
+    f = point.settings
+    with netem_topology(3, "dgshare", "datagram_tcp_share") as topo:
+        topo.set_link(None, LinkParams(delay_ms=f[DELAY], rate_mbit=f[RATE]))
+        return RunResult(row=point.row(**one(topo, _cc(f[CC]), f[UDP], f[SECONDS])))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    headers = ["TCP cc", "datagrams Mbit/s", "TCP before", "TCP during", "TCP after", "datagrams delivered Mbit/s"]
+    table = [
+        [r["cc"], f"{r['udp_mbit']:g}", f"{r['tcp_before']:.1f}", f"{r['tcp_during']:.1f}", f"{r['tcp_after']:.1f}"]
+        + [f"{r['udp_delivered_mbit']:.1f}", f"{r['udp_loss']:.1%}"]
+        for r in rows
+    ]
+    return f"""Setup: links {f[RATE]:g} Mbit/s, {f[DELAY]:g} ms one way; TCP site 0 -> 1 for {f[SECONDS]:g} s, datagrams
+site 2 -> 1 in its middle third; goodput in Mbit/s. CSV: `{prefix.with_suffix(".csv").name}`.
+
+{md_table([*headers, "loss"], table)}"""
+
+
+SPEC = Spec(
+    name="datagram_tcp_share",
+    title="A paced datagram flow beside a TCP flow (netem)",
+    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},
+    grid={CC: ["bbr", LOSSY_CC]},
+    fixed={RATE: 100.0, DELAY: 40.0},
+    label=lambda point: f"{point[CC]}, datagrams {point[UDP]:g} Mbit/s",
+    metrics=(("tcp_before", 0.0, 1e4), ("udp_delivered_mbit", 0.0, 1e4)),
+    report=report,
+    verdict=lambda rows, rounds, m: [],
+    execute=measure,
+    paths=(RATE, DELAY, SECONDS, UDP, CC),
+    netem=True,
+)

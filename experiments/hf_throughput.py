@@ -12,8 +12,8 @@ Two measurements per task, both at ``torch.set_num_threads(1)`` (how ``dtrain la
 
 Usage::
 
-    python -m experiments.hf_throughput --quick     # small (0.44 M) GPT vs small-llama (0.43 M)
-    python -m experiments.hf_throughput --smoke     # seconds: tiny sizes, one 1-site launch
+    .venv/bin/python -m experiments run hf_throughput --mode quick   # small (0.44 M) GPT vs small-llama (0.43 M)
+    .venv/bin/python -m experiments run hf_throughput --mode smoke   # seconds: tiny sizes, one 1-site launch
 
 On the shared 2-core machine every site's process competes with the others' and with
 other jobs, so the launch's tokens/s per site is about bare / sites at best.
@@ -22,77 +22,45 @@ other jobs, so the launch's tokens/s per site is about bare / sites at best.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from experiments.common import (
-    ROOT,
-    RunResult,
-    base_parser,
-    md_table,
-    mode_settings,
-    out_prefix,
-    publish,
-    run_or_load,
-)
+from experiments.common import ROOT, RunResult, md_table
+from experiments.lab import Point, Spec
 
-__all__ = ["main"]
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+TASK, HF, STEPS, LAUNCH = "task", "task_spec.hf.config", "lab.steps", "lab.launch"
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {
-        "num_sites": 1,
-        "size": "tiny",
-        "hf": "tiny-llama",
-        "steps": 3,
-        "sync_every": 3,
-        "rounds": 1,
-        "seeds": [0],
-        "launch_tasks": ["hf"],
-    },
-    "quick": {
-        "num_sites": 2,
-        "size": "small",
-        "hf": "small-llama",
-        "steps": 40,
-        "sync_every": 50,
-        "rounds": 4,
-        "seeds": [0],
-        "launch_tasks": ["builtin", "hf"],
-    },
-    "full": {
-        "num_sites": 2,
-        "size": "small",
-        "hf": "small-llama",
-        "steps": 100,
-        "sync_every": 100,
-        "rounds": 8,
-        "seeds": [0],
-        "launch_tasks": ["builtin", "hf"],
-    },
+    "smoke": dict(
+        fixed={SITES: 1, SIZE: "tiny", HF: "tiny-llama", STEPS: 3, H: 3, ROUNDS: 1},
+        grid=[{TASK: "builtin", LAUNCH: False}, {TASK: "hf", LAUNCH: True}],
+    ),
+    "quick": dict(fixed={SITES: 2, SIZE: "small", HF: "small-llama", STEPS: 40, H: 50, ROUNDS: 4}),
+    "full": dict(fixed={SITES: 2, SIZE: "small", HF: "small-llama", STEPS: 100, H: 100, ROUNDS: 8}),
 }
 
 
-def _task_args(task: str, m: dict[str, Any]) -> list[str]:
-    return ["--size", m["size"], *(["--task", "hf", "--hf.config", m["hf"]] if task == "hf" else [])]
+def _task_args(f: dict[str, Any]) -> list[str]:
+    return ["--size", f[SIZE], *(["--task", "hf", "--hf.config", f[HF]] if f[TASK] == "hf" else [])]
 
 
-def bare(task: str, m: dict[str, Any]) -> dict[str, Any]:
+def bare(f: dict[str, Any]) -> dict[str, Any]:
     """The inner step alone: median seconds, tokens/s, parameter count, validation loss after."""
     from dtrain.tasks import HfSpec, TaskSpec, load_task
 
     torch.set_num_threads(1)
-    hf = HfSpec(config=m["hf"]) if task == "hf" else HfSpec()
-    t = load_task("hf" if task == "hf" else "")(TaskSpec(size=m["size"], hf=hf))
+    hf = HfSpec(config=f[HF]) if f[TASK] == "hf" else HfSpec()
+    t = load_task("hf" if f[TASK] == "hf" else "")(TaskSpec(size=f[SIZE], hf=hf))
     times = []
-    for i in range(m["steps"] + 3):
+    for i in range(f[STEPS] + 3):
         t0 = time.perf_counter()
         t.loss(t.model, next(t.batches)).backward()
         t.optimizer.step()
@@ -109,24 +77,25 @@ def bare(task: str, m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def launch(task: str, m: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+def launch(f: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
     """One ``dtrain launch``; per-site figures averaged over the sites."""
+    from dtrain.app.procs import child_env
+
     with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "dtrain", "launch", "--sites", str(m["num_sites"]), *_task_args(task, m)]
-        cmd += ["--sync-every", str(m["sync_every"]), "--rounds", str(m["rounds"]), "--linger-s", "1"]
+        cmd = [sys.executable, "-m", "dtrain", "launch", "--sites", str(f[SITES]), *_task_args(f)]
+        cmd += ["--sync-every", str(f[H]), "--rounds", str(f[ROUNDS]), "--linger-s", "1"]
         cmd += ["--out", str(run), "--no-progress", "--no-export.final"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"dtrain launch failed ({p.returncode}):\n{p.stderr[-3000:]}")
         per_site = []
-        for i in range(m["num_sites"]):
+        for i in range(f[SITES]):
             lines = [json.loads(x) for x in (run / f"site-{i}" / "metrics.jsonl").read_text().splitlines()]
             rounds = [d for d in lines if d["event"] == "round"]
             inner = sum(d["inner_s"] for d in rounds)
             sync = sum(d["sync_s"] for d in rounds)
-            steps = sum(m["sync_every"] for _ in rounds)
+            steps = f[H] * len(rounds)
             summary = json.loads((run / f"site-{i}" / "summary.json").read_text())
             per_site.append((steps * tokens_per_step / (inner + sync), sync / (inner + sync), inner / steps, summary))
     return {
@@ -138,64 +107,52 @@ def launch(task: str, m: dict[str, Any], tokens_per_step: int) -> dict[str, Any]
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = base_parser(__doc__).parse_args(argv)
-    mode, m = mode_settings(args, MODES)
-    prefix = out_prefix(args, "hf_throughput")
+def measure(point: Point) -> RunResult:
+    """The task's bare inner step and, where the point says so, its ``dtrain launch``."""
+    f = point.settings
+    row = point.row(model=f"gpt-{f[SIZE]}" if f[TASK] == "builtin" else f[HF], **bare(f))
+    row["final_val_loss"] = row["bare_val_loss"]
+    if f[LAUNCH]:
+        row.update(launch(f, row["tokens_per_step"]))
+        row["launch_slowdown"] = row["launch_step_s"] / row["bare_step_s"]
+    return RunResult(row=row)
 
-    def runner() -> list[RunResult]:
-        out = []
-        for task in ("builtin", "hf"):
-            row: dict[str, Any] = {"experiment": "hf_throughput", "config": task, "seed": 0}
-            row["model"] = f"gpt-{m['size']}" if task == "builtin" else m["hf"]
-            row.update(bare(task, m))
-            row["final_val_loss"] = row["bare_val_loss"]
-            if task in m["launch_tasks"]:
-                row.update(launch(task, m, row["tokens_per_step"]))
-                row["launch_slowdown"] = row["launch_step_s"] / row["bare_step_s"]
-            print(row, flush=True)
-            out.append(RunResult(row=row))
-        return out
 
-    rows, _, meta = run_or_load(args, argv, "hf_throughput.py", prefix, runner)
-    table = []
-    for r in rows:
-        launched = "launch_tokens_per_s" in r and r["launch_tokens_per_s"] not in ("", None)
-        table.append(
-            [
-                r["model"],
-                f"{int(r['num_params']) / 1e6:.2f} M",
-                f"{float(r['bare_step_s']) * 1e3:.1f}",
-                f"{float(r['bare_tokens_per_s']):,.0f}",
-                f"{float(r['launch_step_s']) * 1e3:.1f}" if launched else "-",
-                f"{float(r['launch_tokens_per_s']):,.0f}" if launched else "-",
-                f"{float(r['sync_share']) * 100:.1f}%" if launched else "-",
-                f"{float(r['first_val_loss']):.3f} -> {float(r['final_val_loss']):.3f}" if launched else "-",
-            ]
-        )
-    headers = [
-        "model",
-        "params",
-        "bare step ms",
-        "bare tok/s",
-        "launch step ms",
-        "launch tok/s/site",
-        "sync share",
-        "val loss",
+def _table_row(r: dict[str, Any]) -> list[str]:
+    launched = r.get("launch_tokens_per_s") not in ("", None)
+    cells = [r["model"], f"{int(r['num_params']) / 1e6:.2f} M", f"{float(r['bare_step_s']) * 1e3:.1f}"]
+    cells.append(f"{float(r['bare_tokens_per_s']):,.0f}")
+    if not launched:
+        return cells + ["-"] * 4
+    return cells + [
+        f"{float(r['launch_step_s']) * 1e3:.1f}",
+        f"{float(r['launch_tokens_per_s']):,.0f}",
+        f"{float(r['sync_share']) * 100:.1f}%",
+        f"{float(r['first_val_loss']):.3f} -> {float(r['final_val_loss']):.3f}",
     ]
-    body = f"""Command: `{meta["command"]}` ({meta["minutes"]:.1f} min; {meta["provenance"]}).
 
-Setup: bytes as tokens, stdlib corpus, batch x context of size {m["size"]!r}, 1 thread per process;
-launch: {m["num_sites"]} sites on 127.0.0.1 (gRPC, int8 codec), H = {m["sync_every"]}, {m["rounds"]} rounds.
+
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    f = m["fixed"]
+    headers = ["model", "params", "bare step ms", "bare tok/s", "launch step ms", "launch tok/s/site"]
+    headers += ["sync share", "val loss"]
+    return f"""Setup: bytes as tokens, stdlib corpus, batch x context of size {f[SIZE]!r}, 1 thread per process;
+launch: {f[SITES]} sites on 127.0.0.1 (gRPC, int8 codec), H = {f[H]}, {f[ROUNDS]} rounds.
 tok/s/site = tokens trained / (inner_s + sync_s) over the rounds; sync share = sync_s / (inner_s + sync_s);
 CSV: `{prefix.with_suffix(".csv").name}`.
 
-{md_table(headers, table)}
-"""
-    publish(args, f"hf_throughput-{mode}", f"hf task vs built-in GPT: tokens per second per site ({mode})", body)
-    return 0
+{md_table(headers, [_table_row(r) for r in rows])}"""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SPEC = Spec(
+    name="hf_throughput",
+    title="hf task vs built-in GPT: tokens per second per site",
+    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},  # timings: one run at a time
+    grid={TASK: ["builtin", "hf"], LAUNCH: [True]},
+    label=lambda point: point[TASK],
+    metrics=(("bare_tokens_per_s", 0.0, 1e9), ("final_val_loss", 0.0, 10.0)),
+    report=report,
+    verdict=lambda rows, rounds, m: [],
+    execute=measure,
+    paths=(TASK, HF, STEPS, LAUNCH),
+)

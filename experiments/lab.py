@@ -26,12 +26,13 @@ Everything else (the grid, the seeds, the CSVs, the stamped section) is the same
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import itertools
 import math
 import os
 import platform
+import re
 import shlex
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,9 @@ from typing import Any, Callable, Sequence
 from experiments.common import (
     OUT_DIR,
     RESULTS_MD,
-    ROOT,
     RunResult,
     RunSpec,
+    code_version,
     load_meta,
     quiet_logging,
     read_rows,
@@ -71,6 +72,12 @@ SPECS = (
     "heterogeneous",
     "reliability",
     "netem_udp_ceiling",
+    "hf_throughput",
+    "datagram_mean_loss",
+    "catch_up",
+    "datagram_tcp_share",
+    "convergence",
+    "chaos",
 )
 MODES = ("smoke", "quick", "full")
 
@@ -115,7 +122,13 @@ TREE_FIELDS: dict[str, str] = {
     "inproc.down_rounds": "down_rounds",
     "inproc.num_val_batches": "num_val_batches",
     "inproc.track_drift": "track_drift",
+    "inproc.timeout_s": "timeout_s",
+    "inproc.own_session": "own_session",
+    "diloco.rounds.broadcast_codec.name": "broadcast_codec",
+    "diloco.rounds.broadcast_codec.sparse_k": "broadcast_sparse_k",
 }
+#: ``RunSpec`` field -> its config path (the inverse of :data:`TREE_FIELDS`)
+FIELD_PATHS = {f: p for p, f in TREE_FIELDS.items()}
 
 Rows = list[dict[str, Any]]
 
@@ -192,6 +205,13 @@ class Spec:
         stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
             With it the seeds run in order, one seed's configurations at a time, and the runner
             asks after each seed (a standard error reached, a time budget spent).
+        phases: runs in phases instead of grid x seeds: (rows so far, mode settings) -> the next
+            points to run, [] when done; asked first with no rows (its answer is :meth:`points`),
+            then after each phase (a sweep's best confirmed, seeds added until an SE is reached).
+        beside: which points run each in a thread of this process beside the others (a DDP
+            baseline's ranks wait in every all-reduce; the cores would idle). None: none.
+        merge: on ``--replot``: (csv prefix, rows, per-round rows, meta) -> the same with the
+            rows of the spec's side runs saved beside it added (their commands in the stamp).
     """
 
     name: str
@@ -210,6 +230,9 @@ class Spec:
     paths: tuple[str, ...] = ()
     jobs_fn: Callable[[Point], bool] | None = None
     stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
+    phases: Callable[[Rows, dict[str, Any]], list[Point]] | None = None
+    beside: Callable[[Point], bool] | None = None
+    merge: Callable[[Path, Rows, Rows, dict[str, Any]], tuple[Rows, Rows, dict[str, Any]]] | None = None
     netem: bool = False
 
     def __post_init__(self) -> None:
@@ -233,7 +256,9 @@ class Spec:
     def points(self, m: dict[str, Any]) -> list[Point]:
         """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner);
         each built into its ``RunSpec`` once here when it runs in-process, so a bad setting fails
-        before anything runs."""
+        before anything runs. A spec that runs in ``phases``: its first phase."""
+        if self.phases is not None:
+            return self.phases([], m)
         out = []
         for point in _points_of(m):
             point = dict(point)
@@ -265,21 +290,6 @@ def load_spec(name: str) -> Spec:
     import importlib
 
     return importlib.import_module(f"experiments.{name}").SPEC
-
-
-def _git(*args: str) -> str:
-    try:
-        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def code_version() -> str:
-    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
-    writes its outputs, some of which are tracked)."""
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
@@ -337,18 +347,26 @@ def run(
         m["seeds"] = list(range(seeds))
     m["jobs"] = jobs or m.get("jobs", 1)
     tag = ",".join(f"{p}={v}" for p, v in overrides.items())
-    name = spec.name + (f"_{tag}".replace(".", "-").replace(",", "_") if tag else "")  # no dot: Path.suffix
+    # no dot (Path.suffix), no slash, space or bracket: "outer.lr=0.5,x=[1, 2]" -> "outer-lr=0-5_x=-1_-2-"
+    name = spec.name + (re.sub(r"[^\w=+-]", "-", f"_{tag}".replace(",", "_")) if tag else "")
     prefix = out / (name if mode == "quick" else f"{name}_{mode}")
     rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
     if replot:
         rows, meta = read_rows(prefix.with_suffix(".csv")), load_meta(prefix)
         rounds = read_rows(rounds_path) if rounds_path.exists() else []
+        if spec.merge is not None:
+            rows, rounds, meta = spec.merge(prefix, rows, rounds, meta)
     else:
         runs = spec.points(m)
         load, version = os.getloadavg(), code_version()
         t0 = time.perf_counter()
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
-        res = _run_adaptive(spec, runs, m, verbose) if spec.stop else _run_all(spec, runs, m["jobs"], verbose)
+        if spec.phases is not None:
+            res = _run_phased(spec, runs, m, verbose)
+        elif spec.stop is not None:
+            res = _run_adaptive(spec, runs, m, verbose)
+        else:
+            res = _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
             spec.after_runs(res, m)
         rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
@@ -357,7 +375,7 @@ def run(
         meta = {"stamp": stamp(command, (time.perf_counter() - t0) / 60, load, version)}
         save_meta(prefix, meta)
     lines = spec.verdict(rows, rounds, m)
-    body = f"{meta['stamp']}\n\n{spec.report(rows, rounds, m, prefix)}\n\n" + "\n".join(lines)
+    body = f"{stamp_of(meta)}\n\n{spec.report(rows, rounds, m, prefix)}\n\n" + "\n".join(lines)
     print(body)
     if str(results).lower() != "none":
         title = f"{spec.title} ({mode}" + "".join(f", {p} {v}" for p, v in overrides.items()) + ")"
@@ -365,14 +383,27 @@ def run(
     return rows, body
 
 
+def stamp_of(meta: dict[str, Any]) -> str:
+    """The stamp saved with a run; a run of the scripts before the lab saved its command, minutes and
+    provenance instead."""
+    if "stamp" in meta:
+        return meta["stamp"]
+    return f"Command `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']})."
+
+
 def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[RunResult]:
-    """Every point's result in the order of ``runs``: those ``jobs_fn`` keeps from running in
-    parallel first, one at a time, then the rest ``jobs`` at a time."""
-    par = [i for i, p in enumerate(runs) if spec.jobs_fn is None or spec.jobs_fn(p)]
-    seq = [i for i in range(len(runs)) if i not in set(par)]
+    """Every point's result in the order of ``runs``: those ``beside`` picks each in a thread from
+    the start, those ``jobs_fn`` keeps from running in parallel first, one at a time, then the
+    rest ``jobs`` at a time."""
+    side = [i for i, p in enumerate(runs) if spec.beside is not None and spec.beside(p)]
+    par = [i for i, p in enumerate(runs) if i not in side and (spec.jobs_fn is None or spec.jobs_fn(p))]
+    seq = [i for i in range(len(runs)) if i not in set(par) | set(side)]
     out: dict[int, RunResult | list[RunResult]] = {}
-    for idx, n in ((seq, 1), (par, jobs)):
-        out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
+    with cf.ThreadPoolExecutor(max(1, len(side))) as ex:
+        futs = {i: ex.submit(spec.execute, runs[i]) for i in side}
+        for idx, n in ((seq, 1), (par, jobs)):
+            out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
+        out.update((i, f.result()) for i, f in futs.items())
     return [r for i in range(len(runs)) for r in (out[i] if isinstance(out[i], list) else [out[i]])]
 
 
@@ -385,6 +416,17 @@ def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: boo
         if why:
             print(f"{spec.name}: no more seeds after seed {seed}: {why}", flush=True)
             break
+    return out
+
+
+def _run_phased(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
+    """The first phase (``runs``), then each next one ``spec.phases`` gives until it gives none."""
+    out: list[RunResult] = []
+    while runs:
+        out += _run_all(spec, runs, m["jobs"], verbose)
+        runs = spec.phases([r.row for r in out], m)
+        if runs:
+            print(f"{spec.name}: {len(runs)} more runs", flush=True)
     return out
 
 

@@ -1,4 +1,4 @@
-"""experiments/chaos.py --smoke: 3 worker processes over gRPC, 12 rounds, 7 seeded
+"""``python -m experiments run chaos --mode smoke``: 3 worker processes over gRPC, 12 rounds, 7 seeded
 faults, each kind once: kill + restart, SIGSTOP/SIGCONT, corrupt payload, rogue flood,
 a netem partition (where netem runs: root and ``ip netns``; CI has both), and the
 rendezvous killed + restarted and SIGSTOPped/SIGCONTed. No hang, equal θ among the
@@ -23,11 +23,13 @@ pytestmark = [
 
 @pytest.mark.timeout(300)
 def test_chaos_smoke_has_no_hang_and_equal_checksums(tmp_path: Path) -> None:
-    from experiments import chaos
+    from experiments import chaos, lab
 
     netem = "on" if os.environ.get("DTRAIN_NETEM_REQUIRED") == "1" else "auto"
-    assert chaos.main(["--smoke", "--netem", netem, "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "chaos.json").read_text())
+    sets = {"chaos.netem": netem, "chaos.logs": str(tmp_path / "logs")}
+    rows, body = lab.run(lab.load_spec("chaos"), "smoke", out=tmp_path, results="none", overrides=sets)
+    assert "no hang, equal θ, nothing refused applied: **met**" in body and len(rows) == 1
+    res = json.loads((tmp_path / "logs" / "chaos.json").read_text())
     kinds = set(chaos.KINDS) - (set() if res["netem"] else {"partition"})
     assert set(res["faults"]) == kinds and res["num_faults"] == 7, res["faults"]
     assert res["hangs"] == [] and res["checksum_mismatch_rounds"] == [] and res["refused_but_applied"] == []

@@ -164,16 +164,17 @@ def test_netem_udp_ceiling_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)  # 3 runs of 2 sites x 4 rounds: ~15-30 s each
 def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
-    """convergence.py --netem-pairs: the fault table's setup over gRPC through netem at 0%, 10%
-    and 0% again per seed; the table pairs by seed and the claim names the 0% repeat's floor."""
-    import argparse
-
+    """``run convergence --set convergence.side=netem:0:1``: the fault table's setup over gRPC through
+    netem at 0%, 10% and 0% again per seed; the table pairs by seed and the claim names the 0% repeat's floor."""
     from experiments import convergence as c
     from experiments import convergence_netem as cn
     from experiments.convergence_report import verdict
 
-    assert c.main(["--smoke", "--netem-pairs", "0:1", "--out", str(tmp_path), "--results", "none"]) == 0
-    rows = read_rows(tmp_path / "convergence_netem_smoke.csv")
+    lab.run(
+        lab.load_spec("convergence"), "smoke", out=tmp_path, results="none", overrides={"convergence.side": "netem:0:1"}
+    )
+    csv = tmp_path / "convergence_convergence-side=netem-0-1_smoke.csv"
+    rows = read_rows(csv)
     assert [(r["method"], r["loss_pct"], r["seed"]) for r in rows] == [
         (cn.BASE, 0.0, 0),
         (cn.LOSSY, 10.0, 0),
@@ -194,8 +195,7 @@ def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
     text = cn.claim(facts, rows, verdict)
     assert "10% packet loss over gRPC through netem ≤ 0.5%" in text and "the 0% repeat" in text
     # a --replot of the smoke mode merges this CSV with the other side runs
-    args = argparse.Namespace(smoke=True, quick=False, out=tmp_path)
-    assert tmp_path / "convergence_netem_smoke.csv" in c._side_files(args)
+    assert csv in c.side_files(tmp_path / "convergence_smoke")
 
 
 @pytest.mark.timeout(180)
@@ -209,3 +209,15 @@ def test_reliability_smoke(tmp_path: Path) -> None:
     assert r["sites_seen"] == 3 and r["exit_code"] == 0 and str(r["equal_at_end"]) == "True", r
     assert r["unequal_rounds"] == 0 and r["declared_dead"] == 0, r
     assert "| lossy | 1 | 1 | 0 | 0 |" in text and "no user-set timeout" in text
+
+
+@pytest.mark.timeout(120)
+def test_datagram_tcp_share_smoke(tmp_path: Path) -> None:
+    """One TCP flow (bbr) beside a 95 Mbit/s datagram flow on 100 Mbit/s links: a row with goodputs
+    a 100 Mbit/s link can carry, and the section's table."""
+    text = _spec("datagram_tcp_share", tmp_path, {})
+    rows = read_rows(tmp_path / "datagram_tcp_share_smoke.csv")
+    assert [(r["cc"], r["udp_mbit"]) for r in rows] == [("bbr", 95.0)]
+    r = rows[0]
+    assert 0 < r["tcp_before"] <= 110 and 0 <= r["tcp_during"] <= 110 and 0 < r["udp_delivered_mbit"] <= 110, r
+    assert "| TCP cc | datagrams Mbit/s |" in text and "| bbr | 95 |" in text
