@@ -342,8 +342,8 @@ class DiLoCoConfig:
             optimizer (True) or only when the caller calls :meth:`DiLoCo.step`.
         close_timeout_s: longest :meth:`DiLoCo.close` waits for the members of the
             last round to pull this site's means, seconds (0: not at all). None
-            (default): until that round's broadcast deadline, after which no
-            member pulls any more.
+            (default): until that round's late pulls and repairs end (its broadcast
+            deadline + its repair window), after which no member pulls any more.
         num_fragments: F, Streaming DiLoCo's fragments (arXiv 2501.18512 §2.2): the
             buckets are cut into F contiguous groups, synchronised in turn; a round
             runs every H/F inner steps, for one fragment (its round number r syncs

@@ -707,9 +707,9 @@ class DiLoCo:
 
         With ``wait``, blocks until every member of the last round this site ran
         has pulled the means of the buckets it owned, at most
-        ``config.close_timeout_s`` (default: until that round's broadcast
-        deadline); members the rendezvous declares dead meanwhile are not waited
-        for. Closing at once would leave a slower member without those means
+        ``config.close_timeout_s`` (default: until that round's late pulls
+        and repairs end: its broadcast deadline + its repair window); members
+        the rendezvous declares dead meanwhile are not waited for. Closing at once would leave a slower member without those means
         (it would skip the buckets and end with a different θ).
 
         Args:
@@ -756,7 +756,7 @@ class DiLoCo:
         finally:
             self.site.leave()
         # A pull counts when it was served, before its reply crossed the link: give replies in
-        # flight until the round's broadcast deadline (a stop returns as soon as none is left).
+        # flight until the round's late pulls and repairs end (a stop returns as soon as none is left).
         # With 0.5 s, a member at 20% loss lost the last round's mean as it streamed in
         # (datagram_vs_grpc: owner_lost there, applied elsewhere, θ differed).
         grace_s = 0.5

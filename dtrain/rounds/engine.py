@@ -54,7 +54,7 @@ from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.member import MemberRound, Phase
 from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
-from dtrain.rounds.recovery import Recovery
+from dtrain.rounds.recovery import Recovery, repair_window_s
 from dtrain.rounds.serving import PeerSide, _Owned
 from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult, compact_senders
@@ -277,7 +277,11 @@ class RoundEngine(PeerSide, Recovery):
             opened_at=opened,
         )
         self.mean_pulls.expect(
-            r, buckets=books.mine, pullers=[s for s in plan.site_ids if s != self.site_id], until=books.broadcast_until
+            r,
+            buckets=books.mine,
+            pullers=[s for s in plan.site_ids if s != self.site_id],
+            until=books.broadcast_until,
+            serve_until=books.broadcast_until + repair_window_s(self.config.repair_timeout_s, plan),
         )
         res = RoundResult(
             round=r,

@@ -94,23 +94,37 @@ class MeanPulls:
         self._cv = threading.Condition()
         self._missing: dict[int, set[tuple[str, int]]] = {}
         self._until: dict[int, float] = {}
+        self._serve_until: dict[int, float] = {}  # round -> end of its members' late pulls and repairs
         self._served: dict[int, set[tuple[str, int]]] = {}
         self._needs_state: dict[int, set[tuple[str, int]]] = {}  # round -> pulls waiting for a state pull
         self._taken: dict[int, set[int]] = {}  # round -> buckets whose mean left this site
         self._withdrawn: dict[int, set[int]] = {}  # round -> buckets whose mean this owner withdrew
         self._heard: dict[int, set[str]] = {}  # round -> sites that asked this site for a mean of it
 
-    def expect(self, round: int, *, buckets: Iterable[int], pullers: Iterable[str], until: float) -> None:
+    def expect(
+        self,
+        round: int,
+        *,
+        buckets: Iterable[int],
+        pullers: Iterable[str],
+        until: float,
+        serve_until: float | None = None,
+    ) -> None:
         """Round ``round``: each of ``pullers`` should pull the mean of each of ``buckets``
         (the buckets this site owns) by ``until`` (``time.monotonic()`` seconds, the
-        round's broadcast deadline here). Pulls already served count."""
+        round's broadcast deadline here: the commit rule's). Pulls already served count.
+        ``serve_until`` (default ``until``): when the members' late pulls and repairs of the
+        round end (the broadcast deadline + the repair window): how long a closing site
+        keeps serving a member that has not pulled (:meth:`wait_pulled`)."""
         with self._cv:
             want = {(m, b) for m in pullers for b in buckets}
             self._missing[round] = want - self._served.get(round, set())
             self._until[round] = until
+            self._serve_until[round] = max(until, until if serve_until is None else serve_until)
             for old in sorted(self._missing)[:-_KEEP_ROUNDS]:
                 self._missing.pop(old, None)
                 self._until.pop(old, None)
+                self._serve_until.pop(old, None)
             for old in [r for r in self._served if r < round - _KEEP_ROUNDS]:
                 del self._served[old]
             for old in [r for r in self._needs_state if r < round - _KEEP_ROUNDS]:
@@ -151,10 +165,15 @@ class MeanPulls:
 
         Raises:
             Rejected: ABORTED when this owner withdrew that mean (:meth:`settle`); the
-                requester then treats the bucket as owner-lost.
+                requester then treats the bucket as owner-lost, so it is not waited for.
         """
         with self._cv:
-            self._take(round, bucket)
+            try:
+                self._take(round, bucket)
+            except Rejected:
+                self._missing.get(round, set()).discard((requester, bucket))
+                self._cv.notify_all()
+                raise
             if needs_state:
                 waiting = self._needs_state.setdefault(round, set())
                 if len(waiting) < _MAX_SERVED_PER_ROUND:
@@ -251,18 +270,22 @@ class MeanPulls:
             return max(self._missing, default=-1)
 
     def time_left_s(self, now: float) -> float:
-        """Seconds from ``now`` to the latest round's broadcast deadline (0: none, or passed):
-        how long a pull already served may still be streaming its reply to the member."""
+        """Seconds from ``now`` to the end of the latest round's late pulls and repairs
+        (``serve_until`` of :meth:`expect`; 0: none, or passed): how long a pull already
+        served may still be streaming its reply to the member."""
         with self._cv:
-            r = max(self._until, default=None)
-            return max(0.0, self._until[r] - now) if r is not None else 0.0
+            r = max(self._serve_until, default=None)
+            return max(0.0, self._serve_until[r] - now) if r is not None else 0.0
 
     def wait_pulled(self, *, timeout_s: float | None = None) -> PullWait:
         """Wait until every expected pull of the latest round was served.
 
         Args:
-            timeout_s: longest wait in seconds; None waits until that round's
-                broadcast deadline (after it no member pulls any more).
+            timeout_s: longest wait in seconds; None waits until the end of that round's
+                late pulls and repairs (``serve_until`` of :meth:`expect`: the broadcast
+                deadline + the repair window; after it no member pulls any more). Until the
+                broadcast deadline alone, a run's last round left a member behind at 10%
+                loss: its late pulls came after the owner had left.
         Returns:
             a :class:`PullWait`; ``missing`` names who did not pull what.
         """
@@ -271,7 +294,7 @@ class MeanPulls:
             r = max(self._missing, default=-1)
             if r < 0:
                 return PullWait(round=-1, reason="nothing to wait for")
-            end = self._until[r] if timeout_s is None else t0 + max(0.0, timeout_s)
+            end = self._serve_until[r] if timeout_s is None else t0 + max(0.0, timeout_s)
             while self._missing.get(r) and time.monotonic() < end:
                 self._cv.wait(end - time.monotonic())
             missing: dict[str, list[int]] = {}

@@ -49,6 +49,37 @@ def test_wait_names_who_did_not_pull_what_at_the_deadline() -> None:
     assert 0.1 <= w.waited_s < 5
 
 
+def test_a_closing_owner_serves_a_member_that_has_not_pulled_until_its_late_pulls_end() -> None:
+    """``serve_until`` (the broadcast deadline + the repair window): the close waits for a
+    member that has not pulled past the broadcast deadline, through its late pulls, and
+    its late pull there ends the wait. The commit rule still decides at the broadcast
+    deadline: a mean nobody took by then is withdrawn, and a late pull of it is answered
+    ABORTED (the member holds θ_b as owner-lost), which ends the wait for it too."""
+    now = time.monotonic()
+    for withdrawn in (False, True):
+        p = MeanPulls()
+        p.expect(2, buckets=[0], pullers=["b"], until=now + 0.1, serve_until=now + 20)
+        assert p.time_left_s(now) == pytest.approx(20, abs=0.5)
+        if withdrawn:
+            keep, why = p.settle(2, 0, until=now + 0.1)
+            assert keep is False, why
+        answers: list = []
+
+        def late_pull(p: MeanPulls = p, answers: list = answers) -> None:
+            time.sleep(0.4)  # past the broadcast deadline: a late pull
+            try:
+                answers.append(p.record(2, 0, "b", "mean"))
+            except Rejected as e:
+                answers.append(e.code)
+
+        t = threading.Thread(target=late_pull)
+        t.start()
+        w = p.wait_pulled()
+        t.join()
+        assert answers == [RejectCode.ABORTED if withdrawn else "mean"]
+        assert w.missing == {} and 0.3 <= w.waited_s < 10, w
+
+
 def test_explicit_timeout_bounds_the_wait_and_zero_does_not_wait() -> None:
     p = MeanPulls()
     p.expect(0, buckets=[0], pullers=["b"], until=time.monotonic() + 60)
