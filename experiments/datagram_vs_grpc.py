@@ -20,7 +20,9 @@ sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-grad
 path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
 ``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
 datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
-sites (0: replicas equal) and stale buckets. CPU: ``sites_sync_cpu_s`` (and its kernel part
+sites (0: replicas equal) and stale buckets; ``left_behind`` = sites that ended the run behind
+(the last round left them stale buckets no repair fixed: they exit ``EXIT_LEFT_BEHIND``, never
+"done" on another θ), counted on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (and its kernel part
 ``sites_sync_system_cpu_s``) = the sites' CPU seconds during their syncs, summed over sites
 (median over rounds; the round lines' ``sync_cpu_s``); ``machine_busy_*`` = this machine's
 ``/proc/stat`` over the setting's rounds (every process, the emulator and the kernel's packet
@@ -54,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.app.cli import EXIT_LEFT_BEHIND
 from dtrain.app.procs import Cluster
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_table, read_rows, save_fig, subplots
@@ -218,7 +221,11 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
                 lambda: run.check_alive(names) or all(run.done_round(i, total - 1) for i in range(n)), "the last round"
             )
             cpu_at.append(machine_cpu())
-            run.wait(lambda: run.check_alive(names) or run.exited(names), "the sites to finish")
+            # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
+            # θ) is this run's figure, not a harness failure
+            ok = (0, EXIT_LEFT_BEHIND)
+            run.wait(lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish")
+            left_behind = sum(run.procs[x].poll() == EXIT_LEFT_BEHIND for x in names)
         finally:
             run.close()
         wall = time.monotonic() - t0
@@ -227,10 +234,13 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     first_val = starts[0]["val_loss"] if starts else float("nan")
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
     cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
-    return [
+    out = [
         _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val, cpu[k])
         for k, loss in enumerate(m["losses"])
     ]
+    for k, res in enumerate(out):  # the end of the run is the last setting's
+        res.row["left_behind"] = left_behind if k == len(out) - 1 else 0
+    return out
 
 
 def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
@@ -396,6 +406,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
                 f"{r['delivered']:.3f}",
                 f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
+                str(r.get("left_behind", "-")),
                 _cpu_cell(r),
             ]
         )
@@ -410,6 +421,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
             "wire MB/site",
             "delivered",
             "drift rounds / stale / skipped buckets",
+            "sites left behind at the end",
             "CPU s/round: sites' syncs (kernel) / machine (busy)",
         ],
         out,

@@ -452,11 +452,11 @@ class Cluster:
     def exited(self, names: list[str]) -> bool:
         return all(self.procs[n].poll() is not None for n in names)
 
-    def check_alive(self, names: list[str]) -> None:
-        """RuntimeError with its log's tail if one of ``names`` exited with a non-zero code."""
+    def check_alive(self, names: list[str], ok_codes: tuple[int, ...] = (0,)) -> None:
+        """RuntimeError with its log's tail if one of ``names`` exited with a code not in ``ok_codes``."""
         for n in names:
             rc = self.procs[n].poll()
-            if rc not in (None, 0):
+            if rc is not None and rc not in ok_codes:
                 raise RuntimeError(f"{n} exited with code {rc}:\n{self.tail(n)}")
 
     def close(self) -> None:
