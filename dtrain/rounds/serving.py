@@ -347,7 +347,7 @@ class PeerSide:
             if owned.books.sender_done(sender, buckets):
                 owned.cv.notify_all()
 
-    def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
+    def handle_push_ended(self, sender: str, round: int, num_accepted: int, *, at_deadline: bool = False) -> None:
         """A push stream from ``sender`` for ``round`` ended after ``num_accepted``
         chunks. A member sends everything it owes this owner in one stream, so a
         stream that ends while the member still owes chunks of open buckets broke (the
@@ -360,7 +360,10 @@ class PeerSide:
         sender's own time: the deadline explains it, not a death, and these buckets finalize
         then anyway. Losing the sender there made the members hold its buckets
         OWNER_LOST while their owner applied them, and had it declared dead while alive (a
-        30%-loss launch of the reliability benchmark)."""
+        30%-loss launch of the reliability benchmark). ``at_deadline``: the transport saw the
+        stream end at its call's own deadline (the sender's, ``_at_call_deadline`` of the gRPC
+        transport), which says the same even when the sender reckoned its deadline earlier
+        than this owner did (a plan read late over a lossy link)."""
         with self._cv:
             owned = self._open.get(round)
         if owned is None or not self.config.short_push_is_loss:
@@ -369,7 +372,7 @@ class PeerSide:
             owed = owned.books.owed(sender)
             books = owned.books
         margin_s = max(0.5, 0.1 * books.reduce_timeout_s)
-        if owed and time.monotonic() >= books.finalize_at - margin_s:
+        if owed and (at_deadline or time.monotonic() >= books.finalize_at - margin_s):
             self.log.info(
                 "round %d: %s's push stream ended %d short at the reduce deadline: its own deadline, not a loss",
                 round,

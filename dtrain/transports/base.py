@@ -72,10 +72,11 @@ class PeerHandler(Protocol):
     # exactly those pulls, and for a stale member's state pull too).
 
     # Optional (transports call it when the handler has it):
-    # ``handle_push_ended(sender: str, round: int, num_accepted: int) -> None`` — a push
-    # stream from ``sender`` for ``round`` ended (closed by the sender, or broken because
-    # it died or its connection dropped: a gRPC server cannot tell these apart) after
-    # ``num_accepted`` accepted chunks. Must not block.
+    # ``handle_push_ended(sender: str, round: int, num_accepted: int, *, at_deadline: bool) -> None``
+    # — a push stream from ``sender`` for ``round`` ended (closed by the sender, or broken
+    # because it died or its connection dropped: a gRPC server cannot tell these apart) after
+    # ``num_accepted`` accepted chunks; ``at_deadline``: it ended at its call's own deadline
+    # (the sender's time ran out). Must not block.
 
 
 class Transport(abc.ABC):

@@ -88,6 +88,23 @@ _REPOLL_S = 0.5
 # --------------------------------------------------------------------------- server
 
 
+#: A push stream that ends within this many seconds of its call's own deadline ended by the
+#: sender's deadline (the grpc-timeout it sent), not by a broken connection.
+CALL_DEADLINE_SLACK_S = 1.0
+
+
+def _at_call_deadline(context) -> bool:
+    """Whether the call's own deadline (the client's, carried as grpc-timeout) has passed or is
+    within :data:`CALL_DEADLINE_SLACK_S`: a stream cancelled then ran out of the sender's time.
+    A sender whose plan reckoning put its reduce deadline a second before the owner's was
+    taken for dead at 30% loss (a false death and a round of unequal θ, the reliability run)."""
+    try:
+        left = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a context without a deadline API: no evidence either way
+        return False
+    return left is not None and left <= CALL_DEADLINE_SLACK_S
+
+
 def _run_handler(what: str, fn: Callable[[], T]) -> tuple[T | None, TransportError | None]:
     """Call a handler; return (result, None) or (None, the error to abort with)."""
     try:
@@ -205,8 +222,9 @@ class _PeerServicer:
             if accepted and (ended := getattr(self._handler, "handle_push_ended", None)) is not None:
                 # grpc.aio ends the request stream alike whether the client closed it or
                 # its connection broke (the sender died): the handler tells them apart
+                due = _at_call_deadline(context)
                 await self.server.run_blocking(
-                    "Push", lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted))
+                    "Push", lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted, at_deadline=due))
                 )
         except asyncio.CancelledError:
             # The sender's connection broke while this coroutine awaited a chunk's handling
@@ -215,8 +233,8 @@ class _PeerServicer:
             # is being cancelled); without this the owner waited for the dead sender's
             # chunks until the reduce deadline.
             if sender is not None and (ended := getattr(self._handler, "handle_push_ended", None)) is not None:
-                n, who = accepted, sender
-                self.server.pool("Push").submit(_run_handler, "Push", lambda: ended(who, rnd, n))
+                n, who, due = accepted, sender, _at_call_deadline(context)
+                self.server.pool("Push").submit(_run_handler, "Push", lambda: ended(who, rnd, n, at_deadline=due))
             raise
         finally:
             if sender is not None:

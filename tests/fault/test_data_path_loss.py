@@ -124,7 +124,7 @@ _CHILD = textwrap.dedent(
         print("sent", flush=True)
         threading.Event().wait(120)  # the stream stays open until SIGKILL
     push = grpc.insecure_channel(address).stream_unary(f"/{PEER_SERVICE}/Push")
-    push(chunks(), timeout=120)
+    push(chunks(), timeout=float(sys.argv[6]) if len(sys.argv) > 6 else 120)
     """
 )
 
@@ -222,6 +222,23 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
             e._open[2] = _Owned(late)
         e.handle_push_ended("site-1", 2, 1)
         assert late.lost == set() and late.owed("site-1")
+        # a stream the transport saw end at its call's own deadline (the sender reckoned its
+        # reduce deadline earlier than this owner: a plan read late) is no loss either, however
+        # far this owner's own deadline still is
+        early = OpenRound(
+            plan=_plan(3, members),
+            owners=assign_owners(len(e.state.layout), sorted(members)),
+            site_id="site-0",
+            chunks=[b.chunks for b in e.state.layout.buckets],
+            aggregation=e.config.aggregation,
+            opened_at=time.monotonic(),
+        )
+        with e._cv:
+            e._open[3] = _Owned(early)
+        e.handle_push_ended("site-1", 3, 1, at_deadline=True)
+        assert early.lost == set() and early.owed("site-1")
+        e.handle_push_ended("site-1", 3, 1)  # the same end without that evidence: a broken stream
+        assert early.lost == {"site-1"}
     finally:
         e.stop(0.1)
 
@@ -234,13 +251,15 @@ class _SlowOwner:
 
         self.handling = threading.Event()
         self.ended: list[tuple[str, int, int]] = []
+        self.at_deadline: list[bool] = []
 
     def handle_contribution(self, c) -> None:
         self.handling.set()
         time.sleep(1.0)
 
-    def handle_push_ended(self, sender: str, round: int, num_accepted: int) -> None:
+    def handle_push_ended(self, sender: str, round: int, num_accepted: int, *, at_deadline: bool = False) -> None:
         self.ended.append((sender, round, num_accepted))
+        self.at_deadline.append(at_deadline)
 
     def handle_pull_mean(self, round, bucket, requester, timeout_s, *, have_checksum=""):
         raise Rejected(RejectCode.NOT_FOUND, "no means here")
@@ -270,7 +289,34 @@ def test_sender_killed_while_its_chunk_is_handled_is_reported_ended():
         while not handler.ended and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [(s, r) for s, r, _ in handler.ended] == [("site-2", 0)]
+        assert handler.at_deadline == [False]  # its call had ~2 minutes left: a broken stream
     finally:
         if child.poll() is None:
             child.kill()
+        t.stop(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_a_push_stream_cut_by_its_own_call_deadline_is_reported_at_the_deadline():
+    """The sender's push call runs out of its own deadline (grpc-timeout) with chunks still
+    owed: the owner's handler hears that the stream ended at that deadline, which it does not
+    take for a death (a sender that reckoned its reduce deadline a second before the owner's
+    was declared dead at 30% loss, and the members held its buckets owner-lost)."""
+    handler = _SlowOwner()
+    t = GrpcTransport(GrpcTransportConfig())
+    address = t.start(handler)
+    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
+    off, n = layout.buckets[0].chunks[0]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, address, "0", str(off), str(n), "fp32", "3"], env=env)
+    try:
+        assert handler.handling.wait(20), "the chunk never reached the handler"
+        deadline = time.monotonic() + 20
+        while not handler.ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(s, r) for s, r, _ in handler.ended] == [("site-2", 0)]
+        assert handler.at_deadline == [True]
+    finally:
+        child.kill()
+        child.wait(10)
         t.stop(0.1)
