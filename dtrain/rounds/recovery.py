@@ -64,7 +64,9 @@ class Recovery:
         window = self._repair_timeout_s(run)
         now = time.monotonic()
         late_until = max(now + min(1.0, window), run.member.broadcast_until + window / 2.0)
-        self._each_bucket(run, missing, lambda b: self._late_pull(run, b, late_until, late_until - now), "late")
+        self._each_bucket(
+            run, missing, lambda b: self._late_pull(run, b, late_until, late_until - now), "late", late_until
+        )
 
     def _late_pull(self, run: Any, b: int, late_until: float, window_s: float) -> None:
         """One missing mean's passes over its sources until ``late_until``; a source that
@@ -108,13 +110,13 @@ class Recovery:
                 return
             pass_no += 1
 
-    def _each_bucket(self, run: Any, buckets: list[int], step: Any, what: str) -> None:
+    def _each_bucket(self, run: Any, buckets: list[int], step: Any, what: str, until: float) -> None:
         """``step(b)`` for every bucket at once (at most ``num_pull_threads`` threads); each
-        step bounds itself by its own deadline. A step that raises is a bug, logged, never a hang."""
+        step bounds itself by ``until`` (``time.monotonic()`` seconds), so every answer is in
+        by then (the fan-out gives a step up only 5 s past it: a transport that overran its
+        timeout). A step that raises is a bug, logged, never a hang."""
         fan = Fanout(step, buckets, max(1, self.config.num_pull_threads), f"{what}-{run.round}")
-        for b, answer in fan.wait(
-            time.monotonic() + self._repair_timeout_s(run) + 1.0, lambda b: False, lambda b, late: None
-        ):
+        for b, answer in fan.wait(until, lambda b: False, lambda b, late: None):
             if isinstance(answer, BaseException):
                 self.log.error("round %d: %s step of bucket %d failed: %r", run.round, what, b, answer)
 
@@ -140,7 +142,7 @@ class Recovery:
             return
         # the window counts from the broadcast deadline: the late pulls took their half of it
         deadline = max(run.member.broadcast_until + self._repair_timeout_s(run), time.monotonic() + MIN_REPAIR_S)
-        self._each_bucket(run, stale, lambda b: self._repair_bucket(run, b, deadline), "repair")
+        self._each_bucket(run, stale, lambda b: self._repair_bucket(run, b, deadline), "repair", deadline)
 
     def _repair_bucket(self, run: Any, b: int, deadline: float) -> None:
         """Stale bucket ``b`` from its sources in order until one gives the state wanted."""
