@@ -186,17 +186,17 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
         from dtrain.rounds.engine import _Owned
         from dtrain.rounds.owner import OpenRound
 
-        books = {
-            r: OpenRound(
+        def open_round(r: int, opened_at: float) -> OpenRound:
+            return OpenRound(
                 plan=_plan(r, members),
                 owners=assign_owners(len(e.state.layout), sorted(members)),
                 site_id="site-0",
                 chunks=[b.chunks for b in e.state.layout.buckets],
                 aggregation=e.config.aggregation,
-                opened_at=time.monotonic(),
+                opened_at=opened_at,
             )
-            for r in (0, 1)
-        }
+
+        books = {r: open_round(r, time.monotonic()) for r in (0, 1)}
         with e._cv:
             e._open.update({r: _Owned(bk) for r, bk in books.items()})
         e.handle_push_ended("site-1", 0, 1)
@@ -210,14 +210,7 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
         e.handle_push_ended("site-1", 1, sum(len(bk.chunks[b]) for b in bk.mine))
         assert bk.lost == set()
         # a stream that ends short at the reduce deadline ran out of its sender's time: no loss
-        late = OpenRound(
-            plan=_plan(2, members),
-            owners=assign_owners(len(e.state.layout), sorted(members)),
-            site_id="site-0",
-            chunks=[b.chunks for b in e.state.layout.buckets],
-            aggregation=e.config.aggregation,
-            opened_at=time.monotonic() - _plan(2, members).reduce_timeout_s + 0.2,  # 0.2 s before its deadline
-        )
+        late = open_round(2, time.monotonic() - _plan(2, members).reduce_timeout_s + 0.2)  # 0.2 s before its deadline
         with e._cv:
             e._open[2] = _Owned(late)
         e.handle_push_ended("site-1", 2, 1)
@@ -225,14 +218,7 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
         # a stream the transport saw end at its call's own deadline (the sender reckoned its
         # reduce deadline earlier than this owner: a plan read late) is no loss either, however
         # far this owner's own deadline still is
-        early = OpenRound(
-            plan=_plan(3, members),
-            owners=assign_owners(len(e.state.layout), sorted(members)),
-            site_id="site-0",
-            chunks=[b.chunks for b in e.state.layout.buckets],
-            aggregation=e.config.aggregation,
-            opened_at=time.monotonic(),
-        )
+        early = open_round(3, time.monotonic())
         with e._cv:
             e._open[3] = _Owned(early)
         e.handle_push_ended("site-1", 3, 1, at_deadline=True)
