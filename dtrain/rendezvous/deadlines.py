@@ -24,7 +24,12 @@ observation), so it enters the quantile as that deadline; and when the newest su
 the newest round observed, the next deadline is at least ``backoff`` (2) times the one that
 cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5). Without this a link that
 slowed past its deadline would only produce rounds that are not clean, and the derivation,
-which reads clean rounds only, would keep the deadline that cuts every round. Before
+which reads clean rounds only, would keep the deadline that cuts every round. A censored
+round counts only until ``min_rounds`` clean rounds follow it: it bounds the link of its
+time from below, and the clean rounds since measured the link as it is now. (Kept for the
+whole window, the rounds a 1000x slowdown cut held the deadline at its cap for up to
+``history_rounds`` rounds after the link recovered, so a fault in any of them stalled its
+round for the cap instead of the link's figure.) Before
 ``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
 broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
 conservative for a LAN and for most WAN links). A figure the user set explicitly
@@ -167,8 +172,14 @@ def derive_deadlines(
 
     def exchange(figure: str, i: int, what: str) -> tuple[float, str]:
         """A figure's deadline from the clean rounds and the censored ones (module docstring)."""
-        seen = [t for t in ordered if t.clean or t.cut(figure, config.cut_fraction) is not None]
-        seen = seen[-config.history_rounds :]
+        seen, clean_after = [], 0
+        for t in reversed(ordered):  # a censored round counts until min_rounds clean ones follow it
+            if t.clean:
+                seen.append(t)
+                clean_after += getattr(t, figure) is not None
+            elif clean_after < config.min_rounds and t.cut(figure, config.cut_fraction) is not None:
+                seen.append(t)
+        seen = seen[::-1][-config.history_rounds :]
         values = [t.cut(figure, config.cut_fraction) or getattr(t, figure) for t in seen]
         d, why = observed([v for v in values if v is not None], i, what)
         newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)

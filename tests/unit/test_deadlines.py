@@ -93,6 +93,36 @@ def test_a_link_slower_than_its_deadline_backs_the_deadline_off_until_its_rounds
     assert "ran to its 5.75s deadline: x2" in derive_deadlines(hist[:11], config=CFG).reason
 
 
+def test_rounds_cut_while_the_link_stalled_leave_the_window_after_min_rounds_clean_ones() -> None:
+    """10 fast rounds, then the link stalls (every exchange would take 1000 s) for 4 rounds: each
+    is cut at its deadline and backs the next one off up to the 40 s cap. When the link is fast
+    again, its first clean rounds still see the censored rounds (a lower bound on the link of
+    their time); after min_rounds (3) clean rounds the deadline is the fast link's again, not the
+    cap for the rest of the 20-round window."""
+    hist, deadlines = rounds(10), []
+    for r in range(10, 24):
+        d = derive_deadlines(hist, config=CFG)
+        deadlines.append(d.reduce_timeout_s)
+        need_s = 1000.0 if r < 14 else 0.5
+        fits = need_s <= d.reduce_timeout_s
+        hist.append(
+            RoundTimes(
+                round=r,
+                ready_spread_s=0.2,
+                reduce_s=need_s if fits else d.reduce_timeout_s,
+                means_s=need_s + 0.3 if fits else d.broadcast_timeout_s,
+                clean=fits,
+                reduce_deadline_s=d.reduce_timeout_s,
+                broadcast_deadline_s=d.broadcast_timeout_s,
+            )
+        )
+    fast = 0.5 * 1.5 + 5
+    assert deadlines[:5] == pytest.approx([fast, 11.5, 23.0, 40.0, 40.0])  # 4 cut, backed off up to the cap
+    assert deadlines[5:7] == pytest.approx([23.0 * 1.5 + 5] * 2)  # 1, 2 clean rounds since: q0.9 is a cut one
+    assert deadlines[7:] == pytest.approx([fast] * 7)  # 3 clean rounds since the last cut: the link's figure
+    assert "q0.9 0.50s of 13 rounds" in derive_deadlines(hist[:17], config=CFG).reason
+
+
 def test_a_round_cut_by_a_fault_before_its_deadline_is_not_a_censored_observation() -> None:
     """A round that lost a site's contributions but ended well before its deadline says nothing
     about the link: it neither enters the quantile nor backs the deadline off."""
