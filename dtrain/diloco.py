@@ -646,7 +646,8 @@ class DiLoCo:
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
-        self.site.note_rounds_done(self.engine.state.rounds_applied)
+        # a round that left buckets unrepaired is not finished: the members wait for its close (catch_up_at_close)
+        self.site.note_rounds_done(self.engine.state.rounds_applied - bool(self.site.unrepaired(outcome)))
         for cb in self.on_round:
             cb(outcome)
 
@@ -728,7 +729,7 @@ class DiLoCo:
             if outcome is not None:
                 self._merged(outcome)
         waited = None
-        unrepaired = self._unrepaired_at_close() if wait else 0
+        behind = self.site.catch_up_at_close(self.last_outcome) if wait else None
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)
             if waited.missing:
@@ -765,30 +766,15 @@ class DiLoCo:
             if self.config.close_timeout_s is not None:
                 grace_s = min(grace_s, max(0.5, self.config.close_timeout_s))
         self.engine.stop(grace_s)
-        if unrepaired:
+        if behind:
             r = self.engine.state.rounds_applied
             raise LeftBehind(
                 self.config.site_id,
                 r,
                 r,
-                f"its last round left {unrepaired} bucket(s) stale and unrepaired (a mean that never arrived "
-                "and whose repair failed): its θ differs from its peers', so the run does not end 'done' here",
+                f"its last round left {behind}: its θ differs from its peers', so the run does not end 'done' here",
             )
         return waited
-
-    def _unrepaired_at_close(self) -> int:
-        """Buckets the last round left STALE and unrepaired, summed over the ranks (every rank
-        calls it: a collective). With ``repair`` on, such a θ differs from the peers'; the run's
-        last round has no later round to repair it (issue 33: never "done" on another θ)."""
-        o = self.last_outcome
-        applied = o is not None and o.status is RoundStatus.APPLIED and o.result is not None
-        mine = len(self.engine.unrepaired) if applied and self.config.rounds.repair else 0
-        if self.num_ranks > 1:
-            try:
-                return sum(self.comm.all_gather(mine, round=True))
-            except RuntimeError:  # a rank died: its collectives fail; what this rank knows
-                return mine
-        return mine
 
     def __enter__(self) -> "DiLoCo":
         return self

@@ -302,6 +302,43 @@ def test_a_site_whose_last_round_left_a_bucket_unrepaired_does_not_close_done() 
             c.sites[victim].diloco.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_site_whose_last_round_left_buckets_unrepaired_catches_up_at_close_from_a_member_that_waits() -> None:
+    """As above, but the link heals once the round is over: the victim's heartbeats say it has
+    not finished round 1, so the owner keeps serving at close; the victim takes round 1's mean
+    of each stale bucket again from the owner's kept history (replayed: its θ_b was the
+    owner's before the round) and both close on one θ, the victim no longer LeftBehind."""
+    N = 2
+    cfg = ClusterConfig(
+        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+    )
+    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+        victim = 1 - owner
+        vid, addr = c.sites[victim].site_id, c.sites[owner].address
+        c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
+        c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
+
+        def step(site: Site, r: int) -> None:
+            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
+
+        c.run_steps(step, 2, timeout_s=50)
+        its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
+        o, v = c.sites[owner].diloco, c.sites[victim].diloco
+        assert v.engine.unrepaired == its and o.site_checksum() != v.site_checksum()
+        c.network.clear_rules()  # the link heals
+        closing = threading.Thread(target=o.close)
+        closing.start()
+        time.sleep(0.3)
+        assert closing.is_alive()  # the owner waits: the victim has not finished round 1
+        v.close()
+        closing.join(timeout=20)
+        assert not closing.is_alive()
+        assert v.site.last_catch_up.means_replayed == len(its) and not v.site.last_catch_up.buckets_from
+        assert v.round == o.round == 2 and v.site_checksum() == o.site_checksum()
+
+
 def cut_off_an_owner(c: InprocCluster, round: int) -> tuple[int, str, list[int]]:
     """Cut every mean pull to the first site that owns buckets, in ``round``: its index, id and buckets."""
     owners = c.owners()
