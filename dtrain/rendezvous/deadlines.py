@@ -26,10 +26,15 @@ cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5). Without this 
 slowed past its deadline would only produce rounds that are not clean, and the derivation,
 which reads clean rounds only, would keep the deadline that cuts every round. A censored
 round counts only until ``min_rounds`` clean rounds follow it: it bounds the link of its
-time from below, and the clean rounds since measured the link as it is now. (Kept for the
-whole window, the rounds a 1000x slowdown cut held the deadline at its cap for up to
-``history_rounds`` rounds after the link recovered, so a fault in any of them stalled its
-round for the cap instead of the link's figure.) Before
+time from below, and the clean rounds since measured the link as it is now. And when the
+newest ``shift_rounds`` (5) figures all lie under 1 / ``backoff`` of the window's quantile,
+the link got faster (a congestion episode ended): the window restarts after the newest
+figure that did not (:func:`since_speedup`). Kept for the whole window, the rounds of a
+slowdown held the deadline near its cap for up to ``history_rounds`` rounds after the link
+recovered, so a fault in any of them stalled its round for the cap instead of the link's
+figure; the price is that slow rounds which come back less often than every
+``shift_rounds`` rounds, and need more than the budget covers, are cut each time (raise
+``shift_rounds`` for such a link). Before
 ``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
 broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
 conservative for a LAN and for most WAN links). A figure the user set explicitly
@@ -46,7 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["DeadlineConfig", "Deadlines", "RoundTimes", "derive_deadlines", "quantile"]
+__all__ = ["DeadlineConfig", "Deadlines", "RoundTimes", "derive_deadlines", "quantile", "since_speedup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +71,10 @@ class DeadlineConfig:
         cut_fraction: a round that was not clean and whose slowest figure reached this share
             of its deadline ran to that deadline (a censored observation), in (0, 1].
         backoff: factor on the deadline that cut the newest round observed (>= 1).
+        shift_rounds: the newest this many observations, each under 1 / ``backoff`` of the
+            window's quantile, mean the link got faster: the older ones leave the window
+            (>= 1; a larger figure keeps a deadline that covers slow rounds that come back
+            at a longer period).
     """
 
     stall_budget_s: float = 5.0
@@ -76,12 +85,13 @@ class DeadlineConfig:
     max_factor: float = 4.0
     cut_fraction: float = 0.9
     backoff: float = 2.0
+    shift_rounds: int = 5
 
     def __post_init__(self) -> None:
         b = self.stall_budget_s
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (math.isfinite(b) and b > 0):
             raise ValueError(f"stall_budget_s must be a number of seconds > 0, got {b!r}")
-        for name in ("history_rounds", "min_rounds"):
+        for name in ("history_rounds", "min_rounds", "shift_rounds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -146,6 +156,18 @@ def quantile(values: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def since_speedup(values: Sequence[float], q: float, *, factor: float, rounds: int) -> tuple[Sequence[float], bool]:
+    """``values`` (in round order) from after the newest one at or above ``q / factor`` (``q``:
+    the window's quantile), when at least ``rounds`` follow it: the link got faster (a level
+    shift) and the window restarts there; else ``values`` as they are. Returns the values and
+    whether the window restarted."""
+    slow = [i for i, v in enumerate(values) if v >= q / factor]
+    start = slow[-1] + 1 if slow else 0
+    if slow and len(values) - start >= rounds:
+        return values[start:], True
+    return values, False
+
+
 def derive_deadlines(
     history: Sequence[RoundTimes],
     *,
@@ -167,8 +189,11 @@ def derive_deadlines(
         if len(values) < config.min_rounds:
             return start[i], f"{what} {start[i]:.2f}s (start bound: {len(values)} of {config.min_rounds} rounds seen)"
         q = quantile(values, config.quantile)
+        values, sped_up = since_speedup(values, q, factor=config.backoff, rounds=config.shift_rounds)
+        q = quantile(values, config.quantile) if sped_up else q
         d = min(q * config.margin + b, start[i] * config.max_factor)
-        return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds)"
+        since = ", since the link sped up" if sped_up else ""
+        return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds{since})"
 
     def exchange(figure: str, i: int, what: str) -> tuple[float, str]:
         """A figure's deadline from the clean rounds and the censored ones (module docstring)."""

@@ -10,7 +10,7 @@ from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain.protocol import Member, RoundPlan
 from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.rendezvous.core import aged
-from dtrain.rendezvous.deadlines import DeadlineConfig, RoundTimes, derive_deadlines, quantile
+from dtrain.rendezvous.deadlines import DeadlineConfig, RoundTimes, derive_deadlines, quantile, since_speedup
 from dtrain.rendezvous.grpc import _decision_from_proto, plan_to_proto
 from dtrain.site import plan_expired
 
@@ -50,10 +50,28 @@ def test_a_link_that_slows_10x_moves_the_deadlines_within_the_quantiles_window()
             moved_after = k
     assert moved_after == 2
     assert d.reduce_timeout_s == pytest.approx(min(20 * 1.5 + 5, 4 * 10.0))  # capped at 4x the start bound
-    # and recovers once the fast rounds are the 90% again (window of 20 rounds)
-    for k in range(20):
+    # and recovers after shift_rounds (5) fast rounds: the window restarts after the last slow
+    # one (before, the 7 slow rounds held the quantile until fast ones were 90% of 20 rounds)
+    back = []
+    for k in range(1, 8):
         hist.append(RoundTimes(round=100 + k, ready_spread_s=0.2, reduce_s=2.0, means_s=3.0))
-    assert derive_deadlines(hist, config=CFG).reduce_timeout_s == pytest.approx(2 * 1.5 + 5)
+        back.append(derive_deadlines(hist, config=CFG).reduce_timeout_s)
+    assert back == pytest.approx([20 * 1.5 + 5] * 4 + [2 * 1.5 + 5] * 3)
+    assert (
+        "reduce 8.00s (q0.9 2.00s of 5 rounds, since the link sped up)"
+        in derive_deadlines(hist[:-2], config=CFG).reason
+    )
+
+
+def test_since_speedup_restarts_the_window_after_the_last_slow_figure_once_enough_fast_ones_follow() -> None:
+    fast, slow = 1.0, 10.0
+    vals = [fast] * 8 + [slow] * 3 + [fast] * 4
+    assert since_speedup(vals, slow, factor=2.0, rounds=5) == (vals, False)  # 4 fast since: not yet
+    vals.append(fast)
+    assert since_speedup(vals, slow, factor=2.0, rounds=5) == ([fast] * 5, True)
+    # a figure under q / factor is fast, at or above it slow; no slow figure: nothing to restart
+    assert since_speedup([4.9] * 6, 10.0, factor=2.0, rounds=5) == ([4.9] * 6, False)
+    assert since_speedup([5.0] + [4.9] * 5, 10.0, factor=2.0, rounds=5) == ([4.9] * 5, True)
 
 
 def test_rounds_that_were_not_clean_are_not_observations() -> None:
