@@ -767,10 +767,10 @@ class DiLoCo:
                 grace_s = min(grace_s, max(0.5, self.config.close_timeout_s))
         self.engine.stop(grace_s)
         if behind:
-            r = self.engine.state.rounds_applied
+            r = self.engine.state.rounds_applied  # θ does not wholly reflect round r - 1
             raise LeftBehind(
                 self.config.site_id,
-                r,
+                r - 1,
                 r,
                 f"its last round left {behind}: its θ differs from its peers', so the run does not end 'done' here",
             )

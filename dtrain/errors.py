@@ -226,10 +226,12 @@ class SiteGroupError(DtrainError):
 
 
 class LeftBehind(DtrainError):
-    """This site's θ is behind the group's round and no live member holds a state to
-    pull (the others finished, left or died) within ``state_pull_timeout_s``: it cannot
-    catch up. It never adopts the group's round number with its old θ (that would end a
-    run "done" on another θ); the worker exits with its own code (``dtrain worker``).
+    """This site's θ is behind the group's round and it cannot catch up: no live member
+    holds a state to pull (the others finished, left or died) within
+    ``state_pull_timeout_s``, or the run's last round left buckets unrepaired and pulling
+    them at close made no progress (``detail`` says which). It never adopts the group's
+    round with its old θ (that would end a run "done" on another θ); the worker exits with
+    its own code (``dtrain worker``).
 
     Attributes:
         site_id: this site.
@@ -239,10 +241,9 @@ class LeftBehind(DtrainError):
 
     def __init__(self, site_id: str, round: int, group_round: int, detail: str = "") -> None:
         self.site_id, self.round, self.group_round, self.detail = site_id, round, group_round, detail
-        why = f": {detail}" if detail else ""
         super().__init__(
-            f"{site_id} is left behind at round {round} (the group is at round {group_round}) "
-            f"with no member to pull θ from{why}"
+            f"{site_id} is left behind at round {round} (the group is at round {group_round}): "
+            f"{detail or 'no member to pull θ from'}"
         )
 
     def __reduce__(self):  # a SiteComm sends it between ranks
