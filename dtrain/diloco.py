@@ -360,9 +360,10 @@ class DiLoCo:
         for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
             sch.load_state_dict(sd)
 
-    def _fetch_position(self, donor: Member, r: int, timeout_s: float) -> tuple[dict | None, bool]:
-        """``donor``'s training position of round ``r``, or None (logged); and whether the
-        call ran out of its ``timeout_s`` (a later attempt with more time may succeed)."""
+    def _fetch_position(self, donor: Member, r: int, timeout_s: float) -> tuple[dict | None, str]:
+        """``donor``'s training position of round ``r``, or None (logged); and why not:
+        ``"timeout"`` (the call ran out of its ``timeout_s``: a later attempt with more time
+        may succeed), ``"past"`` (the donor is past round ``r``: the group moved on) or ``""``."""
         try:
             st = self.engine.transport.pull_state(
                 donor.address, len(self.state), requester=self.config.site_id, timeout_s=timeout_s
@@ -372,20 +373,23 @@ class DiLoCo:
             timed_out = isinstance(e, PeerTimeout)
             why = f" (attempt of {timeout_s:.1f} s)" if timed_out else ""
             log.warning("%s: no training position from %s%s: %s", self.config.site_id, donor.site_id, why, e)
-            return None, timed_out
+            return None, "timeout" if timed_out else ""
         if pos["round"] != r:
             log.info(
                 "%s: %s's training position is of round %d, not %d", self.config.site_id, donor.site_id, pos["round"], r
             )
-            return None, False
-        return pos, False
+            return None, "past" if pos["round"] > r else ""
+        return pos, ""
 
     def _heal(self, donors: list[Member]) -> bool:
         """Take the training position of the first donor (its rank j for rank j) whose
         position is of the round θ was pulled at, on every rank or on none; False (own
         position kept, logged) when no donor has it for every rank. The donors are tried in
         turn with the attempts of :func:`position_attempts` (a donor whose stream stalled is
-        left after one attempt for the next, and tried again with more time later)."""
+        left after one attempt for the next, and tried again with more time later). A donor
+        already past that round ends the attempts at once: the group moved on, so this site's
+        next round resyncs θ and takes the position of that round (a resync at 30% loss
+        asked on for 64 s more, while the members finished the run and left)."""
         r = self.state.rounds_applied
         plan = self.site.last_plan
         attempts = position_attempts(
@@ -398,11 +402,16 @@ class DiLoCo:
             if i in settled:
                 continue
             m = donors[i]
-            pos, timed_out = self._fetch_position(m, r, timeout_s)
-            got = self.comm.all_gather((None if pos is None else int(pos["inner_steps"]), timed_out))
+            pos, why = self._fetch_position(m, r, timeout_s)
+            got = self.comm.all_gather((None if pos is None else int(pos["inner_steps"]), why))
+            if any(g[1] == "past" for g in got):  # θ is behind again: the next round resyncs it, with a position
+                log.warning(
+                    "%s: %s is past round %d; keeping this site's own position", self.config.site_id, m.site_id, r
+                )
+                return False
             oks = [g[0] for g in got]
             if None in oks or len(set(oks)) != 1:
-                if not any(g[1] for g in got):
+                if not any(g[1] == "timeout" for g in got):
                     settled.add(i)
                 continue
             assert pos is not None

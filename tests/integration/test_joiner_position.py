@@ -13,6 +13,7 @@ import torch
 from dtrain.buckets import BucketConfig
 from dtrain.configs import DiLoCoConfig
 from dtrain.diloco import DiLoCo
+from dtrain.protocol import Member
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
@@ -122,6 +123,34 @@ def test_a_restarted_site_keeps_its_own_current_position_and_heals_a_stale_one()
     finally:
         for d in [a, *others]:
             d.close(wait=False)
+
+
+def test_a_donor_past_the_round_ends_the_position_attempts_at_once():
+    """A site whose θ is of round 1 asks for the position of round 1; the donor is at round 3
+    (the group moved on while θ was pulled). It answers with its own round, which ends the
+    attempts at once: no other donor is asked, the site keeps its own position, and its next
+    round resyncs θ (at 30% loss a resync went on asking stalled donors for 64 s more)."""
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.5))
+    a, ma, oa, sa = _site("a", net, core)
+    d = None
+    try:
+        _train(a, ma, oa, sa, H, seed=1)
+        stale = a.state_dict()  # round 1
+        _train(a, ma, oa, sa, 2 * H, seed=2)  # a is at round 3
+        d, *_ = _site("d", net, core, join=False)
+        d.load_state_dict(stale)
+        assert d.round == 1
+        donor = Member(site_id="a", address=a.engine.transport.address)
+        assert d._fetch_position(donor, 1, 5.0) == (None, "past")
+        asked: list[str] = []
+        fetch = d._fetch_position
+        d._fetch_position = lambda m, r, t: (asked.append(m.site_id), fetch(m, r, t))[1]
+        assert d._heal([donor, Member(site_id="b", address="inproc:nowhere")]) is False
+        assert asked == ["a"] and d.healed_from is None
+    finally:
+        for x in (a, d):
+            if x is not None:
+                x.close(wait=False)
 
 
 def _lockstep(sites, steps: int) -> None:
