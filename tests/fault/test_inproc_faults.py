@@ -14,6 +14,7 @@ import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
+from dtrain.diloco import DiLoCo
 from dtrain.errors import LeftBehind
 from dtrain.rounds import BucketOutcome, RoundConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config, fast_rendezvous_config
@@ -273,68 +274,62 @@ def test_a_member_whose_mean_replies_are_lost_repairs_from_the_owner_in_the_same
         assert len(sums_after_1) == N and len(set(sums_after_1.values())) == 1, "θ differs after round 1"
 
 
+def last_round_unrepaired(c: InprocCluster) -> tuple[DiLoCo, DiLoCo, str, list[int]]:
+    """Two sites, two rounds; in the last (1) the member loses every reply of the owner to its
+    mean pulls and every state pull of its repair, so the owner's buckets stay STALE there with
+    θ_b unlike the owner's. Returns the owner's and the member's DiLoCo, the member's id and
+    the owner's buckets."""
+    owners = c.owners()
+    owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+    victim = 1 - owner
+    vid, addr = c.sites[victim].site_id, c.sites[owner].address
+    c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
+    c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
+
+    def step(site: Site, r: int) -> None:
+        contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
+
+    c.run_steps(step, 2, timeout_s=50)
+    its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
+    o, v = c.sites[owner].diloco, c.sites[victim].diloco
+    assert v.engine.unrepaired == its and o.site_checksum() != v.site_checksum()
+    return o, v, vid, its
+
+
+TWO_SITES = ClusterConfig(
+    num_sites=2, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
+)
+
+
 @pytest.mark.timeout(60)
 def test_a_site_whose_last_round_left_a_bucket_unrepaired_does_not_close_done() -> None:
-    """The run's last round (1): one member loses every reply of one owner and every state pull
-    of its repair, so a bucket stays STALE with θ_b unlike the owner's, and no later round can
-    repair it. Its close raises LeftBehind naming it (the worker exits non-zero), never "done";
-    the others close normally."""
-    N = 2
-    cfg = ClusterConfig(
-        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
-    )
-    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
-        owners = c.owners()
-        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
-        victim = 1 - owner
-        vid, addr = c.sites[victim].site_id, c.sites[owner].address
-        c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
-        c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
-
-        def step(site: Site, r: int) -> None:
-            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
-
-        c.run_steps(step, 2, timeout_s=50)
-        its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
-        assert c.sites[victim].diloco.engine.unrepaired == its
-        c.sites[owner].diloco.close()  # the owner: done
+    """The run's last round leaves a bucket STALE at a member (:func:`last_round_unrepaired`)
+    and the link stays down: no later round can repair it and its close cannot pull it. Its
+    close raises LeftBehind naming it (the worker exits non-zero), never "done"; the others
+    close normally."""
+    with InprocCluster(Vec, inner_sgd_lr1, TWO_SITES, outer_optimizer=outer_sgd_lr1) as c:
+        o, v, vid, its = last_round_unrepaired(c)
+        o.close()  # the owner: done
         with pytest.raises(
             LeftBehind,
             match=rf"{vid} is left behind at round 1 \(the group is at round 2\): its last round left {len(its)} bucket",
         ):
-            c.sites[victim].diloco.close()
+            v.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_site_whose_last_round_left_buckets_unrepaired_catches_up_at_close_from_a_member_that_waits() -> None:
-    """As above, but the link heals once the round is over: the victim's heartbeats say it has
-    not finished round 1, so the owner keeps serving at close; the victim takes round 1's mean
+    """As above, but the link heals once the round is over: the member's heartbeats say it has
+    not finished round 1, so the owner keeps serving at close; the member takes round 1's mean
     of each stale bucket again from the owner's kept history (replayed: its θ_b was the
-    owner's before the round) and both close on one θ, the victim no longer LeftBehind."""
-    N = 2
-    cfg = ClusterConfig(
-        num_sites=N, diloco=fast_diloco_config(sync_every=1, buckets=BUCKETS, rounds=RoundConfig(codec=FP32))
-    )
-    with InprocCluster(Vec, inner_sgd_lr1, cfg, outer_optimizer=outer_sgd_lr1) as c:
-        owners = c.owners()
-        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
-        victim = 1 - owner
-        vid, addr = c.sites[victim].site_id, c.sites[owner].address
-        c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
-        c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
-
-        def step(site: Site, r: int) -> None:
-            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
-
-        c.run_steps(step, 2, timeout_s=50)
-        its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
-        o, v = c.sites[owner].diloco, c.sites[victim].diloco
-        assert v.engine.unrepaired == its and o.site_checksum() != v.site_checksum()
+    owner's before the round) and both close on one θ, the member no longer LeftBehind."""
+    with InprocCluster(Vec, inner_sgd_lr1, TWO_SITES, outer_optimizer=outer_sgd_lr1) as c:
+        o, v, _, its = last_round_unrepaired(c)
         c.network.clear_rules()  # the link heals
         closing = threading.Thread(target=o.close)
         closing.start()
         time.sleep(0.3)
-        assert closing.is_alive()  # the owner waits: the victim has not finished round 1
+        assert closing.is_alive()  # the owner waits: the member has not finished round 1
         v.close()
         closing.join(timeout=20)
         assert not closing.is_alive()
