@@ -655,8 +655,7 @@ class DiLoCo:
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
-        # a round that left buckets unrepaired is not finished: the members wait for its close (catch_up_at_close)
-        self.site.note_rounds_done(self.engine.state.rounds_applied - bool(self.site.unrepaired(outcome)))
+        self.site.note_rounds_done(self.engine.state.rounds_applied)
         for cb in self.on_round:
             cb(outcome)
 
@@ -738,7 +737,7 @@ class DiLoCo:
             if outcome is not None:
                 self._merged(outcome)
         waited = None
-        behind = self.site.catch_up_at_close(self.last_outcome) if wait else None
+        unrepaired = self.site.unrepaired_at_close(self.last_outcome) if wait else 0
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)
             if waited.missing:
@@ -775,13 +774,14 @@ class DiLoCo:
             if self.config.close_timeout_s is not None:
                 grace_s = min(grace_s, max(0.5, self.config.close_timeout_s))
         self.engine.stop(grace_s)
-        if behind:
+        if unrepaired:
             r = self.engine.state.rounds_applied  # θ does not wholly reflect round r - 1
             raise LeftBehind(
                 self.config.site_id,
                 r - 1,
                 r,
-                f"its last round left {behind}: its θ differs from its peers', so the run does not end 'done' here",
+                f"its last round left {unrepaired} bucket(s) stale and unrepaired (a mean that never arrived "
+                "and whose repair failed): its θ differs from its peers', so the run does not end 'done' here",
             )
         return waited
 
