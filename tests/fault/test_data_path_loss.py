@@ -8,6 +8,7 @@ the dead member is a port nobody serves, or a child process SIGKILLed mid-push.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -254,32 +255,45 @@ class _SlowOwner:
         raise Rejected(RejectCode.NOT_FOUND, "no state here")
 
 
+@contextlib.contextmanager
+def _sender_to_a_slow_owner(*args: str):
+    """A :class:`_SlowOwner` behind a gRPC transport, and a child process (``_CHILD``, extra
+    ``args``) pushing chunk 0 of bucket 0 to it; yields ``(handler, child)`` once the owner
+    is handling that chunk. The child is killed and the transport stopped on the way out."""
+    handler = _SlowOwner()
+    t = GrpcTransport(GrpcTransportConfig())
+    address = t.start(handler)
+    off, n = BucketLayout([NUMEL], ["param"], LAYOUT_CFG).buckets[0].chunks[0]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, address, "0", str(off), str(n), "fp32", *args], env=env)
+    try:
+        assert handler.handling.wait(20), "the chunk never reached the handler"
+        yield handler, child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        t.stop(0.1)
+
+
+def _wait_ended(handler: _SlowOwner, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not handler.ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(60)
 def test_sender_killed_while_its_chunk_is_handled_is_reported_ended():
     """The sender dies while the owner still handles its chunk (the RPC is cancelled under
     the awaiting coroutine rather than its stream ending): the owner's handler still hears
     that the stream ended, so the engine stops waiting for that sender's chunks (a CI run
     at load once waited out the 60 s reduce deadline in the SIGKILL test above)."""
-    handler = _SlowOwner()
-    t = GrpcTransport(GrpcTransportConfig())
-    address = t.start(handler)
-    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
-    off, n = layout.buckets[0].chunks[0]
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, address, "0", str(off), str(n), "fp32"], env=env)
-    try:
-        assert handler.handling.wait(20), "the chunk never reached the handler"
+    with _sender_to_a_slow_owner() as (handler, child):
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
-        deadline = time.monotonic() + 15
-        while not handler.ended and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_ended(handler, 15)
         assert [(s, r) for s, r, _ in handler.ended] == [("site-2", 0)]
         assert handler.at_deadline == [False]  # its call had ~2 minutes left: a broken stream
-    finally:
-        if child.poll() is None:
-            child.kill()
-        t.stop(0.1)
 
 
 @pytest.mark.timeout(60)
@@ -288,21 +302,7 @@ def test_a_push_stream_cut_by_its_own_call_deadline_is_reported_at_the_deadline(
     owed: the owner's handler hears that the stream ended at that deadline, which it does not
     take for a death (a sender that reckoned its reduce deadline a second before the owner's
     was declared dead at 30% loss, and the members held its buckets owner-lost)."""
-    handler = _SlowOwner()
-    t = GrpcTransport(GrpcTransportConfig())
-    address = t.start(handler)
-    layout = BucketLayout([NUMEL], ["param"], LAYOUT_CFG)
-    off, n = layout.buckets[0].chunks[0]
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, address, "0", str(off), str(n), "fp32", "3"], env=env)
-    try:
-        assert handler.handling.wait(20), "the chunk never reached the handler"
-        deadline = time.monotonic() + 20
-        while not handler.ended and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _sender_to_a_slow_owner("3") as (handler, _):
+        _wait_ended(handler, 20)
         assert [(s, r) for s, r, _ in handler.ended] == [("site-2", 0)]
         assert handler.at_deadline == [True]
-    finally:
-        child.kill()
-        child.wait(10)
-        t.stop(0.1)
