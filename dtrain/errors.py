@@ -228,8 +228,8 @@ class SiteGroupError(DtrainError):
 class LeftBehind(DtrainError):
     """This site's θ is behind the group's round and it cannot catch up: no live member
     holds a state to pull (the others finished, left or died) within
-    ``state_pull_timeout_s``, or the run's last round left buckets unrepaired and pulling
-    them at close made no progress (``detail`` says which). It never adopts the group's
+    ``state_pull_timeout_s``, or the run's last round left buckets stale and unrepaired,
+    which no later round can repair (``detail`` says which). It never adopts the group's
     round with its old θ (that would end a run "done" on another θ); the worker exits with
     its own code (``dtrain worker``).
 
