@@ -225,6 +225,7 @@ class DiLoCo:
         self.on_round: list[Callable[[SyncOutcome], None]] = []
         self.healed_from: str | None = None  # the donor of the last position heal
         self._closed = False
+        self._settled: tuple[SyncOutcome | None, LeftBehind | None] | None = None  # catch_up_last_round's
         self._hook_paused = False  # checkpoint code steps the optimizer without it counting
         # process CPU seconds of the last blocking sync's steps: gather, round (Site.sync),
         # scatter (θ into the model), allgather (replicated parts, K > 1), checksum
@@ -655,7 +656,8 @@ class DiLoCo:
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
-        self.site.note_rounds_done(self.engine.state.rounds_applied)
+        # a round that left buckets unrepaired is not finished: the members wait at close (catch_up_last_round)
+        self.site.note_rounds_done(self.engine.state.rounds_applied - bool(self.site.unrepaired(outcome)))
         for cb in self.on_round:
             cb(outcome)
 
@@ -710,22 +712,40 @@ class DiLoCo:
         for sch, ssd in zip(self.outer_schedulers, sd.get("outer_schedulers") or []):
             sch.load_state_dict(ssd)
 
+    def catch_up_last_round(self) -> LeftBehind | None:
+        """End of a run, before θ is exported or reported (every rank; :meth:`close` calls it
+        when the caller did not): buckets the last round left stale and unrepaired take that
+        round's means again from the members, which wait for it
+        (:meth:`Site.catch_up_last_round <dtrain.site.Site.catch_up_last_round>`, within the
+        round's broadcast deadline); the model then gets θ again (not with streaming: export
+        and checksums read θ). Returns None, or the :class:`LeftBehind` that :meth:`close`
+        raises because θ still differs from the peers'. Once per round (a collective)."""
+        if self._settled is None or self._settled[0] is not self.last_outcome:
+            had = bool(self.site.unrepaired(self.last_outcome))
+            behind = self.site.catch_up_last_round(self.last_outcome)
+            if had and behind is None and self.streaming is None:
+                self.state.copy_to(self.local_tensors())
+                self._sync_replicas()
+            self._settled = (self.last_outcome, behind)
+        return self._settled[1]
+
     def close(self, *, wait: bool = True) -> PullWait | None:
         """Wait for the peers to pull this site's last means, leave the group, stop serving
         (every rank of a site calls it).
 
-        With ``wait``, blocks until every member of the last round this site ran
-        has pulled the means of the buckets it owned, at most
-        ``config.close_timeout_s`` (default: until that round's late pulls
-        and repairs end: its broadcast deadline + its repair window); members
-        the rendezvous declares dead meanwhile are not waited for. Closing at once would leave a slower member without those means
-        (it would skip the buckets and end with a different θ).
+        With ``wait``, first :meth:`catch_up_last_round`, then blocks until every member of the
+        last round this site ran has pulled the means of the buckets it owned, at most
+        ``config.close_timeout_s`` (default: until that round's late pulls and repairs end: its
+        broadcast deadline + its repair window; members declared dead meanwhile are not waited
+        for): closing at once would leave a slower member with a different θ.
 
         Args:
             wait: False closes at once (e.g. on SIGINT); a fragment round in flight is not merged.
         Returns:
-            what the wait found (who did not pull what), or None when this call
-            did not wait (``wait=False`` or already closed).
+            what the wait found (who did not pull what), or None when this call did not wait
+            (``wait=False`` or already closed).
+        Raises:
+            LeftBehind: after leaving, when the last round left this site's θ unlike its peers'.
         """
         if self._closed:
             return None
@@ -737,24 +757,14 @@ class DiLoCo:
             if outcome is not None:
                 self._merged(outcome)
         waited = None
-        unrepaired = self.site.unrepaired_at_close(self.last_outcome) if wait else 0
+        behind = self.catch_up_last_round() if wait else None
         if wait:
             waited = self.engine.mean_pulls.wait_pulled(timeout_s=self.config.close_timeout_s)
-            if waited.missing:
-                log.warning(
-                    "%s: closing after %.2f s without every peer's pull of round %d's means (missing: %s)",
-                    self.config.site_id,
-                    waited.waited_s,
-                    waited.round,
-                    waited.missing,
-                )
-            elif waited.round >= 0:
-                log.info(
-                    "%s: every peer pulled round %d's means (waited %.2f s)",
-                    self.config.site_id,
-                    waited.round,
-                    waited.waited_s,
-                )
+            if waited.round >= 0 or waited.missing:
+                said = f"closing without every peer's pull (missing: {waited.missing})" if waited.missing else "pulled"
+                level = logging.WARNING if waited.missing else logging.INFO
+                sid = self.config.site_id
+                log.log(level, "%s: round %d's means %s after %.2f s", sid, waited.round, said, waited.waited_s)
         try:
             if wait:  # a straggler cut from this site's last round pulls θ from it, not from nobody
                 self.site.wait_left_out(self.config.group.state_pull_timeout_s)
@@ -774,15 +784,8 @@ class DiLoCo:
             if self.config.close_timeout_s is not None:
                 grace_s = min(grace_s, max(0.5, self.config.close_timeout_s))
         self.engine.stop(grace_s)
-        if unrepaired:
-            r = self.engine.state.rounds_applied  # θ does not wholly reflect round r - 1
-            raise LeftBehind(
-                self.config.site_id,
-                r - 1,
-                r,
-                f"its last round left {unrepaired} bucket(s) stale and unrepaired (a mean that never arrived "
-                "and whose repair failed): its θ differs from its peers', so the run does not end 'done' here",
-            )
+        if behind is not None:
+            raise behind
         return waited
 
     def __enter__(self) -> "DiLoCo":

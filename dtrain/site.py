@@ -295,17 +295,76 @@ class Site:
         if self.group is not None:
             self.group.note_rounds_done(n)
 
-    def unrepaired_at_close(self, outcome: SyncOutcome | None) -> int:
-        """Buckets the run's last round (``outcome``) left STALE and unrepaired, summed over
-        the ranks (every rank calls it: a collective). With ``repair`` on, such a θ differs
-        from the peers'; the last round has no later round to repair it (issue 33: never
-        "done" on another θ)."""
+    def unrepaired(self, outcome: SyncOutcome | None) -> list[int]:
+        """The buckets of this rank's slice that ``outcome`` (the round just run) left STALE
+        and unrepaired: θ_b unlike the owner's (its mean never arrived and the round's
+        repairs failed); [] when the round was not applied here or repair is off."""
         applied = outcome is not None and outcome.status is RoundStatus.APPLIED and outcome.result is not None
-        mine = len(self.engine.unrepaired) if applied and self.engine.config.repair else 0
+        return list(self.engine.unrepaired) if applied and self.engine.config.repair else []
+
+    def catch_up_last_round(self, outcome: SyncOutcome | None) -> LeftBehind | None:
+        """At the end of a run, before the worker exports θ and writes its summary (every
+        rank: a collective): bring the buckets the last round (``outcome``) left STALE and
+        unrepaired to the round from its other members. They keep serving while this site's
+        heartbeats say it has not finished that round (rank 0's ``rounds_done`` stays one
+        short while its slice is unrepaired; :meth:`_wait_members_finished`, at most the
+        round's broadcast deadline). Each such bucket goes back to the round before and takes
+        the round's mean again from a member's kept history (:class:`CatchUp`: replayed when
+        it reproduces the owner's checksums, else pulled whole), within the round's
+        ``broadcast_timeout_s`` in all (:meth:`CatchUp.run_within`: given up, with its stack
+        logged, whatever it waits on). Returns None (nothing unrepaired, or all brought to the
+        round: the heartbeats then say the round is done) or, when some rank's buckets stay
+        behind, the :class:`LeftBehind` that the caller raises at close (issue 33: never
+        "done" on another θ)."""
+        mine, plan = self.unrepaired(outcome), self.last_plan
         try:
-            return sum(self.comm.all_gather(mine, round=True))
-        except RuntimeError:  # a rank died: its collectives fail; what this rank knows
-            return mine
+            total = sum(self.comm.all_gather(len(mine), round=True))
+        except RuntimeError:  # a rank died (its collectives fail): no catch-up; what this rank knows
+            return self._left_behind(len(mine), "a rank of the site died") if mine else None
+        if not total or plan is None:
+            return None
+        err = None
+        if mine:
+            gone = self.group.dead if self.group is not None else frozenset()
+            others = [m for m in plan.members if m.site_id != self.site_id and m.site_id not in gone]
+            donors = rank_donors(others, self.rank, self.num_ranks)
+            log.info("%s: catching up buckets %s of round %d from %s", self.site_id, mine, plan.round, donors)
+            st = self.engine.state
+            for b in mine:  # θ_b does not reflect the round: it takes the round's mean again
+                with st.lock(b):
+                    st.bucket_round[b] = plan.round
+            catch = CatchUp(
+                st,
+                self.engine.transport,
+                self.engine.bcodec,
+                requester=self.site_id,
+                streams_per_donor=self.config.state_pull_streams,
+                progress_timeout_s=plan.broadcast_timeout_s,
+                request_timeout_s=plan.reduce_timeout_s,
+            )
+            self.last_catch_up = catch.stats
+            err = "no live member to pull from" if not donors else None
+            if donors:
+                err = catch.run_within(donors, min_round=plan.round + 1, limit_s=plan.broadcast_timeout_s)
+        try:
+            errs = [e for e in self.comm.all_gather(err, round=True) if e]
+        except RuntimeError:
+            errs = [err or "a rank of the site died"]
+        if errs:
+            return self._left_behind(total, f"catching them up failed: {errs[0]}")
+        self.note_rounds_done(plan.round + 1)  # the heartbeat thread tells the rendezvous at once
+        log.info("%s: the last round's %d unrepaired bucket(s) caught up", self.site_id, total)
+        return None
+
+    def _left_behind(self, n: int, why: str) -> LeftBehind:
+        r = self.engine.state.rounds_applied  # θ does not wholly reflect round r - 1
+        return LeftBehind(
+            self.site_id,
+            r - 1,
+            r,
+            f"its last round left {n} bucket(s) stale and unrepaired (a mean that never arrived and whose repair "
+            f"failed), and {why}: its θ differs from its peers', so the run does not end 'done' here",
+        )
 
     def note_progress(self, *, inner_step: int, last_loss: float | None = None) -> None:
         """What rank 0's heartbeats tell the rendezvous (no-op on ranks j > 0)."""

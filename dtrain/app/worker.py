@@ -396,7 +396,10 @@ def _train(run: _Run, *, shards_state: dict | None = None) -> Summary:
         export.maybe_export(cfg, run.task, run.module, diloco, outcome)
         if run.collector is not None:
             run.collector.after_round(syncs)
-    export.final_export(cfg, run.task, run.module, diloco)
+    # a member the last round left stale takes its means again before θ is exported or reported
+    behind = diloco.catch_up_last_round() if not run.stop.is_set() else None
+    if behind is None:
+        export.final_export(cfg, run.task, run.module, diloco)
     return _summary(run, totals, first_val=first_val, val=val, train_loss=train_loss, owned_buckets=owned_buckets)
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -147,6 +149,7 @@ class CatchUp:
         self._target = 0
         self.progress_at = 0.0
         self._stop = False
+        self._cancelled = False  # run_within gave up: nothing is installed any more
         self._started_at: float | None = None  # the current run's start (eta_s)
 
     def eta_s(self, now: float | None = None) -> float | None:
@@ -194,7 +197,7 @@ class CatchUp:
         self._queue = deque(range(n))
         self._avoid = {}
         workers = [
-            threading.Thread(target=self._worker, args=(sid,), name=f"catchup-{sid}-{i}", daemon=True)
+            threading.Thread(target=self._worker, args=(sid,), name=f"catchup-{self.requester}-{sid}-{i}", daemon=True)
             for sid in self._live
             for i in range(self.streams_per_donor)
         ]
@@ -210,11 +213,49 @@ class CatchUp:
             for w in workers:
                 w.join(timeout=5.0)
 
+    def run_within(self, donors: Sequence[Member], *, min_round: int, limit_s: float) -> str | None:
+        """:meth:`run` on a thread of its own, given up after ``limit_s`` seconds whatever it
+        waits on: then it is cancelled (it installs nothing after that) and its stack goes to
+        the log, so a catch-up that hangs says where. Returns None once installed, else why
+        not, in words (a :class:`StateTransferError`'s message, or the time limit)."""
+        why: list[str] = []
+
+        def go() -> None:
+            try:
+                self.run(donors, min_round=min_round)
+            except Exception as e:  # noqa: BLE001 - reported to the caller in words
+                why.append(str(e) if isinstance(e, StateTransferError) else f"{type(e).__name__}: {e}")
+
+        t = threading.Thread(target=go, name=f"catchup-{self.requester}", daemon=True)
+        t.start()
+        t.join(limit_s)
+        if not t.is_alive():
+            return why[0] if why else None
+        with self._cv:
+            self._cancelled = self._stop = True
+            self._cv.notify_all()
+        frames, mine = sys._current_frames(), f"catchup-{self.requester}"
+        stacks = [
+            f"thread {th.name}:\n" + "".join(traceback.format_stack(frames[th.ident]))
+            for th in threading.enumerate()
+            if th.name.startswith(mine) and th.ident in frames
+        ]
+        log.warning(
+            "%s: catch-up still running after %g s; cancelled. Its threads:\n%s",
+            self.requester,
+            limit_s,
+            "".join(stacks),
+        )
+        t.join(1.0)
+        return f"the catch-up did not finish within {limit_s:g} s"
+
     def _drive(self, min_round: int) -> int:
         while True:
             with self._cv:
                 idle_since: float | None = None
                 while (self._queue or self._busy) and self._live:
+                    if self._cancelled:
+                        raise StateTransferError("cancelled")
                     now = time.monotonic()
                     left = self.progress_at + self.progress_timeout_s - now
                     if left <= 0:
@@ -265,14 +306,17 @@ class CatchUp:
 
     def _install(self, target: int) -> None:
         lrs_now = next((i.lrs_now for i in self._info.values() if i.rounds_applied == target), None)
-        for b, s in sorted(self._staged.items()):
-            if lrs_now is not None and b < len(lrs_now) and lrs_now[b]:
-                for g, lr in zip(s.opt.param_groups, lrs_now[b]):
-                    g["lr"] = lr
-            self.state.load_bucket(b, s.theta.detach(), s.opt.state_dict(), target)
-        self.state.rounds_applied = target
-        self.stats.rounds = target
-        self._staged = {}
+        with self._cv:  # all or nothing against run_within's cancel (no worker holds a bucket lock here)
+            if self._cancelled:  # run_within gave up on this run: the caller reports it behind
+                raise StateTransferError("cancelled")
+            for b, s in sorted(self._staged.items()):
+                if lrs_now is not None and b < len(lrs_now) and lrs_now[b]:
+                    for g, lr in zip(s.opt.param_groups, lrs_now[b]):
+                        g["lr"] = lr
+                self.state.load_bucket(b, s.theta.detach(), s.opt.state_dict(), target)
+            self.state.rounds_applied = target
+            self.stats.rounds = target
+            self._staged = {}
         log.info(
             "%s caught up to round %d: %s bucket(s) pulled (%s), %d from its own θ, %d outer step(s) replayed, "
             "%d pulled again",

@@ -304,16 +304,42 @@ TWO_SITES = ClusterConfig(
 @pytest.mark.timeout(60)
 def test_a_site_whose_last_round_left_a_bucket_unrepaired_does_not_close_done() -> None:
     """The run's last round leaves a bucket STALE at a member (:func:`last_round_unrepaired`):
-    no later round can repair it. Its close raises LeftBehind naming it and the round its θ
-    is behind at (the worker exits non-zero), never "done"; the others close normally."""
+    no later round can repair it, and its catch-up from the owner fails too (the owner, which
+    waited for it, has left). Its close raises LeftBehind naming it, the round its θ is behind
+    at and why (the worker exits non-zero), never "done"; the others close normally."""
     with InprocCluster(Vec, inner_sgd_lr1, TWO_SITES, outer_optimizer=outer_sgd_lr1) as c:
         o, v, vid, its = last_round_unrepaired(c)
         o.close()  # the owner: done
         with pytest.raises(
             LeftBehind,
-            match=rf"{vid} is left behind at round 1 \(the group is at round 2\): its last round left {len(its)} bucket",
+            match=rf"{vid} is left behind at round 1 \(the group is at round 2\): its last round left {len(its)} "
+            r"bucket\(s\) stale and unrepaired .*, and catching them up failed: every donor failed",
         ):
             v.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_site_whose_last_round_left_buckets_unrepaired_catches_up_from_a_member_that_waits() -> None:
+    """As above, but the link heals once the round is over: the member's heartbeats say it has
+    not finished round 1, so the owner keeps serving at close; the member takes round 1's mean
+    of each stale bucket again from the owner's kept history (replayed: its θ_b was the
+    owner's before the round), before it would export θ, and both close on one θ, the model
+    holding it too; the member is no longer LeftBehind."""
+    with InprocCluster(Vec, inner_sgd_lr1, TWO_SITES, outer_optimizer=outer_sgd_lr1) as c:
+        o, v, vid, its = last_round_unrepaired(c)
+        c.network.clear_rules()  # the link heals
+        closing = threading.Thread(target=o.close)
+        closing.start()
+        time.sleep(0.3)
+        assert closing.is_alive()  # the owner waits: the member has not finished round 1
+        assert v.catch_up_last_round() is None  # what the worker runs before its export and summary
+        assert v.site_checksum() == o.site_checksum() and v.round == o.round == 2
+        assert v.site.last_catch_up.means_replayed == len(its) and not v.site.last_catch_up.buckets_from
+        model = torch.cat([t.detach().flatten() for t in v.local_tensors()])
+        assert torch.equal(model, torch.cat([t.flatten() for t in v.state.theta]))
+        v.close()  # the same answer: no second catch-up
+        closing.join(timeout=20)
+        assert not closing.is_alive()
 
 
 def cut_off_an_owner(c: InprocCluster, round: int) -> tuple[int, str, list[int]]:

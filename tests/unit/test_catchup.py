@@ -110,3 +110,54 @@ def test_a_stalled_donor_costs_one_short_request_then_requests_get_twice_as_long
     assert joiner.checksums() == good.state.checksums()
     capped = CatchUp(joiner, _Router(), get_codec(CodecConfig(name="fp32")), requester="j", progress_timeout_s=3.0)
     assert capped.request_timeout_s == 3.0  # never past the progress timeout (30 s when no plan said)
+
+
+def test_run_within_gives_up_on_a_request_that_ignores_its_timeout_logs_where_and_installs_nothing(caplog):
+    """A donor's request blocks past any timeout (what a hung catch-up at close looked like:
+    no log line after "catching up", no stack). ``run_within`` returns after its limit saying
+    so, logs the catch-up thread's stack (naming the blocking call), and installs nothing,
+    also once the request returns later."""
+    import threading
+    import time
+
+    donor, joiner = _Donor(), _state(2)
+    donor.pull_state = _frozen(donor)
+    release = threading.Event()
+
+    class _Hanging:
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            if bucket < len(joiner):
+                release.wait(30.0)  # ignores timeout_s
+            return donor.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
+
+        def pull_mean(self, *a, **kw):
+            return donor.pull_mean(*a, **kw)
+
+    before = joiner.checksums()
+    cu = CatchUp(joiner, _Hanging(), get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="dtrain.rounds.catchup"):
+        why = cu.run_within([Member(site_id="d", address="d")], min_round=5, limit_s=0.5)
+    assert why == "the catch-up did not finish within 0.5 s" and time.monotonic() - t0 < 10.0
+    assert "catch-up still running after 0.5 s; cancelled" in caplog.text
+    assert "thread catchup-j-d-0" in caplog.text and "in pull_state" in caplog.text  # where it waits
+    release.set()
+    time.sleep(1.0)  # the request returns; the cancelled run must not install what it pulls
+    assert joiner.checksums() == before and joiner.rounds_applied == 0
+
+
+def test_run_within_reports_a_failed_catch_up_in_words():
+    donor, joiner = _Donor(), _state(2)
+    cu = CatchUp(
+        joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", progress_timeout_s=0.3, use_own=False
+    )
+    why = cu.run_within([Member(site_id="d", address="d")], min_round=0, limit_s=20.0)
+    assert why is not None and "repeated: a bucket's transfer outlasts the rounds the members keep" in why
+
+
+def test_run_within_installs_a_catch_up_that_ends_in_time():
+    donor, joiner = _Donor(), _state(2)
+    donor.pull_state = _frozen(donor)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    assert cu.run_within([Member(site_id="d", address="d")], min_round=5, limit_s=20.0) is None
+    assert joiner.checksums() == donor.state.checksums() and joiner.rounds_applied == 5
