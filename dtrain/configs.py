@@ -201,8 +201,8 @@ class GroupConfig:
             (no bucket pulled or replayed) before it fails, and how long a site behind looks
             for a member to pull from; > 0. A pull that makes progress may take any number
             of rounds (it replays the rounds it missed, :mod:`dtrain.rounds.catchup`). Also
-            the longest attempt of a training-position pull, whose attempts start at the
-            last plan's broadcast deadline and double (``dtrain.state.position_attempts``).
+            the longest pass of a training-position pull, whose passes start at the last
+            plan's broadcast deadline and double (``dtrain.state.position_passes``).
         state_pull_streams: concurrent transfers per donor of a state pull, >= 1; the buckets
             are spread over every live member, a faster one taking more (:mod:`dtrain.rounds.catchup`).
         takeover_s: how long a join that the rendezvous refuses because a live site holds

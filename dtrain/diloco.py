@@ -40,7 +40,7 @@ import torch
 
 from dtrain.buckets import BucketLayout
 from dtrain.configs import DiLoCoConfig
-from dtrain.errors import LeftBehind, PeerTimeout, StateTransferError, TransportError
+from dtrain.errors import LeftBehind
 from dtrain.membership import Group, RendezvousClient
 from dtrain.protocol import BucketState, Member
 from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
@@ -55,10 +55,8 @@ from dtrain.state import (
     GlobalState,
     OuterOptimizerFactory,
     copy_reusing,
-    decode_position,
     default_outer_optimizer,
     delayed_outer_optimizer,
-    position_attempts,
     position_state,
     theta_device_of,
 )
@@ -361,73 +359,25 @@ class DiLoCo:
         for sch, sd in zip(self.outer_schedulers, position.get("outer_schedulers") or []):
             sch.load_state_dict(sd)
 
-    def _fetch_position(self, donor: Member, r: int, timeout_s: float) -> tuple[dict | None, str]:
-        """``donor``'s training position of round ``r``, or None (logged); and why not:
-        ``"timeout"`` (the call ran out of its ``timeout_s``: a later attempt with more time
-        may succeed), ``"past"`` (the donor is past round ``r``: the group moved on) or ``""``."""
-        try:
-            st = self.engine.transport.pull_state(
-                donor.address, len(self.state), requester=self.config.site_id, timeout_s=timeout_s
-            )
-            pos = decode_position(st)
-        except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
-            timed_out = isinstance(e, PeerTimeout)
-            why = f" (attempt of {timeout_s:.1f} s)" if timed_out else ""
-            log.warning("%s: no training position from %s%s: %s", self.config.site_id, donor.site_id, why, e)
-            return None, "timeout" if timed_out else ""
-        if pos["round"] != r:
-            log.info(
-                "%s: %s's training position is of round %d, not %d", self.config.site_id, donor.site_id, pos["round"], r
-            )
-            return None, "past" if pos["round"] > r else ""
-        return pos, ""
-
     def _heal(self, donors: list[Member]) -> bool:
-        """Take the training position of the first donor (its rank j for rank j) whose
-        position is of the round θ was pulled at, on every rank or on none; False (own
-        position kept, logged) when no donor has it for every rank. The donors are tried in
-        turn with the attempts of :func:`position_attempts` (a donor whose stream stalled is
-        left after one attempt for the next, and tried again with more time later). A donor
-        already past that round ends the attempts at once: the group moved on, so this site's
-        next round resyncs θ and takes the position of that round (a resync at 30% loss
-        asked on for 64 s more, while the members finished the run and left)."""
+        """Take the training position of round ``rounds_applied`` (θ was pulled at it) from a
+        donor, the same donor's on every rank (:meth:`Site.pull_position
+        <dtrain.site.Site.pull_position>`: every donor asked at once, a donor past the round
+        ends it); False (own position kept, logged) when no donor has it for every rank."""
         r = self.state.rounds_applied
-        plan = self.site.last_plan
-        attempts = position_attempts(
-            len(donors),
-            None if plan is None else plan.broadcast_timeout_s,
-            self.config.group.state_pull_timeout_s,
+        pos, donor = self.site.pull_position(donors, r)
+        if pos is None:
+            return False
+        self.load_training_position(pos)
+        self.healed_from = donor
+        log.info(
+            "%s: took the training position of round %d from %s (inner step %d)",
+            self.config.site_id,
+            r,
+            donor,
+            int(pos["inner_steps"]),
         )
-        settled: set[int] = set()  # donors that answered without a usable position: no retry
-        for i, timeout_s in attempts:  # the same sequence on every rank (rank_donors of one member list)
-            if i in settled:
-                continue
-            m = donors[i]
-            pos, why = self._fetch_position(m, r, timeout_s)
-            got = self.comm.all_gather((None if pos is None else int(pos["inner_steps"]), why))
-            if any(g[1] == "past" for g in got):  # θ is behind again: the next round resyncs it, with a position
-                log.warning(
-                    "%s: %s is past round %d; keeping this site's own position", self.config.site_id, m.site_id, r
-                )
-                return False
-            oks = [g[0] for g in got]
-            if None in oks or len(set(oks)) != 1:
-                if not any(g[1] == "timeout" for g in got):
-                    settled.add(i)
-                continue
-            assert pos is not None
-            self.load_training_position(pos)
-            self.healed_from = m.site_id
-            log.info(
-                "%s: took the training position of round %d from %s (inner step %d)",
-                self.config.site_id,
-                r,
-                m.site_id,
-                int(pos["inner_steps"]),
-            )
-            return True
-        log.warning("%s: no donor had a training position of round %d; keeping this site's own", self.config.site_id, r)
-        return False
+        return True
 
     @property
     def round(self) -> int:

@@ -28,12 +28,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Sequence
 
 import torch
 
 from dtrain.configs import GroupConfig
-from dtrain.errors import LeftBehind, QuorumTimeout, RendezvousError, SiteGroupError, StateTransferError
+from dtrain.errors import (
+    LeftBehind,
+    PeerTimeout,
+    QuorumTimeout,
+    RendezvousError,
+    SiteGroupError,
+    StateTransferError,
+    TransportError,
+)
 from dtrain.membership import Decision, Group, RendezvousClient
 from dtrain.protocol import JoinInfo, Member, RoundPlan
 from dtrain.rounds import RoundEngine
@@ -41,6 +50,7 @@ from dtrain.rounds.catchup import CatchUp, CatchUpStats
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.sitegroup.agree import RankView, decide_agreement, rank_donors, rank_plan
 from dtrain.sitegroup.comm import SiteComm
+from dtrain.state import decode_position, position_passes
 
 __all__ = ["Site"]
 
@@ -289,6 +299,79 @@ class Site:
             if errs:
                 raise StateTransferError(f"{self.site_id}: slices could not be aligned: {errs[0]}")
         raise SiteGroupError(f"{self.site_id}: slices still at different rounds after {max_tries} pulls")
+
+    def pull_position(self, donors: Sequence[Member], r: int) -> tuple[dict | None, str | None]:
+        """The training position of round ``r`` (θ was pulled at it) from a donor, its rank j
+        for rank j: ``(position, donor id)``, the same donor's on every rank (a collective), or
+        ``(None, None)`` (logged) when no donor has it for every rank.
+
+        Every donor is asked at once, in the passes of :func:`~dtrain.state.position_passes`
+        (the last plan's broadcast deadline, doubled per pass up to ``state_pull_timeout_s``);
+        a later pass asks again only the donors whose call timed out. A one-rank site takes
+        the first usable answer without waiting for the pass to end, so a donor whose stream
+        stalled (30% loss) costs nothing while another answers; K > 1 ranks wait for the pass
+        and take the first donor, in the members' order, usable on every rank. A donor already
+        past round ``r`` ends the pull at once: the group moved on, so this site's next round
+        resyncs θ and takes that round's position (a resync at 30% loss asked on for 64 s
+        more while the members finished the run and left)."""
+        plan = self.last_plan
+        asking = list(range(len(donors)))
+        for timeout_s in position_passes(
+            None if plan is None else plan.broadcast_timeout_s, self.config.state_pull_timeout_s
+        ):
+            if not asking:
+                break
+            mine = self._ask_positions(donors, asking, r, timeout_s)
+            told = {i: (None if p is None else int(p["inner_steps"]), why) for i, (p, why) in mine.items()}
+            got = self.comm.all_gather(told)  # the main group, as DiLoCo calls it (not the round thread)
+            if any(why == "past" for g in got for _, why in g.values()):
+                log.warning("%s: a donor is past round %d; keeping this site's own position", self.site_id, r)
+                return None, None
+            for i in asking:
+                steps = [g.get(i, (None, ""))[0] for g in got]
+                if None not in steps and len(set(steps)) == 1:
+                    return mine[i][0], donors[i].site_id
+            asking = [i for i in asking if any(g.get(i, (None, "timeout"))[1] == "timeout" for g in got)]
+        log.warning("%s: no donor had a training position of round %d; keeping this site's own", self.site_id, r)
+        return None, None
+
+    def _ask_positions(
+        self, donors: Sequence[Member], asking: list[int], r: int, timeout_s: float
+    ) -> dict[int, tuple[dict | None, str]]:
+        """Ask the donors ``asking`` (indices) at once; ``{index: _fetch_position's answer}`` of
+        those that answered within ``timeout_s`` (K = 1: until the first usable or "past")."""
+        out: dict[int, tuple[dict | None, str]] = {}
+        pool = ThreadPoolExecutor(max_workers=len(asking), thread_name_prefix=f"position-{self.site_id}")
+        calls = {pool.submit(self._fetch_position, donors[i], r, timeout_s): i for i in asking}
+        try:
+            for call in as_completed(calls, timeout=timeout_s + 5.0):
+                out[calls[call]] = answer = call.result()
+                if self.num_ranks == 1 and (answer[0] is not None or answer[1] == "past"):
+                    break
+        except TimeoutError:  # a call past its own timeout: counted as timed out
+            pass
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return out
+
+    def _fetch_position(self, donor: Member, r: int, timeout_s: float) -> tuple[dict | None, str]:
+        """``donor``'s training position of round ``r``, or None (logged); and why not:
+        ``"timeout"`` (the call ran out of its ``timeout_s``: a later pass with more time
+        may succeed), ``"past"`` (the donor is past round ``r``: the group moved on) or ``""``."""
+        try:
+            st = self.engine.transport.pull_state(
+                donor.address, len(self.engine.state), requester=self.site_id, timeout_s=timeout_s
+            )
+            pos = decode_position(st)
+        except (TransportError, StateTransferError, KeyError, ValueError, RuntimeError) as e:
+            timed_out = isinstance(e, PeerTimeout)
+            why = f" (a pass of {timeout_s:.1f} s)" if timed_out else ""
+            log.warning("%s: no training position from %s%s: %s", self.site_id, donor.site_id, why, e)
+            return None, "timeout" if timed_out else ""
+        if pos["round"] != r:
+            log.info("%s: %s's training position is of round %d, not %d", self.site_id, donor.site_id, pos["round"], r)
+            return None, "past" if pos["round"] > r else ""
+        return pos, ""
 
     def note_rounds_done(self, n: int) -> None:
         """(rank 0) This site finished ``n`` rounds: its heartbeats say so (no-op elsewhere)."""

@@ -29,7 +29,7 @@ __all__ = [
     "DELAYED_OUTER_MOMENTUM",
     "GlobalState",
     "position_state",
-    "position_attempts",
+    "position_passes",
     "POSITION_FIRST_ATTEMPT_S",
     "decode_position",
     "copy_reusing",
@@ -385,34 +385,33 @@ def _renamed(sd: dict) -> dict:
 POSITION_FIRST_ATTEMPT_S = 20.0
 
 
-def position_attempts(
-    num_donors: int, broadcast_timeout_s: float | None, max_attempt_s: float
-) -> list[tuple[int, float]]:
-    """The attempts of a training-position pull: ``(donor index, timeout seconds)`` in order.
+def position_passes(broadcast_timeout_s: float | None, max_attempt_s: float) -> list[float]:
+    """The passes of a training-position pull: each pass's timeout, seconds, in order.
 
-    Passes over the donors, each donor once per pass: the first pass with the last plan's
-    broadcast deadline (how long the run's own exchange of a round may take;
-    ``POSITION_FIRST_ATTEMPT_S`` before any plan), each later pass with twice the previous
-    one's, up to ``max_attempt_s`` (``GroupConfig.state_pull_timeout_s``, which every attempt
-    was before); the pass at ``max_attempt_s`` is the last. Why: on a lossy link one TCP
-    stream can stall for a minute in retransmission back-off (a resync at 30% loss waited
-    65 s for one donor's position while another donor held the same one); a stall now costs
-    a short attempt, and a slow but moving link still gets the old, long one. When every
-    donor stalls, the short passes add at most as much again as the last one. A pure
-    function: every rank of a site group computes the same sequence.
+    Every donor is asked at once in a pass (``Site.pull_position``); a later pass asks again
+    only the donors whose call timed out. The first pass has the last plan's broadcast
+    deadline (how long the run's own exchange of a round may take;
+    ``POSITION_FIRST_ATTEMPT_S`` before any plan), each later one twice the previous one's,
+    up to ``max_attempt_s`` (``GroupConfig.state_pull_timeout_s``); the pass at
+    ``max_attempt_s`` is the last. Why: on a lossy link one TCP stream can stall for a minute
+    in retransmission back-off (a resync at 30% loss waited 65 s for one donor's position
+    while another donor held the same one); a stall now costs a short pass, and a slow but
+    moving link still gets the long one. The whole pull takes at most twice
+    ``max_attempt_s``, however many donors stall (asked one after another, 20 + 20 + 40 s
+    passed at 30% loss before a donor said it was past the round). A pure function: every
+    rank of a site group computes the same passes.
 
     Args:
-        num_donors: donors to try (>= 0; none: no attempt).
         broadcast_timeout_s: the last plan's broadcast deadline, seconds (None: no plan yet).
-        max_attempt_s: the longest attempt, seconds (> 0).
+        max_attempt_s: the longest pass, seconds (> 0; otherwise no pass).
     """
-    if num_donors <= 0 or max_attempt_s <= 0:
+    if max_attempt_s <= 0:
         return []
     first = broadcast_timeout_s if broadcast_timeout_s is not None else POSITION_FIRST_ATTEMPT_S
     step = min(max(1.0, first), max_attempt_s)
-    out: list[tuple[int, float]] = []
+    out: list[float] = []
     while True:
-        out += [(i, step) for i in range(num_donors)]
+        out.append(step)
         if step >= max_attempt_s:
             return out
         step = min(2.0 * step, max_attempt_s)
