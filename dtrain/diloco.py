@@ -601,13 +601,17 @@ class DiLoCo:
         # a merged fragment round: θ as the merge left it (the next round may already run and
         # change θ before this line), so every site and rank reports the same round's θ
         merged = self.streaming.merged_checksums if self.streaming is not None else None
-        outcome.slice_checksums = self.slice_checksums(merged)
+        # one collective: every rank's θ checksum, and whether the round left its slice unrepaired
+        mine = (theta_checksum(self.state, merged), bool(self.site.unrepaired(outcome)))
+        ranks = self.comm.all_gather(mine)
+        outcome.slice_checksums = [c for c, _ in ranks]
         outcome.site_checksum = self.site_checksum(outcome.slice_checksums)
         notices = self.site.notices
         outcome.num_lost_notices_used = notices.num_used if notices is not None else 0
         self.last_outcome = outcome
-        # a round that left buckets unrepaired is not finished: the members wait at close (catch_up_last_round)
-        self.site.note_rounds_done(self.engine.state.rounds_applied - bool(self.site.unrepaired(outcome)))
+        # a round that left any rank's buckets unrepaired is not finished: the members wait at close
+        # (catch_up_last_round)
+        self.site.note_rounds_done(self.engine.state.rounds_applied - any(u for _, u in ranks))
         for cb in self.on_round:
             cb(outcome)
 
