@@ -6,7 +6,6 @@ brings in grpc and ``dtrain.rendezvous.etcd_store`` the etcd client.
 """
 
 from dtrain.rendezvous.core import (
-    InprocRendezvousClient,
     NullReportSink,
     RendezvousConfig,
     RendezvousCore,
@@ -15,6 +14,7 @@ from dtrain.rendezvous.core import (
     SiteRecord,
     decide_quorum,
 )
+from dtrain.rendezvous.inproc import InprocRendezvousClient
 from dtrain.rendezvous.memory_store import MemoryStore
 from dtrain.rendezvous.store import RendezvousStore
 

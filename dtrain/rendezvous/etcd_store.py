@@ -50,7 +50,6 @@ from urllib.parse import parse_qsl, urlsplit
 from dtrain.errors import RendezvousError
 from dtrain.protocol import Member, RoundPlan
 from dtrain.rendezvous.core import (
-    InprocRendezvousClient,
     RendezvousConfig,
     RendezvousCore,
     ReportSink,
@@ -66,6 +65,7 @@ from dtrain.rendezvous.etcd_client import (
     op_range,
     txn_range_kvs,
 )
+from dtrain.rendezvous.inproc import InprocRendezvousClient
 from dtrain.rendezvous.store import Liveness, QuorumView, ReadyCounts, Standing, taken_message
 
 __all__ = [
