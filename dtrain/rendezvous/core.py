@@ -197,6 +197,7 @@ def decide_quorum(
     finishing: Collection[str] = (),
     hold_until: float | None = None,
     catching_up: Mapping[str, float] | None = None,
+    finished_late: Mapping[str, float] | None = None,
 ) -> tuple[list[str] | None, str]:
     """Decide whether round ``round`` starts now and with whom.
 
@@ -229,6 +230,13 @@ def decide_quorum(
             once every other live site is ready, instead of holding each round of a long pull
             for the quorum wait and cutting it then (a pull of 10 rounds held 10 rounds). A
             pull about to end is waited for as any live site.
+        finished_late: live members of the previous round that said they finished it after
+            the first site was ready for this one -> when they should be ready (``now``'s
+            clock: when they finished plus the inner phase the ready members took from their
+            finish to their ready). Each is waited for until then plus the quorum wait: the
+            hold above waited for it to finish, and cutting it as it finished bought nothing
+            (a lossy30 site, held for round r - 1, was cut from round r the moment it finished
+            r - 1, then spent 55 s resyncing).
     Returns:
         ``(members, reason)``: the sorted admitted site_ids, or None to wait.
     """
@@ -264,6 +272,12 @@ def decide_quorum(
         return None, (
             f"{len(ready_live)} of {len(live)} live sites ready; {held} still finishing round {round - 1}"
             f" within its deadlines: waiting up to {hold_until - now:.1f}s more"
+        )
+    late = {s: at + wait_s for s, at in (finished_late or {}).items() if s in live and s not in ready_live}
+    if waited >= wait_s and late and now < max(late.values()):
+        return None, (
+            f"{len(ready_live)} of {len(live)} live sites ready; {sorted(late)} finished round {round - 1} late:"
+            f" waiting for its inner phase, up to {max(late.values()) - now:.1f}s more"
         )
     if waited >= wait_s:
         if len(ready_live) >= config.min_sites:
@@ -372,6 +386,7 @@ class RendezvousCore:
         # deadline + stall budget); per site, the rounds it finished (decide_quorum's hold)
         self._formed: dict[int, tuple[frozenset[str], float]] = {}
         self._done: dict[str, int] = {}
+        self._done_at: dict[str, tuple[int, float]] = {}  # site -> (rounds_done, when it rose: this core's clock)
         # per site pulling state: (its expected seconds to go, when it said so on ``now``'s clock)
         self._catching: dict[str, tuple[float, float]] = {}
 
@@ -440,6 +455,8 @@ class RendezvousCore:
             if rounds_done is not None:
                 with self._lock:
                     if site_id in self._done or len(self._done) < 1 << 16:  # ids from the wire: bounded
+                        if rounds_done > self._done.get(site_id, 0):
+                            self._done_at[site_id] = (rounds_done, now)  # when it finished (_finished_late)
                         self._done[site_id] = max(self._done.get(site_id, 0), rounds_done)
             with self._lock:
                 eta = catch_up_eta_s
@@ -551,6 +568,7 @@ class RendezvousCore:
             )
             return self._wait(round, reason, log_prefix=reason.split(":")[0])
         finishing, hold_until = self._still_finishing(round - 1)
+        late = self._finished_late(round - 1, view.ready, now, t)
         members, reason = decide_quorum(
             round=round,
             live=view.live,
@@ -564,13 +582,15 @@ class RendezvousCore:
             finishing=finishing,
             hold_until=hold_until,
             catching_up=self._catching_up(now, t),
+            finished_late=late,
         )
         if members is None:
             if not self.store.local:  # (a local store is decided on every tick: no O(sites) here)
                 first = min(view.ready.values(), default=t)
                 if view.first_round and view.startup_t is not None:
                     first = max(first, view.startup_t)
-                self._schedule(max(first + self.deadlines.quorum_timeout_s, hold_until or 0.0) - t)
+                late_until = max(late.values(), default=0.0) + self.deadlines.quorum_timeout_s
+                self._schedule(max(first + self.deadlines.quorum_timeout_s, hold_until or 0.0, late_until) - t)
             return self._wait(round, f"round {round}: {reason}", log_prefix=f"round {round}: {reason[:12]}")
         everyone = set(members) >= set(view.live)  # else a straggler was cut: the spread is not known
         ready = [view.ready[s] for s in members if s in view.ready]
@@ -615,6 +635,24 @@ class RendezvousCore:
             r = max(self._formed)
             members = self._formed[r][0]
             return tuple(sorted(s for s in members if s in self._done and self._done[s] <= r and s not in dead))
+
+    def _finished_late(self, round: int, ready: Mapping[str, float], now: float, t: float) -> dict[str, float]:
+        """Members of ``round`` (formed here) not ready for the next one whose heartbeats said
+        they finished ``round`` after the first site was ready for the next -> when they should
+        be ready, on the store's clock ``t`` (``now`` is the same instant on this core's clock):
+        their finish plus the median inner phase of the ready members (their ready minus their
+        finish); {} when none finished late or no ready member's finish was heard."""
+        with self._lock:
+            got = self._formed.get(round)
+            if got is None or not ready:
+                return {}
+            fin = {s: t + (at - now) for s, (n, at) in self._done_at.items() if s in got[0] and n == round + 1}
+        phases = sorted(ready[s] - fin[s] for s in ready if s in fin and ready[s] >= fin[s])
+        first = min(ready.values())
+        if not phases:
+            return {}
+        inner = phases[len(phases) // 2]
+        return {s: f + inner for s, f in fin.items() if s not in ready and f > first}
 
     def _still_finishing(self, round: int) -> tuple[list[str], float | None]:
         """The members of ``round`` (formed here) whose heartbeats have not said they finished

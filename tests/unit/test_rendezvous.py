@@ -414,8 +414,9 @@ def test_the_core_forms_rounds_without_a_joiner_whose_pull_has_long_to_go() -> N
 def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_finished_round_r() -> None:
     """Round 0 forms at 0.1 (broadcast 20 s, stall budget 5 s: it may run to 25.1). a and b finish
     round 0 (their heartbeats say rounds_done=1) and are ready for round 1 at 1.0; c heartbeats
-    without having finished it: at the quorum timeout (6.0) it is held; once its heartbeat says it
-    finished round 0 (a straggler on compute from then on), it is cut at once."""
+    without having finished it: at the quorum timeout (6.0) it is held. Once its heartbeat says it
+    finished round 0 (at 7.0), it gets the inner phase a and b took (0.1 s) plus the quorum wait
+    (5 s): held to 12.1, then cut as a straggler on compute."""
     core = _core(min_sites=1, initial_sites=3)
     for s in ("a", "b", "c"):
         core.join(s, f"addr-{s}", now=0.0)
@@ -430,7 +431,41 @@ def test_the_core_holds_round_r_plus_1_for_a_member_that_has_not_finished_round_
     assert d.status == "wait" and "['c'] still finishing round 0" in d.reason, d.reason
     core.heartbeat("c", now=7.0, rounds_done=1)
     d = core.ready("a", 1, now=7.1)
+    assert d.status == "wait" and "['c'] finished round 0 late: waiting for its inner phase, up to 5.0s" in d.reason
+    d = core.ready("a", 1, now=12.2)
     assert d.status == "plan" and d.plan.site_ids == ("a", "b"), d
+
+
+def test_a_member_that_finished_the_previous_round_late_gets_its_inner_phase_and_joins() -> None:
+    """As above, but c is ready at 8.0, within the inner phase it was given: round 1 forms with
+    all three, where it used to be cut the moment it finished round 0 (and then resync)."""
+    core = _core(min_sites=1, initial_sites=3)
+    for s in ("a", "b", "c"):
+        core.join(s, f"addr-{s}", now=0.0)
+        core.ready(s, 0, now=0.1)
+    for s in ("a", "b"):
+        core.heartbeat(s, now=0.9, rounds_done=1)
+        core.ready(s, 1, now=2.9)  # an inner phase of 2 s
+    core.heartbeat("c", now=4.0, rounds_done=0)
+    core.heartbeat("c", now=7.0, rounds_done=1)
+    d = core.ready("a", 1, now=9.0)  # past the quorum wait (2.9 + 5)
+    assert d.status == "wait" and "up to 5.0s more" in d.reason, d.reason  # 7.0 + 2 + 5 - 9
+    d = core.ready("c", 1, now=9.5)
+    assert d.status == "plan" and d.plan.site_ids == ("a", "b", "c"), d
+
+
+def test_decide_quorum_waits_for_a_late_finisher_until_its_inner_phase_and_the_quorum_wait_end() -> None:
+    live, ready = {"a", "b", "c"}, {"a": 94.0, "b": 94.5}
+    wait_s = CFG.start_deadlines().quorum_timeout_s
+    kw = dict(round=1, live=live, ready=ready, joined_ever=3, config=CFG)
+    members, reason = decide_quorum(**kw, now=100.0, finished_late={"c": 99.0})
+    assert members is None
+    assert reason == (
+        f"2 of 3 live sites ready; ['c'] finished round 0 late: waiting for its inner phase, up to {wait_s - 1:.1f}s more"
+    )
+    for late in ({"c": 99.0 - wait_s}, {}, {"d": 200.0}, {"a": 200.0}):  # over / none / not live / already ready
+        members, reason = decide_quorum(**kw, now=100.0, finished_late=late)
+        assert members == ["a", "b"] and "cutting ['c']" in reason, (late, reason)
 
 
 def test_a_heartbeat_names_the_members_still_finishing_the_newest_round() -> None:
