@@ -17,6 +17,14 @@ deadline in disguise, which would feed the deadlines back into themselves):
 * broadcast    = max(q(means) · margin + budget, reduce + budget / 2)
                                                     (means: formation to all means in)
 
+and when the reduce deadline backed off (below), the broadcast keeps the window it had
+after the reduce before the back-off (its own figure minus the reduce's, before either backed
+off): the late pulls and repairs get half of what remains after the reduce each
+(``dtrain.rounds.recovery``). With ``reduce + budget / 2`` alone a reduce backed off from 10
+to 20 s left the means 2.5 s after it, and a member whose owner's link stalled at 30% loss
+had 1.2 s to fetch a mean from another member and 1.2 s to repair: its θ differed for a
+round.
+
 with q the ``quantile`` (0.9) over rounds of the slowest site's figure. A round that was not
 clean but whose slowest figure reached ``cut_fraction`` (0.9) of the deadline it ran under was
 cut by that deadline, not by a fault: its figure is at least the deadline (a right-censored
@@ -195,8 +203,9 @@ def derive_deadlines(
         since = ", since the link sped up" if sped_up else ""
         return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds{since})"
 
-    def exchange(figure: str, i: int, what: str) -> tuple[float, str]:
-        """A figure's deadline from the clean rounds and the censored ones (module docstring)."""
+    def exchange(figure: str, i: int, what: str) -> tuple[float, str, float]:
+        """A figure's deadline from the clean rounds and the censored ones (module docstring),
+        its reason, and the deadline before any back-off."""
         seen, clean_after = [], 0
         for t in reversed(ordered):  # a censored round counts until min_rounds clean ones follow it
             if t.clean:
@@ -207,6 +216,7 @@ def derive_deadlines(
         seen = seen[::-1][-config.history_rounds :]
         values = [t.cut(figure, config.cut_fraction) or getattr(t, figure) for t in seen]
         d, why = observed([v for v in values if v is not None], i, what)
+        seen_d = d
         newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
         cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
         if cut_by is not None:
@@ -217,19 +227,23 @@ def derive_deadlines(
                     backed,
                     f"{what} {backed:.2f}s (round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g})",
                 )
-        return d, why
+        return d, why, seen_d
 
     spreads = [t.ready_spread_s for t in clean if t.ready_spread_s is not None]
     quorum, why_q = observed(spreads, 0, "quorum")
-    reduce, why_r = exchange("reduce_s", 1, "reduce")
-    bcast, why_b = exchange("means_s", 2, "broadcast")
+    reduce, why_r, reduce_seen = exchange("reduce_s", 1, "reduce")
+    bcast, why_b, bcast_seen = exchange("means_s", 2, "broadcast")
     qo, ro, bo = overrides
     if qo is not None:
         quorum, why_q = qo, f"quorum {qo:.2f}s (set)"
     if ro is not None:
         reduce, why_r = ro, f"reduce {ro:.2f}s (set)"
+    gap = bcast_seen - reduce_seen  # the means' own window, before any back-off
     if bo is not None:
         bcast, why_b = bo, f"broadcast {bo:.2f}s (set)"
+    elif reduce > reduce_seen and gap > b / 2 and bcast < min(reduce + gap, start[2] * config.max_factor):
+        bcast = min(reduce + gap, start[2] * config.max_factor)
+        why_b = f"broadcast {bcast:.2f}s (reduce + the means' {gap:.2f}s window, kept when the reduce backed off)"
     elif bcast < reduce + b / 2:
         bcast = reduce + b / 2
         why_b = f"broadcast {bcast:.2f}s (reduce + budget/2)"

@@ -111,6 +111,25 @@ def test_a_link_slower_than_its_deadline_backs_the_deadline_off_until_its_rounds
     assert "ran to its 5.75s deadline: x2" in derive_deadlines(hist[:11], config=CFG).reason
 
 
+def test_a_reduce_that_backs_off_keeps_the_broadcast_window_after_it() -> None:
+    """Round 0 (start bound: reduce 10 s, broadcast 20 s) ran to its reduce deadline (a push to
+    an owner stalled at 30% loss) and got its means at 12 s. The reduce backs off to 20 s; the
+    broadcast keeps the 10 s the means had after the reduce: 30 s, not 20 + budget/2 = 22.5 s,
+    which left the late pulls and the repair 1.2 s each. With the reduce not backed off, or
+    the broadcast set, nothing changes."""
+    cut = RoundTimes(
+        round=0, reduce_s=10.0, means_s=12.0, clean=False, reduce_deadline_s=10.0, broadcast_deadline_s=20.0
+    )
+    d = derive_deadlines([cut], config=CFG)
+    assert (d.reduce_timeout_s, d.broadcast_timeout_s) == (20.0, 30.0)
+    assert "broadcast 30.00s (reduce + the means' 10.00s window, kept when the reduce backed off)" in d.reason
+    assert derive_deadlines([cut], config=CFG, overrides=(None, None, 21.0)).broadcast_timeout_s == 21.0
+    assert derive_deadlines(rounds(1), config=CFG).broadcast_timeout_s == 20.0  # start bound, nothing backed off
+    capped = RoundTimes(round=0, reduce_s=40.0, means_s=45.0, clean=False, reduce_deadline_s=40.0)
+    d = derive_deadlines([capped], config=CFG)  # the reduce backed off to its cap: 40 s, the means 10 s after
+    assert (d.reduce_timeout_s, d.broadcast_timeout_s) == (40.0, 50.0)
+
+
 def test_rounds_cut_while_the_link_stalled_leave_the_window_after_min_rounds_clean_ones() -> None:
     """10 fast rounds, then the link stalls (every exchange would take 1000 s) for 4 rounds: each
     is cut at its deadline and backs the next one off up to the 40 s cap. When the link is fast
