@@ -395,7 +395,8 @@ class Site:
         the round's mean again from a member's kept history (:class:`CatchUp`: replayed when
         it reproduces the owner's checksums, else pulled whole), within the round's
         ``broadcast_timeout_s`` in all (:meth:`CatchUp.run_within`: given up, with its stack
-        logged, whatever it waits on). Returns None (nothing unrepaired, or all brought to the
+        logged, whatever it waits on); donors all dropped (their requests timed out) are asked
+        again while time is left. Returns None (nothing unrepaired, or all brought to the
         round: the heartbeats then say the round is done) or, when some rank's buckets stay
         behind, the :class:`LeftBehind` that the caller raises at close (issue 33: never
         "done" on another θ)."""
@@ -423,12 +424,19 @@ class Site:
                 requester=self.site_id,
                 streams_per_donor=self.config.state_pull_streams,
                 progress_timeout_s=plan.broadcast_timeout_s,
-                request_timeout_s=plan.reduce_timeout_s,
+                # a quarter of the window first (doubled after each timeout): one stalled
+                # request (30% loss) no longer takes the whole window
+                request_timeout_s=plan.broadcast_timeout_s / 4,
             )
             self.last_catch_up = catch.stats
-            err = "no live member to pull from" if not donors else None
-            if donors:
-                err = catch.run_within(donors, min_round=plan.round + 1, limit_s=plan.broadcast_timeout_s)
+            err = "no live member to pull from"
+            deadline = time.monotonic() + plan.broadcast_timeout_s
+            while donors and time.monotonic() < deadline - 0.5:  # every donor dropped: ask them again
+                err = catch.run_within(donors, min_round=plan.round + 1, limit_s=deadline - time.monotonic())
+                if err is None:
+                    break
+                log.info("%s: catching up: %s; trying again", self.site_id, err)
+                time.sleep(0.2)
         try:
             errs = [e for e in self.comm.all_gather(err, round=True) if e]
         except RuntimeError:

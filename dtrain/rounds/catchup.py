@@ -182,8 +182,7 @@ class CatchUp:
         self.progress_at = time.monotonic()
         self._started_at = self.progress_at
         self._stop = False
-        for d in list(self._live.values()):
-            self._probe(d)
+        self._probe_all()
         if not self._live:
             raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
         self._target = max(min_round, max(self._rounds.values()))
@@ -274,8 +273,7 @@ class CatchUp:
                     )
                 self._queue.clear()
             # every bucket is at some round (or nobody took it): where are the donors now?
-            for d in list(self._live.values()):
-                self._probe(d)
+            self._probe_all()
             with self._cv:
                 if not self._live:
                     continue
@@ -343,6 +341,26 @@ class CatchUp:
             self._rounds.get(sid) == self._target and i.span is not None and i.span[0] <= tag
             for sid, i in self._info.items()
         )
+
+    def _probe_all(self) -> None:
+        """:meth:`_probe` every live donor at once: one stalled donor costs one request's
+        timeout, not one per donor (a catch-up at 30% loss spent its whole window asking two
+        stalled donors in turn)."""
+        donors = list(self._live.values())
+        if len(donors) < 2:
+            for d in donors:
+                self._probe(d)
+            return
+        probes = [
+            threading.Thread(
+                target=self._probe, args=(d,), name=f"catchup-{self.requester}-probe-{d.site_id}", daemon=True
+            )
+            for d in donors
+        ]
+        for t in probes:
+            t.start()
+        for t in probes:
+            t.join()  # each bounded by its request's timeout
 
     def _probe(self, d: Member) -> None:
         """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
