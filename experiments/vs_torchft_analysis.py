@@ -379,7 +379,7 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
                 + " / ".join(_f(x) for x in figures)
                 + "."
             )
-    return out or ["- no scenario ran both systems: nothing to compare."]
+    return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
 
 def _scenario_rows(scen: str, runs: dict, c: dict) -> list[list[str]]:
