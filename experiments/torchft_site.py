@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from torchft.local_sgd import DiLoCo
     except ImportError as e:  # the harness checks first; this is for direct use
-        print(f"torchft_site: torchft is not importable ({e}); install it as experiments/vs_torchft.py says", file=sys.stderr)
+        print(
+            f"torchft_site: torchft is not importable ({e}); install it as experiments/vs_torchft.py says",
+            file=sys.stderr,
+        )
         return 2
 
     torch.set_num_threads(a.threads)

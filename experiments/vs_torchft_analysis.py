@@ -385,114 +385,66 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
 def _scenario_rows(scen: str, runs: dict, c: dict) -> list[list[str]]:
     """The table of one scenario: a metric per row, dtrain, torchft, their ratio."""
     d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
-    rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
-    rows.append(
-        [
+
+    def row(metric: str, cell, ratio: float | None | str = "", fmt: str = "{:.3f}") -> list[str]:
+        return [metric, cell(d), cell(t), ratio if isinstance(ratio, str) else _f(ratio, fmt)]
+
+    def of(key: str, fmt: str = "{:.3f}", part: str | None = None):
+        return lambda x: _f(x[key] if part is None else x[key][part], fmt)
+
+    def both(key: str) -> float | None:
+        return _ratio(d[key]["median"], t[key]["median"])
+
+    wall = "round_wall_s"
+    loss, mb = "{:.4f}", "{:.0f}"
+    rows = [
+        ["metric", "dtrain", "torchft", "dtrain / torchft"],
+        row(
             "round wall time median [min, max] (s)",
-            f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
-            f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
-            _f(c["round_wall_median"]),
-        ]
-    )
-    rows.append(
-        [
+            lambda x: f"{_f(x[wall]['median'])} [{_f(x[wall]['min'])}, {_f(x[wall]['max'])}]",
+            c["round_wall_median"],
+        ),
+        row(
             "per-round overhead = round wall - inner phase, median (s)",
-            _f(d["overhead_s"]["median"]),
-            _f(t["overhead_s"]["median"]),
-            _f(c["overhead_median"]),
-        ]
-    )
-    rows.append(
-        [
+            of("overhead_s", part="median"),
+            both("overhead_s"),
+        ),
+        row(
             "sync time median / max (s)",
-            f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
-            f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
-            _f(_ratio(d["sync_s"]["median"], t["sync_s"]["median"])),
-        ]
-    )
-    rows.append(
-        [
-            "inner phase median (s)",
-            _f(d["inner_s"]["median"]),
-            _f(t["inner_s"]["median"]),
-            _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"])),
-        ]
-    )
-    rows.append(
-        [
-            "final val loss, mean of sites",
-            _f(d["final_val_loss_mean"], "{:.4f}"),
-            _f(t["final_val_loss_mean"], "{:.4f}"),
-            _f(c["final_val_loss_mean"], "{:.4f}"),
-        ]
-    )
+            lambda x: f"{_f(x['sync_s']['median'])} / {_f(x['sync_s']['max'])}",
+            both("sync_s"),
+        ),
+        row("inner phase median (s)", of("inner_s", part="median"), both("inner_s")),
+        row("final val loss, mean of sites", of("final_val_loss_mean", loss), c["final_val_loss_mean"], loss),
+    ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(
-            [
-                f"final val loss {s}",
-                _f(d["final_val_loss"].get(s), "{:.4f}"),
-                _f(t["final_val_loss"].get(s), "{:.4f}"),
-                "",
-            ]
-        )
-    rows += _resource_rows(d, t, c)
+        rows.append(row(f"final val loss {s}", lambda x, s=s: _f(x["final_val_loss"].get(s), loss)))
+    rows += [
+        row("bytes on the wire per round, all sites", of("bytes_per_round_total", "{:,.0f}"), c["bytes_per_round"]),
+        row(
+            "peak RSS per site process, max / mean (MB)",
+            lambda x: f"{_f(x['peak_rss_mb_max'], mb)} / {_f(x['peak_rss_mb_mean'], mb)}",
+            c["peak_rss_max"],
+        ),
+        row(
+            "CPU seconds per site process (whole life, mean)",
+            of("cpu_s_per_site_mean", "{:.1f}"),
+            _ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"]),
+        ),
+        row("coordinator peak RSS (MB) (rendezvous / lighthouse)", of("coordinator_rss_mb", mb)),
+        row("replicas agree at the end (checksum)", lambda x: str(x["checksums_agree"])),
+        row(
+            "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
+            lambda x: ", ".join(f"{k}: {v}" for k, v in x["not_applied"].items()) or "none",
+        ),
+        row(
+            "time from go to the last round (s)",
+            of("wall_total_s", "{:.1f}"),
+            _ratio(d["wall_total_s"], t["wall_total_s"]),
+        ),
+    ]
     if scen == "healthy":
         rows += _codec_rows(runs, t)
-    return rows
-
-
-def _resource_rows(d: dict, t: dict, c: dict) -> list[list[str]]:
-    """A scenario table's rows after the losses: bytes, memory, CPU, agreement, rounds not applied, time."""
-    rows: list[list[str]] = []
-    rows.append(
-        [
-            "bytes on the wire per round, all sites",
-            _f(d["bytes_per_round_total"], "{:,.0f}"),
-            _f(t["bytes_per_round_total"], "{:,.0f}"),
-            _f(c["bytes_per_round"]),
-        ]
-    )
-    rows.append(
-        [
-            "peak RSS per site process, max / mean (MB)",
-            f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
-            f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}",
-            _f(c["peak_rss_max"]),
-        ]
-    )
-    rows.append(
-        [
-            "CPU seconds per site process (whole life, mean)",
-            _f(d["cpu_s_per_site_mean"], "{:.1f}"),
-            _f(t["cpu_s_per_site_mean"], "{:.1f}"),
-            _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"])),
-        ]
-    )
-    rows.append(
-        [
-            "coordinator peak RSS (MB) (rendezvous / lighthouse)",
-            _f(d["coordinator_rss_mb"], "{:.0f}"),
-            _f(t["coordinator_rss_mb"], "{:.0f}"),
-            "",
-        ]
-    )
-    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
-    rows.append(
-        [
-            "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
-            ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
-            ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none",
-            "",
-        ]
-    )
-    rows.append(
-        [
-            "time from go to the last round (s)",
-            _f(d["wall_total_s"], "{:.1f}"),
-            _f(t["wall_total_s"], "{:.1f}"),
-            _f(_ratio(d["wall_total_s"], t["wall_total_s"])),
-        ]
-    )
     return rows
 
 
