@@ -622,7 +622,7 @@ def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
     """The runs, in phases: first every scenario of ``vs.scenarios`` (healthy in AB BA order and
     one dtrain run per extra codec, the concurrent pairs, the fault runs, each netem profile);
     then the profiled dtrain run if :func:`~experiments.vs_torchft_analysis.profile_wanted`."""
-    f = m["fixed"]
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, EXTRA_CODECS, NETEM_PROFILES)}}
     if rows:
         if any(r[SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
             return []
@@ -647,11 +647,17 @@ def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
     return out
 
 
+def _names(v: Any) -> list[str]:
+    """A list setting as given (``--set 'vs.scenarios=["fault"]'``) or comma-separated text
+    (``--set vs.scenarios=healthy,fault``)."""
+    return [x for x in v.split(",") if x] if isinstance(v, str) else list(v or [])
+
+
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     """The comparison's section (:func:`experiments.vs_torchft_analysis.report`) with notes on
     what the mode asked for that did not run here, and on the runs that left a problem."""
-    f, scens = m["fixed"], {r[SCENARIO] for r in rows}
-    notes = []
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, NETEM_PROFILES)}}
+    scens, notes = {r[SCENARIO] for r in rows}, []
     if "netem" in f[SCENARIOS] and f[NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
         notes.append(f"netem scenarios ({', '.join(f[NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
     if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] < 2:
