@@ -199,6 +199,8 @@ def fault_stats(row: dict, procs: dict[str, Rows], sites: dict) -> dict:
     took_part = sum(_applied(system, d) for d in killed_rounds + restart)
     t_restart = row.get("t_restart_s")
     return {
+        "kill_round": row[KILL_ROUND],
+        "restart_when_survivor_finished_round": row[KILL_ROUND] + row[RESTART_AFTER] - 1,
         "survivors": out_surv,
         "longest_stall_s": stall[0],
         "longest_stall_at": f"{stall[1]} round {stall[2]}",
@@ -527,77 +529,47 @@ def _target_notes(runs: dict, d: dict, t: dict, c: dict) -> list[str]:
 
 def _fault_section(runs: dict) -> list[str]:
     """The fault scenario's table: what a SIGKILL and a restart cost each system."""
-    lines: list[str] = []
     d, t = runs["dtrain/fault"], runs["torchft/fault"]
-    df, tf = d["fault"], t["fault"]
+    k, back = d["fault"]["kill_round"], d["fault"]["restart_when_survivor_finished_round"]
+    head = f"fault: site-1 SIGKILLed in round {k} (admitted, nothing sent), restarted after round {back}"
+
+    def row(metric: str, cell, torchft: str | None = None) -> list[str]:
+        return [metric, cell(d, d["fault"]), cell(t, t["fault"]) if torchft is None else torchft]
+
+    def surv(key: str):
+        return lambda x, f: "; ".join(f"{s}: {v[key]}" for s, v in f["survivors"].items())
+
     rows = [
-        [
-            "fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4",
-            "dtrain",
-            "torchft",
-        ]
-    ]
-
-    def surv(f, key, fmt=lambda v: str(v)):
-        return "; ".join(f"{s}: {fmt(v[key])}" for s, v in f["survivors"].items())
-
-    rows += [
-        [
-            "rounds discarded at survivors (inner work thrown away)",
-            surv(df, "discarded_rounds"),
-            surv(tf, "discarded_rounds"),
-        ],
-        ["rounds applied without some buckets at survivors", surv(df, "partial_rounds"), "n/a (all-or-nothing)"],
-        ["sync attempts at survivors", surv(df, "attempts"), surv(tf, "attempts")],
-        ["inner steps at survivors", surv(df, "inner_steps"), surv(tf, "inner_steps")],
-        [
-            "time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
-            surv(df, "time_lost_s"),
-            surv(tf, "time_lost_s"),
-        ],
-        [
+        [head, "dtrain", "torchft"],
+        row("rounds discarded at survivors (inner work thrown away)", surv("discarded_rounds")),
+        row("rounds applied without some buckets at survivors", surv("partial_rounds"), "n/a (all-or-nothing)"),
+        row("sync attempts at survivors", surv("attempts")),
+        row("inner steps at survivors", surv("inner_steps")),
+        row("time the fault cost a survivor (s): discarded attempts + syncs beyond the median", surv("time_lost_s")),
+        row(
             "longest stall a survivor saw (s)",
-            f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
-            f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})",
-        ],
-        [
+            lambda x, f: f"{_f(f['longest_stall_s'], '{:.2f}')} ({f['longest_stall_at']})",
+        ),
+        row(
             "restarted site: go -> start line / first round (s)",
-            f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
-            f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}",
-        ],
-        [
+            lambda x, f: f"{_f(f['restart_start_line_s'], '{:.1f}')} / {_f(f['rejoin_s'], '{:.1f}')}",
+        ),
+        row(
             "restarted site's first round (status)",
-            f"{df['restart_first_round']} ({df['restart_first_status']})",
-            f"{tf['restart_first_round']} ({tf['restart_first_status']})",
-        ],
-        [
+            lambda x, f: f"{f['restart_first_round']} ({f['restart_first_status']})",
+        ),
+        row(
             "rounds site-1 took part in / missed",
-            f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
-            f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}",
-        ],
-        [
-            "final val loss, mean of finished sites",
-            _f(d["final_val_loss_mean"], "{:.4f}"),
-            _f(t["final_val_loss_mean"], "{:.4f}"),
-        ],
+            lambda x, f: f"{f['site1_rounds_taken_part']} / {f['site1_rounds_missed']}",
+        ),
+        row("final val loss, mean of finished sites", lambda x, f: _f(x["final_val_loss_mean"], "{:.4f}")),
     ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(
-            [
-                f"final val loss {s}",
-                _f(d["final_val_loss"].get(s), "{:.4f}"),
-                _f(t["final_val_loss"].get(s), "{:.4f}"),
-            ]
-        )
-    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"])])
-    rows.append(
-        ["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")]
-    )
-    lines += ["### fault", "", _table(rows), ""]
-    for r in (d, t):
-        if r["error"]:
-            lines.append(f"{r['system']} fault: problem: {r['error']}\n")
-    return lines
+        rows.append(row(f"final val loss {s}", lambda x, f, s=s: _f(x["final_val_loss"].get(s), "{:.4f}")))
+    rows.append(row("replicas agree at the end (checksum)", lambda x, f: str(x["checksums_agree"])))
+    rows.append(row("time from go to the last round (s)", lambda x, f: _f(x["wall_total_s"], "{:.1f}")))
+    lines = ["### fault", "", _table(rows), ""]
+    return lines + [f"{r['system']} fault: problem: {r['error']}\n" for r in (d, t) if r["error"]]
 
 
 _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whose substring is in the stack wins)
