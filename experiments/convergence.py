@@ -40,25 +40,23 @@ and DiLoCo at the best outer setting; then fault seeds in waves (``faults.step_s
 every fault's SE <= ``SE_TARGET_PP``, the seed cap or ``convergence.budget_min``. The DDP runs
 go each in a thread beside the in-process ones (the lab's ``beside``).
 
-**Side runs** (the flags of the script before the lab, now ``--set`` values; each writes
-``OUT/convergence_convergence-side=...[_MODE].csv``, and a later ``--replot`` of the same mode
-merges every side run saved beside its CSV, oldest first, a side run's row replacing the row of
-the same config and seed; the old side runs' files ``convergence_faults*``,
-``convergence_outer*`` and ``convergence_netem*`` are merged the same way)::
+**Side runs** (``--set`` values; each writes ``OUT/convergence_convergence-side=...[_MODE].csv``,
+and a later ``--replot`` of the same mode merges every side run saved beside its CSV, oldest
+first, a side run's row replacing the row of the same config and seed; the side runs' files of
+the script before the lab, ``convergence_faults*``, ``convergence_outer*`` and
+``convergence_netem*``, are merged the same way)::
 
-    --fault-seeds A:B [--fault-names N,...] [--fault-steps S] [--fault-name-tag T]
-        --set convergence.side=faults:A:B [--set convergence.fault_names=N,...]
+    --set convergence.side=faults:A:B [--set convergence.fault_names=N,...]
         [--set convergence.fault_steps=S] [--set convergence.tag=T]
-    --outer-check ITEMS:A:B            --set convergence.side=outer:ITEMS:A:B
-    --sweep-confirm LR/M,...:A:B       --set convergence.side=sweep:LR/M,...:A:B
-    --rerun-diloco                     --set convergence.side=rerun-diloco
-    --long-check STEPS:ITEMS[:A:B]     --set convergence.side=long:STEPS:ITEMS[:A:B]
-    --netem-pairs A:B (as root)        --set convergence.side=netem:A:B
-    --total-steps N / --budget-min M   --set convergence.total_steps=N / --set convergence.budget_min=M
-    --reduce-timeout-s X               --set rendezvous.reduce_timeout_s=X (broadcast: twice it)
-    --heartbeat-timeout-s X            --set rendezvous.heartbeat_timeout_s=X
-    --size S / --sites N               --set task_spec.size=S / --set task_spec.num_sites=N
-    --quick / --smoke / (full)         --mode quick (the default) / --mode smoke / --mode full
+    --set convergence.side=outer:ITEMS:A:B
+    --set convergence.side=sweep:LR/M,...:A:B
+    --set convergence.side=rerun-diloco
+    --set convergence.side=long:STEPS:ITEMS[:A:B]
+    --set convergence.side=netem:A:B                     (as root)
+    --set convergence.total_steps=N / --set convergence.budget_min=M
+    --set rendezvous.reduce_timeout_s=X                  (broadcast: twice it)
+    --set rendezvous.heartbeat_timeout_s=X
+    --set task_spec.size=S / --set task_spec.num_sites=N
 
 e.g. ``.venv/bin/python -m experiments run convergence --set convergence.side=faults:16:20
 --set convergence.fault_names=fault-free,loss10 --jobs 4``, then ``... run convergence

@@ -78,6 +78,7 @@ SPECS = (
     "datagram_tcp_share",
     "convergence",
     "chaos",
+    "vs_torchft",
 )
 MODES = ("smoke", "quick", "full")
 

@@ -1,6 +1,6 @@
 """One torchft 0.2.0 replica group (one site) training dtrain's built-in task with DiLoCo.
 
-Started by ``experiments/vs_torchft.py`` as its own OS process, one per site, next to a
+Started by :mod:`experiments.vs_torchft` as its own OS process, one per site, next to a
 ``torchft_lighthouse``. It trains exactly what a ``dtrain worker`` trains:
 
 * the task from ``dtrain.tasks.build_task(TaskSpec(site_index, num_sites, seed, data, size))``:
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from torchft.local_sgd import DiLoCo
     except ImportError as e:  # the harness checks first; this is for direct use
-        print(f"torchft_site: torchft is not importable ({e}); see experiments/vs_torchft.py --help", file=sys.stderr)
+        print(
+            f"torchft_site: torchft is not importable ({e}); install it as experiments/vs_torchft.py says",
+            file=sys.stderr,
+        )
         return 2
 
     torch.set_num_threads(a.threads)

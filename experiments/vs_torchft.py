@@ -6,83 +6,101 @@ AdamW), H inner steps per round, outer SGD(lr 0.7, momentum 0.9, Nesterov), the 
 number of sites, every site its own OS process with ``torch.set_num_threads(1)``:
 
 * dtrain: ``python -m dtrain rendezvous`` + one ``python -m dtrain worker`` per site
-  (gRPC on 127.0.0.1, the default codec unless ``--codec``);
-* torchft: ``torchft_lighthouse`` + one ``experiments/torchft_site.py`` per site
-  (Manager + ProcessGroupGloo + ``torchft.local_sgd.DiLoCo``, see that file for the
+  (gRPC on 127.0.0.1, the codec ``diloco.rounds.codec.name``: int8 unless set);
+* torchft: ``torchft_lighthouse`` + one :mod:`experiments.torchft_site` per site
+  (Manager + ProcessGroupGloo + ``torchft.local_sgd.DiLoCo``, see that module for the
   configuration and why).
 
-Scenarios (one system after the other unless said otherwise):
+Scenarios (``vs.scenarios``; one system after the other unless said otherwise):
 
-1. ``healthy``: wall time per round (median/min/max over every site, round 0 = warm-up
-   excluded), final validation loss per site, bytes on the wire per round (dtrain: the
-   payload bytes its transport counted, summed over sites; torchft: the ring all-reduce
-   of fp32 parameters, ``2 (n-1)/n x params x 4`` per site), peak RSS per site process
-   (its own VmHWM), and dtrain / torchft ratios against the targets (wall <= 1, loss
-   within 1 %, bytes <= 1/4). Repeated in AB BA order; optional extra dtrain runs with
-   other codecs (``--extra-codecs``) for the bytes table.
+1. ``healthy``: wall time per round, final validation loss per site, bytes on the wire per
+   round, peak RSS per site process, and dtrain / torchft ratios against the targets (wall
+   <= 1, loss within 1 %, bytes <= 1/4; :mod:`experiments.vs_torchft_analysis` defines each
+   figure). Repeated ``vs.repeats`` times in AB BA order; one more healthy dtrain run per
+   codec of ``vs.extra_codecs`` for the bytes table.
    ``concurrent``: the same healthy run of both systems started at the same time, so both
    see the same background load on a shared machine (they also share its CPUs).
-2. ``fault``: site-1 is SIGKILLed in round 3 after it was admitted and before it sent
-   anything (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:3:kill``; torchft: the same
-   point, see ``torchft_site.py --kill-at-round``), and a fresh process for site-1 starts
-   when a survivor has finished round 4 (so it can be back for round 5). Reports the
-   rounds each system discarded, what the failed site missed, the longest stall a
-   survivor saw, the time to rejoin, final losses.
-3. ``netem-<profile>``: the healthy run with every site (and the rendezvous/lighthouse)
-   in its own network namespace behind the ``netem`` link profile. Needs root and the
-   repository's ``netem`` package; skipped with a note otherwise.
+2. ``fault``: site-1 is SIGKILLed in round ``vs.kill_round`` after it was admitted and before
+   it sent anything (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:K:kill``; torchft: the
+   same point, ``torchft_site --kill-at-round``), and a fresh process for site-1 starts when a
+   survivor has finished round K + ``vs.restart_after`` - 1. Reports the rounds each system
+   discarded, what the failed site missed, the longest stall a survivor saw, the time to
+   rejoin, final losses.
+3. ``netem``: the healthy run with every site (and the rendezvous/lighthouse) in its own
+   network namespace behind each link profile of ``vs.netem_profiles``. Needs root and the
+   repository's ``netem`` package; left out with a note otherwise.
+
+Then, with ``vs.profile`` ``always`` (or ``auto`` when the healthy runs missed the wall-time
+target), one more healthy dtrain run samples site-0 with py-spy.
 
 Every site process is started "pre-warmed": it imports torch (and dtrain/torchft) first,
 then waits for a go-file before it runs the site's main function, so start-up skew and
 interpreter start-up are out of the measurements and a restarted site comes back in
-seconds on a loaded machine. Everything this script starts runs in its own session and
-is killed on exit, on error and on Ctrl-C. With ``--profile`` (or automatically when the
-wall-time target is missed) one more healthy dtrain run samples site-0 with py-spy.
+seconds on a loaded machine. Everything a run starts runs in its own session and is killed
+on exit, on error and on Ctrl-C. A run that left a problem keeps its run directory (the
+row's ``kept``)::
 
-Outputs under ``--out`` (default ``experiments/out/vs_torchft_<mode>``): ``rounds.csv``
-(every round line of every site), ``summary.csv``, ``results.json``, ``report.md``,
-``loss_vs_wall.png`` and the raw run directories under ``runs/``. ``--quick`` and the
-full mode append ``report.md`` to ``experiments/RESULTS.md`` (``--no-append`` to skip).
+    python -m experiments run vs_torchft --mode smoke   # CI: 2 sites, tiny, healthy only (< 60 s)
+    python -m experiments run vs_torchft --mode quick   # 2 sites, small: healthy x2, concurrent, fault, 1 netem
+    python -m experiments run vs_torchft --mode full    # 3 sites, small, more rounds, 2 netem profiles
+    python -m experiments run vs_torchft --set 'vs.scenarios=["fault"]' --set vs.profile=never
 
-    python -m experiments.vs_torchft --smoke      # CI: 2 sites, tiny, healthy only (< 60 s)
-    python -m experiments.vs_torchft --quick      # 2 sites, small: healthy x2, concurrent, fault, 1 netem profile
-    python -m experiments.vs_torchft              # 3 sites, small, more rounds, 2 netem profiles, int8+zstd/int4
-    python -m experiments.vs_torchft --out DIR --analyse-only   # recompute the outputs from DIR/runs
-
-Beside this script: ``vs_torchft_specs.py`` (the modes, a run's spec and record),
-``vs_torchft_analysis.py`` (the numbers and the report) and ``vs_torchft_outputs.py``
-(the files above).
-
-torchft is NOT a dependency of dtrain and this script installs nothing. Install it into
-the same environment after torch (it then pulls no torch)::
+torchft is NOT a dependency of dtrain and nothing here installs it. Install it into the same
+environment after torch (it then pulls no torch)::
 
     pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import json
+import functools
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import asdict, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dtrain.app.procs import Proc, child_env, spawn
+from dtrain.metrics import read_json_lines
+from experiments import vs_torchft_analysis as va
+from experiments.common import ROOT, RunResult
+from experiments.lab import Point, Spec
 from experiments.procs import free_port
-from experiments.vs_torchft_analysis import _lines, analyse
-from experiments.vs_torchft_outputs import write_outputs
-from experiments.vs_torchft_specs import MODES, RunRecord, RunSpec, load_record, record_json, run_dir_name
+from experiments.vs_torchft_analysis import (
+    BUCKET_BYTES,
+    CODEC,
+    DATA,
+    EXTRA_CODECS,
+    FAULT_ROUNDS,
+    KILL_ROUND,
+    NETEM,
+    NETEM_PROFILES,
+    NETEM_ROUNDS,
+    PROFILE,
+    PYSPY,
+    REPEAT,
+    REPEATS,
+    RESTART_AFTER,
+    ROUNDS,
+    SCENARIO,
+    SCENARIOS,
+    SITES,
+    SIZE,
+    SYNC_EVERY,
+    SYSTEM,
+    TIMEOUT_S,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-
-HERE = Path(__file__).resolve().parent
 INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
     "opentelemetry-exporter-otlp-proto-http   (after torch, into the same environment)"
@@ -92,6 +110,12 @@ KILLED_SITE = 1
 # --quorum_tick_ms 100 --join_timeout_ms 10000; Manager(use_async_quorum=False); gloo 5 s).
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 TORCHFT_SITE_FLAGS = ["--timeout-s", "30", "--quorum-timeout-s", "300", "--pg-timeout-s", "5"]
+#: the plan's settings: what a mode runs, not how one run runs (not copied into the runs' rows)
+PLAN = (SCENARIOS, REPEATS, EXTRA_CODECS, NETEM_PROFILES, NETEM_ROUNDS, FAULT_ROUNDS, PROFILE)
+#: the metrics-line fields the rounds CSV keeps (the analysis reads them; ``t``: seconds since the go)
+LINE_FIELDS = ("round", "step", "status", "committed", "members", "val_loss", "train_loss", "inner_s", "sync_s")
+LINE_FIELDS += ("encode_s", "decode_s", "network_s", "wait_s", "bytes_sent", "bytes_received", "applied_buckets")
+LINE_FIELDS += ("inner_steps", "params")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -103,13 +127,9 @@ class Child(Proc):
     live: set["Child"] = set()
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict) -> None:
-        p = spawn(name, argv, log, env=env, cwd=REPO)
+        p = spawn(name, argv, log, env=env, cwd=ROOT)
         super().__init__(name, p.handle, p.log)
         Child.live.add(self)
-
-    @property
-    def rc(self) -> int | None:
-        return self.returncode
 
     def poll(self) -> int | None:
         rc = super().poll()
@@ -136,14 +156,15 @@ def _wait(pred, timeout_s: float, what: str, procs: list[Child] = ()):
             return v
         for c in procs:
             if c.poll() is not None:
-                raise RuntimeError(f"{c.name} exited with {c.rc} while waiting for {what}:\n{c.tail()}")
+                raise RuntimeError(f"{c.name} exited with {c.returncode} while waiting for {what}:\n{c.tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.05)
 
 
 def _prewarmed_main(argv: list[str]) -> None:
-    """``vs_torchft.py _child KIND READY GO -- ARGS``: import, signal ready, wait for GO, run."""
+    """``python -m experiments.vs_torchft _child KIND READY GO -- ARGS``: import, signal ready,
+    wait for GO, run dtrain's CLI or the torchft site with ARGS."""
     kind, ready, go = argv[0], Path(argv[1]), Path(argv[2])
     args = argv[4:]
     import torch  # noqa: F401
@@ -164,25 +185,9 @@ def _prewarmed_main(argv: list[str]) -> None:
     sys.argv = [kind, *args]
     spy_out = os.environ.get("VS_TORCHFT_PYSPY_OUT")
     if spy_out:  # sample this process (every thread, idle excluded) until it exits
-        subprocess.Popen(
-            [
-                os.environ["VS_TORCHFT_PYSPY"],
-                "record",
-                "--pid",
-                str(os.getpid()),
-                "--format",
-                "raw",
-                "--rate",
-                "100",
-                "--threads",
-                "--nonblocking",
-                "-o",
-                spy_out,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(spy_out + ".log", "w"),
-            start_new_session=True,
-        )
+        spy = [os.environ["VS_TORCHFT_PYSPY"], "record", "--pid", str(os.getpid()), "--format", "raw"]
+        spy += ["--rate", "100", "--threads", "--nonblocking", "-o", spy_out]
+        subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=open(spy_out + ".log", "w"), start_new_session=True)
         time.sleep(1.0)  # let it attach before the first inner step
     rc = run(args)
     sys.stdout.flush()
@@ -196,8 +201,62 @@ def _prewarmed_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-def _rounds_of(site_dir: Path) -> list[dict]:
-    return [d for d in _lines(site_dir.parent, site_dir.name) if d.get("event") == "round"]
+@dataclass(frozen=True)
+class Run:
+    """One system's run of a point: what its processes are told."""
+
+    system: str  # "dtrain" | "torchft"
+    scenario: str  # "healthy" | "concurrent" | "fault" | "netem-<profile>" | "profile" | "healthy codec=C"
+    sites: int
+    size: str
+    data: str
+    rounds: int
+    sync_every: int
+    codec: str
+    bucket_bytes: int | None
+    seed: int
+    kill_round: int  # -1: no fault
+    restart_after: int
+    netem: str | None
+    timeout_s: float
+    pyspy: str | None  # path of py-spy: sample dtrain's site-0
+
+    @classmethod
+    def of(cls, point: Point, system: str) -> "Run":
+        s = point.settings
+        return cls(
+            system=system,
+            scenario=s[SCENARIO],
+            sites=s[SITES],
+            size=s[SIZE],
+            data=s[DATA],
+            rounds=s[ROUNDS],
+            sync_every=s[SYNC_EVERY],
+            codec=s[CODEC],
+            bucket_bytes=s[BUCKET_BYTES],
+            seed=point.seed,
+            kill_round=s[KILL_ROUND] if s[SCENARIO] == "fault" else -1,
+            restart_after=s[RESTART_AFTER],
+            netem=s[NETEM],
+            timeout_s=s[TIMEOUT_S],
+            pyspy=s[PYSPY],
+        )
+
+
+@dataclass
+class Record:
+    """What a run's harness saw: when the sites were let go, killed and restarted (``time.time``),
+    each process's exit code, peak RSS and CPU seconds, and any problem."""
+
+    dir: Path
+    t_go: float = 0.0
+    t_kill: float | None = None
+    t_restart: float | None = None
+    timed_out: bool = False
+    error: str | None = None
+    procs: dict = field(default_factory=dict)  # name -> {"rc", "maxrss_kb", "maxrss_source", "cpu_s", "role"}
+    netem_backends: dict | None = None
+    loadavg_end: float | None = None  # 1-minute load average when the run ended
 
 
 class _Net:
@@ -221,30 +280,29 @@ class _Net:
         return _rules.SITE_IF
 
 
-def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None) -> RunRecord:
+def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = None) -> Record:
     """Run one system through one scenario; every child is gone when this returns.
 
-    ``start_together``: a ``threading.Barrier`` shared with runs started at the same time
-    (scenario ``concurrent``); the sites get their go once every run has its sites ready."""
+    ``start_together``: a barrier shared with runs started at the same time (scenario
+    ``concurrent``); the sites get their go once every run has its sites ready."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    rec = RunRecord(spec=spec, dir=run_dir, command=command)
+    rec = Record(dir=run_dir)
     children: dict[str, Child] = {}
     topo = None
     gate = run_dir / "gate"
     try:
-        if spec.netem:
+        if run.netem:
             from netem import Topology  # noqa: PLC0415
 
-            topo = Topology(num_sites=spec.sites + 1, profile=spec.netem)
+            topo = Topology(num_sites=run.sites + 1, profile=run.netem)
             rec.netem_backends = topo.backends()
         net = _Net(topo)
         gate.mkdir(exist_ok=True)
-        coord = _start_coordinator(spec, run_dir, net, children)
-        restart_name = _start_sites(spec, run_dir, net, coord, children, start_together, rec)
-        _supervise(spec, rec, run_dir, children, restart_name)
-        rec.t_end = time.time()
+        coord = _start_coordinator(run, run_dir, net, children)
+        restart_name = _start_sites(run, run_dir, net, coord, children, start_together, rec)
+        _supervise(run, rec, run_dir, children, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
-        if spec.pyspy:  # py-spy writes its file once the sampled process has exited
+        if run.pyspy:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
             _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
     except (Exception, KeyboardInterrupt) as e:
@@ -255,118 +313,92 @@ def run_one(spec: RunSpec, run_dir: Path, command: str = "", start_together=None
         _stop_all(rec, children, gate)
         if topo is not None:
             topo.close()
-        try:
-            (run_dir / "record.json").write_text(json.dumps(record_json(rec), indent=2, default=str))
-        except (TypeError, ValueError, OSError) as e:  # the record is also returned; do not lose the run
-            print(f"vs_torchft: could not write {run_dir / 'record.json'}: {e}", file=sys.stderr)
     return rec
 
 
-def _start_coordinator(spec: RunSpec, run_dir: Path, net: _Net, children: dict[str, Child]) -> str:
+def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Child]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
-    n, py = spec.sites, sys.executable
-    if spec.system == "dtrain":
+    n, py = run.sites, sys.executable
+    if run.system == "dtrain":
         addr_file = run_dir / "rendezvous.addr"
-        argv = [
-            py,
-            "-m",
-            "dtrain",
-            "rendezvous",
-            "--bind",
-            f"{net.host(n)}:0",
-            "--address-file",
-            str(addr_file),
-            "--initial-sites",
-            str(n),
-        ]
+        argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
+        argv += ["--initial-sites", str(n)]
         children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", child_env())
-        coord = _wait(
+        return _wait(
             lambda: addr_file.exists() and addr_file.read_text().strip(),
             120,
             "the rendezvous address",
             [children["rendezvous"]],
         )
-    else:
-        port = free_port() if net.topo is None else 29510
-        lh = str(Path(py).parent / "torchft_lighthouse")
-        argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
-        children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
-        coord = f"http://{net.host(n)}:{port}"
+    port = free_port() if net.topo is None else 29510
+    lh = str(Path(py).parent / "torchft_lighthouse")
+    argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
+    children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
 
-        def lighthouse_up() -> bool:
-            try:
-                if net.topo is None:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                        return True
-                with net.topo.socket(0) as s:  # from inside site 0's namespace
-                    s.settimeout(2.0)
-                    s.connect((net.host(n), port))
+    def lighthouse_up() -> bool:
+        try:
+            if net.topo is None:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                     return True
-            except OSError:
-                return False
+            with net.topo.socket(0) as s:  # from inside site 0's namespace
+                s.settimeout(2.0)
+                s.connect((net.host(n), port))
+                return True
+        except OSError:
+            return False
 
-        _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
-
-    return coord
+    _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
+    return f"http://{net.host(n)}:{port}"
 
 
 def _site_argv(
-    spec: RunSpec, run_dir: Path, net: _Net, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
+    run: Run, run_dir: Path, net: _Net, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
 ) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
     go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
-    n, py, gate = spec.sites, sys.executable, run_dir / "gate"
+    n, py, gate = run.sites, sys.executable, run_dir / "gate"
     out = run_dir / out_name
     env = {"GLOO_SOCKET_IFNAME": net.ifname}
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
-    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", spec.size]
-    common += ["--data", spec.data, "--rounds", str(spec.rounds), "--sync-every", str(spec.sync_every)]
-    common += ["--threads", "1", "--seed", "0"]
-    if spec.system == "dtrain":
+    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.size]
+    common += ["--data", run.data, "--rounds", str(run.rounds), "--sync-every", str(run.sync_every)]
+    common += ["--threads", "1", "--seed", str(run.seed)]
+    if run.system == "dtrain":
         args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
-        args += ["--codec", spec.codec]
-        if spec.bucket_bytes:
-            args += ["--bucket-bytes", str(spec.bucket_bytes)]
+        args += ["--codec", run.codec]
+        if run.bucket_bytes:
+            args += ["--bucket-bytes", str(run.bucket_bytes)]
         if fault:
-            env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{spec.kill_round}:kill"
-        if spec.pyspy and i == 0:
-            env["VS_TORCHFT_PYSPY"] = spec.pyspy
+            env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{run.kill_round}:kill"
+        if run.pyspy and i == 0:
+            env["VS_TORCHFT_PYSPY"] = run.pyspy
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
         args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
         if fault:
-            args += ["--kill-at-round", str(spec.kill_round)]
+            args += ["--kill-at-round", str(run.kill_round)]
         if barrier:
             args += ["--barrier-dir", str(gate)]
-    argv = [
-        py,
-        "-m",
-        "experiments.vs_torchft",
-        "_child",
-        spec.system,
-        str(gate / f"warm-{out_name}"),
-        str(gate / f"go-{out_name}"),
-        "--",
-        *args,
-    ]
+    warm, go = str(gate / f"warm-{out_name}"), str(gate / f"go-{out_name}")
+    argv = [py, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args]
     return net.wrap(i, argv), env
 
 
 def _start_sites(
-    spec: RunSpec, run_dir: Path, net: _Net, coord: str, children: dict[str, Child], start_together, rec: RunRecord
+    run: Run, run_dir: Path, net: _Net, coord: str, children: dict[str, Child], start_together, rec: Record
 ) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
-    n, gate = spec.sites, run_dir / "gate"
+    n, gate = run.sites, run_dir / "gate"
     names = [f"site-{i}" for i in range(n)]
     for i, name in enumerate(names):
-        fault = spec.kill_round >= 0 and i == KILLED_SITE
-        argv, env = _site_argv(spec, run_dir, net, coord, i, name, fault=fault, barrier=True)
+        fault = run.kill_round >= 0 and i == KILLED_SITE
+        argv, env = _site_argv(run, run_dir, net, coord, i, name, fault=fault, barrier=True)
         children[name] = Child(name, argv, run_dir / name / "worker.log", child_env(env))
     restart_name = f"site-{KILLED_SITE}-restart"
-    if spec.kill_round >= 0:  # pre-warm the replacement now; it starts when told
-        argv, env = _site_argv(spec, run_dir, net, coord, KILLED_SITE, restart_name, fault=False, barrier=False)
+    if run.kill_round >= 0:  # pre-warm the replacement now; it starts when told
+        argv, env = _site_argv(run, run_dir, net, coord, KILLED_SITE, restart_name, fault=False, barrier=False)
         children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", child_env(env))
     _wait(
         lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
@@ -379,7 +411,7 @@ def _start_sites(
     rec.t_go = time.time()
     for name in names:
         (gate / f"go-{name}").write_text("")
-    if spec.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
+    if run.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
         _wait(
             lambda: all((gate / f"ready-{i}").exists() for i in range(n)),
             300,
@@ -390,20 +422,21 @@ def _start_sites(
     return restart_name
 
 
-def _supervise(spec: RunSpec, rec: RunRecord, run_dir: Path, children: dict[str, Child], restart_name: str) -> None:
+def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Child], restart_name: str) -> None:
     """Until every site has exited or the run times out: record the kill, and start the
     replacement once a survivor has finished the restart round (killing the site first
     if the fault did not fire)."""
     gate = run_dir / "gate"
-    deadline = time.monotonic() + spec.timeout_s
-    survivor = run_dir / "site-0"
+    deadline = time.monotonic() + run.timeout_s
+    survivor = run_dir / "site-0" / "metrics.jsonl"
     while True:
-        if spec.kill_round >= 0:
+        if run.kill_round >= 0:
             killed = children[f"site-{KILLED_SITE}"]
             if rec.t_kill is None and killed.poll() is not None:
                 rec.t_kill = time.time()
             if rec.t_restart is None and any(
-                d["round"] >= spec.kill_round + spec.restart_after - 1 for d in _rounds_of(survivor)
+                d.get("event") == "round" and d["round"] >= run.kill_round + run.restart_after - 1
+                for d in read_json_lines(survivor)
             ):
                 if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
                     killed.kill()
@@ -419,30 +452,43 @@ def _supervise(spec: RunSpec, rec: RunRecord, run_dir: Path, children: dict[str,
             break
         if time.monotonic() > deadline:
             rec.timed_out = True
-            rec.error = (rec.error or "") + f"timed out after {spec.timeout_s:.0f}s. "
+            rec.error = (rec.error or "") + f"timed out after {run.timeout_s:.0f}s. "
             break
         time.sleep(0.1)
 
 
-def _stop_all(rec: RunRecord, children: dict[str, Child], gate: Path) -> None:
-    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU."""
-    for nm, c in children.items():
-        if nm.startswith("site-"):
-            c.stop(grace_s=3.0)
-    for nm, c in children.items():
+def _stop_all(rec: Record, children: dict[str, Child], gate: Path) -> None:
+    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU.
+
+    Peak RSS: a site's own VmHWM as it exited; else (a coordinator) its VmHWM read while it still
+    ran; else (a killed site) ``wait4``'s ru_maxrss, which counts the harness's memory the child
+    was forked from (this process imported torch)."""
+    for nm in sorted(children, key=lambda nm: not nm.startswith("site-")):
+        c = children[nm]
+        live = _vmhwm_kb(c.pid) if c.poll() is None else None
         c.stop(grace_s=3.0)
-        own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM; wait4's ru_maxrss otherwise
-        rss = int(own.read_text()) if own.exists() else c.maxrss_kb
+        own = gate / f"warm-{nm}.rss"  # a site's self-reported VmHWM
+        kb, source = (int(own.read_text()), "VmHWM") if own.exists() else (live, "VmHWM") if live else (None, "")
         rec.procs[nm] = {
-            "rc": c.rc,
-            "maxrss_kb": rss,
-            "maxrss_source": "VmHWM" if own.exists() else "wait4",
+            "rc": c.returncode,
+            "maxrss_kb": kb or c.maxrss_kb,
+            "maxrss_source": source or "wait4",
             "cpu_s": c.cpu_s,
             "role": "site" if nm.startswith("site-") else "coordinator",
         }
 
 
-# ----------------------------------------------------------------------------- main
+def _vmhwm_kb(pid: int) -> int | None:
+    """A live process's own peak RSS (VmHWM: since its exec), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- what this machine can run
+@functools.lru_cache(maxsize=1)
 def torchft_problem() -> str | None:
     """None when torchft 0.2.x imports in this interpreter, else a one-line reason.
 
@@ -474,245 +520,199 @@ def netem_problem() -> str | None:
     return f"netem requirements missing: {', '.join(missing)}" if missing else None
 
 
-def _append_results(report: str, mode_name: str, no_append: bool) -> int:
-    """Put ``report`` (a ``## title`` line, then the body) into experiments/RESULTS.md as the
-    ``vs_torchft-MODE`` section, replacing an earlier one of the same mode (never in --smoke,
-    nor with --no-append)."""
-    if mode_name != "smoke" and not no_append:
-        from experiments.common import update_results  # noqa: PLC0415
-
-        title, _, body = report.partition("\n")
-        update_results(HERE / "RESULTS.md", f"vs_torchft-{mode_name}", title.removeprefix("## ").strip(), body)
-        print(f"updated {HERE / 'RESULTS.md'}")
-    return 0
+def pyspy_path() -> str | None:
+    """py-spy next to this interpreter, if installed."""
+    spy = Path(sys.executable).parent / "py-spy"
+    return str(spy) if spy.exists() else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
-    mode_name = "smoke" if a.smoke else "quick" if a.quick else "full"
-    mode = MODES[mode_name]
-    mode = replace(
-        mode,
-        **{
-            k: v
-            for k, v in (("sites", a.sites), ("size", a.size), ("rounds", a.rounds), ("sync_every", a.sync_every))
-            if v is not None
-        },
-    )
-    out = Path(a.out) if a.out else HERE / "out" / f"vs_torchft_{mode_name}"
-    cmd = "python -m experiments.vs_torchft " + " ".join(sys.argv[1:] if argv is None else argv)
-    if a.analyse_only:
-        return _analyse_only(a, out, mode, mode_name, cmd)
-    problem = torchft_problem()
-    if problem:
-        print(
-            f"vs_torchft: {problem}.\nThis experiment needs torchft 0.2.0 in this environment; install it with:\n"
-            f"    {INSTALL_HINT}",
-            file=sys.stderr,
-        )
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _on_signal)
-    notes: list[str] = []
-    scenarios, base, plan = _plan(a, mode, mode_name, notes)
-    print(f"vs_torchft ({mode_name}): {len(plan)} runs -> {out}", flush=True)
-    records = _run_plan(plan, out, cmd)
-    results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
-    missed = (
-        results["comparisons"].get("healthy", {}).get("targets", {}).get("round wall time dtrain <= torchft") is False
-    )
-    if a.profile == "always" or (a.profile == "auto" and missed and "healthy" in scenarios and mode_name != "smoke"):
-        spy = Path(sys.executable).parent / "py-spy"
-        if not spy.exists():
-            notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
+# ----------------------------------------------------------------------------- the spec
+def run_point(point: Point) -> list[RunResult]:
+    """One point's runs: one system, or both at once (``vs.system`` ``both``: scenario
+    ``concurrent``), each in a temporary run directory; a row per run, its metrics lines in
+    ``rounds``. A netem point where netem cannot run here: no row (the report says why)."""
+    why = torchft_problem()
+    if why:
+        raise SystemExit(f"vs_torchft: {why}.\nThis experiment needs torchft 0.2.0; install it with:\n  {INSTALL_HINT}")
+    if point.settings[NETEM] and netem_problem():
+        print(f"vs_torchft: {point.config} not run: {netem_problem()}", flush=True)
+        return []
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)  # a stopped runner still stops every child
+    systems = ("dtrain", "torchft") if point.settings[SYSTEM] == "both" else (point.settings[SYSTEM],)
+    with tempfile.TemporaryDirectory(prefix="dtrain-vs-torchft-") as tmp:
+        runs = {sy: (Run.of(point, sy), Path(tmp) / _run_name(point, sy)) for sy in systems}
+        if len(systems) == 1:
+            recs = {sy: run_one(run, d) for sy, (run, d) in runs.items()}
         else:
-            spec = RunSpec(system="dtrain", scenario="profile", rounds=mode.rounds, pyspy=str(spy), **base)
-            t0 = time.monotonic()
-            rec = run_one(spec, out / "runs" / run_dir_name(spec), cmd)
-            records.append(rec)
-            print(
-                f"  dtrain  profile (py-spy on site-0)   {time.monotonic() - t0:6.1f}s  {rec.error or 'ok'}", flush=True
-            )
-            results = analyse(records, mode=asdict(mode), mode_name=mode_name, command=cmd, notes=notes)
-    report = write_outputs(results, records, out)
-    print(report)
-    _append_results(report, mode_name, a.no_append)
-    bad = [r for r in records if r.error and r.spec.scenario == "healthy"]
-    return 1 if bad else 0
+            together = threading.Barrier(len(systems))
+            with ThreadPoolExecutor(len(systems)) as ex:
+                futs = {sy: ex.submit(run_one, run, d, together) for sy, (run, d) in runs.items()}
+                recs = {sy: f.result() for sy, f in futs.items()}
+        return [_result(point, sy, recs[sy]) for sy in systems]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+def _run_name(point: Point, system: str) -> str:
+    s = point.settings
+    name = f"{system}_{s[SCENARIO]}_r{s[REPEAT]}" + (f"_s{point.seed}" if point.seed else "")
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", name)
+
+
+def _result(point: Point, system: str, rec: Record) -> RunResult:
+    """A run's row (its settings, what the harness saw, its headline figures) and its lines: every
+    start and round line of every site (``t``: seconds since the go), an ``exit`` line per process,
+    and the py-spy shares of a profiled run."""
+    name = _run_name(point, system)
+    lines = []
+    for proc, facts in rec.procs.items():
+        metrics = read_json_lines(rec.dir / proc / "metrics.jsonl") if facts["role"] == "site" else []
+        for d in metrics:
+            if d.get("event") in ("start", "round"):
+                kept = {k: d.get(k) for k in LINE_FIELDS}
+                kept["members"] = len(d["members"]) if isinstance(d.get("members"), list) else d.get("members")
+                lines.append({"run": name, "site": proc, "event": d["event"], "t": d["time"] - rec.t_go, **kept})
+        finished = (rec.dir / proc / "summary.json").exists()
+        lines.append({"run": name, "site": proc, "event": "exit", **facts, "finished": finished})
+    spy = rec.dir / "pyspy-site-0.txt"
+    if spy.exists():
+        prof = va.pyspy_summary(spy)
+        base = {"run": name, "site": "site-0", "event": "pyspy"}
+        lines.append({**base, "kind": "total", "samples": prof["samples"]})
+        lines += [{**base, "kind": "category", "name": k, "share": v} for k, v in prof["categories"].items()]
+        lines += [{**base, "kind": "leaf", "name": k, "share": v} for k, v in prof["top_leaves"]]
+    finals = {}
+    for proc in rec.procs:
+        rounds = [d for d in read_json_lines(rec.dir / proc / "metrics.jsonl") if d.get("event") == "round"]
+        if rounds and (rec.dir / proc / "summary.json").exists():
+            finals[proc] = rounds[-1].get("checksum")
+    row = point.row(
+        **{SYSTEM: system},
+        run=name,
+        error=rec.error or "",
+        timed_out=rec.timed_out,
+        t_kill_s=rec.t_kill - rec.t_go if rec.t_kill else None,
+        t_restart_s=rec.t_restart - rec.t_go if rec.t_restart else None,
+        loadavg_end=rec.loadavg_end,
+        netem_backends=str(rec.netem_backends) if rec.netem_backends else None,
+        checksums_agree=len(finals) > 0 and len(set(finals.values())) == 1,
     )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--smoke", action="store_true", help="CI mode: 2 sites, tiny, healthy only")
-    g.add_argument("--quick", action="store_true", help="a few minutes: 2 sites, small")
-    p.add_argument("--sites", type=int)
-    p.add_argument("--size", choices=["tiny", "small", "base"])
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--sync-every", type=int)
-    p.add_argument("--data", default="stdlib")
-    p.add_argument("--codec", default="int8", help="dtrain's codec (torchft all-reduces fp32)")
-    p.add_argument("--bucket-bytes", type=int, default=None, help="dtrain bucket size (default: dtrain's)")
-    p.add_argument(
-        "--extra-codecs",
-        default=None,
-        help="comma list: one more healthy dtrain run per codec, for the bytes table (default: the mode's)",
+    st = va.run_stats([row], va.lines_by_run(lines))
+    row.update(
+        round_wall_median_s=st["round_wall_s"]["median"],
+        final_val_loss=st["final_val_loss_mean"],
+        bytes_per_round=st["bytes_per_round_total"],
+        peak_rss_mb_max=st["peak_rss_mb_max"],
+        wall_total_s=st["wall_total_s"],
     )
-    p.add_argument(
-        "--profile",
-        choices=["auto", "always", "never"],
-        default="auto",
-        help="sample dtrain's site-0 with py-spy in one more healthy run: always, never, or auto = when "
-        "the wall-time target was missed, except in --smoke (default)",
-    )
-    p.add_argument(
-        "--scenarios",
-        default=None,
-        help="comma list of healthy,concurrent,fault,netem (default: the mode's; concurrent = the healthy run "
-        "of both systems at the same time, so both see the same background load)",
-    )
-    p.add_argument("--netem-profiles", default=None, help="comma list of netem profiles (default: the mode's)")
-    p.add_argument(
-        "--repeats", type=int, default=None, help="healthy runs per system (AB BA order; default: the mode's)"
-    )
-    p.add_argument("--out", default=None)
-    p.add_argument(
-        "--analyse-only",
-        action="store_true",
-        help="run nothing: recompute the outputs from the record.json files under OUT/runs",
-    )
-    p.add_argument("--no-append", action="store_true", help="do not append the report to experiments/RESULTS.md")
-    return p
+    if rec.error:  # keep what the run left, for its logs
+        row["kept"] = str(Path(tempfile.gettempdir()) / f"vs_torchft-failed-{name}-{os.getpid()}")
+        shutil.copytree(rec.dir, row["kept"], dirs_exist_ok=True)
+    print(f"  {system:7s} {point.settings[SCENARIO]:22s} {name}: {rec.error or 'ok'}", flush=True)
+    return RunResult(row=row, rounds=lines)
 
 
-def _analyse_only(a: argparse.Namespace, out: Path, mode, mode_name: str, cmd: str) -> int:
-    """Recompute the outputs from OUT/runs/*/record.json, keeping the command and notes of the
-    run that made the records."""
-    records = [load_record(f) for f in sorted((out / "runs").glob("*/record.json"))]
-    records.sort(key=lambda r: r.t_go)
-    prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    report = write_outputs(
-        analyse(
-            records,
-            mode=prev.get("mode", asdict(mode)),
-            mode_name=prev.get("mode_name", mode_name),
-            command=prev.get("command", cmd),
-            notes=prev.get("notes", []),
-        ),
-        records,
-        out,
-    )
-    print(report)
-    return _append_results(report, mode_name, a.no_append)
+def _point(m: dict[str, Any], seed: int, system: str, scenario: str, repeat: int = 0, **more: Any) -> Point:
+    """A run of ``system`` (or ``both``) through ``scenario``: the mode's fixed settings but the plan's."""
+    base = {k: v for k, v in m["fixed"].items() if k not in PLAN}
+    settings = {**base, SYSTEM: system, SCENARIO: scenario, REPEAT: repeat, **more}
+    return Point("vs_torchft", f"{system} {scenario} #{repeat}", seed, settings)
 
 
-def _plan(a: argparse.Namespace, mode, mode_name: str, notes: list[str]) -> tuple[list[str], dict, list[RunSpec]]:
-    """(the scenarios, the settings every run shares, the runs in order); a scenario this machine
-    cannot run is noted in ``notes`` and left out."""
-    scenarios = (
-        a.scenarios.split(",")
-        if a.scenarios
-        else ["healthy"]
-        + (["concurrent"] if mode_name != "smoke" else [])
-        + (["fault"] if mode.fault_rounds else [])
-        + (["netem"] if mode.netem else [])
-    )
-    profiles = a.netem_profiles.split(",") if a.netem_profiles else list(mode.netem)
-    notes: list[str] = []
-    base = dict(
-        sites=mode.sites,
-        size=mode.size,
-        data=a.data,
-        sync_every=mode.sync_every,
-        codec=a.codec,
-        bucket_bytes=a.bucket_bytes,
-        timeout_s=mode.run_timeout_s,
-    )
-    plan: list[RunSpec] = []
-    if "healthy" in scenarios:
-        for rep in range(max(1, a.repeats or mode.repeats)):
-            order = ("dtrain", "torchft") if rep % 2 == 0 else ("torchft", "dtrain")
-            plan += [RunSpec(system=sy, scenario="healthy", rounds=mode.rounds, repeat=rep, **base) for sy in order]
-        codecs = a.extra_codecs.split(",") if a.extra_codecs is not None else list(mode.extra_codecs)
-        plan += [
-            RunSpec(system="dtrain", scenario=f"healthy codec={c}", rounds=mode.rounds, **{**base, "codec": c})
-            for c in codecs
-            if c and c != a.codec
-        ]
-    if "concurrent" in scenarios:  # both systems at the same time: they see the same background load
-        for rep in range(max(1, a.repeats or mode.repeats)):
-            plan += [
-                RunSpec(system=sy, scenario="concurrent", rounds=mode.rounds, repeat=rep, **base)
-                for sy in ("dtrain", "torchft")
-            ]
-    if "fault" in scenarios and mode.fault_rounds:
-        if mode.sites < 2:
-            notes.append("fault scenario skipped: it needs >= 2 sites")
-        else:
-            plan += [
-                RunSpec(
-                    system=s,
-                    scenario="fault",
-                    rounds=mode.fault_rounds,
-                    kill_round=mode.kill_round,
-                    restart_after=mode.restart_after,
-                    **base,
-                )
-                for s in ("dtrain", "torchft")
-            ]
-    if "netem" in scenarios and profiles:
-        why = netem_problem()
-        if why:
-            notes.append(f"netem scenarios ({', '.join(profiles)}) skipped: {why}")
-        else:
-            for prof in profiles:
-                plan += [
-                    RunSpec(
-                        system=s, scenario=f"netem-{prof}", rounds=mode.netem_rounds or mode.rounds, netem=prof, **base
-                    )
-                    for s in ("dtrain", "torchft")
-                ]
-    return scenarios, base, plan
+def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
+    """The runs, in phases: first every scenario of ``vs.scenarios`` (healthy in AB BA order and
+    one dtrain run per extra codec, the concurrent pairs, the fault runs, each netem profile);
+    then the profiled dtrain run if :func:`~experiments.vs_torchft_analysis.profile_wanted`."""
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, EXTRA_CODECS, NETEM_PROFILES)}}
+    if rows:
+        if any(r[SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
+            return []
+        return [_point(m, m["seeds"][0], "dtrain", "profile", **{PYSPY: pyspy_path()})]
+    out = []
+    for seed in m["seeds"]:
+        if "healthy" in f[SCENARIOS]:
+            for rep in range(max(1, f[REPEATS])):
+                order = ("dtrain", "torchft") if rep % 2 == 0 else ("torchft", "dtrain")
+                out += [_point(m, seed, sy, "healthy", rep) for sy in order]
+            codecs = [c for c in f[EXTRA_CODECS] if c and c != f[CODEC]]
+            out += [_point(m, seed, "dtrain", f"healthy codec={c}", **{CODEC: c}) for c in codecs]
+        if "concurrent" in f[SCENARIOS]:  # both systems at the same time: they see the same background load
+            out += [_point(m, seed, "both", "concurrent", rep) for rep in range(max(1, f[REPEATS]))]
+        if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] >= 2:
+            out += [_point(m, seed, sy, "fault", **{ROUNDS: f[FAULT_ROUNDS]}) for sy in ("dtrain", "torchft")]
+        if "netem" in f[SCENARIOS]:
+            rounds = f[NETEM_ROUNDS] or f[ROUNDS]
+            for prof in f[NETEM_PROFILES]:
+                more = {NETEM: prof, ROUNDS: rounds}
+                out += [_point(m, seed, sy, f"netem-{prof}", **more) for sy in ("dtrain", "torchft")]
+    return out
 
 
-def _run_plan(plan: list[RunSpec], out: Path, cmd: str) -> list[RunRecord]:
-    """Every run of ``plan``: "concurrent" pairs at the same time, everything else one after the other."""
-    records: list[RunRecord] = []
-    batches: list[list[RunSpec]] = []
-    for spec in plan:  # "concurrent" pairs run at the same time; everything else one after the other
-        if (
-            spec.scenario == "concurrent"
-            and batches
-            and batches[-1][0].scenario == "concurrent"
-            and batches[-1][0].repeat == spec.repeat
-            and len(batches[-1]) < 2
-        ):
-            batches[-1].append(spec)
-        else:
-            batches.append([spec])
-    for batch in batches:
-        t0 = time.monotonic()
-        if len(batch) == 1:
-            recs = [run_one(batch[0], out / "runs" / run_dir_name(batch[0]), cmd)]
-        else:
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-            together = threading.Barrier(len(batch))
-            with ThreadPoolExecutor(len(batch)) as ex:
-                recs = list(ex.map(lambda sp: run_one(sp, out / "runs" / run_dir_name(sp), cmd, together), batch))
-        for rec in recs:
-            records.append(rec)
-            status = "ok" if not rec.error else f"PROBLEM: {rec.error}"
-            print(
-                f"  {rec.spec.system:7s} {rec.spec.scenario:22s} #{rec.spec.repeat} {time.monotonic() - t0:6.1f}s  {status}",
-                flush=True,
-            )
-    return records
+def _names(v: Any) -> list[str]:
+    """A list setting as given (``--set 'vs.scenarios=["fault"]'``) or comma-separated text
+    (``--set vs.scenarios=healthy,fault``)."""
+    return [x for x in v.split(",") if x] if isinstance(v, str) else list(v or [])
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_child":
-        _prewarmed_main(sys.argv[2:])
-    sys.exit(main())
+def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
+    """The comparison's section (:func:`experiments.vs_torchft_analysis.report`) with notes on
+    what the mode asked for that did not run here, and on the runs that left a problem."""
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, NETEM_PROFILES)}}
+    scens, notes = {r[SCENARIO] for r in rows}, []
+    if "netem" in f[SCENARIOS] and f[NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
+        notes.append(f"netem scenarios ({', '.join(f[NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
+    if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] < 2:
+        notes.append("fault scenario not run: it needs >= 2 sites")
+    if "profile" not in scens and va.profile_wanted(rows, m) and not pyspy_path():
+        notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
+    notes += [f"{r['run']}: {r['error']} (its run directory: `{r['kept']}`)" for r in rows if r.get("kept")]
+    return va.report(rows, rounds, m, prefix, notes)
+
+
+#: per mode: the task, the schedule, and what runs (``vs.*``; ``--set`` overrides any of them)
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": {SITES: 2, SIZE: "tiny", ROUNDS: 4, SYNC_EVERY: 5, FAULT_ROUNDS: 0, NETEM_PROFILES: []},
+    "quick": {SITES: 2, SIZE: "small", ROUNDS: 8, SYNC_EVERY: 20, FAULT_ROUNDS: 10, REPEATS: 2},
+    "full": {SITES: 3, SIZE: "small", ROUNDS: 16, SYNC_EVERY: 50, FAULT_ROUNDS: 14, REPEATS: 2},
+}
+MODES["smoke"] |= {NETEM_ROUNDS: 0, TIMEOUT_S: 120.0, SCENARIOS: ["healthy"], PROFILE: "never"}
+MODES["quick"] |= {NETEM_PROFILES: ["transatlantic"], NETEM_ROUNDS: 5, EXTRA_CODECS: ["int8+zstd"]}
+MODES["full"] |= {NETEM_PROFILES: ["transatlantic", "lossy"], NETEM_ROUNDS: 8, TIMEOUT_S: 1800.0}
+MODES["full"] |= {EXTRA_CODECS: ["int8+zstd", "int4"]}
+
+SPEC = Spec(
+    name="vs_torchft",
+    title="dtrain vs torchft 0.2.0 DiLoCo",
+    modes={mode: {"seeds": [0], "jobs": 1, "fixed": fixed} for mode, fixed in MODES.items()},
+    fixed={
+        DATA: "stdlib",
+        CODEC: "int8",
+        BUCKET_BYTES: None,  # dtrain's default
+        SCENARIOS: ["healthy", "concurrent", "fault", "netem"],
+        REPEATS: 1,
+        EXTRA_CODECS: [],
+        PROFILE: "auto",
+        KILL_ROUND: 3,
+        RESTART_AFTER: 2,
+        TIMEOUT_S: 900.0,
+        NETEM: None,
+        PYSPY: None,
+    },
+    label=lambda point: "",  # unused: the points come from ``plan``
+    metrics=(
+        ("final_val_loss", 0.0, 10.0),
+        ("round_wall_median_s", 0.0, 600.0),
+        ("bytes_per_round", 1.0, 1e12),
+        ("peak_rss_mb_max", 10.0, 1e5),
+    ),
+    report=report,
+    verdict=va.verdict,
+    execute=run_point,
+    paths=(SYSTEM, SCENARIO, REPEAT, NETEM, KILL_ROUND, RESTART_AFTER, TIMEOUT_S, PYSPY, *PLAN),
+    jobs_fn=lambda point: False,  # one run at a time: each measures the machine
+    phases=plan,
+)
+
+if __name__ == "__main__":  # a pre-warmed site process (``_site_argv``); the experiment: python -m experiments run
+    if sys.argv[1:2] != ["_child"]:
+        raise SystemExit("run it as: python -m experiments run vs_torchft [--mode smoke|quick|full]")
+    _prewarmed_main(sys.argv[2:])

@@ -1,5 +1,6 @@
-"""Numbers and the markdown report of ``experiments/vs_torchft.py`` (see its docstring); the files
-they go into (JSON, CSV, PNG) are written by ``vs_torchft_outputs.py``.
+"""The measurement logic of the torchft comparison (:mod:`experiments.vs_torchft`): its numbers,
+tables, verdict and plot, from the rows (one per run of one system) and the per-round lines
+(every metrics line of every site, and one ``exit`` line per process) the runs left.
 
 Definitions used in every table:
 
@@ -13,35 +14,54 @@ Definitions used in every table:
   torchft: ``2 (n-1)/n x params x 4`` per participant and committed-or-not sync (gloo's
   ring all-reduce of the fp32 pseudo-gradients; headers not counted).
 * peak memory: each site process's own VmHWM, written as it exits (the whole process: torch,
-  the task, the system's runtime); ``ru_maxrss`` from ``wait4`` for processes that cannot
-  report (killed sites, the rendezvous and the lighthouse).
+  the task, the system's runtime); the rendezvous's and the lighthouse's VmHWM read while
+  they run; ``ru_maxrss`` from ``wait4`` for a killed site (not in the tables).
 * per-round overhead: round wall time minus that round's inner phase, i.e. what each system
   adds to the identical computation (sync, evaluation, bookkeeping).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from dtrain.metrics import read_json_lines
+from experiments.common import md_table, save_fig, subplots
 
-__all__ = ["analyse", "report_md", "run_stats"]
+__all__ = ["analyse", "run_stats", "report", "verdict", "plot", "pyspy_summary"]
+
+Rows = list[dict[str, Any]]
+
+# the settings of a run, by config path (the spec's grid and fixed settings)
+SITES, SIZE, DATA, ROUNDS = "task_spec.num_sites", "task_spec.size", "task_spec.data", "rounds"
+SYNC_EVERY, CODEC, BUCKET_BYTES = "diloco.sync_every", "diloco.rounds.codec.name", "diloco.buckets.bucket_bytes"
+SYSTEM, SCENARIO, REPEAT, NETEM = "vs.system", "vs.scenario", "vs.repeat", "netem.profile"
+KILL_ROUND, RESTART_AFTER, TIMEOUT_S, PYSPY = "vs.kill_round", "vs.restart_after", "vs.timeout_s", "vs.pyspy"
+# what a mode runs (its fixed settings; ``--set`` overrides them)
+SCENARIOS, REPEATS, EXTRA_CODECS, PROFILE = "vs.scenarios", "vs.repeats", "vs.extra_codecs", "vs.profile"
+NETEM_PROFILES, NETEM_ROUNDS, FAULT_ROUNDS = "vs.netem_profiles", "vs.netem_rounds", "vs.fault_rounds"
 
 KILLED = "site-1"
 RESTART = "site-1-restart"
+SPLIT = ("encode_s", "decode_s", "network_s", "wait_s")
+WALL_TARGET = "round wall time dtrain <= torchft"
 
 
-def _lines(run_dir: Path, site: str) -> list[dict]:
-    """A site's metrics lines as dicts: dtrain's (``dtrain.metrics`` schema) or torchft_site's
-    (its own fields), so read by the schema-free layer of the one reader (complete lines only)."""
-    return read_json_lines(run_dir / site / "metrics.jsonl")
+def lines_by_run(rounds: Rows) -> dict[str, dict[str, Rows]]:
+    """run -> process (``site-0``, ``site-1-restart``, ``rendezvous``, ...) -> its lines in order."""
+    out: dict[str, dict[str, Rows]] = {}
+    for d in rounds:
+        out.setdefault(d["run"], {}).setdefault(d["site"], []).append(d)
+    return out
 
 
-def _site_dirs(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("site-"))
+def _events(lines: Rows, event: str) -> Rows:
+    return [d for d in lines if d.get("event") == event]
+
+
+def _sites(procs: dict[str, Rows]) -> list[str]:
+    return sorted(s for s in procs if s.startswith("site-"))
 
 
 def _stats(xs: list[float]) -> dict:
@@ -54,55 +74,54 @@ def _applied(system: str, d: dict) -> bool:
     return d.get("status") == "applied" if system == "dtrain" else bool(d.get("committed"))
 
 
-def _site_stats(rec) -> tuple[dict, dict]:
+def _num(d: dict, key: str) -> float:
+    """A line's number; 0 where the line has none (a cell read back from the CSV as None)."""
+    return d.get(key) or 0
+
+
+def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
     """Per-site facts of one run, and that run's pooled per-round samples."""
-    spec = rec.spec
-    run_dir = Path(rec.dir)
+    system = row[SYSTEM]
     sites = {}
-    pool = {"walls": [], "overheads": [], "syncs": [], "inners": [], "sent_by_round": {}, "recv_by_round": {}}
-    pool.update({k: [] for k in ("encode_s", "decode_s", "network_s", "wait_s")})
-    for s in _site_dirs(run_dir):
-        lines = _lines(run_dir, s)
-        start = next((d for d in lines if d.get("event") == "start"), None)
-        rounds = [d for d in lines if d.get("event") == "round"]
-        times = ([start["time"]] if start else []) + [d["time"] for d in rounds]
+    pool: dict[str, Any] = {"walls": [], "overheads": [], "syncs": [], "inners": [], "recv_by_round": {}}
+    pool.update({k: [] for k in SPLIT})
+    for s in _sites(procs):
+        start = next(iter(_events(procs[s], "start")), None)
+        rounds = _events(procs[s], "round")
+        end = next(iter(_events(procs[s], "exit")), {})
+        times = ([start["t"]] if start else []) + [d["t"] for d in rounds]
         deltas = [b - a for a, b in zip(times, times[1:])][1:]  # drop the warm-up round
         pool["walls"] += deltas
         pool["overheads"] += [w - d["inner_s"] for w, d in zip(deltas, rounds[1:])]
         pool["syncs"] += [d["sync_s"] for d in rounds[1:]]
         pool["inners"] += [d["inner_s"] for d in rounds[1:]]
-        for k in ("encode_s", "decode_s", "network_s", "wait_s"):
-            pool[k] += [d[k] for d in rounds[1:] if k in d]
+        for k in SPLIT:
+            pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
         for d in rounds:
-            pool["sent_by_round"][d["round"]] = pool["sent_by_round"].get(d["round"], 0) + int(d.get("bytes_sent", 0))
             pool["recv_by_round"][d["round"]] = pool["recv_by_round"].get(d["round"], 0) + int(
-                d.get("bytes_received", 0)
+                _num(d, "bytes_received")
             )
-        proc = rec.procs.get(s, {})
-        summ_path = run_dir / s / "summary.json"
         sites[s] = {
             "rounds_logged": len(rounds),
-            "rounds_applied": sum(_applied(spec.system, d) for d in rounds),
+            "rounds_applied": sum(_applied(system, d) for d in rounds),
             "first_val_loss": start["val_loss"] if start else None,
             "final_val_loss": rounds[-1]["val_loss"] if rounds else None,
-            "final_checksum": rounds[-1].get("checksum") if rounds else None,
-            "finished": summ_path.exists(),
-            "rc": proc.get("rc"),
-            "peak_rss_mb": proc["maxrss_kb"] / 1024 if proc.get("maxrss_kb") else None,
-            "cpu_s": proc.get("cpu_s"),
+            "finished": bool(end.get("finished")),
+            "rc": end.get("rc"),
+            "peak_rss_mb": end["maxrss_kb"] / 1024 if end.get("maxrss_kb") else None,
+            "cpu_s": end.get("cpu_s"),
             "inner_steps": (
-                rounds[-1].get("inner_steps") if spec.system == "dtrain" and rounds else len(rounds) * spec.sync_every
+                rounds[-1].get("inner_steps") if system == "dtrain" and rounds else len(rounds) * row[SYNC_EVERY]
             ),
         }
     return sites, pool
 
 
-def run_stats(recs: list) -> dict:
+def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     """Everything the runs of one (system, scenario) say, repeats pooled (see the module
     docstring for the definitions). Per-site details are those of the first run."""
-    rec = recs[0]
-    spec = rec.spec
-    per_run = [_site_stats(r) for r in recs]
+    row = rows[0]
+    per_run = [_site_stats(r, runs.get(r["run"], {})) for r in rows]
     sites = per_run[0][0]
     pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1] if isinstance(per_run[0][1][k], list)}
     # Every payload byte is counted by its receiver in the receiver's next round line:
@@ -110,42 +129,30 @@ def run_stats(recs: list) -> dict:
     # before it (counted since the previous line), state pulls of a resync land in the
     # next line. The sender's count misses what an owner serves after its last line.
     # So: everything all sites received over the run, divided by the rounds.
-    wire = [sum(p["recv_by_round"].values()) / spec.rounds for _, p in per_run if p["recv_by_round"]]
+    wire = [sum(p["recv_by_round"].values()) / row[ROUNDS] for _, p in per_run if p["recv_by_round"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
-    coords = [
-        v["maxrss_kb"] / 1024
-        for r in recs
-        for v in r.procs.values()
-        if v.get("role") == "coordinator" and v.get("maxrss_kb")
-    ]
+    ends = [d for r in rows for p in runs.get(r["run"], {}).values() for d in _events(p, "exit")]
+    coords = [d["maxrss_kb"] / 1024 for d in ends if d.get("role") == "coordinator" and d.get("maxrss_kb")]
     rss = [v["peak_rss_mb"] for st, _ in per_run for s, v in st.items() if v["peak_rss_mb"] and s != KILLED]
     cpu = [v["cpu_s"] for st, _ in per_run for s, v in st.items() if v.get("cpu_s") and s != KILLED]
+    walls = [x for x in (_last_round_s(runs.get(r["run"], {})) for r in rows) if x is not None]
     st = {
-        "system": spec.system,
-        "scenario": spec.scenario,
-        "sites": spec.sites,
-        "rounds": spec.rounds,
-        "codec": spec.codec if spec.system == "dtrain" else "fp32 (all-reduce)",
-        "repeats": len(recs),
-        "error": "; ".join(r.error for r in recs if r.error) or None,
-        "timed_out": any(r.timed_out for r in recs),
-        "netem_backends": rec.netem_backends,
+        "system": row[SYSTEM],
+        "scenario": row[SCENARIO],
+        "codec": row[CODEC] if row[SYSTEM] == "dtrain" else "fp32 (all-reduce)",
+        "repeats": len(rows),
+        "error": "; ".join(str(r["error"]) for r in rows if r.get("error")) or None,
+        "timed_out": any(r.get("timed_out") for r in rows),
+        "netem_backends": row.get("netem_backends"),
         "round_wall_s": _stats(pool["walls"]),
         "overhead_s": _stats(pool["overheads"]),
         "sync_s": _stats(pool["syncs"]),
         "inner_s": _stats(pool["inners"]),
-        "sync_split_median_s": {
-            k: (statistics.median(pool[k]) if pool[k] else None)
-            for k in ("encode_s", "decode_s", "network_s", "wait_s")
-        },
+        "sync_split_median_s": {k: (statistics.median(pool[k]) if pool[k] else None) for k in SPLIT},
         "final_val_loss_mean": statistics.mean(finals) if finals else None,
         "final_val_loss": {s: v["final_val_loss"] for s, v in finished.items()},
-        "final_val_loss_repeats": [
-            statistics.mean([v["final_val_loss"] for v in st.values() if v["finished"]] or [float("nan")])
-            for st, _ in per_run
-        ],
-        "checksums_agree": len({v["final_checksum"] for v in finished.values()}) == 1 and len(finished) > 0,
+        "checksums_agree": bool(row.get("checksums_agree")),
         "not_applied": {
             s: v["rounds_logged"] - v["rounds_applied"]
             for s, v in sites.items()
@@ -156,106 +163,86 @@ def run_stats(recs: list) -> dict:
         "peak_rss_mb_mean": statistics.mean(rss) if rss else None,
         "cpu_s_per_site_mean": statistics.mean(cpu) if cpu else None,
         "coordinator_rss_mb": max(coords) if coords else None,
-        "wall_total_s": statistics.median(
-            [x for x in (_last_round_s(r) for r in recs) if x is not None] or [float("nan")]
-        ),
+        "wall_total_s": statistics.median(walls) if walls else None,
         "sites_detail": sites,
     }
-    if spec.kill_round >= 0:
-        st["fault"] = fault_stats(rec, sites)
+    if row[SCENARIO] == "fault":
+        st["fault"] = fault_stats(row, runs.get(row["run"], {}), sites)
     return st
 
 
-def fault_stats(rec, sites: dict) -> dict:
-    """What the kill and the restart cost (see vs_torchft.py, scenario 2)."""
-    spec = rec.spec
-    run_dir = Path(rec.dir)
-    surv = [s for s in sites if s not in (KILLED, RESTART)]
-    per = {}
-    stall = (0.0, None, None)
-    full_buckets = 0
-    for s in surv:
-        rounds = [d for d in _lines(run_dir, s) if d.get("event") == "round"]
-        full_buckets = max([full_buckets] + [int(d.get("applied_buckets", 0)) for d in rounds])
-        for d in rounds:
-            if d["sync_s"] > stall[0]:
-                stall = (d["sync_s"], s, d["round"])
-        per[s] = rounds
+def fault_stats(row: dict, procs: dict[str, Rows], sites: dict) -> dict:
+    """What the kill and the restart cost (see :mod:`experiments.vs_torchft`, scenario ``fault``)."""
+    system = row[SYSTEM]
+    per = {s: _events(procs[s], "round") for s in sites if s not in (KILLED, RESTART)}
+    full_buckets = max([0] + [int(_num(d, "applied_buckets")) for rounds in per.values() for d in rounds])
+    stall = max(((d["sync_s"], s, d["round"]) for s, rounds in per.items() for d in rounds), default=(0.0, None, None))
     out_surv = {}
     for s, rounds in per.items():
-        discarded = [d["round"] for d in rounds if not _applied(spec.system, d)]
-        partial = (
-            [d["round"] for d in rounds if _applied(spec.system, d) and int(d.get("applied_buckets", 0)) < full_buckets]
-            if spec.system == "dtrain"
-            else []
-        )
+        applied = [d for d in rounds if _applied(system, d)]
+        partial = [d["round"] for d in applied if int(_num(d, "applied_buckets")) < full_buckets]
         # Time the fault cost this survivor: whole discarded attempts (inner work + sync),
         # plus every sync beyond this run's typical one (median over its rounds).
         typical = statistics.median([d["sync_s"] for d in rounds]) if rounds else 0.0
-        lost = sum(d["inner_s"] + d["sync_s"] for d in rounds if not _applied(spec.system, d))
-        lost += sum(max(0.0, d["sync_s"] - typical) for d in rounds if _applied(spec.system, d))
+        lost = sum(d["inner_s"] + d["sync_s"] for d in rounds if not _applied(system, d))
+        lost += sum(max(0.0, d["sync_s"] - typical) for d in applied)
         out_surv[s] = {
             "attempts": len(rounds),
-            "discarded_rounds": discarded,
-            "partial_rounds": partial,
+            "discarded_rounds": [d["round"] for d in rounds if not _applied(system, d)],
+            "partial_rounds": partial if system == "dtrain" else [],
             "inner_steps": sites[s]["inner_steps"],
             "time_lost_s": round(lost, 2),
         }
-    restart = [d for d in _lines(run_dir, RESTART) if d.get("event") == "round"]
-    restart_start = next((d for d in _lines(run_dir, RESTART) if d.get("event") == "start"), None)
-    killed_rounds = [d for d in _lines(run_dir, KILLED) if d.get("event") == "round"]
-    took_part = sum(_applied(spec.system, d) for d in killed_rounds) + sum(_applied(spec.system, d) for d in restart)
+    restart = _events(procs.get(RESTART, []), "round")
+    restart_start = next(iter(_events(procs.get(RESTART, []), "start")), None)
+    killed_rounds = _events(procs.get(KILLED, []), "round")
+    took_part = sum(_applied(system, d) for d in killed_rounds + restart)
+    t_restart = row.get("t_restart_s")
     return {
-        "kill_round": spec.kill_round,
-        "restart_when_survivor_finished_round": spec.kill_round + spec.restart_after - 1,
+        "kill_round": row[KILL_ROUND],
+        "restart_when_survivor_finished_round": row[KILL_ROUND] + row[RESTART_AFTER] - 1,
         "survivors": out_surv,
         "longest_stall_s": stall[0],
         "longest_stall_at": f"{stall[1]} round {stall[2]}",
-        "killed_site_rounds_before_kill": len(killed_rounds),
         # torchft's "round" is the site's own attempt counter; its outer step is "step" (after the attempt)
         "restart_first_round": (
             None
             if not restart
             else restart[0]["round"]
-            if spec.system == "dtrain"
+            if system == "dtrain"
             else restart[0]["step"] - int(bool(restart[0].get("committed")))
         ),
         "restart_first_status": restart[0].get("status") if restart else None,
-        "restart_start_line_s": (restart_start["time"] - rec.t_restart) if restart_start and rec.t_restart else None,
-        "rejoin_s": (restart[0]["time"] - rec.t_restart) if restart and rec.t_restart else None,
+        "restart_start_line_s": restart_start["t"] - t_restart if restart_start and t_restart is not None else None,
+        "rejoin_s": restart[0]["t"] - t_restart if restart and t_restart is not None else None,
         "site1_rounds_taken_part": took_part,
-        "site1_rounds_missed": spec.rounds - took_part,
-        "t_kill_s": rec.t_kill - rec.t_go if rec.t_kill else None,
-        "t_restart_s": rec.t_restart - rec.t_go if rec.t_restart else None,
+        "site1_rounds_missed": row[ROUNDS] - took_part,
     }
 
 
-def _last_round_s(rec) -> float | None:
+def _last_round_s(procs: dict[str, Rows]) -> float | None:
     """Seconds from the go signal to the last round line of any site (exit linger excluded)."""
-    ts = [d["time"] for s in _site_dirs(Path(rec.dir)) for d in _lines(Path(rec.dir), s) if d.get("event") == "round"]
-    return max(ts) - rec.t_go if ts and rec.t_go else None
+    ts = [d["t"] for s in _sites(procs) for d in _events(procs[s], "round")]
+    return max(ts) if ts else None
 
 
 def _ratio(a, b):
     return a / b if a is not None and b not in (None, 0) else None
 
 
-def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[str]) -> dict:
-    profile = None
-    for r in records:
-        spy = Path(r.dir) / "pyspy-site-0.txt"
-        if r.spec.scenario == "profile" and spy.exists():
-            profile = pyspy_summary(spy)
-            profile["file"] = str(spy)
-            profile["command"] = getattr(r, "command", "")
-    records = [r for r in records if r.spec.scenario != "profile"]
-    groups: dict[str, list] = {}
-    for r in records:
-        groups.setdefault(f"{r.spec.system}/{r.spec.scenario}", []).append(r)
-    runs = {k: run_stats(v) for k, v in groups.items()}
+def analyse(rows: Rows, rounds: Rows) -> dict:
+    """The runs' statistics by ``system/scenario``, the dtrain / torchft ratios by scenario (with
+    the targets of the healthy and concurrent ones), and the py-spy profile if one was taken."""
+    runs = lines_by_run(rounds)
+    prof = [d for d in rounds if d.get("event") == "pyspy"]
+    groups: dict[str, Rows] = {}
+    for r in rows:
+        if r[SCENARIO] != "profile":
+            groups.setdefault(f"{r[SYSTEM]}/{r[SCENARIO]}", []).append(r)
+    stats = {k: run_stats(v, runs) for k, v in groups.items()}
     comps = {}
-    for scen in sorted({r.spec.scenario for r in records}):
-        d, t = runs.get(f"dtrain/{scen}"), runs.get(f"torchft/{scen}")
+    for scen in sorted({r[SCENARIO] for r in rows}):
+        d, t = stats.get(f"dtrain/{scen}"), stats.get(f"torchft/{scen}")
         if not d or not t:
             continue
         c = {
@@ -267,45 +254,27 @@ def analyse(records, *, mode: dict, mode_name: str, command: str, notes: list[st
         }
         if scen in ("healthy", "concurrent"):
             c["targets"] = {
-                "round wall time dtrain <= torchft": c["round_wall_median"] is not None
-                and c["round_wall_median"] <= 1.0,
+                WALL_TARGET: c["round_wall_median"] is not None and c["round_wall_median"] <= 1.0,
                 "final loss within 1%": c["final_val_loss_mean"] is not None
                 and abs(c["final_val_loss_mean"] - 1) <= 0.01,
                 "bytes <= 1/4": c["bytes_per_round"] is not None and c["bytes_per_round"] <= 0.25,
             }
         comps[scen] = c
-    commands = []
-    for r in sorted(records, key=lambda r: r.t_go):
-        if getattr(r, "command", "") and r.command not in commands:
-            commands.append(r.command)
-    if profile is not None and profile.get("command") and profile["command"] not in commands:
-        commands.append(profile["command"])
-    return {
-        "mode_name": mode_name,
-        "mode": mode,
-        "command": command,
-        "commands": commands or [command],
-        "notes": notes,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_1min_at_run_ends": [getattr(r, "loadavg_end", None) for r in records],
-        },
-        "runs": runs,
-        "comparisons": comps,
-        "profile": profile,
+    profile = {
+        "samples": sum(int(d["samples"]) for d in prof if d["kind"] == "total"),
+        "categories": {d["name"]: d["share"] for d in prof if d["kind"] == "category"},
+        "top_leaves": [(d["name"], d["share"]) for d in prof if d["kind"] == "leaf"],
     }
+    return {"runs": stats, "comparisons": comps, "profile": profile if prof else None}
 
 
-# ----------------------------------------------------------------------------- outputs
+# ----------------------------------------------------------------------------- the section
 def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
 
 def _table(rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(out)
+    return md_table(rows[0], rows[1:])
 
 
 UNEQUAL = [
@@ -351,24 +320,16 @@ def _load_text(loads: list) -> str:
     return f"1-minute load average at the end of the runs {min(xs):.1f}-{max(xs):.1f}{some}"
 
 
-def report_md(res: dict) -> str:
-    """The RESULTS.md section of a comparison: setup, one table per scenario, the fault table,
-    the profile, what could not be made equal, notes."""
-    m = res["mode"]
+def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: list[str]) -> str:
+    """The RESULTS.md section of a comparison under the runner's stamp: setup, one table per
+    scenario, the fault table, the profile, what could not be made equal, ``notes``, the plot."""
+    f = m["fixed"]
+    res = analyse(rows, rounds)
+    png = plot(rows, rounds, prefix.with_name(prefix.name + "_loss_vs_wall.png"))
     lines = [
-        f"## dtrain vs torchft 0.2.0 DiLoCo — `{res['mode_name']}`",
-        "",
-        f"Run {res['date']}.",
-        "",
-        "Command"
-        + ("s" if len(res.get("commands", [])) > 1 else "")
-        + ": "
-        + "; ".join(f"`{c}`" for c in res.get("commands", [res["command"]])),
-        "",
-        f"Setup: {m['sites']} sites, built-in task `{m['size']}`, H = {m['sync_every']} inner steps, "
-        f"{m['rounds']} rounds (fault: {m['fault_rounds']}), 1 torch thread per site, loopback unless netem; "
-        f"machine: {res['machine']['cpus']} CPUs, "
-        + _load_text(res["machine"].get("loadavg_1min_at_run_ends") or [])
+        f"Setup: {f[SITES]} sites, built-in task `{f[SIZE]}`, H = {f[SYNC_EVERY]} inner steps, "
+        f"{f[ROUNDS]} rounds (fault: {f[FAULT_ROUNDS]}), 1 torch thread per site, loopback unless netem; "
+        + _load_text([r.get("loadavg_end") for r in rows])
         + ".",
         "",
     ]
@@ -379,142 +340,113 @@ def report_md(res: dict) -> str:
         lines += _scenario_section(scen, runs, comps[scen])
     if "fault" in comps:
         lines += _fault_section(runs)
-    prof = res.get("profile")
-    if prof:
-        rows = [["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"]]
-        rows += [[k, f"{v:.1%}"] for k, v in prof["categories"].items()]
-        leaves = [["top frames (self time)", "share"]] + [[f"`{k[:110]}`", f"{v:.1%}"] for k, v in prof["top_leaves"]]
-        lines += [
-            "### Profile of dtrain (healthy run, site-0)",
-            "",
-            f"{prof['samples']} samples at 100 Hz; raw file `{Path(prof['file']).name}`.",
-            "",
-            _table(rows),
-            "",
-            _table(leaves),
-            "",
-        ]
+    lines += _profile_section(res["profile"])
     lines += ["### What could not be made equal", ""] + [f"- {u}" for u in UNEQUAL] + [""]
-    if res["notes"]:
-        lines += ["### Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
+    if notes:
+        lines += ["### Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
-        f"Outputs: `rounds.csv`, `summary.csv`, `results.json`, `loss_vs_wall.png` in `{res.get('out_dir', '--out')}`.",
-        "",
+        f"CSV: `{prefix.name}.csv` (one row per run), `{prefix.name}_rounds.csv` (every metrics line of every "
+        f"site); plot: `{png.name}`.",
     ]
     return "\n".join(lines)
+
+
+def profile_wanted(rows: Rows, m: dict[str, Any]) -> bool:
+    """Whether dtrain's site-0 is to be sampled with py-spy in one more healthy run: ``vs.profile``
+    ``always``, or ``auto`` when the healthy runs missed the wall-time target (the median over
+    each system's healthy runs of their median round)."""
+    how = m["fixed"][PROFILE]
+    if how != "auto":
+        return how == "always"
+    med = {
+        sy: [r["round_wall_median_s"] for r in rows if (r[SYSTEM], r[SCENARIO]) == (sy, "healthy")]
+        for sy in ("dtrain", "torchft")
+    }
+    if not all(med.values()) or any(x is None for xs in med.values() for x in xs):
+        return False
+    return statistics.median(med["dtrain"]) > statistics.median(med["torchft"])
+
+
+def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
+    """The issue's targets (7), per scenario of both systems on loopback: dtrain's median round no
+    longer than torchft's, final loss within 1%, bytes per round at most 1/4 of torchft's."""
+    comps = analyse(rows, rounds)["comparisons"]
+    out = []
+    for scen, c in comps.items():
+        if "targets" in c:
+            figures = (c["round_wall_median"], c["final_val_loss_mean"], c["bytes_per_round"])
+            got = ", ".join(f"**{'met' if v else 'MISSED'}** ({k})" for k, v in c["targets"].items())
+            out.append(
+                f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = "
+                + " / ".join(_f(x) for x in figures)
+                + "."
+            )
+    return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
 
 def _scenario_rows(scen: str, runs: dict, c: dict) -> list[list[str]]:
     """The table of one scenario: a metric per row, dtrain, torchft, their ratio."""
     d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
-    rows = [["metric", "dtrain", "torchft", "dtrain / torchft"]]
-    rows.append(
-        [
+
+    def row(metric: str, cell, ratio: float | None | str = "", fmt: str = "{:.3f}") -> list[str]:
+        return [metric, cell(d), cell(t), ratio if isinstance(ratio, str) else _f(ratio, fmt)]
+
+    def of(key: str, fmt: str = "{:.3f}", part: str | None = None):
+        return lambda x: _f(x[key] if part is None else x[key][part], fmt)
+
+    def both(key: str) -> float | None:
+        return _ratio(d[key]["median"], t[key]["median"])
+
+    wall = "round_wall_s"
+    loss, mb = "{:.4f}", "{:.0f}"
+    rows = [
+        ["metric", "dtrain", "torchft", "dtrain / torchft"],
+        row(
             "round wall time median [min, max] (s)",
-            f"{_f(d['round_wall_s']['median'])} [{_f(d['round_wall_s']['min'])}, {_f(d['round_wall_s']['max'])}]",
-            f"{_f(t['round_wall_s']['median'])} [{_f(t['round_wall_s']['min'])}, {_f(t['round_wall_s']['max'])}]",
-            _f(c["round_wall_median"]),
-        ]
-    )
-    rows.append(
-        [
+            lambda x: f"{_f(x[wall]['median'])} [{_f(x[wall]['min'])}, {_f(x[wall]['max'])}]",
+            c["round_wall_median"],
+        ),
+        row(
             "per-round overhead = round wall - inner phase, median (s)",
-            _f(d["overhead_s"]["median"]),
-            _f(t["overhead_s"]["median"]),
-            _f(c["overhead_median"]),
-        ]
-    )
-    rows.append(
-        [
+            of("overhead_s", part="median"),
+            both("overhead_s"),
+        ),
+        row(
             "sync time median / max (s)",
-            f"{_f(d['sync_s']['median'])} / {_f(d['sync_s']['max'])}",
-            f"{_f(t['sync_s']['median'])} / {_f(t['sync_s']['max'])}",
-            _f(_ratio(d["sync_s"]["median"], t["sync_s"]["median"])),
-        ]
-    )
-    rows.append(
-        [
-            "inner phase median (s)",
-            _f(d["inner_s"]["median"]),
-            _f(t["inner_s"]["median"]),
-            _f(_ratio(d["inner_s"]["median"], t["inner_s"]["median"])),
-        ]
-    )
-    rows.append(
-        [
-            "final val loss, mean of sites",
-            _f(d["final_val_loss_mean"], "{:.4f}"),
-            _f(t["final_val_loss_mean"], "{:.4f}"),
-            _f(c["final_val_loss_mean"], "{:.4f}"),
-        ]
-    )
+            lambda x: f"{_f(x['sync_s']['median'])} / {_f(x['sync_s']['max'])}",
+            both("sync_s"),
+        ),
+        row("inner phase median (s)", of("inner_s", part="median"), both("inner_s")),
+        row("final val loss, mean of sites", of("final_val_loss_mean", loss), c["final_val_loss_mean"], loss),
+    ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(
-            [
-                f"final val loss {s}",
-                _f(d["final_val_loss"].get(s), "{:.4f}"),
-                _f(t["final_val_loss"].get(s), "{:.4f}"),
-                "",
-            ]
-        )
-    rows += _resource_rows(d, t, c)
+        rows.append(row(f"final val loss {s}", lambda x, s=s: _f(x["final_val_loss"].get(s), loss)))
+    rows += [
+        row("bytes on the wire per round, all sites", of("bytes_per_round_total", "{:,.0f}"), c["bytes_per_round"]),
+        row(
+            "peak RSS per site process, max / mean (MB)",
+            lambda x: f"{_f(x['peak_rss_mb_max'], mb)} / {_f(x['peak_rss_mb_mean'], mb)}",
+            c["peak_rss_max"],
+        ),
+        row(
+            "CPU seconds per site process (whole life, mean)",
+            of("cpu_s_per_site_mean", "{:.1f}"),
+            _ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"]),
+        ),
+        row("coordinator peak RSS (MB) (rendezvous / lighthouse)", of("coordinator_rss_mb", mb)),
+        row("replicas agree at the end (checksum)", lambda x: str(x["checksums_agree"])),
+        row(
+            "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
+            lambda x: ", ".join(f"{k}: {v}" for k, v in x["not_applied"].items()) or "none",
+        ),
+        row(
+            "time from go to the last round (s)",
+            of("wall_total_s", "{:.1f}"),
+            _ratio(d["wall_total_s"], t["wall_total_s"]),
+        ),
+    ]
     if scen == "healthy":
         rows += _codec_rows(runs, t)
-    return rows
-
-
-def _resource_rows(d: dict, t: dict, c: dict) -> list[list[str]]:
-    """A scenario table's rows after the losses: bytes, memory, CPU, agreement, rounds not applied, time."""
-    rows: list[list[str]] = []
-    rows.append(
-        [
-            "bytes on the wire per round, all sites",
-            _f(d["bytes_per_round_total"], "{:,.0f}"),
-            _f(t["bytes_per_round_total"], "{:,.0f}"),
-            _f(c["bytes_per_round"]),
-        ]
-    )
-    rows.append(
-        [
-            "peak RSS per site process, max / mean (MB)",
-            f"{_f(d['peak_rss_mb_max'], '{:.0f}')} / {_f(d['peak_rss_mb_mean'], '{:.0f}')}",
-            f"{_f(t['peak_rss_mb_max'], '{:.0f}')} / {_f(t['peak_rss_mb_mean'], '{:.0f}')}",
-            _f(c["peak_rss_max"]),
-        ]
-    )
-    rows.append(
-        [
-            "CPU seconds per site process (whole life, mean)",
-            _f(d["cpu_s_per_site_mean"], "{:.1f}"),
-            _f(t["cpu_s_per_site_mean"], "{:.1f}"),
-            _f(_ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"])),
-        ]
-    )
-    rows.append(
-        [
-            "coordinator peak RSS (MB) (rendezvous / lighthouse)",
-            _f(d["coordinator_rss_mb"], "{:.0f}"),
-            _f(t["coordinator_rss_mb"], "{:.0f}"),
-            "",
-        ]
-    )
-    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"]), ""])
-    rows.append(
-        [
-            "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
-            ", ".join(f"{k}: {v}" for k, v in d["not_applied"].items()) or "none",
-            ", ".join(f"{k}: {v}" for k, v in t["not_applied"].items()) or "none",
-            "",
-        ]
-    )
-    rows.append(
-        [
-            "time from go to the last round (s)",
-            _f(d["wall_total_s"], "{:.1f}"),
-            _f(t["wall_total_s"], "{:.1f}"),
-            _f(_ratio(d["wall_total_s"], t["wall_total_s"])),
-        ]
-    )
     return rows
 
 
@@ -567,10 +499,9 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
 
 
 def _target_notes(runs: dict, d: dict, t: dict, c: dict) -> list[str]:
-    """The targets met or missed, and what explains a missed wall-time or bytes target."""
+    """What explains a missed wall-time or bytes target (the targets themselves: :func:`verdict`)."""
     lines = [""]
-    lines.append("Targets: " + "; ".join(f"{k}: **{'met' if v else 'MISSED'}**" for k, v in c["targets"].items()) + ".")
-    if not c["targets"]["round wall time dtrain <= torchft"]:
+    if not c["targets"][WALL_TARGET]:
         share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
         lines.append(
             f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) "
@@ -598,77 +529,47 @@ def _target_notes(runs: dict, d: dict, t: dict, c: dict) -> list[str]:
 
 def _fault_section(runs: dict) -> list[str]:
     """The fault scenario's table: what a SIGKILL and a restart cost each system."""
-    lines: list[str] = []
     d, t = runs["dtrain/fault"], runs["torchft/fault"]
-    df, tf = d["fault"], t["fault"]
+    k, back = d["fault"]["kill_round"], d["fault"]["restart_when_survivor_finished_round"]
+    head = f"fault: site-1 SIGKILLed in round {k} (admitted, nothing sent), restarted after round {back}"
+
+    def row(metric: str, cell, torchft: str | None = None) -> list[str]:
+        return [metric, cell(d, d["fault"]), cell(t, t["fault"]) if torchft is None else torchft]
+
+    def surv(key: str):
+        return lambda x, f: "; ".join(f"{s}: {v[key]}" for s, v in f["survivors"].items())
+
     rows = [
-        [
-            "fault: site-1 SIGKILLed in round 3 (admitted, nothing sent), restarted after round 4",
-            "dtrain",
-            "torchft",
-        ]
-    ]
-
-    def surv(f, key, fmt=lambda v: str(v)):
-        return "; ".join(f"{s}: {fmt(v[key])}" for s, v in f["survivors"].items())
-
-    rows += [
-        [
-            "rounds discarded at survivors (inner work thrown away)",
-            surv(df, "discarded_rounds"),
-            surv(tf, "discarded_rounds"),
-        ],
-        ["rounds applied without some buckets at survivors", surv(df, "partial_rounds"), "n/a (all-or-nothing)"],
-        ["sync attempts at survivors", surv(df, "attempts"), surv(tf, "attempts")],
-        ["inner steps at survivors", surv(df, "inner_steps"), surv(tf, "inner_steps")],
-        [
-            "time the fault cost a survivor (s): discarded attempts + syncs beyond the median",
-            surv(df, "time_lost_s"),
-            surv(tf, "time_lost_s"),
-        ],
-        [
+        [head, "dtrain", "torchft"],
+        row("rounds discarded at survivors (inner work thrown away)", surv("discarded_rounds")),
+        row("rounds applied without some buckets at survivors", surv("partial_rounds"), "n/a (all-or-nothing)"),
+        row("sync attempts at survivors", surv("attempts")),
+        row("inner steps at survivors", surv("inner_steps")),
+        row("time the fault cost a survivor (s): discarded attempts + syncs beyond the median", surv("time_lost_s")),
+        row(
             "longest stall a survivor saw (s)",
-            f"{_f(df['longest_stall_s'], '{:.2f}')} ({df['longest_stall_at']})",
-            f"{_f(tf['longest_stall_s'], '{:.2f}')} ({tf['longest_stall_at']})",
-        ],
-        [
+            lambda x, f: f"{_f(f['longest_stall_s'], '{:.2f}')} ({f['longest_stall_at']})",
+        ),
+        row(
             "restarted site: go -> start line / first round (s)",
-            f"{_f(df['restart_start_line_s'], '{:.1f}')} / {_f(df['rejoin_s'], '{:.1f}')}",
-            f"{_f(tf['restart_start_line_s'], '{:.1f}')} / {_f(tf['rejoin_s'], '{:.1f}')}",
-        ],
-        [
+            lambda x, f: f"{_f(f['restart_start_line_s'], '{:.1f}')} / {_f(f['rejoin_s'], '{:.1f}')}",
+        ),
+        row(
             "restarted site's first round (status)",
-            f"{df['restart_first_round']} ({df['restart_first_status']})",
-            f"{tf['restart_first_round']} ({tf['restart_first_status']})",
-        ],
-        [
+            lambda x, f: f"{f['restart_first_round']} ({f['restart_first_status']})",
+        ),
+        row(
             "rounds site-1 took part in / missed",
-            f"{df['site1_rounds_taken_part']} / {df['site1_rounds_missed']}",
-            f"{tf['site1_rounds_taken_part']} / {tf['site1_rounds_missed']}",
-        ],
-        [
-            "final val loss, mean of finished sites",
-            _f(d["final_val_loss_mean"], "{:.4f}"),
-            _f(t["final_val_loss_mean"], "{:.4f}"),
-        ],
+            lambda x, f: f"{f['site1_rounds_taken_part']} / {f['site1_rounds_missed']}",
+        ),
+        row("final val loss, mean of finished sites", lambda x, f: _f(x["final_val_loss_mean"], "{:.4f}")),
     ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(
-            [
-                f"final val loss {s}",
-                _f(d["final_val_loss"].get(s), "{:.4f}"),
-                _f(t["final_val_loss"].get(s), "{:.4f}"),
-            ]
-        )
-    rows.append(["replicas agree at the end (checksum)", str(d["checksums_agree"]), str(t["checksums_agree"])])
-    rows.append(
-        ["time from go to the last round (s)", _f(d["wall_total_s"], "{:.1f}"), _f(t["wall_total_s"], "{:.1f}")]
-    )
-    lines += ["### fault", "", _table(rows), ""]
-    for r in (d, t):
-        if r["error"]:
-            lines.append(f"{r['system']} fault: problem: {r['error']}\n")
-    return lines
+        rows.append(row(f"final val loss {s}", lambda x, f, s=s: _f(x["final_val_loss"].get(s), "{:.4f}")))
+    rows.append(row("replicas agree at the end (checksum)", lambda x, f: str(x["checksums_agree"])))
+    rows.append(row("time from go to the last round (s)", lambda x, f: _f(x["wall_total_s"], "{:.1f}")))
+    lines = ["### fault", "", _table(rows), ""]
+    return lines + [f"{r['system']} fault: problem: {r['error']}\n" for r in (d, t) if r["error"]]
 
 
 _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whose substring is in the stack wins)
@@ -687,8 +588,6 @@ _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whos
 
 def pyspy_summary(path: Path, top: int = 12) -> dict:
     """Shares of py-spy samples (active threads only) by category and by leaf frame."""
-    from collections import Counter  # noqa: PLC0415
-
     cats: Counter = Counter()
     leaves: Counter = Counter()
     total = 0
@@ -707,3 +606,93 @@ def pyspy_summary(path: Path, top: int = 12) -> dict:
         "categories": {k: v / total for k, v in cats.most_common()} if total else {},
         "top_leaves": [(k, v / total) for k, v in leaves.most_common(top)] if total else [],
     }
+
+
+def _profile_section(prof: dict | None) -> list[str]:
+    """Where dtrain's site-0 spent its CPU in the profiled run (py-spy), by category and by frame."""
+    if not prof:
+        return []
+    rows = [["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"]]
+    rows += [[k, f"{v:.1%}"] for k, v in prof["categories"].items()]
+    leaves = [["top frames (self time)", "share"]] + [[f"`{k[:110]}`", f"{v:.1%}"] for k, v in prof["top_leaves"]]
+    return [
+        "### Profile of dtrain (healthy run, site-0)",
+        "",
+        f"{prof['samples']} samples at 100 Hz.",
+        "",
+        _table(rows),
+        "",
+        _table(leaves),
+        "",
+    ]
+
+
+def plot(rows: Rows, rounds: Rows, path: Path) -> Path:
+    """Validation loss over wall time since the go signal, a panel per scenario, every site of both
+    systems (repeats drawn faintly, site-0 only); the kill and the restart of the fault scenario."""
+    runs = lines_by_run(rounds)
+    order = {"healthy": 0, "concurrent": 1, "fault": 2}
+    scens = sorted(
+        {r[SCENARIO] for r in rows if " codec=" not in r[SCENARIO] and r[SCENARIO] != "profile"},
+        key=lambda sc: (order.get(sc, 3), sc),
+    )
+    ncol = min(3, max(1, len(scens)))
+    nrow = max(1, (len(scens) + ncol - 1) // ncol)
+    fig, axes = subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
+    for ax, scen in zip(axes.flat, scens):
+        _plot_scenario(ax, scen, [r for r in rows if r[SCENARIO] == scen], runs)
+    for ax in list(axes.flat)[len(scens) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        "dtrain vs torchft 0.2.0 DiLoCo\nvalidation loss over wall time (same task, H, optimizers)", fontsize=10
+    )
+    return save_fig(fig, path)
+
+
+def _plot_scenario(ax, scen: str, rows: Rows, runs: dict[str, dict[str, Rows]]) -> None:
+    """One panel of :func:`plot`: the loss curves of one scenario's runs."""
+    colors = {"dtrain": "tab:blue", "torchft": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    later, start_loss, marks = [], None, []  # y range: everything after each site's first round
+    for r in rows:
+        procs, system, repeat = runs.get(r["run"], {}), r[SYSTEM], r[REPEAT]
+        for k, s in enumerate(_sites(procs)):
+            if repeat and s != "site-0":  # repeats: one line each (replicas agree), drawn faintly
+                continue
+            pts = [(d["t"], d["val_loss"]) for d in procs[s] if d["event"] in ("start", "round") and d["val_loss"]]
+            if not pts:
+                continue
+            start_loss = start_loss or pts[0][1]
+            later += [y for _, y in pts[2:]]
+            xs, ys = zip(*pts)
+            ax.plot(
+                xs,
+                ys,
+                styles[k % len(styles)],
+                color=colors[system],
+                marker="o" if system == "dtrain" else "s",
+                markersize=3.5,
+                markerfacecolor="none",
+                linewidth=0.9 if repeat else 1.3,
+                alpha=0.45 if repeat else 1.0,
+                label=f"{system} {s}" + (f" (repeat {repeat})" if repeat else ""),
+            )
+        marks += [
+            (r[c], f"{system} {what}", colors[system])
+            for c, what in (("t_kill_s", "kill"), ("t_restart_s", "restart"))
+            if r.get(c) is not None
+        ]
+    if later:
+        lo, hi = min(later), max(later)
+        ax.set_ylim(lo - 0.05 * (hi - lo) - 0.01, hi + 0.25 * (hi - lo) + 0.01)
+    for n, (x, what, col) in enumerate(marks):
+        ax.axvline(x, color=col, linestyle=":", alpha=0.7)
+        y = ax.get_ylim()[1] - (0.03 + 0.2 * (n % 4)) * (ax.get_ylim()[1] - ax.get_ylim()[0])
+        ax.text(x, y, f" {what}", rotation=90, va="top", fontsize=7, color=col)
+    ax.set_title(
+        f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9
+    )
+    ax.set_xlabel("wall time since the sites were started (s)")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)

@@ -44,7 +44,7 @@ RUN_COLUMNS = {
 RUN_ROWS = {"convergence"}
 
 # Specs whose smoke is a test of its own: what it checks is the system under faults, not the pipeline.
-SMOKED_ELSEWHERE = {"chaos": "tests/fault/test_chaos_smoke.py"}
+SMOKED_ELSEWHERE = {"chaos": "tests/fault/test_chaos_smoke.py", "vs_torchft": "test_vs_torchft_smoke (below)"}
 # The specs that run on this host; those through emulated links (root) have their smokes in tests/netem/.
 LOCAL_SPECS = [n for n in lab.SPECS if not lab.load_spec(n).netem and n not in SMOKED_ELSEWHERE]
 # A spec's smoke time limit where 120 s is not enough under load (s).
@@ -94,6 +94,44 @@ def _run_spec(name: str, tmp_path: Path) -> None:
 def test_smoke(name: str, tmp_path: Path) -> None:
     """Each experiment in its smallest mode: it runs and its outputs are whole (see the module doc)."""
     _run_spec(name, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vs_torchft_smoke(tmp_path: Path) -> None:
+    """The torchft comparison's smoke (2 sites, tiny, H = 5, 4 rounds, healthy only, both systems as
+    processes on 127.0.0.1), and the figures its tables rest on. torchft is no dtrain dependency and
+    CI does not install it: skipped (naming the install command) where torchft 0.2.x does not import."""
+    from experiments import vs_torchft
+    from experiments.vs_torchft_analysis import analyse
+
+    why = vs_torchft.torchft_problem()
+    if why:
+        pytest.skip(f"{why}; to run this test: {vs_torchft.INSTALL_HINT}")
+    rounds_n, sites = 4, 2
+    _run_spec("vs_torchft", tmp_path)
+    rows = read_rows(tmp_path / "vs_torchft_smoke.csv")
+    lines = read_rows(tmp_path / "vs_torchft_smoke_rounds.csv")
+    assert [r["vs.system"] for r in rows] == ["dtrain", "torchft"]
+    for r in rows:
+        assert not r["error"] and not r["timed_out"] and r["checksums_agree"], r
+        ends = [d for d in lines if d["run"] == r["run"] and d["event"] == "exit" and d["role"] == "site"]
+        assert [d["site"] for d in ends] == [f"site-{i}" for i in range(sites)] and all(d["rc"] == 0 for d in ends)
+        assert all(50 < d["maxrss_kb"] / 1024 < 4000 and d["maxrss_source"] == "VmHWM" for d in ends), ends
+        for i in range(sites):
+            mine = [d for d in lines if d["run"] == r["run"] and d["site"] == f"site-{i}"]
+            done = [d for d in mine if d["event"] == "round" and d["status"] == "applied"]
+            assert len(done) == rounds_n and done[-1]["val_loss"] < mine[0]["val_loss"] - 0.5, (r["run"], i)
+    res = analyse(rows, lines)
+    d, t = res["runs"]["dtrain/healthy"], res["runs"]["torchft/healthy"]
+    assert d["round_wall_s"]["n"] == t["round_wall_s"]["n"] == sites * (rounds_n - 1)  # warm-up round excluded
+    # torchft's bytes are the ring all-reduce of the fp32 parameters: 2 (n-1)/n x P x 4 per site.
+    params = next(x["params"] for x in lines if x["event"] == "start")
+    assert t["bytes_per_round_total"] == sites * round(2 * (sites - 1) / sites * params * 4)
+    # dtrain sends int8 (+ per-block scales) both ways: a little over 1/4 of torchft's fp32.
+    assert 0.24 < res["comparisons"]["healthy"]["bytes_per_round"] < 0.30
+    # Same task, same start, same optimizers: the final losses agree closely.
+    assert abs(res["comparisons"]["healthy"]["final_val_loss_mean"] - 1) < 0.02
 
 
 @pytest.mark.timeout(60)
