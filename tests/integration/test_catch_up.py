@@ -68,13 +68,15 @@ def _slow_serving(d: DiLoCo, sleep_s: float) -> None:
     d.engine.fault_hook = lambda phase, _b: time.sleep(sleep_s) if phase == "serve_state" else None
 
 
-def _rounds_per_bucket(d: DiLoCo, n: int):
-    """A fault hook: serving a bucket's state takes ``n`` of ``d``'s rounds (at most 5 s)."""
+def _rounds_per_bucket(d: DiLoCo, n: int, until: list[int]):
+    """A fault hook: serving a bucket's state takes ``n`` of ``d``'s rounds (at most 5 s), none
+    once ``d`` trained its last round (``until[0]``): a pull after that (a joiner cut from a
+    round as it caught up, resyncing) waited 5 s per bucket for rounds that never came."""
 
     def hook(phase: str, _bucket: int) -> None:
         if phase == "serve_state":
             start, t0 = d.round, time.monotonic()
-            while d.round < start + n and time.monotonic() - t0 < 5.0:
+            while d.round < min(start + n, until[0]) and time.monotonic() - t0 < 5.0:
                 time.sleep(0.01)
 
     return hook
@@ -96,7 +98,7 @@ def test_a_joiner_whose_pull_spans_ten_rounds_replays_them_and_ends_equal():
         while min(a.round, b.round) < 2 * KEEP:  # round 0 no longer kept: the joiner must pull
             time.sleep(0.05)
         for d in (a, b):  # each bucket takes 2 rounds: 9 over 2 donors, one stream each: ~10 rounds
-            d.engine.fault_hook = _rounds_per_bucket(d, 3)
+            d.engine.fault_hook = _rounds_per_bucket(d, 3, until)
         reasons: list[str] = []
         a.on_round.append(lambda o: reasons.append(o.reason))
         r0 = a.round
