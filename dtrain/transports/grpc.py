@@ -427,14 +427,17 @@ class GrpcTransport(Transport):
 
     def _call(self, address: str, what: str, timeout_s: float, fn: Callable[[_PeerStub, float], object]):
         self._check_running()
+        used: list[_PeerStub] = []
+
+        def attempt(remaining: float) -> object:
+            used.append(self._pool.stub(address))
+            return fn(used[-1], remaining)
+
         try:
-            return call_with_retry(
-                lambda remaining: fn(self._pool.stub(address), remaining),
-                timeout_s=timeout_s,
-                cfg=self.config,
-                what=f"{what} {address}",
-            )
+            return call_with_retry(attempt, timeout_s=timeout_s, cfg=self.config, what=f"{what} {address}")
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and used:  # a stalled connection: a new one
+                self._pool.renew(address, used[-1])
             err = to_transport_error(e, f"{what} {address}")
             if isinstance(err, Rejected):
                 err.num_accepted = _num_accepted(e)

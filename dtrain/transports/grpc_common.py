@@ -159,6 +159,7 @@ class ChannelPool(Generic[T]):
         self._lock = threading.Lock()
         self._entries: dict[str, list[tuple[grpc.Channel, T]]] = {}
         self._next: dict[str, int] = {}
+        self._retired: list[grpc.Channel] = []  # renewed, closed later (renew)
         self._closed = False
 
     def _new_channel(self, address: str) -> grpc.Channel:
@@ -184,6 +185,35 @@ class ChannelPool(Generic[T]):
             self._next[address] = (i + 1) % len(entries)
             return entries[i][1]
 
+    def renew(self, address: str, stub: T) -> bool:
+        """Replace the channel of ``stub`` (a call on it ran out of its deadline: its TCP
+        connection may sit in retransmission back-off) with a new one for later calls; the
+        old one closes ``renew_after_timeout_s`` later, so calls still on it may end. No-op
+        (False) when renewal is off or ``stub`` is no longer in the pool (another call's
+        timeout renewed it first)."""
+        delay_s = self._cfg.renew_after_timeout_s
+        with self._lock:
+            entries = self._entries.get(address)
+            i = next((i for i, (_, s) in enumerate(entries or ()) if s is stub), None)
+            if not delay_s or self._closed or entries is None or i is None:
+                return False
+            old = entries[i][0]
+            ch = self._new_channel(address)
+            entries[i] = (ch, self._make_stub(ch))
+            self._retired.append(old)
+        timer = threading.Timer(delay_s, self._close_retired, args=(old,))
+        timer.daemon = True
+        timer.start()
+        log.info("%s: a call ran out of its deadline; later calls use a new connection", address)
+        return True
+
+    def _close_retired(self, ch: grpc.Channel) -> None:
+        with self._lock:
+            if ch not in self._retired:
+                return
+            self._retired.remove(ch)
+        ch.close()
+
     def channels(self, address: str) -> Sequence[grpc.Channel]:
         """The channels open to ``address`` (empty if none yet); for tests and metrics."""
         with self._lock:
@@ -193,6 +223,6 @@ class ChannelPool(Generic[T]):
         with self._lock:
             self._closed = True
             entries, self._entries = self._entries, {}
-        for chans in entries.values():
-            for ch, _ in chans:
-                ch.close()
+            retired, self._retired = self._retired, []
+        for ch in [c for chans in entries.values() for c, _ in chans] + retired:
+            ch.close()

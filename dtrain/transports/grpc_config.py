@@ -140,6 +140,12 @@ class GrpcTransportConfig:
             accepts, in [0, keepalive_time_ms].
         num_channels_per_peer: channels (TCP connections) per peer address, 1..64,
             used round-robin per call; more than 1 helps fill lossy long-RTT links.
+        renew_after_timeout_s: a call that ran out of its deadline renews the channel it
+            used: later calls to that peer open a new TCP connection, and the old channel
+            is closed this many seconds later (calls still on it may finish), > 0; 0: never
+            renew. At 30% loss a connection in retransmission back-off (RFC 6298 5.5: the
+            timer doubles with each loss) stalled every call of a round to that peer, late
+            pulls and repairs included; a new connection starts with a fresh timer.
         num_server_threads: threads per method (Push, PullMean, PullState) that
             run the site's blocking handler work: decoding and validating a chunk,
             a push waiting for its round to open, a mean pull's short look-ups. Calls
@@ -200,6 +206,7 @@ class GrpcTransportConfig:
     max_pings_without_data: int = 0
     server_min_ping_interval_ms: int = 10_000
     num_channels_per_peer: int = 1
+    renew_after_timeout_s: float = 120.0
     num_server_threads: int = 32
     max_concurrent_rpcs: int = 4096
     max_streams_per_sender: int = 8
@@ -225,6 +232,9 @@ class GrpcTransportConfig:
         _positive_int(self, "max_pings_without_data", 0)
         _positive_int(self, "server_min_ping_interval_ms", 0, self.keepalive_time_ms)
         _positive_int(self, "num_channels_per_peer", 1, 64)
+        r = self.renew_after_timeout_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
+            raise ValueError(f"renew_after_timeout_s must be a number of seconds in [0, 3600] (0: never), got {r!r}")
         _positive_int(self, "num_server_threads", 2, 1024)
         _positive_int(self, "max_concurrent_rpcs", 4, 1_000_000)
         _positive_int(self, "max_streams_per_sender", 1, 1_000_000)

@@ -380,6 +380,40 @@ def test_only_unavailable_is_retried_and_never_past_the_deadline(transports) -> 
 
 
 @pytest.mark.timeout(30)
+def test_a_call_past_its_deadline_renews_the_connection_and_the_old_one_closes_later(transports) -> None:
+    """A pull that ran out of its deadline (its TCP connection may sit in retransmission
+    back-off at 30% loss) renews the channel: the next call to that peer opens a new
+    connection, and the old channel is closed renew_after_timeout_s later. A refusal renews
+    nothing; with renewal off (0) the channel stays."""
+    handler = Handler()
+    _, address = transports(handler=handler)
+    client = transports(GrpcTransportConfig(renew_after_timeout_s=0.5))
+    client.push(address, _chunks(b"\7" * 1024, 1024), timeout_s=5)
+    (first,) = client.channels(address)
+    handler.reject = (RejectCode.FAILED_PRECONDITION, "round 3 is finalized")
+    with pytest.raises(Rejected):
+        client.pull_mean(address, 3, 0, requester="a", timeout_s=5)
+    assert client.channels(address) == (first,)  # an answer, not a stall
+    handler.reject, handler.block_s = None, 3.0
+    with pytest.raises(PeerTimeout):
+        client.pull_mean(address, 3, 0, requester="a", timeout_s=0.5)
+    (second,) = client.channels(address)
+    assert second is not first
+    handler.block_s = 0.0
+    assert client.push(address, _chunks(b"\7" * 1024, 1024), timeout_s=5) == 1  # on the new connection
+    time.sleep(1.0)
+    with pytest.raises(ValueError, match="closed channel"):  # the old one closed 0.5 s after
+        first.unary_unary("/dtrain.v1.Peer/PullMean")(b"", timeout=1)
+    keep = transports(GrpcTransportConfig(renew_after_timeout_s=0))
+    keep.push(address, _chunks(b"\7" * 1024, 1024), timeout_s=5)
+    (only,) = keep.channels(address)
+    handler.block_s = 3.0
+    with pytest.raises(PeerTimeout):
+        keep.pull_mean(address, 3, 0, requester="a", timeout_s=0.5)
+    assert keep.channels(address) == (only,)
+
+
+@pytest.mark.timeout(30)
 def test_several_channels_per_peer_are_used_round_robin(transports) -> None:
     handler = Handler()
     _, address = transports(handler=handler)
