@@ -62,6 +62,7 @@ __all__ = [
     "pct_deltas",
     "fmt_pm",
     "md_table",
+    "md_rows",
     "update_results",
     "code_version",
     "quiet_logging",
@@ -464,6 +465,11 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def md_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of rows given as header -> cell (the headers are the first row's keys)."""
+    return md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "(no runs)"
 
 
 def _git(*args: str) -> str:

@@ -52,7 +52,7 @@ from experiments.common import (
     RunResult,
     RunSpec,
     fmt_pm,
-    md_table,
+    md_rows,
     mean_std,
     own_session,
     paired_deltas,
@@ -272,18 +272,20 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
         ratio = ddp_bytes / bytes_site if bytes_site else float("inf")
         h = int(g[0]["H"])
         table.append(
-            [
-                cfg,
-                len(g),
-                g[0]["rounds_done"],
-                g[0]["inner_steps"],
-                fmt_pm([r["final_val_loss"] for r in g]),
-                "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
-                f"{bytes_site / 1e6:.2f}",
-                "1" if cfg == DDP else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
-                fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
-                fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
-            ]
+            {
+                "method": cfg,
+                "runs": len(g),
+                "rounds": g[0]["rounds_done"],
+                "inner steps/site": g[0]["inner_steps"],
+                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs DDP (paired)": "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
+                "MB sent per site": f"{bytes_site / 1e6:.2f}",
+                "fewer bytes than DDP": "1"
+                if cfg == DDP
+                else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
+                "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+                "sync/comm s": fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
+            }
         )
         if cfg not in (DDP, ALONE):
             dm, ds = mean_std(d)
@@ -299,21 +301,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
                     else ""
                 )
             )
-    md = md_table(
-        [
-            "method",
-            "runs",
-            "rounds",
-            "inner steps/site",
-            "final val loss",
-            "Δ loss vs DDP (paired)",
-            "MB sent per site",
-            "fewer bytes than DDP",
-            "wall s",
-            "sync/comm s",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, verdicts
 
 
