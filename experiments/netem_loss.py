@@ -45,6 +45,7 @@ from experiments.common import (
     paired_deltas,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -201,9 +202,7 @@ def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunRes
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     base = groups.get(BASE, [])
     table = []
     for cfg, g in groups.items():

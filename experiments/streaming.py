@@ -54,6 +54,7 @@ from experiments.common import (
     md_rows,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -253,9 +254,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     base = groups.get("blocking", [])
     base_loss = statistics.fmean(r["final_val_loss"] for r in base) if base else float("nan")
     base_peak = statistics.fmean(r["peak_Bps"] for r in base) if base else float("nan")

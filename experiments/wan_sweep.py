@@ -66,6 +66,7 @@ from experiments.common import (
     read_rows,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -289,9 +290,7 @@ def _round_record(label: str, seed: int, r: int, ok: bool, x: dict[str, Any]) ->
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     """(the table, per setting averaged over seeds; the notes under it)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     md, ratios = _table(groups)
     return md, _ratio_notes(groups, ratios) + _floor_and_util_notes(rows, groups)
 
@@ -402,12 +401,8 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     """Lines comparing ``rows`` with the same mode's default run (kernel sysctls), setting by setting."""
     if not default_csv.exists():
         return [f"- No default run to compare with ({default_csv.name} not found)."]
-    base: dict[str, list[float]] = {}
-    for r in read_rows(default_csv):
-        base.setdefault(r["config"], []).append(r["engine_s"])
-    mine: dict[str, list[float]] = {}
-    for r in rows:
-        mine.setdefault(r["config"], []).append(r["engine_s"])
+    base = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(read_rows(default_csv)).items()}
+    mine = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(rows).items()}
     table = [
         [
             cfg,
