@@ -119,14 +119,9 @@ class RunSpec:
             if not cond:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.num_sites, int) and self.num_sites >= 1, "num_sites", "an int >= 1")
-        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an int >= 1")
         need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
         need(isinstance(self.num_val_batches, int) and self.num_val_batches >= 1, "num_val_batches", "an int >= 1")
         need(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every", "an int >= 0")
-        need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
-        need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
-        need(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "> 0 seconds")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
         need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
         need(
@@ -134,7 +129,8 @@ class RunSpec:
             "restart_after_round",
             "-1 or in (0, rounds - down_rounds)",
         )
-        # Build the component configs once so a bad value fails here, naming its field.
+        # Build the component configs once so a bad value fails here, naming its field (they check
+        # num_sites, sync_every and the rendezvous timeouts).
         self.task_spec(0)
         self.cluster_config()
 
@@ -171,6 +167,7 @@ class RunSpec:
         return CodecConfig(name=name, zstd_level=self.zstd_level, **kw)
 
     def cluster_config(self) -> ClusterConfig:
+        codec, mean_codec = self._codecs()
         return ClusterConfig(
             num_sites=self.num_sites,
             diloco=fast_diloco_config(
@@ -179,13 +176,13 @@ class RunSpec:
                     bucket_bytes=self.bucket_bytes,
                     chunk_bytes=self.chunk_bytes
                     if self.datagram_drop is None
-                    else min(self.bucket_bytes, *(datagram_chunk_bytes(c) for c in self._codecs())),
+                    else min(self.bucket_bytes, datagram_chunk_bytes(codec), datagram_chunk_bytes(mean_codec)),
                 ),
                 rounds=RoundConfig(
-                    codec=self._codec(self.codec, self.sparse_k),
+                    codec=codec,
                     broadcast_codec=None
                     if self.broadcast_codec is None and self.broadcast_sparse_k is None
-                    else self._codec(self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k),
+                    else mean_codec,
                     error_feedback=self.error_feedback,
                     error_feedback_decay=self.error_feedback_decay,
                     aggregation=AggregationConfig(sparse_mean=self.sparse_mean),
