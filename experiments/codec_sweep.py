@@ -18,9 +18,6 @@ Run (from the repository root)::
     .venv/bin/python -m experiments run codec_sweep --mode quick    # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run codec_sweep --mode full     # small model, more rounds, + fp16
     .venv/bin/python -m experiments run codec_sweep --mode smoke --out /tmp/x --results none
-
-Writes ``OUT/codec_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
-and puts its table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

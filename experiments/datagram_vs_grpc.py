@@ -41,9 +41,6 @@ Usage (from the repository root, as root)::
 MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
 per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
 write files and a RESULTS.md section of their own.
-
-Writes ``OUT/datagram_vs_grpc[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its
-section of ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

@@ -22,9 +22,6 @@ Usage (from the repository root)::
     .venv/bin/python -m experiments run diloco_sanity --mode quick   # 4 sites, tiny, 3 seeds, 200 steps
     .venv/bin/python -m experiments run diloco_sanity --mode full    # small model, 2000 steps
     .venv/bin/python -m experiments run diloco_sanity --mode quick --set outer.lr=1 --set outer.momentum=0
-
-Writes ``OUT/diloco_sanity[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
-table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

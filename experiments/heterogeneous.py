@@ -27,8 +27,6 @@ Usage (from the repository root)::
 
     .venv/bin/python -m experiments run heterogeneous --mode quick   # half and quarter speed, 2 seeds
     .venv/bin/python -m experiments run heterogeneous --mode smoke --out /tmp/x --results none
-
-Writes ``OUT/heterogeneous[_MODE].csv``, ``..._rounds.csv``, a plot and its RESULTS.md section.
 """
 
 from __future__ import annotations

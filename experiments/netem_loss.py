@@ -21,9 +21,6 @@ Usage (from the repository root, as root)::
     .venv/bin/python -m experiments run netem_loss --mode quick   # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run netem_loss --mode full    # small, H = 50, 40 rounds, 5 seeds
     .venv/bin/python -m experiments run netem_loss --mode smoke --out /tmp/x --results none   # 2 sites, 3 rounds
-
-Writes ``OUT/netem_loss[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
-and puts its table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

@@ -25,9 +25,6 @@ Usage (from the repository root)::
     .venv/bin/python -m experiments run site_failures --mode quick   # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run site_failures --mode full    # small model, more rounds
     .venv/bin/python -m experiments run site_failures --mode smoke --out /tmp/x --results none   # CI: 2 runs
-
-Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
-table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

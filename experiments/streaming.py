@@ -34,8 +34,6 @@ Usage (as root: netem needs network namespaces)::
     .venv/bin/python -m experiments run streaming --mode smoke --out /tmp/x --results none  # 2 sites, tiny
     .venv/bin/python -m experiments run streaming --mode quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
     .venv/bin/python -m experiments run streaming --mode full    # 3 seeds, 8 rounds
-
-Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
 """
 
 from __future__ import annotations
