@@ -35,8 +35,7 @@ import torch
 
 from dtrain.sim import InprocCluster, Site
 from dtrain.tasks import build_task
-from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler
-from dtrain.tasks.data import load_corpus, val_batches
+from dtrain.tasks.builtin import make_optimizer, make_scheduler
 from experiments.inproc_training import train_with_restart
 from experiments.loopback_datagram import loopback_datagram
 from experiments.runspec import RunSpec
@@ -184,14 +183,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     t_build = time.perf_counter()
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
     ts = spec.task_spec(0)
-    evaluate = make_evaluate(
-        val_batches(
-            load_corpus(spec.data).val,
-            batch_size=ts.resolved_batch_size,
-            context_len=ts.resolved_context_len,
-            num_batches=spec.num_val_batches,
-        )
-    )
+    evaluate = spec.evaluator()
     lr = ts.resolved_lr
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -43,8 +43,6 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from dtrain.tasks import build_task
-from dtrain.tasks.builtin import make_evaluate
-from dtrain.tasks.data import load_corpus, val_batches
 from experiments.common import (
     RunResult,
     RunSpec,
@@ -149,15 +147,7 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
         task = build_task(spec.task_spec(rank))  # same init on every rank (seed only); shard = rank
         params = list(task.model.parameters())
         flat = torch.zeros(sum(p.numel() for p in params))
-        ts = spec.task_spec(0)
-        evaluate = make_evaluate(
-            val_batches(
-                load_corpus(spec.data).val,
-                batch_size=ts.resolved_batch_size,
-                context_len=ts.resolved_context_len,
-                num_batches=spec.num_val_batches,
-            )
-        )
+        evaluate = spec.evaluator()
         first = evaluate(task.model) if rank == 0 else float("nan")
         curve: list[tuple[int, float]] = []  # (inner steps done, val loss) every spec.eval_every steps
         comm_s = 0.0

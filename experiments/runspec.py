@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
@@ -13,6 +15,8 @@ from dtrain.configs import AggregationConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
 from dtrain.tasks import TaskSpec
+from dtrain.tasks.builtin import make_evaluate
+from dtrain.tasks.data import load_corpus, val_batches
 from dtrain.transports.datagram import datagram_chunk_bytes
 from dtrain.transports.inproc import InprocFaults
 
@@ -149,6 +153,18 @@ class RunSpec:
             warmup_steps=self.warmup_steps,
             decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
+
+    def evaluator(self) -> Callable[[torch.nn.Module], float]:
+        """A model's mean validation loss on the run's fixed validation set (``num_val_batches``
+        batches of site 0's batch size and context length), the same for every site and method."""
+        ts = self.task_spec(0)
+        batches = val_batches(
+            load_corpus(self.data).val,
+            batch_size=ts.resolved_batch_size,
+            context_len=ts.resolved_context_len,
+            num_batches=self.num_val_batches,
+        )
+        return make_evaluate(batches)
 
     def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
         """The contribution codec and the means' codec."""
