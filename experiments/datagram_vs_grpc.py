@@ -388,9 +388,8 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
-    out = []
-    for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"])):
-        out.append(
+    return md_rows(
+        [
             {
                 "loss": f"{r['loss_pct']:g}%",
                 "data path": r["path"],
@@ -406,8 +405,9 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 "sites left behind at the end": str(r.get("left_behind", "-")),
                 "CPU s/round: sites' syncs (kernel) / machine (busy)": _cpu_cell(r),
             }
-        )
-    return md_rows(out)
+            for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"]))
+        ]
+    )
 
 
 def _cpu_cell(r: dict[str, Any]) -> str:
