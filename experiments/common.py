@@ -9,7 +9,7 @@ drift) plus one record per round. :func:`run_many` runs several in worker proces
 :func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
 rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
 A run's kill-and-restart training loop is :mod:`experiments.inproc_training`; its datagram
-data path on 127.0.0.1 (``RunSpec.datagram_drop``) is :mod:`experiments.loopback_datagram`.
+data path on 127.0.0.1 (``RunSpec.datagram_drop``) is ``RunSpec.datagram_transport``.
 
 Measurements here are figures to print and plot, never asserts.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
-import functools
 import logging
 import math
 import multiprocessing as mp
@@ -37,7 +36,6 @@ from dtrain.sim import InprocCluster, Site
 from dtrain.tasks import build_task
 from dtrain.tasks.builtin import make_optimizer, make_scheduler
 from experiments.inproc_training import train_with_restart
-from experiments.loopback_datagram import loopback_datagram
 from experiments.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +192,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         lambda m: make_optimizer(m, lr),
         spec.cluster_config(),
         outer_optimizer=outer,
-        transport_factory=None if spec.datagram_drop is None else functools.partial(loopback_datagram, spec),
+        transport_factory=None if spec.datagram_drop is None else spec.datagram_transport,
         scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)

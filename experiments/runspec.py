@@ -17,7 +17,8 @@ from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
 from dtrain.tasks import TaskSpec
 from dtrain.tasks.builtin import make_evaluate
 from dtrain.tasks.data import load_corpus, val_batches
-from dtrain.transports.datagram import datagram_chunk_bytes
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
+from dtrain.transports.grpc import GrpcTransportConfig
 from dtrain.transports.inproc import InprocFaults
 
 __all__ = ["RunSpec"]
@@ -165,6 +166,21 @@ class RunSpec:
             num_batches=self.num_val_batches,
         )
         return make_evaluate(batches)
+
+    def datagram_transport(self, i: int) -> DatagramTransport:
+        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver
+        (the ``transport_factory`` of :class:`dtrain.sim.InprocCluster` for a run that drops
+        datagrams instead of using the in-process network)."""
+        cfg = DatagramTransportConfig(
+            grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
+            max_rate_mbit=200.0,
+            rtt_s=0.01,
+            nack_idle_s=0.02,
+            fallback_reserve_s=min(1.0, self.broadcast_timeout_s / 4),
+            test_drop=self.datagram_drop or 0.0,
+            test_drop_seed=self.seed * 100 + i,
+        )
+        return DatagramTransport(cfg)
 
     def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
         """The contribution codec and the means' codec."""
