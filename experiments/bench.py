@@ -74,7 +74,7 @@ def write(args: argparse.Namespace, name: str, figures: Any, *, load_before: flo
     st = stamp(load_before)
     print(
         f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "
-        f"{st['load_before'] if st['load_before'] is not None else '-'} before, {st['load_after']:.1f} after, "
+        f"{'-' if st['load_before'] is None else round(st['load_before'], 1)} before, {st['load_after']:.1f} after, "
         f"on {st['cpus']} CPUs ({st['machine']}); torch {st['torch']}",
         flush=True,
     )

@@ -11,7 +11,6 @@ modules (torch, grpc, numpy, matplotlib) the process imported (from ``-X importt
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from experiments import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "grpc", "numpy", "matplotlib")
@@ -65,15 +66,15 @@ def _imports(stderr: str) -> tuple[float, list[str]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench.parser(__doc__, smoke="one run per command")
     ap.add_argument("--repo", type=Path, default=ROOT, help="checkout whose dtrain to run (default: this one)")
     ap.add_argument("--runs", type=int, default=5, help="runs per command (default 5)")
-    ap.add_argument("--smoke", action="store_true", help="one run per command")
     a = ap.parse_args()
     runs = 1 if a.smoke else a.runs
     if not 1 <= runs <= 50:
         ap.error(f"--runs must be in [1, 50], got {a.runs}")
-    print(f"repo {a.repo}, {runs} runs each, load average {os.getloadavg()[0]:.1f}")
+    load, figures = os.getloadavg()[0], []
+    print(f"repo {a.repo}, {runs} runs each, load average {load:.1f}")
     print(f"{'command':30} {'wall med':>8} {'min':>5} {'CPU med':>7} {'rc':>3} {'imports':>7}  heavy modules")
     for args in COMMANDS:
         walls, cpus, rc = [], [], 0
@@ -83,11 +84,15 @@ def main() -> int:
             cpus.append(cpu)
         _, _, _, err = _run(a.repo, args, importtime=True)
         imp_s, heavy = _imports(err)
+        figures.append(
+            {"command": args, "walls_s": walls, "cpus_s": cpus, "rc": rc, "imports_s": imp_s, "heavy": heavy}
+        )
         print(
             f"{' '.join(args):30} {statistics.median(walls):8.2f} {min(walls):5.2f} {statistics.median(cpus):7.2f} "
             f"{rc:3d} {imp_s:7.2f}  {', '.join(heavy) or '-'}"
         )
     print("seconds; imports: the top-level imports' cumulative time by -X importtime (one run)")
+    bench.write(a, "cli_startup", figures, load_before=load)
     return 0
 
 

@@ -18,9 +18,6 @@ Run (from the repository root)::
     .venv/bin/python -m experiments run codec_sweep --mode quick    # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run codec_sweep --mode full     # small model, more rounds, + fp16
     .venv/bin/python -m experiments run codec_sweep --mode smoke --out /tmp/x --results none
-
-Writes ``OUT/codec_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
-and puts its table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -36,7 +33,16 @@ import torch
 
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.tasks import TaskSpec, build_task
-from experiments.common import RunResult, fmt_pm, md_table, mean_std, paired_deltas, save_fig, subplots, summarize
+from experiments.common import (
+    RunResult,
+    fmt_pm,
+    md_rows,
+    mean_std,
+    paired_deltas,
+    save_fig,
+    subplots,
+    summarize,
+)
 from experiments.lab import Spec
 
 BUCKET_BYTES = 64 * 1024
@@ -193,42 +199,24 @@ def analyse(rows: list[dict[str, Any]]) -> str:
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) / r["num_sites"] for r in g]  # noqa: E731
         bb = {k[len("bench_") :]: v for k, v in g[0].items() if k.startswith("bench_")}
         table.append(
-            [
-                f"`{codec}`",
-                len(g),
-                f"{bpr / 1e3:.1f}",
-                f"{fp32_round / bpr:.1f}x",
-                fmt_pm([r["final_val_loss"] for r in g]),
-                fmt_pm(d, "{:+.4f}"),
-                fmt_pm(ppl, "{:+.2f}", 100),
-                fmt_pm(per_round("encode_s"), "{:.1f}", 1e3),
-                fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
-                f"{bb.get('encode_s', float('nan')) * 1e3:.1f}",
-                f"{bb.get('decode_s', float('nan')) * 1e3:.1f}",
-                f"{bb.get('rel_err', float('nan')):.2e}",
-                fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-                sum(r["rejected"] for r in g),
-            ]
+            {
+                "codec": f"`{codec}`",
+                "runs": len(g),
+                "kB/round/site": f"{bpr / 1e3:.1f}",
+                "vs fp32": f"{fp32_round / bpr:.1f}x",
+                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs fp32 (paired)": fmt_pm(d, "{:+.4f}"),
+                "Δ perplexity %": fmt_pm(ppl, "{:+.2f}", 100),
+                "encode ms/round/site (rounds)": fmt_pm(per_round("encode_s"), "{:.1f}", 1e3),
+                "decode ms/round/site (rounds)": fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
+                "encode ms (bench, whole Δ)": f"{bb.get('encode_s', float('nan')) * 1e3:.1f}",
+                "decode ms (bench, whole Δ)": f"{bb.get('decode_s', float('nan')) * 1e3:.1f}",
+                "rel. L2 error (bench)": f"{bb.get('rel_err', float('nan')):.2e}",
+                "sync s/round": fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                "rejected": sum(r["rejected"] for r in g),
+            }
         )
-    return md_table(
-        [
-            "codec",
-            "runs",
-            "kB/round/site",
-            "vs fp32",
-            "final val loss",
-            "Δ loss vs fp32 (paired)",
-            "Δ perplexity %",
-            "encode ms/round/site (rounds)",
-            "decode ms/round/site (rounds)",
-            "encode ms (bench, whole Δ)",
-            "decode ms (bench, whole Δ)",
-            "rel. L2 error (bench)",
-            "sync s/round",
-            "rejected",
-        ],
-        table,
-    )
+    return md_rows(table)
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:

@@ -8,8 +8,8 @@ drift) plus one record per round. :func:`run_many` runs several in worker proces
 (each run's sites are GIL-bound threads, so separate processes are what uses more cores).
 :func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
 rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
-A run's kill-and-restart training loop is :mod:`experiments.inproc_training`; its datagram
-data path on 127.0.0.1 (``RunSpec.datagram_drop``) is :mod:`experiments.loopback_datagram`.
+A run's kill-and-restart training loop is :func:`train_with_restart`; its datagram data path
+on 127.0.0.1 (``RunSpec.datagram_drop``) is ``RunSpec.datagram_transport``.
 
 Measurements here are figures to print and plot, never asserts.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
-import functools
 import logging
 import math
 import multiprocessing as mp
@@ -29,16 +28,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from dtrain.sim import InprocCluster, Site
 from dtrain.tasks import build_task
-from dtrain.tasks.builtin import make_evaluate, make_optimizer, make_scheduler
-from dtrain.tasks.data import load_corpus, val_batches
-from experiments.inproc_training import train_with_restart
-from experiments.loopback_datagram import loopback_datagram
+from dtrain.tasks.builtin import make_optimizer, make_scheduler
 from experiments.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +58,7 @@ __all__ = [
     "pct_deltas",
     "fmt_pm",
     "md_table",
+    "md_rows",
     "update_results",
     "code_version",
     "quiet_logging",
@@ -159,6 +156,63 @@ def _round_records(spec: RunSpec, results: list[list[Any]], rec: _Recorder, fina
     return rounds
 
 
+def train_with_restart(
+    cluster: InprocCluster,
+    step: Callable[[Site, int], None],
+    spec: RunSpec,
+    hook: Callable[[Site], Callable[[Any], None]],
+) -> None:
+    """Every site trains until its training position (``DiLoCo.inner_steps``) reaches H·rounds
+    (``step(site, k)`` at position k); with ``spec.restart_after_round`` the last site dies
+    after that round and comes back (``InprocCluster.restart``) once site 0 applied
+    ``spec.down_rounds`` more rounds, at the inner step of the training position it pulled;
+    ``hook(site)`` is appended to the restarted site's ``on_round`` callbacks.
+
+    The loop follows the site's own position, not a count of its own: a site that was cut
+    from a round resyncs and takes a member's position (``DiLoCo._heal``), which can move it
+    a round back or forth; counting steps here instead left such a site a round short (or
+    long) at the end, with θ unequal to the others' (issue 18, restart seed 8 under load).
+
+    Raises:
+        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
+    """
+    total = spec.sync_every * spec.rounds
+    victim = spec.num_sites - 1 if spec.restart_after_round >= 0 else -1
+    restart_step = spec.restart_after_round * spec.sync_every
+    deadline = time.monotonic() + spec.timeout_s
+    errors: list[BaseException] = []
+
+    def come_back() -> Site:
+        cluster.kill(victim)
+        while cluster.sites[0].diloco.round < spec.restart_after_round + spec.down_rounds:
+            if time.monotonic() > deadline or cluster.sites[0].thread is None or not cluster.sites[0].thread.is_alive():
+                raise TimeoutError(f"site 0 did not reach round {spec.restart_after_round + spec.down_rounds}")
+            time.sleep(0.01)
+        site = cluster.restart(victim)
+        site.diloco.on_round.append(hook(site))
+        return site
+
+    def loop(site: Site) -> None:
+        offset, restarting = 0, False  # offset: a restarted site that pulled no position starts at its round
+        try:
+            while not site.killed.is_set() and site.diloco.inner_steps + offset < total:
+                k = site.diloco.inner_steps + offset
+                if site.index == victim and not restarting and k >= restart_step:
+                    restarting = True  # from here on the killed site's errors are raised below, not by run()
+                    site = come_back()
+                    offset = 0 if site.diloco.inner_steps else site.diloco.round * spec.sync_every
+                    continue
+                step(site, k)
+        except BaseException as e:  # noqa: BLE001 - the dead site's thread: raised below
+            if not restarting:
+                raise
+            errors.append(e)
+
+    cluster.run(loop, timeout_s=spec.timeout_s)
+    if errors:
+        raise RuntimeError(f"restarted site {victim} failed: {errors[0]!r}") from errors[0]
+
+
 def run_inproc(spec: RunSpec) -> RunResult:
     """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
 
@@ -183,14 +237,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
     t_build = time.perf_counter()
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
     ts = spec.task_spec(0)
-    evaluate = make_evaluate(
-        val_batches(
-            load_corpus(spec.data).val,
-            batch_size=ts.resolved_batch_size,
-            context_len=ts.resolved_context_len,
-            num_batches=spec.num_val_batches,
-        )
-    )
+    evaluate = spec.evaluator()
     lr = ts.resolved_lr
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -201,7 +248,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         lambda m: make_optimizer(m, lr),
         spec.cluster_config(),
         outer_optimizer=outer,
-        transport_factory=None if spec.datagram_drop is None else functools.partial(loopback_datagram, spec),
+        transport_factory=None if spec.datagram_drop is None else spec.datagram_transport,
         scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)
@@ -464,6 +511,11 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def md_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of rows given as header -> cell (the headers are the first row's keys)."""
+    return md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "(no runs)"
 
 
 def _git(*args: str) -> str:

@@ -29,7 +29,7 @@ import statistics
 from typing import Any, Sequence
 
 from experiments import netem_loss
-from experiments.common import RunResult, fmt_pm, md_table, mean_se, pct_deltas, summarize
+from experiments.common import RunResult, fmt_pm, md_rows, mean_se, pct_deltas, summarize
 from experiments.procs import netem_topology
 
 __all__ = ["NETEM", "BASE", "REPEAT", "LOSSY", "RENDEZVOUS", "settings", "run", "table", "claim"]
@@ -114,37 +114,22 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[str, dict[str, tuple[float, f
         mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[method] = (mu, se, len(d))
         out.append(
-            [
-                method,
-                len(g),
-                fmt_pm([float(r["final_val_loss"]) for r in g]),
-                "—" if not d else f"{mu:+.3f}%",
-                "—" if not d else f"{se:.3f}",
-                f"{statistics.fmean(float(r['reduce_arrived']) for r in g):.4f} "
+            {
+                "setting": method,
+                "seeds": len(g),
+                "final val loss (site-0, mean ± std)": fmt_pm([float(r["final_val_loss"]) for r in g]),
+                "Δ vs 0% (paired mean)": "—" if not d else f"{mu:+.3f}%",
+                "SE (pp)": "—" if not d else f"{se:.3f}",
+                "reduce arrived": f"{statistics.fmean(float(r['reduce_arrived']) for r in g):.4f} "
                 f"(min {min(float(r['reduce_arrived']) for r in g):.4f})",
-                sum(int(r.get("rejected") or 0) for r in g),
-                f"{statistics.fmean(float(r['exchange_s']) for r in g):.2f}",
-                min(int(r["rounds_done"]) for r in g),
-                "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
-                "—" if method == BASE else _same_theta(g, base),
-            ]
+                "contributions refused": sum(int(r.get("rejected") or 0) for r in g),
+                "exchange s/round": f"{statistics.fmean(float(r['exchange_s']) for r in g):.2f}",
+                "rounds": min(int(r["rounds_done"]) for r in g),
+                "θ equal on all sites": "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
+                "θ bit-equal to the 0% run's": "—" if method == BASE else _same_theta(g, base),
+            }
         )
-    md = md_table(
-        [
-            "setting",
-            "seeds",
-            "final val loss (site-0, mean ± std)",
-            "Δ vs 0% (paired mean)",
-            "SE (pp)",
-            "reduce arrived",
-            "contributions refused",
-            "exchange s/round",
-            "rounds",
-            "θ equal on all sites",
-            "θ bit-equal to the 0% run's",
-        ],
-        out,
-    )
+    md = md_rows(out)
     return md, facts
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments import convergence_netem as netem
-from experiments.common import ROOT, fmt_pm, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
+from experiments.common import ROOT, fmt_pm, md_rows, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
 
 __all__ = ["report", "claims_of", "verdict", "curves", "diloco_label", "fault_rows"]
 
@@ -158,32 +158,19 @@ def convergence_table(
         ratio = "1" if method == DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
         ratio = ratio if base_method == DDP else "—"
         table.append(
-            [
-                method,
-                ", ".join(str(r["seed"]) for r in g),
-                g[0]["rounds_done"],
-                g[0]["inner_steps"],
-                fmt_pm([r["final_val_loss"] for r in g]),
-                "—" if method == base_method else _pm_se(d),
-                f"{b / 1e6:.1f}",
-                ratio,
-                f"{sum(int(r.get('rejected') or 0) for r in g)} / {sum(int(r.get('resyncs') or 0) for r in g)}",
-            ]
+            {
+                "method": method,
+                "seeds": ", ".join(str(r["seed"]) for r in g),
+                "rounds": g[0]["rounds_done"],
+                "inner steps/site": g[0]["inner_steps"],
+                "final val loss (mean ± std)": fmt_pm([r["final_val_loss"] for r in g]),
+                f"Δ vs {base_method} (paired, mean ± SE)": "—" if method == base_method else _pm_se(d),
+                "MB sent per site": f"{b / 1e6:.1f}",
+                "fewer bytes than DDP": ratio,
+                "late contributions refused / site resyncs": f"{sum(int(r.get('rejected') or 0) for r in g)} / {sum(int(r.get('resyncs') or 0) for r in g)}",
+            }
         )
-    md = md_table(
-        [
-            "method",
-            "seeds",
-            "rounds",
-            "inner steps/site",
-            "final val loss (mean ± std)",
-            f"Δ vs {base_method} (paired, mean ± SE)",
-            "MB sent per site",
-            "fewer bytes than DDP",
-            "late contributions refused / site resyncs",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, deltas
 
 
@@ -199,34 +186,20 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
         facts[name] = (mu, se, len(d))
         ppl = [100 * (math.exp(float(r["final_val_loss"]) - b) - 1) for r, b in _paired(g, base)]
         table.append(
-            [
-                name,
-                len(g),
-                fmt_pm([r["final_val_loss"] for r in g]),
-                "—" if not d else f"{mu:+.3f}%",
-                "—" if not d else f"{se:.3f}",
-                "—" if not d else ("yes" if se <= se_target else "**no**"),
-                "—" if not ppl else f"{statistics.fmean(ppl):+.2f}%",
-                f"{statistics.fmean(r['stale_buckets'] / max(1, r['rounds_done']) for r in g):.2f}",
-                sum(int(r.get("rejected") or 0) for r in g),
-                "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
-            ]
+            {
+                "run": name,
+                "seeds": len(g),
+                "final val loss (mean ± std)": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs fault-free (paired mean)": "—" if not d else f"{mu:+.3f}%",
+                "SE (pp)": "—" if not d else f"{se:.3f}",
+                f"SE ≤ {se_target} pp": "—" if not d else ("yes" if se <= se_target else "**no**"),
+                "Δ perplexity (mean)": "—" if not ppl else f"{statistics.fmean(ppl):+.2f}%",
+                "stale buckets/round": f"{statistics.fmean(r['stale_buckets'] / max(1, r['rounds_done']) for r in g):.2f}",
+                "late contributions refused": sum(int(r.get("rejected") or 0) for r in g),
+                "θ equal on all sites": "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
+            }
         )
-    md = md_table(
-        [
-            "run",
-            "seeds",
-            "final val loss (mean ± std)",
-            "Δ loss vs fault-free (paired mean)",
-            "SE (pp)",
-            f"SE ≤ {se_target} pp",
-            "Δ perplexity (mean)",
-            "stale buckets/round",
-            "late contributions refused",
-            "θ equal on all sites",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, facts
 
 

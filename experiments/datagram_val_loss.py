@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
-from experiments.common import RunResult, md_table, mean_se, run_inproc
+from experiments.common import RunResult, md_rows, mean_se, run_inproc
 from experiments.lab import Point, Spec
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
@@ -170,28 +170,19 @@ def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
 def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]:
     pairs = paired(rows, loss)
     by = {(r["seed"], r["loss"]): r for r in rows}
-    table = md_table(
+    table = md_rows(
         [
-            "seed",
-            "final val 0%",
-            f"final val {loss:.0%}",
-            "d",
-            "delivered (reduce)",
-            "replicas equal (0% / loss)",
-            "rounds done (loss)",
-        ],
-        [
-            [
-                s,
-                f"{a:.4f}",
-                f"{b:.4f}",
-                f"{100 * d:+.3f}%",
-                f"{by[(s, loss)]['reduce_arrived']:.3f}",
-                f"{by[(s, 0.0)]['consistent']} / {by[(s, loss)]['consistent']}",
-                f"{by[(s, loss)]['rounds_done']}",
-            ]
+            {
+                "seed": s,
+                "final val 0%": f"{a:.4f}",
+                f"final val {loss:.0%}": f"{b:.4f}",
+                "d": f"{100 * d:+.3f}%",
+                "delivered (reduce)": f"{by[(s, loss)]['reduce_arrived']:.3f}",
+                "replicas equal (0% / loss)": f"{by[(s, 0.0)]['consistent']} / {by[(s, loss)]['consistent']}",
+                "rounds done (loss)": f"{by[(s, loss)]['rounds_done']}",
+            }
             for s, a, b, d in pairs
-        ],
+        ]
     )
     mean, se = mean_se([p[3] for p in pairs]) if pairs else (math.nan, math.inf)
     return table, mean, se

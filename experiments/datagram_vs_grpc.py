@@ -41,9 +41,6 @@ Usage (from the repository root, as root)::
 MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
 per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
 write files and a RESULTS.md section of their own.
-
-Writes ``OUT/datagram_vs_grpc[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its
-section of ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ from typing import Any
 from dtrain.app.cli import EXIT_LEFT_BEHIND
 from dtrain.app.procs import Cluster
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
-from experiments.common import RunResult, md_table, read_rows, save_fig, subplots
+from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
 from experiments.wan_sweep import physical_limit_s
@@ -391,40 +388,25 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
-    out = []
-    for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"])):
-        out.append(
-            [
-                f"{r['loss_pct']:g}%",
-                r["path"],
-                f"{r['engine_s']:.2f}",
-                f"{r['limit_s']:.2f}",
-                f"{r['ratio']:.2f}",
-                f"{r['bytes_per_round_site'] / 1e6:.2f}",
-                "-"
+    return md_rows(
+        [
+            {
+                "loss": f"{r['loss_pct']:g}%",
+                "data path": r["path"],
+                "exchange s": f"{r['engine_s']:.2f}",
+                "limit s": f"{r['limit_s']:.2f}",
+                "ratio": f"{r['ratio']:.2f}",
+                "payload MB/site": f"{r['bytes_per_round_site'] / 1e6:.2f}",
+                "wire MB/site": "-"
                 if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
                 else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
-                f"{r['delivered']:.3f}",
-                f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
-                str(r.get("left_behind", "-")),
-                _cpu_cell(r),
-            ]
-        )
-    return md_table(
-        [
-            "loss",
-            "data path",
-            "exchange s",
-            "limit s",
-            "ratio",
-            "payload MB/site",
-            "wire MB/site",
-            "delivered",
-            "drift rounds / stale / skipped buckets",
-            "sites left behind at the end",
-            "CPU s/round: sites' syncs (kernel) / machine (busy)",
-        ],
-        out,
+                "delivered": f"{r['delivered']:.3f}",
+                "drift rounds / stale / skipped buckets": f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
+                "sites left behind at the end": str(r.get("left_behind", "-")),
+                "CPU s/round: sites' syncs (kernel) / machine (busy)": _cpu_cell(r),
+            }
+            for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"]))
+        ]
     )
 
 

@@ -22,9 +22,6 @@ Usage (from the repository root)::
     .venv/bin/python -m experiments run diloco_sanity --mode quick   # 4 sites, tiny, 3 seeds, 200 steps
     .venv/bin/python -m experiments run diloco_sanity --mode full    # small model, 2000 steps
     .venv/bin/python -m experiments run diloco_sanity --mode quick --set outer.lr=1 --set outer.momentum=0
-
-Writes ``OUT/diloco_sanity[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
-table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -46,13 +43,11 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from dtrain.tasks import build_task
-from dtrain.tasks.builtin import make_evaluate
-from dtrain.tasks.data import load_corpus, val_batches
 from experiments.common import (
     RunResult,
     RunSpec,
     fmt_pm,
-    md_table,
+    md_rows,
     mean_std,
     own_session,
     paired_deltas,
@@ -152,15 +147,7 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
         task = build_task(spec.task_spec(rank))  # same init on every rank (seed only); shard = rank
         params = list(task.model.parameters())
         flat = torch.zeros(sum(p.numel() for p in params))
-        ts = spec.task_spec(0)
-        evaluate = make_evaluate(
-            val_batches(
-                load_corpus(spec.data).val,
-                batch_size=ts.resolved_batch_size,
-                context_len=ts.resolved_context_len,
-                num_batches=spec.num_val_batches,
-            )
-        )
+        evaluate = spec.evaluator()
         first = evaluate(task.model) if rank == 0 else float("nan")
         curve: list[tuple[int, float]] = []  # (inner steps done, val loss) every spec.eval_every steps
         comm_s = 0.0
@@ -272,18 +259,20 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
         ratio = ddp_bytes / bytes_site if bytes_site else float("inf")
         h = int(g[0]["H"])
         table.append(
-            [
-                cfg,
-                len(g),
-                g[0]["rounds_done"],
-                g[0]["inner_steps"],
-                fmt_pm([r["final_val_loss"] for r in g]),
-                "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
-                f"{bytes_site / 1e6:.2f}",
-                "1" if cfg == DDP else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
-                fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
-                fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
-            ]
+            {
+                "method": cfg,
+                "runs": len(g),
+                "rounds": g[0]["rounds_done"],
+                "inner steps/site": g[0]["inner_steps"],
+                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs DDP (paired)": "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
+                "MB sent per site": f"{bytes_site / 1e6:.2f}",
+                "fewer bytes than DDP": "1"
+                if cfg == DDP
+                else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
+                "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+                "sync/comm s": fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
+            }
         )
         if cfg not in (DDP, ALONE):
             dm, ds = mean_std(d)
@@ -299,21 +288,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
                     else ""
                 )
             )
-    md = md_table(
-        [
-            "method",
-            "runs",
-            "rounds",
-            "inner steps/site",
-            "final val loss",
-            "Δ loss vs DDP (paired)",
-            "MB sent per site",
-            "fewer bytes than DDP",
-            "wall s",
-            "sync/comm s",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, verdicts
 
 

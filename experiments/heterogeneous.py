@@ -27,8 +27,6 @@ Usage (from the repository root)::
 
     .venv/bin/python -m experiments run heterogeneous --mode quick   # half and quarter speed, 2 seeds
     .venv/bin/python -m experiments run heterogeneous --mode smoke --out /tmp/x --results none
-
-Writes ``OUT/heterogeneous[_MODE].csv``, ``..._rounds.csv``, a plot and its RESULTS.md section.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.app.procs import Cluster
-from experiments.common import RunResult, fmt_pm, md_table, mean_std, save_fig, subplots, summarize
+from experiments.common import RunResult, fmt_pm, md_rows, mean_std, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
@@ -192,17 +190,21 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             m, _ = mean_std(ts)
             reached_all = not any(math.isnan(x) for x in ts)
             table.append(
-                [
-                    f"{share:g}",
-                    c,
-                    f"{m:.1f} ± {_se(ts):.1f}" if reached_all else "not reached by every seed",
-                    f"{sum(1 for x in ts if not math.isnan(x))}/{len(ts)}",
-                    fmt_pm([r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0], "{:.1f}"),
-                    fmt_pm([r["final_val_loss"] for r in rs], "{:.3f}"),
-                    fmt_pm([r["slow_steps_per_round"] for r in rs], "{:.1f}"),
-                    fmt_pm([r["slow_rounds_applied"] for r in rs], "{:.1f}"),
-                    "yes" if all(r["consistent"] for r in rs) else "NO",
-                ]
+                {
+                    "slow share": f"{share:g}",
+                    "configuration": c,
+                    "time to target (s, mean ± SE)": f"{m:.1f} ± {_se(ts):.1f}"
+                    if reached_all
+                    else "not reached by every seed",
+                    "reached": f"{sum(1 for x in ts if not math.isnan(x))}/{len(ts)}",
+                    "rounds to target": fmt_pm(
+                        [r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0], "{:.1f}"
+                    ),
+                    "val loss at stop": fmt_pm([r["final_val_loss"] for r in rs], "{:.3f}"),
+                    "slow site steps/round": fmt_pm([r["slow_steps_per_round"] for r in rs], "{:.1f}"),
+                    "slow site rounds applied": fmt_pm([r["slow_rounds_applied"] for r in rs], "{:.1f}"),
+                    "θ agrees": "yes" if all(r["consistent"] for r in rs) else "NO",
+                }
             )
         # a configuration with a seed that did not reach the target has no mean time: no verdict on it
         a, c, h = (
@@ -223,18 +225,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 f"share {share:g}: time + weighted takes {c / h:.2f}x the homogeneous reference's time "
                 f"(target <= 1.15x): {'met' if ok else 'NOT met'}"
             )
-    head = [
-        "slow share",
-        "configuration",
-        "time to target (s, mean ± SE)",
-        "reached",
-        "rounds to target",
-        "val loss at stop",
-        "slow site steps/round",
-        "slow site rounds applied",
-        "θ agrees",
-    ]
-    return md_table(head, table), verdicts
+    return md_rows(table), verdicts
 
 
 def plot(rounds: list[dict[str, Any]], prefix: Path) -> Path:

@@ -38,7 +38,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.common import fmt_pm, md_table, mean_std, paired_deltas, save_fig, subplots, summarize
+from experiments.common import fmt_pm, md_rows, mean_std, paired_deltas, save_fig, subplots, summarize
 from experiments.lab import Spec
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
@@ -150,43 +150,25 @@ def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         nr = [r["rounds_done"] for r in g]
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) for r in g]  # noqa: E731
         table.append(
-            [
-                f"{rate * 100:g}" + (" (repeat)" if cfg == REPEAT else ""),
-                len(g),
-                fmt_pm([r["final_val_loss"] for r in g]),
-                fmt_pm(d, "{:+.4f}"),
-                fmt_pm(ppl, "{:+.2f}", 100),
-                fmt_pm(per_round("stale_buckets"), "{:.1f}"),
-                fmt_pm(per_round("repaired_buckets"), "{:.1f}"),
-                fmt_pm(per_round("rejected"), "{:.1f}"),
-                f"{mean_std([r['reduce_arrived'] for r in g])[0]:.3f}",
-                f"{mean_std([r['broadcast_arrived'] for r in g])[0]:.3f}",
-                fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-                f"{mean_std([r['bytes_per_round_site'] for r in g])[0] / 1e6:.3f}",
-                f"{min(nr)}",
-                "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
-            ]
+            {
+                "loss %": f"{rate * 100:g}" + (" (repeat)" if cfg == REPEAT else ""),
+                "runs": len(g),
+                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs 0% (paired)": fmt_pm(d, "{:+.4f}"),
+                "Δ perplexity %": fmt_pm(ppl, "{:+.2f}", 100),
+                "stale buckets/round": fmt_pm(per_round("stale_buckets"), "{:.1f}"),
+                "repaired/round": fmt_pm(per_round("repaired_buckets"), "{:.1f}"),
+                "rejected/round": fmt_pm(per_round("rejected"), "{:.1f}"),
+                "reduce arrived": f"{mean_std([r['reduce_arrived'] for r in g])[0]:.3f}",
+                "broadcast arrived": f"{mean_std([r['broadcast_arrived'] for r in g])[0]:.3f}",
+                "sync s/round (per site)": fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                "MB/round/site": f"{mean_std([r['bytes_per_round_site'] for r in g])[0] / 1e6:.3f}",
+                "rounds": f"{min(nr)}",
+                "θ equal on all sites": "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
+            }
         )
         facts[cfg] = (mean_std(ppl), mean_std(d))
-    md = md_table(
-        [
-            "loss %",
-            "runs",
-            "final val loss",
-            "Δ loss vs 0% (paired)",
-            "Δ perplexity %",
-            "stale buckets/round",
-            "repaired/round",
-            "rejected/round",
-            "reduce arrived",
-            "broadcast arrived",
-            "sync s/round (per site)",
-            "MB/round/site",
-            "rounds",
-            "θ equal on all sites",
-        ],
-        table,
-    )
+    md = md_rows(table)
 
     dmd, facts["drift"] = _drift_table(groups, rounds, m)
     return md + "\n\n" + dmd, facts
@@ -214,38 +196,23 @@ def _drift_table(groups: dict[str, list[dict[str, Any]]], rounds: list[dict[str,
             verdicts[cfg] = (levels, gm, maxd)
             rel = statistics.fmean(r["final_drift"] / r["theta_norm"] for r in g)
             dtable.append(
-                [
-                    f"{rate * 100:g}",
-                    "on" if repair else "off",
-                    len(g),
-                    f"{half:.3f}",
-                    fmt_pm([r["final_drift"] for r in g], "{:.3f}"),
-                    f"{rel * 100:.2f}%",
-                    f"{maxd:.3f}",
-                    "—" if maxd == 0 else f"{gm:.2f}",
-                    fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.1f}"),
-                    fmt_pm([r["val_loss_site_spread"] for r in g], "{:.4f}"),
-                    "yes (zero)" if maxd == 0 else ("yes" if levels else "NO, grows"),
-                ]
+                {
+                    "loss %": f"{rate * 100:g}",
+                    "repair": "on" if repair else "off",
+                    "runs": len(g),
+                    f"drift at round {m['fixed']['rounds'] // 2} (mean)": f"{half:.3f}",
+                    "final drift": fmt_pm([r["final_drift"] for r in g], "{:.3f}"),
+                    "final drift / ‖θ‖": f"{rel * 100:.2f}%",
+                    "max drift": f"{maxd:.3f}",
+                    "growth (last ¼ / 2nd ¼)": "—" if maxd == 0 else f"{gm:.2f}",
+                    "stale buckets/round": fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.1f}"),
+                    "val-loss spread over sites": fmt_pm([r["val_loss_site_spread"] for r in g], "{:.4f}"),
+                    "levels off": "yes (zero)" if maxd == 0 else ("yes" if levels else "NO, grows"),
+                }
             )
             if maxd > 0 and not math.isfinite(gm):
-                dtable[-1][7] = "∞ (zero in 2nd ¼)"
-    dmd = md_table(
-        [
-            "loss %",
-            "repair",
-            "runs",
-            f"drift at round {m['fixed']['rounds'] // 2} (mean)",
-            "final drift",
-            "final drift / ‖θ‖",
-            "max drift",
-            "growth (last ¼ / 2nd ¼)",
-            "stale buckets/round",
-            "val-loss spread over sites",
-            "levels off",
-        ],
-        dtable,
-    )
+                dtable[-1]["growth (last ¼ / 2nd ¼)"] = "∞ (zero in 2nd ¼)"
+    dmd = md_rows(dtable)
     return dmd, verdicts
 
 

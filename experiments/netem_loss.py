@@ -21,9 +21,6 @@ Usage (from the repository root, as root)::
     .venv/bin/python -m experiments run netem_loss --mode quick   # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run netem_loss --mode full    # small, H = 50, 40 rounds, 5 seeds
     .venv/bin/python -m experiments run netem_loss --mode smoke --out /tmp/x --results none   # 2 sites, 3 rounds
-
-Writes ``OUT/netem_loss[_MODE].csv`` (one row per run), ``..._rounds.csv``, ``....png``
-and puts its table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -40,11 +37,12 @@ from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
-    md_table,
+    md_rows,
     mean_std,
     paired_deltas,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -201,50 +199,32 @@ def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunRes
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     base = groups.get(BASE, [])
     table = []
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
         table.append(
-            [
-                cfg,
-                len(g),
-                fmt_pm([r["final_val_loss"] for r in g]),
-                fmt_pm(d, "{:+.4f}"),
-                fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
-                f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
-                f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
-                fmt_pm([r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
-                sum(r["rejected"] for r in g),
-                fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
-                fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
-                f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
-                min(r["rounds_done"] for r in g),
-                "yes" if all(r["consistent"] for r in g) else "NO",
-            ]
+            {
+                "setting": cfg,
+                "runs": len(g),
+                "final val loss (site-0)": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ loss vs 0% (paired)": fmt_pm(d, "{:+.4f}"),
+                "Δ perplexity %": fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
+                "reduce arrived": f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
+                "broadcast arrived": f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
+                "stale buckets/round (all sites)": fmt_pm(
+                    [r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"
+                ),
+                "rejected": sum(r["rejected"] for r in g),
+                "exchange s/round": fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
+                "sync s/round": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
+                "MB sent/round/site": f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
+                "rounds": min(r["rounds_done"] for r in g),
+                "θ equal on all sites": "yes" if all(r["consistent"] for r in g) else "NO",
+            }
         )
-    md = md_table(
-        [
-            "setting",
-            "runs",
-            "final val loss (site-0)",
-            "Δ loss vs 0% (paired)",
-            "Δ perplexity %",
-            "reduce arrived",
-            "broadcast arrived",
-            "stale buckets/round (all sites)",
-            "rejected",
-            "exchange s/round",
-            "sync s/round",
-            "MB sent/round/site",
-            "rounds",
-            "θ equal on all sites",
-        ],
-        table,
-    )
+    md = md_rows(table)
     notes = []
     ten = groups.get(label(10.0), [])
     if ten and base:

@@ -136,7 +136,7 @@ if __name__ == "__main__" and "--role" in sys.argv:
 
 
 # imported after the --role check: a sender/receiver process starts on the standard library only
-from experiments.common import RunResult, md_table  # noqa: E402
+from experiments.common import RunResult, md_rows, md_table  # noqa: E402
 from experiments.lab import Point, Spec  # noqa: E402
 from experiments.procs import netem_topology  # noqa: E402
 
@@ -277,36 +277,23 @@ def _fmt_us(v: float | None) -> str:
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
-    table = md_table(
+    table = md_rows(
         [
-            "setting",
-            "delayer",
-            "load",
-            "flows",
-            "offered dgram/s",
-            "sent dgram/s",
-            "delivered dgram/s",
-            "delivered Mbit/s",
-            "loss",
-            "late releases",
-            "delayer CPU us/packet",
-        ],
-        [
-            [
-                r["setting"],
-                r.get("delayer", "?"),
-                f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
-                r["flows"],
-                f"{r['offered_dps']:.0f}",
-                f"{r['achieved_send_dps']:.0f}",
-                f"{r['delivered_dps']:.0f}",
-                f"{r['delivered_mbit']:.1f}",
-                f"{r['loss']:.2%}",
-                r["late_releases"],
-                _fmt_us(r.get("delayer_cpu_us_per_pkt")),
-            ]
+            {
+                "setting": r["setting"],
+                "delayer": r.get("delayer", "?"),
+                "load": f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
+                "flows": r["flows"],
+                "offered dgram/s": f"{r['offered_dps']:.0f}",
+                "sent dgram/s": f"{r['achieved_send_dps']:.0f}",
+                "delivered dgram/s": f"{r['delivered_dps']:.0f}",
+                "delivered Mbit/s": f"{r['delivered_mbit']:.1f}",
+                "loss": f"{r['loss']:.2%}",
+                "late releases": r["late_releases"],
+                "delayer CPU us/packet": _fmt_us(r.get("delayer_cpu_us_per_pkt")),
+            }
             for r in rows
-        ],
+        ]
     )
     ceil = md_table(
         ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"],

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.metrics import read_json_lines
-from experiments.common import ROOT, RunResult, md_table
+from experiments.common import ROOT, RunResult, md_rows, md_table, summarize
 from experiments.lab import Point, Spec
 
 PROFILE, RUNS, SIZE = "netem.profile", "lab.runs", "task_spec.size"
@@ -212,36 +212,24 @@ def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: 
     the slowdown run's deadlines round by round."""
     slow = [r for r in rows if r["profile"] == SLOWDOWN]
     rows = [r for r in rows if r["profile"] != SLOWDOWN]
-    table = []
-    for profile in dict.fromkeys(r["profile"] for r in rows):
-        rs = [r for r in rows if r["profile"] == profile]
-        table.append(
-            [
-                profile,
-                len(rs),
-                sum(_true(r["equal_at_end"]) and int(r["exit_code"]) == 0 for r in rs),
-                sum(int(r["declared_dead"]) for r in rs),
-                sum(int(r["unequal_rounds"]) for r in rs),
-                sum(int(r["rounds_missed"]) for r in rs),
-                max(float(r["max_sync_s"]) for r in rs),
-                f"{sorted(float(r['wall_s']) for r in rs)[len(rs) // 2]:.0f}",
-            ]
-        )
-    head = [
-        "profile",
-        "runs",
-        "ended equal (exit 0)",
-        "sites declared dead while alive",
-        "rounds of unequal θ",
-        "rounds missed (resynced)",
-        "worst sync_s",
-        "median wall s",
+    table = [
+        {
+            "profile": profile,
+            "runs": len(rs),
+            "ended equal (exit 0)": sum(_true(r["equal_at_end"]) and int(r["exit_code"]) == 0 for r in rs),
+            "sites declared dead while alive": sum(int(r["declared_dead"]) for r in rs),
+            "rounds of unequal θ": sum(int(r["unequal_rounds"]) for r in rs),
+            "rounds missed (resynced)": sum(int(r["rounds_missed"]) for r in rs),
+            "worst sync_s": max(float(r["max_sync_s"]) for r in rs),
+            "median wall s": f"{sorted(float(r['wall_s']) for r in rs)[len(rs) // 2]:.0f}",
+        }
+        for profile, rs in summarize(rows, "profile").items()
     ]
     targets = (
         "Targets (issue 32): every run ends equal; 0 sites declared dead while alive; 0 rounds of "
         "unequal θ not repaired in the same round; no user-set timeout (none is set here)."
     )
-    parts = [md_table(head, table), targets]
+    parts = [md_rows(table), targets]
     if slow:
         cols = ["round", "link_mbit", "slowest_reduce_s", "reduce_deadline_s", "refused", "min_reduce_arrived", "why"]
         mbit = float(m["fixed"][SLOW_MBIT])

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.codecs import CodecConfig
@@ -13,7 +15,10 @@ from dtrain.configs import AggregationConfig
 from dtrain.rounds import RoundConfig
 from dtrain.sim import ClusterConfig, fast_diloco_config, fast_rendezvous_config
 from dtrain.tasks import TaskSpec
-from dtrain.transports.datagram import datagram_chunk_bytes
+from dtrain.tasks.builtin import make_evaluate
+from dtrain.tasks.data import load_corpus, val_batches
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
+from dtrain.transports.grpc import GrpcTransportConfig
 from dtrain.transports.inproc import InprocFaults
 
 __all__ = ["RunSpec"]
@@ -119,14 +124,9 @@ class RunSpec:
             if not cond:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.num_sites, int) and self.num_sites >= 1, "num_sites", "an int >= 1")
-        need(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every", "an int >= 1")
         need(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1")
         need(isinstance(self.num_val_batches, int) and self.num_val_batches >= 1, "num_val_batches", "an int >= 1")
         need(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every", "an int >= 0")
-        need(self.reduce_timeout_s > 0, "reduce_timeout_s", "> 0 seconds")
-        need(self.broadcast_timeout_s > self.reduce_timeout_s, "broadcast_timeout_s", "> reduce_timeout_s")
-        need(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "> 0 seconds")
         need(self.timeout_s > 0, "timeout_s", "> 0 seconds")
         need(self.datagram_drop is None or 0.0 <= self.datagram_drop < 1.0, "datagram_drop", "None or in [0, 1)")
         need(
@@ -134,7 +134,8 @@ class RunSpec:
             "restart_after_round",
             "-1 or in (0, rounds - down_rounds)",
         )
-        # Build the component configs once so a bad value fails here, naming its field.
+        # Build the component configs once so a bad value fails here, naming its field (they check
+        # num_sites, sync_every and the rendezvous timeouts).
         self.task_spec(0)
         self.cluster_config()
 
@@ -154,6 +155,33 @@ class RunSpec:
             decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
         )
 
+    def evaluator(self) -> Callable[[torch.nn.Module], float]:
+        """A model's mean validation loss on the run's fixed validation set (``num_val_batches``
+        batches of site 0's batch size and context length), the same for every site and method."""
+        ts = self.task_spec(0)
+        batches = val_batches(
+            load_corpus(self.data).val,
+            batch_size=ts.resolved_batch_size,
+            context_len=ts.resolved_context_len,
+            num_batches=self.num_val_batches,
+        )
+        return make_evaluate(batches)
+
+    def datagram_transport(self, i: int) -> DatagramTransport:
+        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver
+        (the ``transport_factory`` of :class:`dtrain.sim.InprocCluster` for a run that drops
+        datagrams instead of using the in-process network)."""
+        cfg = DatagramTransportConfig(
+            grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
+            max_rate_mbit=200.0,
+            rtt_s=0.01,
+            nack_idle_s=0.02,
+            fallback_reserve_s=min(1.0, self.broadcast_timeout_s / 4),
+            test_drop=self.datagram_drop or 0.0,
+            test_drop_seed=self.seed * 100 + i,
+        )
+        return DatagramTransport(cfg)
+
     def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
         """The contribution codec and the means' codec."""
         return self._codec(self.codec, self.sparse_k), self._codec(
@@ -171,6 +199,7 @@ class RunSpec:
         return CodecConfig(name=name, zstd_level=self.zstd_level, **kw)
 
     def cluster_config(self) -> ClusterConfig:
+        codec, mean_codec = self._codecs()
         return ClusterConfig(
             num_sites=self.num_sites,
             diloco=fast_diloco_config(
@@ -179,13 +208,13 @@ class RunSpec:
                     bucket_bytes=self.bucket_bytes,
                     chunk_bytes=self.chunk_bytes
                     if self.datagram_drop is None
-                    else min(self.bucket_bytes, *(datagram_chunk_bytes(c) for c in self._codecs())),
+                    else min(self.bucket_bytes, datagram_chunk_bytes(codec), datagram_chunk_bytes(mean_codec)),
                 ),
                 rounds=RoundConfig(
-                    codec=self._codec(self.codec, self.sparse_k),
+                    codec=codec,
                     broadcast_codec=None
                     if self.broadcast_codec is None and self.broadcast_sparse_k is None
-                    else self._codec(self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k),
+                    else mean_codec,
                     error_feedback=self.error_feedback,
                     error_feedback_decay=self.error_feedback_decay,
                     aggregation=AggregationConfig(sparse_mean=self.sparse_mean),

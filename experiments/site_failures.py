@@ -25,9 +25,6 @@ Usage (from the repository root)::
     .venv/bin/python -m experiments run site_failures --mode quick   # 4 sites, tiny, 3 seeds
     .venv/bin/python -m experiments run site_failures --mode full    # small model, more rounds
     .venv/bin/python -m experiments run site_failures --mode smoke --out /tmp/x --results none   # CI: 2 runs
-
-Writes ``OUT/site_failures[_MODE].csv``, ``..._rounds.csv``, ``....png`` and puts its
-table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
-    md_table,
+    md_rows,
     mean_std,
     paired_deltas,
     save_fig,
@@ -273,22 +270,22 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
         table.append(
-            [
-                cfg,
-                len(g),
-                fmt_pm([r["final_val_loss"] for r in g]),
-                "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
-                sum(r["rounds_lost"] for r in g),
-                sum(r["rounds_missed_before_fault"] for r in g),
-                f"{max(r['max_round_s'] for r in g):.2f}",
-                f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
-                f"{max(r['max_quorum_wait_s'] for r in g):.2f}",
-                fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
-                sum(r["stale_buckets"] for r in g),
-                sum(r["skipped_buckets"] for r in g),
-                sum(r["rejected"] for r in g),
-                "yes" if all(r["survivors_consistent"] for r in g) else "NO",
-            ]
+            {
+                "scenario": cfg,
+                "runs": len(g),
+                "final val loss (site-0)": fmt_pm([r["final_val_loss"] for r in g]),
+                "Δ vs no fault (paired)": "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
+                "rounds lost from the fault on (survivors)": sum(r["rounds_lost"] for r in g),
+                "rounds missed before it": sum(r["rounds_missed_before_fault"] for r in g),
+                f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})": f"{max(r['max_round_s'] for r in g):.2f}",
+                "max s beyond deadline": f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
+                "max quorum wait s": f"{max(r['max_quorum_wait_s'] for r in g):.2f}",
+                "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+                "stale buckets": sum(r["stale_buckets"] for r in g),
+                "skipped buckets": sum(r["skipped_buckets"] for r in g),
+                "rejected": sum(r["rejected"] for r in g),
+                "survivors' θ equal": "yes" if all(r["survivors_consistent"] for r in g) else "NO",
+            }
         )
         if cfg != NO_FAULT:
             lost = sum(r["rounds_lost"] for r in g)
@@ -306,25 +303,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                     else ""
                 )
             )
-    md = md_table(
-        [
-            "scenario",
-            "runs",
-            "final val loss (site-0)",
-            "Δ vs no fault (paired)",
-            "rounds lost from the fault on (survivors)",
-            "rounds missed before it",
-            f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})",
-            "max s beyond deadline",
-            "max quorum wait s",
-            "wall s",
-            "stale buckets",
-            "skipped buckets",
-            "rejected",
-            "survivors' θ equal",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, verdicts
 
 

@@ -34,8 +34,6 @@ Usage (as root: netem needs network namespaces)::
     .venv/bin/python -m experiments run streaming --mode smoke --out /tmp/x --results none  # 2 sites, tiny
     .venv/bin/python -m experiments run streaming --mode quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
     .venv/bin/python -m experiments run streaming --mode full    # 3 seeds, 8 rounds
-
-Writes ``OUT/streaming[_MODE].csv``, ``..._rounds.csv``, ``....png`` and its RESULTS.md section.
 """
 
 from __future__ import annotations
@@ -51,9 +49,10 @@ from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
-    md_table,
+    md_rows,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -253,9 +252,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     base = groups.get("blocking", [])
     base_loss = statistics.fmean(r["final_val_loss"] for r in base) if base else float("nan")
     base_peak = statistics.fmean(r["peak_Bps"] for r in base) if base else float("nan")
@@ -265,40 +262,23 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         loss = statistics.fmean(r["final_val_loss"] for r in g)
         peak = statistics.fmean(r["peak_Bps"] for r in g)
         table.append(
-            [
-                cfg,
-                g0["num_fragments"],
-                g0["overlap_steps"],
-                g0["merge_alpha"],
-                g0.get("pace_fraction", 0.0),
-                int(statistics.fmean(r["inner_steps"] for r in g)),
-                fmt_pm([r["compute_util"] for r in g], "{:.3f}"),
-                fmt_pm([r.get("final_flush_s", 0.0) for r in g], "{:.2f}"),
-                fmt_pm([r["final_val_loss"] for r in g], "{:.4f}"),
-                f"{100 * (loss / base_loss - 1):+.2f} %" if base else "—",
-                f"{peak / 1e6:.2f}",
-                f"{peak / base_peak:.2f}" if base else "—",
-                f"{statistics.fmean(r['bytes_per_round'] for r in g) / 1e6:.2f}",
-            ]
+            {
+                "config": cfg,
+                "F": g0["num_fragments"],
+                "τ": g0["overlap_steps"],
+                "α": g0["merge_alpha"],
+                "pace": g0.get("pace_fraction", 0.0),
+                "inner steps": int(statistics.fmean(r["inner_steps"] for r in g)),
+                "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.3f}"),
+                "last merge wait s": fmt_pm([r.get("final_flush_s", 0.0) for r in g], "{:.2f}"),
+                "final val loss": fmt_pm([r["final_val_loss"] for r in g], "{:.4f}"),
+                "vs blocking": f"{100 * (loss / base_loss - 1):+.2f} %" if base else "—",
+                "peak MB/s per site (1 s)": f"{peak / 1e6:.2f}",
+                "peak vs blocking": f"{peak / base_peak:.2f}" if base else "—",
+                "MB sent per round line": f"{statistics.fmean(r['bytes_per_round'] for r in g) / 1e6:.2f}",
+            }
         )
-    md = md_table(
-        [
-            "config",
-            "F",
-            "τ",
-            "α",
-            "pace",
-            "inner steps",
-            "compute utilization",
-            "last merge wait s",
-            "final val loss",
-            "vs blocking",
-            "peak MB/s per site (1 s)",
-            "peak vs blocking",
-            "MB sent per round line",
-        ],
-        table,
-    )
+    md = md_rows(table)
     notes.append(
         "- Targets (issue 15): utilization >= 0.95 with overlap; final loss within 1 % of blocking at the same "
         "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."

@@ -60,11 +60,13 @@ from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
+    md_rows,
     md_table,
     mean_std,
     read_rows,
     save_fig,
     subplots,
+    summarize,
 )
 from experiments.lab import Point, Spec
 from experiments.procs import netem_topology
@@ -288,9 +290,7 @@ def _round_record(label: str, seed: int, r: int, ok: bool, x: dict[str, Any]) ->
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     """(the table, per setting averaged over seeds; the notes under it)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["config"], []).append(r)
+    groups = summarize(rows)
     md, ratios = _table(groups)
     return md, _ratio_notes(groups, ratios) + _floor_and_util_notes(rows, groups)
 
@@ -303,17 +303,17 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
         rs = [r["ratio"] for r in g if not math.isnan(r["ratio"])]
         ratios += [(statistics.fmean(rs) if rs else float("nan"), cfg)]
         table.append(
-            [
-                "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
-                f"{g0['delay_ms']:g}",
-                f"{g0['loss_pct']:g}",
-                sum(r["rounds_measured"] for r in g),
-                f"{statistics.fmean(r['encoded_bytes_per_site'] for r in g) / 1e6:.3f}",
-                fmt_pm([r["engine_s"] for r in g], "{:.2f}"),
-                fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
-                f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
-                "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
-                "—"
+            {
+                "rate Mbit/s": "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
+                "one-way delay ms": f"{g0['delay_ms']:g}",
+                "loss %": f"{g0['loss_pct']:g}",
+                "rounds measured": sum(r["rounds_measured"] for r in g),
+                "B: encoded MB/site/round": f"{statistics.fmean(r['encoded_bytes_per_site'] for r in g) / 1e6:.3f}",
+                "exchange s (plan→applied, max over sites)": fmt_pm([r["engine_s"] for r in g], "{:.2f}"),
+                "sync s (incl. quorum wait)": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
+                "physical limit s": f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
+                "ratio to limit": "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
+                "ratio to strict limit": "—"
                 if not rs
                 else fmt_pm(
                     [
@@ -323,29 +323,12 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
                     ],
                     "{:.2f}",
                 ),
-                fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
-                sum(r["stale_buckets"] for r in g),
-                sum(r["rejected"] for r in g),
-            ]
+                "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
+                "stale buckets": sum(r["stale_buckets"] for r in g),
+                "rejected": sum(r["rejected"] for r in g),
+            }
         )
-    md = md_table(
-        [
-            "rate Mbit/s",
-            "one-way delay ms",
-            "loss %",
-            "rounds measured",
-            "B: encoded MB/site/round",
-            "exchange s (plan→applied, max over sites)",
-            "sync s (incl. quorum wait)",
-            "physical limit s",
-            "ratio to limit",
-            "ratio to strict limit",
-            "compute utilization",
-            "stale buckets",
-            "rejected",
-        ],
-        table,
-    )
+    md = md_rows(table)
     return md, ratios
 
 
@@ -418,12 +401,8 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     """Lines comparing ``rows`` with the same mode's default run (kernel sysctls), setting by setting."""
     if not default_csv.exists():
         return [f"- No default run to compare with ({default_csv.name} not found)."]
-    base: dict[str, list[float]] = {}
-    for r in read_rows(default_csv):
-        base.setdefault(r["config"], []).append(r["engine_s"])
-    mine: dict[str, list[float]] = {}
-    for r in rows:
-        mine.setdefault(r["config"], []).append(r["engine_s"])
+    base = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(read_rows(default_csv)).items()}
+    mine = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(rows).items()}
     table = [
         [
             cfg,
