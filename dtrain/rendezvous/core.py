@@ -267,18 +267,10 @@ def decide_quorum(
                 )
             return sorted(ready_live), f"all {len(ready_live)} live sites are ready"
         return None, f"only {len(ready_live)} live site(s), min_sites is {config.min_sites}"
-    held = sorted(set(finishing) & (live - set(ready_live)))
-    if waited >= wait_s and held and hold_until is not None and now < hold_until:
-        return None, (
-            f"{len(ready_live)} of {len(live)} live sites ready; {held} still finishing round {round - 1}"
-            f" within its deadlines: waiting up to {hold_until - now:.1f}s more"
-        )
-    late = {s: at + wait_s for s, at in (finished_late or {}).items() if s in live and s not in ready_live}
-    if waited >= wait_s and late and now < max(late.values()):
-        return None, (
-            f"{len(ready_live)} of {len(live)} live sites ready; {sorted(late)} finished round {round - 1} late:"
-            f" waiting for its inner phase, up to {max(late.values()) - now:.1f}s more"
-        )
+    not_ready = live - set(ready_live)
+    held = _held(round, not_ready, now, wait_s, finishing, hold_until, finished_late) if waited >= wait_s else None
+    if held:
+        return None, f"{len(ready_live)} of {len(live)} live sites ready; {held}"
     if waited >= wait_s:
         if len(ready_live) >= config.min_sites:
             cut = sorted(live - set(ready_live))
@@ -291,6 +283,32 @@ def decide_quorum(
         None,
         f"{len(ready_live)} of {len(live)} live sites ready; waiting up to {wait_s - waited:.1f}s more",
     )
+
+
+def _held(
+    round: int,
+    not_ready: set[str],
+    now: float,
+    wait_s: float,
+    finishing: Collection[str],
+    hold_until: float | None,
+    finished_late: Mapping[str, float] | None,
+) -> str | None:
+    """Why the quorum wait, over, still holds for a live member of the previous round that is
+    not ready (:func:`decide_quorum`'s ``finishing`` / ``hold_until`` and ``finished_late``);
+    None when it does not."""
+    held = sorted(set(finishing) & not_ready)
+    if held and hold_until is not None and now < hold_until:
+        return (
+            f"{held} still finishing round {round - 1} within its deadlines: waiting up to {hold_until - now:.1f}s more"
+        )
+    late = {s: at + wait_s for s, at in (finished_late or {}).items() if s in not_ready}
+    if late and now < max(late.values()):
+        return (
+            f"{sorted(late)} finished round {round - 1} late: waiting for its inner phase, up to "
+            f"{max(late.values()) - now:.1f}s more"
+        )
+    return None
 
 
 def aged(plan: RoundPlan, now: float) -> RoundPlan:
