@@ -433,9 +433,9 @@ class Site:
             deadline = time.monotonic() + plan.broadcast_timeout_s
             while donors and time.monotonic() < deadline - 0.5:  # every donor dropped: ask them again
                 err = catch.run_within(donors, min_round=plan.round + 1, limit_s=deadline - time.monotonic())
-                if err is None:
+                if err is None or time.monotonic() >= deadline - 0.7:
                     break
-                log.info("%s: catching up: %s; trying again", self.site_id, err)
+                log.info("%s: catching up: %s; asking again", self.site_id, err)
                 time.sleep(0.2)
         try:
             errs = [e for e in self.comm.all_gather(err, round=True) if e]

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -345,22 +346,11 @@ class CatchUp:
     def _probe_all(self) -> None:
         """:meth:`_probe` every live donor at once: one stalled donor costs one request's
         timeout, not one per donor (a catch-up at 30% loss spent its whole window asking two
-        stalled donors in turn)."""
+        stalled donors in turn). Each probe is bounded by its request's timeout."""
         donors = list(self._live.values())
-        if len(donors) < 2:
-            for d in donors:
-                self._probe(d)
-            return
-        probes = [
-            threading.Thread(
-                target=self._probe, args=(d,), name=f"catchup-{self.requester}-probe-{d.site_id}", daemon=True
-            )
-            for d in donors
-        ]
-        for t in probes:
-            t.start()
-        for t in probes:
-            t.join()  # each bounded by its request's timeout
+        if donors:
+            with ThreadPoolExecutor(len(donors), thread_name_prefix=f"catchup-{self.requester}-probe") as pool:
+                list(pool.map(self._probe, donors))
 
     def _probe(self, d: Member) -> None:
         """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
