@@ -139,7 +139,8 @@ class Contribution:
         numel: number of fp32 elements the payload decodes to.
         codec: codec name (``dtrain.codecs``), e.g. ``"int8+zstd"``.
         sender: site_id of the contributing site.
-        payload: the codec's self-describing bytes.
+        payload: the codec's self-describing bytes; as received over gRPC, a read-only
+            ``memoryview`` of the message (``dtrain.transports.grpc_wire``: no copy).
         tokens: tokens (samples) the sender trained since its last round, the same on
             every chunk it sends in a round: its weight in a token-weighted mean
             (``AggregationConfig.token_weighted``); 0 (default): no claim. A field of the
@@ -153,7 +154,7 @@ class Contribution:
     numel: int
     codec: str
     sender: str
-    payload: bytes
+    payload: bytes | memoryview
     tokens: int = 0
 
 
@@ -163,13 +164,15 @@ class MeanChunk:
 
     ``senders`` lists the site_ids whose contributions the mean includes (sorted);
     a site not listed keeps its contribution in its error-feedback residual.
+    ``payload``: bytes, or (pulled over gRPC in one part) a read-only ``memoryview``
+    of the message that carried it.
     """
 
     chunk: int
     offset: int
     numel: int
     codec: str
-    payload: bytes
+    payload: bytes | memoryview
     senders: tuple[str, ...]
 
 
