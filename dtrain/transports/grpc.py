@@ -68,6 +68,7 @@ from dtrain.transports.grpc_wire import (
     state_from_wire,
     state_to_wire,
 )
+from dtrain.transports.heap import keep_freed_memory
 
 __all__ = ["GrpcTransport", "GrpcTransportConfig", "TlsConfig", "NUM_ACCEPTED_METADATA_KEY", "PEER_SERVICE"]
 
@@ -369,6 +370,7 @@ class GrpcTransport(Transport):
 
     def __init__(self, config: GrpcTransportConfig | None = None) -> None:
         self.config = config or GrpcTransportConfig()
+        keep_freed_memory(self.config.heap_keep_bytes)  # received messages reuse memory (heap.py)
         self.address: str | None = None
         self._server: AioServer | None = None
         self._pool: ChannelPool[_PeerStub] = ChannelPool(self.config, _PeerStub)
