@@ -130,7 +130,10 @@ class GrpcTransportConfig:
         max_message_bytes: the max send and receive message size, set on both the
             server and every channel. Default 16 MiB (chunks are <= 1 MiB).
         part_bytes: payload bytes per streamed part of a pulled mean or state.
-            Must be <= ``max_message_bytes - 16 KiB`` (header room). Default 1 MiB.
+            Must be <= ``max_message_bytes - 16 KiB`` (header room). Default 4 MiB, so
+            that a chunk's payload (1 MiB of fp32 input is 1 MiB + 32 header bytes)
+            travels in one part and is received without a copy (``grpc_wire``); with
+            1 MiB parts every such chunk was two messages joined by the receiver.
         keepalive_time_ms: ping an idle connection this often, >= 1000.
         keepalive_timeout_ms: close a connection whose ping is not acknowledged in this
             time (>= 100).
@@ -207,7 +210,7 @@ class GrpcTransportConfig:
     bind_port: int = 0
     advertise_host: str | None = None
     max_message_bytes: int = 16 * MiB
-    part_bytes: int = 1 * MiB
+    part_bytes: int = 4 * MiB
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
     keepalive_permit_without_calls: bool = True
