@@ -283,7 +283,7 @@ class _PeerServicer:
                 mean = await self._wait_mean(request, context, wait_s)
         finally:
             self._num_pulls -= 1
-        for part in mean_to_wire(mean, self._t.config.part_bytes, lambda n: self._t._count(sent=n)):
+        for part in mean_to_wire(mean, self._t.config.part_size, lambda n: self._t._count(sent=n)):
             yield part
 
     async def _wait_mean(self, request, context, wait_s: float):
@@ -325,7 +325,7 @@ class _PeerServicer:
             context,
             lambda: self._handler.handle_pull_state(request.bucket, request.requester),
         )
-        parts = state_to_wire(state, self._t.config.part_bytes, lambda n: self._t._count(sent=n))
+        parts = state_to_wire(state, self._t.config.part_size, lambda n: self._t._count(sent=n))
         try:
             first = next(parts)  # the header: BucketState.extra is encoded here
         except TypeError as e:

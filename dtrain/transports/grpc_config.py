@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import grpc
 
-__all__ = ["MESSAGE_OVERHEAD_BYTES", "MiB", "GrpcTransportConfig", "TlsConfig"]
+__all__ = ["DEFAULT_PART_BYTES", "MESSAGE_OVERHEAD_BYTES", "MiB", "GrpcTransportConfig", "TlsConfig"]
 
 MiB = 1 << 20
 # Bytes a part/chunk message may carry on top of its payload (field tags, the
 # chunk header with its list of senders, checksums). part_bytes must leave this.
 MESSAGE_OVERHEAD_BYTES = 16 * 1024
+#: Payload bytes per streamed part when ``part_bytes`` is None: one chunk's payload in one part.
+DEFAULT_PART_BYTES = 4 * MiB
 #: Longest deadline any call may have, seconds (a day).
 MAX_TIMEOUT_S = 86_400.0
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -130,10 +132,12 @@ class GrpcTransportConfig:
         max_message_bytes: the max send and receive message size, set on both the
             server and every channel. Default 16 MiB (chunks are <= 1 MiB).
         part_bytes: payload bytes per streamed part of a pulled mean or state.
-            Must be <= ``max_message_bytes - 16 KiB`` (header room). Default 4 MiB, so
-            that a chunk's payload (1 MiB of fp32 input is 1 MiB + 32 header bytes)
-            travels in one part and is received without a copy (``grpc_wire``); with
-            1 MiB parts every such chunk was two messages joined by the receiver.
+            Must be <= ``max_message_bytes - 16 KiB`` (header room). None (default):
+            4 MiB, or ``max_message_bytes - 16 KiB`` when that is smaller
+            (:attr:`part_size`), so that a chunk's payload (1 MiB of fp32 input is
+            1 MiB + 32 header bytes) travels in one part and is received without a copy
+            (``grpc_wire``); with 1 MiB parts every such chunk was two messages that the
+            receiver joined.
         keepalive_time_ms: ping an idle connection this often, >= 1000.
         keepalive_timeout_ms: close a connection whose ping is not acknowledged in this
             time (>= 100).
@@ -210,7 +214,7 @@ class GrpcTransportConfig:
     bind_port: int = 0
     advertise_host: str | None = None
     max_message_bytes: int = 16 * MiB
-    part_bytes: int = 4 * MiB
+    part_bytes: int | None = None
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
     keepalive_permit_without_calls: bool = True
@@ -238,7 +242,8 @@ class GrpcTransportConfig:
             raise ValueError(f"bind_host must be a str, got {self.bind_host!r}")
         _positive_int(self, "bind_port", 0, 65535)
         _positive_int(self, "max_message_bytes", 64 * 1024, 2**31 - 1)
-        _positive_int(self, "part_bytes", 1, self.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
+        if self.part_bytes is not None:
+            _positive_int(self, "part_bytes", 1, self.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
         _positive_int(self, "keepalive_time_ms", 1000)
         _positive_int(self, "keepalive_timeout_ms", 100)
         _positive_int(self, "max_pings_without_data", 0)
@@ -274,6 +279,14 @@ class GrpcTransportConfig:
                 raise ValueError(f"extra_options must be (name: str, value: int | str) pairs, got {opt!r}")
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise ValueError(f"tls must be a TlsConfig or None, got {type(self.tls).__name__}")
+
+    @property
+    def part_size(self) -> int:
+        """Payload bytes per streamed part: ``part_bytes``, or its default (4 MiB, at most
+        ``max_message_bytes - 16 KiB``) when None."""
+        if self.part_bytes is not None:
+            return self.part_bytes
+        return min(DEFAULT_PART_BYTES, self.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
 
     def advertised_host(self) -> str:
         """The host part of the address peers dial."""

@@ -48,3 +48,11 @@ def test_heap_keep_bytes_is_checked() -> None:
     assert GrpcTransportConfig(heap_keep_bytes=0).heap_keep_bytes == 0
     with pytest.raises(ValueError, match="heap_keep_bytes"):
         GrpcTransportConfig(heap_keep_bytes=-1)
+
+
+def test_part_size_defaults_to_one_chunk_within_the_message_limit() -> None:
+    assert GrpcTransportConfig().part_size == 4 << 20  # a 1 MiB chunk + its codec header: one part
+    assert GrpcTransportConfig(max_message_bytes=4 << 20).part_size == (4 << 20) - (16 << 10)
+    assert GrpcTransportConfig(part_bytes=1 << 20).part_size == 1 << 20
+    with pytest.raises(ValueError, match="part_bytes"):
+        GrpcTransportConfig(max_message_bytes=4 << 20, part_bytes=4 << 20)
