@@ -52,7 +52,10 @@ figure; the price is that slow rounds which come back less often than every
 ``shift_rounds`` for such a link). Before
 ``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
 broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
-conservative for a LAN and for most WAN links). A figure the user set explicitly
+conservative for a LAN and for most WAN links), or, for the reduce and the broadcast, the
+slowest round seen that was measured (clean, or cut at a live pace) x margin + budget when
+that is more: a reno run's clean 60 s round 1 was followed by the 10 s start bound again,
+which cut round 2. A figure the user set explicitly
 (``RendezvousConfig.quorum_timeout_s`` ...) overrides its derivation. A deadline is capped at
 ``max_factor`` times its start bound, or at what the link was measured to need (clean rounds,
 and cut rounds at their live pace) x margin + budget when that is more: faults and back-offs
@@ -221,8 +224,15 @@ def derive_deadlines(
     ordered = sorted(history, key=lambda t: t.round)
     clean = [t for t in ordered if t.clean][-config.history_rounds :]
 
-    def observed(values: list[float], i: int, what: str, cap: float) -> tuple[float, str]:
+    def observed(
+        values: list[float], i: int, what: str, cap: float, measured: Sequence[float] = ()
+    ) -> tuple[float, str]:
         if len(values) < config.min_rounds:
+            # too few rounds for a quantile: the start bound, unless a round was measured to need longer
+            slow = max(measured, default=0.0) * config.margin + b
+            if slow > start[i]:
+                d = min(slow, cap)
+                return d, f"{what} {d:.2f}s (the slowest of {len(values)} rounds seen needed {max(measured):.2f}s)"
             return start[i], f"{what} {start[i]:.2f}s (start bound: {len(values)} of {config.min_rounds} rounds seen)"
         q = quantile(values, config.quantile)
         values, sped_up = since_speedup(values, q, factor=config.backoff, rounds=config.shift_rounds)
@@ -248,7 +258,7 @@ def derive_deadlines(
         # never capped: the budget is a stall beyond it; faults and back-offs are
         measured = [v for t, p, v in zip(seen, paced, values) if v is not None and (t.clean or p is not None)]
         cap = max(start[i] * config.max_factor, max(measured, default=0.0) * config.margin + b)
-        d, why = observed([v for v in values if v is not None], i, what, cap)
+        d, why = observed([v for v in values if v is not None], i, what, cap, measured)
         seen_d = d
         newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
         cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
@@ -263,7 +273,7 @@ def derive_deadlines(
                     f"round {newest.round} ran to its {cut_by:.2f}s deadline with {newest.reduce_live:.0%} of "
                     f"the slowest live link's contributions in: {pace:.2f}s at that pace"
                 )
-            if backed > d:
+            if backed > d or (pace is not None and backed == d):  # the same figure: say why it is the link's
                 d, why = backed, f"{what} {backed:.2f}s ({why_back})"
         return d, why, seen_d
 

@@ -186,6 +186,12 @@ def test_a_round_cut_on_a_slow_live_link_is_extrapolated_at_its_pace_past_the_st
     assert d.reduce_timeout_s == pytest.approx(40.0 * 1.5 + 5)  # 10 s / 0.25 = 40 s at that pace
     assert d.broadcast_timeout_s == pytest.approx(80.0 * 1.5 + 5)  # the means cross the same links
     assert "25% of the slowest live link's contributions in" in d.reason
+    # the next round ran clean in 60 s: with 2 of 3 rounds seen the deadline is not the start
+    # bound again (which cut round 2 of a reno run and left θ unequal) but what round 1 needed
+    one = RoundTimes(round=1, ready_spread_s=0.1, reduce_s=60.0, means_s=120.0)
+    d = derive_deadlines([cut, one], config=CFG)
+    assert d.reduce_timeout_s == pytest.approx(60.0 * 1.5 + 5) and d.broadcast_timeout_s == pytest.approx(185.0)
+    assert "the slowest of 2 rounds seen needed 60.00s" in d.reason
     slow = [RoundTimes(round=r, ready_spread_s=0.1, reduce_s=60.0, means_s=120.0) for r in range(1, 4)]
     d = derive_deadlines([cut, *slow], config=CFG)
     assert d.reduce_timeout_s == pytest.approx(60.0 * 1.5 + 5) and d.broadcast_timeout_s == pytest.approx(185.0)
