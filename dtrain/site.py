@@ -386,9 +386,11 @@ class Site:
         return list(self.engine.unrepaired) if applied and self.engine.config.repair else []
 
     def catch_up_last_round(self, outcome: SyncOutcome | None) -> LeftBehind | None:
-        """At the end of a run, before the worker exports θ and writes its summary (every
-        rank: a collective): bring the buckets the last round (``outcome``) left STALE and
-        unrepaired to the round from its other members. They keep serving while this site's
+        """Right after a round that left buckets STALE and unrepaired (``DiLoCo`` calls it
+        before the next inner phase), and at the end of a run, before the worker exports θ and
+        writes its summary (every rank: a collective): bring the buckets ``outcome``'s round
+        left STALE and unrepaired to the round from its other members (mid-run they serve
+        state and kept means as to a joiner). At the end they keep serving while this site's
         heartbeats say it has not finished that round (rank 0's ``rounds_done`` stays one
         short while its slice is unrepaired; :meth:`_wait_members_finished`, at most the
         round's broadcast deadline). Each such bucket goes back to the round before and takes
@@ -443,8 +445,9 @@ class Site:
             errs = [err or "a rank of the site died"]
         if errs:
             return self._left_behind(total, f"catching them up failed: {errs[0]}")
+        self.engine.unrepaired = []  # θ_b is the round's now: nothing left to catch up
         self.note_rounds_done(plan.round + 1)  # the heartbeat thread tells the rendezvous at once
-        log.info("%s: the last round's %d unrepaired bucket(s) caught up", self.site_id, total)
+        log.info("%s: round %d's %d unrepaired bucket(s) caught up", self.site_id, plan.round, total)
         return None
 
     def _left_behind(self, n: int, why: str) -> LeftBehind:
