@@ -416,6 +416,7 @@ class Site:
             donors = rank_donors(others, self.rank, self.num_ranks)
             log.info("%s: catching up buckets %s of round %d from %s", self.site_id, mine, plan.round, donors)
             st = self.engine.state
+            tags = {b: st.bucket_round[b] for b in mine}
             for b in mine:  # θ_b does not reflect the round: it takes the round's mean again
                 with st.lock(b):
                     st.bucket_round[b] = plan.round
@@ -439,6 +440,10 @@ class Site:
                     break
                 log.info("%s: catching up: %s; asking again", self.site_id, err)
                 time.sleep(0.2)
+            if err is not None:  # nothing was installed: the buckets keep the tags the round gave them
+                for b, tag in tags.items():
+                    with st.lock(b):
+                        st.bucket_round[b] = tag
         try:
             errs = [e for e in self.comm.all_gather(err, round=True) if e]
         except RuntimeError:
