@@ -1,5 +1,6 @@
-"""What the experiments' process runs share: their emulated links (:func:`netem_topology`) and a
-free loopback port (:func:`free_port`).
+"""What the experiments' process runs share: their emulated links (:func:`netem_topology`,
+:func:`set_link`), one run of N worker sites through them (:func:`run_sites`) and a free
+loopback port (:func:`free_port`).
 
 The processes themselves (a rendezvous and N workers, on 127.0.0.1 or each inside its own
 netem site) come from the one cluster harness, :class:`dtrain.app.procs.Cluster`, which the
@@ -8,10 +9,21 @@ fault tests use too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
 
-__all__ = ["netem_topology", "free_port"]
+from dtrain.app.procs import Cluster
+
+__all__ = ["netem_topology", "set_link", "run_sites", "SitesRun", "line_record", "free_port"]
+
+#: metrics-line fields that count something: 0 where a line has none (any other field: NaN)
+COUNTS = frozenset({"bytes_sent", "bytes_received", "encoded_bytes", "stale_buckets"})
 
 
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
@@ -36,3 +48,107 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def set_link(topo, **link: Any) -> None:
+    """Every site's link of ``topo`` set to ``netem.profiles.LinkParams(**link)`` (the fields not
+    given: LinkParams' defaults, not the previous link's), live."""
+    from netem.profiles import LinkParams  # noqa: PLC0415
+
+    topo.set_link(None, LinkParams(**link))
+
+
+@dataclass
+class SitesRun:
+    """What one run of N worker sites left: every site's round lines (``per_site[i]``), site 0's
+    start lines, its wall seconds, each site's exit code and what ``watch`` gave (or None)."""
+
+    per_site: dict[int, list[dict]]
+    starts: list[dict]
+    wall_s: float
+    rcs: dict[str, int | None]
+    watched: Any = None
+
+    @property
+    def lines(self) -> list[dict]:
+        """Every site's round lines, site by site."""
+        return [x for i in sorted(self.per_site) for x in self.per_site[i]]
+
+    def facts(self) -> dict[str, Any]:
+        """The columns every run's CSV row has, of the whole run: site 0's validation loss at the
+        start and after its last round and its rounds, the wall seconds, every site's bytes sent."""
+        return {
+            "first_val_loss": self.starts[0]["val_loss"] if self.starts else float("nan"),
+            "final_val_loss": self.per_site[0][-1]["val_loss"] if self.per_site[0] else float("nan"),
+            "rounds_done": len(self.per_site[0]),
+            "wall_s": self.wall_s,
+            "bytes_total": sum(x.get("bytes_sent", 0) for x in self.lines),
+        }
+
+
+def line_record(experiment: str, config: str, seed: int, x: dict, keys: Sequence[str], **cols: Any) -> dict:
+    """A per-round CSV record of the metrics line ``x``: experiment, config, seed, then each of
+    ``keys`` as the line has it (``"col=key"``: its ``key`` as ``col``; a missing count 0,
+    anything else NaN) and ``cols`` as given."""
+    out: dict[str, Any] = {"experiment": experiment, "config": config, "seed": seed}
+    for k in keys:
+        col, _, key = k.partition("=")
+        out[col] = x.get(key or col, 0 if (key or col) in COUNTS else float("nan"))
+    return out | cols
+
+
+def run_sites(
+    topo,
+    n: int,
+    rendezvous: dict[str, Any],
+    worker: dict[str, Any] | Callable[[int], dict[str, Any]],
+    *,
+    timeout_s: float,
+    root: Path | None = None,
+    steps: Sequence[tuple[int, Callable[[], None]]] = (),
+    watch: Callable[[Cluster], ContextManager] | None = None,
+    until: Callable[[Cluster], bool] | None = None,
+    ok: tuple[int, ...] = (0,),
+    poll_s: float = 0.05,
+) -> SitesRun:
+    """One ``dtrain rendezvous`` (``rendezvous``'s options; round 0 waits for all ``n``) and ``n``
+    ``dtrain worker`` sites (``worker``'s options, or site i's: ``worker(i)``) in ``topo`` (None:
+    127.0.0.1), run to the end (or until ``until(cluster)``: the rest are then killed).
+
+    ``steps``: (round r, f) in order: once every site has written its line of round r, call f
+    (a link change between two exchanges: every site is then in its inner phase). ``watch``:
+    a context manager made of the started cluster, held while the sites run (a sampler; its
+    ``__enter__``'s value is the result's ``watched``). A site exiting with a code not in ``ok``
+    (in ``steps``: not 0) raises RuntimeError with its log; every child is gone on return.
+    ``root``: where the run's files stay (None: a temporary directory).
+    """
+    with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
+        root = Path(d) if root is None else root
+        root.mkdir(parents=True, exist_ok=True)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
+        names = [f"site-{i}" for i in range(n)]
+        t0 = time.monotonic()
+        try:
+            site_opts = {i: worker(i) if callable(worker) else worker for i in range(n)}
+            run.start(n, site_opts=site_opts, **{"min_sites": n, **rendezvous})
+            with watch(run) if watch is not None else contextlib.nullcontext() as watched:
+                for rnd, step in steps:
+                    run.wait(
+                        lambda rnd=rnd: run.check_alive(names) or all(run.done_round(i, rnd) for i in range(n)),
+                        f"every site to finish round {rnd}",
+                        poll_s=poll_s,
+                    )
+                    step()
+                if until is not None:
+                    run.wait(lambda: until(run), "the sites to finish or stop", poll_s=poll_s)
+                else:
+                    run.wait(
+                        lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish", poll_s=poll_s
+                    )
+            rcs = {x: run.procs[x].poll() for x in names}
+        finally:
+            run.close()
+        wall = time.monotonic() - t0
+        per_site = {i: run.rounds(i) for i in range(n)}
+        starts = [x for x in run.lines(0) if x.get("event") == "start"]
+    return SitesRun(per_site, starts, wall, rcs, watched)
