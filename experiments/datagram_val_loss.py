@@ -239,7 +239,7 @@ def verdict_lines(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: d
 SPEC = Spec(
     name="datagram_val_loss",
     title="Datagram path: validation loss at 10% loss",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
+    modes=MODES,
     fixed={
         "diloco.rounds.codec.name": "int8",
         # generous: a lossy round ends at the senders' SEND_END, not at these; on a machine
@@ -250,7 +250,6 @@ SPEC = Spec(
         "inproc.track_drift": False,
         NETEM: False,
     },
-    label=lambda point: point["config"],
     derive=check_netem,
     columns=lambda point: {"loss": point[DROP]},
     metrics=(("final_val_loss", 0.0, 10.0),),

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -56,19 +55,11 @@ from dtrain.app.cli import EXIT_LEFT_BEHIND
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
 from experiments.lab import Point, Spec
-from experiments.procs import SitesRun, line_record, netem_topology, run_sites, set_link
+from experiments.procs import SitesRun, line_record, loss_based_cc, netem_topology, run_sites, set_link, sysctl
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
-
-def _loss_based_cc() -> str:
-    """cubic where this machine allows it; else reno (also loss-based AIMD). The allowed list is
-    global (``net.ipv4.tcp_allowed_congestion_control``), so it is read, never changed."""
-    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
-    return "cubic" if "cubic" in allowed else "reno"
-
-
-_LOSS_CC = _loss_based_cc() if Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").exists() else "cubic"
+_LOSS_CC = loss_based_cc()
 PATHS = (
     ("gRPC (BBR)", "grpc", "bbr"),
     (f"gRPC ({_LOSS_CC})", "grpc", _LOSS_CC),
@@ -121,12 +112,6 @@ RENDEZVOUS = {
 }
 
 
-def _set_cc(topo, n: int, cc: str) -> None:
-    for i in range(n):
-        argv = topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"])
-        subprocess.run(argv, check=True, timeout=10)
-
-
 def machine_cpu() -> dict[str, float]:
     """This machine's CPU seconds so far, over all cores (Linux ``/proc/stat``): ``busy`` (user, nice,
     system, irq, softirq, steal), ``softirq`` (packet processing the kernel did outside any process:
@@ -164,7 +149,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     changed_at: list[float] = []
     # the machine's CPU after the first round (start-up left out), at each later link change and at the end
     cpu_at: list[dict[str, float]] = []
-    _set_cc(topo, n + 1, cc)
+    sysctl(topo, "tcp_congestion_control", cc)
 
     def link(k: int) -> None:
         set_link(topo, delay_ms=m["delay"], loss_pct=m["losses"][k], rate_mbit=m["rate"])
@@ -432,11 +417,8 @@ SPEC = Spec(
     name="datagram_vs_grpc",
     title="Datagram path vs gRPC through netem",
     # one run per data path and seed, walking the losses
-    modes={
-        k: {"jobs": 1, "grid": [{"config": a, DATA_PATH: b, CC: c} for a, b, c in PATHS], **v} for k, v in MODES.items()
-    },
+    modes={k: {"grid": [{"config": a, DATA_PATH: b, CC: c} for a, b, c in PATHS], **v} for k, v in MODES.items()},
     fixed=LINK,
-    label=lambda point: point["config"],
     metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("delivered", 0.0, 1.0)),
     report=report,
     verdict=lambda rows, rounds, m: [],  # its verdicts are paragraphs of the report (data path, CPU floor)

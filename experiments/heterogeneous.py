@@ -249,7 +249,7 @@ CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 SPEC = Spec(
     name="heterogeneous",
     title="Sites of different speed",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one run's processes share the cores
+    modes=MODES,  # jobs 1 (the default): one run's processes share the cores
     label=lambda point: f"{point[MODE]}, share {point[SHARE]:g}",
     columns=lambda point: {"share": point[SHARE]},
     metrics=(("final_val_loss", 0.0, 10.0), ("wall_s", 0.0, 3600.0), ("rounds_done", 1, 1000)),

@@ -276,8 +276,7 @@ plot: `{png.name}`.
 SPEC = Spec(
     name="netem_loss",
     title="Packet loss over gRPC through netem",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one emulated WAN at a time
-    label=lambda point: point["config"],
+    modes=MODES,  # jobs 1 (the default): one emulated WAN at a time
     columns=lambda point: {},
     metrics=(("final_val_loss", 0.0, 10.0), ("reduce_arrived", 0.0, 1.0), ("exchange_s", 0.0, 600.0)),
     report=report,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 from dtrain.app.procs import Cluster
 
-__all__ = ["netem_topology", "set_link", "run_sites", "SitesRun", "line_record", "free_port"]
+__all__ = ["netem_topology", "set_link", "sysctl", "loss_based_cc", "run_sites", "SitesRun", "line_record", "free_port"]
 
 #: metrics-line fields that count something: 0 where a line has none (any other field: NaN)
 COUNTS = frozenset({"bytes_sent", "bytes_received", "encoded_bytes", "stale_buckets"})
@@ -56,6 +57,19 @@ def set_link(topo, **link: Any) -> None:
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     topo.set_link(None, LinkParams(**link))
+
+
+def sysctl(topo, key: str, value: Any) -> None:
+    """``sysctl -w net.ipv4.KEY=VALUE`` in every site's namespace of ``topo`` (the rendezvous's too)."""
+    for i in range(topo.num_sites):
+        subprocess.run(topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.{key}={value}"]), check=True, timeout=10)
+
+
+def loss_based_cc() -> str:
+    """cubic where this machine allows it; else reno (also loss-based AIMD). The allowed list is
+    global (``net.ipv4.tcp_allowed_congestion_control``), so it is read, never changed."""
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    return "cubic" if not allowed.exists() or "cubic" in allowed.read_text().split() else "reno"
 
 
 @dataclass

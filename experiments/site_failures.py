@@ -358,7 +358,7 @@ survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.w
 SPEC = Spec(
     name="site_failures",
     title="Site failures",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # processes of one run share the cores: one at a time
+    modes=MODES,  # jobs 1 (the default): processes of one run share the cores
     grid={SCENARIO: SCENARIOS},
     label=lambda point: point[SCENARIO],
     metrics=(("final_val_loss", 0.0, 10.0), ("rounds_lost", 0, 1000), ("max_round_s", 0.0, 600.0)),

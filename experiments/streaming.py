@@ -333,8 +333,7 @@ CSV: `{prefix.with_suffix(".csv").name}`, per round line: `{prefix.name}_rounds.
 SPEC = Spec(
     name="streaming",
     title="Streaming rounds through netem",
-    modes={k: {"jobs": 1, "grid": points(v["fixed"][H], k), **v} for k, v in MODES.items()},
-    label=lambda point: point["config"],
+    modes={k: {"grid": points(v["fixed"][H], k), **v} for k, v in MODES.items()},
     metrics=(("final_val_loss", 0.0, 10.0), ("compute_util", 0.0, 1.0), ("peak_Bps", 0.0, 1e12)),
     report=report,
     verdict=lambda rows, rounds, m: analyse(rows)[1],

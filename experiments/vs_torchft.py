@@ -682,7 +682,7 @@ MODES["full"] |= {EXTRA_CODECS: ["int8+zstd", "int4"]}
 SPEC = Spec(
     name="vs_torchft",
     title="dtrain vs torchft 0.2.0 DiLoCo",
-    modes={mode: {"seeds": [0], "jobs": 1, "fixed": fixed} for mode, fixed in MODES.items()},
+    modes={mode: {"seeds": [0], "fixed": fixed} for mode, fixed in MODES.items()},
     fixed={
         DATA: "stdlib",
         CODEC: "int8",
@@ -697,7 +697,6 @@ SPEC = Spec(
         NETEM: None,
         PYSPY: None,
     },
-    label=lambda point: "",  # unused: the points come from ``plan``
     metrics=(
         ("final_val_loss", 0.0, 10.0),
         ("round_wall_median_s", 0.0, 600.0),

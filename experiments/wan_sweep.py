@@ -50,7 +50,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import line_record, netem_topology, run_sites, set_link
+from experiments.procs import line_record, netem_topology, run_sites, set_link, sysctl
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
@@ -148,9 +147,7 @@ def run_point(point: Point) -> list[RunResult]:
         raise ValueError(f"{SITES} must be >= 2 (an exchange needs two sites), got {f[SITES]}")
     with netem_topology(f[SITES] + 1, "wan", "wan_sweep") as topo:
         if f.get(SSAI) is not None:
-            for i in range(f[SITES] + 1):
-                argv = ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={int(f[SSAI])}"]
-                subprocess.run(topo.exec_argv(i, argv), check=True, timeout=10)
+            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
         return run_seed(topo, f, point.seed, grid(f), 3600.0)
 
 
@@ -440,8 +437,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
 SPEC = Spec(
     name="wan_sweep",
     title="WAN sweep through netem",
-    modes={k: {"jobs": 1, "grid": [{"config": "walk"}], **v} for k, v in MODES.items()},  # a run per seed
-    label=lambda point: "walk",
+    modes={k: {"grid": [{"config": "walk"}], **v} for k, v in MODES.items()},  # a run per seed
     metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("compute_util", 0.0, 1.0)),
     report=report,
     verdict=verdict,
