@@ -102,8 +102,7 @@ def run_hetero(point: Point) -> RunResult:
         {"quorum_timeout_s": quorum, **RENDEZVOUS},
         lambda i: _site_options(f, point.seed, i),
         timeout_s=600,
-        until=lambda run: _done(run, n, f[TARGET]),
-        poll_s=0.5,
+        drive=lambda run: run.wait(lambda: _done(run, n, f[TARGET]), "the target loss or the end", poll_s=0.5),
     )
     return _measure(point, res)
 

@@ -121,13 +121,14 @@ def run_sites(
     root: Path | None = None,
     steps: Sequence[tuple[int, Callable[[], None]]] = (),
     watch: Callable[[Cluster], ContextManager] | None = None,
-    until: Callable[[Cluster], bool] | None = None,
+    drive: Callable[[Cluster], None] | None = None,
     ok: tuple[int, ...] = (0,),
     poll_s: float = 0.05,
 ) -> SitesRun:
     """One ``dtrain rendezvous`` (``rendezvous``'s options; round 0 waits for all ``n``) and ``n``
     ``dtrain worker`` sites (``worker``'s options, or site i's: ``worker(i)``) in ``topo`` (None:
-    127.0.0.1), run to the end (or until ``until(cluster)``: the rest are then killed).
+    127.0.0.1), run to the end, or as ``drive(cluster)`` runs it (faults struck, sites restarted,
+    its own wait for the end; the sites still running then are killed).
 
     ``steps``: (round r, f) in order: once every site has written its line of round r, call f
     (a link change between two exchanges: every site is then in its inner phase). ``watch``:
@@ -143,8 +144,9 @@ def run_sites(
         names = [f"site-{i}" for i in range(n)]
         t0 = time.monotonic()
         try:
-            site_opts = {i: worker(i) if callable(worker) else worker for i in range(n)}
-            run.start(n, site_opts=site_opts, **{"min_sites": n, **rendezvous})
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **rendezvous})
+            for i in range(n):
+                run.start_site(i, **(worker(i) if callable(worker) else worker))
             with watch(run) if watch is not None else contextlib.nullcontext() as watched:
                 for rnd, step in steps:
                     run.wait(
@@ -153,8 +155,8 @@ def run_sites(
                         poll_s=poll_s,
                     )
                     step()
-                if until is not None:
-                    run.wait(lambda: until(run), "the sites to finish or stop", poll_s=poll_s)
+                if drive is not None:
+                    drive(run)
                 else:
                     run.wait(
                         lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish", poll_s=poll_s

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
+from experiments.procs import run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -118,40 +117,13 @@ class FailureSpec:
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
-class _Run(Cluster):
-    """The rendezvous and worker processes of one run (the one harness, :class:`dtrain.app.procs.Cluster`)."""
-
-    def __init__(self, spec: FailureSpec, root: Path) -> None:
-        super().__init__(root, num_sites=spec.num_sites, timeout_s=spec.timeout_s)
-        self.spec = spec
-
-    def start_run(self) -> None:
-        self.start_rendezvous(**{"initial_sites": self.spec.num_sites, **RENDEZVOUS})
-        for i in range(self.spec.num_sites):
-            fault = f"site-1:mid_push:{self.spec.kill_round}:kill" if self.spec.scenario == OWNER and i == 1 else None
-            self.start_site(i, fault=fault)
-
-    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> str:  # type: ignore[override]
-        s = self.spec
-        opts = dict(
-            size=s.size,
-            seed=s.seed,
-            rounds=s.rounds,
-            sync_every=s.sync_every,
-            **WORKER,
-            inner_step_sleep_s=s.inner_step_sleep_s,
-        )
-        return super().start_site(i, fault=fault, resume=resume, **opts)
-
-
-def _drive(run: "_Run", s: FailureSpec) -> None:
-    """Start the run, strike the scenario's fault, and wait for the survivors to finish."""
-    run.start_run()
+def _drive(run: Cluster, s: FailureSpec, opts: dict[str, Any]) -> None:
+    """Strike the scenario's fault (and restart site-3 with ``opts``), and wait for the survivors to finish."""
     if s.scenario == RESTART:
         run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
         run.kill(3)
         run.wait(lambda: run.done_round(0, s.kill_round + s.down_rounds), "site-0 to go on")
-        run.start_site(3, resume=True)
+        run.start_site(3, resume=True, **opts)
     elif s.scenario == TWO:
         run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
         run.kill(2)
@@ -165,18 +137,18 @@ def _drive(run: "_Run", s: FailureSpec) -> None:
 def run_failure(point: Point) -> RunResult:
     """One run of the point's scenario; see the module docstring."""
     s = FailureSpec.of(point)
-    with tempfile.TemporaryDirectory(prefix="dtrain-failures-") as d:
-        run = _Run(s, Path(d))
-        t0 = time.monotonic()
-        try:
-            _drive(run, s)
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(s.num_sites)}
-        start = [x for x in run.lines(0) if x.get("event") == "start"]
-        codes = {n: p.returncode for n, p in run.procs.items() if n != "rendezvous"}
-    return _measure(s, per_site, start, codes, wall)
+    opts = dict(size=s.size, seed=s.seed, rounds=s.rounds, sync_every=s.sync_every, **WORKER)
+    opts |= dict(inner_step_sleep_s=s.inner_step_sleep_s)
+    owner_fault = {"fault": f"site-1:mid_push:{s.kill_round}:kill"} if s.scenario == OWNER else {}
+    res = run_sites(
+        None,
+        s.num_sites,
+        RENDEZVOUS,
+        lambda i: opts | (owner_fault if i == 1 else {}),
+        timeout_s=s.timeout_s,
+        drive=lambda run: _drive(run, s, opts),
+    )
+    return _measure(s, res.per_site, res.starts, res.rcs, res.wall_s)
 
 
 def _measure(
