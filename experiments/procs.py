@@ -1,6 +1,8 @@
-"""What the experiments' process runs share: their emulated links (:func:`netem_topology`,
-:func:`set_link`), one run of N worker sites through them (:func:`run_sites`) and a free
-loopback port (:func:`free_port`).
+"""What the experiments' process runs share: whether links can be emulated here
+(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`set_link`,
+:func:`sysctl`, :func:`loss_based_cc`), one run of N worker sites through them
+(:func:`run_sites`, :class:`SitesRun`, :func:`line_record`) and a free loopback port
+(:func:`free_port`).
 
 The processes themselves (a rendezvous and N workers, on 127.0.0.1 or each inside its own
 netem site) come from the one cluster harness, :class:`dtrain.app.procs.Cluster`, which the
@@ -21,26 +23,37 @@ from typing import Any, Callable, ContextManager, Sequence
 
 from dtrain.app.procs import Cluster
 
-__all__ = ["netem_topology", "set_link", "sysctl", "loss_based_cc", "run_sites", "SitesRun", "line_record", "free_port"]
-
 #: metrics-line fields that count something: 0 where a line has none (any other field: NaN)
 COUNTS = frozenset({"bytes_sent", "bytes_received", "encoded_bytes", "stale_buckets"})
+
+
+def netem_problem() -> str | None:
+    """None when the repository's netem package (``netem/``, repository tooling imported from this
+    checkout) can build topologies here, else what is missing (root, ``ip netns``, ...)."""
+    if os.geteuid() != 0:
+        return "netem needs root (network namespaces)"
+    try:
+        from netem import missing_requirements  # noqa: PLC0415
+    except Exception as e:
+        return f"the netem package is not importable ({type(e).__name__}: {e})"
+    try:
+        missing = missing_requirements()
+    except Exception as e:
+        return f"netem probe failed ({type(e).__name__}: {e})"
+    return f"netem requirements missing: {', '.join(missing)}" if missing else None
 
 
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
     """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; links of ``mtu_bytes``; use it
     as a context manager), named ``name`` + this process's id, so that runs on one machine do not
-    collide.
-
-    ``netem/`` is repository tooling, imported from this checkout. Raises SystemExit naming
-    ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
-    be emulated here.
+    collide. Raises SystemExit naming ``script`` and :func:`netem_problem` when links cannot be
+    emulated here.
     """
+    why = netem_problem()
+    if why:
+        raise SystemExit(f"{script}: netem cannot emulate links here: {why}")
     import netem  # noqa: PLC0415
 
-    missing = netem.missing_requirements()
-    if missing:
-        raise SystemExit(f"{script}: netem cannot emulate links here: missing {', '.join(missing)}")
     return netem.Topology(num_sites=num_sites, profile="lan", name=f"{name}{os.getpid()}"[:20], mtu_bytes=mtu_bytes)
 
 

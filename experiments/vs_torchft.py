@@ -75,7 +75,7 @@ from dtrain.metrics import read_json_lines
 from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
-from experiments.procs import free_port
+from experiments.procs import free_port, netem_problem
 from experiments.vs_torchft_analysis import (
     BUCKET_BYTES,
     CODEC,
@@ -503,21 +503,6 @@ def torchft_problem() -> str | None:
     if not lh.exists():
         return f"torchft_lighthouse not found next to {sys.executable}"
     return None
-
-
-def netem_problem() -> str | None:
-    """None when the repository's netem package can build topologies here."""
-    if os.geteuid() != 0:
-        return "netem needs root (network namespaces)"
-    try:
-        from netem import missing_requirements  # noqa: PLC0415
-    except Exception as e:
-        return f"the netem package is not importable ({type(e).__name__}: {e})"
-    try:
-        missing = missing_requirements()
-    except Exception as e:
-        return f"netem probe failed ({type(e).__name__}: {e})"
-    return f"netem requirements missing: {', '.join(missing)}" if missing else None
 
 
 def pyspy_path() -> str | None:
