@@ -29,8 +29,6 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ from experiments.common import (
     md_rows,
     mean_std,
     paired_deltas,
+    per_round_mean,
     save_fig,
     subplots,
     summarize,
@@ -283,20 +282,9 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
     """Site-0's validation loss per round, one line per scenario; ``f``: the mode's fixed settings."""
     fig, ax = subplots(figsize=(6.4, 4.2))
     for cfg in SCENARIOS:
-        by: dict[int, list[float]] = {}
-        for r in rounds:
-            if r["config"] == cfg and r["status"] == "applied" and not math.isnan(r["val_loss"]):
-                by.setdefault(r["round"], []).append(r["val_loss"])
-        if by:
-            xs = sorted(by)
-            ax.plot(
-                [x + 1 for x in xs],
-                [statistics.fmean(by[x]) for x in xs],
-                marker="o",
-                ms=3,
-                label=cfg,
-                ls="-" if cfg == NO_FAULT else "--",
-            )
+        xs, mean, _, _ = per_round_mean(rounds, cfg, "val_loss", lambda r: r["status"] == "applied")
+        if xs:
+            ax.plot([x + 1 for x in xs], mean, marker="o", ms=3, label=cfg, ls="-" if cfg == NO_FAULT else "--")
     ax.axvline(f[KILL] + 1, color="0.6", lw=0.8, ls=":")
     ax.set_xlabel("round (site-0)")
     ax.set_ylabel("validation loss, mean over seeds")

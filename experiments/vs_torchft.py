@@ -192,11 +192,9 @@ def _prewarmed_main(argv: list[str]) -> None:
     rc = run(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    try:  # this process's own peak RSS (VmHWM: since exec, nothing inherited from the harness)
-        hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    hwm = _vmhwm_kb(os.getpid())  # this process's own peak RSS (since exec, nothing inherited from the harness)
+    if hwm is not None:
         Path(str(ready) + ".rss").write_text(str(hwm))
-    except (OSError, StopIteration, ValueError):
-        pass
     os._exit(rc if isinstance(rc, int) else 0)
 
 
