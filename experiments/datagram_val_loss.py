@@ -126,10 +126,10 @@ def run_point(point: Point) -> RunResult:
     if not f.get(NETEM):
         return run_inproc(point.run_spec(timeout_s=600.0))
     from experiments import netem_loss  # noqa: PLC0415
-    from experiments.procs import netem_topology  # noqa: PLC0415
+    from experiments.procs import sites_topology  # noqa: PLC0415
 
     m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
-    with netem_topology(f[SITES] + 1, "dgval", "datagram_val_loss", mtu_bytes=f.get(MTU, 1500)) as topo:
+    with sites_topology(f[SITES], "dgval", "datagram_val_loss", mtu_bytes=f.get(MTU, 1500)) as topo:
         r = netem_loss.run_one(
             topo,
             m,

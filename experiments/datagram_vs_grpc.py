@@ -55,7 +55,7 @@ from dtrain.app.cli import EXIT_LEFT_BEHIND
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
 from experiments.lab import Point, Spec
-from experiments.procs import SitesRun, line_record, loss_based_cc, netem_topology, run_sites, set_link, sysctl
+from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
@@ -96,8 +96,6 @@ def _legacy(f: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
     if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
         raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
     return dict(
         num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
     ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0))
@@ -389,7 +387,7 @@ def run_point(point: Point) -> list[RunResult]:
     """One data path's run through every loss, in a topology of its own; one result per loss."""
     m = _legacy(point.settings)
     path = (point.config, point.settings[DATA_PATH], point.settings[CC])
-    with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
+    with sites_topology(m["num_sites"], "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
         return run_path(topo, m, path, point.seed, 3600.0)
 
 

@@ -42,7 +42,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import SitesRun, line_record, netem_topology, run_sites, set_link
+from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -251,10 +251,8 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
 def run_point(point: Point) -> RunResult:
     """One run of the point in a topology of its own (the sites and the rendezvous each a namespace)."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
     m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
-    with netem_topology(f[SITES] + 1, "nloss", "netem_loss") as topo:
+    with sites_topology(f[SITES], "nloss", "netem_loss") as topo:
         return run_one(topo, m, point.config, f[LOSS], point.seed, 900.0)
 
 

@@ -1,5 +1,5 @@
 """What the experiments' process runs share: whether links can be emulated here
-(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`set_link`,
+(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`,
 :func:`sysctl`, :func:`loss_based_cc`), one run of N worker sites through them
 (:func:`run_sites`, :class:`SitesRun`, :func:`line_record`) and a free loopback port
 (:func:`free_port`).
@@ -62,6 +62,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
+    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last site, as
+    ``dtrain launch --netem`` places it); ValueError below 2 sites (an exchange needs two)."""
+    if n < 2:
+        raise ValueError(f"{script}: task_spec.num_sites must be >= 2 (an exchange needs two sites), got {n}")
+    return netem_topology(n + 1, name, script, mtu_bytes=mtu_bytes)
 
 
 def set_link(topo, **link: Any) -> None:

@@ -53,7 +53,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import line_record, netem_topology, run_sites, set_link
+from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
@@ -301,13 +301,11 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
 def run_point(point: Point) -> RunResult:
     """One configuration and seed in a topology of its own."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
     m = {"num_sites": f[SITES], "size": f[SIZE], "codec": f[CODEC], "sync_every": f[H], "outer_rounds": f[ROUNDS]}
     if "task.inner_step_sleep_s" in f:
         m["inner_step_sleep_s"] = f["task.inner_step_sleep_s"]
     stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
-    with netem_topology(f[SITES] + 1, "strm", "streaming") as topo:
+    with sites_topology(f[SITES], "strm", "streaming") as topo:
         return run_one(topo, m, point.config, stream, point.seed, 3600.0)
 
 

@@ -66,7 +66,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import line_record, netem_topology, run_sites, set_link, sysctl
+from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
@@ -143,9 +143,7 @@ def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
 def run_point(point: Point) -> list[RunResult]:
     """One seed's run through every setting of the walk, in a topology of its own; one result per setting."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2 (an exchange needs two sites), got {f[SITES]}")
-    with netem_topology(f[SITES] + 1, "wan", "wan_sweep") as topo:
+    with sites_topology(f[SITES], "wan", "wan_sweep") as topo:
         if f.get(SSAI) is not None:
             sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
         return run_seed(topo, f, point.seed, grid(f), 3600.0)
