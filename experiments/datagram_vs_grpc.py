@@ -68,7 +68,11 @@ PATHS = (
 SITES, SIZE, H, TASK = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "task_spec.task"
 RATE, DELAY, LOSSES, MTU = "netem.rate_mbit", "netem.delay_ms", "netem.losses", "netem.mtu_bytes"
 MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s", "net.data_path", "netem.tcp_cc"
-LINK = {RATE: 100.0, MTU: 1500}
+# "set": the rendezvous's time settings below (they bound a run's time: a loss-based TCP at 20% loss
+# needs minutes a round); "derived": none set, every deadline derived (issue 32's reno check:
+# --set lab.deadlines=derived --set 'netem.losses=[10]')
+DEADLINES = "lab.deadlines"
+LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set"}
 MODES: dict[str, dict[str, Any]] = {
     # smoke: as in wan_sweep's smoke, an inner phase long enough that the link change lands between two
     # exchanges (a 40 ms one let the next round start first, once in four runs, leaving the 5% row unmeasured)
@@ -96,9 +100,12 @@ def _legacy(f: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
     if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
         raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
+    deadlines = f.get(DEADLINES, "set")
+    if deadlines not in ("set", "derived"):
+        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {deadlines!r}")
     return dict(
         num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
-    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0))
+    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0), deadlines=deadlines)
 
 
 RENDEZVOUS = {
@@ -170,7 +177,8 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else None
     # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
     # θ) is this run's figure, not a harness failure
-    res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=timeout_s, root=root, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
+    rv = RENDEZVOUS if m.get("deadlines", "set") == "set" else {"heartbeat_interval_s": 1.0}
+    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, root=root, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
     left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
     cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
@@ -391,6 +399,12 @@ def run_point(point: Point) -> list[RunResult]:
         return run_path(topo, m, path, point.seed, 3600.0)
 
 
+def _deadlines_text(lm: dict[str, Any]) -> str:
+    if lm["deadlines"] == "derived":
+        return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
+    return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
+
+
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     lm = _legacy(m["fixed"])
     png = plot(rows, prefix)
@@ -401,7 +415,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 {lm["rate"]:g} Mbit/s, {lm["delay"]:g} ms one way (RTT {2 * lm["delay"]:g} ms), MTU {lm["mtu"]} bytes, random loss of packets arriving at a
 site; task `{lm["task"] or lm["size"]}`, H = {lm["sync_every"]}, int8; 1 warm-up + {lm["measured"]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm["rate"]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`. Deadlines: {_deadlines_text(lm)}.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}
@@ -421,6 +435,6 @@ SPEC = Spec(
     report=report,
     verdict=lambda rows, rounds, m: [],  # its verdicts are paragraphs of the report (data path, CPU floor)
     execute=run_point,
-    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC),
+    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC, DEADLINES),
     netem=True,
 )
