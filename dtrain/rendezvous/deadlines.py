@@ -33,7 +33,7 @@ the newest round observed, the next deadline is at least ``backoff`` (2) times t
 cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5); and when the cut round's
 slowest link that delivered anything had delivered only a share f of its contributions by the
 reduce deadline D (``RoundTimes.reduce_live``, the owners' ``reduce_live_fraction``), the
-figure is what the whole would take at that pace, D / f (f at least 1 / ``max_factor``), and
+figure is what the whole would take at that pace, D / f (at most ``max_pace_factor`` D), and
 the next deadline at least that x margin + budget: reno at 10% loss moved a quarter of a
 round's contributions by the 10 s start bound, and a doubling per round capped at 40 s cut
 every round of that link. A member that sent nothing is left out of f: a dead or partitioned
@@ -88,8 +88,11 @@ class DeadlineConfig:
         quantile: the quantile of the observed figures used, in (0, 1].
         margin: factor on the observed quantile (>= 1).
         max_factor: a derived deadline is at most this many times its start bound unless the
-            link was measured to need more (module docstring); also the most a cut round's
-            pace extrapolates it, per round (>= 1).
+            link was measured to need more (module docstring) (>= 1).
+        max_pace_factor: the most a cut round's pace extrapolates the deadline that cut it,
+            per round (>= 1): bounds what one chunk of a link that then stalled can make of
+            it. Reno at 10% loss delivered 8% of a round by the 10 s start bound: 4 took two
+            cut rounds (40 s, then 260 s) to reach the ~250 s it needed.
         cut_fraction: a round that was not clean and whose slowest figure reached this share
             of its deadline ran to that deadline (a censored observation), in (0, 1].
         backoff: factor on the deadline that cut the newest round observed (>= 1).
@@ -105,6 +108,7 @@ class DeadlineConfig:
     quantile: float = 0.9
     margin: float = 1.5
     max_factor: float = 4.0
+    max_pace_factor: float = 16.0
     cut_fraction: float = 0.9
     backoff: float = 2.0
     shift_rounds: int = 5
@@ -121,7 +125,7 @@ class DeadlineConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        for name in ("margin", "max_factor", "backoff"):
+        for name in ("margin", "max_factor", "max_pace_factor", "backoff"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
                 raise ValueError(f"{name} must be a number >= 1, got {v!r}")
@@ -252,7 +256,7 @@ def derive_deadlines(
             elif clean_after < config.min_rounds and t.cut(figure, config.cut_fraction) is not None:
                 seen.append(t)
         seen = seen[::-1][-config.history_rounds :]
-        paced = [t.paced(figure, config.cut_fraction, config.max_factor) for t in seen]
+        paced = [t.paced(figure, config.cut_fraction, config.max_pace_factor) for t in seen]
         values = [p or t.cut(figure, config.cut_fraction) or getattr(t, figure) for t, p in zip(seen, paced)]
         # what the link was measured to need (clean rounds, and cut rounds at their live pace) is
         # never capped: the budget is a stall beyond it; faults and back-offs are
@@ -266,7 +270,7 @@ def derive_deadlines(
             assert newest is not None
             backed = min(cut_by * config.backoff, start[i] * config.max_factor)
             why_back = f"round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g}"
-            pace = newest.paced(figure, config.cut_fraction, config.max_factor)
+            pace = newest.paced(figure, config.cut_fraction, config.max_pace_factor)
             if pace is not None and pace * config.margin + b > backed:
                 backed = pace * config.margin + b
                 why_back = (

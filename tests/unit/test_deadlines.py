@@ -195,9 +195,9 @@ def test_a_round_cut_on_a_slow_live_link_is_extrapolated_at_its_pace_past_the_st
     slow = [RoundTimes(round=r, ready_spread_s=0.1, reduce_s=60.0, means_s=120.0) for r in range(1, 4)]
     d = derive_deadlines([cut, *slow], config=CFG)
     assert d.reduce_timeout_s == pytest.approx(60.0 * 1.5 + 5) and d.broadcast_timeout_s == pytest.approx(185.0)
-    # a pace is bounded per round: a link that delivered 1% extrapolates at most max_factor x
+    # a pace is bounded per round: a link that delivered 1% extrapolates at most max_pace_factor x
     crawl = dataclasses.replace(cut, reduce_live=0.01)
-    assert derive_deadlines([crawl], config=CFG).reduce_timeout_s == pytest.approx(4 * 10.0 * 1.5 + 5)
+    assert derive_deadlines([crawl], config=CFG).reduce_timeout_s == pytest.approx(16 * 10.0 * 1.5 + 5)
 
 
 def test_a_member_that_sent_nothing_is_a_fault_not_a_pace() -> None:
