@@ -604,6 +604,8 @@ class DiLoCo:
         # one collective: every rank's θ checksum, and whether the round left its slice unrepaired
         mine = (theta_checksum(self.state, merged), bool(self.site.unrepaired(outcome)))
         ranks = self.comm.all_gather(mine)
+        if self.streaming is None and any(u for _, u in ranks) and self._catch_up_now(outcome):
+            ranks = self.comm.all_gather((theta_checksum(self.state), False))
         outcome.slice_checksums = [c for c, _ in ranks]
         outcome.site_checksum = self.site_checksum(outcome.slice_checksums)
         notices = self.site.notices
@@ -614,6 +616,24 @@ class DiLoCo:
         self.site.note_rounds_done(self.engine.state.rounds_applied - any(u for _, u in ranks))
         for cb in self.on_round:
             cb(outcome)
+
+    def _catch_up_now(self, outcome: SyncOutcome) -> bool:
+        """Right after a round that left buckets of some rank's slice stale and unrepaired
+        (every rank, a collective): bring them to the round from its other members before the
+        next inner phase (:meth:`Site.catch_up_last_round
+        <dtrain.site.Site.catch_up_last_round>`, within the round's broadcast deadline), and
+        the model to θ. Left stale, such a bucket stayed unlike its owner's in every later
+        round (each round's mean then misses its checksum before) until a repair pulled it
+        whole: at gRPC over reno at 10% loss no repair fitted a round, and every round of the
+        run ended with unequal θ. Returns whether they were caught up; if not, the buckets stay
+        stale (the next rounds' repairs, and the end of the run, try again)."""
+        behind = self.site.catch_up_last_round(outcome)
+        if behind is not None:
+            log.warning("%s: %s; training on", self.config.site_id, behind)
+            return False
+        self.state.copy_to(self.local_tensors())
+        self._sync_replicas()
+        return True
 
     def diloco_numel(self) -> dict[str, int]:
         """This rank's DiLoCo elements (see :func:`diloco_numel`): ~1/K of a one-rank site's."""

@@ -150,6 +150,7 @@ class RoundLine(_Record):
     skipped_buckets: int | None = None
     contributed: bool | None = None
     reduce_arrived_fraction: float | None = None
+    reduce_live_fraction: float | None = None
     broadcast_arrived_fraction: float | None = None
     included_fraction: float | None = None
     bytes_sent: int | None = None

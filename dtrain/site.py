@@ -386,9 +386,11 @@ class Site:
         return list(self.engine.unrepaired) if applied and self.engine.config.repair else []
 
     def catch_up_last_round(self, outcome: SyncOutcome | None) -> LeftBehind | None:
-        """At the end of a run, before the worker exports θ and writes its summary (every
-        rank: a collective): bring the buckets the last round (``outcome``) left STALE and
-        unrepaired to the round from its other members. They keep serving while this site's
+        """Right after a round that left buckets STALE and unrepaired (``DiLoCo`` calls it
+        before the next inner phase), and at the end of a run, before the worker exports θ and
+        writes its summary (every rank: a collective): bring the buckets ``outcome``'s round
+        left STALE and unrepaired to the round from its other members (mid-run they serve
+        state and kept means as to a joiner). At the end they keep serving while this site's
         heartbeats say it has not finished that round (rank 0's ``rounds_done`` stays one
         short while its slice is unrepaired; :meth:`_wait_members_finished`, at most the
         round's broadcast deadline). Each such bucket goes back to the round before and takes
@@ -414,6 +416,7 @@ class Site:
             donors = rank_donors(others, self.rank, self.num_ranks)
             log.info("%s: catching up buckets %s of round %d from %s", self.site_id, mine, plan.round, donors)
             st = self.engine.state
+            tags = {b: st.bucket_round[b] for b in mine}
             for b in mine:  # θ_b does not reflect the round: it takes the round's mean again
                 with st.lock(b):
                     st.bucket_round[b] = plan.round
@@ -437,14 +440,19 @@ class Site:
                     break
                 log.info("%s: catching up: %s; asking again", self.site_id, err)
                 time.sleep(0.2)
+            if err is not None:  # nothing was installed: the buckets keep the tags the round gave them
+                for b, tag in tags.items():
+                    with st.lock(b):
+                        st.bucket_round[b] = tag
         try:
             errs = [e for e in self.comm.all_gather(err, round=True) if e]
         except RuntimeError:
             errs = [err or "a rank of the site died"]
         if errs:
             return self._left_behind(total, f"catching them up failed: {errs[0]}")
+        self.engine.unrepaired = []  # θ_b is the round's now: nothing left to catch up
         self.note_rounds_done(plan.round + 1)  # the heartbeat thread tells the rendezvous at once
-        log.info("%s: the last round's %d unrepaired bucket(s) caught up", self.site_id, total)
+        log.info("%s: round %d's %d unrepaired bucket(s) caught up", self.site_id, plan.round, total)
         return None
 
     def _left_behind(self, n: int, why: str) -> LeftBehind:

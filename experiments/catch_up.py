@@ -203,7 +203,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
 SPEC = Spec(
     name="catch_up",
     title="Catch-up: a joiner's state pull against the naive transfer time",
-    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},  # timings: one pull at a time
+    modes={k: {"seeds": [0], **v} for k, v in MODES.items()},  # jobs 1 (the default): timings, one pull at a time
     label=lambda point: f"joiner x{point[JOINER_X]}, {point[STATE_MB]} MB, {point[DONORS]} donors",
     metrics=(("seconds", 0.0, 600.0), ("bytes", 1, 1e12)),
     report=report,

@@ -78,7 +78,7 @@ from dtrain.protocol import Contribution
 from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig
 from experiments.common import RunResult
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import netem_problem, netem_topology
 from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
 from experiments.site_failures import WORKER
 
@@ -492,12 +492,10 @@ def verdict(rows: list[dict], rounds: list, m: dict) -> list[str]:
 def _netem_wanted(mode: str) -> bool:
     if mode == "off":
         return False
-    import netem  # noqa: PLC0415
-
-    missing = netem.missing_requirements()
-    if missing and mode == "on":
-        raise SystemExit(f"chaos.netem=on: netem cannot emulate links here: missing {', '.join(missing)}")
-    return not missing
+    why = netem_problem()
+    if why and mode == "on":
+        raise SystemExit(f"chaos.netem=on: netem cannot emulate links here: {why}")
+    return not why
 
 
 def _soak(cfg: ChaosConfig, root: Path, *, faults: bool) -> Outcome:

@@ -63,6 +63,7 @@ __all__ = [
     "code_version",
     "quiet_logging",
     "paired_deltas",
+    "per_round_mean",
     "subplots",
     "save_fig",
     "own_session",
@@ -505,6 +506,24 @@ def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
     """100·(final val loss / the base row's of the same seed − 1), per row whose seed the base has."""
     by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
     return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
+
+
+def per_round_mean(
+    rounds: Sequence[dict[str, Any]], config: str, metric: str, keep: Callable[[dict[str, Any]], bool] = lambda r: True
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Per round of ``config``'s per-round records (those ``keep`` takes, NaNs left out): the rounds
+    and the mean, min and max of ``metric`` over them (over seeds and sites)."""
+    by_round: dict[int, list[float]] = {}
+    for r in rounds:
+        if r["config"] == config and keep(r) and not math.isnan(r[metric]):
+            by_round.setdefault(r["round"], []).append(r[metric])
+    xs = sorted(by_round)
+    return (
+        xs,
+        [statistics.fmean(by_round[x]) for x in xs],
+        [min(by_round[x]) for x in xs],
+        [max(by_round[x]) for x in xs],
+    )
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -557,7 +557,6 @@ SPEC = Spec(
     title="Convergence (issue 18)",
     modes=MODES,
     fixed=FIXED,
-    label=lambda point: "",
     metrics=(("final_val_loss", 0.0, 10.0),),
     report=report,
     verdict=claims,

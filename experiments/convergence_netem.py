@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from experiments import netem_loss
 from experiments.common import RunResult, fmt_pm, md_rows, mean_se, pct_deltas, summarize
-from experiments.procs import netem_topology
+from experiments.procs import sites_topology
 
 __all__ = ["NETEM", "BASE", "REPEAT", "LOSSY", "RENDEZVOUS", "settings", "run", "table", "claim"]
 
@@ -67,7 +67,7 @@ def run(m: dict[str, Any], seeds: Sequence[int], timeout_s: float) -> list[RunRe
     """Per seed: 0%, 10% and 0% again through one netem topology; rows tagged section ``NETEM``."""
     run_m, worker = settings(m)
     out = []
-    with netem_topology(run_m["num_sites"] + 1, "cnet", "convergence.side=netem") as topo:
+    with sites_topology(run_m["num_sites"], "cnet", "convergence.side=netem") as topo:
         for seed in seeds:
             for cfg, loss in ((BASE, 0.0), (LOSSY, 10.0), (REPEAT, 0.0)):
                 res = netem_loss.run_one(topo, run_m, cfg, loss, seed, timeout_s, worker=worker, rendezvous=RENDEZVOUS)

@@ -140,7 +140,7 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 SPEC = Spec(
     name="datagram_mean_loss",
     title="Datagram path: recovering lost mean datagrams",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
+    modes=MODES,
     fixed={NUMEL: 400_000},  # parameters (int8: about one byte each)
     label=lambda point: f"loss {point[LOSS]:g}",
     metrics=(("time_s", 0.0, 600.0), ("wire_over_payload", 0.0, 10.0)),

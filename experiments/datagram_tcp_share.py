@@ -22,7 +22,6 @@ Usage (as root)::
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 from dtrain.transports.datagram_pacing import Pacer
 from experiments.common import RunResult, md_table
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import loss_based_cc, netem_topology, set_link, sysctl
 
 RATE, DELAY, SECONDS, UDP, CC = "netem.rate_mbit", "netem.delay_ms", "lab.seconds", "lab.udp_mbit", "netem.tcp_cc"
 LOSSY_CC = "cubic-or-reno"  # cubic where the machine's allowed list has it, else reno
@@ -98,10 +97,7 @@ def _udp_source(sock: socket.socket, addr: tuple[str, int], rate_mbit: float, st
 
 
 def one(topo, cc: str, udp_mbit: float, seconds: float, bin_s: float = 0.25) -> dict:
-    for i in range(3):
-        subprocess.run(
-            topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"]), check=True, timeout=10
-        )
+    sysctl(topo, "tcp_congestion_control", cc)
     srv = topo.socket(1, socket.AF_INET, socket.SOCK_STREAM)
     srv.bind((topo.address(1), 0))
     srv.listen(1)
@@ -147,21 +143,13 @@ def one(topo, cc: str, udp_mbit: float, seconds: float, bin_s: float = 0.25) -> 
     }
 
 
-def _cc(name: str) -> str:
-    if name != LOSSY_CC:
-        return name
-    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
-    return "cubic" if "cubic" in allowed else "reno"
-
-
 def measure(point: Point) -> RunResult:
     """A TCP flow beside a paced datagram flow on three emulated sites (one topology per point)."""
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
     f = point.settings
     with netem_topology(3, "dgshare", "datagram_tcp_share") as topo:
-        topo.set_link(None, LinkParams(delay_ms=f[DELAY], rate_mbit=f[RATE]))
-        return RunResult(row=point.row(**one(topo, _cc(f[CC]), f[UDP], f[SECONDS])))
+        set_link(topo, delay_ms=f[DELAY], rate_mbit=f[RATE])
+        cc = loss_based_cc() if f[CC] == LOSSY_CC else f[CC]
+        return RunResult(row=point.row(**one(topo, cc, f[UDP], f[SECONDS])))
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
@@ -181,7 +169,7 @@ site 2 -> 1 in its middle third; goodput in Mbit/s. CSV: `{prefix.with_suffix(".
 SPEC = Spec(
     name="datagram_tcp_share",
     title="A paced datagram flow beside a TCP flow (netem)",
-    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},
+    modes={k: {"seeds": [0], **v} for k, v in MODES.items()},
     grid={CC: ["bbr", LOSSY_CC]},
     fixed={RATE: 100.0, DELAY: 40.0},
     label=lambda point: f"{point[CC]}, datagrams {point[UDP]:g} Mbit/s",

@@ -126,10 +126,10 @@ def run_point(point: Point) -> RunResult:
     if not f.get(NETEM):
         return run_inproc(point.run_spec(timeout_s=600.0))
     from experiments import netem_loss  # noqa: PLC0415
-    from experiments.procs import netem_topology  # noqa: PLC0415
+    from experiments.procs import sites_topology  # noqa: PLC0415
 
     m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
-    with netem_topology(f[SITES] + 1, "dgval", "datagram_val_loss", mtu_bytes=f.get(MTU, 1500)) as topo:
+    with sites_topology(f[SITES], "dgval", "datagram_val_loss", mtu_bytes=f.get(MTU, 1500)) as topo:
         r = netem_loss.run_one(
             topo,
             m,
@@ -239,7 +239,7 @@ def verdict_lines(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: d
 SPEC = Spec(
     name="datagram_val_loss",
     title="Datagram path: validation loss at 10% loss",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
+    modes=MODES,
     fixed={
         "diloco.rounds.codec.name": "int8",
         # generous: a lossy round ends at the senders' SEND_END, not at these; on a machine
@@ -250,7 +250,6 @@ SPEC = Spec(
         "inproc.track_drift": False,
         NETEM: False,
     },
-    label=lambda point: point["config"],
     derive=check_netem,
     columns=lambda point: {"loss": point[DROP]},
     metrics=(("final_val_loss", 0.0, 10.0),),

@@ -47,30 +47,19 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from dtrain.app.cli import EXIT_LEFT_BEHIND
-from dtrain.app.procs import Cluster
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
-
-def _loss_based_cc() -> str:
-    """cubic where this machine allows it; else reno (also loss-based AIMD). The allowed list is
-    global (``net.ipv4.tcp_allowed_congestion_control``), so it is read, never changed."""
-    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
-    return "cubic" if "cubic" in allowed else "reno"
-
-
-_LOSS_CC = _loss_based_cc() if Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").exists() else "cubic"
+_LOSS_CC = loss_based_cc()
 PATHS = (
     ("gRPC (BBR)", "grpc", "bbr"),
     (f"gRPC ({_LOSS_CC})", "grpc", _LOSS_CC),
@@ -79,7 +68,11 @@ PATHS = (
 SITES, SIZE, H, TASK = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "task_spec.task"
 RATE, DELAY, LOSSES, MTU = "netem.rate_mbit", "netem.delay_ms", "netem.losses", "netem.mtu_bytes"
 MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s", "net.data_path", "netem.tcp_cc"
-LINK = {RATE: 100.0, MTU: 1500}
+# "set": the rendezvous's time settings below (they bound a run's time: a loss-based TCP at 20% loss
+# needs minutes a round); "derived": none set, every deadline derived (issue 32's reno check:
+# --set lab.deadlines=derived --set 'netem.losses=[10]')
+DEADLINES = "lab.deadlines"
+LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set"}
 MODES: dict[str, dict[str, Any]] = {
     # smoke: as in wan_sweep's smoke, an inner phase long enough that the link change lands between two
     # exchanges (a 40 ms one let the next round start first, once in four runs, leaving the 5% row unmeasured)
@@ -107,11 +100,12 @@ def _legacy(f: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
     if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
         raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
+    deadlines = f.get(DEADLINES, "set")
+    if deadlines not in ("set", "derived"):
+        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {deadlines!r}")
     return dict(
         num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
-    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0))
+    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0), deadlines=deadlines)
 
 
 RENDEZVOUS = {
@@ -121,12 +115,6 @@ RENDEZVOUS = {
     "reduce_timeout_s": 30.0,
     "broadcast_timeout_s": 60.0,
 }
-
-
-def _set_cc(topo, n: int, cc: str) -> None:
-    for i in range(n):
-        argv = topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"])
-        subprocess.run(argv, check=True, timeout=10)
 
 
 def machine_cpu() -> dict[str, float]:
@@ -160,83 +148,43 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
     label, data_path, cc = path
     n, per = m["num_sites"], 1 + m["measured"]
     total = per * len(m["losses"])
     changed_at: list[float] = []
     # the machine's CPU after the first round (start-up left out), at each later link change and at the end
     cpu_at: list[dict[str, float]] = []
-    _set_cc(topo, n + 1, cc)
+    sysctl(topo, "tcp_congestion_control", cc)
 
-    def link(loss: float) -> None:
-        topo.set_link(None, LinkParams(delay_ms=m["delay"], loss_pct=loss, rate_mbit=m["rate"]))
+    def link(k: int) -> None:
+        set_link(topo, delay_ms=m["delay"], loss_pct=m["losses"][k], rate_mbit=m["rate"])
         changed_at.append(time.time())
-        if cpu_at:
+        if k:  # after the first round's CPU sample
             cpu_at.append(machine_cpu())
+            print(f"  {label}: round {k * per}: loss {m['losses'][k]:g}%", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="dtrain-dgvs-") as d:
-        root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else Path(d)
-        root.mkdir(parents=True, exist_ok=True)
-        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
-        t0 = time.monotonic()
-        try:
-            link(m["losses"][0])
-            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(
-                task=m["task"] or None,
-                size=m["size"],
-                seed=seed,
-                rounds=total,
-                sync_every=m["sync_every"],
-                codec="int8",
-                eval_every=total,
-                quorum_wait_s=600,
-                # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
-                # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
-                # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
-                data_path=data_path,
-                max_rate_mbit=0.95 * m["rate"],
-                max_datagram_bytes=max_datagram_bytes_for_mtu(m["mtu"]) if data_path == "datagram" else None,
-                inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
-            )
-            for i in range(n):
-                run.start_site(i, **opts)
-            names = [f"site-{i}" for i in range(n)]
-            run.wait(lambda: run.check_alive(names) or all(run.done_round(i, 0) for i in range(n)), "the first round")
-            cpu_at.append(machine_cpu())
-            for k in range(1, len(m["losses"])):
-                last = k * per - 1
-                run.wait(
-                    lambda last=last: run.check_alive(names) or all(run.done_round(i, last) for i in range(n)),
-                    f"every site to finish round {last}",
-                )
-                link(m["losses"][k])
-                print(f"  {label}: round {last + 1}: loss {m['losses'][k]:g}%", flush=True)
-            run.wait(
-                lambda: run.check_alive(names) or all(run.done_round(i, total - 1) for i in range(n)), "the last round"
-            )
-            cpu_at.append(machine_cpu())
-            # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
-            # θ) is this run's figure, not a harness failure
-            ok = (0, EXIT_LEFT_BEHIND)
-            run.wait(lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish")
-            left_behind = sum(run.procs[x].poll() == EXIT_LEFT_BEHIND for x in names)
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: run.rounds(i) for i in range(n)}
-        starts = [x for x in run.lines(0) if x.get("event") == "start"]
-    first_val = starts[0]["val_loss"] if starts else float("nan")
+    link(0)
+    opts = dict(task=m["task"] or None, size=m["size"], seed=seed, rounds=total, sync_every=m["sync_every"])
+    # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
+    # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
+    # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
+    opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m["rate"])
+    opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m["mtu"]) if data_path == "datagram" else None)
+    opts |= dict(inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+    steps = [(0, lambda: cpu_at.append(machine_cpu()))]
+    steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m["losses"]))]
+    steps += [(total - 1, lambda: cpu_at.append(machine_cpu()))]
+    root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else None
+    # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
+    # θ) is this run's figure, not a harness failure
+    rv = RENDEZVOUS if m.get("deadlines", "set") == "set" else {"heartbeat_interval_s": 1.0}
+    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, root=root, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
+    left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
     cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
-    out = [
-        _result(m, label, seed, k, loss, per_site, changed_at[k], wall, first_val, cpu[k])
-        for k, loss in enumerate(m["losses"])
-    ]
-    for k, res in enumerate(out):  # the end of the run is the last setting's
-        res.row["left_behind"] = left_behind if k == len(out) - 1 else 0
+    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m["losses"])]
+    for k, r in enumerate(out):  # the end of the run is the last setting's
+        r.row["left_behind"] = left_behind if k == len(out) - 1 else 0
     return out
 
 
@@ -255,31 +203,22 @@ def _number(line: dict, key: str) -> float:
     return float("nan") if v is None else float(v)
 
 
-def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val, cpu) -> RunResult:
+def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResult:
     """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
     its rounds (its warm-up round included, but the first setting's)."""
-    n, per = m["num_sites"], 1 + m["measured"]
+    n, per, per_site = m["num_sites"], 1 + m["measured"], res.per_site
     engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
     sync_cpu, sync_sys, cycle_cpu = [], [], []  # per measured round: the sites' CPU seconds, summed over sites
     drift = stale = skipped = 0
+    keys = ("round", "site", "status", "round_s", "bytes_sent", "included_fraction")
     for r in range(k * per + 1, (k + 1) * per):  # the first round of each setting is the warm-up
         lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
         ok = len(lines) == n and all(x["time"] - x["sync_s"] >= changed_at for x in lines)
-        for x in lines:
-            rounds_out.append(
-                {
-                    "experiment": "datagram_vs_grpc",
-                    "config": f"{label}, loss {loss:g}%",
-                    "seed": seed,
-                    "round": r,
-                    "site": x["site"],
-                    "measured": ok,
-                    "status": x["status"],
-                    "round_s": x.get("round_s", x.get("total_s", float("nan"))),
-                    "bytes_sent": x.get("bytes_sent", 0),
-                    "included_fraction": x.get("included_fraction", float("nan")),
-                }
-            )
+        rounds_out += [
+            line_record("datagram_vs_grpc", f"{label}, loss {loss:g}%", seed, x, keys, measured=ok)
+            | {"round_s": x.get("round_s", x.get("total_s", float("nan")))}  # older dtrain: total_s
+            for x in lines
+        ]
         if not ok:
             continue
         engine.append(max(x.get("round_s", x.get("total_s", float("nan"))) for x in lines))
@@ -296,7 +235,6 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val, cpu)
     b = statistics.fmean(enc) if enc else float("nan")
     limit = physical_limit_s(b, m["rate"], m["delay"])
     e = statistics.fmean(engine) if engine else float("nan")
-    final = per_site[0][-1] if per_site[0] else {}
     row = {
         "experiment": "datagram_vs_grpc",
         "config": f"{label}, loss {loss:g}%",
@@ -321,11 +259,7 @@ def _result(m, label, seed, k, loss, per_site, changed_at, wall, first_val, cpu)
         "skipped_buckets": skipped,
         "rejected": 0,
         "sync_s": e,
-        "first_val_loss": first_val,
-        "final_val_loss": final.get("val_loss", float("nan")),
-        "rounds_done": len(per_site[0]),
-        "wall_s": wall,
-        "bytes_total": sum(x.get("bytes_sent", 0) for i in per_site for x in per_site[i]),
+        **res.facts(),
         # CPU: what the sites' syncs and whole round cycles cost (CPU s per round, summed over sites),
         # and how busy the machine was over this setting's rounds (the emulator's kernel work included)
         "sites_sync_cpu_s": statistics.median(sync_cpu) if sync_cpu else float("nan"),
@@ -461,8 +395,14 @@ def run_point(point: Point) -> list[RunResult]:
     """One data path's run through every loss, in a topology of its own; one result per loss."""
     m = _legacy(point.settings)
     path = (point.config, point.settings[DATA_PATH], point.settings[CC])
-    with netem_topology(m["num_sites"] + 1, "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
+    with sites_topology(m["num_sites"], "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
         return run_path(topo, m, path, point.seed, 3600.0)
+
+
+def _deadlines_text(lm: dict[str, Any]) -> str:
+    if lm["deadlines"] == "derived":
+        return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
+    return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
@@ -475,7 +415,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 {lm["rate"]:g} Mbit/s, {lm["delay"]:g} ms one way (RTT {2 * lm["delay"]:g} ms), MTU {lm["mtu"]} bytes, random loss of packets arriving at a
 site; task `{lm["task"] or lm["size"]}`, H = {lm["sync_every"]}, int8; 1 warm-up + {lm["measured"]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm["rate"]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`. Deadlines: {_deadlines_text(lm)}.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}
@@ -489,15 +429,12 @@ SPEC = Spec(
     name="datagram_vs_grpc",
     title="Datagram path vs gRPC through netem",
     # one run per data path and seed, walking the losses
-    modes={
-        k: {"jobs": 1, "grid": [{"config": a, DATA_PATH: b, CC: c} for a, b, c in PATHS], **v} for k, v in MODES.items()
-    },
+    modes={k: {"grid": [{"config": a, DATA_PATH: b, CC: c} for a, b, c in PATHS], **v} for k, v in MODES.items()},
     fixed=LINK,
-    label=lambda point: point["config"],
     metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("delivered", 0.0, 1.0)),
     report=report,
     verdict=lambda rows, rounds, m: [],  # its verdicts are paragraphs of the report (data path, CPU floor)
     execute=run_point,
-    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC),
+    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC, DEADLINES),
     netem=True,
 )

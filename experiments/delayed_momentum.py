@@ -149,8 +149,7 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 SPEC = Spec(
     name="delayed_momentum",
     title="One-step-delayed rounds: outer momentum",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},
-    label=lambda point: point["config"],
+    modes=MODES,
     # F = 1, τ = H: the one-step-delayed mode; blocking rounds overlap nothing
     derive=lambda s: {OVERLAP: s[H] if s[DELAYED] else 0},
     metrics=(("final_loss", 0.0, 10.0),),

@@ -368,7 +368,6 @@ SPEC = Spec(
         OUTER_LR: 0.7,
         OUTER_M: 0.9,
     },
-    label=lambda point: point["config"],
     columns=lambda point: {"method": point[METHOD], "H": point[H]},
     metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
     report=report,

@@ -32,14 +32,13 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import math
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import RunResult, fmt_pm, md_rows, mean_std, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
+from experiments.procs import SitesRun, run_sites
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
@@ -97,19 +96,15 @@ def run_hetero(point: Point) -> RunResult:
     # the slow site is cut when the others wait at most 0.3 of its extra time for it
     extra_s = f[H] * (f[COMPUTE] + STEP_S) * (1 / f[SHARE] - 1)
     quorum = 0.3 * extra_s if f[MODE] == CUT else 30.0
-    with tempfile.TemporaryDirectory(prefix="dtrain-hetero-") as d:
-        run = Cluster(Path(d), num_sites=n, timeout_s=600)
-        t0 = time.monotonic()
-        try:
-            run.start_rendezvous(**{"initial_sites": n, "quorum_timeout_s": quorum, **RENDEZVOUS})
-            for i in range(n):
-                run.start_site(i, **_site_options(f, point.seed, i))
-            run.wait(lambda: _done(run, n, f[TARGET]), "the target loss or the sites to finish", poll_s=0.5)
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(n)}
-    return _measure(point, per_site, wall)
+    res = run_sites(
+        None,
+        n,
+        {"quorum_timeout_s": quorum, **RENDEZVOUS},
+        lambda i: _site_options(f, point.seed, i),
+        timeout_s=600,
+        drive=lambda run: run.wait(lambda: _done(run, n, f[TARGET]), "the target loss or the end", poll_s=0.5),
+    )
+    return _measure(point, res)
 
 
 def _done(run: Cluster, n: int, target: float) -> bool:
@@ -119,8 +114,8 @@ def _done(run: Cluster, n: int, target: float) -> bool:
     return any(x.get("event") == "round" and (x.get("val_loss") or math.inf) <= target for x in run.lines(0))
 
 
-def _measure(point: Point, per_site: dict[int, list[dict[str, Any]]], wall: float) -> RunResult:
-    f, n = point.settings, point.settings[SITES]
+def _measure(point: Point, res: SitesRun) -> RunResult:
+    f, n, per_site = point.settings, point.settings[SITES], res.per_site
     site0, slow = per_site[0], per_site[n - 1]
     t_ref = site0[0]["time"] if site0 else math.nan
     reached = next((x for x in site0 if x.get("val_loss") is not None and x["val_loss"] <= f[TARGET]), None)
@@ -129,16 +124,10 @@ def _measure(point: Point, per_site: dict[int, list[dict[str, Any]]], wall: floa
         num_sites=n,
         sync_every=f[H],
         codec=WORKER["codec"],
-        first_val_loss=site0[0]["val_loss"] if site0 else math.nan,
-        final_val_loss=site0[-1]["val_loss"] if site0 else math.nan,
-        rounds_done=len(site0),
+        **res.facts() | {"first_val_loss": site0[0]["val_loss"] if site0 else math.nan},  # after its first round
         time_to_target_s=(reached["time"] - t_ref) if reached else math.nan,
         rounds_to_target=reached["round"] if reached else -1,
-        wall_s=wall,
-        bytes_total=sum(x.get("bytes_sent", 0) for xs in per_site.values() for x in xs),
-        bytes_per_round_site=sum(x.get("bytes_sent", 0) for xs in per_site.values() for x in xs)
-        / max(1, len(site0))
-        / n,
+        bytes_per_round_site=res.facts()["bytes_total"] / max(1, len(site0)) / n,
         sync_s=sum(x["sync_s"] for x in site0),
         stale_buckets=sum(x.get("stale_buckets", 0) for xs in per_site.values() for x in xs),
         rejected=sum(sum((x.get("rejected") or {}).values()) for xs in per_site.values() for x in xs),
@@ -259,7 +248,7 @@ CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 SPEC = Spec(
     name="heterogeneous",
     title="Sites of different speed",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one run's processes share the cores
+    modes=MODES,  # jobs 1 (the default): one run's processes share the cores
     label=lambda point: f"{point[MODE]}, share {point[SHARE]:g}",
     columns=lambda point: {"share": point[SHARE]},
     metrics=(("final_val_loss", 0.0, 10.0), ("wall_s", 0.0, 3600.0), ("rounds_done", 1, 1000)),

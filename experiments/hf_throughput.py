@@ -147,7 +147,7 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 SPEC = Spec(
     name="hf_throughput",
     title="hf task vs built-in GPT: tokens per second per site",
-    modes={k: {"seeds": [0], "jobs": 1, **v} for k, v in MODES.items()},  # timings: one run at a time
+    modes={k: {"seeds": [0], **v} for k, v in MODES.items()},  # jobs 1 (the default): timings, one run at a time
     grid={TASK: ["builtin", "hf"], LAUNCH: [True]},
     label=lambda point: point[TASK],
     metrics=(("bare_tokens_per_s", 0.0, 1e9), ("final_val_loss", 0.0, 10.0)),

@@ -184,7 +184,8 @@ class Spec:
             mode may instead give a list of points (path -> value dicts; a point's ``config``
             key, if any, is its label): configurations that are not a product.
         fixed: path -> value for every run.
-        label: grid point (path -> value) -> the configuration's label (the ``config`` column).
+        label: grid point (path -> value) -> the configuration's label (the ``config`` column),
+            for points that do not give their own ``config``.
         derive: a configuration's settings (the fixed ones and its grid point, by path) -> more
             path -> value settings (e.g. a flag that follows the codec, τ that follows H).
         columns: grid point -> extra CSV columns (the swept variable under a short name).
@@ -220,7 +221,7 @@ class Spec:
     modes: dict[str, dict[str, Any]]
     grid: dict[str, list[Any]] = field(default_factory=dict)
     fixed: dict[str, Any] = field(default_factory=dict)
-    label: Callable[[dict[str, Any]], str]
+    label: Callable[[dict[str, Any]], str] = lambda point: _unlabelled(point)
     derive: Callable[[dict[str, Any]], dict[str, Any]] = lambda point: {}
     columns: Callable[[dict[str, Any]], dict[str, Any]] = lambda point: {}
     metrics: tuple[tuple[str, float, float], ...]
@@ -273,6 +274,10 @@ class Spec:
                     p.run_spec()
                 out.append(p)
         return out
+
+
+def _unlabelled(point: dict[str, Any]) -> str:
+    raise ValueError(f"grid point {point} has no 'config' and its spec no label")
 
 
 def _points_of(m: dict[str, Any]) -> list[dict[str, Any]]:

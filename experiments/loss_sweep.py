@@ -38,7 +38,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.common import fmt_pm, md_rows, mean_std, paired_deltas, save_fig, subplots, summarize
+from experiments.common import fmt_pm, md_rows, mean_std, paired_deltas, per_round_mean, save_fig, subplots, summarize
 from experiments.lab import Spec
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
@@ -118,22 +118,6 @@ def drift_growth(rounds: Sequence[dict[str, Any]]) -> float:
         return float("nan")
     a, b = statistics.fmean(q2), statistics.fmean(q4)
     return b / a if a > 0 else (1.0 if b == 0 else float("inf"))
-
-
-def per_round_mean(
-    rounds: list[dict[str, Any]], config: str, metric: str
-) -> tuple[list[int], list[float], list[float], list[float]]:
-    by_round: dict[int, list[float]] = {}
-    for r in rounds:
-        if r["config"] == config and not math.isnan(r[metric]):
-            by_round.setdefault(r["round"], []).append(r[metric])
-    xs = sorted(by_round)
-    return (
-        xs,
-        [statistics.fmean(by_round[x]) for x in xs],
-        [min(by_round[x]) for x in xs],
-        [max(by_round[x]) for x in xs],
-    )
 
 
 def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, dict[str, Any]]:

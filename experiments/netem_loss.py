@@ -28,12 +28,9 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
@@ -45,7 +42,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -98,48 +95,24 @@ def run_one(
 ) -> RunResult:
     """One run at ``loss_pct``; ``worker`` / ``rendezvous``: options replacing ``WORKER`` /
     ``RENDEZVOUS`` (``convergence_netem`` runs the convergence fault table's setup this way)."""
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
-    n = m["num_sites"]
     worker = WORKER if worker is None else worker
-    topo.set_link(None, LinkParams(loss_pct=loss_pct, **LINK))
-    with tempfile.TemporaryDirectory(prefix="dtrain-netemloss-") as d:
-        root = (
-            Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else Path(d)
-        )
-        root.mkdir(parents=True, exist_ok=True)
-        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
-        t0 = time.monotonic()
-        names = [f"site-{i}" for i in range(n)]
-        try:
-            run.start_rendezvous(**{"initial_sites": n, "min_sites": 2, **(rendezvous or RENDEZVOUS)})
-            opts = dict(
-                size=m["size"],
-                seed=seed,
-                rounds=m["rounds"],
-                sync_every=m["sync_every"],
-                eval_every=m["rounds"],
-                **worker,
-            )
-            for i in range(n):
-                run.start_site(i, **opts)
-
-            def done() -> bool:
-                run.check_alive(names)
-                return run.exited(names)
-
-            run.wait(done, "the sites to finish")
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: run.rounds(i) for i in range(n)}
-        start = [x for x in run.lines(0) if x.get("event") == "start"]
-    return _measure(config, seed, m, worker, loss_pct, per_site, start, wall)
+    set_link(topo, loss_pct=loss_pct, **LINK)
+    logs = Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else None
+    opts = dict(size=m["size"], seed=seed, rounds=m["rounds"], sync_every=m["sync_every"], eval_every=m["rounds"])
+    res = run_sites(
+        topo,
+        m["num_sites"],
+        {"min_sites": 2, **(rendezvous or RENDEZVOUS)},
+        {**opts, **worker},
+        timeout_s=timeout_s,
+        root=logs,
+    )
+    return _measure(config, seed, m, worker, loss_pct, res)
 
 
-def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunResult:
+def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
     """The run's row and every site's rounds from the sites' round lines."""
-    n = m["num_sites"]
+    n, per_site = m["num_sites"], res.per_site
     allr = [x for i in range(n) for x in per_site[i]]
     site0 = per_site[0]
     reasons: dict[str, int] = {}
@@ -160,12 +133,8 @@ def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunRes
         "loss_pct": loss_pct,
         "delay_ms": LINK["delay_ms"],
         "rate_mbit": LINK["rate_mbit"],
-        "first_val_loss": start[0]["val_loss"] if start else float("nan"),
-        "final_val_loss": site0[-1]["val_loss"] if site0 else float("nan"),
-        "rounds_done": len(site0),
+        **res.facts(),
         "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
-        "wall_s": wall,
-        "bytes_total": sum(x.get("bytes_sent", 0) for x in allr),
         "bytes_per_round_site": sum(x.get("bytes_sent", 0) for x in allr) / max(1, len(allr)),
         "sync_s": mean("sync_s"),
         "exchange_s": mean("round_s"),
@@ -179,22 +148,8 @@ def _measure(config, seed, m, worker, loss_pct, per_site, start, wall) -> RunRes
         "consistent": len({per_site[i][-1]["checksum"] for i in range(n) if per_site[i]}) == 1,
         "checksum": site0[-1]["checksum"] if site0 else "",  # θ after the last round: equal runs, equal θ
     }
-    rounds = [
-        {
-            "experiment": "netem_loss",
-            "config": config,
-            "seed": seed,
-            "round": x["round"],
-            "site": x["site"],
-            "status": x["status"],
-            "sync_s": x["sync_s"],
-            "round_s": x.get("round_s", float("nan")),
-            "reduce_arrived": x.get("reduce_arrived_fraction", float("nan")),
-            "stale_buckets": x.get("stale_buckets", 0),
-            "val_loss": x["val_loss"],
-        }
-        for x in allr
-    ]
+    keys = ("round", "site", "status", "sync_s", "round_s", "reduce_arrived=reduce_arrived_fraction")
+    rounds = [line_record("netem_loss", config, seed, x, (*keys, "stale_buckets", "val_loss")) for x in allr]
     return RunResult(row=row, rounds=rounds)
 
 
@@ -296,10 +251,8 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
 def run_point(point: Point) -> RunResult:
     """One run of the point in a topology of its own (the sites and the rendezvous each a namespace)."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
     m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
-    with netem_topology(f[SITES] + 1, "nloss", "netem_loss") as topo:
+    with sites_topology(f[SITES], "nloss", "netem_loss") as topo:
         return run_one(topo, m, point.config, f[LOSS], point.seed, 900.0)
 
 
@@ -321,8 +274,7 @@ plot: `{png.name}`.
 SPEC = Spec(
     name="netem_loss",
     title="Packet loss over gRPC through netem",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # one emulated WAN at a time
-    label=lambda point: point["config"],
+    modes=MODES,  # jobs 1 (the default): one emulated WAN at a time
     columns=lambda point: {},
     metrics=(("final_val_loss", 0.0, 10.0), ("reduce_arrived", 0.0, 1.0), ("exchange_s", 0.0, 600.0)),
     report=report,

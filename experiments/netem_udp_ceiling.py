@@ -138,7 +138,7 @@ if __name__ == "__main__" and "--role" in sys.argv:
 # imported after the --role check: a sender/receiver process starts on the standard library only
 from experiments.common import RunResult, md_rows, md_table  # noqa: E402
 from experiments.lab import Point, Spec  # noqa: E402
-from experiments.procs import netem_topology  # noqa: E402
+from experiments.procs import netem_topology, set_link  # noqa: E402
 
 
 def _cpu_ns(pid: int | None) -> int:
@@ -221,17 +221,11 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
 
 
 def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
-    links = {
-        "no delay": LinkParams(),
-        "delay": LinkParams(delay_ms=m["delay"]),
-        "delay + cap": LinkParams(delay_ms=m["delay"], rate_mbit=m["rate_cap"]),
-    }
+    links = {"no delay": {}, "delay": dict(delay_ms=m["delay"])}
+    links["delay + cap"] = dict(delay_ms=m["delay"], rate_mbit=m["rate_cap"])
     out = []
     for setting in settings:
-        params = links[setting]
-        topo.set_link(None, params)
+        set_link(topo, **links[setting])
         for pairs in m["pairs"]:
             for rate in m["offered"]:
                 row = one(topo, m, setting, pairs, rate / pairs)
@@ -352,7 +346,6 @@ SPEC = Spec(
     modes={
         mode: {
             "seeds": [0],
-            "jobs": 1,
             # "no delay" first, on a topology of its own; then each delayer's delayed links
             "grid": [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)],
             "fixed": {NAMES[k]: v[k] for k in NAMES if k in v} | {DELAYERS: v["delayers"]},

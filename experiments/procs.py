@@ -1,5 +1,8 @@
-"""What the experiments' process runs share: their emulated links (:func:`netem_topology`) and a
-free loopback port (:func:`free_port`).
+"""What the experiments' process runs share: whether links can be emulated here
+(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`,
+:func:`sysctl`, :func:`loss_based_cc`), one run of N worker sites through them
+(:func:`run_sites`, :class:`SitesRun`, :func:`line_record`) and a free loopback port
+(:func:`free_port`).
 
 The processes themselves (a rendezvous and N workers, on 127.0.0.1 or each inside its own
 netem site) come from the one cluster harness, :class:`dtrain.app.procs.Cluster`, which the
@@ -8,26 +11,49 @@ fault tests use too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
 
-__all__ = ["netem_topology", "free_port"]
+from dtrain.app.procs import Cluster
+
+#: metrics-line fields that count something: 0 where a line has none (any other field: NaN)
+COUNTS = frozenset({"bytes_sent", "bytes_received", "encoded_bytes", "stale_buckets"})
+
+
+def netem_problem() -> str | None:
+    """None when the repository's netem package (``netem/``, repository tooling imported from this
+    checkout) can build topologies here, else what is missing (root, ``ip netns``, ...)."""
+    if os.geteuid() != 0:
+        return "netem needs root (network namespaces)"
+    try:
+        from netem import missing_requirements  # noqa: PLC0415
+    except Exception as e:
+        return f"the netem package is not importable ({type(e).__name__}: {e})"
+    try:
+        missing = missing_requirements()
+    except Exception as e:
+        return f"netem probe failed ({type(e).__name__}: {e})"
+    return f"netem requirements missing: {', '.join(missing)}" if missing else None
 
 
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
     """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; links of ``mtu_bytes``; use it
     as a context manager), named ``name`` + this process's id, so that runs on one machine do not
-    collide.
-
-    ``netem/`` is repository tooling, imported from this checkout. Raises SystemExit naming
-    ``script`` and what is missing (root, ``ip netns``, netfilterqueue, ...) when links cannot
-    be emulated here.
+    collide. Raises SystemExit naming ``script`` and :func:`netem_problem` when links cannot be
+    emulated here.
     """
+    why = netem_problem()
+    if why:
+        raise SystemExit(f"{script}: netem cannot emulate links here: {why}")
     import netem  # noqa: PLC0415
 
-    missing = netem.missing_requirements()
-    if missing:
-        raise SystemExit(f"{script}: netem cannot emulate links here: missing {', '.join(missing)}")
     return netem.Topology(num_sites=num_sites, profile="lan", name=f"{name}{os.getpid()}"[:20], mtu_bytes=mtu_bytes)
 
 
@@ -36,3 +62,130 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
+    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last site, as
+    ``dtrain launch --netem`` places it); ValueError below 2 sites (an exchange needs two)."""
+    if n < 2:
+        raise ValueError(f"{script}: task_spec.num_sites must be >= 2 (an exchange needs two sites), got {n}")
+    return netem_topology(n + 1, name, script, mtu_bytes=mtu_bytes)
+
+
+def set_link(topo, **link: Any) -> None:
+    """Every site's link of ``topo`` set to ``netem.profiles.LinkParams(**link)`` (the fields not
+    given: LinkParams' defaults, not the previous link's), live."""
+    from netem.profiles import LinkParams  # noqa: PLC0415
+
+    topo.set_link(None, LinkParams(**link))
+
+
+def sysctl(topo, key: str, value: Any) -> None:
+    """``sysctl -w net.ipv4.KEY=VALUE`` in every site's namespace of ``topo`` (the rendezvous's too)."""
+    for i in range(topo.num_sites):
+        subprocess.run(topo.exec_argv(i, ["sysctl", "-q", "-w", f"net.ipv4.{key}={value}"]), check=True, timeout=10)
+
+
+def loss_based_cc() -> str:
+    """cubic where this machine allows it; else reno (also loss-based AIMD). The allowed list is
+    global (``net.ipv4.tcp_allowed_congestion_control``), so it is read, never changed."""
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    return "cubic" if not allowed.exists() or "cubic" in allowed.read_text().split() else "reno"
+
+
+@dataclass
+class SitesRun:
+    """What one run of N worker sites left: every site's round lines (``per_site[i]``), site 0's
+    start lines, its wall seconds, each site's exit code and what ``watch`` gave (or None)."""
+
+    per_site: dict[int, list[dict]]
+    starts: list[dict]
+    wall_s: float
+    rcs: dict[str, int | None]
+    watched: Any = None
+
+    @property
+    def lines(self) -> list[dict]:
+        """Every site's round lines, site by site."""
+        return [x for i in sorted(self.per_site) for x in self.per_site[i]]
+
+    def facts(self) -> dict[str, Any]:
+        """The columns every run's CSV row has, of the whole run: site 0's validation loss at the
+        start and after its last round and its rounds, the wall seconds, every site's bytes sent."""
+        return {
+            "first_val_loss": self.starts[0]["val_loss"] if self.starts else float("nan"),
+            "final_val_loss": self.per_site[0][-1]["val_loss"] if self.per_site[0] else float("nan"),
+            "rounds_done": len(self.per_site[0]),
+            "wall_s": self.wall_s,
+            "bytes_total": sum(x.get("bytes_sent", 0) for x in self.lines),
+        }
+
+
+def line_record(experiment: str, config: str, seed: int, x: dict, keys: Sequence[str], **cols: Any) -> dict:
+    """A per-round CSV record of the metrics line ``x``: experiment, config, seed, then each of
+    ``keys`` as the line has it (``"col=key"``: its ``key`` as ``col``; a missing count 0,
+    anything else NaN) and ``cols`` as given."""
+    out: dict[str, Any] = {"experiment": experiment, "config": config, "seed": seed}
+    for k in keys:
+        col, _, key = k.partition("=")
+        out[col] = x.get(key or col, 0 if (key or col) in COUNTS else float("nan"))
+    return out | cols
+
+
+def run_sites(
+    topo,
+    n: int,
+    rendezvous: dict[str, Any],
+    worker: dict[str, Any] | Callable[[int], dict[str, Any]],
+    *,
+    timeout_s: float,
+    root: Path | None = None,
+    steps: Sequence[tuple[int, Callable[[], None]]] = (),
+    watch: Callable[[Cluster], ContextManager] | None = None,
+    drive: Callable[[Cluster], None] | None = None,
+    ok: tuple[int, ...] = (0,),
+    poll_s: float = 0.05,
+) -> SitesRun:
+    """One ``dtrain rendezvous`` (``rendezvous``'s options; round 0 waits for all ``n``) and ``n``
+    ``dtrain worker`` sites (``worker``'s options, or site i's: ``worker(i)``) in ``topo`` (None:
+    127.0.0.1), run to the end, or as ``drive(cluster)`` runs it (faults struck, sites restarted,
+    its own wait for the end; the sites still running then are killed).
+
+    ``steps``: (round r, f) in order: once every site has written its line of round r, call f
+    (a link change between two exchanges: every site is then in its inner phase). ``watch``:
+    a context manager made of the started cluster, held while the sites run (a sampler; its
+    ``__enter__``'s value is the result's ``watched``). A site exiting with a code not in ``ok``
+    (in ``steps``: not 0) raises RuntimeError with its log; every child is gone on return.
+    ``root``: where the run's files stay (None: a temporary directory).
+    """
+    with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
+        root = Path(d) if root is None else root
+        root.mkdir(parents=True, exist_ok=True)
+        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
+        names = [f"site-{i}" for i in range(n)]
+        t0 = time.monotonic()
+        try:
+            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **rendezvous})
+            for i in range(n):
+                run.start_site(i, **(worker(i) if callable(worker) else worker))
+            with watch(run) if watch is not None else contextlib.nullcontext() as watched:
+                for rnd, step in steps:
+                    run.wait(
+                        lambda rnd=rnd: run.check_alive(names) or all(run.done_round(i, rnd) for i in range(n)),
+                        f"every site to finish round {rnd}",
+                        poll_s=poll_s,
+                    )
+                    step()
+                if drive is not None:
+                    drive(run)
+                else:
+                    run.wait(
+                        lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish", poll_s=poll_s
+                    )
+            rcs = {x: run.procs[x].poll() for x in names}
+        finally:
+            run.close()
+        wall = time.monotonic() - t0
+        per_site = {i: run.rounds(i) for i in range(n)}
+        starts = [x for x in run.lines(0) if x.get("event") == "start"]
+    return SitesRun(per_site, starts, wall, rcs, watched)

@@ -57,19 +57,33 @@ SLOW, SLOW_MBIT, SLOW_ROUNDS = (4, 9), "slowdown.mbit", 16
 LAUNCH_TIMEOUT_S = 300
 
 
-def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str, Any]:
-    """One ``dtrain launch`` through ``profile`` with no time setting; its figures."""
-    argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(rounds), "--size", size]
-    argv += ["--netem", profile, "--out", str(out)]
-    t0 = time.monotonic()
+def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
+    """``dtrain launch ARGV --out OUT``, ``during()`` called every 0.2 s while it runs; its exit code
+    (-1: still running after ``timeout_s``, then stopped with everything it started)."""
+    argv = [sys.executable, "-m", "dtrain", "launch", *argv, "--out", str(out)]
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
+    deadline = time.monotonic() + timeout_s
     try:
-        code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = -1  # a hung run: stop the launch and everything it started, and its topology
-        _stop(proc)
+        while time.monotonic() < deadline:
+            if during is not None:
+                during()
+            try:
+                return proc.wait(0.2)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        if proc.poll() is None:  # a hung run: stop the launch and everything it started, and its topology
+            _stop(proc)
+    return -1
+
+
+def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str, Any]:
+    """One ``dtrain launch`` through ``profile`` with no time setting; its figures."""
+    t0 = time.monotonic()
+    argv = ["--sites", "3", "--rounds", str(rounds), "--size", size, "--netem", profile]
+    code = _launch(argv, out, LAUNCH_TIMEOUT_S)
     return {"profile": profile, "exit_code": code, "wall_s": round(time.monotonic() - t0, 1), **read_run(out)}
 
 
@@ -139,24 +153,17 @@ def slowdown_once(out: Path, mbit: float) -> list[dict[str, Any]]:
     """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
     the link rate, the slowest site's reduce_s, the plan's reduce deadline and why, and what
     was refused or missing (nothing should be: every contribution arrives within the budget)."""
-    argv = [sys.executable, "-m", "dtrain", "launch", "--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small"]
-    argv += ["--codec", "fp32", "--sync-every", "10", "--netem", "continental", "--out", str(out)]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 2 * LAUNCH_TIMEOUT_S
-        state = None
-        while proc.poll() is None and time.monotonic() < deadline:
-            done = _rounds_done(out)
-            want = mbit if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
-            if want != state and done >= 0:
-                _set_rate(want if want is not None else 1000.0)  # continental's own cap: 1 Gbit/s
-                state = want
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
+    state: list[float | None] = [None]
+
+    def follow() -> None:  # the rate of the rounds site-0 is at
+        done = _rounds_done(out)
+        want = mbit if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
+        if want != state[0] and done >= 0:
+            _set_rate(want if want is not None else 1000.0)  # continental's own cap: 1 Gbit/s
+            state[0] = want
+
+    argv = ["--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small", "--codec", "fp32", "--sync-every", "10"]
+    _launch([*argv, "--netem", "continental"], out, 2 * LAUNCH_TIMEOUT_S, follow)
     rows = []
     lines = [d for path in sorted(out.glob("site-*/metrics.jsonl")) for d in _round_lines(path)]
     for r in sorted({d["round"] for d in lines}):
@@ -265,7 +272,6 @@ SPEC = Spec(
     modes={
         mode: {
             "seeds": [0],
-            "jobs": 1,
             "grid": [{"config": p, PROFILE: p, RUNS: n} for p, n in v["runs"].items()],
             "fixed": {"rounds": v["rounds"]},
         }

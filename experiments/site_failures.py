@@ -29,11 +29,6 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import math
-import statistics
-import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +39,13 @@ from experiments.common import (
     md_rows,
     mean_std,
     paired_deltas,
+    per_round_mean,
     save_fig,
     subplots,
     summarize,
 )
 from experiments.lab import Point, Spec
+from experiments.procs import run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -80,121 +77,65 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class FailureSpec:
-    scenario: str
-    seed: int
-    num_sites: int
-    size: str
-    sync_every: int
-    rounds: int
-    kill_round: int
-    down_rounds: int
-    inner_step_sleep_s: float = 0.0
-    timeout_s: float = 900.0
-
-    @property
-    def config(self) -> str:
-        return self.scenario
-
-    @classmethod
-    def of(cls, point: Point) -> "FailureSpec":
-        f = point.settings
-        if f[ROUNDS] < f[KILL] + 2:
-            raise ValueError(f"rounds must be >= {f[KILL] + 2} (faults strike in round {f[KILL]}), got {f[ROUNDS]}")
-        return cls(
-            scenario=f[SCENARIO],
-            seed=point.seed,
-            num_sites=f[SITES],
-            size=f[SIZE],
-            sync_every=f[H],
-            rounds=f[ROUNDS],
-            kill_round=f[KILL],
-            down_rounds=f[DOWN],
-            inner_step_sleep_s=f[SLEEP],
-        )
+TIMEOUT_S = 900.0  # bound on one run
 
 
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
-class _Run(Cluster):
-    """The rendezvous and worker processes of one run (the one harness, :class:`dtrain.app.procs.Cluster`)."""
-
-    def __init__(self, spec: FailureSpec, root: Path) -> None:
-        super().__init__(root, num_sites=spec.num_sites, timeout_s=spec.timeout_s)
-        self.spec = spec
-
-    def start_run(self) -> None:
-        self.start_rendezvous(**{"initial_sites": self.spec.num_sites, **RENDEZVOUS})
-        for i in range(self.spec.num_sites):
-            fault = f"site-1:mid_push:{self.spec.kill_round}:kill" if self.spec.scenario == OWNER and i == 1 else None
-            self.start_site(i, fault=fault)
-
-    def start_site(self, i: int, *, fault: str | None = None, resume: bool = False) -> str:  # type: ignore[override]
-        s = self.spec
-        opts = dict(
-            size=s.size,
-            seed=s.seed,
-            rounds=s.rounds,
-            sync_every=s.sync_every,
-            **WORKER,
-            inner_step_sleep_s=s.inner_step_sleep_s,
-        )
-        return super().start_site(i, fault=fault, resume=resume, **opts)
-
-
-def _drive(run: "_Run", s: FailureSpec) -> None:
-    """Start the run, strike the scenario's fault, and wait for the survivors to finish."""
-    run.start_run()
-    if s.scenario == RESTART:
-        run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+def _drive(run: Cluster, f: dict[str, Any], opts: dict[str, Any]) -> None:
+    """Strike the scenario's fault (and restart site-3 with ``opts``), and wait for the survivors to finish."""
+    if f[SCENARIO] == RESTART:
+        run.wait(lambda: run.done_round(3, f[KILL]), f"site-3 round {f[KILL]}")
         run.kill(3)
-        run.wait(lambda: run.done_round(0, s.kill_round + s.down_rounds), "site-0 to go on")
-        run.start_site(3, resume=True)
-    elif s.scenario == TWO:
-        run.wait(lambda: run.done_round(3, s.kill_round), f"site-3 round {s.kill_round}")
+        run.wait(lambda: run.done_round(0, f[KILL] + f[DOWN]), "site-0 to go on")
+        run.start_site(3, resume=True, **opts)
+    elif f[SCENARIO] == TWO:
+        run.wait(lambda: run.done_round(3, f[KILL]), f"site-3 round {f[KILL]}")
         run.kill(2)
         run.kill(3)
-    alive = [f"site-{i}" for i in range(s.num_sites) if s.scenario != OWNER or i != 1]
-    if s.scenario == TWO:
+    alive = [f"site-{i}" for i in range(f[SITES]) if f[SCENARIO] != OWNER or i != 1]
+    if f[SCENARIO] == TWO:
         alive = ["site-0", "site-1"]
     run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
 
 
 def run_failure(point: Point) -> RunResult:
     """One run of the point's scenario; see the module docstring."""
-    s = FailureSpec.of(point)
-    with tempfile.TemporaryDirectory(prefix="dtrain-failures-") as d:
-        run = _Run(s, Path(d))
-        t0 = time.monotonic()
-        try:
-            _drive(run, s)
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: [x for x in run.lines(i) if x.get("event") == "round"] for i in range(s.num_sites)}
-        start = [x for x in run.lines(0) if x.get("event") == "start"]
-        codes = {n: p.returncode for n, p in run.procs.items() if n != "rendezvous"}
-    return _measure(s, per_site, start, codes, wall)
+    f, seed = point.settings, point.seed
+    if f[ROUNDS] < f[KILL] + 2:
+        raise ValueError(f"rounds must be >= {f[KILL] + 2} (faults strike in round {f[KILL]}), got {f[ROUNDS]}")
+    opts = dict(size=f[SIZE], seed=seed, rounds=f[ROUNDS], sync_every=f[H], **WORKER)
+    opts |= dict(inner_step_sleep_s=f[SLEEP])
+    owner_fault = {"fault": f"site-1:mid_push:{f[KILL]}:kill"} if f[SCENARIO] == OWNER else {}
+    res = run_sites(
+        None,
+        f[SITES],
+        RENDEZVOUS,
+        lambda i: opts | (owner_fault if i == 1 else {}),
+        timeout_s=TIMEOUT_S,
+        drive=lambda run: _drive(run, f, opts),
+    )
+    return _measure(point, res.per_site, res.starts, res.rcs, res.wall_s)
 
 
 def _measure(
-    s: FailureSpec, per_site: dict[int, list[dict[str, Any]]], start: list[dict[str, Any]], codes: dict, wall: float
+    point: Point, per_site: dict[int, list[dict[str, Any]]], start: list[dict[str, Any]], codes: dict, wall: float
 ) -> RunResult:
     """The run's row and site-0's rounds from the sites' round lines."""
-    survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[s.scenario]
+    f, seed = point.settings, point.seed
+    survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[f[SCENARIO]]
     lost, early, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
     detail = []
     for i in survivors:
         rounds = per_site[i]
         applied = {x["round"] for x in rounds if x["status"] == "applied"}
         status = {x["round"]: x["status"] for x in rounds}
-        missed = sorted(set(range(s.rounds)) - applied)
+        missed = sorted(set(range(f[ROUNDS])) - applied)
         # Rounds before the fault that a survivor missed are start-up effects (a site still importing
         # torch when round 0 forms), not what the fault cost: counted apart.
-        lost += sum(1 for r in missed if r >= s.kill_round)
-        early += sum(1 for r in missed if r < s.kill_round)
+        lost += sum(1 for r in missed if r >= f[KILL])
+        early += sum(1 for r in missed if r < f[KILL])
         detail += [f"site-{i}:r{r}:{status.get(r, 'missing')}" for r in missed]
         for x in rounds:
             longest = max(longest, x.get("round_s", 0.0))
@@ -203,20 +144,20 @@ def _measure(
             stale += x.get("stale_buckets", 0)
             skipped += x.get("skipped_buckets", 0)
             rejected += sum(x.get("rejected", {}).values())
-    for i in range(s.num_sites):
+    for i in range(f[SITES]):
         bytes_total += sum(x.get("bytes_sent", 0) for x in per_site[i])
     site0 = per_site[0]
     final = site0[-1]["val_loss"] if site0 else float("nan")
     row: dict[str, Any] = {
         "experiment": "site_failures",
-        "config": s.scenario,
-        "seed": s.seed,
-        "num_sites": s.num_sites,
-        "size": s.size,
-        "sync_every": s.sync_every,
-        "rounds": s.rounds,
-        "kill_round": s.kill_round,
-        "down_rounds": s.down_rounds,
+        "config": f[SCENARIO],
+        "seed": seed,
+        "num_sites": f[SITES],
+        "size": f[SIZE],
+        "sync_every": f[H],
+        "rounds": f[ROUNDS],
+        "kill_round": f[KILL],
+        "down_rounds": f[DOWN],
         "codec": "fp32",
         "first_val_loss": start[0]["val_loss"] if start else float("nan"),
         "final_val_loss": final,
@@ -224,24 +165,24 @@ def _measure(
         "rounds_lost": lost,
         "rounds_missed_before_fault": early,
         "missed_detail": " ".join(detail),
-        "inner_step_sleep_s": s.inner_step_sleep_s,
+        "inner_step_sleep_s": f[SLEEP],
         "max_round_s": longest,
         "max_beyond_deadline_s": max(0.0, over),
         "max_quorum_wait_s": quorum_extra,
         "wall_s": wall,
         "sync_s": sum(x["sync_s"] for x in site0),
         "bytes_total": bytes_total,
-        "bytes_per_round_site": bytes_total / max(1, s.rounds) / s.num_sites,
+        "bytes_per_round_site": bytes_total / max(1, f[ROUNDS]) / f[SITES],
         "stale_buckets": stale,
         "skipped_buckets": skipped,
         "rejected": rejected,
         "restarted_first_round": min(
-            (x["round"] for x in per_site[3] if x["round"] > s.kill_round and x["status"] == "applied"), default=-1
+            (x["round"] for x in per_site[3] if x["round"] > f[KILL] and x["status"] == "applied"), default=-1
         )
-        if s.scenario == RESTART
+        if f[SCENARIO] == RESTART
         else -1,
-        "restarted_rounds": sum(1 for x in per_site[3] if x["round"] > s.kill_round and x["status"] == "applied")
-        if s.scenario == RESTART
+        "restarted_rounds": sum(1 for x in per_site[3] if x["round"] > f[KILL] and x["status"] == "applied")
+        if f[SCENARIO] == RESTART
         else 0,
         "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
@@ -249,8 +190,8 @@ def _measure(
     rounds_out = [
         {
             "experiment": "site_failures",
-            "config": s.scenario,
-            "seed": s.seed,
+            "config": f[SCENARIO],
+            "seed": seed,
             "round": x["round"],
             "status": x["status"],
             "val_loss": x["val_loss"],
@@ -311,20 +252,9 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
     """Site-0's validation loss per round, one line per scenario; ``f``: the mode's fixed settings."""
     fig, ax = subplots(figsize=(6.4, 4.2))
     for cfg in SCENARIOS:
-        by: dict[int, list[float]] = {}
-        for r in rounds:
-            if r["config"] == cfg and r["status"] == "applied" and not math.isnan(r["val_loss"]):
-                by.setdefault(r["round"], []).append(r["val_loss"])
-        if by:
-            xs = sorted(by)
-            ax.plot(
-                [x + 1 for x in xs],
-                [statistics.fmean(by[x]) for x in xs],
-                marker="o",
-                ms=3,
-                label=cfg,
-                ls="-" if cfg == NO_FAULT else "--",
-            )
+        xs, mean, _, _ = per_round_mean(rounds, cfg, "val_loss", lambda r: r["status"] == "applied")
+        if xs:
+            ax.plot([x + 1 for x in xs], mean, marker="o", ms=3, label=cfg, ls="-" if cfg == NO_FAULT else "--")
     ax.axvline(f[KILL] + 1, color="0.6", lw=0.8, ls=":")
     ax.set_xlabel("round (site-0)")
     ax.set_ylabel("validation loss, mean over seeds")
@@ -358,7 +288,7 @@ survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.w
 SPEC = Spec(
     name="site_failures",
     title="Site failures",
-    modes={k: {"jobs": 1, **v} for k, v in MODES.items()},  # processes of one run share the cores: one at a time
+    modes=MODES,  # jobs 1 (the default): processes of one run share the cores
     grid={SCENARIO: SCENARIOS},
     label=lambda point: point[SCENARIO],
     metrics=(("final_val_loss", 0.0, 10.0), ("rounds_lost", 0, 1000), ("max_round_s", 0.0, 600.0)),

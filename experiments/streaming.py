@@ -39,13 +39,11 @@ Usage (as root: netem needs network namespaces)::
 from __future__ import annotations
 
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
@@ -55,7 +53,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
@@ -161,43 +159,22 @@ def _delayed(stream: dict[str, Any]) -> bool:
 
 def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: int, timeout_s: float) -> RunResult:
     """One training run of ``outer_rounds`` x H inner steps with the given streaming fields."""
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
     n, f = m["num_sites"], stream["num_fragments"]
     rounds = m["outer_rounds"] * f  # round numbers advance per fragment round: the same inner steps
-    topo.set_link(None, LinkParams(**LINK))
-    with tempfile.TemporaryDirectory(prefix="dtrain-streaming-") as d:
-        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
-        t0 = time.monotonic()
-        try:
-            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(
-                size=m["size"],
-                seed=seed,
-                rounds=rounds,
-                sync_every=m["sync_every"],
-                codec=m["codec"],
-                eval_every=rounds,
-                quorum_wait_s=600,
-                linger_s=2,
-                inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0),
-                **({} if m["size"] == "tiny" else TRAIN),
-                **{f"diloco.{k}": v for k, v in stream.items()},
-            )
-            for i in range(n):
-                run.start_site(i, **opts)
-            names = [f"site-{i}" for i in range(n)]
-            with TxSampler({nm: run.procs[nm].handle.pid for nm in names}) as tx:
-
-                def done() -> bool:
-                    run.check_alive(names)
-                    return run.exited(names)
-
-                run.wait(done, "the sites to finish", poll_s=0.2)
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: run.rounds(i) for i in range(n)}
+    set_link(topo, **LINK)
+    opts = dict(size=m["size"], seed=seed, rounds=rounds, sync_every=m["sync_every"], codec=m["codec"])
+    opts |= dict(eval_every=rounds, quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+    opts |= {**({} if m["size"] == "tiny" else TRAIN), **{f"diloco.{k}": v for k, v in stream.items()}}
+    res = run_sites(
+        topo,
+        n,
+        RENDEZVOUS,
+        opts,
+        timeout_s=timeout_s,
+        watch=lambda run: TxSampler({f"site-{i}": run.procs[f"site-{i}"].handle.pid for i in range(n)}),
+        poll_s=0.2,
+    )
+    per_site, wall, tx = res.per_site, res.wall_s, res.watched
     lines = [x for i in range(n) for x in per_site[i]]
     util, flush = [], []
     for i in range(n):
@@ -233,21 +210,8 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
         "encoded_bytes_per_round": statistics.fmean(x.get("encoded_bytes", 0) for x in lines) if lines else 0.0,
         "wall_s": wall,
     }
-    rounds_out = [
-        {
-            "experiment": "streaming",
-            "config": label,
-            "seed": seed,
-            "site": x["site"],
-            "round": x["round"],
-            "fragment": x.get("fragment"),
-            "inner_s": x["inner_s"],
-            "sync_s": x["sync_s"],
-            "bytes_sent": x.get("bytes_sent", 0),
-            "val_loss": x.get("val_loss"),
-        }
-        for x in lines
-    ]
+    keys = ("site", "round", "fragment", "inner_s", "sync_s", "bytes_sent", "val_loss")
+    rounds_out = [line_record("streaming", label, seed, x, keys) for x in lines]
     return RunResult(row=row, rounds=rounds_out)
 
 
@@ -337,13 +301,11 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
 def run_point(point: Point) -> RunResult:
     """One configuration and seed in a topology of its own."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2, got {f[SITES]}")
     m = {"num_sites": f[SITES], "size": f[SIZE], "codec": f[CODEC], "sync_every": f[H], "outer_rounds": f[ROUNDS]}
     if "task.inner_step_sleep_s" in f:
         m["inner_step_sleep_s"] = f["task.inner_step_sleep_s"]
     stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
-    with netem_topology(f[SITES] + 1, "strm", "streaming") as topo:
+    with sites_topology(f[SITES], "strm", "streaming") as topo:
         return run_one(topo, m, point.config, stream, point.seed, 3600.0)
 
 
@@ -369,8 +331,7 @@ CSV: `{prefix.with_suffix(".csv").name}`, per round line: `{prefix.name}_rounds.
 SPEC = Spec(
     name="streaming",
     title="Streaming rounds through netem",
-    modes={k: {"jobs": 1, "grid": points(v["fixed"][H], k), **v} for k, v in MODES.items()},
-    label=lambda point: point["config"],
+    modes={k: {"grid": points(v["fixed"][H], k), **v} for k, v in MODES.items()},
     metrics=(("final_val_loss", 0.0, 10.0), ("compute_util", 0.0, 1.0), ("peak_Bps", 0.0, 1e12)),
     report=report,
     verdict=lambda rows, rounds, m: analyse(rows)[1],

@@ -75,7 +75,7 @@ from dtrain.metrics import read_json_lines
 from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
-from experiments.procs import free_port
+from experiments.procs import free_port, netem_problem
 from experiments.vs_torchft_analysis import (
     BUCKET_BYTES,
     CODEC,
@@ -192,11 +192,9 @@ def _prewarmed_main(argv: list[str]) -> None:
     rc = run(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    try:  # this process's own peak RSS (VmHWM: since exec, nothing inherited from the harness)
-        hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    hwm = _vmhwm_kb(os.getpid())  # this process's own peak RSS (since exec, nothing inherited from the harness)
+    if hwm is not None:
         Path(str(ready) + ".rss").write_text(str(hwm))
-    except (OSError, StopIteration, ValueError):
-        pass
     os._exit(rc if isinstance(rc, int) else 0)
 
 
@@ -505,21 +503,6 @@ def torchft_problem() -> str | None:
     return None
 
 
-def netem_problem() -> str | None:
-    """None when the repository's netem package can build topologies here."""
-    if os.geteuid() != 0:
-        return "netem needs root (network namespaces)"
-    try:
-        from netem import missing_requirements  # noqa: PLC0415
-    except Exception as e:
-        return f"the netem package is not importable ({type(e).__name__}: {e})"
-    try:
-        missing = missing_requirements()
-    except Exception as e:
-        return f"netem probe failed ({type(e).__name__}: {e})"
-    return f"netem requirements missing: {', '.join(missing)}" if missing else None
-
-
 def pyspy_path() -> str | None:
     """py-spy next to this interpreter, if installed."""
     spy = Path(sys.executable).parent / "py-spy"
@@ -682,7 +665,7 @@ MODES["full"] |= {EXTRA_CODECS: ["int8+zstd", "int4"]}
 SPEC = Spec(
     name="vs_torchft",
     title="dtrain vs torchft 0.2.0 DiLoCo",
-    modes={mode: {"seeds": [0], "jobs": 1, "fixed": fixed} for mode, fixed in MODES.items()},
+    modes={mode: {"seeds": [0], "fixed": fixed} for mode, fixed in MODES.items()},
     fixed={
         DATA: "stdlib",
         CODEC: "int8",
@@ -697,7 +680,6 @@ SPEC = Spec(
         NETEM: None,
         PYSPY: None,
     },
-    label=lambda point: "",  # unused: the points come from ``plan``
     metrics=(
         ("final_val_loss", 0.0, 10.0),
         ("round_wall_median_s", 0.0, 600.0),

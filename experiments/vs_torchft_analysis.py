@@ -334,6 +334,7 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
         "",
     ]
     runs, comps = res["runs"], res["comparisons"]
+    lines = [_headline(rows, rounds, m, runs, comps), "", *lines]
     for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(
         s for s in comps if s.startswith("netem")
     ):
@@ -349,6 +350,19 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
         f"site); plot: `{png.name}`.",
     ]
     return "\n".join(lines)
+
+
+def _headline(rows: Rows, rounds: Rows, m: dict[str, Any], runs: dict, comps: dict) -> str:
+    """The section's ``Headline:`` (the RESULTS.md index): the first scenario's verdict and, with
+    the fault scenario, the longest stall a survivor saw on each side."""
+    parts = [verdict(rows, rounds, m)[0].removeprefix("- ")]
+    if "fault" in comps:
+        d, t = runs["dtrain/fault"]["fault"], runs["torchft/fault"]["fault"]
+        parts.append(
+            f"fault: longest survivor stall after a SIGKILL {_f(d['longest_stall_s'], '{:.2f}')} s, "
+            f"torchft {_f(t['longest_stall_s'], '{:.2f}')} s."
+        )
+    return "Headline: " + " ".join(parts)
 
 
 def profile_wanted(rows: Rows, m: dict[str, Any]) -> bool:

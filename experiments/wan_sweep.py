@@ -50,13 +50,10 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.procs import Cluster
 from experiments.common import (
     RunResult,
     fmt_pm,
@@ -69,7 +66,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import netem_topology
+from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
 # Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
@@ -146,69 +143,39 @@ def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
 def run_point(point: Point) -> list[RunResult]:
     """One seed's run through every setting of the walk, in a topology of its own; one result per setting."""
     f = point.settings
-    if f[SITES] < 2:
-        raise ValueError(f"{SITES} must be >= 2 (an exchange needs two sites), got {f[SITES]}")
-    with netem_topology(f[SITES] + 1, "wan", "wan_sweep") as topo:
+    with sites_topology(f[SITES], "wan", "wan_sweep") as topo:
         if f.get(SSAI) is not None:
-            for i in range(f[SITES] + 1):
-                argv = ["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={int(f[SSAI])}"]
-                subprocess.run(topo.exec_argv(i, argv), check=True, timeout=10)
+            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
         return run_seed(topo, f, point.seed, grid(f), 3600.0)
 
 
 def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | None, float, float]], timeout_s: float):
     """One training run through every setting; one RunResult per setting."""
-    from netem.profiles import LinkParams  # noqa: PLC0415
-
     n, per = f[SITES], f[WARMUP] + f[MEASURED]
     total = per * len(settings)
     changed_at: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="dtrain-wan-") as d:
-        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
-        t0 = time.monotonic()
-        try:
-            rate, delay, loss = settings[0]
-            topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
-            changed_at.append(time.time())
-            run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **RENDEZVOUS})
-            opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=f.get(CODEC_PATH, CODEC))
-            opts |= dict(eval_every=total)
-            opts |= dict(bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
-            for i in range(n):
-                run.start_site(i, inner_step_sleep_s=f.get(SLEEP, 0.0), **opts)
-            names = [f"site-{i}" for i in range(n)]
-            for k in range(1, len(settings)):
-                last = k * per - 1
 
-                def finished(last: int = last) -> bool:
-                    run.check_alive(names)
-                    return all(run.done_round(i, last) for i in range(n))
+    def link(k: int) -> None:
+        rate, delay, loss = settings[k]
+        set_link(topo, delay_ms=delay, loss_pct=loss, rate_mbit=rate)
+        changed_at.append(time.time())
+        if k:
+            print(f"  seed {seed}: round {k * per}: {setting_label(*settings[k])}", flush=True)
 
-                run.wait(finished, f"every site to finish round {last}")
-                rate, delay, loss = settings[k]
-                topo.set_link(None, LinkParams(delay_ms=delay, loss_pct=loss, rate_mbit=rate))
-                changed_at.append(time.time())
-                print(f"  seed {seed}: round {last + 1}: {setting_label(*settings[k])}", flush=True)
-
-            def done() -> bool:
-                run.check_alive(names)
-                return run.exited(names)
-
-            run.wait(done, "the sites to finish")
-        finally:
-            run.close()
-        wall = time.monotonic() - t0
-        per_site = {i: run.rounds(i) for i in range(n)}
-        starts = [x for x in run.lines(0) if x.get("event") == "start"]
-    run_facts = {
-        # of the whole run (every setting of this seed), so the columns every experiment CSV has are here
-        "first_val_loss": starts[0]["val_loss"] if starts else float("nan"),
-        "final_val_loss": per_site[0][-1]["val_loss"] if per_site[0] else float("nan"),
-        "rounds_done": len(per_site[0]),
-        "wall_s": wall,
-        "bytes_total": sum(x.get("bytes_sent", 0) for i in range(n) for x in per_site[i]),
-    }
+    link(0)
+    opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=f.get(CODEC_PATH, CODEC))
+    opts |= dict(eval_every=total, bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
+    opts |= dict(inner_step_sleep_s=f.get(SLEEP, 0.0))
+    steps = [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(settings))]
+    res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=timeout_s, steps=steps)
+    per_site = res.per_site
+    run_facts = res.facts()  # of the whole run (every setting of this seed): the columns every experiment CSV has
     return [_setting(f, seed, k, s, per_site, changed_at[k], run_facts) for k, s in enumerate(settings)]
+
+
+#: the metrics-line fields of the per-round CSV
+LINE_KEYS = ("round", "site", "status", "round_s", "sync_s", "inner_s", "network_s", "wait_s", "encoded_bytes")
+LINE_KEYS += ("bytes_sent", "stale_buckets")
 
 
 def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
@@ -224,7 +191,7 @@ def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
         # the exchange must have begun after the link changed (the sync call starts sync_s before the line)
         began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
         ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
-        rounds_out += [_round_record(label, seed, r, ok, x) for x in lines]
+        rounds_out += [line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok) for x in lines]
         if not ok:
             continue
         valid += 1
@@ -266,26 +233,6 @@ def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
         **run_facts,
     }
     return RunResult(row=row, rounds=rounds_out)
-
-
-def _round_record(label: str, seed: int, r: int, ok: bool, x: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "experiment": "wan_sweep",
-        "config": label,
-        "seed": seed,
-        "round": r,
-        "site": x["site"],
-        "measured": ok,
-        "status": x["status"],
-        "round_s": x.get("round_s", float("nan")),
-        "sync_s": x["sync_s"],
-        "inner_s": x["inner_s"],
-        "network_s": x.get("network_s", float("nan")),
-        "wait_s": x.get("wait_s", float("nan")),
-        "encoded_bytes": x.get("encoded_bytes", 0),
-        "bytes_sent": x.get("bytes_sent", 0),
-        "stale_buckets": x.get("stale_buckets", 0),
-    }
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
@@ -488,8 +435,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
 SPEC = Spec(
     name="wan_sweep",
     title="WAN sweep through netem",
-    modes={k: {"jobs": 1, "grid": [{"config": "walk"}], **v} for k, v in MODES.items()},  # a run per seed
-    label=lambda point: "walk",
+    modes={k: {"grid": [{"config": "walk"}], **v} for k, v in MODES.items()},  # a run per seed
     metrics=(("engine_s", 0.0, 600.0), ("limit_s", 0.0, 600.0), ("compute_util", 0.0, 1.0)),
     report=report,
     verdict=verdict,

@@ -692,9 +692,9 @@ class RendezvousCore:
         for k, v in figures.items():
             if k == "clean":
                 new[k] = t.clean and bool(v)
-            elif v is not None:
+            elif v is not None:  # the slowest site's: the longest time, the lowest share delivered
                 old = getattr(t, k)
-                new[k] = v if old is None else max(old, v)
+                new[k] = v if old is None else (min if k == "reduce_live" else max)(old, v)
         self._times[round] = dataclasses.replace(t, **new)
         keep = 2 * self.config.deadlines.history_rounds
         for r in sorted(self._times)[:-keep]:
@@ -718,7 +718,9 @@ class RendezvousCore:
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()):
             return
         fractions = (rep.get("reduce_arrived_fraction"), rep.get("broadcast_arrived_fraction"))
-        self._observe(rnd, clean=fractions == (1.0, 1.0), **times)
+        live = rep.get("reduce_live_fraction")
+        live = live if isinstance(live, (int, float)) and 0 <= live <= 1 else None
+        self._observe(rnd, clean=fractions == (1.0, 1.0), reduce_live=live, **times)
 
     def _wait(self, round: int, reason: str, log_prefix: str | None = None) -> ReadyDecision:
         """A "wait" answer, logged once per distinct reason (``log_prefix``: once per kind)."""

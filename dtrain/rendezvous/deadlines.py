@@ -30,7 +30,14 @@ clean but whose slowest figure reached ``cut_fraction`` (0.9) of the deadline it
 cut by that deadline, not by a fault: its figure is at least the deadline (a right-censored
 observation), so it enters the quantile as that deadline; and when the newest such round is
 the newest round observed, the next deadline is at least ``backoff`` (2) times the one that
-cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5). Without this a link that
+cut it, as TCP backs off its retransmission timer (RFC 6298, 5.5); and when the cut round's
+slowest link that delivered anything had delivered only a share f of its contributions by the
+reduce deadline D (``RoundTimes.reduce_live``, the owners' ``reduce_live_fraction``), the
+figure is what the whole would take at that pace, D / f (at most ``max_pace_factor`` D), and
+the next deadline at least that x margin + budget: reno at 10% loss moved a quarter of a
+round's contributions by the 10 s start bound, and a doubling per round capped at 40 s cut
+every round of that link. A member that sent nothing is left out of f: a dead or partitioned
+site is a fault, whose rounds back off as above, not a pace. Without this a link that
 slowed past its deadline would only produce rounds that are not clean, and the derivation,
 which reads clean rounds only, would keep the deadline that cuts every round. A censored
 round counts only until ``min_rounds`` clean rounds follow it: it bounds the link of its
@@ -45,10 +52,15 @@ figure; the price is that slow rounds which come back less often than every
 ``shift_rounds`` for such a link). Before
 ``min_rounds`` clean rounds, the start bound: quorum = budget, reduce = 2 · budget,
 broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed defaults,
-conservative for a LAN and for most WAN links). A figure the user set explicitly
-(``RendezvousConfig.quorum_timeout_s`` ...) overrides its derivation. Every derived figure
-is capped at ``max_factor`` times its start bound, so a run of slow rounds cannot grow a
-deadline without bound. The idea follows Decoupled DiLoCo (arXiv 2604.21428), which closes
+conservative for a LAN and for most WAN links), or, for the reduce and the broadcast, the
+slowest round seen that was measured (clean, or cut at a live pace) x margin + budget when
+that is more: a reno run's clean 60 s round 1 was followed by the 10 s start bound again,
+which cut round 2. A figure the user set explicitly
+(``RendezvousConfig.quorum_timeout_s`` ...) overrides its derivation. A deadline is capped at
+``max_factor`` times its start bound, or at what the link was measured to need (clean rounds,
+and cut rounds at their live pace) x margin + budget when that is more: faults and back-offs
+cannot grow a deadline without bound, and a link that needs longer than the cap is given it
+(the budget is a stall beyond the measured exchange, not a bound on the exchange). The idea follows Decoupled DiLoCo (arXiv 2604.21428), which closes
 rounds at a minimum quorum plus an adaptive grace window, and hivemind #676 ("the deadline
 should track the arrival times you already see").
 """
@@ -75,7 +87,12 @@ class DeadlineConfig:
         min_rounds: clean rounds needed before the derivation replaces the start bound (>= 1).
         quantile: the quantile of the observed figures used, in (0, 1].
         margin: factor on the observed quantile (>= 1).
-        max_factor: a derived deadline is at most this many times its start bound (>= 1).
+        max_factor: a derived deadline is at most this many times its start bound unless the
+            link was measured to need more (module docstring) (>= 1).
+        max_pace_factor: the most a cut round's pace extrapolates the deadline that cut it,
+            per round (>= 1): bounds what one chunk of a link that then stalled can make of
+            it. Reno at 10% loss delivered 8% of a round by the 10 s start bound: 4 took two
+            cut rounds (40 s, then 260 s) to reach the ~250 s it needed.
         cut_fraction: a round that was not clean and whose slowest figure reached this share
             of its deadline ran to that deadline (a censored observation), in (0, 1].
         backoff: factor on the deadline that cut the newest round observed (>= 1).
@@ -91,6 +108,7 @@ class DeadlineConfig:
     quantile: float = 0.9
     margin: float = 1.5
     max_factor: float = 4.0
+    max_pace_factor: float = 16.0
     cut_fraction: float = 0.9
     backoff: float = 2.0
     shift_rounds: int = 5
@@ -107,7 +125,7 @@ class DeadlineConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        for name in ("margin", "max_factor", "backoff"):
+        for name in ("margin", "max_factor", "max_pace_factor", "backoff"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
                 raise ValueError(f"{name} must be a number >= 1, got {v!r}")
@@ -127,6 +145,9 @@ class RoundTimes:
         reduce_deadline_s, broadcast_deadline_s: the deadlines its plan carried (None: not
             known here, e.g. another front-end formed it): a round that was not clean and
             ran to one of them is a censored observation (module docstring).
+        reduce_live: the lowest ``reduce_live_fraction`` its reports gave (0..1; None:
+            unknown): the share of its contributions the slowest link that delivered any had
+            delivered when the owner read them, the pace a cut round is extrapolated at.
     """
 
     round: int
@@ -136,6 +157,20 @@ class RoundTimes:
     clean: bool = True
     reduce_deadline_s: float | None = None
     broadcast_deadline_s: float | None = None
+    reduce_live: float | None = None
+
+    def paced(self, figure: str, cut_fraction: float, most: float) -> float | None:
+        """What ``figure`` would have taken at the pace the round's slowest live link kept,
+        when the round was cut (:meth:`cut`) while that link had delivered only part of it
+        (``reduce_live`` < 1): the deadline that cut it / ``reduce_live``, at most ``most``
+        times that deadline. The means cross the same links and are as large as the
+        contributions, so they are extrapolated by the same factor. None otherwise: not cut,
+        or no live link was behind (a silent member is a fault, not a pace)."""
+        cut_by = self.cut(figure, cut_fraction)
+        live = self.reduce_live
+        if cut_by is None or live is None or not 0 < live < 1:
+            return None
+        return cut_by / max(live, 1 / most)
 
     def cut(self, figure: str, cut_fraction: float) -> float | None:
         """The deadline that cut this round's ``figure`` (``"reduce_s"`` or ``"means_s"``):
@@ -193,13 +228,20 @@ def derive_deadlines(
     ordered = sorted(history, key=lambda t: t.round)
     clean = [t for t in ordered if t.clean][-config.history_rounds :]
 
-    def observed(values: list[float], i: int, what: str) -> tuple[float, str]:
+    def observed(
+        values: list[float], i: int, what: str, cap: float, measured: Sequence[float] = ()
+    ) -> tuple[float, str]:
         if len(values) < config.min_rounds:
+            # too few rounds for a quantile: the start bound, unless a round was measured to need longer
+            slow = max(measured, default=0.0) * config.margin + b
+            if slow > start[i]:
+                d = min(slow, cap)
+                return d, f"{what} {d:.2f}s (the slowest of {len(values)} rounds seen needed {max(measured):.2f}s)"
             return start[i], f"{what} {start[i]:.2f}s (start bound: {len(values)} of {config.min_rounds} rounds seen)"
         q = quantile(values, config.quantile)
         values, sped_up = since_speedup(values, q, factor=config.backoff, rounds=config.shift_rounds)
         q = quantile(values, config.quantile) if sped_up else q
-        d = min(q * config.margin + b, start[i] * config.max_factor)
+        d = min(q * config.margin + b, cap)
         since = ", since the link sped up" if sped_up else ""
         return d, f"{what} {d:.2f}s (q{config.quantile:g} {q:.2f}s of {len(values)} rounds{since})"
 
@@ -214,23 +256,33 @@ def derive_deadlines(
             elif clean_after < config.min_rounds and t.cut(figure, config.cut_fraction) is not None:
                 seen.append(t)
         seen = seen[::-1][-config.history_rounds :]
-        values = [t.cut(figure, config.cut_fraction) or getattr(t, figure) for t in seen]
-        d, why = observed([v for v in values if v is not None], i, what)
+        paced = [t.paced(figure, config.cut_fraction, config.max_pace_factor) for t in seen]
+        values = [p or t.cut(figure, config.cut_fraction) or getattr(t, figure) for t, p in zip(seen, paced)]
+        # what the link was measured to need (clean rounds, and cut rounds at their live pace) is
+        # never capped: the budget is a stall beyond it; faults and back-offs are
+        measured = [v for t, p, v in zip(seen, paced, values) if v is not None and (t.clean or p is not None)]
+        cap = max(start[i] * config.max_factor, max(measured, default=0.0) * config.margin + b)
+        d, why = observed([v for v in values if v is not None], i, what, cap, measured)
         seen_d = d
         newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
         cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
         if cut_by is not None:
+            assert newest is not None
             backed = min(cut_by * config.backoff, start[i] * config.max_factor)
-            if backed > d:
-                assert newest is not None
-                d, why = (
-                    backed,
-                    f"{what} {backed:.2f}s (round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g})",
+            why_back = f"round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g}"
+            pace = newest.paced(figure, config.cut_fraction, config.max_pace_factor)
+            if pace is not None and pace * config.margin + b > backed:
+                backed = pace * config.margin + b
+                why_back = (
+                    f"round {newest.round} ran to its {cut_by:.2f}s deadline with {newest.reduce_live:.0%} of "
+                    f"the slowest live link's contributions in: {pace:.2f}s at that pace"
                 )
+            if backed > d or (pace is not None and backed == d):  # the same figure: say why it is the link's
+                d, why = backed, f"{what} {backed:.2f}s ({why_back})"
         return d, why, seen_d
 
     spreads = [t.ready_spread_s for t in clean if t.ready_spread_s is not None]
-    quorum, why_q = observed(spreads, 0, "quorum")
+    quorum, why_q = observed(spreads, 0, "quorum", start[0] * config.max_factor)
     reduce, why_r, reduce_seen = exchange("reduce_s", 1, "reduce")
     bcast, why_b, bcast_seen = exchange("means_s", 2, "broadcast")
     qo, ro, bo = overrides

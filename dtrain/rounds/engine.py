@@ -360,6 +360,7 @@ class RoundEngine(PeerSide, Recovery):
             self._publish(run, closing.buckets)
         with owned.cv:
             run.res.reduce_arrived_fraction = books.reduce_arrived_fraction
+            run.res.reduce_live_fraction = books.reduce_live_fraction
         owned.published.set()
         with self._cv:
             self._cv.notify_all()

@@ -144,6 +144,7 @@ class OpenRound:
         }
         self.expected = sum(len(self.chunks[b]) for b in self.mine) * len(self.members)
         self.arrived = 0
+        self._arrived_from: collections.Counter[str] = collections.Counter()  # sender -> chunks counted
         self.lost: set[str] = set()
         self.finished: set[str] = set()  # members whose transport said they sent everything (sender_done)
         # (sender, bucket) pairs no longer awaited: the sender is lost or finished, or said it sent
@@ -168,6 +169,18 @@ class OpenRound:
     def reduce_arrived_fraction(self) -> float:
         """Of the contributions expected at this site's buckets, those counted."""
         return self.arrived / self.expected if self.expected else 1.0
+
+    @property
+    def reduce_live_fraction(self) -> float:
+        """Of the contributions expected at this site's buckets from the slowest other member
+        that sent at least one of them, those counted (1.0 when none sent any, or this site
+        owns nothing): the share its link delivered by the time it was read. A member that
+        sent nothing (dead, partitioned, or sitting the round out) is left out, so a fault
+        does not read as a slow link; the rendezvous extrapolates a cut round's exchange from
+        this (``dtrain.rendezvous.deadlines``)."""
+        per_sender = sum(len(self.chunks[b]) for b in self.mine)
+        live = [n for s, n in self._arrived_from.items() if s != self.site_id and n > 0]
+        return min(1.0, min(live) / per_sender) if live and per_sender else 1.0
 
     def awaited(self, bucket: int) -> int:
         """Contributions bucket ``bucket`` still waits for (0 once closed or complete)."""
@@ -352,6 +365,7 @@ class OpenRound:
     def _counted(self, sender: str, bucket: int, num: int) -> None:
         """``num`` new contributions of ``sender`` to ``bucket`` were counted."""
         self.arrived += num
+        self._arrived_from[sender] += num
         if (sender, bucket) not in self._not_awaited:  # no longer awaited: counted, not missing
             self._missing[bucket] -= num
             if self._missing[bucket] == 0:

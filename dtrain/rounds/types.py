@@ -132,6 +132,7 @@ class RoundResult:
     skipped_buckets: int = 0
     contributed: bool = True
     reduce_arrived_fraction: float = 0.0  # of expected contribution chunks at my buckets
+    reduce_live_fraction: float = 1.0  # the same, of the other members that sent at least one
     broadcast_arrived_fraction: float = 0.0  # of buckets whose mean this site got
     included_fraction: float = 0.0  # of my chunks that a finalized mean included
     bytes_sent: int = 0

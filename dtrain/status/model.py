@@ -70,6 +70,7 @@ REPORT_FIELDS: dict[str, str] = {
     "tokens": _INT,  # the site's token claim: its weight in a token-weighted mean
     "sync_s": _NUM,
     "reduce_arrived_fraction": _NUM,
+    "reduce_live_fraction": _NUM,
     "broadcast_arrived_fraction": _NUM,
     "included_fraction": _NUM,
     "bytes_sent": _INT,

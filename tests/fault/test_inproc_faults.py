@@ -342,6 +342,50 @@ def test_a_site_whose_last_round_left_buckets_unrepaired_catches_up_from_a_membe
         assert not closing.is_alive()
 
 
+@pytest.mark.timeout(60)
+def test_a_round_that_leaves_buckets_unrepaired_mid_run_is_caught_up_before_the_next_inner_phase() -> None:
+    """Mid-run, round 1 loses the owner's replies to the member's mean pulls and the member's
+    repairs: its buckets stay STALE there. The link heals once the round is over; before the
+    next inner phase the member takes round 1's mean of each again from the owner's kept
+    history (replayed: its θ_b was the owner's before the round), so round 1 ends with one θ on
+    both sites, and round 2 is applied with nothing stale. Left stale, each later round's mean
+    missed the member's checksum before and the θ stayed unequal until a repair fitted a round."""
+    with InprocCluster(Vec, inner_sgd_lr1, TWO_SITES, outer_optimizer=outer_sgd_lr1) as c:
+        owners = c.owners()
+        owner = next(i for i, s in enumerate(c.sites) if s.site_id in owners)
+        victim = 1 - owner
+        vid, addr = c.sites[victim].site_id, c.sites[owner].address
+        its = [b for b, o in enumerate(owners) if o == c.sites[owner].site_id]
+        c.network.add_rule(FaultRule(kind="pull_mean", sender=vid, dst=addr, round=1, action="lose_reply"))
+        c.network.add_rule(FaultRule(kind="pull_state", sender=vid, dst=addr))
+        site = c.sites[victim].diloco.site
+        catch_up = site.catch_up_last_round
+
+        def healed(outcome):  # the round is over at the member: the link heals
+            c.network.clear_rules()
+            return catch_up(outcome)
+
+        site.catch_up_last_round = healed
+        seen: dict[str, list] = {s.site_id: [] for s in c.sites}
+        for s in c.sites:
+            s.diloco.on_round.append(seen[s.site_id].append)
+
+        def step(site: Site, r: int) -> None:
+            contribute(site, torch.randn(P, generator=torch.Generator().manual_seed(17 * r + site.index)))
+
+        c.run_steps(step, 3, timeout_s=50)
+        o, v = c.sites[owner].diloco, c.sites[victim].diloco
+        mine = seen[vid][1].result
+        assert mine is not None and mine.stale_buckets == len(its) and mine.repaired_buckets == 0
+        assert v.site.last_catch_up.means_replayed == len(its) and not v.site.last_catch_up.buckets_from
+        sums = [[x.site_checksum for x in seen[s.site_id]] for s in c.sites]
+        assert sums[0] == sums[1] and len(sums[0]) == 3  # round 1 too: caught up before it was recorded
+        assert seen[vid][2].result is not None and seen[vid][2].result.stale_buckets == 0
+        assert v.engine.unrepaired == [] and v.site_checksum() == o.site_checksum()
+        model = torch.cat([t.detach().flatten() for t in v.local_tensors()])
+        assert torch.equal(model, torch.cat([t.flatten() for t in v.state.theta]))
+
+
 def cut_off_an_owner(c: InprocCluster, round: int) -> tuple[int, str, list[int]]:
     """Cut every mean pull to the first site that owns buckets, in ``round``: its index, id and buckets."""
     owners = c.owners()

@@ -304,6 +304,10 @@ def test_datagram_vs_grpc_mtu_sets_the_datagram_size_and_is_checked(tmp_path: Pa
         )[0]
         with pytest.raises(ValueError, match=rf"netem.mtu_bytes must be in \[1280, 9000\], got {bad}"):
             run_point(point)
+    smoke = spec.settings("smoke")
+    point = spec.points(smoke | {"fixed": {**smoke["fixed"], "lab.deadlines": "fast"}})[0]
+    with pytest.raises(ValueError, match=r"lab.deadlines must be 'set' or 'derived', got 'fast'"):
+        run_point(point)
 
 
 def test_datagram_val_loss_mtu_sets_the_workers_datagram_and_chunk(tmp_path: Path) -> None:

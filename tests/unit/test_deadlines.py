@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,7 +50,7 @@ def test_a_link_that_slows_10x_moves_the_deadlines_within_the_quantiles_window()
         if d.reduce_timeout_s > 20.0 and moved_after is None:
             moved_after = k
     assert moved_after == 2
-    assert d.reduce_timeout_s == pytest.approx(min(20 * 1.5 + 5, 4 * 10.0))  # capped at 4x the start bound
+    assert d.reduce_timeout_s == pytest.approx(20 * 1.5 + 5)  # measured: q0.9 x margin + budget
     # and recovers after shift_rounds (5) fast rounds: the window restarts after the last slow
     # one (before, the 7 slow rounds held the quantile until fast ones were 90% of 20 rounds)
     back = []
@@ -173,6 +174,54 @@ def test_a_round_cut_by_a_fault_before_its_deadline_is_not_a_censored_observatio
     assert at.cut("reduce_s", 0.9) == 5.75 and at.cut("means_s", 0.9) == 8.25
 
 
+def test_a_round_cut_on_a_slow_live_link_is_extrapolated_at_its_pace_past_the_start_cap() -> None:
+    """Reno at 10% loss moved a quarter of a round's contributions by the 10 s start bound. The
+    next deadline is what the whole would take at that pace (x margin + budget), not the 2x
+    back-off capped at 40 s that cut every round of that link; once rounds run clean at ~60 s
+    the measured figure sets it, above the start bound's cap (the budget is a stall beyond the
+    measured exchange)."""
+    cut = RoundTimes(round=0, reduce_s=10.0, means_s=20.0, clean=False, reduce_deadline_s=10.0)
+    cut = dataclasses.replace(cut, broadcast_deadline_s=20.0, reduce_live=0.25)
+    d = derive_deadlines([cut], config=CFG)
+    assert d.reduce_timeout_s == pytest.approx(40.0 * 1.5 + 5)  # 10 s / 0.25 = 40 s at that pace
+    assert d.broadcast_timeout_s == pytest.approx(80.0 * 1.5 + 5)  # the means cross the same links
+    assert "25% of the slowest live link's contributions in" in d.reason
+    # the next round ran clean in 60 s: with 2 of 3 rounds seen the deadline is not the start
+    # bound again (which cut round 2 of a reno run and left θ unequal) but what round 1 needed
+    one = RoundTimes(round=1, ready_spread_s=0.1, reduce_s=60.0, means_s=120.0)
+    d = derive_deadlines([cut, one], config=CFG)
+    assert d.reduce_timeout_s == pytest.approx(60.0 * 1.5 + 5) and d.broadcast_timeout_s == pytest.approx(185.0)
+    assert "the slowest of 2 rounds seen needed 60.00s" in d.reason
+    slow = [RoundTimes(round=r, ready_spread_s=0.1, reduce_s=60.0, means_s=120.0) for r in range(1, 4)]
+    d = derive_deadlines([cut, *slow], config=CFG)
+    assert d.reduce_timeout_s == pytest.approx(60.0 * 1.5 + 5) and d.broadcast_timeout_s == pytest.approx(185.0)
+    # a pace is bounded per round: a link that delivered 1% extrapolates at most max_pace_factor x
+    crawl = dataclasses.replace(cut, reduce_live=0.01)
+    assert derive_deadlines([crawl], config=CFG).reduce_timeout_s == pytest.approx(16 * 10.0 * 1.5 + 5)
+
+
+def test_a_member_that_sent_nothing_is_a_fault_not_a_pace() -> None:
+    """A cut round whose live links all delivered (``reduce_live`` 1: the missing contributions
+    are a silent member's) backs off as before, capped at max_factor x the start bound, so a
+    partition cannot grow the deadlines without bound."""
+    hist = []
+    for r in range(6):
+        d = derive_deadlines(hist, config=CFG) if hist else None
+        deadline = d.reduce_timeout_s if d else 10.0
+        hist.append(
+            RoundTimes(
+                round=r,
+                reduce_s=deadline,
+                means_s=2 * deadline,
+                clean=False,
+                reduce_deadline_s=deadline,
+                broadcast_deadline_s=2 * deadline,
+                reduce_live=1.0,
+            )
+        )
+    assert derive_deadlines(hist, config=CFG).reduce_timeout_s == pytest.approx(40.0)
+
+
 def test_backoff_is_capped_like_every_derived_deadline() -> None:
     hist = [
         RoundTimes(round=r, reduce_s=40.0, means_s=80.0, clean=False, reduce_deadline_s=40.0, broadcast_deadline_s=80.0)
@@ -208,9 +257,10 @@ def test_bad_deadline_settings_name_the_field(field: str, value: object, match: 
         DeadlineConfig(**{field: value})
 
 
-def _report(site: str, rnd: int, *, reduce_s: float, means_s: float, arrived: float = 1.0) -> str:
+def _report(site: str, rnd: int, *, reduce_s: float, means_s: float, arrived: float = 1.0, live=None) -> str:
     return json.dumps(
         {
+            **({} if live is None else {"reduce_live_fraction": live}),
             "site": site,
             "round": rnd,
             "seq": rnd + 1,
@@ -259,6 +309,23 @@ def test_the_rendezvous_backs_off_a_deadline_that_cut_the_last_round() -> None:
     plan = core.ready("b", 1, now=7.1).plan
     assert plan is not None and plan.reduce_timeout_s == 8.0
     assert "reduce 8.00s (round 0 ran to its 4.00s deadline: x2)" in plan.deadline_reason
+
+
+def test_the_rendezvous_extrapolates_a_cut_round_at_the_slowest_sites_pace() -> None:
+    """Reports fold to the slowest site's: the lowest live fraction. Site b's slowest link
+    delivered 25% of its contributions by the 4 s deadline: the next reduce deadline is the
+    16 s the whole takes at that pace x margin + budget, past the start bound's 16 s cap."""
+    core = RendezvousCore(RendezvousConfig(min_sites=2, deadlines=DeadlineConfig(stall_budget_s=2.0)))
+    for s in ("a", "b"):
+        core.join(s, f"127.0.0.1:{ord(s)}", now=0.0)
+    core.ready("a", 0, now=1.0)
+    assert core.ready("b", 0, now=1.1).plan is not None
+    for s, live in (("a", 0.5), ("b", 0.25)):
+        core.heartbeat(s, now=6.0, round_reports=[_report(s, 0, reduce_s=4.0, means_s=4.5, arrived=0.5, live=live)])
+    core.ready("a", 1, now=7.0)
+    plan = core.ready("b", 1, now=7.1).plan
+    assert plan is not None and plan.reduce_timeout_s == pytest.approx(16.0 * 1.5 + 2.0)
+    assert "with 25% of the slowest live link's contributions in: 16.00s at that pace" in plan.deadline_reason
 
 
 # ---------------------------------------------------------------- a plan's age

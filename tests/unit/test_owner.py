@@ -83,6 +83,25 @@ def test_complete_bucket_is_due_at_once_and_its_mean_divides_by_the_senders() ->
         o.finalize(1)
 
 
+def test_the_live_fraction_counts_only_members_that_sent_something() -> None:
+    """A slow link delivers part of a sender's chunks; a dead or partitioned member sends
+    none. The live fraction reads the slowest live sender's share as its link's pace (what the
+    rendezvous extrapolates a cut round from) and leaves the silent one out, so a fault never
+    reads as a slow link."""
+    o = _round()  # a owns buckets 0 (2 chunks) and 1 (1 chunk): 3 chunks per sender
+    _send_bucket(o, "a", 0)
+    _send_bucket(o, "a", 1)
+    assert o.reduce_live_fraction == 1.0  # only its own: no link read yet
+    assert _send(o, "b", 0, 0) is True  # b delivered 1 of its 3 chunks; c nothing (partitioned)
+    assert o.reduce_live_fraction == pytest.approx(1 / 3)
+    assert o.reduce_arrived_fraction == pytest.approx(4 / 9)  # c's missing chunks count here
+    _send_bucket(o, "c", 1)
+    assert o.reduce_live_fraction == pytest.approx(1 / 3)  # b and c both sent 1 of 3
+    _send(o, "c", 0, 0)
+    assert o.reduce_live_fraction == pytest.approx(1 / 3)  # the slowest live sender: b
+    assert _round(owners=["b", "b", "b"]).reduce_live_fraction == 1.0  # owns nothing
+
+
 def test_reduce_deadline_closes_every_remaining_bucket_over_what_arrived() -> None:
     o = _round()
     _send(o, "a", 0, 0)
