@@ -143,9 +143,15 @@ def test_sigstop_during_upload_then_sigcont_resyncs_and_rejoins(make_cluster):
     """site-2 stops itself (SIGSTOP) after its first chunk of round 2: it neither
     dies nor answers. The others finish round 2 by the deadline and go on without
     it; after SIGCONT it is told it missed rounds, resynchronises and rejoins with
-    the others' θ."""
-    c = make_cluster(worker={"rounds": 9})
-    sites = c.start(3, faults="site-2:mid_push:2:stop")
+    the others' θ.
+
+    The others' inner steps take 0.1 s (a round ~0.4 s or more), so they are still training
+    when site-2 resumes, however late the harness sees their round 3 on a loaded machine. At
+    full speed they ran their last 6 rounds in 0.5 s; in a CI run (-n 2) the harness saw round
+    3 only when they had finished, and site-2 resumed with no member left to resync from."""
+    c = make_cluster(worker={"rounds": 12})
+    others_slowed = {i: {"inner_step_sleep_s": 0.1} for i in (0, 1)}
+    sites = c.start(3, faults="site-2:mid_push:2:stop", site_opts=others_slowed)
     others = ["site-0", "site-1"]
     for s in others:
         c.wait_round(s, 3, 60)
