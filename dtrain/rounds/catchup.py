@@ -144,8 +144,7 @@ class CatchUp:
         self._queue: deque[int] = deque()
         self._avoid: dict[int, set[str]] = {}
         self._inflight: set[int] = set()
-        self._busy = 0
-        self._busy_at: collections.Counter[str] = collections.Counter()  # donor -> its transfers in flight
+        self._busy_at: collections.Counter[str] = collections.Counter()  # donor -> its buckets in _inflight
         self._live: dict[str, Member] = {}
         self._rounds: dict[str, int] = {}  # each donor's last known rounds_applied
         self._info: dict[str, HistoryInfo] = {}
@@ -255,14 +254,14 @@ class CatchUp:
         while True:
             with self._cv:
                 idle_since: float | None = None
-                while (self._queue or self._busy) and self._live:
+                while (self._queue or self._inflight) and self._live:
                     if self._cancelled:
                         raise StateTransferError("cancelled")
                     now = time.monotonic()
                     left = self.progress_at + self.progress_timeout_s - now
                     if left <= 0:
                         raise StateTransferError(self._stuck())
-                    if self._queue and not self._busy:  # no donor takes them: ask the donors again
+                    if self._queue and not self._inflight:  # no donor takes them: ask the donors again
                         idle_since = idle_since if idle_since is not None else now
                         if now - idle_since > 0.5:
                             break
@@ -297,7 +296,7 @@ class CatchUp:
 
     def _stuck(self) -> str:
         why = f"no progress for {self.progress_timeout_s:g} s at round {self._target}"
-        why += f" ({len(self._queue)} bucket(s) queued, {self._busy} in flight"
+        why += f" ({len(self._queue)} bucket(s) queued, {len(self._inflight)} in flight"
         if self.stats.repulled:
             why += (
                 f"; {self.stats.repulled} bucket pull(s) repeated: a bucket's transfer outlasts the rounds the "
@@ -403,7 +402,6 @@ class CatchUp:
                         and b not in self._queue
                         and sid not in self._avoid.get(b, ())
                     ):
-                        self._busy += 1
                         self._busy_at[sid] += 1
                         self._inflight.add(b)
                         return b
@@ -419,7 +417,6 @@ class CatchUp:
                     useful = mine >= self._floor() or (s is not None and s.tag < mine)
                     if useful and sid not in self._avoid.get(b, ()):
                         del self._queue[i]
-                        self._busy += 1
                         self._busy_at[sid] += 1
                         self._inflight.add(b)
                         return b
@@ -427,7 +424,6 @@ class CatchUp:
 
     def _done(self, sid: str, b: int, *, requeue: bool, avoid: str | None = None) -> None:
         with self._cv:
-            self._busy -= 1
             self._busy_at[sid] -= 1
             self._inflight.discard(b)
             if requeue:
