@@ -210,6 +210,15 @@ class GroupConfig:
             torchrun restart of a site group, a process supervisor) waits there for its
             predecessor to be declared dead. 0 refuses at once (two sites given one id by
             mistake); ``dtrain worker`` restarted by torchrun uses ``quorum_wait_s`` when 0.
+        join_probe_s: how long a joining site's link probe may take, seconds >= 0 (0: no
+            probe). At join, before its first round, the site times a round trip and a
+            stream of up to ``join_probe_bytes`` from every member at once
+            (``Transport.probe_link``) and reports what a round's exchange would take at
+            those rates; the rendezvous raises its start bound to that before it has
+            measured rounds (``dtrain.rendezvous.deadlines``, "the join probe"). A link that
+            needs longer than this gives what arrived by then.
+        join_probe_bytes: filler bytes the join probe asks of each member, >= 0 (the peer
+            caps it at 4 MiB). On a fast link it arrives in milliseconds.
     """
 
     quorum_wait_s: float = 300.0
@@ -219,6 +228,8 @@ class GroupConfig:
     state_pull_timeout_s: float = 120.0
     state_pull_streams: int = 2
     takeover_s: float = 0.0
+    join_probe_s: float = 3.0
+    join_probe_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
@@ -231,6 +242,12 @@ class GroupConfig:
         t = self.takeover_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
             raise ValueError(f"takeover_s must be a number of seconds >= 0, got {t!r}")
+        t = self.join_probe_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"join_probe_s must be a number of seconds >= 0, got {t!r}")
+        n = self.join_probe_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"join_probe_bytes must be an int >= 0, got {n!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

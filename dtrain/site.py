@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Sequence
@@ -51,8 +52,9 @@ from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.sitegroup.agree import RankView, decide_agreement, rank_donors, rank_plan
 from dtrain.sitegroup.comm import SiteComm
 from dtrain.state import decode_position, position_passes
+from dtrain.transports.base import LinkProbe
 
-__all__ = ["Site"]
+__all__ = ["Site", "probe_report"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,43 @@ def plan_expired(plan: RoundPlan) -> tuple[bool, str]:
             f"({plan.reduce_timeout_s:.1f}s after it formed): this site was stalled"
         )
     return False, f"the plan of round {plan.round} is {plan.age_s:.2f}s old"
+
+
+def probe_report(contribution_bytes: int, probes: Sequence[LinkProbe], *, num_sites: int) -> dict | None:
+    """What a round's exchange would take at the rates a join probe measured: the report a
+    joining site sends the rendezvous (``{"probe": true, "reduce_s", "means_s", "why", ...}``;
+    ``dtrain.rendezvous.deadlines``, the join probe). None: nothing was measured.
+
+    Each member owns 1 / ``num_sites`` of the buckets, and a site pushes its contribution's
+    share to each owner at once, so the reduce takes the slowest of
+    ``contribution_bytes / num_sites / rate + 2 rtt`` over the probed members (they were
+    probed at once, so a shared bottleneck shows in each rate). The means are as large and
+    cross the same links after it: ``means_s`` (from formation) is twice that. A stream that
+    did not complete in time gives its average as an upper bound on the rate (so the figure
+    is a lower bound); one with no rate gives nothing.
+    """
+    figures = []
+    for p in probes:
+        rate = p.rate_bytes_per_s
+        if not p.complete and p.seconds > 0 and p.bytes > 0:
+            rate = min(rate or math.inf, p.bytes / p.seconds)
+        if rate is None or not rate > 0:
+            continue
+        figures.append((contribution_bytes / max(1, num_sites) / rate + 2 * p.rtt_s, rate, p.rtt_s))
+    if not figures:
+        return None
+    reduce_s, rate, rtt_s = max(figures)
+    return {
+        "probe": True,
+        "reduce_s": reduce_s,
+        "means_s": 2 * reduce_s,
+        "rate_bytes_per_s": rate,
+        "rtt_s": rtt_s,
+        "why": (
+            f"{contribution_bytes / 2**20:.1f} MiB a round over {num_sites} sites at {rate / 1e3:.0f} kB/s "
+            f"and {rtt_s * 1e3:.0f} ms to the slowest of {len(figures)} members: reduce {reduce_s:.2f}s"
+        ),
+    }
 
 
 class Site:
@@ -141,6 +180,8 @@ class Site:
                 info = self.group.join()
             except (RendezvousError, StateTransferError) as e:
                 info = e
+            if isinstance(info, JoinInfo) and info.members and self.config.join_probe_s > 0:
+                self._probe_links(info.members)
         info = self.comm.broadcast(info, round=True)
         if isinstance(info, Exception):
             raise info
@@ -160,6 +201,35 @@ class Site:
             raise StateTransferError(f"{self.site_id}: joining failed: {errs[0]}")
         self._align_rounds(info)
         return info
+
+    def _probe_links(self, members: Sequence[Member]) -> None:
+        """Rank 0 at join: probe every member's link at once (``Transport.probe_link``, within
+        ``join_probe_s``) and report what a round's exchange would take at those rates
+        (:func:`probe_report`) before this site's first ready, so that the rendezvous sizes
+        the round it forms with it (``dtrain.rendezvous.deadlines``, the join probe). A
+        member that fails the probe is left out; a transport that cannot probe reports
+        nothing."""
+        assert self.group is not None
+        cfg, transport = self.config, self.engine.transport
+        size = sum(self.engine.codec.max_encoded_bytes(b.numel) for b in self.engine.state.layout.buckets)
+
+        def one(m: Member):
+            try:
+                return transport.probe_link(
+                    m.address, max_bytes=cfg.join_probe_bytes, timeout_s=cfg.join_probe_s, requester=self.site_id
+                )
+            except TransportError as e:
+                log.info("%s: join probe of %s failed: %s", self.site_id, m.site_id, e)
+                return None
+
+        with ThreadPoolExecutor(len(members), thread_name_prefix=f"probe-{self.site_id}") as pool:
+            probes = [p for p in pool.map(one, members) if p is not None]
+        report = probe_report(size, probes, num_sites=len(members) + 1)
+        if report is None:
+            return
+        log.info("%s: join probe: %s", self.site_id, report["why"])
+        self.group.report_round(report)
+        self.group.beat_and_wait(cfg.join_probe_s)  # delivered before this site's first ready
 
     def resync(self, min_round: int = 0) -> str | None:
         """Discard this site's progress and pull θ and the outer state from the members

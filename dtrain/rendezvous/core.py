@@ -407,6 +407,8 @@ class RendezvousCore:
         self._done_at: dict[str, tuple[int, float]] = {}  # site -> (rounds_done, when it rose: this core's clock)
         # per site pulling state: (its expected seconds to go, when it said so on ``now``'s clock)
         self._catching: dict[str, tuple[float, float]] = {}
+        # per site, what its join probe predicted a round's exchange takes: (reduce_s, means_s)
+        self._probed: dict[str, tuple[float, float]] = {}
 
     @property
     def next_round(self) -> int:
@@ -482,6 +484,7 @@ class RendezvousCore:
                     self._catching.pop(site_id, None)
                 elif site_id in self._catching or len(self._catching) < 1 << 16:
                     self._catching[site_id] = (float(eta), now)
+            round_reports = [raw for raw in round_reports if not self._observe_probe(site_id, raw)]
             if round_reports:
                 self.store.put_reports(site_id, round_reports, self.status_log)
                 for raw in round_reports:
@@ -699,10 +702,42 @@ class RendezvousCore:
         keep = 2 * self.config.deadlines.history_rounds
         for r in sorted(self._times)[:-keep]:
             del self._times[r]
-        d = derive_deadlines(list(self._times.values()), config=self.config.deadlines, overrides=self.config.overrides)
+        self._derive()
+
+    def _derive(self) -> None:
+        probed = None
+        if self._probed:
+            probed = (max(p[0] for p in self._probed.values()), max(p[1] for p in self._probed.values()))
+        d = derive_deadlines(
+            list(self._times.values()), config=self.config.deadlines, overrides=self.config.overrides, probed=probed
+        )
         if d.reason != self.deadlines.reason:
             log.debug("rendezvous: deadlines %s", d.reason)
         self.deadlines = d
+
+    def _observe_probe(self, site_id: str, raw: str) -> bool:
+        """Whether ``raw`` is a site's join-probe report (``dtrain.site.probe_report``); a valid
+        one's predicted ``reduce_s`` / ``means_s`` raise the start bound until rounds are
+        measured (``dtrain.rendezvous.deadlines``, the join probe; the derivation caps them at
+        ``max_pace_factor`` times the start bound, as the report comes from the wire)."""
+        try:
+            rep = json.loads(raw)
+        except ValueError:
+            return False
+        if not isinstance(rep, dict) or rep.get("probe") is not True:
+            return False
+        figures = (rep.get("reduce_s"), rep.get("means_s"))
+        if not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in figures
+        ):
+            log.warning("rendezvous: dropped a join probe report from %s: bad reduce_s / means_s %r", site_id, figures)
+            return True
+        with self._lock:
+            if site_id in self._probed or len(self._probed) < 1 << 16:  # ids from the wire: bounded
+                self._probed[site_id] = (float(figures[0]), float(figures[1]))
+        log.info("rendezvous: %s's join probe: %s", site_id, str(rep.get("why", ""))[:200])
+        self._derive()
+        return True
 
     def _observe_report(self, raw: str) -> None:
         """A site's round report (``dtrain.status.round_report`` JSON): its phase times and

@@ -55,7 +55,13 @@ broadcast = 4 · budget (5 / 10 / 20 s at the default budget: the former fixed d
 conservative for a LAN and for most WAN links), or, for the reduce and the broadcast, the
 slowest round seen that was measured (clean, or cut at a live pace) x margin + budget when
 that is more: a reno run's clean 60 s round 1 was followed by the 10 s start bound again,
-which cut round 2. A figure the user set explicitly
+which cut round 2. The join probe: before
+``min_rounds`` rounds of a figure are known, what the sites' join probes predicted a round's
+reduce and means take (``probed``: each joining site timed a stream from every member,
+``dtrain.site.probe_report``; the slowest site's, at most ``max_pace_factor`` times the start
+bound, as it comes from the wire) x margin + budget raises the start bound too: reno at 10%
+loss needs ~250 s a round, and its round 0 under the 10 / 20 s start bound ended with unequal
+θ at every site. A figure the user set explicitly
 (``RendezvousConfig.quorum_timeout_s`` ...) overrides its derivation. A deadline is capped at
 ``max_factor`` times its start bound, or at what the link was measured to need (clean rounds,
 and cut rounds at their live pace) x margin + budget when that is more: faults and back-offs
@@ -216,27 +222,41 @@ def derive_deadlines(
     *,
     config: DeadlineConfig,
     overrides: tuple[float | None, float | None, float | None] = (None, None, None),
+    probed: tuple[float, float] | None = None,
     now: float = 0.0,
 ) -> Deadlines:
     """The next round's deadlines from the observed ``history`` (any order), the budget
-    and the explicit ``overrides`` (quorum, reduce, broadcast; None: derived). ``now`` is
-    accepted for the pure-decision convention (the rule reads no clock; history is
-    counted in rounds). See the module docstring for the rule."""
+    and the explicit ``overrides`` (quorum, reduce, broadcast; None: derived). ``probed``:
+    the reduce and means seconds the sites' join probes predicted (the slowest; None: no
+    probe), which raise the start bound. ``now`` is accepted for the pure-decision
+    convention (the rule reads no clock; history is counted in rounds). See the module
+    docstring for the rule."""
     del now
     b = config.stall_budget_s
     start = (b, 2 * b, 4 * b)
     ordered = sorted(history, key=lambda t: t.round)
     clean = [t for t in ordered if t.clean][-config.history_rounds :]
 
+    def probe_of(i: int) -> float:
+        """What the join probes predicted for figure ``i`` (1: reduce, 2: means), at most
+        ``max_pace_factor`` times its start bound (a report from the wire); 0: none."""
+        if probed is None or i == 0:
+            return 0.0
+        return min(probed[i - 1], start[i] * config.max_pace_factor)
+
     def observed(
         values: list[float], i: int, what: str, cap: float, measured: Sequence[float] = ()
     ) -> tuple[float, str]:
         if len(values) < config.min_rounds:
-            # too few rounds for a quantile: the start bound, unless a round was measured to need longer
-            slow = max(measured, default=0.0) * config.margin + b
+            # too few rounds for a quantile: the start bound, unless a round was measured (or the
+            # join probe predicted it) to need longer
+            need = max(measured, default=0.0)
+            slow = max(need, probe_of(i)) * config.margin + b
             if slow > start[i]:
                 d = min(slow, cap)
-                return d, f"{what} {d:.2f}s (the slowest of {len(values)} rounds seen needed {max(measured):.2f}s)"
+                if need >= probe_of(i):
+                    return d, f"{what} {d:.2f}s (the slowest of {len(values)} rounds seen needed {need:.2f}s)"
+                return d, f"{what} {d:.2f}s (the join probe predicts {probe_of(i):.2f}s)"
             return start[i], f"{what} {start[i]:.2f}s (start bound: {len(values)} of {config.min_rounds} rounds seen)"
         q = quantile(values, config.quantile)
         values, sped_up = since_speedup(values, q, factor=config.backoff, rounds=config.shift_rounds)
@@ -261,8 +281,10 @@ def derive_deadlines(
         # what the link was measured to need (clean rounds, and cut rounds at their live pace) is
         # never capped: the budget is a stall beyond it; faults and back-offs are
         measured = [v for t, p, v in zip(seen, paced, values) if v is not None and (t.clean or p is not None)]
-        cap = max(start[i] * config.max_factor, max(measured, default=0.0) * config.margin + b)
-        d, why = observed([v for v in values if v is not None], i, what, cap, measured)
+        known = [v for v in values if v is not None]
+        probe = probe_of(i) if len(known) < config.min_rounds else 0.0  # until rounds are measured
+        cap = max(start[i] * config.max_factor, max(*measured, probe, 0.0) * config.margin + b)
+        d, why = observed(known, i, what, cap, measured)
         seen_d = d
         newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
         cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None

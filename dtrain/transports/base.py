@@ -28,16 +28,22 @@ pushed (the datagram path's MEAN_ACK, through ``handle_mean_delivered``), sets
 ``acknowledges_means = True``: the owner then counts a mean as delivered on the
 acknowledgement, not when it served the pull (a served reply can still be lost as the
 owner exits).
+
+A transport that can time a stream from a peer (gRPC, and the datagram path through its
+gRPC half) answers :meth:`Transport.probe_link` with a :class:`LinkProbe`: a site's join
+probe (``dtrain.site.Site.join``), from which the rendezvous sizes its first rounds'
+deadlines (``dtrain.rendezvous.deadlines``). Others return None.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
 
-__all__ = ["PeerHandler", "Transport"]
+__all__ = ["LinkProbe", "PeerHandler", "Transport"]
 
 
 class PeerHandler(Protocol):
@@ -79,6 +85,29 @@ class PeerHandler(Protocol):
     # (the sender's time ran out). Must not block.
 
 
+@dataclass(frozen=True, kw_only=True)
+class LinkProbe:
+    """What one probe of a peer's link measured (:meth:`Transport.probe_link`).
+
+    Attributes:
+        address: the peer probed.
+        rtt_s: seconds of an empty call's round trip (the connection already open).
+        rate_bytes_per_s: bytes per second of the filler stream from the first part's
+            arrival to the last one's; None when fewer than two parts arrived in time.
+        bytes: filler bytes that arrived within the probe's time.
+        seconds: from the filler call's start until its last part arrived (or its time ran out).
+        complete: every requested byte arrived in time (else the link is slower than
+            ``bytes / seconds``: the rate is an upper bound).
+    """
+
+    address: str
+    rtt_s: float
+    rate_bytes_per_s: float | None
+    bytes: int
+    seconds: float
+    complete: bool
+
+
 class Transport(abc.ABC):
     """Moves round messages between sites. One instance per site."""
 
@@ -116,6 +145,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch a bucket's whole state (θ_b, outer-optimizer state) for repair or joining."""
+
+    def probe_link(self, address: str, *, max_bytes: int, timeout_s: float, requester: str) -> LinkProbe | None:
+        """Time a round trip and a stream of up to ``max_bytes`` filler bytes from the peer at
+        ``address``, within ``timeout_s`` seconds in all (a link slower than that gives what
+        arrived). None: this transport cannot probe (the default). Raises ``PeerUnavailable``,
+        ``PeerTimeout`` (not even the round trip in time), ``Rejected`` (the peer refused)."""
+        return None
 
     def begin_round(self, plan: RoundPlan, owners: Sequence[str], site_id: str) -> None:
         """Called by the round engine once it accepts contributions for ``plan.round``.

@@ -53,7 +53,7 @@ from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, TransportError
 from dtrain.protocol import BucketState, Contribution, RoundPlan
-from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.base import LinkProbe, PeerHandler, Transport
 from dtrain.transports.datagram_config import DatagramTransportConfig, max_datagram_bytes_for_mtu
 from dtrain.transports.datagram_ends import DatagramEnds
 from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
@@ -775,3 +775,8 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         return self._grpc.pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
+
+    def probe_link(self, address: str, *, max_bytes: int, timeout_s: float, requester: str) -> LinkProbe:
+        """Over the gRPC half (a TCP flow: conservative for the paced datagrams, which keep
+        their rate under loss that slows TCP)."""
+        return self._grpc.probe_link(address, max_bytes=max_bytes, timeout_s=timeout_s, requester=requester)

@@ -26,6 +26,9 @@ Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
   ``max_streams_per_sender`` and ``max_concurrent_rpcs`` bound the calls (past
   them: RESOURCE_EXHAUSTED at once) and ``max_wait_ms`` caps a pull's wait. It
   serves the standard ``grpc.health.v1.Health`` service too.
+* ``Probe`` streams filler bytes back (at most ``PROBE_MAX_BYTES``, parts of at most
+  ``PROBE_MAX_PART_BYTES``) for a joining site's link probe (:meth:`GrpcTransport.probe_link`);
+  ``max_streams_per_sender`` probes per sender at a time; its bytes are not counted in ``bytes_sent``.
 * Authentication (shared token, TLS/mTLS) and keepalive come from
   :class:`~dtrain.transports.grpc_common.GrpcTransportConfig`.
 * The bulk messages are peer.proto's, encoded and decoded by
@@ -40,6 +43,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -47,7 +51,7 @@ import grpc
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
 from dtrain.errors import PeerUnavailable, RejectCode, Rejected, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution
-from dtrain.transports.base import PeerHandler, Transport
+from dtrain.transports.base import LinkProbe, PeerHandler, Transport
 from dtrain.transports.grpc_common import (
     ChannelPool,
     GrpcTransportConfig,
@@ -84,6 +88,11 @@ _HANDLER_MARGIN_S = 0.2
 # A PullMean waiting for its bucket looks again at least this often (seconds), besides
 # whenever the handler's means change: a round that never opens is refused after plan_wait_s.
 _REPOLL_S = 0.5
+#: The most filler bytes one Probe call streams back, and the largest part: a token
+#: holder cannot make a peer send more than this per call (one call per sender at a time).
+PROBE_MAX_BYTES = 4 << 20
+PROBE_MAX_PART_BYTES = 64 << 10
+_PROBE_FILLER = bytes(PROBE_MAX_PART_BYTES)
 
 
 # --------------------------------------------------------------------------- server
@@ -168,6 +177,11 @@ class _PeerServicer:
                             self.PullState,
                             request_deserializer=pb.PullStateRequest.FromString,
                             response_serializer=None,
+                        ),
+                        "Probe": grpc.unary_stream_rpc_method_handler(
+                            self.Probe,
+                            request_deserializer=pb.ProbeRequest.FromString,
+                            response_serializer=pb.ProbePart.SerializeToString,
                         ),
                     },
                 ),
@@ -335,6 +349,23 @@ class _PeerServicer:
         for part in parts:  # lazily: a bucket's state is not copied whole
             yield part
 
+    async def Probe(self, request, context):
+        """Stream ``request.bytes`` filler bytes (capped) in parts; 0 bytes: one empty part."""
+        full = self.server.limiter.acquire("Probe", request.requester)
+        if full is not None:
+            await abort(context, RejectCode.RESOURCE_EXHAUSTED, full)
+        try:
+            left = min(request.bytes, PROBE_MAX_BYTES)
+            part = min(request.part_bytes or 16 << 10, PROBE_MAX_PART_BYTES)
+            if left == 0:
+                yield pb.ProbePart()
+            while left > 0:
+                n = min(part, left)
+                left -= n
+                yield pb.ProbePart(data=_PROBE_FILLER[:n])
+        finally:
+            self.server.limiter.release("Probe", request.requester)
+
 
 # --------------------------------------------------------------------------- transport
 
@@ -355,6 +386,11 @@ class _PeerStub:
             f"/{PEER_SERVICE}/PullState",
             request_serializer=pb.PullStateRequest.SerializeToString,
             response_deserializer=None,
+        )
+        self.Probe = channel.unary_stream(
+            f"/{PEER_SERVICE}/Probe",
+            request_serializer=pb.ProbeRequest.SerializeToString,
+            response_deserializer=pb.ProbePart.FromString,
         )
 
 
@@ -527,6 +563,51 @@ class GrpcTransport(Transport):
             return state_from_wire(stream, lambda n: self._count(received=n))
 
         return self._call(address, "pull_state from", timeout_s, attempt)
+
+    def probe_link(self, address: str, *, max_bytes: int, timeout_s: float, requester: str) -> LinkProbe:
+        """Time ``address``'s link (:class:`~dtrain.transports.base.LinkProbe`): an empty call
+        that opens the connection, a second one for the round trip, then a stream of up to
+        ``max_bytes`` (capped at ``PROBE_MAX_BYTES``) filler bytes in 16 KiB parts, timed
+        from the first part's arrival to the last one's; all within ``timeout_s``. A stream
+        cut by the time gives what arrived (``complete=False``).
+
+        Raises ``PeerUnavailable``, ``PeerTimeout`` (the round trips did not fit
+        ``timeout_s``), ``Rejected`` (the peer refused, e.g. an older peer without Probe:
+        UNIMPLEMENTED)."""
+        check_timeout(timeout_s)
+        until = time.monotonic() + timeout_s
+
+        def round_trip(stub: _PeerStub, remaining: float) -> float:
+            t0 = time.monotonic()
+            for _ in stub.Probe(pb.ProbeRequest(requester=requester), timeout=remaining, metadata=self._metadata):
+                pass
+            return time.monotonic() - t0
+
+        self._call(address, "probe", timeout_s, round_trip)  # opens the connection (a handshake's RTTs)
+        rtt_s = self._call(address, "probe", max(1e-3, until - time.monotonic()), round_trip)
+        want = min(max(0, max_bytes), PROBE_MAX_BYTES)
+        got, first, last = 0, None, None
+        t0 = time.monotonic()
+        remaining = until - t0
+        if want and remaining > 0:
+            stub = self._pool.stub(address)
+            request = pb.ProbeRequest(bytes=want, part_bytes=16 << 10, requester=requester)
+            try:
+                for part in stub.Probe(request, timeout=remaining, metadata=self._metadata):
+                    last = time.monotonic()
+                    if first is None:
+                        first = (last, len(part.data))
+                    got += len(part.data)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise to_transport_error(e, f"probe {address}") from None
+        rate = None
+        if first is not None and last is not None and last > first[0] and got > first[1]:
+            rate = (got - first[1]) / (last - first[0])
+        seconds = (last if got >= want and last is not None else time.monotonic()) - t0
+        return LinkProbe(
+            address=address, rtt_s=rtt_s, rate_bytes_per_s=rate, bytes=got, seconds=seconds, complete=got >= want
+        )
 
     def channels(self, address: str) -> Sequence[grpc.Channel]:
         """The open channels to ``address`` (for tests and diagnostics)."""

@@ -13,7 +13,9 @@ from dtrain.rendezvous import RendezvousConfig, RendezvousCore
 from dtrain.rendezvous.core import aged
 from dtrain.rendezvous.deadlines import DeadlineConfig, RoundTimes, derive_deadlines, quantile, since_speedup
 from dtrain.rendezvous.grpc import _decision_from_proto, plan_to_proto
-from dtrain.site import plan_expired
+from dtrain.site import plan_expired, probe_report
+from dtrain.status import StatusLog
+from dtrain.transports.base import LinkProbe
 
 CFG = DeadlineConfig()  # budget 5 s, q0.9, margin 1.5, 3 rounds before deriving, cap 4x the start bound
 
@@ -326,6 +328,70 @@ def test_the_rendezvous_extrapolates_a_cut_round_at_the_slowest_sites_pace() -> 
     plan = core.ready("b", 1, now=7.1).plan
     assert plan is not None and plan.reduce_timeout_s == pytest.approx(16.0 * 1.5 + 2.0)
     assert "with 25% of the slowest live link's contributions in: 16.00s at that pace" in plan.deadline_reason
+
+
+def test_the_join_probe_raises_the_start_bound_until_rounds_are_measured() -> None:
+    """A join probe that predicts a 100 s reduce and 200 s of means (reno at 10% loss) sizes
+    round 0 to it x margin + budget, instead of the 10 / 20 s start bound that cut that round;
+    a prediction from the wire is capped at max_pace_factor x the start bound; once min_rounds
+    clean rounds are measured the probe no longer counts (not even in the cap)."""
+    cfg = DeadlineConfig(stall_budget_s=5.0)
+    d = derive_deadlines([], config=cfg, probed=(100.0, 200.0))
+    assert d.reduce_timeout_s == pytest.approx(100.0 * 1.5 + 5.0)
+    assert d.broadcast_timeout_s == pytest.approx(200.0 * 1.5 + 5.0)
+    assert d.quorum_timeout_s == 5.0  # the quorum wait is not an exchange
+    assert "reduce 155.00s (the join probe predicts 100.00s)" in d.reason
+    # a fast link's prediction below the start bound changes nothing
+    assert derive_deadlines([], config=cfg, probed=(0.5, 1.0)) == derive_deadlines([], config=cfg)
+    # a wire figure of 1e9 s is capped at 16 x the start bound
+    big = derive_deadlines([], config=cfg, probed=(1e9, 1e9))
+    assert big.reduce_timeout_s == pytest.approx(16 * 10.0 * 1.5 + 5.0)
+    assert big.broadcast_timeout_s == pytest.approx(16 * 20.0 * 1.5 + 5.0)
+    # a measured round needing more than the probe said wins, with its own reason
+    slow = [RoundTimes(round=0, reduce_s=150.0, means_s=260.0)]
+    d = derive_deadlines(slow, config=cfg, probed=(100.0, 200.0))
+    assert d.reduce_timeout_s == pytest.approx(150.0 * 1.5 + 5.0) and "rounds seen needed 150.00s" in d.reason
+    # min_rounds clean rounds measured: the probe is history
+    fast = [RoundTimes(round=r, reduce_s=1.0, means_s=2.0) for r in range(3)]
+    assert derive_deadlines(fast, config=cfg, probed=(100.0, 200.0)) == derive_deadlines(fast, config=cfg)
+
+
+def test_a_probe_report_predicts_the_slowest_members_share_at_its_rate() -> None:
+    """8 MB over 4 sites: 2 MB to each owner. Member x streamed at 20 kB/s with 80 ms RTT
+    (reno at 10% loss), y at 10 MB/s: the reduce is x's 100 s + 2 RTT, the means twice that;
+    a stream cut by its time gives its average as the rate's upper bound; nothing measured:
+    no report."""
+    x = LinkProbe(address="x", rtt_s=0.08, rate_bytes_per_s=25e3, bytes=50_000, seconds=2.5, complete=False)
+    y = LinkProbe(address="y", rtt_s=0.01, rate_bytes_per_s=10e6, bytes=1 << 20, seconds=0.1, complete=True)
+    z = LinkProbe(address="z", rtt_s=0.02, rate_bytes_per_s=None, bytes=0, seconds=3.0, complete=False)
+    rep = probe_report(8_000_000, [x, y, z], num_sites=4)
+    assert rep is not None and rep["probe"] is True
+    assert rep["rate_bytes_per_s"] == pytest.approx(20e3)  # 50 kB in 2.5 s, not the 25 kB/s of its parts
+    assert rep["reduce_s"] == pytest.approx(2_000_000 / 20e3 + 0.16)
+    assert rep["means_s"] == pytest.approx(2 * rep["reduce_s"])
+    assert "to the slowest of 2 members" in rep["why"]
+    assert probe_report(8_000_000, [z], num_sites=2) is None
+
+
+def test_the_rendezvous_sizes_round_0_from_the_join_probes_and_drops_bad_ones() -> None:
+    """A site's join-probe report (``dtrain.site.probe_report``) reaches the deadlines, not the
+    status page; the slowest site's prediction counts; a report with a bad figure is dropped."""
+    log = StatusLog()
+    core = RendezvousCore(RendezvousConfig(min_sites=2, deadlines=DeadlineConfig(stall_budget_s=2.0)), reports=log)
+    for s in ("a", "b"):
+        core.join(s, f"127.0.0.1:{ord(s)}", now=0.0)
+    probe = {"probe": True, "seq": 1, "reduce_s": 10.0, "means_s": 20.0, "why": "test"}
+    core.heartbeat("a", now=0.5, round_reports=[json.dumps(probe)])
+    core.heartbeat("b", now=0.5, round_reports=[json.dumps({**probe, "reduce_s": 6.0, "means_s": 12.0})])
+    bad = {**probe, "reduce_s": float("nan"), "seq": 2}
+    core.heartbeat("b", now=0.6, round_reports=[json.dumps(bad).replace("NaN", '"x"')])
+    core.ready("a", 0, now=1.0)
+    plan = core.ready("b", 0, now=1.1).plan
+    assert plan is not None
+    assert plan.reduce_timeout_s == pytest.approx(10.0 * 1.5 + 2.0)
+    assert plan.broadcast_timeout_s == pytest.approx(20.0 * 1.5 + 2.0)
+    assert "the join probe predicts 10.00s" in plan.deadline_reason
+    assert log.num_dropped == 0 and log.rounds == {}  # probe reports are not round reports
 
 
 # ---------------------------------------------------------------- a plan's age

@@ -19,6 +19,7 @@ import pytest
 from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk
 from dtrain.transports.base import Transport
+from dtrain.transports.inproc import InprocTransport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -298,6 +299,29 @@ def test_pull_state_returns_the_bucket_state(pair: Pair) -> None:
     assert got == pair.handler.state
     assert pair.handler.pull_calls == [("state", 5, "site-c")]
     assert pair.client.bytes_received() - before == 10240 + 900
+
+
+# --------------------------------------------------------------------------- join probe
+
+
+def test_probe_link_times_a_stream_of_filler_from_the_peer(pair: Pair) -> None:
+    """gRPC and the datagram path (over its gRPC half) stream the bytes asked for, capped at
+    4 MiB, and time them; the in-process transport cannot probe (None); the probe's bytes are
+    not round payload."""
+    before = pair.client.bytes_received()
+    got = pair.client.probe_link(pair.address, max_bytes=256 << 10, timeout_s=10.0, requester="site-a")
+    if isinstance(pair.client, InprocTransport):
+        assert got is None
+        return
+    assert got is not None and got.address == pair.address
+    assert got.complete and got.bytes == 256 << 10
+    assert got.rate_bytes_per_s is not None and got.rate_bytes_per_s > 0
+    assert 0 < got.rtt_s < 10.0 and 0 < got.seconds < 10.0
+    capped = pair.client.probe_link(pair.address, max_bytes=64 << 20, timeout_s=10.0, requester="site-a")
+    assert capped is not None and capped.bytes == 4 << 20 and capped.complete
+    assert pair.client.bytes_received() == before
+    with pytest.raises(PeerUnavailable):
+        pair.client.probe_link(pair.unreachable, max_bytes=1024, timeout_s=3.0, requester="site-a")
 
 
 # --------------------------------------------------------------------------- failures

@@ -125,3 +125,19 @@ class StateHeader(_message.Message):
     optimizer_state_bytes: int
     extra_json: str
     def __init__(self, bucket: _Optional[int] = ..., rounds_applied: _Optional[int] = ..., checksum: _Optional[str] = ..., theta_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("bytes", "part_bytes", "requester")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    part_bytes: int
+    requester: str
+    def __init__(self, bytes: _Optional[int] = ..., part_bytes: _Optional[int] = ..., requester: _Optional[str] = ...) -> None: ...
+
+class ProbePart(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

@@ -49,6 +49,11 @@ class PeerStub:
                 request_serializer=dtrain_dot_v1_dot_peer__pb2.PullStateRequest.SerializeToString,
                 response_deserializer=dtrain_dot_v1_dot_peer__pb2.StatePart.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_stream(
+                '/dtrain.v1.Peer/Probe',
+                request_serializer=dtrain_dot_v1_dot_peer__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=dtrain_dot_v1_dot_peer__pb2.ProbePart.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -79,6 +84,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """A link probe at join (dtrain.site.Site.join): the peer streams `bytes` filler
+        bytes (at most 4 MiB) in parts of `part_bytes` (at most 64 KiB); the caller times
+        their arrival. A request for 0 bytes answers one empty part (a round trip).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.PullState,
                     request_deserializer=dtrain_dot_v1_dot_peer__pb2.PullStateRequest.FromString,
                     response_serializer=dtrain_dot_v1_dot_peer__pb2.StatePart.SerializeToString,
+            ),
+            'Probe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=dtrain_dot_v1_dot_peer__pb2.ProbeRequest.FromString,
+                    response_serializer=dtrain_dot_v1_dot_peer__pb2.ProbePart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Peer:
             '/dtrain.v1.Peer/PullState',
             dtrain_dot_v1_dot_peer__pb2.PullStateRequest.SerializeToString,
             dtrain_dot_v1_dot_peer__pb2.StatePart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dtrain.v1.Peer/Probe',
+            dtrain_dot_v1_dot_peer__pb2.ProbeRequest.SerializeToString,
+            dtrain_dot_v1_dot_peer__pb2.ProbePart.FromString,
             options,
             channel_credentials,
             insecure,
