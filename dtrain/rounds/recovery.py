@@ -41,8 +41,10 @@ def late_pull_timeout_s(pass_no: int, window_s: float, left_s: float) -> float:
     """The wait for one late pull's answer in pass ``pass_no`` (0, 1, ...) over a missing
     mean's sources, seconds: an eighth of the late-pull window, doubled with each pass (a
     stalled TCP connection is in retransmission back-off, RFC 6298 5.5: the next source's fresh
-    request is often answered first), at least 0.2 s, never past the ``left_s`` that remain."""
-    return max(0.0, min(left_s, max(0.2, window_s / 8.0) * 2.0**pass_no))
+    request is often answered first), at least 0.2 s, never past the ``left_s`` that remain.
+    The doubling stops at pass 30 (sources that fail at once pass after pass overflowed
+    ``2.0 ** pass_no``, and the step failed)."""
+    return max(0.0, min(left_s, max(0.2, window_s / 8.0) * 2.0 ** min(pass_no, 30)))
 
 
 class Recovery:

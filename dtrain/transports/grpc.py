@@ -26,6 +26,12 @@ Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
   ``max_streams_per_sender`` and ``max_concurrent_rpcs`` bound the calls (past
   them: RESOURCE_EXHAUSTED at once) and ``max_wait_ms`` caps a pull's wait. It
   serves the standard ``grpc.health.v1.Health`` service too.
+* A member acknowledges each mean it pulled whole (``AckMean``, right after the pull):
+  the owner's commit rule counts the mean as taken on that acknowledgement, not when it
+  served the pull (``commits_on_ack``): a served reply can still fail to arrive by the
+  member's deadline on a slow link, and the owner kept a mean the member did not apply
+  (reno at 10% loss: θ unequal). An ABORTED answer (the owner withdrew it) makes
+  ``pull_mean`` raise it: the member does not apply what its owner rolled back.
 * ``Probe`` streams filler bytes back (at most ``PROBE_MAX_BYTES``, parts of at most
   ``PROBE_MAX_PART_BYTES``) for a joining site's link probe (:meth:`GrpcTransport.probe_link`);
   ``max_streams_per_sender`` probes per sender at a time; its bytes are not counted in ``bytes_sent``.
@@ -49,7 +55,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
-from dtrain.errors import PeerUnavailable, RejectCode, Rejected, TransportError
+from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.transports.base import LinkProbe, PeerHandler, Transport
 from dtrain.transports.grpc_common import (
@@ -88,6 +94,9 @@ _HANDLER_MARGIN_S = 0.2
 # A PullMean waiting for its bucket looks again at least this often (seconds), besides
 # whenever the handler's means change: a round that never opens is refused after plan_wait_s.
 _REPOLL_S = 0.5
+#: Seconds an acknowledgement of a mean may take at least, even past the pull's own deadline:
+#: its answer (kept or withdrawn) is the owner's decision, so waiting for it costs time, not θ.
+ACK_MIN_S = 3.0
 #: The most filler bytes one Probe call streams back, and the largest part: a token
 #: holder cannot make a peer send more than this per call (one call per sender at a time).
 PROBE_MAX_BYTES = 4 << 20
@@ -177,6 +186,11 @@ class _PeerServicer:
                             self.PullState,
                             request_deserializer=pb.PullStateRequest.FromString,
                             response_serializer=None,
+                        ),
+                        "AckMean": grpc.unary_unary_rpc_method_handler(
+                            self.AckMean,
+                            request_deserializer=pb.AckMeanRequest.FromString,
+                            response_serializer=pb.AckMeanReply.SerializeToString,
                         ),
                         "Probe": grpc.unary_stream_rpc_method_handler(
                             self.Probe,
@@ -349,6 +363,19 @@ class _PeerServicer:
         for part in parts:  # lazily: a bucket's state is not copied whole
             yield part
 
+    async def AckMean(self, request, context) -> pb.AckMeanReply:
+        """The member got the whole mean: the handler records it (its commit rule's
+        acknowledgement); its ``Rejected`` (ABORTED: withdrawn) goes back to the member."""
+        ack = getattr(self._handler, "handle_mean_acked", None)
+        if ack is not None:
+            await self._limited(
+                "AckMean",
+                request.requester,
+                context,
+                lambda: ack(request.round, request.bucket, request.requester, request.have_checksum),
+            )
+        return pb.AckMeanReply()
+
     async def Probe(self, request, context):
         """Stream ``request.bytes`` filler bytes (capped) in parts; 0 bytes: one empty part."""
         full = self.server.limiter.acquire("Probe", request.requester)
@@ -387,6 +414,11 @@ class _PeerStub:
             request_serializer=pb.PullStateRequest.SerializeToString,
             response_deserializer=None,
         )
+        self.AckMean = channel.unary_unary(
+            f"/{PEER_SERVICE}/AckMean",
+            request_serializer=pb.AckMeanRequest.SerializeToString,
+            response_deserializer=pb.AckMeanReply.FromString,
+        )
         self.Probe = channel.unary_stream(
             f"/{PEER_SERVICE}/Probe",
             request_serializer=pb.ProbeRequest.SerializeToString,
@@ -399,13 +431,17 @@ class GrpcTransport(Transport):
 
     Args:
         config: see :class:`GrpcTransportConfig`; default plaintext on 127.0.0.1, port 0.
+        acknowledge_means: ``pull_mean`` acknowledges each mean it got (``AckMean``) and the
+            owner commits on that (``commits_on_ack``). False: the datagram path's gRPC half,
+            whose members acknowledge in its own MEAN_ACK datagrams.
 
     Attributes:
         address: ``host:port`` peers dial, set by :meth:`start`.
     """
 
-    def __init__(self, config: GrpcTransportConfig | None = None) -> None:
+    def __init__(self, config: GrpcTransportConfig | None = None, *, acknowledge_means: bool = True) -> None:
         self.config = config or GrpcTransportConfig()
+        self.commits_on_ack = acknowledge_means
         keep_freed_memory(self.config.heap_keep_bytes)  # received messages reuse memory (heap.py)
         self.address: str | None = None
         self._server: AioServer | None = None
@@ -528,10 +564,16 @@ class GrpcTransport(Transport):
     ) -> BucketMean:
         """Fetch the finalized mean of ``bucket`` for ``round`` from its owner.
 
-        The owner waits for finalization until shortly before ``timeout_s``.
+        The owner waits for finalization until shortly before ``timeout_s``. With
+        ``commits_on_ack`` the whole mean is then acknowledged (``AckMean``, within the time
+        left, at least ``ACK_MIN_S``) before it is returned: a mean its owner withdrew is not
+        applied. An acknowledgement left unanswered (UNAVAILABLE: the owner stopping after its
+        last round; a timeout) returns the mean all the same: no answer is no decision.
         Raises ``PeerTimeout`` (not final in time, or the deadline passed),
-        ``Rejected`` (e.g. NOT_FOUND / FAILED_PRECONDITION from the owner, or
-        INVALID_ARGUMENT for a malformed stream), ``PeerUnavailable``.
+        ``Rejected`` (e.g. NOT_FOUND /
+        FAILED_PRECONDITION from the owner, ABORTED when the owner withdrew the mean
+        before the acknowledgement, or INVALID_ARGUMENT for a malformed stream),
+        ``PeerUnavailable``.
         """
         check_timeout(timeout_s)
         request = pb.PullMeanRequest(
@@ -542,11 +584,26 @@ class GrpcTransport(Transport):
             have_checksum=have_checksum,
         )
 
+        until = time.monotonic() + timeout_s
+
         def attempt(stub: _PeerStub, remaining: float) -> BucketMean:
             stream = stub.PullMean(request, timeout=remaining, metadata=self._metadata)
             return mean_from_wire(stream, lambda n: self._count(received=n))
 
-        return self._call(address, "pull_mean from", timeout_s, attempt)
+        m = self._call(address, "pull_mean from", timeout_s, attempt)
+        if self.commits_on_ack and m.chunks:  # an empty answer (a replay's "unchanged") commits nothing
+            ack = pb.AckMeanRequest(round=round, bucket=bucket, requester=requester, have_checksum=have_checksum)
+
+            def acknowledge(stub: _PeerStub, remaining: float) -> None:
+                stub.AckMean(ack, timeout=remaining, metadata=self._metadata)
+
+            try:
+                self._call(address, "ack_mean to", max(ACK_MIN_S, until - time.monotonic()), acknowledge)
+            except (PeerUnavailable, PeerTimeout) as e:
+                # no answer is no decision: the owner kept it if another member's acknowledgement came
+                # first, or it is stopping after the round (its means are settled): applied, as before
+                log.info("round %d: bucket %d: acknowledgement to %s unanswered: %s", round, bucket, address, e)
+        return m
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch the whole state of ``bucket`` (θ_b, outer-optimizer state) from ``address``.

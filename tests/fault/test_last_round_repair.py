@@ -90,3 +90,55 @@ def test_owner_closing_after_the_last_round_waits_for_a_stale_members_repair(dat
     finally:
         owner.stop(0.1)
         member.stop(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_a_mean_served_but_never_received_is_withdrawn_by_its_owner_so_theta_stays_one(monkeypatch) -> None:
+    """gRPC over a loss-based TCP at 10% loss: the owner served a mean the member never
+    received by its deadline (and the member's repairs failed too). The owner commits on
+    the member's acknowledgement (``AckMean``), not on the serve: nobody acknowledged, so it
+    withdraws the mean and both sites keep θ_b, where before it kept a mean the member
+    did not have (θ unequal for the round)."""
+    import dtrain.transports.grpc as grpc_mod
+    from dtrain.errors import PeerTimeout
+
+    real_mean = grpc_mod.mean_from_wire
+
+    def reply_lost(stream, count):
+        m = real_mean(stream, count)  # the owner served it whole
+        if m.owner == "site-0":
+            raise PeerTimeout("the reply did not arrive by the deadline (test)")
+        return m
+
+    def state_lost(stream, count):
+        raise PeerTimeout("the repair did not arrive either (test)")
+
+    monkeypatch.setattr(grpc_mod, "mean_from_wire", reply_lost)
+    monkeypatch.setattr(grpc_mod, "state_from_wire", state_lost)
+    owner, member = _site("site-0", "grpc"), _site("site-1", "grpc")
+    try:
+        members = (Member(site_id="site-0", address=owner.address), Member(site_id="site-1", address=member.address))
+        owners = assign_owners(len(owner.state.layout), ["site-0", "site-1"])
+        lost = [b for b, o in enumerate(owners) if o == "site-0"]
+        got = [b for b, o in enumerate(owners) if o == "site-1"]
+        assert lost and got
+        before = owner.state.checksums()
+        for i, e in enumerate((owner, member)):
+            _step(e, i)
+        plan = RoundPlan(round=0, members=members, reduce_timeout_s=2.0, broadcast_timeout_s=4.0)
+        f_owner, f_member = owner.start_round(plan), member.start_round(plan)
+        res_owner, res_member = f_owner.result(timeout=40), f_member.result(timeout=40)
+        for b in lost:
+            assert res_owner.bucket_outcome[b] is BucketOutcome.OWNER_LOST, (b, res_owner.bucket_outcome)
+            assert owner.state.checksum(b) == before[b]  # rolled back
+            # the member keeps θ_b: STALE when its last late pull was still waiting at the
+            # withdrawal, OWNER_LOST when the owner already refused it (ABORTED)
+            assert res_member.bucket_outcome[b] in (BucketOutcome.STALE, BucketOutcome.OWNER_LOST)
+            assert member.state.checksum(b) == before[b]
+        for b in got:
+            assert res_member.bucket_outcome[b] is BucketOutcome.APPLIED
+            assert owner.state.checksum(b) != before[b]  # acknowledged, kept
+        assert member.state.checksums() == owner.state.checksums()
+    finally:
+        owner.stop(0.1)
+        member.stop(0.1)
