@@ -20,7 +20,8 @@ sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-grad
 path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
 ``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
 datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
-sites (0: replicas equal) and stale buckets; ``left_behind`` = sites that ended the run behind
+sites (0: replicas equal; ``warmup_drift_rounds``: the same for the unmeasured warm-up round,
+in parentheses in the table) and stale buckets; ``left_behind`` = sites that ended the run behind
 (the last round left them stale buckets no repair fixed: they exit ``EXIT_LEFT_BEHIND``, never
 "done" on another θ), counted on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (and its kernel part
 ``sites_sync_system_cpu_s``) = the sites' CPU seconds during their syncs, summed over sites
@@ -232,6 +233,9 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         drift += len({x["checksum"] for x in lines}) > 1
         stale += sum(x.get("stale_buckets", 0) for x in lines)
         skipped += sum(x.get("skipped_buckets", 0) for x in lines)
+    # the warm-up round is not measured, but its θ must agree too (issue 32: no round of unequal θ)
+    warm = [x for i in range(n) for x in per_site[i] if x["round"] == k * per]
+    warm_drift = int(len(warm) == n and len({x["checksum"] for x in warm}) > 1)
     b = statistics.fmean(enc) if enc else float("nan")
     limit = physical_limit_s(b, m["rate"], m["delay"])
     e = statistics.fmean(engine) if engine else float("nan")
@@ -255,6 +259,7 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         "wire_bytes_per_round_site": statistics.fmean(wire) if wire else float("nan"),
         "delivered": statistics.fmean(delivered) if delivered else float("nan"),
         "drift_rounds": drift,
+        "warmup_drift_rounds": warm_drift,
         "stale_buckets": stale,
         "skipped_buckets": skipped,
         "rejected": 0,
@@ -335,7 +340,8 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
                 else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
                 "delivered": f"{r['delivered']:.3f}",
-                "drift rounds / stale / skipped buckets": f"{r['drift_rounds']} / {r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
+                "drift rounds (warm-up) / stale / skipped buckets": f"{r['drift_rounds']} ({r.get('warmup_drift_rounds', '-')}) / "
+                f"{r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
                 "sites left behind at the end": str(r.get("left_behind", "-")),
                 "CPU s/round: sites' syncs (kernel) / machine (busy)": _cpu_cell(r),
             }

@@ -591,7 +591,7 @@ class GrpcTransport(Transport):
             return mean_from_wire(stream, lambda n: self._count(received=n))
 
         m = self._call(address, "pull_mean from", timeout_s, attempt)
-        if self.commits_on_ack and m.chunks:  # an empty answer (a replay's "unchanged") commits nothing
+        if self.commits_on_ack and m.owner:  # a replay's "unchanged" answer (no owner) commits nothing
             ack = pb.AckMeanRequest(round=round, bucket=bucket, requester=requester, have_checksum=have_checksum)
 
             def acknowledge(stub: _PeerStub, remaining: float) -> None:

@@ -86,6 +86,7 @@ def test_datagram_vs_grpc_smoke(tmp_path: Path) -> None:
         assert RUN_COLUMNS <= set(r), RUN_COLUMNS - set(r)
         assert r["rounds_done"] == 4 and r["rounds_measured"] == 1
         assert r["drift_rounds"] == 0 and r["stale_buckets"] == 0  # replicas equal on every path
+        assert r["warmup_drift_rounds"] == 0  # the warm-up round too
         assert 100_000 < r["encoded_bytes_per_site"] < 160_000  # tiny GPT, int8
         expect = 2 * r["encoded_bytes_per_site"] * 8 / 100e6 + 4 * 5.0 / 1000
         assert r["limit_s"] == pytest.approx(expect, rel=1e-4)
