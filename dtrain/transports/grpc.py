@@ -55,7 +55,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
-from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected, TransportError
+from dtrain.errors import PeerUnavailable, RejectCode, Rejected, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution
 from dtrain.transports.base import LinkProbe, PeerHandler, Transport
 from dtrain.transports.grpc_common import (
@@ -97,6 +97,9 @@ _REPOLL_S = 0.5
 #: Seconds an acknowledgement of a mean may take at least, even past the pull's own deadline:
 #: its answer (kept or withdrawn) is the owner's decision, so waiting for it costs time, not θ.
 ACK_MIN_S = 3.0
+#: With at least this many seconds left before the owner's broadcast deadline, a mean's
+#: acknowledgement is sent without waiting for its answer (:meth:`GrpcTransport._acknowledge`).
+ACK_WAIT_S = 3.0
 #: The most filler bytes one Probe call streams back, and the largest part: a token
 #: holder cannot make a peer send more than this per call (one call per sender at a time).
 PROBE_MAX_BYTES = 4 << 20
@@ -565,10 +568,9 @@ class GrpcTransport(Transport):
         """Fetch the finalized mean of ``bucket`` for ``round`` from its owner.
 
         The owner waits for finalization until shortly before ``timeout_s``. With
-        ``commits_on_ack`` the whole mean is then acknowledged (``AckMean``, within the time
-        left, at least ``ACK_MIN_S``) before it is returned: a mean its owner withdrew is not
-        applied. An acknowledgement left unanswered (UNAVAILABLE: the owner stopping after its
-        last round; a timeout) returns the mean all the same: no answer is no decision.
+        ``commits_on_ack`` the whole mean is then acknowledged (``AckMean``,
+        :meth:`_acknowledge`: near the deadline the answer is waited for, and a mean its owner
+        withdrew is not applied).
         Raises ``PeerTimeout`` (not final in time, or the deadline passed),
         ``Rejected`` (e.g. NOT_FOUND /
         FAILED_PRECONDITION from the owner, ABORTED when the owner withdrew the mean
@@ -592,18 +594,42 @@ class GrpcTransport(Transport):
 
         m = self._call(address, "pull_mean from", timeout_s, attempt)
         if self.commits_on_ack and m.owner:  # a replay's "unchanged" answer (no owner) commits nothing
-            ack = pb.AckMeanRequest(round=round, bucket=bucket, requester=requester, have_checksum=have_checksum)
-
-            def acknowledge(stub: _PeerStub, remaining: float) -> None:
-                stub.AckMean(ack, timeout=remaining, metadata=self._metadata)
-
-            try:
-                self._call(address, "ack_mean to", max(ACK_MIN_S, until - time.monotonic()), acknowledge)
-            except (PeerUnavailable, PeerTimeout) as e:
-                # no answer is no decision: the owner kept it if another member's acknowledgement came
-                # first, or it is stopping after the round (its means are settled): applied, as before
-                log.info("round %d: bucket %d: acknowledgement to %s unanswered: %s", round, bucket, address, e)
+            self._acknowledge(address, round, bucket, requester, have_checksum, until)
         return m
+
+    def _acknowledge(
+        self, address: str, round: int, bucket: int, requester: str, have_checksum: str, until: float
+    ) -> None:
+        """``AckMean`` for a mean pulled whole. Sent without waiting while at least
+        ``ACK_WAIT_S`` remain before ``until`` (the pull's deadline, which is the owner's
+        broadcast deadline, when it withdraws an unacknowledged mean): the acknowledgement
+        arrives long before (TCP retransmits it), and waiting for each answer held a pull
+        thread and cost 1.4-2.6x the round of gRPC at 10% loss (BBR, 80 ms RTT). Closer to the
+        deadline the owner's answer decides: waited for (at least ``ACK_MIN_S``); ABORTED
+        raises (withdrawn: not applied); no answer (UNAVAILABLE: an owner stopping after its
+        last round, whose means are settled; a timeout) is no decision and the mean is applied.
+
+        Raises:
+            Rejected: ABORTED, the owner withdrew the mean before this acknowledgement.
+        """
+        ack = pb.AckMeanRequest(round=round, bucket=bucket, requester=requester, have_checksum=have_checksum)
+        left = until - time.monotonic()
+        try:
+            stub = self._pool.stub(address)
+            call = stub.AckMean.future(ack, timeout=max(ACK_MIN_S, left), metadata=self._metadata)
+        except (grpc.RpcError, ValueError) as e:  # the channel closed (this transport stopping)
+            log.info("round %d: bucket %d: acknowledgement to %s not sent: %s", round, bucket, address, e)
+            return
+        if left >= ACK_WAIT_S:
+            call.add_done_callback(lambda c: _ack_answered(c, round, bucket, address))
+            return
+        try:
+            call.result()
+        except grpc.RpcError as e:
+            err = to_transport_error(e, f"ack_mean to {address}")
+            if isinstance(err, Rejected):
+                raise err from None
+            log.info("round %d: bucket %d: acknowledgement to %s unanswered: %s", round, bucket, address, err)
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch the whole state of ``bucket`` (θ_b, outer-optimizer state) from ``address``.
@@ -669,6 +695,22 @@ class GrpcTransport(Transport):
     def channels(self, address: str) -> Sequence[grpc.Channel]:
         """The open channels to ``address`` (for tests and diagnostics)."""
         return self._pool.channels(address)
+
+
+def _ack_answered(call: grpc.Future, round: int, bucket: int, address: str) -> None:
+    """An acknowledgement sent without waiting was answered: log a refusal or a failure (the
+    mean was applied; a withdrawal after it shows as a stale bucket next round, repaired)."""
+    try:
+        call.result()
+    except grpc.RpcError as e:
+        err = to_transport_error(e, f"ack_mean to {address}")
+        log.warning(
+            "round %d: bucket %d: acknowledgement to %s failed after the mean was applied: %s",
+            round,
+            bucket,
+            address,
+            err,
+        )
 
 
 def _num_accepted(err: BaseException | None) -> int | None:
