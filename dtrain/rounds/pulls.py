@@ -21,9 +21,7 @@ the member's repair would be refused (θ unequal at the end of a run).
 The same ledger decides whether an owner keeps the mean it applied (the commit rule,
 docs/DECISIONS.md "An owner commits a mean only once it left"): the owner applies its
 mean when it publishes it, and keeps it once the mean left this site (a pull served, a
-member's acknowledgement, a state pull of the bucket; on a transport that commits on the
-acknowledgement, ``Transport.commits_on_ack`` (gRPC), the member's ``AckMean`` after its
-pull, not the serve) or every other member is gone; a
+member's acknowledgement, a state pull of the bucket) or every other member is gone; a
 mean no member took by the broadcast deadline is withdrawn (:meth:`MeanPulls.settle`), the owner
 rolls θ_b back, and every later pull of it is refused (ABORTED). Members that could not
 get it treat the bucket as owner-lost, so every site keeps θ_b alike in the same round
@@ -201,25 +199,12 @@ class MeanPulls:
         with self._cv:
             self._take(round, bucket)
 
-    def check_kept(self, round: int, bucket: int) -> None:
-        """Refuse a pull of a mean this owner withdrew (:meth:`settle`), without counting the
-        pull as taking it (a transport that commits on the member's acknowledgement).
-
-        Raises:
-            Rejected: ABORTED when this owner withdrew it.
-        """
-        with self._cv:
-            self._refuse_withdrawn(round, bucket)
-
-    def _refuse_withdrawn(self, round: int, bucket: int) -> None:
+    def _take(self, round: int, bucket: int) -> None:
         if bucket in self._withdrawn.get(round, ()):
             raise Rejected(
                 RejectCode.ABORTED,
                 f"round {round} bucket {bucket}: the owner withdrew its mean (no member took it in time)",
             )
-
-    def _take(self, round: int, bucket: int) -> None:
-        self._refuse_withdrawn(round, bucket)
         self._taken.setdefault(round, set()).add(bucket)
         self._cv.notify_all()
 

@@ -321,28 +321,14 @@ class PeerSide:
         counts as pulled, so ``close()`` stops waiting for it; when its θ_b checksum
         (``have_checksum``, hex; empty: not said) differs from the mean's ``checksum_before``,
         only once it pulled the bucket's state (its repair). Unknown means are ignored."""
-        try:
-            self.handle_mean_acked(round, bucket, member, have_checksum)
-        except Rejected as e:  # an acknowledgement after this owner withdrew the mean
-            self.log.warning("round %d: %s acknowledged bucket %d too late: %s", round, member, bucket, e.reason)
-
-    def handle_mean_acked(self, round: int, bucket: int, member: str, have_checksum: str) -> None:
-        """``member`` holds this site's whole mean of ``bucket`` for ``round`` (gRPC's
-        ``AckMean`` after its pull; ``handle_mean_delivered`` for the datagram path): the
-        commit rule counts the mean as taken now, and ``close()`` no longer waits for this
-        member (when its θ_b checksum ``have_checksum``, hex, differs from the mean's
-        ``checksum_before``: once it pulled the bucket's state). A mean this site does not own
-        or no longer keeps is ignored.
-
-        Raises:
-            Rejected: ABORTED when this owner already withdrew the mean (nobody took it by
-                its broadcast deadline): the member must not apply it.
-        """
         with self._cv:
             m = self._means.get((round, bucket))
-        if m is not None and m.owner == self.site_id:
+        if m is not None:
             stale = bool(have_checksum) and have_checksum != m.checksum_before
-            self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
+            try:
+                self.mean_pulls.record(round, bucket, member, m, needs_state=stale)
+            except Rejected as e:  # an acknowledgement after this owner withdrew the mean
+                self.log.warning("round %d: %s acknowledged bucket %d too late: %s", round, member, bucket, e.reason)
 
     def handle_sender_done(self, round: int, sender: str, buckets: Sequence[int] | None = None) -> None:
         """``sender`` sent everything it will send this site for ``round`` (of ``buckets``
@@ -498,19 +484,12 @@ class PeerSide:
         self, owned: _Owned | None, round: int, bucket: int, requester: str, m: BucketMean, have_checksum: str = ""
     ) -> BucketMean:
         """Record the pull and, in a paced fragment round, wait for the reply's share of the budget.
-        A transport whose members acknowledge the means they got (``acknowledges_means``,
-        ``commits_on_ack``) records the acknowledgement instead (:meth:`handle_mean_delivered`,
-        :meth:`handle_mean_acked`): this reply may still be lost; with ``commits_on_ack`` the
-        commit rule also waits for it (a withdrawn mean is refused here, ABORTED, all the same)."""
-        if getattr(
-            self.transport, "commits_on_ack", False
-        ):  # taken on the member's acknowledgement (handle_mean_acked)
-            self.mean_pulls.check_kept(round, bucket)
-        else:
-            self.mean_pulls.take(round, bucket)  # the commit rule: from here the mean may be applied there
+        A transport whose members acknowledge the means they got (``acknowledges_means``) records
+        the acknowledgement instead (:meth:`handle_mean_delivered`): this reply may still be lost."""
+        self.mean_pulls.take(round, bucket)  # the commit rule: from here the mean may be applied there
         if owned is not None and owned.pacer is not None:
             owned.pacer.wait(sum(len(c.payload) for c in m.chunks), owned.books.broadcast_until)
-        if getattr(self.transport, "commits_on_ack", False) or getattr(self.transport, "acknowledges_means", False):
+        if getattr(self.transport, "acknowledges_means", False):
             return m
         stale = bool(have_checksum) and have_checksum != m.checksum_before
         return self.mean_pulls.record(round, bucket, requester, m, needs_state=stale)

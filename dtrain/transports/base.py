@@ -29,12 +29,6 @@ pushed (the datagram path's MEAN_ACK, through ``handle_mean_delivered``), sets
 acknowledgement, not when it served the pull (a served reply can still be lost as the
 owner exits).
 
-A transport whose members acknowledge every mean they pulled and wait for the owner's
-answer before applying it (gRPC's ``AckMean``) sets ``commits_on_ack = True``: the owner's
-commit rule then counts a mean as taken on that acknowledgement
-(``handle_mean_acked``), not when it served the pull, and a member applies only a mean
-its owner kept.
-
 A transport that can time a stream from a peer (gRPC, and the datagram path through its
 gRPC half) answers :meth:`Transport.probe_link` with a :class:`LinkProbe`: a site's join
 probe (``dtrain.site.Site.join``), from which the rendezvous sizes its first rounds'
@@ -116,8 +110,6 @@ class LinkProbe:
 
 class Transport(abc.ABC):
     """Moves round messages between sites. One instance per site."""
-
-    commits_on_ack: bool = False  # the module docstring
 
     @abc.abstractmethod
     def start(self, handler: PeerHandler) -> str:

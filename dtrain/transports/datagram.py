@@ -160,7 +160,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
 
     def __init__(self, config: DatagramTransportConfig | None = None) -> None:
         self.config = cfg = config or DatagramTransportConfig()
-        self._grpc = GrpcTransport(cfg.grpc, acknowledge_means=False)  # MEAN_ACK datagrams instead
+        self._grpc = GrpcTransport(cfg.grpc)
         self._handler: PeerHandler | None = None
         self._sock: socket.socket | None = None
         self._native = native(cfg.native)

@@ -26,12 +26,6 @@ Wire rules (docs/ARCHITECTURE.md, "Transport rules"):
   ``max_streams_per_sender`` and ``max_concurrent_rpcs`` bound the calls (past
   them: RESOURCE_EXHAUSTED at once) and ``max_wait_ms`` caps a pull's wait. It
   serves the standard ``grpc.health.v1.Health`` service too.
-* A member acknowledges each mean it pulled whole (``AckMean``, right after the pull):
-  the owner's commit rule counts the mean as taken on that acknowledgement, not when it
-  served the pull (``commits_on_ack``): a served reply can still fail to arrive by the
-  member's deadline on a slow link, and the owner kept a mean the member did not apply
-  (reno at 10% loss: θ unequal). An ABORTED answer (the owner withdrew it) makes
-  ``pull_mean`` raise it: the member does not apply what its owner rolled back.
 * ``Probe`` streams filler bytes back (at most ``PROBE_MAX_BYTES``, parts of at most
   ``PROBE_MAX_PART_BYTES``) for a joining site's link probe (:meth:`GrpcTransport.probe_link`);
   ``max_streams_per_sender`` probes per sender at a time; its bytes are not counted in ``bytes_sent``.
@@ -94,12 +88,6 @@ _HANDLER_MARGIN_S = 0.2
 # A PullMean waiting for its bucket looks again at least this often (seconds), besides
 # whenever the handler's means change: a round that never opens is refused after plan_wait_s.
 _REPOLL_S = 0.5
-#: Seconds an acknowledgement of a mean may take at least, even past the pull's own deadline:
-#: its answer (kept or withdrawn) is the owner's decision, so waiting for it costs time, not θ.
-ACK_MIN_S = 3.0
-#: With at least this many seconds left before the owner's broadcast deadline, a mean's
-#: acknowledgement is sent without waiting for its answer (:meth:`GrpcTransport._acknowledge`).
-ACK_WAIT_S = 3.0
 #: The most filler bytes one Probe call streams back, and the largest part: a token
 #: holder cannot make a peer send more than this per call (one call per sender at a time).
 PROBE_MAX_BYTES = 4 << 20
@@ -189,11 +177,6 @@ class _PeerServicer:
                             self.PullState,
                             request_deserializer=pb.PullStateRequest.FromString,
                             response_serializer=None,
-                        ),
-                        "AckMean": grpc.unary_unary_rpc_method_handler(
-                            self.AckMean,
-                            request_deserializer=pb.AckMeanRequest.FromString,
-                            response_serializer=pb.AckMeanReply.SerializeToString,
                         ),
                         "Probe": grpc.unary_stream_rpc_method_handler(
                             self.Probe,
@@ -366,19 +349,6 @@ class _PeerServicer:
         for part in parts:  # lazily: a bucket's state is not copied whole
             yield part
 
-    async def AckMean(self, request, context) -> pb.AckMeanReply:
-        """The member got the whole mean: the handler records it (its commit rule's
-        acknowledgement); its ``Rejected`` (ABORTED: withdrawn) goes back to the member."""
-        ack = getattr(self._handler, "handle_mean_acked", None)
-        if ack is not None:
-            await self._limited(
-                "AckMean",
-                request.requester,
-                context,
-                lambda: ack(request.round, request.bucket, request.requester, request.have_checksum),
-            )
-        return pb.AckMeanReply()
-
     async def Probe(self, request, context):
         """Stream ``request.bytes`` filler bytes (capped) in parts; 0 bytes: one empty part."""
         full = self.server.limiter.acquire("Probe", request.requester)
@@ -417,11 +387,6 @@ class _PeerStub:
             request_serializer=pb.PullStateRequest.SerializeToString,
             response_deserializer=None,
         )
-        self.AckMean = channel.unary_unary(
-            f"/{PEER_SERVICE}/AckMean",
-            request_serializer=pb.AckMeanRequest.SerializeToString,
-            response_deserializer=pb.AckMeanReply.FromString,
-        )
         self.Probe = channel.unary_stream(
             f"/{PEER_SERVICE}/Probe",
             request_serializer=pb.ProbeRequest.SerializeToString,
@@ -434,17 +399,13 @@ class GrpcTransport(Transport):
 
     Args:
         config: see :class:`GrpcTransportConfig`; default plaintext on 127.0.0.1, port 0.
-        acknowledge_means: ``pull_mean`` acknowledges each mean it got (``AckMean``) and the
-            owner commits on that (``commits_on_ack``). False: the datagram path's gRPC half,
-            whose members acknowledge in its own MEAN_ACK datagrams.
 
     Attributes:
         address: ``host:port`` peers dial, set by :meth:`start`.
     """
 
-    def __init__(self, config: GrpcTransportConfig | None = None, *, acknowledge_means: bool = True) -> None:
+    def __init__(self, config: GrpcTransportConfig | None = None) -> None:
         self.config = config or GrpcTransportConfig()
-        self.commits_on_ack = acknowledge_means
         keep_freed_memory(self.config.heap_keep_bytes)  # received messages reuse memory (heap.py)
         self.address: str | None = None
         self._server: AioServer | None = None
@@ -567,15 +528,10 @@ class GrpcTransport(Transport):
     ) -> BucketMean:
         """Fetch the finalized mean of ``bucket`` for ``round`` from its owner.
 
-        The owner waits for finalization until shortly before ``timeout_s``. With
-        ``commits_on_ack`` the whole mean is then acknowledged (``AckMean``,
-        :meth:`_acknowledge`: near the deadline the answer is waited for, and a mean its owner
-        withdrew is not applied).
+        The owner waits for finalization until shortly before ``timeout_s``.
         Raises ``PeerTimeout`` (not final in time, or the deadline passed),
-        ``Rejected`` (e.g. NOT_FOUND /
-        FAILED_PRECONDITION from the owner, ABORTED when the owner withdrew the mean
-        before the acknowledgement, or INVALID_ARGUMENT for a malformed stream),
-        ``PeerUnavailable``.
+        ``Rejected`` (e.g. NOT_FOUND / FAILED_PRECONDITION from the owner, or
+        INVALID_ARGUMENT for a malformed stream), ``PeerUnavailable``.
         """
         check_timeout(timeout_s)
         request = pb.PullMeanRequest(
@@ -586,50 +542,11 @@ class GrpcTransport(Transport):
             have_checksum=have_checksum,
         )
 
-        until = time.monotonic() + timeout_s
-
         def attempt(stub: _PeerStub, remaining: float) -> BucketMean:
             stream = stub.PullMean(request, timeout=remaining, metadata=self._metadata)
             return mean_from_wire(stream, lambda n: self._count(received=n))
 
-        m = self._call(address, "pull_mean from", timeout_s, attempt)
-        if self.commits_on_ack and m.owner:  # a replay's "unchanged" answer (no owner) commits nothing
-            self._acknowledge(address, round, bucket, requester, have_checksum, until)
-        return m
-
-    def _acknowledge(
-        self, address: str, round: int, bucket: int, requester: str, have_checksum: str, until: float
-    ) -> None:
-        """``AckMean`` for a mean pulled whole. Sent without waiting while at least
-        ``ACK_WAIT_S`` remain before ``until`` (the pull's deadline, which is the owner's
-        broadcast deadline, when it withdraws an unacknowledged mean): the acknowledgement
-        arrives long before (TCP retransmits it), and waiting for each answer held a pull
-        thread and cost 1.4-2.6x the round of gRPC at 10% loss (BBR, 80 ms RTT). Closer to the
-        deadline the owner's answer decides: waited for (at least ``ACK_MIN_S``); ABORTED
-        raises (withdrawn: not applied); no answer (UNAVAILABLE: an owner stopping after its
-        last round, whose means are settled; a timeout) is no decision and the mean is applied.
-
-        Raises:
-            Rejected: ABORTED, the owner withdrew the mean before this acknowledgement.
-        """
-        ack = pb.AckMeanRequest(round=round, bucket=bucket, requester=requester, have_checksum=have_checksum)
-        left = until - time.monotonic()
-        try:
-            stub = self._pool.stub(address)
-            call = stub.AckMean.future(ack, timeout=max(ACK_MIN_S, left), metadata=self._metadata)
-        except (grpc.RpcError, ValueError) as e:  # the channel closed (this transport stopping)
-            log.info("round %d: bucket %d: acknowledgement to %s not sent: %s", round, bucket, address, e)
-            return
-        if left >= ACK_WAIT_S:
-            call.add_done_callback(lambda c: _ack_answered(c, round, bucket, address))
-            return
-        try:
-            call.result()
-        except grpc.RpcError as e:
-            err = to_transport_error(e, f"ack_mean to {address}")
-            if isinstance(err, Rejected):
-                raise err from None
-            log.info("round %d: bucket %d: acknowledgement to %s unanswered: %s", round, bucket, address, err)
+        return self._call(address, "pull_mean from", timeout_s, attempt)
 
     def pull_state(self, address: str, bucket: int, *, requester: str, timeout_s: float) -> BucketState:
         """Fetch the whole state of ``bucket`` (θ_b, outer-optimizer state) from ``address``.
@@ -695,22 +612,6 @@ class GrpcTransport(Transport):
     def channels(self, address: str) -> Sequence[grpc.Channel]:
         """The open channels to ``address`` (for tests and diagnostics)."""
         return self._pool.channels(address)
-
-
-def _ack_answered(call: grpc.Future, round: int, bucket: int, address: str) -> None:
-    """An acknowledgement sent without waiting was answered: log a refusal or a failure (the
-    mean was applied; a withdrawal after it shows as a stale bucket next round, repaired)."""
-    try:
-        call.result()
-    except grpc.RpcError as e:
-        err = to_transport_error(e, f"ack_mean to {address}")
-        log.warning(
-            "round %d: bucket %d: acknowledgement to %s failed after the mean was applied: %s",
-            round,
-            bucket,
-            address,
-            err,
-        )
 
 
 def _num_accepted(err: BaseException | None) -> int | None:

@@ -19,7 +19,6 @@ import pytest
 from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk
 from dtrain.transports.base import Transport
-from dtrain.transports.grpc import ACK_WAIT_S, GrpcTransport
 from dtrain.transports.inproc import InprocTransport
 
 pytestmark = pytest.mark.timeout(30)
@@ -300,41 +299,6 @@ def test_pull_state_returns_the_bucket_state(pair: Pair) -> None:
     assert got == pair.handler.state
     assert pair.handler.pull_calls == [("state", 5, "site-c")]
     assert pair.client.bytes_received() - before == 10240 + 900
-
-
-def test_a_grpc_member_acknowledges_each_mean_and_applies_none_its_owner_withdrew(pair: Pair) -> None:
-    """gRPC commits on the member's acknowledgement (``commits_on_ack``): ``pull_mean`` sends
-    ``AckMean`` with the round, bucket and θ_b checksum once the whole mean arrived (without
-    waiting far from the deadline) and, near it, raises the owner's ABORTED (withdrawn) instead
-    of returning the mean; the other transports do
-    not commit that way (the datagram path's gRPC half included: MEAN_ACK datagrams)."""
-    if not isinstance(pair.client, GrpcTransport):
-        assert not pair.client.commits_on_ack
-        return
-    assert pair.client.commits_on_ack
-    acks: list[tuple] = []
-    refuse: list[Rejected] = []
-
-    def handle_mean_acked(round: int, bucket: int, member: str, have_checksum: str) -> None:
-        acks.append((round, bucket, member, have_checksum))
-        if refuse:
-            raise refuse[0]
-
-    pair.handler.handle_mean_acked = handle_mean_acked  # type: ignore[attr-defined]
-    pair.handler.mean = _mean()
-    # far from the deadline: sent without waiting for the answer
-    got = pair.client.pull_mean(pair.address, 2, 5, requester="site-a", timeout_s=10, have_checksum="aa11")
-    assert got == pair.handler.mean
-    deadline = time.monotonic() + 5
-    while not acks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert acks == [(2, 5, "site-a", "aa11")]
-    # within ACK_WAIT_S of the deadline the owner's answer decides: withdrawn, so not returned
-    refuse.append(Rejected(RejectCode.ABORTED, "withdrawn (test)"))
-    with pytest.raises(Rejected) as info:
-        pair.client.pull_mean(pair.address, 2, 5, requester="site-a", timeout_s=ACK_WAIT_S / 2)
-    assert info.value.code == RejectCode.ABORTED and "withdrawn (test)" in info.value.reason
-    assert len(acks) == 2
 
 
 # --------------------------------------------------------------------------- join probe

@@ -141,19 +141,3 @@ class ProbePart(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
-
-class AckMeanRequest(_message.Message):
-    __slots__ = ("round", "bucket", "requester", "have_checksum")
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_FIELD_NUMBER: _ClassVar[int]
-    REQUESTER_FIELD_NUMBER: _ClassVar[int]
-    HAVE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    round: int
-    bucket: int
-    requester: str
-    have_checksum: str
-    def __init__(self, round: _Optional[int] = ..., bucket: _Optional[int] = ..., requester: _Optional[str] = ..., have_checksum: _Optional[str] = ...) -> None: ...
-
-class AckMeanReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...

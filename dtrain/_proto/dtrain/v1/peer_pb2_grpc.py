@@ -54,11 +54,6 @@ class PeerStub:
                 request_serializer=dtrain_dot_v1_dot_peer__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=dtrain_dot_v1_dot_peer__pb2.ProbePart.FromString,
                 _registered_method=True)
-        self.AckMean = channel.unary_unary(
-                '/dtrain.v1.Peer/AckMean',
-                request_serializer=dtrain_dot_v1_dot_peer__pb2.AckMeanRequest.SerializeToString,
-                response_deserializer=dtrain_dot_v1_dot_peer__pb2.AckMeanReply.FromString,
-                _registered_method=True)
 
 
 class PeerServicer:
@@ -98,15 +93,6 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AckMean(self, request, context):
-        """A member received the owner's whole mean of one bucket (after PullMean): the
-        owner counts the mean as taken only now, so it keeps the mean it applied (the
-        commit rule). ABORTED: the owner already withdrew it; the member must not apply it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,11 +115,6 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=dtrain_dot_v1_dot_peer__pb2.ProbeRequest.FromString,
                     response_serializer=dtrain_dot_v1_dot_peer__pb2.ProbePart.SerializeToString,
-            ),
-            'AckMean': grpc.unary_unary_rpc_method_handler(
-                    servicer.AckMean,
-                    request_deserializer=dtrain_dot_v1_dot_peer__pb2.AckMeanRequest.FromString,
-                    response_serializer=dtrain_dot_v1_dot_peer__pb2.AckMeanReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,33 +225,6 @@ class Peer:
             '/dtrain.v1.Peer/Probe',
             dtrain_dot_v1_dot_peer__pb2.ProbeRequest.SerializeToString,
             dtrain_dot_v1_dot_peer__pb2.ProbePart.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AckMean(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/dtrain.v1.Peer/AckMean',
-            dtrain_dot_v1_dot_peer__pb2.AckMeanRequest.SerializeToString,
-            dtrain_dot_v1_dot_peer__pb2.AckMeanReply.FromString,
             options,
             channel_credentials,
             insecure,
