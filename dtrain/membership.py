@@ -223,6 +223,15 @@ class Group:
             self._reports.append((self._report_seq, json.dumps({**report, "seq": self._report_seq})))
         self._hb_kick.set()
 
+    def report_probe(self, report: Mapping[str, Any]) -> None:
+        """Queue a join-probe report (``dtrain.site.probe_report``) to go with the next
+        heartbeat, as :meth:`report_round` does, but outside the round reports' numbering:
+        their ``seq`` numbers the site's metrics lines from 1, and the status page finds each
+        report's line by it."""
+        with self._reports_lock:
+            self._reports.append((self._report_seq, json.dumps(dict(report))))
+        self._hb_kick.set()
+
     def report_unreachable(self, site_id: str) -> None:
         """The data path found ``site_id`` gone (the round engine calls this): the
         heartbeat thread tells the rendezvous at once, which then holds it dead

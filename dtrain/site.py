@@ -228,7 +228,7 @@ class Site:
         if report is None:
             return
         log.info("%s: join probe: %s", self.site_id, report["why"])
-        self.group.report_round(report)
+        self.group.report_probe(report)
         self.group.beat_and_wait(cfg.join_probe_s)  # delivered before this site's first ready
 
     def resync(self, min_round: int = 0) -> str | None:

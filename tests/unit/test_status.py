@@ -238,6 +238,35 @@ def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unr
         group.leave()
 
 
+@pytest.mark.timeout(30)
+def test_a_join_probe_report_reaches_the_deadlines_and_leaves_the_round_reports_numbered_from_1() -> None:
+    """The status page finds a report's metrics line by its seq (1 = the first line): a join
+    probe sent first must not take seq 1 (a CI run's status page test read past the end)."""
+    import time
+    from types import SimpleNamespace
+
+    from dtrain.membership import Group
+    from dtrain.rendezvous import InprocRendezvousClient
+
+    core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0), reports=StatusLog())
+    client = InprocRendezvousClient(core)
+    engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
+    group = Group(engine, client)  # type: ignore[arg-type]
+    group.join()
+    try:
+        group.report_probe({"probe": True, "reduce_s": 30.0, "means_s": 60.0, "why": "test"})
+        assert group.beat_and_wait(3.0)
+        group.report_round(round_report({**LINE, "round": 0}))
+        deadline = time.monotonic() + 3.0
+        while not core.snapshot(now=time.monotonic())["status"]["rounds"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (rep,) = core.snapshot(now=time.monotonic())["status"]["rounds"][0].values()
+        assert rep["seq"] == 1
+        assert core.deadlines.reduce_timeout_s == pytest.approx(30.0 * 1.5 + 5.0)
+    finally:
+        group.leave()
+
+
 def test_package_reexports_every_model_name() -> None:
     """dtrain.status lists its public names once (model.__all__); each must be imported there too."""
     import dtrain.status
