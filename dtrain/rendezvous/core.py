@@ -18,7 +18,6 @@ site asks for.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -31,7 +30,14 @@ from typing import Collection, Mapping, Protocol, Sequence
 from dtrain.errors import RendezvousError
 from dtrain.protocol import HeartbeatInfo, JoinInfo, ReadyDecision, RoundPlan
 from dtrain.rendezvous.accrual import AccrualConfig
-from dtrain.rendezvous.deadlines import DeadlineConfig, Deadlines, RoundTimes, derive_deadlines
+from dtrain.rendezvous.deadlines import (
+    DeadlineBook,
+    DeadlineConfig,
+    Deadlines,
+    derive_deadlines,
+    read_probe_report,
+    read_round_report,
+)
 from dtrain.rendezvous.memory_store import MemoryStore, SiteRecord
 from dtrain.rendezvous.store import ReadyCounts, RendezvousStore, SiteIdTaken, taken_message
 
@@ -396,10 +402,8 @@ class RendezvousCore:
         self._lock = threading.Lock()  # this process's scheduling only (below)
         self._pending: set[int] = set()  # rounds this process saw a ready for and no plan yet
         self._next_check = 0.0  # monotonic time decide() looks again (remote stores)
-        # What the rounds showed (round -> the slowest site's figures), and the deadlines
-        # derived from it for the next round (dtrain.rendezvous.deadlines)
-        self._times: dict[int, RoundTimes] = {}
-        self.deadlines: Deadlines = self.config.start_deadlines()
+        # What the rounds showed and the join probes predicted, and the deadlines derived from it
+        self.book = DeadlineBook(self.config.deadlines, self.config.overrides)
         # Per recent round: its members and when it may still run to (formation + broadcast
         # deadline + stall budget); per site, the rounds it finished (decide_quorum's hold)
         self._formed: dict[int, tuple[frozenset[str], float]] = {}
@@ -407,8 +411,6 @@ class RendezvousCore:
         self._done_at: dict[str, tuple[int, float]] = {}  # site -> (rounds_done, when it rose: this core's clock)
         # per site pulling state: (its expected seconds to go, when it said so on ``now``'s clock)
         self._catching: dict[str, tuple[float, float]] = {}
-        # per site, what its join probe predicted a round's exchange takes: (reduce_s, means_s)
-        self._probed: dict[str, tuple[float, float]] = {}
 
     @property
     def next_round(self) -> int:
@@ -688,74 +690,35 @@ class RendezvousCore:
 
     # ------------------------------------------------------------------ deadlines
     def _observe(self, round: int, **figures: float | bool | None) -> None:
-        """Fold a round's figures into its :class:`RoundTimes` (the slowest site's; a round is
-        clean only while every report says so) and derive the next round's deadlines."""
-        t = self._times.get(round) or RoundTimes(round=round)
-        new = {}
-        for k, v in figures.items():
-            if k == "clean":
-                new[k] = t.clean and bool(v)
-            elif v is not None:  # the slowest site's: the longest time, the lowest share delivered
-                old = getattr(t, k)
-                new[k] = v if old is None else (min if k == "reduce_live" else max)(old, v)
-        self._times[round] = dataclasses.replace(t, **new)
-        keep = 2 * self.config.deadlines.history_rounds
-        for r in sorted(self._times)[:-keep]:
-            del self._times[r]
-        self._derive()
+        """Fold a round's figures into the deadline book (:meth:`DeadlineBook.observe`)."""
+        self.book.observe(round, **figures)
 
-    def _derive(self) -> None:
-        probed = None
-        if self._probed:
-            probed = (max(p[0] for p in self._probed.values()), max(p[1] for p in self._probed.values()))
-        d = derive_deadlines(
-            list(self._times.values()), config=self.config.deadlines, overrides=self.config.overrides, probed=probed
-        )
-        if d.reason != self.deadlines.reason:
-            log.debug("rendezvous: deadlines %s", d.reason)
-        self.deadlines = d
+    @property
+    def deadlines(self) -> Deadlines:
+        """The next round's deadlines, derived from what the rounds showed."""
+        return self.book.deadlines
 
     def _observe_probe(self, site_id: str, raw: str) -> bool:
-        """Whether ``raw`` is a site's join-probe report (``dtrain.site.probe_report``); a valid
-        one's predicted ``reduce_s`` / ``means_s`` raise the start bound until rounds are
-        measured (``dtrain.rendezvous.deadlines``, the join probe; the derivation caps them at
-        ``max_pace_factor`` times the start bound, as the report comes from the wire)."""
-        try:
-            rep = json.loads(raw)
-        except ValueError:
+        """Whether ``raw`` is a site's join-probe report (:func:`~.deadlines.read_probe_report`);
+        a valid one's predicted figures raise the start bound until rounds are measured."""
+        is_probe, figures, why = read_probe_report(raw)
+        if not is_probe:
             return False
-        if not isinstance(rep, dict) or rep.get("probe") is not True:
-            return False
-        figures = (rep.get("reduce_s"), rep.get("means_s"))
-        if not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in figures
-        ):
-            log.warning("rendezvous: dropped a join probe report from %s: bad reduce_s / means_s %r", site_id, figures)
+        if figures is None:
+            log.warning("rendezvous: dropped a join probe report from %s: %s", site_id, why)
             return True
-        with self._lock:
-            if site_id in self._probed or len(self._probed) < 1 << 16:  # ids from the wire: bounded
-                self._probed[site_id] = (float(figures[0]), float(figures[1]))
-        log.info("rendezvous: %s's join probe: %s", site_id, str(rep.get("why", ""))[:200])
-        self._derive()
+        log.info("rendezvous: %s's join probe: %s", site_id, why)
+        self.book.probe(site_id, figures)
         return True
 
     def _observe_report(self, raw: str) -> None:
-        """A site's round report (``dtrain.status.round_report`` JSON): its phase times and
-        whether everything arrived. Malformed ones are ignored here (the status log says why)."""
-        try:
-            rep = json.loads(raw)
-            rnd = int(rep["round"])
-        except (ValueError, TypeError, KeyError):
-            return
-        if rep.get("status") != "applied" or rnd < 0:
-            return
-        times = {k: rep.get(k) for k in ("reduce_s", "means_s")}
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()):
-            return
-        fractions = (rep.get("reduce_arrived_fraction"), rep.get("broadcast_arrived_fraction"))
-        live = rep.get("reduce_live_fraction")
-        live = live if isinstance(live, (int, float)) and 0 <= live <= 1 else None
-        self._observe(rnd, clean=fractions == (1.0, 1.0), reduce_live=live, **times)
+        """A site's round report: its phase times and whether everything arrived
+        (:func:`~.deadlines.read_round_report`; malformed ones are ignored here, the status
+        log says why)."""
+        got = read_round_report(raw)
+        if got is not None:
+            rnd, figures = got
+            self._observe(rnd, **figures)
 
     def _wait(self, round: int, reason: str, log_prefix: str | None = None) -> ReadyDecision:
         """A "wait" answer, logged once per distinct reason (``log_prefix``: once per kind)."""

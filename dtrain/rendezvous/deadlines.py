@@ -73,11 +73,26 @@ should track the arrival times you already see").
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["DeadlineConfig", "Deadlines", "RoundTimes", "derive_deadlines", "quantile", "since_speedup"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DeadlineBook",
+    "DeadlineConfig",
+    "Deadlines",
+    "RoundTimes",
+    "derive_deadlines",
+    "quantile",
+    "read_probe_report",
+    "read_round_report",
+    "since_speedup",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,21 +301,7 @@ def derive_deadlines(
         cap = max(start[i] * config.max_factor, max(*measured, probe, 0.0) * config.margin + b)
         d, why = observed(known, i, what, cap, measured)
         seen_d = d
-        newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
-        cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
-        if cut_by is not None:
-            assert newest is not None
-            backed = min(cut_by * config.backoff, start[i] * config.max_factor)
-            why_back = f"round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g}"
-            pace = newest.paced(figure, config.cut_fraction, config.max_pace_factor)
-            if pace is not None and pace * config.margin + b > backed:
-                backed = pace * config.margin + b
-                why_back = (
-                    f"round {newest.round} ran to its {cut_by:.2f}s deadline with {newest.reduce_live:.0%} of "
-                    f"the slowest live link's contributions in: {pace:.2f}s at that pace"
-                )
-            if backed > d or (pace is not None and backed == d):  # the same figure: say why it is the link's
-                d, why = backed, f"{what} {backed:.2f}s ({why_back})"
+        d, why = _backed_off(ordered, figure, what, start[i], config, d, why)
         return d, why, seen_d
 
     spreads = [t.ready_spread_s for t in clean if t.ready_spread_s is not None]
@@ -312,14 +313,142 @@ def derive_deadlines(
         quorum, why_q = qo, f"quorum {qo:.2f}s (set)"
     if ro is not None:
         reduce, why_r = ro, f"reduce {ro:.2f}s (set)"
-    gap = bcast_seen - reduce_seen  # the means' own window, before any back-off
-    if bo is not None:
-        bcast, why_b = bo, f"broadcast {bo:.2f}s (set)"
-    elif reduce > reduce_seen and gap > b / 2 and bcast < min(reduce + gap, start[2] * config.max_factor):
-        bcast = min(reduce + gap, start[2] * config.max_factor)
-        why_b = f"broadcast {bcast:.2f}s (reduce + the means' {gap:.2f}s window, kept when the reduce backed off)"
-    elif bcast < reduce + b / 2:
-        bcast = reduce + b / 2
-        why_b = f"broadcast {bcast:.2f}s (reduce + budget/2)"
+    bcast, why_b = _broadcast(bcast, why_b, bo, reduce, reduce_seen, bcast_seen, start[2], config)
     reason = f"budget {b:g}s: {why_q}; {why_r}; {why_b}"
     return Deadlines(quorum_timeout_s=quorum, reduce_timeout_s=reduce, broadcast_timeout_s=bcast, reason=reason)
+
+
+def _backed_off(
+    ordered: Sequence[RoundTimes], figure: str, what: str, start: float, config: DeadlineConfig, d: float, why: str
+) -> tuple[float, str]:
+    """The deadline ``d`` of ``figure`` raised when the newest round that has the figure was
+    cut by its deadline: x ``backoff`` (at most ``max_factor`` x its ``start`` bound), or what
+    the whole takes at the slowest live link's pace x margin + budget when that is more
+    (module docstring); ``(d, why)`` unchanged otherwise."""
+    b = config.stall_budget_s
+    newest = next((t for t in reversed(ordered) if getattr(t, figure) is not None), None)
+    cut_by = newest.cut(figure, config.cut_fraction) if newest is not None else None
+    if newest is None or cut_by is None:
+        return d, why
+    backed = min(cut_by * config.backoff, start * config.max_factor)
+    why_back = f"round {newest.round} ran to its {cut_by:.2f}s deadline: x{config.backoff:g}"
+    pace = newest.paced(figure, config.cut_fraction, config.max_pace_factor)
+    if pace is not None and pace * config.margin + b > backed:
+        backed = pace * config.margin + b
+        why_back = (
+            f"round {newest.round} ran to its {cut_by:.2f}s deadline with {newest.reduce_live:.0%} of "
+            f"the slowest live link's contributions in: {pace:.2f}s at that pace"
+        )
+    if backed > d or (pace is not None and backed == d):  # the same figure: say why it is the link's
+        return backed, f"{what} {backed:.2f}s ({why_back})"
+    return d, why
+
+
+def _broadcast(
+    bcast: float,
+    why: str,
+    override: float | None,
+    reduce: float,
+    reduce_seen: float,
+    bcast_seen: float,
+    start: float,
+    config: DeadlineConfig,
+) -> tuple[float, str]:
+    """The broadcast deadline after the reduce's is known: the user's ``override``; else, when
+    the reduce backed off past what was seen, the means keep their own window after it (at
+    most ``max_factor`` x the broadcast's ``start`` bound); and never under reduce + budget / 2."""
+    b = config.stall_budget_s
+    gap = bcast_seen - reduce_seen  # the means' own window, before any back-off
+    if override is not None:
+        return override, f"broadcast {override:.2f}s (set)"
+    if reduce > reduce_seen and gap > b / 2 and bcast < min(reduce + gap, start * config.max_factor):
+        bcast = min(reduce + gap, start * config.max_factor)
+        return bcast, f"broadcast {bcast:.2f}s (reduce + the means' {gap:.2f}s window, kept when the reduce backed off)"
+    if bcast < reduce + b / 2:
+        return reduce + b / 2, f"broadcast {reduce + b / 2:.2f}s (reduce + budget/2)"
+    return bcast, why
+
+
+class DeadlineBook:
+    """What the rounds showed (round -> the slowest site's :class:`RoundTimes`) and what the
+    sites' join probes predicted, and the deadlines :func:`derive_deadlines` makes of them
+    (``deadlines``, re-derived on every change). The rendezvous core calls it under its own
+    lock (not thread-safe)."""
+
+    def __init__(self, config: DeadlineConfig, overrides: tuple[float | None, float | None, float | None]) -> None:
+        self.config, self.overrides = config, overrides
+        self.times: dict[int, RoundTimes] = {}
+        self.probed: dict[str, tuple[float, float]] = {}  # site -> predicted (reduce_s, means_s)
+        self.deadlines = derive_deadlines((), config=config, overrides=overrides)
+
+    def observe(self, round: int, **figures: float | bool | None) -> None:
+        """Fold a round's figures into its :class:`RoundTimes`: the slowest site's (the longest
+        time, the lowest share delivered; clean only while every report says so)."""
+        t = self.times.get(round) or RoundTimes(round=round)
+        new = {}
+        for k, v in figures.items():
+            if k == "clean":
+                new[k] = t.clean and bool(v)
+            elif v is not None:
+                old = getattr(t, k)
+                new[k] = v if old is None else (min if k == "reduce_live" else max)(old, v)
+        self.times[round] = dataclasses.replace(t, **new)
+        for r in sorted(self.times)[: -2 * self.config.history_rounds]:
+            del self.times[r]
+        self._derive()
+
+    def probe(self, site_id: str, figures: tuple[float, float]) -> None:
+        """A site's join-probe prediction (:func:`read_probe_report`); site ids come from the
+        wire, so at most 65,536 are kept."""
+        if site_id in self.probed or len(self.probed) < 1 << 16:
+            self.probed[site_id] = figures
+        self._derive()
+
+    def _derive(self) -> None:
+        p = self.probed.values()
+        probed = (max(x[0] for x in p), max(x[1] for x in p)) if p else None
+        d = derive_deadlines(list(self.times.values()), config=self.config, overrides=self.overrides, probed=probed)
+        if d.reason != self.deadlines.reason:
+            log.debug("rendezvous: deadlines %s", d.reason)
+        self.deadlines = d
+
+
+def _seconds(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def read_probe_report(raw: str) -> tuple[bool, tuple[float, float] | None, str]:
+    """A site's join-probe report (``dtrain.site.probe_report`` JSON, from the wire): whether it
+    is one, its predicted ``(reduce_s, means_s)`` (None: a bad figure, dropped) and what it says
+    (or why it was dropped). The derivation caps the figures (``probed`` of
+    :func:`derive_deadlines`)."""
+    try:
+        rep = json.loads(raw)
+    except ValueError:
+        return False, None, ""
+    if not isinstance(rep, dict) or rep.get("probe") is not True:
+        return False, None, ""
+    figures = (rep.get("reduce_s"), rep.get("means_s"))
+    if not all(_seconds(v) for v in figures):
+        return True, None, f"bad reduce_s / means_s {figures!r}"[:200]
+    return True, (float(figures[0]), float(figures[1])), str(rep.get("why", ""))[:200]  # type: ignore[arg-type]
+
+
+def read_round_report(raw: str) -> tuple[int, dict] | None:
+    """A site's round report (``dtrain.status.round_report`` JSON, from the wire) as the round
+    and the :class:`RoundTimes` figures it gives (``clean``, ``reduce_live``, ``reduce_s``,
+    ``means_s``); None when it is malformed, not applied, or lacks a finite phase time."""
+    try:
+        rep = json.loads(raw)
+        rnd = int(rep["round"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    if rep.get("status") != "applied" or rnd < 0:
+        return None
+    times = {k: rep.get(k) for k in ("reduce_s", "means_s")}
+    if not all(_seconds(v) for v in times.values()):
+        return None
+    fractions = (rep.get("reduce_arrived_fraction"), rep.get("broadcast_arrived_fraction"))
+    live = rep.get("reduce_live_fraction")
+    live = live if isinstance(live, (int, float)) and 0 <= live <= 1 else None
+    return rnd, {"clean": fractions == (1.0, 1.0), "reduce_live": live, **times}

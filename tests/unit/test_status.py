@@ -205,9 +205,9 @@ def test_resynced_reports_are_notes_not_round_aggregates() -> None:
     assert row["notes"] == ["c: resynced (round 5 started without c (straggler))"]
 
 
-@pytest.mark.timeout(30)
-def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unreachable() -> None:
-    import time
+def _joined_group():
+    """A rendezvous core with a status log, its in-process client and site "a"'s joined Group
+    (a heartbeat every 5 s unless kicked)."""
     from types import SimpleNamespace
 
     from dtrain.membership import Group
@@ -218,6 +218,14 @@ def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unr
     engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
     group = Group(engine, client)  # type: ignore[arg-type]
     group.join()
+    return core, client, group
+
+
+@pytest.mark.timeout(30)
+def test_group_sends_round_reports_on_the_heartbeat_at_once_and_retries_when_unreachable() -> None:
+    import time
+
+    core, client, group = _joined_group()
     try:
 
         def reports() -> int:
@@ -243,16 +251,8 @@ def test_a_join_probe_report_reaches_the_deadlines_and_leaves_the_round_reports_
     """The status page finds a report's metrics line by its seq (1 = the first line): a join
     probe sent first must not take seq 1 (a CI run's status page test read past the end)."""
     import time
-    from types import SimpleNamespace
 
-    from dtrain.membership import Group
-    from dtrain.rendezvous import InprocRendezvousClient
-
-    core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0), reports=StatusLog())
-    client = InprocRendezvousClient(core)
-    engine = SimpleNamespace(site_id="a", address="h:1", state=SimpleNamespace(rounds_applied=0))
-    group = Group(engine, client)  # type: ignore[arg-type]
-    group.join()
+    core, client, group = _joined_group()
     try:
         group.report_probe({"probe": True, "reduce_s": 30.0, "means_s": 60.0, "why": "test"})
         assert group.beat_and_wait(3.0)
