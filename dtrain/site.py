@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Sequence
@@ -158,6 +159,7 @@ class Site:
         self.last_catch_up: CatchUpStats | None = None  # what the last join or resync pulled and replayed
         self.last_plan: RoundPlan | None = None  # of the last round this site ran
         self.view_hook: Callable[[RankView], RankView] | None = None
+        self._probing: threading.Thread | None = None  # rank 0's join probe, until its first decision
         # process CPU seconds of the last round's steps: gather (Δ + residual) and round (the
         # engine: encode, push, reduce, outer step, decode); empty when no round ran
         self.last_cpu_s: dict[str, float] = {}
@@ -180,8 +182,6 @@ class Site:
                 info = self.group.join()
             except (RendezvousError, StateTransferError) as e:
                 info = e
-            if isinstance(info, JoinInfo) and info.members and self.config.join_probe_s > 0:
-                self._probe_links(info.members)
         info = self.comm.broadcast(info, round=True)
         if isinstance(info, Exception):
             raise info
@@ -200,15 +200,30 @@ class Site:
         if errs:  # on every rank, so none waits for the others in a collective
             raise StateTransferError(f"{self.site_id}: joining failed: {errs[0]}")
         self._align_rounds(info)
+        if self.group is not None and info.members and self.config.join_probe_s > 0:
+            self._probing = threading.Thread(
+                target=self._probe_links, args=(info.members,), name=f"probe-{self.site_id}", daemon=True
+            )
+            self._probing.start()  # beside the first inner phase; the first decision waits for it
         return info
 
+    def _probe_done(self) -> None:
+        """(rank 0) Wait for the join probe, if one still runs, before this site's first
+        ready or its leave: at most ``join_probe_s`` for the probe and as long again for its
+        report's delivery (:meth:`_probe_links`), less the inner steps it ran beside."""
+        if self._probing is not None:
+            self._probing.join(timeout=2 * self.config.join_probe_s + 1.0)
+            self._probing = None
+
     def _probe_links(self, members: Sequence[Member]) -> None:
-        """Rank 0 at join: probe every member's link at once (``Transport.probe_link``, within
-        ``join_probe_s``) and report what a round's exchange would take at those rates
-        (:func:`probe_report`) before this site's first ready, so that the rendezvous sizes
-        the round it forms with it (``dtrain.rendezvous.deadlines``, the join probe). A
-        member that fails the probe is left out; a transport that cannot probe reports
-        nothing."""
+        """Rank 0 after join, on its own thread beside the first inner phase: probe every
+        member's link at once (``Transport.probe_link``, within ``join_probe_s``) and report
+        what a round's exchange would take at those rates (:func:`probe_report`) before this
+        site's first ready (:meth:`_probe_done`), so that the rendezvous sizes the round it
+        forms with it (``dtrain.rendezvous.deadlines``, the join probe). Run beside the inner
+        steps, a member's outage during the probe delays the first ready only by what the
+        probe outlasts them. A member that fails the probe is left out; a transport that
+        cannot probe reports nothing."""
         assert self.group is not None
         cfg, transport = self.config, self.engine.transport
         size = sum(self.engine.codec.max_encoded_bytes(b.numel) for b in self.engine.state.layout.buckets)
@@ -614,6 +629,7 @@ class Site:
     def leave(self) -> None:
         """Rank 0 leaves the group (heartbeats stop); every rank stops its notices."""
         if self.group is not None:
+            self._probe_done()
             self.group.leave()
         if self.notices is not None:
             self.notices.close()
@@ -623,6 +639,7 @@ class Site:
         """(rank 0) ``(decision, plan, reason, quorum_s)``: the rendezvous's decision, or
         ``(None, None, why, 0)`` for a QuorumTimeout (re-raised on every rank)."""
         assert self.group is not None
+        self._probe_done()
         t0 = time.monotonic()
         try:
             kind, d, reason = self.group.next_decision()

@@ -179,3 +179,45 @@ def test_beat_and_wait_returns_with_the_answer_to_a_heartbeat_it_sent() -> None:
         assert time.monotonic() - t0 >= 0.3 and g.behind == frozenset()  # an unanswered beat changes nothing
     finally:
         g.leave()
+
+
+@pytest.mark.timeout(20)
+def test_the_join_probe_runs_beside_the_first_inner_phase_and_reaches_the_rendezvous_before_the_first_ready() -> None:
+    """A joining site's link probe no longer holds up its join: ``join`` returns while the
+    probe runs (the reliability experiment's flaky profile saw the last joiner, whose probe
+    met a member's 2 s outage and ran its full 3 s plus the report's delivery, miss round 0's
+    quorum in 3 of 3 runs). The first decision waits for it, so its prediction still sizes
+    round 0 at the rendezvous."""
+    from dtrain.rendezvous import InprocRendezvousClient, RendezvousConfig, RendezvousCore
+    from dtrain.site import Site
+    from dtrain.sitegroup.comm import LocalSiteComm
+    from dtrain.transports.base import LinkProbe
+
+    core = RendezvousCore(RendezvousConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0, initial_sites=2))
+    core.join("a", "h:1", now=time.monotonic())
+    probed = threading.Event()
+
+    def probe_link(address, *, max_bytes, timeout_s, requester):
+        time.sleep(0.5)  # a member's slow link, while this site trains
+        probed.set()
+        return LinkProbe(address=address, rtt_s=0.05, rate_bytes_per_s=1e6, bytes=max_bytes, seconds=1.0, complete=True)
+
+    engine = SimpleNamespace(
+        site_id="b",
+        address="h:2",
+        transport=SimpleNamespace(probe_link=probe_link),
+        codec=SimpleNamespace(max_encoded_bytes=lambda n: n),
+        state=SimpleNamespace(rounds_applied=0, layout=SimpleNamespace(buckets=[SimpleNamespace(numel=4_000_000)])),
+    )
+    site = Site(engine, LocalSiteComm(), InprocRendezvousClient(core), GroupConfig(join_probe_s=3.0))
+    try:
+        t0 = time.monotonic()
+        site.join()
+        assert time.monotonic() - t0 < 0.4 and not probed.is_set()  # the probe runs on, beside training
+        assert core.book.probed == {}
+        site._probe_done()  # what the first decision does before its ready
+        # 4 MB over 2 sites at 1 MB/s, plus 2 RTT: reduce 2.1 s, means 4.2 s
+        assert core.book.probed["b"] == pytest.approx((2.1, 4.2))
+        assert site._probing is None
+    finally:
+        site.leave()
