@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["parser", "stamp", "write"]
-
 
 def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
     """The benchmark's parser: ``--json PATH`` always; ``--quick`` / ``--smoke`` (store_true) when

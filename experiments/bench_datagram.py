@@ -42,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -56,8 +55,6 @@ from dtrain.transports.datagram import (
 from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountingHandler:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -45,8 +44,6 @@ from dtrain.rounds.serving import _Owned
 from dtrain.state import GlobalState
 from dtrain.transports.inproc import InprocNetwork, InprocTransport
 from experiments import bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHUNK = 1280
 OWNER = "site-0"  # owns the bucket and counts its own contribution first (as in a round)

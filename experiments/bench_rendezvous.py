@@ -42,9 +42,6 @@ from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 from experiments import bench
 
-__all__ = ["main", "run"]
-
-
 # --------------------------------------------------------------------------- server process
 
 

@@ -52,8 +52,6 @@ from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments import bench
 
-ROOT = Path(__file__).resolve().parents[1]
-
 STEPS = (
     "pseudo_gradient",
     "encode",

@@ -21,8 +21,6 @@ import torch
 from dtrain.tasks import PRESETS, TaskSpec, build_task
 from experiments import bench
 
-__all__ = ["main"]
-
 
 def _step(task) -> tuple[float, float]:
     """One inner step; returns (wall s, process CPU s). With 1 thread and a busy

@@ -39,41 +39,9 @@ from experiments.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = [
-    "ROOT",
-    "OUT_DIR",
-    "RESULTS_MD",
-    "RunSpec",
-    "RunResult",
-    "run_inproc",
-    "run_many",
-    "write_csv",
-    "read_csv",
-    "read_rows",
-    "save_meta",
-    "load_meta",
-    "summarize",
-    "mean_std",
-    "mean_se",
-    "pct_deltas",
-    "fmt_pm",
-    "md_table",
-    "md_rows",
-    "update_results",
-    "code_version",
-    "quiet_logging",
-    "paired_deltas",
-    "per_round_mean",
-    "subplots",
-    "save_fig",
-    "own_session",
-]
-
-log = logging.getLogger(__name__)
 
 OUT_DIR = ROOT / "experiments" / "out"
 RESULTS_MD = ROOT / "experiments" / "RESULTS.md"
-KiB = 1024
 
 
 def quiet_logging(verbose: bool = False) -> None:

@@ -32,8 +32,6 @@ from experiments import netem_loss
 from experiments.common import RunResult, fmt_pm, md_rows, mean_se, pct_deltas, summarize
 from experiments.procs import sites_topology
 
-__all__ = ["NETEM", "BASE", "REPEAT", "LOSSY", "RENDEZVOUS", "settings", "run", "table", "claim"]
-
 NETEM = "netem"  # the section of these rows in the convergence CSVs
 BASE, REPEAT, LOSSY = "loss 0%", "loss 0% (repeat)", "loss 10%"
 LOSS_TARGET_PCT = 0.5  # issue 18: 10% loss changes the final loss by at most this many percent

@@ -14,8 +14,6 @@ from typing import Any, Sequence
 from experiments import convergence_netem as netem
 from experiments.common import ROOT, fmt_pm, md_rows, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
 
-__all__ = ["report", "claims_of", "verdict", "curves", "diloco_label", "fault_rows"]
-
 SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
 DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
 NESTEROV, AVERAGE = (0.7, 0.9), (1.0, 0.0)

@@ -9,8 +9,6 @@ from dataclasses import replace
 from dtrain.tasks.builtin import build_task
 from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 
-__all__ = ["make"]
-
 PRESETS.setdefault(
     "wide", Preset(num_layers=4, num_heads=8, embed_dim=448, context_len=32, batch_size=2, lr=3e-4, num_val_batches=2)
 )

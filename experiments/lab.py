@@ -55,8 +55,6 @@ from experiments.common import (
     write_csv,
 )
 
-__all__ = ["SPECS", "MODES", "TREE_FIELDS", "Point", "Spec", "load_spec", "run", "check_rows", "stamp", "main"]
-
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
 SPECS = (
     "codec_sweep",

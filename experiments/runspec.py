@@ -21,8 +21,6 @@ from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfi
 from dtrain.transports.grpc import GrpcTransportConfig
 from dtrain.transports.inproc import InprocFaults
 
-__all__ = ["RunSpec"]
-
 KiB = 1024
 
 

@@ -51,8 +51,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["main", "ring_allreduce_bytes"]
-
 log = logging.getLogger("torchft_site")
 
 

@@ -29,8 +29,6 @@ from typing import Any
 
 from experiments.common import md_table, save_fig, subplots
 
-__all__ = ["analyse", "run_stats", "report", "verdict", "plot", "pyspy_summary"]
-
 Rows = list[dict[str, Any]]
 
 # the settings of a run, by config path (the spec's grid and fixed settings)
