@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shlex
 import sys
 import time
@@ -34,6 +35,12 @@ def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = Non
         ap.add_argument("--smoke", action="store_true", help=smoke)
     ap.add_argument("--json", type=Path, help="also write every figure here, stamped (commit, date, command, load)")
     return ap
+
+
+def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
+    """User + system CPU seconds of this process, every thread (``RUSAGE_CHILDREN``: of its reaped children)."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 
 
 def stamp(load_before: float | None = None) -> dict[str, Any]:

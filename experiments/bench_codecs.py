@@ -38,6 +38,7 @@ from torch import nn
 
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
 from experiments import bench
+from experiments.common import md_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,16 +179,9 @@ def bench_zstd_stage(base: str, buckets: list[torch.Tensor], repeats: int, level
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    head = "| " + " | ".join(c[1] for c in cols) + " |"
-    sep = "|" + "|".join("---:" if c[2] else ":---" for c in cols) + "|"
-    lines = [head, sep]
-    for r in rows:
-        cells = []
-        for key, _, fmt in cols:
-            v = r[key]
-            cells.append("-" if v is None else (format(v, fmt) if fmt else str(v)))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """A markdown table of ``rows``: per column (key, header, format spec), None as ``-``."""
+    cells = [["-" if r[key] is None else format(r[key], fmt) for key, _, fmt in cols] for r in rows]
+    return md_table([header for _, header, _ in cols], cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import random
-import resource
 import sys
 import time
 
@@ -43,11 +42,6 @@ from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 from experiments import bench
 
 # --------------------------------------------------------------------------- server process
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
@@ -78,7 +72,7 @@ def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_
         if msg == "stop":
             break
         if msg == "cpu":
-            conn.send(_cpu_s())
+            conn.send(bench.cpu_s())
         elif msg == "dead":
             sites = core.snapshot(time.monotonic())["sites"]
             conn.send(sorted(s for s, v in sites.items() if v["needs_resync"] or not v["alive"]))
@@ -189,12 +183,12 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
     await asyncio.sleep(interval)  # every site heartbeats once before the rounds
     load.hb_latency_s.clear()
     rounds = []
-    cpu0, load0 = server_cpu(), _cpu_s()
+    cpu0, load0 = server_cpu(), bench.cpu_s()
     for rnd in range(args.rounds):
         rounds.append(await load.one_round(rnd))
         await asyncio.sleep(args.pause_s)
     cpu_per_round = (server_cpu() - cpu0) / max(1, args.rounds)
-    load_cpu = _cpu_s() - load0
+    load_cpu = bench.cpu_s() - load0
     load.stop.set()
     await asyncio.gather(*hb)
     await load.close()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import resource
 import socket
 import statistics
 import struct
@@ -42,18 +41,13 @@ from experiments import bench
 MiB = 1 << 20
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _serve_control(conn) -> None:
     """Answer CPU-time queries on ``conn`` until told to stop."""
     while True:
         msg = conn.recv()
         if msg == "stop":
             return
-        conn.send(_cpu_s())
+        conn.send(bench.cpu_s())
 
 
 # --------------------------------------------------------------------------- serving processes

@@ -36,18 +36,13 @@ COMMANDS = [
 ]
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def _run(repo: Path, args: list[str], importtime: bool = False) -> tuple[float, float, int, str]:
     """(wall s, CPU s of the child, exit code, stderr)."""
     env = dict(os.environ, PYTHONPATH=str(repo))
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "dtrain", *args]
-    t0, c0 = time.perf_counter(), _cpu_s()
+    t0, c0 = time.perf_counter(), bench.cpu_s(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    return time.perf_counter() - t0, _cpu_s() - c0, p.returncode, p.stderr
+    return time.perf_counter() - t0, bench.cpu_s(resource.RUSAGE_CHILDREN) - c0, p.returncode, p.stderr
 
 
 def _imports(stderr: str) -> tuple[float, list[str]]:

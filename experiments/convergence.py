@@ -30,10 +30,6 @@ Usage (from the repository root)::
     .venv/bin/python -m experiments run convergence --mode full     # small model, 8000 steps, more seeds
     .venv/bin/python -m experiments run convergence --mode smoke --out /tmp/x --results none   # CI: seconds
 
-Writes ``OUT/convergence[_MODE].csv`` (one row per run; ``section``, ``data``, ``method``
-columns), ``..._rounds.csv`` (validation loss per evaluated round / step), one PNG per
-data setting, and the section "Convergence (issue 18)" of ``experiments/RESULTS.md``.
-
 The runs go in phases (the lab's ``phases``): phase 1 is the convergence runs, the sweep's
 grid, the first fault seeds and the cosine diagnosis; phase 2 the sweep's best on more seeds
 and DiLoCo at the best outer setting; then fault seeds in waves (``faults.step_seeds``) until

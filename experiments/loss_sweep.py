@@ -24,10 +24,6 @@ Run (from the repository root)::
     .venv/bin/python -m experiments run loss_sweep --mode quick   # 4 sites, tiny, 3 seeds: minutes on 2 cores
     .venv/bin/python -m experiments run loss_sweep --mode full    # small model, 5 seeds, more rounds
     .venv/bin/python -m experiments run loss_sweep --mode smoke --out /tmp/x --results none   # CI: seconds
-
-Writes ``OUT/loss_sweep[_MODE].csv`` (one row per run), ``..._rounds.csv`` (one row
-per run and round), ``....png`` (perplexity change against loss rate) and
-``..._drift.png``, and puts its table into ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations

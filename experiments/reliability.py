@@ -20,8 +20,7 @@ Usage (root; from the repository root)::
     .venv/bin/python -m experiments run reliability --mode quick   # 10 lossy, 10 flaky, 4 at 30%
     .venv/bin/python -m experiments run reliability --mode full    # 30 / 30 / 10 (the issue's count)
 
-Writes ``OUT/reliability[_MODE].csv`` (one row per run) and puts its table into RESULTS.md; a
-run that did not end equal keeps its run directory (the row's ``kept`` column names it).
+A run that did not end equal keeps its run directory (the row's ``kept`` column names it).
 """
 
 from __future__ import annotations

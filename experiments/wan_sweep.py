@@ -39,10 +39,6 @@ Usage (from the repository root, as root: netem needs network namespaces)::
 ``netem.rates`` / ``netem.delays`` / ``netem.losses`` (``--set netem.rates=[10,50]``), ``netem.floor``
 (the setting without emulation first) and ``netem.tcp_slow_start_after_idle`` (the sysctl in every
 site's namespace; the kernel's default is 1) are the spec's own paths.
-
-Writes ``OUT/wan_sweep[_MODE].csv`` (one row per setting and seed), ``..._rounds.csv``
-(one row per round and site), ``....png``, and puts its table into
-``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
