@@ -243,8 +243,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     a2.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
     a2.set_ylabel("Δ perplexity vs fp32 (%, symlog)")
     a2.set_title("Final validation perplexity change, paired by seed (mean ± std)", fontsize=9)
-    p = save_fig(fig, prefix.with_suffix(".png"))
-    return p
+    return save_fig(fig, prefix.with_suffix(".png"))
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:

@@ -127,8 +127,7 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[str, dict[str, tuple[float, f
                 "θ bit-equal to the 0% run's": "—" if method == BASE else _same_theta(g, base),
             }
         )
-    md = md_rows(out)
-    return md, facts
+    return md_rows(out), facts
 
 
 def claim(facts: dict[str, tuple[float, float, int]], rows: Sequence[dict[str, Any]], verdict) -> str:

@@ -12,7 +12,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments import convergence_netem as netem
-from experiments.common import ROOT, fmt_pm, md_rows, md_table, mean_se, pct_deltas, save_fig, subplots, summarize
+from experiments.common import (
+    ROOT,
+    fmt_pm,
+    md_rows,
+    md_table,
+    mean_se,
+    paired_deltas,
+    pct_deltas,
+    save_fig,
+    subplots,
+    summarize,
+)
 
 SE_TARGET_PP = 0.2  # percentage points: the standard error a fault's paired change must reach
 DDP, ALONE, BIG = "DDP", "1 site", "1 site, 4x batch"
@@ -168,8 +179,7 @@ def convergence_table(
                 "late contributions refused / site resyncs": f"{sum(int(r.get('rejected') or 0) for r in g)} / {sum(int(r.get('resyncs') or 0) for r in g)}",
             }
         )
-    md = md_rows(table)
-    return md, deltas
+    return md_rows(table), deltas
 
 
 def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, float, int]]]:
@@ -182,7 +192,7 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
         d = pct_deltas(g, base) if name != FAULT_FREE else []
         mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[name] = (mu, se, len(d))
-        ppl = [100 * (math.exp(float(r["final_val_loss"]) - b) - 1) for r, b in _paired(g, base)]
+        ppl = [100 * (math.exp(x) - 1) for x in paired_deltas(g, base)]
         table.append(
             {
                 "run": name,
@@ -197,13 +207,7 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
                 "θ equal on all sites": "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
             }
         )
-    md = md_rows(table)
-    return md, facts
-
-
-def _paired(g, base):
-    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
-    return [(r, by_seed[r["seed"]]) for r in g if r["seed"] in by_seed]
+    return md_rows(table), facts
 
 
 def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], list[float]]:

@@ -288,8 +288,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
                     else ""
                 )
             )
-    md = md_rows(table)
-    return md, verdicts
+    return md_rows(table), verdicts
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
@@ -328,8 +327,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title("DiLoCo vs data-parallel: same steps and tokens", fontsize=10)
     ax.legend(fontsize=8)
-    p = save_fig(fig, prefix.with_suffix(".png"))
-    return p
+    return save_fig(fig, prefix.with_suffix(".png"))
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:

@@ -192,8 +192,7 @@ def _drift_table(groups: dict[str, list[dict[str, Any]]], rounds: list[dict[str,
             )
             if maxd > 0 and not math.isfinite(gm):
                 dtable[-1]["growth (last ¼ / 2nd ¼)"] = "∞ (zero in 2nd ¼)"
-    dmd = md_rows(dtable)
-    return dmd, verdicts
+    return md_rows(dtable), verdicts
 
 
 def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> list[Path]:

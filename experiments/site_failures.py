@@ -244,8 +244,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                     else ""
                 )
             )
-    md = md_rows(table)
-    return md, verdicts
+    return md_rows(table), verdicts
 
 
 def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
@@ -260,8 +259,7 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
     ax.set_ylabel("validation loss, mean over seeds")
     ax.set_title(f"Site failures: {f[SITES]} sites, faults at round {f[KILL]}", fontsize=10)
     ax.legend(fontsize=8)
-    p = save_fig(fig, prefix.with_suffix(".png"))
-    return p
+    return save_fig(fig, prefix.with_suffix(".png"))
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:

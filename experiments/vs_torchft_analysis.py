@@ -102,10 +102,8 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
         sites[s] = {
             "rounds_logged": len(rounds),
             "rounds_applied": sum(_applied(system, d) for d in rounds),
-            "first_val_loss": start["val_loss"] if start else None,
             "final_val_loss": rounds[-1]["val_loss"] if rounds else None,
             "finished": bool(end.get("finished")),
-            "rc": end.get("rc"),
             "peak_rss_mb": end["maxrss_kb"] / 1024 if end.get("maxrss_kb") else None,
             "cpu_s": end.get("cpu_s"),
             "inner_steps": (
@@ -137,11 +135,8 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     walls = [x for x in (_last_round_s(runs.get(r["run"], {})) for r in rows) if x is not None]
     st = {
         "system": row[SYSTEM],
-        "scenario": row[SCENARIO],
         "codec": row[CODEC] if row[SYSTEM] == "dtrain" else "fp32 (all-reduce)",
-        "repeats": len(rows),
         "error": "; ".join(str(r["error"]) for r in rows if r.get("error")) or None,
-        "timed_out": any(r.get("timed_out") for r in rows),
         "netem_backends": row.get("netem_backends"),
         "round_wall_s": _stats(pool["walls"]),
         "overhead_s": _stats(pool["overheads"]),
@@ -162,7 +157,6 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
         "cpu_s_per_site_mean": statistics.mean(cpu) if cpu else None,
         "coordinator_rss_mb": max(coords) if coords else None,
         "wall_total_s": statistics.median(walls) if walls else None,
-        "sites_detail": sites,
     }
     if row[SCENARIO] == "fault":
         st["fault"] = fault_stats(row, runs.get(row["run"], {}), sites)

@@ -271,8 +271,7 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
                 "rejected": sum(r["rejected"] for r in g),
             }
         )
-    md = md_rows(table)
-    return md, ratios
+    return md_rows(table), ratios
 
 
 def _ratio_notes(groups: dict[str, list[dict[str, Any]]], ratios: list[tuple[float, str]]) -> list[str]:
