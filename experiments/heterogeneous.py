@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.app.procs import Cluster
-from experiments.common import RunResult, fmt_pm, md_rows, mean_std, save_fig, subplots, summarize
+from experiments.common import RunResult, fmt_pm, md_rows, mean_se, mean_std, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import SitesRun, run_sites
 
@@ -163,12 +163,6 @@ def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
     return bool(by_round) and all(len(cs) == 1 for cs in by_round.values())
 
 
-def _se(xs: list[float]) -> float:
-    m, s = mean_std(xs)
-    good = [x for x in xs if not math.isnan(x)]
-    return s / math.sqrt(len(good)) if good else math.nan
-
-
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table, verdicts = [], []
     by_share = summarize(rows, key=SHARE)
@@ -182,7 +176,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 {
                     "slow share": f"{share:g}",
                     "configuration": c,
-                    "time to target (s, mean ± SE)": f"{m:.1f} ± {_se(ts):.1f}"
+                    "time to target (s, mean ± SE)": f"{m:.1f} ± {mean_se(ts)[1]:.1f}"
                     if reached_all
                     else "not reached by every seed",
                     "reached": f"{sum(1 for x in ts if not math.isnan(x))}/{len(ts)}",

@@ -208,11 +208,6 @@ def run_point(point: Point) -> list[RunResult]:
         return out
 
 
-def _true(v: Any) -> bool:
-    """A boolean cell, from a run (bool) or read back from its CSV ("True")."""
-    return v is True or str(v) == "True"
-
-
 def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
     """The table: per profile, runs, runs ending equal, false deaths, unequal rounds; and
     the slowdown run's deadlines round by round."""
@@ -222,7 +217,7 @@ def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: 
         {
             "profile": profile,
             "runs": len(rs),
-            "ended equal (exit 0)": sum(_true(r["equal_at_end"]) and int(r["exit_code"]) == 0 for r in rs),
+            "ended equal (exit 0)": sum(r["equal_at_end"] and r["exit_code"] == 0 for r in rs),
             "sites declared dead while alive": sum(int(r["declared_dead"]) for r in rs),
             "rounds of unequal θ": sum(int(r["unequal_rounds"]) for r in rs),
             "rounds missed (resynced)": sum(int(r["rounds_missed"]) for r in rs),
@@ -255,7 +250,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list
     out = []
     for profile in dict.fromkeys(r["profile"] for r in rows if r["profile"] != SLOWDOWN):
         rs = [r for r in rows if r["profile"] == profile]
-        equal = sum(_true(r["equal_at_end"]) and int(r["exit_code"]) == 0 for r in rs)
+        equal = sum(r["equal_at_end"] and r["exit_code"] == 0 for r in rs)
         dead, unequal = sum(int(r["declared_dead"]) for r in rs), sum(int(r["unequal_rounds"]) for r in rs)
         met = equal == len(rs) and dead == 0 and unequal == 0
         out.append(
