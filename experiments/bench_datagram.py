@@ -110,19 +110,19 @@ def _config(**kw) -> DatagramTransportConfig:
     })  # fmt: skip
 
 
+def _plan(addr_a: str, addr_b: str, key: bytes, round: int = 0) -> RoundPlan:
+    """Round ``round`` of the two sites site-a and site-b, sealed with ``key``."""
+    members = (Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b))
+    return RoundPlan(round=round, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=key)
+
+
 def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", gso: bool = True) -> dict:
     cfg = _config(max_rate_mbit=rate_mbit, rtt_s=0.05, native=native, gso=gso)
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     handler = CountingHandler()
     addr_b = b.start(handler)
     addr_a = a.start(CountingHandler())
-    plan = RoundPlan(
-        round=round,
-        members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-        reduce_timeout_s=60,
-        broadcast_timeout_s=60,
-        datagram_key=os.urandom(32),
-    )
+    plan = _plan(addr_a, addr_b, os.urandom(32), round)
     a.begin_round(plan, [], "site-a")
     b.begin_round(plan, [], "site-b")
     cs = _contributions(mbytes, round)
@@ -156,11 +156,6 @@ def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", g
     a.stop(0)
     b.stop(0)
     return out
-
-
-def _plan(addr_a: str, addr_b: str, key: bytes) -> RoundPlan:
-    members = (Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b))
-    return RoundPlan(round=0, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=key)
 
 
 def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> float:

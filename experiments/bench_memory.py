@@ -28,6 +28,7 @@ from dtrain import DiLoCo, DiLoCoConfig
 from dtrain.codecs import CodecConfig
 from dtrain.rounds import RoundConfig
 from experiments import bench
+from experiments.bench_site_group import make_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -58,12 +59,6 @@ class PeakRss:
     def stop(self) -> None:
         self._stop.set()
         self._t.join()
-
-
-def make_model(params_m: float) -> torch.nn.Module:
-    width = 1024
-    n_layers = max(1, round(params_m * 1e6 / (width * width + width)))
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n_layers)])
 
 
 def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     sampler = PeakRss()
 
-    model = make_model(args.params_m)
+    model = make_model(round(args.params_m * 1e6))
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_steps(model, opt, args.sync_every * args.rounds)
