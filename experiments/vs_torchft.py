@@ -53,7 +53,6 @@ environment after torch (it then pulls no torch)::
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import re
@@ -119,36 +118,11 @@ LINE_FIELDS += ("inner_steps", "params")
 
 
 # ----------------------------------------------------------------------------- processes
-class Child(Proc):
-    """A process from the one harness (:mod:`dtrain.app.procs`): its own session, stdin
-    from /dev/null, reaped with ``wait4`` so its peak RSS (``maxrss_kb``) and CPU time
-    (``cpu_s``) are known; every child still running is killed at exit."""
-
-    live: set["Child"] = set()
-
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict) -> None:
-        p = spawn(name, argv, log, env=env, cwd=ROOT)
-        super().__init__(name, p.handle, p.log)
-        Child.live.add(self)
-
-    def poll(self) -> int | None:
-        rc = super().poll()
-        if rc is not None:
-            Child.live.discard(self)
-        return rc
-
-
-@atexit.register
-def _kill_all() -> None:
-    for c in list(Child.live):
-        c.kill()
-
-
 def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _wait(pred, timeout_s: float, what: str, procs: list[Child] = ()):
+def _wait(pred, timeout_s: float, what: str, procs: list[Proc] = ()):
     deadline = time.monotonic() + timeout_s
     while True:
         v = pred()
@@ -285,7 +259,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
     ``concurrent``); the sites get their go once every run has its sites ready."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = Record(dir=run_dir)
-    children: dict[str, Child] = {}
+    children: dict[str, Proc] = {}
     topo = None
     gate = run_dir / "gate"
     try:
@@ -314,7 +288,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
     return rec
 
 
-def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Child]) -> str:
+def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Proc]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
     n, py = run.sites, sys.executable
@@ -322,7 +296,9 @@ def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, C
         addr_file = run_dir / "rendezvous.addr"
         argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
         argv += ["--initial-sites", str(n)]
-        children["rendezvous"] = Child("rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", child_env())
+        children["rendezvous"] = spawn(
+            "rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", env=child_env(), cwd=ROOT
+        )
         return _wait(
             lambda: addr_file.exists() and addr_file.read_text().strip(),
             120,
@@ -332,7 +308,9 @@ def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, C
     port = free_port() if net.topo is None else 29510
     lh = str(Path(py).parent / "torchft_lighthouse")
     argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
-    children["lighthouse"] = Child("lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", child_env())
+    children["lighthouse"] = spawn(
+        "lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", env=child_env(), cwd=ROOT
+    )
 
     def lighthouse_up() -> bool:
         try:
@@ -384,7 +362,7 @@ def _site_argv(
 
 
 def _start_sites(
-    run: Run, run_dir: Path, net: _Net, coord: str, children: dict[str, Child], start_together, rec: Record
+    run: Run, run_dir: Path, net: _Net, coord: str, children: dict[str, Proc], start_together, rec: Record
 ) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
@@ -393,11 +371,13 @@ def _start_sites(
     for i, name in enumerate(names):
         fault = run.kill_round >= 0 and i == KILLED_SITE
         argv, env = _site_argv(run, run_dir, net, coord, i, name, fault=fault, barrier=True)
-        children[name] = Child(name, argv, run_dir / name / "worker.log", child_env(env))
+        children[name] = spawn(name, argv, run_dir / name / "worker.log", env=child_env(env), cwd=ROOT)
     restart_name = f"site-{KILLED_SITE}-restart"
     if run.kill_round >= 0:  # pre-warm the replacement now; it starts when told
         argv, env = _site_argv(run, run_dir, net, coord, KILLED_SITE, restart_name, fault=False, barrier=False)
-        children[restart_name] = Child(restart_name, argv, run_dir / restart_name / "worker.log", child_env(env))
+        children[restart_name] = spawn(
+            restart_name, argv, run_dir / restart_name / "worker.log", env=child_env(env), cwd=ROOT
+        )
     _wait(
         lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
         600,
@@ -420,7 +400,7 @@ def _start_sites(
     return restart_name
 
 
-def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Child], restart_name: str) -> None:
+def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], restart_name: str) -> None:
     """Until every site has exited or the run times out: record the kill, and start the
     replacement once a survivor has finished the restart round (killing the site first
     if the fault did not fire)."""
@@ -455,7 +435,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Child],
         time.sleep(0.1)
 
 
-def _stop_all(rec: Record, children: dict[str, Child], gate: Path) -> None:
+def _stop_all(rec: Record, children: dict[str, Proc], gate: Path) -> None:
     """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU.
 
     Peak RSS: a site's own VmHWM as it exited; else (a coordinator) its VmHWM read while it still
