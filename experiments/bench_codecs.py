@@ -1,12 +1,13 @@
 """Benchmark the codecs on a realistic pseudo-gradient (prints markdown tables).
 
-A small byte-level transformer language model is trained on this repository's own text
-with AdamW (DiLoCo's inner optimizer: lr 4e-4, weight decay 0.1, arXiv 2311.08105):
-a few warm-up steps, then a snapshot θ, then ``--inner-steps`` more steps; the
-pseudo-gradient is Δ = θ_snapshot − θ_after. Δ is tiled to ``--numel`` elements and
-cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB of fp32, the
-default bucket size, docs/ARCHITECTURE.md), which is how the round engine calls the codecs. The model is
-larger than one bucket, so no bucket holds a repeat that zstd could exploit.
+One site of the built-in task (``dtrain.tasks``: the byte-level GPT ``base``, ``small`` with
+``--quick``, on the stdlib source, with its inner AdamW) trains a few warm-up steps, then a
+snapshot θ, then ``--inner-steps`` more steps; the pseudo-gradient is Δ = θ_snapshot − θ_after
+(:func:`experiments.common.pseudo_gradient`, which the codec sweep uses too). Δ is tiled to
+``--numel`` elements and cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB
+of fp32, the default bucket size, docs/ARCHITECTURE.md), which is how the round engine calls
+the codecs. ``base`` is larger than one bucket, so no bucket holds a repeat that zstd could
+exploit (a bucket longer than Δ is cut below its size).
 
 Per codec, with and without the zstd stage: compression ratio (fp32 bytes / payload
 bytes), encode and decode throughput in MB/s of fp32 input on one core
@@ -34,76 +35,13 @@ from pathlib import Path
 
 import torch
 import zstandard
-from torch import nn
 
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
+from dtrain.tasks import TaskSpec
 from experiments import bench
-from experiments.common import md_table
+from experiments.common import md_table, pseudo_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# ------------------------------------------------------------- pseudo-gradient
-class TinyLM(nn.Module):
-    """Byte-level causal transformer (pre-LN encoder layers with a causal mask)."""
-
-    def __init__(self, dim: int, layers: int, context: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(256, dim)
-        self.pos = nn.Parameter(torch.zeros(context, dim))
-        layer = nn.TransformerEncoderLayer(
-            dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 256, bias=False)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        h = self.tok(idx) + self.pos[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
-        return self.head(self.norm(h))
-
-
-def _corpus() -> torch.Tensor:
-    files = sorted(ROOT.glob("dtrain/**/*.py")) + sorted(ROOT.glob("docs/*.md"))
-    text = b"".join(p.read_bytes() for p in files if p.is_file())
-    if len(text) < 10_000:  # pragma: no cover - a bare checkout still has this file
-        text = Path(__file__).read_bytes() * 8
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-
-
-def pseudo_gradient(*, dim: int, layers: int, warmup_steps: int, inner_steps: int, seed: int = 0) -> torch.Tensor:
-    """Δ = θ_snapshot − θ_after ``inner_steps`` AdamW steps, flattened (float32)."""
-    torch.manual_seed(seed)
-    context, batch = 64, 16
-    data = _corpus()
-    model = TinyLM(dim, layers, context)
-    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
-    g = torch.Generator().manual_seed(seed)
-
-    def step() -> float:
-        starts = torch.randint(len(data) - context - 1, (batch,), generator=g)
-        x = torch.stack([data[s : s + context] for s in starts])
-        y = torch.stack([data[s + 1 : s + context + 1] for s in starts])
-        loss = nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return float(loss)
-
-    for _ in range(warmup_steps):
-        step()
-    snapshot = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    losses = [step() for _ in range(inner_steps)]
-    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    print(
-        f"# model: {snapshot.numel():,} parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-        f"over {inner_steps} inner steps",
-        flush=True,
-    )
-    return snapshot - after
 
 
 def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:
@@ -197,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         numel = min(args.numel, 1 << 20) if args.numel == 16 * 1024 * 1024 else args.numel
         args.numel, args.repeats, args.inner_steps = numel, 2, 10
-        delta = pseudo_gradient(dim=128, layers=2, warmup_steps=3, inner_steps=args.inner_steps)
-    else:
-        delta = pseudo_gradient(dim=256, layers=3, warmup_steps=10, inner_steps=args.inner_steps)
+    size, warmup_steps = ("small", 3) if args.quick else ("base", 10)
+    delta = pseudo_gradient(TaskSpec(site_index=0, num_sites=1, size=size), warmup_steps, args.inner_steps)
+    print(f"# model: built-in GPT `{size}`, {delta.numel():,} parameters; Δ over {args.inner_steps} inner steps")
     x = tile(delta, args.numel)
     if args.bucket_elems > delta.numel() or (args.bucket_elems <= 0 and args.numel > delta.numel()):
         # A bucket longer than Δ would hold a repeat of itself, which zstd would find

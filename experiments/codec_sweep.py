@@ -32,13 +32,14 @@ from typing import Any, Sequence
 import torch
 
 from dtrain.codecs import CodecConfig, get_codec
-from dtrain.tasks import TaskSpec, build_task
+from dtrain.tasks import TaskSpec
 from experiments.common import (
     RunResult,
     fmt_pm,
     md_rows,
     mean_std,
     paired_deltas,
+    pseudo_gradient,
     save_fig,
     subplots,
     summarize,
@@ -84,28 +85,15 @@ def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
     """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat);
     ``f``: the run's fixed settings by config path."""
     torch.set_num_threads(1)
-    task = build_task(
-        TaskSpec(
-            site_index=0,
-            num_sites=f["task_spec.num_sites"],
-            seed=0,
-            size=f["task_spec.size"],
-            batch_size=f.get("task_spec.batch_size"),
-            context_len=f.get("task_spec.context_len"),
-        )
+    spec = TaskSpec(
+        site_index=0,
+        num_sites=f["task_spec.num_sites"],
+        seed=0,
+        size=f["task_spec.size"],
+        batch_size=f.get("task_spec.batch_size"),
+        context_len=f.get("task_spec.context_len"),
     )
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            loss = task.loss(task.model, next(task.batches))
-            loss.backward()
-            task.optimizer.step()
-            task.optimizer.zero_grad(set_to_none=True)
-
-    steps(f["diloco.sync_every"])  # past the first, atypically large updates
-    before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).clone()
-    steps(f["diloco.sync_every"])
-    return before - torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
+    return pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
 
 
 def bench(delta: torch.Tensor, codecs: Sequence[str], repeats: int, zstd_level: int) -> dict[str, dict[str, float]]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from dtrain.sim import InprocCluster, Site
-from dtrain.tasks import build_task
+from dtrain.tasks import TaskSpec, build_task
 from dtrain.tasks.builtin import make_optimizer, make_scheduler
 from experiments.runspec import RunSpec
 
@@ -324,6 +324,25 @@ def _run_row(
         }
     )
     return row
+
+
+def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torch.Tensor:
+    """Δ = θ_0 − θ_H of one site of the built-in task ``spec`` (its model, data and inner AdamW):
+    θ_0 after ``warmup_steps`` inner steps (past the first, atypically large updates), θ_H after
+    ``inner_steps`` more; fp32, flat."""
+    task = build_task(spec)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            loss = task.loss(task.model, next(task.batches))
+            loss.backward()
+            task.optimizer.step()
+            task.optimizer.zero_grad(set_to_none=True)
+
+    steps(warmup_steps)
+    before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).clone()
+    steps(inner_steps)
+    return before - torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
 
 
 def own_session() -> None:
