@@ -416,11 +416,6 @@ def write_csv(path: Path, rows: Iterable[dict[str, Any]]) -> list[str]:
     return cols
 
 
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def typed(v: str) -> Any:
     """A CSV cell or a ``--set`` value as the number, boolean, None or text it spells."""
     if v in ("True", "False"):
@@ -437,7 +432,8 @@ def typed(v: str) -> Any:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a CSV written by :func:`write_csv`, with numbers, booleans and None restored."""
-    return [{k: typed(v) for k, v in r.items()} for r in read_csv(path)]
+    with open(path, newline="") as f:
+        return [{k: typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def save_meta(prefix: Path, meta: dict[str, Any]) -> None:
