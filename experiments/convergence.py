@@ -171,23 +171,18 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+#: the RunSpec fields the plan and the report read as knobs (from their config paths)
+KNOB_FIELDS = ("num_sites", "size", "batch_size", "context_len", "num_val_batches", "reduce_timeout_s")
+KNOB_FIELDS += ("heartbeat_timeout_s",)
+
+
 def knobs(m: dict[str, Any]) -> dict[str, Any]:
     """The lab's mode settings (``--set`` applied) as the flat knobs the plan and the report read:
     ``num_sites``, ``size``, ``total_steps``, ..., ``seeds`` per data setting."""
     f = m["fixed"]
     k = dict(m, seeds={d: list(m["seeds"]) for d in m["data"]}, side=f["convergence.side"])
-    for key, path in (
-        ("num_sites", "task_spec.num_sites"),
-        ("size", "task_spec.size"),
-        ("batch_size", "task_spec.batch_size"),
-        ("context_len", "task_spec.context_len"),
-        ("num_val_batches", "inproc.num_val_batches"),
-        ("total_steps", "convergence.total_steps"),
-        ("budget_min", "convergence.budget_min"),
-        ("reduce_timeout_s", "rendezvous.reduce_timeout_s"),
-        ("heartbeat_timeout_s", "rendezvous.heartbeat_timeout_s"),
-    ):
-        k[key] = f.get(path)
+    k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
+    k["total_steps"], k["budget_min"] = f.get("convergence.total_steps"), f.get("convergence.budget_min")
     if f["convergence.fault_steps"]:
         k["faults"] = dict(m["faults"], total_steps=f["convergence.fault_steps"])
     for h in k["hs"]:
@@ -418,17 +413,9 @@ def run_point(point: Point) -> RunResult | list[RunResult]:
     side = str(point.settings.get("convergence.side") or "")
     if side.startswith("netem:"):
         a, b = (int(x) for x in side.split(":")[1:3])
-        s = point.settings
-        h = s["diloco.sync_every"]
-        m = {
-            "num_sites": s["task_spec.num_sites"],
-            "size": s["task_spec.size"],
-            "batch_size": s.get("task_spec.batch_size"),
-            "context_len": s.get("task_spec.context_len"),
-            "h_main": h,
-            "faults": {"total_steps": s["rounds"] * h},
-        }
-        return convergence_netem.run(m, range(a, b), 1800.0)
+        s, h = point.settings, point.settings["diloco.sync_every"]
+        m = {f: s.get(FIELD_PATHS[f]) for f in ("num_sites", "size", "batch_size", "context_len")}
+        return convergence_netem.run(m | {"h_main": h, "faults": {"total_steps": s["rounds"] * h}}, range(a, b), 1800.0)
     spec = point.run_spec()
     if _is_ddp(point):
         return run_ddp(spec)
