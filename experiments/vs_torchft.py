@@ -526,7 +526,7 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
     start and round line of every site (``t``: seconds since the go), an ``exit`` line per process,
     and the py-spy shares of a profiled run."""
     name = _run_name(point, system)
-    lines = []
+    lines, finals = [], {}  # finals: each finished site's last θ checksum
     for proc, facts in rec.procs.items():
         metrics = read_json_lines(rec.dir / proc / "metrics.jsonl") if facts["role"] == "site" else []
         for d in metrics:
@@ -536,6 +536,9 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
                 lines.append({"run": name, "site": proc, "event": d["event"], "t": d["time"] - rec.t_go, **kept})
         finished = (rec.dir / proc / "summary.json").exists()
         lines.append({"run": name, "site": proc, "event": "exit", **facts, "finished": finished})
+        rounds = [d for d in metrics if d.get("event") == "round"]
+        if rounds and finished:
+            finals[proc] = rounds[-1].get("checksum")
     spy = rec.dir / "pyspy-site-0.txt"
     if spy.exists():
         prof = va.pyspy_summary(spy)
@@ -543,11 +546,6 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
         lines.append({**base, "kind": "total", "samples": prof["samples"]})
         lines += [{**base, "kind": "category", "name": k, "share": v} for k, v in prof["categories"].items()]
         lines += [{**base, "kind": "leaf", "name": k, "share": v} for k, v in prof["top_leaves"]]
-    finals = {}
-    for proc in rec.procs:
-        rounds = [d for d in read_json_lines(rec.dir / proc / "metrics.jsonl") if d.get("event") == "round"]
-        if rounds and (rec.dir / proc / "summary.json").exists():
-            finals[proc] = rounds[-1].get("checksum")
     row = point.row(
         **{SYSTEM: system},
         run=name,

@@ -81,7 +81,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
     """Per-site facts of one run, and that run's pooled per-round samples."""
     system = row[SYSTEM]
     sites = {}
-    pool: dict[str, Any] = {"walls": [], "overheads": [], "syncs": [], "inners": [], "recv_by_round": {}}
+    pool: dict[str, Any] = {"walls": [], "overheads": [], "syncs": [], "inners": [], "recv_by_round": Counter()}
     pool.update({k: [] for k in SPLIT})
     for s in _sites(procs):
         start = next(iter(_events(procs[s], "start")), None)
@@ -96,9 +96,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
         for k in SPLIT:
             pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
         for d in rounds:
-            pool["recv_by_round"][d["round"]] = pool["recv_by_round"].get(d["round"], 0) + int(
-                _num(d, "bytes_received")
-            )
+            pool["recv_by_round"][d["round"]] += int(_num(d, "bytes_received"))
         sites[s] = {
             "rounds_logged": len(rounds),
             "rounds_applied": sum(_applied(system, d) for d in rounds),
