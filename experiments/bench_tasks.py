@@ -20,16 +20,14 @@ import torch
 
 from dtrain.tasks import PRESETS, TaskSpec, build_task
 from experiments import bench
+from experiments.common import inner_step
 
 
 def _step(task) -> tuple[float, float]:
     """One inner step; returns (wall s, process CPU s). With 1 thread and a busy
     machine, CPU seconds are the better estimate of the step time on an idle core."""
     t0, c0 = time.perf_counter(), time.process_time()
-    loss = task.loss(task.model, next(task.batches))
-    loss.backward()
-    task.optimizer.step()
-    task.optimizer.zero_grad(set_to_none=True)
+    inner_step(task)
     return time.perf_counter() - t0, time.process_time() - c0
 
 

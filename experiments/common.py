@@ -331,18 +331,20 @@ def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torc
     θ_0 after ``warmup_steps`` inner steps (past the first, atypically large updates), θ_H after
     ``inner_steps`` more; fp32, flat."""
     task = build_task(spec)
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            loss = task.loss(task.model, next(task.batches))
-            loss.backward()
-            task.optimizer.step()
-            task.optimizer.zero_grad(set_to_none=True)
-
-    steps(warmup_steps)
+    for _ in range(warmup_steps):
+        inner_step(task)
     before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).clone()
-    steps(inner_steps)
+    for _ in range(inner_steps):
+        inner_step(task)
     return before - torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
+
+
+def inner_step(task) -> None:
+    """One inner step of a built task: its loss on its next batch, backward, its optimizer's step."""
+    loss = task.loss(task.model, next(task.batches))
+    loss.backward()
+    task.optimizer.step()
+    task.optimizer.zero_grad(set_to_none=True)
 
 
 def own_session() -> None:

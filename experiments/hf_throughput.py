@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from experiments.common import ROOT, RunResult, md_table
+from experiments.common import ROOT, RunResult, inner_step, md_table
 from experiments.lab import Point, Spec
 
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
@@ -62,9 +62,7 @@ def bare(f: dict[str, Any]) -> dict[str, Any]:
     times = []
     for i in range(f[STEPS] + 3):
         t0 = time.perf_counter()
-        t.loss(t.model, next(t.batches)).backward()
-        t.optimizer.step()
-        t.optimizer.zero_grad(set_to_none=True)
+        inner_step(t)
         if i >= 3:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)

@@ -163,7 +163,7 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
     rounds = m["outer_rounds"] * f  # round numbers advance per fragment round: the same inner steps
     set_link(topo, **LINK)
     opts = dict(size=m["size"], seed=seed, rounds=rounds, sync_every=m["sync_every"], codec=m["codec"])
-    opts |= dict(eval_every=rounds, quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+    opts |= dict(eval_every=rounds, quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m["inner_step_sleep_s"])
     opts |= {**({} if m["size"] == "tiny" else TRAIN), **{f"diloco.{k}": v for k, v in stream.items()}}
     res = run_sites(
         topo,
@@ -302,8 +302,7 @@ def run_point(point: Point) -> RunResult:
     """One configuration and seed in a topology of its own."""
     f = point.settings
     m = {"num_sites": f[SITES], "size": f[SIZE], "codec": f[CODEC], "sync_every": f[H], "outer_rounds": f[ROUNDS]}
-    if "task.inner_step_sleep_s" in f:
-        m["inner_step_sleep_s"] = f["task.inner_step_sleep_s"]
+    m["inner_step_sleep_s"] = f.get("task.inner_step_sleep_s", 0.0)
     stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
     with sites_topology(f[SITES], "strm", "streaming") as topo:
         return run_one(topo, m, point.config, stream, point.seed, 3600.0)
