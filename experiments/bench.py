@@ -43,9 +43,10 @@ def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def stamp(load_before: float | None = None) -> dict[str, Any]:
-    """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average
-    (before the run, when given, and now), CPUs, machine, torch and Python versions."""
+def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:
+    """Where the figures come from: commit (``+dirty``; ``commit``: as taken before the run), UTC
+    date, command, 1-min load average (before the run, when given, and now), CPUs, machine, torch
+    and Python versions."""
     from experiments.common import code_version  # noqa: PLC0415
 
     try:
@@ -55,7 +56,7 @@ def stamp(load_before: float | None = None) -> dict[str, Any]:
     except ImportError:  # a benchmark without torch
         torch_version = "-"
     return {
-        "commit": code_version(),
+        "commit": commit or code_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": shlex.join([".venv/bin/python", "-m", _module(), *sys.argv[1:]]),
         "load_before": load_before,

@@ -30,7 +30,6 @@ import concurrent.futures as cf
 import itertools
 import math
 import os
-import platform
 import re
 import shlex
 import time
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from experiments import bench
 from experiments.common import (
     OUT_DIR,
     RESULTS_MD,
@@ -299,14 +299,12 @@ def load_spec(name: str) -> Spec:
 def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
     """The provenance line of a RESULTS.md section: the code's ``version`` (:func:`code_version`),
     UTC date, command, wall minutes, machine load (1-min load average before and after against
-    the CPU count), machine and library versions."""
-    import torch
-
-    after = os.getloadavg()
+    the CPU count), machine and library versions (:func:`experiments.bench.stamp`'s figures)."""
+    st = bench.stamp(load_before[0], commit=version)
     return (
-        f"Commit `{version}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, command `{command}` "
-        f"({minutes:.1f} min); load average {load_before[0]:.1f} before, {after[0]:.1f} after, on "
-        f"{os.cpu_count()} CPUs ({platform.machine()}); torch {torch.__version__}, Python {platform.python_version()}."
+        f"Commit `{st['commit']}`, {st['date']}, command `{command}` ({minutes:.1f} min); load average "
+        f"{st['load_before']:.1f} before, {st['load_after']:.1f} after, on {st['cpus']} CPUs ({st['machine']}); "
+        f"torch {st['torch']}, Python {st['python']}."
     )
 
 

@@ -178,7 +178,6 @@ class Run:
     """One system's run of a point: what its processes are told."""
 
     system: str  # "dtrain" | "torchft"
-    scenario: str  # "healthy" | "concurrent" | "fault" | "netem-<profile>" | "profile" | "healthy codec=C"
     sites: int
     size: str
     data: str
@@ -198,7 +197,6 @@ class Run:
         s = point.settings
         return cls(
             system=system,
-            scenario=s[SCENARIO],
             sites=s[SITES],
             size=s[SIZE],
             data=s[DATA],
