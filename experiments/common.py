@@ -358,19 +358,14 @@ def own_session() -> None:
         pass
 
 
-def _init_worker(verbose: bool, session: bool = False) -> None:
+def _init_worker(verbose: bool) -> None:
     torch.set_num_threads(1)
     quiet_logging(verbose)
-    if session:
-        own_session()
 
 
-def run_many(
-    specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc, own_sessions: bool = False
-) -> list[RunResult]:
+def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
     """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
     (``jobs == 1``: in this process). Prints one progress line per finished run.
-    ``own_sessions``: each worker process calls :func:`own_session`.
     Returns the results in the order of ``specs`` (an ``fn`` may return a list: several rows of one run)."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
@@ -394,7 +389,7 @@ def run_many(
     else:
         ctx = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(
-            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose, own_sessions)
+            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose,)
         ) as ex:
             futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
             for f in cf.as_completed(futs):
