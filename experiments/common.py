@@ -38,8 +38,6 @@ from dtrain.tasks.builtin import make_optimizer, make_scheduler
 from experiments.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
 OUT_DIR = ROOT / "experiments" / "out"
 RESULTS_MD = ROOT / "experiments" / "RESULTS.md"
 
