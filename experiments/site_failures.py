@@ -148,6 +148,8 @@ def _measure(
         bytes_total += sum(x.get("bytes_sent", 0) for x in per_site[i])
     site0 = per_site[0]
     final = site0[-1]["val_loss"] if site0 else float("nan")
+    restarted = per_site[3] if f[SCENARIO] == RESTART else []
+    back = [x["round"] for x in restarted if x["round"] > f[KILL] and x["status"] == "applied"]  # once back
     row: dict[str, Any] = {
         "experiment": "site_failures",
         "config": f[SCENARIO],
@@ -176,14 +178,8 @@ def _measure(
         "stale_buckets": stale,
         "skipped_buckets": skipped,
         "rejected": rejected,
-        "restarted_first_round": min(
-            (x["round"] for x in per_site[3] if x["round"] > f[KILL] and x["status"] == "applied"), default=-1
-        )
-        if f[SCENARIO] == RESTART
-        else -1,
-        "restarted_rounds": sum(1 for x in per_site[3] if x["round"] > f[KILL] and x["status"] == "applied")
-        if f[SCENARIO] == RESTART
-        else 0,
+        "restarted_first_round": min(back, default=-1),
+        "restarted_rounds": len(back),
         "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
     }
