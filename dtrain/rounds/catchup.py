@@ -90,6 +90,30 @@ class _Stop(Exception):
     pass
 
 
+class _Confirmation:
+    """The donors' summaries asked while a pass's last buckets were in flight
+    (:meth:`CatchUp._confirm_during_tail`): each donor's round right after every bucket of the
+    pass was asked for."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.rounds: dict[str, int] = {}  # the round each donor's summary said
+        self.thread: threading.Thread | None = None
+
+    def still_holds(self, cu: "CatchUp") -> bool:
+        """Whether these answers stand for the pass's end, so the donors need not be asked again:
+        they are in (waited for up to the request timeout, which bounds each probe), every live
+        donor answered, and each donor's round is still the one its summary said: no pull saw a
+        newer one, before or after the summary (``CatchUp._rounds``), so the summaries' learning
+        rates are the target round's. A round that closes after the last bucket was read goes
+        unnoticed, as one that closes after any probe: the site then replays it as a
+        straggler (``Site.pull_position`` sees a donor past the round)."""
+        if self.thread is not None:
+            self.thread.join(cu.request_timeout_s)
+        with cu._cv:
+            return self.done.is_set() and self.rounds == cu._rounds and set(self.rounds) == set(cu._live)
+
+
 class CatchUp:
     """Bring ``state`` to the members' round; :meth:`run` once per set of donors.
 
@@ -252,6 +276,7 @@ class CatchUp:
 
     def _drive(self, min_round: int) -> int:
         while True:
+            confirm: _Confirmation | None = None
             with self._cv:
                 idle_since: float | None = None
                 while (self._queue or self._inflight) and self._live:
@@ -267,6 +292,8 @@ class CatchUp:
                             break
                     else:
                         idle_since = None
+                    if confirm is None and not self._queue and self._inflight:
+                        confirm = self._confirm_during_tail()
                     self._cv.wait(min(left, 0.1))
                 if not self._live:
                     raise StateTransferError(
@@ -274,8 +301,10 @@ class CatchUp:
                         f"{len(self.state)} buckets kept for the next try"
                     )
                 self._queue.clear()
-            # every bucket is at some round (or nobody took it): where are the donors now?
-            self._probe_all()
+            # every bucket is at some round (or nobody took it): where are the donors now? Asked
+            # while the last buckets were in flight; asked again when a pull said otherwise since
+            if confirm is None or not confirm.still_holds(self):
+                self._probe_all()
             with self._cv:
                 if not self._live:
                     continue
@@ -348,10 +377,30 @@ class CatchUp:
         """:meth:`_probe` every live donor at once: one stalled donor costs one request's
         timeout, not one per donor (a catch-up at 30% loss spent its whole window asking two
         stalled donors in turn). Each probe is bounded by its request's timeout."""
-        donors = list(self._live.values())
+        with self._cv:
+            donors = list(self._live.values())
         if donors:
             with ThreadPoolExecutor(len(donors), thread_name_prefix=f"catchup-{self.requester}-probe") as pool:
                 list(pool.map(self._probe, donors))
+
+    def _confirm_during_tail(self) -> "_Confirmation":
+        """Start :meth:`_probe_all` on a thread of its own once the last bucket was asked for (the
+        queue is empty, buckets are in flight): its answers come back while the last bytes do,
+        instead of one round trip after them. Called under ``_cv``."""
+        c = _Confirmation()
+
+        def ask() -> None:
+            try:
+                self._probe_all()
+            finally:
+                with self._cv:
+                    c.rounds = {sid: i.rounds_applied for sid, i in self._info.items()}
+                    c.done.set()
+                    self._cv.notify_all()
+
+        c.thread = threading.Thread(target=ask, name=f"catchup-{self.requester}-confirm", daemon=True)
+        c.thread.start()
+        return c
 
     def _probe(self, d: Member) -> None:
         """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
@@ -419,6 +468,8 @@ class CatchUp:
                         del self._queue[i]
                         self._busy_at[sid] += 1
                         self._inflight.add(b)
+                        if not self._queue:  # the last one: _drive asks the donors where they are now
+                            self._cv.notify_all()
                         return b
                 self._cv.wait(0.5)
 
