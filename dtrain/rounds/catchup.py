@@ -24,7 +24,6 @@ members the rendezvous names then, goes on from there.
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import sys
@@ -47,7 +46,7 @@ from dtrain.rounds.means import decode_mean
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
-__all__ = ["CatchUp", "CatchUpStats"]
+__all__ = ["CatchUp", "CatchUpStats", "takes_from_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +87,18 @@ class _Staged:
 
 class _Stop(Exception):
     pass
+
+
+def takes_from_queue(queued: int, live: int, tail_in_flight: bool) -> bool:
+    """Whether a donor's free stream takes the next queued bucket: always while the queue holds
+    at least one bucket per live donor (``queued``, ``live``); in the queue's tail (fewer left)
+    only when that donor has no tail bucket in flight (``tail_in_flight``). So the last buckets
+    go one per donor, not two on the donor whose streams freed first (16 MB from 3 donors at
+    100 Mbit/s: the last 2 of 8 buckets on one connection, 0.5 s of tail), and each is asked
+    for as soon as one stream of its donor frees, while the donor's other stream still sends:
+    waiting for the donor to have nothing in flight left its connection idle for a round trip
+    before the last bucket's bytes (300 Mbit/s joiner, RTT 40 ms: two donors, once each)."""
+    return queued >= live or not tail_in_flight
 
 
 class _Confirmation:
@@ -168,7 +179,7 @@ class CatchUp:
         self._queue: deque[int] = deque()
         self._avoid: dict[int, set[str]] = {}
         self._inflight: set[int] = set()
-        self._busy_at: collections.Counter[str] = collections.Counter()  # donor -> its buckets in _inflight
+        self._tail: dict[int, str] = {}  # bucket -> donor: taken from the queue's tail, in flight
         self._live: dict[str, Member] = {}
         self._rounds: dict[str, int] = {}  # each donor's last known rounds_applied
         self._info: dict[str, HistoryInfo] = {}
@@ -221,6 +232,7 @@ class CatchUp:
                 self.stats.own_buckets += 1
         self._queue = deque(range(n))
         self._avoid = {}
+        self._tail = {}
         workers = [
             threading.Thread(target=self._worker, args=(sid,), name=f"catchup-{self.requester}-{sid}-{i}", daemon=True)
             for sid in self._live
@@ -451,23 +463,20 @@ class CatchUp:
                         and b not in self._queue
                         and sid not in self._avoid.get(b, ())
                     ):
-                        self._busy_at[sid] += 1
                         self._inflight.add(b)
                         return b
-                # the queue's tail goes one bucket per donor: a donor's second stream hides a
-                # request's round trip, but taking the last buckets on one connection left it
-                # alone on the joiner's link at the end while the others idled (16 MB from 3
-                # donors at 100 Mbit/s: the last 2 of 8 buckets on one donor, 0.5 s of tail)
-                spread = self._busy_at[sid] and len(self._queue) < len(self._live)
-                for i, b in enumerate(self._queue if not spread else ()):
+                tail = len(self._queue) < len(self._live)
+                takes = takes_from_queue(len(self._queue), len(self._live), sid in self._tail.values())
+                for i, b in enumerate(self._queue if takes else ()):
                     s = self._staged.get(b)
                     # a donor older than what the donors at the target keep (a joiner itself)
                     # serves only the means it has; whole buckets come from the others
                     useful = mine >= self._floor() or (s is not None and s.tag < mine)
                     if useful and sid not in self._avoid.get(b, ()):
                         del self._queue[i]
-                        self._busy_at[sid] += 1
                         self._inflight.add(b)
+                        if tail:
+                            self._tail[b] = sid
                         if not self._queue:  # the last one: _drive asks the donors where they are now
                             self._cv.notify_all()
                         return b
@@ -475,8 +484,8 @@ class CatchUp:
 
     def _done(self, sid: str, b: int, *, requeue: bool, avoid: str | None = None) -> None:
         with self._cv:
-            self._busy_at[sid] -= 1
             self._inflight.discard(b)
+            self._tail.pop(b, None)
             if requeue:
                 if avoid is not None:
                     self._avoid.setdefault(b, set()).add(avoid)

@@ -14,7 +14,7 @@ from dtrain.codecs import get_codec
 from dtrain.codecs.config import CodecConfig
 from dtrain.errors import RejectCode, Rejected, StateTransferError
 from dtrain.protocol import Member
-from dtrain.rounds.catchup import CatchUp
+from dtrain.rounds.catchup import CatchUp, takes_from_queue
 from dtrain.rounds.history import MeanHistory, history_info_state
 from dtrain.state import GlobalState
 
@@ -169,10 +169,10 @@ def test_run_within_installs_a_catch_up_that_ends_in_time():
 
 def test_the_last_buckets_go_one_per_donor_not_two_on_the_donor_that_finished_first():
     """8 buckets, 3 donors x 2 streams: the first 6 start together, donor "a" ends its two
-    first, and 2 are left. A donor's second stream takes a bucket only while the queue holds
-    at least one per donor, so "a" takes one of the last two and the other waits for another
-    donor: on a shared link the last buckets then run on two connections, not alone on one
-    (16 MB from 3 donors at 100 Mbit/s: 0.5 s of tail on one donor's connection)."""
+    first, and 2 are left. In the queue's tail a donor holds one of its buckets at a time, so
+    "a" takes one of the last two and the other waits for another donor: on a shared link the
+    last buckets then run on two connections, not alone on one (16 MB from 3 donors at
+    100 Mbit/s: 0.5 s of tail on one donor's connection)."""
     import threading
 
     layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
@@ -193,8 +193,8 @@ def test_the_last_buckets_go_one_per_donor_not_two_on_the_donor_that_finished_fi
             with lock:
                 started.append(address)
                 wave = len(started) <= 6
-                busy[address] += 1
-                if not wave:
+                if not wave:  # the last two: how many of them "address" holds at once
+                    busy[address] += 1
                     most_after_first[address] = max(most_after_first[address], busy[address])
             try:
                 if wave:
@@ -203,8 +203,9 @@ def test_the_last_buckets_go_one_per_donor_not_two_on_the_donor_that_finished_fi
                     release.wait(timeout=5)
                 return replace(src.bucket_state(bucket), rounds_applied=5)
             finally:
-                with lock:
-                    busy[address] -= 1
+                if not wave:
+                    with lock:
+                        busy[address] -= 1
 
         def pull_mean(self, *a, **kw):
             raise Rejected(RejectCode.FAILED_PRECONDITION, "not kept")
@@ -282,3 +283,69 @@ def test_a_round_that_closes_during_the_tail_is_asked_about_again_and_installed_
     assert "summary" in donor.asked[donor.asked.index(f"answered {donor.last}") :]  # asked again
     assert joiner.checksums() == donor.state.checksums() and joiner.rounds_applied == 6
     assert cu.stats.repulled == len(joiner) - 1
+
+
+def test_a_donor_asks_for_a_tail_bucket_while_its_other_stream_still_sends():
+    """8 buckets, 3 donors x 2 streams: donor "a" ends one of its first two while the other is
+    still in flight, 2 buckets left. "a" takes one of them at once, behind its other transfer
+    (its connection never waits a round trip with nothing to send); the last one goes to another
+    donor's first free stream, not to "a" while its tail bucket is in flight."""
+    layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
+    src = GlobalState(layout, [torch.randn(128, generator=torch.Generator().manual_seed(1))])
+    joiner = GlobalState(layout, [torch.zeros(128)])
+    n = len(src)
+    first_wave, release = threading.Barrier(6), threading.Event()
+    lock, started = threading.Lock(), []
+    wave_in_flight: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+    tail_asked: list[tuple[str, int]] = []  # (donor, its first-wave buckets still in flight)
+    tail_in_flight: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+    most_tail: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+
+    class _Donors:
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            if bucket == n + 1:
+                lrs = [tuple(g["lr"] for g in o.param_groups) for o in src.optimizers]
+                return history_info_state(MeanHistory(0, 0), 5, lrs, index=bucket)
+            with lock:
+                started.append(address)
+                wave = len(started) <= 6
+                first_of_a = wave and address == "a" and "a" not in started[:-1]
+                if wave:
+                    wave_in_flight[address] += 1
+                else:
+                    tail_asked.append((address, wave_in_flight[address]))
+                    tail_in_flight[address] += 1
+                    most_tail[address] = max(most_tail[address], tail_in_flight[address])
+            try:
+                if wave:
+                    first_wave.wait(timeout=5)
+                if not first_of_a:  # "a" ends one of its first two; all else waits
+                    release.wait(timeout=5)
+                return replace(src.bucket_state(bucket), rounds_applied=5)
+            finally:
+                with lock:
+                    if wave:
+                        wave_in_flight[address] -= 1
+                    else:
+                        tail_in_flight[address] -= 1
+
+        def pull_mean(self, *a, **kw):
+            raise Rejected(RejectCode.FAILED_PRECONDITION, "not kept")
+
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    cu = CatchUp(joiner, _Donors(), get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    try:
+        assert cu.run([Member(site_id=s, address=s) for s in ("a", "b", "c")]) == 5
+    finally:
+        timer.cancel()
+    assert tail_asked[0] == ("a", 1)  # asked while a's other first-wave bucket was in flight
+    assert max(most_tail.values()) == 1  # the last one not on "a" while its tail bucket is in flight
+    assert sum(cu.stats.buckets_from.values()) == n and joiner.checksums() == src.checksums()
+
+
+def test_takes_from_queue_one_tail_bucket_per_donor_at_a_time():
+    assert takes_from_queue(3, 3, tail_in_flight=True)  # not the tail yet: any free stream
+    assert takes_from_queue(2, 3, tail_in_flight=False)  # the tail: a donor without one in flight
+    assert not takes_from_queue(2, 3, tail_in_flight=True)
+    assert not takes_from_queue(1, 2, tail_in_flight=True)
