@@ -332,6 +332,8 @@ class Site:
             progress_timeout_s=timeout_s,
             # a request's first timeout: the run's own exchange of a round (none yet: 30 s)
             request_timeout_s=None if self.last_plan is None else self.last_plan.broadcast_timeout_s,
+            # what the members keep, as this site keeps it: buckets older than that go out at once
+            kept_rounds=self.engine.config.history_rounds,
         )
         self.last_catch_up = catch.stats
         while True:

@@ -17,7 +17,10 @@ owner's checksum, is pulled whole again ("says so, takes a newer copy").
 Several donors: one work queue of buckets; each live member serves it through
 ``streams_per_donor`` concurrent transfers, so a faster donor takes more buckets (chosen
 by measured throughput, as work stealing does); a donor that fails mid-transfer is dropped
-and only the bucket it was serving goes back on the queue (a partial re-pull). What was
+and only the bucket it was serving goes back on the queue (a partial re-pull). Buckets the
+site cannot start from its own θ_b go out as a first wave beside the donors' summaries
+(:func:`first_wave`), and the summary that ends a pass is asked while its last buckets are
+in flight, so neither costs a round trip with nothing to send. What was
 pulled survives a failed :meth:`CatchUp.run` (every donor gone): the next call, with the
 members the rendezvous names then, goes on from there.
 """
@@ -46,7 +49,7 @@ from dtrain.rounds.means import decode_mean
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
-__all__ = ["CatchUp", "CatchUpStats", "takes_from_queue"]
+__all__ = ["CatchUp", "CatchUpStats", "first_wave", "takes_from_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class CatchUpStats:
         repulled: bucket pulls beyond the first of each bucket (a bucket older than what the
             members keep, a replay that missed the owner's checksum, or a donor lost mid-pull).
         donors_lost: donors dropped after a failed transfer.
+        first_wave_dropped: buckets of the first wave (asked for beside the donors' summaries)
+            that came back from a donor behind ``min_round`` (another joiner) and were dropped.
         rounds: the round installed.
     """
 
@@ -72,6 +77,7 @@ class CatchUpStats:
     own_buckets: int = 0
     repulled: int = 0
     donors_lost: list[str] = field(default_factory=list)
+    first_wave_dropped: int = 0
     rounds: int = -1
 
 
@@ -87,6 +93,33 @@ class _Staged:
 
 class _Stop(Exception):
     pass
+
+
+def first_wave(
+    bucket_rounds: Sequence[int],
+    staged: set[int],
+    *,
+    min_round: int,
+    use_own: bool,
+    kept_rounds: int | None,
+    limit: int,
+) -> list[int]:
+    """The buckets a run pulls whole before the donors' summaries are in, at most ``limit``
+    (one per stream), in order: those not already ``staged`` that this site cannot start from
+    its own θ_b whatever the summaries say. That is every bucket when not ``use_own``, else a
+    bucket whose own round (``bucket_rounds[b]``) is more than ``kept_rounds`` behind
+    ``min_round`` (members at ``min_round`` or later keep no round that old); none when
+    ``kept_rounds`` is None. The others wait for the summaries (what is kept, from which
+    round): a straggler one round behind must not pull its state whole."""
+    out: list[int] = []
+    for b, own in enumerate(bucket_rounds):
+        if len(out) >= limit:
+            break
+        if b in staged:
+            continue
+        if not use_own or (kept_rounds is not None and min_round - own > kept_rounds):
+            out.append(b)
+    return out
 
 
 def takes_from_queue(queued: int, live: int, tail_in_flight: bool) -> bool:
@@ -145,6 +178,14 @@ class CatchUp:
             moving link gets longer requests.
         use_own: start each bucket from this site's own θ_b when the members keep every
             round since its ``bucket_round`` (False: pull every bucket).
+        kept_rounds: how many closed rounds the members keep, in rounds, >= 0, as this site's
+            own ``RoundConfig.history_rounds`` says (None: unknown). With it (or with
+            ``use_own`` False), the buckets this site cannot start from its own θ_b (more than
+            ``kept_rounds`` behind ``min_round``) go out as a first wave, one per stream, beside
+            the donors' summaries instead of one round trip after them (:func:`first_wave`).
+            If the members keep more than it says, those buckets are pulled whole where a
+            replay would have done; a first-wave bucket from a donor that turns out behind the
+            others (a joiner itself) is replayed or pulled again like any bucket behind.
     """
 
     def __init__(
@@ -158,9 +199,15 @@ class CatchUp:
         progress_timeout_s: float = 120.0,
         use_own: bool = True,
         request_timeout_s: float | None = None,
+        kept_rounds: int | None = None,
     ) -> None:
         if streams_per_donor < 1:
             raise ValueError(f"streams_per_donor must be >= 1, got {streams_per_donor!r}")
+        if kept_rounds is not None and (
+            isinstance(kept_rounds, bool) or not isinstance(kept_rounds, int) or kept_rounds < 0
+        ):
+            raise ValueError(f"kept_rounds must be None or an int >= 0 (rounds), got {kept_rounds!r}")
+        self.kept_rounds = kept_rounds
         self.state = state
         self.transport = transport
         self.bcodec = bcodec
@@ -180,6 +227,10 @@ class CatchUp:
         self._avoid: dict[int, set[str]] = {}
         self._inflight: set[int] = set()
         self._tail: dict[int, str] = {}  # bucket -> donor: taken from the queue's tail, in flight
+        self._early: deque[int] = deque()  # the first wave, pulled beside the donors' summaries
+        self._early_taken: set[int] = set()  # first-wave buckets in flight
+        self._min_round = 0
+        self._summarized = False  # the donors' summaries of this run are in
         self._live: dict[str, Member] = {}
         self._rounds: dict[str, int] = {}  # each donor's last known rounds_applied
         self._info: dict[str, HistoryInfo] = {}
@@ -214,25 +265,27 @@ class CatchUp:
             StateTransferError: every donor failed (what was pulled is kept for the next
                 call), or nothing progressed for ``progress_timeout_s``.
         """
-        self._live = {d.site_id: d for d in donors}
-        self._rounds, self._info = {}, {}
-        self.progress_at = time.monotonic()
-        self._started_at = self.progress_at
-        self._stop = False
-        self._probe_all()
-        if not self._live:
-            raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
-        self._target = max(min_round, max(self._rounds.values()))
         n = len(self.state)
-        for b in range(n):
-            own = self.state.bucket_round[b]
-            if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
-                with self.state.lock(b):
-                    self._staged[b] = _Staged(copy.deepcopy(self.state.optimizers[b]), self.state.bucket_round[b])
-                self.stats.own_buckets += 1
-        self._queue = deque(range(n))
-        self._avoid = {}
-        self._tail = {}
+        with self._cv:
+            self._live = {d.site_id: d for d in donors}
+            self._rounds, self._info = {}, {}
+            self.progress_at = time.monotonic()
+            self._started_at = self.progress_at
+            self._stop = False
+            self._queue, self._avoid, self._tail = deque(), {}, {}
+            self._summarized = False
+            self._early_taken = set()
+            self._min_round = min_round
+            self._early = deque(
+                first_wave(
+                    [self.state.bucket_round[b] for b in range(n)],
+                    set(self._staged),
+                    min_round=min_round,
+                    use_own=self.use_own,
+                    kept_rounds=self.kept_rounds,
+                    limit=self.streams_per_donor * len(self._live),
+                )
+            )
         workers = [
             threading.Thread(target=self._worker, args=(sid,), name=f"catchup-{self.requester}-{sid}-{i}", daemon=True)
             for sid in self._live
@@ -241,6 +294,24 @@ class CatchUp:
         for w in workers:
             w.start()
         try:
+            self._probe_all()  # the first wave's transfers start beside it
+            with self._cv:
+                if not self._live:
+                    raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
+                self._target = max(min_round, max(self._rounds.values()))
+                for b in range(n):
+                    own = self.state.bucket_round[b]
+                    if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
+                        with self.state.lock(b):
+                            self._staged[b] = _Staged(
+                                copy.deepcopy(self.state.optimizers[b]), self.state.bucket_round[b]
+                            )
+                        self.stats.own_buckets += 1
+                # a first-wave bucket already pulled is advanced from there (a no-op at the target)
+                self._queue = deque(b for b in range(n) if b not in self._inflight)
+                self._early.clear()
+                self._summarized = True
+                self._cv.notify_all()
             return self._drive(min_round)
         finally:
             with self._cv:
@@ -416,25 +487,27 @@ class CatchUp:
 
     def _probe(self, d: Member) -> None:
         """Ask ``d`` for its round and what it keeps; a donor that fails is dropped."""
+        timeout_s = self.request_timeout_s
         try:
             st = self.transport.pull_state(
-                d.address, len(self.state) + 1, requester=self.requester, timeout_s=self.request_timeout_s
+                d.address, len(self.state) + 1, requester=self.requester, timeout_s=timeout_s
             )
             info = decode_history_info(st)
         except (TransportError, StateTransferError) as e:
             if isinstance(e, PeerTimeout):
-                self._timed_out()
+                self._timed_out(timeout_s)
             self._lose(d.site_id, f"history summary: {e}")
             return
         with self._cv:
             self._info[d.site_id] = info
             self._rounds[d.site_id] = info.rounds_applied
 
-    def _timed_out(self) -> None:
-        """A request ran out of its timeout: the next ones get twice as long (up to
-        ``progress_timeout_s``)."""
+    def _timed_out(self, used_s: float) -> None:
+        """A request ran out of its timeout ``used_s``: the next ones get twice that (up to
+        ``progress_timeout_s``); requests that timed out together (a stalled donor's summary
+        and first-wave transfers) double it once, not once each."""
         with self._cv:
-            self.request_timeout_s = min(2.0 * self.request_timeout_s, self.progress_timeout_s)
+            self.request_timeout_s = min(max(self.request_timeout_s, 2.0 * used_s), self.progress_timeout_s)
 
     def _lose(self, sid: str, why: str) -> None:
         with self._cv:
@@ -455,6 +528,14 @@ class CatchUp:
             while True:
                 if self._stop or sid not in self._live:
                     raise _Stop
+                if not self._summarized:  # before the donors' summaries: only the first wave
+                    if self._early:
+                        b = self._early.popleft()
+                        self._inflight.add(b)
+                        self._early_taken.add(b)
+                        return b
+                    self._cv.wait(0.5)
+                    continue
                 mine = self._rounds.get(sid, -1)
                 for b, s in self._staged.items():
                     if (
@@ -486,6 +567,7 @@ class CatchUp:
         with self._cv:
             self._inflight.discard(b)
             self._tail.pop(b, None)
+            self._early_taken.discard(b)
             if requeue:
                 if avoid is not None:
                     self._avoid.setdefault(b, set()).add(avoid)
@@ -509,11 +591,12 @@ class CatchUp:
             if d is None:
                 self._done(sid, b, requeue=True)
                 return
+            timeout_s = self.request_timeout_s
             try:
-                requeue, avoid = self._advance(d, b)
+                requeue, avoid = self._advance(d, b, timeout_s)
             except (PeerUnavailable, PeerTimeout) as e:
                 if isinstance(e, PeerTimeout):
-                    self._timed_out()
+                    self._timed_out(timeout_s)
                 self._lose(sid, str(e))
                 self._done(sid, b, requeue=True)
                 return
@@ -523,14 +606,15 @@ class CatchUp:
                 return
             self._done(sid, b, requeue=requeue, avoid=avoid)
 
-    def _advance(self, d: Member, b: int) -> tuple[bool, str | None]:
+    def _advance(self, d: Member, b: int, timeout_s: float) -> tuple[bool, str | None]:
         """Bring bucket ``b`` as far as ``d`` can: pull it whole when not staged, then replay
-        ``d``'s kept means up to the target. Returns ``(requeue, avoid)``."""
+        ``d``'s kept means up to the target, each request within ``timeout_s``. Returns
+        ``(requeue, avoid)``."""
         with self._cv:
             s = self._staged.get(b)
             target = self._target
         if s is None:
-            s = self._pull_bucket(d, b)
+            s = self._pull_bucket(d, b, timeout_s)
             if s is None:
                 return True, d.site_id
         donor_round = self._rounds.get(d.site_id, 0)
@@ -541,7 +625,7 @@ class CatchUp:
                     s.tag,
                     b,
                     requester=self.requester,
-                    timeout_s=self.request_timeout_s,
+                    timeout_s=timeout_s,
                     have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
                 )
             except Rejected as e:  # not kept there (or unknown): another donor, else a new copy
@@ -553,13 +637,27 @@ class CatchUp:
                 return True, None
         return s.tag < target, (d.site_id if s.tag < target else None)
 
-    def _pull_bucket(self, d: Member, b: int) -> _Staged | None:
-        st = self.transport.pull_state(d.address, b, requester=self.requester, timeout_s=self.request_timeout_s)
+    def _pull_bucket(self, d: Member, b: int, timeout_s: float) -> _Staged | None:
+        st = self.transport.pull_state(d.address, b, requester=self.requester, timeout_s=timeout_s)
         try:
             theta, opt_sd = self.state.decode_bucket_state(st)
         except StateTransferError as e:
             log.warning("%s: bucket %d from %s: %s", self.requester, b, d.site_id, e)
             return None
+        with self._cv:
+            early = b in self._early_taken
+            self._early_taken.discard(b)
+            if early and st.rounds_applied < self._min_round:  # asked before its summary: a joiner
+                self.stats.first_wave_dropped += 1
+                log.info(
+                    "%s: first-wave bucket %d from %s is of round %d, before %d: dropped (that donor is behind)",
+                    self.requester,
+                    b,
+                    d.site_id,
+                    st.rounds_applied,
+                    self._min_round,
+                )
+                return None
         with self.state.lock(b):
             opt = copy.deepcopy(self.state.optimizers[b])
         with torch.no_grad():

@@ -14,7 +14,7 @@ from dtrain.codecs import get_codec
 from dtrain.codecs.config import CodecConfig
 from dtrain.errors import RejectCode, Rejected, StateTransferError
 from dtrain.protocol import Member
-from dtrain.rounds.catchup import CatchUp, takes_from_queue
+from dtrain.rounds.catchup import CatchUp, first_wave, takes_from_queue
 from dtrain.rounds.history import MeanHistory, history_info_state
 from dtrain.state import GlobalState
 
@@ -108,7 +108,9 @@ def test_a_stalled_donor_costs_one_short_request_then_requests_get_twice_as_long
     )
     t0 = time.monotonic()
     assert cu.run([Member(site_id="stall", address="stall"), Member(site_id="d", address="d")]) == 5
-    assert waited == [1.0] and time.monotonic() - t0 < 15.0  # 0.5 s asked: 1 s is the least (was 30 s)
+    # its summary and its two first-wave buckets, at once: one request's time, 0.5 s asked: 1 s is
+    # the least (was 30 s); requests that timed out together double the timeout once
+    assert waited == [1.0, 1.0, 1.0] and time.monotonic() - t0 < 15.0
     assert cu.stats.donors_lost == ["stall"] and cu.stats.buckets_from == {"d": len(joiner)}
     assert cu.request_timeout_s == pytest.approx(2.0)
     assert joiner.checksums() == good.state.checksums()
@@ -349,3 +351,107 @@ def test_takes_from_queue_one_tail_bucket_per_donor_at_a_time():
     assert takes_from_queue(2, 3, tail_in_flight=False)  # the tail: a donor without one in flight
     assert not takes_from_queue(2, 3, tail_in_flight=True)
     assert not takes_from_queue(1, 2, tail_in_flight=True)
+
+
+class _WaveDonor:
+    """Donors at round 5 whose summaries answer only once ``expect`` bucket requests arrived (or
+    after 5 s): records which buckets were asked for before any summary was answered."""
+
+    def __init__(self, src: GlobalState, expect: int) -> None:
+        self.src, self.expect = src, expect
+        self.lock, self.enough = threading.Lock(), threading.Event()
+        self.before: list[int] = []
+        self.summaries_answered = 0
+        self.pulled: list[int] = []
+        if expect == 0:
+            self.enough.set()
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        n = len(self.src)
+        if bucket == n + 1:
+            self.enough.wait(5.0)
+            with self.lock:
+                self.summaries_answered += 1
+            lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.src.optimizers]
+            return history_info_state(MeanHistory(4, 1 << 20), 5, lrs, index=bucket)
+        with self.lock:
+            self.pulled.append(bucket)
+            if not self.summaries_answered:
+                self.before.append(bucket)
+                if len(self.before) >= self.expect:
+                    self.enough.set()
+        return replace(self.src.bucket_state(bucket), rounds_applied=5)
+
+    def pull_mean(self, *a, **kw):
+        raise Rejected(RejectCode.FAILED_PRECONDITION, "not kept")
+
+
+def test_the_first_wave_goes_out_beside_the_donors_summaries_and_is_not_pulled_again():
+    """A joiner far behind (own θ at round 0, the group at 5, the members keeping 2 rounds):
+    each of its 2 x 2 streams asks for a bucket before any summary is answered, and every
+    bucket is pulled once (16 MB from 3 donors at 100 Mbit/s, RTT 40 ms: the summary's round
+    trip was 1.3x against 1.37x of the naive figure)."""
+    layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
+    src = GlobalState(layout, [torch.randn(128, generator=torch.Generator().manual_seed(1))])
+    joiner = GlobalState(layout, [torch.zeros(128)])
+    donor = _WaveDonor(src, expect=4)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", kept_rounds=2)
+    assert cu.run([Member(site_id=s, address=s) for s in ("a", "b")], min_round=5) == 5
+    assert sorted(donor.before) == [0, 1, 2, 3]
+    assert sorted(donor.pulled) == list(range(len(src))) and cu.stats.repulled == 0
+    assert joiner.checksums() == src.checksums() and joiner.rounds_applied == 5
+
+
+def test_a_site_whose_own_buckets_may_be_replayed_waits_for_the_summaries():
+    """One round behind with the members said to keep 4: its own θ_b may be replayed, so nothing
+    is asked for before the summaries say what the members keep (a straggler does not pull its
+    state whole on a guess); this donor keeps none, so the buckets are then pulled whole."""
+    layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
+    src = GlobalState(layout, [torch.randn(128, generator=torch.Generator().manual_seed(1))])
+    joiner = GlobalState(layout, [torch.zeros(128)])
+    for b in range(len(joiner)):
+        joiner.bucket_round[b] = 4
+    donor = _WaveDonor(src, expect=0)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", kept_rounds=4)
+    assert cu.run([Member(site_id="a", address="a")], min_round=5) == 5  # this donor keeps none: whole
+    assert donor.before == [] and sorted(donor.pulled) == list(range(len(src)))
+
+
+def test_first_wave_takes_only_buckets_the_site_cannot_start_from_its_own():
+    rounds = [0, 0, 4, 0, 0]
+    assert first_wave(rounds, set(), min_round=5, use_own=True, kept_rounds=2, limit=3) == [0, 1, 3]
+    assert first_wave(rounds, {0}, min_round=5, use_own=True, kept_rounds=2, limit=9) == [1, 3, 4]
+    assert first_wave(rounds, set(), min_round=5, use_own=True, kept_rounds=None, limit=9) == []
+    assert first_wave(rounds, set(), min_round=5, use_own=False, kept_rounds=None, limit=2) == [0, 1]
+    assert first_wave(rounds, set(), min_round=5, use_own=True, kept_rounds=5, limit=9) == []
+
+
+def test_a_first_wave_bucket_from_a_donor_behind_the_group_is_dropped_not_installed():
+    """Two members: "a" at round 5 and "j", another joiner still at round 0. Buckets asked of "j"
+    before its summary came back of round 0: dropped (counted), pulled whole from "a"; "j" serves
+    no whole bucket, and nothing is pulled twice."""
+    layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
+    src = GlobalState(layout, [torch.randn(128, generator=torch.Generator().manual_seed(1))])
+    behind = GlobalState(layout, [torch.zeros(128)])
+    joiner = GlobalState(layout, [torch.zeros(128)])
+    n, lock, served_by_j = len(src), threading.Lock(), []
+
+    class _Members:
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            st, r = (src, 5) if address == "a" else (behind, 0)
+            if bucket == n + 1:
+                lrs = [tuple(g["lr"] for g in o.param_groups) for o in st.optimizers]
+                return history_info_state(MeanHistory(0, 0), r, lrs, index=bucket)
+            if address == "j":
+                with lock:
+                    served_by_j.append(bucket)
+            return replace(st.bucket_state(bucket), rounds_applied=r)
+
+        def pull_mean(self, *a, **kw):
+            raise Rejected(RejectCode.FAILED_PRECONDITION, "not kept")
+
+    cu = CatchUp(joiner, _Members(), get_codec(CodecConfig(name="fp32")), requester="x", kept_rounds=2)
+    assert cu.run([Member(site_id="j", address="j"), Member(site_id="a", address="a")], min_round=5) == 5
+    assert cu.stats.first_wave_dropped == len(served_by_j) and "j" not in cu.stats.buckets_from
+    assert cu.stats.buckets_from == {"a": n} and cu.stats.repulled == 0
+    assert joiner.checksums() == src.checksums()
