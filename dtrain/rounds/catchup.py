@@ -184,8 +184,10 @@ class CatchUp:
             ``kept_rounds`` behind ``min_round``) go out as a first wave, one per stream, beside
             the donors' summaries instead of one round trip after them (:func:`first_wave`).
             If the members keep more than it says, those buckets are pulled whole where a
-            replay would have done; a first-wave bucket from a donor that turns out behind the
-            others (a joiner itself) is replayed or pulled again like any bucket behind.
+            replay would have done; a first-wave bucket that comes back older than
+            ``min_round`` (its donor is a joiner itself) is dropped and pulled from another
+            donor (``CatchUpStats.first_wave_dropped``); one whose donor fails or times out
+            goes back on the queue, as any bucket's.
     """
 
     def __init__(
