@@ -296,7 +296,10 @@ def test_a_donor_asks_for_a_tail_bucket_while_its_other_stream_still_sends():
     src = GlobalState(layout, [torch.randn(128, generator=torch.Generator().manual_seed(1))])
     joiner = GlobalState(layout, [torch.zeros(128)])
     n = len(src)
-    first_wave, release = threading.Barrier(6), threading.Event()
+    # a's first bucket ends at once, its second once a tail bucket was asked for; b's and c's
+    # 0.3 s after that, so "a" alone has a free stream while the last bucket waits; the tail
+    # buckets end once both were asked for (each wait gives up after 5 s: a broken rule fails)
+    first_wave, release, others, last_asked = threading.Barrier(6), *(threading.Event() for _ in range(3))
     lock, started = threading.Lock(), []
     wave_in_flight: dict[str, int] = {"a": 0, "b": 0, "c": 0}
     tail_asked: list[tuple[str, int]] = []  # (donor, its first-wave buckets still in flight)
@@ -312,17 +315,23 @@ def test_a_donor_asks_for_a_tail_bucket_while_its_other_stream_still_sends():
                 started.append(address)
                 wave = len(started) <= 6
                 first_of_a = wave and address == "a" and "a" not in started[:-1]
+                second_of_a = wave and address == "a" and not first_of_a
                 if wave:
                     wave_in_flight[address] += 1
                 else:
                     tail_asked.append((address, wave_in_flight[address]))
                     tail_in_flight[address] += 1
                     most_tail[address] = max(most_tail[address], tail_in_flight[address])
+                    (release if len(tail_asked) == 1 else last_asked).set()
             try:
                 if wave:
                     first_wave.wait(timeout=5)
-                if not first_of_a:  # "a" ends one of its first two; all else waits
-                    release.wait(timeout=5)
+                    if second_of_a:
+                        release.wait(timeout=5)
+                    elif not first_of_a:
+                        others.wait(timeout=5)
+                else:
+                    last_asked.wait(timeout=5)  # a tail bucket stays in flight until both were asked for
                 return replace(src.bucket_state(bucket), rounds_applied=5)
             finally:
                 with lock:
@@ -330,19 +339,21 @@ def test_a_donor_asks_for_a_tail_bucket_while_its_other_stream_still_sends():
                         wave_in_flight[address] -= 1
                     else:
                         tail_in_flight[address] -= 1
+                if second_of_a:
+                    timer.start()
 
         def pull_mean(self, *a, **kw):
             raise Rejected(RejectCode.FAILED_PRECONDITION, "not kept")
 
-    timer = threading.Timer(0.5, release.set)
-    timer.start()
+    timer = threading.Timer(0.3, others.set)
     cu = CatchUp(joiner, _Donors(), get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
     try:
         assert cu.run([Member(site_id=s, address=s) for s in ("a", "b", "c")]) == 5
     finally:
         timer.cancel()
     assert tail_asked[0] == ("a", 1)  # asked while a's other first-wave bucket was in flight
-    assert max(most_tail.values()) == 1  # the last one not on "a" while its tail bucket is in flight
+    assert tail_asked[1][0] != "a"  # the last one not on "a" while its tail bucket is in flight
+    assert max(most_tail.values()) == 1
     assert sum(cu.stats.buckets_from.values()) == n and joiner.checksums() == src.checksums()
 
 
