@@ -344,7 +344,13 @@ class Tree:
                 kwargs[f.name] = self._build(tp, sub if sub is not None else tp(), p, values)
             else:
                 kwargs[f.name] = sub
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:  # "rtt_s must be ..." -> "net.datagram.rtt_s must be ...": which one
+            field, _, rest = str(e).partition(" ")
+            if not path or field not in {f.name for f in dataclasses.fields(cls)}:
+                raise
+            raise ValueError(f"{path}.{field} {rest}") from e
 
     # ---------------------------------------------------------------- text in
     def parse_text(self, leaf: Leaf, text: str) -> Any:

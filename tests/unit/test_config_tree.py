@@ -261,6 +261,9 @@ BAD = [
     ("launch --http-bind nowhere", ["http_bind", "host:port"]),
     ("launch --http-bind 127.0.0.1:0 --http-port 8080", ["http_port", "http_bind"]),
     ("launch --diloco.site-id x", ["unrecognized", "--diloco.site-id"]),
+    # a nested class's own check, prefixed with its path: which of two codecs' sparse_k is bad
+    ("worker --diloco.rounds.broadcast-codec.sparse-k -3", ["diloco.rounds.broadcast_codec.sparse_k must be", "-3"]),
+    ("launch --net.datagram.rtt-s -1", ["net.datagram.rtt_s must be", "-1"]),
 ]
 BAD_TOML = [
     ("worker", "[diloco.rounds]\nrepair = 'yes'\n", ["repair", "must be bool", "'yes'"]),
