@@ -576,14 +576,18 @@ def _site_engine_fields(ranks: list[dict]) -> dict:
 
 
 def _site_counters(ranks: list[dict]) -> dict | None:
-    """The datagram path's counters summed over the ranks (rank 0's non-numbers)."""
+    """The datagram path's counters summed over the ranks (rank 0's non-numbers). A rank's
+    transport adds a counter when it first counts one (``rejected_<code>``), so a key one rank
+    has and another lacks counts 0 at the other."""
     first = ranks[0]["datagram"]
     if first is None or len(ranks) == 1:
         return first
+    counters = [r["datagram"] for r in ranks if r["datagram"] is not None]
     out = dict(first)
-    for key, v in first.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = sum(r["datagram"][key] for r in ranks if r["datagram"] is not None)
+    for c in counters:
+        for key, v in c.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[key] = sum(d.get(key, 0) for d in counters)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -192,3 +193,75 @@ def test_launch_two_sites_of_two_ranks_with_two_fragments_alternates_them_and_ag
         assert summ["final_val_loss"] < summ["first_val_loss"] - 0.3, summ
     for a, b in zip(*per_site.values()):
         assert a["checksum"] == b["checksum"] and a["slice_checksums"] == b["slice_checksums"], (a, b)
+
+
+def _stopped_descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, grandchildren, ...) in state T (stopped)."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        child = int(stat.parent.name)
+        states[child] = fields[0]
+        children.setdefault(int(fields[1]), []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            todo.append(c)
+            if states.get(c) == "T":
+                found.append(c)
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_a_site_group_declared_dead_mid_run_catches_up_every_ranks_slice_on_the_datagram_path(tmp_path: Path) -> None:
+    """Both ranks of site-1 stop (SIGSTOP) before pushing round 3: the rendezvous declares the
+    site dead and site-0 trains on alone. Once site-0 applied a round without it, the test
+    resumes the two ranks (SIGCONT): each rank catches its own slice up mid-run (replaying the
+    means it missed, pulling whole what it cannot replay), the site rejoins, and every later
+    round has one θ and one checksum per slice at both sites. K = 2 DDP ranks, datagram path."""
+    rounds, stopped_round = 9, 3
+    args = [*BASE, "--parallel", "ddp", "--rounds", str(rounds), "--net.data-path", "datagram"]
+    args += ["--inner-step-sleep-s", "0.3", "--bucket-bytes", "65536", "--chunk-bytes", "16384"]
+    args += ["--heartbeat-timeout-s", "3", "--reduce-timeout-s", "3", "--broadcast-timeout-s", "6"]
+    fault = ";".join(f"site-1/{rank}:before_push:{stopped_round}:stop" for rank in (0, 1))
+    resumed: list[int] = []
+
+    def resume_once_site0_goes_on_alone(run_dir: Path) -> bool:
+        try:
+            alone = any(d["members"] == ["site-0"] for d in _rounds(run_dir, "site-0"))
+        except (OSError, ValueError):  # not written yet, or a line half written
+            return False
+        if not alone:
+            return False
+        for pid in _stopped_descendants(os.getpid()):
+            os.kill(pid, signal.SIGCONT)
+            resumed.append(pid)
+        return True
+
+    rc, out, err = _launch(args, tmp_path, 130, watch=resume_once_site0_goes_on_alone, DTRAIN_TEST_FAULT=fault)
+    assert len(resumed) == 2, f"expected site-1's two stopped ranks, resumed {resumed}\n{err[-2000:]}"
+    assert rc == 0 and "θ checksums agree across sites" in out, f"stdout:\n{out}\nstderr:\n{err[-2000:]}"
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "site-1").glob("worker*.log")))
+    assert "datagram data path on udp" in logs
+    caught = [ln for ln in logs.splitlines() if "dtrain.rounds.catchup: site-1 caught up to round" in ln]
+    assert sorted(ln.split("[rank ")[1][:3] for ln in caught) == ["0/2", "1/2"], caught  # one per rank
+    site0 = {d["round"]: d for d in _rounds(tmp_path, "site-0")}
+    assert sorted(site0) == list(range(rounds)) and all(d["status"] == "applied" for d in site0.values())
+    site1 = _rounds(tmp_path, "site-1")
+    resynced = [d for d in site1 if d["status"] == "resynced"]
+    assert len(resynced) == 1 and "declared dead" in resynced[0]["reason"], [(d["round"], d["status"]) for d in site1]
+    r = resynced[0]["round"]
+    assert stopped_round < r < rounds - 1, r  # mid-run, with rounds left to rejoin
+    # the catch-up installed site-0's θ of that round, slice by slice
+    assert resynced[0]["checksum"] == site0[r]["checksum"]
+    assert resynced[0]["slice_checksums"] == site0[r]["slice_checksums"]
+    back = [d for d in site1 if d["round"] > r]
+    assert [d["round"] for d in back] == list(range(r + 1, rounds)), back
+    for d in back:
+        assert d["status"] == "applied" and d["members"] == SITES, d
+        assert d["checksum"] == site0[d["round"]]["checksum"]
+        assert d["slice_checksums"] == site0[d["round"]]["slice_checksums"]

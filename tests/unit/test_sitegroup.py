@@ -212,3 +212,23 @@ def test_rank_plan_keeps_every_field_of_the_site_plan_but_the_addresses():
     # a one-process site's plan (rank 0 of 1) is its own plan
     single = dataclasses.replace(plan, members=(Member(site_id="a", address="h:1"), Member(site_id="b", address="h:3")))
     assert rank_plan(single, 0, 1) == single
+
+
+def test_a_site_lines_datagram_counters_sum_every_ranks_even_a_counter_one_rank_lacks():
+    """A rank's transport adds ``rejected_<code>`` when it first refuses something: rank 1 may
+    have one that rank 0 lacks (a K = 2 site refused late datagrams after a stall crashed its
+    round line with a KeyError)."""
+    from dtrain.app.worker import _site_counters
+
+    ranks = [
+        {"datagram": {"datagrams_sent": 10, "rate_mbit": 100.0, "path": "udp"}},
+        {"datagram": {"datagrams_sent": 5, "rate_mbit": 50.0, "rejected_failed_precondition": 3, "path": "udp"}},
+    ]
+    assert _site_counters(ranks) == {
+        "datagrams_sent": 15,
+        "rate_mbit": 150.0,
+        "rejected_failed_precondition": 3,
+        "path": "udp",
+    }
+    assert _site_counters(ranks[:1]) is ranks[0]["datagram"]
+    assert _site_counters([{"datagram": None}, ranks[1]]) is None
