@@ -15,11 +15,6 @@ Modes:
          300 Mbit/s (the donors' uplinks are: three donors should take a third of the time).
   full   as quick with 64 and 256 MB.
 
-Run (repository root)::
-
-    .venv/bin/python -m experiments run catch_up --mode quick   # as root (netem)
-    .venv/bin/python -m experiments run catch_up --mode smoke   # loopback, seconds
-
 Writes one row per run (joiner link, state MB, donors, seconds, the naive seconds = state
 bytes / the narrower side's rate: the joiner's link, or the donors' uplinks together, and
 the ratio) and the table. The target (issue 33): within 1.3x of the naive figure with three

@@ -41,16 +41,8 @@ longest-lived process after the first 30 % of its life). Prints a table:
 faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
 against a fault-free run with the same seed.
 
-A spec of the one runner (one row per soak; the table and the verdict in the section)::
-
-    python -m experiments run chaos --mode smoke    # CI: 3 sites, 12 rounds, 7 faults, no fault-free run
-    python -m experiments run chaos                 # quick: 60 rounds, 20 faults, and the fault-free run
-    python -m experiments run chaos --mode full     # 200 rounds, 50 faults
-
-Its settings: ``--set task_spec.num_sites=N``, ``--set rounds=R``, ``--set chaos.faults=F``,
-``--set chaos.seed=S``, ``--set chaos.netem=auto|on|off`` and ``--set chaos.logs=DIR`` (the logs
-and ``chaos.json``; default a temporary directory). A failed check is a verdict line saying
-**NOT met** (``chaos.json`` has the figures); the run itself exits 0.
+One row per soak. A failed check is a verdict line saying **NOT met** (``chaos.json``, beside
+the logs of ``chaos.logs``, has the figures); the run itself exits 0.
 """
 
 from __future__ import annotations
@@ -93,20 +85,9 @@ EXCLUSIVE = frozenset({"kill", "stop", "partition", "rv_kill", "rv_stop"})
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
-    """One soak.
-
-    Attributes:
-        num_sites: workers, >= 2.
-        rounds: rounds site-0 runs, >= 2.
-        num_faults: faults to inject (at most; the run may end first), >= 0.
-        seed: seeds the faults and the training.
-        sync_every: H.
-        inner_step_sleep_s: emulated compute per inner step (rounds of ~1 s on a loaded machine).
-        down_s: how long a killed site stays down / a stopped one stays stopped, seconds.
-        max_gap_s: the gap between two faults is uniform in [max_gap_s / 4, max_gap_s].
-        timeout_s: bound on the whole run.
-        netem: run every process in its own netem site (needed for ``partition``).
-    """
+    """One soak (the spec's settings, :data:`FIXED`); ``num_faults``: at most (the run may end
+    first); ``inner_step_sleep_s``: emulated compute per inner step (rounds of ~1 s on a loaded
+    machine); the gap between two faults is uniform in [max_gap_s / 4, max_gap_s]."""
 
     num_sites: int = 3
     rounds: int = 8
@@ -537,8 +518,8 @@ FIXED = {
     "task_spec.num_sites": 3,
     "diloco.sync_every": 4,
     "chaos.max_gap_s": 4.0,
-    "chaos.down_s": 2.5,
-    "chaos.timeout_s": 600.0,
+    "chaos.down_s": 2.5,  # seconds a killed site stays down, a stopped one stopped, a cut one cut
+    "chaos.timeout_s": 600.0,  # bound on the whole run
     "chaos.reference": True,  # the fault-free run of the same seed, for the final loss
     "chaos.netem": "auto",  # on / off / auto: netem sites when root and ip netns allow (partitions need them)
     "chaos.logs": None,

@@ -12,12 +12,6 @@ pseudo-gradient of the whole model, cut into the same chunks.
 topk runs with broadcast error feedback on (``RoundConfig.broadcast_error_feedback``):
 the mean of N top-k contributions has up to N·k non-zeros and its top-k loses the rest
 for good otherwise. The other codecs use the defaults (contribution-side error feedback).
-
-Run (from the repository root)::
-
-    .venv/bin/python -m experiments run codec_sweep --mode quick    # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run codec_sweep --mode full     # small model, more rounds, + fp16
-    .venv/bin/python -m experiments run codec_sweep --mode smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations

@@ -24,12 +24,6 @@ batches and the same number of inner steps per site (inner AdamW at the preset's
 * **Diagnosis** of a DiLoCo-vs-DDP gap: the same comparison with the warmup + cosine inner
   LR for both, and DiLoCo at the sweep's best outer setting.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run convergence                 # quick: 4 sites, tiny, 4000 steps: ~30 min on 2 cores
-    .venv/bin/python -m experiments run convergence --mode full     # small model, 8000 steps, more seeds
-    .venv/bin/python -m experiments run convergence --mode smoke --out /tmp/x --results none   # CI: seconds
-
 The runs go in phases (the lab's ``phases``): phase 1 is the convergence runs, the sweep's
 grid, the first fault seeds and the cosine diagnosis; phase 2 the sweep's best on more seeds
 and DiLoCo at the best outer setting; then fault seeds in waves (``faults.step_seeds``) until

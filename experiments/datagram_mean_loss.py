@@ -13,12 +13,6 @@ means) is dropped with probability p (``test_drop``). Per loss rate, one round p
   k+1 datagrams are) and keep-the-previous-value (no extra bytes; a fraction p of each
   mean's elements is not applied, so replicas differ by that much until repaired, and
   a repair moves θ_b and the optimizer state whole).
-
-Usage::
-
-    .venv/bin/python -m experiments run datagram_mean_loss --mode full    # losses 0..30 %, 3 seeds
-    .venv/bin/python -m experiments run datagram_mean_loss --mode quick   # 0, 10, 30 %, 1 seed
-    .venv/bin/python -m experiments run datagram_mean_loss --mode smoke   # 0 and 30 %, 40 k params
 """
 
 from __future__ import annotations

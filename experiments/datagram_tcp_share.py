@@ -12,11 +12,7 @@ after the datagram flow, and the datagram flow's delivered rate and loss.
 The datagram path sends at its round's rate whatever else shares the link (its rate
 controller only acts between rounds), which is why it is meant for provisioned links.
 
-Usage (as root)::
-
-    .venv/bin/python -m experiments run datagram_tcp_share --mode full    # 100 Mbit/s, 40 ms, UDP at 50 and 95
-    .venv/bin/python -m experiments run datagram_tcp_share --mode quick   # one UDP rate, 9 s per run
-    .venv/bin/python -m experiments run datagram_tcp_share --mode smoke   # one UDP rate, 6 s per run, one cc
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations

@@ -23,14 +23,6 @@ Verdict: "met" when mean d <= 0.5% with SE <= 0.2%; "missed by X" when mean d > 
 excess) with SE <= 0.2%, or by more than twice an SE above it; "unresolved at SE Y" otherwise (the
 seeds ran out first).
 
-Usage::
-
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick     # 3 sites, up to 12 seed pairs
-    .venv/bin/python -m experiments run datagram_val_loss --mode smoke --out /tmp/x --results none   # CI
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick --set netem.enabled=true   # as root
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick --set netem.enabled=true \
-        --set netem.mtu_bytes=9000 --set lab.budget_s=2400                # jumbo frames
-
 ``netem.mtu_bytes`` (with ``netem.enabled``): every link's MTU, and ``--max-datagram-bytes`` 100
 less (as ``datagram_vs_grpc``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
 one, the same fraction of them. ``lab.target_se``, ``lab.budget_s``, ``lab.min_seeds``: when

@@ -30,12 +30,7 @@ in parentheses in the table) and stale buckets; ``left_behind`` = sites that end
 work). The sites' sync CPU over the cores is a floor under a round's exchange on this machine
 (the report's CPU verdict): a ratio near it was set by the CPU, not by the data path's waits.
 
-Usage (from the repository root, as root)::
-
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick   # 4 sites, 9.8 MB/site, loss 0..20 %
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode smoke --out /tmp/x --results none
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.mtu_bytes=9000   # jumbo frames
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.losses=[0,10]
+Needs root (netem: network namespaces).
 
 ``netem.mtu_bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
 ``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the

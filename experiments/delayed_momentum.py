@@ -13,11 +13,6 @@ default to.
 
 Task: a 16-32-1 tanh MLP regressing ``tanh(x @ w)`` (fresh Gaussian x per step and site,
 AdamW lr 3e-3 inside), loss = MSE on 2048 held-out points of θ after the last round.
-
-Usage::
-
-    .venv/bin/python -m experiments run delayed_momentum --mode quick   # 4 sites, 3 seeds (~2 min on 2 cores)
-    .venv/bin/python -m experiments run delayed_momentum --mode smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations

@@ -16,12 +16,6 @@ inner steps and tokens:
   bytes (contributions pushed + means pulled, chunk headers included).
 * Reference: one site alone with the same steps and batch size (no communication; a
   quarter of the tokens), to show what merging the sites buys at all.
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run diloco_sanity --mode quick   # 4 sites, tiny, 3 seeds, 200 steps
-    .venv/bin/python -m experiments run diloco_sanity --mode full    # small model, 2000 steps
-    .venv/bin/python -m experiments run diloco_sanity --mode quick --set outer.lr=1 --set outer.momentum=0
 """
 
 from __future__ import annotations

@@ -22,11 +22,6 @@ Measured per run: the wall time from the end of site-0's round 0 (after every pr
 start-up) to the first round whose validation loss (θ, the same on every site) is at or
 below ``target_loss``; rounds to it; the slow site's steps per round. A run stops there
 (its processes killed), or after ``rounds``; θ must agree after every round all sites applied.
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run heterogeneous --mode quick   # half and quarter speed, 2 seeds
-    .venv/bin/python -m experiments run heterogeneous --mode smoke --out /tmp/x --results none
 """
 
 from __future__ import annotations

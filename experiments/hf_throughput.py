@@ -10,11 +10,6 @@ Two measurements per task, both at ``torch.set_num_threads(1)`` (how ``dtrain la
   the runtime's share = sync_s / (inner_s + sync_s) plus the inner-step slowdown against
   bare (DiLoCo's per-step bookkeeping, other sites' processes on the same cores).
 
-Usage::
-
-    .venv/bin/python -m experiments run hf_throughput --mode quick   # small (0.44 M) GPT vs small-llama (0.43 M)
-    .venv/bin/python -m experiments run hf_throughput --mode smoke   # seconds: tiny sizes, one 1-site launch
-
 On the shared 2-core machine every site's process competes with the others' and with
 other jobs, so the launch's tokens/s per site is about bare / sites at best.
 """

@@ -18,12 +18,6 @@ should level off rather than grow with rounds.
 
 The 10% point over the gRPC transport with real packet loss (netem) is
 ``experiments/netem_loss.py``.
-
-Run (from the repository root)::
-
-    .venv/bin/python -m experiments run loss_sweep --mode quick   # 4 sites, tiny, 3 seeds: minutes on 2 cores
-    .venv/bin/python -m experiments run loss_sweep --mode full    # small model, 5 seeds, more rounds
-    .venv/bin/python -m experiments run loss_sweep --mode smoke --out /tmp/x --results none   # CI: seconds
 """
 
 from __future__ import annotations

@@ -16,11 +16,7 @@ runs twice per seed: the "0% (repeat)" row is the noise floor of every paired di
 (the owners sum in sender-id order, so with every chunk in, a rerun's means are
 bit-identical; what is left is the timing of which chunks miss a deadline).
 
-Usage (from the repository root, as root)::
-
-    .venv/bin/python -m experiments run netem_loss --mode quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run netem_loss --mode full    # small, H = 50, 40 rounds, 5 seeds
-    .venv/bin/python -m experiments run netem_loss --mode smoke --out /tmp/x --results none   # 2 sites, 3 rounds
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations

@@ -20,10 +20,7 @@ The "ceiling" printed per setting is the highest delivered aggregate rate with l
 delivered >= 95% of offered (the load at which the emulator adds neither loss nor a growing
 queue of its own).
 
-Usage (as root)::
-
-    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick
-    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick --set 'netem.delayers=["c"]' --results none
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations

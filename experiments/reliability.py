@@ -15,10 +15,7 @@ detector. Each run is read back from its metrics lines and the rendezvous log:
   repaired within itself when its lines agree);
 * rounds missed (a site resynced instead of applying) and the worst sync time.
 
-Usage (root; from the repository root)::
-
-    .venv/bin/python -m experiments run reliability --mode quick   # 10 lossy, 10 flaky, 4 at 30%
-    .venv/bin/python -m experiments run reliability --mode full    # 30 / 30 / 10 (the issue's count)
+Needs root (netem: network namespaces).
 
 A run that did not end equal keeps its run directory (the row's ``kept`` column names it).
 """

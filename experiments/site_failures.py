@@ -19,12 +19,6 @@ target: none), and the time beyond the round's deadline any survivor spent in a 
 (engine time after the plan minus the broadcast deadline, target: under 1 s), with the
 extra quorum wait after a death shown apart (the rendezvous waits ``quorum_timeout_s``
 for a site whose heartbeats have not yet timed out).
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run site_failures --mode quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run site_failures --mode full    # small model, more rounds
-    .venv/bin/python -m experiments run site_failures --mode smoke --out /tmp/x --results none   # CI: 2 runs
 """
 
 from __future__ import annotations

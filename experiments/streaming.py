@@ -29,11 +29,7 @@ Per run (one per configuration and seed):
   Through a rate cap TCP sends any exchange at the cap, so the 1 s peak can only fall when an
   exchange is shorter than the window; the per-round bytes show the 1/F share directly.
 
-Usage (as root: netem needs network namespaces)::
-
-    .venv/bin/python -m experiments run streaming --mode smoke --out /tmp/x --results none  # 2 sites, tiny
-    .venv/bin/python -m experiments run streaming --mode quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
-    .venv/bin/python -m experiments run streaming --mode full    # 3 seeds, 8 rounds
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations

@@ -38,17 +38,8 @@ then waits for a go-file before it runs the site's main function, so start-up sk
 interpreter start-up are out of the measurements and a restarted site comes back in
 seconds on a loaded machine. Everything a run starts runs in its own session and is killed
 on exit, on error and on Ctrl-C. A run that left a problem keeps its run directory (the
-row's ``kept``)::
-
-    python -m experiments run vs_torchft --mode smoke   # CI: 2 sites, tiny, healthy only (< 60 s)
-    python -m experiments run vs_torchft --mode quick   # 2 sites, small: healthy x2, concurrent, fault, 1 netem
-    python -m experiments run vs_torchft --mode full    # 3 sites, small, more rounds, 2 netem profiles
-    python -m experiments run vs_torchft --set 'vs.scenarios=["fault"]' --set vs.profile=never
-
-torchft is NOT a dependency of dtrain and nothing here installs it. Install it into the same
-environment after torch (it then pulls no torch)::
-
-    pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+row's ``kept``). torchft is NOT a dependency of dtrain and nothing here installs it
+(:data:`INSTALL_HINT` says how).
 """
 
 from __future__ import annotations

@@ -29,12 +29,7 @@ Per setting and seed:
   2 x (N-1)/N x B / rate + 2 x RTT (its rate term is (N-1)/N of the first: 3/4 for N = 4).
 * ``compute_util``: inner-phase time over inner + sync time, mean over sites.
 
-Usage (from the repository root, as root: netem needs network namespaces)::
-
-    .venv/bin/python -m experiments run wan_sweep --mode quick   # 4 sites, small, 27 settings, 3 seeds
-    .venv/bin/python -m experiments run wan_sweep --mode full    # base model, 3 measured rounds each
-    .venv/bin/python -m experiments run wan_sweep --mode smoke --out /tmp/x --results none   # 2 sites, 2 settings
-    .venv/bin/python -m experiments run wan_sweep --mode quick --set netem.tcp_slow_start_after_idle=0
+Needs root (netem: network namespaces).
 
 ``netem.rates`` / ``netem.delays`` / ``netem.losses`` (``--set netem.rates=[10,50]``), ``netem.floor``
 (the setting without emulation first) and ``netem.tcp_slow_start_after_idle`` (the sysctl in every
