@@ -47,11 +47,7 @@ import torch
 
 from dtrain.codecs import get_codec
 from dtrain.protocol import Contribution, Member, RoundPlan
-from dtrain.transports.datagram import (
-    DatagramTransport,
-    DatagramTransportConfig,
-    datagram_chunk_bytes,
-)
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
 from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench

@@ -27,16 +27,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.common import (
-    RunResult,
-    fmt_pm,
-    md_rows,
-    mean_std,
-    paired_deltas,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import RunResult, fmt_pm, md_rows, mean_std, paired_deltas, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 

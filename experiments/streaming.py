@@ -40,14 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.common import (
-    RunResult,
-    fmt_pm,
-    md_rows,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import RunResult, fmt_pm, md_rows, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import line_record, run_sites, set_link, sites_topology
 

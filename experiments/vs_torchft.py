@@ -166,42 +166,17 @@ def _prewarmed_main(argv: list[str]) -> None:
 # ----------------------------------------------------------------------------- one run
 @dataclass(frozen=True)
 class Run:
-    """One system's run of a point: what its processes are told."""
+    """One system's run of a point: what its processes are told (``s``: the point's settings by
+    config path; ``pyspy``: the path of py-spy, to sample dtrain's site-0)."""
 
     system: str  # "dtrain" | "torchft"
-    sites: int
-    size: str
-    data: str
-    rounds: int
-    sync_every: int
-    codec: str
-    bucket_bytes: int | None
+    s: dict[str, Any]
     seed: int
-    kill_round: int  # -1: no fault
-    restart_after: int
-    netem: str | None
-    timeout_s: float
-    pyspy: str | None  # path of py-spy: sample dtrain's site-0
 
-    @classmethod
-    def of(cls, point: Point, system: str) -> "Run":
-        s = point.settings
-        return cls(
-            system=system,
-            sites=s[SITES],
-            size=s[SIZE],
-            data=s[DATA],
-            rounds=s[ROUNDS],
-            sync_every=s[SYNC_EVERY],
-            codec=s[CODEC],
-            bucket_bytes=s[BUCKET_BYTES],
-            seed=point.seed,
-            kill_round=s[KILL_ROUND] if s[SCENARIO] == "fault" else -1,
-            restart_after=s[RESTART_AFTER],
-            netem=s[NETEM],
-            timeout_s=s[TIMEOUT_S],
-            pyspy=s[PYSPY],
-        )
+    @property
+    def kill_round(self) -> int:
+        """The round site-1 is killed in; -1: no fault."""
+        return self.s[KILL_ROUND] if self.s[SCENARIO] == "fault" else -1
 
 
 @dataclass
@@ -252,10 +227,10 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
     topo = None
     gate = run_dir / "gate"
     try:
-        if run.netem:
+        if run.s[NETEM]:
             from netem import Topology  # noqa: PLC0415
 
-            topo = Topology(num_sites=run.sites + 1, profile=run.netem)
+            topo = Topology(num_sites=run.s[SITES] + 1, profile=run.s[NETEM])
             rec.netem_backends = topo.backends()
         net = _Net(topo)
         gate.mkdir(exist_ok=True)
@@ -263,7 +238,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
         restart_name = _start_sites(run, run_dir, net, coord, children, start_together, rec)
         _supervise(run, rec, run_dir, children, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
-        if run.pyspy:  # py-spy writes its file once the sampled process has exited
+        if run.s[PYSPY]:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
             _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
     except (Exception, KeyboardInterrupt) as e:
@@ -280,7 +255,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
 def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Proc]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
-    n, py = run.sites, sys.executable
+    n, py = run.s[SITES], sys.executable
     if run.system == "dtrain":
         addr_file = run_dir / "rendezvous.addr"
         argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
@@ -322,22 +297,22 @@ def _site_argv(
 ) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
     go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
-    n, py, gate = run.sites, sys.executable, run_dir / "gate"
+    n, py, gate = run.s[SITES], sys.executable, run_dir / "gate"
     out = run_dir / out_name
     env = {"GLOO_SOCKET_IFNAME": net.ifname}
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
-    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.size]
-    common += ["--data", run.data, "--rounds", str(run.rounds), "--sync-every", str(run.sync_every)]
+    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[SIZE]]
+    common += ["--data", run.s[DATA], "--rounds", str(run.s[ROUNDS]), "--sync-every", str(run.s[SYNC_EVERY])]
     common += ["--threads", "1", "--seed", str(run.seed)]
     if run.system == "dtrain":
         args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
-        args += ["--codec", run.codec]
-        if run.bucket_bytes:
-            args += ["--bucket-bytes", str(run.bucket_bytes)]
+        args += ["--codec", run.s[CODEC]]
+        if run.s[BUCKET_BYTES]:
+            args += ["--bucket-bytes", str(run.s[BUCKET_BYTES])]
         if fault:
             env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{run.kill_round}:kill"
-        if run.pyspy and i == 0:
-            env["VS_TORCHFT_PYSPY"] = run.pyspy
+        if run.s[PYSPY] and i == 0:
+            env["VS_TORCHFT_PYSPY"] = run.s[PYSPY]
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
         args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
@@ -355,7 +330,7 @@ def _start_sites(
 ) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
-    n, gate = run.sites, run_dir / "gate"
+    n, gate = run.s[SITES], run_dir / "gate"
     names = [f"site-{i}" for i in range(n)]
     for i, name in enumerate(names):
         fault = run.kill_round >= 0 and i == KILLED_SITE
@@ -394,7 +369,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
     replacement once a survivor has finished the restart round (killing the site first
     if the fault did not fire)."""
     gate = run_dir / "gate"
-    deadline = time.monotonic() + run.timeout_s
+    deadline = time.monotonic() + run.s[TIMEOUT_S]
     survivor = run_dir / "site-0" / "metrics.jsonl"
     while True:
         if run.kill_round >= 0:
@@ -402,7 +377,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             if rec.t_kill is None and killed.poll() is not None:
                 rec.t_kill = time.time()
             if rec.t_restart is None and any(
-                d.get("event") == "round" and d["round"] >= run.kill_round + run.restart_after - 1
+                d.get("event") == "round" and d["round"] >= run.kill_round + run.s[RESTART_AFTER] - 1
                 for d in read_json_lines(survivor)
             ):
                 if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
@@ -419,7 +394,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             break
         if time.monotonic() > deadline:
             rec.timed_out = True
-            rec.error = (rec.error or "") + f"timed out after {run.timeout_s:.0f}s. "
+            rec.error = (rec.error or "") + f"timed out after {run.s[TIMEOUT_S]:.0f}s. "
             break
         time.sleep(0.1)
 
@@ -493,7 +468,7 @@ def run_point(point: Point) -> list[RunResult]:
         signal.signal(signal.SIGTERM, _on_signal)  # a stopped runner still stops every child
     systems = ("dtrain", "torchft") if point.settings[SYSTEM] == "both" else (point.settings[SYSTEM],)
     with tempfile.TemporaryDirectory(prefix="dtrain-vs-torchft-") as tmp:
-        runs = {sy: (Run.of(point, sy), Path(tmp) / _run_name(point, sy)) for sy in systems}
+        runs = {sy: (Run(sy, point.settings, point.seed), Path(tmp) / _run_name(point, sy)) for sy in systems}
         if len(systems) == 1:
             recs = {sy: run_one(run, d) for sy, (run, d) in runs.items()}
         else:
