@@ -1,60 +1,35 @@
 """Convergence (issue 18): DiLoCo against DDP at enough rounds, and fault effects resolved below noise.
 
 Every method trains the built-in byte-level GPT on the stdlib source with the same per-site
-batches and the same number of inner steps per site (inner AdamW at the preset's lr):
+batches and inner steps per site (inner AdamW at the preset's lr):
 
-* **Convergence**, IID and non-IID shards (``TaskSpec.non_iid``): DDP (gloo all-reduce of
-  the gradients every step, N processes; ``diloco_sanity.run_ddp``) against DiLoCo with N
-  sites at H = 10, 50, 100, each with the outer Nesterov SGD lr 0.7 / momentum 0.9
-  (Douillard et al., arXiv 2311.08105) and with the plain average (lr 1, momentum 0),
-  against one site alone and one site with N times the batch. One loss-vs-steps plot per
-  data setting.
-* **Faults**, paired by seed against the fault-free run (reduction is bit-reproducible,
-  so a fault-free run is deterministic per seed): 10% chunk loss on reduce and broadcast
-  (in-process, ``InprocFaults``), the last of N sites killed and restarted after
-  ``down_rounds`` rounds (``InprocCluster.restart``: the site rejoins through the
-  rendezvous and pulls θ and a member's training position), and the int8, int4 and top-k
-  (error feedback on both sides) codecs against fp32. Seeds are added in waves until the
-  standard error of the paired change is at most ``SE_TARGET_PP`` percentage points (or
-  the mode's seed cap / time budget ends it: "unresolved at SE Y"). These runs use the
-  warmup + cosine inner LR (``lr_schedule="cosine"``): a decayed LR at the end keeps two
-  diverged trajectories' final losses closer, which is what makes the SE small.
-* **Outer lr / momentum sweep** at H = 50 (lr 0.3-1.0, momentum 0-0.9), one seed, the best
-  few confirmed on more seeds, so the defaults are the best measured ones.
-* **Diagnosis** of a DiLoCo-vs-DDP gap: the same comparison with the warmup + cosine inner
-  LR for both, and DiLoCo at the sweep's best outer setting.
+* **Convergence**, IID and non-IID shards: DDP (gloo all-reduce every step, N processes;
+  ``diloco_sanity.run_ddp``) against DiLoCo with N sites at H = 10, 50, 100, with the outer
+  Nesterov SGD lr 0.7 / momentum 0.9 (Douillard et al., arXiv 2311.08105) and with the plain
+  average (lr 1, momentum 0), against one site alone and one site with N times the batch.
+* **Faults**, paired by seed against the fault-free run (warmup + cosine inner LR): 10% chunk
+  loss on reduce and broadcast, the last site killed and restarted after ``down_rounds``
+  rounds (``InprocCluster.restart``), and the int8, int4 and top-k codecs against fp32. Seeds
+  are added in waves until the SE of each paired change is <= ``SE_TARGET_PP`` percentage
+  points, the seed cap or ``convergence.budget_min``.
+* **Outer lr / momentum sweep** at H = 50, one seed, the best few confirmed on more seeds.
+* **Diagnosis** of a DiLoCo-vs-DDP gap: the warmup + cosine inner LR for both, and DiLoCo at
+  the sweep's best outer setting.
 
-The runs go in phases (the lab's ``phases``): phase 1 is the convergence runs, the sweep's
-grid, the first fault seeds and the cosine diagnosis; phase 2 the sweep's best on more seeds
-and DiLoCo at the best outer setting; then fault seeds in waves (``faults.step_seeds``) until
-every fault's SE <= ``SE_TARGET_PP``, the seed cap or ``convergence.budget_min``. The DDP runs
-go each in a thread beside the in-process ones (the lab's ``beside``).
+The runs go in the lab's ``phases`` (see :func:`phases`); the DDP runs each in a thread beside
+the in-process ones (``beside``).
 
-**Side runs** (``--set`` values; each writes ``OUT/convergence_convergence-side=...[_MODE].csv``,
-and a later ``--replot`` of the same mode merges every side run saved beside its CSV, oldest
-first, a side run's row replacing the row of the same config and seed; the side runs' files of
-the script before the lab, ``convergence_faults*``, ``convergence_outer*`` and
-``convergence_netem*``, are merged the same way)::
-
-    --set convergence.side=faults:A:B [--set convergence.fault_names=N,...]
-        [--set convergence.fault_steps=S] [--set convergence.tag=T]
-    --set convergence.side=outer:ITEMS:A:B
-    --set convergence.side=sweep:LR/M,...:A:B
-    --set convergence.side=rerun-diloco
-    --set convergence.side=long:STEPS:ITEMS[:A:B]
-    --set convergence.side=netem:A:B                     (as root)
-    --set convergence.total_steps=N / --set convergence.budget_min=M
-    --set rendezvous.reduce_timeout_s=X                  (broadcast: twice it)
-    --set rendezvous.heartbeat_timeout_s=X
-    --set task_spec.size=S / --set task_spec.num_sites=N
-
-e.g. ``.venv/bin/python -m experiments run convergence --set convergence.side=faults:16:20
---set convergence.fault_names=fault-free,loss10 --jobs 4``, then ``... run convergence
---replot``. ITEMS of ``outer`` / ``long``: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this
-outer lr / momentum), ``ddp``, or ``big`` (1 site, N times the batch: DDP's stand-in, within 2%
-of DDP all along the 4000-step curve); ``fault_names``: runs of the fault table or the aliases
-fault-free, loss10, restart, int8, int4, topk, or the issue-35 rows (``convergence_report.SPARSE``).
-A side run's own section (if ``--results`` is not ``none``) only says where its rows went.
+**Side runs** (``--set convergence.side=KIND:ARGS``, :func:`side_points`; each writes
+``OUT/convergence_convergence-side=...[_MODE].csv``, and a ``--replot`` of the mode merges every
+side run beside its CSV, oldest first, a side run's row replacing the row of the same config and
+seed; so are the pre-lab script's ``convergence_faults*``, ``convergence_outer*`` and
+``convergence_netem*``): ``faults:A:B`` (with ``convergence.fault_names``,
+``convergence.fault_steps``, ``convergence.tag``), ``outer:ITEMS:A:B``, ``sweep:LR/M,...:A:B``,
+``rerun-diloco``, ``long:STEPS:ITEMS[:A:B]``, ``netem:A:B`` (as root). ITEMS: ``LR/M[@H]``
+(DiLoCo at H = h_main, or H, with this outer lr / momentum), ``ddp``, or ``big`` (1 site, N times
+the batch: DDP's stand-in, within 2% of DDP all along the 4000-step curve); ``fault_names``: runs
+of the fault table, the aliases of :data:`ALIASES`, or the issue-35 rows
+(``convergence_report.SPARSE``).
 """
 
 from __future__ import annotations

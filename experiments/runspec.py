@@ -26,48 +26,30 @@ KiB = 1024
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """One in-process multi-site training run.
+    """One in-process multi-site training run. The fields are the config tree's knobs of the same
+    name (``TaskSpec``, ``CodecConfig``, ``RoundConfig``, ``AggregationConfig``, ``BucketConfig``,
+    the rendezvous deadlines; :data:`experiments.lab.TREE_FIELDS` maps each to its path), plus:
 
     Attributes:
-        experiment: name of the experiment (goes into the CSV row).
-        config: label of the setting (rows with the same label are seeds of one setting).
+        experiment, config, extra: the CSV row's experiment, setting label (rows with the same
+            label are seeds of one setting) and (name, value) columns.
         seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
-        num_sites: N sites (threads).
-        size, data, batch_size, context_len, lr, non_iid, lr_schedule, warmup_steps:
-            see ``dtrain.tasks.TaskSpec``.
-        decay_steps: cosine decay steps of ``lr_schedule="cosine"``; None: the run's
-            inner steps minus the warmup (decayed to 10 % at the last step).
-        restart_after_round: -1: no restart; else the last site is killed after it
-            applied this many rounds and restarted (``InprocCluster.restart``: join and
-            state pull) once site 0 applied ``down_rounds`` more.
-        down_rounds: rounds the restarted site stays away.
-        sync_every: H inner steps per round; rounds: rounds to train.
-        codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
-            topk_fraction, sparse_k, sparse_chunk, sparse_bits: see ``CodecConfig``.
-        broadcast_codec: the means' codec name (None: ``codec``); broadcast_sparse_k: its
-            ``sparse_k`` (None: ``sparse_k``).
-        error_feedback, error_feedback_decay, broadcast_error_feedback, repair: see ``RoundConfig``;
-            sparse_mean: see ``AggregationConfig``.
-        push_loss, pull_loss: probability that a contribution chunk (reduce) / a
-            pulled mean (broadcast) is lost (``InprocFaults``).
-        bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
-            finer grain, closer to packets).
-        reduce_timeout_s, broadcast_timeout_s: round deadlines of the rendezvous; the
-            owner waits ``reduce_timeout_s`` whenever a chunk is lost.
-        heartbeat_timeout_s: a site silent this long is dropped from the round (it resyncs);
-            on a loaded machine a starved heartbeat thread does that to a live site.
+        decay_steps: None: the run's inner steps minus the warmup.
+        restart_after_round: -1: no restart; else the last site is killed after it applied
+            this many rounds and restarted (``InprocCluster.restart``) once site 0 applied
+            ``down_rounds`` more.
+        broadcast_codec, broadcast_sparse_k: the means' codec and its ``sparse_k`` (None: as
+            the contributions').
+        push_loss, pull_loss: probability that a contribution chunk / a pulled mean is lost
+            (``InprocFaults``).
         outer_lr, outer_momentum: outer SGD-Nesterov (DiLoCo arXiv 2311.08105: 0.7, 0.9).
-        num_val_batches: size of the fixed validation set (batches of ``batch_size``).
-        eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
+        num_val_batches, eval_every: the fixed validation set's batches; evaluate site 0's θ
+            every this many rounds (0: only at the end).
         track_drift: record the max pairwise L2 distance of θ between sites per round.
-        timeout_s: limit of the whole run (the threads are abandoned after it).
-        own_session: processes a run spawns (DDP ranks) call :func:`own_session`.
-        extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
-        datagram_drop: None: the in-process network; a probability in [0, 1): the
-            datagram data path on 127.0.0.1 (``DatagramTransport``, one chunk per
-            datagram: ``chunk_bytes`` is then set from the codec), every received
-            contribution / mean datagram dropped with it (``test_drop``, seeded by
-            ``seed`` and the site).
+        timeout_s, own_session: limit of the whole run; processes it spawns (DDP ranks) call
+            :func:`experiments.common.own_session`.
+        datagram_drop: None: the in-process network; a probability in [0, 1): the datagram data
+            path on 127.0.0.1 (one chunk per datagram), every received datagram dropped with it.
     """
 
     experiment: str
