@@ -36,13 +36,8 @@ NETEM = "netem"  # the section of these rows in the convergence CSVs
 BASE, REPEAT, LOSSY = "loss 0%", "loss 0% (repeat)", "loss 10%"
 LOSS_TARGET_PCT = 0.5  # issue 18: 10% loss changes the final loss by at most this many percent
 # Generous deadlines: a refusal is then the loss's doing, not the machine's (exchanges take ~1 s).
-RENDEZVOUS = dict(
-    quorum_timeout_s=30.0,
-    heartbeat_interval_s=0.5,
-    heartbeat_timeout_s=20.0,
-    reduce_timeout_s=30.0,
-    broadcast_timeout_s=60.0,
-)
+RENDEZVOUS = dict(quorum_timeout_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def settings(m: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

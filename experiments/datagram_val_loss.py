@@ -77,13 +77,8 @@ NETEM_WORKER = dict(
     quorum_wait_s=120,
     linger_s=2,
 )
-NETEM_RENDEZVOUS = dict(
-    quorum_timeout_s=30.0,
-    heartbeat_interval_s=0.5,
-    heartbeat_timeout_s=20.0,
-    reduce_timeout_s=10.0,
-    broadcast_timeout_s=20.0,
-)
+NETEM_RENDEZVOUS = dict(quorum_timeout_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0)
+NETEM_RENDEZVOUS |= dict(reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
 
 
 def netem_worker(mtu_bytes: int) -> dict[str, Any]:

@@ -104,13 +104,8 @@ def _legacy(f: dict[str, Any]) -> dict[str, Any]:
     ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0), deadlines=deadlines)
 
 
-RENDEZVOUS = {
-    "quorum_timeout_s": 60.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 30.0,
-    "reduce_timeout_s": 30.0,
-    "broadcast_timeout_s": 60.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def machine_cpu() -> dict[str, float]:

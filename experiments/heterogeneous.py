@@ -39,13 +39,9 @@ LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "ho
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 MODE, SHARE, COMPUTE, TARGET = "hetero.mode", "hetero.share", "hetero.compute_s", "hetero.target_loss"
 
-RENDEZVOUS = {
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 3.0,
-    "reduce_timeout_s": 3.0,
-    "broadcast_timeout_s": 6.0,
-    "min_sites": 2,
-}
+RENDEZVOUS = dict(
+    heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0, min_sites=2
+)
 STEP_S = 0.008  # the tiny model's own inner step on this machine under load (s), besides compute_s
 WORKER = dict(codec="int8", bucket_bytes=65536, chunk_bytes=16384, linger_s=2, quorum_wait_s=120)
 

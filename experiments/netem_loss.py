@@ -59,13 +59,8 @@ MODES: dict[str, dict[str, Any]] = {
     "full": dict(seeds=[0, 1, 2, 3, 4], grid=settings(True), fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40}),
 }
 LINK = dict(delay_ms=10.0, rate_mbit=100.0)  # the ``lossy`` profile's delay and rate
-RENDEZVOUS = {
-    "quorum_timeout_s": 5.0,
-    "heartbeat_interval_s": 0.5,
-    "heartbeat_timeout_s": 5.0,
-    "reduce_timeout_s": 1.0,
-    "broadcast_timeout_s": 2.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=5.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0)
+RENDEZVOUS |= dict(reduce_timeout_s=1.0, broadcast_timeout_s=2.0)
 WORKER = dict(codec="fp32", bucket_bytes=64 * KiB, chunk_bytes=16 * KiB, quorum_wait_s=120, linger_s=2)
 
 

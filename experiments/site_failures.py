@@ -43,14 +43,8 @@ from experiments.procs import run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
-RENDEZVOUS = {
-    "quorum_timeout_s": 1.0,
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 2.0,
-    "reduce_timeout_s": 1.5,
-    "broadcast_timeout_s": 3.0,
-    "min_sites": 2,
-}
+RENDEZVOUS = dict(quorum_timeout_s=1.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0)
+RENDEZVOUS |= dict(reduce_timeout_s=1.5, broadcast_timeout_s=3.0, min_sites=2)
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_rounds", "task.inner_step_sleep_s"
 

@@ -69,13 +69,8 @@ MODES: dict[str, dict[str, Any]] = {
 TRAIN = dict(batch_size=3, **{"diloco.buckets.bucket_bytes": 256 * KiB, "diloco.buckets.chunk_bytes": 64 * KiB})
 PACE_FRACTION = 0.8  # a fragment round's sends spread over 0.8 of its τ steps' time (DiLoCoConfig.pace_fraction)
 DELAYED_OUTER_MOMENTUM = 0.7  # OuterConfig.delayed_momentum's default (experiments/delayed_momentum.py)
-RENDEZVOUS = {
-    "quorum_timeout_s": 120.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 30.0,
-    "reduce_timeout_s": 60.0,
-    "broadcast_timeout_s": 120.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=120.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+RENDEZVOUS |= dict(reduce_timeout_s=60.0, broadcast_timeout_s=120.0)
 
 
 def configs(h: int, mode: str = "quick") -> list[tuple[str, dict[str, Any]]]:

@@ -1,39 +1,23 @@
 """WAN sweep through netem: round sync time against the physical limit (issue 6 part 3).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``, the same layout as ``dtrain launch --netem``) and talk
-real gRPC across emulated links. Every site's link gets the same setting: a rate cap
-(Mbit/s, each direction), a one-way delay on packets arriving at the site (so the RTT
-between two sites is 2 x delay) and random loss of packets arriving at the site.
-
-One training run per seed walks through every setting of the grid: each setting
-holds for ``warmup_rounds + measured_rounds`` rounds; the link changes once every
-site has written its metrics line for the last round of the previous setting (so
-all sites are in their inner phase, and the next round's exchange runs wholly under
-the new setting; rounds whose sync began before the change are flagged and left
-out). The warm-up round lets TCP (BBR) and the gRPC channels settle into the new
-link. Deadlines are generous (reduce 30 s, broadcast 60 s) so that what is measured
-is how long the exchange takes, not where a deadline cut it.
+N ``dtrain worker`` processes and a ``dtrain rendezvous``, each in its own network namespace,
+talk real gRPC across emulated links (the setup the report prints). One training run per seed
+walks every setting of the grid; the link changes once every site has written its line of the
+previous setting's last round, and a round whose sync began before the change is left out.
 
 Per setting and seed:
 
-* ``engine_s``: a round's exchange time, from the plan to the end of apply (the
-  worker's ``round_s``), max over sites (the round's critical path), mean over the
-  measured rounds; ``sync_s``: the same for the whole ``sync()`` call, which also
-  holds the wait for the other sites to be ready.
-* ``limit_s``: the physical limit as issue 6 defines it, 2 x B / rate + 2 x RTT, B =
-  encoded bytes of one site's pseudo-gradient (its codec payloads, all buckets), RTT =
-  2 x delay; ``ratio`` = engine_s / limit_s. With ownership spread evenly a site
-  uploads (N-1)/N x B of contributions and (N-1)/N x B of the means it owns, and
-  downloads as much, so the table also gives the ratio to that stricter limit,
-  2 x (N-1)/N x B / rate + 2 x RTT (its rate term is (N-1)/N of the first: 3/4 for N = 4).
+* ``engine_s``: a round's exchange time, plan to end of apply (the worker's ``round_s``), max
+  over sites, mean over the measured rounds; ``sync_s``: the same for the whole ``sync()``
+  call (the wait for the other sites included).
+* ``limit_s``: issue 6's physical limit, 2 x B / rate + 2 x RTT (B = encoded bytes of one
+  site's pseudo-gradient, RTT = 2 x one-way delay); ``ratio`` = engine_s / limit_s; also the
+  ratio to the strict limit 2 x (N-1)/N x B / rate + 2 x RTT (what each site sends and
+  receives when every site owns 1/N of the buckets).
 * ``compute_util``: inner-phase time over inner + sync time, mean over sites.
 
-Needs root (netem: network namespaces).
-
-``netem.rates`` / ``netem.delays`` / ``netem.losses`` (``--set netem.rates=[10,50]``), ``netem.floor``
-(the setting without emulation first) and ``netem.tcp_slow_start_after_idle`` (the sysctl in every
-site's namespace; the kernel's default is 1) are the spec's own paths.
+Needs root (netem: network namespaces). ``netem.floor``: first a setting without emulation;
+``netem.tcp_slow_start_after_idle``: that sysctl in every site's namespace (kernel default 1).
 """
 
 from __future__ import annotations
@@ -56,13 +40,8 @@ KiB = 1024
 # 512/256 KiB and 0.07 s with the 4 MiB default (one bucket: one owner carries everything).
 SITES, SIZE, H = "task_spec.num_sites", "task_spec.size", "diloco.sync_every"
 BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_bytes", "task.inner_step_sleep_s"
-RATES, DELAYS, LOSSES, FLOOR, SSAI = (
-    "netem.rates",
-    "netem.delays",
-    "netem.losses",
-    "netem.floor",
-    "netem.tcp_slow_start_after_idle",
-)
+RATES, DELAYS, LOSSES = "netem.rates", "netem.delays", "netem.losses"
+FLOOR, SSAI = "netem.floor", "netem.tcp_slow_start_after_idle"
 WARMUP, MEASURED = "lab.warmup_rounds", "lab.measured_rounds"
 WALK = [RATES, DELAYS, LOSSES]
 MODES: dict[str, dict[str, Any]] = {
@@ -88,13 +67,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 CODEC = "int8"  # the worker's default; --set diloco.rounds.codec.name=sparseloco (issue 35) measures another
 CODEC_PATH = "diloco.rounds.codec.name"
-RENDEZVOUS = {
-    "quorum_timeout_s": 60.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 20.0,
-    "reduce_timeout_s": 30.0,
-    "broadcast_timeout_s": 60.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=20.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def setting_label(rate: float | None, delay: float, loss: float) -> str:
