@@ -1,21 +1,16 @@
 """DiLoCo sanity table: H in {1, 10, 50, 100} against a data-parallel baseline.
 
 DiLoCo (Douillard et al., arXiv 2311.08105) claims equal or better loss than fully
-synchronous data-parallel training with about H times fewer bytes. Here both train the
-built-in byte-level GPT (stdlib source) with N sites/ranks, the same inner optimizer
-(AdamW, the preset's lr, weight decay 0.1), the same per-site batches, the same total
-inner steps and tokens:
+synchronous data-parallel training with about H times fewer bytes. Both train the built-in
+GPT with N sites/ranks, the same inner AdamW, per-site batches, inner steps and tokens (the
+report prints the setup):
 
-* DDP: N processes (``torch.multiprocessing`` spawn), gradients averaged every step with
-  ``torch.distributed.all_reduce`` over gloo on 127.0.0.1 (one flat fp32 buffer).
-  Bytes: a ring all-reduce sends 2·(N−1)/N · 4 · P bytes per rank per step (P
-  parameters); that formula is what the table shows (gloo's CPU all-reduce moves about
-  this much; loopback traffic of other processes makes a measurement unreliable).
-* DiLoCo: N sites as threads over the in-process transport, fp32 codec, outer SGD
-  (lr 0.7, momentum 0.9, Nesterov), H inner steps per round. Bytes: measured payload
-  bytes (contributions pushed + means pulled, chunk headers included).
-* Reference: one site alone with the same steps and batch size (no communication; a
-  quarter of the tokens), to show what merging the sites buys at all.
+* DDP: N spawned processes, gradients averaged every step (gloo all-reduce on 127.0.0.1).
+  Bytes: the ring formula 2·(N−1)/N · 4 · P per rank per step (P parameters; loopback
+  traffic of other processes makes a measurement unreliable).
+* DiLoCo: N in-process sites, fp32, outer SGD (lr 0.7, momentum 0.9, Nesterov). Bytes:
+  measured payload (contributions pushed + means pulled, chunk headers included).
+* Reference: one site alone, same steps and batch size (no communication).
 """
 
 from __future__ import annotations
@@ -117,14 +112,9 @@ def run_method(point: Point) -> RunResult:
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
 
-    Teardown: every rank meets in a last barrier (so none closes its gloo connections while
-    rank 0 still evaluates), destroys the process group, and then leaves with ``os._exit(0)``
-    without finalizing the interpreter. With torch 2.13, gloo's threads (``gloo_tcp_loop``,
-    two ``pt_gloo_runloop``; on rank 0 also the TCPStore server ``pt_tcpstore_uv``) still run
-    after ``destroy_process_group()`` returns (listed in /proc/self/task), so a normal exit
-    finalizes the interpreter and runs C++ destructors with them alive; under load that ended
-    once in "terminate called without an active exception" (SIGABRT). A rank that raises
-    still goes through spawn's error path.
+    Teardown: a last barrier (no rank closes its gloo connections while rank 0 evaluates), then
+    ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``, and a
+    normal exit's C++ destructors with them alive once ended in SIGABRT under load.
     """
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
@@ -211,23 +201,18 @@ def run_ddp(spec: RunSpec) -> RunResult:
             "final_val_loss": res["final_val_loss"],
             "val_loss_site_spread": 0.0,
             "rounds_done": steps,
-            "resyncs": 0,
-            "deferred": 0,
+            **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
+            **dict.fromkeys(("skipped_buckets", "rejected"), 0),
             "build_s": time.perf_counter() - t0 - res["wall_s"],
             "wall_s": res["wall_s"],
             "inner_s": res["wall_s"] - res["comm_s"],
             "sync_s": res["comm_s"],
             "round_s": res["comm_s"] / steps,
             "bytes_sent": per_rank_step * n * steps,
-            "bytes_received": 0,
             "bytes_total": per_rank_step * n * steps,
             "bytes_per_round_site": per_rank_step,
             "encode_s": 0.0,
             "decode_s": 0.0,
-            "stale_buckets": 0,
-            "repaired_buckets": 0,
-            "skipped_buckets": 0,
-            "rejected": 0,
             "consistent": True,
         }
     )

@@ -56,27 +56,10 @@ from experiments.common import (
 )
 
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
-SPECS = (
-    "codec_sweep",
-    "loss_sweep",
-    "delayed_momentum",
-    "diloco_sanity",
-    "site_failures",
-    "datagram_val_loss",
-    "netem_loss",
-    "streaming",
-    "wan_sweep",
-    "datagram_vs_grpc",
-    "heterogeneous",
-    "reliability",
-    "netem_udp_ceiling",
-    "hf_throughput",
-    "datagram_mean_loss",
-    "catch_up",
-    "datagram_tcp_share",
-    "convergence",
-    "chaos",
-    "vs_torchft",
+SPECS = tuple(
+    "codec_sweep loss_sweep delayed_momentum diloco_sanity site_failures datagram_val_loss netem_loss streaming "
+    "wan_sweep datagram_vs_grpc heterogeneous reliability netem_udp_ceiling hf_throughput datagram_mean_loss "
+    "catch_up datagram_tcp_share convergence chaos vs_torchft".split()
 )
 MODES = ("smoke", "quick", "full")
 

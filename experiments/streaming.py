@@ -46,13 +46,8 @@ from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
-SITES, SIZE, CODEC, H, ROUNDS = (
-    "task_spec.num_sites",
-    "task_spec.size",
-    "diloco.rounds.codec.name",
-    "diloco.sync_every",
-    "rounds",
-)
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+CODEC = "diloco.rounds.codec.name"
 STREAM = ("diloco.num_fragments", "diloco.overlap_steps", "diloco.merge_alpha", "diloco.pace_fraction")
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
