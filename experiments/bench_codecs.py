@@ -16,12 +16,6 @@ processes on a shared machine; wall-clock figures go to the JSON), and relative 
 error ||x̂ − x|| / ||x||. Figures are medians over ``--repeats`` runs. A second table
 times the zstd stage alone on each codec's body, to show whether zstd is the
 bottleneck.
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_codecs            # 16 Mi elements
-    .venv/bin/python -m experiments.bench_codecs --quick    # small, ~20 s
-    .venv/bin/python -m experiments.bench_codecs --json results/codecs.json
 """
 
 from __future__ import annotations

@@ -25,11 +25,6 @@ handler only counts. Figures:
 
 Both loops are single Python threads; the target in the issue is >= 200 Mbit/s per
 site. On a shared machine the wall-clock figures move with the load (printed).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_datagram            # 64 MB, ceilings 200/400/1000 Mbit/s
-    .venv/bin/python -m experiments.bench_datagram --quick    # 8 MB, one ceiling
 """
 
 from __future__ import annotations

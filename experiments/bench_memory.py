@@ -11,8 +11,6 @@ and reports the difference per parameter, against the target of 3.5 x 4 bytes pe
 parameter (issue 2). It also reports the largest single temporary the round engine
 allocates (one bucket). One site runs alone, so it owns (and aggregates) every
 bucket: the owner-side accumulators are the worst case here.
-
-    python -m experiments.bench_memory [--params-m 25] [--codec int8+zstd] [--rounds 2]
 """
 
 from __future__ import annotations

@@ -20,11 +20,6 @@ fraction of the datagrams (gaps in the batches). Figures, CPU time of the callin
 
 The means of the two paths are compared bit for bit (printed). The issue's target for
 the batched accept is <= 8 us per chunk (it was ~50 us through netem, 4 workers on 2 cores).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_owner            # runs of 1, 8, 64, 512 chunks
-    .venv/bin/python -m experiments.bench_owner --quick    # a 0.4 M-element bucket
 """
 
 from __future__ import annotations

@@ -6,11 +6,6 @@ A contribution that arrives ahead of its turn is held until the senders before i
 Per arrival pattern: CPU time to add every contribution and finalize one chunk (median
 over ``--repeats``, this thread's CPU time, one torch thread), the most decoded chunks
 held out of turn at once, and whether the mean equals the in-order one bit for bit.
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_reduce_order
-    .venv/bin/python -m experiments.bench_reduce_order --senders 16 --numel 1048576
 """
 
 from __future__ import annotations

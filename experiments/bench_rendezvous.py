@@ -20,9 +20,6 @@ Figures, on this process's clock (so they include its own queueing):
 * sites declared dead (must be 0) and the rendezvous's CPU seconds per round.
 
 Issue 13's target: quorum decisions in under 100 ms with 1,000 sites.
-
-    .venv/bin/python -m experiments.bench_rendezvous [--sites 1000] [--rounds 10] [--json out.json]
-    .venv/bin/python -m experiments.bench_rendezvous --smoke   # 50 sites, 2 rounds
 """
 
 from __future__ import annotations

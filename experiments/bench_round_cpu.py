@@ -22,12 +22,6 @@ Figures are CPU seconds of this thread (``time.thread_time``, robust to other pr
 shared machine), medians over ``--repeats`` rounds, one thread (``torch.set_num_threads(1)``).
 ``--json`` writes them too, so that two checkouts can be compared (``--compare a.json b.json``
 prints the ratios).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_round_cpu                 # int8, ~1 min
-    .venv/bin/python -m experiments.bench_round_cpu --codec int4 --json out/round_cpu_int4.json
-    .venv/bin/python -m experiments.bench_round_cpu --compare before.json after.json
 """
 
 from __future__ import annotations

@@ -19,10 +19,6 @@ thread per rank:
 
 "ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the
 issue's target is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
-
-    python -m experiments.bench_site_group                 # 25M params, K = 1 and 2
-    python -m experiments.bench_site_group --quick         # 2M params, fast
-    python -m experiments.bench_site_group --json out.json
 """
 
 from __future__ import annotations

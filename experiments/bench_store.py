@@ -8,11 +8,6 @@ plan. Printed: the time from the last ready to the plan seen by every site (its
 watch delivered it), the time the N-1 readies took, and etcd's write rate
 (revisions per second) during them. The same for the in-memory core (the last
 ready forms the plan; every site's next poll sees it).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_store            # 1,000 sites
-    .venv/bin/python -m experiments.bench_store --smoke    # 20 sites, a few seconds
 """
 
 from __future__ import annotations

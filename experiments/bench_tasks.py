@@ -1,10 +1,6 @@
 """Measure the built-in task: step time per preset and a validation-loss curve.
 
-Usage (prints a table; no asserts — speed targets are measured, not tested)::
-
-    python -m experiments.bench_tasks                      # step times of tiny, small, base
-    python -m experiments.bench_tasks --sizes small --curve 1000 --every 100
-    python -m experiments.bench_tasks --sizes small --sites 3 --seconds 60   # 3 concurrent sites, no sync
+Prints a table; no asserts (speed targets are measured, not tested).
 
 Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, because
 that is how ``dtrain launch`` runs its workers on a small machine.

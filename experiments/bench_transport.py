@@ -21,8 +21,6 @@ warm-up call: MiB/s of the median and of the best call, the gRPC/raw ratio of
 both (target >= 0.70), and the CPU time both processes spent per MiB (user+sys,
 all threads), which does not depend on other load on the machine.
 ``--json PATH`` also writes the rows.
-
-    .venv/bin/python -m experiments.bench_transport [--sizes-mib 1 16 128] [--reps 7]
 """
 
 from __future__ import annotations

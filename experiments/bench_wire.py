@@ -18,8 +18,6 @@ costs (``bytes(memoryview(p))``, one copy into a new object, is 1.0); and "py-he
 divided by the payload size (protobuf's own arena allocations are not seen by it, so it
 is a lower bound for the generated classes). The outputs of both codecs are checked to be
 equal before anything is timed.
-
-    .venv/bin/python -m experiments.bench_wire [--sizes-mib 1 4] [--reps 15]
 """
 
 from __future__ import annotations

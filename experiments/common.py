@@ -1,17 +1,7 @@
-"""Shared helpers of the lab (:mod:`experiments.lab`) and its specs.
-
-One run = N DiLoCo sites training the built-in byte-level GPT (``dtrain.tasks``) as
-threads of one process over a seeded in-process network (:class:`dtrain.sim.InprocCluster`).
-:func:`run_inproc` returns one CSV row (configuration, seed, final validation loss,
-rounds, wall time, bytes, sync seconds, stale buckets, rejected contributions, replica
-drift) plus one record per round. :func:`run_many` runs several in worker processes
-(each run's sites are GIL-bound threads, so separate processes are what uses more cores).
-:func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
-rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
-A run's kill-and-restart training loop is :func:`train_with_restart`; its datagram data path
-on 127.0.0.1 (``RunSpec.datagram_drop``) is ``RunSpec.datagram_transport``.
-
-Measurements here are figures to print and plot, never asserts.
+"""Shared helpers of the lab (:mod:`experiments.lab`) and its specs: one in-process run
+(:func:`run_inproc`: N DiLoCo sites training the built-in GPT as threads over
+:class:`dtrain.sim.InprocCluster`), several in worker processes (:func:`run_many`), and the
+CSV, markdown and RESULTS.md helpers. Measurements are figures to print and plot, never asserts.
 """
 
 from __future__ import annotations
@@ -132,17 +122,13 @@ def train_with_restart(
     """Every site trains until its training position (``DiLoCo.inner_steps``) reaches H·rounds
     (``step(site, k)`` at position k); with ``spec.restart_after_round`` the last site dies
     after that round and comes back (``InprocCluster.restart``) once site 0 applied
-    ``spec.down_rounds`` more rounds, at the inner step of the training position it pulled;
-    ``hook(site)`` is appended to the restarted site's ``on_round`` callbacks.
+    ``spec.down_rounds`` more rounds, with ``hook(site)`` among its ``on_round`` callbacks.
 
-    The loop follows the site's own position, not a count of its own: a site that was cut
-    from a round resyncs and takes a member's position (``DiLoCo._heal``), which can move it
-    a round back or forth; counting steps here instead left such a site a round short (or
-    long) at the end, with θ unequal to the others' (issue 18, restart seed 8 under load).
+    The loop follows the site's own position, not a count of its own: a site cut from a round
+    resyncs to a member's position, which can move it a round back or forth (issue 18).
 
     Raises:
-        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
-    """
+        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure."""
     total = spec.sync_every * spec.rounds
     victim = spec.num_sites - 1 if spec.restart_after_round >= 0 else -1
     restart_step = spec.restart_after_round * spec.sync_every
@@ -346,10 +332,8 @@ def inner_step(task) -> None:
 
 
 def own_session() -> None:
-    """Put this process into a session of its own. With the kernel's autogroup scheduling
-    (``/proc/sys/kernel/sched_autogroup_enabled``) CPU is shared between sessions first and
-    ``nice`` only orders processes within one, so N workers in the caller's session would
-    together get the share of one session on a machine where other jobs each start their own."""
+    """Put this process into a session of its own: with autogroup scheduling CPU is shared between
+    sessions first, so N workers in the caller's session would share one session's CPU."""
     try:
         os.setsid()
     except OSError:  # already a session or process-group leader
@@ -551,13 +535,8 @@ def save_fig(fig, path: Path) -> Path:
 
 
 def update_results(path: Path, key: str, title: str, body: str) -> None:
-    """Put ``body`` under ``## title`` in the RESULTS.md at ``path``.
-
-    The section is delimited by ``<!-- begin KEY -->`` / ``<!-- end KEY -->``: a rerun
-    of the same experiment and mode replaces its own section in place; every other
-    section (other experiments, other people's) is left as it is; a new key is
-    appended at the end.
-    """
+    """Put ``body`` under ``## title`` in the RESULTS.md at ``path``, between ``<!-- begin KEY -->``
+    and ``<!-- end KEY -->``: a rerun replaces its own section in place, a new key is appended."""
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
     text = (

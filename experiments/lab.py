@@ -1,26 +1,14 @@
 """The one runner of the lab: a :class:`Spec` declares an experiment, :func:`run` runs it.
 
-An experiment over in-process DiLoCo runs (:func:`experiments.common.run_inproc`) is a
-short declarative :class:`Spec`: its modes (smoke / quick / full), its grid and fixed
-settings as overrides of the config tree by dotted path (``{"diloco.rounds.codec.name":
-["fp32", "int8"]}``, the paths of ``dtrain worker`` / ``dtrain rendezvous`` flags and TOML
-keys, plus ``inproc.*`` for what only the in-process cluster has: injected loss, a kill
-and restart, the validation set), the metrics it reports and the named functions that
-turn rows into its table (``report``) and its verdict lines (``verdict``). :func:`run`
-expands the grid over the seeds, runs every point (``jobs`` at a time), writes
-``OUT/NAME[_MODE].csv`` and ``..._rounds.csv``, and puts one section into RESULTS.md,
-stamped with the commit, date, command and machine load it came from (a rerun replaces
-its own section: :func:`experiments.common.update_results`).
-
-An experiment whose runs are something else (a DDP baseline, a small MLP task, worker
-processes in netem sites) gives its own ``execute``: a module-level function of one
-:class:`Point` (the configuration's label, the seed, and its settings by path) returning a
-:class:`~experiments.common.RunResult`; the paths it reads beyond :data:`TREE_FIELDS` are
-declared in ``paths`` (config-tree paths such as ``outer.momentum`` or ``netem.delay_ms``).
-Everything else (the grid, the seeds, the CSVs, the stamped section) is the same runner.
-
-``python -m experiments run NAME [--mode smoke|quick|full]`` is the command line
-(:mod:`experiments.__main__`); :data:`SPECS` names every spec.
+A spec gives its modes (smoke / quick / full), its grid and fixed settings as overrides of the
+config tree by dotted path (``{"diloco.rounds.codec.name": ["fp32", "int8"]}``: the paths of
+``dtrain worker`` / ``dtrain rendezvous`` flags and TOML keys, plus ``inproc.*`` for what only the
+in-process cluster has), its metrics, and the named functions that turn rows into its table
+(``report``) and verdict lines (``verdict``). :func:`run` expands the grid over the seeds, runs
+every point (``jobs`` at a time; by default the in-process DiLoCo run,
+:func:`experiments.common.run_inproc`, else the spec's ``execute`` of one :class:`Point`), writes
+``OUT/NAME[_MODE].csv`` and ``..._rounds.csv``, and puts one section, stamped with the commit,
+date, command and machine load, into RESULTS.md (:func:`experiments.common.update_results`).
 """
 
 from __future__ import annotations
