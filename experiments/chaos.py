@@ -1,45 +1,31 @@
 """Chaos soak: N sites over gRPC for R rounds with seeded random faults (issue 13).
 
-Every site is a ``dtrain worker`` process on 127.0.0.1 (``dtrain.app.procs.Cluster``,
-built on the one process harness ``dtrain/app/procs.py``), checkpointing every round.
-site-0 is never faulted (the reference that paces the run); the others get, at seeded
+Every site is a ``dtrain worker`` process (``dtrain.app.procs.Cluster``), checkpointing every
+round. site-0 is never faulted (the reference that paces the run); the others get, at seeded
 random times, one of:
 
-* ``kill``: SIGKILL, restarted with ``--resume`` a few seconds later (a non-owner or an
-  owner, in whatever phase it is in: inner steps, push, finalize, pull, repair);
-* ``stop``: SIGSTOP for a few seconds, then SIGCONT (a hung site, declared dead and
-  resynchronised, or a straggler);
-* ``corrupt``: a client holding the token pushes an undecodable contribution claiming
-  to be a member, for the round in progress, to a site;
+* ``kill``: SIGKILL, restarted with ``--resume`` a few seconds later (in whatever phase it is);
+* ``stop``: SIGSTOP for a few seconds, then SIGCONT (a hung site, or a straggler);
+* ``corrupt``: a client holding the token pushes an undecodable contribution claiming to be a
+  member, for the round in progress;
 * ``flood``: a client holding the token keeps idle Push streams open on a site;
-* ``partition`` (netem only): the site is cut off from every other site and the
-  rendezvous for a few seconds, then healed (``netem.Topology.partition``; existing TCP
-  connections stall, new ones time out);
+* ``partition`` (netem only): the site is cut off from every other site and the rendezvous for
+  a few seconds, then healed;
 
-and the rendezvous (the control plane's one process) gets:
+and the rendezvous gets ``rv_kill`` (SIGKILL, restarted on the same address: it forgets
+everything, the sites re-register) or ``rv_stop`` (SIGSTOP, then SIGCONT). Faults come from a
+shuffled bag of the kinds (each once before any repeats); at most one site or the rendezvous is
+down, stopped or cut off at a time. With netem (``chaos.netem``) every process runs in its own
+emulated LAN site; without it on 127.0.0.1, and ``partition`` is left out.
 
-* ``rv_kill``: SIGKILL, restarted on the same address a few seconds later (it forgets
-  everything; the sites defer, re-register and it adopts the round they ask for);
-* ``rv_stop``: SIGSTOP for a few seconds, then SIGCONT.
-
-Faults are drawn from a shuffled bag of the kinds (each once before any repeats), so a
-short run covers every kind. With netem (root, ``ip netns``: ``--netem auto`` finds out)
-every process runs in its own emulated site on a LAN profile and the rogue clients in the
-rendezvous's site; without it everything runs on 127.0.0.1 and ``partition`` is left out.
-At most one site or the rendezvous is down, stopped or cut off at a time.
-
-Checked from the metrics lines (``dtrain.metrics``) after the run, per round: no hang
-(every site that ran the round finished its engine part, ``round_s``, by the broadcast
-deadline + 1 s), θ checksums equal among the sites that applied it with no stale bucket
-(a round where they differ and some applying site skipped an unreachable owner's buckets,
-``owner_lost``, is reported apart: an owner cut off during the reduce applies its own mean,
-a known open case; only the other mismatches fail the run), nothing an owner
-refused was applied (``dtrain.metrics.rejected_applied``: no sender whose contribution an
-owner refused is among the senders of a mean a site applied for that chunk), and resident memory
-/ open fds of each worker process sampled every second (growth of each site's
-longest-lived process after the first 30 % of its life). Prints a table:
-faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
-against a fault-free run with the same seed.
+Checked from the metrics lines after the run, per round: no hang (every site that ran the
+round finished its engine part, ``round_s``, by the broadcast deadline + 1 s); θ checksums
+equal among the sites that applied it with no stale bucket (a mismatch after an unreachable
+owner, ``owner_lost``, is reported apart: a known open case); nothing an owner refused was
+applied (``dtrain.metrics.rejected_applied``); and each worker's RSS and open fds, sampled
+every second (growth of each site's longest-lived process after its warm-up). The table:
+faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss against
+a fault-free run with the same seed.
 
 One row per soak. A failed check is a verdict line saying **NOT met** (``chaos.json``, beside
 the logs of ``chaos.logs``, has the figures); the run itself exits 0.

@@ -47,6 +47,7 @@ from experiments.common import (
 )
 from experiments.lab import Point, Spec
 from experiments.procs import free_port
+from experiments.torchft_site import ring_allreduce_bytes
 
 DDP = "DDP (all-reduce every step)"
 ALONE = "1 site alone (no sync)"
@@ -188,7 +189,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
         tmp.spawn(_ddp_worker, args=(spec, free_port(), out), nprocs=spec.num_sites, join=True)
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
-    per_rank_step = round(2 * (n - 1) / n * 4 * p)  # ring all-reduce, fp32
+    per_rank_step = ring_allreduce_bytes(p, n)
     row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row.update(
