@@ -66,30 +66,6 @@ from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
 from experiments.procs import free_port, netem_problem
-from experiments.vs_torchft_analysis import (
-    BUCKET_BYTES,
-    CODEC,
-    DATA,
-    EXTRA_CODECS,
-    FAULT_ROUNDS,
-    KILL_ROUND,
-    NETEM,
-    NETEM_PROFILES,
-    NETEM_ROUNDS,
-    PROFILE,
-    PYSPY,
-    REPEAT,
-    REPEATS,
-    RESTART_AFTER,
-    ROUNDS,
-    SCENARIO,
-    SCENARIOS,
-    SITES,
-    SIZE,
-    SYNC_EVERY,
-    SYSTEM,
-    TIMEOUT_S,
-)
 
 INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
@@ -101,7 +77,7 @@ KILLED_SITE = 1
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 TORCHFT_SITE_FLAGS = ["--timeout-s", "30", "--quorum-timeout-s", "300", "--pg-timeout-s", "5"]
 #: the plan's settings: what a mode runs, not how one run runs (not copied into the runs' rows)
-PLAN = (SCENARIOS, REPEATS, EXTRA_CODECS, NETEM_PROFILES, NETEM_ROUNDS, FAULT_ROUNDS, PROFILE)
+PLAN = (va.SCENARIOS, va.REPEATS, va.EXTRA_CODECS, va.NETEM_PROFILES, va.NETEM_ROUNDS, va.FAULT_ROUNDS, va.PROFILE)
 #: the metrics-line fields the rounds CSV keeps (the analysis reads them; ``t``: seconds since the go)
 LINE_FIELDS = ("round", "step", "status", "committed", "members", "val_loss", "train_loss", "inner_s", "sync_s")
 LINE_FIELDS += ("encode_s", "decode_s", "network_s", "wait_s", "bytes_sent", "bytes_received", "applied_buckets")
@@ -176,7 +152,7 @@ class Run:
     @property
     def kill_round(self) -> int:
         """The round site-1 is killed in; -1: no fault."""
-        return self.s[KILL_ROUND] if self.s[SCENARIO] == "fault" else -1
+        return self.s[va.KILL_ROUND] if self.s[va.SCENARIO] == "fault" else -1
 
 
 @dataclass
@@ -227,10 +203,10 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
     topo = None
     gate = run_dir / "gate"
     try:
-        if run.s[NETEM]:
+        if run.s[va.NETEM]:
             from netem import Topology  # noqa: PLC0415
 
-            topo = Topology(num_sites=run.s[SITES] + 1, profile=run.s[NETEM])
+            topo = Topology(num_sites=run.s[va.SITES] + 1, profile=run.s[va.NETEM])
             rec.netem_backends = topo.backends()
         net = _Net(topo)
         gate.mkdir(exist_ok=True)
@@ -238,7 +214,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
         restart_name = _start_sites(run, run_dir, net, coord, children, start_together, rec)
         _supervise(run, rec, run_dir, children, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
-        if run.s[PYSPY]:  # py-spy writes its file once the sampled process has exited
+        if run.s[va.PYSPY]:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
             _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
     except (Exception, KeyboardInterrupt) as e:
@@ -255,7 +231,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
 def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Proc]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
-    n, py = run.s[SITES], sys.executable
+    n, py = run.s[va.SITES], sys.executable
     if run.system == "dtrain":
         addr_file = run_dir / "rendezvous.addr"
         argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
@@ -297,22 +273,22 @@ def _site_argv(
 ) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
     go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
-    n, py, gate = run.s[SITES], sys.executable, run_dir / "gate"
+    n, py, gate = run.s[va.SITES], sys.executable, run_dir / "gate"
     out = run_dir / out_name
     env = {"GLOO_SOCKET_IFNAME": net.ifname}
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
-    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[SIZE]]
-    common += ["--data", run.s[DATA], "--rounds", str(run.s[ROUNDS]), "--sync-every", str(run.s[SYNC_EVERY])]
+    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[va.SIZE]]
+    common += ["--data", run.s[va.DATA], "--rounds", str(run.s[va.ROUNDS]), "--sync-every", str(run.s[va.SYNC_EVERY])]
     common += ["--threads", "1", "--seed", str(run.seed)]
     if run.system == "dtrain":
         args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
-        args += ["--codec", run.s[CODEC]]
-        if run.s[BUCKET_BYTES]:
-            args += ["--bucket-bytes", str(run.s[BUCKET_BYTES])]
+        args += ["--codec", run.s[va.CODEC]]
+        if run.s[va.BUCKET_BYTES]:
+            args += ["--bucket-bytes", str(run.s[va.BUCKET_BYTES])]
         if fault:
             env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{run.kill_round}:kill"
-        if run.s[PYSPY] and i == 0:
-            env["VS_TORCHFT_PYSPY"] = run.s[PYSPY]
+        if run.s[va.PYSPY] and i == 0:
+            env["VS_TORCHFT_PYSPY"] = run.s[va.PYSPY]
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
         args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
@@ -330,7 +306,7 @@ def _start_sites(
 ) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
-    n, gate = run.s[SITES], run_dir / "gate"
+    n, gate = run.s[va.SITES], run_dir / "gate"
     names = [f"site-{i}" for i in range(n)]
     for i, name in enumerate(names):
         fault = run.kill_round >= 0 and i == KILLED_SITE
@@ -369,7 +345,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
     replacement once a survivor has finished the restart round (killing the site first
     if the fault did not fire)."""
     gate = run_dir / "gate"
-    deadline = time.monotonic() + run.s[TIMEOUT_S]
+    deadline = time.monotonic() + run.s[va.TIMEOUT_S]
     survivor = run_dir / "site-0" / "metrics.jsonl"
     while True:
         if run.kill_round >= 0:
@@ -377,7 +353,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             if rec.t_kill is None and killed.poll() is not None:
                 rec.t_kill = time.time()
             if rec.t_restart is None and any(
-                d.get("event") == "round" and d["round"] >= run.kill_round + run.s[RESTART_AFTER] - 1
+                d.get("event") == "round" and d["round"] >= run.kill_round + run.s[va.RESTART_AFTER] - 1
                 for d in read_json_lines(survivor)
             ):
                 if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
@@ -394,7 +370,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             break
         if time.monotonic() > deadline:
             rec.timed_out = True
-            rec.error = (rec.error or "") + f"timed out after {run.s[TIMEOUT_S]:.0f}s. "
+            rec.error = (rec.error or "") + f"timed out after {run.s[va.TIMEOUT_S]:.0f}s. "
             break
         time.sleep(0.1)
 
@@ -461,12 +437,12 @@ def run_point(point: Point) -> list[RunResult]:
     why = torchft_problem()
     if why:
         raise SystemExit(f"vs_torchft: {why}.\nThis experiment needs torchft 0.2.0; install it with:\n  {INSTALL_HINT}")
-    if point.settings[NETEM] and netem_problem():
+    if point.settings[va.NETEM] and netem_problem():
         print(f"vs_torchft: {point.config} not run: {netem_problem()}", flush=True)
         return []
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_signal)  # a stopped runner still stops every child
-    systems = ("dtrain", "torchft") if point.settings[SYSTEM] == "both" else (point.settings[SYSTEM],)
+    systems = ("dtrain", "torchft") if point.settings[va.SYSTEM] == "both" else (point.settings[va.SYSTEM],)
     with tempfile.TemporaryDirectory(prefix="dtrain-vs-torchft-") as tmp:
         runs = {sy: (Run(sy, point.settings, point.seed), Path(tmp) / _run_name(point, sy)) for sy in systems}
         if len(systems) == 1:
@@ -481,7 +457,7 @@ def run_point(point: Point) -> list[RunResult]:
 
 def _run_name(point: Point, system: str) -> str:
     s = point.settings
-    name = f"{system}_{s[SCENARIO]}_r{s[REPEAT]}" + (f"_s{point.seed}" if point.seed else "")
+    name = f"{system}_{s[va.SCENARIO]}_r{s[va.REPEAT]}" + (f"_s{point.seed}" if point.seed else "")
     return re.sub(r"[^A-Za-z0-9_.+-]+", "-", name)
 
 
@@ -511,7 +487,7 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
         lines += [{**base, "kind": "category", "name": k, "share": v} for k, v in prof["categories"].items()]
         lines += [{**base, "kind": "leaf", "name": k, "share": v} for k, v in prof["top_leaves"]]
     row = point.row(
-        **{SYSTEM: system},
+        **{va.SYSTEM: system},
         run=name,
         error=rec.error or "",
         timed_out=rec.timed_out,
@@ -532,14 +508,14 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
     if rec.error:  # keep what the run left, for its logs
         row["kept"] = str(Path(tempfile.gettempdir()) / f"vs_torchft-failed-{name}-{os.getpid()}")
         shutil.copytree(rec.dir, row["kept"], dirs_exist_ok=True)
-    print(f"  {system:7s} {point.settings[SCENARIO]:22s} {name}: {rec.error or 'ok'}", flush=True)
+    print(f"  {system:7s} {point.settings[va.SCENARIO]:22s} {name}: {rec.error or 'ok'}", flush=True)
     return RunResult(row=row, rounds=lines)
 
 
 def _point(m: dict[str, Any], seed: int, system: str, scenario: str, repeat: int = 0, **more: Any) -> Point:
     """A run of ``system`` (or ``both``) through ``scenario``: the mode's fixed settings but the plan's."""
     base = {k: v for k, v in m["fixed"].items() if k not in PLAN}
-    settings = {**base, SYSTEM: system, SCENARIO: scenario, REPEAT: repeat, **more}
+    settings = {**base, va.SYSTEM: system, va.SCENARIO: scenario, va.REPEAT: repeat, **more}
     return Point("vs_torchft", f"{system} {scenario} #{repeat}", seed, settings)
 
 
@@ -547,27 +523,27 @@ def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
     """The runs, in phases: first every scenario of ``vs.scenarios`` (healthy in AB BA order and
     one dtrain run per extra codec, the concurrent pairs, the fault runs, each netem profile);
     then the profiled dtrain run if :func:`~experiments.vs_torchft_analysis.profile_wanted`."""
-    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, EXTRA_CODECS, NETEM_PROFILES)}}
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (va.SCENARIOS, va.EXTRA_CODECS, va.NETEM_PROFILES)}}
     if rows:
-        if any(r[SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
+        if any(r[va.SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
             return []
-        return [_point(m, m["seeds"][0], "dtrain", "profile", **{PYSPY: pyspy_path()})]
+        return [_point(m, m["seeds"][0], "dtrain", "profile", **{va.PYSPY: pyspy_path()})]
     out = []
     for seed in m["seeds"]:
-        if "healthy" in f[SCENARIOS]:
-            for rep in range(max(1, f[REPEATS])):
+        if "healthy" in f[va.SCENARIOS]:
+            for rep in range(max(1, f[va.REPEATS])):
                 order = ("dtrain", "torchft") if rep % 2 == 0 else ("torchft", "dtrain")
                 out += [_point(m, seed, sy, "healthy", rep) for sy in order]
-            codecs = [c for c in f[EXTRA_CODECS] if c and c != f[CODEC]]
-            out += [_point(m, seed, "dtrain", f"healthy codec={c}", **{CODEC: c}) for c in codecs]
-        if "concurrent" in f[SCENARIOS]:  # both systems at the same time: they see the same background load
-            out += [_point(m, seed, "both", "concurrent", rep) for rep in range(max(1, f[REPEATS]))]
-        if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] >= 2:
-            out += [_point(m, seed, sy, "fault", **{ROUNDS: f[FAULT_ROUNDS]}) for sy in ("dtrain", "torchft")]
-        if "netem" in f[SCENARIOS]:
-            rounds = f[NETEM_ROUNDS] or f[ROUNDS]
-            for prof in f[NETEM_PROFILES]:
-                more = {NETEM: prof, ROUNDS: rounds}
+            codecs = [c for c in f[va.EXTRA_CODECS] if c and c != f[va.CODEC]]
+            out += [_point(m, seed, "dtrain", f"healthy codec={c}", **{va.CODEC: c}) for c in codecs]
+        if "concurrent" in f[va.SCENARIOS]:  # both systems at the same time: they see the same background load
+            out += [_point(m, seed, "both", "concurrent", rep) for rep in range(max(1, f[va.REPEATS]))]
+        if "fault" in f[va.SCENARIOS] and f[va.FAULT_ROUNDS] and f[va.SITES] >= 2:
+            out += [_point(m, seed, sy, "fault", **{va.ROUNDS: f[va.FAULT_ROUNDS]}) for sy in ("dtrain", "torchft")]
+        if "netem" in f[va.SCENARIOS]:
+            rounds = f[va.NETEM_ROUNDS] or f[va.ROUNDS]
+            for prof in f[va.NETEM_PROFILES]:
+                more = {va.NETEM: prof, va.ROUNDS: rounds}
                 out += [_point(m, seed, sy, f"netem-{prof}", **more) for sy in ("dtrain", "torchft")]
     return out
 
@@ -581,11 +557,11 @@ def _names(v: Any) -> list[str]:
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     """The comparison's section (:func:`experiments.vs_torchft_analysis.report`) with notes on
     what the mode asked for that did not run here, and on the runs that left a problem."""
-    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, NETEM_PROFILES)}}
-    scens, notes = {r[SCENARIO] for r in rows}, []
-    if "netem" in f[SCENARIOS] and f[NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
-        notes.append(f"netem scenarios ({', '.join(f[NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
-    if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] < 2:
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (va.SCENARIOS, va.NETEM_PROFILES)}}
+    scens, notes = {r[va.SCENARIO] for r in rows}, []
+    if "netem" in f[va.SCENARIOS] and f[va.NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
+        notes.append(f"netem scenarios ({', '.join(f[va.NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
+    if "fault" in f[va.SCENARIOS] and f[va.FAULT_ROUNDS] and f[va.SITES] < 2:
         notes.append("fault scenario not run: it needs >= 2 sites")
     if "profile" not in scens and va.profile_wanted(rows, m) and not pyspy_path():
         notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
@@ -595,32 +571,32 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 
 #: per mode: the task, the schedule, and what runs (``vs.*``; ``--set`` overrides any of them)
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {SITES: 2, SIZE: "tiny", ROUNDS: 4, SYNC_EVERY: 5, FAULT_ROUNDS: 0, NETEM_PROFILES: []},
-    "quick": {SITES: 2, SIZE: "small", ROUNDS: 8, SYNC_EVERY: 20, FAULT_ROUNDS: 10, REPEATS: 2},
-    "full": {SITES: 3, SIZE: "small", ROUNDS: 16, SYNC_EVERY: 50, FAULT_ROUNDS: 14, REPEATS: 2},
+    "smoke": {va.SITES: 2, va.SIZE: "tiny", va.ROUNDS: 4, va.SYNC_EVERY: 5, va.FAULT_ROUNDS: 0, va.NETEM_PROFILES: []},
+    "quick": {va.SITES: 2, va.SIZE: "small", va.ROUNDS: 8, va.SYNC_EVERY: 20, va.FAULT_ROUNDS: 10, va.REPEATS: 2},
+    "full": {va.SITES: 3, va.SIZE: "small", va.ROUNDS: 16, va.SYNC_EVERY: 50, va.FAULT_ROUNDS: 14, va.REPEATS: 2},
 }
-MODES["smoke"] |= {NETEM_ROUNDS: 0, TIMEOUT_S: 120.0, SCENARIOS: ["healthy"], PROFILE: "never"}
-MODES["quick"] |= {NETEM_PROFILES: ["transatlantic"], NETEM_ROUNDS: 5, EXTRA_CODECS: ["int8+zstd"]}
-MODES["full"] |= {NETEM_PROFILES: ["transatlantic", "lossy"], NETEM_ROUNDS: 8, TIMEOUT_S: 1800.0}
-MODES["full"] |= {EXTRA_CODECS: ["int8+zstd", "int4"]}
+MODES["smoke"] |= {va.NETEM_ROUNDS: 0, va.TIMEOUT_S: 120.0, va.SCENARIOS: ["healthy"], va.PROFILE: "never"}
+MODES["quick"] |= {va.NETEM_PROFILES: ["transatlantic"], va.NETEM_ROUNDS: 5, va.EXTRA_CODECS: ["int8+zstd"]}
+MODES["full"] |= {va.NETEM_PROFILES: ["transatlantic", "lossy"], va.NETEM_ROUNDS: 8, va.TIMEOUT_S: 1800.0}
+MODES["full"] |= {va.EXTRA_CODECS: ["int8+zstd", "int4"]}
 
 SPEC = Spec(
     name="vs_torchft",
     title="dtrain vs torchft 0.2.0 DiLoCo",
     modes={mode: {"seeds": [0], "fixed": fixed} for mode, fixed in MODES.items()},
     fixed={
-        DATA: "stdlib",
-        CODEC: "int8",
-        BUCKET_BYTES: None,  # dtrain's default
-        SCENARIOS: ["healthy", "concurrent", "fault", "netem"],
-        REPEATS: 1,
-        EXTRA_CODECS: [],
-        PROFILE: "auto",
-        KILL_ROUND: 3,
-        RESTART_AFTER: 2,
-        TIMEOUT_S: 900.0,
-        NETEM: None,
-        PYSPY: None,
+        va.DATA: "stdlib",
+        va.CODEC: "int8",
+        va.BUCKET_BYTES: None,  # dtrain's default
+        va.SCENARIOS: ["healthy", "concurrent", "fault", "netem"],
+        va.REPEATS: 1,
+        va.EXTRA_CODECS: [],
+        va.PROFILE: "auto",
+        va.KILL_ROUND: 3,
+        va.RESTART_AFTER: 2,
+        va.TIMEOUT_S: 900.0,
+        va.NETEM: None,
+        va.PYSPY: None,
     },
     metrics=(
         ("final_val_loss", 0.0, 10.0),
@@ -631,7 +607,7 @@ SPEC = Spec(
     report=report,
     verdict=va.verdict,
     execute=run_point,
-    paths=(SYSTEM, SCENARIO, REPEAT, NETEM, KILL_ROUND, RESTART_AFTER, TIMEOUT_S, PYSPY, *PLAN),
+    paths=(va.SYSTEM, va.SCENARIO, va.REPEAT, va.NETEM, va.KILL_ROUND, va.RESTART_AFTER, va.TIMEOUT_S, va.PYSPY, *PLAN),
     jobs_fn=lambda point: False,  # one run at a time: each measures the machine
     phases=plan,
 )
