@@ -79,14 +79,7 @@ def _contributions(mbytes: float, round: int) -> list[Contribution]:
     count = int(mbytes * 1e6 / len(payload))
     return [
         Contribution(
-            round=round,
-            bucket=0,
-            chunk=i,
-            offset=i * n,
-            numel=n,
-            codec="int8",
-            sender="site-a",
-            payload=payload,
+            round=round, bucket=0, chunk=i, offset=i * n, numel=n, codec="int8", sender="site-a", payload=payload
         )
         for i in range(count)
     ]

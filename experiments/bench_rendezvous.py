@@ -217,9 +217,7 @@ def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_serve,
-        args=(child, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s),
-        daemon=True,
+        target=_serve, args=(child, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s), daemon=True
     )
     proc.start()
     try:

@@ -136,8 +136,7 @@ class _Site:
                 for c, (o, n) in enumerate(layout.buckets[b].chunks)
             ]
             chunks, full = timed(
-                "mean_encode",
-                lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen),
+                "mean_encode", lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
             )
             means[b] = (chunks, full)
         for b in self.remote:  # stand-in means of the others' buckets: what this site sent

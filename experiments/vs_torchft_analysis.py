@@ -337,7 +337,7 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
         lines += ["### Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
         f"CSV: `{prefix.name}.csv` (one row per run), `{prefix.name}_rounds.csv` (every metrics line of every "
-        f"site); plot: `{png.name}`.",
+        f"site); plot: `{png.name}`."
     ]
     return "\n".join(lines)
 
