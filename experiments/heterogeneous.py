@@ -33,7 +33,7 @@ from typing import Any
 from dtrain.app.procs import Cluster
 from experiments.common import RunResult, fmt_pm, md_rows, mean_se, mean_std, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
-from experiments.procs import SitesRun, run_sites
+from experiments.procs import SitesRun, line_record, run_sites
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
@@ -128,15 +128,8 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         consistent=_consistent(per_site),
     )
     rounds = [
-        {
-            "experiment": point.experiment,
-            "config": point.config,
-            "seed": point.seed,
-            "round": x["round"],
-            "t_s": x["time"] - t_ref,
-            "val_loss": x.get("val_loss"),
-            "round_steps": x.get("round_steps"),
-        }
+        line_record(point.experiment, point.config, point.seed, x, ("round",), t_s=x["time"] - t_ref)
+        | {k: x.get(k) for k in ("val_loss", "round_steps")}
         for x in site0
     ]
     return RunResult(row=row, rounds=rounds)

@@ -39,7 +39,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import run_sites
+from experiments.procs import line_record, run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -63,11 +63,7 @@ MODES: dict[str, dict[str, Any]] = {
         seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}
     ),
 }
-
-
 TIMEOUT_S = 900.0  # bound on one run
-
-
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
@@ -171,19 +167,9 @@ def _measure(
         "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
     }
+    keys = ("round", "status", "val_loss", "members", "sync_s", "round_s")
     rounds_out = [
-        {
-            "experiment": "site_failures",
-            "config": f[SCENARIO],
-            "seed": seed,
-            "round": x["round"],
-            "status": x["status"],
-            "val_loss": x["val_loss"],
-            "members": len(x.get("members", [])),
-            "sync_s": x["sync_s"],
-            "round_s": x.get("round_s", float("nan")),
-        }
-        for x in site0
+        line_record("site_failures", f[SCENARIO], seed, x | {"members": len(x.get("members", []))}, keys) for x in site0
     ]
     return RunResult(row=row, rounds=rounds_out)
 
