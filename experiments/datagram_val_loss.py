@@ -1,32 +1,21 @@
 """Final validation loss of the datagram data path at 10% packet loss against 0%, paired by seed (issue 16).
 
-The issue's target: the final validation loss at 10% packet loss within 0.5% of the loss at
-0%, with enough seeds that the standard error is <= 0.2%. Cheap form: N sites train the
-built-in task in one process (``experiments.common.run_inproc``) over
-:class:`~dtrain.transports.datagram.DatagramTransport` on 127.0.0.1 (sealed datagrams, one
-chunk per datagram, int8), once with no loss and once with every received contribution and
-mean datagram dropped with probability ``--loss`` (``test_drop``: the same datagram-level
-loss the netem runs give, without the emulator's cost). Both runs of a seed share the model
-init, the data order and every other random choice, so the paired difference
-``d = final(loss) / final(0) - 1`` isolates what the loss did. Seeds are added one pair at a
-time until the standard error of the mean ``d`` is <= ``--target-se`` (after at least
-``min_seeds``), or ``--budget-s`` or ``max_seeds`` run out.
+The issue's target: the final validation loss at 10% packet loss within 0.5% of the loss at 0%,
+with a standard error <= 0.2%. N sites train the built-in task in one process over
+:class:`~dtrain.transports.datagram.DatagramTransport` on 127.0.0.1 (sealed datagrams, one int8
+chunk per datagram), once with no loss and once with every received contribution and mean
+datagram dropped with probability p (``test_drop``: the datagram-level loss netem gives, without
+the emulator's cost). Both runs of a seed share every random choice, so the paired
+``d = final(loss) / final(0) - 1`` isolates what the loss did. Seed pairs are added until the SE of
+mean d is <= ``lab.target_se`` (after ``lab.min_seeds``), or ``lab.budget_s`` or the seeds run out.
 
-``netem.enabled``: the same pairs through the emulated links instead (``netem_loss.run_one``: N
-``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces, every link
-100 Mbit/s and 10 ms one way, the loss on packets arriving at each site; ``--data-path
-datagram``, int8, ``--max-rate-mbit 95``): ~35 s per pair here, against ~25 s in process. The
-workers evaluate on the preset's own validation batches (4 for ``tiny``), so their losses differ
-from the in-process ones; the paired d is what compares.
+``netem.enabled``: the same pairs as ``dtrain worker`` processes through emulated links
+(``netem_loss.run_one``: 100 Mbit/s, 10 ms one way, the loss on packets arriving at each site;
+``netem.mtu_bytes``: the links' MTU, datagrams 100 B less). The workers evaluate on the preset's
+own validation batches, so their losses differ from the in-process ones; the paired d compares.
 
-Verdict: "met" when mean d <= 0.5% with SE <= 0.2%; "missed by X" when mean d > 0.5% (X = the
-excess) with SE <= 0.2%, or by more than twice an SE above it; "unresolved at SE Y" otherwise (the
-seeds ran out first).
-
-``netem.mtu_bytes`` (with ``netem.enabled``): every link's MTU, and ``--max-datagram-bytes`` 100
-less (as ``datagram_vs_grpc``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
-one, the same fraction of them. ``lab.target_se``, ``lab.budget_s``, ``lab.min_seeds``: when
-to stop adding seeds.
+Verdict: "met" when mean d <= 0.5% with SE <= 0.2%; "missed by X" when mean d > 0.5% with
+SE <= 0.2%, or by more than twice an SE; "unresolved at SE Y" otherwise.
 """
 
 from __future__ import annotations

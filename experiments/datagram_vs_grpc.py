@@ -1,42 +1,30 @@
 """The datagram data path against gRPC (BBR and cubic) through netem packet loss (issue 16).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``, as ``wan_sweep.py``); every site's link has the same rate
-cap, one-way delay (on packets arriving at the site: RTT = 2 x delay) and random loss.
-One training run per data path walks the loss grid (each loss holds for a warm-up and
-the measured round(s), changed between exchanges as in ``wan_sweep.py``):
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in their own network namespaces; every
+site's link has the same rate cap, one-way delay (RTT = 2 x delay) and random loss. One training
+run per data path walks the loss grid (each loss holds for a warm-up and the measured rounds,
+changed between exchanges as in ``wan_sweep.py``):
 
-* ``gRPC (BBR)`` / ``gRPC (cubic)``: the default data path, with the kernel's TCP
-  congestion control set in every namespace (``net.ipv4.tcp_congestion_control``); where
-  the machine's global ``tcp_allowed_congestion_control`` lacks cubic (this one: reno bbr),
-  reno, also loss-based, stands in and the label says so;
-* ``datagram``: ``--data-path datagram`` (contributions and means as paced, sealed UDP
-  datagrams, never retransmitted; lost mean chunks re-requested, then pulled over gRPC),
-  ``--max-rate-mbit`` just under the link's cap (a provisioned link).
+* ``gRPC (BBR)`` / ``gRPC (cubic)``: the default data path with that TCP congestion control in
+  every namespace (reno, also loss-based, where the machine does not allow cubic);
+* ``datagram``: ``--data-path datagram`` (paced, sealed UDP datagrams, never retransmitted;
+  lost mean chunks re-requested, then pulled over gRPC), ``--max-rate-mbit`` just under the cap.
 
-Per data path and loss: ``engine_s`` = a round's exchange time (max ``total_s`` over
-sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-gradient),
-``ratio``; payload bytes sent per site and round (``bytes_sent``) and, for the datagram
-path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
-``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
-datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
-sites (0: replicas equal; ``warmup_drift_rounds``: the same for the unmeasured warm-up round,
-in parentheses in the table) and stale buckets; ``left_behind`` = sites that ended the run behind
-(the last round left them stale buckets no repair fixed: they exit ``EXIT_LEFT_BEHIND``, never
-"done" on another θ), counted on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (and its kernel part
-``sites_sync_system_cpu_s``) = the sites' CPU seconds during their syncs, summed over sites
-(median over rounds; the round lines' ``sync_cpu_s``); ``machine_busy_*`` = this machine's
-``/proc/stat`` over the setting's rounds (every process, the emulator and the kernel's packet
-work). The sites' sync CPU over the cores is a floor under a round's exchange on this machine
-(the report's CPU verdict): a ratio near it was set by the CPU, not by the data path's waits.
+Per data path and loss: ``engine_s`` = a round's exchange time (max ``total_s`` over sites),
+``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-gradient), ``ratio``; payload
+bytes sent per site and round and, for the datagram path, wire bytes (headers, tags, re-sent
+chunks and control datagrams included); ``delivered`` = fraction of a site's chunks a mean
+included; ``drift`` = rounds whose θ checksums differed between sites (``warmup_drift_rounds``:
+the unmeasured warm-up round's) and stale buckets; ``left_behind`` = sites that ended the run
+behind (``EXIT_LEFT_BEHIND``), on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (kernel
+part ``sites_sync_system_cpu_s``) = the sites' CPU seconds in their syncs, summed over sites
+(median over rounds); ``machine_busy_*`` = this machine's ``/proc/stat`` over the setting's
+rounds. The sites' sync CPU over the cores is a floor under a round's exchange here (the
+report's CPU verdict).
 
-Needs root (netem: network namespaces).
-
-``netem.mtu_bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
-``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
-MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
-per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
-write files and a RESULTS.md section of their own.
+Needs root (netem: network namespaces). ``netem.mtu_bytes`` sets every link's MTU (default 1500)
+and ``--max-datagram-bytes`` to 100 less; a run at another MTU writes files and a RESULTS.md
+section of its own.
 """
 
 from __future__ import annotations
