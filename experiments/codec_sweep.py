@@ -1,17 +1,13 @@
 """Codec sweep: bytes per round against final validation loss, per pseudo-gradient codec.
 
-4 DiLoCo sites train the built-in byte-level GPT (stdlib source) in one process over
-the in-process transport, no faults, once per codec: fp32, bf16, int8, int4 and topk
-(1% of each chunk, with error feedback), each with and without the zstd stage. The
-owners' means go back with the same codec. For each: bytes per round (everything that
-crossed the network: contributions pushed + means pulled), final validation loss and
-its change against fp32 with the same seed (paired), encode/decode seconds the round
-engine recorded, and a micro-benchmark of encode and decode of one real
-pseudo-gradient of the whole model, cut into the same chunks.
-
-topk runs with broadcast error feedback on (``RoundConfig.broadcast_error_feedback``):
-the mean of N top-k contributions has up to N·k non-zeros and its top-k loses the rest
-for good otherwise. The other codecs use the defaults (contribution-side error feedback).
+N in-process DiLoCo sites train the built-in GPT once per codec (fp32, bf16, int8, int4, topk:
+1% of each chunk with error feedback, each with and without the zstd stage; the means go back
+with the same codec). For each: bytes per round (contributions pushed + means pulled), final
+validation loss and its change against fp32 with the same seed (paired), the encode/decode
+seconds the round engine recorded, and a micro-benchmark of encoding and decoding one real
+pseudo-gradient of the whole model in the same chunks. topk runs with broadcast error feedback
+on: the mean of N top-k contributions has up to N·k non-zeros, and its top-k loses the rest for
+good otherwise.
 """
 
 from __future__ import annotations

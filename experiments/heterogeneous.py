@@ -1,27 +1,20 @@
 """Sites of different speed (issue 34): wall-clock time to a fixed validation loss.
 
-4 ``dtrain worker`` processes + one ``dtrain rendezvous`` on 127.0.0.1 (gRPC) train the
-built-in byte-level GPT; one site (site-3) runs at a share of the others' speed (``slowdown``:
-each of its inner steps, emulated compute included, stretched to 1/share of its time, the
-worker's ``--slowdown``, which ``dtrain launch --site-slowdown 3=SHARE --slowdown-by stretch``
-sets; stretch and not the cgroup cap because 4 workers on this 2-core machine get less than
-their cap anyway, see dtrain/app/slowdown.py). Each inner step also sleeps ``compute_s``
-(emulated compute, no CPU): rounds are long enough that the exchange is a small part, as on
-real hardware. Configurations:
+``dtrain worker`` processes and a ``dtrain rendezvous`` on 127.0.0.1 train the built-in GPT; the
+last site runs at a share of the others' speed (the worker's ``--slowdown``: each inner step
+stretched to 1/share of its time, as ``dtrain launch --site-slowdown`` sets; not the cgroup cap,
+which 4 workers on 2 cores never reach). Each inner step also sleeps ``compute_s`` (emulated
+compute) so that the exchange is a small part of a round, as on real hardware. Configurations:
 
-* ``lockstep``: H inner steps a round everywhere (today's behaviour): the fast sites wait for
-  the slow one every round.
-* ``straggler cut``: the same, with a quorum timeout short enough that the slow site misses
-  every quorum: it is cut as a straggler and resyncs (its steps thrown away).
-* ``time + weighted``: time-based rounds (``round_window_s`` = H fast steps' time; H the bound)
-  with token-weighted means: every site trains what fits in the window.
-* ``homogeneous``: a reference of 4 sites of equal speed with the same total throughput
-  ((3 + share) / 4 each), lockstep.
+* ``lockstep``: H inner steps a round everywhere: the fast sites wait for the slow one;
+* ``straggler cut``: the same with a quorum timeout that cuts the slow site every round;
+* ``time + weighted``: time-based rounds (a window of H fast steps' time, H the bound) with
+  token-weighted means;
+* ``homogeneous``: equal sites with the same total throughput ((3 + share) / 4 each), lockstep.
 
-Measured per run: the wall time from the end of site-0's round 0 (after every process's
-start-up) to the first round whose validation loss (θ, the same on every site) is at or
-below ``target_loss``; rounds to it; the slow site's steps per round. A run stops there
-(its processes killed), or after ``rounds``; θ must agree after every round all sites applied.
+Measured per run: the wall time from the end of site-0's round 0 to its first round with
+validation loss <= ``target_loss`` (the run stops there), the rounds to it, the slow site's steps
+per round; θ must agree after every round all sites applied.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Chunk-loss sweep: how much does random loss of reduce and broadcast traffic cost?
 
-The question of "Distributed Training under Packet Loss" (Weintraub, Banner, Orda,
-arXiv 2507.07114): their unbiased partial mean and keep-stale broadcast cost <= 0.8%
-perplexity at 10% packet loss (LLaMA-2 7B). Here: 4 DiLoCo sites train the built-in
-byte-level GPT on the Python standard library's source, in one process over the
-in-process transport, with each contribution chunk (reduce) and each pulled mean
-(broadcast) lost independently with probability p (``InprocFaults.push_loss`` and
-``pull_loss``; seeded). For p in 0, 1, 5, 10, 20, 30% it reports the final validation
-loss, its change against p = 0 with the same seed (paired), the perplexity change
-exp(Δloss) − 1, stale/repaired buckets, rejected contributions, sync seconds and
-bytes. Our target: <= 0.5% perplexity at 10%.
+The question of "Distributed Training under Packet Loss" (Weintraub, Banner, Orda, arXiv
+2507.07114): their unbiased partial mean and keep-stale broadcast cost <= 0.8% perplexity at 10%
+packet loss (LLaMA-2 7B). Here N in-process DiLoCo sites lose each contribution chunk (reduce)
+and each pulled mean (broadcast) independently with probability p (``InprocFaults``; seeded).
+Per p: the final validation loss, its change against p = 0 with the same seed (paired), the
+perplexity change exp(Δloss) − 1, stale/repaired buckets, rejected contributions, sync seconds
+and bytes. Our target: <= 0.5% perplexity at 10%.
 
-It also runs the same loss with repair off (the paper's keep-stale behaviour:
-``RoundConfig.repair=False``) and plots the replica drift, the max pairwise L2
-distance ‖θ_i − θ_j‖ between sites after each round, with repair on and off. Drift
-should level off rather than grow with rounds.
-
-The 10% point over the gRPC transport with real packet loss (netem) is
-``experiments/netem_loss.py``.
+It also runs the same loss with repair off (the paper's keep-stale behaviour) and reports the
+replica drift, the max pairwise ‖θ_i − θ_j‖₂ after each round, with repair on and off: drift
+should level off rather than grow. The 10% point over gRPC through netem is ``netem_loss.py``.
 """
 
 from __future__ import annotations

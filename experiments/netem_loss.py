@@ -1,20 +1,11 @@
-"""The chunk-loss sweep's 10% point again, over real gRPC through netem packet loss.
+"""The chunk-loss sweep's 10% point again, over real gRPC through netem packet loss (issue 6 part 1).
 
-Issue 6 part 1 asks for one point of the in-process chunk-loss sweep (``loss_sweep.py``)
-to be repeated over the gRPC transport with real packet loss. Here 4 ``dtrain worker``
-processes and one ``dtrain rendezvous`` run in their own network namespaces
-(``netem.Topology``, as ``dtrain launch --netem``); every link has a 10 ms one-way
-delay, a 100 Mbit/s cap and either no loss or 10% random loss of the packets arriving
-at each site (the ``lossy`` profile). The training setup mirrors the in-process quick
-sweep: built-in GPT ``tiny``, H = 10, 16 rounds, ``fp32`` with error feedback, 64 KiB
-buckets of 16 KiB chunks, reduce deadline 1 s, broadcast deadline 2 s.
-
-What differs from the in-process sweep: TCP retransmits lost packets, so packet loss
-becomes delay; a contribution is lost only when it misses the reduce deadline (then
-error feedback keeps it for the next round, as with seeded chunk loss). The 0% setting
-runs twice per seed: the "0% (repeat)" row is the noise floor of every paired difference
-(the owners sum in sender-id order, so with every chunk in, a rerun's means are
-bit-identical; what is left is the timing of which chunks miss a deadline).
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in their own network namespaces; every
+link has a 10 ms one-way delay, a 100 Mbit/s cap and either no loss or 10% random loss of the
+packets arriving at each site (the ``lossy`` profile); the training mirrors the in-process quick
+sweep's (``loss_sweep.py``). TCP retransmits lost packets, so packet loss becomes delay: a
+contribution is lost only when it misses the reduce deadline (error feedback then keeps it). The
+0% setting runs twice per seed: "0% (repeat)" is the noise floor of every paired difference.
 
 Needs root (netem: network namespaces).
 """

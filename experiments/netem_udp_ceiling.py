@@ -1,24 +1,14 @@
 """What the netem emulator itself can pass: 1,400-byte UDP datagrams/s through the namespaces, no dtrain.
 
-On this machine the kernel has no netem qdisc, so delay is done in userspace on NFQUEUE
-for every site, by the compiled delayer (``netem/delayer.c``, backend ``nfqueue-c``) or its
-Python fallback (``netem/_agent.py``, one callback per packet, ``nfqueue-userspace``), and
-the rate by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands
-the kernel 64 KB at once, so the delayer's packets/s can bound the datagram path before
-the 100 Mbit/s cap does. This script measures that bound, per delayer (``--set netem.delayers=...``;
-quick and full measure both in one sitting, the load average next to each row).
-
-Per setting, ``--pairs`` sender processes (site i -> site (i + 1) mod N, each in its own
-namespace, a plain paced ``send`` loop) offer ``rate`` datagrams/s each for ``--seconds``; a
-receiver process per destination counts what arrives. Settings: the link with no delay
-(routing and filters only, no helper), with the one-way delay (every packet through the
-helper), and delay + rate cap (the datagram_vs_grpc link). Per setting and offered rate:
-offered and achieved send rate, delivered datagrams/s and Mbit/s (UDP payload), loss, and
-the helper's late releases (> 1 ms).
-
-The "ceiling" printed per setting is the highest delivered aggregate rate with loss < 1% and
-delivered >= 95% of offered (the load at which the emulator adds neither loss nor a growing
-queue of its own).
+Without a netem qdisc in the kernel, delay is done in userspace on NFQUEUE (the compiled
+``netem/delayer.c``, ``nfqueue-c``, or the Python fallback, ``nfqueue-userspace``) and the rate by
+tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands the kernel 64 KB at
+once, so the delayer's packets/s can bound it before the link's cap does. Per delayer
+(``netem.delayers``), sender processes (site i -> site i+1, a paced ``send`` loop) offer a rate
+and a receiver per destination counts what arrives, on the link with no delay, with the one-way
+delay, and with delay + rate cap: offered and achieved send rate, delivered datagrams/s and
+Mbit/s, loss, the delayer's late releases (> 1 ms) and CPU per packet. The ceiling per setting:
+the highest delivered rate with loss < 1% and >= 95% of the offer.
 
 Needs root (netem: network namespaces).
 """

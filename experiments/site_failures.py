@@ -1,24 +1,18 @@
-"""Site failures with real processes: kill, restart, kill an owner mid-round, kill two.
+"""Site failures with real processes: kill, restart, kill an owner mid-round, kill two (issue 6 part 2).
 
-4 sites train the built-in byte-level GPT (stdlib source), each a ``dtrain worker``
-process talking gRPC on 127.0.0.1 to the others and to one ``dtrain rendezvous``
-process. Scenarios (issue 6 part 2):
+4 ``dtrain worker`` processes and a ``dtrain rendezvous`` on 127.0.0.1 (gRPC). Scenarios:
 
-* ``no fault``: the reference.
-* ``kill 1, restart``: SIGKILL site-3 once it finished round k; restart it (``--resume``
-  from its last checkpoint) once site-0 finished round k + m. It pulls θ and the outer
-  optimizer state from the members and joins the next round.
+* ``no fault``: the reference;
+* ``kill 1, restart``: SIGKILL site-3 once it finished round k; restart it (``--resume``) once
+  site-0 finished round k + m: it pulls θ and the outer state and joins the next round;
 * ``owner killed mid-round``: site-1 SIGKILLs itself in round k right after its first
-  contribution chunk went out (``DTRAIN_TEST_FAULT=site-1:mid_push:k:kill``), while it
-  owns a quarter of the buckets; not restarted.
+  contribution chunk went out (``DTRAIN_TEST_FAULT=site-1:mid_push:k:kill``); not restarted;
 * ``kill 2 at once``: SIGKILL site-2 and site-3 after round k; not restarted.
 
-Reported per run: site-0's validation loss per round and at the end, its change against
-the no-fault run with the same seed, rounds lost (rounds a survivor did not apply,
-target: none), and the time beyond the round's deadline any survivor spent in a round
-(engine time after the plan minus the broadcast deadline, target: under 1 s), with the
-extra quorum wait after a death shown apart (the rendezvous waits ``quorum_timeout_s``
-for a site whose heartbeats have not yet timed out).
+Reported per run: site-0's validation loss and its change against the no-fault run of the same
+seed, rounds lost (rounds a survivor did not apply; target: none), and the time beyond the
+round's deadline a survivor spent in a round (target: under 1 s), the extra quorum wait after a
+death apart.
 """
 
 from __future__ import annotations

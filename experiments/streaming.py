@@ -1,33 +1,20 @@
 """Streaming rounds through netem: blocking rounds vs F = 1 with overlap vs F = 4 with overlap (issue 15).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``) over real gRPC; every link is capped and delayed alike
-(full mode: 100 Mbit/s, 40 ms one way, 1% loss). Three configurations train the same task
-for the same number of inner steps:
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces over real gRPC,
+every link capped and delayed alike. The configurations train the same task for the same inner
+steps:
 
-* ``blocking``: F = 1, τ = 0 (today's rounds: the inner loop stops from the plan until the
-  means are applied);
+* ``blocking``: F = 1, τ = 0 (the inner loop stops from the plan until the means are applied);
 * ``F=1 overlap``: F = 1, τ = H, α = 0: the one-step-delayed mode (DiLoCoX, PCCL's async
-  DiLoCo): a round's whole exchange runs during the next inner phase;
-* ``F=4 overlap``: F = 4, τ = H/4 (a fragment round every H/4 steps, merged just before the
-  next one starts), α = 0.5 (Streaming DiLoCo's mixing), sends paced over 0.8 of the τ
-  steps' time (``pace_fraction``); ``F=4 overlap pace 0.5``: the same over 0.5 of it.
+  DiLoCo), with its defaults (eager merge, outer momentum 0.7: ``OuterConfig.delayed_momentum``);
+* ``F=4 overlap``: F = 4, τ = H/4, α = 0.5 (Streaming DiLoCo's mixing), sends paced over 0.8 of
+  the τ steps' time; ``F=4 overlap pace 0.5``: over 0.5 of it.
 
-Every configuration ends at the same inner step (rounds x H): with overlap the last round
-starts at the last step and is merged there at once (its wait is ``final_flush_s``, left out
-of the utilization: it has no steps to overlap with). The one-step-delayed mode runs with
-its defaults: the eager merge and outer momentum 0.7 (``OuterConfig.delayed_momentum``).
-
-Per run (one per configuration and seed):
-
-* ``compute_util``: Σ inner_s / Σ (inner_s + sync_s) over a site's round lines, mean over
-  sites (sync_s: the whole blocking sync call; with overlap, what the steps waited at merges);
-* ``final_val_loss``: site-0's validation loss after the last round;
-* ``peak_Bps``: the most bytes a site's interface sent in any 1 s window (from
-  ``/proc/PID/net/dev`` of its worker, sampled every 0.1 s), max over sites; and
-  ``bytes_per_round``: a site's bytes_sent per round line (F = 4: per fragment round).
-  Through a rate cap TCP sends any exchange at the cap, so the 1 s peak can only fall when an
-  exchange is shorter than the window; the per-round bytes show the 1/F share directly.
+Per run: ``compute_util`` = Σ inner_s / Σ (inner_s + sync_s) over a site's round lines, mean over
+sites (with overlap the last round, started at the last step, is left out: its wait is
+``final_flush_s``); ``final_val_loss`` (site-0); ``peak_Bps`` = the most bytes a site's
+interface sent in any 1 s window (``/proc/PID/net/dev``, sampled every 0.1 s), max over sites;
+``bytes_per_round`` = a site's bytes_sent per round line (F = 4: per fragment round).
 
 Needs root (netem: network namespaces).
 """
