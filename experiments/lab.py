@@ -21,7 +21,7 @@ import os
 import re
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -51,52 +51,8 @@ SPECS = tuple(
 )
 MODES = ("smoke", "quick", "full")
 
-#: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option) -> field of the in-process run;
-#: ``inproc.*``: settings only the in-process cluster has (``RunSpec`` documents each)
-TREE_FIELDS: dict[str, str] = {
-    "rounds": "rounds",
-    "eval_every": "eval_every",
-    "task_spec.num_sites": "num_sites",
-    "task_spec.size": "size",
-    "task_spec.data": "data",
-    "task_spec.batch_size": "batch_size",
-    "task_spec.context_len": "context_len",
-    "task_spec.lr": "lr",
-    "task_spec.non_iid": "non_iid",
-    "task_spec.lr_schedule": "lr_schedule",
-    "task_spec.warmup_steps": "warmup_steps",
-    "task_spec.decay_steps": "decay_steps",
-    "diloco.sync_every": "sync_every",
-    "diloco.buckets.bucket_bytes": "bucket_bytes",
-    "diloco.buckets.chunk_bytes": "chunk_bytes",
-    "diloco.rounds.codec.name": "codec",
-    "diloco.rounds.codec.zstd_level": "zstd_level",
-    "diloco.rounds.codec.topk_fraction": "topk_fraction",
-    "diloco.rounds.codec.sparse_k": "sparse_k",
-    "diloco.rounds.codec.sparse_chunk": "sparse_chunk",
-    "diloco.rounds.codec.sparse_bits": "sparse_bits",
-    "diloco.rounds.error_feedback_decay": "error_feedback_decay",
-    "diloco.rounds.aggregation.sparse_mean": "sparse_mean",
-    "diloco.rounds.error_feedback": "error_feedback",
-    "diloco.rounds.broadcast_error_feedback": "broadcast_error_feedback",
-    "diloco.rounds.repair": "repair",
-    "outer.lr": "outer_lr",
-    "outer.momentum": "outer_momentum",
-    "rendezvous.reduce_timeout_s": "reduce_timeout_s",
-    "rendezvous.broadcast_timeout_s": "broadcast_timeout_s",
-    "rendezvous.heartbeat_timeout_s": "heartbeat_timeout_s",
-    "inproc.push_loss": "push_loss",
-    "inproc.pull_loss": "pull_loss",
-    "inproc.datagram_drop": "datagram_drop",
-    "inproc.restart_after_round": "restart_after_round",
-    "inproc.down_rounds": "down_rounds",
-    "inproc.num_val_batches": "num_val_batches",
-    "inproc.track_drift": "track_drift",
-    "inproc.timeout_s": "timeout_s",
-    "inproc.own_session": "own_session",
-    "diloco.rounds.broadcast_codec.name": "broadcast_codec",
-    "diloco.rounds.broadcast_codec.sparse_k": "broadcast_sparse_k",
-}
+#: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option, or ``inproc.*``) -> ``RunSpec`` field
+TREE_FIELDS = {f.metadata["path"]: f.name for f in fields(RunSpec) if "path" in f.metadata}
 #: ``RunSpec`` field -> its config path (the inverse of :data:`TREE_FIELDS`)
 FIELD_PATHS = {f: p for p, f in TREE_FIELDS.items()}
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,6 +22,12 @@ from dtrain.transports.grpc import GrpcTransportConfig
 from dtrain.transports.inproc import InprocFaults
 
 KiB = 1024
+
+
+def knob(path: str, default: Any) -> Any:
+    """A :class:`RunSpec` field and the config-tree path that sets it (a ``dtrain worker`` /
+    ``dtrain rendezvous`` option, or ``inproc.*``: what only the in-process cluster has)."""
+    return field(default=default, metadata={"path": path})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,49 +61,49 @@ class RunSpec:
     experiment: str
     config: str
     seed: int = 0
-    num_sites: int = 4
-    size: str = "tiny"
-    data: str = "stdlib"
-    batch_size: int | None = None
-    context_len: int | None = None
-    lr: float | None = None
-    non_iid: bool = False
-    lr_schedule: str = "constant"
-    warmup_steps: int = 100
-    decay_steps: int | None = None
-    restart_after_round: int = -1
-    down_rounds: int = 5
-    sync_every: int = 10
-    rounds: int = 20
-    codec: str = "fp32"
-    zstd_level: int = 1
-    topk_fraction: float = 0.01
-    sparse_k: int = 64
-    sparse_chunk: int = 4096
-    sparse_bits: int = 2
-    broadcast_codec: str | None = None
-    broadcast_sparse_k: int | None = None
-    error_feedback: bool = True
-    error_feedback_decay: float = 1.0
-    sparse_mean: bool = False
-    broadcast_error_feedback: bool = False
-    repair: bool = True
-    push_loss: float = 0.0
-    pull_loss: float = 0.0
-    bucket_bytes: int = 32 * KiB
-    chunk_bytes: int = 4 * KiB
-    reduce_timeout_s: float = 1.0
-    broadcast_timeout_s: float = 2.0
-    heartbeat_timeout_s: float = 1.5
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    num_val_batches: int = 16
-    eval_every: int = 1
-    track_drift: bool = True
-    timeout_s: float = 3600.0
-    own_session: bool = False
+    num_sites: int = knob("task_spec.num_sites", 4)
+    size: str = knob("task_spec.size", "tiny")
+    data: str = knob("task_spec.data", "stdlib")
+    batch_size: int | None = knob("task_spec.batch_size", None)
+    context_len: int | None = knob("task_spec.context_len", None)
+    lr: float | None = knob("task_spec.lr", None)
+    non_iid: bool = knob("task_spec.non_iid", False)
+    lr_schedule: str = knob("task_spec.lr_schedule", "constant")
+    warmup_steps: int = knob("task_spec.warmup_steps", 100)
+    decay_steps: int | None = knob("task_spec.decay_steps", None)
+    restart_after_round: int = knob("inproc.restart_after_round", -1)
+    down_rounds: int = knob("inproc.down_rounds", 5)
+    sync_every: int = knob("diloco.sync_every", 10)
+    rounds: int = knob("rounds", 20)
+    codec: str = knob("diloco.rounds.codec.name", "fp32")
+    zstd_level: int = knob("diloco.rounds.codec.zstd_level", 1)
+    topk_fraction: float = knob("diloco.rounds.codec.topk_fraction", 0.01)
+    sparse_k: int = knob("diloco.rounds.codec.sparse_k", 64)
+    sparse_chunk: int = knob("diloco.rounds.codec.sparse_chunk", 4096)
+    sparse_bits: int = knob("diloco.rounds.codec.sparse_bits", 2)
+    broadcast_codec: str | None = knob("diloco.rounds.broadcast_codec.name", None)
+    broadcast_sparse_k: int | None = knob("diloco.rounds.broadcast_codec.sparse_k", None)
+    error_feedback: bool = knob("diloco.rounds.error_feedback", True)
+    error_feedback_decay: float = knob("diloco.rounds.error_feedback_decay", 1.0)
+    sparse_mean: bool = knob("diloco.rounds.aggregation.sparse_mean", False)
+    broadcast_error_feedback: bool = knob("diloco.rounds.broadcast_error_feedback", False)
+    repair: bool = knob("diloco.rounds.repair", True)
+    push_loss: float = knob("inproc.push_loss", 0.0)
+    pull_loss: float = knob("inproc.pull_loss", 0.0)
+    bucket_bytes: int = knob("diloco.buckets.bucket_bytes", 32 * KiB)
+    chunk_bytes: int = knob("diloco.buckets.chunk_bytes", 4 * KiB)
+    reduce_timeout_s: float = knob("rendezvous.reduce_timeout_s", 1.0)
+    broadcast_timeout_s: float = knob("rendezvous.broadcast_timeout_s", 2.0)
+    heartbeat_timeout_s: float = knob("rendezvous.heartbeat_timeout_s", 1.5)
+    outer_lr: float = knob("outer.lr", 0.7)
+    outer_momentum: float = knob("outer.momentum", 0.9)
+    num_val_batches: int = knob("inproc.num_val_batches", 16)
+    eval_every: int = knob("eval_every", 1)
+    track_drift: bool = knob("inproc.track_drift", True)
+    timeout_s: float = knob("inproc.timeout_s", 3600.0)
+    own_session: bool = knob("inproc.own_session", False)
     extra: tuple[tuple[str, Any], ...] = ()
-    datagram_drop: float | None = None
+    datagram_drop: float | None = knob("inproc.datagram_drop", None)
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
