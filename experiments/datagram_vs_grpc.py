@@ -77,19 +77,16 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def _legacy(f: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings by path as the names :func:`run_path` and :func:`_result` read."""
-    losses, mtu = f[LOSSES], f.get(MTU, 1500)
-    if not all(0.0 <= x < 100.0 for x in losses):
-        raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
-    if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
-        raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
-    deadlines = f.get(DEADLINES, "set")
-    if deadlines not in ("set", "derived"):
-        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {deadlines!r}")
-    return dict(
-        num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
-    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0), deadlines=deadlines)
+def _checked(f: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings by path with the defaults of the optional ones; ValueError naming a bad one."""
+    f = {MTU: 1500, DEADLINES: "set", SLEEP: 0.0} | f
+    if not all(0.0 <= x < 100.0 for x in f[LOSSES]):
+        raise ValueError(f"{LOSSES} must be percents in [0, 100), got {f[LOSSES]!r}")
+    if not MIN_MTU_BYTES <= f[MTU] <= MAX_MTU_BYTES:
+        raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {f[MTU]}")
+    if f[DEADLINES] not in ("set", "derived"):
+        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {f[DEADLINES]!r}")
+    return f
 
 
 RENDEZVOUS = dict(quorum_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
@@ -128,40 +125,39 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
     label, data_path, cc = path
-    n, per = m["num_sites"], 1 + m["measured"]
-    total = per * len(m["losses"])
+    n, per = m[SITES], 1 + m[MEASURED]
+    total = per * len(m[LOSSES])
     changed_at: list[float] = []
     # the machine's CPU after the first round (start-up left out), at each later link change and at the end
     cpu_at: list[dict[str, float]] = []
     sysctl(topo, "tcp_congestion_control", cc)
 
     def link(k: int) -> None:
-        set_link(topo, delay_ms=m["delay"], loss_pct=m["losses"][k], rate_mbit=m["rate"])
+        set_link(topo, delay_ms=m[DELAY], loss_pct=m[LOSSES][k], rate_mbit=m[RATE])
         changed_at.append(time.time())
         if k:  # after the first round's CPU sample
             cpu_at.append(machine_cpu())
             print(f"  {label}: round {k * per}: loss {m['losses'][k]:g}%", flush=True)
 
     link(0)
-    opts = dict(task=m["task"] or None, size=m["size"], seed=seed, rounds=total, sync_every=m["sync_every"])
+    opts = dict(task=m[TASK] or None, size=m[SIZE], seed=seed, rounds=total, sync_every=m[H])
     # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
     # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
     # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
-    opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m["rate"])
-    opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m["mtu"]) if data_path == "datagram" else None)
-    opts |= dict(inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+    opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m[RATE])
+    opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m[MTU]) if data_path == "datagram" else None)
+    opts |= dict(inner_step_sleep_s=m[SLEEP])
     steps = [(0, lambda: cpu_at.append(machine_cpu()))]
-    steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m["losses"]))]
+    steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m[LOSSES]))]
     steps += [(total - 1, lambda: cpu_at.append(machine_cpu()))]
-    root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else None
     # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
     # θ) is this run's figure, not a harness failure
-    rv = RENDEZVOUS if m.get("deadlines", "set") == "set" else {"heartbeat_interval_s": 1.0}
-    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, root=root, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
+    rv = RENDEZVOUS if m[DEADLINES] == "set" else {"heartbeat_interval_s": 1.0}
+    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
     left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
-    cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
-    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m["losses"])]
+    cpu += [cpu_window({}, {})] * (len(m[LOSSES]) - len(cpu))
+    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
     for k, r in enumerate(out):  # the end of the run is the last setting's
         r.row["left_behind"] = left_behind if k == len(out) - 1 else 0
     return out
@@ -185,7 +181,7 @@ def _number(line: dict, key: str) -> float:
 def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResult:
     """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
     its rounds (its warm-up round included, but the first setting's)."""
-    n, per, per_site = m["num_sites"], 1 + m["measured"], res.per_site
+    n, per, per_site = m[SITES], 1 + m[MEASURED], res.per_site
     engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
     sync_cpu, sync_sys, cycle_cpu = [], [], []  # per measured round: the sites' CPU seconds, summed over sites
     drift = stale = skipped = 0
@@ -215,7 +211,7 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
     warm = [x for i in range(n) for x in per_site[i] if x["round"] == k * per]
     warm_drift = int(len(warm) == n and len({x["checksum"] for x in warm}) > 1)
     b = statistics.fmean(enc) if enc else float("nan")
-    limit = physical_limit_s(b, m["rate"], m["delay"])
+    limit = physical_limit_s(b, m[RATE], m[DELAY])
     e = statistics.fmean(engine) if engine else float("nan")
     row = {
         "experiment": "datagram_vs_grpc",
@@ -223,10 +219,10 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         "path": label,
         "seed": seed,
         "num_sites": n,
-        "sync_every": m["sync_every"],
+        "sync_every": m[H],
         "codec": "int8",
-        "rate_mbit": m["rate"],
-        "delay_ms": m["delay"],
+        "rate_mbit": m[RATE],
+        "delay_ms": m[DELAY],
         "loss_pct": loss,
         "rounds_measured": len(engine),
         "encoded_bytes_per_site": b,
@@ -377,29 +373,29 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
 
 def run_point(point: Point) -> list[RunResult]:
     """One data path's run through every loss, in a topology of its own; one result per loss."""
-    m = _legacy(point.settings)
+    m = _checked(point.settings)
     path = (point.config, point.settings[DATA_PATH], point.settings[CC])
-    with sites_topology(m["num_sites"], "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
+    with sites_topology(m[SITES], "dgvs", "datagram_vs_grpc", mtu_bytes=m[MTU]) as topo:
         return run_path(topo, m, path, point.seed, 3600.0)
 
 
 def _deadlines_text(lm: dict[str, Any]) -> str:
-    if lm["deadlines"] == "derived":
+    if lm[DEADLINES] == "derived":
         return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
     return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
-    lm = _legacy(m["fixed"])
+    lm = _checked(m["fixed"])
     png = plot(rows, prefix)
     # the emulator's ceiling was measured in 1,400-byte datagrams per second: it bounds those only
     ceiling = Path(__file__).parent / "out" / "netem_udp_ceiling.csv"
-    emu = emulator_rate_mbit(ceiling, lm["num_sites"]) if lm["mtu"] == 1500 else None
-    return f"""Setup (as root): {lm["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
-{lm["rate"]:g} Mbit/s, {lm["delay"]:g} ms one way (RTT {2 * lm["delay"]:g} ms), MTU {lm["mtu"]} bytes, random loss of packets arriving at a
-site; task `{lm["task"] or lm["size"]}`, H = {lm["sync_every"]}, int8; 1 warm-up + {lm["measured"]} measured round(s)
-per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm["rate"]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`. Deadlines: {_deadlines_text(lm)}.
+    emu = emulator_rate_mbit(ceiling, lm[SITES]) if lm[MTU] == 1500 else None
+    return f"""Setup (as root): {lm[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
+{lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
+site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
+per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {_deadlines_text(lm)}.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}
