@@ -1,30 +1,22 @@
 """Send and receive loop rate of the datagram data path on 127.0.0.1 (prints a table).
 
-Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; the
-sender pushes ``--mbytes`` MB of int8 contributions, one datagram each
-(``datagram_chunk_bytes``), with the pacer's ceiling at ``--rate-mbit``; the receiver's
-handler only counts. Figures:
+Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; the sender pushes
+``--mbytes`` MB of int8 contributions, one datagram each, with the pacer's ceiling at
+``--rate-mbit``; the receiver's handler only counts. Figures:
 
-* send: payload Mbit/s from the first to the last datagram leaving the sender
-  (sealing, pacing and ``send`` included);
-* receive: payload Mbit/s handed to the handler (receive, authenticate, dispatch),
-  first to last arrival; delivered: fraction of the contributions that arrived (the
-  rest the kernel dropped at a full socket buffer: the receiver was slower);
-* the same per datagram in microseconds of wall time;
-* the loops' rates per CPU-second of their own thread (robust to other load: what
-  one free core would reach; the receive thread's figure excludes the dispatch
-  thread that calls the handler), and the same as CPU µs per datagram sent / received
-  (the issue's target: <= 3);
-* each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000 int8
-  contributions to a plain socket (no receiver in the process: the send thread alone, with
-  and without UDP segmentation offload), and of the receive thread while another process
-  sends it 20,000 sealed contributions in bursts of 46 (no sender in the process);
-* the CPU per datagram-sized int8 chunk of decoding one site's pseudo-gradient chunk by
-  chunk against ``Codec.decode_chunks`` (what an owner, each applied mean and the
-  residual settling pay per datagram).
+* send: payload Mbit/s from the first to the last datagram leaving the sender (sealing, pacing
+  and ``send`` included); receive: payload Mbit/s handed to the handler (receive,
+  authenticate, dispatch), first to last arrival; delivered: the fraction that arrived (the
+  rest the kernel dropped at a full socket buffer); the same per datagram in µs of wall time;
+* the loops' rates per CPU-second of their own thread (robust to other load: what one free
+  core would reach), and as CPU µs per datagram sent / received (the issue's target: <= 3);
+* each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000
+  contributions to a plain socket (with and without UDP segmentation offload), and of the
+  receive thread while another process sends it 20,000 sealed contributions in bursts of 46;
+* the CPU per datagram-sized int8 chunk of decoding one pseudo-gradient chunk by chunk against
+  ``Codec.decode_chunks`` (what an owner, each applied mean and the residual settling pay).
 
-Both loops are single Python threads; the target in the issue is >= 200 Mbit/s per
-site. On a shared machine the wall-clock figures move with the load (printed).
+Both loops are single Python threads; the issue's target is >= 200 Mbit/s per site.
 """
 
 from __future__ import annotations
