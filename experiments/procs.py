@@ -1,12 +1,7 @@
-"""What the experiments' process runs share: whether links can be emulated here
-(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`,
-:func:`sysctl`, :func:`loss_based_cc`), one run of N worker sites through them
-(:func:`run_sites`, :class:`SitesRun`, :func:`line_record`) and a free loopback port
-(:func:`free_port`).
-
-The processes themselves (a rendezvous and N workers, on 127.0.0.1 or each inside its own
-netem site) come from the one cluster harness, :class:`dtrain.app.procs.Cluster`, which the
-fault tests use too.
+"""What the experiments' process runs share: the emulated links (:func:`netem_problem`,
+:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`, :func:`sysctl`), one run of N
+worker sites through them (:func:`run_sites`, on the cluster harness the fault tests use too,
+:class:`dtrain.app.procs.Cluster`) and its per-round records (:func:`line_record`).
 """
 
 from __future__ import annotations
