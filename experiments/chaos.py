@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -57,6 +57,7 @@ from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportCon
 from experiments.common import RunResult
 from experiments.lab import Point, Spec
 from experiments.procs import netem_problem, netem_topology
+from experiments.runspec import knob
 from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
 from experiments.site_failures import WORKER
 
@@ -71,19 +72,19 @@ EXCLUSIVE = frozenset({"kill", "stop", "partition", "rv_kill", "rv_stop"})
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
-    """One soak (the spec's settings, :data:`FIXED`); ``num_faults``: at most (the run may end
-    first); ``inner_step_sleep_s``: emulated compute per inner step (rounds of ~1 s on a loaded
-    machine); the gap between two faults is uniform in [max_gap_s / 4, max_gap_s]."""
+    """One soak: the spec's settings (:data:`FIXED`) by the config path a field names; ``num_faults``:
+    at most (the run may end first); ``inner_step_sleep_s``: emulated compute per inner step
+    (rounds of ~1 s on a loaded machine); faults ``max_gap_s / 4`` to ``max_gap_s`` apart."""
 
-    num_sites: int = 3
-    rounds: int = 8
-    num_faults: int = 6
+    num_sites: int = knob("task_spec.num_sites", 3)
+    rounds: int = knob("rounds", 8)
+    num_faults: int = knob("chaos.faults", 6)
     seed: int = 0
-    sync_every: int = 4
+    sync_every: int = knob("diloco.sync_every", 4)
     inner_step_sleep_s: float = 0.25
-    down_s: float = 2.5
-    max_gap_s: float = 4.0
-    timeout_s: float = 600.0
+    down_s: float = knob("chaos.down_s", 2.5)
+    max_gap_s: float = knob("chaos.max_gap_s", 4.0)
+    timeout_s: float = knob("chaos.timeout_s", 600.0)
     netem: bool = False
 
     def __post_init__(self) -> None:
@@ -480,17 +481,9 @@ def run_point(point: Point) -> RunResult:
     """One soak (and first the fault-free run of the same seed, with ``chaos.reference``); its
     figures go to ``chaos.json`` beside the logs (``chaos.logs``, default a temporary directory)."""
     s = point.settings
-    cfg = ChaosConfig(
-        num_sites=s["task_spec.num_sites"],
-        rounds=s["rounds"],
-        num_faults=s["chaos.faults"],
-        seed=point.seed if s["chaos.seed"] is None else s["chaos.seed"],
-        sync_every=s["diloco.sync_every"],
-        down_s=s["chaos.down_s"],
-        max_gap_s=s["chaos.max_gap_s"],
-        timeout_s=s["chaos.timeout_s"],
-        netem=_netem_wanted(s["chaos.netem"]),
-    )
+    kw = {f.name: s[f.metadata["path"]] for f in fields(ChaosConfig) if "path" in f.metadata}
+    seed = point.seed if s["chaos.seed"] is None else s["chaos.seed"]
+    cfg = ChaosConfig(**kw, seed=seed, netem=_netem_wanted(s["chaos.netem"]))
     root = Path(s["chaos.logs"] or tempfile.mkdtemp(prefix="dtrain-chaos-"))
     ref = _soak(cfg, root / "fault_free", faults=False) if s["chaos.reference"] else None
     res = analyse(cfg, _soak(cfg, root / "chaos", faults=True), ref)
