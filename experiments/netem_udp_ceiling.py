@@ -209,14 +209,9 @@ def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
 
 
 def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
-    """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with
-    the offer (delivered >= 95% of offered: no queue growing in the delayer); None: none.
-
-    Args:
-        rows: CSV rows of this experiment.
-        delayer: only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none" for the
-            "no delay" setting); None: every row, i.e. the best any delayer measured managed.
-    """
+    """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with the
+    offer (delivered >= 95% of offered: no queue growing in the delayer); None: none. ``delayer``:
+    only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none"); None: every row."""
     out: dict[tuple[str, int], dict[str, Any] | None] = {}
     for r in rows:
         if delayer is not None and r.get("delayer", "?") != delayer:

@@ -39,11 +39,8 @@ def netem_problem() -> str | None:
 
 
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
-    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; links of ``mtu_bytes``; use it
-    as a context manager), named ``name`` + this process's id, so that runs on one machine do not
-    collide. Raises SystemExit naming ``script`` and :func:`netem_problem` when links cannot be
-    emulated here.
-    """
+    """A ``netem.Topology`` of ``num_sites`` LAN sites with links of ``mtu_bytes`` (a context manager),
+    named ``name`` + this process's id; SystemExit naming ``script`` where links cannot be emulated."""
     why = netem_problem()
     if why:
         raise SystemExit(f"{script}: netem cannot emulate links here: {why}")

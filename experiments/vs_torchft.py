@@ -183,10 +183,8 @@ class _Net:
 
 
 def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = None) -> Record:
-    """Run one system through one scenario; every child is gone when this returns.
-
-    ``start_together``: a barrier shared with runs started at the same time (scenario
-    ``concurrent``); the sites get their go once every run has its sites ready."""
+    """Run one system through one scenario; every child is gone when this returns. ``start_together``:
+    a barrier shared with runs started at the same time (the sites go once every run's are ready)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = Record(dir=run_dir)
     children: dict[str, Proc] = {}
@@ -366,11 +364,9 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
 
 
 def _stop_all(rec: Record, children: dict[str, Proc], gate: Path) -> None:
-    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU.
-
-    Peak RSS: a site's own VmHWM as it exited; else (a coordinator) its VmHWM read while it still
-    ran; else (a killed site) ``wait4``'s ru_maxrss, which counts the harness's memory the child
-    was forked from (this process imported torch)."""
+    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU. Peak
+    RSS: a site's own VmHWM as it exited, a coordinator's read while it ran, else (a killed site)
+    ``wait4``'s ru_maxrss, which counts the memory of the harness it was forked from."""
     for nm in sorted(children, key=lambda nm: not nm.startswith("site-")):
         c = children[nm]
         live = _vmhwm_kb(c.pid) if c.poll() is None else None
@@ -398,10 +394,8 @@ def _vmhwm_kb(pid: int) -> int | None:
 # ----------------------------------------------------------------------------- what this machine can run
 @functools.lru_cache(maxsize=1)
 def torchft_problem() -> str | None:
-    """None when torchft 0.2.x imports in this interpreter, else a one-line reason.
-
-    Checked in a subprocess: importing torchft (and so torch) here would make this
-    process large, and every child forked from it would inherit that as its peak RSS."""
+    """None when torchft 0.2.x imports in this interpreter, else a one-line reason (checked in a
+    subprocess: importing torch here would make every child's inherited peak RSS large)."""
     code = "from torchft import Manager, ProcessGroupGloo; from torchft.local_sgd import DiLoCo"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:

@@ -76,10 +76,8 @@ def setting_label(rate: float | None, delay: float, loss: float) -> str:
 
 
 def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, share: float = 1.0) -> float:
-    """2 x share x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds); no rate cap: the RTT part only.
-
-    ``share`` = 1 is issue 6's limit; (N-1)/N is what each site really sends (and receives) when every site
-    owns 1/N of the buckets (:func:`strict_limit_s`)."""
+    """2 x share x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds; no cap: the RTT part only);
+    ``share`` 1 is issue 6's limit, (N-1)/N what each site sends when it owns 1/N of the buckets."""
     return (0.0 if rate_mbit is None else 2 * share * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
 
 
