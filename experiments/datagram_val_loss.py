@@ -164,17 +164,21 @@ def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]
     return table, mean, se
 
 
-def stop(rows: list[dict[str, Any]], m: dict[str, Any]) -> str | None:
-    """Stop adding seeds once the SE of mean d reaches ``lab.target_se`` (after ``lab.min_seeds``),
-    or the runs' wall time passes ``lab.budget_s``."""
-    f = m["fixed"]
-    pairs = paired(rows, _loss(m))
-    _, se = mean_se([p[3] for p in pairs])
-    print(f"seed {pairs[-1][0]}: d {100 * pairs[-1][3]:+.3f}%; SE {100 * se:.3f}%", flush=True)
-    if len(pairs) >= f[MIN_SEEDS] and se <= f.get(STOP_SE, TARGET_SE):
-        return f"SE {100 * se:.3f}% reached"
-    spent = sum(r["wall_s"] for r in rows)
-    return f"budget of {f[BUDGET]:.0f} s spent" if spent > f[BUDGET] else None
+def seed_pairs(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
+    """The spec's phases: one seed's pair at a time, until the SE of mean d reaches ``lab.target_se``
+    (after ``lab.min_seeds``), the runs' wall time passes ``lab.budget_s`` or the seeds run out."""
+    f, done = m["fixed"], len({r["seed"] for r in rows})
+    if rows:
+        pairs = paired(rows, _loss(m))
+        _, se = mean_se([p[3] for p in pairs])
+        print(f"seed {pairs[-1][0]}: d {100 * pairs[-1][3]:+.3f}%; SE {100 * se:.3f}%", flush=True)
+        if len(pairs) >= f[MIN_SEEDS] and se <= f.get(STOP_SE, TARGET_SE):
+            print(f"datagram_val_loss: SE {100 * se:.3f}% reached", flush=True)
+            return []
+        if sum(r["wall_s"] for r in rows) > f[BUDGET]:
+            print(f"datagram_val_loss: budget of {f[BUDGET]:.0f} s spent", flush=True)
+            return []
+    return SPEC.points(m, seeds=m["seeds"][done : done + 1])
 
 
 def _loss(m: dict[str, Any]) -> float:
@@ -233,5 +237,5 @@ SPEC = Spec(
     verdict=verdict_lines,
     execute=run_point,
     paths=(NETEM, MTU, STOP_SE, BUDGET, MIN_SEEDS),
-    stop=stop,
+    phases=seed_pairs,
 )

@@ -129,12 +129,10 @@ class Spec:
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
         netem: its runs need emulated links (root, ``ip netns``): its smoke is in tests/netem/.
-        stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
-            With it the seeds run in order, one seed's configurations at a time, and the runner
-            asks after each seed (a standard error reached, a time budget spent).
         phases: runs in phases instead of grid x seeds: (rows so far, mode settings) -> the next
             points to run, [] when done; asked first with no rows (its answer is :meth:`points`),
-            then after each phase (a sweep's best confirmed, seeds added until an SE is reached).
+            then after each phase (a sweep's best confirmed, a seed at a time until an SE is reached:
+            :meth:`points` of given ``seeds``).
         beside: which points run each in a thread of this process beside the others (a DDP
             baseline's ranks wait in every all-reduce; the cores would idle). None: none.
         merge: on ``--replot``: (csv prefix, rows, per-round rows, meta) -> the same with the
@@ -156,7 +154,6 @@ class Spec:
     execute: Callable[[Point], RunResult] = run_point
     paths: tuple[str, ...] = ()
     jobs_fn: Callable[[Point], bool] | None = None
-    stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
     phases: Callable[[Rows, dict[str, Any]], list[Point]] | None = None
     beside: Callable[[Point], bool] | None = None
     merge: Callable[[Path, Rows, Rows, dict[str, Any]], tuple[Rows, Rows, dict[str, Any]]] | None = None
@@ -180,11 +177,12 @@ class Spec:
         m["mode"] = mode
         return m
 
-    def points(self, m: dict[str, Any]) -> list[Point]:
-        """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner);
-        each built into its ``RunSpec`` once here when it runs in-process, so a bad setting fails
-        before anything runs. A spec that runs in ``phases``: its first phase."""
-        if self.phases is not None:
+    def points(self, m: dict[str, Any], seeds: Sequence[int] | None = None) -> list[Point]:
+        """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner;
+        ``seeds``: these, not the mode's); each built into its ``RunSpec`` once here when it runs
+        in-process, so a bad setting fails before anything runs. A spec that runs in ``phases``
+        (and no ``seeds``): its first phase."""
+        if self.phases is not None and seeds is None:
             return self.phases([], m)
         out = []
         for point in _points_of(m):
@@ -193,7 +191,7 @@ class Spec:
             settings = {**m["fixed"], **point}
             settings |= self.derive(settings)
             extra = tuple(self.columns(point).items())
-            for seed in m["seeds"]:
+            for seed in m["seeds"] if seeds is None else seeds:
                 p = Point(self.name, config, seed, settings, extra)
                 if self.execute is run_point:
                     p.run_spec()
@@ -292,8 +290,6 @@ def run(
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
         if spec.phases is not None:
             res = _run_phased(spec, runs, m, verbose)
-        elif spec.stop is not None:
-            res = _run_adaptive(spec, runs, m, verbose)
         else:
             res = _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
@@ -334,18 +330,6 @@ def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[Ru
             out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
         out.update((i, f.result()) for i, f in futs.items())
     return [r for i in range(len(runs)) for r in (out[i] if isinstance(out[i], list) else [out[i]])]
-
-
-def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
-    """The seeds in order, each seed's points together, until ``spec.stop`` gives a reason."""
-    out: list[RunResult] = []
-    for seed in m["seeds"]:
-        out += _run_all(spec, [p for p in runs if p.seed == seed], m["jobs"], verbose)
-        why = spec.stop([r.row for r in out], m)
-        if why:
-            print(f"{spec.name}: no more seeds after seed {seed}: {why}", flush=True)
-            break
-    return out
 
 
 def _run_phased(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
