@@ -106,38 +106,32 @@ class Spec:
         modes: per mode: ``seeds`` (list), ``jobs``, ``fixed`` and ``grid`` (merged over the
             spec's own, by path), and any knob the spec's functions read (``m[...]``).
         grid: path -> values; every combination is one configuration (in the order given). A
-            mode may instead give a list of points (path -> value dicts; a point's ``config``
-            key, if any, is its label): configurations that are not a product.
+            mode may instead give a list of points (path -> value dicts, a ``config`` key their label).
         fixed: path -> value for every run.
-        label: grid point (path -> value) -> the configuration's label (the ``config`` column),
-            for points that do not give their own ``config``.
-        derive: a configuration's settings (the fixed ones and its grid point, by path) -> more
-            path -> value settings (e.g. a flag that follows the codec, τ that follows H).
+        label: grid point -> the configuration's label (the ``config`` column) where it gives none.
+        derive: a configuration's settings (fixed and grid point, by path) -> more settings (a flag
+            that follows the codec, τ that follows H); it may raise ValueError on a bad setting.
         columns: grid point -> extra CSV columns (the swept variable under a short name).
         metrics: (column, low, high): the numbers every row reports, and the range a sane
             run's value lies in (the smoke test checks them: finite and in range).
         after_runs: (results, mode settings) -> None, extra measurements added to the rows.
         report: (rows, per-round rows, mode settings, csv prefix) -> the section's body under
-            the stamp: setup, table, plots (the analysis; a spec's own function).
-        verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim (a named
-            function).
+            the stamp: setup, table, plots.
+        verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim.
         execute: a module-level function (runs go to worker processes) of one :class:`Point`
-            returning its :class:`RunResult`, or a list of them when one run measures several
-            settings (one row each: a run that walks a grid of links); default: the in-process
-            DiLoCo run.
+            returning its :class:`RunResult`, or a list of them (one row per setting a run walks);
+            default: the in-process DiLoCo run.
         paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
         netem: its runs need emulated links (root, ``ip netns``): its smoke is in tests/netem/.
         phases: runs in phases instead of grid x seeds: (rows so far, mode settings) -> the next
-            points to run, [] when done; asked first with no rows (its answer is :meth:`points`),
-            then after each phase (a sweep's best confirmed, a seed at a time until an SE is reached:
-            :meth:`points` of given ``seeds``).
+            points, [] when done; asked first with no rows (its answer is :meth:`points`), then after
+            each phase (a sweep's best confirmed; a seed at a time until an SE is reached).
         beside: which points run each in a thread of this process beside the others (a DDP
             baseline's ranks wait in every all-reduce; the cores would idle). None: none.
         merge: on ``--replot``: (csv prefix, rows, per-round rows, meta) -> the same with the
-            rows of the spec's side runs saved beside it added (their commands in the stamp).
-    """
+            rows of the spec's side runs saved beside it added (their commands in the stamp)."""
 
     name: str
     title: str
