@@ -167,25 +167,19 @@ def train_with_restart(
 
 
 def run_inproc(spec: RunSpec) -> RunResult:
-    """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
+    """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure. Raises TimeoutError /
+    RuntimeError from ``InprocCluster.run`` (a site hung or failed).
 
-    Row fields (sums are over sites and rounds unless said otherwise): the spec's
-    fields, ``num_params``, ``first_val_loss`` (θ at the start), ``final_val_loss``
-    (mean over sites of each site's θ after the last round), ``val_loss_site_spread``
-    (max − min over sites), ``rounds_done`` (rounds site 0 applied), ``resyncs`` /
-    ``deferred`` (round attempts that did not run normally), ``wall_s``, ``inner_s``
-    and ``sync_s`` (mean per site; sync = time inside ``DiLoCo.sync`` including the
-    wait for the quorum), ``round_s`` (mean engine time of one round), ``bytes_sent``
-    (reduce pushes), ``bytes_received`` (means and repairs pulled), ``bytes_total``
-    (sent + received: every byte that crossed the network once),
-    ``bytes_per_round_site`` (bytes_total / rounds / sites), ``encode_s``,
-    ``decode_s``, ``stale_buckets``, ``repaired_buckets``, ``skipped_buckets``,
-    ``rejected`` (contributions owners rejected), ``reduce_arrived`` /
-    ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
-    (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (every site's θ
-    checksum equal at the end). Raises TimeoutError / RuntimeError from ``InprocCluster.run``
-    (a site hung or failed).
-    """
+    Row fields (sums over sites and rounds unless said otherwise): the spec's fields,
+    ``num_params``, ``first_val_loss`` (θ at the start), ``final_val_loss`` (mean over sites of
+    each site's θ after the last round), ``val_loss_site_spread`` (max − min over sites),
+    ``rounds_done`` (rounds site 0 applied), ``resyncs`` / ``deferred``, ``wall_s``, ``inner_s``
+    and ``sync_s`` (mean per site; sync = time inside ``DiLoCo.sync``, the quorum wait included),
+    ``round_s`` (mean engine time of a round), ``bytes_sent`` (reduce pushes), ``bytes_received``
+    (means and repairs pulled), ``bytes_total``, ``bytes_per_round_site``, ``encode_s``,
+    ``decode_s``, ``stale_buckets``, ``repaired_buckets``, ``skipped_buckets``, ``rejected``,
+    ``reduce_arrived`` / ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
+    (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (θ checksums equal at the end)."""
     torch.set_num_threads(1)
     t_build = time.perf_counter()
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]

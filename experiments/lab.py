@@ -240,16 +240,13 @@ def run(
     command: str = "",
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Rows, str]:
-    """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish
-    the section into ``results`` (a path, or ``none``). Returns (rows, section body).
-    ``overrides``: path -> value over the mode's fixed settings; they name the CSV files
-    (``NAME_path-to=value``) and the section.
+    """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish the
+    section into ``results`` (a path, or ``none``). Returns (rows, section body). ``overrides``:
+    path -> value over the mode's fixed settings; they name the CSV files and the section.
 
     Raises:
-        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), an override of a path
-            the spec does not know (naming the allowed ones), or of a path the mode's grid sets
-            per point (it would be silently overridden there), before anything runs.
-    """
+        SystemExit: before anything runs: ``seeds`` or ``jobs`` below 1, an override of a path
+            the spec does not know, or of one the mode's grid sets per point."""
     for flag, v in (("--seeds", seeds), ("--jobs", jobs)):
         if v is not None and v < 1:
             raise SystemExit(f"{flag} must be >= 1, got {v}")
