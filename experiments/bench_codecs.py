@@ -20,7 +20,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import zstandard
@@ -29,8 +28,6 @@ from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
 from dtrain.tasks import TaskSpec
 from experiments import bench
 from experiments.common import md_table, pseudo_gradient
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:

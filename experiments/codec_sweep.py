@@ -15,14 +15,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from dtrain.codecs import CodecConfig, get_codec
 from dtrain.tasks import TaskSpec
+from experiments.bench_codecs import bench_codec
 from experiments.common import (
     RunResult,
     fmt_pm,
@@ -86,38 +85,19 @@ def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
     return pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
 
 
-def bench(delta: torch.Tensor, codecs: Sequence[str], repeats: int, zstd_level: int) -> dict[str, dict[str, float]]:
-    """Median seconds to encode / decode the whole Δ chunk by chunk (CPU time of this thread)."""
-    n = CHUNK_BYTES // 4
-    chunks = [delta[i : i + n].contiguous() for i in range(0, delta.numel(), n)]
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for name in codecs:
-        codec = get_codec(CodecConfig(name=name, zstd_level=zstd_level))
-        enc, dec = [], []
-        for _ in range(repeats):
-            t = time.thread_time()
-            payloads = [codec.encode(c, generator=gen) for c in chunks]
-            enc.append(time.thread_time() - t)
-            t = time.thread_time()
-            decoded = [codec.decode(p, numel=c.numel()) for p, c in zip(payloads, chunks)]
-            dec.append(time.thread_time() - t)
-        err = float(torch.linalg.vector_norm(torch.cat(decoded) - delta) / torch.linalg.vector_norm(delta))
-        out[name] = {
-            "encode_s": statistics.median(enc),
-            "decode_s": statistics.median(dec),
-            "bytes": sum(len(p) for p in payloads),
-            "rel_err": err,
-        }
-    return out
-
-
 def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
-    """The codec micro-benchmark on one real pseudo-gradient, as ``bench_*`` columns of every row."""
+    """``bench_*`` columns of every row: :func:`experiments.bench_codecs.bench_codec` on one real
+    pseudo-gradient cut in the runs' chunks: CPU seconds of this thread to encode / decode the whole
+    Δ (median), payload bytes, relative L2 error."""
     f = m["fixed"]
-    b = bench(real_pseudo_gradient(f), m["grid"][CODEC], m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
-    for r in results:
-        r.row.update({f"bench_{k}": v for k, v in b[r.row["codec"]].items()})
+    delta = real_pseudo_gradient(f)
+    chunks, mb = list(torch.split(delta, CHUNK_BYTES // 4)), delta.numel() * 4 / 1e6
+    for name in m["grid"][CODEC]:
+        b = bench_codec(name, chunks, m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
+        cols = {"encode_s": mb / b["encode_mb_s"], "decode_s": mb / b["decode_mb_s"], "bytes": b["bytes"]}
+        for r in results:
+            if r.row["codec"] == name:
+                r.row.update({f"bench_{k}": v for k, v in (cols | {"rel_err": b["rel_l2"]}).items()})
 
 
 def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = None, m: Any = None) -> list[str]:

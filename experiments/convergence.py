@@ -1,35 +1,29 @@
 """Convergence (issue 18): DiLoCo against DDP at enough rounds, and fault effects resolved below noise.
 
-Every method trains the built-in byte-level GPT on the stdlib source with the same per-site
-batches and inner steps per site (inner AdamW at the preset's lr):
+Every method trains the built-in GPT on the stdlib source with the same per-site batches and
+inner steps per site (inner AdamW at the preset's lr):
 
-* **Convergence**, IID and non-IID shards: DDP (gloo all-reduce every step, N processes;
-  ``diloco_sanity.run_ddp``) against DiLoCo with N sites at H = 10, 50, 100, with the outer
-  Nesterov SGD lr 0.7 / momentum 0.9 (Douillard et al., arXiv 2311.08105) and with the plain
-  average (lr 1, momentum 0), against one site alone and one site with N times the batch.
+* **Convergence**, IID and non-IID shards: DDP (gloo all-reduce every step, N processes)
+  against DiLoCo with N sites at H = 10, 50, 100, with the outer Nesterov SGD lr 0.7 /
+  momentum 0.9 (Douillard et al., arXiv 2311.08105) and with the plain average (lr 1,
+  momentum 0), against one site alone and one site with N times the batch.
 * **Faults**, paired by seed against the fault-free run (warmup + cosine inner LR): 10% chunk
-  loss on reduce and broadcast, the last site killed and restarted after ``down_rounds``
-  rounds (``InprocCluster.restart``), and the int8, int4 and top-k codecs against fp32. Seeds
-  are added in waves until the SE of each paired change is <= ``SE_TARGET_PP`` percentage
-  points, the seed cap or ``convergence.budget_min``.
+  loss on reduce and broadcast, the last site killed and restarted (``InprocCluster.restart``),
+  and the int8, int4 and top-k codecs against fp32; seeds are added in waves until the SE of
+  each paired change is <= ``SE_TARGET_PP`` percentage points, the seed cap or the budget.
 * **Outer lr / momentum sweep** at H = 50, one seed, the best few confirmed on more seeds.
 * **Diagnosis** of a DiLoCo-vs-DDP gap: the warmup + cosine inner LR for both, and DiLoCo at
   the sweep's best outer setting.
 
-The runs go in the lab's ``phases`` (see :func:`phases`); the DDP runs each in a thread beside
-the in-process ones (``beside``).
-
-**Side runs** (``--set convergence.side=KIND:ARGS``, :func:`side_points`; each writes
-``OUT/convergence_convergence-side=...[_MODE].csv``, and a ``--replot`` of the mode merges every
-side run beside its CSV, oldest first, a side run's row replacing the row of the same config and
-seed; so are the pre-lab script's ``convergence_faults*``, ``convergence_outer*`` and
-``convergence_netem*``): ``faults:A:B`` (with ``convergence.fault_names``,
-``convergence.fault_steps``, ``convergence.tag``), ``outer:ITEMS:A:B``, ``sweep:LR/M,...:A:B``,
-``rerun-diloco``, ``long:STEPS:ITEMS[:A:B]``, ``netem:A:B`` (as root). ITEMS: ``LR/M[@H]``
-(DiLoCo at H = h_main, or H, with this outer lr / momentum), ``ddp``, or ``big`` (1 site, N times
-the batch: DDP's stand-in, within 2% of DDP all along the 4000-step curve); ``fault_names``: runs
-of the fault table, the aliases of :data:`ALIASES`, or the issue-35 rows
-(``convergence_report.SPARSE``).
+**Side runs** (``--set convergence.side=KIND:ARGS``, :func:`side_points`) write
+``OUT/convergence_convergence-side=...[_MODE].csv``; a ``--replot`` of the mode merges every side
+run beside its CSV (:func:`merge`; so are the pre-lab script's ``convergence_faults*``,
+``convergence_outer*`` and ``convergence_netem*``). KIND:ARGS: ``faults:A:B`` (with
+``convergence.fault_names``, ``.fault_steps``, ``.tag``), ``outer:ITEMS:A:B``,
+``sweep:LR/M,...:A:B``, ``rerun-diloco``, ``long:STEPS:ITEMS[:A:B]``, ``netem:A:B`` (as root).
+ITEMS: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this outer lr / momentum), ``ddp``, or
+``big`` (1 site, N times the batch: DDP's stand-in, within 2% of DDP along the 4000-step curve);
+``fault_names``: runs of the fault table, :data:`ALIASES`, or ``convergence_report.SPARSE`` rows.
 """
 
 from __future__ import annotations
