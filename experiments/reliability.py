@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.app.procs import Proc, spawn
 from dtrain.metrics import read_json_lines
 from experiments.common import ROOT, RunResult, md_rows, md_table, summarize
 from experiments.lab import Point, Spec
@@ -57,22 +58,18 @@ def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
     """``dtrain launch ARGV --out OUT``, ``during()`` called every 0.2 s while it runs; its exit code
     (-1: still running after ``timeout_s``, then stopped with everything it started)."""
     argv = [sys.executable, "-m", "dtrain", "launch", *argv, "--out", str(out)]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = spawn("launch", argv, out.with_name(out.name + ".log"), cwd=ROOT)
     deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             if during is not None:
                 during()
-            try:
-                return proc.wait(0.2)
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(0.2)
     finally:
-        if proc.poll() is None:  # a hung run: stop the launch and everything it started, and its topology
+        hung = proc.poll() is None
+        if hung:  # stop the launch and everything it started, and its topology
             _stop(proc)
-    return -1
+    return -1 if hung else proc.returncode
 
 
 def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str, Any]:
@@ -83,17 +80,13 @@ def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str,
     return {"profile": profile, "exit_code": code, "wall_s": round(time.monotonic() - t0, 1), **read_run(out)}
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: Proc) -> None:
     """Kill a launch's process group and take down its netem topology (named ``launch``), so the
     next run can build its own. SIGUSR1 first: each worker prints its threads' stacks into its
     worker.log (kept with a failed run), which says what a hung run waited on."""
-    try:
-        os.killpg(proc.pid, signal.SIGUSR1)
+    if proc.send(signal.SIGUSR1):
         time.sleep(2.0)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
+    proc.kill(30)
     argv = [sys.executable, "-m", "netem", "down", "--name", "launch"]
     subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
 
