@@ -49,46 +49,17 @@ def points(rates: list[float], drift_rates: list[float], repeat_baseline: bool) 
     return out + [{LOSS: r, REPAIR: False} for r in drift_rates]
 
 
-def _mode(seeds, jobs, rates, drift_rates, repeat, fixed) -> dict[str, Any]:
-    return dict(
-        seeds=seeds,
-        jobs=jobs,
-        rates=rates,
-        drift_rates=drift_rates,
-        grid=points(rates, drift_rates, repeat),
-        fixed=fixed,
-    )
-
-
-def _sizes(n: int, size: str, h: int, rounds: int, val: int) -> dict[str, Any]:
-    return {
-        "task_spec.num_sites": n,
-        "task_spec.size": size,
-        "diloco.sync_every": h,
-        "rounds": rounds,
-        "inproc.num_val_batches": val,
-    }
-
-
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+VAL, SMALL = "inproc.num_val_batches", {"task_spec.batch_size": 4, "task_spec.context_len": 16}
 RATES = [0.0, 0.01, 0.05, 0.1, 0.2, 0.3]
+#: per mode: the loss rates (with repair; 0% repeated but in the smoke) and the drift rates (repair off too)
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": _mode(
-        [0],
-        1,
-        [0.0, 0.3],
-        [0.3],
-        False,
-        _sizes(2, "tiny", 2, 2, 2) | {"task_spec.batch_size": 4, "task_spec.context_len": 16},
-    ),
-    "quick": _mode([0, 1, 2], 2, RATES, [0.1, 0.3], True, _sizes(4, "tiny", 10, 16, 16)),
-    "full": _mode(
-        [0, 1, 2, 3, 4],
-        max(1, (os.cpu_count() or 2) // 4),
-        RATES,
-        [0.05, 0.1, 0.3],
-        True,
-        _sizes(4, "small", 50, 40, 32),
-    ),
+    "smoke": dict(seeds=[0], jobs=1, rates=[0.0, 0.3], drift_rates=[0.3])
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 2, VAL: 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, rates=RATES, drift_rates=[0.1, 0.3])
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 16, VAL: 16}},
+    "full": dict(seeds=[0, 1, 2, 3, 4], jobs=max(1, (os.cpu_count() or 2) // 4), rates=RATES)
+    | {"drift_rates": [0.05, 0.1, 0.3], "fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, VAL: 32}},
 }
 
 
@@ -321,7 +292,7 @@ on, a missed mean is repaired within the round (θ equal on every site after eve
 SPEC = Spec(
     name="loss_sweep",
     title="Chunk-loss sweep",
-    modes=MODES,
+    modes={k: v | {"grid": points(v["rates"], v["drift_rates"], k != "smoke")} for k, v in MODES.items()},
     fixed={
         "diloco.rounds.codec.name": "fp32",  # isolates the loss
         "diloco.buckets.bucket_bytes": 64 * 1024,
