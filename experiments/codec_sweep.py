@@ -42,31 +42,21 @@ BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 CODEC = "diloco.rounds.codec.name"
 SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
 
+SITES, SIZE, H, ROUNDS, VAL = (
+    "task_spec.num_sites",
+    "task_spec.size",
+    "diloco.sync_every",
+    "rounds",
+    "inproc.num_val_batches",
+)
+ALL = [c + z for c in BASE_CODECS for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        jobs=1,
-        bench_repeats=1,
-        grid={CODEC: ["fp32", "int8+zstd"]},
-        fixed={"task_spec.num_sites": 2, "task_spec.size": "tiny", "diloco.sync_every": 2, "rounds": 2, **SMALL}
-        | {"inproc.num_val_batches": 2},
-    ),
-    "quick": dict(
-        seeds=[0, 1, 2],
-        jobs=2,
-        bench_repeats=5,
-        grid={CODEC: [c + z for c in BASE_CODECS for z in ("", "+zstd")]},
-        fixed={"task_spec.num_sites": 4, "task_spec.size": "tiny", "diloco.sync_every": 10, "rounds": 12}
-        | {"inproc.num_val_batches": 16},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4],
-        jobs=max(1, (os.cpu_count() or 2) // 4),
-        bench_repeats=10,
-        grid={CODEC: [c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")]},
-        fixed={"task_spec.num_sites": 4, "task_spec.size": "small", "diloco.sync_every": 50, "rounds": 30}
-        | {"inproc.num_val_batches": 32},
-    ),
+    "smoke": dict(seeds=[0], jobs=1, bench_repeats=1, grid={CODEC: ["fp32", "int8+zstd"]})
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 2, VAL: 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, bench_repeats=5, grid={CODEC: ALL})
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 12, VAL: 16}},
+    "full": dict(seeds=[0, 1, 2, 3, 4], jobs=max(1, (os.cpu_count() or 2) // 4), bench_repeats=10)
+    | {"grid": {CODEC: ALL + ["fp16", "fp16+zstd"]}, "fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 30, VAL: 32}},
 }
 
 

@@ -42,18 +42,12 @@ def pair(loss: float) -> list[dict[str, Any]]:
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0], grid=pair(0.10), fixed={SITES: 3, SIZE: "tiny", H: 5, ROUNDS: 3, MIN_SEEDS: 1, BUDGET: 120.0}
-    ),
+    "smoke": dict(seeds=[0], fixed={SITES: 3, SIZE: "tiny", H: 5, ROUNDS: 3, MIN_SEEDS: 1, BUDGET: 120.0}),
     "quick": dict(
-        seeds=list(range(12)),
-        grid=pair(0.10),
-        fixed={SITES: 3, SIZE: "tiny", H: 10, ROUNDS: 20, MIN_SEEDS: 4, BUDGET: 900.0},
+        seeds=list(range(12)), fixed={SITES: 3, SIZE: "tiny", H: 10, ROUNDS: 20, MIN_SEEDS: 4, BUDGET: 900.0}
     ),
     "full": dict(
-        seeds=list(range(16)),
-        grid=pair(0.10),
-        fixed={SITES: 4, SIZE: "small", H: 20, ROUNDS: 30, MIN_SEEDS: 6, BUDGET: 7200.0},
+        seeds=list(range(16)), fixed={SITES: 4, SIZE: "small", H: 20, ROUNDS: 30, MIN_SEEDS: 6, BUDGET: 7200.0}
     ),
 }
 # the in-process runs' settings, as worker options (generous deadlines, as the in-process ones)
@@ -219,7 +213,7 @@ def verdict_lines(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: d
 SPEC = Spec(
     name="datagram_val_loss",
     title="Datagram path: validation loss at 10% loss",
-    modes=MODES,
+    modes={k: v | {"grid": pair(0.10)} for k, v in MODES.items()},
     fixed={
         "diloco.rounds.codec.name": "int8",
         # generous: a lossy round ends at the senders' SEND_END, not at these; on a machine

@@ -79,27 +79,13 @@ def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        jobs=1,
-        total_steps=4,
-        grid=methods(4, [1, 2]),
-        fixed={SITES: 2, "task_spec.size": "tiny", "inproc.num_val_batches": 2, **SMALL},
-    ),
-    "quick": dict(
-        seeds=[0, 1, 2],
-        jobs=2,
-        total_steps=200,
-        grid=methods(200, [1, 10, 50, 100]),
-        fixed={SITES: 4, "task_spec.size": "tiny", "inproc.num_val_batches": 16},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2],
-        jobs=max(1, (os.cpu_count() or 2) // 4),
-        total_steps=2000,
-        grid=methods(2000, [1, 10, 50, 100, 500]),
-        fixed={SITES: 4, "task_spec.size": "small", "inproc.num_val_batches": 32},
-    ),
+    "smoke": dict(seeds=[0], jobs=1, total_steps=4, grid=methods(4, [1, 2]))
+    | {"fixed": {SITES: 2, "task_spec.size": "tiny", "inproc.num_val_batches": 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, total_steps=200, grid=methods(200, [1, 10, 50, 100]))
+    | {"fixed": {SITES: 4, "task_spec.size": "tiny", "inproc.num_val_batches": 16}},
+    "full": dict(seeds=[0, 1, 2], jobs=max(1, (os.cpu_count() or 2) // 4), total_steps=2000)
+    | {"grid": methods(2000, [1, 10, 50, 100, 500])}
+    | {"fixed": {SITES: 4, "task_spec.size": "small", "inproc.num_val_batches": 32}},
 }
 
 

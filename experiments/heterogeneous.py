@@ -38,21 +38,15 @@ RENDEZVOUS = dict(
 STEP_S = 0.008  # the tiny model's own inner step on this machine under load (s), besides compute_s
 WORKER = dict(codec="int8", bucket_bytes=65536, chunk_bytes=16384, linger_s=2, quorum_wait_s=120)
 
+ALL = {MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]}
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 2, SIZE: "tiny", H: 6, ROUNDS: 2, COMPUTE: 0.005, TARGET: 5.0},
-        grid={MODE: [TIMED], SHARE: [0.5]},
-    ),
+    "smoke": dict(seeds=[0], grid={MODE: [TIMED], SHARE: [0.5]})
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 6, ROUNDS: 2, COMPUTE: 0.005, TARGET: 5.0}},
     "quick": dict(
-        seeds=[0, 1],
-        fixed={SITES: 4, SIZE: "tiny", H: 20, ROUNDS: 40, COMPUTE: 0.05, TARGET: 2.65},
-        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+        seeds=[0, 1], grid=ALL, fixed={SITES: 4, SIZE: "tiny", H: 20, ROUNDS: 40, COMPUTE: 0.05, TARGET: 2.65}
     ),
     "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 60, COMPUTE: 0.05, TARGET: 2.3},
-        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+        seeds=[0, 1, 2], grid=ALL, fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 60, COMPUTE: 0.05, TARGET: 2.3}
     ),
 }
 
