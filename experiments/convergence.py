@@ -63,22 +63,16 @@ FIXED = {
     "convergence.fault_steps": None,
     "convergence.tag": None,  # only names a side run's CSV
 }
+SITES, SIZE, VAL = "task_spec.num_sites", "task_spec.size", "inproc.num_val_batches"
+STEPS, BUDGET, REDUCE = "convergence.total_steps", "convergence.budget_min", "rendezvous.reduce_timeout_s"
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0],
         jobs=2,
-        fixed={
-            "task_spec.num_sites": 2,
-            "task_spec.size": "tiny",
-            "task_spec.batch_size": 4,
-            "task_spec.context_len": 16,
-            "inproc.num_val_batches": 4,
-            "convergence.total_steps": 8,
-            "convergence.budget_min": 2.0,
-            # 1 s: a lossy round waits its whole reduce deadline (a lost chunk looks late), 4 rounds a run;
-            # under load a 0.5 s deadline once cut a chunk that was only late (sync_s 0.86 s against 0.35 s)
-            "rendezvous.reduce_timeout_s": 1.0,
-        },
+        # reduce deadline 1 s: a lossy round waits its whole deadline (a lost chunk looks late), 4 rounds a run;
+        # under load a 0.5 s deadline once cut a chunk that was only late (sync_s 0.86 s against 0.35 s)
+        fixed={SITES: 2, SIZE: "tiny", "task_spec.batch_size": 4, "task_spec.context_len": 16, VAL: 4}
+        | {STEPS: 8, BUDGET: 2.0, REDUCE: 1.0},
         data=["iid", "non-iid"],
         hs=[2, 4],
         h_main=2,
@@ -92,14 +86,7 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": dict(
         seeds=[0],
         jobs=8,  # more runnable processes than the cores: each in-process run sleeps in its GIL handoffs
-        fixed={
-            "task_spec.num_sites": 4,
-            "task_spec.size": "tiny",
-            "inproc.num_val_batches": 32,
-            "convergence.total_steps": 4000,  # 80 rounds at H = 50
-            "convergence.budget_min": 25.0,
-            "rendezvous.reduce_timeout_s": 0.5,
-        },
+        fixed={SITES: 4, SIZE: "tiny", VAL: 32, STEPS: 4000, BUDGET: 25.0, REDUCE: 0.5},  # 80 rounds at H = 50
         data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
@@ -112,14 +99,7 @@ MODES: dict[str, dict[str, Any]] = {
     "full": dict(
         seeds=[0, 1, 2],
         jobs=4,
-        fixed={
-            "task_spec.num_sites": 4,
-            "task_spec.size": "small",
-            "inproc.num_val_batches": 32,
-            "convergence.total_steps": 8000,
-            "convergence.budget_min": 240.0,
-            "rendezvous.reduce_timeout_s": 1.0,
-        },
+        fixed={SITES: 4, SIZE: "small", VAL: 32, STEPS: 8000, BUDGET: 240.0, REDUCE: 1.0},
         data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
