@@ -57,23 +57,16 @@ MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s
 # --set lab.deadlines=derived --set 'netem.losses=[10]')
 DEADLINES = "lab.deadlines"
 LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set"}
+#: quick and full: the 9.8 M-parameter task (int8: ~9.8 MB of pseudo-gradient per site and round)
+WIDE = {SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", DELAY: 40.0}
+WIDE |= {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0]}
 MODES: dict[str, dict[str, Any]] = {
     # smoke: as in wan_sweep's smoke, an inner phase long enough that the link change lands between two
     # exchanges (a 40 ms one let the next round start first, once in four runs, leaving the 5% row unmeasured)
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 2, TASK: "", SIZE: "tiny", H: 2, DELAY: 5.0, LOSSES: [0.0, 5.0], MEASURED: 1, SLEEP: 0.1},
-    ),
-    "quick": dict(
-        seeds=[0],
-        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 1, DELAY: 40.0}
-        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 1},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 5, DELAY: 40.0}
-        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 3},
-    ),
+    "smoke": dict(seeds=[0])
+    | {"fixed": {SITES: 2, TASK: "", SIZE: "tiny", H: 2, DELAY: 5.0, LOSSES: [0.0, 5.0], MEASURED: 1, SLEEP: 0.1}},
+    "quick": dict(seeds=[0], fixed={**WIDE, H: 1, MEASURED: 1}),
+    "full": dict(seeds=[0, 1, 2], fixed={**WIDE, H: 5, MEASURED: 3}),
 }
 
 

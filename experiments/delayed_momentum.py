@@ -49,14 +49,10 @@ def sweep(momenta: list[float], lrs: list[float]) -> list[dict[str, Any]]:
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], fixed={SITES: 2, H: 4, ROUNDS: 4}, grid=sweep([0.0, 0.9], [0.7])),
-    "quick": dict(
-        seeds=[0, 1, 2], fixed={SITES: 4, H: 8, ROUNDS: 30}, grid=sweep([0.0, 0.3, 0.5, 0.7, 0.9], [0.7, 1.0, 1.4])
-    ),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4],
-        fixed={SITES: 4, H: 8, ROUNDS: 60},
-        grid=sweep([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.7, 1.0, 1.4]),
-    ),
+    "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, H: 8, ROUNDS: 30})
+    | {"grid": sweep([0.0, 0.3, 0.5, 0.7, 0.9], [0.7, 1.0, 1.4])},
+    "full": dict(seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, H: 8, ROUNDS: 60})
+    | {"grid": sweep([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.7, 1.0, 1.4])},
 }
 
 

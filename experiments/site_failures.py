@@ -47,15 +47,11 @@ SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_
 # site is back for a good part of the run instead of after its end.
 # CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05},
-        grid={SCENARIO: [NO_FAULT, OWNER]},
-    ),
+    "smoke": dict(seeds=[0], grid={SCENARIO: [NO_FAULT, OWNER]})
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05}},
     "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 24, KILL: 3, DOWN: 2, SLEEP: 0.1}),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}
-    ),
+    "full": dict(seeds=[0, 1, 2, 3, 4])
+    | {"fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}},
 }
 TIMEOUT_S = 900.0  # bound on one run
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
