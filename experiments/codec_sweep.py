@@ -23,6 +23,7 @@ import torch
 from dtrain.tasks import TaskSpec
 from experiments.bench_codecs import bench_codec
 from experiments.common import (
+    BUCKETS_64K,
     RunResult,
     fmt_pm,
     md_rows,
@@ -35,8 +36,6 @@ from experiments.common import (
 )
 from experiments.lab import Spec
 
-BUCKET_BYTES = 64 * 1024
-CHUNK_BYTES = 16 * 1024
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
 CODEC = "diloco.rounds.codec.name"
@@ -81,7 +80,7 @@ def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
     Δ (median), payload bytes, relative L2 error."""
     f = m["fixed"]
     delta = real_pseudo_gradient(f)
-    chunks, mb = list(torch.split(delta, CHUNK_BYTES // 4)), delta.numel() * 4 / 1e6
+    chunks, mb = list(torch.split(delta, BUCKETS_64K["diloco.buckets.chunk_bytes"] // 4)), delta.numel() * 4 / 1e6
     for name in m["grid"][CODEC]:
         b = bench_codec(name, chunks, m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
         cols = {"encode_s": mb / b["encode_mb_s"], "decode_s": mb / b["decode_mb_s"], "bytes": b["bytes"]}
@@ -217,12 +216,7 @@ SPEC = Spec(
     name="codec_sweep",
     title="Codec sweep",
     modes=MODES,
-    fixed={
-        "diloco.buckets.bucket_bytes": BUCKET_BYTES,
-        "diloco.buckets.chunk_bytes": CHUNK_BYTES,
-        "diloco.rounds.codec.zstd_level": 1,
-        "inproc.track_drift": False,
-    },
+    fixed={**BUCKETS_64K, "diloco.rounds.codec.zstd_level": 1, "inproc.track_drift": False},
     label=lambda point: point[CODEC],
     # the mean of N top-k contributions has up to N·k non-zeros: its top-k loses the rest unless fed back
     derive=lambda point: {"diloco.rounds.broadcast_error_feedback": point[CODEC].startswith("topk")},

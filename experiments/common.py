@@ -30,6 +30,8 @@ from experiments.runspec import RunSpec
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "experiments" / "out"
 RESULTS_MD = ROOT / "experiments" / "RESULTS.md"
+#: 64 KiB buckets of 16 KiB chunks (each chunk encoded on its own): the in-process sweeps' layout
+BUCKETS_64K = {"diloco.buckets.bucket_bytes": 64 * 1024, "diloco.buckets.chunk_bytes": 16 * 1024}
 
 
 def quiet_logging(verbose: bool = False) -> None:

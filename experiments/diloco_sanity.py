@@ -33,6 +33,7 @@ import torch.multiprocessing as tmp
 
 from dtrain.tasks import build_task
 from experiments.common import (
+    BUCKETS_64K,
     RunResult,
     RunSpec,
     fmt_pm,
@@ -324,14 +325,7 @@ SPEC = Spec(
     name="diloco_sanity",
     title="DiLoCo sanity table",
     modes=MODES,
-    fixed={
-        "diloco.rounds.codec.name": "fp32",
-        "diloco.buckets.bucket_bytes": 64 * 1024,
-        "diloco.buckets.chunk_bytes": 16 * 1024,
-        "inproc.track_drift": False,
-        OUTER_LR: 0.7,
-        OUTER_M: 0.9,
-    },
+    fixed={"diloco.rounds.codec.name": "fp32", **BUCKETS_64K, "inproc.track_drift": False, OUTER_LR: 0.7, OUTER_M: 0.9},
     columns=lambda point: {"method": point[METHOD], "H": point[H]},
     metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
     report=report,

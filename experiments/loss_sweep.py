@@ -21,7 +21,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.common import fmt_pm, md_rows, mean_std, paired_deltas, per_round_mean, save_fig, subplots, summarize
+from experiments.common import (
+    BUCKETS_64K,
+    fmt_pm,
+    md_rows,
+    mean_std,
+    paired_deltas,
+    per_round_mean,
+    save_fig,
+    subplots,
+    summarize,
+)
 from experiments.lab import Spec
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
@@ -293,13 +303,8 @@ SPEC = Spec(
     name="loss_sweep",
     title="Chunk-loss sweep",
     modes={k: v | {"grid": points(v["rates"], v["drift_rates"], k != "smoke")} for k, v in MODES.items()},
-    fixed={
-        "diloco.rounds.codec.name": "fp32",  # isolates the loss
-        "diloco.buckets.bucket_bytes": 64 * 1024,
-        "diloco.buckets.chunk_bytes": 16 * 1024,
-        "rendezvous.reduce_timeout_s": 1.0,
-        "rendezvous.broadcast_timeout_s": 2.0,
-    },
+    fixed={"diloco.rounds.codec.name": "fp32", **BUCKETS_64K}  # fp32: isolates the loss
+    | {"rendezvous.reduce_timeout_s": 1.0, "rendezvous.broadcast_timeout_s": 2.0},
     label=lambda point: label(point[LOSS], point[REPAIR]),
     derive=lambda point: {"inproc.pull_loss": point[LOSS]},  # the broadcast loses what the reduce does
     columns=lambda point: {"loss_rate": point[LOSS]},
