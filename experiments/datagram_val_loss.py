@@ -214,16 +214,14 @@ SPEC = Spec(
     name="datagram_val_loss",
     title="Datagram path: validation loss at 10% loss",
     modes={k: v | {"grid": pair(0.10)} for k, v in MODES.items()},
+    # generous deadlines: a lossy round ends at the senders' SEND_END, not at these; on a machine
+    # loaded past its cores a 3 s / 6 s pair could be overrun (the quick CSV ran with it)
     fixed={
         "diloco.rounds.codec.name": "int8",
-        # generous: a lossy round ends at the senders' SEND_END, not at these; on a machine
-        # loaded past its cores a 3 s / 6 s pair could be overrun (the quick CSV ran with it)
         "rendezvous.reduce_timeout_s": 10.0,
         "rendezvous.broadcast_timeout_s": 20.0,
-        "eval_every": 0,
-        "inproc.track_drift": False,
-        NETEM: False,
-    },
+    }
+    | {"eval_every": 0, "inproc.track_drift": False, NETEM: False},
     derive=check_netem,
     columns=lambda point: {"loss": point[DROP]},
     metrics=(("final_val_loss", 0.0, 10.0),),

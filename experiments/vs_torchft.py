@@ -568,26 +568,12 @@ SPEC = Spec(
     name="vs_torchft",
     title="dtrain vs torchft 0.2.0 DiLoCo",
     modes={mode: {"seeds": [0], "fixed": fixed} for mode, fixed in MODES.items()},
-    fixed={
-        va.DATA: "stdlib",
-        va.CODEC: "int8",
-        va.BUCKET_BYTES: None,  # dtrain's default
-        va.SCENARIOS: ["healthy", "concurrent", "fault", "netem"],
-        va.REPEATS: 1,
-        va.EXTRA_CODECS: [],
-        va.PROFILE: "auto",
-        va.KILL_ROUND: 3,
-        va.RESTART_AFTER: 2,
-        va.TIMEOUT_S: 900.0,
-        va.NETEM: None,
-        va.PYSPY: None,
-    },
-    metrics=(
-        ("final_val_loss", 0.0, 10.0),
-        ("round_wall_median_s", 0.0, 600.0),
-        ("bytes_per_round", 1.0, 1e12),
-        ("peak_rss_mb_max", 10.0, 1e5),
-    ),
+    fixed={va.DATA: "stdlib", va.CODEC: "int8", va.BUCKET_BYTES: None}  # bucket bytes: dtrain's default
+    | {va.SCENARIOS: ["healthy", "concurrent", "fault", "netem"], va.REPEATS: 1, va.PROFILE: "auto"}
+    | {va.EXTRA_CODECS: [], va.KILL_ROUND: 3, va.RESTART_AFTER: 2}
+    | {va.TIMEOUT_S: 900.0, va.NETEM: None, va.PYSPY: None},
+    metrics=(("final_val_loss", 0.0, 10.0), ("round_wall_median_s", 0.0, 600.0), ("bytes_per_round", 1.0, 1e12))
+    + (("peak_rss_mb_max", 10.0, 1e5),),
     report=report,
     verdict=va.verdict,
     execute=run_point,
