@@ -1,23 +1,20 @@
 """Does every run end with one θ on bad links, with no timeout set? (issue 32)
 
-Runs ``dtrain launch --sites 3 --size tiny`` many times through netem profiles (``lossy``:
-10% loss, 20 ms RTT, 100 Mbit/s; ``flaky``: a 2 s partition of each site every 10 s;
-``lossy30``: 30% loss) with no time setting at all: the deadlines are derived from the
-observed rounds and the default stall budget, failure detection is the phi accrual
-detector. Each run is read back from its metrics lines and the rendezvous log:
+Runs ``dtrain launch --sites 3 --size tiny`` many times through netem profiles (``lossy``: 10%
+loss, 20 ms RTT, 100 Mbit/s; ``flaky``: a 2 s partition of each site every 10 s; ``lossy30``: 30%
+loss) with no time setting at all (deadlines derived from the observed rounds and the default
+stall budget, failure detection by the phi accrual detector). Read back from each run's metrics
+lines and rendezvous log:
 
-* equal θ at the end: every site's final checksum (its ``summary.json``; else its last round
-  line) is the same (and the launch exited 0, which it does only then): a site that joined as
-  the run ended has no round line, only the θ it caught up to;
-* sites declared dead while alive: every site lives through the run, so each "declared
-  dead" line of the rendezvous is a false one;
-* rounds of unequal θ: a round whose applied lines disagree on the checksum (a round is
-  repaired within itself when its lines agree);
+* equal θ at the end: every site's final checksum (``summary.json``, else its last round line)
+  the same, and the launch exited 0;
+* sites declared dead while alive: every site lives through the run, so each "declared dead"
+  line of the rendezvous is a false one;
+* rounds of unequal θ: a round whose applied lines disagree on the checksum;
 * rounds missed (a site resynced instead of applying) and the worst sync time.
 
-Needs root (netem: network namespaces).
-
-A run that did not end equal keeps its run directory (the row's ``kept`` column names it).
+Needs root (netem: network namespaces). A run that did not end equal keeps its run directory
+(the row's ``kept`` column names it).
 """
 
 from __future__ import annotations
