@@ -1,16 +1,13 @@
 """What a paced datagram flow does to a competing TCP flow on the same bottleneck (netem; prints a table).
 
-Three emulated sites (``netem.Topology``), every link ``netem.rate_mbit`` (tbf) and
-``netem.delay_ms`` one way. A bulk TCP flow runs from site 0 to site 1 for ``lab.seconds``;
-in the middle third, a datagram flow paced like the datagram data path
-(:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte datagrams) runs from
-site 2 to site 1 at ``lab.udp_mbit``: both share site 1's download cap. Printed per TCP
-congestion control (the namespace's ``net.ipv4.tcp_congestion_control``; cubic where
-the machine's global allowed list has it, else reno): TCP goodput before, during and
-after the datagram flow, and the datagram flow's delivered rate and loss.
-
-The datagram path sends at its round's rate whatever else shares the link (its rate
-controller only acts between rounds), which is why it is meant for provisioned links.
+Three emulated sites, every link ``netem.rate_mbit`` (tbf) and ``netem.delay_ms`` one way. A bulk
+TCP flow runs from site 0 to site 1 for ``lab.seconds``; in its middle third a datagram flow paced
+like the datagram data path (:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte
+datagrams) runs from site 2 to site 1 at ``lab.udp_mbit``: both share site 1's download cap. Per
+TCP congestion control (bbr, and cubic where the machine allows it, else reno): TCP goodput
+before, during and after the datagram flow, and the datagram flow's delivered rate and loss. The
+datagram path sends at its round's rate whatever else shares the link (its rate controller only
+acts between rounds): it is meant for provisioned links.
 
 Needs root (netem: network namespaces).
 """
