@@ -1,34 +1,26 @@
 """Chaos soak: N sites over gRPC for R rounds with seeded random faults (issue 13).
 
-Every site is a ``dtrain worker`` process (``dtrain.app.procs.Cluster``), checkpointing every
-round. site-0 is never faulted (the reference that paces the run); the others get, at seeded
-random times, one of:
+Every site is a ``dtrain worker`` process (``dtrain.app.procs.Cluster``) checkpointing every
+round. site-0 is never faulted (it paces the run); the others get, at seeded random times: ``kill``
+(SIGKILL, restarted with ``--resume`` a few seconds later, in whatever phase it was), ``stop``
+(SIGSTOP for a few seconds, then SIGCONT), ``corrupt`` (a client holding the token pushes an
+undecodable contribution claiming to be a member, for the round in progress), ``flood`` (a client
+holding the token keeps idle Push streams open on the site), ``partition`` (netem only: the site
+cut off from every other site and the rendezvous for a few seconds); the rendezvous gets
+``rv_kill`` (SIGKILL, restarted on the same address: it forgets everything, the sites re-register)
+or ``rv_stop``. Faults come from a shuffled bag of the kinds (each once before any repeats); at
+most one process is down, stopped or cut off at a time. With netem (``chaos.netem``) every process
+runs in its own emulated LAN site; without, on 127.0.0.1 and without ``partition``.
 
-* ``kill``: SIGKILL, restarted with ``--resume`` a few seconds later (in whatever phase it is);
-* ``stop``: SIGSTOP for a few seconds, then SIGCONT (a hung site, or a straggler);
-* ``corrupt``: a client holding the token pushes an undecodable contribution claiming to be a
-  member, for the round in progress;
-* ``flood``: a client holding the token keeps idle Push streams open on a site;
-* ``partition`` (netem only): the site is cut off from every other site and the rendezvous for
-  a few seconds, then healed;
-
-and the rendezvous gets ``rv_kill`` (SIGKILL, restarted on the same address: it forgets
-everything, the sites re-register) or ``rv_stop`` (SIGSTOP, then SIGCONT). Faults come from a
-shuffled bag of the kinds (each once before any repeats); at most one site or the rendezvous is
-down, stopped or cut off at a time. With netem (``chaos.netem``) every process runs in its own
-emulated LAN site; without it on 127.0.0.1, and ``partition`` is left out.
-
-Checked from the metrics lines after the run, per round: no hang (every site that ran the
-round finished its engine part, ``round_s``, by the broadcast deadline + 1 s); θ checksums
-equal among the sites that applied it with no stale bucket (a mismatch after an unreachable
-owner, ``owner_lost``, is reported apart: a known open case); nothing an owner refused was
-applied (``dtrain.metrics.rejected_applied``); and each worker's RSS and open fds, sampled
-every second (growth of each site's longest-lived process after its warm-up). The table:
-faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss against
-a fault-free run with the same seed.
-
-One row per soak. A failed check is a verdict line saying **NOT met** (``chaos.json``, beside
-the logs of ``chaos.logs``, has the figures); the run itself exits 0.
+Checked from the metrics lines after the run, per round: no hang (every site that ran the round
+finished its engine part, ``round_s``, by the broadcast deadline + 1 s); θ checksums equal among
+the sites that applied it with no stale bucket (a mismatch after an unreachable owner,
+``owner_lost``, is reported apart: a known open case); nothing an owner refused was applied
+(``dtrain.metrics.rejected_applied``); and each worker's RSS and open fds, sampled every second
+(growth of each site's longest-lived process after its warm-up). The table also gives faults by
+kind, rounds lost at site-0, the longest stall (``sync_s``) and the final loss against a
+fault-free run with the same seed. A failed check is a verdict line saying **NOT met**
+(``chaos.json``, beside the logs of ``chaos.logs``, has the figures); the run itself exits 0.
 """
 
 from __future__ import annotations

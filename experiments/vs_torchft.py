@@ -1,35 +1,30 @@
 """Head to head with torchft 0.2.0's DiLoCo: same task, same machine, one invocation (issue 7).
 
 Both systems train dtrain's built-in task (same GPT, seeded initial weights, data shards and
-order, validation batches, inner AdamW), H inner steps per round, outer SGD(lr 0.7, momentum
-0.9, Nesterov), the same number of sites, every site its own OS process with one torch thread:
-dtrain as ``dtrain rendezvous`` + one ``dtrain worker`` per site (gRPC on 127.0.0.1, codec
-``diloco.rounds.codec.name``: int8 unless set); torchft as ``torchft_lighthouse`` + one
-:mod:`experiments.torchft_site` per site.
+order, validation batches, inner AdamW), H inner steps per round, outer SGD(lr 0.7, momentum 0.9,
+Nesterov), the same number of sites, every site its own process with one torch thread: dtrain as
+``dtrain rendezvous`` + a ``dtrain worker`` per site (gRPC on 127.0.0.1, codec int8 unless
+``diloco.rounds.codec.name`` says otherwise); torchft as ``torchft_lighthouse`` + an
+:mod:`experiments.torchft_site` per site. Scenarios (``vs.scenarios``; the systems one after the
+other unless said; :mod:`experiments.vs_torchft_analysis` defines each figure):
 
-Scenarios (``vs.scenarios``; one system after the other unless said otherwise;
-:mod:`experiments.vs_torchft_analysis` defines each figure):
+1. ``healthy``: wall time per round, final validation loss per site, bytes on the wire per round,
+   peak RSS per site process, and the dtrain / torchft ratios against the targets (wall <= 1,
+   loss within 1 %, bytes <= 1/4); ``vs.repeats`` times in AB BA order, plus a dtrain run per
+   codec of ``vs.extra_codecs``. ``concurrent``: both systems' healthy runs at the same time.
+2. ``fault``: site-1 SIGKILLed in round ``vs.kill_round`` once admitted, before it sent anything
+   (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:K:kill``; torchft: ``--kill-at-round``); a fresh
+   site-1 starts when a survivor has finished round K + ``vs.restart_after`` - 1. Reports discarded
+   rounds, what site-1 missed, the longest stall a survivor saw, the time to rejoin, final losses.
+3. ``netem``: the healthy run with every process behind each link profile of
+   ``vs.netem_profiles`` (root; left out with a note otherwise).
 
-1. ``healthy``: wall time per round, final validation loss per site, bytes on the wire per
-   round, peak RSS per site process, and dtrain / torchft ratios against the targets (wall
-   <= 1, loss within 1 %, bytes <= 1/4). Repeated ``vs.repeats`` times in AB BA order; one more
-   dtrain run per codec of ``vs.extra_codecs`` for the bytes table. ``concurrent``: both
-   systems' healthy runs at the same time (the same background load; they share the CPUs).
-2. ``fault``: site-1 is SIGKILLed in round ``vs.kill_round`` once admitted, before it sent
-   anything (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:K:kill``; torchft:
-   ``--kill-at-round``); a fresh site-1 starts when a survivor has finished round
-   K + ``vs.restart_after`` - 1. Reports discarded rounds, what site-1 missed, the longest
-   stall a survivor saw, the time to rejoin, final losses.
-3. ``netem``: the healthy run with every process in its own network namespace behind each
-   link profile of ``vs.netem_profiles`` (root; left out with a note otherwise).
-
-With ``vs.profile`` ``always`` (or ``auto`` when the healthy runs missed the wall-time target)
-one more healthy dtrain run samples site-0 with py-spy.
-
-Every site process starts "pre-warmed" (imports done, then it waits for a go-file), so start-up
-is out of the measurements and a restarted site comes back in seconds. Everything a run starts
-is killed on exit, error and Ctrl-C; a run that left a problem keeps its run directory (the
-row's ``kept``). torchft is NOT a dependency of dtrain (:data:`INSTALL_HINT` says how to add it).
+With ``vs.profile`` ``always`` (or ``auto`` when the healthy runs missed the wall-time target) one
+more healthy dtrain run samples site-0 with py-spy. Every site process starts "pre-warmed"
+(imports done, then it waits for a go-file): start-up is out of the measurements and a restarted
+site is back in seconds. Everything a run starts is killed on exit, error and Ctrl-C; a run that
+left a problem keeps its run directory (the row's ``kept``). torchft is NOT a dependency of dtrain
+(:data:`INSTALL_HINT` says how to add it).
 """
 
 from __future__ import annotations
