@@ -75,8 +75,7 @@ def _module() -> str:
 
 
 def write(args: argparse.Namespace, name: str, figures: Any, *, load_before: float | None = None) -> dict[str, Any]:
-    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}``
-    there (parent directories made). Returns the stamp."""
+    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
     st = stamp(load_before)
     print(
         f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "

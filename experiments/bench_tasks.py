@@ -20,8 +20,7 @@ from experiments.common import inner_step
 
 
 def _step(task) -> tuple[float, float]:
-    """One inner step; returns (wall s, process CPU s). With 1 thread and a busy
-    machine, CPU seconds are the better estimate of the step time on an idle core."""
+    """One inner step: (wall s, process CPU s; on a busy machine the better estimate of an idle core's)."""
     t0, c0 = time.perf_counter(), time.process_time()
     inner_step(task)
     return time.perf_counter() - t0, time.process_time() - c0

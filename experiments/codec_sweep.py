@@ -60,8 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat);
-    ``f``: the run's fixed settings by config path."""
+    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (``f``: settings by path)."""
     torch.set_num_threads(1)
     spec = TaskSpec(
         site_index=0,

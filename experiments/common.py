@@ -259,8 +259,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
 def _run_row(
     spec: RunSpec, results: list[list[Any]], statuses: list[str], rounds: list[dict[str, Any]], f: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run's CSV row (see :func:`run_inproc`) from the sites' round results and ``f``, what the
-    run measured around them."""
+    """The run's CSV row (see :func:`run_inproc`) from the sites' round results and ``f``, what else it measured."""
     n, H, finals, thetas, rounds_done = spec.num_sites, spec.sync_every, f["finals"], f["thetas"], f["rounds_done"]
     flat = [x for per_site in results for x in per_site]
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
@@ -504,8 +503,7 @@ def _git(*args: str) -> str:
 
 
 def code_version() -> str:
-    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
-    writes its outputs, some of which are tracked)."""
+    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run writes)."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 

@@ -137,8 +137,7 @@ def knobs(m: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- points
 def _spec(m: dict[str, Any], section: str, data: str, method: str, seed: int, steps: int, **kw: Any) -> Point:
-    """One run; ``kw`` overrides RunSpec fields (sync_every, num_sites, outer_lr, codec, ...), which
-    the point holds by their config paths."""
+    """One run; ``kw`` overrides RunSpec fields (sync_every, outer_lr, codec, ...), held by config path."""
     h = kw.pop("sync_every", steps)
     rounds = kw.pop("rounds", steps // h)
     eval_steps = max(1, steps // 20)  # ~20 points per curve, on the same steps for every method

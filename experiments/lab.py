@@ -72,8 +72,7 @@ class Point:
     extra: tuple[tuple[str, Any], ...] = ()
 
     def run_spec(self, **override: Any) -> RunSpec:
-        """The in-process run of these settings (paths of :data:`TREE_FIELDS`; the others skipped),
-        ``override`` applied over them by ``RunSpec`` field."""
+        """The in-process run of these settings (paths of :data:`TREE_FIELDS`), ``override`` by field."""
         kw = {TREE_FIELDS[p]: v for p, v in self.settings.items() if p in TREE_FIELDS}
         return RunSpec(
             experiment=self.experiment, config=self.config, seed=self.seed, extra=self.extra, **{**kw, **override}
@@ -300,8 +299,7 @@ def run(
 
 
 def stamp_of(meta: dict[str, Any]) -> str:
-    """The stamp saved with a run; a run of the scripts before the lab saved its command, minutes and
-    provenance instead."""
+    """The stamp saved with a run (a pre-lab script's saved its command, minutes and provenance)."""
     if "stamp" in meta:
         return meta["stamp"]
     return f"Command `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']})."

@@ -65,8 +65,7 @@ def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
 
 
 def set_link(topo, **link: Any) -> None:
-    """Every site's link of ``topo`` set to ``netem.profiles.LinkParams(**link)`` (the fields not
-    given: LinkParams' defaults, not the previous link's), live."""
+    """Every site's link of ``topo`` set live to ``netem.profiles.LinkParams(**link)`` (the rest: defaults)."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     topo.set_link(None, LinkParams(**link))
