@@ -24,8 +24,7 @@ from typing import Any
 
 
 def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
-    """The benchmark's parser: ``--json PATH`` always; ``--quick`` / ``--smoke`` (store_true) when
-    their help text is given (what the smaller run measures)."""
+    """The benchmark's parser: ``--json PATH``, and ``--quick`` / ``--smoke`` when given their help text."""
     ap = argparse.ArgumentParser(
         description=(doc or "").split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
     )

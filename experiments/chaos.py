@@ -216,8 +216,7 @@ class _Soak(Cluster):
                 self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.time(), *got))
 
     def draw(self) -> str | None:
-        """The next kind from the bag (refilled, shuffled, when empty); None while the
-        next is exclusive and something is still out (it waits for its turn)."""
+        """The next kind from the (refilled, shuffled) bag; None while it is exclusive and something is out."""
         if not self.bag:
             self.bag = self.rng.sample(self.kinds, len(self.kinds))
         if self.bag[-1] in EXCLUSIVE and self.down:

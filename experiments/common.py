@@ -90,8 +90,7 @@ class _Recorder:
 
 
 def _round_records(spec: RunSpec, results: list[list[Any]], rec: _Recorder, final0: float) -> list[dict[str, Any]]:
-    """One record per round over the sites' ``RoundResult`` lists (site 0's validation loss at
-    the evaluated rounds and, at its last, ``final0``)."""
+    """One record per round over the sites' ``RoundResult`` lists (site 0's final validation loss: ``final0``)."""
     rounds: list[dict[str, Any]] = []
     for r in range(max((len(x) for x in results), default=0)):
         rr = [x[r] for x in results if r < len(x)]
@@ -468,8 +467,7 @@ def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
 def per_round_mean(
     rounds: Sequence[dict[str, Any]], config: str, metric: str, keep: Callable[[dict[str, Any]], bool] = lambda r: True
 ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Per round of ``config``'s per-round records (those ``keep`` takes, NaNs left out): the rounds
-    and the mean, min and max of ``metric`` over them (over seeds and sites)."""
+    """Per round of ``config``'s records (those ``keep`` takes, NaNs out): rounds, mean, min and max of ``metric``."""
     by_round: dict[int, list[float]] = {}
     for r in rounds:
         if r["config"] == config and keep(r) and not math.isnan(r[metric]):

@@ -120,8 +120,7 @@ KNOB_FIELDS += ("heartbeat_timeout_s",)
 
 
 def knobs(m: dict[str, Any]) -> dict[str, Any]:
-    """The lab's mode settings (``--set`` applied) as the flat knobs the plan and the report read:
-    ``num_sites``, ``size``, ``total_steps``, ..., ``seeds`` per data setting."""
+    """The mode's settings (``--set`` applied) as the flat knobs the plan and the report read."""
     f = m["fixed"]
     k = dict(m, seeds={d: list(m["seeds"]) for d in m["data"]}, side=f["convergence.side"])
     k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
@@ -259,16 +258,14 @@ def long_section(steps: int) -> str:
 
 
 def long_points(m: dict[str, Any], text: str) -> list[Point]:
-    """``--long-check STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS inner steps for seeds A..B-1
-    (default seed 0), section ``long_section(STEPS)`` (its own table)."""
+    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), its own table."""
     steps, items, *seeds = text.split(":")
     span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
     return item_points(m, long_section(int(steps)), items.split(","), span, int(steps))
 
 
 def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
-    """Rows of section ``LONG`` (the first --long-check runs, before one section per step
-    count) move to ``long_section(inner_steps)``, their per-round rows with them."""
+    """Rows of section ``LONG`` (before one section per step count) go to ``long_section(inner_steps)``."""
     renamed = {}
     for r in rows:
         if r["section"] == LONG:
@@ -350,8 +347,7 @@ def phases(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
 
 
 def run_point(point: Point) -> RunResult | list[RunResult]:
-    """One run: DDP (``diloco_sanity.run_ddp``), the in-process DiLoCo run, or (side run
-    ``netem:A:B``) the netem pairs of seeds A..B-1 (``convergence_netem.run``)."""
+    """One run: DDP, the in-process DiLoCo run, or (side run ``netem:A:B``) ``convergence_netem.run``."""
     side = str(point.settings.get("convergence.side") or "")
     if side.startswith("netem:"):
         a, b = (int(x) for x in side.split(":")[1:3])

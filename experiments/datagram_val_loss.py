@@ -79,8 +79,7 @@ def netem_worker(mtu_bytes: int) -> dict[str, Any]:
 
 
 def check_netem(settings: dict[str, Any]) -> dict[str, Any]:
-    """The spec's ``derive``: an MTU in netem's range, and other than 1,500 only through netem
-    (ValueError naming the path, before anything runs)."""
+    """The spec's ``derive``: an MTU in netem's range, other than 1,500 only through netem (else ValueError)."""
     mtu = settings.get(MTU, 1500)
     if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES or (mtu != 1500 and not settings.get(NETEM)):
         raise ValueError(

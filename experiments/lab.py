@@ -333,8 +333,7 @@ def _run_phased(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool)
 
 
 def check_rows(spec: Spec, rows: Rows) -> list[str]:
-    """What is wrong with ``rows`` as a pipeline's output: a missing metric, a value that is not a
-    finite number, or one outside the spec's range (an empty list: nothing)."""
+    """What is wrong with ``rows``: a missing metric, or a value not finite or outside the spec's range."""
     bad = []
     for r in rows:
         for col, lo, hi in spec.metrics:

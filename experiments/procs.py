@@ -57,8 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
-    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last site, as
-    ``dtrain launch --netem`` places it); ValueError below 2 sites (an exchange needs two)."""
+    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last); ValueError below 2."""
     if n < 2:
         raise ValueError(f"{script}: task_spec.num_sites must be >= 2 (an exchange needs two sites), got {n}")
     return netem_topology(n + 1, name, script, mtu_bytes=mtu_bytes)
