@@ -111,10 +111,9 @@ def _address(run: Cluster, i: int) -> str | None:
 
 
 def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int = 8) -> None:
-    """Chunk 0 of buckets 0.. ``num_buckets`` - 1, undecodable and the wrong size, claiming to
-    be site-0's, for the round in progress at the target (read from its ``metrics``); the
-    owner of each refuses it, naming it in its line. Tried again (``num_tries``, ~0.5 s
-    apart) while the round is not open there (the site in its inner steps, or resyncing)."""
+    """Chunk 0 of buckets 0.. ``num_buckets`` - 1, undecodable, claiming to be site-0's, for the round in
+    progress at the target (read from its ``metrics``); each owner refuses it, naming it in its line.
+    Tried again (``num_tries``, ~0.5 s apart) while the round is not open there."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
     try:
         for _ in range(num_tries):
@@ -330,10 +329,8 @@ class _Soak(Cluster):
 
 
 def warm_up_end_s(samples: list[tuple[float, int, int]], round_lines: list[dict]) -> float:
-    """When a worker process's warm-up ends (``time.time()`` seconds): 30 % into its sampled
-    life, and never before its first round line. A restarted worker imports torch, builds its
-    task and pulls θ first (RSS +140 MB, +16 fds in a smoke run): counted as growth when a short
-    second life's 30 % mark fell before its first round."""
+    """When a worker process's warm-up ends (``time.time()`` s): 30 % into its sampled life, never before
+    its first round line (a restarted worker imports torch, builds its task and pulls θ first)."""
     t_first, t_last = samples[0][0], samples[-1][0]
     first_round = min(
         (ln["time"] for ln in round_lines if "time" in ln and t_first <= ln["time"] <= t_last), default=t_last

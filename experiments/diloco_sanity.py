@@ -58,9 +58,8 @@ SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's 
 
 
 def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
-    """DDP (all-reduce every step), DiLoCo at every H, and one site alone: ``total_steps`` inner
-    steps per site each. Alone: outer SGD lr 1, no momentum, one round at the end (θ becomes the
-    local model, i.e. plain training): what one site reaches with the same steps and batch size."""
+    """DDP, DiLoCo at every H, and one site alone (outer lr 1, no momentum, one round at the end: plain
+    training), ``total_steps`` inner steps per site each."""
     bad = [h for h in hs if total_steps % h]
     if bad:
         raise ValueError(f"total steps {total_steps} is not a multiple of H={bad[0]}")
@@ -167,9 +166,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
 
 
 def run_ddp(spec: RunSpec) -> RunResult:
-    """N spawned ranks, ``spec.rounds`` steps each; returns a row shaped like a DiLoCo row and,
-    as ``rounds``, rank 0's validation loss every ``spec.eval_every`` steps (``round`` = step − 1)
-    and at the end. The task's inner LR scheduler (``spec.lr_schedule``) is stepped every step."""
+    """N spawned ranks, ``spec.rounds`` steps each: a row shaped like a DiLoCo row and, as ``rounds``,
+    rank 0's validation loss every ``spec.eval_every`` steps (``round`` = step − 1) and at the end."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ddp.json")

@@ -123,9 +123,8 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
 
 
 def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
-    """θ's checksum is the same at every site that applied a round, for every round (a run is
-    stopped at the target, so the sites' last lines may be of different rounds; a site cut as a
-    straggler applies none)."""
+    """θ's checksum is the same at every site that applied a round, for every round (the sites' last
+    lines may be of different rounds: a run stops at the target)."""
     by_round: dict[int, set[str]] = {}
     for xs in per_site.values():
         for x in xs:
