@@ -43,9 +43,8 @@ def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
 
 
 def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:
-    """Where the figures come from: commit (``+dirty``; ``commit``: as taken before the run), UTC
-    date, command, 1-min load average (before the run, when given, and now), CPUs, machine, torch
-    and Python versions."""
+    """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average (before
+    the run, when given, and now), CPUs, machine, torch and Python versions."""
     from experiments.common import code_version  # noqa: PLC0415
 
     try:

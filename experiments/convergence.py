@@ -176,9 +176,8 @@ def _diloco(
 
 
 def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int, **kw: Any) -> list[Point]:
-    """DDP, one site alone and one site with N times the batch (the last two as 1-site
-    DiLoCo with lr 1, momentum 0: θ becomes the local model every round, i.e. plain training;
-    H = h_main only sets how often it is evaluated)."""
+    """DDP, one site alone and one site with N times the batch (the last two as 1-site DiLoCo with lr 1,
+    momentum 0: plain training; H = h_main only sets how often it is evaluated)."""
     h, n = m["h_main"], m["num_sites"]
     one = dict(num_sites=1, sync_every=h, outer_lr=1.0, outer_momentum=0.0, **kw)
     big = m.get("batch_size") or 8
@@ -438,9 +437,8 @@ def side_files(prefix: Path) -> list[Path]:
 
 
 def merge(prefix: Path, rows: list, rounds: list, meta: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:
-    """``--replot`` of a mode: add the rows of the side runs saved beside its CSV, oldest file first
-    (a side run's row replaces the row of the same config and seed already there: a rerun on a
-    quieter machine supersedes), their stamps after the mode's own."""
+    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest file first (a
+    side run's row replaces one of the same config and seed), their stamps after the mode's own."""
     if prefix.name not in ("convergence", "convergence_smoke", "convergence_full"):
         return rows, rounds, meta  # a side run's own replot
     stamp = stamp_of(meta)

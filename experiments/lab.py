@@ -215,9 +215,8 @@ def load_spec(name: str) -> Spec:
 
 
 def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
-    """The provenance line of a RESULTS.md section: the code's ``version`` (:func:`code_version`),
-    UTC date, command, wall minutes, machine load (1-min load average before and after against
-    the CPU count), machine and library versions (:func:`experiments.bench.stamp`'s figures)."""
+    """The provenance line of a RESULTS.md section: ``version`` (:func:`code_version`), UTC date, command,
+    wall minutes, 1-min load average before and after against the CPUs, machine and library versions."""
     st = bench.stamp(load_before[0], commit=version)
     return (
         f"Commit `{st['commit']}`, {st['date']}, command `{command}` ({minutes:.1f} min); load average "
@@ -306,9 +305,8 @@ def stamp_of(meta: dict[str, Any]) -> str:
 
 
 def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[RunResult]:
-    """Every point's result in the order of ``runs``: those ``beside`` picks each in a thread from
-    the start, those ``jobs_fn`` keeps from running in parallel first, one at a time, then the
-    rest ``jobs`` at a time."""
+    """Every point's result in the order of ``runs``: those ``beside`` picks each in a thread from the
+    start, those ``jobs_fn`` holds back first one at a time, then the rest ``jobs`` at a time."""
     side = [i for i, p in enumerate(runs) if spec.beside is not None and spec.beside(p)]
     par = [i for i, p in enumerate(runs) if i not in side and (spec.jobs_fn is None or spec.jobs_fn(p))]
     seq = [i for i in range(len(runs)) if i not in set(par) | set(side)]

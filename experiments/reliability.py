@@ -78,9 +78,8 @@ def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str,
 
 
 def _stop(proc: Proc) -> None:
-    """Kill a launch's process group and take down its netem topology (named ``launch``), so the
-    next run can build its own. SIGUSR1 first: each worker prints its threads' stacks into its
-    worker.log (kept with a failed run), which says what a hung run waited on."""
+    """Kill a launch's process group (SIGUSR1 first: each worker prints its threads' stacks into its log)
+    and take down its netem topology (named ``launch``), so that the next run can build its own."""
     if proc.send(signal.SIGUSR1):
         time.sleep(2.0)
     proc.kill(30)

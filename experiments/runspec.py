@@ -154,9 +154,8 @@ class RunSpec:
         return make_evaluate(batches)
 
     def datagram_transport(self, i: int) -> DatagramTransport:
-        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver
-        (the ``transport_factory`` of :class:`dtrain.sim.InprocCluster` for a run that drops
-        datagrams instead of using the in-process network)."""
+        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver (the
+        ``transport_factory`` of :class:`dtrain.sim.InprocCluster`)."""
         cfg = DatagramTransportConfig(
             grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
             max_rate_mbit=200.0,

@@ -324,9 +324,8 @@ def _start_sites(
 
 
 def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], restart_name: str) -> None:
-    """Until every site has exited or the run times out: record the kill, and start the
-    replacement once a survivor has finished the restart round (killing the site first
-    if the fault did not fire)."""
+    """Until every site has exited or the run times out: record the kill, and start the replacement once
+    a survivor has finished the restart round (killing site-1 first if the fault did not fire)."""
     gate = run_dir / "gate"
     deadline = time.monotonic() + run.s[va.TIMEOUT_S]
     survivor = run_dir / "site-0" / "metrics.jsonl"

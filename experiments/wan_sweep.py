@@ -87,9 +87,8 @@ def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: floa
 
 
 def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
-    """The settings in the order one run walks them (``f``: the run's settings by path); with
-    ``netem.floor``, first a setting with no emulation at all (the exchange's own cost on this
-    machine: CPU, gRPC, the hub's routing)."""
+    """The settings in the order one run walks them (``f``: settings by path); with ``netem.floor``, first
+    one with no emulation at all (the exchange's own cost on this machine)."""
     return ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
 
 
