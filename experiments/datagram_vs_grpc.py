@@ -87,10 +87,8 @@ RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def machine_cpu() -> dict[str, float]:
-    """This machine's CPU seconds so far, over all cores (Linux ``/proc/stat``): ``busy`` (user, nice,
-    system, irq, softirq, steal), ``softirq`` (packet processing the kernel did outside any process:
-    much of the netem emulation's cost) and ``idle`` (idle, iowait); ``{}`` where there is no
-    ``/proc/stat``. Differences of two calls give the machine's load over a window."""
+    """This machine's CPU seconds so far, all cores (``/proc/stat``): ``busy`` (user, nice, system, irq,
+    softirq, steal), ``softirq`` (the kernel's packet work: much of netem's cost), ``idle``; ``{}`` without it."""
     try:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -318,9 +316,8 @@ def analyse(rows: list[dict[str, Any]]) -> str:
 
 
 def _cpu_cell(r: dict[str, Any]) -> str:
-    """``S (K) / M (B%)``: the sites' sync CPU seconds per round (summed over sites) and the kernel's
-    part of it, the machine's busy CPU seconds per round (every process and the kernel's packet
-    work) and its busy share of all cores; ``-`` for rows of a run before these were measured."""
+    """``S (K) / M (B%)``: the sites' sync CPU s per round (summed over sites) and its kernel part, the
+    machine's busy CPU s per round and its busy share of all cores; ``-`` for rows before these existed."""
     keys = ("sites_sync_cpu_s", "sites_sync_system_cpu_s", "machine_busy_s_per_round", "machine_busy_fraction")
     sync, kernel, busy, frac = (r.get(k) for k in keys)
     if not all(isinstance(v, (int, float)) and v == v for v in (sync, kernel, busy, frac)):

@@ -50,9 +50,8 @@ def label(rate: float, repair: bool) -> str:
 
 
 def points(rates: list[float], drift_rates: list[float], repeat_baseline: bool) -> list[dict[str, Any]]:
-    """Each loss rate with repair; the 0% runs again (``repeat_baseline``: the owners sum contributions
-    in arrival order, so fp32 rounding differs run to run and training amplifies it; Δ between two
-    0% runs with the same seed is the noise floor of every paired Δ); the drift rates with repair off."""
+    """Each loss rate with repair; with ``repeat_baseline`` the 0% runs again (their paired Δ is the noise
+    floor: owners sum in arrival order, so fp32 rounding differs run to run); the drift rates repair off."""
     out = [{LOSS: r, REPAIR: True} for r in rates]
     if repeat_baseline:
         out.insert(1, {LOSS: 0.0, REPAIR: True, "config": REPEAT})

@@ -112,9 +112,8 @@ class SitesRun:
 
 
 def line_record(experiment: str, config: str, seed: int, x: dict, keys: Sequence[str], **cols: Any) -> dict:
-    """A per-round CSV record of the metrics line ``x``: experiment, config, seed, then each of
-    ``keys`` as the line has it (``"col=key"``: its ``key`` as ``col``; a missing count 0,
-    anything else NaN) and ``cols`` as given."""
+    """A per-round record of metrics line ``x``: experiment, config, seed, each of ``keys`` (``"col=key"``:
+    ``key`` as ``col``; missing: a count 0, else NaN), then ``cols``."""
     out: dict[str, Any] = {"experiment": experiment, "config": config, "seed": seed}
     for k in keys:
         col, _, key = k.partition("=")

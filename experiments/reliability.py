@@ -135,9 +135,8 @@ def _set_rate(mbit: float) -> None:
 
 
 def slowdown_once(out: Path, mbit: float) -> list[dict[str, Any]]:
-    """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
-    the link rate, the slowest site's reduce_s, the plan's reduce deadline and why, and what
-    was refused or missing (nothing should be: every contribution arrives within the budget)."""
+    """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round: the
+    link rate, the slowest reduce_s, the plan's reduce deadline and why, what was refused or missing."""
     state: list[float | None] = [None]
 
     def follow() -> None:  # the rate of the rounds site-0 is at

@@ -133,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _manager(a: argparse.Namespace, site: str, task, store_port: int):
-    """The torchft Manager of this site (one replica group of one rank, the lighthouse's quorum),
-    its all-reduce wrapped to count calls and to SIGKILL this process in attempt
-    ``--kill-at-round`` once admitted and before sending. Returns (manager, the shared counters)."""
+    """This site's torchft Manager (one replica group of one rank), its all-reduce wrapped to count calls
+    and to SIGKILL this process in attempt ``--kill-at-round`` once admitted; (manager, counters)."""
     from torchft import Manager, ProcessGroupGloo
 
     model, inner = task.model, task.optimizer

@@ -409,9 +409,8 @@ def pyspy_path() -> str | None:
 
 # ----------------------------------------------------------------------------- the spec
 def run_point(point: Point) -> list[RunResult]:
-    """One point's runs: one system, or both at once (``vs.system`` ``both``: scenario
-    ``concurrent``), each in a temporary run directory; a row per run, its metrics lines in
-    ``rounds``. A netem point where netem cannot run here: no row (the report says why)."""
+    """One point's runs: one system, or both at once (``vs.system`` ``both``), each in a temporary run
+    directory; a row per run. A netem point where netem cannot run here: no row (the report says why)."""
     why = torchft_problem()
     if why:
         raise SystemExit(f"vs_torchft: {why}.\nThis experiment needs torchft 0.2.0; install it with:\n  {INSTALL_HINT}")
@@ -440,9 +439,8 @@ def _run_name(point: Point, system: str) -> str:
 
 
 def _result(point: Point, system: str, rec: Record) -> RunResult:
-    """A run's row (its settings, what the harness saw, its headline figures) and its lines: every
-    start and round line of every site (``t``: seconds since the go), an ``exit`` line per process,
-    and the py-spy shares of a profiled run."""
+    """A run's row (settings, what the harness saw, headline figures) and its lines: every start and round
+    line of every site (``t``: seconds since the go), an ``exit`` line per process, the py-spy shares."""
     name = _run_name(point, system)
     lines, finals = [], {}  # finals: each finished site's last θ checksum
     for proc, facts in rec.procs.items():
@@ -498,9 +496,8 @@ def _point(m: dict[str, Any], seed: int, system: str, scenario: str, repeat: int
 
 
 def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
-    """The runs, in phases: first every scenario of ``vs.scenarios`` (healthy in AB BA order and
-    one dtrain run per extra codec, the concurrent pairs, the fault runs, each netem profile);
-    then the profiled dtrain run if :func:`~experiments.vs_torchft_analysis.profile_wanted`."""
+    """The runs in phases: every scenario of ``vs.scenarios`` (healthy in AB BA order and per extra codec,
+    concurrent, fault, each netem profile); then a profiled dtrain run if ``va.profile_wanted``."""
     f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (va.SCENARIOS, va.EXTRA_CODECS, va.NETEM_PROFILES)}}
     if rows:
         if any(r[va.SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
