@@ -203,9 +203,8 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
 
 
 def decode_cpu_us(numel: int, *, batch: bool) -> float:
-    """CPU µs (this thread) per datagram-sized int8 chunk to decode ``numel`` elements cut in
-    ``datagram_chunk_bytes`` chunks: one ``decode`` per chunk, or ``decode_chunks`` over them
-    (what a round does per datagram at the owner, for each applied mean and for the residuals)."""
+    """CPU µs (this thread) per datagram-sized int8 chunk of decoding ``numel`` elements: one ``decode``
+    per chunk, or ``decode_chunks`` over them (what an owner, each applied mean and the residuals pay)."""
     codec = get_codec("int8")
     step = datagram_chunk_bytes("int8") // 4
     chunks = [(o, min(step, numel - o)) for o in range(0, numel, step)]

@@ -74,9 +74,8 @@ def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
 
 
 def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
-    """``bench_*`` columns of every row: :func:`experiments.bench_codecs.bench_codec` on one real
-    pseudo-gradient cut in the runs' chunks: CPU seconds of this thread to encode / decode the whole
-    Δ (median), payload bytes, relative L2 error."""
+    """``bench_*`` columns of every row (:func:`~experiments.bench_codecs.bench_codec` on a real Δ cut in
+    the runs' chunks): CPU s of this thread to encode / decode all of Δ (median), bytes, rel. L2 error."""
     f = m["fixed"]
     delta = real_pseudo_gradient(f)
     chunks, mb = list(torch.split(delta, BUCKETS_64K["diloco.buckets.chunk_bytes"] // 4)), delta.numel() * 4 / 1e6

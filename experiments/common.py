@@ -305,9 +305,8 @@ def _run_row(
 
 
 def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site of the built-in task ``spec`` (its model, data and inner AdamW):
-    θ_0 after ``warmup_steps`` inner steps (past the first, atypically large updates), θ_H after
-    ``inner_steps`` more; fp32, flat."""
+    """Δ = θ_0 − θ_H (fp32, flat) of one site of the built-in task ``spec``: θ_0 after ``warmup_steps``
+    inner steps (past the first, atypically large updates), θ_H after ``inner_steps`` more."""
     task = build_task(spec)
     for _ in range(warmup_steps):
         inner_step(task)
@@ -340,9 +339,8 @@ def _init_worker(verbose: bool) -> None:
 
 
 def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
-    """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
-    (``jobs == 1``: in this process). Prints one progress line per finished run.
-    Returns the results in the order of ``specs`` (an ``fn`` may return a list: several rows of one run)."""
+    """``fn(spec)`` for every spec, ``jobs`` at a time in spawned processes (1: in this one), a progress
+    line per finished run; the results in the order of ``specs`` (a run may give a list: several rows)."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
 
@@ -587,9 +585,8 @@ def _headline(body: str) -> str:
 
 
 def with_index(text: str) -> str:
-    """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: one line per
-    ``## `` section, linked, with the commit and date its stamp names (``no stamp`` where none
-    does: a section to rerun or to remove), and its headline (:func:`_headline`)."""
+    """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: per ``## `` section a
+    link, the commit and date its stamp names (``no stamp``: rerun or remove it) and :func:`_headline`."""
     if INDEX_BEGIN in text and INDEX_END in text:
         head, rest = text.split(INDEX_BEGIN, 1)
         text = head.rstrip("\n") + "\n\n" + rest.split(INDEX_END, 1)[1].lstrip("\n")

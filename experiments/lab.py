@@ -61,9 +61,8 @@ Rows = list[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Point:
-    """One run of a spec: the configuration's label, the seed, and its settings by config path
-    (the mode's fixed settings, the grid point and what ``derive`` adds); ``extra``: the
-    spec's ``columns`` of the point, copied into the CSV row."""
+    """One run of a spec: the configuration's label, the seed, its settings by config path (fixed, grid
+    point, ``derive``'s) and ``extra``, the spec's ``columns`` of the point (copied into the CSV row)."""
 
     experiment: str
     config: str
@@ -171,10 +170,9 @@ class Spec:
         return m
 
     def points(self, m: dict[str, Any], seeds: Sequence[int] | None = None) -> list[Point]:
-        """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner;
-        ``seeds``: these, not the mode's); each built into its ``RunSpec`` once here when it runs
-        in-process, so a bad setting fails before anything runs. A spec that runs in ``phases``
-        (and no ``seeds``): its first phase."""
+        """One :class:`Point` per grid point and seed (grid order, seeds inner; ``seeds``: these, not the
+        mode's), each built into its ``RunSpec`` here when it runs in-process, so a bad setting fails
+        before anything runs. A spec with ``phases`` (and no ``seeds``): its first phase."""
         if self.phases is not None and seeds is None:
             return self.phases([], m)
         out = []
