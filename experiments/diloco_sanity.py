@@ -97,12 +97,9 @@ def run_method(point: Point) -> RunResult:
 
 # ---------------------------------------------------------------------------- DDP baseline
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
-    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
-
-    Teardown: a last barrier (no rank closes its gloo connections while rank 0 evaluates), then
-    ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``, and a
-    normal exit's C++ destructors with them alive once ended in SIGABRT under load.
-    """
+    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site. It leaves through a
+    last barrier and ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``,
+    and a normal exit's C++ destructors with them alive once ended in SIGABRT under load."""
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     if spec.own_session:

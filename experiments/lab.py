@@ -236,13 +236,10 @@ def run(
     command: str = "",
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Rows, str]:
-    """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish the
-    section into ``results`` (a path, or ``none``). Returns (rows, section body). ``overrides``:
-    path -> value over the mode's fixed settings; they name the CSV files and the section.
-
-    Raises:
-        SystemExit: before anything runs: ``seeds`` or ``jobs`` below 1, an override of a path
-            the spec does not know, or of one the mode's grid sets per point."""
+    """Run ``spec`` in ``mode`` (``replot``: read its CSVs back), write the CSVs and publish the section
+    into ``results`` (a path, or ``none``); returns (rows, section body). ``overrides``: path -> value
+    over the mode's fixed settings (they name the CSV files and the section). SystemExit before
+    anything runs for ``seeds`` or ``jobs`` below 1, an unknown path, or one the mode's grid sets."""
     for flag, v in (("--seeds", seeds), ("--jobs", jobs)):
         if v is not None and v < 1:
             raise SystemExit(f"{flag} must be >= 1, got {v}")

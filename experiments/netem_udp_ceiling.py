@@ -209,9 +209,8 @@ def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
 
 
 def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
-    """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with the
-    offer (delivered >= 95% of offered: no queue growing in the delayer); None: none. ``delayer``:
-    only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none"); None: every row."""
+    """Per (setting, flows): the row of the highest delivered rate at loss < 1% that kept up with the
+    offer (>= 95% of it: no queue growing), or None; ``delayer``: only that backend's rows (None: all)."""
     out: dict[tuple[str, int], dict[str, Any] | None] = {}
     for r in rows:
         if delayer is not None and r.get("delayer", "?") != delayer:

@@ -358,9 +358,8 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
 
 
 def _stop_all(rec: Record, children: dict[str, Proc], gate: Path) -> None:
-    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU. Peak
-    RSS: a site's own VmHWM as it exited, a coordinator's read while it ran, else (a killed site)
-    ``wait4``'s ru_maxrss, which counts the memory of the harness it was forked from."""
+    """Stop the sites, then the coordinator; record each process's exit code, CPU and peak RSS (a site's
+    own VmHWM at exit, a coordinator's read while it ran, else ``wait4``'s ru_maxrss: a killed site)."""
     for nm in sorted(children, key=lambda nm: not nm.startswith("site-")):
         c = children[nm]
         live = _vmhwm_kb(c.pid) if c.poll() is None else None
