@@ -64,9 +64,8 @@ EXCLUSIVE = frozenset({"kill", "stop", "partition", "rv_kill", "rv_stop"})
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
-    """One soak: the spec's settings (:data:`FIXED`) by the config path a field names; ``num_faults``:
-    at most (the run may end first); ``inner_step_sleep_s``: emulated compute per inner step
-    (rounds of ~1 s on a loaded machine); faults ``max_gap_s / 4`` to ``max_gap_s`` apart."""
+    """One soak: the spec's settings (:data:`FIXED`) by the path a field names; ``inner_step_sleep_s``:
+    emulated compute per inner step; faults ``max_gap_s / 4`` to ``max_gap_s`` apart, ``num_faults`` at most."""
 
     num_sites: int = knob("task_spec.num_sites", 3)
     rounds: int = knob("rounds", 8)
@@ -111,9 +110,8 @@ def _address(run: Cluster, i: int) -> str | None:
 
 
 def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int = 8) -> None:
-    """Chunk 0 of buckets 0.. ``num_buckets`` - 1, undecodable, claiming to be site-0's, for the round in
-    progress at the target (read from its ``metrics``); each owner refuses it, naming it in its line.
-    Tried again (``num_tries``, ~0.5 s apart) while the round is not open there."""
+    """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at
+    the target (from its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
     try:
         for _ in range(num_tries):

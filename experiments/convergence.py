@@ -314,9 +314,9 @@ def _is_ddp(point: Point) -> bool:
 
 
 def phases(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
-    """Phase 1 (no rows): convergence, sweep, first fault seeds, cosine diagnosis; phase 2: the sweep's
-    best on more seeds and DiLoCo at the best outer; then fault seeds in waves until every fault's SE
-    <= SE_TARGET_PP, the seed cap or the budget. A side run: its runs only."""
+    """Phase 1: convergence, sweep, first fault seeds, diagnosis; phase 2: the sweep's best on more seeds
+    and DiLoCo at the best outer; then fault seeds in waves while a fault's SE > SE_TARGET_PP and seeds
+    and budget last. A side run: its runs only."""
     k = knobs(m)
     f, sw = k["faults"], k["sweep"]
     if not rows:

@@ -137,12 +137,11 @@ def run_sites(
 ) -> SitesRun:
     """One ``dtrain rendezvous`` (``rendezvous``'s options; round 0 waits for all ``n``) and ``n``
     ``dtrain worker`` sites (``worker``'s options, or site i's: ``worker(i)``) in ``topo`` (None:
-    127.0.0.1), run to the end, or as ``drive(cluster)`` runs it (its own faults and wait; sites
-    still running then are killed). ``steps``: (round r, f) in order: f is called once every site
-    has written its line of round r (a link change between two exchanges). ``watch``: a context
-    manager made of the started cluster, held while the sites run (its value: the result's
-    ``watched``). A site exiting with a code not in ``ok`` raises RuntimeError with its log; every
-    child is gone on return. ``root``: where the run's files stay (None: a temporary directory)."""
+    127.0.0.1), run to the end or as ``drive(cluster)`` runs it (its faults and wait; sites still
+    running then are killed). ``steps``: (round r, f) in order, f called once every site has written
+    its line of round r. ``watch``: a context manager of the started cluster held while the sites run
+    (its value: ``watched``). A site exiting with a code not in ``ok`` raises RuntimeError with its log;
+    every child is gone on return. ``root``: where the run's files stay (None: a temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
         root = Path(d) if root is None else root
         root.mkdir(parents=True, exist_ok=True)
