@@ -42,10 +42,9 @@ RENDEZVOUS |= dict(reduce_timeout_s=1.5, broadcast_timeout_s=3.0, min_sites=2)
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_rounds", "task.inner_step_sleep_s"
 
-# A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
-# milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
-# site is back for a good part of the run instead of after its end.
-# CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
+# A restarted worker needs ~8-20 s (2 cores) to start: each of the tiny model's inner steps also sleeps (emulated
+# compute), so rounds last >= 1 s and the restarted site is back for a good part of the run. CI: the owner killed
+# mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], grid={SCENARIO: [NO_FAULT, OWNER]})
     | {"fixed": {SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05}},

@@ -40,11 +40,10 @@ MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0], fixed={SITES: 2, SIZE: "tiny", CODEC: "int8", H: 8, ROUNDS: 2, "task.inner_step_sleep_s": 0.05}
     ),
-    # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the size).
-    # batch_size 3 (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a
-    # blocking round (~4 s through netem) leaves compute utilization <= 0.6 at H = 16 (the
-    # issue's setup; with batch 16 it was 0.88). Buckets of 256 KiB in 64 KiB chunks: what
-    # the fragment pacing's budget is spent in. ROUNDS: outer rounds (F = 4 runs 4x as many fragment rounds).
+    # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the size). batch_size 3
+    # (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a blocking round (~4 s through
+    # netem) leaves compute utilization <= 0.6 at H = 16 (the setup; with batch 16 it was 0.88). Buckets
+    # of 256 KiB in 64 KiB chunks: what the pacing's budget is spent in. ROUNDS: outer rounds (F = 4: 4x as many).
     "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 4}),
     "full": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 8}),
 }
