@@ -1,9 +1,7 @@
-"""Measure the built-in task: step time per preset and a validation-loss curve.
+"""Measure the built-in task: step time per preset and a validation-loss curve (prints a table).
 
-Prints a table; no asserts (speed targets are measured, not tested).
-
-Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, because
-that is how ``dtrain launch`` runs its workers on a small machine.
+Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, as ``dtrain launch``
+runs its workers on a small machine. Speed targets are measured, not asserted.
 """
 
 from __future__ import annotations
