@@ -4,13 +4,11 @@
 last site runs at a share of the others' speed (the worker's ``--slowdown``: each inner step
 stretched to 1/share of its time, as ``dtrain launch --site-slowdown`` sets; not the cgroup cap,
 which 4 workers on 2 cores never reach). Each inner step also sleeps ``compute_s`` (emulated
-compute) so that the exchange is a small part of a round, as on real hardware. Configurations:
-
-* ``lockstep``: H inner steps a round everywhere: the fast sites wait for the slow one;
-* ``straggler cut``: the same with a quorum timeout that cuts the slow site every round;
-* ``time + weighted``: time-based rounds (a window of H fast steps' time, H the bound) with
-  token-weighted means;
-* ``homogeneous``: equal sites with the same total throughput ((3 + share) / 4 each), lockstep.
+compute), so the exchange is a small part of a round, as on real hardware. Configurations:
+``lockstep`` (H inner steps a round everywhere: the fast sites wait for the slow one); ``straggler
+cut`` (the same with a quorum timeout that cuts the slow site every round); ``time + weighted``
+(time-based rounds, a window of H fast steps' time with H the bound, token-weighted means);
+``homogeneous`` (equal sites with the same total throughput, (3 + share) / 4 each; lockstep).
 
 Measured per run: the wall time from the end of site-0's round 0 to its first round with
 validation loss <= ``target_loss`` (the run stops there), the rounds to it, the slow site's steps
