@@ -128,7 +128,7 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
         changed_at.append(time.time())
         if k:  # after the first round's CPU sample
             cpu_at.append(machine_cpu())
-            print(f"  {label}: round {k * per}: loss {m['losses'][k]:g}%", flush=True)
+            print(f"  {label}: round {k * per}: loss {m[LOSSES][k]:g}%", flush=True)
 
     link(0)
     opts = dict(task=m[TASK] or None, size=m[SIZE], seed=seed, rounds=total, sync_every=m[H])
