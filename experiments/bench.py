@@ -24,8 +24,7 @@ from typing import Any
 
 
 def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
-    """The benchmark's parser: ``--json PATH`` always; ``--quick`` / ``--smoke`` (store_true) when
-    their help text is given (what the smaller run measures)."""
+    """The benchmark's parser: ``--json PATH``, and ``--quick`` / ``--smoke`` when given their help text."""
     ap = argparse.ArgumentParser(
         description=(doc or "").split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -44,9 +43,8 @@ def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
 
 
 def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:
-    """Where the figures come from: commit (``+dirty``; ``commit``: as taken before the run), UTC
-    date, command, 1-min load average (before the run, when given, and now), CPUs, machine, torch
-    and Python versions."""
+    """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average (before
+    the run, when given, and now), CPUs, machine, torch and Python versions."""
     from experiments.common import code_version  # noqa: PLC0415
 
     try:
@@ -75,8 +73,7 @@ def _module() -> str:
 
 
 def write(args: argparse.Namespace, name: str, figures: Any, *, load_before: float | None = None) -> dict[str, Any]:
-    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}``
-    there (parent directories made). Returns the stamp."""
+    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
     st = stamp(load_before)
     print(
         f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "

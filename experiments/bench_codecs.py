@@ -1,27 +1,16 @@
 """Benchmark the codecs on a realistic pseudo-gradient (prints markdown tables).
 
-One site of the built-in task (``dtrain.tasks``: the byte-level GPT ``base``, ``small`` with
-``--quick``, on the stdlib source, with its inner AdamW) trains a few warm-up steps, then a
-snapshot θ, then ``--inner-steps`` more steps; the pseudo-gradient is Δ = θ_snapshot − θ_after
-(:func:`experiments.common.pseudo_gradient`, which the codec sweep uses too). Δ is tiled to
-``--numel`` elements and cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB
-of fp32, the default bucket size, docs/ARCHITECTURE.md), which is how the round engine calls
-the codecs. ``base`` is larger than one bucket, so no bucket holds a repeat that zstd could
-exploit (a bucket longer than Δ is cut below its size).
+One site of the built-in task (GPT ``base``, ``small`` with ``--quick``) trains a few warm-up
+steps, then ``--inner-steps`` more: Δ = θ before − θ after
+(:func:`experiments.common.pseudo_gradient`, as the codec sweep). Δ is tiled to ``--numel``
+elements and cut into buckets of ``--bucket-elems`` (default 1 Mi elements = 4 MiB of fp32, the
+default bucket), as the round engine calls the codecs; no bucket is longer than Δ, so none holds
+a repeat zstd could exploit.
 
-Per codec, with and without the zstd stage: compression ratio (fp32 bytes / payload
-bytes), encode and decode throughput in MB/s of fp32 input on one core
-(``torch.set_num_threads(1)``; CPU time of this thread, which is robust to other
-processes on a shared machine; wall-clock figures go to the JSON), and relative L2
-error ||x̂ − x|| / ||x||. Figures are medians over ``--repeats`` runs. A second table
-times the zstd stage alone on each codec's body, to show whether zstd is the
-bottleneck.
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_codecs            # 16 Mi elements
-    .venv/bin/python -m experiments.bench_codecs --quick    # small, ~20 s
-    .venv/bin/python -m experiments.bench_codecs --json results/codecs.json
+Per codec, with and without the zstd stage: compression ratio (fp32 bytes / payload bytes),
+encode and decode MB/s of fp32 input on one core (CPU time of this thread, robust to other
+processes; wall-clock figures go to the JSON), and relative L2 error ||x̂ − x|| / ||x||; medians
+over ``--repeats``. A second table times the zstd stage alone on each codec's body.
 """
 
 from __future__ import annotations
@@ -31,7 +20,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import zstandard
@@ -40,8 +28,6 @@ from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
 from dtrain.tasks import TaskSpec
 from experiments import bench
 from experiments.common import md_table, pseudo_gradient
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:

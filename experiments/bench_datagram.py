@@ -1,35 +1,22 @@
 """Send and receive loop rate of the datagram data path on 127.0.0.1 (prints a table).
 
-Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; the
-sender pushes ``--mbytes`` MB of int8 contributions, one datagram each
-(``datagram_chunk_bytes``), with the pacer's ceiling at ``--rate-mbit``; the receiver's
-handler only counts. Figures:
+Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; the sender pushes
+``--mbytes`` MB of int8 contributions, one datagram each, with the pacer's ceiling at
+``--rate-mbit``; the receiver's handler only counts. Figures:
 
-* send: payload Mbit/s from the first to the last datagram leaving the sender
-  (sealing, pacing and ``send`` included);
-* receive: payload Mbit/s handed to the handler (receive, authenticate, dispatch),
-  first to last arrival; delivered: fraction of the contributions that arrived (the
-  rest the kernel dropped at a full socket buffer: the receiver was slower);
-* the same per datagram in microseconds of wall time;
-* the loops' rates per CPU-second of their own thread (robust to other load: what
-  one free core would reach; the receive thread's figure excludes the dispatch
-  thread that calls the handler), and the same as CPU µs per datagram sent / received
-  (the issue's target: <= 3);
-* each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000 int8
-  contributions to a plain socket (no receiver in the process: the send thread alone, with
-  and without UDP segmentation offload), and of the receive thread while another process
-  sends it 20,000 sealed contributions in bursts of 46 (no sender in the process);
-* the CPU per datagram-sized int8 chunk of decoding one site's pseudo-gradient chunk by
-  chunk against ``Codec.decode_chunks`` (what an owner, each applied mean and the
-  residual settling pay per datagram).
+* send: payload Mbit/s from the first to the last datagram leaving the sender (sealing, pacing
+  and ``send`` included); receive: payload Mbit/s handed to the handler (receive,
+  authenticate, dispatch), first to last arrival; delivered: the fraction that arrived (the
+  rest the kernel dropped at a full socket buffer); the same per datagram in µs of wall time;
+* the loops' rates per CPU-second of their own thread (robust to other load: what one free
+  core would reach), and as CPU µs per datagram sent / received (the issue's target: <= 3);
+* each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000
+  contributions to a plain socket (with and without UDP segmentation offload), and of the
+  receive thread while another process sends it 20,000 sealed contributions in bursts of 46;
+* the CPU per datagram-sized int8 chunk of decoding one pseudo-gradient chunk by chunk against
+  ``Codec.decode_chunks`` (what an owner, each applied mean and the residual settling pay).
 
-Both loops are single Python threads; the target in the issue is >= 200 Mbit/s per
-site. On a shared machine the wall-clock figures move with the load (printed).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_datagram            # 64 MB, ceilings 200/400/1000 Mbit/s
-    .venv/bin/python -m experiments.bench_datagram --quick    # 8 MB, one ceiling
+Both loops are single Python threads; the issue's target is >= 200 Mbit/s per site.
 """
 
 from __future__ import annotations
@@ -47,11 +34,7 @@ import torch
 
 from dtrain.codecs import get_codec
 from dtrain.protocol import Contribution, Member, RoundPlan
-from dtrain.transports.datagram import (
-    DatagramTransport,
-    DatagramTransportConfig,
-    datagram_chunk_bytes,
-)
+from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
 from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
@@ -88,14 +71,7 @@ def _contributions(mbytes: float, round: int) -> list[Contribution]:
     count = int(mbytes * 1e6 / len(payload))
     return [
         Contribution(
-            round=round,
-            bucket=0,
-            chunk=i,
-            offset=i * n,
-            numel=n,
-            codec="int8",
-            sender="site-a",
-            payload=payload,
+            round=round, bucket=0, chunk=i, offset=i * n, numel=n, codec="int8", sender="site-a", payload=payload
         )
         for i in range(count)
     ]
@@ -227,9 +203,8 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
 
 
 def decode_cpu_us(numel: int, *, batch: bool) -> float:
-    """CPU µs (this thread) per datagram-sized int8 chunk to decode ``numel`` elements cut in
-    ``datagram_chunk_bytes`` chunks: one ``decode`` per chunk, or ``decode_chunks`` over them
-    (what a round does per datagram at the owner, for each applied mean and for the residuals)."""
+    """CPU µs (this thread) per datagram-sized int8 chunk of decoding ``numel`` elements: one ``decode``
+    per chunk, or ``decode_chunks`` over them (what an owner, each applied mean and the residuals pay)."""
     codec = get_codec("int8")
     step = datagram_chunk_bytes("int8") // 4
     chunks = [(o, min(step, numel - o)) for o in range(0, numel, step)]

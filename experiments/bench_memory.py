@@ -1,18 +1,11 @@
-"""Extra resident memory a site needs for DiLoCo beyond plain training.
+"""Extra resident memory a site needs for DiLoCo beyond plain training (prints a table).
 
-Prints a table (not a test). For a model of ~25M parameters it measures the
-process's peak RSS (sampled every 2 ms from /proc/self/statm) for
-
-  1. plain training: model + AdamW, a few inner steps;
-  2. the same plus DiLoCo (θ fp32 copy, outer SGD-Nesterov momentum, error-feedback
-     residuals, encode buffers) through a few rounds with the given codec,
-
-and reports the difference per parameter, against the target of 3.5 x 4 bytes per
-parameter (issue 2). It also reports the largest single temporary the round engine
-allocates (one bucket). One site runs alone, so it owns (and aggregates) every
-bucket: the owner-side accumulators are the worst case here.
-
-    python -m experiments.bench_memory [--params-m 25] [--codec int8+zstd] [--rounds 2]
+For a model of ~25M parameters, the process's peak RSS (sampled every 2 ms from /proc/self/statm)
+for plain training (model + AdamW, a few inner steps) and for the same plus DiLoCo (θ fp32 copy,
+outer SGD-Nesterov momentum, error-feedback residuals, encode buffers) through a few rounds with
+the given codec; the difference per parameter, against the target of 3.5 x 4 bytes per parameter
+(issue 2), and the largest single temporary the round engine allocates (one bucket). One site
+runs alone, so it owns and aggregates every bucket: the owner's accumulators are the worst case.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """Owner CPU per contribution chunk on the datagram path: per chunk against batched (prints a table).
 
-One owner (a :class:`~dtrain.rounds.engine.RoundEngine` with an open round, no
-transport running) counts its own contribution, then takes those of 3 senders to one bucket of
-``--numel`` elements (2.45 M by default: a 4-site round of a 9.8 M-element model), cut
-in datagram-sized int8 chunks of 1,280 elements (one datagram each). Senders interleave
-as they do on the wire: each sender's next ``--run`` chunks (the dispatch thread's batch
-of one sender), the senders in a random order per step, so about half the contributions
-arrive ahead of their turn in the sender-id order of the sum; ``--loss`` drops that
-fraction of the datagrams (gaps in the batches). Figures, CPU time of the calling thread per chunk:
+One owner (a :class:`~dtrain.rounds.engine.RoundEngine` with an open round, no transport) counts
+its own contribution, then takes those of 3 senders to one bucket of ``--numel`` elements (2.45 M:
+a 4-site round of a 9.8 M-element model) in datagram-sized int8 chunks of 1,280 elements. Senders
+interleave as on the wire: each sender's next ``--run`` chunks, the senders in a random order per
+step (about half the contributions arrive ahead of their turn in the sum's sender-id order);
+``--loss`` drops that fraction of the datagrams. CPU time of the calling thread per chunk:
 
-* per chunk: ``handle_contribution`` for each contribution (the gRPC path's handling);
-* batched: ``handle_contributions`` for each sender's run (what the datagram dispatch
-  thread calls with each sender's consecutive contributions);
-* decode only: ``Codec.decode_chunks`` of the same runs (part of both figures);
-* own: the owner's own contribution counted chunk by chunk (``_accept``) against
-  in one pass per bucket (``accept_own``), the engine's reduce step at the owner;
-* finalize: closing and finalizing the bucket once all arrived (the means), per chunk,
-  after the per-chunk / the batched feed.
+* per chunk: ``handle_contribution`` for each (the gRPC path); batched: ``handle_contributions``
+  for each sender's run (the datagram dispatch thread); decode only: ``Codec.decode_chunks``;
+* own: the owner's own contribution chunk by chunk (``_accept``) against one pass per bucket
+  (``accept_own``); finalize: closing and finalizing the bucket after each feed.
 
-The means of the two paths are compared bit for bit (printed). The issue's target for
-the batched accept is <= 8 us per chunk (it was ~50 us through netem, 4 workers on 2 cores).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_owner            # runs of 1, 8, 64, 512 chunks
-    .venv/bin/python -m experiments.bench_owner --quick    # a 0.4 M-element bucket
+The two paths' means are compared bit for bit. The issue's target for the batched accept is
+<= 8 us per chunk.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What the owner's canonical reduction order costs (prints a markdown table).
 
-An owner sums each chunk's contributions in sender-id order, whatever order they arrive
-in (``dtrain.aggregation.ChunkAccumulator``), so the mean is bit-identical across runs.
-A contribution that arrives ahead of its turn is held until the senders before it arrive.
-Per arrival pattern: CPU time to add every contribution and finalize one chunk (median
-over ``--repeats``, this thread's CPU time, one torch thread), the most decoded chunks
-held out of turn at once, and whether the mean equals the in-order one bit for bit.
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_reduce_order
-    .venv/bin/python -m experiments.bench_reduce_order --senders 16 --numel 1048576
+An owner sums each chunk's contributions in sender-id order, whatever order they arrive in
+(``dtrain.aggregation.ChunkAccumulator``), so the mean is bit-identical across runs; one ahead of
+its turn is held until the senders before it arrive. Per arrival pattern: CPU time of this thread
+to add every contribution and finalize one chunk (median over ``--repeats``, one torch thread),
+the most decoded chunks held out of turn at once, and whether the mean equals the in-order one.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
-#!/usr/bin/env python3
 """A rendezvous under the load of many sites: quorum-decision and heartbeat latency.
 
-The rendezvous (``serve_rendezvous`` over a ``RendezvousCore``, default config
-but ``max_concurrent_rpcs``) runs in its own process. This process simulates
-``--sites`` sites with one ``grpc.aio`` client over ``--channels`` loopback
-channels: every site joins, then heartbeats every ``--heartbeat-interval-s``
-(phases spread uniformly), and in each of ``--rounds`` rounds sends its Ready at
-a random moment within ``--spread-s`` of the round's start and long-polls until
-the plan. ``min_sites = initial_sites = --sites``, so a round forms the moment
-the last site is ready.
+The rendezvous (``serve_rendezvous`` over a ``RendezvousCore``) runs in its own process. This
+process simulates ``--sites`` sites with one ``grpc.aio`` client over ``--channels`` loopback
+channels: every site joins, heartbeats every ``--heartbeat-interval-s`` (phases spread), and in
+each of ``--rounds`` rounds sends its Ready at a random moment within ``--spread-s`` and
+long-polls for the plan (``min_sites = initial_sites = --sites``). Figures, on this process's
+clock (its own queueing included):
 
-Figures, on this process's clock (so they include its own queueing):
-
-* plan latency: for every site and round, the time from the moment the round's
-  *last* Ready was sent to the moment this site got the plan; the first such
-  answer per round is the decision itself (``decision``), the median and p99
-  over all sites and rounds what a site sees (``plan``);
-* heartbeat latency: round trip of every heartbeat during the rounds;
+* plan latency: per site and round, from the round's *last* Ready sent to this site's plan; the
+  first answer per round is the decision (``decision``), median and p99 over all what a site
+  sees (``plan``);
+* heartbeat latency (round trip) during the rounds;
 * sites declared dead (must be 0) and the rendezvous's CPU seconds per round.
 
 Issue 13's target: quorum decisions in under 100 ms with 1,000 sites.
-
-    .venv/bin/python -m experiments.bench_rendezvous [--sites 1000] [--rounds 10] [--json out.json]
-    .venv/bin/python -m experiments.bench_rendezvous --smoke   # 50 sites, 2 rounds
 """
 
 from __future__ import annotations
@@ -220,9 +211,7 @@ def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_serve,
-        args=(child, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s),
-        daemon=True,
+        target=_serve, args=(child, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s), daemon=True
     )
     proc.start()
     try:

@@ -1,33 +1,17 @@
 """CPU seconds one site spends per round in the round engine's own arithmetic (prints a table).
 
-The model is the datagram experiments' 9.8 M-parameter task (``experiments.datagram_task``),
-cut into the layout a 4-site datagram run uses (chunks of one datagram each,
-:func:`dtrain.transports.datagram.datagram_chunk_bytes`). One site's share of a round is
-replayed in-process without a transport, with the library's own functions, in the order
-the round engine calls them:
+The model is the datagram experiments' 9.8 M-parameter task (``experiments.datagram_task``), in
+the layout a 4-site datagram run uses (chunks of one datagram each). One site's share of a round
+is replayed in-process without a transport, with the library's own functions, in the engine's
+order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``), ``encode`` (each bucket's
+residual, ``Codec.encode_chunks``), ``accept_decode`` (the owner decoding the N contributions
+of its buckets), ``mean_encode`` / ``mean_decode`` (the owner's means; a member decoding the
+others'), ``outer_step`` (``GlobalState.apply_mean`` less its checksum), ``settle`` (error
+feedback) and ``checksums`` (every bucket's θ checksum and the metrics line's two).
 
-* ``pseudo_gradient`` — :meth:`RoundEngine.add_pseudo_gradient` (Δ = θ − θ_local into the residual);
-* ``encode`` — every bucket's residual encoded per chunk (``Codec.encode_chunks``);
-* ``accept_decode`` — the owner decoding the ``N`` contributions of each bucket it owns
-  (``Codec.decode_chunks``, what ``PeerSide`` calls);
-* ``mean_encode`` — the owner encoding each owned bucket's mean (``encode_mean``);
-* ``mean_decode`` — a member decoding the means of the buckets others own (``decode_mean``);
-* ``outer_step`` — the outer optimizer's step on every bucket (``GlobalState.apply_mean``,
-  less its θ checksum);
-* ``settle`` — error feedback (``error_feedback.settle_bucket``, every chunk included);
-* ``checksums`` — every bucket's θ checksum (once per round: ``GlobalState`` caches it) and
-  the worker's ``outer_state_checksum`` and ``theta_checksum`` of the metrics line.
-
-Figures are CPU seconds of this thread (``time.thread_time``, robust to other processes on a
-shared machine), medians over ``--repeats`` rounds, one thread (``torch.set_num_threads(1)``).
-``--json`` writes them too, so that two checkouts can be compared (``--compare a.json b.json``
-prints the ratios).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_round_cpu                 # int8, ~1 min
-    .venv/bin/python -m experiments.bench_round_cpu --codec int4 --json out/round_cpu_int4.json
-    .venv/bin/python -m experiments.bench_round_cpu --compare before.json after.json
+Figures are CPU seconds of this thread (``time.thread_time``, robust to other processes),
+medians over ``--repeats`` rounds, one torch thread; ``--compare a.json b.json`` prints the
+ratios of two ``--json`` files.
 """
 
 from __future__ import annotations
@@ -142,8 +126,7 @@ class _Site:
                 for c, (o, n) in enumerate(layout.buckets[b].chunks)
             ]
             chunks, full = timed(
-                "mean_encode",
-                lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen),
+                "mean_encode", lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
             )
             means[b] = (chunks, full)
         for b in self.remote:  # stand-in means of the others' buckets: what this site sent

@@ -1,28 +1,18 @@
-"""CPU cost of one round per parameter for a site group of K ranks (issue 14).
+"""CPU cost of one round per parameter for a site group of K ranks (issue 14). Prints figures.
 
-Prints figures (not a test). Two parts, both with θ on the CPU and one torch
-thread per rank:
+θ on the CPU, one torch thread per rank, in two parts:
 
-1. **Real runs**: 2 sites x K ranks as processes (gloo inside a site, gRPC
-   between sites on 127.0.0.1, one rendezvous), a ~25M-parameter stack of
-   ``nn.Linear`` layers under DDP (or FSDP2 with ``--parallel fsdp``: no
-   allgather, each rank holds only its shard), one inner step per round. Each rank records
-   the *process CPU seconds* (all its threads: gRPC servers and pools included,
-   robust to other load on a shared machine) of each step of every sync:
-   gather (Δ + residual), round (engine: encode, push, reduce, outer step,
-   decode, pull), scatter (θ into the model), allgather (replicated parts inside
-   the site), checksum; and its bytes sent and received. Rounds after the first
-   are summarised (median per rank, then mean over the ranks).
-2. **Split of one rank's slice** in one process (no network): gather, encode,
-   decode, outer step (``GlobalState.apply_mean``, which includes θ_b's
-   checksum), checksum alone, scatter, on N/K elements in buckets of 4 MiB.
+1. **Real runs**: 2 sites x K ranks as processes (gloo inside a site, gRPC between sites on
+   127.0.0.1, one rendezvous), a ~25M-parameter stack of ``nn.Linear`` layers under DDP (or
+   FSDP2 with ``--parallel fsdp``), one inner step per round. Each rank records the process CPU
+   seconds (all threads: robust to other load) of each step of every sync: gather, round
+   (engine), scatter, allgather, checksum; and its bytes. Rounds after the first are
+   summarised (median per rank, then mean over ranks).
+2. **Split of one rank's slice** in one process (no network): gather, encode, decode, outer step
+   (with θ_b's checksum), checksum alone, scatter, on N/K elements in buckets of 4 MiB.
 
-"ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the
-issue's target is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
-
-    python -m experiments.bench_site_group                 # 25M params, K = 1 and 2
-    python -m experiments.bench_site_group --quick         # 2M params, fast
-    python -m experiments.bench_site_group --json out.json
+"ns/param/rank" = one rank's CPU seconds of a round / the model's parameters; the issue's target
+is <= 5 (a 1-process site cost 33 in the GPU check of a 101M model).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Round formation at scale on both rendezvous stores (prints figures).
 
-N simulated sites in this one process, each with its own etcd client, lease and
-watch of ``plan/`` (the direct ``--rendezvous etcd://`` mode), on a 3-member etcd
-cluster started here (``tests/etcd_cluster.py``; needs Debian's ``etcd-server``):
-all join, N-1 become ready for round 0, then the last one does, which forms the
-plan. Printed: the time from the last ready to the plan seen by every site (its
-watch delivered it), the time the N-1 readies took, and etcd's write rate
-(revisions per second) during them. The same for the in-memory core (the last
-ready forms the plan; every site's next poll sees it).
-
-Usage::
-
-    .venv/bin/python -m experiments.bench_store            # 1,000 sites
-    .venv/bin/python -m experiments.bench_store --smoke    # 20 sites, a few seconds
+N simulated sites in this process, each with its own etcd client, lease and watch of ``plan/``
+(the direct ``--rendezvous etcd://`` mode), on a 3-member etcd cluster started here
+(``tests/etcd_cluster.py``; needs Debian's ``etcd-server``): all join, N-1 become ready for round
+0, then the last one forms the plan. Printed: the time from the last ready to the plan seen by
+every site, the time the N-1 readies took and etcd's revisions per second during them; the same
+for the in-memory core.
 """
 
 from __future__ import annotations

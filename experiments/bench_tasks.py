@@ -1,13 +1,7 @@
-"""Measure the built-in task: step time per preset and a validation-loss curve.
+"""Measure the built-in task: step time per preset and a validation-loss curve (prints a table).
 
-Usage (prints a table; no asserts — speed targets are measured, not tested)::
-
-    python -m experiments.bench_tasks                      # step times of tiny, small, base
-    python -m experiments.bench_tasks --sizes small --curve 1000 --every 100
-    python -m experiments.bench_tasks --sizes small --sites 3 --seconds 60   # 3 concurrent sites, no sync
-
-Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, because
-that is how ``dtrain launch`` runs its workers on a small machine.
+Runs at ``torch.set_num_threads(1)`` unless ``--threads`` says otherwise, as ``dtrain launch``
+runs its workers on a small machine. Speed targets are measured, not asserted.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from experiments.common import inner_step
 
 
 def _step(task) -> tuple[float, float]:
-    """One inner step; returns (wall s, process CPU s). With 1 thread and a busy
-    machine, CPU seconds are the better estimate of the step time on an idle core."""
+    """One inner step: (wall s, process CPU s; on a busy machine the better estimate of an idle core's)."""
     t0, c0 = time.perf_counter(), time.process_time()
     inner_step(task)
     return time.perf_counter() - t0, time.process_time() - c0

@@ -1,28 +1,17 @@
-#!/usr/bin/env python3
 """Throughput of the gRPC transport on loopback against a raw-socket baseline.
 
-For each payload size (default 1, 16 and 128 MiB) it measures, in the same run:
+For each payload size (default 1, 16 and 128 MiB), in the same run:
 
-* push: one ``GrpcTransport.push`` of the payload as ``--chunk-bytes`` contributions
-  to a peer whose handler discards them, vs. a raw TCP ``sendall`` of the same
-  bytes to a peer that ``recv_into``s them and acknowledges with one byte;
-* pull: one ``GrpcTransport.pull_mean`` of a mean of that size (chunks of
-  ``--chunk-bytes``, streamed in parts of ``--part-bytes``), vs. a raw TCP
-  receive of the same bytes (baseline ``raw``) into one preallocated, reused
-  buffer, and (baseline ``raw-fresh``) into new ``--chunk-bytes`` buffers kept
-  until the call ends, which is what any transport that returns the payload
-  must do: on this kind of VM first-touch page faults of new memory cost more
-  than the copy itself.
+* push: one ``GrpcTransport.push`` of ``--chunk-bytes`` contributions to a peer that discards
+  them, vs a raw TCP ``sendall`` of the same bytes to a peer that acknowledges with one byte;
+* pull: one ``GrpcTransport.pull_mean`` (streamed in ``--part-bytes`` parts), vs a raw TCP
+  receive into one reused buffer (``raw``) and into new ``--chunk-bytes`` buffers kept until the
+  call ends (``raw-fresh``: what a transport that returns the payload must do; first-touch page
+  faults cost more than the copy here).
 
-The serving side runs in a separate process (as a peer would), so client and
-server do not share a GIL. gRPC and raw calls alternate, so a change in machine
-load hits both alike. Each figure comes from ``--reps`` timed calls after one
-warm-up call: MiB/s of the median and of the best call, the gRPC/raw ratio of
-both (target >= 0.70), and the CPU time both processes spent per MiB (user+sys,
-all threads), which does not depend on other load on the machine.
-``--json PATH`` also writes the rows.
-
-    .venv/bin/python -m experiments.bench_transport [--sizes-mib 1 16 128] [--reps 7]
+The server runs in its own process; gRPC and raw calls alternate, so load changes hit both
+alike. Per figure, ``--reps`` timed calls after a warm-up: MiB/s of the median and best call,
+the gRPC/raw ratio of both (target >= 0.70), and both processes' CPU time per MiB (user+sys).
 """
 
 from __future__ import annotations

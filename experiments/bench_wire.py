@@ -1,25 +1,14 @@
-#!/usr/bin/env python3
-"""The hand codec of the Peer bulk messages (dtrain/transports/grpc_wire.py) against the
-generated protobuf classes, on the same messages, in one process.
+"""The hand codec of the Peer bulk messages (dtrain/transports/grpc_wire.py) against the generated
+protobuf classes, on the same messages, in one process.
 
-For each payload size it times, ``--reps`` times after a warm-up (median):
-
-* contribution encode: ``encode_contribution`` vs ``pb.ContributionChunk(..., payload=p)
-  .SerializeToString()``;
-* contribution decode: ``decode_contribution`` vs ``pb.ContributionChunk.FromString`` and
-  taking ``.payload`` (what any caller must do to get the bytes);
-* mean stream (``--part-bytes`` parts) encode and decode: ``mean_to_wire`` /
-  ``mean_from_wire`` vs building and parsing the same ``pb.MeanPart`` messages and
-  joining the payload.
-
-It prints MB/s (payload bytes per second) and "copies": the time divided by the time of
-one plain copy of the payload, i.e. how many memcpy's of the payload the operation
-costs (``bytes(memoryview(p))``, one copy into a new object, is 1.0); and "py-heap": the peak Python-heap allocation (tracemalloc)
-divided by the payload size (protobuf's own arena allocations are not seen by it, so it
-is a lower bound for the generated classes). The outputs of both codecs are checked to be
-equal before anything is timed.
-
-    .venv/bin/python -m experiments.bench_wire [--sizes-mib 1 4] [--reps 15]
+Per payload size, ``--reps`` timings after a warm-up (median) of: contribution encode
+(``encode_contribution`` vs ``pb.ContributionChunk(...).SerializeToString()``), contribution
+decode (``decode_contribution`` vs ``FromString`` and taking ``.payload``), and the mean stream
+in ``--part-bytes`` parts (``mean_to_wire`` / ``mean_from_wire`` vs the same ``pb.MeanPart``
+messages, payload joined). Printed: MB/s of payload; "copies", the time over that of one plain
+copy of the payload (``bytes(memoryview(p))`` is 1.0); "py-heap", the peak Python-heap allocation
+(tracemalloc) over the payload size (a lower bound for the generated classes, whose arena
+tracemalloc does not see). Both codecs' outputs are checked equal before anything is timed.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
-"""Catch-up benchmark: how long a joiner takes to pull θ and the outer state, against the
-state size, the link and the number of donors, next to the naive figure state bytes / link rate.
+"""Catch-up benchmark: how long a joiner takes to pull θ and the outer state, against the state
+size, the link and the number of donors, next to the naive figure state bytes / link rate.
 
-Each donor is a process holding the same θ and SGD-momentum outer state (one outer step
-taken, so the momentum buffers are full size) behind its gRPC Peer service; the joiner is a
-process that runs :class:`dtrain.rounds.catchup.CatchUp` against them (buckets spread over the
-donors, ``state_pull_streams`` transfers each) and prints the seconds and bytes. The donors
-are not training: this measures the transfer the catch-up needs, not the replay (a
-replayed round costs one round of means, what a member pulls every round anyway).
+Each donor is a process holding the same θ and SGD-momentum outer state (one outer step taken,
+so the momentum buffers are full size) behind its gRPC Peer service; the joiner is a process
+running :class:`dtrain.rounds.catchup.CatchUp` against them (buckets spread over the donors,
+``state_pull_streams`` transfers each). This measures the transfer, not the replay (a replayed
+round costs one round of means). smoke: loopback, 2 MB of state; quick and full (root, netem):
+every donor's link 100 Mbit/s, RTT 40 ms, the joiner's link 100 Mbit/s (it is the bottleneck) or
+300 Mbit/s (the donors' uplinks are), one and three donors.
 
-Modes:
-  smoke  loopback (no netem, no root), 2 MB of state: seconds; checks the code path.
-  quick  netem (root): every donor's link 100 Mbit/s, RTT 40 ms; 16 and 64 MB of state;
-         one and three donors; the joiner's link 100 Mbit/s (it is the bottleneck) or
-         300 Mbit/s (the donors' uplinks are: three donors should take a third of the time).
-  full   as quick with 64 and 256 MB.
-
-Run (repository root)::
-
-    .venv/bin/python -m experiments run catch_up --mode quick   # as root (netem)
-    .venv/bin/python -m experiments run catch_up --mode smoke   # loopback, seconds
-
-Writes one row per run (joiner link, state MB, donors, seconds, the naive seconds = state
-bytes / the narrower side's rate: the joiner's link, or the donors' uplinks together, and
-the ratio) and the table. The target (issue 33): within 1.3x of the naive figure with three
-donors. The donor and joiner processes are this module run as ``python -m
-experiments.catch_up donor|joiner``.
+One row per run: seconds, and the naive seconds = state bytes / the narrower side's rate (the
+joiner's link, or the donors' uplinks together). The target (issue 33): within 1.3x of the naive
+figure with three donors. The donor and joiner processes are ``python -m experiments.catch_up
+donor|joiner``.
 """
 
 from __future__ import annotations

@@ -1,56 +1,26 @@
 """Chaos soak: N sites over gRPC for R rounds with seeded random faults (issue 13).
 
-Every site is a ``dtrain worker`` process on 127.0.0.1 (``dtrain.app.procs.Cluster``,
-built on the one process harness ``dtrain/app/procs.py``), checkpointing every round.
-site-0 is never faulted (the reference that paces the run); the others get, at seeded
-random times, one of:
+Every site is a ``dtrain worker`` process (``dtrain.app.procs.Cluster``) checkpointing every
+round. site-0 is never faulted (it paces the run); the others get, at seeded random times: ``kill``
+(SIGKILL, restarted with ``--resume`` a few seconds later, in whatever phase it was), ``stop``
+(SIGSTOP for a few seconds, then SIGCONT), ``corrupt`` (a client holding the token pushes an
+undecodable contribution claiming to be a member, for the round in progress), ``flood`` (a client
+holding the token keeps idle Push streams open on the site), ``partition`` (netem only: the site
+cut off from every other site and the rendezvous for a few seconds); the rendezvous gets
+``rv_kill`` (SIGKILL, restarted on the same address: it forgets everything, the sites re-register)
+or ``rv_stop``. Faults come from a shuffled bag of the kinds (each once before any repeats); at
+most one process is down, stopped or cut off at a time. With netem (``chaos.netem``) every process
+runs in its own emulated LAN site; without, on 127.0.0.1 and without ``partition``.
 
-* ``kill``: SIGKILL, restarted with ``--resume`` a few seconds later (a non-owner or an
-  owner, in whatever phase it is in: inner steps, push, finalize, pull, repair);
-* ``stop``: SIGSTOP for a few seconds, then SIGCONT (a hung site, declared dead and
-  resynchronised, or a straggler);
-* ``corrupt``: a client holding the token pushes an undecodable contribution claiming
-  to be a member, for the round in progress, to a site;
-* ``flood``: a client holding the token keeps idle Push streams open on a site;
-* ``partition`` (netem only): the site is cut off from every other site and the
-  rendezvous for a few seconds, then healed (``netem.Topology.partition``; existing TCP
-  connections stall, new ones time out);
-
-and the rendezvous (the control plane's one process) gets:
-
-* ``rv_kill``: SIGKILL, restarted on the same address a few seconds later (it forgets
-  everything; the sites defer, re-register and it adopts the round they ask for);
-* ``rv_stop``: SIGSTOP for a few seconds, then SIGCONT.
-
-Faults are drawn from a shuffled bag of the kinds (each once before any repeats), so a
-short run covers every kind. With netem (root, ``ip netns``: ``--netem auto`` finds out)
-every process runs in its own emulated site on a LAN profile and the rogue clients in the
-rendezvous's site; without it everything runs on 127.0.0.1 and ``partition`` is left out.
-At most one site or the rendezvous is down, stopped or cut off at a time.
-
-Checked from the metrics lines (``dtrain.metrics``) after the run, per round: no hang
-(every site that ran the round finished its engine part, ``round_s``, by the broadcast
-deadline + 1 s), θ checksums equal among the sites that applied it with no stale bucket
-(a round where they differ and some applying site skipped an unreachable owner's buckets,
-``owner_lost``, is reported apart: an owner cut off during the reduce applies its own mean,
-a known open case; only the other mismatches fail the run), nothing an owner
-refused was applied (``dtrain.metrics.rejected_applied``: no sender whose contribution an
-owner refused is among the senders of a mean a site applied for that chunk), and resident memory
-/ open fds of each worker process sampled every second (growth of each site's
-longest-lived process after the first 30 % of its life). Prints a table:
-faults by kind, hangs, rounds lost at site-0, longest stall (``sync_s``), final loss
-against a fault-free run with the same seed.
-
-A spec of the one runner (one row per soak; the table and the verdict in the section)::
-
-    python -m experiments run chaos --mode smoke    # CI: 3 sites, 12 rounds, 7 faults, no fault-free run
-    python -m experiments run chaos                 # quick: 60 rounds, 20 faults, and the fault-free run
-    python -m experiments run chaos --mode full     # 200 rounds, 50 faults
-
-Its settings: ``--set task_spec.num_sites=N``, ``--set rounds=R``, ``--set chaos.faults=F``,
-``--set chaos.seed=S``, ``--set chaos.netem=auto|on|off`` and ``--set chaos.logs=DIR`` (the logs
-and ``chaos.json``; default a temporary directory). A failed check is a verdict line saying
-**NOT met** (``chaos.json`` has the figures); the run itself exits 0.
+Checked from the metrics lines after the run, per round: no hang (every site that ran the round
+finished its engine part, ``round_s``, by the broadcast deadline + 1 s); θ checksums equal among
+the sites that applied it with no stale bucket (a mismatch after an unreachable owner,
+``owner_lost``, is reported apart: a known open case); nothing an owner refused was applied
+(``dtrain.metrics.rejected_applied``); and each worker's RSS and open fds, sampled every second
+(growth of each site's longest-lived process after its warm-up). The table also gives faults by
+kind, rounds lost at site-0, the longest stall (``sync_s``) and the final loss against a
+fault-free run with the same seed. A failed check is a verdict line saying **NOT met**
+(``chaos.json``, beside the logs of ``chaos.logs``, has the figures); the run itself exits 0.
 """
 
 from __future__ import annotations
@@ -67,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -79,6 +49,7 @@ from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportCon
 from experiments.common import RunResult
 from experiments.lab import Point, Spec
 from experiments.procs import netem_problem, netem_topology
+from experiments.runspec import knob
 from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
 from experiments.site_failures import WORKER
 
@@ -93,30 +64,18 @@ EXCLUSIVE = frozenset({"kill", "stop", "partition", "rv_kill", "rv_stop"})
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
-    """One soak.
+    """One soak: the spec's settings (:data:`FIXED`) by the path a field names; ``inner_step_sleep_s``:
+    emulated compute per inner step; faults ``max_gap_s / 4`` to ``max_gap_s`` apart, ``num_faults`` at most."""
 
-    Attributes:
-        num_sites: workers, >= 2.
-        rounds: rounds site-0 runs, >= 2.
-        num_faults: faults to inject (at most; the run may end first), >= 0.
-        seed: seeds the faults and the training.
-        sync_every: H.
-        inner_step_sleep_s: emulated compute per inner step (rounds of ~1 s on a loaded machine).
-        down_s: how long a killed site stays down / a stopped one stays stopped, seconds.
-        max_gap_s: the gap between two faults is uniform in [max_gap_s / 4, max_gap_s].
-        timeout_s: bound on the whole run.
-        netem: run every process in its own netem site (needed for ``partition``).
-    """
-
-    num_sites: int = 3
-    rounds: int = 8
-    num_faults: int = 6
+    num_sites: int = knob("task_spec.num_sites", 3)
+    rounds: int = knob("rounds", 8)
+    num_faults: int = knob("chaos.faults", 6)
     seed: int = 0
-    sync_every: int = 4
+    sync_every: int = knob("diloco.sync_every", 4)
     inner_step_sleep_s: float = 0.25
-    down_s: float = 2.5
-    max_gap_s: float = 4.0
-    timeout_s: float = 600.0
+    down_s: float = knob("chaos.down_s", 2.5)
+    max_gap_s: float = knob("chaos.max_gap_s", 4.0)
+    timeout_s: float = knob("chaos.timeout_s", 600.0)
     netem: bool = False
 
     def __post_init__(self) -> None:
@@ -151,10 +110,8 @@ def _address(run: Cluster, i: int) -> str | None:
 
 
 def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int = 8) -> None:
-    """Chunk 0 of buckets 0.. ``num_buckets`` - 1, undecodable and the wrong size, claiming to
-    be site-0's, for the round in progress at the target (read from its ``metrics``); the
-    owner of each refuses it, naming it in its line. Tried again (``num_tries``, ~0.5 s
-    apart) while the round is not open there (the site in its inner steps, or resyncing)."""
+    """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at
+    the target (from its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
     try:
         for _ in range(num_tries):
@@ -256,8 +213,7 @@ class _Soak(Cluster):
                 self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.time(), *got))
 
     def draw(self) -> str | None:
-        """The next kind from the bag (refilled, shuffled, when empty); None while the
-        next is exclusive and something is still out (it waits for its turn)."""
+        """The next kind from the (refilled, shuffled) bag; None while it is exclusive and something is out."""
         if not self.bag:
             self.bag = self.rng.sample(self.kinds, len(self.kinds))
         if self.bag[-1] in EXCLUSIVE and self.down:
@@ -371,10 +327,8 @@ class _Soak(Cluster):
 
 
 def warm_up_end_s(samples: list[tuple[float, int, int]], round_lines: list[dict]) -> float:
-    """When a worker process's warm-up ends (``time.time()`` seconds): 30 % into its sampled
-    life, and never before its first round line. A restarted worker imports torch, builds its
-    task and pulls θ first (RSS +140 MB, +16 fds in a smoke run): counted as growth when a short
-    second life's 30 % mark fell before its first round."""
+    """When a worker process's warm-up ends (``time.time()`` s): 30 % into its sampled life, never before
+    its first round line (a restarted worker imports torch, builds its task and pulls θ first)."""
     t_first, t_last = samples[0][0], samples[-1][0]
     first_round = min(
         (ln["time"] for ln in round_lines if "time" in ln and t_first <= ln["time"] <= t_last), default=t_last
@@ -513,17 +467,9 @@ def run_point(point: Point) -> RunResult:
     """One soak (and first the fault-free run of the same seed, with ``chaos.reference``); its
     figures go to ``chaos.json`` beside the logs (``chaos.logs``, default a temporary directory)."""
     s = point.settings
-    cfg = ChaosConfig(
-        num_sites=s["task_spec.num_sites"],
-        rounds=s["rounds"],
-        num_faults=s["chaos.faults"],
-        seed=point.seed if s["chaos.seed"] is None else s["chaos.seed"],
-        sync_every=s["diloco.sync_every"],
-        down_s=s["chaos.down_s"],
-        max_gap_s=s["chaos.max_gap_s"],
-        timeout_s=s["chaos.timeout_s"],
-        netem=_netem_wanted(s["chaos.netem"]),
-    )
+    kw = {f.name: s[f.metadata["path"]] for f in fields(ChaosConfig) if "path" in f.metadata}
+    seed = point.seed if s["chaos.seed"] is None else s["chaos.seed"]
+    cfg = ChaosConfig(**kw, seed=seed, netem=_netem_wanted(s["chaos.netem"]))
     root = Path(s["chaos.logs"] or tempfile.mkdtemp(prefix="dtrain-chaos-"))
     ref = _soak(cfg, root / "fault_free", faults=False) if s["chaos.reference"] else None
     res = analyse(cfg, _soak(cfg, root / "chaos", faults=True), ref)
@@ -537,8 +483,8 @@ FIXED = {
     "task_spec.num_sites": 3,
     "diloco.sync_every": 4,
     "chaos.max_gap_s": 4.0,
-    "chaos.down_s": 2.5,
-    "chaos.timeout_s": 600.0,
+    "chaos.down_s": 2.5,  # seconds a killed site stays down, a stopped one stopped, a cut one cut
+    "chaos.timeout_s": 600.0,  # bound on the whole run
     "chaos.reference": True,  # the fault-free run of the same seed, for the final loss
     "chaos.netem": "auto",  # on / off / auto: netem sites when root and ip netns allow (partitions need them)
     "chaos.logs": None,

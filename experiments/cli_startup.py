@@ -1,10 +1,6 @@
 """How fast the command line answers: wall time of ``python -m dtrain ARGS`` for --help and
 usage errors (median of N runs), and the import time ``-X importtime`` reports.
 
-    .venv/bin/python -m experiments.cli_startup            # this checkout, 5 runs each
-    .venv/bin/python -m experiments.cli_startup --repo /path/to/other/checkout --runs 5
-    .venv/bin/python -m experiments.cli_startup --smoke    # 1 run each (CI)
-
 Prints one line per command: median and min wall seconds, exit code, and which heavy
 modules (torch, grpc, numpy, matplotlib) the process imported (from ``-X importtime``).
 """

@@ -1,23 +1,13 @@
 """Codec sweep: bytes per round against final validation loss, per pseudo-gradient codec.
 
-4 DiLoCo sites train the built-in byte-level GPT (stdlib source) in one process over
-the in-process transport, no faults, once per codec: fp32, bf16, int8, int4 and topk
-(1% of each chunk, with error feedback), each with and without the zstd stage. The
-owners' means go back with the same codec. For each: bytes per round (everything that
-crossed the network: contributions pushed + means pulled), final validation loss and
-its change against fp32 with the same seed (paired), encode/decode seconds the round
-engine recorded, and a micro-benchmark of encode and decode of one real
-pseudo-gradient of the whole model, cut into the same chunks.
-
-topk runs with broadcast error feedback on (``RoundConfig.broadcast_error_feedback``):
-the mean of N top-k contributions has up to N·k non-zeros and its top-k loses the rest
-for good otherwise. The other codecs use the defaults (contribution-side error feedback).
-
-Run (from the repository root)::
-
-    .venv/bin/python -m experiments run codec_sweep --mode quick    # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run codec_sweep --mode full     # small model, more rounds, + fp16
-    .venv/bin/python -m experiments run codec_sweep --mode smoke --out /tmp/x --results none
+N in-process DiLoCo sites train the built-in GPT once per codec (fp32, bf16, int8, int4, topk:
+1% of each chunk with error feedback, each with and without the zstd stage; the means go back
+with the same codec). For each: bytes per round (contributions pushed + means pulled), final
+validation loss and its change against fp32 with the same seed (paired), the encode/decode
+seconds the round engine recorded, and a micro-benchmark of encoding and decoding one real
+pseudo-gradient of the whole model in the same chunks. topk runs with broadcast error feedback
+on: the mean of N top-k contributions has up to N·k non-zeros, and its top-k loses the rest for
+good otherwise.
 """
 
 from __future__ import annotations
@@ -25,15 +15,15 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from dtrain.codecs import CodecConfig, get_codec
 from dtrain.tasks import TaskSpec
+from experiments.bench_codecs import bench_codec
 from experiments.common import (
+    BUCKETS_64K,
     RunResult,
     fmt_pm,
     md_rows,
@@ -46,44 +36,31 @@ from experiments.common import (
 )
 from experiments.lab import Spec
 
-BUCKET_BYTES = 64 * 1024
-CHUNK_BYTES = 16 * 1024
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
 CODEC = "diloco.rounds.codec.name"
 SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
 
+SITES, SIZE, H, ROUNDS, VAL = (
+    "task_spec.num_sites",
+    "task_spec.size",
+    "diloco.sync_every",
+    "rounds",
+    "inproc.num_val_batches",
+)
+ALL = [c + z for c in BASE_CODECS for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        jobs=1,
-        bench_repeats=1,
-        grid={CODEC: ["fp32", "int8+zstd"]},
-        fixed={"task_spec.num_sites": 2, "task_spec.size": "tiny", "diloco.sync_every": 2, "rounds": 2, **SMALL}
-        | {"inproc.num_val_batches": 2},
-    ),
-    "quick": dict(
-        seeds=[0, 1, 2],
-        jobs=2,
-        bench_repeats=5,
-        grid={CODEC: [c + z for c in BASE_CODECS for z in ("", "+zstd")]},
-        fixed={"task_spec.num_sites": 4, "task_spec.size": "tiny", "diloco.sync_every": 10, "rounds": 12}
-        | {"inproc.num_val_batches": 16},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4],
-        jobs=max(1, (os.cpu_count() or 2) // 4),
-        bench_repeats=10,
-        grid={CODEC: [c + z for c in BASE_CODECS + ["fp16"] for z in ("", "+zstd")]},
-        fixed={"task_spec.num_sites": 4, "task_spec.size": "small", "diloco.sync_every": 50, "rounds": 30}
-        | {"inproc.num_val_batches": 32},
-    ),
+    "smoke": dict(seeds=[0], jobs=1, bench_repeats=1, grid={CODEC: ["fp32", "int8+zstd"]})
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 2, VAL: 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, bench_repeats=5, grid={CODEC: ALL})
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 12, VAL: 16}},
+    "full": dict(seeds=[0, 1, 2, 3, 4], jobs=max(1, (os.cpu_count() or 2) // 4), bench_repeats=10)
+    | {"grid": {CODEC: ALL + ["fp16", "fp16+zstd"]}, "fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 30, VAL: 32}},
 }
 
 
 def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (fp32, flat);
-    ``f``: the run's fixed settings by config path."""
+    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (``f``: settings by path)."""
     torch.set_num_threads(1)
     spec = TaskSpec(
         site_index=0,
@@ -96,38 +73,18 @@ def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
     return pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
 
 
-def bench(delta: torch.Tensor, codecs: Sequence[str], repeats: int, zstd_level: int) -> dict[str, dict[str, float]]:
-    """Median seconds to encode / decode the whole Δ chunk by chunk (CPU time of this thread)."""
-    n = CHUNK_BYTES // 4
-    chunks = [delta[i : i + n].contiguous() for i in range(0, delta.numel(), n)]
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for name in codecs:
-        codec = get_codec(CodecConfig(name=name, zstd_level=zstd_level))
-        enc, dec = [], []
-        for _ in range(repeats):
-            t = time.thread_time()
-            payloads = [codec.encode(c, generator=gen) for c in chunks]
-            enc.append(time.thread_time() - t)
-            t = time.thread_time()
-            decoded = [codec.decode(p, numel=c.numel()) for p, c in zip(payloads, chunks)]
-            dec.append(time.thread_time() - t)
-        err = float(torch.linalg.vector_norm(torch.cat(decoded) - delta) / torch.linalg.vector_norm(delta))
-        out[name] = {
-            "encode_s": statistics.median(enc),
-            "decode_s": statistics.median(dec),
-            "bytes": sum(len(p) for p in payloads),
-            "rel_err": err,
-        }
-    return out
-
-
 def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
-    """The codec micro-benchmark on one real pseudo-gradient, as ``bench_*`` columns of every row."""
+    """``bench_*`` columns of every row (:func:`~experiments.bench_codecs.bench_codec` on a real Δ cut in
+    the runs' chunks): CPU s of this thread to encode / decode all of Δ (median), bytes, rel. L2 error."""
     f = m["fixed"]
-    b = bench(real_pseudo_gradient(f), m["grid"][CODEC], m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
-    for r in results:
-        r.row.update({f"bench_{k}": v for k, v in b[r.row["codec"]].items()})
+    delta = real_pseudo_gradient(f)
+    chunks, mb = list(torch.split(delta, BUCKETS_64K["diloco.buckets.chunk_bytes"] // 4)), delta.numel() * 4 / 1e6
+    for name in m["grid"][CODEC]:
+        b = bench_codec(name, chunks, m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
+        cols = {"encode_s": mb / b["encode_mb_s"], "decode_s": mb / b["decode_mb_s"], "bytes": b["bytes"]}
+        for r in results:
+            if r.row["codec"] == name:
+                r.row.update({f"bench_{k}": v for k, v in (cols | {"rel_err": b["rel_l2"]}).items()})
 
 
 def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = None, m: Any = None) -> list[str]:
@@ -257,12 +214,7 @@ SPEC = Spec(
     name="codec_sweep",
     title="Codec sweep",
     modes=MODES,
-    fixed={
-        "diloco.buckets.bucket_bytes": BUCKET_BYTES,
-        "diloco.buckets.chunk_bytes": CHUNK_BYTES,
-        "diloco.rounds.codec.zstd_level": 1,
-        "inproc.track_drift": False,
-    },
+    fixed={**BUCKETS_64K, "diloco.rounds.codec.zstd_level": 1, "inproc.track_drift": False},
     label=lambda point: point[CODEC],
     # the mean of N top-k contributions has up to N·k non-zeros: its top-k loses the rest unless fed back
     derive=lambda point: {"diloco.rounds.broadcast_error_feedback": point[CODEC].startswith("topk")},

@@ -1,17 +1,7 @@
-"""Shared helpers of the lab (:mod:`experiments.lab`) and its specs.
-
-One run = N DiLoCo sites training the built-in byte-level GPT (``dtrain.tasks``) as
-threads of one process over a seeded in-process network (:class:`dtrain.sim.InprocCluster`).
-:func:`run_inproc` returns one CSV row (configuration, seed, final validation loss,
-rounds, wall time, bytes, sync seconds, stale buckets, rejected contributions, replica
-drift) plus one record per round. :func:`run_many` runs several in worker processes
-(each run's sites are GIL-bound threads, so separate processes are what uses more cores).
-:func:`write_csv`, :func:`summarize`, :func:`md_table` and :func:`update_results` turn
-rows into the CSV, the markdown table and the section of ``experiments/RESULTS.md``.
-A run's kill-and-restart training loop is :func:`train_with_restart`; its datagram data path
-on 127.0.0.1 (``RunSpec.datagram_drop``) is ``RunSpec.datagram_transport``.
-
-Measurements here are figures to print and plot, never asserts.
+"""Shared helpers of the lab (:mod:`experiments.lab`) and its specs: one in-process run
+(:func:`run_inproc`: N DiLoCo sites training the built-in GPT as threads over
+:class:`dtrain.sim.InprocCluster`), several in worker processes (:func:`run_many`), and the
+CSV, markdown and RESULTS.md helpers. Measurements are figures to print and plot, never asserts.
 """
 
 from __future__ import annotations
@@ -40,6 +30,8 @@ from experiments.runspec import RunSpec
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "experiments" / "out"
 RESULTS_MD = ROOT / "experiments" / "RESULTS.md"
+#: 64 KiB buckets of 16 KiB chunks (each chunk encoded on its own): the in-process sweeps' layout
+BUCKETS_64K = {"diloco.buckets.bucket_bytes": 64 * 1024, "diloco.buckets.chunk_bytes": 16 * 1024}
 
 
 def quiet_logging(verbose: bool = False) -> None:
@@ -98,8 +90,7 @@ class _Recorder:
 
 
 def _round_records(spec: RunSpec, results: list[list[Any]], rec: _Recorder, final0: float) -> list[dict[str, Any]]:
-    """One record per round over the sites' ``RoundResult`` lists (site 0's validation loss at
-    the evaluated rounds and, at its last, ``final0``)."""
+    """One record per round over the sites' ``RoundResult`` lists (site 0's final validation loss: ``final0``)."""
     rounds: list[dict[str, Any]] = []
     for r in range(max((len(x) for x in results), default=0)):
         rr = [x[r] for x in results if r < len(x)]
@@ -132,17 +123,13 @@ def train_with_restart(
     """Every site trains until its training position (``DiLoCo.inner_steps``) reaches H·rounds
     (``step(site, k)`` at position k); with ``spec.restart_after_round`` the last site dies
     after that round and comes back (``InprocCluster.restart``) once site 0 applied
-    ``spec.down_rounds`` more rounds, at the inner step of the training position it pulled;
-    ``hook(site)`` is appended to the restarted site's ``on_round`` callbacks.
+    ``spec.down_rounds`` more rounds, with ``hook(site)`` among its ``on_round`` callbacks.
 
-    The loop follows the site's own position, not a count of its own: a site that was cut
-    from a round resyncs and takes a member's position (``DiLoCo._heal``), which can move it
-    a round back or forth; counting steps here instead left such a site a round short (or
-    long) at the end, with θ unequal to the others' (issue 18, restart seed 8 under load).
+    The loop follows the site's own position, not a count of its own: a site cut from a round
+    resyncs to a member's position, which can move it a round back or forth (issue 18).
 
     Raises:
-        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure.
-    """
+        TimeoutError / RuntimeError: as ``InprocCluster.run``; also a restarted site's failure."""
     total = spec.sync_every * spec.rounds
     victim = spec.num_sites - 1 if spec.restart_after_round >= 0 else -1
     restart_step = spec.restart_after_round * spec.sync_every
@@ -181,25 +168,19 @@ def train_with_restart(
 
 
 def run_inproc(spec: RunSpec) -> RunResult:
-    """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure.
+    """Train ``spec.num_sites`` sites for ``spec.rounds`` rounds; measure. Raises TimeoutError /
+    RuntimeError from ``InprocCluster.run`` (a site hung or failed).
 
-    Row fields (sums are over sites and rounds unless said otherwise): the spec's
-    fields, ``num_params``, ``first_val_loss`` (θ at the start), ``final_val_loss``
-    (mean over sites of each site's θ after the last round), ``val_loss_site_spread``
-    (max − min over sites), ``rounds_done`` (rounds site 0 applied), ``resyncs`` /
-    ``deferred`` (round attempts that did not run normally), ``wall_s``, ``inner_s``
-    and ``sync_s`` (mean per site; sync = time inside ``DiLoCo.sync`` including the
-    wait for the quorum), ``round_s`` (mean engine time of one round), ``bytes_sent``
-    (reduce pushes), ``bytes_received`` (means and repairs pulled), ``bytes_total``
-    (sent + received: every byte that crossed the network once),
-    ``bytes_per_round_site`` (bytes_total / rounds / sites), ``encode_s``,
-    ``decode_s``, ``stale_buckets``, ``repaired_buckets``, ``skipped_buckets``,
-    ``rejected`` (contributions owners rejected), ``reduce_arrived`` /
-    ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
-    (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (every site's θ
-    checksum equal at the end). Raises TimeoutError / RuntimeError from ``InprocCluster.run``
-    (a site hung or failed).
-    """
+    Row fields (sums over sites and rounds unless said otherwise): the spec's fields,
+    ``num_params``, ``first_val_loss`` (θ at the start), ``final_val_loss`` (mean over sites of
+    each site's θ after the last round), ``val_loss_site_spread`` (max − min over sites),
+    ``rounds_done`` (rounds site 0 applied), ``resyncs`` / ``deferred``, ``wall_s``, ``inner_s``
+    and ``sync_s`` (mean per site; sync = time inside ``DiLoCo.sync``, the quorum wait included),
+    ``round_s`` (mean engine time of a round), ``bytes_sent`` (reduce pushes), ``bytes_received``
+    (means and repairs pulled), ``bytes_total``, ``bytes_per_round_site``, ``encode_s``,
+    ``decode_s``, ``stale_buckets``, ``repaired_buckets``, ``skipped_buckets``, ``rejected``,
+    ``reduce_arrived`` / ``broadcast_arrived`` (mean fractions), ``max_drift`` / ``final_drift``
+    (max pairwise ‖θ_i − θ_j‖₂), ``theta_norm``, ``consistent`` (θ checksums equal at the end)."""
     torch.set_num_threads(1)
     t_build = time.perf_counter()
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
@@ -277,8 +258,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
 def _run_row(
     spec: RunSpec, results: list[list[Any]], statuses: list[str], rounds: list[dict[str, Any]], f: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run's CSV row (see :func:`run_inproc`) from the sites' round results and ``f``, what the
-    run measured around them."""
+    """The run's CSV row (see :func:`run_inproc`) from the sites' round results and ``f``, what else it measured."""
     n, H, finals, thetas, rounds_done = spec.num_sites, spec.sync_every, f["finals"], f["thetas"], f["rounds_done"]
     flat = [x for per_site in results for x in per_site]
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
@@ -325,9 +305,8 @@ def _run_row(
 
 
 def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site of the built-in task ``spec`` (its model, data and inner AdamW):
-    θ_0 after ``warmup_steps`` inner steps (past the first, atypically large updates), θ_H after
-    ``inner_steps`` more; fp32, flat."""
+    """Δ = θ_0 − θ_H (fp32, flat) of one site of the built-in task ``spec``: θ_0 after ``warmup_steps``
+    inner steps (past the first, atypically large updates), θ_H after ``inner_steps`` more."""
     task = build_task(spec)
     for _ in range(warmup_steps):
         inner_step(task)
@@ -346,10 +325,8 @@ def inner_step(task) -> None:
 
 
 def own_session() -> None:
-    """Put this process into a session of its own. With the kernel's autogroup scheduling
-    (``/proc/sys/kernel/sched_autogroup_enabled``) CPU is shared between sessions first and
-    ``nice`` only orders processes within one, so N workers in the caller's session would
-    together get the share of one session on a machine where other jobs each start their own."""
+    """Put this process into a session of its own: with autogroup scheduling CPU is shared between
+    sessions first, so N workers in the caller's session would share one session's CPU."""
     try:
         os.setsid()
     except OSError:  # already a session or process-group leader
@@ -362,9 +339,8 @@ def _init_worker(verbose: bool) -> None:
 
 
 def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, fn=run_inproc) -> list[RunResult]:
-    """Run ``fn(spec)`` for every spec, ``jobs`` at a time in spawned worker processes
-    (``jobs == 1``: in this process). Prints one progress line per finished run.
-    Returns the results in the order of ``specs`` (an ``fn`` may return a list: several rows of one run)."""
+    """``fn(spec)`` for every spec, ``jobs`` at a time in spawned processes (1: in this one), a progress
+    line per finished run; the results in the order of ``specs`` (a run may give a list: several rows)."""
     t0 = time.perf_counter()
     out: list[RunResult | None] = [None] * len(specs)
 
@@ -489,8 +465,7 @@ def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
 def per_round_mean(
     rounds: Sequence[dict[str, Any]], config: str, metric: str, keep: Callable[[dict[str, Any]], bool] = lambda r: True
 ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Per round of ``config``'s per-round records (those ``keep`` takes, NaNs left out): the rounds
-    and the mean, min and max of ``metric`` over them (over seeds and sites)."""
+    """Per round of ``config``'s records (those ``keep`` takes, NaNs out): rounds, mean, min and max of ``metric``."""
     by_round: dict[int, list[float]] = {}
     for r in rounds:
         if r["config"] == config and keep(r) and not math.isnan(r[metric]):
@@ -524,8 +499,7 @@ def _git(*args: str) -> str:
 
 
 def code_version() -> str:
-    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run
-    writes its outputs, some of which are tracked)."""
+    """The commit checked out, ``+dirty`` when tracked files differ from it (taken before a run writes)."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
@@ -551,13 +525,8 @@ def save_fig(fig, path: Path) -> Path:
 
 
 def update_results(path: Path, key: str, title: str, body: str) -> None:
-    """Put ``body`` under ``## title`` in the RESULTS.md at ``path``.
-
-    The section is delimited by ``<!-- begin KEY -->`` / ``<!-- end KEY -->``: a rerun
-    of the same experiment and mode replaces its own section in place; every other
-    section (other experiments, other people's) is left as it is; a new key is
-    appended at the end.
-    """
+    """Put ``body`` under ``## title`` in the RESULTS.md at ``path``, between ``<!-- begin KEY -->``
+    and ``<!-- end KEY -->``: a rerun replaces its own section in place, a new key is appended."""
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
     text = (
@@ -616,9 +585,8 @@ def _headline(body: str) -> str:
 
 
 def with_index(text: str) -> str:
-    """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: one line per
-    ``## `` section, linked, with the commit and date its stamp names (``no stamp`` where none
-    does: a section to rerun or to remove), and its headline (:func:`_headline`)."""
+    """``text`` (a RESULTS.md) with its index regenerated after the first paragraph: per ``## `` section a
+    link, the commit and date its stamp names (``no stamp``: rerun or remove it) and :func:`_headline`."""
     if INDEX_BEGIN in text and INDEX_END in text:
         head, rest = text.split(INDEX_BEGIN, 1)
         text = head.rstrip("\n") + "\n\n" + rest.split(INDEX_END, 1)[1].lstrip("\n")

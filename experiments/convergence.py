@@ -1,66 +1,29 @@
 """Convergence (issue 18): DiLoCo against DDP at enough rounds, and fault effects resolved below noise.
 
-Every method trains the built-in byte-level GPT on the stdlib source with the same per-site
-batches and the same number of inner steps per site (inner AdamW at the preset's lr):
+Every method trains the built-in GPT on the stdlib source with the same per-site batches and
+inner steps per site (inner AdamW at the preset's lr):
 
-* **Convergence**, IID and non-IID shards (``TaskSpec.non_iid``): DDP (gloo all-reduce of
-  the gradients every step, N processes; ``diloco_sanity.run_ddp``) against DiLoCo with N
-  sites at H = 10, 50, 100, each with the outer Nesterov SGD lr 0.7 / momentum 0.9
-  (Douillard et al., arXiv 2311.08105) and with the plain average (lr 1, momentum 0),
-  against one site alone and one site with N times the batch. One loss-vs-steps plot per
-  data setting.
-* **Faults**, paired by seed against the fault-free run (reduction is bit-reproducible,
-  so a fault-free run is deterministic per seed): 10% chunk loss on reduce and broadcast
-  (in-process, ``InprocFaults``), the last of N sites killed and restarted after
-  ``down_rounds`` rounds (``InprocCluster.restart``: the site rejoins through the
-  rendezvous and pulls θ and a member's training position), and the int8, int4 and top-k
-  (error feedback on both sides) codecs against fp32. Seeds are added in waves until the
-  standard error of the paired change is at most ``SE_TARGET_PP`` percentage points (or
-  the mode's seed cap / time budget ends it: "unresolved at SE Y"). These runs use the
-  warmup + cosine inner LR (``lr_schedule="cosine"``): a decayed LR at the end keeps two
-  diverged trajectories' final losses closer, which is what makes the SE small.
-* **Outer lr / momentum sweep** at H = 50 (lr 0.3-1.0, momentum 0-0.9), one seed, the best
-  few confirmed on more seeds, so the defaults are the best measured ones.
-* **Diagnosis** of a DiLoCo-vs-DDP gap: the same comparison with the warmup + cosine inner
-  LR for both, and DiLoCo at the sweep's best outer setting.
+* **Convergence**, IID and non-IID shards: DDP (gloo all-reduce every step, N processes)
+  against DiLoCo with N sites at H = 10, 50, 100, with the outer Nesterov SGD lr 0.7 /
+  momentum 0.9 (Douillard et al., arXiv 2311.08105) and with the plain average (lr 1,
+  momentum 0), against one site alone and one site with N times the batch.
+* **Faults**, paired by seed against the fault-free run (warmup + cosine inner LR): 10% chunk
+  loss on reduce and broadcast, the last site killed and restarted (``InprocCluster.restart``),
+  and the int8, int4 and top-k codecs against fp32; seeds are added in waves until the SE of
+  each paired change is <= ``SE_TARGET_PP`` percentage points, the seed cap or the budget.
+* **Outer lr / momentum sweep** at H = 50, one seed, the best few confirmed on more seeds.
+* **Diagnosis** of a DiLoCo-vs-DDP gap: the warmup + cosine inner LR for both, and DiLoCo at
+  the sweep's best outer setting.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run convergence                 # quick: 4 sites, tiny, 4000 steps: ~30 min on 2 cores
-    .venv/bin/python -m experiments run convergence --mode full     # small model, 8000 steps, more seeds
-    .venv/bin/python -m experiments run convergence --mode smoke --out /tmp/x --results none   # CI: seconds
-
-The runs go in phases (the lab's ``phases``): phase 1 is the convergence runs, the sweep's
-grid, the first fault seeds and the cosine diagnosis; phase 2 the sweep's best on more seeds
-and DiLoCo at the best outer setting; then fault seeds in waves (``faults.step_seeds``) until
-every fault's SE <= ``SE_TARGET_PP``, the seed cap or ``convergence.budget_min``. The DDP runs
-go each in a thread beside the in-process ones (the lab's ``beside``).
-
-**Side runs** (``--set`` values; each writes ``OUT/convergence_convergence-side=...[_MODE].csv``,
-and a later ``--replot`` of the same mode merges every side run saved beside its CSV, oldest
-first, a side run's row replacing the row of the same config and seed; the side runs' files of
-the script before the lab, ``convergence_faults*``, ``convergence_outer*`` and
-``convergence_netem*``, are merged the same way)::
-
-    --set convergence.side=faults:A:B [--set convergence.fault_names=N,...]
-        [--set convergence.fault_steps=S] [--set convergence.tag=T]
-    --set convergence.side=outer:ITEMS:A:B
-    --set convergence.side=sweep:LR/M,...:A:B
-    --set convergence.side=rerun-diloco
-    --set convergence.side=long:STEPS:ITEMS[:A:B]
-    --set convergence.side=netem:A:B                     (as root)
-    --set convergence.total_steps=N / --set convergence.budget_min=M
-    --set rendezvous.reduce_timeout_s=X                  (broadcast: twice it)
-    --set rendezvous.heartbeat_timeout_s=X
-    --set task_spec.size=S / --set task_spec.num_sites=N
-
-e.g. ``.venv/bin/python -m experiments run convergence --set convergence.side=faults:16:20
---set convergence.fault_names=fault-free,loss10 --jobs 4``, then ``... run convergence
---replot``. ITEMS of ``outer`` / ``long``: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this
-outer lr / momentum), ``ddp``, or ``big`` (1 site, N times the batch: DDP's stand-in, within 2%
-of DDP all along the 4000-step curve); ``fault_names``: runs of the fault table or the aliases
-fault-free, loss10, restart, int8, int4, topk, or the issue-35 rows (``convergence_report.SPARSE``).
-A side run's own section (if ``--results`` is not ``none``) only says where its rows went.
+**Side runs** (``--set convergence.side=KIND:ARGS``, :func:`side_points`) write
+``OUT/convergence_convergence-side=...[_MODE].csv``; a ``--replot`` of the mode merges every side
+run beside its CSV (:func:`merge`; so are the pre-lab script's ``convergence_faults*``,
+``convergence_outer*`` and ``convergence_netem*``). KIND:ARGS: ``faults:A:B`` (with
+``convergence.fault_names``, ``.fault_steps``, ``.tag``), ``outer:ITEMS:A:B``,
+``sweep:LR/M,...:A:B``, ``rerun-diloco``, ``long:STEPS:ITEMS[:A:B]``, ``netem:A:B`` (as root).
+ITEMS: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this outer lr / momentum), ``ddp``, or
+``big`` (1 site, N times the batch: DDP's stand-in, within 2% of DDP along the 4000-step curve);
+``fault_names``: runs of the fault table, :data:`ALIASES`, or ``convergence_report.SPARSE`` rows.
 """
 
 from __future__ import annotations
@@ -100,22 +63,16 @@ FIXED = {
     "convergence.fault_steps": None,
     "convergence.tag": None,  # only names a side run's CSV
 }
+SITES, SIZE, VAL = "task_spec.num_sites", "task_spec.size", "inproc.num_val_batches"
+STEPS, BUDGET, REDUCE = "convergence.total_steps", "convergence.budget_min", "rendezvous.reduce_timeout_s"
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0],
         jobs=2,
-        fixed={
-            "task_spec.num_sites": 2,
-            "task_spec.size": "tiny",
-            "task_spec.batch_size": 4,
-            "task_spec.context_len": 16,
-            "inproc.num_val_batches": 4,
-            "convergence.total_steps": 8,
-            "convergence.budget_min": 2.0,
-            # 1 s: a lossy round waits its whole reduce deadline (a lost chunk looks late), 4 rounds a run;
-            # under load a 0.5 s deadline once cut a chunk that was only late (sync_s 0.86 s against 0.35 s)
-            "rendezvous.reduce_timeout_s": 1.0,
-        },
+        # reduce deadline 1 s: a lossy round waits its whole deadline (a lost chunk looks late), 4 rounds a run;
+        # under load a 0.5 s deadline once cut a chunk that was only late (sync_s 0.86 s against 0.35 s)
+        fixed={SITES: 2, SIZE: "tiny", "task_spec.batch_size": 4, "task_spec.context_len": 16, VAL: 4}
+        | {STEPS: 8, BUDGET: 2.0, REDUCE: 1.0},
         data=["iid", "non-iid"],
         hs=[2, 4],
         h_main=2,
@@ -129,14 +86,7 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": dict(
         seeds=[0],
         jobs=8,  # more runnable processes than the cores: each in-process run sleeps in its GIL handoffs
-        fixed={
-            "task_spec.num_sites": 4,
-            "task_spec.size": "tiny",
-            "inproc.num_val_batches": 32,
-            "convergence.total_steps": 4000,  # 80 rounds at H = 50
-            "convergence.budget_min": 25.0,
-            "rendezvous.reduce_timeout_s": 0.5,
-        },
+        fixed={SITES: 4, SIZE: "tiny", VAL: 32, STEPS: 4000, BUDGET: 25.0, REDUCE: 0.5},  # 80 rounds at H = 50
         data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
@@ -149,14 +99,7 @@ MODES: dict[str, dict[str, Any]] = {
     "full": dict(
         seeds=[0, 1, 2],
         jobs=4,
-        fixed={
-            "task_spec.num_sites": 4,
-            "task_spec.size": "small",
-            "inproc.num_val_batches": 32,
-            "convergence.total_steps": 8000,
-            "convergence.budget_min": 240.0,
-            "rendezvous.reduce_timeout_s": 1.0,
-        },
+        fixed={SITES: 4, SIZE: "small", VAL: 32, STEPS: 8000, BUDGET: 240.0, REDUCE: 1.0},
         data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
@@ -177,8 +120,7 @@ KNOB_FIELDS += ("heartbeat_timeout_s",)
 
 
 def knobs(m: dict[str, Any]) -> dict[str, Any]:
-    """The lab's mode settings (``--set`` applied) as the flat knobs the plan and the report read:
-    ``num_sites``, ``size``, ``total_steps``, ..., ``seeds`` per data setting."""
+    """The mode's settings (``--set`` applied) as the flat knobs the plan and the report read."""
     f = m["fixed"]
     k = dict(m, seeds={d: list(m["seeds"]) for d in m["data"]}, side=f["convergence.side"])
     k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
@@ -194,8 +136,7 @@ def knobs(m: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- points
 def _spec(m: dict[str, Any], section: str, data: str, method: str, seed: int, steps: int, **kw: Any) -> Point:
-    """One run; ``kw`` overrides RunSpec fields (sync_every, num_sites, outer_lr, codec, ...), which
-    the point holds by their config paths."""
+    """One run; ``kw`` overrides RunSpec fields (sync_every, outer_lr, codec, ...), held by config path."""
     h = kw.pop("sync_every", steps)
     rounds = kw.pop("rounds", steps // h)
     eval_steps = max(1, steps // 20)  # ~20 points per curve, on the same steps for every method
@@ -235,9 +176,8 @@ def _diloco(
 
 
 def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int, **kw: Any) -> list[Point]:
-    """DDP, one site alone and one site with N times the batch (the last two as 1-site
-    DiLoCo with lr 1, momentum 0: θ becomes the local model every round, i.e. plain training;
-    H = h_main only sets how often it is evaluated)."""
+    """DDP, one site alone and one site with N times the batch (the last two as 1-site DiLoCo with lr 1,
+    momentum 0: plain training; H = h_main only sets how often it is evaluated)."""
     h, n = m["h_main"], m["num_sites"]
     one = dict(num_sites=1, sync_every=h, outer_lr=1.0, outer_momentum=0.0, **kw)
     big = m.get("batch_size") or 8
@@ -317,16 +257,14 @@ def long_section(steps: int) -> str:
 
 
 def long_points(m: dict[str, Any], text: str) -> list[Point]:
-    """``--long-check STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS inner steps for seeds A..B-1
-    (default seed 0), section ``long_section(STEPS)`` (its own table)."""
+    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), its own table."""
     steps, items, *seeds = text.split(":")
     span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
     return item_points(m, long_section(int(steps)), items.split(","), span, int(steps))
 
 
 def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
-    """Rows of section ``LONG`` (the first --long-check runs, before one section per step
-    count) move to ``long_section(inner_steps)``, their per-round rows with them."""
+    """Rows of section ``LONG`` (before one section per step count) go to ``long_section(inner_steps)``."""
     renamed = {}
     for r in rows:
         if r["section"] == LONG:
@@ -376,9 +314,9 @@ def _is_ddp(point: Point) -> bool:
 
 
 def phases(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
-    """Phase 1 (no rows yet): convergence, sweep, first fault seeds, cosine diagnosis. Phase 2: the
-    sweep's best on more seeds and DiLoCo at the best outer setting. Then fault seeds in waves until
-    every fault's SE <= SE_TARGET_PP, the seed cap or the time budget. A side run: its runs only."""
+    """Phase 1: convergence, sweep, first fault seeds, diagnosis; phase 2: the sweep's best on more seeds
+    and DiLoCo at the best outer; then fault seeds in waves while a fault's SE > SE_TARGET_PP and seeds
+    and budget last. A side run: its runs only."""
     k = knobs(m)
     f, sw = k["faults"], k["sweep"]
     if not rows:
@@ -408,8 +346,7 @@ def phases(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
 
 
 def run_point(point: Point) -> RunResult | list[RunResult]:
-    """One run: DDP (``diloco_sanity.run_ddp``), the in-process DiLoCo run, or (side run
-    ``netem:A:B``) the netem pairs of seeds A..B-1 (``convergence_netem.run``)."""
+    """One run: DDP, the in-process DiLoCo run, or (side run ``netem:A:B``) ``convergence_netem.run``."""
     side = str(point.settings.get("convergence.side") or "")
     if side.startswith("netem:"):
         a, b = (int(x) for x in side.split(":")[1:3])
@@ -500,9 +437,8 @@ def side_files(prefix: Path) -> list[Path]:
 
 
 def merge(prefix: Path, rows: list, rounds: list, meta: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:
-    """``--replot`` of a mode: add the rows of the side runs saved beside its CSV, oldest file first
-    (a side run's row replaces the row of the same config and seed already there: a rerun on a
-    quieter machine supersedes), their stamps after the mode's own."""
+    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest file first (a
+    side run's row replaces one of the same config and seed), their stamps after the mode's own."""
     if prefix.name not in ("convergence", "convergence_smoke", "convergence_full"):
         return rows, rounds, meta  # a side run's own replot
     stamp = stamp_of(meta)

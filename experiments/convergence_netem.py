@@ -1,26 +1,17 @@
 """10% packet loss over gRPC through netem, paired by seed, in the convergence fault table's setup.
 
-Issue 18 asks for the change in final validation loss under 10% loss over gRPC through
-netem, paired by seed, with a standard error of at most 0.2 percentage points.
-``python -m experiments run convergence --set convergence.side=netem:A:B`` runs, per seed A..B-1, the fault table's
-training setup (N sites, built-in GPT, H = ``h_main``, the fault runs' inner steps,
-warmup + cosine inner LR, fp32 with error feedback, 64 KiB buckets of 16 KiB chunks) as N
-``dtrain worker`` processes and one ``dtrain rendezvous`` in their own network namespaces
-(``netem_loss.run_one``: every link 10 ms one way, 100 Mbit/s) three times: at 0% packet
-loss, at 0% again (the repeat) and at 10% loss of the packets arriving at each site.
+Issue 18 asks for the change in final validation loss under 10% loss over gRPC through netem,
+paired by seed, with a standard error of at most 0.2 percentage points. The side run
+``convergence.side=netem:A:B`` runs, per seed A..B-1, the fault table's training setup as N
+``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces
+(``netem_loss.run_one``) three times: at 0% packet loss, at 0% again (the repeat) and at 10%.
 
-Deadlines are generous (reduce 30 s, broadcast 60 s, against ~1 s exchanges at 10%): a
-contribution is refused only if the loss itself delays it that long, not because a loaded
-machine slowed a process. TCP retransmits lost packets, so packet loss becomes delay: when
-every chunk arrives, a 10% run sums the same contributions as the 0% run, and since owners
-sum in sender-id order (``dtrain.rounds.owner``) the means, θ and the final loss are
-bit-identical to the 0% run's. The 0% repeat measures the noise floor of the pairing (zero
-unless something else in the run is nondeterministic); the expected 10% change is that floor.
-The table compares each run's final θ checksum with the 0% run's of the same seed.
-
-Differences from the in-process fault table: the worker evaluates on its preset's validation
-set (``num_val_batches`` of the size preset: 4 batches for ``tiny``, against 32 in process),
-so the absolute losses differ from that table's; the paired changes are what compare.
+TCP retransmits lost packets, so loss becomes delay; with generous deadlines every chunk
+arrives, and since owners sum in sender-id order the 10% run's θ and final loss are
+bit-identical to the 0% run's: the 0% repeat measures the pairing's noise floor, the expected
+10% change is that floor, and the table compares each run's final θ checksum with the 0% run's.
+The workers evaluate on their preset's validation set, so absolute losses differ from the
+in-process table's; the paired changes compare.
 """
 
 from __future__ import annotations
@@ -36,13 +27,8 @@ NETEM = "netem"  # the section of these rows in the convergence CSVs
 BASE, REPEAT, LOSSY = "loss 0%", "loss 0% (repeat)", "loss 10%"
 LOSS_TARGET_PCT = 0.5  # issue 18: 10% loss changes the final loss by at most this many percent
 # Generous deadlines: a refusal is then the loss's doing, not the machine's (exchanges take ~1 s).
-RENDEZVOUS = dict(
-    quorum_timeout_s=30.0,
-    heartbeat_interval_s=0.5,
-    heartbeat_timeout_s=20.0,
-    reduce_timeout_s=30.0,
-    broadcast_timeout_s=60.0,
-)
+RENDEZVOUS = dict(quorum_timeout_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def settings(m: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

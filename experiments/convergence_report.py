@@ -152,8 +152,7 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
 def convergence_table(
     rows, section: str, data: str, base_method: str | None = None
 ) -> tuple[str, dict[str, list[float]]]:
-    """Markdown table of one data setting; also method -> paired % changes against DDP
-    (or ``base_method``, DDP's stand-in where DDP did not run)."""
+    """Markdown table of one data setting; also method -> paired % changes against DDP (or ``base_method``)."""
     sel = _rows(rows, section, data)
     groups = summarize(sel, "method")
     base_method = base_method or DDP

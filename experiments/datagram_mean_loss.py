@@ -1,24 +1,14 @@
 """How the datagram path recovers lost mean datagrams, measured on 127.0.0.1 (prints a table).
 
-Three round engines over :class:`~dtrain.transports.datagram.DatagramTransport` on
-loopback, int8, one chunk per datagram; every received data datagram (contributions,
-means) is dropped with probability p (``test_drop``). Per loss rate, one round per seed:
-
-* the chosen rule (bounded NACK re-requests of the missing mean chunks, then a gRPC pull
-  of what is still missing): NACK rounds and re-sent chunks per site, buckets that needed
-  the gRPC pull, exchange time (max ``total_s`` over sites), wire bytes over payload
-  bytes, and whether every replica ended with the same θ;
-* for comparison, computed from the same p and bucket size: XOR parity over groups of k
-  datagrams (``fec k=8``: 1/k more bytes; a chunk stays lost when two of its group's
-  k+1 datagrams are) and keep-the-previous-value (no extra bytes; a fraction p of each
-  mean's elements is not applied, so replicas differ by that much until repaired, and
-  a repair moves θ_b and the optimizer state whole).
-
-Usage::
-
-    .venv/bin/python -m experiments run datagram_mean_loss --mode full    # losses 0..30 %, 3 seeds
-    .venv/bin/python -m experiments run datagram_mean_loss --mode quick   # 0, 10, 30 %, 1 seed
-    .venv/bin/python -m experiments run datagram_mean_loss --mode smoke   # 0 and 30 %, 40 k params
+Three round engines over :class:`~dtrain.transports.datagram.DatagramTransport` on loopback,
+int8, one chunk per datagram; every received data datagram is dropped with probability p
+(``test_drop``). Per loss rate, one round per seed: the chosen rule (bounded NACK re-requests of
+the missing mean chunks, then a gRPC pull): NACK rounds and re-sent chunks per site, buckets
+that needed the gRPC pull, exchange time (max ``total_s`` over sites), wire over payload bytes,
+and whether every replica ended with the same θ. Computed for comparison from the same p: XOR
+parity over groups of k datagrams (``fec k=8``: 1/k more bytes; a chunk stays lost when two of
+its group's k+1 datagrams are) and keep-the-previous-value (a fraction p of each mean's elements
+not applied until a repair moves θ_b whole).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """What a paced datagram flow does to a competing TCP flow on the same bottleneck (netem; prints a table).
 
-Three emulated sites (``netem.Topology``), every link ``netem.rate_mbit`` (tbf) and
-``netem.delay_ms`` one way. A bulk TCP flow runs from site 0 to site 1 for ``lab.seconds``;
-in the middle third, a datagram flow paced like the datagram data path
-(:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte datagrams) runs from
-site 2 to site 1 at ``lab.udp_mbit``: both share site 1's download cap. Printed per TCP
-congestion control (the namespace's ``net.ipv4.tcp_congestion_control``; cubic where
-the machine's global allowed list has it, else reno): TCP goodput before, during and
-after the datagram flow, and the datagram flow's delivered rate and loss.
+Three emulated sites, every link ``netem.rate_mbit`` (tbf) and ``netem.delay_ms`` one way. A bulk
+TCP flow runs from site 0 to site 1 for ``lab.seconds``; in its middle third a datagram flow paced
+like the datagram data path (:class:`~dtrain.transports.datagram_pacing.Pacer`, 1400-byte
+datagrams) runs from site 2 to site 1 at ``lab.udp_mbit``: both share site 1's download cap. Per
+TCP congestion control (bbr, and cubic where the machine allows it, else reno): TCP goodput
+before, during and after the datagram flow, and the datagram flow's delivered rate and loss. The
+datagram path sends at its round's rate whatever else shares the link (its rate controller only
+acts between rounds): it is meant for provisioned links.
 
-The datagram path sends at its round's rate whatever else shares the link (its rate
-controller only acts between rounds), which is why it is meant for provisioned links.
-
-Usage (as root)::
-
-    .venv/bin/python -m experiments run datagram_tcp_share --mode full    # 100 Mbit/s, 40 ms, UDP at 50 and 95
-    .venv/bin/python -m experiments run datagram_tcp_share --mode quick   # one UDP rate, 9 s per run
-    .venv/bin/python -m experiments run datagram_tcp_share --mode smoke   # one UDP rate, 6 s per run, one cc
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations

@@ -1,40 +1,21 @@
 """Final validation loss of the datagram data path at 10% packet loss against 0%, paired by seed (issue 16).
 
-The issue's target: the final validation loss at 10% packet loss within 0.5% of the loss at
-0%, with enough seeds that the standard error is <= 0.2%. Cheap form: N sites train the
-built-in task in one process (``experiments.common.run_inproc``) over
-:class:`~dtrain.transports.datagram.DatagramTransport` on 127.0.0.1 (sealed datagrams, one
-chunk per datagram, int8), once with no loss and once with every received contribution and
-mean datagram dropped with probability ``--loss`` (``test_drop``: the same datagram-level
-loss the netem runs give, without the emulator's cost). Both runs of a seed share the model
-init, the data order and every other random choice, so the paired difference
-``d = final(loss) / final(0) - 1`` isolates what the loss did. Seeds are added one pair at a
-time until the standard error of the mean ``d`` is <= ``--target-se`` (after at least
-``min_seeds``), or ``--budget-s`` or ``max_seeds`` run out.
+The issue's target: the final validation loss at 10% packet loss within 0.5% of the loss at 0%,
+with a standard error <= 0.2%. N sites train the built-in task in one process over
+:class:`~dtrain.transports.datagram.DatagramTransport` on 127.0.0.1 (sealed datagrams, one int8
+chunk per datagram), once with no loss and once with every received contribution and mean
+datagram dropped with probability p (``test_drop``: the datagram-level loss netem gives, without
+the emulator's cost). Both runs of a seed share every random choice, so the paired
+``d = final(loss) / final(0) - 1`` isolates what the loss did. Seed pairs are added until the SE of
+mean d is <= ``lab.target_se`` (after ``lab.min_seeds``), or ``lab.budget_s`` or the seeds run out.
 
-``netem.enabled``: the same pairs through the emulated links instead (``netem_loss.run_one``: N
-``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces, every link
-100 Mbit/s and 10 ms one way, the loss on packets arriving at each site; ``--data-path
-datagram``, int8, ``--max-rate-mbit 95``): ~35 s per pair here, against ~25 s in process. The
-workers evaluate on the preset's own validation batches (4 for ``tiny``), so their losses differ
-from the in-process ones; the paired d is what compares.
+``netem.enabled``: the same pairs as ``dtrain worker`` processes through emulated links
+(``netem_loss.run_one``: 100 Mbit/s, 10 ms one way, the loss on packets arriving at each site;
+``netem.mtu_bytes``: the links' MTU, datagrams 100 B less). The workers evaluate on the preset's
+own validation batches, so their losses differ from the in-process ones; the paired d compares.
 
-Verdict: "met" when mean d <= 0.5% with SE <= 0.2%; "missed by X" when mean d > 0.5% (X = the
-excess) with SE <= 0.2%, or by more than twice an SE above it; "unresolved at SE Y" otherwise (the
-seeds ran out first).
-
-Usage::
-
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick     # 3 sites, up to 12 seed pairs
-    .venv/bin/python -m experiments run datagram_val_loss --mode smoke --out /tmp/x --results none   # CI
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick --set netem.enabled=true   # as root
-    .venv/bin/python -m experiments run datagram_val_loss --mode quick --set netem.enabled=true \
-        --set netem.mtu_bytes=9000 --set lab.budget_s=2400                # jumbo frames
-
-``netem.mtu_bytes`` (with ``netem.enabled``): every link's MTU, and ``--max-datagram-bytes`` 100
-less (as ``datagram_vs_grpc``); a lost datagram then costs ~6.4x the elements of a 1,400-byte
-one, the same fraction of them. ``lab.target_se``, ``lab.budget_s``, ``lab.min_seeds``: when
-to stop adding seeds.
+Verdict: "met" when mean d <= 0.5% with SE <= 0.2%; "missed by X" when mean d > 0.5% with
+SE <= 0.2%, or by more than twice an SE; "unresolved at SE Y" otherwise.
 """
 
 from __future__ import annotations
@@ -61,18 +42,12 @@ def pair(loss: float) -> list[dict[str, Any]]:
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0], grid=pair(0.10), fixed={SITES: 3, SIZE: "tiny", H: 5, ROUNDS: 3, MIN_SEEDS: 1, BUDGET: 120.0}
-    ),
+    "smoke": dict(seeds=[0], fixed={SITES: 3, SIZE: "tiny", H: 5, ROUNDS: 3, MIN_SEEDS: 1, BUDGET: 120.0}),
     "quick": dict(
-        seeds=list(range(12)),
-        grid=pair(0.10),
-        fixed={SITES: 3, SIZE: "tiny", H: 10, ROUNDS: 20, MIN_SEEDS: 4, BUDGET: 900.0},
+        seeds=list(range(12)), fixed={SITES: 3, SIZE: "tiny", H: 10, ROUNDS: 20, MIN_SEEDS: 4, BUDGET: 900.0}
     ),
     "full": dict(
-        seeds=list(range(16)),
-        grid=pair(0.10),
-        fixed={SITES: 4, SIZE: "small", H: 20, ROUNDS: 30, MIN_SEEDS: 6, BUDGET: 7200.0},
+        seeds=list(range(16)), fixed={SITES: 4, SIZE: "small", H: 20, ROUNDS: 30, MIN_SEEDS: 6, BUDGET: 7200.0}
     ),
 }
 # the in-process runs' settings, as worker options (generous deadlines, as the in-process ones)
@@ -85,13 +60,8 @@ NETEM_WORKER = dict(
     quorum_wait_s=120,
     linger_s=2,
 )
-NETEM_RENDEZVOUS = dict(
-    quorum_timeout_s=30.0,
-    heartbeat_interval_s=0.5,
-    heartbeat_timeout_s=20.0,
-    reduce_timeout_s=10.0,
-    broadcast_timeout_s=20.0,
-)
+NETEM_RENDEZVOUS = dict(quorum_timeout_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0)
+NETEM_RENDEZVOUS |= dict(reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
 
 
 def netem_worker(mtu_bytes: int) -> dict[str, Any]:
@@ -109,8 +79,7 @@ def netem_worker(mtu_bytes: int) -> dict[str, Any]:
 
 
 def check_netem(settings: dict[str, Any]) -> dict[str, Any]:
-    """The spec's ``derive``: an MTU in netem's range, and other than 1,500 only through netem
-    (ValueError naming the path, before anything runs)."""
+    """The spec's ``derive``: an MTU in netem's range, other than 1,500 only through netem (else ValueError)."""
     mtu = settings.get(MTU, 1500)
     if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES or (mtu != 1500 and not settings.get(NETEM)):
         raise ValueError(
@@ -188,17 +157,21 @@ def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]
     return table, mean, se
 
 
-def stop(rows: list[dict[str, Any]], m: dict[str, Any]) -> str | None:
-    """Stop adding seeds once the SE of mean d reaches ``lab.target_se`` (after ``lab.min_seeds``),
-    or the runs' wall time passes ``lab.budget_s``."""
-    f = m["fixed"]
-    pairs = paired(rows, _loss(m))
-    _, se = mean_se([p[3] for p in pairs])
-    print(f"seed {pairs[-1][0]}: d {100 * pairs[-1][3]:+.3f}%; SE {100 * se:.3f}%", flush=True)
-    if len(pairs) >= f[MIN_SEEDS] and se <= f.get(STOP_SE, TARGET_SE):
-        return f"SE {100 * se:.3f}% reached"
-    spent = sum(r["wall_s"] for r in rows)
-    return f"budget of {f[BUDGET]:.0f} s spent" if spent > f[BUDGET] else None
+def seed_pairs(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
+    """The spec's phases: one seed's pair at a time, until the SE of mean d reaches ``lab.target_se``
+    (after ``lab.min_seeds``), the runs' wall time passes ``lab.budget_s`` or the seeds run out."""
+    f, done = m["fixed"], len({r["seed"] for r in rows})
+    if rows:
+        pairs = paired(rows, _loss(m))
+        _, se = mean_se([p[3] for p in pairs])
+        print(f"seed {pairs[-1][0]}: d {100 * pairs[-1][3]:+.3f}%; SE {100 * se:.3f}%", flush=True)
+        if len(pairs) >= f[MIN_SEEDS] and se <= f.get(STOP_SE, TARGET_SE):
+            print(f"datagram_val_loss: SE {100 * se:.3f}% reached", flush=True)
+            return []
+        if sum(r["wall_s"] for r in rows) > f[BUDGET]:
+            print(f"datagram_val_loss: budget of {f[BUDGET]:.0f} s spent", flush=True)
+            return []
+    return SPEC.points(m, seeds=m["seeds"][done : done + 1])
 
 
 def _loss(m: dict[str, Any]) -> float:
@@ -239,17 +212,15 @@ def verdict_lines(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: d
 SPEC = Spec(
     name="datagram_val_loss",
     title="Datagram path: validation loss at 10% loss",
-    modes=MODES,
+    modes={k: v | {"grid": pair(0.10)} for k, v in MODES.items()},
+    # generous deadlines: a lossy round ends at the senders' SEND_END, not at these; on a machine
+    # loaded past its cores a 3 s / 6 s pair could be overrun (the quick CSV ran with it)
     fixed={
         "diloco.rounds.codec.name": "int8",
-        # generous: a lossy round ends at the senders' SEND_END, not at these; on a machine
-        # loaded past its cores a 3 s / 6 s pair could be overrun (the quick CSV ran with it)
         "rendezvous.reduce_timeout_s": 10.0,
         "rendezvous.broadcast_timeout_s": 20.0,
-        "eval_every": 0,
-        "inproc.track_drift": False,
-        NETEM: False,
-    },
+    }
+    | {"eval_every": 0, "inproc.track_drift": False, NETEM: False},
     derive=check_netem,
     columns=lambda point: {"loss": point[DROP]},
     metrics=(("final_val_loss", 0.0, 10.0),),
@@ -257,5 +228,5 @@ SPEC = Spec(
     verdict=verdict_lines,
     execute=run_point,
     paths=(NETEM, MTU, STOP_SE, BUDGET, MIN_SEEDS),
-    stop=stop,
+    phases=seed_pairs,
 )

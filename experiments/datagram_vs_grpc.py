@@ -1,47 +1,30 @@
 """The datagram data path against gRPC (BBR and cubic) through netem packet loss (issue 16).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``, as ``wan_sweep.py``); every site's link has the same rate
-cap, one-way delay (on packets arriving at the site: RTT = 2 x delay) and random loss.
-One training run per data path walks the loss grid (each loss holds for a warm-up and
-the measured round(s), changed between exchanges as in ``wan_sweep.py``):
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in their own network namespaces; every
+site's link has the same rate cap, one-way delay (RTT = 2 x delay) and random loss. One training
+run per data path walks the loss grid (each loss holds for a warm-up and the measured rounds,
+changed between exchanges as in ``wan_sweep.py``):
 
-* ``gRPC (BBR)`` / ``gRPC (cubic)``: the default data path, with the kernel's TCP
-  congestion control set in every namespace (``net.ipv4.tcp_congestion_control``); where
-  the machine's global ``tcp_allowed_congestion_control`` lacks cubic (this one: reno bbr),
-  reno, also loss-based, stands in and the label says so;
-* ``datagram``: ``--data-path datagram`` (contributions and means as paced, sealed UDP
-  datagrams, never retransmitted; lost mean chunks re-requested, then pulled over gRPC),
-  ``--max-rate-mbit`` just under the link's cap (a provisioned link).
+* ``gRPC (BBR)`` / ``gRPC (cubic)``: the default data path with that TCP congestion control in
+  every namespace (reno, also loss-based, where the machine does not allow cubic);
+* ``datagram``: ``--data-path datagram`` (paced, sealed UDP datagrams, never retransmitted;
+  lost mean chunks re-requested, then pulled over gRPC), ``--max-rate-mbit`` just under the cap.
 
-Per data path and loss: ``engine_s`` = a round's exchange time (max ``total_s`` over
-sites), ``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-gradient),
-``ratio``; payload bytes sent per site and round (``bytes_sent``) and, for the datagram
-path, wire bytes (headers, tags, re-sent chunks and control datagrams included);
-``delivered`` = fraction of a site's chunks that a mean included (one chunk = one
-datagram on the datagram path); ``drift`` = rounds whose θ checksums differed between
-sites (0: replicas equal; ``warmup_drift_rounds``: the same for the unmeasured warm-up round,
-in parentheses in the table) and stale buckets; ``left_behind`` = sites that ended the run behind
-(the last round left them stale buckets no repair fixed: they exit ``EXIT_LEFT_BEHIND``, never
-"done" on another θ), counted on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (and its kernel part
-``sites_sync_system_cpu_s``) = the sites' CPU seconds during their syncs, summed over sites
-(median over rounds; the round lines' ``sync_cpu_s``); ``machine_busy_*`` = this machine's
-``/proc/stat`` over the setting's rounds (every process, the emulator and the kernel's packet
-work). The sites' sync CPU over the cores is a floor under a round's exchange on this machine
-(the report's CPU verdict): a ratio near it was set by the CPU, not by the data path's waits.
+Per data path and loss: ``engine_s`` = a round's exchange time (max ``total_s`` over sites),
+``limit_s`` = 2 x B / rate + 2 x RTT (B = one site's encoded pseudo-gradient), ``ratio``; payload
+bytes sent per site and round and, for the datagram path, wire bytes (headers, tags, re-sent
+chunks and control datagrams included); ``delivered`` = fraction of a site's chunks a mean
+included; ``drift`` = rounds whose θ checksums differed between sites (``warmup_drift_rounds``:
+the unmeasured warm-up round's) and stale buckets; ``left_behind`` = sites that ended the run
+behind (``EXIT_LEFT_BEHIND``), on the last loss setting's row. CPU: ``sites_sync_cpu_s`` (kernel
+part ``sites_sync_system_cpu_s``) = the sites' CPU seconds in their syncs, summed over sites
+(median over rounds); ``machine_busy_*`` = this machine's ``/proc/stat`` over the setting's
+rounds. The sites' sync CPU over the cores is a floor under a round's exchange here (the
+report's CPU verdict).
 
-Usage (from the repository root, as root)::
-
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick   # 4 sites, 9.8 MB/site, loss 0..20 %
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode smoke --out /tmp/x --results none
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.mtu_bytes=9000   # jumbo frames
-    .venv/bin/python -m experiments run datagram_vs_grpc --mode quick --set netem.losses=[0,10]
-
-``netem.mtu_bytes`` sets every emulated link's MTU (default 1500) and the datagram path's
-``--max-datagram-bytes`` to 100 less (1400 at 1500, 8900 at 9000; TCP's segments follow the
-MTU by themselves). Fewer, larger packets cost the sites, the kernel and the emulator less CPU
-per byte; a lost datagram then costs a larger element range. Runs at another MTU than 1500
-write files and a RESULTS.md section of their own.
+Needs root (netem: network namespaces). ``netem.mtu_bytes`` sets every link's MTU (default 1500)
+and ``--max-datagram-bytes`` to 100 less; a run at another MTU writes files and a RESULTS.md
+section of its own.
 """
 
 from __future__ import annotations
@@ -74,55 +57,38 @@ MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s
 # --set lab.deadlines=derived --set 'netem.losses=[10]')
 DEADLINES = "lab.deadlines"
 LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set"}
+#: quick and full: the 9.8 M-parameter task (int8: ~9.8 MB of pseudo-gradient per site and round)
+WIDE = {SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", DELAY: 40.0}
+WIDE |= {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0]}
 MODES: dict[str, dict[str, Any]] = {
     # smoke: as in wan_sweep's smoke, an inner phase long enough that the link change lands between two
     # exchanges (a 40 ms one let the next round start first, once in four runs, leaving the 5% row unmeasured)
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 2, TASK: "", SIZE: "tiny", H: 2, DELAY: 5.0, LOSSES: [0.0, 5.0], MEASURED: 1, SLEEP: 0.1},
-    ),
-    "quick": dict(
-        seeds=[0],
-        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 1, DELAY: 40.0}
-        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 1},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, TASK: "experiments.datagram_task:make", SIZE: "tiny", H: 5, DELAY: 40.0}
-        | {LOSSES: [0.0, 1.0, 5.0, 10.0, 20.0], MEASURED: 3},
-    ),
+    "smoke": dict(seeds=[0])
+    | {"fixed": {SITES: 2, TASK: "", SIZE: "tiny", H: 2, DELAY: 5.0, LOSSES: [0.0, 5.0], MEASURED: 1, SLEEP: 0.1}},
+    "quick": dict(seeds=[0], fixed={**WIDE, H: 1, MEASURED: 1}),
+    "full": dict(seeds=[0, 1, 2], fixed={**WIDE, H: 5, MEASURED: 3}),
 }
 
 
-def _legacy(f: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings by path as the names :func:`run_path` and :func:`_result` read."""
-    losses, mtu = f[LOSSES], f.get(MTU, 1500)
-    if not all(0.0 <= x < 100.0 for x in losses):
-        raise ValueError(f"{LOSSES} must be percents in [0, 100), got {losses!r}")
-    if not MIN_MTU_BYTES <= mtu <= MAX_MTU_BYTES:
-        raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {mtu}")
-    deadlines = f.get(DEADLINES, "set")
-    if deadlines not in ("set", "derived"):
-        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {deadlines!r}")
-    return dict(
-        num_sites=f[SITES], task=f[TASK], size=f[SIZE], sync_every=f[H], rate=f[RATE], delay=f[DELAY], mtu=mtu
-    ) | dict(losses=losses, measured=f[MEASURED], inner_step_sleep_s=f.get(SLEEP, 0.0), deadlines=deadlines)
+def _checked(f: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings by path with the defaults of the optional ones; ValueError naming a bad one."""
+    f = {MTU: 1500, DEADLINES: "set", SLEEP: 0.0} | f
+    if not all(0.0 <= x < 100.0 for x in f[LOSSES]):
+        raise ValueError(f"{LOSSES} must be percents in [0, 100), got {f[LOSSES]!r}")
+    if not MIN_MTU_BYTES <= f[MTU] <= MAX_MTU_BYTES:
+        raise ValueError(f"{MTU} must be in [{MIN_MTU_BYTES}, {MAX_MTU_BYTES}], got {f[MTU]}")
+    if f[DEADLINES] not in ("set", "derived"):
+        raise ValueError(f"{DEADLINES} must be 'set' or 'derived', got {f[DEADLINES]!r}")
+    return f
 
 
-RENDEZVOUS = {
-    "quorum_timeout_s": 60.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 30.0,
-    "reduce_timeout_s": 30.0,
-    "broadcast_timeout_s": 60.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def machine_cpu() -> dict[str, float]:
-    """This machine's CPU seconds so far, over all cores (Linux ``/proc/stat``): ``busy`` (user, nice,
-    system, irq, softirq, steal), ``softirq`` (packet processing the kernel did outside any process:
-    much of the netem emulation's cost) and ``idle`` (idle, iowait); ``{}`` where there is no
-    ``/proc/stat``. Differences of two calls give the machine's load over a window."""
+    """This machine's CPU seconds so far, all cores (``/proc/stat``): ``busy`` (user, nice, system, irq,
+    softirq, steal), ``softirq`` (the kernel's packet work: much of netem's cost), ``idle``; ``{}`` without it."""
     try:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -150,40 +116,39 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
     """One training run of one data path through every loss setting; one RunResult per loss."""
     label, data_path, cc = path
-    n, per = m["num_sites"], 1 + m["measured"]
-    total = per * len(m["losses"])
+    n, per = m[SITES], 1 + m[MEASURED]
+    total = per * len(m[LOSSES])
     changed_at: list[float] = []
     # the machine's CPU after the first round (start-up left out), at each later link change and at the end
     cpu_at: list[dict[str, float]] = []
     sysctl(topo, "tcp_congestion_control", cc)
 
     def link(k: int) -> None:
-        set_link(topo, delay_ms=m["delay"], loss_pct=m["losses"][k], rate_mbit=m["rate"])
+        set_link(topo, delay_ms=m[DELAY], loss_pct=m[LOSSES][k], rate_mbit=m[RATE])
         changed_at.append(time.time())
         if k:  # after the first round's CPU sample
             cpu_at.append(machine_cpu())
-            print(f"  {label}: round {k * per}: loss {m['losses'][k]:g}%", flush=True)
+            print(f"  {label}: round {k * per}: loss {m[LOSSES][k]:g}%", flush=True)
 
     link(0)
-    opts = dict(task=m["task"] or None, size=m["size"], seed=seed, rounds=total, sync_every=m["sync_every"])
+    opts = dict(task=m[TASK] or None, size=m[SIZE], seed=seed, rounds=total, sync_every=m[H])
     # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
     # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
     # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
-    opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m["rate"])
-    opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m["mtu"]) if data_path == "datagram" else None)
-    opts |= dict(inner_step_sleep_s=m.get("inner_step_sleep_s", 0.0))
+    opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m[RATE])
+    opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m[MTU]) if data_path == "datagram" else None)
+    opts |= dict(inner_step_sleep_s=m[SLEEP])
     steps = [(0, lambda: cpu_at.append(machine_cpu()))]
-    steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m["losses"]))]
+    steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m[LOSSES]))]
     steps += [(total - 1, lambda: cpu_at.append(machine_cpu()))]
-    root = Path(m["logs"]) / f"{data_path}-{cc}-seed{seed}" if m.get("logs") else None
     # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
     # θ) is this run's figure, not a harness failure
-    rv = RENDEZVOUS if m.get("deadlines", "set") == "set" else {"heartbeat_interval_s": 1.0}
-    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, root=root, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
+    rv = RENDEZVOUS if m[DEADLINES] == "set" else {"heartbeat_interval_s": 1.0}
+    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
     left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
-    cpu += [cpu_window({}, {})] * (len(m["losses"]) - len(cpu))
-    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m["losses"])]
+    cpu += [cpu_window({}, {})] * (len(m[LOSSES]) - len(cpu))
+    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
     for k, r in enumerate(out):  # the end of the run is the last setting's
         r.row["left_behind"] = left_behind if k == len(out) - 1 else 0
     return out
@@ -207,7 +172,7 @@ def _number(line: dict, key: str) -> float:
 def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResult:
     """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
     its rounds (its warm-up round included, but the first setting's)."""
-    n, per, per_site = m["num_sites"], 1 + m["measured"], res.per_site
+    n, per, per_site = m[SITES], 1 + m[MEASURED], res.per_site
     engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
     sync_cpu, sync_sys, cycle_cpu = [], [], []  # per measured round: the sites' CPU seconds, summed over sites
     drift = stale = skipped = 0
@@ -237,7 +202,7 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
     warm = [x for i in range(n) for x in per_site[i] if x["round"] == k * per]
     warm_drift = int(len(warm) == n and len({x["checksum"] for x in warm}) > 1)
     b = statistics.fmean(enc) if enc else float("nan")
-    limit = physical_limit_s(b, m["rate"], m["delay"])
+    limit = physical_limit_s(b, m[RATE], m[DELAY])
     e = statistics.fmean(engine) if engine else float("nan")
     row = {
         "experiment": "datagram_vs_grpc",
@@ -245,10 +210,10 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         "path": label,
         "seed": seed,
         "num_sites": n,
-        "sync_every": m["sync_every"],
+        "sync_every": m[H],
         "codec": "int8",
-        "rate_mbit": m["rate"],
-        "delay_ms": m["delay"],
+        "rate_mbit": m[RATE],
+        "delay_ms": m[DELAY],
         "loss_pct": loss,
         "rounds_measured": len(engine),
         "encoded_bytes_per_site": b,
@@ -351,9 +316,8 @@ def analyse(rows: list[dict[str, Any]]) -> str:
 
 
 def _cpu_cell(r: dict[str, Any]) -> str:
-    """``S (K) / M (B%)``: the sites' sync CPU seconds per round (summed over sites) and the kernel's
-    part of it, the machine's busy CPU seconds per round (every process and the kernel's packet
-    work) and its busy share of all cores; ``-`` for rows of a run before these were measured."""
+    """``S (K) / M (B%)``: the sites' sync CPU s per round (summed over sites) and its kernel part, the
+    machine's busy CPU s per round and its busy share of all cores; ``-`` for rows before these existed."""
     keys = ("sites_sync_cpu_s", "sites_sync_system_cpu_s", "machine_busy_s_per_round", "machine_busy_fraction")
     sync, kernel, busy, frac = (r.get(k) for k in keys)
     if not all(isinstance(v, (int, float)) and v == v for v in (sync, kernel, busy, frac)):
@@ -399,29 +363,29 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
 
 def run_point(point: Point) -> list[RunResult]:
     """One data path's run through every loss, in a topology of its own; one result per loss."""
-    m = _legacy(point.settings)
+    m = _checked(point.settings)
     path = (point.config, point.settings[DATA_PATH], point.settings[CC])
-    with sites_topology(m["num_sites"], "dgvs", "datagram_vs_grpc", mtu_bytes=m["mtu"]) as topo:
+    with sites_topology(m[SITES], "dgvs", "datagram_vs_grpc", mtu_bytes=m[MTU]) as topo:
         return run_path(topo, m, path, point.seed, 3600.0)
 
 
 def _deadlines_text(lm: dict[str, Any]) -> str:
-    if lm["deadlines"] == "derived":
+    if lm[DEADLINES] == "derived":
         return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
     return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
-    lm = _legacy(m["fixed"])
+    lm = _checked(m["fixed"])
     png = plot(rows, prefix)
     # the emulator's ceiling was measured in 1,400-byte datagrams per second: it bounds those only
     ceiling = Path(__file__).parent / "out" / "netem_udp_ceiling.csv"
-    emu = emulator_rate_mbit(ceiling, lm["num_sites"]) if lm["mtu"] == 1500 else None
-    return f"""Setup (as root): {lm["num_sites"]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
-{lm["rate"]:g} Mbit/s, {lm["delay"]:g} ms one way (RTT {2 * lm["delay"]:g} ms), MTU {lm["mtu"]} bytes, random loss of packets arriving at a
-site; task `{lm["task"] or lm["size"]}`, H = {lm["sync_every"]}, int8; 1 warm-up + {lm["measured"]} measured round(s)
-per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm["rate"]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm["mtu"])}`. Deadlines: {_deadlines_text(lm)}.
+    emu = emulator_rate_mbit(ceiling, lm[SITES]) if lm[MTU] == 1500 else None
+    return f"""Setup (as root): {lm[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
+{lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
+site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
+per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {_deadlines_text(lm)}.
 CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
 
 {analyse(rows)}

@@ -1,23 +1,13 @@
 """One-step-delayed rounds (F = 1, τ = H) against blocking rounds: outer-momentum sweep (issue 15).
 
-In the one-step-delayed mode (DiLoCoX, arXiv 2506.21263; ``DiLoCoConfig`` F = 1,
-``overlap_steps`` = H) round r's averaged pseudo-gradient is applied one round late, so
-the outer optimizer steps with a Δ that is one round stale. DiLoCo's outer Nesterov
-momentum 0.9 (arXiv 2311.08105) amplifies that staleness: through netem the mode ended
-31 % above blocking rounds. This script measures, in-process (``dtrain.sim``: N sites,
-real rounds over the in-process transport), the final loss of the delayed mode for a
-sweep of outer momenta against blocking rounds at DiLoCo's 0.9, with paired seeds (the
-same initial model and data per seed in every configuration), and picks the momentum
-that ``OuterConfig.delayed_momentum`` / :func:`dtrain.state.delayed_outer_optimizer`
-default to.
-
-Task: a 16-32-1 tanh MLP regressing ``tanh(x @ w)`` (fresh Gaussian x per step and site,
-AdamW lr 3e-3 inside), loss = MSE on 2048 held-out points of θ after the last round.
-
-Usage::
-
-    .venv/bin/python -m experiments run delayed_momentum --mode quick   # 4 sites, 3 seeds (~2 min on 2 cores)
-    .venv/bin/python -m experiments run delayed_momentum --mode smoke --out /tmp/x --results none
+In the one-step-delayed mode (DiLoCoX, arXiv 2506.21263; F = 1, ``overlap_steps`` = H) round r's
+averaged pseudo-gradient is applied one round late, and DiLoCo's outer Nesterov momentum 0.9
+(arXiv 2311.08105) amplifies that staleness (through netem the mode ended 31 % above blocking
+rounds). In process (``dtrain.sim``: N sites, real rounds), the final loss of the delayed mode
+over a sweep of outer momenta and learning rates against blocking rounds at 0.9, paired by seed:
+it picks the default of ``OuterConfig.delayed_momentum``. Task: a 16-32-1 tanh MLP regressing
+``tanh(x @ w)`` (fresh Gaussian x per step and site, AdamW lr 3e-3), loss = MSE on 2048 held-out
+points of θ after the last round.
 """
 
 from __future__ import annotations
@@ -54,14 +44,10 @@ def sweep(momenta: list[float], lrs: list[float]) -> list[dict[str, Any]]:
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], fixed={SITES: 2, H: 4, ROUNDS: 4}, grid=sweep([0.0, 0.9], [0.7])),
-    "quick": dict(
-        seeds=[0, 1, 2], fixed={SITES: 4, H: 8, ROUNDS: 30}, grid=sweep([0.0, 0.3, 0.5, 0.7, 0.9], [0.7, 1.0, 1.4])
-    ),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4],
-        fixed={SITES: 4, H: 8, ROUNDS: 60},
-        grid=sweep([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.7, 1.0, 1.4]),
-    ),
+    "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, H: 8, ROUNDS: 30})
+    | {"grid": sweep([0.0, 0.3, 0.5, 0.7, 0.9], [0.7, 1.0, 1.4])},
+    "full": dict(seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, H: 8, ROUNDS: 60})
+    | {"grid": sweep([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.7, 1.0, 1.4])},
 }
 
 

@@ -1,27 +1,16 @@
 """DiLoCo sanity table: H in {1, 10, 50, 100} against a data-parallel baseline.
 
 DiLoCo (Douillard et al., arXiv 2311.08105) claims equal or better loss than fully
-synchronous data-parallel training with about H times fewer bytes. Here both train the
-built-in byte-level GPT (stdlib source) with N sites/ranks, the same inner optimizer
-(AdamW, the preset's lr, weight decay 0.1), the same per-site batches, the same total
-inner steps and tokens:
+synchronous data-parallel training with about H times fewer bytes. Both train the built-in
+GPT with N sites/ranks, the same inner AdamW, per-site batches, inner steps and tokens (the
+report prints the setup):
 
-* DDP: N processes (``torch.multiprocessing`` spawn), gradients averaged every step with
-  ``torch.distributed.all_reduce`` over gloo on 127.0.0.1 (one flat fp32 buffer).
-  Bytes: a ring all-reduce sends 2·(N−1)/N · 4 · P bytes per rank per step (P
-  parameters); that formula is what the table shows (gloo's CPU all-reduce moves about
-  this much; loopback traffic of other processes makes a measurement unreliable).
-* DiLoCo: N sites as threads over the in-process transport, fp32 codec, outer SGD
-  (lr 0.7, momentum 0.9, Nesterov), H inner steps per round. Bytes: measured payload
-  bytes (contributions pushed + means pulled, chunk headers included).
-* Reference: one site alone with the same steps and batch size (no communication; a
-  quarter of the tokens), to show what merging the sites buys at all.
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run diloco_sanity --mode quick   # 4 sites, tiny, 3 seeds, 200 steps
-    .venv/bin/python -m experiments run diloco_sanity --mode full    # small model, 2000 steps
-    .venv/bin/python -m experiments run diloco_sanity --mode quick --set outer.lr=1 --set outer.momentum=0
+* DDP: N spawned processes, gradients averaged every step (gloo all-reduce on 127.0.0.1).
+  Bytes: the ring formula 2·(N−1)/N · 4 · P per rank per step (P parameters; loopback
+  traffic of other processes makes a measurement unreliable).
+* DiLoCo: N in-process sites, fp32, outer SGD (lr 0.7, momentum 0.9, Nesterov). Bytes:
+  measured payload (contributions pushed + means pulled, chunk headers included).
+* Reference: one site alone, same steps and batch size (no communication).
 """
 
 from __future__ import annotations
@@ -44,6 +33,7 @@ import torch.multiprocessing as tmp
 
 from dtrain.tasks import build_task
 from experiments.common import (
+    BUCKETS_64K,
     RunResult,
     RunSpec,
     fmt_pm,
@@ -58,6 +48,7 @@ from experiments.common import (
 )
 from experiments.lab import Point, Spec
 from experiments.procs import free_port
+from experiments.torchft_site import ring_allreduce_bytes
 
 DDP = "DDP (all-reduce every step)"
 ALONE = "1 site alone (no sync)"
@@ -67,9 +58,8 @@ SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's 
 
 
 def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
-    """DDP (all-reduce every step), DiLoCo at every H, and one site alone: ``total_steps`` inner
-    steps per site each. Alone: outer SGD lr 1, no momentum, one round at the end (θ becomes the
-    local model, i.e. plain training): what one site reaches with the same steps and batch size."""
+    """DDP, DiLoCo at every H, and one site alone (outer lr 1, no momentum, one round at the end: plain
+    training), ``total_steps`` inner steps per site each."""
     bad = [h for h in hs if total_steps % h]
     if bad:
         raise ValueError(f"total steps {total_steps} is not a multiple of H={bad[0]}")
@@ -89,27 +79,13 @@ def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        jobs=1,
-        total_steps=4,
-        grid=methods(4, [1, 2]),
-        fixed={SITES: 2, "task_spec.size": "tiny", "inproc.num_val_batches": 2, **SMALL},
-    ),
-    "quick": dict(
-        seeds=[0, 1, 2],
-        jobs=2,
-        total_steps=200,
-        grid=methods(200, [1, 10, 50, 100]),
-        fixed={SITES: 4, "task_spec.size": "tiny", "inproc.num_val_batches": 16},
-    ),
-    "full": dict(
-        seeds=[0, 1, 2],
-        jobs=max(1, (os.cpu_count() or 2) // 4),
-        total_steps=2000,
-        grid=methods(2000, [1, 10, 50, 100, 500]),
-        fixed={SITES: 4, "task_spec.size": "small", "inproc.num_val_batches": 32},
-    ),
+    "smoke": dict(seeds=[0], jobs=1, total_steps=4, grid=methods(4, [1, 2]))
+    | {"fixed": {SITES: 2, "task_spec.size": "tiny", "inproc.num_val_batches": 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, total_steps=200, grid=methods(200, [1, 10, 50, 100]))
+    | {"fixed": {SITES: 4, "task_spec.size": "tiny", "inproc.num_val_batches": 16}},
+    "full": dict(seeds=[0, 1, 2], jobs=max(1, (os.cpu_count() or 2) // 4), total_steps=2000)
+    | {"grid": methods(2000, [1, 10, 50, 100, 500])}
+    | {"fixed": {SITES: 4, "task_spec.size": "small", "inproc.num_val_batches": 32}},
 }
 
 
@@ -121,17 +97,9 @@ def run_method(point: Point) -> RunResult:
 
 # ---------------------------------------------------------------------------- DDP baseline
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
-    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site.
-
-    Teardown: every rank meets in a last barrier (so none closes its gloo connections while
-    rank 0 still evaluates), destroys the process group, and then leaves with ``os._exit(0)``
-    without finalizing the interpreter. With torch 2.13, gloo's threads (``gloo_tcp_loop``,
-    two ``pt_gloo_runloop``; on rank 0 also the TCPStore server ``pt_tcpstore_uv``) still run
-    after ``destroy_process_group()`` returns (listed in /proc/self/task), so a normal exit
-    finalizes the interpreter and runs C++ destructors with them alive; under load that ended
-    once in "terminate called without an active exception" (SIGABRT). A rank that raises
-    still goes through spawn's error path.
-    """
+    """One data-parallel rank: the same task and inner optimizer as a DiLoCo site. It leaves through a
+    last barrier and ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``,
+    and a normal exit's C++ destructors with them alive once ended in SIGABRT under load."""
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     if spec.own_session:
@@ -195,16 +163,15 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
 
 
 def run_ddp(spec: RunSpec) -> RunResult:
-    """N spawned ranks, ``spec.rounds`` steps each; returns a row shaped like a DiLoCo row and,
-    as ``rounds``, rank 0's validation loss every ``spec.eval_every`` steps (``round`` = step − 1)
-    and at the end. The task's inner LR scheduler (``spec.lr_schedule``) is stepped every step."""
+    """N spawned ranks, ``spec.rounds`` steps each: a row shaped like a DiLoCo row and, as ``rounds``,
+    rank 0's validation loss every ``spec.eval_every`` steps (``round`` = step − 1) and at the end."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ddp.json")
         tmp.spawn(_ddp_worker, args=(spec, free_port(), out), nprocs=spec.num_sites, join=True)
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
-    per_rank_step = round(2 * (n - 1) / n * 4 * p)  # ring all-reduce, fp32
+    per_rank_step = ring_allreduce_bytes(p, n)
     row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s", "own_session")}
     row.update(dict(spec.extra))
     row.update(
@@ -217,23 +184,18 @@ def run_ddp(spec: RunSpec) -> RunResult:
             "final_val_loss": res["final_val_loss"],
             "val_loss_site_spread": 0.0,
             "rounds_done": steps,
-            "resyncs": 0,
-            "deferred": 0,
+            **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
+            **dict.fromkeys(("skipped_buckets", "rejected"), 0),
             "build_s": time.perf_counter() - t0 - res["wall_s"],
             "wall_s": res["wall_s"],
             "inner_s": res["wall_s"] - res["comm_s"],
             "sync_s": res["comm_s"],
             "round_s": res["comm_s"] / steps,
             "bytes_sent": per_rank_step * n * steps,
-            "bytes_received": 0,
             "bytes_total": per_rank_step * n * steps,
             "bytes_per_round_site": per_rank_step,
             "encode_s": 0.0,
             "decode_s": 0.0,
-            "stale_buckets": 0,
-            "repaired_buckets": 0,
-            "skipped_buckets": 0,
-            "rejected": 0,
             "consistent": True,
         }
     )
@@ -358,14 +320,7 @@ SPEC = Spec(
     name="diloco_sanity",
     title="DiLoCo sanity table",
     modes=MODES,
-    fixed={
-        "diloco.rounds.codec.name": "fp32",
-        "diloco.buckets.bucket_bytes": 64 * 1024,
-        "diloco.buckets.chunk_bytes": 16 * 1024,
-        "inproc.track_drift": False,
-        OUTER_LR: 0.7,
-        OUTER_M: 0.9,
-    },
+    fixed={"diloco.rounds.codec.name": "fp32", **BUCKETS_64K, "inproc.track_drift": False, OUTER_LR: 0.7, OUTER_M: 0.9},
     columns=lambda point: {"method": point[METHOD], "H": point[H]},
     metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
     report=report,

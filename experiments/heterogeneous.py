@@ -1,32 +1,18 @@
 """Sites of different speed (issue 34): wall-clock time to a fixed validation loss.
 
-4 ``dtrain worker`` processes + one ``dtrain rendezvous`` on 127.0.0.1 (gRPC) train the
-built-in byte-level GPT; one site (site-3) runs at a share of the others' speed (``slowdown``:
-each of its inner steps, emulated compute included, stretched to 1/share of its time, the
-worker's ``--slowdown``, which ``dtrain launch --site-slowdown 3=SHARE --slowdown-by stretch``
-sets; stretch and not the cgroup cap because 4 workers on this 2-core machine get less than
-their cap anyway, see dtrain/app/slowdown.py). Each inner step also sleeps ``compute_s``
-(emulated compute, no CPU): rounds are long enough that the exchange is a small part, as on
-real hardware. Configurations:
+``dtrain worker`` processes and a ``dtrain rendezvous`` on 127.0.0.1 train the built-in GPT; the
+last site runs at a share of the others' speed (the worker's ``--slowdown``: each inner step
+stretched to 1/share of its time, as ``dtrain launch --site-slowdown`` sets; not the cgroup cap,
+which 4 workers on 2 cores never reach). Each inner step also sleeps ``compute_s`` (emulated
+compute), so the exchange is a small part of a round, as on real hardware. Configurations:
+``lockstep`` (H inner steps a round everywhere: the fast sites wait for the slow one); ``straggler
+cut`` (the same with a quorum timeout that cuts the slow site every round); ``time + weighted``
+(time-based rounds, a window of H fast steps' time with H the bound, token-weighted means);
+``homogeneous`` (equal sites with the same total throughput, (3 + share) / 4 each; lockstep).
 
-* ``lockstep``: H inner steps a round everywhere (today's behaviour): the fast sites wait for
-  the slow one every round.
-* ``straggler cut``: the same, with a quorum timeout short enough that the slow site misses
-  every quorum: it is cut as a straggler and resyncs (its steps thrown away).
-* ``time + weighted``: time-based rounds (``round_window_s`` = H fast steps' time; H the bound)
-  with token-weighted means: every site trains what fits in the window.
-* ``homogeneous``: a reference of 4 sites of equal speed with the same total throughput
-  ((3 + share) / 4 each), lockstep.
-
-Measured per run: the wall time from the end of site-0's round 0 (after every process's
-start-up) to the first round whose validation loss (θ, the same on every site) is at or
-below ``target_loss``; rounds to it; the slow site's steps per round. A run stops there
-(its processes killed), or after ``rounds``; θ must agree after every round all sites applied.
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run heterogeneous --mode quick   # half and quarter speed, 2 seeds
-    .venv/bin/python -m experiments run heterogeneous --mode smoke --out /tmp/x --results none
+Measured per run: the wall time from the end of site-0's round 0 to its first round with
+validation loss <= ``target_loss`` (the run stops there), the rounds to it, the slow site's steps
+per round; θ must agree after every round all sites applied.
 """
 
 from __future__ import annotations
@@ -38,37 +24,27 @@ from typing import Any
 from dtrain.app.procs import Cluster
 from experiments.common import RunResult, fmt_pm, md_rows, mean_se, mean_std, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
-from experiments.procs import SitesRun, run_sites
+from experiments.procs import SitesRun, line_record, run_sites
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 MODE, SHARE, COMPUTE, TARGET = "hetero.mode", "hetero.share", "hetero.compute_s", "hetero.target_loss"
 
-RENDEZVOUS = {
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 3.0,
-    "reduce_timeout_s": 3.0,
-    "broadcast_timeout_s": 6.0,
-    "min_sites": 2,
-}
+RENDEZVOUS = dict(
+    heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0, reduce_timeout_s=3.0, broadcast_timeout_s=6.0, min_sites=2
+)
 STEP_S = 0.008  # the tiny model's own inner step on this machine under load (s), besides compute_s
 WORKER = dict(codec="int8", bucket_bytes=65536, chunk_bytes=16384, linger_s=2, quorum_wait_s=120)
 
+ALL = {MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]}
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 2, SIZE: "tiny", H: 6, ROUNDS: 2, COMPUTE: 0.005, TARGET: 5.0},
-        grid={MODE: [TIMED], SHARE: [0.5]},
-    ),
+    "smoke": dict(seeds=[0], grid={MODE: [TIMED], SHARE: [0.5]})
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 6, ROUNDS: 2, COMPUTE: 0.005, TARGET: 5.0}},
     "quick": dict(
-        seeds=[0, 1],
-        fixed={SITES: 4, SIZE: "tiny", H: 20, ROUNDS: 40, COMPUTE: 0.05, TARGET: 2.65},
-        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+        seeds=[0, 1], grid=ALL, fixed={SITES: 4, SIZE: "tiny", H: 20, ROUNDS: 40, COMPUTE: 0.05, TARGET: 2.65}
     ),
     "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 60, COMPUTE: 0.05, TARGET: 2.3},
-        grid={MODE: [LOCKSTEP, CUT, TIMED, HOMO], SHARE: [0.5, 0.25]},
+        seeds=[0, 1, 2], grid=ALL, fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 60, COMPUTE: 0.05, TARGET: 2.3}
     ),
 }
 
@@ -137,24 +113,16 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         consistent=_consistent(per_site),
     )
     rounds = [
-        {
-            "experiment": point.experiment,
-            "config": point.config,
-            "seed": point.seed,
-            "round": x["round"],
-            "t_s": x["time"] - t_ref,
-            "val_loss": x.get("val_loss"),
-            "round_steps": x.get("round_steps"),
-        }
+        line_record(point.experiment, point.config, point.seed, x, ("round",), t_s=x["time"] - t_ref)
+        | {k: x.get(k) for k in ("val_loss", "round_steps")}
         for x in site0
     ]
     return RunResult(row=row, rounds=rounds)
 
 
 def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
-    """θ's checksum is the same at every site that applied a round, for every round (a run is
-    stopped at the target, so the sites' last lines may be of different rounds; a site cut as a
-    straggler applies none)."""
+    """θ's checksum is the same at every site that applied a round, for every round (the sites' last
+    lines may be of different rounds: a run stops at the target)."""
     by_round: dict[int, set[str]] = {}
     for xs in per_site.values():
         for x in xs:

@@ -1,22 +1,12 @@
-"""Tokens per second of the ``hf`` task (a transformers Llama built from a config) per site,
-against the built-in GPT at about the same parameter count, and the runtime's share of a step.
+"""Tokens per second of the ``hf`` task (a transformers Llama built from a config) per site, against
+the built-in GPT at about the same parameter count, and the runtime's share of a step.
 
-Two measurements per task, both at ``torch.set_num_threads(1)`` (how ``dtrain launch`` runs):
-
-* bare: the inner step alone (forward, backward, AdamW) in this process, no DiLoCo, median
-  over ``steps`` steps after 3 warm-up steps: tokens / step time;
-* launch: ``dtrain launch --sites S`` on 127.0.0.1 for ``rounds`` rounds of H inner steps:
-  per site, tokens trained / (inner_s + sync_s) summed over its rounds (metrics.jsonl), and
-  the runtime's share = sync_s / (inner_s + sync_s) plus the inner-step slowdown against
-  bare (DiLoCo's per-step bookkeeping, other sites' processes on the same cores).
-
-Usage::
-
-    .venv/bin/python -m experiments run hf_throughput --mode quick   # small (0.44 M) GPT vs small-llama (0.43 M)
-    .venv/bin/python -m experiments run hf_throughput --mode smoke   # seconds: tiny sizes, one 1-site launch
-
-On the shared 2-core machine every site's process competes with the others' and with
-other jobs, so the launch's tokens/s per site is about bare / sites at best.
+Per task, at ``torch.set_num_threads(1)`` (as ``dtrain launch`` runs): bare, the inner step alone
+(forward, backward, AdamW; median over ``steps`` after 3 warm-up steps): tokens / step time; and
+launch, ``dtrain launch --sites S`` on 127.0.0.1 for ``rounds`` rounds of H inner steps: per site,
+tokens trained / (inner_s + sync_s) over its rounds, the runtime's share sync_s / (inner_s +
+sync_s) and the inner-step slowdown against bare. On a shared 2-core machine the sites compete
+with each other and other jobs: the launch's tokens/s per site is about bare / sites at best.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The one runner of the lab: a :class:`Spec` declares an experiment, :func:`run` runs it.
 
-An experiment over in-process DiLoCo runs (:func:`experiments.common.run_inproc`) is a
-short declarative :class:`Spec`: its modes (smoke / quick / full), its grid and fixed
-settings as overrides of the config tree by dotted path (``{"diloco.rounds.codec.name":
-["fp32", "int8"]}``, the paths of ``dtrain worker`` / ``dtrain rendezvous`` flags and TOML
-keys, plus ``inproc.*`` for what only the in-process cluster has: injected loss, a kill
-and restart, the validation set), the metrics it reports and the named functions that
-turn rows into its table (``report``) and its verdict lines (``verdict``). :func:`run`
-expands the grid over the seeds, runs every point (``jobs`` at a time), writes
-``OUT/NAME[_MODE].csv`` and ``..._rounds.csv``, and puts one section into RESULTS.md,
-stamped with the commit, date, command and machine load it came from (a rerun replaces
-its own section: :func:`experiments.common.update_results`).
-
-An experiment whose runs are something else (a DDP baseline, a small MLP task, worker
-processes in netem sites) gives its own ``execute``: a module-level function of one
-:class:`Point` (the configuration's label, the seed, and its settings by path) returning a
-:class:`~experiments.common.RunResult`; the paths it reads beyond :data:`TREE_FIELDS` are
-declared in ``paths`` (config-tree paths such as ``outer.momentum`` or ``netem.delay_ms``).
-Everything else (the grid, the seeds, the CSVs, the stamped section) is the same runner.
-
-``python -m experiments run NAME [--mode smoke|quick|full]`` is the command line
-(:mod:`experiments.__main__`); :data:`SPECS` names every spec.
+A spec gives its modes (smoke / quick / full), its grid and fixed settings as overrides of the
+config tree by dotted path (``{"diloco.rounds.codec.name": ["fp32", "int8"]}``: the paths of
+``dtrain worker`` / ``dtrain rendezvous`` flags and TOML keys, plus ``inproc.*`` for what only the
+in-process cluster has), its metrics, and the named functions that turn rows into its table
+(``report``) and verdict lines (``verdict``). :func:`run` expands the grid over the seeds, runs
+every point (``jobs`` at a time; by default the in-process DiLoCo run,
+:func:`experiments.common.run_inproc`, else the spec's ``execute`` of one :class:`Point`), writes
+``OUT/NAME[_MODE].csv`` and ``..._rounds.csv``, and puts one section, stamped with the commit,
+date, command and machine load, into RESULTS.md (:func:`experiments.common.update_results`).
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ import os
 import re
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -56,76 +44,15 @@ from experiments.common import (
 )
 
 #: every experiment written as a spec (module ``experiments.NAME`` holds ``SPEC``)
-SPECS = (
-    "codec_sweep",
-    "loss_sweep",
-    "delayed_momentum",
-    "diloco_sanity",
-    "site_failures",
-    "datagram_val_loss",
-    "netem_loss",
-    "streaming",
-    "wan_sweep",
-    "datagram_vs_grpc",
-    "heterogeneous",
-    "reliability",
-    "netem_udp_ceiling",
-    "hf_throughput",
-    "datagram_mean_loss",
-    "catch_up",
-    "datagram_tcp_share",
-    "convergence",
-    "chaos",
-    "vs_torchft",
+SPECS = tuple(
+    "codec_sweep loss_sweep delayed_momentum diloco_sanity site_failures datagram_val_loss netem_loss streaming "
+    "wan_sweep datagram_vs_grpc heterogeneous reliability netem_udp_ceiling hf_throughput datagram_mean_loss "
+    "catch_up datagram_tcp_share convergence chaos vs_torchft".split()
 )
 MODES = ("smoke", "quick", "full")
 
-#: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option) -> field of the in-process run;
-#: ``inproc.*``: settings only the in-process cluster has (``RunSpec`` documents each)
-TREE_FIELDS: dict[str, str] = {
-    "rounds": "rounds",
-    "eval_every": "eval_every",
-    "task_spec.num_sites": "num_sites",
-    "task_spec.size": "size",
-    "task_spec.data": "data",
-    "task_spec.batch_size": "batch_size",
-    "task_spec.context_len": "context_len",
-    "task_spec.lr": "lr",
-    "task_spec.non_iid": "non_iid",
-    "task_spec.lr_schedule": "lr_schedule",
-    "task_spec.warmup_steps": "warmup_steps",
-    "task_spec.decay_steps": "decay_steps",
-    "diloco.sync_every": "sync_every",
-    "diloco.buckets.bucket_bytes": "bucket_bytes",
-    "diloco.buckets.chunk_bytes": "chunk_bytes",
-    "diloco.rounds.codec.name": "codec",
-    "diloco.rounds.codec.zstd_level": "zstd_level",
-    "diloco.rounds.codec.topk_fraction": "topk_fraction",
-    "diloco.rounds.codec.sparse_k": "sparse_k",
-    "diloco.rounds.codec.sparse_chunk": "sparse_chunk",
-    "diloco.rounds.codec.sparse_bits": "sparse_bits",
-    "diloco.rounds.error_feedback_decay": "error_feedback_decay",
-    "diloco.rounds.aggregation.sparse_mean": "sparse_mean",
-    "diloco.rounds.error_feedback": "error_feedback",
-    "diloco.rounds.broadcast_error_feedback": "broadcast_error_feedback",
-    "diloco.rounds.repair": "repair",
-    "outer.lr": "outer_lr",
-    "outer.momentum": "outer_momentum",
-    "rendezvous.reduce_timeout_s": "reduce_timeout_s",
-    "rendezvous.broadcast_timeout_s": "broadcast_timeout_s",
-    "rendezvous.heartbeat_timeout_s": "heartbeat_timeout_s",
-    "inproc.push_loss": "push_loss",
-    "inproc.pull_loss": "pull_loss",
-    "inproc.datagram_drop": "datagram_drop",
-    "inproc.restart_after_round": "restart_after_round",
-    "inproc.down_rounds": "down_rounds",
-    "inproc.num_val_batches": "num_val_batches",
-    "inproc.track_drift": "track_drift",
-    "inproc.timeout_s": "timeout_s",
-    "inproc.own_session": "own_session",
-    "diloco.rounds.broadcast_codec.name": "broadcast_codec",
-    "diloco.rounds.broadcast_codec.sparse_k": "broadcast_sparse_k",
-}
+#: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option, or ``inproc.*``) -> ``RunSpec`` field
+TREE_FIELDS = {f.metadata["path"]: f.name for f in fields(RunSpec) if "path" in f.metadata}
 #: ``RunSpec`` field -> its config path (the inverse of :data:`TREE_FIELDS`)
 FIELD_PATHS = {f: p for p, f in TREE_FIELDS.items()}
 
@@ -134,9 +61,8 @@ Rows = list[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Point:
-    """One run of a spec: the configuration's label, the seed, and its settings by config path
-    (the mode's fixed settings, the grid point and what ``derive`` adds); ``extra``: the
-    spec's ``columns`` of the point, copied into the CSV row."""
+    """One run of a spec: the configuration's label, the seed, its settings by config path (fixed, grid
+    point, ``derive``'s) and ``extra``, the spec's ``columns`` of the point (copied into the CSV row)."""
 
     experiment: str
     config: str
@@ -145,8 +71,7 @@ class Point:
     extra: tuple[tuple[str, Any], ...] = ()
 
     def run_spec(self, **override: Any) -> RunSpec:
-        """The in-process run of these settings (paths of :data:`TREE_FIELDS`; the others skipped),
-        ``override`` applied over them by ``RunSpec`` field."""
+        """The in-process run of these settings (paths of :data:`TREE_FIELDS`), ``override`` by field."""
         kw = {TREE_FIELDS[p]: v for p, v in self.settings.items() if p in TREE_FIELDS}
         return RunSpec(
             experiment=self.experiment, config=self.config, seed=self.seed, extra=self.extra, **{**kw, **override}
@@ -179,40 +104,32 @@ class Spec:
         modes: per mode: ``seeds`` (list), ``jobs``, ``fixed`` and ``grid`` (merged over the
             spec's own, by path), and any knob the spec's functions read (``m[...]``).
         grid: path -> values; every combination is one configuration (in the order given). A
-            mode may instead give a list of points (path -> value dicts; a point's ``config``
-            key, if any, is its label): configurations that are not a product.
+            mode may instead give a list of points (path -> value dicts, a ``config`` key their label).
         fixed: path -> value for every run.
-        label: grid point (path -> value) -> the configuration's label (the ``config`` column),
-            for points that do not give their own ``config``.
-        derive: a configuration's settings (the fixed ones and its grid point, by path) -> more
-            path -> value settings (e.g. a flag that follows the codec, τ that follows H).
+        label: grid point -> the configuration's label (the ``config`` column) where it gives none.
+        derive: a configuration's settings (fixed and grid point, by path) -> more settings (a flag
+            that follows the codec, τ that follows H); it may raise ValueError on a bad setting.
         columns: grid point -> extra CSV columns (the swept variable under a short name).
         metrics: (column, low, high): the numbers every row reports, and the range a sane
             run's value lies in (the smoke test checks them: finite and in range).
         after_runs: (results, mode settings) -> None, extra measurements added to the rows.
         report: (rows, per-round rows, mode settings, csv prefix) -> the section's body under
-            the stamp: setup, table, plots (the analysis; a spec's own function).
-        verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim (a named
-            function).
+            the stamp: setup, table, plots.
+        verdict: (rows, per-round rows, mode settings) -> verdict lines, one per claim.
         execute: a module-level function (runs go to worker processes) of one :class:`Point`
-            returning its :class:`RunResult`, or a list of them when one run measures several
-            settings (one row each: a run that walks a grid of links); default: the in-process
-            DiLoCo run.
+            returning its :class:`RunResult`, or a list of them (one row per setting a run walks);
+            default: the in-process DiLoCo run.
         paths: the config paths ``execute`` reads beyond :data:`TREE_FIELDS`.
         jobs_fn: which points may run ``jobs`` at a time: the others run first, one at a time
             (a DDP baseline's ranks each want a core). None: every point.
         netem: its runs need emulated links (root, ``ip netns``): its smoke is in tests/netem/.
-        stop: adaptive seeds: (rows so far, mode settings) -> why to stop adding seeds, or None.
-            With it the seeds run in order, one seed's configurations at a time, and the runner
-            asks after each seed (a standard error reached, a time budget spent).
         phases: runs in phases instead of grid x seeds: (rows so far, mode settings) -> the next
-            points to run, [] when done; asked first with no rows (its answer is :meth:`points`),
-            then after each phase (a sweep's best confirmed, seeds added until an SE is reached).
+            points, [] when done; asked first with no rows (its answer is :meth:`points`), then after
+            each phase (a sweep's best confirmed; a seed at a time until an SE is reached).
         beside: which points run each in a thread of this process beside the others (a DDP
             baseline's ranks wait in every all-reduce; the cores would idle). None: none.
         merge: on ``--replot``: (csv prefix, rows, per-round rows, meta) -> the same with the
-            rows of the spec's side runs saved beside it added (their commands in the stamp).
-    """
+            rows of the spec's side runs saved beside it added (their commands in the stamp)."""
 
     name: str
     title: str
@@ -229,7 +146,6 @@ class Spec:
     execute: Callable[[Point], RunResult] = run_point
     paths: tuple[str, ...] = ()
     jobs_fn: Callable[[Point], bool] | None = None
-    stop: Callable[[Rows, dict[str, Any]], str | None] | None = None
     phases: Callable[[Rows, dict[str, Any]], list[Point]] | None = None
     beside: Callable[[Point], bool] | None = None
     merge: Callable[[Path, Rows, Rows, dict[str, Any]], tuple[Rows, Rows, dict[str, Any]]] | None = None
@@ -253,11 +169,11 @@ class Spec:
         m["mode"] = mode
         return m
 
-    def points(self, m: dict[str, Any]) -> list[Point]:
-        """One :class:`Point` per grid point and seed (configurations in grid order, seeds inner);
-        each built into its ``RunSpec`` once here when it runs in-process, so a bad setting fails
-        before anything runs. A spec that runs in ``phases``: its first phase."""
-        if self.phases is not None:
+    def points(self, m: dict[str, Any], seeds: Sequence[int] | None = None) -> list[Point]:
+        """One :class:`Point` per grid point and seed (grid order, seeds inner; ``seeds``: these, not the
+        mode's), each built into its ``RunSpec`` here when it runs in-process, so a bad setting fails
+        before anything runs. A spec with ``phases`` (and no ``seeds``): its first phase."""
+        if self.phases is not None and seeds is None:
             return self.phases([], m)
         out = []
         for point in _points_of(m):
@@ -266,7 +182,7 @@ class Spec:
             settings = {**m["fixed"], **point}
             settings |= self.derive(settings)
             extra = tuple(self.columns(point).items())
-            for seed in m["seeds"]:
+            for seed in m["seeds"] if seeds is None else seeds:
                 p = Point(self.name, config, seed, settings, extra)
                 if self.execute is run_point:
                     p.run_spec()
@@ -297,9 +213,8 @@ def load_spec(name: str) -> Spec:
 
 
 def stamp(command: str, minutes: float, load_before: tuple[float, ...], version: str) -> str:
-    """The provenance line of a RESULTS.md section: the code's ``version`` (:func:`code_version`),
-    UTC date, command, wall minutes, machine load (1-min load average before and after against
-    the CPU count), machine and library versions (:func:`experiments.bench.stamp`'s figures)."""
+    """The provenance line of a RESULTS.md section: ``version`` (:func:`code_version`), UTC date, command,
+    wall minutes, 1-min load average before and after against the CPUs, machine and library versions."""
     st = bench.stamp(load_before[0], commit=version)
     return (
         f"Commit `{st['commit']}`, {st['date']}, command `{command}` ({minutes:.1f} min); load average "
@@ -321,16 +236,10 @@ def run(
     command: str = "",
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Rows, str]:
-    """Run ``spec`` in ``mode`` (or, ``replot``, read its CSV back); write the CSVs; publish
-    the section into ``results`` (a path, or ``none``). Returns (rows, section body).
-    ``overrides``: path -> value over the mode's fixed settings; they name the CSV files
-    (``NAME_path-to=value``) and the section.
-
-    Raises:
-        SystemExit: ``seeds`` or ``jobs`` below 1 (naming the flag), an override of a path
-            the spec does not know (naming the allowed ones), or of a path the mode's grid sets
-            per point (it would be silently overridden there), before anything runs.
-    """
+    """Run ``spec`` in ``mode`` (``replot``: read its CSVs back), write the CSVs and publish the section
+    into ``results`` (a path, or ``none``); returns (rows, section body). ``overrides``: path -> value
+    over the mode's fixed settings (they name the CSV files and the section). SystemExit before
+    anything runs for ``seeds`` or ``jobs`` below 1, an unknown path, or one the mode's grid sets."""
     for flag, v in (("--seeds", seeds), ("--jobs", jobs)):
         if v is not None and v < 1:
             raise SystemExit(f"{flag} must be >= 1, got {v}")
@@ -365,8 +274,6 @@ def run(
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
         if spec.phases is not None:
             res = _run_phased(spec, runs, m, verbose)
-        elif spec.stop is not None:
-            res = _run_adaptive(spec, runs, m, verbose)
         else:
             res = _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
@@ -386,17 +293,15 @@ def run(
 
 
 def stamp_of(meta: dict[str, Any]) -> str:
-    """The stamp saved with a run; a run of the scripts before the lab saved its command, minutes and
-    provenance instead."""
+    """The stamp saved with a run (a pre-lab script's saved its command, minutes and provenance)."""
     if "stamp" in meta:
         return meta["stamp"]
     return f"Command `{meta['command']}` ({meta['minutes']:.1f} min; {meta['provenance']})."
 
 
 def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[RunResult]:
-    """Every point's result in the order of ``runs``: those ``beside`` picks each in a thread from
-    the start, those ``jobs_fn`` keeps from running in parallel first, one at a time, then the
-    rest ``jobs`` at a time."""
+    """Every point's result in the order of ``runs``: those ``beside`` picks each in a thread from the
+    start, those ``jobs_fn`` holds back first one at a time, then the rest ``jobs`` at a time."""
     side = [i for i, p in enumerate(runs) if spec.beside is not None and spec.beside(p)]
     par = [i for i, p in enumerate(runs) if i not in side and (spec.jobs_fn is None or spec.jobs_fn(p))]
     seq = [i for i in range(len(runs)) if i not in set(par) | set(side)]
@@ -407,18 +312,6 @@ def _run_all(spec: Spec, runs: list[Point], jobs: int, verbose: bool) -> list[Ru
             out.update(zip(idx, run_many([runs[i] for i in idx], jobs=n, verbose=verbose, fn=spec.execute)))
         out.update((i, f.result()) for i, f in futs.items())
     return [r for i in range(len(runs)) for r in (out[i] if isinstance(out[i], list) else [out[i]])]
-
-
-def _run_adaptive(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
-    """The seeds in order, each seed's points together, until ``spec.stop`` gives a reason."""
-    out: list[RunResult] = []
-    for seed in m["seeds"]:
-        out += _run_all(spec, [p for p in runs if p.seed == seed], m["jobs"], verbose)
-        why = spec.stop([r.row for r in out], m)
-        if why:
-            print(f"{spec.name}: no more seeds after seed {seed}: {why}", flush=True)
-            break
-    return out
 
 
 def _run_phased(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool) -> list[RunResult]:
@@ -433,8 +326,7 @@ def _run_phased(spec: Spec, runs: list[Point], m: dict[str, Any], verbose: bool)
 
 
 def check_rows(spec: Spec, rows: Rows) -> list[str]:
-    """What is wrong with ``rows`` as a pipeline's output: a missing metric, a value that is not a
-    finite number, or one outside the spec's range (an empty list: nothing)."""
+    """What is wrong with ``rows``: a missing metric, or a value not finite or outside the spec's range."""
     bad = []
     for r in rows:
         for col, lo, hi in spec.metrics:

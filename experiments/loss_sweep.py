@@ -1,29 +1,16 @@
 """Chunk-loss sweep: how much does random loss of reduce and broadcast traffic cost?
 
-The question of "Distributed Training under Packet Loss" (Weintraub, Banner, Orda,
-arXiv 2507.07114): their unbiased partial mean and keep-stale broadcast cost <= 0.8%
-perplexity at 10% packet loss (LLaMA-2 7B). Here: 4 DiLoCo sites train the built-in
-byte-level GPT on the Python standard library's source, in one process over the
-in-process transport, with each contribution chunk (reduce) and each pulled mean
-(broadcast) lost independently with probability p (``InprocFaults.push_loss`` and
-``pull_loss``; seeded). For p in 0, 1, 5, 10, 20, 30% it reports the final validation
-loss, its change against p = 0 with the same seed (paired), the perplexity change
-exp(Δloss) − 1, stale/repaired buckets, rejected contributions, sync seconds and
-bytes. Our target: <= 0.5% perplexity at 10%.
+The question of "Distributed Training under Packet Loss" (Weintraub, Banner, Orda, arXiv
+2507.07114): their unbiased partial mean and keep-stale broadcast cost <= 0.8% perplexity at 10%
+packet loss (LLaMA-2 7B). Here N in-process DiLoCo sites lose each contribution chunk (reduce)
+and each pulled mean (broadcast) independently with probability p (``InprocFaults``; seeded).
+Per p: the final validation loss, its change against p = 0 with the same seed (paired), the
+perplexity change exp(Δloss) − 1, stale/repaired buckets, rejected contributions, sync seconds
+and bytes. Our target: <= 0.5% perplexity at 10%.
 
-It also runs the same loss with repair off (the paper's keep-stale behaviour:
-``RoundConfig.repair=False``) and plots the replica drift, the max pairwise L2
-distance ‖θ_i − θ_j‖ between sites after each round, with repair on and off. Drift
-should level off rather than grow with rounds.
-
-The 10% point over the gRPC transport with real packet loss (netem) is
-``experiments/netem_loss.py``.
-
-Run (from the repository root)::
-
-    .venv/bin/python -m experiments run loss_sweep --mode quick   # 4 sites, tiny, 3 seeds: minutes on 2 cores
-    .venv/bin/python -m experiments run loss_sweep --mode full    # small model, 5 seeds, more rounds
-    .venv/bin/python -m experiments run loss_sweep --mode smoke --out /tmp/x --results none   # CI: seconds
+It also runs the same loss with repair off (the paper's keep-stale behaviour) and reports the
+replica drift, the max pairwise ‖θ_i − θ_j‖₂ after each round, with repair on and off: drift
+should level off rather than grow. The 10% point over gRPC through netem is ``netem_loss.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +21,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.common import fmt_pm, md_rows, mean_std, paired_deltas, per_round_mean, save_fig, subplots, summarize
+from experiments.common import (
+    BUCKETS_64K,
+    fmt_pm,
+    md_rows,
+    mean_std,
+    paired_deltas,
+    per_round_mean,
+    save_fig,
+    subplots,
+    summarize,
+)
 from experiments.lab import Spec
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
@@ -53,55 +50,25 @@ def label(rate: float, repair: bool) -> str:
 
 
 def points(rates: list[float], drift_rates: list[float], repeat_baseline: bool) -> list[dict[str, Any]]:
-    """Each loss rate with repair; the 0% runs again (``repeat_baseline``: the owners sum contributions
-    in arrival order, so fp32 rounding differs run to run and training amplifies it; Δ between two
-    0% runs with the same seed is the noise floor of every paired Δ); the drift rates with repair off."""
+    """Each loss rate with repair; with ``repeat_baseline`` the 0% runs again (their paired Δ is the noise
+    floor: owners sum in arrival order, so fp32 rounding differs run to run); the drift rates repair off."""
     out = [{LOSS: r, REPAIR: True} for r in rates]
     if repeat_baseline:
         out.insert(1, {LOSS: 0.0, REPAIR: True, "config": REPEAT})
     return out + [{LOSS: r, REPAIR: False} for r in drift_rates]
 
 
-def _mode(seeds, jobs, rates, drift_rates, repeat, fixed) -> dict[str, Any]:
-    return dict(
-        seeds=seeds,
-        jobs=jobs,
-        rates=rates,
-        drift_rates=drift_rates,
-        grid=points(rates, drift_rates, repeat),
-        fixed=fixed,
-    )
-
-
-def _sizes(n: int, size: str, h: int, rounds: int, val: int) -> dict[str, Any]:
-    return {
-        "task_spec.num_sites": n,
-        "task_spec.size": size,
-        "diloco.sync_every": h,
-        "rounds": rounds,
-        "inproc.num_val_batches": val,
-    }
-
-
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+VAL, SMALL = "inproc.num_val_batches", {"task_spec.batch_size": 4, "task_spec.context_len": 16}
 RATES = [0.0, 0.01, 0.05, 0.1, 0.2, 0.3]
+#: per mode: the loss rates (with repair; 0% repeated but in the smoke) and the drift rates (repair off too)
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": _mode(
-        [0],
-        1,
-        [0.0, 0.3],
-        [0.3],
-        False,
-        _sizes(2, "tiny", 2, 2, 2) | {"task_spec.batch_size": 4, "task_spec.context_len": 16},
-    ),
-    "quick": _mode([0, 1, 2], 2, RATES, [0.1, 0.3], True, _sizes(4, "tiny", 10, 16, 16)),
-    "full": _mode(
-        [0, 1, 2, 3, 4],
-        max(1, (os.cpu_count() or 2) // 4),
-        RATES,
-        [0.05, 0.1, 0.3],
-        True,
-        _sizes(4, "small", 50, 40, 32),
-    ),
+    "smoke": dict(seeds=[0], jobs=1, rates=[0.0, 0.3], drift_rates=[0.3])
+    | {"fixed": {SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 2, VAL: 2, **SMALL}},
+    "quick": dict(seeds=[0, 1, 2], jobs=2, rates=RATES, drift_rates=[0.1, 0.3])
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 16, VAL: 16}},
+    "full": dict(seeds=[0, 1, 2, 3, 4], jobs=max(1, (os.cpu_count() or 2) // 4), rates=RATES)
+    | {"drift_rates": [0.05, 0.1, 0.3], "fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, VAL: 32}},
 }
 
 
@@ -334,14 +301,9 @@ on, a missed mean is repaired within the round (θ equal on every site after eve
 SPEC = Spec(
     name="loss_sweep",
     title="Chunk-loss sweep",
-    modes=MODES,
-    fixed={
-        "diloco.rounds.codec.name": "fp32",  # isolates the loss
-        "diloco.buckets.bucket_bytes": 64 * 1024,
-        "diloco.buckets.chunk_bytes": 16 * 1024,
-        "rendezvous.reduce_timeout_s": 1.0,
-        "rendezvous.broadcast_timeout_s": 2.0,
-    },
+    modes={k: v | {"grid": points(v["rates"], v["drift_rates"], k != "smoke")} for k, v in MODES.items()},
+    fixed={"diloco.rounds.codec.name": "fp32", **BUCKETS_64K}  # fp32: isolates the loss
+    | {"rendezvous.reduce_timeout_s": 1.0, "rendezvous.broadcast_timeout_s": 2.0},
     label=lambda point: label(point[LOSS], point[REPAIR]),
     derive=lambda point: {"inproc.pull_loss": point[LOSS]},  # the broadcast loses what the reduce does
     columns=lambda point: {"loss_rate": point[LOSS]},

@@ -1,26 +1,13 @@
-"""The chunk-loss sweep's 10% point again, over real gRPC through netem packet loss.
+"""The chunk-loss sweep's 10% point again, over real gRPC through netem packet loss (issue 6 part 1).
 
-Issue 6 part 1 asks for one point of the in-process chunk-loss sweep (``loss_sweep.py``)
-to be repeated over the gRPC transport with real packet loss. Here 4 ``dtrain worker``
-processes and one ``dtrain rendezvous`` run in their own network namespaces
-(``netem.Topology``, as ``dtrain launch --netem``); every link has a 10 ms one-way
-delay, a 100 Mbit/s cap and either no loss or 10% random loss of the packets arriving
-at each site (the ``lossy`` profile). The training setup mirrors the in-process quick
-sweep: built-in GPT ``tiny``, H = 10, 16 rounds, ``fp32`` with error feedback, 64 KiB
-buckets of 16 KiB chunks, reduce deadline 1 s, broadcast deadline 2 s.
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in their own network namespaces; every
+link has a 10 ms one-way delay, a 100 Mbit/s cap and either no loss or 10% random loss of the
+packets arriving at each site (the ``lossy`` profile); the training mirrors the in-process quick
+sweep's (``loss_sweep.py``). TCP retransmits lost packets, so packet loss becomes delay: a
+contribution is lost only when it misses the reduce deadline (error feedback then keeps it). The
+0% setting runs twice per seed: "0% (repeat)" is the noise floor of every paired difference.
 
-What differs from the in-process sweep: TCP retransmits lost packets, so packet loss
-becomes delay; a contribution is lost only when it misses the reduce deadline (then
-error feedback keeps it for the next round, as with seeded chunk loss). The 0% setting
-runs twice per seed: the "0% (repeat)" row is the noise floor of every paired difference
-(the owners sum in sender-id order, so with every chunk in, a rerun's means are
-bit-identical; what is left is the timing of which chunks miss a deadline).
-
-Usage (from the repository root, as root)::
-
-    .venv/bin/python -m experiments run netem_loss --mode quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run netem_loss --mode full    # small, H = 50, 40 rounds, 5 seeds
-    .venv/bin/python -m experiments run netem_loss --mode smoke --out /tmp/x --results none   # 2 sites, 3 rounds
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations
@@ -31,16 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.common import (
-    RunResult,
-    fmt_pm,
-    md_rows,
-    mean_std,
-    paired_deltas,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import RunResult, fmt_pm, md_rows, mean_std, paired_deltas, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
@@ -72,13 +50,8 @@ MODES: dict[str, dict[str, Any]] = {
     "full": dict(seeds=[0, 1, 2, 3, 4], grid=settings(True), fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40}),
 }
 LINK = dict(delay_ms=10.0, rate_mbit=100.0)  # the ``lossy`` profile's delay and rate
-RENDEZVOUS = {
-    "quorum_timeout_s": 5.0,
-    "heartbeat_interval_s": 0.5,
-    "heartbeat_timeout_s": 5.0,
-    "reduce_timeout_s": 1.0,
-    "broadcast_timeout_s": 2.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=5.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0)
+RENDEZVOUS |= dict(reduce_timeout_s=1.0, broadcast_timeout_s=2.0)
 WORKER = dict(codec="fp32", bucket_bytes=64 * KiB, chunk_bytes=16 * KiB, quorum_wait_s=120, linger_s=2)
 
 

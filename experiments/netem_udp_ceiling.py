@@ -1,29 +1,16 @@
 """What the netem emulator itself can pass: 1,400-byte UDP datagrams/s through the namespaces, no dtrain.
 
-On this machine the kernel has no netem qdisc, so delay is done in userspace on NFQUEUE
-for every site, by the compiled delayer (``netem/delayer.c``, backend ``nfqueue-c``) or its
-Python fallback (``netem/_agent.py``, one callback per packet, ``nfqueue-userspace``), and
-the rate by tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands
-the kernel 64 KB at once, so the delayer's packets/s can bound the datagram path before
-the 100 Mbit/s cap does. This script measures that bound, per delayer (``--set netem.delayers=...``;
-quick and full measure both in one sitting, the load average next to each row).
+Without a netem qdisc in the kernel, delay is done in userspace on NFQUEUE (the compiled
+``netem/delayer.c``, ``nfqueue-c``, or the Python fallback, ``nfqueue-userspace``) and the rate by
+tbf. A datagram data path sends one packet per 1,400 bytes where TCP hands the kernel 64 KB at
+once, so the delayer's packets/s can bound it before the link's cap does. Per delayer
+(``netem.delayers``), sender processes (site i -> site i+1, a paced ``send`` loop) offer a rate
+and a receiver per destination counts what arrives, on the link with no delay, with the one-way
+delay, and with delay + rate cap: offered and achieved send rate, delivered datagrams/s and
+Mbit/s, loss, the delayer's late releases (> 1 ms) and CPU per packet. The ceiling per setting:
+the highest delivered rate with loss < 1% and >= 95% of the offer.
 
-Per setting, ``--pairs`` sender processes (site i -> site (i + 1) mod N, each in its own
-namespace, a plain paced ``send`` loop) offer ``rate`` datagrams/s each for ``--seconds``; a
-receiver process per destination counts what arrives. Settings: the link with no delay
-(routing and filters only, no helper), with the one-way delay (every packet through the
-helper), and delay + rate cap (the datagram_vs_grpc link). Per setting and offered rate:
-offered and achieved send rate, delivered datagrams/s and Mbit/s (UDP payload), loss, and
-the helper's late releases (> 1 ms).
-
-The "ceiling" printed per setting is the highest delivered aggregate rate with loss < 1% and
-delivered >= 95% of offered (the load at which the emulator adds neither loss nor a growing
-queue of its own).
-
-Usage (as root)::
-
-    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick
-    .venv/bin/python -m experiments run netem_udp_ceiling --mode quick --set 'netem.delayers=["c"]' --results none
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations
@@ -43,33 +30,14 @@ PORT = 47000
 # netem.delayers names -> DTRAIN_NETEM_DELAYER (netem/_cdelay.py): "c" is the compiled delayer where it builds
 DELAYER_ENV = {"c": "auto", "python": "python"}
 DELAYER, DELAYERS = "netem.delayer", "netem.delayers"
-#: the spec's settings by path -> the names ``one`` and ``sweep`` read
-NAMES = {
-    "num_sites": "netem.num_sites",
-    "pairs": "netem.pairs",
-    "delay": "netem.delay_ms",
-    "rate_cap": "netem.rate_mbit",
-    "offered": "netem.offered_dps",
-    "seconds": "lab.seconds",
-}
+SITES, PAIRS, DELAY, RATE_CAP = "netem.num_sites", "netem.pairs", "netem.delay_ms", "netem.rate_mbit"
+OFFERED, SECONDS = "netem.offered_dps", "lab.seconds"
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_sites=2, pairs=[1], delay=5.0, offered=[2000, 8000], seconds=0.5, delayers=["c"]),
-    "quick": dict(
-        num_sites=4,
-        pairs=[1, 4],
-        delay=40.0,
-        offered=[2000, 4000, 8000, 12000, 16000, 24000, 32000, 40000, 48000],
-        seconds=2.0,
-        delayers=["c", "python"],
-    ),
-    "full": dict(
-        num_sites=4,
-        pairs=[1, 2, 4],
-        delay=40.0,
-        offered=[1000, 2000, 4000, 6000, 8000, 12000, 16000, 24000, 32000, 48000],
-        seconds=4.0,
-        delayers=["c", "python"],
-    ),
+    "smoke": {SITES: 2, PAIRS: [1], DELAY: 5.0, OFFERED: [2000, 8000], SECONDS: 0.5, DELAYERS: ["c"]},
+    "quick": {SITES: 4, PAIRS: [1, 4], DELAY: 40.0, SECONDS: 2.0, DELAYERS: ["c", "python"]}
+    | {OFFERED: [2000, 4000, 8000, 12000, 16000, 24000, 32000, 40000, 48000]},
+    "full": {SITES: 4, PAIRS: [1, 2, 4], DELAY: 40.0, SECONDS: 4.0, DELAYERS: ["c", "python"]}
+    | {OFFERED: [1000, 2000, 4000, 6000, 8000, 12000, 16000, 24000, 32000, 48000]},
 }
 
 
@@ -162,14 +130,14 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
     """One measurement: ``pairs`` flows of ``rate`` datagrams/s each; returns a CSV row."""
     load_1m = os.getloadavg()[0]
     me = [sys.executable, str(Path(__file__).resolve())]
-    n = m["num_sites"]
+    n = m[SITES]
     dsts = [(i + 1) % n for i in range(pairs)]
     delayed_row = setting != "no delay"
     before = _delayer_counters(topo) if delayed_row else (0, 0, 0)
     recv = [
         topo.popen(
             d,
-            me + ["--role", "recv", "--host", topo.address(d), "--seconds", str(m["seconds"] + 60)],
+            me + ["--role", "recv", "--host", topo.address(d), "--seconds", str(m[SECONDS] + 60)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -181,14 +149,14 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
         send = [
             topo.popen(
                 i,
-                me + ["--role", "send", "--host", topo.address(d), "--rate", str(rate), "--seconds", str(m["seconds"])],
+                me + ["--role", "send", "--host", topo.address(d), "--rate", str(rate), "--seconds", str(m[SECONDS])],
                 stdout=subprocess.PIPE,
                 text=True,
             )
             for i, d in enumerate(dsts)
         ]
-        sent = [json.loads(p.communicate(timeout=m["seconds"] * 4 + 30)[0]) for p in send]
-        got = [json.loads(p.communicate(timeout=m["seconds"] + 30)[0]) for p in recv]
+        sent = [json.loads(p.communicate(timeout=m[SECONDS] * 4 + 30)[0]) for p in send]
+        got = [json.loads(p.communicate(timeout=m[SECONDS] + 30)[0]) for p in recv]
     finally:
         for p in recv:
             if p.poll() is None:
@@ -207,8 +175,8 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
         "delayer": "none" if setting == "no delay" else topo.backends()["delay"],
         "load_1m": load_1m,
         "flows": pairs,
-        "delay_ms": 0.0 if setting == "no delay" else m["delay"],
-        "rate_cap_mbit": m["rate_cap"] if setting == "delay + cap" else float("nan"),
+        "delay_ms": 0.0 if setting == "no delay" else m[DELAY],
+        "rate_cap_mbit": m[RATE_CAP] if setting == "delay + cap" else float("nan"),
         "offered_dps": rate * pairs,
         "achieved_send_dps": num_sent / max(send_s, 1e-9),
         "delivered_dps": num_got / recv_s,
@@ -221,13 +189,13 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
 
 
 def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
-    links = {"no delay": {}, "delay": dict(delay_ms=m["delay"])}
-    links["delay + cap"] = dict(delay_ms=m["delay"], rate_mbit=m["rate_cap"])
+    links = {"no delay": {}, "delay": dict(delay_ms=m[DELAY])}
+    links["delay + cap"] = dict(delay_ms=m[DELAY], rate_mbit=m[RATE_CAP])
     out = []
     for setting in settings:
         set_link(topo, **links[setting])
-        for pairs in m["pairs"]:
-            for rate in m["offered"]:
+        for pairs in m[PAIRS]:
+            for rate in m[OFFERED]:
                 row = one(topo, m, setting, pairs, rate / pairs)
                 out.append(RunResult(row=row))
                 print(
@@ -241,14 +209,8 @@ def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
 
 
 def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
-    """Per (setting, flows): the row with the highest delivered rate at loss < 1% that kept up with
-    the offer (delivered >= 95% of offered: no queue growing in the delayer); None: none.
-
-    Args:
-        rows: CSV rows of this experiment.
-        delayer: only rows of this delay backend ("nfqueue-c", "nfqueue-userspace", "none" for the
-            "no delay" setting); None: every row, i.e. the best any delayer measured managed.
-    """
+    """Per (setting, flows): the row of the highest delivered rate at loss < 1% that kept up with the
+    offer (>= 95% of it: no queue growing), or None; ``delayer``: only that backend's rows (None: all)."""
     out: dict[tuple[str, int], dict[str, Any] | None] = {}
     for r in rows:
         if delayer is not None and r.get("delayer", "?") != delayer:
@@ -313,7 +275,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
 def run_point(point: Point) -> list[RunResult]:
     """One topology, its links walked without delay (``config`` "no delay") or through one
     delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
-    m = {k: point.settings[p] for k, p in NAMES.items()}
+    m = point.settings
     delayer = point.settings[DELAYER]
     wanted = point.settings[DELAYERS]
     if not wanted or set(wanted) - set(DELAYER_ENV):
@@ -322,17 +284,17 @@ def run_point(point: Point) -> list[RunResult]:
         return []
     if delayer != "none":
         os.environ["DTRAIN_NETEM_DELAYER"] = DELAYER_ENV[delayer]
-    with netem_topology(m["num_sites"], "udpc", "netem_udp_ceiling") as topo:
+    with netem_topology(m[SITES], "udpc", "netem_udp_ceiling") as topo:
         return sweep(topo, m, ["no delay"] if delayer == "none" else ["delay", "delay + cap"])
 
 
 def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
-    f = {k: m["fixed"][p] for k, p in NAMES.items()}
-    return f"""Setup: {f["num_sites"]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
-(site i -> site i+1), one receiver process per destination, {f["seconds"]:g} s per point. "delay": {f["delay"]:g} ms
+    f = m["fixed"]
+    return f"""Setup: {f[SITES]} netem sites, no dtrain; {DATAGRAM_BYTES}-byte UDP payloads, paced sender processes
+(site i -> site i+1), one receiver process per destination, {f[SECONDS]:g} s per point. "delay": {f[DELAY]:g} ms
 one way on every site (every packet through an NFQUEUE delayer: "nfqueue-c" is the compiled one,
 netem/delayer.c; "nfqueue-userspace" the Python fallback in netem/_agent.py); "delay + cap": also tbf at
-{f["rate_cap"]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
+{f[RATE_CAP]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
 "load": the 1-minute load average when the row started; "delayer CPU": CPU time of the agent and the
 compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row. CSV: `{prefix.with_suffix(".csv").name}`.
 
@@ -348,7 +310,7 @@ SPEC = Spec(
             "seeds": [0],
             # "no delay" first, on a topology of its own; then each delayer's delayed links
             "grid": [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)],
-            "fixed": {NAMES[k]: v[k] for k in NAMES if k in v} | {DELAYERS: v["delayers"]},
+            "fixed": v,
         }
         for mode, v in MODES.items()
     },
@@ -358,6 +320,6 @@ SPEC = Spec(
     report=report,
     verdict=lambda rows, rounds, m: [],  # the ceilings are the report's second table
     execute=run_point,
-    paths=(*NAMES.values(), DELAYER, DELAYERS),
+    paths=(SITES, PAIRS, DELAY, RATE_CAP, OFFERED, SECONDS, DELAYER, DELAYERS),
     netem=True,
 )

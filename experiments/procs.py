@@ -1,12 +1,7 @@
-"""What the experiments' process runs share: whether links can be emulated here
-(:func:`netem_problem`), the emulated links (:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`,
-:func:`sysctl`, :func:`loss_based_cc`), one run of N worker sites through them
-(:func:`run_sites`, :class:`SitesRun`, :func:`line_record`) and a free loopback port
-(:func:`free_port`).
-
-The processes themselves (a rendezvous and N workers, on 127.0.0.1 or each inside its own
-netem site) come from the one cluster harness, :class:`dtrain.app.procs.Cluster`, which the
-fault tests use too.
+"""What the experiments' process runs share: the emulated links (:func:`netem_problem`,
+:func:`netem_topology`, :func:`sites_topology`, :func:`set_link`, :func:`sysctl`), one run of N
+worker sites through them (:func:`run_sites`, on the cluster harness the fault tests use too,
+:class:`dtrain.app.procs.Cluster`) and its per-round records (:func:`line_record`).
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ def netem_problem() -> str | None:
 
 
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
-    """A ``netem.Topology`` of ``num_sites`` sites (profile ``lan``; links of ``mtu_bytes``; use it
-    as a context manager), named ``name`` + this process's id, so that runs on one machine do not
-    collide. Raises SystemExit naming ``script`` and :func:`netem_problem` when links cannot be
-    emulated here.
-    """
+    """A ``netem.Topology`` of ``num_sites`` LAN sites with links of ``mtu_bytes`` (a context manager),
+    named ``name`` + this process's id; SystemExit naming ``script`` where links cannot be emulated."""
     why = netem_problem()
     if why:
         raise SystemExit(f"{script}: netem cannot emulate links here: {why}")
@@ -65,16 +57,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
-    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last site, as
-    ``dtrain launch --netem`` places it); ValueError below 2 sites (an exchange needs two)."""
+    """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last); ValueError below 2."""
     if n < 2:
         raise ValueError(f"{script}: task_spec.num_sites must be >= 2 (an exchange needs two sites), got {n}")
     return netem_topology(n + 1, name, script, mtu_bytes=mtu_bytes)
 
 
 def set_link(topo, **link: Any) -> None:
-    """Every site's link of ``topo`` set to ``netem.profiles.LinkParams(**link)`` (the fields not
-    given: LinkParams' defaults, not the previous link's), live."""
+    """Every site's link of ``topo`` set live to ``netem.profiles.LinkParams(**link)`` (the rest: defaults)."""
     from netem.profiles import LinkParams  # noqa: PLC0415
 
     topo.set_link(None, LinkParams(**link))
@@ -122,9 +112,8 @@ class SitesRun:
 
 
 def line_record(experiment: str, config: str, seed: int, x: dict, keys: Sequence[str], **cols: Any) -> dict:
-    """A per-round CSV record of the metrics line ``x``: experiment, config, seed, then each of
-    ``keys`` as the line has it (``"col=key"``: its ``key`` as ``col``; a missing count 0,
-    anything else NaN) and ``cols`` as given."""
+    """A per-round record of metrics line ``x``: experiment, config, seed, each of ``keys`` (``"col=key"``:
+    ``key`` as ``col``; missing: a count 0, else NaN), then ``cols``."""
     out: dict[str, Any] = {"experiment": experiment, "config": config, "seed": seed}
     for k in keys:
         col, _, key = k.partition("=")
@@ -148,16 +137,11 @@ def run_sites(
 ) -> SitesRun:
     """One ``dtrain rendezvous`` (``rendezvous``'s options; round 0 waits for all ``n``) and ``n``
     ``dtrain worker`` sites (``worker``'s options, or site i's: ``worker(i)``) in ``topo`` (None:
-    127.0.0.1), run to the end, or as ``drive(cluster)`` runs it (faults struck, sites restarted,
-    its own wait for the end; the sites still running then are killed).
-
-    ``steps``: (round r, f) in order: once every site has written its line of round r, call f
-    (a link change between two exchanges: every site is then in its inner phase). ``watch``:
-    a context manager made of the started cluster, held while the sites run (a sampler; its
-    ``__enter__``'s value is the result's ``watched``). A site exiting with a code not in ``ok``
-    (in ``steps``: not 0) raises RuntimeError with its log; every child is gone on return.
-    ``root``: where the run's files stay (None: a temporary directory).
-    """
+    127.0.0.1), run to the end or as ``drive(cluster)`` runs it (its faults and wait; sites still
+    running then are killed). ``steps``: (round r, f) in order, f called once every site has written
+    its line of round r. ``watch``: a context manager of the started cluster held while the sites run
+    (its value: ``watched``). A site exiting with a code not in ``ok`` raises RuntimeError with its log;
+    every child is gone on return. ``root``: where the run's files stay (None: a temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
         root = Path(d) if root is None else root
         root.mkdir(parents=True, exist_ok=True)

@@ -1,26 +1,20 @@
 """Does every run end with one θ on bad links, with no timeout set? (issue 32)
 
-Runs ``dtrain launch --sites 3 --size tiny`` many times through netem profiles (``lossy``:
-10% loss, 20 ms RTT, 100 Mbit/s; ``flaky``: a 2 s partition of each site every 10 s;
-``lossy30``: 30% loss) with no time setting at all: the deadlines are derived from the
-observed rounds and the default stall budget, failure detection is the phi accrual
-detector. Each run is read back from its metrics lines and the rendezvous log:
+Runs ``dtrain launch --sites 3 --size tiny`` many times through netem profiles (``lossy``: 10%
+loss, 20 ms RTT, 100 Mbit/s; ``flaky``: a 2 s partition of each site every 10 s; ``lossy30``: 30%
+loss) with no time setting at all (deadlines derived from the observed rounds and the default
+stall budget, failure detection by the phi accrual detector). Read back from each run's metrics
+lines and rendezvous log:
 
-* equal θ at the end: every site's final checksum (its ``summary.json``; else its last round
-  line) is the same (and the launch exited 0, which it does only then): a site that joined as
-  the run ended has no round line, only the θ it caught up to;
-* sites declared dead while alive: every site lives through the run, so each "declared
-  dead" line of the rendezvous is a false one;
-* rounds of unequal θ: a round whose applied lines disagree on the checksum (a round is
-  repaired within itself when its lines agree);
+* equal θ at the end: every site's final checksum (``summary.json``, else its last round line)
+  the same, and the launch exited 0;
+* sites declared dead while alive: every site lives through the run, so each "declared dead"
+  line of the rendezvous is a false one;
+* rounds of unequal θ: a round whose applied lines disagree on the checksum;
 * rounds missed (a site resynced instead of applying) and the worst sync time.
 
-Usage (root; from the repository root)::
-
-    .venv/bin/python -m experiments run reliability --mode quick   # 10 lossy, 10 flaky, 4 at 30%
-    .venv/bin/python -m experiments run reliability --mode full    # 30 / 30 / 10 (the issue's count)
-
-A run that did not end equal keeps its run directory (the row's ``kept`` column names it).
+Needs root (netem: network namespaces). A run that did not end equal keeps its run directory
+(the row's ``kept`` column names it).
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.app.procs import Proc, spawn
 from dtrain.metrics import read_json_lines
 from experiments.common import ROOT, RunResult, md_rows, md_table, summarize
 from experiments.lab import Point, Spec
@@ -60,22 +55,18 @@ def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
     """``dtrain launch ARGV --out OUT``, ``during()`` called every 0.2 s while it runs; its exit code
     (-1: still running after ``timeout_s``, then stopped with everything it started)."""
     argv = [sys.executable, "-m", "dtrain", "launch", *argv, "--out", str(out)]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = spawn("launch", argv, out.with_name(out.name + ".log"), cwd=ROOT)
     deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             if during is not None:
                 during()
-            try:
-                return proc.wait(0.2)
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(0.2)
     finally:
-        if proc.poll() is None:  # a hung run: stop the launch and everything it started, and its topology
+        hung = proc.poll() is None
+        if hung:  # stop the launch and everything it started, and its topology
             _stop(proc)
-    return -1
+    return -1 if hung else proc.returncode
 
 
 def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str, Any]:
@@ -86,17 +77,12 @@ def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str,
     return {"profile": profile, "exit_code": code, "wall_s": round(time.monotonic() - t0, 1), **read_run(out)}
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill a launch's process group and take down its netem topology (named ``launch``), so the
-    next run can build its own. SIGUSR1 first: each worker prints its threads' stacks into its
-    worker.log (kept with a failed run), which says what a hung run waited on."""
-    try:
-        os.killpg(proc.pid, signal.SIGUSR1)
+def _stop(proc: Proc) -> None:
+    """Kill a launch's process group (SIGUSR1 first: each worker prints its threads' stacks into its log)
+    and take down its netem topology (named ``launch``), so that the next run can build its own."""
+    if proc.send(signal.SIGUSR1):
         time.sleep(2.0)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
+    proc.kill(30)
     argv = [sys.executable, "-m", "netem", "down", "--name", "launch"]
     subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
 
@@ -149,9 +135,8 @@ def _set_rate(mbit: float) -> None:
 
 
 def slowdown_once(out: Path, mbit: float) -> list[dict[str, Any]]:
-    """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round:
-    the link rate, the slowest site's reduce_s, the plan's reduce deadline and why, and what
-    was refused or missing (nothing should be: every contribution arrives within the budget)."""
+    """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round: the
+    link rate, the slowest reduce_s, the plan's reduce deadline and why, what was refused or missing."""
     state: list[float | None] = [None]
 
     def follow() -> None:  # the rate of the rounds site-0 is at

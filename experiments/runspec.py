@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,98 +24,86 @@ from dtrain.transports.inproc import InprocFaults
 KiB = 1024
 
 
+def knob(path: str, default: Any) -> Any:
+    """A :class:`RunSpec` field and the config-tree path that sets it (a ``dtrain worker`` /
+    ``dtrain rendezvous`` option, or ``inproc.*``: what only the in-process cluster has)."""
+    return field(default=default, metadata={"path": path})
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """One in-process multi-site training run.
+    """One in-process multi-site training run. The fields are the config tree's knobs of the same
+    name (``TaskSpec``, ``CodecConfig``, ``RoundConfig``, ``AggregationConfig``, ``BucketConfig``,
+    the rendezvous deadlines; :data:`experiments.lab.TREE_FIELDS` maps each to its path), plus:
 
     Attributes:
-        experiment: name of the experiment (goes into the CSV row).
-        config: label of the setting (rows with the same label are seeds of one setting).
+        experiment, config, extra: the CSV row's experiment, setting label (rows with the same
+            label are seeds of one setting) and (name, value) columns.
         seed: model init, data order (``TaskSpec.seed``) and the network's fault RNG.
-        num_sites: N sites (threads).
-        size, data, batch_size, context_len, lr, non_iid, lr_schedule, warmup_steps:
-            see ``dtrain.tasks.TaskSpec``.
-        decay_steps: cosine decay steps of ``lr_schedule="cosine"``; None: the run's
-            inner steps minus the warmup (decayed to 10 % at the last step).
-        restart_after_round: -1: no restart; else the last site is killed after it
-            applied this many rounds and restarted (``InprocCluster.restart``: join and
-            state pull) once site 0 applied ``down_rounds`` more.
-        down_rounds: rounds the restarted site stays away.
-        sync_every: H inner steps per round; rounds: rounds to train.
-        codec: pseudo-gradient codec name (``fp32``, ``int8+zstd``, ...); zstd_level,
-            topk_fraction, sparse_k, sparse_chunk, sparse_bits: see ``CodecConfig``.
-        broadcast_codec: the means' codec name (None: ``codec``); broadcast_sparse_k: its
-            ``sparse_k`` (None: ``sparse_k``).
-        error_feedback, error_feedback_decay, broadcast_error_feedback, repair: see ``RoundConfig``;
-            sparse_mean: see ``AggregationConfig``.
-        push_loss, pull_loss: probability that a contribution chunk (reduce) / a
-            pulled mean (broadcast) is lost (``InprocFaults``).
-        bucket_bytes, chunk_bytes: see ``BucketConfig`` (small chunks: loss acts at a
-            finer grain, closer to packets).
-        reduce_timeout_s, broadcast_timeout_s: round deadlines of the rendezvous; the
-            owner waits ``reduce_timeout_s`` whenever a chunk is lost.
-        heartbeat_timeout_s: a site silent this long is dropped from the round (it resyncs);
-            on a loaded machine a starved heartbeat thread does that to a live site.
+        decay_steps: None: the run's inner steps minus the warmup.
+        restart_after_round: -1: no restart; else the last site is killed after it applied
+            this many rounds and restarted (``InprocCluster.restart``) once site 0 applied
+            ``down_rounds`` more.
+        broadcast_codec, broadcast_sparse_k: the means' codec and its ``sparse_k`` (None: as
+            the contributions').
+        push_loss, pull_loss: probability that a contribution chunk / a pulled mean is lost
+            (``InprocFaults``).
         outer_lr, outer_momentum: outer SGD-Nesterov (DiLoCo arXiv 2311.08105: 0.7, 0.9).
-        num_val_batches: size of the fixed validation set (batches of ``batch_size``).
-        eval_every: evaluate site 0's θ every this many rounds (0: only at the end).
+        num_val_batches, eval_every: the fixed validation set's batches; evaluate site 0's θ
+            every this many rounds (0: only at the end).
         track_drift: record the max pairwise L2 distance of θ between sites per round.
-        timeout_s: limit of the whole run (the threads are abandoned after it).
-        own_session: processes a run spawns (DDP ranks) call :func:`own_session`.
-        extra: (name, value) pairs copied into the CSV row (e.g. the swept variable).
-        datagram_drop: None: the in-process network; a probability in [0, 1): the
-            datagram data path on 127.0.0.1 (``DatagramTransport``, one chunk per
-            datagram: ``chunk_bytes`` is then set from the codec), every received
-            contribution / mean datagram dropped with it (``test_drop``, seeded by
-            ``seed`` and the site).
+        timeout_s, own_session: limit of the whole run; processes it spawns (DDP ranks) call
+            :func:`experiments.common.own_session`.
+        datagram_drop: None: the in-process network; a probability in [0, 1): the datagram data
+            path on 127.0.0.1 (one chunk per datagram), every received datagram dropped with it.
     """
 
     experiment: str
     config: str
     seed: int = 0
-    num_sites: int = 4
-    size: str = "tiny"
-    data: str = "stdlib"
-    batch_size: int | None = None
-    context_len: int | None = None
-    lr: float | None = None
-    non_iid: bool = False
-    lr_schedule: str = "constant"
-    warmup_steps: int = 100
-    decay_steps: int | None = None
-    restart_after_round: int = -1
-    down_rounds: int = 5
-    sync_every: int = 10
-    rounds: int = 20
-    codec: str = "fp32"
-    zstd_level: int = 1
-    topk_fraction: float = 0.01
-    sparse_k: int = 64
-    sparse_chunk: int = 4096
-    sparse_bits: int = 2
-    broadcast_codec: str | None = None
-    broadcast_sparse_k: int | None = None
-    error_feedback: bool = True
-    error_feedback_decay: float = 1.0
-    sparse_mean: bool = False
-    broadcast_error_feedback: bool = False
-    repair: bool = True
-    push_loss: float = 0.0
-    pull_loss: float = 0.0
-    bucket_bytes: int = 32 * KiB
-    chunk_bytes: int = 4 * KiB
-    reduce_timeout_s: float = 1.0
-    broadcast_timeout_s: float = 2.0
-    heartbeat_timeout_s: float = 1.5
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    num_val_batches: int = 16
-    eval_every: int = 1
-    track_drift: bool = True
-    timeout_s: float = 3600.0
-    own_session: bool = False
+    num_sites: int = knob("task_spec.num_sites", 4)
+    size: str = knob("task_spec.size", "tiny")
+    data: str = knob("task_spec.data", "stdlib")
+    batch_size: int | None = knob("task_spec.batch_size", None)
+    context_len: int | None = knob("task_spec.context_len", None)
+    lr: float | None = knob("task_spec.lr", None)
+    non_iid: bool = knob("task_spec.non_iid", False)
+    lr_schedule: str = knob("task_spec.lr_schedule", "constant")
+    warmup_steps: int = knob("task_spec.warmup_steps", 100)
+    decay_steps: int | None = knob("task_spec.decay_steps", None)
+    restart_after_round: int = knob("inproc.restart_after_round", -1)
+    down_rounds: int = knob("inproc.down_rounds", 5)
+    sync_every: int = knob("diloco.sync_every", 10)
+    rounds: int = knob("rounds", 20)
+    codec: str = knob("diloco.rounds.codec.name", "fp32")
+    zstd_level: int = knob("diloco.rounds.codec.zstd_level", 1)
+    topk_fraction: float = knob("diloco.rounds.codec.topk_fraction", 0.01)
+    sparse_k: int = knob("diloco.rounds.codec.sparse_k", 64)
+    sparse_chunk: int = knob("diloco.rounds.codec.sparse_chunk", 4096)
+    sparse_bits: int = knob("diloco.rounds.codec.sparse_bits", 2)
+    broadcast_codec: str | None = knob("diloco.rounds.broadcast_codec.name", None)
+    broadcast_sparse_k: int | None = knob("diloco.rounds.broadcast_codec.sparse_k", None)
+    error_feedback: bool = knob("diloco.rounds.error_feedback", True)
+    error_feedback_decay: float = knob("diloco.rounds.error_feedback_decay", 1.0)
+    sparse_mean: bool = knob("diloco.rounds.aggregation.sparse_mean", False)
+    broadcast_error_feedback: bool = knob("diloco.rounds.broadcast_error_feedback", False)
+    repair: bool = knob("diloco.rounds.repair", True)
+    push_loss: float = knob("inproc.push_loss", 0.0)
+    pull_loss: float = knob("inproc.pull_loss", 0.0)
+    bucket_bytes: int = knob("diloco.buckets.bucket_bytes", 32 * KiB)
+    chunk_bytes: int = knob("diloco.buckets.chunk_bytes", 4 * KiB)
+    reduce_timeout_s: float = knob("rendezvous.reduce_timeout_s", 1.0)
+    broadcast_timeout_s: float = knob("rendezvous.broadcast_timeout_s", 2.0)
+    heartbeat_timeout_s: float = knob("rendezvous.heartbeat_timeout_s", 1.5)
+    outer_lr: float = knob("outer.lr", 0.7)
+    outer_momentum: float = knob("outer.momentum", 0.9)
+    num_val_batches: int = knob("inproc.num_val_batches", 16)
+    eval_every: int = knob("eval_every", 1)
+    track_drift: bool = knob("inproc.track_drift", True)
+    timeout_s: float = knob("inproc.timeout_s", 3600.0)
+    own_session: bool = knob("inproc.own_session", False)
     extra: tuple[tuple[str, Any], ...] = ()
-    datagram_drop: float | None = None
+    datagram_drop: float | None = knob("inproc.datagram_drop", None)
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, allowed: str) -> None:
@@ -166,9 +154,8 @@ class RunSpec:
         return make_evaluate(batches)
 
     def datagram_transport(self, i: int) -> DatagramTransport:
-        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver
-        (the ``transport_factory`` of :class:`dtrain.sim.InprocCluster` for a run that drops
-        datagrams instead of using the in-process network)."""
+        """Site i's datagram data path on 127.0.0.1 with ``datagram_drop`` injected at its receiver (the
+        ``transport_factory`` of :class:`dtrain.sim.InprocCluster`)."""
         cfg = DatagramTransportConfig(
             grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
             max_rate_mbit=200.0,

@@ -1,30 +1,18 @@
-"""Site failures with real processes: kill, restart, kill an owner mid-round, kill two.
+"""Site failures with real processes: kill, restart, kill an owner mid-round, kill two (issue 6 part 2).
 
-4 sites train the built-in byte-level GPT (stdlib source), each a ``dtrain worker``
-process talking gRPC on 127.0.0.1 to the others and to one ``dtrain rendezvous``
-process. Scenarios (issue 6 part 2):
+4 ``dtrain worker`` processes and a ``dtrain rendezvous`` on 127.0.0.1 (gRPC). Scenarios:
 
-* ``no fault``: the reference.
-* ``kill 1, restart``: SIGKILL site-3 once it finished round k; restart it (``--resume``
-  from its last checkpoint) once site-0 finished round k + m. It pulls θ and the outer
-  optimizer state from the members and joins the next round.
+* ``no fault``: the reference;
+* ``kill 1, restart``: SIGKILL site-3 once it finished round k; restart it (``--resume``) once
+  site-0 finished round k + m: it pulls θ and the outer state and joins the next round;
 * ``owner killed mid-round``: site-1 SIGKILLs itself in round k right after its first
-  contribution chunk went out (``DTRAIN_TEST_FAULT=site-1:mid_push:k:kill``), while it
-  owns a quarter of the buckets; not restarted.
+  contribution chunk went out (``DTRAIN_TEST_FAULT=site-1:mid_push:k:kill``); not restarted;
 * ``kill 2 at once``: SIGKILL site-2 and site-3 after round k; not restarted.
 
-Reported per run: site-0's validation loss per round and at the end, its change against
-the no-fault run with the same seed, rounds lost (rounds a survivor did not apply,
-target: none), and the time beyond the round's deadline any survivor spent in a round
-(engine time after the plan minus the broadcast deadline, target: under 1 s), with the
-extra quorum wait after a death shown apart (the rendezvous waits ``quorum_timeout_s``
-for a site whose heartbeats have not yet timed out).
-
-Usage (from the repository root)::
-
-    .venv/bin/python -m experiments run site_failures --mode quick   # 4 sites, tiny, 3 seeds
-    .venv/bin/python -m experiments run site_failures --mode full    # small model, more rounds
-    .venv/bin/python -m experiments run site_failures --mode smoke --out /tmp/x --results none   # CI: 2 runs
+Reported per run: site-0's validation loss and its change against the no-fault run of the same
+seed, rounds lost (rounds a survivor did not apply; target: none), and the time beyond the
+round's deadline a survivor spent in a round (target: under 1 s), the extra quorum wait after a
+death apart.
 """
 
 from __future__ import annotations
@@ -45,41 +33,26 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import run_sites
+from experiments.procs import line_record, run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
-RENDEZVOUS = {
-    "quorum_timeout_s": 1.0,
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_timeout_s": 2.0,
-    "reduce_timeout_s": 1.5,
-    "broadcast_timeout_s": 3.0,
-    "min_sites": 2,
-}
+RENDEZVOUS = dict(quorum_timeout_s=1.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0)
+RENDEZVOUS |= dict(reduce_timeout_s=1.5, broadcast_timeout_s=3.0, min_sites=2)
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_rounds", "task.inner_step_sleep_s"
 
-# A restarted worker needs ~8-20 s (2 cores) to import torch and start. The tiny model's inner steps take
-# milliseconds, so each step also sleeps (emulated compute, no CPU): rounds of >= 1 s, and the restarted
-# site is back for a good part of the run instead of after its end.
-# CI: the owner killed mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
+# A restarted worker needs ~8-20 s (2 cores) to start: each of the tiny model's inner steps also sleeps (emulated
+# compute), so rounds last >= 1 s and the restarted site is back for a good part of the run. CI: the owner killed
+# mid-round against no fault, 4 sites, a few short rounds (~1 min: 10 process starts).
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0],
-        fixed={SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05},
-        grid={SCENARIO: [NO_FAULT, OWNER]},
-    ),
+    "smoke": dict(seeds=[0], grid={SCENARIO: [NO_FAULT, OWNER]})
+    | {"fixed": {SITES: 4, SIZE: "tiny", H: 2, ROUNDS: 4, KILL: 1, DOWN: 1, SLEEP: 0.05}},
     "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "tiny", H: 10, ROUNDS: 24, KILL: 3, DOWN: 2, SLEEP: 0.1}),
-    "full": dict(
-        seeds=[0, 1, 2, 3, 4], fixed={SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}
-    ),
+    "full": dict(seeds=[0, 1, 2, 3, 4])
+    | {"fixed": {SITES: 4, SIZE: "small", H: 50, ROUNDS: 40, KILL: 8, DOWN: 5, SLEEP: 0.02}},
 }
-
-
 TIMEOUT_S = 900.0  # bound on one run
-
-
 WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_every=1, linger_s=2, quorum_wait_s=120)
 
 
@@ -183,19 +156,9 @@ def _measure(
         "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
     }
+    keys = ("round", "status", "val_loss", "members", "sync_s", "round_s")
     rounds_out = [
-        {
-            "experiment": "site_failures",
-            "config": f[SCENARIO],
-            "seed": seed,
-            "round": x["round"],
-            "status": x["status"],
-            "val_loss": x["val_loss"],
-            "members": len(x.get("members", [])),
-            "sync_s": x["sync_s"],
-            "round_s": x.get("round_s", float("nan")),
-        }
-        for x in site0
+        line_record("site_failures", f[SCENARIO], seed, x | {"members": len(x.get("members", []))}, keys) for x in site0
     ]
     return RunResult(row=row, rounds=rounds_out)
 

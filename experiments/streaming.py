@@ -1,39 +1,22 @@
 """Streaming rounds through netem: blocking rounds vs F = 1 with overlap vs F = 4 with overlap (issue 15).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``) over real gRPC; every link is capped and delayed alike
-(full mode: 100 Mbit/s, 40 ms one way, 1% loss). Three configurations train the same task
-for the same number of inner steps:
+N ``dtrain worker`` processes and a ``dtrain rendezvous`` in network namespaces over real gRPC,
+every link capped and delayed alike. The configurations train the same task for the same inner
+steps:
 
-* ``blocking``: F = 1, τ = 0 (today's rounds: the inner loop stops from the plan until the
-  means are applied);
+* ``blocking``: F = 1, τ = 0 (the inner loop stops from the plan until the means are applied);
 * ``F=1 overlap``: F = 1, τ = H, α = 0: the one-step-delayed mode (DiLoCoX, PCCL's async
-  DiLoCo): a round's whole exchange runs during the next inner phase;
-* ``F=4 overlap``: F = 4, τ = H/4 (a fragment round every H/4 steps, merged just before the
-  next one starts), α = 0.5 (Streaming DiLoCo's mixing), sends paced over 0.8 of the τ
-  steps' time (``pace_fraction``); ``F=4 overlap pace 0.5``: the same over 0.5 of it.
+  DiLoCo), with its defaults (eager merge, outer momentum 0.7: ``OuterConfig.delayed_momentum``);
+* ``F=4 overlap``: F = 4, τ = H/4, α = 0.5 (Streaming DiLoCo's mixing), sends paced over 0.8 of
+  the τ steps' time; ``F=4 overlap pace 0.5``: over 0.5 of it.
 
-Every configuration ends at the same inner step (rounds x H): with overlap the last round
-starts at the last step and is merged there at once (its wait is ``final_flush_s``, left out
-of the utilization: it has no steps to overlap with). The one-step-delayed mode runs with
-its defaults: the eager merge and outer momentum 0.7 (``OuterConfig.delayed_momentum``).
+Per run: ``compute_util`` = Σ inner_s / Σ (inner_s + sync_s) over a site's round lines, mean over
+sites (with overlap the last round, started at the last step, is left out: its wait is
+``final_flush_s``); ``final_val_loss`` (site-0); ``peak_Bps`` = the most bytes a site's
+interface sent in any 1 s window (``/proc/PID/net/dev``, sampled every 0.1 s), max over sites;
+``bytes_per_round`` = a site's bytes_sent per round line (F = 4: per fragment round).
 
-Per run (one per configuration and seed):
-
-* ``compute_util``: Σ inner_s / Σ (inner_s + sync_s) over a site's round lines, mean over
-  sites (sync_s: the whole blocking sync call; with overlap, what the steps waited at merges);
-* ``final_val_loss``: site-0's validation loss after the last round;
-* ``peak_Bps``: the most bytes a site's interface sent in any 1 s window (from
-  ``/proc/PID/net/dev`` of its worker, sampled every 0.1 s), max over sites; and
-  ``bytes_per_round``: a site's bytes_sent per round line (F = 4: per fragment round).
-  Through a rate cap TCP sends any exchange at the cap, so the 1 s peak can only fall when an
-  exchange is shorter than the window; the per-round bytes show the 1/F share directly.
-
-Usage (as root: netem needs network namespaces)::
-
-    .venv/bin/python -m experiments run streaming --mode smoke --out /tmp/x --results none  # 2 sites, tiny
-    .venv/bin/python -m experiments run streaming --mode quick   # 4 sites, GPT base fp32 (~13 MB/site/round), 3 seeds
-    .venv/bin/python -m experiments run streaming --mode full    # 3 seeds, 8 rounds
+Needs root (netem: network namespaces).
 """
 
 from __future__ import annotations
@@ -44,49 +27,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.common import (
-    RunResult,
-    fmt_pm,
-    md_rows,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import RunResult, fmt_pm, md_rows, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
-SITES, SIZE, CODEC, H, ROUNDS = (
-    "task_spec.num_sites",
-    "task_spec.size",
-    "diloco.rounds.codec.name",
-    "diloco.sync_every",
-    "rounds",
-)
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+CODEC = "diloco.rounds.codec.name"
 STREAM = ("diloco.num_fragments", "diloco.overlap_steps", "diloco.merge_alpha", "diloco.pace_fraction")
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0], fixed={SITES: 2, SIZE: "tiny", CODEC: "int8", H: 8, ROUNDS: 2, "task.inner_step_sleep_s": 0.05}
     ),
-    # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the issue's size).
-    # batch_size 3 (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a
-    # blocking round (~4 s through netem) leaves compute utilization <= 0.6 at H = 16 (the
-    # issue's setup; with batch 16 it was 0.88). Buckets of 256 KiB in 64 KiB chunks: what
-    # the fragment pacing's budget is spent in. ROUNDS: outer rounds (F = 4 runs 4x as many fragment rounds).
+    # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the issue's size). batch_size 3
+    # (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a blocking round (~4 s through
+    # netem) leaves compute utilization <= 0.6 at H = 16 (the issue's setup; with batch 16 it was 0.88). Buckets
+    # of 256 KiB in 64 KiB chunks: what the pacing's budget is spent in. ROUNDS: outer rounds (F = 4: 4x as many).
     "quick": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 4}),
     "full": dict(seeds=[0, 1, 2], fixed={SITES: 4, SIZE: "base", CODEC: "fp32", H: 16, ROUNDS: 8}),
 }
 TRAIN = dict(batch_size=3, **{"diloco.buckets.bucket_bytes": 256 * KiB, "diloco.buckets.chunk_bytes": 64 * KiB})
 PACE_FRACTION = 0.8  # a fragment round's sends spread over 0.8 of its τ steps' time (DiLoCoConfig.pace_fraction)
 DELAYED_OUTER_MOMENTUM = 0.7  # OuterConfig.delayed_momentum's default (experiments/delayed_momentum.py)
-RENDEZVOUS = {
-    "quorum_timeout_s": 120.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 30.0,
-    "reduce_timeout_s": 60.0,
-    "broadcast_timeout_s": 120.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=120.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+RENDEZVOUS |= dict(reduce_timeout_s=60.0, broadcast_timeout_s=120.0)
 
 
 def configs(h: int, mode: str = "quick") -> list[tuple[str, dict[str, Any]]]:

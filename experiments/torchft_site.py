@@ -1,40 +1,26 @@
 """One torchft 0.2.0 replica group (one site) training dtrain's built-in task with DiLoCo.
 
 Started by :mod:`experiments.vs_torchft` as its own OS process, one per site, next to a
-``torchft_lighthouse``. It trains exactly what a ``dtrain worker`` trains:
+``torchft_lighthouse``. It trains exactly what a ``dtrain worker`` trains: the task of
+``dtrain.tasks.build_task`` (same model and seeded initial weights, data shard and order,
+validation batches, inner AdamW), DiLoCo (arXiv 2311.08105) through ``torchft.local_sgd.DiLoCo``
+with one fragment, H = ``sync_every``, outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``, and
+``torch.set_num_threads(threads)``.
 
-* the task from ``dtrain.tasks.build_task(TaskSpec(site_index, num_sites, seed, data, size))``:
-  same model and bit-identical initial weights (seeded), same data shard and order, same
-  validation batches, same inner AdamW (the task's own optimizer object);
-* DiLoCo (Douillard et al., arXiv 2311.08105) through ``torchft.local_sgd.DiLoCo`` with one
-  fragment, ``sync_every`` = H, outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``;
-* ``torch.set_num_threads(threads)`` (1 by default, as the dtrain worker).
+torchft is configured as its documentation recommends for DiLoCo: ``Manager(use_async_quorum=False,
+init_sync=False, min_replica_size=1)``, a replica group of one process with its own ``TCPStore``,
+``ProcessGroupGloo(timeout=pg_timeout_s)`` and the default HTTP checkpoint transport for live
+recovery; the Manager's state dict holds the model and the inner optimizer.
 
-torchft configuration, as its documentation recommends for DiLoCo:
-``Manager(use_async_quorum=False)`` (DiLoCo refuses async quorum), ``init_sync=False``
-(replicas are initialised identically from the seed), ``min_replica_size=1``, a replica
-group of one process (``rank=0, world_size=1``) with its own ``TCPStore``,
-``ProcessGroupGloo(timeout=pg_timeout_s)`` and the default HTTP checkpoint transport for
-live recovery. The lighthouse flags are the harness's (``--min_replicas 1
---quorum_tick_ms 100 --join_timeout_ms 10000`` as in torchft's DiLoCo example README).
-The Manager's state dict holds the model and the inner optimizer; torchft's DiLoCo adds
-its own (the global parameters and the outer optimizer) to it.
+Output (``--out-dir``), shaped as a dtrain worker's (docs/METRICS.md): ``metrics.jsonl`` with a
+``start`` line and one ``round`` line per sync attempt (``round`` = 0-based attempt, ``step`` =
+torchft's committed outer steps, ``bytes_sent`` = the ring all-reduce estimate), and
+``summary.json`` (``ru_maxrss_kb``: this process's peak RSS).
 
-Output (``--out-dir``), the same shape as a dtrain worker's (docs/METRICS.md):
-``metrics.jsonl`` with a ``start`` line and one ``round`` line per sync attempt
-(``round`` = 0-based attempt, ``step`` = torchft's committed outer steps, ``committed``,
-``members``, ``val_loss``, ``train_loss``, ``inner_s``, ``sync_s``, ``wall_s``, ``time``,
-``checksum``, ``bytes_sent`` = the ring all-reduce estimate for this site), and
-``summary.json`` with ``ru_maxrss_kb`` (peak resident memory of this process).
-
-Test-only fault: ``--kill-at-round K`` SIGKILLs this process in sync attempt K after the
-quorum formed and before its first all-reduce (the point where dtrain's
-``DTRAIN_TEST_FAULT=site-i:before_push:K:kill`` fires).
-
-Start barrier: with ``--barrier-dir DIR`` the site writes ``DIR/ready-<index>`` once its
-Manager is up (heartbeating to the lighthouse) and waits for ``DIR/go`` before training,
-so the first quorum has every site (dtrain's rendezvous does the same with
-``initial_sites``).
+``--kill-at-round K`` (test fault) SIGKILLs this process in sync attempt K after the quorum
+formed, before its first all-reduce (where dtrain's ``before_push`` fault fires).
+``--barrier-dir DIR``: write ``DIR/ready-<index>`` once the Manager heartbeats, then wait for
+``DIR/go`` (dtrain's rendezvous does the same with ``initial_sites``).
 """
 
 from __future__ import annotations
@@ -55,11 +41,8 @@ log = logging.getLogger("torchft_site")
 
 
 def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4) -> int:
-    """Payload bytes ONE participant sends in a ring all-reduce of ``numel`` elements.
-
-    Gloo's default CPU all-reduce is a ring (reduce-scatter then all-gather): each of
-    ``n`` participants sends ``2 (n - 1) / n`` of the tensor. 0 when alone.
-    """
+    """Payload bytes ONE participant sends in gloo's ring all-reduce (reduce-scatter, then
+    all-gather) of ``numel`` elements: ``2 (n - 1) / n`` of the tensor; 0 when alone."""
     n = num_participants
     if n <= 1:
         return 0
@@ -150,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _manager(a: argparse.Namespace, site: str, task, store_port: int):
-    """The torchft Manager of this site (one replica group of one rank, the lighthouse's quorum),
-    its all-reduce wrapped to count calls and to SIGKILL this process in attempt
-    ``--kill-at-round`` once admitted and before sending. Returns (manager, the shared counters)."""
+    """This site's torchft Manager (one replica group of one rank), its all-reduce wrapped to count calls
+    and to SIGKILL this process in attempt ``--kill-at-round`` once admitted; (manager, counters)."""
     from torchft import Manager, ProcessGroupGloo
 
     model, inner = task.model, task.optimizer

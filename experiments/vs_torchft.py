@@ -1,54 +1,30 @@
 """Head to head with torchft 0.2.0's DiLoCo: same task, same machine, one invocation (issue 7).
 
-Both systems train dtrain's built-in task (``dtrain.tasks.build_task``: same GPT, same
-seeded initial weights, same data shards and order, same validation batches, same inner
-AdamW), H inner steps per round, outer SGD(lr 0.7, momentum 0.9, Nesterov), the same
-number of sites, every site its own OS process with ``torch.set_num_threads(1)``:
+Both systems train dtrain's built-in task (same GPT, seeded initial weights, data shards and
+order, validation batches, inner AdamW), H inner steps per round, outer SGD(lr 0.7, momentum 0.9,
+Nesterov), the same number of sites, every site its own process with one torch thread: dtrain as
+``dtrain rendezvous`` + a ``dtrain worker`` per site (gRPC on 127.0.0.1, codec int8 unless
+``diloco.rounds.codec.name`` says otherwise); torchft as ``torchft_lighthouse`` + an
+:mod:`experiments.torchft_site` per site. Scenarios (``vs.scenarios``; the systems one after the
+other unless said; :mod:`experiments.vs_torchft_analysis` defines each figure):
 
-* dtrain: ``python -m dtrain rendezvous`` + one ``python -m dtrain worker`` per site
-  (gRPC on 127.0.0.1, the codec ``diloco.rounds.codec.name``: int8 unless set);
-* torchft: ``torchft_lighthouse`` + one :mod:`experiments.torchft_site` per site
-  (Manager + ProcessGroupGloo + ``torchft.local_sgd.DiLoCo``, see that module for the
-  configuration and why).
+1. ``healthy``: wall time per round, final validation loss per site, bytes on the wire per round,
+   peak RSS per site process, and the dtrain / torchft ratios against the targets (wall <= 1,
+   loss within 1 %, bytes <= 1/4); ``vs.repeats`` times in AB BA order, plus a dtrain run per
+   codec of ``vs.extra_codecs``. ``concurrent``: both systems' healthy runs at the same time.
+2. ``fault``: site-1 SIGKILLed in round ``vs.kill_round`` once admitted, before it sent anything
+   (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:K:kill``; torchft: ``--kill-at-round``); a fresh
+   site-1 starts when a survivor has finished round K + ``vs.restart_after`` - 1. Reports discarded
+   rounds, what site-1 missed, the longest stall a survivor saw, the time to rejoin, final losses.
+3. ``netem``: the healthy run with every process behind each link profile of
+   ``vs.netem_profiles`` (root; left out with a note otherwise).
 
-Scenarios (``vs.scenarios``; one system after the other unless said otherwise):
-
-1. ``healthy``: wall time per round, final validation loss per site, bytes on the wire per
-   round, peak RSS per site process, and dtrain / torchft ratios against the targets (wall
-   <= 1, loss within 1 %, bytes <= 1/4; :mod:`experiments.vs_torchft_analysis` defines each
-   figure). Repeated ``vs.repeats`` times in AB BA order; one more healthy dtrain run per
-   codec of ``vs.extra_codecs`` for the bytes table.
-   ``concurrent``: the same healthy run of both systems started at the same time, so both
-   see the same background load on a shared machine (they also share its CPUs).
-2. ``fault``: site-1 is SIGKILLed in round ``vs.kill_round`` after it was admitted and before
-   it sent anything (dtrain: ``DTRAIN_TEST_FAULT=site-1:before_push:K:kill``; torchft: the
-   same point, ``torchft_site --kill-at-round``), and a fresh process for site-1 starts when a
-   survivor has finished round K + ``vs.restart_after`` - 1. Reports the rounds each system
-   discarded, what the failed site missed, the longest stall a survivor saw, the time to
-   rejoin, final losses.
-3. ``netem``: the healthy run with every site (and the rendezvous/lighthouse) in its own
-   network namespace behind each link profile of ``vs.netem_profiles``. Needs root and the
-   repository's ``netem`` package; left out with a note otherwise.
-
-Then, with ``vs.profile`` ``always`` (or ``auto`` when the healthy runs missed the wall-time
-target), one more healthy dtrain run samples site-0 with py-spy.
-
-Every site process is started "pre-warmed": it imports torch (and dtrain/torchft) first,
-then waits for a go-file before it runs the site's main function, so start-up skew and
-interpreter start-up are out of the measurements and a restarted site comes back in
-seconds on a loaded machine. Everything a run starts runs in its own session and is killed
-on exit, on error and on Ctrl-C. A run that left a problem keeps its run directory (the
-row's ``kept``)::
-
-    python -m experiments run vs_torchft --mode smoke   # CI: 2 sites, tiny, healthy only (< 60 s)
-    python -m experiments run vs_torchft --mode quick   # 2 sites, small: healthy x2, concurrent, fault, 1 netem
-    python -m experiments run vs_torchft --mode full    # 3 sites, small, more rounds, 2 netem profiles
-    python -m experiments run vs_torchft --set 'vs.scenarios=["fault"]' --set vs.profile=never
-
-torchft is NOT a dependency of dtrain and nothing here installs it. Install it into the same
-environment after torch (it then pulls no torch)::
-
-    pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+With ``vs.profile`` ``always`` (or ``auto`` when the healthy runs missed the wall-time target) one
+more healthy dtrain run samples site-0 with py-spy. Every site process starts "pre-warmed"
+(imports done, then it waits for a go-file): start-up is out of the measurements and a restarted
+site is back in seconds. Everything a run starts is killed on exit, error and Ctrl-C; a run that
+left a problem keeps its run directory (the row's ``kept``). torchft is NOT a dependency of dtrain
+(:data:`INSTALL_HINT` says how to add it).
 """
 
 from __future__ import annotations
@@ -75,30 +51,6 @@ from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
 from experiments.procs import free_port, netem_problem
-from experiments.vs_torchft_analysis import (
-    BUCKET_BYTES,
-    CODEC,
-    DATA,
-    EXTRA_CODECS,
-    FAULT_ROUNDS,
-    KILL_ROUND,
-    NETEM,
-    NETEM_PROFILES,
-    NETEM_ROUNDS,
-    PROFILE,
-    PYSPY,
-    REPEAT,
-    REPEATS,
-    RESTART_AFTER,
-    ROUNDS,
-    SCENARIO,
-    SCENARIOS,
-    SITES,
-    SIZE,
-    SYNC_EVERY,
-    SYSTEM,
-    TIMEOUT_S,
-)
 
 INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
@@ -110,7 +62,7 @@ KILLED_SITE = 1
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 TORCHFT_SITE_FLAGS = ["--timeout-s", "30", "--quorum-timeout-s", "300", "--pg-timeout-s", "5"]
 #: the plan's settings: what a mode runs, not how one run runs (not copied into the runs' rows)
-PLAN = (SCENARIOS, REPEATS, EXTRA_CODECS, NETEM_PROFILES, NETEM_ROUNDS, FAULT_ROUNDS, PROFILE)
+PLAN = (va.SCENARIOS, va.REPEATS, va.EXTRA_CODECS, va.NETEM_PROFILES, va.NETEM_ROUNDS, va.FAULT_ROUNDS, va.PROFILE)
 #: the metrics-line fields the rounds CSV keeps (the analysis reads them; ``t``: seconds since the go)
 LINE_FIELDS = ("round", "step", "status", "committed", "members", "val_loss", "train_loss", "inner_s", "sync_s")
 LINE_FIELDS += ("encode_s", "decode_s", "network_s", "wait_s", "bytes_sent", "bytes_received", "applied_buckets")
@@ -175,42 +127,17 @@ def _prewarmed_main(argv: list[str]) -> None:
 # ----------------------------------------------------------------------------- one run
 @dataclass(frozen=True)
 class Run:
-    """One system's run of a point: what its processes are told."""
+    """One system's run of a point: what its processes are told (``s``: the point's settings by
+    config path; ``pyspy``: the path of py-spy, to sample dtrain's site-0)."""
 
     system: str  # "dtrain" | "torchft"
-    sites: int
-    size: str
-    data: str
-    rounds: int
-    sync_every: int
-    codec: str
-    bucket_bytes: int | None
+    s: dict[str, Any]
     seed: int
-    kill_round: int  # -1: no fault
-    restart_after: int
-    netem: str | None
-    timeout_s: float
-    pyspy: str | None  # path of py-spy: sample dtrain's site-0
 
-    @classmethod
-    def of(cls, point: Point, system: str) -> "Run":
-        s = point.settings
-        return cls(
-            system=system,
-            sites=s[SITES],
-            size=s[SIZE],
-            data=s[DATA],
-            rounds=s[ROUNDS],
-            sync_every=s[SYNC_EVERY],
-            codec=s[CODEC],
-            bucket_bytes=s[BUCKET_BYTES],
-            seed=point.seed,
-            kill_round=s[KILL_ROUND] if s[SCENARIO] == "fault" else -1,
-            restart_after=s[RESTART_AFTER],
-            netem=s[NETEM],
-            timeout_s=s[TIMEOUT_S],
-            pyspy=s[PYSPY],
-        )
+    @property
+    def kill_round(self) -> int:
+        """The round site-1 is killed in; -1: no fault."""
+        return self.s[va.KILL_ROUND] if self.s[va.SCENARIO] == "fault" else -1
 
 
 @dataclass
@@ -251,20 +178,18 @@ class _Net:
 
 
 def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = None) -> Record:
-    """Run one system through one scenario; every child is gone when this returns.
-
-    ``start_together``: a barrier shared with runs started at the same time (scenario
-    ``concurrent``); the sites get their go once every run has its sites ready."""
+    """Run one system through one scenario; every child is gone when this returns. ``start_together``:
+    a barrier shared with runs started at the same time (the sites go once every run's are ready)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = Record(dir=run_dir)
     children: dict[str, Proc] = {}
     topo = None
     gate = run_dir / "gate"
     try:
-        if run.netem:
+        if run.s[va.NETEM]:
             from netem import Topology  # noqa: PLC0415
 
-            topo = Topology(num_sites=run.sites + 1, profile=run.netem)
+            topo = Topology(num_sites=run.s[va.SITES] + 1, profile=run.s[va.NETEM])
             rec.netem_backends = topo.backends()
         net = _Net(topo)
         gate.mkdir(exist_ok=True)
@@ -272,7 +197,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
         restart_name = _start_sites(run, run_dir, net, coord, children, start_together, rec)
         _supervise(run, rec, run_dir, children, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
-        if run.pyspy:  # py-spy writes its file once the sampled process has exited
+        if run.s[va.PYSPY]:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
             _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
     except (Exception, KeyboardInterrupt) as e:
@@ -289,7 +214,7 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
 def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Proc]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
-    n, py = run.sites, sys.executable
+    n, py = run.s[va.SITES], sys.executable
     if run.system == "dtrain":
         addr_file = run_dir / "rendezvous.addr"
         argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
@@ -331,22 +256,22 @@ def _site_argv(
 ) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
     go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
-    n, py, gate = run.sites, sys.executable, run_dir / "gate"
+    n, py, gate = run.s[va.SITES], sys.executable, run_dir / "gate"
     out = run_dir / out_name
     env = {"GLOO_SOCKET_IFNAME": net.ifname}
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
-    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.size]
-    common += ["--data", run.data, "--rounds", str(run.rounds), "--sync-every", str(run.sync_every)]
+    common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[va.SIZE]]
+    common += ["--data", run.s[va.DATA], "--rounds", str(run.s[va.ROUNDS]), "--sync-every", str(run.s[va.SYNC_EVERY])]
     common += ["--threads", "1", "--seed", str(run.seed)]
     if run.system == "dtrain":
         args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
-        args += ["--codec", run.codec]
-        if run.bucket_bytes:
-            args += ["--bucket-bytes", str(run.bucket_bytes)]
+        args += ["--codec", run.s[va.CODEC]]
+        if run.s[va.BUCKET_BYTES]:
+            args += ["--bucket-bytes", str(run.s[va.BUCKET_BYTES])]
         if fault:
             env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{run.kill_round}:kill"
-        if run.pyspy and i == 0:
-            env["VS_TORCHFT_PYSPY"] = run.pyspy
+        if run.s[va.PYSPY] and i == 0:
+            env["VS_TORCHFT_PYSPY"] = run.s[va.PYSPY]
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
         args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
@@ -364,7 +289,7 @@ def _start_sites(
 ) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
-    n, gate = run.sites, run_dir / "gate"
+    n, gate = run.s[va.SITES], run_dir / "gate"
     names = [f"site-{i}" for i in range(n)]
     for i, name in enumerate(names):
         fault = run.kill_round >= 0 and i == KILLED_SITE
@@ -399,11 +324,10 @@ def _start_sites(
 
 
 def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], restart_name: str) -> None:
-    """Until every site has exited or the run times out: record the kill, and start the
-    replacement once a survivor has finished the restart round (killing the site first
-    if the fault did not fire)."""
+    """Until every site has exited or the run times out: record the kill, and start the replacement once
+    a survivor has finished the restart round (killing site-1 first if the fault did not fire)."""
     gate = run_dir / "gate"
-    deadline = time.monotonic() + run.timeout_s
+    deadline = time.monotonic() + run.s[va.TIMEOUT_S]
     survivor = run_dir / "site-0" / "metrics.jsonl"
     while True:
         if run.kill_round >= 0:
@@ -411,7 +335,7 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             if rec.t_kill is None and killed.poll() is not None:
                 rec.t_kill = time.time()
             if rec.t_restart is None and any(
-                d.get("event") == "round" and d["round"] >= run.kill_round + run.restart_after - 1
+                d.get("event") == "round" and d["round"] >= run.kill_round + run.s[va.RESTART_AFTER] - 1
                 for d in read_json_lines(survivor)
             ):
                 if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
@@ -428,17 +352,14 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
             break
         if time.monotonic() > deadline:
             rec.timed_out = True
-            rec.error = (rec.error or "") + f"timed out after {run.timeout_s:.0f}s. "
+            rec.error = (rec.error or "") + f"timed out after {run.s[va.TIMEOUT_S]:.0f}s. "
             break
         time.sleep(0.1)
 
 
 def _stop_all(rec: Record, children: dict[str, Proc], gate: Path) -> None:
-    """Stop the sites, then the coordinator; record each process's exit code, peak RSS and CPU.
-
-    Peak RSS: a site's own VmHWM as it exited; else (a coordinator) its VmHWM read while it still
-    ran; else (a killed site) ``wait4``'s ru_maxrss, which counts the harness's memory the child
-    was forked from (this process imported torch)."""
+    """Stop the sites, then the coordinator; record each process's exit code, CPU and peak RSS (a site's
+    own VmHWM at exit, a coordinator's read while it ran, else ``wait4``'s ru_maxrss: a killed site)."""
     for nm in sorted(children, key=lambda nm: not nm.startswith("site-")):
         c = children[nm]
         live = _vmhwm_kb(c.pid) if c.poll() is None else None
@@ -466,10 +387,8 @@ def _vmhwm_kb(pid: int) -> int | None:
 # ----------------------------------------------------------------------------- what this machine can run
 @functools.lru_cache(maxsize=1)
 def torchft_problem() -> str | None:
-    """None when torchft 0.2.x imports in this interpreter, else a one-line reason.
-
-    Checked in a subprocess: importing torchft (and so torch) here would make this
-    process large, and every child forked from it would inherit that as its peak RSS."""
+    """None when torchft 0.2.x imports in this interpreter, else a one-line reason (checked in a
+    subprocess: importing torch here would make every child's inherited peak RSS large)."""
     code = "from torchft import Manager, ProcessGroupGloo; from torchft.local_sgd import DiLoCo"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -489,20 +408,19 @@ def pyspy_path() -> str | None:
 
 # ----------------------------------------------------------------------------- the spec
 def run_point(point: Point) -> list[RunResult]:
-    """One point's runs: one system, or both at once (``vs.system`` ``both``: scenario
-    ``concurrent``), each in a temporary run directory; a row per run, its metrics lines in
-    ``rounds``. A netem point where netem cannot run here: no row (the report says why)."""
+    """One point's runs: one system, or both at once (``vs.system`` ``both``), each in a temporary run
+    directory; a row per run. A netem point where netem cannot run here: no row (the report says why)."""
     why = torchft_problem()
     if why:
         raise SystemExit(f"vs_torchft: {why}.\nThis experiment needs torchft 0.2.0; install it with:\n  {INSTALL_HINT}")
-    if point.settings[NETEM] and netem_problem():
+    if point.settings[va.NETEM] and netem_problem():
         print(f"vs_torchft: {point.config} not run: {netem_problem()}", flush=True)
         return []
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_signal)  # a stopped runner still stops every child
-    systems = ("dtrain", "torchft") if point.settings[SYSTEM] == "both" else (point.settings[SYSTEM],)
+    systems = ("dtrain", "torchft") if point.settings[va.SYSTEM] == "both" else (point.settings[va.SYSTEM],)
     with tempfile.TemporaryDirectory(prefix="dtrain-vs-torchft-") as tmp:
-        runs = {sy: (Run.of(point, sy), Path(tmp) / _run_name(point, sy)) for sy in systems}
+        runs = {sy: (Run(sy, point.settings, point.seed), Path(tmp) / _run_name(point, sy)) for sy in systems}
         if len(systems) == 1:
             recs = {sy: run_one(run, d) for sy, (run, d) in runs.items()}
         else:
@@ -515,14 +433,13 @@ def run_point(point: Point) -> list[RunResult]:
 
 def _run_name(point: Point, system: str) -> str:
     s = point.settings
-    name = f"{system}_{s[SCENARIO]}_r{s[REPEAT]}" + (f"_s{point.seed}" if point.seed else "")
+    name = f"{system}_{s[va.SCENARIO]}_r{s[va.REPEAT]}" + (f"_s{point.seed}" if point.seed else "")
     return re.sub(r"[^A-Za-z0-9_.+-]+", "-", name)
 
 
 def _result(point: Point, system: str, rec: Record) -> RunResult:
-    """A run's row (its settings, what the harness saw, its headline figures) and its lines: every
-    start and round line of every site (``t``: seconds since the go), an ``exit`` line per process,
-    and the py-spy shares of a profiled run."""
+    """A run's row (settings, what the harness saw, headline figures) and its lines: every start and round
+    line of every site (``t``: seconds since the go), an ``exit`` line per process, the py-spy shares."""
     name = _run_name(point, system)
     lines, finals = [], {}  # finals: each finished site's last θ checksum
     for proc, facts in rec.procs.items():
@@ -545,7 +462,7 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
         lines += [{**base, "kind": "category", "name": k, "share": v} for k, v in prof["categories"].items()]
         lines += [{**base, "kind": "leaf", "name": k, "share": v} for k, v in prof["top_leaves"]]
     row = point.row(
-        **{SYSTEM: system},
+        **{va.SYSTEM: system},
         run=name,
         error=rec.error or "",
         timed_out=rec.timed_out,
@@ -566,42 +483,41 @@ def _result(point: Point, system: str, rec: Record) -> RunResult:
     if rec.error:  # keep what the run left, for its logs
         row["kept"] = str(Path(tempfile.gettempdir()) / f"vs_torchft-failed-{name}-{os.getpid()}")
         shutil.copytree(rec.dir, row["kept"], dirs_exist_ok=True)
-    print(f"  {system:7s} {point.settings[SCENARIO]:22s} {name}: {rec.error or 'ok'}", flush=True)
+    print(f"  {system:7s} {point.settings[va.SCENARIO]:22s} {name}: {rec.error or 'ok'}", flush=True)
     return RunResult(row=row, rounds=lines)
 
 
 def _point(m: dict[str, Any], seed: int, system: str, scenario: str, repeat: int = 0, **more: Any) -> Point:
     """A run of ``system`` (or ``both``) through ``scenario``: the mode's fixed settings but the plan's."""
     base = {k: v for k, v in m["fixed"].items() if k not in PLAN}
-    settings = {**base, SYSTEM: system, SCENARIO: scenario, REPEAT: repeat, **more}
+    settings = {**base, va.SYSTEM: system, va.SCENARIO: scenario, va.REPEAT: repeat, **more}
     return Point("vs_torchft", f"{system} {scenario} #{repeat}", seed, settings)
 
 
 def plan(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
-    """The runs, in phases: first every scenario of ``vs.scenarios`` (healthy in AB BA order and
-    one dtrain run per extra codec, the concurrent pairs, the fault runs, each netem profile);
-    then the profiled dtrain run if :func:`~experiments.vs_torchft_analysis.profile_wanted`."""
-    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, EXTRA_CODECS, NETEM_PROFILES)}}
+    """The runs in phases: every scenario of ``vs.scenarios`` (healthy in AB BA order and per extra codec,
+    concurrent, fault, each netem profile); then a profiled dtrain run if ``va.profile_wanted``."""
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (va.SCENARIOS, va.EXTRA_CODECS, va.NETEM_PROFILES)}}
     if rows:
-        if any(r[SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
+        if any(r[va.SCENARIO] == "profile" for r in rows) or not va.profile_wanted(rows, m) or not pyspy_path():
             return []
-        return [_point(m, m["seeds"][0], "dtrain", "profile", **{PYSPY: pyspy_path()})]
+        return [_point(m, m["seeds"][0], "dtrain", "profile", **{va.PYSPY: pyspy_path()})]
     out = []
     for seed in m["seeds"]:
-        if "healthy" in f[SCENARIOS]:
-            for rep in range(max(1, f[REPEATS])):
+        if "healthy" in f[va.SCENARIOS]:
+            for rep in range(max(1, f[va.REPEATS])):
                 order = ("dtrain", "torchft") if rep % 2 == 0 else ("torchft", "dtrain")
                 out += [_point(m, seed, sy, "healthy", rep) for sy in order]
-            codecs = [c for c in f[EXTRA_CODECS] if c and c != f[CODEC]]
-            out += [_point(m, seed, "dtrain", f"healthy codec={c}", **{CODEC: c}) for c in codecs]
-        if "concurrent" in f[SCENARIOS]:  # both systems at the same time: they see the same background load
-            out += [_point(m, seed, "both", "concurrent", rep) for rep in range(max(1, f[REPEATS]))]
-        if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] >= 2:
-            out += [_point(m, seed, sy, "fault", **{ROUNDS: f[FAULT_ROUNDS]}) for sy in ("dtrain", "torchft")]
-        if "netem" in f[SCENARIOS]:
-            rounds = f[NETEM_ROUNDS] or f[ROUNDS]
-            for prof in f[NETEM_PROFILES]:
-                more = {NETEM: prof, ROUNDS: rounds}
+            codecs = [c for c in f[va.EXTRA_CODECS] if c and c != f[va.CODEC]]
+            out += [_point(m, seed, "dtrain", f"healthy codec={c}", **{va.CODEC: c}) for c in codecs]
+        if "concurrent" in f[va.SCENARIOS]:  # both systems at the same time: they see the same background load
+            out += [_point(m, seed, "both", "concurrent", rep) for rep in range(max(1, f[va.REPEATS]))]
+        if "fault" in f[va.SCENARIOS] and f[va.FAULT_ROUNDS] and f[va.SITES] >= 2:
+            out += [_point(m, seed, sy, "fault", **{va.ROUNDS: f[va.FAULT_ROUNDS]}) for sy in ("dtrain", "torchft")]
+        if "netem" in f[va.SCENARIOS]:
+            rounds = f[va.NETEM_ROUNDS] or f[va.ROUNDS]
+            for prof in f[va.NETEM_PROFILES]:
+                more = {va.NETEM: prof, va.ROUNDS: rounds}
                 out += [_point(m, seed, sy, f"netem-{prof}", **more) for sy in ("dtrain", "torchft")]
     return out
 
@@ -615,11 +531,11 @@ def _names(v: Any) -> list[str]:
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     """The comparison's section (:func:`experiments.vs_torchft_analysis.report`) with notes on
     what the mode asked for that did not run here, and on the runs that left a problem."""
-    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (SCENARIOS, NETEM_PROFILES)}}
-    scens, notes = {r[SCENARIO] for r in rows}, []
-    if "netem" in f[SCENARIOS] and f[NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
-        notes.append(f"netem scenarios ({', '.join(f[NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
-    if "fault" in f[SCENARIOS] and f[FAULT_ROUNDS] and f[SITES] < 2:
+    f = {**m["fixed"], **{k: _names(m["fixed"][k]) for k in (va.SCENARIOS, va.NETEM_PROFILES)}}
+    scens, notes = {r[va.SCENARIO] for r in rows}, []
+    if "netem" in f[va.SCENARIOS] and f[va.NETEM_PROFILES] and not any(s.startswith("netem-") for s in scens):
+        notes.append(f"netem scenarios ({', '.join(f[va.NETEM_PROFILES])}) not run: {netem_problem() or 'see the log'}")
+    if "fault" in f[va.SCENARIOS] and f[va.FAULT_ROUNDS] and f[va.SITES] < 2:
         notes.append("fault scenario not run: it needs >= 2 sites")
     if "profile" not in scens and va.profile_wanted(rows, m) and not pyspy_path():
         notes.append("profile: not run, py-spy is not installed (pip install py-spy)")
@@ -629,43 +545,29 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 
 #: per mode: the task, the schedule, and what runs (``vs.*``; ``--set`` overrides any of them)
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {SITES: 2, SIZE: "tiny", ROUNDS: 4, SYNC_EVERY: 5, FAULT_ROUNDS: 0, NETEM_PROFILES: []},
-    "quick": {SITES: 2, SIZE: "small", ROUNDS: 8, SYNC_EVERY: 20, FAULT_ROUNDS: 10, REPEATS: 2},
-    "full": {SITES: 3, SIZE: "small", ROUNDS: 16, SYNC_EVERY: 50, FAULT_ROUNDS: 14, REPEATS: 2},
+    "smoke": {va.SITES: 2, va.SIZE: "tiny", va.ROUNDS: 4, va.SYNC_EVERY: 5, va.FAULT_ROUNDS: 0, va.NETEM_PROFILES: []},
+    "quick": {va.SITES: 2, va.SIZE: "small", va.ROUNDS: 8, va.SYNC_EVERY: 20, va.FAULT_ROUNDS: 10, va.REPEATS: 2},
+    "full": {va.SITES: 3, va.SIZE: "small", va.ROUNDS: 16, va.SYNC_EVERY: 50, va.FAULT_ROUNDS: 14, va.REPEATS: 2},
 }
-MODES["smoke"] |= {NETEM_ROUNDS: 0, TIMEOUT_S: 120.0, SCENARIOS: ["healthy"], PROFILE: "never"}
-MODES["quick"] |= {NETEM_PROFILES: ["transatlantic"], NETEM_ROUNDS: 5, EXTRA_CODECS: ["int8+zstd"]}
-MODES["full"] |= {NETEM_PROFILES: ["transatlantic", "lossy"], NETEM_ROUNDS: 8, TIMEOUT_S: 1800.0}
-MODES["full"] |= {EXTRA_CODECS: ["int8+zstd", "int4"]}
+MODES["smoke"] |= {va.NETEM_ROUNDS: 0, va.TIMEOUT_S: 120.0, va.SCENARIOS: ["healthy"], va.PROFILE: "never"}
+MODES["quick"] |= {va.NETEM_PROFILES: ["transatlantic"], va.NETEM_ROUNDS: 5, va.EXTRA_CODECS: ["int8+zstd"]}
+MODES["full"] |= {va.NETEM_PROFILES: ["transatlantic", "lossy"], va.NETEM_ROUNDS: 8, va.TIMEOUT_S: 1800.0}
+MODES["full"] |= {va.EXTRA_CODECS: ["int8+zstd", "int4"]}
 
 SPEC = Spec(
     name="vs_torchft",
     title="dtrain vs torchft 0.2.0 DiLoCo",
     modes={mode: {"seeds": [0], "fixed": fixed} for mode, fixed in MODES.items()},
-    fixed={
-        DATA: "stdlib",
-        CODEC: "int8",
-        BUCKET_BYTES: None,  # dtrain's default
-        SCENARIOS: ["healthy", "concurrent", "fault", "netem"],
-        REPEATS: 1,
-        EXTRA_CODECS: [],
-        PROFILE: "auto",
-        KILL_ROUND: 3,
-        RESTART_AFTER: 2,
-        TIMEOUT_S: 900.0,
-        NETEM: None,
-        PYSPY: None,
-    },
-    metrics=(
-        ("final_val_loss", 0.0, 10.0),
-        ("round_wall_median_s", 0.0, 600.0),
-        ("bytes_per_round", 1.0, 1e12),
-        ("peak_rss_mb_max", 10.0, 1e5),
-    ),
+    fixed={va.DATA: "stdlib", va.CODEC: "int8", va.BUCKET_BYTES: None}  # bucket bytes: dtrain's default
+    | {va.SCENARIOS: ["healthy", "concurrent", "fault", "netem"], va.REPEATS: 1, va.PROFILE: "auto"}
+    | {va.EXTRA_CODECS: [], va.KILL_ROUND: 3, va.RESTART_AFTER: 2}
+    | {va.TIMEOUT_S: 900.0, va.NETEM: None, va.PYSPY: None},
+    metrics=(("final_val_loss", 0.0, 10.0), ("round_wall_median_s", 0.0, 600.0), ("bytes_per_round", 1.0, 1e12))
+    + (("peak_rss_mb_max", 10.0, 1e5),),
     report=report,
     verdict=va.verdict,
     execute=run_point,
-    paths=(SYSTEM, SCENARIO, REPEAT, NETEM, KILL_ROUND, RESTART_AFTER, TIMEOUT_S, PYSPY, *PLAN),
+    paths=(va.SYSTEM, va.SCENARIO, va.REPEAT, va.NETEM, va.KILL_ROUND, va.RESTART_AFTER, va.TIMEOUT_S, va.PYSPY, *PLAN),
     jobs_fn=lambda point: False,  # one run at a time: each measures the machine
     phases=plan,
 )

@@ -337,7 +337,7 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
         lines += ["### Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
         f"CSV: `{prefix.name}.csv` (one row per run), `{prefix.name}_rounds.csv` (every metrics line of every "
-        f"site); plot: `{png.name}`.",
+        f"site); plot: `{png.name}`."
     ]
     return "\n".join(lines)
 
@@ -356,9 +356,8 @@ def _headline(rows: Rows, rounds: Rows, m: dict[str, Any], runs: dict, comps: di
 
 
 def profile_wanted(rows: Rows, m: dict[str, Any]) -> bool:
-    """Whether dtrain's site-0 is to be sampled with py-spy in one more healthy run: ``vs.profile``
-    ``always``, or ``auto`` when the healthy runs missed the wall-time target (the median over
-    each system's healthy runs of their median round)."""
+    """Whether to sample dtrain's site-0 with py-spy in one more healthy run: ``vs.profile`` ``always``, or
+    ``auto`` when the healthy runs missed the wall-time target (median of each system's medians)."""
     how = m["fixed"][PROFILE]
     if how != "auto":
         return how == "always"

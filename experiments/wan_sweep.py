@@ -1,44 +1,23 @@
 """WAN sweep through netem: round sync time against the physical limit (issue 6 part 3).
 
-N ``dtrain worker`` processes and one ``dtrain rendezvous`` run in their own network
-namespaces (``netem.Topology``, the same layout as ``dtrain launch --netem``) and talk
-real gRPC across emulated links. Every site's link gets the same setting: a rate cap
-(Mbit/s, each direction), a one-way delay on packets arriving at the site (so the RTT
-between two sites is 2 x delay) and random loss of packets arriving at the site.
-
-One training run per seed walks through every setting of the grid: each setting
-holds for ``warmup_rounds + measured_rounds`` rounds; the link changes once every
-site has written its metrics line for the last round of the previous setting (so
-all sites are in their inner phase, and the next round's exchange runs wholly under
-the new setting; rounds whose sync began before the change are flagged and left
-out). The warm-up round lets TCP (BBR) and the gRPC channels settle into the new
-link. Deadlines are generous (reduce 30 s, broadcast 60 s) so that what is measured
-is how long the exchange takes, not where a deadline cut it.
+N ``dtrain worker`` processes and a ``dtrain rendezvous``, each in its own network namespace,
+talk real gRPC across emulated links (the setup the report prints). One training run per seed
+walks every setting of the grid; the link changes once every site has written its line of the
+previous setting's last round, and a round whose sync began before the change is left out.
 
 Per setting and seed:
 
-* ``engine_s``: a round's exchange time, from the plan to the end of apply (the
-  worker's ``round_s``), max over sites (the round's critical path), mean over the
-  measured rounds; ``sync_s``: the same for the whole ``sync()`` call, which also
-  holds the wait for the other sites to be ready.
-* ``limit_s``: the physical limit as issue 6 defines it, 2 x B / rate + 2 x RTT, B =
-  encoded bytes of one site's pseudo-gradient (its codec payloads, all buckets), RTT =
-  2 x delay; ``ratio`` = engine_s / limit_s. With ownership spread evenly a site
-  uploads (N-1)/N x B of contributions and (N-1)/N x B of the means it owns, and
-  downloads as much, so the table also gives the ratio to that stricter limit,
-  2 x (N-1)/N x B / rate + 2 x RTT (its rate term is (N-1)/N of the first: 3/4 for N = 4).
+* ``engine_s``: a round's exchange time, plan to end of apply (the worker's ``round_s``), max
+  over sites, mean over the measured rounds; ``sync_s``: the same for the whole ``sync()``
+  call (the wait for the other sites included).
+* ``limit_s``: issue 6's physical limit, 2 x B / rate + 2 x RTT (B = encoded bytes of one
+  site's pseudo-gradient, RTT = 2 x one-way delay); ``ratio`` = engine_s / limit_s; also the
+  ratio to the strict limit 2 x (N-1)/N x B / rate + 2 x RTT (what each site sends and
+  receives when every site owns 1/N of the buckets).
 * ``compute_util``: inner-phase time over inner + sync time, mean over sites.
 
-Usage (from the repository root, as root: netem needs network namespaces)::
-
-    .venv/bin/python -m experiments run wan_sweep --mode quick   # 4 sites, small, 27 settings, 3 seeds
-    .venv/bin/python -m experiments run wan_sweep --mode full    # base model, 3 measured rounds each
-    .venv/bin/python -m experiments run wan_sweep --mode smoke --out /tmp/x --results none   # 2 sites, 2 settings
-    .venv/bin/python -m experiments run wan_sweep --mode quick --set netem.tcp_slow_start_after_idle=0
-
-``netem.rates`` / ``netem.delays`` / ``netem.losses`` (``--set netem.rates=[10,50]``), ``netem.floor``
-(the setting without emulation first) and ``netem.tcp_slow_start_after_idle`` (the sysctl in every
-site's namespace; the kernel's default is 1) are the spec's own paths.
+Needs root (netem: network namespaces). ``netem.floor``: first a setting without emulation;
+``netem.tcp_slow_start_after_idle``: that sysctl in every site's namespace (kernel default 1).
 """
 
 from __future__ import annotations
@@ -50,34 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.common import (
-    RunResult,
-    fmt_pm,
-    md_rows,
-    md_table,
-    mean_std,
-    read_rows,
-    save_fig,
-    subplots,
-    summarize,
-)
+from experiments.common import RunResult, fmt_pm, md_rows, md_table, mean_std, read_rows, save_fig, subplots, summarize
 from experiments.lab import Point, Spec
 from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
-# Buckets: small enough that every site owns some (the exchange is spread over all links), large enough that
-# the per-chunk cost stays small: on the 2-core machine, 4 sites of GPT small on 127.0.0.1 took a median 0.50 s
-# per exchange with 64 KiB buckets of 16 KiB chunks (108 chunks), 0.15 s with 256/64 KiB (28), 0.09 s with
-# 512/256 KiB and 0.07 s with the 4 MiB default (one bucket: one owner carries everything).
+# Buckets: small enough that every site owns some, large enough that the per-chunk cost stays small: on the 2-core
+# machine, 4 sites of GPT small on 127.0.0.1 took a median 0.50 s per exchange with 64 KiB buckets of 16 KiB chunks
+# (108 chunks), 0.15 s with 256/64 KiB (28), 0.09 s with 512/256 KiB, 0.07 s with the 4 MiB default (one owner).
 SITES, SIZE, H = "task_spec.num_sites", "task_spec.size", "diloco.sync_every"
 BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_bytes", "task.inner_step_sleep_s"
-RATES, DELAYS, LOSSES, FLOOR, SSAI = (
-    "netem.rates",
-    "netem.delays",
-    "netem.losses",
-    "netem.floor",
-    "netem.tcp_slow_start_after_idle",
-)
+RATES, DELAYS, LOSSES = "netem.rates", "netem.delays", "netem.losses"
+FLOOR, SSAI = "netem.floor", "netem.tcp_slow_start_after_idle"
 WARMUP, MEASURED = "lab.warmup_rounds", "lab.measured_rounds"
 WALK = [RATES, DELAYS, LOSSES]
 MODES: dict[str, dict[str, Any]] = {
@@ -103,13 +66,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 CODEC = "int8"  # the worker's default; --set diloco.rounds.codec.name=sparseloco (issue 35) measures another
 CODEC_PATH = "diloco.rounds.codec.name"
-RENDEZVOUS = {
-    "quorum_timeout_s": 60.0,
-    "heartbeat_interval_s": 1.0,
-    "heartbeat_timeout_s": 20.0,
-    "reduce_timeout_s": 30.0,
-    "broadcast_timeout_s": 60.0,
-}
+RENDEZVOUS = dict(quorum_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=20.0)
+RENDEZVOUS |= dict(reduce_timeout_s=30.0, broadcast_timeout_s=60.0)
 
 
 def setting_label(rate: float | None, delay: float, loss: float) -> str:
@@ -117,10 +75,8 @@ def setting_label(rate: float | None, delay: float, loss: float) -> str:
 
 
 def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, share: float = 1.0) -> float:
-    """2 x share x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds); no rate cap: the RTT part only.
-
-    ``share`` = 1 is issue 6's limit; (N-1)/N is what each site really sends (and receives) when every site
-    owns 1/N of the buckets (:func:`strict_limit_s`)."""
+    """2 x share x B / rate + 2 x RTT, RTT = 2 x one-way delay (seconds; no cap: the RTT part only);
+    ``share`` 1 is issue 6's limit, (N-1)/N what each site sends when it owns 1/N of the buckets."""
     return (0.0 if rate_mbit is None else 2 * share * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
 
 
@@ -130,9 +86,8 @@ def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: floa
 
 
 def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
-    """The settings in the order one run walks them (``f``: the run's settings by path); with
-    ``netem.floor``, first a setting with no emulation at all (the exchange's own cost on this
-    machine: CPU, gRPC, the hub's routing)."""
+    """The settings in the order one run walks them (``f``: settings by path); with ``netem.floor``, first
+    one with no emulation at all (the exchange's own cost on this machine)."""
     return ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
 
 
