@@ -58,7 +58,13 @@ from dtrain.transports.datagram_config import DatagramTransportConfig, max_datag
 from dtrain.transports.datagram_ends import DatagramEnds
 from dtrain.transports.datagram_means import _MAX_REPAIRS_QUEUED, DatagramMeans
 from dtrain.transports.datagram_native import native
-from dtrain.transports.datagram_pacing import Pacer, RateController, ReceiverReport, socket_buffer_bytes
+from dtrain.transports.datagram_pacing import (
+    Pacer,
+    RateController,
+    ReceiverReport,
+    describe_reports,
+    socket_buffer_bytes,
+)
 from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
 from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
@@ -361,7 +367,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
                     )
         rate, why = self.rate.decide(reports)
         self._pacer.set_rate(rate)
-        log.info("round %d: datagram rate %.1f Mbit/s: %s", last.round + 1, rate, why)
+        log.info("round %d: datagram rate %.1f Mbit/s: %s (%s)", last.round + 1, rate, why, describe_reports(reports))
 
     def _round(self, round: int) -> RoundState | None:
         with self._lock:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from dtrain.transports.pacing import Pacer
 
-__all__ = ["Pacer", "RateController", "ReceiverReport", "socket_buffer_bytes"]
+__all__ = ["Pacer", "RateController", "ReceiverReport", "describe_reports", "socket_buffer_bytes"]
 
 _MIB = 1 << 20
 
@@ -58,6 +58,22 @@ class ReceiverReport:
     @property
     def loss(self) -> float:
         return 1.0 - self.received_datagrams / self.sent_datagrams if self.sent_datagrams else 0.0
+
+
+def describe_reports(reports: Sequence[ReceiverReport]) -> str:
+    """One line for the log of what a round's receiver reports say, summed over the
+    receivers: datagrams arrived of sent, the send and receive windows (s, shortest to
+    longest); "no reports" for none."""
+    if not reports:
+        return "no reports"
+    sent = sum(r.sent_datagrams for r in reports)
+    got = sum(r.received_datagrams for r in reports)
+    send = sorted(r.send_s for r in reports)
+    recv = sorted(r.recv_s for r in reports)
+    return (
+        f"{len(reports)} report(s): {got}/{sent} datagrams arrived, send window {send[0]:.4f}-{send[-1]:.4f} s, "
+        f"receive window {recv[0]:.4f}-{recv[-1]:.4f} s"
+    )
 
 
 class RateController:
