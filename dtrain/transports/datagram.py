@@ -276,15 +276,19 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         chunks that came when the member held them already (a NACK's answer and its copies, an
         original overtaken by its resend), not applied twice.
 
-        ``dropped_unknown_round`` counts datagrams that came before their round's key: they are
-        held (at most ``max_pending_datagrams``, beyond that ``dropped_over_budget``) and opened
-        when the plan arrives, so they are not lost.
+        ``held_before_key`` counts datagrams that came before their round's key (the opener's
+        ``unknown_round``; not a drop): they are held (at most ``max_pending_datagrams``, beyond
+        that ``dropped_over_budget``) and opened when the plan arrives, so they are not lost. A
+        held datagram opened at a ``begin_round`` that is still not its round's is held and
+        counted again.
 
         ``rtt_ms``: per peer site with a sample, the measured round trip its timers follow
         (``{"srtt": ms, "rto": ms, "samples": n}``, :mod:`.datagram_rtt`)."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
-        out.update({f"dropped_{k}": v for k, v in self._opener.counts().items()})
+        drops = self._opener.counts()
+        out["held_before_key"] = drops.pop("unknown_round")  # held, opened at begin_round: not a drop
+        out.update({f"dropped_{k}": v for k, v in drops.items()})
         out["rtt_ms"] = self._rtt.summary_ms()
         return out
 
