@@ -13,7 +13,8 @@ a SEND_END and the owner's REPORT. A SEND_END leaves in several copies, and the 
 the copy it answers (its chunk field), so a sample is never matched to the wrong copy: the
 ambiguity Karn's rule avoids by not sampling retransmissions (RFC 6298 section 3) does not
 arise, and a path longer than the estimate is measured from its first round on. A sample measures the peer's response, its dispatch queue included, which is
-what a NACK's answer waits behind too. Before a peer's first sample its figures are the
+what a NACK's answer waits behind too; not a SEND_END that waited at the peer for the round's
+key (its plan came later): that REPORT names no copy and gives no sample (``HELD_COPY``). Before a peer's first sample its figures are the
 transport's configured ``rtt_s`` (``SRTT = rtt_s``, ``RTTVAR = rtt_s / 2``, RFC 6298 2.1's
 start). Pure and torch-free; thread-safe.
 """
