@@ -166,13 +166,13 @@ class _Site:
             st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
 
     def _checksums(self) -> None:
-        from dtrain.app.worker import outer_state_checksum, theta_checksum
+        from dtrain.app.worker import outer_state_checksum
+        from dtrain.diloco import theta_checksum
 
-        diloco = SimpleNamespace(state=self.state)
         for b in range(len(self.layout)):
             self.state.checksum(b)  # before the next round's pulls: cached from here on
-        theta_checksum(diloco)
-        outer_state_checksum(diloco)
+        theta_checksum(self.state)
+        outer_state_checksum(SimpleNamespace(state=self.state))
 
 
 def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None) -> dict:
