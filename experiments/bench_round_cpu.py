@@ -1,6 +1,6 @@
 """CPU seconds one site spends per round in the round engine's own arithmetic (prints a table).
 
-The model is the datagram experiments' 9.8 M-parameter task (``experiments.datagram_task``), in
+The model is the datagram experiments' 9.8 M-parameter task (``datagram_vs_grpc.wide_task``), in
 the layout a 4-site datagram run uses (chunks of one datagram each). One site's share of a round
 is replayed in-process without a transport, with the library's own functions, in the engine's
 order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``), ``encode`` (each bucket's
@@ -54,9 +54,9 @@ GROUPS = {  # the brief's three figures
 
 
 def _model_tensors(num_sites: int) -> list[torch.Tensor]:
-    from experiments.datagram_task import make
+    from experiments.datagram_vs_grpc import wide_task
 
-    task = make(TaskSpec(num_sites=num_sites))
+    task = wide_task(TaskSpec(num_sites=num_sites))
     return [p.detach() for p in task.model.parameters()]
 
 
@@ -166,13 +166,13 @@ class _Site:
             st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
 
     def _checksums(self) -> None:
-        from dtrain.app.worker import outer_state_checksum, theta_checksum
+        from dtrain.app.worker import outer_state_checksum
+        from dtrain.diloco import theta_checksum
 
-        diloco = SimpleNamespace(state=self.state)
         for b in range(len(self.layout)):
             self.state.checksum(b)  # before the next round's pulls: cached from here on
-        theta_checksum(diloco)
-        outer_state_checksum(diloco)
+        theta_checksum(self.state)
+        outer_state_checksum(SimpleNamespace(state=self.state))
 
 
 def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None) -> dict:

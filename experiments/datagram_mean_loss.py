@@ -25,10 +25,10 @@ from dtrain.codecs import CodecConfig
 from dtrain.protocol import Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
-from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig, datagram_chunk_bytes
-from dtrain.transports.grpc import GrpcTransportConfig
+from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments.common import RunResult, md_table, summarize
 from experiments.lab import Point, Spec
+from experiments.runspec import RunSpec
 
 LOSS, NUMEL = "lab.loss", "lab.numel"
 MODES: dict[str, dict[str, Any]] = {
@@ -44,19 +44,13 @@ def one_round(loss: float, seed: int, numel: int, bucket_elems: int) -> dict:
         [numel], ["param"], BucketConfig(bucket_bytes=4 * bucket_elems, chunk_bytes=datagram_chunk_bytes("int8"))
     )
     engines, members = [], []
+    # the plan's 10 s broadcast deadline: the transport's 1 s fallback reserve
+    net = RunSpec(experiment="", config="", seed=seed, datagram_drop=loss, broadcast_timeout_s=10.0)
     for i in range(3):
-        cfg = DatagramTransportConfig(
-            grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
-            max_rate_mbit=200.0,
-            rtt_s=0.01,
-            nack_idle_s=0.02,
-            test_drop=loss,
-            test_drop_seed=seed * 10 + i,
-        )
         eng = RoundEngine(
             f"site-{i}",
             GlobalState(layout, [torch.zeros(numel)]),
-            DatagramTransport(cfg),
+            net.datagram_transport(i),
             RoundConfig(codec=CodecConfig(name="int8")),
         )
         members.append(Member(site_id=eng.site_id, address=eng.start()))

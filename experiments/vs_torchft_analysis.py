@@ -263,10 +263,6 @@ def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
 
-def _table(rows: list[list[str]]) -> str:
-    return md_table(rows[0], rows[1:])
-
-
 UNEQUAL = [
     "Wire format: dtrain sends its default int8 codec (1 byte per value plus an fp32 scale per block) of the "
     "pseudo-gradient to each bucket's owner and pulls int8 means; torchft all-reduces fp32 (its `should_quantize` "
@@ -485,7 +481,7 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
     lines = [
         f"### {title.get(scen, scen)}",
         "",
-        _table(rows),
+        md_table(rows[0], rows[1:]),
         "",
         f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
         f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}.",
@@ -571,7 +567,7 @@ def _fault_section(runs: dict) -> list[str]:
         rows.append(row(f"final val loss {s}", lambda x, f, s=s: _f(x["final_val_loss"].get(s), "{:.4f}")))
     rows.append(row("replicas agree at the end (checksum)", lambda x, f: str(x["checksums_agree"])))
     rows.append(row("time from go to the last round (s)", lambda x, f: _f(x["wall_total_s"], "{:.1f}")))
-    lines = ["### fault", "", _table(rows), ""]
+    lines = ["### fault", "", md_table(rows[0], rows[1:]), ""]
     return lines + [f"{r['system']} fault: problem: {r['error']}\n" for r in (d, t) if r["error"]]
 
 
@@ -623,9 +619,9 @@ def _profile_section(prof: dict | None) -> list[str]:
         "",
         f"{prof['samples']} samples at 100 Hz.",
         "",
-        _table(rows),
+        md_table(rows[0], rows[1:]),
         "",
-        _table(leaves),
+        md_table(leaves[0], leaves[1:]),
         "",
     ]
 
