@@ -96,8 +96,29 @@ class RateController:
         max_rate_mbit: ceiling, never exceeded.
         min_rate_mbit: floor.
         initial_rate_mbit: the first round's rate (None: the ceiling).
-        min_window_s: reports over shorter send windows carry no rate signal.
+        min_window_s: a report whose send window is at least this long (s) carries a rate
+            signal either way (congestion or none).
+        min_datagrams: a report whose send window is shorter than ``min_window_s`` carries a
+            signal only if at least this many of its datagrams arrived, and then only a
+            congestion signal (see below).
         overflow_tolerance: fraction of socket drops at the receivers taken as noise.
+
+    Short send windows. A sender at a rate far above a small model's round sends a
+    receiver its datagrams in a few ms (at 1000 Mbit/s, 180 datagrams of 1,400 B leave in
+    2 ms), far below ``min_window_s``. Such a train is exactly what shows a bottleneck best:
+    a 100 Mbit/s link stretches it to ~10x on arrival, and the train's bytes over the receive
+    window are the bottleneck's rate. So a short-window report is used when, on its own, it
+    shows congestion (receive window stretched beyond ``(1 + queue_tolerance) x`` its send
+    window plus ``jitter_s``, loss, or receiver overflow, as above) and at least
+    ``min_datagrams`` of it arrived: a window of a few datagrams is a few inter-packet gaps
+    that one delay of the path or the receiver's kernel dominates, and a loss fraction of 1
+    in 3 is noise, not congestion. A short window that shows no congestion keeps the rate
+    (it is no evidence for raising it: a rate slightly above the bottleneck builds a queue
+    too short to see within ``jitter_s`` in a few ms). Reports of at most one arrived
+    datagram never count (no window at all).
+
+    Bad input: a report with ``sent_datagrams`` 0 has loss 0; negative windows are taken as
+    they come (a receive window shorter than the send window shows no queue).
     """
 
     def __init__(
@@ -112,6 +133,7 @@ class RateController:
         loss_signal: bool = False,
         congestion_loss: float = 0.3,
         min_window_s: float = 0.02,
+        min_datagrams: int = 16,
         overflow_tolerance: float = 0.01,
     ) -> None:
         if not 0 < min_rate_mbit <= max_rate_mbit:
@@ -127,6 +149,7 @@ class RateController:
         self._loss_signal = loss_signal
         self._congestion_loss = congestion_loss
         self._min_window_s = min_window_s
+        self._min_datagrams = max(2, min_datagrams)
         self._overflow_tolerance = overflow_tolerance
 
     def _congestion(self, recv_s: float, send_s: float, loss: float, overflow: float = 0.0) -> str:
@@ -141,8 +164,20 @@ class RateController:
         return ""
 
     def decide(self, reports: Sequence[ReceiverReport]) -> tuple[float, str]:
-        """Next rate (Mbit/s) and why; updates :attr:`rate_mbit`."""
+        """Next rate (Mbit/s) and why; updates :attr:`rate_mbit`.
+
+        ``reports``: the previous round's, one per receiver of this sender. Used: those over
+        a send window of at least ``min_window_s`` with more than one datagram arrived, and
+        the shorter ones that on their own show congestion with at least ``min_datagrams``
+        arrived (class docstring). None used: the rate is kept."""
         useful = [r for r in reports if r.send_s >= self._min_window_s and r.received_datagrams > 1]
+        short_why = ""  # the first short-window report's own congestion signal
+        for r in reports:
+            if r.send_s < self._min_window_s and r.received_datagrams >= self._min_datagrams:
+                why_r = self._congestion(r.recv_s, r.send_s, r.loss, r.receiver_drops / r.received_datagrams)
+                if why_r:
+                    useful.append(r)
+                    short_why = short_why or f"{why_r} (send window under {self._min_window_s:.3f} s)"
         if not useful:
             return self.rate_mbit, "no report with a rate signal: rate kept"
         recv_s = max(r.recv_s for r in useful)
@@ -152,7 +187,7 @@ class RateController:
         delivered_mbit = sum(r.received_bytes for r in useful) * 8.0 / 1e6 / max(recv_s, 1e-9)
         received = sum(r.received_datagrams for r in useful)
         overflow = sum(r.receiver_drops for r in useful) / max(1, received)
-        why = self._congestion(recv_s, send_s, loss, overflow)
+        why = self._congestion(recv_s, send_s, loss, overflow) or short_why
         if why:
             self.bottleneck_mbit = delivered_mbit / (1.0 - (self.base_loss or 0.0))
             new = 0.95 * self.bottleneck_mbit

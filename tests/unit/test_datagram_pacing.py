@@ -162,6 +162,64 @@ def test_arrival_times_come_from_the_kernel() -> None:
     assert t is not None and sent_at - 0.01 <= t <= sent_at + 0.1, (sent_at, t)
 
 
+def test_a_short_send_window_stretched_by_the_bottleneck_cuts_the_rate() -> None:
+    """A small model's train leaves in 5 ms at 1000 Mbit/s and a 100 Mbit/s link stretches it
+    to 50 ms: the rate drops to 0.95x what was delivered, though the send window is under
+    ``min_window_s`` (it once kept the 1000 Mbit/s ceiling every round)."""
+    n, size = 440, 1400  # 616 kB: 4.9 ms at 1000 Mbit/s
+    delivered_mbit = n * size * 8 / 1e6 / 0.05  # 98.6 Mbit/s
+    rc = RateController(max_rate_mbit=1000.0)
+    rate, why = rc.decide([_report(n, size, 0.005, n, 0.05)])
+    assert rate == pytest.approx(0.95 * delivered_mbit, rel=1e-6), why
+    assert why.startswith("queue: received over 0.050 s what left in 0.005 s"), why
+    # the same through a shallow queue: 40% lost, the rest over 31 ms
+    rc = RateController(max_rate_mbit=1000.0)
+    rate, why = rc.decide([_report(n, size, 0.005, 264, 0.031)])
+    assert rate == pytest.approx(0.95 * 264 * size * 8 / 1e6 / 0.031, rel=1e-6), why
+    # two receivers, one of only 3 datagrams: the stretched one alone decides
+    rc = RateController(max_rate_mbit=1000.0)
+    rate, _ = rc.decide([_report(n, size, 0.005, n, 0.05), _report(3, size, 0.001, 3, 0.02)])
+    assert rate == pytest.approx(0.95 * delivered_mbit, rel=1e-6)
+
+
+def test_short_windows_of_a_few_datagrams_or_without_congestion_keep_the_rate() -> None:
+    """2-3 datagrams stretched by a delay or one lost are noise; a short window that shows no
+    queue is no evidence for a higher rate. Neither changes the rate."""
+    size = 1400
+    rc = RateController(max_rate_mbit=1000.0, initial_rate_mbit=500.0)
+    for rep in (
+        _report(3, size, 0.001, 3, 0.02),  # 20x stretched, 3 datagrams
+        _report(2, size, 0.0005, 2, 0.015),
+        _report(3, size, 0.001, 2, 0.001),  # 1 of 3 lost: 33% > congestion_loss
+        _report(440, size, 0.005, 440, 0.0055),  # 440 datagrams, no queue
+        _report(200, size, 0.004, 0, 0.0),  # nothing arrived (an outage): no window
+    ):
+        rate, why = rc.decide([rep])
+        assert rate == 500.0 and why == "no report with a rate signal: rate kept", (rep, why)
+    assert rc.bottleneck_mbit is None and rc.base_loss is None
+    # min_datagrams is the line: 16 arrived count, 15 do not
+    assert RateController(max_rate_mbit=1000.0).decide([_report(15, size, 0.001, 15, 0.02)])[0] == 1000.0
+    assert RateController(max_rate_mbit=1000.0).decide([_report(16, size, 0.001, 16, 0.02)])[0] == pytest.approx(
+        0.95 * 16 * size * 8 / 1e6 / 0.02
+    )
+
+
+def test_after_a_short_window_cut_the_rate_settles_at_the_bottleneck() -> None:
+    """A small model's rounds through a 100 Mbit/s link with a deep queue, from the
+    1000 Mbit/s ceiling: the first round cuts the rate to ~95; from then on the trains last
+    ~50 ms (long windows) and the rate probes up until the queue shows again (beyond
+    ``(1 + queue_tolerance) x`` the send window plus ``jitter_s``: ~1.25x the link here)."""
+    n, size, capacity_mbit = 440, 1400, 100.0
+    rc = RateController(max_rate_mbit=1000.0)
+    rates = []
+    for _ in range(10):
+        send_s = n * size * 8 / 1e6 / rc.rate_mbit
+        recv_s = max(send_s, n * size * 8 / 1e6 / capacity_mbit)
+        rates.append(rc.decide([_report(n, size, send_s, n, recv_s)])[0])
+    assert rates[0] == pytest.approx(95.0, rel=1e-6), rates
+    assert all(0.9 * capacity_mbit <= r <= 1.3 * capacity_mbit for r in rates), rates
+
+
 def test_no_report_keeps_the_rate() -> None:
     rc = RateController(max_rate_mbit=50.0)
     assert rc.decide([])[0] == 50.0
