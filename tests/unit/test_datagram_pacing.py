@@ -220,6 +220,26 @@ def test_after_a_short_window_cut_the_rate_settles_at_the_bottleneck() -> None:
     assert all(0.9 * capacity_mbit <= r <= 1.3 * capacity_mbit for r in rates), rates
 
 
+def test_the_send_window_is_the_trains_paced_time() -> None:
+    """The pacer lets two bursts (2 x 64 KiB) leave at once, so a 252 kB train at 97 Mbit/s
+    measures a 10 ms send window though it takes 21 ms at the rate; arriving over 20 ms it
+    is no queue (the rate probes up). Seen through netem: such trains read as a queue."""
+    n, size = 180, 1400  # 252 kB: 20.8 ms at 97 Mbit/s
+    rc = RateController(max_rate_mbit=1000.0, initial_rate_mbit=97.0)
+    rc.bottleneck_mbit = 100.0  # after a first cut
+    rate, why = rc.decide([_report(n, size, 0.010, n, 0.020)])
+    assert rate == pytest.approx(1.05 * 100.0) and "probing up" in why, why
+    # the same train at 53.6 Mbit/s: 38 ms at the rate, 15 ms measured: a long window, probing up
+    rc = RateController(max_rate_mbit=1000.0, initial_rate_mbit=53.6)
+    rc.bottleneck_mbit = 56.0
+    rate, why = rc.decide([_report(n, size, 0.015, n, 0.038)])
+    assert rate == pytest.approx(1.05 * 56.0) and "probing up" in why, why
+    # a queue still shows: the train of 21 ms at the rate received over 40 ms
+    rc = RateController(max_rate_mbit=1000.0, initial_rate_mbit=97.0)
+    rate, why = rc.decide([_report(n, size, 0.009, n, 0.04)])
+    assert rate == pytest.approx(0.95 * n * size * 8 / 1e6 / 0.04) and why.startswith("queue: received over 0.040 s")
+
+
 def test_no_report_keeps_the_rate() -> None:
     rc = RateController(max_rate_mbit=50.0)
     assert rc.decide([])[0] == 50.0
