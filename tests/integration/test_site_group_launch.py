@@ -223,9 +223,9 @@ def test_a_site_group_declared_dead_mid_run_catches_up_every_ranks_slice_on_the_
     resumes the two ranks (SIGCONT): each rank catches its own slice up mid-run (replaying the
     means it missed, pulling whole what it cannot replay), the site rejoins, and every later
     round has one θ and one checksum per slice at both sites. K = 2 DDP ranks, datagram path."""
-    rounds, stopped_round = 9, 3
+    rounds, stopped_round = 11, 3
     args = [*BASE, "--parallel", "ddp", "--rounds", str(rounds), "--net.data-path", "datagram"]
-    args += ["--inner-step-sleep-s", "0.3", "--bucket-bytes", "65536", "--chunk-bytes", "16384"]
+    args += ["--inner-step-sleep-s", "0.15", "--bucket-bytes", "65536", "--chunk-bytes", "16384"]
     args += ["--heartbeat-timeout-s", "3", "--reduce-timeout-s", "3", "--broadcast-timeout-s", "6"]
     fault = ";".join(f"site-1/{rank}:before_push:{stopped_round}:stop" for rank in (0, 1))
     resumed: list[int] = []
