@@ -583,12 +583,8 @@ def _site_counters(ranks: list[dict]) -> dict | None:
     if first is None or len(ranks) == 1:
         return first
     counters = [r["datagram"] for r in ranks if r["datagram"] is not None]
-    out = dict(first)
-    for c in counters:
-        for key, v in c.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[key] = sum(d.get(key, 0) for d in counters)
-    return out
+    numbers = {k for c in counters for k, v in c.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**first, **{k: sum(c.get(k, 0) for c in counters) for k in numbers}}
 
 
 def _round_line(
