@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import csv
+import itertools
+import json
 import logging
 import math
 import multiprocessing as mp
 import os
+import re
 import statistics
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -50,11 +53,7 @@ class RunResult:
 
 
 def _max_pairwise_l2(thetas: Sequence[torch.Tensor]) -> float:
-    best = 0.0
-    for i in range(len(thetas)):
-        for j in range(i + 1, len(thetas)):
-            best = max(best, float(torch.linalg.vector_norm(thetas[i] - thetas[j])))
-    return best
+    return max((float(torch.linalg.vector_norm(a - b)) for a, b in itertools.combinations(thetas, 2)), default=0.0)
 
 
 class _Recorder:
@@ -264,8 +263,7 @@ def _run_row(
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
     bytes_sent = sum(x.bytes_sent for x in flat)
     bytes_received = sum(x.bytes_received for x in flat)
-    row: dict[str, Any] = {k: v for k, v in asdict(spec).items() if k not in ("extra", "timeout_s", "own_session")}
-    row.update(dict(spec.extra))
+    row = spec.columns()
     row["chunk_bytes"] = spec.cluster_config().diloco.buckets.chunk_bytes  # the datagram path sets its own
     row.update(
         {
@@ -409,14 +407,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def save_meta(prefix: Path, meta: dict[str, Any]) -> None:
     """What produced the CSVs at ``prefix`` (command, minutes, provenance): for ``--replot``."""
-    import json
-
     prefix.with_name(prefix.name + "_meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def load_meta(prefix: Path) -> dict[str, Any]:
-    import json
-
     return json.loads(prefix.with_name(prefix.name + "_meta.json").read_text())
 
 
@@ -448,18 +442,15 @@ def summarize(rows: Sequence[dict[str, Any]], key: str = "config") -> dict[str, 
     return groups
 
 
-def paired_deltas(
-    rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], metric: str = "final_val_loss"
-) -> list[float]:
-    """``row[metric] − base_row[metric]`` for the base row with the same seed."""
-    by_seed = {b["seed"]: float(b[metric]) for b in base}
-    return [float(r[metric]) - by_seed[r["seed"]] for r in rows if r["seed"] in by_seed]
+def paired_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], pct: bool = False) -> list[float]:
+    """Per row whose seed the base has: final val loss − the base row's (``pct``: 100·(ratio − 1))."""
+    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
+    d = [(float(r["final_val_loss"]), by_seed[r["seed"]]) for r in rows if r["seed"] in by_seed]
+    return [100 * (x / b - 1) if pct else x - b for x, b in d]
 
 
 def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
-    """100·(final val loss / the base row's of the same seed − 1), per row whose seed the base has."""
-    by_seed = {b["seed"]: float(b["final_val_loss"]) for b in base}
-    return [100 * (float(r["final_val_loss"]) / by_seed[r["seed"]] - 1) for r in rows if r["seed"] in by_seed]
+    return paired_deltas(rows, base, pct=True)
 
 
 def per_round_mean(
@@ -560,8 +551,6 @@ def _anchor(title: str) -> str:
 
 def _stamp_of(body: str) -> str:
     """``commit C, DATE`` from a section's stamp or older provenance line; ``no stamp`` without one."""
-    import re
-
     commit = re.search(r"[Cc]ommit `?([0-9a-f]{7,40})(\+dirty)?", body)
     date = re.search(r"\b(20\d\d-\d\d-\d\d)\b", body)
     if commit is None:

@@ -172,8 +172,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = ring_allreduce_bytes(p, n)
-    row: dict[str, Any] = {k: v for k, v in spec.__dict__.items() if k not in ("extra", "timeout_s", "own_session")}
-    row.update(dict(spec.extra))
+    row = spec.columns()
     row.update(
         {
             "codec": "fp32 (gloo all-reduce)",

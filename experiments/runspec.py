@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -167,24 +167,22 @@ class RunSpec:
         )
         return DatagramTransport(cfg)
 
-    def _codecs(self) -> tuple[CodecConfig, CodecConfig]:
-        """The contribution codec and the means' codec."""
-        return self._codec(self.codec, self.sparse_k), self._codec(
-            self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k
-        )
-
     def _codec(self, name: str, sparse_k: int) -> CodecConfig:
         """The codec ``name`` with the spec's parameters that belong to it (a codec refuses another's)."""
-        kw: dict = {}
         base = name.removesuffix("+zstd")
-        if base == "topk":
-            kw["topk_fraction"] = self.topk_fraction
+        kw: dict = {"topk_fraction": self.topk_fraction} if base == "topk" else {}
         if base == "sparseloco":
-            kw.update(sparse_k=sparse_k, sparse_chunk=self.sparse_chunk, sparse_bits=self.sparse_bits)
+            kw = dict(sparse_k=sparse_k, sparse_chunk=self.sparse_chunk, sparse_bits=self.sparse_bits)
         return CodecConfig(name=name, zstd_level=self.zstd_level, **kw)
 
+    def columns(self) -> dict[str, Any]:
+        """The settings columns of the run's CSV row: every field but the run's plumbing, then ``extra``."""
+        skip = ("extra", "timeout_s", "own_session")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip} | dict(self.extra)
+
     def cluster_config(self) -> ClusterConfig:
-        codec, mean_codec = self._codecs()
+        codec = self._codec(self.codec, self.sparse_k)
+        mean_codec = self._codec(self.broadcast_codec or self.codec, self.broadcast_sparse_k or self.sparse_k)
         return ClusterConfig(
             num_sites=self.num_sites,
             diloco=fast_diloco_config(
