@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,10 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
     n, per_site = m["num_sites"], res.per_site
     allr = [x for i in range(n) for x in per_site[i]]
     site0 = per_site[0]
-    reasons: dict[str, int] = {}
+    reasons: Counter = Counter()
     for x in allr:
         for why, count in x.get("rejected", {}).items():
-            key = re.sub(r"\d+", "N", why)  # one entry per kind of reason, not per round and bucket
-            reasons[key] = reasons.get(key, 0) + count
+            reasons[re.sub(r"\d+", "N", why)] += count  # one entry per kind of reason, not per round and bucket
     mean = lambda k: statistics.fmean(x.get(k, float("nan")) for x in allr) if allr else float("nan")  # noqa: E731
     row = {
         "experiment": "netem_loss",
@@ -180,12 +180,10 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             f"({s10 / s0:.1f}x; TCP retransmissions), and {1 - statistics.fmean(r['reduce_arrived'] for r in ten):.1%} "
             "of the contribution chunks missed the 1 s reduce deadline (kept by error feedback)."
         )
-        why: dict[str, int] = {}
-        for r in ten:
-            for item in str(r.get("rejected_reasons") or "").split("; "):
-                if item:
-                    reason, _, count = item.rpartition(" x")
-                    why[reason] = why.get(reason, 0) + int(count)
+        why: Counter = Counter()
+        for item in (x for r in ten for x in str(r.get("rejected_reasons") or "").split("; ") if x):
+            reason, _, count = item.rpartition(" x")
+            why[reason] += int(count)
         if why:
             notes.append(
                 f"- Rejected at 10% over {len(ten)} runs (logged by the owners, never applied; the sender keeps "
@@ -204,9 +202,7 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
         by: dict[int, list[float]] = {}
         for x in rounds:
             if x["config"] == cfg:
-                by.setdefault(x["round"], []).append(
-                    x["round_s"] if "round_s" in x else x["total_s"]
-                )  # older CSVs: total_s
+                by.setdefault(x["round"], []).append(x["round_s"] if "round_s" in x else x["total_s"])  # older: total_s
         xs = sorted(by)
         ax2.plot([x + 1 for x in xs], [statistics.fmean(by[x]) for x in xs], marker="o", ms=3, label=cfg)
     lo = min(r["final_val_loss"] for r in rows)

@@ -33,7 +33,7 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import Point, Spec
-from experiments.procs import line_record, run_sites
+from experiments.procs import SitesRun, line_record, run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
@@ -58,18 +58,17 @@ WORKER = dict(codec="fp32", bucket_bytes=65536, chunk_bytes=16384, checkpoint_ev
 
 def _drive(run: Cluster, f: dict[str, Any], opts: dict[str, Any]) -> None:
     """Strike the scenario's fault (and restart site-3 with ``opts``), and wait for the survivors to finish."""
-    if f[SCENARIO] == RESTART:
+    if f[SCENARIO] in (RESTART, TWO):
         run.wait(lambda: run.done_round(3, f[KILL]), f"site-3 round {f[KILL]}")
+    if f[SCENARIO] == RESTART:
         run.kill(3)
         run.wait(lambda: run.done_round(0, f[KILL] + f[DOWN]), "site-0 to go on")
         run.start_site(3, resume=True, **opts)
     elif f[SCENARIO] == TWO:
-        run.wait(lambda: run.done_round(3, f[KILL]), f"site-3 round {f[KILL]}")
         run.kill(2)
         run.kill(3)
     alive = [f"site-{i}" for i in range(f[SITES]) if f[SCENARIO] != OWNER or i != 1]
-    if f[SCENARIO] == TWO:
-        alive = ["site-0", "site-1"]
+    alive = ["site-0", "site-1"] if f[SCENARIO] == TWO else alive
     run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
 
 
@@ -89,16 +88,14 @@ def run_failure(point: Point) -> RunResult:
         timeout_s=TIMEOUT_S,
         drive=lambda run: _drive(run, f, opts),
     )
-    return _measure(point, res.per_site, res.starts, res.rcs, res.wall_s)
+    return _measure(point, res)
 
 
-def _measure(
-    point: Point, per_site: dict[int, list[dict[str, Any]]], start: list[dict[str, Any]], codes: dict, wall: float
-) -> RunResult:
+def _measure(point: Point, res: SitesRun) -> RunResult:
     """The run's row and site-0's rounds from the sites' round lines."""
-    f, seed = point.settings, point.seed
+    f, seed, per_site = point.settings, point.seed, res.per_site
     survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[f[SCENARIO]]
-    lost, early, over, longest, quorum_extra, stale, skipped, rejected, bytes_total = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0
+    lost, early, over, longest, quorum_extra, stale, skipped, rejected = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0
     detail = []
     for i in survivors:
         rounds = per_site[i]
@@ -117,8 +114,7 @@ def _measure(
             stale += x.get("stale_buckets", 0)
             skipped += x.get("skipped_buckets", 0)
             rejected += sum(x.get("rejected", {}).values())
-    for i in range(f[SITES]):
-        bytes_total += sum(x.get("bytes_sent", 0) for x in per_site[i])
+    bytes_total = sum(x.get("bytes_sent", 0) for i in range(f[SITES]) for x in per_site[i])
     site0 = per_site[0]
     final = site0[-1]["val_loss"] if site0 else float("nan")
     restarted = per_site[3] if f[SCENARIO] == RESTART else []
@@ -134,7 +130,7 @@ def _measure(
         "kill_round": f[KILL],
         "down_rounds": f[DOWN],
         "codec": "fp32",
-        "first_val_loss": start[0]["val_loss"] if start else float("nan"),
+        "first_val_loss": res.starts[0]["val_loss"] if res.starts else float("nan"),
         "final_val_loss": final,
         "rounds_done": max((x["round"] + 1 for x in site0), default=0),
         "rounds_lost": lost,
@@ -144,7 +140,7 @@ def _measure(
         "max_round_s": longest,
         "max_beyond_deadline_s": max(0.0, over),
         "max_quorum_wait_s": quorum_extra,
-        "wall_s": wall,
+        "wall_s": res.wall_s,
         "sync_s": sum(x["sync_s"] for x in site0),
         "bytes_total": bytes_total,
         "bytes_per_round_site": bytes_total / max(1, f[ROUNDS]) / f[SITES],
@@ -153,7 +149,7 @@ def _measure(
         "rejected": rejected,
         "restarted_first_round": min(back, default=-1),
         "restarted_rounds": len(back),
-        "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(codes.items())),
+        "exit_codes": " ".join(f"{n}={c}" for n, c in sorted(res.rcs.items())),
         "survivors_consistent": len({per_site[i][-1]["checksum"] for i in survivors if per_site[i]}) == 1,
     }
     keys = ("round", "status", "val_loss", "members", "sync_s", "round_s")
