@@ -190,16 +190,9 @@ class _Soak(Cluster):
         self.rogues: list = []  # rogue client processes (netem)
 
     def opts(self) -> dict:
-        c = self.cfg
-        return dict(
-            size="tiny",
-            seed=c.seed,
-            rounds=c.rounds,
-            sync_every=c.sync_every,
-            inner_step_sleep_s=c.inner_step_sleep_s,
-            token_file=str(self.token_file),
-            **WORKER,
-        )
+        c, token_file = self.cfg, str(self.token_file)
+        opts = dict(size="tiny", seed=c.seed, rounds=c.rounds, sync_every=c.sync_every, token_file=token_file)
+        return opts | dict(inner_step_sleep_s=c.inner_step_sleep_s, **WORKER)
 
     def rv_opts(self) -> dict:
         return {"initial_sites": self.cfg.num_sites, **RENDEZVOUS, "token_file": str(self.token_file)}

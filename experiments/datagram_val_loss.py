@@ -51,15 +51,8 @@ MODES: dict[str, dict[str, Any]] = {
     ),
 }
 # the in-process runs' settings, as worker options (generous deadlines, as the in-process ones)
-NETEM_WORKER = dict(
-    codec="int8",
-    bucket_bytes=32 * 1024,
-    chunk_bytes=datagram_chunk_bytes("int8"),
-    data_path="datagram",
-    max_rate_mbit=95.0,
-    quorum_wait_s=120,
-    linger_s=2,
-)
+NETEM_WORKER = dict(codec="int8", bucket_bytes=32 * 1024, chunk_bytes=datagram_chunk_bytes("int8"))
+NETEM_WORKER |= dict(data_path="datagram", max_rate_mbit=95.0, quorum_wait_s=120, linger_s=2)
 NETEM_RENDEZVOUS = dict(quorum_timeout_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0)
 NETEM_RENDEZVOUS |= dict(reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
 
@@ -70,12 +63,9 @@ def netem_worker(mtu_bytes: int) -> dict[str, Any]:
         return NETEM_WORKER
     size = max_datagram_bytes_for_mtu(mtu_bytes)
     chunk = datagram_chunk_bytes("int8", size)  # 33,792 B of fp32 at 8,900 B: a bucket holds one at least
-    return {
-        **NETEM_WORKER,
-        "chunk_bytes": chunk,
-        "bucket_bytes": max(NETEM_WORKER["bucket_bytes"], chunk),
-        "max_datagram_bytes": size,
-    }
+    return NETEM_WORKER | dict(
+        chunk_bytes=chunk, bucket_bytes=max(NETEM_WORKER["bucket_bytes"], chunk), max_datagram_bytes=size
+    )
 
 
 def check_netem(settings: dict[str, Any]) -> dict[str, Any]:

@@ -193,8 +193,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
             "bytes_sent": per_rank_step * n * steps,
             "bytes_total": per_rank_step * n * steps,
             "bytes_per_round_site": per_rank_step,
-            "encode_s": 0.0,
-            "decode_s": 0.0,
+            **dict.fromkeys(("encode_s", "decode_s"), 0.0),
             "consistent": True,
         }
     )
