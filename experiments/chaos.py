@@ -484,20 +484,12 @@ FIXED = {
     "chaos.seed": None,  # the soak's seed instead of the lab's seeds 0..n-1
 }
 
+SMOKE = {"rounds": 12, "chaos.faults": 7, "chaos.max_gap_s": 2.0, "chaos.down_s": 1.5, "chaos.reference": False}
 SPEC = Spec(
     name="chaos",
     title="Chaos soak (issue 13)",
     modes={
-        "smoke": dict(
-            seeds=[0],
-            fixed={
-                "rounds": 12,
-                "chaos.faults": 7,
-                "chaos.max_gap_s": 2.0,
-                "chaos.down_s": 1.5,
-                "chaos.reference": False,
-            },
-        ),
+        "smoke": dict(seeds=[0], fixed=SMOKE),
         "quick": dict(seeds=[0], fixed={"rounds": 60, "chaos.faults": 20, "chaos.timeout_s": 7200.0}),
         "full": dict(seeds=[0], fixed={"rounds": 200, "chaos.faults": 50, "chaos.timeout_s": 7200.0}),
     },

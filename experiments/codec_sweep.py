@@ -41,13 +41,8 @@ BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 CODEC = "diloco.rounds.codec.name"
 SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
 
-SITES, SIZE, H, ROUNDS, VAL = (
-    "task_spec.num_sites",
-    "task_spec.size",
-    "diloco.sync_every",
-    "rounds",
-    "inproc.num_val_batches",
-)
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
+VAL = "inproc.num_val_batches"
 ALL = [c + z for c in BASE_CODECS for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], jobs=1, bench_repeats=1, grid={CODEC: ["fp32", "int8+zstd"]})
@@ -62,14 +57,7 @@ MODES: dict[str, dict[str, Any]] = {
 def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
     """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (``f``: settings by path)."""
     torch.set_num_threads(1)
-    spec = TaskSpec(
-        site_index=0,
-        num_sites=f["task_spec.num_sites"],
-        seed=0,
-        size=f["task_spec.size"],
-        batch_size=f.get("task_spec.batch_size"),
-        context_len=f.get("task_spec.context_len"),
-    )
+    spec = TaskSpec(site_index=0, seed=0, **{p[len("task_spec.") :]: f.get(p) for p in (SITES, SIZE, *SMALL)})
     return pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
 
 

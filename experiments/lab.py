@@ -79,14 +79,8 @@ class Point:
 
     def row(self, **measured: Any) -> dict[str, Any]:
         """A CSV row: experiment, config, seed, the settings by path, the extra columns, ``measured``."""
-        return {
-            "experiment": self.experiment,
-            "config": self.config,
-            "seed": self.seed,
-            **self.settings,
-            **dict(self.extra),
-            **measured,
-        }
+        head = {"experiment": self.experiment, "config": self.config, "seed": self.seed}
+        return {**head, **self.settings, **dict(self.extra), **measured}
 
 
 def run_point(point: Point) -> RunResult:
@@ -366,18 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_logging(a.verbose)
     shown = [x for x in (argv if argv is not None else []) if x != "--replot"]
     command = shlex.join([".venv/bin/python", "-m", "experiments", *shown])
-    run(
-        load_spec(a.spec),
-        a.mode,
-        out=a.out,
-        results=a.results,
-        seeds=a.seeds,
-        jobs=a.jobs,
-        replot=a.replot,
-        verbose=a.verbose,
-        command=command,
-        overrides=_parse_sets(a.set),
-    )
+    opts = {k: getattr(a, k) for k in ("out", "results", "seeds", "jobs", "replot", "verbose")}
+    run(load_spec(a.spec), a.mode, command=command, overrides=_parse_sets(a.set), **opts)
     return 0
 
 
