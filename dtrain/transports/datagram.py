@@ -201,6 +201,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         # sender ends that found announced contributions missing (and waited), that ended with some
         # still missing (lost), how many; contributions handled after their end had ended
         self._counts.update(ends_waited=0, ends_short=0, end_missing=0, late_after_end=0, mean_duplicates=0)
+        self._counts.update(held_before_key=0)
         self._reorder = ReorderWindow()  # per sending site: how late overtaken contributions came
         self._rtt = RttEstimator(cfg.rtt_s)  # per peer site: the measured round trip (SEND_END -> REPORT)
         self._ends_due = float("inf")  # the dispatch thread's next look at ends still waiting
@@ -276,18 +277,19 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         chunks that came when the member held them already (a NACK's answer and its copies, an
         original overtaken by its resend), not applied twice.
 
-        ``held_before_key`` counts datagrams that came before their round's key (the opener's
-        ``unknown_round``; not a drop): they are held (at most ``max_pending_datagrams``, beyond
-        that ``dropped_over_budget``) and opened when the plan arrives, so they are not lost. A
-        held datagram opened at a ``begin_round`` that is still not its round's is held and
-        counted again.
+        ``held_before_key`` counts datagrams that came before their round's key, each once (not a
+        drop): they are held (at most ``max_pending_datagrams``, beyond that
+        ``dropped_over_budget``, not counted here) and opened when the plan arrives, so they are
+        not lost; one opened at a ``begin_round`` that is still not its round's is held again,
+        not counted again. (The opener's ``unknown_round`` counts attempts to open, so re-holds
+        too: it is not reported.)
 
         ``rtt_ms``: per peer site with a sample, the measured round trip its timers follow
         (``{"srtt": ms, "rto": ms, "samples": n}``, :mod:`.datagram_rtt`)."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
         drops = self._opener.counts()
-        out["held_before_key"] = drops.pop("unknown_round")  # held, opened at begin_round: not a drop
+        drops.pop("unknown_round")  # open attempts, re-holds included: held_before_key counts datagrams
         out.update({f"dropped_{k}": v for k, v in drops.items()})
         out["rtt_ms"] = self._rtt.summary_ms()
         return out

@@ -246,14 +246,22 @@ class DatagramReceive:
         return n
 
     def _open_rows(
-        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int, skip: np.ndarray | None, out: list[tuple]
+        self,
+        buf: np.ndarray,
+        lens: np.ndarray,
+        ts: np.ndarray,
+        n: int,
+        skip: np.ndarray | None,
+        out: list[tuple],
+        again: bool = False,
     ) -> None:
         """Authenticate rows ``0..n-1`` of a batch in one call, hold those of a round still to
-        come (or open them again if it began meanwhile) and hand the rest on (:meth:`_hand_on`)."""
+        come (or open them again if it began meanwhile) and hand the rest on (:meth:`_hand_on`).
+        ``again``: the rows were held before (:meth:`_hold` does not count them twice)."""
         opened = self._opener.open_batch(buf, lens, n, skip)
         for i in opened.pending:
             data = buf[i, : int(lens[i])].tobytes()
-            if not self._hold(data):  # its round began meanwhile
+            if not self._hold(data, again):  # its round began meanwhile
                 self._open_one(data, None, out)
         self._hand_on(buf, lens, ts, opened, out)
 
@@ -376,8 +384,9 @@ class DatagramReceive:
                 self._sock_drops = _U32.unpack_from(data)[0]
         return t
 
-    def _hold(self, data: bytes) -> bool:
+    def _hold(self, data: bytes, again: bool = False) -> bool:
         """Keep a datagram of a round whose plan has not arrived (bounded); opened at ``begin_round``.
+        Counted ``held_before_key`` the first time (``again``: it was held before).
 
         False: its round's key arrived since it failed to open (the caller opens it again).
         ``begin_round`` opens the key, then takes what is held, under ``_lock``; the check here is
@@ -389,6 +398,7 @@ class DatagramReceive:
                 return False
             if len(self._pending) < self.config.max_pending_datagrams:
                 self._pending.append(data)
+                self._counts["held_before_key"] += not again
                 return True
         self._opener.count("over_budget")
         return True
@@ -417,7 +427,7 @@ class DatagramReceive:
         """:meth:`_open_held`'s opening: one by one, or in batches with the compiled loop."""
         if self._native is None:
             for data in held:
-                self._open_one(data, None, out)
+                self._open_one(data, None, out, again=True)
             return
         buf, lens, ts, _ = self._rx_buffers()
         stride = buf.shape[1]
@@ -428,7 +438,7 @@ class DatagramReceive:
                 buf[i, :k] = np.frombuffer(data, np.uint8, k)
                 lens[i] = k
             ts[: len(part)] = 0  # arrival: now
-            self._open_rows(buf, lens, ts, len(part), None, out)  # a round still to come: held again
+            self._open_rows(buf, lens, ts, len(part), None, out, again=True)  # a round still to come: held again
 
     def _on_datagram(self, data: bytes, t_arrival: float | None, out: list[tuple]) -> None:
         """A datagram just read by the Python loop: ``test_drop``, then :meth:`_open_one`."""
@@ -438,13 +448,14 @@ class DatagramReceive:
                 return
         self._open_one(data, t_arrival, out)
 
-    def _open_one(self, data: bytes, t_arrival: float | None, out: list[tuple]) -> None:
+    def _open_one(self, data: bytes, t_arrival: float | None, out: list[tuple], again: bool = False) -> None:
         """Open one datagram and hand it on; what goes to the dispatch thread is appended to ``out``.
-        Also for datagrams held or read earlier, which passed ``test_drop`` then: not dropped again."""
+        Also for datagrams held or read earlier (``again``), which passed ``test_drop`` then: not
+        dropped again."""
         try:
             h, body = self._opener.open(data)
         except Dropped as e:
-            if e.reason == "unknown_round" and not self._hold(data):  # its round began meanwhile: once more
+            if e.reason == "unknown_round" and not self._hold(data, again):  # its round began meanwhile: once more
                 try:
                     h, body = self._opener.open(data)
                 except Dropped:

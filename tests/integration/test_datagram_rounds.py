@@ -352,10 +352,17 @@ def _one_element_contributions(round: int, n: int) -> list:
     ]
 
 
+def _held(t: DatagramTransport) -> tuple[int, int]:
+    """``(held_before_key, datagrams held now)`` read together (under the transport's lock)."""
+    with t._lock:
+        return t._counts["held_before_key"], len(t._pending)
+
+
 @pytest.mark.parametrize("loop", ["off", "auto"])
 def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None:
     """Held datagrams are opened at begin_round: one by one with the Python loop, in batches
-    with the compiled one ("auto" is the Python loop where it cannot build)."""
+    with the compiled one ("auto" is the Python loop where it cannot build). A begin_round of
+    another round holds them again; ``held_before_key`` counts each datagram once."""
     rec = _Recorder()
     with _sender_and_owner(rec, native=loop) as (a, b, addr_a, addr_b):
         plan = _two_site_plan(4, addr_a, addr_b, reduce_s=5)
@@ -363,6 +370,11 @@ def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None
         cs = _one_element_contributions(4, 300)  # more than one receive batch (256)
         assert a.push(addr_b, cs, timeout_s=5) == 300  # no report yet: the sender cannot tell
         assert rec.accepted == []
+        counted, held = _held(b)
+        assert counted == held >= 300, (counted, held)  # the 300 and the SEND_END copies so far
+        b.begin_round(_two_site_plan(3, addr_a, addr_b, reduce_s=5), [], "site-b")  # not theirs
+        counted, held = _held(b)
+        assert counted == held >= 300 and rec.accepted == [], (counted, held)  # held again, not counted again
         b.begin_round(plan, [], "site-b")  # the plan arrives: the held datagrams are opened
         deadline = time.monotonic() + 5
         while len(rec.accepted) < 300 and time.monotonic() < deadline:
@@ -370,6 +382,7 @@ def test_datagrams_before_the_plan_are_held_then_handled_once(loop: str) -> None
         assert sorted(rec.accepted, key=lambda c: c.chunk) == cs
         counts = b.counters()
         assert counts["held_before_key"] >= 300 and "dropped_unknown_round" not in counts
+        assert "dropped_unknown_round" not in counts and "unknown_round" not in counts
 
 
 @pytest.mark.parametrize("loop", ["off", "auto"])
