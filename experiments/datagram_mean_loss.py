@@ -121,6 +121,23 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 {table}"""
 
 
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """Per loss rate: whether every run ended with equal replicas, and what recovering the means cost."""
+    lines = []
+    for rs in summarize(rows).values():
+        p = rs[0][LOSS]
+        if p == 0:
+            continue
+        equal = all(r["equal"] in (True, "True") for r in rs)
+        lines.append(
+            f"- {p:.0%} of mean datagrams lost: replicas equal after every run: **{'yes' if equal else 'NO'}**; "
+            f"{statistics.fmean(r['nacks'] for r in rs):.1f} NACK rounds per site, "
+            f"{statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2} chunks re-sent, "
+            f"{sum(r['fallbacks'] for r in rs)} gRPC pulls, {statistics.fmean(r['time_s'] for r in rs):.2f} s."
+        )
+    return lines
+
+
 SPEC = Spec(
     name="datagram_mean_loss",
     title="Datagram path: recovering lost mean datagrams",
@@ -129,7 +146,7 @@ SPEC = Spec(
     label=lambda point: f"loss {point[LOSS]:g}",
     metrics=(("time_s", 0.0, 600.0), ("wire_over_payload", 0.0, 10.0)),
     report=report,
-    verdict=lambda rows, rounds, m: [],
+    verdict=verdict,
     execute=measure,
     paths=(LOSS, NUMEL),
 )

@@ -159,6 +159,17 @@ site 2 -> 1 in its middle third; goodput in Mbit/s. CSV: `{prefix.with_suffix(".
 {md_table([*headers, "loss"], table)}"""
 
 
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """Per TCP congestion control: the share of its goodput TCP kept while the datagram flow ran."""
+    return [
+        f"- {r['cc']}: while a paced datagram flow sent {r['udp_mbit']:g} Mbit/s, TCP kept {r['tcp_during']:.1f} of its "
+        f"{r['tcp_before']:.1f} Mbit/s ({r['tcp_during'] / r['tcp_before']:.0%}) and ran at {r['tcp_after']:.1f} in "
+        f"the last third: the datagram path does not yield to TCP (meant for provisioned links)."
+        for r in rows
+        if r["tcp_before"] > 0
+    ]
+
+
 SPEC = Spec(
     name="datagram_tcp_share",
     title="A paced datagram flow beside a TCP flow (netem)",
@@ -168,7 +179,7 @@ SPEC = Spec(
     label=lambda point: f"{point[CC]}, datagrams {point[UDP]:g} Mbit/s",
     metrics=(("tcp_before", 0.0, 1e4), ("udp_delivered_mbit", 0.0, 1e4)),
     report=report,
-    verdict=lambda rows, rounds, m: [],
+    verdict=verdict,
     execute=measure,
     paths=(RATE, DELAY, SECONDS, UDP, CC),
     netem=True,

@@ -132,6 +132,22 @@ CSV: `{prefix.with_suffix(".csv").name}`.
 {md_table(headers, [_table_row(r) for r in rows])}"""
 
 
+def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
+    """The hf model's tokens per second per site under ``dtrain launch`` against the built-in GPT's."""
+    launched = [r for r in rows if r.get("launch_tokens_per_s") not in ("", None)]
+    by = {r["model"].startswith("gpt-"): r for r in launched}
+    if set(by) != {True, False}:
+        return []
+    gpt, hf = by[True], by[False]
+    ratio = float(hf["launch_tokens_per_s"]) / float(gpt["launch_tokens_per_s"])
+    return [
+        f"- At ~{int(hf['num_params']) / 1e6:.2f} M parameters the hf model ({hf['model']}) trains "
+        f"{float(hf['launch_tokens_per_s']):,.0f} tokens/s per site under `dtrain launch` against the built-in "
+        f"GPT's {float(gpt['launch_tokens_per_s']):,.0f} ({ratio:.2f}x); sync share "
+        f"{float(hf['sync_share']) * 100:.1f}% / {float(gpt['sync_share']) * 100:.1f}%."
+    ]
+
+
 SPEC = Spec(
     name="hf_throughput",
     title="hf task vs built-in GPT: tokens per second per site",
@@ -140,7 +156,7 @@ SPEC = Spec(
     label=lambda point: point[TASK],
     metrics=(("bare_tokens_per_s", 0.0, 1e9), ("final_val_loss", 0.0, 10.0)),
     report=report,
-    verdict=lambda rows, rounds, m: [],
+    verdict=verdict,
     execute=measure,
     paths=(TASK, HF, STEPS, LAUNCH),
 )
