@@ -163,18 +163,18 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             for k in (LOCKSTEP, TIMED, HOMO)
         )
         if any(k in t and any(math.isnan(x) for x in t[k]) for k in (LOCKSTEP, TIMED, HOMO)):
-            verdicts.append(f"share {share:g}: a seed did not reach the target within the rounds run: no verdict")
+            verdicts.append(f"- share {share:g}: a seed did not reach the target within the rounds run: no verdict")
         if not any(math.isnan(x) for x in (a, c)):
             ok = a / c >= 1.5
             verdicts.append(
-                f"share {share:g}: time + weighted reaches the loss {a / c:.2f}x sooner than lockstep "
-                f"(target >= 1.5x): {'met' if ok else 'NOT met'}"
+                f"- share {share:g}: time + weighted reaches the loss {a / c:.2f}x sooner than lockstep "
+                f"(target >= 1.5x): **{'met' if ok else 'NOT met'}**"
             )
         if not any(math.isnan(x) for x in (c, h)):
             ok = c <= 1.15 * h
             verdicts.append(
-                f"share {share:g}: time + weighted takes {c / h:.2f}x the homogeneous reference's time "
-                f"(target <= 1.15x): {'met' if ok else 'NOT met'}"
+                f"- share {share:g}: time + weighted takes {c / h:.2f}x the homogeneous reference's time "
+                f"(target <= 1.15x): **{'met' if ok else 'NOT met'}**"
             )
     return md_rows(table), verdicts
 
