@@ -272,6 +272,29 @@ def analyse(rows: list[dict[str, Any]]) -> str:
     return table + "\n\nCeilings (highest delivered rate with loss < 1% and >= 95% of the offer):\n\n" + ceil
 
 
+def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list[str]:
+    """The delayed links' ceilings, per delayer: a rate, or "none within the offers" when the highest
+    offer still went through (the emulator is then not what limits a run at these rates)."""
+    top = max((r["offered_dps"] for r in rows), default=0.0)
+    lines = []
+    for d in dict.fromkeys(r.get("delayer", "?") for r in rows if r["setting"] != "no delay"):
+        parts = []
+        for (setting, flows), r in ceilings(rows, d).items():
+            if r is None:
+                parts.append(f"{setting}, {flows} flow(s): none at the lowest offer")
+            elif r["offered_dps"] >= top:
+                parts.append(
+                    f"{setting}, {flows} flow(s): above the highest offer ({r['delivered_dps']:,.0f}/s passed)"
+                )
+            else:
+                parts.append(
+                    f"{setting}, {flows} flow(s): {r['delivered_dps']:,.0f}/s ({r['delivered_mbit'] / flows:.1f} Mbit/s "
+                    "per flow)"
+                )
+        lines.append(f"- {d} delayer, {m['fixed'][DELAY]:g} ms, ceiling (loss < 1%): " + "; ".join(parts) + ".")
+    return lines
+
+
 def run_point(point: Point) -> list[RunResult]:
     """One topology, its links walked without delay (``config`` "no delay") or through one
     delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
@@ -318,7 +341,7 @@ SPEC = Spec(
     label=lambda point: point[DELAYER],
     metrics=(("delivered_dps", 0.0, 1e7), ("loss", 0.0, 1.0)),
     report=report,
-    verdict=lambda rows, rounds, m: [],  # the ceilings are the report's second table
+    verdict=verdict,
     execute=run_point,
     paths=(SITES, PAIRS, DELAY, RATE_CAP, OFFERED, SECONDS, DELAYER, DELAYERS),
     netem=True,
