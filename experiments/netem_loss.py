@@ -93,7 +93,8 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
     for x in allr:
         for why, count in x.get("rejected", {}).items():
             reasons[re.sub(r"\d+", "N", why)] += count  # one entry per kind of reason, not per round and bucket
-    mean = lambda k: statistics.fmean(x.get(k, float("nan")) for x in allr) if allr else float("nan")  # noqa: E731
+    # over the lines that have the figure: a resynced line (a site that joined late or was cut, caught up) has none
+    mean = lambda k: statistics.fmean([x[k] for x in allr if k in x] or [float("nan")])  # noqa: E731
     row = {
         "experiment": "netem_loss",
         "config": config,
@@ -108,6 +109,7 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
         "rate_mbit": LINK["rate_mbit"],
         **res.facts(),
         "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
+        "resynced": sum(1 for x in allr if x["status"] == "resynced"),
         "bytes_per_round_site": sum(x.get("bytes_sent", 0) for x in allr) / max(1, len(allr)),
         "sync_s": mean("sync_s"),
         "exchange_s": mean("round_s"),
@@ -180,6 +182,12 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             f"({s10 / s0:.1f}x; TCP retransmissions), and {1 - statistics.fmean(r['reduce_arrived'] for r in ten):.1%} "
             "of the contribution chunks missed the 1 s reduce deadline (kept by error feedback)."
         )
+        late = [(r["seed"], int(r.get("resynced") or 0)) for r in ten if int(r.get("resynced") or 0)]
+        if late:
+            notes.append(
+                "- Site rounds resynced at 10% (a site that joined late or was cut caught up from a donor; the "
+                f"exchange figures leave those lines out), per seed: {', '.join(f'seed {s}: {n}' for s, n in late)}."
+            )
         why: Counter = Counter()
         for item in (x for r in ten for x in str(r.get("rejected_reasons") or "").split("; ") if x):
             reason, _, count = item.rpartition(" x")
