@@ -217,10 +217,10 @@ def stamp(command: str, minutes: float, load_before: tuple[float, ...], version:
     )
 
 
-def grid_conflicts(grid: list[dict[str, Any]], overrides: dict[str, Any]) -> list[str]:
-    """The overridden paths some grid point sets to another value (the point would win, so the
-    override would be ignored there); a point that sets the same value agrees with it."""
-    return sorted({p for point in grid for p, v in point.items() if p in overrides and v != overrides[p]})
+def grid_conflicts(m: dict[str, Any], overrides: dict[str, Any]) -> list[str]:
+    """The overridden paths some grid point of the mode's settings ``m`` sets to another value (the
+    point would win, so the override would be ignored there); a point that sets the same value agrees."""
+    return sorted({p for point in _points_of(m) for p, v in point.items() if p in overrides and v != overrides[p]})
 
 
 def run(
@@ -248,7 +248,7 @@ def run(
     if set(overrides) - allowed:
         raise SystemExit(f"--set: unknown path(s) {sorted(set(overrides) - allowed)}; allowed: {sorted(allowed)}")
     m = spec.settings(mode)
-    gridded = grid_conflicts(m.get("grid", []), overrides)
+    gridded = grid_conflicts(m, overrides)
     if gridded:
         raise SystemExit(
             f"--set: {gridded} vary per grid point in {spec.name}'s {mode} mode; --set overrides fixed settings only"

@@ -350,9 +350,11 @@ def test_set_overrides_parse_json_and_unknown_paths_are_refused(tmp_path: Path) 
     assert not any(tmp_path.iterdir())
     # a grid point that sets the same value agrees: diloco_sanity's "1 site alone" runs at outer lr 1,
     # momentum 0, so plain model averaging for every DiLoCo point may be asked for; lr 0.5 may not
-    grid = lab.load_spec("diloco_sanity").settings("quick")["grid"]
-    assert lab.grid_conflicts(grid, {"outer.lr": 1.0, "outer.momentum": 0.0}) == []
-    assert lab.grid_conflicts(grid, {"outer.lr": 0.5, "outer.momentum": 0.0}) == ["outer.lr"]
+    m = lab.load_spec("diloco_sanity").settings("quick")
+    assert lab.grid_conflicts(m, {"outer.lr": 1.0, "outer.momentum": 0.0}) == []
+    assert lab.grid_conflicts(m, {"outer.lr": 0.5, "outer.momentum": 0.0}) == ["outer.lr"]
+    m = lab.load_spec("codec_sweep").settings("quick")  # a grid of paths to values, every combination a point
+    assert lab.grid_conflicts(m, {"diloco.rounds.codec.name": "int8"}) == ["diloco.rounds.codec.name"]
 
 
 def test_reliability_reads_a_site_that_joined_as_the_run_ended_by_its_final_theta(tmp_path: Path) -> None:
