@@ -273,7 +273,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
 
 
 def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list[str]:
-    """The delayed links' ceilings, per delayer: a rate, or "none within the offers" when the highest
+    """The delayed links' ceilings, per delayer: a rate, or "above the highest offer" when the highest
     offer still went through (the emulator is then not what limits a run at these rates)."""
     top = max((r["offered_dps"] for r in rows), default=0.0)
     lines = []
