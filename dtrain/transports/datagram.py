@@ -695,8 +695,6 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
                 self._handle_contribution(rs, h.sender, obj)
             elif kind == Kind.SEND_END:
                 self._answer_send_end(rs, h.sender, obj, copy=h.chunk)
-            elif kind == Kind.NACK:
-                self._answer_nack(rs, h, obj)
             elif kind == Kind.MEAN_ACK:
                 self._answer_ack(rs, h, obj)
             elif kind == Kind.BUCKET_END:

@@ -418,8 +418,8 @@ def test_a_datagram_that_failed_to_open_just_before_its_round_began_is_opened_no
 
 
 def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread(monkeypatch) -> None:
-    """The dispatch thread only decides what a NACK asks for; the repair thread sends it. With
-    the answer stuck in the pacer, a SEND_END queued behind the NACK is still handled and
+    """The receive thread only decides what a NACK asks for; the repair thread sends it. With
+    the answer stuck in the pacer, a SEND_END that came after the NACK is still handled and
     answered; past the repair queue's bound (``_MAX_REPAIRS_QUEUED``) a NACK is dropped and
     counted ``over_budget``, not queued."""
     import queue
@@ -449,7 +449,7 @@ def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread
     for th in threads:
         th.start()
     try:
-        t._enqueue([(Kind.NACK, rs, SimpleNamespace(bucket=0, sender=1, chunk=1), struct.pack("<1I", 2))])
+        t._answer_nack_here(rs, SimpleNamespace(bucket=0, sender=1, chunk=1), struct.pack("<1I", 2))
         assert in_pacer.wait(10)  # the repair thread is sending the answer, and stays there
         t._enqueue([(Kind.SEND_END, rs, SimpleNamespace(sender=1, chunk=0), _SEND_END.pack(10, 12800, 0.5, 0))])
         assert done.wait(10) and not release.is_set()  # handled while the answer is still stuck
@@ -473,6 +473,27 @@ def test_a_nack_answer_waiting_on_the_pacer_does_not_hold_up_the_dispatch_thread
         for th in threads:
             th.join(5)
     assert sent and sent[0] > 0  # the stuck answer left once released
+    t.stop(0)
+
+
+def test_a_nack_is_answered_by_the_receive_thread_not_queued_behind_contributions() -> None:
+    """A NACK asks for mean chunks that already left, so it does not wait for the dispatch
+    thread's backlog: an opened NACK goes to the repair queue at once and nothing of it is
+    queued for dispatch, while a SEND_END (which counts the contributions before it) is."""
+    import struct
+    from types import SimpleNamespace
+
+    t, rs = _owner_with_a_mean()
+    rs.mean_left[0] = 5
+    out: list[tuple] = []
+    nack = SimpleNamespace(kind=Kind.NACK, round=0, bucket=0, sender=1, chunk=1)
+    t._on_opened(rs, nack, struct.pack("<2I", 1, 3), 0.0, out)
+    assert out == [] and t._repairs.qsize() == 1
+    _, m, dest, wanted, meta, copies = t._repairs.get_nowait()
+    assert (m.bucket, dest, wanted, meta, copies) == (0, 1, [1, 3], False, 2)
+    end = SimpleNamespace(kind=Kind.SEND_END, round=0, bucket=0, sender=1, chunk=0)
+    t._on_opened(rs, end, b"", 0.0, out)
+    assert [item[0] for item in out] == [Kind.SEND_END]
     t.stop(0)
 
 
