@@ -449,10 +449,6 @@ def paired_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]
     return [100 * (x / b - 1) if pct else x - b for x, b in d]
 
 
-def pct_deltas(rows: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
-    return paired_deltas(rows, base, pct=True)
-
-
 def per_round_mean(
     rounds: Sequence[dict[str, Any]], config: str, metric: str, keep: Callable[[dict[str, Any]], bool] = lambda r: True
 ) -> tuple[list[int], list[float], list[float], list[float]]:

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from experiments import convergence_netem
 from experiments import convergence_report as rep
-from experiments.common import RunResult, load_meta, mean_se, own_session, pct_deltas, read_rows, run_inproc
+from experiments.common import RunResult, load_meta, mean_se, own_session, paired_deltas, read_rows, run_inproc
 from experiments.convergence_report import (
     ALONE,
     AVERAGE,
@@ -281,7 +281,7 @@ def unresolved(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     base = fault_rows(rows, FAULT_FREE)
     out = []
     for name in (LOSS10, RESTART, *CODECS):
-        se = mean_se(pct_deltas(fault_rows(rows, name), base))[1]
+        se = mean_se(paired_deltas(fault_rows(rows, name), base, pct=True))[1]
         if not se <= SE_TARGET_PP:
             out.append(name)
     return out

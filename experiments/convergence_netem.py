@@ -20,7 +20,7 @@ import statistics
 from typing import Any, Sequence
 
 from experiments import netem_loss
-from experiments.common import RunResult, fmt_pm, md_rows, mean_se, pct_deltas, summarize
+from experiments.common import RunResult, fmt_pm, md_rows, mean_se, paired_deltas, summarize
 from experiments.procs import sites_topology
 
 NETEM = "netem"  # the section of these rows in the convergence CSVs
@@ -94,7 +94,7 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[str, dict[str, tuple[float, f
         g = groups.get(method, [])
         if not g:
             continue
-        d = pct_deltas(g, base) if method != BASE else []
+        d = paired_deltas(g, base, pct=True) if method != BASE else []
         mu, se = mean_se(d) if d else (float("nan"), float("nan"))
         facts[method] = (mu, se, len(d))
         out.append(

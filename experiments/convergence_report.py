@@ -19,7 +19,6 @@ from experiments.common import (
     md_table,
     mean_se,
     paired_deltas,
-    pct_deltas,
     save_fig,
     subplots,
     summarize,
@@ -79,7 +78,7 @@ MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent ab
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
 
 
-def verdict(mu: float, se: float, target: float, *, se_target: float) -> str:
+def verdict(mu: float, se: float, target: float, *, se_target: float = SE_TARGET_PP) -> str:
     """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent)."""
     if not se <= se_target:
         if mu - target > 2 * se:  # worse than the target by more than twice its noise
@@ -149,18 +148,15 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
     return save_fig(fig, prefix.with_name(f"{prefix.name}_{name}_{data}.png"))
 
 
-def convergence_table(
-    rows, section: str, data: str, base_method: str | None = None
-) -> tuple[str, dict[str, list[float]]]:
+def convergence_table(rows, section: str, data: str, base_method: str = DDP) -> tuple[str, dict[str, list[float]]]:
     """Markdown table of one data setting; also method -> paired % changes against DDP (or ``base_method``)."""
     sel = _rows(rows, section, data)
     groups = summarize(sel, "method")
-    base_method = base_method or DDP
     base = groups.get(base_method, [])
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base) if base else float("nan")
     table, deltas = [], {}
     for method, g in groups.items():
-        d = pct_deltas(g, base)
+        d = paired_deltas(g, base, pct=True)
         deltas[method] = d
         b = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
         ratio = "1" if method == DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
@@ -181,15 +177,15 @@ def convergence_table(
     return md_rows(table), deltas
 
 
-def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, float, int]]]:
+def fault_table(rows) -> tuple[str, dict[str, tuple[float, float, int]]]:
     base = fault_rows(rows, FAULT_FREE)
     table, facts = [], {}
     for name in (FAULT_FREE, LOSS10, RESTART, *CODECS):
         g = fault_rows(rows, name)
         if not g:
             continue
-        d = pct_deltas(g, base) if name != FAULT_FREE else []
-        mu, se = mean_se(d) if d else (float("nan"), float("nan"))
+        d = paired_deltas(g, base, pct=True) if name != FAULT_FREE else []
+        mu, se = mean_se(d)
         facts[name] = (mu, se, len(d))
         ppl = [100 * (math.exp(x) - 1) for x in paired_deltas(g, base)]
         table.append(
@@ -199,7 +195,7 @@ def fault_table(rows, se_target: float) -> tuple[str, dict[str, tuple[float, flo
                 "final val loss (mean ± std)": fmt_pm([r["final_val_loss"] for r in g]),
                 "Δ loss vs fault-free (paired mean)": "—" if not d else f"{mu:+.3f}%",
                 "SE (pp)": "—" if not d else f"{se:.3f}",
-                f"SE ≤ {se_target} pp": "—" if not d else ("yes" if se <= se_target else "**no**"),
+                f"SE ≤ {SE_TARGET_PP} pp": "—" if not d else ("yes" if se <= SE_TARGET_PP else "**no**"),
                 "Δ perplexity (mean)": "—" if not ppl else f"{statistics.fmean(ppl):+.2f}%",
                 "stale buckets/round": f"{statistics.fmean(r['stale_buckets'] / max(1, r['rounds_done']) for r in g):.2f}",
                 "late contributions refused": sum(int(r.get("rejected") or 0) for r in g),
@@ -226,11 +222,13 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
         if len(g) < 2:
             continue
         mu = statistics.fmean(r["final_val_loss"] for r in g)
-        conf.append([method, len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(pct_deltas(g, default))])
+        conf.append(
+            [method, len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(paired_deltas(g, default, pct=True))]
+        )
         if mu < best_mu:
             best_mu, best = mu, (float(g[0]["outer_lr"]), float(g[0]["outer_momentum"]))
     cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], conf)
-    bd = pct_deltas(by.get(diloco_label(m["h_main"], best), []), default)
+    bd = paired_deltas(by.get(diloco_label(m["h_main"], best), []), default, pct=True)
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
 
 
@@ -239,53 +237,56 @@ def _long_base(rows, section: str) -> str:
     return DDP if any(r["method"] == DDP for r in _rows(rows, section)) else BIG
 
 
+def _part(rows, rounds, prefix: Path, head: str, section: str, data: str, title: str, base: str = DDP) -> str:
+    """``head``, the plot of one data setting of ``section`` (titled ``title``) and its table against ``base``."""
+    md, _ = convergence_table(rows, section, data, base)
+    png = plot_setting(rows, rounds, section, data, prefix, title)
+    return f"{head} (plot `{_rel(png)}`):\n\n{md}"
+
+
 def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
     """The RESULTS.md section under its stamp: setup, scope, tables and plots (the claims: :func:`claims_of`)."""
-    parts, pngs = [], []
-    for data in m["seeds"]:
-        md, _ = convergence_table(rows, "convergence", data)
-        png = plot_setting(
-            rows, rounds, "convergence", data, prefix, f"{m['num_sites']} sites, {m['size']}, {data} shards"
+    n, diag = m["num_sites"], "diagnosis: cosine inner LR"
+    parts = [
+        _part(
+            rows,
+            rounds,
+            prefix,
+            f"**Convergence, {d} shards**",
+            "convergence",
+            d,
+            f"{n} sites, {m['size']}, {d} shards",
         )
-        pngs.append(png)
-        parts.append(f"**Convergence, {data} shards** (plot `{_rel(png)}`):\n\n{md}")
-    diag_md, diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")
-    if diag:
-        png = plot_setting(rows, rounds, "diagnosis: cosine inner LR", "iid", prefix, "warmup + cosine inner LR, iid")
-        pngs.append(png)
-        parts.append(
-            f"**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0 (plot `{_rel(png)}`):\n\n{diag_md}"
-        )
+        for d in m["seeds"]
+    ]
+    if _rows(rows, diag, "iid"):
+        head = "**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0"
+        parts.append(_part(rows, rounds, prefix, head, diag, "iid", "warmup + cosine inner LR, iid"))
     for section in long_sections(rows):
-        steps = int(_rows(rows, section)[0]["inner_steps"])
-        base = _long_base(rows, section)
-        long_md, _ = convergence_table(rows, section, "iid", base_method=base)
-        png = plot_setting(rows, rounds, section, "iid", prefix, f"{steps} inner steps per site, iid")
-        pngs.append(png)
+        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
         against = (
             "against DDP"
             if base == DDP
-            else f"against 1 site with {m['num_sites']}x the batch (DDP's stand-in: within ±2% of DDP at every "
+            else f"against 1 site with {n}x the batch (DDP's stand-in: within ±2% of DDP at every "
             f"evaluated step of the {m['total_steps']}-step runs, {conv_big_vs_ddp(rows)} at the end)"
         )
-        parts.append(f"**Longer: {steps} inner steps per site**, iid, {against} (plot `{_rel(png)}`):\n\n{long_md}")
-    fmd, _ = fault_table(rows, SE_TARGET_PP)
+        head, title = f"**Longer: {steps} inner steps per site**, iid, {against}", f"{steps} inner steps per site, iid"
+        parts.append(_part(rows, rounds, prefix, head, section, "iid", title, base))
     parts.append(
         f"**Faults against the fault-free run** (H = {m['h_main']}, {m['faults']['total_steps']} inner steps, "
-        f"warmup + cosine inner LR, iid, paired by seed):\n\n{fmd}"
+        f"warmup + cosine inner LR, iid, paired by seed):\n\n{fault_table(rows)[0]}"
     )
     nmd, nfacts = netem.table(rows)
     if nfacts:
         parts.append(f"**10% packet loss over gRPC through netem** ({netem.setup(m)}):\n\n{nmd}")
-    smd, _, _ = sweep_tables(rows, m)
     parts.append(
         f"**Outer lr / momentum sweep** (H = {m['h_main']}, {m['sweep']['total_steps']} inner steps, iid, constant "
-        f"inner LR; final val loss, seed 0):\n\n{smd}"
+        f"inner LR; final val loss, seed 0):\n\n{sweep_tables(rows, m)[0]}"
     )
     setup = (
-        f"Setup: {m['num_sites']} sites, built-in GPT `{m['size']}` ({rows[0]['num_params']:,} parameters), stdlib "
+        f"Setup: {n} sites, built-in GPT `{m['size']}` ({rows[0]['num_params']:,} parameters), stdlib "
         f"source, {m['total_steps']} inner steps per site for every convergence run, inner AdamW (preset lr, "
-        f"constant unless said), validation on {m['num_val_batches']} fixed batches. DDP: {m['num_sites']} "
+        f"constant unless said), validation on {m['num_val_batches']} fixed batches. DDP: {n} "
         f"processes, gradients all-reduced (gloo, 127.0.0.1) every step; bytes by the ring formula "
         f"2·(N−1)/N·4·P per rank per step. DiLoCo: in-process sites, fp32, bytes measured. 1 site (4x batch): "
         f"one site, plain training (the 4x batch sees the N sites' tokens). Δ% = 100·(L/L_DDP − 1), paired by seed; "
@@ -294,42 +295,22 @@ def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
     return "\n\n".join([setup, scope(m, mode, bool(nfacts)), *parts])
 
 
-def claims_of(rows, m: dict[str, Any]) -> str:
-    """The claims of the section (:func:`claims`) from the same tables :func:`report` shows, with
-    the netem pairs' claim before the site-down one."""
-    conv = {data: convergence_table(rows, "convergence", data)[1] for data in m["seeds"]}
-    diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
-    long_d = {}
-    for section in long_sections(rows):
-        base = _long_base(rows, section)
-        long_d[int(_rows(rows, section)[0]["inner_steps"])] = (base, convergence_table(rows, section, "iid", base)[1])
-    _, facts = fault_table(rows, SE_TARGET_PP)
-    _, best, best_d = sweep_tables(rows, m)
-    statements = claims(rows, m, conv, diag, facts, best, best_d, long_d)
-    netem_claim = netem.claim(netem.table(rows)[1], rows, verdict)
-    if netem_claim:
-        statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
-    return statements
-
-
 def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
     """What this mode leaves out of issue 18's matrix, plainly."""
     f = m["faults"]
+    netem_text = (
+        "10% loss over gRPC through netem: the `convergence.side=netem` table below. Not measured here: "
+        if netem_done
+        else "Not measured here: 10% loss over gRPC through netem (`experiments/netem_loss.py` is that path, with "
+        "the older, unpaired method); "
+    )
     lines = [
         f"Scope ({mode}): seeds {dict(m['seeds'])} for the convergence runs; the full H grid on "
         f"{', '.join(m['grid_data'])} only (other data settings: DDP, 1 site, DiLoCo H = {m['h_main']}); the plain "
         f"average at H = {', '.join(str(h) for h in m['both_outers_hs'])} only; fault and sweep runs of "
         f"{f['total_steps']} / {m['sweep']['total_steps']} inner steps ({f['total_steps'] // m['h_main']} / "
         f"{m['sweep']['total_steps'] // m['h_main']} rounds at H = {m['h_main']}), not {m['total_steps']}.",
-        ("10% loss over gRPC through netem: the `convergence.side=netem` table below. " if netem_done else "")
-        + "Not measured here: "
-        + (
-            ""
-            if netem_done
-            else "10% loss over gRPC through netem (`experiments/netem_loss.py` is that path, with the older, "
-            "unpaired method); "
-        )
-        + "a real process restart (`experiments/site_failures.py`). 'Site down' is simulated "
+        netem_text + "a real process restart (`experiments/site_failures.py`). 'Site down' is simulated "
         f"in process: the last site is killed after round {f['restart_after']} and restarted "
         f"(`InprocCluster.restart`: rejoin through the rendezvous, θ and training-position pull) once site 0 applied "
         f"{f['down_rounds']} more rounds.",
@@ -347,69 +328,55 @@ def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[floa
     return k, cands[k]
 
 
-def _vs_ddp(name: str, d: list[float], ratio_h: int) -> str:
+def _vs_ddp(name: str, d: list[float], ratio_h: int, base: str = DDP) -> str:
     if not d:
         return "no run"
     mu, se = mean_se(d)
     se_txt = f"SE {se:.2f} pp, {len(d)} seeds" if math.isfinite(se) else "1 seed"
     state = "**met**" if mu <= MATCH_PCT else f"**missed by {mu - MATCH_PCT:.2f} pp**"
-    return f"{name}: {mu:+.2f}% against DDP ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
+    return f"{name}: {mu:+.2f}% against {base} ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
 
 
 def conv_big_vs_ddp(rows) -> str:
     """The iid convergence runs' final 4x-batch loss against DDP's, as text."""
     sel = _rows(rows, "convergence", "iid")
-    d = pct_deltas([r for r in sel if r["method"] == BIG], [r for r in sel if r["method"] == DDP])
+    d = paired_deltas([r for r in sel if r["method"] == BIG], [r for r in sel if r["method"] == DDP], pct=True)
     return f"{statistics.fmean(d):+.2f}%" if d else "not measured"
 
 
-def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
-    """One plain statement per claim of issue 18."""
-    h, se_t = m["h_main"], SE_TARGET_PP
-    out = []
+def claims_of(rows, m: dict[str, Any]) -> str:
+    """One plain statement per claim of issue 18, from the same tables :func:`report` shows (each
+    setting's Δ is in its table), with the netem pairs' claim before the site-down one."""
+    h, se_t, out = m["h_main"], SE_TARGET_PP, []
+    conv = {data: convergence_table(rows, "convergence", data)[1] for data in m["seeds"]}
     for data, deltas in conv.items():
-        name, d = _best_diloco(deltas, h)
         out.append(
             f"- DiLoCo vs DDP ({data}; paper: DiLoCo with 8 workers matches synchronous training with 500x less "
             f"communication; ours: {m['num_sites']} sites, H = {h}, 'matches' = final loss at most {MATCH_PCT}% "
-            f"above DDP's): " + _vs_ddp(name, d, h)
+            f"above DDP's): " + _vs_ddp(*_best_diloco(deltas, h), h)
         )
-        others = [f"H={k.split('H=')[1]}: {statistics.fmean(v):+.2f}%" for k, v in deltas.items() if "H=" in k and v]
-        alone = deltas.get(ALONE, [])
-        out.append(
-            f"  - every DiLoCo setting against DDP: {'; '.join(others)}"
-            + (f"; 1 site alone: {statistics.fmean(alone):+.2f}%" if alone else "")
-        )
+    diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
     if diag:
-        name, d = _best_diloco(diag, h)
-        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(name, d, h))
-    for steps, (base, deltas) in sorted((long_d or {}).items()):
-        name, d = _best_diloco(deltas, h)
+        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(*_best_diloco(diag, h), h))
+    for section in long_sections(rows):
+        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
         what = "DDP" if base == DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
+        deltas = convergence_table(rows, section, "iid", base)[1]
         out.append(
             f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
-            + _vs_ddp(name, d, h).replace("against DDP", f"against {base}")
+            + _vs_ddp(*_best_diloco(deltas, h), h, base)
         )
-        big = deltas.get(BIG, [])
-        if base == DDP and big:
-            out.append(f"  - 1 site with {m['num_sites']}x the batch against DDP there: {_pm_se(big)}")
-    for name, target, what in (
+    facts = fault_table(rows)[1]
+    checks = [
         (LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
         (RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),
-    ):
+    ]  # a codec: no regression, i.e. not worse by more than the resolution
+    checks += [(c, se_t, f"{c} no regression against fp32 (Δ ≤ {se_t} pp, the resolution)") for c in CODECS]
+    for name, target, what in checks:
         if name in facts:
             mu, se, n = facts[name]
-            out.append(
-                f"- {what}: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) → **{verdict(mu, se, target, se_target=se_t)}**"
-            )
-    for name in CODECS:
-        if name in facts:
-            mu, se, n = facts[name]
-            v = verdict(mu, se, se_t, se_target=se_t)  # no regression: not worse by more than the resolution
-            out.append(
-                f"- {name} no regression against fp32 (Δ ≤ {se_t} pp, the resolution): {mu:+.3f}% "
-                f"(SE {se:.3f} pp, {n} seeds) → **{v}**"
-            )
+            out.append(f"- {what}: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) → **{verdict(mu, se, target)}**")
+    _, best, best_d = sweep_tables(rows, m)
     if best_d:
         mu, se = mean_se(best_d)
         same = best == NESTEROV
@@ -428,4 +395,8 @@ def claims(rows, m, conv, diag, facts, best, best_d, long_d=None) -> str:
                 f"against DDP, the default {statistics.fmean(default):+.2f}% → "
                 + ("**it is better there too**" if better else "**the default is the better one there**")
             )
-    return "\n".join(out)
+    statements = "\n".join(out)
+    netem_claim = netem.claim(netem.table(rows)[1], rows, verdict)
+    if netem_claim:
+        statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
+    return statements
