@@ -65,6 +65,7 @@ FIXED = {
 }
 SITES, SIZE, VAL = "task_spec.num_sites", "task_spec.size", "inproc.num_val_batches"
 STEPS, BUDGET, REDUCE = "convergence.total_steps", "convergence.budget_min", "rendezvous.reduce_timeout_s"
+DATA = ("iid", "non-iid")  # every mode's data settings (``grid_data``: those with the whole grid)
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0],
@@ -73,7 +74,6 @@ MODES: dict[str, dict[str, Any]] = {
         # under load a 0.5 s deadline once cut a chunk that was only late (sync_s 0.86 s against 0.35 s)
         fixed={SITES: 2, SIZE: "tiny", "task_spec.batch_size": 4, "task_spec.context_len": 16, VAL: 4}
         | {STEPS: 8, BUDGET: 2.0, REDUCE: 1.0},
-        data=["iid", "non-iid"],
         hs=[2, 4],
         h_main=2,
         grid_data=["iid"],  # non-iid: the baselines and h_main only (its own grid is the quick mode's business)
@@ -87,7 +87,6 @@ MODES: dict[str, dict[str, Any]] = {
         seeds=[0],
         jobs=8,  # more runnable processes than the cores: each in-process run sleeps in its GIL handoffs
         fixed={SITES: 4, SIZE: "tiny", VAL: 32, STEPS: 4000, BUDGET: 25.0, REDUCE: 0.5},  # 80 rounds at H = 50
-        data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
         grid_data=["iid"],  # the other data settings: DDP, 1 site and DiLoCo at h_main only
@@ -100,7 +99,6 @@ MODES: dict[str, dict[str, Any]] = {
         seeds=[0, 1, 2],
         jobs=4,
         fixed={SITES: 4, SIZE: "small", VAL: 32, STEPS: 8000, BUDGET: 240.0, REDUCE: 1.0},
-        data=["iid", "non-iid"],
         hs=[10, 50, 100],
         h_main=50,
         grid_data=["iid", "non-iid"],
@@ -122,7 +120,7 @@ KNOB_FIELDS += ("heartbeat_timeout_s",)
 def knobs(m: dict[str, Any]) -> dict[str, Any]:
     """The mode's settings (``--set`` applied) as the flat knobs the plan and the report read."""
     f = m["fixed"]
-    k = dict(m, seeds={d: list(m["seeds"]) for d in m["data"]}, side=f["convergence.side"])
+    k = dict(m, seeds={d: list(m["seeds"]) for d in DATA}, side=f["convergence.side"])
     k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
     k["total_steps"], k["budget_min"] = f.get("convergence.total_steps"), f.get("convergence.budget_min")
     if f["convergence.fault_steps"]:
@@ -251,24 +249,20 @@ def item_points(m: dict[str, Any], section: str, items: Sequence[str], seeds: Se
     return points
 
 
-def long_section(steps: int) -> str:
-    """The section of the --long-check runs over ``steps`` inner steps (one table per step count)."""
-    return f"{LONG} {steps}"
-
-
 def long_points(m: dict[str, Any], text: str) -> list[Point]:
-    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), its own table."""
+    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), in a
+    section (a table) of its own per step count, ``long STEPS``."""
     steps, items, *seeds = text.split(":")
     span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
-    return item_points(m, long_section(int(steps)), items.split(","), span, int(steps))
+    return item_points(m, f"{LONG} {steps}", items.split(","), span, int(steps))
 
 
 def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
-    """Rows of section ``LONG`` (before one section per step count) go to ``long_section(inner_steps)``."""
+    """Rows of section ``LONG`` (before one section per step count) go to ``long STEPS``."""
     renamed = {}
     for r in rows:
         if r["section"] == LONG:
-            r["section"] = long_section(int(r["inner_steps"]))
+            r["section"] = f"{LONG} {int(r['inner_steps'])}"
             new = f"{r['section']} | {r['data']} | {r['method']}"
             renamed[r["config"]], r["config"] = new, new
     for x in rounds:
@@ -376,9 +370,9 @@ def side_points(k: dict[str, Any]) -> list[Point]:
     if kind == "outer":
         items, seeds = _items(rest)
         return item_points(k, "convergence", items, seeds, k["total_steps"])
-    if kind == "sweep":
+    if kind == "sweep":  # LR/M items at h_main over the sweep's steps
         items, seeds = _items(rest)
-        return sweep_points(k, [(float(x.split("/")[0]), float(x.split("/")[1])) for x in items], seeds)
+        return item_points(k, "sweep", items, seeds, k["sweep"]["total_steps"])
     if kind == "rerun-diloco":
         points = convergence_points(k) + diagnosis_points(k, None)
         return [p for p in points if p.settings["task_spec.num_sites"] > 1 and not _is_ddp(p)]

@@ -55,17 +55,10 @@ def run(m: dict[str, Any], seeds: Sequence[int], timeout_s: float) -> list[RunRe
         for seed in seeds:
             for cfg, loss in ((BASE, 0.0), (LOSSY, 10.0), (REPEAT, 0.0)):
                 res = netem_loss.run_one(topo, run_m, cfg, loss, seed, timeout_s, worker=worker, rendezvous=RENDEZVOUS)
-                config = f"{NETEM} | iid | {cfg}"
-                res.row.update(
-                    config=config,
-                    section=NETEM,
-                    data="iid",
-                    method=cfg,
-                    H=run_m["sync_every"],
-                    experiment="convergence",
-                )
+                named = dict(config=f"{NETEM} | iid | {cfg}", experiment="convergence")
+                res.row.update(named, section=NETEM, data="iid", method=cfg, H=run_m["sync_every"])
                 for x in res.rounds:
-                    x.update(config=config, experiment="convergence")
+                    x.update(named)
                 r = res.row
                 print(
                     f"netem {cfg:<17s} seed {seed}: val {r['final_val_loss']:.5f} rounds {r['rounds_done']} "
@@ -95,7 +88,7 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[str, dict[str, tuple[float, f
         if not g:
             continue
         d = paired_deltas(g, base, pct=True) if method != BASE else []
-        mu, se = mean_se(d) if d else (float("nan"), float("nan"))
+        mu, se = mean_se(d)
         facts[method] = (mu, se, len(d))
         out.append(
             {

@@ -19,6 +19,7 @@ from experiments.common import (
     md_table,
     mean_se,
     paired_deltas,
+    per_round_mean,
     save_fig,
     subplots,
     summarize,
@@ -105,20 +106,6 @@ def _pm_se(xs: Sequence[float]) -> str:
     return f"{mu:+.2f}%" + (f" ± {se:.2f}" if math.isfinite(se) else " (1 seed)")
 
 
-def curves(rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> dict[str, dict[int, list[float]]]:
-    """config -> inner step per site -> validation losses (one per seed), from step 0 on."""
-    h = {r["config"]: int(r["H"]) for r in rows}
-    out: dict[str, dict[int, list[float]]] = {}
-    for r in rows:
-        out.setdefault(r["config"], {}).setdefault(0, []).append(float(r["first_val_loss"]))
-    for x in rounds:
-        v = x.get("val_loss")
-        if x["config"] not in h or v is None or (isinstance(v, float) and math.isnan(v)):
-            continue
-        out[x["config"]].setdefault((int(x["round"]) + 1) * h[x["config"]], []).append(float(v))
-    return out
-
-
 def long_sections(rows) -> list[str]:
     """The --long-check sections (``long STEPS``), fewest steps first."""
     secs = {r["section"] for r in rows if str(r["section"]).startswith(LONG + " ")}
@@ -126,18 +113,19 @@ def long_sections(rows) -> list[str]:
 
 
 def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str) -> Path:
+    """Validation loss against inner steps per site, mean over seeds, of every method of the setting."""
     sel = _rows(rows, section, data)
-    cur = curves(sel, rounds)
     fig, ax = subplots(figsize=(7.2, 4.6))
     for cfg, g in summarize(sel).items():
-        method = g[0]["method"]
-        pts = sorted(cur.get(cfg, {}).items())
+        method, h = g[0]["method"], int(g[0]["H"])
+        xs, ys, _, _ = per_round_mean(rounds, cfg, "val_loss")  # round r ends at step (r + 1)·H; step 0: θ_0
         style = dict(color="black", lw=2) if method == DDP else {}
         if method in (ALONE, BIG):
             style = dict(color="tab:red" if method == ALONE else "tab:pink", ls=":")
         elif "average" in method:
             style = dict(ls="--")
-        ax.plot([s for s, _ in pts], [statistics.fmean(v) for _, v in pts], label=method, **style)
+        first = statistics.fmean(float(r["first_val_loss"]) for r in g)
+        ax.plot([0] + [(x + 1) * h for x in xs], [first, *ys], label=method, **style)
     ax.set_xlabel("inner steps per site")
     ax.set_ylabel("validation loss (nats/byte), mean over seeds")
     lo = min((float(r["final_val_loss"]) for r in sel), default=1.0)
