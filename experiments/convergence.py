@@ -138,20 +138,13 @@ def _spec(m: dict[str, Any], section: str, data: str, method: str, seed: int, st
     h = kw.pop("sync_every", steps)
     rounds = kw.pop("rounds", steps // h)
     eval_steps = max(1, steps // 20)  # ~20 points per curve, on the same steps for every method
-    fields = dict(
-        num_sites=m["num_sites"],
-        size=m["size"],
-        batch_size=m.get("batch_size"),
-        context_len=m.get("context_len"),
+    fields = {f: m[f] for f in KNOB_FIELDS} | dict(  # the mode's knobs, then what every run of the plan shares
         non_iid=data == "non-iid",
         sync_every=h,
         rounds=rounds,
         bucket_bytes=64 * 1024,
         chunk_bytes=16 * 1024,
-        reduce_timeout_s=m["reduce_timeout_s"],
         broadcast_timeout_s=2 * m["reduce_timeout_s"],
-        heartbeat_timeout_s=m.get("heartbeat_timeout_s") or 1.5,
-        num_val_batches=m["num_val_batches"],
         eval_every=max(1, eval_steps // h) if h > 1 else eval_steps,
         track_drift=False,
         timeout_s=max(3600.0, 0.5 * steps * max(1, kw.get("num_sites", m["num_sites"]))),  # bound on one run
