@@ -125,21 +125,17 @@ class RunSpec:
         self.task_spec(0)
         self.cluster_config()
 
+    def _by_path(self, prefix: str) -> dict[str, Any]:
+        """The fields whose config path is ``prefix`` + NAME, by NAME: the keyword arguments of the
+        component config at ``prefix`` (``task_spec.`` -> ``TaskSpec``) that the spec sets directly."""
+        n = len(prefix)
+        paths = {f.name: f.metadata.get("path", "") for f in fields(self)}
+        return {p[n:]: getattr(self, name) for name, p in paths.items() if p.startswith(prefix) and "." not in p[n:]}
+
     def task_spec(self, site_index: int) -> TaskSpec:
-        return TaskSpec(
-            site_index=site_index,
-            num_sites=self.num_sites,
-            seed=self.seed,
-            data=self.data,
-            size=self.size,
-            lr=self.lr,
-            batch_size=self.batch_size,
-            context_len=self.context_len,
-            non_iid=self.non_iid,
-            lr_schedule=self.lr_schedule,  # type: ignore[arg-type]
-            warmup_steps=self.warmup_steps,
-            decay_steps=self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps),
-        )
+        kw = self._by_path("task_spec.")
+        kw["decay_steps"] = self.decay_steps or max(1, self.sync_every * self.rounds - self.warmup_steps)
+        return TaskSpec(site_index=site_index, seed=self.seed, **kw)
 
     def evaluator(self) -> Callable[[torch.nn.Module], float]:
         """A model's mean validation loss on the run's fixed validation set (``num_val_batches``
@@ -198,19 +194,11 @@ class RunSpec:
                     broadcast_codec=None
                     if self.broadcast_codec is None and self.broadcast_sparse_k is None
                     else mean_codec,
-                    error_feedback=self.error_feedback,
-                    error_feedback_decay=self.error_feedback_decay,
                     aggregation=AggregationConfig(sparse_mean=self.sparse_mean),
-                    broadcast_error_feedback=self.broadcast_error_feedback,
-                    repair=self.repair,
+                    **self._by_path("diloco.rounds."),  # error feedback (decay, the means'), repair
                 ),
             ),
-            rendezvous=fast_rendezvous_config(
-                self.num_sites,
-                reduce_timeout_s=self.reduce_timeout_s,
-                broadcast_timeout_s=self.broadcast_timeout_s,
-                heartbeat_timeout_s=self.heartbeat_timeout_s,
-            ),
+            rendezvous=fast_rendezvous_config(self.num_sites, **self._by_path("rendezvous.")),
             faults=InprocFaults(push_loss=self.push_loss, pull_loss=self.pull_loss, seed=self.seed),
             seed=self.seed,
         )
