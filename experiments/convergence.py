@@ -28,6 +28,7 @@ ITEMS: ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with this outer lr / momentum),
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 
 from experiments import convergence_netem
 from experiments import convergence_report as rep
-from experiments.common import RunResult, load_meta, mean_se, own_session, paired_deltas, read_rows, run_inproc
+from experiments.common import RunResult, load_meta, own_session, read_rows, run_inproc
 from experiments.convergence_report import (
     ALONE,
     AVERAGE,
@@ -263,15 +264,10 @@ def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> Non
 
 
 # ---------------------------------------------------------------------------- analysis helpers
-def unresolved(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[str]:
-    """Faults whose paired change still has SE > SE_TARGET_PP."""
-    base = fault_rows(rows, FAULT_FREE)
-    out = []
-    for name in (LOSS10, RESTART, *CODECS):
-        se = mean_se(paired_deltas(fault_rows(rows, name), base, pct=True))[1]
-        if not se <= SE_TARGET_PP:
-            out.append(name)
-    return out
+def unresolved(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Faults whose paired change (as the fault table shows it) still has SE > SE_TARGET_PP."""
+    facts = rep.fault_table(rows)[1]
+    return [name for name in (LOSS10, RESTART, *CODECS) if not facts.get(name, (0.0, math.inf, 0))[1] <= SE_TARGET_PP]
 
 
 def sweep_best(rows: Sequence[dict[str, Any]], k: int) -> list[tuple[float, float]]:
@@ -287,13 +283,11 @@ def sweep_best(rows: Sequence[dict[str, Any]], k: int) -> list[tuple[float, floa
 # ---------------------------------------------------------------------------- running
 def _order(points: list[Point]) -> list[Point]:
     """DDP first (each in a thread beside the rest), the rest longest first: fewer idle cores at the end."""
-    ddp = [p for p in points if _is_ddp(p)]
-    rest = [p for p in points if not _is_ddp(p)]
-    s = [p.settings for p in rest]
-    order = sorted(
-        range(len(rest)), key=lambda i: -s[i]["diloco.sync_every"] * s[i]["rounds"] * s[i]["task_spec.num_sites"]
-    )
-    return ddp + [rest[i] for i in order]
+
+    def work(p: Point) -> int:  # inner steps x sites
+        return p.settings["diloco.sync_every"] * p.settings["rounds"] * p.settings["task_spec.num_sites"]
+
+    return [p for p in points if _is_ddp(p)] + sorted((p for p in points if not _is_ddp(p)), key=work, reverse=True)
 
 
 def _is_ddp(point: Point) -> bool:
@@ -322,7 +316,7 @@ def phases(rows: Sequence[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
         confirm = [p for p in best if p != NESTEROV][: sw["confirm"]] + [NESTEROV]
         more += sweep_points(k, confirm, sw["confirm_seeds"])
         more += diagnosis_points(k, best[0] if best else None)[1 + len(k["diagnosis_outers"]) :]
-    todo = unresolved(rows, k)
+    todo = unresolved(rows)
     seeds = 1 + max((int(r["seed"]) for r in fault_rows(rows, FAULT_FREE)), default=-1)
     budget_left = k["budget_min"] - (time.monotonic() - m["t0"]) / 60
     if todo and seeds < f["max_seeds"] and budget_left > 0:

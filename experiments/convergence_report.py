@@ -384,7 +384,7 @@ def claims_of(rows, m: dict[str, Any]) -> str:
                 + ("**it is better there too**" if better else "**the default is the better one there**")
             )
     statements = "\n".join(out)
-    netem_claim = netem.claim(netem.table(rows)[1], rows, verdict)
+    netem_claim = netem.claim(netem.table(rows)[1], verdict)
     if netem_claim:
         statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
     return statements

@@ -193,7 +193,7 @@ def test_convergence_netem_pairs_smoke(tmp_path: Path) -> None:
     # owners sum in sender-id order: with every chunk in, a rerun ends with the very same θ
     assert rows[0]["checksum"] and rows[2]["checksum"] == rows[0]["checksum"]
     assert f"| {cn.REPEAT} | 1 |" in md and md.count("| 1 of 1 |") >= 1
-    text = cn.claim(facts, rows, verdict)
+    text = cn.claim(facts, verdict)
     assert "10% packet loss over gRPC through netem ≤ 0.5%" in text and "the 0% repeat" in text
     # a --replot of the smoke mode merges this CSV with the other side runs
     assert csv in c.side_files(tmp_path / "convergence_smoke")
