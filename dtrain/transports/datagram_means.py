@@ -5,9 +5,9 @@
   datagram (chunk count, checksums), the chunks, and a final meta, interleaved member
   by member and paced; it answers a member's NACK by re-sending the listed chunks (or
   the meta, or all of it) and counts a member's MEAN_ACK as a pull (``close()``). The
-  dispatch thread decides what a NACK asks for; the repair thread (:meth:`_repair_loop`)
-  seals and paces the answer, so a repair waiting on the pacer never holds up the
-  contributions and SEND_ENDs queued behind the NACK.
+  receive thread decides what a NACK asks for as it arrives (not behind the dispatch
+  thread's backlog of contributions); the repair thread (:meth:`_repair_loop`) seals and
+  paces the answer, so a repair waiting on the pacer never holds up what arrives after it.
 * **Member side**: :meth:`DatagramMeans.pull_mean` waits for a pushed mean, NACKs
   missing chunks at most ``max_nack_rounds`` times (the steps are
   :func:`~.datagram_round.mean_wait_decision`'s) and pulls over gRPC what is still
