@@ -3,10 +3,11 @@
 A micro-benchmark (``experiments/bench_*.py``) stays a script run as ``python -m
 experiments.bench_NAME``: :func:`parser` gives it the flags every benchmark has (``--json
 PATH``, and ``--quick`` / ``--smoke`` where it has such a mode) with its docstring's first
-paragraph as the description; its own flags are added to that. It prints its tables as it
-measures, and ends with :func:`write`: one provenance line (commit, UTC date, command, machine
-load, CPUs, torch) and, with ``--json``, every figure it measured under that same stamp, so two
-checkouts or two machines can be compared file against file.
+paragraph as the description; its own flags are added to that. It times with :func:`times` and
+:func:`cpu_s`, prints its tables as it measures (:func:`table`), and ends with :func:`write`: one
+provenance line (commit, UTC date, command, machine load when the parser was made and now, CPUs,
+torch) and, with ``--json``, every figure it measured under that same stamp, so two checkouts or
+two machines can be compared file against file.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
+
+_load_at_start: float | None = None  # the 1-min load average when parser() was called: "before the run"
 
 
 def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
     """The benchmark's parser: ``--json PATH``, and ``--quick`` / ``--smoke`` when given their help text."""
+    global _load_at_start
+    _load_at_start = os.getloadavg()[0]
     ap = argparse.ArgumentParser(
         description=(doc or "").split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -40,6 +45,32 @@ def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
     """User + system CPU seconds of this process, every thread (``RUSAGE_CHILDREN``: of its reaped children)."""
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
+
+
+def times(fn: Callable[[], object], reps: int, *, warmup: int = 0, clock: Callable[[], float] = time.perf_counter):
+    """Seconds on ``clock`` of each of ``reps`` calls of ``fn``, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = clock()
+        fn()
+        out.append(clock() - t)
+    return out
+
+
+def table(header: str, row: str, rows: Iterable[dict[str, Any]] = ()) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Print a markdown table: ``header`` (``"| a | b |"``), its rule, and ``row.format(**r)`` for each of
+    ``rows``; returns the function that prints one more row, ``r`` and more cells, and returns ``r``."""
+    print(header, "|" + "---|" * (header.count("|") - 1), sep="\n", flush=True)
+
+    def add(r: dict[str, Any], /, **cells: Any) -> dict[str, Any]:
+        print(row.format(**r, **cells), flush=True)
+        return r
+
+    for r in rows:
+        add(r)
+    return add
 
 
 def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:
@@ -72,9 +103,9 @@ def _module() -> str:
     return spec.name if spec is not None else Path(sys.argv[0]).stem
 
 
-def write(args: argparse.Namespace, name: str, figures: Any, *, load_before: float | None = None) -> dict[str, Any]:
+def write(args: argparse.Namespace, name: str, figures: Any) -> dict[str, Any]:
     """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
-    st = stamp(load_before)
+    st = stamp(_load_at_start)
     print(
         f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "
         f"{'-' if st['load_before'] is None else round(st['load_before'], 1)} before, {st['load_after']:.1f} after, "

@@ -16,9 +16,7 @@ over ``--repeats``. A second table times the zstd stage alone on each codec's bo
 from __future__ import annotations
 
 import math
-import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -27,19 +25,12 @@ import zstandard
 from dtrain.codecs import CODEC_NAMES, HEADER_BYTES, CodecConfig, get_codec
 from dtrain.tasks import TaskSpec
 from experiments import bench
-from experiments.common import md_table, pseudo_gradient
+from experiments.common import pseudo_gradient
 
 
 def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:
     reps = math.ceil(numel / delta.numel())
     return delta.repeat(reps)[:numel].contiguous()
-
-
-# ------------------------------------------------------------------ measuring
-def _buckets(x: torch.Tensor, bucket_elems: int) -> list[torch.Tensor]:
-    if bucket_elems <= 0:
-        return [x]
-    return list(torch.split(x, bucket_elems))
 
 
 def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int) -> dict:
@@ -81,16 +72,13 @@ def bench_zstd_stage(base: str, buckets: list[torch.Tensor], repeats: int, level
     mb = sum(b.numel() for b in buckets) * 4 / 1e6
     cctx = zstandard.ZstdCompressor(level=level)
     dctx = zstandard.ZstdDecompressor()
-    comp, decomp = [], []
-    frames: list[bytes] = []
-    for _ in range(repeats):
-        c0 = time.thread_time()
-        frames = [cctx.compress(b) for b in bodies]
-        comp.append(time.thread_time() - c0)
-        c0 = time.thread_time()
-        for f, b in zip(frames, bodies):
-            dctx.decompress(f, max_output_size=len(b))
-        decomp.append(time.thread_time() - c0)
+    frames = [cctx.compress(b) for b in bodies]
+    comp = bench.times(lambda: [cctx.compress(b) for b in bodies], repeats, clock=time.thread_time)
+    decomp = bench.times(
+        lambda: [dctx.decompress(f, max_output_size=len(b)) for f, b in zip(frames, bodies)],
+        repeats,
+        clock=time.thread_time,
+    )
     body_mb = sum(len(b) for b in bodies) / 1e6
     return {
         "body": base,
@@ -100,12 +88,6 @@ def bench_zstd_stage(base: str, buckets: list[torch.Tensor], repeats: int, level
         "compress_fp32_mb_s": mb / statistics.median(comp),
         "decompress_fp32_mb_s": mb / statistics.median(decomp),
     }
-
-
-def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    """A markdown table of ``rows``: per column (key, header, format spec), None as ``-``."""
-    cells = [["-" if r[key] is None else format(r[key], fmt) for key, _, fmt in cols] for r in rows]
-    return md_table([header for _, header, _ in cols], cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,33 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         # and report as compression that real pseudo-gradients do not have.
         args.bucket_elems = 1 << (delta.numel().bit_length() - 1)
         print(f"# bucket size cut to {args.bucket_elems:,} elements (< model size)", flush=True)
-    buckets = _buckets(x, args.bucket_elems)
+    buckets = list(torch.split(x, args.bucket_elems)) if args.bucket_elems > 0 else [x]
     print(
-        f"# Δ: {args.numel:,} elements ({args.numel * 4 / 2**20:.0f} MiB fp32) in "
-        f"{len(buckets)} bucket(s); rms {float(x.pow(2).mean().sqrt()):.3e}, "
-        f"max|Δ| {float(x.abs().max()):.3e}; torch {torch.__version__}, zstandard "
-        f"{zstandard.__version__}, {platform.processor() or platform.machine()}; "
-        f"one thread; medians of {args.repeats}",
+        f"# Δ: {args.numel:,} elements ({args.numel * 4 / 2**20:.0f} MiB fp32) in {len(buckets)} bucket(s); rms "
+        f"{float(x.pow(2).mean().sqrt()):.3e}, max|Δ| {float(x.abs().max()):.3e}; zstandard {zstandard.__version__}; "
+        f"one thread; medians of {args.repeats}\n",
         flush=True,
     )
-    rows = []
-    for base in CODEC_NAMES:
-        for name in (base, base + "+zstd"):
-            rows.append(bench_codec(name, buckets, args.repeats, args.zstd_level))
-            print(f"#   {name}: done", file=sys.stderr, flush=True)
-    print()
-    print(
-        _table(
-            rows,
-            [
-                ("codec", "codec", ""),
-                ("ratio", "ratio", ".2f"),
-                ("encode_mb_s", "encode MB/s", ".0f"),
-                ("decode_mb_s", "decode MB/s", ".0f"),
-                ("rel_l2", "rel. L2 error", ".2e"),
-            ],
-        )
+    row = bench.table(
+        "| codec | ratio | encode MB/s | decode MB/s | rel. L2 error |",
+        "| {codec} | {ratio:.2f} | {encode_mb_s:.0f} | {decode_mb_s:.0f} | {rel_l2:.2e} |",
     )
+    rows = [row(bench_codec(n, buckets, args.repeats, args.zstd_level)) for b in CODEC_NAMES for n in (b, b + "+zstd")]
     levels = [int(v) for v in args.zstd_levels.split(",") if v]
     zrows = [
         bench_zstd_stage(base, buckets, args.repeats, lvl)
@@ -166,18 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("zstd stage alone (on each codec's body; MB/s of the fp32 input it stands for):")
     print()
-    print(
-        _table(
-            zrows,
-            [
-                ("body", "body", ""),
-                ("zstd_level", "level", "d"),
-                ("zstd_ratio", "zstd ratio", ".3f"),
-                ("compress_body_mb_s", "compress MB/s (body)", ".0f"),
-                ("compress_fp32_mb_s", "compress MB/s (fp32)", ".0f"),
-                ("decompress_fp32_mb_s", "decompress MB/s (fp32)", ".0f"),
-            ],
-        )
+    bench.table(
+        "| body | level | zstd ratio | compress MB/s (body) | compress MB/s (fp32) | decompress MB/s (fp32) |",
+        "| {body} | {zstd_level} | {zstd_ratio:.3f} | {compress_body_mb_s:.0f} | {compress_fp32_mb_s:.0f} "
+        "| {decompress_fp32_mb_s:.0f} |",
+        zrows,
     )
     bench.write(args, "bench_codecs", {"codecs": rows, "zstd_stage": zrows})
     return 0

@@ -39,8 +39,12 @@ from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
 
+LOOPS = {"auto": "compiled (auto)", "on": "compiled", "off": "Python", "sendmmsg": "compiled, no GSO"}
+
 
 class CountingHandler:
+    """A peer handler that only counts contributions (nothing pulls means here)."""
+
     def __init__(self) -> None:
         self.num = 0
         self.bytes = 0
@@ -56,12 +60,6 @@ class CountingHandler:
             self.num += 1
             self.bytes += len(c.payload)
             self.last = now
-
-    def handle_pull_mean(self, *a, **k):  # pragma: no cover - not used
-        raise NotImplementedError
-
-    def handle_pull_state(self, *a, **k):  # pragma: no cover - not used
-        raise NotImplementedError
 
 
 def _contributions(mbytes: float, round: int) -> list[Contribution]:
@@ -227,30 +225,24 @@ def main(argv: list[str] | None = None) -> int:
         "--loops",
         nargs="*",
         default=["auto", "off"],
-        choices=["auto", "on", "off", "sendmmsg"],
+        choices=list(LOOPS),
         help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop "
         "(sendmmsg: the compiled loop without UDP segmentation offload)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rates, mbytes = ([400.0], 8.0) if args.quick else (args.rate_mbit, args.mbytes)
-    print(f"datagram loop on 127.0.0.1, {mbytes:g} MB of int8 per run, load {os.getloadavg()[0]:.1f}")
-    print(
+    print(f"datagram loop on 127.0.0.1, {mbytes:g} MB of int8 per run")
+    row = bench.table(
         "| loop | ceiling Mbit/s | datagrams | send Mbit/s | receive Mbit/s | delivered | send µs/dgram | recv µs/dgram "
-        "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s | send CPU µs/dgram | recv CPU µs/dgram |"
+        "| send loop Mbit/s per CPU-s | recv loop Mbit/s per CPU-s | send CPU µs/dgram | recv CPU µs/dgram |",
+        "| {name} | {ceiling_mbit:.0f} | {datagrams} | {send_mbit:.0f} | {recv_mbit:.0f} | {delivered:.3f} | {send_us:.1f} "
+        "| {recv_us:.1f} | {send_cpu_mbit:.0f} | {recv_cpu_mbit:.0f} | {send_cpu_us:.1f} | {recv_cpu_us:.1f} |",
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    runs = [(loop, rate) for rate in rates for loop in args.loops]
-    load, figures = os.getloadavg()[0], []
-    for i, (loop, rate) in enumerate(runs):
+    figures = []
+    for i, (loop, rate) in enumerate((loop, rate) for rate in rates for loop in args.loops):
         r = run_one(rate, mbytes, round=i, native="on" if loop == "sendmmsg" else loop, gso=loop != "sendmmsg")
-        figures.append({"loop": loop, **r})
-        name = {"auto": "compiled (auto)", "on": "compiled", "off": "Python", "sendmmsg": "compiled, no GSO"}[loop]
-        print(
-            f"| {name} | {r['ceiling_mbit']:.0f} | {r['datagrams']} | {r['send_mbit']:.0f} | {r['recv_mbit']:.0f} "
-            f"| {r['delivered']:.3f} | {r['send_us']:.1f} | {r['recv_us']:.1f} "
-            f"| {r['send_cpu_mbit']:.0f} | {r['recv_cpu_mbit']:.0f} | {r['send_cpu_us']:.1f} | {r['recv_cpu_us']:.1f} |"
-        )
+        figures.append(row({"loop": loop, **r}, name=LOOPS[loop]))
     iso = {}
     if "auto" in args.loops or "on" in args.loops:
         has_gso = "gso" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: sendmmsg only
@@ -272,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_chunk:.1f}, decode_chunks {batched:.1f} ({per_chunk / batched:.1f}x)"
     )
     decode = {"numel": numel, "per_chunk_us": per_chunk, "batched_us": batched}
-    bench.write(args, "bench_datagram", {"loops": figures, "isolated": iso, "decode": decode}, load_before=load)
+    bench.write(args, "bench_datagram", {"loops": figures, "isolated": iso, "decode": decode})
     return 0
 
 

@@ -201,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     blob = os.urandom(max(args.sizes_mib) * MiB)
     sink = bytearray(len(blob))
     ack = bytearray(1)
-    load_before = os.getloadavg()[0]
 
     rows = []
     try:
@@ -261,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for proc in (gproc, rproc):
             proc.join(10)
 
-    print(f"gRPC transport vs raw TCP, 127.0.0.1; chunk {args.chunk_bytes} B, part {args.part_bytes} B; "
-          f"{os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"gRPC transport vs raw TCP, 127.0.0.1; chunk {args.chunk_bytes} B, part {args.part_bytes} B")
     print(f"{'size':>8} {'dir':>4} {'baseline':>9} | {'MiB/s median':>17} {'ratio':>5} | {'MiB/s best':>15} "
           f"{'ratio':>5} | {'CPU ms/MiB':>13}")  # fmt: skip
     print(
@@ -273,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_median_mib_s']:>8.0f} {r['ratio_median']:>5.2f} | {r['grpc_best_mib_s']:>7.0f} "
               f"{r['raw_best_mib_s']:>7.0f} {r['ratio_best']:>5.2f} | {r['grpc_cpu_ms_per_mib']:>6.2f} "
               f"{r['raw_cpu_ms_per_mib']:>6.2f}")  # fmt: skip
-    bench.write(args, "bench_transport", rows, load_before=load_before)
+    bench.write(args, "bench_transport", rows)
     return 0
 
 

@@ -64,17 +64,13 @@ def main() -> int:
     runs = 1 if a.smoke else a.runs
     if not 1 <= runs <= 50:
         ap.error(f"--runs must be in [1, 50], got {a.runs}")
-    load, figures = os.getloadavg()[0], []
-    print(f"repo {a.repo}, {runs} runs each, load average {load:.1f}")
+    figures = []
+    print(f"repo {a.repo}, {runs} runs each")
     print(f"{'command':30} {'wall med':>8} {'min':>5} {'CPU med':>7} {'rc':>3} {'imports':>7}  heavy modules")
     for args in COMMANDS:
-        walls, cpus, rc = [], [], 0
-        for _ in range(runs):
-            dt, cpu, rc, _ = _run(a.repo, args)
-            walls.append(dt)
-            cpus.append(cpu)
-        _, _, _, err = _run(a.repo, args, importtime=True)
-        imp_s, heavy = _imports(err)
+        timed = [_run(a.repo, args) for _ in range(runs)]
+        walls, cpus, rc = [t[0] for t in timed], [t[1] for t in timed], timed[-1][2]
+        imp_s, heavy = _imports(_run(a.repo, args, importtime=True)[3])
         figures.append(
             {"command": args, "walls_s": walls, "cpus_s": cpus, "rc": rc, "imports_s": imp_s, "heavy": heavy}
         )
@@ -83,7 +79,7 @@ def main() -> int:
             f"{rc:3d} {imp_s:7.2f}  {', '.join(heavy) or '-'}"
         )
     print("seconds; imports: the top-level imports' cumulative time by -X importtime (one run)")
-    bench.write(a, "cli_startup", figures, load_before=load)
+    bench.write(a, "cli_startup", figures)
     return 0
 
 
