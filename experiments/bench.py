@@ -13,6 +13,7 @@ two machines can be compared file against file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -21,7 +22,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 _load_at_start: float | None = None  # the 1-min load average when parser() was called: "before the run"
 
@@ -57,6 +58,19 @@ def times(fn: Callable[[], object], reps: int, *, warmup: int = 0, clock: Callab
         fn()
         out.append(clock() - t)
     return out
+
+
+class Stopwatch:
+    """Seconds on ``clock`` per name, summed over the ``with watch(name):`` blocks run so far (``watch.s``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock, self.s = clock, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = self.clock()
+        yield
+        self.s[name] = self.s.get(name, 0.0) + self.clock() - t
 
 
 def table(header: str, row: str, rows: Iterable[dict[str, Any]] = ()) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -80,35 +80,21 @@ class _Site:
             t.add_(torch.randn(t.shape, generator=self.gen), alpha=scale)
 
     def round(self) -> dict[str, float]:
-        cpu: dict[str, float] = {}
-
-        def timed(name, fn):
-            t0 = time.thread_time()
-            out = fn()
-            cpu[name] = cpu.get(name, 0.0) + time.thread_time() - t0
-            return out
-
+        cpu = bench.Stopwatch(time.thread_time)
         st, layout, codec = self.state, self.layout, self.codec
         self.train(1e-3)
-        ok = timed(
-            "pseudo_gradient",
-            lambda: error_feedback.add_pseudo_gradient(
-                layout, st.theta, st.residuals, self.tensors, error_feedback=True
-            ),
-        )
+        with cpu("pseudo_gradient"):
+            ok = error_feedback.add_pseudo_gradient(layout, st.theta, st.residuals, self.tensors, error_feedback=True)
         assert ok
-        sent = timed(
-            "encode",
-            lambda: {
-                b: codec.encode_chunks(st.residuals[b], layout.buckets[b].chunks, generator=self.gen)
-                for b in range(len(layout))
-            },
-        )
+        with cpu("encode"):
+            sent = [
+                codec.encode_chunks(r, bk.chunks, generator=self.gen) for r, bk in zip(st.residuals, layout.buckets)
+            ]
         means = {}
         for b in self.mine:
             numels = [n for _, n in layout.buckets[b].chunks]
-            # the N senders' payloads: this site's and (alike here) the others'
-            vals = timed("accept_decode", lambda: [codec.decode_chunks(sent[b], numels) for _ in range(self.num_sites)])
+            with cpu("accept_decode"):  # the N senders' payloads: this site's and (alike here) the others'
+                vals = [codec.decode_chunks(sent[b], numels) for _ in range(self.num_sites)]
             total = vals[0].clone()
             for v in vals[1:]:
                 total.add_(v)
@@ -117,35 +103,33 @@ class _Site:
                 ChunkReduction(chunk=c, mean=total[o : o + n].clone(), senders=("site-0",))
                 for c, (o, n) in enumerate(layout.buckets[b].chunks)
             ]
-            chunks, full = timed(
-                "mean_encode", lambda: encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
-            )
-            means[b] = (chunks, full)
+            with cpu("mean_encode"):
+                means[b] = encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
         for b in self.remote:  # stand-in means of the others' buckets: what this site sent
             chunks = tuple(
                 MeanChunk(chunk=c, offset=o, numel=n, codec=codec.name, payload=p, senders=("site-0",))
                 for c, ((o, n), p) in enumerate(zip(layout.buckets[b].chunks, sent[b]))
             )
             m = BucketMean(round=0, bucket=b, owner="x", chunks=chunks, checksum_before="", checksum_after="")
-            full = timed("mean_decode", lambda: decode_mean(codec, layout.buckets[b], m))
-            means[b] = (chunks, full)
-        for b in range(len(layout)):
-            timed("outer_step", lambda: self._outer_step(b, means[b][1]))
-        for b in range(len(layout)):
-            timed(
-                "settle",
-                lambda: error_feedback.settle_bucket(
+            with cpu("mean_decode"):
+                means[b] = (chunks, decode_mean(codec, layout.buckets[b], m))
+        with cpu("outer_step"):
+            for b in range(len(layout)):
+                self._outer_step(b, means[b][1])
+        with cpu("settle"):
+            for b, bk in enumerate(layout.buckets):
+                error_feedback.settle_bucket(
                     st.residuals[b],
-                    layout.buckets[b].chunks,
-                    [True] * len(layout.buckets[b].chunks),
+                    bk.chunks,
+                    [True] * len(bk.chunks),
                     codec=codec,
-                    sent=lambda c: sent[b][c],
+                    sent=sent[b].__getitem__,
                     bcodec=codec,
                     mean_payloads=[ch.payload for ch in means[b][0]],
-                ),
-            )
-        timed("checksums", self._checksums)
-        return cpu
+                )
+        with cpu("checksums"):
+            self._checksums()
+        return cpu.s
 
     def _outer_step(self, b: int, mean: torch.Tensor) -> None:
         """``GlobalState.apply_mean`` without the checksum it returns (timed as ``checksums``)."""
