@@ -91,75 +91,53 @@ def _arrivals(numel: int, run: int, seed: int, loss: float) -> tuple[list[Contri
     return per_sender[OWNER], out
 
 
-def _feed_own(eng: RoundEngine, own: list[Contribution], batched: bool) -> float:
+def _feed_own(eng: RoundEngine, own: list[Contribution], batched: bool) -> None:
     owned = eng._open[0]
-    t = time.thread_time()
     if batched and hasattr(eng, "accept_own"):  # (absent before the batched accept: then per chunk)
         assert all(r is None for r in eng.accept_own(owned, own))
     else:
         for c in own:
             eng._accept(owned, c)
-    return time.thread_time() - t
 
 
-def _feed(eng: RoundEngine, batches: list[list[Contribution]], batched: bool) -> float:
-    t = time.thread_time()
-    if batched:
-        for cs in batches:
+def _feed(eng: RoundEngine, batches: list[list[Contribution]], batched: bool) -> None:
+    for cs in batches:
+        if batched:
             assert all(r is None for r in eng.handle_contributions(cs))
-    else:
-        for cs in batches:
+        else:
             for c in cs:
                 eng.handle_contribution(c)
-    return time.thread_time() - t
-
-
-def _finalize(eng: RoundEngine) -> tuple[float, list]:
-    books = eng._open[0].books
-    t = time.thread_time()
-    books.close([0])
-    reds = books.finalize(0)
-    return time.thread_time() - t, reds
 
 
 def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
     own, batches = _arrivals(numel, run, seed=run, loss=loss)
     num = sum(len(cs) for cs in batches)
     codec = get_codec("int8")
-    best: dict[str, float] = {}
-    means = {}
+    runs, means = [], {}
     for _ in range(repeats):
+        cpu = bench.Stopwatch(time.thread_time)
         for name, batched in (("per_chunk", False), ("batched", True)):
             eng = _owner(numel)
-            o = _feed_own(eng, own, batched)
-            best[f"own_{name}"] = min(best.get(f"own_{name}", o), o)
-            s = _feed(eng, batches, batched)
-            f, reds = _finalize(eng)
-            means[name] = reds
-            best[name] = min(best.get(name, s), s)
-            best[f"fin_{name}"] = min(best.get(f"fin_{name}", f), f)
-        t = time.thread_time()
-        for cs in batches:
-            codec.decode_chunks([c.payload for c in cs], [c.numel for c in cs])
-        d = time.thread_time() - t
-        best["decode"] = min(best.get("decode", d), d)
+            with cpu(f"own_{name}"):
+                _feed_own(eng, own, batched)
+            with cpu(name):
+                _feed(eng, batches, batched)
+            books = eng._open[0].books
+            with cpu(f"fin_{name}"):
+                books.close([0])
+                means[name] = books.finalize(0)
+        with cpu("decode"):
+            for cs in batches:
+                codec.decode_chunks([c.payload for c in cs], [c.numel for c in cs])
+        runs.append(cpu.s)
+    best = {k: min(r[k] for r in runs) for k in runs[0]}
     same = all(
         a.senders == b.senders and torch.equal(a.mean, b.mean) for a, b in zip(means["per_chunk"], means["batched"])
     )
-    nch = len(means["batched"])
-    return {
-        "run": run,
-        "loss": loss,
-        "num": num,
-        "per_chunk_us": 1e6 * best["per_chunk"] / num,
-        "batched_us": 1e6 * best["batched"] / num,
-        "decode_us": 1e6 * best["decode"] / num,
-        "own_per_chunk_us": 1e6 * best["own_per_chunk"] / len(own),
-        "own_batched_us": 1e6 * best["own_batched"] / len(own),
-        "fin_per_chunk_us": 1e6 * best["fin_per_chunk"] / nch,
-        "fin_batched_us": 1e6 * best["fin_batched"] / nch,
-        "identical": same,
-    }
+    per = {"own": len(own), "fin": len(means["batched"])}  # own chunks, finalized chunks; else chunks fed
+    out = {"run": run, "loss": loss, "num": num}
+    out |= {f"{k}_us": 1e6 * v / per.get(k.split("_")[0], num) for k, v in best.items()}
+    return {**out, "speedup": out["per_chunk_us"] / out["batched_us"], "identical": same}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,23 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.numel, args.runs, args.loss, args.repeats = 400_000, [1, 64], [0.0, 0.1], 1
     print(
-        f"owner CPU per 1,280-element int8 chunk, 3 senders, bucket of {args.numel:,} elements (best of {args.repeats})"
+        f"owner CPU per 1,280-element int8 chunk, 3 senders, bucket of {args.numel:,} elements (best of {args.repeats})\n"
     )
-    print(
-        f"{'run':>5} {'loss':>5} {'chunks':>7} {'per-chunk us':>13} {'batched us':>11} {'speedup':>8} {'decode us':>10}"
-        f" {'own us/chunk':>14} {'finalize us/chunk':>18} {'identical':>10}"
+    row = bench.table(
+        "| run | loss | chunks | per-chunk us | batched us | speedup | decode us | own us/chunk (per chunk / batched) "
+        "| finalize us/chunk (per chunk / batched) | identical |",
+        "| {run} | {loss:.0%} | {num} | {per_chunk_us:.1f} | {batched_us:.1f} | {speedup:.1f}x | {decode_us:.1f} "
+        "| {own_per_chunk_us:.1f} / {own_batched_us:.1f} | {fin_per_chunk_us:.1f} / {fin_batched_us:.1f} | {identical} |",
     )
-    figures = []
-    for run, loss in [(run, loss) for run in args.runs for loss in args.loss]:
-        r = _measure(args.numel, run, loss, args.repeats)
-        figures.append(r)
-        print(
-            f"{r['run']:>5} {r['loss']:>5.0%} {r['num']:>7} {r['per_chunk_us']:>13.1f} {r['batched_us']:>11.1f}"
-            f" {r['per_chunk_us'] / r['batched_us']:>7.1f}x {r['decode_us']:>10.1f}"
-            f" {r['own_per_chunk_us']:>6.1f} / {r['own_batched_us']:<5.1f}"
-            f" {r['fin_per_chunk_us']:>8.1f} / {r['fin_batched_us']:<8.1f} {'yes' if r['identical'] else 'NO':>10}"
-        )
-
+    figures = [row(_measure(args.numel, run, loss, args.repeats)) for run in args.runs for loss in args.loss]
     bench.write(args, "bench_owner", figures)
 
 
