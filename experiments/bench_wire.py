@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 import tracemalloc
 from typing import Callable
 
@@ -27,16 +26,6 @@ from experiments import bench
 MiB = 1 << 20
 
 
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _heap_peak(fn: Callable[[], object]) -> int:
     tracemalloc.start()
     try:
@@ -46,7 +35,7 @@ def _heap_peak(fn: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-# --------------------------------------------------------------------------- the generated-class path
+# the generated-class path: the same messages through protobuf's classes
 def pb_encode_contribution(c: Contribution) -> bytes:
     return pb.ContributionChunk(
         round=c.round,
@@ -138,8 +127,7 @@ def pb_mean_from_wire(parts: list[bytes]) -> BucketMean:
     )
 
 
-# --------------------------------------------------------------------------- the run
-def measure(size: int, part_bytes: int, reps: int) -> list[tuple[str, str, float, float, float, float]]:
+def measure(size: int, part_bytes: int, reps: int) -> list[dict]:
     payload = os.urandom(size)
     c = Contribution(
         round=7, bucket=3, chunk=0, offset=0, numel=size // 4, codec="fp32", sender="site-1", payload=payload
@@ -159,7 +147,7 @@ def measure(size: int, part_bytes: int, reps: int) -> list[tuple[str, str, float
     assert hand_parts == pb_parts, "the hand codec's MeanParts differ from protobuf's"
     assert wire.mean_from_wire(pb_parts) == mean and pb_mean_from_wire(hand_parts) == mean
     view = memoryview(payload)
-    copy_s = _median_s(lambda: bytes(view), reps)  # one copy into a new bytes object
+    copy_s = statistics.median(bench.times(lambda: bytes(view), reps, warmup=1))  # one copy into a new bytes object
     cases = [
         ("contribution encode", lambda: wire.encode_contribution(c), lambda: pb_encode_contribution(c)),
         ("contribution decode", lambda: wire.decode_contribution(hand_c), lambda: pb_decode_contribution(pb_c)),
@@ -173,8 +161,9 @@ def measure(size: int, part_bytes: int, reps: int) -> list[tuple[str, str, float
     rows = []
     for name, hand, gen in cases:
         for codec, fn in (("hand", hand), ("protobuf", gen)):
-            s = _median_s(fn, reps)
-            rows.append((name, codec, s * 1e3, size / s / 1e6, s / copy_s, _heap_peak(fn) / size))
+            s = statistics.median(bench.times(fn, reps, warmup=1))
+            r = {"operation": name, "codec": codec, "ms": s * 1e3, "mb_s": size / s / 1e6, "copies": s / copy_s}
+            rows.append({**r, "heap": _heap_peak(fn) / size})
     return rows
 
 
@@ -186,12 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.reps < 1 or args.part_bytes < 1 or min(args.sizes_mib) < 1:
         ap.error("--reps, --part-bytes and --sizes-mib must be >= 1")
-    print(f"{'payload':>8} {'operation':<20} {'codec':<9} {'ms':>8} {'MB/s':>8} {'copies':>7} {'py-heap':>8}")
-    figures = []
-    for mib in args.sizes_mib:
-        for name, codec, ms, mbs, copies, heap in measure(mib * MiB, args.part_bytes, args.reps):
-            print(f"{mib:>5} MiB {name:<20} {codec:<9} {ms:>8.2f} {mbs:>8.0f} {copies:>7.1f} {heap:>7.1f}x")
-            figures.append({"mib": mib, "operation": name, "codec": codec, "ms": ms, "copies": copies, "heap": heap})
+    row = bench.table(
+        "| payload MiB | operation | codec | ms | MB/s | copies | py-heap |",
+        "| {mib} | {operation} | {codec} | {ms:.2f} | {mb_s:.0f} | {copies:.1f} | {heap:.1f}x |",
+    )
+    figures = [row({"mib": mib, **r}) for mib in args.sizes_mib for r in measure(mib * MiB, args.part_bytes, args.reps)]
     bench.write(args, "bench_wire", figures)
     return 0
 
