@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import resource
@@ -85,6 +86,37 @@ def table(header: str, row: str, rows: Iterable[dict[str, Any]] = ()) -> Callabl
     for r in rows:
         add(r)
     return add
+
+
+class Server:
+    """A spawned process ``target(conn, *args)`` that sends its address on ``conn`` first, then
+    answers :meth:`ask` with :func:`answer` until :meth:`stop`."""
+
+    def __init__(self, target: Callable[..., None], *args: Any, timeout_s: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"{target.__name__} did not start within {timeout_s:.0f} s")
+        self.address = self.conn.recv()
+
+    def ask(self, msg: str = "cpu") -> Any:
+        self.conn.send(msg)
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def answer(conn: Any, **answers: Callable[[], Any]) -> None:
+    """In a :class:`Server`'s process: answer ``"cpu"`` (its CPU seconds, :func:`cpu_s`) and each of
+    ``answers`` on ``conn`` until ``"stop"``."""
+    while (msg := conn.recv()) != "stop":
+        conn.send(answers[msg]() if msg in answers else cpu_s())
 
 
 def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import random
 import sys
 import time
@@ -32,11 +31,9 @@ from dtrain._proto.dtrain.v1 import rendezvous_pb2 as pb
 from dtrain._proto.dtrain.v1 import rendezvous_pb2_grpc as pb_grpc
 from experiments import bench
 
-# --------------------------------------------------------------------------- server process
-
 
 def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
-    """The rendezvous process: serve, answer CPU / dead-site queries on ``conn``, stop when told."""
+    """The rendezvous process (a :class:`bench.Server`): serve, answer CPU / dead-site queries on ``conn``."""
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -58,19 +55,13 @@ def _serve(conn, num_sites: int, heartbeat_interval_s: float, heartbeat_timeout_
         core, GrpcTransportConfig(max_concurrent_rpcs=max(4096, 4 * num_sites), extra_options=strikes)
     )
     conn.send(server.address)
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            break
-        if msg == "cpu":
-            conn.send(bench.cpu_s())
-        elif msg == "dead":
-            sites = core.snapshot(time.monotonic())["sites"]
-            conn.send(sorted(s for s, v in sites.items() if v["needs_resync"] or not v["alive"]))
+
+    def dead() -> list[str]:
+        sites = core.snapshot(time.monotonic())["sites"]
+        return sorted(s for s, v in sites.items() if v["needs_resync"] or not v["alive"])
+
+    bench.answer(conn, dead=dead)
     server.stop(0)
-
-
-# --------------------------------------------------------------------------- load
 
 
 class _Load:
@@ -208,43 +199,25 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """Start the rendezvous process, run the load, return the figures."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_serve, args=(child, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s), daemon=True
-    )
-    proc.start()
+    server = bench.Server(_serve, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s, timeout_s=60)
     try:
-        if not parent.poll(60):
-            raise RuntimeError("the rendezvous process did not start within 60 s")
-        address = parent.recv()
-
-        def server_cpu() -> float:
-            parent.send("cpu")
-            return parent.recv()
-
-        out = asyncio.run(_run_load(address, args, server_cpu))
-        parent.send("dead")
-        out["declared_dead"] = parent.recv()
-        parent.send("stop")
+        out = asyncio.run(_run_load(server.address, args, server.ask))
+        out["declared_dead"] = server.ask("dead")
     finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        server.stop()
     return out
 
 
 def _print(out: dict) -> None:
     print(
-        f"rendezvous with {out['sites']} simulated sites, {len(out['rounds'])} rounds (join all: {out['join_all_s']:.2f} s)"
+        f"rendezvous with {out['sites']} simulated sites, {len(out['rounds'])} rounds (join all: {out['join_all_s']:.2f} s)\n"
     )
-    print("round  members  missed  decision_ms  plan_median_ms  plan_p99_ms  plan_max_ms")
-    for r in out["rounds"]:
-        print(
-            f"{r['round']:5d}  {r['min_plan_members']:7d}  {r['num_missed']:6d}  {r['decision_ms']:11.1f}"
-            f"  {r['plan_median_ms']:14.1f}"
-            f"  {r['plan_p99_ms']:11.1f}  {r['plan_max_ms']:11.1f}"
-        )
+    bench.table(
+        "| round | members | missed | decision ms | plan median ms | plan p99 ms | plan max ms |",
+        "| {round} | {min_plan_members} | {num_missed} | {decision_ms:.1f} | {plan_median_ms:.1f} | {plan_p99_ms:.1f} "
+        "| {plan_max_ms:.1f} |",
+        out["rounds"],
+    )
     print(
         f"last ready -> plan: decision median {out['decision_median_ms']:.1f} ms (max {out['decision_max_ms']:.1f}); "
         f"every site's plan median {out['plan_median_ms']:.1f} ms, p99 {out['plan_p99_ms']:.1f} ms"
@@ -263,7 +236,7 @@ def _print(out: dict) -> None:
         print(f"  missed: {m}")
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = bench.parser(__doc__, smoke="50 sites, 2 rounds (CI)")
     p.add_argument("--sites", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=10)
@@ -278,11 +251,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         args.sites, args.rounds, args.spread_s, args.pause_s = 50, 2, 0.2, 0.1
     if args.sites < 1 or args.rounds < 1 or args.channels < 1:
         p.error("--sites, --rounds and --channels must be >= 1")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _args(argv)
     out = run(args)
     _print(out)
     bench.write(args, "bench_rendezvous", out)

@@ -16,7 +16,6 @@ the gRPC/raw ratio of both (target >= 0.70), and both processes' CPU time per Mi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -30,23 +29,11 @@ from experiments import bench
 MiB = 1 << 20
 
 
-def _serve_control(conn) -> None:
-    """Answer CPU-time queries on ``conn`` until told to stop."""
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            return
-        conn.send(bench.cpu_s())
-
-
-# --------------------------------------------------------------------------- serving processes
-
-
-def _grpc_server(conn, part_bytes: int, chunk_bytes: int, options: tuple) -> None:
+def _grpc_server(conn, sizes_mib: list[int], part_bytes: int, chunk_bytes: int, options: tuple) -> None:
     from dtrain.protocol import BucketMean, MeanChunk
     from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
-    blob = os.urandom(max(conn.recv()) * MiB)
+    blob = os.urandom(max(sizes_mib) * MiB)
     means: dict[int, BucketMean] = {}
 
     class Sink:
@@ -65,12 +52,9 @@ def _grpc_server(conn, part_bytes: int, chunk_bytes: int, options: tuple) -> Non
                                            checksum_after="")  # fmt: skip
             return means[bucket]
 
-        def handle_pull_state(self, bucket, requester):
-            raise NotImplementedError
-
     t = GrpcTransport(GrpcTransportConfig(part_bytes=part_bytes, extra_options=options))
     conn.send(t.start(Sink()))
-    _serve_control(conn)
+    bench.answer(conn)
     t.stop(0)
 
 
@@ -83,14 +67,14 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
         got += n
 
 
-def _raw_server(conn) -> None:
-    blob = os.urandom(max(conn.recv()) * MiB)
+def _raw_server(conn, sizes_mib: list[int]) -> None:
+    blob = os.urandom(max(sizes_mib) * MiB)
     sink = bytearray(len(blob))
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
     conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
-    threading.Thread(target=_serve_control, args=(conn,)).start()  # answers until "stop"
+    threading.Thread(target=bench.answer, args=(conn,)).start()  # answers until "stop"
     s, _ = lsock.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     header = bytearray(9)
@@ -109,38 +93,19 @@ def _raw_server(conn) -> None:
     lsock.close()
 
 
-def _start(target, sizes_mib, *args):
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
-    parent.send(sizes_mib)
-    if not parent.poll(120):
-        raise RuntimeError(f"{target.__name__} did not start")
-    return proc, parent, parent.recv()
-
-
-# --------------------------------------------------------------------------- measurements
-
-
 class _Series:
     """Wall and CPU seconds of repeated calls of one function against one server."""
 
-    def __init__(self, fn, server_conn) -> None:
-        self.fn, self.conn = fn, server_conn
+    def __init__(self, fn, server: bench.Server) -> None:
+        self.fn, self.server = fn, server
         self.wall: list[float] = []
         self.cpu_client = self.cpu_server = 0.0
 
     def run_once(self) -> None:
-        self.conn.send("cpu")
-        s0, c0 = self.conn.recv(), time.process_time()
-        t0 = time.perf_counter()
-        self.fn()
-        self.wall.append(time.perf_counter() - t0)
-        c1 = time.process_time()
-        self.conn.send("cpu")
-        self.cpu_client += c1 - c0
-        self.cpu_server += self.conn.recv() - s0
+        s0, c0 = self.server.ask(), time.process_time()
+        self.wall += bench.times(self.fn, 1)
+        self.cpu_client += time.process_time() - c0
+        self.cpu_server += self.server.ask() - s0
 
 
 def _measure(series: dict[str, _Series], reps: int) -> dict[str, dict[str, float]]:
@@ -161,20 +126,11 @@ def _measure(series: dict[str, _Series], reps: int) -> dict[str, dict[str, float
 
 
 def _row(size_mib: int, direction: str, baseline: str, g: dict, r: dict, reps: int) -> dict:
-    return {
-        "size_mib": size_mib,
-        "direction": direction,
-        "baseline": baseline,
-        "reps": reps,
-        "grpc_median_mib_s": size_mib / g["median_s"],
-        "grpc_best_mib_s": size_mib / g["best_s"],
-        "raw_median_mib_s": size_mib / r["median_s"],
-        "raw_best_mib_s": size_mib / r["best_s"],
-        "ratio_median": r["median_s"] / g["median_s"],
-        "ratio_best": r["best_s"] / g["best_s"],
-        "grpc_cpu_ms_per_mib": 1000 * g["cpu_s"] / size_mib,
-        "raw_cpu_ms_per_mib": 1000 * r["cpu_s"] / size_mib,
-    }
+    row = {"size_mib": size_mib, "direction": direction, "baseline": baseline, "reps": reps}
+    for name, m in (("grpc", g), ("raw", r)):
+        row[f"{name}_median_mib_s"], row[f"{name}_best_mib_s"] = size_mib / m["median_s"], size_mib / m["best_s"]
+        row[f"{name}_cpu_ms_per_mib"] = 1000 * m["cpu_s"] / size_mib
+    return {**row, "ratio_median": r["median_s"] / g["median_s"], "ratio_best": r["best_s"] / g["best_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
     options = tuple((k, int(v)) for k, v in (o.split("=", 1) for o in args.option))
-    gproc, gconn, gaddr = _start(_grpc_server, args.sizes_mib, args.part_bytes, args.chunk_bytes, options)
-    rproc, rconn, raddr = _start(_raw_server, args.sizes_mib)
+    grpc_srv = bench.Server(_grpc_server, args.sizes_mib, args.part_bytes, args.chunk_bytes, options)
+    raw_srv = bench.Server(_raw_server, args.sizes_mib)
     client = GrpcTransport(GrpcTransportConfig(part_bytes=args.part_bytes, extra_options=options))
-    addr = HostPort.parse(raddr, "raw server address")
+    addr = HostPort.parse(raw_srv.address, "raw server address")
     raw = socket.create_connection((addr.host, addr.port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     blob = os.urandom(max(args.sizes_mib) * MiB)
@@ -214,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             ]  # fmt: skip
 
             def grpc_push() -> None:
-                assert client.push(gaddr, cs, timeout_s=300) == len(cs)
+                assert client.push(grpc_srv.address, cs, timeout_s=300) == len(cs)
 
             def grpc_pull() -> None:
-                mean = client.pull_mean(gaddr, 1, size, requester="bench", timeout_s=300)
+                mean = client.pull_mean(grpc_srv.address, 1, size, requester="bench", timeout_s=300)
                 assert sum(len(c.payload) for c in mean.chunks) == n
 
             def raw_push() -> None:
@@ -240,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                     kept.append(buf)
 
             reps = args.reps if size >= 16 else max(args.reps, 20)
-            push = _measure({"grpc": _Series(grpc_push, gconn), "raw": _Series(raw_push, rconn)}, reps)
+            push = _measure({"grpc": _Series(grpc_push, grpc_srv), "raw": _Series(raw_push, raw_srv)}, reps)
             rows.append(_row(size, "push", "raw", push["grpc"], push["raw"], reps))
             pull = _measure(
                 {
-                    "grpc": _Series(grpc_pull, gconn),
-                    "raw": _Series(raw_pull, rconn),
-                    "fresh": _Series(raw_pull_fresh, rconn),
+                    "grpc": _Series(grpc_pull, grpc_srv),
+                    "raw": _Series(raw_pull, raw_srv),
+                    "fresh": _Series(raw_pull_fresh, raw_srv),
                 },
                 reps,
             )
@@ -254,23 +210,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_row(size, "pull", "raw-fresh", pull["grpc"], pull["fresh"], reps))
     finally:
         client.stop(0)
-        for conn in (gconn, rconn):
-            conn.send("stop")
         raw.close()
-        for proc in (gproc, rproc):
-            proc.join(10)
+        grpc_srv.stop()
+        raw_srv.stop()
 
-    print(f"gRPC transport vs raw TCP, 127.0.0.1; chunk {args.chunk_bytes} B, part {args.part_bytes} B")
-    print(f"{'size':>8} {'dir':>4} {'baseline':>9} | {'MiB/s median':>17} {'ratio':>5} | {'MiB/s best':>15} "
-          f"{'ratio':>5} | {'CPU ms/MiB':>13}")  # fmt: skip
-    print(
-        f"{'':>8} {'':>4} {'':>9} | {'gRPC':>8} {'raw':>8} {'':>5} | {'gRPC':>7} {'raw':>7} {'':>5} | {'gRPC':>6} {'raw':>6}"
+    print(f"gRPC transport vs raw TCP, 127.0.0.1; chunk {args.chunk_bytes} B, part {args.part_bytes} B\n")
+    bench.table(
+        "| size MiB | dir | baseline | gRPC MiB/s (median) | raw MiB/s (median) | ratio (median) | gRPC MiB/s (best) "
+        "| raw MiB/s (best) | ratio (best) | gRPC CPU ms/MiB | raw CPU ms/MiB |",
+        "| {size_mib} | {direction} | {baseline} | {grpc_median_mib_s:.0f} | {raw_median_mib_s:.0f} | {ratio_median:.2f} "
+        "| {grpc_best_mib_s:.0f} | {raw_best_mib_s:.0f} | {ratio_best:.2f} | {grpc_cpu_ms_per_mib:.2f} "
+        "| {raw_cpu_ms_per_mib:.2f} |",
+        rows,
     )
-    for r in rows:
-        print(f"{r['size_mib']:>4} MiB {r['direction']:>4} {r['baseline']:>9} | {r['grpc_median_mib_s']:>8.0f} "
-              f"{r['raw_median_mib_s']:>8.0f} {r['ratio_median']:>5.2f} | {r['grpc_best_mib_s']:>7.0f} "
-              f"{r['raw_best_mib_s']:>7.0f} {r['ratio_best']:>5.2f} | {r['grpc_cpu_ms_per_mib']:>6.2f} "
-              f"{r['raw_cpu_ms_per_mib']:>6.2f}")  # fmt: skip
     bench.write(args, "bench_transport", rows)
     return 0
 
