@@ -35,7 +35,8 @@ from experiments.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
-STEPS = ("gather", "round", "scatter", "allgather", "checksum")
+STEPS = ("gather", "round", "scatter", "allgather", "checksum")  # DiLoCo.last_cpu_s
+RESULT = ("encode_s", "decode_s", "bytes_sent", "bytes_received")  # of the round's RoundResult
 
 
 def make_model(num_params: int) -> torch.nn.Module:
@@ -46,7 +47,6 @@ def make_model(num_params: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
 
 
-# --------------------------------------------------------------------------- one rank (subprocess)
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -100,17 +100,8 @@ def rank_main(args: argparse.Namespace) -> None:
         t0 = time.process_time()
         out = d.sync()
         total = time.process_time() - t0
-        res = out.result
-        records.append(
-            {
-                "status": out.status,
-                "cpu_s": {**d.last_cpu_s, "total": total},
-                "encode_s": res.encode_s if res else 0.0,
-                "decode_s": res.decode_s if res else 0.0,
-                "bytes_sent": res.bytes_sent if res else 0,
-                "bytes_received": res.bytes_received if res else 0,
-            }
-        )
+        result = {k: getattr(out.result, k, 0) for k in RESULT}  # (no result: 0)
+        records.append({"status": out.status, **d.last_cpu_s, "total": total, **result})
     numel = sum(p.numel() for p in model.parameters())
     slice_numel = sum(t.numel() for t in d.state.theta)
     Path(args.out).write_text(json.dumps({"rank": rank, "numel": numel, "slice_numel": slice_numel, "rounds": records}))
@@ -160,23 +151,14 @@ def summarise(runs: list[dict]) -> dict:
     per_rank = []
     for r in runs:
         recs = [x for x in r["rounds"][1:] if x["status"] == "applied"] or r["rounds"][-1:]
-        med = {s: statistics.median(x["cpu_s"].get(s, 0.0) for x in recs) for s in (*STEPS, "total")}
-        med.update(
-            encode=statistics.median(x["encode_s"] for x in recs),
-            decode=statistics.median(x["decode_s"] for x in recs),
-            bytes_sent=statistics.median(x["bytes_sent"] for x in recs),
-            bytes_received=statistics.median(x["bytes_received"] for x in recs),
-        )
-        per_rank.append(med)
-    keys = per_rank[0].keys()
+        per_rank.append({k: statistics.median(x.get(k, 0.0) for x in recs) for k in (*STEPS, "total", *RESULT)})
     return {
         "numel": runs[0]["numel"],
         "slice_numel": statistics.mean(r["slice_numel"] for r in runs),
-        **{k: statistics.mean(p[k] for p in per_rank) for k in keys},
+        **{k: statistics.mean(p[k] for p in per_rank) for k in per_rank[0]},
     }
 
 
-# --------------------------------------------------------------------------- split in one process
 def split_one_slice(numel: int, codec_name: str, repeats: int = 3) -> dict:
     """CPU seconds of each step on one rank's slice of ``numel`` elements (no network)."""
     from dtrain.buckets import BucketConfig, BucketLayout, checksum
@@ -210,7 +192,6 @@ def split_one_slice(numel: int, codec_name: str, repeats: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-# --------------------------------------------------------------------------- main
 def main() -> None:
     ap = bench.parser(__doc__, quick="2M parameters, 3 rounds")
     ap.add_argument("--params", type=int, default=25_000_000)
@@ -244,7 +225,7 @@ def main() -> None:
     print("|" + "---|" * len(cols))
     for k, s in real.items():
         row = [str(k), f"{1e9 * s['total'] / n:.1f}", f"{1e3 * s['total']:.0f}"]
-        row += [f"{1e3 * s[x]:.0f}" for x in STEPS] + [f"{1e3 * s['encode']:.0f}", f"{1e3 * s['decode']:.0f}"]
+        row += [f"{1e3 * s[x]:.0f}" for x in STEPS] + [f"{1e3 * s['encode_s']:.0f}", f"{1e3 * s['decode_s']:.0f}"]
         row += [f"{s['bytes_sent'] / 1e6:.2f}", f"{s['bytes_received'] / 1e6:.2f}"]
         print("| " + " | ".join(row) + " |")
     print("\n### Split of one rank's slice (one process, no network; ns per model parameter)\n")
