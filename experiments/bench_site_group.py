@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -104,13 +103,14 @@ def rank_main(args: argparse.Namespace) -> None:
         records.append({"status": out.status, **d.last_cpu_s, "total": total, **result})
     numel = sum(p.numel() for p in model.parameters())
     slice_numel = sum(t.numel() for t in d.state.theta)
-    Path(args.out).write_text(json.dumps({"rank": rank, "numel": numel, "slice_numel": slice_numel, "rounds": records}))
+    print(json.dumps({"rank": rank, "numel": numel, "slice_numel": slice_numel, "rounds": records}), flush=True)
     d.close()
     dist.destroy_process_group()
     os._exit(0)
 
 
-def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
+def run_sites(num_ranks: int, args: argparse.Namespace) -> list[dict]:
+    """Each rank's figures (the last line it prints) of 2 sites x ``num_ranks`` rank processes."""
     from dtrain.rendezvous import RendezvousCore
     from dtrain.rendezvous.grpc import serve_rendezvous
     from dtrain.sim import fast_rendezvous_config
@@ -126,24 +126,23 @@ def run_sites(num_ranks: int, args: argparse.Namespace, tmp: Path) -> list[dict]
         for site in range(2):
             port = free_port()
             for rank in range(num_ranks):
-                out = tmp / f"k{num_ranks}-s{site}-r{rank}.json"
-                outs.append(out)
                 env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE=str(num_ranks))
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-                cmd = [sys.executable, __file__, "--rank-main", "--site-index", str(site), "--out", str(out)]
+                cmd = [sys.executable, __file__, "--rank-main", "--site-index", str(site)]
                 cmd += ["--rendezvous", server.address, "--params", str(args.params), "--rounds", str(args.rounds)]
                 cmd += ["--codec", args.codec, "--parallel", args.parallel]
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         for p in procs:
-            _, err = p.communicate(timeout=900)
+            out, err = p.communicate(timeout=900)
             if p.returncode != 0:
                 raise RuntimeError(f"a rank failed ({p.returncode}): {err.decode()[-2000:]}")
+            outs.append(json.loads(out.decode().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         server.stop(0)
-    return [json.loads(o.read_text()) for o in outs]
+    return outs
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -202,17 +201,13 @@ def main() -> None:
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--site-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rendezvous", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
         return rank_main(args)
     if args.quick:
         args.params, args.rounds = 2_000_000, 3
     torch.set_num_threads(1)
-    real = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in args.ranks:
-            real[k] = summarise(run_sites(k, args, Path(tmp)))
+    real = {k: summarise(run_sites(k, args)) for k in args.ranks}
     n = real[args.ranks[0]]["numel"]
     print(
         f"## Site group round cost: {n / 1e6:.1f}M parameters, codec {args.codec}, {args.parallel} inside a site, "
