@@ -3,8 +3,9 @@
 A micro-benchmark (``experiments/bench_*.py``) stays a script run as ``python -m
 experiments.bench_NAME``: :func:`parser` gives it the flags every benchmark has (``--json
 PATH``, and ``--quick`` / ``--smoke`` where it has such a mode) with its docstring's first
-paragraph as the description; its own flags are added to that. It times with :func:`times` and
-:func:`cpu_s`, prints its tables as it measures (:func:`table`), and ends with :func:`write`: one
+paragraph as the description; its own flags are added to that. It times with :func:`times`,
+:class:`Stopwatch` and :func:`cpu_s`, runs a server process as a :class:`Server`, prints its tables
+as it measures (:func:`table`), and ends with :func:`write`: one
 provenance line (commit, UTC date, command, machine load when the parser was made and now, CPUs,
 torch) and, with ``--json``, every figure it measured under that same stamp, so two checkouts or
 two machines can be compared file against file.
@@ -49,7 +50,9 @@ def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def times(fn: Callable[[], object], reps: int, *, warmup: int = 0, clock: Callable[[], float] = time.perf_counter):
+def times(
+    fn: Callable[[], object], reps: int, *, warmup: int = 0, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """Seconds on ``clock`` of each of ``reps`` calls of ``fn``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
@@ -62,16 +65,21 @@ def times(fn: Callable[[], object], reps: int, *, warmup: int = 0, clock: Callab
 
 
 class Stopwatch:
-    """Seconds on ``clock`` per name, summed over the ``with watch(name):`` blocks run so far (``watch.s``)."""
+    """Seconds on ``clock`` per name of the ``with watch(name):`` blocks run so far: each block's
+    (``watch.laps[name]``) and their sum (``watch.s[name]``)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock, self.s = clock, {}
+        self.clock = clock
+        self.s: dict[str, float] = {}
+        self.laps: dict[str, list[float]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t = self.clock()
         yield
-        self.s[name] = self.s.get(name, 0.0) + self.clock() - t
+        dt = self.clock() - t
+        self.s[name] = self.s.get(name, 0.0) + dt
+        self.laps.setdefault(name, []).append(dt)
 
 
 def table(header: str, row: str, rows: Iterable[dict[str, Any]] = ()) -> Callable[[dict[str, Any]], dict[str, Any]]:

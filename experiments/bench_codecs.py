@@ -37,18 +37,12 @@ def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int
     codec = get_codec(CodecConfig(name=name, zstd_level=level))
     total = sum(b.numel() for b in buckets)
     mb = total * 4 / 1e6
-    enc_cpu, enc_wall, dec_cpu, dec_wall = [], [], [], []
-    payloads: list[bytes] = []
-    decoded: list[torch.Tensor] = []
+    cpu, wall = bench.Stopwatch(time.thread_time), bench.Stopwatch()
     for _ in range(repeats):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        payloads = [codec.encode(b) for b in buckets]
-        enc_cpu.append(time.thread_time() - c0)
-        enc_wall.append(time.perf_counter() - w0)
-        c0, w0 = time.thread_time(), time.perf_counter()
-        decoded = [codec.decode(p, numel=b.numel()) for p, b in zip(payloads, buckets)]
-        dec_cpu.append(time.thread_time() - c0)
-        dec_wall.append(time.perf_counter() - w0)
+        with cpu("encode"), wall("encode"):
+            payloads = [codec.encode(b) for b in buckets]
+        with cpu("decode"), wall("decode"):
+            decoded = [codec.decode(p, numel=b.numel()) for p, b in zip(payloads, buckets)]
     x = torch.cat(buckets).double()
     y = torch.cat(decoded).double()
     nbytes = sum(len(p) for p in payloads)
@@ -57,10 +51,8 @@ def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int
         "zstd_level": level if name.endswith("+zstd") else None,
         "ratio": total * 4 / nbytes,
         "bytes": nbytes,
-        "encode_mb_s": mb / statistics.median(enc_cpu),
-        "decode_mb_s": mb / statistics.median(dec_cpu),
-        "encode_mb_s_wall": mb / statistics.median(enc_wall),
-        "decode_mb_s_wall": mb / statistics.median(dec_wall),
+        **{f"{k}_mb_s": mb / statistics.median(cpu.laps[k]) for k in ("encode", "decode")},
+        **{f"{k}_mb_s_wall": mb / statistics.median(wall.laps[k]) for k in ("encode", "decode")},
         "rel_l2": float((y - x).norm() / x.norm()),
     }
 

@@ -113,9 +113,8 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
     own, batches = _arrivals(numel, run, seed=run, loss=loss)
     num = sum(len(cs) for cs in batches)
     codec = get_codec("int8")
-    runs, means = [], {}
+    cpu, means = bench.Stopwatch(time.thread_time), {}
     for _ in range(repeats):
-        cpu = bench.Stopwatch(time.thread_time)
         for name, batched in (("per_chunk", False), ("batched", True)):
             eng = _owner(numel)
             with cpu(f"own_{name}"):
@@ -129,8 +128,7 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
         with cpu("decode"):
             for cs in batches:
                 codec.decode_chunks([c.payload for c in cs], [c.numel for c in cs])
-        runs.append(cpu.s)
-    best = {k: min(r[k] for r in runs) for k in runs[0]}
+    best = {k: min(v) for k, v in cpu.laps.items()}
     same = all(
         a.senders == b.senders and torch.equal(a.mean, b.mean) for a, b in zip(means["per_chunk"], means["batched"])
     )
