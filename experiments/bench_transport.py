@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Callable
 
 from experiments import bench
 
@@ -93,35 +94,24 @@ def _raw_server(conn, sizes_mib: list[int]) -> None:
     lsock.close()
 
 
-class _Series:
-    """Wall and CPU seconds of repeated calls of one function against one server."""
-
-    def __init__(self, fn, server: bench.Server) -> None:
-        self.fn, self.server = fn, server
-        self.wall: list[float] = []
-        self.cpu_client = self.cpu_server = 0.0
-
-    def run_once(self) -> None:
-        s0, c0 = self.server.ask(), time.process_time()
-        self.wall += bench.times(self.fn, 1)
-        self.cpu_client += time.process_time() - c0
-        self.cpu_server += self.server.ask() - s0
-
-
-def _measure(series: dict[str, _Series], reps: int) -> dict[str, dict[str, float]]:
-    """Seconds per call (median, best) and CPU seconds per call of each series."""
-    for s in series.values():
-        s.fn()  # warm-up: connection, first-use allocations
+def _measure(calls: dict[str, tuple[Callable[[], None], bench.Server]], reps: int) -> dict[str, dict[str, float]]:
+    """Seconds per call (median, best) and CPU seconds per call (client + server) of each function."""
+    for fn, _ in calls.values():
+        fn()  # warm-up: connection, first-use allocations
+    wall, cpu = bench.Stopwatch(), dict.fromkeys(calls, 0.0)
     for _ in range(reps):  # alternate so that a change in machine load hits both alike
-        for s in series.values():
-            s.run_once()
+        for name, (fn, server) in calls.items():
+            s0, c0 = server.ask(), time.process_time()
+            with wall(name):
+                fn()
+            cpu[name] += time.process_time() - c0 + server.ask() - s0
     return {
         name: {
-            "median_s": statistics.median(s.wall),
-            "best_s": min(s.wall),
-            "cpu_s": (s.cpu_client + s.cpu_server) / reps,
+            "median_s": statistics.median(wall.laps[name]),
+            "best_s": min(wall.laps[name]),
+            "cpu_s": cpu[name] / reps,
         }
-        for name, s in series.items()
+        for name in calls
     }
 
 
@@ -196,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                     kept.append(buf)
 
             reps = args.reps if size >= 16 else max(args.reps, 20)
-            push = _measure({"grpc": _Series(grpc_push, grpc_srv), "raw": _Series(raw_push, raw_srv)}, reps)
+            push = _measure({"grpc": (grpc_push, grpc_srv), "raw": (raw_push, raw_srv)}, reps)
             rows.append(_row(size, "push", "raw", push["grpc"], push["raw"], reps))
             pull = _measure(
                 {
-                    "grpc": _Series(grpc_pull, grpc_srv),
-                    "raw": _Series(raw_pull, raw_srv),
-                    "fresh": _Series(raw_pull_fresh, raw_srv),
+                    "grpc": (grpc_pull, grpc_srv),
+                    "raw": (raw_pull, raw_srv),
+                    "fresh": (raw_pull_fresh, raw_srv),
                 },
                 reps,
             )
