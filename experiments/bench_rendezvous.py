@@ -197,17 +197,6 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Start the rendezvous process, run the load, return the figures."""
-    server = bench.Server(_serve, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s, timeout_s=60)
-    try:
-        out = asyncio.run(_run_load(server.address, args, server.ask))
-        out["declared_dead"] = server.ask("dead")
-    finally:
-        server.stop()
-    return out
-
-
 def _print(out: dict) -> None:
     print(
         f"rendezvous with {out['sites']} simulated sites, {len(out['rounds'])} rounds (join all: {out['join_all_s']:.2f} s)\n"
@@ -251,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         args.sites, args.rounds, args.spread_s, args.pause_s = 50, 2, 0.2, 0.1
     if args.sites < 1 or args.rounds < 1 or args.channels < 1:
         p.error("--sites, --rounds and --channels must be >= 1")
-    out = run(args)
+    server = bench.Server(_serve, args.sites, args.heartbeat_interval_s, args.heartbeat_timeout_s, timeout_s=60)
+    try:  # the rendezvous in its own process, the load in this one
+        out = asyncio.run(_run_load(server.address, args, server.ask))
+        out["declared_dead"] = server.ask("dead")
+    finally:
+        server.stop()
     _print(out)
     bench.write(args, "bench_rendezvous", out)
     return 0
