@@ -12,7 +12,6 @@ good otherwise.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from pathlib import Path
@@ -28,13 +27,12 @@ from experiments.common import (
     fmt_pm,
     md_rows,
     mean_std,
-    paired_deltas,
     pseudo_gradient,
     save_fig,
     subplots,
     summarize,
 )
-from experiments.lab import Spec
+from experiments.lab import Spec, files, loss_columns, ppl_changes, seeds_and_mean
 
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
@@ -83,7 +81,7 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
     out = []
     noise = 0.0
     if "fp32+zstd" in groups:
-        nm, ns = mean_std([math.exp(x) - 1 for x in paired_deltas(groups["fp32+zstd"], base)])
+        nm, ns = mean_std(ppl_changes(groups["fp32+zstd"], base))
         noise = abs(nm) + ns
         out.append(
             f"- **Noise floor**: `fp32+zstd` does the same arithmetic as `fp32` (zstd is lossless), so its "
@@ -94,9 +92,9 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
     for codec, g in groups.items():
         if codec == "fp32":
             continue
-        m, _ = mean_std([math.exp(x) - 1 for x in paired_deltas(g, base)])
+        dp = mean_std(ppl_changes(g, base))[0]
         ratio = fp32_round / statistics.fmean(r["bytes_per_round_site"] for r in g)
-        (ok if m <= max(noise, 0.005) else bad).append(f"`{codec}` ({ratio:.1f}x fewer bytes, {m * 100:+.2f}%)")
+        (ok if dp <= max(noise, 0.005) else bad).append(f"`{codec}` ({ratio:.1f}x fewer bytes, {dp * 100:+.2f}%)")
     if ok:
         out.append(f"- Within max(noise, 0.5%) of fp32's perplexity: {', '.join(ok)}.")
     if bad:
@@ -126,8 +124,6 @@ def analyse(rows: list[dict[str, Any]]) -> str:
     fp32_round = statistics.fmean(r["bytes_per_round_site"] for r in base) if base else float("nan")
     table = []
     for codec, g in groups.items():
-        d = paired_deltas(g, base)
-        ppl = [math.exp(x) - 1 for x in d]
         bpr = statistics.fmean(r["bytes_per_round_site"] for r in g)
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) / r["num_sites"] for r in g]  # noqa: E731
         bb = {k[len("bench_") :]: v for k, v in g[0].items() if k.startswith("bench_")}
@@ -137,9 +133,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
                 "runs": len(g),
                 "kB/round/site": f"{bpr / 1e3:.1f}",
                 "vs fp32": f"{fp32_round / bpr:.1f}x",
-                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
-                "Δ loss vs fp32 (paired)": fmt_pm(d, "{:+.4f}"),
-                "Δ perplexity %": fmt_pm(ppl, "{:+.2f}", 100),
+                **loss_columns(g, base, "fp32"),
                 "encode ms/round/site (rounds)": fmt_pm(per_round("encode_s"), "{:.1f}", 1e3),
                 "decode ms/round/site (rounds)": fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
                 "encode ms (bench, whole Δ)": f"{bb.get('encode_s', float('nan')) * 1e3:.1f}",
@@ -160,22 +154,19 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     kb = [statistics.fmean(r["bytes_per_round_site"] for r in groups[c]) / 1e3 for c in names]
     colors = ["tab:orange" if c.endswith("+zstd") else "tab:blue" for c in names]
     a1.bar(range(len(names)), kb, color=colors)
-    a1.set_yscale("log")
-    a1.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-    a1.set_ylabel("kB per round per site (log)")
-    a1.set_title("Bytes on the wire per round (blue: plain, orange: +zstd)", fontsize=9)
     for i, v in enumerate(kb):
         a1.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     for i, c in enumerate(names):
-        d = [100 * (math.exp(x) - 1) for x in paired_deltas(groups[c], base)]
-        mu, sd = mean_std(d)
-        a2.errorbar([i], [mu], yerr=[sd], marker="o", color=colors[i], capsize=3)
-        a2.scatter([i] * len(d), d, s=10, color=colors[i], alpha=0.4)
+        seeds_and_mean(a2, i, [100 * x for x in ppl_changes(groups[c], base)], colors[i])
     a2.axhline(0, color="0.6", lw=0.8)
     a2.set_yscale("symlog", linthresh=1.0)  # linear within ±1%, logarithmic beyond
-    a2.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    a1.set_yscale("log")
+    a1.set_ylabel("kB per round per site (log)")
+    a1.set_title("Bytes on the wire per round (blue: plain, orange: +zstd)", fontsize=9)
     a2.set_ylabel("Δ perplexity vs fp32 (%, symlog)")
     a2.set_title("Final validation perplexity change, paired by seed (mean ± std)", fontsize=9)
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
@@ -192,7 +183,7 @@ with the same codec. Δ against fp32 with the same seed (same data and init). Me
 steps) chunk by chunk, median of {m["bench_repeats"]}. Encode/decode "rounds" columns: what the round engine recorded
 (contribution and mean encoding; mean decoding; owners' decoding of contributions is not timed by the engine). The
 engine's times are wall-clock inside a process whose site threads share one GIL: several times the single-thread CPU
-times of the bench columns. CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+times of the bench columns. {files(prefix, png)}
 
 {analyse(rows)}
 """

@@ -32,7 +32,10 @@ from experiments.common import (
     RunResult,
     RunSpec,
     code_version,
+    fmt_pm,
     load_meta,
+    mean_std,
+    paired_deltas,
     quiet_logging,
     read_rows,
     run_inproc,
@@ -334,6 +337,66 @@ def check_rows(spec: Spec, rows: Rows) -> list[str]:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo <= v <= hi:
                 bad.append(f"{r.get('config')} seed {r.get('seed')}: {col} = {v!r}, not in [{lo}, {hi}]")
     return bad
+
+
+# ---------------------------------------------------------------------------- what the specs' reports share
+def met(ok: bool, miss: str = "NOT met") -> str:
+    """A verdict line's judgement in bold: ``**met**``, else ``**NOT met**`` (or ``miss``)."""
+    return f"**{'met' if ok else miss}**"
+
+
+def files(prefix: Path, *pngs: Path, rounds: str = "") -> str:
+    """The sentence naming a section's files: the CSV, the per-round CSV as ``rounds`` (none: not named), the plots."""
+    out = f"CSV: `{prefix.with_suffix('.csv').name}`" + (f", {rounds}: `{prefix.name}_rounds.csv`" if rounds else "")
+    if pngs:
+        out += f"; plot{'s' if len(pngs) > 1 else ''}: " + ", ".join(f"`{p.name}`" for p in pngs)
+    return out + "."
+
+
+def ppl_changes(rows: Rows, base: Rows) -> list[float]:
+    """Per row paired by seed with ``base``: the perplexity change exp(Δ final val loss) − 1 (a fraction)."""
+    return [math.exp(d) - 1 for d in paired_deltas(rows, base)]
+
+
+def loss_columns(rows: Rows, base: Rows, vs: str, final: str = "final val loss") -> dict[str, str]:
+    """A configuration's table cells ``final`` (mean ± std over its rows), the final val loss's Δ against
+    ``base`` paired by seed (``Δ loss vs VS (paired)``) and the perplexity change in % it is."""
+    d = paired_deltas(rows, base)
+    return {
+        final: fmt_pm([r["final_val_loss"] for r in rows]),
+        f"Δ loss vs {vs} (paired)": fmt_pm(d, "{:+.4f}"),
+        "Δ perplexity %": fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
+    }
+
+
+def ppl_target(ppl: Sequence[float], target_pct: float) -> str:
+    """A perplexity change over seeds (fractions) against a target (%): the mean, its std and standard
+    error, **met** or not by the mean, and whether mean + 1 SE is within the target too."""
+    mu, sd = mean_std(ppl)
+    se = sd / math.sqrt(len(ppl))
+    up = (mu + se) * 100
+    return (
+        f"perplexity change {mu * 100:+.2f}% (std {sd * 100:.2f}%, standard error {se * 100:.2f}% over {len(ppl)} "
+        f"seeds); target ≤ {target_pct:g}%: {met(mu * 100 <= target_pct)} by the mean; mean + 1 SE = {up:+.2f}%, "
+        + ("also within it" if up <= target_pct else f"not resolved at {len(ppl)} seeds")
+    )
+
+
+def decorate(ax, xlabel: str = "", ylabel: str = "", title: str = "", *, legend: float | None = 8, **kw: Any) -> None:
+    """A plot's axis labels, title (10-point), ``ax.set(**kw)`` (scales, limits, ticks) and a legend of
+    ``legend``-point text (None: none)."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, **kw)
+    if title:
+        ax.set_title(title, fontsize=10)
+    if legend:
+        ax.legend(fontsize=legend)
+
+
+def seeds_and_mean(ax, x: float, ys: Sequence[float], color: Any, label: str | None = None, **kw: Any) -> None:
+    """The seeds' values ``ys`` at ``x`` as faint dots and their mean ± std as a point with error bars (``kw``)."""
+    ax.scatter([x] * len(ys), ys, s=12, color=color, alpha=0.4)
+    mu, sd = mean_std(ys)
+    ax.errorbar([x], [mu], yerr=[sd], color=color, capsize=3, label=label, **{"marker": "o", **kw})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

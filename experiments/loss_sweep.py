@@ -21,18 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.common import (
-    BUCKETS_64K,
-    fmt_pm,
-    md_rows,
-    mean_std,
-    paired_deltas,
-    per_round_mean,
-    save_fig,
-    subplots,
-    summarize,
-)
-from experiments.lab import Spec
+from experiments.common import BUCKETS_64K, fmt_pm, md_rows, mean_std, per_round_mean, save_fig, subplots, summarize
+from experiments.lab import Spec, decorate, loss_columns, ppl_changes, ppl_target
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -84,41 +74,31 @@ def drift_growth(rounds: Sequence[dict[str, Any]]) -> float:
 
 
 def analyse(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Markdown tables and verdicts; returns (markdown, facts)."""
+    """The loss and drift tables; returns (markdown, per drift configuration: :func:`_drift_table`'s facts)."""
     groups = summarize(rows)
     base = groups[label(0.0, True)]
-    facts: dict[str, Any] = {}
     table = []
     for cfg in [c for c in groups if "repair off" not in c]:
         g = groups[cfg]
-        rate = g[0]["loss_rate"]
-        d = paired_deltas(g, base)
-        ppl = [math.exp(x) - 1 for x in d]
-        nr = [r["rounds_done"] for r in g]
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) for r in g]  # noqa: E731
         table.append(
             {
-                "loss %": f"{rate * 100:g}" + (" (repeat)" if cfg == REPEAT else ""),
+                "loss %": f"{g[0]['loss_rate'] * 100:g}" + (" (repeat)" if cfg == REPEAT else ""),
                 "runs": len(g),
-                "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
-                "Δ loss vs 0% (paired)": fmt_pm(d, "{:+.4f}"),
-                "Δ perplexity %": fmt_pm(ppl, "{:+.2f}", 100),
+                **loss_columns(g, base, "0%"),
                 "stale buckets/round": fmt_pm(per_round("stale_buckets"), "{:.1f}"),
                 "repaired/round": fmt_pm(per_round("repaired_buckets"), "{:.1f}"),
                 "rejected/round": fmt_pm(per_round("rejected"), "{:.1f}"),
                 "reduce arrived": f"{mean_std([r['reduce_arrived'] for r in g])[0]:.3f}",
                 "broadcast arrived": f"{mean_std([r['broadcast_arrived'] for r in g])[0]:.3f}",
-                "sync s/round (per site)": fmt_pm([r["sync_s"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"),
+                "sync s/round (per site)": fmt_pm(per_round("sync_s"), "{:.2f}"),
                 "MB/round/site": f"{mean_std([r['bytes_per_round_site'] for r in g])[0] / 1e6:.3f}",
-                "rounds": f"{min(nr)}",
+                "rounds": min(r["rounds_done"] for r in g),
                 "θ equal on all sites": "yes" if all(r["consistent"] in (True, "True") for r in g) else "NO",
             }
         )
-        facts[cfg] = (mean_std(ppl), mean_std(d))
-    md = md_rows(table)
-
-    dmd, facts["drift"] = _drift_table(groups, rounds, m)
-    return md + "\n\n" + dmd, facts
+    dmd, drift = _drift_table(groups, rounds, m)
+    return md_rows(table) + "\n\n" + dmd, drift
 
 
 def _drift_table(groups: dict[str, list[dict[str, Any]]], rounds: list[dict[str, Any]], m: dict[str, Any]):
@@ -131,13 +111,10 @@ def _drift_table(groups: dict[str, list[dict[str, Any]]], rounds: list[dict[str,
             g = groups.get(cfg, [])
             if not g:
                 continue
-            growth = []
-            for r in g:
-                rr = [x for x in rounds if x["config"] == cfg and x["seed"] == r["seed"] and not math.isnan(x["drift"])]
-                growth.append(drift_growth(rr))
-            xs, mean_d, _, _ = per_round_mean(rounds, cfg, "drift")
+            mine = [x for x in rounds if x["config"] == cfg and not math.isnan(x["drift"])]
+            gm = statistics.fmean(drift_growth([x for x in mine if x["seed"] == r["seed"]]) for r in g)
+            mean_d = per_round_mean(rounds, cfg, "drift")[1]
             half = mean_d[len(mean_d) // 2 - 1] if mean_d else float("nan")
-            gm = statistics.fmean(growth) if growth else float("nan")
             maxd = max(r["max_drift"] for r in g)
             levels = maxd == 0 or gm <= LEVEL_OFF_RATIO
             verdicts[cfg] = (levels, gm, maxd, sum(r["stale_buckets"] for r in g))
@@ -166,15 +143,15 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
     groups = summarize(rows)
     base = groups[label(0.0, True)]
     fig, ax = subplots(figsize=(6.4, 4.2))
-    xs, means, stds = [], [], []
-    for rate in m["rates"]:
-        ppl = [100 * (math.exp(x) - 1) for x in paired_deltas(groups[label(rate, True)], base)]
-        ax.scatter([rate * 100] * len(ppl), ppl, s=12, color="tab:blue", alpha=0.45, zorder=3)
-        mu, sd = mean_std(ppl)
-        xs.append(rate * 100), means.append(mu), stds.append(sd)
-    ax.errorbar(xs, means, yerr=stds, color="tab:blue", marker="o", capsize=3, label="dtrain (mean ± std over seeds)")
+    ppl = {100 * rate: [100 * x for x in ppl_changes(groups[label(rate, True)], base)] for rate in m["rates"]}
+    for x, ys in ppl.items():
+        ax.scatter([x] * len(ys), ys, s=12, color="tab:blue", alpha=0.45, zorder=3)
+    mean, std = zip(*map(mean_std, ppl.values()))
+    ax.errorbar(
+        list(ppl), mean, yerr=std, color="tab:blue", marker="o", capsize=3, label="dtrain (mean ± std over seeds)"
+    )
     if REPEAT in groups:
-        ppl = [100 * (math.exp(x) - 1) for x in paired_deltas(groups[REPEAT], base)]
+        ppl = [100 * x for x in ppl_changes(groups[REPEAT], base)]
         ax.scatter([0] * len(ppl), ppl, marker="x", color="0.3", zorder=4, label="0% repeated (noise floor)")
     ax.axhline(0, color="0.6", lw=0.8)
     ax.axhline(TARGET_PPL_AT_10, color="tab:green", ls="--", lw=1, label=f"our target at 10%: ≤ {TARGET_PPL_AT_10}%")
@@ -187,14 +164,9 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
         ls="none",
         label=f"paper (arXiv 2507.07114): ≤ {PAPER_PPL_AT_10}% at 10%",
     )
-    ax.set_xlabel("chunk loss rate, reduce and broadcast (%)")
-    ax.set_ylabel("perplexity change vs 0% loss (%)")
     f = m["fixed"]
-    ax.set_title(
-        f"Chunk-loss sweep: {f['task_spec.num_sites']} sites, {f['task_spec.size']}, "
-        f"H={f['diloco.sync_every']}, {f['rounds']} rounds"
-    )
-    ax.legend(fontsize=8)
+    title = f"Chunk-loss sweep: {f[SITES]} sites, {f[SIZE]}, H={f[H]}, {f[ROUNDS]} rounds"
+    decorate(ax, "chunk loss rate, reduce and broadcast (%)", "perplexity change vs 0% loss (%)", title)
     p1 = save_fig(fig, prefix.with_suffix(".png"))
 
     fig, ax = subplots(figsize=(6.4, 4.2))
@@ -205,21 +177,12 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, 
             x, mu, lo, hi = per_round_mean(rounds, cfg, "drift")
             if not x:
                 continue
-            x = [v + 1 for v in x]
-            ax.plot(
-                x,
-                mu,
-                ls=ls,
-                color=colors[i % len(colors)],
-                marker="o" if repair else "s",
-                ms=3,
-                label=f"{rate * 100:g}% loss, repair {'on' if repair else 'off'}",
-            )
-            ax.fill_between(x, lo, hi, color=colors[i % len(colors)], alpha=0.15)
-    ax.set_xlabel("round")
-    ax.set_ylabel("max pairwise ‖θ_i − θ_j‖₂")
-    ax.set_title("Replica drift with repair on and off (mean; band: min–max over seeds)", fontsize=10)
-    ax.legend(fontsize=8)
+            x, color = [v + 1 for v in x], colors[i % len(colors)]
+            what = f"{rate * 100:g}% loss, repair {'on' if repair else 'off'}"
+            ax.plot(x, mu, ls=ls, color=color, marker="o" if repair else "s", ms=3, label=what)
+            ax.fill_between(x, lo, hi, color=color, alpha=0.15)
+    title = "Replica drift with repair on and off (mean; band: min–max over seeds)"
+    decorate(ax, "round", "max pairwise ‖θ_i − θ_j‖₂", title)
     p2 = save_fig(fig, prefix.with_name(prefix.name + "_drift.png"))
     return [p1, p2]
 
@@ -233,12 +196,13 @@ UNTESTED_KEEP_STALE = (
 
 def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     """The noise floor, the 10% target against the paper's figure, and whether drift levels off."""
-    _, facts = analyse(rows, rounds, m)
+    groups = summarize(rows)
+    base = groups[label(0.0, True)]
     lines = []
     n_seeds = len(m["seeds"])
-    if REPEAT in facts:
-        (rp_m, rp_s), _ = facts[REPEAT]
-        lossy = [facts[label(r, True)][0][1] for r in m["rates"] if r > 0 and label(r, True) in facts]
+    if REPEAT in groups:
+        rp_m, rp_s = mean_std(ppl_changes(groups[REPEAT], base))
+        lossy = [mean_std(ppl_changes(groups[label(r, True)], base))[1] for r in m["rates"] if r > 0]
         lines.append(
             f"- **Noise**: the 0% runs repeated with the same seeds differ by {rp_m * 100:+.2f}% ± {rp_s * 100:.2f}% "
             f"perplexity (the owners sum contributions in arrival order, so fp32 rounding varies a little). With loss, "
@@ -246,19 +210,10 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
             f"lost perturbs a short, high-learning-rate run whose end point is sensitive to any perturbation. The "
             f"standard error of a mean over {n_seeds} seeds is std/√{n_seeds}."
         )
-    if label(0.1, True) in facts:
-        (ppl_m, ppl_s), (d_m, _) = facts[label(0.1, True)]
-        se = ppl_s / math.sqrt(n_seeds)
-        met = ppl_m * 100 <= TARGET_PPL_AT_10
-        resolved = (ppl_m + se) * 100 <= TARGET_PPL_AT_10
-        lines.append(
-            f"- **10% loss**: perplexity change {ppl_m * 100:+.2f}% (std {ppl_s * 100:.2f}%, standard error "
-            f"{se * 100:.2f}%; Δ loss {d_m:+.4f} nats; paired over {n_seeds} seeds). Paper: ≤ {PAPER_PPL_AT_10}%. "
-            f"Our target ≤ {TARGET_PPL_AT_10}%: **{'met' if met else 'NOT met'}** by the mean; mean + 1 SE = "
-            f"{(ppl_m + se) * 100:+.2f}%"
-            + (" (also within the target)." if resolved else " (not resolved at this number of seeds).")
-        )
-    for cfg, (levels, growth, maxd, stale) in facts["drift"].items():
+    if label(0.1, True) in groups:
+        ppl = ppl_changes(groups[label(0.1, True)], base)
+        lines.append(f"- **10% loss**: {ppl_target(ppl, TARGET_PPL_AT_10)} (paper: ≤ {PAPER_PPL_AT_10}%).")
+    for cfg, (levels, growth, maxd, stale) in analyse(rows, rounds, m)[1].items():
         what = (
             "zero at every round"
             if maxd == 0

@@ -12,19 +12,17 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RunResult, fmt_pm, md_rows, mean_std, paired_deltas, save_fig, subplots, summarize
-from experiments.lab import Point, Spec
+from experiments.common import RunResult, fmt_pm, md_rows, mean_std, per_round_mean, save_fig, subplots, summarize
+from experiments.lab import Point, Spec, decorate, files, loss_columns, ppl_changes, ppl_target
+from experiments.loss_sweep import PAPER_PPL_AT_10, TARGET_PPL_AT_10
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
-PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
-TARGET_PPL_AT_10 = 0.5  # % (issue 6)
 KiB = 1024
 BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
 SITES, SIZE, H, ROUNDS, LOSS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds", "netem.loss_pct"
@@ -71,7 +69,6 @@ def run_one(
     ``RENDEZVOUS`` (``convergence_netem`` runs the convergence fault table's setup this way)."""
     worker = WORKER if worker is None else worker
     set_link(topo, loss_pct=loss_pct, **LINK)
-    logs = Path(m["logs"]) / f"{config.replace(' ', '_').replace('%', 'pct')}-seed{seed}" if m.get("logs") else None
     opts = dict(size=m["size"], seed=seed, rounds=m["rounds"], sync_every=m["sync_every"], eval_every=m["rounds"])
     res = run_sites(
         topo,
@@ -79,7 +76,6 @@ def run_one(
         {"min_sites": 2, **(rendezvous or RENDEZVOUS)},
         {**opts, **worker},
         timeout_s=timeout_s,
-        root=logs,
     )
     return _measure(config, seed, m, worker, loss_pct, res)
 
@@ -133,14 +129,11 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     base = groups.get(BASE, [])
     table = []
     for cfg, g in groups.items():
-        d = paired_deltas(g, base)
         table.append(
             {
                 "setting": cfg,
                 "runs": len(g),
-                "final val loss (site-0)": fmt_pm([r["final_val_loss"] for r in g]),
-                "Δ loss vs 0% (paired)": fmt_pm(d, "{:+.4f}"),
-                "Δ perplexity %": fmt_pm([math.exp(x) - 1 for x in d], "{:+.2f}", 100),
+                **loss_columns(g, base, "0%", final="final val loss (site-0)"),
                 "reduce arrived": f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
                 "broadcast arrived": f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
                 "stale buckets/round (all sites)": fmt_pm(
@@ -158,22 +151,13 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     notes = []
     ten = groups.get(label(10.0), [])
     if ten and base:
-        ppl, sd = mean_std([math.exp(x) - 1 for x in paired_deltas(ten, base)])
         noise = ""
         if REPEAT in groups:
-            nm, ns = mean_std([math.exp(x) - 1 for x in paired_deltas(groups[REPEAT], base)])
+            nm, ns = mean_std(ppl_changes(groups[REPEAT], base))
             noise = f"; the 0% repeat (noise floor) gives {nm * 100:+.2f}% ± {ns * 100:.2f}%"
-        se = sd / math.sqrt(len(ten))
-        verdict = "met" if ppl * 100 <= TARGET_PPL_AT_10 else "NOT met"
-        sure = (
-            "also within it"
-            if (ppl + se) * 100 <= TARGET_PPL_AT_10
-            else f"not within it: {len(ten)} seeds cannot resolve a 0.5% difference here"
-        )
         notes.append(
-            f"- 10% packet loss over gRPC: perplexity change {ppl * 100:+.2f}% ± {sd * 100:.2f}% (std; standard "
-            f"error {se * 100:.2f}%) against 0% (target <= {TARGET_PPL_AT_10}%: **{verdict}** by the mean; "
-            f"mean + 1 SE = {(ppl + se) * 100:+.2f}%, {sure}; the paper reports <= {PAPER_PPL_AT_10}%){noise}."
+            f"- 10% packet loss over gRPC against 0%: {ppl_target(ppl_changes(ten, base), TARGET_PPL_AT_10)} "
+            f"(the paper reports <= {PAPER_PPL_AT_10}%){noise}."
         )
         s0 = statistics.fmean(r["exchange_s"] for r in base)
         s10 = statistics.fmean(r["exchange_s"] for r in ten)
@@ -207,20 +191,14 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
         vals = [r["final_val_loss"] for r in rows if r["config"] == cfg]
         ax1.bar(k, mean_std(vals)[0], yerr=mean_std(vals)[1], capsize=4)
         ax1.plot([k] * len(vals), vals, "k.", ms=4)
-        by: dict[int, list[float]] = {}
-        for x in rounds:
-            if x["config"] == cfg:
-                by.setdefault(x["round"], []).append(x["round_s"] if "round_s" in x else x["total_s"])  # older: total_s
-        xs = sorted(by)
-        ax2.plot([x + 1 for x in xs], [statistics.fmean(by[x]) for x in xs], marker="o", ms=3, label=cfg)
+        xs, mean, _, _ = per_round_mean(rounds, cfg, "round_s")
+        ax2.plot([x + 1 for x in xs], mean, marker="o", ms=3, label=cfg)
     lo = min(r["final_val_loss"] for r in rows)
     hi = max(r["final_val_loss"] for r in rows)
     ax1.set_ylim(lo - 0.05 - (hi - lo), hi + 0.05 + (hi - lo))
     ax1.set_xticks(range(len(configs)), configs, fontsize=8)
-    ax1.set_ylabel("final validation loss (site-0)")
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("exchange s (mean over sites, seeds)")
-    ax2.legend(fontsize=8)
+    decorate(ax1, ylabel="final validation loss (site-0)", legend=None)
+    decorate(ax2, "round", "exchange s (mean over sites, seeds)")
     fig.suptitle("gRPC through netem: 10 ms, 100 Mbit/s, packet loss", fontsize=10)
     return save_fig(fig, prefix.with_suffix(".png"))
 
@@ -242,8 +220,7 @@ real gRPC; every link {LINK["delay_ms"]:g} ms one-way, {LINK["rate_mbit"]:g} Mbi
 {f[ROUNDS]} rounds, `{WORKER["codec"]}` with error feedback, 64 KiB buckets of 16 KiB chunks, reduce deadline
 {RENDEZVOUS["reduce_timeout_s"]:g} s, broadcast deadline {RENDEZVOUS["broadcast_timeout_s"]:g} s (in quick: the
 in-process chunk-loss sweep's quick setup). Δ is paired by seed against the 0% run; mean ± std over seeds {m["seeds"]}. "Reduce
-arrived": the fraction of contribution chunks an owner had by its deadline. CSV: `{prefix.with_suffix(".csv").name}`;
-plot: `{png.name}`.
+arrived": the fraction of contribution chunks an owner had by its deadline. {files(prefix, png)}
 
 {analyse(rows)[0]}"""
 
