@@ -18,6 +18,7 @@ donor|joiner``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -29,7 +30,7 @@ from typing import Any
 
 from dtrain.app.procs import child_env
 from experiments.common import RunResult, md_table
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files, met
 from experiments.procs import netem_topology
 
 NETEM, RATE, RTT = "netem.enabled", "netem.rate_mbit", "netem.rtt_ms"
@@ -111,6 +112,10 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
     py = [sys.executable, "-m", "experiments.catch_up"]
     env = child_env()
     procs: list[subprocess.Popen] = []
+
+    def start(site: int, argv: list[str], **kw: Any) -> subprocess.Popen:  # in site ``site``'s namespace under netem
+        return topo.popen(site, argv, env=env, **kw) if topo else subprocess.Popen(argv, env=env, **kw)
+
     with tempfile.TemporaryDirectory() as d:
         try:
             addrs = []
@@ -118,7 +123,7 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
                 host = topo.address(i + 1) if topo else "127.0.0.1"
                 out = Path(d) / f"donor-{i}"
                 argv = [*py, "donor", "--numel", str(numel), "--host", host, "--out", str(out), "--site-id", f"d{i}"]
-                procs.append(topo.popen(i + 1, argv, env=env) if topo else subprocess.Popen(argv, env=env))
+                procs.append(start(i + 1, argv))
                 addrs.append(out)
             deadline = time.monotonic() + 120
             while not all(a.exists() and a.read_text() for a in addrs):
@@ -128,11 +133,7 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
             host = topo.address(0) if topo else "127.0.0.1"
             argv = [*py, "joiner", "--numel", str(numel), "--host", host, "--streams", "2"]
             argv += ["--donors", ",".join(a.read_text() for a in addrs)]
-            if topo:
-                run = topo.popen(0, argv, env=env, stdout=subprocess.PIPE)
-            else:
-                run = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)
-            out, _ = run.communicate(timeout=600)
+            out, _ = start(0, argv, stdout=subprocess.PIPE).communicate(timeout=600)
             return json.loads(out.decode().strip().splitlines()[-1])
         finally:
             for p in procs:
@@ -145,16 +146,11 @@ def measure(point: Point) -> RunResult:
     ``netem.rate_mbit``, the joiner's ``lab.joiner_x`` times that) when ``netem.enabled``."""
     f = point.settings
     numel = (f[STATE_MB] << 20) // 8  # θ and one momentum buffer: 8 bytes per parameter
-    topo = None
-    if f[NETEM]:
-        topo = netem_topology(1 + f[DONORS], "cu", "catch_up")
-        topo.set_link(None, delay_ms=f[RTT] / 2, rate_mbit=f[RATE])
-        topo.set_link(0, delay_ms=f[RTT] / 2, rate_mbit=f[RATE] * f[JOINER_X])
-    try:
-        r = _run_one(numel, f[DONORS], topo)
-    finally:
+    with netem_topology(1 + f[DONORS], "cu", "catch_up") if f[NETEM] else contextlib.nullcontext() as topo:
         if topo is not None:
-            topo.close()
+            topo.set_link(None, delay_ms=f[RTT] / 2, rate_mbit=f[RATE])
+            topo.set_link(0, delay_ms=f[RTT] / 2, rate_mbit=f[RATE] * f[JOINER_X])
+        r = _run_one(numel, f[DONORS], topo)
     rate = f[RATE] * min(f[JOINER_X], f[DONORS]) if f[RATE] else float("nan")  # the narrower side
     naive = r["bytes"] * 8 / (rate * 1e6)
     r["buckets_from"] = json.dumps(r["buckets_from"])
@@ -172,7 +168,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
         for r in rows
     ]
     return f"""Setup: {link}; the joiner pulls θ and the outer momentum ({BUCKET_BYTES >> 20} MiB buckets, 2 streams a donor).
-CSV: `{prefix.with_suffix(".csv").name}`.
+{files(prefix)}
 
 {md_table(["joiner Mbit/s", "state MB", "donors", "seconds", "naive s", "ratio", "equal"], table)}"""
 
@@ -184,7 +180,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         return ["- Three donors within 1.3x of the naive time: not judged (no link rate: loopback)."]
     worst = max(three)
     return [
-        f"- Three donors within {TARGET_RATIO}x of the naive time: worst {worst:.2f}x (**{'met' if worst <= TARGET_RATIO else 'missed'}**)."
+        f"- Three donors within {TARGET_RATIO}x of the naive time: worst {worst:.2f}x ({met(worst <= TARGET_RATIO, 'missed')})."
     ]
 
 

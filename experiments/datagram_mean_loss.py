@@ -27,7 +27,7 @@ from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
 from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments.common import RunResult, md_table, summarize
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files
 from experiments.runspec import RunSpec
 
 LOSS, NUMEL = "lab.loss", "lab.numel"
@@ -116,7 +116,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     headers += ["replicas equal", "fec k=8: chunks lost", "fec k=8: extra bytes", "keep-previous: elements not applied"]
     table = md_table(headers, [_table_row(g) for g in summarize(rows).values()])
     return f"""Setup: 3 sites on 127.0.0.1, {m["fixed"][NUMEL]} int8 params, 4 buckets, one round per seed {m["seeds"]}.
-CSV: `{prefix.with_suffix(".csv").name}`.
+{files(prefix)}
 
 {table}"""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from dtrain.transports.datagram_pacing import Pacer
 from experiments.common import RunResult, md_table
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files
 from experiments.procs import loss_based_cc, netem_topology, set_link, sysctl
 
 RATE, DELAY, SECONDS, UDP, CC = "netem.rate_mbit", "netem.delay_ms", "lab.seconds", "lab.udp_mbit", "netem.tcp_cc"
@@ -154,7 +154,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
         for r in rows
     ]
     return f"""Setup: links {f[RATE]:g} Mbit/s, {f[DELAY]:g} ms one way; TCP site 0 -> 1 for {f[SECONDS]:g} s, datagrams
-site 2 -> 1 in its middle third; goodput in Mbit/s. CSV: `{prefix.with_suffix(".csv").name}`.
+site 2 -> 1 in its middle third; goodput in Mbit/s. {files(prefix)}
 
 {md_table([*headers, "loss"], table)}"""
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, mean_se, run_inproc
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 TOLERANCE = 0.005  # the issue's "within 0.5%"
@@ -183,8 +183,8 @@ column)."""
 datagrams, one int8 chunk per datagram), built-in task `{f[SIZE]}`, H = {f[H]},
 {f[ROUNDS]} rounds; the lossy run drops every received contribution and mean datagram with
 probability {loss:g} (`test_drop`). Final = the mean over sites (replicas are equal)."""
-    return f"""{setup} Paired by seed: d = final val loss at {loss:.0%} / final at 0% - 1. CSV:
-`{prefix.with_suffix(".csv").name}`.
+    return f"""{setup} Paired by seed: d = final val loss at {loss:.0%} / final at 0% - 1.
+{files(prefix)}
 
 {analyse(rows, loss)[0]}"""
 

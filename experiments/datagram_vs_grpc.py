@@ -41,7 +41,7 @@ from dtrain.tasks.builtin import build_task
 from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files, met
 from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
@@ -196,13 +196,11 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
         ok = len(lines) == n and all(x["time"] - x["sync_s"] >= changed_at for x in lines)
         rounds_out += [
-            line_record("datagram_vs_grpc", f"{label}, loss {loss:g}%", seed, x, keys, measured=ok)
-            | {"round_s": x.get("round_s", x.get("total_s", float("nan")))}  # older dtrain: total_s
-            for x in lines
+            line_record("datagram_vs_grpc", f"{label}, loss {loss:g}%", seed, x, keys, measured=ok) for x in lines
         ]
         if not ok:
             continue
-        engine.append(max(x.get("round_s", x.get("total_s", float("nan"))) for x in lines))
+        engine.append(max(x.get("round_s", float("nan")) for x in lines))
         sync_cpu.append(sum(_number(x, "sync_cpu_s") for x in lines))
         sync_sys.append(sum(_number(x, "sync_system_cpu_s") for x in lines))
         cycle_cpu.append(sum(_number(x, "cpu_s") for x in lines))
@@ -279,15 +277,8 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
     if not dg:
         return ""
     worst = max(dg, key=lambda r: r["ratio"])
-    lines = [
-        "Target (datagram <= 1.2x the limit up to 10% loss), nominal limit: "
-        + (
-            "**met**"
-            if worst["ratio"] <= 1.2
-            else f"**missed by {worst['ratio'] / 1.2:.1f}x** (worst {worst['ratio']:.2f}x at {worst['loss_pct']:g}%)"
-        )
-        + "."
-    ]
+    at = "" if worst["ratio"] <= 1.2 else f" (worst {worst['ratio']:.2f}x at {worst['loss_pct']:g}%)"
+    lines = [f"Target (datagram <= 1.2x the limit up to 10% loss), nominal limit: {_within(worst['ratio'])}{at}."]
     if emu is not None:
         rate, what = emu
         ratios = []
@@ -299,11 +290,14 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
             f"Against the emulator's measured ceiling ({what}: {rate:.1f} Mbit/s per site of {rows[0]['num_sites']}, "
             f"limit {w[2]:.2f} s): "
             + ", ".join(f"{x:.2f}x at {loss:g}%" for x, loss, _ in ratios)
-            + "; "
-            + ("**met**" if w[0] <= 1.2 else f"**missed by {w[0] / 1.2:.1f}x**")
-            + "."
+            + f"; {_within(w[0])}."
         )
     return "\n\n".join(lines)
+
+
+def _within(ratio: float, target: float = 1.2) -> str:
+    """The speed target's judgement: **met**, or by how much a ``ratio`` to the limit missed it."""
+    return met(ratio <= target, f"missed by {ratio / target:.1f}x")
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
@@ -401,7 +395,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
 --max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {_deadlines_text(lm)}.
-CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+{files(prefix, png)}
 
 {analyse(rows)}
 

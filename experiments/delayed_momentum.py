@@ -20,8 +20,8 @@ import torch
 
 from dtrain.buckets import BucketConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
-from experiments.common import RunResult, fmt_pm, md_table
-from experiments.lab import Point, Spec
+from experiments.common import RunResult, fmt_pm, md_table, summarize
+from experiments.lab import Point, Spec, files
 
 OUTER_LR = 0.7  # DiLoCo's outer learning rate (Nesterov SGD)
 SITES, H, ROUNDS = "task_spec.num_sites", "diloco.sync_every", "rounds"
@@ -98,8 +98,7 @@ def final_loss(point: Point) -> RunResult:
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, float, float, str]]:
     base = {r["seed"]: r["final_loss"] for r in rows if r["config"] == "blocking"}
     table, best = [], (float("inf"), 0.9, OUTER_LR, "stale")
-    for label in dict.fromkeys(r["config"] for r in rows):
-        g = [r for r in rows if r["config"] == label]
+    for label, g in summarize(rows).items():
         ratios = [r["final_loss"] / base[r["seed"]] - 1 for r in g]  # paired by seed
         mean = statistics.fmean(ratios)
         if g[0][DELAYED] and mean < best[0]:
@@ -127,7 +126,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     f = m["fixed"]
     return f"""Setup: in-process (`dtrain.sim`), {f[SITES]} sites, H = {f[H]}, {f[ROUNDS]} rounds,
 outer Nesterov SGD (blocking: DiLoCo's lr {OUTER_LR}, momentum 0.9); one-step-delayed = F = 1, τ = H; seeds {m["seeds"]} (paired).
-CSV: `{prefix.with_suffix(".csv").name}`.
+{files(prefix)}
 
 {analyse(rows)[0]}"""
 

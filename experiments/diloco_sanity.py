@@ -46,7 +46,7 @@ from experiments.common import (
     subplots,
     summarize,
 )
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, decorate, files, met
 from experiments.procs import free_port
 from experiments.torchft_site import ring_allreduce_bytes
 
@@ -241,7 +241,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
             verdicts.append(
                 f"- H={h}: Δ loss vs DDP {dm:+.4f} ± {ds:.4f} → loss {'equal or better' if loss_ok else '**worse**'}; "
                 f"{ratio:.1f}x fewer bytes (H = {h}) → {'≈ H' if bytes_ok else '**not ≈ H**'}. Claim "
-                f"{'**met**' if loss_ok and bytes_ok else '**NOT met**'}."
+                f"{met(loss_ok and bytes_ok)}."
                 + (
                     f" Against one site alone ({alone[0]:.4f}): {statistics.fmean(r['final_val_loss'] for r in g) - alone[0]:+.4f}."
                     if math.isfinite(alone[0])
@@ -282,11 +282,8 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         lo, hi = ax.get_ylim()
         pad = 0.05 * (hi - lo)
         ax.set_ylim(min(lo, min(levels) - pad), max(hi, max(levels) + pad))
-    ax.set_xscale("log")
-    ax.set_xlabel("MB sent per site (log)")
-    ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title("DiLoCo vs data-parallel: same steps and tokens", fontsize=10)
-    ax.legend(fontsize=8)
+    title = "DiLoCo vs data-parallel: same steps and tokens"
+    decorate(ax, "MB sent per site (log)", "final validation loss (nats/token)", title, xscale="log")
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
@@ -300,8 +297,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 per site), inner AdamW at the preset's lr. DDP: {n} processes, gradients all-reduced (gloo, 127.0.0.1)
 every step; bytes by the ring formula 2·(N−1)/N·4·P per rank per step. DiLoCo: in-process sites, fp32 codec, outer
 SGD lr {lr:g} momentum {mom:g}{" Nesterov" if mom else ""}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
-{m["seeds"]}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). CSV:
-`{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+{m["seeds"]}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). {files(prefix, png)}
 
 {analyse(rows, m)[0]}
 

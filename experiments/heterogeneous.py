@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.app.procs import Cluster
-from experiments.common import RunResult, fmt_pm, md_rows, mean_se, mean_std, save_fig, subplots, summarize
-from experiments.lab import Point, Spec
+from experiments.common import RunResult, fmt_pm, md_rows, mean_se, save_fig, subplots, summarize
+from experiments.lab import Point, Spec, decorate, files, met
 from experiments.procs import SitesRun, line_record, run_sites
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
@@ -133,21 +133,20 @@ def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table, verdicts = [], []
-    by_share = summarize(rows, key=SHARE)
-    for share, group in by_share.items():
-        t = {c: [r["time_to_target_s"] for r in rs] for c, rs in summarize(group, key=MODE).items()}
+    for share, group in summarize(rows, key=SHARE).items():
+        t = {}  # configuration -> mean time to the target; NaN when a seed did not reach it (no verdict on it)
         for c, rs in summarize(group, key=MODE).items():
-            ts = t[c]
-            m, _ = mean_std(ts)
-            reached_all = not any(math.isnan(x) for x in ts)
+            ts = [r["time_to_target_s"] for r in rs]
+            reached, (mu, se) = sum(1 for x in ts if not math.isnan(x)), mean_se(ts)
+            t[c] = mu if reached == len(ts) else math.nan
             table.append(
                 {
                     "slow share": f"{share:g}",
                     "configuration": c,
-                    "time to target (s, mean ± SE)": f"{m:.1f} ± {mean_se(ts)[1]:.1f}"
-                    if reached_all
-                    else "not reached by every seed",
-                    "reached": f"{sum(1 for x in ts if not math.isnan(x))}/{len(ts)}",
+                    "time to target (s, mean ± SE)": "not reached by every seed"
+                    if math.isnan(t[c])
+                    else f"{mu:.1f} ± {se:.1f}",
+                    "reached": f"{reached}/{len(ts)}",
                     "rounds to target": fmt_pm(
                         [r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0], "{:.1f}"
                     ),
@@ -157,24 +156,18 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                     "θ agrees": "yes" if all(r["consistent"] for r in rs) else "NO",
                 }
             )
-        # a configuration with a seed that did not reach the target has no mean time: no verdict on it
-        a, c, h = (
-            mean_std(t[k])[0] if k in t and not any(math.isnan(x) for x in t[k]) else math.nan
-            for k in (LOCKSTEP, TIMED, HOMO)
-        )
-        if any(k in t and any(math.isnan(x) for x in t[k]) for k in (LOCKSTEP, TIMED, HOMO)):
+        a, c, h = (t.get(k, math.nan) for k in (LOCKSTEP, TIMED, HOMO))
+        if any(k in t and math.isnan(t[k]) for k in (LOCKSTEP, TIMED, HOMO)):
             verdicts.append(f"- share {share:g}: a seed did not reach the target within the rounds run: no verdict")
-        if not any(math.isnan(x) for x in (a, c)):
-            ok = a / c >= 1.5
+        if not math.isnan(a + c):
             verdicts.append(
                 f"- share {share:g}: time + weighted reaches the loss {a / c:.2f}x sooner than lockstep "
-                f"(target >= 1.5x): **{'met' if ok else 'NOT met'}**"
+                f"(target >= 1.5x): {met(a / c >= 1.5)}"
             )
-        if not any(math.isnan(x) for x in (c, h)):
-            ok = c <= 1.15 * h
+        if not math.isnan(c + h):
             verdicts.append(
                 f"- share {share:g}: time + weighted takes {c / h:.2f}x the homogeneous reference's time "
-                f"(target <= 1.15x): **{'met' if ok else 'NOT met'}**"
+                f"(target <= 1.15x): {met(c <= 1.15 * h)}"
             )
     return md_rows(table), verdicts
 
@@ -186,9 +179,7 @@ def plot(rounds: list[dict[str, Any]], prefix: Path) -> Path:
         if not seed0:
             continue
         ax.plot([r["t_s"] for r in seed0], [r["val_loss"] for r in seed0], marker=".", label=c)
-    ax.set_xlabel("wall time since site-0's round 0 (s)")
-    ax.set_ylabel("validation loss (site-0, first seed)")
-    ax.legend(fontsize=7)
+    decorate(ax, "wall time since site-0's round 0 (s)", "validation loss (site-0, first seed)", legend=7)
     return save_fig(fig, prefix.with_name(prefix.name + ".png"))
 
 
@@ -202,7 +193,7 @@ reference runs every site at (n - 1 + share) / n. Time-based rounds: a window of
 at most 2H steps, token-weighted means. Time to target: from site-0's round-0 line (every process started) to its
 first round with validation loss <= {f[TARGET]:g}; mean ± standard error over seeds {m["seeds"]}. The rows
 per share cover different claims: "slow site rounds applied" below the rounds run means it was cut and resynced.
-CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+{files(prefix, png)}
 
 {analyse(rows)[0]}"""
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from experiments.common import ROOT, RunResult, inner_step, md_table
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files
 
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 TASK, HF, STEPS, LAUNCH = "task", "task_spec.hf.config", "lab.steps", "lab.launch"
@@ -127,7 +127,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     return f"""Setup: bytes as tokens, stdlib corpus, batch x context of size {f[SIZE]!r}, 1 thread per process;
 launch: {f[SITES]} sites on 127.0.0.1 (gRPC, int8 codec), H = {f[H]}, {f[ROUNDS]} rounds.
 tok/s/site = tokens trained / (inner_s + sync_s) over the rounds; sync share = sync_s / (inner_s + sync_s);
-CSV: `{prefix.with_suffix(".csv").name}`.
+{files(prefix)}
 
 {md_table(headers, [_table_row(r) for r in rows])}"""
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments.common import BUCKETS_64K, fmt_pm, md_rows, mean_std, per_round_mean, save_fig, subplots, summarize
-from experiments.lab import Spec, decorate, loss_columns, ppl_changes, ppl_target
+from experiments.lab import Spec, decorate, files, loss_columns, ppl_changes, ppl_target
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -244,8 +244,8 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 (seeded). Δ is against the 0% run with the same seed (same data and init). Validation: {f["inproc.num_val_batches"]}
 fixed batches. Mean ± std over seeds {m["seeds"]}. "sync s/round": a site's time in the round call, including
 the wait for the other sites to be ready (site 0 evaluates θ after every round, the others wait for it) and the
-reduce deadline whenever a chunk was lost (the owner cannot tell lost from late). CSV:
-`{prefix.with_suffix(".csv").name}`, per round: `{prefix.name}_rounds.csv`; plots: {", ".join(f"`{p.name}`" for p in pngs)}.
+reduce deadline whenever a chunk was lost (the owner cannot tell lost from late).
+{files(prefix, *pngs, rounds="per round")}
 
 {md}
 

@@ -105,7 +105,7 @@ if __name__ == "__main__" and "--role" in sys.argv:
 
 # imported after the --role check: a sender/receiver process starts on the standard library only
 from experiments.common import RunResult, md_rows, md_table  # noqa: E402
-from experiments.lab import Point, Spec  # noqa: E402
+from experiments.lab import Point, Spec, files  # noqa: E402
 from experiments.procs import netem_topology, set_link  # noqa: E402
 
 
@@ -134,25 +134,16 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
     dsts = [(i + 1) % n for i in range(pairs)]
     delayed_row = setting != "no delay"
     before = _delayer_counters(topo) if delayed_row else (0, 0, 0)
-    recv = [
-        topo.popen(
-            d,
-            me + ["--role", "recv", "--host", topo.address(d), "--seconds", str(m[SECONDS] + 60)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for d in dsts
-    ]
+
+    def role(site: int, *args: Any) -> subprocess.Popen:
+        return topo.popen(site, [*me, "--role", *map(str, args)], stdout=subprocess.PIPE, text=True)
+
+    recv = [role(d, "recv", "--host", topo.address(d), "--seconds", m[SECONDS] + 60) for d in dsts]
     try:
         for p in recv:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         send = [
-            topo.popen(
-                i,
-                me + ["--role", "send", "--host", topo.address(d), "--rate", str(rate), "--seconds", str(m[SECONDS])],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+            role(i, "send", "--host", topo.address(d), "--rate", rate, "--seconds", m[SECONDS])
             for i, d in enumerate(dsts)
         ]
         sent = [json.loads(p.communicate(timeout=m[SECONDS] * 4 + 30)[0]) for p in send]
@@ -228,6 +219,12 @@ def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tup
     return out
 
 
+def _ceiling_cells(r: dict[str, Any], flows: int) -> list[str]:
+    """A ceiling's datagrams/s, the load when it ran, its Mbit/s and per flow."""
+    load = f"{r['load_1m']:.1f}" if "load_1m" in r else "?"
+    return [f"{r['delivered_dps']:.0f}", load, f"{r['delivered_mbit']:.1f}", f"{r['delivered_mbit'] / flows:.1f}"]
+
+
 def _fmt_us(v: float | None) -> str:
     return "-" if v is None or v != v else f"{v:.2f}"
 
@@ -254,17 +251,7 @@ def analyse(rows: list[dict[str, Any]]) -> str:
     ceil = md_table(
         ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"],
         [
-            [k[0], d, k[1], "-", "-", "-", "-"]
-            if r is None
-            else [
-                k[0],
-                d,
-                k[1],
-                f"{r['delivered_dps']:.0f}",
-                f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
-                f"{r['delivered_mbit']:.1f}",
-                f"{r['delivered_mbit'] / k[1]:.1f}",
-            ]
+            [k[0], d, k[1], *(["-"] * 4 if r is None else _ceiling_cells(r, k[1]))]
             for d in dict.fromkeys(r.get("delayer", "?") for r in rows)
             for k, r in ceilings(rows, d).items()
         ],
@@ -319,7 +306,7 @@ one way on every site (every packet through an NFQUEUE delayer: "nfqueue-c" is t
 netem/delayer.c; "nfqueue-userspace" the Python fallback in netem/_agent.py); "delay + cap": also tbf at
 {f[RATE_CAP]:g} Mbit/s. Loss is what the emulator (or a receiver falling behind) dropped: no loss is configured.
 "load": the 1-minute load average when the row started; "delayer CPU": CPU time of the agent and the
-compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row. CSV: `{prefix.with_suffix(".csv").name}`.
+compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row. {files(prefix)}
 
 {analyse(rows)}
 """

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from typing import Any
 from dtrain.app.procs import Proc, spawn
 from dtrain.metrics import read_json_lines
 from experiments.common import ROOT, RunResult, md_rows, md_table, summarize
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, met
 
 PROFILE, RUNS, SIZE = "netem.profile", "lab.runs", "task_spec.size"
 SLOWDOWN = "slowdown"  # the profile name of the slowdown run (continental links, see SLOW)
@@ -193,29 +194,34 @@ def run_point(point: Point) -> list[RunResult]:
         return out
 
 
-def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
-    """The table: per profile, runs, runs ending equal, false deaths, unequal rounds; and
-    the slowdown run's deadlines round by round."""
-    slow = [r for r in rows if r["profile"] == SLOWDOWN]
-    rows = [r for r in rows if r["profile"] != SLOWDOWN]
-    table = [
-        {
+EQUAL, DEAD, UNEQUAL = "ended equal (exit 0)", "sites declared dead while alive", "rounds of unequal θ"
+
+
+def _profiles(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per profile (the slowdown run's rows left out): runs, runs ending equal, false deaths, rounds of unequal θ."""
+    out = {}
+    for profile, rs in summarize([r for r in rows if r["profile"] != SLOWDOWN], "profile").items():
+        out[profile] = {
             "profile": profile,
             "runs": len(rs),
-            "ended equal (exit 0)": sum(r["equal_at_end"] and r["exit_code"] == 0 for r in rs),
-            "sites declared dead while alive": sum(int(r["declared_dead"]) for r in rs),
-            "rounds of unequal θ": sum(int(r["unequal_rounds"]) for r in rs),
+            EQUAL: sum(r["equal_at_end"] and r["exit_code"] == 0 for r in rs),
+            DEAD: sum(int(r["declared_dead"]) for r in rs),
+            UNEQUAL: sum(int(r["unequal_rounds"]) for r in rs),
             "rounds missed (resynced)": sum(int(r["rounds_missed"]) for r in rs),
             "worst sync_s": max(float(r["max_sync_s"]) for r in rs),
-            "median wall s": f"{sorted(float(r['wall_s']) for r in rs)[len(rs) // 2]:.0f}",
+            "median wall s": f"{statistics.median_high(float(r['wall_s']) for r in rs):.0f}",
         }
-        for profile, rs in summarize(rows, "profile").items()
-    ]
+    return out
+
+
+def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
+    """The table (:func:`_profiles`) and the slowdown run's deadlines round by round."""
     targets = (
         "Targets (issue 32): every run ends equal; 0 sites declared dead while alive; 0 rounds of "
         "unequal θ not repaired in the same round; no user-set timeout (none is set here)."
     )
-    parts = [md_rows(table), targets]
+    parts = [md_rows(list(_profiles(rows).values())), targets]
+    slow = [r for r in rows if r["profile"] == SLOWDOWN]
     if slow:
         cols = ["round", "link_mbit", "slowest_reduce_s", "reduce_deadline_s", "refused", "min_reduce_arrived", "why"]
         mbit = float(m["fixed"][SLOW_MBIT])
@@ -232,17 +238,11 @@ def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: 
 
 def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list[str]:
     """Per profile: how many runs ended with one θ, sites declared dead while alive, rounds of unequal θ."""
-    out = []
-    for profile in dict.fromkeys(r["profile"] for r in rows if r["profile"] != SLOWDOWN):
-        rs = [r for r in rows if r["profile"] == profile]
-        equal = sum(r["equal_at_end"] and r["exit_code"] == 0 for r in rs)
-        dead, unequal = sum(int(r["declared_dead"]) for r in rs), sum(int(r["unequal_rounds"]) for r in rs)
-        met = equal == len(rs) and dead == 0 and unequal == 0
-        out.append(
-            f"- {profile}: {equal}/{len(rs)} runs ended equal, {dead} sites declared dead while alive, "
-            f"{unequal} rounds of unequal θ: **{'met' if met else 'NOT met'}**."
-        )
-    return out
+    return [
+        f"- {p['profile']}: {p[EQUAL]}/{p['runs']} runs ended equal, {p[DEAD]} sites declared dead while alive, "
+        f"{p[UNEQUAL]} rounds of unequal θ: {met(p[EQUAL] == p['runs'] and p[DEAD] == p[UNEQUAL] == 0)}."
+        for p in _profiles(rows).values()
+    ]
 
 
 SPEC = Spec(

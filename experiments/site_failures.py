@@ -32,7 +32,7 @@ from experiments.common import (
     subplots,
     summarize,
 )
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, decorate, files, met
 from experiments.procs import SitesRun, line_record, run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
@@ -187,10 +187,8 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             lost = sum(r["rounds_lost"] for r in g)
             over = max(r["max_beyond_deadline_s"] for r in g)
             verdicts.append(
-                f"- {cfg}: rounds lost {lost} (target none: **{'met' if lost == 0 else 'NOT met'}**); "
-                f"longest time beyond a round's deadline {over:.2f} s (target < 1 s: "
-                f"**{'met' if over < 1 else 'NOT met'}**); final val loss change "
-                f"{mean_std(d)[0]:+.4f} nats."
+                f"- {cfg}: rounds lost {lost} (target none: {met(lost == 0)}); longest time beyond a round's "
+                f"deadline {over:.2f} s (target < 1 s: {met(over < 1)}); final val loss change {mean_std(d)[0]:+.4f} nats."
                 + (
                     f" The restarted site took part again from round "
                     f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
@@ -210,10 +208,8 @@ def plot(rounds: list[dict[str, Any]], prefix: Path, f: dict[str, Any]) -> Path:
         if xs:
             ax.plot([x + 1 for x in xs], mean, marker="o", ms=3, label=cfg, ls="-" if cfg == NO_FAULT else "--")
     ax.axvline(f[KILL] + 1, color="0.6", lw=0.8, ls=":")
-    ax.set_xlabel("round (site-0)")
-    ax.set_ylabel("validation loss, mean over seeds")
-    ax.set_title(f"Site failures: {f[SITES]} sites, faults at round {f[KILL]}", fontsize=10)
-    ax.legend(fontsize=8)
+    title = f"Site failures: {f[SITES]} sites, faults at round {f[KILL]}"
+    decorate(ax, "round (site-0)", "validation loss, mean over seeds", title)
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
@@ -233,7 +229,7 @@ deadline. "Rounds lost": rounds from the fault's round on that a survivor did no
 before the fault (start-up: still importing torch when round 0 formed) are counted apart. "Quorum wait": the time from asking for a round to getting its plan (waiting for slower sites, and
 after a death for up to quorum_timeout_s = {RENDEZVOUS["quorum_timeout_s"]} s, until the rendezvous stops waiting for
 a site whose heartbeats have not yet timed out). "Skipped buckets": buckets whose owner died in the round (every
-survivor keeps θ_b alike; contributions stay in the residuals). CSV: `{prefix.with_suffix(".csv").name}`; plot: `{png.name}`.
+survivor keeps θ_b alike; contributions stay in the residuals). {files(prefix, png)}
 
 {analyse(rows)[0]}"""
 

@@ -28,18 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, save_fig, subplots, summarize
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files, met
 from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
 SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
-CODEC = "diloco.rounds.codec.name"
+CODEC, SLEEP = "diloco.rounds.codec.name", "task.inner_step_sleep_s"
 STREAM = ("diloco.num_fragments", "diloco.overlap_steps", "diloco.merge_alpha", "diloco.pace_fraction")
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        seeds=[0], fixed={SITES: 2, SIZE: "tiny", CODEC: "int8", H: 8, ROUNDS: 2, "task.inner_step_sleep_s": 0.05}
-    ),
+    "smoke": dict(seeds=[0], fixed={SITES: 2, SIZE: "tiny", CODEC: "int8", H: 8, ROUNDS: 2, SLEEP: 0.05}),
     # base: 3.26 M params; fp32 -> ~13 MB encoded per site and round (>= 8 MB: the issue's size). batch_size 3
     # (the preset's is 16): an inner step of ~0.35 s with 4 sites on 2 cores, so a blocking round (~4 s through
     # netem) leaves compute utilization <= 0.6 at H = 16 (the issue's setup; with batch 16 it was 0.88). Buckets
@@ -54,19 +52,20 @@ RENDEZVOUS = dict(quorum_timeout_s=120.0, heartbeat_interval_s=1.0, heartbeat_ti
 RENDEZVOUS |= dict(reduce_timeout_s=60.0, broadcast_timeout_s=120.0)
 
 
-def configs(h: int, mode: str = "quick") -> list[tuple[str, dict[str, Any]]]:
-    """(label, DiLoCoConfig streaming fields) of the three configurations for H = ``h``."""
-    return [
+def points(h: int, mode: str) -> list[dict[str, Any]]:
+    """The configurations for H = ``h`` as the spec's points (``DiLoCoConfig``'s streaming fields by path)."""
+    out = [
         ("blocking", dict(num_fragments=1, overlap_steps=0, merge_alpha=0.0)),
         ("F=1 overlap", dict(num_fragments=1, overlap_steps=h, merge_alpha=0.0, pace_fraction=PACE_FRACTION)),
         ("F=4 overlap", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=PACE_FRACTION)),
-    ] + (
-        []
-        if mode == "smoke"
-        else [  # the trade-off: a shorter send window leaves more of τ for the round's tail and the sites' skew
+    ]
+    if (
+        mode != "smoke"
+    ):  # the trade-off: a shorter send window leaves more of τ for the round's tail and the sites' skew
+        out.append(
             ("F=4 overlap pace 0.5", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=0.5))
-        ]
-    )
+        )
+    return [{"config": label, **{f"diloco.{k}": v for k, v in c.items()}} for label, c in out]
 
 
 class TxSampler:
@@ -117,28 +116,25 @@ class TxSampler:
         return best
 
 
-def _delayed(stream: dict[str, Any]) -> bool:
-    """The one-step-delayed mode: F = 1, τ = H (its outer momentum is lowered)."""
-    return stream["num_fragments"] == 1 and stream["overlap_steps"] > 0
-
-
-def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: int, timeout_s: float) -> RunResult:
-    """One training run of ``outer_rounds`` x H inner steps with the given streaming fields."""
-    n, f = m["num_sites"], stream["num_fragments"]
-    rounds = m["outer_rounds"] * f  # round numbers advance per fragment round: the same inner steps
-    set_link(topo, **LINK)
-    opts = dict(size=m["size"], seed=seed, rounds=rounds, sync_every=m["sync_every"], codec=m["codec"])
-    opts |= dict(eval_every=rounds, quorum_wait_s=600, linger_s=2, inner_step_sleep_s=m["inner_step_sleep_s"])
-    opts |= {**({} if m["size"] == "tiny" else TRAIN), **{f"diloco.{k}": v for k, v in stream.items()}}
-    res = run_sites(
-        topo,
-        n,
-        RENDEZVOUS,
-        opts,
-        timeout_s=timeout_s,
-        watch=lambda run: TxSampler({f"site-{i}": run.procs[f"site-{i}"].handle.pid for i in range(n)}),
-        poll_s=0.2,
-    )
+def run_point(point: Point) -> RunResult:
+    """One configuration and seed in a topology of its own: ``rounds`` x H inner steps with its streaming fields."""
+    f, label, seed, n = point.settings, point.config, point.seed, point.settings[SITES]
+    stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
+    rounds = f[ROUNDS] * stream["num_fragments"]  # round numbers advance per fragment round: the same inner steps
+    opts = dict(size=f[SIZE], seed=seed, rounds=rounds, sync_every=f[H], codec=f[CODEC], eval_every=rounds)
+    opts |= dict(quorum_wait_s=600, linger_s=2, inner_step_sleep_s=f.get(SLEEP, 0.0))
+    opts |= {**({} if f[SIZE] == "tiny" else TRAIN), **{p: f[p] for p in STREAM if p in f}}
+    with sites_topology(n, "strm", "streaming") as topo:
+        set_link(topo, **LINK)
+        res = run_sites(
+            topo,
+            n,
+            RENDEZVOUS,
+            opts,
+            timeout_s=3600.0,
+            watch=lambda run: TxSampler({f"site-{i}": run.procs[f"site-{i}"].handle.pid for i in range(n)}),
+            poll_s=0.2,
+        )
     per_site, wall, tx = res.per_site, res.wall_s, res.watched
     lines = [x for i in range(n) for x in per_site[i]]
     util, flush = [], []
@@ -157,14 +153,15 @@ def run_one(topo, m: dict[str, Any], label: str, stream: dict[str, Any], seed: i
         "config": label,
         "seed": seed,
         "num_sites": n,
-        "size": m["size"],
-        "codec": m["codec"],
-        "sync_every": m["sync_every"],
+        "size": f[SIZE],
+        "codec": f[CODEC],
+        "sync_every": f[H],
         "num_fragments": stream["num_fragments"],
         "overlap_steps": stream["overlap_steps"],
         "merge_alpha": stream["merge_alpha"],
         "pace_fraction": stream.get("pace_fraction", 0.0),
-        "outer_momentum": DELAYED_OUTER_MOMENTUM if _delayed(stream) else 0.9,
+        # the one-step-delayed mode (F = 1, τ = H) lowers the outer momentum
+        "outer_momentum": DELAYED_OUTER_MOMENTUM if stream["num_fragments"] == 1 and stream["overlap_steps"] else 0.9,
         "rounds_done": len(per_site[0]),
         "inner_steps": last.get("inner_steps", 0),
         "compute_util": statistics.fmean(util),
@@ -229,7 +226,7 @@ def _verdicts(groups: dict[str, list[dict[str, Any]]], base_loss: float, base_pe
         u = statistics.fmean(r["compute_util"] for r in groups["blocking"])
         out.append(
             f"- Blocking utilization {u:.2f}: the issue asks for an H that keeps it <= 0.60 "
-            f"({'met' if u <= 0.6 else '**not met**: a larger share of compute than the issue intended'})."
+            f"({met(u <= 0.6, 'not met')}{'' if u <= 0.6 else ': a larger share of compute than the issue intended'})."
         )
     for cfg, g in groups.items():
         if cfg == "blocking":
@@ -237,12 +234,12 @@ def _verdicts(groups: dict[str, list[dict[str, Any]]], base_loss: float, base_pe
         u = statistics.fmean(r["compute_util"] for r in g)
         dl = statistics.fmean(r["final_val_loss"] for r in g) / base_loss - 1
         line = (
-            f"- {cfg}: utilization {u:.3f} ({'met' if u >= 0.95 else '**not met**'}); final loss {100 * dl:+.2f} % "
-            f"of blocking ({'met' if dl <= 0.01 else '**not met**'}: at most 1 % worse)"
+            f"- {cfg}: utilization {u:.3f} ({met(u >= 0.95, 'not met')}); final loss {100 * dl:+.2f} % "
+            f"of blocking ({met(dl <= 0.01, 'not met')}: at most 1 % worse)"
         )
         if g[0]["num_fragments"] == 4:
             pk = statistics.fmean(r["peak_Bps"] for r in g) / base_peak
-            line += f"; peak bytes/s {pk:.2f}x blocking ({'met' if pk <= 0.35 else '**not met**'})"
+            line += f"; peak bytes/s {pk:.2f}x blocking ({met(pk <= 0.35, 'not met')})"
         out.append(line + ".")
     return out
 
@@ -263,21 +260,6 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def run_point(point: Point) -> RunResult:
-    """One configuration and seed in a topology of its own."""
-    f = point.settings
-    m = {"num_sites": f[SITES], "size": f[SIZE], "codec": f[CODEC], "sync_every": f[H], "outer_rounds": f[ROUNDS]}
-    m["inner_step_sleep_s"] = f.get("task.inner_step_sleep_s", 0.0)
-    stream = {p.split(".")[-1]: f[p] for p in STREAM if p in f}
-    with sites_topology(f[SITES], "strm", "streaming") as topo:
-        return run_one(topo, m, point.config, stream, point.seed, 3600.0)
-
-
-def points(h: int, mode: str) -> list[dict[str, Any]]:
-    """:func:`configs` as the spec's points (config-tree paths of ``DiLoCoConfig``'s streaming fields)."""
-    return [{"config": label, **{f"diloco.{k}": v for k, v in c.items()}} for label, c in configs(h, mode)]
-
-
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     f = m["fixed"]
     png = plot(rows, prefix)
@@ -287,7 +269,7 @@ every link {LINK["rate_mbit"]:g} Mbit/s, {LINK["delay_ms"]:g} ms one way, {LINK[
 (F = 4: 4x as many fragment rounds; every configuration ends at the same inner step), batch size
 {TRAIN["batch_size"]} (an inner step of ~0.35 s here, so that blocking utilization is <= 0.6), buckets of 256 KiB,
 seeds {m["seeds"]}.
-CSV: `{prefix.with_suffix(".csv").name}`, per round line: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
+{files(prefix, png, rounds="per round line")}
 
 {analyse(rows)[0]}"""
 
@@ -300,6 +282,6 @@ SPEC = Spec(
     report=report,
     verdict=lambda rows, rounds, m: analyse(rows)[1],
     execute=run_point,
-    paths=(*STREAM, "task.inner_step_sleep_s"),
+    paths=(*STREAM, SLEEP),
     netem=True,
 )

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, md_table, mean_std, read_rows, save_fig, subplots, summarize
-from experiments.lab import Point, Spec
+from experiments.lab import Point, Spec, files
 from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
@@ -80,9 +80,10 @@ def physical_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: fl
     return (0.0 if rate_mbit is None else 2 * share * encoded_bytes * 8 / (rate_mbit * 1e6)) + 2 * (2 * delay_ms / 1000)
 
 
-def strict_limit_s(encoded_bytes: float, rate_mbit: float | None, delay_ms: float, num_sites: int) -> float:
-    """2 x (N-1)/N x B / rate + 2 x RTT (seconds)."""
-    return physical_limit_s(encoded_bytes, rate_mbit, delay_ms, (num_sites - 1) / num_sites)
+def strict_limit_s(r: dict[str, Any]) -> float:
+    """2 x (N-1)/N x B / rate + 2 x RTT (seconds) of a row's setting."""
+    n = r["num_sites"]
+    return physical_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"], r["delay_ms"], (n - 1) / n)
 
 
 def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
@@ -213,14 +214,7 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
                 "ratio to limit": "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
                 "ratio to strict limit": "—"
                 if not rs
-                else fmt_pm(
-                    [
-                        r["engine_s"]
-                        / strict_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"], r["delay_ms"], r["num_sites"])
-                        for r in g
-                    ],
-                    "{:.2f}",
-                ),
+                else fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}"),
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
                 "stale buckets": sum(r["stale_buckets"] for r in g),
                 "rejected": sum(r["rejected"] for r in g),
@@ -285,12 +279,6 @@ def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dic
             f"- Not measured in some run: {', '.join(short)} (the exchange had begun before the link changed, "
             "or a site did not apply the round; see the per-round CSV's `measured` column)."
         )
-    notes.append(
-        "- Physical limit as the issue defines it: 2 x B / rate + 2 RTT. Each site really sends "
-        "2 x (N-1)/N x B (its contributions to the other owners, and its own buckets' means to the other "
-        "sites) when ownership is balanced, hence the stricter column; uneven ownership (HRW over few "
-        "buckets) lies in between."
-    )
     return notes
 
 
@@ -364,10 +352,12 @@ chunks; deadlines reduce {RENDEZVOUS["reduce_timeout_s"]:g} s / broadcast {RENDE
 (generous: the exchange is timed, not cut). Every site's link (and the rendezvous's) gets the setting; delay and
 loss apply to packets arriving at a site, so RTT = 2 x delay and a packet crossing two sites sees the loss once.
 One run per seed ({m["seeds"]}) walks the grid; each setting holds {f[WARMUP]} warm-up +
-{f[MEASURED]} measured round(s). Physical limit = 2 x B / rate + 2 x RTT with B = one site's encoded
-pseudo-gradient. Compute utilization = inner-phase time / (inner + sync) per site. Mean ± std over seeds.
+{f[MEASURED]} measured round(s). Physical limit (issue 6) = 2 x B / rate + 2 x RTT with B = one site's encoded
+pseudo-gradient; each site really sends 2 x (N-1)/N x B when ownership is balanced (its contributions to the other
+owners, its buckets' means to the other sites): the strict limit; uneven ownership (HRW over few buckets) lies in
+between. Compute utilization = inner-phase time / (inner + sync) per site. Mean ± std over seeds.
 {"" if ssai is None else f"net.ipv4.tcp_slow_start_after_idle = {ssai} in every site's namespace (kernel default 1). "}
-CSV: `{prefix.with_suffix(".csv").name}`, per round and site: `{prefix.name}_rounds.csv`; plot: `{png.name}`.
+{files(prefix, png, rounds="per round and site")}
 
 {analyse(rows)[0]}"""
 
