@@ -32,14 +32,13 @@ from experiments.common import (
     subplots,
     summarize,
 )
-from experiments.lab import Spec, files, loss_columns, ppl_changes, seeds_and_mean
+from experiments.lab import ROUNDS, SITES, SIZE, H, Spec, files, loss_columns, ppl_changes, seeds_and_mean
 
 BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
 
 CODEC = "diloco.rounds.codec.name"
 SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
 
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 VAL = "inproc.num_val_batches"
 ALL = [c + z for c in BASE_CODECS for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {

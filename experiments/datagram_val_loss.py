@@ -26,14 +26,13 @@ from typing import Any
 
 from dtrain.transports.datagram import datagram_chunk_bytes, max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, mean_se, run_inproc
-from experiments.lab import Point, Spec, files
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, files
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 TOLERANCE = 0.005  # the "within 0.5%"
 TARGET_SE = 0.002  # the "standard error <= 0.2%" (the verdict's; lab.target_se only stops adding seeds)
 DROP, NETEM, MTU = "inproc.datagram_drop", "netem.enabled", "netem.mtu_bytes"
 STOP_SE, BUDGET, MIN_SEEDS = "lab.target_se", "lab.budget_s", "lab.min_seeds"
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 
 
 def pair(loss: float) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from dtrain.tasks.builtin import build_task
 from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
-from experiments.lab import Point, Spec, files, met
+from experiments.lab import SITES, SIZE, H, Point, Spec, files, met
 from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
@@ -52,7 +52,7 @@ PATHS = (
     (f"gRPC ({_LOSS_CC})", "grpc", _LOSS_CC),
     ("datagram", "datagram", "bbr"),  # its gRPC control plane keeps the kernel's default
 )
-SITES, SIZE, H, TASK = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "task_spec.task"
+TASK = "task_spec.task"
 RATE, DELAY, LOSSES, MTU = "netem.rate_mbit", "netem.delay_ms", "netem.losses", "netem.mtu_bytes"
 MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s", "net.data_path", "netem.tcp_cc"
 # "set": the rendezvous's time settings below (they bound a run's time: a loss-based TCP at 20% loss

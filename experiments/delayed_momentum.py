@@ -21,10 +21,9 @@ import torch
 from dtrain.buckets import BucketConfig
 from dtrain.sim import ClusterConfig, InprocCluster, Site, fast_diloco_config
 from experiments.common import RunResult, fmt_pm, md_table, summarize
-from experiments.lab import Point, Spec, files
+from experiments.lab import ROUNDS, SITES, H, Point, Spec, files
 
 OUTER_LR = 0.7  # DiLoCo's outer learning rate (Nesterov SGD)
-SITES, H, ROUNDS = "task_spec.num_sites", "diloco.sync_every", "rounds"
 MOMENTUM, LR, OVERLAP, UPDATE = "outer.momentum", "outer.lr", "diloco.overlap_steps", "diloco.delayed_update"
 DELAYED = "delayed"  # the sweep's switch: τ = H (one-step-delayed) or 0 (blocking)
 

@@ -46,13 +46,13 @@ from experiments.common import (
     subplots,
     summarize,
 )
-from experiments.lab import Point, Spec, decorate, files, met
+from experiments.lab import ROUNDS, SITES, H, Point, Spec, decorate, files, met
 from experiments.procs import free_port
 from experiments.torchft_site import ring_allreduce_bytes
 
 DDP = "DDP (all-reduce every step)"
 ALONE = "1 site alone (no sync)"
-SITES, H, ROUNDS, EVAL = "task_spec.num_sites", "diloco.sync_every", "rounds", "eval_every"
+EVAL = "eval_every"
 OUTER_LR, OUTER_M, METHOD = "outer.lr", "outer.momentum", "baseline.method"
 SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
 

@@ -23,11 +23,10 @@ from typing import Any
 
 from dtrain.app.procs import Cluster
 from experiments.common import RunResult, fmt_pm, md_rows, mean_se, save_fig, subplots, summarize
-from experiments.lab import Point, Spec, decorate, files, met
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, decorate, files, met
 from experiments.procs import SitesRun, line_record, run_sites
 
 LOCKSTEP, CUT, TIMED, HOMO = "lockstep", "straggler cut", "time + weighted", "homogeneous"
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 MODE, SHARE, COMPUTE, TARGET = "hetero.mode", "hetero.share", "hetero.compute_s", "hetero.target_loss"
 
 RENDEZVOUS = dict(

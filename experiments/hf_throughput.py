@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from experiments.common import ROOT, RunResult, inner_step, md_table
-from experiments.lab import Point, Spec, files
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, files
 
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 TASK, HF, STEPS, LAUNCH = "task", "task_spec.hf.config", "lab.steps", "lab.launch"
 
 MODES: dict[str, dict[str, Any]] = {

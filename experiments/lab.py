@@ -53,6 +53,8 @@ SPECS = tuple(
     "catch_up datagram_tcp_share convergence chaos vs_torchft".split()
 )
 MODES = ("smoke", "quick", "full")
+#: the config paths of the sites, the model size, H and the rounds: what most specs set
+SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 
 #: config-tree path (``dtrain worker`` / ``dtrain rendezvous`` option, or ``inproc.*``) -> ``RunSpec`` field
 TREE_FIELDS = {f.metadata["path"]: f.name for f in fields(RunSpec) if "path" in f.metadata}

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments.common import BUCKETS_64K, fmt_pm, md_rows, mean_std, per_round_mean, save_fig, subplots, summarize
-from experiments.lab import Spec, decorate, files, loss_columns, ppl_changes, ppl_target
+from experiments.lab import ROUNDS, SITES, SIZE, H, Spec, decorate, files, loss_columns, ppl_changes, ppl_target
 
 PAPER_PPL_AT_10 = 0.8  # % perplexity change at 10% packet loss, arXiv 2507.07114
 TARGET_PPL_AT_10 = 0.5  # % (issue 6)
@@ -48,7 +48,6 @@ def points(rates: list[float], drift_rates: list[float], repeat_baseline: bool) 
     return out + [{LOSS: r, REPAIR: False} for r in drift_rates]
 
 
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 VAL, SMALL = "inproc.num_val_batches", {"task_spec.batch_size": 4, "task_spec.context_len": 16}
 RATES = [0.0, 0.01, 0.05, 0.1, 0.2, 0.3]
 #: per mode: the loss rates (with repair; 0% repeated but in the smoke) and the drift rates (repair off too)

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, mean_std, per_round_mean, save_fig, subplots, summarize
-from experiments.lab import Point, Spec, decorate, files, loss_columns, ppl_changes, ppl_target
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, decorate, files, loss_columns, ppl_changes, ppl_target
 from experiments.loss_sweep import PAPER_PPL_AT_10, TARGET_PPL_AT_10
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
-SITES, SIZE, H, ROUNDS, LOSS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds", "netem.loss_pct"
+LOSS = "netem.loss_pct"
 
 
 def label(loss_pct: float) -> str:

@@ -32,14 +32,13 @@ from experiments.common import (
     subplots,
     summarize,
 )
-from experiments.lab import Point, Spec, decorate, files, met
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, decorate, files, met
 from experiments.procs import SitesRun, line_record, run_sites
 
 NO_FAULT, RESTART, OWNER, TWO = "no fault", "kill 1, restart", "owner killed mid-round", "kill 2 at once"
 SCENARIOS = [NO_FAULT, RESTART, OWNER, TWO]
 RENDEZVOUS = dict(quorum_timeout_s=1.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0)
 RENDEZVOUS |= dict(reduce_timeout_s=1.5, broadcast_timeout_s=3.0, min_sites=2)
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 SCENARIO, KILL, DOWN, SLEEP = "fault.scenario", "fault.kill_round", "fault.down_rounds", "task.inner_step_sleep_s"
 
 # A restarted worker needs ~8-20 s (2 cores) to start: each of the tiny model's inner steps also sleeps (emulated

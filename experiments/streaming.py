@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, save_fig, subplots, summarize
-from experiments.lab import Point, Spec, files, met
+from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, files, met
 from experiments.procs import line_record, run_sites, set_link, sites_topology
 
 KiB = 1024
 LINK = dict(rate_mbit=100.0, delay_ms=40.0, loss_pct=1.0)
-SITES, SIZE, H, ROUNDS = "task_spec.num_sites", "task_spec.size", "diloco.sync_every", "rounds"
 CODEC, SLEEP = "diloco.rounds.codec.name", "task.inner_step_sleep_s"
 STREAM = ("diloco.num_fragments", "diloco.overlap_steps", "diloco.merge_alpha", "diloco.pace_fraction")
 MODES: dict[str, dict[str, Any]] = {

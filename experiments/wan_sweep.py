@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, md_table, mean_std, read_rows, save_fig, subplots, summarize
-from experiments.lab import Point, Spec, files
+from experiments.lab import SITES, SIZE, H, Point, Spec, files
 from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
 # Buckets: small enough that every site owns some, large enough that the per-chunk cost stays small: on the 2-core
 # machine, 4 sites of GPT small on 127.0.0.1 took a median 0.50 s per exchange with 64 KiB buckets of 16 KiB chunks
 # (108 chunks), 0.15 s with 256/64 KiB (28), 0.09 s with 512/256 KiB, 0.07 s with the 4 MiB default (one owner).
-SITES, SIZE, H = "task_spec.num_sites", "task_spec.size", "diloco.sync_every"
 BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_bytes", "task.inner_step_sleep_s"
 RATES, DELAYS, LOSSES = "netem.rates", "netem.delays", "netem.losses"
 FLOOR, SSAI = "netem.floor", "netem.tcp_slow_start_after_idle"
