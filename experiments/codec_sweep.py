@@ -76,7 +76,7 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
     """Verdict lines under the table."""
     groups = summarize(rows)
     base = groups.get("fp32", [])
-    fp32_round = statistics.fmean(r["bytes_per_round_site"] for r in base)
+    bpr = {c: statistics.fmean(r["bytes_per_round_site"] for r in g) for c, g in groups.items()}  # bytes/round/site
     out = []
     noise = 0.0
     if "fp32+zstd" in groups:
@@ -92,8 +92,8 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
         if codec == "fp32":
             continue
         dp = mean_std(ppl_changes(g, base))[0]
-        ratio = fp32_round / statistics.fmean(r["bytes_per_round_site"] for r in g)
-        (ok if dp <= max(noise, 0.005) else bad).append(f"`{codec}` ({ratio:.1f}x fewer bytes, {dp * 100:+.2f}%)")
+        what = f"`{codec}` ({bpr['fp32'] / bpr[codec]:.1f}x fewer bytes, {dp * 100:+.2f}%)"
+        (ok if dp <= max(noise, 0.005) else bad).append(what)
     if ok:
         out.append(f"- Within max(noise, 0.5%) of fp32's perplexity: {', '.join(ok)}.")
     if bad:
@@ -105,13 +105,8 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
             f"energy (relative L2 error {err:.2f}); error feedback sends the rest in later rounds, which in "
             "runs this short (and with outer Nesterov momentum on the sparse means) costs a lot of loss."
         )
-    zs = []
-    for codec in groups:
-        if codec.endswith("+zstd") and codec[: -len("+zstd")] in groups:
-            plain = statistics.fmean(r["bytes_per_round_site"] for r in groups[codec[: -len("+zstd")]])
-            zs.append(
-                f"{codec[: -len('+zstd')]} {plain / statistics.fmean(r['bytes_per_round_site'] for r in groups[codec]):.2f}x"
-            )
+    plain = {c: c.removesuffix("+zstd") for c in groups if c.endswith("+zstd")}
+    zs = [f"{p} {bpr[p] / bpr[c]:.2f}x" for c, p in plain.items() if p in groups]
     if zs:
         out.append(f"- What the zstd stage (level 1) adds on top of each codec: {', '.join(zs)}.")
     return out

@@ -113,9 +113,7 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
             stale += x.get("stale_buckets", 0)
             skipped += x.get("skipped_buckets", 0)
             rejected += sum(x.get("rejected", {}).values())
-    bytes_total = sum(x.get("bytes_sent", 0) for i in range(f[SITES]) for x in per_site[i])
-    site0 = per_site[0]
-    final = site0[-1]["val_loss"] if site0 else float("nan")
+    site0, facts = per_site[0], res.facts()  # site-0's first and final val loss, wall s, every site's bytes
     restarted = per_site[3] if f[SCENARIO] == RESTART else []
     back = [x["round"] for x in restarted if x["round"] > f[KILL] and x["status"] == "applied"]  # once back
     row: dict[str, Any] = {
@@ -129,8 +127,7 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         "kill_round": f[KILL],
         "down_rounds": f[DOWN],
         "codec": "fp32",
-        "first_val_loss": res.starts[0]["val_loss"] if res.starts else float("nan"),
-        "final_val_loss": final,
+        **facts,
         "rounds_done": max((x["round"] + 1 for x in site0), default=0),
         "rounds_lost": lost,
         "rounds_missed_before_fault": early,
@@ -139,10 +136,8 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         "max_round_s": longest,
         "max_beyond_deadline_s": max(0.0, over),
         "max_quorum_wait_s": quorum_extra,
-        "wall_s": res.wall_s,
         "sync_s": sum(x["sync_s"] for x in site0),
-        "bytes_total": bytes_total,
-        "bytes_per_round_site": bytes_total / max(1, f[ROUNDS]) / f[SITES],
+        "bytes_per_round_site": facts["bytes_total"] / max(1, f[ROUNDS]) / f[SITES],
         "stale_buckets": stale,
         "skipped_buckets": skipped,
         "rejected": rejected,
