@@ -285,18 +285,9 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     """Lines comparing ``rows`` with the same mode's default run (kernel sysctls), setting by setting."""
     if not default_csv.exists():
         return [f"- No default run to compare with ({default_csv.name} not found)."]
-    base = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(read_rows(default_csv)).items()}
-    mine = {cfg: [r["engine_s"] for r in g] for cfg, g in summarize(rows).items()}
-    table = [
-        [
-            cfg,
-            f"{statistics.fmean(base[cfg]):.2f}",
-            f"{statistics.fmean(v):.2f}",
-            f"{statistics.fmean(v) / statistics.fmean(base[cfg]):.2f}",
-        ]
-        for cfg, v in mine.items()
-        if cfg in base
-    ]
+    base = {cfg: statistics.fmean(r["engine_s"] for r in g) for cfg, g in summarize(read_rows(default_csv)).items()}
+    mine = {cfg: statistics.fmean(r["engine_s"] for r in g) for cfg, g in summarize(rows).items()}
+    table = [[cfg, f"{base[cfg]:.2f}", f"{v:.2f}", f"{v / base[cfg]:.2f}"] for cfg, v in mine.items() if cfg in base]
     if not table:
         return []
     ratios = [float(t[3]) for t in table]
