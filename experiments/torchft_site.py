@@ -9,8 +9,9 @@ with one fragment, H = ``sync_every``, outer ``SGD(lr=0.7, momentum=0.9, nestero
 
 torchft is configured as its documentation recommends for DiLoCo: ``Manager(use_async_quorum=False,
 init_sync=False, min_replica_size=1)``, a replica group of one process with its own ``TCPStore``,
-``ProcessGroupGloo(timeout=pg_timeout_s)`` and the default HTTP checkpoint transport for live
-recovery; the Manager's state dict holds the model and the inner optimizer.
+``ProcessGroupGloo``, the recommended timeouts (:data:`TIMEOUT`, :data:`QUORUM_TIMEOUT`, :data:`PG_TIMEOUT`)
+and the default HTTP checkpoint transport for live recovery; the Manager's state dict holds the model
+and the inner optimizer.
 
 Output (``--out-dir``), shaped as a dtrain worker's (docs/METRICS.md): ``metrics.jsonl`` with a
 ``start`` line and one ``round`` line per sync attempt (``round`` = 0-based attempt, ``step`` =
@@ -38,6 +39,9 @@ from datetime import timedelta
 from pathlib import Path
 
 log = logging.getLogger("torchft_site")
+# torchft's recommendations (its docs, examples/diloco/README.md): Manager timeout (collectives,
+# should_commit, recovery; also its connect timeout) 30 s, quorum timeout 300 s (DiLoCo: >> one round), gloo 5 s.
+TIMEOUT, QUORUM_TIMEOUT, PG_TIMEOUT = timedelta(seconds=30), timedelta(seconds=300), timedelta(seconds=5)
 
 
 def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4) -> int:
@@ -47,6 +51,16 @@ def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4)
     if n <= 1:
         return 0
     return int(round(2 * (n - 1) / n * numel * elem_bytes))
+
+
+def wait_for_file(path: Path, timeout_s: float) -> bool:
+    """Poll every 20 ms until ``path`` exists (a go file); False once ``timeout_s`` seconds passed."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _checksum(model) -> str:
@@ -68,46 +82,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10, help="outer steps to commit")
     p.add_argument("--sync-every", type=int, default=20, help="H inner steps per round")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--host", default="127.0.0.1", help="address this site advertises and binds its store on")
-    p.add_argument(
-        "--timeout-s", type=float, default=30.0, help="Manager timeout (collectives, should_commit, recovery)"
-    )
-    p.add_argument(
-        "--quorum-timeout-s", type=float, default=300.0, help="Manager quorum timeout (DiLoCo: >> one round)"
-    )
-    p.add_argument("--connect-timeout-s", type=float, default=30.0)
-    p.add_argument("--pg-timeout-s", type=float, default=5.0, help="ProcessGroupGloo timeout")
     p.add_argument("--kill-at-round", type=int, default=-1, help="test fault: SIGKILL in this sync attempt (-1: never)")
     p.add_argument("--barrier-dir", default=None)
-    p.add_argument("--barrier-timeout-s", type=float, default=120.0)
-    p.add_argument("--max-attempts", type=int, default=0, help="bound on sync attempts (0: 4 * rounds + 10)")
-    p.add_argument("--log-level", default="INFO")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, a.log_level.upper(), logging.INFO),
+        level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     t_start = time.monotonic()
     import torch
     from torch.distributed import TCPStore
+    from torchft.local_sgd import DiLoCo  # the harness checked that it imports (vs_torchft.torchft_problem)
 
+    from dtrain.app.config import OuterConfig
     from dtrain.tasks import TaskSpec, build_task
-
-    try:
-        from torchft.local_sgd import DiLoCo
-    except ImportError as e:  # the harness checks first; this is for direct use
-        print(
-            f"torchft_site: torchft is not importable ({e}); install it as experiments/vs_torchft.py says",
-            file=sys.stderr,
-        )
-        return 2
 
     torch.set_num_threads(a.threads)
     out = Path(a.out_dir)
@@ -115,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     site = f"site-{a.site_index}"
     task = build_task(TaskSpec(site_index=a.site_index, num_sites=a.num_sites, seed=a.seed, data=a.data, size=a.size))
     model, inner = task.model, task.optimizer
-    outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
+    o = OuterConfig()  # a dtrain worker's default outer optimizer
+    outer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
     store = TCPStore(a.host, 0, is_master=True, wait_for_workers=False)
     manager, state = _manager(a, site, task, store.port)
-    if a.barrier_dir and not _start_barrier(a):
-        print("torchft_site: start barrier timed out", file=sys.stderr)
-        return 3
+    if a.barrier_dir:  # every Manager heartbeats before any asks for a quorum
+        (Path(a.barrier_dir) / f"ready-{a.site_index}").write_text(str(os.getpid()))
+        if not wait_for_file(Path(a.barrier_dir) / "go", 120):
+            print("torchft_site: start barrier timed out", file=sys.stderr)
+            return 3
     with open(out / "metrics.jsonl", "a", buffering=1) as metrics:
         with DiLoCo(
             manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"), pin_memory=False
@@ -147,7 +144,7 @@ def _manager(a: argparse.Namespace, site: str, task, store_port: int):
         inner.load_state_dict(sd["inner_optim"])
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout_s)),
+        pg=ProcessGroupGloo(timeout=PG_TIMEOUT),
         min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
@@ -159,9 +156,9 @@ def _manager(a: argparse.Namespace, site: str, task, store_port: int):
         world_size=1,
         lighthouse_addr=a.lighthouse,
         hostname=a.host,
-        timeout=timedelta(seconds=a.timeout_s),
-        quorum_timeout=timedelta(seconds=a.quorum_timeout_s),
-        connect_timeout=timedelta(seconds=a.connect_timeout_s),
+        timeout=TIMEOUT,
+        quorum_timeout=QUORUM_TIMEOUT,
+        connect_timeout=TIMEOUT,
         init_sync=False,
     )
     state = {"attempt": 0, "allreduce_calls": 0}
@@ -180,21 +177,9 @@ def _manager(a: argparse.Namespace, site: str, task, store_port: int):
     return manager, state
 
 
-def _start_barrier(a: argparse.Namespace) -> bool:
-    """Write ``ready-I`` into ``--barrier-dir`` and wait for its ``go`` file; False on timeout."""
-    bdir = Path(a.barrier_dir)
-    (bdir / f"ready-{a.site_index}").write_text(str(os.getpid()))
-    deadline = time.monotonic() + a.barrier_timeout_s
-    while not (bdir / "go").exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics, t_start: float) -> dict:
-    """Sync attempts until ``--rounds`` are committed (or ``--max-attempts``), one metrics line per
-    attempt (inside DiLoCo's context); returns the site's summary."""
+    """Sync attempts until ``--rounds`` are committed (at most 4 x rounds + 10 attempts), one metrics line
+    per attempt (inside DiLoCo's context); returns the site's summary."""
     model, inner = task.model, task.optimizer
     numel = sum(p.numel() for p in model.parameters())
     val = first_val = task.evaluate(model)
@@ -202,7 +187,7 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
     start |= {"wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(), "pid": os.getpid()}
     metrics.write(json.dumps(start) + "\n")
     totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0, "attempts": 0}
-    max_attempts = a.max_attempts or 4 * a.rounds + 10
+    max_attempts = 4 * a.rounds + 10
     train_loss = float("nan")
     while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
         t_inner = time.monotonic()

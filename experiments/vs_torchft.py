@@ -47,6 +47,7 @@ from typing import Any
 
 from dtrain.app.procs import Proc, child_env, spawn
 from dtrain.metrics import read_json_lines
+from experiments import torchft_site
 from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
@@ -57,10 +58,8 @@ INSTALL_HINT = (
     "opentelemetry-exporter-otlp-proto-http   (after torch, into the same environment)"
 )
 KILLED_SITE = 1
-# torchft settings (torchft docs / examples/diloco/README.md: lighthouse --min_replicas 1
-# --quorum_tick_ms 100 --join_timeout_ms 10000; Manager(use_async_quorum=False); gloo 5 s).
+# the lighthouse as torchft's docs / examples/diloco/README.md run it (the Managers' timeouts: torchft_site)
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
-TORCHFT_SITE_FLAGS = ["--timeout-s", "30", "--quorum-timeout-s", "300", "--pg-timeout-s", "5"]
 #: the plan's settings: what a mode runs, not how one run runs (not copied into the runs' rows)
 PLAN = (va.SCENARIOS, va.REPEATS, va.EXTRA_CODECS, va.NETEM_PROFILES, va.NETEM_ROUNDS, va.FAULT_ROUNDS, va.PROFILE)
 #: the metrics-line fields the rounds CSV keeps (the analysis reads them; ``t``: seconds since the go)
@@ -101,13 +100,10 @@ def _prewarmed_main(argv: list[str]) -> None:
     if kind == "dtrain":
         from dtrain.app.cli import main as run
     else:
-        from experiments.torchft_site import main as run
+        run = torchft_site.main
     ready.write_text(str(os.getpid()))
-    deadline = time.monotonic() + 1800
-    while not go.exists():
-        if time.monotonic() > deadline:
-            os._exit(4)
-        time.sleep(0.02)
+    if not torchft_site.wait_for_file(go, 1800):
+        os._exit(4)
     sys.argv = [kind, *args]
     spy_out = os.environ.get("VS_TORCHFT_PYSPY_OUT")
     if spy_out:  # sample this process (every thread, idle excluded) until it exits
@@ -274,7 +270,7 @@ def _site_argv(
             env["VS_TORCHFT_PYSPY"] = run.s[va.PYSPY]
             env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
     else:
-        args = [*common, "--lighthouse", coord, "--host", net.host(i), *TORCHFT_SITE_FLAGS]
+        args = [*common, "--lighthouse", coord, "--host", net.host(i)]
         if fault:
             args += ["--kill-at-round", str(run.kill_round)]
         if barrier:
