@@ -8,7 +8,8 @@ Definitions used in every table:
   + sync + evaluation + the round's bookkeeping), pooled over the sites; the first round
   of every site process (start-up, first quorum) is the warm-up and is excluded.
 * bytes per round: payload bytes all sites received over the whole run (every byte sent is
-  received once; resync state pulls and discarded attempts included), divided by the rounds.
+  received once, in the receiver's next round line; a sender's count would miss what an owner
+  serves after its last line; resync state pulls and discarded attempts included), divided by the rounds.
   dtrain: its transport's counters (pushed chunks, pulled means, pulled state; no gRPC/HTTP2
   framing).
   torchft: ``2 (n-1)/n x params x 4`` per participant and committed-or-not sync (gloo's
@@ -118,11 +119,6 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     per_run = [_site_stats(r, runs.get(r["run"], {})) for r in rows]
     sites = per_run[0][0]
     pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1] if isinstance(per_run[0][1][k], list)}
-    # Every payload byte is counted by its receiver in the receiver's next round line:
-    # pulls happen inside the puller's round, pushes reach an owner during its round or
-    # before it (counted since the previous line), state pulls of a resync land in the
-    # next line. The sender's count misses what an owner serves after its last line.
-    # So: everything all sites received over the run, divided by the rounds.
     wire = [sum(p["recv_by_round"].values()) / row[ROUNDS] for _, p in per_run if p["recv_by_round"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
@@ -133,7 +129,6 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     walls = [x for x in (_last_round_s(runs.get(r["run"], {})) for r in rows) if x is not None]
     st = {
         "system": row[SYSTEM],
-        "codec": row[CODEC] if row[SYSTEM] == "dtrain" else "fp32 (all-reduce)",
         "error": "; ".join(str(r["error"]) for r in rows if r.get("error")) or None,
         "netem_backends": row.get("netem_backends"),
         "round_wall_s": _stats(pool["walls"]),
@@ -264,10 +259,11 @@ def _f(v, fmt="{:.3f}"):
 
 
 UNEQUAL = [
-    "Wire format: dtrain sends its default int8 codec (1 byte per value plus an fp32 scale per block) of the "
-    "pseudo-gradient to each bucket's owner and pulls int8 means; torchft all-reduces fp32 (its `should_quantize` "
-    "path needs triton/CUDA, not available on CPU). That is the point of the bytes target, but it also means the "
-    "two systems do not apply bit-identical updates, so their losses differ slightly even when nothing fails.",
+    "Wire format: dtrain sends its default int8 codec (1 byte per value plus an fp32 scale per block: a little over "
+    "1/4 of fp32's bytes) of the pseudo-gradient to each bucket's owner and pulls int8 means; torchft all-reduces fp32 "
+    "(its `should_quantize` path needs triton/CUDA, not available on CPU). That is the point of the bytes target, but "
+    "it also means the two systems do not apply bit-identical updates, so their losses differ slightly even when "
+    "nothing fails.",
     "Bytes: dtrain's are measured payload bytes (no gRPC/HTTP2/TCP framing); torchft's are computed from the "
     "tensor sizes (ring factor 2(n-1)/n, no gloo headers). Control traffic (rendezvous/lighthouse, heartbeats, "
     "quorum, should_commit) is excluded on both sides.",
@@ -292,9 +288,6 @@ UNEQUAL = [
     "system's defaults.",
     "Coordinators: torchft's lighthouse logic is Rust, but its `torchft_lighthouse` entry point is Python and "
     "imports torch, hence its RSS; dtrain's rendezvous does not import torch.",
-    "Shared machine: 2 vCPUs shared with other work. The healthy runs are sequential (AB BA), so background load "
-    "can differ between the systems; the concurrent run gives "
-    "both the same load but makes them share the CPUs.",
 ]
 
 
@@ -309,18 +302,18 @@ def _load_text(loads: list) -> str:
 def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: list[str]) -> str:
     """The RESULTS.md section of a comparison under the runner's stamp: setup, one table per
     scenario, the fault table, the profile, what could not be made equal, ``notes``, the plot."""
-    f = m["fixed"]
-    res = analyse(rows, rounds)
+    f, res = m["fixed"], analyse(rows, rounds)
+    runs, comps = res["runs"], res["comparisons"]
     png = plot(rows, rounds, prefix.with_name(prefix.name + "_loss_vs_wall.png"))
     lines = [
+        _headline(rows, rounds, m, runs, comps),
+        "",
         f"Setup: {f[SITES]} sites, built-in task `{f[SIZE]}`, H = {f[SYNC_EVERY]} inner steps, "
         f"{f[ROUNDS]} rounds (fault: {f[FAULT_ROUNDS]}), 1 torch thread per site, loopback unless netem; "
         + _load_text([r.get("loadavg_end") for r in rows])
         + ".",
         "",
     ]
-    runs, comps = res["runs"], res["comparisons"]
-    lines = [_headline(rows, rounds, m, runs, comps), "", *lines]
     for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(
         s for s in comps if s.startswith("netem")
     ):
@@ -489,7 +482,7 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
     if d.get("netem_backends"):
         lines.append(f"netem backends: {d['netem_backends']}")
     if "targets" in c:
-        lines += _target_notes(runs, d, t, c)
+        lines += _target_notes(t, c)
     for r in (d, t):
         if r["error"]:
             lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
@@ -497,33 +490,18 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
     return lines
 
 
-def _target_notes(runs: dict, d: dict, t: dict, c: dict) -> list[str]:
-    """What explains a missed wall-time or bytes target (the targets themselves: :func:`verdict`)."""
-    lines = [""]
-    if not c["targets"][WALL_TARGET]:
-        share = _ratio(t["inner_s"]["median"], t["round_wall_s"]["median"])
-        lines.append(
-            f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) "
-            f"is {_f(share, '{:.0%}')} of torchft's round; dtrain's inner phase took "
-            f"{_f(_ratio(d['inner_s']['median'], t['inner_s']['median']))}x torchft's while each dtrain site used "
-            f"{_f(_ratio(d['cpu_s_per_site_mean'], t['cpu_s_per_site_mean']))}x the CPU seconds. The part of a "
-            f"round each system adds (round wall - inner phase) is {_f(c['overhead_median'])}x torchft's. See the "
-            f"concurrent table (same background load for both) and the profile for whether the gap is dtrain's."
-        )
-    if not c["targets"]["bytes <= 1/4"]:
-        ok = [
-            k.split("=", 1)[1]
-            for k, x in runs.items()
-            if k.startswith("dtrain/healthy codec=")
-            and (_ratio(x["bytes_per_round_total"], t["bytes_per_round_total"]) or 1) <= 0.25
-        ]
-        lines.append(
-            f"Bytes: the `{d.get('codec', 'int8')}` codec carries one fp32 scale per block of values on "
-            f"top of 1 byte per value, so it lands just above 1/4 of fp32 "
-            f"({_f(c['bytes_per_round'])}); "
-            + (f"{', '.join(ok)} meet(s) it (healthy table)." if ok else "no other codec was run.")
-        )
-    return lines
+def _target_notes(t: dict, c: dict) -> list[str]:
+    """What a missed wall-time target leaves out of the table: the inner phase's share of torchft's round.
+    (A missed bytes target: the "Wire format" caveat says why, the healthy table's codec rows what meets it.)"""
+    if c["targets"][WALL_TARGET]:
+        return []
+    share = _f(_ratio(t["inner_s"]["median"], t["round_wall_s"]["median"]), "{:.0%}")
+    return [
+        "",
+        f"Wall time: the inner phase (the same code in both systems: same model, batches, AdamW, 1 thread) is {share} "
+        "of torchft's round. The inner-phase, overhead and CPU rows say where dtrain's extra time goes; the concurrent "
+        "table (same background load for both) and the profile whether the gap is dtrain's.",
+    ]
 
 
 def _fault_section(runs: dict) -> list[str]:
