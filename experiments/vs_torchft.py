@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.procs import Proc, child_env, spawn
+from dtrain.app.procs import Cluster, Proc, child_env, flags, spawn
 from dtrain.metrics import read_json_lines
 from experiments import torchft_site
 from experiments import vs_torchft_analysis as va
@@ -152,25 +152,9 @@ class Record:
     loadavg_end: float | None = None  # 1-minute load average when the run ended
 
 
-class _Net:
-    """Where each process runs: loopback, or a netem topology (sites 0..N-1, coordinator N)."""
-
-    def __init__(self, topo=None) -> None:
-        self.topo = topo
-
-    def host(self, i: int) -> str:
-        return "127.0.0.1" if self.topo is None else self.topo.address(i)
-
-    def wrap(self, i: int, argv: list[str]) -> list[str]:
-        return argv if self.topo is None else self.topo.exec_argv(i, argv)
-
-    @property
-    def ifname(self) -> str:
-        if self.topo is None:
-            return "lo"
-        from netem import _rules  # noqa: PLC0415
-
-        return _rules.SITE_IF
+def _in_site(cluster: Cluster, i: int, argv: list[str]) -> list[str]:
+    """``argv`` run inside netem site ``i`` of the cluster's topology (as is on loopback)."""
+    return argv if cluster.topo is None else cluster.topo.exec_argv(i, argv)
 
 
 def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = None) -> Record:
@@ -187,10 +171,10 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
 
             topo = Topology(num_sites=run.s[va.SITES] + 1, profile=run.s[va.NETEM])
             rec.netem_backends = topo.backends()
-        net = _Net(topo)
+        cluster = Cluster(run_dir, num_sites=run.s[va.SITES], topo=topo)  # sites 0..N-1, the coordinator N
         gate.mkdir(exist_ok=True)
-        coord = _start_coordinator(run, run_dir, net, children)
-        restart_name = _start_sites(run, run_dir, net, coord, children, start_together, rec)
+        coord = _start_coordinator(run, cluster, children)
+        restart_name = _start_sites(run, cluster, coord, children, start_together, rec)
         _supervise(run, rec, run_dir, children, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
         if run.s[va.PYSPY]:  # py-spy writes its file once the sampled process has exited
@@ -207,96 +191,82 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
     return rec
 
 
-def _start_coordinator(run: Run, run_dir: Path, net: _Net, children: dict[str, Proc]) -> str:
+def _start_coordinator(run: Run, cluster: Cluster, children: dict[str, Proc]) -> str:
     """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
     answers; returns its address as the sites take it."""
-    n, py = run.s[va.SITES], sys.executable
+    n = run.s[va.SITES]
     if run.system == "dtrain":
-        addr_file = run_dir / "rendezvous.addr"
-        argv = [py, "-m", "dtrain", "rendezvous", "--bind", f"{net.host(n)}:0", "--address-file", str(addr_file)]
-        argv += ["--initial-sites", str(n)]
-        children["rendezvous"] = spawn(
-            "rendezvous", net.wrap(n, argv), run_dir / "rendezvous.log", env=child_env(), cwd=ROOT
-        )
-        return _wait(
-            lambda: addr_file.exists() and addr_file.read_text().strip(),
-            120,
-            "the rendezvous address",
-            [children["rendezvous"]],
-        )
-    port = free_port() if net.topo is None else 29510
-    lh = str(Path(py).parent / "torchft_lighthouse")
-    argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{net.host(n)}:{port}"]
+        addr = cluster.start_rendezvous(initial_sites=n)
+        children["rendezvous"] = cluster.procs["rendezvous"]
+        return addr
+    port = free_port() if cluster.topo is None else 29510
+    lh = str(Path(sys.executable).parent / "torchft_lighthouse")
+    argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{cluster.host(n)}:{port}"]
     children["lighthouse"] = spawn(
-        "lighthouse", net.wrap(n, argv), run_dir / "lighthouse.log", env=child_env(), cwd=ROOT
+        "lighthouse", _in_site(cluster, n, argv), cluster.root / "lighthouse.log", env=child_env(), cwd=ROOT
     )
 
     def lighthouse_up() -> bool:
         try:
-            if net.topo is None:
+            if cluster.topo is None:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                     return True
-            with net.topo.socket(0) as s:  # from inside site 0's namespace
+            with cluster.topo.socket(0) as s:  # from inside site 0's namespace
                 s.settimeout(2.0)
-                s.connect((net.host(n), port))
+                s.connect((cluster.host(n), port))
                 return True
         except OSError:
             return False
 
     _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
-    return f"http://{net.host(n)}:{port}"
+    return f"http://{cluster.host(n)}:{port}"
 
 
 def _site_argv(
-    run: Run, run_dir: Path, net: _Net, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
+    run: Run, cluster: Cluster, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
 ) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
     go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
-    n, py, gate = run.s[va.SITES], sys.executable, run_dir / "gate"
-    out = run_dir / out_name
-    env = {"GLOO_SOCKET_IFNAME": net.ifname}
+    n, gate, out = run.s[va.SITES], cluster.root / "gate", cluster.root / out_name
+    env = {"GLOO_SOCKET_IFNAME": "lo"}
+    if cluster.topo is not None:
+        from netem._rules import SITE_IF  # noqa: PLC0415
+
+        env["GLOO_SOCKET_IFNAME"] = SITE_IF
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
     common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[va.SIZE]]
     common += ["--data", run.s[va.DATA], "--rounds", str(run.s[va.ROUNDS]), "--sync-every", str(run.s[va.SYNC_EVERY])]
     common += ["--threads", "1", "--seed", str(run.seed)]
     if run.system == "dtrain":
-        args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{net.host(i)}:0", "--rendezvous", coord]
-        args += ["--codec", run.s[va.CODEC]]
-        if run.s[va.BUCKET_BYTES]:
-            args += ["--bucket-bytes", str(run.s[va.BUCKET_BYTES])]
+        args = ["worker", "--site-id", f"site-{i}", *common, "--listen", f"{cluster.host(i)}:0", "--rendezvous", coord]
+        args += flags({va.CODEC: run.s[va.CODEC], va.BUCKET_BYTES: run.s[va.BUCKET_BYTES]})  # None: the default
         if fault:
             env["DTRAIN_TEST_FAULT"] = f"site-{i}:before_push:{run.kill_round}:kill"
         if run.s[va.PYSPY] and i == 0:
             env["VS_TORCHFT_PYSPY"] = run.s[va.PYSPY]
-            env["VS_TORCHFT_PYSPY_OUT"] = str(run_dir / "pyspy-site-0.txt")
+            env["VS_TORCHFT_PYSPY_OUT"] = str(cluster.root / "pyspy-site-0.txt")
     else:
-        args = [*common, "--lighthouse", coord, "--host", net.host(i)]
+        args = [*common, "--lighthouse", coord, "--host", cluster.host(i)]
         if fault:
             args += ["--kill-at-round", str(run.kill_round)]
         if barrier:
             args += ["--barrier-dir", str(gate)]
     warm, go = str(gate / f"warm-{out_name}"), str(gate / f"go-{out_name}")
-    argv = [py, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args]
-    return net.wrap(i, argv), env
+    argv = [sys.executable, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args]
+    return _in_site(cluster, i, argv), env
 
 
-def _start_sites(
-    run: Run, run_dir: Path, net: _Net, coord: str, children: dict[str, Proc], start_together, rec: Record
-) -> str:
+def _start_sites(run: Run, cluster: Cluster, coord: str, children: dict[str, Proc], start_together, rec: Record) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
-    n, gate = run.s[va.SITES], run_dir / "gate"
-    names = [f"site-{i}" for i in range(n)]
-    for i, name in enumerate(names):
-        fault = run.kill_round >= 0 and i == KILLED_SITE
-        argv, env = _site_argv(run, run_dir, net, coord, i, name, fault=fault, barrier=True)
-        children[name] = spawn(name, argv, run_dir / name / "worker.log", env=child_env(env), cwd=ROOT)
-    restart_name = f"site-{KILLED_SITE}-restart"
+    n, run_dir, gate = run.s[va.SITES], cluster.root, cluster.root / "gate"
+    names, restart_name = [f"site-{i}" for i in range(n)], f"site-{KILLED_SITE}-restart"
+    todo = [(i, name, run.kill_round >= 0 and i == KILLED_SITE, True) for i, name in enumerate(names)]
     if run.kill_round >= 0:  # pre-warm the replacement now; it starts when told
-        argv, env = _site_argv(run, run_dir, net, coord, KILLED_SITE, restart_name, fault=False, barrier=False)
-        children[restart_name] = spawn(
-            restart_name, argv, run_dir / restart_name / "worker.log", env=child_env(env), cwd=ROOT
-        )
+        todo.append((KILLED_SITE, restart_name, False, False))
+    for i, name, fault, barrier in todo:
+        argv, env = _site_argv(run, cluster, coord, i, name, fault=fault, barrier=barrier)
+        children[name] = spawn(name, argv, run_dir / name / "worker.log", env=child_env(env), cwd=ROOT)
     _wait(
         lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
         600,
