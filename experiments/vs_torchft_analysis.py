@@ -376,96 +376,62 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
     return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
 
-def _scenario_rows(scen: str, runs: dict, c: dict) -> list[list[str]]:
+def _scenario_rows(scen: str, runs: dict) -> list[list[str]]:
     """The table of one scenario: a metric per row, dtrain, torchft, their ratio."""
     d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
 
-    def row(metric: str, cell, ratio: float | None | str = "", fmt: str = "{:.3f}") -> list[str]:
-        return [metric, cell(d), cell(t), ratio if isinstance(ratio, str) else _f(ratio, fmt)]
+    def row(metric: str, get, fmt: str = "{:.3f}", ratio: str | None = "{:.3f}", cell=None) -> list[str]:
+        """``get``: a system's figure: its cell, formatted with ``fmt`` (or ``cell``'s), and the ratio's."""
+        cells = [cell(x) if cell else _f(get(x), fmt) for x in (d, t)]
+        return [metric, *cells, _f(_ratio(get(d), get(t)), ratio) if ratio else ""]
 
-    def of(key: str, fmt: str = "{:.3f}", part: str | None = None):
-        return lambda x: _f(x[key] if part is None else x[key][part], fmt)
+    def med(key: str):
+        return lambda x: x[key]["median"]
 
-    def both(key: str) -> float | None:
-        return _ratio(d[key]["median"], t[key]["median"])
+    def parts(key: str, form: str, *names: str, fmt: str = "{:.3f}"):
+        return lambda x: form.format(*(_f(x[key][n], fmt) for n in names))
 
-    wall = "round_wall_s"
-    loss, mb = "{:.4f}", "{:.0f}"
+    w, loss, sites = "round_wall_s", "{:.4f}", sorted(set(d["final_val_loss"]) | set(t["final_val_loss"]))
     rows = [
         ["metric", "dtrain", "torchft", "dtrain / torchft"],
-        row(
-            "round wall time median [min, max] (s)",
-            lambda x: f"{_f(x[wall]['median'])} [{_f(x[wall]['min'])}, {_f(x[wall]['max'])}]",
-            c["round_wall_median"],
-        ),
-        row(
-            "per-round overhead = round wall - inner phase, median (s)",
-            of("overhead_s", part="median"),
-            both("overhead_s"),
-        ),
-        row(
-            "sync time median / max (s)",
-            lambda x: f"{_f(x['sync_s']['median'])} / {_f(x['sync_s']['max'])}",
-            both("sync_s"),
-        ),
-        row("inner phase median (s)", of("inner_s", part="median"), both("inner_s")),
-        row("final val loss, mean of sites", of("final_val_loss_mean", loss), c["final_val_loss_mean"], loss),
-    ]
-    for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(row(f"final val loss {s}", lambda x, s=s: _f(x["final_val_loss"].get(s), loss)))
-    rows += [
-        row("bytes on the wire per round, all sites", of("bytes_per_round_total", "{:,.0f}"), c["bytes_per_round"]),
+        row("round wall time median [min, max] (s)", med(w), cell=parts(w, "{} [{}, {}]", "median", "min", "max")),
+        row("per-round overhead = round wall - inner phase, median (s)", med("overhead_s")),
+        row("sync time median / max (s)", med("sync_s"), cell=parts("sync_s", "{} / {}", "median", "max")),
+        row("inner phase median (s)", med("inner_s")),
+        row("final val loss, mean of sites", lambda x: x["final_val_loss_mean"], loss, loss),
+        *(row(f"final val loss {s}", lambda x, s=s: x["final_val_loss"].get(s), loss, None) for s in sites),
+        row("bytes on the wire per round, all sites", lambda x: x["bytes_per_round_total"], "{:,.0f}"),
         row(
             "peak RSS per site process, max / mean (MB)",
-            lambda x: f"{_f(x['peak_rss_mb_max'], mb)} / {_f(x['peak_rss_mb_mean'], mb)}",
-            c["peak_rss_max"],
+            lambda x: x["peak_rss_mb_max"],
+            cell=lambda x: f"{_f(x['peak_rss_mb_max'], '{:.0f}')} / {_f(x['peak_rss_mb_mean'], '{:.0f}')}",
         ),
-        row(
-            "CPU seconds per site process (whole life, mean)",
-            of("cpu_s_per_site_mean", "{:.1f}"),
-            _ratio(d["cpu_s_per_site_mean"], t["cpu_s_per_site_mean"]),
-        ),
-        row("coordinator peak RSS (MB) (rendezvous / lighthouse)", of("coordinator_rss_mb", mb)),
-        row("replicas agree at the end (checksum)", lambda x: str(x["checksums_agree"])),
+        row("CPU seconds per site process (whole life, mean)", lambda x: x["cpu_s_per_site_mean"], "{:.1f}"),
+        row("coordinator peak RSS (MB) (rendezvous / lighthouse)", lambda x: x["coordinator_rss_mb"], "{:.0f}", None),
+        row("replicas agree at the end (checksum)", lambda x: x["checksums_agree"], "{}", None),
         row(
             "round lines not applied (dtrain: resynced/deferred; torchft: not committed)",
             lambda x: ", ".join(f"{k}: {v}" for k, v in x["not_applied"].items()) or "none",
+            "{}",
+            None,
         ),
-        row(
-            "time from go to the last round (s)",
-            of("wall_total_s", "{:.1f}"),
-            _ratio(d["wall_total_s"], t["wall_total_s"]),
-        ),
+        row("time from go to the last round (s)", lambda x: x["wall_total_s"], "{:.1f}"),
     ]
-    if scen == "healthy":
-        rows += _codec_rows(runs, t)
-    return rows
-
-
-def _codec_rows(runs: dict, t: dict) -> list[list[str]]:
-    """The healthy table's extra dtrain runs with other codecs, against torchft's healthy run."""
-    rows: list[list[str]] = []
-    for key, x in sorted(runs.items()):
-        if key.startswith("dtrain/healthy codec="):
-            codec = key.split("=", 1)[1]
-            rows.append(
-                [
-                    f"with codec {codec}: bytes per round / round wall median (s) / final val loss",
-                    f"{_f(x['bytes_per_round_total'], '{:,.0f}')} / {_f(x['round_wall_s']['median'])} / "
-                    f"{_f(x['final_val_loss_mean'], '{:.4f}')}",
-                    "",
-                    f"{_f(_ratio(x['bytes_per_round_total'], t['bytes_per_round_total']))} / "
-                    f"{_f(_ratio(x['round_wall_s']['median'], t['round_wall_s']['median']))} / "
-                    f"{_f(_ratio(x['final_val_loss_mean'], t['final_val_loss_mean']), '{:.4f}')}",
-                ]
-            )
+    # the healthy table: dtrain's runs with other codecs, three figures each (get, cell format, ratio format)
+    codecs = sorted(k for k in runs if k.startswith("dtrain/healthy codec=")) if scen == "healthy" else []
+    figs = ((lambda x: x["bytes_per_round_total"], "{:,.0f}", "{:.3f}"), (med(w), "{:.3f}", "{:.3f}"))
+    figs += ((lambda x: x["final_val_loss_mean"], loss, loss),)
+    for key in codecs:
+        metric = f"with codec {key.split('=', 1)[1]}: bytes per round / round wall median (s) / final val loss"
+        cell = " / ".join(_f(get(runs[key]), fmt) for get, fmt, _ in figs)
+        rows.append([metric, cell, "", " / ".join(_f(_ratio(get(runs[key]), get(t)), fmt) for get, _, fmt in figs)])
     return rows
 
 
 def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
     """One scenario's heading, table, dtrain's sync split, targets and problems."""
     d, t = runs[f"dtrain/{scen}"], runs[f"torchft/{scen}"]
-    rows = _scenario_rows(scen, runs, c)
+    rows = _scenario_rows(scen, runs)
     sp = d["sync_split_median_s"]
     title = {
         "healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
