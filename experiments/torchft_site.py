@@ -1,8 +1,8 @@
 """One torchft 0.2.0 replica group (one site) training dtrain's built-in task with DiLoCo.
 
-Started by :mod:`experiments.vs_torchft` as its own OS process, one per site, next to a
-``torchft_lighthouse``. It trains exactly what a ``dtrain worker`` trains: the task of
-``dtrain.tasks.build_task`` (same model and seeded initial weights, data shard and order,
+Started by :mod:`experiments.vs_torchft` (its pre-warmed ``_child`` calls :func:`main`) as its own OS
+process, one per site, next to a ``torchft_lighthouse``. It trains exactly what a ``dtrain worker``
+trains: the task of ``dtrain.tasks.build_task`` (same model and seeded initial weights, data shard and order,
 validation batches, inner AdamW), DiLoCo (arXiv 2311.08105) through ``torchft.local_sgd.DiLoCo``
 with one fragment, H = ``sync_every``, outer ``SGD(lr=0.7, momentum=0.9, nesterov=True)``, and
 ``torch.set_num_threads(threads)``.
@@ -186,25 +186,21 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
     start = {"site": site, "event": "start", "round": manager.current_step(), "val_loss": val}
     start |= {"wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(), "pid": os.getpid()}
     metrics.write(json.dumps(start) + "\n")
-    totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0, "attempts": 0}
+    totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0}
     max_attempts = 4 * a.rounds + 10
     train_loss = float("nan")
     while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
         t_inner = time.monotonic()
         losses = []
-        sync_s = 0.0
         step_before = manager.current_step()
         calls_before = state["allreduce_calls"]
-        for k in range(a.sync_every):
+        for _ in range(a.sync_every):
             loss = task.loss(model, next(task.batches))
             loss.backward()
             losses.append(float(loss.detach()))
-            if k == a.sync_every - 1:
-                t_sync = time.monotonic()
-                inner.step()  # the DiLoCo post-step hook runs quorum, all-reduce, outer step
-                sync_s = time.monotonic() - t_sync
-            else:
-                inner.step()
+            t_step = time.monotonic()
+            inner.step()  # the H-th: the DiLoCo post-step hook runs quorum, all-reduce, outer step
+            sync_s = time.monotonic() - t_step  # the sync: the H-th step's (the last one assigned)
             inner.zero_grad(set_to_none=True)
         inner_s = time.monotonic() - t_inner - sync_s
         train_loss = sum(losses) / len(losses)
@@ -216,7 +212,6 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
         totals["sync_s"] += sync_s
         totals["inner_s"] += inner_s
         totals["committed"] += int(committed)
-        totals["attempts"] += 1
         metrics.write(
             json.dumps(
                 {
@@ -256,13 +251,6 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
         "sync_share": totals["sync_s"] / wall if wall > 0 else 0.0,
         "fp32_bytes_per_round": 4 * numel,
         "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "attempts": state["attempt"],
         **totals,
     }
-
-
-if __name__ == "__main__":
-    # os._exit: torchft's Rust runtime and gloo threads can keep a normal interpreter exit waiting.
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)

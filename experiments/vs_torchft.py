@@ -117,7 +117,7 @@ def _prewarmed_main(argv: list[str]) -> None:
     hwm = _vmhwm_kb(os.getpid())  # this process's own peak RSS (since exec, nothing inherited from the harness)
     if hwm is not None:
         Path(str(ready) + ".rss").write_text(str(hwm))
-    os._exit(rc if isinstance(rc, int) else 0)
+    os._exit(rc if isinstance(rc, int) else 0)  # torchft's Rust runtime and gloo threads can hold up a normal exit
 
 
 # ----------------------------------------------------------------------------- one run
