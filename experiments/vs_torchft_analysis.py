@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from experiments.common import md_table, save_fig, subplots
+from experiments.common import md_table, save_fig, subplots, summarize
 
 Rows = list[dict[str, Any]]
 
@@ -49,10 +49,7 @@ WALL_TARGET = "round wall time dtrain <= torchft"
 
 def lines_by_run(rounds: Rows) -> dict[str, dict[str, Rows]]:
     """run -> process (``site-0``, ``site-1-restart``, ``rendezvous``, ...) -> its lines in order."""
-    out: dict[str, dict[str, Rows]] = {}
-    for d in rounds:
-        out.setdefault(d["run"], {}).setdefault(d["site"], []).append(d)
-    return out
+    return {run: summarize(lines, "site") for run, lines in summarize(rounds, "run").items()}
 
 
 def _events(lines: Rows, event: str) -> Rows:
