@@ -73,20 +73,6 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _wait(pred, timeout_s: float, what: str, procs: list[Proc] = ()):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        for c in procs:
-            if c.poll() is not None:
-                raise RuntimeError(f"{c.name} exited with {c.returncode} while waiting for {what}:\n{c.tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def _prewarmed_main(argv: list[str]) -> None:
     """``python -m experiments.vs_torchft _child KIND READY GO -- ARGS``: import, signal ready,
     wait for GO, run dtrain's CLI or the torchft site with ARGS."""
@@ -152,19 +138,19 @@ class Record:
     loadavg_end: float | None = None  # 1-minute load average when the run ended
 
 
-def _in_site(cluster: Cluster, i: int, argv: list[str]) -> list[str]:
-    """``argv`` run inside netem site ``i`` of the cluster's topology (as is on loopback)."""
-    return argv if cluster.topo is None else cluster.topo.exec_argv(i, argv)
+def _spawn(cluster: Cluster, name: str, i: int, argv: list[str], log: Path, env: dict | None = None) -> None:
+    """Start ``argv`` as ``name`` in netem site ``i`` (or on loopback), one of the cluster's processes as
+    :meth:`Cluster.spawn` makes a ``python -m dtrain`` one (its waits, checks and log tails see it)."""
+    argv = argv if cluster.topo is None else cluster.topo.exec_argv(i, argv)
+    cluster.procs[name] = spawn(name, argv, log, env=child_env(env), cwd=ROOT)
+    cluster.logs[name] = log
 
 
 def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = None) -> Record:
     """Run one system through one scenario; every child is gone when this returns. ``start_together``:
     a barrier shared with runs started at the same time (the sites go once every run's are ready)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    rec = Record(dir=run_dir)
-    children: dict[str, Proc] = {}
-    topo = None
-    gate = run_dir / "gate"
+    rec, gate, topo, cluster = Record(dir=run_dir), run_dir / "gate", None, None
     try:
         if run.s[va.NETEM]:
             from netem import Topology  # noqa: PLC0415
@@ -173,38 +159,34 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
             rec.netem_backends = topo.backends()
         cluster = Cluster(run_dir, num_sites=run.s[va.SITES], topo=topo)  # sites 0..N-1, the coordinator N
         gate.mkdir(exist_ok=True)
-        coord = _start_coordinator(run, cluster, children)
-        restart_name = _start_sites(run, cluster, coord, children, start_together, rec)
-        _supervise(run, rec, run_dir, children, restart_name)
+        coord = _start_coordinator(run, cluster)
+        restart_name = _start_sites(run, cluster, coord, start_together, rec)
+        _supervise(run, rec, cluster, restart_name)
         rec.loadavg_end = os.getloadavg()[0]
         if run.s[va.PYSPY]:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
-            _wait(lambda: spy.exists() and spy.stat().st_size > 0, 60, "py-spy's output")
+            cluster.wait(lambda: spy.exists() and spy.stat().st_size > 0, "py-spy's output", 60)
     except (Exception, KeyboardInterrupt) as e:
         rec.error = (rec.error or "") + f"{type(e).__name__}: {e}"
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
-        _stop_all(rec, children, gate)
+        _stop_all(rec, cluster.procs if cluster else {}, gate)
         if topo is not None:
             topo.close()
     return rec
 
 
-def _start_coordinator(run: Run, cluster: Cluster, children: dict[str, Proc]) -> str:
-    """Start dtrain's rendezvous or torchft's lighthouse (in ``children``) and wait until it
-    answers; returns its address as the sites take it."""
+def _start_coordinator(run: Run, cluster: Cluster) -> str:
+    """Start dtrain's rendezvous or torchft's lighthouse and wait until it answers; returns its
+    address as the sites take it."""
     n = run.s[va.SITES]
     if run.system == "dtrain":
-        addr = cluster.start_rendezvous(initial_sites=n)
-        children["rendezvous"] = cluster.procs["rendezvous"]
-        return addr
+        return cluster.start_rendezvous(initial_sites=n)
     port = free_port() if cluster.topo is None else 29510
     lh = str(Path(sys.executable).parent / "torchft_lighthouse")
     argv = [lh, *LIGHTHOUSE_FLAGS, "--bind", f"{cluster.host(n)}:{port}"]
-    children["lighthouse"] = spawn(
-        "lighthouse", _in_site(cluster, n, argv), cluster.root / "lighthouse.log", env=child_env(), cwd=ROOT
-    )
+    _spawn(cluster, "lighthouse", n, argv, cluster.root / "lighthouse.log")
 
     def lighthouse_up() -> bool:
         try:
@@ -218,7 +200,7 @@ def _start_coordinator(run: Run, cluster: Cluster, children: dict[str, Proc]) ->
         except OSError:
             return False
 
-    _wait(lighthouse_up, 60, "the lighthouse", [children["lighthouse"]])
+    cluster.wait(lambda: cluster.check_alive(["lighthouse"], ()) or lighthouse_up(), "the lighthouse", 60)
     return f"http://{cluster.host(n)}:{port}"
 
 
@@ -252,11 +234,10 @@ def _site_argv(
         if barrier:
             args += ["--barrier-dir", str(gate)]
     warm, go = str(gate / f"warm-{out_name}"), str(gate / f"go-{out_name}")
-    argv = [sys.executable, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args]
-    return _in_site(cluster, i, argv), env
+    return [sys.executable, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args], env
 
 
-def _start_sites(run: Run, cluster: Cluster, coord: str, children: dict[str, Proc], start_together, rec: Record) -> str:
+def _start_sites(run: Run, cluster: Cluster, coord: str, start_together, rec: Record) -> str:
     """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
     then let them go together; returns the replacement's name."""
     n, run_dir, gate = run.s[va.SITES], cluster.root, cluster.root / "gate"
@@ -266,35 +247,28 @@ def _start_sites(run: Run, cluster: Cluster, coord: str, children: dict[str, Pro
         todo.append((KILLED_SITE, restart_name, False, False))
     for i, name, fault, barrier in todo:
         argv, env = _site_argv(run, cluster, coord, i, name, fault=fault, barrier=barrier)
-        children[name] = spawn(name, argv, run_dir / name / "worker.log", env=child_env(env), cwd=ROOT)
-    _wait(
-        lambda: all((gate / f"warm-{nm}").exists() for nm in children if nm.startswith("site-")),
-        600,
-        "every site to import torch",
-        [c for nm, c in children.items() if nm.startswith("site-")],
-    )
+        _spawn(cluster, name, i, argv, run_dir / name / "worker.log", env)
+    every = [name for _, name, _, _ in todo]  # a site exiting now is a failure: check_alive with no good exit code
+    warm = lambda: all((gate / f"warm-{nm}").exists() for nm in every)  # noqa: E731
+    cluster.wait(lambda: cluster.check_alive(every, ()) or warm(), "every site to import torch", 600)
     if start_together is not None:
         start_together.wait(timeout=600)
     rec.t_go = time.time()
     for name in names:
         (gate / f"go-{name}").write_text("")
     if run.system == "torchft":  # every Manager heartbeating before anyone asks for a quorum
-        _wait(
-            lambda: all((gate / f"ready-{i}").exists() for i in range(n)),
-            300,
-            "every torchft Manager",
-            [children[nm] for nm in names],
-        )
+        ready = lambda: all((gate / f"ready-{i}").exists() for i in range(n))  # noqa: E731
+        cluster.wait(lambda: cluster.check_alive(names, ()) or ready(), "every torchft Manager", 300)
         (gate / "go").write_text("")
     return restart_name
 
 
-def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], restart_name: str) -> None:
+def _supervise(run: Run, rec: Record, cluster: Cluster, restart_name: str) -> None:
     """Until every site has exited or the run times out: record the kill, and start the replacement once
     a survivor has finished the restart round (killing site-1 first if the fault did not fire)."""
-    gate = run_dir / "gate"
+    gate, children = cluster.root / "gate", cluster.procs
     deadline = time.monotonic() + run.s[va.TIMEOUT_S]
-    survivor = run_dir / "site-0" / "metrics.jsonl"
+    survivor = cluster.root / "site-0" / "metrics.jsonl"
     while True:
         if run.kill_round >= 0:
             killed = children[f"site-{KILLED_SITE}"]
@@ -310,11 +284,9 @@ def _supervise(run: Run, rec: Record, run_dir: Path, children: dict[str, Proc], 
                 rec.t_restart = time.time()
                 (gate / f"go-{restart_name}").write_text("")
         workers = [
-            c
-            for nm, c in children.items()
-            if nm.startswith("site-") and not (nm == restart_name and rec.t_restart is None)
+            nm for nm in children if nm.startswith("site-") and (nm != restart_name or rec.t_restart is not None)
         ]
-        if all(c.poll() is not None for c in workers):
+        if cluster.exited(workers):
             break
         if time.monotonic() > deadline:
             rec.timed_out = True
