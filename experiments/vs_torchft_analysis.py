@@ -79,8 +79,8 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
     """Per-site facts of one run, and that run's pooled per-round samples."""
     system = row[SYSTEM]
     sites = {}
-    pool: dict[str, Any] = {"walls": [], "overheads": [], "syncs": [], "inners": [], "recv_by_round": Counter()}
-    pool.update({k: [] for k in SPLIT})
+    pool: dict[str, Any] = {"walls": [], "overheads": [], "recv_by_round": Counter()}
+    pool.update({k: [] for k in ("sync_s", "inner_s", *SPLIT)})
     for s in _sites(procs):
         start = next(iter(_events(procs[s], "start")), None)
         rounds = _events(procs[s], "round")
@@ -89,9 +89,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
         deltas = [b - a for a, b in zip(times, times[1:])][1:]  # drop the warm-up round
         pool["walls"] += deltas
         pool["overheads"] += [w - d["inner_s"] for w, d in zip(deltas, rounds[1:])]
-        pool["syncs"] += [d["sync_s"] for d in rounds[1:]]
-        pool["inners"] += [d["inner_s"] for d in rounds[1:]]
-        for k in SPLIT:
+        for k in ("sync_s", "inner_s", *SPLIT):
             pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
         for d in rounds:
             pool["recv_by_round"][d["round"]] += int(_num(d, "bytes_received"))
@@ -130,8 +128,8 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
         "netem_backends": row.get("netem_backends"),
         "round_wall_s": _stats(pool["walls"]),
         "overhead_s": _stats(pool["overheads"]),
-        "sync_s": _stats(pool["syncs"]),
-        "inner_s": _stats(pool["inners"]),
+        "sync_s": _stats(pool["sync_s"]),
+        "inner_s": _stats(pool["inner_s"]),
         "sync_split_median_s": {k: (statistics.median(pool[k]) if pool[k] else None) for k in SPLIT},
         "final_val_loss_mean": statistics.mean(finals) if finals else None,
         "final_val_loss": {s: v["final_val_loss"] for s, v in finished.items()},
