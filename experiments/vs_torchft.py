@@ -110,7 +110,7 @@ def _prewarmed_main(argv: list[str]) -> None:
 @dataclass(frozen=True)
 class Run:
     """One system's run of a point: what its processes are told (``s``: the point's settings by
-    config path; ``pyspy``: the path of py-spy, to sample dtrain's site-0)."""
+    config path; ``vs.pyspy`` among them: the path of py-spy, to sample dtrain's site-0)."""
 
     system: str  # "dtrain" | "torchft"
     s: dict[str, Any]
