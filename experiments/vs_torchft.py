@@ -57,7 +57,6 @@ INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
     "opentelemetry-exporter-otlp-proto-http   (after torch, into the same environment)"
 )
-KILLED_SITE = 1
 # the lighthouse as torchft's docs / examples/diloco/README.md run it (the Managers' timeouts: torchft_site)
 LIGHTHOUSE_FLAGS = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
 #: the plan's settings: what a mode runs, not how one run runs (not copied into the runs' rows)
@@ -160,8 +159,8 @@ def run_one(run: Run, run_dir: Path, start_together: threading.Barrier | None = 
         cluster = Cluster(run_dir, num_sites=run.s[va.SITES], topo=topo)  # sites 0..N-1, the coordinator N
         gate.mkdir(exist_ok=True)
         coord = _start_coordinator(run, cluster)
-        restart_name = _start_sites(run, cluster, coord, start_together, rec)
-        _supervise(run, rec, cluster, restart_name)
+        _start_sites(run, cluster, coord, start_together, rec)
+        _supervise(run, rec, cluster)
         rec.loadavg_end = os.getloadavg()[0]
         if run.s[va.PYSPY]:  # py-spy writes its file once the sampled process has exited
             spy = run_dir / "pyspy-site-0.txt"
@@ -237,14 +236,14 @@ def _site_argv(
     return [sys.executable, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args], env
 
 
-def _start_sites(run: Run, cluster: Cluster, coord: str, start_together, rec: Record) -> str:
-    """Start every site pre-warmed (and the killed site's replacement, which waits for its go),
-    then let them go together; returns the replacement's name."""
+def _start_sites(run: Run, cluster: Cluster, coord: str, start_together, rec: Record) -> None:
+    """Start every site pre-warmed (and the killed site's replacement, ``va.RESTART``, which waits for
+    its go), then let them go together."""
     n, run_dir, gate = run.s[va.SITES], cluster.root, cluster.root / "gate"
-    names, restart_name = [f"site-{i}" for i in range(n)], f"site-{KILLED_SITE}-restart"
-    todo = [(i, name, run.kill_round >= 0 and i == KILLED_SITE, True) for i, name in enumerate(names)]
+    names = [f"site-{i}" for i in range(n)]
+    todo = [(i, name, run.kill_round >= 0 and i == va.KILLED_SITE, True) for i, name in enumerate(names)]
     if run.kill_round >= 0:  # pre-warm the replacement now; it starts when told
-        todo.append((KILLED_SITE, restart_name, False, False))
+        todo.append((va.KILLED_SITE, va.RESTART, False, False))
     for i, name, fault, barrier in todo:
         argv, env = _site_argv(run, cluster, coord, i, name, fault=fault, barrier=barrier)
         _spawn(cluster, name, i, argv, run_dir / name / "worker.log", env)
@@ -260,10 +259,9 @@ def _start_sites(run: Run, cluster: Cluster, coord: str, start_together, rec: Re
         ready = lambda: all((gate / f"ready-{i}").exists() for i in range(n))  # noqa: E731
         cluster.wait(lambda: cluster.check_alive(names, ()) or ready(), "every torchft Manager", 300)
         (gate / "go").write_text("")
-    return restart_name
 
 
-def _supervise(run: Run, rec: Record, cluster: Cluster, restart_name: str) -> None:
+def _supervise(run: Run, rec: Record, cluster: Cluster) -> None:
     """Until every site has exited or the run times out: record the kill, and start the replacement once
     a survivor has finished the restart round (killing site-1 first if the fault did not fire)."""
     gate, children = cluster.root / "gate", cluster.procs
@@ -271,7 +269,7 @@ def _supervise(run: Run, rec: Record, cluster: Cluster, restart_name: str) -> No
     survivor = cluster.root / "site-0" / "metrics.jsonl"
     while True:
         if run.kill_round >= 0:
-            killed = children[f"site-{KILLED_SITE}"]
+            killed = children[va.KILLED]
             if rec.t_kill is None and killed.poll() is not None:
                 rec.t_kill = time.time()
             if rec.t_restart is None and any(
@@ -280,12 +278,10 @@ def _supervise(run: Run, rec: Record, cluster: Cluster, restart_name: str) -> No
             ):
                 if killed.poll() is None:  # the fault did not fire: kill it now, so the scenario still happens
                     killed.kill()
-                    rec.error = (rec.error or "") + f"site-{KILLED_SITE} was not dead at the restart point; killed. "
+                    rec.error = (rec.error or "") + f"{va.KILLED} was not dead at the restart point; killed. "
                 rec.t_restart = time.time()
-                (gate / f"go-{restart_name}").write_text("")
-        workers = [
-            nm for nm in children if nm.startswith("site-") and (nm != restart_name or rec.t_restart is not None)
-        ]
+                (gate / f"go-{va.RESTART}").write_text("")
+        workers = [nm for nm in children if nm.startswith("site-") and (nm != va.RESTART or rec.t_restart is not None)]
         if cluster.exited(workers):
             break
         if time.monotonic() > deadline:

@@ -41,8 +41,8 @@ KILL_ROUND, RESTART_AFTER, TIMEOUT_S, PYSPY = "vs.kill_round", "vs.restart_after
 SCENARIOS, REPEATS, EXTRA_CODECS, PROFILE = "vs.scenarios", "vs.repeats", "vs.extra_codecs", "vs.profile"
 NETEM_PROFILES, NETEM_ROUNDS, FAULT_ROUNDS = "vs.netem_profiles", "vs.netem_rounds", "vs.fault_rounds"
 
-KILLED = "site-1"
-RESTART = "site-1-restart"
+KILLED_SITE = 1  # the fault scenario's: its process, and the process of its replacement
+KILLED, RESTART = f"site-{KILLED_SITE}", f"site-{KILLED_SITE}-restart"
 SPLIT = ("encode_s", "decode_s", "network_s", "wait_s")
 WALL_TARGET = "round wall time dtrain <= torchft"
 
