@@ -219,6 +219,12 @@ class GroupConfig:
             needs longer than this gives what arrived by then.
         join_probe_bytes: filler bytes the join probe asks of each member, >= 0 (the peer
             caps it at 4 MiB). On a fast link it arrives in milliseconds.
+        run_rounds: the run's number of rounds where the caller knows it (``dtrain worker``
+            sets it from ``--rounds``), an int >= 1, or None. A site that joins or resyncs
+            behind a group whose next round is already past it, and finds no member to pull
+            from, is left behind at once (``LeftBehind``, "the run ended ..."): every member
+            finished the run and none comes back with its θ, so waiting
+            ``state_pull_timeout_s`` for one only delays the exit. None: it waits.
     """
 
     quorum_wait_s: float = 300.0
@@ -230,6 +236,7 @@ class GroupConfig:
     takeover_s: float = 0.0
     join_probe_s: float = 3.0
     join_probe_bytes: int = 1 << 20
+    run_rounds: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("quorum_wait_s", "ready_poll_s", "rendezvous_retry_s", "backoff_max_s", "state_pull_timeout_s"):
@@ -248,6 +255,9 @@ class GroupConfig:
         n = self.join_probe_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"join_probe_bytes must be an int >= 0, got {n!r}")
+        n = self.run_rounds
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"run_rounds must be None or an int >= 1, got {n!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -316,9 +316,10 @@ class Site:
         Raises:
             StateTransferError: no progress within ``state_pull_timeout_s``.
             RendezvousError: the rendezvous unreachable when asked again.
-            LeftBehind: no member to pull from (K = 1: for ``state_pull_timeout_s``)
-                while θ is behind the round the group is at: the site never adopts the
-                round number with its old θ (issue 33, "no site left behind").
+            LeftBehind: no member to pull from (K = 1: for ``state_pull_timeout_s``, at once
+                when the group's round is past ``run_rounds``: the run is over) while θ is
+                behind the round the group is at: the site never adopts the round number
+                with its old θ (issue 33, "no site left behind").
         """
         st = self.engine.state
         timeout_s = self.config.state_pull_timeout_s
@@ -344,12 +345,17 @@ class Site:
                 return
             if not donors:
                 self.donors = []
-                if self.group is None or self.num_ranks > 1 or time.monotonic() + 0.5 >= deadline:
+                over = self.config.run_rounds is not None and target >= self.config.run_rounds
+                if over or self.group is None or self.num_ranks > 1 or time.monotonic() + 0.5 >= deadline:
                     raise LeftBehind(
                         self.site_id,
                         st.rounds_applied,
                         target,
-                        f"no live member for {timeout_s:g} s" if self.num_ranks == 1 else "no live member",
+                        f"the run ended (its {self.config.run_rounds} rounds ran) and no member is left"
+                        if over
+                        else f"no live member for {timeout_s:g} s"
+                        if self.num_ranks == 1
+                        else "no live member",
                     )
                 time.sleep(0.5)
                 info = self.group.register_with_backoff(max(0.0, deadline - time.monotonic()))

@@ -383,7 +383,8 @@ class WorkerConfig:
     def diloco_config(self) -> DiLoCoConfig:
         """The DiLoCo config the worker runs: it counts inner steps itself (no optimizer
         hook), the automatic bucket size follows the run's configured number of sites,
-        and ``close()`` waits at most ``linger_s``."""
+        ``close()`` waits at most ``linger_s``, and a site that joins once the run is over
+        knows it (``GroupConfig.run_rounds``: ``rounds``)."""
         buckets = replace(self.diloco.buckets, num_sites=self.task_spec.num_sites)
         if self.net.data_path == "datagram":  # a chunk is one datagram
             from dtrain.transports.datagram import datagram_chunk_bytes
@@ -397,7 +398,8 @@ class WorkerConfig:
             except ValueError as e:
                 raise ValueError(f"data_path 'datagram' needs a fixed-size codec: {e}") from None
             buckets = replace(buckets, chunk_bytes=min(buckets.chunk_bytes, one))
-        return replace(self.diloco, hook_optimizer=False, buckets=buckets, close_timeout_s=self.linger_s)
+        group = replace(self.diloco.group, run_rounds=self.rounds)
+        return replace(self.diloco, hook_optimizer=False, buckets=buckets, close_timeout_s=self.linger_s, group=group)
 
     @property
     def resolved_checkpoint_dir(self) -> Path:
@@ -412,6 +414,7 @@ class WorkerConfig:
 WORKER_HIDDEN = {
     "diloco.hook_optimizer": "fixed by the worker (it counts inner steps itself)",
     "diloco.close_timeout_s": "set from linger_s",
+    "diloco.group.run_rounds": "set from rounds",
     "diloco.buckets.num_sites": "set from task_spec.num_sites (the run's configured sites)",
     "net.grpc.bind_host": "set from net.listen",
     "net.grpc.bind_port": "set from net.listen",

@@ -26,7 +26,9 @@ H = 3
 PULL_S = 1.0  # the state-pull budget: how long a site behind looks for a member
 
 
-def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: float = PULL_S) -> DiLoCo:
+def _site(
+    site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: float = PULL_S, run_rounds: int | None = None
+) -> DiLoCo:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -35,7 +37,7 @@ def _site(site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: flo
         sync_every=H,
         hook_optimizer=False,
         buckets=BucketConfig(bucket_bytes=512, chunk_bytes=256),
-        group=GroupConfig(state_pull_timeout_s=pull_s),
+        group=GroupConfig(state_pull_timeout_s=pull_s, run_rounds=run_rounds),
     )
     return DiLoCo(model, opt, config=cfg, transport=InprocTransport(net), rendezvous=InprocRendezvousClient(core))
 
@@ -121,6 +123,25 @@ def test_a_site_joining_after_every_member_left_raises_left_behind():
         with pytest.raises(LeftBehind) as err:
             _site("c", net, core)  # a fresh θ (round 0) and the group at round 2
         assert (err.value.site_id, err.value.round, err.value.group_round) == ("c", 0, 2)
+    finally:
+        a.close(wait=False)
+
+
+def test_a_site_joining_after_the_runs_last_round_is_left_behind_at_once_not_after_the_pull_budget():
+    """``GroupConfig.run_rounds``: the group's next round is past the run's rounds, so every member
+    finished it and none comes back with its θ; the joiner does not wait ``state_pull_timeout_s``."""
+    net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
+    a = _site("a", net, core)
+    try:
+        _round(a, seed=1)
+        _round(a, seed=2)
+        a.close()
+        t0 = time.monotonic()
+        with pytest.raises(LeftBehind) as err:
+            _site("c", net, core, pull_s=30.0, run_rounds=2)
+        assert time.monotonic() - t0 < 10.0  # not the 30 s budget (the test's own limit is 60 s)
+        assert (err.value.site_id, err.value.round, err.value.group_round) == ("c", 0, 2)
+        assert "the run ended (its 2 rounds ran) and no member is left" in str(err.value)
     finally:
         a.close(wait=False)
 

@@ -150,11 +150,13 @@ def test_every_field_of_the_worker_tree_is_an_option_or_hidden_with_a_reason() -
         hidden = [h for h in WORKER_HIDDEN if path == h or path.startswith(h + ".")]
         assert (path in leaves) or (path in nodes) or hidden, f"{path} is neither an option nor hidden"
     # what a library user sets on DiLoCoConfig is all there, except the optimizer hook and
-    # two fields the worker sets from its own options (linger_s, task_spec.num_sites)
+    # three fields the worker sets from its own options (linger_s, task_spec.num_sites, rounds)
     lib = {p for p in _all_fields(DiLoCoConfig) if p not in ("buckets", "rounds", "group")}
     lib -= {"rounds.codec", "rounds.broadcast_codec", "rounds.aggregation"}
-    assert {p for p in lib if f"diloco.{p}" not in leaves} == {"hook_optimizer", "close_timeout_s", "buckets.num_sites"}
-    assert "linger_s" in leaves and "task_spec.num_sites" in leaves
+    hidden = {"hook_optimizer", "close_timeout_s", "buckets.num_sites", "group.run_rounds"}
+    assert {p for p in lib if f"diloco.{p}" not in leaves} == hidden
+    assert "linger_s" in leaves and "task_spec.num_sites" in leaves and "rounds" in leaves
+    assert WORKER.build({"rounds": 7}).diloco_config().group.run_rounds == 7
     # the examples
     for path in ("diloco.rounds.repair", "diloco.rounds.error_feedback", "diloco.rounds.broadcast_codec.name"):
         assert path in leaves
