@@ -59,6 +59,7 @@ OPEN_STATUS = (
     "other_round",
     "bad_sender",
     "forged",
+    "replayed",
 )
 
 _FIELDS = (
@@ -115,7 +116,7 @@ class NativeLib:
             ("dg_aead_free", None, [vp]),
             ("dg_seal", i, [vp, i, ctypes.c_char_p, u32, u32, u32, u32, u32, ctypes.c_uint64, vp, vp, vp, vp, u32, vp]),
             ("dg_open", i, [i, vp, vp, u32, vp, vp]),
-            ("dg_open_round", i, [i, vp, vp, u32, vp, vp, u32, ctypes.c_char_p, u32, u32, u32, u32, vp]),
+            ("dg_open_round", i, [i, vp, vp, u32, vp, vp, u32, ctypes.c_char_p, u32, u32, u32, u32, vp, vp, u32, vp]),
             ("dg_send", i, [i, i, vp, u32, vp]),
             ("dg_send_gso", i, [i, i, vp, u32, vp, vp]),
             ("dg_recv", i, [i, i, vp, u32, vp, vp, vp]),
@@ -200,10 +201,13 @@ class NativeLib:
         run: int,
         round: int,
         num_members: int,
+        windows: tuple[ctypes.Array, ctypes.Array, int],
     ) -> np.ndarray:
         """Check and authenticate rows ``0..n-1`` of one round in place: per row its outcome, a
         uint8 index into :data:`OPEN_STATUS` (``"ok"``; ``"skip"``: in ``skip``; ``"other_round"``:
-        left sealed; else the drop reason). The checks and their order are ``Opener.open``'s."""
+        left sealed; else the drop reason). The checks and their order are ``Opener.open``'s, the
+        replay check included: ``windows`` are the round's replay windows (``ReplayWindow.pointers``
+        of each sender, and their size), which rows that open update."""
         status = np.empty(n, np.uint8)
         sk = None if skip is None else np.ascontiguousarray(skip[:n], dtype=np.uint8)
         self._lib.dg_open_round(
@@ -219,6 +223,9 @@ class NativeLib:
             run,
             round,
             num_members,
+            windows[0],
+            windows[1],
+            windows[2],
             _ptr(status),
         )
         return status
@@ -278,8 +285,8 @@ def _build_and_load() -> tuple[NativeLib | None, str]:
         if not out.exists():
             _compile(cc, out)
         lib = NativeLib(out)
-        if lib._lib.dg_version() != 3:
-            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 3")
+        if lib._lib.dg_version() != 4:
+            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 4")
         return lib, ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)

@@ -46,6 +46,7 @@ before it authenticated.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import threading
 import weakref
@@ -330,24 +331,40 @@ class ReplayWindow:
     A ring of ``size`` slots holds ``seq + 1`` at ``seq % size``; a sequence number is
     new when it is above ``highest - size`` and its slot does not hold it. Memory:
     8 bytes per slot, fixed. Datagrams reordered by more than ``size`` are dropped.
+    The ring and the highest number (kept as ``highest + 1``, 0 for none) live in two
+    ``array("Q")`` buffers that the compiled open checks and updates in place
+    (``dgram_native.c`` ``replay_new``, :meth:`pointers`), so both loops share one window.
     """
 
     def __init__(self, size: int = 8192) -> None:
         self._ring = array("Q", bytes(8 * size))
+        self._next = array("Q", [0])  # the highest sequence number seen + 1 (0: none)
         self._size = size
-        self._highest = -1
 
     def check_and_add(self, seq: int) -> bool:
         """True (and remembered) when ``seq`` was not seen and is inside the window."""
-        if seq <= self._highest - self._size:
+        nxt = self._next[0]
+        if nxt > self._size and seq < nxt - self._size:
             return False
         slot = seq % self._size
         if self._ring[slot] == seq + 1:
             return False
         self._ring[slot] = seq + 1
-        if seq > self._highest:
-            self._highest = seq
+        if seq >= nxt:
+            self._next[0] = seq + 1
         return True
+
+    def pointers(self) -> tuple[int, int]:
+        """The addresses of the ring and of the highest number + 1 (for the compiled open;
+        valid while this window lives: the arrays never grow)."""
+        return self._ring.buffer_info()[0], self._next.buffer_info()[0]
+
+
+def native_windows(windows: Sequence[ReplayWindow]) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """``windows`` (one per sender, one size) as :meth:`NativeLib.open_round` takes them: the
+    rings' and the highest numbers' addresses as two pointer arrays, and the window size."""
+    rings, nexts = zip(*(w.pointers() for w in windows))
+    return (ctypes.c_void_p * len(rings))(*rings), (ctypes.c_void_p * len(nexts))(*nexts), windows[0]._size
 
 
 @dataclass
@@ -356,6 +373,7 @@ class _RoundKey:
     num_members: int
     windows: list[ReplayWindow]
     handle: int = 0  # the compiled loop's key handle (0: none)
+    native_windows: tuple | None = None  # the windows as the compiled open takes them (native_windows)
 
 
 class Opener:
@@ -389,7 +407,7 @@ class Opener:
         self._retired_below = -1
         self._counts = {r: 0 for r in DROP_REASONS}
         self._lock = threading.Lock()
-        self._views: tuple[np.ndarray, ...] | None = None  # (buffer, its header view, round, sender, seq fields)
+        self._views: tuple[np.ndarray, ...] | None = None  # (buffer, its header view, its round field)
 
     def open_round(self, round: int, key: bytes, num_members: int) -> None:
         """Accept datagrams of ``round`` sealed with ``key`` from ``num_members`` senders."""
@@ -398,6 +416,7 @@ class Opener:
         rk = _RoundKey(ChaCha20Poly1305(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)])
         if self._native is not None:
             rk.handle = self._native.aead(key)
+            rk.native_windows = native_windows(rk.windows)
             weakref.finalize(rk, self._native.free, rk.handle)  # freed once no batch uses it
         with self._lock:
             self._keys[round] = rk
@@ -490,14 +509,14 @@ class Opener:
         views = self._views
         if views is None or views[0] is not buf:  # the receive thread reads into one buffer: made once
             full = header_view(buf, buf.shape[0])
-            views = self._views = (buf, full, full["round"], full["sender"], full["seq"])
+            views = self._views = (buf, full, full["round"])
         hv = views[1][:n]
         if n:
             r = int(views[2][0])
             with self._lock:
                 rk = self._keys.get(r)
             if rk is not None:
-                return self._open_one_round(buf, lens, n, skip, hv, r, rk, views[3][:n], views[4][:n])
+                return self._open_one_round(buf, lens, n, skip, hv, r, rk)
         return self._open_general(buf, lens, n, skip, hv)
 
     def _open_one_round(
@@ -509,8 +528,6 @@ class Opener:
         hv: np.ndarray,
         r: int,
         rk: "_RoundKey",
-        senders: np.ndarray,
-        seqs: np.ndarray,
     ) -> BatchOpened:
         """:meth:`open_batch` when the first row's round has a key (nearly every batch): one call
         checks and opens the rows of that round (:meth:`NativeLib.open_round`, a dozen numpy
@@ -529,21 +546,13 @@ class Opener:
             run=self.run,
             round=r,
             num_members=rk.num_members,
+            windows=rk.native_windows,
         )
         counts = np.bincount(status, minlength=len(OPEN_STATUS)).tolist()
         for code, reason in _STATUS_DROPS:
             if counts[code]:
                 self.count(reason, counts[code])
         good = status == 0
-        idx = np.flatnonzero(good)
-        replayed = 0
-        windows = rk.windows
-        for i, sender, seq in zip(idx.tolist(), senders[idx].tolist(), seqs[idx].tolist()):
-            if not windows[sender].check_and_add(seq):
-                good[i] = False
-                replayed += 1
-        if replayed:
-            self.count("replayed", replayed)
         if not counts[_OTHER_ROUND]:
             return BatchOpened(hv, good, [])
         rest = self._open_general(buf, lens, n, status != _OTHER_ROUND, hv)

@@ -36,7 +36,7 @@
 #define GSO_MAX_SEGS 64        /* UDP_MAX_SEGMENTS of Linux 4.18-5.x (128 since) */
 #define GSO_MAX_BYTES 65000    /* a super-datagram's payload stays under IPv4/UDP's 65,507 */
 
-int dg_version(void) { return 3; }
+int dg_version(void) { return 4; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -176,11 +176,14 @@ int dg_open(int n, void **keys, unsigned char *buf, uint32_t stride, const uint3
 }
 
 /* Check and open n datagrams of one round in place: what dg_open does, plus the header checks
- * that come before authentication, in the order Opener.open makes them, each row's outcome in
- * status[i] (DG_*). skip (NULL: none) marks rows to leave alone; a row of another round is left
- * sealed (DG_OTHER_ROUND) for the caller's general path. key is the round's key; magic (2 bytes),
- * version, run, round and num_members are what the header must say. Returns the number opened.
- * Header fields are little-endian on the wire (datagram_wire.HEADER), read byte by byte. */
+ * that come before authentication and the replay check after it, in the order Opener.open makes
+ * them, each row's outcome in status[i] (DG_*). skip (NULL: none) marks rows to leave alone; a row
+ * of another round is left sealed (DG_OTHER_ROUND) for the caller's general path. key is the
+ * round's key; magic (2 bytes), version, run, round and num_members are what the header must say;
+ * rings[s] and nexts[s] are sender s's replay window (datagram_wire.ReplayWindow: `window` slots,
+ * each seq + 1 at seq % window, and the highest seq + 1, 0 for none), updated here. Returns the
+ * number opened. Header fields are little-endian on the wire (datagram_wire.HEADER), read byte by
+ * byte. */
 enum {
     DG_OK = 0,
     DG_SKIP = 1,
@@ -192,7 +195,19 @@ enum {
     DG_OTHER_ROUND = 7,
     DG_BAD_SENDER = 8,
     DG_FORGED = 9,
+    DG_REPLAYED = 10,
 };
+
+/* ReplayWindow.check_and_add: 1 (and remembered) when seq was not seen and is inside the window
+ * of `window` slots below the highest seq seen (next - 1); unsigned arithmetic, no overflow. */
+static int replay_new(uint64_t *ring, uint64_t *next, uint32_t window, uint64_t seq) {
+    if (*next > window && seq < *next - window) return 0;
+    uint64_t *slot = ring + seq % window;
+    if (*slot == seq + 1) return 0;
+    *slot = seq + 1;
+    if (seq >= *next) *next = seq + 1;
+    return 1;
+}
 
 static uint32_t le32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -200,7 +215,8 @@ static uint32_t le32(const unsigned char *p) {
 
 int dg_open_round(int n, void *key, unsigned char *buf, uint32_t stride, const uint32_t *lens,
                   const unsigned char *skip, uint32_t max_len, const unsigned char *magic, uint32_t version,
-                  uint32_t run, uint32_t round, uint32_t num_members, unsigned char *status) {
+                  uint32_t run, uint32_t round, uint32_t num_members, uint64_t *const *rings,
+                  uint64_t *const *nexts, uint32_t window, unsigned char *status) {
     int good = 0;
     EVP_CIPHER_CTX *c = NULL;
     for (int i = 0; i < n; i++) {
@@ -234,16 +250,22 @@ int dg_open_round(int n, void *key, unsigned char *buf, uint32_t stride, const u
             status[i] = DG_OTHER_ROUND;
             continue;
         }
-        if (((uint32_t)slot[29] | (uint32_t)slot[30] << 8) >= num_members) {
+        uint32_t sender = (uint32_t)slot[29] | (uint32_t)slot[30] << 8;
+        if (sender >= num_members) {
             status[i] = DG_BAD_SENDER;
             continue;
         }
         status[i] = DG_FORGED;
         if (!c && !(c = ctx_for(key, 0))) continue;
-        if (open_slot(c, slot, len)) {
-            status[i] = DG_OK;
-            good++;
+        if (!open_slot(c, slot, len)) continue;
+        uint64_t seq = 0;
+        for (int b = 7; b >= 0; b--) seq = seq << 8 | slot[31 + b];
+        if (!replay_new(rings[sender], nexts[sender], window, seq)) {
+            status[i] = DG_REPLAYED;
+            continue;
         }
+        status[i] = DG_OK;
+        good++;
     }
     EVP_CIPHER_CTX_free(c);
     return good;

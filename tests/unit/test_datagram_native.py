@@ -14,8 +14,18 @@ import numpy as np
 import pytest
 
 from dtrain.transports import datagram_native
-from dtrain.transports.datagram_native import header_view, native
-from dtrain.transports.datagram_wire import HEADER_BYTES, TAG_BYTES, Dropped, Kind, Opener, Sealer, codec_id
+from dtrain.transports.datagram_native import OPEN_STATUS, header_view, native
+from dtrain.transports.datagram_wire import (
+    HEADER_BYTES,
+    MAGIC,
+    TAG_BYTES,
+    VERSION,
+    Dropped,
+    Kind,
+    Opener,
+    Sealer,
+    codec_id,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,6 +154,51 @@ def test_open_batch_refuses_what_open_refuses_with_the_same_counts(order: str) -
         assert buf[i, : lens[i]].tobytes() == batch[i]
     if order != "skips":
         assert sum(want_ok) == 4 and slow.counts()["forged"] == 4 and slow.counts()["replayed"] == 1
+
+
+@needs_lib
+def test_the_compiled_open_checks_replays_on_the_python_paths_window() -> None:
+    """The replay check runs in the compiled open (``dg_open_round``) on the ring the Python path
+    keeps (``ReplayWindow.pointers``): over reordered, repeated and far-behind sequence numbers
+    the batch accepts exactly what ``Opener.open`` accepts and counts the rest ``replayed``, and a
+    datagram opened by either path is a replay for the other."""
+    seqs = [0, 5, 3, 5, 20000, 3, 19999, 11807, 11808, 11809, 20000, 7, 20001, 11809]
+    sealer = Sealer(KEY, run=7, round=3, sender=2)
+    batch = []
+    for q in seqs:
+        sealer._next_seq = q  # the sequence number the next datagram carries
+        batch.append(sealer.seal(Kind.CONTRIB, b"q%d" % q, bucket=1, chunk=q % 100))
+    slow, fast = _opener(), _opener(LIB)
+    want = []
+    for data in batch:
+        try:
+            slow.open(data)
+            want.append(True)
+        except Dropped as e:
+            assert e.reason == "replayed"
+            want.append(False)
+    assert want == [True, True, True, False, True, False, True, False, False, True, False, False, True, False]
+    buf, lens = _rows(batch)
+    got = fast.open_batch(buf, lens, len(batch))
+    assert list(got.ok) == want and fast.counts()["replayed"] == slow.counts()["replayed"] == want.count(False)
+    fresh = [sealer.seal(Kind.CONTRIB, b"late", bucket=1, chunk=c) for c in range(2)]  # sequence numbers 20002, 20003
+    buf, lens = _rows(fresh[:1])
+    assert list(fast.open_batch(buf, lens, 1).ok) == [True]
+    with pytest.raises(Dropped, match="replayed"):
+        fast.open(fresh[0])  # opened by the batch: a replay for the Python path
+    fast.open(fresh[1])
+    buf, lens = _rows(fresh[1:])
+    assert list(fast.open_batch(buf, lens, 1).ok) == [False]  # and the other way round
+    assert fast.counts()["replayed"] == want.count(False) + 2
+    # the compiled call itself says "replayed" (no Python loop after it)
+    rk = fast._keys[3]
+    twice = [sealer.seal(Kind.CONTRIB, b"x", bucket=1, chunk=0)] * 2
+    buf, lens = _rows(twice)
+    status = LIB.open_round(
+        rk.handle, buf, lens, 2, None, max_len=1400, magic=MAGIC, version=VERSION, run=7, round=3, num_members=3,
+        windows=rk.native_windows,
+    )  # fmt: skip
+    assert [OPEN_STATUS[c] for c in status] == ["ok", "replayed"]
 
 
 def _reordered(batch: list[bytes], order: str) -> list[bytes]:
