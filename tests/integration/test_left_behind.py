@@ -113,13 +113,19 @@ def test_a_site_that_missed_the_last_round_after_the_others_left_raises_left_beh
         b.close(wait=False)
 
 
+def _ran_two_rounds_and_left(net: InprocNetwork, core: RendezvousCore) -> DiLoCo:
+    """Site a, which ran rounds 0 and 1 alone and left: the group is at round 2 with no member."""
+    a = _site("a", net, core)
+    _round(a, seed=1)
+    _round(a, seed=2)
+    a.close()
+    return a
+
+
 def test_a_site_joining_after_every_member_left_raises_left_behind():
     net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
-    a = _site("a", net, core)
+    a = _ran_two_rounds_and_left(net, core)
     try:
-        _round(a, seed=1)
-        _round(a, seed=2)
-        a.close()
         with pytest.raises(LeftBehind) as err:
             _site("c", net, core)  # a fresh θ (round 0) and the group at round 2
         assert (err.value.site_id, err.value.round, err.value.group_round) == ("c", 0, 2)
@@ -131,11 +137,8 @@ def test_a_site_joining_after_the_runs_last_round_is_left_behind_at_once_not_aft
     """``GroupConfig.run_rounds``: the group's next round is past the run's rounds, so every member
     finished it and none comes back with its θ; the joiner does not wait ``state_pull_timeout_s``."""
     net, core = InprocNetwork(), RendezvousCore(RendezvousConfig(min_sites=1, quorum_timeout_s=0.3))
-    a = _site("a", net, core)
+    a = _ran_two_rounds_and_left(net, core)
     try:
-        _round(a, seed=1)
-        _round(a, seed=2)
-        a.close()
         t0 = time.monotonic()
         with pytest.raises(LeftBehind) as err:
             _site("c", net, core, pull_s=30.0, run_rounds=2)
