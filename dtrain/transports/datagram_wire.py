@@ -325,6 +325,9 @@ class Sealer:
         return SealedBatch(out, lens)
 
 
+_SEQ_TOP = (1 << 64) - 1  # a header's sequence number (u64) that no window accepts
+
+
 class ReplayWindow:
     """Sequence numbers accepted from one sender in one round.
 
@@ -342,9 +345,10 @@ class ReplayWindow:
         self._size = size
 
     def check_and_add(self, seq: int) -> bool:
-        """True (and remembered) when ``seq`` was not seen and is inside the window."""
+        """True (and remembered) when ``seq`` was not seen and is inside the window. The wire's
+        top value (2^64 - 1) is refused: ``seq + 1`` does not fit a slot (a key holder may seal it)."""
         nxt = self._next[0]
-        if nxt > self._size and seq < nxt - self._size:
+        if seq >= _SEQ_TOP or (nxt > self._size and seq < nxt - self._size):
             return False
         slot = seq % self._size
         if self._ring[slot] == seq + 1:

@@ -199,8 +199,10 @@ enum {
 };
 
 /* ReplayWindow.check_and_add: 1 (and remembered) when seq was not seen and is inside the window
- * of `window` slots below the highest seq seen (next - 1); unsigned arithmetic, no overflow. */
+ * of `window` slots below the highest seq seen (next - 1); unsigned arithmetic, no overflow. The
+ * top value is refused: seq + 1 would wrap to 0 and reset the window (a key holder may seal it). */
 static int replay_new(uint64_t *ring, uint64_t *next, uint32_t window, uint64_t seq) {
+    if (seq == UINT64_MAX) return 0;
     if (*next > window && seq < *next - window) return 0;
     uint64_t *slot = ring + seq % window;
     if (*slot == seq + 1) return 0;

@@ -181,7 +181,9 @@ def test_the_compiled_open_checks_replays_on_the_python_paths_window() -> None:
     buf, lens = _rows(batch)
     got = fast.open_batch(buf, lens, len(batch))
     assert list(got.ok) == want and fast.counts()["replayed"] == slow.counts()["replayed"] == want.count(False)
-    fresh = [sealer.seal(Kind.CONTRIB, b"late", bucket=1, chunk=c) for c in range(2)]  # sequence numbers 20002, 20003
+    fresh = [
+        sealer.seal(Kind.CONTRIB, b"late", bucket=1, chunk=c) for c in range(2)
+    ]  # 11810, 11811: new, in the window
     buf, lens = _rows(fresh[:1])
     assert list(fast.open_batch(buf, lens, 1).ok) == [True]
     with pytest.raises(Dropped, match="replayed"):
@@ -199,6 +201,18 @@ def test_the_compiled_open_checks_replays_on_the_python_paths_window() -> None:
         windows=rk.native_windows,
     )  # fmt: skip
     assert [OPEN_STATUS[c] for c in status] == ["ok", "replayed"]
+    # the top sequence number is refused by both paths and leaves the window as it was (seq + 1
+    # would wrap to 0 in the compiled check and reset it, letting old datagrams in again)
+    sealer._next_seq = 16383  # new, in the window, and in the slot the top number maps to (8191)
+    buf, lens = _rows([sealer.seal(Kind.CONTRIB, b"s", bucket=1, chunk=0)])
+    assert list(fast.open_batch(buf, lens, 1).ok) == [True]
+    sealer._next_seq = (1 << 64) - 1
+    top = sealer.seal(Kind.CONTRIB, b"top", bucket=1, chunk=0)
+    buf, lens = _rows([top, batch[1]])  # then an old one (seq 5, seen and far behind)
+    assert list(fast.open_batch(buf, lens, 2).ok) == [False, False]
+    with pytest.raises(Dropped, match="replayed"):
+        fast.open(top)
+    assert rk.windows[2]._next[0] == 20002  # the highest seen is still 20001
 
 
 def _reordered(batch: list[bytes], order: str) -> list[bytes]:
