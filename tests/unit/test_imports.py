@@ -11,6 +11,7 @@ whose ``__init__`` imports ``dtrain.status.model``): that is not a cycle of conc
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -102,12 +103,18 @@ def _resolve(name: str, modules: dict[str, Path] = MODULES) -> str | None:
     return None
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed once per test process: the graphs below and the tests read the same trees."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports_of(module: str, path: Path, top: str = "dtrain", modules: dict[str, Path] = MODULES) -> set[str]:
     """Modules of package ``top`` (in ``modules``) that ``module`` imports anywhere in its source."""
     is_pkg = path.name == "__init__.py"
     package = module if is_pkg else module.rpartition(".")[0]
     targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -295,7 +302,7 @@ def test_the_lab_does_not_edit_sys_path_and_dtrain_does_not_import_it():
     edits = [
         f"{m}:{node.lineno}"
         for m, p in sorted(LAB_MODULES.items())
-        for node in ast.walk(ast.parse(p.read_text(), str(p)))
+        for node in ast.walk(_tree(p))
         if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
     ]
     assert edits == [], f"sys.path used in: {edits}"
@@ -307,21 +314,21 @@ def test_the_lab_does_not_edit_sys_path_and_dtrain_does_not_import_it():
 MAX_FUNCTION_LINES = 100
 
 
-def _long_functions(source: str, module: str, limit: int) -> set[str]:
+def _long_functions(tree: ast.Module, module: str, limit: int) -> set[str]:
     """``module:name`` of every function (methods and nested ones too) spanning more than ``limit``
     lines, its decorators and docstring included."""
     return {
         f"{module}:{node.name}"
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
     }
 
 
 @pytest.mark.timeout(10)
 def test_no_function_in_the_lab_is_longer_than_100_lines():
-    assert _long_functions("def f():\n" + "    x = 1\n" * 100, "m", MAX_FUNCTION_LINES) == {"m:f"}
-    assert _long_functions("def f():\n" + "    x = 1\n" * 99, "m", MAX_FUNCTION_LINES) == set()
-    long = set().union(*(_long_functions(p.read_text(), m, MAX_FUNCTION_LINES) for m, p in LAB_MODULES.items()))
+    assert _long_functions(ast.parse("def f():\n" + "    x = 1\n" * 100), "m", MAX_FUNCTION_LINES) == {"m:f"}
+    assert _long_functions(ast.parse("def f():\n" + "    x = 1\n" * 99), "m", MAX_FUNCTION_LINES) == set()
+    long = set().union(*(_long_functions(_tree(p), m, MAX_FUNCTION_LINES) for m, p in LAB_MODULES.items()))
     assert long == set(), f"split these (at most {MAX_FUNCTION_LINES} lines): {sorted(long)}"
 
 
