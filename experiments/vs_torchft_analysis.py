@@ -361,11 +361,8 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
         if "targets" in c:
             figures = (c["round_wall_median"], c["final_val_loss_mean"], c["bytes_per_round"])
             got = ", ".join(f"**{'met' if v else 'MISSED'}** ({k})" for k, v in c["targets"].items())
-            out.append(
-                f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = "
-                + " / ".join(_f(x) for x in figures)
-                + "."
-            )
+            nums = " / ".join(_f(x) for x in figures)
+            out.append(f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = {nums}.")
     return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
 
@@ -468,6 +465,9 @@ def _fault_section(runs: dict) -> list[str]:
     def surv(key: str):
         return lambda x, f: "; ".join(f"{s}: {v[key]}" for s, v in f["survivors"].items())
 
+    def pair(a: str, b: str, fmt: str = "{}"):
+        return lambda x, f: f"{_f(f[a], fmt)} / {_f(f[b], fmt)}"
+
     rows = [
         [head, "dtrain", "torchft"],
         row("rounds discarded at survivors (inner work thrown away)", surv("discarded_rounds")),
@@ -479,18 +479,12 @@ def _fault_section(runs: dict) -> list[str]:
             "longest stall a survivor saw (s)",
             lambda x, f: f"{_f(f['longest_stall_s'], '{:.2f}')} ({f['longest_stall_at']})",
         ),
-        row(
-            "restarted site: go -> start line / first round (s)",
-            lambda x, f: f"{_f(f['restart_start_line_s'], '{:.1f}')} / {_f(f['rejoin_s'], '{:.1f}')}",
-        ),
+        row("restarted site: go -> start line / first round (s)", pair("restart_start_line_s", "rejoin_s", "{:.1f}")),
         row(
             "restarted site's first round (status)",
             lambda x, f: f"{f['restart_first_round']} ({f['restart_first_status']})",
         ),
-        row(
-            "rounds site-1 took part in / missed",
-            lambda x, f: f"{f['site1_rounds_taken_part']} / {f['site1_rounds_missed']}",
-        ),
+        row("rounds site-1 took part in / missed", pair("site1_rounds_taken_part", "site1_rounds_missed")),
         row("final val loss, mean of finished sites", lambda x, f: _f(x["final_val_loss_mean"], "{:.4f}")),
     ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
@@ -525,11 +519,9 @@ def pyspy_summary(path: Path, top: int = 12) -> dict:
         if not n.isdigit():
             continue
         total += int(n)
-        frames = stack.split(";")
-        joined = ";".join(frames)
-        cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in joined for k in keys)), "other")
+        cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in stack for k in keys)), "other")
         cats[cat] += int(n)
-        leaves[frames[-1]] += int(n)
+        leaves[stack.rpartition(";")[2]] += int(n)
     return {
         "samples": total,
         "categories": {k: v / total for k, v in cats.most_common()} if total else {},
