@@ -79,8 +79,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
     """Per-site facts of one run, and that run's pooled per-round samples."""
     system = row[SYSTEM]
     sites = {}
-    pool: dict[str, Any] = {"walls": [], "overheads": [], "recv_by_round": Counter()}
-    pool.update({k: [] for k in ("sync_s", "inner_s", *SPLIT)})
+    pool: dict[str, list] = {k: [] for k in ("walls", "overheads", "received", "sync_s", "inner_s", *SPLIT)}
     for s in _sites(procs):
         start = next(iter(_events(procs[s], "start")), None)
         rounds = _events(procs[s], "round")
@@ -91,8 +90,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
         pool["overheads"] += [w - d["inner_s"] for w, d in zip(deltas, rounds[1:])]
         for k in ("sync_s", "inner_s", *SPLIT):
             pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
-        for d in rounds:
-            pool["recv_by_round"][d["round"]] += int(_num(d, "bytes_received"))
+        pool["received"] += [int(_num(d, "bytes_received")) for d in rounds]
         sites[s] = {
             "rounds_logged": len(rounds),
             "rounds_applied": sum(_applied(system, d) for d in rounds),
@@ -113,8 +111,8 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     row = rows[0]
     per_run = [_site_stats(r, runs.get(r["run"], {})) for r in rows]
     sites = per_run[0][0]
-    pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1] if isinstance(per_run[0][1][k], list)}
-    wire = [sum(p["recv_by_round"].values()) / row[ROUNDS] for _, p in per_run if p["recv_by_round"]]
+    pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1]}
+    wire = [sum(p["received"]) / row[ROUNDS] for _, p in per_run if p["received"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
     ends = [d for r in rows for p in runs.get(r["run"], {}).values() for d in _events(p, "exit")]
