@@ -92,8 +92,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
             pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
         pool["received"] += [int(_num(d, "bytes_received")) for d in rounds]
         sites[s] = {
-            "rounds_logged": len(rounds),
-            "rounds_applied": sum(_applied(system, d) for d in rounds),
+            "not_applied": sum(not _applied(system, d) for d in rounds),
             "final_val_loss": rounds[-1]["val_loss"] if rounds else None,
             "finished": bool(end.get("finished")),
             "peak_rss_mb": end["maxrss_kb"] / 1024 if end.get("maxrss_kb") else None,
@@ -132,11 +131,7 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
         "final_val_loss_mean": statistics.mean(finals) if finals else None,
         "final_val_loss": {s: v["final_val_loss"] for s, v in finished.items()},
         "checksums_agree": bool(row.get("checksums_agree")),
-        "not_applied": {
-            s: v["rounds_logged"] - v["rounds_applied"]
-            for s, v in sites.items()
-            if v["rounds_logged"] > v["rounds_applied"]
-        },
+        "not_applied": {s: v["not_applied"] for s, v in sites.items() if v["not_applied"]},
         "bytes_per_round_total": statistics.mean(wire) if wire else None,
         "peak_rss_mb_max": max(rss) if rss else None,
         "peak_rss_mb_mean": statistics.mean(rss) if rss else None,
