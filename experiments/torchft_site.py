@@ -35,6 +35,7 @@ import resource
 import signal
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,11 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # to stderr
     t_start = time.monotonic()
     import torch
     from torch.distributed import TCPStore
@@ -125,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             summary = _train(a, site, task, manager, state, metrics, t_start)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     manager.shutdown(wait=False)
-    store = None
     return 0
 
 
@@ -186,10 +182,9 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
     start = {"site": site, "event": "start", "round": manager.current_step(), "val_loss": val}
     start |= {"wall_s": time.monotonic() - t_start, "params": numel, "time": time.time(), "pid": os.getpid()}
     metrics.write(json.dumps(start) + "\n")
-    totals = {"bytes_sent": 0, "sync_s": 0.0, "inner_s": 0.0, "committed": 0}
-    max_attempts = 4 * a.rounds + 10
+    totals = Counter(bytes_sent=0, sync_s=0.0, inner_s=0.0, committed=0)
     train_loss = float("nan")
-    while manager.current_step() < a.rounds and state["attempt"] < max_attempts:
+    while manager.current_step() < a.rounds and state["attempt"] < 4 * a.rounds + 10:
         t_inner = time.monotonic()
         losses = []
         step_before = manager.current_step()
@@ -208,10 +203,7 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
         members = manager.num_participants()
         val = task.evaluate(model)
         sent = ring_allreduce_bytes(numel, members) if state["allreduce_calls"] > calls_before else 0
-        totals["bytes_sent"] += sent
-        totals["sync_s"] += sync_s
-        totals["inner_s"] += inner_s
-        totals["committed"] += int(committed)
+        totals.update(bytes_sent=sent, sync_s=sync_s, inner_s=inner_s, committed=int(committed))
         metrics.write(
             json.dumps(
                 {

@@ -188,12 +188,9 @@ def _start_coordinator(run: Run, cluster: Cluster) -> str:
     _spawn(cluster, "lighthouse", n, argv, cluster.root / "lighthouse.log")
 
     def lighthouse_up() -> bool:
-        try:
-            if cluster.topo is None:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return True
-            with cluster.topo.socket(0) as s:  # from inside site 0's namespace
-                s.settimeout(2.0)
+        try:  # under netem: from inside site 0's namespace
+            with socket.socket() if cluster.topo is None else cluster.topo.socket(0) as s:
+                s.settimeout(0.5 if cluster.topo is None else 2.0)
                 s.connect((cluster.host(n), port))
                 return True
         except OSError:
@@ -203,12 +200,11 @@ def _start_coordinator(run: Run, cluster: Cluster) -> str:
     return f"http://{cluster.host(n)}:{port}"
 
 
-def _site_argv(
-    run: Run, cluster: Cluster, coord: str, i: int, out_name: str, *, fault: bool, barrier: bool
-) -> tuple[list[str], dict]:
+def _site_argv(run: Run, cluster: Cluster, coord: str, i: int, out_name: str) -> tuple[list[str], dict]:
     """A pre-warmed site process's command line (``_child``: it imports first, then waits for its
-    go file) and its environment: a dtrain worker or a torchft site, faulted or not."""
+    go file) and its environment: a dtrain worker or a torchft site, faulted (the killed site) or not."""
     n, gate, out = run.s[va.SITES], cluster.root / "gate", cluster.root / out_name
+    fault = run.kill_round >= 0 and out_name == va.KILLED
     env = {"GLOO_SOCKET_IFNAME": "lo"}
     if cluster.topo is not None:
         from netem._rules import SITE_IF  # noqa: PLC0415
@@ -230,7 +226,7 @@ def _site_argv(
         args = [*common, "--lighthouse", coord, "--host", cluster.host(i)]
         if fault:
             args += ["--kill-at-round", str(run.kill_round)]
-        if barrier:
+        if out_name != va.RESTART:  # the replacement joins a running quorum: no start barrier
             args += ["--barrier-dir", str(gate)]
     warm, go = str(gate / f"warm-{out_name}"), str(gate / f"go-{out_name}")
     return [sys.executable, "-m", "experiments.vs_torchft", "_child", run.system, warm, go, "--", *args], env
@@ -241,13 +237,13 @@ def _start_sites(run: Run, cluster: Cluster, coord: str, start_together, rec: Re
     its go), then let them go together."""
     n, run_dir, gate = run.s[va.SITES], cluster.root, cluster.root / "gate"
     names = [f"site-{i}" for i in range(n)]
-    todo = [(i, name, run.kill_round >= 0 and i == va.KILLED_SITE, True) for i, name in enumerate(names)]
+    todo = list(enumerate(names))
     if run.kill_round >= 0:  # pre-warm the replacement now; it starts when told
-        todo.append((va.KILLED_SITE, va.RESTART, False, False))
-    for i, name, fault, barrier in todo:
-        argv, env = _site_argv(run, cluster, coord, i, name, fault=fault, barrier=barrier)
+        todo.append((va.KILLED_SITE, va.RESTART))
+    for i, name in todo:
+        argv, env = _site_argv(run, cluster, coord, i, name)
         _spawn(cluster, name, i, argv, run_dir / name / "worker.log", env)
-    every = [name for _, name, _, _ in todo]  # a site exiting now is a failure: check_alive with no good exit code
+    every = [name for _, name in todo]  # a site exiting now is a failure: check_alive with no good exit code
     warm = lambda: all((gate / f"warm-{nm}").exists() for nm in every)  # noqa: E731
     cluster.wait(lambda: cluster.check_alive(every, ()) or warm(), "every site to import torch", 600)
     if start_together is not None:

@@ -79,8 +79,7 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
     """Per-site facts of one run, and that run's pooled per-round samples."""
     system = row[SYSTEM]
     sites = {}
-    pool: dict[str, Any] = {"walls": [], "overheads": [], "recv_by_round": Counter()}
-    pool.update({k: [] for k in ("sync_s", "inner_s", *SPLIT)})
+    pool: dict[str, list] = {k: [] for k in ("walls", "overheads", "received", "sync_s", "inner_s", *SPLIT)}
     for s in _sites(procs):
         start = next(iter(_events(procs[s], "start")), None)
         rounds = _events(procs[s], "round")
@@ -91,11 +90,9 @@ def _site_stats(row: dict, procs: dict[str, Rows]) -> tuple[dict, dict]:
         pool["overheads"] += [w - d["inner_s"] for w, d in zip(deltas, rounds[1:])]
         for k in ("sync_s", "inner_s", *SPLIT):
             pool[k] += [d[k] for d in rounds[1:] if d.get(k) is not None]
-        for d in rounds:
-            pool["recv_by_round"][d["round"]] += int(_num(d, "bytes_received"))
+        pool["received"] += [int(_num(d, "bytes_received")) for d in rounds]
         sites[s] = {
-            "rounds_logged": len(rounds),
-            "rounds_applied": sum(_applied(system, d) for d in rounds),
+            "not_applied": sum(not _applied(system, d) for d in rounds),
             "final_val_loss": rounds[-1]["val_loss"] if rounds else None,
             "finished": bool(end.get("finished")),
             "peak_rss_mb": end["maxrss_kb"] / 1024 if end.get("maxrss_kb") else None,
@@ -113,8 +110,8 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
     row = rows[0]
     per_run = [_site_stats(r, runs.get(r["run"], {})) for r in rows]
     sites = per_run[0][0]
-    pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1] if isinstance(per_run[0][1][k], list)}
-    wire = [sum(p["recv_by_round"].values()) / row[ROUNDS] for _, p in per_run if p["recv_by_round"]]
+    pool = {k: [x for _, p in per_run for x in p[k]] for k in per_run[0][1]}
+    wire = [sum(p["received"]) / row[ROUNDS] for _, p in per_run if p["received"]]
     finished = {s: v for s, v in sites.items() if v["finished"]}
     finals = [v["final_val_loss"] for v in finished.values() if v["final_val_loss"] is not None]
     ends = [d for r in rows for p in runs.get(r["run"], {}).values() for d in _events(p, "exit")]
@@ -134,11 +131,7 @@ def run_stats(rows: Rows, runs: dict[str, dict[str, Rows]]) -> dict:
         "final_val_loss_mean": statistics.mean(finals) if finals else None,
         "final_val_loss": {s: v["final_val_loss"] for s, v in finished.items()},
         "checksums_agree": bool(row.get("checksums_agree")),
-        "not_applied": {
-            s: v["rounds_logged"] - v["rounds_applied"]
-            for s, v in sites.items()
-            if v["rounds_logged"] > v["rounds_applied"]
-        },
+        "not_applied": {s: v["not_applied"] for s, v in sites.items() if v["not_applied"]},
         "bytes_per_round_total": statistics.mean(wire) if wire else None,
         "peak_rss_mb_max": max(rss) if rss else None,
         "peak_rss_mb_mean": statistics.mean(rss) if rss else None,
@@ -361,11 +354,8 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
         if "targets" in c:
             figures = (c["round_wall_median"], c["final_val_loss_mean"], c["bytes_per_round"])
             got = ", ".join(f"**{'met' if v else 'MISSED'}** ({k})" for k, v in c["targets"].items())
-            out.append(
-                f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = "
-                + " / ".join(_f(x) for x in figures)
-                + "."
-            )
+            nums = " / ".join(_f(x) for x in figures)
+            out.append(f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = {nums}.")
     return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
 
@@ -468,6 +458,9 @@ def _fault_section(runs: dict) -> list[str]:
     def surv(key: str):
         return lambda x, f: "; ".join(f"{s}: {v[key]}" for s, v in f["survivors"].items())
 
+    def pair(a: str, b: str, fmt: str = "{}"):
+        return lambda x, f: f"{_f(f[a], fmt)} / {_f(f[b], fmt)}"
+
     rows = [
         [head, "dtrain", "torchft"],
         row("rounds discarded at survivors (inner work thrown away)", surv("discarded_rounds")),
@@ -479,18 +472,12 @@ def _fault_section(runs: dict) -> list[str]:
             "longest stall a survivor saw (s)",
             lambda x, f: f"{_f(f['longest_stall_s'], '{:.2f}')} ({f['longest_stall_at']})",
         ),
-        row(
-            "restarted site: go -> start line / first round (s)",
-            lambda x, f: f"{_f(f['restart_start_line_s'], '{:.1f}')} / {_f(f['rejoin_s'], '{:.1f}')}",
-        ),
+        row("restarted site: go -> start line / first round (s)", pair("restart_start_line_s", "rejoin_s", "{:.1f}")),
         row(
             "restarted site's first round (status)",
             lambda x, f: f"{f['restart_first_round']} ({f['restart_first_status']})",
         ),
-        row(
-            "rounds site-1 took part in / missed",
-            lambda x, f: f"{f['site1_rounds_taken_part']} / {f['site1_rounds_missed']}",
-        ),
+        row("rounds site-1 took part in / missed", pair("site1_rounds_taken_part", "site1_rounds_missed")),
         row("final val loss, mean of finished sites", lambda x, f: _f(x["final_val_loss_mean"], "{:.4f}")),
     ]
     for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
@@ -525,11 +512,9 @@ def pyspy_summary(path: Path, top: int = 12) -> dict:
         if not n.isdigit():
             continue
         total += int(n)
-        frames = stack.split(";")
-        joined = ";".join(frames)
-        cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in joined for k in keys)), "other")
+        cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in stack for k in keys)), "other")
         cats[cat] += int(n)
-        leaves[frames[-1]] += int(n)
+        leaves[stack.rpartition(";")[2]] += int(n)
     return {
         "samples": total,
         "categories": {k: v / total for k, v in cats.most_common()} if total else {},
