@@ -214,38 +214,30 @@ class _Soak(Cluster):
 
     def inject(self) -> bool:
         """Inject the next fault; False when none could be now (try again shortly)."""
-        c = self.cfg
         kind = self.draw()
         if kind is None:
             return False
-        i = self.rng.randrange(1, c.num_sites)
-        if kind in ("rv_kill", "rv_stop"):
-            self._rendezvous_fault(kind)
-        elif kind == "kill":
-            self.procs[f"site-{i}"].kill()
-            self.down[i] = time.monotonic() + c.down_s
-        elif kind == "stop":
-            self.procs[f"site-{i}"].send(signal.SIGSTOP)
-            self.stopped.add(i)
-            self.down[i] = time.monotonic() + c.down_s
-        elif kind == "partition":
-            self.topo.partition(i, True)
-            self.cut.add(i)
-            self.down[i] = time.monotonic() + c.down_s
+        i = self.rng.randrange(1, self.cfg.num_sites)
+        if kind in EXCLUSIVE:
+            self._take_out(kind, self.cfg.num_sites if kind.startswith("rv_") else i)
         elif not self._rogue_action(kind, i):
             return False
         log.info("chaos: %s on %s", kind, "rendezvous" if kind.startswith("rv_") else f"site-{i}")
         self.out.faults[kind] += 1
         return True
 
-    def _rendezvous_fault(self, kind: str) -> None:
-        n = self.cfg.num_sites
-        if kind == "rv_kill":
-            self.procs["rendezvous"].kill()
+    def _take_out(self, kind: str, i: int) -> None:
+        """SIGKILL, SIGSTOP or cut off site ``i`` (``num_sites``: the rendezvous) for ``down_s``."""
+        name = "rendezvous" if i == self.cfg.num_sites else f"site-{i}"
+        if kind.endswith("kill"):
+            self.procs[name].kill()
+        elif kind.endswith("stop"):
+            self.procs[name].send(signal.SIGSTOP)
+            self.stopped.add(i)
         else:
-            self.procs["rendezvous"].send(signal.SIGSTOP)
-            self.stopped.add(n)
-        self.down[n] = time.monotonic() + self.cfg.down_s
+            self.topo.partition(i, True)
+            self.cut.add(i)
+        self.down[i] = time.monotonic() + self.cfg.down_s
 
     def _rogue_action(self, kind: str, i: int) -> bool:
         addr = _address(self, i)
@@ -401,32 +393,24 @@ def _row(res: dict) -> dict:
 
 def table(rows: list[dict], rounds: list, m: dict, prefix: Path) -> str:
     """One column per soak (seed): faults, hangs, unequal θ, rounds lost, stalls, refusals, growth, loss."""
-    items = [
-        ("faults injected", lambda r: f"{r['num_faults']} ({r['faults']})"),
-        ("rounds (site-0)", lambda r: r["rounds"]),
-        ("hangs (round_s > broadcast deadline + 1 s)", lambda r: r["hangs"]),
-        ("rounds with unequal θ among applying sites, unexplained", lambda r: r["checksum_mismatch_rounds"]),
-        (
-            "rounds with unequal θ after an owner some site could not reach (known, open)",
-            lambda r: r["owner_cut_rounds"],
-        ),
-        ("rounds lost at site-0", lambda r: r["rounds_lost_at_site0"]),
-        ("longest stall (sync_s, s)", lambda r: r["longest_stall_s"]),
-        ("contributions refused (named per chunk)", lambda r: f"{r['rejected_contributions']} ({r['rejected_named']})"),
-        ("refused contributions found in an applied mean", lambda r: r["refused_but_applied"]),
-        (
-            "largest RSS (kB) / fd growth after warm-up of a site",
-            lambda r: f"{r['max_rss_growth_kb']} / {r['max_fd_growth']}",
-        ),
-        (
-            "final val loss, this run (fault-free run, same seed; None: not run)",
-            lambda r: f"{r['final_val_loss']} ({r['fault_free_final_val_loss']})",
-        ),
-        ("netem", lambda r: r["netem"]),
-        ("wall (s)", lambda r: r["wall_s"]),
-    ]
+    items = {  # label -> the cell, from the row's columns
+        "faults injected": "{num_faults} ({faults})",
+        "rounds (site-0)": "{rounds}",
+        "hangs (round_s > broadcast deadline + 1 s)": "{hangs}",
+        "rounds with unequal θ among applying sites, unexplained": "{checksum_mismatch_rounds}",
+        "rounds with unequal θ after an owner some site could not reach (known, open)": "{owner_cut_rounds}",
+        "rounds lost at site-0": "{rounds_lost_at_site0}",
+        "longest stall (sync_s, s)": "{longest_stall_s}",
+        "contributions refused (named per chunk)": "{rejected_contributions} ({rejected_named})",
+        "refused contributions found in an applied mean": "{refused_but_applied}",
+        "largest RSS (kB) / fd growth after warm-up of a site": "{max_rss_growth_kb} / {max_fd_growth}",
+        "final val loss, this run (fault-free run, same seed; None: not run)": "{final_val_loss} "
+        "({fault_free_final_val_loss})",
+        "netem": "{netem}",
+        "wall (s)": "{wall_s}",
+    }
     head = ["| | " + " | ".join(f"seed {r['seed']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
-    return "\n".join([*head, *(f"| {k} | " + " | ".join(str(f(r)) for r in rows) + " |" for k, f in items)])
+    return "\n".join([*head, *(f"| {k} | " + " | ".join(f.format(**r) for r in rows) + " |" for k, f in items.items())])
 
 
 def verdict(rows: list[dict], rounds: list, m: dict) -> list[str]:
