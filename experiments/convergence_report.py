@@ -79,11 +79,12 @@ MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent ab
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
 
 
-def verdict(mu: float, se: float, target: float, *, se_target: float = SE_TARGET_PP) -> str:
-    """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent)."""
-    if not se <= se_target:
+def verdict(mu: float, se: float, target: float) -> str:
+    """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent), resolved
+    at an SE of ``SE_TARGET_PP``."""
+    if not se <= SE_TARGET_PP:
         if mu - target > 2 * se:  # worse than the target by more than twice its noise
-            return f"missed by {mu - target:.2f} pp (SE {se:.2f} pp, above {se_target} but far below the miss)"
+            return f"missed by {mu - target:.2f} pp (SE {se:.2f} pp, above {SE_TARGET_PP} but far below the miss)"
         return f"unresolved at SE {se:.2f} pp (mean {mu:+.2f}%)"
     return "met" if mu <= target else f"missed by {mu - target:.2f} pp"
 
@@ -106,10 +107,14 @@ def _pm_se(xs: Sequence[float]) -> str:
     return f"{mu:+.2f}%" + (f" ± {se:.2f}" if math.isfinite(se) else " (1 seed)")
 
 
-def long_sections(rows) -> list[str]:
-    """The --long-check sections (``long STEPS``), fewest steps first."""
+def long_sections(rows) -> list[tuple[str, int, str]]:
+    """The --long-check sections (``long STEPS``), fewest steps first, each with its inner steps and its
+    base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
     secs = {r["section"] for r in rows if str(r["section"]).startswith(LONG + " ")}
-    return sorted(secs, key=lambda x: int(x.split()[1]))
+    return [
+        (x, int(_rows(rows, x)[0]["inner_steps"]), DDP if any(r["method"] == DDP for r in _rows(rows, x)) else BIG)
+        for x in sorted(secs, key=lambda x: int(x.split()[1]))
+    ]
 
 
 def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str) -> Path:
@@ -220,11 +225,6 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
 
 
-def _long_base(rows, section: str) -> str:
-    """A --long-check section's base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
-    return DDP if any(r["method"] == DDP for r in _rows(rows, section)) else BIG
-
-
 def _part(rows, rounds, prefix: Path, head: str, section: str, data: str, title: str, base: str = DDP) -> str:
     """``head``, the plot of one data setting of ``section`` (titled ``title``) and its table against ``base``."""
     md, _ = convergence_table(rows, section, data, base)
@@ -235,23 +235,14 @@ def _part(rows, rounds, prefix: Path, head: str, section: str, data: str, title:
 def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
     """The RESULTS.md section under its stamp: setup, scope, tables and plots (the claims: :func:`claims_of`)."""
     n, diag = m["num_sites"], "diagnosis: cosine inner LR"
-    parts = [
-        _part(
-            rows,
-            rounds,
-            prefix,
-            f"**Convergence, {d} shards**",
-            "convergence",
-            d,
-            f"{n} sites, {m['size']}, {d} shards",
-        )
-        for d in m["seeds"]
-    ]
+    parts = []
+    for d in m["seeds"]:
+        title = f"{n} sites, {m['size']}, {d} shards"
+        parts.append(_part(rows, rounds, prefix, f"**Convergence, {d} shards**", "convergence", d, title))
     if _rows(rows, diag, "iid"):
         head = "**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0"
         parts.append(_part(rows, rounds, prefix, head, diag, "iid", "warmup + cosine inner LR, iid"))
-    for section in long_sections(rows):
-        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
+    for section, steps, base in long_sections(rows):
         against = (
             "against DDP"
             if base == DDP
@@ -346,15 +337,14 @@ def claims_of(rows, m: dict[str, Any]) -> str:
     diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
     if diag:
         out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(*_best_diloco(diag, h), h))
-    for section in long_sections(rows):
-        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
+    for section, steps, base in long_sections(rows):
         what = "DDP" if base == DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
         deltas = convergence_table(rows, section, "iid", base)[1]
         out.append(
             f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
             + _vs_ddp(*_best_diloco(deltas, h), h, base)
         )
-    facts = fault_table(rows)[1]
+    facts, netem_claim = fault_table(rows)[1], netem.claim(netem.table(rows)[1], verdict)
     checks = [
         (LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
         (RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),
@@ -362,6 +352,8 @@ def claims_of(rows, m: dict[str, Any]) -> str:
     checks += [(c, se_t, f"{c} no regression against fp32 (Δ ≤ {se_t} pp, the resolution)") for c in CODECS]
     for name, target, what in checks:
         if name in facts:
+            if name == RESTART and netem_claim:  # the netem pairs' claim before the site-down one
+                out.append(netem_claim)
             mu, se, n = facts[name]
             out.append(f"- {what}: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) → **{verdict(mu, se, target)}**")
     _, best, best_d = sweep_tables(rows, m)
@@ -383,8 +375,4 @@ def claims_of(rows, m: dict[str, Any]) -> str:
                 f"against DDP, the default {statistics.fmean(default):+.2f}% → "
                 + ("**it is better there too**" if better else "**the default is the better one there**")
             )
-    statements = "\n".join(out)
-    netem_claim = netem.claim(netem.table(rows)[1], verdict)
-    if netem_claim:
-        statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
-    return statements
+    return "\n".join(out)
