@@ -243,14 +243,6 @@ def item_points(m: dict[str, Any], section: str, items: Sequence[str], seeds: Se
     return points
 
 
-def long_points(m: dict[str, Any], text: str) -> list[Point]:
-    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), in a
-    section (a table) of its own per step count, ``long STEPS``."""
-    steps, items, *seeds = text.split(":")
-    span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
-    return item_points(m, f"{LONG} {steps}", items.split(","), span, int(steps))
-
-
 def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
     """Rows of section ``LONG`` (before one section per step count) go to ``long STEPS``."""
     renamed = {}
@@ -354,17 +346,17 @@ def side_points(k: dict[str, Any]) -> list[Point]:
         a, b = (int(x) for x in rest.split(":"))
         names = _fault_names(k["fixed"]["convergence.fault_names"] or "fault-free,loss10,restart,int8,int4,topk")
         return fault_points(k, names, range(a, b))
-    if kind == "outer":
-        items, seeds = _items(rest)
-        return item_points(k, "convergence", items, seeds, k["total_steps"])
-    if kind == "sweep":  # LR/M items at h_main over the sweep's steps
-        items, seeds = _items(rest)
-        return item_points(k, "sweep", items, seeds, k["sweep"]["total_steps"])
+    if kind in ("outer", "sweep"):  # ITEM,ITEM,...:A:B, seeds A..B-1; sweep: over the sweep's steps
+        items, a, b = rest.rsplit(":", 2)
+        section, steps = ("convergence", k["total_steps"]) if kind == "outer" else ("sweep", k["sweep"]["total_steps"])
+        return item_points(k, section, items.split(","), range(int(a), int(b)), steps)
     if kind == "rerun-diloco":
         points = convergence_points(k) + diagnosis_points(k, None)
         return [p for p in points if p.settings["task_spec.num_sites"] > 1 and not _is_ddp(p)]
-    if kind == "long":
-        return long_points(k, rest)
+    if kind == "long":  # STEPS:ITEMS[:A:B], seeds A..B-1 (default 0), a section (a table) per step count
+        steps, items, *seeds = rest.split(":")
+        span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
+        return item_points(k, f"{LONG} {steps}", items.split(","), span, int(steps))
     if kind == "netem":
         a, _ = (int(x) for x in rest.split(":"))
         h = k["h_main"]
@@ -392,12 +384,6 @@ def _fault_names(text: str) -> list[str]:
     if acc:
         raise SystemExit(f"convergence.fault_names: unknown run {acc!r}; known: {known} or {sorted(ALIASES)}")
     return out
-
-
-def _items(text: str) -> tuple[list[str], range]:
-    """``"ITEM,ITEM,...:A:B"`` -> the items and seeds A..B-1."""
-    items, a, b = text.rsplit(":", 2)
-    return items.split(","), range(int(a), int(b))
 
 
 #: the side runs' CSVs a --replot merges: the lab's (``--set convergence.side=...``) and the script's
