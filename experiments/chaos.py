@@ -112,20 +112,12 @@ def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int =
     """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at
     the target (from its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
+    chunk = dict(chunk=0, offset=0, numel=4096, codec="fp32", sender="site-0", payload=b"\x00" * 64)
     try:
         for _ in range(num_tries):
             rnd, opened = _next_round(metrics), True
             for b in range(num_buckets):
-                c = Contribution(
-                    round=rnd,
-                    bucket=b,
-                    chunk=0,
-                    offset=0,
-                    numel=4096,
-                    codec="fp32",
-                    sender="site-0",
-                    payload=b"\x00" * 64,
-                )
+                c = Contribution(round=rnd, bucket=b, **chunk)
                 try:
                     t.push(address, [c], timeout_s=2.0)
                 except Exception as e:  # noqa: BLE001 - refused, as it must be
@@ -385,9 +377,7 @@ def _row(res: dict) -> dict:
         "rounds_lost_at_site0": len(res["rounds_lost_at_site0"]),
         "max_rss_growth_kb": max((g["rss_kb"] for g in growth), default=0),
         "max_fd_growth": max((g["fds"] for g in growth), default=0),
-        "final_val_loss": res["final_val_loss"],
-        "fault_free_final_val_loss": res["fault_free_final_val_loss"],
-        "wall_s": res["wall_s"],
+        **{k: res[k] for k in ("final_val_loss", "fault_free_final_val_loss", "wall_s")},
     }
 
 
