@@ -161,10 +161,8 @@ def _diloco(
     m: dict[str, Any], section: str, data: str, h: int, outer: tuple[float, float], seed: int, steps: int, **kw: Any
 ) -> Point:
     """DiLoCo with N sites at H = h and the outer SGD (lr, momentum) = ``outer``."""
-    lr, momentum = outer
-    return _spec(
-        m, section, data, diloco_label(h, outer), seed, steps, sync_every=h, outer_lr=lr, outer_momentum=momentum, **kw
-    )
+    kw = dict(sync_every=h, outer_lr=outer[0], outer_momentum=outer[1], **kw)
+    return _spec(m, section, data, diloco_label(h, outer), seed, steps, **kw)
 
 
 def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int, **kw: Any) -> list[Point]:
@@ -393,13 +391,8 @@ SIDE_FILES = ("convergence_convergence-side=", "convergence_faults", "convergenc
 def side_files(prefix: Path) -> list[Path]:
     """The side-run CSVs beside ``prefix`` (``OUT/convergence[_MODE]``) of its mode, oldest first."""
     mode = prefix.name.removeprefix("convergence")  # "", "_smoke" or "_full"
-    out = []
-    for name in SIDE_FILES:
-        for p in prefix.parent.glob(name + "*.csv"):
-            if not p.stem.endswith("_rounds") and (
-                p.stem.endswith(mode) if mode else not p.stem.endswith(("_smoke", "_full"))
-            ):
-                out.append(p)
+    out = [p for name in SIDE_FILES for p in prefix.parent.glob(name + "*.csv") if not p.stem.endswith("_rounds")]
+    out = [p for p in out if (p.stem.endswith(mode) if mode else not p.stem.endswith(("_smoke", "_full")))]
     return sorted(out, key=lambda p: p.stat().st_mtime)
 
 
