@@ -286,8 +286,7 @@ class _Soak(Cluster):
                 if self.inject():
                     next_fault = now + self.rng.uniform(c.max_gap_s / 4, c.max_gap_s)
             time.sleep(0.05)
-        for i in list(self.down):  # let the last ones back for the end
-            self.down[i] = 0.0
+        self.down = dict.fromkeys(self.down, 0.0)  # let the last ones back for the end
         self.recover()
         self.out.wall_s = time.monotonic() - t0
         deadline = time.monotonic() + 30

@@ -273,11 +273,9 @@ def sweep_best(rows: Sequence[dict[str, Any]], k: int) -> list[tuple[float, floa
 # ---------------------------------------------------------------------------- running
 def _order(points: list[Point]) -> list[Point]:
     """DDP first (each in a thread beside the rest), the rest longest first: fewer idle cores at the end."""
-
-    def work(p: Point) -> int:  # inner steps x sites
-        return p.settings["diloco.sync_every"] * p.settings["rounds"] * p.settings["task_spec.num_sites"]
-
-    return [p for p in points if _is_ddp(p)] + sorted((p for p in points if not _is_ddp(p)), key=work, reverse=True)
+    work = ("diloco.sync_every", "rounds", "task_spec.num_sites")  # inner steps x sites
+    longest_first = sorted(points, key=lambda p: math.prod(p.settings[k] for k in work), reverse=True)
+    return [p for p in points if _is_ddp(p)] + [p for p in longest_first if not _is_ddp(p)]
 
 
 def _is_ddp(point: Point) -> bool:

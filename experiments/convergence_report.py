@@ -121,14 +121,11 @@ def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str
     """Validation loss against inner steps per site, mean over seeds, of every method of the setting."""
     sel = _rows(rows, section, data)
     fig, ax = subplots(figsize=(7.2, 4.6))
+    styles = {DDP: dict(color="black", lw=2), ALONE: dict(color="tab:red", ls=":"), BIG: dict(color="tab:pink", ls=":")}
     for cfg, g in summarize(sel).items():
         method, h = g[0]["method"], int(g[0]["H"])
         xs, ys, _, _ = per_round_mean(rounds, cfg, "val_loss")  # round r ends at step (r + 1)·H; step 0: θ_0
-        style = dict(color="black", lw=2) if method == DDP else {}
-        if method in (ALONE, BIG):
-            style = dict(color="tab:red" if method == ALONE else "tab:pink", ls=":")
-        elif "average" in method:
-            style = dict(ls="--")
+        style = styles.get(method, dict(ls="--") if "average" in method else {})
         first = statistics.fmean(float(r["first_val_loss"]) for r in g)
         ax.plot([0] + [(x + 1) * h for x in xs], [first, *ys], label=method, **style)
     ax.set_xlabel("inner steps per site")
