@@ -290,23 +290,18 @@ def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[float]]:
-    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP among those run on
-    the most seeds (a 1-seed mean is not compared with a 3-seed one)."""
+def _vs_ddp(deltas: dict[str, list[float]], h: int, base: str = DDP) -> str:
+    """The DiLoCo method at H = h with the lowest mean paired Δ against ``base`` among those run on
+    the most seeds (a 1-seed mean is not compared with a 3-seed one): its Δ, and whether it matches."""
     cands = {k: v for k, v in deltas.items() if k.startswith(f"DiLoCo H={h},") and v}
     if not cands:
-        return "—", []
-    k = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
-    return k, cands[k]
-
-
-def _vs_ddp(name: str, d: list[float], ratio_h: int, base: str = DDP) -> str:
-    if not d:
         return "no run"
+    name = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
+    d = cands[name]
     mu, se = mean_se(d)
     se_txt = f"SE {se:.2f} pp, {len(d)} seeds" if math.isfinite(se) else "1 seed"
     state = "**met**" if mu <= MATCH_PCT else f"**missed by {mu - MATCH_PCT:.2f} pp**"
-    return f"{name}: {mu:+.2f}% against {base} ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
+    return f"{name}: {mu:+.2f}% against {base} ({se_txt}), ~{h}x fewer bytes → {state}"
 
 
 def conv_big_vs_ddp(rows) -> str:
@@ -325,18 +320,15 @@ def claims_of(rows, m: dict[str, Any]) -> str:
         out.append(
             f"- DiLoCo vs DDP ({data}; paper: DiLoCo with 8 workers matches synchronous training with 500x less "
             f"communication; ours: {m['num_sites']} sites, H = {h}, 'matches' = final loss at most {MATCH_PCT}% "
-            f"above DDP's): " + _vs_ddp(*_best_diloco(deltas, h), h)
+            f"above DDP's): " + _vs_ddp(deltas, h)
         )
     diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
     if diag:
-        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(*_best_diloco(diag, h), h))
+        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(diag, h))
     for section, steps, base in long_sections(rows):
         what = "DDP" if base == DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
         deltas = convergence_table(rows, section, "iid", base)[1]
-        out.append(
-            f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
-            + _vs_ddp(*_best_diloco(deltas, h), h, base)
-        )
+        out.append(f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: " + _vs_ddp(deltas, h, base))
     facts, netem_claim = fault_table(rows)[1], netem.claim(netem.table(rows)[1], verdict)
     checks = [
         (LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
