@@ -37,13 +37,14 @@ CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
 _SL = dict(
     codec="sparseloco", error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0, broadcast_error_feedback=True
 )
+_INT8_MEANS = dict(broadcast_codec="int8", broadcast_error_feedback=False)  # the owners' means in int8, no EF
 SPARSE = {
     "int4+zstd": dict(codec="int4+zstd"),
     "sparseloco k=32/4096": dict(_SL, sparse_k=32),
     "sparseloco k=64/4096": dict(_SL, sparse_k=64),
     "sparseloco k=128/4096": dict(_SL, sparse_k=128),
     "sparseloco k=64, Nesterov 0.7/0.9, β 1": dict(_SL, error_feedback_decay=1.0, outer_lr=0.7, outer_momentum=0.9),
-    "sparseloco k=64, int8 means": dict(_SL, broadcast_codec="int8", broadcast_error_feedback=False),
+    "sparseloco k=64, int8 means": dict(_SL, **_INT8_MEANS),
     "sparseloco k=64, means at k=256": dict(_SL, broadcast_sparse_k=256),
     "sparseloco k=128, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512),
     "sparseloco k=32, means at k=128": dict(_SL, sparse_k=32, broadcast_sparse_k=128),
@@ -54,9 +55,7 @@ SPARSE = {
     "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
     "sparseloco k=64 sparse-mean": dict(_SL, sparse_mean=True),
     "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),
-    "sparseloco k=64 sparse-mean int8-means": dict(
-        _SL, sparse_mean=True, broadcast_codec="int8", broadcast_error_feedback=False
-    ),
+    "sparseloco k=64 sparse-mean int8-means": dict(_SL, sparse_mean=True, **_INT8_MEANS),
     "sparseloco k=64 sparse-mean β1": dict(_SL, sparse_mean=True, error_feedback_decay=1.0),
 }
 
