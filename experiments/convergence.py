@@ -123,7 +123,7 @@ def knobs(m: dict[str, Any]) -> dict[str, Any]:
     f = m["fixed"]
     k = dict(m, seeds={d: list(m["seeds"]) for d in DATA}, side=f["convergence.side"])
     k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
-    k["total_steps"], k["budget_min"] = f.get("convergence.total_steps"), f.get("convergence.budget_min")
+    k["total_steps"], k["budget_min"] = f.get(STEPS), f.get(BUDGET)
     if f["convergence.fault_steps"]:
         k["faults"] = dict(m["faults"], total_steps=f["convergence.fault_steps"])
     for h in k["hs"]:
@@ -438,8 +438,7 @@ SPEC = Spec(
     report=report,
     verdict=claims,
     execute=run_point,
-    paths=tuple(p for p in FIXED if p.startswith("convergence."))
-    + ("convergence.total_steps", "convergence.budget_min"),
+    paths=tuple(p for p in FIXED if p.startswith("convergence.")) + (STEPS, BUDGET),
     phases=phases,
     beside=_is_ddp,
     jobs_fn=lambda point: not str(point.settings.get("convergence.side") or "").startswith("netem"),  # in this process
