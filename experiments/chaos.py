@@ -102,9 +102,8 @@ def _rss_fds(pid: int) -> tuple[int, int] | None:
 
 def _address(run: Cluster, i: int) -> str | None:
     """Site ``i``'s Peer address, from its log ("peer service listening on HOST:PORT")."""
-    log = run.log_text(i)
     host = run.host(i) + ":"
-    found = [w for w in log.split() if w.startswith(host) and w[len(host) :].isdigit()]
+    found = [w for w in run.log_text(i).split() if w.startswith(host) and w[len(host) :].isdigit()]
     return found[-1] if found else None
 
 

@@ -145,8 +145,7 @@ def convergence_table(rows, section: str, data: str, base_method: str = DDP) -> 
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base) if base else float("nan")
     table, deltas = [], {}
     for method, g in groups.items():
-        d = paired_deltas(g, base, pct=True)
-        deltas[method] = d
+        d = deltas[method] = paired_deltas(g, base, pct=True)
         b = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
         ratio = "1" if method == DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
         ratio = ratio if base_method == DDP else "—"
