@@ -209,8 +209,8 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
         [g[0]["method"], len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(paired_deltas(g, default, pct=True))]
         for g in conf
     ]
-    g = min(conf, key=lambda g: statistics.fmean(r["final_val_loss"] for r in g), default=None)
-    best = NESTEROV if g is None else (float(g[0]["outer_lr"]), float(g[0]["outer_momentum"]))
+    top = min(conf, key=lambda g: statistics.fmean(r["final_val_loss"] for r in g), default=None)
+    best = NESTEROV if top is None else (float(top[0]["outer_lr"]), float(top[0]["outer_momentum"]))
     cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], cells)
     bd = paired_deltas(by.get(diloco_label(m["h_main"], best), []), default, pct=True)
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
