@@ -102,9 +102,8 @@ def _rss_fds(pid: int) -> tuple[int, int] | None:
 
 def _address(run: Cluster, i: int) -> str | None:
     """Site ``i``'s Peer address, from its log ("peer service listening on HOST:PORT")."""
-    log = run.log_text(i)
     host = run.host(i) + ":"
-    found = [w for w in log.split() if w.startswith(host) and w[len(host) :].isdigit()]
+    found = [w for w in run.log_text(i).split() if w.startswith(host) and w[len(host) :].isdigit()]
     return found[-1] if found else None
 
 
@@ -112,20 +111,12 @@ def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int =
     """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at
     the target (from its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
+    chunk = dict(chunk=0, offset=0, numel=4096, codec="fp32", sender="site-0", payload=b"\x00" * 64)
     try:
         for _ in range(num_tries):
             rnd, opened = _next_round(metrics), True
             for b in range(num_buckets):
-                c = Contribution(
-                    round=rnd,
-                    bucket=b,
-                    chunk=0,
-                    offset=0,
-                    numel=4096,
-                    codec="fp32",
-                    sender="site-0",
-                    payload=b"\x00" * 64,
-                )
+                c = Contribution(round=rnd, bucket=b, **chunk)
                 try:
                     t.push(address, [c], timeout_s=2.0)
                 except Exception as e:  # noqa: BLE001 - refused, as it must be
@@ -214,38 +205,30 @@ class _Soak(Cluster):
 
     def inject(self) -> bool:
         """Inject the next fault; False when none could be now (try again shortly)."""
-        c = self.cfg
         kind = self.draw()
         if kind is None:
             return False
-        i = self.rng.randrange(1, c.num_sites)
-        if kind in ("rv_kill", "rv_stop"):
-            self._rendezvous_fault(kind)
-        elif kind == "kill":
-            self.procs[f"site-{i}"].kill()
-            self.down[i] = time.monotonic() + c.down_s
-        elif kind == "stop":
-            self.procs[f"site-{i}"].send(signal.SIGSTOP)
-            self.stopped.add(i)
-            self.down[i] = time.monotonic() + c.down_s
-        elif kind == "partition":
-            self.topo.partition(i, True)
-            self.cut.add(i)
-            self.down[i] = time.monotonic() + c.down_s
+        i = self.rng.randrange(1, self.cfg.num_sites)
+        if kind in EXCLUSIVE:
+            self._take_out(kind, self.cfg.num_sites if kind.startswith("rv_") else i)
         elif not self._rogue_action(kind, i):
             return False
         log.info("chaos: %s on %s", kind, "rendezvous" if kind.startswith("rv_") else f"site-{i}")
         self.out.faults[kind] += 1
         return True
 
-    def _rendezvous_fault(self, kind: str) -> None:
-        n = self.cfg.num_sites
-        if kind == "rv_kill":
-            self.procs["rendezvous"].kill()
+    def _take_out(self, kind: str, i: int) -> None:
+        """SIGKILL, SIGSTOP or cut off site ``i`` (``num_sites``: the rendezvous) for ``down_s``."""
+        name = "rendezvous" if i == self.cfg.num_sites else f"site-{i}"
+        if kind.endswith("kill"):
+            self.procs[name].kill()
+        elif kind.endswith("stop"):
+            self.procs[name].send(signal.SIGSTOP)
+            self.stopped.add(i)
         else:
-            self.procs["rendezvous"].send(signal.SIGSTOP)
-            self.stopped.add(n)
-        self.down[n] = time.monotonic() + self.cfg.down_s
+            self.topo.partition(i, True)
+            self.cut.add(i)
+        self.down[i] = time.monotonic() + self.cfg.down_s
 
     def _rogue_action(self, kind: str, i: int) -> bool:
         addr = _address(self, i)
@@ -302,8 +285,7 @@ class _Soak(Cluster):
                 if self.inject():
                     next_fault = now + self.rng.uniform(c.max_gap_s / 4, c.max_gap_s)
             time.sleep(0.05)
-        for i in list(self.down):  # let the last ones back for the end
-            self.down[i] = 0.0
+        self.down = dict.fromkeys(self.down, 0.0)  # let the last ones back for the end
         self.recover()
         self.out.wall_s = time.monotonic() - t0
         deadline = time.monotonic() + 30
@@ -393,40 +375,30 @@ def _row(res: dict) -> dict:
         "rounds_lost_at_site0": len(res["rounds_lost_at_site0"]),
         "max_rss_growth_kb": max((g["rss_kb"] for g in growth), default=0),
         "max_fd_growth": max((g["fds"] for g in growth), default=0),
-        "final_val_loss": res["final_val_loss"],
-        "fault_free_final_val_loss": res["fault_free_final_val_loss"],
-        "wall_s": res["wall_s"],
+        **{k: res[k] for k in ("final_val_loss", "fault_free_final_val_loss", "wall_s")},
     }
 
 
 def table(rows: list[dict], rounds: list, m: dict, prefix: Path) -> str:
     """One column per soak (seed): faults, hangs, unequal θ, rounds lost, stalls, refusals, growth, loss."""
-    items = [
-        ("faults injected", lambda r: f"{r['num_faults']} ({r['faults']})"),
-        ("rounds (site-0)", lambda r: r["rounds"]),
-        ("hangs (round_s > broadcast deadline + 1 s)", lambda r: r["hangs"]),
-        ("rounds with unequal θ among applying sites, unexplained", lambda r: r["checksum_mismatch_rounds"]),
-        (
-            "rounds with unequal θ after an owner some site could not reach (known, open)",
-            lambda r: r["owner_cut_rounds"],
-        ),
-        ("rounds lost at site-0", lambda r: r["rounds_lost_at_site0"]),
-        ("longest stall (sync_s, s)", lambda r: r["longest_stall_s"]),
-        ("contributions refused (named per chunk)", lambda r: f"{r['rejected_contributions']} ({r['rejected_named']})"),
-        ("refused contributions found in an applied mean", lambda r: r["refused_but_applied"]),
-        (
-            "largest RSS (kB) / fd growth after warm-up of a site",
-            lambda r: f"{r['max_rss_growth_kb']} / {r['max_fd_growth']}",
-        ),
-        (
-            "final val loss, this run (fault-free run, same seed; None: not run)",
-            lambda r: f"{r['final_val_loss']} ({r['fault_free_final_val_loss']})",
-        ),
-        ("netem", lambda r: r["netem"]),
-        ("wall (s)", lambda r: r["wall_s"]),
-    ]
+    items = {  # label -> the cell, from the row's columns
+        "faults injected": "{num_faults} ({faults})",
+        "rounds (site-0)": "{rounds}",
+        "hangs (round_s > broadcast deadline + 1 s)": "{hangs}",
+        "rounds with unequal θ among applying sites, unexplained": "{checksum_mismatch_rounds}",
+        "rounds with unequal θ after an owner some site could not reach (known, open)": "{owner_cut_rounds}",
+        "rounds lost at site-0": "{rounds_lost_at_site0}",
+        "longest stall (sync_s, s)": "{longest_stall_s}",
+        "contributions refused (named per chunk)": "{rejected_contributions} ({rejected_named})",
+        "refused contributions found in an applied mean": "{refused_but_applied}",
+        "largest RSS (kB) / fd growth after warm-up of a site": "{max_rss_growth_kb} / {max_fd_growth}",
+        "final val loss, this run (fault-free run, same seed; None: not run)": "{final_val_loss} "
+        "({fault_free_final_val_loss})",
+        "netem": "{netem}",
+        "wall (s)": "{wall_s}",
+    }
     head = ["| | " + " | ".join(f"seed {r['seed']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
-    return "\n".join([*head, *(f"| {k} | " + " | ".join(str(f(r)) for r in rows) + " |" for k, f in items)])
+    return "\n".join([*head, *(f"| {k} | " + " | ".join(f.format(**r) for r in rows) + " |" for k, f in items.items())])
 
 
 def verdict(rows: list[dict], rounds: list, m: dict) -> list[str]:

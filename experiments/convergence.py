@@ -123,7 +123,7 @@ def knobs(m: dict[str, Any]) -> dict[str, Any]:
     f = m["fixed"]
     k = dict(m, seeds={d: list(m["seeds"]) for d in DATA}, side=f["convergence.side"])
     k |= {key: f.get(FIELD_PATHS[key]) for key in KNOB_FIELDS}
-    k["total_steps"], k["budget_min"] = f.get("convergence.total_steps"), f.get("convergence.budget_min")
+    k["total_steps"], k["budget_min"] = f.get(STEPS), f.get(BUDGET)
     if f["convergence.fault_steps"]:
         k["faults"] = dict(m["faults"], total_steps=f["convergence.fault_steps"])
     for h in k["hs"]:
@@ -161,10 +161,8 @@ def _diloco(
     m: dict[str, Any], section: str, data: str, h: int, outer: tuple[float, float], seed: int, steps: int, **kw: Any
 ) -> Point:
     """DiLoCo with N sites at H = h and the outer SGD (lr, momentum) = ``outer``."""
-    lr, momentum = outer
-    return _spec(
-        m, section, data, diloco_label(h, outer), seed, steps, sync_every=h, outer_lr=lr, outer_momentum=momentum, **kw
-    )
+    kw = dict(sync_every=h, outer_lr=outer[0], outer_momentum=outer[1], **kw)
+    return _spec(m, section, data, diloco_label(h, outer), seed, steps, **kw)
 
 
 def _baselines(m: dict[str, Any], section: str, data: str, seed: int, steps: int, **kw: Any) -> list[Point]:
@@ -243,14 +241,6 @@ def item_points(m: dict[str, Any], section: str, items: Sequence[str], seeds: Se
     return points
 
 
-def long_points(m: dict[str, Any], text: str) -> list[Point]:
-    """``long:STEPS:ITEMS[:A:B]``: ``item_points`` over STEPS steps for seeds A..B-1 (default 0), in a
-    section (a table) of its own per step count, ``long STEPS``."""
-    steps, items, *seeds = text.split(":")
-    span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
-    return item_points(m, f"{LONG} {steps}", items.split(","), span, int(steps))
-
-
 def legacy_long(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> None:
     """Rows of section ``LONG`` (before one section per step count) go to ``long STEPS``."""
     renamed = {}
@@ -283,11 +273,9 @@ def sweep_best(rows: Sequence[dict[str, Any]], k: int) -> list[tuple[float, floa
 # ---------------------------------------------------------------------------- running
 def _order(points: list[Point]) -> list[Point]:
     """DDP first (each in a thread beside the rest), the rest longest first: fewer idle cores at the end."""
-
-    def work(p: Point) -> int:  # inner steps x sites
-        return p.settings["diloco.sync_every"] * p.settings["rounds"] * p.settings["task_spec.num_sites"]
-
-    return [p for p in points if _is_ddp(p)] + sorted((p for p in points if not _is_ddp(p)), key=work, reverse=True)
+    work = ("diloco.sync_every", "rounds", "task_spec.num_sites")  # inner steps x sites
+    longest_first = sorted(points, key=lambda p: math.prod(p.settings[k] for k in work), reverse=True)
+    return [p for p in points if _is_ddp(p)] + [p for p in longest_first if not _is_ddp(p)]
 
 
 def _is_ddp(point: Point) -> bool:
@@ -354,17 +342,17 @@ def side_points(k: dict[str, Any]) -> list[Point]:
         a, b = (int(x) for x in rest.split(":"))
         names = _fault_names(k["fixed"]["convergence.fault_names"] or "fault-free,loss10,restart,int8,int4,topk")
         return fault_points(k, names, range(a, b))
-    if kind == "outer":
-        items, seeds = _items(rest)
-        return item_points(k, "convergence", items, seeds, k["total_steps"])
-    if kind == "sweep":  # LR/M items at h_main over the sweep's steps
-        items, seeds = _items(rest)
-        return item_points(k, "sweep", items, seeds, k["sweep"]["total_steps"])
+    if kind in ("outer", "sweep"):  # ITEM,ITEM,...:A:B, seeds A..B-1; sweep: over the sweep's steps
+        items, a, b = rest.rsplit(":", 2)
+        section, steps = ("convergence", k["total_steps"]) if kind == "outer" else ("sweep", k["sweep"]["total_steps"])
+        return item_points(k, section, items.split(","), range(int(a), int(b)), steps)
     if kind == "rerun-diloco":
         points = convergence_points(k) + diagnosis_points(k, None)
         return [p for p in points if p.settings["task_spec.num_sites"] > 1 and not _is_ddp(p)]
-    if kind == "long":
-        return long_points(k, rest)
+    if kind == "long":  # STEPS:ITEMS[:A:B], seeds A..B-1 (default 0), a section (a table) per step count
+        steps, items, *seeds = rest.split(":")
+        span = range(int(seeds[0]), int(seeds[1])) if seeds else range(1)
+        return item_points(k, f"{LONG} {steps}", items.split(","), span, int(steps))
     if kind == "netem":
         a, _ = (int(x) for x in rest.split(":"))
         h = k["h_main"]
@@ -394,12 +382,6 @@ def _fault_names(text: str) -> list[str]:
     return out
 
 
-def _items(text: str) -> tuple[list[str], range]:
-    """``"ITEM,ITEM,...:A:B"`` -> the items and seeds A..B-1."""
-    items, a, b = text.rsplit(":", 2)
-    return items.split(","), range(int(a), int(b))
-
-
 #: the side runs' CSVs a --replot merges: the lab's (``--set convergence.side=...``) and the script's
 SIDE_FILES = ("convergence_convergence-side=", "convergence_faults", "convergence_outer", "convergence_netem")
 
@@ -407,13 +389,8 @@ SIDE_FILES = ("convergence_convergence-side=", "convergence_faults", "convergenc
 def side_files(prefix: Path) -> list[Path]:
     """The side-run CSVs beside ``prefix`` (``OUT/convergence[_MODE]``) of its mode, oldest first."""
     mode = prefix.name.removeprefix("convergence")  # "", "_smoke" or "_full"
-    out = []
-    for name in SIDE_FILES:
-        for p in prefix.parent.glob(name + "*.csv"):
-            if not p.stem.endswith("_rounds") and (
-                p.stem.endswith(mode) if mode else not p.stem.endswith(("_smoke", "_full"))
-            ):
-                out.append(p)
+    out = [p for name in SIDE_FILES for p in prefix.parent.glob(name + "*.csv") if not p.stem.endswith("_rounds")]
+    out = [p for p in out if (p.stem.endswith(mode) if mode else not p.stem.endswith(("_smoke", "_full")))]
     return sorted(out, key=lambda p: p.stat().st_mtime)
 
 
@@ -461,8 +438,7 @@ SPEC = Spec(
     report=report,
     verdict=claims,
     execute=run_point,
-    paths=tuple(p for p in FIXED if p.startswith("convergence."))
-    + ("convergence.total_steps", "convergence.budget_min"),
+    paths=tuple(p for p in FIXED if p.startswith("convergence.")) + (STEPS, BUDGET),
     phases=phases,
     beside=_is_ddp,
     jobs_fn=lambda point: not str(point.settings.get("convergence.side") or "").startswith("netem"),  # in this process

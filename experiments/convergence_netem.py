@@ -116,7 +116,7 @@ def claim(facts: dict[str, tuple[float, float, int]], verdict) -> str:
     mu, se, n = facts[LOSSY]
     line = (
         f"- 10% packet loss over gRPC through netem ≤ {LOSS_TARGET_PCT}%: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) "
-        f"→ **{verdict(mu, se, LOSS_TARGET_PCT, se_target=0.2)}**"
+        f"→ **{verdict(mu, se, LOSS_TARGET_PCT)}**"
     )
     if REPEAT in facts:
         rm, rse, rn = facts[REPEAT]

@@ -37,13 +37,14 @@ CODECS = {"int8": "int8", "int4": "int4", "topk + error feedback": "topk"}
 _SL = dict(
     codec="sparseloco", error_feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0, broadcast_error_feedback=True
 )
+_INT8_MEANS = dict(broadcast_codec="int8", broadcast_error_feedback=False)  # the owners' means in int8, no EF
 SPARSE = {
     "int4+zstd": dict(codec="int4+zstd"),
     "sparseloco k=32/4096": dict(_SL, sparse_k=32),
     "sparseloco k=64/4096": dict(_SL, sparse_k=64),
     "sparseloco k=128/4096": dict(_SL, sparse_k=128),
     "sparseloco k=64, Nesterov 0.7/0.9, β 1": dict(_SL, error_feedback_decay=1.0, outer_lr=0.7, outer_momentum=0.9),
-    "sparseloco k=64, int8 means": dict(_SL, broadcast_codec="int8", broadcast_error_feedback=False),
+    "sparseloco k=64, int8 means": dict(_SL, **_INT8_MEANS),
     "sparseloco k=64, means at k=256": dict(_SL, broadcast_sparse_k=256),
     "sparseloco k=128, means at k=512": dict(_SL, sparse_k=128, broadcast_sparse_k=512),
     "sparseloco k=32, means at k=128": dict(_SL, sparse_k=32, broadcast_sparse_k=128),
@@ -54,9 +55,7 @@ SPARSE = {
     "sparseloco k=64, means without EF": dict(_SL, broadcast_error_feedback=False),
     "sparseloco k=64 sparse-mean": dict(_SL, sparse_mean=True),
     "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),
-    "sparseloco k=64 sparse-mean int8-means": dict(
-        _SL, sparse_mean=True, broadcast_codec="int8", broadcast_error_feedback=False
-    ),
+    "sparseloco k=64 sparse-mean int8-means": dict(_SL, sparse_mean=True, **_INT8_MEANS),
     "sparseloco k=64 sparse-mean β1": dict(_SL, sparse_mean=True, error_feedback_decay=1.0),
 }
 
@@ -79,11 +78,12 @@ MATCH_PCT = 0.5  # "DiLoCo matches DDP": final loss at most this many percent ab
 LOSS_TARGET_PCT, DOWN_TARGET_PCT = 0.5, 1.0  # issue 18's targets for 10% chunk loss and one site down
 
 
-def verdict(mu: float, se: float, target: float, *, se_target: float = SE_TARGET_PP) -> str:
-    """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent)."""
-    if not se <= se_target:
+def verdict(mu: float, se: float, target: float) -> str:
+    """ "met", "missed by X pp" or "unresolved at SE Y pp" for a change ``mu`` ± ``se`` (percent), resolved
+    at an SE of ``SE_TARGET_PP``."""
+    if not se <= SE_TARGET_PP:
         if mu - target > 2 * se:  # worse than the target by more than twice its noise
-            return f"missed by {mu - target:.2f} pp (SE {se:.2f} pp, above {se_target} but far below the miss)"
+            return f"missed by {mu - target:.2f} pp (SE {se:.2f} pp, above {SE_TARGET_PP} but far below the miss)"
         return f"unresolved at SE {se:.2f} pp (mean {mu:+.2f}%)"
     return "met" if mu <= target else f"missed by {mu - target:.2f} pp"
 
@@ -106,24 +106,25 @@ def _pm_se(xs: Sequence[float]) -> str:
     return f"{mu:+.2f}%" + (f" ± {se:.2f}" if math.isfinite(se) else " (1 seed)")
 
 
-def long_sections(rows) -> list[str]:
-    """The --long-check sections (``long STEPS``), fewest steps first."""
+def long_sections(rows) -> list[tuple[str, int, str]]:
+    """The --long-check sections (``long STEPS``), fewest steps first, each with its inner steps and its
+    base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
     secs = {r["section"] for r in rows if str(r["section"]).startswith(LONG + " ")}
-    return sorted(secs, key=lambda x: int(x.split()[1]))
+    return [
+        (x, int(_rows(rows, x)[0]["inner_steps"]), DDP if any(r["method"] == DDP for r in _rows(rows, x)) else BIG)
+        for x in sorted(secs, key=lambda x: int(x.split()[1]))
+    ]
 
 
 def plot_setting(rows, rounds, section: str, data: str, prefix: Path, title: str) -> Path:
     """Validation loss against inner steps per site, mean over seeds, of every method of the setting."""
     sel = _rows(rows, section, data)
     fig, ax = subplots(figsize=(7.2, 4.6))
+    styles = {DDP: dict(color="black", lw=2), ALONE: dict(color="tab:red", ls=":"), BIG: dict(color="tab:pink", ls=":")}
     for cfg, g in summarize(sel).items():
         method, h = g[0]["method"], int(g[0]["H"])
         xs, ys, _, _ = per_round_mean(rounds, cfg, "val_loss")  # round r ends at step (r + 1)·H; step 0: θ_0
-        style = dict(color="black", lw=2) if method == DDP else {}
-        if method in (ALONE, BIG):
-            style = dict(color="tab:red" if method == ALONE else "tab:pink", ls=":")
-        elif "average" in method:
-            style = dict(ls="--")
+        style = styles.get(method, dict(ls="--") if "average" in method else {})
         first = statistics.fmean(float(r["first_val_loss"]) for r in g)
         ax.plot([0] + [(x + 1) * h for x in xs], [first, *ys], label=method, **style)
     ax.set_xlabel("inner steps per site")
@@ -144,8 +145,7 @@ def convergence_table(rows, section: str, data: str, base_method: str = DDP) -> 
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base) if base else float("nan")
     table, deltas = [], {}
     for method, g in groups.items():
-        d = paired_deltas(g, base, pct=True)
-        deltas[method] = d
+        d = deltas[method] = paired_deltas(g, base, pct=True)
         b = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in g)
         ratio = "1" if method == DDP else ("— (no network)" if not b else f"{ddp_bytes / b:.0f}x")
         ratio = ratio if base_method == DDP else "—"
@@ -204,25 +204,16 @@ def sweep_tables(rows, m: dict[str, Any]) -> tuple[str, tuple[float, float], lis
     )
     by = summarize(sw, "method")
     default = by.get(diloco_label(m["h_main"], NESTEROV), [])
-    conf = []
-    best, best_mu = NESTEROV, float("inf")
-    for method, g in by.items():
-        if len(g) < 2:
-            continue
-        mu = statistics.fmean(r["final_val_loss"] for r in g)
-        conf.append(
-            [method, len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(paired_deltas(g, default, pct=True))]
-        )
-        if mu < best_mu:
-            best_mu, best = mu, (float(g[0]["outer_lr"]), float(g[0]["outer_momentum"]))
-    cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], conf)
+    conf = [g for g in by.values() if len(g) > 1]  # the settings confirmed on more seeds
+    cells = [
+        [g[0]["method"], len(g), fmt_pm([r["final_val_loss"] for r in g]), _pm_se(paired_deltas(g, default, pct=True))]
+        for g in conf
+    ]
+    top = min(conf, key=lambda g: statistics.fmean(r["final_val_loss"] for r in g), default=None)
+    best = NESTEROV if top is None else (float(top[0]["outer_lr"]), float(top[0]["outer_momentum"]))
+    cmd = md_table(["setting", "seeds", "final val loss", "Δ vs lr 0.7 / momentum 0.9 (paired)"], cells)
     bd = paired_deltas(by.get(diloco_label(m["h_main"], best), []), default, pct=True)
     return gmd + "\n\nConfirmation on more seeds (the best of the grid and the default):\n\n" + cmd, best, bd
-
-
-def _long_base(rows, section: str) -> str:
-    """A --long-check section's base: DDP where it ran, else its stand-in (1 site, N times the batch)."""
-    return DDP if any(r["method"] == DDP for r in _rows(rows, section)) else BIG
 
 
 def _part(rows, rounds, prefix: Path, head: str, section: str, data: str, title: str, base: str = DDP) -> str:
@@ -235,23 +226,14 @@ def _part(rows, rounds, prefix: Path, head: str, section: str, data: str, title:
 def report(rows, rounds, m: dict[str, Any], prefix: Path, mode: str) -> str:
     """The RESULTS.md section under its stamp: setup, scope, tables and plots (the claims: :func:`claims_of`)."""
     n, diag = m["num_sites"], "diagnosis: cosine inner LR"
-    parts = [
-        _part(
-            rows,
-            rounds,
-            prefix,
-            f"**Convergence, {d} shards**",
-            "convergence",
-            d,
-            f"{n} sites, {m['size']}, {d} shards",
-        )
-        for d in m["seeds"]
-    ]
+    parts = []
+    for d in m["seeds"]:
+        title = f"{n} sites, {m['size']}, {d} shards"
+        parts.append(_part(rows, rounds, prefix, f"**Convergence, {d} shards**", "convergence", d, title))
     if _rows(rows, diag, "iid"):
         head = "**Diagnosis: warmup + cosine inner LR for every method**, iid, seed 0"
         parts.append(_part(rows, rounds, prefix, head, diag, "iid", "warmup + cosine inner LR, iid"))
-    for section in long_sections(rows):
-        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
+    for section, steps, base in long_sections(rows):
         against = (
             "against DDP"
             if base == DDP
@@ -306,23 +288,18 @@ def scope(m: dict[str, Any], mode: str, netem_done: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _best_diloco(deltas: dict[str, list[float]], h: int) -> tuple[str, list[float]]:
-    """The DiLoCo method at H = h with the lowest mean paired Δ against DDP among those run on
-    the most seeds (a 1-seed mean is not compared with a 3-seed one)."""
+def _vs_ddp(deltas: dict[str, list[float]], h: int, base: str = DDP) -> str:
+    """The DiLoCo method at H = h with the lowest mean paired Δ against ``base`` among those run on
+    the most seeds (a 1-seed mean is not compared with a 3-seed one): its Δ, and whether it matches."""
     cands = {k: v for k, v in deltas.items() if k.startswith(f"DiLoCo H={h},") and v}
     if not cands:
-        return "—", []
-    k = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
-    return k, cands[k]
-
-
-def _vs_ddp(name: str, d: list[float], ratio_h: int, base: str = DDP) -> str:
-    if not d:
         return "no run"
+    name = min(cands, key=lambda x: (-len(cands[x]), statistics.fmean(cands[x])))
+    d = cands[name]
     mu, se = mean_se(d)
     se_txt = f"SE {se:.2f} pp, {len(d)} seeds" if math.isfinite(se) else "1 seed"
     state = "**met**" if mu <= MATCH_PCT else f"**missed by {mu - MATCH_PCT:.2f} pp**"
-    return f"{name}: {mu:+.2f}% against {base} ({se_txt}), ~{ratio_h}x fewer bytes → {state}"
+    return f"{name}: {mu:+.2f}% against {base} ({se_txt}), ~{h}x fewer bytes → {state}"
 
 
 def conv_big_vs_ddp(rows) -> str:
@@ -341,20 +318,16 @@ def claims_of(rows, m: dict[str, Any]) -> str:
         out.append(
             f"- DiLoCo vs DDP ({data}; paper: DiLoCo with 8 workers matches synchronous training with 500x less "
             f"communication; ours: {m['num_sites']} sites, H = {h}, 'matches' = final loss at most {MATCH_PCT}% "
-            f"above DDP's): " + _vs_ddp(*_best_diloco(deltas, h), h)
+            f"above DDP's): " + _vs_ddp(deltas, h)
         )
     diag = convergence_table(rows, "diagnosis: cosine inner LR", "iid")[1]
     if diag:
-        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(*_best_diloco(diag, h), h))
-    for section in long_sections(rows):
-        steps, base = int(_rows(rows, section)[0]["inner_steps"]), _long_base(rows, section)
+        out.append("- With the warmup + cosine inner LR for both (diagnosis): " + _vs_ddp(diag, h))
+    for section, steps, base in long_sections(rows):
         what = "DDP" if base == DDP else f"1 site with {m['num_sites']}x the batch (DDP's stand-in)"
         deltas = convergence_table(rows, section, "iid", base)[1]
-        out.append(
-            f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: "
-            + _vs_ddp(*_best_diloco(deltas, h), h, base)
-        )
-    facts = fault_table(rows)[1]
+        out.append(f"- Longer ({steps} inner steps, {steps // h} rounds), against {what}: " + _vs_ddp(deltas, h, base))
+    facts, netem_claim = fault_table(rows)[1], netem.claim(netem.table(rows)[1], verdict)
     checks = [
         (LOSS10, LOSS_TARGET_PCT, "10% chunk loss ≤ 0.5% (in-process)"),
         (RESTART, DOWN_TARGET_PCT, f"one site down for {m['faults']['down_rounds']} rounds ≤ 1%"),
@@ -362,6 +335,8 @@ def claims_of(rows, m: dict[str, Any]) -> str:
     checks += [(c, se_t, f"{c} no regression against fp32 (Δ ≤ {se_t} pp, the resolution)") for c in CODECS]
     for name, target, what in checks:
         if name in facts:
+            if name == RESTART and netem_claim:  # the netem pairs' claim before the site-down one
+                out.append(netem_claim)
             mu, se, n = facts[name]
             out.append(f"- {what}: {mu:+.3f}% (SE {se:.3f} pp, {n} seeds) → **{verdict(mu, se, target)}**")
     _, best, best_d = sweep_tables(rows, m)
@@ -383,8 +358,4 @@ def claims_of(rows, m: dict[str, Any]) -> str:
                 f"against DDP, the default {statistics.fmean(default):+.2f}% → "
                 + ("**it is better there too**" if better else "**the default is the better one there**")
             )
-    statements = "\n".join(out)
-    netem_claim = netem.claim(netem.table(rows)[1], verdict)
-    if netem_claim:
-        statements = statements.replace("\n- one site down", f"\n{netem_claim}\n- one site down", 1)
-    return statements
+    return "\n".join(out)
