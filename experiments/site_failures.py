@@ -76,8 +76,7 @@ def run_failure(point: Point) -> RunResult:
     f, seed = point.settings, point.seed
     if f[ROUNDS] < f[KILL] + 2:
         raise ValueError(f"rounds must be >= {f[KILL] + 2} (faults strike in round {f[KILL]}), got {f[ROUNDS]}")
-    opts = dict(size=f[SIZE], seed=seed, rounds=f[ROUNDS], sync_every=f[H], **WORKER)
-    opts |= dict(inner_step_sleep_s=f[SLEEP])
+    opts = dict(size=f[SIZE], seed=seed, rounds=f[ROUNDS], sync_every=f[H], **WORKER, inner_step_sleep_s=f[SLEEP])
     owner_fault = {"fault": f"site-1:mid_push:{f[KILL]}:kill"} if f[SCENARIO] == OWNER else {}
     res = run_sites(
         None,
@@ -94,7 +93,7 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
     """The run's row and site-0's rounds from the sites' round lines."""
     f, seed, per_site = point.settings, point.seed, res.per_site
     survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[f[SCENARIO]]
-    lost, early, over, longest, quorum_extra, stale, skipped, rejected = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0
+    lost, early, longest, quorum_extra, stale, skipped, rejected = 0, 0, 0.0, 0.0, 0, 0, 0
     detail = []
     for i in survivors:
         rounds = per_site[i]
@@ -108,7 +107,6 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         detail += [f"site-{i}:r{r}:{status.get(r, 'missing')}" for r in missed]
         for x in rounds:
             longest = max(longest, x.get("round_s", 0.0))
-            over = max(over, x.get("round_s", 0.0) - RENDEZVOUS["broadcast_timeout_s"])
             quorum_extra = max(quorum_extra, x["sync_s"] - x.get("round_s", x["sync_s"]))
             stale += x.get("stale_buckets", 0)
             skipped += x.get("skipped_buckets", 0)
@@ -134,7 +132,7 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         "missed_detail": " ".join(detail),
         "inner_step_sleep_s": f[SLEEP],
         "max_round_s": longest,
-        "max_beyond_deadline_s": max(0.0, over),
+        "max_beyond_deadline_s": max(0.0, longest - RENDEZVOUS["broadcast_timeout_s"]),
         "max_quorum_wait_s": quorum_extra,
         "sync_s": sum(x["sync_s"] for x in site0),
         "bytes_per_round_site": facts["bytes_total"] / max(1, f[ROUNDS]) / f[SITES],
