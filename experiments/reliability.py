@@ -162,7 +162,8 @@ def run_point(point: Point) -> list[RunResult]:
             return [RunResult(row=point.row(profile=profile, **r, **wall)) for r in rows]
         out = []
         for i in range(m[RUNS]):  # one ``dtrain launch`` through the profile with no time setting
-            run, t0 = Path(tmp) / f"{profile}-{i}", time.monotonic()
+            run = Path(tmp) / f"{profile}-{i}"
+            t0 = time.monotonic()
             argv = ["--sites", "3", "--rounds", str(m["rounds"]), "--size", m[SIZE], "--netem", profile]
             code = _launch(argv, run, LAUNCH_TIMEOUT_S)
             figures = dict(exit_code=code, wall_s=round(time.monotonic() - t0, 1), **read_run(run))
