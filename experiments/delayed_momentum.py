@@ -114,8 +114,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, fl
     md = md_table(["config", "outer momentum", "outer lr", "final loss", "vs blocking (paired by seed)"], table)
     notes = [
         f"- Lowest delayed-mode loss: {best[3]} merge, outer momentum {best[1]:g}, lr {best[2]:g}: "
-        f"{100 * best[0]:+.1f} % of "
-        "blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
+        f"{100 * best[0]:+.1f} % of blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
         f"({'within' if best[0] <= 0.01 else '**not** within'} 1 %)."
     ]
     return md, notes, best
