@@ -33,11 +33,9 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import ROUNDS, SITES, SIZE, H, Spec, files, loss_columns, ppl_changes, seeds_and_mean
+from experiments.loss_sweep import SMALL, VAL  # the smoke's short windows, the validation batches
 
 CODEC = "diloco.rounds.codec.name"
-SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
-
-VAL = "inproc.num_val_batches"
 ALL = [c + z for c in ["fp32", "bf16", "int8", "int4", "topk"] for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], jobs=1, bench_repeats=1, grid={CODEC: ["fp32", "int8+zstd"]})
@@ -148,8 +146,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         seeds_and_mean(a2, i, [100 * x for x in ppl_changes(groups[c], base)], colors[i])
     a2.axhline(0, color="0.6", lw=0.8)
     a2.set_yscale("symlog", linthresh=1.0)  # linear within ±1%, logarithmic beyond
-    a1.set_yscale("log")
-    a1.set_ylabel("kB per round per site (log)")
+    a1.set(yscale="log", ylabel="kB per round per site (log)")
     a1.set_title("Bytes on the wire per round (blue: plain, orange: +zstd)", fontsize=9)
     a2.set_ylabel("Δ perplexity vs fp32 (%, symlog)")
     a2.set_title("Final validation perplexity change, paired by seed (mean ± std)", fontsize=9)

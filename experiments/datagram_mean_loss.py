@@ -38,10 +38,10 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def one_round(loss: float, seed: int, numel: int, bucket_elems: int) -> dict:
+def one_round(loss: float, seed: int, numel: int) -> dict:
     torch.manual_seed(seed)
     layout = BucketLayout(
-        [numel], ["param"], BucketConfig(bucket_bytes=4 * bucket_elems, chunk_bytes=datagram_chunk_bytes("int8"))
+        [numel], ["param"], BucketConfig(bucket_bytes=4 * (numel // 4), chunk_bytes=datagram_chunk_bytes("int8"))
     )
     engines, members = [], []
     # the plan's 10 s broadcast deadline: the transport's 1 s fallback reserve
@@ -90,8 +90,7 @@ def fec_lost(p: float, k: int) -> float:
 def measure(point: Point) -> RunResult:
     """One round at the point's loss rate (4 buckets of ``lab.numel`` int8 parameters)."""
     torch.set_num_threads(1)
-    numel = point.settings[NUMEL]
-    return RunResult(row=point.row(**one_round(point.settings[LOSS], point.seed, numel, numel // 4)))
+    return RunResult(row=point.row(**one_round(point.settings[LOSS], point.seed, point.settings[NUMEL])))
 
 
 def _cells(rs: list[dict[str, Any]]) -> dict[str, str]:

@@ -94,7 +94,7 @@ def final_loss(point: Point) -> RunResult:
     return RunResult(row=point.row(final_loss=loss))
 
 
-def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, float, float, str]]:
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     base = {r["seed"]: r["final_loss"] for r in rows if r["config"] == "blocking"}
     table, best = [], (float("inf"), 0.9, OUTER_LR, "stale")
     for label, g in summarize(rows).items():
@@ -117,7 +117,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, fl
         f"{100 * best[0]:+.1f} % of blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
         f"({'within' if best[0] <= 0.01 else '**not** within'} 1 %)."
     ]
-    return md, notes, best
+    return md, notes
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
