@@ -31,14 +31,13 @@ DELAYED = "delayed"  # the sweep's switch: τ = H (one-step-delayed) or 0 (block
 def sweep(momenta: list[float], lrs: list[float]) -> list[dict[str, Any]]:
     """Blocking rounds at DiLoCo's (momentum 0.9, lr 0.7), then the one-step-delayed mode (τ = H,
     ``diloco.overlap_steps`` set from H by the spec) over the sweep, with the stale and the eager merge."""
-    out: list[dict[str, Any]] = [{"config": "blocking", MOMENTUM: 0.9, LR: OUTER_LR, UPDATE: "stale", DELAYED: False}]
-    for upd in ("stale", "eager"):
-        out += [
-            {"config": f"delayed {upd} m={mo:g} lr={lr:g}", MOMENTUM: mo, LR: lr, UPDATE: upd, DELAYED: True}
-            for lr in lrs
-            for mo in momenta
-        ]
-    return out
+    blocking = {"config": "blocking", MOMENTUM: 0.9, LR: OUTER_LR, UPDATE: "stale", DELAYED: False}
+    return [blocking] + [
+        {"config": f"delayed {upd} m={mo:g} lr={lr:g}", MOMENTUM: mo, LR: lr, UPDATE: upd, DELAYED: True}
+        for upd in ("stale", "eager")
+        for lr in lrs
+        for mo in momenta
+    ]
 
 
 MODES: dict[str, dict[str, Any]] = {
