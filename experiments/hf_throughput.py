@@ -103,10 +103,9 @@ def measure(point: Point) -> RunResult:
 
 
 def _table_row(r: dict[str, Any]) -> list[str]:
-    launched = r.get("launch_tokens_per_s") not in ("", None)
     cells = [r["model"], f"{int(r['num_params']) / 1e6:.2f} M", f"{float(r['bare_step_s']) * 1e3:.1f}"]
     cells.append(f"{float(r['bare_tokens_per_s']):,.0f}")
-    if not launched:
+    if r.get("launch_tokens_per_s") in ("", None):  # the bare step only
         return cells + ["-"] * 4
     return cells + [
         f"{float(r['launch_step_s']) * 1e3:.1f}",
