@@ -80,7 +80,7 @@ def run_one(
 
 
 def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
-    """The run's row and every site's rounds from the sites' round lines."""
+    """The run's row (first ``m``: num_sites, size, sync_every, rounds) and every site's rounds from their lines."""
     n, per_site = m["num_sites"], res.per_site
     allr = res.lines
     reasons: Counter = Counter()
@@ -93,14 +93,10 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
         "experiment": "netem_loss",
         "config": config,
         "seed": seed,
-        "num_sites": n,
-        "size": m["size"],
-        "sync_every": m["sync_every"],
-        "rounds": m["rounds"],
+        **m,
         "codec": worker["codec"],
         "loss_pct": loss_pct,
-        "delay_ms": LINK["delay_ms"],
-        "rate_mbit": LINK["rate_mbit"],
+        **LINK,
         **res.facts(),
         "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
         "resynced": sum(1 for x in allr if x["status"] == "resynced"),
