@@ -89,7 +89,7 @@ def joiner(args: argparse.Namespace) -> None:
     st = _state(args.numel, theta=False)
     eng = _engine("joiner", st, args.host)
     donors = [Member(site_id=f"donor-{i}", address=a) for i, a in enumerate(args.donors.split(","))]
-    cu = CatchUp(st, eng.transport, eng.bcodec, requester="joiner", streams_per_donor=args.streams, use_own=False)
+    cu = CatchUp(st, eng.transport, eng.bcodec, requester="joiner", streams_per_donor=2, use_own=False)
     t0 = time.monotonic()
     rnd = cu.run(donors)
     dt = time.monotonic() - t0
@@ -131,7 +131,7 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
                     raise RuntimeError("donors did not start")
                 time.sleep(0.1)
             host = topo.address(0) if topo else "127.0.0.1"
-            argv = [*py, "joiner", "--numel", str(numel), "--host", host, "--streams", "2"]
+            argv = [*py, "joiner", "--numel", str(numel), "--host", host]
             argv += ["--donors", ",".join(a.read_text() for a in addrs)]
             out, _ = start(0, argv, stdout=subprocess.PIPE).communicate(timeout=600)
             return json.loads(out.decode().strip().splitlines()[-1])
@@ -205,10 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         p = sub.add_parser(role)
         p.add_argument("--numel", type=int, required=True)
         p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--out", default="")
-        p.add_argument("--site-id", default="donor")
-        p.add_argument("--donors", default="")
-        p.add_argument("--streams", type=int, default=2)
+        for flag in ("--out", "--site-id", "--donors"):  # the donor's file and name, the joiner's donors
+            p.add_argument(flag, default="")
     args = ap.parse_args(argv)
     (donor if args.role == "donor" else joiner)(args)
 

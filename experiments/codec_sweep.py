@@ -33,14 +33,10 @@ from experiments.common import (
     summarize,
 )
 from experiments.lab import ROUNDS, SITES, SIZE, H, Spec, files, loss_columns, ppl_changes, seeds_and_mean
-
-BASE_CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
+from experiments.loss_sweep import SMALL, VAL  # the smoke's short windows, the validation batches
 
 CODEC = "diloco.rounds.codec.name"
-SMALL = {"task_spec.batch_size": 4, "task_spec.context_len": 16}  # the smoke's short windows
-
-VAL = "inproc.num_val_batches"
-ALL = [c + z for c in BASE_CODECS for z in ("", "+zstd")]
+ALL = [c + z for c in ["fp32", "bf16", "int8", "int4", "topk"] for z in ("", "+zstd")]
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(seeds=[0], jobs=1, bench_repeats=1, grid={CODEC: ["fp32", "int8+zstd"]})
     | {"fixed": {SITES: 2, SIZE: "tiny", H: 2, ROUNDS: 2, VAL: 2, **SMALL}},
@@ -51,18 +47,14 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def real_pseudo_gradient(f: dict[str, Any]) -> torch.Tensor:
-    """Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model (``f``: settings by path)."""
-    torch.set_num_threads(1)
-    spec = TaskSpec(site_index=0, seed=0, **{p[len("task_spec.") :]: f.get(p) for p in (SITES, SIZE, *SMALL)})
-    return pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
-
-
 def add_bench(results: list[RunResult], m: dict[str, Any]) -> None:
     """``bench_*`` columns of every row (:func:`~experiments.bench_codecs.bench_codec` on a real Δ cut in
     the runs' chunks): CPU s of this thread to encode / decode all of Δ (median), bytes, rel. L2 error."""
     f = m["fixed"]
-    delta = real_pseudo_gradient(f)
+    torch.set_num_threads(1)
+    spec = TaskSpec(site_index=0, seed=0, **{p[len("task_spec.") :]: f.get(p) for p in (SITES, SIZE, *SMALL)})
+    # Δ = θ_0 − θ_H of one site after H inner steps from a briefly trained model
+    delta = pseudo_gradient(spec, f["diloco.sync_every"], f["diloco.sync_every"])
     chunks, mb = list(torch.split(delta, BUCKETS_64K["diloco.buckets.chunk_bytes"] // 4)), delta.numel() * 4 / 1e6
     for name in m["grid"][CODEC]:
         b = bench_codec(name, chunks, m["bench_repeats"], f["diloco.rounds.codec.zstd_level"])
@@ -154,8 +146,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         seeds_and_mean(a2, i, [100 * x for x in ppl_changes(groups[c], base)], colors[i])
     a2.axhline(0, color="0.6", lw=0.8)
     a2.set_yscale("symlog", linthresh=1.0)  # linear within ±1%, logarithmic beyond
-    a1.set_yscale("log")
-    a1.set_ylabel("kB per round per site (log)")
+    a1.set(yscale="log", ylabel="kB per round per site (log)")
     a1.set_title("Bytes on the wire per round (blue: plain, orange: +zstd)", fontsize=9)
     a2.set_ylabel("Δ perplexity vs fp32 (%, symlog)")
     a2.set_title("Final validation perplexity change, paired by seed (mean ± std)", fontsize=9)

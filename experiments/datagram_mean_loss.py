@@ -26,7 +26,7 @@ from dtrain.protocol import Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.state import GlobalState
 from dtrain.transports.datagram import datagram_chunk_bytes
-from experiments.common import RunResult, md_table, summarize
+from experiments.common import RunResult, md_rows, summarize
 from experiments.lab import Point, Spec, files
 from experiments.runspec import RunSpec
 
@@ -38,10 +38,10 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def one_round(loss: float, seed: int, numel: int, bucket_elems: int) -> dict:
+def one_round(loss: float, seed: int, numel: int) -> dict:
     torch.manual_seed(seed)
     layout = BucketLayout(
-        [numel], ["param"], BucketConfig(bucket_bytes=4 * bucket_elems, chunk_bytes=datagram_chunk_bytes("int8"))
+        [numel], ["param"], BucketConfig(bucket_bytes=4 * (numel // 4), chunk_bytes=datagram_chunk_bytes("int8"))
     )
     engines, members = [], []
     # the plan's 10 s broadcast deadline: the transport's 1 s fallback reserve
@@ -90,31 +90,28 @@ def fec_lost(p: float, k: int) -> float:
 def measure(point: Point) -> RunResult:
     """One round at the point's loss rate (4 buckets of ``lab.numel`` int8 parameters)."""
     torch.set_num_threads(1)
-    numel = point.settings[NUMEL]
-    return RunResult(row=point.row(**one_round(point.settings[LOSS], point.seed, numel, numel // 4)))
+    return RunResult(row=point.row(**one_round(point.settings[LOSS], point.seed, point.settings[NUMEL])))
 
 
-def _table_row(rs: list[dict[str, Any]]) -> list[str]:
-    """One loss rate over its seeds; the FEC and keep-previous columns computed from p."""
+def _cells(rs: list[dict[str, Any]]) -> dict[str, str]:
+    """One loss rate over its seeds, by column; the FEC and keep-previous columns computed from p."""
     p = rs[0][LOSS]
-    return [
-        f"{p:.0%}",
-        f"{statistics.fmean(r['time_s'] for r in rs):.2f}",
-        f"{statistics.fmean(r['nacks'] for r in rs):.1f}",
-        f"{statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2}",
-        f"{sum(r['fallbacks'] for r in rs)} of {rs[0]['buckets'] * 2 * len(rs)}",
-        f"{statistics.fmean(r['wire_over_payload'] for r in rs):.3f}",
-        str(all(r["equal"] for r in rs)),
-        f"{fec_lost(p, 8):.2%}",
-        "12.5%",
-        f"{p:.0%}",
-    ]
+    return {
+        "loss": f"{p:.0%}",
+        "time s": f"{statistics.fmean(r['time_s'] for r in rs):.2f}",
+        "NACK rounds/site": f"{statistics.fmean(r['nacks'] for r in rs):.1f}",
+        "re-sent chunks": f"{statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2}",
+        "gRPC pulls": f"{sum(r['fallbacks'] for r in rs)} of {rs[0]['buckets'] * 2 * len(rs)}",
+        "wire/payload": f"{statistics.fmean(r['wire_over_payload'] for r in rs):.3f}",
+        "replicas equal": str(all(r["equal"] for r in rs)),
+        "fec k=8: chunks lost": f"{fec_lost(p, 8):.2%}",
+        "fec k=8: extra bytes": "12.5%",
+        "keep-previous: elements not applied": f"{p:.0%}",
+    }
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
-    headers = ["loss", "time s", "NACK rounds/site", "re-sent chunks", "gRPC pulls", "wire/payload"]
-    headers += ["replicas equal", "fec k=8: chunks lost", "fec k=8: extra bytes", "keep-previous: elements not applied"]
-    table = md_table(headers, [_table_row(g) for g in summarize(rows).values()])
+    table = md_rows([_cells(g) for g in summarize(rows).values()])
     return f"""Setup: 3 sites on 127.0.0.1, {m["fixed"][NUMEL]} int8 params, 4 buckets, one round per seed {m["seeds"]}.
 {files(prefix)}
 
@@ -129,11 +126,11 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
         if p == 0:
             continue
         equal = all(r["equal"] in (True, "True") for r in rs)
+        c = _cells(rs)
         lines.append(
-            f"- {p:.0%} of mean datagrams lost: replicas equal after every run: **{'yes' if equal else 'NO'}**; "
-            f"{statistics.fmean(r['nacks'] for r in rs):.1f} NACK rounds per site, "
-            f"{statistics.fmean(r['resent'] for r in rs):.0f} of {rs[0]['chunks'] * 2} chunks re-sent, "
-            f"{sum(r['fallbacks'] for r in rs)} gRPC pulls, {statistics.fmean(r['time_s'] for r in rs):.2f} s."
+            f"- {c['loss']} of mean datagrams lost: replicas equal after every run: **{'yes' if equal else 'NO'}**; "
+            f"{c['NACK rounds/site']} NACK rounds per site, {c['re-sent chunks']} chunks re-sent, "
+            f"{sum(r['fallbacks'] for r in rs)} gRPC pulls, {c['time s']} s."
         )
     return lines
 

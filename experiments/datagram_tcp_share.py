@@ -14,6 +14,7 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -67,11 +68,9 @@ def _udp_sink(sock: socket.socket, counts: list[int], stop: threading.Event) -> 
     sock.settimeout(0.2)
     buf = bytearray(2048)
     while not stop.is_set():
-        try:
+        with contextlib.suppress(socket.timeout):
             counts[0] += sock.recv_into(buf)
             counts[1] += 1
-        except socket.timeout:
-            continue
 
 
 def _udp_source(sock: socket.socket, addr: tuple[str, int], rate_mbit: float, start: float, end: float) -> int:
@@ -81,11 +80,9 @@ def _udp_source(sock: socket.socket, addr: tuple[str, int], rate_mbit: float, st
     time.sleep(max(0.0, start - time.monotonic()))
     while time.monotonic() < end:
         if pacer.wait(len(data), end + 1.0):
-            try:
+            with contextlib.suppress(OSError):
                 sock.sendto(data, addr)
                 sent += 1
-            except OSError:
-                pass
     return sent
 
 

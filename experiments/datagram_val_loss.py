@@ -104,40 +104,35 @@ def run_point(point: Point) -> RunResult:
     return r
 
 
-def paired(rows: list[dict[str, Any]], loss: float) -> list[tuple[int, float, float, float]]:
-    """(seed, final at 0, final at ``loss``, relative difference) per seed that has both runs."""
+def paired(rows: list[dict[str, Any]], loss: float) -> list[tuple[int, dict[str, Any], dict[str, Any], float]]:
+    """(seed, run at 0, run at ``loss``, relative difference of their final val loss) per seed that has both runs."""
     by = {(r["seed"], r["loss"]): r for r in rows}
-    out = []
-    for seed in sorted({r["seed"] for r in rows}):
-        a, b = by.get((seed, 0.0)), by.get((seed, loss))
-        if a and b:
-            out.append((seed, a["final_val_loss"], b["final_val_loss"], b["final_val_loss"] / a["final_val_loss"] - 1))
-    return out
+    runs = [(seed, by.get((seed, 0.0)), by.get((seed, loss))) for seed in sorted({r["seed"] for r in rows})]
+    return [(seed, a, b, b["final_val_loss"] / a["final_val_loss"] - 1) for seed, a, b in runs if a and b]
 
 
-def verdict(mean: float, se: float, target_se: float = TARGET_SE) -> str:
-    """ "met" / "missed" once the SE reaches ``target_se``; before that only a miss by more than
+def verdict(mean: float, se: float) -> str:
+    """ "met" / "missed" once the SE reaches :data:`TARGET_SE`; before that only a miss by more than
     twice the SE is one (one seed, SE inf, measuring d = +0.51% is unresolved, not a miss)."""
-    if mean > TOLERANCE and (se <= target_se or mean - TOLERANCE > 2 * se):
+    if mean > TOLERANCE and (se <= TARGET_SE or mean - TOLERANCE > 2 * se):
         return f"missed by {100 * (mean - TOLERANCE):.2f} percentage points (mean d {100 * mean:+.2f}%)"
-    if se <= target_se:
-        return f"met (mean d {100 * mean:+.2f}% <= 0.5%, SE {100 * se:.2f}% <= {100 * target_se:.2f}%)"
+    if se <= TARGET_SE:
+        return f"met (mean d {100 * mean:+.2f}% <= 0.5%, SE {100 * se:.2f}% <= {100 * TARGET_SE:.2f}%)"
     return f"unresolved at SE {100 * se:.2f}% (mean d {100 * mean:+.2f}%)"
 
 
 def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]:
     pairs = paired(rows, loss)
-    by = {(r["seed"], r["loss"]): r for r in rows}
     table = md_rows(
         [
             {
                 "seed": s,
-                "final val 0%": f"{a:.4f}",
-                f"final val {loss:.0%}": f"{b:.4f}",
+                "final val 0%": f"{a['final_val_loss']:.4f}",
+                f"final val {loss:.0%}": f"{b['final_val_loss']:.4f}",
                 "d": f"{100 * d:+.3f}%",
-                "delivered (reduce)": f"{by[(s, loss)]['reduce_arrived']:.3f}",
-                "replicas equal (0% / loss)": f"{by[(s, 0.0)]['consistent']} / {by[(s, loss)]['consistent']}",
-                "rounds done (loss)": f"{by[(s, loss)]['rounds_done']}",
+                "delivered (reduce)": f"{b['reduce_arrived']:.3f}",
+                "replicas equal (0% / loss)": f"{a['consistent']} / {b['consistent']}",
+                "rounds done (loss)": f"{b['rounds_done']}",
             }
             for s, a, b, d in pairs
         ]

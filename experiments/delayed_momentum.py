@@ -31,14 +31,13 @@ DELAYED = "delayed"  # the sweep's switch: τ = H (one-step-delayed) or 0 (block
 def sweep(momenta: list[float], lrs: list[float]) -> list[dict[str, Any]]:
     """Blocking rounds at DiLoCo's (momentum 0.9, lr 0.7), then the one-step-delayed mode (τ = H,
     ``diloco.overlap_steps`` set from H by the spec) over the sweep, with the stale and the eager merge."""
-    out: list[dict[str, Any]] = [{"config": "blocking", MOMENTUM: 0.9, LR: OUTER_LR, UPDATE: "stale", DELAYED: False}]
-    for upd in ("stale", "eager"):
-        out += [
-            {"config": f"delayed {upd} m={mo:g} lr={lr:g}", MOMENTUM: mo, LR: lr, UPDATE: upd, DELAYED: True}
-            for lr in lrs
-            for mo in momenta
-        ]
-    return out
+    blocking = {"config": "blocking", MOMENTUM: 0.9, LR: OUTER_LR, UPDATE: "stale", DELAYED: False}
+    return [blocking] + [
+        {"config": f"delayed {upd} m={mo:g} lr={lr:g}", MOMENTUM: mo, LR: lr, UPDATE: upd, DELAYED: True}
+        for upd in ("stale", "eager")
+        for lr in lrs
+        for mo in momenta
+    ]
 
 
 MODES: dict[str, dict[str, Any]] = {
@@ -94,7 +93,7 @@ def final_loss(point: Point) -> RunResult:
     return RunResult(row=point.row(final_loss=loss))
 
 
-def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, float, float, str]]:
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     base = {r["seed"]: r["final_loss"] for r in rows if r["config"] == "blocking"}
     table, best = [], (float("inf"), 0.9, OUTER_LR, "stale")
     for label, g in summarize(rows).items():
@@ -114,11 +113,10 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str], tuple[float, fl
     md = md_table(["config", "outer momentum", "outer lr", "final loss", "vs blocking (paired by seed)"], table)
     notes = [
         f"- Lowest delayed-mode loss: {best[3]} merge, outer momentum {best[1]:g}, lr {best[2]:g}: "
-        f"{100 * best[0]:+.1f} % of "
-        "blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
+        f"{100 * best[0]:+.1f} % of blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
         f"({'within' if best[0] <= 0.01 else '**not** within'} 1 %)."
     ]
-    return md, notes, best
+    return md, notes
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:

@@ -104,8 +104,8 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
         rounds_to_target=reached["round"] if reached else -1,
         bytes_per_round_site=res.facts()["bytes_total"] / max(1, len(site0)) / n,
         sync_s=sum(x["sync_s"] for x in site0),
-        stale_buckets=sum(x.get("stale_buckets", 0) for xs in per_site.values() for x in xs),
-        rejected=sum(sum((x.get("rejected") or {}).values()) for xs in per_site.values() for x in xs),
+        stale_buckets=sum(x.get("stale_buckets", 0) for x in res.lines),
+        rejected=sum(sum((x.get("rejected") or {}).values()) for x in res.lines),
         slow_rounds_applied=len(applied_slow),
         slow_steps_per_round=sum(x.get("round_steps") or 0 for x in applied_slow) / max(1, len(applied_slow)),
         fast_steps_per_round=sum(x.get("round_steps") or 0 for x in site0) / max(1, len(site0)),
@@ -175,8 +175,6 @@ def plot(rounds: list[dict[str, Any]], prefix: Path) -> Path:
     fig, ax = subplots(figsize=(7, 4))
     for c, rs in summarize(rounds).items():
         seed0 = [r for r in rs if r["seed"] == rs[0]["seed"]]
-        if not seed0:
-            continue
         ax.plot([r["t_s"] for r in seed0], [r["val_loss"] for r in seed0], marker=".", label=c)
     decorate(ax, "wall time since site-0's round 0 (s)", "validation loss (site-0, first seed)", legend=7)
     return save_fig(fig, prefix.with_name(prefix.name + ".png"))

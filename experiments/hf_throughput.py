@@ -37,10 +37,6 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def _task_args(f: dict[str, Any]) -> list[str]:
-    return ["--size", f[SIZE], *(["--task", "hf", "--hf.config", f[HF]] if f[TASK] == "hf" else [])]
-
-
 def bare(f: dict[str, Any]) -> dict[str, Any]:
     """The inner step alone: median seconds, tokens/s, parameter count, validation loss after."""
     from dtrain.tasks import HfSpec, TaskSpec, load_task
@@ -70,7 +66,8 @@ def launch(f: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "dtrain", "launch", "--sites", str(f[SITES]), *_task_args(f)]
+        cmd = [sys.executable, "-m", "dtrain", "launch", "--sites", str(f[SITES]), "--size", f[SIZE]]
+        cmd += ["--task", "hf", "--hf.config", f[HF]] if f[TASK] == "hf" else []
         cmd += ["--sync-every", str(f[H]), "--rounds", str(f[ROUNDS]), "--linger-s", "1"]
         cmd += ["--out", str(run), "--no-progress", "--no-export.final"]
         p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
@@ -106,10 +103,9 @@ def measure(point: Point) -> RunResult:
 
 
 def _table_row(r: dict[str, Any]) -> list[str]:
-    launched = r.get("launch_tokens_per_s") not in ("", None)
     cells = [r["model"], f"{int(r['num_params']) / 1e6:.2f} M", f"{float(r['bare_step_s']) * 1e3:.1f}"]
     cells.append(f"{float(r['bare_tokens_per_s']):,.0f}")
-    if not launched:
+    if r.get("launch_tokens_per_s") in ("", None):  # the bare step only
         return cells + ["-"] * 4
     return cells + [
         f"{float(r['launch_step_s']) * 1e3:.1f}",

@@ -23,7 +23,6 @@ from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, decorate, files
 from experiments.loss_sweep import PAPER_PPL_AT_10, TARGET_PPL_AT_10
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
-KiB = 1024
 BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
 LOSS = "netem.loss_pct"
 
@@ -51,7 +50,7 @@ MODES: dict[str, dict[str, Any]] = {
 LINK = dict(delay_ms=10.0, rate_mbit=100.0)  # the ``lossy`` profile's delay and rate
 RENDEZVOUS = dict(quorum_timeout_s=5.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0)
 RENDEZVOUS |= dict(reduce_timeout_s=1.0, broadcast_timeout_s=2.0)
-WORKER = dict(codec="fp32", bucket_bytes=64 * KiB, chunk_bytes=16 * KiB, quorum_wait_s=120, linger_s=2)
+WORKER = dict(codec="fp32", bucket_bytes=64 * 1024, chunk_bytes=16 * 1024, quorum_wait_s=120, linger_s=2)
 
 
 def run_one(
@@ -81,10 +80,9 @@ def run_one(
 
 
 def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
-    """The run's row and every site's rounds from the sites' round lines."""
+    """The run's row (first ``m``: num_sites, size, sync_every, rounds) and every site's rounds from their lines."""
     n, per_site = m["num_sites"], res.per_site
-    allr = [x for i in range(n) for x in per_site[i]]
-    site0 = per_site[0]
+    allr = res.lines
     reasons: Counter = Counter()
     for x in allr:
         for why, count in x.get("rejected", {}).items():
@@ -95,14 +93,10 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
         "experiment": "netem_loss",
         "config": config,
         "seed": seed,
-        "num_sites": n,
-        "size": m["size"],
-        "sync_every": m["sync_every"],
-        "rounds": m["rounds"],
+        **m,
         "codec": worker["codec"],
         "loss_pct": loss_pct,
-        "delay_ms": LINK["delay_ms"],
-        "rate_mbit": LINK["rate_mbit"],
+        **LINK,
         **res.facts(),
         "rounds_applied": sum(1 for x in allr if x["status"] == "applied"),
         "resynced": sum(1 for x in allr if x["status"] == "resynced"),
@@ -117,7 +111,7 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
         "broadcast_arrived": mean("broadcast_arrived_fraction"),
         "included": mean("included_fraction"),
         "consistent": len({per_site[i][-1]["checksum"] for i in range(n) if per_site[i]}) == 1,
-        "checksum": site0[-1]["checksum"] if site0 else "",  # θ after the last round: equal runs, equal θ
+        "checksum": per_site[0][-1]["checksum"] if per_site[0] else "",  # θ after the last round: equal runs, equal θ
     }
     keys = ("round", "site", "status", "sync_s", "round_s", "reduce_arrived=reduce_arrived_fraction")
     rounds = [line_record("netem_loss", config, seed, x, (*keys, "stale_buckets", "val_loss")) for x in allr]
@@ -127,26 +121,25 @@ def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     groups = summarize(rows)
     base = groups.get(BASE, [])
-    table = []
-    for cfg, g in groups.items():
-        table.append(
-            {
-                "setting": cfg,
-                "runs": len(g),
-                **loss_columns(g, base, "0%", final="final val loss (site-0)"),
-                "reduce arrived": f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
-                "broadcast arrived": f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
-                "stale buckets/round (all sites)": fmt_pm(
-                    [r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"
-                ),
-                "rejected": sum(r["rejected"] for r in g),
-                "exchange s/round": fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
-                "sync s/round": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
-                "MB sent/round/site": f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
-                "rounds": min(r["rounds_done"] for r in g),
-                "θ equal on all sites": "yes" if all(r["consistent"] for r in g) else "NO",
-            }
-        )
+    table = [
+        {
+            "setting": cfg,
+            "runs": len(g),
+            **loss_columns(g, base, "0%", final="final val loss (site-0)"),
+            "reduce arrived": f"{statistics.fmean(r['reduce_arrived'] for r in g):.3f}",
+            "broadcast arrived": f"{statistics.fmean(r['broadcast_arrived'] for r in g):.3f}",
+            "stale buckets/round (all sites)": fmt_pm(
+                [r["stale_buckets"] / max(1, r["rounds_done"]) for r in g], "{:.2f}"
+            ),
+            "rejected": sum(r["rejected"] for r in g),
+            "exchange s/round": fmt_pm([r["exchange_s"] for r in g], "{:.2f}"),
+            "sync s/round": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
+            "MB sent/round/site": f"{statistics.fmean(r['bytes_per_round_site'] for r in g) / 1e6:.3f}",
+            "rounds": min(r["rounds_done"] for r in g),
+            "θ equal on all sites": "yes" if all(r["consistent"] for r in g) else "NO",
+        }
+        for cfg, g in groups.items()
+    ]
     md = md_rows(table)
     notes = []
     ten = groups.get(label(10.0), [])
@@ -193,8 +186,7 @@ def plot(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], prefix: Path)
         ax1.plot([k] * len(vals), vals, "k.", ms=4)
         xs, mean, _, _ = per_round_mean(rounds, cfg, "round_s")
         ax2.plot([x + 1 for x in xs], mean, marker="o", ms=3, label=cfg)
-    lo = min(r["final_val_loss"] for r in rows)
-    hi = max(r["final_val_loss"] for r in rows)
+    lo, hi = min(r["final_val_loss"] for r in rows), max(r["final_val_loss"] for r in rows)
     ax1.set_ylim(lo - 0.05 - (hi - lo), hi + 0.05 + (hi - lo))
     ax1.set_xticks(range(len(configs)), configs, fontsize=8)
     decorate(ax1, ylabel="final validation loss (site-0)", legend=None)
@@ -229,7 +221,6 @@ SPEC = Spec(
     name="netem_loss",
     title="Packet loss over gRPC through netem",
     modes=MODES,  # jobs 1 (the default): one emulated WAN at a time
-    columns=lambda point: {},
     metrics=(("final_val_loss", 0.0, 10.0), ("reduce_arrived", 0.0, 1.0), ("exchange_s", 0.0, 600.0)),
     report=report,
     verdict=lambda rows, rounds, m: analyse(rows)[1],

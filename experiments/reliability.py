@@ -70,14 +70,6 @@ def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
     return -1 if hung else proc.returncode
 
 
-def launch_once(profile: str, *, rounds: int, size: str, out: Path) -> dict[str, Any]:
-    """One ``dtrain launch`` through ``profile`` with no time setting; its figures."""
-    t0 = time.monotonic()
-    argv = ["--sites", "3", "--rounds", str(rounds), "--size", size, "--netem", profile]
-    code = _launch(argv, out, LAUNCH_TIMEOUT_S)
-    return {"profile": profile, "exit_code": code, "wall_s": round(time.monotonic() - t0, 1), **read_run(out)}
-
-
 def _stop(proc: Proc) -> None:
     """Kill a launch's process group (SIGUSR1 first: each worker prints its threads' stacks into its log)
     and take down its netem topology (named ``launch``), so that the next run can build its own."""
@@ -124,49 +116,36 @@ def read_run(out: Path) -> dict[str, Any]:
     }
 
 
-def _rounds_done(out: Path) -> int:
-    """Rounds site-0 has written a line for (-1: none yet)."""
-    return max((int(d["round"]) for d in _round_lines(out / "site-0" / "metrics.jsonl")), default=-1)
-
-
-def _set_rate(mbit: float) -> None:
-    """Change every link of the running launch's topology (``python -m netem set``)."""
-    argv = [sys.executable, "-m", "netem", "set", "all", "--name", "launch", "--rate-mbit", f"{mbit:g}"]
-    subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=60)
-
-
 def slowdown_once(out: Path, mbit: float) -> list[dict[str, Any]]:
     """A launch whose links slow to ``mbit`` for rounds SLOW[0]..SLOW[1]-1, then recover; per round: the
     link rate, the slowest reduce_s, the plan's reduce deadline and why, what was refused or missing."""
     state: list[float | None] = [None]
 
-    def follow() -> None:  # the rate of the rounds site-0 is at
-        done = _rounds_done(out)
+    def follow() -> None:  # every link of the launch (``netem set``) at the rate of the rounds site-0 is at
+        done = max((int(d["round"]) for d in _round_lines(out / "site-0" / "metrics.jsonl")), default=-1)
         want = mbit if SLOW[0] - 1 <= done < SLOW[1] - 1 else None
         if want != state[0] and done >= 0:
-            _set_rate(want if want is not None else 1000.0)  # continental's own cap: 1 Gbit/s
+            rate = want if want is not None else 1000.0  # continental's own cap: 1 Gbit/s
+            argv = [sys.executable, "-m", "netem", "set", "all", "--name", "launch", "--rate-mbit", f"{rate:g}"]
+            subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=60)
             state[0] = want
 
     argv = ["--sites", "3", "--rounds", str(SLOW_ROUNDS), "--size", "small", "--codec", "fp32", "--sync-every", "10"]
     _launch([*argv, "--netem", "continental"], out, 2 * LAUNCH_TIMEOUT_S, follow)
-    rows = []
     lines = [d for path in sorted(out.glob("site-*/metrics.jsonl")) for d in _round_lines(path)]
-    for r in sorted({d["round"] for d in lines}):
-        rs = [d for d in lines if d["round"] == r and d.get("status") == "applied"]
-        if not rs:
-            continue
-        rows.append(
-            {
-                "round": r,
-                "link_mbit": f"{mbit:g}" if SLOW[0] <= r < SLOW[1] else "1000",
-                "slowest_reduce_s": round(max(float(d.get("reduce_s") or 0) for d in rs), 2),
-                "reduce_deadline_s": round(float(rs[0].get("reduce_timeout_s") or 0), 2),
-                "refused": sum(sum((d.get("rejected") or {}).values()) for d in rs),
-                "min_reduce_arrived": min(float(d.get("reduce_arrived_fraction") or 0) for d in rs),
-                "why": (rs[0].get("deadline_reason") or "").split("; ")[1] if rs[0].get("deadline_reason") else "",
-            }
-        )
-    return rows
+    applied = summarize([d for d in lines if d.get("status") == "applied"], "round")
+    return [
+        {
+            "round": r,
+            "link_mbit": f"{mbit:g}" if SLOW[0] <= r < SLOW[1] else "1000",
+            "slowest_reduce_s": round(max(float(d.get("reduce_s") or 0) for d in rs), 2),
+            "reduce_deadline_s": round(float(rs[0].get("reduce_timeout_s") or 0), 2),
+            "refused": sum(sum((d.get("rejected") or {}).values()) for d in rs),
+            "min_reduce_arrived": min(float(d.get("reduce_arrived_fraction") or 0) for d in rs),
+            "why": (rs[0].get("deadline_reason") or "").split("; ")[1] if rs[0].get("deadline_reason") else "",
+        }
+        for r, rs in sorted(applied.items())
+    ]
 
 
 def run_point(point: Point) -> list[RunResult]:
@@ -182,9 +161,13 @@ def run_point(point: Point) -> list[RunResult]:
             wall = {"wall_s": round(time.monotonic() - t0, 1)}
             return [RunResult(row=point.row(profile=profile, **r, **wall)) for r in rows]
         out = []
-        for i in range(m[RUNS]):
+        for i in range(m[RUNS]):  # one ``dtrain launch`` through the profile with no time setting
             run = Path(tmp) / f"{profile}-{i}"
-            row = point.row(**launch_once(profile, rounds=m["rounds"], size=m[SIZE], out=run), run=i)
+            t0 = time.monotonic()
+            argv = ["--sites", "3", "--rounds", str(m["rounds"]), "--size", m[SIZE], "--netem", profile]
+            code = _launch(argv, run, LAUNCH_TIMEOUT_S)
+            figures = dict(exit_code=code, wall_s=round(time.monotonic() - t0, 1), **read_run(run))
+            row = point.row(profile=profile, **figures, run=i)
             if not (row["equal_at_end"] and row["exit_code"] == 0) or row["unequal_rounds"]:
                 kept = Path(tempfile.gettempdir()) / f"reliability-failed-{profile}-{i}-{os.getpid()}"
                 shutil.copytree(run, kept)
