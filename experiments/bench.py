@@ -130,34 +130,26 @@ def answer(conn: Any, **answers: Callable[[], Any]) -> None:
 def stamp(load_before: float | None = None, commit: str | None = None) -> dict[str, Any]:
     """Where the figures come from: commit (``+dirty``), UTC date, command, 1-min load average (before
     the run, when given, and now), CPUs, machine, torch and Python versions."""
+    import torch  # noqa: PLC0415
+
     from experiments.common import code_version  # noqa: PLC0415
 
-    try:
-        import torch  # noqa: PLC0415
-
-        torch_version = torch.__version__
-    except ImportError:  # a benchmark without torch
-        torch_version = "-"
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name if spec is not None else Path(sys.argv[0]).stem
     return {
         "commit": commit or code_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": shlex.join([".venv/bin/python", "-m", _module(), *sys.argv[1:]]),
+        "command": shlex.join([".venv/bin/python", "-m", module, *sys.argv[1:]]),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
-        "torch": torch_version,
+        "torch": torch.__version__,
         "python": platform.python_version(),
     }
 
 
-def _module() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else Path(sys.argv[0]).stem
-
-
-def write(args: argparse.Namespace, name: str, figures: Any) -> dict[str, Any]:
+def write(args: argparse.Namespace, name: str, figures: Any) -> None:
     """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
     st = stamp(_load_at_start)
     print(
@@ -166,14 +158,7 @@ def write(args: argparse.Namespace, name: str, figures: Any) -> dict[str, Any]:
         f"on {st['cpus']} CPUs ({st['machine']}); torch {st['torch']}",
         flush=True,
     )
-    path = getattr(args, "json", None)
-    if path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"bench": name, "stamp": st, "args": {k: _plain(v) for k, v in vars(args).items()}, "figures": figures}
-        path.write_text(json.dumps(doc, indent=1, default=str))
-    return st
-
-
-def _plain(v: Any) -> Any:
-    return v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"bench": name, "stamp": st, "args": vars(args), "figures": figures}
+        args.json.write_text(json.dumps(doc, indent=1, default=str))  # default=str: paths

@@ -28,11 +28,6 @@ from experiments import bench
 from experiments.common import pseudo_gradient
 
 
-def tile(delta: torch.Tensor, numel: int) -> torch.Tensor:
-    reps = math.ceil(numel / delta.numel())
-    return delta.repeat(reps)[:numel].contiguous()
-
-
 def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int) -> dict:
     codec = get_codec(CodecConfig(name=name, zstd_level=level))
     total = sum(b.numel() for b in buckets)
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     size, warmup_steps = ("small", 3) if args.quick else ("base", 10)
     delta = pseudo_gradient(TaskSpec(site_index=0, num_sites=1, size=size), warmup_steps, args.inner_steps)
     print(f"# model: built-in GPT `{size}`, {delta.numel():,} parameters; Δ over {args.inner_steps} inner steps")
-    x = tile(delta, args.numel)
+    x = delta.repeat(math.ceil(args.numel / delta.numel()))[: args.numel].contiguous()  # Δ tiled to --numel
     if args.bucket_elems > delta.numel() or (args.bucket_elems <= 0 and args.numel > delta.numel()):
         # A bucket longer than Δ would hold a repeat of itself, which zstd would find
         # and report as compression that real pseudo-gradients do not have.
@@ -122,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         for base in ("fp32", "bf16", "int8", "int4", "topk")
         for lvl in levels
     ]
-    print()
-    print("zstd stage alone (on each codec's body; MB/s of the fp32 input it stands for):")
-    print()
+    print("\nzstd stage alone (on each codec's body; MB/s of the fp32 input it stands for):\n")
     bench.table(
         "| body | level | zstd ratio | compress MB/s (body) | compress MB/s (fp32) | decompress MB/s (fp32) |",
         "| {body} | {zstd_level} | {zstd_ratio:.3f} | {compress_body_mb_s:.0f} | {compress_fp32_mb_s:.0f} "

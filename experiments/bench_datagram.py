@@ -26,7 +26,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -153,9 +152,9 @@ def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> f
 
 _BLAST = """
 import socket, struct, sys, time
-blob = open(sys.argv[1], 'rb').read()
+blob = sys.stdin.buffer.read()
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.connect(('127.0.0.1', int(sys.argv[2])))
+s.connect(('127.0.0.1', int(sys.argv[1])))
 i = k = 0
 while i < len(blob):
     (n,) = struct.unpack_from('<H', blob, i)
@@ -187,15 +186,12 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
             blob += struct.pack("<H", len(d)) + d
     recv = [t for t in b._threads if t.name.startswith("dgram-recv")][0]
     clock = time.pthread_getcpuclockid(recv.ident)
-    with tempfile.NamedTemporaryFile() as f:
-        f.write(blob)
-        f.flush()
-        cpu0 = time.clock_gettime(clock)
-        subprocess.run([sys.executable, "-c", _BLAST, f.name, addr_b.rsplit(":", 1)[1]], check=True)
-        deadline = time.monotonic() + 10
-        while handler.num < num and time.monotonic() < deadline:
-            time.sleep(0.01)
-        cpu = time.clock_gettime(clock) - cpu0
+    cpu0 = time.clock_gettime(clock)
+    subprocess.run([sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1]], input=blob, check=True)
+    deadline = time.monotonic() + 10
+    while handler.num < num and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cpu = time.clock_gettime(clock) - cpu0
     b.stop(0)
     return cpu / max(1, handler.num) * 1e6, handler.num / num
 

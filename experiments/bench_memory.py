@@ -111,16 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     f = {"params": n, "plain_peak": plain_peak / n, "extra_peak": (diloco_peak - plain_peak) / n}  # bytes/param
     f |= {"extra_steady": (steady - plain_peak) / n, "extra_trimmed": (trimmed - plain_trimmed) / n}
     print(f"model: {n / 1e6:.1f}M parameters, codec {args.codec}, {args.rounds} rounds, H={args.sync_every}, one site")
-    print()
-    print("| measure | bytes/param | target |")
+    print("\n| measure | bytes/param | target |")
     print("|---|---|---|")
     print(f"| plain training peak RSS | {f['plain_peak']:.2f} | |")
     print(f"| extra for DiLoCo, peak during rounds | {f['extra_peak']:.2f} | <= {3.5 * 4:.1f} |")
     print(f"| extra for DiLoCo, after rounds (steady) | {f['extra_steady']:.2f} | |")
     print(f"| extra for DiLoCo, steady, both after malloc_trim | {f['extra_trimmed']:.2f} | |")
     print(f"| one bucket (largest engine temporary) | {bucket_bytes / n:.3f} ({bucket_bytes / 2**20:.1f} MiB) | |")
-    print()
-    print("expected steady extra: θ 4 + outer momentum 4 + residual 4 = 12 bytes/param")
+    print("\nexpected steady extra: θ 4 + outer momentum 4 + residual 4 = 12 bytes/param")
     bench.write(args, "bench_memory", {**f, "bucket_bytes": bucket_bytes})
 
 

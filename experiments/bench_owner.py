@@ -91,24 +91,6 @@ def _arrivals(numel: int, run: int, seed: int, loss: float) -> tuple[list[Contri
     return per_sender[OWNER], out
 
 
-def _feed_own(eng: RoundEngine, own: list[Contribution], batched: bool) -> None:
-    owned = eng._open[0]
-    if batched and hasattr(eng, "accept_own"):  # (absent before the batched accept: then per chunk)
-        assert all(r is None for r in eng.accept_own(owned, own))
-    else:
-        for c in own:
-            eng._accept(owned, c)
-
-
-def _feed(eng: RoundEngine, batches: list[list[Contribution]], batched: bool) -> None:
-    for cs in batches:
-        if batched:
-            assert all(r is None for r in eng.handle_contributions(cs))
-        else:
-            for c in cs:
-                eng.handle_contribution(c)
-
-
 def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
     own, batches = _arrivals(numel, run, seed=run, loss=loss)
     num = sum(len(cs) for cs in batches)
@@ -118,9 +100,19 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
         for name, batched in (("per_chunk", False), ("batched", True)):
             eng = _owner(numel)
             with cpu(f"own_{name}"):
-                _feed_own(eng, own, batched)
+                owned = eng._open[0]
+                if batched and hasattr(eng, "accept_own"):  # (absent before the batched accept: then per chunk)
+                    assert all(r is None for r in eng.accept_own(owned, own))
+                else:
+                    for c in own:
+                        eng._accept(owned, c)
             with cpu(name):
-                _feed(eng, batches, batched)
+                for cs in batches:
+                    if batched:
+                        assert all(r is None for r in eng.handle_contributions(cs))
+                    else:
+                        for c in cs:
+                            eng.handle_contribution(c)
             books = eng._open[0].books
             with cpu(f"fin_{name}"):
                 books.close([0])

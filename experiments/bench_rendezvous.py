@@ -88,14 +88,6 @@ class _Load:
     def stub(self, i: int) -> pb_grpc.RendezvousStub:
         return self.stubs[i % len(self.stubs)]
 
-    async def join_all(self) -> None:
-        await asyncio.gather(
-            *(
-                self.stub(i).Join(pb.JoinRequest(site_id=s, address=f"127.0.0.1:{20000 + i}"), timeout=60)
-                for i, s in enumerate(self.site_ids)
-            )
-        )
-
     async def heartbeats(self, i: int, phase_s: float) -> None:
         interval = self.args.heartbeat_interval_s
         req = pb.HeartbeatRequest(site_id=self.site_ids[i])
@@ -150,15 +142,12 @@ class _Load:
             "plan_latencies_ms": lat_ms.tolist(),
         }
 
-    async def close(self) -> None:
-        for ch in self.channels:
-            await ch.close()
-
 
 async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
     load = _Load(address, args)
     t0 = time.perf_counter()
-    await load.join_all()
+    joins = [pb.JoinRequest(site_id=s, address=f"127.0.0.1:{20000 + i}") for i, s in enumerate(load.site_ids)]
+    await asyncio.gather(*(load.stub(i).Join(req, timeout=60) for i, req in enumerate(joins)))
     join_s = time.perf_counter() - t0
     interval = args.heartbeat_interval_s
     hb = [asyncio.create_task(load.heartbeats(i, load.rng.uniform(0, interval))) for i in range(len(load.site_ids))]
@@ -173,7 +162,8 @@ async def _run_load(address: str, args: argparse.Namespace, server_cpu) -> dict:
     load_cpu = bench.cpu_s() - load0
     load.stop.set()
     await asyncio.gather(*hb)
-    await load.close()
+    for ch in load.channels:
+        await ch.close()
     all_ms = np.concatenate([r.pop("plan_latencies_ms") for r in rounds])
     hb_ms = np.array(load.hb_latency_s) * 1e3
     return {

@@ -45,19 +45,10 @@ GROUPS = {  # the brief's three figures
 }
 
 
-def _model_tensors(num_sites: int) -> list[torch.Tensor]:
-    from experiments.datagram_vs_grpc import wide_task
-
-    task = wide_task(TaskSpec(num_sites=num_sites))
-    return [p.detach() for p in task.model.parameters()]
-
-
 class _Site:
     """One site's state and the pieces of a round it replays."""
 
-    def __init__(
-        self, tensors: list[torch.Tensor], *, codec: str, num_sites: int, seed: int, chunk_bytes: int | None = None
-    ) -> None:
+    def __init__(self, tensors: list[torch.Tensor], *, codec: str, num_sites: int, chunk_bytes: int | None) -> None:
         chunk_bytes = chunk_bytes or datagram_chunk_bytes(codec)
         self.layout = BucketLayout(
             [t.numel() for t in tensors], ["param"] * len(tensors), BucketConfig(chunk_bytes=chunk_bytes, num_sites=4)
@@ -66,23 +57,16 @@ class _Site:
         self.codec = get_codec(codec)
         self.tensors = [t.clone() for t in tensors]
         self.num_sites = num_sites
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator().manual_seed(0)
         owners = assign_owners(len(self.layout), [f"site-{i}" for i in range(num_sites)])
         self.mine = [b for b, o in enumerate(owners) if o == "site-0"]
         self.remote = [b for b, o in enumerate(owners) if o != "site-0"]
-        self.engine = SimpleNamespace(  # what add_pseudo_gradient reads of a RoundEngine
-            state=self.state, config=SimpleNamespace(error_feedback=True), log=None
-        )
-
-    def train(self, scale: float) -> None:
-        """An inner phase's worth of change to the local model."""
-        for t in self.tensors:
-            t.add_(torch.randn(t.shape, generator=self.gen), alpha=scale)
 
     def round(self) -> dict[str, float]:
         cpu = bench.Stopwatch(time.thread_time)
         st, layout, codec = self.state, self.layout, self.codec
-        self.train(1e-3)
+        for t in self.tensors:  # an inner phase's worth of change to the local model
+            t.add_(torch.randn(t.shape, generator=self.gen), alpha=1e-3)
         with cpu("pseudo_gradient"):
             ok = error_feedback.add_pseudo_gradient(layout, st.theta, st.residuals, self.tensors, error_feedback=True)
         assert ok
@@ -113,9 +97,14 @@ class _Site:
             m = BucketMean(round=0, bucket=b, owner="x", chunks=chunks, checksum_before="", checksum_after="")
             with cpu("mean_decode"):
                 means[b] = (chunks, decode_mean(codec, layout.buckets[b], m))
-        with cpu("outer_step"):
+        with cpu("outer_step"):  # GlobalState.apply_mean without the checksum it returns (timed as checksums)
             for b in range(len(layout)):
-                self._outer_step(b, means[b][1])
+                with st.lock(b):
+                    t = st.theta[b]
+                    t.grad = means[b][1]
+                    st.optimizers[b].step()
+                    t.grad = None
+                    st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
         with cpu("settle"):
             for b, bk in enumerate(layout.buckets):
                 error_feedback.settle_bucket(
@@ -127,34 +116,23 @@ class _Site:
                     bcodec=codec,
                     mean_payloads=[ch.payload for ch in means[b][0]],
                 )
-        with cpu("checksums"):
-            self._checksums()
-        return cpu.s
-
-    def _outer_step(self, b: int, mean: torch.Tensor) -> None:
-        """``GlobalState.apply_mean`` without the checksum it returns (timed as ``checksums``)."""
-        st = self.state
-        with st.lock(b):
-            t = st.theta[b]
-            t.grad = mean
-            st.optimizers[b].step()
-            t.grad = None
-            st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
-
-    def _checksums(self) -> None:
         from dtrain.app.worker import outer_state_checksum
         from dtrain.diloco import theta_checksum
 
-        for b in range(len(self.layout)):
-            self.state.checksum(b)  # before the next round's pulls: cached from here on
-        theta_checksum(self.state)
-        outer_state_checksum(SimpleNamespace(state=self.state))
+        with cpu("checksums"):
+            for b in range(len(layout)):
+                st.checksum(b)  # before the next round's pulls: cached from here on
+            theta_checksum(st)
+            outer_state_checksum(SimpleNamespace(state=st))
+        return cpu.s
 
 
 def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None) -> dict:
+    from experiments.datagram_vs_grpc import wide_task
+
     torch.set_num_threads(1)
-    tensors = _model_tensors(num_sites)
-    site = _Site(tensors, codec=codec, num_sites=num_sites, seed=0, chunk_bytes=chunk_bytes)
+    tensors = [p.detach() for p in wide_task(TaskSpec(num_sites=num_sites)).model.parameters()]
+    site = _Site(tensors, codec=codec, num_sites=num_sites, chunk_bytes=chunk_bytes)
     numel = site.layout.total_numel
     print(
         f"# {numel:,} parameters in {len(site.layout)} buckets of {site.layout.bucket_bytes / 2**20:.2f} MiB, "
@@ -203,17 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="print ratios of two --json")
     args = ap.parse_args(argv)
     if args.compare:
-        _compare(*(_figures(json.loads(p.read_text())) for p in args.compare))
+        docs = [json.loads(p.read_text()) for p in args.compare]
+        _compare(*(d.get("figures", d) for d in docs))  # files of before the stamped form: the figures themselves
         return 0
     res = run(args.codec, args.repeats, args.num_sites, args.chunk_bytes)
     _print(res)
     bench.write(args, "bench_round_cpu", res)
     return 0
-
-
-def _figures(doc: dict) -> dict:
-    """A ``--json`` file's figures (files of before the stamped form are the figures themselves)."""
-    return doc.get("figures", doc)
 
 
 if __name__ == "__main__":

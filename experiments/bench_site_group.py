@@ -49,7 +49,6 @@ def make_model(num_params: int) -> torch.nn.Module:
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from dtrain.buckets import BucketConfig
     from dtrain.codecs import CodecConfig
     from dtrain.diloco import DiLoCo, DiLoCoConfig
     from dtrain.rendezvous.grpc import GrpcRendezvousClient
@@ -75,7 +74,6 @@ def rank_main(args: argparse.Namespace) -> None:
     cfg = DiLoCoConfig(
         site_id=f"site-{args.site_index}",
         sync_every=1,
-        buckets=BucketConfig(),
         rounds=RoundConfig(codec=CodecConfig(name=args.codec)),
         group=fast_group_config(quorum_wait_s=120.0, state_pull_timeout_s=120.0),
         hook_optimizer=False,
@@ -166,7 +164,6 @@ def split_one_slice(numel: int, codec_name: str, repeats: int = 3) -> dict:
     from dtrain.state import GlobalState
     from dtrain.transports.inproc import InprocNetwork, InprocTransport
 
-    torch.set_num_threads(1)
     local = [torch.randn(numel)]
     layout = BucketLayout([numel], ["param"], BucketConfig())
     state = GlobalState(layout, local)

@@ -74,7 +74,7 @@ def _raw_server(conn, sizes_mib: list[int]) -> None:
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
-    conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
+    conn.send(lsock.getsockname())
     threading.Thread(target=bench.answer, args=(conn,)).start()  # answers until "stop"
     s, _ = lsock.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -94,7 +94,7 @@ def _raw_server(conn, sizes_mib: list[int]) -> None:
     lsock.close()
 
 
-def _measure(calls: dict[str, tuple[Callable[[], None], bench.Server]], reps: int) -> dict[str, dict[str, float]]:
+def _measure(calls: dict[str, tuple[Callable[[], None], bench.Server]], reps: int) -> dict[str, tuple[float, ...]]:
     """Seconds per call (median, best) and CPU seconds per call (client + server) of each function."""
     for fn, _ in calls.values():
         fn()  # warm-up: connection, first-use allocations
@@ -105,22 +105,15 @@ def _measure(calls: dict[str, tuple[Callable[[], None], bench.Server]], reps: in
             with wall(name):
                 fn()
             cpu[name] += time.process_time() - c0 + server.ask() - s0
-    return {
-        name: {
-            "median_s": statistics.median(wall.laps[name]),
-            "best_s": min(wall.laps[name]),
-            "cpu_s": cpu[name] / reps,
-        }
-        for name in calls
-    }
+    return {name: (statistics.median(wall.laps[name]), min(wall.laps[name]), cpu[name] / reps) for name in calls}
 
 
-def _row(size_mib: int, direction: str, baseline: str, g: dict, r: dict, reps: int) -> dict:
+def _row(size_mib: int, direction: str, baseline: str, g: tuple, r: tuple, reps: int) -> dict:
     row = {"size_mib": size_mib, "direction": direction, "baseline": baseline, "reps": reps}
-    for name, m in (("grpc", g), ("raw", r)):
-        row[f"{name}_median_mib_s"], row[f"{name}_best_mib_s"] = size_mib / m["median_s"], size_mib / m["best_s"]
-        row[f"{name}_cpu_ms_per_mib"] = 1000 * m["cpu_s"] / size_mib
-    return {**row, "ratio_median": r["median_s"] / g["median_s"], "ratio_best": r["best_s"] / g["best_s"]}
+    for name, (median_s, best_s, cpu_s) in (("grpc", g), ("raw", r)):
+        row[f"{name}_median_mib_s"], row[f"{name}_best_mib_s"] = size_mib / median_s, size_mib / best_s
+        row[f"{name}_cpu_ms_per_mib"] = 1000 * cpu_s / size_mib
+    return {**row, "ratio_median": r[0] / g[0], "ratio_best": r[1] / g[1]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra gRPC channel/server argument (repeatable), e.g. grpc.http2.write_buffer_size=4194304")  # fmt: skip
     args = ap.parse_args(argv)
 
-    from dtrain.options import HostPort
     from dtrain.protocol import Contribution
     from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig
 
@@ -141,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     grpc_srv = bench.Server(_grpc_server, args.sizes_mib, args.part_bytes, args.chunk_bytes, options)
     raw_srv = bench.Server(_raw_server, args.sizes_mib)
     client = GrpcTransport(GrpcTransportConfig(part_bytes=args.part_bytes, extra_options=options))
-    addr = HostPort.parse(raw_srv.address, "raw server address")
-    raw = socket.create_connection((addr.host, addr.port))
+    raw = socket.create_connection(raw_srv.address)
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     blob = os.urandom(max(args.sizes_mib) * MiB)
     sink = bytearray(len(blob))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import statistics
 import tracemalloc
-from typing import Callable
 
 from dtrain._proto.dtrain.v1 import peer_pb2 as pb
 from dtrain.protocol import BucketMean, Contribution, MeanChunk
@@ -24,15 +23,6 @@ from dtrain.transports import grpc_wire as wire
 from experiments import bench
 
 MiB = 1 << 20
-
-
-def _heap_peak(fn: Callable[[], object]) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 # the generated-class path: the same messages through protobuf's classes
@@ -162,8 +152,12 @@ def measure(size: int, part_bytes: int, reps: int) -> list[dict]:
     for name, hand, gen in cases:
         for codec, fn in (("hand", hand), ("protobuf", gen)):
             s = statistics.median(bench.times(fn, reps, warmup=1))
+            tracemalloc.start()
+            fn()
+            heap = tracemalloc.get_traced_memory()[1]  # the peak
+            tracemalloc.stop()
             r = {"operation": name, "codec": codec, "ms": s * 1e3, "mb_s": size / s / 1e6, "copies": s / copy_s}
-            rows.append({**r, "heap": _heap_peak(fn) / size})
+            rows.append({**r, "heap": heap / size})
     return rows
 
 
