@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, md_table, mean_std, read_rows, save_fig, subplots, summarize
-from experiments.lab import SITES, SIZE, H, Point, Spec, files
+from experiments.lab import SITES, SIZE, H, Point, Spec, decorate, files
 from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
@@ -92,16 +92,8 @@ def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
 
 
 def run_point(point: Point) -> list[RunResult]:
-    """One seed's run through every setting of the walk, in a topology of its own; one result per setting."""
-    f = point.settings
-    with sites_topology(f[SITES], "wan", "wan_sweep") as topo:
-        if f.get(SSAI) is not None:
-            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
-        return run_seed(topo, f, point.seed, grid(f), 3600.0)
-
-
-def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | None, float, float]], timeout_s: float):
-    """One training run through every setting; one RunResult per setting."""
+    """One seed's training run through every setting of the walk, in a topology of its own; one result per setting."""
+    f, seed, settings = point.settings, point.seed, grid(point.settings)
     n, per = f[SITES], f[WARMUP] + f[MEASURED]
     total = per * len(settings)
     changed_at: list[float] = []
@@ -113,15 +105,37 @@ def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | No
         if k:
             print(f"  seed {seed}: round {k * per}: {setting_label(*settings[k])}", flush=True)
 
-    link(0)
     opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=f.get(CODEC_PATH, CODEC))
     opts |= dict(eval_every=total, bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
     opts |= dict(inner_step_sleep_s=f.get(SLEEP, 0.0))
     steps = [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(settings))]
-    res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=timeout_s, steps=steps)
-    per_site = res.per_site
-    run_facts = res.facts()  # of the whole run (every setting of this seed): the columns every experiment CSV has
-    return [_setting(f, seed, k, s, per_site, changed_at[k], run_facts) for k, s in enumerate(settings)]
+    with sites_topology(n, "wan", "wan_sweep") as topo:
+        if f.get(SSAI) is not None:
+            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
+        link(0)
+        res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=3600.0, steps=steps)
+    # res.facts(): of the whole run (every setting of this seed), the columns every experiment CSV has
+    return [_setting(f, seed, k, s, res.per_site, changed_at[k], res.facts()) for k, s in enumerate(settings)]
+
+
+def nan_mean(xs: list[float]) -> float:
+    """The mean of ``xs``, NaN for none."""
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def measured_rounds(per_site, rounds, changed_at: float, record, ok=lambda r, lines: True):
+    """(every line's per-round record, ``record(line, measured)``; each measured round's lines, site by site)
+    over ``rounds``: measured when every site wrote its line, the exchange began after the link changed at
+    ``changed_at`` (the sync call starts ``sync_s`` before the line) and ``ok(round, lines)``."""
+    records, kept = [], []
+    for r in rounds:
+        lines = [x for i in range(len(per_site)) for x in per_site[i] if x["round"] == r]
+        began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
+        measured = len(lines) == len(per_site) and began_after and ok(r, lines)
+        records += [record(x, measured) for x in lines]
+        if measured:
+            kept.append(lines)
+    return records, kept
 
 
 #: the metrics-line fields of the per-round CSV
@@ -132,55 +146,42 @@ LINE_KEYS += ("bytes_sent", "stale_buckets")
 def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
     """The row of setting ``k`` (rounds ``k * per`` on) and its per-round, per-site records."""
     rate, delay, loss = setting
-    n, per = f[SITES], f[WARMUP] + f[MEASURED]
+    per = f[WARMUP] + f[MEASURED]
     label = setting_label(rate, delay, loss)
-    rounds_out, engine, sync, enc, sent, util, inner, arrived = [], [], [], [], [], [], [], []
-    stale = rej = valid = 0
-    for r in range(k * per, (k + 1) * per):
-        lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
-        measured = r - k * per >= f[WARMUP]
-        # the exchange must have begun after the link changed (the sync call starts sync_s before the line)
-        began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
-        ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
-        rounds_out += [line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok) for x in lines]
-        if not ok:
-            continue
-        valid += 1
-        engine.append(max(x.get("round_s", float("nan")) for x in lines))
-        sync.append(max(x["sync_s"] for x in lines))
-        enc += [x.get("encoded_bytes", 0) for x in lines]
-        sent += [x.get("bytes_sent", 0) for x in lines]
-        util += [x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in lines]
-        inner += [x["inner_s"] for x in lines]
-        stale += sum(x.get("stale_buckets", 0) for x in lines)
-        rej += sum(sum(x.get("rejected", {}).values()) for x in lines)
-        arrived += [x.get("reduce_arrived_fraction", float("nan")) for x in lines]
-    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
-    b, e = mean(enc), mean(engine)
+    rounds_out, kept = measured_rounds(
+        per_site,
+        range(k * per, (k + 1) * per),
+        changed_at,
+        lambda x, ok: line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok),
+        lambda r, lines: r - k * per >= f[WARMUP] and all(x["status"] == "applied" for x in lines),
+    )
+    every = [x for lines in kept for x in lines]
+    b = nan_mean([x.get("encoded_bytes", 0) for x in every])
+    e = nan_mean([max(x.get("round_s", float("nan")) for x in lines) for lines in kept])
     limit = physical_limit_s(b, rate, delay)
     row = {
         "experiment": "wan_sweep",
         "config": label,
         "seed": seed,
-        "num_sites": n,
+        "num_sites": f[SITES],
         "size": f[SIZE],
         "sync_every": f[H],
         "codec": f.get(CODEC_PATH, CODEC),
         "rate_mbit": rate,
         "delay_ms": delay,
         "loss_pct": loss,
-        "rounds_measured": valid,
+        "rounds_measured": len(kept),
         "encoded_bytes_per_site": b,
-        "bytes_per_round_site": mean(sent),
+        "bytes_per_round_site": nan_mean([x.get("bytes_sent", 0) for x in every]),
         "engine_s": e,
-        "sync_s": mean(sync),
+        "sync_s": nan_mean([max(x["sync_s"] for x in lines) for lines in kept]),
         "limit_s": limit,
         "ratio": e / limit if limit > 0 else float("nan"),
-        "compute_util": mean(util),
-        "inner_s": mean(inner),
-        "stale_buckets": stale,
-        "rejected": rej,
-        "reduce_arrived": mean(arrived),
+        "compute_util": nan_mean([x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in every]),
+        "inner_s": nan_mean([x["inner_s"] for x in every]),
+        "stale_buckets": sum(x.get("stale_buckets", 0) for x in every),
+        "rejected": sum(sum(x.get("rejected", {}).values()) for x in every),
+        "reduce_arrived": nan_mean([x.get("reduce_arrived_fraction", float("nan")) for x in every]),
         **run_facts,
     }
     return RunResult(row=row, rounds=rounds_out)
@@ -301,29 +302,23 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
 
 def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
     losses = sorted({r["loss_pct"] for r in rows})
+    rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"] is not None})
+    floor = [r["engine_s"] for r in rows if r["rate_mbit"] is None]
     fig, axes = subplots(2, len(losses), figsize=(4.2 * len(losses), 6.4), squeeze=False)
     for j, loss in enumerate(losses):
         for delay in sorted({r["delay_ms"] for r in rows}):
-            pts = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"] is not None})
-            e, lim, rat = [], [], []
-            for rate in pts:
-                g = [r for r in rows if r["loss_pct"] == loss and r["delay_ms"] == delay and r["rate_mbit"] == rate]
-                e.append(mean_std([r["engine_s"] for r in g])[0])
-                lim.append(mean_std([r["limit_s"] for r in g])[0])
-                rat.append(mean_std([r["ratio"] for r in g])[0])
-            (line,) = axes[0][j].plot(pts, e, marker="o", label=f"{delay:g} ms")
-            axes[0][j].plot(pts, lim, ls=":", color=line.get_color())
-            axes[1][j].plot(pts, rat, marker="o", label=f"{delay:g} ms")
-        for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log")
-            ax.set_xlabel("rate, Mbit/s")
-        floor = [r["engine_s"] for r in rows if r["rate_mbit"] is None]
+            at = [
+                [r for r in rows if (r["loss_pct"], r["delay_ms"], r["rate_mbit"]) == (loss, delay, x)] for x in rates
+            ]
+            e, lim, rat = ([mean_std([r[k] for r in g])[0] for g in at] for k in ("engine_s", "limit_s", "ratio"))
+            (line,) = axes[0][j].plot(rates, e, marker="o", label=f"{delay:g} ms")
+            axes[0][j].plot(rates, lim, ls=":", color=line.get_color())
+            axes[1][j].plot(rates, rat, marker="o", label=f"{delay:g} ms")
         if floor:
             axes[0][j].axhline(statistics.fmean(floor), color="0.5", lw=0.8, ls="--", label="no emulation")
-        axes[0][j].set_yscale("log")
-        axes[0][j].set_title(f"loss {loss:g}%", fontsize=10)
-        axes[0][j].set_ylabel("exchange s (dotted: physical limit)")
-        axes[1][j].set_ylabel("ratio to physical limit")
+        ylabel = "exchange s (dotted: physical limit)"
+        decorate(axes[0][j], "rate, Mbit/s", ylabel, f"loss {loss:g}%", legend=None, xscale="log", yscale="log")
+        decorate(axes[1][j], "rate, Mbit/s", "ratio to physical limit", legend=None, xscale="log")
         axes[1][j].axhline(1.0, color="0.6", lw=0.8)
         axes[0][j].legend(fontsize=8, title="one-way delay", title_fontsize=8)
     fig.suptitle(f"WAN sweep: {m[SITES]} sites, GPT {m[SIZE]}, {CODEC}, gRPC through netem", fontsize=10)
