@@ -15,7 +15,6 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -87,20 +86,12 @@ def _recv(host: str, seconds: float) -> None:
     print(json.dumps({"received": n, "recv_s": last - first}), flush=True)
 
 
-def _role(argv: list[str]) -> int:
-    """A sender or receiver process (stdlib only: it starts in ~50 ms, so the flows start together)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["send", "recv"])
-    ap.add_argument("--host")
-    ap.add_argument("--rate", type=float, default=0.0)
-    ap.add_argument("--seconds", type=float)
-    a = ap.parse_args(argv)
-    _send(a.host, a.rate, a.seconds) if a.role == "send" else _recv(a.host, a.seconds)
-    return 0
-
-
+# a sender or receiver process, ``--role send HOST SECONDS RATE`` or ``--role recv HOST SECONDS`` (stdlib only:
+# it starts in ~50 ms, so the flows start together)
 if __name__ == "__main__" and "--role" in sys.argv:
-    sys.exit(_role(sys.argv[1:]))
+    role, host, seconds, *rate = sys.argv[2:]
+    _send(host, float(rate[0]), float(seconds)) if role == "send" else _recv(host, float(seconds))
+    sys.exit(0)
 
 
 # imported after the --role check: a sender/receiver process starts on the standard library only
@@ -138,14 +129,11 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
     def role(site: int, *args: Any) -> subprocess.Popen:
         return topo.popen(site, [*me, "--role", *map(str, args)], stdout=subprocess.PIPE, text=True)
 
-    recv = [role(d, "recv", "--host", topo.address(d), "--seconds", m[SECONDS] + 60) for d in dsts]
+    recv = [role(d, "recv", topo.address(d), m[SECONDS] + 60) for d in dsts]
     try:
         for p in recv:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        send = [
-            role(i, "send", "--host", topo.address(d), "--rate", rate, "--seconds", m[SECONDS])
-            for i, d in enumerate(dsts)
-        ]
+        send = [role(i, "send", topo.address(d), m[SECONDS], rate) for i, d in enumerate(dsts)]
         sent = [json.loads(p.communicate(timeout=m[SECONDS] * 4 + 30)[0]) for p in send]
         got = [json.loads(p.communicate(timeout=m[SECONDS] + 30)[0]) for p in recv]
     finally:
@@ -268,16 +256,12 @@ def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list
         parts = []
         for (setting, flows), r in ceilings(rows, d).items():
             if r is None:
-                parts.append(f"{setting}, {flows} flow(s): none at the lowest offer")
+                what = "none at the lowest offer"
             elif r["offered_dps"] >= top:
-                parts.append(
-                    f"{setting}, {flows} flow(s): above the highest offer ({r['delivered_dps']:,.0f}/s passed)"
-                )
+                what = f"above the highest offer ({r['delivered_dps']:,.0f}/s passed)"
             else:
-                parts.append(
-                    f"{setting}, {flows} flow(s): {r['delivered_dps']:,.0f}/s ({r['delivered_mbit'] / flows:.1f} Mbit/s "
-                    "per flow)"
-                )
+                what = f"{r['delivered_dps']:,.0f}/s ({r['delivered_mbit'] / flows:.1f} Mbit/s per flow)"
+            parts.append(f"{setting}, {flows} flow(s): {what}")
         lines.append(f"- {d} delayer, {m['fixed'][DELAY]:g} ms, ceiling (loss < 1%): " + "; ".join(parts) + ".")
     return lines
 
@@ -286,8 +270,7 @@ def run_point(point: Point) -> list[RunResult]:
     """One topology, its links walked without delay (``config`` "no delay") or through one
     delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
     m = point.settings
-    delayer = point.settings[DELAYER]
-    wanted = point.settings[DELAYERS]
+    delayer, wanted = m[DELAYER], m[DELAYERS]
     if not wanted or set(wanted) - set(DELAYER_ENV):
         raise ValueError(f"{DELAYERS} must name some of {sorted(DELAYER_ENV)}, got {wanted}")
     if delayer != "none" and delayer not in wanted:
