@@ -64,16 +64,9 @@ def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
     if bad:
         raise ValueError(f"total steps {total_steps} is not a multiple of H={bad[0]}")
     ddp = {"config": DDP, METHOD: "ddp", H: 1, ROUNDS: total_steps, EVAL: 0}
-    diloco = [
-        {
-            "config": f"DiLoCo H={h}",
-            METHOD: "diloco",
-            H: h,
-            ROUNDS: total_steps // h,
-            EVAL: max(1, total_steps // h // 20),
-        }
-        for h in hs
-    ]
+    diloco = [{"config": f"DiLoCo H={h}", METHOD: "diloco", H: h, ROUNDS: total_steps // h} for h in hs]
+    for d in diloco:  # about 20 evaluations per run
+        d[EVAL] = max(1, d[ROUNDS] // 20)
     alone = {"config": ALONE, METHOD: "alone", SITES: 1, H: total_steps, ROUNDS: 1, EVAL: 0}
     return [ddp, *diloco, alone | {OUTER_LR: 1.0, OUTER_M: 0.0}]
 
@@ -128,10 +121,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
             torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             dist.all_reduce(flat)  # sum over ranks
             flat.div_(spec.num_sites)
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off : off + p.numel()].view_as(p))
-                off += p.numel()
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
             comm_s += time.perf_counter() - t
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
@@ -172,31 +163,28 @@ def run_ddp(spec: RunSpec) -> RunResult:
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = ring_allreduce_bytes(p, n)
-    row = spec.columns()
-    row.update(
-        {
-            "codec": "fp32 (gloo all-reduce)",
-            "num_params": p,
-            "inner_steps": steps,
-            "tokens_per_site": steps * res["tokens_per_batch"],
-            "first_val_loss": res["first_val_loss"],
-            "final_val_loss": res["final_val_loss"],
-            "val_loss_site_spread": 0.0,
-            "rounds_done": steps,
-            **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
-            **dict.fromkeys(("skipped_buckets", "rejected"), 0),
-            "build_s": time.perf_counter() - t0 - res["wall_s"],
-            "wall_s": res["wall_s"],
-            "inner_s": res["wall_s"] - res["comm_s"],
-            "sync_s": res["comm_s"],
-            "round_s": res["comm_s"] / steps,
-            "bytes_sent": per_rank_step * n * steps,
-            "bytes_total": per_rank_step * n * steps,
-            "bytes_per_round_site": per_rank_step,
-            **dict.fromkeys(("encode_s", "decode_s"), 0.0),
-            "consistent": True,
-        }
-    )
+    row = spec.columns() | {
+        "codec": "fp32 (gloo all-reduce)",
+        "num_params": p,
+        "inner_steps": steps,
+        "tokens_per_site": steps * res["tokens_per_batch"],
+        "first_val_loss": res["first_val_loss"],
+        "final_val_loss": res["final_val_loss"],
+        "val_loss_site_spread": 0.0,
+        "rounds_done": steps,
+        **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
+        **dict.fromkeys(("skipped_buckets", "rejected"), 0),
+        "build_s": time.perf_counter() - t0 - res["wall_s"],
+        "wall_s": res["wall_s"],
+        "inner_s": res["wall_s"] - res["comm_s"],
+        "sync_s": res["comm_s"],
+        "round_s": res["comm_s"] / steps,
+        "bytes_sent": per_rank_step * n * steps,
+        "bytes_total": per_rank_step * n * steps,
+        "bytes_per_round_site": per_rank_step,
+        **dict.fromkeys(("encode_s", "decode_s"), 0.0),
+        "consistent": True,
+    }
     curve = [*res["curve"], (steps, res["final_val_loss"])]
     rounds = [
         {"experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": k - 1, "val_loss": v}
