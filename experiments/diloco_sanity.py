@@ -194,7 +194,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
 
 
 # ---------------------------------------------------------------------------- report
-def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[str]]:
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     groups = summarize(rows)
     base = groups[DDP]
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base)
@@ -215,9 +215,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
                 "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
                 "Δ loss vs DDP (paired)": "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
                 "MB sent per site": f"{bytes_site / 1e6:.2f}",
-                "fewer bytes than DDP": "1"
-                if cfg == DDP
-                else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
+                "fewer bytes than DDP": {DDP: "1", ALONE: "— (no network)"}.get(cfg, f"{ratio:.1f}x (H = {h})"),
                 "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
                 "sync/comm s": fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
             }
@@ -226,15 +224,12 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
             dm, ds = mean_std(d)
             loss_ok = dm <= max(ds, ddp_loss[1])  # equal (within the spread over seeds) or better
             bytes_ok = 0.8 * h <= ratio <= 1.25 * h
+            vs_alone = statistics.fmean(r["final_val_loss"] for r in g) - alone[0]
             verdicts.append(
                 f"- H={h}: Δ loss vs DDP {dm:+.4f} ± {ds:.4f} → loss {'equal or better' if loss_ok else '**worse**'}; "
                 f"{ratio:.1f}x fewer bytes (H = {h}) → {'≈ H' if bytes_ok else '**not ≈ H**'}. Claim "
                 f"{met(loss_ok and bytes_ok)}."
-                + (
-                    f" Against one site alone ({alone[0]:.4f}): {statistics.fmean(r['final_val_loss'] for r in g) - alone[0]:+.4f}."
-                    if math.isfinite(alone[0])
-                    else ""
-                )
+                + (f" Against one site alone ({alone[0]:.4f}): {vs_alone:+.4f}." if math.isfinite(alone[0]) else "")
             )
     return md_rows(table), verdicts
 
@@ -257,13 +252,8 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         color = "black" if cfg == DDP else colormaps["viridis"](i / max(1, len(groups) - 1))
         ax.scatter(x, y, s=12, color=color, alpha=0.4)
         ax.errorbar([mx], [my[0]], yerr=[my[1]], marker="s" if cfg == DDP else "o", color=color, capsize=3, label=cfg)
-        ax.annotate(
-            "DDP" if cfg == DDP else f"H={g[0]['H']}",
-            (mx, my[0]),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=8,
-        )
+        name = "DDP" if cfg == DDP else f"H={g[0]['H']}"
+        ax.annotate(name, (mx, my[0]), textcoords="offset points", xytext=(6, 4), fontsize=8)
         if cfg == DDP:
             ax.axhline(my[0], color="black", lw=0.8, ls="--")
     if levels:  # axhline does not widen the y range
@@ -287,7 +277,7 @@ every step; bytes by the ring formula 2·(N−1)/N·4·P per rank per step. DiLo
 SGD lr {lr:g} momentum {mom:g}{" Nesterov" if mom else ""}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
 {m["seeds"]}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). {files(prefix, png)}
 
-{analyse(rows, m)[0]}
+{analyse(rows)[0]}
 
 Context: DiLoCo's claim comes from long runs (H = 500 and tens of thousands of inner steps per worker in the
 paper). Here every site takes {steps} steps from scratch, so DiLoCo gets at most
@@ -306,7 +296,7 @@ SPEC = Spec(
     columns=lambda point: {"method": point[METHOD], "H": point[H]},
     metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
     report=report,
-    verdict=lambda rows, rounds, m: analyse(rows, m)[1],
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
     execute=run_method,
     paths=(METHOD,),
     jobs_fn=lambda point: point.settings[METHOD] != "ddp",  # DDP's ranks want every core: one run at a time
