@@ -41,7 +41,9 @@ BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_byte
 RATES, DELAYS, LOSSES = "netem.rates", "netem.delays", "netem.losses"
 FLOOR, SSAI = "netem.floor", "netem.tcp_slow_start_after_idle"
 WARMUP, MEASURED = "lab.warmup_rounds", "lab.measured_rounds"
-WALK = [RATES, DELAYS, LOSSES]
+# quick and full: 4 sites walk every rate x one-way delay x loss, first a setting with no emulation
+WALK4 = {SITES: 4, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0], LOSSES: [0.0, 1.0, 5.0]}
+WALK4 |= {FLOOR: True, WARMUP: 1}
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0],
@@ -52,15 +54,11 @@ MODES: dict[str, dict[str, Any]] = {
     ),
     # small: 0.44 M params, int8 -> ~0.45 MB per site and round: 0.7 s of 2 x B / rate at 10 Mbit/s, 0.04 s at 200.
     "quick": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "small", H: 10, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
-        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 1, BUCKET: 256 * KiB, CHUNK: 64 * KiB},
+        seeds=[0, 1, 2], fixed={**WALK4, SIZE: "small", H: 10, MEASURED: 1, BUCKET: 256 * KiB, CHUNK: 64 * KiB}
     ),
     # base: 3.26 M params, int8 -> ~3.3 MB per site and round.
     "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "base", H: 20, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
-        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB},
+        seeds=[0, 1, 2], fixed={**WALK4, SIZE: "base", H: 20, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB}
     ),
 }
 CODEC = "int8"  # the worker's default; --set diloco.rounds.codec.name=sparseloco (issue 35) measures another
@@ -85,15 +83,12 @@ def strict_limit_s(r: dict[str, Any]) -> float:
     return physical_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"], r["delay_ms"], (n - 1) / n)
 
 
-def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
-    """The settings in the order one run walks them (``f``: settings by path); with ``netem.floor``, first
-    one with no emulation at all (the exchange's own cost on this machine)."""
-    return ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
-
-
 def run_point(point: Point) -> list[RunResult]:
     """One seed's training run through every setting of the walk, in a topology of its own; one result per setting."""
-    f, seed, settings = point.settings, point.seed, grid(point.settings)
+    f, seed = point.settings, point.seed
+    # the settings in the order the run walks them; with netem.floor, first one with no emulation at all
+    # (the exchange's own cost on this machine)
+    settings = ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
     n, per = f[SITES], f[WARMUP] + f[MEASURED]
     total = per * len(settings)
     changed_at: list[float] = []
@@ -190,17 +185,14 @@ def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     """(the table, per setting averaged over seeds; the notes under it)."""
     groups = summarize(rows)
-    md, ratios = _table(groups)
-    return md, _ratio_notes(groups, ratios) + _floor_and_util_notes(rows, groups)
+    return _table(groups), _ratio_notes(groups) + _floor_and_util_notes(rows, groups)
 
 
-def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[float, str]]]:
-    """The markdown table, and (mean ratio to the physical limit, configuration) per setting."""
-    table, ratios = [], []
-    for cfg, g in groups.items():
-        g0 = g[0]
-        rs = [r["ratio"] for r in g if not math.isnan(r["ratio"])]
-        ratios += [(statistics.fmean(rs) if rs else float("nan"), cfg)]
+def _table(groups: dict[str, list[dict[str, Any]]]) -> str:
+    """The markdown table, a row per setting."""
+    table = []
+    for g in groups.values():
+        g0, measured = g[0], any(not math.isnan(r["ratio"]) for r in g)
         table.append(
             {
                 "rate Mbit/s": "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
@@ -211,37 +203,35 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
                 "exchange s (plan→applied, max over sites)": fmt_pm([r["engine_s"] for r in g], "{:.2f}"),
                 "sync s (incl. quorum wait)": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
                 "physical limit s": f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
-                "ratio to limit": "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
-                "ratio to strict limit": "—"
-                if not rs
-                else fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}"),
+                "ratio to limit": fmt_pm([r["ratio"] for r in g], "{:.2f}") if measured else "—",
+                "ratio to strict limit": fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}")
+                if measured
+                else "—",
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
                 "stale buckets": sum(r["stale_buckets"] for r in g),
                 "rejected": sum(r["rejected"] for r in g),
             }
         )
-    return md_rows(table), ratios
+    return md_rows(table)
 
 
-def _ratio_notes(groups: dict[str, list[dict[str, Any]]], ratios: list[tuple[float, str]]) -> list[str]:
-    """The median, best and worst ratio to the physical limit, and the median per loss rate."""
-    good = sorted((r, c) for r, c in ratios if not math.isnan(r))
-    notes = []
-    if good:
-        med = statistics.median(r for r, _ in good)
-        notes.append(
-            f"- Ratio to the physical limit: median {med:.2f} over {len(good)} settings; best {good[0][0]:.2f} "
-            f"({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]})."
-        )
-        by_loss: dict[float, list[float]] = {}
-        for g in groups.values():
-            by_loss.setdefault(g[0]["loss_pct"], []).extend(r["ratio"] for r in g if not math.isnan(r["ratio"]))
-        notes.append(
-            "- Median ratio by loss: "
-            + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
-            + "."
-        )
-    return notes
+def _ratio_notes(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The median, best and worst ratio to the physical limit (per setting, mean over seeds), and the median
+    per loss rate."""
+    ratios = {cfg: [r["ratio"] for r in g if not math.isnan(r["ratio"])] for cfg, g in groups.items()}
+    good = sorted((statistics.fmean(v), cfg) for cfg, v in ratios.items() if v)
+    if not good:
+        return []
+    by_loss: dict[float, list[float]] = {}
+    for cfg, g in groups.items():
+        by_loss.setdefault(g[0]["loss_pct"], []).extend(ratios[cfg])
+    return [
+        f"- Ratio to the physical limit: median {statistics.median(r for r, _ in good):.2f} over {len(good)} settings; "
+        f"best {good[0][0]:.2f} ({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]}).",
+        "- Median ratio by loss: "
+        + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
+        + ".",
+    ]
 
 
 def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -262,10 +252,8 @@ def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dic
     util = [u for u in util if not math.isnan(u)]
     inner = [r["inner_s"] for r in rows if r.get("inner_s") is not None and not math.isnan(r["inner_s"])]
     if util and inner:
-        u10 = [
-            10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + mean_std([r["sync_s"] for r in g])[0])
-            for g in capped
-        ]
+        i10 = 10 * statistics.fmean(inner)
+        u10 = [i10 / (i10 + mean_std([r["sync_s"] for r in g])[0]) for g in capped]
         u10 = [u for u in u10 if not math.isnan(u)]
         notes.append(
             f"- Compute utilization (per setting, mean over seeds) ranges over {min(util):.2f}–{max(util):.2f} (median "
@@ -350,10 +338,8 @@ between. Compute utilization = inner-phase time / (inner + sync) per site. Mean 
 def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     notes = analyse(rows)[1]
     if m["fixed"].get(SSAI) is not None:  # against the run with the kernel's default, when there is one
-        default = (
-            Path(__file__).parent / "out" / ("wan_sweep.csv" if m["mode"] == "quick" else f"wan_sweep_{m['mode']}.csv")
-        )
-        notes += compare_default(rows, default)
+        name = "wan_sweep" if m["mode"] == "quick" else f"wan_sweep_{m['mode']}"
+        notes += compare_default(rows, Path(__file__).parent / "out" / f"{name}.csv")
     return notes
 
 
@@ -365,6 +351,6 @@ SPEC = Spec(
     report=report,
     verdict=verdict,
     execute=run_point,
-    paths=(*WALK, FLOOR, SSAI, WARMUP, MEASURED, SLEEP),
+    paths=(RATES, DELAYS, LOSSES, FLOOR, SSAI, WARMUP, MEASURED, SLEEP),
     netem=True,
 )
