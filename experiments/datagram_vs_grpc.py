@@ -41,7 +41,7 @@ from dtrain.tasks.builtin import build_task
 from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
-from experiments.lab import SITES, SIZE, H, Point, Spec, files, met
+from experiments.lab import SITES, SIZE, H, Point, Spec, decorate, files, met
 from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import measured_rounds, nan_mean, physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
@@ -273,10 +273,8 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
     lines = [f"Target (datagram <= 1.2x the limit up to 10% loss), nominal limit: {_within(worst['ratio'])}{at}."]
     if emu is not None:
         rate, what = emu
-        ratios = []
-        for r in dg:
-            lim = physical_limit_s(r["encoded_bytes_per_site"], min(r["rate_mbit"], rate), r["delay_ms"])
-            ratios.append((r["engine_s"] / lim, r["loss_pct"], lim))
+        lims = [physical_limit_s(r["encoded_bytes_per_site"], min(r["rate_mbit"], rate), r["delay_ms"]) for r in dg]
+        ratios = [(r["engine_s"] / lim, r["loss_pct"], lim) for r, lim in zip(dg, lims)]
         w = max(ratios)
         lines.append(
             f"Against the emulator's measured ceiling ({what}: {rate:.1f} Mbit/s per site of {rows[0]['num_sites']}, "
@@ -333,8 +331,7 @@ def cpu_verdict(rows: list[dict[str, Any]]) -> str:
     if not dg:
         return ""
     cores = dg[0].get("cpu_cores") or 1
-    floors = [(r["sites_sync_cpu_s"] / cores / r["limit_s"], r) for r in dg]
-    lo, hi = min(f for f, _ in floors), max(f for f, _ in floors)
+    floors = [r["sites_sync_cpu_s"] / cores / r["limit_s"] for r in dg]
     busy = [r["machine_busy_fraction"] for r in dg]
     softirq = [r["machine_softirq_s_per_round"] for r in dg]
     return (
@@ -345,7 +342,7 @@ def cpu_verdict(rows: list[dict[str, Any]]) -> str:
         f"{max(r['sites_sync_system_cpu_s'] / r['sites_sync_cpu_s'] for r in dg):.0%} of it in the kernel (socket "
         "calls and the emulated links' packet work done in the sending threads); the machine's softirq, packet work "
         f"outside any process, adds {min(softirq):.2f}-{max(softirq):.2f} s per round. On {cores} cores the syncs "
-        f"alone cannot take less than {lo:.2f}-{hi:.2f}x the limit, whatever the network does."
+        f"alone cannot take less than {min(floors):.2f}-{max(floors):.2f}x the limit, whatever the network does."
     )
 
 
@@ -356,16 +353,9 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(1.2, color="grey", linestyle=":", label="target 1.2x")
-    ax.set_xlabel("packet loss (%)")
-    ax.set_ylabel("exchange time / physical limit")
+    decorate(ax, "packet loss (%)", "exchange time / physical limit", legend=None)
     ax.legend()
     return save_fig(fig, prefix.with_suffix(".png"))
-
-
-def _deadlines_text(lm: dict[str, Any]) -> str:
-    if lm[DEADLINES] == "derived":
-        return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
-    return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
@@ -374,11 +364,14 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     # the emulator's ceiling was measured in 1,400-byte datagrams per second: it bounds those only
     ceiling = Path(__file__).parent / "out" / "netem_udp_ceiling.csv"
     emu = emulator_rate_mbit(ceiling, lm[SITES]) if lm[MTU] == 1500 else None
+    deadlines = ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
+    if lm[DEADLINES] == "derived":
+        deadlines = "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
     return f"""Setup (as root): {lm[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
 {lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
 site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {_deadlines_text(lm)}.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.
 {files(prefix, png)}
 
 {analyse(rows)}
