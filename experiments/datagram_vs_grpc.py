@@ -42,6 +42,7 @@ from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
 from experiments.lab import SITES, SIZE, H, Point, Spec, decorate, files, met
+from experiments.netem_udp_ceiling import ceilings
 from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
 from experiments.wan_sweep import measured_rounds, nan_mean, physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
@@ -160,13 +161,9 @@ def run_point(point: Point) -> list[RunResult]:
         # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
         # θ) is this run's figure, not a harness failure
         res = run_sites(topo, n, rv, opts, timeout_s=3600.0, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
-    left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
     cpu += [cpu_window({}, {})] * (len(m[LOSSES]) - len(cpu))
-    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
-    for k, r in enumerate(out):  # the end of the run is the last setting's
-        r.row["left_behind"] = left_behind if k == len(out) - 1 else 0
-    return out
+    return [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
 
 
 def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
@@ -244,6 +241,8 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         "machine_busy_s_per_round": cpu["busy_s"] / (per - (k == 0)),
         "machine_softirq_s_per_round": cpu["softirq_s"] / (per - (k == 0)),
         "cpu_cores": os.cpu_count() or 1,
+        # the end of the run is the last setting's
+        "left_behind": sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values()) if k == len(m[LOSSES]) - 1 else 0,
     }
     return RunResult(row=row, rounds=rounds_out)
 
@@ -253,13 +252,10 @@ def emulator_rate_mbit(ceiling_csv: Path, num_sites: int) -> tuple[float, str] |
     setting with the most flows: its loss-free aggregate over ``num_sites`` senders), or None."""
     if not ceiling_csv.exists():
         return None
-    from experiments.netem_udp_ceiling import ceilings  # noqa: PLC0415
-
-    rows = read_rows(ceiling_csv)
-    best = {k: r for k, r in ceilings(rows).items() if k[0] == "delay + cap" and r is not None}
+    best = [(k[1], r) for k, r in ceilings(read_rows(ceiling_csv)).items() if k[0] == "delay + cap" and r is not None]
     if not best:
         return None
-    flows, r = max((k[1], r) for k, r in best.items())
+    flows, r = max(best)
     return r["delivered_mbit"] / num_sites, f"{r['delivered_dps']:.0f} datagrams/s over {flows} flows"
 
 

@@ -88,7 +88,6 @@ def run_method(point: Point) -> RunResult:
     return run_ddp(spec) if point.settings[METHOD] == "ddp" else run_inproc(spec)
 
 
-# ---------------------------------------------------------------------------- DDP baseline
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """One data-parallel rank: the same task and inner optimizer as a DiLoCo site. It leaves through a
     last barrier and ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``,
@@ -193,7 +192,6 @@ def run_ddp(spec: RunSpec) -> RunResult:
     return RunResult(row=row, rounds=rounds)
 
 
-# ---------------------------------------------------------------------------- report
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     groups = summarize(rows)
     base = groups[DDP]

@@ -146,9 +146,7 @@ def run_point(point: Point) -> RunResult:
         "size": f[SIZE],
         "codec": f[CODEC],
         "sync_every": f[H],
-        "num_fragments": stream["num_fragments"],
-        "overlap_steps": stream["overlap_steps"],
-        "merge_alpha": stream["merge_alpha"],
+        **{k: stream[k] for k in ("num_fragments", "overlap_steps", "merge_alpha")},
         "pace_fraction": stream.get("pace_fraction", 0.0),
         # the one-step-delayed mode (F = 1, τ = H) lowers the outer momentum
         "outer_momentum": DELAYED_OUTER_MOMENTUM if stream["num_fragments"] == 1 and stream["overlap_steps"] else 0.9,
