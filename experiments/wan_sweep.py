@@ -109,8 +109,47 @@ def run_point(point: Point) -> list[RunResult]:
             sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
         link(0)
         res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=3600.0, steps=steps)
-    # res.facts(): of the whole run (every setting of this seed), the columns every experiment CSV has
-    return [_setting(f, seed, k, s, res.per_site, changed_at[k], res.facts()) for k, s in enumerate(settings)]
+    out = []
+    for k, (rate, delay, loss) in enumerate(settings):  # setting k's row (rounds k * per on) and per-round records
+        label = setting_label(rate, delay, loss)
+        rounds_out, kept = measured_rounds(
+            res.per_site,
+            range(k * per, (k + 1) * per),
+            changed_at[k],
+            lambda x, ok: line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok),
+            lambda r, lines: r - k * per >= f[WARMUP] and all(x["status"] == "applied" for x in lines),
+        )
+        every = [x for lines in kept for x in lines]
+        b = nan_mean([x.get("encoded_bytes", 0) for x in every])
+        e = nan_mean([max(x.get("round_s", float("nan")) for x in lines) for lines in kept])
+        limit = physical_limit_s(b, rate, delay)
+        row = {
+            "experiment": "wan_sweep",
+            "config": label,
+            "seed": seed,
+            "num_sites": f[SITES],
+            "size": f[SIZE],
+            "sync_every": f[H],
+            "codec": f.get(CODEC_PATH, CODEC),
+            "rate_mbit": rate,
+            "delay_ms": delay,
+            "loss_pct": loss,
+            "rounds_measured": len(kept),
+            "encoded_bytes_per_site": b,
+            "bytes_per_round_site": nan_mean([x.get("bytes_sent", 0) for x in every]),
+            "engine_s": e,
+            "sync_s": nan_mean([max(x["sync_s"] for x in lines) for lines in kept]),
+            "limit_s": limit,
+            "ratio": e / limit if limit > 0 else float("nan"),
+            "compute_util": nan_mean([x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in every]),
+            "inner_s": nan_mean([x["inner_s"] for x in every]),
+            "stale_buckets": sum(x.get("stale_buckets", 0) for x in every),
+            "rejected": sum(sum(x.get("rejected", {}).values()) for x in every),
+            "reduce_arrived": nan_mean([x.get("reduce_arrived_fraction", float("nan")) for x in every]),
+            **res.facts(),  # of the whole run (every setting of this seed): the columns every experiment CSV has
+        }
+        out.append(RunResult(row=row, rounds=rounds_out))
+    return out
 
 
 def nan_mean(xs: list[float]) -> float:
@@ -136,50 +175,6 @@ def measured_rounds(per_site, rounds, changed_at: float, record, ok=lambda r, li
 #: the metrics-line fields of the per-round CSV
 LINE_KEYS = ("round", "site", "status", "round_s", "sync_s", "inner_s", "network_s", "wait_s", "encoded_bytes")
 LINE_KEYS += ("bytes_sent", "stale_buckets")
-
-
-def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
-    """The row of setting ``k`` (rounds ``k * per`` on) and its per-round, per-site records."""
-    rate, delay, loss = setting
-    per = f[WARMUP] + f[MEASURED]
-    label = setting_label(rate, delay, loss)
-    rounds_out, kept = measured_rounds(
-        per_site,
-        range(k * per, (k + 1) * per),
-        changed_at,
-        lambda x, ok: line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok),
-        lambda r, lines: r - k * per >= f[WARMUP] and all(x["status"] == "applied" for x in lines),
-    )
-    every = [x for lines in kept for x in lines]
-    b = nan_mean([x.get("encoded_bytes", 0) for x in every])
-    e = nan_mean([max(x.get("round_s", float("nan")) for x in lines) for lines in kept])
-    limit = physical_limit_s(b, rate, delay)
-    row = {
-        "experiment": "wan_sweep",
-        "config": label,
-        "seed": seed,
-        "num_sites": f[SITES],
-        "size": f[SIZE],
-        "sync_every": f[H],
-        "codec": f.get(CODEC_PATH, CODEC),
-        "rate_mbit": rate,
-        "delay_ms": delay,
-        "loss_pct": loss,
-        "rounds_measured": len(kept),
-        "encoded_bytes_per_site": b,
-        "bytes_per_round_site": nan_mean([x.get("bytes_sent", 0) for x in every]),
-        "engine_s": e,
-        "sync_s": nan_mean([max(x["sync_s"] for x in lines) for lines in kept]),
-        "limit_s": limit,
-        "ratio": e / limit if limit > 0 else float("nan"),
-        "compute_util": nan_mean([x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in every]),
-        "inner_s": nan_mean([x["inner_s"] for x in every]),
-        "stale_buckets": sum(x.get("stale_buckets", 0) for x in every),
-        "rejected": sum(sum(x.get("rejected", {}).values()) for x in every),
-        "reduce_arrived": nan_mean([x.get("reduce_arrived_fraction", float("nan")) for x in every]),
-        **run_facts,
-    }
-    return RunResult(row=row, rounds=rounds_out)
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
@@ -279,10 +274,9 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     table = [[cfg, f"{base[cfg]:.2f}", f"{v:.2f}", f"{v / base[cfg]:.2f}"] for cfg, v in mine.items() if cfg in base]
     if not table:
         return []
-    ratios = [float(t[3]) for t in table]
     return [
         f"- Against the default run (`{default_csv.name}`, a separate run: other load), exchange s per setting "
-        f"(median ratio {statistics.median(ratios):.2f}):",
+        f"(median ratio {statistics.median(float(t[3]) for t in table):.2f}):",
         "",
         md_table(["setting", "default", "this run", "ratio"], table),
     ]
