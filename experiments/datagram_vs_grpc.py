@@ -67,10 +67,8 @@ def wide_task(spec: TaskSpec) -> Task:
     """The built-in task at about 9.7 M parameters whatever ``spec.size`` says (int8: ~9.8 MB of
     pseudo-gradient per site and round, the issue's >= 8 MB): 4 layers of width 448, short windows
     so that an inner step stays cheap on a shared machine. Quick and full runs' ``task_spec.task``."""
-    PRESETS.setdefault(
-        "wide",
-        Preset(num_layers=4, num_heads=8, embed_dim=448, context_len=32, batch_size=2, lr=3e-4, num_val_batches=2),
-    )
+    wide = Preset(num_layers=4, num_heads=8, embed_dim=448, context_len=32, batch_size=2, lr=3e-4, num_val_batches=2)
+    PRESETS.setdefault("wide", wide)
     return build_task(replace(spec, size="wide", context_len=None, batch_size=None))
 
 
@@ -175,12 +173,6 @@ def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
     return now["wire_sent"] - (before["wire_sent"] if before else 0)
 
 
-def _number(line: dict, key: str) -> float:
-    """``line[key]`` as a float, NaN when absent or null (lines of an older dtrain)."""
-    v = line.get(key)
-    return float("nan") if v is None else float(v)
-
-
 def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResult:
     """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
     its rounds (its warm-up round included, but the first setting's)."""
@@ -195,8 +187,9 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
     )
     every = [x for lines in kept for x in lines]
 
-    def cpu_s(key: str) -> float:  # per measured round: the sites' CPU seconds, summed over sites; the median
-        per_round = [sum(_number(x, key) for x in lines) for lines in kept]
+    # the median over measured rounds of the sites' CPU seconds, summed over sites (NaN: an older dtrain's line)
+    def cpu_s(key: str) -> float:
+        per_round = [sum(float("nan") if x.get(key) is None else float(x[key]) for x in lines) for lines in kept]
         return statistics.median(per_round) if per_round else float("nan")
 
     # the warm-up round is not measured, but its θ must agree too (issue 32: no round of unequal θ)
@@ -250,9 +243,8 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
 def emulator_rate_mbit(ceiling_csv: Path, num_sites: int) -> tuple[float, str] | None:
     """Per-site rate the netem emulator itself passed (``netem_udp_ceiling.py``, the "delay + cap"
     setting with the most flows: its loss-free aggregate over ``num_sites`` senders), or None."""
-    if not ceiling_csv.exists():
-        return None
-    best = [(k[1], r) for k, r in ceilings(read_rows(ceiling_csv)).items() if k[0] == "delay + cap" and r is not None]
+    rows = read_rows(ceiling_csv) if ceiling_csv.exists() else []
+    best = [(k[1], r) for k, r in ceilings(rows).items() if k[0] == "delay + cap" and r is not None]
     if not best:
         return None
     flows, r = max(best)

@@ -15,7 +15,6 @@ report prints the setup):
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import json
 import math
@@ -24,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,9 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     if spec.own_session:
         own_session()  # a rank's CPU share is its own on a machine shared by sessions (autogroup)
+    url = f"tcp://127.0.0.1:{port}"
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=spec.num_sites,
-        timeout=datetime.timedelta(seconds=300),
+        "gloo", init_method=url, rank=rank, world_size=spec.num_sites, timeout=timedelta(seconds=300)
     )
     try:
         task = build_task(spec.task_spec(rank))  # same init on every rank (seed only); shard = rank
@@ -131,19 +128,16 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                 curve.append((step + 1, evaluate(task.model)))
         wall = time.perf_counter() - t0
         if rank == 0:
-            Path(out_path).write_text(
-                json.dumps(
-                    {
-                        "first_val_loss": first,
-                        "final_val_loss": evaluate(task.model),
-                        "wall_s": wall,
-                        "comm_s": comm_s,
-                        "num_params": flat.numel(),
-                        "tokens_per_batch": task.tokens_per_batch,
-                        "curve": curve,
-                    }
-                )
-            )
+            result = {
+                "first_val_loss": first,
+                "final_val_loss": evaluate(task.model),
+                "wall_s": wall,
+                "comm_s": comm_s,
+                "num_params": flat.numel(),
+                "tokens_per_batch": task.tokens_per_batch,
+                "curve": curve,
+            }
+            Path(out_path).write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -161,8 +161,7 @@ def run_point(point: Point) -> RunResult:
         "wall_s": res.wall_s,
     }
     keys = ("site", "round", "fragment", "inner_s", "sync_s", "bytes_sent", "val_loss")
-    rounds_out = [line_record("streaming", label, seed, x, keys) for x in lines]
-    return RunResult(row=row, rounds=rounds_out)
+    return RunResult(row=row, rounds=[line_record("streaming", label, seed, x, keys) for x in lines])
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
@@ -183,16 +182,15 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             f"({met(u <= 0.6, 'not met')}{'' if u <= 0.6 else ': a larger share of compute than the issue intended'})."
         )
     for cfg, g in groups.items():
-        g0 = g[0]
         loss = statistics.fmean(r["final_val_loss"] for r in g)
         peak = statistics.fmean(r["peak_Bps"] for r in g)
         table.append(
             {
                 "config": cfg,
-                "F": g0["num_fragments"],
-                "τ": g0["overlap_steps"],
-                "α": g0["merge_alpha"],
-                "pace": g0.get("pace_fraction", 0.0),
+                "F": g[0]["num_fragments"],
+                "τ": g[0]["overlap_steps"],
+                "α": g[0]["merge_alpha"],
+                "pace": g[0].get("pace_fraction", 0.0),
                 "inner steps": int(statistics.fmean(r["inner_steps"] for r in g)),
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.3f}"),
                 "last merge wait s": fmt_pm([r.get("final_flush_s", 0.0) for r in g], "{:.2f}"),
@@ -210,7 +208,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             f"- {cfg}: utilization {u:.3f} ({met(u >= 0.95, 'not met')}); final loss {100 * dl:+.2f} % "
             f"of blocking ({met(dl <= 0.01, 'not met')}: at most 1 % worse)"
         )
-        if g0["num_fragments"] == 4:
+        if g[0]["num_fragments"] == 4:
             line += f"; peak bytes/s {pk:.2f}x blocking ({met(pk <= 0.35, 'not met')})"
         notes.append(line + ".")
     notes.append(
