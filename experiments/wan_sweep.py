@@ -178,13 +178,8 @@ LINE_KEYS += ("bytes_sent", "stale_buckets")
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """(the table, per setting averaged over seeds; the notes under it)."""
+    """(the table, a row per setting averaged over seeds; the notes under it)."""
     groups = summarize(rows)
-    return _table(groups), _ratio_notes(groups) + _floor_and_util_notes(rows, groups)
-
-
-def _table(groups: dict[str, list[dict[str, Any]]]) -> str:
-    """The markdown table, a row per setting."""
     table = []
     for g in groups.values():
         g0, measured = g[0], any(not math.isnan(r["ratio"]) for r in g)
@@ -207,7 +202,7 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> str:
                 "rejected": sum(r["rejected"] for r in g),
             }
         )
-    return md_rows(table)
+    return md_rows(table), _ratio_notes(groups) + _floor_and_util_notes(rows, groups)
 
 
 def _ratio_notes(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
