@@ -41,9 +41,10 @@ from dtrain.tasks.builtin import build_task
 from dtrain.tasks.spec import PRESETS, Preset, Task, TaskSpec
 from dtrain.transports.datagram import max_datagram_bytes_for_mtu
 from experiments.common import RunResult, md_rows, read_rows, save_fig, subplots
-from experiments.lab import SITES, SIZE, H, Point, Spec, files, met
+from experiments.lab import SITES, SIZE, H, Point, Spec, decorate, files, met
+from experiments.netem_udp_ceiling import ceilings
 from experiments.procs import SitesRun, line_record, loss_based_cc, run_sites, set_link, sites_topology, sysctl
-from experiments.wan_sweep import physical_limit_s
+from experiments.wan_sweep import measured_rounds, nan_mean, physical_limit_s
 from netem.topology import MAX_MTU_BYTES, MIN_MTU_BYTES
 
 _LOSS_CC = loss_based_cc()
@@ -59,17 +60,15 @@ MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s
 # needs minutes a round); "derived": none set, every deadline derived (issue 32's reno check:
 # --set lab.deadlines=derived --set 'netem.losses=[10]')
 DEADLINES = "lab.deadlines"
-LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set"}
+LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set", SLEEP: 0.0}
 
 
 def wide_task(spec: TaskSpec) -> Task:
     """The built-in task at about 9.7 M parameters whatever ``spec.size`` says (int8: ~9.8 MB of
     pseudo-gradient per site and round, the issue's >= 8 MB): 4 layers of width 448, short windows
     so that an inner step stays cheap on a shared machine. Quick and full runs' ``task_spec.task``."""
-    PRESETS.setdefault(
-        "wide",
-        Preset(num_layers=4, num_heads=8, embed_dim=448, context_len=32, batch_size=2, lr=3e-4, num_val_batches=2),
-    )
+    wide = Preset(num_layers=4, num_heads=8, embed_dim=448, context_len=32, batch_size=2, lr=3e-4, num_val_batches=2)
+    PRESETS.setdefault("wide", wide)
     return build_task(replace(spec, size="wide", context_len=None, batch_size=None))
 
 
@@ -86,8 +85,7 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 def _checked(f: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings by path with the defaults of the optional ones; ValueError naming a bad one."""
-    f = {MTU: 1500, DEADLINES: "set", SLEEP: 0.0} | f
+    """The run's settings by path (the spec's ``fixed`` gives the optional ones); ValueError naming a bad one."""
     if not all(0.0 <= x < 100.0 for x in f[LOSSES]):
         raise ValueError(f"{LOSSES} must be percents in [0, 100), got {f[LOSSES]!r}")
     if not MIN_MTU_BYTES <= f[MTU] <= MAX_MTU_BYTES:
@@ -128,15 +126,14 @@ def cpu_window(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
-def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, timeout_s: float) -> list[RunResult]:
-    """One training run of one data path through every loss setting; one RunResult per loss."""
-    label, data_path, cc = path
-    n, per = m[SITES], 1 + m[MEASURED]
+def run_point(point: Point) -> list[RunResult]:
+    """One data path's training run through every loss setting, in a topology of its own; one result per loss."""
+    m, label, seed = _checked(point.settings), point.config, point.seed
+    data_path, n, per = m[DATA_PATH], m[SITES], 1 + m[MEASURED]
     total = per * len(m[LOSSES])
     changed_at: list[float] = []
     # the machine's CPU after the first round (start-up left out), at each later link change and at the end
     cpu_at: list[dict[str, float]] = []
-    sysctl(topo, "tcp_congestion_control", cc)
 
     def link(k: int) -> None:
         set_link(topo, delay_ms=m[DELAY], loss_pct=m[LOSSES][k], rate_mbit=m[RATE])
@@ -145,7 +142,6 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
             cpu_at.append(machine_cpu())
             print(f"  {label}: round {k * per}: loss {m[LOSSES][k]:g}%", flush=True)
 
-    link(0)
     opts = dict(task=m[TASK] or None, size=m[SIZE], seed=seed, rounds=total, sync_every=m[H])
     # no linger_s: close() waits for every member's pull or MEAN_ACK up to the broadcast
     # deadline (a 3 s linger let an owner exit before a member 3 s behind got the last
@@ -156,17 +152,16 @@ def run_path(topo, m: dict[str, Any], path: tuple[str, str, str], seed: int, tim
     steps = [(0, lambda: cpu_at.append(machine_cpu()))]
     steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m[LOSSES]))]
     steps += [(total - 1, lambda: cpu_at.append(machine_cpu()))]
-    # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
-    # θ) is this run's figure, not a harness failure
     rv = RENDEZVOUS if m[DEADLINES] == "set" else {"heartbeat_interval_s": 1.0}
-    res = run_sites(topo, n, rv, opts, timeout_s=timeout_s, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
-    left_behind = sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values())
+    with sites_topology(n, "dgvs", "datagram_vs_grpc", mtu_bytes=m[MTU]) as topo:
+        sysctl(topo, "tcp_congestion_control", m[CC])
+        link(0)
+        # a site left behind by the last round (it exits EXIT_LEFT_BEHIND, never "done" on another
+        # θ) is this run's figure, not a harness failure
+        res = run_sites(topo, n, rv, opts, timeout_s=3600.0, steps=steps, ok=(0, EXIT_LEFT_BEHIND))
     cpu = [cpu_window(a, b) for a, b in zip(cpu_at, cpu_at[1:])]  # the first setting's without its warm-up
     cpu += [cpu_window({}, {})] * (len(m[LOSSES]) - len(cpu))
-    out = [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
-    for k, r in enumerate(out):  # the end of the run is the last setting's
-        r.row["left_behind"] = left_behind if k == len(out) - 1 else 0
-    return out
+    return [_result(m, label, seed, k, loss, res, changed_at[k], cpu[k]) for k, loss in enumerate(m[LOSSES])]
 
 
 def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
@@ -178,48 +173,33 @@ def _wire_sent(per_site: dict[int, list[dict]], i: int, r: int) -> float:
     return now["wire_sent"] - (before["wire_sent"] if before else 0)
 
 
-def _number(line: dict, key: str) -> float:
-    """``line[key]`` as a float, NaN when absent or null (lines of an older dtrain)."""
-    v = line.get(key)
-    return float("nan") if v is None else float(v)
-
-
 def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResult:
     """One loss setting's row: its measured rounds' figures; ``cpu``: :func:`cpu_window` over
     its rounds (its warm-up round included, but the first setting's)."""
     n, per, per_site = m[SITES], 1 + m[MEASURED], res.per_site
-    engine, enc, sent, wire, delivered, rounds_out = [], [], [], [], [], []
-    sync_cpu, sync_sys, cycle_cpu = [], [], []  # per measured round: the sites' CPU seconds, summed over sites
-    drift = stale = skipped = 0
     keys = ("round", "site", "status", "round_s", "bytes_sent", "included_fraction")
-    for r in range(k * per + 1, (k + 1) * per):  # the first round of each setting is the warm-up
-        lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
-        ok = len(lines) == n and all(x["time"] - x["sync_s"] >= changed_at for x in lines)
-        rounds_out += [
-            line_record("datagram_vs_grpc", f"{label}, loss {loss:g}%", seed, x, keys, measured=ok) for x in lines
-        ]
-        if not ok:
-            continue
-        engine.append(max(x.get("round_s", float("nan")) for x in lines))
-        sync_cpu.append(sum(_number(x, "sync_cpu_s") for x in lines))
-        sync_sys.append(sum(_number(x, "sync_system_cpu_s") for x in lines))
-        cycle_cpu.append(sum(_number(x, "cpu_s") for x in lines))
-        enc += [x.get("encoded_bytes", 0) for x in lines]
-        sent += [x.get("bytes_sent", 0) for x in lines]
-        wire += [_wire_sent(per_site, i, r) for i in range(n)]
-        delivered += [x.get("included_fraction", float("nan")) for x in lines]
-        drift += len({x["checksum"] for x in lines}) > 1
-        stale += sum(x.get("stale_buckets", 0) for x in lines)
-        skipped += sum(x.get("skipped_buckets", 0) for x in lines)
+    config = f"{label}, loss {loss:g}%"
+    rounds_out, kept = measured_rounds(  # the first round of each setting is the warm-up
+        per_site,
+        range(k * per + 1, (k + 1) * per),
+        changed_at,
+        lambda x, ok: line_record("datagram_vs_grpc", config, seed, x, keys, measured=ok),
+    )
+    every = [x for lines in kept for x in lines]
+
+    # the median over measured rounds of the sites' CPU seconds, summed over sites (NaN: an older dtrain's line)
+    def cpu_s(key: str) -> float:
+        per_round = [sum(float("nan") if x.get(key) is None else float(x[key]) for x in lines) for lines in kept]
+        return statistics.median(per_round) if per_round else float("nan")
+
     # the warm-up round is not measured, but its θ must agree too (issue 32: no round of unequal θ)
     warm = [x for i in range(n) for x in per_site[i] if x["round"] == k * per]
-    warm_drift = int(len(warm) == n and len({x["checksum"] for x in warm}) > 1)
-    b = statistics.fmean(enc) if enc else float("nan")
+    b = nan_mean([x.get("encoded_bytes", 0) for x in every])
     limit = physical_limit_s(b, m[RATE], m[DELAY])
-    e = statistics.fmean(engine) if engine else float("nan")
+    e = nan_mean([max(x.get("round_s", float("nan")) for x in lines) for lines in kept])
     row = {
         "experiment": "datagram_vs_grpc",
-        "config": f"{label}, loss {loss:g}%",
+        "config": config,
         "path": label,
         "seed": seed,
         "num_sites": n,
@@ -228,30 +208,34 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
         "rate_mbit": m[RATE],
         "delay_ms": m[DELAY],
         "loss_pct": loss,
-        "rounds_measured": len(engine),
+        "rounds_measured": len(kept),
         "encoded_bytes_per_site": b,
         "engine_s": e,
         "limit_s": limit,
         "ratio": e / limit if limit > 0 else float("nan"),
-        "bytes_per_round_site": statistics.fmean(sent) if sent else float("nan"),
-        "wire_bytes_per_round_site": statistics.fmean(wire) if wire else float("nan"),
-        "delivered": statistics.fmean(delivered) if delivered else float("nan"),
-        "drift_rounds": drift,
-        "warmup_drift_rounds": warm_drift,
-        "stale_buckets": stale,
-        "skipped_buckets": skipped,
+        "bytes_per_round_site": nan_mean([x.get("bytes_sent", 0) for x in every]),
+        "wire_bytes_per_round_site": nan_mean(
+            [_wire_sent(per_site, i, lines[0]["round"]) for lines in kept for i in range(n)]
+        ),
+        "delivered": nan_mean([x.get("included_fraction", float("nan")) for x in every]),
+        "drift_rounds": sum(len({x["checksum"] for x in lines}) > 1 for lines in kept),
+        "warmup_drift_rounds": int(len(warm) == n and len({x["checksum"] for x in warm}) > 1),
+        "stale_buckets": sum(x.get("stale_buckets", 0) for x in every),
+        "skipped_buckets": sum(x.get("skipped_buckets", 0) for x in every),
         "rejected": 0,
         "sync_s": e,
         **res.facts(),
         # CPU: what the sites' syncs and whole round cycles cost (CPU s per round, summed over sites),
         # and how busy the machine was over this setting's rounds (the emulator's kernel work included)
-        "sites_sync_cpu_s": statistics.median(sync_cpu) if sync_cpu else float("nan"),
-        "sites_sync_system_cpu_s": statistics.median(sync_sys) if sync_sys else float("nan"),
-        "sites_cycle_cpu_s": statistics.median(cycle_cpu) if cycle_cpu else float("nan"),
+        "sites_sync_cpu_s": cpu_s("sync_cpu_s"),
+        "sites_sync_system_cpu_s": cpu_s("sync_system_cpu_s"),
+        "sites_cycle_cpu_s": cpu_s("cpu_s"),
         "machine_busy_fraction": cpu["busy_fraction"],
         "machine_busy_s_per_round": cpu["busy_s"] / (per - (k == 0)),
         "machine_softirq_s_per_round": cpu["softirq_s"] / (per - (k == 0)),
         "cpu_cores": os.cpu_count() or 1,
+        # the end of the run is the last setting's
+        "left_behind": sum(rc == EXIT_LEFT_BEHIND for rc in res.rcs.values()) if k == len(m[LOSSES]) - 1 else 0,
     }
     return RunResult(row=row, rounds=rounds_out)
 
@@ -259,15 +243,11 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
 def emulator_rate_mbit(ceiling_csv: Path, num_sites: int) -> tuple[float, str] | None:
     """Per-site rate the netem emulator itself passed (``netem_udp_ceiling.py``, the "delay + cap"
     setting with the most flows: its loss-free aggregate over ``num_sites`` senders), or None."""
-    if not ceiling_csv.exists():
-        return None
-    from experiments.netem_udp_ceiling import ceilings  # noqa: PLC0415
-
-    rows = read_rows(ceiling_csv)
-    best = {k: r for k, r in ceilings(rows).items() if k[0] == "delay + cap" and r is not None}
+    rows = read_rows(ceiling_csv) if ceiling_csv.exists() else []
+    best = [(k[1], r) for k, r in ceilings(rows).items() if k[0] == "delay + cap" and r is not None]
     if not best:
         return None
-    flows, r = max((k[1], r) for k, r in best.items())
+    flows, r = max(best)
     return r["delivered_mbit"] / num_sites, f"{r['delivered_dps']:.0f} datagrams/s over {flows} flows"
 
 
@@ -281,10 +261,8 @@ def verdicts(rows: list[dict[str, Any]], emu: tuple[float, str] | None) -> str:
     lines = [f"Target (datagram <= 1.2x the limit up to 10% loss), nominal limit: {_within(worst['ratio'])}{at}."]
     if emu is not None:
         rate, what = emu
-        ratios = []
-        for r in dg:
-            lim = physical_limit_s(r["encoded_bytes_per_site"], min(r["rate_mbit"], rate), r["delay_ms"])
-            ratios.append((r["engine_s"] / lim, r["loss_pct"], lim))
+        lims = [physical_limit_s(r["encoded_bytes_per_site"], min(r["rate_mbit"], rate), r["delay_ms"]) for r in dg]
+        ratios = [(r["engine_s"] / lim, r["loss_pct"], lim) for r, lim in zip(dg, lims)]
         w = max(ratios)
         lines.append(
             f"Against the emulator's measured ceiling ({what}: {rate:.1f} Mbit/s per site of {rows[0]['num_sites']}, "
@@ -341,8 +319,7 @@ def cpu_verdict(rows: list[dict[str, Any]]) -> str:
     if not dg:
         return ""
     cores = dg[0].get("cpu_cores") or 1
-    floors = [(r["sites_sync_cpu_s"] / cores / r["limit_s"], r) for r in dg]
-    lo, hi = min(f for f, _ in floors), max(f for f, _ in floors)
+    floors = [r["sites_sync_cpu_s"] / cores / r["limit_s"] for r in dg]
     busy = [r["machine_busy_fraction"] for r in dg]
     softirq = [r["machine_softirq_s_per_round"] for r in dg]
     return (
@@ -353,7 +330,7 @@ def cpu_verdict(rows: list[dict[str, Any]]) -> str:
         f"{max(r['sites_sync_system_cpu_s'] / r['sites_sync_cpu_s'] for r in dg):.0%} of it in the kernel (socket "
         "calls and the emulated links' packet work done in the sending threads); the machine's softirq, packet work "
         f"outside any process, adds {min(softirq):.2f}-{max(softirq):.2f} s per round. On {cores} cores the syncs "
-        f"alone cannot take less than {lo:.2f}-{hi:.2f}x the limit, whatever the network does."
+        f"alone cannot take less than {min(floors):.2f}-{max(floors):.2f}x the limit, whatever the network does."
     )
 
 
@@ -364,24 +341,9 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(1.2, color="grey", linestyle=":", label="target 1.2x")
-    ax.set_xlabel("packet loss (%)")
-    ax.set_ylabel("exchange time / physical limit")
+    decorate(ax, "packet loss (%)", "exchange time / physical limit", legend=None)
     ax.legend()
     return save_fig(fig, prefix.with_suffix(".png"))
-
-
-def run_point(point: Point) -> list[RunResult]:
-    """One data path's run through every loss, in a topology of its own; one result per loss."""
-    m = _checked(point.settings)
-    path = (point.config, point.settings[DATA_PATH], point.settings[CC])
-    with sites_topology(m[SITES], "dgvs", "datagram_vs_grpc", mtu_bytes=m[MTU]) as topo:
-        return run_path(topo, m, path, point.seed, 3600.0)
-
-
-def _deadlines_text(lm: dict[str, Any]) -> str:
-    if lm[DEADLINES] == "derived":
-        return "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
-    return ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
@@ -390,11 +352,14 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     # the emulator's ceiling was measured in 1,400-byte datagrams per second: it bounds those only
     ceiling = Path(__file__).parent / "out" / "netem_udp_ceiling.csv"
     emu = emulator_rate_mbit(ceiling, lm[SITES]) if lm[MTU] == 1500 else None
+    deadlines = ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
+    if lm[DEADLINES] == "derived":
+        deadlines = "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
     return f"""Setup (as root): {lm[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
 {lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
 site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {_deadlines_text(lm)}.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.
 {files(prefix, png)}
 
 {analyse(rows)}

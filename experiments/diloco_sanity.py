@@ -15,7 +15,6 @@ report prints the setup):
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import json
 import math
@@ -24,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +64,9 @@ def methods(total_steps: int, hs: list[int]) -> list[dict[str, Any]]:
     if bad:
         raise ValueError(f"total steps {total_steps} is not a multiple of H={bad[0]}")
     ddp = {"config": DDP, METHOD: "ddp", H: 1, ROUNDS: total_steps, EVAL: 0}
-    diloco = [
-        {
-            "config": f"DiLoCo H={h}",
-            METHOD: "diloco",
-            H: h,
-            ROUNDS: total_steps // h,
-            EVAL: max(1, total_steps // h // 20),
-        }
-        for h in hs
-    ]
+    diloco = [{"config": f"DiLoCo H={h}", METHOD: "diloco", H: h, ROUNDS: total_steps // h} for h in hs]
+    for d in diloco:  # about 20 evaluations per run
+        d[EVAL] = max(1, d[ROUNDS] // 20)
     alone = {"config": ALONE, METHOD: "alone", SITES: 1, H: total_steps, ROUNDS: 1, EVAL: 0}
     return [ddp, *diloco, alone | {OUTER_LR: 1.0, OUTER_M: 0.0}]
 
@@ -95,7 +88,6 @@ def run_method(point: Point) -> RunResult:
     return run_ddp(spec) if point.settings[METHOD] == "ddp" else run_inproc(spec)
 
 
-# ---------------------------------------------------------------------------- DDP baseline
 def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     """One data-parallel rank: the same task and inner optimizer as a DiLoCo site. It leaves through a
     last barrier and ``os._exit(0)``: with torch 2.13 gloo's threads outlive ``destroy_process_group()``,
@@ -104,12 +96,9 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     if spec.own_session:
         own_session()  # a rank's CPU share is its own on a machine shared by sessions (autogroup)
+    url = f"tcp://127.0.0.1:{port}"
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=spec.num_sites,
-        timeout=datetime.timedelta(seconds=300),
+        "gloo", init_method=url, rank=rank, world_size=spec.num_sites, timeout=timedelta(seconds=300)
     )
     try:
         task = build_task(spec.task_spec(rank))  # same init on every rank (seed only); shard = rank
@@ -128,10 +117,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
             torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             dist.all_reduce(flat)  # sum over ranks
             flat.div_(spec.num_sites)
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off : off + p.numel()].view_as(p))
-                off += p.numel()
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
             comm_s += time.perf_counter() - t
             task.optimizer.step()
             task.optimizer.zero_grad(set_to_none=True)
@@ -141,19 +128,16 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                 curve.append((step + 1, evaluate(task.model)))
         wall = time.perf_counter() - t0
         if rank == 0:
-            Path(out_path).write_text(
-                json.dumps(
-                    {
-                        "first_val_loss": first,
-                        "final_val_loss": evaluate(task.model),
-                        "wall_s": wall,
-                        "comm_s": comm_s,
-                        "num_params": flat.numel(),
-                        "tokens_per_batch": task.tokens_per_batch,
-                        "curve": curve,
-                    }
-                )
-            )
+            result = {
+                "first_val_loss": first,
+                "final_val_loss": evaluate(task.model),
+                "wall_s": wall,
+                "comm_s": comm_s,
+                "num_params": flat.numel(),
+                "tokens_per_batch": task.tokens_per_batch,
+                "curve": curve,
+            }
+            Path(out_path).write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -172,31 +156,28 @@ def run_ddp(spec: RunSpec) -> RunResult:
         res = json.loads(Path(out).read_text())
     n, p, steps = spec.num_sites, res["num_params"], spec.rounds
     per_rank_step = ring_allreduce_bytes(p, n)
-    row = spec.columns()
-    row.update(
-        {
-            "codec": "fp32 (gloo all-reduce)",
-            "num_params": p,
-            "inner_steps": steps,
-            "tokens_per_site": steps * res["tokens_per_batch"],
-            "first_val_loss": res["first_val_loss"],
-            "final_val_loss": res["final_val_loss"],
-            "val_loss_site_spread": 0.0,
-            "rounds_done": steps,
-            **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
-            **dict.fromkeys(("skipped_buckets", "rejected"), 0),
-            "build_s": time.perf_counter() - t0 - res["wall_s"],
-            "wall_s": res["wall_s"],
-            "inner_s": res["wall_s"] - res["comm_s"],
-            "sync_s": res["comm_s"],
-            "round_s": res["comm_s"] / steps,
-            "bytes_sent": per_rank_step * n * steps,
-            "bytes_total": per_rank_step * n * steps,
-            "bytes_per_round_site": per_rank_step,
-            **dict.fromkeys(("encode_s", "decode_s"), 0.0),
-            "consistent": True,
-        }
-    )
+    row = spec.columns() | {
+        "codec": "fp32 (gloo all-reduce)",
+        "num_params": p,
+        "inner_steps": steps,
+        "tokens_per_site": steps * res["tokens_per_batch"],
+        "first_val_loss": res["first_val_loss"],
+        "final_val_loss": res["final_val_loss"],
+        "val_loss_site_spread": 0.0,
+        "rounds_done": steps,
+        **dict.fromkeys(("resyncs", "deferred", "bytes_received", "stale_buckets", "repaired_buckets"), 0),
+        **dict.fromkeys(("skipped_buckets", "rejected"), 0),
+        "build_s": time.perf_counter() - t0 - res["wall_s"],
+        "wall_s": res["wall_s"],
+        "inner_s": res["wall_s"] - res["comm_s"],
+        "sync_s": res["comm_s"],
+        "round_s": res["comm_s"] / steps,
+        "bytes_sent": per_rank_step * n * steps,
+        "bytes_total": per_rank_step * n * steps,
+        "bytes_per_round_site": per_rank_step,
+        **dict.fromkeys(("encode_s", "decode_s"), 0.0),
+        "consistent": True,
+    }
     curve = [*res["curve"], (steps, res["final_val_loss"])]
     rounds = [
         {"experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": k - 1, "val_loss": v}
@@ -205,8 +186,7 @@ def run_ddp(spec: RunSpec) -> RunResult:
     return RunResult(row=row, rounds=rounds)
 
 
-# ---------------------------------------------------------------------------- report
-def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[str]]:
+def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     groups = summarize(rows)
     base = groups[DDP]
     ddp_bytes = statistics.fmean(r["bytes_total"] / r["num_sites"] for r in base)
@@ -227,9 +207,7 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
                 "final val loss": fmt_pm([r["final_val_loss"] for r in g]),
                 "Δ loss vs DDP (paired)": "—" if cfg == DDP else fmt_pm(d, "{:+.4f}"),
                 "MB sent per site": f"{bytes_site / 1e6:.2f}",
-                "fewer bytes than DDP": "1"
-                if cfg == DDP
-                else ("— (no network)" if cfg == ALONE else f"{ratio:.1f}x (H = {h})"),
+                "fewer bytes than DDP": {DDP: "1", ALONE: "— (no network)"}.get(cfg, f"{ratio:.1f}x (H = {h})"),
                 "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
                 "sync/comm s": fmt_pm([r["sync_s"] for r in g], "{:.1f}"),
             }
@@ -238,15 +216,12 @@ def analyse(rows: list[dict[str, Any]], m: dict[str, Any]) -> tuple[str, list[st
             dm, ds = mean_std(d)
             loss_ok = dm <= max(ds, ddp_loss[1])  # equal (within the spread over seeds) or better
             bytes_ok = 0.8 * h <= ratio <= 1.25 * h
+            vs_alone = statistics.fmean(r["final_val_loss"] for r in g) - alone[0]
             verdicts.append(
                 f"- H={h}: Δ loss vs DDP {dm:+.4f} ± {ds:.4f} → loss {'equal or better' if loss_ok else '**worse**'}; "
                 f"{ratio:.1f}x fewer bytes (H = {h}) → {'≈ H' if bytes_ok else '**not ≈ H**'}. Claim "
                 f"{met(loss_ok and bytes_ok)}."
-                + (
-                    f" Against one site alone ({alone[0]:.4f}): {statistics.fmean(r['final_val_loss'] for r in g) - alone[0]:+.4f}."
-                    if math.isfinite(alone[0])
-                    else ""
-                )
+                + (f" Against one site alone ({alone[0]:.4f}): {vs_alone:+.4f}." if math.isfinite(alone[0]) else "")
             )
     return md_rows(table), verdicts
 
@@ -269,13 +244,8 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         color = "black" if cfg == DDP else colormaps["viridis"](i / max(1, len(groups) - 1))
         ax.scatter(x, y, s=12, color=color, alpha=0.4)
         ax.errorbar([mx], [my[0]], yerr=[my[1]], marker="s" if cfg == DDP else "o", color=color, capsize=3, label=cfg)
-        ax.annotate(
-            "DDP" if cfg == DDP else f"H={g[0]['H']}",
-            (mx, my[0]),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=8,
-        )
+        name = "DDP" if cfg == DDP else f"H={g[0]['H']}"
+        ax.annotate(name, (mx, my[0]), textcoords="offset points", xytext=(6, 4), fontsize=8)
         if cfg == DDP:
             ax.axhline(my[0], color="black", lw=0.8, ls="--")
     if levels:  # axhline does not widen the y range
@@ -299,7 +269,7 @@ every step; bytes by the ring formula 2·(N−1)/N·4·P per rank per step. DiLo
 SGD lr {lr:g} momentum {mom:g}{" Nesterov" if mom else ""}; bytes measured (payload + 32-byte chunk headers). Mean ± std over seeds
 {m["seeds"]}; Δ paired by seed. "Equal or better" = mean Δ ≤ max(std of Δ, std of DDP's loss). {files(prefix, png)}
 
-{analyse(rows, m)[0]}
+{analyse(rows)[0]}
 
 Context: DiLoCo's claim comes from long runs (H = 500 and tens of thousands of inner steps per worker in the
 paper). Here every site takes {steps} steps from scratch, so DiLoCo gets at most
@@ -318,7 +288,7 @@ SPEC = Spec(
     columns=lambda point: {"method": point[METHOD], "H": point[H]},
     metrics=(("final_val_loss", 0.0, 10.0), ("bytes_per_round_site", 0.0, 1e12)),  # alone: no bytes
     report=report,
-    verdict=lambda rows, rounds, m: analyse(rows, m)[1],
+    verdict=lambda rows, rounds, m: analyse(rows)[1],
     execute=run_method,
     paths=(METHOD,),
     jobs_fn=lambda point: point.settings[METHOD] != "ddp",  # DDP's ranks want every core: one run at a time

@@ -15,7 +15,6 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 DATAGRAM_BYTES = 1400
 PORT = 47000
@@ -87,20 +86,12 @@ def _recv(host: str, seconds: float) -> None:
     print(json.dumps({"received": n, "recv_s": last - first}), flush=True)
 
 
-def _role(argv: list[str]) -> int:
-    """A sender or receiver process (stdlib only: it starts in ~50 ms, so the flows start together)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["send", "recv"])
-    ap.add_argument("--host")
-    ap.add_argument("--rate", type=float, default=0.0)
-    ap.add_argument("--seconds", type=float)
-    a = ap.parse_args(argv)
-    _send(a.host, a.rate, a.seconds) if a.role == "send" else _recv(a.host, a.seconds)
-    return 0
-
-
+# a sender or receiver process, ``--role send HOST SECONDS RATE`` or ``--role recv HOST SECONDS`` (stdlib only:
+# it starts in ~50 ms, so the flows start together)
 if __name__ == "__main__" and "--role" in sys.argv:
-    sys.exit(_role(sys.argv[1:]))
+    role, host, seconds, *rate = sys.argv[2:]
+    _send(host, float(rate[0]), float(seconds)) if role == "send" else _recv(host, float(seconds))
+    sys.exit(0)
 
 
 # imported after the --role check: a sender/receiver process starts on the standard library only
@@ -121,31 +112,26 @@ def _delayer_counters(topo) -> tuple[int, int, int]:
     """(late releases > 1 ms, packets delayed, CPU ns of the agent + compiled delayer) so far."""
     st = topo.stats()
     sites = st.get("sites") or []
-    late = sum(s["late_1ms"] for s in sites)
-    delayed = sum(s["delayed"] for s in sites)
-    return late, delayed, _cpu_ns(st.get("pid")) + _cpu_ns(st.get("delayer_pid"))
+    cpu_ns = _cpu_ns(st.get("pid")) + _cpu_ns(st.get("delayer_pid"))
+    return sum(s["late_1ms"] for s in sites), sum(s["delayed"] for s in sites), cpu_ns
 
 
 def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[str, Any]:
     """One measurement: ``pairs`` flows of ``rate`` datagrams/s each; returns a CSV row."""
     load_1m = os.getloadavg()[0]
     me = [sys.executable, str(Path(__file__).resolve())]
-    n = m[SITES]
-    dsts = [(i + 1) % n for i in range(pairs)]
+    dsts = [(i + 1) % m[SITES] for i in range(pairs)]
     delayed_row = setting != "no delay"
     before = _delayer_counters(topo) if delayed_row else (0, 0, 0)
 
     def role(site: int, *args: Any) -> subprocess.Popen:
         return topo.popen(site, [*me, "--role", *map(str, args)], stdout=subprocess.PIPE, text=True)
 
-    recv = [role(d, "recv", "--host", topo.address(d), "--seconds", m[SECONDS] + 60) for d in dsts]
+    recv = [role(d, "recv", topo.address(d), m[SECONDS] + 60) for d in dsts]
     try:
         for p in recv:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        send = [
-            role(i, "send", "--host", topo.address(d), "--rate", rate, "--seconds", m[SECONDS])
-            for i, d in enumerate(dsts)
-        ]
+        send = [role(i, "send", topo.address(d), m[SECONDS], rate) for i, d in enumerate(dsts)]
         sent = [json.loads(p.communicate(timeout=m[SECONDS] * 4 + 30)[0]) for p in send]
         got = [json.loads(p.communicate(timeout=m[SECONDS] + 30)[0]) for p in recv]
     finally:
@@ -179,26 +165,6 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
     }
 
 
-def sweep(topo, m: dict[str, Any], settings: Sequence[str]) -> list[RunResult]:
-    links = {"no delay": {}, "delay": dict(delay_ms=m[DELAY])}
-    links["delay + cap"] = dict(delay_ms=m[DELAY], rate_mbit=m[RATE_CAP])
-    out = []
-    for setting in settings:
-        set_link(topo, **links[setting])
-        for pairs in m[PAIRS]:
-            for rate in m[OFFERED]:
-                row = one(topo, m, setting, pairs, rate / pairs)
-                out.append(RunResult(row=row))
-                print(
-                    f"{setting} ({row['delayer']}, load {row['load_1m']:.1f}), {pairs} flow(s), offered {row['offered_dps']:.0f}/s: delivered "
-                    f"{row['delivered_dps']:.0f}/s ({row['delivered_mbit']:.1f} Mbit/s), loss {row['loss']:.1%}",
-                    flush=True,
-                )
-                if row["loss"] > 0.2:
-                    break  # past the ceiling: higher offers only lose more
-    return out
-
-
 def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tuple[str, int], dict[str, Any] | None]:
     """Per (setting, flows): the row of the highest delivered rate at loss < 1% that kept up with the
     offer (>= 95% of it: no queue growing), or None; ``delayer``: only that backend's rows (None: all)."""
@@ -208,11 +174,8 @@ def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tup
             continue
         key = (r["setting"], r["flows"])
         best = out.get(key)
-        if (
-            r["loss"] < 0.01
-            and r["delivered_dps"] >= 0.95 * r["offered_dps"]
-            and (best is None or r["delivered_dps"] > best["delivered_dps"])
-        ):
+        kept_up = r["loss"] < 0.01 and r["delivered_dps"] >= 0.95 * r["offered_dps"]
+        if kept_up and (best is None or r["delivered_dps"] > best["delivered_dps"]):
             out[key] = r
         else:
             out.setdefault(key, None)
@@ -268,34 +231,46 @@ def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list
         parts = []
         for (setting, flows), r in ceilings(rows, d).items():
             if r is None:
-                parts.append(f"{setting}, {flows} flow(s): none at the lowest offer")
+                what = "none at the lowest offer"
             elif r["offered_dps"] >= top:
-                parts.append(
-                    f"{setting}, {flows} flow(s): above the highest offer ({r['delivered_dps']:,.0f}/s passed)"
-                )
+                what = f"above the highest offer ({r['delivered_dps']:,.0f}/s passed)"
             else:
-                parts.append(
-                    f"{setting}, {flows} flow(s): {r['delivered_dps']:,.0f}/s ({r['delivered_mbit'] / flows:.1f} Mbit/s "
-                    "per flow)"
-                )
+                what = f"{r['delivered_dps']:,.0f}/s ({r['delivered_mbit'] / flows:.1f} Mbit/s per flow)"
+            parts.append(f"{setting}, {flows} flow(s): {what}")
         lines.append(f"- {d} delayer, {m['fixed'][DELAY]:g} ms, ceiling (loss < 1%): " + "; ".join(parts) + ".")
     return lines
 
 
 def run_point(point: Point) -> list[RunResult]:
     """One topology, its links walked without delay (``config`` "no delay") or through one
-    delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``."""
+    delayer (``netem.delayer``: "c" or "python"); none for a delayer not in ``netem.delayers``.
+    Per link and flow count the offers in turn, up to the first past the ceiling."""
     m = point.settings
-    delayer = point.settings[DELAYER]
-    wanted = point.settings[DELAYERS]
+    delayer, wanted = m[DELAYER], m[DELAYERS]
     if not wanted or set(wanted) - set(DELAYER_ENV):
         raise ValueError(f"{DELAYERS} must name some of {sorted(DELAYER_ENV)}, got {wanted}")
     if delayer != "none" and delayer not in wanted:
         return []
     if delayer != "none":
         os.environ["DTRAIN_NETEM_DELAYER"] = DELAYER_ENV[delayer]
+    cap = dict(delay_ms=m[DELAY], rate_mbit=m[RATE_CAP])
+    links = {"no delay": {}} if delayer == "none" else {"delay": dict(delay_ms=m[DELAY]), "delay + cap": cap}
+    out = []
     with netem_topology(m[SITES], "udpc", "netem_udp_ceiling") as topo:
-        return sweep(topo, m, ["no delay"] if delayer == "none" else ["delay", "delay + cap"])
+        for setting, link in links.items():
+            set_link(topo, **link)
+            for pairs in m[PAIRS]:
+                for rate in m[OFFERED]:
+                    row = one(topo, m, setting, pairs, rate / pairs)
+                    out.append(RunResult(row=row))
+                    print(
+                        f"{setting} ({row['delayer']}, load {row['load_1m']:.1f}), {pairs} flow(s), offered {row['offered_dps']:.0f}/s: delivered "
+                        f"{row['delivered_dps']:.0f}/s ({row['delivered_mbit']:.1f} Mbit/s), loss {row['loss']:.1%}",
+                        flush=True,
+                    )
+                    if row["loss"] > 0.2:
+                        break  # past the ceiling: higher offers only lose more
+    return out
 
 
 def report(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any], prefix: Path) -> str:
@@ -312,20 +287,13 @@ compiled delayer (/proc/PID/schedstat) over the packets they delayed in that row
 """
 
 
+# "no delay" first, on a topology of its own; then each delayer's delayed links
+GRID = [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)]
 SPEC = Spec(
     name="netem_udp_ceiling",
     title="netem's own UDP ceiling",
-    modes={
-        mode: {
-            "seeds": [0],
-            # "no delay" first, on a topology of its own; then each delayer's delayed links
-            "grid": [{"config": d, DELAYER: d} for d in ("none", *DELAYER_ENV)],
-            "fixed": v,
-        }
-        for mode, v in MODES.items()
-    },
+    modes={mode: {"seeds": [0], "grid": GRID, "fixed": v} for mode, v in MODES.items()},
     fixed={"netem.rate_mbit": 100.0},
-    label=lambda point: point[DELAYER],
     metrics=(("delivered_dps", 0.0, 1e7), ("loss", 0.0, 1.0)),
     report=report,
     verdict=verdict,

@@ -58,12 +58,9 @@ def points(h: int, mode: str) -> list[dict[str, Any]]:
         ("F=1 overlap", dict(num_fragments=1, overlap_steps=h, merge_alpha=0.0, pace_fraction=PACE_FRACTION)),
         ("F=4 overlap", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=PACE_FRACTION)),
     ]
-    if (
-        mode != "smoke"
-    ):  # the trade-off: a shorter send window leaves more of τ for the round's tail and the sites' skew
-        out.append(
-            ("F=4 overlap pace 0.5", dict(num_fragments=4, overlap_steps=h // 4, merge_alpha=0.5, pace_fraction=0.5))
-        )
+    # the trade-off: a shorter send window leaves more of τ for the round's tail and the sites' skew
+    if mode != "smoke":
+        out.append(("F=4 overlap pace 0.5", {**out[-1][1], "pace_fraction": 0.5}))
     return [{"config": label, **{f"diloco.{k}": v for k, v in c.items()}} for label, c in out]
 
 
@@ -123,27 +120,21 @@ def run_point(point: Point) -> RunResult:
     opts = dict(size=f[SIZE], seed=seed, rounds=rounds, sync_every=f[H], codec=f[CODEC], eval_every=rounds)
     opts |= dict(quorum_wait_s=600, linger_s=2, inner_step_sleep_s=f.get(SLEEP, 0.0))
     opts |= {**({} if f[SIZE] == "tiny" else TRAIN), **{p: f[p] for p in STREAM if p in f}}
+
+    def sampler(run) -> TxSampler:  # every site's interface, while the sites run
+        return TxSampler({f"site-{i}": run.procs[f"site-{i}"].handle.pid for i in range(n)})
+
     with sites_topology(n, "strm", "streaming") as topo:
         set_link(topo, **LINK)
-        res = run_sites(
-            topo,
-            n,
-            RENDEZVOUS,
-            opts,
-            timeout_s=3600.0,
-            watch=lambda run: TxSampler({f"site-{i}": run.procs[f"site-{i}"].handle.pid for i in range(n)}),
-            poll_s=0.2,
-        )
-    per_site, wall, tx = res.per_site, res.wall_s, res.watched
-    lines = [x for i in range(n) for x in per_site[i]]
+        res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=3600.0, watch=sampler, poll_s=0.2)
+    per_site, lines = res.per_site, res.lines
     util, flush = [], []
     for i in range(n):
         # with overlap the last line is the end-of-run merge: its round starts at the last inner
         # step and is waited for at once (so every configuration ends at the same step); it has
         # no steps to overlap with, so it is reported apart (final_flush_s), not in the utilization
         steady = per_site[i][:-1] if stream["overlap_steps"] and len(per_site[i]) > 1 else per_site[i]
-        inner = sum(x["inner_s"] for x in steady)
-        sync = sum(x["sync_s"] for x in steady)
+        inner, sync = (sum(x[k] for x in steady) for k in ("inner_s", "sync_s"))
         util.append(inner / (inner + sync) if inner + sync > 0 else float("nan"))
         flush.append(per_site[i][-1]["sync_s"] if stream["overlap_steps"] and per_site[i] else 0.0)
     last = per_site[0][-1] if per_site[0] else {}
@@ -155,9 +146,7 @@ def run_point(point: Point) -> RunResult:
         "size": f[SIZE],
         "codec": f[CODEC],
         "sync_every": f[H],
-        "num_fragments": stream["num_fragments"],
-        "overlap_steps": stream["overlap_steps"],
-        "merge_alpha": stream["merge_alpha"],
+        **{k: stream[k] for k in ("num_fragments", "overlap_steps", "merge_alpha")},
         "pace_fraction": stream.get("pace_fraction", 0.0),
         # the one-step-delayed mode (F = 1, τ = H) lowers the outer momentum
         "outer_momentum": DELAYED_OUTER_MOMENTUM if stream["num_fragments"] == 1 and stream["overlap_steps"] else 0.9,
@@ -166,33 +155,42 @@ def run_point(point: Point) -> RunResult:
         "compute_util": statistics.fmean(util),
         "final_flush_s": statistics.fmean(flush),
         "final_val_loss": last.get("val_loss", float("nan")),
-        "peak_Bps": tx.peak_bps(),
+        "peak_Bps": res.watched.peak_bps(),
         "bytes_per_round": statistics.fmean(x.get("bytes_sent", 0) for x in lines) if lines else float("nan"),
         "encoded_bytes_per_round": statistics.fmean(x.get("encoded_bytes", 0) for x in lines) if lines else 0.0,
-        "wall_s": wall,
+        "wall_s": res.wall_s,
     }
     keys = ("site", "round", "fragment", "inner_s", "sync_s", "bytes_sent", "val_loss")
-    rounds_out = [line_record("streaming", label, seed, x, keys) for x in lines]
-    return RunResult(row=row, rounds=rounds_out)
+    return RunResult(row=row, rounds=[line_record("streaming", label, seed, x, keys) for x in lines])
 
 
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """(the table, one row per configuration; the targets and one verdict line per target and configuration)."""
     groups = summarize(rows)
     base = groups.get("blocking", [])
     base_loss = statistics.fmean(r["final_val_loss"] for r in base) if base else float("nan")
     base_peak = statistics.fmean(r["peak_Bps"] for r in base) if base else float("nan")
-    table, notes = [], []
+    table = []
+    notes = [
+        "- Targets (issue 15): utilization >= 0.95 with overlap; final loss within 1 % of blocking at the same "
+        "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."
+    ]
+    if base:
+        u = statistics.fmean(r["compute_util"] for r in base)
+        notes.append(
+            f"- Blocking utilization {u:.2f}: the issue asks for an H that keeps it <= 0.60 "
+            f"({met(u <= 0.6, 'not met')}{'' if u <= 0.6 else ': a larger share of compute than the issue intended'})."
+        )
     for cfg, g in groups.items():
-        g0 = g[0]
         loss = statistics.fmean(r["final_val_loss"] for r in g)
         peak = statistics.fmean(r["peak_Bps"] for r in g)
         table.append(
             {
                 "config": cfg,
-                "F": g0["num_fragments"],
-                "τ": g0["overlap_steps"],
-                "α": g0["merge_alpha"],
-                "pace": g0.get("pace_fraction", 0.0),
+                "F": g[0]["num_fragments"],
+                "τ": g[0]["overlap_steps"],
+                "α": g[0]["merge_alpha"],
+                "pace": g[0].get("pace_fraction", 0.0),
                 "inner steps": int(statistics.fmean(r["inner_steps"] for r in g)),
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.3f}"),
                 "last merge wait s": fmt_pm([r.get("final_flush_s", 0.0) for r in g], "{:.2f}"),
@@ -203,44 +201,23 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 "MB sent per round line": f"{statistics.fmean(r['bytes_per_round'] for r in g) / 1e6:.2f}",
             }
         )
-    md = md_rows(table)
-    notes.append(
-        "- Targets (issue 15): utilization >= 0.95 with overlap; final loss within 1 % of blocking at the same "
-        "inner steps; peak bytes/s per site with F = 4 at most 0.35x blocking."
-    )
-    notes += _verdicts(groups, base_loss, base_peak)
+        if cfg == "blocking":
+            continue
+        u, dl, pk = statistics.fmean(r["compute_util"] for r in g), loss / base_loss - 1, peak / base_peak
+        line = (
+            f"- {cfg}: utilization {u:.3f} ({met(u >= 0.95, 'not met')}); final loss {100 * dl:+.2f} % "
+            f"of blocking ({met(dl <= 0.01, 'not met')}: at most 1 % worse)"
+        )
+        if g[0]["num_fragments"] == 4:
+            line += f"; peak bytes/s {pk:.2f}x blocking ({met(pk <= 0.35, 'not met')})"
+        notes.append(line + ".")
     notes.append(
         "- Utilization counts the overlap configurations' steady rounds: the last round, started at the last "
         "inner step so that every configuration ends at the same step, is waited for at once (`last merge "
         "wait s`). The inner-step time, and so every utilization here, depends on the load of this shared "
         "machine while the run went on (per-round `inner_s` and `sync_s` are in the rounds CSV)."
     )
-    return md, notes
-
-
-def _verdicts(groups: dict[str, list[dict[str, Any]]], base_loss: float, base_peak: float) -> list[str]:
-    """One line per target and configuration: the figure and met / not met."""
-    out = []
-    if "blocking" in groups:
-        u = statistics.fmean(r["compute_util"] for r in groups["blocking"])
-        out.append(
-            f"- Blocking utilization {u:.2f}: the issue asks for an H that keeps it <= 0.60 "
-            f"({met(u <= 0.6, 'not met')}{'' if u <= 0.6 else ': a larger share of compute than the issue intended'})."
-        )
-    for cfg, g in groups.items():
-        if cfg == "blocking":
-            continue
-        u = statistics.fmean(r["compute_util"] for r in g)
-        dl = statistics.fmean(r["final_val_loss"] for r in g) / base_loss - 1
-        line = (
-            f"- {cfg}: utilization {u:.3f} ({met(u >= 0.95, 'not met')}); final loss {100 * dl:+.2f} % "
-            f"of blocking ({met(dl <= 0.01, 'not met')}: at most 1 % worse)"
-        )
-        if g[0]["num_fragments"] == 4:
-            pk = statistics.fmean(r["peak_Bps"] for r in g) / base_peak
-            line += f"; peak bytes/s {pk:.2f}x blocking ({met(pk <= 0.35, 'not met')})"
-        out.append(line + ".")
-    return out
+    return md_rows(table), notes
 
 
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:

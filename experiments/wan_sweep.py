@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RunResult, fmt_pm, md_rows, md_table, mean_std, read_rows, save_fig, subplots, summarize
-from experiments.lab import SITES, SIZE, H, Point, Spec, files
+from experiments.lab import SITES, SIZE, H, Point, Spec, decorate, files
 from experiments.procs import line_record, run_sites, set_link, sites_topology, sysctl
 
 KiB = 1024
@@ -41,7 +41,9 @@ BUCKET, CHUNK, SLEEP = "diloco.buckets.bucket_bytes", "diloco.buckets.chunk_byte
 RATES, DELAYS, LOSSES = "netem.rates", "netem.delays", "netem.losses"
 FLOOR, SSAI = "netem.floor", "netem.tcp_slow_start_after_idle"
 WARMUP, MEASURED = "lab.warmup_rounds", "lab.measured_rounds"
-WALK = [RATES, DELAYS, LOSSES]
+# quick and full: 4 sites walk every rate x one-way delay x loss, first a setting with no emulation
+WALK4 = {SITES: 4, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0], LOSSES: [0.0, 1.0, 5.0]}
+WALK4 |= {FLOOR: True, WARMUP: 1}
 MODES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         seeds=[0],
@@ -52,15 +54,11 @@ MODES: dict[str, dict[str, Any]] = {
     ),
     # small: 0.44 M params, int8 -> ~0.45 MB per site and round: 0.7 s of 2 x B / rate at 10 Mbit/s, 0.04 s at 200.
     "quick": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "small", H: 10, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
-        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 1, BUCKET: 256 * KiB, CHUNK: 64 * KiB},
+        seeds=[0, 1, 2], fixed={**WALK4, SIZE: "small", H: 10, MEASURED: 1, BUCKET: 256 * KiB, CHUNK: 64 * KiB}
     ),
     # base: 3.26 M params, int8 -> ~3.3 MB per site and round.
     "full": dict(
-        seeds=[0, 1, 2],
-        fixed={SITES: 4, SIZE: "base", H: 20, RATES: [10.0, 50.0, 200.0], DELAYS: [0.0, 25.0, 75.0]}
-        | {LOSSES: [0.0, 1.0, 5.0], FLOOR: True, WARMUP: 1, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB},
+        seeds=[0, 1, 2], fixed={**WALK4, SIZE: "base", H: 20, MEASURED: 3, BUCKET: 1024 * KiB, CHUNK: 256 * KiB}
     ),
 }
 CODEC = "int8"  # the worker's default; --set diloco.rounds.codec.name=sparseloco (issue 35) measures another
@@ -85,23 +83,12 @@ def strict_limit_s(r: dict[str, Any]) -> float:
     return physical_limit_s(r["encoded_bytes_per_site"], r["rate_mbit"], r["delay_ms"], (n - 1) / n)
 
 
-def grid(f: dict[str, Any]) -> list[tuple[float | None, float, float]]:
-    """The settings in the order one run walks them (``f``: settings by path); with ``netem.floor``, first
-    one with no emulation at all (the exchange's own cost on this machine)."""
-    return ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
-
-
 def run_point(point: Point) -> list[RunResult]:
-    """One seed's run through every setting of the walk, in a topology of its own; one result per setting."""
-    f = point.settings
-    with sites_topology(f[SITES], "wan", "wan_sweep") as topo:
-        if f.get(SSAI) is not None:
-            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
-        return run_seed(topo, f, point.seed, grid(f), 3600.0)
-
-
-def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | None, float, float]], timeout_s: float):
-    """One training run through every setting; one RunResult per setting."""
+    """One seed's training run through every setting of the walk, in a topology of its own; one result per setting."""
+    f, seed = point.settings, point.seed
+    # the settings in the order the run walks them; with netem.floor, first one with no emulation at all
+    # (the exchange's own cost on this machine)
+    settings = ([(None, 0.0, 0.0)] if f.get(FLOOR) else []) + list(itertools.product(f[RATES], f[DELAYS], f[LOSSES]))
     n, per = f[SITES], f[WARMUP] + f[MEASURED]
     total = per * len(settings)
     changed_at: list[float] = []
@@ -113,15 +100,76 @@ def run_seed(topo, f: dict[str, Any], seed: int, settings: list[tuple[float | No
         if k:
             print(f"  seed {seed}: round {k * per}: {setting_label(*settings[k])}", flush=True)
 
-    link(0)
     opts = dict(size=f[SIZE], seed=seed, rounds=total, sync_every=f[H], codec=f.get(CODEC_PATH, CODEC))
     opts |= dict(eval_every=total, bucket_bytes=f[BUCKET], chunk_bytes=f[CHUNK], quorum_wait_s=600, linger_s=2)
     opts |= dict(inner_step_sleep_s=f.get(SLEEP, 0.0))
     steps = [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(settings))]
-    res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=timeout_s, steps=steps)
-    per_site = res.per_site
-    run_facts = res.facts()  # of the whole run (every setting of this seed): the columns every experiment CSV has
-    return [_setting(f, seed, k, s, per_site, changed_at[k], run_facts) for k, s in enumerate(settings)]
+    with sites_topology(n, "wan", "wan_sweep") as topo:
+        if f.get(SSAI) is not None:
+            sysctl(topo, "tcp_slow_start_after_idle", int(f[SSAI]))
+        link(0)
+        res = run_sites(topo, n, RENDEZVOUS, opts, timeout_s=3600.0, steps=steps)
+    out = []
+    for k, (rate, delay, loss) in enumerate(settings):  # setting k's row (rounds k * per on) and per-round records
+        label = setting_label(rate, delay, loss)
+        rounds_out, kept = measured_rounds(
+            res.per_site,
+            range(k * per, (k + 1) * per),
+            changed_at[k],
+            lambda x, ok: line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok),
+            lambda r, lines: r - k * per >= f[WARMUP] and all(x["status"] == "applied" for x in lines),
+        )
+        every = [x for lines in kept for x in lines]
+        b = nan_mean([x.get("encoded_bytes", 0) for x in every])
+        e = nan_mean([max(x.get("round_s", float("nan")) for x in lines) for lines in kept])
+        limit = physical_limit_s(b, rate, delay)
+        row = {
+            "experiment": "wan_sweep",
+            "config": label,
+            "seed": seed,
+            "num_sites": f[SITES],
+            "size": f[SIZE],
+            "sync_every": f[H],
+            "codec": f.get(CODEC_PATH, CODEC),
+            "rate_mbit": rate,
+            "delay_ms": delay,
+            "loss_pct": loss,
+            "rounds_measured": len(kept),
+            "encoded_bytes_per_site": b,
+            "bytes_per_round_site": nan_mean([x.get("bytes_sent", 0) for x in every]),
+            "engine_s": e,
+            "sync_s": nan_mean([max(x["sync_s"] for x in lines) for lines in kept]),
+            "limit_s": limit,
+            "ratio": e / limit if limit > 0 else float("nan"),
+            "compute_util": nan_mean([x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in every]),
+            "inner_s": nan_mean([x["inner_s"] for x in every]),
+            "stale_buckets": sum(x.get("stale_buckets", 0) for x in every),
+            "rejected": sum(sum(x.get("rejected", {}).values()) for x in every),
+            "reduce_arrived": nan_mean([x.get("reduce_arrived_fraction", float("nan")) for x in every]),
+            **res.facts(),  # of the whole run (every setting of this seed): the columns every experiment CSV has
+        }
+        out.append(RunResult(row=row, rounds=rounds_out))
+    return out
+
+
+def nan_mean(xs: list[float]) -> float:
+    """The mean of ``xs``, NaN for none."""
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def measured_rounds(per_site, rounds, changed_at: float, record, ok=lambda r, lines: True):
+    """(every line's per-round record, ``record(line, measured)``; each measured round's lines, site by site)
+    over ``rounds``: measured when every site wrote its line, the exchange began after the link changed at
+    ``changed_at`` (the sync call starts ``sync_s`` before the line) and ``ok(round, lines)``."""
+    records, kept = [], []
+    for r in rounds:
+        lines = [x for i in range(len(per_site)) for x in per_site[i] if x["round"] == r]
+        began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
+        measured = len(lines) == len(per_site) and began_after and ok(r, lines)
+        records += [record(x, measured) for x in lines]
+        if measured:
+            kept.append(lines)
+    return records, kept
 
 
 #: the metrics-line fields of the per-round CSV
@@ -129,77 +177,12 @@ LINE_KEYS = ("round", "site", "status", "round_s", "sync_s", "inner_s", "network
 LINE_KEYS += ("bytes_sent", "stale_buckets")
 
 
-def _setting(f, seed, k, setting, per_site, changed_at, run_facts) -> RunResult:
-    """The row of setting ``k`` (rounds ``k * per`` on) and its per-round, per-site records."""
-    rate, delay, loss = setting
-    n, per = f[SITES], f[WARMUP] + f[MEASURED]
-    label = setting_label(rate, delay, loss)
-    rounds_out, engine, sync, enc, sent, util, inner, arrived = [], [], [], [], [], [], [], []
-    stale = rej = valid = 0
-    for r in range(k * per, (k + 1) * per):
-        lines = [x for i in range(n) for x in per_site[i] if x["round"] == r]
-        measured = r - k * per >= f[WARMUP]
-        # the exchange must have begun after the link changed (the sync call starts sync_s before the line)
-        began_after = all(x["time"] - x["sync_s"] >= changed_at for x in lines)
-        ok = measured and began_after and len(lines) == n and all(x["status"] == "applied" for x in lines)
-        rounds_out += [line_record("wan_sweep", label, seed, x, LINE_KEYS, measured=ok) for x in lines]
-        if not ok:
-            continue
-        valid += 1
-        engine.append(max(x.get("round_s", float("nan")) for x in lines))
-        sync.append(max(x["sync_s"] for x in lines))
-        enc += [x.get("encoded_bytes", 0) for x in lines]
-        sent += [x.get("bytes_sent", 0) for x in lines]
-        util += [x["inner_s"] / (x["inner_s"] + x["sync_s"]) for x in lines]
-        inner += [x["inner_s"] for x in lines]
-        stale += sum(x.get("stale_buckets", 0) for x in lines)
-        rej += sum(sum(x.get("rejected", {}).values()) for x in lines)
-        arrived += [x.get("reduce_arrived_fraction", float("nan")) for x in lines]
-    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
-    b, e = mean(enc), mean(engine)
-    limit = physical_limit_s(b, rate, delay)
-    row = {
-        "experiment": "wan_sweep",
-        "config": label,
-        "seed": seed,
-        "num_sites": n,
-        "size": f[SIZE],
-        "sync_every": f[H],
-        "codec": f.get(CODEC_PATH, CODEC),
-        "rate_mbit": rate,
-        "delay_ms": delay,
-        "loss_pct": loss,
-        "rounds_measured": valid,
-        "encoded_bytes_per_site": b,
-        "bytes_per_round_site": mean(sent),
-        "engine_s": e,
-        "sync_s": mean(sync),
-        "limit_s": limit,
-        "ratio": e / limit if limit > 0 else float("nan"),
-        "compute_util": mean(util),
-        "inner_s": mean(inner),
-        "stale_buckets": stale,
-        "rejected": rej,
-        "reduce_arrived": mean(arrived),
-        **run_facts,
-    }
-    return RunResult(row=row, rounds=rounds_out)
-
-
 def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """(the table, per setting averaged over seeds; the notes under it)."""
+    """(the table, a row per setting averaged over seeds; the notes under it)."""
     groups = summarize(rows)
-    md, ratios = _table(groups)
-    return md, _ratio_notes(groups, ratios) + _floor_and_util_notes(rows, groups)
-
-
-def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[float, str]]]:
-    """The markdown table, and (mean ratio to the physical limit, configuration) per setting."""
-    table, ratios = [], []
-    for cfg, g in groups.items():
-        g0 = g[0]
-        rs = [r["ratio"] for r in g if not math.isnan(r["ratio"])]
-        ratios += [(statistics.fmean(rs) if rs else float("nan"), cfg)]
+    table = []
+    for g in groups.values():
+        g0, measured = g[0], any(not math.isnan(r["ratio"]) for r in g)
         table.append(
             {
                 "rate Mbit/s": "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
@@ -210,37 +193,35 @@ def _table(groups: dict[str, list[dict[str, Any]]]) -> tuple[str, list[tuple[flo
                 "exchange s (plan→applied, max over sites)": fmt_pm([r["engine_s"] for r in g], "{:.2f}"),
                 "sync s (incl. quorum wait)": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
                 "physical limit s": f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
-                "ratio to limit": "—" if not rs else fmt_pm([r["ratio"] for r in g], "{:.2f}"),
-                "ratio to strict limit": "—"
-                if not rs
-                else fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}"),
+                "ratio to limit": fmt_pm([r["ratio"] for r in g], "{:.2f}") if measured else "—",
+                "ratio to strict limit": fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}")
+                if measured
+                else "—",
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
                 "stale buckets": sum(r["stale_buckets"] for r in g),
                 "rejected": sum(r["rejected"] for r in g),
             }
         )
-    return md_rows(table), ratios
+    return md_rows(table), _ratio_notes(groups) + _floor_and_util_notes(rows, groups)
 
 
-def _ratio_notes(groups: dict[str, list[dict[str, Any]]], ratios: list[tuple[float, str]]) -> list[str]:
-    """The median, best and worst ratio to the physical limit, and the median per loss rate."""
-    good = sorted((r, c) for r, c in ratios if not math.isnan(r))
-    notes = []
-    if good:
-        med = statistics.median(r for r, _ in good)
-        notes.append(
-            f"- Ratio to the physical limit: median {med:.2f} over {len(good)} settings; best {good[0][0]:.2f} "
-            f"({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]})."
-        )
-        by_loss: dict[float, list[float]] = {}
-        for g in groups.values():
-            by_loss.setdefault(g[0]["loss_pct"], []).extend(r["ratio"] for r in g if not math.isnan(r["ratio"]))
-        notes.append(
-            "- Median ratio by loss: "
-            + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
-            + "."
-        )
-    return notes
+def _ratio_notes(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The median, best and worst ratio to the physical limit (per setting, mean over seeds), and the median
+    per loss rate."""
+    ratios = {cfg: [r["ratio"] for r in g if not math.isnan(r["ratio"])] for cfg, g in groups.items()}
+    good = sorted((statistics.fmean(v), cfg) for cfg, v in ratios.items() if v)
+    if not good:
+        return []
+    by_loss: dict[float, list[float]] = {}
+    for cfg, g in groups.items():
+        by_loss.setdefault(g[0]["loss_pct"], []).extend(ratios[cfg])
+    return [
+        f"- Ratio to the physical limit: median {statistics.median(r for r, _ in good):.2f} over {len(good)} settings; "
+        f"best {good[0][0]:.2f} ({good[0][1]}), worst {good[-1][0]:.2f} ({good[-1][1]}).",
+        "- Median ratio by loss: "
+        + ", ".join(f"{k:g}%: {statistics.median(v):.2f}" for k, v in sorted(by_loss.items()) if v)
+        + ".",
+    ]
 
 
 def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -261,10 +242,8 @@ def _floor_and_util_notes(rows: list[dict[str, Any]], groups: dict[str, list[dic
     util = [u for u in util if not math.isnan(u)]
     inner = [r["inner_s"] for r in rows if r.get("inner_s") is not None and not math.isnan(r["inner_s"])]
     if util and inner:
-        u10 = [
-            10 * statistics.fmean(inner) / (10 * statistics.fmean(inner) + mean_std([r["sync_s"] for r in g])[0])
-            for g in capped
-        ]
+        i10 = 10 * statistics.fmean(inner)
+        u10 = [i10 / (i10 + mean_std([r["sync_s"] for r in g])[0]) for g in capped]
         u10 = [u for u in u10 if not math.isnan(u)]
         notes.append(
             f"- Compute utilization (per setting, mean over seeds) ranges over {min(util):.2f}–{max(util):.2f} (median "
@@ -290,10 +269,9 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
     table = [[cfg, f"{base[cfg]:.2f}", f"{v:.2f}", f"{v / base[cfg]:.2f}"] for cfg, v in mine.items() if cfg in base]
     if not table:
         return []
-    ratios = [float(t[3]) for t in table]
     return [
         f"- Against the default run (`{default_csv.name}`, a separate run: other load), exchange s per setting "
-        f"(median ratio {statistics.median(ratios):.2f}):",
+        f"(median ratio {statistics.median(float(t[3]) for t in table):.2f}):",
         "",
         md_table(["setting", "default", "this run", "ratio"], table),
     ]
@@ -301,29 +279,23 @@ def compare_default(rows: list[dict[str, Any]], default_csv: Path) -> list[str]:
 
 def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
     losses = sorted({r["loss_pct"] for r in rows})
+    rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"] is not None})
+    floor = [r["engine_s"] for r in rows if r["rate_mbit"] is None]
     fig, axes = subplots(2, len(losses), figsize=(4.2 * len(losses), 6.4), squeeze=False)
     for j, loss in enumerate(losses):
         for delay in sorted({r["delay_ms"] for r in rows}):
-            pts = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"] is not None})
-            e, lim, rat = [], [], []
-            for rate in pts:
-                g = [r for r in rows if r["loss_pct"] == loss and r["delay_ms"] == delay and r["rate_mbit"] == rate]
-                e.append(mean_std([r["engine_s"] for r in g])[0])
-                lim.append(mean_std([r["limit_s"] for r in g])[0])
-                rat.append(mean_std([r["ratio"] for r in g])[0])
-            (line,) = axes[0][j].plot(pts, e, marker="o", label=f"{delay:g} ms")
-            axes[0][j].plot(pts, lim, ls=":", color=line.get_color())
-            axes[1][j].plot(pts, rat, marker="o", label=f"{delay:g} ms")
-        for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log")
-            ax.set_xlabel("rate, Mbit/s")
-        floor = [r["engine_s"] for r in rows if r["rate_mbit"] is None]
+            at = [
+                [r for r in rows if (r["loss_pct"], r["delay_ms"], r["rate_mbit"]) == (loss, delay, x)] for x in rates
+            ]
+            e, lim, rat = ([mean_std([r[k] for r in g])[0] for g in at] for k in ("engine_s", "limit_s", "ratio"))
+            (line,) = axes[0][j].plot(rates, e, marker="o", label=f"{delay:g} ms")
+            axes[0][j].plot(rates, lim, ls=":", color=line.get_color())
+            axes[1][j].plot(rates, rat, marker="o", label=f"{delay:g} ms")
         if floor:
             axes[0][j].axhline(statistics.fmean(floor), color="0.5", lw=0.8, ls="--", label="no emulation")
-        axes[0][j].set_yscale("log")
-        axes[0][j].set_title(f"loss {loss:g}%", fontsize=10)
-        axes[0][j].set_ylabel("exchange s (dotted: physical limit)")
-        axes[1][j].set_ylabel("ratio to physical limit")
+        ylabel = "exchange s (dotted: physical limit)"
+        decorate(axes[0][j], "rate, Mbit/s", ylabel, f"loss {loss:g}%", legend=None, xscale="log", yscale="log")
+        decorate(axes[1][j], "rate, Mbit/s", "ratio to physical limit", legend=None, xscale="log")
         axes[1][j].axhline(1.0, color="0.6", lw=0.8)
         axes[0][j].legend(fontsize=8, title="one-way delay", title_fontsize=8)
     fig.suptitle(f"WAN sweep: {m[SITES]} sites, GPT {m[SIZE]}, {CODEC}, gRPC through netem", fontsize=10)
@@ -355,10 +327,8 @@ between. Compute utilization = inner-phase time / (inner + sync) per site. Mean 
 def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     notes = analyse(rows)[1]
     if m["fixed"].get(SSAI) is not None:  # against the run with the kernel's default, when there is one
-        default = (
-            Path(__file__).parent / "out" / ("wan_sweep.csv" if m["mode"] == "quick" else f"wan_sweep_{m['mode']}.csv")
-        )
-        notes += compare_default(rows, default)
+        name = "wan_sweep" if m["mode"] == "quick" else f"wan_sweep_{m['mode']}"
+        notes += compare_default(rows, Path(__file__).parent / "out" / f"{name}.csv")
     return notes
 
 
@@ -370,6 +340,6 @@ SPEC = Spec(
     report=report,
     verdict=verdict,
     execute=run_point,
-    paths=(*WALK, FLOOR, SSAI, WARMUP, MEASURED, SLEEP),
+    paths=(RATES, DELAYS, LOSSES, FLOOR, SSAI, WARMUP, MEASURED, SLEEP),
     netem=True,
 )
