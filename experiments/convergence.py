@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -394,22 +395,34 @@ def side_files(prefix: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.stat().st_mtime)
 
 
+def ran_at(meta: dict[str, Any]) -> str:
+    """When a saved run ran, as sortable text (``YYYY-MM-DD HH:MM``; a pre-lab script's
+    provenance gives the date alone): the first date (and time) its stamp names."""
+    when = re.search(r"(\d{4}-\d\d-\d\d)(?: (\d\d:\d\d))?", stamp_of(meta))
+    return f"{when.group(1)} {when.group(2) or '00:00'}" if when else ""
+
+
 def merge(prefix: Path, rows: list, rounds: list, meta: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:
-    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest file first (a
-    side run's row replaces one of the same config and seed), their stamps after the mode's own."""
+    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest file first;
+    of two rows of the same config and seed the newer run's stays (:func:`ran_at`: a side run
+    redone after the mode's replaces its row, an older one only adds what the mode did not run);
+    their stamps after the mode's own."""
     if prefix.name not in ("convergence", "convergence_smoke", "convergence_full"):
         return rows, rounds, meta  # a side run's own replot
     stamp = stamp_of(meta)
+    when = dict.fromkeys(((r["config"], r["seed"]) for r in rows), ran_at(meta))
     for csv_path in side_files(prefix):
         extra = csv_path.with_suffix("")
-        new = read_rows(csv_path)
+        more = load_meta(extra)
+        new = [r for r in read_rows(csv_path) if when.get((r["config"], r["seed"]), "") <= ran_at(more)]
         keys = {(r["config"], r["seed"]) for r in new}
+        when |= dict.fromkeys(keys, ran_at(more))
         rows = [r for r in rows if (r["config"], r["seed"]) not in keys] + new
         rounds_path = extra.with_name(extra.name + "_rounds.csv")
         got = read_rows(rounds_path) if rounds_path.exists() else []
-        rounds = [x for x in rounds if (x["config"], x["seed"]) not in keys] + got
-        more = load_meta(extra)
-        if more.get("command", "\0") not in stamp:  # not already counted in the main file's meta
+        rounds = [x for x in rounds if (x["config"], x["seed"]) not in keys]
+        rounds += [x for x in got if (x["config"], x["seed"]) in keys]
+        if new and more.get("command", "\0") not in stamp:  # not already counted in the main file's meta
             stamp += f" Merged: {stamp_of(more)}"
     legacy_long(rows, rounds)
     return rows, rounds, {"stamp": stamp}

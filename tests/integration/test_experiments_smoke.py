@@ -398,3 +398,30 @@ def test_reliability_reads_a_site_that_joined_as_the_run_ended_by_its_final_thet
     }
     (tmp_path / "site-2" / "summary.json").write_text(json.dumps({"checksum": "c"}))
     assert read_run(tmp_path)["equal_at_end"] is False
+
+
+def test_convergence_replot_keeps_the_newer_run_of_a_config_and_seed(tmp_path: Path) -> None:
+    """A mode rerun after its side runs keeps its own rows; a side run redone after the mode
+    replaces the mode's row; a side run's other seeds are added either way."""
+    from experiments.common import save_meta, write_csv
+    from experiments.convergence import merge
+
+    prefix = tmp_path / "convergence"
+
+    def row(config: str, seed: int, loss: float) -> dict:
+        return {"section": "faults", "config": config, "seed": seed, "final_val_loss": loss}
+
+    mode = [row("int8", 0, 1.0), row("topk", 0, 3.0)]
+    write_csv(prefix.with_name("convergence.csv"), mode)
+    meta = {"stamp": "Commit `new`, 2026-12-05 18:17 UTC, command `mode`."}
+    old = [row("int8", 0, 9.0), row("int8", 1, 1.1)]
+    write_csv(tmp_path / "convergence_faults_old.csv", old)
+    save_meta(tmp_path / "convergence_faults_old", {"command": "old", "minutes": 1.0, "provenance": "2026-12-01, x"})
+    redo = [row("topk", 0, 2.5)]
+    write_csv(tmp_path / "convergence_faults_redo.csv", redo)
+    save_meta(tmp_path / "convergence_faults_redo", {"stamp": "Commit `later`, 2026-12-05 19:02 UTC, command `redo`."})
+
+    rows, _, merged = merge(prefix, read_rows(prefix.with_name("convergence.csv")), [], meta)
+    by_key = {(r["config"], r["seed"]): r["final_val_loss"] for r in rows}
+    assert by_key == {("int8", 0): 1.0, ("int8", 1): 1.1, ("topk", 0): 2.5}
+    assert "Merged: Command `old`" in merged["stamp"] and "command `redo`" in merged["stamp"]
