@@ -403,7 +403,7 @@ def ran_at(meta: dict[str, Any]) -> str:
 
 
 def merge(prefix: Path, rows: list, rounds: list, meta: dict[str, Any]) -> tuple[list, list, dict[str, Any]]:
-    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest file first;
+    """``--replot`` of a mode: the rows of the side runs saved beside its CSV added, oldest run first;
     of two rows of the same config and seed the newer run's stays (:func:`ran_at`: a side run
     redone after the mode's replaces its row, an older one only adds what the mode did not run);
     their stamps after the mode's own."""
@@ -411,12 +411,12 @@ def merge(prefix: Path, rows: list, rounds: list, meta: dict[str, Any]) -> tuple
         return rows, rounds, meta  # a side run's own replot
     stamp = stamp_of(meta)
     when = dict.fromkeys(((r["config"], r["seed"]) for r in rows), ran_at(meta))
-    for csv_path in side_files(prefix):
-        extra = csv_path.with_suffix("")
-        more = load_meta(extra)
-        new = [r for r in read_rows(csv_path) if when.get((r["config"], r["seed"]), "") <= ran_at(more)]
+    sides = [(p, load_meta(p.with_suffix(""))) for p in side_files(prefix)]
+    for csv_path, more in sorted(sides, key=lambda side: ran_at(side[1])):  # stable: file time breaks ties
+        extra, t = csv_path.with_suffix(""), ran_at(more)
+        new = [r for r in read_rows(csv_path) if when.get((r["config"], r["seed"]), "") <= t]
         keys = {(r["config"], r["seed"]) for r in new}
-        when |= dict.fromkeys(keys, ran_at(more))
+        when |= dict.fromkeys(keys, t)
         rows = [r for r in rows if (r["config"], r["seed"]) not in keys] + new
         rounds_path = extra.with_name(extra.name + "_rounds.csv")
         got = read_rows(rounds_path) if rounds_path.exists() else []

@@ -416,12 +416,19 @@ def test_convergence_replot_keeps_the_newer_run_of_a_config_and_seed(tmp_path: P
     meta = {"stamp": "Commit `new`, 2026-12-05 18:17 UTC, command `mode`."}
     old = [row("int8", 0, 9.0), row("int8", 1, 1.1)]
     write_csv(tmp_path / "convergence_faults_old.csv", old)
+    write_csv(tmp_path / "convergence_faults_old_rounds.csv", [dict(r, round=0) for r in old])
     save_meta(tmp_path / "convergence_faults_old", {"command": "old", "minutes": 1.0, "provenance": "2026-12-01, x"})
     redo = [row("topk", 0, 2.5)]
     write_csv(tmp_path / "convergence_faults_redo.csv", redo)
     save_meta(tmp_path / "convergence_faults_redo", {"stamp": "Commit `later`, 2026-12-05 19:02 UTC, command `redo`."})
 
-    rows, _, merged = merge(prefix, read_rows(prefix.with_name("convergence.csv")), [], meta)
+    mode_rounds = [dict(r, round=0) for r in mode]
+    rows, rounds, merged = merge(prefix, read_rows(prefix.with_name("convergence.csv")), mode_rounds, meta)
     by_key = {(r["config"], r["seed"]): r["final_val_loss"] for r in rows}
     assert by_key == {("int8", 0): 1.0, ("int8", 1): 1.1, ("topk", 0): 2.5}
+    # the rounds follow their rows: the mode's int8 seed 0, the old side run's seed 1, nothing of redo's
+    assert sorted((x["config"], x["seed"], x["final_val_loss"]) for x in rounds) == [
+        ("int8", 0, 1.0),
+        ("int8", 1, 1.1),
+    ]
     assert "Merged: Command `old`" in merged["stamp"] and "command `redo`" in merged["stamp"]
