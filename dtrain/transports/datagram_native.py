@@ -4,7 +4,7 @@ Why compiled: through netem on the 2-core machine, a worker's datagram threads s
 ~50 µs of CPU per datagram end to end (seal, ``send``, ``recvmsg``, open, one Python call
 each, and the GIL hand-overs between six sending threads), ~1.1 of the 1.4 CPU-s a 9.8 MB
 round cost per site, and the round took 2-3.6x its physical limit. The C library does the
-per-datagram work for a whole batch in one call that releases the GIL: ChaCha20-Poly1305
+per-datagram work for a whole batch in one call that releases the GIL: AES-256-GCM
 from OpenSSL's libcrypto (the cipher the ``cryptography`` package wraps, so both produce
 the same bytes), ``sendmmsg`` on a connected socket and ``recvmmsg`` with the arrival
 timestamps and drop counter the receive loop reads.
@@ -127,7 +127,7 @@ class NativeLib:
         self.path = path
 
     def aead(self, key: bytes) -> int:
-        """A ChaCha20-Poly1305 handle for a 32-byte key (free it with :meth:`free`)."""
+        """An AES-256-GCM handle for a 32-byte key (free it with :meth:`free`)."""
         if len(key) != 32:
             raise ValueError(f"datagram key must be 32 bytes, got {len(key)}")
         h = self._lib.dg_aead_new(key)
@@ -285,8 +285,8 @@ def _build_and_load() -> tuple[NativeLib | None, str]:
         if not out.exists():
             _compile(cc, out)
         lib = NativeLib(out)
-        if lib._lib.dg_version() != 4:
-            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 4")
+        if lib._lib.dg_version() != 5:
+            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 5")
         return lib, ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)

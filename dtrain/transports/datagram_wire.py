@@ -1,14 +1,14 @@
 """Wire format and sealing of the datagram data path (``dtrain.transports.datagram``).
 
 Every datagram is decodable on its own: a fixed 43-byte header, then the body sealed
-with ChaCha20-Poly1305 (RFC 8439, from the ``cryptography`` package) under the round's
+with AES-256-GCM (NIST SP 800-38D, from the ``cryptography`` package) under the round's
 key (``RoundPlan.datagram_key``, which only travels over the authenticated gRPC control
 plane). The header is the AEAD's associated data, so a changed header field fails
 authentication exactly like a changed body byte. Layout (little-endian)::
 
     offset size field
     0      2    magic b"DG"
-    2      1    version (2)
+    2      1    version (3)
     3      1    kind: CONTRIB=1, MEAN=2, MEAN_META=3, NACK=4, SEND_END=5, REPORT=6, MEAN_ACK=7,
                 BUCKET_END=8
     4      4    run id (u32; a run's sites share it; 0 by default)
@@ -29,7 +29,8 @@ A CONTRIB datagram's plaintext is the contribution's token claim (u64, little-en
 fragments has the claim once, at the start of the reassembled plaintext
 (:func:`contribution_body`, :func:`split_contribution_body`). Being in the sealed body,
 the claim is authenticated (and hidden) like the payload: a changed claim fails as
-``forged``. Version 1 had no claim; a version-1 datagram is dropped as ``bad_version``.
+``forged``. Version 1 had no claim, version 2 sealed with ChaCha20-Poly1305; a datagram of
+another version is dropped as ``bad_version``.
 The claim costs no datagram: a chunk's size leaves room for the mean's senders bitmap
 (``datagram_chunk_bytes``: 64 members, 8 bytes), which a contribution does not carry.
 
@@ -56,7 +57,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dtrain.codecs.config import CODEC_NAMES, ZSTD_SUFFIX
 from dtrain.transports.datagram_native import OPEN_STATUS, header_view
@@ -88,7 +89,7 @@ __all__ = [
 ]
 
 MAGIC = b"DG"
-VERSION = 2  # 2: a CONTRIB body starts with the token claim
+VERSION = 3  # 2: a CONTRIB body starts with the token claim; 3: AES-256-GCM
 HEADER = struct.Struct("<2sBBIIIIIIBHQHH")
 HEADER_BYTES: int = HEADER.size  # 43
 TAG_BYTES = 16
@@ -238,7 +239,7 @@ class Sealer:
         if len(key) != KEY_BYTES:
             raise ValueError(f"datagram key must be {KEY_BYTES} bytes, got {len(key)}")
         _check_u32("round", round)
-        self._aead = ChaCha20Poly1305(key)
+        self._aead = AESGCM(key)
         self.run, self.round, self.sender = run, round, sender
         self._next_seq = 0
         self._lock = threading.Lock()
@@ -373,7 +374,7 @@ def native_windows(windows: Sequence[ReplayWindow]) -> tuple[ctypes.Array, ctype
 
 @dataclass
 class _RoundKey:
-    aead: ChaCha20Poly1305
+    aead: AESGCM
     num_members: int
     windows: list[ReplayWindow]
     handle: int = 0  # the compiled loop's key handle (0: none)
@@ -417,7 +418,7 @@ class Opener:
         """Accept datagrams of ``round`` sealed with ``key`` from ``num_members`` senders."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"datagram key of round {round} must be {KEY_BYTES} bytes, got {len(key)}")
-        rk = _RoundKey(ChaCha20Poly1305(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)])
+        rk = _RoundKey(AESGCM(key), num_members, [ReplayWindow(self._window) for _ in range(num_members)])
         if self._native is not None:
             rk.handle = self._native.aead(key)
             rk.native_windows = native_windows(rk.windows)

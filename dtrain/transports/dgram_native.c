@@ -7,7 +7,7 @@
  * run beside the Python threads.
  *
  * The wire format is datagram_wire.py's: a 43-byte header that is the AEAD's associated
- * data, then the body sealed with ChaCha20-Poly1305 (RFC 8439) and its 16-byte tag. The
+ * data, then the body sealed with AES-256-GCM (NIST SP 800-38D) and its 16-byte tag. The
  * 96-bit nonce is sender (u16, header bytes 29-30) | 0 (u16) | sequence (u64, bytes
  * 31-38): byte for byte what the Python Sealer and Opener (the cryptography package,
  * which wraps the same OpenSSL cipher) produce and accept.
@@ -36,7 +36,7 @@
 #define GSO_MAX_SEGS 64        /* UDP_MAX_SEGMENTS of Linux 4.18-5.x (128 since) */
 #define GSO_MAX_BYTES 65000    /* a super-datagram's payload stays under IPv4/UDP's 65,507 */
 
-int dg_version(void) { return 4; }
+int dg_version(void) { return 5; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -60,7 +60,7 @@ void dg_aead_free(void *p) {
 
 static EVP_CIPHER_CTX *ctx_for(const dg_aead *a, int enc) {
     EVP_CIPHER_CTX *c = EVP_CIPHER_CTX_new();
-    if (c && EVP_CipherInit_ex(c, EVP_chacha20_poly1305(), NULL, a->key, NULL, enc) != 1) {
+    if (c && EVP_CipherInit_ex(c, EVP_aes_256_gcm(), NULL, a->key, NULL, enc) != 1) {
         EVP_CIPHER_CTX_free(c);
         return NULL;
     }

@@ -94,6 +94,28 @@ def test_forged_body_or_header_is_dropped() -> None:
     assert op.counts()["forged"] == 3
 
 
+def test_the_body_is_sealed_with_aes_256_gcm_and_a_chacha_sealed_datagram_does_not_open() -> None:
+    """The wire's AEAD is AES-256-GCM (version 3) under the round's key, the header its associated
+    data and the nonce sender | 0 | sequence: a plain AESGCM opens a sealed datagram. A datagram
+    sealed as version 2 did (ChaCha20-Poly1305, same key and nonce) is refused: as ``bad_version``
+    with its own version byte, as ``forged`` under version 3's."""
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+    d = _sealed(b"gcm-body")
+    head = d[:HEADER_BYTES]
+    assert head[2] == VERSION == 3
+    nonce = struct.pack("<HHQ", 1, 0, 0)  # sender 1, its first datagram of the round
+    assert AESGCM(KEY).decrypt(nonce, d[HEADER_BYTES:], head) == b"gcm-body"
+    op = _opener()
+    v2 = bytearray(head)
+    v2[2] = 2
+    assert _dropped(op, bytes(v2) + ChaCha20Poly1305(KEY).encrypt(nonce, b"gcm-body", bytes(v2))) == "bad_version"
+    assert _dropped(op, head + ChaCha20Poly1305(KEY).encrypt(nonce, b"gcm-body", head)) == "forged"
+    assert op.open(d)[1] == b"gcm-body"  # the genuine one still opens (its sequence not yet seen)
+
+
 def test_a_contributions_claim_is_sealed_with_it() -> None:
     """A CONTRIB plaintext is the claim (u64) then the payload: a changed claim byte fails
     authentication like any other; a version-1 datagram (no claim) is refused as such; a
@@ -108,7 +130,7 @@ def test_a_contributions_claim_is_sealed_with_it() -> None:
     assert _dropped(op, bytes(d)) == "forged"
     old = bytearray(_sealed(body))
     old[2] = 1  # a version-1 sender: its body has no claim
-    assert VERSION == 2 and _dropped(op, bytes(old)) == "bad_version"
+    assert VERSION == 3 and _dropped(op, bytes(old)) == "bad_version"
     with pytest.raises(Dropped, match="malformed"):
         split_contribution_body(b"\x01" * (CLAIM_BYTES - 1))
     for bad in (-1, 1 << 64, 1.5, True):
