@@ -23,8 +23,9 @@ rounds. The sites' sync CPU over the cores is a floor under a round's exchange h
 report's CPU verdict).
 
 Needs root (netem: network namespaces). ``netem.mtu_bytes`` sets every link's MTU (default 1500)
-and ``--max-datagram-bytes`` to 100 less; a run at another MTU writes files and a RESULTS.md
-section of its own.
+and ``--max-datagram-bytes`` to 100 less; ``net.grpc.num_channels_per_peer`` the TCP connections
+per peer (a gRPC push as that many streams; default 1); a run at other settings writes files and a
+RESULTS.md section of its own.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ PATHS = (
 TASK = "task_spec.task"
 RATE, DELAY, LOSSES, MTU = "netem.rate_mbit", "netem.delay_ms", "netem.losses", "netem.mtu_bytes"
 MEASURED, SLEEP, DATA_PATH, CC = "lab.measured_rounds", "task.inner_step_sleep_s", "net.data_path", "netem.tcp_cc"
+CHANNELS = "net.grpc.num_channels_per_peer"  # TCP connections per peer; a gRPC push goes as that many streams
 # "set": the rendezvous's time settings below (they bound a run's time: a loss-based TCP at 20% loss
 # needs minutes a round); "derived": none set, every deadline derived (issue 32's reno check:
 # --set lab.deadlines=derived --set 'netem.losses=[10]')
 DEADLINES = "lab.deadlines"
-LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set", SLEEP: 0.0}
+LINK = {RATE: 100.0, MTU: 1500, DEADLINES: "set", SLEEP: 0.0, CHANNELS: 1}
 
 
 def wide_task(spec: TaskSpec) -> Task:
@@ -148,7 +150,7 @@ def run_point(point: Point) -> list[RunResult]:
     # round's means: that bucket ended owner_lost there, applied elsewhere, and θ differed)
     opts |= dict(codec="int8", eval_every=total, quorum_wait_s=600, data_path=data_path, max_rate_mbit=0.95 * m[RATE])
     opts |= dict(max_datagram_bytes=max_datagram_bytes_for_mtu(m[MTU]) if data_path == "datagram" else None)
-    opts |= dict(inner_step_sleep_s=m[SLEEP])
+    opts |= {"inner_step_sleep_s": m[SLEEP], CHANNELS: m[CHANNELS]}
     steps = [(0, lambda: cpu_at.append(machine_cpu()))]
     steps += [(k * per - 1, lambda k=k: link(k)) for k in range(1, len(m[LOSSES]))]
     steps += [(total - 1, lambda: cpu_at.append(machine_cpu()))]
@@ -346,6 +348,13 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
+def _channels(k: int) -> str:
+    """The setup's sentence on ``num_channels_per_peer`` (none at the default, 1)."""
+    if k == 1:
+        return ""
+    return f"\nTCP connections per peer: {k} (`--net.grpc.num-channels-per-peer {k}`: a gRPC push goes as {k} streams)."
+
+
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     lm = _checked(m["fixed"])
     png = plot(rows, prefix)
@@ -359,7 +368,7 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
 {lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
 site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.{_channels(lm[CHANNELS])}
 {files(prefix, png)}
 
 {analyse(rows)}
@@ -379,6 +388,6 @@ SPEC = Spec(
     report=report,
     verdict=lambda rows, rounds, m: [],  # its verdicts are paragraphs of the report (data path, CPU floor)
     execute=run_point,
-    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC, DEADLINES),
+    paths=(TASK, RATE, DELAY, LOSSES, MTU, MEASURED, SLEEP, DATA_PATH, CC, DEADLINES, CHANNELS),
     netem=True,
 )

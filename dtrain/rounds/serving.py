@@ -51,6 +51,8 @@ class _Owned:
         # owned bucket -> (θ_b snapshot, broadcast residual) from before its mean was applied,
         # until the commit rule keeps or withdraws the mean (PeerSide._commit)
         self.rollback: dict[int, tuple] = {}
+        # sender -> the parts (i of its push's k streams) that ended (PeerSide.handle_push_ended)
+        self.parts_ended: dict[str, set[int]] = {}
 
 
 class PeerSide:
@@ -347,13 +349,23 @@ class PeerSide:
             if owned.books.sender_done(sender, buckets):
                 owned.cv.notify_all()
 
-    def handle_push_ended(self, sender: str, round: int, num_accepted: int, *, at_deadline: bool = False) -> None:
+    def handle_push_ended(
+        self,
+        sender: str,
+        round: int,
+        num_accepted: int,
+        *,
+        at_deadline: bool = False,
+        part: tuple[int, int] = (0, 1),
+    ) -> None:
         """A push stream from ``sender`` for ``round`` ended after ``num_accepted``
-        chunks. A member sends everything it owes this owner in one stream, so a
-        stream that ends while the member still owes chunks of open buckets broke (the
-        member died or its connection dropped): it is lost for that round here
-        (:meth:`members_lost`); the rendezvous decides about later rounds. What it sent
-        before counts; a retried stream's chunks count too while their bucket is open.
+        chunks. A member sends everything it owes this owner in one push, so once the
+        push has ended (``part`` = (i, k): this stream is part i of a push sent as k
+        streams; the push ended when each of its k parts has ended once) while the member
+        still owes chunks of open buckets, it broke (the member died or its connection
+        dropped): it is lost for that round here (:meth:`members_lost`); the rendezvous
+        decides about later rounds. What it sent before counts; a retried stream's chunks
+        count too while their bucket is open.
 
         A stream that ends short at the reduce deadline (within ``max(0.5 s, 10%)`` of it,
         the sites' clocks agreeing on a plan's formation only so well) ran out of the
@@ -369,6 +381,10 @@ class PeerSide:
         if owned is None or not self.config.short_push_is_loss:
             return
         with owned.cv:
+            ended = owned.parts_ended.setdefault(sender, set())
+            ended.add(part[0])
+            if len(ended) < part[1]:  # other streams of this push still run
+                return
             owed = owned.books.owed(sender)
             books = owned.books
         margin_s = max(0.5, 0.1 * books.reduce_timeout_s)

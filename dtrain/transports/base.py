@@ -78,11 +78,12 @@ class PeerHandler(Protocol):
     # exactly those pulls, and for a stale member's state pull too).
 
     # Optional (transports call it when the handler has it):
-    # ``handle_push_ended(sender: str, round: int, num_accepted: int, *, at_deadline: bool) -> None``
-    # — a push stream from ``sender`` for ``round`` ended (closed by the sender, or broken
-    # because it died or its connection dropped: a gRPC server cannot tell these apart) after
-    # ``num_accepted`` accepted chunks; ``at_deadline``: it ended at its call's own deadline
-    # (the sender's time ran out). Must not block.
+    # ``handle_push_ended(sender: str, round: int, num_accepted: int, *, at_deadline: bool,
+    # part: tuple[int, int]) -> None`` — a push stream from ``sender`` for ``round`` ended
+    # (closed by the sender, or broken because it died or its connection dropped: a gRPC
+    # server cannot tell these apart) after ``num_accepted`` accepted chunks; ``at_deadline``:
+    # it ended at its call's own deadline (the sender's time ran out); ``part``: (i, k), the
+    # stream is part i of a push sent as k streams ((0, 1): the whole push). Must not block.
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,13 +74,24 @@ from dtrain.transports.grpc_wire import (
 )
 from dtrain.transports.heap import keep_freed_memory
 
-__all__ = ["GrpcTransport", "GrpcTransportConfig", "TlsConfig", "NUM_ACCEPTED_METADATA_KEY", "PEER_SERVICE"]
+__all__ = [
+    "GrpcTransport",
+    "GrpcTransportConfig",
+    "TlsConfig",
+    "NUM_ACCEPTED_METADATA_KEY",
+    "PEER_SERVICE",
+    "PUSH_PART_METADATA_KEY",
+    "push_parts",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 NUM_ACCEPTED_METADATA_KEY = "dtrain-num-accepted"
+#: Metadata of a push sent as several streams (``num_channels_per_peer`` > 1): ``"i/k"``, this
+#: stream is part i of k (0 <= i < k <= 64); absent: the whole push in one stream.
+PUSH_PART_METADATA_KEY = "dtrain-push-part"
 PEER_SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "dtrain.v1.Peer"
 # Seconds the owner answers before the caller's deadline, so that a handler's
 # own PeerTimeout (with its reason) reaches the caller instead of a bare deadline.
@@ -101,6 +112,41 @@ _PROBE_FILLER = bytes(PROBE_MAX_PART_BYTES)
 #: A push stream that ends within this many seconds of its call's own deadline ended by the
 #: sender's deadline (the grpc-timeout it sent), not by a broken connection.
 CALL_DEADLINE_SLACK_S = 1.0
+
+
+def _push_part(metadata) -> tuple[int, int] | Rejected:
+    """The ``(i, k)`` a Push stream's :data:`PUSH_PART_METADATA_KEY` says (``(0, 1)`` without
+    it); a malformed one (the metadata comes from a token holder) as the refusal to send."""
+    raw = next((v for k, v in metadata if k == PUSH_PART_METADATA_KEY), None)
+    if raw is None:
+        return (0, 1)
+    try:
+        i, k = (int(x) for x in str(raw).split("/"))
+    except ValueError:
+        i = k = -1
+    if not 0 <= i < k <= 64:
+        return Rejected(
+            RejectCode.INVALID_ARGUMENT, f"{PUSH_PART_METADATA_KEY} must be 'i/k' with 0 <= i < k <= 64, got {raw!r}"
+        )
+    return (i, k)
+
+
+def push_parts(contributions: Sequence[Contribution], k: int) -> list[Sequence[Contribution]]:
+    """``contributions`` cut into at most ``k`` consecutive, non-empty slices of about equal
+    payload bytes (whole chunks; order kept): the streams of a push over ``k`` connections."""
+    k = max(1, min(k, len(contributions)))
+    if k == 1:
+        return [contributions]
+    total = sum(len(c.payload) for c in contributions) or 1
+    parts, start, acc = [], 0, 0
+    for j, c in enumerate(contributions):
+        acc += len(c.payload)
+        cut = len(parts) + 1  # the slice being filled ends once it holds its share of the bytes
+        if cut < k and acc * k >= total * cut and len(contributions) - (j + 1) >= k - cut:
+            parts.append(contributions[start : j + 1])
+            start = j + 1
+    parts.append(contributions[start:])
+    return parts
 
 
 def _at_call_deadline(context) -> bool:
@@ -211,6 +257,7 @@ class _PeerServicer:
         sender: str | None = None
         rnd = 0
         it = request_iterator.__aiter__()
+        part = _push_part(context.invocation_metadata() or ())
         try:
             while (raw := await self._next_message(context, it)) is not None:
                 try:
@@ -219,6 +266,8 @@ class _PeerServicer:
                     err = Rejected(RejectCode.INVALID_ARGUMENT, f"malformed ContributionChunk: {e}")
                     await self._refuse(context, accepted, err)
                 if sender is None:
+                    if isinstance(part, Rejected):  # refused at the first message: the stream is read from
+                        await self._refuse(context, 0, part)
                     full = self.server.limiter.acquire("Push", c.sender)
                     if full is not None:
                         await self._refuse(context, accepted, Rejected(RejectCode.RESOURCE_EXHAUSTED, full))
@@ -239,7 +288,8 @@ class _PeerServicer:
                 # its connection broke (the sender died): the handler tells them apart
                 due = _at_call_deadline(context)
                 await self.server.run_blocking(
-                    "Push", lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted, at_deadline=due))
+                    "Push",
+                    lambda: _run_handler("Push", lambda: ended(sender, rnd, accepted, at_deadline=due, part=part)),
                 )
         except asyncio.CancelledError:
             # The sender's connection broke while this coroutine awaited a chunk's handling
@@ -249,7 +299,9 @@ class _PeerServicer:
             # chunks until the reduce deadline.
             if sender is not None and (ended := getattr(self._handler, "handle_push_ended", None)) is not None:
                 n, who, due = accepted, sender, _at_call_deadline(context)
-                self.server.pool("Push").submit(_run_handler, "Push", lambda: ended(who, rnd, n, at_deadline=due))
+                self.server.pool("Push").submit(
+                    _run_handler, "Push", lambda: ended(who, rnd, n, at_deadline=due, part=part)
+                )
             raise
         finally:
             if sender is not None:
@@ -463,12 +515,21 @@ class GrpcTransport(Transport):
         if self._stopped:
             raise PeerUnavailable("transport stopped")
 
-    def _call(self, address: str, what: str, timeout_s: float, fn: Callable[[_PeerStub, float], object]):
+    def _call(
+        self,
+        address: str,
+        what: str,
+        timeout_s: float,
+        fn: Callable[[_PeerStub, float], object],
+        channel: int | None = None,
+    ):
+        """``fn(stub, remaining_s)`` with retries; ``channel``: that one of the peer's channels
+        (its index), else the next one round-robin."""
         self._check_running()
         used: list[_PeerStub] = []
 
         def attempt(remaining: float) -> object:
-            used.append(self._pool.stub(address))
+            used.append(self._pool.stub(address, channel))
             return fn(used[-1], remaining)
 
         try:
@@ -491,13 +552,21 @@ class GrpcTransport(Transport):
     ) -> int:
         """Stream ``contributions`` to ``address`` in order; return how many the peer accepted.
 
+        With ``num_channels_per_peer`` = k > 1 the push goes as up to k streams at once, one
+        per connection, each a consecutive slice of about equal bytes (:func:`push_parts`),
+        marked ``i/k`` (:data:`PUSH_PART_METADATA_KEY`) so that the owner judges a short
+        stream only once every part ended: on a lossy long-RTT path each TCP connection
+        grows its own window (loss-based congestion control, e.g. reno/cubic, fills such
+        a path only with several flows).
+
         Raises ``Rejected`` (the peer's first refusal, with its code and reason; the
-        exception's ``num_accepted`` attribute says how many earlier chunks were
-        accepted, when the peer said), ``PeerUnavailable`` (after the retries),
+        exception's ``num_accepted`` attribute says how many earlier chunks of that stream
+        were accepted, when the peer said), ``PeerUnavailable`` (after the retries),
         ``PeerTimeout`` (deadline ``timeout_s`` passed), ``Rejected(RESOURCE_EXHAUSTED)``
-        before sending when a contribution would exceed ``max_message_bytes``.
-        A retried push (UNAVAILABLE mid-stream) re-sends every chunk; owners treat
-        a repeated chunk as idempotent.
+        before sending when a contribution would exceed ``max_message_bytes``. With several
+        streams every stream runs to its end and the first error (by part) is raised.
+        A retried push (UNAVAILABLE mid-stream) re-sends every chunk of that stream; owners
+        treat a repeated chunk as idempotent.
         """
         check_timeout(timeout_s)
         contributions = list(contributions)
@@ -510,6 +579,46 @@ class GrpcTransport(Transport):
                     f"max_message_bytes is {limit} (split buckets into smaller chunks)",
                 )
 
+        parts = push_parts(contributions, self.config.num_channels_per_peer)
+        if len(parts) == 1:
+            return self._push_part(address, parts[0], timeout_s, pace, None)
+        deadline = time.monotonic() + timeout_s
+        results: list[int | TransportError] = [0] * len(parts)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = self._push_part(
+                    address, parts[i], max(0.01, deadline - time.monotonic()), pace, (i, len(parts))
+                )
+            except TransportError as e:
+                results[i] = e
+
+        threads = [
+            threading.Thread(target=run, args=(i,), name=f"push-part-{i}", daemon=True) for i in range(1, len(parts))
+        ]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        errors = [r for r in results if isinstance(r, TransportError)]
+        if errors:
+            raise errors[0]
+        return sum(results)  # type: ignore[arg-type]
+
+    def _push_part(
+        self,
+        address: str,
+        contributions: Sequence[Contribution],
+        timeout_s: float,
+        pace: Callable[[int], None] | None,
+        part: tuple[int, int] | None,
+    ) -> int:
+        """One push stream (part ``(i, k)`` on channel i, or the whole push on the next channel)."""
+        metadata = (
+            self._metadata if part is None else (*self._metadata, (PUSH_PART_METADATA_KEY, f"{part[0]}/{part[1]}"))
+        )
+
         def requests() -> Iterator[bytes]:
             for c in contributions:
                 if pace is not None:  # here, not while listing: gRPC sends each message as it is yielded
@@ -519,9 +628,9 @@ class GrpcTransport(Transport):
                 yield msg
 
         def attempt(stub: _PeerStub, remaining: float) -> int:
-            return stub.Push(requests(), timeout=remaining, metadata=self._metadata).num_accepted
+            return stub.Push(requests(), timeout=remaining, metadata=metadata).num_accepted
 
-        return self._call(address, "push to", timeout_s, attempt)
+        return self._call(address, "push to", timeout_s, attempt, None if part is None else part[0])
 
     def pull_mean(
         self, address: str, round: int, bucket: int, *, requester: str, timeout_s: float, have_checksum: str = ""

@@ -168,8 +168,9 @@ class ChannelPool(Generic[T]):
             return grpc.secure_channel(address, self._cfg.tls.channel_credentials(), options=opts)
         return grpc.insecure_channel(address, options=opts)
 
-    def stub(self, address: str) -> T:
-        """The next stub for ``address`` (creating its channels on first use)."""
+    def stub(self, address: str, index: int | None = None) -> T:
+        """The next stub for ``address`` (creating its channels on first use); ``index``: that
+        channel's (modulo their number) instead of the next one."""
         with self._lock:
             if self._closed:
                 raise PeerUnavailable("transport stopped")
@@ -181,6 +182,8 @@ class ChannelPool(Generic[T]):
                     entries.append((ch, self._make_stub(ch)))
                 self._entries[address] = entries
                 self._next[address] = 0
+            if index is not None:
+                return entries[index % len(entries)][1]
             i = self._next[address]
             self._next[address] = (i + 1) % len(entries)
             return entries[i][1]

@@ -145,8 +145,10 @@ class GrpcTransportConfig:
         max_pings_without_data: cap on pings between data frames (0: no cap).
         server_min_ping_interval_ms: shortest data-less ping interval the server
             accepts, in [0, keepalive_time_ms].
-        num_channels_per_peer: channels (TCP connections) per peer address, 1..64,
-            used round-robin per call; more than 1 helps fill lossy long-RTT links.
+        num_channels_per_peer: channels (TCP connections) per peer address, 1..64, at most
+            ``max_streams_per_sender``: calls take them round-robin, and a push goes as that
+            many streams at once, one per connection (``GrpcTransport.push``); more than 1
+            helps loss-based congestion control fill lossy long-RTT links.
         renew_after_timeout_s: a call that ran out of its deadline renews the channel it
             used: later calls to that peer open a new TCP connection, and the old channel
             is closed this many seconds later (calls still on it may finish), > 0; 0: never
@@ -255,6 +257,12 @@ class GrpcTransportConfig:
         _positive_int(self, "num_server_threads", 2, 1024)
         _positive_int(self, "max_concurrent_rpcs", 4, 1_000_000)
         _positive_int(self, "max_streams_per_sender", 1, 1_000_000)
+        if self.num_channels_per_peer > self.max_streams_per_sender:
+            raise ValueError(
+                f"num_channels_per_peer ({self.num_channels_per_peer}) must be <= max_streams_per_sender "
+                f"({self.max_streams_per_sender}): a push goes as num_channels_per_peer streams at once, and an "
+                "owner refuses a sender's streams beyond max_streams_per_sender"
+            )
         _positive_int(self, "max_waiting_pulls", 1, 1_000_000)
         _positive_int(self, "max_wait_ms", 10, int(MAX_TIMEOUT_S * 1000))
         if not isinstance(self.stream_idle_timeout_s, (int, float)) or not 0.01 <= self.stream_idle_timeout_s <= 3600:

@@ -226,6 +226,16 @@ def test_push_ended_short_loses_the_sender_in_that_round_only():
         assert early.lost == set() and early.owed("site-1")
         e.handle_push_ended("site-1", 3, 1)  # the same end without that evidence: a broken stream
         assert early.lost == {"site-1"}
+        # a push sent as 2 streams (num_channels_per_peer 2): one part that ended, even twice (a
+        # retried stream), while the other still sends is no loss; the push ended short once both did
+        split = open_round(4, time.monotonic())
+        with e._cv:
+            e._open[4] = _Owned(split)
+        e.handle_push_ended("site-1", 4, 1, part=(0, 2))
+        e.handle_push_ended("site-1", 4, 1, part=(0, 2))
+        assert split.lost == set() and split.owed("site-1")
+        e.handle_push_ended("site-1", 4, 0, part=(1, 2))
+        assert split.lost == {"site-1"}
     finally:
         e.stop(0.1)
 
@@ -244,7 +254,9 @@ class _SlowOwner:
         self.handling.set()
         time.sleep(1.0)
 
-    def handle_push_ended(self, sender: str, round: int, num_accepted: int, *, at_deadline: bool = False) -> None:
+    def handle_push_ended(
+        self, sender: str, round: int, num_accepted: int, *, at_deadline: bool = False, part: tuple[int, int] = (0, 1)
+    ) -> None:
         self.ended.append((sender, round, num_accepted))
         self.at_deadline.append(at_deadline)
 

@@ -52,6 +52,7 @@ class Cluster:
         gso: bool = True,
         aggregation: AggregationConfig | None = None,
         data_path: str = "datagram",
+        channels: int = 1,
     ) -> None:
         torch.manual_seed(seed)
         chunk = datagram_chunk_bytes("fp32", datagram_bytes)
@@ -61,7 +62,7 @@ class Cluster:
         members = []
         for i in range(n):
             cfg = DatagramTransportConfig(
-                grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0),
+                grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0, num_channels_per_peer=channels),
                 max_rate_mbit=300.0,
                 rtt_s=0.01,
                 nack_idle_s=0.02,
@@ -741,6 +742,20 @@ def test_gso_and_sendmmsg_rounds_give_the_same_means(make_cluster) -> None:
         digests.append([e.state.checksums() for e in c.engines])
         c.stop()
     assert digests[0] == digests[1] and all(d == digests[0][0] for d in digests[0])
+
+
+def test_a_grpc_round_pushed_over_several_connections_gives_the_one_connection_theta(make_cluster) -> None:
+    """``num_channels_per_peer`` 3: each push goes as 3 streams at once; every chunk is
+    included, nobody is lost, and θ is bit for bit the one-connection round's at every site."""
+    thetas = {}
+    for channels in (1, 3):
+        c = make_cluster(3, drop=0.0, seed=5, numel=30_000, data_path="grpc", channels=channels)
+        results = c.run_round()
+        assert all(r.included_fraction == 1.0 and not r.errors for r in results), [r.errors for r in results]
+        thetas[channels] = [torch.cat(list(e.state.theta)) for e in c.engines]
+        c.stop()
+    assert all(torch.equal(a, b) for a, b in zip(thetas[1], thetas[3]))
+    assert all(torch.equal(t, thetas[3][0]) for t in thetas[3])
 
 
 CLAIMS = (100, 300, 50)  # tokens each site claims (issue 34): weights 1 : 3 : 0.5

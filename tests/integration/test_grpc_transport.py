@@ -24,7 +24,13 @@ from dtrain._proto.dtrain.v1 import peer_pb2_grpc as pb_grpc
 from dtrain.errors import PeerTimeout, PeerUnavailable, RejectCode, Rejected, RendezvousError
 from dtrain.protocol import BucketMean, BucketState, Contribution, MeanChunk
 from dtrain.rendezvous.grpc import GrpcRendezvousClient, serve_rendezvous
-from dtrain.transports.grpc import GrpcTransport, GrpcTransportConfig, TlsConfig
+from dtrain.transports.grpc import (
+    PUSH_PART_METADATA_KEY,
+    GrpcTransport,
+    GrpcTransportConfig,
+    TlsConfig,
+    push_parts,
+)
 
 MiB = 1 << 20
 TOKEN = "s3cret-token"
@@ -431,6 +437,77 @@ def test_several_channels_per_peer_are_used_round_robin(transports) -> None:
     assert handler.num_chunks == 4
 
 
+class PartsHandler(Handler):
+    """A :class:`Handler` that records how each push stream ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: list[tuple[str, int, int, tuple[int, int]]] = []
+
+    def handle_push_ended(self, sender, round, num_accepted, *, at_deadline=False, part=(0, 1)) -> None:
+        with self.lock:
+            self.ended.append((sender, round, num_accepted, part))
+
+
+@pytest.mark.timeout(30)
+def test_a_push_goes_as_one_stream_per_channel_each_marked_as_its_part(transports) -> None:
+    """With 3 channels per peer one push of 7 chunks goes as 3 streams at once, one per
+    connection (all 3 connect within that one push), each a consecutive slice marked i/3:
+    the owner gets every chunk once and hears each part end; with 1 channel, one unmarked
+    stream."""
+    handler = PartsHandler()
+    _, address = transports(handler=handler)
+    client = transports(GrpcTransportConfig(num_channels_per_peer=3))
+    chunks = _chunks(bytes(range(256)) * 28, 1024)  # 7 chunks
+    assert client.push(address, chunks, timeout_s=5) == 7
+    logs = [_StateLog(ch) for ch in client.channels(address)]  # each says its state at once
+    time.sleep(0.2)
+    for log in logs:
+        log.close()
+    assert len(logs) == 3 and all(log.states[-1:] == [grpc.ChannelConnectivity.READY] for log in logs)
+    assert sorted(c for _, c in handler.calls) == list(range(7))
+    assert sorted(handler.ended, key=lambda e: e[3]) == [
+        ("site-a", 1, 3, (0, 3)),
+        ("site-a", 1, 2, (1, 3)),
+        ("site-a", 1, 2, (2, 3)),
+    ]
+    one = transports(GrpcTransportConfig(num_channels_per_peer=1))
+    handler.ended.clear()
+    assert one.push(address, chunks, timeout_s=5) == 7
+    assert handler.ended == [("site-a", 1, 7, (0, 1))]
+
+
+def test_push_parts_are_consecutive_nonempty_slices_of_about_equal_bytes() -> None:
+    cs = _chunks(bytes(10 * 1024 + 512), 1024)  # 10 chunks of 1,024 B and one of 512
+    for k in (1, 2, 3, 4, 11, 64):
+        parts = push_parts(cs, k)
+        assert len(parts) == min(k, len(cs)) and all(parts)
+        assert [c for p in parts for c in p] == cs  # order kept, nothing twice
+        sizes = [sum(len(c.payload) for c in p) for p in parts]
+        assert max(sizes) - min(sizes) <= 2 * 1024, (k, sizes)  # within two chunks of each other
+    assert push_parts(cs[:2], 8) == [cs[:1], cs[1:2]]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["3/2", "0/0", "x/2", "1/65", "-1/2", "1"])
+def test_a_malformed_push_part_is_refused_naming_the_metadata(transports, bad) -> None:
+    handler = PartsHandler()
+    _, address = transports(handler=handler)
+    with grpc.insecure_channel(address) as ch:
+        push = ch.stream_unary("/dtrain.v1.Peer/Push", request_serializer=None, response_deserializer=None)
+        from dtrain.transports.grpc_wire import encode_contribution
+
+        with pytest.raises(grpc.RpcError) as info:
+            push(
+                iter([encode_contribution(_chunks(b"\7" * 1024, 1024)[0])]),
+                timeout=5,
+                metadata=((PUSH_PART_METADATA_KEY, bad),),
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert PUSH_PART_METADATA_KEY in info.value.details() and repr(bad) in info.value.details()
+    assert handler.num_chunks == 0 and handler.ended == []
+
+
 @pytest.mark.timeout(30)
 def test_pulls_waiting_for_finalization_do_not_starve_pushes(transports) -> None:
     handler = Handler()
@@ -462,6 +539,9 @@ def test_config_is_validated() -> None:
         GrpcTransportConfig(keepalive_time_ms=10_000, server_min_ping_interval_ms=20_000)
     with pytest.raises(ValueError, match="num_channels_per_peer"):
         GrpcTransportConfig(num_channels_per_peer=0)
+    with pytest.raises(ValueError, match=r"num_channels_per_peer \(9\) must be <= max_streams_per_sender \(8\)"):
+        GrpcTransportConfig(num_channels_per_peer=9)
+    assert GrpcTransportConfig(num_channels_per_peer=9, max_streams_per_sender=9).num_channels_per_peer == 9
     with pytest.raises(ValueError, match="cert_path"):
         TlsConfig(cert_path="/nonexistent.pem", key_path="/nonexistent.key")
     assert "s3cret" not in repr(GrpcTransportConfig(token="s3cret"))
