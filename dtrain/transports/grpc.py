@@ -583,14 +583,14 @@ class GrpcTransport(Transport):
         if len(parts) == 1:
             return self._push_part(address, parts[0], timeout_s, pace, None)
         deadline = time.monotonic() + timeout_s
-        results: list[int | TransportError] = [0] * len(parts)
+        results: list[int | Exception] = [0] * len(parts)
 
         def run(i: int) -> None:
             try:
                 results[i] = self._push_part(
                     address, parts[i], max(0.01, deadline - time.monotonic()), pace, (i, len(parts))
                 )
-            except TransportError as e:
+            except Exception as e:  # raised in the caller's thread below, whatever it is
                 results[i] = e
 
         threads = [
@@ -601,7 +601,7 @@ class GrpcTransport(Transport):
         run(0)
         for t in threads:
             t.join()
-        errors = [r for r in results if isinstance(r, TransportError)]
+        errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise errors[0]
         return sum(results)  # type: ignore[arg-type]

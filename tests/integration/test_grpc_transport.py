@@ -475,6 +475,17 @@ def test_a_push_goes_as_one_stream_per_channel_each_marked_as_its_part(transport
     handler.ended.clear()
     assert one.push(address, chunks, timeout_s=5) == 7
     assert handler.ended == [("site-a", 1, 7, (0, 1))]
+    # a refusal in any stream is the push's error, raised once every stream ended
+    handler.reject = ("FAILED_PRECONDITION", "round 1 is closed")
+    with pytest.raises(Rejected, match="round 1 is closed") as info:
+        client.push(address, chunks, timeout_s=5)
+    assert info.value.code == RejectCode.FAILED_PRECONDITION
+    assert sum(c[0] == "push" for c in handler.calls) == 2 * 7 + 3  # each of the 3 streams' first chunk refused
+    # nobody listening: every stream gives up, and the push says the peer is unavailable
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        client.push(f"127.0.0.1:{_free_port()}", chunks, timeout_s=3)
+    assert time.monotonic() - t0 < 10
 
 
 def test_push_parts_are_consecutive_nonempty_slices_of_about_equal_bytes() -> None:
