@@ -71,6 +71,7 @@ from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_rtt import RttEstimator
 from dtrain.transports.datagram_wire import (
     CLAIM_BYTES,
+    VERSION,
     Kind,
     Opener,
     SealedBatch,
@@ -240,7 +241,14 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             self._threads.append(t)
         loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
         loop += ", UDP GSO" if self._gso else ""
-        log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, loop)
+        log.info(
+            "datagram data path on udp %s:%s (rate %.0f Mbit/s, %s; sealed with AES-256-GCM, wire version %d)",
+            host,
+            port,
+            self.rate.rate_mbit,
+            loop,
+            VERSION,
+        )
         return address
 
     def _size_buffers(self, sock: socket.socket) -> None:

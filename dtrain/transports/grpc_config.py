@@ -168,9 +168,9 @@ class GrpcTransportConfig:
             coroutine, not a thread).
         max_streams_per_sender: calls of one method a server runs at once for
             one sender (a Push's ``sender``, a pull's ``requester``); the call past
-            it is answered RESOURCE_EXHAUSTED at once. A site makes at most one
-            Push per owner per round and ``RoundConfig.num_pull_threads`` (8)
-            pulls at a time. The rendezvous keeps at most this many Ready long
+            it is answered RESOURCE_EXHAUSTED at once. A site makes one push per
+            owner per round, as ``num_channels_per_peer`` streams, and
+            ``RoundConfig.num_pull_threads`` (8) pulls at a time. The rendezvous keeps at most this many Ready long
             polls per ``site_id``: a newer one answers the oldest "wait" at once
             (so a client spoofing a site's id cannot lock the site out).
             Default 8.
@@ -261,7 +261,8 @@ class GrpcTransportConfig:
             raise ValueError(
                 f"num_channels_per_peer ({self.num_channels_per_peer}) must be <= max_streams_per_sender "
                 f"({self.max_streams_per_sender}): a push goes as num_channels_per_peer streams at once, and an "
-                "owner refuses a sender's streams beyond max_streams_per_sender"
+                "owner refuses a sender's streams beyond max_streams_per_sender; lower num_channels_per_peer or "
+                "raise max_streams_per_sender (--net.grpc.max-streams-per-sender) on every site"
             )
         _positive_int(self, "max_waiting_pulls", 1, 1_000_000)
         _positive_int(self, "max_wait_ms", 10, int(MAX_TIMEOUT_S * 1000))
