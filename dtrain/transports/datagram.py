@@ -70,6 +70,7 @@ from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_rtt import RttEstimator
 from dtrain.transports.datagram_wire import (
+    AEAD_NAME,
     CLAIM_BYTES,
     VERSION,
     Kind,
@@ -242,11 +243,12 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
         loop += ", UDP GSO" if self._gso else ""
         log.info(
-            "datagram data path on udp %s:%s (rate %.0f Mbit/s, %s; sealed with AES-256-GCM, wire version %d)",
+            "datagram data path on udp %s:%s (rate %.0f Mbit/s, %s; sealed with %s, wire version %d)",
             host,
             port,
             self.rate.rate_mbit,
             loop,
+            AEAD_NAME,
             VERSION,
         )
         return address

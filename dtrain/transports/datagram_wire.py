@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from dtrain.transports.datagram_native import NativeLib
 
 __all__ = [
+    "AEAD_NAME",
     "BatchOpened",
     "CLAIM",
     "CLAIM_BYTES",
@@ -90,6 +91,7 @@ __all__ = [
 
 MAGIC = b"DG"
 VERSION = 3  # 2: a CONTRIB body starts with the token claim; 3: AES-256-GCM
+AEAD_NAME = "AES-256-GCM"  # the cipher of VERSION (the Sealer's and the compiled loop's)
 HEADER = struct.Struct("<2sBBIIIIIIBHQHH")
 HEADER_BYTES: int = HEADER.size  # 43
 TAG_BYTES = 16

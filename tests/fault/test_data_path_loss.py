@@ -114,52 +114,65 @@ _CHILD = textwrap.dedent(
     import sys, threading, grpc, torch
     from dtrain.codecs import get_codec
     from dtrain.protocol import Contribution
-    from dtrain.transports.grpc import PEER_SERVICE
+    from dtrain.transports.grpc import PEER_SERVICE, PUSH_PART_METADATA_KEY
     from dtrain.transports.grpc_wire import encode_contribution
-    address, bucket, offset, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    codec = get_codec(sys.argv[5])
-    def chunks():  # a raw stream (GrpcTransport.push encodes every chunk before it sends)
-        yield encode_contribution(Contribution(round=0, bucket=bucket, chunk=0, offset=offset, numel=numel,
+    address, bucket = sys.argv[1], int(sys.argv[2])
+    # chunk i at offsets[i]: one stream each, marked i/k when there are k > 1 (a push over k connections)
+    offsets, numels = [int(x) for x in sys.argv[3].split(",")], [int(x) for x in sys.argv[4].split(",")]
+    k, codec = len(offsets), get_codec(sys.argv[5])
+    def chunks(i):  # a raw stream (GrpcTransport.push encodes every chunk before it sends)
+        yield encode_contribution(Contribution(round=0, bucket=bucket, chunk=i, offset=offsets[i], numel=numels[i],
                                                codec=codec.name, sender="site-2",
-                                               payload=codec.encode(torch.zeros(numel))))
+                                               payload=codec.encode(torch.zeros(numels[i]))))
         print("sent", flush=True)
         threading.Event().wait(120)  # the stream stays open until SIGKILL
-    push = grpc.insecure_channel(address).stream_unary(f"/{PEER_SERVICE}/Push")
-    push(chunks(), timeout=float(sys.argv[6]) if len(sys.argv) > 6 else 120)
+    def stream(i):
+        push = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]).stream_unary(
+            f"/{PEER_SERVICE}/Push")
+        meta = ((PUSH_PART_METADATA_KEY, f"{i}/{k}"),) if k > 1 else ()
+        push(chunks(i), timeout=float(sys.argv[6]) if len(sys.argv) > 6 else 120, metadata=meta)
+    for i in range(1, k):
+        threading.Thread(target=stream, args=(i,), daemon=True).start()
+    stream(0)
     """
 )
 
 
 @pytest.mark.timeout(60)
-def test_push_stream_broken_by_sigkill_marks_the_sender_lost_at_the_owner():
+@pytest.mark.parametrize("parts", [1, 2])
+def test_push_stream_broken_by_sigkill_marks_the_sender_lost_at_the_owner(parts):
     """site-2 (a child process) streams its first chunk to site-0 and is SIGKILLed with
     the stream open (site-2's Peer service stays up, so nothing else tells site-0): site-0 stops waiting for site-2's chunks at once, so its buckets
     finalize with what arrived (site-2's first chunk included) instead of at the 60 s
-    reduce deadline."""
+    reduce deadline. ``parts`` 2: the push goes as 2 streams (``num_channels_per_peer`` 2),
+    chunk 0 in part 0/2 and chunk 1 in part 1/2; both break, and the same holds."""
     owner = _site("site-0")
     stub = GrpcTransport(GrpcTransportConfig())
     members = {"site-0": owner.address, "site-2": stub.start(_Stub())}
     owners = assign_owners(len(owner.state.layout), sorted(members))
     mine = [b for b, o in enumerate(owners) if o == "site-0"]
     b0 = mine[0]
-    off, n = owner.state.layout.buckets[b0].chunks[0]
+    sent = owner.state.layout.buckets[b0].chunks[:parts]
+    assert len(sent) == parts < len(owner.state.layout.buckets[b0].chunks)  # chunks stay owed
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     child = None
     try:
         _step(owner, 0)
         fut = owner.start_round(_plan(0, members))
+        offs, ns = (",".join(str(x) for x in col) for col in zip(*sent))
         child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, owner.address, str(b0), str(off), str(n), owner.codec.name],
+            [sys.executable, "-c", _CHILD, owner.address, str(b0), offs, ns, owner.codec.name],
             stdout=subprocess.PIPE,
             env=env,
         )
-        assert child.stdout.readline().strip() == b"sent"
+        for _ in range(parts):
+            assert child.stdout.readline().strip() == b"sent"
         deadline = time.monotonic() + 20
-        while True:  # the first chunk was counted
+        while True:  # the chunks sent were counted
             with owner._open[0].cv:
-                if owner._open[0].books.arrived > 0 and owner._open[0].books.counted(b0, 0, "site-2") is not None:
+                if all(owner._open[0].books.counted(b0, c, "site-2") is not None for c in range(parts)):
                     break
-            assert time.monotonic() < deadline, "site-2's first chunk never arrived"
+            assert time.monotonic() < deadline, "site-2's chunks never arrived"
             time.sleep(0.02)
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
@@ -168,8 +181,9 @@ def test_push_stream_broken_by_sigkill_marks_the_sender_lost_at_the_owner():
         for b in mine:
             assert res.bucket_outcome[b] is BucketOutcome.APPLIED, res.bucket_outcome
         mean = owner._means[(0, b0)]
-        assert mean.chunks[0].senders == ("site-0", "site-2")  # what it sent before dying counts
-        assert all(ch.senders == ("site-0",) for ch in mean.chunks[1:])
+        for ch in mean.chunks[:parts]:
+            assert ch.senders == ("site-0", "site-2")  # what it sent before dying counts
+        assert all(ch.senders == ("site-0",) for ch in mean.chunks[parts:])
     finally:
         if child is not None and child.poll() is None:
             child.kill()
