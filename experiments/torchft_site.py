@@ -49,9 +49,7 @@ def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4)
     """Payload bytes ONE participant sends in gloo's ring all-reduce (reduce-scatter, then
     all-gather) of ``numel`` elements: ``2 (n - 1) / n`` of the tensor; 0 when alone."""
     n = num_participants
-    if n <= 1:
-        return 0
-    return int(round(2 * (n - 1) / n * numel * elem_bytes))
+    return int(round(2 * (n - 1) / n * numel * elem_bytes)) if n > 1 else 0
 
 
 def wait_for_file(path: Path, timeout_s: float) -> bool:
@@ -204,31 +202,27 @@ def _train(a: argparse.Namespace, site: str, task, manager, state: dict, metrics
         val = task.evaluate(model)
         sent = ring_allreduce_bytes(numel, members) if state["allreduce_calls"] > calls_before else 0
         totals.update(bytes_sent=sent, sync_s=sync_s, inner_s=inner_s, committed=int(committed))
-        metrics.write(
-            json.dumps(
-                {
-                    "site": site,
-                    "event": "round",
-                    "round": state["attempt"],
-                    "step": manager.current_step(),
-                    "status": "applied" if committed else "discarded",
-                    "committed": committed,
-                    "members": members,
-                    "quorum_id": manager._quorum_id,
-                    "val_loss": val,
-                    "train_loss": train_loss,
-                    "inner_s": inner_s,
-                    "sync_s": sync_s,
-                    "wall_s": time.monotonic() - t_start,
-                    "time": time.time(),
-                    "checksum": _checksum(model),
-                    "bytes_sent": sent,
-                    "bytes_received": sent,
-                    "errored": repr(manager.errored().original_exception) if manager.errored() else None,
-                }
-            )
-            + "\n"
-        )
+        line = {
+            "site": site,
+            "event": "round",
+            "round": state["attempt"],
+            "step": manager.current_step(),
+            "status": "applied" if committed else "discarded",
+            "committed": committed,
+            "members": members,
+            "quorum_id": manager._quorum_id,
+            "val_loss": val,
+            "train_loss": train_loss,
+            "inner_s": inner_s,
+            "sync_s": sync_s,
+            "wall_s": time.monotonic() - t_start,
+            "time": time.time(),
+            "checksum": _checksum(model),
+            "bytes_sent": sent,
+            "bytes_received": sent,
+            "errored": repr(manager.errored().original_exception) if manager.errored() else None,
+        }
+        metrics.write(json.dumps(line) + "\n")
         state["attempt"] += 1
     wall = time.monotonic() - t_start
     return {
