@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import md_table, save_fig, subplots, summarize
+from experiments.lab import decorate
 
 Rows = list[dict[str, Any]]
 
@@ -218,17 +219,15 @@ def analyse(rows: Rows, rounds: Rows) -> dict:
         d, t = stats.get(f"dtrain/{scen}"), stats.get(f"torchft/{scen}")
         if not d or not t:
             continue
-        c = {
-            "round_wall_median": _ratio(d["round_wall_s"]["median"], t["round_wall_s"]["median"]),
-            "final_val_loss_mean": _ratio(d["final_val_loss_mean"], t["final_val_loss_mean"]),
-            "bytes_per_round": _ratio(d["bytes_per_round_total"], t["bytes_per_round_total"]),
-        }
+        wall = _ratio(d["round_wall_s"]["median"], t["round_wall_s"]["median"])
+        loss = _ratio(d["final_val_loss_mean"], t["final_val_loss_mean"])
+        wire = _ratio(d["bytes_per_round_total"], t["bytes_per_round_total"])
+        c = {"round_wall_median": wall, "final_val_loss_mean": loss, "bytes_per_round": wire}
         if scen in ("healthy", "concurrent"):
             c["targets"] = {
-                WALL_TARGET: c["round_wall_median"] is not None and c["round_wall_median"] <= 1.0,
-                "final loss within 1%": c["final_val_loss_mean"] is not None
-                and abs(c["final_val_loss_mean"] - 1) <= 0.01,
-                "bytes <= 1/4": c["bytes_per_round"] is not None and c["bytes_per_round"] <= 0.25,
+                WALL_TARGET: wall is not None and wall <= 1.0,
+                "final loss within 1%": loss is not None and abs(loss - 1) <= 0.01,
+                "bytes <= 1/4": wire is not None and wire <= 0.25,
             }
         comps[scen] = c
     profile = {
@@ -300,9 +299,8 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
         + ".",
         "",
     ]
-    for scen in [s for s in ("healthy", "concurrent") if s in comps] + sorted(
-        s for s in comps if s.startswith("netem")
-    ):
+    scens = [s for s in ("healthy", "concurrent") if s in comps] + sorted(s for s in comps if s.startswith("netem"))
+    for scen in scens:
         lines += _scenario_section(scen, runs, comps[scen])
     if "fault" in comps:
         lines += _fault_section(runs)
@@ -449,6 +447,7 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
 def _fault_section(runs: dict) -> list[str]:
     """The fault scenario's table: what a SIGKILL and a restart cost each system."""
     d, t = runs["dtrain/fault"], runs["torchft/fault"]
+    sites = sorted(set(d["final_val_loss"]) | set(t["final_val_loss"]))
     k, back = d["fault"]["kill_round"], d["fault"]["restart_when_survivor_finished_round"]
     head = f"fault: site-1 SIGKILLed in round {k} (admitted, nothing sent), restarted after round {back}"
 
@@ -479,11 +478,10 @@ def _fault_section(runs: dict) -> list[str]:
         ),
         row("rounds site-1 took part in / missed", pair("site1_rounds_taken_part", "site1_rounds_missed")),
         row("final val loss, mean of finished sites", lambda x, f: _f(x["final_val_loss_mean"], "{:.4f}")),
+        *(row(f"final val loss {s}", lambda x, f, s=s: _f(x["final_val_loss"].get(s), "{:.4f}")) for s in sites),
+        row("replicas agree at the end (checksum)", lambda x, f: str(x["checksums_agree"])),
+        row("time from go to the last round (s)", lambda x, f: _f(x["wall_total_s"], "{:.1f}")),
     ]
-    for s in sorted(set(d["final_val_loss"]) | set(t["final_val_loss"])):
-        rows.append(row(f"final val loss {s}", lambda x, f, s=s: _f(x["final_val_loss"].get(s), "{:.4f}")))
-    rows.append(row("replicas agree at the end (checksum)", lambda x, f: str(x["checksums_agree"])))
-    rows.append(row("time from go to the last round (s)", lambda x, f: _f(x["wall_total_s"], "{:.1f}")))
     lines = ["### fault", "", md_table(rows[0], rows[1:]), ""]
     return lines + [f"{r['system']} fault: problem: {r['error']}\n" for r in (d, t) if r["error"]]
 
@@ -504,17 +502,14 @@ _PROFILE_CATEGORIES = [  # (name, substrings of a frame; the first category whos
 
 def pyspy_summary(path: Path, top: int = 12) -> dict:
     """Shares of py-spy samples (active threads only) by category and by leaf frame."""
-    cats: Counter = Counter()
-    leaves: Counter = Counter()
-    total = 0
+    cats, leaves = Counter(), Counter()
     for line in Path(path).read_text(errors="replace").splitlines():
         stack, _, n = line.rstrip().rpartition(" ")
-        if not n.isdigit():
-            continue
-        total += int(n)
-        cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in stack for k in keys)), "other")
-        cats[cat] += int(n)
-        leaves[stack.rpartition(";")[2]] += int(n)
+        if n.isdigit():
+            cat = next((name for name, keys in _PROFILE_CATEGORIES if any(k in stack for k in keys)), "other")
+            cats[cat] += int(n)
+            leaves[stack.rpartition(";")[2]] += int(n)
+    total = sum(cats.values())
     return {
         "samples": total,
         "categories": {k: v / total for k, v in cats.most_common()} if total else {},
@@ -546,10 +541,8 @@ def plot(rows: Rows, rounds: Rows, path: Path) -> Path:
     systems (repeats drawn faintly, site-0 only); the kill and the restart of the fault scenario."""
     runs = lines_by_run(rounds)
     order = {"healthy": 0, "concurrent": 1, "fault": 2}
-    scens = sorted(
-        {r[SCENARIO] for r in rows if " codec=" not in r[SCENARIO] and r[SCENARIO] != "profile"},
-        key=lambda sc: (order.get(sc, 3), sc),
-    )
+    scens = {r[SCENARIO] for r in rows if " codec=" not in r[SCENARIO] and r[SCENARIO] != "profile"}
+    scens = sorted(scens, key=lambda sc: (order.get(sc, 3), sc))
     ncol = min(3, max(1, len(scens)))
     nrow = max(1, (len(scens) + ncol - 1) // ncol)
     fig, axes = subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
@@ -606,7 +599,5 @@ def _plot_scenario(ax, scen: str, rows: Rows, runs: dict[str, dict[str, Rows]]) 
     ax.set_title(
         f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9
     )
-    ax.set_xlabel("wall time since the sites were started (s)")
-    ax.set_ylabel("validation loss (nats/byte)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    decorate(ax, "wall time since the sites were started (s)", "validation loss (nats/byte)", legend=7)
