@@ -205,11 +205,9 @@ def _site_argv(run: Run, cluster: Cluster, coord: str, i: int, out_name: str) ->
     go file) and its environment: a dtrain worker or a torchft site, faulted (the killed site) or not."""
     n, gate, out = run.s[va.SITES], cluster.root / "gate", cluster.root / out_name
     fault = run.kill_round >= 0 and out_name == va.KILLED
-    env = {"GLOO_SOCKET_IFNAME": "lo"}
     if cluster.topo is not None:
         from netem._rules import SITE_IF  # noqa: PLC0415
-
-        env["GLOO_SOCKET_IFNAME"] = SITE_IF
+    env = {"GLOO_SOCKET_IFNAME": "lo" if cluster.topo is None else SITE_IF}
     # the task and the schedule, the same for both systems (each names its coordinator its own way)
     common = ["--site-index", str(i), "--num-sites", str(n), "--out-dir", str(out), "--size", run.s[va.SIZE]]
     common += ["--data", run.s[va.DATA], "--rounds", str(run.s[va.ROUNDS]), "--sync-every", str(run.s[va.SYNC_EVERY])]
