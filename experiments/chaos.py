@@ -92,14 +92,6 @@ class Outcome:
     wall_s: float = 0.0
 
 
-def _rss_fds(pid: int) -> tuple[int, int] | None:
-    try:
-        rss = next(int(ln.split()[1]) for ln in open(f"/proc/{pid}/status") if ln.startswith("VmRSS:"))
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 def _address(run: Cluster, i: int) -> str | None:
     """Site ``i``'s Peer address, from its log ("peer service listening on HOST:PORT")."""
     host = run.host(i) + ":"
@@ -188,12 +180,16 @@ class _Soak(Cluster):
         return {"initial_sites": self.cfg.num_sites, **RENDEZVOUS, "token_file": str(self.token_file)}
 
     def sample(self) -> None:
+        """Each live worker's RSS (kB) and open fds, from /proc (a process gone meanwhile: no sample)."""
         for name, p in self.procs.items():
             if not name.startswith("site-") or p.poll() is not None:
                 continue
-            got = _rss_fds(p.pid)
-            if got is not None:
-                self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.time(), *got))
+            try:
+                rss = next(int(ln.split()[1]) for ln in open(f"/proc/{p.pid}/status") if ln.startswith("VmRSS:"))
+                fds = len(os.listdir(f"/proc/{p.pid}/fd"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            self.out.samples.setdefault((int(name[5:]), p.pid), []).append((time.time(), rss, fds))
 
     def draw(self) -> str | None:
         """The next kind from the (refilled, shuffled) bag; None while it is exclusive and something is out."""
@@ -334,11 +330,8 @@ def analyse(cfg: ChaosConfig, out: Outcome, ref: Outcome | None) -> dict:
         t_warm = warm_up_end_s(s, out.lines.get(i, []))
         warm = [x for x in s if x[0] >= t_warm]
         if len(warm) >= 2:
-            growth[i] = {
-                "rss_kb": warm[-1][1] - warm[0][1],
-                "fds": warm[-1][2] - warm[0][2],
-                "over_s": round(warm[-1][0] - warm[0][0]),
-            }
+            (t0, rss0, fds0), (t1, rss1, fds1) = warm[0], warm[-1]
+            growth[i] = {"rss_kb": rss1 - rss0, "fds": fds1 - fds0, "over_s": round(t1 - t0)}
     final = out.lines.get(0, [{}])[-1].get("val_loss") if out.lines.get(0) else None
     ref_final = ref.lines.get(0, [{}])[-1].get("val_loss") if ref and ref.lines.get(0) else None
     rejected = sum(sum((ln.get("rejected") or {}).values()) for lines in out.lines.values() for ln in lines)
