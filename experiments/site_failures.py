@@ -68,7 +68,7 @@ def _drive(run: Cluster, f: dict[str, Any], opts: dict[str, Any]) -> None:
         run.kill(3)
     alive = [f"site-{i}" for i in range(f[SITES]) if f[SCENARIO] != OWNER or i != 1]
     alive = ["site-0", "site-1"] if f[SCENARIO] == TWO else alive
-    run.wait(lambda: all(run.procs[n].poll() is not None for n in alive), "the sites to finish")
+    run.wait(lambda: run.exited(alive), "the sites to finish")
 
 
 def run_failure(point: Point) -> RunResult:
@@ -93,8 +93,7 @@ def _measure(point: Point, res: SitesRun) -> RunResult:
     """The run's row and site-0's rounds from the sites' round lines."""
     f, seed, per_site = point.settings, point.seed, res.per_site
     survivors = {NO_FAULT: range(4), RESTART: range(3), OWNER: (0, 2, 3), TWO: (0, 1)}[f[SCENARIO]]
-    lost, early = 0, 0
-    detail = []
+    lost, early, detail = 0, 0, []
     for i in survivors:
         rounds = per_site[i]
         applied = {x["round"] for x in rounds if x["status"] == "applied"}
@@ -153,37 +152,33 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table, verdicts = [], []
     for cfg, g in groups.items():
         d = paired_deltas(g, base)
-        table.append(
-            {
-                "scenario": cfg,
-                "runs": len(g),
-                "final val loss (site-0)": fmt_pm([r["final_val_loss"] for r in g]),
-                "Δ vs no fault (paired)": "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
-                "rounds lost from the fault on (survivors)": sum(r["rounds_lost"] for r in g),
-                "rounds missed before it": sum(r["rounds_missed_before_fault"] for r in g),
-                f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})": f"{max(r['max_round_s'] for r in g):.2f}",
-                "max s beyond deadline": f"{max(r['max_beyond_deadline_s'] for r in g):.2f}",
-                "max quorum wait s": f"{max(r['max_quorum_wait_s'] for r in g):.2f}",
-                "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
-                "stale buckets": sum(r["stale_buckets"] for r in g),
-                "skipped buckets": sum(r["skipped_buckets"] for r in g),
-                "rejected": sum(r["rejected"] for r in g),
-                "survivors' θ equal": "yes" if all(r["survivors_consistent"] for r in g) else "NO",
-            }
+        lost, over = sum(r["rounds_lost"] for r in g), max(r["max_beyond_deadline_s"] for r in g)
+        row = {
+            "scenario": cfg,
+            "runs": len(g),
+            "final val loss (site-0)": fmt_pm([r["final_val_loss"] for r in g]),
+            "Δ vs no fault (paired)": "—" if cfg == NO_FAULT else fmt_pm(d, "{:+.4f}"),
+            "rounds lost from the fault on (survivors)": lost,
+            "rounds missed before it": sum(r["rounds_missed_before_fault"] for r in g),
+            f"longest round s (deadline {RENDEZVOUS['broadcast_timeout_s']:g})": f"{max(r['max_round_s'] for r in g):.2f}",
+            "max s beyond deadline": f"{over:.2f}",
+            "max quorum wait s": f"{max(r['max_quorum_wait_s'] for r in g):.2f}",
+            "wall s": fmt_pm([r["wall_s"] for r in g], "{:.0f}"),
+            "stale buckets": sum(r["stale_buckets"] for r in g),
+            "skipped buckets": sum(r["skipped_buckets"] for r in g),
+            "rejected": sum(r["rejected"] for r in g),
+            "survivors' θ equal": "yes" if all(r["survivors_consistent"] for r in g) else "NO",
+        }
+        table.append(row)
+        firsts = ", ".join(str(r["restarted_first_round"]) for r in g)
+        back = (
+            f" The restarted site took part again from round {firsts} (per seed; -1: not before the others finished)."
         )
         if cfg != NO_FAULT:
-            lost = sum(r["rounds_lost"] for r in g)
-            over = max(r["max_beyond_deadline_s"] for r in g)
             verdicts.append(
-                f"- {cfg}: rounds lost {lost} (target none: {met(lost == 0)}); longest time beyond a round's "
-                f"deadline {over:.2f} s (target < 1 s: {met(over < 1)}); final val loss change {mean_std(d)[0]:+.4f} nats."
-                + (
-                    f" The restarted site took part again from round "
-                    f"{', '.join(str(r['restarted_first_round']) for r in g)} (per seed; -1: not before the "
-                    f"others finished)."
-                    if cfg == RESTART
-                    else ""
-                )
+                f"- {cfg}: rounds lost {lost} (target none: {met(lost == 0)}); longest time beyond a round's deadline "
+                f"{over:.2f} s (target < 1 s: {met(over < 1)}); final val loss change {mean_std(d)[0]:+.4f} nats."
+                + (back if cfg == RESTART else "")
             )
     return md_rows(table), verdicts
 
