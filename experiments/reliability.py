@@ -52,7 +52,7 @@ SLOW, SLOW_MBIT, SLOW_ROUNDS = (4, 9), "slowdown.mbit", 16
 LAUNCH_TIMEOUT_S = 300
 
 
-def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
+def _launch(argv: list[str], out: Path, timeout_s: float, during=lambda: None) -> int:
     """``dtrain launch ARGV --out OUT``, ``during()`` called every 0.2 s while it runs; its exit code
     (-1: still running after ``timeout_s``, then stopped with everything it started)."""
     argv = [sys.executable, "-m", "dtrain", "launch", *argv, "--out", str(out)]
@@ -60,8 +60,7 @@ def _launch(argv: list[str], out: Path, timeout_s: float, during=None) -> int:
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if during is not None:
-                during()
+            during()
             time.sleep(0.2)
     finally:
         hung = proc.poll() is None
@@ -88,8 +87,7 @@ def read_run(out: Path) -> dict[str, Any]:
     """The reliability figures of a launch's run directory (see the module docstring)."""
     by_round: dict[int, dict[str, str]] = {}
     last: dict[str, str] = {}
-    missed = 0
-    sync_max = 0.0
+    missed, sync_max = 0, 0.0
     for path in sorted(out.glob("site-*/metrics.jsonl")):
         site = path.parent.name
         for d in _round_lines(path):
