@@ -290,13 +290,12 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
     f, res = m["fixed"], analyse(rows, rounds)
     runs, comps = res["runs"], res["comparisons"]
     png = plot(rows, rounds, prefix.with_name(prefix.name + "_loss_vs_wall.png"))
+    load = _load_text([r.get("loadavg_end") for r in rows])
     lines = [
         _headline(rows, rounds, m, runs, comps),
         "",
         f"Setup: {f[SITES]} sites, built-in task `{f[SIZE]}`, H = {f[SYNC_EVERY]} inner steps, "
-        f"{f[ROUNDS]} rounds (fault: {f[FAULT_ROUNDS]}), 1 torch thread per site, loopback unless netem; "
-        + _load_text([r.get("loadavg_end") for r in rows])
-        + ".",
+        f"{f[ROUNDS]} rounds (fault: {f[FAULT_ROUNDS]}), 1 torch thread per site, loopback unless netem; {load}.",
         "",
     ]
     scens = [s for s in ("healthy", "concurrent") if s in comps] + sorted(s for s in comps if s.startswith("netem"))
@@ -419,14 +418,9 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
         "healthy": "healthy (loopback; the systems one after the other, repeats in AB BA order)",
         "concurrent": "concurrent (loopback; both systems' healthy runs at the same time, same background load)",
     }
-    lines = [
-        f"### {title.get(scen, scen)}",
-        "",
-        md_table(rows[0], rows[1:]),
-        "",
-        f"dtrain's sync split (median s per round): encode {_f(sp['encode_s'])}, decode {_f(sp['decode_s'])}, "
-        f"network {_f(sp['network_s'])}, wait {_f(sp['wait_s'])}.",
-    ]
+    split = ", ".join(f"{k.removesuffix('_s')} {_f(sp[k])}" for k in SPLIT)
+    lines = [f"### {title.get(scen, scen)}", "", md_table(rows[0], rows[1:]), ""]
+    lines.append(f"dtrain's sync split (median s per round): {split}.")
     if d.get("netem_backends"):
         lines.append(f"netem backends: {d['netem_backends']}")
     if "targets" in c and not c["targets"][WALL_TARGET]:  # the figure behind a missed wall target that no row has
@@ -521,19 +515,11 @@ def _profile_section(prof: dict | None) -> list[str]:
     """Where dtrain's site-0 spent its CPU in the profiled run (py-spy), by category and by frame."""
     if not prof:
         return []
-    rows = [["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"]]
-    rows += [[k, f"{v:.1%}"] for k, v in prof["categories"].items()]
-    leaves = [["top frames (self time)", "share"]] + [[f"`{k[:110]}`", f"{v:.1%}"] for k, v in prof["top_leaves"]]
-    return [
-        "### Profile of dtrain (healthy run, site-0)",
-        "",
-        f"{prof['samples']} samples at 100 Hz.",
-        "",
-        md_table(rows[0], rows[1:]),
-        "",
-        md_table(leaves[0], leaves[1:]),
-        "",
-    ]
+    cats = [[k, f"{v:.1%}"] for k, v in prof["categories"].items()]
+    leaves = [[f"`{k[:110]}`", f"{v:.1%}"] for k, v in prof["top_leaves"]]
+    head = ["### Profile of dtrain (healthy run, site-0)", "", f"{prof['samples']} samples at 100 Hz.", ""]
+    cats_md = md_table(["where dtrain site-0's CPU time goes (py-spy, active threads)", "share of samples"], cats)
+    return head + [cats_md, "", md_table(["top frames (self time)", "share"], leaves), ""]
 
 
 def plot(rows: Rows, rounds: Rows, path: Path) -> Path:
@@ -596,8 +582,7 @@ def _plot_scenario(ax, scen: str, rows: Rows, runs: dict[str, dict[str, Rows]]) 
         ax.axvline(x, color=col, linestyle=":", alpha=0.7)
         y = ax.get_ylim()[1] - (0.03 + 0.2 * (n % 4)) * (ax.get_ylim()[1] - ax.get_ylim()[0])
         ax.text(x, y, f" {what}", rotation=90, va="top", fontsize=7, color=col)
-    ax.set_title(
-        f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen, fontsize=9
-    )
+    title = f"{scen} (all sites start at loss {start_loss:.2f}, above the plot)" if start_loss else scen
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     decorate(ax, "wall time since the sites were started (s)", "validation loss (nats/byte)", legend=7)
