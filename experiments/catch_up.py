@@ -108,13 +108,11 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         try:
-            addrs = []
-            for i in range(num_donors):
+            addrs = [Path(d) / f"donor-{i}" for i in range(num_donors)]  # each donor writes its address there
+            for i, out in enumerate(addrs):
                 host = topo.address(i + 1) if topo else "127.0.0.1"
-                out = Path(d) / f"donor-{i}"
                 argv = [*py, "donor", "--numel", str(numel), "--host", host, "--out", str(out), "--site-id", f"d{i}"]
                 procs.append(start(i + 1, argv))
-                addrs.append(out)
             deadline = time.monotonic() + 120
             while not all(a.exists() and a.read_text() for a in addrs):
                 if time.monotonic() > deadline:
@@ -144,19 +142,15 @@ def measure(point: Point) -> RunResult:
     rate = f[RATE] * min(f[JOINER_X], f[DONORS]) if f[RATE] else float("nan")  # the narrower side
     naive = r["bytes"] * 8 / (rate * 1e6)
     r["buckets_from"] = json.dumps(r["buckets_from"])
-    return RunResult(
-        row=point.row(joiner_mbit=(f[RATE] or 0) * f[JOINER_X], **r, naive_s=naive, ratio=r["seconds"] / naive)
-    )
+    row = point.row(joiner_mbit=(f[RATE] or 0) * f[JOINER_X], **r, naive_s=naive, ratio=r["seconds"] / naive)
+    return RunResult(row=row)
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     f = m["fixed"]
     link = f"netem, every link {f[RATE]} Mbit/s, RTT {f[RTT]} ms" if f[NETEM] else "loopback, no emulated link"
-    table = [
-        [r["joiner_mbit"], r["lab.state_mb"], r["lab.donors"], f"{r['seconds']:.2f}", f"{r['naive_s']:.2f}"]
-        + [f"{r['ratio']:.2f}", r["equal"]]
-        for r in rows
-    ]
+    timed = ("seconds", "naive_s", "ratio")
+    table = [[r["joiner_mbit"], r[STATE_MB], r[DONORS], *(f"{r[k]:.2f}" for k in timed), r["equal"]] for r in rows]
     return f"""Setup: {link}; the joiner pulls θ and the outer momentum ({BUCKET_BYTES >> 20} MiB buckets, 2 streams a donor).
 {files(prefix)}
 
@@ -169,9 +163,8 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
     if not three:
         return ["- Three donors within 1.3x of the naive time: not judged (no link rate: loopback)."]
     worst = max(three)
-    return [
-        f"- Three donors within {TARGET_RATIO}x of the naive time: worst {worst:.2f}x ({met(worst <= TARGET_RATIO, 'missed')})."
-    ]
+    judged = met(worst <= TARGET_RATIO, "missed")
+    return [f"- Three donors within {TARGET_RATIO}x of the naive time: worst {worst:.2f}x ({judged})."]
 
 
 SPEC = Spec(

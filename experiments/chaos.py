@@ -108,9 +108,8 @@ def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int =
         for _ in range(num_tries):
             rnd, opened = _next_round(metrics), True
             for b in range(num_buckets):
-                c = Contribution(round=rnd, bucket=b, **chunk)
                 try:
-                    t.push(address, [c], timeout_s=2.0)
+                    t.push(address, [Contribution(round=rnd, bucket=b, **chunk)], timeout_s=2.0)
                 except Exception as e:  # noqa: BLE001 - refused, as it must be
                     log.info("chaos: corrupt chunk b%d of round %d to %s refused: %s", b, rnd, address, e)
                     opened = "not open" not in str(e) and "is over" not in str(e)
