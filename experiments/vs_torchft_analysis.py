@@ -29,9 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import md_table, save_fig, subplots, summarize
-from experiments.lab import decorate
-
-Rows = list[dict[str, Any]]
+from experiments.lab import Rows, decorate
 
 # the settings of a run, by config path (the spec's grid and fixed settings)
 SITES, SIZE, DATA, ROUNDS = "task_spec.num_sites", "task_spec.size", "task_spec.data", "rounds"
@@ -307,11 +305,8 @@ def report(rows: Rows, rounds: Rows, m: dict[str, Any], prefix: Path, notes: lis
     lines += ["### What could not be made equal", ""] + [f"- {u}" for u in UNEQUAL] + [""]
     if notes:
         lines += ["### Notes", ""] + [f"- {n}" for n in notes] + [""]
-    lines += [
-        f"CSV: `{prefix.name}.csv` (one row per run), `{prefix.name}_rounds.csv` (every metrics line of every "
-        f"site); plot: `{png.name}`."
-    ]
-    return "\n".join(lines)
+    csv = f"CSV: `{prefix.name}.csv` (one row per run), `{prefix.name}_rounds.csv` (every metrics line of every site)"
+    return "\n".join([*lines, f"{csv}; plot: `{png.name}`."])
 
 
 def _headline(rows: Rows, rounds: Rows, m: dict[str, Any], runs: dict, comps: dict) -> str:
