@@ -103,12 +103,11 @@ def read_run(out: Path) -> dict[str, Any]:
             last[site] = json.loads(summary.read_text()).get("checksum") or last.get(site, "")
     log = out / "rendezvous.log"
     dead = log.read_text().count("declared dead") if log.exists() else 0
-    unequal = sum(1 for sums in by_round.values() if len(set(sums.values())) > 1)
     return {
         "sites_seen": len(last),
         "equal_at_end": len(last) == 3 and len(set(last.values())) == 1,
         "declared_dead": dead,
-        "unequal_rounds": unequal,
+        "unequal_rounds": sum(len(set(sums.values())) > 1 for sums in by_round.values()),
         "rounds_missed": missed,
         "max_sync_s": round(sync_max, 2),
     }
@@ -167,9 +166,8 @@ def run_point(point: Point) -> list[RunResult]:
             figures = dict(exit_code=code, wall_s=round(time.monotonic() - t0, 1), **read_run(run))
             row = point.row(profile=profile, **figures, run=i)
             if not (row["equal_at_end"] and row["exit_code"] == 0) or row["unequal_rounds"]:
-                kept = Path(tempfile.gettempdir()) / f"reliability-failed-{profile}-{i}-{os.getpid()}"
-                shutil.copytree(run, kept)
-                row["kept"] = str(kept)
+                row["kept"] = str(Path(tempfile.gettempdir()) / f"reliability-failed-{profile}-{i}-{os.getpid()}")
+                shutil.copytree(run, row["kept"])
             print(f"reliability {profile} run {i}: exit {row['exit_code']}, equal {row['equal_at_end']}", flush=True)
             out.append(RunResult(row=row))
         return out
