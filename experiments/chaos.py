@@ -100,13 +100,14 @@ def _address(run: Cluster, i: int) -> str | None:
 
 
 def _corrupt(address: str, metrics: Path, num_buckets: int = 8, num_tries: int = 8) -> None:
-    """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at
-    the target (from its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
+    """Chunk 0 of the first ``num_buckets`` buckets, undecodable, as site-0's, for the round in progress at the
+    target (after the last one in its ``metrics``; retried ~0.5 s apart while not open): each owner must refuse it."""
     t = GrpcTransport(GrpcTransportConfig(token=TOKEN, num_attempts=1))
     chunk = dict(chunk=0, offset=0, numel=4096, codec="fp32", sender="site-0", payload=b"\x00" * 64)
     try:
         for _ in range(num_tries):
-            rnd, opened = _next_round(metrics), True
+            rnd = max([ln.round for ln in read_metrics(metrics) if isinstance(ln, RoundLine)] or [0]) + 1
+            opened = True
             for b in range(num_buckets):
                 try:
                     t.push(address, [Contribution(round=rnd, bucket=b, **chunk)], timeout_s=2.0)
@@ -139,11 +140,6 @@ def _flood(address: str, num_streams: int, hold_s: float) -> None:
     for call in calls:
         call.cancel()
     ch.close()
-
-
-def _next_round(metrics: Path) -> int:
-    """The round after the last one in a site's ``metrics`` (the one in progress there)."""
-    return max([ln.round for ln in read_metrics(metrics) if isinstance(ln, RoundLine)] or [0]) + 1
 
 
 def _rogue(kind: str, address: str, metrics: Path) -> None:
