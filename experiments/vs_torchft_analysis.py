@@ -344,9 +344,8 @@ def verdict(rows: Rows, rounds: Rows, m: dict[str, Any]) -> list[str]:
     out = []
     for scen, c in comps.items():
         if "targets" in c:
-            figures = (c["round_wall_median"], c["final_val_loss_mean"], c["bytes_per_round"])
             got = ", ".join(f"**{'met' if v else 'MISSED'}** ({k})" for k, v in c["targets"].items())
-            nums = " / ".join(_f(x) for x in figures)
+            nums = " / ".join(_f(c[k]) for k in ("round_wall_median", "final_val_loss_mean", "bytes_per_round"))
             out.append(f"- {scen}: {got}; dtrain / torchft: round wall, final loss, bytes = {nums}.")
     return out or ["- no healthy or concurrent scenario ran both systems: no target judged."]
 
@@ -426,11 +425,7 @@ def _scenario_section(scen: str, runs: dict, c: dict) -> list[str]:
             f"{share} of torchft's round. The inner-phase, overhead and CPU rows say where dtrain's extra time goes; "
             "the concurrent table (same background load for both) and the profile whether the gap is dtrain's.",
         ]
-    for r in (d, t):
-        if r["error"]:
-            lines.append(f"\n{r['system']} {scen}: problem: {r['error']}")
-    lines.append("")
-    return lines
+    return lines + [f"\n{r['system']} {scen}: problem: {r['error']}" for r in (d, t) if r["error"]] + [""]
 
 
 def _fault_section(runs: dict) -> list[str]:
