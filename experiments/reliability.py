@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.app.procs import Proc, spawn
+from dtrain.app.procs import spawn
 from dtrain.metrics import read_json_lines
 from experiments.common import ROOT, RunResult, md_rows, md_table, summarize
 from experiments.lab import Point, Spec, met
@@ -64,19 +64,14 @@ def _launch(argv: list[str], out: Path, timeout_s: float, during=lambda: None) -
             time.sleep(0.2)
     finally:
         hung = proc.poll() is None
-        if hung:  # stop the launch and everything it started, and its topology
-            _stop(proc)
+        if hung:  # kill its process group (SIGUSR1 first: each worker prints its threads' stacks into its log)
+            if proc.send(signal.SIGUSR1):
+                time.sleep(2.0)
+            proc.kill(30)
+            # and take down its netem topology (named ``launch``), so that the next run can build its own
+            argv = [sys.executable, "-m", "netem", "down", "--name", "launch"]
+            subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
     return -1 if hung else proc.returncode
-
-
-def _stop(proc: Proc) -> None:
-    """Kill a launch's process group (SIGUSR1 first: each worker prints its threads' stacks into its log)
-    and take down its netem topology (named ``launch``), so that the next run can build its own."""
-    if proc.send(signal.SIGUSR1):
-        time.sleep(2.0)
-    proc.kill(30)
-    argv = [sys.executable, "-m", "netem", "down", "--name", "launch"]
-    subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
 
 
 def _round_lines(path: Path) -> list[dict[str, Any]]:
@@ -102,11 +97,10 @@ def read_run(out: Path) -> dict[str, Any]:
         if summary.exists():  # the θ it ended with: a site that joined at the run's end has no round line
             last[site] = json.loads(summary.read_text()).get("checksum") or last.get(site, "")
     log = out / "rendezvous.log"
-    dead = log.read_text().count("declared dead") if log.exists() else 0
     return {
         "sites_seen": len(last),
         "equal_at_end": len(last) == 3 and len(set(last.values())) == 1,
-        "declared_dead": dead,
+        "declared_dead": log.read_text().count("declared dead") if log.exists() else 0,
         "unequal_rounds": sum(len(set(sums.values())) > 1 for sums in by_round.values()),
         "rounds_missed": missed,
         "max_sync_s": round(sync_max, 2),
