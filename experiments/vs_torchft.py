@@ -77,8 +77,7 @@ def _prewarmed_main(argv: list[str]) -> None:
     wait for GO, run dtrain's CLI or the torchft site with ARGS."""
     kind, ready, go = argv[0], Path(argv[1]), Path(argv[2])
     args = argv[4:]
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (every torch optimizer pulls it in)
+    import torch._dynamo  # noqa: F401  (torch, and its _dynamo: every torch optimizer pulls it in)
 
     import dtrain.tasks.builtin  # noqa: F401
 
@@ -322,8 +321,7 @@ def torchft_problem() -> str | None:
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         return f"torchft is not importable ({last})"
-    lh = Path(sys.executable).parent / "torchft_lighthouse"
-    if not lh.exists():
+    if not (Path(sys.executable).parent / "torchft_lighthouse").exists():
         return f"torchft_lighthouse not found next to {sys.executable}"
     return None
 
@@ -338,8 +336,7 @@ def pyspy_path() -> str | None:
 def run_point(point: Point) -> list[RunResult]:
     """One point's runs: one system, or both at once (``vs.system`` ``both``), each in a temporary run
     directory; a row per run. A netem point where netem cannot run here: no row (the report says why)."""
-    why = torchft_problem()
-    if why:
+    if why := torchft_problem():
         raise SystemExit(f"vs_torchft: {why}.\nThis experiment needs torchft 0.2.0; install it with:\n  {INSTALL_HINT}")
     if point.settings[va.NETEM] and netem_problem():
         print(f"vs_torchft: {point.config} not run: {netem_problem()}", flush=True)
