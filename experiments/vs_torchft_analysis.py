@@ -167,8 +167,7 @@ def fault_stats(row: dict, procs: dict[str, Rows], sites: dict) -> dict:
         }
     restart = _events(procs.get(RESTART, []), "round")
     restart_start = next(iter(_events(procs.get(RESTART, []), "start")), None)
-    killed_rounds = _events(procs.get(KILLED, []), "round")
-    took_part = sum(_applied(system, d) for d in killed_rounds + restart)
+    took_part = sum(_applied(system, d) for d in _events(procs.get(KILLED, []), "round") + restart)
     t_restart = row.get("t_restart_s")
     return {
         "kill_round": row[KILL_ROUND],
