@@ -101,22 +101,14 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         mean = statistics.fmean(ratios)
         if g[0][DELAYED] and mean < best[0]:
             best = (mean, g[0][MOMENTUM], g[0][LR], g[0][UPDATE])
-        table.append(
-            [
-                label,
-                g[0][MOMENTUM],
-                g[0][LR],
-                fmt_pm([r["final_loss"] for r in g], "{:.4f}"),
-                fmt_pm([100 * x for x in ratios], "{:+.1f}") + " %",
-            ]
-        )
+        loss = fmt_pm([r["final_loss"] for r in g], "{:.4f}")
+        table.append([label, g[0][MOMENTUM], g[0][LR], loss, fmt_pm([100 * x for x in ratios], "{:+.1f}") + " %"])
     md = md_table(["config", "outer momentum", "outer lr", "final loss", "vs blocking (paired by seed)"], table)
-    notes = [
+    return md, [
         f"- Lowest delayed-mode loss: {best[3]} merge, outer momentum {best[1]:g}, lr {best[2]:g}: "
         f"{100 * best[0]:+.1f} % of blocking rounds at DiLoCo's momentum 0.9, lr 0.7 "
         f"({'within' if best[0] <= 0.01 else '**not** within'} 1 %)."
     ]
-    return md, notes
 
 
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
