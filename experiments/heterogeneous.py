@@ -123,10 +123,8 @@ def _consistent(per_site: dict[int, list[dict[str, Any]]]) -> bool:
     """θ's checksum is the same at every site that applied a round, for every round (the sites' last
     lines may be of different rounds: a run stops at the target)."""
     by_round: dict[int, set[str]] = {}
-    for xs in per_site.values():
-        for x in xs:
-            if x["status"] == "applied":
-                by_round.setdefault(x["round"], set()).add(x["checksum"])
+    for x in (x for xs in per_site.values() for x in xs if x["status"] == "applied"):
+        by_round.setdefault(x["round"], set()).add(x["checksum"])
     return bool(by_round) and all(len(cs) == 1 for cs in by_round.values())
 
 
@@ -138,17 +136,15 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             ts = [r["time_to_target_s"] for r in rs]
             reached, (mu, se) = sum(1 for x in ts if not math.isnan(x)), mean_se(ts)
             t[c] = mu if reached == len(ts) else math.nan
+            time_cell = "not reached by every seed" if math.isnan(t[c]) else f"{mu:.1f} ± {se:.1f}"
+            rounds_to = [r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0]
             table.append(
                 {
                     "slow share": f"{share:g}",
                     "configuration": c,
-                    "time to target (s, mean ± SE)": "not reached by every seed"
-                    if math.isnan(t[c])
-                    else f"{mu:.1f} ± {se:.1f}",
+                    "time to target (s, mean ± SE)": time_cell,
                     "reached": f"{reached}/{len(ts)}",
-                    "rounds to target": fmt_pm(
-                        [r["rounds_to_target"] for r in rs if r["rounds_to_target"] >= 0], "{:.1f}"
-                    ),
+                    "rounds to target": fmt_pm(rounds_to, "{:.1f}"),
                     "val loss at stop": fmt_pm([r["final_val_loss"] for r in rs], "{:.3f}"),
                     "slow site steps/round": fmt_pm([r["slow_steps_per_round"] for r in rs], "{:.1f}"),
                     "slow site rounds applied": fmt_pm([r["slow_rounds_applied"] for r in rs], "{:.1f}"),
