@@ -69,8 +69,7 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
     groups = summarize(rows)
     base = groups.get("fp32", [])
     bpr = {c: statistics.fmean(r["bytes_per_round_site"] for r in g) for c, g in groups.items()}  # bytes/round/site
-    out = []
-    noise = 0.0
+    out, noise = [], 0.0
     if "fp32+zstd" in groups:
         nm, ns = mean_std(ppl_changes(groups["fp32+zstd"], base))
         noise = abs(nm) + ns
@@ -107,18 +106,17 @@ def findings(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | None = N
 def analyse(rows: list[dict[str, Any]]) -> str:
     groups = summarize(rows)
     base = groups.get("fp32", [])
-    fp32_round = statistics.fmean(r["bytes_per_round_site"] for r in base) if base else float("nan")
+    bpr = {c: statistics.fmean(r["bytes_per_round_site"] for r in g) for c, g in groups.items()}  # bytes/round/site
     table = []
     for codec, g in groups.items():
-        bpr = statistics.fmean(r["bytes_per_round_site"] for r in g)
         per_round = lambda k: [r[k] / max(1, r["rounds_done"]) / r["num_sites"] for r in g]  # noqa: E731
         bb = {k[len("bench_") :]: v for k, v in g[0].items() if k.startswith("bench_")}
         table.append(
             {
                 "codec": f"`{codec}`",
                 "runs": len(g),
-                "kB/round/site": f"{bpr / 1e3:.1f}",
-                "vs fp32": f"{fp32_round / bpr:.1f}x",
+                "kB/round/site": f"{bpr[codec] / 1e3:.1f}",
+                "vs fp32": f"{bpr.get('fp32', float('nan')) / bpr[codec]:.1f}x",
                 **loss_columns(g, base, "fp32"),
                 "encode ms/round/site (rounds)": fmt_pm(per_round("encode_s"), "{:.1f}", 1e3),
                 "decode ms/round/site (rounds)": fmt_pm(per_round("decode_s"), "{:.1f}", 1e3),
@@ -140,9 +138,8 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     kb = [statistics.fmean(r["bytes_per_round_site"] for r in groups[c]) / 1e3 for c in names]
     colors = ["tab:orange" if c.endswith("+zstd") else "tab:blue" for c in names]
     a1.bar(range(len(names)), kb, color=colors)
-    for i, v in enumerate(kb):
-        a1.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     for i, c in enumerate(names):
+        a1.text(i, kb[i], f"{kb[i]:.0f}", ha="center", va="bottom", fontsize=7)
         seeds_and_mean(a2, i, [100 * x for x in ppl_changes(groups[c], base)], colors[i])
     a2.axhline(0, color="0.6", lw=0.8)
     a2.set_yscale("symlog", linthresh=1.0)  # linear within ±1%, logarithmic beyond
