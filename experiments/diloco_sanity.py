@@ -128,15 +128,8 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
                 curve.append((step + 1, evaluate(task.model)))
         wall = time.perf_counter() - t0
         if rank == 0:
-            result = {
-                "first_val_loss": first,
-                "final_val_loss": evaluate(task.model),
-                "wall_s": wall,
-                "comm_s": comm_s,
-                "num_params": flat.numel(),
-                "tokens_per_batch": task.tokens_per_batch,
-                "curve": curve,
-            }
+            result = dict(first_val_loss=first, final_val_loss=evaluate(task.model), wall_s=wall, comm_s=comm_s)
+            result |= dict(num_params=flat.numel(), tokens_per_batch=task.tokens_per_batch, curve=curve)
             Path(out_path).write_text(json.dumps(result))
         dist.barrier()
     finally:
@@ -172,16 +165,14 @@ def run_ddp(spec: RunSpec) -> RunResult:
         "inner_s": res["wall_s"] - res["comm_s"],
         "sync_s": res["comm_s"],
         "round_s": res["comm_s"] / steps,
-        "bytes_sent": per_rank_step * n * steps,
-        "bytes_total": per_rank_step * n * steps,
+        **dict.fromkeys(("bytes_sent", "bytes_total"), per_rank_step * n * steps),
         "bytes_per_round_site": per_rank_step,
         **dict.fromkeys(("encode_s", "decode_s"), 0.0),
         "consistent": True,
     }
-    curve = [*res["curve"], (steps, res["final_val_loss"])]
     rounds = [
         {"experiment": spec.experiment, "config": spec.config, "seed": spec.seed, "round": k - 1, "val_loss": v}
-        for k, v in curve
+        for k, v in [*res["curve"], (steps, res["final_val_loss"])]
     ]
     return RunResult(row=row, rounds=rounds)
 
