@@ -60,14 +60,10 @@ SPARSE = {
 }
 
 
-def outer_name(outer: tuple[float, float]) -> str:
-    if outer == AVERAGE:
-        return "average"
-    return f"Nesterov {outer[0]:g}/{outer[1]:g}" if outer[1] else f"SGD lr {outer[0]:g}"
-
-
 def diloco_label(h: int, outer: tuple[float, float]) -> str:
-    return f"DiLoCo H={h}, {outer_name(outer)}"
+    if outer == AVERAGE:
+        return f"DiLoCo H={h}, average"
+    return f"DiLoCo H={h}, " + (f"Nesterov {outer[0]:g}/{outer[1]:g}" if outer[1] else f"SGD lr {outer[0]:g}")
 
 
 def fault_rows(rows: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -343,11 +339,10 @@ def claims_of(rows, m: dict[str, Any]) -> str:
     if best_d:
         mu, se = mean_se(best_d)
         same = best == NESTEROV
+        tail = " → the default is the best measured." if same else f", {mu:+.2f}% (SE {se:.2f} pp) against the default."
         out.append(
             f"- Outer optimizer defaults (lr 0.7, momentum 0.9): the best confirmed setting is lr {best[0]:g} / momentum "
-            f"{best[1]:g}"
-            + ("" if same else f", {mu:+.2f}% (SE {se:.2f} pp) against the default")
-            + (" → the default is the best measured." if same else ".")
+            f"{best[1]:g}{tail}"
         )
         long_best = conv.get("iid", {}).get(diloco_label(h, best), [])
         default = conv.get("iid", {}).get(diloco_label(h, NESTEROV), [])
