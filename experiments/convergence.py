@@ -208,9 +208,8 @@ def fault_points(m: dict[str, Any], names: Sequence[str], seeds: Sequence[int]) 
         **{k: dict(codec=c, broadcast_error_feedback=c == "topk") for k, c in CODECS.items()},
         **SPARSE,
     }
-    steps = f["total_steps"]
     return [
-        _spec(m, "faults", "iid", name, seed, steps, sync_every=h, lr_schedule="cosine", **by_name[name])
+        _spec(m, "faults", "iid", name, seed, f["total_steps"], sync_every=h, lr_schedule="cosine", **by_name[name])
         for name in names
         for seed in seeds
     ]
@@ -232,13 +231,12 @@ def item_points(m: dict[str, Any], section: str, items: Sequence[str], seeds: Se
     N times the batch) or ``LR/M[@H]`` (DiLoCo at H = h_main, or H, with outer lr LR, momentum M)."""
     points = []
     for item in items:
-        for seed in seeds:
-            if item in ("ddp", "big"):
-                points.append(_baselines(m, section, "iid", seed, steps)[0 if item == "ddp" else 2])
-            else:
-                outer, _, h = item.partition("@")
-                lr, mom = (float(x) for x in outer.split("/"))
-                points.append(_diloco(m, section, "iid", int(h or m["h_main"]), (lr, mom), seed, steps))
+        if item in ("ddp", "big"):
+            points += [_baselines(m, section, "iid", seed, steps)[0 if item == "ddp" else 2] for seed in seeds]
+        else:
+            outer, _, h = item.partition("@")
+            lr, mom = (float(x) for x in outer.split("/"))
+            points += [_diloco(m, section, "iid", int(h or m["h_main"]), (lr, mom), seed, steps) for seed in seeds]
     return points
 
 
