@@ -152,8 +152,7 @@ def _spec(m: dict[str, Any], section: str, data: str, method: str, seed: int, st
         timeout_s=max(3600.0, 0.5 * steps * max(1, kw.get("num_sites", m["num_sites"]))),  # bound on one run
         own_session=True,
     )
-    fields.update(kw)
-    settings = {FIELD_PATHS[k]: v for k, v in fields.items()}
+    settings = {FIELD_PATHS[k]: v for k, v in (fields | kw).items()}
     extra = (("section", section), ("data", data), ("method", method), ("H", h))
     return Point("convergence", f"{section} | {data} | {method}", seed, settings, extra)
 
@@ -331,7 +330,6 @@ def run_point(point: Point) -> RunResult | list[RunResult]:
 
 # ---------------------------------------------------------------------------- side runs
 ALIASES = {"fault-free": FAULT_FREE, "loss10": LOSS10, "restart": RESTART, "topk": "topk + error feedback"}
-SIDE_KINDS = ("faults", "outer", "sweep", "rerun-diloco", "long", "netem")
 
 
 def side_points(k: dict[str, Any]) -> list[Point]:
@@ -362,7 +360,7 @@ def side_points(k: dict[str, Any]) -> list[Point]:
             "rounds": k["faults"]["total_steps"] // h,
         }
         return [Point("convergence", f"{convergence_netem.NETEM} | iid | pairs", a, settings)]
-    raise SystemExit(f"convergence.side: unknown kind {kind!r}; known: {', '.join(SIDE_KINDS)}")
+    raise SystemExit(f"convergence.side: unknown kind {kind!r}; known: faults, outer, sweep, rerun-diloco, long, netem")
 
 
 def _fault_names(text: str) -> list[str]:
