@@ -36,7 +36,7 @@ def settings(m: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     f, h = m["faults"], m["h_main"]
     run_m = dict(num_sites=m["num_sites"], size=m["size"], sync_every=h, rounds=f["total_steps"] // h)
     warmup = 100  # RunSpec.warmup_steps, as the in-process fault runs
-    worker = {
+    return run_m, {
         **netem_loss.WORKER,
         "task_spec.lr_schedule": "cosine",
         "task_spec.warmup_steps": warmup,
@@ -44,7 +44,6 @@ def settings(m: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         "batch_size": m.get("batch_size"),
         "context_len": m.get("context_len"),
     }
-    return run_m, worker
 
 
 def run(m: dict[str, Any], seeds: Sequence[int], timeout_s: float) -> list[RunResult]:
