@@ -23,18 +23,14 @@ from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, decorate, files
 from experiments.loss_sweep import PAPER_PPL_AT_10, TARGET_PPL_AT_10
 from experiments.procs import SitesRun, line_record, run_sites, set_link, sites_topology
 
-BASE, REPEAT = "loss 0%", "loss 0% (repeat)"
+BASE, REPEAT, TEN = "loss 0%", "loss 0% (repeat)", "loss 10%"
 LOSS = "netem.loss_pct"
-
-
-def label(loss_pct: float) -> str:
-    return f"loss {loss_pct:g}%"
 
 
 def settings(repeat: bool) -> list[dict[str, Any]]:
     """0% and 10% packet loss; with ``repeat`` 0% twice (the second: the noise floor of a paired d)."""
-    out = [{"config": label(0.0), LOSS: 0.0}, {"config": label(10.0), LOSS: 10.0}]
-    return out[:1] + [{"config": REPEAT, LOSS: 0.0}] + out[1:] if repeat else out
+    configs = [(BASE, 0.0), (REPEAT, 0.0), (TEN, 10.0)] if repeat else [(BASE, 0.0), (TEN, 10.0)]
+    return [{"config": config, LOSS: loss} for config, loss in configs]
 
 
 MODES: dict[str, dict[str, Any]] = {
@@ -69,20 +65,14 @@ def run_one(
     worker = WORKER if worker is None else worker
     set_link(topo, loss_pct=loss_pct, **LINK)
     opts = dict(size=m["size"], seed=seed, rounds=m["rounds"], sync_every=m["sync_every"], eval_every=m["rounds"])
-    res = run_sites(
-        topo,
-        m["num_sites"],
-        {"min_sites": 2, **(rendezvous or RENDEZVOUS)},
-        {**opts, **worker},
-        timeout_s=timeout_s,
-    )
+    rv = {"min_sites": 2, **(rendezvous or RENDEZVOUS)}
+    res = run_sites(topo, m["num_sites"], rv, {**opts, **worker}, timeout_s=timeout_s)
     return _measure(config, seed, m, worker, loss_pct, res)
 
 
 def _measure(config, seed, m, worker, loss_pct, res: SitesRun) -> RunResult:
     """The run's row (first ``m``: num_sites, size, sync_every, rounds) and every site's rounds from their lines."""
-    n, per_site = m["num_sites"], res.per_site
-    allr = res.lines
+    n, per_site, allr = m["num_sites"], res.per_site, res.lines
     reasons: Counter = Counter()
     for x in allr:
         for why, count in x.get("rejected", {}).items():
@@ -142,7 +132,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     ]
     md = md_rows(table)
     notes = []
-    ten = groups.get(label(10.0), [])
+    ten = groups.get(TEN, [])
     if ten and base:
         noise = ""
         if REPEAT in groups:
