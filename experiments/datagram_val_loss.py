@@ -87,17 +87,10 @@ def run_point(point: Point) -> RunResult:
     from experiments.procs import sites_topology  # noqa: PLC0415
 
     m = {"num_sites": f[SITES], "size": f[SIZE], "sync_every": f[H], "rounds": f[ROUNDS]}
-    with sites_topology(f[SITES], "dgval", "datagram_val_loss", mtu_bytes=f.get(MTU, 1500)) as topo:
-        r = netem_loss.run_one(
-            topo,
-            m,
-            f"datagram netem, loss {f[DROP]:.0%}",
-            100.0 * f[DROP],
-            point.seed,
-            900.0,
-            worker=netem_worker(f.get(MTU, 1500)),
-            rendezvous=NETEM_RENDEZVOUS,
-        )
+    config, mtu = f"datagram netem, loss {f[DROP]:.0%}", f.get(MTU, 1500)
+    with sites_topology(f[SITES], "dgval", "datagram_val_loss", mtu_bytes=mtu) as topo:
+        kw = dict(worker=netem_worker(mtu), rendezvous=NETEM_RENDEZVOUS)
+        r = netem_loss.run_one(topo, m, config, 100.0 * f[DROP], point.seed, 900.0, **kw)
     r.row.update(experiment="datagram_val_loss", config=point.config, loss=f[DROP], data_path="datagram")
     for x in r.rounds:
         x["experiment"] = "datagram_val_loss"
@@ -199,11 +192,8 @@ SPEC = Spec(
     modes={k: v | {"grid": pair(0.10)} for k, v in MODES.items()},
     # generous deadlines: a lossy round ends at the senders' SEND_END, not at these; on a machine
     # loaded past its cores a 3 s / 6 s pair could be overrun (the quick CSV ran with it)
-    fixed={
-        "diloco.rounds.codec.name": "int8",
-        "rendezvous.reduce_timeout_s": 10.0,
-        "rendezvous.broadcast_timeout_s": 20.0,
-    }
+    fixed={"diloco.rounds.codec.name": "int8"}
+    | {"rendezvous.reduce_timeout_s": 10.0, "rendezvous.broadcast_timeout_s": 20.0}
     | {"eval_every": 0, "inproc.track_drift": False, NETEM: False},
     derive=check_netem,
     columns=lambda point: {"loss": point[DROP]},
