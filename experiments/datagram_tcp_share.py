@@ -145,11 +145,8 @@ def measure(point: Point) -> RunResult:
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     f = m["fixed"]
     headers = ["TCP cc", "datagrams Mbit/s", "TCP before", "TCP during", "TCP after", "datagrams delivered Mbit/s"]
-    table = [
-        [r["cc"], f"{r['udp_mbit']:g}", f"{r['tcp_before']:.1f}", f"{r['tcp_during']:.1f}", f"{r['tcp_after']:.1f}"]
-        + [f"{r['udp_delivered_mbit']:.1f}", f"{r['udp_loss']:.1%}"]
-        for r in rows
-    ]
+    mbit = ("tcp_before", "tcp_during", "tcp_after", "udp_delivered_mbit")
+    table = [[r["cc"], f"{r['udp_mbit']:g}", *(f"{r[k]:.1f}" for k in mbit), f"{r['udp_loss']:.1%}"] for r in rows]
     return f"""Setup: links {f[RATE]:g} Mbit/s, {f[DELAY]:g} ms one way; TCP site 0 -> 1 for {f[SECONDS]:g} s, datagrams
 site 2 -> 1 in its middle third; goodput in Mbit/s. {files(prefix)}
 
@@ -159,15 +156,11 @@ site 2 -> 1 in its middle third; goodput in Mbit/s. {files(prefix)}
 def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any]) -> list[str]:
     """Per TCP congestion control: the share of its goodput TCP kept while the datagram flow ran (below
     half: the datagram flow did not back off for it, as the module doc says it does not)."""
+    no_yield = ": the datagram path does not yield to TCP (meant for provisioned links)."
     return [
         f"- {r['cc']}: while a paced datagram flow sent {r['udp_mbit']:g} Mbit/s, TCP kept {r['tcp_during']:.1f} of its "
         f"{r['tcp_before']:.1f} Mbit/s ({r['tcp_during'] / r['tcp_before']:.0%}) and ran at {r['tcp_after']:.1f} in "
-        "the last third"
-        + (
-            ": the datagram path does not yield to TCP (meant for provisioned links)."
-            if r["tcp_during"] < 0.5 * r["tcp_before"]
-            else "."
-        )
+        f"the last third{no_yield if r['tcp_during'] < 0.5 * r['tcp_before'] else '.'}"
         for r in rows
         if r["tcp_before"] > 0
     ]
