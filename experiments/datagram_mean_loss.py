@@ -40,23 +40,18 @@ MODES: dict[str, dict[str, Any]] = {
 
 def one_round(loss: float, seed: int, numel: int) -> dict:
     torch.manual_seed(seed)
-    layout = BucketLayout(
-        [numel], ["param"], BucketConfig(bucket_bytes=4 * (numel // 4), chunk_bytes=datagram_chunk_bytes("int8"))
-    )
-    engines, members = [], []
+    chunk = datagram_chunk_bytes("int8")
+    layout = BucketLayout([numel], ["param"], BucketConfig(bucket_bytes=4 * (numel // 4), chunk_bytes=chunk))
     # the plan's 10 s broadcast deadline: the transport's 1 s fallback reserve
     net = RunSpec(experiment="", config="", seed=seed, datagram_drop=loss, broadcast_timeout_s=10.0)
-    for i in range(3):
-        eng = RoundEngine(
-            f"site-{i}",
-            GlobalState(layout, [torch.zeros(numel)]),
-            net.datagram_transport(i),
-            RoundConfig(codec=CodecConfig(name="int8")),
-        )
-        members.append(Member(site_id=eng.site_id, address=eng.start()))
-        engines.append(eng)
+    config = RoundConfig(codec=CodecConfig(name="int8"))
+    engines = [
+        RoundEngine(f"site-{i}", GlobalState(layout, [torch.zeros(numel)]), net.datagram_transport(i), config)
+        for i in range(3)
+    ]
+    members = tuple(Member(site_id=e.site_id, address=e.start()) for e in engines)
     plan = RoundPlan(
-        round=0, members=tuple(members), reduce_timeout_s=5.0, broadcast_timeout_s=10.0, datagram_key=os.urandom(32)
+        round=0, members=members, reduce_timeout_s=5.0, broadcast_timeout_s=10.0, datagram_key=os.urandom(32)
     )
     try:
         for e in engines:
@@ -122,8 +117,7 @@ def verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[st
     """Per loss rate: whether every run ended with equal replicas, and what recovering the means cost."""
     lines = []
     for rs in summarize(rows).values():
-        p = rs[0][LOSS]
-        if p == 0:
+        if rs[0][LOSS] == 0:
             continue
         equal = all(r["equal"] in (True, "True") for r in rs)
         c = _cells(rs)
