@@ -21,6 +21,7 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -74,13 +75,11 @@ class TxSampler:
         self._thread = threading.Thread(target=self._loop, name="tx-sampler", daemon=True)
 
     def _read(self, pid: int) -> int | None:
-        try:
+        with contextlib.suppress(OSError, ValueError, IndexError):
             for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
                 name, _, rest = line.partition(":")
                 if name.strip() == self.iface:
                     return int(rest.split()[8])  # transmit bytes
-        except (OSError, ValueError, IndexError):
-            return None
         return None
 
     def _loop(self) -> None:
@@ -223,11 +222,8 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
 def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     fig, axes = subplots(1, 3, figsize=(12, 3.8), squeeze=False)
     cfgs = list(dict.fromkeys(r["config"] for r in rows))
-    for ax, key, title in zip(
-        axes[0],
-        ("compute_util", "final_val_loss", "peak_Bps"),
-        ("compute utilization", "final val loss", "peak bytes/s per site"),
-    ):
+    keys = ("compute_util", "final_val_loss", "peak_Bps")
+    for ax, key, title in zip(axes[0], keys, ("compute utilization", "final val loss", "peak bytes/s per site")):
         vals = [statistics.fmean(r[key] for r in rows if r["config"] == c) for c in cfgs]
         ax.bar(range(len(cfgs)), vals, color=["0.6", "tab:blue", "tab:green", "tab:olive"][: len(cfgs)])
         ax.set_xticks(range(len(cfgs)), cfgs, fontsize=8)
