@@ -183,6 +183,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     table = []
     for g in groups.values():
         g0, measured = g[0], any(not math.isnan(r["ratio"]) for r in g)
+        strict = fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}") if measured else "—"
         table.append(
             {
                 "rate Mbit/s": "no cap" if g0["rate_mbit"] is None else f"{g0['rate_mbit']:g}",
@@ -194,9 +195,7 @@ def analyse(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 "sync s (incl. quorum wait)": fmt_pm([r["sync_s"] for r in g], "{:.2f}"),
                 "physical limit s": f"{statistics.fmean(r['limit_s'] for r in g):.2f}",
                 "ratio to limit": fmt_pm([r["ratio"] for r in g], "{:.2f}") if measured else "—",
-                "ratio to strict limit": fmt_pm([r["engine_s"] / strict_limit_s(r) for r in g], "{:.2f}")
-                if measured
-                else "—",
+                "ratio to strict limit": strict,
                 "compute utilization": fmt_pm([r["compute_util"] for r in g], "{:.2f}"),
                 "stale buckets": sum(r["stale_buckets"] for r in g),
                 "rejected": sum(r["rejected"] for r in g),
