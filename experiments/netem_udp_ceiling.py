@@ -141,8 +141,7 @@ def one(topo, m: dict[str, Any], setting: str, pairs: int, rate: float) -> dict[
                 p.wait()
     after = _delayer_counters(topo) if delayed_row else (0, 0, 0)
     late, num_delayed, cpu_ns = (a - b for a, b in zip(after, before))
-    num_sent = sum(x["sent"] for x in sent)
-    num_got = sum(x["received"] for x in got)
+    num_sent, num_got = sum(x["sent"] for x in sent), sum(x["received"] for x in got)
     send_s = max(x["send_s"] for x in sent)
     recv_s = max(max(x["recv_s"] for x in got), 1e-9)
     return {
@@ -173,12 +172,10 @@ def ceilings(rows: list[dict[str, Any]], delayer: str | None = None) -> dict[tup
         if delayer is not None and r.get("delayer", "?") != delayer:
             continue
         key = (r["setting"], r["flows"])
-        best = out.get(key)
+        best = out.setdefault(key, None)
         kept_up = r["loss"] < 0.01 and r["delivered_dps"] >= 0.95 * r["offered_dps"]
         if kept_up and (best is None or r["delivered_dps"] > best["delivered_dps"]):
             out[key] = r
-        else:
-            out.setdefault(key, None)
     return out
 
 
