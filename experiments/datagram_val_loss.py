@@ -116,22 +116,20 @@ def verdict(mean: float, se: float) -> str:
 
 def analyse(rows: list[dict[str, Any]], loss: float) -> tuple[str, float, float]:
     pairs = paired(rows, loss)
-    table = md_rows(
-        [
-            {
-                "seed": s,
-                "final val 0%": f"{a['final_val_loss']:.4f}",
-                f"final val {loss:.0%}": f"{b['final_val_loss']:.4f}",
-                "d": f"{100 * d:+.3f}%",
-                "delivered (reduce)": f"{b['reduce_arrived']:.3f}",
-                "replicas equal (0% / loss)": f"{a['consistent']} / {b['consistent']}",
-                "rounds done (loss)": f"{b['rounds_done']}",
-            }
-            for s, a, b, d in pairs
-        ]
-    )
+    table = [
+        {
+            "seed": s,
+            "final val 0%": f"{a['final_val_loss']:.4f}",
+            f"final val {loss:.0%}": f"{b['final_val_loss']:.4f}",
+            "d": f"{100 * d:+.3f}%",
+            "delivered (reduce)": f"{b['reduce_arrived']:.3f}",
+            "replicas equal (0% / loss)": f"{a['consistent']} / {b['consistent']}",
+            "rounds done (loss)": f"{b['rounds_done']}",
+        }
+        for s, a, b, d in pairs
+    ]
     mean, se = mean_se([p[3] for p in pairs]) if pairs else (math.nan, math.inf)
-    return table, mean, se
+    return md_rows(table), mean, se
 
 
 def seed_pairs(rows: list[dict[str, Any]], m: dict[str, Any]) -> list[Point]:
