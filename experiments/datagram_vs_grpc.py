@@ -281,27 +281,26 @@ def _within(ratio: float, target: float = 1.2) -> str:
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
-    return md_rows(
-        [
-            {
-                "loss": f"{r['loss_pct']:g}%",
-                "data path": r["path"],
-                "exchange s": f"{r['engine_s']:.2f}",
-                "limit s": f"{r['limit_s']:.2f}",
-                "ratio": f"{r['ratio']:.2f}",
-                "payload MB/site": f"{r['bytes_per_round_site'] / 1e6:.2f}",
-                "wire MB/site": "-"
-                if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
-                else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
-                "delivered": f"{r['delivered']:.3f}",
-                "drift rounds (warm-up) / stale / skipped buckets": f"{r['drift_rounds']} ({r.get('warmup_drift_rounds', '-')}) / "
-                f"{r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
-                "sites left behind at the end": str(r.get("left_behind", "-")),
-                "CPU s/round: sites' syncs (kernel) / machine (busy)": _cpu_cell(r),
-            }
-            for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"]))
-        ]
-    )
+    table = [
+        {
+            "loss": f"{r['loss_pct']:g}%",
+            "data path": r["path"],
+            "exchange s": f"{r['engine_s']:.2f}",
+            "limit s": f"{r['limit_s']:.2f}",
+            "ratio": f"{r['ratio']:.2f}",
+            "payload MB/site": f"{r['bytes_per_round_site'] / 1e6:.2f}",
+            "wire MB/site": "-"
+            if r["wire_bytes_per_round_site"] != r["wire_bytes_per_round_site"]
+            else f"{r['wire_bytes_per_round_site'] / 1e6:.2f}",
+            "delivered": f"{r['delivered']:.3f}",
+            "drift rounds (warm-up) / stale / skipped buckets": f"{r['drift_rounds']} ({r.get('warmup_drift_rounds', '-')}) / "
+            f"{r['stale_buckets']} / {r.get('skipped_buckets', '-')}",
+            "sites left behind at the end": str(r.get("left_behind", "-")),
+            "CPU s/round: sites' syncs (kernel) / machine (busy)": _cpu_cell(r),
+        }
+        for r in sorted(rows, key=lambda r: (r["loss_pct"], r["path"], r["seed"]))
+    ]
+    return md_rows(table)
 
 
 def _cpu_cell(r: dict[str, Any]) -> str:
@@ -343,8 +342,7 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(1.2, color="grey", linestyle=":", label="target 1.2x")
-    decorate(ax, "packet loss (%)", "exchange time / physical limit", legend=None)
-    ax.legend()
+    decorate(ax, "packet loss (%)", "exchange time / physical limit", legend=10)  # 10: matplotlib's "medium"
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
