@@ -190,33 +190,30 @@ def _fmt_us(v: float | None) -> str:
 
 
 def analyse(rows: list[dict[str, Any]]) -> str:
-    table = md_rows(
-        [
-            {
-                "setting": r["setting"],
-                "delayer": r.get("delayer", "?"),
-                "load": f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
-                "flows": r["flows"],
-                "offered dgram/s": f"{r['offered_dps']:.0f}",
-                "sent dgram/s": f"{r['achieved_send_dps']:.0f}",
-                "delivered dgram/s": f"{r['delivered_dps']:.0f}",
-                "delivered Mbit/s": f"{r['delivered_mbit']:.1f}",
-                "loss": f"{r['loss']:.2%}",
-                "late releases": r["late_releases"],
-                "delayer CPU us/packet": _fmt_us(r.get("delayer_cpu_us_per_pkt")),
-            }
-            for r in rows
-        ]
-    )
-    ceil = md_table(
-        ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"],
-        [
-            [k[0], d, k[1], *(["-"] * 4 if r is None else _ceiling_cells(r, k[1]))]
-            for d in dict.fromkeys(r.get("delayer", "?") for r in rows)
-            for k, r in ceilings(rows, d).items()
-        ],
-    )
-    return table + "\n\nCeilings (highest delivered rate with loss < 1% and >= 95% of the offer):\n\n" + ceil
+    table = [
+        {
+            "setting": r["setting"],
+            "delayer": r.get("delayer", "?"),
+            "load": f"{r['load_1m']:.1f}" if "load_1m" in r else "?",
+            "flows": r["flows"],
+            "offered dgram/s": f"{r['offered_dps']:.0f}",
+            "sent dgram/s": f"{r['achieved_send_dps']:.0f}",
+            "delivered dgram/s": f"{r['delivered_dps']:.0f}",
+            "delivered Mbit/s": f"{r['delivered_mbit']:.1f}",
+            "loss": f"{r['loss']:.2%}",
+            "late releases": r["late_releases"],
+            "delayer CPU us/packet": _fmt_us(r.get("delayer_cpu_us_per_pkt")),
+        }
+        for r in rows
+    ]
+    ceil = [
+        [k[0], d, k[1], *(["-"] * 4 if r is None else _ceiling_cells(r, k[1]))]
+        for d in dict.fromkeys(r.get("delayer", "?") for r in rows)
+        for k, r in ceilings(rows, d).items()
+    ]
+    headers = ["setting", "delayer", "flows", "ceiling dgram/s (loss < 1%)", "load", "Mbit/s", "per flow Mbit/s"]
+    intro = "Ceilings (highest delivered rate with loss < 1% and >= 95% of the offer):"
+    return f"{md_rows(table)}\n\n{intro}\n\n{md_table(headers, ceil)}"
 
 
 def verdict(rows: list[dict[str, Any]], rounds: list, m: dict[str, Any]) -> list[str]:
