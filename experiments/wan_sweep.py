@@ -283,9 +283,8 @@ def plot(rows: list[dict[str, Any]], prefix: Path, m: dict[str, Any]) -> Path:
     fig, axes = subplots(2, len(losses), figsize=(4.2 * len(losses), 6.4), squeeze=False)
     for j, loss in enumerate(losses):
         for delay in sorted({r["delay_ms"] for r in rows}):
-            at = [
-                [r for r in rows if (r["loss_pct"], r["delay_ms"], r["rate_mbit"]) == (loss, delay, x)] for x in rates
-            ]
+            here = [r for r in rows if (r["loss_pct"], r["delay_ms"]) == (loss, delay)]
+            at = [[r for r in here if r["rate_mbit"] == x] for x in rates]
             e, lim, rat = ([mean_std([r[k] for r in g])[0] for g in at] for k in ("engine_s", "limit_s", "ratio"))
             (line,) = axes[0][j].plot(rates, e, marker="o", label=f"{delay:g} ms")
             axes[0][j].plot(rates, lim, ls=":", color=line.get_color())
