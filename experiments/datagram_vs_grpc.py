@@ -181,11 +181,9 @@ def _result(m, label, seed, k, loss, res: SitesRun, changed_at, cpu) -> RunResul
     n, per, per_site = m[SITES], 1 + m[MEASURED], res.per_site
     keys = ("round", "site", "status", "round_s", "bytes_sent", "included_fraction")
     config = f"{label}, loss {loss:g}%"
-    rounds_out, kept = measured_rounds(  # the first round of each setting is the warm-up
-        per_site,
-        range(k * per + 1, (k + 1) * per),
-        changed_at,
-        lambda x, ok: line_record("datagram_vs_grpc", config, seed, x, keys, measured=ok),
+    rounds = range(k * per + 1, (k + 1) * per)  # the first round of each setting is the warm-up
+    rounds_out, kept = measured_rounds(
+        per_site, rounds, changed_at, lambda x, ok: line_record("datagram_vs_grpc", config, seed, x, keys, measured=ok)
     )
     every = [x for lines in kept for x in lines]
 
