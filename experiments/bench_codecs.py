@@ -66,12 +66,12 @@ def bench_zstd_stage(base: str, buckets: list[torch.Tensor], repeats: int, level
         repeats,
         clock=time.thread_time,
     )
-    body_mb = sum(len(b) for b in bodies) / 1e6
+    body_bytes = sum(len(b) for b in bodies)
     return {
         "body": base,
         "zstd_level": level,
-        "zstd_ratio": sum(len(b) for b in bodies) / sum(len(f) for f in frames),
-        "compress_body_mb_s": body_mb / statistics.median(comp),
+        "zstd_ratio": body_bytes / sum(len(f) for f in frames),
+        "compress_body_mb_s": body_bytes / 1e6 / statistics.median(comp),
         "compress_fp32_mb_s": mb / statistics.median(comp),
         "decompress_fp32_mb_s": mb / statistics.median(decomp),
     }
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
-        numel = min(args.numel, 1 << 20) if args.numel == 16 * 1024 * 1024 else args.numel
-        args.numel, args.repeats, args.inner_steps = numel, 2, 10
+        args.numel = 1 << 20 if args.numel == 16 * 1024 * 1024 else args.numel
+        args.repeats, args.inner_steps = 2, 10
     size, warmup_steps = ("small", 3) if args.quick else ("base", 10)
     delta = pseudo_gradient(TaskSpec(site_index=0, num_sites=1, size=size), warmup_steps, args.inner_steps)
     print(f"# model: built-in GPT `{size}`, {delta.numel():,} parameters; Δ over {args.inner_steps} inner steps")
@@ -112,11 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [row(bench_codec(n, buckets, args.repeats, args.zstd_level)) for b in CODEC_NAMES for n in (b, b + "+zstd")]
     levels = [int(v) for v in args.zstd_levels.split(",") if v]
-    zrows = [
-        bench_zstd_stage(base, buckets, args.repeats, lvl)
-        for base in ("fp32", "bf16", "int8", "int4", "topk")
-        for lvl in levels
-    ]
+    bodies = ("fp32", "bf16", "int8", "int4", "topk")
+    zrows = [bench_zstd_stage(base, buckets, args.repeats, lvl) for base in bodies for lvl in levels]
     print("\nzstd stage alone (on each codec's body; MB/s of the fp32 input it stands for):\n")
     bench.table(
         "| body | level | zstd ratio | compress MB/s (body) | compress MB/s (fp32) | decompress MB/s (fp32) |",
