@@ -10,6 +10,8 @@ runs alone, so it owns and aggregates every bucket: the owner's accumulators are
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import os
 import threading
@@ -56,9 +58,7 @@ class PeakRss:
 
 def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
     for _ in range(n):
-        x = torch.randn(8, 1024)
-        loss = model(x).pow(2).mean()
-        loss.backward()
+        model(torch.randn(8, 1024)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -66,12 +66,8 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> N
 def trim() -> int:
     """RSS after handing freed heap pages back to the OS (glibc malloc_trim)."""
     gc.collect()
-    try:
-        import ctypes
-
+    with contextlib.suppress(OSError):  # no glibc here: RSS as it is
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
     return rss_bytes()
 
 
