@@ -36,8 +36,7 @@ from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments import bench
 
-STEPS = ("pseudo_gradient", "encode", "accept_decode", "mean_encode", "mean_decode", "outer_step", "settle")
-STEPS += ("checksums",)
+STEPS = tuple("pseudo_gradient encode accept_decode mean_encode mean_decode outer_step settle checksums".split())
 GROUPS = {  # the brief's three figures
     "encode": ("pseudo_gradient", "encode", "mean_encode"),
     "decode": ("accept_decode", "mean_decode", "settle"),
@@ -79,12 +78,9 @@ class _Site:
             numels = [n for _, n in layout.buckets[b].chunks]
             with cpu("accept_decode"):  # the N senders' payloads: this site's and (alike here) the others'
                 vals = [codec.decode_chunks(sent[b], numels) for _ in range(self.num_sites)]
-            total = vals[0].clone()
-            for v in vals[1:]:
-                total.add_(v)
-            total.div_(self.num_sites)
+            mean = sum(vals[1:], vals[0]) / self.num_sites  # summed in sender order, as an owner does
             reds = [
-                ChunkReduction(chunk=c, mean=total[o : o + n].clone(), senders=("site-0",))
+                ChunkReduction(chunk=c, mean=mean[o : o + n].clone(), senders=("site-0",))
                 for c, (o, n) in enumerate(layout.buckets[b].chunks)
             ]
             with cpu("mean_encode"):
