@@ -77,18 +77,14 @@ def main(argv: list[str] | None = None) -> None:
                     val = task.evaluate(task.model)
                     print(f"{size}: step {i} val {val:.3f} ({time.perf_counter() - t0:.1f} s)", flush=True)
             continue
-        for _ in range(5):
+        for _ in range(5):  # warm-up
             _step(task)
-        pairs = [_step(task) for _ in range(args.steps)]
-        times = [w for w, _ in pairs]
-        med = statistics.median(times)
-        cpu_med = statistics.median(c for _, c in pairs)
-        t0 = time.perf_counter()
-        task.evaluate(task.model)
-        eval_s = time.perf_counter() - t0
+        walls, cpus = zip(*(_step(task) for _ in range(args.steps)))
+        med, cpu_med = statistics.median(walls), statistics.median(cpus)
+        (eval_s,) = bench.times(lambda: task.evaluate(task.model), 1)
         print(
             f"{size:6s} params {task.info['num_params'] / 1e6:.3f} M  B x T {task.info['batch_size']} x "
-            f"{task.info['context_len']}  step median {med * 1e3:.1f} ms (mean {statistics.mean(times) * 1e3:.1f}, "
+            f"{task.info['context_len']}  step median {med * 1e3:.1f} ms (mean {statistics.mean(walls) * 1e3:.1f}, "
             f"CPU {cpu_med * 1e3:.1f})  "
             f"{task.tokens_per_batch / med:,.0f} tok/s  evaluate {eval_s * 1e3:.0f} ms  threads {args.threads}",
             flush=True,
