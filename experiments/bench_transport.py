@@ -180,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             push = _measure({"grpc": (grpc_push, grpc_srv), "raw": (raw_push, raw_srv)}, reps)
             rows.append(_row(size, "push", "raw", push["grpc"], push["raw"], reps))
             pull = _measure(
-                {
-                    "grpc": (grpc_pull, grpc_srv),
-                    "raw": (raw_pull, raw_srv),
-                    "fresh": (raw_pull_fresh, raw_srv),
-                },
-                reps,
+                {"grpc": (grpc_pull, grpc_srv), "raw": (raw_pull, raw_srv), "fresh": (raw_pull_fresh, raw_srv)}, reps
             )
             rows.append(_row(size, "pull", "raw", pull["grpc"], pull["raw"], reps))
             rows.append(_row(size, "pull", "raw-fresh", pull["grpc"], pull["fresh"], reps))
