@@ -42,22 +42,14 @@ MEMBERS = (OWNER,) + SENDERS
 
 def _owner(numel: int) -> RoundEngine:
     layout = BucketLayout([numel], ["param"], BucketConfig(bucket_bytes=4 * numel, chunk_bytes=4 * CHUNK))
-    eng = RoundEngine(
-        "site-0",
-        GlobalState(layout, [torch.zeros(numel)]),
-        InprocTransport(InprocNetwork()),
-        RoundConfig(codec=CodecConfig(name="int8")),
-    )
-    plan = RoundPlan(
-        round=0,
-        members=tuple(Member(site_id=s, address=s) for s in MEMBERS),
-        reduce_timeout_s=3600.0,
-        broadcast_timeout_s=3600.0,
-    )
+    state = GlobalState(layout, [torch.zeros(numel)])
+    eng = RoundEngine(OWNER, state, InprocTransport(InprocNetwork()), RoundConfig(codec=CodecConfig(name="int8")))
+    members = tuple(Member(site_id=s, address=s) for s in MEMBERS)
+    plan = RoundPlan(round=0, members=members, reduce_timeout_s=3600.0, broadcast_timeout_s=3600.0)
     books = OpenRound(
         plan=plan,
-        owners=["site-0"],
-        site_id="site-0",
+        owners=[OWNER],
+        site_id=OWNER,
         chunks=[layout.buckets[0].chunks],
         aggregation=eng.config.aggregation,
         opened_at=time.monotonic(),
