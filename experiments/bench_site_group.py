@@ -71,27 +71,18 @@ def rank_main(args: argparse.Namespace) -> None:
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model) if k > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rounds = RoundConfig(codec=CodecConfig(name=args.codec))
+    group = fast_group_config(quorum_wait_s=120.0, state_pull_timeout_s=120.0)
     cfg = DiLoCoConfig(
-        site_id=f"site-{args.site_index}",
-        sync_every=1,
-        rounds=RoundConfig(codec=CodecConfig(name=args.codec)),
-        group=fast_group_config(quorum_wait_s=120.0, state_pull_timeout_s=120.0),
-        hook_optimizer=False,
+        site_id=f"site-{args.site_index}", sync_every=1, rounds=rounds, group=group, hook_optimizer=False
     )
     rdv = GrpcRendezvousClient(args.rendezvous, rpc_timeout_s=30.0) if rank == 0 else None
-    d = DiLoCo(
-        ddp,
-        opt,
-        config=cfg,
-        transport=GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1")),
-        rendezvous=rdv,
-        site_comm=TorchSiteComm(),
-    )
+    transport = GrpcTransport(GrpcTransportConfig(bind_host="127.0.0.1"))
+    d = DiLoCo(ddp, opt, config=cfg, transport=transport, rendezvous=rdv, site_comm=TorchSiteComm())
     g = torch.Generator().manual_seed(args.site_index * 100 + rank)
     records = []
     for _ in range(args.rounds):
-        x = torch.randn(2, 1024, generator=g)
-        ddp(x).square().mean().backward()
+        ddp(torch.randn(2, 1024, generator=g)).square().mean().backward()
         opt.step()
         opt.zero_grad()
         t0 = time.process_time()
@@ -113,12 +104,10 @@ def run_sites(num_ranks: int, args: argparse.Namespace) -> list[dict]:
     from dtrain.rendezvous.grpc import serve_rendezvous
     from dtrain.sim import fast_rendezvous_config
 
-    core = RendezvousCore(
-        fast_rendezvous_config(
-            2, heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, reduce_timeout_s=60.0, broadcast_timeout_s=120.0
-        )
+    cfg = fast_rendezvous_config(
+        2, heartbeat_interval_s=0.5, heartbeat_timeout_s=60.0, reduce_timeout_s=60.0, broadcast_timeout_s=120.0
     )
-    server = serve_rendezvous(core)
+    server = serve_rendezvous(RendezvousCore(cfg))
     procs, outs = [], []
     try:
         for site in range(2):
