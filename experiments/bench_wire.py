@@ -83,35 +83,29 @@ def pb_mean_to_wire(mean: BucketMean, part_bytes: int) -> list[bytes]:
 
 
 def pb_mean_from_wire(parts: list[bytes]) -> BucketMean:
-    header, chunks, cur, pieces = None, [], None, []
-
-    def finish():
-        if cur is not None:
-            chunks.append(
-                MeanChunk(
-                    chunk=cur.chunk,
-                    offset=cur.offset,
-                    numel=cur.numel,
-                    codec=cur.codec,
-                    payload=b"".join(pieces),
-                    senders=tuple(cur.senders),
-                )
-            )
-
+    header, chunks = None, []  # chunks: (chunk header, its payload pieces) in stream order
     for raw in parts:
         m = pb.MeanPart.FromString(raw)
         if m.HasField("header"):
             header = m.header
         if m.HasField("chunk"):
-            finish()
-            cur, pieces = m.chunk, []
-        pieces.append(m.data)
-    finish()
+            chunks.append((m.chunk, []))
+        chunks[-1][1].append(m.data)
     return BucketMean(
         round=header.round,
         bucket=header.bucket,
         owner=header.owner,
-        chunks=tuple(chunks),
+        chunks=tuple(
+            MeanChunk(
+                chunk=c.chunk,
+                offset=c.offset,
+                numel=c.numel,
+                codec=c.codec,
+                payload=b"".join(pieces),
+                senders=tuple(c.senders),
+            )
+            for c, pieces in chunks
+        ),
         checksum_before=header.checksum_before,
         checksum_after=header.checksum_after,
     )
@@ -122,13 +116,9 @@ def measure(size: int, part_bytes: int, reps: int) -> list[dict]:
     c = Contribution(
         round=7, bucket=3, chunk=0, offset=0, numel=size // 4, codec="fp32", sender="site-1", payload=payload
     )
+    chunk = MeanChunk(chunk=0, offset=0, numel=size // 4, codec="fp32", payload=payload, senders=("a", "b"))
     mean = BucketMean(
-        round=7,
-        bucket=3,
-        owner="site-0",
-        chunks=(MeanChunk(chunk=0, offset=0, numel=size // 4, codec="fp32", payload=payload, senders=("a", "b")),),
-        checksum_before="0" * 16,
-        checksum_after="1" * 16,
+        round=7, bucket=3, owner="site-0", chunks=(chunk,), checksum_before="0" * 16, checksum_after="1" * 16
     )
     hand_c, pb_c = wire.encode_contribution(c), pb_encode_contribution(c)
     assert wire.decode_contribution(pb_c) == c and pb_decode_contribution(hand_c) == c
