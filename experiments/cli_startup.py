@@ -43,16 +43,10 @@ def _run(repo: Path, args: list[str], importtime: bool = False) -> tuple[float, 
 
 def _imports(stderr: str) -> tuple[float, list[str]]:
     """(total cumulative import seconds of top-level imports, heavy modules imported)."""
-    total_us, heavy = 0, set()
-    for ln in stderr.splitlines():
-        if not ln.startswith("import time:") or "|" not in ln:
-            continue
-        parts = ln.split("|")
-        name = parts[2].rstrip()
-        if parts[1].strip().isdigit() and not name.startswith("  "):  # a top-level import
-            total_us += int(parts[1])
-        if name.strip().split(".")[0] in HEAVY:
-            heavy.add(name.strip().split(".")[0])
+    rows = [ln.split("|") for ln in stderr.splitlines() if ln.startswith("import time:") and "|" in ln]
+    # A top-level import's name is indented by one space, a nested one's by more.
+    total_us = sum(int(p[1]) for p in rows if p[1].strip().isdigit() and not p[2].rstrip().startswith("  "))
+    heavy = {p[2].strip().split(".")[0] for p in rows} & set(HEAVY)
     return total_us / 1e6, sorted(heavy)
 
 
