@@ -16,12 +16,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from experiments import bench
 from experiments.common import ROOT, RunResult, inner_step, md_table
 from experiments.lab import ROUNDS, SITES, SIZE, H, Point, Spec, files
 
@@ -44,13 +44,7 @@ def bare(f: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     hf = HfSpec(config=f[HF]) if f[TASK] == "hf" else HfSpec()
     t = load_task("hf" if f[TASK] == "hf" else "")(TaskSpec(size=f[SIZE], hf=hf))
-    times = []
-    for i in range(f[STEPS] + 3):
-        t0 = time.perf_counter()
-        inner_step(t)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s = statistics.median(bench.times(lambda: inner_step(t), f[STEPS], warmup=3))
     return {
         "num_params": sum(p.numel() for p in t.model.parameters()),
         "tokens_per_step": t.tokens_per_batch,
