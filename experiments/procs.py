@@ -128,7 +128,6 @@ def run_sites(
     worker: dict[str, Any] | Callable[[int], dict[str, Any]],
     *,
     timeout_s: float,
-    root: Path | None = None,
     steps: Sequence[tuple[int, Callable[[], None]]] = (),
     watch: Callable[[Cluster], ContextManager] | None = None,
     drive: Callable[[Cluster], None] | None = None,
@@ -141,11 +140,9 @@ def run_sites(
     running then are killed). ``steps``: (round r, f) in order, f called once every site has written
     its line of round r. ``watch``: a context manager of the started cluster held while the sites run
     (its value: ``watched``). A site exiting with a code not in ``ok`` raises RuntimeError with its log;
-    every child is gone on return. ``root``: where the run's files stay (None: a temporary directory)."""
+    every child is gone on return; the run's files are in a temporary directory, removed then."""
     with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
-        root = Path(d) if root is None else root
-        root.mkdir(parents=True, exist_ok=True)
-        run = Cluster(root, num_sites=n, timeout_s=timeout_s, topo=topo)
+        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
         names = [f"site-{i}" for i in range(n)]
         t0 = time.monotonic()
         try:
