@@ -1,14 +1,10 @@
 """The micro-benchmarks' one parser and one output writer.
 
 A micro-benchmark (``experiments/bench_*.py``) stays a script run as ``python -m
-experiments.bench_NAME``: :func:`parser` gives it the flags every benchmark has (``--json
-PATH``, and ``--quick`` / ``--smoke`` where it has such a mode) with its docstring's first
-paragraph as the description; its own flags are added to that. It times with :func:`times`,
+experiments.bench_NAME``, with :func:`parser`'s flags and its own. It times with :func:`times`,
 :class:`Stopwatch` and :func:`cpu_s`, runs a server process as a :class:`Server`, prints its tables
-as it measures (:func:`table`), and ends with :func:`write`: one
-provenance line (commit, UTC date, command, machine load when the parser was made and now, CPUs,
-torch) and, with ``--json``, every figure it measured under that same stamp, so two checkouts or
-two machines can be compared file against file.
+as it measures (:func:`table`), and ends with :func:`write`: its provenance line and, with ``--json``,
+every figure under that same stamp, so two checkouts or two machines can be compared file against file.
 """
 
 from __future__ import annotations
@@ -30,7 +26,8 @@ _load_at_start: float | None = None  # the 1-min load average when parser() was 
 
 
 def parser(doc: str | None, *, quick: str | None = None, smoke: str | None = None) -> argparse.ArgumentParser:
-    """The benchmark's parser: ``--json PATH``, and ``--quick`` / ``--smoke`` when given their help text."""
+    """The benchmark's parser, described by ``doc``'s first paragraph: ``--json PATH``, and ``--quick`` /
+    ``--smoke`` when given their help text (the benchmark adds its own flags)."""
     global _load_at_start
     _load_at_start = os.getloadavg()[0]
     ap = argparse.ArgumentParser(
@@ -150,7 +147,8 @@ def stamp(load_before: float | None = None, commit: str | None = None) -> dict[s
 
 
 def write(args: argparse.Namespace, name: str, figures: Any) -> None:
-    """Print the provenance line; with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
+    """Print the provenance line (commit, UTC date, command, load when :func:`parser` was called and now,
+    CPUs, torch); with ``args.json``, write ``{"bench", "stamp", "args", "figures"}`` there."""
     st = stamp(_load_at_start)
     print(
         f"\n{name}: commit {st['commit']}, {st['date']}, `{st['command']}`; load average "
