@@ -38,8 +38,7 @@ def bench_codec(name: str, buckets: list[torch.Tensor], repeats: int, level: int
             payloads = [codec.encode(b) for b in buckets]
         with cpu("decode"), wall("decode"):
             decoded = [codec.decode(p, numel=b.numel()) for p, b in zip(payloads, buckets)]
-    x = torch.cat(buckets).double()
-    y = torch.cat(decoded).double()
+    x, y = torch.cat(buckets).double(), torch.cat(decoded).double()
     nbytes = sum(len(p) for p in payloads)
     return {
         "codec": name,
