@@ -99,8 +99,7 @@ def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", g
     a.begin_round(plan, [], "site-a")
     b.begin_round(plan, [], "site-b")
     cs = _contributions(mbytes, round)
-    recv_threads = [t for t in b._threads if t.name.startswith("dgram-recv")]
-    recv_clock = time.pthread_getcpuclockid(recv_threads[0].ident)
+    recv_clock = time.pthread_getcpuclockid(next(t for t in b._threads if t.name.startswith("dgram-recv")).ident)
     recv_cpu0 = time.clock_gettime(recv_clock)
     send_cpu0 = time.thread_time()
     t0 = time.monotonic()
@@ -134,8 +133,7 @@ def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", g
 def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> float:
     """CPU µs (this thread) per datagram of one unpaced ``push`` of ``num`` int8 contributions
     to a plain UDP socket of this process (nothing reads them in Python: the send path alone)."""
-    cfg = _config(max_rate_mbit=20_000.0, native=native, gso=gso, report_wait_s=0.01)
-    a = DatagramTransport(cfg)
+    a = DatagramTransport(_config(max_rate_mbit=20_000.0, native=native, gso=gso, report_wait_s=0.01))
     addr_a = a.start(CountingHandler())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
         sink.bind(("127.0.0.1", 0))
@@ -168,8 +166,7 @@ while i < len(blob):
 def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, float]:
     """(CPU µs per datagram of the receive thread, fraction delivered) while another process
     sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart)."""
-    cfg = _config(native=native)
-    b, handler = DatagramTransport(cfg), CountingHandler()
+    b, handler = DatagramTransport(_config(native=native)), CountingHandler()
     addr_b = b.start(handler)
     key = os.urandom(32)
     b.begin_round(_plan("127.0.0.1:1", addr_b, key), [], "site-b")
@@ -181,11 +178,9 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
         k = min(46, num - at)
         fields = [(i // 500, i % 500, 0, numel, codec_id("int8"), 0, 1) for i in range(at, at + k)]
         sb = sealer.seal_many(Kind.CONTRIB, fields, [payload] * k)
-        for i in range(k):
-            d = sb.datagram(i)
+        for d in map(sb.datagram, range(k)):
             blob += struct.pack("<H", len(d)) + d
-    recv = [t for t in b._threads if t.name.startswith("dgram-recv")][0]
-    clock = time.pthread_getcpuclockid(recv.ident)
+    clock = time.pthread_getcpuclockid(next(t for t in b._threads if t.name.startswith("dgram-recv")).ident)
     cpu0 = time.clock_gettime(clock)
     subprocess.run([sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1]], input=blob, check=True)
     deadline = time.monotonic() + 10
