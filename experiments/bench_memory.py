@@ -15,7 +15,6 @@ import ctypes
 import gc
 import os
 import threading
-import time
 
 import torch
 
@@ -44,9 +43,8 @@ class PeakRss:
         self._t.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, rss_bytes())
-            time.sleep(self.interval_s)
 
     def reset(self) -> None:
         self.peak = rss_bytes()
