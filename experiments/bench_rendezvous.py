@@ -128,8 +128,7 @@ class _Load:
         sent, got = [0.0] * n, [0.0] * n
         delays = [self.rng.uniform(0, self.args.spread_s) for _ in range(n)]
         sizes = await asyncio.gather(*(self.ready(i, rnd, delays[i], sent, got) for i in range(n)))
-        last = max(sent)
-        lat_ms = (np.array(got) - last) * 1e3
+        lat_ms = (np.array(got) - max(sent)) * 1e3  # from the round's last Ready
         lat_ms = lat_ms[~np.isnan(lat_ms)]
         return {
             "round": rnd,
