@@ -71,9 +71,7 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
 def _raw_server(conn, sizes_mib: list[int]) -> None:
     blob = os.urandom(max(sizes_mib) * MiB)
     sink = bytearray(len(blob))
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(1)
+    lsock = socket.create_server(("127.0.0.1", 0), backlog=1)
     conn.send(lsock.getsockname())
     threading.Thread(target=bench.answer, args=(conn,)).start()  # answers until "stop"
     s, _ = lsock.accept()
