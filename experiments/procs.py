@@ -41,8 +41,7 @@ def netem_problem() -> str | None:
 def netem_topology(num_sites: int, name: str, script: str, *, mtu_bytes: int = 1500):
     """A ``netem.Topology`` of ``num_sites`` LAN sites with links of ``mtu_bytes`` (a context manager),
     named ``name`` + this process's id; SystemExit naming ``script`` where links cannot be emulated."""
-    why = netem_problem()
-    if why:
+    if why := netem_problem():
         raise SystemExit(f"{script}: netem cannot emulate links here: {why}")
     import netem  # noqa: PLC0415
 
