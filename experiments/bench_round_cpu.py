@@ -151,10 +151,9 @@ def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None
 def _print(res: dict) -> None:
     n = res["numel"]
     print("\n| step | CPU s / round | ns / parameter |\n|:---|---:|---:|")
-    for k, v in res["steps"].items():
+    rows = list(res["steps"].items()) + [(f"**{k}**", v) for k, v in res["groups"].items()]
+    for k, v in rows:
         print(f"| {k} | {v:.4f} | {v / n * 1e9:.2f} |")
-    for k, v in res["groups"].items():
-        print(f"| **{k}** | {v:.4f} | {v / n * 1e9:.2f} |")
     print(f"\nθ after {res['repeats'] + 1} rounds: {res['theta']}")
 
 
