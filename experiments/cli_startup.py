@@ -19,12 +19,8 @@ from experiments import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "grpc", "numpy", "matplotlib")
-COMMANDS = [
-    ["--help"],
-    ["launch", "--help"],
-    ["worker", "--help"],
-    ["rendezvous", "--help"],
-    ["report", "--help"],
+COMMANDS = [["--help"], *([sub, "--help"] for sub in ("launch", "worker", "rendezvous", "report"))]
+COMMANDS += [  # usage errors
     ["launch", "--sites", "0"],
     ["worker", "--sync-every", "0"],
     ["worker", "--no-such-flag"],
