@@ -90,27 +90,25 @@ class _Recorder:
 
 def _round_records(spec: RunSpec, results: list[list[Any]], rec: _Recorder, final0: float) -> list[dict[str, Any]]:
     """One record per round over the sites' ``RoundResult`` lists (site 0's final validation loss: ``final0``)."""
-    rounds: list[dict[str, Any]] = []
-    for r in range(max((len(x) for x in results), default=0)):
-        rr = [x[r] for x in results if r < len(x)]
-        rounds.append(
-            {
-                "experiment": spec.experiment,
-                "config": spec.config,
-                "seed": spec.seed,
-                "round": rr[0].round,
-                "val_loss": rec.val.get(rr[0].round, final0 if r == len(results[0]) - 1 else float("nan")),
-                "drift": rec.drift.get(rr[0].round, float("nan")),
-                "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
-                "round_s": statistics.fmean(x.total_s for x in rr),
-                "stale_buckets": sum(x.stale_buckets for x in rr),
-                "repaired_buckets": sum(x.repaired_buckets for x in rr),
-                "rejected": sum(sum(x.rejected.values()) for x in rr),
-                "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
-                "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
-            }
-        )
-    return rounds
+    per_round = [[x[r] for x in results if r < len(x)] for r in range(max((len(x) for x in results), default=0))]
+    return [
+        {
+            "experiment": spec.experiment,
+            "config": spec.config,
+            "seed": spec.seed,
+            "round": rr[0].round,
+            "val_loss": rec.val.get(rr[0].round, final0 if r == len(results[0]) - 1 else float("nan")),
+            "drift": rec.drift.get(rr[0].round, float("nan")),
+            "bytes_total": sum(x.bytes_sent + x.bytes_received for x in rr),
+            "round_s": statistics.fmean(x.total_s for x in rr),
+            "stale_buckets": sum(x.stale_buckets for x in rr),
+            "repaired_buckets": sum(x.repaired_buckets for x in rr),
+            "rejected": sum(sum(x.rejected.values()) for x in rr),
+            "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in rr),
+            "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in rr),
+        }
+        for r, rr in enumerate(per_round)
+    ]
 
 
 def train_with_restart(
@@ -185,23 +183,20 @@ def run_inproc(spec: RunSpec) -> RunResult:
     tasks = [build_task(spec.task_spec(i)) for i in range(spec.num_sites)]
     ts = spec.task_spec(0)
     evaluate = spec.evaluator()
-    lr = ts.resolved_lr
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.outer_momentum > 0)
 
     cluster = InprocCluster(
         lambda: tasks[0].model,
-        lambda m: make_optimizer(m, lr),
+        lambda m: make_optimizer(m, ts.resolved_lr),
         spec.cluster_config(),
         outer_optimizer=outer,
         transport_factory=None if spec.datagram_drop is None else spec.datagram_transport,
         scheduler_factory=None if ts.lr_schedule == "constant" else (lambda o: make_scheduler(o, ts)),
     )
     rec = _Recorder(spec, evaluate)
-    inner_s = [0.0] * spec.num_sites
-    sync_s = [0.0] * spec.num_sites
-    H = spec.sync_every
+    inner_s, sync_s = [0.0] * spec.num_sites, [0.0] * spec.num_sites
     with cluster:
         for s in cluster.sites:
             s.diloco.on_round.append(rec.hook(s))
@@ -220,7 +215,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
             if site.scheduler is not None:
                 site.scheduler.step()
             t2 = time.perf_counter()
-            if (k + 1) % H == 0:
+            if (k + 1) % spec.sync_every == 0:
                 inner_s[site.index] += t1 - t0
                 sync_s[site.index] += (t2 - t1) - (rec.callback_s[site.index] - cb0)
             else:
@@ -232,14 +227,12 @@ def run_inproc(spec: RunSpec) -> RunResult:
         finals = [evaluate(s.model) for s in cluster.sites]
         thetas = [s.theta() for s in cluster.sites]
         consistent = len(set(cluster.checksums())) == 1
-        sites = cluster.sites
-        num_params = sum(p.numel() for p in sites[0].model.parameters())
 
-    results = [s.results for s in sites]
+    results = [s.results for s in cluster.sites]
     rounds = _round_records(spec, results, rec, finals[0])
-    statuses = [o.status for s in sites for o in s.outcomes]
+    statuses = [o.status for s in cluster.sites for o in s.outcomes]
     f = dict(
-        num_params=num_params,
+        num_params=sum(p.numel() for p in cluster.sites[0].model.parameters()),
         tokens_per_batch=tasks[0].tokens_per_batch,
         first_val=first_val,
         finals=finals,
@@ -247,7 +240,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         wall=wall,
         inner_s=inner_s,
         sync_s=sync_s,
-        rounds_done=sites[0].diloco.round,
+        rounds_done=cluster.sites[0].diloco.round,
         thetas=thetas,
         consistent=consistent,
     )
@@ -263,43 +256,39 @@ def _run_row(
     drifts = [d["drift"] for d in rounds if not math.isnan(d["drift"])]
     bytes_sent = sum(x.bytes_sent for x in flat)
     bytes_received = sum(x.bytes_received for x in flat)
-    row = spec.columns()
-    row["chunk_bytes"] = spec.cluster_config().diloco.buckets.chunk_bytes  # the datagram path sets its own
-    row.update(
-        {
-            "num_params": f["num_params"],
-            "inner_steps": H * spec.rounds,
-            "tokens_per_site": H * spec.rounds * f["tokens_per_batch"],
-            "first_val_loss": f["first_val"],
-            "final_val_loss": statistics.fmean(finals),
-            "val_loss_site_spread": max(finals) - min(finals),
-            "rounds_done": rounds_done,
-            "resyncs": statuses.count("resynced"),
-            "deferred": statuses.count("deferred"),
-            "build_s": f["build_s"],
-            "wall_s": f["wall"],
-            "inner_s": statistics.fmean(f["inner_s"]),
-            "sync_s": statistics.fmean(f["sync_s"]),
-            "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
-            "bytes_sent": bytes_sent,
-            "bytes_received": bytes_received,
-            "bytes_total": bytes_sent + bytes_received,
-            "bytes_per_round_site": (bytes_sent + bytes_received) / max(1, rounds_done) / n,
-            "encode_s": sum(x.encode_s for x in flat),
-            "decode_s": sum(x.decode_s for x in flat),
-            "stale_buckets": sum(x.stale_buckets for x in flat),
-            "repaired_buckets": sum(x.repaired_buckets for x in flat),
-            "skipped_buckets": sum(x.skipped_buckets for x in flat),
-            "rejected": sum(sum(x.rejected.values()) for x in flat),
-            "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in flat) if flat else 0.0,
-            "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in flat) if flat else 0.0,
-            "max_drift": max(drifts) if drifts else float("nan"),
-            "final_drift": _max_pairwise_l2(thetas),
-            "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
-            "consistent": f["consistent"],
-        }
-    )
-    return row
+    return spec.columns() | {
+        "chunk_bytes": spec.cluster_config().diloco.buckets.chunk_bytes,  # the datagram path sets its own
+        "num_params": f["num_params"],
+        "inner_steps": H * spec.rounds,
+        "tokens_per_site": H * spec.rounds * f["tokens_per_batch"],
+        "first_val_loss": f["first_val"],
+        "final_val_loss": statistics.fmean(finals),
+        "val_loss_site_spread": max(finals) - min(finals),
+        "rounds_done": rounds_done,
+        "resyncs": statuses.count("resynced"),
+        "deferred": statuses.count("deferred"),
+        "build_s": f["build_s"],
+        "wall_s": f["wall"],
+        "inner_s": statistics.fmean(f["inner_s"]),
+        "sync_s": statistics.fmean(f["sync_s"]),
+        "round_s": statistics.fmean(x.total_s for x in flat) if flat else 0.0,
+        "bytes_sent": bytes_sent,
+        "bytes_received": bytes_received,
+        "bytes_total": bytes_sent + bytes_received,
+        "bytes_per_round_site": (bytes_sent + bytes_received) / max(1, rounds_done) / n,
+        "encode_s": sum(x.encode_s for x in flat),
+        "decode_s": sum(x.decode_s for x in flat),
+        "stale_buckets": sum(x.stale_buckets for x in flat),
+        "repaired_buckets": sum(x.repaired_buckets for x in flat),
+        "skipped_buckets": sum(x.skipped_buckets for x in flat),
+        "rejected": sum(sum(x.rejected.values()) for x in flat),
+        "reduce_arrived": statistics.fmean(x.reduce_arrived_fraction for x in flat) if flat else 0.0,
+        "broadcast_arrived": statistics.fmean(x.broadcast_arrived_fraction for x in flat) if flat else 0.0,
+        "max_drift": max(drifts) if drifts else float("nan"),
+        "final_drift": _max_pairwise_l2(thetas),
+        "theta_norm": float(torch.linalg.vector_norm(thetas[0])),
+        "consistent": f["consistent"],
+    }
 
 
 def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torch.Tensor:
@@ -359,9 +348,8 @@ def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, 
         for i, s in enumerate(specs):
             report(i, fn(s))
     else:
-        ctx = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(
-            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(verbose,)
+            max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(verbose,)
         ) as ex:
             futs = {ex.submit(fn, s): i for i, s in enumerate(specs)}
             for f in cf.as_completed(futs):
