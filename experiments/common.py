@@ -7,6 +7,7 @@ CSV, markdown and RESULTS.md helpers. Measurements are figures to print and plot
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import csv
 import itertools
 import json
@@ -314,10 +315,8 @@ def inner_step(task) -> None:
 def own_session() -> None:
     """Put this process into a session of its own: with autogroup scheduling CPU is shared between
     sessions first, so N workers in the caller's session would share one session's CPU."""
-    try:
+    with contextlib.suppress(OSError):  # already a session or process-group leader
         os.setsid()
-    except OSError:  # already a session or process-group leader
-        pass
 
 
 def _init_worker(verbose: bool) -> None:
@@ -361,15 +360,12 @@ def run_many(specs: Sequence[RunSpec], *, jobs: int = 1, verbose: bool = False, 
 def write_csv(path: Path, rows: Iterable[dict[str, Any]]) -> list[str]:
     """Write ``rows`` (dicts; columns = union of keys in first-seen order). Returns the columns."""
     rows = list(rows)
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+        w.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
     return cols
 
 
@@ -380,10 +376,8 @@ def typed(v: str) -> Any:
     if v == "None" or v == "":
         return None
     for conv in (int, float):
-        try:
+        with contextlib.suppress(ValueError):
             return conv(v)
-        except ValueError:
-            pass
     return v
 
 
@@ -446,12 +440,8 @@ def per_round_mean(
         if r["config"] == config and keep(r) and not math.isnan(r[metric]):
             by_round.setdefault(r["round"], []).append(r[metric])
     xs = sorted(by_round)
-    return (
-        xs,
-        [statistics.fmean(by_round[x]) for x in xs],
-        [min(by_round[x]) for x in xs],
-        [max(by_round[x]) for x in xs],
-    )
+    ys = [by_round[x] for x in xs]
+    return xs, [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
