@@ -457,8 +457,7 @@ def md_rows(rows: Sequence[dict[str, Any]]) -> str:
 
 def _git(*args: str) -> str:
     try:
-        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -494,11 +493,8 @@ def update_results(path: Path, key: str, title: str, body: str) -> None:
     and ``<!-- end KEY -->``: a rerun replaces its own section in place, a new key is appended."""
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     section = f"{begin}\n## {title}\n\n{body.strip()}\n{end}\n"
-    text = (
-        path.read_text()
-        if path.exists()
-        else "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
-    )
+    intro = "# Experiment results\n\nOne section per experiment and mode, each with the command that produced it.\n"
+    text = path.read_text() if path.exists() else intro
     if end in text and (begin not in text or text.index(end) < text.index(begin)):
         # An end marker without its begin (another writer cut it off): drop that orphan, from its title on.
         i = text.index(end)
@@ -506,8 +502,7 @@ def update_results(path: Path, key: str, title: str, body: str) -> None:
         text = text[: start if start >= 0 else i].rstrip("\n") + "\n\n" + text[i + len(end) :].lstrip("\n")
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + section.rstrip("\n") + tail
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -536,15 +531,12 @@ def _headline(body: str) -> str:
     """A section's headline: its ``Headline:`` line (a hand-written section names its current
     figure so), else its first verdict line (``- ...``), else its first line with a bold verdict."""
     lines = body.splitlines()
-    for pick in (
-        lambda ln: ln[len("Headline:") :].strip() if ln.startswith("Headline:") else "",
-        lambda ln: ln[2:].strip() if ln.startswith("- ") else "",
-        lambda ln: ln.strip() if "**" in ln and not ln.startswith(("|", "Provenance", "Command")) else "",
-    ):
-        found = next((x for x in map(pick, lines) if x), "")
-        if found:
-            return found
-    return ""
+    candidates = (
+        [ln[len("Headline:") :].strip() for ln in lines if ln.startswith("Headline:")]
+        + [ln[2:].strip() for ln in lines if ln.startswith("- ")]
+        + [ln.strip() for ln in lines if "**" in ln and not ln.startswith(("|", "Provenance", "Command"))]
+    )
+    return next((x for x in candidates if x), "")
 
 
 def with_index(text: str) -> str:
@@ -564,8 +556,6 @@ def with_index(text: str) -> str:
     index = "\n".join(
         [INDEX_BEGIN, "## Summary", "", "| section | produced by | headline |", "|---|---|---|", *lines, INDEX_END]
     )
-    intro = parts[0]
-    cut = intro.find("<!-- begin ")  # the first section's begin marker stands above its title
-    cut = len(intro) if cut < 0 else cut
-    head = intro[:cut].rstrip("\n") + "\n\n" + index + "\n\n" + intro[cut:].lstrip("\n")
+    intro, begin, rest = parts[0].partition("<!-- begin ")  # the first section's begin marker stands above its title
+    head = intro.rstrip("\n") + "\n\n" + index + "\n\n" + (begin + rest).lstrip("\n")
     return head + "".join("\n## " + x for x in parts[1:])
