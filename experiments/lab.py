@@ -79,7 +79,7 @@ class Point:
         """The in-process run of these settings (paths of :data:`TREE_FIELDS`), ``override`` by field."""
         kw = {TREE_FIELDS[p]: v for p, v in self.settings.items() if p in TREE_FIELDS}
         return RunSpec(
-            experiment=self.experiment, config=self.config, seed=self.seed, extra=self.extra, **{**kw, **override}
+            experiment=self.experiment, config=self.config, seed=self.seed, extra=self.extra, **(kw | override)
         )
 
     def row(self, **measured: Any) -> dict[str, Any]:
@@ -161,12 +161,10 @@ class Spec:
 
     def settings(self, mode: str) -> dict[str, Any]:
         """The mode's settings with the spec's fixed settings and grid merged under its own."""
-        m = dict(self.modes[mode])
-        m["fixed"] = {**self.fixed, **m.get("fixed", {})}
+        m = self.modes[mode]
         grid = m.get("grid", {})
-        m["grid"] = grid if isinstance(grid, list) else {**self.grid, **grid}
-        m["mode"] = mode
-        return m
+        fixed = {**self.fixed, **m.get("fixed", {})}
+        return m | {"fixed": fixed, "grid": grid if isinstance(grid, list) else {**self.grid, **grid}, "mode": mode}
 
     def points(self, m: dict[str, Any], seeds: Sequence[int] | None = None) -> list[Point]:
         """One :class:`Point` per grid point and seed (grid order, seeds inner; ``seeds``: these, not the
@@ -198,8 +196,7 @@ def _points_of(m: dict[str, Any]) -> list[dict[str, Any]]:
     grid = m.get("grid", {})
     if isinstance(grid, list):
         return grid
-    paths = list(grid)
-    return [dict(zip(paths, values)) for values in itertools.product(*(grid[p] for p in paths))]
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 def load_spec(name: str) -> Spec:
@@ -253,8 +250,7 @@ def run(
     if set(overrides) - allowed:
         raise SystemExit(f"--set: unknown path(s) {sorted(set(overrides) - allowed)}; allowed: {sorted(allowed)}")
     m = spec.settings(mode)
-    gridded = grid_conflicts(m, overrides)
-    if gridded:
+    if gridded := grid_conflicts(m, overrides):
         raise SystemExit(
             f"--set: {gridded} vary per grid point in {spec.name}'s {mode} mode; --set overrides fixed settings only"
         )
@@ -277,10 +273,7 @@ def run(
         load, version = os.getloadavg(), code_version()
         t0 = time.perf_counter()
         print(f"{spec.name} ({mode}): {len(runs)} runs, {m['jobs']} at a time", flush=True)
-        if spec.phases is not None:
-            res = _run_phased(spec, runs, m, verbose)
-        else:
-            res = _run_all(spec, runs, m["jobs"], verbose)
+        res = _run_phased(spec, runs, m, verbose) if spec.phases else _run_all(spec, runs, m["jobs"], verbose)
         if spec.after_runs is not None:
             spec.after_runs(res, m)
         rows, rounds = [r.row for r in res], [x for r in res for x in r.rounds]
