@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib
 import itertools
+import json
 import math
 import os
 import re
@@ -203,8 +205,6 @@ def load_spec(name: str) -> Spec:
     """``experiments.NAME.SPEC``; SystemExit naming the allowed names for an unknown one."""
     if name not in SPECS:
         raise SystemExit(f"unknown spec {name!r}; allowed: {', '.join(SPECS)}")
-    import importlib
-
     return importlib.import_module(f"experiments.{name}").SPEC
 
 
@@ -415,7 +415,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATH=VALUE",
         help="override a fixed setting by config path (repeatable), e.g. --set outer.lr=1",
     )
-    argv = list(argv) if argv is not None else None
     a = ap.parse_args(argv)
     if a.cmd == "list":
         for name in SPECS:
@@ -432,8 +431,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parse_sets(items: list[str]) -> dict[str, Any]:
     """``["outer.lr=1", "netem.rates=[10,50]", ...]`` -> ``{"outer.lr": 1, "netem.rates": [10, 50]}``:
     a JSON value as such (numbers, true/false, null, lists), anything else as a CSV cell reads."""
-    import json  # noqa: PLC0415
-
     out = {}
     for item in items:
         path, eq, value = item.partition("=")
