@@ -37,6 +37,7 @@ from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfi
 from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
 from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
+from experiments.procs import wait_until
 
 LOOPS = {"auto": "compiled (auto)", "on": "compiled", "off": "Python", "sendmmsg": "compiled, no GSO"}
 
@@ -106,9 +107,7 @@ def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", g
     a.push(addr_b, cs, timeout_s=120)
     send_s = time.monotonic() - t0
     send_cpu = time.thread_time() - send_cpu0
-    deadline = time.monotonic() + 5
-    while handler.num < len(cs) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: handler.num >= len(cs), 5, poll_s=0.05)
     recv_cpu = time.clock_gettime(recv_clock) - recv_cpu0
     recv_s = max(1e-9, handler.last - handler.first)
     payload = sum(len(c.payload) for c in cs)
@@ -183,9 +182,7 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
     clock = time.pthread_getcpuclockid(next(t for t in b._threads if t.name.startswith("dgram-recv")).ident)
     cpu0 = time.clock_gettime(clock)
     subprocess.run([sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1]], input=blob, check=True)
-    deadline = time.monotonic() + 10
-    while handler.num < num and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: handler.num >= num, 10, poll_s=0.01)
     cpu = time.clock_gettime(clock) - cpu0
     b.stop(0)
     return cpu / max(1, handler.num) * 1e6, handler.num / num

@@ -31,7 +31,7 @@ from typing import Any
 from dtrain.app.procs import child_env
 from experiments.common import RunResult, md_table
 from experiments.lab import Point, Spec, files, met
-from experiments.procs import netem_topology
+from experiments.procs import netem_topology, wait_until
 
 NETEM, RATE, RTT = "netem.enabled", "netem.rate_mbit", "netem.rtt_ms"
 STATE_MB, DONORS, JOINER_X = "lab.state_mb", "lab.donors", "lab.joiner_x"
@@ -113,11 +113,8 @@ def _run_one(numel: int, num_donors: int, topo) -> dict:
                 host = topo.address(i + 1) if topo else "127.0.0.1"
                 argv = [*py, "donor", "--numel", str(numel), "--host", host, "--out", str(out), "--site-id", f"d{i}"]
                 procs.append(start(i + 1, argv))
-            deadline = time.monotonic() + 120
-            while not all(a.exists() and a.read_text() for a in addrs):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("donors did not start")
-                time.sleep(0.1)
+            if not wait_until(lambda: all(a.exists() and a.read_text() for a in addrs), 120, poll_s=0.1):
+                raise RuntimeError("donors did not start")
             host = topo.address(0) if topo else "127.0.0.1"
             argv = [*py, "joiner", "--numel", str(numel), "--host", host]
             argv += ["--donors", ",".join(a.read_text() for a in addrs)]

@@ -48,7 +48,7 @@ from dtrain.protocol import Contribution
 from dtrain.transports.grpc import PEER_SERVICE, GrpcTransport, GrpcTransportConfig
 from experiments.common import RunResult
 from experiments.lab import Point, Spec, met
-from experiments.procs import netem_problem, netem_topology
+from experiments.procs import netem_problem, netem_topology, wait_until
 from experiments.runspec import knob
 from experiments.site_failures import RENDEZVOUS as FAILURE_RENDEZVOUS
 from experiments.site_failures import WORKER
@@ -279,9 +279,7 @@ class _Soak(Cluster):
         self.down = dict.fromkeys(self.down, 0.0)  # let the last ones back for the end
         self.recover()
         self.out.wall_s = time.monotonic() - t0
-        deadline = time.monotonic() + 30
-        while not self.exited([f"site-{i}" for i in range(c.num_sites)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: self.exited([f"site-{i}" for i in range(c.num_sites)]), 30, poll_s=0.2)
         self.out.lines = {i: self.rounds(i) for i in range(c.num_sites)}
         return self.out
 

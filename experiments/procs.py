@@ -55,6 +55,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Poll ``done()`` every ``poll_s`` seconds until it holds (True); False once ``timeout_s`` seconds passed."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def sites_topology(n: int, name: str, script: str, *, mtu_bytes: int = 1500):
     """:func:`netem_topology` for ``n`` worker sites and their rendezvous (the last); ValueError below 2."""
     if n < 2:

@@ -52,16 +52,6 @@ def ring_allreduce_bytes(numel: int, num_participants: int, elem_bytes: int = 4)
     return int(round(2 * (n - 1) / n * numel * elem_bytes)) if n > 1 else 0
 
 
-def wait_for_file(path: Path, timeout_s: float) -> bool:
-    """Poll every 20 ms until ``path`` exists (a go file); False once ``timeout_s`` seconds passed."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def _checksum(model) -> str:
     h = hashlib.blake2b(digest_size=8)
     for p in model.parameters():
@@ -97,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dtrain.app.config import OuterConfig
     from dtrain.tasks import TaskSpec, build_task
+    from experiments.procs import wait_until
 
     torch.set_num_threads(a.threads)
     out = Path(a.out_dir)
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     manager, state = _manager(a, site, task, store.port)
     if a.barrier_dir:  # every Manager heartbeats before any asks for a quorum
         (Path(a.barrier_dir) / f"ready-{a.site_index}").write_text(str(os.getpid()))
-        if not wait_for_file(Path(a.barrier_dir) / "go", 120):
+        if not wait_until((Path(a.barrier_dir) / "go").exists, 120):
             print("torchft_site: start barrier timed out", file=sys.stderr)
             return 3
     with open(out / "metrics.jsonl", "a", buffering=1) as metrics:

@@ -51,7 +51,7 @@ from experiments import torchft_site
 from experiments import vs_torchft_analysis as va
 from experiments.common import ROOT, RunResult
 from experiments.lab import Point, Spec
-from experiments.procs import free_port, netem_problem
+from experiments.procs import free_port, netem_problem, wait_until
 
 INSTALL_HINT = (
     "pip install torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
@@ -86,7 +86,7 @@ def _prewarmed_main(argv: list[str]) -> None:
     else:
         run = torchft_site.main
     ready.write_text(str(os.getpid()))
-    if not torchft_site.wait_for_file(go, 1800):
+    if not wait_until(go.exists, 1800):
         os._exit(4)
     sys.argv = [kind, *args]
     spy_out = os.environ.get("VS_TORCHFT_PYSPY_OUT")
