@@ -207,8 +207,7 @@ def run_inproc(spec: RunSpec) -> RunResult:
         def step(site: Site, k: int) -> None:
             task = tasks[site.index]
             t0 = time.perf_counter()
-            loss = task.loss(site.model, next(task.batches))
-            loss.backward()
+            task.loss(site.model, next(task.batches)).backward()
             t1 = time.perf_counter()
             cb0 = rec.callback_s[site.index]
             site.optimizer.step()  # hooked: every H-th step runs a round
@@ -306,8 +305,7 @@ def pseudo_gradient(spec: TaskSpec, warmup_steps: int, inner_steps: int) -> torc
 
 def inner_step(task) -> None:
     """One inner step of a built task: its loss on its next batch, backward, its optimizer's step."""
-    loss = task.loss(task.model, next(task.batches))
-    loss.backward()
+    task.loss(task.model, next(task.batches)).backward()
     task.optimizer.step()
     task.optimizer.zero_grad(set_to_none=True)
 
@@ -514,8 +512,7 @@ INDEX_BEGIN, INDEX_END = "<!-- begin index -->", "<!-- end index -->"
 
 def _anchor(title: str) -> str:
     """The anchor a markdown renderer (GitHub) gives the heading ``title``."""
-    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
-    return keep.replace(" ", "-")
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
 
 
 def _stamp_of(body: str) -> str:

@@ -76,8 +76,7 @@ def final_loss(point: Point) -> RunResult:
 
     def step(site: Site, k: int) -> None:
         x = torch.randn(32, 16, generator=gens[site.index])
-        loss = ((site.model(x) - torch.tanh(x @ w_true)) ** 2).mean()
-        loss.backward()
+        ((site.model(x) - torch.tanh(x @ w_true)) ** 2).mean().backward()
         site.optimizer.step()
         site.optimizer.zero_grad()
 

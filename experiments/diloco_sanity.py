@@ -111,8 +111,7 @@ def _ddp_worker(rank: int, spec: RunSpec, port: int, out_path: str) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         for step in range(spec.rounds):
-            loss = task.loss(task.model, next(task.batches))
-            loss.backward()
+            task.loss(task.model, next(task.batches)).backward()
             t = time.perf_counter()
             torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             dist.all_reduce(flat)  # sum over ranks
