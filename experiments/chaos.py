@@ -405,12 +405,8 @@ def _netem_wanted(mode: str) -> bool:
 def _soak(cfg: ChaosConfig, root: Path, *, faults: bool) -> Outcome:
     """One run, under netem (sites + 1 for the rendezvous) when ``cfg.netem``."""
     ctx = netem_topology(cfg.num_sites + 1, "chaos", "run chaos") if cfg.netem else contextlib.nullcontext()
-    with ctx as topo:
-        soak = _Soak(cfg, root, faults=faults, topo=topo)
-        try:
-            return soak.run()
-        finally:
-            soak.close()
+    with ctx as topo, contextlib.closing(_Soak(cfg, root, faults=faults, topo=topo)) as soak:
+        return soak.run()
 
 
 def run_point(point: Point) -> RunResult:

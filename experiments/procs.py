@@ -151,10 +151,9 @@ def run_sites(
     (its value: ``watched``). A site exiting with a code not in ``ok`` raises RuntimeError with its log;
     every child is gone on return; the run's files are in a temporary directory, removed then."""
     with tempfile.TemporaryDirectory(prefix="dtrain-sites-") as d:
-        run = Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)
-        names = [f"site-{i}" for i in range(n)]
-        t0 = time.monotonic()
-        try:
+        with contextlib.closing(Cluster(Path(d), num_sites=n, timeout_s=timeout_s, topo=topo)) as run:
+            names = [f"site-{i}" for i in range(n)]
+            t0 = time.monotonic()
             run.start_rendezvous(**{"initial_sites": n, "min_sites": n, **rendezvous})
             for i in range(n):
                 run.start_site(i, **(worker(i) if callable(worker) else worker))
@@ -173,8 +172,6 @@ def run_sites(
                         lambda: run.check_alive(names, ok) or run.exited(names), "the sites to finish", poll_s=poll_s
                     )
             rcs = {x: run.procs[x].poll() for x in names}
-        finally:
-            run.close()
         wall = time.monotonic() - t0
         per_site = {i: run.rounds(i) for i in range(n)}
         starts = [x for x in run.lines(0) if x.get("event") == "start"]
