@@ -15,6 +15,7 @@ Needs root (netem: network namespaces).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -55,10 +56,8 @@ def _send(host: str, rate: float, seconds: float) -> None:
             time.sleep(due - now)
         for _ in range(min(16, total - n)):
             payload[:8] = n.to_bytes(8, "little")
-            try:
+            with contextlib.suppress(OSError):  # ENOBUFS: a local drop, counted as sent
                 s.send(payload)
-            except OSError:  # ENOBUFS: a local drop, counted as sent
-                pass
             n += 1
     print(json.dumps({"sent": n, "send_s": time.monotonic() - t0}), flush=True)
 
@@ -102,10 +101,9 @@ from experiments.procs import netem_topology, set_link  # noqa: E402
 
 def _cpu_ns(pid: int | None) -> int:
     """CPU time ``pid`` has run so far (ns, /proc/PID/schedstat), 0 when unknown."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) if pid else 0
-    except (OSError, ValueError, IndexError):
-        return 0
+    return 0
 
 
 def _delayer_counters(topo) -> tuple[int, int, int]:
