@@ -344,13 +344,6 @@ def plot(rows: list[dict[str, Any]], prefix: Path) -> Path:
     return save_fig(fig, prefix.with_suffix(".png"))
 
 
-def _channels(k: int) -> str:
-    """The setup's sentence on ``num_channels_per_peer`` (none at the default, 1)."""
-    if k == 1:
-        return ""
-    return f"\nTCP connections per peer: {k} (`--net.grpc.num-channels-per-peer {k}`: a gRPC push goes as {k} streams)."
-
-
 def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str, Any], prefix: Path) -> str:
     lm = _checked(m["fixed"])
     png = plot(rows, prefix)
@@ -360,11 +353,15 @@ def report(rows: list[dict[str, Any]], rounds: list[dict[str, Any]], m: dict[str
     deadlines = ", ".join(f"{k} {v:g}" for k, v in RENDEZVOUS.items()) + " (set: they bound a run's time)"
     if lm[DEADLINES] == "derived":
         deadlines = "none set, every one derived by the rendezvous (`dtrain.rendezvous.deadlines`, default budget)"
+    k = lm[CHANNELS]  # the setup's sentence on num_channels_per_peer: none at the default, 1
+    channels = (
+        f"\nTCP connections per peer: {k} (`--net.grpc.num-channels-per-peer {k}`: a gRPC push goes as {k} streams)."
+    )
     return f"""Setup (as root): {lm[SITES]} `dtrain worker` processes + one `dtrain rendezvous` in netem namespaces; every link
 {lm[RATE]:g} Mbit/s, {lm[DELAY]:g} ms one way (RTT {2 * lm[DELAY]:g} ms), MTU {lm[MTU]} bytes, random loss of packets arriving at a
 site; task `{lm[TASK] or lm[SIZE]}`, H = {lm[H]}, int8; 1 warm-up + {lm[MEASURED]} measured round(s)
 per loss. Limit = 2 x B / rate + 2 x RTT. The datagram path runs at `--max-rate-mbit {0.95 * lm[RATE]:g}
---max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.{_channels(lm[CHANNELS])}
+--max-datagram-bytes {max_datagram_bytes_for_mtu(lm[MTU])}`. Deadlines: {deadlines}.{channels if k != 1 else ""}
 {files(prefix, png)}
 
 {analyse(rows)}
