@@ -85,10 +85,8 @@ def verdict(mu: float, se: float, target: float) -> str:
 
 
 def _rel(p: Path) -> str:
-    try:
-        return str(p.resolve().relative_to(ROOT))
-    except ValueError:
-        return p.name
+    q = p.resolve()
+    return str(q.relative_to(ROOT)) if q.is_relative_to(ROOT) else p.name
 
 
 def _rows(rows: Sequence[dict[str, Any]], section: str, data: str | None = None) -> list[dict[str, Any]]:
