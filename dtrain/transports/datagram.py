@@ -240,17 +240,10 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             t = threading.Thread(target=target, name=f"{name}-{port}", daemon=True)
             t.start()
             self._threads.append(t)
-        loop = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
-        loop += ", UDP GSO" if self._gso else ""
-        log.info(
-            "datagram data path on udp %s:%s (rate %.0f Mbit/s, %s; sealed with %s, wire version %d)",
-            host,
-            port,
-            self.rate.rate_mbit,
-            loop,
-            AEAD_NAME,
-            VERSION,
-        )
+        how = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
+        how += ", UDP GSO" if self._gso else ""
+        how += f"; sealed with {AEAD_NAME}, wire version {VERSION}"
+        log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, how)
         return address
 
     def _size_buffers(self, sock: socket.socket) -> None:
