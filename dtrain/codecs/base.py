@@ -206,7 +206,15 @@ class Codec:
             return torch.zeros(numel, dtype=torch.float32)
         return self._decode_body(body, numel)
 
-    def decode_chunks(self, payloads: Sequence, numels: Sequence[int], *, verify: bool = True) -> torch.Tensor:
+    def decode_chunks(
+        self,
+        payloads: Sequence,
+        numels: Sequence[int],
+        *,
+        verify: bool = True,
+        out: torch.Tensor | None = None,
+        subtract: bool = False,
+    ) -> torch.Tensor:
         """Decode several payloads into one 1-D float32 tensor, their concatenation in order.
 
         The inverse of :meth:`encode_chunks` for a bucket's contiguous chunks: the same
@@ -222,12 +230,19 @@ class Codec:
                 contributions and means, kept in memory): a vectorized run then skips the
                 header and crc32 comparisons (the values are the same); lengths, scales and
                 codes are still checked, and anything else decodes fully checked.
+            out: where to decode (a contiguous 1-D float32 CPU tensor of ``sum(numels)``
+                elements, e.g. a bucket's range: no new tensor and no copy); on a CodecError
+                its contents are unspecified, unless ``subtract``.
+            subtract: subtract the decoded values from ``out`` (required) instead of
+                writing them: ``out -= decode(...)``, the same values as that, in one pass
+                where the codec can (error feedback's settle). On a CodecError ``out`` is
+                untouched.
 
         Returns:
-            A new float32 tensor of ``sum(numels)`` elements.
+            ``out``, or a new float32 tensor of ``sum(numels)`` elements.
 
         Raises:
-            ValueError: ``payloads`` and ``numels`` differ in length.
+            ValueError: ``payloads`` and ``numels`` differ in length; ``out`` is not as above.
             CodecError: as :meth:`decode`, for the first payload that fails.
         """
         if len(payloads) != len(numels):
@@ -236,13 +251,32 @@ class Codec:
             for n in numels:
                 if _bad_int(n) or n < 0:
                     raise CodecError(f"numel must be a non-negative int, got {n!r}")
-        out = torch.empty(sum(numels), dtype=torch.float32)
+        if subtract and out is None:
+            raise ValueError("subtract=True needs out: the tensor to subtract the decoded values from")
+        if out is None:
+            out = torch.empty(sum(numels), dtype=torch.float32)
+        elif not (
+            out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 1 and out.is_contiguous()
+        ) or out.numel() != sum(numels):
+            raise ValueError(
+                f"out must be a contiguous 1-D float32 CPU tensor of {sum(numels)} elements, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if subtract:
+            if not self._subtract_runs(out, payloads, numels, verify):
+                out.sub_(self.decode_chunks(payloads, numels, verify=verify))
+            return out
         pos = 0
         for i, j in equal_runs(numels):
             n = numels[i]
             self._decode_run_into(out[pos : pos + (j - i) * n], payloads[i:j], n, verify)
             pos += (j - i) * n
         return out
+
+    def _subtract_runs(self, out: torch.Tensor, payloads: Sequence, numels: Sequence[int], verify: bool) -> bool:
+        """``out -= decode_chunks(payloads, numels)`` in one pass, every payload checked before
+        ``out`` is written; False (``out`` untouched) where this codec has no such pass."""
+        return False
 
     def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int, verify: bool = True) -> None:
         """Decode payloads of ``numel`` elements each into consecutive ranges of ``out``

@@ -13,7 +13,9 @@ A scale is nudged down by one ulp where qmax * scale would round above max|x_b|,
 decoding can never overflow to inf near the top of the fp32 range.
 
 The encoder works in chunks of whole blocks (~256 Ki elements) so that each input
-element is read from memory once and temporaries stay in cache.
+element is read from memory once and temporaries stay in cache. Round-to-nearest encodes
+and all decodes run in compiled kernels where they build (:mod:`dtrain.codecs.native`, the
+same bytes and values as the torch path here, which runs otherwise).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from dtrain.codecs.base import (
     Codec,
     _prepare,
     chunks,
+    equal_runs,
     non_finite_error,
     np_view,
     t_view,
 )
 from dtrain.codecs.config import CodecConfig
+from dtrain.codecs.native import kernels
 from dtrain.errors import CodecError
 
 __all__ = ["Int8Codec", "Int4Codec"]
@@ -87,6 +91,7 @@ class _Blockwise(Codec):
                 torch.maximum(xv.amax(dim=1), xv.amin(dim=1).neg_(), out=sc[:full])
             if tail.numel():
                 sc[full] = torch.maximum(tail.max(), tail.min().neg())
+            sc.abs_()  # a block of -0.0 only: scale +0, as the compiled kernel's
             top = float(sc.max())
             if not top <= 3.5e38:  # NaN or inf somewhere in this chunk
                 raise non_finite_error(x)
@@ -129,6 +134,16 @@ class _Blockwise(Codec):
             else:
                 out.extend(self._payload(body, nb, o, m) for o, m in chunks[i:j])
         return out
+
+    def _native_encode(self, x: torch.Tensor, out: np.ndarray, nb: int) -> bool:
+        """The body of ``x`` (flat contiguous float32) by the compiled kernel: True when it
+        ran; False (nothing written) for stochastic rounding or without the kernel."""
+        k = None if self._sr else kernels()
+        if k is None:
+            return False
+        if not k.encode(x, self._bs, self._step, self.qmax == 7, out[: 4 * nb].view(np.float32), out[4 * nb :]):
+            raise non_finite_error(x)
+        return True
 
     def _payload(self, body: np.ndarray, nb: int, o: int, n: int) -> bytes:
         """The payload of elements ``[o, o + n)`` cut from the body of the whole tensor
@@ -174,18 +189,51 @@ class _Blockwise(Codec):
             raise CodecError("corrupted payload: block scales must be finite and >= 0")
         return scale
 
+    def _subtract_runs(self, out, payloads, numels, verify):
+        """The compiled kernel's in-place subtraction when every run is one of whole blocks
+        that passes the header checks and the kernel's scale and code checks."""
+        kern = kernels()
+        if kern is None or out.device.type != "cpu":
+            return False
+        runs = []
+        for i, j in equal_runs(numels):
+            n = numels[i]
+            bodies = self._checked_bodies(payloads[i:j], n, verify)
+            if bodies is None or not kern.check(bodies, n, self._bs, self.qmax == 7):
+                return False
+            runs.append((bodies, n))
+        pos = 0
+        for bodies, n in runs:
+            k = bodies.shape[0]
+            assert kern.decode(bodies, n, self._bs, self.qmax == 7, out[pos : pos + k * n], sub=True)
+            pos += k * n
+        return True
+
+    def _native_decode_body(self, body, numel: int) -> torch.Tensor | None:
+        """One checked body decoded by the compiled kernel; None without the kernel or when
+        the body holds a scale or code the encoder never makes (the torch path then raises
+        :meth:`decode`'s error for it)."""
+        kern = kernels()
+        if kern is None:
+            return None
+        out = torch.empty(numel, dtype=torch.float32)
+        rows = np.frombuffer(body, dtype=np.uint8).reshape(1, -1)
+        return out if kern.decode(rows, numel, self._bs, self.qmax == 7, out) else None
+
     def _decode_run_into(self, out, payloads, numel, verify=True):
         """A run of chunks of whole blocks in one vectorized pass (:meth:`_checked_bodies`,
         then :meth:`_decode_rows`): the same products as :meth:`_decode_body` (code ->
         float32, times its block's scale). Anything the pass does not accept is decoded
         payload by payload, which raises :meth:`decode`'s error for the first bad one."""
-        bodies = None if numel % self._bs or len(payloads) < 2 else self._checked_bodies(payloads, numel, verify)
+        whole = numel % self._bs == 0 or kernels() is not None  # the torch pass takes whole blocks only
+        bodies = self._checked_bodies(payloads, numel, verify) if whole and len(payloads) >= 2 else None
         if bodies is None or not self._decode_rows(out, bodies, numel):
             super()._decode_run_into(out, payloads, numel)
 
     def _decode_rows(self, out: torch.Tensor, bodies: np.ndarray, numel: int) -> bool:
-        """Decode the rows of ``bodies`` (checked, ``numel`` elements each, whole blocks)
-        into ``out``; False when a scale or code is one the encoder never makes."""
+        """Decode the rows of ``bodies`` (checked, ``numel`` elements each: whole blocks unless
+        the compiled kernel runs) into ``out``; False when a scale or code is one the encoder
+        never makes."""
         raise NotImplementedError  # pragma: no cover - abstract
 
     def _row_scales(self, bodies: np.ndarray, nb: int) -> torch.Tensor | None:
@@ -226,11 +274,15 @@ class Int8Codec(_Blockwise):
     def _encode_into(self, x, out, generator):
         n = x.numel()
         nb = self._num_blocks(n)
+        if self._native_encode(x, out, nb):
+            return
         codes = t_view(out, np.int8, n, 4 * nb)
         for s, t, q in self._quantize_chunks(x, t_view(out, np.float32, nb), generator):
             codes[s:t].copy_(q)
 
     def _decode_rows(self, out, bodies, numel):
+        if (kern := kernels()) is not None:
+            return kern.decode(bodies, numel, self._bs, False, out)
         k, nb = bodies.shape[0], numel // self._bs
         scale = self._row_scales(bodies, nb)
         codes = bodies[:, 4 * nb :].view(np.int8)
@@ -242,6 +294,8 @@ class Int8Codec(_Blockwise):
         return True
 
     def _decode_body(self, body, numel):
+        if (out := self._native_decode_body(body, numel)) is not None:
+            return out
         scale = self._read_scales(body, numel)
         codes = np_view(body, np.int8, numel, 4 * scale.numel())
         out = torch.empty(numel, dtype=torch.float32)
@@ -283,6 +337,8 @@ class Int4Codec(_Blockwise):
     def _encode_into(self, x, out, generator):
         n = x.numel()
         nb = self._num_blocks(n)
+        if self._native_encode(x, out, nb):
+            return
         packed = t_view(out, np.uint8, (n + 1) // 2, 4 * nb)
         pair_buf = torch.empty((min(self._step, n) + 1) // 2)
         for s, t, q in self._quantize_chunks(x, t_view(out, np.float32, nb), generator):
@@ -295,6 +351,8 @@ class Int4Codec(_Blockwise):
             packed[s // 2 : s // 2 + half.numel()].copy_(half)
 
     def _decode_rows(self, out, bodies, numel):
+        if (kern := kernels()) is not None:
+            return kern.decode(bodies, numel, self._bs, True, out)
         k, nb = bodies.shape[0], numel // self._bs
         scale = self._row_scales(bodies, nb)
         if scale is None:
@@ -306,6 +364,8 @@ class Int4Codec(_Blockwise):
         return math.isfinite(lo) and math.isfinite(hi)
 
     def _decode_body(self, body, numel):
+        if (out := self._native_decode_body(body, numel)) is not None:
+            return out
         scale = self._read_scales(body, numel)
         packed = np_view(body, np.uint8, (numel + 1) // 2, 4 * scale.numel())
         out = torch.empty(numel, dtype=torch.float32)

@@ -238,22 +238,27 @@ def _settle_runs(
 ) -> list[tuple[int, CodecError]]:
     """:func:`settle_bucket` one run of neighbouring chunks that settle alike at a time (in place)."""
     bad: list[tuple[int, CodecError]] = []
+    in_place = residual.device.type == "cpu" and residual.dtype == torch.float32 and residual.is_contiguous()
     for i, j in runs:
         a, b = chunks[i][0], chunks[j - 1][0] + chunks[j - 1][1]
         numels = [n for _, n in chunks[i:j]]
         if cases[i] == "zero":
             settle_chunk(residual[a:b], included=True, sent=None, applied_mean=None)
+        elif cases[i] == "sent" and in_place:  # residual -= what was sent, in one pass
+            codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False, out=residual[a:b], subtract=True)
         elif cases[i] == "sent":
             dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False)  # this site's own
             settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
         elif cases[i] == "mean":
             assert means is not None
-            try:
-                dec = bcodec.decode_chunks(means[i:j], numels)
+            try:  # a CodecError leaves residual[a:b] as it was
+                if in_place:
+                    bcodec.decode_chunks(means[i:j], numels, out=residual[a:b], subtract=True)
+                else:
+                    dec = bcodec.decode_chunks(means[i:j], numels)
+                    settle_chunk(residual[a:b], included=False, sent=None, applied_mean=dec)
             except CodecError:  # find which chunks are bad; settle the others
                 bad += _settle_means_one_by_one(residual, chunks, range(i, j), bcodec, means)
-                continue
-            settle_chunk(residual[a:b], included=False, sent=None, applied_mean=dec)
     return bad
 
 

@@ -72,9 +72,9 @@ def _decode_into(
     follow one another (:func:`contiguous_runs`) with one :meth:`Codec.decode_chunks` call
     (``verify``: as there; False only for payloads made in this process)."""
     for i, j in contiguous_runs(ranges):
+        numels = [n for _, n in ranges[i:j]]
         off = ranges[i][0]
-        dec = codec.decode_chunks(payloads[i:j], [n for _, n in ranges[i:j]], verify=verify)
-        full[off : off + dec.numel()] = dec
+        codec.decode_chunks(payloads[i:j], numels, verify=verify, out=full[off : off + sum(numels)])
 
 
 def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -9,10 +9,9 @@ from OpenSSL's libcrypto (the cipher the ``cryptography`` package wraps, so both
 the same bytes), ``sendmmsg`` on a connected socket and ``recvmmsg`` with the arrival
 timestamps and drop counter the receive loop reads.
 
-Build: :func:`native` compiles ``dgram_native.c`` once with ``$CC`` (default ``gcc``)
-``-O2 -shared -fPIC`` against ``-lcrypto`` (Debian: ``libssl-dev``) into
-``$DTRAIN_NATIVE_CACHE`` (default ``~/.cache/dtrain-native``), named by the hash of the
-source, compiler and flags, so later processes load it at once. Any failure (no compiler,
+Build: :func:`native` compiles ``dgram_native.c`` once (:func:`dtrain.native.build_and_load`:
+``$CC -O2 -shared -fPIC``, cached in ``$DTRAIN_NATIVE_CACHE``) against ``-lcrypto`` (Debian:
+``libssl-dev``), so later processes load it at once. Any failure (no compiler,
 no headers, the library does not load) returns None with one logged warning, and the
 transport runs its Python loop (same wire format, same checks): ``DatagramTransportConfig``
 ``native = "auto"`` (default), ``"off"`` (always Python) or ``"on"`` (fail without it).
@@ -26,27 +25,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shlex
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from dtrain.native import build_and_load
 from dtrain.transports.datagram_config import NATIVE_MODES
 
-__all__ = ["HEADER_DTYPE", "NATIVE_MODES", "OPEN_STATUS", "NativeLib", "cache_dir", "header_view", "native"]
+__all__ = ["HEADER_DTYPE", "NATIVE_MODES", "OPEN_STATUS", "NativeLib", "header_view", "native"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "dgram_native.c"
 CFLAGS = ["-O2", "-shared", "-fPIC", "-Wall", "-Wextra"]
 LIBS = ["-lcrypto"]
-COMPILE_TIMEOUT_S = 120.0
 #: :meth:`NativeLib.open_round`'s row outcomes, by code (``dgram_native.c`` ``DG_*``).
 OPEN_STATUS = (
     "ok",
@@ -94,12 +88,6 @@ def header_view(buf: np.ndarray, n: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=_header_dtype(buf.shape[1]), count=n)
 
 
-def cache_dir() -> Path:
-    """Where the compiled library is kept: ``$DTRAIN_NATIVE_CACHE`` or ``~/.cache/dtrain-native``."""
-    env = os.environ.get("DTRAIN_NATIVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dtrain-native"
-
-
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
@@ -107,8 +95,7 @@ def _ptr(a: np.ndarray) -> int:
 class NativeLib:
     """The loaded library with typed entry points (see ``dgram_native.c`` for each contract)."""
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released for every call
+    def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i, u32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32
         for name, res, args in (
             ("dg_version", i, []),
@@ -124,7 +111,7 @@ class NativeLib:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         self._lib = lib
-        self.path = path
+        self.path = Path(lib._name)
 
     def aead(self, key: bytes) -> int:
         """An AES-256-GCM handle for a 32-byte key (free it with :meth:`free`)."""
@@ -278,33 +265,5 @@ def native(mode: str = "auto") -> NativeLib | None:
 
 
 def _build_and_load() -> tuple[NativeLib | None, str]:
-    cc = shlex.split(os.environ.get("CC") or "gcc")
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cc, CFLAGS, LIBS)).encode()).hexdigest()[:16]
-    out = cache_dir() / f"libdgram-{key}.so"
-    try:
-        if not out.exists():
-            _compile(cc, out)
-        lib = NativeLib(out)
-        if lib._lib.dg_version() != 5:
-            raise RuntimeError(f"{out} has version {lib._lib.dg_version()}, expected 5")
-        return lib, ""
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, str(e)
-
-
-def _compile(cc: list[str], out: Path) -> None:
-    """Compile into a temporary file next to ``out``, then rename (safe against concurrent builds)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [*cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"`{shlex.join(cc)}` failed with rc {proc.returncode}: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-        log.info("compiled the datagram loop: %s", out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    lib, why = build_and_load(SOURCE, stem="dgram", cflags=CFLAGS, libs=LIBS, version_fn="dg_version", version=5)
+    return (NativeLib(lib) if lib is not None else None), why

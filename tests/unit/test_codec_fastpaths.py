@@ -1,9 +1,11 @@
 """The vectorized int8/int4 paths (``encode_chunks``' payload rows, ``decode_chunks``' run decode)
 against the implementation they replaced, kept here as a reference: byte-identical payloads and
-bit-identical decoded values on random and edge-case inputs, and decode's errors on bad runs."""
+bit-identical decoded values on random and edge-case inputs, and decode's errors on bad runs;
+each on the compiled kernels (``blockwise_native.c``) and on the torch path."""
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 
@@ -11,11 +13,23 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs import CodecConfig, blockwise, get_codec, native
 from dtrain.codecs.base import HEADER_BYTES, chunks, np_view, t_view
 from dtrain.errors import CodecError
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def kernel_path(request, monkeypatch) -> str:
+    """Each test runs on the compiled kernels (``dtrain.codecs.native``) and on the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(blockwise, "kernels", lambda: None)
+    elif native.kernels() is None:
+        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):  # .ci/run installs gcc
+            pytest.fail("the compiled codec kernels did not build")
+        pytest.skip("no compiler: the compiled codec kernels are unavailable")
+    return request.param
 
 
 # ------------------------------------------------------------------ the reference (before the fast paths)
@@ -79,6 +93,7 @@ class _Reference:
                 torch.maximum(xv.amax(dim=1), xv.amin(dim=1).neg_(), out=sc[:full])
             if tail.numel():
                 sc[full] = torch.maximum(tail.max(), tail.min().neg())
+            sc.abs_()  # a block of -0.0 only: scale +0 (was -0 before the compiled kernels)
             top = float(sc.max())
             if not top <= 3.5e38:
                 raise CodecError("non-finite input")
@@ -265,3 +280,68 @@ def test_a_run_of_memoryviews_and_bytearrays_decodes_alike() -> None:
     wide = memoryview(bytearray(ps[1] + b"\0" * (3 * len(ps[1])))).cast("I")  # len() counts items, not bytes
     with pytest.raises(CodecError):
         codec.decode_chunks([ps[0], wide, ps[2], ps[3]], [1280] * 4)
+
+
+def test_without_a_compiler_the_kernels_are_unavailable_and_say_why(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("DTRAIN_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    native.kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="dtrain.codecs.native"):
+            assert native.kernels() is None
+        assert "compiled codec kernels unavailable (`/bin/false` failed" in caplog.text
+        monkeypatch.setenv("CC", "gcc")
+        monkeypatch.setenv("DTRAIN_CODEC_NATIVE", "off")
+        native.kernels.cache_clear()
+        assert native.kernels() is None  # off: the torch path, no build
+        assert not list(tmp_path.iterdir())
+    finally:
+        native.kernels.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp16", "int8+zstd"])
+@pytest.mark.parametrize("numel,step", [(7 * 1280 + 333, 1280), (3 * 1280 + 1, 1280), (9 * 512, 300)])
+def test_decoding_into_out_and_subtracting_from_it_equal_decode_then_copy_or_subtract(
+    name: str, numel: int, step: int
+) -> None:
+    codec = get_codec(name)
+    ranges = _ranges(numel, step)
+    numels = [n for _, n in ranges]
+    ps = codec.encode_chunks(torch.randn(numel) * 5, ranges)
+    dec = codec.decode_chunks(ps, numels)
+    base = torch.randn(numel + 10)
+    out = base.clone()
+    assert codec.decode_chunks(ps, numels, out=out[5 : 5 + numel]).data_ptr() == out[5:].data_ptr()
+    assert torch.equal(_bits(out[5 : 5 + numel]), _bits(dec)) and torch.equal(out[:5], base[:5])
+    out = base.clone()
+    codec.decode_chunks(ps, numels, out=out[5 : 5 + numel], subtract=True)
+    assert torch.equal(_bits(out[5 : 5 + numel]), _bits(base[5 : 5 + numel] - dec))
+    assert torch.equal(out[:5], base[:5]) and torch.equal(out[5 + numel :], base[5 + numel :])
+    # a bad payload anywhere (here the last): CodecError, and what was to be subtracted from is untouched
+    bad = list(ps)
+    flipped = bytearray(bad[-1])
+    flipped[-1] ^= 1
+    bad[-1] = bytes(flipped)
+    out = base.clone()
+    with pytest.raises(CodecError, match="checksum mismatch|corrupted"):
+        codec.decode_chunks(bad, numels, out=out[5 : 5 + numel], subtract=True)
+    assert torch.equal(_bits(out), _bits(base))
+    with pytest.raises(ValueError, match=f"out must be a contiguous 1-D float32 CPU tensor of {numel} elements"):
+        codec.decode_chunks(ps, numels, out=torch.empty(numel + 1))
+    with pytest.raises(ValueError, match="subtract=True needs out"):
+        codec.decode_chunks(ps, numels, subtract=True)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_forged_code_in_a_later_run_leaves_out_untouched_when_subtracting(name: str) -> None:
+    """The kernel checks every run's scales and codes before it subtracts the first."""
+    codec = get_codec(name)
+    numel = 4 * 1280 + 512  # a run of four chunks, then one of 512
+    ranges = _ranges(numel, 1280)
+    ps = codec.encode_chunks(torch.randn(numel), ranges)
+    ps[-1] = _forged(ps[-1], 2 * 4 + 1, b"\x80" if name == "int8" else b"\x00")
+    base = torch.randn(numel)
+    out = base.clone()
+    with pytest.raises(CodecError, match="never produced"):
+        codec.decode_chunks(ps, [n for _, n in ranges], out=out, subtract=True)
+    assert torch.equal(_bits(out), _bits(base))

@@ -26,7 +26,7 @@ LAB_DIR = REPO / "experiments"  # the lab: a package over dtrain, checked for cy
 # layer's other units or of a higher one. A new top-level module or package must be
 # placed here and in ARCHITECTURE.md's table (the test fails for one it does not know).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "protocol", "_proto"),  # vocabulary of the wire and of failures
+    ("errors", "protocol", "_proto", "native"),  # vocabulary of the wire and of failures; the C build
     ("codecs", "options"),  # codecs; the config-tree generator (standard library only)
     ("configs",),  # the torch-free component configs (nested into one tree by dtrain.app.config)
     ("buckets", "aggregation", "checkpoint", "tasks", "status", "metrics"),  # leaves: no I/O between sites

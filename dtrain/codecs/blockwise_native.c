@@ -1,0 +1,156 @@
+/* The blockwise codecs' arithmetic in one pass per array (dtrain/codecs/native.py loads it).
+ *
+ * Same numbers as the torch path of dtrain/codecs/blockwise.py, bit for bit (tests compare
+ * them): scale_b = max|x_b| / qmax in float32, nudged down one ulp where qmax * scale_b >
+ * max|x_b| in a chunk of `step` elements whose largest |x| is above 1e37; code = x / scale_b
+ * (a zero scale divides by 1) rounded half to even and clamped to [-qmax, qmax]; decoding is
+ * code * scale_b. Built with -ffp-contract=off so that no multiply and add fuse.
+ *
+ * Codes: int8 (qmax 127), one byte each; int4 (qmax 7), nibble = code + 8, element 2i in the
+ * low nibble of byte i and 2i+1 in the high one, an odd tail padded with nibble 8.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BW_VERSION 1
+#define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* an AVX2 copy of each kernel beside the baseline one, picked at load time by the CPU */
+#define BW_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define BW_CLONES
+#endif
+
+int bw_version(void) { return BW_VERSION; }
+
+/* max |x[i]| over n floats as its bit pattern; >= 0x7f800000 when one is inf or NaN. */
+static int32_t absmax_bits(const int32_t *u, int64_t n) {
+    int32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t v = u[i] & 0x7fffffff;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+static float as_float(int32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* codes of x[0:n) with divisor d (q = x / d, rounded half to even, clamped) as floats in q[] */
+static void quantize(const float *x, int64_t n, float d, float qmax, float *q) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = (x[i] / d + ROUND_MAGIC) - ROUND_MAGIC;
+        v = v > qmax ? qmax : v;
+        q[i] = v < -qmax ? -qmax : v;
+    }
+}
+
+/* Encode n floats (xv: float32) into scales[ceil(n / bs)] and codes (n bytes for int8,
+ * ceil(n / 2) for int4). step: a multiple of bs (the torch path's chunk). q: scratch of
+ * bs floats. Returns 0, or -1 when x holds inf or NaN (nothing else is promised then). */
+BW_CLONES int bw_encode(const void *xv, int64_t n, int64_t bs, int64_t step, int int4, float *scales, uint8_t *codes,
+              float *q) {
+    const float *x = (const float *)xv;
+    const float qmax = int4 ? 7.0f : 127.0f;
+    for (int64_t s = 0; s < n; s += step) {
+        int64_t t = s + step < n ? s + step : n;
+        int64_t b0 = s / bs, nb = (t - s + bs - 1) / bs;
+        int32_t top = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t o = s + b * bs, e = o + bs < t ? bs : t - o;
+            int32_t m = absmax_bits((const int32_t *)xv + o, e);
+            if (m >= 0x7f800000) return -1;
+            top = m > top ? m : top;
+            scales[b0 + b] = as_float(m);
+        }
+        int nudge = (double)as_float(top) > NUDGE_ABOVE;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t o = s + b * bs, e = o + bs < t ? bs : t - o;
+            float absmax = scales[b0 + b], sc = absmax / qmax;
+            if (nudge && sc * qmax > absmax) sc = nextafterf(sc, 0.0f);
+            scales[b0 + b] = sc;
+            quantize(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, q);
+            if (!int4) {
+                int8_t *c = (int8_t *)codes + o;
+                for (int64_t i = 0; i < e; i++) c[i] = (int8_t)(int32_t)q[i];
+            } else { /* o is even: block sizes are */
+                uint8_t *c = codes + o / 2;
+                int64_t i = 0;
+                for (; i + 1 < e; i += 2) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * ((int32_t)q[i + 1] + 8));
+                if (i < e) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * 8);
+            }
+        }
+    }
+    return 0;
+}
+
+/* 0 when every scale and code of the k bodies is one the encoder makes; else 1 (a scale that
+ * is negative or NaN, or qmax * scale not finite) or 2 (int8 -128, int4 nibble 0, an int4
+ * padding nibble other than 8). */
+static int check_rows(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4) {
+    const float qmax = int4 ? 7.0f : 127.0f;
+    const int64_t nb = (numel + bs - 1) / bs;
+    for (int64_t r = 0; r < k; r++) {
+        const uint8_t *body = bodies + r * stride, *codes = body + 4 * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            float sc;
+            memcpy(&sc, body + 4 * b, 4);
+            if (!(sc >= 0.0f) || !isfinite(sc * qmax)) return 1;
+        }
+        int bad = 0;
+        if (!int4) {
+            for (int64_t i = 0; i < numel; i++) bad |= codes[i] == 0x80;
+        } else {
+            for (int64_t i = 0; i < numel / 2; i++) bad |= (codes[i] & 15) == 0 || (codes[i] >> 4) == 0;
+            if (numel % 2) bad |= (codes[numel / 2] & 15) == 0 || (codes[numel / 2] >> 4) != 8;
+        }
+        if (bad) return 2;
+    }
+    return 0;
+}
+
+/* check_rows, exported: the rows of several runs are checked before any is decoded in place */
+int bw_check(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4) {
+    return check_rows(bodies, k, stride, numel, bs, int4);
+}
+
+/* Decode k bodies (row r at bodies + r * stride: ceil(numel / bs) float32 scales, then the
+ * codes) into out[k * numel], or (sub != 0) subtract the decoded values from out. Every
+ * body is checked first (check_rows): on a nonzero return out is untouched. */
+BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4,
+                        float *out, int sub) {
+    int rc = check_rows(bodies, k, stride, numel, bs, int4);
+    if (rc) return rc;
+    const int64_t nb = (numel + bs - 1) / bs;
+    for (int64_t r = 0; r < k; r++) {
+        const uint8_t *body = bodies + r * stride, *codes = body + 4 * nb;
+        float *y = out + r * numel;
+        for (int64_t b = 0; b < nb; b++) {
+            float sc;
+            memcpy(&sc, body + 4 * b, 4);
+            int64_t o = b * bs, e = o + bs < numel ? bs : numel - o;
+            float *yb = y + o;
+            if (!int4) {
+                const int8_t *c = (const int8_t *)codes + o;
+                if (sub)
+                    for (int64_t i = 0; i < e; i++) yb[i] = yb[i] - (float)c[i] * sc;
+                else
+                    for (int64_t i = 0; i < e; i++) yb[i] = (float)c[i] * sc;
+            } else {
+                const uint8_t *c = codes + o / 2;
+                for (int64_t i = 0; i < e; i++) {
+                    int nib = i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15;
+                    float v = (float)(nib - 8) * sc;
+                    yb[i] = sub ? yb[i] - v : v;
+                }
+            }
+        }
+    }
+    return 0;
+}

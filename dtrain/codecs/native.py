@@ -1,0 +1,89 @@
+"""The blockwise codecs' compiled kernels (``blockwise_native.c``): build, load, call.
+
+Why compiled: the torch path of int8/int4 makes five to seven passes over each array
+(absmax, divide, round, clamp, convert; on decode a strided int8 -> float32 copy that torch
+does not vectorize, then the scale), ~11 ns per parameter of the 13 a round's arithmetic
+cost one site (``experiments/bench_round_cpu.py``). The kernels do one read of the input
+and one write of the output per array, with the same numbers bit for bit (the C file's
+header says how; ``tests/unit/test_codec_native.py`` compares them).
+
+Used for round-to-nearest encodes (stochastic rounding draws from a torch generator and
+stays on the torch path) and for every decode of a float32 CPU output. Built like the
+datagram loop (:func:`dtrain.native.build_and_load`, ``-O3 -ffp-contract=off``); when it
+cannot be built (no compiler) one warning says so and the torch path runs. ``DTRAIN_CODEC_
+NATIVE=off`` in the environment keeps the torch path (to compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dtrain.native import build_and_load
+
+__all__ = ["Kernels", "kernels"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "blockwise_native.c"
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
+
+
+class Kernels:
+    """Typed entry points of the loaded library (see ``blockwise_native.c`` for each contract)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.bw_encode.restype, lib.bw_encode.argtypes = i, [vp, i64, i64, i64, i, vp, vp, vp]
+        lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i]
+        lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
+        self._lib = lib
+
+    def encode(self, x: torch.Tensor, bs: int, step: int, int4: bool, scales: np.ndarray, codes: np.ndarray) -> bool:
+        """Fill ``scales`` (float32, one per block) and ``codes`` (uint8) from ``x`` (contiguous
+        1-D float32 on the CPU; ``step`` a multiple of ``bs``); False when ``x`` holds inf or NaN."""
+        q = np.empty(bs, dtype=np.float32)
+        rc = self._lib.bw_encode(
+            x.data_ptr(), x.numel(), bs, step, int(int4), scales.ctypes.data, codes.ctypes.data, q.ctypes.data
+        )
+        return rc == 0
+
+    def check(self, bodies: np.ndarray, numel: int, bs: int, int4: bool) -> bool:
+        """Whether every scale and code of the rows of ``bodies`` is one the encoder makes."""
+        assert bodies.strides[1] == 1
+        return self._lib.bw_check(bodies.ctypes.data, bodies.shape[0], bodies.strides[0], numel, bs, int(int4)) == 0
+
+    def decode(
+        self, bodies: np.ndarray, numel: int, bs: int, int4: bool, out: torch.Tensor, *, sub: bool = False
+    ) -> bool:
+        """Decode the rows of ``bodies`` (uint8, ``(k, >= body bytes)``, rows contiguous) into
+        ``out`` (contiguous float32 CPU, ``k * numel``), or subtract them from it (``sub``);
+        False (``out`` untouched: every row is checked first) when a scale or code is one the
+        encoder never makes."""
+        k = bodies.shape[0]
+        if k == 0:
+            return True
+        assert bodies.strides[1] == 1 and out.is_contiguous() and out.numel() == k * numel
+        rc = self._lib.bw_decode(
+            bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), out.data_ptr(), int(sub)
+        )
+        return rc == 0
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The compiled kernels (built on first use), or None (after one warning) when they
+    cannot be built or loaded, or when ``$DTRAIN_CODEC_NATIVE`` is ``off``."""
+    if os.environ.get("DTRAIN_CODEC_NATIVE", "auto") == "off":
+        return None
+    lib, why = build_and_load(SOURCE, stem="blockwise", cflags=CFLAGS, libs=[], version_fn="bw_version", version=1)
+    if lib is None:
+        log.warning("compiled codec kernels unavailable (%s): using the torch path", why)
+        return None
+    return Kernels(lib)
