@@ -2,7 +2,7 @@
 
 dtrain has two: the datagram path's batch loop (``transports/dgram_native.c``, see
 :mod:`dtrain.transports.datagram_native`) and the blockwise codecs' kernels
-(``codecs/blockwise_native.c``, see :mod:`dtrain.codecs.native`). Each is built once with
+(``codecs/kernels.c``, see :mod:`dtrain.codecs.native`). Each is built once with
 ``$CC`` (default ``gcc``) into ``$DTRAIN_NATIVE_CACHE`` (default ``~/.cache/dtrain-native``)
 under a name that hashes the source, compiler, flags and libraries, so a changed source or
 compiler builds a new file and later processes load the cached one at once. A build

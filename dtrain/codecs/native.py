@@ -1,4 +1,4 @@
-"""The blockwise codecs' compiled kernels (``blockwise_native.c``): build, load, call.
+"""The compiled kernels of the blockwise codecs and error feedback (``kernels.c``): build, load, call.
 
 Why compiled: the torch path of int8/int4 makes five to seven passes over each array
 (absmax, divide, round, clamp, convert; on decode a strided int8 -> float32 copy that torch
@@ -8,7 +8,8 @@ and one write of the output per array, with the same numbers bit for bit (the C 
 header says how; ``tests/unit/test_codec_native.py`` compares them).
 
 Used for round-to-nearest encodes (stochastic rounding draws from a torch generator and
-stays on the torch path) and for every decode of a float32 CPU output. Built like the
+stays on the torch path), for every decode of a float32 CPU output, and for error
+feedback's ``r ← β·r + (θ − local)`` where the model's tensors are float32 on the CPU. Built like the
 datagram loop (:func:`dtrain.native.build_and_load`, ``-O3 -ffp-contract=off``); when it
 cannot be built (no compiler) one warning says so and the torch path runs. ``DTRAIN_CODEC_
 NATIVE=off`` in the environment keeps the torch path (to compare the two).
@@ -31,18 +32,19 @@ __all__ = ["Kernels", "kernels"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "blockwise_native.c"
+SOURCE = Path(__file__).resolve().parent / "kernels.c"
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
 class Kernels:
-    """Typed entry points of the loaded library (see ``blockwise_native.c`` for each contract)."""
+    """Typed entry points of the loaded library (see ``kernels.c`` for each contract)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.bw_encode.restype, lib.bw_encode.argtypes = i, [vp, i64, i64, i64, i, vp, vp, vp]
         lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
+        lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
         self._lib = lib
 
     def encode(self, x: torch.Tensor, bs: int, step: int, int4: bool, scales: np.ndarray, codes: np.ndarray) -> bool:
@@ -53,6 +55,13 @@ class Kernels:
             x.data_ptr(), x.numel(), bs, step, int(int4), scales.ctypes.data, codes.ctypes.data, q.ctypes.data
         )
         return rc == 0
+
+    def accumulate(self, r: torch.Tensor, theta: torch.Tensor, x: torch.Tensor, decay: float) -> bool:
+        """``r ← decay·r + (theta − x)`` in place (three contiguous float32 CPU tensors of one
+        size; the torch path's roundings); whether every value of ``r`` is finite afterwards."""
+        assert r.numel() == theta.numel() == x.numel()
+        assert all(t.is_contiguous() and t.dtype == torch.float32 for t in (r, theta, x))
+        return self._lib.ef_accumulate(r.data_ptr(), theta.data_ptr(), x.data_ptr(), r.numel(), decay) == 1
 
     def check(self, bodies: np.ndarray, numel: int, bs: int, int4: bool) -> bool:
         """Whether every scale and code of the rows of ``bodies`` is one the encoder makes."""

@@ -34,6 +34,7 @@ import torch
 from dtrain.buckets import Bucket, BucketLayout
 from dtrain.codecs import Codec
 from dtrain.codecs.base import equal_runs
+from dtrain.codecs.native import kernels
 from dtrain.errors import CodecError
 
 __all__ = ["add_pseudo_gradient", "included_chunks", "settle_bucket", "settle_chunk"]
@@ -59,6 +60,20 @@ def _pseudo_gradient_into(
             src = dst.copy_(src)  # in fp32 on θ's device: exact for every float dtype
         torch.sub(ref, src, out=dst)
     return out
+
+
+def _accumulates_in_place(
+    r: torch.Tensor, theta_b: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]
+) -> bool:
+    """Whether the compiled accumulation serves this bucket: ``r``, ``θ_b`` and every source
+    tensor float32, contiguous and on the CPU (else the torch path: other dtypes round θ)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (r, theta_b)):
+        return False
+    for sg in bucket.segments:
+        t = tensors[sg.tensor_index]
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return False
+    return True
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -106,6 +121,12 @@ def add_pseudo_gradient(
             residuals[b] = _pseudo_gradient_into(
                 torch.empty(n, dtype=torch.float32, device=th.device), th, bucket, tensors
             )
+        elif (kern := kernels()) is not None and _accumulates_in_place(r, th, bucket, tensors):
+            for sg in bucket.segments:  # r ← β·r + (θ_b − local_b), segment by segment, in one pass
+                src = tensors[sg.tensor_index].detach().reshape(-1)[sg.tensor_offset : sg.tensor_offset + sg.numel]
+                at = slice(sg.bucket_offset, sg.bucket_offset + sg.numel)
+                ok &= kern.accumulate(r[at], th[at], src, decay)
+            continue
         else:
             if tmp is None or tmp.numel() < n:
                 tmp = torch.empty(n, dtype=torch.float32, device=th.device)

@@ -1,7 +1,7 @@
 """The vectorized int8/int4 paths (``encode_chunks``' payload rows, ``decode_chunks``' run decode)
 against the implementation they replaced, kept here as a reference: byte-identical payloads and
 bit-identical decoded values on random and edge-case inputs, and decode's errors on bad runs;
-each on the compiled kernels (``blockwise_native.c``) and on the torch path."""
+each on the compiled kernels (``kernels.c``) and on the torch path."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ hashed in place)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from types import SimpleNamespace
 
 import blake3
@@ -13,7 +14,7 @@ import torch
 
 from dtrain.app.worker import outer_state_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
-from dtrain.codecs import get_codec
+from dtrain.codecs import get_codec, native
 from dtrain.diloco import theta_checksum
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import encode_mean
@@ -27,7 +28,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def _reference_add(layout, theta, residuals, tensors, *, error_feedback_on: bool) -> bool:
+@pytest.fixture(params=["compiled", "torch"])
+def kernel_path(request, monkeypatch) -> str:
+    """The compiled accumulation (``dtrain.codecs.native``) or the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(error_feedback, "kernels", lambda: None)
+    elif native.kernels() is None:
+        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):  # .ci/run installs gcc
+            pytest.fail("the compiled kernels did not build")
+        pytest.skip("no compiler: the compiled kernels are unavailable")
+    return request.param
+
+
+def _reference_add(layout, theta, residuals, tensors, *, error_feedback_on: bool, decay: float = 1.0) -> bool:
     """add_pseudo_gradient as it was: gather, θ rounded to low dtypes, subtract, add, isfinite."""
     ok = True
     for b, bucket in enumerate(layout.buckets):
@@ -42,7 +55,7 @@ def _reference_add(layout, theta, residuals, tensors, *, error_feedback_on: bool
         if residuals[b] is None or not error_feedback_on:
             residuals[b] = delta.clone()
         else:
-            residuals[b].add_(delta)
+            residuals[b].mul_(decay).add_(delta)
         ok = ok and bool(torch.isfinite(residuals[b]).all())
     if not ok:
         for b in range(len(layout)):
@@ -56,13 +69,15 @@ def _model(dtypes) -> list[torch.Tensor]:
     return [(torch.randn(n, generator=g) * 0.1).to(dt) for n, dt in zip(sizes, dtypes)]
 
 
-@pytest.mark.parametrize("error_feedback_on", [True, False])
+@pytest.mark.parametrize("error_feedback_on,decay", [(True, 1.0), (True, 0.95), (False, 1.0)])
 @pytest.mark.parametrize(
     "dtypes",
     [[torch.float32] * 5, [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]],
     ids=["fp32", "mixed"],
 )
-def test_pseudo_gradient_equals_the_gather_then_subtract_reference(dtypes, error_feedback_on: bool) -> None:
+def test_pseudo_gradient_equals_the_gather_then_subtract_reference(
+    dtypes, error_feedback_on: bool, decay: float, kernel_path: str
+) -> None:
     tensors = _model(dtypes)
     layout = BucketLayout(
         [t.numel() for t in tensors], ["param"] * 5, BucketConfig(bucket_bytes=4 * 1500, chunk_bytes=4 * 500)
@@ -78,15 +93,15 @@ def test_pseudo_gradient_equals_the_gather_then_subtract_reference(dtypes, error
         for t in tensors:
             t.add_(torch.randn(t.shape).to(t.dtype) * 1e-3)
         assert error_feedback.add_pseudo_gradient(
-            layout, state.theta, got, tensors, error_feedback=error_feedback_on
-        ) == _reference_add(layout, state.theta, want, tensors, error_feedback_on=error_feedback_on)
+            layout, state.theta, got, tensors, error_feedback=error_feedback_on, decay=decay
+        ) == _reference_add(layout, state.theta, want, tensors, error_feedback_on=error_feedback_on, decay=decay)
         for g, w in zip(got, want):
             assert torch.equal(_bits(g), _bits(w)), step
     assert all(float(g.abs().max()) > 0 for g in got)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_a_non_finite_pseudo_gradient_clears_every_residual(bad: float) -> None:
+def test_a_non_finite_pseudo_gradient_clears_every_residual(bad: float, kernel_path: str) -> None:
     tensors = _model([torch.float32] * 5)
     layout = BucketLayout(
         [t.numel() for t in tensors], ["param"] * 5, BucketConfig(bucket_bytes=4 * 1500, chunk_bytes=4 * 500)

@@ -154,3 +154,20 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
     }
     return 0;
 }
+
+/* Error feedback's accumulation (dtrain/rounds/error_feedback.py add_pseudo_gradient):
+ * r[i] = r[i] * decay + (theta[i] - x[i]) over n float32s, the torch path's two roundings
+ * (r.mul_(decay) is skipped at decay 1, where r * 1 == r). Returns 1 when every r[i] is
+ * finite afterwards, else 0. */
+BW_CLONES int ef_accumulate(float *r, const float *theta, const float *x, int64_t n, float decay) {
+    int32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = (decay == 1.0f ? r[i] : r[i] * decay) + (theta[i] - x[i]);
+        int32_t b;
+        memcpy(&b, &v, 4);
+        b &= 0x7fffffff;
+        m = b > m ? b : m;
+        r[i] = v;
+    }
+    return m < 0x7f800000;
+}
