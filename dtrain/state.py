@@ -25,6 +25,7 @@ from dtrain.protocol import BucketState
 __all__ = [
     "OuterOptimizerFactory",
     "default_outer_optimizer",
+    "outer_sgd",
     "delayed_outer_optimizer",
     "DELAYED_OUTER_MOMENTUM",
     "GlobalState",
@@ -41,10 +42,25 @@ log = logging.getLogger(__name__)
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
+def outer_sgd(params: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool) -> torch.optim.Optimizer:
+    """``torch.optim.SGD`` as every built-in outer optimizer makes it: torch's fused kernel
+    (``fused=True``: one pass over θ, the gradient and the momentum buffer, ~3x less CPU than
+    the per-op path, the same bits) where every parameter is a plain float32 CPU tensor,
+    torch's default path otherwise (a device θ, a DTensor)."""
+    cpu = bool(params) and all(
+        isinstance(p, torch.Tensor)
+        and type(p) in (torch.Tensor, torch.nn.Parameter)
+        and p.device.type == "cpu"
+        and p.dtype == torch.float32
+        for p in params
+    )
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, fused=True if cpu else None)
+
+
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov
     (Douillard et al., arXiv 2311.08105, §3 / Table 5, "outer optimizer")."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    return outer_sgd(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 def theta_device_of(tensors: Sequence[torch.Tensor], mode: str) -> torch.device:
@@ -76,12 +92,12 @@ DELAYED_OUTER_MOMENTUM = 0.7
 def delayed_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The outer optimizer of the one-step-delayed mode: SGD, lr 0.7, Nesterov momentum
     :data:`DELAYED_OUTER_MOMENTUM` (DiLoCo's, with the momentum lowered for a stale Δ)."""
-    return torch.optim.SGD(params, lr=0.7, momentum=DELAYED_OUTER_MOMENTUM, nesterov=True)
+    return outer_sgd(params, lr=0.7, momentum=DELAYED_OUTER_MOMENTUM, nesterov=True)
 
 
 def _buffer_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     # θ ← θ − 1·mean(Δ) = mean of the sites' local buffers: plain averaging.
-    return torch.optim.SGD(params, lr=1.0, momentum=0.0)
+    return outer_sgd(params, lr=1.0, momentum=0.0, nesterov=False)
 
 
 def _serialize(obj: object) -> bytes:

@@ -44,6 +44,7 @@ from dtrain.errors import CheckpointError
 from dtrain.metrics import EndLine, RoundLine, StartLine, Summary, Totals, engine_fields, write_line
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.sitegroup import LocalSiteComm, SiteComm, TorchSiteComm, combine_checksums
+from dtrain.state import outer_sgd
 from dtrain.status import round_report
 from dtrain.tasks import load_task
 
@@ -333,7 +334,7 @@ def outer_factory(cfg) -> "Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     momentum = o.delayed_momentum if cfg.diloco.one_step_delayed else o.momentum
 
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=o.lr, momentum=momentum, nesterov=o.nesterov and momentum > 0)
+        return outer_sgd(params, lr=o.lr, momentum=momentum, nesterov=o.nesterov and momentum > 0)
 
     return outer
 
