@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import zlib
 
 import numpy as np
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from dtrain.codecs.base import (
     CHUNK_ELEMS,
@@ -166,7 +166,7 @@ class _Blockwise(Codec):
         rows[:, HEADER_BYTES : HEADER_BYTES + 4 * mb] = body[4 * b0 : 4 * (b0 + k * mb)].reshape(k, 4 * mb)
         rows[:, HEADER_BYTES + 4 * mb :] = body[4 * nb + c0 : 4 * nb + c0 + k * cb].reshape(k, cb)
         flat = memoryview(rows.reshape(-1))
-        crcs = [zlib.crc32(flat[a + HEADER_BYTES : a + plen]) for a in range(0, k * plen, plen)]
+        crcs = [crc32(flat[a + HEADER_BYTES : a + plen]) for a in range(0, k * plen, plen)]
         rows[:, 28:32] = np.array(crcs, dtype="<u4").view(np.uint8).reshape(k, 4)
         return [bytes(flat[a : a + plen]) for a in range(0, k * plen, plen)]
 
