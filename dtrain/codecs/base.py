@@ -247,7 +247,7 @@ class Codec:
         """
         if len(payloads) != len(numels):
             raise ValueError(f"{len(payloads)} payloads but {len(numels)} element counts")
-        if not all(type(n) is int for n in numels) or (len(numels) and min(numels) < 0):  # else: checked one by one
+        if set(map(type, numels)) - {int} or (len(numels) and min(numels) < 0):  # else: checked one by one
             for n in numels:
                 if _bad_int(n) or n < 0:
                     raise CodecError(f"numel must be a non-negative int, got {n!r}")
@@ -304,7 +304,7 @@ class Codec:
         plen = HEADER_BYTES + raw
         if self._zstd or raw == 0 or raw > self.config.max_decoded_bytes:
             return None
-        if any(len(p) != plen for p in payloads):  # also a memoryview of another format
+        if set(map(len, payloads)) - {plen}:  # also a memoryview of another format
             return None
         joined = bytearray().join(payloads)  # writable: torch can read the rows without a copy
         if len(joined) != plen * len(payloads):
