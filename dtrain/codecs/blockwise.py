@@ -190,8 +190,9 @@ class _Blockwise(Codec):
         return scale
 
     def _subtract_runs(self, out, payloads, numels, verify):
-        """The compiled kernel's in-place subtraction when every run is one of whole blocks
-        that passes the header checks and the kernel's scale and code checks."""
+        """The compiled kernel's in-place subtraction when every run passes the header checks
+        (:meth:`_checked_bodies`) and the kernel's scale and code checks, all before the first
+        run is subtracted."""
         kern = kernels()
         if kern is None or out.device.type != "cpu":
             return False
@@ -205,7 +206,8 @@ class _Blockwise(Codec):
         pos = 0
         for bodies, n in runs:
             k = bodies.shape[0]
-            assert kern.decode(bodies, n, self._bs, self.qmax == 7, out[pos : pos + k * n], sub=True)
+            if not kern.decode(bodies, n, self._bs, self.qmax == 7, out[pos : pos + k * n], sub=True):
+                raise AssertionError("a run that passed the kernel's checks did not decode")  # not reached
             pos += k * n
         return True
 

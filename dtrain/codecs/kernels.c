@@ -17,7 +17,7 @@
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(BW_BASELINE_ONLY)
 /* an AVX2 copy of each kernel beside the baseline one, picked at load time by the CPU */
 #define BW_CLONES __attribute__((target_clones("avx2", "default")))
 #else

@@ -345,3 +345,44 @@ def test_a_forged_code_in_a_later_run_leaves_out_untouched_when_subtracting(name
     with pytest.raises(CodecError, match="never produced"):
         codec.decode_chunks(ps, [n for _, n in ranges], out=out, subtract=True)
     assert torch.equal(_bits(out), _bits(base))
+
+
+def test_the_baseline_build_of_the_kernels_gives_the_same_bits_as_the_one_this_cpu_picks(tmp_path, monkeypatch) -> None:
+    """A CPU without AVX2 runs the kernels' baseline copy (GCC target_clones picks at load): built
+    here on its own (``-DBW_BASELINE_ONLY``), it gives the same bytes and values as the copy this
+    machine picks, so sites on different CPUs agree."""
+    from dtrain.native import build_and_load
+
+    if native.kernels() is None:
+        pytest.skip("no compiler")
+    monkeypatch.setenv("DTRAIN_NATIVE_CACHE", str(tmp_path))
+    lib, why = build_and_load(
+        native.SOURCE,
+        stem="kernels-baseline",
+        cflags=[*native.CFLAGS, "-DBW_BASELINE_ONLY"],
+        libs=[],
+        version_fn="bw_version",
+        version=1,
+    )
+    assert lib is not None, why
+    base, here = native.Kernels(lib), native.kernels()
+    numel, bs = 7 * 1280 + 333, 256
+    nb = -(-numel // bs)
+    for int4 in (False, True):
+        size = 4 * nb + ((numel + 1) // 2 if int4 else numel)
+        for what, x in _inputs(numel, seed=11).items():
+            bodies = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
+            for k, b in zip((base, here), bodies):
+                assert k.encode(x, bs, 1 << 18, int4, b[: 4 * nb].view(np.float32), b[4 * nb :])
+            assert np.array_equal(bodies[0], bodies[1]), (int4, what)
+            r = torch.randn(numel)
+            outs = [torch.empty(numel), torch.empty(numel), r.clone(), r.clone(), r.clone(), r.clone()]
+            for k, o in zip((base, here), outs[:2]):
+                assert k.decode(bodies[0][None, :], numel, bs, int4, o)
+            for k, o in zip((base, here), outs[2:4]):
+                assert k.decode(bodies[0][None, :], numel, bs, int4, o, sub=True)
+            th, loc = torch.randn(numel), torch.randn(numel)
+            for k, o in zip((base, here), outs[4:]):
+                assert k.accumulate(o, th, loc, 0.95)
+            for a, b in zip(outs[::2], outs[1::2]):
+                assert torch.equal(_bits(a), _bits(b)), (int4, what)
