@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["COMPILE_TIMEOUT_S", "build_and_load", "cache_dir"]
+__all__ = ["COMPILE_TIMEOUT_S", "build_and_load", "cache_dir", "compile_c"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def build_and_load(
     out = cache_dir() / f"lib{stem}-{key}.so"
     try:
         if not out.exists():
-            _compile(cc, source, cflags, libs, out)
+            compile_c(cc, source, cflags, libs, out)
         lib = ctypes.CDLL(str(out))  # CDLL: the GIL is released for every call
         fn = getattr(lib, version_fn)
         fn.restype, fn.argtypes = ctypes.c_int, []
@@ -65,8 +65,17 @@ def build_and_load(
         return None, str(e)
 
 
-def _compile(cc: list[str], source: Path, cflags: Sequence[str], libs: Sequence[str], out: Path) -> None:
-    """Compile into a temporary file next to ``out``, then rename (safe against concurrent builds)."""
+def compile_c(
+    cc: Sequence[str], source: Path, cflags: Sequence[str], libs: Sequence[str], out: Path, *, executable: bool = False
+) -> None:
+    """Compile ``source`` to ``out`` (a shared library, or with ``executable`` a program made
+    executable): into a temporary file next to ``out``, then renamed (safe against concurrent
+    builds). Also netem's delayer's build (``netem/_cdelay.py``).
+
+    Raises:
+        RuntimeError: the compiler failed (its rc and the end of its stderr) or wrote nothing.
+        OSError, subprocess.SubprocessError: it could not run, or ran past ``COMPILE_TIMEOUT_S``.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
     os.close(fd)
@@ -76,6 +85,10 @@ def _compile(cc: list[str], source: Path, cflags: Sequence[str], libs: Sequence[
         )
         if proc.returncode != 0:
             raise RuntimeError(f"`{shlex.join(cc)}` failed with rc {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        if os.path.getsize(tmp) == 0:
+            raise RuntimeError(f"`{shlex.join(cc)}` wrote nothing")
+        if executable:
+            os.chmod(tmp, 0o755)
         os.replace(tmp, out)
         log.info("compiled %s: %s", source.name, out)
     finally:

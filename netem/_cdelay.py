@@ -28,9 +28,10 @@ import os
 import select
 import shlex
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from dtrain.native import compile_c
 
 __all__ = ["CDelayer", "DELAYER_ENV", "build_delayer", "cache_dir"]
 
@@ -40,7 +41,6 @@ SOURCE = Path(__file__).resolve().parent / "delayer.c"
 CFLAGS = ["-O2", "-Wall", "-Wextra"]
 LIBS = ["-lnetfilter_queue"]
 DELAYER_ENV = "DTRAIN_NETEM_DELAYER"  # "auto" (default: compiled when it builds) or "python"
-COMPILE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 2.0
 # While packets flow the delayer wakes at most once per tick (a wake-up, i.e. a context switch, costs
 # ~10 us here under load, the recv + verdict of a packet ~1 us): each packet's delay grows by 0-2 ticks.
@@ -87,24 +87,9 @@ def build_delayer() -> Path | None:
 
 
 def _compile(cc: list[str], out: Path) -> None:
-    """Compile into a temporary file next to ``out``, then rename (safe against concurrent builds)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [*cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"`{shlex.join(cc)}` failed with rc {proc.returncode}: {proc.stderr.strip()[-500:]}")
-        if os.path.getsize(tmp) == 0:
-            raise RuntimeError(f"`{shlex.join(cc)}` wrote no binary")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-        logger.info("compiled the NFQUEUE delayer: %s", out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Build the delayer into ``out`` (:func:`dtrain.native.compile_c`, the C build of dtrain's
+    own kernels)."""
+    compile_c(cc, SOURCE, CFLAGS, LIBS, out, executable=True)
 
 
 class CDelayer:

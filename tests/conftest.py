@@ -48,3 +48,23 @@ def _restore_dtrain_logger_level():
     level = logger.level
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def kernel_path(request, monkeypatch) -> str:
+    """A test run on the compiled kernels (``dtrain.codecs.native``: the blockwise codecs and
+    error feedback) and again on the torch path. Without a compiler the compiled run is
+    skipped, or fails under ``DTRAIN_NATIVE_REQUIRED`` (``.ci/run`` installs gcc)."""
+    import os
+
+    from dtrain.codecs import blockwise, native
+    from dtrain.rounds import error_feedback
+
+    if request.param == "torch":
+        monkeypatch.setattr(blockwise, "kernels", lambda: None)
+        monkeypatch.setattr(error_feedback, "kernels", lambda: None)
+    elif native.kernels() is None:
+        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):
+            pytest.fail("the compiled kernels did not build")
+        pytest.skip("no compiler: the compiled kernels are unavailable")
+    return request.param

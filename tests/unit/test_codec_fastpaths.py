@@ -5,7 +5,6 @@ each on the compiled kernels (``kernels.c``) and on the torch path."""
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 
@@ -13,23 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.codecs import CodecConfig, blockwise, get_codec, native
+from dtrain.codecs import CodecConfig, get_codec, native
 from dtrain.codecs.base import HEADER_BYTES, chunks, np_view, t_view
 from dtrain.errors import CodecError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True, params=["compiled", "torch"])
-def kernel_path(request, monkeypatch) -> str:
-    """Each test runs on the compiled kernels (``dtrain.codecs.native``) and on the torch path."""
-    if request.param == "torch":
-        monkeypatch.setattr(blockwise, "kernels", lambda: None)
-    elif native.kernels() is None:
-        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):  # .ci/run installs gcc
-            pytest.fail("the compiled codec kernels did not build")
-        pytest.skip("no compiler: the compiled codec kernels are unavailable")
-    return request.param
+@pytest.fixture(autouse=True)
+def _on_both_paths(kernel_path: str) -> None:
+    """Each test runs on the compiled kernels and on the torch path (``tests/conftest.py``)."""
 
 
 # ------------------------------------------------------------------ the reference (before the fast paths)

@@ -5,7 +5,6 @@ hashed in place)."""
 from __future__ import annotations
 
 import hashlib
-import os
 from types import SimpleNamespace
 
 import blake3
@@ -14,7 +13,7 @@ import torch
 
 from dtrain.app.worker import outer_state_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
-from dtrain.codecs import get_codec, native
+from dtrain.codecs import get_codec
 from dtrain.diloco import theta_checksum
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import encode_mean
@@ -26,18 +25,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
-
-
-@pytest.fixture(params=["compiled", "torch"])
-def kernel_path(request, monkeypatch) -> str:
-    """The compiled accumulation (``dtrain.codecs.native``) or the torch path."""
-    if request.param == "torch":
-        monkeypatch.setattr(error_feedback, "kernels", lambda: None)
-    elif native.kernels() is None:
-        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):  # .ci/run installs gcc
-            pytest.fail("the compiled kernels did not build")
-        pytest.skip("no compiler: the compiled kernels are unavailable")
-    return request.param
 
 
 def _reference_add(layout, theta, residuals, tensors, *, error_feedback_on: bool, decay: float = 1.0) -> bool:
