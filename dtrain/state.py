@@ -45,16 +45,25 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 def outer_sgd(params: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` as every built-in outer optimizer makes it: torch's fused kernel
     (``fused=True``: one pass over θ, the gradient and the momentum buffer, ~3x less CPU than
-    the per-op path, the same bits) where every parameter is a plain float32 CPU tensor,
-    torch's default path otherwise (a device θ, a DTensor)."""
+    the per-op path) where every parameter is a plain float32 CPU tensor; torch's default path
+    otherwise (a device θ, a DTensor, a torch without a fused CPU SGD).
+
+    The fused kernel gives the per-op path's bits except in each tensor's last ``n % 32``
+    elements, which it rounds differently (an ulp): a bucket's θ must therefore be stepped as
+    the same tensor shape on every site, which it is (one layout per run, the same
+    ``--ranks-per-site`` on every site, both checked at join); torch's thread count does not
+    change the result (tests/unit/test_round_cpu_paths.py)."""
+    params = list(params)
     cpu = bool(params) and all(
-        isinstance(p, torch.Tensor)
-        and type(p) in (torch.Tensor, torch.nn.Parameter)
-        and p.device.type == "cpu"
-        and p.dtype == torch.float32
+        type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type == "cpu" and p.dtype == torch.float32
         for p in params
     )
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, fused=True if cpu else None)
+    if cpu:
+        try:
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, fused=True)
+        except RuntimeError:  # torch before 2.4 has the fused kernel on CUDA only
+            pass
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -155,3 +155,43 @@ def test_outer_state_checksum_agrees_on_equal_states_and_differs_otherwise() -> 
     with torch.no_grad():
         b.state.optimizers[1].state[b.state.theta[1]]["momentum_buffer"][7] += 1e-6
     assert outer_state_checksum(b) != outer_state_checksum(a)
+
+
+def test_the_built_in_outer_sgd_is_torchs_fused_kernel_with_the_per_op_paths_bits_but_a_tensors_tail() -> None:
+    """torch's fused CPU SGD gives the per-op path's bits except in a tensor's last ``n % 32``
+    elements, which it rounds once differently (an ulp): every site steps the same bucket shapes
+    (the layout, and the same --ranks-per-site, are checked at join), so sites still agree; and
+    the fused result does not depend on torch's thread count."""
+    from dtrain.state import _buffer_outer_optimizer, default_outer_optimizer, delayed_outer_optimizer
+
+    n = 100_003
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(n, generator=g) for _ in range(5)]
+    body = n - n % 32
+    for make, kw in (
+        (default_outer_optimizer, dict(lr=0.7, momentum=0.9, nesterov=True)),
+        (delayed_outer_optimizer, dict(lr=0.7, momentum=0.7, nesterov=True)),
+        (_buffer_outer_optimizer, dict(lr=1.0, momentum=0.0)),
+    ):
+        start = torch.randn(n, generator=g)
+        runs = []
+        for opt, threads in ((make, 1), (make, 2), (lambda ps: torch.optim.SGD(ps, **kw), 1)):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                t = start.clone()
+                o = opt([t])
+                for d in grads:
+                    t.grad = d.clone()
+                    o.step()
+            finally:
+                torch.set_num_threads(before)
+            runs.append((o, t, o.state[t].get("momentum_buffer")))
+        (fused, ours, buf), (_, ours2, buf2), (plain, ref, ref_buf) = runs
+        assert fused.param_groups[0]["fused"] is True and plain.param_groups[0]["fused"] is None
+        assert torch.equal(_bits(ours), _bits(ours2)), make.__name__  # 1 or 2 threads: the same bits
+        assert torch.equal(_bits(ours[:body]), _bits(ref[:body])), make.__name__
+        torch.testing.assert_close(ours[body:], ref[body:], rtol=1e-6, atol=1e-7)
+        if kw["momentum"]:
+            assert torch.equal(_bits(buf), _bits(buf2)), make.__name__
+            assert torch.equal(_bits(buf[:body]), _bits(ref_buf[:body])), make.__name__
