@@ -120,11 +120,14 @@ _CHILD = textwrap.dedent(
     # chunk i at offsets[i]: one stream each, marked i/k when there are k > 1 (a push over k connections)
     offsets, numels = [int(x) for x in sys.argv[3].split(",")], [int(x) for x in sys.argv[4].split(",")]
     k, codec = len(offsets), get_codec(sys.argv[5])
+    said = threading.Lock()
     def chunks(i):  # a raw stream (GrpcTransport.push encodes every chunk before it sends)
         yield encode_contribution(Contribution(round=0, bucket=bucket, chunk=i, offset=offsets[i], numel=numels[i],
                                                codec=codec.name, sender="site-2",
                                                payload=codec.encode(torch.zeros(numels[i]))))
-        print("sent", flush=True)
+        with said:  # one whole line per part: two parts' print()s once interleaved as "sentsent"
+            sys.stdout.write("sent\\n")
+            sys.stdout.flush()
         threading.Event().wait(120)  # the stream stays open until SIGKILL
     def stream(i):
         push = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]).stream_unary(
