@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import importlib
 import itertools
 import json
@@ -261,7 +262,7 @@ def run(
     tag = ",".join(f"{p}={v}" for p, v in overrides.items())
     # no dot (Path.suffix), no slash, space or bracket: "outer.lr=0.5,x=[1, 2]" -> "outer-lr=0-5_x=-1_-2-"
     name = spec.name + (re.sub(r"[^\w=+-]", "-", f"_{tag}".replace(",", "_")) if tag else "")
-    prefix = out / (name if mode == "quick" else f"{name}_{mode}")
+    prefix = out / file_stem(name if mode == "quick" else f"{name}_{mode}")
     rounds_path = prefix.with_name(prefix.name + "_rounds.csv")
     if replot:
         rows, meta = read_rows(prefix.with_suffix(".csv")), load_meta(prefix)
@@ -288,6 +289,21 @@ def run(
         title = f"{spec.title} ({mode}" + "".join(f", {p} {v}" for p, v in overrides.items()) + ")"
         update_results(Path(results), f"{spec.name}-{mode}" + (f"-{tag}" if tag else ""), title, body)
     return rows, body
+
+
+#: a run's file stem at most (a file name may have 255 bytes; "_rounds.csv" / "_meta.json" are added)
+MAX_STEM_BYTES = 200
+
+
+def file_stem(name: str) -> str:
+    """``name`` as the stem of a run's files: itself when it fits :data:`MAX_STEM_BYTES`, else its
+    start and ``_h`` + 12 hex digits of its SHA-256 (long ``--set`` values, e.g. a list of run
+    names, made a name the file system refused after the runs had run)."""
+    raw = name.encode()
+    if len(raw) <= MAX_STEM_BYTES:
+        return name
+    head = raw[: MAX_STEM_BYTES - 14].decode(errors="ignore")
+    return f"{head}_h{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
 def stamp_of(meta: dict[str, Any]) -> str:

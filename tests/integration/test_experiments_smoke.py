@@ -432,3 +432,15 @@ def test_convergence_replot_keeps_the_newer_run_of_a_config_and_seed(tmp_path: P
         ("int8", 1, 1.1),
     ]
     assert "Merged: Command `old`" in merged["stamp"] and "command `redo`" in merged["stamp"]
+
+
+def test_a_long_set_names_its_files_within_the_file_systems_limit() -> None:
+    from experiments.lab import MAX_STEM_BYTES, file_stem
+
+    assert file_stem("convergence_outer-lr=1") == "convergence_outer-lr=1"
+    long = "convergence_convergence-fault_names=" + "_".join(
+        f"sparseloco-k={k}-α-2_-means-at-k={4 * k}" for k in range(9)
+    )
+    stem = file_stem(long)
+    assert len(stem.encode()) <= MAX_STEM_BYTES and stem.startswith("convergence_convergence-fault_names=sparseloco")
+    assert stem == file_stem(long) != file_stem(long + "x")  # the same run finds its files again; another does not
