@@ -427,7 +427,8 @@ class DatagramReceive:
         body_lens = lens[:n].astype(np.int64) - (HEADER_BYTES + TAG_BYTES)  # the plaintext, claim included
         senders, seqs = hv["sender"], hv["seq"]
         heads: dict[int, Header] = {}
-        distinct = np.unique(senders).tolist()
+        first = int(senders[0])  # usually the batch's only sender (np.unique costs ~80 µs a call)
+        distinct = [first] if (senders == first).all() else np.flatnonzero(np.bincount(senders)).tolist()
         for s in distinct:
             rows = np.flatnonzero(senders == s) if len(distinct) > 1 else np.arange(n)
             heads[s] = Header._make(hv[int(rows[0])].tolist())
