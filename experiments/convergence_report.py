@@ -57,6 +57,32 @@ SPARSE = {
     "sparseloco k=128 sparse-mean": dict(_SL, sparse_k=128, sparse_mean=True),
     "sparseloco k=64 sparse-mean int8-means": dict(_SL, sparse_mean=True, **_INT8_MEANS),
     "sparseloco k=64 sparse-mean β1": dict(_SL, sparse_mean=True, error_feedback_decay=1.0),
+    "sparseloco k=128 Nesterov 0.7/0.9, means at k=512": dict(
+        _SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=0.7, outer_momentum=0.9
+    ),
+    "sparseloco k=128 Nesterov 0.7/0.5, means at k=512": dict(
+        _SL, sparse_k=128, broadcast_sparse_k=512, outer_lr=0.7, outer_momentum=0.5
+    ),
+}
+
+#: The 2026-12-06 tuning of the outer lr α, the error feedback decay β and the value bits, with
+#: each mean at 4k (the 4 sites' k entries): (k, α, β, bits); labels name what differs from
+#: the paper's β 0.95 and 2 bits.
+_TUNED = [(128, 2, 0.95, 4), (128, 2, 1.0, 4), (128, 2, 0.9, 4), (128, 2, 0.8, 4), (128, 2, 0.6, 4), (128, 3, 0.95, 4)]
+_TUNED += [(128, 3, 0.8, 4), (128, 3, 0.7, 4), (128, 4, 0.8, 4), (128, 4, 0.7, 4), (64, 2, 0.95, 4)]
+_TUNED += [(128, 2, 0.8, 2), (128, 3, 0.8, 2), (64, 3, 0.8, 2), (32, 3, 0.8, 2)]
+
+
+def _tuned_label(k: int, alpha: float, beta: float, bits: int) -> str:
+    bits_s, beta_s = (f" {bits}-bit" if bits != 2 else ""), (f" β {beta:g}" if beta != 0.95 else "")
+    return f"sparseloco k={k} α {alpha:g}{bits_s}{beta_s}, means at k={4 * k}"
+
+
+SPARSE |= {
+    _tuned_label(k, a, b, bits): dict(
+        _SL, sparse_k=k, broadcast_sparse_k=4 * k, outer_lr=float(a), error_feedback_decay=b, sparse_bits=bits
+    )
+    for k, a, b, bits in _TUNED
 }
 
 
