@@ -42,7 +42,15 @@ import torch
 
 from dtrain.buckets import checksum
 from dtrain.codecs.base import Codec
-from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, Rejected, StateTransferError, TransportError
+from dtrain.errors import (
+    CodecError,
+    PeerTimeout,
+    PeerUnavailable,
+    RejectCode,
+    Rejected,
+    StateTransferError,
+    TransportError,
+)
 from dtrain.protocol import BucketMean, Member
 from dtrain.rounds.history import HistoryInfo, decode_history_info
 from dtrain.rounds.means import decode_mean
@@ -52,6 +60,10 @@ from dtrain.transports.base import Transport
 __all__ = ["CatchUp", "CatchUpStats", "first_wave", "takes_from_queue"]
 
 log = logging.getLogger(__name__)
+
+#: how long a worker waits before asking a donor again for a mean of the donor's own open round
+#: that it has not received yet (a donor answers NOT_FOUND then, ``PeerSide.pull_mean``)
+_NOT_YET_S = 0.02
 
 
 @dataclass
@@ -630,9 +642,12 @@ class CatchUp:
                     timeout_s=timeout_s,
                     have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
                 )
-            except Rejected as e:  # not kept there (or unknown): another donor, else a new copy
+            except Rejected as e:
                 log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)
-                return True, d.site_id
+                if e.code == RejectCode.NOT_FOUND:  # its round is open, this bucket's mean not there yet
+                    time.sleep(_NOT_YET_S)  # not "never": ask again (it was ruled out, and the other donor
+                    return True, None  # had moved past what it keeps before it was free: pulled again)
+                return True, d.site_id  # not kept there (or unknown): another donor, else a new copy
             if not self._replay(b, s, m, d.site_id):
                 with self._cv:
                     self._drop_staged(b)
