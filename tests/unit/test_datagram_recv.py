@@ -112,3 +112,14 @@ def test_a_plain_batch_in_columns_has_the_row_by_row_effects(order: str, monkeyp
         assert late == pytest.approx(rows[3], abs=1e-6)
     else:
         assert late == rows[3] == dict.fromkeys(SITES, 0.0)
+
+
+def test_a_short_batch_goes_row_by_row(monkeypatch) -> None:
+    """Below ``_COLUMNS_MIN_ROWS`` the columns' per-batch numpy passes cost more than the rows."""
+    from dtrain.transports import datagram_recv
+
+    datagrams, now_ns = _batch("one sender")[: datagram_recv._COLUMNS_MIN_ROWS - 1], time.time_ns()
+    calls: list[int] = []
+    monkeypatch.setattr(datagram_recv.DatagramReceive, "_hand_on_plain", lambda self, *a: calls.append(1))
+    items = _hand_on(datagrams, now_ns, True, monkeypatch)[0]
+    assert calls == [] and len(items) == len(datagrams)
