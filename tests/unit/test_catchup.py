@@ -414,3 +414,32 @@ def test_a_first_wave_bucket_from_a_donor_behind_the_group_is_dropped_not_instal
     assert cu.stats.first_wave_dropped == len(served_by_j) and "j" not in cu.stats.buckets_from
     assert cu.stats.buckets_from == {"a": n} and cu.stats.repulled == 0
     assert joiner.checksums() == src.checksums()
+
+
+def test_a_mean_not_there_yet_is_asked_for_again_not_ruled_out():
+    """A donor answers NOT_FOUND for a mean of its own open round that it has not received yet:
+    "not yet", so the same donor is asked again; FAILED_PRECONDITION ("not kept") rules it out."""
+
+    class _NotYet(_Donor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[tuple[int, int]] = []
+
+        def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+            self.asked.append((round, bucket))
+            if self.asked.count((round, bucket)) == 1:
+                raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} here")
+            return super().pull_mean(address, round, bucket, requester=requester, timeout_s=timeout_s)
+
+    donor, joiner = _NotYet(), _state(2)
+    cu = CatchUp(
+        joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", progress_timeout_s=0.3, use_own=False
+    )
+    with pytest.raises(StateTransferError):  # it keeps no means: every replay ends in a pull again
+        cu.run([Member(site_id="d", address="d")])
+    assert donor.asked, "no replay was asked for"
+    # every mean first answered "not yet" was asked for again (ruled out, the bucket would have been
+    # pulled whole instead), but for those still waiting for their second ask when the run gave up
+    again = {k for k in set(donor.asked) if donor.asked.count(k) == 2}
+    assert again and len(set(donor.asked) - again) <= len(joiner), donor.asked
+    assert max(map(donor.asked.count, donor.asked)) == 2  # the second answer (not kept) rules the donor out
