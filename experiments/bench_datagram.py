@@ -12,7 +12,9 @@ Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; th
   core would reach), and as CPU µs per datagram sent / received (the issue's target: <= 3);
 * each loop alone (``isolated``): CPU µs per datagram of one unpaced ``push`` of 6,000
   contributions to a plain socket (with and without UDP segmentation offload), and of the
-  receive thread while another process sends it 20,000 sealed contributions in bursts of 46;
+  receive thread while another process sends it 20,000 sealed contributions in bursts of 46
+  (one ``send`` each; or each burst as one GSO write, as the compiled loop sends, read with
+  ``recvmmsg`` and with coalesced reads, ``gro``);
 * the CPU per datagram-sized int8 chunk of decoding one pseudo-gradient chunk by chunk against
   ``Codec.decode_chunks`` (what an owner, each applied mean and the residual settling pay).
 
@@ -39,7 +41,13 @@ from dtrain.transports.grpc import GrpcTransportConfig
 from experiments import bench
 from experiments.procs import wait_until
 
-LOOPS = {"auto": "compiled (auto)", "on": "compiled", "off": "Python", "sendmmsg": "compiled, no GSO"}
+LOOPS = {
+    "auto": "compiled (auto)",
+    "on": "compiled",
+    "off": "Python",
+    "sendmmsg": "compiled, no GSO",
+    "recvmmsg": "compiled, no GRO",
+}
 
 
 class CountingHandler:
@@ -90,8 +98,10 @@ def _plan(addr_a: str, addr_b: str, key: bytes, round: int = 0) -> RoundPlan:
     return RoundPlan(round=round, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=key)
 
 
-def run_one(rate_mbit: float, mbytes: float, round: int, native: str = "auto", gso: bool = True) -> dict:
-    cfg = _config(max_rate_mbit=rate_mbit, rtt_s=0.05, native=native, gso=gso)
+def run_one(
+    rate_mbit: float, mbytes: float, round: int, native: str = "auto", gso: bool = True, gro: bool = True
+) -> dict:
+    cfg = _config(max_rate_mbit=rate_mbit, rtt_s=0.05, native=native, gso=gso, gro=gro)
     a, b = DatagramTransport(cfg), DatagramTransport(cfg)
     handler = CountingHandler()
     addr_b = b.start(handler)
@@ -150,22 +160,31 @@ def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> f
 _BLAST = """
 import socket, struct, sys, time
 blob = sys.stdin.buffer.read()
+gso = sys.argv[2] == "gso"
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.connect(('127.0.0.1', int(sys.argv[1])))
-i = k = 0
+i, burst = 0, []
 while i < len(blob):
     (n,) = struct.unpack_from('<H', blob, i)
-    s.send(blob[i + 2 : i + 2 + n])
-    i, k = i + 2 + n, k + 1
-    if k % 46 == 0:
+    burst.append(blob[i + 2 : i + 2 + n])
+    i += 2 + n
+    if len(burst) == 46 or i >= len(blob):
+        if gso and len(burst) > 1:  # as the compiled loop sends a burst of equal-sized datagrams
+            s.sendmsg([b''.join(burst)], [(socket.SOL_UDP, 103, struct.pack('H', len(burst[0])))])
+        else:
+            for d in burst:
+                s.send(d)
+        burst = []
         time.sleep(0.0015)
 """
 
 
-def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, float]:
+def isolated_recv_cpu_us(num: int = 20_000, native: str = "on", *, gso: bool, gro: bool) -> tuple[float, float]:
     """(CPU µs per datagram of the receive thread, fraction delivered) while another process
-    sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart)."""
-    b, handler = DatagramTransport(_config(native=native)), CountingHandler()
+    sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart): each datagram
+    with its own ``send``, or (``gso``) each burst as one UDP segmentation offload write, as the
+    compiled loop sends; ``gro``: the receiver's ``DatagramTransportConfig.gro``."""
+    b, handler = DatagramTransport(_config(native=native, gro=gro)), CountingHandler()
     addr_b = b.start(handler)
     key = os.urandom(32)
     b.begin_round(_plan("127.0.0.1:1", addr_b, key), [], "site-b")
@@ -181,7 +200,8 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on") -> tuple[float, 
             blob += struct.pack("<H", len(d)) + d
     clock = time.pthread_getcpuclockid(next(t for t in b._threads if t.name.startswith("dgram-recv")).ident)
     cpu0 = time.clock_gettime(clock)
-    subprocess.run([sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1]], input=blob, check=True)
+    sender = [sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1], "gso" if gso else "send"]
+    subprocess.run(sender, input=blob, check=True)
     wait_until(lambda: handler.num >= num, 10, poll_s=0.01)
     cpu = time.clock_gettime(clock) - cpu0
     b.stop(0)
@@ -215,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto", "off"],
         choices=list(LOOPS),
         help="DatagramTransportConfig.native per row: the compiled batch loop where it builds, and the Python loop "
-        "(sendmmsg: the compiled loop without UDP segmentation offload)",
+        "(sendmmsg: the compiled loop without UDP segmentation offload; recvmmsg: without coalesced reads)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -229,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     figures = []
     for i, (loop, rate) in enumerate((loop, rate) for rate in rates for loop in args.loops):
-        r = run_one(rate, mbytes, round=i, native="on" if loop == "sendmmsg" else loop, gso=loop != "sendmmsg")
+        native = "on" if loop in ("sendmmsg", "recvmmsg") else loop
+        r = run_one(rate, mbytes, round=i, native=native, gso=loop != "sendmmsg", gro=loop != "recvmmsg")
         figures.append(row({"loop": loop, **r}, name=LOOPS[loop]))
     iso = {}
     if "auto" in args.loops or "on" in args.loops:
@@ -238,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
             "push_gso_us": isolated_push_cpu_us(gso=True) if has_gso else None,
             "push_sendmmsg_us": isolated_push_cpu_us(gso=False),
         }
-        iso["recv_us"], iso["recv_delivered"] = isolated_recv_cpu_us()
+        iso["recv_us"], iso["recv_delivered"] = isolated_recv_cpu_us(gso=False, gro=True)
+        iso["recv_gso_recvmmsg_us"], _ = isolated_recv_cpu_us(gso=True, gro=False)
+        has_gro = "gro" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: recvmmsg only
+        iso["recv_gso_gro_us"], _ = isolated_recv_cpu_us(gso=True, gro=True) if has_gro else (None, None)
         gso = f"{iso['push_gso_us']:.2f} (UDP GSO), " if has_gso else ""
+        gro = f", with UDP GRO {iso['recv_gso_gro_us']:.2f}" if has_gro else ""
         print(
             f"\ncompiled loop, each side alone, CPU µs per datagram: unpaced push {gso}"
-            f"{iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} "
-            f"(delivered {iso['recv_delivered']:.3f})"
+            f"{iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} from a sender "
+            f"of one send per datagram (delivered {iso['recv_delivered']:.3f}); from a GSO sender "
+            f"(as dtrain sends) with recvmmsg {iso['recv_gso_recvmmsg_us']:.2f}{gro}"
         )
     numel = 1 << 20 if args.quick else 10_000_000
     per_chunk, batched = decode_cpu_us(numel, batch=False), decode_cpu_us(numel, batch=True)

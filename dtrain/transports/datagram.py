@@ -194,6 +194,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         self._repairs: queue.Queue = queue.Queue(maxsize=_MAX_REPAIRS_QUEUED)  # NACK answers (_repair_loop)
         self._queued = 0
         self._rx: tuple | None = None
+        self._gro: int | None = None  # the receive thread's coalesced-read state (config.gro), its own
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
         self._drop_rng = random.Random(cfg.test_drop_seed)
@@ -231,6 +232,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             ) from e
         sock.setblocking(False)  # the receive thread polls, then drains until EAGAIN
         self._sock = sock
+        self._gro = self._enable_gro(sock)  # the receive thread's from now on (it frees it)
         threads = (
             (self._recv_loop, "dgram-recv"),
             (self._dispatch_loop, "dgram-dispatch"),
@@ -242,6 +244,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             self._threads.append(t)
         how = f"compiled loop {self._native.path.name}" if self._native is not None else "Python loop"
         how += ", UDP GSO" if self._gso else ""
+        how += ", UDP GRO" if self._gro is not None else ""
         how += f"; sealed with {AEAD_NAME}, wire version {VERSION}"
         log.info("datagram data path on udp %s:%s (rate %.0f Mbit/s, %s)", host, port, self.rate.rate_mbit, how)
         return address

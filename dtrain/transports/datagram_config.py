@@ -99,6 +99,12 @@ class DatagramTransportConfig:
             batch as one UDP segmentation offload write (``UDP_SEGMENT``, a bool): the same
             datagrams on the wire for about half the send call's CPU. A kernel that refuses
             it is logged once and the transport goes on with ``sendmmsg``.
+        gro: with the compiled loop on Linux, let the kernel hand runs of equal-sized
+            datagrams of one flow to the receive thread as one coalesced read (``UDP_GRO``, a
+            bool), cut back into the same datagrams in C: one read where ``recvmmsg`` took ~45
+            (on loopback from a GSO sender; a NIC coalesces the same way, a path that
+            delivers datagrams one by one reads as before). A kernel that refuses it is
+            logged once and the transport reads with ``recvmmsg``.
         switch_interval_s: ``sys.setswitchinterval`` for this process at ``start`` when it
             is longer, > 0 (None: left alone). The receive thread needs the GIL within a
             datagram's time; CPython's default 5 ms hand-over let the engine's threads
@@ -129,6 +135,7 @@ class DatagramTransportConfig:
     test_drop_seed: int = 0
     native: NativeMode = "auto"
     gso: bool = True
+    gro: bool = True
     switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
@@ -193,6 +200,7 @@ class DatagramTransportConfig:
         need("test_drop_seed", _is_int(self.test_drop_seed) and self.test_drop_seed >= 0, "an int >= 0")
         need("native", self.native in NATIVE_MODES, f"one of {', '.join(NATIVE_MODES)}")
         need("gso", isinstance(self.gso, bool), "a bool (true or false)")
+        need("gro", isinstance(self.gro, bool), "a bool (true or false)")
         need(
             "switch_interval_s",
             self.switch_interval_s is None or (_is_num(self.switch_interval_s) and self.switch_interval_s > 0),

@@ -6,8 +6,9 @@ each, and the GIL hand-overs between six sending threads), ~1.1 of the 1.4 CPU-s
 round cost per site, and the round took 2-3.6x its physical limit. The C library does the
 per-datagram work for a whole batch in one call that releases the GIL: AES-256-GCM
 from OpenSSL's libcrypto (the cipher the ``cryptography`` package wraps, so both produce
-the same bytes), ``sendmmsg`` on a connected socket and ``recvmmsg`` with the arrival
-timestamps and drop counter the receive loop reads.
+the same bytes), ``sendmmsg`` (or UDP segmentation offload) on a connected socket and ``recvmmsg`` (or
+UDP receive coalescing, ``UDP_GRO``) with the arrival timestamps and drop counter the
+receive loop reads.
 
 Build: :func:`native` compiles ``dgram_native.c`` once (:func:`dtrain.native.build_and_load`:
 ``$CC -O2 -shared -fPIC``, cached in ``$DTRAIN_NATIVE_CACHE``) against ``-lcrypto`` (Debian:
@@ -107,6 +108,11 @@ class NativeLib:
             ("dg_send", i, [i, i, vp, u32, vp]),
             ("dg_send_gso", i, [i, i, vp, u32, vp, vp]),
             ("dg_recv", i, [i, i, vp, u32, vp, vp, vp]),
+            ("dg_gro_new", vp, []),
+            ("dg_gro_free", None, [vp]),
+            ("dg_gro_pending", i, [vp]),
+            ("dg_gro_stats", None, [vp, vp]),
+            ("dg_recv_gro", i, [vp, i, i, vp, u32, vp, vp, vp]),
         ):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
@@ -233,6 +239,37 @@ class NativeLib:
         """``recvmmsg`` into the rows of ``buf`` without blocking: the number received (0: none), or ``-errno``."""
         return self._lib.dg_recv(fd, buf.shape[0], _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ts_ns), _ptr(drops))
 
+    def gro_state(self) -> int:
+        """The holding area of :meth:`recv_gro` for one socket (4 MiB; free it with :meth:`gro_free`)."""
+        h = self._lib.dg_gro_new()
+        if not h:
+            raise MemoryError("dg_gro_new could not allocate the coalesced-read buffers")
+        return h
+
+    def gro_free(self, state: int) -> None:
+        self._lib.dg_gro_free(state)
+
+    def gro_pending(self, state: int) -> bool:
+        """Whether ``state`` holds datagrams read but not yet returned (the next :meth:`recv_gro` needs no wait)."""
+        return bool(self._lib.dg_gro_pending(state))
+
+    def gro_stats(self, state: int) -> tuple[int, int]:
+        """``(reads taken from the socket, datagrams cut from them)`` by ``state`` so far."""
+        out = np.zeros(2, np.uint64)
+        self._lib.dg_gro_stats(state, _ptr(out))
+        return int(out[0]), int(out[1])
+
+    def recv_gro(
+        self, state: int, fd: int, buf: np.ndarray, lens: np.ndarray, ts_ns: np.ndarray, drops: np.ndarray
+    ) -> int:
+        """:meth:`recv` on a socket with ``UDP_GRO`` set: the kernel's coalesced reads (runs of
+        equal-sized datagrams of one flow, ~45 per ``recvmmsg`` slot) cut back into one datagram
+        per row, the same rows :meth:`recv` gives; what does not fit stays in ``state``. Fewer
+        rows than ``buf`` has: the socket was found empty and ``state`` holds nothing."""
+        return self._lib.dg_recv_gro(
+            state, fd, buf.shape[0], _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ts_ns), _ptr(drops)
+        )
+
 
 _lock = threading.Lock()
 _loaded: dict[str, NativeLib | None] = {}
@@ -265,5 +302,5 @@ def native(mode: str = "auto") -> NativeLib | None:
 
 
 def _build_and_load() -> tuple[NativeLib | None, str]:
-    lib, why = build_and_load(SOURCE, stem="dgram", cflags=CFLAGS, libs=LIBS, version_fn="dg_version", version=5)
+    lib, why = build_and_load(SOURCE, stem="dgram", cflags=CFLAGS, libs=LIBS, version_fn="dg_version", version=6)
     return (NativeLib(lib) if lib is not None else None), why

@@ -54,6 +54,7 @@ _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (L
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 _MAX_QUEUED = 65536  # items waiting for the dispatch thread at most (a flood's bound)
 _RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
+_UDP_GRO = 104  # linux/udp.h (Linux >= 5.0); the socket module does not name it
 _DATA_KINDS = (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META)  # what test_drop may discard
 _PLAIN_BODY = HEADER_BYTES + CLAIM_BYTES  # where a whole contribution's codec payload starts in its row
 _PLAIN_MIN_LEN = _PLAIN_BODY + TAG_BYTES  # a whole contribution's datagram holds at least its claim
@@ -115,6 +116,7 @@ class DatagramReceive:
     config: Any
     _sock: Any
     _native: Any
+    _gro: int | None
     _opener: Any
     _stopped: Any
     _lock: Any
@@ -154,27 +156,48 @@ class DatagramReceive:
         read = self._read_native if self._native is not None else self._read_python
         poller = select.poll()
         poller.register(sock, select.POLLIN)
-        while not self._stopped.is_set():
-            t = time.monotonic()
-            try:
-                if not poller.poll(2 if self._ends_waiting else 100):
-                    self._drained_at = t  # nothing readable since t: all that came before was read
-                    continue
-            except OSError:
-                break
-            if self.config.recv_coalesce_s:
-                time.sleep(self.config.recv_coalesce_s)
-            try:
-                read(sock, anc)
-            except OSError:  # the socket closed by stop()
-                if self._stopped.is_set():
-                    return
-            except Exception:  # a bug must not stop the receive loop
-                log.exception("datagram handling failed")
+        more = False  # the last read stopped at its bound with datagrams left (in the socket or coalesced)
+        try:
+            while not self._stopped.is_set():
+                t = time.monotonic()
+                try:
+                    if not more and not poller.poll(2 if self._ends_waiting else 100):
+                        self._drained_at = t  # nothing readable since t: all that came before was read
+                        continue
+                except OSError:
+                    break
+                if self.config.recv_coalesce_s and not more:
+                    time.sleep(self.config.recv_coalesce_s)
+                more = False
+                try:
+                    more = bool(read(sock, anc))
+                except OSError:  # the socket closed by stop()
+                    if self._stopped.is_set():
+                        return
+                except Exception:  # a bug must not stop the receive loop
+                    log.exception("datagram handling failed")
+        finally:
+            if self._gro is not None and self._native is not None:
+                self._native.gro_free(self._gro)
+            self._gro = None
 
-    def _read_python(self, sock: socket.socket, anc: int) -> None:
+    def _enable_gro(self, sock: socket.socket) -> int | None:
+        """With the compiled loop and ``config.gro``: ask the kernel for coalesced reads
+        (``UDP_GRO``) and return the holding area of :meth:`~.datagram_native.NativeLib.recv_gro`;
+        None (logged when the kernel refused) to read with ``recvmmsg``."""
+        if self._native is None or not self.config.gro or not sys.platform.startswith("linux"):
+            return None
+        try:
+            sock.setsockopt(socket.SOL_UDP, _UDP_GRO, 1)
+        except OSError as e:
+            log.warning("UDP receive coalescing (UDP_GRO) refused by the kernel (%s): reading with recvmmsg", e)
+            return None
+        return self._native.gro_state()
+
+    def _read_python(self, sock: socket.socket, anc: int) -> bool:
         """Read and handle up to ``_RECV_BATCH`` queued datagrams one by one, then queue what
-        goes to the dispatch thread, all under ``_recv_lock`` (see :meth:`_read_native`)."""
+        goes to the dispatch thread, all under ``_recv_lock`` (see :meth:`_read_native`).
+        True: it stopped at its bound, the socket not yet found empty."""
         out: list[tuple] = []
         with self._recv_lock:
             drained = None
@@ -184,6 +207,7 @@ class DatagramReceive:
                 self._enqueue(out)
             if drained is not None:  # after the queueing (see DatagramTransport._check_all_ends)
                 self._drained_at = drained
+        return drained is None
 
     def _read_python_into(self, sock: socket.socket, anc: int, out: list[tuple]) -> float | None:
         """Up to ``_RECV_BATCH`` datagrams; the time of the read that found the socket empty (None: not emptied)."""
@@ -210,9 +234,10 @@ class DatagramReceive:
                 log.exception("datagram handling failed")
         return None
 
-    def _read_native(self, sock: socket.socket, anc: int) -> None:
-        """Read up to 4 batches of ``_RECV_BATCH`` queued datagrams: each with one ``recvmmsg``,
-        opened in one call, handed on (:meth:`_hand_on`) and queued for the dispatch thread.
+    def _read_native(self, sock: socket.socket, anc: int) -> bool:
+        """Read up to 4 batches of ``_RECV_BATCH`` queued datagrams: each with one ``recvmmsg``
+        (or coalesced reads, ``config.gro``), opened in one call, handed on (:meth:`_hand_on`)
+        and queued for the dispatch thread. True: it stopped at its bound with datagrams left.
 
         Each batch, from its read to its queueing, holds ``_recv_lock``: ``begin_round`` queues
         what was held for its round between two batches, never inside one, so nothing read
@@ -233,12 +258,16 @@ class DatagramReceive:
                     self._enqueue(out)
             if n is not None and n < len(lens):  # the socket is empty (0 included): all before t is queued
                 self._drained_at = t
-                return
+                return False
+        return True
 
     def _read_batch(self, sock: socket.socket, anc: int, rx: tuple, out: list[tuple]) -> int | None:
         """One ``recvmmsg`` batch of :meth:`_read_native`: the rows read (None: an error to read past)."""
         buf, lens, ts, drops = rx
-        n = self._native.recv(sock.fileno(), buf, lens, ts, drops)
+        if self._gro is not None:
+            n = self._native.recv_gro(self._gro, sock.fileno(), buf, lens, ts, drops)
+        else:
+            n = self._native.recv(sock.fileno(), buf, lens, ts, drops)
         if n < 0:  # an ICMP error of an earlier send: the next call reads on
             if self._stopped.is_set():
                 raise OSError(-n, os.strerror(-n))

@@ -35,8 +35,13 @@
 #endif
 #define GSO_MAX_SEGS 64        /* UDP_MAX_SEGMENTS of Linux 4.18-5.x (128 since) */
 #define GSO_MAX_BYTES 65000    /* a super-datagram's payload stays under IPv4/UDP's 65,507 */
+#ifndef UDP_GRO
+#define UDP_GRO 104 /* linux/udp.h, Linux >= 5.0 */
+#endif
+#define GRO_SLOTS 64           /* coalesced reads per recvmmsg of dg_recv_gro */
+#define GRO_SLOT_BYTES 65536   /* a coalesced read's payload: at most UDP's 65,535 */
 
-int dg_version(void) { return 5; }
+int dg_version(void) { return 6; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -399,4 +404,140 @@ int dg_recv(int fd, int n, unsigned char *buf, uint32_t stride, uint32_t *lens, 
         }
     }
     return r;
+}
+
+/* What dg_recv_gro read but has not yet cut into rows: GRO_SLOTS reads of at most
+ * GRO_SLOT_BYTES each (len: its bytes, seg: its datagrams' size, the last one may be
+ * shorter; ts_ns: its arrival), of which reads [at, count) are left, from byte pos of read at.
+ * One per receiving socket, used by one thread. */
+typedef struct {
+    unsigned char *scratch;
+    uint32_t len[GRO_SLOTS], seg[GRO_SLOTS];
+    int64_t ts_ns[GRO_SLOTS];
+    int count, at;
+    uint32_t pos;
+    uint64_t reads, datagrams; /* so far: reads taken from the socket, datagrams cut from them */
+} dg_gro;
+
+void *dg_gro_new(void) {
+    dg_gro *g = calloc(1, sizeof(*g));
+    if (!g) return NULL;
+    g->scratch = malloc((size_t)GRO_SLOTS * GRO_SLOT_BYTES);
+    if (!g->scratch) {
+        free(g);
+        return NULL;
+    }
+    return g;
+}
+
+void dg_gro_free(void *p) {
+    dg_gro *g = p;
+    if (!g) return;
+    free(g->scratch);
+    free(g);
+}
+
+/* 1 when reads are left to cut into rows (the next dg_recv_gro returns them without a
+ * system call), else 0: the caller may wait for the socket only at 0. */
+int dg_gro_pending(const void *p) {
+    const dg_gro *g = p;
+    return g->at < g->count;
+}
+
+/* out[0]: reads taken from the socket so far, out[1]: datagrams cut from them. */
+void dg_gro_stats(const void *p, uint64_t *out) {
+    const dg_gro *g = p;
+    out[0] = g->reads;
+    out[1] = g->datagrams;
+}
+
+/* Cut what g holds into rows [*row, n) of buf: dg_recv's row contract (a datagram longer
+ * than stride is cut and reported as stride + 1 bytes). */
+static void gro_cut(dg_gro *g, int *row, int n, unsigned char *buf, uint32_t stride, uint32_t *lens, int64_t *ts_ns) {
+    while (*row < n && g->at < g->count) {
+        int k = g->at;
+        uint32_t left = g->len[k] - g->pos;
+        uint32_t l = left < g->seg[k] ? left : g->seg[k];
+        memcpy(buf + (size_t)*row * stride, g->scratch + (size_t)k * GRO_SLOT_BYTES + g->pos, l < stride ? l : stride);
+        lens[*row] = l > stride ? stride + 1 : l;
+        ts_ns[*row] = g->ts_ns[k];
+        (*row)++;
+        g->datagrams++;
+        g->pos += l;
+        if (g->pos >= g->len[k] || l == 0) {
+            g->at++;
+            g->pos = 0;
+        }
+    }
+}
+
+/* dg_recv on a socket with UDP_GRO set: the kernel hands runs of equal-sized datagrams of
+ * one flow over as one coalesced read (a UDP_GRO control message gives their size), up to
+ * GRO_SLOTS reads per recvmmsg; each is cut back into its datagrams, one per row, in
+ * order, all with the read's arrival time. What does not fit the n rows stays in g for the
+ * next call (dg_gro_pending). A read without the control message is one datagram. Fills
+ * rows until n or the socket is empty: fewer than n rows means the socket was found empty
+ * and g holds nothing. Returns the rows filled, or -errno when the first read failed (an
+ * error after rows were filled ends the call with them; the next call meets it). */
+int dg_recv_gro(void *p, int fd, int n, unsigned char *buf, uint32_t stride, uint32_t *lens, int64_t *ts_ns,
+                uint32_t *drops) {
+    dg_gro *g = p;
+    struct mmsghdr msgs[GRO_SLOTS];
+    struct iovec iov[GRO_SLOTS];
+    static __thread char ctl[GRO_SLOTS][96];
+    int row = 0;
+    if (n > MAX_BATCH) n = MAX_BATCH;
+    gro_cut(g, &row, n, buf, stride, lens, ts_ns);
+    while (row < n) {
+        memset(msgs, 0, sizeof(msgs));
+        for (int i = 0; i < GRO_SLOTS; i++) {
+            iov[i].iov_base = g->scratch + (size_t)i * GRO_SLOT_BYTES;
+            iov[i].iov_len = GRO_SLOT_BYTES;
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+            msgs[i].msg_hdr.msg_control = ctl[i];
+            msgs[i].msg_hdr.msg_controllen = sizeof(ctl[i]);
+        }
+        int r;
+        do {
+            r = recvmmsg(fd, msgs, GRO_SLOTS, MSG_DONTWAIT, NULL);
+        } while (r < 0 && errno == EINTR);
+        if (r < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return row;
+            return row ? row : -errno;
+        }
+        if (r == 0) return row;
+        for (int i = 0; i < r; i++) {
+            struct msghdr *m = &msgs[i].msg_hdr;
+            uint32_t len = msgs[i].msg_len, seg = 0;
+            g->ts_ns[i] = 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
+                if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+                    int size;
+                    memcpy(&size, CMSG_DATA(c), sizeof(size));
+                    if (size > 0) seg = (uint32_t)size;
+                } else if (c->cmsg_level != SOL_SOCKET) {
+                    continue;
+                } else if (c->cmsg_type == SCM_TIMESTAMPNS && c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
+                    struct timespec t;
+                    memcpy(&t, CMSG_DATA(c), sizeof(t));
+                    g->ts_ns[i] = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+                } else if (c->cmsg_type == SO_RXQ_OVFL && c->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
+                    memcpy(drops, CMSG_DATA(c), sizeof(uint32_t));
+                }
+            }
+            if (m->msg_flags & MSG_TRUNC) { /* cannot happen below 64 KiB: one oversized datagram */
+                len = GRO_SLOT_BYTES;
+                seg = 0;
+            }
+            g->len[i] = len;
+            g->seg[i] = seg && seg < len ? seg : (len ? len : 1);
+        }
+        g->count = r;
+        g->reads += (uint64_t)r;
+        g->at = 0;
+        g->pos = 0;
+        gro_cut(g, &row, n, buf, stride, lens, ts_ns);
+    }
+    return row;
 }

@@ -50,6 +50,7 @@ class Cluster:
         datagram_bytes: int = 1400,
         numel: int = NUMEL,
         gso: bool = True,
+        gro: bool = True,
         aggregation: AggregationConfig | None = None,
         data_path: str = "datagram",
         channels: int = 1,
@@ -72,6 +73,7 @@ class Cluster:
                 native=native,
                 max_datagram_bytes=datagram_bytes,
                 gso=gso,
+                gro=gro,
             )
             rounds = RoundConfig(codec=CodecConfig(name="fp32"), plan_wait_s=2.0)
             eng = RoundEngine(
@@ -738,20 +740,25 @@ def test_a_contribution_overtaken_by_its_own_bucket_end_is_waited_for(loop: str)
         sock.close()
 
 
-def test_gso_and_sendmmsg_rounds_give_the_same_means(make_cluster) -> None:
+def test_gso_gro_and_per_datagram_rounds_give_the_same_means(make_cluster) -> None:
     """The same round (3 sites, seeded pseudo-gradients, no loss) with UDP segmentation offload
-    and with one ``sendmmsg`` per batch: every chunk included, θ's digests equal bucket by bucket."""
+    and coalesced reads (GSO, GRO), with each alone, and with one ``sendmmsg`` / ``recvmmsg`` per
+    batch: every chunk included, θ's digests equal bucket by bucket. With both on (loopback keeps
+    GSO runs whole), the receive threads read fewer times than they took datagrams."""
     digests = []
-    for gso in (True, False):
-        c = make_cluster(3, drop=0.0, seed=3, gso=gso)
-        if gso and c.engines[0].transport._native is None:
-            pytest.skip("no compiled loop here: one send path only")
-        assert all(e.transport._gso == gso for e in c.engines)
+    for gso, gro in ((True, True), (True, False), (False, True), (False, False)):
+        c = make_cluster(3, drop=0.0, seed=3, gso=gso, gro=gro)
+        if c.engines[0].transport._native is None:
+            pytest.skip("no compiled loop here: one send and receive path only")
+        assert all(e.transport._gso == gso and (e.transport._gro is not None) == gro for e in c.engines)
         results = c.run_round()
         assert all(r.included_fraction == 1.0 for r in results)
         digests.append([e.state.checksums() for e in c.engines])
+        if gso and gro:
+            reads, datagrams = map(sum, zip(*(e.transport._native.gro_stats(e.transport._gro) for e in c.engines)))
+            assert 0 < reads < datagrams, (reads, datagrams)
         c.stop()
-    assert digests[0] == digests[1] and all(d == digests[0][0] for d in digests[0])
+    assert all(d == digests[0] for d in digests) and all(d == digests[0][0] for d in digests[0])
 
 
 def test_a_grpc_round_pushed_over_several_connections_gives_the_one_connection_theta(make_cluster) -> None:

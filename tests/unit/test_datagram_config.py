@@ -45,6 +45,7 @@ OTHER = {
     "test_drop_seed": 3,
     "native": "off",
     "gso": False,
+    "gro": False,
     "switch_interval_s": None,
 }
 
@@ -72,13 +73,14 @@ BAD = {
     "test_drop_seed": (-1, ["test_drop_seed", ">= 0"]),
     "native": ("maybe", ["native", "auto, on, off"]),
     "gso": ("yes", ["gso", "a bool"]),
+    "gro": ("yes", ["gro", "a bool"]),
     "switch_interval_s": (0.0, ["switch_interval_s", "> 0"]),
 }
 
 
 def test_the_tables_cover_every_field() -> None:
     assert sorted(OTHER) == sorted(FIELDS) == sorted(BAD)
-    assert len(FIELDS) == 23
+    assert len(FIELDS) == 24
     assert all(OTHER[n] != getattr(DatagramTransportConfig(), n) for n in FIELDS)
     assert NATIVE_MODES == ("auto", "on", "off")
 

@@ -305,6 +305,73 @@ def test_gso_sends_the_same_datagrams_as_sendmmsg_in_the_same_order(no_check: bo
         assert _received(rx, n) == want
 
 
+def _read_all(read, n: int, rows: int) -> tuple[list[bytes], list[int], list[int]]:
+    """Call ``read(buf, lens, ts)`` (``rows`` rows a call) until ``n`` datagrams came (5 s at most):
+    their bytes (a row's first ``min(len, 1401)``), lengths and arrival times, in order."""
+    buf = np.zeros((rows, 1401), np.uint8)
+    lens, ts = np.zeros(rows, np.uint32), np.zeros(rows, np.int64)
+    got, got_lens, got_ts, deadline = [], [], [], time.monotonic() + 5
+    while len(got) < n and time.monotonic() < deadline:
+        k = read(buf, lens, ts)
+        assert k >= 0
+        got += [buf[i, : min(int(lens[i]), 1401)].tobytes() for i in range(k)]
+        got_lens += lens[:k].tolist()
+        got_ts += ts[:k].tolist()
+        if k < rows:
+            time.sleep(0.01)
+    return got, got_lens, got_ts
+
+
+@needs_lib
+def test_coalesced_reads_give_the_rows_recvmmsg_gives() -> None:
+    """A GSO-sent batch read from a socket with UDP_GRO arrives as a few coalesced reads
+    (loopback keeps the sender's segments whole); ``recv_gro`` cuts them into the same rows, in
+    order, that ``recv`` reads from a socket without it: same bytes, lengths, the oversized mark
+    of a datagram longer than a row, arrival times. With 7 rows a call, the rest of a coalesced
+    read is held and returned by the next calls (``gro_pending``) before the socket is read again."""
+    bodies = [bytes([i % 251]) * n for i, n in enumerate(_batch_lens_for_gso())]
+    fields = [(1, c, 0, 1, codec_id("int8"), 0, 1) for c in range(len(bodies))]
+    sealed = Sealer(KEY, run=7, round=3, sender=1, native=LIB).seal_many(Kind.CONTRIB, fields, bodies)
+    n = len(bodies)
+    want = [sealed.datagram(i) for i in range(n)] + [b"q" * 1401]
+    for rows in (256, 7):
+        rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        state = LIB.gro_state()
+        with rx, tx:
+            rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            rx.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_TIMESTAMPNS", 35), 1)
+            rx.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
+            rx.bind(("127.0.0.1", 0))
+            tx.connect(rx.getsockname())
+            t0 = time.time()
+            for _ in range(2):
+                assert LIB.send_gso(tx.fileno(), sealed.buf, sealed.lens, n) == (n, 0)
+                tx.send(b"q" * 1500)  # larger than a row: reported as row + 1 bytes (oversized)
+            drops = np.zeros(1, np.uint32)
+            calls: list[int] = []
+
+            def read(buf, lens, ts, calls=calls, state=state, rx=rx, drops=drops):
+                calls.append(LIB.gro_pending(state))
+                return LIB.recv_gro(state, rx.fileno(), buf, lens, ts, drops)
+
+            got, got_lens, got_ts = _read_all(read, 2 * (n + 1), rows)
+            assert got == want * 2
+            assert got_lens == ([len(d) for d in want[:-1]] + [1402]) * 2
+            assert all(t0 - 1 < t * 1e-9 < time.time() + 1 for t in got_ts)
+            assert LIB.recv_gro(state, rx.fileno(), *_empty_rows(4), drops) == 0  # nothing queued: no wait
+            assert not LIB.gro_pending(state)
+            reads, datagrams = LIB.gro_stats(state)
+            assert datagrams == 2 * (n + 1)
+            assert reads < datagrams // 8  # coalesced (14 reads here): the GSO runs arrive whole
+            if rows == 7:
+                assert any(calls)  # some call started from what an earlier one held
+        LIB.gro_free(state)
+
+
+def _empty_rows(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros((rows, 1401), np.uint8), np.zeros(rows, np.uint32), np.zeros(rows, np.int64)
+
+
 @needs_lib
 def test_a_transport_whose_kernel_refuses_gso_says_so_once_and_sends_with_sendmmsg(caplog) -> None:
     """The push of a transport whose UDP_SEGMENT writes are refused (here: SO_NO_CHECK on its send
@@ -625,3 +692,64 @@ def test_a_stopped_transport_sends_nothing_more() -> None:
             member.recv(2048)  # nothing arrived after stop()
     finally:
         member.close()
+
+
+@needs_lib
+def test_a_transport_whose_kernel_refuses_gro_says_so_and_reads_with_recvmmsg(caplog, monkeypatch) -> None:
+    """A kernel without UDP_GRO (here: its setsockopt made to fail with ENOPROTOOPT, as Linux
+    < 5.0 does) is logged at start, naming the option and the fallback, and the transport's
+    receive thread reads every datagram with ``recvmmsg``."""
+    import errno
+    import logging
+
+    from dtrain.protocol import Contribution, Member, RoundPlan
+    from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
+    from dtrain.transports.grpc import GrpcTransportConfig
+
+    real = socket.socket.setsockopt
+
+    def no_gro(self, level, option, *value):
+        if (level, option) == (socket.SOL_UDP, 104):
+            raise OSError(errno.ENOPROTOOPT, os.strerror(errno.ENOPROTOOPT))
+        return real(self, level, option, *value)
+
+    got: list[int] = []
+
+    class Count:
+        def handle_contribution(self, c) -> None:
+            got.append(c.chunk)
+
+    cfg = DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on")
+    a = DatagramTransport(cfg)
+    addr_a = a.start(Count())
+    b = DatagramTransport(cfg)
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="dtrain.transports.datagram_recv"):
+        m.setattr(socket.socket, "setsockopt", no_gro)
+        addr_b = b.start(Count())
+    try:
+        assert a._gro is not None and b._gro is None
+        assert [r.getMessage() for r in caplog.records] == [
+            "UDP receive coalescing (UDP_GRO) refused by the kernel ([Errno 92] Protocol not available): "
+            "reading with recvmmsg"
+        ]
+        plan = RoundPlan(
+            round=0,
+            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+            reduce_timeout_s=5,
+            broadcast_timeout_s=5,
+            datagram_key=os.urandom(32),
+        )
+        a.begin_round(plan, [], "site-a")
+        b.begin_round(plan, [], "site-b")
+        cs = [
+            Contribution(round=0, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"abcd")
+            for i in range(100)
+        ]
+        assert a.push(addr_b, cs, timeout_s=5) == 100
+        until = time.monotonic() + 20  # a push may return before delivery ends (see the GSO test above)
+        while len(got) < 100 and time.monotonic() < until:
+            time.sleep(0.02)
+        assert sorted(got) == list(range(100))
+    finally:
+        a.stop(0)
+        b.stop(0)
