@@ -7,12 +7,15 @@ field. Units are in field names (``_s`` seconds, ``_bytes`` bytes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 __all__ = [
     "Member",
     "RoundPlan",
     "Contribution",
+    "ContributionRun",
     "MeanChunk",
     "BucketMean",
     "BucketState",
@@ -156,6 +159,141 @@ class Contribution:
     sender: str
     payload: bytes | memoryview
     tokens: int = 0
+
+
+class ContributionRun(Sequence[Contribution]):
+    """Contributions of one sender, round and codec, in arrival order, held as columns: what a
+    datagram receiver hands on for a batch of whole contributions, with no object per
+    datagram, and what an owner checks, decodes and counts a run at a time
+    (``PeerSide.handle_contributions``). A ``Sequence[Contribution]``: item ``i``, made on
+    demand, equals the :class:`Contribution` it stands for; a slice is a run (no copy).
+
+    Attributes:
+        round, sender, codec, tokens: shared by every item (a :class:`Contribution`'s fields).
+        buckets, chunks, offsets, numels: per item, ints (elements, not bytes).
+
+    Payloads are either a list (one per item) or one ``bytes`` blob with ``len + 1`` bounds,
+    item ``i``'s payload the read-only ``memoryview`` ``blob[bounds[i]:bounds[i + 1]]``.
+    """
+
+    __slots__ = ("round", "sender", "codec", "tokens", "buckets", "chunks", "offsets", "numels", "_payloads")
+
+    def __init__(
+        self,
+        *,
+        round: int,
+        sender: str,
+        codec: str,
+        tokens: int,
+        buckets: list[int],
+        chunks: list[int],
+        offsets: list[int],
+        numels: list[int],
+        payloads: list[bytes | memoryview] | None = None,
+        blob: bytes | None = None,
+        bounds: list[int] | None = None,
+    ) -> None:
+        n = len(chunks)
+        if not len(buckets) == len(offsets) == len(numels) == n:
+            raise ValueError(f"columns of unequal length: {len(buckets)}, {n}, {len(offsets)}, {len(numels)}")
+        if payloads is None:
+            if blob is None or bounds is None or len(bounds) != n + 1:
+                raise ValueError("a run needs payloads, or a blob with len + 1 bounds")
+            view = memoryview(blob).toreadonly()
+            payloads = [view[a:b] for a, b in zip(bounds, bounds[1:])]
+        elif len(payloads) != n:
+            raise ValueError(f"{len(payloads)} payloads for {n} contributions")
+        self.round, self.sender, self.codec, self.tokens = round, sender, codec, tokens
+        self.buckets, self.chunks, self.offsets, self.numels = buckets, chunks, offsets, numels
+        self._payloads = payloads
+
+    @classmethod
+    def concat(cls, parts: Sequence[ContributionRun | Contribution]) -> ContributionRun | None:
+        """Runs and single contributions one after the other as one run, or None when they do
+        not share round, sender, codec and tokens (or are none)."""
+        if not parts:
+            return None
+        if len(parts) == 1 and isinstance(parts[0], ContributionRun):
+            return parts[0]
+        p0 = parts[0]
+        key = (p0.round, p0.sender, p0.codec, p0.tokens)
+        cols: dict[str, list] = {k: [] for k in ("buckets", "chunks", "offsets", "numels", "payloads")}
+        for p in parts:
+            if (p.round, p.sender, p.codec, p.tokens) != key:
+                return None
+            if isinstance(p, ContributionRun):
+                cols["buckets"] += p.buckets
+                cols["chunks"] += p.chunks
+                cols["offsets"] += p.offsets
+                cols["numels"] += p.numels
+                cols["payloads"] += p._payloads
+            else:
+                cols["buckets"].append(p.bucket)
+                cols["chunks"].append(p.chunk)
+                cols["offsets"].append(p.offset)
+                cols["numels"].append(p.numel)
+                cols["payloads"].append(p.payload)
+        return cls(round=p0.round, sender=p0.sender, codec=p0.codec, tokens=p0.tokens, **cols)
+
+    @classmethod
+    def stretches(cls, cs: Sequence[Contribution]) -> list[ContributionRun]:
+        """``cs`` cut into runs: each maximal stretch of consecutive items that share round,
+        sender, codec and tokens (a run is one stretch: itself)."""
+        if isinstance(cs, ContributionRun):
+            return [cs]
+        out: list[ContributionRun] = []
+        start = 0
+        for i in range(1, len(cs) + 1):
+            if i == len(cs) or (cs[i].round, cs[i].sender, cs[i].codec, cs[i].tokens) != (
+                cs[start].round,
+                cs[start].sender,
+                cs[start].codec,
+                cs[start].tokens,
+            ):
+                out.append(cls.concat(cs[start:i]))  # type: ignore[arg-type]
+                start = i
+        return out
+
+    def payloads(self) -> list[bytes | memoryview]:
+        """Every item's payload, in order (the run's own list: do not modify it)."""
+        return self._payloads
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @overload
+    def __getitem__(self, i: int) -> Contribution: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> ContributionRun: ...
+
+    def __getitem__(self, i: int | slice) -> Contribution | ContributionRun:
+        if isinstance(i, slice):
+            return ContributionRun(
+                round=self.round,
+                sender=self.sender,
+                codec=self.codec,
+                tokens=self.tokens,
+                buckets=self.buckets[i],
+                chunks=self.chunks[i],
+                offsets=self.offsets[i],
+                numels=self.numels[i],
+                payloads=self._payloads[i],
+            )
+        return Contribution(
+            round=self.round,
+            bucket=self.buckets[i],
+            chunk=self.chunks[i],
+            offset=self.offsets[i],
+            numel=self.numels[i],
+            codec=self.codec,
+            sender=self.sender,
+            payload=self._payloads[i],
+            tokens=self.tokens,
+        )
+
+    def __repr__(self) -> str:
+        return f"ContributionRun(round={self.round}, sender={self.sender!r}, codec={self.codec!r}, len={len(self)})"
 
 
 @dataclass(frozen=True, kw_only=True)

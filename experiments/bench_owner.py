@@ -8,7 +8,8 @@ step (about half the contributions arrive ahead of their turn in the sum's sende
 ``--loss`` drops that fraction of the datagrams. CPU time of the calling thread per chunk:
 
 * per chunk: ``handle_contribution`` for each (the gRPC path); batched: ``handle_contributions``
-  for each sender's run (the datagram dispatch thread); decode only: ``Codec.decode_chunks``;
+  for each sender's batch as a list of Contributions; columns: the same batch as one
+  ``ContributionRun`` (what the datagram receive thread hands on); decode only: ``Codec.decode_chunks``;
 * own: the owner's own contribution chunk by chunk (``_accept``) against one pass per bucket
   (``accept_own``); finalize: closing and finalizing the bucket after each feed.
 
@@ -88,8 +89,16 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
     num = sum(len(cs) for cs in batches)
     codec = get_codec("int8")
     cpu, means = bench.Stopwatch(time.thread_time), {}
+    try:  # a sender's batch as the datagram receive thread hands it on (absent in older checkouts)
+        from dtrain.protocol import ContributionRun
+
+        runs = [ContributionRun.concat(cs) for cs in batches]
+        paths = (("per_chunk", batches), ("batched", batches), ("columns", runs))
+    except ImportError:
+        paths = (("per_chunk", batches), ("batched", batches))
     for _ in range(repeats):
-        for name, batched in (("per_chunk", False), ("batched", True)):
+        for name, feed in paths:
+            batched = name != "per_chunk"
             eng = _owner(numel)
             with cpu(f"own_{name}"):
                 owned = eng._open[0]
@@ -99,7 +108,7 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
                     for c in own:
                         eng._accept(owned, c)
             with cpu(name):
-                for cs in batches:
+                for cs in feed:
                     if batched:
                         assert all(r is None for r in eng.handle_contributions(cs))
                     else:
@@ -114,10 +123,12 @@ def _measure(numel: int, run: int, loss: float, repeats: int) -> dict:
                 codec.decode_chunks([c.payload for c in cs], [c.numel for c in cs])
     best = {k: min(v) for k, v in cpu.laps.items()}
     same = all(
-        a.senders == b.senders and torch.equal(a.mean, b.mean) for a, b in zip(means["per_chunk"], means["batched"])
+        a.senders == b.senders and torch.equal(a.mean, b.mean)
+        for name in means
+        for a, b in zip(means["per_chunk"], means[name])
     )
     per = {"own": len(own), "fin": len(means["batched"])}  # own chunks, finalized chunks; else chunks fed
-    out = {"run": run, "loss": loss, "num": num}
+    out = {"run": run, "loss": loss, "num": num, "columns_us": float("nan")}
     out |= {f"{k}_us": 1e6 * v / per.get(k.split("_")[0], num) for k, v in best.items()}
     return {**out, "speedup": out["per_chunk_us"] / out["batched_us"], "identical": same}
 
@@ -136,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         f"owner CPU per 1,280-element int8 chunk, 3 senders, bucket of {args.numel:,} elements (best of {args.repeats})\n"
     )
     row = bench.table(
-        "| run | loss | chunks | per-chunk us | batched us | speedup | decode us | own us/chunk (per chunk / batched) "
-        "| finalize us/chunk (per chunk / batched) | identical |",
-        "| {run} | {loss:.0%} | {num} | {per_chunk_us:.1f} | {batched_us:.1f} | {speedup:.1f}x | {decode_us:.1f} "
+        "| run | loss | chunks | per-chunk us | batched us | columns us | speedup | decode us "
+        "| own us/chunk (per chunk / batched) | finalize us/chunk (per chunk / batched) | identical |",
+        "| {run} | {loss:.0%} | {num} | {per_chunk_us:.1f} | {batched_us:.1f} | {columns_us:.1f} | {speedup:.1f}x "
+        "| {decode_us:.1f} "
         "| {own_per_chunk_us:.1f} / {own_batched_us:.1f} | {fin_per_chunk_us:.1f} / {fin_batched_us:.1f} | {identical} |",
     )
     figures = [row(_measure(args.numel, run, loss, args.repeats)) for run in args.runs for loss in args.loss]

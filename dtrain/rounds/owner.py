@@ -34,7 +34,7 @@ import torch
 
 from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision
 from dtrain.errors import RejectCode, Rejected
-from dtrain.protocol import Contribution, RoundPlan
+from dtrain.protocol import Contribution, ContributionRun, RoundPlan
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
 
 __all__ = ["OpenRound", "Closing", "ChunkReduction", "SENDER_FAULTS", "CLOSE_COMPLETE", "CLOSE_DEADLINE"]
@@ -236,6 +236,25 @@ class OpenRound:
             )
         if self.token_weighted:
             self._check_claim(c.sender, c.tokens)
+
+    def check_run(self, run: ContributionRun) -> bool:
+        """Whether every contribution of ``run`` (one bucket) passes :meth:`check`, with
+        :meth:`check`'s effects (a first token claim registered); False: one does not, and
+        checking each with :meth:`check` names which and why. One pass over the columns."""
+        bucket, sender = run.buckets[0], run.sender
+        if sender not in self.members or not 0 <= bucket < len(self.owners) or self.owners[bucket] != self.site_id:
+            return False
+        chunks = self.chunks[bucket]
+        last = len(chunks) - 1
+        for c, o, n in zip(run.chunks, run.offsets, run.numels):
+            if not 0 <= c <= last or chunks[c] != (o, n):
+                return False
+        if self.token_weighted:
+            try:
+                self._check_claim(sender, run.tokens)
+            except Rejected:
+                return False
+        return True
 
     def _check_claim(self, sender: str, tokens: int) -> None:
         """Token weighting: the sender's claim is the one it made on its earlier chunks of this

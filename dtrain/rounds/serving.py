@@ -24,7 +24,7 @@ from dtrain.errors import (
     RejectCode,
     Rejected,
 )
-from dtrain.protocol import BucketMean, BucketState, Contribution
+from dtrain.protocol import BucketMean, BucketState, Contribution, ContributionRun
 from dtrain.rounds.history import NotRetained, history_info_state
 from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
@@ -124,17 +124,20 @@ class PeerSide:
 
     def handle_contributions(self, cs: Sequence[Contribution]) -> list[Rejected | None]:
         """:meth:`handle_contribution` for each of ``cs`` in order (a datagram receiver's
-        backlog): the same checks, effects and refusals, one per item (None: counted or an
-        identical retry). A sender's run of chunks of one bucket in ascending order (gaps
-        allowed: datagrams lost) is decoded in one pass (:meth:`Codec.decode_chunks`) and
-        checked and counted in one pass (:meth:`_handle_run`); a run that does not decode is
-        decoded (and refused) chunk by chunk."""
+        backlog, usually one sender's :class:`~dtrain.protocol.ContributionRun`): the same
+        checks, effects and refusals, one per item (None: counted or an identical retry). A
+        run of chunks of one bucket in ascending order (gaps allowed: datagrams lost) is
+        decoded in one pass (:meth:`Codec.decode_chunks`) and checked and counted in one
+        pass (:meth:`_handle_run`); a run that does not decode is decoded (and refused)
+        chunk by chunk. Items are taken in stretches that share sender, round, codec and claim
+        (:meth:`ContributionRun.stretches`)."""
         out: list[Rejected | None] = []
-        for i, j, values in self._decode_runs(cs):
-            if values is None:
-                out += [self._try_one(c, None) for c in cs[i:j]]
-            else:
-                out += self._handle_run(cs[i:j], values)
+        for run in ContributionRun.stretches(cs):
+            for i, j, values in self._decode_runs(run):
+                if values is None:
+                    out += [self._try_one(c, None) for c in run[i:j]]
+                else:
+                    out += self._handle_run(run[i:j], values)
         return out
 
     def _try_one(self, c: Contribution, values: torch.Tensor | None) -> Rejected | None:
@@ -144,61 +147,57 @@ class PeerSide:
             return e
         return None
 
-    def _decode_runs(self, cs: Sequence[Contribution]) -> list[tuple[int, int, torch.Tensor | None]]:
-        """``cs`` cut into consecutive spans ``(start, end, values)``: ``values`` is the
-        decoded concatenation of a run (>= 2) of chunks in ascending order of one sender,
-        round and bucket in this round's codec, or None for a span to take chunk by chunk
-        (not in such a run, or its run did not decode)."""
+    def _decode_runs(self, run: ContributionRun) -> list[tuple[int, int, torch.Tensor | None]]:
+        """``run`` cut into consecutive spans ``(start, end, values)``: ``values`` is the
+        decoded concatenation of a stretch (>= 2) of chunks of one bucket in ascending order
+        in this round's codec, or None for a span to take chunk by chunk (not in such a
+        stretch, or it did not decode)."""
+        if run.codec != self.codec.name:
+            return [(0, len(run), None)]
         out: list[tuple[int, int, torch.Tensor | None]] = []
-        keys = [(c.round, c.bucket, c.sender, c.codec == self.codec.name) for c in cs]
-        for i, j in equal_runs(keys):
-            if not keys[i][3] or j - i < 2:
+        payloads = run.payloads()
+        for i, j in equal_runs(run.buckets):
+            if j - i < 2:
                 out.append((i, j, None))
                 continue
-            for a, b in ascending_runs([c.chunk for c in cs[i:j]]):
-                run, dec = cs[i + a : i + b], None
-                if len(run) >= 2:
+            for a, b in ascending_runs(run.chunks[i:j]):
+                dec = None
+                if b - a >= 2:
                     try:
-                        dec = self.codec.decode_chunks([c.payload for c in run], [c.numel for c in run])
+                        dec = self.codec.decode_chunks(payloads[i + a : i + b], run.numels[i + a : i + b])
                     except CodecError:
                         pass
                 out.append((i + a, i + b, dec))
         return out
 
-    def _handle_run(self, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
+    def _handle_run(self, run: ContributionRun, values: torch.Tensor) -> list[Rejected | None]:
         """:meth:`_handle_one` for each contribution of a decoded run (:meth:`_decode_runs`), one
         pass: the refused chunks are recorded and logged as :meth:`_handle_one` does."""
         try:
-            owned = self._round_for(cs[0].round, self.plan_wait_s)
+            owned = self._round_for(run.round, self.plan_wait_s)
         except Rejected as e:
-            return [e] * len(cs)
-        out: list[Rejected | None] = []
-        for c, r in zip(cs, self._accept_run(owned, cs, values)):
+            return [e] * len(run)
+        out = self._accept_run(owned, run, values)
+        for k, r in enumerate(out):
             if r is not None:
-                self._refused(owned, c, r)
-            out.append(r)
+                self._refused(owned, run[k], r)
         return out
 
-    def _accept_run(self, owned: _Owned, cs: Sequence[Contribution], values: torch.Tensor) -> list[Rejected | None]:
-        """:meth:`_accept` for each of ``cs``, one sender's run of chunks of one bucket in
-        ascending order in this round's codec, ``values`` their decoded concatenation: the
-        checks per chunk in plain Python, the values' checks and the sums per run
+    def _accept_run(self, owned: _Owned, run: ContributionRun, values: torch.Tensor) -> list[Rejected | None]:
+        """:meth:`_accept` for each contribution of ``run``, chunks of one bucket in ascending
+        order in this round's codec, ``values`` their decoded concatenation: the checks per
+        run (:meth:`OpenRound.check_run`), the values' checks and the sums per run
         (:meth:`OpenRound.accept_run`). A run that is not plain (a banned sender, a chunk
         that fails :meth:`OpenRound.check`, chunk indices not ascending) is taken chunk
         by chunk. Returns per chunk None (counted or an identical retry) or its refusal."""
-        books, c0 = owned.books, cs[0]
-        plain = c0.sender not in self._banned and c0.codec == self.codec.name
-        plain = plain and all(c.bucket == c0.bucket and c.sender == c0.sender for c in cs)
-        plain = plain and ascending_runs([c.chunk for c in cs]) == [(0, len(cs))]
-        try:
-            for c in cs if plain else ():
-                books.check(c)
-        except Rejected:
-            plain = False
+        books, bucket = owned.books, run.buckets[0]
+        plain = run.sender not in self._banned and run.codec == self.codec.name
+        plain = plain and run.buckets.count(bucket) == len(run)
+        plain = plain and ascending_runs(run.chunks) == [(0, len(run))] and books.check_run(run)
         if not plain:
             out: list[Rejected | None] = []
             pos = 0
-            for c in cs:
+            for c in run:
                 try:
                     self._accept(owned, c, values[pos : pos + c.numel])
                     out.append(None)
@@ -206,10 +205,10 @@ class PeerSide:
                     out.append(e)
                 pos += c.numel
             return out
-        digests = [hashlib.blake2b(c.payload, digest_size=16).digest() for c in cs]
+        digests = [hashlib.blake2b(p, digest_size=16).digest() for p in run.payloads()]
         with owned.cv:
-            res = books.accept_run(c0.sender, c0.bucket, [c.chunk for c in cs], values, digests, now=time.monotonic())
-            if any(r is True for r in res) and books.awaited(c0.bucket) == 0:
+            res = books.accept_run(run.sender, bucket, run.chunks, values, digests, now=time.monotonic())
+            if any(r is True for r in res) and books.awaited(bucket) == 0:
                 owned.cv.notify_all()
         return [r if isinstance(r, Rejected) else None for r in res]
 
@@ -218,16 +217,17 @@ class PeerSide:
         owns (refusals are returned, not recorded as a peer's): runs of chunks in ascending
         order are decoded, checked and counted in one pass each, as a peer's (:meth:`_accept_run`)."""
         out: list[Rejected | None] = []
-        for i, j, values in self._decode_runs(cs):
-            if values is not None:
-                out += self._accept_run(owned, cs[i:j], values)
-                continue
-            for c in cs[i:j]:
-                try:
-                    self._accept(owned, c)
-                    out.append(None)
-                except Rejected as e:
-                    out.append(e)
+        for run in ContributionRun.stretches(cs):
+            for i, j, values in self._decode_runs(run):
+                if values is not None:
+                    out += self._accept_run(owned, run[i:j], values)
+                    continue
+                for c in run[i:j]:
+                    try:
+                        self._accept(owned, c)
+                        out.append(None)
+                    except Rejected as e:
+                        out.append(e)
         return out
 
     def _handle_one(self, c: Contribution, values: torch.Tensor | None) -> None:

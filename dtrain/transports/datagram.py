@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.base import HEADER_BYTES as CODEC_HEADER_BYTES
 from dtrain.errors import BindError, PeerTimeout, PeerUnavailable, Rejected, TransportError
-from dtrain.protocol import BucketState, Contribution, RoundPlan
+from dtrain.protocol import BucketState, Contribution, ContributionRun, RoundPlan
 from dtrain.transports.base import LinkProbe, PeerHandler, Transport
 from dtrain.transports.datagram_config import DatagramTransportConfig, max_datagram_bytes_for_mtu
 from dtrain.transports.datagram_ends import DatagramEnds
@@ -65,7 +65,7 @@ from dtrain.transports.datagram_pacing import (
     describe_reports,
     socket_buffer_bytes,
 )
-from dtrain.transports.datagram_recv import _REPORT, DatagramReceive
+from dtrain.transports.datagram_recv import _REPORT, DatagramReceive, queued_datagrams
 from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_rtt import RttEstimator
@@ -94,7 +94,7 @@ log = logging.getLogger(__name__)
 
 _SEND_END = struct.Struct("<QQdQ")  # contribution datagrams, their bytes, send window s, contributions sent
 _COUNT = struct.Struct("<Q")  # a BUCKET_END's body: the sender's contributions to that bucket and owner so far
-_DISPATCH_BATCH = 512  # queued items the dispatch thread takes per wake-up
+_DISPATCH_BATCH = 512  # queued datagrams the dispatch thread takes per wake-up (at least)
 _BUCKET_END_COPIES = 2  # BUCKET_END datagrams per bucket and owner
 # at most this many datagrams sealed and sent per call, and what fits the pacer's burst (46 x 1,400 B in 64 KiB)
 _SEND_BATCH = 64
@@ -680,15 +680,19 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             except queue.Empty:
                 self._check_all_ends()
                 continue
-            while len(items) < _DISPATCH_BATCH:
+            num = queued_datagrams(items)
+            while num < _DISPATCH_BATCH:
                 try:
-                    items += self._dispatch.get_nowait()
+                    more = self._dispatch.get_nowait()
                 except queue.Empty:
                     break
+                items += more
+                num += queued_datagrams(more)
             with self._lock:
-                self._queued -= len(items)
+                self._queued -= num
             for group in dispatch_groups(items):
-                if len(group) > 1:
+                kind, _, _, obj = items[group[0]]
+                if len(group) > 1 or type(obj) is ContributionRun:
                     self._dispatch_contributions([items[i] for i in group])
                 else:
                     self._dispatch_one(*items[group[0]])
@@ -711,20 +715,26 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             log.exception("datagram dispatch failed")
 
     def _dispatch_contributions(self, items: list[tuple]) -> None:
-        """Contributions of one sender and round, in arrival order (:func:`dispatch_groups`)."""
+        """Contributions of one sender and round, in arrival order (:func:`dispatch_groups`):
+        Contributions and :class:`~dtrain.protocol.ContributionRun` s, handed to the handler as
+        one run where they share codec and claim (else as a list of Contributions)."""
+        _, rs, h, _ = items[0]
+        objs = [obj for _, _, _, obj in items]
+        cs: Sequence[Contribution] | None = ContributionRun.concat(objs)
+        if cs is None:
+            cs = [c for o in objs for c in (o if type(o) is ContributionRun else (o,))]
         batch = getattr(self._handler, "handle_contributions", None)
         if batch is None:
-            for item in items:
-                self._dispatch_one(*item)
+            for c in cs:
+                self._dispatch_one(Kind.CONTRIB, rs, h, c)
             return
-        _, rs, h, _ = items[0]
         try:
-            results = batch([obj for _, _, _, obj in items])
+            results = batch(cs)
         except Exception:
             log.exception("datagram dispatch failed")
             return
         finally:
-            self._note_handled(rs, h.sender, [obj.bucket for _, _, _, obj in items])
+            self._note_handled(rs, h.sender, cs.buckets if isinstance(cs, ContributionRun) else [c.bucket for c in cs])
         refused = [e for e in results if e is not None]
         with rs.lock:
             st = rs.stats[h.sender]

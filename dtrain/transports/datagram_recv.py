@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.protocol import Contribution
+from dtrain.protocol import Contribution, ContributionRun
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
@@ -43,7 +43,7 @@ from dtrain.transports.datagram_wire import (
     split_contribution_body,
 )
 
-__all__ = ["HELD_COPY", "DatagramReceive"]
+__all__ = ["HELD_COPY", "DatagramReceive", "queued_datagrams"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ _TIMESPEC = struct.Struct("@qq")
 _U32 = struct.Struct("@I")
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
-_MAX_QUEUED = 65536  # items waiting for the dispatch thread at most (a flood's bound)
+_MAX_QUEUED = 65536  # datagrams waiting for the dispatch thread at most (a flood's bound)
 _RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
 _UDP_GRO = 104  # linux/udp.h (Linux >= 5.0); the socket module does not name it
 _DATA_KINDS = (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META)  # what test_drop may discard
@@ -84,6 +84,12 @@ def _contribution(rs: RoundState, h: Header, payload: bytes, tokens: int) -> Con
 
 
 _new = object.__new__
+
+
+def queued_datagrams(items: list[tuple]) -> int:
+    """The datagrams that queued ``(kind, round state, header, object)`` items stand for: a
+    :class:`~dtrain.protocol.ContributionRun` its length, any other item one."""
+    return sum(len(obj) if type(obj) is ContributionRun else 1 for _, _, _, obj in items)
 
 
 def _enable_rx_meta(sock: socket.socket) -> int:
@@ -419,51 +425,68 @@ class DatagramReceive:
     ) -> None:
         """:meth:`_hand_on` for a batch of plain contributions of round ``rs``
         (:meth:`_plain_contributions`), with the same effects: per sender its statistics,
-        arrivals and activity (:meth:`_note_senders`), then each row's Contribution to ``out``
-        in arrival order. The per-row work is the Contribution alone. The queued item's header
-        is its sender's first of the batch (for a contribution the dispatch thread reads only
-        the round and sender)."""
-        heads = self._note_senders(rs, hv, lens, ts, n)
-        raw = buf.reshape(-1).data
-        stride = buf.shape[1]
-        base = dict(round=rs.round, codec="", sender="", bucket=0, chunk=0, offset=0, numel=0, payload=b"", tokens=0)
+        arrivals and activity (:meth:`_note_senders`), then its rows as one
+        :class:`~dtrain.protocol.ContributionRun` (columns and one payload blob: no object per
+        datagram) to ``out``, senders in the order of their first row. A sender whose rows
+        differ in codec or claim gets one Contribution per row instead (the owner refuses
+        what does not match, chunk by chunk). The queued item's header is the sender's first
+        of the batch (for a contribution the dispatch thread reads only the round and sender)."""
+        heads, rows_of = self._note_senders(rs, hv, lens, ts, n)
         names, site_ids, kind = CODEC_WIRE_NAMES, rs.site_ids, Kind.CONTRIB
-        columns = zip(
-            range(0, n * stride, stride),
-            lens[:n].tolist(),
-            hv["sender"].tolist(),
-            hv["bucket"].tolist(),
-            hv["chunk"].tolist(),
-            hv["offset"].tolist(),
-            hv["numel"].tolist(),
-            hv["codec"].tolist(),
-            claims[:n].tolist(),
-        )
-        for at, n_i, s, bucket, chunk, offset, numel, codec, claim in columns:
-            c = _new(Contribution)
-            d = c.__dict__
-            d.update(base)
-            d["bucket"], d["chunk"], d["offset"], d["numel"] = bucket, chunk, offset, numel
-            d["codec"], d["sender"], d["tokens"] = names[codec], site_ids[s], claim
-            d["payload"] = raw[at + _PLAIN_BODY : at + n_i - TAG_BYTES].tobytes()
-            out.append((kind, rs, heads[s], c))
-        self._counts["received"] += int(lens[:n].sum()) - n * (_PLAIN_BODY + TAG_BYTES)  # codec payload bytes
+        codecs, body_lens = hv["codec"], lens[:n].astype(np.int64) - (_PLAIN_BODY + TAG_BYTES)
+        for s, rows in rows_of.items():
+            codec_s, claim_s = codecs[rows], claims[rows]
+            if not ((codec_s == codec_s[0]).all() and (claim_s == claim_s[0]).all()):
+                for i in rows.tolist():
+                    h = Header._make(hv[i].tolist())
+                    body = buf[i, _PLAIN_BODY : int(lens[i]) - TAG_BYTES].tobytes()
+                    out.append((kind, rs, heads[s], _contribution(rs, h, body, int(claims[i]))))
+                continue
+            width = body_lens[rows]
+            if (width == width[0]).all():  # the usual: equal datagrams, their payloads in one copy
+                at = slice(0, n) if len(rows) == n else rows  # one sender: a view, not a gathered copy
+                blob = buf[at, _PLAIN_BODY : _PLAIN_BODY + int(width[0])].tobytes()
+            else:
+                blob = b"".join(buf[i, _PLAIN_BODY : _PLAIN_BODY + w].tobytes() for i, w in zip(rows, width.tolist()))
+            bounds = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(width, out=bounds[1:])
+            run = ContributionRun(
+                round=rs.round,
+                sender=site_ids[s],
+                codec=names[int(codec_s[0])],
+                tokens=int(claim_s[0]),
+                buckets=hv["bucket"][rows].tolist(),
+                chunks=hv["chunk"][rows].tolist(),
+                offsets=hv["offset"][rows].tolist(),
+                numels=hv["numel"][rows].tolist(),
+                blob=blob,
+                bounds=bounds.tolist(),
+            )
+            out.append((kind, rs, heads[s], run))
+        self._counts["received"] += int(body_lens.sum())  # codec payload bytes
 
-    def _note_senders(self, rs: RoundState, hv: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int) -> dict:
+    def _note_senders(
+        self, rs: RoundState, hv: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int
+    ) -> tuple[dict[int, Header], dict[int, np.ndarray]]:
         """Per sender of a plain batch (:meth:`_hand_on_plain`): its datagrams' statistics, its
         arrivals (in-order sequence numbers appended as one run; a batch with an overtaken one
         goes row by row, as :meth:`_hand_on`) and its activity. Returns sender -> its first
-        row's Header."""
+        row's Header, and sender -> its rows (ascending), both in the order of first rows."""
         now = time.monotonic()
         t_ns = ts[:n]
         times = np.where(t_ns != 0, t_ns * 1e-9 + (now - time.time()), now)
         body_lens = lens[:n].astype(np.int64) - (HEADER_BYTES + TAG_BYTES)  # the plaintext, claim included
         senders, seqs = hv["sender"], hv["seq"]
         heads: dict[int, Header] = {}
+        rows_of: dict[int, np.ndarray] = {}
         first = int(senders[0])  # usually the batch's only sender (np.unique costs ~80 µs a call)
-        distinct = [first] if (senders == first).all() else np.flatnonzero(np.bincount(senders)).tolist()
-        for s in distinct:
-            rows = np.flatnonzero(senders == s) if len(distinct) > 1 else np.arange(n)
+        if (senders == first).all():
+            rows_of[first] = np.arange(n)
+        else:
+            for s in np.flatnonzero(np.bincount(senders)).tolist():
+                rows_of[s] = np.flatnonzero(senders == s)
+            rows_of = dict(sorted(rows_of.items(), key=lambda kv: int(kv[1][0])))
+        for s, rows in rows_of.items():
             heads[s] = Header._make(hv[int(rows[0])].tolist())
             t_s, seq_s = times[rows], seqs[rows].astype(np.int64)
             arrivals = rs.arrivals.get(s) or rs.arrivals.setdefault(s, SeqArrivals())
@@ -485,7 +508,7 @@ class DatagramReceive:
                     len(rows), int(body_lens[rows].sum()), float(t_s.min()), float(t_s.max()), self._sock_drops
                 )
                 rs.owner_active[s] = max(rs.owner_active.get(s, 0.0), now)
-        return heads
+        return heads, rows_of
 
     def _rx_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The receive thread's batch buffers (rows of ``max_datagram_bytes + 1``: a larger
@@ -632,16 +655,18 @@ class DatagramReceive:
             log.exception("round %d: NACK from %s failed", rs.round, rs.site_ids[h.sender])
 
     def _enqueue(self, items: list[tuple]) -> None:
-        """Queue a batch of items for the dispatch thread; at most ``_MAX_QUEUED`` items wait (the rest: over budget)."""
+        """Queue a batch of items for the dispatch thread; at most ``_MAX_QUEUED`` datagrams
+        wait (:func:`queued_datagrams`; the rest: over budget)."""
         if not items:
             return
+        num = queued_datagrams(items)
         with self._lock:
-            room = self._queued + len(items) <= _MAX_QUEUED
-            self._queued += len(items) if room else 0
+            room = self._queued + num <= _MAX_QUEUED
+            self._queued += num if room else 0
         if room:
             self._dispatch.put(items)
         else:
-            self._opener.count("over_budget", len(items))
+            self._opener.count("over_budget", num)
 
     def _on_contribution(self, rs: RoundState, h: Header, body: bytes, t_arrival: float, out: list[tuple]) -> None:
         if h.codec >= len(CODEC_WIRE_NAMES):

@@ -1,7 +1,7 @@
 """The receive thread's hand-on of an opened batch (dtrain/transports/datagram_recv.py): a batch
-of plain contributions, taken in columns (``_hand_on_plain``), has every effect the row-by-row
-path has: the same Contributions in the same order, the same per-sender receive statistics and
-arrivals, the same reordering measured and the same byte count."""
+of plain contributions, taken in columns (``_hand_on_plain``: one ContributionRun per sender), has
+every effect the row-by-row path has: each sender's Contributions in the same order, the same
+per-sender receive statistics and arrivals, the same reordering measured and the same byte count."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from dtrain.protocol import Member, RoundPlan
+from dtrain.protocol import ContributionRun, Member, RoundPlan
 from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
 from dtrain.transports.datagram_native import native
 from dtrain.transports.datagram_wire import Kind, Sealer, codec_id, contribution_body
@@ -30,19 +30,20 @@ class _Handler:
         raise AssertionError("not dispatched in this test")
 
 
-def _batch(order: str) -> list[bytes]:
-    """Sealed contributions of round 3 from site-a and site-b (20 each, 3 buckets, claims and
-    codecs varying), interleaved; ``reordered``: some of each sender's swapped."""
+def _batch(order: str, varying: bool = True) -> list[bytes]:
+    """Sealed contributions of round 3 from site-a and site-b (20 each, 3 buckets; ``varying``:
+    claims and codecs vary within a sender's, else one claim and int8 per sender), interleaved;
+    ``reordered``: some of each sender's swapped."""
     rows: list[list[bytes]] = []
     rng = np.random.default_rng(1)
     for sender in (0, 1):
         sealer = Sealer(KEY, run=0, round=3, sender=sender)
         fields, bodies = [], []
         for i in range(20):
-            codec = codec_id("int8" if i % 5 else "int4")
+            codec = codec_id("int8" if i % 5 or not varying else "int4")
             fields.append((i // 8, i, 640 * i, 640, codec, 0, 1))
             payload = rng.integers(0, 256, int(rng.integers(1, 700)), dtype=np.uint8).tobytes()
-            bodies.append(contribution_body(1000 * sender + i * (1 << 33), payload))
+            bodies.append(contribution_body(1000 * sender + (i * (1 << 33) if varying else 0), payload))
         sealed = sealer.seal_many(Kind.CONTRIB, fields, bodies)
         rows.append([sealed.datagram(i) for i in range(20)])
     if order == "reordered":
@@ -87,16 +88,33 @@ def _hand_on(datagrams: list[bytes], now_ns: int, columns: bool, monkeypatch) ->
         t.stop(0)
 
 
+def _by_sender(items: list[tuple]) -> dict[str, list]:
+    """Each sender's Contributions in queue order (a ContributionRun's items one by one), with
+    the queued item's round numbers and header sender."""
+    out: dict[str, list] = {}
+    for kind, rnd, h_round, h_sender, obj in items:
+        for c in obj if isinstance(obj, ContributionRun) else (obj,):
+            out.setdefault(c.sender, []).append((kind, rnd, h_round, h_sender, c))
+    return out
+
+
+@pytest.mark.parametrize("varying", [False, True], ids=["one claim and codec a sender", "claims and codecs vary"])
 @pytest.mark.parametrize("order", ["in order", "reordered", "one sender"])
-def test_a_plain_batch_in_columns_has_the_row_by_row_effects(order: str, monkeypatch) -> None:
-    datagrams, now_ns = _batch(order), time.time_ns()
+def test_a_plain_batch_in_columns_has_the_row_by_row_effects(order: str, varying: bool, monkeypatch) -> None:
+    datagrams, now_ns = _batch(order, varying), time.time_ns()
     cols = _hand_on(datagrams, now_ns, True, monkeypatch)
     rows = _hand_on(datagrams, now_ns, False, monkeypatch)
     items, stats, arrivals, late, received, active = cols
-    assert len(items) == len(datagrams)
-    assert items == rows[0]
-    assert [c.tokens for *_, c in items] == [1000 * SITES.index(c.sender) + c.chunk * (1 << 33) for *_, c in items]
-    assert [c.codec for *_, c in items] == ["int8" if c.chunk % 5 else "int4" for *_, c in items]
+    runs = [obj for *_, obj in items if isinstance(obj, ContributionRun)]
+    # one run per sender when its rows share claim and codec; else a Contribution per row
+    assert len(runs) == (0 if varying else 1 if order == "one sender" else 2)
+    assert sum(len(r) for r in runs) == (0 if varying else len(datagrams))
+    assert _by_sender(items) == _by_sender(rows[0])
+    flat = [c for cs in _by_sender(items).values() for *_, c in cs]
+    assert len(flat) == len(datagrams)
+    claim = {c.chunk: (c.chunk * (1 << 33) if varying else 0) for c in flat}
+    assert [c.tokens for c in flat] == [1000 * SITES.index(c.sender) + claim[c.chunk] for c in flat]
+    assert [c.codec for c in flat] == ["int8" if c.chunk % 5 or not varying else "int4" for c in flat]
     assert stats.keys() == rows[1].keys()
     for s, (num, nbytes, first, last) in stats.items():
         assert (num, nbytes) == rows[1][s][:2]
@@ -105,7 +123,7 @@ def test_a_plain_batch_in_columns_has_the_row_by_row_effects(order: str, monkeyp
         assert last - first == pytest.approx(rows[1][s][3] - rows[1][s][2], abs=1e-6)
         assert last - first > 0.018
     assert arrivals == rows[2]
-    assert received == rows[4] == sum(len(c.payload) for *_, c in items)
+    assert received == rows[4] == sum(len(c.payload) for c in flat)
     assert active == rows[5]
     if order == "reordered":  # each sender's two swaps measured the same way on both paths
         assert late["site-a"] > 0 and late["site-b"] > 0
