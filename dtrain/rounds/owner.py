@@ -238,11 +238,13 @@ class OpenRound:
             self._check_claim(c.sender, c.tokens)
 
     def check_run(self, run: ContributionRun) -> bool:
-        """Whether every contribution of ``run`` (one bucket) passes :meth:`check`, with
-        :meth:`check`'s effects (a first token claim registered); False: one does not, and
-        checking each with :meth:`check` names which and why. One pass over the columns."""
+        """Whether ``run`` is of one bucket and every contribution of it passes :meth:`check`,
+        with :meth:`check`'s effects (a first token claim registered); False: not, and checking
+        each with :meth:`check` names which and why. One pass over the columns."""
         bucket, sender = run.buckets[0], run.sender
         if sender not in self.members or not 0 <= bucket < len(self.owners) or self.owners[bucket] != self.site_id:
+            return False
+        if run.buckets.count(bucket) != len(run):
             return False
         chunks = self.chunks[bucket]
         last = len(chunks) - 1

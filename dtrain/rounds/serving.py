@@ -192,7 +192,6 @@ class PeerSide:
         by chunk. Returns per chunk None (counted or an identical retry) or its refusal."""
         books, bucket = owned.books, run.buckets[0]
         plain = run.sender not in self._banned and run.codec == self.codec.name
-        plain = plain and run.buckets.count(bucket) == len(run)
         plain = plain and ascending_runs(run.chunks) == [(0, len(run))] and books.check_run(run)
         if not plain:
             out: list[Rejected | None] = []

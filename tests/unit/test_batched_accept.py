@@ -21,7 +21,7 @@ from dtrain.buckets import BucketConfig, BucketLayout
 from dtrain.codecs import get_codec
 from dtrain.configs import CodecConfig
 from dtrain.errors import Rejected
-from dtrain.protocol import Contribution, Member, RoundPlan
+from dtrain.protocol import Contribution, ContributionRun, Member, RoundPlan
 from dtrain.rounds import RoundConfig, RoundEngine
 from dtrain.rounds.owner import OpenRound
 from dtrain.rounds.serving import _Owned
@@ -284,16 +284,20 @@ def test_handle_contributions_matches_handle_contribution_per_chunk(codec: str, 
     rng = random.Random(seed)
     batches = _contributions(codec, rng, torch.Generator().manual_seed(seed))
     config = CONFIGS[config_name]
-    one, many = _engine(codec, config), _engine(codec, config)
-    want, got = [], []
+    one, many, cols = _engine(codec, config), _engine(codec, config), _engine(codec, config)
+    want, got, got_cols, runs = [], [], [], 0
     for cs in batches:
         want += _one_at_a_time(one, cs)
         got += _answers(many.handle_contributions(cs))
-    assert got == want
+        run = ContributionRun.concat(cs)  # the batch as the datagram receive thread hands it on
+        runs += run is not None
+        got_cols += _answers(cols.handle_contributions(run if run is not None else cs))
+    assert got == want and got_cols == want
+    assert runs > len(batches) // 2
     codes = {w[0] for w in want if w is not None}
     assert len(codes) >= 3, f"the batches exercise too few refusals: {codes}"
     view_one, view_many = _books_view(one), _books_view(many)
-    assert view_many == view_one
+    assert view_many == view_one and _books_view(cols) == view_one
     assert sum(1 for m in view_one["means"] if m[3] is not None) > 10
 
 
