@@ -40,6 +40,9 @@
 #endif
 #define GRO_SLOTS 64           /* coalesced reads per recvmmsg of dg_recv_gro */
 #define GRO_SLOT_BYTES 65536   /* a coalesced read's payload: at most UDP's 65,535 */
+/* slots lie this far apart: not a power of two, so the starts of 64 one-datagram reads do not
+ * all fall into the same cache sets (64 KiB apart, they did: +0.3 µs a datagram) */
+#define GRO_SLOT_STRIDE (GRO_SLOT_BYTES + 17 * 64)
 
 int dg_version(void) { return 6; }
 
@@ -422,7 +425,7 @@ typedef struct {
 void *dg_gro_new(void) {
     dg_gro *g = calloc(1, sizeof(*g));
     if (!g) return NULL;
-    g->scratch = malloc((size_t)GRO_SLOTS * GRO_SLOT_BYTES);
+    g->scratch = malloc((size_t)GRO_SLOTS * GRO_SLOT_STRIDE);
     if (!g->scratch) {
         free(g);
         return NULL;
@@ -458,7 +461,7 @@ static void gro_cut(dg_gro *g, int *row, int n, unsigned char *buf, uint32_t str
         int k = g->at;
         uint32_t left = g->len[k] - g->pos;
         uint32_t l = left < g->seg[k] ? left : g->seg[k];
-        memcpy(buf + (size_t)*row * stride, g->scratch + (size_t)k * GRO_SLOT_BYTES + g->pos, l < stride ? l : stride);
+        memcpy(buf + (size_t)*row * stride, g->scratch + (size_t)k * GRO_SLOT_STRIDE + g->pos, l < stride ? l : stride);
         lens[*row] = l > stride ? stride + 1 : l;
         ts_ns[*row] = g->ts_ns[k];
         (*row)++;
@@ -491,7 +494,7 @@ int dg_recv_gro(void *p, int fd, int n, unsigned char *buf, uint32_t stride, uin
     while (row < n) {
         memset(msgs, 0, sizeof(msgs));
         for (int i = 0; i < GRO_SLOTS; i++) {
-            iov[i].iov_base = g->scratch + (size_t)i * GRO_SLOT_BYTES;
+            iov[i].iov_base = g->scratch + (size_t)i * GRO_SLOT_STRIDE;
             iov[i].iov_len = GRO_SLOT_BYTES;
             msgs[i].msg_hdr.msg_iov = &iov[i];
             msgs[i].msg_hdr.msg_iovlen = 1;
