@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -208,6 +209,50 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on", *, gso: bool, gr
     return cpu / max(1, handler.num) * 1e6, handler.num / num
 
 
+def native_read_cpu_us(*, gso: bool, gro: bool, num: int = 20_000) -> float:
+    """CPU µs per datagram of the compiled loop's read alone: ``num`` 1,400-byte datagrams are
+    queued on a socket first (one ``send`` each, or ``gso``: 40 a UDP segmentation offload
+    write), then read in 256-row batches with ``recvmmsg`` or (``gro``) coalesced reads."""
+    import numpy as np
+
+    from dtrain.transports.datagram_native import native
+
+    lib = native("on")
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    state = lib.gro_state()
+    try:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 << 20)
+        rx.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_TIMESTAMPNS", 35), 1)
+        if gro:
+            rx.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
+        rx.bind(("127.0.0.1", 0))
+        tx.connect(rx.getsockname())
+        d = os.urandom(1400)
+        for _ in range(num // 40 if gso else num):
+            if gso:
+                tx.sendmsg([d * 40], [(socket.SOL_UDP, 103, struct.pack("H", 1400))])
+            else:
+                tx.send(d)
+        buf, lens = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32)
+        ts, drops = np.zeros(256, np.int64), np.zeros(1, np.uint32)
+        got, t0 = 0, time.thread_time()
+        while got < num:
+            n = (
+                lib.recv_gro(state, rx.fileno(), buf, lens, ts, drops)
+                if gro
+                else lib.recv(rx.fileno(), buf, lens, ts, drops)
+            )
+            if n <= 0:
+                break
+            got += n
+        return (time.thread_time() - t0) / max(got, 1) * 1e6
+    finally:
+        lib.gro_free(state)
+        rx.close()
+        tx.close()
+
+
 def decode_cpu_us(numel: int, *, batch: bool) -> float:
     """CPU µs (this thread) per datagram-sized int8 chunk of decoding ``numel`` elements: one ``decode``
     per chunk, or ``decode_chunks`` over them (what an owner, each applied mean and the residuals pay)."""
@@ -263,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         iso["recv_gso_recvmmsg_us"], _ = isolated_recv_cpu_us(gso=True, gro=False)
         has_gro = "gro" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: recvmmsg only
         iso["recv_gso_gro_us"], _ = isolated_recv_cpu_us(gso=True, gro=True) if has_gro else (None, None)
+        if has_gro:
+            for sender in ("send", "gso"):
+                for how in ("recvmmsg", "gro"):
+                    reads = [native_read_cpu_us(gso=sender == "gso", gro=how == "gro") for _ in range(5)]
+                    iso[f"read_{sender}_{how}_us"] = statistics.median(reads)
         gso = f"{iso['push_gso_us']:.2f} (UDP GSO), " if has_gso else ""
         gro = f", with UDP GRO {iso['recv_gso_gro_us']:.2f}" if has_gro else ""
         print(
@@ -271,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             f"of one send per datagram (delivered {iso['recv_delivered']:.3f}); from a GSO sender "
             f"(as dtrain sends) with recvmmsg {iso['recv_gso_recvmmsg_us']:.2f}{gro}"
         )
+        if has_gro:
+            print(
+                "the read alone (20,000 queued, medians of 5), CPU µs per datagram: from a per-datagram sender "
+                f"recvmmsg {iso['read_send_recvmmsg_us']:.2f}, GRO {iso['read_send_gro_us']:.2f}; from a GSO sender "
+                f"recvmmsg {iso['read_gso_recvmmsg_us']:.2f}, GRO {iso['read_gso_gro_us']:.2f}"
+            )
     numel = 1 << 20 if args.quick else 10_000_000
     per_chunk, batched = decode_cpu_us(numel, batch=False), decode_cpu_us(numel, batch=True)
     print(
