@@ -195,6 +195,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
         self._queued = 0
         self._rx: tuple | None = None
         self._gro: int | None = None  # the receive thread's coalesced-read state (config.gro), its own
+        self._plain = None  # the receive thread's PlainColumns (its own), made at its first plain batch
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
         self._drop_rng = random.Random(cfg.test_drop_seed)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dtrain.protocol import Contribution, ContributionRun
+from dtrain.transports.datagram_native import PlainColumns
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_wire import (
@@ -50,17 +51,18 @@ log = logging.getLogger(__name__)
 _REPORT = struct.Struct("<QQdQQQQ")  # received datagrams, bytes, recv_s, accepted, rejected, echo, socket drops
 _TIMESPEC = struct.Struct("@qq")
 _U32 = struct.Struct("@I")
+_U32LE = struct.Struct("<I")
+_PLAIN_OVERHEAD = HEADER_BYTES + CLAIM_BYTES + TAG_BYTES  # a whole contribution's datagram less its codec payload
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # == SCM_TIMESTAMPNS (Linux)
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 _MAX_QUEUED = 65536  # datagrams waiting for the dispatch thread at most (a flood's bound)
 _RECV_BATCH = 256  # datagrams the receive thread reads per wake-up at most
 _UDP_GRO = 104  # linux/udp.h (Linux >= 5.0); the socket module does not name it
 _DATA_KINDS = (Kind.CONTRIB, Kind.MEAN, Kind.MEAN_META)  # what test_drop may discard
-_PLAIN_BODY = HEADER_BYTES + CLAIM_BYTES  # where a whole contribution's codec payload starts in its row
-_PLAIN_MIN_LEN = _PLAIN_BODY + TAG_BYTES  # a whole contribution's datagram holds at least its claim
-#: a batch this long at least is taken in columns (_hand_on_plain): its numpy passes cost ~50-100 µs a
-#: batch, so below it row by row is cheaper (4 rows: 24 against 7 µs a datagram; even at ~16)
-_COLUMNS_MIN_ROWS = 16
+#: a batch this long at least is taken in columns (_hand_on_plain): its compiled pass and per-sender
+#: Python cost ~15 µs a batch, so below it row by row is cheaper (the hand-on alone, µs a datagram,
+#: columns against rows: 2 rows 9.7 / 7.1, 4 rows 4.8 / 5.0, 8 rows 2.5 / 3.6, 16 rows 1.4 / 3.0)
+_COLUMNS_MIN_ROWS = 4
 
 
 def _contribution(rs: RoundState, h: Header, payload: bytes, tokens: int) -> Contribution:
@@ -123,6 +125,7 @@ class DatagramReceive:
     _sock: Any
     _native: Any
     _gro: int | None
+    _plain: PlainColumns | None
     _opener: Any
     _stopped: Any
     _lock: Any
@@ -318,12 +321,10 @@ class DatagramReceive:
         batch) is taken in columns instead (:meth:`_hand_on_plain`, the same effects:
         tests/unit/test_datagram_recv.py)."""
         n = len(opened.ok)
+        if n >= _COLUMNS_MIN_ROWS and opened.ok.all() and self._hand_on_plain(buf, lens, ts, opened.headers, n, out):
+            return
         # each row's first 8 body bytes as a u64: a CONTRIB's claim (one numpy pass per batch)
         claims = np.ascontiguousarray(buf[:n, HEADER_BYTES : HEADER_BYTES + CLAIM_BYTES]).view("<u8")[:, 0]
-        rs0 = self._plain_contributions(opened, lens, n)
-        if rs0 is not None:
-            self._hand_on_plain(rs0, buf, lens, ts, opened.headers, claims, n, out)
-            return
         if opened.ok.all():  # the usual batch: no fancy indexing
             idx, rows, lens_, ts_ = range(n), opened.headers.tolist(), lens[:n].tolist(), ts[:n].tolist()
             claims_ = claims.tolist()
@@ -397,118 +398,90 @@ class DatagramReceive:
                 rs.owner_active[sender] = max(rs.owner_active.get(sender, 0.0), now)
         self._counts["received"] += received
 
-    def _plain_contributions(self, opened: BatchOpened, lens: np.ndarray, n: int) -> RoundState | None:
-        """The round of a batch of at least ``_COLUMNS_MIN_ROWS`` rows that are all plain
-        contributions (opened, one round with a plan, whole: one fragment with its claim, a known
-        codec), else None: a few numpy passes over the header columns, so :meth:`_hand_on_plain`
-        can take the batch in columns."""
-        if n < _COLUMNS_MIN_ROWS or not opened.ok.all():
-            return None
-        hv = opened.headers
-        kinds, rounds = hv["kind"], hv["round"]
-        if not ((kinds == Kind.CONTRIB).all() and (hv["nfrags"] == 1).all() and (rounds == rounds[0]).all()):
-            return None
-        if not ((hv["codec"] < len(CODEC_WIRE_NAMES)).all() and (lens[:n] >= _PLAIN_MIN_LEN).all()):
-            return None
-        return self._round(int(rounds[0]))
-
     def _hand_on_plain(
-        self,
-        rs: RoundState,
-        buf: np.ndarray,
-        lens: np.ndarray,
-        ts: np.ndarray,
-        hv: np.ndarray,
-        claims: np.ndarray,
-        n: int,
-        out: list[tuple],
-    ) -> None:
-        """:meth:`_hand_on` for a batch of plain contributions of round ``rs``
-        (:meth:`_plain_contributions`), with the same effects: per sender its statistics,
-        arrivals and activity (:meth:`_note_senders`), then its rows as one
-        :class:`~dtrain.protocol.ContributionRun` (columns and one payload blob: no object per
-        datagram) to ``out``, senders in the order of their first row. A sender whose rows
-        differ in codec or claim gets one Contribution per row instead (the owner refuses
-        what does not match, chunk by chunk). The queued item's header is the sender's first
-        of the batch (for a contribution the dispatch thread reads only the round and sender)."""
-        heads, rows_of = self._note_senders(rs, hv, lens, ts, n)
-        names, site_ids, kind = CODEC_WIRE_NAMES, rs.site_ids, Kind.CONTRIB
-        codecs, body_lens = hv["codec"], lens[:n].astype(np.int64) - (_PLAIN_BODY + TAG_BYTES)
-        for s, rows in rows_of.items():
-            codec_s, claim_s = codecs[rows], claims[rows]
-            if not ((codec_s == codec_s[0]).all() and (claim_s == claim_s[0]).all()):
-                for i in rows.tolist():
-                    h = Header._make(hv[i].tolist())
-                    body = buf[i, _PLAIN_BODY : int(lens[i]) - TAG_BYTES].tobytes()
-                    out.append((kind, rs, heads[s], _contribution(rs, h, body, int(claims[i]))))
-                continue
-            width = body_lens[rows]
-            if (width == width[0]).all():  # the usual: equal datagrams, their payloads in one copy
-                at = slice(0, n) if len(rows) == n else rows  # one sender: a view, not a gathered copy
-                blob = buf[at, _PLAIN_BODY : _PLAIN_BODY + int(width[0])].tobytes()
-            else:
-                blob = b"".join(buf[i, _PLAIN_BODY : _PLAIN_BODY + w].tobytes() for i, w in zip(rows, width.tolist()))
-            bounds = np.zeros(len(rows) + 1, np.int64)
-            np.cumsum(width, out=bounds[1:])
-            run = ContributionRun(
-                round=rs.round,
-                sender=site_ids[s],
-                codec=names[int(codec_s[0])],
-                tokens=int(claim_s[0]),
-                buckets=hv["bucket"][rows].tolist(),
-                chunks=hv["chunk"][rows].tolist(),
-                offsets=hv["offset"][rows].tolist(),
-                numels=hv["numel"][rows].tolist(),
-                blob=blob,
-                bounds=bounds.tolist(),
-            )
-            out.append((kind, rs, heads[s], run))
-        self._counts["received"] += int(body_lens.sum())  # codec payload bytes
-
-    def _note_senders(
-        self, rs: RoundState, hv: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int
-    ) -> tuple[dict[int, Header], dict[int, np.ndarray]]:
-        """Per sender of a plain batch (:meth:`_hand_on_plain`): its datagrams' statistics, its
-        arrivals (in-order sequence numbers appended as one run; a batch with an overtaken one
-        goes row by row, as :meth:`_hand_on`) and its activity. Returns sender -> its first
-        row's Header, and sender -> its rows (ascending), both in the order of first rows."""
+        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, hv: np.ndarray, n: int, out: list[tuple]
+    ) -> bool:
+        """:meth:`_hand_on` for a batch whose rows are all whole contributions of one round with
+        a plan (a receiving owner's usual batch), with the same effects, or False (nothing done)
+        for any other batch. One compiled pass (:meth:`~.datagram_native.NativeLib.plain_batch`)
+        checks the rows and gives their columns, payloads and per-sender figures; then per
+        sender: its arrivals (in-order sequence numbers appended as one run, else row by row as
+        :meth:`_hand_on`), statistics and activity, and its rows as one
+        :class:`~dtrain.protocol.ContributionRun` to ``out`` (no object per datagram), senders in
+        the order of their first rows. A sender whose rows differ in codec or claim gets one
+        Contribution per row instead (the owner refuses what does not match, chunk by chunk).
+        The queued item's header is the sender's first of the batch (for a contribution the
+        dispatch thread reads only the round and sender)."""
+        (rnd,) = _U32LE.unpack_from(buf, 8)  # row 0's round
+        rs = self._round(rnd)
+        if rs is None:
+            return False
+        pc = self._plain if self._plain is not None else PlainColumns()
+        self._plain = pc
         now = time.monotonic()
-        t_ns = ts[:n]
-        times = np.where(t_ns != 0, t_ns * 1e-9 + (now - time.time()), now)
-        body_lens = lens[:n].astype(np.int64) - (HEADER_BYTES + TAG_BYTES)  # the plaintext, claim included
-        senders, seqs = hv["sender"], hv["seq"]
-        heads: dict[int, Header] = {}
-        rows_of: dict[int, np.ndarray] = {}
-        first = int(senders[0])  # usually the batch's only sender (np.unique costs ~80 µs a call)
-        if (senders == first).all():
-            rows_of[first] = np.arange(n)
-        else:
-            for s in np.flatnonzero(np.bincount(senders)).tolist():
-                rows_of[s] = np.flatnonzero(senders == s)
-            rows_of = dict(sorted(rows_of.items(), key=lambda kv: int(kv[1][0])))
-        for s, rows in rows_of.items():
-            heads[s] = Header._make(hv[int(rows[0])].tolist())
-            t_s, seq_s = times[rows], seqs[rows].astype(np.int64)
-            arrivals = rs.arrivals.get(s) or rs.arrivals.setdefault(s, SeqArrivals())
-            if seq_s[0] > arrivals.hi and (np.diff(seq_s) > 0).all():  # every one a new high, in order
-                arrivals.seqs += seq_s.tolist()
-                arrivals.times += t_s.tolist()
-                arrivals.hi = arrivals.seqs[-1]
-            else:
-                for seq, t in zip(seq_s.tolist(), t_s.tolist()):
-                    if seq > arrivals.hi:
-                        arrivals.hi = seq
-                        arrivals.seqs.append(seq)
-                        arrivals.times.append(t)
-                    elif late := arrivals.note(seq, t):
-                        self._reorder.observe(rs.site_ids[s], late)
-            arrivals.trim()
+        total = int(lens[:n].sum()) - n * _PLAIN_OVERHEAD  # codec payload bytes, if every row is plain
+        if total < 0:
+            return False
+        blob = bytearray(total or 1)  # the batch's payloads, copied once, straight from the rows
+        k = self._native.plain_batch(
+            buf, lens, ts, n, pc, blob, offset_s=now - time.time(), now_s=now, kind=Kind.CONTRIB, round=rnd,
+            num_codecs=len(CODEC_WIRE_NAMES), num_members=len(rs.site_ids),
+        )  # fmt: skip
+        if not k:
+            return False
+        view = memoryview(blob).toreadonly()
+        senders, buckets, chunks, offsets, numels, codecs, seqs, claims = pc.cols[:n].T.tolist()
+        times, at, width = pc.t[:n].tolist(), pc.at[:n].tolist(), pc.width[:n].tolist()
+        payloads = [view[a : a + w] for a, w in zip(at, width)]
+        order = pc.order[:k].tolist()
+        for s in order:
+            first, num = int(pc.first[s]), int(pc.rows[s])
+            rows = range(n) if k == 1 else [i for i in range(first, n) if senders[i] == s]
+            self._note_sender(rs, s, [seqs[i] for i in rows], [times[i] for i in rows], bool(pc.ascending[s]))
             with rs.lock:
                 rs.stats.setdefault(s, SenderStats()).note_many(
-                    len(rows), int(body_lens[rows].sum()), float(t_s.min()), float(t_s.max()), self._sock_drops
+                    num, int(pc.bytes[s]), float(pc.tmin[s]), float(pc.tmax[s]), self._sock_drops
                 )
                 rs.owner_active[s] = max(rs.owner_active.get(s, 0.0), now)
-        return heads, rows_of
+            head = Header._make(hv[first].tolist())
+            if pc.uniform[s]:
+                pick = (lambda col: col) if k == 1 else (lambda col: [col[i] for i in rows])
+                run = ContributionRun(
+                    round=rnd,
+                    sender=rs.site_ids[s],
+                    codec=CODEC_WIRE_NAMES[codecs[first]],
+                    tokens=claims[first],
+                    buckets=pick(buckets),
+                    chunks=pick(chunks),
+                    offsets=pick(offsets),
+                    numels=pick(numels),
+                    payloads=pick(payloads),
+                )
+                out.append((Kind.CONTRIB, rs, head, run))
+                continue
+            for i in rows:
+                h = Header._make(hv[i].tolist())
+                out.append((Kind.CONTRIB, rs, head, _contribution(rs, h, bytes(payloads[i]), claims[i])))
+        self._counts["received"] += total  # codec payload bytes
+        return True
+
+    def _note_sender(self, rs: RoundState, s: int, seqs: list[int], times: list[float], ascending: bool) -> None:
+        """Sender ``s``'s arrivals of a plain batch (:meth:`_hand_on_plain`): its sequence numbers
+        (rising row by row: ``ascending``) and arrival times, as :meth:`_hand_on` notes them."""
+        arrivals = rs.arrivals.get(s) or rs.arrivals.setdefault(s, SeqArrivals())
+        if ascending and seqs[0] > arrivals.hi:  # every one a new high, in order
+            arrivals.seqs += seqs
+            arrivals.times += times
+            arrivals.hi = seqs[-1]
+        else:
+            for seq, t in zip(seqs, times):
+                if seq > arrivals.hi:
+                    arrivals.hi = seq
+                    arrivals.seqs.append(seq)
+                    arrivals.times.append(t)
+                elif late := arrivals.note(seq, t):
+                    self._reorder.observe(rs.site_ids[s], late)
+        arrivals.trim()
 
     def _rx_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The receive thread's batch buffers (rows of ``max_datagram_bytes + 1``: a larger

@@ -44,7 +44,7 @@
  * all fall into the same cache sets (64 KiB apart, they did: +0.3 µs a datagram) */
 #define GRO_SLOT_STRIDE (GRO_SLOT_BYTES + 17 * 64)
 
-int dg_version(void) { return 6; }
+int dg_version(void) { return 7; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -279,6 +279,95 @@ int dg_open_round(int n, void *key, unsigned char *buf, uint32_t stride, const u
     }
     EVP_CIPHER_CTX_free(c);
     return good;
+}
+
+static uint64_t le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int b = 7; b >= 0; b--) v = v << 8 | p[b];
+    return v;
+}
+
+/* The columns of an opened batch whose rows 0..n-1 are all plain contributions: kind `kind`
+ * (CONTRIB), one fragment, round `round`, codec < num_codecs, sender < num_members, at least
+ * HDR + 8 (the claim) + TAG bytes. Returns 0 when a row is not (nothing else is meaningful),
+ * else the number of senders, their ids in the order of their first rows in order[].
+ *   cols[i * 8 + k]: row i's sender, bucket, chunk, offset, numel, codec, sequence, claim;
+ *   t[i]: its arrival, ts_ns[i] * 1e-9 + offset_s, or now_s when the socket gave none (0);
+ *   at[i], width[i]: where its codec payload lies in blob and its bytes (blob: the rows'
+ *   payloads back to back, in row order);
+ *   per sender s (arrays of num_members; only the senders in order[] are written):
+ *   rows[s] its row count, first[s] its first row, bytes[s] its plaintext bytes (claim
+ *   included), tmin[s] / tmax[s] its earliest and latest arrival, ascending[s] 1 when its
+ *   sequence numbers rise row by row, uniform[s] 1 when its rows share codec and claim. */
+int dg_plain_batch(int n, const unsigned char *buf, uint32_t stride, const uint32_t *lens, const int64_t *ts_ns,
+                   double offset_s, double now_s, uint32_t kind, uint32_t round, uint32_t num_codecs,
+                   uint32_t num_members, int64_t *cols, double *t, int64_t *at, int64_t *width, unsigned char *blob,
+                   int32_t *order, int32_t *rows, int32_t *first, int64_t *bytes, double *tmin, double *tmax,
+                   unsigned char *ascending, unsigned char *uniform) {
+    for (int i = 0; i < n; i++) {
+        const unsigned char *h = buf + (size_t)i * stride;
+        uint32_t len = lens[i];
+        if (len > stride || len < HDR + 8 + TAG || h[3] != kind || le32(h + 8) != round || h[28] >= num_codecs ||
+            ((uint32_t)h[41] | (uint32_t)h[42] << 8) != 1 || ((uint32_t)h[29] | (uint32_t)h[30] << 8) >= num_members)
+            return 0;
+    }
+    int senders = 0;
+    int64_t pos = 0;
+    for (int i = 0; i < n; i++) {
+        const unsigned char *h = buf + (size_t)i * stride;
+        int64_t *c = cols + (size_t)i * 8;
+        uint32_t s = (uint32_t)h[29] | (uint32_t)h[30] << 8;
+        c[0] = s;
+        c[1] = le32(h + 12);
+        c[2] = le32(h + 16);
+        c[3] = le32(h + 20);
+        c[4] = le32(h + 24);
+        c[5] = h[28];
+        c[6] = (int64_t)le64(h + 31);
+        c[7] = (int64_t)le64(h + HDR);
+        t[i] = ts_ns[i] ? (double)ts_ns[i] * 1e-9 + offset_s : now_s;
+        int64_t w = (int64_t)lens[i] - (HDR + 8 + TAG);
+        at[i] = pos;
+        width[i] = w;
+        memcpy(blob + pos, h + HDR + 8, (size_t)w);
+        pos += w;
+        int new_sender = 1;
+        for (int k = 0; k < senders; k++)
+            if ((uint32_t)order[k] == s) {
+                new_sender = 0;
+                break;
+            }
+        if (new_sender) {
+            order[senders++] = (int32_t)s;
+            rows[s] = 0;
+            first[s] = i;
+            bytes[s] = 0;
+            tmin[s] = tmax[s] = t[i];
+            ascending[s] = 1;
+            uniform[s] = 1;
+        } else {
+            const int64_t *c0 = cols + (size_t)first[s] * 8;
+            if (c[5] != c0[5] || c[7] != c0[7]) uniform[s] = 0;
+            if (t[i] < tmin[s]) tmin[s] = t[i];
+            if (t[i] > tmax[s]) tmax[s] = t[i];
+        }
+        rows[s]++;
+        bytes[s] += (int64_t)lens[i] - (HDR + TAG);
+    }
+    /* rising sequence numbers, per sender: each row's against the sender's previous row */
+    for (int k = 0; k < senders; k++) {
+        int32_t s = order[k];
+        uint64_t prev = 0;
+        int seen = 0;
+        for (int i = first[s]; i < n && ascending[s]; i++) {
+            const int64_t *c = cols + (size_t)i * 8;
+            if (c[0] != s) continue;
+            if (seen && (uint64_t)c[6] <= prev) ascending[s] = 0;
+            prev = (uint64_t)c[6];
+            seen = 1;
+        }
+    }
+    return senders;
 }
 
 /* Send slots 0..n-1 of buf (stride bytes apart, lens[i] bytes each) on the connected socket

@@ -65,7 +65,7 @@ def _hand_on(datagrams: list[bytes], now_ns: int, columns: bool, monkeypatch) ->
         plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
         t.begin_round(plan, [], "site-c")
         if not columns:
-            monkeypatch.setattr(t, "_plain_contributions", lambda *a: None)
+            monkeypatch.setattr(t, "_hand_on_plain", lambda *a: False)
         n = len(datagrams)
         buf = np.zeros((256, 1401), np.uint8)
         lens = np.zeros(256, np.uint32)
