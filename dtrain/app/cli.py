@@ -49,9 +49,53 @@ class _Parser(argparse.ArgumentParser):
 
     suggest_from: list[str] | None = None  # the command's option strings (set by _parser)
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if args is None:
+            args = sys.argv[1:]
+        return super().parse_known_args(switch_values(self, list(args)), namespace)
+
     def error(self, message: str) -> typing.NoReturn:
         hint = did_you_mean(message, self.suggest_from or list(self._option_string_actions))
         self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}{hint} (see --help)\n")
+
+
+#: the words a switch's value may be (``--x false``, ``--x=on``), case-insensitive
+SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def switch_values(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with each switch given a value (``--x false``, ``--x=yes``: a TOML key's
+    spelling) written as the switch itself (``--x``) or its negation (``--no-x``), so a
+    boolean field takes ``true``/``false`` on the command line as in TOML. A switch followed
+    by anything else is left alone; ``--x=VALUE`` with another word is a usage error naming
+    the flag and the allowed values."""
+    switches = {
+        flag
+        for a in parser._actions  # noqa: SLF001 - argparse keeps its actions here only
+        if isinstance(a, argparse.BooleanOptionalAction)
+        for flag in a.option_strings
+        if flag.startswith("--") and not flag.startswith("--no-")
+    }
+    if not switches:
+        return args
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        flag, eq, word = args[i].partition("=")
+        if flag in switches and (eq or (i + 1 < len(args) and args[i + 1].lower() in SWITCH_WORDS)):
+            if not eq:
+                word, i = args[i + 1], i + 1
+            value = SWITCH_WORDS.get(word.lower())
+            if value is None:
+                parser.error(
+                    f"argument {flag}: a switch takes true or false (or yes/no, on/off, 1/0), got {word!r}: "
+                    f"give {flag} or --no-{flag[2:]}"
+                )
+            out.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            out.append(args[i])
+        i += 1
+    return out
 
 
 def did_you_mean(message: str, options: list[str]) -> str:

@@ -75,6 +75,7 @@ CASES = [
     ("worker --task os:no_such_function", ["task", "no_such_function"]),
     ("worker --site-index 3 --num-sites 3", ["site_index", "[0, 2]"]),
     ("worker --no-such-flag 1", ["--no-such-flag"]),
+    ("worker --net.datagram.gro=maybe", ["--net.datagram.gro", "true or false", "'maybe'", "--no-net.datagram.gro"]),
     ("worker --config {unknown_worker}", ["bogus_key", "sync_every", "allowed"]),
     ("worker --config {wrong_type_worker}", ["sync_every", "must be int", "'five'"]),
     ("worker --config {bool_for_int}", ["rounds", "must be int", "True"]),
@@ -105,6 +106,7 @@ CASES = [
     ("launch --out {out} --min-sites 4 --sites 3", ["initial_sites", ">= min_sites (4)"]),
     ("launch --out {out} --task no_such_module_xyz:make", ["task", "no_such_module_xyz"]),
     ("launch --out {out} --listen 127.0.0.1:0", ["--listen"]),  # per-site: not a launch flag
+    ("launch --out {out} --net.datagram.gro=maybe", ["--net.datagram.gro", "true or false"]),
     ("launch --out {out} --config {unknown_worker}", ["bogus_key", "allowed"]),
     ("launch --out {out} --config {wrong_type_worker}", ["sync_every", "must be int"]),
     ("launch --out {out} --config {syntax}", ["config", "not valid TOML"]),
@@ -128,6 +130,31 @@ def test_bad_flag_or_config_exits_2_with_one_line_naming_the_field(argv: str, wo
         assert w in lines[0], f"{w!r} not in {lines[0]!r}"
     if args[0] == "launch":
         assert not Path(files["out"]).exists(), "launch created the run directory although its settings are bad"
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ("--net.datagram.gro", True),
+        ("--no-net.datagram.gro", False),
+        ("--net.datagram.gro false", False),
+        ("--net.datagram.gro=FALSE", False),
+        ("--net.datagram.gro off", False),
+        ("--net.datagram.gro=yes", True),
+        ("--net.datagram.gro 1", True),
+    ],
+)
+def test_a_switch_takes_true_or_false_as_its_toml_key_does(given: str, want: bool) -> None:
+    """A boolean field is ``--x`` / ``--no-x``, and also ``--x false`` or ``--x=true`` (the words
+    its TOML key takes), for ``dtrain worker`` and ``dtrain launch`` alike."""
+    from dtrain.app import cli
+    from dtrain.app.config import LAUNCH, WORKER
+
+    ns = cli._parser("worker").parse_args(["worker", *given.split(), "--sync-every", "3"])
+    cfg = WORKER.build(WORKER.values_from(ns))
+    assert cfg.net.datagram.gro is want and cfg.diloco.sync_every == 3
+    ns = cli._parser("launch").parse_args(["launch", *given.split()])
+    assert LAUNCH.build(LAUNCH.values_from(ns)).worker.net.datagram.gro is want
 
 
 @pytest.mark.timeout(30)

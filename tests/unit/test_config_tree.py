@@ -257,7 +257,7 @@ BAD = [
     ("worker --advertise nowhere", ["advertise", "host:port"]),
     ("worker --outer.momentum 1.5", ["momentum", "[0, 1)"]),
     ("worker --checkpoint.every -1", ["every", ">= 0"]),
-    ("worker --diloco.rounds.repair yes", ["unrecognized", "yes"]),
+    ("worker --diloco.rounds.repair maybe", ["unrecognized", "maybe"]),  # yes/no: its value (test_cli)
     ("rendezvous --http-refresh-s 0.1", ["http_refresh_s", "[0.5, 600]"]),
     ("rendezvous --http-bind nowhere", ["http_bind", "host:port"]),
     ("launch --http-bind nowhere", ["http_bind", "host:port"]),
