@@ -455,6 +455,52 @@ int dg_send_gso(int fd, int n, const unsigned char *buf, uint32_t stride, const 
     return sent;
 }
 
+#define CTL_BYTES 96 /* a read's control room: a timestamp, a drop count and a UDP_GRO size */
+
+/* recvmmsg of at most n reads without blocking, read i into base + i * slot_stride (slot_len
+ * bytes) with ctl[i] as its control room. Returns the reads, 0 when none was queued, or -errno. */
+static int recv_slots(int fd, int n, struct mmsghdr *msgs, struct iovec *iov, char (*ctl)[CTL_BYTES],
+                      unsigned char *base, size_t slot_stride, size_t slot_len) {
+    memset(msgs, 0, sizeof(struct mmsghdr) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        iov[i].iov_base = base + (size_t)i * slot_stride;
+        iov[i].iov_len = slot_len;
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+        msgs[i].msg_hdr.msg_control = ctl[i];
+        msgs[i].msg_hdr.msg_controllen = CTL_BYTES;
+    }
+    int r;
+    do {
+        r = recvmmsg(fd, msgs, (unsigned)n, MSG_DONTWAIT, NULL);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0) return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -errno;
+    return r;
+}
+
+/* A read's control messages: its arrival (*ts_ns, CLOCK_REALTIME ns from SO_TIMESTAMPNS; 0
+ * without), the socket's drop count (*drops, SO_RXQ_OVFL, when reported) and its datagrams'
+ * size when the kernel coalesced it (*gro_size, UDP_GRO; 0 without). */
+static void read_meta(struct msghdr *m, int64_t *ts_ns, uint32_t *drops, uint32_t *gro_size) {
+    *ts_ns = 0;
+    *gro_size = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int size;
+            memcpy(&size, CMSG_DATA(c), sizeof(size));
+            if (size > 0) *gro_size = (uint32_t)size;
+        } else if (c->cmsg_level != SOL_SOCKET) {
+            continue;
+        } else if (c->cmsg_type == SCM_TIMESTAMPNS && c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
+            struct timespec t;
+            memcpy(&t, CMSG_DATA(c), sizeof(t));
+            *ts_ns = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+        } else if (c->cmsg_type == SO_RXQ_OVFL && c->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
+            memcpy(drops, CMSG_DATA(c), sizeof(uint32_t));
+        }
+    }
+}
+
 /* Receive at most n datagrams without blocking into slots of buf (stride bytes; a longer
  * datagram is cut and reported as stride + 1 bytes, so the caller sees it oversized).
  * lens[i]: its length; ts_ns[i]: its arrival at the socket (CLOCK_REALTIME ns, from
@@ -464,36 +510,13 @@ int dg_send_gso(int fd, int n, const unsigned char *buf, uint32_t stride, const 
 int dg_recv(int fd, int n, unsigned char *buf, uint32_t stride, uint32_t *lens, int64_t *ts_ns, uint32_t *drops) {
     struct mmsghdr msgs[MAX_BATCH];
     struct iovec iov[MAX_BATCH];
-    static __thread char ctl[MAX_BATCH][64];
+    static __thread char ctl[MAX_BATCH][CTL_BYTES];
     if (n > MAX_BATCH) n = MAX_BATCH;
-    memset(msgs, 0, sizeof(struct mmsghdr) * (size_t)n);
-    for (int i = 0; i < n; i++) {
-        iov[i].iov_base = buf + (size_t)i * stride;
-        iov[i].iov_len = stride;
-        msgs[i].msg_hdr.msg_iov = &iov[i];
-        msgs[i].msg_hdr.msg_iovlen = 1;
-        msgs[i].msg_hdr.msg_control = ctl[i];
-        msgs[i].msg_hdr.msg_controllen = sizeof(ctl[i]);
-    }
-    int r;
-    do {
-        r = recvmmsg(fd, msgs, (unsigned)n, MSG_DONTWAIT, NULL);
-    } while (r < 0 && errno == EINTR);
-    if (r < 0) return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -errno;
+    int r = recv_slots(fd, n, msgs, iov, ctl, buf, stride, stride);
     for (int i = 0; i < r; i++) {
-        struct msghdr *m = &msgs[i].msg_hdr;
-        lens[i] = (m->msg_flags & MSG_TRUNC) ? stride + 1 : msgs[i].msg_len;
-        ts_ns[i] = 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
-            if (c->cmsg_level != SOL_SOCKET) continue;
-            if (c->cmsg_type == SCM_TIMESTAMPNS && c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
-                struct timespec t;
-                memcpy(&t, CMSG_DATA(c), sizeof(t));
-                ts_ns[i] = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-            } else if (c->cmsg_type == SO_RXQ_OVFL && c->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
-                memcpy(drops, CMSG_DATA(c), sizeof(uint32_t));
-            }
-        }
+        uint32_t gro_size;
+        lens[i] = (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ? stride + 1 : msgs[i].msg_len;
+        read_meta(&msgs[i].msg_hdr, &ts_ns[i], drops, &gro_size);
     }
     return r;
 }
@@ -576,49 +599,17 @@ int dg_recv_gro(void *p, int fd, int n, unsigned char *buf, uint32_t stride, uin
     dg_gro *g = p;
     struct mmsghdr msgs[GRO_SLOTS];
     struct iovec iov[GRO_SLOTS];
-    static __thread char ctl[GRO_SLOTS][96];
+    static __thread char ctl[GRO_SLOTS][CTL_BYTES];
     int row = 0;
     if (n > MAX_BATCH) n = MAX_BATCH;
     gro_cut(g, &row, n, buf, stride, lens, ts_ns);
     while (row < n) {
-        memset(msgs, 0, sizeof(msgs));
-        for (int i = 0; i < GRO_SLOTS; i++) {
-            iov[i].iov_base = g->scratch + (size_t)i * GRO_SLOT_STRIDE;
-            iov[i].iov_len = GRO_SLOT_BYTES;
-            msgs[i].msg_hdr.msg_iov = &iov[i];
-            msgs[i].msg_hdr.msg_iovlen = 1;
-            msgs[i].msg_hdr.msg_control = ctl[i];
-            msgs[i].msg_hdr.msg_controllen = sizeof(ctl[i]);
-        }
-        int r;
-        do {
-            r = recvmmsg(fd, msgs, GRO_SLOTS, MSG_DONTWAIT, NULL);
-        } while (r < 0 && errno == EINTR);
-        if (r < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return row;
-            return row ? row : -errno;
-        }
-        if (r == 0) return row;
+        int r = recv_slots(fd, GRO_SLOTS, msgs, iov, ctl, g->scratch, GRO_SLOT_STRIDE, GRO_SLOT_BYTES);
+        if (r <= 0) return row ? row : r;
         for (int i = 0; i < r; i++) {
-            struct msghdr *m = &msgs[i].msg_hdr;
-            uint32_t len = msgs[i].msg_len, seg = 0;
-            g->ts_ns[i] = 0;
-            for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
-                if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
-                    int size;
-                    memcpy(&size, CMSG_DATA(c), sizeof(size));
-                    if (size > 0) seg = (uint32_t)size;
-                } else if (c->cmsg_level != SOL_SOCKET) {
-                    continue;
-                } else if (c->cmsg_type == SCM_TIMESTAMPNS && c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
-                    struct timespec t;
-                    memcpy(&t, CMSG_DATA(c), sizeof(t));
-                    g->ts_ns[i] = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-                } else if (c->cmsg_type == SO_RXQ_OVFL && c->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
-                    memcpy(drops, CMSG_DATA(c), sizeof(uint32_t));
-                }
-            }
-            if (m->msg_flags & MSG_TRUNC) { /* cannot happen below 64 KiB: one oversized datagram */
+            uint32_t len = msgs[i].msg_len, seg;
+            read_meta(&msgs[i].msg_hdr, &g->ts_ns[i], drops, &seg);
+            if (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) { /* cannot happen below 64 KiB: one oversized datagram */
                 len = GRO_SLOT_BYTES;
                 seg = 0;
             }

@@ -372,13 +372,31 @@ def _empty_rows(rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.zeros((rows, 1401), np.uint8), np.zeros(rows, np.uint32), np.zeros(rows, np.int64)
 
 
+def _begin_pair(a, b, addr_a: str, addr_b: str) -> list:
+    """Round 0 of sites a and b begun at both; 100 one-datagram contributions of site-a."""
+    from dtrain.protocol import Contribution, Member, RoundPlan
+
+    plan = RoundPlan(
+        round=0,
+        members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
+        reduce_timeout_s=5,
+        broadcast_timeout_s=5,
+        datagram_key=os.urandom(32),
+    )
+    a.begin_round(plan, [], "site-a")
+    b.begin_round(plan, [], "site-b")
+    return [
+        Contribution(round=0, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"abcd")
+        for i in range(100)
+    ]
+
+
 @needs_lib
 def test_a_transport_whose_kernel_refuses_gso_says_so_once_and_sends_with_sendmmsg(caplog) -> None:
     """The push of a transport whose UDP_SEGMENT writes are refused (here: SO_NO_CHECK on its send
     socket) delivers every contribution, logs the refusal once and sends with ``sendmmsg`` after."""
     import logging
 
-    from dtrain.protocol import Contribution, Member, RoundPlan
     from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
     from dtrain.transports.grpc import GrpcTransportConfig
 
@@ -395,20 +413,8 @@ def test_a_transport_whose_kernel_refuses_gso_says_so_once_and_sends_with_sendmm
     addr_b, addr_a = b.start(rec), a.start(Count())
     try:
         assert a._gso and b._gso
-        plan = RoundPlan(
-            round=0,
-            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-            reduce_timeout_s=5,
-            broadcast_timeout_s=5,
-            datagram_key=os.urandom(32),
-        )
-        a.begin_round(plan, [], "site-a")
-        b.begin_round(plan, [], "site-b")
+        cs = _begin_pair(a, b, addr_a, addr_b)
         a._send_sock(addr_b).setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK
-        cs = [
-            Contribution(round=0, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"abcd")
-            for i in range(100)
-        ]
         with caplog.at_level(logging.WARNING, logger="dtrain.transports.datagram"):
             assert a.push(addr_b, cs, timeout_s=5) == 100
             assert a.push(addr_b, cs, timeout_s=5) == 100  # again (identical): via sendmmsg
@@ -702,7 +708,6 @@ def test_a_transport_whose_kernel_refuses_gro_says_so_and_reads_with_recvmmsg(ca
     import errno
     import logging
 
-    from dtrain.protocol import Contribution, Member, RoundPlan
     from dtrain.transports.datagram import DatagramTransport, DatagramTransportConfig
     from dtrain.transports.grpc import GrpcTransportConfig
 
@@ -732,19 +737,7 @@ def test_a_transport_whose_kernel_refuses_gro_says_so_and_reads_with_recvmmsg(ca
             "UDP receive coalescing (UDP_GRO) refused by the kernel ([Errno 92] Protocol not available): "
             "reading with recvmmsg"
         ]
-        plan = RoundPlan(
-            round=0,
-            members=(Member(site_id="site-a", address=addr_a), Member(site_id="site-b", address=addr_b)),
-            reduce_timeout_s=5,
-            broadcast_timeout_s=5,
-            datagram_key=os.urandom(32),
-        )
-        a.begin_round(plan, [], "site-a")
-        b.begin_round(plan, [], "site-b")
-        cs = [
-            Contribution(round=0, bucket=0, chunk=i, offset=i, numel=1, codec="fp32", sender="site-a", payload=b"abcd")
-            for i in range(100)
-        ]
+        cs = _begin_pair(a, b, addr_a, addr_b)
         assert a.push(addr_b, cs, timeout_s=5) == 100
         until = time.monotonic() + 20  # a push may return before delivery ends (see the GSO test above)
         while len(got) < 100 and time.monotonic() < until:
