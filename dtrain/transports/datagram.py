@@ -65,7 +65,7 @@ from dtrain.transports.datagram_pacing import (
     describe_reports,
     socket_buffer_bytes,
 )
-from dtrain.transports.datagram_recv import _REPORT, DatagramReceive, queued_datagrams
+from dtrain.transports.datagram_recv import _REPORT, DatagramReceive, dispatch_groups, queued_datagrams
 from dtrain.transports.datagram_reorder import ReorderWindow
 from dtrain.transports.datagram_round import RoundState, SenderStats
 from dtrain.transports.datagram_rtt import RttEstimator
@@ -101,25 +101,6 @@ _SEND_BATCH = 64
 _SEND_END_COPIES = 5  # all lost: 1e-5 at 10% loss, 3e-4 at 20% (3 copies: 1e-3, 8e-3)
 _LATE_SEND_END_EVERY_S = 0.25  # then, until the REPORT comes: one more copy this often (_resend_end_later)
 _LATE_SEND_END_MAX = 40  # at most this many more (10 s of them)
-
-
-def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
-    """The order in which the dispatch thread handles queued ``(kind, round state, header,
-    object)`` items, as lists of indices: each stretch of consecutive contributions is split
-    by round and sender (one batch each, in order of first arrival; senders' datagrams
-    interleave on the wire), every other item alone and in place, so each sender's items
-    keep their order (a SEND_END after that sender's contributions)."""
-    out: list[list[int]] = []
-    stretch: dict[tuple, list[int]] = {}
-    for i, (kind, rs, h, _) in enumerate(items):
-        if kind == Kind.CONTRIB:
-            stretch.setdefault((id(rs), h.sender), []).append(i)
-            continue
-        out += stretch.values()
-        stretch = {}
-        out.append([i])
-    out += stretch.values()
-    return out
 
 
 def datagram_chunk_bytes(codec: CodecConfig | str, max_datagram_bytes: int = 1400, max_members: int = 64) -> int:

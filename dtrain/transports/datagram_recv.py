@@ -23,7 +23,7 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from dtrain.transports.datagram_wire import (
     split_contribution_body,
 )
 
-__all__ = ["HELD_COPY", "DatagramReceive", "queued_datagrams"]
+__all__ = ["HELD_COPY", "DatagramReceive", "dispatch_groups", "queued_datagrams"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,25 @@ def queued_datagrams(items: list[tuple]) -> int:
     """The datagrams that queued ``(kind, round state, header, object)`` items stand for: a
     :class:`~dtrain.protocol.ContributionRun` its length, any other item one."""
     return sum(len(obj) if type(obj) is ContributionRun else 1 for _, _, _, obj in items)
+
+
+def dispatch_groups(items: Sequence[tuple]) -> list[list[int]]:
+    """The order in which the dispatch thread handles queued ``(kind, round state, header,
+    object)`` items, as lists of indices: each stretch of consecutive contributions is split
+    by round and sender (one batch each, in order of first arrival; senders' datagrams
+    interleave on the wire), every other item alone and in place, so each sender's items
+    keep their order (a SEND_END after that sender's contributions)."""
+    out: list[list[int]] = []
+    stretch: dict[tuple, list[int]] = {}
+    for i, (kind, rs, h, _) in enumerate(items):
+        if kind == Kind.CONTRIB:
+            stretch.setdefault((id(rs), h.sender), []).append(i)
+            continue
+        out += stretch.values()
+        stretch = {}
+        out.append([i])
+    out += stretch.values()
+    return out
 
 
 def _enable_rx_meta(sock: socket.socket) -> int:
