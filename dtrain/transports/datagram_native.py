@@ -110,6 +110,7 @@ class PlainColumns:
         self._members = 0
         self._key: tuple | None = None
         self._ptrs: tuple[int, ...] = ()
+        self._held: tuple = ()
 
     def fit(self, buf: np.ndarray, lens: np.ndarray, ts_ns: np.ndarray, num_members: int) -> tuple[int, ...]:
         """Arrays for batches read into ``buf`` (rows, stride) and ``num_members`` sender ids; the
@@ -135,7 +136,7 @@ class PlainColumns:
             mine = (self.cols, self.t, self.at, self.width, self.order, self.rows, self.first)
             mine += (self.bytes, self.tmin, self.tmax, self.ascending, self.uniform)
             self._ptrs = tuple(_ptr(a) for a in (buf, lens, ts_ns, *mine))
-            self._key = key
+            self._key, self._held = key, (buf, lens, ts_ns)  # held: no other array can take their ids
         return self._ptrs
 
 

@@ -746,3 +746,56 @@ def test_a_transport_whose_kernel_refuses_gro_says_so_and_reads_with_recvmmsg(ca
     finally:
         a.stop(0)
         b.stop(0)
+
+
+@needs_lib
+def test_plain_batch_gives_the_columns_of_whole_contributions_and_refuses_any_other_batch() -> None:
+    """``plain_batch`` on opened rows: each row's header fields, claim, payload and arrival, per
+    sender its figures; 0 (nothing written to the blob) when one row is of another kind, round,
+    fragment count or sender range. Two batches in two buffers,
+    alternated through one PlainColumns, each give their own columns (its pointers follow the
+    buffer)."""
+    from dtrain.transports.datagram_native import PlainColumns
+    from dtrain.transports.datagram_wire import contribution_body
+
+    def batch(sender: int, claim: int, fields=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes]]:
+        fields = fields or [(1, c, 10 * c, 10, codec_id("int8"), 0, 1) for c in range(6)]
+        payloads = [bytes([sender, c]) * (5 + c) for c in range(len(fields))]
+        sealed = Sealer(KEY, run=7, round=3, sender=sender, native=LIB).seal_many(
+            Kind.CONTRIB, fields, [contribution_body(claim, p) for p in payloads]
+        )
+        rows = [sealed.datagram(i) for i in range(len(fields))]
+        buf, lens = _rows(rows)
+        opener = _opener(LIB)
+        assert opener.open_batch(buf, lens, len(rows), None).ok.all()
+        return buf, lens, np.arange(1, len(rows) + 1, dtype=np.int64) * 1_000_000_000, payloads
+
+    pc = PlainColumns()
+    a, b = batch(0, 111), batch(2, 222)
+    for buf, lens, ts, payloads in (a, b, a):
+        blob = bytearray(sum(map(len, payloads)))
+        k = LIB.plain_batch(buf, lens, ts, 6, pc, blob, offset_s=5.0, now_s=0.0, kind=Kind.CONTRIB, round=3,
+                            num_codecs=8, num_members=3)  # fmt: skip
+        assert k == 1
+        s = int(pc.order[0])
+        assert pc.cols[:6].tolist() == [
+            [s, 1, c, 10 * c, 10, codec_id("int8"), c, 111 if s == 0 else 222] for c in range(6)
+        ]
+        assert [bytes(blob[a : a + w]) for a, w in zip(pc.at[:6].tolist(), pc.width[:6].tolist())] == payloads
+        assert pc.t[:6].tolist() == [5.0 + i for i in range(1, 7)]
+        assert (pc.rows[s], pc.first[s], pc.ascending[s], pc.uniform[s]) == (6, 0, 1, 1)
+        assert pc.bytes[s] == sum(len(p) + 8 for p in payloads) and (pc.tmin[s], pc.tmax[s]) == (6.0, 11.0)
+    buf, lens, ts, payloads = a
+    for what, change in (
+        ("another round", dict(round=4)),
+        ("another kind", dict(kind=int(Kind.MEAN))),
+        ("a sender past the members", dict(num_members=0)),
+    ):
+        blob = bytearray(b"\xee" * sum(map(len, payloads)))
+        args = dict(offset_s=0.0, now_s=0.0, kind=int(Kind.CONTRIB), round=3, num_codecs=8, num_members=3) | change
+        assert LIB.plain_batch(buf, lens, ts, 6, pc, blob, **args) == 0, what
+        assert set(blob) == {0xEE}, what
+    frags = batch(1, 5, [(1, 0, 0, 10, codec_id("int8"), 0, 2)] * 6)  # fragments, not whole contributions
+    blob = bytearray(100)
+    assert LIB.plain_batch(frags[0], frags[1], frags[2], 6, pc, blob, offset_s=0.0, now_s=0.0, kind=Kind.CONTRIB,
+                           round=3, num_codecs=8, num_members=3) == 0  # fmt: skip
