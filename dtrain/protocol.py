@@ -172,8 +172,8 @@ class ContributionRun(Sequence[Contribution]):
         round, sender, codec, tokens: shared by every item (a :class:`Contribution`'s fields).
         buckets, chunks, offsets, numels: per item, ints (elements, not bytes).
 
-    Payloads are either a list (one per item) or one ``bytes`` blob with ``len + 1`` bounds,
-    item ``i``'s payload the read-only ``memoryview`` ``blob[bounds[i]:bounds[i + 1]]``.
+    Payloads are one per item (``bytes``, or read-only ``memoryview`` slices of one buffer,
+    as the datagram receive thread hands them on).
     """
 
     __slots__ = ("round", "sender", "codec", "tokens", "buckets", "chunks", "offsets", "numels", "_payloads")
@@ -189,19 +189,12 @@ class ContributionRun(Sequence[Contribution]):
         chunks: list[int],
         offsets: list[int],
         numels: list[int],
-        payloads: list[bytes | memoryview] | None = None,
-        blob: bytes | None = None,
-        bounds: list[int] | None = None,
+        payloads: list[bytes | memoryview],
     ) -> None:
         n = len(chunks)
         if not len(buckets) == len(offsets) == len(numels) == n:
             raise ValueError(f"columns of unequal length: {len(buckets)}, {n}, {len(offsets)}, {len(numels)}")
-        if payloads is None:
-            if blob is None or bounds is None or len(bounds) != n + 1:
-                raise ValueError("a run needs payloads, or a blob with len + 1 bounds")
-            view = memoryview(blob).toreadonly()
-            payloads = [view[a:b] for a, b in zip(bounds, bounds[1:])]
-        elif len(payloads) != n:
+        if len(payloads) != n:
             raise ValueError(f"{len(payloads)} payloads for {n} contributions")
         self.round, self.sender, self.codec, self.tokens = round, sender, codec, tokens
         self.buckets, self.chunks, self.offsets, self.numels = buckets, chunks, offsets, numels
