@@ -673,8 +673,7 @@ class DatagramTransport(DatagramMeans, DatagramReceive, DatagramEnds, Transport)
             with self._lock:
                 self._queued -= num
             for group in dispatch_groups(items):
-                kind, _, _, obj = items[group[0]]
-                if len(group) > 1 or type(obj) is ContributionRun:
+                if len(group) > 1 or type(items[group[0]][3]) is ContributionRun:
                     self._dispatch_contributions([items[i] for i in group])
                 else:
                     self._dispatch_one(*items[group[0]])
