@@ -57,10 +57,11 @@ def kernel_path(request, monkeypatch) -> str:
     skipped, or fails under ``DTRAIN_NATIVE_REQUIRED`` (``.ci/run`` installs gcc)."""
     import os
 
-    from dtrain.codecs import blockwise, native
+    from dtrain.codecs import base, blockwise, native
     from dtrain.rounds import error_feedback
 
     if request.param == "torch":
+        monkeypatch.setattr(base, "kernels", lambda: None)
         monkeypatch.setattr(blockwise, "kernels", lambda: None)
         monkeypatch.setattr(error_feedback, "kernels", lambda: None)
     elif native.kernels() is None:

@@ -19,6 +19,7 @@ import zstandard
 from zlib_ng.zlib_ng import crc32  # zlib's crc32, several times faster (SIMD)
 
 from dtrain.codecs.config import CodecConfig, _bad_int
+from dtrain.codecs.native import kernels
 from dtrain.errors import CodecError, DecodeBoundExceeded
 
 __all__ = ["HEADER_BYTES", "Codec", "PayloadHeader", "equal_runs", "peek_header"]
@@ -31,6 +32,7 @@ _CODEC_BY_ID = {v: k for k, v in CODEC_IDS.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
 _DTYPE_ID_LIST = sorted(_DTYPE_BY_ID)
+_DTYPE_OK = np.isin(np.arange(256), _DTYPE_ID_LIST).astype(np.uint8)  # by a header's byte 7
 
 _MAGIC = b"DTRC"
 _VERSION = 1
@@ -297,9 +299,9 @@ class Codec:
         ``(len(payloads), body bytes)`` uint8 array when every payload passes the header,
         length and crc32 checks of :meth:`_checked_body`; None when any may not (the caller
         then decodes payload by payload, which raises :meth:`decode`'s error for the first
-        bad one). One join and a numpy comparison for the run instead of a header parse per
-        payload; the crc32 is still computed per payload. ``verify=False`` (this process's own
-        payloads): the lengths only."""
+        bad one). One join and one compiled pass over the rows (``Kernels.check_headers``;
+        numpy comparisons and a crc32 call per row without it) instead of a header parse per
+        payload. ``verify=False`` (this process's own payloads): the lengths only."""
         raw = self._body_bytes(numel)
         plen = HEADER_BYTES + raw
         if self._zstd or raw == 0 or raw > self.config.max_decoded_bytes:
@@ -312,10 +314,13 @@ class Codec:
         rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(payloads), plen)
         if not verify:
             return rows[:, HEADER_BYTES:]
-        want = np.frombuffer(self._header_prefix(numel), dtype=np.uint8)
+        prefix = self._header_prefix(numel)
+        if (kern := kernels()) is not None and kern.rows:  # the same checks in one compiled pass
+            return rows[:, HEADER_BYTES:] if kern.check_headers(rows, prefix, _DTYPE_OK) < 0 else None
+        want = np.frombuffer(prefix, dtype=np.uint8)
         if not (
             (rows[:, :7] == want[:7]).all()  # magic, version, codec id, zstd flag
-            and np.isin(rows[:, 7], _DTYPE_ID_LIST).all()  # the original dtype (informational)
+            and _DTYPE_OK[rows[:, 7]].all()  # the original dtype (informational)
             and (rows[:, 8:28] == want[8:28]).all()  # block size / k, numel, body length
         ):
             return None

@@ -8,12 +8,18 @@
  *
  * Codes: int8 (qmax 127), one byte each; int4 (qmax 7), nibble = code + 8, element 2i in the
  * low nibble of byte i and 2i+1 in the high one, an odd tail padded with nibble 8.
+ *
+ * Payload rows (bw_seal_rows, bw_check_headers): a payload is a 32-byte header (the 28-byte
+ * prefix dtrain/codecs/base.py `_HEADER` packs, then the crc32 of the body, little-endian)
+ * and its body. The crc32 is zlib's, computed by the function the caller passes (zlib-ng's
+ * `zng_crc32`, the one dtrain/codecs/base.py calls from Python), so that no second crc32
+ * implementation exists.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 1
+#define BW_VERSION 2
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -170,4 +176,40 @@ BW_CLONES int ef_accumulate(float *r, const float *theta, const float *x, int64_
         r[i] = v;
     }
     return m < 0x7f800000;
+}
+
+/* zlib-ng's zng_crc32(crc, buf, len): zlib's crc32 */
+typedef uint32_t (*crc32_fn)(uint32_t, const uint8_t *, uint32_t);
+
+#define PREFIX_BYTES 28
+#define ROW_HEADER_BYTES 32
+
+static uint32_t row_crc(crc32_fn crc, const uint8_t *row, int64_t plen) {
+    return crc(0, row + ROW_HEADER_BYTES, (uint32_t)(plen - ROW_HEADER_BYTES));
+}
+
+/* Finish k payload rows of plen bytes each (row r at rows + r * plen, bodies already in
+ * place at byte 32): the 28-byte header prefix, then the body's crc32 (little-endian). */
+void bw_seal_rows(uint8_t *rows, int64_t k, int64_t plen, const uint8_t *prefix, crc32_fn crc) {
+    for (int64_t r = 0; r < k; r++) {
+        uint8_t *row = rows + r * plen;
+        memcpy(row, prefix, PREFIX_BYTES);
+        uint32_t c = row_crc(crc, row, plen);
+        for (int i = 0; i < 4; i++) row[PREFIX_BYTES + i] = (uint8_t)(c >> (8 * i));
+    }
+}
+
+/* 0 when each of k payload rows (row r at rows + r * plen) has the header `prefix` says
+ * (its bytes 0-6 and 8-27 equal; byte 7, the original dtype, one with dtype_ok[byte] != 0)
+ * and its body's crc32 in bytes 28-31; else 1 + the first bad row's index. */
+int64_t bw_check_headers(const uint8_t *rows, int64_t k, int64_t plen, const uint8_t *prefix, const uint8_t *dtype_ok,
+                         crc32_fn crc) {
+    for (int64_t r = 0; r < k; r++) {
+        const uint8_t *row = rows + r * plen;
+        if (memcmp(row, prefix, 7) || !dtype_ok[row[7]] || memcmp(row + 8, prefix + 8, PREFIX_BYTES - 8)) return r + 1;
+        uint32_t c = row_crc(crc, row, plen), want = 0;
+        for (int i = 0; i < 4; i++) want |= (uint32_t)row[PREFIX_BYTES + i] << (8 * i);
+        if (c != want) return r + 1;
+    }
+    return 0;
 }

@@ -33,6 +33,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
+VERSION = 2  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -45,7 +46,37 @@ class Kernels:
         lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
+        lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp]
+        lib.bw_check_headers.restype, lib.bw_check_headers.argtypes = i64, [vp, i64, i64, ctypes.c_char_p, vp, vp]
         self._lib = lib
+        self._crc32 = _zlib_ng_crc32()
+
+    @property
+    def rows(self) -> bool:
+        """Whether :meth:`seal_rows` and :meth:`check_headers` run (they need zlib-ng's
+        ``zng_crc32`` as a C symbol; without it they are not called)."""
+        return self._crc32 is not None
+
+    def seal_rows(self, rows: np.ndarray, prefix: bytes) -> None:
+        """Write each row's header: ``prefix`` (28 bytes) and its body's crc32 (little-endian,
+        bytes 28-31; the body is the row from byte 32). ``rows``: C-contiguous uint8
+        ``(k, payload bytes)``."""
+        assert self._crc32 is not None and len(prefix) == 28
+        assert rows.dtype == np.uint8 and rows.flags.c_contiguous and rows.ndim == 2 and rows.shape[1] >= 32
+        self._lib.bw_seal_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], prefix, self._crc32)
+
+    def check_headers(self, rows: np.ndarray, prefix: bytes, dtype_ok: np.ndarray) -> int:
+        """-1 when every row of ``rows`` (C-contiguous uint8 ``(k, payload bytes)``) has the
+        header ``prefix`` says (its bytes 0-6 and 8-27; byte 7 one with ``dtype_ok[byte]``
+        nonzero, ``dtype_ok`` 256 uint8) and its body's crc32; else the index of the first
+        row that does not."""
+        assert self._crc32 is not None and len(prefix) == 28
+        assert dtype_ok.dtype == np.uint8 and dtype_ok.shape == (256,) and dtype_ok.flags.c_contiguous
+        assert rows.dtype == np.uint8 and rows.flags.c_contiguous and rows.ndim == 2 and rows.shape[1] >= 32
+        bad = self._lib.bw_check_headers(
+            rows.ctypes.data, rows.shape[0], rows.shape[1], prefix, dtype_ok.ctypes.data, self._crc32
+        )
+        return bad - 1
 
     def encode(self, x: torch.Tensor, bs: int, step: int, int4: bool, scales: np.ndarray, codes: np.ndarray) -> bool:
         """Fill ``scales`` (float32, one per block) and ``codes`` (uint8) from ``x`` (contiguous
@@ -85,13 +116,28 @@ class Kernels:
         return rc == 0
 
 
+def _zlib_ng_crc32() -> int | None:
+    """The address of zlib-ng's ``zng_crc32`` in the loaded ``zlib_ng`` extension (the crc32
+    the codecs call from Python), or None when that build does not export it."""
+    from zlib_ng import zlib_ng
+
+    try:
+        fn = ctypes.CDLL(zlib_ng.__file__).zng_crc32
+    except (OSError, AttributeError) as e:
+        log.info("zlib-ng's zng_crc32 is not a C symbol here (%s): payload rows are sealed in Python", e)
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 @functools.cache
 def kernels() -> Kernels | None:
     """The compiled kernels (built on first use), or None (after one warning) when they
     cannot be built or loaded, or when ``$DTRAIN_CODEC_NATIVE`` is ``off``."""
     if os.environ.get("DTRAIN_CODEC_NATIVE", "auto") == "off":
         return None
-    lib, why = build_and_load(SOURCE, stem="blockwise", cflags=CFLAGS, libs=[], version_fn="bw_version", version=1)
+    lib, why = build_and_load(
+        SOURCE, stem="blockwise", cflags=CFLAGS, libs=[], version_fn="bw_version", version=VERSION
+    )
     if lib is None:
         log.warning("compiled codec kernels unavailable (%s): using the torch path", why)
         return None

@@ -354,7 +354,7 @@ def test_the_baseline_build_of_the_kernels_gives_the_same_bits_as_the_one_this_c
         cflags=[*native.CFLAGS, "-DBW_BASELINE_ONLY"],
         libs=[],
         version_fn="bw_version",
-        version=1,
+        version=native.VERSION,
     )
     assert lib is not None, why
     base, here = native.Kernels(lib), native.kernels()
@@ -378,3 +378,41 @@ def test_the_baseline_build_of_the_kernels_gives_the_same_bits_as_the_one_this_c
                 assert k.accumulate(o, th, loc, 0.95)
             for a, b in zip(outs[::2], outs[1::2]):
                 assert torch.equal(_bits(a), _bits(b)), (int4, what)
+
+
+def test_compiled_payload_rows_are_sealed_and_checked_like_the_python_rows(kernel_path: str, monkeypatch) -> None:
+    """``Kernels.seal_rows`` writes the header and crc32 the Python rows write (zlib's crc32, via
+    zlib-ng's C symbol), and ``Kernels.check_headers`` names the first row whose magic, codec,
+    dtype byte, numel field or crc32 is wrong; without the C symbol the Python rows run."""
+    if kernel_path == "torch":
+        pytest.skip("the compiled rows only")
+    kern = native.kernels()
+    assert kern.rows, "zlib-ng's zng_crc32 is exported by the zlib_ng extension"
+    codec = get_codec("int8")
+    x = torch.randn(8 * 1280)
+    ranges = _ranges(x.numel(), 1280)
+    sealed = codec.encode_chunks(x, ranges)
+    assert all(zlib.crc32(p[HEADER_BYTES:]).to_bytes(4, "little") == p[28:32] for p in sealed)
+    monkeypatch.setattr(kern, "_crc32", None)  # as where the symbol is not exported
+    assert not kern.rows
+    python_rows = codec.encode_chunks(x, ranges)
+    assert python_rows == sealed
+    monkeypatch.undo()
+
+    prefix = codec._header_prefix(1280)
+    rows = np.frombuffer(bytearray().join(sealed), dtype=np.uint8).reshape(len(sealed), -1).copy()
+    ok = np.zeros(256, dtype=np.uint8)
+    ok[[1, 2, 3]] = 1  # float32, bfloat16, float16
+    assert kern.check_headers(rows, prefix, ok) == -1
+    for byte, row in ((0, 5), (6, 2), (7, 3), (16, 6), (40, 1), (31, 7)):  # magic, zstd flag, dtype, numel, body, crc
+        bad = rows.copy()
+        bad[row, byte] ^= 0x40
+        assert kern.check_headers(bad, prefix, ok) == row, byte
+        bad[row - 1, byte] ^= 0x40
+        assert kern.check_headers(bad, prefix, ok) == row - 1, byte
+    bf16 = rows.copy()
+    bf16[:, 7] = 2  # another known dtype of the original tensor: informational, accepted
+    assert kern.check_headers(bf16, prefix, ok) == -1
+    bad = rows.copy()
+    bad[4, 7] = 9
+    assert kern.check_headers(bad, prefix, ok) == 4
