@@ -25,7 +25,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(BW_BASELINE_ONLY)
 /* an AVX2 copy of each kernel beside the baseline one, picked at load time by the CPU */
-#define BW_CLONES __attribute__((target_clones("avx2", "default")))
+#define BW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define BW_CLONES
 #endif
