@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import blake3
 import torch
@@ -242,9 +242,9 @@ def checksum(t: torch.Tensor) -> str:
     return tensor_digest(t).hexdigest(length=16)
 
 
-def tensor_digest(t: torch.Tensor, hasher: "blake3.blake3 | None" = None) -> "blake3.blake3":
-    """``hasher`` (a new BLAKE3 hasher when None) updated with ``t``'s raw bytes in memory
-    order, without copying a contiguous host tensor."""
+def tensor_digest(t: torch.Tensor, hasher: Any = None) -> Any:
+    """``hasher`` (a new BLAKE3 hasher when None; any hashlib-like object with ``update``)
+    updated with ``t``'s raw bytes in memory order, without copying a contiguous host tensor."""
     h = blake3.blake3() if hasher is None else hasher
     if t.numel():
         h.update(memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
