@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import TypeVar, overload
 
 __all__ = [
     "Member",
@@ -22,7 +22,21 @@ __all__ = [
     "JoinInfo",
     "HeartbeatInfo",
     "ReadyDecision",
+    "made",
 ]
+
+_T = TypeVar("_T")
+
+
+def made(cls: type[_T], /, **fields: object) -> _T:
+    """An instance of the frozen dataclass ``cls`` with ``fields`` (every field, by name), equal
+    to ``cls(**fields)``, made without the frozen constructor's per-field ``object.__setattr__``
+    (~1.1 against ~0.4 µs for a :class:`MeanChunk`): for the many chunk objects a round makes
+    from values this process built or already checked (a datagram's header, an encoded bucket).
+    No field is checked or defaulted here."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 #: Heartbeats a site may have out at once (``dtrain.membership.Group`` sends the next one

@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 2
+#define BW_VERSION 3
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -128,10 +128,11 @@ int bw_check(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, in
 
 /* Decode k bodies (row r at bodies + r * stride: ceil(numel / bs) float32 scales, then the
  * codes) into out[k * numel], or (sub != 0) subtract the decoded values from out. Every
- * body is checked first (check_rows): on a nonzero return out is untouched. */
+ * body is checked first (check_rows; on a nonzero return out is untouched) unless checked
+ * != 0: the caller has had these rows pass bw_check already. */
 BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4,
-                        float *out, int sub) {
-    int rc = check_rows(bodies, k, stride, numel, bs, int4);
+                        float *out, int sub, int checked) {
+    int rc = checked ? 0 : check_rows(bodies, k, stride, numel, bs, int4);
     if (rc) return rc;
     const int64_t nb = (numel + bs - 1) / bs;
     for (int64_t r = 0; r < k; r++) {

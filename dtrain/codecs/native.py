@@ -33,7 +33,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 2  # kernels.c BW_VERSION
+VERSION = 3  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -43,7 +43,7 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.bw_encode.restype, lib.bw_encode.argtypes = i, [vp, i64, i64, i64, i, vp, vp, vp]
-        lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i]
+        lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
         lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp]
@@ -100,18 +100,27 @@ class Kernels:
         return self._lib.bw_check(bodies.ctypes.data, bodies.shape[0], bodies.strides[0], numel, bs, int(int4)) == 0
 
     def decode(
-        self, bodies: np.ndarray, numel: int, bs: int, int4: bool, out: torch.Tensor, *, sub: bool = False
+        self,
+        bodies: np.ndarray,
+        numel: int,
+        bs: int,
+        int4: bool,
+        out: torch.Tensor,
+        *,
+        sub: bool = False,
+        checked: bool = False,
     ) -> bool:
         """Decode the rows of ``bodies`` (uint8, ``(k, >= body bytes)``, rows contiguous) into
         ``out`` (contiguous float32 CPU, ``k * numel``), or subtract them from it (``sub``);
         False (``out`` untouched: every row is checked first) when a scale or code is one the
-        encoder never makes."""
+        encoder never makes. ``checked``: these rows passed :meth:`check` already (not
+        checked again; the caller's promise)."""
         k = bodies.shape[0]
         if k == 0:
             return True
         assert bodies.strides[1] == 1 and out.is_contiguous() and out.numel() == k * numel
         rc = self._lib.bw_decode(
-            bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), out.data_ptr(), int(sub)
+            bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), out.data_ptr(), int(sub), int(checked)
         )
         return rc == 0
 

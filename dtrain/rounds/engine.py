@@ -46,7 +46,7 @@ from dtrain.errors import (
     RejectCode,
     TransportError,
 )
-from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan
+from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan, made
 from dtrain.rounds import error_feedback
 from dtrain.rounds.fanout import Fanout
 from dtrain.rounds.history import AppliedMean, MeanHistory
@@ -454,7 +454,8 @@ class RoundEngine(PeerSide, Recovery):
                 with run.lock:
                     run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
             for c, ((off, n), payload) in enumerate(zip(chunks, payloads)):
-                yield Contribution(
+                yield made(  # Contribution(...) without its frozen constructor's cost, per chunk
+                    Contribution,
                     round=run.round,
                     bucket=b,
                     chunk=c,

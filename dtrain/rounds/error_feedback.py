@@ -26,7 +26,9 @@ al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub 
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -213,10 +215,11 @@ def settle_bucket(
         ``(chunk, error)`` for each mean chunk that did not decode (its residual is kept whole;
         a bad mean was not applied either).
     """
-    cases = [
-        ("sent" if not codec.lossless else "zero") if inc else ("mean" if mean_payloads is not None else "keep")
-        for inc in included
-    ]
+    own_case = "sent" if not codec.lossless else "zero"
+    if all(included):  # the usual round: one case for every chunk
+        cases = [own_case] * len(included)
+    else:
+        cases = [own_case if inc else ("mean" if mean_payloads is not None else "keep") for inc in included]
     runs = equal_runs(cases)
     step = _uniform_step(chunks) if residual.is_contiguous() else None
     if step is None or len(runs) <= 2 * len(set(cases)):  # few runs: each in place, no gather
@@ -232,7 +235,7 @@ def settle_bucket(
             )
     own = [c for c, k in enumerate(cases) if k == "sent"]
     if own:
-        dec = codec.decode_chunks([sent(c) for c in own], [chunks[c][1] for c in own], verify=False)
+        dec = codec.decode_chunks(list(map(sent, own)), [chunks[c][1] for c in own], verify=False)
         _sub_chunks(residual, chunks, own, dec, step)
     by_mean = [c for c, k in enumerate(cases) if k == "mean"]
     if by_mean:
@@ -262,13 +265,13 @@ def _settle_runs(
     in_place = residual.device.type == "cpu" and residual.dtype == torch.float32 and residual.is_contiguous()
     for i, j in runs:
         a, b = chunks[i][0], chunks[j - 1][0] + chunks[j - 1][1]
-        numels = [n for _, n in chunks[i:j]]
+        numels = list(map(_NUMEL, chunks[i:j]))
         if cases[i] == "zero":
             settle_chunk(residual[a:b], included=True, sent=None, applied_mean=None)
         elif cases[i] == "sent" and in_place:  # residual -= what was sent, in one pass
-            codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False, out=residual[a:b], subtract=True)
+            codec.decode_chunks(list(map(sent, range(i, j))), numels, verify=False, out=residual[a:b], subtract=True)
         elif cases[i] == "sent":
-            dec = codec.decode_chunks([sent(c) for c in range(i, j)], numels, verify=False)  # this site's own
+            dec = codec.decode_chunks(list(map(sent, range(i, j))), numels, verify=False)  # this site's own
             settle_chunk(residual[a:b], included=True, sent=dec, applied_mean=None)
         elif cases[i] == "mean":
             assert means is not None
@@ -305,7 +308,20 @@ def _settle_means_one_by_one(
 
 def _uniform_step(chunks: Sequence[tuple[int, int]]) -> int | None:
     """``n`` when chunk ``c`` is ``(c * n, n)`` for every chunk but the last, which starts at
-    ``c * n`` and has at most ``n`` elements (the layout's chunks); else None."""
+    ``c * n`` and has at most ``n`` elements (the layout's chunks); else None. Remembered per
+    distinct ``chunks`` (asked for every bucket every round)."""
+    key = tuple(chunks)
+    try:
+        return _uniform_step_of(key)
+    except TypeError:  # unhashable chunks (lists): not remembered
+        return _uniform_step_of.__wrapped__(key)
+
+
+_NUMEL = operator.itemgetter(1)
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_step_of(chunks: tuple[tuple[int, int], ...]) -> int | None:
     if not chunks:
         return None
     n = chunks[0][1]

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from dtrain.errors import PeerUnavailable, TransportError
-from dtrain.protocol import BucketMean, MeanChunk
+from dtrain.protocol import BucketMean, MeanChunk, made
 from dtrain.transports.datagram_reorder import reorder_grace_s
 from dtrain.transports.datagram_round import (
     MeanAssembly,
@@ -62,14 +62,17 @@ def _mean_chunk(rs: RoundState, h: Any, payload: bytes, bitmap: bytes) -> MeanCh
         senders = senders_from_bitmap(bitmap, rs.site_ids)
         if len(rs.senders_of) < _MAX_BITMAPS_KEPT:
             rs.senders_of[bitmap] = senders
-    m = _new(MeanChunk)
-    m.__dict__.update(
-        chunk=h.chunk, offset=h.offset, numel=h.numel, codec=CODEC_WIRE_NAMES[h.codec], payload=payload, senders=senders
+    return made(
+        MeanChunk,
+        chunk=h.chunk,
+        offset=h.offset,
+        numel=h.numel,
+        codec=CODEC_WIRE_NAMES[h.codec],
+        payload=payload,
+        senders=senders,
     )
-    return m
 
 
-_new = object.__new__
 _MAX_BITMAPS_KEPT = 1024  # distinct sender bitmaps decoded once per round (a forger cannot grow it past this)
 
 

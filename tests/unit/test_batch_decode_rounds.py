@@ -38,6 +38,11 @@ def test_contiguous_runs() -> None:
     assert contiguous_runs([(0, 4), (4, 4), (10, 2)]) == [(0, 2), (2, 3)]
     assert contiguous_runs([(0, 4), (4, 4), (8, 1)]) == [(0, 3)]
     assert contiguous_runs([(8, 2), (0, 8)]) == [(0, 1), (1, 2)]
+    layout = ((0, 4), (4, 4), (10, 2))  # remembered per distinct ranges: the same answer again, a list each time
+    first = contiguous_runs(layout)
+    first.append((9, 9))
+    assert contiguous_runs(layout) == [(0, 2), (2, 3)] == contiguous_runs(list(layout))
+    assert contiguous_runs([[0, 4], [4, 4]]) == [(0, 2)]  # unhashable ranges: answered, not remembered
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "bf16"])

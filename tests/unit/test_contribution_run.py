@@ -10,7 +10,7 @@ import pytest
 
 from dtrain.aggregation import AggregationConfig
 from dtrain.errors import Rejected
-from dtrain.protocol import Contribution, ContributionRun, Member, RoundPlan
+from dtrain.protocol import Contribution, ContributionRun, MeanChunk, Member, RoundPlan, made
 from dtrain.rounds.owner import OpenRound
 
 pytestmark = pytest.mark.timeout(30)
@@ -129,3 +129,18 @@ def test_check_run_registers_a_claim_as_check_does_and_refuses_one_out_of_bound(
     assert o.check_run(ContributionRun.concat([_c(2, tokens=101)])) is False  # not the claim it made
     with pytest.raises(Rejected, match="claims 101 tokens, 100 on its earlier chunks"):
         o.check(_c(2, tokens=101))
+
+
+def test_made_equals_the_frozen_constructor_and_stays_frozen() -> None:
+    """``protocol.made`` (the fast path the engine, means and datagram receive use per chunk) builds
+    the object the frozen dataclass's constructor builds: equal, same hash, still frozen."""
+    import dataclasses
+
+    fields = dict(chunk=2, offset=8, numel=4, codec="int8", payload=b"\x01\x02", senders=("a", "b"))
+    fast, slow = made(MeanChunk, **fields), MeanChunk(**fields)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.chunk = 3  # type: ignore[misc]
+    c = _c(1)
+    assert made(Contribution, **dataclasses.asdict(c)) == c
