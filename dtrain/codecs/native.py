@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from zlib_ng import zlib_ng
 
 from dtrain.native import build_and_load
 
@@ -128,8 +129,6 @@ class Kernels:
 def _zlib_ng_crc32() -> int | None:
     """The address of zlib-ng's ``zng_crc32`` in the loaded ``zlib_ng`` extension (the crc32
     the codecs call from Python), or None when that build does not export it."""
-    from zlib_ng import zlib_ng
-
     try:
         fn = ctypes.CDLL(zlib_ng.__file__).zng_crc32
     except (OSError, AttributeError) as e:
