@@ -494,7 +494,14 @@ class EtcdStore:
             return Standing(
                 known=True, plan=plan, member=site_id in plan.site_ids, plan_reason=reason, next_round=self.next_round()
             )
-        return Standing(known=True, next_round=self.next_round(), lease=int(info["lease"]))
+        # No plan at the read's revision, but one may have formed since and the watch moved
+        # next_round past it: take the plan with the round count, under one lock, else a member
+        # of the round just formed was told "round already ran" (a 3-site etcd test under load)
+        with self._cv:
+            nxt, plan, reason = self._next, self._plans.get(round), self._reasons.get(round, "already formed")
+        if plan is not None:
+            return Standing(known=True, plan=plan, member=site_id in plan.site_ids, plan_reason=reason, next_round=nxt)
+        return Standing(known=True, next_round=nxt, lease=int(info["lease"]))
 
     def adopt(self, round: int, *, now: float) -> bool:
         return False  # etcd's state outlives every process: nothing to adopt

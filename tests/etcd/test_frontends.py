@@ -80,7 +80,9 @@ def test_the_next_round_forms_through_the_other_front_end(etcd_cluster) -> None:
                 assert hb.known and not hb.resync_required  # the lease lives in etcd, not in the front-end
             got = _all_ready(clients, 1)
             took_s = time.monotonic() - t0
-        assert {d.plan.site_ids for d in got.values()} == {("a", "b", "c")}
+        why = {s: (d.status, d.reason, round(took_s, 2)) for s, d in got.items()}
+        assert all(d.status == "plan" for d in got.values()), why
+        assert {d.plan.site_ids for d in got.values()} == {("a", "b", "c")}, why
         assert {d.plan.round for d in got.values()} == {1}
         assert took_s < CFG.heartbeat_timeout_s + CFG.quorum_timeout_s
         assert all(c._current == 1 for c in clients.values())  # they all moved to the second
@@ -146,3 +148,34 @@ def test_rendezvous_processes_on_etcd_share_rounds_and_the_status_page(etcd_clus
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def test_a_member_asking_while_its_round_forms_elsewhere_gets_the_plan(etcd_cluster) -> None:  # noqa: F811
+    """The race behind a CI failure: a site's ``ready`` reads its standing from etcd before the
+    round's plan is written, and the plan (formed through another call) reaches this process's
+    watch before the round count is read. The site is a member, so it gets the plan; it was told
+    "round 1 already ran" and sent to resync while the others ran the round it belonged to."""
+    from dtrain.protocol import Member, RoundPlan
+
+    store_cfg = EtcdStoreConfig.parse(etcd_cluster.url, run=f"race-{uuid.uuid4().hex[:8]}")
+    core = EtcdRendezvous(store_cfg, CFG)
+    try:
+        for s in ("a", "b", "c"):
+            core.join(s, f"addr-{s}", now=time.monotonic())
+        store = core.store
+        store._start_watch()  # noqa: SLF001 - the watch first, as a serving front-end has it
+        members = tuple(Member(site_id=s, address=f"addr-{s}") for s in ("a", "b", "c"))
+        plan = RoundPlan(round=0, members=members, reduce_timeout_s=10.0, broadcast_timeout_s=20.0)
+        read = store.etcd.txn
+
+        def read_then_plan_arrives(*args, **kw):
+            out = read(*args, **kw)
+            with store._cv:  # noqa: SLF001 - what the watch does when the plan arrives
+                store._add_plan(plan, "all 3 live sites are ready")  # noqa: SLF001
+            return out
+
+        store.etcd.txn = read_then_plan_arrives
+        d = core.ready("c", 0, now=time.monotonic())
+        assert (d.status, d.reason, d.plan) == ("plan", "all 3 live sites are ready", plan), d
+    finally:
+        core.close()

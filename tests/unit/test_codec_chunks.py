@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
-from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs import CodecConfig, get_codec, native
 from dtrain.codecs.base import HEADER_BYTES, equal_runs
 from dtrain.errors import CodecError
 
@@ -102,3 +104,43 @@ def test_equal_runs() -> None:
     assert equal_runs([5]) == [(0, 1)]
     assert equal_runs([5, 5, 5, 2]) == [(0, 3), (3, 4)]
     assert equal_runs(["a", "b", "b", "a"]) == [(0, 1), (1, 3), (3, 4)]
+
+
+def test_compiled_payload_rows_are_sealed_and_checked_like_the_python_rows(monkeypatch) -> None:
+    """``Kernels.seal_rows`` writes the header and crc32 the Python rows write (zlib's crc32, via
+    zlib-ng's C symbol), and ``Kernels.check_headers`` names the first row whose magic, codec,
+    dtype byte, numel field or crc32 is wrong; without the C symbol the Python rows run."""
+    kern = native.kernels()
+    if kern is None:
+        if os.environ.get("DTRAIN_NATIVE_REQUIRED"):
+            pytest.fail("the compiled kernels did not build")
+        pytest.skip("no compiler: the compiled kernels are unavailable")
+    assert kern.rows, "zlib-ng's zng_crc32 is exported by the zlib_ng extension"
+    codec = get_codec("int8")
+    x = torch.randn(8 * 1280)
+    ranges = [(o, 1280) for o in range(0, x.numel(), 1280)]
+    sealed = codec.encode_chunks(x, ranges)
+    assert all(zlib.crc32(p[HEADER_BYTES:]).to_bytes(4, "little") == p[28:32] for p in sealed)
+    monkeypatch.setattr(kern, "_crc32", None)  # as where the symbol is not exported
+    assert not kern.rows
+    python_rows = codec.encode_chunks(x, ranges)
+    assert python_rows == sealed
+    monkeypatch.undo()
+
+    prefix = codec._header_prefix(1280)
+    rows = np.frombuffer(bytearray().join(sealed), dtype=np.uint8).reshape(len(sealed), -1).copy()
+    ok = np.zeros(256, dtype=np.uint8)
+    ok[[1, 2, 3]] = 1  # float32, bfloat16, float16
+    assert kern.check_headers(rows, prefix, ok) == -1
+    for byte, row in ((0, 5), (6, 2), (7, 3), (16, 6), (40, 1), (31, 7)):  # magic, zstd flag, dtype, numel, body, crc
+        bad = rows.copy()
+        bad[row, byte] ^= 0x40
+        assert kern.check_headers(bad, prefix, ok) == row, byte
+        bad[row - 1, byte] ^= 0x40
+        assert kern.check_headers(bad, prefix, ok) == row - 1, byte
+    bf16 = rows.copy()
+    bf16[:, 7] = 2  # another known dtype of the original tensor: informational, accepted
+    assert kern.check_headers(bf16, prefix, ok) == -1
+    bad = rows.copy()
+    bad[4, 7] = 9
+    assert kern.check_headers(bad, prefix, ok) == 4
