@@ -5,6 +5,7 @@ See the package docstring (``dtrain.codecs``) for the payload layout.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
@@ -525,6 +526,25 @@ def finite_or_raise(chunk: torch.Tensor) -> None:
         lo, hi = (float(v) for v in torch.aminmax(chunk))
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise CodecError("corrupted payload: decoded values contain NaN or inf")
+
+
+def per_chunk_list(fn):
+    """``fn(chunks, *args)`` remembered per distinct chunk list (as a tuple; ``args`` hashable):
+    a layout's buckets ask the same questions of the same chunks every round, ~180-300 µs of
+    Python for a datagram run's 478-chunk bucket against ~20 µs to hash it. Unhashable chunks
+    (lists of lists) are answered, not remembered. ``fn`` gets the tuple; its result is shared,
+    so it must be immutable."""
+    remembered = functools.lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def call(chunks, *args):
+        key = tuple(chunks)
+        try:
+            return remembered(key, *args)
+        except TypeError:  # unhashable
+            return fn(key, *args)
+
+    return call
 
 
 def equal_runs(numels: Sequence[int]) -> list[tuple[int, int]]:

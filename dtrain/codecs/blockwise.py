@@ -40,6 +40,7 @@ from dtrain.codecs.base import (
     equal_runs,
     non_finite_error,
     np_view,
+    per_chunk_list,
     t_view,
 )
 from dtrain.codecs.config import CodecConfig
@@ -402,19 +403,10 @@ def _rows_struct(k: int, plen: int) -> struct.Struct:
     return struct.Struct(f"{plen}s" * k)
 
 
-def _rows_plan(chunks, bs: int) -> "tuple[tuple[int, int], ...] | None":
+@per_chunk_list
+def _rows_plan(chunks: tuple, bs: int) -> "tuple[tuple[int, int], ...] | None":
     """:func:`_uniform_runs` of ``chunks`` when every chunk starts on a block boundary (and so
-    on an even element: block sizes are even), else None; remembered per distinct ``chunks``
-    and block size (every bucket asks it every round: ~300 µs of Python for 478 chunks)."""
-    key = tuple(chunks)
-    try:
-        return _rows_plan_of(key, bs)
-    except TypeError:  # unhashable chunks (lists): not remembered
-        return _rows_plan_of.__wrapped__(key, bs)
-
-
-@functools.lru_cache(maxsize=256)
-def _rows_plan_of(chunks: tuple, bs: int) -> "tuple[tuple[int, int], ...] | None":
+    on an even element: block sizes are even), else None."""
     if not all(o % bs == 0 for o, _ in chunks):
         return None
     return tuple(_uniform_runs(chunks))

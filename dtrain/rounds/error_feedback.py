@@ -26,7 +26,6 @@ al. 2019 ("EF-SGD"); for lost exchanges, the unbiased partial mean of Weintraub 
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from typing import Callable, Sequence
@@ -35,7 +34,7 @@ import torch
 
 from dtrain.buckets import Bucket, BucketLayout
 from dtrain.codecs import Codec
-from dtrain.codecs.base import equal_runs
+from dtrain.codecs.base import equal_runs, per_chunk_list
 from dtrain.codecs.native import kernels
 from dtrain.errors import CodecError
 
@@ -306,22 +305,13 @@ def _settle_means_one_by_one(
     return bad
 
 
-def _uniform_step(chunks: Sequence[tuple[int, int]]) -> int | None:
-    """``n`` when chunk ``c`` is ``(c * n, n)`` for every chunk but the last, which starts at
-    ``c * n`` and has at most ``n`` elements (the layout's chunks); else None. Remembered per
-    distinct ``chunks`` (asked for every bucket every round)."""
-    key = tuple(chunks)
-    try:
-        return _uniform_step_of(key)
-    except TypeError:  # unhashable chunks (lists): not remembered
-        return _uniform_step_of.__wrapped__(key)
-
-
 _NUMEL = operator.itemgetter(1)
 
 
-@functools.lru_cache(maxsize=256)
-def _uniform_step_of(chunks: tuple[tuple[int, int], ...]) -> int | None:
+@per_chunk_list
+def _uniform_step(chunks: tuple[tuple[int, int], ...]) -> int | None:
+    """``n`` when chunk ``c`` is ``(c * n, n)`` for every chunk but the last, which starts at
+    ``c * n`` and has at most ``n`` elements (the layout's chunks); else None."""
     if not chunks:
         return None
     n = chunks[0][1]

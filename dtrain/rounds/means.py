@@ -5,7 +5,6 @@ site, the owner included, applies the same decoded bytes, so θ_b stays equal ev
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Sequence
 
@@ -13,6 +12,7 @@ import torch
 
 from dtrain.buckets import Bucket
 from dtrain.codecs import Codec
+from dtrain.codecs.base import per_chunk_list
 from dtrain.protocol import BucketMean, MeanChunk, made
 from dtrain.rounds.owner import ChunkReduction
 
@@ -82,17 +82,11 @@ def _decode_into(
 def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(start, end)`` index ranges of the maximal runs of ``(offset, numel)`` element ranges
     where each starts where the one before ended (``[(0, 4), (4, 4), (10, 2)]`` ->
-    ``[(0, 2), (2, 3)]``). Remembered per distinct ``ranges`` (a layout's buckets ask the same
-    question every round: ~180 µs of Python for a bucket of 478 chunks, against ~20 µs to
-    hash it)."""
-    key = tuple(ranges)
-    try:
-        return list(_contiguous_runs(key))
-    except TypeError:  # unhashable ranges (lists): not remembered
-        return list(_contiguous_runs.__wrapped__(key))
+    ``[(0, 2), (2, 3)]``); a new list each call (the runs are remembered per distinct ranges)."""
+    return list(_contiguous_runs(ranges))
 
 
-@functools.lru_cache(maxsize=256)
+@per_chunk_list
 def _contiguous_runs(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     runs: list[tuple[int, int]] = []
     start = 0
