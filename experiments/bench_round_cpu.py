@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dtrain.app.gc_control import RoundCollector
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import get_codec
 from dtrain.protocol import BucketMean, MeanChunk
@@ -36,7 +37,7 @@ from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments import bench
 
-STEPS = tuple("pseudo_gradient encode accept_decode mean_encode mean_decode outer_step settle checksums".split())
+STEPS = tuple("pseudo_gradient encode accept_decode mean_encode mean_decode outer_step settle checksums gc".split())
 GROUPS = {  # the brief's three figures
     "encode": ("pseudo_gradient", "encode", "mean_encode"),
     "decode": ("accept_decode", "mean_decode", "settle"),
@@ -69,9 +70,11 @@ class _Site:
         with cpu("pseudo_gradient"):
             ok = error_feedback.add_pseudo_gradient(layout, st.theta, st.residuals, self.tensors, error_feedback=True)
         assert ok
-        with cpu("encode"):
+        with cpu("encode"):  # settling each residual in place where the codec can, as RoundEngine._contributions
+            settled = [codec.settles_in_place(r, bk.chunks) for r, bk in zip(st.residuals, layout.buckets)]
             sent = [
-                codec.encode_chunks(r, bk.chunks, generator=self.gen) for r, bk in zip(st.residuals, layout.buckets)
+                codec.encode_chunks(r, bk.chunks, generator=self.gen, settle=s)
+                for r, bk, s in zip(st.residuals, layout.buckets, settled)
             ]
         means = {}
         for b in self.mine:
@@ -111,6 +114,7 @@ class _Site:
                     sent=sent[b].__getitem__,
                     bcodec=codec,
                     mean_payloads=[ch.payload for ch in means[b][0]],
+                    settled_in_place=settled[b],
                 )
         from dtrain.app.worker import outer_state_checksum
         from dtrain.diloco import theta_checksum
@@ -138,7 +142,18 @@ def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None
         flush=True,
     )
     site.round()  # warm-up: the outer optimizer's momentum buffers, allocator
-    rounds = [site.round() for _ in range(repeats)]
+    # as a site runs (dtrain.app.gc_control): no automatic collection inside a round, one after it
+    collector = RoundCollector(1, site="bench")
+    collector.start()
+    try:
+        rounds = []
+        for i in range(repeats):
+            rounds.append(site.round())
+            t = time.thread_time()
+            collector.after_round(i + 1)
+            rounds[-1]["gc"] = time.thread_time() - t
+    finally:
+        collector.close()
     med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in STEPS}
     grp = {g: statistics.median(sum(r.get(k, 0.0) for k in ks) for r in rounds) for g, ks in GROUPS.items()}
     grp["total"] = statistics.median(sum(r.values()) for r in rounds)

@@ -176,14 +176,36 @@ class Codec:
         )
 
     def encode_chunks(
-        self, x: torch.Tensor, chunks: "list[tuple[int, int]] | tuple[tuple[int, int], ...]", *, generator=None
+        self,
+        x: torch.Tensor,
+        chunks: "list[tuple[int, int]] | tuple[tuple[int, int], ...]",
+        *,
+        generator=None,
+        settle: bool = False,
     ) -> list[bytes]:
         """Encode the element ranges ``chunks`` (``(offset, numel)`` pairs) of 1-D ``x``,
         each to its own payload: the same bytes as ``encode(x[o:o+n])`` per range (up to
         the random draws of stochastic rounding). Codecs that can do it in one pass over
         ``x`` (int8/int4 without zstd, block-aligned ranges) override this; many small
-        ranges (the datagram path's one-chunk-per-datagram) then cost one encode."""
+        ranges (the datagram path's one-chunk-per-datagram) then cost one encode.
+
+        Args:
+            settle: also leave ``x − decode(payload)`` in ``x`` over every range (in place),
+                bit for bit what error feedback's settle of a sent chunk leaves, undone
+                exactly by :meth:`decode_chunks` with ``unsettle``. Only where
+                :meth:`settles_in_place` says so (else ValueError, ``x`` untouched); on a
+                CodecError (non-finite ``x``) ``x`` is unspecified.
+        """
+        if settle:
+            raise ValueError(f"codec {self.name!r} does not settle in place here (see settles_in_place)")
         return [self.encode(x[o : o + n], generator=generator) for o, n in chunks]
+
+    def settles_in_place(self, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> bool:
+        """Whether :meth:`encode_chunks` of ``x`` with ``settle`` works: the ranges cover ``x``
+        from 0 and in order, and this codec leaves ``x − decoded`` in ``x`` in its encoding
+        pass with an exact inverse (the compiled int8 / int4 pass, round to nearest: see
+        ``kernels.c``). Error feedback then settles a sent chunk without decoding it again."""
+        return False
 
     def decode(self, payload: bytes | bytearray | memoryview, *, numel: int) -> torch.Tensor:
         """Decode a payload made by :meth:`encode` of a codec with the same config.
@@ -217,6 +239,7 @@ class Codec:
         verify: bool = True,
         out: torch.Tensor | None = None,
         subtract: bool = False,
+        unsettle: bool = False,
     ) -> torch.Tensor:
         """Decode several payloads into one 1-D float32 tensor, their concatenation in order.
 
@@ -240,6 +263,9 @@ class Codec:
                 writing them: ``out -= decode(...)``, the same values as that, in one pass
                 where the codec can (error feedback's settle). On a CodecError ``out`` is
                 untouched.
+            unsettle: add the decoded values back into ``out`` (required), the exact inverse
+                of :meth:`encode_chunks` with ``settle`` for the same payloads; only for a codec
+                that settles in place (else ValueError). On a CodecError ``out`` is untouched.
 
         Returns:
             ``out``, or a new float32 tensor of ``sum(numels)`` elements.
@@ -256,6 +282,8 @@ class Codec:
                     raise CodecError(f"numel must be a non-negative int, got {n!r}")
         if subtract and out is None:
             raise ValueError("subtract=True needs out: the tensor to subtract the decoded values from")
+        if unsettle and out is None:
+            raise ValueError("unsettle=True needs out: the tensor the encode settled in place")
         if out is None:
             out = torch.empty(sum(numels), dtype=torch.float32)
         elif not (
@@ -265,6 +293,10 @@ class Codec:
                 f"out must be a contiguous 1-D float32 CPU tensor of {sum(numels)} elements, "
                 f"got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
+        if unsettle:
+            if not self._subtract_runs(out, payloads, numels, verify, unsettle=True):
+                raise ValueError(f"codec {self.name!r} did not settle these payloads in place: nothing to undo")
+            return out
         if subtract:
             if not self._subtract_runs(out, payloads, numels, verify):
                 out.sub_(self.decode_chunks(payloads, numels, verify=verify))
@@ -276,9 +308,12 @@ class Codec:
             pos += (j - i) * n
         return out
 
-    def _subtract_runs(self, out: torch.Tensor, payloads: Sequence, numels: Sequence[int], verify: bool) -> bool:
-        """``out -= decode_chunks(payloads, numels)`` in one pass, every payload checked before
-        ``out`` is written; False (``out`` untouched) where this codec has no such pass."""
+    def _subtract_runs(
+        self, out: torch.Tensor, payloads: Sequence, numels: Sequence[int], verify: bool, unsettle: bool = False
+    ) -> bool:
+        """``out -= decode_chunks(payloads, numels)`` in one pass (``unsettle``: its exact
+        inverse), every payload checked before ``out`` is written; False (``out`` untouched)
+        where this codec has no such pass."""
         return False
 
     def _decode_run_into(self, out: torch.Tensor, payloads: Sequence, numel: int, verify: bool = True) -> None:

@@ -115,20 +115,25 @@ class _Blockwise(Codec):
                 q.round_()
             yield s, t, q.clamp_(-qmax, qmax)
 
-    def encode_chunks(self, x, chunks, *, generator=None):
+    def encode_chunks(self, x, chunks, *, generator=None, settle=False):
         """One pass over ``x`` into one body; then each run of equal, contiguous ranges of
         whole blocks is cut into its payloads at once (:meth:`_payload_rows`), any other
-        range on its own (:meth:`_payload`): the bytes of ``encode(x[o:o+n])`` per range."""
+        range on its own (:meth:`_payload`): the bytes of ``encode(x[o:o+n])`` per range.
+        ``settle``: the compiled pass also leaves ``x`` settled (:meth:`Codec.encode_chunks`)."""
         bs = self._bs
         plan = _rows_plan(chunks, bs)
+        if settle and not self.settles_in_place(x, chunks):
+            return super().encode_chunks(x, chunks, generator=generator, settle=settle)  # refused there
         if self._zstd or plan is None or x.dim() != 1 or x.dtype != torch.float32 or len(chunks) < 2:
             return super().encode_chunks(x, chunks, generator=generator)
         x32, _ = _prepare(x)
         n = x32.numel()
-        body = self._body_buffer(self._body_bytes(n))  # per-thread scratch: every payload is a copy
-        if body.size:
-            self._encode_into(x32, body, generator)
         nb = self._num_blocks(n)
+        body = self._body_buffer(self._body_bytes(n))  # per-thread scratch: every payload is a copy
+        if settle:
+            self._native_encode(x32, body, nb, settle=True)
+        elif body.size:
+            self._encode_into(x32, body, generator)
         out: list[bytes] = []
         for i, j in plan:
             o, m = chunks[i]
@@ -138,13 +143,30 @@ class _Blockwise(Codec):
                 out.extend(self._payload(body, nb, o, m) for o, m in chunks[i:j])
         return out
 
-    def _native_encode(self, x: torch.Tensor, out: np.ndarray, nb: int) -> bool:
-        """The body of ``x`` (flat contiguous float32) by the compiled kernel: True when it
-        ran; False (nothing written) for stochastic rounding or without the kernel."""
+    def settles_in_place(self, x, chunks):
+        return (
+            not self._zstd
+            and not self._sr
+            and kernels() is not None
+            and isinstance(x, torch.Tensor)
+            and x.dim() == 1
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+            and len(chunks) >= 2
+            and _rows_plan(chunks, self._bs) is not None
+            and _consecutive_end(chunks) == x.numel()
+        )
+
+    def _native_encode(self, x: torch.Tensor, out: np.ndarray, nb: int, *, settle: bool = False) -> bool:
+        """The body of ``x`` (flat contiguous float32) by the compiled kernel (``settle``: and
+        ``x`` settled in place): True when it ran; False (nothing written) for stochastic
+        rounding or without the kernel."""
         k = None if self._sr else kernels()
         if k is None:
             return False
-        if not k.encode(x, self._bs, self._step, self.qmax == 7, out[: 4 * nb].view(np.float32), out[4 * nb :]):
+        scales, codes = out[: 4 * nb].view(np.float32), out[4 * nb :]
+        if not k.encode(x, self._bs, self._step, self.qmax == 7, scales, codes, settle=settle):
             raise non_finite_error(x)
         return True
 
@@ -198,10 +220,10 @@ class _Blockwise(Codec):
             raise CodecError("corrupted payload: block scales must be finite and >= 0")
         return scale
 
-    def _subtract_runs(self, out, payloads, numels, verify):
-        """The compiled kernel's in-place subtraction when every run passes the header checks
-        (:meth:`_checked_bodies`) and the kernel's scale and code checks, all before the first
-        run is subtracted."""
+    def _subtract_runs(self, out, payloads, numels, verify, unsettle=False):
+        """The compiled kernel's in-place subtraction (or its inverse) when every run passes the
+        header checks (:meth:`_checked_bodies`) and the kernel's scale and code checks, all
+        before the first run is subtracted."""
         kern = kernels()
         if kern is None or out.device.type != "cpu":
             return False
@@ -215,7 +237,8 @@ class _Blockwise(Codec):
         pos = 0
         for bodies, n in runs:
             k = bodies.shape[0]
-            if not kern.decode(bodies, n, self._bs, self.qmax == 7, out[pos : pos + k * n], sub=True, checked=True):
+            o = out[pos : pos + k * n]
+            if not kern.decode(bodies, n, self._bs, self.qmax == 7, o, sub=True, unsettle=unsettle, checked=True):
                 raise AssertionError("a run that passed the kernel's checks did not decode")  # not reached
             pos += k * n
         return True
@@ -401,6 +424,17 @@ def _rows_struct(k: int, plen: int) -> struct.Struct:
     """A ``struct`` of ``k`` byte strings of ``plen`` bytes: its ``unpack`` makes the ``k``
     ``bytes`` of a rows array in one call (a layout has a few distinct ``(k, plen)``)."""
     return struct.Struct(f"{plen}s" * k)
+
+
+@per_chunk_list
+def _consecutive_end(chunks: tuple) -> int | None:
+    """Where the ranges end when each starts where the one before ended, the first at 0; else None."""
+    end = 0
+    for o, n in chunks:
+        if o != end or n < 0:
+            return None
+        end += n
+    return end
 
 
 @per_chunk_list

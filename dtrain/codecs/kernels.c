@@ -6,6 +6,14 @@
  * (a zero scale divides by 1) rounded half to even and clamped to [-qmax, qmax]; decoding is
  * code * scale_b. Built with -ffp-contract=off so that no multiply and add fuse.
  *
+ * Settling in place (error feedback, dtrain/rounds/error_feedback.py): bw_encode can leave
+ * x[i] - code * scale in x (the value and rounding of bw_decode's subtraction), and bw_decode
+ * undoes that exactly (BW_UNSETTLE: x[i] + code * scale where code != 0). Exact because the
+ * encode rounds to nearest: for code q != 0, x / scale lies within q +- 1/2 (|q| >= 1), so x and
+ * d = fl(q * scale) are within a factor 2 of each other and x - d is exact (Sterbenz's
+ * lemma, subnormals included); (x - d) + d is then x itself. For q = 0, d = +0 and x - d is x
+ * (bit for bit, -0 too), so it is left alone.
+ *
  * Codes: int8 (qmax 127), one byte each; int4 (qmax 7), nibble = code + 8, element 2i in the
  * low nibble of byte i and 2i+1 in the high one, an odd tail padded with nibble 8.
  *
@@ -19,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 3
+#define BW_VERSION 4
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -57,12 +65,25 @@ static void quantize(const float *x, int64_t n, float d, float qmax, float *q) {
     }
 }
 
+/* quantize, and x[i] -= q[i] * sc: bw_decode's subtraction, q[i] being its (float)code */
+static void quantize_settle(float *x, int64_t n, float d, float qmax, float sc, float *q) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = (x[i] / d + ROUND_MAGIC) - ROUND_MAGIC;
+        v = v > qmax ? qmax : v;
+        v = v < -qmax ? -qmax : v;
+        q[i] = v;
+        x[i] = x[i] - v * sc;
+    }
+}
+
 /* Encode n floats (xv: float32) into scales[ceil(n / bs)] and codes (n bytes for int8,
  * ceil(n / 2) for int4). step: a multiple of bs (the torch path's chunk). q: scratch of
- * bs floats. Returns 0, or -1 when x holds inf or NaN (nothing else is promised then). */
-BW_CLONES int bw_encode(const void *xv, int64_t n, int64_t bs, int64_t step, int int4, float *scales, uint8_t *codes,
-              float *q) {
-    const float *x = (const float *)xv;
+ * bs floats. settle != 0: x is left settled (x[i] - code[i] * scale, block by block; see the
+ * header). Returns 0, or -1 when x holds inf or NaN (nothing else is promised then; with
+ * settle, the blocks before the first such chunk of `step` elements are settled). */
+BW_CLONES int bw_encode(void *xv, int64_t n, int64_t bs, int64_t step, int int4, float *scales, uint8_t *codes,
+                        float *q, int settle) {
+    float *x = (float *)xv;
     const float qmax = int4 ? 7.0f : 127.0f;
     for (int64_t s = 0; s < n; s += step) {
         int64_t t = s + step < n ? s + step : n;
@@ -81,7 +102,10 @@ BW_CLONES int bw_encode(const void *xv, int64_t n, int64_t bs, int64_t step, int
             float absmax = scales[b0 + b], sc = absmax / qmax;
             if (nudge && sc * qmax > absmax) sc = nextafterf(sc, 0.0f);
             scales[b0 + b] = sc;
-            quantize(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, q);
+            if (settle)
+                quantize_settle(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, sc, q);
+            else
+                quantize(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, q);
             if (!int4) {
                 int8_t *c = (int8_t *)codes + o;
                 for (int64_t i = 0; i < e; i++) c[i] = (int8_t)(int32_t)q[i];
@@ -126,10 +150,15 @@ int bw_check(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, in
     return check_rows(bodies, k, stride, numel, bs, int4);
 }
 
+#define BW_WRITE 0
+#define BW_SUBTRACT 1
+#define BW_UNSETTLE 2
+
 /* Decode k bodies (row r at bodies + r * stride: ceil(numel / bs) float32 scales, then the
- * codes) into out[k * numel], or (sub != 0) subtract the decoded values from out. Every
- * body is checked first (check_rows; on a nonzero return out is untouched) unless checked
- * != 0: the caller has had these rows pass bw_check already. */
+ * codes) into out[k * numel] (sub == BW_WRITE), subtract the decoded values from out
+ * (BW_SUBTRACT), or add them back where the code is not 0 (BW_UNSETTLE: undoes bw_encode's
+ * settle exactly). Every body is checked first (check_rows; on a nonzero return out is
+ * untouched) unless checked != 0: the caller has had these rows pass bw_check already. */
 BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4,
                         float *out, int sub, int checked) {
     int rc = checked ? 0 : check_rows(bodies, k, stride, numel, bs, int4);
@@ -145,8 +174,10 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
             float *yb = y + o;
             if (!int4) {
                 const int8_t *c = (const int8_t *)codes + o;
-                if (sub)
+                if (sub == BW_SUBTRACT)
                     for (int64_t i = 0; i < e; i++) yb[i] = yb[i] - (float)c[i] * sc;
+                else if (sub == BW_UNSETTLE)
+                    for (int64_t i = 0; i < e; i++) yb[i] = c[i] ? yb[i] + (float)c[i] * sc : yb[i];
                 else
                     for (int64_t i = 0; i < e; i++) yb[i] = (float)c[i] * sc;
             } else {
@@ -154,7 +185,7 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
                 for (int64_t i = 0; i < e; i++) {
                     int nib = i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15;
                     float v = (float)(nib - 8) * sc;
-                    yb[i] = sub ? yb[i] - v : v;
+                    yb[i] = sub == BW_SUBTRACT ? yb[i] - v : sub == BW_UNSETTLE ? (nib != 8 ? yb[i] + v : yb[i]) : v;
                 }
             }
         }

@@ -34,7 +34,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 3  # kernels.c BW_VERSION
+VERSION = 4  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -43,7 +43,7 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.bw_encode.restype, lib.bw_encode.argtypes = i, [vp, i64, i64, i64, i, vp, vp, vp]
+        lib.bw_encode.restype, lib.bw_encode.argtypes = i, [vp, i64, i64, i64, i, vp, vp, vp, i]
         lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
@@ -79,12 +79,32 @@ class Kernels:
         )
         return bad - 1
 
-    def encode(self, x: torch.Tensor, bs: int, step: int, int4: bool, scales: np.ndarray, codes: np.ndarray) -> bool:
+    def encode(
+        self,
+        x: torch.Tensor,
+        bs: int,
+        step: int,
+        int4: bool,
+        scales: np.ndarray,
+        codes: np.ndarray,
+        *,
+        settle: bool = False,
+    ) -> bool:
         """Fill ``scales`` (float32, one per block) and ``codes`` (uint8) from ``x`` (contiguous
-        1-D float32 on the CPU; ``step`` a multiple of ``bs``); False when ``x`` holds inf or NaN."""
+        1-D float32 on the CPU; ``step`` a multiple of ``bs``); False when ``x`` holds inf or NaN.
+        ``settle``: leave ``x − decoded`` in ``x`` (what :meth:`decode` with ``sub`` leaves; undone
+        exactly by :meth:`decode` with ``unsettle``)."""
         q = np.empty(bs, dtype=np.float32)
         rc = self._lib.bw_encode(
-            x.data_ptr(), x.numel(), bs, step, int(int4), scales.ctypes.data, codes.ctypes.data, q.ctypes.data
+            x.data_ptr(),
+            x.numel(),
+            bs,
+            step,
+            int(int4),
+            scales.ctypes.data,
+            codes.ctypes.data,
+            q.ctypes.data,
+            int(settle),
         )
         return rc == 0
 
@@ -109,19 +129,29 @@ class Kernels:
         out: torch.Tensor,
         *,
         sub: bool = False,
+        unsettle: bool = False,
         checked: bool = False,
     ) -> bool:
         """Decode the rows of ``bodies`` (uint8, ``(k, >= body bytes)``, rows contiguous) into
-        ``out`` (contiguous float32 CPU, ``k * numel``), or subtract them from it (``sub``);
-        False (``out`` untouched: every row is checked first) when a scale or code is one the
-        encoder never makes. ``checked``: these rows passed :meth:`check` already (not
-        checked again; the caller's promise)."""
+        ``out`` (contiguous float32 CPU, ``k * numel``), or subtract them from it (``sub``), or
+        add them back where the code is not 0 (``unsettle``: the exact inverse of
+        :meth:`encode` with ``settle``); False (``out`` untouched: every row is checked first)
+        when a scale or code is one the encoder never makes. ``checked``: these rows passed
+        :meth:`check` already (not checked again; the caller's promise)."""
         k = bodies.shape[0]
         if k == 0:
             return True
         assert bodies.strides[1] == 1 and out.is_contiguous() and out.numel() == k * numel
         rc = self._lib.bw_decode(
-            bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), out.data_ptr(), int(sub), int(checked)
+            bodies.ctypes.data,
+            k,
+            bodies.strides[0],
+            numel,
+            bs,
+            int(int4),
+            out.data_ptr(),
+            2 if unsettle else int(sub),
+            int(checked),
         )
         return rc == 0
 

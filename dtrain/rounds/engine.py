@@ -39,13 +39,7 @@ import torch
 
 from dtrain.buckets import assign_owners
 from dtrain.codecs import get_codec
-from dtrain.errors import (
-    CodecError,
-    PeerTimeout,
-    PeerUnavailable,
-    RejectCode,
-    TransportError,
-)
+from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, RejectCode, TransportError
 from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan, made
 from dtrain.rounds import error_feedback
 from dtrain.rounds.fanout import Fanout
@@ -84,6 +78,7 @@ class _Run:
     pacer: Pacer | None = None  # a fragment round's send budget (pace_window_s); None: unpaced
     tokens: int = 0  # this site's token claim, on every contribution it sends (0: none)
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
+    settled: dict[int, torch.Tensor] = field(default_factory=dict)  # residuals the encode settled in place
     fan: "Fanout | None" = None  # the pushes or the mean pulls while they run (under `lock`)
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
@@ -231,15 +226,17 @@ class RoundEngine(PeerSide, Recovery):
             run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
         finalizer.start()
-        self._reduce(run)
-        run.res.reduce_s = time.monotonic() - run.opened
-        self._broadcast(run)
-        finalizer.join(timeout=max(0.0, run.owned.books.broadcast_until - time.monotonic()) + 1.0)
-        self._late_pulls(run)
-        run.res.means_s = time.monotonic() - run.opened
-        self._apply_and_verify(run)
-        self._repair(run)
-        self._settle_residuals(run)
+        try:
+            self._reduce(run)
+            run.res.reduce_s = time.monotonic() - run.opened
+            self._broadcast(run)
+            finalizer.join(timeout=max(0.0, run.owned.books.broadcast_until - time.monotonic()) + 1.0)
+            self._late_pulls(run)
+            run.res.means_s = time.monotonic() - run.opened
+            self._apply_and_verify(run)
+            self._repair(run)
+        finally:  # even on an error: a residual the encode settled in place is settled or restored
+            self._settle_residuals(run)
         return self._close(run)
 
     def _open_round(self, plan: RoundPlan, contribute: bool, buckets: Sequence[int] | None, tokens: int) -> _Run:
@@ -442,16 +439,17 @@ class RoundEngine(PeerSide, Recovery):
                 continue
             chunks = self.state.layout.buckets[b].chunks
             t = time.perf_counter()  # one encoding pass per bucket (a datagram run's has ~480 chunks)
-            payloads = self.codec.encode_chunks(v, chunks, generator=self._gen)
+            assert b not in run.settled, f"bucket {b} encoded twice in round {run.round}: its residual was settled"
+            settle = self.config.error_feedback and self.codec.settles_in_place(v, chunks)  # see _settle_residuals
+            payloads = self.codec.encode_chunks(v, chunks, generator=self._gen, settle=settle)
             # the bucket's counters and kept payloads at once (a lock per chunk cost ~10 µs x 7,650)
-            run.add(
-                encode_s=time.perf_counter() - t,
-                encoded_bytes=sum(len(p) for p in payloads),
-                encoded_fp32_bytes=4 * sum(n for _, n in chunks),
-            )
+            fp32 = 4 * sum(n for _, n in chunks)
+            run.add(encode_s=time.perf_counter() - t, encoded_bytes=sum(map(len, payloads)), encoded_fp32_bytes=fp32)
             if not self.codec.lossless:
                 with run.lock:
                     run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
+                    if settle:
+                        run.settled[b] = v
             for c, ((off, n), payload) in enumerate(zip(chunks, payloads)):
                 yield made(  # Contribution(...) without its frozen constructor's cost, per chunk
                     Contribution,
@@ -710,6 +708,7 @@ class RoundEngine(PeerSide, Recovery):
                 sent=lambda c, b=b: run.payloads[(b, c)],
                 bcodec=self.bcodec,
                 mean_payloads=None if applied is None else [ch.payload for ch in applied.chunks],
+                settled_in_place=run.settled.pop(b, None) is v,  # (not when v was replaced since)
             )
             for c, e in bad:  # a bad mean was not applied here either
                 self.log.warning("round %d: mean of b%d c%d undecodable, residual kept whole: %s", run.round, b, c, e)

@@ -188,6 +188,7 @@ def settle_bucket(
     sent: Callable[[int], bytes],
     bcodec: Codec,
     mean_payloads: Sequence[bytes] | None,
+    settled_in_place: bool = False,
 ) -> list[tuple[int, CodecError]]:
     """Settle every chunk of one bucket's residual (:func:`settle_chunk` for each) in a few
     vectorized passes: the same values, bit for bit, as one :func:`settle_chunk` per chunk.
@@ -204,18 +205,29 @@ def settle_bucket(
         chunks: the bucket's ``(offset, numel)`` chunks (contiguous, in order, from 0).
         included: per chunk, whether the finalized mean included this site.
         codec: the contribution codec (``sent`` payloads).
-        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec);
-            made by this process, so decoded without re-checking headers and crc32s.
+        sent: this site's payload of chunk ``c`` (called for included chunks of a lossy codec,
+            and with ``settled_in_place`` for the others); made by this process, so decoded
+            without re-checking headers and crc32s.
         bcodec: the broadcast codec (``mean_payloads``).
         mean_payloads: the applied mean's payload per chunk, or None when no whole mean
             is known here.
+        settled_in_place: the residual was left settled as if every chunk were included by
+            ``codec.encode_chunks(residual, chunks, settle=True)`` when it made the ``sent``
+            payloads, and not written since: the included chunks are done, the others are
+            restored first (exactly: ``decode_chunks(..., unsettle=True)``). The usual round
+            (every chunk included) then costs nothing here.
 
     Returns:
         ``(chunk, error)`` for each mean chunk that did not decode (its residual is kept whole;
         a bad mean was not applied either).
     """
     own_case = "sent" if not codec.lossless else "zero"
+    if settled_in_place:  # the included chunks are settled already; restore the others
+        _unsettle(residual, chunks, included, codec, sent)
+        own_case = "done"
     if all(included):  # the usual round: one case for every chunk
+        if own_case == "done":
+            return []
         cases = [own_case] * len(included)
     else:
         cases = [own_case if inc else ("mean" if mean_payloads is not None else "keep") for inc in included]
@@ -246,6 +258,22 @@ def settle_bucket(
         else:
             _sub_chunks(residual, chunks, by_mean, dec, step)
     return bad
+
+
+def _unsettle(
+    residual: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    included: Sequence[bool],
+    codec: Codec,
+    sent: Callable[[int], bytes],
+) -> None:
+    """Undo the encode's in-place settle of the chunks not included (each run of them in one
+    pass): the residual they had before it, bit for bit."""
+    for i, j in equal_runs(list(included)):
+        if not included[i]:
+            a, b = chunks[i][0], chunks[j - 1][0] + chunks[j - 1][1]
+            numels = list(map(_NUMEL, chunks[i:j]))
+            codec.decode_chunks(list(map(sent, range(i, j))), numels, verify=False, out=residual[a:b], unsettle=True)
 
 
 def _settle_runs(

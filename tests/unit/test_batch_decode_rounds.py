@@ -214,3 +214,50 @@ def test_dispatch_groups_batch_each_senders_contributions_and_keep_each_senders_
     ]
     assert dispatch_groups(items) == [[0, 2], [1], [3], [4], [5], [6], [7], [8]]
     assert dispatch_groups([]) == []
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("last", [1280, 300])
+def test_a_residual_settled_in_place_by_its_encode_ends_as_the_per_chunk_settle(
+    name: str, last: int, kernel_path: str
+) -> None:
+    """``encode_chunks(..., settle=True)`` makes the same payloads, and ``settle_bucket`` told
+    the residual was settled in place leaves what settle_chunk leaves, bit for bit, for every
+    inclusion pattern: all chunks (nothing decoded), scattered ones with and without a mean,
+    none (the whole residual restored)."""
+    codec = get_codec(name)
+    bucket = _bucket(40 * 1280 + last)
+    g = torch.Generator().manual_seed(12)
+    u = torch.randn(bucket.numel, generator=g) * torch.logspace(-3, 2, bucket.numel)  # blocks of unlike scale
+    u[5 * 1280 : 6 * 1280] = 0.0  # a zero block: scale 0
+    u[7 * 1280 : 8 * 1280] *= -0.0  # and one of -0.0
+    if not codec.settles_in_place(u, bucket.chunks):
+        assert kernel_path == "torch" or (last % 256 and name == "int4")
+        return
+    sent = codec.encode_chunks(u, list(bucket.chunks))
+    mean_payloads = codec.encode_chunks(torch.randn(bucket.numel, generator=g), list(bucket.chunks))
+    r = torch.Generator().manual_seed(3)
+    scattered = [bool(x) for x in (torch.rand(len(bucket.chunks), generator=r) < 0.7).tolist()]
+    for included in ([True] * len(bucket.chunks), scattered, [False] * len(bucket.chunks)):
+        for payloads in (mean_payloads, None):
+            want = u.clone()
+            for c, (off, n) in enumerate(bucket.chunks):
+                s = codec.decode(sent[c], numel=n) if included[c] else None
+                a = codec.decode(payloads[c], numel=n) if not included[c] and payloads is not None else None
+                settle_chunk(want[off : off + n], included=included[c], sent=s, applied_mean=a)
+            got = u.clone()
+            assert codec.encode_chunks(got, list(bucket.chunks), settle=True) == sent
+            decoded: list[int] = []
+            bad = settle_bucket(
+                got,
+                bucket.chunks,
+                included,
+                codec=codec,
+                sent=lambda c: decoded.append(c) or sent[c],
+                bcodec=codec,
+                mean_payloads=payloads,
+                settled_in_place=True,
+            )
+            assert bad == []
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, last, sum(included))
+            assert decoded == [c for c, inc in enumerate(included) if not inc]  # only the ones restored

@@ -363,10 +363,16 @@ def test_the_baseline_build_of_the_kernels_gives_the_same_bits_as_the_one_this_c
     for int4 in (False, True):
         size = 4 * nb + ((numel + 1) // 2 if int4 else numel)
         for what, x in _inputs(numel, seed=11).items():
-            bodies = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
-            for k, b in zip((base, here), bodies):
-                assert k.encode(x, bs, 1 << 18, int4, b[: 4 * nb].view(np.float32), b[4 * nb :])
-            assert np.array_equal(bodies[0], bodies[1]), (int4, what)
+            bodies = [np.zeros(size, dtype=np.uint8) for _ in range(4)]
+            settled = [x.clone(), x.clone()]
+            for k, b, st in zip((base, here, base, here), bodies, [None, None, *settled]):
+                sc, codes = b[: 4 * nb].view(np.float32), b[4 * nb :]
+                assert k.encode(x if st is None else st, bs, 1 << 18, int4, sc, codes, settle=st is not None)
+            assert all(np.array_equal(bodies[0], b) for b in bodies[1:]), (int4, what)
+            assert torch.equal(_bits(settled[0]), _bits(settled[1])), (int4, what)
+            for k, st in zip((base, here), settled):
+                assert k.decode(bodies[0][None, :], numel, bs, int4, st, unsettle=True)
+                assert torch.equal(_bits(st), _bits(x)), (int4, what)
             r = torch.randn(numel)
             outs = [torch.empty(numel), torch.empty(numel), r.clone(), r.clone(), r.clone(), r.clone()]
             for k, o in zip((base, here), outs[:2]):
@@ -378,3 +384,65 @@ def test_the_baseline_build_of_the_kernels_gives_the_same_bits_as_the_one_this_c
                 assert k.accumulate(o, th, loc, 0.95)
             for a, b in zip(outs[::2], outs[1::2]):
                 assert torch.equal(_bits(a), _bits(b)), (int4, what)
+
+
+def _boundaries(numel: int, seed: int) -> torch.Tensor:
+    """Values a few ulps either side of the rounding boundaries (q + 1/2) * scale of blocks with
+    scales that are not powers of 2, and each block's absmax at 127 * scale."""
+    g = torch.Generator().manual_seed(seed)
+    scale = (
+        torch.rand(numel // 64 + 1, generator=g).repeat_interleave(64)[:numel]
+        * 10.0 ** torch.randint(-30, 30, (numel // 64 + 1,), generator=g).repeat_interleave(64)[:numel].float()
+    )
+    q = torch.randint(-127, 127, (numel,), generator=g).float() + 0.5
+    x = q * scale
+    for _ in range(3):  # nudged by up to 3 ulps each way
+        step = torch.randint(-1, 2, (numel,), generator=g)
+        x = torch.where(step > 0, torch.nextafter(x, torch.full_like(x, float("inf"))), x)
+        x = torch.where(step < 0, torch.nextafter(x, torch.full_like(x, float("-inf"))), x)
+    x[::64] = 127 * scale[::64]
+    return x
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if not c.stochastic_rounding], ids=str)
+def test_an_encode_that_settles_in_place_is_undone_bit_for_bit(cfg: CodecConfig, kernel_path: str) -> None:
+    """``encode_chunks(..., settle=True)`` sends the same payloads and leaves x − decoded (what
+    error feedback's settle of a sent chunk leaves, bit for bit); ``decode_chunks(unsettle=True)``
+    gives the original x back, bit for bit, -0.0 included: the residual of a chunk that was
+    sent and then not included in its mean is kept whole (kernels.c, the Sterbenz argument)."""
+    codec = get_codec(cfg)
+    numel = 6 * 4096 + 1024
+    ranges = _ranges(numel, 4096)
+    cases = {**_inputs(numel, seed=21), "boundaries": _boundaries(numel, seed=22)}
+    if 4096 % cfg.block_size or kernel_path == "torch":  # ranges of parts of blocks, or no compiled pass
+        assert not codec.settles_in_place(cases["random"], ranges)
+        return
+    for what, x in cases.items():
+        assert codec.settles_in_place(x, ranges), what
+        sent = codec.encode_chunks(x, ranges)
+        y = x.clone()
+        assert codec.encode_chunks(y, ranges, settle=True) == sent, what
+        want = x.clone()
+        codec.decode_chunks(sent, [n for _, n in ranges], out=want, subtract=True)
+        assert torch.equal(_bits(y), _bits(want)), what
+        codec.decode_chunks(sent, [n for _, n in ranges], out=y, unsettle=True)
+        assert torch.equal(_bits(y), _bits(x)), what
+
+
+def test_codecs_that_cannot_settle_in_place_say_so_and_refuse_it(kernel_path: str) -> None:
+    x = torch.randn(4 * 1280)
+    ranges = _ranges(x.numel(), 1280)
+    for name in ("fp32", "bf16", "topk", "int8+zstd"):
+        codec = get_codec(name)
+        assert not codec.settles_in_place(x, ranges), name
+        with pytest.raises(ValueError, match="does not settle in place"):
+            codec.encode_chunks(x.clone(), ranges, settle=True)
+    int8 = get_codec("int8")
+    assert int8.settles_in_place(x, ranges) == (kernel_path == "compiled")
+    assert not int8.settles_in_place(x, ranges[1:])  # ranges that do not cover x from 0
+    assert not int8.settles_in_place(x.view(-1, 2).t()[0], ranges[:2])  # not contiguous
+    assert not get_codec(CodecConfig(name="int8", stochastic_rounding=True)).settles_in_place(x, ranges)
+    sent = int8.encode_chunks(x, ranges)
+    with pytest.raises(ValueError, match="did not settle"):
+        get_codec("int4").decode_chunks(int8.encode_chunks(x, ranges), [1280] * 4, out=x.clone(), unsettle=True)
+    assert sent
