@@ -306,7 +306,7 @@ class ChunkAccumulator:
 
     @property
     def digests(self) -> dict[str, bytes]:
-        """Sender -> digest of the payload counted from it (a copy)."""
+        """Sender -> the key (the payload, or a digest of it) counted from it (a copy)."""
         return dict(self._digests)
 
     def add(self, sender: str, values: torch.Tensor, digest: bytes) -> bool:
@@ -435,11 +435,11 @@ class BucketAccumulator:
         return sum(len(h) for h in self._held)
 
     def digest(self, chunk: int, sender: str) -> bytes | None:
-        """The digest counted from ``sender`` for ``chunk`` (None: none yet)."""
+        """The key (the payload, or a digest of it) counted from ``sender`` for ``chunk`` (None: none yet)."""
         return self._digests[chunk].get(sender)
 
     def digests(self, chunk: int) -> dict[str, bytes]:
-        """Sender -> digest of the payload counted from it for ``chunk`` (a copy)."""
+        """Sender -> the key counted from it for ``chunk`` (a copy)."""
         return dict(self._digests[chunk])
 
     # ------------------------------------------------------------------ transitions
@@ -470,7 +470,8 @@ class BucketAccumulator:
             sender: the sender of every chunk of the run.
             chunks: the run's chunk indices, strictly ascending.
             values: 1-D fp32, the run's chunks' values concatenated in that order.
-            digests: per chunk of the run, the digest of its payload; None skips the
+            digests: per chunk of the run, its payload's key (the payload itself, or a
+                digest of it: a retry counts as identical when its key is equal); None skips the
                 chunk (refused before: its values are ignored).
         Returns:
             Per chunk: True (counted), False (an identical retry: a no-op), the
@@ -481,6 +482,9 @@ class BucketAccumulator:
             ValueError: ``chunks`` not ascending or out of range, ``digests`` of another
                 length, or ``values`` not 1-D fp32 of the run's element count (caller bugs).
         """
+        fast = self._add_in_turn(sender, chunks, values, digests)
+        if fast is not None:
+            return fast
         starts = self._starts(chunks, digests, values)
         out: list[bool | Rejected | None] = [None] * len(chunks)
         todo = []  # indices in the run of the chunks still to check and count
@@ -507,6 +511,36 @@ class BucketAccumulator:
         if todo and not self.config.robust:
             self._fold_in_turn([chunks[j] for j in todo])
         return out
+
+    def _add_in_turn(
+        self, sender: str, chunks: Sequence[int], values: torch.Tensor, digests: Sequence[bytes | None]
+    ) -> list[bool | Rejected | None] | None:
+        """:meth:`add_run`'s usual case without per-chunk Python: consecutive chunks, a digest
+        for each, none counted from ``sender`` yet, none held, and ``sender``'s turn in every
+        chunk's sum (each has folded the same senders before it), values that pass the checks:
+        counted and folded with one ``copy_`` / ``add_``, the same values as the general path.
+        None (nothing changed) for any other case, which the general path takes."""
+        m, order = len(chunks), self._order
+        if self.config.robust or m < 2 or len(digests) != m or None in digests:
+            return None
+        c0 = chunks[0]
+        c1, pos = c0 + m, self._pos
+        if c0 < 0 or c1 > len(self.numels) or tuple(chunks) != tuple(range(c0, c1)):
+            return None
+        k = self._next[c0]
+        if k >= len(order) or order[k] != sender or self._next[c0:c1].count(k) != m:
+            return None
+        if any(self._held[c0:c1]) or any(sender in d for d in self._digests[c0:c1]):
+            return None
+        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != pos[c1] - pos[c0]:
+            return None  # the general path names the problem
+        out: list[bool | Rejected | None] = [None] * m
+        if len(self._check_values(chunks, [p - pos[c0] for p in pos[c0:c1]], values, list(range(m)), out)) != m:
+            return None  # a refused chunk: the general path refuses it and counts the others
+        list(map(dict.__setitem__, self._digests[c0:c1], itertools.repeat(sender), digests))
+        self._fold(self._sums(pos[c0], pos[c1]), values, k == 0, self._factor(sender))
+        self._next[c0:c1] = [k + 1] * m
+        return [True] * m
 
     def _starts(self, chunks: Sequence[int], digests: Sequence, values: torch.Tensor) -> list[int]:
         """Where each chunk of a run starts in its ``values`` (checking the run's shape)."""
@@ -589,10 +623,6 @@ class BucketAccumulator:
         (``mul`` / ``add_`` with ``alpha``), 1.0 runs exactly the unweighted operations."""
         if not ops:
             return
-        if self._sum is None:
-            self._sum = torch.empty(self._pos[-1], dtype=torch.float32)
-            if self.config.sparse_mean:
-                self._nnz = torch.zeros(self._pos[-1], dtype=torch.float32)
         ops.sort(key=lambda op: (op[0], op[1]))
         pos, numels, i = self._pos, self.numels, 0
         while i < len(ops):
@@ -603,18 +633,33 @@ class BucketAccumulator:
                 if s2 != step or c2 != c + 1 or b2 is not base or st2 != stop or f2 != first or w2 != w:
                     break
                 c, stop, i = c2, stop + numels[c2], i + 1
-            dst, src = self._sum[pos[c0] : pos[c + 1]], base[start:stop]
-            if w != 1.0:
-                if first:
-                    torch.mul(src, w, out=dst)
-                else:
-                    dst.add_(src, alpha=w)
-            elif first:
-                dst.copy_(src)
+            self._fold(self._sums(pos[c0], pos[c + 1]), base[start:stop], first, w)
+
+    def _sums(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The running sums of elements ``[a, b)`` (and their nonzero counts under
+        ``sparse_mean``), allocated at the first fold."""
+        if self._sum is None:
+            self._sum = torch.empty(self._pos[-1], dtype=torch.float32)
+            if self.config.sparse_mean:
+                self._nnz = torch.zeros(self._pos[-1], dtype=torch.float32)
+        return self._sum[a:b], None if self._nnz is None else self._nnz[a:b]
+
+    @staticmethod
+    def _fold(sums: tuple[torch.Tensor, torch.Tensor | None], src: torch.Tensor, first: bool, w: float) -> None:
+        """One fold of ``src`` into ``sums``: copied (the chunks' first sender) or added, scaled
+        by ``w`` unless it is 1.0 (then exactly the unweighted operations)."""
+        dst, nnz = sums
+        if w != 1.0:
+            if first:
+                torch.mul(src, w, out=dst)
             else:
-                dst.add_(src)
-            if self._nnz is not None:
-                self._nnz[pos[c0] : pos[c + 1]].add_((src != 0).to(torch.float32))
+                dst.add_(src, alpha=w)
+        elif first:
+            dst.copy_(src)
+        else:
+            dst.add_(src)
+        if nnz is not None:
+            nnz.add_((src != 0).to(torch.float32))
 
     def finalize(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
         """Per chunk, the unbiased partial mean; see :func:`partial_mean` for each item.

@@ -4,10 +4,12 @@ The model is the datagram experiments' 9.8 M-parameter task (``datagram_vs_grpc.
 the layout a 4-site datagram run uses (chunks of one datagram each). One site's share of a round
 is replayed in-process without a transport, with the library's own functions, in the engine's
 order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``), ``encode`` (each bucket's
-residual, ``Codec.encode_chunks``), ``accept_decode`` (the owner decoding the N contributions
-of its buckets), ``mean_encode`` / ``mean_decode`` (the owner's means; a member decoding the
+residual, ``Codec.encode_chunks``), ``accept`` (the owner taking the N contributions of its
+buckets as ``PeerSide`` does: decoded, digested, checked and summed, then the means), ``mean_encode`` / ``mean_decode`` (the owner's means; a member decoding the
 others'), ``outer_step`` (``GlobalState.apply_mean`` less its checksum), ``settle`` (error
-feedback) and ``checksums`` (every bucket's θ checksum and the metrics line's two).
+feedback) and ``checksums`` (each bucket's θ checksum right after its step, as ``apply_mean``
+takes it, and the metrics line's two after the round); ``gc`` is the collection after the
+round (``dtrain.app.gc_control.RoundCollector``, as a site runs).
 
 Figures are CPU seconds of this thread (``time.thread_time``, robust to other processes),
 medians over ``--repeats`` rounds, one torch thread; ``--compare a.json b.json`` prints the
@@ -25,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dtrain.aggregation import AggregationConfig, BucketAccumulator
 from dtrain.app.gc_control import RoundCollector
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import get_codec
@@ -37,10 +40,10 @@ from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
 from experiments import bench
 
-STEPS = tuple("pseudo_gradient encode accept_decode mean_encode mean_decode outer_step settle checksums gc".split())
+STEPS = tuple("pseudo_gradient encode accept mean_encode mean_decode outer_step settle checksums gc".split())
 GROUPS = {  # the brief's three figures
     "encode": ("pseudo_gradient", "encode", "mean_encode"),
-    "decode": ("accept_decode", "mean_decode", "settle"),
+    "decode": ("accept", "mean_decode", "settle"),
     "checksums": ("checksums",),
 }
 
@@ -77,15 +80,20 @@ class _Site:
                 for r, bk, s in zip(st.residuals, layout.buckets, settled)
             ]
         means = {}
+        senders = [f"site-{i}" for i in range(self.num_sites)]
         for b in self.mine:
             numels = [n for _, n in layout.buckets[b].chunks]
-            with cpu("accept_decode"):  # the N senders' payloads: this site's and (alike here) the others'
-                vals = [codec.decode_chunks(sent[b], numels) for _ in range(self.num_sites)]
-            mean = sum(vals[1:], vals[0]) / self.num_sites  # summed in sender order, as an owner does
-            reds = [
-                ChunkReduction(chunk=c, mean=mean[o : o + n].clone(), senders=("site-0",))
-                for c, (o, n) in enumerate(layout.buckets[b].chunks)
-            ]
+            # as PeerSide._accept_run takes each sender's run (decode, checks and folds), in
+            # sender order (the owner's best case: nothing held), then OpenRound.finalize
+            with cpu("accept"):
+                acc = BucketAccumulator(numels, AggregationConfig(), order=senders)
+                for s in senders:  # the others' payloads: alike this site's here
+                    vals = codec.decode_chunks(sent[b], numels)
+                    acc.add_run(s, list(range(len(numels))), vals, sent[b])  # each payload its own key
+                reds = [
+                    ChunkReduction(chunk=c, mean=m, senders=ss, dropped=d)
+                    for c, (m, ss, d) in enumerate(acc.finalize())
+                ]
             with cpu("mean_encode"):
                 means[b] = encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
         for b in self.remote:  # stand-in means of the others' buckets: what this site sent
@@ -96,14 +104,15 @@ class _Site:
             m = BucketMean(round=0, bucket=b, owner="x", chunks=chunks, checksum_before="", checksum_after="")
             with cpu("mean_decode"):
                 means[b] = (chunks, decode_mean(codec, layout.buckets[b], m))
-        with cpu("outer_step"):  # GlobalState.apply_mean without the checksum it returns (timed as checksums)
-            for b in range(len(layout)):
-                with st.lock(b):
-                    t = st.theta[b]
-                    t.grad = means[b][1]
-                    st.optimizers[b].step()
-                    t.grad = None
-                    st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
+        for b in range(len(layout)):  # GlobalState.apply_mean: the step, then θ_b's checksum (timed apart)
+            with cpu("outer_step"), st.lock(b):
+                t = st.theta[b]
+                t.grad = means[b][1]
+                st.optimizers[b].step()
+                t.grad = None
+                st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
+            with cpu("checksums"):
+                st.checksum(b)  # right after the step, as apply_mean; cached for the next round's pulls
         with cpu("settle"):
             for b, bk in enumerate(layout.buckets):
                 error_feedback.settle_bucket(
@@ -119,9 +128,7 @@ class _Site:
         from dtrain.app.worker import outer_state_checksum
         from dtrain.diloco import theta_checksum
 
-        with cpu("checksums"):
-            for b in range(len(layout)):
-                st.checksum(b)  # before the next round's pulls: cached from here on
+        with cpu("checksums"):  # the metrics line's, after the round
             theta_checksum(st)
             outer_state_checksum(SimpleNamespace(state=st))
         return cpu.s
@@ -174,10 +181,11 @@ def _print(res: dict) -> None:
 
 def _compare(before: dict, after: dict) -> None:
     print("\n| step | before s | after s | after / before |\n|:---|---:|---:|---:|")
-    rows = [(k, before["steps"][k], after["steps"][k]) for k in STEPS]
+    nan = float("nan")  # a step one of the files does not have (an older bench)
+    rows = [(k, before["steps"].get(k, nan), after["steps"].get(k, nan)) for k in STEPS]
     rows += [(f"**{k}**", before["groups"][k], after["groups"][k]) for k in before["groups"]]
     for k, a, b in rows:
-        print(f"| {k} | {a:.4f} | {b:.4f} | {b / a if a else float('nan'):.2f} |")
+        print(f"| {k} | {a:.4f} | {b:.4f} | {b / a if a else nan:.2f} |")
     same = before.get("theta") == after.get("theta")
     print(f"\nθ digests after the same rounds: {'equal' if same else 'DIFFER'}")
 

@@ -181,20 +181,21 @@ class _Blockwise(Codec):
 
     def _payload_rows(self, body: np.ndarray, nb: int, o: int, m: int, k: int) -> list[bytes]:
         """The payloads of ``k`` contiguous ranges of ``m`` elements (whole blocks) from
-        element ``o``, built as the rows of one array: the scales and the codes each copied in
-        one numpy assignment, then each row's header and crc32 in one compiled pass
-        (``Kernels.seal_rows``; without it the header in one assignment and a crc32 call per
-        row), and the rows cut into ``bytes`` by one ``struct`` unpack (a ``bytes`` per row
-        from a memoryview slice costs ~2x its CPU)."""
+        element ``o``, built as the rows of one array: each row's scales, codes, header and
+        crc32 in one compiled pass (``Kernels.seal_rows``; without it the scales and the codes
+        each copied in one numpy assignment, the header in one and a crc32 call per row), and
+        the rows cut into ``bytes`` by one ``struct`` unpack (a ``bytes`` per row from a
+        memoryview slice costs ~2x its CPU)."""
         mb, cb = m // self._bs, self._codes_bytes(m)
         plen = HEADER_BYTES + 4 * mb + cb
         rows = self._rows_buffer(k * plen).reshape(k, plen)
         b0, c0 = o // self._bs, self._code_range(o, m)[0]
-        rows[:, HEADER_BYTES : HEADER_BYTES + 4 * mb] = body[4 * b0 : 4 * (b0 + k * mb)].reshape(k, 4 * mb)
-        rows[:, HEADER_BYTES + 4 * mb :] = body[4 * nb + c0 : 4 * nb + c0 + k * cb].reshape(k, cb)
-        if (kern := kernels()) is not None and kern.rows:
-            kern.seal_rows(rows, self._header_prefix(m))
+        scales, codes = body[4 * b0 : 4 * (b0 + k * mb)], body[4 * nb + c0 : 4 * nb + c0 + k * cb]
+        if (kern := kernels()) is not None and kern.rows:  # bodies copied in and sealed in one pass
+            kern.seal_rows(rows, self._header_prefix(m), scales, codes)
         else:
+            rows[:, HEADER_BYTES : HEADER_BYTES + 4 * mb] = scales.reshape(k, 4 * mb)
+            rows[:, HEADER_BYTES + 4 * mb :] = codes.reshape(k, cb)
             rows[:, :28] = np.frombuffer(self._header_prefix(m), dtype=np.uint8)
             flat = memoryview(rows.reshape(-1))
             crcs = [crc32(flat[a + HEADER_BYTES : a + plen]) for a in range(0, k * plen, plen)]

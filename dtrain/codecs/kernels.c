@@ -27,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 4
+#define BW_VERSION 5
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -220,11 +220,20 @@ static uint32_t row_crc(crc32_fn crc, const uint8_t *row, int64_t plen) {
     return crc(0, row + ROW_HEADER_BYTES, (uint32_t)(plen - ROW_HEADER_BYTES));
 }
 
-/* Finish k payload rows of plen bytes each (row r at rows + r * plen, bodies already in
- * place at byte 32): the 28-byte header prefix, then the body's crc32 (little-endian). */
-void bw_seal_rows(uint8_t *rows, int64_t k, int64_t plen, const uint8_t *prefix, crc32_fn crc) {
+/* Finish k payload rows of plen bytes each (row r at rows + r * plen): its body first when
+ * scales != NULL (row r's sbytes of scales from scales + r * sbytes, then its plen - 32 - sbytes
+ * bytes of codes from codes + r * (plen - 32 - sbytes): one contiguous body cut into rows);
+ * else the bodies are in place at byte 32. Then the 28-byte header prefix and the body's
+ * crc32 (little-endian), while the row is in cache. */
+void bw_seal_rows(uint8_t *rows, int64_t k, int64_t plen, const uint8_t *prefix, crc32_fn crc, const uint8_t *scales,
+                  int64_t sbytes, const uint8_t *codes) {
+    const int64_t cbytes = plen - ROW_HEADER_BYTES - sbytes;
     for (int64_t r = 0; r < k; r++) {
         uint8_t *row = rows + r * plen;
+        if (scales) {
+            memcpy(row + ROW_HEADER_BYTES, scales + r * sbytes, sbytes);
+            memcpy(row + ROW_HEADER_BYTES + sbytes, codes + r * cbytes, cbytes);
+        }
         memcpy(row, prefix, PREFIX_BYTES);
         uint32_t c = row_crc(crc, row, plen);
         for (int i = 0; i < 4; i++) row[PREFIX_BYTES + i] = (uint8_t)(c >> (8 * i));

@@ -34,7 +34,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 4  # kernels.c BW_VERSION
+VERSION = 5  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -47,7 +47,7 @@ class Kernels:
         lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
-        lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp]
+        lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp, vp, i64, vp]
         lib.bw_check_headers.restype, lib.bw_check_headers.argtypes = i64, [vp, i64, i64, ctypes.c_char_p, vp, vp]
         self._lib = lib
         self._crc32 = _zlib_ng_crc32()
@@ -58,13 +58,25 @@ class Kernels:
         ``zng_crc32`` as a C symbol; without it they are not called)."""
         return self._crc32 is not None
 
-    def seal_rows(self, rows: np.ndarray, prefix: bytes) -> None:
+    def seal_rows(
+        self, rows: np.ndarray, prefix: bytes, scales: np.ndarray | None = None, codes: np.ndarray | None = None
+    ) -> None:
         """Write each row's header: ``prefix`` (28 bytes) and its body's crc32 (little-endian,
         bytes 28-31; the body is the row from byte 32). ``rows``: C-contiguous uint8
-        ``(k, payload bytes)``."""
+        ``(k, payload bytes)``. With ``scales`` and ``codes`` (contiguous uint8, ``k`` equal
+        parts each: row r's scales, then its codes), the bodies are copied in first, in the
+        same pass."""
         assert self._crc32 is not None and len(prefix) == 28
         assert rows.dtype == np.uint8 and rows.flags.c_contiguous and rows.ndim == 2 and rows.shape[1] >= 32
-        self._lib.bw_seal_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], prefix, self._crc32)
+        k, plen = rows.shape
+        sp = cp = None
+        sbytes = 0
+        if scales is not None:
+            assert codes is not None and scales.flags.c_contiguous and codes.flags.c_contiguous
+            sbytes = scales.nbytes // max(k, 1)
+            assert scales.nbytes == k * sbytes and codes.nbytes == k * (plen - 32 - sbytes)
+            sp, cp = scales.ctypes.data, codes.ctypes.data
+        self._lib.bw_seal_rows(rows.ctypes.data, k, plen, prefix, self._crc32, sp, sbytes, cp)
 
     def check_headers(self, rows: np.ndarray, prefix: bytes, dtype_ok: np.ndarray) -> int:
         """-1 when every row of ``rows`` (C-contiguous uint8 ``(k, payload bytes)``) has the

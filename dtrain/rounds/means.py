@@ -5,6 +5,7 @@ site, the owner included, applies the same decoded bytes, so θ_b stays equal ev
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Sequence
 
@@ -43,9 +44,14 @@ def encode_mean(
         and the decoded mean, 1-D fp32 of ``bucket.numel`` elements.
     """
     full = torch.empty(bucket.numel, dtype=torch.float32)
-    src = torch.empty(bucket.numel, dtype=torch.float32)
     ranges = [bucket.chunks[red.chunk] for red in reductions]
-    if ranges == list(bucket.chunks):  # every chunk in order (as finalize gives them): one copy, one add
+    in_order = ranges == list(bucket.chunks)
+    src = _viewed(reductions, bucket.numel) if in_order and residual is None else None
+    if src is None:
+        src = torch.empty(bucket.numel, dtype=torch.float32)
+    if src.data_ptr() == reductions[0].mean.data_ptr():
+        pass  # the chunk means are views of one tensor, in order (BucketAccumulator.finalize): no copy
+    elif in_order:  # every chunk in order (as finalize gives them): one copy, one add
         torch.cat([red.mean for red in reductions], out=src)
         if residual is not None:
             src.add_(residual)
@@ -65,6 +71,22 @@ def encode_mean(
         for red, (off, n), payload in zip(reductions, ranges, payloads)
     ]
     return tuple(chunks), full
+
+
+def _viewed(reductions: Sequence[ChunkReduction], numel: int) -> torch.Tensor | None:
+    """The 1-D float32 tensor of ``numel`` elements whose consecutive ranges the reductions'
+    means are, in order (what the owner's accumulator hands over: views of one tensor), as a
+    view of the first one's storage; None when they are not."""
+    means = [red.mean for red in reductions]
+    first = means[0]
+    if any(m is None for m in means) or first.dtype != torch.float32 or not all(map(torch.Tensor.is_contiguous, means)):
+        return None
+    if first.untyped_storage().nbytes() < 4 * (first.storage_offset() + numel):
+        return None
+    want = list(itertools.accumulate((4 * m.numel() for m in means), initial=first.data_ptr()))
+    if want[-1] - want[0] != 4 * numel or list(map(torch.Tensor.data_ptr, means)) != want[:-1]:
+        return None  # the memory after the first mean is not the next means' (of the same storage)
+    return first.as_strided((numel,), (1,), first.storage_offset())
 
 
 def _decode_into(

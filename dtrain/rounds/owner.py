@@ -25,6 +25,7 @@ touches only that bucket's accumulators (no other transition does once it is clo
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -74,6 +75,11 @@ class ChunkReduction:
     dropped: dict[str, str] = field(default_factory=dict)
 
 
+def payload_digest(payload: bytes | memoryview | None) -> str | None:
+    """The hex blake2b-128 of a contribution's payload, as round results name it (None: none)."""
+    return None if payload is None else hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
 class OpenRound:
     """Owner-side bookkeeping of one open round at one site.
 
@@ -90,12 +96,15 @@ class OpenRound:
             ``aggregation.token_weighted``; 0: none, it does not contribute).
 
     Attributes:
-        digests: per finalized chunk ``(bucket, chunk)``, sender -> blake2b digest of
-            the payload the mean counted from it (an identical retry after close is
-            recognised by it).
+        digests: per finalized chunk ``(bucket, chunk)``, sender -> the payload the mean
+            counted from it (its bytes, or a read-only view of the message that carried
+            them: kept while this round's books are, about one byte per parameter of the
+            owned buckets per sender at int8). An identical retry, also after close, is
+            recognised by comparing payloads byte for byte; its blake2b-128 is taken only
+            for :meth:`refused`. (Callers may pass any bytes-like key instead: tests do.)
         rejections: refused contributions by code, with a few example reasons.
         faulty_senders: senders refused for something they sent wrong (:data:`SENDER_FAULTS`).
-        refusals: ``(bucket, chunk, sender, payload digest)`` of refused contributions to
+        refusals: ``(bucket, chunk, sender, payload)`` of refused contributions to
             chunks this site owns, at most :data:`MAX_REFUSALS_NAMED` (see :meth:`refused`).
         lost: members declared dead during the round (no longer awaited).
         claims: token weighting: sender -> the token claim accepted from it this round.
@@ -413,13 +422,14 @@ class OpenRound:
 
     def refused(self) -> list[dict]:
         """:attr:`refusals` as ``RoundResult.rejected_senders`` entries: bucket, chunk,
-        sender, ``digest`` (hex) of the refused payload and ``counted``, the digest the
-        finalized mean counted from that sender for that chunk (None: none)."""
+        sender, ``digest`` (:func:`payload_digest`) of the refused payload and ``counted``,
+        that of the payload the finalized mean counted from that sender for that chunk (None:
+        none)."""
         out = []
         for b, c, s, d in self.refusals:
             counted = self.digests.get((b, c), {}).get(s)  # final once the bucket closed
             out.append(
-                {"bucket": b, "chunk": c, "sender": s, "digest": d.hex(), "counted": counted.hex() if counted else None}
+                {"bucket": b, "chunk": c, "sender": s, "digest": payload_digest(d), "counted": payload_digest(counted)}
             )
         return out
 

@@ -7,7 +7,6 @@ bucket state to peers. Kept apart from the engine's own round steps (``engine.py
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -204,9 +203,8 @@ class PeerSide:
                     out.append(e)
                 pos += c.numel
             return out
-        digests = [hashlib.blake2b(p, digest_size=16).digest() for p in run.payloads()]
-        with owned.cv:
-            res = books.accept_run(run.sender, bucket, run.chunks, values, digests, now=time.monotonic())
+        with owned.cv:  # each payload is its own key: a retry is compared byte for byte (OpenRound)
+            res = books.accept_run(run.sender, bucket, run.chunks, values, run.payloads(), now=time.monotonic())
             if any(r is True for r in res) and books.awaited(bucket) == 0:
                 owned.cv.notify_all()
         return [r if isinstance(r, Rejected) else None for r in res]
@@ -239,7 +237,7 @@ class PeerSide:
 
     def _refused(self, owned: _Owned, c: Contribution, e: Rejected) -> None:
         """Count and (the first few of each code per round) log a refused contribution."""
-        where = (c.bucket, c.chunk, hashlib.blake2b(c.payload, digest_size=16).digest())
+        where = (c.bucket, c.chunk, c.payload)
         with owned.cv:
             example = owned.books.reject(c.sender, e.code, e.reason, where=where)
         # the first few of each code per round are logged; the rest are counted (RoundResult.rejected)
@@ -269,9 +267,8 @@ class PeerSide:
             raise Rejected(RejectCode.RESOURCE_EXHAUSTED, f"undecodable payload: {e}") from e
         except CodecError as e:
             raise Rejected(RejectCode.INVALID_ARGUMENT, f"undecodable payload: {e}") from e
-        digest = hashlib.blake2b(c.payload, digest_size=16).digest()
         with owned.cv:
-            if owned.books.accept(c.sender, c.bucket, c.chunk, values, digest, now=time.monotonic()):
+            if owned.books.accept(c.sender, c.bucket, c.chunk, values, c.payload, now=time.monotonic()):
                 if owned.books.awaited(c.bucket) == 0:
                     owned.cv.notify_all()
 

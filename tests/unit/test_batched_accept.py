@@ -128,6 +128,53 @@ def test_add_run_matches_chunk_accumulator_per_chunk(config_name: str, seed: int
         assert _bits(m1) == _bits(m2), f"chunk {c}: the mean differs"
 
 
+@pytest.mark.parametrize("config_name", ["plain", "max_norm", "sparse_mean", "weighted"])
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_runs_in_turn_fold_without_per_chunk_python_and_give_the_same_means(
+    config_name: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual arrival (each sender's run of consecutive chunks, in sender order, one or
+    two runs a sender) takes add_run's in-turn path: no per-chunk fold, the same answers and
+    the same means bit for bit as ChunkAccumulator; one sender out of turn, a NaN chunk or a
+    retry in a run sends it down the general path, with the same answers too."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    config = {"sparse_mean": AggregationConfig(sparse_mean=True), "weighted": AggregationConfig()}.get(
+        config_name, CONFIGS.get(config_name)
+    )
+    weights = {"s0": 1.5, "s1": 0.5, "s2": 1.0, "s3": 2.0} if config_name == "weighted" else None
+    numels = [128] * rng.randint(6, 20) + [rng.randint(1, 127)]
+    cut = rng.randint(2, len(numels) - 2)
+    runs = []
+    for s in MEMBERS:
+        for a, b in ((0, cut), (cut, len(numels))):
+            vals = torch.cat([torch.randn(numels[c], generator=g) * 0.5 for c in range(a, b)])  # within max_norm
+            runs.append((s, list(range(a, b)), vals, [f"{s}{c}".encode() for c in range(a, b)]))
+    if seed % 2:  # the last sender's first run arrives first: held, then folded by the general path
+        runs.insert(0, runs.pop(6))
+    if seed == 3:  # and a retry of a run, identical
+        runs.append(runs[2])
+    ref = BucketAccumulator(numels, config, order=MEMBERS, weights=weights)  # the general path only
+    ref._add_in_turn = lambda *a: None  # noqa: SLF001
+    folds = []
+    real = BucketAccumulator._fold_in_turn
+    monkeypatch.setattr(BucketAccumulator, "_fold_in_turn", lambda self, cs: folds.append(self) or real(self, cs))
+    acc = BucketAccumulator(numels, config, order=MEMBERS, weights=weights)
+    for s, chunks, vals, digests in runs:
+        assert [_answer(r) for r in acc.add_run(s, chunks, vals, digests)] == [
+            _answer(r) for r in ref.add_run(s, chunks, vals, digests)
+        ]
+    if seed % 2 == 0:
+        assert acc not in folds, "runs in turn went through the per-chunk fold"
+    got, want = acc.finalize(), ref.finalize()
+    if weights is None:  # and as ChunkAccumulator, chunk by chunk
+        want_answers, per_chunk = _reference(numels, config, MEMBERS, runs)
+        assert [(m is None, s) for m, s, _ in per_chunk] == [(m is None, s) for m, s, _ in want]
+        assert [_bits(m) for m, _, _ in per_chunk] == [_bits(m) for m, _, _ in want]
+    for c, ((m1, s1, r1), (m2, s2, r2)) in enumerate(zip(got, want)):
+        assert (s1, r1) == (s2, r2) and _bits(m1) == _bits(m2), f"chunk {c}"
+
+
 def test_add_run_refuses_a_nan_chunk_alone_with_the_per_chunk_reason() -> None:
     acc = BucketAccumulator([4, 4, 4], AggregationConfig(), order=["a", "b"])
     vals = torch.arange(12, dtype=torch.float32)

@@ -15,7 +15,7 @@ from dtrain.app.worker import outer_state_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
 from dtrain.codecs import get_codec
 from dtrain.diloco import theta_checksum
-from dtrain.rounds import error_feedback
+from dtrain.rounds import error_feedback, means
 from dtrain.rounds.means import encode_mean
 from dtrain.rounds.owner import ChunkReduction
 from dtrain.state import GlobalState
@@ -122,6 +122,29 @@ def test_encode_mean_of_every_chunk_in_order_equals_chunk_by_chunk(with_residual
     assert torch.equal(_bits(full_a), _bits(full_b))
     if with_residual:
         assert torch.equal(_bits(res_a), _bits(res_b)) and float(res_a.abs().max()) > 0
+
+
+def test_encode_mean_of_views_of_one_tensor_encodes_it_in_place_with_the_same_bytes() -> None:
+    """The owner's accumulator hands over chunk means that are views of one tensor: encoded
+    from it without a copy, the same payloads and decoded mean as from separate tensors; views
+    out of step (a gap, another tensor) take the copy."""
+    codec = get_codec("int8")
+    layout = BucketLayout([6 * 1280 + 100], ["param"], BucketConfig(chunk_bytes=4 * 1280))
+    bucket = layout.buckets[0]
+    base = torch.randn(bucket.numel + 7, generator=torch.Generator().manual_seed(9))[7:]  # not at its storage's start
+    views = [ChunkReduction(chunk=c, mean=base[o : o + n], senders=("a",)) for c, (o, n) in enumerate(bucket.chunks)]
+    copies = [ChunkReduction(chunk=r.chunk, mean=r.mean.clone(), senders=("a",)) for r in views]
+    assert means._viewed(views, bucket.numel).data_ptr() == base.data_ptr()
+    assert means._viewed(copies, bucket.numel) is None
+    gap = list(views)
+    gap[2] = ChunkReduction(chunk=2, mean=base[bucket.chunks[2][0] + 1 :][: bucket.chunks[2][1]], senders=("a",))
+    assert means._viewed(gap, bucket.numel) is None
+    before = base.clone()
+    (ca, fa), (cb, fb) = (
+        encode_mean(codec, bucket, r, residual=None, generator=torch.Generator()) for r in (views, copies)
+    )
+    assert [c.payload for c in ca] == [c.payload for c in cb] and torch.equal(_bits(fa), _bits(fb))
+    assert torch.equal(_bits(base), _bits(before))  # not written
 
 
 def test_checksum_is_blake3_of_the_raw_bytes_and_tells_apart_what_differs() -> None:
