@@ -691,7 +691,7 @@ class BucketAccumulator:
         pos = self._pos
         if self._nnz is not None:  # sparse_mean: per element over the contributions nonzero there
             mean = self._sum / self._nnz.clamp(min=1.0)
-            return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]
+            return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]
         fbar = mean_factor(self.weights)
         counts = torch.tensor([len(s) * fbar for s in senders], dtype=torch.float32)
         mean = torch.empty_like(self._sum)
@@ -700,4 +700,4 @@ class BucketAccumulator:
             torch.div(
                 self._sum[pos[a] : pos[b]].view(rows), counts[a:b].unsqueeze(1), out=mean[pos[a] : pos[b]].view(rows)
             )
-        return [(mean[pos[c] : pos[c + 1]], s, {}) if s else (None, (), {}) for c, s in enumerate(senders)]
+        return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]  # views

@@ -31,7 +31,7 @@ from dtrain.aggregation import AggregationConfig, BucketAccumulator
 from dtrain.app.gc_control import RoundCollector
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import get_codec
-from dtrain.protocol import BucketMean, MeanChunk
+from dtrain.protocol import BucketMean, MeanChunk, made
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.owner import ChunkReduction
@@ -90,8 +90,8 @@ class _Site:
                 for s in senders:  # the others' payloads: alike this site's here
                     vals = codec.decode_chunks(sent[b], numels)
                     acc.add_run(s, list(range(len(numels))), vals, sent[b])  # each payload its own key
-                reds = [
-                    ChunkReduction(chunk=c, mean=m, senders=ss, dropped=d)
+                reds = [  # as OpenRound.finalize makes them
+                    made(ChunkReduction, chunk=c, mean=m, senders=ss, dropped=d)
                     for c, (m, ss, d) in enumerate(acc.finalize())
                 ]
             with cpu("mean_encode"):

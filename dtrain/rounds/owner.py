@@ -35,7 +35,7 @@ import torch
 
 from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision
 from dtrain.errors import RejectCode, Rejected
-from dtrain.protocol import Contribution, ContributionRun, RoundPlan
+from dtrain.protocol import Contribution, ContributionRun, RoundPlan, made
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
 
 __all__ = ["OpenRound", "Closing", "ChunkReduction", "SENDER_FAULTS", "CLOSE_COMPLETE", "CLOSE_DEADLINE"]
@@ -518,8 +518,8 @@ class OpenRound:
         acc = self._acc.pop(bucket, None)
         if acc is None:
             raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
-        out = [
-            ChunkReduction(chunk=c, mean=mean, senders=senders, dropped=dropped)
+        out = [  # ~480 a bucket on the datagram path: without the frozen constructor's cost
+            made(ChunkReduction, chunk=c, mean=mean, senders=senders, dropped=dropped)
             for c, (mean, senders, dropped) in enumerate(acc.finalize())
         ]
         self.trimmed.update(acc.trimmed)
