@@ -46,7 +46,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from dtrain.codecs.base import equal_runs
+from dtrain.codecs.base import CheckedRun, equal_runs
 from dtrain.configs import AggregationConfig
 from dtrain.errors import RejectCode, Rejected
 
@@ -461,7 +461,7 @@ class BucketAccumulator:
         return bool(result)
 
     def add_run(
-        self, sender: str, chunks: Sequence[int], values: torch.Tensor, digests: Sequence[bytes | None]
+        self, sender: str, chunks: Sequence[int], values: torch.Tensor | CheckedRun, digests: Sequence[bytes | None]
     ) -> list[bool | Rejected | None]:
         """Add ``sender``'s contributions to ``chunks`` (a run: ascending chunk indices, gaps
         allowed, e.g. a sender's datagrams that arrived), as :meth:`add` of each in turn.
@@ -469,7 +469,10 @@ class BucketAccumulator:
         Args:
             sender: the sender of every chunk of the run.
             chunks: the run's chunk indices, strictly ascending.
-            values: 1-D fp32, the run's chunks' values concatenated in that order.
+            values: 1-D fp32, the run's chunks' values concatenated in that order, or a
+                :class:`~dtrain.codecs.base.CheckedRun` of them: decoded straight into the sums
+                when the run folds in its turn unweighted (finite by construction: no check),
+                else decoded first.
             digests: per chunk of the run, its payload's key (the payload itself, or a
                 digest of it: a retry counts as identical when its key is equal); None skips the
                 chunk (refused before: its values are ignored).
@@ -485,6 +488,8 @@ class BucketAccumulator:
         fast = self._add_in_turn(sender, chunks, values, digests)
         if fast is not None:
             return fast
+        if isinstance(values, CheckedRun):
+            values = values.tensor()
         starts = self._starts(chunks, digests, values)
         out: list[bool | Rejected | None] = [None] * len(chunks)
         todo = []  # indices in the run of the chunks still to check and count
@@ -513,7 +518,7 @@ class BucketAccumulator:
         return out
 
     def _add_in_turn(
-        self, sender: str, chunks: Sequence[int], values: torch.Tensor, digests: Sequence[bytes | None]
+        self, sender: str, chunks: Sequence[int], values: torch.Tensor | CheckedRun, digests: Sequence[bytes | None]
     ) -> list[bool | Rejected | None] | None:
         """:meth:`add_run`'s usual case without per-chunk Python: consecutive chunks, a digest
         for each, none counted from ``sender`` yet, none held, and ``sender``'s turn in every
@@ -532,13 +537,24 @@ class BucketAccumulator:
             return None
         if any(self._held[c0:c1]) or any(sender in d for d in self._digests[c0:c1]):
             return None
-        if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != pos[c1] - pos[c0]:
+        w = self._factor(sender)
+        if isinstance(values, CheckedRun):  # finite by construction: checked only for max_norm
+            if values.numel() != pos[c1] - pos[c0]:
+                return None
+            if self.config.max_norm is not None or w != 1.0 or self.config.sparse_mean:
+                values = values.tensor()
+        elif values.dtype != torch.float32 or values.dim() != 1 or values.numel() != pos[c1] - pos[c0]:
             return None  # the general path names the problem
-        out: list[bool | Rejected | None] = [None] * m
-        if len(self._check_values(chunks, [p - pos[c0] for p in pos[c0:c1]], values, list(range(m)), out)) != m:
-            return None  # a refused chunk: the general path refuses it and counts the others
+        if isinstance(values, torch.Tensor):
+            out: list[bool | Rejected | None] = [None] * m
+            if len(self._check_values(chunks, [p - pos[c0] for p in pos[c0:c1]], values, list(range(m)), out)) != m:
+                return None  # a refused chunk: the general path refuses it and counts the others
         list(map(dict.__setitem__, self._digests[c0:c1], itertools.repeat(sender), digests))
-        self._fold(self._sums(pos[c0], pos[c1]), values, k == 0, self._factor(sender))
+        sums = self._sums(pos[c0], pos[c1])
+        if isinstance(values, CheckedRun):
+            values.decode_into(sums[0], add=k != 0)  # copy_ / add_ of the decoded values, bit for bit
+        else:
+            self._fold(sums, values, k == 0, w)
         self._next[c0:c1] = [k + 1] * m
         return [True] * m
 

@@ -83,12 +83,12 @@ class _Site:
         senders = [f"site-{i}" for i in range(self.num_sites)]
         for b in self.mine:
             numels = [n for _, n in layout.buckets[b].chunks]
-            # as PeerSide._accept_run takes each sender's run (decode, checks and folds), in
+            # as PeerSide._accept_run takes each sender's run (checks, then decoded into the sums), in
             # sender order (the owner's best case: nothing held), then OpenRound.finalize
             with cpu("accept"):
                 acc = BucketAccumulator(numels, AggregationConfig(), order=senders)
                 for s in senders:  # the others' payloads: alike this site's here
-                    vals = codec.decode_chunks(sent[b], numels)
+                    vals = codec.checked_run(sent[b], numels) or codec.decode_chunks(sent[b], numels)  # as _decode_runs
                     acc.add_run(s, list(range(len(numels))), vals, sent[b])  # each payload its own key
                 reds = [  # as OpenRound.finalize makes them
                     made(ChunkReduction, chunk=c, mean=m, senders=ss, dropped=d)

@@ -11,7 +11,7 @@ import math
 import struct
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,7 @@ from dtrain.codecs.config import CodecConfig, _bad_int
 from dtrain.codecs.native import kernels
 from dtrain.errors import CodecError, DecodeBoundExceeded
 
-__all__ = ["HEADER_BYTES", "Codec", "PayloadHeader", "equal_runs", "peek_header"]
+__all__ = ["HEADER_BYTES", "CheckedRun", "Codec", "PayloadHeader", "equal_runs", "peek_header"]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("dtrain.codecs assumes a little-endian host")
@@ -308,6 +308,13 @@ class Codec:
             pos += (j - i) * n
         return out
 
+    def checked_run(self, payloads: Sequence, numels: Sequence[int], *, verify: bool = True) -> CheckedRun | None:
+        """The payloads as a :class:`CheckedRun` when every one passes the checks of
+        :meth:`decode_chunks` and this codec decodes them in one compiled pass (int8 / int4
+        without zstd, chunks of whole blocks); None otherwise (also for a payload that would
+        fail: :meth:`decode_chunks` then raises its error)."""
+        return None
+
     def _subtract_runs(
         self, out: torch.Tensor, payloads: Sequence, numels: Sequence[int], verify: bool, unsettle: bool = False
     ) -> bool:
@@ -580,6 +587,48 @@ def per_chunk_list(fn):
             return fn(key, *args)
 
     return call
+
+
+class CheckedRun:
+    """A run of payloads that passed every check their decode makes, not decoded yet
+    (:meth:`Codec.checked_run`): :meth:`decode_into` writes their values where they are
+    used (an owner's running sum: added there, with no tensor of their own), :meth:`tensor`
+    decodes them into a new one (once). Their values are finite (the checks guarantee it).
+
+    Args:
+        numel: elements of the run (its payloads' concatenation).
+        decode: ``decode(out, mode)`` with ``mode`` ``"write"``, ``"add"``, ``"subtract"`` or
+            ``"unsettle"`` (see :meth:`Codec.decode_chunks`), into a contiguous 1-D float32
+            CPU ``out`` of ``numel`` elements; it cannot fail.
+    """
+
+    def __init__(self, numel: int, decode: Callable[[torch.Tensor, str], None]) -> None:
+        self._numel = numel
+        self._decode = decode
+        self._tensor: torch.Tensor | None = None
+
+    def numel(self) -> int:
+        return self._numel
+
+    def tensor(self) -> torch.Tensor:
+        """The decoded values, a 1-D float32 tensor (decoded at the first call)."""
+        if self._tensor is None:
+            self._tensor = torch.empty(self._numel, dtype=torch.float32)
+            self._decode(self._tensor, "write")
+        return self._tensor
+
+    def decode_into(self, out: torch.Tensor, *, add: bool = False) -> None:
+        """Write (``add``: add) the values into ``out``, contiguous 1-D float32 on the CPU, of
+        :meth:`numel` elements: the same values as ``out.copy_(tensor())`` /
+        ``out.add_(tensor())``, bit for bit."""
+        if not (out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 1 and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous 1-D float32 CPU tensor, got {out.dtype} on {out.device}")
+        if out.numel() != self._numel:
+            raise ValueError(f"out has {out.numel()} elements, the run {self._numel}")
+        if self._tensor is not None:
+            out.add_(self._tensor) if add else out.copy_(self._tensor)
+        else:
+            self._decode(out, "add" if add else "write")
 
 
 def equal_runs(numels: Sequence[int]) -> list[tuple[int, int]]:

@@ -34,6 +34,7 @@ from dtrain.codecs.base import (
     HEADER_BYTES,
     SLACK,
     TINY,
+    CheckedRun,
     Codec,
     _prepare,
     chunks,
@@ -221,27 +222,41 @@ class _Blockwise(Codec):
             raise CodecError("corrupted payload: block scales must be finite and >= 0")
         return scale
 
-    def _subtract_runs(self, out, payloads, numels, verify, unsettle=False):
-        """The compiled kernel's in-place subtraction (or its inverse) when every run passes the
-        header checks (:meth:`_checked_bodies`) and the kernel's scale and code checks, all
-        before the first run is subtracted."""
+    def checked_run(self, payloads, numels, *, verify=True):
+        """Every run of equal chunks checked (:meth:`_checked_bodies`, then the kernel's scale
+        and code checks) before anything is decoded; decoded by the compiled kernel."""
         kern = kernels()
-        if kern is None or out.device.type != "cpu":
-            return False
+        if kern is None or len(payloads) != len(numels):
+            return None
         runs = []
         for i, j in equal_runs(numels):
             n = numels[i]
             bodies = self._checked_bodies(payloads[i:j], n, verify)
             if bodies is None or not kern.check(bodies, n, self._bs, self.qmax == 7):
-                return False
+                return None
             runs.append((bodies, n))
-        pos = 0
-        for bodies, n in runs:
-            k = bodies.shape[0]
-            o = out[pos : pos + k * n]
-            if not kern.decode(bodies, n, self._bs, self.qmax == 7, o, sub=True, unsettle=unsettle, checked=True):
-                raise AssertionError("a run that passed the kernel's checks did not decode")  # not reached
-            pos += k * n
+        int4 = self.qmax == 7
+
+        def decode(out: torch.Tensor, mode: str) -> None:
+            pos = 0
+            for bodies, n in runs:
+                o = out[pos : pos + bodies.shape[0] * n]
+                if not kern.decode(
+                    bodies, n, self._bs, int4, o, sub=mode == "subtract", unsettle=mode == "unsettle",
+                    add=mode == "add", checked=True,
+                ):  # fmt: skip
+                    raise AssertionError("a run that passed the kernel's checks did not decode")  # not reached
+                pos += o.numel()
+
+        return CheckedRun(sum(b.shape[0] * n for b, n in runs), decode)
+
+    def _subtract_runs(self, out, payloads, numels, verify, unsettle=False):
+        """The compiled kernel's in-place subtraction (or its inverse) of a :meth:`checked_run`:
+        every run checked before the first is subtracted."""
+        run = self.checked_run(payloads, numels, verify=verify) if out.device.type == "cpu" else None
+        if run is None:
+            return False
+        run._decode(out, "unsettle" if unsettle else "subtract")  # noqa: SLF001 - out was checked by decode_chunks
         return True
 
     def _native_decode_body(self, body, numel: int) -> torch.Tensor | None:

@@ -27,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 5
+#define BW_VERSION 6
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -153,11 +153,13 @@ int bw_check(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, in
 #define BW_WRITE 0
 #define BW_SUBTRACT 1
 #define BW_UNSETTLE 2
+#define BW_ADD 3
 
 /* Decode k bodies (row r at bodies + r * stride: ceil(numel / bs) float32 scales, then the
  * codes) into out[k * numel] (sub == BW_WRITE), subtract the decoded values from out
  * (BW_SUBTRACT), or add them back where the code is not 0 (BW_UNSETTLE: undoes bw_encode's
- * settle exactly). Every body is checked first (check_rows; on a nonzero return out is
+ * settle exactly), or add them to out (BW_ADD: an owner's running sum, out + decoded with
+ * one rounding, as torch's add_ of the decoded values). Every body is checked first (check_rows; on a nonzero return out is
  * untouched) unless checked != 0: the caller has had these rows pass bw_check already. */
 BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4,
                         float *out, int sub, int checked) {
@@ -178,6 +180,8 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
                     for (int64_t i = 0; i < e; i++) yb[i] = yb[i] - (float)c[i] * sc;
                 else if (sub == BW_UNSETTLE)
                     for (int64_t i = 0; i < e; i++) yb[i] = c[i] ? yb[i] + (float)c[i] * sc : yb[i];
+                else if (sub == BW_ADD)
+                    for (int64_t i = 0; i < e; i++) yb[i] = yb[i] + (float)c[i] * sc;
                 else
                     for (int64_t i = 0; i < e; i++) yb[i] = (float)c[i] * sc;
             } else {
@@ -185,7 +189,10 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
                 for (int64_t i = 0; i < e; i++) {
                     int nib = i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15;
                     float v = (float)(nib - 8) * sc;
-                    yb[i] = sub == BW_SUBTRACT ? yb[i] - v : sub == BW_UNSETTLE ? (nib != 8 ? yb[i] + v : yb[i]) : v;
+                    yb[i] = sub == BW_SUBTRACT   ? yb[i] - v
+                            : sub == BW_UNSETTLE ? (nib != 8 ? yb[i] + v : yb[i])
+                            : sub == BW_ADD      ? yb[i] + v
+                                                 : v;
                 }
             }
         }

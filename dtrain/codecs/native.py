@@ -34,7 +34,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 5  # kernels.c BW_VERSION
+VERSION = 6  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -142,12 +142,14 @@ class Kernels:
         *,
         sub: bool = False,
         unsettle: bool = False,
+        add: bool = False,
         checked: bool = False,
     ) -> bool:
         """Decode the rows of ``bodies`` (uint8, ``(k, >= body bytes)``, rows contiguous) into
         ``out`` (contiguous float32 CPU, ``k * numel``), or subtract them from it (``sub``), or
         add them back where the code is not 0 (``unsettle``: the exact inverse of
-        :meth:`encode` with ``settle``); False (``out`` untouched: every row is checked first)
+        :meth:`encode` with ``settle``), or add them to it (``add``: one rounding per element, as
+        torch's ``add_`` of the decoded values); False (``out`` untouched: every row is checked first)
         when a scale or code is one the encoder never makes. ``checked``: these rows passed
         :meth:`check` already (not checked again; the caller's promise)."""
         k = bodies.shape[0]
@@ -162,7 +164,7 @@ class Kernels:
             bs,
             int(int4),
             out.data_ptr(),
-            2 if unsettle else int(sub),
+            3 if add else 2 if unsettle else int(sub),
             int(checked),
         )
         return rc == 0

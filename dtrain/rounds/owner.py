@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision
+from dtrain.codecs.base import CheckedRun
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import Contribution, ContributionRun, RoundPlan, made
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
@@ -330,7 +331,7 @@ class OpenRound:
         sender: str,
         bucket: int,
         chunks: Sequence[int],
-        values: torch.Tensor,
+        values: torch.Tensor | CheckedRun,
         digests: Sequence[bytes | None],
         *,
         now: float,
@@ -339,7 +340,8 @@ class OpenRound:
         (ascending; each passed :meth:`check`), in one pass (:meth:`BucketAccumulator.add_run`).
 
         Args:
-            values: 1-D fp32, the chunks' decoded values concatenated in that order.
+            values: 1-D fp32, the chunks' decoded values concatenated in that order (or
+                a :class:`~dtrain.codecs.base.CheckedRun` of them, decoded where summed).
             digests: per chunk, its payload's digest; None skips the chunk.
         Returns:
             Per chunk what :meth:`accept` returns (True, False) or raises (the

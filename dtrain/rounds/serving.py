@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from dtrain.codecs.base import equal_runs
+from dtrain.codecs.base import CheckedRun, equal_runs
 from dtrain.errors import (
     CodecError,
     DecodeBoundExceeded,
@@ -146,30 +146,32 @@ class PeerSide:
             return e
         return None
 
-    def _decode_runs(self, run: ContributionRun) -> list[tuple[int, int, torch.Tensor | None]]:
+    def _decode_runs(self, run: ContributionRun) -> list[tuple[int, int, torch.Tensor | CheckedRun | None]]:
         """``run`` cut into consecutive spans ``(start, end, values)``: ``values`` is the
         decoded concatenation of a stretch (>= 2) of chunks of one bucket in ascending order
-        in this round's codec, or None for a span to take chunk by chunk (not in such a
-        stretch, or it did not decode)."""
+        in this round's codec (a :class:`CheckedRun` where the codec checks it without
+        decoding: the owner's sum then decodes it in place), or None for a span to take chunk
+        by chunk (not in such a stretch, or it did not decode)."""
         if run.codec != self.codec.name:
             return [(0, len(run), None)]
-        out: list[tuple[int, int, torch.Tensor | None]] = []
+        out: list[tuple[int, int, torch.Tensor | CheckedRun | None]] = []
         payloads = run.payloads()
         for i, j in equal_runs(run.buckets):
             if j - i < 2:
                 out.append((i, j, None))
                 continue
             for a, b in ascending_runs(run.chunks[i:j]):
-                dec = None
+                dec: torch.Tensor | CheckedRun | None = None
                 if b - a >= 2:
+                    ps, ns = payloads[i + a : i + b], run.numels[i + a : i + b]
                     try:
-                        dec = self.codec.decode_chunks(payloads[i + a : i + b], run.numels[i + a : i + b])
+                        dec = self.codec.checked_run(ps, ns) or self.codec.decode_chunks(ps, ns)
                     except CodecError:
                         pass
                 out.append((i + a, i + b, dec))
         return out
 
-    def _handle_run(self, run: ContributionRun, values: torch.Tensor) -> list[Rejected | None]:
+    def _handle_run(self, run: ContributionRun, values: torch.Tensor | CheckedRun) -> list[Rejected | None]:
         """:meth:`_handle_one` for each contribution of a decoded run (:meth:`_decode_runs`), one
         pass: the refused chunks are recorded and logged as :meth:`_handle_one` does."""
         try:
@@ -182,7 +184,9 @@ class PeerSide:
                 self._refused(owned, run[k], r)
         return out
 
-    def _accept_run(self, owned: _Owned, run: ContributionRun, values: torch.Tensor) -> list[Rejected | None]:
+    def _accept_run(
+        self, owned: _Owned, run: ContributionRun, values: torch.Tensor | CheckedRun
+    ) -> list[Rejected | None]:
         """:meth:`_accept` for each contribution of ``run``, chunks of one bucket in ascending
         order in this round's codec, ``values`` their decoded concatenation: the checks per
         run (:meth:`OpenRound.check_run`), the values' checks and the sums per run
@@ -197,7 +201,7 @@ class PeerSide:
             pos = 0
             for c in run:
                 try:
-                    self._accept(owned, c, values[pos : pos + c.numel])
+                    self._accept(owned, c, _tensor(values)[pos : pos + c.numel])
                     out.append(None)
                 except Rejected as e:
                     out.append(e)
@@ -574,3 +578,7 @@ class PeerSide:
         return replace(
             st, extra={**st.extra, "mean_round": m.round, "mean_senders": [list(ch.senders) for ch in m.chunks]}
         )
+
+
+def _tensor(values: torch.Tensor | CheckedRun) -> torch.Tensor:
+    return values if isinstance(values, torch.Tensor) else values.tensor()

@@ -12,6 +12,7 @@ import torch
 
 from dtrain.buckets import Bucket
 from dtrain.codecs import get_codec
+from dtrain.codecs.base import CheckedRun
 from dtrain.errors import RejectCode, Rejected
 from dtrain.protocol import BucketMean, Contribution
 from dtrain.rounds.error_feedback import settle_bucket, settle_chunk
@@ -152,6 +153,7 @@ class _Side(PeerSide):
 
     def _handle_run(self, cs, values) -> list:
         self.runs.append([c.chunk for c in cs])
+        values = values.tensor() if isinstance(values, CheckedRun) else values  # checked, decoded where summed
         pos = 0
         for c in cs:
             self.seen.append((c, values[pos : pos + c.numel]))

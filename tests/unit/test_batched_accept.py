@@ -175,6 +175,39 @@ def test_whole_runs_in_turn_fold_without_per_chunk_python_and_give_the_same_mean
         assert (s1, r1) == (s2, r2) and _bits(m1) == _bits(m2), f"chunk {c}"
 
 
+@pytest.mark.parametrize("config_name", ["plain", "max_norm", "sparse_mean", "weighted"])
+@pytest.mark.parametrize("in_turn", [True, False])
+def test_a_checked_run_is_decoded_into_the_sums_with_the_bits_of_its_decoded_tensor(
+    config_name: str, in_turn: bool, kernel_path: str
+) -> None:
+    """Runs handed over as ``CheckedRun`` (int8, checked, not decoded) give the answers and the
+    means bit for bit of the same runs decoded first: folded straight into the sums in their
+    turn, decoded first when held, weighted or checked against ``max_norm``."""
+    codec = get_codec("int8")
+    config = {"sparse_mean": AggregationConfig(sparse_mean=True), "weighted": AggregationConfig()}.get(
+        config_name, CONFIGS.get(config_name)
+    )
+    weights = {"s0": 1.5, "s1": 0.5, "s2": 1.0, "s3": 2.0} if config_name == "weighted" else None
+    numels = [1280] * 9 + [640]
+    g = torch.Generator().manual_seed(4)
+    runs = []
+    for s in MEMBERS:
+        payloads = [codec.encode(torch.randn(n, generator=g) * 0.2) for n in numels]
+        runs.append((s, payloads))
+    if not in_turn:
+        runs.reverse()  # every run but the last held until s0's arrives
+    got_acc = BucketAccumulator(numels, config, order=MEMBERS, weights=weights)
+    want_acc = BucketAccumulator(numels, config, order=MEMBERS, weights=weights)
+    for s, payloads in runs:
+        checked = codec.checked_run(payloads, numels)
+        assert (checked is not None) == (kernel_path == "compiled")
+        got = got_acc.add_run(s, list(range(len(numels))), checked or codec.decode_chunks(payloads, numels), payloads)
+        want = want_acc.add_run(s, list(range(len(numels))), codec.decode_chunks(payloads, numels), payloads)
+        assert [_answer(r) for r in got] == [_answer(r) for r in want]
+    for (m1, s1, _), (m2, s2, _) in zip(got_acc.finalize(), want_acc.finalize()):
+        assert s1 == s2 and _bits(m1) == _bits(m2)
+
+
 def test_add_run_refuses_a_nan_chunk_alone_with_the_per_chunk_reason() -> None:
     acc = BucketAccumulator([4, 4, 4], AggregationConfig(), order=["a", "b"])
     vals = torch.arange(12, dtype=torch.float32)
