@@ -265,7 +265,8 @@ class Codec:
                 untouched.
             unsettle: add the decoded values back into ``out`` (required), the exact inverse
                 of :meth:`encode_chunks` with ``settle`` for the same payloads; only for a codec
-                that settles in place (else ValueError). On a CodecError ``out`` is untouched.
+                that settles in place (else ValueError, ``out`` untouched). A payload that does
+                not decode raises its CodecError, ``out`` untouched.
 
         Returns:
             ``out``, or a new float32 tensor of ``sum(numels)`` elements.
@@ -295,6 +296,7 @@ class Codec:
             )
         if unsettle:
             if not self._subtract_runs(out, payloads, numels, verify, unsettle=True):
+                self.decode_chunks(payloads, numels, verify=verify)  # a bad payload: its own CodecError
                 raise ValueError(f"codec {self.name!r} did not settle these payloads in place: nothing to undo")
             return out
         if subtract:

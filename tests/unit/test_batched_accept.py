@@ -168,7 +168,7 @@ def test_whole_runs_in_turn_fold_without_per_chunk_python_and_give_the_same_mean
         assert acc not in folds, "runs in turn went through the per-chunk fold"
     got, want = acc.finalize(), ref.finalize()
     if weights is None:  # and as ChunkAccumulator, chunk by chunk
-        want_answers, per_chunk = _reference(numels, config, MEMBERS, runs)
+        _, per_chunk = _reference(numels, config, MEMBERS, runs)
         assert [(m is None, s) for m, s, _ in per_chunk] == [(m is None, s) for m, s, _ in want]
         assert [_bits(m) for m, _, _ in per_chunk] == [_bits(m) for m, _, _ in want]
     for c, ((m1, s1, r1), (m2, s2, r2)) in enumerate(zip(got, want)):

@@ -442,7 +442,13 @@ def test_codecs_that_cannot_settle_in_place_say_so_and_refuse_it(kernel_path: st
     assert not int8.settles_in_place(x, ranges[1:])  # ranges that do not cover x from 0
     assert not int8.settles_in_place(x.view(-1, 2).t()[0], ranges[:2])  # not contiguous
     assert not get_codec(CodecConfig(name="int8", stochastic_rounding=True)).settles_in_place(x, ranges)
-    sent = int8.encode_chunks(x, ranges)
-    with pytest.raises(ValueError, match="did not settle"):
-        get_codec("int4").decode_chunks(int8.encode_chunks(x, ranges), [1280] * 4, out=x.clone(), unsettle=True)
-    assert sent
+    sent, out = int8.encode_chunks(x, ranges), x.clone()
+    with pytest.raises(ValueError, match="'fp32' did not settle"):  # a codec with no settle to undo
+        get_codec("fp32").decode_chunks(get_codec("fp32").encode_chunks(x, ranges), [1280] * 4, out=out, unsettle=True)
+    with pytest.raises(CodecError, match="codec"):  # another codec's payloads: decode's own error
+        get_codec("int4").decode_chunks(sent, [1280] * 4, out=out, unsettle=True)
+    bad = list(sent)
+    bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 1])
+    with pytest.raises(CodecError, match="checksum mismatch|corrupted"):  # checked before anything is added
+        int8.decode_chunks(bad, [1280] * 4, out=out, unsettle=True)
+    assert torch.equal(_bits(out), _bits(x))

@@ -218,3 +218,43 @@ def test_the_built_in_outer_sgd_is_torchs_fused_kernel_with_the_per_op_paths_bit
         if kw["momentum"]:
             assert torch.equal(_bits(buf), _bits(buf2)), make.__name__
             assert torch.equal(_bits(buf[:body]), _bits(ref_buf[:body])), make.__name__
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_round_that_raises_after_its_encode_leaves_the_residual_whole(fail: bool, kernel_path: str) -> None:
+    """A one-site round with int8 (its encode settles the residual in place where the kernels
+    run): applied, the residual is what the codec lost, bit for bit; a step that raises after
+    the encode and before a mean arrived (here taking the means) still settles, and with no
+    mean the residual is the pseudo-gradient as it was, bit for bit."""
+    from dtrain.protocol import Member, RoundPlan
+    from dtrain.rounds.engine import RoundEngine
+    from dtrain.rounds.types import RoundConfig
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    n = 4 * 1024
+    layout = BucketLayout([n], ["param"], BucketConfig(bucket_bytes=4 * n, chunk_bytes=4 * 1024))
+    codec = get_codec("int8")
+    chunks = layout.buckets[0].chunks
+    state, transport = GlobalState(layout, [torch.zeros(n)]), InprocTransport(InprocNetwork())
+    engine = RoundEngine(
+        "a", state, transport, RoundConfig(codec=codec.config, broadcast_codec=get_codec("fp32").config)
+    )
+    engine.start()
+    try:
+        local = torch.randn(n, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, n)
+        assert engine.add_pseudo_gradient([local])
+        delta = engine.state.residuals[0].clone()
+        assert codec.settles_in_place(delta, chunks) == (kernel_path == "compiled")
+        member = Member(site_id="a", address=engine.address)
+        plan = RoundPlan(round=0, members=(member,), reduce_timeout_s=1.5, broadcast_timeout_s=3.0)
+        if fail:
+            engine._broadcast = lambda run: (_ for _ in ()).throw(RuntimeError("broadcast failed"))
+            with pytest.raises(RuntimeError, match="broadcast failed"):
+                engine.run_round(plan)
+            want = delta  # no mean: the contribution kept whole
+        else:
+            assert engine.run_round(plan).applied_buckets == 1
+            want = delta - codec.decode_chunks(codec.encode_chunks(delta, chunks), [m for _, m in chunks])
+        assert torch.equal(engine.state.residuals[0].view(torch.int32), want.view(torch.int32))
+    finally:
+        engine.stop(0.1)
