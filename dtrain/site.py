@@ -48,7 +48,7 @@ from dtrain.errors import (
 from dtrain.membership import Decision, Group, RendezvousClient
 from dtrain.protocol import JoinInfo, Member, RoundPlan
 from dtrain.rounds import RoundEngine
-from dtrain.rounds.catchup import CatchUp, CatchUpStats
+from dtrain.rounds.catchup import CatchUp, CatchUpStats, decide_void
 from dtrain.rounds.outcome import RoundStatus, SyncOutcome
 from dtrain.sitegroup.agree import RankView, decide_agreement, rank_donors, rank_plan
 from dtrain.sitegroup.comm import SiteComm
@@ -246,13 +246,16 @@ class Site:
         self.group.report_probe(report)
         self.group.beat_and_wait(cfg.join_probe_s)  # delivered before this site's first ready
 
-    def resync(self, min_round: int = 0) -> str | None:
+    def resync(self, min_round: int = 0, missed: RoundPlan | None = None) -> str | None:
         """Discard this site's progress and pull θ and the outer state from the members
         (rank 0 registers again first). Returns None, or the first rank's error (then
         rank 0 tries again at its next sync). A rendezvous unreachable for
         ``config.rendezvous_retry_s`` (the tolerance of :meth:`Group.next_decision`) is
         such an error: the round is deferred and the site trains on locally, as in any
-        round the rendezvous cannot be reached for.
+        round the rendezvous cannot be reached for. ``missed``: the plan this site skipped
+        as a member (it read it past its reduce deadline), or None: when no site ran that
+        round either, the pull counts it void instead of waiting for a θ that never comes
+        (:meth:`_pull`).
 
         Raises:
             LeftBehind: (every rank) no member is left to pull from (:meth:`_pull`).
@@ -271,7 +274,7 @@ class Site:
             assert isinstance(info, JoinInfo)
             st = self.engine.state
             st.residuals = [None] * len(st)
-            err = self._try_pull(info, min_round=max(min_round, info.next_round))
+            err = self._try_pull(info, min_round=max(min_round, info.next_round), missed=missed)
         errs = self._gather_errors(err)
         if errs:
             if self.group is not None:
@@ -280,11 +283,11 @@ class Site:
         self._align_rounds(info)  # type: ignore[arg-type]
         return None
 
-    def _try_pull(self, info: JoinInfo, *, min_round: int) -> str | LeftBehind | None:
+    def _try_pull(self, info: JoinInfo, *, min_round: int, missed: RoundPlan | None = None) -> str | LeftBehind | None:
         """:meth:`_pull`; its error as text (prefixed with the rank for K > 1), or None;
         a :class:`LeftBehind` as it is (:meth:`_gather_errors` raises it on every rank)."""
         try:
-            self._pull(info, min_round=min_round)
+            self._pull(info, min_round=min_round, missed=missed)
         except LeftBehind as e:
             return e
         except (StateTransferError, RendezvousError) as e:
@@ -300,7 +303,7 @@ class Site:
             raise behind[0]
         return errs
 
-    def _pull(self, info: JoinInfo, *, min_round: int) -> None:
+    def _pull(self, info: JoinInfo, *, min_round: int, missed: RoundPlan | None = None) -> None:
         """Bring this rank's slice to the group's round from rank j of ``info.members``
         (:class:`~dtrain.rounds.catchup.CatchUp`: buckets spread over every member, each
         pulled whole or replayed from the means the members keep, starting from this
@@ -312,6 +315,12 @@ class Site:
         K > 1 site fail together and try again at the next sync instead: one rank cannot
         re-register alone). With no member and a θ that is not behind there is nothing to
         pull. ``last_catch_up`` holds what the pull did.
+
+        A round no site ran: when ``missed`` (the plan this site skipped as a member) is the
+        round before the target and every other member skipped it too
+        (:func:`~dtrain.rounds.catchup.decide_void`), no donor will ever reach the target;
+        the pull brings θ to the round before and the engine passes the void round with θ
+        unchanged (``RoundEngine.void_round``), as every member does.
 
         Raises:
             StateTransferError: no progress within ``state_pull_timeout_s``.
@@ -340,9 +349,16 @@ class Site:
         while True:
             donors = rank_donors(info.members, self.rank, self.num_ranks)
             target = max(min_round, info.next_round)
+            void = missed if missed is not None and missed.round == target - 1 == st.rounds_applied else None
             if not donors and st.rounds_applied >= target:
                 self.donors = []
                 return
+            if not donors and void is not None:
+                alone, why = decide_void(void, self.site_id, {})  # void when it was this site's alone
+                if alone:
+                    self.donors = []
+                    self.engine.void_round(void.round, why)
+                    return
             if not donors:
                 self.donors = []
                 over = self.config.run_rounds is not None and target >= self.config.run_rounds
@@ -364,7 +380,10 @@ class Site:
             if self.group is not None:  # the rendezvous then does not hold rounds for a long pull
                 self.group.catch_up_eta = catch.eta_s
             try:
-                catch.run(donors, min_round=target)
+                catch.run(donors, min_round=target, missed=void)
+                if void is not None and catch.stats.void is not None and st.rounds_applied == void.round:
+                    self.engine.void_round(void.round, catch.stats.void)
+                    self.donors = []  # no site ran the round: each keeps its own training position
                 return
             except StateTransferError as e:
                 deadline = max(deadline, catch.progress_at + timeout_s)  # it made progress: go on
@@ -705,7 +724,7 @@ class Site:
             self.engine.skip_round(plan.round, reason)
         if kind == Decision.MISSED:
             log.warning("%s missed round %d: %s; resynchronising", self.site_id, r, reason)
-        err = self.resync()
+        err = self.resync(missed=plan if kind == Decision.MISSED else None)
         if err is not None:
             prefix = f"missed round {r} ({reason}); " if kind == Decision.MISSED else ""
             why = f"{prefix}resync failed: {err}"

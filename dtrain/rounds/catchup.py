@@ -23,6 +23,12 @@ site cannot start from its own θ_b go out as a first wave beside the donors' su
 in flight, so neither costs a round trip with nothing to send. What was
 pulled survives a failed :meth:`CatchUp.run` (every donor gone): the next call, with the
 members the rendezvous names then, goes on from there.
+
+A round no site ran: when every member of a round read its plan past the reduce deadline
+(every site stalled at once), each skips it and resyncs towards a round that no θ will ever
+reflect. The run of a site that skipped it as a member counts it void instead
+(:func:`decide_void`: every other member says it skipped it too), brings θ to the round
+before and the site passes the void round with θ unchanged (``RoundEngine.void_round``).
 """
 
 from __future__ import annotations
@@ -51,13 +57,13 @@ from dtrain.errors import (
     StateTransferError,
     TransportError,
 )
-from dtrain.protocol import BucketMean, Member
+from dtrain.protocol import BucketMean, Member, RoundPlan
 from dtrain.rounds.history import HistoryInfo, decode_history_info
 from dtrain.rounds.means import decode_mean
 from dtrain.state import GlobalState
 from dtrain.transports.base import Transport
 
-__all__ = ["CatchUp", "CatchUpStats", "first_wave", "takes_from_queue"]
+__all__ = ["CatchUp", "CatchUpStats", "decide_void", "first_wave", "takes_from_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,9 @@ class CatchUpStats:
         first_wave_dropped: buckets of the first wave (asked for beside the donors' summaries)
             that came back from a donor behind ``min_round`` (another joiner) and were dropped.
         rounds: the round installed.
+        void: why the run counted the round it was given as ``missed`` void (installed the
+            round before it, for the site to pass the void one: :func:`decide_void`); None
+            when it did not.
     """
 
     buckets_from: dict[str, int] = field(default_factory=dict)
@@ -91,6 +100,7 @@ class CatchUpStats:
     donors_lost: list[str] = field(default_factory=list)
     first_wave_dropped: int = 0
     rounds: int = -1
+    void: str | None = None
 
 
 class _Staged:
@@ -132,6 +142,30 @@ def first_wave(
         if not use_own or (kept_rounds is not None and min_round - own > kept_rounds):
             out.append(b)
     return out
+
+
+def decide_void(missed: RoundPlan, me: str, infos: dict[str, HistoryInfo]) -> tuple[bool, str]:
+    """Whether round ``missed.round`` (R), whose plan site ``me`` read too late and skipped as
+    a member, is void: no site ran it, so no θ will ever reflect it. ``infos``: the summaries
+    of the donors that answered (:class:`HistoryInfo`, by site id). Void when every other
+    member of the plan answered that it is at R and skipped R too: a member that ran R (or
+    runs it now) says neither, and a site that was not a member cannot have run it. A
+    member that did not answer (dead, unreachable, or asked too early) keeps the round
+    undecided: it may hold R's θ, and a site that went on without it would differ from it.
+    With no other member the round is void at once. Pure; ``(void, why)``."""
+    r = missed.round
+    others = [sid for sid in missed.site_ids if sid != me]
+    for sid in others:
+        info = infos.get(sid)
+        if info is None:
+            return False, f"no summary from {sid}, a member of round {r}: it may have run it"
+        if info.rounds_applied != r or r not in info.skipped:
+            return False, f"{sid}, a member of round {r}, is at round {info.rounds_applied} and did not skip it"
+    for sid, info in sorted(infos.items()):
+        if info.rounds_applied > r:
+            return False, f"{sid} is at round {info.rounds_applied}: round {r} ran"
+    who = f"every other member ({', '.join(others)}) skipped it too" if others else "this site was its only member"
+    return True, f"no site ran round {r}: {who}, each reading its plan past the reduce deadline"
 
 
 def takes_from_queue(queued: int, live: int, tail_in_flight: bool) -> bool:
@@ -244,6 +278,7 @@ class CatchUp:
         self._early: deque[int] = deque()  # the first wave, pulled beside the donors' summaries
         self._early_taken: set[int] = set()  # first-wave buckets in flight
         self._min_round = 0
+        self._missed: RoundPlan | None = None
         self._summarized = False  # the donors' summaries of this run are in
         self._live: dict[str, Member] = {}
         self._rounds: dict[str, int] = {}  # each donor's last known rounds_applied
@@ -271,9 +306,15 @@ class CatchUp:
         return max(0.0, (n - done) * elapsed / done)
 
     # ------------------------------------------------------------------ driver
-    def run(self, donors: Sequence[Member], *, min_round: int = 0) -> int:
+    def run(self, donors: Sequence[Member], *, min_round: int = 0, missed: RoundPlan | None = None) -> int:
         """Pull and replay until every bucket is at the donors' round (>= ``min_round``),
         then install it in ``state`` and return that round.
+
+        ``missed``: the plan of round ``min_round - 1``, which this site skipped as a member
+        (None: none). While every donor is behind ``min_round``, the run asks whether that
+        round is void (:func:`decide_void`, on each new set of summaries); once it is, the run
+        brings θ to the round before instead, says why in ``stats.void``, and returns that
+        round: the caller passes the void one (``RoundEngine.void_round``).
 
         Raises:
             StateTransferError: every donor failed (what was pulled is kept for the next
@@ -290,6 +331,7 @@ class CatchUp:
             self._summarized = False
             self._early_taken = set()
             self._min_round = min_round
+            self._missed = missed
             self._early = deque(
                 first_wave(
                     [self.state.bucket_round[b] for b in range(n)],
@@ -312,7 +354,7 @@ class CatchUp:
             with self._cv:
                 if not self._live:
                     raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
-                self._target = max(min_round, max(self._rounds.values()))
+                self._target = self._aim(min_round, max(self._rounds.values()))
                 for b in range(n):
                     own = self.state.bucket_round[b]
                     if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
@@ -405,7 +447,7 @@ class CatchUp:
             with self._cv:
                 if not self._live:
                     continue
-                target = max(min_round, max(self._rounds.get(sid, 0) for sid in self._live))
+                target = self._aim(min_round, max(self._rounds.get(sid, 0) for sid in self._live))
                 self._target = target
                 for b in [b for b, s in self._staged.items() if s.tag > target]:
                     self._drop_staged(b)  # ahead of every donor (its own θ_b): take theirs
@@ -419,6 +461,21 @@ class CatchUp:
                 self._cv.notify_all()
         self._install(target)
         return target
+
+    def _aim(self, min_round: int, top: int) -> int:
+        """The round this run brings θ to, the newest donor's being ``top``: at least
+        ``min_round``, but ``top`` when every donor is behind it because the round this site
+        skipped is void (:func:`decide_void`, asked until it is). Under ``_cv``."""
+        m = self._missed
+        if self.stats.void is None and m is not None and top < min_round and m.round == top == min_round - 1:
+            void, why = decide_void(m, self.requester, self._info)
+            if void:
+                self.stats.void = why
+                log.warning("%s: round %d is void: %s", self.requester, m.round, why)
+        if self.stats.void is not None and top < min_round:
+            self._min_round = top
+            return top
+        return max(min_round, top)
 
     def _stuck(self) -> str:
         why = f"no progress for {self.progress_timeout_s:g} s at round {self._target}"

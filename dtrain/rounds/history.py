@@ -27,7 +27,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from dtrain.errors import StateTransferError
 from dtrain.protocol import BucketMean, BucketState
@@ -140,16 +140,25 @@ class HistoryInfo:
         lrs: per kept round, per bucket, the outer learning rates of that round's step.
         lrs_now: per bucket, the outer learning rates of the donor's next step (an outer LR
             scheduler steps them after each round).
+        skipped: recent rounds the donor was a member of and did not run (its plan expired
+            before it read it: ``RoundEngine.skip_round``), ascending; a site that skipped one
+            too learns from these whether any member ran it (``dtrain.rounds.catchup.decide_void``).
     """
 
     rounds_applied: int
     span: tuple[int, int] | None
     lrs: dict[int, list[tuple[float, ...]]]
     lrs_now: list[tuple[float, ...]] = ()  # type: ignore[assignment]
+    skipped: tuple[int, ...] = ()
 
 
 def history_info_state(
-    history: MeanHistory, rounds_applied: int, lrs_now: list[tuple[float, ...]], *, index: int
+    history: MeanHistory,
+    rounds_applied: int,
+    lrs_now: list[tuple[float, ...]],
+    *,
+    index: int,
+    skipped: Sequence[int] = (),
 ) -> BucketState:
     """The answer to a ``PullState`` of bucket ``index`` (= number of buckets + 1): this site's
     :class:`HistoryInfo`, JSON in ``optimizer_state``, its blake2b-128 as the checksum."""
@@ -160,7 +169,13 @@ def history_info_state(
         }
         span = [next(iter(history._rounds)), next(reversed(history._rounds))] if history._rounds else None
     data = json.dumps(
-        {"rounds_applied": rounds_applied, "span": span, "lrs": lrs, "lrs_now": [list(x) for x in lrs_now]}
+        {
+            "rounds_applied": rounds_applied,
+            "span": span,
+            "lrs": lrs,
+            "lrs_now": [list(x) for x in lrs_now],
+            "skipped": sorted(int(r) for r in skipped),
+        }
     ).encode()
     return BucketState(
         bucket=index,
@@ -189,6 +204,7 @@ def decode_history_info(st: BucketState) -> HistoryInfo:
         }
         span = (int(d["span"][0]), int(d["span"][1])) if d["span"] else None
         now = [tuple(float(x) for x in v) for v in d["lrs_now"]]
-        return HistoryInfo(rounds_applied=int(d["rounds_applied"]), span=span, lrs=lrs, lrs_now=now)
+        skipped = tuple(int(r) for r in d.get("skipped", ()))  # absent from a donor of an older version
+        return HistoryInfo(rounds_applied=int(d["rounds_applied"]), span=span, lrs=lrs, lrs_now=now, skipped=skipped)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise StateTransferError(f"history summary unreadable: {e}") from e

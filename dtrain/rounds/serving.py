@@ -24,7 +24,7 @@ from dtrain.errors import (
     Rejected,
 )
 from dtrain.protocol import BucketMean, BucketState, Contribution, ContributionRun
-from dtrain.rounds.history import NotRetained, history_info_state
+from dtrain.rounds.history import AppliedMean, NotRetained, history_info_state
 from dtrain.rounds.means import ascending_runs
 from dtrain.rounds.owner import OpenRound
 from dtrain.rounds.types import BucketOutcome
@@ -453,7 +453,7 @@ class PeerSide:
         if owned is None:
             with self._cv:
                 skipped = self._skipped.get(round)
-            if skipped is not None:
+            if skipped is not None and not (have_checksum and round < applied):  # a replay of a void round
                 raise Rejected(RejectCode.ABORTED, f"round {round} is not run here: {skipped}")
             if round < applied:
                 return self._past_mean(round, bucket, applied, have_checksum)
@@ -522,6 +522,30 @@ class PeerSide:
             self._cv.notify_all()
         self._means_changed()
 
+    def void_round(self, round: int, why: str) -> None:
+        """Count ``round`` as run with θ unchanged: no site ran it (every member skipped it,
+        :func:`dtrain.rounds.catchup.decide_void`), so no site will ever hold a θ that
+        reflects it, and the members must agree on the round that follows without one. Every
+        bucket passes it as a bucket with no mean does (no outer step, no outer LR
+        scheduler step), and the history keeps it so: a site that catches up across it
+        replays it as unchanged. θ must be at ``round`` (``rounds_applied == round``) and no
+        round may be open.
+
+        Raises:
+            ValueError: θ is not at ``round``.
+        """
+        st = self.state
+        if st.rounds_applied != round:
+            raise ValueError(f"void_round({round}): θ is at round {st.rounds_applied}, not {round}")
+        unchanged = {}
+        for b in range(len(st)):
+            with st.lock(b):
+                st.bucket_round[b] = round + 1
+                unchanged[b] = AppliedMean(None, tuple(float(g["lr"]) for g in st.optimizers[b].param_groups))
+        st.rounds_applied = round + 1
+        self.history.close_round(round, unchanged)
+        self.log.warning("round %d counted void (θ unchanged): %s", round, why)
+
     def _commit(self, run, b: int) -> bool:  # run: the engine's _Run of this round
         """The commit rule for an owned bucket whose mean this site applied: keep it once a
         member took it; otherwise (nobody by the broadcast deadline, or no member left) roll
@@ -553,7 +577,9 @@ class PeerSide:
     def handle_pull_state(self, bucket: int, requester: str) -> BucketState:
         if bucket == len(self.state) + 1:  # two past the last: what this site keeps for a site behind
             lrs_now = [tuple(float(g["lr"]) for g in o.param_groups) for o in self.state.optimizers]
-            return history_info_state(self.history, self.state.rounds_applied, lrs_now, index=bucket)
+            with self._cv:
+                skipped = tuple(self._skipped)
+            return history_info_state(self.history, self.state.rounds_applied, lrs_now, index=bucket, skipped=skipped)
         if bucket == len(self.state):  # one past the last bucket: the training position
             position = self.position_source(bucket) if self.position_source is not None else None
             if position is None:

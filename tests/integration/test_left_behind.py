@@ -27,7 +27,13 @@ PULL_S = 1.0  # the state-pull budget: how long a site behind looks for a member
 
 
 def _site(
-    site_id: str, net: InprocNetwork, core: RendezvousCore, *, pull_s: float = PULL_S, run_rounds: int | None = None
+    site_id: str,
+    net: InprocNetwork,
+    core: RendezvousCore,
+    *,
+    pull_s: float = PULL_S,
+    run_rounds: int | None = None,
+    bucket_bytes: int = 512,
 ) -> DiLoCo:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -36,7 +42,7 @@ def _site(
         site_id=site_id,
         sync_every=H,
         hook_optimizer=False,
-        buckets=BucketConfig(bucket_bytes=512, chunk_bytes=256),
+        buckets=BucketConfig(bucket_bytes=bucket_bytes, chunk_bytes=min(256, bucket_bytes)),
         group=GroupConfig(state_pull_timeout_s=pull_s, run_rounds=run_rounds),
     )
     return DiLoCo(model, opt, config=cfg, transport=InprocTransport(net), rendezvous=InprocRendezvousClient(core))
@@ -162,3 +168,89 @@ def test_a_site_cut_while_a_member_is_live_resyncs_to_its_theta():
     finally:
         a.close(wait=False)
         b.close(wait=False)
+
+
+def test_a_round_every_member_missed_is_void_and_every_site_goes_on_from_the_same_theta(monkeypatch):
+    """Every member read round 2's plan past its reduce deadline (every site stalled: the chaos
+    smoke under overload): none ran it, so no site has round 3's θ to pull. Each resync sees
+    every other member skipped round 2 as it did and counts it void (θ unchanged, no outer
+    step) instead of waiting for a donor at round 3 that can never exist; the next round runs
+    with every site on the same θ."""
+    import dtrain.site as site_mod
+
+    real = site_mod.plan_expired
+
+    def stalled_at_round_2(plan):
+        return (True, f"round {plan.round}: every site stalled (test)") if plan.round == 2 else real(plan)
+
+    monkeypatch.setattr(site_mod, "plan_expired", stalled_at_round_2)
+    net = InprocNetwork()
+    core = RendezvousCore(RendezvousConfig(min_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=0.1))
+    sites = [_site(s, net, core, pull_s=30.0) for s in ("a", "b", "c")]
+    try:
+        _together(sites, seed=1)
+        _together(sites, seed=3)
+        assert {d.round for d in sites} == {2}
+        before = sites[0].site_checksum()
+        t0 = time.monotonic()
+        _together(sites, seed=5)  # round 2: every site misses it
+        assert time.monotonic() - t0 < 20.0  # not the 30 s pull budget
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.RESYNCED] * 3
+        assert [d.round for d in sites] == [3, 3, 3]
+        assert all("every other member" in d.site.last_catch_up.void for d in sites)
+        assert {d.site_checksum() for d in sites} == {before}  # a void round changes no θ
+        _together(sites, seed=7)  # round 3 runs with all three
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.APPLIED] * 3
+        assert [d.round for d in sites] == [4, 4, 4]
+        assert len({d.site_checksum() for d in sites}) == 1 and sites[0].site_checksum() != before
+    finally:
+        for d in sites:
+            d.close(wait=False)
+
+
+def test_a_round_one_member_ran_is_not_void_and_the_members_that_skipped_it_catch_up_from_it(monkeypatch):
+    """Only b and c read round 2's plan too late; a ran it (the owners b and c refused its
+    contributions, and nobody took the mean of the bucket a owns, so its θ passed the round
+    unchanged at a). b and c do not count the round void on their own: a says it did not skip
+    it. They pull round 3 from a, and every site runs round 3 on the same θ."""
+    import dtrain.site as site_mod
+
+    real = site_mod.plan_expired
+
+    def late_at_b_and_c(plan):
+        if plan.round == 2 and threading.current_thread().name in ("b", "c"):
+            return True, "b and c stalled (test)"
+        return real(plan)
+
+    monkeypatch.setattr(site_mod, "plan_expired", late_at_b_and_c)
+    net = InprocNetwork()
+    core = RendezvousCore(
+        RendezvousConfig(
+            min_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=0.1, reduce_timeout_s=1.0, broadcast_timeout_s=2.0
+        )
+    )
+    sites = [_site(s, net, core, pull_s=30.0, bucket_bytes=64) for s in ("a", "b", "c")]
+    assert len(sites[0].state) == 3  # a bucket per member
+
+    def together(seed: int) -> None:
+        threads = [
+            threading.Thread(target=_round, args=(d, seed + i), name=d.config.site_id) for i, d in enumerate(sites)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+
+    try:
+        together(1)
+        together(3)
+        together(5)  # round 2: a runs it, b and c skip it
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.APPLIED] + [RoundStatus.RESYNCED] * 2
+        assert [d.round for d in sites] == [3, 3, 3] and len({d.site_checksum() for d in sites}) == 1
+        assert [d.site.last_catch_up.void for d in sites[1:]] == [None, None]
+        together(7)
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.APPLIED] * 3
+        assert [d.round for d in sites] == [4, 4, 4] and len({d.site_checksum() for d in sites}) == 1
+    finally:
+        for d in sites:
+            d.close(wait=False)

@@ -443,3 +443,61 @@ def test_a_mean_not_there_yet_is_asked_for_again_not_ruled_out():
     again = {k for k in set(donor.asked) if donor.asked.count(k) == 2}
     assert again and len(set(donor.asked) - again) <= len(joiner), donor.asked
     assert max(map(donor.asked.count, donor.asked)) == 2  # the second answer (not kept) rules the donor out
+
+
+def _plan(r: int, *sites: str):
+    from dtrain.protocol import RoundPlan
+
+    return RoundPlan(
+        round=r, members=tuple(Member(site_id=s, address=s) for s in sites), reduce_timeout_s=1, broadcast_timeout_s=2
+    )
+
+
+def _info(rounds_applied: int, skipped=()):
+    from dtrain.rounds.history import HistoryInfo
+
+    return HistoryInfo(rounds_applied=rounds_applied, span=None, lrs={}, skipped=tuple(skipped))
+
+
+def test_a_round_is_void_only_when_every_other_member_says_it_skipped_it():
+    from dtrain.rounds.catchup import decide_void
+
+    plan = _plan(5, "a", "b", "c")
+    void, why = decide_void(plan, "a", {"b": _info(5, [3, 5]), "c": _info(5, [5])})
+    assert void and "every other member (b, c) skipped it too" in why
+    # a member not heard from may have run it (dead, unreachable, or not asked yet)
+    assert decide_void(plan, "a", {"b": _info(5, [5])}) == (
+        False,
+        "no summary from c, a member of round 5: it may have run it",
+    )
+    # a member at the round that did not skip it may be running it now
+    void, why = decide_void(plan, "a", {"b": _info(5, [5]), "c": _info(5, [4])})
+    assert not void and "c, a member of round 5, is at round 5 and did not skip it" in why
+    # a member past it ran it (or took θ from one that did)
+    assert not decide_void(plan, "a", {"b": _info(6, [5]), "c": _info(5, [5])})[0]
+    # a donor that was not a member but is past the round: it ran without this plan's members
+    void, why = decide_void(plan, "a", {"b": _info(5, [5]), "c": _info(5, [5]), "d": _info(6)})
+    assert not void and why == "d is at round 6: round 5 ran"
+    # this site the plan's only member: nobody else could have run it
+    void, why = decide_void(_plan(5, "a"), "a", {})
+    assert void and "this site was its only member" in why
+
+
+def test_void_round_passes_every_bucket_unchanged_and_keeps_the_round_in_the_history():
+    from dtrain.configs import RoundConfig
+    from dtrain.rounds import RoundEngine
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    layout = BucketLayout([128], ["param"], BucketConfig(bucket_bytes=64, chunk_bytes=64))
+    st = GlobalState(layout, [torch.arange(128, dtype=torch.float32)])
+    st.rounds_applied = 4
+    st.bucket_round = [4] * len(st)
+    eng = RoundEngine("a", st, InprocTransport(InprocNetwork()), RoundConfig())
+    before = [b.detach().clone() for b in st.theta]
+    with pytest.raises(ValueError, match=r"void_round\(3\): θ is at round 4, not 3"):
+        eng.void_round(3, "test")
+    eng.void_round(4, "test")
+    assert st.rounds_applied == 5 and st.bucket_round == [5] * len(st)
+    assert all(torch.equal(a, b) for a, b in zip(before, st.theta))
+    assert eng.history.span() == (4, 4)
+    assert all(eng.history.get(4, b).mean is None for b in range(len(st)))

@@ -58,9 +58,9 @@ def test_the_summary_a_donor_serves_round_trips():
     h = MeanHistory(max_rounds=4, max_bytes=10_000)
     for r in range(2):
         h.close_round(r, _round(r))
-    st = history_info_state(h, 2, [(0.5,), (0.5,), (0.5,)], index=4)
+    st = history_info_state(h, 2, [(0.5,), (0.5,), (0.5,)], index=4, skipped=[1, 0])
     info = decode_history_info(st)
-    assert info.rounds_applied == 2 and info.span == (0, 1)
+    assert info.rounds_applied == 2 and info.span == (0, 1) and info.skipped == (0, 1)
     assert info.lrs[1] == [(0.7,), (0.7,), ()] and info.lrs_now == [(0.5,), (0.5,), (0.5,)]
     bad = type(st)(**{**st.__dict__, "optimizer_state": st.optimizer_state + b" "})
     with pytest.raises(StateTransferError, match="checksum mismatch"):
