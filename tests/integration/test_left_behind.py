@@ -197,7 +197,10 @@ def test_a_round_every_member_missed_is_void_and_every_site_goes_on_from_the_sam
         assert time.monotonic() - t0 < 20.0  # not the 30 s pull budget
         assert [d.last_outcome.status for d in sites] == [RoundStatus.RESYNCED] * 3
         assert [d.round for d in sites] == [3, 3, 3]
-        assert all("every other member" in d.site.last_catch_up.void for d in sites)
+        # each site counts it void itself, or (slower to ask) takes round 3 from one that did
+        voided = [d for d in sites if d.site.last_catch_up.void is not None]
+        assert voided and all("skipped it too" in d.site.last_catch_up.void for d in voided)
+        assert all(d.site.last_catch_up.rounds in (2, 3) for d in sites)
         assert {d.site_checksum() for d in sites} == {before}  # a void round changes no θ
         _together(sites, seed=7)  # round 3 runs with all three
         assert [d.last_outcome.status for d in sites] == [RoundStatus.APPLIED] * 3
