@@ -228,6 +228,7 @@ def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     cfg = build(RENDEZVOUS, config_values(RENDEZVOUS, ns))
     import signal
 
+    from dtrain.app.procs import wait_for_signal
     from dtrain.rendezvous import RendezvousCore
     from dtrain.rendezvous.grpc import serve_rendezvous
     from dtrain.status import StatusLog
@@ -264,7 +265,7 @@ def _cmd_rendezvous(ns: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal(stop)  # not stop.wait(): a signal taken by one of grpc's threads would not wake it
     if status is not None:
         status.stop()
     server.stop(1.0)

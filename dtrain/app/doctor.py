@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dtrain.app.procs import wait_for_signal
 from dtrain.probe import PathReport, ProbeError, ProbeServer, measure_path
 from dtrain.transports.datagram_config import max_datagram_bytes_for_mtu
 from dtrain.transports.datagram_pacing import socket_buffer_bytes
@@ -409,5 +410,5 @@ def _serve(cfg, out) -> int:
         out(
             f"dtrain doctor: probe server on {srv.address} (tcp and udp); peers run: dtrain doctor --peer HOST:{srv.port}"
         )
-        stop.wait(cfg.serve_s)
+        wait_for_signal(stop, cfg.serve_s)  # not stop.wait(): a signal taken by another thread would not wake it
     return 0

@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "spawn",
     "stop_all",
     "tail",
+    "wait_for_signal",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,29 @@ class ChildHandle(Protocol):
     def poll(self) -> int | None: ...
 
     def wait(self, timeout: float | None = None) -> int: ...
+
+
+#: the longest a main thread waits on an event without running Python (:func:`wait_for_signal`)
+SIGNAL_SLICE_S = 0.5
+
+
+def wait_for_signal(stop: threading.Event, timeout_s: float | None = None) -> bool:
+    """Wait until ``stop`` is set (by a SIGINT/SIGTERM handler) or ``timeout_s`` seconds pass
+    (None: no limit), in slices of :data:`SIGNAL_SLICE_S`; whether it was set.
+
+    Call it on the main thread. Python runs a signal's handler on the main thread only, the
+    next time that thread runs bytecode, but the kernel delivers a process's signal to any
+    thread that does not block it: grpc's own threads do not. A signal delivered there does
+    not wake a main thread blocked in ``stop.wait()`` with no timeout, and the process never
+    stops (a ``dtrain rendezvous`` was still running 30 s after SIGTERM in a CI run). Each
+    slice returns to the interpreter, which then runs the handler."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not stop.is_set():
+        left = SIGNAL_SLICE_S if deadline is None else min(SIGNAL_SLICE_S, deadline - time.monotonic())
+        if left <= 0:
+            break
+        stop.wait(left)
+    return stop.is_set()
 
 
 def tail(path: str | Path, n: int = 15) -> str:

@@ -123,3 +123,42 @@ def test_cluster_refuses_what_it_cannot_do(tmp_path) -> None:
     with pytest.raises(TimeoutError, match="timed out waiting for nothing"):
         c.wait(lambda: False, "nothing", timeout_s=0.1)
     assert c.host(1) == "127.0.0.1" and c.tail(0) == "(no log)" and c.lines(0) == []
+
+
+def test_a_signal_another_thread_took_still_ends_wait_for_signal():
+    """The kernel may hand a process's SIGTERM to any thread that does not block it (grpc's own
+    threads do not). The C handler runs there; Python runs the handler on the main thread only
+    when that thread next runs bytecode, so a main thread blocked in ``Event.wait`` is not
+    woken: a ``dtrain rendezvous`` still ran 30 s after SIGTERM in a CI run. ``wait_for_signal``
+    returns to the interpreter every ``SIGNAL_SLICE_S``."""
+    import threading
+
+    from dtrain.app.procs import SIGNAL_SLICE_S, wait_for_signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run on the main thread only")
+    stop = threading.Event()
+    old = signal.signal(signal.SIGUSR1, lambda *_: stop.set())
+
+    def another_thread_takes_it() -> threading.Thread:
+        t = threading.Thread(
+            target=lambda: (time.sleep(0.2), signal.pthread_kill(threading.get_ident(), signal.SIGUSR1))
+        )
+        t.start()
+        return t
+
+    try:
+        t = another_thread_takes_it()
+        assert stop.wait(2.0) is False  # the plain wait: the signal came at 0.2 s, the wait slept on
+        t.join()
+        assert stop.is_set()  # the handler ran once this thread ran bytecode again
+        stop.clear()
+        t = another_thread_takes_it()
+        t0 = time.monotonic()
+        assert wait_for_signal(stop, timeout_s=30.0) is True
+        assert time.monotonic() - t0 < 0.2 + SIGNAL_SLICE_S + 5.0  # woken by a slice, not the 30 s limit
+        t.join()
+        stop.clear()
+        assert wait_for_signal(stop, timeout_s=0.3) is False  # no signal: the limit
+    finally:
+        signal.signal(signal.SIGUSR1, old)
