@@ -422,6 +422,7 @@ class BucketAccumulator:
         # sender -> (its run's values, element offset of the chunk in them): held until folded
         self._held: list[dict[str, tuple[torch.Tensor, int]]] = [{} for _ in self.numels]
         self.trimmed: collections.Counter[str] = collections.Counter()  # sender -> elements the trim cut
+        self._final: list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -685,8 +686,11 @@ class BucketAccumulator:
                 partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed)
                 for held, n in zip(self._held, self.numels)
             ]
+        if self._final is not None:
+            return self._final
         ops = []
-        for c, held in enumerate(self._held):  # the rest, in sender order after the folded prefix
+        for c in [c for c, held in enumerate(self._held) if held]:  # the rest, in sender order after the prefix
+            held = self._held[c]
             k, first = self._next[c], self._next[c] == 0
             for s in sorted(held):
                 base, start = held[s]
@@ -694,14 +698,22 @@ class BucketAccumulator:
                 k, first = k + 1, False
             held.clear()
         self._apply(ops)
-        return self._means()
+        self._final = self._means()
+        return self._final
 
     def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
         """sum / count per chunk: one division per stretch of chunks of one size, the sums
         as rows over a column of counts (float32 division is exactly rounded: the same
         values as dividing each chunk by its count). Weighted: the count times f̄ (1.0
         for equal claims, so the same divisors)."""
-        senders = [tuple(sorted(d)) for d in self._digests]
+        sorted_keys: dict[tuple[str, ...], tuple[str, ...]] = {}  # the chunks mostly share one sender set
+        senders = []
+        for d in self._digests:
+            key = tuple(d)
+            got = sorted_keys.get(key)
+            if got is None:
+                got = sorted_keys[key] = tuple(sorted(key))
+            senders.append(got)
         if self._sum is None:
             return [(None, (), {}) for _ in senders]
         pos = self._pos
@@ -709,11 +721,11 @@ class BucketAccumulator:
             mean = self._sum / self._nnz.clamp(min=1.0)
             return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]
         fbar = mean_factor(self.weights)
-        counts = torch.tensor([len(s) * fbar for s in senders], dtype=torch.float32)
-        mean = torch.empty_like(self._sum)
-        for a, b in equal_runs(self.numels):
-            rows = (b - a, self.numels[a])
-            torch.div(
-                self._sum[pos[a] : pos[b]].view(rows), counts[a:b].unsqueeze(1), out=mean[pos[a] : pos[b]].view(rows)
-            )
+        mean = self._sum  # divided in place: the sums are not read again (finalize keeps its result)
+        if len(set(map(len, senders))) == 1:  # every chunk the same count: one division by it
+            mean.div_(len(senders[0]) * fbar)
+        else:
+            counts = torch.tensor([len(s) * fbar for s in senders], dtype=torch.float32)
+            for a, b in equal_runs(self.numels):
+                mean[pos[a] : pos[b]].view(b - a, self.numels[a]).div_(counts[a:b].unsqueeze(1))
         return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]  # views

@@ -423,3 +423,41 @@ def test_bench_owner_measures_identical_means_on_a_small_bucket() -> None:
     r = _measure(20_000, 16, 0.1, repeats=1)
     assert r["identical"] is True
     assert r["num"] > 0.8 * 3 * (20_000 // 1280)  # 3 senders' chunks, ~10% lost
+
+
+@pytest.mark.parametrize("weights", [None, {"s0": 1.5, "s1": 0.5, "s2": 1.0, "s3": 2.0}])
+@pytest.mark.parametrize("last_sender_misses", [0, 1, 3])
+def test_finalize_divides_the_sums_once_in_place_with_the_bits_of_a_per_chunk_count_division(
+    weights, last_sender_misses: int
+) -> None:
+    """``finalize`` divides the running sums in place (one division by the common count when
+    every chunk has it, else one per chunk row) and keeps its result: called again it returns
+    the same means, not divided twice. The bits are those of dividing each chunk's fp32 sum,
+    in sender order, by its float32 count × f̄ (``mean_factor``)."""
+    from dtrain.aggregation import mean_factor
+
+    g = torch.Generator().manual_seed(7)
+    numels = [64] * 9 + [17]
+    vals = {s: torch.randn(sum(numels), generator=g) for s in MEMBERS}
+    acc = BucketAccumulator(numels, AggregationConfig(), order=MEMBERS, weights=weights)
+    pos = [sum(numels[:c]) for c in range(len(numels) + 1)]
+    reach = {s: list(range(len(numels))) for s in MEMBERS}
+    reach["s3"] = reach["s3"][last_sender_misses:]  # s3's first chunks lost: those chunks count 3
+    for s in MEMBERS:
+        cs = reach[s]
+        acc.add_run(s, cs, torch.cat([vals[s][pos[c] : pos[c + 1]] for c in cs]), [f"{s}{c}".encode() for c in cs])
+    got = acc.finalize()
+    fbar = mean_factor(weights)
+    for c, (mean, senders, _) in enumerate(got):
+        want_senders = tuple(s for s in MEMBERS if c in reach[s])
+        total = None  # folded as the accumulator folds: copy / add_, or mul / add_ with alpha
+        for s in want_senders:
+            v, w = vals[s][pos[c] : pos[c + 1]], 1.0 if weights is None else weights[s]
+            if total is None:
+                total = v.clone() if w == 1.0 else torch.mul(v, w)
+            else:
+                total.add_(v) if w == 1.0 else total.add_(v, alpha=w)
+        want = total / torch.tensor([len(want_senders) * fbar], dtype=torch.float32)
+        assert senders == want_senders and _bits(mean) == _bits(want), f"chunk {c}"
+    again = acc.finalize()
+    assert again is got and all(_bits(a[0]) == _bits(b[0]) for a, b in zip(again, got))
