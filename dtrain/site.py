@@ -157,6 +157,10 @@ class Site:
                 self.group.on_members_lost = self.notices.post
         self.donors: list[Member] = []
         self.last_catch_up: CatchUpStats | None = None  # what the last join or resync pulled and replayed
+        # the plan this site skipped as a member (read past its reduce deadline): every resync
+        # while θ is at its round may count it void (_pull), not only the first
+        self._skipped_plan: RoundPlan | None = None
+        self._voided = False  # this rank's last pull passed a void round (resync: site-wide)
         self.last_plan: RoundPlan | None = None  # of the last round this site ran
         self.view_hook: Callable[[RankView], RankView] | None = None
         self._probing: threading.Thread | None = None  # rank 0's join probe, until its first decision
@@ -270,16 +274,24 @@ class Site:
         info = self.comm.broadcast(info, round=True)
         err: str | None = info if isinstance(info, str) else None
         self.donors = []
+        self._voided = False
+        st = self.engine.state
+        if missed is not None:
+            self._skipped_plan = missed
+        skipped = self._skipped_plan
+        if skipped is not None and st.rounds_applied != skipped.round:
+            skipped = self._skipped_plan = None  # θ is past it (or it was not this round's)
         if err is None:
             assert isinstance(info, JoinInfo)
-            st = self.engine.state
             st.residuals = [None] * len(st)
-            err = self._try_pull(info, min_round=max(min_round, info.next_round), missed=missed)
+            err = self._try_pull(info, min_round=max(min_round, info.next_round), missed=skipped)
         errs = self._gather_errors(err)
         if errs:
             if self.group is not None:
-                self.group.resync_needed()  # try again next time
+                self.group.resync_needed()  # try again next time (with the skipped plan again)
             return errs[0]
+        if any(self.comm.all_gather(self._voided, round=True)):
+            self.donors = []  # a rank passed a void round: no rank heals, so the ranks' collectives match
         self._align_rounds(info)  # type: ignore[arg-type]
         return None
 
@@ -358,6 +370,7 @@ class Site:
                 if alone:
                     self.donors = []
                     self.engine.void_round(void.round, why)
+                    self._voided = True
                     return
             if not donors:
                 self.donors = []
@@ -384,6 +397,7 @@ class Site:
                 if void is not None and catch.stats.void is not None and st.rounds_applied == void.round:
                     self.engine.void_round(void.round, catch.stats.void)
                     self.donors = []  # no site ran the round: each keeps its own training position
+                    self._voided = True
                 return
             except StateTransferError as e:
                 deadline = max(deadline, catch.progress_at + timeout_s)  # it made progress: go on

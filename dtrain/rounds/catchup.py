@@ -332,6 +332,7 @@ class CatchUp:
             self._early_taken = set()
             self._min_round = min_round
             self._missed = missed
+            self.stats.void = None  # decided afresh each run, from this run's summaries
             self._early = deque(
                 first_wave(
                     [self.state.bucket_round[b] for b in range(n)],
@@ -355,14 +356,7 @@ class CatchUp:
                 if not self._live:
                     raise StateTransferError(f"every donor failed ({len(donors)} tried): no history summary")
                 self._target = self._aim(min_round, max(self._rounds.values()))
-                for b in range(n):
-                    own = self.state.bucket_round[b]
-                    if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
-                        with self.state.lock(b):
-                            self._staged[b] = _Staged(
-                                copy.deepcopy(self.state.optimizers[b]), self.state.bucket_round[b]
-                            )
-                        self.stats.own_buckets += 1
+                self._stage_own()
                 # a first-wave bucket already pulled is advanced from there (a no-op at the target)
                 self._queue = deque(b for b in range(n) if b not in self._inflight)
                 self._early.clear()
@@ -449,6 +443,8 @@ class CatchUp:
                     continue
                 target = self._aim(min_round, max(self._rounds.get(sid, 0) for sid in self._live))
                 self._target = target
+                if self.stats.void is not None:  # this site's own θ is the void round's: start from it
+                    self._stage_own()
                 for b in [b for b, s in self._staged.items() if s.tag > target]:
                     self._drop_staged(b)  # ahead of every donor (its own θ_b): take theirs
                 behind = [b for b in range(len(self.state)) if b not in self._staged or self._staged[b].tag < target]
@@ -464,18 +460,28 @@ class CatchUp:
 
     def _aim(self, min_round: int, top: int) -> int:
         """The round this run brings θ to, the newest donor's being ``top``: at least
-        ``min_round``, but ``top`` when every donor is behind it because the round this site
-        skipped is void (:func:`decide_void`, asked until it is). Under ``_cv``."""
+        ``min_round``, but the skipped round R = ``min_round - 1`` itself once it is void
+        (:func:`decide_void`, asked while every donor is at R; never lower, whatever donors
+        remain: this site's own θ is R's). Under ``_cv``."""
         m = self._missed
-        if self.stats.void is None and m is not None and top < min_round and m.round == top == min_round - 1:
+        if m is None or top >= min_round or m.round != min_round - 1:
+            return max(min_round, top)
+        if self.stats.void is None and top == m.round:
             void, why = decide_void(m, self.requester, self._info)
             if void:
                 self.stats.void = why
+                self._min_round = m.round
                 log.warning("%s: round %d is void: %s", self.requester, m.round, why)
-        if self.stats.void is not None and top < min_round:
-            self._min_round = top
-            return top
-        return max(min_round, top)
+        return m.round if self.stats.void is not None else min_round
+
+    def _stage_own(self) -> None:
+        """Stage each bucket not staged yet from own θ_b, where :meth:`_kept_since` its tag. Under ``_cv``."""
+        for b in range(len(self.state)):
+            own = self.state.bucket_round[b]
+            if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
+                with self.state.lock(b):
+                    self._staged[b] = _Staged(copy.deepcopy(self.state.optimizers[b]), self.state.bucket_round[b])
+                self.stats.own_buckets += 1
 
     def _stuck(self) -> str:
         why = f"no progress for {self.progress_timeout_s:g} s at round {self._target}"

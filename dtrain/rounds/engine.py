@@ -119,6 +119,7 @@ class RoundEngine(PeerSide, Recovery):
         self._means: dict[tuple[int, int], BucketMean] = {}
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._skipped: dict[int, str] = {}  # rounds this site was a member of and will not run (skip_round)
+        self._voided: set[int] = set()  # of those, the ones it passed as void (void_round)
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
         # Test-only fault injection: called as fault_hook(phase, round) at

@@ -57,7 +57,7 @@ class _Owned:
 class PeerSide:
     """The ``PeerHandler`` methods of a round engine (mixed into ``RoundEngine``).
 
-    Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``, ``_skipped``, ``_bres``,
+    Uses the engine's ``_cv``, ``_open`` (round -> its ``_Owned`` books), ``_means``, ``_skipped``, ``_voided``, ``_bres``,
     ``_banned``, ``_reject_streak``, ``state``, ``config``, ``codec``, ``mean_pulls``, ``log`` and ``fault_hook``.
     """
 
@@ -453,7 +453,7 @@ class PeerSide:
         if owned is None:
             with self._cv:
                 skipped = self._skipped.get(round)
-            if skipped is not None and not (have_checksum and round < applied):  # a replay of a void round
+            if skipped is not None and not (have_checksum and round in self._voided):  # a void round's replay
                 raise Rejected(RejectCode.ABORTED, f"round {round} is not run here: {skipped}")
             if round < applied:
                 return self._past_mean(round, bucket, applied, have_checksum)
@@ -540,10 +540,17 @@ class PeerSide:
         unchanged = {}
         for b in range(len(st)):
             with st.lock(b):
-                st.bucket_round[b] = round + 1
                 unchanged[b] = AppliedMean(None, tuple(float(g["lr"]) for g in st.optimizers[b].param_groups))
-        st.rounds_applied = round + 1
-        self.history.close_round(round, unchanged)
+        self.history.close_round(round, unchanged)  # first: a site that sees round + 1 here can replay it
+        with self._cv:  # as a round closes (RoundEngine._close)
+            self._voided.add(round)
+            for old in [r for r in self._voided if r < round - 4]:
+                self._voided.discard(old)
+            for b in range(len(st)):
+                st.bucket_round[b] = round + 1
+            st.rounds_applied = round + 1
+            self._cv.notify_all()
+        self._means_changed()
         self.log.warning("round %d counted void (θ unchanged): %s", round, why)
 
     def _commit(self, run, b: int) -> bool:  # run: the engine's _Run of this round

@@ -257,3 +257,47 @@ def test_a_round_one_member_ran_is_not_void_and_the_members_that_skipped_it_catc
     finally:
         for d in sites:
             d.close(wait=False)
+
+
+def test_a_void_round_is_still_found_when_every_sites_first_resync_after_it_failed(monkeypatch):
+    """Every member missed round 2 and every first resync failed (the rendezvous unreachable
+    for each: deferred, training on locally). The resync that follows, asked by the
+    rendezvous rather than by the missed plan, still knows the plan this site skipped, so
+    the round is counted void then; before, only the first resync could, and the sites
+    waited for a round 3 that no θ reflects for the rest of the run."""
+    import dtrain.site as site_mod
+    from dtrain.errors import RendezvousError
+
+    real = site_mod.plan_expired
+    monkeypatch.setattr(
+        site_mod, "plan_expired", lambda plan: (True, "every site stalled (test)") if plan.round == 2 else real(plan)
+    )
+    net = InprocNetwork()
+    core = RendezvousCore(RendezvousConfig(min_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=0.1))
+    sites = [_site(s, net, core, pull_s=30.0) for s in ("a", "b", "c")]
+    try:
+        _together(sites, seed=1)
+        _together(sites, seed=3)
+        before = sites[0].site_checksum()
+        for d in sites:  # each site's next registration fails once
+            group, register = d.site.group, d.site.group.register_with_backoff
+            fails = [RendezvousError("rendezvous unreachable (test)")]
+
+            def once(budget_s, register=register, fails=fails):
+                if fails:
+                    raise fails.pop()
+                return register(budget_s)
+
+            monkeypatch.setattr(group, "register_with_backoff", once)
+        _together(sites, seed=5)  # round 2: missed by all, every resync fails
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.DEFERRED] * 3
+        assert [d.round for d in sites] == [2, 2, 2]
+        _together(sites, seed=7)  # the resync the rendezvous asks for: round 2 is void
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.RESYNCED] * 3
+        assert [d.round for d in sites] == [3, 3, 3] and {d.site_checksum() for d in sites} == {before}
+        _together(sites, seed=9)
+        assert [d.last_outcome.status for d in sites] == [RoundStatus.APPLIED] * 3
+        assert len({d.site_checksum() for d in sites}) == 1
+    finally:
+        for d in sites:
+            d.close(wait=False)

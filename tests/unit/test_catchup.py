@@ -501,3 +501,53 @@ def test_void_round_passes_every_bucket_unchanged_and_keeps_the_round_in_the_his
     assert all(torch.equal(a, b) for a, b in zip(before, st.theta))
     assert eng.history.span() == (4, 4)
     assert all(eng.history.get(4, b).mean is None for b in range(len(st)))
+
+
+class _Donors:
+    """A transport over in-memory donors: site id -> (state, round, rounds skipped); a donor
+    in ``stalled`` times out on its summary."""
+
+    def __init__(self, donors: dict) -> None:
+        self.donors, self.stalled = donors, set()
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        from dtrain.errors import PeerTimeout
+
+        state, r, skipped = self.donors[address]
+        if bucket == len(state) + 1:
+            if address in self.stalled:
+                raise PeerTimeout(f"{address} stalled")
+            lrs = [tuple(g["lr"] for g in o.param_groups) for o in state.optimizers]
+            return history_info_state(MeanHistory(4, 10**6), r, lrs, index=bucket, skipped=skipped)
+        return state.bucket_state(bucket)
+
+    def pull_mean(self, *a, **k):
+        raise Rejected(RejectCode.FAILED_PRECONDITION, "nothing kept")
+
+
+def _at(seed: int, r: int) -> GlobalState:
+    st = _state(seed)
+    st.rounds_applied, st.bucket_round = r, [r] * len(st)
+    return st
+
+
+def test_a_void_round_never_installs_a_theta_older_than_that_round_whatever_donors_remain():
+    """Round 5, skipped by members a and b; a joiner j at round 1 is live too. Counted void
+    (b skipped it too), the run installs round 5 from a's own θ, never the joiner's round 1;
+    and a later run whose summaries no longer say so (b stalled) decides afresh: it fails
+    rather than take the joiner's θ."""
+    R = 5
+    me, before = _at(7, R), None
+    before = [t.clone() for t in me.theta]
+    net = _Donors({"b": (_at(7, R), R, (R,)), "j": (_at(99, 1), 1, ())})
+    plan = _plan(R, "a", "b")
+    donors = [Member(site_id="b", address="b"), Member(site_id="j", address="j")]
+    cu = CatchUp(me, net, get_codec(CodecConfig(name="fp32")), requester="a", progress_timeout_s=2.0)
+    assert cu.run(donors, min_round=R + 1, missed=plan) == R
+    assert "every other member (b) skipped it too" in cu.stats.void
+    assert me.rounds_applied == R and all(torch.equal(a, b) for a, b in zip(me.theta, before))
+    net.stalled.add("b")
+    with pytest.raises(StateTransferError):
+        cu.run(donors, min_round=R + 1, missed=plan)
+    assert cu.stats.void is None  # decided again from this run's summaries: b said nothing
+    assert me.rounds_applied == R and all(torch.equal(a, b) for a, b in zip(me.theta, before))
