@@ -170,12 +170,10 @@ def test_a_site_cut_while_a_member_is_live_resyncs_to_its_theta():
         b.close(wait=False)
 
 
-def test_a_round_every_member_missed_is_void_and_every_site_goes_on_from_the_same_theta(monkeypatch):
-    """Every member read round 2's plan past its reduce deadline (every site stalled: the chaos
-    smoke under overload): none ran it, so no site has round 3's θ to pull. Each resync sees
-    every other member skipped round 2 as it did and counts it void (θ unchanged, no outer
-    step) instead of waiting for a donor at round 3 that can never exist; the next round runs
-    with every site on the same θ."""
+def _three_sites_that_will_all_miss_round_2(monkeypatch) -> list[DiLoCo]:
+    """Sites a, b and c after rounds 0 and 1 together; every one will read round 2's plan past
+    its reduce deadline (``plan_expired`` says so: every site stalled, the chaos smoke under
+    overload)."""
     import dtrain.site as site_mod
 
     real = site_mod.plan_expired
@@ -190,6 +188,21 @@ def test_a_round_every_member_missed_is_void_and_every_site_goes_on_from_the_sam
     try:
         _together(sites, seed=1)
         _together(sites, seed=3)
+    except BaseException:
+        for d in sites:
+            d.close(wait=False)
+        raise
+    return sites
+
+
+def test_a_round_every_member_missed_is_void_and_every_site_goes_on_from_the_same_theta(monkeypatch):
+    """Every member read round 2's plan past its reduce deadline (every site stalled: the chaos
+    smoke under overload): none ran it, so no site has round 3's θ to pull. Each resync sees
+    every other member skipped round 2 as it did and counts it void (θ unchanged, no outer
+    step) instead of waiting for a donor at round 3 that can never exist; the next round runs
+    with every site on the same θ."""
+    sites = _three_sites_that_will_all_miss_round_2(monkeypatch)
+    try:
         assert {d.round for d in sites} == {2}
         before = sites[0].site_checksum()
         t0 = time.monotonic()
@@ -265,19 +278,10 @@ def test_a_void_round_is_still_found_when_every_sites_first_resync_after_it_fail
     rendezvous rather than by the missed plan, still knows the plan this site skipped, so
     the round is counted void then; before, only the first resync could, and the sites
     waited for a round 3 that no θ reflects for the rest of the run."""
-    import dtrain.site as site_mod
     from dtrain.errors import RendezvousError
 
-    real = site_mod.plan_expired
-    monkeypatch.setattr(
-        site_mod, "plan_expired", lambda plan: (True, "every site stalled (test)") if plan.round == 2 else real(plan)
-    )
-    net = InprocNetwork()
-    core = RendezvousCore(RendezvousConfig(min_sites=3, quorum_timeout_s=5.0, heartbeat_interval_s=0.1))
-    sites = [_site(s, net, core, pull_s=30.0) for s in ("a", "b", "c")]
+    sites = _three_sites_that_will_all_miss_round_2(monkeypatch)
     try:
-        _together(sites, seed=1)
-        _together(sites, seed=3)
         before = sites[0].site_checksum()
         for d in sites:  # each site's next registration fails once
             group, register = d.site.group, d.site.group.register_with_backoff
