@@ -680,7 +680,8 @@ class BucketAccumulator:
 
     def finalize(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
         """Per chunk, the unbiased partial mean; see :func:`partial_mean` for each item.
-        Without robust options the means are views of one bucket-sized tensor."""
+        Without robust options the means are views of one bucket-sized tensor (the sums,
+        divided in place), and a second call returns the same list."""
         if self.config.robust:
             return [
                 partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed)
@@ -702,10 +703,11 @@ class BucketAccumulator:
         return self._final
 
     def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
-        """sum / count per chunk: one division per stretch of chunks of one size, the sums
-        as rows over a column of counts (float32 division is exactly rounded: the same
-        values as dividing each chunk by its count). Weighted: the count times f̄ (1.0
-        for equal claims, so the same divisors)."""
+        """sum / count per chunk, divided in place in the sums: one division when every chunk
+        has the same count, else one per stretch of chunks of one size, the sums as rows over
+        a column of counts (float32 division is exactly rounded: the same values as dividing
+        each chunk by its count). Weighted: the count times f̄ (1.0 for equal claims, so the
+        same divisors)."""
         sorted_keys: dict[tuple[str, ...], tuple[str, ...]] = {}  # the chunks mostly share one sender set
         senders = []
         for d in self._digests:

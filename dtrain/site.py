@@ -331,8 +331,8 @@ class Site:
         A round no site ran: when ``missed`` (the plan this site skipped as a member) is the
         round before the target and every other member skipped it too
         (:func:`~dtrain.rounds.catchup.decide_void`), no donor will ever reach the target;
-        the pull brings θ to the round before and the engine passes the void round with θ
-        unchanged (``RoundEngine.void_round``), as every member does.
+        the pull brings θ to the skipped round and the engine passes it with θ unchanged
+        (``RoundEngine.void_round``); a member that asks later pulls the target from one that did.
 
         Raises:
             StateTransferError: no progress within ``state_pull_timeout_s``.

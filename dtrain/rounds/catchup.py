@@ -87,9 +87,8 @@ class CatchUpStats:
         first_wave_dropped: buckets of the first wave (asked for beside the donors' summaries)
             that came back from a donor behind ``min_round`` (another joiner) and were dropped.
         rounds: the round installed.
-        void: why the run counted the round it was given as ``missed`` void (installed the
-            round before it, for the site to pass the void one: :func:`decide_void`); None
-            when it did not.
+        void: why the run counted the round it was given as ``missed`` void (installed that
+            round, for the site to pass it: :func:`decide_void`); None when it did not.
     """
 
     buckets_from: dict[str, int] = field(default_factory=dict)
@@ -313,8 +312,8 @@ class CatchUp:
         ``missed``: the plan of round ``min_round - 1``, which this site skipped as a member
         (None: none). While every donor is behind ``min_round``, the run asks whether that
         round is void (:func:`decide_void`, on each new set of summaries); once it is, the run
-        brings θ to the round before instead, says why in ``stats.void``, and returns that
-        round: the caller passes the void one (``RoundEngine.void_round``).
+        brings θ to that round instead, says why in ``stats.void``, and returns it: the caller
+        passes it (``RoundEngine.void_round``).
 
         Raises:
             StateTransferError: every donor failed (what was pulled is kept for the next
@@ -475,7 +474,7 @@ class CatchUp:
         return m.round if self.stats.void is not None else min_round
 
     def _stage_own(self) -> None:
-        """Stage each bucket not staged yet from own θ_b, where :meth:`_kept_since` its tag. Under ``_cv``."""
+        """Stage own θ_b for each unstaged bucket not past the target that :meth:`_kept_since`. Under ``_cv``."""
         for b in range(len(self.state)):
             own = self.state.bucket_round[b]
             if b not in self._staged and self.use_own and own <= self._target and self._kept_since(own):
