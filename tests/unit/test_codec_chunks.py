@@ -144,3 +144,30 @@ def test_compiled_payload_rows_are_sealed_and_checked_like_the_python_rows(monke
     bad = rows.copy()
     bad[4, 7] = 9
     assert kern.check_headers(bad, prefix, ok) == 4
+
+
+def test_per_chunk_list_answers_a_tuple_asked_before_by_identity_and_anything_else_afresh() -> None:
+    """A bucket's ``chunks`` tuple is asked the same questions every round: answered by
+    identity (no rehash of its pairs); an equal tuple gets the same answer, and a list (which
+    may change) or an unhashable element is answered afresh each time."""
+    from dtrain.codecs.base import per_chunk_list
+
+    calls = []
+
+    @per_chunk_list
+    def total(chunks, scale):
+        calls.append(chunks)
+        return sum(n for _, n in chunks) * scale
+
+    ch = tuple((o * 4, 4) for o in range(100))
+    assert total(ch, 2) == 800 and total(ch, 2) == 800 and total(ch, 3) == 1200
+    assert len(calls) == 2  # once per distinct (chunks, args)
+    assert total(tuple(list(ch)), 2) == 800 and len(calls) == 2  # an equal tuple: remembered by value
+    lst = [list(p) for p in ch[:3]]
+    assert total(lst, 1) == 12
+    lst[0][1] = 10
+    assert total(lst, 1) == 18  # unhashable: not remembered
+    grown = list(ch[:2])
+    assert total(grown, 1) == 8
+    grown.append((8, 4))
+    assert total(grown, 1) == 12  # a list asked again after it changed: its new value
