@@ -38,6 +38,8 @@ from dtrain.rounds.owner import ChunkReduction
 from dtrain.state import GlobalState
 from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
+from dtrain.transports.grpc_config import GrpcTransportConfig
+from dtrain.transports.heap import keep_freed_memory
 from experiments import bench
 
 STEPS = tuple("pseudo_gradient encode accept mean_encode mean_decode outer_step settle checksums gc".split())
@@ -70,14 +72,22 @@ class _Site:
         st, layout, codec = self.state, self.layout, self.codec
         for t in self.tensors:  # an inner phase's worth of change to the local model
             t.add_(torch.randn(t.shape, generator=self.gen), alpha=1e-3)
+        ahead: dict = {}  # as RoundEngine.add_pseudo_gradient: each bucket encoded in the accumulation's pass
         with cpu("pseudo_gradient"):
-            ok = error_feedback.add_pseudo_gradient(layout, st.theta, st.residuals, self.tensors, error_feedback=True)
+            ok = error_feedback.add_pseudo_gradient(
+                layout, st.theta, st.residuals, self.tensors, error_feedback=True, codec=codec, encoded=ahead
+            )
         assert ok
-        with cpu("encode"):  # settling each residual in place where the codec can, as RoundEngine._contributions
-            settled = [codec.settles_in_place(r, bk.chunks) for r, bk in zip(st.residuals, layout.buckets)]
+        with cpu("encode"):  # as RoundEngine._contributions: the payloads cut (else encoded, settled in place)
+            settled = [
+                b in ahead or codec.settles_in_place(r, bk.chunks)
+                for b, (r, bk) in enumerate(zip(st.residuals, layout.buckets))
+            ]
             sent = [
-                codec.encode_chunks(r, bk.chunks, generator=self.gen, settle=s)
-                for r, bk, s in zip(st.residuals, layout.buckets, settled)
+                codec.encode_chunks(r, bk.chunks, encoded=ahead[b])
+                if b in ahead
+                else codec.encode_chunks(r, bk.chunks, generator=self.gen, settle=s)
+                for b, (r, bk, s) in enumerate(zip(st.residuals, layout.buckets, settled))
             ]
         means = {}
         senders = [f"site-{i}" for i in range(self.num_sites)]
@@ -138,6 +148,7 @@ def run(codec: str, repeats: int, num_sites: int, chunk_bytes: int | None = None
     from experiments.datagram_vs_grpc import wide_task
 
     torch.set_num_threads(1)
+    keep_freed_memory(GrpcTransportConfig().heap_keep_bytes)  # as every site's process (its GrpcTransport) does
     tensors = [p.detach() for p in wide_task(TaskSpec(num_sites=num_sites)).model.parameters()]
     site = _Site(tensors, codec=codec, num_sites=num_sites, chunk_bytes=chunk_bytes)
     numel = site.layout.total_numel

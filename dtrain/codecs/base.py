@@ -182,6 +182,7 @@ class Codec:
         *,
         generator=None,
         settle: bool = False,
+        encoded: "np.ndarray | None" = None,
     ) -> list[bytes]:
         """Encode the element ranges ``chunks`` (``(offset, numel)`` pairs) of 1-D ``x``,
         each to its own payload: the same bytes as ``encode(x[o:o+n])`` per range (up to
@@ -195,10 +196,46 @@ class Codec:
                 exactly by :meth:`decode_chunks` with ``unsettle``. Only where
                 :meth:`settles_in_place` says so (else ValueError, ``x`` untouched); on a
                 CodecError (non-finite ``x``) ``x`` is unspecified.
+            encoded: what :meth:`accumulate_encode` returned for ``x`` and these ``chunks``:
+                ``x`` was encoded and settled then; the payloads are cut from it (the same
+                bytes as ``encode_chunks(x_before, chunks, settle=True)``), ``x`` is not read.
         """
-        if settle:
+        if settle or encoded is not None:
             raise ValueError(f"codec {self.name!r} does not settle in place here (see settles_in_place)")
         return [self.encode(x[o : o + n], generator=generator) for o, n in chunks]
+
+    def accumulate_encode(
+        self,
+        r: torch.Tensor,
+        theta: torch.Tensor,
+        pieces: Sequence[torch.Tensor],
+        chunks: Sequence[tuple[int, int]],
+        *,
+        decay: float,
+    ) -> "np.ndarray | None":
+        """Error feedback's accumulation ``r ← decay·r + (θ − x)`` and :meth:`encode_chunks` of
+        ``r`` with ``settle``, in one pass over memory instead of two (the compiled int8 / int4
+        pass; ``kernels.c`` ``ef_accumulate_encode``): bit for bit what
+        ``dtrain.rounds.error_feedback.add_pseudo_gradient`` and then ``encode_chunks(r, chunks,
+        settle=True)`` leave in ``r`` and send.
+
+        Args:
+            r: the bucket's residual, 1-D float32 (updated in place: accumulated, then settled).
+            theta: θ_b, 1-D float32 like ``r``.
+            pieces: the model's local values ``x`` of the bucket in order (views of its
+                tensors), together ``r.numel()`` elements.
+            chunks: the bucket's ``(offset, numel)`` ranges.
+            decay: β of the accumulation (``add_pseudo_gradient``'s ``decay``).
+        Returns:
+            The encoded bucket, for :meth:`encode_chunks` ``encoded=`` (which cuts the
+            payloads from it); None, with nothing done, where this codec has no such pass (or
+            a tensor is not contiguous float32 on the CPU): the caller then accumulates and
+            encodes in turn.
+        Raises:
+            CodecError: ``r`` holds NaN or inf after the accumulation (``r`` is then
+                unspecified: ``add_pseudo_gradient`` drops every residual of the round).
+        """
+        return None
 
     def settles_in_place(self, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> bool:
         """Whether :meth:`encode_chunks` of ``x`` with ``settle`` works: the ranges cover ``x``

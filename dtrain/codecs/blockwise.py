@@ -116,25 +116,34 @@ class _Blockwise(Codec):
                 q.round_()
             yield s, t, q.clamp_(-qmax, qmax)
 
-    def encode_chunks(self, x, chunks, *, generator=None, settle=False):
+    def encode_chunks(self, x, chunks, *, generator=None, settle=False, encoded=None):
         """One pass over ``x`` into one body; then each run of equal, contiguous ranges of
         whole blocks is cut into its payloads at once (:meth:`_payload_rows`), any other
         range on its own (:meth:`_payload`): the bytes of ``encode(x[o:o+n])`` per range.
-        ``settle``: the compiled pass also leaves ``x`` settled (:meth:`Codec.encode_chunks`)."""
+        ``settle``: the compiled pass also leaves ``x`` settled (:meth:`Codec.encode_chunks`);
+        ``encoded``: that pass was :meth:`accumulate_encode`'s, the body is its."""
         bs = self._bs
         plan = _rows_plan(chunks, bs)
-        if settle and not self.settles_in_place(x, chunks):
-            return super().encode_chunks(x, chunks, generator=generator, settle=settle)  # refused there
+        if (settle or encoded is not None) and not self.settles_in_place(x, chunks):
+            return super().encode_chunks(x, chunks, generator=generator, settle=settle, encoded=encoded)  # refused
         if self._zstd or plan is None or x.dim() != 1 or x.dtype != torch.float32 or len(chunks) < 2:
             return super().encode_chunks(x, chunks, generator=generator)
         x32, _ = _prepare(x)
         n = x32.numel()
         nb = self._num_blocks(n)
-        body = self._body_buffer(self._body_bytes(n))  # per-thread scratch: every payload is a copy
-        if settle:
-            self._native_encode(x32, body, nb, settle=True)
-        elif body.size:
-            self._encode_into(x32, body, generator)
+        if encoded is not None:  # accumulate_encode's body: x was encoded (and settled) then
+            want = (self._body_bytes(n),)
+            if not (isinstance(encoded, np.ndarray) and encoded.dtype == np.uint8 and encoded.shape == want):
+                raise ValueError(
+                    f"encoded must be accumulate_encode's body of x ({want[0]} uint8), got {encoded!r:.80}"
+                )
+            body = encoded
+        else:
+            body = self._body_buffer(self._body_bytes(n))  # per-thread scratch: every payload is a copy
+            if settle:
+                self._native_encode(x32, body, nb, settle=True)
+            elif body.size:
+                self._encode_into(x32, body, generator)
         out: list[bytes] = []
         for i, j in plan:
             o, m = chunks[i]
@@ -158,6 +167,25 @@ class _Blockwise(Codec):
             and _rows_plan(chunks, self._bs) is not None
             and _consecutive_end(chunks) == x.numel()
         )
+
+    def accumulate_encode(self, r, theta, pieces, chunks, *, decay):
+        """The compiled pass (``Kernels.accumulate_encode``) where :meth:`settles_in_place` holds
+        for ``r`` and ``theta`` and every piece is contiguous float32 on the CPU; its body is
+        a new array (kept until the payloads are cut, on another thread)."""
+        k = None if self._sr else kernels()
+        if k is None or not self.settles_in_place(r, chunks) or not pieces:
+            return None
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (theta, *pieces)):
+            return None
+        n = r.numel()
+        nb = self._num_blocks(n)
+        body = np.empty(self._body_bytes(n), dtype=np.uint8)
+        scales, codes = body[: 4 * nb].view(np.float32), body[4 * nb :]
+        if not k.accumulate_encode(
+            r, theta, pieces, decay, self._bs, self._step, self.qmax == 7, scales, codes, settle=True
+        ):
+            raise non_finite_error(r)
+        return body
 
     def _native_encode(self, x: torch.Tensor, out: np.ndarray, nb: int, *, settle: bool = False) -> bool:
         """The body of ``x`` (flat contiguous float32) by the compiled kernel (``settle``: and

@@ -27,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BW_VERSION 6
+#define BW_VERSION 7
 #define NUDGE_ABOVE 1e37 /* blockwise._NUDGE_ABOVE */
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (q + M) - M is q rounded half to even for |q| < 2^22 */
 
@@ -76,6 +76,35 @@ static void quantize_settle(float *x, int64_t n, float d, float qmax, float sc, 
     }
 }
 
+/* The second half of one step [s, t) of bw_encode: scales[] holds each block's max |x| (as
+ * absmax_bits gives it), top the largest; each block's scale (nudged as the header says), then its
+ * codes (settle: and x settled). */
+static inline void quantize_step(float *x, int64_t s, int64_t t, int64_t bs, int int4, float *scales, uint8_t *codes,
+                                 float *q, int settle, int32_t top) {
+    const float qmax = int4 ? 7.0f : 127.0f;
+    int64_t b0 = s / bs, nb = (t - s + bs - 1) / bs;
+    int nudge = (double)as_float(top) > NUDGE_ABOVE;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t o = s + b * bs, e = o + bs < t ? bs : t - o;
+        float absmax = scales[b0 + b], sc = absmax / qmax;
+        if (nudge && sc * qmax > absmax) sc = nextafterf(sc, 0.0f);
+        scales[b0 + b] = sc;
+        if (settle)
+            quantize_settle(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, sc, q);
+        else
+            quantize(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, q);
+        if (!int4) {
+            int8_t *c = (int8_t *)codes + o;
+            for (int64_t i = 0; i < e; i++) c[i] = (int8_t)(int32_t)q[i];
+        } else { /* o is even: block sizes are */
+            uint8_t *c = codes + o / 2;
+            int64_t i = 0;
+            for (; i + 1 < e; i += 2) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * ((int32_t)q[i + 1] + 8));
+            if (i < e) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * 8);
+        }
+    }
+}
+
 /* Encode n floats (xv: float32) into scales[ceil(n / bs)] and codes (n bytes for int8,
  * ceil(n / 2) for int4). step: a multiple of bs (the torch path's chunk). q: scratch of
  * bs floats. settle != 0: x is left settled (x[i] - code[i] * scale, block by block; see the
@@ -84,38 +113,63 @@ static void quantize_settle(float *x, int64_t n, float d, float qmax, float sc, 
 BW_CLONES int bw_encode(void *xv, int64_t n, int64_t bs, int64_t step, int int4, float *scales, uint8_t *codes,
                         float *q, int settle) {
     float *x = (float *)xv;
-    const float qmax = int4 ? 7.0f : 127.0f;
     for (int64_t s = 0; s < n; s += step) {
         int64_t t = s + step < n ? s + step : n;
-        int64_t b0 = s / bs, nb = (t - s + bs - 1) / bs;
         int32_t top = 0;
-        for (int64_t b = 0; b < nb; b++) {
-            int64_t o = s + b * bs, e = o + bs < t ? bs : t - o;
-            int32_t m = absmax_bits((const int32_t *)xv + o, e);
+        for (int64_t o = s; o < t; o += bs) {
+            int32_t m = absmax_bits((const int32_t *)x + o, o + bs < t ? bs : t - o);
             if (m >= 0x7f800000) return -1;
             top = m > top ? m : top;
-            scales[b0 + b] = as_float(m);
+            scales[o / bs] = as_float(m);
         }
-        int nudge = (double)as_float(top) > NUDGE_ABOVE;
-        for (int64_t b = 0; b < nb; b++) {
-            int64_t o = s + b * bs, e = o + bs < t ? bs : t - o;
-            float absmax = scales[b0 + b], sc = absmax / qmax;
-            if (nudge && sc * qmax > absmax) sc = nextafterf(sc, 0.0f);
-            scales[b0 + b] = sc;
-            if (settle)
-                quantize_settle(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, sc, q);
-            else
-                quantize(x + o, e, sc == 0.0f ? 1.0f : sc, qmax, q);
-            if (!int4) {
-                int8_t *c = (int8_t *)codes + o;
-                for (int64_t i = 0; i < e; i++) c[i] = (int8_t)(int32_t)q[i];
-            } else { /* o is even: block sizes are */
-                uint8_t *c = codes + o / 2;
-                int64_t i = 0;
-                for (; i + 1 < e; i += 2) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * ((int32_t)q[i + 1] + 8));
-                if (i < e) c[i / 2] = (uint8_t)((int32_t)q[i] + 8 + 16 * 8);
+        quantize_step(x, s, t, bs, int4, scales, codes, q, settle, top);
+    }
+    return 0;
+}
+
+/* r[i] = r[i] * decay + (theta[i] - x[i]) for i < n (ef_accumulate's arithmetic, below);
+ * returns max |r[i]| afterwards as absmax_bits gives it */
+static inline int32_t accumulate_absmax(float *r, const float *theta, const float *x, int64_t n, float decay) {
+    int32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = (decay == 1.0f ? r[i] : r[i] * decay) + (theta[i] - x[i]);
+        int32_t b;
+        memcpy(&b, &v, 4);
+        b &= 0x7fffffff;
+        m = b > m ? b : m;
+        r[i] = v;
+    }
+    return m;
+}
+
+/* Error feedback's accumulation and bw_encode in one pass over a bucket's n elements: block by
+ * block, r[i] = r[i] * decay + (theta[i] - x[i]) (ef_accumulate's numbers) and the block's max
+ * |r|; then each step (`step` elements, in cache) encoded from r (bw_encode's numbers; settle: r
+ * left settled). x is the model's tensors piecewise: segment k is xs[k][0 : offs[k + 1] - offs[k])
+ * at bucket elements [offs[k], offs[k + 1]), offs[0] = 0, offs[nseg] = n. Returns 0, or -1 when r
+ * holds inf or NaN after the accumulation (nothing else is promised then). */
+BW_CLONES int ef_accumulate_encode(float *r, const float *theta, const float *const *xs, const int64_t *offs,
+                                   int64_t nseg, int64_t n, float decay, int64_t bs, int64_t step, int int4,
+                                   float *scales, uint8_t *codes, float *q, int settle) {
+    int64_t k = 0;
+    for (int64_t s = 0; s < n; s += step) {
+        int64_t t = s + step < n ? s + step : n;
+        int32_t top = 0;
+        for (int64_t o = s; o < t; o += bs) {
+            int64_t e = o + bs < t ? o + bs : t;
+            int32_t m = 0;
+            for (int64_t a = o; a < e;) { /* the segments that cover this block */
+                while (k + 1 < nseg && offs[k + 1] <= a) k++;
+                int64_t b = offs[k + 1] < e ? offs[k + 1] : e;
+                int32_t mm = accumulate_absmax(r + a, theta + a, xs[k] + (a - offs[k]), b - a, decay);
+                m = mm > m ? mm : m;
+                a = b;
             }
+            if (m >= 0x7f800000) return -1;
+            top = m > top ? m : top;
+            scales[o / bs] = as_float(m);
         }
+        quantize_step(r, s, t, bs, int4, scales, codes, q, settle, top);
     }
     return 0;
 }
@@ -205,16 +259,7 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
  * (r.mul_(decay) is skipped at decay 1, where r * 1 == r). Returns 1 when every r[i] is
  * finite afterwards, else 0. */
 BW_CLONES int ef_accumulate(float *r, const float *theta, const float *x, int64_t n, float decay) {
-    int32_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float v = (decay == 1.0f ? r[i] : r[i] * decay) + (theta[i] - x[i]);
-        int32_t b;
-        memcpy(&b, &v, 4);
-        b &= 0x7fffffff;
-        m = b > m ? b : m;
-        r[i] = v;
-    }
-    return m < 0x7f800000;
+    return accumulate_absmax(r, theta, x, n, decay) < 0x7f800000;
 }
 
 /* zlib-ng's zng_crc32(crc, buf, len): zlib's crc32 */

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -34,7 +36,7 @@ __all__ = ["Kernels", "kernels"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 6  # kernels.c BW_VERSION
+VERSION = 7  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -47,6 +49,8 @@ class Kernels:
         lib.bw_decode.restype, lib.bw_decode.argtypes = i, [vp, i64, i64, i64, i64, i, vp, i, i]
         lib.bw_check.restype, lib.bw_check.argtypes = i, [vp, i64, i64, i64, i64, i]
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
+        lib.ef_accumulate_encode.restype = i
+        lib.ef_accumulate_encode.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, i64, i64, i, vp, vp, vp, i]
         lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp, vp, i64, vp]
         lib.bw_check_headers.restype, lib.bw_check_headers.argtypes = i64, [vp, i64, i64, ctypes.c_char_p, vp, vp]
         self._lib = lib
@@ -106,19 +110,8 @@ class Kernels:
         1-D float32 on the CPU; ``step`` a multiple of ``bs``); False when ``x`` holds inf or NaN.
         ``settle``: leave ``x − decoded`` in ``x`` (what :meth:`decode` with ``sub`` leaves; undone
         exactly by :meth:`decode` with ``unsettle``)."""
-        q = np.empty(bs, dtype=np.float32)
-        rc = self._lib.bw_encode(
-            x.data_ptr(),
-            x.numel(),
-            bs,
-            step,
-            int(int4),
-            scales.ctypes.data,
-            codes.ctypes.data,
-            q.ctypes.data,
-            int(settle),
-        )
-        return rc == 0
+        quant, _q = _quantizer(bs, step, int4, scales, codes, settle)  # _q: alive until the call returns
+        return self._lib.bw_encode(x.data_ptr(), x.numel(), *quant) == 0
 
     def accumulate(self, r: torch.Tensor, theta: torch.Tensor, x: torch.Tensor, decay: float) -> bool:
         """``r ← decay·r + (theta − x)`` in place (three contiguous float32 CPU tensors of one
@@ -126,6 +119,36 @@ class Kernels:
         assert r.numel() == theta.numel() == x.numel()
         assert all(t.is_contiguous() and t.dtype == torch.float32 for t in (r, theta, x))
         return self._lib.ef_accumulate(r.data_ptr(), theta.data_ptr(), x.data_ptr(), r.numel(), decay) == 1
+
+    def accumulate_encode(
+        self,
+        r: torch.Tensor,
+        theta: torch.Tensor,
+        pieces: Sequence[torch.Tensor],
+        decay: float,
+        bs: int,
+        step: int,
+        int4: bool,
+        scales: np.ndarray,
+        codes: np.ndarray,
+        *,
+        settle: bool,
+    ) -> bool:
+        """:meth:`accumulate` and :meth:`encode` of ``r`` in one pass, step by step while each
+        step is in cache: the same numbers as the two calls in turn. ``pieces``: the local
+        values ``x`` in order (contiguous float32 CPU tensors, e.g. views of the model's
+        tensors), together ``r.numel()`` elements. False when ``r`` holds inf or NaN after the
+        accumulation (``r``, ``scales`` and ``codes`` are then unspecified)."""
+        assert r.numel() == theta.numel() == sum(p.numel() for p in pieces) and pieces
+        assert all(t.is_contiguous() and t.dtype == torch.float32 for t in (r, theta, *pieces))
+        ptrs = (ctypes.c_void_p * len(pieces))(*(p.data_ptr() for p in pieces))
+        offs = (ctypes.c_int64 * (len(pieces) + 1))(*itertools.accumulate((p.numel() for p in pieces), initial=0))
+        quant, _q = _quantizer(bs, step, int4, scales, codes, settle)  # _q: alive until the call returns
+        lib = self._lib
+        return (
+            lib.ef_accumulate_encode(r.data_ptr(), theta.data_ptr(), ptrs, offs, len(pieces), r.numel(), decay, *quant)
+            == 0
+        )
 
     def check(self, bodies: np.ndarray, numel: int, bs: int, int4: bool) -> bool:
         """Whether every scale and code of the rows of ``bodies`` is one the encoder makes."""
@@ -168,6 +191,15 @@ class Kernels:
             int(checked),
         )
         return rc == 0
+
+
+def _quantizer(
+    bs: int, step: int, int4: bool, scales: np.ndarray, codes: np.ndarray, settle: bool
+) -> tuple[tuple, np.ndarray]:
+    """The arguments ``bw_encode`` and ``ef_accumulate_encode`` end with, and the one-block
+    float32 scratch ``q`` whose address they pass (the caller keeps it until the call returns)."""
+    q = np.empty(bs, dtype=np.float32)
+    return (bs, step, int(int4), scales.ctypes.data, codes.ctypes.data, q.ctypes.data, int(settle)), q
 
 
 def _zlib_ng_crc32() -> int | None:

@@ -33,14 +33,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from dtrain.buckets import assign_owners
 from dtrain.codecs import get_codec
 from dtrain.errors import CodecError, PeerTimeout, PeerUnavailable, RejectCode, TransportError
-from dtrain.protocol import BucketMean, BucketState, Contribution, RoundPlan, made
+from dtrain.protocol import BucketMean, BucketState, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.fanout import Fanout
 from dtrain.rounds.history import AppliedMean, MeanHistory
@@ -49,6 +49,7 @@ from dtrain.rounds.member import MemberRound, Phase
 from dtrain.rounds.owner import ChunkReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.recovery import Recovery, repair_window_s
+from dtrain.rounds.reduce import Reduce
 from dtrain.rounds.serving import PeerSide, _Owned
 from dtrain.rounds.sitelog import SiteLog
 from dtrain.rounds.types import BucketOutcome, RoundConfig, RoundResult, compact_senders
@@ -79,6 +80,7 @@ class _Run:
     tokens: int = 0  # this site's token claim, on every contribution it sends (0: none)
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
     settled: dict[int, torch.Tensor] = field(default_factory=dict)  # residuals the encode settled in place
+    encoded: dict[int, Any] = field(default_factory=dict)  # encoded ahead (add_pseudo_gradient), not yet cut
     fan: "Fanout | None" = None  # the pushes or the mean pulls while they run (under `lock`)
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
@@ -92,7 +94,7 @@ class _Run:
                 setattr(self.res, k, getattr(self.res, k) + v)
 
 
-class RoundEngine(PeerSide, Recovery):
+class RoundEngine(PeerSide, Reduce, Recovery):
     """One site's round engine and peer handler.
 
     Args:
@@ -120,6 +122,9 @@ class RoundEngine(PeerSide, Recovery):
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._skipped: dict[int, str] = {}  # rounds this site was a member of and will not run (skip_round)
         self._voided: set[int] = set()  # of those, the ones it passed as void (void_round)
+        self._encoded: dict[
+            int, Any
+        ] = {}  # encoded ahead, residuals settled: the next run_round's (add_pseudo_gradient)
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
         # Test-only fault injection: called as fault_hook(phase, round) at
@@ -222,7 +227,12 @@ class RoundEngine(PeerSide, Recovery):
             tokens: tokens (samples) this site trained since its last round of these buckets:
                 its claim on every contribution (its weight where ``token_weighted``); 0: none.
         """
-        run = self._open_round(plan, contribute, buckets, tokens)
+        try:
+            run = self._open_round(plan, contribute, buckets, tokens)
+        except BaseException:
+            self._unsettle_ahead()
+            raise
+        self._adopt_ahead(run)  # what add_pseudo_gradient encoded ahead: this run's to send and settle
         if pace_window_s is not None:
             run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
         finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
@@ -413,87 +423,6 @@ class RoundEngine(PeerSide, Recovery):
                 (self.log.warning if example else self.log.debug)(
                     "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, red.chunk, why
                 )
-
-    # ------------------------------------------------------------------ site: reduce
-    def _reduce(self, run: _Run) -> None:
-        """Step 2: encode per chunk and stream to owners (own buckets stay local)."""
-        if self.fault_hook is not None:
-            self.fault_hook("before_push", run.round)
-        if not run.contribute:
-            return
-        by_owner: dict[str, list[int]] = {}
-        for b in run.active:
-            by_owner.setdefault(run.owners[b], []).append(b)
-        width = max(1, min(8, len(by_owner)))
-        fan: Fanout[str, None] = Fanout(lambda o: self._push(run, o, by_owner[o]), by_owner, width, f"push-{run.round}")
-        self._wait_fanout(run, fan, run.owned.books.finalize_at, lambda owner: owner, "push")
-
-    def _contributions(self, run: _Run, buckets: list[int], remote: bool) -> Iterator[Contribution]:
-        """The chunks of ``buckets`` (Δ_b + residual_b encoded), for one owner; they stop at the
-        next bucket once that owner is declared lost (its push was given up: :meth:`_wait_fanout`)."""
-        first = True
-        for b in buckets:
-            if remote and run.owners[b] in run.member.unreachable:
-                return
-            v = self.state.residuals[b]
-            if v is None:
-                continue
-            chunks = self.state.layout.buckets[b].chunks
-            t = time.perf_counter()  # one encoding pass per bucket (a datagram run's has ~480 chunks)
-            assert b not in run.settled, f"bucket {b} encoded twice in round {run.round}: its residual was settled"
-            settle = self.config.error_feedback and self.codec.settles_in_place(v, chunks)  # see _settle_residuals
-            payloads = self.codec.encode_chunks(v, chunks, generator=self._gen, settle=settle)
-            # the bucket's counters and kept payloads at once (a lock per chunk cost ~10 µs x 7,650)
-            fp32 = 4 * sum(n for _, n in chunks)
-            run.add(encode_s=time.perf_counter() - t, encoded_bytes=sum(map(len, payloads)), encoded_fp32_bytes=fp32)
-            if not self.codec.lossless:
-                with run.lock:
-                    run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
-                    if settle:
-                        run.settled[b] = v
-            for c, ((off, n), payload) in enumerate(zip(chunks, payloads)):
-                yield made(  # Contribution(...) without its frozen constructor's cost, per chunk
-                    Contribution,
-                    round=run.round,
-                    bucket=b,
-                    chunk=c,
-                    offset=off,
-                    numel=n,
-                    codec=self.codec.name,
-                    sender=self.site_id,
-                    payload=payload,
-                    tokens=run.tokens,
-                )
-                if remote and first and self.fault_hook is not None:
-                    self.fault_hook("mid_push", run.round)
-                first = False
-
-    def _push(self, run: _Run, owner: str, buckets: list[int]) -> None:
-        if owner == self.site_id:  # a bucket's chunks counted in one pass per run (PeerSide.accept_own)
-            for b in buckets:
-                cs = list(self._contributions(run, [b], remote=False))
-                for cn, e in zip(cs, self.accept_own(run.owned, cs)):
-                    if e is not None:
-                        run.res.errors.append(f"own chunk b{cn.bucket} c{cn.chunk} rejected: {e}")
-            return
-        t = time.perf_counter()
-        pacer, until = run.pacer, run.owned.books.finalize_at
-        # a paced round: each chunk waits for its share of the budget (past the reduce deadline: at once)
-        paced = {} if pacer is None else {"pace": lambda n: pacer.wait(n, until)}
-        try:
-            self.transport.push(
-                run.plan.address_of(owner),
-                self._contributions(run, buckets, remote=True),
-                timeout_s=max(0.01, until - time.monotonic()),
-                **paced,
-            )
-        except PeerUnavailable as e:
-            run.res.errors.append(f"push to {owner}: {e}")
-            self.member_unreachable(run, owner, f"push refused: {e}")
-        except TransportError as e:
-            run.res.errors.append(f"push to {owner}: {e}")
-            self.log.warning("round %d: push to %s failed: %s", run.round, owner, e)
-        run.add(network_s=time.perf_counter() - t)
 
     def member_unreachable(self, run: _Run, site_id: str, why: str) -> None:
         """The data path found ``site_id`` gone in this round (a refused connection,
@@ -687,6 +616,7 @@ class RoundEngine(PeerSide, Recovery):
         """Step 7: error feedback; each chunk of each residual is consumed, reduced by
         the applied mean, or kept whole (:mod:`dtrain.rounds.error_feedback`)."""
         layout = self.state.layout
+        self._cut_unsent(run)
         num_mine = num_included = 0
         for b in run.active:
             v = self.state.residuals[b]
@@ -773,28 +703,3 @@ class RoundEngine(PeerSide, Recovery):
                 m = run.member.mean(b)
             out[b] = AppliedMean(m, lrs) if m is not None and m.chunks else None
         return out
-
-    # ------------------------------------------------------------------ helpers for callers
-    def add_pseudo_gradient(self, tensors: list[torch.Tensor], buckets: Sequence[int] | None = None) -> bool:
-        """Set residual_b ← β·residual_b + (θ_b − local_b) for every bucket (of ``buckets``),
-        β = ``RoundConfig.error_feedback_decay``.
-
-        Args:
-            tensors: the model's current (local) tensors, as the layout expects.
-            buckets: only these (a fragment round); None: all.
-        Returns:
-            False, with every residual cleared, when any value is non-finite
-            (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
-        """
-        ok = error_feedback.add_pseudo_gradient(
-            self.state.layout,
-            self.state.theta,
-            self.state.residuals,
-            tensors,
-            error_feedback=self.config.error_feedback,
-            buckets=buckets,
-            decay=self.config.error_feedback_decay,
-        )
-        if not ok:
-            self.log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")
-        return ok

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -94,6 +94,8 @@ def add_pseudo_gradient(
     error_feedback: bool,
     buckets: Sequence[int] | None = None,
     decay: float = 1.0,
+    codec: Codec | None = None,
+    encoded: dict[int, Any] | None = None,
 ) -> bool:
     """Set ``residuals[b] ← decay·residuals[b] + (θ_b − local_b)`` for every bucket, in place.
 
@@ -106,6 +108,11 @@ def add_pseudo_gradient(
         buckets: only these buckets (a fragment round); None: all.
         decay: β of SparseLoCo's error feedback e ← β·e + Δ (arXiv 2508.15706, Algorithm 1;
             0.95 there), in (0, 1]; 1 keeps everything not yet delivered (EF-SGD).
+        codec, encoded: with both, a bucket whose residual ``codec`` can accumulate and encode
+            in one pass (:meth:`Codec.accumulate_encode`) is also encoded now, its residual
+            left settled as ``codec.encode_chunks(r, chunks, settle=True)`` leaves it, and
+            ``encoded[b]`` holds what to cut its payloads from (``encode_chunks(encoded=)``).
+            Cleared when the result is False.
     Returns:
         False, with every residual of ``buckets`` set to None, when any value is non-finite (the site
         then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
@@ -123,8 +130,20 @@ def add_pseudo_gradient(
                 torch.empty(n, dtype=torch.float32, device=th.device), th, bucket, tensors
             )
         elif (kern := kernels()) is not None and _accumulates_in_place(r, th, bucket, tensors):
-            for sg in bucket.segments:  # r ← β·r + (θ_b − local_b), segment by segment, in one pass
-                src = tensors[sg.tensor_index].detach().reshape(-1)[sg.tensor_offset : sg.tensor_offset + sg.numel]
+            pieces = [  # the bucket's local values, segment by segment (views, no copy)
+                tensors[sg.tensor_index].detach().reshape(-1)[sg.tensor_offset : sg.tensor_offset + sg.numel]
+                for sg in bucket.segments
+            ]
+            if codec is not None and encoded is not None:
+                try:
+                    e = codec.accumulate_encode(r, th, pieces, bucket.chunks, decay=decay)
+                except CodecError:  # non-finite: the round's residuals are dropped below
+                    ok = False
+                    continue
+                if e is not None:
+                    encoded[b] = e
+                    continue
+            for sg, src in zip(bucket.segments, pieces):  # r ← β·r + (θ_b − local_b), in one pass
                 at = slice(sg.bucket_offset, sg.bucket_offset + sg.numel)
                 ok &= kern.accumulate(r[at], th[at], src, decay)
             continue
@@ -139,6 +158,8 @@ def add_pseudo_gradient(
     if not ok:
         for b in chosen:
             residuals[b] = None
+        if encoded is not None:
+            encoded.clear()
     return ok
 
 

@@ -4,16 +4,20 @@ hashed in place)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 from types import SimpleNamespace
 
 import blake3
+import numpy as np
 import pytest
 import torch
 
 from dtrain.app.worker import outer_state_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
-from dtrain.codecs import get_codec
+from dtrain.codecs import CodecConfig, get_codec
+from dtrain.codecs.native import kernels
 from dtrain.diloco import theta_checksum
 from dtrain.rounds import error_feedback, means
 from dtrain.rounds.means import encode_mean
@@ -258,3 +262,134 @@ def test_a_round_that_raises_after_its_encode_leaves_the_residual_whole(fail: bo
         assert torch.equal(engine.state.residuals[0].view(torch.int32), want.view(torch.int32))
     finally:
         engine.stop(0.1)
+
+
+def _fused_layout(tensors) -> BucketLayout:
+    """Buckets of several tensors' segments (boundaries inside blocks), in chunks of whole blocks."""
+    return BucketLayout(
+        [t.numel() for t in tensors], ["param"] * len(tensors), BucketConfig(bucket_bytes=4 * 2560, chunk_bytes=4 * 512)
+    )
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4"])
+@pytest.mark.parametrize("decay", [1.0, 0.95])
+def test_accumulate_encode_is_the_accumulation_then_the_settling_encode_bit_for_bit(
+    codec_name: str, decay: float, kernel_path: str
+) -> None:
+    """add_pseudo_gradient with a codec encodes each bucket in the same pass (compiled path):
+    the residuals left settled and the payloads cut from its body are, bit for bit, what the
+    accumulation and then ``encode_chunks(settle=True)`` give, round after round."""
+    codec = get_codec(codec_name)
+    tensors = _model([torch.float32] * 5)
+    layout = _fused_layout(tensors)
+    assert any(len(b.segments) > 1 for b in layout.buckets)
+    state = GlobalState(layout, tensors)
+    fused: list = [torch.zeros(b.numel) for b in layout.buckets]
+    apart: list = [torch.zeros(b.numel) for b in layout.buckets]
+    for step in range(3):
+        for t in tensors:
+            t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(step)) * 1e-2)
+        encoded: dict = {}
+        assert error_feedback.add_pseudo_gradient(
+            layout, state.theta, fused, tensors, error_feedback=True, decay=decay, codec=codec, encoded=encoded
+        )
+        assert error_feedback.add_pseudo_gradient(layout, state.theta, apart, tensors, error_feedback=True, decay=decay)
+        assert sorted(encoded) == (list(range(len(layout))) if kernel_path == "compiled" else [])
+        for b, bk in enumerate(layout.buckets):
+            assert codec.settles_in_place(apart[b], bk.chunks) == (kernel_path == "compiled")
+            if b not in encoded:
+                continue
+            want = codec.encode_chunks(apart[b], bk.chunks, settle=True)
+            assert codec.encode_chunks(fused[b], bk.chunks, encoded=encoded[b]) == want, (step, b)
+            assert torch.equal(_bits(fused[b]), _bits(apart[b])), (step, b)
+    assert all(float(r.abs().max()) > 0 for r in fused)
+
+
+def test_accumulate_encode_refuses_a_non_finite_residual_and_what_it_cannot_encode(kernel_path: str) -> None:
+    codec = get_codec("int8")
+    tensors = _model([torch.float32] * 5)
+    layout = _fused_layout(tensors)
+    state = GlobalState(layout, tensors)
+    residuals: list = [torch.zeros(b.numel) for b in layout.buckets]
+    tensors[4][5] = float("nan")  # in the last bucket: the earlier ones were encoded already
+    encoded: dict = {}
+    assert not error_feedback.add_pseudo_gradient(
+        layout, state.theta, residuals, tensors, error_feedback=True, codec=codec, encoded=encoded
+    )
+    assert residuals == [None] * len(layout) and encoded == {}
+    r, th = torch.zeros(layout.buckets[0].numel), state.theta[0].detach()
+    pieces = [torch.zeros(r.numel())]
+    sr = CodecConfig(name="int8", stochastic_rounding=True)
+    for other in (sr, "int8+zstd", "fp16", "topk"):  # no settle in place here, or sparse: not encoded ahead
+        assert get_codec(other).accumulate_encode(r, th, pieces, layout.buckets[0].chunks, decay=1.0) is None
+    strided = torch.zeros(2 * r.numel())[::2]
+    assert codec.accumulate_encode(r, th, [strided], layout.buckets[0].chunks, decay=1.0) is None
+    why = "accumulate_encode's body" if kernel_path == "compiled" else "does not settle in place"
+    with pytest.raises(ValueError, match=why):
+        codec.encode_chunks(r, layout.buckets[0].chunks, encoded=np.zeros(3, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("scenario", ["pushed", "never_pushed", "pseudo_gradient_twice", "not_a_member"])
+def test_a_site_that_encodes_ahead_ends_each_round_as_one_that_encodes_at_the_push(scenario: str) -> None:
+    """RoundEngine.add_pseudo_gradient encodes (and settles) each bucket in the accumulation's
+    pass; the pushes only cut the payloads. Against a site that accumulates, then encodes at
+    the push (the same engine, its codec's one-pass encode off), θ and the residuals agree bit
+    for bit after every round: pushed; never pushed (the settle undone from the payloads cut
+    at the close); the pseudo-gradient added twice before a round (the first encode undone);
+    a round that does not open (undone at once)."""
+    from dtrain.protocol import Member, RoundPlan
+    from dtrain.rounds.engine import RoundEngine
+    from dtrain.rounds.types import RoundConfig
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    tensors = _model([torch.float32] * 5)
+    layout = _fused_layout(tensors)
+    cfg = RoundConfig(codec=get_codec("int8").config, broadcast_codec=get_codec("fp32").config)
+    engines = [RoundEngine("a", GlobalState(layout, tensors), InprocTransport(InprocNetwork()), cfg) for _ in "ab"]
+    engines[0].codec, engines[1].codec = copy.copy(engines[0].codec), copy.copy(engines[1].codec)
+    engines[1].codec.accumulate_encode = lambda *a, **k: None  # encodes at the push, as before
+    ahead: list = []  # what engines[0]'s one-pass encodes returned
+    one_pass = engines[0].codec.accumulate_encode
+
+    def counted(*a, **k):
+        ahead.append(one_pass(*a, **k))
+        return ahead[-1]
+
+    engines[0].codec.accumulate_encode = counted
+    for e in engines:
+        e.start()
+    try:
+        for r in range(4):
+            g = torch.Generator().manual_seed(r)
+            local = [t + torch.randn(t.shape, generator=g) * 1e-2 for t in tensors]
+            for e in engines:
+                plan = RoundPlan(
+                    round=r,
+                    members=(Member(site_id="a", address=e.address),),
+                    reduce_timeout_s=0.5,
+                    broadcast_timeout_s=1.0,
+                )
+                assert e.add_pseudo_gradient(local)
+                if r == 2 and scenario == "pseudo_gradient_twice":
+                    assert e.add_pseudo_gradient(local)
+                if r == 2 and scenario == "not_a_member":
+                    with pytest.raises(ValueError, match="not a member"):
+                        e.run_round(dataclasses.replace(plan, members=(Member(site_id="z", address="x"),)))
+                    assert e._encoded == {}  # noqa: SLF001 - undone
+                    continue
+                if r == 2 and scenario == "never_pushed":
+                    e._reduce = lambda run: None  # noqa: SLF001 - no contribution leaves: nothing applied
+                res = e.run_round(plan)
+                e.__dict__.pop("_reduce", None)
+                assert res.applied_buckets == (0 if r == 2 and scenario == "never_pushed" else len(layout))
+            if r >= 1:  # round 0 has no residual yet: Δ is computed into a new one
+                assert engines[0]._encoded == {} and len(engines[0]._runs) == 0  # noqa: SLF001
+            for b in range(len(layout)):
+                a, o = engines[0].state, engines[1].state
+                assert torch.equal(_bits(a.theta[b].detach()), _bits(o.theta[b].detach())), (r, b)
+                assert torch.equal(_bits(a.residuals[b]), _bits(o.residuals[b])), (r, b)
+        if kernels() is not None:  # rounds 1-3 (and a second time in round 2) encoded every bucket ahead
+            assert sum(x is not None for x in ahead) == len(layout) * (4 if scenario == "pseudo_gradient_twice" else 3)
+    finally:
+        for e in engines:
+            e.stop(0.1)
