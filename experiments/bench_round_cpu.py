@@ -3,13 +3,16 @@
 The model is the datagram experiments' 9.8 M-parameter task (``datagram_vs_grpc.wide_task``), in
 the layout a 4-site datagram run uses (chunks of one datagram each). One site's share of a round
 is replayed in-process without a transport, with the library's own functions, in the engine's
-order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``), ``encode`` (each bucket's
-residual, ``Codec.encode_chunks``), ``accept`` (the owner taking the N contributions of its
+order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``: where the codec can, each
+bucket also encoded and settled in that pass, ``Codec.accumulate_encode``), ``encode`` (the
+payloads cut from that body by ``Codec.encode_chunks``; else the encode itself), ``accept`` (the owner taking the N contributions of its
 buckets as ``PeerSide`` does: decoded, digested, checked and summed, then the means), ``mean_encode`` / ``mean_decode`` (the owner's means; a member decoding the
 others'), ``outer_step`` (``GlobalState.apply_mean`` less its checksum), ``settle`` (error
 feedback) and ``checksums`` (each bucket's θ checksum right after its step, as ``apply_mean``
 takes it, and the metrics line's two after the round); ``gc`` is the collection after the
-round (``dtrain.app.gc_control.RoundCollector``, as a site runs).
+round (``dtrain.app.gc_control.RoundCollector``, as a site runs). The process keeps freed heap
+memory as a site's does (``dtrain.transports.heap.keep_freed_memory``, which its
+``GrpcTransport`` sets).
 
 Figures are CPU seconds of this thread (``time.thread_time``, robust to other processes),
 medians over ``--repeats`` rounds, one torch thread; ``--compare a.json b.json`` prints the
