@@ -623,12 +623,12 @@ def per_chunk_list(fn):
 
     @functools.wraps(fn)
     def call(chunks, *args):
-        if type(chunks) is tuple:
-            hit = by_id.get((id(chunks), args))
-            if hit is not None and hit[0] is chunks:
-                return hit[1]
         key = tuple(chunks)
         try:
+            if type(chunks) is tuple:
+                hit = by_id.get((id(chunks), args))
+                if hit is not None and hit[0] is chunks:
+                    return hit[1]
             out = remembered(key, *args)
         except TypeError:  # unhashable
             return fn(key, *args)

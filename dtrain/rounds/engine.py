@@ -80,7 +80,7 @@ class _Run:
     tokens: int = 0  # this site's token claim, on every contribution it sends (0: none)
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)  # lossy codec: what this site sent
     settled: dict[int, torch.Tensor] = field(default_factory=dict)  # residuals the encode settled in place
-    encoded: dict[int, Any] = field(default_factory=dict)  # encoded ahead (add_pseudo_gradient), not yet cut
+    encoded: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)  # taken from _encoded, not yet cut
     fan: "Fanout | None" = None  # the pushes or the mean pulls while they run (under `lock`)
     lock: threading.Lock = field(default_factory=threading.Lock)  # res counters written from threads
 
@@ -122,9 +122,9 @@ class RoundEngine(PeerSide, Reduce, Recovery):
         self._bres: dict[int, torch.Tensor] = {}  # broadcast-side error feedback per owned bucket
         self._skipped: dict[int, str] = {}  # rounds this site was a member of and will not run (skip_round)
         self._voided: set[int] = set()  # of those, the ones it passed as void (void_round)
-        self._encoded: dict[
-            int, Any
-        ] = {}  # encoded ahead, residuals settled: the next run_round's (add_pseudo_gradient)
+        # bucket -> (the residual it settled, its body): encoded ahead by add_pseudo_gradient, not
+        # yet taken by a run_round (dtrain/rounds/reduce.py); under _cv
+        self._encoded: dict[int, tuple[torch.Tensor, Any]] = {}
         self._reject_streak: dict[str, int] = {}
         self._banned: set[str] = set()
         # Test-only fault injection: called as fault_hook(phase, round) at
@@ -230,14 +230,16 @@ class RoundEngine(PeerSide, Reduce, Recovery):
         try:
             run = self._open_round(plan, contribute, buckets, tokens)
         except BaseException:
-            self._unsettle_ahead()
+            self._unsettle_ahead(range(len(self.state)) if buckets is None else buckets)
             raise
-        self._adopt_ahead(run)  # what add_pseudo_gradient encoded ahead: this run's to send and settle
-        if pace_window_s is not None:
-            run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
-        finalizer = threading.Thread(target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True)
-        finalizer.start()
         try:
+            self._adopt_ahead(run)  # what add_pseudo_gradient encoded ahead: this run's to send and settle
+            if pace_window_s is not None:
+                run.pacer = run.owned.pacer = self.last_pacer = self._pacer(run, pace_window_s)
+            finalizer = threading.Thread(
+                target=self._finalize_loop, args=(run,), name=f"finalize-{run.round}", daemon=True
+            )
+            finalizer.start()
             self._reduce(run)
             run.res.reduce_s = time.monotonic() - run.opened
             self._broadcast(run)

@@ -18,7 +18,7 @@ imports this module, not the reverse).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -45,7 +45,9 @@ class Reduce:
             False, with every residual cleared, when any value is non-finite
             (the site then contributes nothing this round; docs/ARCHITECTURE.md, "The residual rule").
         """
-        self._unsettle_ahead()  # encoded ahead for a run_round that never came: the residuals as they were
+        chosen = range(len(self.state)) if buckets is None else buckets
+        self._unsettle_ahead(chosen)  # encoded ahead for a run_round that never came: the residuals as they were
+        bodies: dict[int, Any] = {}
         ok = error_feedback.add_pseudo_gradient(
             self.state.layout,
             self.state.theta,
@@ -55,40 +57,52 @@ class Reduce:
             buckets=buckets,
             decay=self.config.error_feedback_decay,
             codec=self.codec if self.config.error_feedback and not self.codec.lossless else None,
-            encoded=self._encoded,  # what the codec encoded in the same pass: run_round's pushes cut it
+            encoded=bodies,  # what the codec encoded in the same pass: run_round's pushes cut it
         )
+        with self._cv:  # each body with the residual it settled (a residual replaced since has none)
+            self._encoded.update((b, (self.state.residuals[b], e)) for b, e in bodies.items())
         if not ok:
             self.log.error("non-finite pseudo-gradient or residual: dropped, this site contributes nothing this round")
         return ok
 
     def _adopt_ahead(self, run: Any) -> None:
-        """The bodies encoded ahead of ``run``'s buckets become the run's to cut and send, their
-        residuals registered as settled (:meth:`_cut_unsent` and the settle take them at the
-        close); any other body is undone now."""
-        run.encoded = {b: e for b, e in self._encoded.items() if b in run.active}
-        self._encoded = {b: e for b, e in self._encoded.items() if b not in run.encoded}
-        self._unsettle_ahead()  # none, unless add_pseudo_gradient had other buckets
-        run.settled.update((b, self.state.residuals[b]) for b in run.encoded)
+        """The bodies encoded ahead of ``run``'s buckets become the run's to cut and send (a push
+        cuts one and registers its payloads and settled residual in one step under ``run.lock``;
+        :meth:`_cut_unsent` the ones never pushed). Bodies of other buckets wait for their own
+        round (another fragment's)."""
+        with self._cv:
+            run.encoded = {b: self._encoded.pop(b) for b in run.active if b in self._encoded}
 
     def _cut_unsent(self, run: Any) -> None:
         """At the close: the payloads of the bodies ``run`` never pushed (owner gone, nothing
-        sent), which the settle needs to restore their residuals exactly."""
+        sent), and their residuals registered as settled, which the settle then restores
+        exactly (not included). Under ``run.lock``, so a push still cutting a body (given up in
+        flight) finishes first."""
         with run.lock:
             ahead, run.encoded = run.encoded, {}
-        for b, e in ahead.items():
-            if run.settled.get(b) is (v := self.state.residuals[b]) is not None:
-                payloads = self.codec.encode_chunks(v, self.state.layout.buckets[b].chunks, encoded=e)
-                run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
+            for b, (v, e) in ahead.items():
+                if self.state.residuals[b] is v:
+                    self._register_cut(run, b, v, e)
 
-    def _unsettle_ahead(self) -> None:
-        """Unsettle (exactly) the residuals :meth:`add_pseudo_gradient` encoded ahead that no
-        round took, and forget them."""
-        for b, e in self._encoded.items():
-            if (v := self.state.residuals[b]) is not None:
+    def _register_cut(self, run: Any, b: int, v: torch.Tensor, body: Any) -> list[bytes]:
+        """Bucket ``b``'s payloads cut from ``body``, kept for the settle with ``v`` (the residual
+        the body settled) marked settled in place. Under ``run.lock``."""
+        payloads = self.codec.encode_chunks(v, self.state.layout.buckets[b].chunks, encoded=body)
+        run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
+        run.settled[b] = v
+        return payloads
+
+    def _unsettle_ahead(self, buckets: Iterable[int]) -> None:
+        """Unsettle (exactly) the residuals of ``buckets`` that :meth:`add_pseudo_gradient`
+        encoded ahead and no round took, and forget those bodies (a residual replaced since,
+        e.g. by a state load, is left alone: its body settled the tensor it replaced)."""
+        with self._cv:
+            taken = [(b, self._encoded.pop(b)) for b in buckets if b in self._encoded]
+        for b, (v, e) in taken:
+            if self.state.residuals[b] is v:
                 chunks = self.state.layout.buckets[b].chunks
                 payloads = self.codec.encode_chunks(v, chunks, encoded=e)
                 self.codec.decode_chunks(payloads, [n for _, n in chunks], verify=False, out=v, unsettle=True)
-        self._encoded = {}
 
     def _reduce(self, run: Any) -> None:
         """Step 2: encode per chunk and stream to owners (own buckets stay local)."""
@@ -115,18 +129,20 @@ class Reduce:
                 continue
             chunks = self.state.layout.buckets[b].chunks
             t = time.perf_counter()  # one encoding pass per bucket (a datagram run's has ~480 chunks)
-            with run.lock:
-                ahead = run.encoded.pop(b, None)
-            if ahead is not None:  # encoded and settled by add_pseudo_gradient: only cut into payloads here
-                settle, payloads = False, self.codec.encode_chunks(v, chunks, encoded=ahead)
-            else:
+            with run.lock:  # encoded and settled by add_pseudo_gradient: cut and registered in one step
+                held = run.encoded.pop(b, None)
+                cut = held is not None and held[0] is v
+                if cut:
+                    payloads = self._register_cut(run, b, v, held[1])
+            settle = False
+            if not cut:
                 assert b not in run.settled, f"bucket {b} encoded twice in round {run.round}: its residual was settled"
                 settle = self.config.error_feedback and self.codec.settles_in_place(v, chunks)  # see _settle_residuals
                 payloads = self.codec.encode_chunks(v, chunks, generator=self._gen, settle=settle)
             # the bucket's counters and kept payloads at once (a lock per chunk cost ~10 µs x 7,650)
             fp32 = 4 * sum(n for _, n in chunks)
             run.add(encode_s=time.perf_counter() - t, encoded_bytes=sum(map(len, payloads)), encoded_fp32_bytes=fp32)
-            if not self.codec.lossless:
+            if not self.codec.lossless and not cut:
                 with run.lock:
                     run.payloads.update(((b, c), p) for c, p in enumerate(payloads))
                     if settle:

@@ -171,3 +171,12 @@ def test_per_chunk_list_answers_a_tuple_asked_before_by_identity_and_anything_el
     assert total(grown, 1) == 8
     grown.append((8, 4))
     assert total(grown, 1) == 12  # a list asked again after it changed: its new value
+
+    @per_chunk_list
+    def first_plus(chunks, opts):
+        return chunks[0][1] + len(opts)
+
+    opts = [1, 2]
+    assert first_plus(ch, opts) == 6  # an unhashable argument: answered, not remembered
+    opts.append(3)
+    assert first_plus(ch, opts) == 7

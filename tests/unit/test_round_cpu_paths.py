@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import threading
+import time
 from types import SimpleNamespace
 
 import blake3
@@ -329,14 +331,20 @@ def test_accumulate_encode_refuses_a_non_finite_residual_and_what_it_cannot_enco
         codec.encode_chunks(r, layout.buckets[0].chunks, encoded=np.zeros(3, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("scenario", ["pushed", "never_pushed", "pseudo_gradient_twice", "not_a_member"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["pushed", "never_pushed", "pseudo_gradient_twice", "not_a_member", "pacer_raises", "residuals_replaced"],
+)
 def test_a_site_that_encodes_ahead_ends_each_round_as_one_that_encodes_at_the_push(scenario: str) -> None:
     """RoundEngine.add_pseudo_gradient encodes (and settles) each bucket in the accumulation's
     pass; the pushes only cut the payloads. Against a site that accumulates, then encodes at
     the push (the same engine, its codec's one-pass encode off), θ and the residuals agree bit
     for bit after every round: pushed; never pushed (the settle undone from the payloads cut
     at the close); the pseudo-gradient added twice before a round (the first encode undone);
-    a round that does not open (undone at once)."""
+    a round that does not open (undone at once); a round that raises before its pushes (a
+    bad pacing window: restored by its settle); residuals replaced between two
+    pseudo-gradients (as a state load does: the old body neither undone onto nor sent for
+    the new residual)."""
     from dtrain.protocol import Member, RoundPlan
     from dtrain.rounds.engine import RoundEngine
     from dtrain.rounds.types import RoundConfig
@@ -372,6 +380,13 @@ def test_a_site_that_encodes_ahead_ends_each_round_as_one_that_encodes_at_the_pu
                 assert e.add_pseudo_gradient(local)
                 if r == 2 and scenario == "pseudo_gradient_twice":
                     assert e.add_pseudo_gradient(local)
+                if r == 2 and scenario == "residuals_replaced":
+                    e.state.residuals[:] = [torch.full_like(v, 1e-3) for v in e.state.residuals]
+                    assert e.add_pseudo_gradient(local)
+                if r == 2 and scenario == "pacer_raises":
+                    with pytest.raises(ValueError, match="window"):
+                        e.run_round(plan, pace_window_s=0.0)
+                    continue
                 if r == 2 and scenario == "not_a_member":
                     with pytest.raises(ValueError, match="not a member"):
                         e.run_round(dataclasses.replace(plan, members=(Member(site_id="z", address="x"),)))
@@ -383,13 +398,68 @@ def test_a_site_that_encodes_ahead_ends_each_round_as_one_that_encodes_at_the_pu
                 e.__dict__.pop("_reduce", None)
                 assert res.applied_buckets == (0 if r == 2 and scenario == "never_pushed" else len(layout))
             if r >= 1:  # round 0 has no residual yet: Δ is computed into a new one
-                assert engines[0]._encoded == {} and len(engines[0]._runs) == 0  # noqa: SLF001
+                assert engines[0]._encoded == {}  # noqa: SLF001 - every body taken by its round or undone
             for b in range(len(layout)):
                 a, o = engines[0].state, engines[1].state
                 assert torch.equal(_bits(a.theta[b].detach()), _bits(o.theta[b].detach())), (r, b)
                 assert torch.equal(_bits(a.residuals[b]), _bits(o.residuals[b])), (r, b)
         if kernels() is not None:  # rounds 1-3 (and a second time in round 2) encoded every bucket ahead
-            assert sum(x is not None for x in ahead) == len(layout) * (4 if scenario == "pseudo_gradient_twice" else 3)
+            twice = scenario in ("pseudo_gradient_twice", "residuals_replaced")
+            assert sum(x is not None for x in ahead) == len(layout) * (4 if twice else 3)
     finally:
         for e in engines:
             e.stop(0.1)
+
+
+def test_a_push_given_up_while_it_cuts_its_body_leaves_the_residual_restored_at_the_close() -> None:
+    """A push thread given up in flight (Fanout) may still be cutting a body encoded ahead when
+    its round closes: the cut and its registration are one step under the run's lock, so the
+    close waits for it and the settle restores the residual (nothing was applied) instead of
+    missing its payloads (a KeyError that left the round's other residuals settled)."""
+    from dtrain.protocol import Member, RoundPlan
+    from dtrain.rounds.engine import RoundEngine
+    from dtrain.rounds.types import RoundConfig
+    from dtrain.transports.inproc import InprocNetwork, InprocTransport
+
+    if kernels() is None:
+        pytest.skip("no body is encoded ahead without the compiled kernels")
+    tensors = _model([torch.float32] * 5)
+    layout = _fused_layout(tensors)
+    cfg = RoundConfig(codec=get_codec("int8").config, broadcast_codec=get_codec("fp32").config)
+    e = RoundEngine("a", GlobalState(layout, tensors), InprocTransport(InprocNetwork()), cfg)
+    e.codec = copy.copy(e.codec)
+    cut = e.codec.encode_chunks
+    late = threading.Event()
+
+    def slow_cut(*a, **k):
+        if k.get("encoded") is not None and threading.current_thread().name == "late-push":
+            late.set()
+            time.sleep(0.5)  # still cutting when the round closes
+        return cut(*a, **k)
+
+    e.codec.encode_chunks = slow_cut
+
+    def given_up_push(run) -> None:  # the push of bucket 0 left running, as a given-up Fanout thread
+        t = threading.Thread(target=lambda: list(e._contributions(run, [0], remote=True)), name="late-push")
+        t.start()
+        assert late.wait(5.0)
+
+    e.start()
+    try:
+        members = (Member(site_id="a", address=e.address),)
+        assert e.add_pseudo_gradient([t + 1e-2 for t in tensors])
+        assert e.run_round(
+            RoundPlan(round=0, members=members, reduce_timeout_s=0.3, broadcast_timeout_s=0.6)
+        ).applied_buckets == len(layout)
+        local = [t - 1e-2 for t in tensors]
+        want = [r.clone() for r in e.state.residuals]  # the residuals with round 1's Δ added, not encoded
+        assert error_feedback.add_pseudo_gradient(layout, e.state.theta, want, local, error_feedback=True)
+        assert e.add_pseudo_gradient(local)  # added, encoded and settled ahead
+        assert not torch.equal(_bits(e.state.residuals[0]), _bits(want[0]))
+        e._reduce = given_up_push  # noqa: SLF001
+        res = e.run_round(RoundPlan(round=1, members=members, reduce_timeout_s=0.3, broadcast_timeout_s=0.6))
+        assert res.applied_buckets == 0  # bucket 0's push never reached its owner, the others never left
+        for b in range(len(layout)):  # not included, no mean: each residual whole again, bit for bit
+            assert torch.equal(_bits(e.state.residuals[b]), _bits(want[b])), b
+    finally:
+        e.stop(0.1)
