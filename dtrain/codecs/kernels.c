@@ -12,7 +12,9 @@
  * encode rounds to nearest: for code q != 0, x / scale lies within q +- 1/2 (|q| >= 1), so x and
  * d = fl(q * scale) are within a factor 2 of each other and x - d is exact (Sterbenz's
  * lemma, subnormals included); (x - d) + d is then x itself. For q = 0, d = +0 and x - d is x
- * (bit for bit, -0 too), so it is left alone.
+ * (bit for bit, -0 too), so it is left alone. ef_accumulate_encode is ef_accumulate and then
+ * bw_encode in one pass over memory, with the same numbers (the engine encodes in the
+ * pseudo-gradient's pass: dtrain/rounds/reduce.py).
  *
  * Codes: int8 (qmax 127), one byte each; int4 (qmax 7), nibble = code + 8, element 2i in the
  * low nibble of byte i and 2i+1 in the high one, an odd tail padded with nibble 8.

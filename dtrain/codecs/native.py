@@ -9,7 +9,8 @@ header says how; ``tests/unit/test_codec_native.py`` compares them).
 
 Used for round-to-nearest encodes (stochastic rounding draws from a torch generator and
 stays on the torch path), for every decode of a float32 CPU output, and for error
-feedback's ``r ← β·r + (θ − local)`` where the model's tensors are float32 on the CPU. Built like the
+feedback's ``r ← β·r + (θ − local)`` where the model's tensors are float32 on the CPU (and
+both in one pass where the engine encodes in the pseudo-gradient's pass: ``ef_accumulate_encode``). Built like the
 datagram loop (:func:`dtrain.native.build_and_load`, ``-O3 -ffp-contract=off``); when it
 cannot be built (no compiler) one warning says so and the torch path runs. ``DTRAIN_CODEC_
 NATIVE=off`` in the environment keeps the torch path (to compare the two).
