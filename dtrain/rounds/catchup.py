@@ -576,7 +576,11 @@ class CatchUp:
             return
         with self._cv:
             self._info[d.site_id] = info
-            self._rounds[d.site_id] = info.rounds_applied
+            # a donor's round never goes back: a bucket it stepped in its open round came back
+            # one round ahead of this summary (``bucket_round`` moves per bucket, the summary's
+            # round when the round closes). Lowered, the target dropped that bucket as "ahead of
+            # every donor" and pulled it again
+            self._rounds[d.site_id] = max(self._rounds.get(d.site_id, 0), info.rounds_applied)
 
     def _timed_out(self, used_s: float) -> None:
         """A request ran out of its timeout ``used_s``: the next ones get twice that (up to
@@ -694,6 +698,7 @@ class CatchUp:
             if s is None:
                 return True, d.site_id
         donor_round = self._rounds.get(d.site_id, 0)
+        not_yet_since: float | None = None
         while s.tag < min(target, donor_round):
             try:
                 m = self.transport.pull_mean(
@@ -707,8 +712,16 @@ class CatchUp:
             except Rejected as e:
                 log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)
                 if e.code == RejectCode.NOT_FOUND:  # its round is open, this bucket's mean not there yet
-                    time.sleep(_NOT_YET_S)  # not "never": ask again (it was ruled out, and the other donor
-                    return True, None  # had moved past what it keeps before it was free: pulled again)
+                    # not "never": this stream asks again until it is there, within the request's
+                    # timeout. Ruled out, the bucket waited for the other donor's stream, which had
+                    # moved past what it keeps; sent to the back of the queue, it waited for every
+                    # queued whole-bucket pull: pulled again, either way
+                    now = time.monotonic()
+                    not_yet_since = now if not_yet_since is None else not_yet_since
+                    if now - not_yet_since < timeout_s and not self._stop:
+                        time.sleep(_NOT_YET_S)
+                        continue
+                    return True, None
                 return True, d.site_id  # not kept there (or unknown): another donor, else a new copy
             if not self._replay(b, s, m, d.site_id):
                 with self._cv:

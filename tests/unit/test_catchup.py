@@ -551,3 +551,104 @@ def test_a_void_round_never_installs_a_theta_older_than_that_round_whatever_dono
         cu.run(donors, min_round=R + 1, missed=plan)
     assert cu.stats.void is None  # decided again from this run's summaries: b said nothing
     assert me.rounds_applied == R and all(torch.equal(a, b) for a, b in zip(me.theta, before))
+
+
+class _ClosingDonor:
+    """One donor in round 5 whose bucket 0 already took round 5's outer step (its
+    ``bucket_round`` is 6) while the round is still open (its summary says 5), as a donor's
+    buckets are stepped one by one as their means arrive; the round closes once ``open_for``
+    summaries were answered. Its θ passes round 5 unchanged, so every mean of round 5 is
+    answered without chunks."""
+
+    def __init__(self, open_for: int) -> None:
+        self.state, self.open_for, self.summaries = _state(1), open_for, 0
+        self.lock = threading.Lock()
+        self.pulled: list[int] = []
+
+    def _round(self) -> int:
+        return 5 if self.summaries <= self.open_for else 6
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        with self.lock:
+            if bucket == len(self.state) + 1:
+                self.summaries += 1
+                lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
+                return history_info_state(MeanHistory(4, 1 << 20), self._round(), lrs, index=bucket)
+            self.pulled.append(bucket)
+            r = 6 if bucket == 0 else self._round()
+        return replace(self.state.bucket_state(bucket), rounds_applied=r)
+
+    def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+        from dtrain.protocol import BucketMean
+
+        if round != 5:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
+        return BucketMean(round=5, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+
+
+def test_a_bucket_pulled_a_step_ahead_of_its_donors_summary_is_kept_not_pulled_again():
+    """A bucket stepped in the donor's open round comes back one round ahead of what the
+    donor's summaries say until that round closes. A donor's round never goes back: the run
+    brings the other buckets to that bucket's round from the kept means and pulls nothing
+    twice (a summary that lowered the target dropped the bucket as "ahead of every donor" and
+    pulled it again: CI failed test_a_joiner_whose_pull_spans_ten_rounds on repulled == 2)."""
+    donor, joiner = _ClosingDonor(open_for=3), _state(2)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    assert cu.run([Member(site_id="d", address="d")]) == 6
+    assert cu.stats.repulled == 0 and sorted(donor.pulled) == list(range(len(joiner))), donor.pulled
+    assert joiner.checksums() == donor.state.checksums() and joiner.rounds_applied == 6
+    assert set(joiner.bucket_round) == {6}
+
+
+class _RoundPerPullDonor:
+    """One donor, round 5 open, keeping ``kept`` closed rounds of means; pulling bucket 1 finds it
+    already stepped in the open round (``bucket_round`` 6), and each later whole-bucket pull
+    takes a round (the round closes as it is served). A mean of the open round is "not yet"
+    (NOT_FOUND) the first time a bucket asks for it, there the next. θ passes each round
+    unchanged, so every mean is answered without chunks. Records every request, in order."""
+
+    def __init__(self, kept: int) -> None:
+        self.state, self.round, self.kept = _state(1), 5, kept
+        self.lock = threading.Lock()
+        self.asked: list[tuple] = []
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        with self.lock:
+            if bucket == len(self.state) + 1:
+                self.asked.append(("summary", self.round))
+                lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
+                span = MeanHistory(self.kept, 1 << 20)
+                return history_info_state(span, self.round, lrs, index=bucket)
+            self.asked.append(("bucket", bucket))
+            if bucket >= 2:
+                self.round += 1
+            r = self.round + 1 if bucket == 1 and self.round == 5 else self.round
+        return replace(self.state.bucket_state(bucket), rounds_applied=r)
+
+    def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+        from dtrain.protocol import BucketMean
+
+        with self.lock:
+            self.asked.append(("mean", round, bucket))
+            if round < self.round - self.kept or round > self.round:
+                raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
+            stepped = round < self.round or (round, bucket) == (5, 1) or self.asked.count(("mean", round, bucket)) > 1
+            if not stepped:
+                raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} yet")
+        return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+
+
+def test_a_staged_bucket_whose_mean_is_not_there_yet_waits_for_it_not_behind_the_queue():
+    """A mean of the donor's open round not there yet is asked for again by the same stream
+    before it takes another whole bucket: sent to the back of the queue, the staged bucket
+    waited for every queued pull (each a round here), fell out of the one round kept and was
+    pulled again."""
+    donor, joiner = _RoundPerPullDonor(kept=1), _state(2)
+    n = len(joiner)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False, streams_per_donor=1)
+    assert cu.run([Member(site_id="d", address="d")]) == donor.round
+    assert cu.stats.repulled == 0, donor.asked
+    assert sorted(b for kind, b, *_ in (a for a in donor.asked if a[0] == "bucket")) == list(range(n))
+    first = donor.asked.index(("mean", 5, 0))
+    assert donor.asked[first + 1] == ("mean", 5, 0), donor.asked  # asked again before the next pull
+    assert joiner.checksums() == donor.state.checksums() and set(joiner.bucket_round) == {donor.round}
