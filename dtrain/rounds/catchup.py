@@ -397,12 +397,8 @@ class CatchUp:
             for th in threading.enumerate()
             if th.name.startswith(mine) and th.ident in frames
         ]
-        log.warning(
-            "%s: catch-up still running after %g s; cancelled. Its threads:\n%s",
-            self.requester,
-            limit_s,
-            "".join(stacks),
-        )
+        msg = "%s: catch-up still running after %g s; cancelled. Its threads:\n%s"
+        log.warning(msg, self.requester, limit_s, "".join(stacks))
         t.join(1.0)
         return f"the catch-up did not finish within {limit_s:g} s"
 
@@ -576,10 +572,7 @@ class CatchUp:
             return
         with self._cv:
             self._info[d.site_id] = info
-            # a donor's round never goes back: a bucket it stepped in its open round came back
-            # one round ahead of this summary (``bucket_round`` moves per bucket, the summary's
-            # round when the round closes). Lowered, the target dropped that bucket as "ahead of
-            # every donor" and pulled it again
+            # never lowered: a bucket stepped in the donor's open round came back a round ahead
             self._rounds[d.site_id] = max(self._rounds.get(d.site_id, 0), info.rounds_applied)
 
     def _timed_out(self, used_s: float) -> None:
@@ -711,12 +704,8 @@ class CatchUp:
                 )
             except Rejected as e:
                 log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)
-                if e.code == RejectCode.NOT_FOUND:  # its round is open, this bucket's mean not there yet
-                    # not "never": this stream asks again until it is there, within the request's
-                    # timeout. Ruled out, the bucket waited for the other donor's stream, which had
-                    # moved past what it keeps; sent to the back of the queue, it waited for every
-                    # queued whole-bucket pull: pulled again, either way
-                    now = time.monotonic()
+                if e.code == RejectCode.NOT_FOUND:  # its round is open, the mean not there yet: this
+                    now = time.monotonic()  # stream asks again (DECISIONS "Answering an old round's mean")
                     not_yet_since = now if not_yet_since is None else not_yet_since
                     if now - not_yet_since < timeout_s and not self._stop:
                         time.sleep(_NOT_YET_S)
@@ -741,14 +730,8 @@ class CatchUp:
             self._early_taken.discard(b)
             if early and st.rounds_applied < self._min_round:  # asked before its summary: a joiner
                 self.stats.first_wave_dropped += 1
-                log.info(
-                    "%s: first-wave bucket %d from %s is of round %d, before %d: dropped (that donor is behind)",
-                    self.requester,
-                    b,
-                    d.site_id,
-                    st.rounds_applied,
-                    self._min_round,
-                )
+                msg = "%s: first-wave bucket %d from %s is of round %d, before %d: dropped (that donor is behind)"
+                log.info(msg, self.requester, b, d.site_id, st.rounds_applied, self._min_round)
                 return None
         with self.state.lock(b):
             opt = copy.deepcopy(self.state.optimizers[b])
