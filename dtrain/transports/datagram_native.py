@@ -93,6 +93,28 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
+class _Addresses:
+    """The addresses of arrays handed to the library call after call (a receive thread's
+    batch buffers): ``ndarray.ctypes.data`` costs ~1-2 µs a call, four to six a batch. Kept
+    per tuple of arrays, which are held (no other array can take their ids while kept); at
+    most ``size`` tuples (then forgotten at once)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._kept: dict[tuple[int, ...], tuple[tuple[np.ndarray, ...], tuple[int, ...]]] = {}
+
+    def __call__(self, *arrays: np.ndarray) -> tuple[int, ...]:
+        key = tuple(map(id, arrays))
+        hit = self._kept.get(key)
+        if hit is not None:
+            return hit[1]
+        ptrs = tuple(_ptr(a) for a in arrays)
+        if len(self._kept) >= self._size:
+            self._kept.clear()
+        self._kept[key] = (arrays, ptrs)
+        return ptrs
+
+
 class PlainColumns:
     """:meth:`NativeLib.plain_batch`'s output, reused batch after batch by one receive thread.
 
@@ -170,6 +192,7 @@ class NativeLib:
             fn.restype, fn.argtypes = res, args
         self._lib = lib
         self.path = Path(lib._name)
+        self._rx = _Addresses()  # the receive batches' buffers
 
     def aead(self, key: bytes) -> int:
         """An AES-256-GCM handle for a 32-byte key (free it with :meth:`free`)."""
@@ -254,13 +277,14 @@ class NativeLib:
         replay check included: ``windows`` are the round's replay windows (``ReplayWindow.pointers``
         of each sender, and their size), which rows that open update."""
         status = np.empty(n, np.uint8)
+        p_buf, p_lens = self._rx(buf, lens)
         sk = None if skip is None else np.ascontiguousarray(skip[:n], dtype=np.uint8)
         self._lib.dg_open_round(
             n,
             handle,
-            _ptr(buf),
+            p_buf,
             buf.shape[1],
-            _ptr(lens),
+            p_lens,
             None if sk is None else _ptr(sk),
             max_len,
             magic,
@@ -289,7 +313,8 @@ class NativeLib:
 
     def recv(self, fd: int, buf: np.ndarray, lens: np.ndarray, ts_ns: np.ndarray, drops: np.ndarray) -> int:
         """``recvmmsg`` into the rows of ``buf`` without blocking: the number received (0: none), or ``-errno``."""
-        return self._lib.dg_recv(fd, buf.shape[0], _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ts_ns), _ptr(drops))
+        p_buf, p_lens, p_ts, p_drops = self._rx(buf, lens, ts_ns, drops)
+        return self._lib.dg_recv(fd, buf.shape[0], p_buf, buf.shape[1], p_lens, p_ts, p_drops)
 
     def plain_batch(
         self,
@@ -298,7 +323,7 @@ class NativeLib:
         ts_ns: np.ndarray,
         n: int,
         out: PlainColumns,
-        blob: bytearray,
+        blob: bytearray | np.ndarray,
         *,
         offset_s: float,
         now_s: float,
@@ -314,7 +339,7 @@ class NativeLib:
         arrival times are ``ts_ns * 1e-9 + offset_s`` (``now_s`` where 0). Returns the number
         of senders, 0 when a row is not plain (``blob`` untouched)."""
         ptrs = out.fit(buf, lens, ts_ns, num_members)
-        if not blob:
+        if len(blob) == 0:
             raise ValueError("plain_batch needs a blob of at least 1 byte")
         room = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
         return self._lib.dg_plain_batch(
@@ -349,9 +374,8 @@ class NativeLib:
         equal-sized datagrams of one flow, ~45 per ``recvmmsg`` slot) cut back into one datagram
         per row, the same rows :meth:`recv` gives; what does not fit stays in ``state``. Fewer
         rows than ``buf`` has: the socket was found empty and ``state`` holds nothing."""
-        return self._lib.dg_recv_gro(
-            state, fd, buf.shape[0], _ptr(buf), buf.shape[1], _ptr(lens), _ptr(ts_ns), _ptr(drops)
-        )
+        p_buf, p_lens, p_ts, p_drops = self._rx(buf, lens, ts_ns, drops)
+        return self._lib.dg_recv_gro(state, fd, buf.shape[0], p_buf, buf.shape[1], p_lens, p_ts, p_drops)
 
 
 _lock = threading.Lock()

@@ -48,6 +48,7 @@ before it authenticated.
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 import weakref
@@ -555,6 +556,8 @@ class Opener:
             num_members=rk.num_members,
             windows=rk.native_windows,
         )
+        if not status.any():  # every row opened: a receiving site's usual batch, a few numpy calls fewer
+            return BatchOpened(hv, _all_true(n), [], all_ok=True)
         counts = np.bincount(status, minlength=len(OPEN_STATUS)).tolist()
         for code, reason in _STATUS_DROPS:
             if counts[code]:
@@ -630,8 +633,18 @@ class BatchOpened(NamedTuple):
         ok: rows that authenticated and were new: their plaintext body is
             ``buf[i, HEADER_BYTES : lens[i] - TAG_BYTES]``.
         pending: rows of rounds whose key is not known yet (still sealed).
+        all_ok: True when every row is known to be in ``ok`` (False: see ``ok``).
     """
 
     headers: np.ndarray
     ok: np.ndarray
     pending: list[int]
+    all_ok: bool = False
+
+
+@functools.lru_cache(maxsize=256)  # one per batch size (a receive batch has at most 256 rows)
+def _all_true(n: int) -> np.ndarray:
+    """``n`` True flags, read-only (shared by every batch of ``n`` rows)."""
+    ok = np.ones(n, bool)
+    ok.flags.writeable = False
+    return ok

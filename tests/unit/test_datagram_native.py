@@ -799,3 +799,41 @@ def test_plain_batch_gives_the_columns_of_whole_contributions_and_refuses_any_ot
     blob = bytearray(100)
     assert LIB.plain_batch(frags[0], frags[1], frags[2], 6, pc, blob, offset_s=0.0, now_s=0.0, kind=Kind.CONTRIB,
                            round=3, num_codecs=8, num_members=3) == 0  # fmt: skip
+
+
+@needs_lib
+def test_a_batch_that_opens_whole_says_so_and_one_bad_row_takes_the_counted_way() -> None:
+    """Every row of the one-round call opened: ``all_ok``, with read-only flags (shared between
+    batches) and the bodies open() gives; the same batch again is all replays, each counted; a
+    forged row among good ones clears ``all_ok`` and is counted."""
+    sealer = Sealer(KEY, run=7, round=3, sender=1)
+    batch = [sealer.seal(Kind.CONTRIB, b"body-%d" % i, bucket=1, chunk=i) for i in range(8)]
+    fast, slow = _opener(LIB), _opener()
+    want = [slow.open(d)[1] for d in batch]
+    buf, lens = _rows(batch)
+    got = fast.open_batch(buf, lens, len(batch))
+    assert got.all_ok and list(got.ok) == [True] * 8 and not got.ok.flags.writeable and got.pending == []
+    assert [buf[i, HEADER_BYTES : lens[i] - TAG_BYTES].tobytes() for i in range(8)] == want
+    assert sum(fast.counts().values()) == sum(slow.counts().values()) == 0
+    buf, lens = _rows(batch)  # the same datagrams again
+    again = fast.open_batch(buf, lens, len(batch))
+    assert not again.all_ok and not again.ok.any() and fast.counts()["replayed"] == 8
+    more = [sealer.seal(Kind.CONTRIB, b"more-%d" % i, bucket=1, chunk=i) for i in range(4)]
+    forged = bytearray(more[2])
+    forged[-20] ^= 1
+    buf, lens = _rows([more[0], more[1], bytes(forged), more[3]])
+    mixed = fast.open_batch(buf, lens, 4)
+    assert not mixed.all_ok and list(mixed.ok) == [True, True, False, True] and fast.counts()["forged"] == 1
+
+
+@needs_lib
+def test_the_receive_buffers_addresses_are_kept_per_array_and_are_the_arrays_own() -> None:
+    """The addresses handed to the library for the receive thread's buffers are the arrays'
+    own, kept while the same arrays come back (the arrays held, so no other takes their ids)."""
+    addresses = datagram_native._Addresses(size=2)
+    a, b = np.zeros(16, np.uint8), np.zeros(4, np.uint32)
+    assert addresses(a, b) == (a.ctypes.data, b.ctypes.data)
+    assert addresses(a, b) is addresses(a, b)  # kept, not computed again
+    c = np.zeros(8, np.int64)
+    assert addresses(c) == (c.ctypes.data,) and addresses(b) == (b.ctypes.data,)  # a third tuple: the kept ones go
+    assert addresses(a, b) == (a.ctypes.data, b.ctypes.data)
