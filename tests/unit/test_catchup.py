@@ -4,6 +4,7 @@ donors' round is pulled again, and a pull that only repeats itself fails saying 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -652,3 +653,43 @@ def test_a_staged_bucket_whose_mean_is_not_there_yet_waits_for_it_not_behind_the
     first = donor.asked.index(("mean", 5, 0))
     assert donor.asked[first + 1] == ("mean", 5, 0), donor.asked  # asked again before the next pull
     assert joiner.checksums() == donor.state.checksums() and set(joiner.bucket_round) == {donor.round}
+
+
+def test_a_mean_that_never_comes_is_waited_for_within_the_request_timeout_and_the_run_fails_saying_why():
+    """A donor whose open round never closes answers "not yet" for ever: the stream asks again
+    every 20 ms until its request's timeout, then gives the bucket back; with nothing else to
+    pull, the run fails on its progress timeout, installs nothing, and says why."""
+
+    class _NeverCloses(_RoundPerPullDonor):
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            with self.lock:
+                if bucket != len(self.state) + 1:
+                    self.asked.append(("bucket", bucket))
+                    r = 6 if bucket == 1 else 5
+                    return replace(self.state.bucket_state(bucket), rounds_applied=r)
+            return super().pull_state(address, bucket, requester=requester, timeout_s=timeout_s)
+
+        def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+            with self.lock:
+                self.asked.append(("mean", round, bucket))
+            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} yet")
+
+    donor, joiner = _NeverCloses(kept=4), _state(2)
+    before = joiner.checksums()
+    cu = CatchUp(
+        joiner,
+        donor,
+        get_codec(CodecConfig(name="fp32")),
+        requester="j",
+        use_own=False,
+        streams_per_donor=1,
+        request_timeout_s=1.0,
+        progress_timeout_s=1.5,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(StateTransferError, match=r"no progress for 1.5 s at round 6"):
+        cu.run([Member(site_id="d", address="d")])
+    assert time.monotonic() - t0 < 10.0
+    asks = donor.asked.count(("mean", 5, 0))
+    assert asks >= 10, donor.asked  # asked again and again by the stream, not once per pass
+    assert joiner.checksums() == before and joiner.rounds_applied == 0
