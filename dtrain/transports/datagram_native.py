@@ -267,16 +267,17 @@ class NativeLib:
         round: int,
         num_members: int,
         windows: tuple[ctypes.Array, ctypes.Array, int],
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, int]:
         """Check and authenticate rows ``0..n-1`` of one round in place: per row its outcome, a
         uint8 index into :data:`OPEN_STATUS` (``"ok"``; ``"skip"``: in ``skip``; ``"other_round"``:
-        left sealed; else the drop reason). The checks and their order are ``Opener.open``'s, the
+        left sealed; else the drop reason), and how many rows are ``"ok"`` (``n``: every row, with
+        no pass over the outcomes). The checks and their order are ``Opener.open``'s, the
         replay check included: ``windows`` are the round's replay windows (``ReplayWindow.pointers``
         of each sender, and their size), which rows that open update."""
         status = np.empty(n, np.uint8)
         p_buf, p_lens = self._rx(buf, lens)
         sk = None if skip is None else np.ascontiguousarray(skip[:n], dtype=np.uint8)
-        self._lib.dg_open_round(
+        opened = self._lib.dg_open_round(
             n,
             handle,
             p_buf,
@@ -294,7 +295,7 @@ class NativeLib:
             windows[2],
             _ptr(status),
         )
-        return status
+        return status, opened
 
     def send(self, fd: int, buf: np.ndarray, lens: np.ndarray, n: int) -> int:
         """``sendmmsg`` rows ``0..n-1`` on connected ``fd``: the number sent, or ``-errno``."""

@@ -298,10 +298,11 @@ class DatagramReceive:
             return None
         if n == 0:
             return 0
-        self._counts["wire_received"] += int(lens[:n].sum())  # only this thread writes it
+        nbytes = int(lens[:n].sum())
+        self._counts["wire_received"] += nbytes  # only this thread writes it
         if anc:
             self._sock_drops = int(drops[0])
-        self._open_rows(buf, lens, ts, n, self._test_drops(buf, lens, n), out)
+        self._open_rows(buf, lens, ts, n, self._test_drops(buf, lens, n), out, nbytes=nbytes)
         return n
 
     def _open_rows(
@@ -313,19 +314,27 @@ class DatagramReceive:
         skip: np.ndarray | None,
         out: list[tuple],
         again: bool = False,
+        nbytes: int | None = None,
     ) -> None:
         """Authenticate rows ``0..n-1`` of a batch in one call, hold those of a round still to
         come (or open them again if it began meanwhile) and hand the rest on (:meth:`_hand_on`).
-        ``again``: the rows were held before (:meth:`_hold` does not count them twice)."""
+        ``again``: the rows were held before (:meth:`_hold` does not count them twice).
+        ``nbytes``: the rows' bytes together, where the caller has summed them already."""
         opened = self._opener.open_batch(buf, lens, n, skip)
         for i in opened.pending:
             data = buf[i, : int(lens[i])].tobytes()
             if not self._hold(data, again):  # its round began meanwhile
                 self._open_one(data, None, out)
-        self._hand_on(buf, lens, ts, opened, out)
+        self._hand_on(buf, lens, ts, opened, out, nbytes)
 
     def _hand_on(
-        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, opened: BatchOpened, out: list[tuple]
+        self,
+        buf: np.ndarray,
+        lens: np.ndarray,
+        ts: np.ndarray,
+        opened: BatchOpened,
+        out: list[tuple],
+        nbytes: int | None = None,
     ) -> None:
         """Hand each opened datagram of a batch on, in arrival order. A whole contribution
         (one datagram) takes the short way: its Contribution goes straight to ``out`` and its
@@ -334,10 +343,10 @@ class DatagramReceive:
         bucket go in one call (:meth:`_on_mean_run`); the rest goes through :meth:`_on_opened`.
         A batch of nothing but whole contributions of one round (a receiving owner's usual
         batch) is taken in columns instead (:meth:`_hand_on_plain`, the same effects:
-        tests/unit/test_datagram_recv.py)."""
+        tests/unit/test_datagram_recv.py). ``nbytes``: as :meth:`_open_rows`."""
         n = len(opened.ok)
         all_ok = opened.all_ok or bool(opened.ok.all())
-        if n >= _COLUMNS_MIN_ROWS and all_ok and self._hand_on_plain(buf, lens, ts, opened.headers, n, out):
+        if n >= _COLUMNS_MIN_ROWS and all_ok and self._hand_on_plain(buf, lens, ts, opened.headers, n, out, nbytes):
             return
         # each row's first 8 body bytes as a u64: a CONTRIB's claim (one numpy pass per batch)
         claims = np.ascontiguousarray(buf[:n, HEADER_BYTES : HEADER_BYTES + CLAIM_BYTES]).view("<u8")[:, 0]
@@ -406,16 +415,23 @@ class DatagramReceive:
             out.append((Kind.CONTRIB, rs, h, _contribution(rs, h, body, tokens)))
         if means:
             self._on_mean_run(rounds[means[0][0].round], means)
-        for (_, sender), (num, nbytes, first, last, rs, arrivals) in seen.items():
+        for (_, sender), (num, size, first, last, rs, arrivals) in seen.items():
             arrivals.trim()
             with rs.lock:
-                rs.stats.setdefault(sender, SenderStats()).note_many(num, nbytes, first, last, self._sock_drops)
+                rs.stats.setdefault(sender, SenderStats()).note_many(num, size, first, last, self._sock_drops)
                 # a site sending contributions is alive and its pacer busy: its means' quiet is not loss
                 rs.owner_active[sender] = max(rs.owner_active.get(sender, 0.0), now)
         self._counts["received"] += received
 
     def _hand_on_plain(
-        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, hv: np.ndarray, n: int, out: list[tuple]
+        self,
+        buf: np.ndarray,
+        lens: np.ndarray,
+        ts: np.ndarray,
+        hv: np.ndarray,
+        n: int,
+        out: list[tuple],
+        nbytes: int | None = None,
     ) -> bool:
         """:meth:`_hand_on` for a batch whose rows are all whole contributions of one round with
         a plan (a receiving owner's usual batch), with the same effects, or False (nothing done)
@@ -435,7 +451,7 @@ class DatagramReceive:
         pc = self._plain if self._plain is not None else PlainColumns()
         self._plain = pc
         now = time.monotonic()
-        total = int(lens[:n].sum()) - n * _PLAIN_OVERHEAD  # codec payload bytes, if every row is plain
+        total = (int(lens[:n].sum()) if nbytes is None else nbytes) - n * _PLAIN_OVERHEAD  # payload bytes, if all plain
         if total < 0:
             return False
         # the batch's payloads, copied once, straight from the rows: every byte is written (no

@@ -542,7 +542,7 @@ class Opener:
         calls fewer per batch: they cost more than the datagrams of a small batch), and the rows
         of other rounds, left sealed, go through :meth:`_open_general`."""
         assert self._native is not None
-        status = self._native.open_round(
+        status, opened = self._native.open_round(
             rk.handle,
             buf,
             lens,
@@ -556,7 +556,7 @@ class Opener:
             num_members=rk.num_members,
             windows=rk.native_windows,
         )
-        if not status.any():  # every row opened: a receiving site's usual batch, a few numpy calls fewer
+        if opened == n:  # every row opened: a receiving site's usual batch, no numpy call on its outcomes
             return BatchOpened(hv, _all_true(n), [], all_ok=True)
         counts = np.bincount(status, minlength=len(OPEN_STATUS)).tolist()
         for code, reason in _STATUS_DROPS:
