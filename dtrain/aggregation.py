@@ -42,7 +42,8 @@ import itertools
 import logging
 import math
 import statistics
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence, overload
 
 import torch
 
@@ -53,7 +54,9 @@ from dtrain.errors import RejectCode, Rejected
 __all__ = [
     "AggregationConfig",
     "BucketAccumulator",
+    "BucketReduction",
     "ChunkAccumulator",
+    "ChunkReduction",
     "claim_decision",
     "mean_factor",
     "partial_mean",
@@ -62,6 +65,97 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkReduction:
+    """The partial mean of one chunk of a closed bucket.
+
+    Attributes:
+        chunk: chunk index in the bucket.
+        mean: 1-D fp32 mean over ``senders`` (None: nothing arrived or all dropped).
+        senders: the senders the mean includes, sorted.
+        dropped: sender -> reason for contributions the robust options dropped here.
+    """
+
+    chunk: int
+    mean: torch.Tensor | None
+    senders: tuple[str, ...]
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+class BucketReduction(Sequence[ChunkReduction]):
+    """The partial means of every chunk of one closed bucket (:meth:`BucketAccumulator.finalize`),
+    held as columns: one bucket-sized tensor and one sender tuple per chunk, not an object and
+    a view per chunk (a datagram run's bucket has ~480 chunks, and the owner's mean encode takes
+    the bucket whole: ``dtrain.rounds.means.encode_mean``). A ``Sequence[ChunkReduction]``: item
+    ``c``, made on demand, is chunk ``c``'s :class:`ChunkReduction` (its mean a view of
+    :attr:`mean`).
+
+    Attributes:
+        mean: 1-D fp32, the bucket's elements: chunk ``c``'s partial mean at its range where
+            ``senders[c]`` is not empty (elsewhere unspecified); None when no chunk has one.
+        numels: elements of each chunk, in chunk order.
+        senders: per chunk, the senders its mean includes, sorted (empty: no mean).
+        dropped: chunk -> (sender -> reason) for the chunks whose contributions the robust
+            options dropped (empty without them).
+    """
+
+    __slots__ = ("mean", "numels", "senders", "dropped", "_pos")
+
+    def __init__(
+        self,
+        mean: torch.Tensor | None,
+        numels: Sequence[int],
+        senders: Sequence[tuple[str, ...]],
+        dropped: Mapping[int, dict[str, str]] | None = None,
+    ) -> None:
+        if len(senders) != len(numels):
+            raise ValueError(f"{len(numels)} chunks but {len(senders)} sender sets")
+        self.mean, self.numels, self.senders = mean, tuple(numels), list(senders)
+        self.dropped = {c: d for c, d in (dropped or {}).items() if d}
+        self._pos = list(itertools.accumulate(self.numels, initial=0))
+        if mean is not None and mean.numel() != self._pos[-1]:
+            raise ValueError(f"mean has {mean.numel()} elements, the chunks {self._pos[-1]}")
+
+    @classmethod
+    def of_chunks(
+        cls, numels: Sequence[int], items: Sequence[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]
+    ) -> BucketReduction:
+        """Columns of per-chunk ``(mean, senders, dropped)`` results (:func:`partial_mean`'s):
+        the means copied into one tensor (zeros where a chunk has none)."""
+        if all(m is None for m, _, _ in items):
+            mean = None
+        else:
+            mean = torch.cat([m if m is not None else torch.zeros(n) for (m, _, _), n in zip(items, numels)])
+        dropped = {c: d for c, (_, _, d) in enumerate(items) if d}
+        return cls(mean, numels, [s if m is not None else () for m, s, _ in items], dropped)
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk has a mean."""
+        return self.mean is not None and all(self.senders)
+
+    def __len__(self) -> int:
+        return len(self.numels)
+
+    @overload
+    def __getitem__(self, c: int) -> ChunkReduction: ...
+
+    @overload
+    def __getitem__(self, c: slice) -> list[ChunkReduction]: ...
+
+    def __getitem__(self, c: int | slice) -> ChunkReduction | list[ChunkReduction]:
+        if isinstance(c, slice):
+            return [self[i] for i in range(len(self))[c]]
+        c = range(len(self))[c]  # IndexError past the end; negative indices count from it
+        ss = self.senders[c]
+        mean = self.mean[self._pos[c] : self._pos[c + 1]] if ss and self.mean is not None else None
+        dropped = dict(self.dropped.get(c, {}))
+        return ChunkReduction(chunk=c, mean=mean, senders=ss if mean is not None else (), dropped=dropped)
+
+    def __repr__(self) -> str:
+        return f"BucketReduction(chunks={len(self)}, with_mean={sum(map(bool, self.senders))})"
 
 
 def mean_factor(weights: Mapping[str, float] | None) -> float:
@@ -422,7 +516,7 @@ class BucketAccumulator:
         # sender -> (its run's values, element offset of the chunk in them): held until folded
         self._held: list[dict[str, tuple[torch.Tensor, int]]] = [{} for _ in self.numels]
         self.trimmed: collections.Counter[str] = collections.Counter()  # sender -> elements the trim cut
-        self._final: list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]] | None = None
+        self._final: BucketReduction | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -678,15 +772,21 @@ class BucketAccumulator:
         if nnz is not None:
             nnz.add_((src != 0).to(torch.float32))
 
-    def finalize(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
-        """Per chunk, the unbiased partial mean; see :func:`partial_mean` for each item.
-        Without robust options the means are views of one bucket-sized tensor (the sums,
-        divided in place), and a second call returns the same list."""
+    def finalize(self) -> BucketReduction:
+        """Per chunk, the unbiased partial mean (see :func:`partial_mean` for each chunk's), as
+        columns. Without robust options the mean is the bucket's sums divided in place, and a
+        second call returns the same result; with them, each chunk's is computed on its own
+        and copied into one tensor."""
         if self.config.robust:
-            return [
-                partial_mean({s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed)
-                for held, n in zip(self._held, self.numels)
-            ]
+            return BucketReduction.of_chunks(
+                self.numels,
+                [
+                    partial_mean(
+                        {s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed
+                    )
+                    for held, n in zip(self._held, self.numels)
+                ],
+            )
         if self._final is not None:
             return self._final
         ops = []
@@ -702,7 +802,7 @@ class BucketAccumulator:
         self._final = self._means()
         return self._final
 
-    def _means(self) -> list[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]:
+    def _means(self) -> BucketReduction:
         """sum / count per chunk, divided in place in the sums: one division when every chunk
         has the same count, else one per stretch of chunks of one size, the sums as rows over
         a column of counts (float32 division is exactly rounded: the same values as dividing
@@ -717,11 +817,10 @@ class BucketAccumulator:
                 got = sorted_keys[key] = tuple(sorted(key))
             senders.append(got)
         if self._sum is None:
-            return [(None, (), {}) for _ in senders]
+            return BucketReduction(None, self.numels, senders)
         pos = self._pos
         if self._nnz is not None:  # sparse_mean: per element over the contributions nonzero there
-            mean = self._sum / self._nnz.clamp(min=1.0)
-            return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]
+            return BucketReduction(self._sum / self._nnz.clamp(min=1.0), self.numels, senders)
         fbar = mean_factor(self.weights)
         mean = self._sum  # divided in place: the sums are not read again (finalize keeps its result)
         if len(set(map(len, senders))) == 1:  # every chunk the same count: one division by it
@@ -730,4 +829,4 @@ class BucketAccumulator:
             counts = torch.tensor([len(s) * fbar for s in senders], dtype=torch.float32)
             for a, b in equal_runs(self.numels):
                 mean[pos[a] : pos[b]].view(b - a, self.numels[a]).div_(counts[a:b].unsqueeze(1))
-        return [(v, s, {}) if s else (None, (), {}) for v, s in zip(mean.split(self.numels), senders)]  # views
+        return BucketReduction(mean, self.numels, senders)

@@ -34,10 +34,9 @@ from dtrain.aggregation import AggregationConfig, BucketAccumulator
 from dtrain.app.gc_control import RoundCollector
 from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import get_codec
-from dtrain.protocol import BucketMean, MeanChunk, made
+from dtrain.protocol import BucketMean, MeanChunk
 from dtrain.rounds import error_feedback
 from dtrain.rounds.means import decode_mean, encode_mean
-from dtrain.rounds.owner import ChunkReduction
 from dtrain.state import GlobalState
 from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
@@ -103,10 +102,7 @@ class _Site:
                 for s in senders:  # the others' payloads: alike this site's here
                     vals = codec.checked_run(sent[b], numels) or codec.decode_chunks(sent[b], numels)  # as _decode_runs
                     acc.add_run(s, list(range(len(numels))), vals, sent[b])  # each payload its own key
-                reds = [  # as OpenRound.finalize makes them
-                    made(ChunkReduction, chunk=c, mean=m, senders=ss, dropped=d)
-                    for c, (m, ss, d) in enumerate(acc.finalize())
-                ]
+                reds = acc.finalize()  # as OpenRound.finalize
             with cpu("mean_encode"):
                 means[b] = encode_mean(codec, layout.buckets[b], reds, residual=None, generator=self.gen)
         for b in self.remote:  # stand-in means of the others' buckets: what this site sent

@@ -46,7 +46,7 @@ from dtrain.rounds.fanout import Fanout
 from dtrain.rounds.history import AppliedMean, MeanHistory
 from dtrain.rounds.means import decode_mean, encode_mean
 from dtrain.rounds.member import MemberRound, Phase
-from dtrain.rounds.owner import ChunkReduction, OpenRound
+from dtrain.rounds.owner import BucketReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
 from dtrain.rounds.recovery import Recovery, repair_window_s
 from dtrain.rounds.reduce import Reduce
@@ -382,7 +382,7 @@ class RoundEngine(PeerSide, Reduce, Recovery):
             reductions = owned.books.finalize(b)
             self._note_dropped(run, b, reductions)
             before = self.state.checksum(b)
-            if any(red.mean is None for red in reductions):
+            if not reductions.complete:
                 # Some chunk got nothing at all: nobody applies this bucket and nobody's
                 # contribution counts as included, so it stays in every residual.
                 bm = BucketMean(
@@ -415,15 +415,15 @@ class RoundEngine(PeerSide, Reduce, Recovery):
             return None
         return self._bres.setdefault(b, torch.zeros(self.state.layout.buckets[b].numel))
 
-    def _note_dropped(self, run: _Run, b: int, reductions: list[ChunkReduction]) -> None:
+    def _note_dropped(self, run: _Run, b: int, reductions: BucketReduction) -> None:
         """Count contributions the robust options dropped at finalize as rejected."""
-        for red in reductions:
-            for s, why in red.dropped.items():
+        for c, dropped in reductions.dropped.items():
+            for s, why in dropped.items():
                 with run.owned.cv:
                     run.owned.books.dropped.add(s)
                     example = run.owned.books.reject(s, RejectCode.INVALID_ARGUMENT, why)
                 (self.log.warning if example else self.log.debug)(
-                    "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, red.chunk, why
+                    "round %d: dropped contribution of %s to b%d c%d: %s", run.round, s, b, c, why
                 )
 
     def member_unreachable(self, run: _Run, site_id: str, why: str) -> None:

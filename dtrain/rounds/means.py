@@ -5,17 +5,16 @@ site, the owner included, applies the same decoded bytes, so θ_b stays equal ev
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Sequence
 
 import torch
 
+from dtrain.aggregation import BucketReduction, ChunkReduction
 from dtrain.buckets import Bucket
 from dtrain.codecs import Codec
 from dtrain.codecs.base import per_chunk_list
 from dtrain.protocol import BucketMean, MeanChunk, made
-from dtrain.rounds.owner import ChunkReduction
 
 __all__ = ["ascending_runs", "contiguous_runs", "decode_mean", "encode_mean"]
 
@@ -33,7 +32,9 @@ def encode_mean(
     Args:
         codec: the broadcast codec.
         bucket: the bucket (its chunks' offsets and sizes).
-        reductions: every chunk's partial mean (none may be None).
+        reductions: every chunk's partial mean (none may be None): the owner's
+            :class:`~dtrain.aggregation.BucketReduction` (its mean tensor encoded whole, in
+            place unless ``residual``), or any sequence of chunk reductions, in any order.
         residual: the owner's broadcast error feedback for this bucket (1-D fp32,
             ``bucket.numel``), or None when off: what the lossy codec lost from the
             previous mean is added before encoding, and what it loses now is stored
@@ -44,20 +45,21 @@ def encode_mean(
         and the decoded mean, 1-D fp32 of ``bucket.numel`` elements.
     """
     full = torch.empty(bucket.numel, dtype=torch.float32)
-    ranges = [bucket.chunks[red.chunk] for red in reductions]
-    in_order = ranges == list(bucket.chunks)
-    src = _viewed(reductions, bucket.numel) if in_order and residual is None else None
-    if src is None:
-        src = torch.empty(bucket.numel, dtype=torch.float32)
-    if src.data_ptr() == reductions[0].mean.data_ptr():
-        pass  # the chunk means are views of one tensor, in order (BucketAccumulator.finalize): no copy
-    elif in_order:  # every chunk in order (as finalize gives them): one copy, one add
-        torch.cat([red.mean for red in reductions], out=src)
-        if residual is not None:
-            src.add_(residual)
+    whole = isinstance(reductions, BucketReduction) and reductions.complete
+    if whole and len(reductions) == len(bucket.chunks) and reductions.mean.numel() == bucket.numel:
+        ranges, senders = list(bucket.chunks), reductions.senders
+        src = reductions.mean if residual is None else reductions.mean + residual  # no copy without a residual
     else:
-        for red, (off, n) in zip(reductions, ranges):
-            src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
+        ranges = [bucket.chunks[red.chunk] for red in reductions]
+        senders = [red.senders for red in reductions]
+        src = torch.empty(bucket.numel, dtype=torch.float32)
+        if ranges == list(bucket.chunks):  # every chunk in order: one copy, one add
+            torch.cat([red.mean for red in reductions], out=src)
+            if residual is not None:
+                src.add_(residual)
+        else:
+            for red, (off, n) in zip(reductions, ranges):
+                src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
     # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
     payloads = codec.encode_chunks(src, ranges, generator=generator)
     # one pass per run of equal chunks, not one call per chunk; payloads just made here: not re-verified
@@ -66,27 +68,17 @@ def encode_mean(
         for i, j in contiguous_runs(ranges):
             a, b = ranges[i][0], ranges[j - 1][0] + ranges[j - 1][1]
             residual[a:b] = src[a:b] - full[a:b]
+    name = codec.name
     chunks = [  # one per chunk (~480 in a datagram run's bucket): without the frozen constructor's cost
-        made(MeanChunk, chunk=red.chunk, offset=off, numel=n, codec=codec.name, payload=payload, senders=red.senders)
-        for red, (off, n), payload in zip(reductions, ranges, payloads)
+        made(MeanChunk, chunk=c, offset=off, numel=n, codec=name, payload=payload, senders=ss)
+        for c, (off, n), payload, ss in zip(_chunk_indices(reductions), ranges, payloads, senders)
     ]
     return tuple(chunks), full
 
 
-def _viewed(reductions: Sequence[ChunkReduction], numel: int) -> torch.Tensor | None:
-    """The 1-D float32 tensor of ``numel`` elements whose consecutive ranges the reductions'
-    means are, in order (what the owner's accumulator hands over: views of one tensor), as a
-    view of the first one's storage; None when they are not."""
-    means = [red.mean for red in reductions]
-    first = means[0]
-    if any(m is None for m in means) or first.dtype != torch.float32 or not all(map(torch.Tensor.is_contiguous, means)):
-        return None
-    if first.untyped_storage().nbytes() < 4 * (first.storage_offset() + numel):
-        return None
-    want = list(itertools.accumulate((4 * m.numel() for m in means), initial=first.data_ptr()))
-    if want[-1] - want[0] != 4 * numel or list(map(torch.Tensor.data_ptr, means)) != want[:-1]:
-        return None  # the memory after the first mean is not the next means' (of the same storage)
-    return first.as_strided((numel,), (1,), first.storage_offset())
+def _chunk_indices(reductions: Sequence[ChunkReduction]) -> Sequence[int]:
+    """Each reduction's chunk index (a :class:`BucketReduction`'s are its positions)."""
+    return range(len(reductions)) if isinstance(reductions, BucketReduction) else [red.chunk for red in reductions]
 
 
 def _decode_into(

@@ -27,19 +27,27 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from dtrain.aggregation import AggregationConfig, BucketAccumulator, claim_decision
+from dtrain.aggregation import AggregationConfig, BucketAccumulator, BucketReduction, ChunkReduction, claim_decision
 from dtrain.codecs.base import CheckedRun
 from dtrain.errors import RejectCode, Rejected
-from dtrain.protocol import Contribution, ContributionRun, RoundPlan, made
+from dtrain.protocol import Contribution, ContributionRun, RoundPlan
 from dtrain.rounds.types import MAX_REFUSALS_NAMED, RejectionTally
 
-__all__ = ["OpenRound", "Closing", "ChunkReduction", "SENDER_FAULTS", "CLOSE_COMPLETE", "CLOSE_DEADLINE"]
+__all__ = [
+    "OpenRound",
+    "Closing",
+    "BucketReduction",
+    "ChunkReduction",
+    "SENDER_FAULTS",
+    "CLOSE_COMPLETE",
+    "CLOSE_DEADLINE",
+]
 
 #: Rejections that say the sender sent something wrong (they count towards excluding
 #: it); late, stale-round or not-a-member rejections are about timing or membership.
@@ -57,23 +65,6 @@ class Closing:
 
     buckets: tuple[int, ...]
     reason: str
-
-
-@dataclass(frozen=True)
-class ChunkReduction:
-    """The partial mean of one chunk of a closed bucket.
-
-    Attributes:
-        chunk: chunk index in the bucket.
-        mean: 1-D fp32 mean over ``senders`` (None: nothing arrived or all dropped).
-        senders: the senders the mean includes, sorted.
-        dropped: sender -> reason for contributions the robust options dropped here.
-    """
-
-    chunk: int
-    mean: torch.Tensor | None
-    senders: tuple[str, ...]
-    dropped: dict[str, str] = field(default_factory=dict)
 
 
 def payload_digest(payload: bytes | memoryview | None) -> str | None:
@@ -508,9 +499,9 @@ class OpenRound:
                 self.digests[(b, c)] = acc.digests(c)
         self._complete = [b for b in self._complete if b not in self.closed]
 
-    def finalize(self, bucket: int) -> list[ChunkReduction]:
-        """The partial mean of every chunk of closed bucket ``bucket``; frees its
-        accumulators (call once per bucket).
+    def finalize(self, bucket: int) -> BucketReduction:
+        """The partial mean of every chunk of closed bucket ``bucket`` (a ``Sequence`` of
+        :class:`ChunkReduction`, held as columns); frees its accumulators (call once per bucket).
 
         Raises:
             ValueError: the bucket is not closed, or was finalized already.
@@ -520,9 +511,6 @@ class OpenRound:
         acc = self._acc.pop(bucket, None)
         if acc is None:
             raise ValueError(f"bucket {bucket} of round {self.round} was finalized already")
-        out = [  # ~480 a bucket on the datagram path: without the frozen constructor's cost
-            made(ChunkReduction, chunk=c, mean=mean, senders=senders, dropped=dropped)
-            for c, (mean, senders, dropped) in enumerate(acc.finalize())
-        ]
+        out = acc.finalize()
         self.trimmed.update(acc.trimmed)
         return out

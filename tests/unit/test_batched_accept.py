@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dtrain.aggregation import AggregationConfig, BucketAccumulator, ChunkAccumulator
+from dtrain.aggregation import AggregationConfig, BucketAccumulator, ChunkAccumulator, ChunkReduction
 from dtrain.buckets import BucketConfig, BucketLayout
 from dtrain.codecs import get_codec
 from dtrain.configs import CodecConfig
@@ -123,9 +123,9 @@ def test_add_run_matches_chunk_accumulator_per_chunk(config_name: str, seed: int
     assert {a[0] for a in got_answers} - {"ok"}, "the runs exercise no refusal"
     got = acc.finalize()
     assert acc.num_held == 0 or config.robust
-    for c, ((m1, s1, r1), (m2, s2, r2)) in enumerate(zip(got, want)):
-        assert (s1, r1) == (s2, r2), f"chunk {c}"
-        assert _bits(m1) == _bits(m2), f"chunk {c}: the mean differs"
+    for c, (red, (m2, s2, r2)) in enumerate(zip(got, want)):
+        assert (red.chunk, red.senders, red.dropped) == (c, s2, r2), f"chunk {c}"
+        assert _bits(red.mean) == _bits(m2), f"chunk {c}: the mean differs"
 
 
 @pytest.mark.parametrize("config_name", ["plain", "max_norm", "sparse_mean", "weighted"])
@@ -169,10 +169,10 @@ def test_whole_runs_in_turn_fold_without_per_chunk_python_and_give_the_same_mean
     got, want = acc.finalize(), ref.finalize()
     if weights is None:  # and as ChunkAccumulator, chunk by chunk
         _, per_chunk = _reference(numels, config, MEMBERS, runs)
-        assert [(m is None, s) for m, s, _ in per_chunk] == [(m is None, s) for m, s, _ in want]
-        assert [_bits(m) for m, _, _ in per_chunk] == [_bits(m) for m, _, _ in want]
-    for c, ((m1, s1, r1), (m2, s2, r2)) in enumerate(zip(got, want)):
-        assert (s1, r1) == (s2, r2) and _bits(m1) == _bits(m2), f"chunk {c}"
+        assert [(m is None, s) for m, s, _ in per_chunk] == [(r.mean is None, r.senders) for r in want]
+        assert [_bits(m) for m, _, _ in per_chunk] == [_bits(r.mean) for r in want]
+    for c, (r1, r2) in enumerate(zip(got, want)):
+        assert (r1.senders, r1.dropped) == (r2.senders, r2.dropped) and _bits(r1.mean) == _bits(r2.mean), f"chunk {c}"
 
 
 @pytest.mark.parametrize("config_name", ["plain", "max_norm", "sparse_mean", "weighted"])
@@ -204,8 +204,8 @@ def test_a_checked_run_is_decoded_into_the_sums_with_the_bits_of_its_decoded_ten
         got = got_acc.add_run(s, list(range(len(numels))), checked or codec.decode_chunks(payloads, numels), payloads)
         want = want_acc.add_run(s, list(range(len(numels))), codec.decode_chunks(payloads, numels), payloads)
         assert [_answer(r) for r in got] == [_answer(r) for r in want]
-    for (m1, s1, _), (m2, s2, _) in zip(got_acc.finalize(), want_acc.finalize()):
-        assert s1 == s2 and _bits(m1) == _bits(m2)
+    for r1, r2 in zip(got_acc.finalize(), want_acc.finalize()):
+        assert r1.senders == r2.senders and _bits(r1.mean) == _bits(r2.mean)
 
 
 def test_add_run_refuses_a_nan_chunk_alone_with_the_per_chunk_reason() -> None:
@@ -222,7 +222,8 @@ def test_add_run_refuses_a_nan_chunk_alone_with_the_per_chunk_reason() -> None:
     with pytest.raises(ValueError, match="not ascending"):
         acc.add_run("a", [0, 0], vals[:8], [b"0", b"0"])
     means = acc.finalize()
-    assert torch.equal(means[0][0], vals[:4]) and means[1] == (None, (), {}) and means[0][1] == ("a",)
+    assert torch.equal(means[0].mean, vals[:4]) and means[0].senders == ("a",)
+    assert means[1] == ChunkReduction(chunk=1, mean=None, senders=(), dropped={})
 
 
 def test_add_run_folds_in_sender_order_whatever_the_arrival_order() -> None:
@@ -234,7 +235,7 @@ def test_add_run_folds_in_sender_order_whatever_the_arrival_order() -> None:
     assert acc.add_run("a", [0, 1], torch.tensor([-1e8, 1.0, 1.0, 1.0]), [b"a0", b"a1"]) == [True, True]
     assert acc.num_held == 0  # both folded at once
     assert acc.add("c", 0, torch.tensor([1.0, 1.0]), b"c0") is True
-    (m0, s0, _), (m1, s1, _) = acc.finalize()
+    (m0, s0), (m1, s1) = ((r.mean, r.senders) for r in acc.finalize())
     assert s0 == ("a", "b", "c") and s1 == ("a", "b")
     assert torch.equal(m0, torch.tensor([1.0 / 3, 1.0]))  # ((-1e8 + 1e8) + 1) / 3, not (-1e8 + (1e8 + 1)) / 3 = 0
     assert m1.tolist() == [2.0, 2.0]
@@ -448,7 +449,7 @@ def test_finalize_divides_the_sums_once_in_place_with_the_bits_of_a_per_chunk_co
         acc.add_run(s, cs, torch.cat([vals[s][pos[c] : pos[c + 1]] for c in cs]), [f"{s}{c}".encode() for c in cs])
     got = acc.finalize()
     fbar = mean_factor(weights)
-    for c, (mean, senders, _) in enumerate(got):
+    for c, (mean, senders) in enumerate((r.mean, r.senders) for r in got):
         want_senders = tuple(s for s in MEMBERS if c in reach[s])
         total = None  # folded as the accumulator folds: copy / add_, or mul / add_ with alpha
         for s in want_senders:
@@ -460,4 +461,4 @@ def test_finalize_divides_the_sums_once_in_place_with_the_bits_of_a_per_chunk_co
         want = total / torch.tensor([len(want_senders) * fbar], dtype=torch.float32)
         assert senders == want_senders and _bits(mean) == _bits(want), f"chunk {c}"
     again = acc.finalize()
-    assert again is got and all(_bits(a[0]) == _bits(b[0]) for a, b in zip(again, got))
+    assert again is got and all(_bits(a.mean) == _bits(b.mean) for a, b in zip(again, got))

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.aggregation import BucketReduction, ChunkReduction
 from dtrain.app.worker import outer_state_checksum
 from dtrain.buckets import BucketConfig, BucketLayout, checksum, tensor_digest
 from dtrain.codecs import CodecConfig, get_codec
 from dtrain.codecs.native import kernels
 from dtrain.diloco import theta_checksum
-from dtrain.rounds import error_feedback, means
+from dtrain.rounds import error_feedback
 from dtrain.rounds.means import encode_mean
-from dtrain.rounds.owner import ChunkReduction
 from dtrain.state import GlobalState
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,27 +130,58 @@ def test_encode_mean_of_every_chunk_in_order_equals_chunk_by_chunk(with_residual
         assert torch.equal(_bits(res_a), _bits(res_b)) and float(res_a.abs().max()) > 0
 
 
-def test_encode_mean_of_views_of_one_tensor_encodes_it_in_place_with_the_same_bytes() -> None:
-    """The owner's accumulator hands over chunk means that are views of one tensor: encoded
-    from it without a copy, the same payloads and decoded mean as from separate tensors; views
-    out of step (a gap, another tensor) take the copy."""
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_encode_mean_of_a_bucket_reduction_encodes_its_tensor_in_place_with_the_same_bytes(
+    with_residual: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner's accumulator hands over one bucket-sized mean (a BucketReduction): encoded from
+    that tensor without a copy (with a residual, one add), the same payloads, decoded mean and
+    residual as from separate chunk tensors; the tensor itself is not written."""
     codec = get_codec("int8")
     layout = BucketLayout([6 * 1280 + 100], ["param"], BucketConfig(chunk_bytes=4 * 1280))
     bucket = layout.buckets[0]
-    base = torch.randn(bucket.numel + 7, generator=torch.Generator().manual_seed(9))[7:]  # not at its storage's start
-    views = [ChunkReduction(chunk=c, mean=base[o : o + n], senders=("a",)) for c, (o, n) in enumerate(bucket.chunks)]
-    copies = [ChunkReduction(chunk=r.chunk, mean=r.mean.clone(), senders=("a",)) for r in views]
-    assert means._viewed(views, bucket.numel).data_ptr() == base.data_ptr()
-    assert means._viewed(copies, bucket.numel) is None
-    gap = list(views)
-    gap[2] = ChunkReduction(chunk=2, mean=base[bucket.chunks[2][0] + 1 :][: bucket.chunks[2][1]], senders=("a",))
-    assert means._viewed(gap, bucket.numel) is None
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(bucket.numel + 7, generator=g)[7:]  # not at its storage's start
+    numels = [n for _, n in bucket.chunks]
+    senders = [("a", "b") if c % 2 else ("a",) for c in range(len(numels))]
+    whole = BucketReduction(base, numels, senders)
+    copies = [ChunkReduction(chunk=r.chunk, mean=r.mean.clone(), senders=r.senders) for r in whole]
+    res0 = torch.randn(bucket.numel, generator=g) * 1e-3 if with_residual else None
+    res_a, res_b = (None, None) if res0 is None else (res0.clone(), res0.clone())
+    seen = []
+    real = type(codec).encode_chunks
+    monkeypatch.setattr(type(codec), "encode_chunks", lambda self, x, *a, **k: seen.append(x) or real(self, x, *a, **k))
     before = base.clone()
-    (ca, fa), (cb, fb) = (
-        encode_mean(codec, bucket, r, residual=None, generator=torch.Generator()) for r in (views, copies)
-    )
+    ca, fa = encode_mean(codec, bucket, whole, residual=res_a, generator=torch.Generator())
+    cb, fb = encode_mean(codec, bucket, copies, residual=res_b, generator=torch.Generator())
+    assert (seen[0].data_ptr() == base.data_ptr()) != with_residual  # the mean itself, unless a residual is added
     assert [c.payload for c in ca] == [c.payload for c in cb] and torch.equal(_bits(fa), _bits(fb))
+    assert [(c.chunk, c.senders) for c in ca] == [(c.chunk, c.senders) for c in cb] == list(enumerate(senders))
     assert torch.equal(_bits(base), _bits(before))  # not written
+    if with_residual:
+        assert torch.equal(_bits(res_a), _bits(res_b))
+
+
+def test_a_bucket_reduction_is_the_sequence_of_its_chunk_reductions() -> None:
+    """Item c of a BucketReduction equals chunk c's ChunkReduction (a view of the bucket's mean;
+    None and no senders where nothing arrived); of_chunks holds per-chunk results as columns."""
+    mean = torch.arange(7, dtype=torch.float32)
+    red = BucketReduction(mean, [3, 2, 2], [("a",), (), ("a", "b")], {2: {"c": "norm too large"}})
+    assert len(red) == 3 and not red.complete
+    first = red[0]
+    assert (first.chunk, first.senders, first.dropped) == (0, ("a",), {}) and first.mean.data_ptr() == mean.data_ptr()
+    assert red[1] == ChunkReduction(chunk=1, mean=None, senders=())
+    assert red[-1].mean.tolist() == [5.0, 6.0] and red[-1].dropped == {"c": "norm too large"}
+    assert [r.chunk for r in red[1:]] == [1, 2]
+    with pytest.raises(IndexError):
+        red[3]
+    with pytest.raises(ValueError, match="mean has 7 elements, the chunks 6"):
+        BucketReduction(mean, [3, 3], [(), ()])
+    items = [(torch.ones(3), ("a",), {}), (None, (), {"b": "NaN"}), (torch.full((2,), 2.0), ("a",), {})]
+    cols = BucketReduction.of_chunks([3, 2, 2], items)
+    assert cols.mean.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 2.0] and cols.senders == [("a",), (), ("a",)]
+    assert cols.dropped == {1: {"b": "NaN"}} and not cols.complete
+    assert BucketReduction.of_chunks([2], [(None, (), {})]).mean is None
 
 
 def test_checksum_is_blake3_of_the_raw_bytes_and_tells_apart_what_differs() -> None:
