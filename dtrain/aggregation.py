@@ -43,7 +43,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence, overload
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -85,31 +85,21 @@ class ChunkReduction:
 
 
 class BucketReduction(Sequence[ChunkReduction]):
-    """The partial means of every chunk of one closed bucket (:meth:`BucketAccumulator.finalize`),
-    held as columns: one bucket-sized tensor and one sender tuple per chunk, not an object and
-    a view per chunk (a datagram run's bucket has ~480 chunks, and the owner's mean encode takes
-    the bucket whole: ``dtrain.rounds.means.encode_mean``). A ``Sequence[ChunkReduction]``: item
-    ``c``, made on demand, is chunk ``c``'s :class:`ChunkReduction` (its mean a view of
-    :attr:`mean`).
+    """The partial means of every chunk of a closed bucket (:meth:`BucketAccumulator.finalize`) as
+    columns, not an object and a view per chunk (~480 on the datagram path; the mean encode
+    takes the bucket whole). Item ``c``, made on demand, is chunk ``c``'s :class:`ChunkReduction`.
 
     Attributes:
         mean: 1-D fp32, the bucket's elements: chunk ``c``'s partial mean at its range where
             ``senders[c]`` is not empty (elsewhere unspecified); None when no chunk has one.
         numels: elements of each chunk, in chunk order.
         senders: per chunk, the senders its mean includes, sorted (empty: no mean).
-        dropped: chunk -> (sender -> reason) for the chunks whose contributions the robust
-            options dropped (empty without them).
+        dropped: chunk -> (sender -> reason) where the robust options dropped contributions.
     """
 
     __slots__ = ("mean", "numels", "senders", "dropped", "_pos")
 
-    def __init__(
-        self,
-        mean: torch.Tensor | None,
-        numels: Sequence[int],
-        senders: Sequence[tuple[str, ...]],
-        dropped: Mapping[int, dict[str, str]] | None = None,
-    ) -> None:
+    def __init__(self, mean: torch.Tensor | None, numels: Sequence[int], senders: Sequence, dropped=None) -> None:
         if len(senders) != len(numels):
             raise ValueError(f"{len(numels)} chunks but {len(senders)} sender sets")
         self.mean, self.numels, self.senders = mean, tuple(numels), list(senders)
@@ -119,17 +109,12 @@ class BucketReduction(Sequence[ChunkReduction]):
             raise ValueError(f"mean has {mean.numel()} elements, the chunks {self._pos[-1]}")
 
     @classmethod
-    def of_chunks(
-        cls, numels: Sequence[int], items: Sequence[tuple[torch.Tensor | None, tuple[str, ...], dict[str, str]]]
-    ) -> BucketReduction:
-        """Columns of per-chunk ``(mean, senders, dropped)`` results (:func:`partial_mean`'s):
-        the means copied into one tensor (zeros where a chunk has none)."""
-        if all(m is None for m, _, _ in items):
-            mean = None
-        else:
-            mean = torch.cat([m if m is not None else torch.zeros(n) for (m, _, _), n in zip(items, numels)])
-        dropped = {c: d for c, (_, _, d) in enumerate(items) if d}
-        return cls(mean, numels, [s if m is not None else () for m, s, _ in items], dropped)
+    def of_chunks(cls, numels: Sequence[int], items: Sequence[tuple]) -> BucketReduction:
+        """Per-chunk ``(mean, senders, dropped)`` (:func:`partial_mean`'s) copied into columns."""
+        means = [torch.zeros(n) if m is None else m for (m, _, _), n in zip(items, numels)]
+        mean = None if all(m is None for m, _, _ in items) else torch.cat(means)
+        senders = [s if m is not None else () for m, s, _ in items]
+        return cls(mean, numels, senders, {c: d for c, (_, _, d) in enumerate(items)})  # empty drops left out
 
     @property
     def complete(self) -> bool:
@@ -139,23 +124,13 @@ class BucketReduction(Sequence[ChunkReduction]):
     def __len__(self) -> int:
         return len(self.numels)
 
-    @overload
-    def __getitem__(self, c: int) -> ChunkReduction: ...
-
-    @overload
-    def __getitem__(self, c: slice) -> list[ChunkReduction]: ...
-
-    def __getitem__(self, c: int | slice) -> ChunkReduction | list[ChunkReduction]:
+    def __getitem__(self, c):  # type: ignore[override] - an int gives a ChunkReduction, a slice a list of them
         if isinstance(c, slice):
             return [self[i] for i in range(len(self))[c]]
         c = range(len(self))[c]  # IndexError past the end; negative indices count from it
         ss = self.senders[c]
         mean = self.mean[self._pos[c] : self._pos[c + 1]] if ss and self.mean is not None else None
-        dropped = dict(self.dropped.get(c, {}))
-        return ChunkReduction(chunk=c, mean=mean, senders=ss if mean is not None else (), dropped=dropped)
-
-    def __repr__(self) -> str:
-        return f"BucketReduction(chunks={len(self)}, with_mean={sum(map(bool, self.senders))})"
+        return ChunkReduction(c, mean, ss if mean is not None else (), dict(self.dropped.get(c, {})))
 
 
 def mean_factor(weights: Mapping[str, float] | None) -> float:
@@ -773,20 +748,13 @@ class BucketAccumulator:
             nnz.add_((src != 0).to(torch.float32))
 
     def finalize(self) -> BucketReduction:
-        """Per chunk, the unbiased partial mean (see :func:`partial_mean` for each chunk's), as
-        columns. Without robust options the mean is the bucket's sums divided in place, and a
-        second call returns the same result; with them, each chunk's is computed on its own
-        and copied into one tensor."""
+        """Per chunk, the unbiased partial mean (:func:`partial_mean`), as columns: the sums divided
+        in place (a second call returns the same), or with robust options each chunk's copied in."""
         if self.config.robust:
-            return BucketReduction.of_chunks(
-                self.numels,
-                [
-                    partial_mean(
-                        {s: v[o : o + n] for s, (v, o) in held.items()}, self.config, self.weights, self.trimmed
-                    )
-                    for held, n in zip(self._held, self.numels)
-                ],
-            )
+            cfg, w, cut = self.config, self.weights, self.trimmed
+            held = zip(self._held, self.numels)
+            means = [partial_mean({s: v[o : o + n] for s, (v, o) in h.items()}, cfg, w, cut) for h, n in held]
+            return BucketReduction.of_chunks(self.numels, means)
         if self._final is not None:
             return self._final
         ops = []

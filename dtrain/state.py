@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dtrain.buckets import BucketLayout, checksum
+from dtrain.codecs.base import CheckedRun
+from dtrain.codecs.native import SgdStep, sgd_parts
 from dtrain.errors import StateTransferError
 from dtrain.protocol import BucketState
 
@@ -64,6 +66,45 @@ def outer_sgd(params: list[torch.Tensor], *, lr: float, momentum: float, nestero
         except RuntimeError:  # torch before 2.4 has the fused kernel on CUDA only
             pass
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: CheckedRun) -> bool:
+    """``opt.step()`` with ``run``'s values as ``theta``'s gradient, the decode in the step's own
+    pass (``Kernels.decode_sgd``: one read of θ and its momentum, no gradient tensor written and
+    read back), where that gives exactly torch's bits: ``opt`` is :func:`outer_sgd`'s fused SGD
+    (momentum, not maximize, a float lr) over ``theta`` alone, a contiguous float32 CPU tensor,
+    and :func:`~dtrain.codecs.native.sgd_parts` found this torch's kernel here. Its state is kept
+    as torch's step keeps it (the momentum buffer made at the first step). False (nothing
+    done): the caller decodes and steps."""
+    if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+        return False
+    g = opt.param_groups[0]
+    if not g.get("fused") or g["maximize"] or g.get("differentiable") or g["momentum"] == 0:
+        return False
+    if len(g["params"]) != 1 or g["params"][0] is not theta or type(g["lr"]) is not float:
+        return False
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return False
+    if theta.device.type != "cpu" or theta.dtype != torch.float32 or not theta.is_contiguous():
+        return False
+    parts = sgd_parts()
+    if parts is None:
+        return False
+    buf = opt.state[theta].get("momentum_buffer")
+    first = buf is None
+    if first:
+        buf = torch.empty_like(theta, memory_format=torch.contiguous_format)
+    elif not (buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()):
+        return False
+    step = SgdStep(
+        theta.numel(), g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"], first, *parts
+    )
+    with torch.no_grad():
+        if not run.step_sgd(theta.detach(), buf, step):
+            return False
+    if first:
+        opt.state[theta]["momentum_buffer"] = buf
+    return True
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -191,22 +232,30 @@ class GlobalState:
     def checksums(self) -> list[str]:
         return [self.checksum(b) for b in range(len(self))]
 
-    def apply_mean(self, b: int, mean: torch.Tensor) -> str:
+    def apply_mean(self, b: int, mean: torch.Tensor | CheckedRun) -> str:
         """Run the outer optimizer on bucket ``b`` with ``mean`` as the gradient.
 
         Args:
-            mean: fp32 ``[numel_b]``, the decoded mean pseudo-gradient.
+            mean: fp32 ``[numel_b]``, the decoded mean pseudo-gradient, or its payloads checked
+                and not yet decoded (a :class:`~dtrain.codecs.base.CheckedRun`): where the outer
+                optimizer is torch's fused SGD on a CPU θ_b, decoded in the step's own pass with
+                the bits torch's step gives (:func:`_step_in_one_pass`); else decoded first.
         Returns:
             checksum of θ_b after the step.
         """
         with self._locks[b]:
-            t = self.theta[b]
-            t.grad = mean.to(t.device)
-            self._sums[b] = None
+            self._step(b, mean)
+            s = self._sums[b] = checksum(self.theta[b])
+            return s
+
+    def _step(self, b: int, mean: torch.Tensor | CheckedRun) -> None:
+        """:meth:`apply_mean` less the checksum (the caller holds bucket ``b``'s lock)."""
+        t = self.theta[b]
+        self._sums[b] = None
+        if not (isinstance(mean, CheckedRun) and _step_in_one_pass(self.optimizers[b], t, mean)):
+            t.grad = (mean.tensor() if isinstance(mean, CheckedRun) else mean).to(t.device)
             self.optimizers[b].step()
             t.grad = None
-            s = self._sums[b] = checksum(t)
-            return s
 
     def snapshot_bucket(self, b: int) -> tuple[torch.Tensor, dict, str]:
         """A copy of bucket ``b`` (θ_b, its outer-optimizer state, its checksum) for

@@ -36,7 +36,7 @@ from dtrain.buckets import BucketConfig, BucketLayout, assign_owners
 from dtrain.codecs import get_codec
 from dtrain.protocol import BucketMean, MeanChunk
 from dtrain.rounds import error_feedback
-from dtrain.rounds.means import decode_mean, encode_mean
+from dtrain.rounds.means import checked_mean, encode_mean
 from dtrain.state import GlobalState
 from dtrain.tasks.spec import TaskSpec
 from dtrain.transports.datagram import datagram_chunk_bytes
@@ -112,14 +112,10 @@ class _Site:
             )
             m = BucketMean(round=0, bucket=b, owner="x", chunks=chunks, checksum_before="", checksum_after="")
             with cpu("mean_decode"):
-                means[b] = (chunks, decode_mean(codec, layout.buckets[b], m))
+                means[b] = (chunks, checked_mean(codec, layout.buckets[b], m))  # as RoundEngine: decoded by the step
         for b in range(len(layout)):  # GlobalState.apply_mean: the step, then θ_b's checksum (timed apart)
             with cpu("outer_step"), st.lock(b):
-                t = st.theta[b]
-                t.grad = means[b][1]
-                st.optimizers[b].step()
-                t.grad = None
-                st._sums[b] = None  # noqa: SLF001 - what apply_mean does before its checksum
+                st._step(b, means[b][1])  # noqa: SLF001 - GlobalState.apply_mean less its checksum
             with cpu("checksums"):
                 st.checksum(b)  # right after the step, as apply_mean; cached for the next round's pulls
         with cpu("settle"):

@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -652,11 +653,20 @@ class CheckedRun:
         decode: ``decode(out, mode)`` with ``mode`` ``"write"``, ``"add"``, ``"subtract"`` or
             ``"unsettle"`` (see :meth:`Codec.decode_chunks`), into a contiguous 1-D float32
             CPU ``out`` of ``numel`` elements; it cannot fail.
+        step: ``step(theta, buf, sgd)``: torch's fused SGD step of ``theta`` (and its momentum
+            ``buf``) with the values as the gradient, decoded in the same pass
+            (``dtrain.codecs.native.Kernels.decode_sgd``); None where the codec has none.
     """
 
-    def __init__(self, numel: int, decode: Callable[[torch.Tensor, str], None]) -> None:
+    def __init__(
+        self,
+        numel: int,
+        decode: Callable[[torch.Tensor, str], None],
+        step: Callable[[torch.Tensor, torch.Tensor, Any], None] | None = None,
+    ) -> None:
         self._numel = numel
         self._decode = decode
+        self._step = step
         self._tensor: torch.Tensor | None = None
 
     def numel(self) -> int:
@@ -681,6 +691,21 @@ class CheckedRun:
             out.add_(self._tensor) if add else out.copy_(self._tensor)
         else:
             self._decode(out, "add" if add else "write")
+
+    def step_sgd(self, theta: torch.Tensor, buf: torch.Tensor, sgd: Any) -> bool:
+        """One outer step of ``theta`` with these values as its gradient, the decode and the step
+        in one pass: the bits ``torch._fused_sgd_`` gives (``sgd``: a
+        ``dtrain.codecs.native.SgdStep`` whose parts ``sgd_parts`` found). ``theta`` and ``buf``:
+        contiguous 1-D float32 CPU tensors of :meth:`numel` elements. False (nothing done) where
+        this codec has no such pass, or the values were decoded already."""
+        if self._step is None or self._tensor is not None:
+            return False
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (theta, buf)):
+            raise ValueError("theta and buf must be contiguous float32 CPU tensors")
+        if theta.numel() != self._numel or buf.numel() != self._numel:
+            raise ValueError(f"theta has {theta.numel()} and buf {buf.numel()} elements, the run {self._numel}")
+        self._step(theta.reshape(-1), buf.reshape(-1), sgd)
+        return True
 
 
 def equal_runs(numels: Sequence[int]) -> list[tuple[int, int]]:

@@ -45,7 +45,7 @@ from dtrain.codecs.base import (
     t_view,
 )
 from dtrain.codecs.config import CodecConfig
-from dtrain.codecs.native import kernels
+from dtrain.codecs.native import SgdStep, kernels
 from dtrain.errors import CodecError
 
 __all__ = ["Int8Codec", "Int4Codec"]
@@ -276,7 +276,14 @@ class _Blockwise(Codec):
                     raise AssertionError("a run that passed the kernel's checks did not decode")  # not reached
                 pos += o.numel()
 
-        return CheckedRun(sum(b.shape[0] * n for b, n in runs), decode)
+        def step(theta: torch.Tensor, buf: torch.Tensor, sgd: SgdStep) -> None:
+            pos = 0
+            for bodies, n in runs:
+                m = bodies.shape[0] * n
+                kern.decode_sgd(bodies, n, self._bs, int4, theta[pos : pos + m], buf[pos : pos + m], pos, sgd)
+                pos += m
+
+        return CheckedRun(sum(b.shape[0] * n for b, n in runs), decode, step)
 
     def _subtract_runs(self, out, payloads, numels, verify, unsettle=False):
         """The compiled kernel's in-place subtraction (or its inverse) of a :meth:`checked_run`:

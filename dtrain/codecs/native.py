@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -32,12 +32,12 @@ from zlib_ng import zlib_ng
 
 from dtrain.native import build_and_load
 
-__all__ = ["Kernels", "kernels"]
+__all__ = ["Kernels", "SgdStep", "kernels", "sgd_parts"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
-VERSION = 7  # kernels.c BW_VERSION
+VERSION = 8  # kernels.c BW_VERSION
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 
@@ -52,6 +52,9 @@ class Kernels:
         lib.ef_accumulate.restype, lib.ef_accumulate.argtypes = i, [vp, vp, vp, i64, ctypes.c_float]
         lib.ef_accumulate_encode.restype = i
         lib.ef_accumulate_encode.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, i64, i64, i, vp, vp, vp, i]
+        f = ctypes.c_float
+        lib.bw_decode_sgd.restype = i
+        lib.bw_decode_sgd.argtypes = [vp, i64, i64, i64, i64, i, vp, vp, i64, i64, i64, i64, f, f, f, f, i, i, vp]
         lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp, vp, i64, vp]
         lib.bw_check_headers.restype, lib.bw_check_headers.argtypes = i64, [vp, i64, i64, ctypes.c_char_p, vp, vp]
         self._lib = lib
@@ -192,6 +195,105 @@ class Kernels:
             int(checked),
         )
         return rc == 0
+
+    def decode_sgd(
+        self,
+        bodies: np.ndarray,
+        numel: int,
+        bs: int,
+        int4: bool,
+        theta: torch.Tensor,
+        buf: torch.Tensor,
+        base: int,
+        step: SgdStep,
+    ) -> None:
+        """One outer step of ``torch._fused_sgd_`` on the elements ``[base, base + k * numel)`` of
+        a tensor of ``step.numel`` (``theta`` and its momentum ``buf``: contiguous float32 CPU
+        views of those elements), the gradient being the rows of ``bodies`` decoded in the same
+        pass (rows that passed :meth:`check`): the bits torch's step gives with the decoded
+        values as the gradient, where :func:`sgd_parts` found the parts (``step.vec``,
+        ``step.tvec``) that give them."""
+        k = bodies.shape[0]
+        assert bodies.strides[1] == 1 and theta.is_contiguous() and buf.is_contiguous()
+        assert theta.numel() == buf.numel() == k * numel and theta.dtype == buf.dtype == torch.float32
+        g = np.empty(bs, dtype=np.float32)  # one block's gradient
+        self._lib.bw_decode_sgd(
+            bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), theta.data_ptr(), buf.data_ptr(), base,
+            step.numel, step.vec, step.tvec, step.lr, step.momentum, 1.0 - step.dampening, step.weight_decay,
+            int(step.nesterov), int(step.first), g.ctypes.data,
+        )  # fmt: skip
+
+
+class SgdStep(NamedTuple):
+    """One ``torch._fused_sgd_`` step of a float32 tensor of ``numel`` elements (its
+    hyperparameters as the optimizer's param group holds them; ``first``: the momentum buffer is
+    new, torch's ``is_first_step``), and the parts of torch's kernel (:func:`sgd_parts`)."""
+
+    numel: int
+    lr: float
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    first: bool
+    vec: int
+    tvec: int
+
+
+#: (vector width, tail vector width) of torch's fused SGD kernel to try: its AVX-512 build
+#: (16 floats a vector; the scalar tail vectorized 8 at a time by its compiler), its AVX2 build
+_SGD_PARTS = ((16, 8), (8, 4), (16, 0), (8, 0))
+
+
+@functools.cache
+def sgd_parts() -> tuple[int, int] | None:
+    """The parts ``(vec, tvec)`` with which :meth:`Kernels.decode_sgd` gives exactly the bits of
+    this torch's ``torch._fused_sgd_`` on float32 CPU tensors here, found once by stepping both
+    on random tensors of 1-40 and a few hundred elements, every combination of first step,
+    Nesterov, weight decay and dampening; None (torch's step is used) when none does, or without
+    the kernels or a CPU fused SGD. Logged once."""
+    kern = kernels()
+    if kern is None or not hasattr(torch, "_fused_sgd_"):
+        return None
+    try:
+        cases = _sgd_cases(kern)
+        for vec, tvec in _SGD_PARTS:
+            if all(_sgd_agrees(kern, c, vec, tvec) for c in cases):
+                log.info("outer step decoded in one pass: torch's fused SGD parts (%d, %d)", vec, tvec)
+                return vec, tvec
+    except RuntimeError as e:  # a torch without the CPU kernel
+        log.info("fused outer step unavailable (%s): torch's step is used", e)
+        return None
+    log.info("no parts give torch's fused SGD bits here: the outer step decodes first, then torch steps")
+    return None
+
+
+def _sgd_cases(kern: Kernels) -> list[tuple]:
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    flags = itertools.product((False, True), (True, False), (0.0, 0.01), (0.0, 0.1))
+    for (first, nesterov, wd, damp), n in itertools.product(flags, [*range(1, 41), 257, 611]):
+        x = torch.randn(n, generator=g) * 1e-2
+        scales, codes = np.empty(-(-n // 8), np.float32), np.empty(n, np.uint8)
+        assert kern.encode(x, 8, 8 * len(scales), False, scales, codes)
+        body = np.concatenate([scales.view(np.uint8), codes]).reshape(1, -1)
+        theta, buf = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        cases.append((body, n, theta, buf, SgdStep(n, 0.7, 0.9, damp, wd, nesterov, first, 0, 0)))
+    return cases
+
+
+def _sgd_agrees(kern: Kernels, case: tuple, vec: int, tvec: int) -> bool:
+    body, n, theta, buf, step = case
+    grad = torch.empty(n)
+    kern.decode(body, n, 8, False, grad)
+    want_t, want_b, got_t, got_b = theta.clone(), buf.clone(), theta.clone(), buf.clone()
+    torch._fused_sgd_(
+        [want_t], [grad], [want_b], weight_decay=step.weight_decay, momentum=step.momentum, lr=step.lr,
+        dampening=step.dampening, nesterov=step.nesterov, maximize=False, is_first_step=step.first,
+    )  # fmt: skip
+    kern.decode_sgd(body, n, 8, False, got_t, got_b, 0, step._replace(vec=vec, tvec=tvec))
+    bits = torch.int32
+    return torch.equal(want_t.view(bits), got_t.view(bits)) and torch.equal(want_b.view(bits), got_b.view(bits))
 
 
 def _quantizer(

@@ -44,7 +44,7 @@ from dtrain.protocol import BucketMean, BucketState, RoundPlan
 from dtrain.rounds import error_feedback
 from dtrain.rounds.fanout import Fanout
 from dtrain.rounds.history import AppliedMean, MeanHistory
-from dtrain.rounds.means import decode_mean, encode_mean
+from dtrain.rounds.means import checked_mean, encode_mean
 from dtrain.rounds.member import MemberRound, Phase
 from dtrain.rounds.owner import BucketReduction, OpenRound
 from dtrain.rounds.pulls import MeanPulls
@@ -597,7 +597,7 @@ class RoundEngine(PeerSide, Reduce, Recovery):
         # drift stays what was missed instead of growing every round.
         t = time.perf_counter()
         try:
-            full = decode_mean(self.bcodec, self.state.layout.buckets[b], m)
+            full = checked_mean(self.bcodec, self.state.layout.buckets[b], m)  # decoded by the step where it can
         except (CodecError, ValueError) as e:
             run.res.errors.append(f"bad mean b{b}: {e}")
             self._stale(run, b, f"bad mean from {owner}: {e}")

@@ -13,10 +13,10 @@ import torch
 from dtrain.aggregation import BucketReduction, ChunkReduction
 from dtrain.buckets import Bucket
 from dtrain.codecs import Codec
-from dtrain.codecs.base import per_chunk_list
+from dtrain.codecs.base import CheckedRun, per_chunk_list
 from dtrain.protocol import BucketMean, MeanChunk, made
 
-__all__ = ["ascending_runs", "contiguous_runs", "decode_mean", "encode_mean"]
+__all__ = ["ascending_runs", "checked_mean", "contiguous_runs", "decode_mean", "encode_mean"]
 
 
 def encode_mean(
@@ -131,9 +131,16 @@ def decode_mean(codec: Codec, bucket: Bucket, m: BucketMean) -> torch.Tensor:
             or use another codec.
         CodecError: a chunk's payload does not decode.
     """
+    mean = checked_mean(codec, bucket, m)
+    return mean.tensor() if isinstance(mean, CheckedRun) else mean
+
+
+def checked_mean(codec: Codec, bucket: Bucket, m: BucketMean) -> torch.Tensor | CheckedRun:
+    """:func:`decode_mean`, or, where the codec checks a run without decoding it
+    (:meth:`Codec.checked_run`), the mean's payloads checked and not yet decoded: the outer step
+    then decodes them in its own pass (``GlobalState.apply_mean``). The same checks and errors."""
     if len(m.chunks) != len(bucket.chunks):
         raise ValueError(f"mean has {len(m.chunks)} chunks, bucket {bucket.index} has {len(bucket.chunks)}")
-    full = torch.empty(bucket.numel, dtype=torch.float32)
     # the checks as one C-level pass each (~480 chunks a bucket on the datagram path); the loop
     # below only names the first mismatch
     if list(map(_OFFSET_NUMEL, m.chunks)) != list(bucket.chunks) or set(map(_CODEC, m.chunks)) - {codec.name}:
@@ -142,8 +149,18 @@ def decode_mean(codec: Codec, bucket: Bucket, m: BucketMean) -> torch.Tensor:
                 raise ValueError(f"mean chunk {ch.chunk} covers {ch.offset}+{ch.numel}, expected {off}+{n}")
             if ch.codec != codec.name:
                 raise ValueError(f"mean codec {ch.codec!r}, expected {codec.name!r}")
-    _decode_into(codec, full, bucket.chunks, list(map(_PAYLOAD, m.chunks)))
+    payloads = list(map(_PAYLOAD, m.chunks))
+    if _consecutive(bucket.chunks) and (run := codec.checked_run(payloads, list(map(_NUMEL, bucket.chunks)))):
+        return run
+    full = torch.empty(bucket.numel, dtype=torch.float32)
+    _decode_into(codec, full, bucket.chunks, payloads)
     return full
+
+
+@per_chunk_list
+def _consecutive(chunks: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the chunks' ranges follow one another from element 0 (a bucket's do)."""
+    return _contiguous_runs(chunks) == ((0, len(chunks)),) and (not chunks or chunks[0][0] == 0)
 
 
 _NUMEL = operator.itemgetter(1)

@@ -494,3 +494,69 @@ def test_a_push_given_up_while_it_cuts_its_body_leaves_the_residual_restored_at_
             assert torch.equal(_bits(e.state.residuals[b]), _bits(want[b])), b
     finally:
         e.stop(0.1)
+
+
+@pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
+@pytest.mark.parametrize("codec_name", ["int8", "int4"])
+@pytest.mark.parametrize("hyper", [(0.7, 0.9, True, 0.0, 0.0), (0.3, 0.5, False, 0.01, 0.1)])
+def test_the_outer_step_decoding_in_its_own_pass_gives_torchs_bits(codec_name: str, hyper: tuple) -> None:
+    """GlobalState.apply_mean of a mean's checked payloads (a CheckedRun: decoded by the fused
+    step's own pass where sgd_parts found torch's kernel) and of the decoded tensor (torch's
+    step): the same θ, momentum and checksum, bit for bit, at the first step (new momentum) and
+    later ones, on a bucket whose last chunk is short and whose size leaves a tail."""
+    lr, momentum, nesterov, wd, damp = hyper
+    codec = get_codec(codec_name)
+    numel = 5 * 1280 + 1283  # chunks of 1,280 and a last one of 1,283: two runs; 7,683 % 16 = 3
+    layout = BucketLayout([numel], ["param"], BucketConfig(chunk_bytes=4 * 1280))
+    bucket = layout.buckets[0]
+
+    def make() -> GlobalState:
+        return GlobalState(
+            layout,
+            [torch.randn(numel, generator=torch.Generator().manual_seed(3))],
+            outer_optimizer=lambda ps: torch.optim.SGD(
+                ps, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=wd, dampening=damp, fused=True
+            ),
+        )
+
+    fused, plain = make(), make()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        payloads = codec.encode_chunks(torch.randn(numel, generator=g) * 1e-2, list(bucket.chunks))
+        run = codec.checked_run(payloads, [n for _, n in bucket.chunks])
+        assert run is not None
+        after = fused.apply_mean(0, run)
+        assert run._tensor is None  # never decoded into a tensor: the step decoded it  # noqa: SLF001
+        assert after == plain.apply_mean(0, codec.decode_chunks(payloads, [n for _, n in bucket.chunks]))
+        assert torch.equal(_bits(fused.theta[0].detach()), _bits(plain.theta[0].detach()))
+        bufs = [s.optimizers[0].state[s.theta[0]]["momentum_buffer"] for s in (fused, plain)]
+        assert torch.equal(_bits(bufs[0]), _bits(bufs[1]))
+
+
+@pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
+def test_without_parts_that_give_torchs_bits_the_outer_step_decodes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sgd_parts tries its candidates against torch's kernel: where none matches (here: only a
+    wrong one offered) the fused pass is not used and a CheckedRun is decoded, then stepped by
+    torch; an outer optimizer other than fused SGD always is."""
+    from dtrain.codecs import native
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch 2.13's AVX-512 kernel, this machine's
+        assert native.sgd_parts() == (16, 8)
+    native.sgd_parts.cache_clear()
+    monkeypatch.setattr(native, "_SGD_PARTS", ((4, 0),))
+    try:
+        assert native.sgd_parts() is None
+    finally:
+        native.sgd_parts.cache_clear()
+    codec = get_codec("int8")
+    layout = BucketLayout([2 * 1280 + 5], ["param"], BucketConfig(chunk_bytes=4 * 1280))
+    chunks = list(layout.buckets[0].chunks)
+    payloads = codec.encode_chunks(torch.randn(layout.total_numel) * 1e-2, chunks)
+    for factory in (None, lambda ps: torch.optim.Adam(ps, lr=1e-3)):
+        kw = {} if factory is None else {"outer_optimizer": factory}
+        a = GlobalState(layout, [torch.ones(layout.total_numel)], **kw)
+        b = GlobalState(layout, [torch.ones(layout.total_numel)], **kw)
+        run = codec.checked_run(payloads, [n for _, n in chunks])
+        assert a.apply_mean(0, run) == b.apply_mean(0, codec.decode_chunks(payloads, [n for _, n in chunks]))
+        assert run._tensor is not None  # decoded first  # noqa: SLF001
+    native.sgd_parts.cache_clear()
