@@ -6,8 +6,8 @@ is replayed in-process without a transport, with the library's own functions, in
 order: ``pseudo_gradient`` (``RoundEngine.add_pseudo_gradient``: where the codec can, each
 bucket also encoded and settled in that pass, ``Codec.accumulate_encode``), ``encode`` (the
 payloads cut from that body by ``Codec.encode_chunks``; else the encode itself), ``accept`` (the owner taking the N contributions of its
-buckets as ``PeerSide`` does: decoded, digested, checked and summed, then the means), ``mean_encode`` / ``mean_decode`` (the owner's means; a member decoding the
-others'), ``outer_step`` (``GlobalState.apply_mean`` less its checksum), ``settle`` (error
+buckets as ``PeerSide`` does: decoded, digested, checked and summed, then the means), ``mean_encode`` / ``mean_decode`` (the owner's means; a member checking the
+others', ``means.checked_mean``, which the outer step decodes in its own pass where it can), ``outer_step`` (``GlobalState.apply_mean`` less its checksum), ``settle`` (error
 feedback) and ``checksums`` (each bucket's θ checksum right after its step, as ``apply_mean``
 takes it, and the metrics line's two after the round); ``gc`` is the collection after the
 round (``dtrain.app.gc_control.RoundCollector``, as a site runs). The process keeps freed heap
