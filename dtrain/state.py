@@ -73,7 +73,8 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     pass (``Kernels.decode_sgd``: one read of θ and its momentum, no gradient tensor written and
     read back), where that gives exactly torch's bits: ``opt`` is :func:`outer_sgd`'s fused SGD
     (momentum, not maximize, a float lr) over ``theta`` alone, a contiguous float32 CPU tensor,
-    and :func:`~dtrain.codecs.native.sgd_parts` found this torch's kernel here. Its state is kept
+    with no step hooks (:func:`_step_hooked`), and :func:`~dtrain.codecs.native.sgd_parts` found
+    this torch's kernel here. Its state is kept
     as torch's step keeps it (the momentum buffer made at the first step). False (nothing
     done): the caller decodes and steps."""
     if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
@@ -84,6 +85,8 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     if len(g["params"]) != 1 or g["params"][0] is not theta or type(g["lr"]) is not float:
         return False
     if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return False
+    if _step_hooked(opt):  # a hook may read the gradient, which this step never materializes
         return False
     if theta.device.type != "cpu" or theta.dtype != torch.float32 or not theta.is_contiguous():
         return False
@@ -102,9 +105,26 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     with torch.no_grad():
         if not run.step_sgd(theta.detach(), buf, step):
             return False
+    torch.autograd.graph.increment_version(theta)  # written through its pointer: as an in-place op would
     if first:
         opt.state[theta]["momentum_buffer"] = buf
+    if getattr(opt.step, "_wrapped_by_lr_sched", False):
+        opt._opt_called = True  # what the LR scheduler's wrapper of opt.step records (its order check)
     return True
+
+
+def _step_hooked(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` would run more than SGD's arithmetic: step hooks of ``opt`` or of
+    every optimizer (``register_optimizer_step_*_hook``), or a wrapper of its ``step`` other
+    than an LR scheduler's (which only records the call)."""
+    from torch.optim import optimizer as _o  # the global hooks' registries
+
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return True
+    if getattr(_o, "_global_optimizer_pre_hooks", None) or getattr(_o, "_global_optimizer_post_hooks", None):
+        return True
+    wrapped = opt.__dict__.get("step")
+    return wrapped is not None and not getattr(wrapped, "_wrapped_by_lr_sched", False)
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -499,14 +499,15 @@ def test_a_push_given_up_while_it_cuts_its_body_leaves_the_residual_restored_at_
 @pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
 @pytest.mark.parametrize("codec_name", ["int8", "int4"])
 @pytest.mark.parametrize("hyper", [(0.7, 0.9, True, 0.0, 0.0), (0.3, 0.5, False, 0.01, 0.1)])
-def test_the_outer_step_decoding_in_its_own_pass_gives_torchs_bits(codec_name: str, hyper: tuple) -> None:
+@pytest.mark.parametrize("last", [1283, 1293])  # 7,683 % 16 = 3; 7,693 % 16 = 13: torch's tail in two parts
+def test_the_outer_step_decoding_in_its_own_pass_gives_torchs_bits(codec_name: str, hyper: tuple, last: int) -> None:
     """GlobalState.apply_mean of a mean's checked payloads (a CheckedRun: decoded by the fused
     step's own pass where sgd_parts found torch's kernel) and of the decoded tensor (torch's
     step): the same θ, momentum and checksum, bit for bit, at the first step (new momentum) and
     later ones, on a bucket whose last chunk is short and whose size leaves a tail."""
     lr, momentum, nesterov, wd, damp = hyper
     codec = get_codec(codec_name)
-    numel = 5 * 1280 + 1283  # chunks of 1,280 and a last one of 1,283: two runs; 7,683 % 16 = 3
+    numel = 5 * 1280 + last  # chunks of 1,280 and a last, shorter one: two runs
     layout = BucketLayout([numel], ["param"], BucketConfig(chunk_bytes=4 * 1280))
     bucket = layout.buckets[0]
 
@@ -560,3 +561,38 @@ def test_without_parts_that_give_torchs_bits_the_outer_step_decodes_first(monkey
         assert a.apply_mean(0, run) == b.apply_mean(0, codec.decode_chunks(payloads, [n for _, n in chunks]))
         assert run._tensor is not None  # decoded first  # noqa: SLF001
     native.sgd_parts.cache_clear()
+
+
+@pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
+def test_the_one_pass_step_leaves_hooked_optimizers_to_torch_and_keeps_lr_schedulers_informed() -> None:
+    """A step hook may read the gradient, which the one-pass step never makes: an optimizer
+    with one is stepped by torch (the mean decoded first). An LR scheduler only records that
+    the step ran: the one-pass step records it too (no "lr_scheduler.step() before
+    optimizer.step()" warning), its lr is the scheduled one, and θ's version moves."""
+    import warnings
+
+    codec = get_codec("int8")
+    layout = BucketLayout([2 * 1280 + 21], ["param"], BucketConfig(chunk_bytes=4 * 1280))
+    chunks = list(layout.buckets[0].chunks)
+    numels = [n for _, n in chunks]
+    payloads = codec.encode_chunks(torch.randn(layout.total_numel) * 1e-2, chunks)
+    hooked = GlobalState(layout, [torch.ones(layout.total_numel)])
+    seen = []
+    hooked.optimizers[0].register_step_pre_hook(lambda opt, *a: seen.append(opt.param_groups[0]["params"][0].grad))
+    run = codec.checked_run(payloads, numels)
+    hooked.apply_mean(0, run)
+    assert run._tensor is not None and seen[0] is not None  # noqa: SLF001 - torch stepped it, gradient set
+    states = [GlobalState(layout, [torch.ones(layout.total_numel)]) for _ in range(2)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(s.optimizers[0], lambda r: 0.5**r) for s in states]
+    version = states[0].theta[0]._version
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the scheduler's order warning would raise here
+        for _ in range(3):
+            run = codec.checked_run(payloads, numels)
+            a = states[0].apply_mean(0, run)
+            assert run._tensor is None  # noqa: SLF001 - the one-pass step ran
+            assert a == states[1].apply_mean(0, codec.decode_chunks(payloads, numels))
+            for sch in scheds:
+                sch.step()
+    assert states[0].theta[0]._version > version
+    assert states[0].optimizers[0].param_groups[0]["lr"] == states[1].optimizers[0].param_groups[0]["lr"] == 0.7 / 8
