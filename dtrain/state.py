@@ -74,9 +74,8 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     read back), where that gives exactly torch's bits: ``opt`` is :func:`outer_sgd`'s fused SGD
     (momentum, not maximize, a float lr) over ``theta`` alone, a contiguous float32 CPU tensor,
     with no step hooks (:func:`_step_hooked`), and :func:`~dtrain.codecs.native.sgd_parts` found
-    this torch's kernel here. Its state is kept
-    as torch's step keeps it (the momentum buffer made at the first step). False (nothing
-    done): the caller decodes and steps."""
+    this torch's kernel here. Its state is kept as torch's step keeps it (the momentum buffer
+    made at the first step). False (nothing done): the caller decodes and steps."""
     if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
         return False
     g = opt.param_groups[0]
