@@ -334,3 +334,37 @@ def _to_bytes(sd: dict):
     torch.save(sd, buf)
     buf.seek(0)
     return buf
+
+
+@pytest.mark.timeout(120)
+def test_members_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sites with int8 means and DiLoCo's outer SGD: each member's outer step decodes the
+    means of the buckets it does not own in its own pass (Kernels.decode_sgd runs), and the
+    sites end on the same θ, bit for bit, as the same run with that pass off (the means decoded
+    first, torch stepping)."""
+    from dtrain import state
+    from dtrain.codecs.native import Kernels, kernels
+
+    if kernels() is None or state.sgd_parts() is None:
+        pytest.skip("no compiled kernels, or none giving torch's fused SGD bits here")
+    calls = []
+    real = Kernels.decode_sgd
+    monkeypatch.setattr(Kernels, "decode_sgd", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    int8 = RoundConfig(codec=CodecConfig(name="int8"))
+    cfg = ClusterConfig(
+        num_sites=3, diloco=fast_diloco_config(buckets=BucketConfig(bucket_bytes=4096, chunk_bytes=512), rounds=int8)
+    )
+
+    def run() -> tuple[str, ...]:
+        with InprocCluster(mlp, inner_sgd, cfg) as c:
+            c.run_steps(lambda s, k: train_step(s.model, s.optimizer, k, shift=s.index), 4 * 4, timeout_s=60)
+            assert all(s.diloco.round == 4 for s in c.sites)
+            sums = c.checksums()
+        assert len(set(sums)) == 1
+        return sums[0]
+
+    fused = run()
+    assert calls, "no member stepped a mean in one pass"
+    monkeypatch.setattr(state, "sgd_parts", lambda: None)  # the pass off: decoded first, torch steps
+    calls.clear()
+    assert run() == fused and not calls
