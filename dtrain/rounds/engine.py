@@ -602,8 +602,8 @@ class RoundEngine(PeerSide, Reduce, Recovery):
             run.res.errors.append(f"bad mean b{b}: {e}")
             self._stale(run, b, f"bad mean from {owner}: {e}")
             return
-        run.add(decode_s=time.perf_counter() - t)
         after = self.state.apply_mean(b, full)
+        run.add(decode_s=time.perf_counter() - t)  # with the step, which decodes a checked mean in its pass
         with self._cv:
             self.state.bucket_round[b] = r + 1
         if member.applied(b, before=before, after=after) is BucketOutcome.STALE:
