@@ -20,7 +20,7 @@ import torch
 
 from dtrain.buckets import BucketLayout, checksum
 from dtrain.codecs.base import CheckedRun
-from dtrain.codecs.native import SgdStep, sgd_parts
+from dtrain.codecs.native import SgdStep, sgd_width
 from dtrain.errors import StateTransferError
 from dtrain.protocol import BucketState
 
@@ -73,7 +73,7 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     pass (``Kernels.decode_sgd``: one read of θ and its momentum, no gradient tensor written and
     read back), where that gives exactly torch's bits: ``opt`` is :func:`outer_sgd`'s fused SGD
     (momentum, not maximize, a float lr) over ``theta`` alone, a contiguous float32 CPU tensor,
-    with no step hooks (:func:`_step_hooked`), and :func:`~dtrain.codecs.native.sgd_parts` found
+    with no step hooks (:func:`_step_hooked`), and :func:`~dtrain.codecs.native.sgd_width` found
     this torch's kernel here. Its state is kept as torch's step keeps it (the momentum buffer
     made at the first step). False (nothing done): the caller decodes and steps."""
     if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
@@ -89,8 +89,8 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
         return False
     if theta.device.type != "cpu" or theta.dtype != torch.float32 or not theta.is_contiguous():
         return False
-    parts = sgd_parts()
-    if parts is None:
+    width = sgd_width()
+    if width is None:
         return False
     buf = opt.state[theta].get("momentum_buffer")
     first = buf is None
@@ -99,7 +99,7 @@ def _step_in_one_pass(opt: torch.optim.Optimizer, theta: torch.Tensor, run: Chec
     elif not (buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()):
         return False
     step = SgdStep(
-        theta.numel(), g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"], first, *parts
+        theta.numel(), g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"], first, width
     )
     with torch.no_grad():
         if not run.step_sgd(theta.detach(), buf, step):

@@ -695,7 +695,7 @@ class CheckedRun:
     def step_sgd(self, theta: torch.Tensor, buf: torch.Tensor, sgd: Any) -> bool:
         """One outer step of ``theta`` with these values as its gradient, the decode and the step
         in one pass: the bits ``torch._fused_sgd_`` gives (``sgd``: a
-        ``dtrain.codecs.native.SgdStep`` whose parts ``sgd_parts`` found). ``theta`` and ``buf``:
+        ``dtrain.codecs.native.SgdStep`` with the width ``sgd_width`` found). ``theta`` and ``buf``:
         contiguous 1-D float32 CPU tensors of :meth:`numel` elements. False (nothing done) where
         this codec has no such pass, or the values were decoded already."""
         if self._step is None or self._tensor is not None:

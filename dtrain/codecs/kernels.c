@@ -18,15 +18,15 @@
  *
  * The outer step (bw_decode_sgd): torch._fused_sgd_'s float32 CPU arithmetic (torch 2.13,
  * aten/src/ATen/native/cpu/FusedSGDKernel.cpp `sgd_math`) with the gradient decoded in the same
- * pass instead of read from a tensor. torch steps a tensor of n elements in three parts, each
- * with its own roundings, and so does this: the first n - n % vec elements as its vector loop
- * (buf' = fma(1 - dampening, g, buf * momentum); Nesterov g' = fma(buf', momentum, g); θ' =
- * fma(g', -lr, θ); weight decay g = fma(θ, wd, g)), then the tail as the compiler built torch's
- * scalar loop: its first (tail - tail % tvec) elements vectorized with buf' = fma(g, 1 -
- * dampening, buf * momentum), the rest with buf' = fma(buf, momentum, g * (1 - dampening)), both
- * with θ' = fma(-g', lr, θ). vec and tvec are the caller's (dtrain/codecs/native.py finds the
- * pair that gives torch's bits on this machine, or uses torch). fmaf is exact (one rounding)
- * whether or not the clone has FMA instructions.
+ * pass instead of read from a tensor. torch steps a tensor of n elements in two forms, found by
+ * comparing bits: its vector loop (n - n % 16 elements) and the part of its scalar tail that
+ * its compiler vectorized (8 at a time) both round as buf' = fma(1 - dampening, g, buf *
+ * momentum), Nesterov g' = fma(buf', momentum, g), θ' = fma(g', -lr, θ), weight decay g =
+ * fma(θ, wd, g); the last n % 8 elements as buf' = fma(buf, momentum, g * (1 - dampening)),
+ * the rest alike. So this takes the first n - n % width elements in the first form and the rest
+ * in the second; width is the caller's (dtrain/codecs/native.py finds the one that gives
+ * torch's bits on this machine, or uses torch). fmaf is exact (one rounding) whether or not the
+ * clone has FMA instructions.
  *
  * Codes: int8 (qmax 127), one byte each; int4 (qmax 7), nibble = code + 8, element 2i in the
  * low nibble of byte i and 2i+1 in the high one, an odd tail padded with nibble 8.
@@ -270,45 +270,32 @@ BW_CLONES int bw_decode(const uint8_t *bodies, int64_t k, int64_t stride, int64_
 
 /* The step's scalars (see the header): float32 as torch's kernel casts them. */
 typedef struct {
-    float mom, d1, wd, nlr, lr;
+    float mom, d1, wd, lr;
     int has_wd, nesterov, first;
 } sgd_args;
 
-/* torch's vector loop over e elements */
-static inline void sgd_body(float *p, float *m, const float *g, int64_t e, const sgd_args *a) {
+/* e elements of the step in the header's first form (vec != 0) or second */
+static inline void sgd_run(float *p, float *m, const float *g, int64_t e, const sgd_args *a, int vec) {
     for (int64_t i = 0; i < e; i++) {
         float gv = g[i], x = p[i];
         if (a->has_wd) gv = fmaf(x, a->wd, gv);
-        float mv = a->first ? gv : fmaf(a->d1, gv, m[i] * a->mom);
+        float mv = a->first ? gv : vec ? fmaf(a->d1, gv, m[i] * a->mom) : fmaf(m[i], a->mom, gv * a->d1);
         m[i] = mv;
         gv = a->nesterov ? fmaf(mv, a->mom, gv) : mv;
-        p[i] = fmaf(gv, a->nlr, x);
-    }
-}
-
-/* torch's scalar loop over e elements: vectorized by its compiler (vpart) or not */
-static inline void sgd_tail(float *p, float *m, const float *g, int64_t e, const sgd_args *a, int vpart) {
-    for (int64_t i = 0; i < e; i++) {
-        float gv = g[i];
-        if (a->has_wd) gv = fmaf(p[i], a->wd, gv);
-        float mv = a->first ? gv : vpart ? fmaf(gv, a->d1, m[i] * a->mom) : fmaf(m[i], a->mom, gv * a->d1);
-        m[i] = mv;
-        gv = a->nesterov ? fmaf(mv, a->mom, gv) : mv;
-        p[i] = fmaf(-gv, a->lr, p[i]);
+        p[i] = fmaf(-gv, a->lr, x);
     }
 }
 
 /* One outer step of torch._fused_sgd_ (momentum != 0, not maximize) on n_total elements of θ and
  * its momentum buffer, the gradient being the k bodies decoded (as bw_decode writes them): row r
  * holds elements [base + r * numel, base + (r + 1) * numel) of the tensor; theta and buf point at
- * element base. vec, tvec: the parts of torch's step (header). g: scratch of bs floats. The rows
- * must have passed bw_check (checked: not checked again). Returns 0. */
+ * element base. width: the last n_total % width elements take the header's second form. g:
+ * scratch of bs floats. The rows must have passed bw_check (not checked again). Returns 0. */
 BW_CLONES int bw_decode_sgd(const uint8_t *bodies, int64_t k, int64_t stride, int64_t numel, int64_t bs, int int4,
-                            float *theta, float *buf, int64_t base, int64_t n_total, int64_t vec, int64_t tvec,
-                            float lr, float mom, float dampening1, float wd, int nesterov, int first, float *g) {
-    const int64_t nb = (numel + bs - 1) / bs, body_end = n_total - n_total % vec;
-    const int64_t tail = n_total - body_end, tvec_end = body_end + (tvec > 0 ? tail - tail % tvec : 0);
-    const sgd_args a = {mom, dampening1, wd, -lr, lr, wd != 0.0f, nesterov, first};
+                            float *theta, float *buf, int64_t base, int64_t n_total, int64_t width, float lr,
+                            float mom, float dampening1, float wd, int nesterov, int first, float *g) {
+    const int64_t nb = (numel + bs - 1) / bs, vec_end = n_total - n_total % width;
+    const sgd_args a = {mom, dampening1, wd, lr, wd != 0.0f, nesterov, first};
     for (int64_t r = 0; r < k; r++) {
         const uint8_t *body = bodies + r * stride, *codes = body + 4 * nb;
         for (int64_t b = 0; b < nb; b++) {
@@ -323,12 +310,9 @@ BW_CLONES int bw_decode_sgd(const uint8_t *bodies, int64_t k, int64_t stride, in
                 for (int64_t i = 0; i < e; i++) g[i] = (float)((i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) - 8) * sc;
             }
             int64_t at = r * numel + o, gi = base + at; /* at: in this call's arrays; gi: in the tensor */
-            float *p = theta + at, *m = buf + at;
-            int64_t n1 = gi < body_end ? (gi + e < body_end ? e : body_end - gi) : 0;
-            int64_t n2 = gi + n1 < tvec_end ? (gi + e < tvec_end ? e : tvec_end - gi) - n1 : 0;
-            if (n1) sgd_body(p, m, g, n1, &a);
-            if (n2) sgd_tail(p + n1, m + n1, g + n1, n2, &a, 1);
-            if (e - n1 - n2) sgd_tail(p + n1 + n2, m + n1 + n2, g + n1 + n2, e - n1 - n2, &a, 0);
+            int64_t n1 = gi < vec_end ? (gi + e < vec_end ? e : vec_end - gi) : 0;
+            if (n1) sgd_run(theta + at, buf + at, g, n1, &a, 1);
+            if (e - n1) sgd_run(theta + at + n1, buf + at + n1, g + n1, e - n1, &a, 0);
         }
     }
     return 0;

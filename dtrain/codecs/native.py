@@ -32,7 +32,7 @@ from zlib_ng import zlib_ng
 
 from dtrain.native import build_and_load
 
-__all__ = ["Kernels", "SgdStep", "kernels", "sgd_parts"]
+__all__ = ["Kernels", "SgdStep", "kernels", "sgd_width"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Kernels:
         lib.ef_accumulate_encode.argtypes = [vp, vp, vp, vp, i64, i64, ctypes.c_float, i64, i64, i, vp, vp, vp, i]
         f = ctypes.c_float
         lib.bw_decode_sgd.restype = i
-        lib.bw_decode_sgd.argtypes = [vp, i64, i64, i64, i64, i, vp, vp, i64, i64, i64, i64, f, f, f, f, i, i, vp]
+        lib.bw_decode_sgd.argtypes = [vp, i64, i64, i64, i64, i, vp, vp, i64, i64, i64, f, f, f, f, i, i, vp]
         lib.bw_seal_rows.restype, lib.bw_seal_rows.argtypes = None, [vp, i64, i64, ctypes.c_char_p, vp, vp, i64, vp]
         lib.bw_check_headers.restype, lib.bw_check_headers.argtypes = i64, [vp, i64, i64, ctypes.c_char_p, vp, vp]
         self._lib = lib
@@ -211,15 +211,14 @@ class Kernels:
         a tensor of ``step.numel`` (``theta`` and its momentum ``buf``: contiguous float32 CPU
         views of those elements), the gradient being the rows of ``bodies`` decoded in the same
         pass (rows that passed :meth:`check`): the bits torch's step gives with the decoded
-        values as the gradient, where :func:`sgd_parts` found the parts (``step.vec``,
-        ``step.tvec``) that give them."""
+        values as the gradient, where :func:`sgd_width` found the ``step.width`` that gives them."""
         k = bodies.shape[0]
         assert bodies.strides[1] == 1 and theta.is_contiguous() and buf.is_contiguous()
         assert theta.numel() == buf.numel() == k * numel and theta.dtype == buf.dtype == torch.float32
         g = np.empty(bs, dtype=np.float32)  # one block's gradient
         self._lib.bw_decode_sgd(
             bodies.ctypes.data, k, bodies.strides[0], numel, bs, int(int4), theta.data_ptr(), buf.data_ptr(), base,
-            step.numel, step.vec, step.tvec, step.lr, step.momentum, 1.0 - step.dampening, step.weight_decay,
+            step.numel, step.width, step.lr, step.momentum, 1.0 - step.dampening, step.weight_decay,
             int(step.nesterov), int(step.first), g.ctypes.data,
         )  # fmt: skip
 
@@ -227,7 +226,7 @@ class Kernels:
 class SgdStep(NamedTuple):
     """One ``torch._fused_sgd_`` step of a float32 tensor of ``numel`` elements (its
     hyperparameters as the optimizer's param group holds them; ``first``: the momentum buffer is
-    new, torch's ``is_first_step``), and the parts of torch's kernel (:func:`sgd_parts`)."""
+    new, torch's ``is_first_step``), and the width of torch's vectorized code (:func:`sgd_width`)."""
 
     numel: int
     lr: float
@@ -236,35 +235,34 @@ class SgdStep(NamedTuple):
     weight_decay: float
     nesterov: bool
     first: bool
-    vec: int
-    tvec: int
+    width: int
 
 
-#: (vector width, tail vector width) of torch's fused SGD kernel to try: its AVX-512 build
-#: (16 floats a vector; the scalar tail vectorized 8 at a time by its compiler), its AVX2 build
-_SGD_PARTS = ((16, 8), (8, 4), (16, 0), (8, 0))
+#: Widths to try (``bw_decode_sgd``): torch's AVX-512 build, whose scalar tail its compiler
+#: vectorized 8 at a time; then others a build might have
+_SGD_WIDTHS = (8, 4, 16)
 
 
 @functools.cache
-def sgd_parts() -> tuple[int, int] | None:
-    """The parts ``(vec, tvec)`` with which :meth:`Kernels.decode_sgd` gives exactly the bits of
-    this torch's ``torch._fused_sgd_`` on float32 CPU tensors here, found once by stepping both
-    on random tensors of 1-40 and a few hundred elements, every combination of first step,
-    Nesterov, weight decay and dampening; None (torch's step is used) when none does, or without
-    the kernels or a CPU fused SGD. Logged once."""
+def sgd_width() -> int | None:
+    """The width with which :meth:`Kernels.decode_sgd` gives exactly the bits of this torch's
+    ``torch._fused_sgd_`` on float32 CPU tensors here, found once by stepping both on random
+    tensors of 1-40 and a few hundred elements, every combination of first step, Nesterov,
+    weight decay and dampening; None (torch's step is used) when none does, or without the
+    kernels or a CPU fused SGD. Logged once."""
     kern = kernels()
     if kern is None or not hasattr(torch, "_fused_sgd_"):
         return None
     try:
         cases = _sgd_cases(kern)
-        for vec, tvec in _SGD_PARTS:
-            if all(_sgd_agrees(kern, c, vec, tvec) for c in cases):
-                log.info("outer step decoded in one pass: torch's fused SGD parts (%d, %d)", vec, tvec)
-                return vec, tvec
+        for width in _SGD_WIDTHS:
+            if all(_sgd_agrees(kern, c, width) for c in cases):
+                log.info("outer step decoded in one pass: torch's fused SGD, vector width %d", width)
+                return width
     except RuntimeError as e:  # a torch without the CPU kernel
         log.info("fused outer step unavailable (%s): torch's step is used", e)
         return None
-    log.info("no parts give torch's fused SGD bits here: the outer step decodes first, then torch steps")
+    log.info("no width gives torch's fused SGD bits here: the outer step decodes first, then torch steps")
     return None
 
 
@@ -278,11 +276,11 @@ def _sgd_cases(kern: Kernels) -> list[tuple]:
         assert kern.encode(x, 8, 8 * len(scales), False, scales, codes)
         body = np.concatenate([scales.view(np.uint8), codes]).reshape(1, -1)
         theta, buf = torch.randn(n, generator=g), torch.randn(n, generator=g)
-        cases.append((body, n, theta, buf, SgdStep(n, 0.7, 0.9, damp, wd, nesterov, first, 0, 0)))
+        cases.append((body, n, theta, buf, SgdStep(n, 0.7, 0.9, damp, wd, nesterov, first, 0)))
     return cases
 
 
-def _sgd_agrees(kern: Kernels, case: tuple, vec: int, tvec: int) -> bool:
+def _sgd_agrees(kern: Kernels, case: tuple, width: int) -> bool:
     body, n, theta, buf, step = case
     grad = torch.empty(n)
     kern.decode(body, n, 8, False, grad)
@@ -291,7 +289,7 @@ def _sgd_agrees(kern: Kernels, case: tuple, vec: int, tvec: int) -> bool:
         [want_t], [grad], [want_b], weight_decay=step.weight_decay, momentum=step.momentum, lr=step.lr,
         dampening=step.dampening, nesterov=step.nesterov, maximize=False, is_first_step=step.first,
     )  # fmt: skip
-    kern.decode_sgd(body, n, 8, False, got_t, got_b, 0, step._replace(vec=vec, tvec=tvec))
+    kern.decode_sgd(body, n, 8, False, got_t, got_b, 0, step._replace(width=width))
     bits = torch.int32
     return torch.equal(want_t.view(bits), got_t.view(bits)) and torch.equal(want_b.view(bits), got_b.view(bits))
 

@@ -345,7 +345,7 @@ def test_members_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(mo
     from dtrain import state
     from dtrain.codecs.native import Kernels, kernels
 
-    if kernels() is None or state.sgd_parts() is None:
+    if kernels() is None or state.sgd_width() is None:
         pytest.skip("no compiled kernels, or none giving torch's fused SGD bits here")
     calls = []
     real = Kernels.decode_sgd
@@ -365,6 +365,6 @@ def test_members_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(mo
 
     fused = run()
     assert calls, "no member stepped a mean in one pass"
-    monkeypatch.setattr(state, "sgd_parts", lambda: None)  # the pass off: decoded first, torch steps
+    monkeypatch.setattr(state, "sgd_width", lambda: None)  # the pass off: decoded first, torch steps
     calls.clear()
     assert run() == fused and not calls

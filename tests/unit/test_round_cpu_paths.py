@@ -502,7 +502,7 @@ def test_a_push_given_up_while_it_cuts_its_body_leaves_the_residual_restored_at_
 @pytest.mark.parametrize("last", [1283, 1293])  # 7,683 % 16 = 3; 7,693 % 16 = 13: torch's tail in two parts
 def test_the_outer_step_decoding_in_its_own_pass_gives_torchs_bits(codec_name: str, hyper: tuple, last: int) -> None:
     """GlobalState.apply_mean of a mean's checked payloads (a CheckedRun: decoded by the fused
-    step's own pass where sgd_parts found torch's kernel) and of the decoded tensor (torch's
+    step's own pass where sgd_width found torch's kernel) and of the decoded tensor (torch's
     step): the same θ, momentum and checksum, bit for bit, at the first step (new momentum) and
     later ones, on a bucket whose last chunk is short and whose size leaves a tail."""
     lr, momentum, nesterov, wd, damp = hyper
@@ -535,20 +535,20 @@ def test_the_outer_step_decoding_in_its_own_pass_gives_torchs_bits(codec_name: s
 
 
 @pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
-def test_without_parts_that_give_torchs_bits_the_outer_step_decodes_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sgd_parts tries its candidates against torch's kernel: where none matches (here: only a
+def test_without_a_width_that_gives_torchs_bits_the_outer_step_decodes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sgd_width tries its candidates against torch's kernel: where none matches (here: only a
     wrong one offered) the fused pass is not used and a CheckedRun is decoded, then stepped by
     torch; an outer optimizer other than fused SGD always is."""
     from dtrain.codecs import native
 
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch 2.13's AVX-512 kernel, this machine's
-        assert native.sgd_parts() == (16, 8)
-    native.sgd_parts.cache_clear()
-    monkeypatch.setattr(native, "_SGD_PARTS", ((4, 0),))
+        assert native.sgd_width() == 8
+    native.sgd_width.cache_clear()
+    monkeypatch.setattr(native, "_SGD_WIDTHS", (4,))
     try:
-        assert native.sgd_parts() is None
+        assert native.sgd_width() is None
     finally:
-        native.sgd_parts.cache_clear()
+        native.sgd_width.cache_clear()
     codec = get_codec("int8")
     layout = BucketLayout([2 * 1280 + 5], ["param"], BucketConfig(chunk_bytes=4 * 1280))
     chunks = list(layout.buckets[0].chunks)
@@ -560,7 +560,7 @@ def test_without_parts_that_give_torchs_bits_the_outer_step_decodes_first(monkey
         run = codec.checked_run(payloads, [n for _, n in chunks])
         assert a.apply_mean(0, run) == b.apply_mean(0, codec.decode_chunks(payloads, [n for _, n in chunks]))
         assert run._tensor is not None  # decoded first  # noqa: SLF001
-    native.sgd_parts.cache_clear()
+    native.sgd_width.cache_clear()
 
 
 @pytest.mark.skipif(kernels() is None, reason="needs the compiled codec kernels")
