@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -161,10 +162,10 @@ def isolated_push_cpu_us(num: int = 6000, *, gso: bool, native: str = "on") -> f
 _BLAST = """
 import socket, struct, sys, time
 blob = sys.stdin.buffer.read()
-gso = sys.argv[2] == "gso"
+gso, gap_s = sys.argv[2] == "gso", float(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.connect(('127.0.0.1', int(sys.argv[1])))
-i, burst = 0, []
+i, burst, sent, t0 = 0, [], 0, time.monotonic()
 while i < len(blob):
     (n,) = struct.unpack_from('<H', blob, i)
     burst.append(blob[i + 2 : i + 2 + n])
@@ -175,16 +176,33 @@ while i < len(blob):
         else:
             for d in burst:
                 s.send(d)
+        sent += sum(map(len, burst))
         burst = []
-        time.sleep(0.0015)
+        if gap_s:
+            time.sleep(gap_s)
+print(sent * 8 / (time.monotonic() - t0) / 1e9)
 """
 
 
-def isolated_recv_cpu_us(num: int = 20_000, native: str = "on", *, gso: bool, gro: bool) -> tuple[float, float]:
-    """(CPU µs per datagram of the receive thread, fraction delivered) while another process
-    sends it ``num`` sealed int8 contributions in bursts of 46 (~1.5 ms apart): each datagram
-    with its own ``send``, or (``gso``) each burst as one UDP segmentation offload write, as the
-    compiled loop sends; ``gro``: the receiver's ``DatagramTransportConfig.gro``."""
+class RecvFigures(NamedTuple):
+    """:func:`isolated_recv_cpu_us`'s figures."""
+
+    cpu_us: float  # CPU µs of the receive thread per datagram delivered
+    delivered: float  # fraction of the datagrams sent that reached the handler
+    offered_gbit: float  # the sender's rate, Gbit/s of datagrams (bursts and gaps together)
+    handled_gbit: float  # the rate the handler got them at, first to last, Gbit/s of datagrams
+
+
+def isolated_recv_cpu_us(
+    num: int = 20_000, native: str = "on", *, gso: bool, gro: bool, gap_s: float = 0.0015
+) -> RecvFigures:
+    """The receive thread's CPU per datagram while another process sends it ``num`` sealed int8
+    contributions in bursts of 46, ``gap_s`` apart (1.5 ms: ~0.35 Gbit/s, a paced sender's
+    bursts; 0: back to back, as fast as the sender can, the condition of
+    :func:`isolated_push_cpu_us`): each datagram with its own ``send``, or (``gso``) each burst
+    as one UDP segmentation offload write, as the compiled loop sends; ``gro``: the receiver's
+    ``DatagramTransportConfig.gro``. A wake-up of the thread costs the same however few
+    datagrams it reads, so the CPU per datagram falls as the rate rises."""
     b, handler = DatagramTransport(_config(native=native, gro=gro)), CountingHandler()
     addr_b = b.start(handler)
     key = os.urandom(32)
@@ -201,12 +219,14 @@ def isolated_recv_cpu_us(num: int = 20_000, native: str = "on", *, gso: bool, gr
             blob += struct.pack("<H", len(d)) + d
     clock = time.pthread_getcpuclockid(next(t for t in b._threads if t.name.startswith("dgram-recv")).ident)
     cpu0 = time.clock_gettime(clock)
-    sender = [sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1], "gso" if gso else "send"]
-    subprocess.run(sender, input=blob, check=True)
+    sender = [sys.executable, "-c", _BLAST, addr_b.rsplit(":", 1)[1], "gso" if gso else "send", repr(gap_s)]
+    offered = float(subprocess.run(sender, input=blob, check=True, capture_output=True).stdout)
     wait_until(lambda: handler.num >= num, 10, poll_s=0.01)
     cpu = time.clock_gettime(clock) - cpu0
     b.stop(0)
-    return cpu / max(1, handler.num) * 1e6, handler.num / num
+    wire_bits = (len(blob) - 2 * num) * 8 * handler.num / num
+    handled = wire_bits / max(handler.last - handler.first, 1e-9) / 1e9
+    return RecvFigures(cpu / max(1, handler.num) * 1e6, handler.num / num, offered, handled)
 
 
 def native_read_cpu_us(*, gso: bool, gro: bool, num: int = 20_000) -> float:
@@ -304,10 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             "push_gso_us": isolated_push_cpu_us(gso=True) if has_gso else None,
             "push_sendmmsg_us": isolated_push_cpu_us(gso=False),
         }
-        iso["recv_us"], iso["recv_delivered"] = isolated_recv_cpu_us(gso=False, gro=True)
-        iso["recv_gso_recvmmsg_us"], _ = isolated_recv_cpu_us(gso=True, gro=False)
+        iso["recv_us"], iso["recv_delivered"], *_ = isolated_recv_cpu_us(gso=False, gro=True)
+        iso["recv_gso_recvmmsg_us"], *_ = isolated_recv_cpu_us(gso=True, gro=False)
         has_gro = "gro" in DatagramTransportConfig.__dataclass_fields__  # an older checkout: recvmmsg only
-        iso["recv_gso_gro_us"], _ = isolated_recv_cpu_us(gso=True, gro=True) if has_gro else (None, None)
+        iso["recv_gso_gro_us"], *_ = isolated_recv_cpu_us(gso=True, gro=True) if has_gro else (None,)
+        # back to back, as the push above is measured: the fixed cost of a wake-up spread over more datagrams
+        unpaced = isolated_recv_cpu_us(gso=True, gro=has_gro, gap_s=0.0)
+        iso["recv_unpaced"] = unpaced._asdict()
         if has_gro:
             for sender in ("send", "gso"):
                 for how in ("recvmmsg", "gro"):
@@ -319,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\ncompiled loop, each side alone, CPU µs per datagram: unpaced push {gso}"
             f"{iso['push_sendmmsg_us']:.2f} (sendmmsg); receive thread {iso['recv_us']:.2f} from a sender "
             f"of one send per datagram (delivered {iso['recv_delivered']:.3f}); from a GSO sender "
-            f"(as dtrain sends) with recvmmsg {iso['recv_gso_recvmmsg_us']:.2f}{gro}"
+            f"(as dtrain sends) with recvmmsg {iso['recv_gso_recvmmsg_us']:.2f}{gro}, in bursts 1.5 ms apart; "
+            f"from the GSO sender unpaced ({unpaced.offered_gbit:.1f} Gbit/s offered) {unpaced.cpu_us:.2f} "
+            f"(delivered {unpaced.delivered:.3f} at {unpaced.handled_gbit:.2f} Gbit/s; "
+            f"{1400 * 8 / unpaced.cpu_us / 1e3:.1f} Gbit/s per CPU-second)"
         )
         if has_gro:
             print(
