@@ -397,8 +397,10 @@ class RoundEngine(PeerSide, Reduce, Recovery):
                 chunks, full = encode_mean(
                     self.bcodec, self.state.layout.buckets[b], reductions, residual=bres, generator=self._gen
                 )
-                run.add(encode_s=time.perf_counter() - t)
-                after = self.state.apply_mean(b, full)
+                t2 = time.perf_counter()
+                run.add(encode_s=t2 - t)
+                after = self.state.apply_mean(b, full)  # decodes an undecoded mean in the step's pass
+                run.add(decode_s=time.perf_counter() - t2)
                 bm = BucketMean(
                     round=r, bucket=b, owner=self.site_id, chunks=chunks, checksum_before=before, checksum_after=after
                 )

@@ -26,7 +26,7 @@ def encode_mean(
     *,
     residual: torch.Tensor | None,
     generator: torch.Generator,
-) -> tuple[tuple[MeanChunk, ...], torch.Tensor]:
+) -> tuple[tuple[MeanChunk, ...], torch.Tensor | CheckedRun]:
     """The broadcast chunks of a bucket's mean and the decoded full mean (what every site applies).
 
     Args:
@@ -42,9 +42,11 @@ def encode_mean(
         generator: random source of stochastic rounding.
     Returns:
         ``(chunks, full)``: the encoded chunks (with the senders each mean includes)
-        and the decoded mean, 1-D fp32 of ``bucket.numel`` elements.
+        and the decoded mean, 1-D fp32 of ``bucket.numel`` elements; without ``residual``,
+        where the codec checks a run without decoding it (:meth:`Codec.checked_run`), the
+        mean's payloads undecoded instead (a :class:`~dtrain.codecs.base.CheckedRun`: the owner's
+        outer step decodes them in its own pass, as a member's does, ``GlobalState.apply_mean``).
     """
-    full = torch.empty(bucket.numel, dtype=torch.float32)
     whole = isinstance(reductions, BucketReduction) and reductions.complete
     if whole and len(reductions) == len(bucket.chunks) and reductions.mean.numel() == bucket.numel:
         ranges, senders = list(bucket.chunks), reductions.senders
@@ -62,18 +64,24 @@ def encode_mean(
                 src[off : off + n] = red.mean if residual is None else red.mean + residual[off : off + n]
     # one encoding pass per bucket (the datagram path cuts a bucket into many small chunks)
     payloads = codec.encode_chunks(src, ranges, generator=generator)
+    name = codec.name
+    chunks = tuple(  # one per chunk (~480 in a datagram run's bucket): without the frozen constructor's cost
+        made(MeanChunk, chunk=c, offset=off, numel=n, codec=name, payload=payload, senders=ss)
+        for c, (off, n), payload, ss in zip(_chunk_indices(reductions), ranges, payloads, senders)
+    )
+    if residual is None and ranges == list(bucket.chunks) and _consecutive(bucket.chunks):
+        # payloads just made here: not re-verified
+        run = codec.checked_run(payloads, list(map(_NUMEL, ranges)), verify=False)
+        if run is not None:
+            return chunks, run
+    full = torch.empty(bucket.numel, dtype=torch.float32)
     # one pass per run of equal chunks, not one call per chunk; payloads just made here: not re-verified
     _decode_into(codec, full, ranges, payloads, verify=False)
     if residual is not None:
         for i, j in contiguous_runs(ranges):
             a, b = ranges[i][0], ranges[j - 1][0] + ranges[j - 1][1]
             residual[a:b] = src[a:b] - full[a:b]
-    name = codec.name
-    chunks = [  # one per chunk (~480 in a datagram run's bucket): without the frozen constructor's cost
-        made(MeanChunk, chunk=c, offset=off, numel=n, codec=name, payload=payload, senders=ss)
-        for c, (off, n), payload, ss in zip(_chunk_indices(reductions), ranges, payloads, senders)
-    ]
-    return tuple(chunks), full
+    return chunks, full
 
 
 def _chunk_indices(reductions: Sequence[ChunkReduction]) -> Sequence[int]:

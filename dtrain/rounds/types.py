@@ -140,7 +140,7 @@ class RoundResult:
     encode_s: float = 0.0
     encoded_bytes: int = 0  # this site's encoded contribution payloads (all owners, itself included)
     encoded_fp32_bytes: int = 0  # the fp32 size of what it encoded (compression = this / encoded_bytes)
-    decode_s: float = 0.0  # the others' means: checked, decoded and applied (the step decodes in its pass)
+    decode_s: float = 0.0  # means applied: the others' checked, decoded, applied; its own applied (the step decodes)
     network_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0

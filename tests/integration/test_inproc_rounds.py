@@ -337,11 +337,11 @@ def _to_bytes(sd: dict):
 
 
 @pytest.mark.timeout(120)
-def test_members_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three sites with int8 means and DiLoCo's outer SGD: each member's outer step decodes the
-    means of the buckets it does not own in its own pass (Kernels.decode_sgd runs), and the
-    sites end on the same θ, bit for bit, as the same run with that pass off (the means decoded
-    first, torch stepping)."""
+def test_sites_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sites with int8 means and DiLoCo's outer SGD: each site's outer step decodes every
+    bucket's mean in its own pass, a member's pulled means and an owner's own (Kernels.decode_sgd
+    runs once per bucket, site and round), and the sites end on the same θ, bit for bit, as the
+    same run with that pass off (the means decoded first, torch stepping)."""
     from dtrain import state
     from dtrain.codecs.native import Kernels, kernels
 
@@ -355,16 +355,20 @@ def test_members_step_int8_means_in_one_pass_and_end_on_the_theta_torch_gives(mo
         num_sites=3, diloco=fast_diloco_config(buckets=BucketConfig(bucket_bytes=4096, chunk_bytes=512), rounds=int8)
     )
 
+    num_buckets = []
+
     def run() -> tuple[str, ...]:
         with InprocCluster(mlp, inner_sgd, cfg) as c:
             c.run_steps(lambda s, k: train_step(s.model, s.optimizer, k, shift=s.index), 4 * 4, timeout_s=60)
             assert all(s.diloco.round == 4 for s in c.sites)
             sums = c.checksums()
+            num_buckets.append(len(c.sites[0].diloco.layout))
         assert len(set(sums)) == 1
         return sums[0]
 
     fused = run()
-    assert calls, "no member stepped a mean in one pass"
+    # every site, the bucket's owner too, steps every bucket in one pass each round
+    assert len(calls) == 3 * 4 * num_buckets[0], (len(calls), num_buckets)
     monkeypatch.setattr(state, "sgd_width", lambda: None)  # the pass off: decoded first, torch steps
     calls.clear()
     assert run() == fused and not calls
