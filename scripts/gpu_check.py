@@ -1,22 +1,25 @@
 #!/usr/bin/env python3
 """Optional GPU check: ``dtrain.DiLoCo`` around models that live on a CUDA device.
 
-dtrain keeps θ, the outer-optimizer state and the residuals as fp32 CPU tensors per
-bucket and copies between them and the model's parameters (``BucketLayout.gather`` /
-``scatter``), so a model on any device should work unchanged. This script checks that
-on a GPU, over the in-process transport (no network), and prints figures:
+dtrain keeps θ, the outer-optimizer state and the residuals per bucket, as fp32 tensors on
+the CPU (``--diloco.theta-device cpu``, the default) or on the model's device
+(``model``), and copies between them and the model's parameters (``BucketLayout.gather`` /
+``scatter``), so a model on any device should work unchanged. This script checks that on a
+GPU, over the in-process transport (no network), for each θ placement, and prints figures:
 
 1. 3 sites train the built-in GPT ``small`` (fp32, then bf16 parameters) on the device
    with AdamW, H = 20, 5 rounds: validation loss must fall, every site's θ checksum must
    agree, and every site's device parameters must equal θ (cast to the model dtype).
-2. One site, a ~100 M-parameter MLP on the device: seconds per round (gather to CPU,
-   encode, outer Nesterov step on CPU, scatter back), median of 3 rounds, to show what
-   the CPU-side outer step costs next to GPU inner steps.
+2. One site, a ~100 M-parameter MLP on the device: seconds per round and ns per parameter
+   (gather, Δ and encode, outer Nesterov step, scatter, checksums), median of 3 rounds, with
+   the engine's encode and decode times, to show what the outer step costs next to GPU inner
+   steps and what keeping θ on the device saves (issue 36).
 
 Exit code 0 when every check holds, 1 otherwise. Runs on CPU too (``--device cpu``)
 with the same checks, which is how it is tested before using a GPU.
 
     python scripts/gpu_check.py --device cuda
+    python scripts/gpu_check.py --device cpu --big-width 512 --theta-devices model   # a smoke run
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dtrain.tasks import TaskSpec, build_task  # noqa: E402
 from dtrain.tasks.builtin import make_optimizer  # noqa: E402
 
 
-def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20) -> bool:
+def check_training(device: str, dtype: torch.dtype, theta_device: str, rounds: int = 5, h: int = 20) -> bool:
     tasks = [build_task(TaskSpec(size="small", seed=0, site_index=i, num_sites=3)) for i in range(3)]
     lr = TaskSpec(size="small", site_index=0, num_sites=3).resolved_lr
 
@@ -52,6 +55,7 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
             sync_every=h,
             buckets=BucketConfig(bucket_bytes=256 << 10, chunk_bytes=64 << 10),
             rounds=RoundConfig(codec=CodecConfig(name="int8")),
+            theta_device=theta_device,
         ),
     )
     ok = True
@@ -72,14 +76,15 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
         sums = c.checksums()
         same = True
         for s in c.sites:
-            tensors = s.diloco._tensors_and_kinds()[0]  # the model's parameters and buffers, on the device
+            tensors = s.diloco.local_tensors()  # the model's parameters and buffers, on the device
             for b in range(len(s.state)):
-                on_device = s.state.layout.gather(b, tensors)  # copied to fp32 CPU
-                same &= bool(torch.equal(on_device, s.state.theta[b].detach().to(dtype).float()))
+                on_device = s.state.layout.gather(b, tensors).cpu()  # copied to fp32
+                same &= bool(torch.equal(on_device, s.state.theta[b].detach().to(dtype).float().cpu()))
         rounds_done = [s.diloco.round for s in c.sites]
         dev = str(next(c.sites[0].model.parameters()).device)
+        theta_on = str(c.sites[0].state.theta[0].device)
     print(
-        f"[{dtype}] params on {dev}: val loss {first:.4f} -> {statistics.fmean(finals):.4f} (sites "
+        f"[{dtype}] params on {dev}, θ on {theta_on} (theta_device={theta_device}): val loss {first:.4f} -> {statistics.fmean(finals):.4f} (sites "
         f"{', '.join(f'{v:.4f}' for v in finals)}), rounds {rounds_done}, {wall:.1f} s, "
         f"θ checksums agree: {len(set(sums)) == 1}, device params == θ: {same}"
     )
@@ -98,7 +103,7 @@ def check_training(device: str, dtype: torch.dtype, rounds: int = 5, h: int = 20
     return ok
 
 
-def time_big_round(device: str, width: int, depth: int) -> None:
+def time_big_round(device: str, width: int, depth: int, theta_device: str) -> None:
     torch.manual_seed(0)
     layers = []
     for _ in range(depth):
@@ -108,7 +113,10 @@ def time_big_round(device: str, width: int, depth: int) -> None:
         return torch.nn.Sequential(*layers).to(device)
 
     cfg = ClusterConfig(
-        num_sites=1, diloco=fast_diloco_config(sync_every=1, rounds=RoundConfig(codec=CodecConfig(name="int8")))
+        num_sites=1,
+        diloco=fast_diloco_config(
+            sync_every=1, rounds=RoundConfig(codec=CodecConfig(name="int8")), theta_device=theta_device
+        ),
     )
     with InprocCluster(factory, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), cfg) as c:
         site = c.sites[0]
@@ -130,11 +138,13 @@ def time_big_round(device: str, width: int, depth: int) -> None:
 
         c.run_steps(step, 4, timeout_s=900)
         res = site.results
+        theta_on = str(site.state.theta[0].device)
     med = statistics.median(times[1:])
     print(
-        f"[{n / 1e6:.0f} M params on {device}] optimizer.step() incl. one round, median of 3: {med:.2f} s "
-        f"({med / n * 1e9:.1f} ns/param); engine {statistics.median(r.total_s for r in res[1:]):.2f} s, "
-        f"encode {statistics.median(r.encode_s for r in res[1:]):.2f} s"
+        f"[{n / 1e6:.0f} M params on {device}, θ on {theta_on} (theta_device={theta_device})] optimizer.step() incl. one round, median of 3: "
+        f"{med:.2f} s ({med / n * 1e9:.1f} ns/param); engine {statistics.median(r.total_s for r in res[1:]):.2f} s, "
+        f"encode {statistics.median(r.encode_s for r in res[1:]):.2f} s, "
+        f"decode and step {statistics.median(r.decode_s for r in res[1:]):.2f} s"
     )
 
 
@@ -143,15 +153,25 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big-width", type=int, default=4096, help="width of the timing MLP (depth 6: ~100 M params)")
     ap.add_argument("--big-depth", type=int, default=6)
+    ap.add_argument(
+        "--theta-devices",
+        nargs="+",
+        default=["cpu", "model"],
+        choices=["cpu", "model"],
+        help="DiLoCoConfig.theta_device values to check and time, in turn",
+    )
     a = ap.parse_args()
     torch.set_num_threads(min(8, torch.get_num_threads()))
     print(
         f"torch {torch.__version__}, device {a.device}"
         + (f" ({torch.cuda.get_device_name(0)})" if a.device.startswith("cuda") else "")
     )
-    ok = check_training(a.device, torch.float32)
-    ok &= check_training(a.device, torch.bfloat16)
-    time_big_round(a.device, a.big_width, a.big_depth)
+    ok = True
+    for theta_device in a.theta_devices:
+        ok &= check_training(a.device, torch.float32, theta_device)
+        ok &= check_training(a.device, torch.bfloat16, theta_device)
+    for theta_device in a.theta_devices:
+        time_big_round(a.device, a.big_width, a.big_depth, theta_device)
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

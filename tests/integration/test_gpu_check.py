@@ -1,0 +1,34 @@
+"""scripts/gpu_check.py on the CPU (how it is tried before a GPU is lent, so it does not rot
+between the rare runs on one): both θ placements train, agree and are timed."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_runs_on_the_cpu_with_theta_on_the_cpu_and_on_the_models_device() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--big-width", "256",
+         "--big-depth", "2"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.rstrip().endswith("ALL CHECKS PASSED")
+    for mode in ("cpu", "model"):
+        trained = [ln for ln in out.stdout.splitlines() if f"(theta_device={mode}): val loss" in ln]
+        assert len(trained) == 2, out.stdout  # fp32 and bf16 parameters
+        for ln in trained:
+            first, final = map(float, re.search(r"val loss ([\d.]+) -> ([\d.]+)", ln).groups())
+            assert final < first - 1.0 and "θ checksums agree: True" in ln and "device params == θ: True" in ln
+        (timed,) = [ln for ln in out.stdout.splitlines() if f"(theta_device={mode})] optimizer.step()" in ln]
+        ns = float(re.search(r"\(([\d.]+) ns/param\)", timed).group(1))
+        assert math.isfinite(ns) and ns > 0, timed
