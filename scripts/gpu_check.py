@@ -89,16 +89,16 @@ def check_training(device: str, dtype: torch.dtype, theta_device: str, rounds: i
         f"θ checksums agree: {len(set(sums)) == 1}, device params == θ: {same}"
     )
     if not (statistics.fmean(finals) < first - 1.0):
-        print(f"FAIL [{dtype}]: validation loss did not fall by 1 nat")
+        print(f"FAIL [{dtype}, theta_device={theta_device}]: validation loss did not fall by 1 nat")
         ok = False
     if len(set(sums)) != 1:
-        print(f"FAIL [{dtype}]: θ checksums differ: {sums}")
+        print(f"FAIL [{dtype}, theta_device={theta_device}]: θ checksums differ: {sums}")
         ok = False
     if not same:
-        print(f"FAIL [{dtype}]: a site's device parameters differ from θ")
+        print(f"FAIL [{dtype}, theta_device={theta_device}]: a site's device parameters differ from θ")
         ok = False
     if rounds_done != [rounds] * 3:
-        print(f"FAIL [{dtype}]: rounds {rounds_done}, expected {rounds}")
+        print(f"FAIL [{dtype}, theta_device={theta_device}]: rounds {rounds_done}, expected {rounds}")
         ok = False
     return ok
 

@@ -1,5 +1,7 @@
 """scripts/gpu_check.py on the CPU (how it is tried before a GPU is lent, so it does not rot
-between the rare runs on one): both θ placements train, agree and are timed."""
+between the rare runs on one): both ``theta_device`` settings train, agree and are timed. On
+the CPU both put θ on the CPU: this keeps the script running; a placement bug on a device is
+for tests/unit/test_theta_device.py (with CUDA) and the script's run on a GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
-def test_gpu_check_runs_on_the_cpu_with_theta_on_the_cpu_and_on_the_models_device() -> None:
+def test_gpu_check_runs_on_the_cpu_for_both_theta_device_settings() -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--big-width", "256",
          "--big-depth", "2"],
