@@ -170,12 +170,9 @@ def decide_void(missed: RoundPlan, me: str, infos: dict[str, HistoryInfo]) -> tu
 def takes_from_queue(queued: int, live: int, tail_in_flight: bool) -> bool:
     """Whether a donor's free stream takes the next queued bucket: always while the queue holds
     at least one bucket per live donor (``queued``, ``live``); in the queue's tail (fewer left)
-    only when that donor has no tail bucket in flight (``tail_in_flight``). So the last buckets
-    go one per donor, not two on the donor whose streams freed first (16 MB from 3 donors at
-    100 Mbit/s: the last 2 of 8 buckets on one connection, 0.5 s of tail), and each is asked
-    for as soon as one stream of its donor frees, while the donor's other stream still sends:
-    waiting for the donor to have nothing in flight left its connection idle for a round trip
-    before the last bucket's bytes (300 Mbit/s joiner, RTT 40 ms: two donors, once each)."""
+    only when that donor has no tail bucket in flight (``tail_in_flight``): the last buckets go
+    one per donor, each asked for as soon as a stream of its donor frees (docs/DECISIONS.md,
+    "What a joiner takes from whom": not two on the donor freed first, nor after its connection drained)."""
     return queued >= live or not tail_in_flight
 
 
@@ -190,13 +187,10 @@ class _Confirmation:
         self.thread: threading.Thread | None = None
 
     def still_holds(self, cu: "CatchUp") -> bool:
-        """Whether these answers stand for the pass's end, so the donors need not be asked again:
-        they are in (waited for up to the request timeout, which bounds each probe), every live
-        donor answered, and each donor's round is still the one its summary said: no pull saw a
-        newer one, before or after the summary (``CatchUp._rounds``), so the summaries' learning
-        rates are the target round's. A round that closes after the last bucket was read goes
-        unnoticed, as one that closes after any probe: the site then replays it as a
-        straggler (``Site.pull_position`` sees a donor past the round)."""
+        """Whether these answers stand for the pass's end (the donors need not be asked again): all
+        in (each probe bounded by the request timeout), from every live donor, and no pull saw a
+        newer round since (``CatchUp._rounds``), so their learning rates are the target round's. A
+        round closing after the last read goes unnoticed: the site replays it as a straggler."""
         if self.thread is not None:
             self.thread.join(cu.request_timeout_s)
         with cu._cv:
@@ -680,9 +674,10 @@ class CatchUp:
             self._done(sid, b, requeue=requeue, avoid=avoid)
 
     def _advance(self, d: Member, b: int, timeout_s: float) -> tuple[bool, str | None]:
-        """Bring bucket ``b`` as far as ``d`` can: pull it whole when not staged, then replay
-        ``d``'s kept means up to the target, each request within ``timeout_s``. Returns
-        ``(requeue, avoid)``."""
+        """Bring bucket ``b`` as far as ``d`` can: pull it whole when not staged, then replay ``d``'s
+        kept means up to the target, each request within ``timeout_s``; ``d`` asked where it is
+        first where it looked behind (rounds go on while buckets are pulled: replayed to a stale
+        round, a bucket went to a donor that no longer kept it and was pulled again). Returns ``(requeue, avoid)``."""
         with self._cv:
             s = self._staged.get(b)
             target = self._target
@@ -690,18 +685,27 @@ class CatchUp:
             s = self._pull_bucket(d, b, timeout_s)
             if s is None:
                 return True, d.site_id
-        donor_round = self._rounds.get(d.site_id, 0)
+        stopped = self._replay_from(d, b, s, min(target, self._rounds.get(d.site_id, 0)), timeout_s)
+        if stopped is None and s.tag < target:  # d looked behind the target: ask it where it is
+            self._probe(d)
+            with self._cv:
+                if d.site_id not in self._live:
+                    return True, None
+                upto = min(target, self._rounds.get(d.site_id, 0))
+            stopped = self._replay_from(d, b, s, upto, timeout_s)
+        return stopped or (s.tag < target, (d.site_id if s.tag < target else None))
+
+    def _replay_from(
+        self, d: Member, b: int, s: _Staged, upto: int, timeout_s: float
+    ) -> tuple[bool, str | None] | None:
+        """Replay ``d``'s kept means on ``s`` up to round ``upto``: None once there, else what
+        :meth:`_advance` returns (a mean not kept, not reproducing the owner's, or not there in time)."""
         not_yet_since: float | None = None
-        while s.tag < min(target, donor_round):
+        while s.tag < upto:
             try:
-                m = self.transport.pull_mean(
-                    d.address,
-                    s.tag,
-                    b,
-                    requester=self.requester,
-                    timeout_s=timeout_s,
-                    have_checksum=s.sum,  # a replay: "unchanged" is answered too (PeerSide._past_mean)
-                )
+                # a replay: "unchanged" is answered too (PeerSide._past_mean)
+                m = self.transport.pull_mean(d.address, s.tag, b, requester=self.requester, timeout_s=timeout_s,
+                                             have_checksum=s.sum)  # fmt: skip
             except Rejected as e:
                 log.debug("%s: mean of round %d bucket %d from %s: %s", self.requester, s.tag, b, d.site_id, e)
                 if e.code == RejectCode.NOT_FOUND:  # its round is open, the mean not there yet: this
@@ -716,7 +720,7 @@ class CatchUp:
                 with self._cv:
                     self._drop_staged(b)
                 return True, None
-        return s.tag < target, (d.site_id if s.tag < target else None)
+        return None
 
     def _pull_bucket(self, d: Member, b: int, timeout_s: float) -> _Staged | None:
         st = self.transport.pull_state(d.address, b, requester=self.requester, timeout_s=timeout_s)

@@ -693,3 +693,49 @@ def test_a_mean_that_never_comes_is_waited_for_within_the_request_timeout_and_th
     asks = donor.asked.count(("mean", 5, 0))
     assert asks >= 10, donor.asked  # asked again and again by the stream, not once per pass
     assert joiner.checksums() == before and joiner.rounds_applied == 0
+
+
+class _StaleDonors:
+    """Donors ``a`` and ``b`` both at round 30; ``a`` keeps the means of rounds 10-29, ``b`` only
+    of 23-29 (θ passes every round unchanged, so each mean comes without chunks). Records the
+    requests."""
+
+    def __init__(self) -> None:
+        self.state = _state(1)
+        self.asked: list[tuple] = []
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        self.asked.append(("summary", address))
+        lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
+        return history_info_state(MeanHistory(20 if address == "a" else 7, 1 << 20), 30, lrs, index=bucket)
+
+    def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+        from dtrain.protocol import BucketMean
+
+        self.asked.append(("mean", address, round))
+        if not (10 if address == "a" else 23) <= round < 30:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
+        return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+
+
+def test_a_donor_that_looked_behind_is_asked_where_it_is_before_the_bucket_goes_elsewhere():
+    """A staged bucket at round 18, the run's target 30 (a pull from ``b`` said so), and ``a``
+    last seen at round 21 while it has gone on to 30. ``a`` replays the bucket to 21, then is
+    asked where it is and replays it to the target. Before, ``a`` was ruled out for the bucket
+    at 21; ``b``, past what it keeps, ruled itself out too, and the bucket was pulled again
+    (test_a_joiner_whose_pull_spans_ten_rounds failed in CI on ``repulled == 1``)."""
+    import copy
+
+    from dtrain.rounds.catchup import _Staged
+
+    donors, joiner = _StaleDonors(), _state(2)
+    cu = CatchUp(joiner, donors, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    a, b = Member(site_id="a", address="a"), Member(site_id="b", address="b")
+    # the run's state mid-pass (as CatchUp._drive and the pulls leave it)
+    cu._live, cu._rounds, cu._target = {"a": a, "b": b}, {"a": 21, "b": 30}, 30
+    cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), 18)
+    assert cu._advance(a, 0, timeout_s=1.0) == (False, None)
+    assert cu._staged[0].tag == 30 and cu._rounds["a"] == 30
+    assert donors.asked == [("mean", "a", r) for r in range(18, 21)] + [("summary", "a")] + [
+        ("mean", "a", r) for r in range(21, 30)
+    ]
