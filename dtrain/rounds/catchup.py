@@ -675,9 +675,9 @@ class CatchUp:
 
     def _advance(self, d: Member, b: int, timeout_s: float) -> tuple[bool, str | None]:
         """Bring bucket ``b`` as far as ``d`` can: pull it whole when not staged, then replay ``d``'s
-        kept means up to the target, each request within ``timeout_s``; ``d`` asked where it is
-        first where it looked behind (rounds go on while buckets are pulled: replayed to a stale
-        round, a bucket went to a donor that no longer kept it and was pulled again). Returns ``(requeue, avoid)``."""
+        kept means up to the target, each request within ``timeout_s``, its open round's too; ``d``
+        asked where it is first where it looked behind (rounds go on while buckets are pulled:
+        stopped at a stale round, a bucket went to a donor past what it kept). Returns ``(requeue, avoid)``."""
         with self._cv:
             s = self._staged.get(b)
             target = self._target
@@ -685,13 +685,14 @@ class CatchUp:
             s = self._pull_bucket(d, b, timeout_s)
             if s is None:
                 return True, d.site_id
-        stopped = self._replay_from(d, b, s, min(target, self._rounds.get(d.site_id, 0)), timeout_s)
+        # up to d's round + 1: the mean of d's open round is waited for ("not yet"), not ruled out
+        stopped = self._replay_from(d, b, s, min(target, self._rounds.get(d.site_id, 0) + 1), timeout_s)
         if stopped is None and s.tag < target:  # d looked behind the target: ask it where it is
             self._probe(d)
             with self._cv:
                 if d.site_id not in self._live:
                     return True, None
-                upto = min(target, self._rounds.get(d.site_id, 0))
+                upto = min(target, self._rounds.get(d.site_id, 0) + 1)
             stopped = self._replay_from(d, b, s, upto, timeout_s)
         return stopped or (s.tag < target, (d.site_id if s.tag < target else None))
 

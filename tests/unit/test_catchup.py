@@ -720,10 +720,11 @@ class _StaleDonors:
 
 def test_a_donor_that_looked_behind_is_asked_where_it_is_before_the_bucket_goes_elsewhere():
     """A staged bucket at round 18, the run's target 30 (a pull from ``b`` said so), and ``a``
-    last seen at round 21 while it has gone on to 30. ``a`` replays the bucket to 21, then is
-    asked where it is and replays it to the target. Before, ``a`` was ruled out for the bucket
-    at 21; ``b``, past what it keeps, ruled itself out too, and the bucket was pulled again
-    (test_a_joiner_whose_pull_spans_ten_rounds failed in CI on ``repulled == 1``)."""
+    last seen at round 21 while it has gone on to 30. ``a`` replays the bucket to 22 (its round
+    as last seen, and the one after it), then is asked where it is and replays it to the
+    target. Before, ``a`` was ruled out for the bucket at 21; ``b``, past what it keeps, ruled
+    itself out too, and the bucket was pulled again (test_a_joiner_whose_pull_spans_ten_rounds
+    failed in CI on ``repulled == 1``)."""
     import copy
 
     from dtrain.rounds.catchup import _Staged
@@ -736,6 +737,46 @@ def test_a_donor_that_looked_behind_is_asked_where_it_is_before_the_bucket_goes_
     cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), 18)
     assert cu._advance(a, 0, timeout_s=1.0) == (False, None)
     assert cu._staged[0].tag == 30 and cu._rounds["a"] == 30
-    assert donors.asked == [("mean", "a", r) for r in range(18, 21)] + [("summary", "a")] + [
-        ("mean", "a", r) for r in range(21, 30)
+    assert donors.asked == [("mean", "a", r) for r in range(18, 22)] + [("summary", "a")] + [
+        ("mean", "a", r) for r in range(22, 30)
     ]
+
+
+class _OpenRoundDonor(_StaleDonors):
+    """Donor ``a`` in its open round 25, keeping 10-24; its mean of round 25 for the bucket is
+    "not yet" (NOT_FOUND) the first two times it is asked for, there the third."""
+
+    def pull_state(self, address, bucket, *, requester, timeout_s):
+        self.asked.append(("summary", address))
+        lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
+        return history_info_state(MeanHistory(20, 1 << 20), 25, lrs, index=bucket)
+
+    def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
+        from dtrain.protocol import BucketMean
+
+        self.asked.append(("mean", address, round))
+        if round == 25 and self.asked.count(("mean", address, 25)) < 3:
+            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} yet")
+        if not 10 <= round <= 25:
+            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
+        return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+
+
+def test_a_donor_in_its_open_round_brings_a_bucket_to_the_target_once_that_rounds_mean_arrives():
+    """The target is 26 (a bucket stepped in a donor's open round 25 came back a round ahead),
+    ``a`` is in round 25 and the staged bucket at 22: ``a`` replays 22-24, then waits for its
+    round 25's mean ("not yet" twice) and brings the bucket to 26. Before, ``a`` was ruled out
+    for it at 25, and the bucket waited for ``b``'s stream, busy pulling, past what ``b`` kept:
+    pulled again (the same CI test, under load)."""
+    import copy
+
+    from dtrain.rounds.catchup import _Staged
+
+    donor, joiner = _OpenRoundDonor(), _state(2)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    a, b = Member(site_id="a", address="a"), Member(site_id="b", address="b")
+    cu._live, cu._rounds, cu._target = {"a": a, "b": b}, {"a": 25, "b": 26}, 26
+    cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), 22)
+    assert cu._advance(a, 0, timeout_s=5.0) == (False, None)
+    assert cu._staged[0].tag == 26
+    assert donor.asked == [("mean", "a", r) for r in (22, 23, 24, 25, 25, 25)]
