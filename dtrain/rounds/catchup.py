@@ -441,7 +441,7 @@ class CatchUp:
                     break
                 if time.monotonic() - self.progress_at > self.progress_timeout_s:
                     raise StateTransferError(self._stuck())
-                self._queue.extend(behind)
+                self._queue.extend(b for b in behind if b not in self._inflight)  # one stream per bucket
                 self._avoid = {}
                 self._cv.notify_all()
         self._install(target)
@@ -620,7 +620,7 @@ class CatchUp:
                     # a donor older than what the donors at the target keep (a joiner itself)
                     # serves only the means it has; whole buckets come from the others
                     useful = mine >= self._floor() or (s is not None and s.tag < mine)
-                    if useful and sid not in self._avoid.get(b, ()):
+                    if useful and b not in self._inflight and sid not in self._avoid.get(b, ()):
                         del self._queue[i]
                         self._inflight.add(b)
                         if tail:

@@ -780,3 +780,16 @@ def test_a_donor_in_its_open_round_brings_a_bucket_to_the_target_once_that_round
     assert cu._advance(a, 0, timeout_s=5.0) == (False, None)
     assert cu._staged[0].tag == 26
     assert donor.asked == [("mean", "a", r) for r in (22, 23, 24, 25, 25, 25)]
+
+
+def test_a_bucket_in_flight_is_not_taken_from_the_queue_by_a_second_stream():
+    """A bucket one stream replays is not handed to another from the queue: two streams stepped
+    one staged bucket's optimizer at once, its replay missed the owner's checksum (twice, the
+    same round) and it was pulled again (the same CI test, under load: the donors' summaries
+    queued every bucket behind the new target while a stream was replaying one of them)."""
+    donor, joiner = _StaleDonors(), _state(2)
+    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    cu._live, cu._rounds, cu._target, cu._summarized = {"a": Member(site_id="a", address="a")}, {"a": 30}, 30, True
+    cu._queue.extend([0, 1])
+    cu._inflight.add(0)  # a stream of this donor (or another) replays bucket 0
+    assert cu._next("a") == 1 and cu._inflight == {0, 1} and list(cu._queue) == [0]
