@@ -696,9 +696,11 @@ def test_a_mean_that_never_comes_is_waited_for_within_the_request_timeout_and_th
 
 
 class _StaleDonors:
-    """Donors ``a`` and ``b`` both at round 30; ``a`` keeps the means of rounds 10-29, ``b`` only
-    of 23-29 (θ passes every round unchanged, so each mean comes without chunks). Records the
-    requests."""
+    """Donors ``a`` and ``b`` both at round ``round`` (30); ``a`` keeps the means of rounds 10 on,
+    ``b`` of 23 on (θ passes every round unchanged, so each mean comes without chunks). Records
+    the requests."""
+
+    round, kept_from = 30, {"a": 10, "b": 23}
 
     def __init__(self) -> None:
         self.state = _state(1)
@@ -707,15 +709,35 @@ class _StaleDonors:
     def pull_state(self, address, bucket, *, requester, timeout_s):
         self.asked.append(("summary", address))
         lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
-        return history_info_state(MeanHistory(20 if address == "a" else 7, 1 << 20), 30, lrs, index=bucket)
+        kept = MeanHistory(self.round - self.kept_from[address], 1 << 20)
+        return history_info_state(kept, self.round, lrs, index=bucket)
 
     def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
         from dtrain.protocol import BucketMean
 
         self.asked.append(("mean", address, round))
-        if not (10 if address == "a" else 23) <= round < 30:
+        if not self.kept_from[address] <= round < self.round + self.open_mean(address, round):
             raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
         return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+
+    def open_mean(self, address, round) -> bool:
+        """Whether the mean of the open round is there (never, here)."""
+        return False
+
+
+def _mid_pass(donors: _StaleDonors, rounds: dict[str, int], *, target: int, tag: int) -> tuple[CatchUp, Member]:
+    """A run's state mid-pass, as ``CatchUp._drive`` and the pulls leave it: donors ``a`` and
+    ``b`` last seen at ``rounds``, the target, and bucket 0 staged at round ``tag``."""
+    import copy
+
+    from dtrain.rounds.catchup import _Staged
+
+    joiner = _state(2)
+    cu = CatchUp(joiner, donors, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
+    cu._live = {sid: Member(site_id=sid, address=sid) for sid in ("a", "b")}
+    cu._rounds, cu._target = dict(rounds), target
+    cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), tag)
+    return cu, cu._live["a"]
 
 
 def test_a_donor_that_looked_behind_is_asked_where_it_is_before_the_bucket_goes_elsewhere():
@@ -725,16 +747,8 @@ def test_a_donor_that_looked_behind_is_asked_where_it_is_before_the_bucket_goes_
     target. Before, ``a`` was ruled out for the bucket at 21; ``b``, past what it keeps, ruled
     itself out too, and the bucket was pulled again (test_a_joiner_whose_pull_spans_ten_rounds
     failed in CI on ``repulled == 1``)."""
-    import copy
-
-    from dtrain.rounds.catchup import _Staged
-
-    donors, joiner = _StaleDonors(), _state(2)
-    cu = CatchUp(joiner, donors, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
-    a, b = Member(site_id="a", address="a"), Member(site_id="b", address="b")
-    # the run's state mid-pass (as CatchUp._drive and the pulls leave it)
-    cu._live, cu._rounds, cu._target = {"a": a, "b": b}, {"a": 21, "b": 30}, 30
-    cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), 18)
+    donors = _StaleDonors()
+    cu, a = _mid_pass(donors, {"a": 21, "b": 30}, target=30, tag=18)
     assert cu._advance(a, 0, timeout_s=1.0) == (False, None)
     assert cu._staged[0].tag == 30 and cu._rounds["a"] == 30
     assert donors.asked == [("mean", "a", r) for r in range(18, 22)] + [("summary", "a")] + [
@@ -746,20 +760,12 @@ class _OpenRoundDonor(_StaleDonors):
     """Donor ``a`` in its open round 25, keeping 10-24; its mean of round 25 for the bucket is
     "not yet" (NOT_FOUND) the first two times it is asked for, there the third."""
 
-    def pull_state(self, address, bucket, *, requester, timeout_s):
-        self.asked.append(("summary", address))
-        lrs = [tuple(g["lr"] for g in o.param_groups) for o in self.state.optimizers]
-        return history_info_state(MeanHistory(20, 1 << 20), 25, lrs, index=bucket)
+    round = 25
 
-    def pull_mean(self, address, round, bucket, *, requester, timeout_s, have_checksum=""):
-        from dtrain.protocol import BucketMean
-
-        self.asked.append(("mean", address, round))
-        if round == 25 and self.asked.count(("mean", address, 25)) < 3:
-            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} bucket {bucket} yet")
-        if not 10 <= round <= 25:
-            raise Rejected(RejectCode.FAILED_PRECONDITION, f"round {round} is not kept here")
-        return BucketMean(round=round, bucket=bucket, owner="", chunks=(), checksum_before="", checksum_after="")
+    def open_mean(self, address, round) -> bool:
+        if round == self.round and self.asked.count(("mean", address, round)) < 3:
+            raise Rejected(RejectCode.NOT_FOUND, f"no mean for round {round} yet")
+        return True
 
 
 def test_a_donor_in_its_open_round_brings_a_bucket_to_the_target_once_that_rounds_mean_arrives():
@@ -768,15 +774,8 @@ def test_a_donor_in_its_open_round_brings_a_bucket_to_the_target_once_that_round
     round 25's mean ("not yet" twice) and brings the bucket to 26. Before, ``a`` was ruled out
     for it at 25, and the bucket waited for ``b``'s stream, busy pulling, past what ``b`` kept:
     pulled again (the same CI test, under load)."""
-    import copy
-
-    from dtrain.rounds.catchup import _Staged
-
-    donor, joiner = _OpenRoundDonor(), _state(2)
-    cu = CatchUp(joiner, donor, get_codec(CodecConfig(name="fp32")), requester="j", use_own=False)
-    a, b = Member(site_id="a", address="a"), Member(site_id="b", address="b")
-    cu._live, cu._rounds, cu._target = {"a": a, "b": b}, {"a": 25, "b": 26}, 26
-    cu._staged[0] = _Staged(copy.deepcopy(joiner.optimizers[0]), 22)
+    donor = _OpenRoundDonor()
+    cu, a = _mid_pass(donor, {"a": 25, "b": 26}, target=26, tag=22)
     assert cu._advance(a, 0, timeout_s=5.0) == (False, None)
     assert cu._staged[0].tag == 26
     assert donor.asked == [("mean", "a", r) for r in (22, 23, 24, 25, 25, 25)]
