@@ -13,7 +13,7 @@ import torch
 from dtrain.buckets import BucketConfig, BucketLayout
 from dtrain.codecs import get_codec
 from dtrain.codecs.config import CodecConfig
-from dtrain.errors import RejectCode, Rejected, StateTransferError
+from dtrain.errors import PeerTimeout, RejectCode, Rejected, StateTransferError
 from dtrain.protocol import Member
 from dtrain.rounds.catchup import CatchUp, first_wave, takes_from_queue
 from dtrain.rounds.history import MeanHistory, history_info_state
@@ -792,3 +792,21 @@ def test_a_bucket_in_flight_is_not_taken_from_the_queue_by_a_second_stream():
     cu._queue.extend([0, 1])
     cu._inflight.add(0)  # a stream of this donor (or another) replays bucket 0
     assert cu._next("a") == 1 and cu._inflight == {0, 1} and list(cu._queue) == [0]
+
+
+def test_a_donor_that_looked_behind_and_times_out_when_asked_is_dropped_and_the_bucket_kept():
+    """The summary asked of a donor that looked behind times out: the donor is dropped (named
+    in the run's stats), the bucket, replayed as far as it got, stays staged and goes back to
+    the queue for another donor; no whole pull is repeated."""
+
+    class _DiesWhenAsked(_StaleDonors):
+        def pull_state(self, address, bucket, *, requester, timeout_s):
+            self.asked.append(("summary", address))
+            raise PeerTimeout(f"{address}: no answer in {timeout_s} s")
+
+    donors = _DiesWhenAsked()
+    cu, a = _mid_pass(donors, {"a": 21, "b": 30}, target=30, tag=18)
+    assert cu._advance(a, 0, timeout_s=1.0) == (True, None)
+    assert cu.stats.donors_lost == ["a"] and "a" not in cu._live and cu.stats.repulled == 0
+    assert cu._staged[0].tag == 22  # replayed to a's round as last seen and its open one
+    assert donors.asked == [("mean", "a", r) for r in range(18, 22)] + [("summary", "a")]
