@@ -13,10 +13,11 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .topology import Topology
 
-__all__ = ["PingResult", "ping", "udp_loss", "tcp_goodput_mbit", "binomial_interval"]
+__all__ = ["PingResult", "UdpLoss", "ping", "udp_loss", "tcp_goodput_mbit", "binomial_interval"]
 
 _RTT_RE = re.compile(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms")
 _LOSS_RE = re.compile(r"(\d+) packets transmitted, (\d+) received")
@@ -51,31 +52,60 @@ def ping(
     )
 
 
+class UdpLoss(NamedTuple):
+    """What :func:`udp_loss` counted: datagrams sent, distinct ones received, and the runs of
+    consecutive sequence numbers lost (independent loss of p: about ``lost * (1 - p)`` runs;
+    loss applied to whole segmentation-offload writes: ``lost / segments``)."""
+
+    sent: int
+    received: int
+    lost_runs: int
+
+
+_UDP_SEGMENT = 103  # linux/udp.h: the send's segment size (UDP GSO)
+_SEGMENT_BYTES = 1400  # the datagram data path's default datagram (dtrain.transports.datagram_config)
+
+
 def udp_loss(
-    topo: Topology, src: int, dst: int, *, count: int = 2000, interval_s: float = 0.0005, drain_s: float = 1.0
-) -> tuple[int, int]:
+    topo: Topology,
+    src: int,
+    dst: int,
+    *,
+    count: int = 2000,
+    interval_s: float = 0.0005,
+    drain_s: float = 1.0,
+    segments: int = 1,
+) -> UdpLoss:
     """Send ``count`` numbered UDP datagrams from ``src`` to ``dst``; count those that arrive.
 
     One-way, so the loss measured is ``dst``'s ``loss_pct``. Sending is paced at
-    ``interval_s``; the receiver waits ``drain_s`` after the last send.
+    ``interval_s`` per write; the receiver waits ``drain_s`` after the last send.
+    ``segments`` > 1: each write is one ``sendmsg`` of that many 1,400-byte datagrams with
+    ``UDP_SEGMENT`` (as the datagram data path sends), which the kernel may hand to the
+    link as one 56 KB buffer: the emulated loss must still fall on each datagram.
 
-    Returns:
-        (sent, received distinct datagrams).
+    Raises:
+        ValueError: ``count`` or ``segments`` < 1.
     """
+    if count < 1 or segments < 1:
+        raise ValueError(f"udp_loss: count and segments must be >= 1, got {count} and {segments}")
     rx = topo.socket(dst, socket.AF_INET, socket.SOCK_DGRAM)
     tx = topo.socket(src, socket.AF_INET, socket.SOCK_DGRAM)
     with rx, tx:
-        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         rx.bind((topo.address(dst), 0))
         rx.settimeout(0.05)
         dest = rx.getsockname()
+        size = _SEGMENT_BYTES if segments > 1 else 32
+        if segments > 1:
+            tx.setsockopt(socket.SOL_UDP, _UDP_SEGMENT, size)
         seen: set[int] = set()
         done = threading.Event()
 
         def receive() -> None:
             while not done.is_set():
                 try:
-                    data = rx.recv(64)
+                    data = rx.recv(2048)
                 except socket.timeout:
                     continue
                 seen.add(int.from_bytes(data[:4], "big"))
@@ -83,16 +113,19 @@ def udp_loss(
         t = threading.Thread(target=receive, daemon=True)
         t.start()
         start = time.monotonic()
-        for seq in range(count):
-            due = start + seq * interval_s
+        for k, first in enumerate(range(0, count, segments)):
+            due = start + k * interval_s
             wait = due - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            tx.sendto(seq.to_bytes(4, "big") + b"\0" * 28, dest)
+            seqs = range(first, min(count, first + segments))
+            tx.sendto(b"".join(seq.to_bytes(4, "big") + bytes(size - 4) for seq in seqs), dest)
         time.sleep(drain_s)
         done.set()
         t.join(timeout=2.0)
-    return count, len(seen)
+    lost = [seq for seq in range(count) if seq not in seen]
+    runs = sum(1 for i, seq in enumerate(lost) if i == 0 or lost[i - 1] != seq - 1)
+    return UdpLoss(count, len(seen & set(range(count))), runs)
 
 
 def tcp_goodput_mbit(

@@ -46,7 +46,9 @@ class Capabilities:
 def missing_requirements() -> list[str]:
     """What prevents the harness from running at all (empty list: it can run).
 
-    Checks root, the ``ip`` command, ``ip netns`` itself, and the ``netfilterqueue``
+    Checks root, the ``ip`` command, ``ip netns`` itself, ``tc``, ``iptables`` and
+    ``ethtool`` (without it a ``UDP_SEGMENT`` write crosses the hub whole and is lost
+    whole: ``netem._rules.offloads_off_argv``), and the ``netfilterqueue``
     package needed by the userspace delayer (kernels here have no netem qdisc).
     """
     missing = []
@@ -64,7 +66,7 @@ def missing_requirements() -> list[str]:
         return missing
     finally:
         run(["ip", "netns", "delete", ns], check=False)
-    for tool in ("tc", "iptables", "iptables-restore"):
+    for tool in ("tc", "iptables", "iptables-restore", "ethtool"):  # ethtool: per-packet loss (_rules)
         if shutil.which(tool) is None:
             missing.append(f"`{tool}` is not installed (run netem/ci_setup.sh)")
     if importlib.util.find_spec("netfilterqueue") is None:
@@ -146,7 +148,7 @@ def probe(*, refresh: bool = False) -> Capabilities:
                 what="iptables statistic",
                 notes=notes,
             ),
-            ethtool=_ok(x(["ethtool", "-K", "pa", "tso", "off", "gso", "off"]), what="ethtool", notes=notes),
+            ethtool=_ok(x(_rules.offloads_off_argv("pa")), what="ethtool (offloads off)", notes=notes),
             netfilterqueue=importlib.util.find_spec("netfilterqueue") is not None,
             notes=tuple(notes),
         )

@@ -28,7 +28,7 @@ def measure_profile(name: str, *, duration_s: float = 4.0) -> dict:
         if link.flap_period_s:
             topo.set_link(None, flap_period_s=0.0, flap_down_s=0.0)
         rtt = ping(topo, 0, 1, count=50, interval_s=0.01)
-        sent, received = udp_loss(topo, 0, 1, count=2000, drain_s=0.3 + link.delay_ms / 500)
+        sent, received, _ = udp_loss(topo, 0, 1, count=2000, drain_s=0.3 + link.delay_ms / 500)
         own = tcp_goodput_mbit(topo, 0, 1, duration_s=duration_s, warmup_s=1.5)
         topo.set_link(None, rate_mbit=40.0)
         capped = tcp_goodput_mbit(topo, 0, 1, duration_s=duration_s, warmup_s=1.5)
