@@ -113,7 +113,9 @@ def test_datagram_val_loss_netem_smoke(tmp_path: Path) -> None:
     # smoke: 2 worker processes through netem, one seed at 0% and at 10% packet loss, 3 rounds
     assert [(r["seed"], r["loss"], r["loss_pct"]) for r in rows] == [(0, 0.0, 0.0), (0, 0.1, 10.0)]
     clean, lossy = rows
-    # no emulated loss: all but what a loaded host's full socket buffer might drop; 10%: ~300 chunks, 0.94 +- 0.02
+    # no emulated loss: all but what a loaded host's full socket buffer might drop; 10%: an owner's own half
+    # arrives, the other site's loses 10% of its datagrams: 0.95-0.96 (netem dropped whole 40-datagram
+    # UDP_SEGMENT writes until 843f2d8, and one CI run lost none: 1.000)
     assert clean["reduce_arrived"] >= 0.98 and 0.8 < lossy["reduce_arrived"] < 0.99
     for r in rows:
         assert r["data_path"] == "datagram" and r["codec"] == "int8"
