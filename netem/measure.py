@@ -125,7 +125,7 @@ def udp_loss(
         t.join(timeout=2.0)
     lost = [seq for seq in range(count) if seq not in seen]
     runs = sum(1 for i, seq in enumerate(lost) if i == 0 or lost[i - 1] != seq - 1)
-    return UdpLoss(count, len(seen & set(range(count))), runs)
+    return UdpLoss(count, count - len(lost), runs)
 
 
 def tcp_goodput_mbit(

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from netem import PROFILES, Topology, probe
-from netem.measure import binomial_interval, ping, tcp_goodput_mbit, udp_loss
+from netem.measure import UdpLoss, binomial_interval, ping, tcp_goodput_mbit, udp_loss
 
 pytestmark = pytest.mark.netem
 
@@ -18,8 +18,11 @@ GOODPUT_CAP_MBIT = 40.0  # modest cap so the goodput check is quick on 2 cores
 NUM_LOSS_PROBES = 2000
 
 
-def _loss_in_interval(topo: Topology, loss_pct: float, drain_s: float) -> tuple[bool, list]:
-    """One-way loss of 2,000 probes inside the binomial 99% interval of ``loss_pct``.
+def _loss_in_interval(
+    topo: Topology, loss_pct: float, drain_s: float, *, segments: int = 1, interval_s: float = 0.0005
+) -> tuple[bool, list[UdpLoss]]:
+    """One-way loss of 2,000 probes (``segments`` a write: :func:`~netem.measure.udp_loss`)
+    inside the binomial 99% interval of ``loss_pct``; every batch's counts.
 
     A second batch is sent only if the first falls outside, so a correct link fails
     with probability ~1e-4 instead of 1e-2 per check, while a wrong loss rate still
@@ -28,9 +31,9 @@ def _loss_in_interval(topo: Topology, loss_pct: float, drain_s: float) -> tuple[
     lo, hi = binomial_interval(NUM_LOSS_PROBES, loss_pct / 100, 0.99)
     tries = []
     for _ in range(2):
-        sent, received, _ = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=0.0005, drain_s=drain_s)
-        tries.append(f"{sent - received}/{sent} lost (99% interval [{lo}, {hi}])")
-        if lo <= sent - received <= hi:
+        r = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=interval_s, drain_s=drain_s, segments=segments)
+        tries.append(r)
+        if lo <= r.sent - r.received <= hi:
             return True, tries
     return False, tries
 
@@ -160,14 +163,8 @@ def test_loss_falls_on_each_datagram_of_a_segmentation_offload_write():
     of the datagram loss experiment lost nothing at all). Per datagram: about 180 runs."""
     with Topology(2, "lan") as topo:
         topo.set_link(1, loss_pct=10.0)
-        lo, hi = binomial_interval(NUM_LOSS_PROBES, 0.10, 0.99)
-        tries = []
-        for _ in range(2):  # a second batch only if the first's count falls outside (as _loss_in_interval)
-            r = udp_loss(topo, 0, 1, count=NUM_LOSS_PROBES, interval_s=0.005, drain_s=0.3, segments=40)
-            tries.append(r)
-            if lo <= r.sent - r.received <= hi:
-                break
-    lost = tries[-1].sent - tries[-1].received
-    assert lo <= lost <= hi, (tries, lo, hi)
+        loss_ok, tries = _loss_in_interval(topo, 10.0, drain_s=0.3, segments=40, interval_s=0.005)
+    assert loss_ok, tries
     # independent loss: ~lost * 0.9 runs (sd ~4); whole writes: lost / 40
-    assert tries[-1].lost_runs >= 0.75 * lost, tries
+    r = tries[-1]
+    assert r.lost_runs >= 0.75 * (r.sent - r.received), tries
