@@ -15,6 +15,9 @@ Two :class:`~dtrain.transports.datagram.DatagramTransport` sites on loopback; th
   receive thread while another process sends it 20,000 sealed contributions in bursts of 46
   (one ``send`` each; or each burst as one GSO write, as the compiled loop sends, read with
   ``recvmmsg`` and with coalesced reads, ``gro``);
+* the receive thread's hand-on alone (``hand_on_cpu_us``): CPU µs per datagram of handing an opened
+  batch of 16, 64 or 256 whole chunks on, an owner's contributions and a member's mean chunks, in
+  columns (one compiled pass) against row by row;
 * the CPU per datagram-sized int8 chunk of decoding one pseudo-gradient chunk by chunk against
   ``Codec.decode_chunks`` (what an owner, each applied mean and the residual settling pay).
 
@@ -33,6 +36,7 @@ import threading
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from dtrain.codecs import get_codec
@@ -282,6 +286,54 @@ def native_read_cpu_us(*, gso: bool, gro: bool, num: int = 20_000) -> float:
         tx.close()
 
 
+def hand_on_cpu_us(kind: str, rows: int, *, columns: bool = True, reps: int = 60) -> float:
+    """CPU µs per datagram of the receive thread's hand-on alone (``DatagramReceive._hand_on``,
+    after the batch was read and opened) for a batch of ``rows`` whole int8 chunks of 1,280 bytes
+    from one site of four: ``kind`` ``"mean"`` (a member's: one owner's bucket means) or
+    ``"contrib"`` (an owner's: contributions); ``columns``: the compiled columns pass where the
+    checkout has it (``_hand_on_means`` / ``_hand_on_plain``), else row by row. Median of ``reps``
+    batches, each new (its own sequence numbers; a mean batch in a new round state)."""
+    from dtrain.transports.datagram_round import senders_bitmap
+
+    sites = ("site-a", "site-b", "site-c", "site-d")
+    key = bytes(range(32))
+    t = DatagramTransport(_config(native="on"))
+    t.start(CountingHandler())
+    if not columns:
+        setattr(t, "_hand_on_means" if kind == "mean" else "_hand_on_plain", lambda *a: False)
+    members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(sites))
+    owners = [sites[b % 2] for b in range(8)]  # site-c, this site, owns none: nothing of its own to push
+    sealer = Sealer(key, run=0, round=3, sender=0)
+    bitmap = senders_bitmap(sites, sites)
+    batches = []
+    for _ in range(reps):
+        fields = [(0, i, 320 * i, 320, codec_id("int8"), 0, 1) for i in range(rows)]
+        bodies = [bitmap + bytes(1280) if kind == "mean" else contribution_body(0, bytes(1280))] * rows
+        sealed = sealer.seal_many(Kind.MEAN if kind == "mean" else Kind.CONTRIB, fields, bodies)
+        buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
+        for i in range(rows):
+            d = sealed.datagram(i)
+            buf[i, : len(d)], lens[i], ts[i] = np.frombuffer(d, np.uint8), len(d), time.time_ns()
+        batches.append((buf, lens, ts))
+    times = []
+    try:
+        for r, (buf, lens, ts) in enumerate(batches):
+            if r == 0 or kind == "mean":  # a mean's chunks arrive once a round
+                with t._lock:
+                    t._rounds.pop(3, None)
+                plan = RoundPlan(
+                    round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=key
+                )
+                t.begin_round(plan, owners, "site-c")
+            opened = t._opener.open_batch(buf, lens, rows, None)
+            c0 = time.thread_time()
+            t._hand_on(buf, lens, ts, opened, [])
+            times.append(time.thread_time() - c0)
+    finally:
+        t.stop(0)
+    return statistics.median(times) / rows * 1e6
+
+
 def decode_cpu_us(numel: int, *, batch: bool) -> float:
     """CPU µs (this thread) per datagram-sized int8 chunk of decoding ``numel`` elements: one ``decode``
     per chunk, or ``decode_chunks`` over them (what an owner, each applied mean and the residuals pay)."""
@@ -362,6 +414,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"recvmmsg {iso['read_send_recvmmsg_us']:.2f}, GRO {iso['read_send_gro_us']:.2f}; from a GSO sender "
                 f"recvmmsg {iso['read_gso_recvmmsg_us']:.2f}, GRO {iso['read_gso_gro_us']:.2f}"
             )
+    hand_on = {
+        f"{kind}_{rows}_{how}_us": hand_on_cpu_us(kind, rows, columns=how == "columns")
+        for kind in ("contrib", "mean")
+        for rows in (16, 64, 256)
+        for how in ("columns", "rows")
+    }
+    print(
+        "\nthe receive thread's hand-on alone, CPU µs per datagram (medians of 60 batches of 16 / 64 / 256 rows), "
+        "columns against rows:"
+        + "".join(
+            f"\n  {who}: "
+            + ", ".join(
+                f"{hand_on[f'{kind}_{r}_columns_us']:.2f} / {hand_on[f'{kind}_{r}_rows_us']:.2f}" for r in (16, 64, 256)
+            )
+            for kind, who in (("contrib", "an owner's contributions"), ("mean", "a member's mean chunks"))
+        )
+    )
     numel = 1 << 20 if args.quick else 10_000_000
     per_chunk, batched = decode_cpu_us(numel, batch=False), decode_cpu_us(numel, batch=True)
     print(
@@ -369,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_chunk:.1f}, decode_chunks {batched:.1f} ({per_chunk / batched:.1f}x)"
     )
     decode = {"numel": numel, "per_chunk_us": per_chunk, "batched_us": batched}
-    bench.write(args, "bench_datagram", {"loops": figures, "isolated": iso, "decode": decode})
+    bench.write(args, "bench_datagram", {"loops": figures, "isolated": iso, "hand_on": hand_on, "decode": decode})
     return 0
 
 

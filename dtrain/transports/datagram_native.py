@@ -119,12 +119,13 @@ class PlainColumns:
     """:meth:`NativeLib.plain_batch`'s output, reused batch after batch by one receive thread.
 
     Per row ``i`` (of up to the batch's rows): ``cols[i]`` its sender, bucket, chunk, offset,
-    numel, codec, sequence number and claim (int64); ``t[i]`` its arrival (float64, monotonic
+    numel, codec, sequence number and lead (int64: a contribution's claim, a mean chunk's
+    senders bitmap); ``t[i]`` its arrival (float64, monotonic
     seconds); ``at[i]``, ``width[i]`` where its codec payload lies in the call's blob and its bytes.
     Per sender id ``s`` (the first ``n`` ids of ``order`` are the batch's senders, in the order
     of their first rows; the other entries are stale): ``rows``, ``first`` (row), ``bytes``
-    (plaintext, claim included), ``tmin`` / ``tmax``, ``ascending`` (sequence numbers rise row
-    by row), ``uniform`` (one codec and one claim).
+    (plaintext, lead included), ``tmin`` / ``tmax``, ``ascending`` (sequence numbers rise row
+    by row), ``uniform`` (one codec and one lead).
     """
 
     def __init__(self) -> None:
@@ -177,7 +178,7 @@ class NativeLib:
             (
                 "dg_plain_batch",
                 i,
-                [i, vp, u32, vp, vp, ctypes.c_double, ctypes.c_double, u32, u32, u32, u32] + [vp] * 13,
+                [i, vp, u32, vp, vp, ctypes.c_double, ctypes.c_double, u32, u32, u32, u32, u32] + [vp] * 13,
             ),
             ("dg_gro_new", vp, []),
             ("dg_gro_free", None, [vp]),
@@ -329,19 +330,28 @@ class NativeLib:
         round: int,
         num_codecs: int,
         num_members: int,
+        lead: int = 8,
     ) -> int:
-        """The columns of opened rows ``0..n-1`` when every one is a whole contribution (kind
-        ``kind``, one fragment) of round ``round`` with a known codec and sender, written into
+        """The columns of opened rows ``0..n-1`` when every one is a whole datagram of kind
+        ``kind`` (one fragment) of round ``round`` with a known codec and sender, written into
         ``out`` (see :class:`PlainColumns`), their codec payloads back to back into ``blob``
-        (at least the rows' lengths less header, claim and tag: nothing is written past them);
-        arrival times are ``ts_ns * 1e-9 + offset_s`` (``now_s`` where 0). Returns the number
-        of senders, 0 when a row is not plain (``blob`` untouched)."""
+        (at least the rows' lengths less header, lead and tag: nothing is written past them);
+        arrival times are ``ts_ns * 1e-9 + offset_s`` (``now_s`` where 0). ``lead``: the body's
+        bytes before the codec payload, 1 to 8 (a contribution's claim: 8; a mean chunk's
+        senders bitmap: ``(members + 7) // 8``), read per row as a little-endian integer.
+        Returns the number of senders, 0 when a row is not plain (``blob`` untouched).
+
+        Raises:
+            ValueError: ``blob`` is empty, or ``lead`` is outside 1..8.
+        """
+        if not 1 <= lead <= 8:
+            raise ValueError(f"plain_batch: lead must be 1..8 bytes, got {lead}")
         ptrs = out.fit(buf, lens, ts_ns, num_members)
         if len(blob) == 0:
             raise ValueError("plain_batch needs a blob of at least 1 byte")
         room = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
         return self._lib.dg_plain_batch(
-            n, ptrs[0], buf.shape[1], ptrs[1], ptrs[2], offset_s, now_s, kind, round, num_codecs, num_members,
+            n, ptrs[0], buf.shape[1], ptrs[1], ptrs[2], offset_s, now_s, kind, round, num_codecs, num_members, lead,
             *ptrs[3:7], room, *ptrs[7:],
         )  # fmt: skip
 
@@ -407,5 +417,5 @@ def native(mode: str = "auto") -> NativeLib | None:
 
 
 def _build_and_load() -> tuple[NativeLib | None, str]:
-    lib, why = build_and_load(SOURCE, stem="dgram", cflags=CFLAGS, libs=LIBS, version_fn="dg_version", version=7)
+    lib, why = build_and_load(SOURCE, stem="dgram", cflags=CFLAGS, libs=LIBS, version_fn="dg_version", version=8)
     return (NativeLib(lib) if lib is not None else None), why

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dtrain.protocol import Contribution, ContributionRun, made
+from dtrain.protocol import Contribution, ContributionRun, MeanChunk, made
 from dtrain.transports.datagram_native import PlainColumns
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
@@ -133,7 +133,7 @@ class DatagramReceive:
     ``_opener``, ``_stopped``, ``_lock``, ``_recv_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
     ``_drop_rng``, ``_counts``, ``_sock_drops``, ``_reorder`` (the :class:`~.datagram_reorder.ReorderWindow`
     each overtaken contribution's lateness goes to) and the methods ``_round``, ``_on_mean``,
-    ``_on_mean_run``, ``_answer_nack``.
+    ``_on_mean_run``, ``_on_mean_cols``, ``_answer_nack``.
     """
 
     config: Any
@@ -159,6 +159,7 @@ class DatagramReceive:
     _round: Any
     _on_mean: Any
     _on_mean_run: Any
+    _on_mean_cols: Any
     _answer_nack: Any
 
     def _recv_loop(self) -> None:
@@ -342,12 +343,17 @@ class DatagramReceive:
         SEND_END behind them in the queue sees them); consecutive whole mean chunks of one
         bucket go in one call (:meth:`_on_mean_run`); the rest goes through :meth:`_on_opened`.
         A batch of nothing but whole contributions of one round (a receiving owner's usual
-        batch) is taken in columns instead (:meth:`_hand_on_plain`, the same effects:
-        tests/unit/test_datagram_recv.py). ``nbytes``: as :meth:`_open_rows`."""
+        batch) is taken in columns instead (:meth:`_hand_on_plain`), and so is one of nothing
+        but whole mean chunks of one round (a member's, :meth:`_hand_on_means`), with the same
+        effects (tests/unit/test_datagram_recv.py). ``nbytes``: as :meth:`_open_rows`."""
         n = len(opened.ok)
         all_ok = opened.all_ok or bool(opened.ok.all())
-        if n >= _COLUMNS_MIN_ROWS and all_ok and self._hand_on_plain(buf, lens, ts, opened.headers, n, out, nbytes):
-            return
+        if n >= _COLUMNS_MIN_ROWS and all_ok:
+            kind = buf[0, 3]  # row 0's: a batch of one kind is taken in columns
+            if kind == Kind.CONTRIB and self._hand_on_plain(buf, lens, ts, opened.headers, n, out, nbytes):
+                return
+            if kind == Kind.MEAN and self._hand_on_means(buf, lens, ts, n, nbytes):
+                return
         # each row's first 8 body bytes as a u64: a CONTRIB's claim (one numpy pass per batch)
         claims = np.ascontiguousarray(buf[:n, HEADER_BYTES : HEADER_BYTES + CLAIM_BYTES]).view("<u8")[:, 0]
         if all_ok:  # the usual batch: no fancy indexing
@@ -502,6 +508,79 @@ class DatagramReceive:
                 out.append((Kind.CONTRIB, rs, head, _contribution(rs, h, bytes(payloads[i]), claims[i])))
         self._counts["received"] += total  # codec payload bytes
         return True
+
+    def _hand_on_means(
+        self, buf: np.ndarray, lens: np.ndarray, ts: np.ndarray, n: int, nbytes: int | None = None
+    ) -> bool:
+        """:meth:`_hand_on` for a batch whose rows are all whole mean chunks of one round with a
+        plan (a member's usual batch), with the same effects, or False (nothing done) for any
+        other batch or where the senders bitmap is wider than 8 bytes (over 64 members: row by
+        row). One compiled pass (:meth:`~.datagram_native.NativeLib.plain_batch`, the bitmap as
+        each row's lead) checks the rows and gives their columns and payloads (one copy, each
+        chunk's payload a read-only view of it); each run of consecutive rows of one (owner,
+        bucket) then goes to :meth:`_on_mean_cols` in one call, as the row path's runs go to
+        :meth:`_on_mean_run`. No object per datagram but its MeanChunk."""
+        (rnd,) = _U32LE.unpack_from(buf, 8)  # row 0's round
+        rs = self._round(rnd)
+        if rs is None:
+            return False
+        nbits = (len(rs.site_ids) + 7) // 8
+        total = (int(lens[:n].sum()) if nbytes is None else nbytes) - n * (HEADER_BYTES + nbits + TAG_BYTES)
+        if nbits > 8 or total < 0:
+            return False
+        pc = self._plain if self._plain is not None else PlainColumns()
+        self._plain = pc
+        now = time.monotonic()
+        blob = np.empty(total or 1, np.uint8)  # every byte is written
+        k = self._native.plain_batch(
+            buf, lens, ts, n, pc, blob, offset_s=now - time.time(), now_s=now, kind=Kind.MEAN, round=rnd,
+            num_codecs=len(CODEC_WIRE_NAMES), num_members=len(rs.site_ids), lead=nbits,
+        )  # fmt: skip
+        if not k:
+            return False
+        view = memoryview(blob).toreadonly()
+        cols = pc.cols[:n]
+        senders, buckets, chunks, offsets, numels, codecs, _, bitmaps = cols.T.tolist()
+        payloads = [view[a : a + w] for a, w in zip(pc.at[:n].tolist(), pc.width[:n].tolist())]
+        named = {v: rs.mean_senders(v.to_bytes(nbits, "little")) for v in set(bitmaps)}
+        who = [named[bitmaps[0]]] * n if len(named) == 1 else [named[v] for v in bitmaps]
+        # where each run of one (owner, bucket) ends: the row path's runs (_hand_on's `means`)
+        if k == 1 and buckets.count(buckets[0]) == n:  # the usual batch: one owner's one bucket
+            ends = [n]
+        else:
+            ends = (np.flatnonzero((cols[1:, 0] != cols[:-1, 0]) | (cols[1:, 1] != cols[:-1, 1])) + 1).tolist() + [n]
+        start, kept, runs = 0, 0, []
+        for end in ends:
+            runs.append((buckets[start], chunks[start:end]))
+            kept += self._on_mean_cols(
+                rs,
+                senders[start],
+                buckets[start],
+                chunks[start:end],
+                offsets[start:end],
+                numels[start:end],
+                codecs[start:end],
+                payloads[start:end],
+                who[start:end],
+            )
+            start = end
+        if kept * 2 < total:
+            self._unpin_means(rs, blob, runs)
+        return True
+
+    def _unpin_means(self, rs: RoundState, blob: np.ndarray, runs: list[tuple[int, list[int]]]) -> None:
+        """Give the chunks of ``runs`` (bucket, chunk numbers) that :meth:`_hand_on_means` kept as
+        views of ``blob`` payloads of their own: when most of a batch was not kept (duplicates,
+        refusals), a view would hold the whole batch's buffer for a few bytes charged to the
+        round's budget, and a flood of copies could grow a member's memory past
+        ``max_round_buffer_bytes`` (up to 256 times: a batch's rows)."""
+        with rs.cv:
+            for bucket, chunks in runs:
+                ma = rs.means.get(bucket)
+                for c in chunks if ma is not None else ():
+                    mc = ma.chunks.get(c)
+                    if mc is not None and type(mc.payload) is memoryview and mc.payload.obj is blob:
+                        ma.chunks[c] = made(MeanChunk, **{**mc.__dict__, "payload": bytes(mc.payload)})
 
     def _note_sender(self, rs: RoundState, s: int, seqs: list[int], times: list[float], ascending: bool) -> None:
         """Sender ``s``'s arrivals of a plain batch (:meth:`_hand_on_plain`): its sequence numbers

@@ -46,6 +46,9 @@ def senders_bitmap(senders: tuple[str, ...], site_ids: tuple[str, ...]) -> bytes
     return bytes(bits)
 
 
+_MAX_BITMAPS_KEPT = 1024  # distinct sender bitmaps a round decodes once (RoundState.mean_senders)
+
+
 @lru_cache(maxsize=1024)  # a round's mean chunks share a handful of bitmaps
 def senders_from_bitmap(bits: bytes, site_ids: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for i, s in enumerate(site_ids) if bits[i // 8] >> (i % 8) & 1)
@@ -259,7 +262,7 @@ class RoundState:
         self.owners = owners
         self.site_ids = plan.site_ids
         self.index = {s: i for i, s in enumerate(self.site_ids)}
-        self.senders_of: dict[bytes, tuple[str, ...]] = {}  # mean chunks' sender bitmaps, decoded
+        self._senders_of: dict[bytes, tuple[str, ...]] = {}  # mean chunks' sender bitmaps, decoded
         self.by_address = {m.address: m.site_id for m in plan.members}
         self.me = self.index[site_id]
         self.site_id = site_id
@@ -299,6 +302,17 @@ class RoundState:
         self.arrivals: dict[int, SeqArrivals] = {}  # sender -> its contributions' arrival order (receive thread)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
+
+    def mean_senders(self, bitmap: bytes) -> tuple[str, ...]:
+        """The site_ids a mean chunk's senders ``bitmap`` names (bit i: member i of the plan),
+        decoded once per distinct bitmap in the round (nearly every chunk of a round carries the
+        same one; at most ``_MAX_BITMAPS_KEPT`` are kept, so a forger cannot grow the cache)."""
+        senders = self._senders_of.get(bitmap)
+        if senders is None:
+            senders = senders_from_bitmap(bitmap, self.site_ids)
+            if len(self._senders_of) < _MAX_BITMAPS_KEPT:
+                self._senders_of[bitmap] = senders
+        return senders
 
     def charge(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of the round's budget; False when it would be exceeded."""

@@ -44,7 +44,7 @@
  * all fall into the same cache sets (64 KiB apart, they did: +0.3 µs a datagram) */
 #define GRO_SLOT_STRIDE (GRO_SLOT_BYTES + 17 * 64)
 
-int dg_version(void) { return 7; }
+int dg_version(void) { return 8; }
 
 /* A key. The cipher contexts are made per call: a round's key is used by several sending
  * threads at once, and an EVP_CIPHER_CTX is not safe to share between threads. */
@@ -287,27 +287,32 @@ static uint64_t le64(const unsigned char *p) {
     return v;
 }
 
-/* The columns of an opened batch whose rows 0..n-1 are all plain contributions: kind `kind`
- * (CONTRIB), one fragment, round `round`, codec < num_codecs, sender < num_members, at least
- * HDR + 8 (the claim) + TAG bytes. Returns 0 when a row is not (nothing else is meaningful),
- * else the number of senders, their ids in the order of their first rows in order[].
- *   cols[i * 8 + k]: row i's sender, bucket, chunk, offset, numel, codec, sequence, claim;
+/* The columns of an opened batch whose rows 0..n-1 are all whole data datagrams of one kind:
+ * kind `kind` (CONTRIB: a contribution; MEAN: a mean chunk), one fragment, round `round`,
+ * codec < num_codecs, sender < num_members, at least HDR + lead + TAG bytes, where `lead`
+ * (1..8) is the body's bytes before the codec payload: 8 for a contribution (its claim), the
+ * senders bitmap's for a mean chunk. Returns 0 when a row is not (nothing else is meaningful;
+ * also for a lead outside 1..8), else the number of senders, their ids in the order of their
+ * first rows in order[].
+ *   cols[i * 8 + k]: row i's sender, bucket, chunk, offset, numel, codec, sequence, lead (its
+ *   `lead` bytes as a little-endian integer: the claim, or the bitmap);
  *   t[i]: its arrival, ts_ns[i] * 1e-9 + offset_s, or now_s when the socket gave none (0);
  *   at[i], width[i]: where its codec payload lies in blob and its bytes (blob: the rows'
  *   payloads back to back, in row order);
  *   per sender s (arrays of num_members; only the senders in order[] are written):
- *   rows[s] its row count, first[s] its first row, bytes[s] its plaintext bytes (claim
+ *   rows[s] its row count, first[s] its first row, bytes[s] its plaintext bytes (lead
  *   included), tmin[s] / tmax[s] its earliest and latest arrival, ascending[s] 1 when its
- *   sequence numbers rise row by row, uniform[s] 1 when its rows share codec and claim. */
+ *   sequence numbers rise row by row, uniform[s] 1 when its rows share codec and lead. */
 int dg_plain_batch(int n, const unsigned char *buf, uint32_t stride, const uint32_t *lens, const int64_t *ts_ns,
                    double offset_s, double now_s, uint32_t kind, uint32_t round, uint32_t num_codecs,
-                   uint32_t num_members, int64_t *cols, double *t, int64_t *at, int64_t *width, unsigned char *blob,
+                   uint32_t num_members, uint32_t lead, int64_t *cols, double *t, int64_t *at, int64_t *width, unsigned char *blob,
                    int32_t *order, int32_t *rows, int32_t *first, int64_t *bytes, double *tmin, double *tmax,
                    unsigned char *ascending, unsigned char *uniform) {
+    if (lead < 1 || lead > 8) return 0;
     for (int i = 0; i < n; i++) {
         const unsigned char *h = buf + (size_t)i * stride;
         uint32_t len = lens[i];
-        if (len > stride || len < HDR + 8 + TAG || h[3] != kind || le32(h + 8) != round || h[28] >= num_codecs ||
+        if (len > stride || len < HDR + lead + TAG || h[3] != kind || le32(h + 8) != round || h[28] >= num_codecs ||
             ((uint32_t)h[41] | (uint32_t)h[42] << 8) != 1 || ((uint32_t)h[29] | (uint32_t)h[30] << 8) >= num_members)
             return 0;
     }
@@ -324,12 +329,14 @@ int dg_plain_batch(int n, const unsigned char *buf, uint32_t stride, const uint3
         c[4] = le32(h + 24);
         c[5] = h[28];
         c[6] = (int64_t)le64(h + 31);
-        c[7] = (int64_t)le64(h + HDR);
+        uint64_t v = 0;
+        for (int b = (int)lead - 1; b >= 0; b--) v = v << 8 | h[HDR + b];
+        c[7] = (int64_t)v;
         t[i] = ts_ns[i] ? (double)ts_ns[i] * 1e-9 + offset_s : now_s;
-        int64_t w = (int64_t)lens[i] - (HDR + 8 + TAG);
+        int64_t w = (int64_t)lens[i] - (HDR + lead + TAG);
         at[i] = pos;
         width[i] = w;
-        memcpy(blob + pos, h + HDR + 8, (size_t)w);
+        memcpy(blob + pos, h + HDR + lead, (size_t)w);
         pos += w;
         int new_sender = 1;
         for (int k = 0; k < senders; k++)

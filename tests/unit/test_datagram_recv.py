@@ -141,3 +141,152 @@ def test_a_short_batch_goes_row_by_row(monkeypatch) -> None:
     monkeypatch.setattr(datagram_recv.DatagramReceive, "_hand_on_plain", lambda self, *a: calls.append(1))
     items = _hand_on(datagrams, now_ns, True, monkeypatch)[0]
     assert calls == [] and len(items) == len(datagrams)
+
+
+# ------------------------------------------------------------------ a member's mean chunks
+OWNERS = ("site-a", "site-b", "site-a", "site-b")  # bucket -> owner; site-c (this site) owns none
+
+
+def _mean_batch(case: str) -> tuple[list[bytes], set[tuple[int, int]], dict[tuple[int, int], object]]:
+    """Sealed whole mean chunks of round 3 for site-c, as ``(sender, bucket, chunk)`` rows in
+    arrival order by ``case``; the (bucket, chunk) this site holds before the batch; and each
+    (bucket, chunk)'s first MeanChunk from its owner, made by MeanChunk's own constructor."""
+    from dtrain.protocol import MeanChunk
+    from dtrain.transports.datagram_round import senders_bitmap
+    from dtrain.transports.datagram_wire import CODEC_WIRE_NAMES
+
+    rng = np.random.default_rng(2)
+    all3 = senders_bitmap(("site-a", "site-b", "site-c"), SITES)
+    two = senders_bitmap(("site-a", "site-b"), SITES)
+    rows: list[tuple[int, int, int, bytes]] = []  # sender, bucket, chunk, bitmap
+    held: set[tuple[int, int]] = set()
+    if case == "one bucket":
+        rows = [(0, 0, c, all3) for c in range(20)]
+    elif case == "runs":  # owner a's bucket 0, b's bucket 1, a's bucket 0 again, a's bucket 2
+        rows = [(0, 0, c, all3) for c in range(5)] + [(1, 1, c, all3) for c in range(4)]
+        rows += [(0, 0, c, all3) for c in range(5, 10)] + [(0, 2, c, two) for c in range(6)]
+    elif case == "duplicates and strangers":
+        rows = [(0, 0, c, all3 if c % 3 else two) for c in range(8)] + [(0, 0, 2, all3), (0, 0, 5, two)]
+        rows += [(1, 0, 9, all3), (2, 1, 0, all3), (0, 1, 3, all3)]  # not the owner; this site; a's on b's bucket
+        rows += [(1, 1, c, all3) for c in range(4)]
+        held = {(0, 1), (1, 2)}
+    elif case == "mostly copies":  # each of 4 chunks 4 times: a quarter of the batch kept
+        rows = [(0, 0, c % 4, all3) for c in range(16)]
+    else:  # "over budget": the round's buffer (1,400 bytes) holds 3 of these payloads
+        rows = [(0, 0, c, all3) for c in range(9)]
+    sealers = {s: Sealer(KEY, run=0, round=3, sender=s) for s in range(3)}
+    out, expected = [], {}
+    for sender, bucket, chunk, bitmap in rows:
+        size = 400 if case == "over budget" else 100 + 7 * chunk
+        payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        field = (bucket, chunk, 640 * chunk, 640, codec_id("int8" if chunk % 4 else "int4"), 0, 1)
+        out.append(sealers[sender].seal_many(Kind.MEAN, [field], [bitmap + payload]).datagram(0))
+        if OWNERS[bucket] == SITES[sender] and (bucket, chunk) not in expected:
+            named = tuple(s for i, s in enumerate(SITES) if bitmap[0] >> i & 1)
+            expected[(bucket, chunk)] = MeanChunk(
+                chunk=chunk,
+                offset=field[2],
+                numel=640,
+                codec=CODEC_WIRE_NAMES[field[4]],
+                payload=payload,
+                senders=named,
+            )
+    return out, held, expected
+
+
+def _hand_on_means(case: str, columns: bool, monkeypatch) -> tuple:
+    datagrams, held, _ = _mean_batch(case)
+    budget = 1400 if case == "over budget" else 512 << 20
+    t = DatagramTransport(
+        DatagramTransportConfig(
+            grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on", max_round_buffer_bytes=budget
+        )
+    )
+    t.start(_Handler())
+    acks: list[tuple] = []
+    monkeypatch.setattr(t, "_ack_mean", lambda rs, sender, bucket, have: acks.append((sender, bucket, have)))
+    if not columns:
+        monkeypatch.setattr(t, "_hand_on_means", lambda *a: False)
+    try:
+        members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(SITES))
+        plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
+        t.begin_round(plan, list(OWNERS), "site-c")
+        rs = t._round(3)
+        done = rs.mean_for(1)  # the whole mean of bucket 1 is 4 chunks: complete within the batch, acknowledged
+        done.num_chunks, done.have = 4, "ab" * 8
+        from dtrain.protocol import MeanChunk
+
+        for bucket, chunk in held:
+            rs.mean_for(bucket).chunks[chunk] = MeanChunk(
+                chunk=chunk, offset=0, numel=640, codec="int8", payload=b"held", senders=("site-a",)
+            )
+        n = len(datagrams)
+        buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
+        for i, d in enumerate(datagrams):
+            buf[i, : len(d)] = np.frombuffer(d, np.uint8)
+            lens[i] = len(d)
+            ts[i] = time.time_ns()
+        opened = t._opener.open_batch(buf, lens, n, None)
+        assert opened.ok.all()
+        out: list[tuple] = []
+        t._hand_on(buf, lens, ts, opened, out)
+        means = {b: dict(rs.mean_for(b).chunks) for b in range(len(OWNERS))}
+        counts = {k: t._counts[k] for k in ("received", "mean_duplicates")}
+        refused = {k: v for k, v in t._opener.counts().items() if v}
+        return means, counts, refused, acks, sorted(rs.owner_active), out, rs.buffered_bytes
+    finally:
+        t.stop(0)
+
+
+@pytest.mark.parametrize("case", ["one bucket", "runs", "duplicates and strangers", "mostly copies", "over budget"])
+def test_a_batch_of_mean_chunks_in_columns_has_the_row_by_row_effects(case: str, monkeypatch) -> None:
+    """A member's batch of whole mean chunks, taken in columns (``_hand_on_means``: one compiled
+    pass, each run of one owner's bucket in one call), holds the same chunks (payloads, senders,
+    codecs, offsets), counts the same duplicates and refusals, charges the same budget and
+    acknowledges the same means as row by row. The kept payloads are views of the batch's one
+    copy, except where most of the batch was not kept: then they are copied out (a view would
+    hold the whole batch for the bytes charged to the round's budget)."""
+    cols = _hand_on_means(case, True, monkeypatch)
+    rows = _hand_on_means(case, False, monkeypatch)
+    means, counts, refused, acks, active, out, charged = cols
+    assert means == rows[0]
+    assert (counts, refused, acks, active, out, charged) == rows[1:]
+    new = [c for m in means.values() for c in m.values() if c.payload != b"held"]
+    expected = _mean_batch(case)[2]
+    for b, held_b in means.items():  # equal to MeanChunk's own, every field set
+        for c, mc in held_b.items():
+            assert mc.payload == b"held" or (
+                mc == expected[(b, c)] and vars(mc).keys() == vars(expected[(b, c)]).keys()
+            )
+    if case in ("mostly copies", "over budget"):  # a quarter, a third of the batch kept
+        assert all(type(c.payload) is bytes for c in new)
+    else:
+        assert all(type(c.payload) is memoryview and c.payload.readonly for c in new)
+    assert counts["received"] == sum(len(c.payload) for c in new) == charged
+    if case == "one bucket":
+        assert sorted(means[0]) == list(range(20)) and refused == {} and counts["mean_duplicates"] == 0
+        assert means[0][4].senders == ("site-a", "site-b", "site-c") and means[0][4].codec == "int4"
+    elif case == "runs":
+        assert [sorted(means[b]) for b in range(3)] == [list(range(10)), list(range(4)), list(range(6))]
+        assert means[2][0].senders == ("site-a", "site-b")
+        assert acks == [(1, 1, "ab" * 8)]  # bucket 1's 4 chunks arrived: acknowledged once
+    elif case == "duplicates and strangers":
+        # chunks 2 and 5 twice, 0/1 and 1/2 held before; b on a's bucket, this site, a on b's: malformed
+        assert counts["mean_duplicates"] == 2 + 2 and refused == {"malformed": 3}
+        assert means[0][5].senders == ("site-a", "site-b", "site-c")  # the first copy's, not the second's
+        assert acks == [(1, 1, "ab" * 8)]
+    elif case == "mostly copies":
+        assert sorted(means[0]) == [0, 1, 2, 3] and counts["mean_duplicates"] == 12 and refused == {}
+    else:
+        assert sorted(means[0]) == [0, 1, 2] and refused == {"over_budget": 6}
+
+
+def test_a_mean_batch_from_more_than_64_sites_goes_row_by_row() -> None:
+    """``plain_batch`` reads a row's lead as one 64-bit integer: a wider senders bitmap is refused."""
+    from dtrain.transports.datagram_native import PlainColumns
+
+    lib = native("on")
+    buf, lens, ts = np.zeros((4, 1401), np.uint8), np.full(4, 200, np.uint32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="lead must be 1..8"):
+        lib.plain_batch(buf, lens, ts, 4, PlainColumns(), np.empty(800, np.uint8), offset_s=0.0, now_s=0.0,
+                        kind=Kind.MEAN, round=0, num_codecs=4, num_members=65, lead=9)  # fmt: skip
