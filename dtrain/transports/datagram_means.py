@@ -371,6 +371,20 @@ class DatagramMeans:
             self._ack_mean(rs, sender, bucket, ma.have or "")
         return received
 
+    def _unpin_means(self, rs: RoundState, blob: Any, runs: list[tuple[int, list[int]]]) -> None:
+        """Give the chunks of ``runs`` (bucket, chunk numbers) that :meth:`~.datagram_recv.DatagramReceive._hand_on_means` kept as
+        views of ``blob`` payloads of their own: when most of a batch was not kept (duplicates,
+        refusals), a view would hold the whole batch's buffer for a few bytes charged to the
+        round's budget, and a flood of copies could grow a member's memory past
+        ``max_round_buffer_bytes`` (up to 256 times: a batch's rows)."""
+        with rs.cv:
+            for bucket, chunks in runs:
+                ma = rs.means.get(bucket)
+                for c in chunks if ma is not None else ():
+                    mc = ma.chunks.get(c)
+                    if mc is not None and type(mc.payload) is memoryview and mc.payload.obj is blob:
+                        ma.chunks[c] = made(MeanChunk, **{**mc.__dict__, "payload": bytes(mc.payload)})
+
     def _settle_assembly(self, rs: RoundState, ma: MeanAssembly, was: tuple[bool, bool]) -> bool:
         """After arrivals (under ``rs.cv``): whether to acknowledge the mean now; wakes the waiters
         when what changes their next step early did (completion, the final meta)."""

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dtrain.protocol import Contribution, ContributionRun, MeanChunk, made
+from dtrain.protocol import Contribution, ContributionRun, made
 from dtrain.transports.datagram_native import PlainColumns
 from dtrain.transports.datagram_reorder import SeqArrivals
 from dtrain.transports.datagram_round import RoundState, SenderStats
@@ -133,7 +133,7 @@ class DatagramReceive:
     ``_opener``, ``_stopped``, ``_lock``, ``_recv_lock``, ``_pending``, ``_dispatch``, ``_queued``, ``_rx``,
     ``_drop_rng``, ``_counts``, ``_sock_drops``, ``_reorder`` (the :class:`~.datagram_reorder.ReorderWindow`
     each overtaken contribution's lateness goes to) and the methods ``_round``, ``_on_mean``,
-    ``_on_mean_run``, ``_on_mean_cols``, ``_answer_nack``.
+    ``_on_mean_run``, ``_on_mean_cols``, ``_unpin_means``, ``_answer_nack``.
     """
 
     config: Any
@@ -160,6 +160,7 @@ class DatagramReceive:
     _on_mean: Any
     _on_mean_run: Any
     _on_mean_cols: Any
+    _unpin_means: Any
     _answer_nack: Any
 
     def _recv_loop(self) -> None:
@@ -567,20 +568,6 @@ class DatagramReceive:
         if kept * 2 < total:
             self._unpin_means(rs, blob, runs)
         return True
-
-    def _unpin_means(self, rs: RoundState, blob: np.ndarray, runs: list[tuple[int, list[int]]]) -> None:
-        """Give the chunks of ``runs`` (bucket, chunk numbers) that :meth:`_hand_on_means` kept as
-        views of ``blob`` payloads of their own: when most of a batch was not kept (duplicates,
-        refusals), a view would hold the whole batch's buffer for a few bytes charged to the
-        round's budget, and a flood of copies could grow a member's memory past
-        ``max_round_buffer_bytes`` (up to 256 times: a batch's rows)."""
-        with rs.cv:
-            for bucket, chunks in runs:
-                ma = rs.means.get(bucket)
-                for c in chunks if ma is not None else ():
-                    mc = ma.chunks.get(c)
-                    if mc is not None and type(mc.payload) is memoryview and mc.payload.obj is blob:
-                        ma.chunks[c] = made(MeanChunk, **{**mc.__dict__, "payload": bytes(mc.payload)})
 
     def _note_sender(self, rs: RoundState, s: int, seqs: list[int], times: list[float], ascending: bool) -> None:
         """Sender ``s``'s arrivals of a plain batch (:meth:`_hand_on_plain`): its sequence numbers

@@ -282,11 +282,34 @@ def test_a_batch_of_mean_chunks_in_columns_has_the_row_by_row_effects(case: str,
 
 
 def test_a_mean_batch_from_more_than_64_sites_goes_row_by_row() -> None:
-    """``plain_batch`` reads a row's lead as one 64-bit integer: a wider senders bitmap is refused."""
+    """``plain_batch`` reads a row's lead as one 64-bit integer, so a senders bitmap of 65 sites
+    (9 bytes) is refused there, and a member's mean batch from such a round is held row by row."""
     from dtrain.transports.datagram_native import PlainColumns
+    from dtrain.transports.datagram_round import senders_bitmap
 
     lib = native("on")
-    buf, lens, ts = np.zeros((4, 1401), np.uint8), np.full(4, 200, np.uint32), np.zeros(4, np.int64)
+    buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
     with pytest.raises(ValueError, match="lead must be 1..8"):
         lib.plain_batch(buf, lens, ts, 4, PlainColumns(), np.empty(800, np.uint8), offset_s=0.0, now_s=0.0,
                         kind=Kind.MEAN, round=0, num_codecs=4, num_members=65, lead=9)  # fmt: skip
+    sites = tuple(f"site-{i}" for i in range(65))
+    t = DatagramTransport(
+        DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on")
+    )
+    t.start(_Handler())
+    try:
+        members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(sites))
+        plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
+        t.begin_round(plan, ["site-0"], "site-64")
+        bitmap = senders_bitmap(sites, sites)
+        fields = [(0, c, 640 * c, 640, codec_id("int8"), 0, 1) for c in range(8)]
+        sealed = Sealer(KEY, run=0, round=3, sender=0).seal_many(Kind.MEAN, fields, [bitmap + bytes(300)] * 8)
+        for i in range(8):
+            d = sealed.datagram(i)
+            buf[i, : len(d)], lens[i] = np.frombuffer(d, np.uint8), len(d)
+        assert t._hand_on_means(buf, lens, ts, 8) is False
+        t._hand_on(buf, lens, ts, t._opener.open_batch(buf, lens, 8, None), [])
+        held = t._round(3).mean_for(0).chunks
+        assert sorted(held) == list(range(8)) and held[3].senders == sites and held[3].payload == bytes(300)
+    finally:
+        t.stop(0)
