@@ -30,6 +30,30 @@ class _Handler:
         raise AssertionError("not dispatched in this test")
 
 
+def _started(sites: tuple[str, ...], owners: list[str], me: str, **config) -> DatagramTransport:
+    """A started compiled-loop transport of site ``me`` in round 3 of ``sites`` (sealed with KEY),
+    ``owners`` per bucket; ``config``: more DatagramTransportConfig fields. Stop it when done."""
+    t = DatagramTransport(
+        DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on", **config)
+    )
+    t.start(_Handler())
+    members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(sites))
+    t.begin_round(
+        RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY),
+        owners,
+        me,
+    )
+    return t
+
+
+def _rows(datagrams: list[bytes], arrivals_ns: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A receive batch's buffers (rows, lengths, arrival stamps) holding ``datagrams``."""
+    buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
+    for i, (d, t_ns) in enumerate(zip(datagrams, arrivals_ns)):
+        buf[i, : len(d)], lens[i], ts[i] = np.frombuffer(d, np.uint8), len(d), t_ns
+    return buf, lens, ts
+
+
 def _batch(order: str, varying: bool = True) -> list[bytes]:
     """Sealed contributions of round 3 from site-a and site-b (20 each, 3 buckets; ``varying``:
     claims and codecs vary within a sender's, else one claim and int8 per sender), interleaved;
@@ -56,24 +80,13 @@ def _batch(order: str, varying: bool = True) -> list[bytes]:
 
 
 def _hand_on(datagrams: list[bytes], now_ns: int, columns: bool, monkeypatch) -> tuple:
-    t = DatagramTransport(
-        DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on")
-    )
-    t.start(_Handler())
+    t = _started(SITES, [], "site-c")
     try:
-        members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(SITES))
-        plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
-        t.begin_round(plan, [], "site-c")
         if not columns:
             monkeypatch.setattr(t, "_hand_on_plain", lambda *a: False)
         n = len(datagrams)
-        buf = np.zeros((256, 1401), np.uint8)
-        lens = np.zeros(256, np.uint32)
-        ts = np.zeros(256, np.int64)
-        for i, d in enumerate(datagrams):
-            buf[i, : len(d)] = np.frombuffer(d, np.uint8)
-            lens[i] = len(d)
-            ts[i] = now_ns - (n - i) * 1_000_000  # arrival times 1 ms apart, the last one at now_ns
+        # arrival times 1 ms apart, the last one at now_ns
+        buf, lens, ts = _rows(datagrams, [now_ns - (n - i) * 1_000_000 for i in range(n)])
         opened = t._opener.open_batch(buf, lens, n, None)
         assert opened.ok.all()
         out: list[tuple] = []
@@ -197,20 +210,12 @@ def _mean_batch(case: str) -> tuple[list[bytes], set[tuple[int, int]], dict[tupl
 def _hand_on_means(case: str, columns: bool, monkeypatch) -> tuple:
     datagrams, held, _ = _mean_batch(case)
     budget = 1400 if case == "over budget" else 512 << 20
-    t = DatagramTransport(
-        DatagramTransportConfig(
-            grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on", max_round_buffer_bytes=budget
-        )
-    )
-    t.start(_Handler())
+    t = _started(SITES, list(OWNERS), "site-c", max_round_buffer_bytes=budget)
     acks: list[tuple] = []
     monkeypatch.setattr(t, "_ack_mean", lambda rs, sender, bucket, have: acks.append((sender, bucket, have)))
     if not columns:
         monkeypatch.setattr(t, "_hand_on_means", lambda *a: False)
     try:
-        members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(SITES))
-        plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
-        t.begin_round(plan, list(OWNERS), "site-c")
         rs = t._round(3)
         done = rs.mean_for(1)  # the whole mean of bucket 1 is 4 chunks: complete within the batch, acknowledged
         done.num_chunks, done.have = 4, "ab" * 8
@@ -221,11 +226,7 @@ def _hand_on_means(case: str, columns: bool, monkeypatch) -> tuple:
                 chunk=chunk, offset=0, numel=640, codec="int8", payload=b"held", senders=("site-a",)
             )
         n = len(datagrams)
-        buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
-        for i, d in enumerate(datagrams):
-            buf[i, : len(d)] = np.frombuffer(d, np.uint8)
-            lens[i] = len(d)
-            ts[i] = time.time_ns()
+        buf, lens, ts = _rows(datagrams, [time.time_ns()] * n)
         opened = t._opener.open_batch(buf, lens, n, None)
         assert opened.ok.all()
         out: list[tuple] = []
@@ -287,26 +288,17 @@ def test_a_mean_batch_from_more_than_64_sites_goes_row_by_row() -> None:
     from dtrain.transports.datagram_native import PlainColumns
     from dtrain.transports.datagram_round import senders_bitmap
 
-    lib = native("on")
-    buf, lens, ts = np.zeros((256, 1401), np.uint8), np.zeros(256, np.uint32), np.zeros(256, np.int64)
+    buf, lens, ts = _rows([], [])
     with pytest.raises(ValueError, match="lead must be 1..8"):
-        lib.plain_batch(buf, lens, ts, 4, PlainColumns(), np.empty(800, np.uint8), offset_s=0.0, now_s=0.0,
+        native("on").plain_batch(buf, lens, ts, 4, PlainColumns(), np.empty(800, np.uint8), offset_s=0.0, now_s=0.0,
                         kind=Kind.MEAN, round=0, num_codecs=4, num_members=65, lead=9)  # fmt: skip
     sites = tuple(f"site-{i}" for i in range(65))
-    t = DatagramTransport(
-        DatagramTransportConfig(grpc=GrpcTransportConfig(bind_host="127.0.0.1", bind_port=0), native="on")
-    )
-    t.start(_Handler())
+    t = _started(sites, ["site-0"], "site-64")
     try:
-        members = tuple(Member(site_id=s, address=f"127.0.0.1:{9 + i}") for i, s in enumerate(sites))
-        plan = RoundPlan(round=3, members=members, reduce_timeout_s=60, broadcast_timeout_s=60, datagram_key=KEY)
-        t.begin_round(plan, ["site-0"], "site-64")
-        bitmap = senders_bitmap(sites, sites)
         fields = [(0, c, 640 * c, 640, codec_id("int8"), 0, 1) for c in range(8)]
-        sealed = Sealer(KEY, run=0, round=3, sender=0).seal_many(Kind.MEAN, fields, [bitmap + bytes(300)] * 8)
-        for i in range(8):
-            d = sealed.datagram(i)
-            buf[i, : len(d)], lens[i] = np.frombuffer(d, np.uint8), len(d)
+        body = senders_bitmap(sites, sites) + bytes(300)
+        sealed = Sealer(KEY, run=0, round=3, sender=0).seal_many(Kind.MEAN, fields, [body] * 8)
+        buf, lens, ts = _rows([sealed.datagram(i) for i in range(8)], [0] * 8)
         assert t._hand_on_means(buf, lens, ts, 8) is False
         t._hand_on(buf, lens, ts, t._opener.open_batch(buf, lens, 8, None), [])
         held = t._round(3).mean_for(0).chunks
